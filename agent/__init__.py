@@ -1,0 +1,1 @@
+"""Everything that runs ONE prompt: the agent loop, the model client, tools, sandboxes, trajectories."""

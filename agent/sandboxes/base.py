@@ -1,0 +1,88 @@
+"""The sandbox interface every backend implements, and the small helpers they share.
+
+A sandbox is one isolated place where one prompt's tools run. Its whole surface is
+``start`` / ``run`` / ``stop``: the file tools are built on ``run`` (with stdin), so every
+backend supports every tool without backend-specific file code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024
+TRUNCATION_NOTE = "\n[output truncated: {dropped} of {total} bytes not shown]"
+
+
+class SandboxError(RuntimeError):
+    """Infrastructure failure: the sandbox could not start, or is gone. Fails the prompt."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What one prompt's sandbox must look like. Backend-independent."""
+
+    run_name: str
+    prompt_index: int
+    image: str | None = None  # container image (docker, modal, singularity); ignored by local
+    cwd: str | None = None  # working directory of the prompt's commands; created if absent
+    network: bool = True  # whether commands may reach the network
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for commands
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The outcome of one command. A non-zero exit code is an observation, not an error."""
+
+    output: str  # stdout and stderr interleaved, decoded as UTF-8 with replacement, capped
+    exit_code: int  # -1 when the command was killed by the timeout
+    timed_out: bool = False
+    truncated: bool = False
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """One prompt's isolated environment. ``stop`` is idempotent and safe after a failed ``start``."""
+
+    spec: SandboxSpec
+    workdir: str  # absolute path, inside the sandbox, where commands start and relative paths resolve
+    isolation: str  # short description of the isolation really in force, e.g. "bwrap", "none", "docker"
+
+    def start(self) -> None: ...
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult: ...
+
+    def stop(self) -> None: ...
+
+
+def cap_output(data: bytes, cap_bytes: int) -> tuple[str, bool]:
+    """Decode command output, keeping at most ``cap_bytes`` and saying how much was cut."""
+    if len(data) <= cap_bytes:
+        return data.decode("utf-8", errors="replace"), False
+    head = data[:cap_bytes].decode("utf-8", errors="ignore")
+    return head + TRUNCATION_NOTE.format(dropped=len(data) - cap_bytes, total=len(data)), True
+
+
+class CappedBuffer:
+    """Collects a stream's bytes up to a cap while counting everything, so huge output costs no memory."""
+
+    def __init__(self, cap_bytes: int):
+        self.cap_bytes = cap_bytes
+        self.parts: list[bytes] = []
+        self.kept = 0
+        self.total = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.cap_bytes - self.kept
+        if room > 0:
+            piece = chunk[:room]
+            self.parts.append(piece)
+            self.kept += len(piece)
+
+    def result(self) -> tuple[str, bool]:
+        data = b"".join(self.parts)
+        if self.total <= self.cap_bytes:
+            return data.decode("utf-8", errors="replace"), False
+        head = data.decode("utf-8", errors="ignore")
+        return head + TRUNCATION_NOTE.format(dropped=self.total - self.kept, total=self.total), True
