@@ -1,0 +1,153 @@
+"""One dataset row, end to end: toolsets → sandbox → agent loop → record → quality filter → outcome.
+
+Every attempted prompt ends as exactly one outcome: a trajectory, a discard (with its reason)
+or a failure (with an error class and message). Outcomes are plain dicts so they cross
+process boundaries cheaply; the parent process is the only one that writes them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.llm import LLMClient, LLMConfig, LLMError
+from agent.loop import LoopLimits, PromptTimeout, run_agent
+from agent.sandboxes import SandboxError, SandboxSpec, create_sandbox
+from agent.tools.registry import ToolContext, known_tool_names, tools_for_toolsets
+from agent.trajectory import build_record, reasoning_counts
+
+TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    """One row to run, as the parent schedules it."""
+
+    batch_num: int
+    prompt_index: int
+    prompt: str
+    toolsets: tuple[str, ...]  # sampled by the parent, so they are fixed before any work starts
+    image: str | None = None
+    cwd: str | None = None
+    fail_reason: str | None = None  # set by preflight: the prompt fails without calling the model
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Per-run settings a worker needs; pickled once into each worker process."""
+
+    run_name: str
+    llm: LLMConfig
+    limits: LoopLimits
+    sandbox_backend: str = "local"
+    sandbox_options: dict[str, Any] = field(default_factory=dict)
+    output_cap_bytes: int = 64 * 1024
+    ephemeral_system_prompt: str | None = None
+    prefill_messages: tuple[dict[str, Any], ...] = ()
+    require_reasoning: bool = True
+    verbose: bool = False
+    log_prefix_chars: int = 100
+
+
+def run_prompt(
+    job: PromptJob,
+    settings: RunSettings,
+    llm: LLMClient,
+    *,
+    sandbox_starts: threading.Semaphore | Any | None = None,
+    log=None,
+) -> dict[str, Any]:
+    """Run one prompt and return its outcome; never raises."""
+    started = time.monotonic()
+    base = {"batch_num": job.batch_num, "prompt_index": job.prompt_index, "prompt": job.prompt}
+    if job.fail_reason:
+        return {**base, "kind": FAILED, "error_class": "preflight", "error": job.fail_reason, "api_calls": 0}
+    tools = tools_for_toolsets(list(job.toolsets))
+    spec = SandboxSpec(
+        run_name=settings.run_name, prompt_index=job.prompt_index, image=job.image, cwd=job.cwd
+    )
+    options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
+    sandbox = None
+    try:
+        sandbox = create_sandbox(settings.sandbox_backend, spec, options)
+        if sandbox_starts is not None:
+            with sandbox_starts:
+                sandbox.start()
+        else:
+            sandbox.start()
+        ctx = ToolContext(
+            sandbox=sandbox,
+            tool_timeout_s=settings.limits.tool_timeout_s,
+            output_cap_bytes=settings.output_cap_bytes,
+        )
+        result = run_agent(
+            llm=llm,
+            prompt=job.prompt,
+            tools=tools,
+            ctx=ctx,
+            limits=settings.limits,
+            ephemeral_system_prompt=settings.ephemeral_system_prompt,
+            prefill_messages=list(settings.prefill_messages),
+            log=_preview_logger(log, settings) if settings.verbose else None,
+        )
+        isolation = sandbox.isolation
+    except LLMError as exc:
+        return {**base, "kind": FAILED, "error_class": exc.error_class, "error": str(exc)}
+    except SandboxError as exc:
+        return {**base, "kind": FAILED, "error_class": "sandbox", "error": str(exc)}
+    except PromptTimeout as exc:
+        return {**base, "kind": FAILED, "error_class": "prompt_timeout", "error": str(exc)}
+    except Exception as exc:  # a bug must fail one prompt, not the worker and its other prompts
+        return {**base, "kind": FAILED, "error_class": "internal", "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if sandbox is not None:
+            try:
+                sandbox.stop()
+            except Exception:
+                pass
+    metadata = {
+        "batch_num": job.batch_num,
+        "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
+        "model": settings.llm.model,
+        "stop_reason": result.stop_reason,
+        "duration_s": round(time.monotonic() - started, 3),
+        "sandbox": settings.sandbox_backend,
+        "isolation": isolation,
+        "prompt_tokens": result.usage.get("prompt_tokens", 0),
+        "completion_tokens": result.usage.get("completion_tokens", 0),
+    }
+    record = build_record(
+        prompt_index=job.prompt_index,
+        messages=result.messages,
+        tool_schemas=[t.openai_schema() for t in tools],
+        known_tools=known_tool_names(),
+        metadata=metadata,
+        completed=result.completed,
+        partial=result.partial,
+        api_calls=result.api_calls,
+        toolsets_used=list(job.toolsets),
+    )
+    with_reasoning, _ = reasoning_counts(record["conversations"])
+    if settings.require_reasoning and with_reasoning == 0:
+        return {
+            **base,
+            "kind": DISCARDED,
+            "reason": "no_reasoning",
+            "record": record,
+            "api_calls": result.api_calls,
+        }
+    return {**base, "kind": TRAJECTORY, "record": record, "api_calls": result.api_calls}
+
+
+def _preview_logger(log, settings: RunSettings):
+    if log is None:
+        return None
+    n = settings.log_prefix_chars
+
+    def emit(line: str) -> None:
+        log(line if len(line) <= n else line[:n] + "…")
+
+    return emit

@@ -1,0 +1,1000 @@
+#!/usr/bin/env python3
+"""Batch runner: drive a tool-using agent through a JSONL dataset of prompts in parallel.
+
+    python batch_runner.py --dataset_file=data/prompts.jsonl --batch_size=10 --run_name=my_run
+
+Flow (``BatchRunner.run``): load → resume filter → preflight → dispatch to the pool → merge →
+statistics. The parent process is the only writer of everything under ``data/<run_name>/``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from agent.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
+from agent.loop import LoopLimits
+from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
+from agent.sandboxes import BACKENDS
+from agent.tools.registry import available_toolsets, known_tool_names
+from agent.trajectory import first_human, reasoning_counts, used_tool_names
+from toolset_distributions import (
+    format_distributions,
+    get_distribution,
+    prompt_rng,
+    sample_toolsets_from_distribution,
+)
+
+DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
+DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
+MOCK_MODEL = "mock"
+DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
+# Settings that define what the data is; a resume with other values would mix two datasets.
+MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
+SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
+
+
+class UsageError(ValueError):
+    """A flag or input the run cannot start with; printed without a traceback, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    index: int  # 0-based line number in the dataset file: stable whatever else is skipped
+    prompt: str
+    image: str | None
+    cwd: str | None
+    occurrence: int  # how many earlier rows hold the same prompt text
+
+
+def load_dataset(path: str, max_samples: int | None = None) -> tuple[list[Row], list[str]]:
+    """Read the JSONL dataset. Bad lines are reported by number and skipped; no usable row is an error."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"dataset file not found: {path}")
+    rows: list[Row] = []
+    problems: list[str] = []
+    seen: collections.Counter[str] = collections.Counter()
+    with p.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if max_samples is not None and len(rows) >= max_samples:
+                break
+            problem, row = _parse_line(raw, line_no, seen)
+            if problem:
+                problems.append(f"{path}:{line_no}: {problem}")
+            elif row:
+                rows.append(row)
+    if not rows:
+        detail = f" ({len(problems)} bad line(s); first: {problems[0]})" if problems else ""
+        raise UsageError(f"dataset {path} has no usable rows{detail}")
+    return rows, problems
+
+
+def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tuple[str | None, Row | None]:
+    if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte order mark is harmless; accept it
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 text (byte {exc.start})", None
+    if not text.strip():
+        return None, None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"invalid JSON: {exc.msg} at column {exc.colno}", None
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}", None
+    prompt = obj.get("prompt")
+    if prompt is None:
+        return "field 'prompt' is missing", None
+    if not isinstance(prompt, str):
+        return f"field 'prompt' must be a string, got {type(prompt).__name__}", None
+    if not prompt.strip():
+        return "field 'prompt' is empty", None
+    image = obj.get("image") or obj.get("docker_image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        return "field 'image'/'docker_image' must be a non-empty string", None
+    cwd = obj.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
+        return "field 'cwd' must be an absolute path string", None
+    row = Row(index=line_no - 1, prompt=prompt, image=image, cwd=cwd, occurrence=seen[prompt])
+    seen[prompt] += 1
+    return None, row
+
+
+# ----------------------------------------------------------------------------- durable files
+
+
+class Redactor:
+    """Replaces secret values (the API key, secret-looking environment variables) before any write."""
+
+    def __init__(self, api_key: str | None, environ: dict[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        values = {v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8}
+        if api_key and api_key != NO_KEY:
+            values.add(api_key)
+        # Also their JSON-escaped forms, since lines are redacted after serialisation.
+        forms = values | {json.dumps(v)[1:-1] for v in values}
+        self._pattern = (
+            re.compile("|".join(re.escape(v) for v in sorted(forms, key=len, reverse=True)))
+            if forms
+            else None
+        )
+
+    def __call__(self, text: str) -> str:
+        return self._pattern.sub("[REDACTED]", text) if self._pattern else text
+
+
+def append_jsonl(path: Path, obj: dict[str, Any], redact: Redactor) -> None:
+    """Append one record durably: a torn last line is closed first, then write + flush + fsync."""
+    line = redact(json.dumps(obj, ensure_ascii=False)) + "\n"
+    with path.open("ab") as fh:
+        if fh.tell() > 0:
+            with path.open("rb") as rd:
+                rd.seek(-1, os.SEEK_END)
+                if rd.read(1) != b"\n":
+                    fh.write(b"\n")  # the torn line stays invalid and is skipped by every reader
+        fh.write(line.encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_json_atomic(path: Path, obj: Any, redact: Redactor | None = None) -> None:
+    text = json.dumps(obj, indent=2, ensure_ascii=False)
+    write_text_atomic(path, redact(text) if redact else text)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
+    """Stream a JSONL file; yields None for a torn or invalid line."""
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield None
+                continue
+            yield obj if isinstance(obj, dict) else None
+
+
+def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in run_dir.glob("batch_*.jsonl"):
+        m = re.fullmatch(r"batch_(\d+)\.jsonl", p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(settings: RunSettings, events: Any, sandbox_starts: Any, slots: int) -> None:
+    """Once per worker process: client, registry and thread pool, so no prompt pays for them."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
+    known_tool_names()
+    _WORKER.update(
+        settings=settings,
+        events=events,
+        sandbox_starts=sandbox_starts,
+        llm=LLMClient(settings.llm),
+        slots=threading.BoundedSemaphore(slots),
+        threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
+    )
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the parent dies, so no orphan keeps running or spending."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _worker_run_batch(jobs: list[PromptJob]) -> int:
+    """Claim a batch and start its prompts as slots free up; returns once all are started."""
+    _WORKER["events"].put({"kind": "claim", "batch_num": jobs[0].batch_num, "pid": os.getpid()})
+    for job in jobs:
+        _WORKER["slots"].acquire()
+        _WORKER["threads"].submit(_worker_run_one, job)
+    return len(jobs)
+
+
+def _worker_run_one(job: PromptJob) -> None:
+    events = _WORKER["events"]
+    try:
+        log = (
+            (lambda line: events.put({"kind": "log", "line": f"[{job.prompt_index}] {line}"}))
+            if _WORKER["settings"].verbose
+            else None
+        )
+        outcome = run_prompt(
+            job, _WORKER["settings"], _WORKER["llm"], sandbox_starts=_WORKER["sandbox_starts"], log=log
+        )
+        events.put(outcome)
+    finally:
+        _WORKER["slots"].release()
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+@dataclasses.dataclass
+class Options:
+    """Validated run options (the CLI flags plus the additions documented in the README)."""
+
+    dataset_file: str
+    batch_size: int
+    run_name: str
+    distribution: str = "default"
+    num_workers: int = 4
+    resume: bool = False
+    max_samples: int | None = None
+    seed: int = 0
+    prompts_per_worker: int = 16
+    max_sandbox_starts: int = 8
+    output_dir: str = "data"
+    rerun_discarded: bool = False
+    force_resume: bool = False
+    max_failure_rate: float = 0.5
+    verbose: bool = False
+    llm_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        opts: Options,
+        settings: RunSettings,
+        manifest: dict[str, Any],
+        redact: Redactor,
+        mock_server: Any = None,
+    ):
+        self.opts = opts
+        self.settings = settings
+        self.manifest = manifest
+        self.redact = redact
+        self.mock_server = mock_server
+        self.run_dir = Path(opts.output_dir) / opts.run_name
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.discards: collections.Counter[str] = collections.Counter()
+        self.started = time.monotonic()
+        self.pbar = None
+        self.done_indices: set[int] | None = None
+
+    # -- the steps, top-down
+
+    def run(self) -> int:
+        rows, problems = load_dataset(self.opts.dataset_file, self.opts.max_samples)
+        self.report_bad_lines(problems)
+        self.prepare_run_dir()
+        todo = self.resume_filter(rows) if self.opts.resume else rows
+        jobs = self.make_jobs(todo)
+        self.print_plan(rows, jobs)
+        interrupted = False
+        if jobs:
+            try:
+                self.dispatch(jobs)
+            except KeyboardInterrupt:
+                interrupted = True
+                print(
+                    "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
+                    file=sys.stderr,
+                )
+        merged = self.merge(rows)
+        stats = self.statistics(rows, merged)
+        self.print_summary(stats, interrupted)
+        return self.exit_code(stats, interrupted)
+
+    def report_bad_lines(self, problems: list[str]) -> None:
+        for msg in problems[:20]:
+            print(f"warning: skipped {msg}", file=sys.stderr)
+        if len(problems) > 20:
+            print(f"warning: ... and {len(problems) - 20} more bad lines", file=sys.stderr)
+        self.counts["bad_lines"] = len(problems)
+
+    def prepare_run_dir(self) -> None:
+        existing = self.run_dir.exists() and any(self.run_dir.iterdir())
+        if existing and not self.opts.resume:
+            raise UsageError(
+                f"{self.run_dir} already holds a run; add --resume to continue it, or choose another --run_name"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        manifest_path = self.run_dir / "run_manifest.json"
+        if manifest_path.exists():
+            self.check_manifest(json.loads(manifest_path.read_text()))
+        write_json_atomic(manifest_path, self.manifest, self.redact)
+
+    def check_manifest(self, old: dict[str, Any]) -> None:
+        changed = [k for k in MANIFEST_KEYS if old.get(k) != self.manifest.get(k)]
+        if changed:
+            detail = ", ".join(f"{k}: {old.get(k)!r} -> {self.manifest.get(k)!r}" for k in changed)
+            if not self.opts.force_resume:
+                raise UsageError(
+                    f"--resume with settings that differ from the first run ({detail}) would mix two datasets; "
+                    "resume with the original settings, or add --force_resume to mix them deliberately"
+                )
+            print(f"warning: resuming with changed settings ({detail}), as forced", file=sys.stderr)
+        if old.get("dataset_sha256") != self.manifest.get("dataset_sha256"):
+            print(
+                "note: the dataset file changed since the first run; prompts are matched by their text",
+                file=sys.stderr,
+            )
+        self.manifest["created"] = old.get("created", self.manifest.get("created"))
+
+    def resume_filter(self, rows: list[Row]) -> list[Row]:
+        """Keep the rows whose prompt has no finished outcome yet, counting duplicates by text."""
+        done = self.scan_finished()
+        todo = []
+        for row in rows:
+            if done[row.prompt] > 0:
+                done[row.prompt] -= 1
+            else:
+                todo.append(row)
+        print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
+        return todo
+
+    def scan_finished(self) -> collections.Counter[str]:
+        """Prompt text → number of finished outcomes (trajectories, and discards unless re-run)."""
+        done: collections.Counter[str] = collections.Counter()
+        for _, path in batch_files(self.run_dir):
+            for rec in iter_jsonl(path):
+                text = first_human(rec.get("conversations", [])) if rec else None
+                if text is not None:
+                    done[text] += 1
+        discards = self.run_dir / "discarded.jsonl"
+        if discards.exists() and not self.opts.rerun_discarded:
+            for rec in iter_jsonl(discards):
+                if rec and isinstance(rec.get("prompt"), str):
+                    done[rec["prompt"]] += 1
+        return done
+
+    def make_jobs(self, rows: list[Row]) -> list[list[PromptJob]]:
+        """Sample toolsets (reproducibly per prompt) and cut the rows into new batches."""
+        first = max((n for n, _ in batch_files(self.run_dir)), default=-1) + 1
+        offered = available_toolsets()
+        missing: collections.Counter[str] = collections.Counter()
+        batches: list[list[PromptJob]] = []
+        for i, row in enumerate(rows):
+            rng = prompt_rng(self.opts.seed, row.prompt, row.occurrence)
+            sampled = sample_toolsets_from_distribution(self.opts.distribution, rng)
+            usable = [t for t in sampled if t in offered]
+            missing.update(t for t in sampled if t not in offered)
+            self.counts.update(f"toolset:{t}" for t in usable)
+            job = PromptJob(
+                batch_num=first + i // self.opts.batch_size,
+                prompt_index=row.index,
+                prompt=row.prompt,
+                toolsets=tuple(usable),
+                image=row.image,
+                cwd=row.cwd,
+            )
+            if i % self.opts.batch_size == 0:
+                batches.append([])
+            batches[-1].append(job)
+        if missing:
+            names = ", ".join(f"{t} ({n} prompts)" for t, n in sorted(missing.items()))
+            print(f"note: toolsets sampled but not available in this installation, not offered: {names}")
+        self.counts.update({f"toolset_missing:{t}": n for t, n in missing.items()})
+        return batches
+
+    def print_plan(self, rows: list[Row], jobs: list[list[PromptJob]]) -> None:
+        n = sum(len(b) for b in jobs)
+        in_flight = min(self.opts.num_workers * self.opts.prompts_per_worker, max(n, 1))
+        print(
+            f"Run {self.opts.run_name}: {len(rows)} prompts in dataset, {n} to run in {len(jobs)} batches | "
+            f"model {self.settings.llm.model} at {self.settings.llm.base_url} | sandbox {self.settings.sandbox_backend} | "
+            f"{self.opts.num_workers} workers x {self.opts.prompts_per_worker} prompts = up to {in_flight} in flight, "
+            f"{self.opts.max_sandbox_starts} concurrent sandbox start-ups"
+        )
+
+    def dispatch(self, batches: list[list[PromptJob]]) -> None:
+        """Fan batches out to the pool and write every outcome the moment it arrives."""
+        from tqdm import tqdm
+
+        ctx = mp.get_context("forkserver")
+        events = ctx.Queue()
+        starts = ctx.BoundedSemaphore(self.opts.max_sandbox_starts)
+        outstanding = {b[0].batch_num: {j.prompt_index for j in b} for b in batches}
+        total = sum(len(b) for b in batches)
+        claims: dict[int, int] = {}
+        self.pbar = tqdm(total=total, unit="prompt", dynamic_ncols=True, file=sys.stderr)
+        pool = ctx.Pool(
+            self.opts.num_workers,
+            initializer=_worker_init,
+            initargs=(self.settings, events, starts, self.opts.prompts_per_worker),
+        )
+        try:
+            for batch in batches:
+                pool.apply_async(_worker_run_batch, (batch,))
+            remaining = total
+            last_check = time.monotonic()
+            while remaining:
+                try:
+                    ev = events.get(timeout=0.5)
+                except queue.Empty:
+                    ev = None
+                if ev is not None:
+                    remaining -= self.handle_event(ev, outstanding, claims)
+                if time.monotonic() - last_check > 1.0:
+                    last_check = time.monotonic()
+                    remaining -= self.fail_lost_prompts(outstanding, claims, batches)
+            # Only now: a worker exits on close once its queue is empty, even with prompts still running.
+            pool.close()
+            pool.join()
+        finally:
+            pool.terminate()
+            self.pbar.close()
+
+    def handle_event(
+        self, ev: dict[str, Any], outstanding: dict[int, set[int]], claims: dict[int, int]
+    ) -> int:
+        kind = ev["kind"]
+        if kind == "claim":
+            claims[ev["batch_num"]] = ev["pid"]
+            return 0
+        if kind == "log":
+            self.pbar.write(self.redact(ev["line"]), file=sys.stderr)
+            return 0
+        batch_num, index = ev["batch_num"], ev["prompt_index"]
+        if index not in outstanding.get(batch_num, ()):
+            return 0
+        self.record_outcome(ev)
+        outstanding[batch_num].discard(index)
+        if not outstanding[batch_num]:
+            del outstanding[batch_num]
+            self.write_checkpoint()
+        self.pbar.update(1)
+        self.pbar.set_postfix(
+            done=self.counts[TRAJECTORY],
+            failed=self.counts[FAILED],
+            discarded=self.counts[DISCARDED],
+            tools=self.counts["tool_calls"],
+            refresh=False,
+        )
+        return 1
+
+    def record_outcome(self, ev: dict[str, Any]) -> None:
+        """Write one outcome durably: trajectories to their batch file, discards and failures aside."""
+        kind = ev["kind"]
+        self.counts[kind] += 1
+        self.counts["api_calls"] += ev.get("api_calls", 0)
+        stamp = dt.datetime.now().isoformat(timespec="seconds")
+        if kind == TRAJECTORY:
+            rec = ev["record"]
+            self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
+            append_jsonl(self.run_dir / f"batch_{ev['batch_num']}.jsonl", rec, self.redact)
+            if self.done_indices is not None:
+                self.done_indices.add(rec["prompt_index"])
+        elif kind == DISCARDED:
+            self.discards[ev["reason"]] += 1
+            row = {
+                "prompt": ev["prompt"],
+                "prompt_index": ev["prompt_index"],
+                "batch_num": ev["batch_num"],
+                "reason": ev["reason"],
+                "timestamp": stamp,
+                "record": ev["record"],
+            }
+            append_jsonl(self.run_dir / "discarded.jsonl", row, self.redact)
+        else:
+            self.failures[ev["error_class"]] += 1
+            row = {
+                "prompt": ev["prompt"],
+                "prompt_index": ev["prompt_index"],
+                "batch_num": ev["batch_num"],
+                "error_class": ev["error_class"],
+                "error": ev["error"],
+                "timestamp": stamp,
+            }
+            append_jsonl(self.run_dir / "failed.jsonl", row, self.redact)
+            if self.opts.verbose:
+                self.pbar.write(
+                    self.redact(f"[{ev['prompt_index']}] failed: {ev['error_class']}: {ev['error']}"),
+                    file=sys.stderr,
+                )
+
+    def fail_lost_prompts(
+        self, outstanding: dict[int, set[int]], claims: dict[int, int], batches: list[list[PromptJob]]
+    ) -> int:
+        """Prompts of a batch whose worker died will never report: record them as failed (re-run on resume)."""
+        lost = 0
+        by_num = {b[0].batch_num: b for b in batches}
+        for batch_num, pid in list(claims.items()):
+            if batch_num in outstanding and not _pid_alive(pid):
+                for job in by_num[batch_num]:
+                    if job.prompt_index in outstanding[batch_num]:
+                        ev = {
+                            "kind": FAILED,
+                            "batch_num": batch_num,
+                            "prompt_index": job.prompt_index,
+                            "prompt": job.prompt,
+                            "error_class": "worker_died",
+                            "error": f"worker process {pid} died",
+                        }
+                        lost += self.handle_event(ev, outstanding, claims)
+                claims.pop(batch_num, None)
+        return lost
+
+    def write_checkpoint(self) -> None:
+        """Resume state after each batch. Informational: --resume trusts the batch files' content."""
+        if self.done_indices is None:
+            self.done_indices = set()
+            for _, path in batch_files(self.run_dir):
+                self.done_indices.update(
+                    rec["prompt_index"]
+                    for rec in iter_jsonl(path)
+                    if rec and isinstance(rec.get("prompt_index"), int)
+                )
+        state = {
+            "run_name": self.opts.run_name,
+            "completed_prompts": sorted(self.done_indices),
+            "batches": [n for n, _ in batch_files(self.run_dir)],
+            "last_updated": dt.datetime.now().isoformat(timespec="seconds"),
+        }
+        write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
+
+    def merge(self, rows: list[Row]) -> dict[str, Any]:
+        """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras."""
+        wanted = collections.Counter(r.prompt for r in rows)
+        kept: collections.Counter[str] = collections.Counter()
+        known = set(known_tool_names())
+        info = collections.Counter()
+        out = self.run_dir / "trajectories.jsonl"
+        tmp = out.with_name(f".trajectories.jsonl.{os.getpid()}.tmp")
+        with tmp.open("w", encoding="utf-8") as fh:
+            for _, path in batch_files(self.run_dir):
+                for rec in iter_jsonl(path):
+                    text = first_human(rec.get("conversations", [])) if rec else None
+                    if text is None:
+                        info["invalid_lines"] += 1
+                        continue
+                    if used_tool_names(rec) - known:
+                        info["unknown_tool"] += 1
+                        continue
+                    if text in wanted and kept[text] >= wanted[text]:
+                        info["duplicate"] += 1
+                        continue
+                    kept[text] += 1
+                    info["kept"] += 1
+                    fh.write(self.redact(json.dumps(rec, ensure_ascii=False)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+        _fsync_dir(self.run_dir)
+        self.done_indices = None  # recount from the files once, at the end
+        self.write_checkpoint()
+        return dict(info)
+
+    def statistics(self, rows: list[Row], merged: dict[str, Any]) -> dict[str, Any]:
+        """Statistics over the merged output of every run of this run name, plus this run's counters."""
+        tool_stats: dict[str, dict[str, Any]] = {
+            n: {"count": 0, "success": 0, "failure": 0} for n in known_tool_names()
+        }
+        with_r = without_r = completed = partial = 0
+        api_calls = 0
+        for rec in iter_jsonl(self.run_dir / "trajectories.jsonl"):
+            if not rec:
+                continue
+            for name, s in rec.get("tool_stats", {}).items():
+                t = tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+                for k in ("count", "success", "failure"):
+                    t[k] += s.get(k, 0)
+            w, n = reasoning_counts(rec.get("conversations", []))
+            with_r, without_r = with_r + w, without_r + n - w
+            completed += bool(rec.get("completed"))
+            partial += bool(rec.get("partial"))
+            api_calls += rec.get("api_calls", 0)
+        for t in tool_stats.values():
+            t["success_rate"] = round(t["success"] / t["count"], 4) if t["count"] else None
+        discards_all = _count_field(self.run_dir / "discarded.jsonl", "reason")
+        failures_all = _count_field(self.run_dir / "failed.jsonl", "error_class")
+        remaining = len(self.resume_filter_quiet(rows))
+        stats = {
+            "run_name": self.opts.run_name,
+            "model": self.settings.llm.model,
+            "distribution": self.opts.distribution,
+            "sandbox": self.settings.sandbox_backend,
+            "dataset_prompts": len(rows),
+            "trajectories": merged.get("kept", 0),
+            "completed": completed,
+            "partial": partial,
+            "api_calls_in_trajectories": api_calls,
+            "dropped_at_merge": {k: merged.get(k, 0) for k in ("invalid_lines", "unknown_tool", "duplicate")},
+            "discarded": {"total": sum(discards_all.values()), "by_reason": discards_all},
+            "failed_attempts": {"total": sum(failures_all.values()), "by_class": failures_all},
+            "remaining_for_resume": remaining,
+            "tool_stats": tool_stats,
+            "reasoning": {
+                "turns_with_reasoning": with_r,
+                "turns_without_reasoning": without_r,
+                "coverage": round(with_r / (with_r + without_r), 4) if with_r + without_r else None,
+            },
+            "this_run": {
+                "attempted": self.counts[TRAJECTORY] + self.counts[DISCARDED] + self.counts[FAILED],
+                "trajectories": self.counts[TRAJECTORY],
+                "discarded": dict(self.discards),
+                "failed": dict(self.failures),
+                "api_calls": self.counts["api_calls"],
+                "bad_dataset_lines": self.counts["bad_lines"],
+                "toolsets_offered": {
+                    k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("toolset:")
+                },
+                "toolsets_not_available": {
+                    k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("toolset_missing:")
+                },
+                "duration_s": round(time.monotonic() - self.started, 2),
+            },
+        }
+        write_json_atomic(self.run_dir / "statistics.json", stats, self.redact)
+        return stats
+
+    def resume_filter_quiet(self, rows: list[Row]) -> list[Row]:
+        done = self.scan_finished()
+        left = []
+        for row in rows:
+            if done[row.prompt] > 0:
+                done[row.prompt] -= 1
+            else:
+                left.append(row)
+        return left
+
+    def print_summary(self, stats: dict[str, Any], interrupted: bool) -> None:
+        print("\n" + "=" * 72)
+        print(
+            f"Run {stats['run_name']}: {stats['trajectories']} trajectories in {self.run_dir / 'trajectories.jsonl'}"
+        )
+        tr = stats["this_run"]
+        print(
+            f"This run: {tr['attempted']} attempted, {tr['trajectories']} trajectories, discarded {tr['discarded'] or 0}, failed {tr['failed'] or 0}, {tr['api_calls']} model calls, {tr['duration_s']} s"
+        )
+        used = {n: s for n, s in stats["tool_stats"].items() if s["count"]}
+        if used:
+            print(f"{'tool':<20}{'calls':>8}{'ok':>8}{'failed':>8}{'success':>10}")
+            for name, s in sorted(used.items(), key=lambda kv: -kv[1]["count"]):
+                print(
+                    f"{name:<20}{s['count']:>8}{s['success']:>8}{s['failure']:>8}{s['success_rate']:>10.1%}"
+                )
+        r = stats["reasoning"]
+        if r["coverage"] is not None:
+            print(
+                f"Reasoning coverage: {r['coverage']:.1%} of {r['turns_with_reasoning'] + r['turns_without_reasoning']} assistant turns"
+            )
+        print(f"Discarded (all runs): {stats['discarded']['total']} {stats['discarded']['by_reason'] or ''}")
+        d = stats["dropped_at_merge"]
+        if any(d.values()):
+            print(f"Dropped at merge: {d}")
+        if stats["remaining_for_resume"]:
+            print(f"{stats['remaining_for_resume']} prompt(s) remain; continue with:\n  {resume_command()}")
+        print("=" * 72)
+
+    def exit_code(self, stats: dict[str, Any], interrupted: bool) -> int:
+        if interrupted:
+            return 130
+        tr = stats["this_run"]
+        failed = sum(tr["failed"].values())
+        if tr["attempted"] and failed / tr["attempted"] > self.opts.max_failure_rate:
+            print(
+                f"error: {failed} of {tr['attempted']} prompts failed (more than --max_failure_rate={self.opts.max_failure_rate})",
+                file=sys.stderr,
+            )
+            return 3
+        return 0
+
+
+def _count_field(path: Path, field: str) -> dict[str, int]:
+    counts: collections.Counter[str] = collections.Counter()
+    if path.exists():
+        for rec in iter_jsonl(path):
+            if rec and isinstance(rec.get(field), str):
+                counts[rec[field]] += 1
+    return dict(counts)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def resume_command() -> str:
+    args = [a for a in sys.argv[1:] if not a.startswith("--resume")]
+    return " ".join(["python", "batch_runner.py", *args, "--resume"])
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _list(value: Any, flag: str) -> tuple[str, ...]:
+    if value is None or value == "":
+        return ()
+    if isinstance(value, (list, tuple)):
+        items = [str(v).strip() for v in value]
+    else:
+        items = [v.strip() for v in str(value).split(",")]
+    if not all(items):
+        raise UsageError(f"--{flag} must be a comma-separated list of provider names")
+    return tuple(items)
+
+
+def _positive_int(value: Any, flag: str, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"--{flag} must be a positive integer, got {value!r}")
+    return value
+
+
+def load_prefill(path: str | None) -> tuple[dict[str, Any], ...]:
+    if not path:
+        return ()
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--prefill_messages_file {path}: cannot read: {exc.strerror}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prefill_messages_file {path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, list):
+        raise UsageError(
+            f"--prefill_messages_file {path}: expected a JSON array of {{role, content}} messages"
+        )
+    for i, msg in enumerate(data):
+        if (
+            not isinstance(msg, dict)
+            or msg.get("role") not in ("system", "user", "assistant")
+            or not isinstance(msg.get("content"), str)
+        ):
+            raise UsageError(
+                f'--prefill_messages_file {path}: message {i} must be {{"role": system|user|assistant, "content": string}}'
+            )
+    return tuple(data)
+
+
+def _dataset_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def main(
+    dataset_file: str | None = None,
+    batch_size: int | None = None,
+    run_name: str | None = None,
+    distribution: str = "default",
+    model: str = DEFAULT_MODEL,
+    api_key: str | None = None,
+    base_url: str = DEFAULT_BASE_URL,
+    max_turns: int = 10,
+    num_workers: int = 4,
+    resume: bool = False,
+    list_distributions: bool = False,
+    verbose: bool = False,
+    ephemeral_system_prompt: str | None = None,
+    log_prefix_chars: int = 100,
+    providers_allowed: str | None = None,
+    providers_ignored: str | None = None,
+    providers_order: str | None = None,
+    provider_sort: str | None = None,
+    max_tokens: int | None = None,
+    reasoning_effort: str | None = None,
+    reasoning_disabled: bool = False,
+    prefill_messages_file: str | None = None,
+    max_samples: int | None = None,
+    # Additions (see README): reproducibility, concurrency, sandboxes, limits, resume policy.
+    seed: int = 0,
+    prompts_per_worker: int = 16,
+    max_sandbox_starts: int = 8,
+    sandbox: str | None = None,
+    default_image: str = DEFAULT_DOCKER_IMAGE,
+    tool_timeout: float = 180.0,
+    prompt_timeout: float = 1800.0,
+    request_timeout: float = 600.0,
+    max_retries: int = 3,
+    output_dir: str = "data",
+    rerun_discarded: bool = False,
+    force_resume: bool = False,
+    max_failure_rate: float = 0.5,
+    keep_no_reasoning: bool = False,
+) -> None:
+    """Run a tool-using agent over every prompt of a JSONL dataset; see README.md for every flag."""
+    if list_distributions:
+        print(format_distributions())
+        return
+    try:
+        code = _run(locals())
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if code:
+        raise SystemExit(code)
+
+
+def _run(flags: dict[str, Any]) -> int:
+    opts, settings, manifest, redact, mock = build_run(flags)
+    try:
+        return BatchRunner(opts, settings, manifest, redact, mock).run()
+    finally:
+        if mock is not None:
+            mock.stop()
+
+
+def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], Redactor, Any]:
+    """Check every flag and build the run's settings; raises UsageError with a specific message."""
+    if not f["dataset_file"]:
+        raise UsageError('--dataset_file is required (a JSONL file with one {"prompt": ...} object per line)')
+    if not f["run_name"] or not re.fullmatch(r"[\w.\-]+", str(f["run_name"])):
+        raise UsageError(
+            "--run_name is required: letters, digits, '.', '-' and '_' only (output goes to data/<run_name>/)"
+        )
+    batch_size = _positive_int(f["batch_size"], "batch_size")
+    num_workers = _positive_int(f["num_workers"], "num_workers")
+    max_turns = _positive_int(f["max_turns"], "max_turns")
+    max_samples = _positive_int(f["max_samples"], "max_samples", allow_none=True)
+    max_tokens = _positive_int(f["max_tokens"], "max_tokens", allow_none=True)
+    _positive_int(f["prompts_per_worker"], "prompts_per_worker")
+    _positive_int(f["max_sandbox_starts"], "max_sandbox_starts")
+    try:
+        get_distribution(f["distribution"])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    effort = f["reasoning_effort"]
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}")
+    if f["provider_sort"] is not None and f["provider_sort"] not in PROVIDER_SORTS:
+        raise UsageError(
+            f"--provider_sort must be one of {', '.join(PROVIDER_SORTS)}; got {f['provider_sort']!r}"
+        )
+    backend = f["sandbox"] or os.environ.get("TERMINAL_ENV") or "local"
+    if backend not in BACKENDS:
+        raise UsageError(
+            f"unknown sandbox backend {backend!r}; valid: {', '.join(BACKENDS)} (--sandbox or TERMINAL_ENV)"
+        )
+    prefill = load_prefill(f["prefill_messages_file"])
+    model, base_url = str(f["model"]), str(f["base_url"])
+    mock = None
+    if model == MOCK_MODEL:
+        from agent.fake_model import FakeModelServer
+
+        mock = FakeModelServer().start()
+        base_url = mock.base_url
+    api_key = (
+        f["api_key"]
+        if f["api_key"] is not None
+        else os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    )
+    api_key = str(api_key) if api_key else None
+    if not api_key and mock is None and ("openrouter.ai" in base_url or "api.openai.com" in base_url):
+        raise UsageError(
+            f"no API key for {base_url}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
+        )
+    llm = LLMConfig(
+        model=model,
+        base_url=base_url,
+        api_key=api_key,
+        max_tokens=max_tokens,
+        reasoning_effort=effort,
+        reasoning_disabled=bool(f["reasoning_disabled"]),
+        providers_allowed=_list(f["providers_allowed"], "providers_allowed"),
+        providers_ignored=_list(f["providers_ignored"], "providers_ignored"),
+        providers_order=_list(f["providers_order"], "providers_order"),
+        provider_sort=f["provider_sort"],
+        request_timeout_s=float(f["request_timeout"]),
+        max_retries=int(f["max_retries"]),
+    )
+    settings = RunSettings(
+        run_name=str(f["run_name"]),
+        llm=llm,
+        limits=LoopLimits(
+            max_turns=max_turns,
+            prompt_timeout_s=float(f["prompt_timeout"]),
+            tool_timeout_s=float(f["tool_timeout"]),
+        ),
+        sandbox_backend=backend,
+        sandbox_options=_sandbox_options(backend, f),
+        ephemeral_system_prompt=f["ephemeral_system_prompt"],
+        prefill_messages=prefill,
+        require_reasoning=not f["keep_no_reasoning"],
+        verbose=bool(f["verbose"]),
+        log_prefix_chars=int(f["log_prefix_chars"]),
+    )
+    opts = Options(
+        dataset_file=str(f["dataset_file"]),
+        batch_size=batch_size,
+        run_name=str(f["run_name"]),
+        distribution=f["distribution"],
+        num_workers=num_workers,
+        resume=bool(f["resume"]),
+        max_samples=max_samples,
+        seed=int(f["seed"]),
+        prompts_per_worker=int(f["prompts_per_worker"]),
+        max_sandbox_starts=int(f["max_sandbox_starts"]),
+        output_dir=str(f["output_dir"]),
+        rerun_discarded=bool(f["rerun_discarded"]),
+        force_resume=bool(f["force_resume"]),
+        max_failure_rate=float(f["max_failure_rate"]),
+        verbose=bool(f["verbose"]),
+    )
+    manifest = {
+        "model": model,
+        "distribution": opts.distribution,
+        "max_turns": max_turns,
+        "seed": opts.seed,
+        "reasoning_effort": effort,
+        "reasoning_disabled": llm.reasoning_disabled,
+        "sandbox": backend,
+        "dataset_file": opts.dataset_file,
+        "dataset_sha256": _dataset_sha256(opts.dataset_file) if Path(opts.dataset_file).is_file() else None,
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+    }
+    return opts, settings, manifest, Redactor(api_key), mock
+
+
+def _sandbox_options(backend: str, f: dict[str, Any]) -> dict[str, Any]:
+    if backend in ("docker", "singularity", "modal"):
+        return {"default_image": f["default_image"]}
+    return {}
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)

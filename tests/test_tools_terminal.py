@@ -1,0 +1,145 @@
+"""Tests of the terminal tool, through execute_tool_call as the agent loop calls it.
+
+Every test takes the ``sandbox`` fixture, so the same bodies can run over other backends. It runs
+the local backend twice: as is, and with only busybox on PATH (``sh`` being busybox ash), which is
+what the tools may assume inside a container.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from agent.sandboxes.base import SandboxSpec
+from agent.sandboxes.local import LocalSandbox
+from agent.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
+
+CAP = 64 * 1024
+OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
+
+
+@pytest.fixture(scope="session")
+def busybox_bin(tmp_path_factory):
+    """A directory holding only busybox applets, with ``bash`` running busybox sh."""
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("busybox is not installed")
+    root = tmp_path_factory.mktemp("busybox-bin")
+    for applet in subprocess.run([busybox, "--list"], capture_output=True, text=True).stdout.split():
+        if applet not in ("bash", "busybox"):
+            (root / applet).symlink_to(busybox)
+    wrapper = root / "bash"
+    wrapper.write_text(f'#!{busybox} sh\nexec {busybox} sh "$@"\n')
+    wrapper.chmod(0o755)
+    return str(root)
+
+
+@pytest.fixture(params=["local", "local-busybox"])
+def sandbox(request, tmp_path, monkeypatch):
+    options = {"output_cap_bytes": CAP, "base_dir": str(tmp_path)}
+    env = {}
+    if request.param == "local-busybox":
+        # The backend takes its shell from the host PATH: make that busybox sh, with only busybox to call.
+        bin_dir = request.getfixturevalue("busybox_bin")
+        monkeypatch.setenv("PATH", bin_dir)
+        env = {"PATH": bin_dir}
+        options["isolation"] = "none"  # the busybox directory lives under /tmp, which bwrap replaces
+    box = LocalSandbox(SandboxSpec(run_name="tools", prompt_index=0, env=env), **options)
+    box.start()
+    try:
+        yield box
+    finally:
+        box.stop()
+
+
+def call(sandbox, name: str, timeout_s: float = 20.0, **args):
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=timeout_s, output_cap_bytes=CAP)
+    return json.loads(execute_tool_call(name, json.dumps(args), ctx, OFFERED))
+
+
+def call_raw(sandbox, name: str, arguments: str):
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=20.0, output_cap_bytes=CAP)
+    return json.loads(execute_tool_call(name, arguments, ctx, OFFERED))
+
+
+def test_output_and_exit_code(sandbox):
+    assert call(sandbox, "terminal", command="echo hello") == {
+        "output": "hello\n",
+        "exit_code": 0,
+        "error": None,
+    }
+
+
+def test_nonzero_exit_is_not_an_error(sandbox):
+    result = call(sandbox, "terminal", command="echo oops >&2; exit 3")
+    assert result == {"output": "oops\n", "exit_code": 3, "error": None}
+
+
+def test_runs_in_workdir(sandbox):
+    assert call(sandbox, "terminal", command="pwd")["output"].strip() == sandbox.workdir
+
+
+def test_timeout_kills_the_process_group(sandbox):
+    started = time.monotonic()
+    result = call(sandbox, "terminal", command="sleep 30 & echo $! > bg.pid; sleep 30", timeout=1)
+    assert time.monotonic() - started < 5
+    assert result["exit_code"] == -1
+    assert result["error"].startswith("Command timed out after 1 s")
+    pid = int(sandbox.run("cat bg.pid", timeout_s=5).output)
+    # A killed child may linger as a zombie until reaped; it must not be running. (Under bwrap the
+    # probe sees a fresh PID namespace; the check bites on backends whose processes share one.)
+    probe = (
+        f"if [ -d /proc/{pid} ] && ! grep -q 'State:.*Z' /proc/{pid}/status 2>/dev/null; then echo alive; fi"
+    )
+    deadline = time.monotonic() + 3
+    while sandbox.run(probe, timeout_s=5).output.strip() == "alive":
+        assert time.monotonic() < deadline, f"background process {pid} survived the timeout"
+        time.sleep(0.1)
+
+
+def test_timeout_is_clamped_to_the_tool_timeout(sandbox):
+    started = time.monotonic()
+    result = call(sandbox, "terminal", timeout_s=1, command="echo partial; sleep 30", timeout=600)
+    assert time.monotonic() - started < 5
+    assert result["output"] == "partial\n"
+    assert result["error"].startswith("Command timed out after 1 s")
+
+
+def test_output_cap_with_note(sandbox):
+    result = call(sandbox, "terminal", command="head -c 5000000 /dev/zero | tr '\\000' a")
+    assert result["exit_code"] == 0 and result["error"] is None
+    assert result["output"].startswith("a" * CAP)
+    assert "[output truncated: 4934464 of 5000000 bytes not shown]" in result["output"]
+    assert len(result["output"]) < CAP + 200
+
+
+def test_binary_output_does_not_crash(sandbox):
+    result = call(sandbox, "terminal", command="printf 'ok\\377\\376\\000\\001\\n'")
+    assert result["exit_code"] == 0
+    assert result["output"].startswith("ok\ufffd\ufffd\x00\x01")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({}, "missing required argument(s): command"),
+        ({"command": 123}, "argument 'command' must be string"),
+        ({"command": "true", "timeout": "5"}, "argument 'timeout' must be integer"),
+        ({"command": "true", "timeout": 0}, "timeout must be a positive number"),
+        ({"command": "  "}, "command must not be empty"),
+        ({"command": "true", "cwd": "/"}, "unknown argument(s): cwd"),
+        ({"command": "true", "background": True}, "unknown argument(s): background"),
+    ],
+)
+def test_bad_arguments_are_errors(sandbox, args, message):
+    assert message in call(sandbox, "terminal", **args)["error"]
+
+
+def test_unknown_tool_and_invalid_json(sandbox):
+    assert call_raw(sandbox, "shell", '{"command": "ls"}')["error"].startswith("Unknown tool 'shell'")
+    assert "Invalid JSON" in call_raw(sandbox, "terminal", '{"command": ')["error"]
+    assert "must be a JSON object" in call_raw(sandbox, "terminal", '["ls"]')["error"]
