@@ -440,7 +440,10 @@ class BatchRunner:
         """Fan batches out to the pool and write every outcome the moment it arrives."""
         from tqdm import tqdm
 
+        # forkserver: workers fork from a clean, single-threaded server that has already imported
+        # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["openai", "agent.runner", "agent.tools.file", "agent.tools.terminal"])
         events = ctx.Queue()
         starts = ctx.BoundedSemaphore(self.opts.max_sandbox_starts)
         outstanding = {b[0].batch_num: {j.prompt_index for j in b} for b in batches}

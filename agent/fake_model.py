@@ -490,6 +490,9 @@ class _HTTPServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out as separate writes; with Nagle on, the body waits for the client's
+    # delayed ACK (~40 ms a request). Real servers (uvicorn, vLLM) set TCP_NODELAY too.
+    disable_nagle_algorithm = True
     server_version = "FakeModel/1.0"
     timeout = 120  # an idle keep-alive connection is closed after this many seconds
     server: _HTTPServer
