@@ -15,7 +15,15 @@ BACKENDS: dict[str, str] = {
 }
 EXTRAS = {"docker": "docker", "modal": "modal"}
 
-__all__ = ["BACKENDS", "ExecResult", "Sandbox", "SandboxError", "SandboxSpec", "backend_class", "create_sandbox"]
+__all__ = [
+    "BACKENDS",
+    "ExecResult",
+    "Sandbox",
+    "SandboxError",
+    "SandboxSpec",
+    "backend_class",
+    "create_sandbox",
+]
 
 
 def backend_class(name: str) -> type:

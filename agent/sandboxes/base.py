@@ -7,8 +7,9 @@ backend supports every tool without backend-specific file code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+import types
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints, runtime_checkable
 
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024
 TRUNCATION_NOTE = "\n[output truncated: {dropped} of {total} bytes not shown]"
@@ -86,3 +87,39 @@ class CappedBuffer:
             return data.decode("utf-8", errors="replace"), False
         head = data.decode("utf-8", errors="ignore")
         return head + TRUNCATION_NOTE.format(dropped=self.total - self.kept, total=self.total), True
+
+
+OptionsT = TypeVar("OptionsT")
+
+
+def parse_options(options_cls: type[OptionsT], backend: str, options: dict[str, Any]) -> OptionsT:
+    """Build a backend's options dataclass; an unknown key raises ``ValueError`` naming the valid ones."""
+    names = [f.name for f in fields(options_cls)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ValueError(
+            f"unknown {backend} sandbox option(s): {', '.join(unknown)}; valid options: {', '.join(names)}"
+        )
+    return options_cls(**options)
+
+
+def check_option_types(options: Any, backend: str, *, positive: tuple[str, ...] = ()) -> None:
+    """Check each field of an options dataclass against its annotation; ``positive`` fields must be > 0."""
+    hints = get_type_hints(type(options))
+    for f in fields(options):
+        value = getattr(options, f.name)
+        expected = hints[f.name]
+        allowed = get_args(expected) if get_origin(expected) in (Union, types.UnionType) else (expected,)
+        if float in allowed:
+            allowed = (*allowed, int)
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        if not ok:
+            raise ValueError(
+                f"{backend} sandbox option {f.name} must be {_type_name(expected)}, got {value!r}"
+            )
+        if f.name in positive and not value > 0:
+            raise ValueError(f"{backend} sandbox option {f.name} must be > 0, got {value!r}")
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation)

@@ -1,0 +1,204 @@
+"""Shared fixtures. Each section belongs to one area; add new ones in a section of their own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+IN_CI = os.environ.get("CI") == "true"
+
+
+def skip_or_fail(reason: str) -> None:
+    """Locally a missing facility skips the test; in CI it fails it, so nothing is silently not run."""
+    if IN_CI:
+        pytest.fail(f"CI must be able to run this test: {reason}")
+    pytest.skip(reason)
+
+
+# ============================================================================ sandboxes: Docker
+DOCKER_TEST_IMAGE = "batch-runner-test:latest"
+DOCKER_IMAGE_BUILD = TESTS_DIR / "docker_image" / "build.sh"
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> str:
+    """The Docker server version; skips locally (fails in CI) when no engine answers."""
+    from agent.sandboxes.base import SandboxError
+    from agent.sandboxes.docker import check_engine
+
+    try:
+        return check_engine()
+    except SandboxError as exc:
+        skip_or_fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def docker_test_image(docker_engine: str) -> str:
+    """The busybox test image, built from local files (no registry) if it is not there yet."""
+    done = subprocess.run(["sh", str(DOCKER_IMAGE_BUILD), DOCKER_TEST_IMAGE], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"building {DOCKER_TEST_IMAGE} failed:\n{done.stdout}\n{done.stderr}")
+    return DOCKER_TEST_IMAGE
+
+
+# ============================================================================ sandboxes: bubblewrap
+@pytest.fixture(scope="session")
+def bwrap_available() -> None:
+    """Skips locally (fails in CI) when bubblewrap cannot isolate commands here."""
+    from agent.sandboxes.local import bwrap_problem
+
+    problem = bwrap_problem()
+    if problem:
+        skip_or_fail(problem)
+
+
+# ============================================================================ sandboxes: fakes
+FAKES_DIR = TESTS_DIR / "fakes"
+
+
+@pytest.fixture
+def fakes_runnable(bwrap_available: None) -> None:
+    """The fakes run commands in a busybox root filesystem entered with bubblewrap."""
+    sys.path.insert(0, str(FAKES_DIR))
+    try:
+        import fake_rootfs
+    finally:
+        sys.path.remove(str(FAKES_DIR))
+    if not fake_rootfs.available():
+        skip_or_fail("the fakes need busybox and bwrap")
+
+
+@pytest.fixture
+def fake_apptainer(fakes_runnable: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Puts the fake ``apptainer`` first on PATH; returns its home (instances/, argv.log: one JSON argv a line)."""
+    home = tmp_path / "fake-apptainer"
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    launcher = bin_dir / "apptainer"
+    # The backend gives the CLI a minimal environment, so the launcher carries the fake's settings itself.
+    launcher.write_text(
+        f"#!/bin/sh\nFAKE_APPTAINER_HOME='{home}' exec '{sys.executable}' '{FAKES_DIR / 'apptainer'}' \"$@\"\n"
+    )
+    launcher.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return home
+
+
+@pytest.fixture
+def fake_modal(fakes_runnable: None, monkeypatch: pytest.MonkeyPatch):
+    """Installs the fake Modal SDK as ``modal``; returns the module (``calls`` records every SDK call)."""
+    monkeypatch.syspath_prepend(str(FAKES_DIR))
+    import fake_modal as module
+
+    module.calls.clear()
+    monkeypatch.setitem(sys.modules, "modal", module)
+    return module
+
+
+# ============================================================================ tools: web, vision, image_gen, moa, browser
+@pytest.fixture(scope="session")
+def fake_web():
+    """The local fake site (``/site/...``) and fake search providers (agent/fake_services.py)."""
+    from agent.fake_services import FakeWebServer
+
+    with FakeWebServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tools_llm():
+    """A fake model endpoint of its own for the tools that call models (vision, image_gen, moa)."""
+    from agent.fake_model import FakeModelServer
+
+    with FakeModelServer() as server:
+        yield server
+
+
+@pytest.fixture
+def clean_tool_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tool variable from the developer's environment leaks into a test."""
+    from agent.tools.config import TOOL_ENV_VARS
+
+    for name in TOOL_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def tool_ctx(tmp_path: Path, tools_llm, clean_tool_env: None):
+    """``make(tool_env=None, prompt_index=0, **extra)``: a ToolContext on a started local sandbox whose
+    run endpoint is ``tools_llm`` and run_dir ``tmp_path/"run"``. Resources and sandboxes are released
+    after the test."""
+    from agent.sandboxes.base import SandboxSpec
+    from agent.sandboxes.local import LocalSandbox
+    from agent.tools.registry import ToolContext, close_prompt_resources
+
+    made = []
+
+    def make(tool_env: dict | None = None, prompt_index: int = 0, **extra_overrides):
+        sandbox = LocalSandbox(
+            SandboxSpec(run_name="tools-test", prompt_index=prompt_index), base_dir=str(tmp_path)
+        )
+        sandbox.start()
+        extra = {
+            "llm_base_url": tools_llm.base_url,
+            "llm_api_key": "sk-run-key",
+            "llm_model": "mock",
+            "run_dir": str(tmp_path / "run"),
+            "tool_env": dict(tool_env or {}),
+        }
+        extra.update(extra_overrides)
+        ctx = ToolContext(sandbox=sandbox, tool_timeout_s=60.0, extra=extra)
+        made.append(ctx)
+        return ctx
+
+    yield make
+    for ctx in made:
+        close_prompt_resources(ctx)
+        ctx.sandbox.stop()
+
+
+@pytest.fixture
+def call_tool():
+    """``call_tool(ctx, name, **args)``: run one tool call as the agent loop does; the parsed result."""
+    import json
+
+    from agent.tools.registry import execute_tool_call, known_tool_names
+
+    def call(ctx, name: str, **args):
+        text = execute_tool_call(name, json.dumps(args), ctx, set(known_tool_names()))
+        return json.loads(text)
+
+    return call
+
+
+@pytest.fixture
+def run_tool_loop(tools_llm):
+    """``run(ctx, prompt, toolsets)``: the agent loop with the scripted fake model (which calls the first
+    offered tool, arguments filled from the prompt, then answers); returns the saved messages."""
+    from agent.llm import LLMClient, LLMConfig
+    from agent.loop import LoopLimits, run_agent
+    from agent.tools.registry import tools_for_toolsets
+
+    client = LLMClient(LLMConfig(model="mock", base_url=tools_llm.base_url, api_key="sk-run-key"))
+
+    def run(ctx, prompt: str, toolsets: list[str]):
+        tools = tools_for_toolsets(toolsets)
+        return run_agent(
+            llm=client, prompt=prompt, tools=tools, ctx=ctx, limits=LoopLimits(max_turns=4)
+        ).messages
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def chromium_ready() -> None:
+    """Playwright and Debian's chromium are installed; skips locally (fails in CI) otherwise."""
+    from agent.tools.config import browser_config
+
+    if browser_config({}) is None:
+        skip_or_fail("the browser tools need the playwright package and Chromium (apt-get install chromium)")

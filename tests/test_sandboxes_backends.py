@@ -1,0 +1,373 @@
+"""What each sandbox backend does beyond the shared contract: Docker labels, limits, preflight, sweep
+and overhead; bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes; options."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agent.sandboxes import BACKENDS, create_sandbox
+from agent.sandboxes.base import SandboxError, SandboxSpec
+
+RUN = f"backends-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may share this Docker engine
+
+
+def docker_ps(label: str) -> list[str]:
+    """Names of all containers (running or not) with ``label``, as the docker CLI reports them."""
+    done = subprocess.run(
+        ["docker", "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.split()
+
+
+# ============================================================================ Docker
+@pytest.fixture
+def docker_box(docker_test_image: str):
+    """``docker_box(**spec_fields, **options)``: started DockerSandboxes, all stopped at teardown."""
+    from agent.sandboxes.docker import DockerSandbox
+
+    made = []
+
+    def factory(index: int = 0, options: dict | None = None, **spec_fields) -> DockerSandbox:
+        box = DockerSandbox(
+            SandboxSpec(RUN, index, **spec_fields), default_image=docker_test_image, **(options or {})
+        )
+        made.append(box)
+        box.start()
+        return box
+
+    yield factory
+    for box in made:
+        box.stop()
+
+
+@pytest.mark.docker
+def test_docker_container_has_labels_and_limits_and_is_gone_after_stop(docker_box):
+    from agent.sandboxes.docker import default_owner, docker_client
+
+    box = docker_box(index=7, network=False, options={"cpus": 0.5, "memory_mb": 300, "pids_limit": 64})
+    assert docker_ps(f"batch_runner.run_name={RUN}") != []
+    attrs = docker_client().api.inspect_container(box.container_id)
+    labels = attrs["Config"]["Labels"]
+    assert (labels["batch_runner.run_name"], labels["batch_runner.prompt_index"]) == (RUN, "7")
+    assert labels["batch_runner.owner"] == default_owner()
+    host = attrs["HostConfig"]
+    assert (host["NanoCpus"], host["Memory"], host["PidsLimit"]) == (500_000_000, 300 * 2**20, 64)
+    assert host["NetworkMode"] == "none"
+    box.stop()
+    assert docker_ps(f"batch_runner.run_name={RUN}") == []
+
+
+@pytest.mark.docker
+def test_docker_failed_start_leaves_no_container(docker_test_image: str):
+    from agent.sandboxes.docker import DockerSandbox
+
+    box = DockerSandbox(SandboxSpec(RUN, 0, image="does-not-exist-br:never"), default_image=docker_test_image)
+    with pytest.raises(SandboxError, match="does-not-exist-br:never"):
+        box.start()
+    box.stop()
+    assert docker_ps(f"batch_runner.run_name={RUN}") == []
+
+
+@pytest.mark.docker
+def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
+    from docker.errors import NotFound
+
+    from agent.sandboxes.docker import docker_client
+
+    sentinel = tmp_path / "host-file.txt"
+    sentinel.write_text("still here")
+    box = docker_box()
+    box.run("echo mine > mine.txt", timeout_s=20)
+    docker_client().api.get_archive(box.container_id, "/workspace/mine.txt")  # there before
+    box.run("rm -rf / --no-preserve-root 2>/dev/null || rm -rf /", timeout_s=120)  # GNU, then busybox
+    with pytest.raises(NotFound):
+        docker_client().api.get_archive(box.container_id, "/workspace/mine.txt")  # rm did run
+    assert sentinel.read_text() == "still here"
+    assert Path("/etc/passwd").exists() and Path(sys.executable).exists()
+
+
+@pytest.mark.docker
+def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
+    from agent.sandboxes.docker import ensure_images
+
+    messages: list[str] = []
+    result = ensure_images(
+        [docker_test_image, "does-not-exist-br:never", docker_test_image], progress=messages.append
+    )
+    assert list(result) == [docker_test_image, "does-not-exist-br:never"]  # each distinct image once
+    assert result[docker_test_image] is None
+    assert "pull failed" in result["does-not-exist-br:never"]
+    assert messages == ["pulling does-not-exist-br:never ...", "pull of does-not-exist-br:never failed"]
+
+
+@pytest.mark.docker
+def test_sweep_removes_only_containers_of_dead_owners(docker_box):
+    from agent.sandboxes.docker import default_owner, sweep_containers
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = docker_box(index=1, options={"run_owner": f"{dead.pid}@{socket.gethostname()}"})
+    elsewhere = docker_box(index=2, options={"run_owner": "1@some-other-host"})  # cannot tell: kept
+    alive = docker_box(index=3, options={"run_owner": default_owner()})
+    removed = sweep_containers(RUN)
+    remaining = docker_ps(f"batch_runner.run_name={RUN}")
+    assert len(removed) == 1 and removed[0] not in remaining
+    assert len(remaining) == 2
+    orphan.stop()  # already gone: still safe
+    assert elsewhere.container_id and alive.container_id
+    assert sweep_containers(RUN) == []  # the live owner's and the other host's stay
+
+
+@pytest.mark.docker
+def test_remove_owned_containers_removes_every_container_of_that_owner(docker_box):
+    from agent.sandboxes.docker import remove_owned_containers
+
+    owner = f"{os.getpid()}@test-{uuid.uuid4().hex[:8]}"
+    docker_box(index=1, options={"run_owner": owner})
+    docker_box(index=2, options={"run_owner": owner})
+    assert len(docker_ps(f"batch_runner.owner={owner}")) == 2
+    assert len(remove_owned_containers(owner)) == 2
+    assert docker_ps(f"batch_runner.owner={owner}") == []
+
+
+def test_check_engine_fails_clearly_without_an_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    import agent.sandboxes.docker_engine as engine
+
+    monkeypatch.setattr(engine, "_clients", {})
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    with pytest.raises(SandboxError, match=r"Docker engine not reachable.*--sandbox=local"):
+        engine.check_engine()
+
+
+@pytest.mark.docker
+def test_docker_overhead_per_prompt(docker_test_image: str):
+    """Prints the create+start+remove time of one prompt's container (run with -s); asserts nothing on time."""
+    from agent.sandboxes.docker import DockerSandbox
+
+    timings = []
+    for index in range(8):
+        started = time.perf_counter()
+        box = DockerSandbox(SandboxSpec(RUN, index), default_image=docker_test_image)
+        box.start()
+        box.stop()
+        timings.append(time.perf_counter() - started)
+    print(
+        f"\ndocker sandbox create+start+remove: median {statistics.median(timings):.3f}s, max {max(timings):.3f}s"
+    )
+    assert docker_ps(f"batch_runner.run_name={RUN}") == []
+
+
+# ============================================================================ local
+@pytest.mark.bwrap
+def test_rm_rf_root_inside_bwrap_leaves_host_intact(bwrap_available: None, tmp_path: Path):
+    from agent.sandboxes.local import LocalSandbox
+
+    victim = Path(
+        tempfile.mkdtemp(prefix="br-victim-", dir="/var/tmp")
+    )  # visible (read-only) inside, unlike /tmp
+    try:
+        (victim / "keep.txt").write_text("keep")
+        box = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
+        box.start()
+        try:
+            probe = box.run(
+                f"cat {victim}/keep.txt; touch {victim}/new; mount -o remount,rw / ; touch {victim}/new2",
+                timeout_s=20,
+            )
+            if (
+                box.isolation != "bwrap"
+                or (victim / "new").exists()
+                or (victim / "new2").exists()
+                or "keep" not in probe.output
+            ):
+                pytest.fail(f"host is writable from the sandbox; not running rm -rf /: {probe.output}")
+            box.run("echo mine > mine.txt", timeout_s=20)
+            box.run("rm -rf / --no-preserve-root", timeout_s=300)
+            assert (victim / "keep.txt").read_text() == "keep"
+            assert Path("/etc/passwd").exists() and Path(sys.executable).exists()
+            assert not Path(box.workdir, "mine.txt").exists()  # rm did run: the writable workdir was emptied
+        finally:
+            box.stop()
+    finally:
+        shutil.rmtree(victim, ignore_errors=True)
+
+
+def test_local_isolation_choice(monkeypatch: pytest.MonkeyPatch):
+    import agent.sandboxes.local as local
+
+    monkeypatch.setattr(local, "bwrap_problem", lambda: "bubblewrap is not installed")
+    assert not local.local_isolation_available()
+    assert local.LocalSandbox(SandboxSpec(RUN, 0)).isolation == "none"
+    box = local.LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap")
+    with pytest.raises(SandboxError, match="'bwrap' was requested but bubblewrap is not installed"):
+        box.start()
+    box.stop()
+
+
+def test_local_bwrap_is_chosen_when_available(bwrap_available: None):
+    from agent.sandboxes.local import LocalSandbox, local_isolation_available
+
+    assert local_isolation_available()
+    assert LocalSandbox(SandboxSpec(RUN, 0)).isolation == "bwrap"
+    assert LocalSandbox(SandboxSpec(RUN, 0), isolation="none").isolation == "none"
+
+
+def test_local_none_stop_kills_background_processes(tmp_path: Path):
+    from agent.sandboxes.local import LocalSandbox
+
+    box = LocalSandbox(SandboxSpec(RUN, 0), isolation="none", base_dir=str(tmp_path))
+    box.start()
+    tag = 40_000 + os.getpid() % 10_000
+    box.run(f"sleep {tag} >/dev/null 2>&1 &", timeout_s=20)
+    assert f"sleep {tag}" in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    box.stop()
+    time.sleep(0.2)
+    assert f"sleep {tag}" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+# ============================================================================ Singularity (fake CLI)
+def apptainer_calls(home: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (home / "argv.log").read_text().splitlines()]
+
+
+def test_singularity_cli_calls(fake_apptainer: Path, tmp_path: Path):
+    from agent.sandboxes.singularity import SingularitySandbox
+
+    spec = SandboxSpec(RUN, 3, image="ubuntu:22.04", cwd="/srv/app", network=False, env={"A": "1"})
+    box = SingularitySandbox(spec, base_dir=str(tmp_path))
+    box.start()
+    assert box.run("pwd; echo $A", timeout_s=20).output == "/srv/app\n1\n"
+    name = box.instance
+    box.stop()
+    box.stop()
+    start, mkdir, run, stop = apptainer_calls(fake_apptainer)
+    overlay = start[start.index("--overlay") + 1]
+    assert start[:3] == ["instance", "start", "--containall"] and overlay.startswith(str(tmp_path))
+    assert start[-2:] == ["docker://ubuntu:22.04", name] and "--network" in start and "none" in start
+    assert mkdir == ["exec", "--cleanenv", f"instance://{name}", "mkdir", "-p", "/srv/app"]
+    assert run[:4] == ["exec", "--cleanenv", "--pwd", "/srv/app"] and "--env=A=1" in run
+    assert run[run.index(f"instance://{name}") + 1 :] == ["sh", "-c", "pwd; echo $A"]
+    assert stop == ["instance", "stop", "--force", name]
+    assert not Path(overlay).exists()
+
+
+@pytest.mark.parametrize(
+    ("overlay", "expected"),
+    [("tmpfs", ["--writable-tmpfs"]), ("image", ["--overlay"])],
+)
+def test_singularity_overlay_kinds(fake_apptainer: Path, tmp_path: Path, overlay: str, expected: list[str]):
+    from agent.sandboxes.singularity import SingularitySandbox
+
+    box = SingularitySandbox(SandboxSpec(RUN, 0), overlay=overlay, overlay_size_mb=64, base_dir=str(tmp_path))
+    box.start()
+    box.stop()
+    calls = apptainer_calls(fake_apptainer)
+    start = next(call for call in calls if call[:2] == ["instance", "start"])
+    assert all(flag in start for flag in expected)
+    if overlay == "image":
+        assert ["overlay", "create", "--size", "64"] == calls[0][:4]
+
+
+@pytest.mark.parametrize(
+    ("image", "ref"),
+    [
+        ("python:3.11", "docker://python:3.11"),
+        ("ghcr.io/org/img:tag", "docker://ghcr.io/org/img:tag"),
+        ("docker://ubuntu", "docker://ubuntu"),
+        ("library://alpine", "library://alpine"),
+        ("docker-daemon:local:latest", "docker-daemon:local:latest"),
+        ("/images/tool.sif", "/images/tool.sif"),
+        ("tool.sif", "tool.sif"),
+    ],
+)
+def test_singularity_image_refs(image: str, ref: str):
+    from agent.sandboxes.singularity import image_ref
+
+    assert image_ref(image) == ref
+
+
+def test_singularity_without_cli_fails_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    from agent.sandboxes.singularity import SingularitySandbox
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    box = SingularitySandbox(SandboxSpec(RUN, 0))
+    with pytest.raises(SandboxError, match="not found on PATH"):
+        box.start()
+    box.stop()
+
+
+# ============================================================================ Modal (fake SDK)
+def test_modal_sdk_calls(fake_modal):
+    from agent.sandboxes.modal import ModalSandbox
+
+    spec = SandboxSpec(RUN, 0, image="python:3.12-slim", cwd="proj", network=False, env={"A": "1"})
+    box = ModalSandbox(spec, cpu=2.0, memory_mb=1024, timeout_s=900, app_name="br-test")
+    box.start()
+    assert box.run("pwd; echo $A", timeout_s=20).output == "/workspace/proj\n1\n"
+    box.stop()
+    box.stop()
+    calls = dict(fake_modal.calls[:4])
+    assert calls["App.lookup"] == {"name": "br-test", "create_if_missing": True}
+    assert calls["Image.from_registry"] == {"tag": "python:3.12-slim"}
+    create = calls["Sandbox.create"]
+    assert (create["cpu"], create["memory"], create["timeout"], create["block_network"]) == (
+        2.0,
+        1024,
+        900,
+        True,
+    )
+    execs = [args for name, args in fake_modal.calls if name == "Sandbox.exec"]
+    assert execs[0]["args"] == ("mkdir", "-p", "/workspace/proj")
+    assert (
+        execs[1]["workdir"] == "/workspace/proj" and execs[1]["text"] is False and execs[1]["timeout"] == 20
+    )
+    assert [name for name, _ in fake_modal.calls].count("Sandbox.terminate") == 1
+
+
+def test_modal_without_the_sdk_fails_clearly(monkeypatch: pytest.MonkeyPatch):
+    from agent.sandboxes.modal import ModalSandbox
+
+    monkeypatch.setitem(sys.modules, "modal", None)  # makes "import modal" raise ImportError
+    box = ModalSandbox(SandboxSpec(RUN, 0))
+    with pytest.raises(SandboxError, match=r"pip install 'batch-runner\[modal\]'"):
+        box.start()
+    box.stop()
+
+
+# ============================================================================ options
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_unknown_option_is_rejected_with_the_valid_ones(backend: str):
+    with pytest.raises(
+        ValueError, match=r"unknown .* option\(s\): colour; valid options: .*output_cap_bytes"
+    ):
+        create_sandbox(backend, SandboxSpec(RUN, 0), {"colour": "blue"})
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "field"),
+    [
+        ("docker", {"cpus": "two"}, "cpus"),
+        ("docker", {"memory_mb": 0}, "memory_mb"),
+        ("docker", {"init": "yes"}, "init"),
+        ("local", {"isolation": "maybe"}, "isolation"),
+        ("local", {"output_cap_bytes": 1.5}, "output_cap_bytes"),
+        ("singularity", {"overlay": "zfs"}, "overlay"),
+        ("modal", {"timeout_s": -1}, "timeout_s"),
+    ],
+)
+def test_bad_option_value_names_the_field(backend: str, options: dict, field: str):
+    with pytest.raises(ValueError, match=field):
+        create_sandbox(backend, SandboxSpec(RUN, 0), options)
