@@ -25,13 +25,14 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
 from agent.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
 from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
-from agent.sandboxes import BACKENDS
+from agent.sandboxes import BACKENDS, SandboxSpec, create_sandbox
 from agent.tools.registry import available_toolsets, known_tool_names
 from agent.trajectory import first_human, reasoning_counts, used_tool_names
 from toolset_distributions import (
@@ -46,6 +47,7 @@ DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MOCK_MODEL = "mock"
 DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
 # Settings that define what the data is; a resume with other values would mix two datasets.
+POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
 
@@ -210,23 +212,37 @@ def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(settings: RunSettings, events: Any, sandbox_starts: Any, slots: int) -> None:
+def _worker_init(
+    settings: RunSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
+) -> None:
     """Once per worker process: client, registry and thread pool, so no prompt pays for them."""
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     known_tool_names()
+    address, authkey = inbox
     _WORKER.update(
         settings=settings,
-        events=events,
-        sandbox_starts=sandbox_starts,
+        conn=Client(address, authkey=authkey),
+        send_lock=threading.Lock(),
+        sandbox_starts=threading.BoundedSemaphore(start_slots),
         llm=LLMClient(settings.llm),
         slots=threading.BoundedSemaphore(slots),
         threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
     )
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the parent dies, so no orphan keeps running or spending."""
+def _send(event: dict[str, Any]) -> None:
+    event["pid"] = os.getpid()
+    with _WORKER["send_lock"]:
+        _WORKER["conn"].send(event)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this worker as soon as the runner dies, so no orphan keeps running prompts or spending.
+
+    The kernel signal covers our direct parent (the forkserver, which exits with the runner);
+    the watchdog thread covers the runner itself.
+    """
     try:
         import ctypes
 
@@ -234,13 +250,18 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    if os.getppid() == 1:
+
+    def watchdog() -> None:
+        while _pid_alive(parent_pid):
+            time.sleep(0.5)
         os._exit(1)
+
+    threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
 
 
 def _worker_run_batch(jobs: list[PromptJob]) -> int:
     """Claim a batch and start its prompts as slots free up; returns once all are started."""
-    _WORKER["events"].put({"kind": "claim", "batch_num": jobs[0].batch_num, "pid": os.getpid()})
+    _send({"kind": "claim", "batch_num": jobs[0].batch_num})
     for job in jobs:
         _WORKER["slots"].acquire()
         _WORKER["threads"].submit(_worker_run_one, job)
@@ -248,19 +269,66 @@ def _worker_run_batch(jobs: list[PromptJob]) -> int:
 
 
 def _worker_run_one(job: PromptJob) -> None:
-    events = _WORKER["events"]
     try:
         log = (
-            (lambda line: events.put({"kind": "log", "line": f"[{job.prompt_index}] {line}"}))
+            (lambda line: _send({"kind": "log", "line": f"[{job.prompt_index}] {line}"}))
             if _WORKER["settings"].verbose
             else None
         )
         outcome = run_prompt(
             job, _WORKER["settings"], _WORKER["llm"], sandbox_starts=_WORKER["sandbox_starts"], log=log
         )
-        events.put(outcome)
+        _send(outcome)
     finally:
         _WORKER["slots"].release()
+
+
+class Inbox:
+    """Where outcomes arrive: one private connection per worker.
+
+    Unlike a shared multiprocessing.Queue (one lock for all writers), a worker killed mid-send
+    cannot block the others, and the end of its connection tells the parent at once that it died.
+    """
+
+    def __init__(self) -> None:
+        authkey = os.urandom(16)
+        self._listener = Listener(family="AF_UNIX", authkey=authkey)
+        self.address = (self._listener.address, authkey)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.open_connections = 0  # live workers; 0 for long means the pool can no longer make any
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="inbox-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except (OSError, EOFError):
+                return  # closed
+            with self._lock:
+                self.open_connections += 1
+            threading.Thread(target=self._read, args=(conn,), name="inbox-read", daemon=True).start()
+
+    def _read(self, conn: Any) -> None:
+        pid = None
+        try:
+            while True:
+                ev = conn.recv()
+                pid = ev.get("pid", pid)
+                self.events.put(ev)
+        except (EOFError, OSError):
+            self.events.put({"kind": "worker_exit", "pid": pid})
+        finally:
+            conn.close()
+            with self._lock:
+                self.open_connections -= 1
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -309,6 +377,7 @@ class BatchRunner:
         self.started = time.monotonic()
         self.pbar = None
         self.done_indices: set[int] | None = None
+        self.isolation = "unknown"
 
     # -- the steps, top-down
 
@@ -319,6 +388,7 @@ class BatchRunner:
         todo = self.resume_filter(rows) if self.opts.resume else rows
         jobs = self.make_jobs(todo)
         self.print_plan(rows, jobs)
+        jobs = self.preflight(jobs)
         interrupted = False
         if jobs:
             try:
@@ -436,6 +506,126 @@ class BatchRunner:
             f"{self.opts.max_sandbox_starts} concurrent sandbox start-ups"
         )
 
+    def preflight(self, batches: list[list[PromptJob]]) -> list[list[PromptJob]]:
+        """Before any token is spent: the endpoint answers, the backend works, every image is present.
+
+        Fatal problems stop the run here; a missing image fails only its own prompts (no model call).
+        """
+        if batches:
+            self.check_endpoint()
+        backend = self.settings.sandbox_backend
+        if backend == "local":
+            self.preflight_local(batches)
+            return batches
+        if backend == "singularity":
+            from agent.sandboxes.singularity import find_executable
+
+            try:
+                print(
+                    f"Singularity/Apptainer CLI: {find_executable(self.settings.sandbox_options.get('executable', ''))}"
+                )
+            except Exception as exc:
+                raise UsageError(f"--sandbox=singularity: {exc}") from None
+            return batches
+        if backend == "modal":
+            try:
+                import modal  # noqa: F401
+            except ImportError:
+                raise UsageError(
+                    "--sandbox=modal needs the modal SDK: pip install 'batch-runner[modal]'"
+                ) from None
+            return batches
+        return self.preflight_docker(batches)
+
+    def check_endpoint(self) -> None:
+        """One cheap request: an unreachable endpoint or a rejected key is a clear error, once."""
+        import openai
+
+        cfg = self.settings.llm
+        client = openai.OpenAI(
+            base_url=cfg.base_url, api_key=cfg.api_key or NO_KEY, max_retries=1, timeout=15
+        )
+        try:
+            client.models.list()
+        except openai.AuthenticationError as exc:
+            raise UsageError(
+                f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.status_code})"
+            ) from None
+        except openai.APIConnectionError as exc:
+            raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {exc}") from None
+        except Exception:
+            pass  # some servers have no /models; the first real request will tell
+
+    def preflight_local(self, batches: list[list[PromptJob]]) -> None:
+        from agent.sandboxes.local import bwrap_problem
+
+        isolation = self.settings.sandbox_options.get("isolation", "auto")
+        problem = bwrap_problem() if isolation != "none" else "isolation disabled (--local_isolation=none)"
+        self.isolation = "none" if problem else "bwrap"
+        if problem:
+            if isolation == "bwrap":
+                raise UsageError(f"--local_isolation=bwrap: {problem}")
+            print(
+                f"warning: the local sandbox has NO isolation: commands run on this machine as this user ({problem})"
+            )
+        else:
+            print(
+                "Local sandbox isolation: bubblewrap (host read-only, private workdir and /tmp, own PID namespace)"
+            )
+        with_image = sum(1 for b in batches for j in b if j.image)
+        if with_image:
+            print(
+                f"warning: {with_image} prompt(s) name a container image, which the local backend ignores; "
+                "use --sandbox=docker to run them in their images"
+            )
+
+    def preflight_docker(self, batches: list[list[PromptJob]]) -> list[list[PromptJob]]:
+        from agent.sandboxes.docker_engine import check_engine, ensure_images, sweep_containers
+
+        try:
+            version = check_engine()
+        except Exception as exc:
+            raise UsageError(str(exc)) from None
+        print(f"Docker engine {version}")
+        self.isolation = "docker"
+        removed = sweep_containers(self.opts.run_name)
+        if removed:
+            print(
+                f"Removed {len(removed)} leftover container(s) of an earlier run named {self.opts.run_name}"
+            )
+        default = self.settings.sandbox_options["default_image"]
+        images = sorted({j.image or default for b in batches for j in b})
+        if not images:
+            return batches
+        print(f"Checking {len(images)} image(s); missing ones are pulled once")
+        status = ensure_images(images, max_concurrent=4, progress=lambda m: print(f"  {m}"))
+        width = max(len(i) for i in images)
+        for image in images:
+            print(
+                f"  {image:<{width}}  {'ready' if status[image] is None else 'NOT AVAILABLE: ' + str(status[image])}"
+            )
+        bad = {i: e for i, e in status.items() if e is not None}
+        if not bad:
+            return batches
+        out = []
+        for batch in batches:
+            out.append(
+                [
+                    dataclasses.replace(
+                        j,
+                        fail_reason=f"image {(j.image or default)!r} not available: {bad[j.image or default]}",
+                    )
+                    if (j.image or default) in bad
+                    else j
+                    for j in batch
+                ]
+            )
+        n = sum(1 for b in out for j in b if j.fail_reason)
+        print(
+            f"warning: {n} prompt(s) will fail without a model call because their image is missing; --resume runs them once it exists"
+        )
+        return out
+
     def dispatch(self, batches: list[list[PromptJob]]) -> None:
         """Fan batches out to the pool and write every outcome the moment it arrives."""
         from tqdm import tqdm
@@ -444,46 +634,67 @@ class BatchRunner:
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["openai", "agent.runner", "agent.tools.file", "agent.tools.terminal"])
-        events = ctx.Queue()
-        starts = ctx.BoundedSemaphore(self.opts.max_sandbox_starts)
+        inbox = Inbox()
         outstanding = {b[0].batch_num: {j.prompt_index for j in b} for b in batches}
-        total = sum(len(b) for b in batches)
-        claims: dict[int, int] = {}
-        self.pbar = tqdm(total=total, unit="prompt", dynamic_ncols=True, file=sys.stderr)
+        by_num = {b[0].batch_num: b for b in batches}
+        claims: dict[int, set[int]] = collections.defaultdict(set)  # worker pid -> batches it took
+        remaining = sum(len(b) for b in batches)
+        self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
+        start_slots = max(1, self.opts.max_sandbox_starts // self.opts.num_workers)
         pool = ctx.Pool(
             self.opts.num_workers,
             initializer=_worker_init,
-            initargs=(self.settings, events, starts, self.opts.prompts_per_worker),
+            initargs=(self.settings, inbox.address, self.opts.prompts_per_worker, start_slots, os.getpid()),
         )
+        previous_term = signal.signal(signal.SIGTERM, _interrupt)
         try:
             for batch in batches:
                 pool.apply_async(_worker_run_batch, (batch,))
-            remaining = total
-            last_check = time.monotonic()
+            last_alive = time.monotonic()
             while remaining:
                 try:
-                    ev = events.get(timeout=0.5)
+                    ev = inbox.events.get(timeout=1.0)
                 except queue.Empty:
-                    ev = None
-                if ev is not None:
-                    remaining -= self.handle_event(ev, outstanding, claims)
-                if time.monotonic() - last_check > 1.0:
-                    last_check = time.monotonic()
-                    remaining -= self.fail_lost_prompts(outstanding, claims, batches)
+                    if inbox.open_connections:
+                        last_alive = time.monotonic()
+                    elif time.monotonic() - last_alive > POOL_DEAD_AFTER_S:
+                        remaining -= self.fail_all_outstanding(outstanding, by_num)
+                        print(
+                            "error: no worker process has been alive for a while; the pool is broken",
+                            file=sys.stderr,
+                        )
+                    continue
+                if ev["kind"] == "claim":
+                    claims[ev["pid"]].add(ev["batch_num"])
+                elif ev["kind"] == "worker_exit":
+                    remaining -= self.fail_lost_prompts(
+                        claims.pop(ev["pid"], set()), ev["pid"], outstanding, by_num
+                    )
+                else:
+                    remaining -= self.handle_event(ev, outstanding)
             # Only now: a worker exits on close once its queue is empty, even with prompts still running.
             pool.close()
             pool.join()
         finally:
+            signal.signal(signal.SIGTERM, previous_term)
             pool.terminate()
+            inbox.close()
+            self.remove_leftover_sandboxes()
             self.pbar.close()
 
-    def handle_event(
-        self, ev: dict[str, Any], outstanding: dict[int, set[int]], claims: dict[int, int]
-    ) -> int:
+    def remove_leftover_sandboxes(self) -> None:
+        """After the pool ends (normally, Ctrl-C or a crash of a worker): no container of ours survives."""
+        if self.settings.sandbox_backend != "docker":
+            return
+        from agent.sandboxes.docker_engine import remove_owned_containers
+
+        removed = remove_owned_containers(self.settings.sandbox_options["run_owner"])
+        if removed:
+            print(f"Removed {len(removed)} container(s) left by interrupted prompts", file=sys.stderr)
+
+    def handle_event(self, ev: dict[str, Any], outstanding: dict[int, set[int]]) -> int:
+        """Record one outcome (or print a log line); returns how many prompts it settled."""
         kind = ev["kind"]
-        if kind == "claim":
-            claims[ev["batch_num"]] = ev["pid"]
-            return 0
         if kind == "log":
             self.pbar.write(self.redact(ev["line"]), file=sys.stderr)
             return 0
@@ -546,26 +757,36 @@ class BatchRunner:
                 )
 
     def fail_lost_prompts(
-        self, outstanding: dict[int, set[int]], claims: dict[int, int], batches: list[list[PromptJob]]
+        self,
+        batch_nums: set[int],
+        pid: int,
+        outstanding: dict[int, set[int]],
+        by_num: dict[int, list[PromptJob]],
+        error_class: str = "worker_died",
     ) -> int:
-        """Prompts of a batch whose worker died will never report: record them as failed (re-run on resume)."""
+        """A worker died: its unfinished prompts will never report, so record them as failed (re-run on resume)."""
         lost = 0
-        by_num = {b[0].batch_num: b for b in batches}
-        for batch_num, pid in list(claims.items()):
-            if batch_num in outstanding and not _pid_alive(pid):
-                for job in by_num[batch_num]:
-                    if job.prompt_index in outstanding[batch_num]:
-                        ev = {
-                            "kind": FAILED,
-                            "batch_num": batch_num,
-                            "prompt_index": job.prompt_index,
-                            "prompt": job.prompt,
-                            "error_class": "worker_died",
-                            "error": f"worker process {pid} died",
-                        }
-                        lost += self.handle_event(ev, outstanding, claims)
-                claims.pop(batch_num, None)
+        for batch_num in batch_nums:
+            for job in by_num[batch_num]:
+                if job.prompt_index in outstanding.get(batch_num, ()):
+                    ev = {
+                        "kind": FAILED,
+                        "batch_num": batch_num,
+                        "prompt_index": job.prompt_index,
+                        "prompt": job.prompt,
+                        "error_class": error_class,
+                        "error": f"worker process {pid} ended before the prompt finished"
+                        if pid > 0
+                        else "no worker process could run it",
+                    }
+                    lost += self.handle_event(ev, outstanding)
         return lost
+
+    def fail_all_outstanding(
+        self, outstanding: dict[int, set[int]], by_num: dict[int, list[PromptJob]]
+    ) -> int:
+        """The pool cannot start workers any more: every unfinished prompt fails (re-run on resume)."""
+        return self.fail_lost_prompts(set(outstanding), -1, outstanding, by_num, "pool_broken")
 
     def write_checkpoint(self) -> None:
         """Resume state after each batch. Informational: --resume trusts the batch files' content."""
@@ -646,6 +867,7 @@ class BatchRunner:
             "model": self.settings.llm.model,
             "distribution": self.opts.distribution,
             "sandbox": self.settings.sandbox_backend,
+            "isolation": self.isolation,
             "dataset_prompts": len(rows),
             "trajectories": merged.get("kept", 0),
             "completed": completed,
@@ -847,6 +1069,11 @@ def main(
     max_sandbox_starts: int = 8,
     sandbox: str | None = None,
     default_image: str = DEFAULT_DOCKER_IMAGE,
+    local_isolation: str = "auto",
+    container_cpus: float = 1.0,
+    container_memory_mb: int = 2048,
+    container_pids_limit: int = 512,
+    sandbox_network: bool = True,
     tool_timeout: float = 180.0,
     prompt_timeout: float = 1800.0,
     request_timeout: float = 600.0,
@@ -951,7 +1178,8 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
             tool_timeout_s=float(f["tool_timeout"]),
         ),
         sandbox_backend=backend,
-        sandbox_options=_sandbox_options(backend, f),
+        sandbox_options=_sandbox_options(backend, f, str(f["run_name"])),
+        sandbox_network=bool(f["sandbox_network"]),
         ephemeral_system_prompt=f["ephemeral_system_prompt"],
         prefill_messages=prefill,
         require_reasoning=not f["keep_no_reasoning"],
@@ -991,10 +1219,35 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
     return opts, settings, manifest, Redactor(api_key), mock
 
 
-def _sandbox_options(backend: str, f: dict[str, Any]) -> dict[str, Any]:
-    if backend in ("docker", "singularity", "modal"):
-        return {"default_image": f["default_image"]}
-    return {}
+def _sandbox_options(backend: str, f: dict[str, Any], run_name: str) -> dict[str, Any]:
+    options = _backend_options(backend, f)
+    try:  # build (not start) one sandbox so a bad option fails now, naming the field
+        create_sandbox(backend, SandboxSpec(run_name=run_name, prompt_index=-1), options)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return options
+
+
+def _backend_options(backend: str, f: dict[str, Any]) -> dict[str, Any]:
+    """Backend options from the flags; each backend's options dataclass validates them at start."""
+    if backend == "local":
+        if f["local_isolation"] not in ("auto", "bwrap", "none"):
+            raise UsageError(f"--local_isolation must be auto, bwrap or none; got {f['local_isolation']!r}")
+        return {"isolation": f["local_isolation"]}
+    options: dict[str, Any] = {"default_image": str(f["default_image"])}
+    if backend == "docker":
+        from agent.sandboxes.docker_engine import default_owner
+
+        options.update(
+            cpus=float(f["container_cpus"]),
+            memory_mb=int(f["container_memory_mb"]),
+            pids_limit=int(f["container_pids_limit"]),
+            network_mode="bridge" if f["sandbox_network"] else "none",
+            run_owner=default_owner(),
+        )
+    elif backend == "modal":
+        options.update(cpu=float(f["container_cpus"]), memory_mb=int(f["container_memory_mb"]))
+    return options
 
 
 if __name__ == "__main__":

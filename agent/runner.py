@@ -44,6 +44,7 @@ class RunSettings:
     limits: LoopLimits
     sandbox_backend: str = "local"
     sandbox_options: dict[str, Any] = field(default_factory=dict)
+    sandbox_network: bool = True  # whether the prompt's commands may reach the network
     output_cap_bytes: int = 64 * 1024
     ephemeral_system_prompt: str | None = None
     prefill_messages: tuple[dict[str, Any], ...] = ()
