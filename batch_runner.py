@@ -672,10 +672,9 @@ class BatchRunner:
                     )
                 else:
                     remaining -= self.handle_event(ev, outstanding)
-            # Only now: a worker exits on close once its queue is empty, even with prompts still running.
-            pool.close()
-            pool.join()
         finally:
+            # Every outcome is in (each is sent after its sandbox stopped), so ending the workers
+            # loses nothing. Not close()+join(): join waits forever on a pool whose forkserver died.
             signal.signal(signal.SIGTERM, previous_term)
             pool.terminate()
             inbox.close()

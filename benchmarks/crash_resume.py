@@ -75,6 +75,13 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:60]
+    except OSError:
+        return "?"
+
+
 def trajectories(out: Path) -> collections.Counter[str]:
     got: collections.Counter[str] = collections.Counter()
     path = out / "crash" / "trajectories.jsonl"
@@ -85,7 +92,9 @@ def trajectories(out: Path) -> collections.Counter[str]:
     return got
 
 
-def run_until_done(dataset: Path, out: Path, server: FakeModelServer, kills: int, rng: random.Random, log) -> int:
+def run_until_done(
+    dataset: Path, out: Path, server: FakeModelServer, kills: int, rng: random.Random, log
+) -> int:
     rounds = 0
     while True:
         resume = (out / "crash").exists()
@@ -105,7 +114,9 @@ def run_until_done(dataset: Path, out: Path, server: FakeModelServer, kills: int
                 if how == "parent":
                     os.kill(proc.pid, signal.SIGKILL)
                 elif how == "worker" and victims:
-                    os.kill(rng.choice(victims), signal.SIGKILL)
+                    victim = rng.choice(victims)
+                    how += " " + _cmdline(victim)
+                    os.kill(victim, signal.SIGKILL)
                 else:
                     os.killpg(proc.pid, signal.SIGKILL)
             log(f"round {rounds}: killed {how}")
@@ -135,7 +146,9 @@ def check(prompts: list[str], out: Path, server: FakeModelServer, calls_per_prom
     stats = server.stats()
     in_flight = stats["in_flight"]
     if in_flight:
-        problems.append(f"{in_flight} model requests still in flight after the run: an orphan worker is running")
+        problems.append(
+            f"{in_flight} model requests still in flight after the run: an orphan worker is running"
+        )
     return problems
 
 
