@@ -47,6 +47,9 @@ DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MOCK_MODEL = "mock"
 DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
 # Settings that define what the data is; a resume with other values would mix two datasets.
+TOOL_MODULES = [
+    f"agent.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
+]
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
@@ -113,6 +116,13 @@ def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tup
         return f"field 'prompt' must be a string, got {type(prompt).__name__}", None
     if not prompt.strip():
         return "field 'prompt' is empty", None
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        return (
+            "field 'prompt' holds an unpaired surrogate escape (\\ud800-\\udfff), not valid Unicode text",
+            None,
+        )
     image = obj.get("image") or obj.get("docker_image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
         return "field 'image'/'docker_image' must be a non-empty string", None
@@ -198,6 +208,25 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
             yield obj if isinstance(obj, dict) else None
 
 
+def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
+    """Stream a JSONL file as (line bytes, parsed object or None when torn/invalid)."""
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield raw, None
+                continue
+            yield raw, obj if isinstance(obj, dict) else None
+
+
+def _key(text: str) -> bytes:
+    """A prompt's identity for resume and de-duplication: a digest, so memory does not grow with prompt size."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for p in run_dir.glob("batch_*.jsonl"):
@@ -271,7 +300,7 @@ def _worker_run_batch(jobs: list[PromptJob]) -> int:
 def _worker_run_one(job: PromptJob) -> None:
     try:
         log = (
-            (lambda line: _send({"kind": "log", "line": f"[{job.prompt_index}] {line}"}))
+            (lambda entry: _send({"kind": "log", "prompt_index": job.prompt_index, **entry}))
             if _WORKER["settings"].verbose
             else None
         )
@@ -281,6 +310,55 @@ def _worker_run_one(job: PromptJob) -> None:
         _send(outcome)
     finally:
         _WORKER["slots"].release()
+
+
+class MergeTotals:
+    """Statistics accumulated over the merged records, one record at a time."""
+
+    def __init__(self, tool_names: list[str]):
+        self.tool_stats = {n: {"count": 0, "success": 0, "failure": 0} for n in tool_names}
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.finished: collections.Counter[bytes] = (
+            collections.Counter()
+        )  # prompt key -> records in batch files
+        self.kept = self.completed = self.partial = self.api_calls = 0
+        self.with_reasoning = self.without_reasoning = 0
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.kept += 1
+        for name, s in (rec.get("tool_stats") or {}).items():
+            t = self.tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            t["count"] += s.get("count", 0)
+            t["success"] += s.get("success", 0)
+            t["failure"] += s.get("failure", 0)
+        w, n = reasoning_counts(rec.get("conversations", []))
+        self.with_reasoning += w
+        self.without_reasoning += n - w
+        self.completed += bool(rec.get("completed"))
+        self.partial += bool(rec.get("partial"))
+        self.api_calls += rec.get("api_calls", 0) or 0
+
+    def summary(self) -> dict[str, Any]:
+        tools = {
+            name: {**t, "success_rate": round(t["success"] / t["count"], 4) if t["count"] else None}
+            for name, t in self.tool_stats.items()
+        }
+        turns = self.with_reasoning + self.without_reasoning
+        return {
+            "trajectories": self.kept,
+            "completed": self.completed,
+            "partial": self.partial,
+            "api_calls_in_trajectories": self.api_calls,
+            "dropped_at_merge": {
+                k: self.dropped.get(k, 0) for k in ("invalid_lines", "unknown_tool", "duplicate")
+            },
+            "tool_stats": tools,
+            "reasoning": {
+                "turns_with_reasoning": self.with_reasoning,
+                "turns_without_reasoning": self.without_reasoning,
+                "coverage": round(self.with_reasoning / turns, 4) if turns else None,
+            },
+        }
 
 
 class Inbox:
@@ -399,8 +477,8 @@ class BatchRunner:
                     "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
                     file=sys.stderr,
                 )
-        merged = self.merge(rows)
-        stats = self.statistics(rows, merged)
+        totals = self.merge(rows)
+        stats = self.statistics(rows, totals)
         self.print_summary(stats, interrupted)
         return self.exit_code(stats, interrupted)
 
@@ -445,32 +523,44 @@ class BatchRunner:
         done = self.scan_finished()
         todo = []
         for row in rows:
-            if done[row.prompt] > 0:
-                done[row.prompt] -= 1
+            key = self.prompt_key(row.prompt)
+            if done[key] > 0:
+                done[key] -= 1
             else:
                 todo.append(row)
         print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
         return todo
 
-    def scan_finished(self) -> collections.Counter[str]:
-        """Prompt text → number of finished outcomes (trajectories, and discards unless re-run)."""
-        done: collections.Counter[str] = collections.Counter()
+    def prompt_key(self, prompt: str) -> bytes:
+        """A dataset prompt's key as it appears in saved records (secrets in it were redacted there)."""
+        return _key(self.redact(prompt))
+
+    def scan_finished(self) -> collections.Counter[bytes]:
+        """Prompt key → number of finished outcomes (trajectories, and discards unless re-run)."""
+        done: collections.Counter[bytes] = collections.Counter()
         for _, path in batch_files(self.run_dir):
             for rec in iter_jsonl(path):
                 text = first_human(rec.get("conversations", [])) if rec else None
                 if text is not None:
-                    done[text] += 1
+                    done[_key(text)] += 1
+        self.add_discards(done)
+        return done
+
+    def add_discards(self, done: collections.Counter[bytes]) -> None:
+        """Discarded prompts count as finished unless --rerun_discarded (they cost money to redo)."""
         discards = self.run_dir / "discarded.jsonl"
         if discards.exists() and not self.opts.rerun_discarded:
             for rec in iter_jsonl(discards):
                 if rec and isinstance(rec.get("prompt"), str):
-                    done[rec["prompt"]] += 1
-        return done
+                    done[_key(rec["prompt"])] += 1
 
     def make_jobs(self, rows: list[Row]) -> list[list[PromptJob]]:
         """Sample toolsets (reproducibly per prompt) and cut the rows into new batches."""
         first = max((n for n, _ in batch_files(self.run_dir)), default=-1) + 1
-        offered = available_toolsets()
+        try:
+            offered = available_toolsets(self.settings.tool_extra)
+        except ValueError as exc:
+            raise UsageError(f"toolset configuration: {exc}") from None
         missing: collections.Counter[str] = collections.Counter()
         batches: list[list[PromptJob]] = []
         for i, row in enumerate(rows):
@@ -633,7 +723,7 @@ class BatchRunner:
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["openai", "agent.runner", "agent.tools.file", "agent.tools.terminal"])
+        ctx.set_forkserver_preload(["openai", "agent.runner", *TOOL_MODULES])
         inbox = Inbox()
         outstanding = {b[0].batch_num: {j.prompt_index for j in b} for b in batches}
         by_num = {b[0].batch_num: b for b in batches}
@@ -695,7 +785,7 @@ class BatchRunner:
         """Record one outcome (or print a log line); returns how many prompts it settled."""
         kind = ev["kind"]
         if kind == "log":
-            self.pbar.write(self.redact(ev["line"]), file=sys.stderr)
+            self.pbar.write(self.format_log(ev), file=sys.stderr)
             return 0
         batch_num, index = ev["batch_num"], ev["prompt_index"]
         if index not in outstanding.get(batch_num, ()):
@@ -714,6 +804,16 @@ class BatchRunner:
             refresh=False,
         )
         return 1
+
+    def format_log(self, ev: dict[str, Any]) -> str:
+        """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""
+        n = self.settings.log_prefix_chars
+
+        def cut(text: str) -> str:
+            text = self.redact(text)
+            return text if len(text) <= n else text[:n] + "..."
+
+        return f"[{ev['prompt_index']}] {ev['tool']}({cut(ev['args'])}) -> {cut(ev['result'])}"
 
     def record_outcome(self, ev: dict[str, Any]) -> None:
         """Write one outcome durably: trajectories to their batch file, discards and failures aside."""
@@ -805,62 +905,48 @@ class BatchRunner:
         }
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
 
-    def merge(self, rows: list[Row]) -> dict[str, Any]:
-        """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras."""
-        wanted = collections.Counter(r.prompt for r in rows)
-        kept: collections.Counter[str] = collections.Counter()
+    def merge(self, rows: list[Row]) -> MergeTotals:
+        """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras.
+
+        One pass: each kept line is copied as written (already redacted) and counted for the
+        statistics, so memory stays flat and each record is parsed once.
+        """
+        wanted = collections.Counter(self.prompt_key(r.prompt) for r in rows)
+        kept: collections.Counter[bytes] = collections.Counter()
         known = set(known_tool_names())
-        info = collections.Counter()
+        totals = MergeTotals(known_tool_names())
         out = self.run_dir / "trajectories.jsonl"
         tmp = out.with_name(f".trajectories.jsonl.{os.getpid()}.tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
+        with tmp.open("wb") as fh:
             for _, path in batch_files(self.run_dir):
-                for rec in iter_jsonl(path):
+                for raw, rec in iter_jsonl_raw(path):
                     text = first_human(rec.get("conversations", [])) if rec else None
                     if text is None:
-                        info["invalid_lines"] += 1
+                        totals.dropped["invalid_lines"] += 1
                         continue
+                    key = _key(text)
+                    totals.finished[key] += 1
                     if used_tool_names(rec) - known:
-                        info["unknown_tool"] += 1
+                        totals.dropped["unknown_tool"] += 1
                         continue
-                    if text in wanted and kept[text] >= wanted[text]:
-                        info["duplicate"] += 1
+                    if key in wanted and kept[key] >= wanted[key]:
+                        totals.dropped["duplicate"] += 1
                         continue
-                    kept[text] += 1
-                    info["kept"] += 1
-                    fh.write(self.redact(json.dumps(rec, ensure_ascii=False)) + "\n")
+                    kept[key] += 1
+                    totals.add(rec)
+                    fh.write(raw if raw.endswith(b"\n") else raw + b"\n")
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
         _fsync_dir(self.run_dir)
         self.done_indices = None  # recount from the files once, at the end
         self.write_checkpoint()
-        return dict(info)
+        return totals
 
-    def statistics(self, rows: list[Row], merged: dict[str, Any]) -> dict[str, Any]:
+    def statistics(self, rows: list[Row], totals: MergeTotals) -> dict[str, Any]:
         """Statistics over the merged output of every run of this run name, plus this run's counters."""
-        tool_stats: dict[str, dict[str, Any]] = {
-            n: {"count": 0, "success": 0, "failure": 0} for n in known_tool_names()
-        }
-        with_r = without_r = completed = partial = 0
-        api_calls = 0
-        for rec in iter_jsonl(self.run_dir / "trajectories.jsonl"):
-            if not rec:
-                continue
-            for name, s in rec.get("tool_stats", {}).items():
-                t = tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
-                for k in ("count", "success", "failure"):
-                    t[k] += s.get(k, 0)
-            w, n = reasoning_counts(rec.get("conversations", []))
-            with_r, without_r = with_r + w, without_r + n - w
-            completed += bool(rec.get("completed"))
-            partial += bool(rec.get("partial"))
-            api_calls += rec.get("api_calls", 0)
-        for t in tool_stats.values():
-            t["success_rate"] = round(t["success"] / t["count"], 4) if t["count"] else None
         discards_all = _count_field(self.run_dir / "discarded.jsonl", "reason")
         failures_all = _count_field(self.run_dir / "failed.jsonl", "error_class")
-        remaining = len(self.resume_filter_quiet(rows))
         stats = {
             "run_name": self.opts.run_name,
             "model": self.settings.llm.model,
@@ -868,20 +954,10 @@ class BatchRunner:
             "sandbox": self.settings.sandbox_backend,
             "isolation": self.isolation,
             "dataset_prompts": len(rows),
-            "trajectories": merged.get("kept", 0),
-            "completed": completed,
-            "partial": partial,
-            "api_calls_in_trajectories": api_calls,
-            "dropped_at_merge": {k: merged.get(k, 0) for k in ("invalid_lines", "unknown_tool", "duplicate")},
+            **totals.summary(),
             "discarded": {"total": sum(discards_all.values()), "by_reason": discards_all},
             "failed_attempts": {"total": sum(failures_all.values()), "by_class": failures_all},
-            "remaining_for_resume": remaining,
-            "tool_stats": tool_stats,
-            "reasoning": {
-                "turns_with_reasoning": with_r,
-                "turns_without_reasoning": without_r,
-                "coverage": round(with_r / (with_r + without_r), 4) if with_r + without_r else None,
-            },
+            "remaining_for_resume": self.count_remaining(rows, totals),
             "this_run": {
                 "attempted": self.counts[TRAJECTORY] + self.counts[DISCARDED] + self.counts[FAILED],
                 "trajectories": self.counts[TRAJECTORY],
@@ -901,14 +977,17 @@ class BatchRunner:
         write_json_atomic(self.run_dir / "statistics.json", stats, self.redact)
         return stats
 
-    def resume_filter_quiet(self, rows: list[Row]) -> list[Row]:
-        done = self.scan_finished()
-        left = []
+    def count_remaining(self, rows: list[Row], totals: MergeTotals) -> int:
+        """Dataset rows a --resume would run: no trajectory and (unless re-run) no discard yet."""
+        done = collections.Counter(totals.finished)
+        self.add_discards(done)
+        left = 0
         for row in rows:
-            if done[row.prompt] > 0:
-                done[row.prompt] -= 1
+            key = self.prompt_key(row.prompt)
+            if done[key] > 0:
+                done[key] -= 1
             else:
-                left.append(row)
+                left += 1
         return left
 
     def print_summary(self, stats: dict[str, Any], interrupted: bool) -> None:
@@ -978,7 +1057,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def resume_command() -> str:
-    args = [a for a in sys.argv[1:] if not a.startswith("--resume")]
+    """The command that continues this run; the API key is left out (it comes from the environment)."""
+    args = [a for a in sys.argv[1:] if not a.startswith(("--resume", "--api_key", "--api-key"))]
     return " ".join(["python", "batch_runner.py", *args, "--resume"])
 
 
@@ -1184,6 +1264,7 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         require_reasoning=not f["keep_no_reasoning"],
         verbose=bool(f["verbose"]),
         log_prefix_chars=int(f["log_prefix_chars"]),
+        tool_extra=_tool_extra(llm, Path(str(f["output_dir"])) / str(f["run_name"])),
     )
     opts = Options(
         dataset_file=str(f["dataset_file"]),
@@ -1216,6 +1297,19 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         "host": socket.gethostname(),
     }
     return opts, settings, manifest, Redactor(api_key), mock
+
+
+def _tool_extra(llm: LLMConfig, run_dir: Path) -> dict[str, Any]:
+    """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings."""
+    from agent.tools.config import tool_env_snapshot
+
+    return {
+        "llm_base_url": llm.base_url,
+        "llm_api_key": llm.api_key,
+        "llm_model": llm.model,
+        "run_dir": str(run_dir.resolve()),
+        "tool_env": tool_env_snapshot(),
+    }
 
 
 def _sandbox_options(backend: str, f: dict[str, Any], run_name: str) -> dict[str, Any]:

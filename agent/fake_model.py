@@ -13,7 +13,8 @@ Server (standard library only)::
     python -m agent.fake_model --port 8000 --latency 0.1   # prints its base_url, serves until killed
 
 Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models`` (lists ``mock``), ``GET /stats``
-(the counters as JSON; status_counts keys become strings there), ``POST /reset``.
+(the counters as JSON; status_counts keys become strings there), ``POST /reset``, and for the
+image tools ``POST /v1/images/generations`` (see "Images" below).
 With ``api_key=...`` the ``/v1/*`` endpoints demand ``Authorization: Bearer <key>`` (else 401).
 Streaming is not supported (``stream: true`` gets 400).
 
@@ -72,6 +73,15 @@ Server-side 429/5xx answers also carry ``retry-after-ms: 1``: the ``openai`` SDK
 with it the SDK's retries are immediate and tests stay fast. The request's ``reasoning``,
 ``provider`` and ``max_tokens`` fields do not change the policy; they are kept in
 ``stats()["last_requests"]`` for inspection.
+
+Images (vision and image generation)
+------------------------------------
+A request whose last user message holds ``image_url`` parts (vision) is answered as usual, plus a
+sentence naming each image: ``I see image 1: image/png 8x6, sha256 <12 hex>.`` (data URLs are
+decoded; other URLs are only named). ``POST /v1/images/generations`` (``prompt``, ``size`` "WxH",
+``response_format`` b64_json (default) or url) returns one solid-colour PNG of that size whose
+colour derives from the prompt (:func:`agent.fake_services.color_for`); with ``url`` it is served
+at ``GET /v1/images/files/<name>.png``. ``[error:CODE]`` in the prompt answers HTTP CODE.
 
 Reading the reasoning through the ``openai`` SDK: the response models allow extra fields, so
 ``msg = completion.choices[0].message`` gives ``msg.reasoning_content``, ``msg.reasoning`` and
@@ -381,6 +391,9 @@ class _Script:
                 if self.last_tool is not None:
                     quoted = " ".join(self.last_tool.split())[:80]
                     content += f" The last tool result said: {quoted}"
+                seen = _describe_images(self.messages)
+                if seen:
+                    content += f" {seen}"
                 action, finish = "give the final answer", "stop"
         reasoning = self.reasoning_text(action)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
@@ -540,6 +553,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             model = {"id": MOCK_MODEL, "object": "model", "created": 0, "owned_by": "fake_model"}
             self._json(200, {"object": "list", "data": [model]})
+        elif path.startswith(("/v1/images/files/", "/images/files/")):
+            self._image_file(path.rsplit("/", 1)[-1])
         else:
             self._error(404, f"Unknown path {path!r} (mock)")
 
@@ -554,6 +569,13 @@ class _Handler(BaseHTTPRequestHandler):
             fake._enter()
             try:
                 self._chat(raw)
+            finally:
+                fake._leave()
+        elif path in ("/v1/images/generations", "/images/generations"):
+            fake = self.server.fake
+            fake._enter()
+            try:
+                self._images(raw)
             finally:
                 fake._leave()
         else:
@@ -621,6 +643,62 @@ class _Handler(BaseHTTPRequestHandler):
         fake._count(200, completion["usage"])
         self._json(200, completion)
 
+    # -- images (vision answers are in the policy; see "Images" in the module docstring) ----
+
+    def _images(self, raw: bytes) -> None:
+        import base64
+
+        from agent.fake_services import color_for, make_png
+
+        fake = self.server.fake
+        if not self._authorized():
+            fake._count(401)
+            self._error(401)
+            return
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str) or not body["prompt"]:
+            fake._count(400)
+            self._error(400, "'prompt' must be a non-empty string")
+            return
+        fake._record_request(body)
+        d = parse_directives(body["prompt"])
+        if d.error is not None:
+            fake._count(d.error)
+            self._error(d.error, f"Scripted error {d.error} (mock directive [error:{d.error}])")
+            return
+        m = re.fullmatch(r"(\d{1,4})x(\d{1,4})", str(body.get("size") or "1024x1024"))
+        if m is None or not (0 < int(m.group(1)) <= 4096 and 0 < int(m.group(2)) <= 4096):
+            fake._count(400)
+            self._error(400, f"Unsupported size {body.get('size')!r} (mock)")
+            return
+        png = make_png(int(m.group(1)), int(m.group(2)), color_for(body["prompt"]))
+        item: dict[str, Any] = {"revised_prompt": body["prompt"]}
+        if body.get("response_format") == "url":
+            name = hashlib.sha256(png).hexdigest()[:16] + ".png"
+            fake._store_image(name, png)
+            host, port = self.server.server_address[:2]
+            item["url"] = f"http://{host}:{port}/v1/images/files/{name}"
+        else:
+            item["b64_json"] = base64.b64encode(png).decode("ascii")
+        fake._count(200)
+        self._json(200, {"created": int(time.time()), "data": [item]})
+
+    def _image_file(self, name: str) -> None:
+        png = self.server.fake._images.get(name)
+        if png is None:
+            self._error(404, f"No image {name!r} (mock)")
+        else:
+            self._send(200, png, "image/png")
+
+
+def _describe_images(messages: list[dict[str, Any]]) -> str | None:
+    from agent.fake_services import describe_images
+
+    return describe_images(messages)
+
 
 class FakeModelServer:
     """The scripted model served over HTTP on a daemon thread. See the module docstring."""
@@ -642,6 +720,7 @@ class FakeModelServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._images: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # served by URL
         self.reset_stats()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -746,6 +825,12 @@ class FakeModelServer:
             seen = self._by_prompt[prompt]
             self._by_prompt[prompt] = seen + 1
             return seen
+
+    def _store_image(self, name: str, png: bytes) -> None:
+        with self._lock:
+            self._images[name] = png
+            while len(self._images) > 100:
+                self._images.popitem(last=False)
 
     def _record_request(self, body: dict[str, Any]) -> None:
         with self._lock:

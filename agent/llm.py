@@ -132,10 +132,15 @@ class LLMClient:
             kwargs["max_tokens"] = self.cfg.max_tokens
         if self._extra_body:
             kwargs["extra_body"] = self._extra_body
+        client = self._client
         if timeout_s is not None:
-            kwargs["timeout"] = max(1.0, min(timeout_s, self.cfg.request_timeout_s))
+            # Bound the call by what is left of the prompt's time: once less than one request
+            # timeout is left, one attempt gets all of it and there is no retry after it.
+            per_attempt = max(1.0, min(timeout_s, self.cfg.request_timeout_s))
+            retries = self.cfg.max_retries if timeout_s >= self.cfg.request_timeout_s else 0
+            client = client.with_options(timeout=per_attempt, max_retries=retries)
         try:
-            resp = self._client.chat.completions.create(**kwargs)
+            resp = client.chat.completions.create(**kwargs)
         except openai.APIStatusError as exc:
             message = _error_message(exc)
             if exc.status_code == 400 and _looks_like_context_limit(message):

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.llm import AssistantTurn, ContextLimitError, LLMClient
+from agent.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError
 from agent.tools.registry import Tool, ToolContext, execute_tool_call
 from agent.trajectory import canonical_arguments, split_reasoning
 
@@ -80,6 +80,12 @@ def run_agent(
                 raise
             result.stop_reason = "context_limit"
             return result
+        except LLMError as exc:
+            if time.monotonic() >= deadline:
+                raise PromptTimeout(
+                    f"prompt exceeded its {limits.prompt_timeout_s:g} s limit ({exc})"
+                ) from exc
+            raise
         result.api_calls += 1
         _add_usage(result.usage, turn.usage)
         assistant_saved, assistant_sent = _assistant_messages(turn)
@@ -103,7 +109,7 @@ def run_agent(
             if name not in offered or _is_invalid_json(args):
                 invalid += 1
             if log:
-                log(f"tool {name}({args}) -> {content}")
+                log({"tool": name, "args": args, "result": content})
             tool_msg = {"role": "tool", "tool_call_id": call["id"], "name": name, "content": content}
             saved.append(tool_msg)
             sent.append(tool_msg)

@@ -16,7 +16,7 @@ from typing import Any
 from agent.llm import LLMClient, LLMConfig, LLMError
 from agent.loop import LoopLimits, PromptTimeout, run_agent
 from agent.sandboxes import SandboxError, SandboxSpec, create_sandbox
-from agent.tools.registry import ToolContext, known_tool_names, tools_for_toolsets
+from agent.tools.registry import ToolContext, close_prompt_resources, known_tool_names, tools_for_toolsets
 from agent.trajectory import build_record, reasoning_counts
 
 TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
@@ -45,6 +45,9 @@ class RunSettings:
     sandbox_backend: str = "local"
     sandbox_options: dict[str, Any] = field(default_factory=dict)
     sandbox_network: bool = True  # whether the prompt's commands may reach the network
+    tool_extra: dict[str, Any] = field(
+        default_factory=dict
+    )  # ToolContext.extra: run endpoint, run_dir, tool_env
     output_cap_bytes: int = 64 * 1024
     ephemeral_system_prompt: str | None = None
     prefill_messages: tuple[dict[str, Any], ...] = ()
@@ -72,6 +75,7 @@ def run_prompt(
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
+    ctx = None
     try:
         sandbox = create_sandbox(settings.sandbox_backend, spec, options)
         if sandbox_starts is not None:
@@ -83,6 +87,7 @@ def run_prompt(
             sandbox=sandbox,
             tool_timeout_s=settings.limits.tool_timeout_s,
             output_cap_bytes=settings.output_cap_bytes,
+            extra=dict(settings.tool_extra),
         )
         result = run_agent(
             llm=llm,
@@ -92,7 +97,7 @@ def run_prompt(
             limits=settings.limits,
             ephemeral_system_prompt=settings.ephemeral_system_prompt,
             prefill_messages=list(settings.prefill_messages),
-            log=_preview_logger(log, settings) if settings.verbose else None,
+            log=log if settings.verbose else None,
         )
         isolation = sandbox.isolation
     except LLMError as exc:
@@ -104,6 +109,8 @@ def run_prompt(
     except Exception as exc:  # a bug must fail one prompt, not the worker and its other prompts
         return {**base, "kind": FAILED, "error_class": "internal", "error": f"{type(exc).__name__}: {exc}"}
     finally:
+        if ctx is not None:
+            close_prompt_resources(ctx)
         if sandbox is not None:
             try:
                 sandbox.stop()
@@ -141,14 +148,3 @@ def run_prompt(
             "api_calls": result.api_calls,
         }
     return {**base, "kind": TRAJECTORY, "record": record, "api_calls": result.api_calls}
-
-
-def _preview_logger(log, settings: RunSettings):
-    if log is None:
-        return None
-    n = settings.log_prefix_chars
-
-    def emit(line: str) -> None:
-        log(line if len(line) <= n else line[:n] + "…")
-
-    return emit

@@ -52,6 +52,8 @@ def _tool_call_block(name: str, arguments: str) -> str:
         args: Any = json.loads(arguments)
     except (json.JSONDecodeError, TypeError):
         args = arguments  # not JSON: kept verbatim as a string so it still round-trips
+    if isinstance(args, str):
+        args = arguments  # a JSON string (double-encoded arguments): the raw text, so parsing gives it back
     return (
         "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
     )
@@ -72,12 +74,20 @@ def parse_tool_calls(value: str) -> list[dict[str, str]]:
     return calls
 
 
+_TAG_RE = re.compile(r"<(/?)tool_call>")
+
+
+def _escape_tags(text: str) -> str:
+    """Literal tool-call tags in free text would parse back as calls that were never made."""
+    return _TAG_RE.sub(r"&lt;\1tool_call&gt;", text)
+
+
 def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, Any]]) -> str:
     parts = []
     if reasoning:
-        parts.append(f"<think>\n{reasoning}\n</think>")
+        parts.append(f"<think>\n{_escape_tags(reasoning)}\n</think>")
     if content.strip():
-        parts.append(content.strip())
+        parts.append(_escape_tags(content.strip()))
     parts.extend(_tool_call_block(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
     return "\n".join(parts)
 

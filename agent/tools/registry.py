@@ -24,6 +24,9 @@ class ToolContext:
     tool_timeout_s: float = 180.0  # wall-clock limit of one tool call
     output_cap_bytes: int = 64 * 1024  # most bytes of command output shown to the model
     extra: dict[str, Any] = field(default_factory=dict)  # per-run settings of optional toolsets
+    # Per-prompt state a tool keeps between calls (e.g. the browser context); each value has a
+    # close() method. Released by close_prompt_resources, which the runner calls in `finally`.
+    resources: dict[str, Any] = field(default_factory=dict)
 
 
 Handler = Callable[[ToolContext, dict[str, Any]], dict[str, Any]]
@@ -49,6 +52,7 @@ class ToolArgumentError(ValueError):
 
 
 _REGISTRY: dict[str, Tool] = {}
+_TOOLSET_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {}
 
 
 def register(tool: Tool) -> Tool:
@@ -60,15 +64,30 @@ def register(tool: Tool) -> Tool:
     return tool
 
 
+def register_toolset_check(toolset: str, is_configured: Callable[[dict[str, Any]], bool]) -> None:
+    """Offer ``toolset`` only when ``is_configured(extra)`` holds (see agent/tools/config.py).
+
+    The check may raise ``ToolConfigError`` (a ValueError) for a setting that is present but bad.
+    """
+    _TOOLSET_CHECKS[toolset] = is_configured
+
+
 def _load_builtin_tools() -> None:
     # Importing the modules registers their tools; done once, on first use.
-    from agent.tools import file, terminal  # noqa: F401
+    from agent.tools import browser, file, image_gen, moa, terminal, vision, web  # noqa: F401
+
+
+_BUILTINS_LOADED = False
 
 
 def all_tools() -> dict[str, Tool]:
-    if not _REGISTRY:
+    global _BUILTINS_LOADED
+    # A flag, not "registry empty": importing one tool module directly must not hide the others.
+    if not _BUILTINS_LOADED:
         _load_builtin_tools()
-    return dict(_REGISTRY)
+        _BUILTINS_LOADED = True
+    # Toolsets in TOOLSETS order, so the order never depends on which module was imported first.
+    return dict(sorted(_REGISTRY.items(), key=lambda item: TOOLSETS.index(item[1].toolset)))
 
 
 def known_tool_names() -> list[str]:
@@ -76,15 +95,31 @@ def known_tool_names() -> list[str]:
     return sorted(all_tools())
 
 
-def available_toolsets() -> set[str]:
-    """Toolsets that have at least one working tool in this installation."""
-    return {t.toolset for t in all_tools().values()}
+def available_toolsets(extra: dict[str, Any] | None = None) -> set[str]:
+    """Toolsets that have a tool here and whose configuration is present.
+
+    ``extra`` is what the runner puts in ``ToolContext.extra`` (the run's endpoint, run_dir, ...).
+    Raises ``ToolConfigError`` (a ValueError naming the variable) for a bad setting.
+    """
+    extra = extra or {}
+    present = {t.toolset for t in all_tools().values()}
+    return {ts for ts in present if ts not in _TOOLSET_CHECKS or _TOOLSET_CHECKS[ts](extra)}
 
 
 def tools_for_toolsets(toolsets: list[str]) -> list[Tool]:
     """The tools offered for the given toolsets, in registry order."""
     wanted = set(toolsets)
     return [t for t in all_tools().values() if t.toolset in wanted]
+
+
+def close_prompt_resources(ctx: ToolContext) -> None:
+    """Release what the prompt's tools kept open (browser context, ...). Idempotent; never raises."""
+    while ctx.resources:
+        _, resource = ctx.resources.popitem()
+        try:
+            resource.close()
+        except Exception:  # cleanup of one resource must not stop the others
+            pass
 
 
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {

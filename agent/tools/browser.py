@@ -1,0 +1,759 @@
+"""The ``browser`` toolset: headless Chromium (Debian's package) driven through Playwright.
+
+Threading model. A worker process runs many prompts on threads, and Playwright objects belong
+to the event loop (sync API: the thread) that made them. So each process has one browser host:
+a private thread running an asyncio loop that owns Playwright and one Chromium, started on the
+first browser call. Prompt threads hand it coroutines (``run_coroutine_threadsafe``) and wait
+with the call's timeout; the loop interleaves the prompts' page operations, so one slow page
+does not stall the others. Each prompt gets its own browser context (cookies, storage, pages),
+made on its first browser call and closed by ``close_prompt_resources(ctx)``. The host stops at
+process exit (atexit and multiprocessing finalizers); if the process is killed, Playwright's
+driver notices its pipe closing and takes Chromium down with it.
+
+Snapshots are Playwright's accessibility tree in its AI mode; element refs are shown as
+``[@e5]`` and accepted by browser_click and browser_type as ``@e5`` (or ``e5``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import concurrent.futures
+import json
+import os
+import re
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from agent.tools.config import BROWSER_FLAGS, BrowserConfig, browser_config, run_dir, vision_config
+from agent.tools.registry import Tool, ToolArgumentError, ToolContext, register, register_toolset_check
+
+RESOURCE_KEY = "browser"
+SCREENSHOTS_DIR = "screenshots"
+MAX_IMAGES = 100
+MAX_CONSOLE = 200  # messages kept per prompt
+MAX_EVAL_CHARS = 8000
+FULL_SNAPSHOT_FACTOR = 4  # full=true shows this many times the default snapshot size
+_INTERACTIVE = (
+    "link|button|textbox|searchbox|checkbox|radio|combobox|listbox|option|slider|spinbutton|switch|tab|"
+    "menuitem|menuitemcheckbox|menuitemradio|treeitem"
+)
+_REF = r"(?:f\d+)?e\d+"  # Playwright numbers elements of later documents and frames f<N>e<M>
+_REF_RE = re.compile(rf"\[ref=({_REF})\]")
+_NOISE_RE = re.compile(r" \[(?:cursor=pointer|active)\]")
+_BARE_GENERIC_RE = re.compile(rf"- generic \[@{_REF}\]:?")
+_INTERACTIVE_RE = re.compile(rf"- (?:{_INTERACTIVE})\b.*?\[ref=({_REF})\]")
+
+
+class BrowserToolError(Exception):
+    """A browser action failed in a way the model should see."""
+
+
+# ----------------------------------------------------------------------------- the process's browser
+
+
+class BrowserHost:
+    """One Chromium per process, owned by a private event-loop thread (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+        self._playwright: Any = None
+        self._browser: Any = None
+        self._launching: asyncio.Lock | None = None
+        self.launches = 0  # how many times Chromium was started in this process (tests read it)
+
+    # -- the loop thread -------------------------------------------------------------------
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            alive = self._thread is not None and self._thread.is_alive()
+            if self._loop is None or self._pid != os.getpid() or not alive:
+                # A forked child inherits no threads: it starts its own loop and browser.
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="browser-loop", daemon=True)
+                thread.start()
+                self._loop, self._thread, self._pid = loop, thread, os.getpid()
+                self._playwright = self._browser = self._launching = None
+                _register_exit_hooks()
+            return self._loop
+
+    def in_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def call(self, make: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+        """Run ``make()`` on the browser loop and wait for it at most ``timeout_s`` seconds."""
+        loop = self._ensure_loop()
+        future = asyncio.run_coroutine_threadsafe(_call(make), loop)
+        try:
+            return future.result(timeout=max(timeout_s, 0.1))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise BrowserToolError(f"the browser action did not finish within {timeout_s:g} s") from None
+
+    def submit(self, make: Callable[[], Awaitable[Any]]) -> None:
+        """Schedule ``make()`` on the loop without waiting (for cleanup from any thread)."""
+        with self._lock:
+            loop = self._loop if self._pid == os.getpid() else None
+        if loop is not None and not loop.is_closed():
+            asyncio.run_coroutine_threadsafe(_call(make), loop)
+
+    # -- Chromium --------------------------------------------------------------------------
+
+    async def browser(self, cfg: BrowserConfig) -> Any:
+        """The running Chromium, launched (again, after a crash) when needed. Loop thread only."""
+        if self._launching is None:
+            self._launching = asyncio.Lock()
+        async with self._launching:
+            if self._browser is not None and self._browser.is_connected():
+                return self._browser
+            if self._playwright is None:
+                from playwright.async_api import async_playwright
+
+                self._playwright = await async_playwright().start()
+            self._browser = await self._playwright.chromium.launch(
+                executable_path=cfg.executable, headless=True, args=list(BROWSER_FLAGS), timeout=60_000
+            )
+            self.launches += 1
+            return self._browser
+
+    def shutdown(self) -> None:
+        """Close Chromium and Playwright and stop the loop thread. Idempotent."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            if loop is None or self._pid != os.getpid():
+                return
+            self._loop = self._thread = None
+
+        async def stop() -> None:
+            try:
+                if self._browser is not None:
+                    await self._browser.close()
+            finally:
+                if self._playwright is not None:
+                    await self._playwright.stop()
+                self._browser = self._playwright = None
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=15)
+        except Exception:  # a dead browser must not stop the process from exiting
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout=5)
+        loop.close()
+
+
+async def _call(make: Callable[[], Awaitable[Any]]) -> Any:
+    return await make()
+
+
+HOST = BrowserHost()
+_EXIT_HOOKS_PID: int | None = None
+
+
+def _register_exit_hooks() -> None:
+    global _EXIT_HOOKS_PID
+    if _EXIT_HOOKS_PID == os.getpid():
+        return
+    _EXIT_HOOKS_PID = os.getpid()
+    atexit.register(shutdown_browser)
+    # multiprocessing children leave through os._exit: atexit does not run there, its finalizers do.
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, shutdown_browser, exitpriority=10)
+
+
+def shutdown_browser() -> None:
+    """Stop this process's Chromium (call once per worker process at exit; safe to call twice)."""
+    HOST.shutdown()
+
+
+# ----------------------------------------------------------------------------- one prompt's browser
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return re.sub(r"^\w+\.\w+: ", "", line)[:400]
+
+
+class BrowserSession:
+    """One prompt's browser context and current page; its methods run on the browser loop."""
+
+    def __init__(self, host: BrowserHost, cfg: BrowserConfig, run_dir: str | None, stem: str):
+        self.host = host
+        self.cfg = cfg
+        self.run_dir = run_dir  # screenshots are saved below it, when there is one
+        self.stem = stem
+        self.context: Any = None
+        self.page: Any = None
+        self.console: collections.deque[dict[str, str]] = collections.deque(maxlen=MAX_CONSOLE)
+        self.errors: collections.deque[str] = collections.deque(maxlen=MAX_CONSOLE)
+        self.closed = False
+        self.screenshots = 0
+        self._lock: asyncio.Lock | None = None
+        self._listened: list[Any] = []  # pages whose console we already follow
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def _page(self, *, navigating: bool = False) -> Any:
+        lost = self.context is not None and not self.context.browser.is_connected()
+        if lost:
+            self.context = self.page = None
+        if self.context is None:
+            browser = await self.host.browser(self.cfg)
+            w, h = self.cfg.viewport
+            self.context = await browser.new_context(
+                viewport={"width": w, "height": h}, accept_downloads=False, service_workers="block"
+            )
+            self.context.set_default_timeout(self.cfg.action_timeout_s * 1000)
+            self.context.set_default_navigation_timeout(self.cfg.nav_timeout_s * 1000)
+            self.context.on("page", self._adopt)
+            self._adopt(await self.context.new_page())
+            if lost and not navigating:
+                raise BrowserToolError("the browser crashed and was restarted; navigate to the page again")
+        if self.page is None or self.page.is_closed():
+            pages = [p for p in self.context.pages if not p.is_closed()]
+            if not pages:
+                self._adopt(await self.context.new_page())
+            else:
+                self.page = pages[-1]
+        if not navigating and self.page.url in ("", "about:blank"):
+            raise BrowserToolError("no page is open yet: call browser_navigate first")
+        return self.page
+
+    def _adopt(self, page: Any) -> None:
+        """Make ``page`` current (a link opening a new tab moves the session there) and listen to it."""
+        self.page = page
+        if any(seen is page for seen in self._listened):
+            return  # new_page() also fires the context's "page" event
+        self._listened.append(page)
+        page.on("console", lambda msg: self.console.append({"type": msg.type, "text": msg.text[:2000]}))
+        page.on("pageerror", lambda err: self.errors.append(str(err)[:2000]))
+
+    async def run(self, op: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.closed:
+                raise BrowserToolError("the browser session of this prompt is closed")
+            return await op()
+
+    async def aclose(self) -> None:
+        context, self.context, self.page = self.context, None, None
+        if context is not None:
+            try:
+                await context.close()
+            except Exception:  # the browser may already be gone
+                pass
+
+    def close(self, wait: bool = True) -> None:
+        """Close the context; idempotent. ``wait=False`` schedules it (safe from any thread)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.context is None:
+            return
+        if wait and not self.host.in_loop_thread():
+            try:
+                self.host.call(self.aclose, timeout_s=15)
+            except Exception:
+                pass
+        else:
+            self.host.submit(self.aclose)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _settle(self, page: Any) -> None:
+        """Give a navigation an action may have started the time to reach DOMContentLoaded."""
+        await asyncio.sleep(0.15)
+        page = self.page or page
+        try:
+            await page.wait_for_load_state("domcontentloaded", timeout=self.cfg.nav_timeout_s * 1000)
+        except Exception:
+            pass
+
+    async def _where(self) -> dict[str, Any]:
+        page = self.page
+        try:
+            title = await page.title()
+        except Exception:
+            title = ""
+        return {"url": page.url, "title": title}
+
+    async def snapshot_text(self, *, full: bool) -> dict[str, Any]:
+        page = await self._page()
+        raw = await page.aria_snapshot(mode="ai", timeout=self.cfg.nav_timeout_s * 1000)
+        limit = self.cfg.snapshot_max_chars * (FULL_SNAPSHOT_FACTOR if full else 1)
+        text, cut = format_snapshot(raw, compact=not full, max_chars=limit)
+        out = {**await self._where(), "snapshot": text, "element_refs": len(_REF_RE.findall(raw))}
+        if cut:
+            out["truncated"] = cut
+        return out
+
+    async def _element(self, page: Any, ref: str) -> Any:
+        target = page.locator(f"aria-ref={ref}")
+        if await target.count() == 0:
+            raise BrowserToolError(
+                f"no element @{ref} on this page; refs change when the page changes: "
+                "call browser_snapshot for fresh ones"
+            )
+        return target
+
+    # -- actions (each runs on the loop, under the session lock) ---------------------------
+
+    async def navigate(self, url: str) -> dict[str, Any]:
+        page = await self._page(navigating=True)
+        timeout_ms = self.cfg.nav_timeout_s * 1000
+        response = await page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
+        try:
+            await page.wait_for_load_state("load", timeout=min(timeout_ms, 5000))
+        except Exception:
+            pass
+        out: dict[str, Any] = {"success": True}
+        if response is not None:
+            out["status"] = response.status
+            if response.status >= 400:
+                out["note"] = f"the server answered HTTP {response.status}"
+        out.update(await self.snapshot_text(full=False))
+        return out
+
+    async def click(self, ref: str) -> dict[str, Any]:
+        page = await self._page()
+        await (await self._element(page, ref)).click()
+        await self._settle(page)
+        return {"success": True, "clicked": f"@{ref}", **await self._where()}
+
+    async def type(self, ref: str, text: str) -> dict[str, Any]:
+        page = await self._page()
+        target = await self._element(page, ref)
+        try:
+            await target.fill(text)
+        except Exception as exc:
+            if "not an <input>" in str(exc) or "not editable" in str(exc):
+                raise BrowserToolError(
+                    f"@{ref} is not a text field; pick a textbox from the snapshot"
+                ) from None
+            raise
+        return {"success": True, "typed": text, "into": f"@{ref}", **await self._where()}
+
+    async def scroll(self, direction: str) -> dict[str, Any]:
+        page = await self._page()
+        w, h = self.cfg.viewport
+        await page.mouse.move(w / 2, h / 2)
+        await page.mouse.wheel(0, (0.8 if direction == "down" else -0.8) * h)
+        await asyncio.sleep(0.2)
+        y, height, inner = await page.evaluate(
+            "() => [window.scrollY, document.documentElement.scrollHeight, window.innerHeight]"
+        )
+        return {
+            "success": True,
+            "direction": direction,
+            "scroll_y": round(y),
+            "page_height": height,
+            "at_top": y <= 0,
+            "at_bottom": y + inner >= height - 2,
+        }
+
+    async def back(self) -> dict[str, Any]:
+        page = await self._page()
+        before = page.url
+        await page.go_back(wait_until="domcontentloaded")
+        if page.url == "about:blank" and before != "about:blank":
+            await page.go_forward(wait_until="domcontentloaded")  # the blank page every tab starts on
+        if page.url == before:
+            raise BrowserToolError("there is no previous page in this tab's history")
+        return {"success": True, **await self._where()}
+
+    async def press(self, key: str) -> dict[str, Any]:
+        page = await self._page()
+        await page.keyboard.press(key)
+        await self._settle(page)
+        return {"success": True, "pressed": key, **await self._where()}
+
+    async def images(self) -> dict[str, Any]:
+        page = await self._page()
+        found = await page.evaluate(
+            """(limit) => Array.from(document.images).slice(0, limit).map(img => ({
+                src: img.currentSrc || img.src, alt: img.alt || '',
+                width: img.naturalWidth, height: img.naturalHeight}))""",
+            MAX_IMAGES,
+        )
+        total = await page.evaluate("() => document.images.length")
+        images = []
+        for img in found:
+            src = img.get("src") or ""
+            if not src:
+                continue
+            if src.startswith("data:"):
+                img["src"] = f"{src.split(',', 1)[0]},... (inline data, {len(src)} characters, not shown)"
+            images.append(img)
+        out = {"success": True, **await self._where(), "images": images, "count": len(images)}
+        if total > MAX_IMAGES:
+            out["truncated"] = f"first {MAX_IMAGES} of {total} images"
+        return out
+
+    async def console_read(self, clear: bool, expression: str | None) -> dict[str, Any]:
+        page = await self._page()
+        out: dict[str, Any] = {
+            "success": True,
+            "url": page.url,
+            "console_messages": list(self.console),
+            "js_errors": list(self.errors),
+        }
+        if expression:
+            value = await page.evaluate(expression)
+            text = json.dumps(value, ensure_ascii=False, default=str)
+            out["result"] = value if len(text) <= MAX_EVAL_CHARS else text[:MAX_EVAL_CHARS] + "…"
+        if clear:
+            self.console.clear()
+            self.errors.clear()
+        return out
+
+    async def screenshot(self, annotate: bool) -> tuple[bytes, dict[str, Any]]:
+        page = await self._page()
+        labels = 0
+        if annotate:
+            raw = await page.aria_snapshot(mode="ai")
+            boxes = []
+            for ref in _INTERACTIVE_RE.findall(raw)[:80]:
+                try:
+                    box = await page.locator(f"aria-ref={ref}").bounding_box(timeout=1000)
+                except Exception:
+                    box = None
+                if box and box["width"] > 0 and box["height"] > 0:
+                    boxes.append({"n": ref, **box})
+            labels = await page.evaluate(_ADD_LABELS_JS, boxes)
+        try:
+            data = await page.screenshot(type="png", timeout=self.cfg.nav_timeout_s * 1000)
+        finally:
+            if annotate:
+                await page.evaluate(_REMOVE_LABELS_JS)
+        return data, {**await self._where(), "labels": labels}
+
+
+_ADD_LABELS_JS = """(boxes) => {
+  const layer = document.createElement('div');
+  layer.id = '__batch_runner_labels__';
+  layer.style.cssText = 'position:fixed;left:0;top:0;width:0;height:0;z-index:2147483647;pointer-events:none';
+  for (const b of boxes) {
+    const tag = document.createElement('div');
+    tag.textContent = '[@' + b.n + ']';
+    tag.style.cssText = 'position:fixed;background:#ffeb3b;color:#000;font:bold 11px monospace;' +
+      'padding:0 2px;border:1px solid #000;left:' + b.x + 'px;top:' + Math.max(0, b.y - 14) + 'px';
+    layer.appendChild(tag);
+  }
+  document.documentElement.appendChild(layer);
+  return boxes.length;
+}"""
+_REMOVE_LABELS_JS = (
+    "() => { const l = document.getElementById('__batch_runner_labels__'); if (l) l.remove(); }"
+)
+
+
+def format_snapshot(raw: str, *, compact: bool, max_chars: int) -> tuple[str, str | None]:
+    """The snapshot as shown to the model: refs as ``[@eN]``, noise removed; compact mode also
+    drops unnamed layout containers (promoting their children). Cut at ``max_chars``."""
+    out: list[str] = []
+    dropped: list[int] = []  # indents of removed containers enclosing the current line
+    for line in raw.splitlines():
+        body = line.lstrip(" ")
+        indent = len(line) - len(body)
+        while dropped and indent <= dropped[-1]:
+            dropped.pop()
+        body = _REF_RE.sub(r"[@\1]", _NOISE_RE.sub("", body))
+        if compact and _BARE_GENERIC_RE.fullmatch(body):
+            dropped.append(indent)
+            continue
+        out.append(" " * max(0, indent - 2 * len(dropped)) + body)
+    kept: list[str] = []
+    size = 0
+    for i, line in enumerate(out):
+        if size + len(line) + 1 > max_chars:
+            more = len(out) - i
+            hint = "scroll and snapshot again" + ("" if not compact else ", or use full=true")
+            kept.append(f"[... {more} more lines not shown: {hint}]")
+            return "\n".join(kept), f"{more} of {len(out)} lines not shown"
+        kept.append(line)
+        size += len(line) + 1
+    return "\n".join(kept), None
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def _session(ctx: ToolContext) -> BrowserSession:
+    session = ctx.resources.get(RESOURCE_KEY)
+    if session is not None:
+        return session
+    cfg = browser_config(ctx.extra)
+    if cfg is None:
+        raise BrowserToolError("the browser is not available (Playwright or Chromium missing)")
+    from agent.tools.image_gen import prompt_stem
+
+    session = BrowserSession(HOST, cfg, run_dir(ctx.extra), prompt_stem(ctx))
+    ctx.resources[RESOURCE_KEY] = session
+    # Safety net for a runner that forgets close_prompt_resources: close when the context is collected.
+    weakref.finalize(ctx, session.close, False)
+    return session
+
+
+def _run(ctx: ToolContext, action: Callable[[BrowserSession], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    try:
+        session = _session(ctx)
+        return HOST.call(lambda: session.run(lambda: action(session)), timeout_s=ctx.tool_timeout_s)
+    except BrowserToolError as exc:
+        return {"error": str(exc)}
+    except Exception as exc:  # Playwright errors: a missing element, a timeout, a bad key...
+        message = _first_line(exc)
+        if "aria-ref" in str(exc) or "ref=" in message:
+            message += " (refs change when the page changes: call browser_snapshot for fresh ones)"
+        return {"error": message}
+
+
+def _ref(args: dict[str, Any]) -> str:
+    raw = str(args["ref"]).strip().strip("[]")
+    ref = raw.removeprefix("ref=").removeprefix("@")
+    if ref.isdigit():
+        ref = "e" + ref
+    if not re.fullmatch(_REF, ref):
+        raise ToolArgumentError(f"ref must be an element ref from the snapshot such as '@e5', got {raw!r}")
+    return ref
+
+
+def browser_navigate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    url = args["url"].strip()
+    if re.match(r"^[\w.-]+\.[a-z]{2,}(?:[/:?#]|$)", url, re.IGNORECASE):
+        url = "https://" + url  # "example.com/page": the scheme was left out
+    if not re.match(r"^https?://", url, re.IGNORECASE):
+        raise ToolArgumentError(f"only http(s) URLs can be opened, got {url!r}")
+    return _run(ctx, lambda s: s.navigate(url))
+
+
+def browser_snapshot(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    full = bool(args.get("full") or False)
+    return _run(ctx, lambda s: _with_success(s.snapshot_text(full=full)))
+
+
+async def _with_success(result: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    return {"success": True, **await result}
+
+
+def browser_click(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    ref = _ref(args)
+    return _run(ctx, lambda s: s.click(ref))
+
+
+def browser_type(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    ref, text = _ref(args), args["text"]
+    return _run(ctx, lambda s: s.type(ref, text))
+
+
+def browser_scroll(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    direction = args["direction"]
+    if direction not in ("up", "down"):
+        raise ToolArgumentError(f"direction must be 'up' or 'down', got {direction!r}")
+    return _run(ctx, lambda s: s.scroll(direction))
+
+
+def browser_back(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    return _run(ctx, lambda s: s.back())
+
+
+def browser_press(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    key = args["key"].strip()
+    if not key:
+        raise ToolArgumentError("key must not be empty (e.g. 'Enter', 'Tab', 'ArrowDown')")
+    return _run(ctx, lambda s: s.press(key))
+
+
+def browser_get_images(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    return _run(ctx, lambda s: s.images())
+
+
+def browser_console(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    clear = bool(args.get("clear") or False)
+    expression = (args.get("expression") or "").strip() or None
+    return _run(ctx, lambda s: s.console_read(clear, expression))
+
+
+def browser_vision(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    from agent.tools.image_gen import save_image
+    from agent.tools.vision import VisionError, ask_about_image
+
+    question = args["question"].strip() or "Describe what this page shows."
+    annotate = bool(args.get("annotate") or False)
+    cfg = vision_config(ctx.extra)
+    if cfg is None:
+        return {"error": "browser_vision needs a vision model, and none is configured"}
+    shot: dict[str, Any] = {}
+
+    async def take(session: BrowserSession) -> dict[str, Any]:
+        shot["png"], info = await session.screenshot(annotate)
+        return info
+
+    info = _run(ctx, take)
+    if "error" in info:
+        return info
+    session: BrowserSession = ctx.resources[RESOURCE_KEY]
+    try:
+        answer = ask_about_image(
+            cfg, question, shot["png"], "image/png", min(cfg.timeout_s, ctx.tool_timeout_s)
+        )
+    except VisionError as exc:
+        return {"error": str(exc)}
+    out: dict[str, Any] = {"success": True, "analysis": answer, "url": info["url"], "title": info["title"]}
+    if annotate:
+        out["labels"] = f"{info['labels']} interactive elements labelled with their refs, e.g. [@e5]"
+    if session.run_dir:
+        session.screenshots += 1
+        stem = f"{session.stem}_{session.screenshots}"
+        path = save_image(session.run_dir, SCREENSHOTS_DIR, stem, shot["png"], "image/png")
+        out["screenshot_path"] = str(path)
+    return out
+
+
+# ----------------------------------------------------------------------------- registration
+
+register_toolset_check("browser", lambda extra: browser_config(extra) is not None)
+
+_NO_ARGS: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
+_REF_DOC = "Element ref from the latest snapshot, e.g. '@e5'."
+
+for _name, _handler, _description, _parameters in (
+    (
+        "browser_navigate",
+        browser_navigate,
+        "Open a URL in the browser (a real headless Chromium that runs JavaScript). Returns the page's "
+        "title and a compact accessibility snapshot with element refs like [@e5] for browser_click and "
+        "browser_type. To just read a page's text, web_extract is faster when it is offered.",
+        {
+            "type": "object",
+            "properties": {"url": {"type": "string", "description": "The http(s) URL to open."}},
+            "required": ["url"],
+        },
+    ),
+    (
+        "browser_snapshot",
+        browser_snapshot,
+        "Get the current page's accessibility tree: headings, text, links (with their URLs), form "
+        "fields and buttons, each interactive element with a ref like [@e5]. By default layout-only "
+        "containers are left out and the text is cut at a few thousand characters; full=true gives "
+        "the complete tree, four times longer. Take a new snapshot after the page changes: refs from "
+        "an old one may no longer work.",
+        {
+            "type": "object",
+            "properties": {
+                "full": {
+                    "type": "boolean",
+                    "description": "Complete tree instead of the compact view (default false).",
+                }
+            },
+            "required": [],
+        },
+    ),
+    (
+        "browser_click",
+        browser_click,
+        "Click an element given its ref from the snapshot (e.g. '@e5'). Returns the URL and title "
+        "afterwards, so you can tell whether the click opened another page.",
+        {
+            "type": "object",
+            "properties": {"ref": {"type": "string", "description": _REF_DOC}},
+            "required": ["ref"],
+        },
+    ),
+    (
+        "browser_type",
+        browser_type,
+        "Type text into an input field given its ref from the snapshot. The field is cleared first. "
+        "To submit, press Enter with browser_press or click the form's button.",
+        {
+            "type": "object",
+            "properties": {
+                "ref": {"type": "string", "description": _REF_DOC},
+                "text": {"type": "string", "description": "The text to enter."},
+            },
+            "required": ["ref", "text"],
+        },
+    ),
+    (
+        "browser_scroll",
+        browser_scroll,
+        "Scroll the page up or down by most of a screen, to reach content outside the view. Returns "
+        "the scroll position and whether the top or bottom was reached.",
+        {
+            "type": "object",
+            "properties": {
+                "direction": {"type": "string", "enum": ["up", "down"], "description": "Where to scroll."}
+            },
+            "required": ["direction"],
+        },
+    ),
+    ("browser_back", browser_back, "Go back to the previous page in the browser history.", _NO_ARGS),
+    (
+        "browser_press",
+        browser_press,
+        "Press a key on the keyboard in the page, e.g. 'Enter' to submit a form, 'Tab', 'Escape', "
+        "'ArrowDown', or a combination like 'Control+A'.",
+        {
+            "type": "object",
+            "properties": {"key": {"type": "string", "description": "Key name, e.g. 'Enter' or 'Tab'."}},
+            "required": ["key"],
+        },
+    ),
+    (
+        "browser_get_images",
+        browser_get_images,
+        "List the images on the current page with their URLs, alt text and sizes; pass a URL to "
+        "vision_analyze to look at one.",
+        _NO_ARGS,
+    ),
+    (
+        "browser_vision",
+        browser_vision,
+        "Take a screenshot of the visible part of the page and ask a vision model about it: for "
+        "layouts, charts, pictures, or anything the text snapshot does not capture. With annotate=true "
+        "interactive elements are labelled with their refs (e.g. [@e5]) on the screenshot. Returns the "
+        "answer and the path of the saved screenshot.",
+        {
+            "type": "object",
+            "properties": {
+                "question": {"type": "string", "description": "What you want to know about the page."},
+                "annotate": {
+                    "type": "boolean",
+                    "description": "Label interactive elements with their refs (default false).",
+                },
+            },
+            "required": ["question"],
+        },
+    ),
+    (
+        "browser_console",
+        browser_console,
+        "Read the page's JavaScript console messages and uncaught errors (since the prompt's browser "
+        "started, or since the last clear). With `expression`, also evaluate that JavaScript "
+        "expression in the page and return its value (e.g. 'document.title').",
+        {
+            "type": "object",
+            "properties": {
+                "clear": {
+                    "type": "boolean",
+                    "description": "Empty the message lists after reading them (default false).",
+                },
+                "expression": {
+                    "type": "string",
+                    "description": "JavaScript expression to evaluate in the page; its JSON value is returned.",
+                },
+            },
+            "required": [],
+        },
+    ),
+):
+    register(Tool(_name, "browser", _description, _parameters, _handler))

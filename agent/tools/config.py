@@ -1,0 +1,496 @@
+"""Settings of the optional toolsets (web, vision, image_gen, moa, browser), read from the environment.
+
+A toolset is offered only when its settings are present (``available_toolsets``). A present but
+bad value (an unknown provider, a number that is not one) raises :class:`ToolConfigError`
+naming the variable, so a run fails at start rather than on its thousandth prompt.
+
+Where settings come from: ``os.environ``, overlaid by ``extra["tool_env"]`` (a dict of the same
+variable names, so a runner or a test can set them without touching the process environment).
+The run's own endpoint comes from ``ToolContext.extra``:
+
+=================  =========================================================================
+``llm_base_url``   the run's OpenAI-compatible base URL (``--base_url``)
+``llm_api_key``    the run's API key (never written to results)
+``llm_model``      the run's model (``--model``)
+``run_dir``        the run's output directory; generated images and screenshots go below it
+``tool_env``       overrides of the variables below; the runner passes ``tool_env_snapshot()``
+                   taken in the parent, so workers see the same settings
+=================  =========================================================================
+
+Variables (``*_S`` are seconds, ``*_BYTES`` bytes, ``*_CHARS`` characters):
+
+web (``web_search`` needs a provider; ``web_extract`` fetches pages itself)
+    ``WEB_SEARCH_PROVIDER``  tavily | brave | searxng | exa | firecrawl; unset: the first of these
+                             whose key (or ``SEARXNG_URL``) is set. The web toolset is offered only
+                             when a provider is configured.
+    ``TAVILY_API_KEY``, ``BRAVE_API_KEY``, ``EXA_API_KEY``, ``FIRECRAWL_API_KEY``: the keys.
+    ``TAVILY_API_URL``, ``BRAVE_API_URL``, ``EXA_API_URL``, ``FIRECRAWL_API_URL``: base URLs
+                             (defaults: the providers' public APIs; a self-hosted Firecrawl needs
+                             no key). ``SEARXNG_URL``: the SearXNG instance (JSON format enabled).
+    ``WEB_SEARCH_MAX_RESULTS`` (5), ``WEB_TIMEOUT_S`` (30), ``WEB_EXTRACT_MAX_BYTES`` (5000000),
+    ``WEB_EXTRACT_MAX_CHARS`` (20000, per page), ``WEB_USER_AGENT``.
+
+vision (``vision_analyze``; also used by ``browser_vision``)
+    ``VISION_BASE_URL`` / ``VISION_API_KEY`` / ``VISION_MODEL``: default to the run's endpoint and
+    model. ``VISION_MAX_IMAGE_BYTES`` (10000000), ``VISION_MAX_TOKENS`` (unset), ``VISION_TIMEOUT_S`` (120).
+
+image_gen (``image_generate``; offered only when ``IMAGE_GEN_MODEL`` is set: a chat model cannot draw)
+    ``IMAGE_GEN_MODEL``, ``IMAGE_GEN_BASE_URL`` / ``IMAGE_GEN_API_KEY`` (default: the run's endpoint),
+    ``IMAGE_GEN_SIZES`` ("landscape=1536x1024,square=1024x1024,portrait=1024x1536"),
+    ``IMAGE_GEN_RESPONSE_FORMAT`` (unset | b64_json | url), ``IMAGE_GEN_TIMEOUT_S`` (180),
+    ``IMAGE_GEN_MAX_BYTES`` (20000000).
+
+moa (``mixture_of_agents``)
+    ``MOA_REFERENCE_MODELS`` (comma-separated; default: the run's model), ``MOA_AGGREGATOR_MODEL``
+    (default: the run's model), ``MOA_BASE_URL`` / ``MOA_API_KEY`` (default: the run's endpoint),
+    ``MOA_REFERENCE_TEMPERATURE`` (0.6), ``MOA_AGGREGATOR_TEMPERATURE`` (0.4), ``MOA_MAX_TOKENS``
+    (unset), ``MOA_MIN_SUCCESSFUL`` (1), ``MOA_TIMEOUT_S`` (300).
+
+browser (offered when Playwright is installed and a Chromium binary is found)
+    ``BROWSER_EXECUTABLE`` (default: /usr/bin/chromium, else chromium or chromium-browser on PATH),
+    ``BROWSER_ENABLED`` (1; 0 turns the toolset off), ``BROWSER_NAV_TIMEOUT_S`` (30),
+    ``BROWSER_ACTION_TIMEOUT_S`` (10), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000), ``BROWSER_VIEWPORT`` (1280x800).
+
+An endpoint's API key defaults to the run's key only while its base URL is the run's: a key is
+never sent to a host it was not given for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+EXTRA_BASE_URL = "llm_base_url"
+EXTRA_API_KEY = "llm_api_key"
+EXTRA_MODEL = "llm_model"
+EXTRA_RUN_DIR = "run_dir"
+EXTRA_TOOL_ENV = "tool_env"
+
+SEARCH_PROVIDERS = ("tavily", "brave", "searxng", "exa", "firecrawl")
+_PROVIDER_DEFAULT_URLS = {
+    "tavily": "https://api.tavily.com",
+    "brave": "https://api.search.brave.com",
+    "exa": "https://api.exa.ai",
+    "firecrawl": "https://api.firecrawl.dev",
+}
+_PROVIDER_KEY_VARS = {
+    "tavily": "TAVILY_API_KEY",
+    "brave": "BRAVE_API_KEY",
+    "exa": "EXA_API_KEY",
+    "firecrawl": "FIRECRAWL_API_KEY",
+}
+_PROVIDER_URL_VARS = {
+    "tavily": "TAVILY_API_URL",
+    "brave": "BRAVE_API_URL",
+    "exa": "EXA_API_URL",
+    "firecrawl": "FIRECRAWL_API_URL",
+    "searxng": "SEARXNG_URL",
+}
+ASPECT_RATIOS = ("landscape", "square", "portrait")
+DEFAULT_IMAGE_SIZES = {"landscape": "1536x1024", "square": "1024x1024", "portrait": "1024x1536"}
+BROWSER_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")
+NO_KEY = "no-key"  # what the openai client gets for endpoints that want no key
+
+
+TOOL_ENV_VARS = (
+    "WEB_SEARCH_PROVIDER",
+    *_PROVIDER_KEY_VARS.values(),
+    *_PROVIDER_URL_VARS.values(),
+    "WEB_SEARCH_MAX_RESULTS",
+    "WEB_TIMEOUT_S",
+    "WEB_EXTRACT_MAX_BYTES",
+    "WEB_EXTRACT_MAX_CHARS",
+    "WEB_USER_AGENT",
+    "VISION_BASE_URL",
+    "VISION_API_KEY",
+    "VISION_MODEL",
+    "VISION_MAX_IMAGE_BYTES",
+    "VISION_MAX_TOKENS",
+    "VISION_TIMEOUT_S",
+    "IMAGE_GEN_MODEL",
+    "IMAGE_GEN_BASE_URL",
+    "IMAGE_GEN_API_KEY",
+    "IMAGE_GEN_SIZES",
+    "IMAGE_GEN_RESPONSE_FORMAT",
+    "IMAGE_GEN_TIMEOUT_S",
+    "IMAGE_GEN_MAX_BYTES",
+    "MOA_REFERENCE_MODELS",
+    "MOA_AGGREGATOR_MODEL",
+    "MOA_BASE_URL",
+    "MOA_API_KEY",
+    "MOA_REFERENCE_TEMPERATURE",
+    "MOA_AGGREGATOR_TEMPERATURE",
+    "MOA_MAX_TOKENS",
+    "MOA_MIN_SUCCESSFUL",
+    "MOA_TIMEOUT_S",
+    "BROWSER_EXECUTABLE",
+    "BROWSER_ENABLED",
+    "BROWSER_NAV_TIMEOUT_S",
+    "BROWSER_ACTION_TIMEOUT_S",
+    "BROWSER_SNAPSHOT_MAX_CHARS",
+    "BROWSER_VIEWPORT",
+)
+SECRET_ENV_VARS = ("VISION_API_KEY", "IMAGE_GEN_API_KEY", "MOA_API_KEY", *_PROVIDER_KEY_VARS.values())
+
+
+class ToolConfigError(ValueError):
+    """A toolset setting is present but invalid; the message names the variable."""
+
+
+# ----------------------------------------------------------------------------- reading values
+
+
+def settings(extra: Mapping[str, Any] | None) -> dict[str, str]:
+    """The variables in force: the environment overlaid by ``extra["tool_env"]``."""
+    env = dict(os.environ)
+    overrides = (extra or {}).get(EXTRA_TOOL_ENV) or {}
+    env.update({str(k): str(v) for k, v in overrides.items()})
+    return env
+
+
+def tool_env_snapshot(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The tool variables set in ``env`` (default: this process's environment), for
+    ``extra["tool_env"]``: worker processes then see the parent's settings whatever their own
+    environment. The values of SECRET_ENV_VARS are API keys: keep them out of any output."""
+    env = os.environ if env is None else env
+    return {name: env[name] for name in TOOL_ENV_VARS if env.get(name)}
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name)
+    return value.strip() if value and value.strip() else None
+
+
+def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool = False) -> Any:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ToolConfigError(f"{name} must be {kind}, got {raw!r}") from None
+    if value <= 0 and not name.endswith("TEMPERATURE"):
+        raise ToolConfigError(f"{name} must be positive, got {raw!r}")
+    if value < 0:
+        raise ToolConfigError(f"{name} must not be negative, got {raw!r}")
+    return value
+
+
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
+    return _number(env, name, 0, integer=True) if _get(env, name) is not None else None
+
+
+def _url(env: Mapping[str, str], name: str, default: str | None = None) -> str | None:
+    raw = _get(env, name) or default
+    if raw is None:
+        return None
+    if not raw.startswith(("http://", "https://")):
+        raise ToolConfigError(f"{name} must be an http(s) URL, got {raw!r}")
+    return raw.rstrip("/")
+
+
+# ----------------------------------------------------------------------------- endpoints
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible endpoint and the model to ask there."""
+
+    base_url: str
+    api_key: str | None
+    model: str
+
+
+def _endpoint(env: Mapping[str, str], extra: Mapping[str, Any], prefix: str) -> tuple[str, str | None] | None:
+    """(base_url, api_key) for a toolset: its own variables, else the run's endpoint."""
+    own = _url(env, f"{prefix}_BASE_URL")
+    run_url = (extra or {}).get(EXTRA_BASE_URL)
+    run_key = (extra or {}).get(EXTRA_API_KEY)
+    if own is None and not run_url:
+        return None
+    base_url = own or str(run_url).rstrip("/")
+    key = _get(env, f"{prefix}_API_KEY")
+    if key is None and base_url == str(run_url or "").rstrip("/"):
+        key = run_key or None
+    return base_url, key
+
+
+_CLIENTS: dict[tuple[str, str | None], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def openai_client(base_url: str, api_key: str | None, timeout_s: float) -> Any:
+    """An ``openai.OpenAI`` client for one endpoint (cached, thread-safe) with this call's timeout."""
+    import openai
+
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get((base_url, api_key))
+        if client is None:
+            client = openai.OpenAI(base_url=base_url, api_key=api_key or NO_KEY, max_retries=2)
+            _CLIENTS[(base_url, api_key)] = client
+    return client.with_options(timeout=timeout_s)
+
+
+def api_error_message(exc: Any) -> str:
+    """The provider's own message of an ``openai`` API error, short."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:300]
+    return str(exc)[:300]
+
+
+# ----------------------------------------------------------------------------- web
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    provider: str  # one of SEARCH_PROVIDERS
+    base_url: str  # provider API base (SearXNG: the instance)
+    api_key: str | None
+    max_results: int  # results asked for and shown
+    timeout_s: float  # one search request
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    timeout_s: float  # one page fetch, connect to last byte
+    max_bytes: int  # larger bodies are refused
+    max_chars: int  # text kept per page (the results budget may lower it)
+    user_agent: str
+
+
+def search_config(extra: Mapping[str, Any] | None = None) -> SearchConfig | None:
+    """The search provider in force, or None when none is configured."""
+    env = settings(extra)
+    provider = _get(env, "WEB_SEARCH_PROVIDER")
+    if provider is not None:
+        provider = provider.lower()
+        if provider not in SEARCH_PROVIDERS:
+            raise ToolConfigError(
+                f"WEB_SEARCH_PROVIDER must be one of {', '.join(SEARCH_PROVIDERS)}, got {provider!r}"
+            )
+    else:
+        for name in ("tavily", "brave", "exa", "firecrawl"):
+            if _get(env, _PROVIDER_KEY_VARS[name]):
+                provider = name
+                break
+        else:
+            if _get(env, "SEARXNG_URL"):
+                provider = "searxng"
+    if provider is None:
+        return None
+    url_var = _PROVIDER_URL_VARS[provider]
+    base_url = _url(env, url_var, _PROVIDER_DEFAULT_URLS.get(provider))
+    if base_url is None:
+        raise ToolConfigError(f"WEB_SEARCH_PROVIDER=searxng needs {url_var}")
+    key_var = _PROVIDER_KEY_VARS.get(provider)
+    api_key = _get(env, key_var) if key_var else None
+    self_hosted = provider == "firecrawl" and _get(env, url_var) is not None
+    if key_var and api_key is None and not self_hosted:
+        raise ToolConfigError(f"WEB_SEARCH_PROVIDER={provider} needs {key_var}")
+    return SearchConfig(
+        provider=provider,
+        base_url=base_url,
+        api_key=api_key,
+        max_results=min(_number(env, "WEB_SEARCH_MAX_RESULTS", 5, integer=True), 20),
+        timeout_s=_number(env, "WEB_TIMEOUT_S", 30.0),
+    )
+
+
+def extract_config(extra: Mapping[str, Any] | None = None) -> ExtractConfig:
+    env = settings(extra)
+    return ExtractConfig(
+        timeout_s=_number(env, "WEB_TIMEOUT_S", 30.0),
+        max_bytes=_number(env, "WEB_EXTRACT_MAX_BYTES", 5_000_000, integer=True),
+        max_chars=_number(env, "WEB_EXTRACT_MAX_CHARS", 20_000, integer=True),
+        user_agent=_get(env, "WEB_USER_AGENT")
+        or "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) batch-runner-web/1.0",
+    )
+
+
+# ----------------------------------------------------------------------------- vision
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    endpoint: Endpoint
+    max_image_bytes: int  # larger images are refused
+    max_tokens: int | None  # per answer; None: the endpoint's default
+    timeout_s: float  # one model call
+
+
+def vision_config(extra: Mapping[str, Any] | None = None) -> VisionConfig | None:
+    env = settings(extra)
+    model = _get(env, "VISION_MODEL") or (extra or {}).get(EXTRA_MODEL)
+    where = _endpoint(env, extra or {}, "VISION")
+    if where is None or not model:
+        return None
+    return VisionConfig(
+        endpoint=Endpoint(where[0], where[1], str(model)),
+        max_image_bytes=_number(env, "VISION_MAX_IMAGE_BYTES", 10_000_000, integer=True),
+        max_tokens=_optional_int(env, "VISION_MAX_TOKENS"),
+        timeout_s=_number(env, "VISION_TIMEOUT_S", 120.0),
+    )
+
+
+# ----------------------------------------------------------------------------- image_gen
+
+
+@dataclass(frozen=True)
+class ImageGenConfig:
+    endpoint: Endpoint
+    sizes: dict[str, str]  # aspect ratio -> "WxH" sent as `size`
+    response_format: str | None  # None: let the endpoint choose (b64_json or url both handled)
+    timeout_s: float  # one generation request
+    max_bytes: int  # largest image accepted
+
+
+def _sizes(env: Mapping[str, str]) -> dict[str, str]:
+    raw = _get(env, "IMAGE_GEN_SIZES")
+    sizes = dict(DEFAULT_IMAGE_SIZES)
+    if raw is None:
+        return sizes
+    for item in raw.split(","):
+        name, _, size = item.strip().partition("=")
+        w, _, h = size.strip().partition("x")
+        if name.strip() not in ASPECT_RATIOS or not (w.isdigit() and h.isdigit()):
+            raise ToolConfigError(
+                f"IMAGE_GEN_SIZES must look like 'landscape=1536x1024,square=1024x1024', got {raw!r}"
+            )
+        sizes[name.strip()] = size.strip()
+    return sizes
+
+
+def image_gen_config(extra: Mapping[str, Any] | None = None) -> ImageGenConfig | None:
+    env = settings(extra)
+    model = _get(env, "IMAGE_GEN_MODEL")
+    if model is None:
+        return None
+    where = _endpoint(env, extra or {}, "IMAGE_GEN")
+    if where is None:
+        return None
+    fmt = _get(env, "IMAGE_GEN_RESPONSE_FORMAT")
+    if fmt is not None and fmt not in ("b64_json", "url"):
+        raise ToolConfigError(f"IMAGE_GEN_RESPONSE_FORMAT must be b64_json or url, got {fmt!r}")
+    return ImageGenConfig(
+        endpoint=Endpoint(where[0], where[1], model),
+        sizes=_sizes(env),
+        response_format=fmt,
+        timeout_s=_number(env, "IMAGE_GEN_TIMEOUT_S", 180.0),
+        max_bytes=_number(env, "IMAGE_GEN_MAX_BYTES", 20_000_000, integer=True),
+    )
+
+
+# ----------------------------------------------------------------------------- moa
+
+
+@dataclass(frozen=True)
+class MoaConfig:
+    base_url: str
+    api_key: str | None
+    reference_models: tuple[str, ...]  # asked in parallel
+    aggregator_model: str  # writes the final answer from theirs
+    reference_temperature: float
+    aggregator_temperature: float
+    max_tokens: int | None  # per model answer; None: the endpoint's default
+    min_successful: int  # reference answers needed before aggregating
+    timeout_s: float  # one model call
+
+
+def moa_config(extra: Mapping[str, Any] | None = None) -> MoaConfig | None:
+    env = settings(extra)
+    run_model = (extra or {}).get(EXTRA_MODEL)
+    raw_refs = _get(env, "MOA_REFERENCE_MODELS")
+    refs = tuple(m.strip() for m in raw_refs.split(",") if m.strip()) if raw_refs else ()
+    if raw_refs and not refs:
+        raise ToolConfigError(f"MOA_REFERENCE_MODELS names no model: {raw_refs!r}")
+    refs = refs or ((str(run_model),) if run_model else ())
+    aggregator = _get(env, "MOA_AGGREGATOR_MODEL") or (str(run_model) if run_model else None)
+    where = _endpoint(env, extra or {}, "MOA")
+    if where is None or not refs or not aggregator:
+        return None
+    min_ok = _number(env, "MOA_MIN_SUCCESSFUL", 1, integer=True)
+    if min_ok > len(refs):
+        raise ToolConfigError(f"MOA_MIN_SUCCESSFUL ({min_ok}) exceeds the {len(refs)} reference model(s)")
+    return MoaConfig(
+        base_url=where[0],
+        api_key=where[1],
+        reference_models=refs,
+        aggregator_model=aggregator,
+        reference_temperature=_number(env, "MOA_REFERENCE_TEMPERATURE", 0.6),
+        aggregator_temperature=_number(env, "MOA_AGGREGATOR_TEMPERATURE", 0.4),
+        max_tokens=_optional_int(env, "MOA_MAX_TOKENS"),
+        min_successful=min_ok,
+        timeout_s=_number(env, "MOA_TIMEOUT_S", 300.0),
+    )
+
+
+# ----------------------------------------------------------------------------- browser
+
+BROWSER_FLAGS = (
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+)
+
+
+@dataclass(frozen=True)
+class BrowserConfig:
+    executable: str  # the Chromium binary Playwright launches
+    nav_timeout_s: float  # one navigation
+    action_timeout_s: float  # one click, fill or key press
+    snapshot_max_chars: int  # default snapshot size; full=true allows four times as much
+    viewport: tuple[int, int]  # width, height in CSS pixels
+
+
+def find_chromium(env: Mapping[str, str]) -> str | None:
+    explicit = _get(env, "BROWSER_EXECUTABLE")
+    if explicit is not None:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise ToolConfigError(f"BROWSER_EXECUTABLE {explicit!r} is not an executable file")
+        return explicit
+    for candidate in BROWSER_CANDIDATES:
+        found = candidate if os.path.isabs(candidate) else shutil.which(candidate)
+        if found and os.path.isfile(found) and os.access(found, os.X_OK):
+            return found
+    return None
+
+
+def browser_config(extra: Mapping[str, Any] | None = None) -> BrowserConfig | None:
+    env = settings(extra)
+    enabled = (_get(env, "BROWSER_ENABLED") or "1").lower()
+    if enabled not in ("1", "0", "true", "false", "yes", "no"):
+        raise ToolConfigError(f"BROWSER_ENABLED must be 1 or 0, got {enabled!r}")
+    if enabled in ("0", "false", "no") or importlib.util.find_spec("playwright") is None:
+        return None
+    executable = find_chromium(env)
+    if executable is None:
+        return None
+    raw_vp = _get(env, "BROWSER_VIEWPORT") or "1280x800"
+    w, _, h = raw_vp.partition("x")
+    if not (w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+        raise ToolConfigError(f"BROWSER_VIEWPORT must look like 1280x800, got {raw_vp!r}")
+    return BrowserConfig(
+        executable=executable,
+        nav_timeout_s=_number(env, "BROWSER_NAV_TIMEOUT_S", 30.0),
+        action_timeout_s=_number(env, "BROWSER_ACTION_TIMEOUT_S", 10.0),
+        snapshot_max_chars=_number(env, "BROWSER_SNAPSHOT_MAX_CHARS", 8000, integer=True),
+        viewport=(int(w), int(h)),
+    )
+
+
+def run_dir(extra: Mapping[str, Any] | None) -> str | None:
+    value = (extra or {}).get(EXTRA_RUN_DIR)
+    return str(value) if value else None
