@@ -1,0 +1,250 @@
+"""The browser tools driving real headless Chromium (Debian's package) on the local fake site."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.tools import browser
+from agent.tools.browser import HOST, format_snapshot
+from agent.tools.registry import available_toolsets, close_prompt_resources
+
+pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("chromium_ready")]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ref_of(snapshot: str, role: str, name: str) -> str:
+    """The ref of the element ``role "name"`` in a snapshot, as the model would pick it."""
+    m = re.search(rf'- {role} "{re.escape(name)}"[^\n]*?\[(@(?:f\d+)?e\d+)\]', snapshot)
+    assert m, f'{role} "{name}" not in snapshot:\n{snapshot}'
+    return m.group(1)
+
+
+def test_navigate_returns_a_snapshot_with_refs(fake_web, tool_ctx, call_tool):
+    out = call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/form.html"))
+    assert out["success"] is True and out["status"] == 200
+    assert out["url"] == fake_web.url("/form.html") and out["title"] == "Search form"
+    snap = out["snapshot"]
+    assert 'heading "Search the catalogue" [level=1]' in snap
+    ref_of(snap, "textbox", "Query")
+    ref_of(snap, "button", "Search")
+    assert "[ref=" not in snap and "[cursor=pointer]" not in snap
+    assert "- generic" not in snap  # layout containers are left out of the compact view
+    assert out["element_refs"] > 10
+
+
+def test_type_press_and_click_change_the_page(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    snap = call_tool(ctx, "browser_navigate", url=fake_web.url("/form.html"))["snapshot"]
+    typed = call_tool(ctx, "browser_type", ref=ref_of(snap, "textbox", "Query"), text="red giants")
+    assert typed["success"] is True and typed["typed"] == "red giants"
+    assert call_tool(ctx, "browser_press", key="Enter")["success"] is True
+    after = call_tool(ctx, "browser_snapshot")["snapshot"]
+    assert "You searched for: red giants" in after
+    assert "MORE-TEXT" not in after
+    clicked = call_tool(ctx, "browser_click", ref=ref_of(after, "button", "Show more"))
+    assert clicked["success"] is True and clicked["url"] == fake_web.url("/form.html")
+    assert "MORE-TEXT revealed." in call_tool(ctx, "browser_snapshot")["snapshot"]
+    console = call_tool(ctx, "browser_console")
+    texts = [m["text"] for m in console["console_messages"]]
+    assert texts.count("FORM-READY") == 1 and "submitted red giants" in texts
+
+
+def test_links_back_and_new_tabs(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    snap = call_tool(ctx, "browser_navigate", url=fake_web.url("/"))["snapshot"]
+    out = call_tool(ctx, "browser_click", ref=ref_of(snap, "link", "Read about Alpha Centauri"))
+    assert out["url"] == fake_web.url("/articles/alpha.html") and out["title"] == "Alpha Centauri"
+    assert "ALPHA-FACT" in call_tool(ctx, "browser_snapshot")["snapshot"]
+    back = call_tool(ctx, "browser_back")
+    assert back["url"] == fake_web.url("/") and back["title"] == "Fake Site Home"
+    snap = call_tool(ctx, "browser_navigate", url=fake_web.url("/popup.html"))["snapshot"]
+    out = call_tool(ctx, "browser_click", ref=ref_of(snap, "link", "Open Beta in a new tab"))
+    assert out["url"] == fake_web.url("/articles/beta.html")  # the session follows the new tab
+    assert "BETA-FACT" in call_tool(ctx, "browser_snapshot")["snapshot"]
+
+
+def test_back_without_history_is_an_error(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    call_tool(ctx, "browser_navigate", url=fake_web.url("/"))
+    assert "no previous page" in call_tool(ctx, "browser_back")["error"]
+
+
+def test_scroll(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    call_tool(ctx, "browser_navigate", url=fake_web.url("/long.html"))
+    down = call_tool(ctx, "browser_scroll", direction="down")
+    assert down["success"] is True and down["scroll_y"] > 300 and down["at_top"] is False
+    again = call_tool(ctx, "browser_scroll", direction="down")
+    assert again["scroll_y"] > down["scroll_y"]
+    up = call_tool(ctx, "browser_scroll", direction="up")
+    assert up["scroll_y"] < again["scroll_y"]
+    assert "direction must be" in call_tool(ctx, "browser_scroll", direction="left")["error"]
+
+
+def test_snapshot_sizes(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx({"BROWSER_SNAPSHOT_MAX_CHARS": "1500"})
+    call_tool(ctx, "browser_navigate", url=fake_web.url("/long.html"))
+    short = call_tool(ctx, "browser_snapshot")
+    assert (
+        len(short["snapshot"]) < 1700 and "more lines not shown" in short["snapshot"] and short["truncated"]
+    )
+    full = call_tool(ctx, "browser_snapshot", full=True)
+    assert 4000 < len(full["snapshot"]) <= 6200 and "LONG-PAGE-TEXT 20." in full["snapshot"]
+
+
+def test_get_images(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    call_tool(ctx, "browser_navigate", url=fake_web.url("/gallery.html"))
+    out = call_tool(ctx, "browser_get_images")
+    red, blue, inline = out["images"]
+    assert red == {"src": fake_web.url("/img/red.png"), "alt": "A red rectangle", "width": 8, "height": 6}
+    assert blue == {"src": fake_web.url("/img/blue.png"), "alt": "A blue square", "width": 4, "height": 4}
+    assert inline["alt"] == "An inline green dot" and "not shown" in inline["src"]
+    assert "iVBOR" not in json.dumps(out)  # no inline image data in the result
+
+
+def test_console_errors_and_expressions(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    snap = call_tool(ctx, "browser_navigate", url=fake_web.url("/form.html"))["snapshot"]
+    call_tool(ctx, "browser_click", ref=ref_of(snap, "button", "Break something"))
+    out = call_tool(ctx, "browser_console", expression="document.title + ' / ' + location.pathname")
+    assert any("BOOM-ERROR" in e for e in out["js_errors"])
+    assert out["result"] == "Search form / /site/form.html"
+    cleared = call_tool(ctx, "browser_console", clear=True)
+    assert cleared["js_errors"]  # returned once more, then emptied
+    assert call_tool(ctx, "browser_console")["js_errors"] == []
+    assert "error" in call_tool(ctx, "browser_console", expression="no_such_variable.x")
+
+
+def test_vision_screenshot_is_saved_and_sent(fake_web, tool_ctx, call_tool, tmp_path):
+    ctx = tool_ctx(prompt_index=5)
+    call_tool(ctx, "browser_navigate", url=fake_web.url("/gallery.html"))
+    out = call_tool(ctx, "browser_vision", question="What is on the page?", annotate=True)
+    assert out["success"] is True and out["url"] == fake_web.url("/gallery.html")
+    assert "image/png 1280x800" in out["analysis"]
+    path = Path(out["screenshot_path"])
+    assert path.parent == tmp_path / "run" / "screenshots" and path.name.startswith("prompt5_1_")
+    data = path.read_bytes()
+    assert struct.unpack(">II", data[16:24]) == (1280, 800)
+    assert out["labels"].split()[0] != "0"
+    # the labels were removed again after the screenshot
+    assert "@" not in call_tool(ctx, "browser_console", expression="document.body.innerText")["result"]
+
+
+def test_page_built_by_script_is_visible(fake_web, tool_ctx, call_tool):
+    out = call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/script-only.html"))
+    assert "SCRIPT-BUILT-TEXT" in out["snapshot"]
+
+
+def test_errors_are_observations(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    assert "browser_navigate first" in call_tool(ctx, "browser_snapshot")["error"]
+    assert "only http(s) URLs" in call_tool(ctx, "browser_navigate", url="file:///etc/passwd")["error"]
+    refused = call_tool(ctx, "browser_navigate", url=f"http://127.0.0.1:{free_port()}/")
+    assert "ERR_CONNECTION_REFUSED" in refused["error"]
+    call_tool(ctx, "browser_navigate", url=fake_web.url("/form.html"))
+    started = time.monotonic()
+    assert "call browser_snapshot for fresh ones" in call_tool(ctx, "browser_click", ref="@e999")["error"]
+    assert time.monotonic() - started < 2  # a missing ref does not wait for the action timeout
+    assert "ref must be" in call_tool(ctx, "browser_click", ref="button")["error"]
+    link = ref_of(call_tool(ctx, "browser_snapshot")["snapshot"], "link", "Home")
+    assert "not a text field" in call_tool(ctx, "browser_type", ref=link, text="x")["error"]
+    assert "Unknown key" in call_tool(ctx, "browser_press", key="NoSuchKey")["error"]
+    nf = call_tool(ctx, "browser_navigate", url=fake_web.url("/missing"))
+    assert nf["status"] == 404 and "HTTP 404" in nf["note"]
+
+
+def test_tool_timeout_ends_a_slow_navigation(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    ctx.tool_timeout_s = 1.5
+    started = time.monotonic()
+    out = call_tool(ctx, "browser_navigate", url=fake_web.url("/slow.html?delay=6"))
+    assert "did not finish within 1.5 s" in out["error"]
+    assert time.monotonic() - started < 3
+    ctx.tool_timeout_s = 30
+    assert call_tool(ctx, "browser_navigate", url=fake_web.url("/"))["success"] is True
+
+
+def test_prompts_get_separate_contexts_in_one_browser(fake_web, tool_ctx, call_tool):
+    a, b = tool_ctx(), tool_ctx()
+    results = {}
+
+    def visit(name, ctx, page):
+        results[name] = call_tool(ctx, "browser_navigate", url=fake_web.url(page))
+
+    threads = [
+        threading.Thread(target=visit, args=("a", a, "/articles/alpha.html")),
+        threading.Thread(target=visit, args=("b", b, "/slow.html?delay=1")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["a"]["title"] == "Alpha Centauri" and results["b"]["title"] == "Slow page"
+    call_tool(a, "browser_console", expression="localStorage.setItem('who', 'a') || 1")
+    assert call_tool(a, "browser_snapshot")["url"] == fake_web.url("/articles/alpha.html")
+    call_tool(b, "browser_navigate", url=fake_web.url("/articles/beta.html"))
+    assert call_tool(b, "browser_console", expression="localStorage.getItem('who')")["result"] is None
+    launches = HOST.launches
+    contexts = len(HOST._browser.contexts)
+    close_prompt_resources(a)
+    assert len(HOST._browser.contexts) == contexts - 1
+    assert a.resources == {}
+    close_prompt_resources(a)  # idempotent
+    assert call_tool(b, "browser_snapshot")["success"] is True  # the other prompt is untouched
+    assert HOST.launches == launches  # one Chromium for the whole process
+
+
+def test_browser_configuration(clean_tool_env, tmp_path):
+    assert "browser" in available_toolsets({})
+    assert "browser" not in available_toolsets({"tool_env": {"BROWSER_ENABLED": "0"}})
+    with pytest.raises(ValueError, match="BROWSER_EXECUTABLE"):
+        available_toolsets({"tool_env": {"BROWSER_EXECUTABLE": str(tmp_path / "nothing")}})
+    with pytest.raises(ValueError, match="BROWSER_VIEWPORT"):
+        available_toolsets({"tool_env": {"BROWSER_VIEWPORT": "wide"}})
+
+
+def test_agent_loop_drives_the_browser(fake_web, tool_ctx, run_tool_loop):
+    ctx = tool_ctx()
+    messages = run_tool_loop(ctx, fake_web.url("/articles/beta.html"), ["browser"])
+    tool = next(m for m in messages if m["role"] == "tool")
+    assert tool["name"] == "browser_navigate"
+    assert "BETA-FACT" in json.loads(tool["content"])["snapshot"]
+
+
+def test_format_snapshot_collapses_containers_and_cuts():
+    raw = (
+        "- generic [active] [ref=e1]:\n"
+        "  - generic [ref=e2]:\n"
+        '    - link "A" [ref=e3] [cursor=pointer]:\n'
+        "      - /url: /a\n"
+        "  - paragraph [ref=f2e4]: text\n"
+    )
+    compact, cut = format_snapshot(raw, compact=True, max_chars=1000)
+    assert compact == '- link "A" [@e3]:\n  - /url: /a\n- paragraph [@f2e4]: text' and cut is None
+    full, _ = format_snapshot(raw, compact=False, max_chars=1000)
+    assert full.splitlines()[0] == "- generic [@e1]:" and len(full.splitlines()) == 5
+    short, cut = format_snapshot(raw, compact=True, max_chars=30)
+    assert (
+        short.splitlines()[-1].startswith("[... 2 more lines not shown") and cut == "2 of 3 lines not shown"
+    )
+
+
+def test_shutdown_and_restart(fake_web, tool_ctx, call_tool):
+    browser.shutdown_browser()
+    browser.shutdown_browser()  # idempotent
+    out = call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))
+    assert out["success"] is True  # a new loop and Chromium start on demand

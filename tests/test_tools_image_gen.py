@@ -1,0 +1,86 @@
+"""image_generate against the fake endpoint's /v1/images/generations; images land under the run dir."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from agent.fake_services import color_for, make_png
+from agent.tools.config import ToolConfigError
+from agent.tools.registry import available_toolsets
+
+ENV = {"IMAGE_GEN_MODEL": "mock-image"}
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    return struct.unpack(">II", data[16:24])
+
+
+def test_image_is_saved_under_the_run_dir(tools_llm, tool_ctx, call_tool, tmp_path):
+    ctx = tool_ctx(ENV, prompt_index=42)
+    out = call_tool(ctx, "image_generate", prompt="a lighthouse at dusk", aspect_ratio="square")
+    assert out["success"] is True
+    path = Path(out["image"])
+    assert path.parent == tmp_path / "run" / "images" and path.name.startswith("prompt42_")
+    assert out["relative_path"] == f"images/{path.name}"
+    data = path.read_bytes()
+    assert data == make_png(1024, 1024, color_for("a lighthouse at dusk"))
+    assert (out["size"], out["mime_type"], out["bytes"]) == ("1024x1024", "image/png", len(data))
+    assert len(json.dumps(out)) < 1000  # a path, never the image itself
+    request = tools_llm.stats()["last_requests"][-1]
+    assert request == {"model": "mock-image", "prompt": "a lighthouse at dusk", "n": 1, "size": "1024x1024"}
+
+
+def test_default_aspect_is_landscape_and_sizes_are_configurable(tool_ctx, call_tool):
+    out = call_tool(tool_ctx(ENV), "image_generate", prompt="wide view")
+    assert out["size"] == "1536x1024" and png_size(Path(out["image"]).read_bytes()) == (1536, 1024)
+    ctx = tool_ctx({**ENV, "IMAGE_GEN_SIZES": "portrait=64x128"})
+    out = call_tool(ctx, "image_generate", prompt="tall view", aspect_ratio="portrait")
+    assert png_size(Path(out["image"]).read_bytes()) == (64, 128)
+
+
+def test_url_responses_are_downloaded(tools_llm, tool_ctx, call_tool):
+    ctx = tool_ctx({**ENV, "IMAGE_GEN_RESPONSE_FORMAT": "url", "IMAGE_GEN_SIZES": "square=16x16"})
+    out = call_tool(ctx, "image_generate", prompt="a red fox", aspect_ratio="square")
+    assert out["url"].startswith(tools_llm.base_url + "/images/files/")
+    assert Path(out["image"]).read_bytes() == make_png(16, 16, color_for("a red fox"))
+
+
+def test_endpoint_errors_are_observations(tool_ctx, call_tool):
+    out = call_tool(tool_ctx(ENV), "image_generate", prompt="forbidden [error:403]")
+    assert "HTTP 403" in out["error"]
+
+
+def test_argument_checks(tool_ctx, call_tool):
+    ctx = tool_ctx(ENV)
+    assert (
+        "aspect_ratio must be one of"
+        in call_tool(ctx, "image_generate", prompt="x", aspect_ratio="wide")["error"]
+    )
+    assert "must not be empty" in call_tool(ctx, "image_generate", prompt="  ")["error"]
+
+
+def test_no_run_dir_is_an_error(tool_ctx, call_tool):
+    out = call_tool(tool_ctx(ENV, run_dir=None), "image_generate", prompt="x")
+    assert "run_dir" in out["error"]
+
+
+def test_offered_only_with_an_image_model(clean_tool_env):
+    run = {"llm_base_url": "http://x/v1", "llm_model": "chat-model"}
+    assert "image_gen" not in available_toolsets(run)
+    assert "image_gen" in available_toolsets({**run, "tool_env": ENV})
+    assert "image_gen" not in available_toolsets({"tool_env": ENV})  # no endpoint at all
+    with pytest.raises(ToolConfigError, match="IMAGE_GEN_SIZES"):
+        available_toolsets({**run, "tool_env": {**ENV, "IMAGE_GEN_SIZES": "square=big"}})
+    with pytest.raises(ToolConfigError, match="IMAGE_GEN_RESPONSE_FORMAT"):
+        available_toolsets({**run, "tool_env": {**ENV, "IMAGE_GEN_RESPONSE_FORMAT": "png"}})
+
+
+def test_agent_loop_with_image_gen(tool_ctx, run_tool_loop):
+    messages = run_tool_loop(tool_ctx(ENV), "a watercolour of a harbour", ["image_gen"])
+    tool = next(m for m in messages if m["role"] == "tool")
+    result = json.loads(tool["content"])
+    assert tool["name"] == "image_generate" and Path(result["image"]).is_file()

@@ -1,0 +1,77 @@
+"""mixture_of_agents against the fake endpoint: reference models in parallel, then the aggregator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.tools import moa
+from agent.tools.config import ToolConfigError, moa_config
+from agent.tools.registry import available_toolsets
+
+
+def test_references_then_aggregator(tools_llm, tool_ctx, call_tool):
+    ctx = tool_ctx({"MOA_REFERENCE_MODELS": "ref-a, ref-b", "MOA_AGGREGATOR_MODEL": "agg"})
+    tools_llm.reset_stats()
+    out = call_tool(ctx, "mixture_of_agents", user_prompt="Prove that sqrt 2 is irrational")
+    assert out["success"] is True
+    assert out["models_used"] == {"reference_models": ["ref-a", "ref-b"], "aggregator_model": "agg"}
+    requests = tools_llm.stats()["last_requests"]
+    assert len(requests) == 3
+    refs, aggregation = requests[:2], requests[2]
+    assert sorted(r["model"] for r in refs) == ["ref-a", "ref-b"]
+    for r in refs:
+        assert r["messages"] == [{"role": "user", "content": "Prove that sqrt 2 is irrational"}]
+        assert r["temperature"] == 0.6
+    assert aggregation["model"] == "agg" and aggregation["temperature"] == 0.4
+    system, user = aggregation["messages"]
+    reference_answer = "Final answer for 'prove-that-sqrt-2'."
+    assert system["role"] == "system" and system["content"].count(reference_answer) == 2
+    assert user == {"role": "user", "content": "Prove that sqrt 2 is irrational"}
+    assert out["response"] == reference_answer  # what the aggregator said
+
+
+def test_defaults_to_the_run_model(clean_tool_env):
+    cfg = moa_config({"llm_base_url": "http://x/v1", "llm_api_key": "k", "llm_model": "run-model"})
+    assert (cfg.reference_models, cfg.aggregator_model, cfg.api_key) == (("run-model",), "run-model", "k")
+
+
+def test_failed_reference_is_left_out(monkeypatch, tool_ctx, call_tool):
+    real_ask = moa._ask
+
+    def ask(cfg, model, messages, temperature, timeout_s):
+        if model == "broken":
+            raise RuntimeError("HTTP 503: overloaded")
+        return real_ask(cfg, model, messages, temperature, timeout_s)
+
+    monkeypatch.setattr(moa, "_ask", ask)
+    out = call_tool(
+        tool_ctx({"MOA_REFERENCE_MODELS": "broken,good"}), "mixture_of_agents", user_prompt="Hard question"
+    )
+    assert out["success"] is True
+    assert out["models_used"]["reference_models"] == ["good"]
+    assert out["failed_models"] == {"broken": "HTTP 503: overloaded"}
+
+
+def test_too_few_answers_is_an_error(tool_ctx, call_tool):
+    ctx = tool_ctx({"MOA_REFERENCE_MODELS": "a,b"})
+    out = call_tool(ctx, "mixture_of_agents", user_prompt="doomed [error:500]")
+    assert "only 0 of 2 reference models answered" in out["error"] and "HTTP 500" in out["error"]
+
+
+def test_configuration(clean_tool_env):
+    run = {"llm_base_url": "http://x/v1", "llm_model": "m"}
+    assert "moa" not in available_toolsets({})
+    assert "moa" in available_toolsets(run)
+    with pytest.raises(ToolConfigError, match="MOA_MIN_SUCCESSFUL"):
+        available_toolsets({**run, "tool_env": {"MOA_REFERENCE_MODELS": "a", "MOA_MIN_SUCCESSFUL": "2"}})
+    with pytest.raises(ToolConfigError, match="MOA_REFERENCE_TEMPERATURE"):
+        available_toolsets({**run, "tool_env": {"MOA_REFERENCE_TEMPERATURE": "hot"}})
+
+
+def test_agent_loop_with_moa(tool_ctx, run_tool_loop):
+    messages = run_tool_loop(tool_ctx(), "What is the 10th prime?", ["moa"])
+    tool = next(m for m in messages if m["role"] == "tool")
+    assert tool["name"] == "mixture_of_agents"
+    assert json.loads(tool["content"])["response"].startswith("Final answer for 'what-is-the-10th'")

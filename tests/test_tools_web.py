@@ -1,0 +1,223 @@
+"""web_search against fake providers at the HTTP level, web_extract against the local fake site."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from agent.tools.config import SEARCH_PROVIDERS, ToolConfigError, search_config
+from agent.tools.registry import available_toolsets
+
+AUTH_HEADERS = {
+    "tavily": ("authorization", "Bearer {key}"),
+    "brave": ("x-subscription-token", "{key}"),
+    "exa": ("x-api-key", "{key}"),
+    "firecrawl": ("authorization", "Bearer {key}"),
+}
+
+
+# ----------------------------------------------------------------------------- web_search
+
+
+@pytest.mark.parametrize("provider", SEARCH_PROVIDERS)
+def test_search_through_each_provider_returns_the_site_pages(provider, fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx(fake_web.provider_env(provider))
+    fake_web.requests.clear()
+    out = call_tool(ctx, "web_search", query="Alpha Centauri light-years")
+    assert out["success"] is True and out["query"] == "Alpha Centauri light-years"
+    assert out["results"][0]["url"] == fake_web.url("/articles/alpha.html")
+    assert out["results"][0]["title"] == "Alpha Centauri"
+    assert "ALPHA-FACT" in out["results"][0]["description"]
+    assert [r["position"] for r in out["results"]] == list(range(1, len(out["results"]) + 1))
+    assert 1 <= len(out["results"]) <= 5
+    sent = fake_web.requests[-1]
+    assert sent["path"].startswith(f"/{provider}/")
+    if provider in AUTH_HEADERS:
+        name, value = AUTH_HEADERS[provider]
+        assert sent["headers"].get(name) == value.format(key=fake_web.api_key)
+
+
+def test_search_result_count_follows_the_setting(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx({**fake_web.provider_env("tavily"), "WEB_SEARCH_MAX_RESULTS": "2"})
+    out = call_tool(ctx, "web_search", query="the fake site pages alpha beta gallery")
+    assert len(out["results"]) == 2
+    assert fake_web.requests[-1]["body"]["max_results"] == 2
+
+
+def test_search_provider_error_is_an_observation_and_hides_the_key(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx(fake_web.provider_env("brave"))
+    out = call_tool(ctx, "web_search", query="alpha [error:503]")
+    assert "503" in out["error"] and "brave" in out["error"]
+    assert fake_web.api_key not in json.dumps(out)
+
+
+def test_search_with_a_wrong_key_reports_401(fake_web, tool_ctx, call_tool):
+    env = {**fake_web.provider_env("exa"), "EXA_API_KEY": "wrong-key"}
+    out = call_tool(tool_ctx(env), "web_search", query="alpha")
+    assert "401" in out["error"]
+
+
+def test_search_with_no_hits_says_so(fake_web, tool_ctx, call_tool):
+    out = call_tool(tool_ctx(fake_web.provider_env("searxng")), "web_search", query="zzzqqq")
+    assert out["success"] is True and out["results"] == [] and "no results" in out["note"]
+
+
+def test_unreachable_provider_is_an_error(tool_ctx, call_tool):
+    env = {"WEB_SEARCH_PROVIDER": "searxng", "SEARXNG_URL": "http://127.0.0.1:9", "WEB_TIMEOUT_S": "3"}
+    out = call_tool(tool_ctx(env), "web_search", query="alpha")
+    assert "search failed" in out["error"]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_web_is_offered_only_with_a_provider(clean_tool_env, fake_web):
+    assert "web" not in available_toolsets({})
+    assert "web" in available_toolsets({"tool_env": fake_web.provider_env("searxng")})
+
+
+def test_provider_is_detected_from_its_key(clean_tool_env):
+    cfg = search_config({"tool_env": {"BRAVE_API_KEY": "k"}})
+    assert (cfg.provider, cfg.base_url, cfg.api_key) == ("brave", "https://api.search.brave.com", "k")
+
+
+def test_self_hosted_firecrawl_needs_no_key(clean_tool_env):
+    cfg = search_config(
+        {"tool_env": {"WEB_SEARCH_PROVIDER": "firecrawl", "FIRECRAWL_API_URL": "http://fc:3002/"}}
+    )
+    assert (cfg.base_url, cfg.api_key) == ("http://fc:3002", None)
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"WEB_SEARCH_PROVIDER": "google"}, "WEB_SEARCH_PROVIDER"),
+        ({"WEB_SEARCH_PROVIDER": "tavily"}, "TAVILY_API_KEY"),
+        ({"WEB_SEARCH_PROVIDER": "searxng"}, "SEARXNG_URL"),
+        ({"BRAVE_API_KEY": "k", "WEB_TIMEOUT_S": "soon"}, "WEB_TIMEOUT_S"),
+        ({"SEARXNG_URL": "ftp://x"}, "SEARXNG_URL"),
+    ],
+)
+def test_bad_settings_fail_at_start_naming_the_variable(clean_tool_env, env, named):
+    with pytest.raises(ToolConfigError, match=named):
+        available_toolsets({"tool_env": env})
+
+
+# ----------------------------------------------------------------------------- web_extract
+
+
+def test_extract_gives_main_content_as_markdown(fake_web, tool_ctx, call_tool):
+    out = call_tool(tool_ctx(), "web_extract", urls=[fake_web.url("/articles/alpha.html")])
+    assert "error" not in out
+    page = out["results"][0]
+    assert page["error"] is None and page["title"] == "Alpha Centauri"
+    text = page["content"]
+    assert text.startswith("# Alpha Centauri")
+    assert "ALPHA-FACT: it lies 4.37 light-years away." in text
+    assert "## Components" in text and "- Proxima Centauri" in text
+    assert f"[Beta Pictoris]({fake_web.url('/articles/beta.html')})" in text  # links made absolute
+    assert f"![A red star]({fake_web.url('/img/red.png')})" in text
+    for noise in ("NAV-NOISE", "FOOTER-NOISE", "SCRIPT-NOISE", "STYLE-NOISE", "ASIDE-NOISE"):
+        assert noise not in text
+
+
+def test_extract_without_main_element_keeps_body_minus_chrome(fake_web, tool_ctx, call_tool):
+    page = call_tool(tool_ctx(), "web_extract", urls=[fake_web.url("/articles/beta.html")])["results"][0]
+    assert "BETA-FACT" in page["content"] and "| Age | 23 million years |" in page["content"]
+    assert "NAV-NOISE" not in page["content"] and "FOOTER-NOISE" not in page["content"]
+
+
+def test_extract_follows_redirects_and_decodes_charsets(fake_web, tool_ctx, call_tool):
+    out = call_tool(
+        tool_ctx(),
+        "web_extract",
+        urls=[fake_web.url("/redirect"), fake_web.url("/latin1.html"), fake_web.url("/plain.txt")],
+    )
+    moved, latin, plain = out["results"]
+    assert moved["final_url"] == fake_web.url("/articles/alpha.html") and "ALPHA-FACT" in moved["content"]
+    assert latin["title"] == "Café" and "CAFÉ-TEXT crème brûlée" in latin["content"]
+    assert plain["content"].startswith("PLAIN-TEXT-FILE line one") and plain["content_type"] == "text/plain"
+
+
+def test_extract_refuses_other_content_types_per_url(fake_web, tool_ctx, call_tool):
+    out = call_tool(
+        tool_ctx(), "web_extract", urls=[fake_web.url("/doc.pdf"), fake_web.url("/articles/beta.html")]
+    )
+    pdf, beta = out["results"]
+    assert "application/pdf" in pdf["error"] and pdf["content"] == ""
+    assert beta["error"] is None
+    assert "error" not in out  # one good page makes the call a success
+
+
+def test_extract_all_failing_is_a_failure(fake_web, tool_ctx, call_tool):
+    out = call_tool(
+        tool_ctx(), "web_extract", urls=[fake_web.url("/missing.html"), fake_web.url("/img/red.png")]
+    )
+    assert "HTTP 404" in out["results"][0]["error"]
+    assert "image/png" in out["results"][1]["error"]
+    assert "HTTP 404" in out["error"] and "image/png" in out["error"]
+
+
+@pytest.mark.parametrize("page", ["/big.html", "/chunked.html"])
+def test_extract_size_limit(page, fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx({"WEB_EXTRACT_MAX_BYTES": "100000"})
+    out = call_tool(ctx, "web_extract", urls=[fake_web.url(f"{page}?bytes=500000")])
+    assert "limit of 100000 bytes" in out["error"]
+    small = call_tool(ctx, "web_extract", urls=[fake_web.url(f"{page}?bytes=20000")])
+    assert small["results"][0]["error"] is None and len(small["results"][0]["content"]) > 10000
+
+
+def test_extract_time_limit(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx({"WEB_TIMEOUT_S": "1"})
+    started = time.monotonic()
+    out = call_tool(ctx, "web_extract", urls=[fake_web.url("/slow.html?delay=5")])
+    assert time.monotonic() - started < 4
+    assert "timed out" in out["error"] or "took longer" in out["error"]
+
+
+def test_extract_cuts_long_pages_and_says_so(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx({"WEB_EXTRACT_MAX_CHARS": "2500"})
+    page = call_tool(ctx, "web_extract", urls=[fake_web.url("/big.html?bytes=50000")])["results"][0]
+    assert len(page["content"]) == 2500 and "cut at 2500" in page["truncated"]
+
+
+def test_extract_shares_the_output_budget_between_urls(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    ctx.output_cap_bytes = 16 * 1024
+    urls = [fake_web.url(f"/big.html?bytes={50000 + i}") for i in range(4)]
+    out = call_tool(ctx, "web_extract", urls=urls)
+    assert all(r["truncated"] for r in out["results"])
+    assert len(json.dumps(out)) < 20 * 1024
+
+
+def test_extract_page_built_by_script_suggests_the_browser(fake_web, tool_ctx, call_tool):
+    page = call_tool(tool_ctx(), "web_extract", urls=[fake_web.url("/script-only.html")])["results"][0]
+    assert page["content"] == "" and "browser" in page["note"]
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://example.com/x", "not a url"])
+def test_extract_only_fetches_http(url, tool_ctx, call_tool):
+    out = call_tool(tool_ctx(), "web_extract", urls=[url])
+    assert "not an http(s) URL" in out["results"][0]["error"]
+
+
+def test_extract_argument_checks(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx()
+    assert "at most 5" in call_tool(ctx, "web_extract", urls=[fake_web.url("/")] * 6)["error"]
+    assert "must be array" in call_tool(ctx, "web_extract", urls=fake_web.url("/"))["error"]
+    assert "non-empty" in call_tool(ctx, "web_extract", urls=[])["error"]
+
+
+# ----------------------------------------------------------------------------- through the agent loop
+
+
+def test_agent_loop_searches_and_the_answer_quotes_the_result(fake_web, tool_ctx, run_tool_loop):
+    ctx = tool_ctx(fake_web.provider_env("tavily"))
+    messages = run_tool_loop(ctx, "Beta Pictoris debris disk", ["web"])
+    tool_msgs = [m for m in messages if m["role"] == "tool"]
+    assert [m["name"] for m in tool_msgs] == ["web_search"]
+    result = json.loads(tool_msgs[0]["content"])
+    assert result["results"][0]["url"] == fake_web.url("/articles/beta.html")
+    assert messages[-1]["role"] == "assistant" and '"success": true' in messages[-1]["content"]
