@@ -29,6 +29,7 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
+from agent.limiter import Limiter
 from agent.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
 from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
@@ -50,6 +51,7 @@ DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
 TOOL_MODULES = [
     f"agent.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
 ]
+STATUS_EVERY_S = 2.0  # status.json refresh period during a run
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
@@ -245,19 +247,45 @@ def _worker_init(
     settings: RunSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
 ) -> None:
     """Once per worker process: client, registry and thread pool, so no prompt pays for them."""
-    _die_with_parent(parent_pid)
+    address, authkey = inbox
+    remote = isinstance(address, tuple)  # a TCP inbox (Ray): the runner may be on another machine
+    _die_with_parent(None if remote else parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     known_tool_names()
-    address, authkey = inbox
+    conn = Client(address, authkey=authkey)
+    if remote:
+        _tcp_keepalive(conn.fileno())  # a runner machine that vanishes breaks the connection too
     _WORKER.update(
         settings=settings,
-        conn=Client(address, authkey=authkey),
+        conn=conn,
         send_lock=threading.Lock(),
         sandbox_starts=threading.BoundedSemaphore(start_slots),
-        llm=LLMClient(settings.llm),
+        llm=LLMClient(
+            settings.llm, Limiter(settings.rpm_per_worker, settings.requests_per_worker, _report_pause)
+        ),
+        stop=threading.Event(),
         slots=threading.BoundedSemaphore(slots),
         threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
     )
+    threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
+
+
+def _listen_to_parent() -> None:
+    """Messages from the parent: a run-wide pause (429 elsewhere), or stop starting prompts (budget)."""
+    conn = _WORKER["conn"]
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            os._exit(1)  # the parent is gone: nobody would write our results
+        if message.get("kind") == "pause":
+            _WORKER["llm"].limiter.pause_until(message["until"])
+        elif message.get("kind") == "stop":
+            _WORKER["stop"].set()
+
+
+def _report_pause(until: float) -> None:
+    _send({"kind": "pause", "until": until})
 
 
 def _send(event: dict[str, Any]) -> None:
@@ -266,12 +294,16 @@ def _send(event: dict[str, Any]) -> None:
         _WORKER["conn"].send(event)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int | None) -> None:
     """End this worker as soon as the runner dies, so no orphan keeps running prompts or spending.
 
     The kernel signal covers our direct parent (the forkserver, which exits with the runner);
-    the watchdog thread covers the runner itself.
+    the watchdog thread covers the runner itself. ``None``: a worker that may run on another
+    machine (Ray), where the runner's pid means nothing; it ends when its inbox connection
+    closes or breaks (``_listen_to_parent``, with TCP keepalive for a machine that vanishes).
     """
+    if parent_pid is None:
+        return
     try:
         import ctypes
 
@@ -288,6 +320,18 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
 
 
+def _tcp_keepalive(fd: int, idle_s: int = 15, interval_s: int = 5, probes: int = 4) -> None:
+    """Probe an idle TCP connection, so a peer that vanished (machine down, network cut) ends it within a minute."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", probes)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    finally:
+        sock.close()
+
+
 def _worker_run_batch(jobs: list[PromptJob]) -> int:
     """Claim a batch and start its prompts as slots free up; returns once all are started."""
     _send({"kind": "claim", "batch_num": jobs[0].batch_num})
@@ -299,6 +343,9 @@ def _worker_run_batch(jobs: list[PromptJob]) -> int:
 
 def _worker_run_one(job: PromptJob) -> None:
     try:
+        if _WORKER["stop"].is_set():  # the budget is spent: leave this prompt for a later --resume
+            _send({"kind": "skipped", "batch_num": job.batch_num, "prompt_index": job.prompt_index})
+            return
         log = (
             (lambda entry: _send({"kind": "log", "prompt_index": job.prompt_index, **entry}))
             if _WORKER["settings"].verbose
@@ -323,6 +370,7 @@ class MergeTotals:
         )  # prompt key -> records in batch files
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
+        self.usage: collections.Counter[str] = collections.Counter()
 
     def add(self, rec: dict[str, Any]) -> None:
         self.kept += 1
@@ -337,6 +385,11 @@ class MergeTotals:
         self.completed += bool(rec.get("completed"))
         self.partial += bool(rec.get("partial"))
         self.api_calls += rec.get("api_calls", 0) or 0
+        usage = (rec.get("metadata") or {}).get("usage") or {}
+        for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd"):
+            value = usage.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.usage[key] += value
 
     def summary(self) -> dict[str, Any]:
         tools = {
@@ -349,6 +402,12 @@ class MergeTotals:
             "completed": self.completed,
             "partial": self.partial,
             "api_calls_in_trajectories": self.api_calls,
+            "usage_in_trajectories": {
+                "prompt_tokens": self.usage["prompt_tokens"],
+                "completion_tokens": self.usage["completion_tokens"],
+                "reasoning_tokens": self.usage["reasoning_tokens"],
+                "cost_usd": round(self.usage["cost_usd"], 6),
+            },
             "dropped_at_merge": {
                 k: self.dropped.get(k, 0) for k in ("invalid_lines", "unknown_tool", "duplicate")
             },
@@ -366,15 +425,25 @@ class Inbox:
 
     Unlike a shared multiprocessing.Queue (one lock for all writers), a worker killed mid-send
     cannot block the others, and the end of its connection tells the parent at once that it died.
+    With ``host`` (workers on other machines: Ray) it listens on TCP on every interface (``port``, 0: any
+    free one) and tells workers to connect to ``host``; the authkey keeps other clients out.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: str | None = None, port: int = 0) -> None:
         authkey = os.urandom(16)
-        self._listener = Listener(family="AF_UNIX", authkey=authkey)
-        self.address = (self._listener.address, authkey)
+        self.remote = host is not None
+        if self.remote:
+            family, bind = ("AF_INET6", "::") if ":" in host else ("AF_INET", "0.0.0.0")
+            self._listener = Listener((bind, port), family=family, authkey=authkey)
+            self.address = ((host, self._listener.address[1]), authkey)
+        else:
+            self._listener = Listener(family="AF_UNIX", authkey=authkey)
+            self.address = (self._listener.address, authkey)
+        self._ids: set[int] = set()  # remote workers' ids: pids, made unique across machines
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.open_connections = 0  # live workers; 0 for long means the pool can no longer make any
         self._lock = threading.Lock()
+        self._conns: dict[int, tuple[Any, threading.Lock]] = {}
         threading.Thread(target=self._accept, name="inbox-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -383,8 +452,11 @@ class Inbox:
                 conn = self._listener.accept()
             except (OSError, EOFError):
                 return  # closed
+            if self.remote:
+                _tcp_keepalive(conn.fileno())  # a machine that vanishes ends its connection too
             with self._lock:
                 self.open_connections += 1
+                self._conns[id(conn)] = (conn, threading.Lock())
             threading.Thread(target=self._read, args=(conn,), name="inbox-read", daemon=True).start()
 
     def _read(self, conn: Any) -> None:
@@ -392,14 +464,38 @@ class Inbox:
         try:
             while True:
                 ev = conn.recv()
-                pid = ev.get("pid", pid)
+                if self.remote:  # two machines may run workers with the same pid
+                    pid = ev["pid"] = pid if pid is not None else self._unique_id(ev.get("pid"))
+                else:
+                    pid = ev.get("pid", pid)
                 self.events.put(ev)
         except (EOFError, OSError):
             self.events.put({"kind": "worker_exit", "pid": pid})
         finally:
-            conn.close()
             with self._lock:
                 self.open_connections -= 1
+                self._conns.pop(id(conn), None)
+                self._ids.discard(pid)
+            conn.close()
+
+    def _unique_id(self, pid: Any) -> int:
+        """The worker's pid, or a number above any Linux pid when a worker elsewhere already has it."""
+        with self._lock:
+            if not isinstance(pid, int) or pid in self._ids:
+                pid = max(self._ids | {1 << 22}) + 1
+            self._ids.add(pid)
+        return pid
+
+    def broadcast(self, message: dict[str, Any]) -> None:
+        """Tell every live worker (a run-wide pause, or: start no new prompt)."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn, lock in conns:
+            try:
+                with lock:
+                    conn.send(message)
+            except (OSError, ValueError):
+                pass  # that worker is gone; its exit is reported by its reader
 
     def close(self) -> None:
         self._listener.close()
@@ -430,7 +526,10 @@ class Options:
     rerun_discarded: bool = False
     force_resume: bool = False
     max_failure_rate: float = 0.5
+    budget_usd: float | None = None
+    budget_tokens: int | None = None
     verbose: bool = False
+    ray_address: str | None = None  # workers on a Ray cluster instead of local processes
     llm_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -455,6 +554,12 @@ class BatchRunner:
         self.started = time.monotonic()
         self.pbar = None
         self.done_indices: set[int] | None = None
+        self.spend: collections.Counter[str] = collections.Counter()  # this run's usage, all outcomes
+        self.budget_hit = False
+        self.in_flight_total = 0
+        self.status_written = 0.0
+        self.started_at = dt.datetime.now().isoformat(timespec="seconds")
+        self.last_event_at: str | None = None
         self.isolation = "unknown"
 
     # -- the steps, top-down
@@ -479,6 +584,7 @@ class BatchRunner:
                 )
         totals = self.merge(rows)
         stats = self.statistics(rows, totals)
+        self.write_status("interrupted" if interrupted else "finished", force=True)
         self.print_summary(stats, interrupted)
         return self.exit_code(stats, interrupted)
 
@@ -595,6 +701,13 @@ class BatchRunner:
             f"{self.opts.num_workers} workers x {self.opts.prompts_per_worker} prompts = up to {in_flight} in flight, "
             f"{self.opts.max_sandbox_starts} concurrent sandbox start-ups"
         )
+        if self.opts.ray_address and jobs:
+            from agent.ray_pool import RaySetupError, connect
+
+            try:
+                print(connect(self.opts.ray_address, self.opts.num_workers))
+            except RaySetupError as exc:
+                raise UsageError(str(exc)) from None
 
     def preflight(self, batches: list[list[PromptJob]]) -> list[list[PromptJob]]:
         """Before any token is spent: the endpoint answers, the backend works, every image is present.
@@ -724,18 +837,32 @@ class BatchRunner:
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["openai", "agent.runner", *TOOL_MODULES])
-        inbox = Inbox()
+        if self.opts.ray_address:  # workers on any node of a Ray cluster: they report over TCP
+            from agent.ray_pool import inbox_endpoint
+
+            inbox = Inbox(*inbox_endpoint())
+        else:
+            inbox = Inbox()
+        self.in_flight_total = sum(len(b) for b in batches)
         outstanding = {b[0].batch_num: {j.prompt_index for j in b} for b in batches}
         by_num = {b[0].batch_num: b for b in batches}
         claims: dict[int, set[int]] = collections.defaultdict(set)  # worker pid -> batches it took
         remaining = sum(len(b) for b in batches)
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         start_slots = max(1, self.opts.max_sandbox_starts // self.opts.num_workers)
-        pool = ctx.Pool(
-            self.opts.num_workers,
-            initializer=_worker_init,
-            initargs=(self.settings, inbox.address, self.opts.prompts_per_worker, start_slots, os.getpid()),
-        )
+        initargs = (self.settings, inbox.address, self.opts.prompts_per_worker, start_slots, os.getpid())
+        if self.opts.ray_address:
+            from agent.ray_pool import RayPool, RaySetupError
+
+            try:
+                pool = RayPool(
+                    self.opts.ray_address, self.opts.num_workers, _worker_init, initargs, inbox.events
+                )
+            except RaySetupError as exc:
+                inbox.close()
+                raise UsageError(str(exc)) from None
+        else:
+            pool = ctx.Pool(self.opts.num_workers, initializer=_worker_init, initargs=initargs)
         previous_term = signal.signal(signal.SIGTERM, _interrupt)
         try:
             for batch in batches:
@@ -753,15 +880,21 @@ class BatchRunner:
                             "error: no worker process has been alive for a while; the pool is broken",
                             file=sys.stderr,
                         )
+                    self.write_status("running")
                     continue
                 if ev["kind"] == "claim":
                     claims[ev["pid"]].add(ev["batch_num"])
+                elif ev["kind"] == "pause":  # one worker was told to slow down: the whole run does
+                    self.counts["rate_limit_pauses"] += 1
+                    inbox.broadcast({"kind": "pause", "until": ev["until"]})
                 elif ev["kind"] == "worker_exit":
                     remaining -= self.fail_lost_prompts(
                         claims.pop(ev["pid"], set()), ev["pid"], outstanding, by_num
                     )
                 else:
                     remaining -= self.handle_event(ev, outstanding)
+                    self.check_budget(inbox)
+                self.write_status("running")
         finally:
             # Every outcome is in (each is sent after its sandbox stopped), so ending the workers
             # loses nothing. Not close()+join(): join waits forever on a pool whose forkserver died.
@@ -790,20 +923,92 @@ class BatchRunner:
         batch_num, index = ev["batch_num"], ev["prompt_index"]
         if index not in outstanding.get(batch_num, ()):
             return 0
-        self.record_outcome(ev)
+        if kind == "skipped":
+            self.counts["skipped_budget"] += 1
+        else:
+            self.record_outcome(ev)
         outstanding[batch_num].discard(index)
         if not outstanding[batch_num]:
             del outstanding[batch_num]
             self.write_checkpoint()
         self.pbar.update(1)
-        self.pbar.set_postfix(
-            done=self.counts[TRAJECTORY],
-            failed=self.counts[FAILED],
-            discarded=self.counts[DISCARDED],
-            tools=self.counts["tool_calls"],
-            refresh=False,
-        )
+        self.pbar.set_postfix_str(self.progress_text(), refresh=False)
         return 1
+
+    def progress_text(self) -> str:
+        minutes = max((time.monotonic() - self.started) / 60, 1e-6)
+        text = (
+            f"done={self.counts[TRAJECTORY]} failed={self.counts[FAILED]} discarded={self.counts[DISCARDED]} "
+            f"tools={self.counts['tool_calls']} tok/min={self.spend['total_tokens'] / minutes:,.0f}"
+        )
+        if self.spend["cost_usd"]:
+            text += f" spent=${self.spend['cost_usd']:.4f}"
+        return text
+
+    def check_budget(self, inbox: Inbox) -> None:
+        """Once the run's budget is spent, start no new prompt; those in flight finish. Resume later."""
+        if self.budget_hit:
+            return
+        o = self.opts
+        hit = (o.budget_usd is not None and self.spend["cost_usd"] >= o.budget_usd) or (
+            o.budget_tokens is not None and self.spend["total_tokens"] >= o.budget_tokens
+        )
+        if hit:
+            self.budget_hit = True
+            inbox.broadcast({"kind": "stop"})
+            self.pbar.write(
+                f"Budget reached (${self.spend['cost_usd']:.4f}, {self.spend['total_tokens']:,} tokens): "
+                "no new prompts start; the ones in flight finish. Continue later with --resume.",
+                file=sys.stderr,
+            )
+
+    def write_status(self, state: str, force: bool = False) -> None:
+        """status.json for a second terminal (python -m agent.status data/<run>), every few seconds."""
+        now = time.monotonic()
+        if not force and now - self.status_written < STATUS_EVERY_S:
+            return
+        self.status_written = now
+        elapsed = now - self.started
+        settled = (
+            self.counts[TRAJECTORY]
+            + self.counts[FAILED]
+            + self.counts[DISCARDED]
+            + self.counts["skipped_budget"]
+        )
+        rate = settled / elapsed * 60 if elapsed > 0 else 0.0
+        left = self.in_flight_total - settled
+        status = {
+            "run_name": self.opts.run_name,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": self.started_at,
+            "updated_at": dt.datetime.now().isoformat(timespec="seconds"),
+            "state": state,
+            "total": self.in_flight_total,
+            "done": self.counts[TRAJECTORY],
+            "failed": self.counts[FAILED],
+            "discarded": self.counts[DISCARDED],
+            "skipped_budget": self.counts["skipped_budget"],
+            "in_flight": max(0, left) if state == "running" else 0,
+            "api_calls": self.spend["requests"],
+            "tool_calls": self.counts["tool_calls"],
+            "prompt_tokens": self.spend["prompt_tokens"],
+            "completion_tokens": self.spend["completion_tokens"],
+            "cost_usd": round(self.spend["cost_usd"], 6),
+            "tokens_per_min": round(self.spend["total_tokens"] / elapsed * 60, 1) if elapsed > 0 else 0.0,
+            "rate_per_min": round(rate, 2),
+            "eta_s": round(left / rate * 60, 1) if rate > 0 and left > 0 else None,
+            "rate_limit_pauses": self.counts["rate_limit_pauses"],
+            "budget": {
+                "usd": self.opts.budget_usd,
+                "tokens": self.opts.budget_tokens,
+                "spent_usd": round(self.spend["cost_usd"], 6),
+                "spent_tokens": self.spend["total_tokens"],
+                "reached": self.budget_hit,
+            },
+            "last_event_at": self.last_event_at,
+        }
+        write_json_atomic(self.run_dir / "status.json", status, self.redact)
 
     def format_log(self, ev: dict[str, Any]) -> str:
         """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""
@@ -819,7 +1024,20 @@ class BatchRunner:
         """Write one outcome durably: trajectories to their batch file, discards and failures aside."""
         kind = ev["kind"]
         self.counts[kind] += 1
-        self.counts["api_calls"] += ev.get("api_calls", 0)
+        self.last_event_at = dt.datetime.now().isoformat(timespec="seconds")
+        usage = ev.get("usage") or {}
+        for key in (
+            "requests",
+            "calls",
+            "prompt_tokens",
+            "completion_tokens",
+            "reasoning_tokens",
+            "cost_usd",
+            "retries",
+            "rate_limited",
+        ):
+            self.spend[key] += usage.get(key, 0) or 0
+        self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
         stamp = dt.datetime.now().isoformat(timespec="seconds")
         if kind == TRAJECTORY:
             rec = ev["record"]
@@ -847,6 +1065,7 @@ class BatchRunner:
                 "error_class": ev["error_class"],
                 "error": ev["error"],
                 "timestamp": stamp,
+                "usage": usage,
             }
             append_jsonl(self.run_dir / "failed.jsonl", row, self.redact)
             if self.opts.verbose:
@@ -963,7 +1182,10 @@ class BatchRunner:
                 "trajectories": self.counts[TRAJECTORY],
                 "discarded": dict(self.discards),
                 "failed": dict(self.failures),
-                "api_calls": self.counts["api_calls"],
+                "api_calls": self.spend["requests"],
+                "usage": {k: round(v, 8) if isinstance(v, float) else v for k, v in self.spend.items()},
+                "skipped_for_budget": self.counts["skipped_budget"],
+                "rate_limit_pauses": self.counts["rate_limit_pauses"],
                 "bad_dataset_lines": self.counts["bad_lines"],
                 "toolsets_offered": {
                     k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("toolset:")
@@ -1085,6 +1307,29 @@ def _positive_int(value: Any, flag: str, allow_none: bool = False) -> int | None
     return value
 
 
+def _positive_float(value: Any, flag: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise UsageError(f"--{flag} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _share(total: float | None, workers: int) -> float | None:
+    """One worker's share of a run-wide rate, so all workers together stay within it."""
+    return None if total is None else total / workers
+
+
+def _share_int(total: int | None, workers: int) -> int | None:
+    if total is None:
+        return None
+    if total < workers:
+        raise UsageError(
+            f"--max_concurrent_requests={total} is below --num_workers={workers}; raise it or use fewer workers"
+        )
+    return total // workers
+
+
 def load_prefill(path: str | None) -> tuple[dict[str, Any], ...]:
     if not path:
         return ()
@@ -1162,6 +1407,13 @@ def main(
     force_resume: bool = False,
     max_failure_rate: float = 0.5,
     keep_no_reasoning: bool = False,
+    ray_address: str | None = None,
+    budget_usd: float | None = None,
+    budget_tokens: int | None = None,
+    max_prompt_tokens: int | None = None,
+    max_prompt_usd: float | None = None,
+    max_rpm: float | None = None,
+    max_concurrent_requests: int | None = None,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset; see README.md for every flag."""
     if list_distributions:
@@ -1195,6 +1447,14 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         )
     batch_size = _positive_int(f["batch_size"], "batch_size")
     num_workers = _positive_int(f["num_workers"], "num_workers")
+    ray_address = f["ray_address"]
+    if ray_address is not None:  # before anything starts: without Ray, say how to install it
+        from agent.ray_pool import RaySetupError, check_address
+
+        try:
+            ray_address = check_address(ray_address)
+        except RaySetupError as exc:
+            raise UsageError(str(exc)) from None
     max_turns = _positive_int(f["max_turns"], "max_turns")
     max_samples = _positive_int(f["max_samples"], "max_samples", allow_none=True)
     max_tokens = _positive_int(f["max_tokens"], "max_tokens", allow_none=True)
@@ -1255,6 +1515,13 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
             max_turns=max_turns,
             prompt_timeout_s=float(f["prompt_timeout"]),
             tool_timeout_s=float(f["tool_timeout"]),
+            max_prompt_tokens=_positive_int(f["max_prompt_tokens"], "max_prompt_tokens", allow_none=True),
+            max_prompt_usd=_positive_float(f["max_prompt_usd"], "max_prompt_usd"),
+        ),
+        rpm_per_worker=_share(_positive_float(f["max_rpm"], "max_rpm"), num_workers),
+        requests_per_worker=_share_int(
+            _positive_int(f["max_concurrent_requests"], "max_concurrent_requests", allow_none=True),
+            num_workers,
         ),
         sandbox_backend=backend,
         sandbox_options=_sandbox_options(backend, f, str(f["run_name"])),
@@ -1281,7 +1548,10 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         rerun_discarded=bool(f["rerun_discarded"]),
         force_resume=bool(f["force_resume"]),
         max_failure_rate=float(f["max_failure_rate"]),
+        budget_usd=_positive_float(f["budget_usd"], "budget_usd"),
+        budget_tokens=_positive_int(f["budget_tokens"], "budget_tokens", allow_none=True),
         verbose=bool(f["verbose"]),
+        ray_address=ray_address,
     )
     manifest = {
         "model": model,

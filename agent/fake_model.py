@@ -8,7 +8,8 @@ Server (standard library only)::
     with FakeModelServer(latency_s=0.1) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x")
         ...
-        server.stats()  # requests, max_in_flight, in_flight, status_counts, hangups, tokens, ...
+        server.stats()  # requests, max_in_flight, in_flight, first_request_at, last_response_at,
+                        # status_counts, hangups, tokens, ...
 
     python -m agent.fake_model --port 8000 --latency 0.1   # prints its base_url, serves until killed
 
@@ -634,12 +635,20 @@ class _Handler(BaseHTTPRequestHandler):
                 {"Retry-After": "0", "retry-after-ms": "1"},
             )
             return
+        if fake._scheduled_rate_limit():
+            fake._count(429)
+            self._json(429, error_body(429, "Rate limited (rate_limit_every)"), {"retry-after-ms": "50"})
+            return
         if d.garbage:
             fake._count(200)
             self._send(200, b"<html>this is not JSON {{{", "application/json")
             return
         completion = respond(body)
         completion["created"] = int(time.time())
+        if fake.cost_per_token > 0:
+            usage = completion["usage"]
+            usage["cost"] = round(usage["total_tokens"] * fake.cost_per_token, 10)
+            completion["provider"] = "MockProvider"
         fake._count(200, completion["usage"])
         self._json(200, completion)
 
@@ -710,7 +719,13 @@ class FakeModelServer:
         port: int = 0,
         api_key: str | None = None,
         verbose: bool = False,
+        cost_per_token: float = 0.0,
+        rate_limit_every: int = 0,
     ):
+        """``cost_per_token`` > 0: answers carry OpenRouter-style ``usage.cost`` and ``provider``;
+        ``rate_limit_every`` = N > 0: every Nth chat request answers 429 (retry-after-ms: 50)."""
+        self.cost_per_token = float(cost_per_token)
+        self.rate_limit_every = int(rate_limit_every)
         self.latency_s = float(latency_s)
         self.host = host
         self.port = port
@@ -775,10 +790,14 @@ class FakeModelServer:
         with self._lock:
             self._requests = 0
             self._max_in_flight = self._in_flight
+            self._first_request_at: float | None = None  # wall clock (time.time), for other processes
+            self._last_response_at: float | None = None
             self._status_counts: collections.Counter[int] = collections.Counter()
             self._hangups = 0
             self._prompt_tokens = 0
             self._completion_tokens = 0
+            self._cost_usd = 0.0
+            self._chat_requests = 0
             self._by_prompt: collections.Counter[str] = collections.Counter()
             self._last_requests: collections.deque[dict[str, Any]] = collections.deque(
                 maxlen=LAST_REQUESTS_KEPT
@@ -790,23 +809,31 @@ class FakeModelServer:
                 "requests": self._requests,
                 "in_flight": self._in_flight,
                 "max_in_flight": self._max_in_flight,
+                "first_request_at": self._first_request_at,
+                "last_response_at": self._last_response_at,
                 "status_counts": dict(self._status_counts),
                 "hangups": self._hangups,
                 "prompt_tokens": self._prompt_tokens,
                 "completion_tokens": self._completion_tokens,
+                "cost_usd": round(self._cost_usd, 10),
                 "requests_by_prompt": dict(self._by_prompt),
                 "last_requests": list(self._last_requests),
             }
 
     def _enter(self) -> None:
+        now = time.time()
         with self._lock:
+            if self._first_request_at is None:
+                self._first_request_at = now
             self._requests += 1
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
 
     def _leave(self) -> None:
+        now = time.time()
         with self._lock:
             self._in_flight -= 1
+            self._last_response_at = now
 
     def _count(self, status: int, usage: dict[str, int] | None = None) -> None:
         with self._lock:
@@ -814,6 +841,14 @@ class FakeModelServer:
             if usage:
                 self._prompt_tokens += usage["prompt_tokens"]
                 self._completion_tokens += usage["completion_tokens"]
+                self._cost_usd += usage.get("cost", 0.0)
+
+    def _scheduled_rate_limit(self) -> bool:
+        if self.rate_limit_every <= 0:
+            return False
+        with self._lock:
+            self._chat_requests += 1
+            return self._chat_requests % self.rate_limit_every == 0
 
     def _count_hangup(self) -> None:
         with self._lock:
@@ -844,9 +879,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency", type=float, default=0.0, help="seconds slept per request")
     parser.add_argument("--api-key", default=None, help="if set, demand 'Authorization: Bearer <key>'")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument("--cost-per-token", type=float, default=0.0, help="report usage.cost (dollars/token)")
+    parser.add_argument("--rate-limit-every", type=int, default=0, help="answer 429 to every Nth request")
     args = parser.parse_args(argv)
     server = FakeModelServer(
-        latency_s=args.latency, host=args.host, port=args.port, api_key=args.api_key, verbose=args.verbose
+        latency_s=args.latency,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        verbose=args.verbose,
+        cost_per_token=args.cost_per_token,
+        rate_limit_every=args.rate_limit_every,
     )
     server.start()
     print(server.base_url, flush=True)

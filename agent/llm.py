@@ -1,17 +1,21 @@
 """The model client: an OpenAI-compatible endpoint through the ``openai`` SDK.
 
-Retries (408/409/429/5xx, connection errors, with backoff and Retry-After) belong to the SDK;
-we only configure ``max_retries`` and ``timeout``. OpenRouter routing and reasoning settings
+Retries go through the run-wide limiter (see :class:`LLMClient`). OpenRouter routing and reasoning settings
 travel in ``extra_body`` and are only sent when the user asked for them, so plain endpoints
 (vLLM, SGLang, Ollama, llama.cpp) never see fields they do not know.
 """
 
 from __future__ import annotations
 
+import email.utils
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import openai
+
+from agent.limiter import Limiter, LimitTimeout, backoff_s
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 PROVIDER_SORTS = ("price", "throughput", "latency")
@@ -33,7 +37,8 @@ class LLMConfig:
     providers_order: tuple[str, ...] = ()
     provider_sort: str | None = None
     request_timeout_s: float = 600.0  # one model call, including the SDK's retries' individual attempts
-    max_retries: int = 3  # SDK retries on 408/409/429/5xx and connection errors
+    max_retries: int = 3  # retries of one call on 5xx, timeouts, dropped connections
+    max_rate_limit_retries: int = 30  # 429s of one call waited out (run-wide pause) before it fails
     extra_body: dict[str, Any] = field(default_factory=dict)  # computed by build_extra_body when empty
 
     def request_extra_body(self) -> dict[str, Any]:
@@ -54,6 +59,8 @@ def build_extra_body(cfg: LLMConfig) -> dict[str, Any]:
         provider["sort"] = cfg.provider_sort
     if provider:
         body["provider"] = provider
+    if "openrouter.ai" in cfg.base_url:
+        body["usage"] = {"include": True}  # OpenRouter then reports the cost of each call
     if cfg.reasoning_disabled:
         body["reasoning"] = {"effort": "none"}
     elif cfg.reasoning_effort:
@@ -109,22 +116,102 @@ def native_reasoning(message: dict[str, Any]) -> str | None:
     return None
 
 
-class LLMClient:
-    """One per worker process: the SDK client holds a connection pool shared by the worker's threads."""
+class Usage:
+    """Tokens, cost and calls of one prompt (model calls and the calls tools make). Thread-safe."""
 
-    def __init__(self, cfg: LLMConfig):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0  # requests sent, failed attempts included
+        self.calls = self.prompt_tokens = self.completion_tokens = self.reasoning_tokens = 0  # answered calls
+        self.cost_usd = 0.0
+        self.retries = self.rate_limited = 0
+        self.providers: list[str] = []
+
+    def add(self, usage: dict[str, Any] | None, provider: str | None = None) -> None:
+        usage = usage or {}
+        details = usage.get("completion_tokens_details") or {}
+        with self._lock:
+            self.calls += 1
+            self.prompt_tokens += _int(usage.get("prompt_tokens"))
+            self.completion_tokens += _int(usage.get("completion_tokens"))
+            self.reasoning_tokens += _int(details.get("reasoning_tokens") if isinstance(details, dict) else 0)
+            cost = usage.get("cost")
+            if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+                self.cost_usd += float(cost)
+            if provider and provider not in self.providers:
+                self.providers.append(provider)
+
+    def note_request(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    def note_retry(self, rate_limited: bool) -> None:
+        with self._lock:
+            self.retries += 1
+            self.rate_limited += rate_limited
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record's ``metadata.usage``: the same keys and types in every record."""
+        return {
+            "requests": self.requests,
+            "calls": self.calls,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+            "cost_usd": round(self.cost_usd, 8),
+            "retries": self.retries,
+            "rate_limited": self.rate_limited,
+            "providers": list(self.providers),
+        }
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def record_usage(usage: Usage | None, resp: Any) -> None:
+    """Add an SDK response's usage (and OpenRouter's ``provider``) to a tally; used by tools too."""
+    if usage is None:
+        return
+    raw = resp.usage.model_dump() if getattr(resp, "usage", None) is not None else {}
+    usage.add(raw, getattr(resp, "provider", None))
+
+
+RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
+
+
+class LLMClient:
+    """One per worker process: the SDK client holds a connection pool shared by the worker's threads.
+
+    Retries are ours, not the SDK's, because they must go through the run-wide limiter: a 429
+    pauses the whole run (Retry-After honoured up to a cap) and is retried until the prompt's
+    deadline; 5xx, timeouts and dropped connections are retried ``max_retries`` times with jitter.
+    """
+
+    def __init__(self, cfg: LLMConfig, limiter: Limiter | None = None):
         self.cfg = cfg
+        self.limiter = limiter or Limiter()
         self._client = openai.OpenAI(
             base_url=cfg.base_url,
             api_key=cfg.api_key or NO_KEY,
-            max_retries=cfg.max_retries,
+            max_retries=0,
             timeout=cfg.request_timeout_s,
         )
         self._extra_body = cfg.request_extra_body()
 
     def chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, timeout_s: float | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        *,
+        deadline: float | None = None,
+        usage: Usage | None = None,
     ) -> AssistantTurn:
+        """One model turn. ``deadline`` (time.monotonic) bounds every attempt and every wait."""
         kwargs: dict[str, Any] = {"model": self.cfg.model, "messages": messages}
         if tools:
             kwargs["tools"] = tools
@@ -132,28 +219,86 @@ class LLMClient:
             kwargs["max_tokens"] = self.cfg.max_tokens
         if self._extra_body:
             kwargs["extra_body"] = self._extra_body
-        client = self._client
-        if timeout_s is not None:
-            # Bound the call by what is left of the prompt's time: once less than one request
-            # timeout is left, one attempt gets all of it and there is no retry after it.
-            per_attempt = max(1.0, min(timeout_s, self.cfg.request_timeout_s))
-            retries = self.cfg.max_retries if timeout_s >= self.cfg.request_timeout_s else 0
-            client = client.with_options(timeout=per_attempt, max_retries=retries)
-        try:
-            resp = client.chat.completions.create(**kwargs)
-        except openai.APIStatusError as exc:
-            message = _error_message(exc)
-            if exc.status_code == 400 and _looks_like_context_limit(message):
-                raise ContextLimitError("context_limit", message, exc.status_code) from exc
-            raise LLMError(f"http_{exc.status_code}", message, exc.status_code) from exc
-        except openai.APITimeoutError as exc:
-            raise LLMError("timeout", f"model call timed out: {exc}") from exc
-        except openai.APIConnectionError as exc:
-            raise LLMError("connection", f"cannot reach {self.cfg.base_url}: {exc}") from exc
-        except (openai.APIResponseValidationError, ValueError) as exc:
-            # The SDK raises a bare JSONDecodeError (a ValueError) for a body that is not JSON.
-            raise LLMError("bad_response", f"endpoint answered with an invalid response: {exc}") from exc
-        return _parse_response(resp)
+        deadline = deadline if deadline is not None else time.monotonic() + 10 * self.cfg.request_timeout_s
+        failures = rate_limited = 0
+        while True:
+            try:
+                self.limiter.acquire(deadline)
+            except LimitTimeout as exc:
+                raise LLMError("timeout", str(exc)) from exc
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise LLMError("timeout", "no time left for the model call")
+                per_attempt = max(0.5, min(remaining, self.cfg.request_timeout_s))
+                if usage is not None:
+                    usage.note_request()
+                resp = self._client.with_options(timeout=per_attempt).chat.completions.create(**kwargs)
+                turn = _parse_response(resp)
+                if usage is not None:
+                    usage.add(turn.usage, getattr(resp, "provider", None))
+                return turn
+            except openai.APIStatusError as exc:
+                message = _error_message(exc)
+                status = exc.status_code
+                if status == 429:
+                    rate_limited += 1
+                    wait = backoff_s(rate_limited, _retry_after_s(exc))
+                    self.limiter.pause(wait)
+                    if usage is not None:
+                        usage.note_retry(rate_limited=True)
+                    if rate_limited > self.cfg.max_rate_limit_retries:
+                        raise LLMError(
+                            "http_429",
+                            f"{message} (still rate limited after {rate_limited - 1} waits)",
+                            status,
+                        ) from exc
+                    if time.monotonic() + wait >= deadline:
+                        raise LLMError(
+                            "http_429", f"{message} (rate limited until the prompt's deadline)", status
+                        ) from exc
+                    continue  # the limiter holds this and every other request until the pause ends
+                if status == 400 and _looks_like_context_limit(message):
+                    raise ContextLimitError("context_limit", message, status) from exc
+                error = LLMError(f"http_{status}", message, status)
+                if status not in RETRYABLE_STATUS:
+                    raise error from exc
+                retry_after = _retry_after_s(exc)
+            except openai.APITimeoutError as exc:
+                error, retry_after = LLMError("timeout", f"model call timed out: {exc}"), None
+            except openai.APIConnectionError as exc:
+                error, retry_after = LLMError("connection", f"cannot reach {self.cfg.base_url}: {exc}"), None
+            except (openai.APIResponseValidationError, ValueError) as exc:
+                # The SDK raises a bare JSONDecodeError (a ValueError) for a body that is not JSON.
+                error = LLMError("bad_response", f"endpoint answered with an invalid response: {exc}")
+                retry_after = None
+            finally:
+                self.limiter.release()
+            failures += 1
+            wait = backoff_s(failures, retry_after, cap_s=30.0)
+            if failures > self.cfg.max_retries or time.monotonic() + wait >= deadline:
+                raise error
+            if usage is not None:
+                usage.note_retry(rate_limited=False)
+            time.sleep(wait)
+
+
+def _retry_after_s(exc: openai.APIStatusError) -> float | None:
+    """Retry-After (seconds or HTTP date) or retry-after-ms, when the provider sent one."""
+    headers = getattr(exc.response, "headers", None) or {}
+    try:
+        if headers.get("retry-after-ms"):
+            return float(headers["retry-after-ms"]) / 1000.0
+        value = headers.get("retry-after")
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                when = email.utils.parsedate_to_datetime(value)
+                return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+    return None
 
 
 def _parse_response(resp: Any) -> AssistantTurn:

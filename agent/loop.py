@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from agent.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError
+from agent.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage
 from agent.tools.registry import Tool, ToolContext, execute_tool_call
 from agent.trajectory import canonical_arguments, split_reasoning
 
@@ -28,6 +28,8 @@ class LoopLimits:
     max_turns: int = 10  # model calls per prompt
     prompt_timeout_s: float = 1800.0  # wall clock for the whole prompt
     tool_timeout_s: float = 180.0  # one tool call
+    max_prompt_tokens: int | None = None  # tokens (prompt + completion) one prompt may spend; then partial
+    max_prompt_usd: float | None = None  # dollars one prompt may spend (when the endpoint reports cost)
 
 
 @dataclass
@@ -38,8 +40,9 @@ class LoopResult:
     api_calls: int
     completed: bool
     partial: bool
-    stop_reason: str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls
-    usage: dict[str, int] = field(default_factory=dict)
+    stop_reason: (
+        str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
+    )
     tool_calls: int = 0
 
 
@@ -52,10 +55,13 @@ def run_agent(
     limits: LoopLimits,
     ephemeral_system_prompt: str | None = None,
     prefill_messages: list[dict[str, Any]] | None = None,
+    usage: Usage | None = None,
     log=None,
 ) -> LoopResult:
-    """Run one prompt to a final answer or a limit."""
+    """Run one prompt to a final answer or a limit. ``usage`` collects tokens and cost as calls happen,
+    so a prompt that fails half-way still accounts for what it spent."""
     deadline = time.monotonic() + limits.prompt_timeout_s
+    usage = usage if usage is not None else Usage()
     schemas = [t.openai_schema() for t in tools]
     offered = {t.name for t in tools}
     # What the model sees; the ephemeral system prompt and prefill never reach `saved`.
@@ -73,8 +79,11 @@ def run_agent(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise PromptTimeout(f"prompt exceeded its {limits.prompt_timeout_s:g} s limit")
+        if over_budget(usage, limits):
+            result.stop_reason = "prompt_budget"
+            return result
         try:
-            turn = llm.chat(sent, schemas, timeout_s=remaining)
+            turn = llm.chat(sent, schemas, deadline=deadline, usage=usage)
         except ContextLimitError:
             if result.api_calls == 0:
                 raise
@@ -87,7 +96,6 @@ def run_agent(
                 ) from exc
             raise
         result.api_calls += 1
-        _add_usage(result.usage, turn.usage)
         assistant_saved, assistant_sent = _assistant_messages(turn)
         saved.append(assistant_saved)
         sent.append(assistant_sent)
@@ -155,8 +163,8 @@ def _is_invalid_json(args: str) -> bool:
         return True
 
 
-def _add_usage(total: dict[str, int], usage: dict[str, Any]) -> None:
-    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-        value = usage.get(key)
-        if isinstance(value, int):
-            total[key] = total.get(key, 0) + value
+def over_budget(usage: Usage, limits: LoopLimits) -> bool:
+    """The per-prompt cap: a runaway prompt ends as partial instead of spending on."""
+    if limits.max_prompt_tokens is not None and usage.total_tokens >= limits.max_prompt_tokens:
+        return True
+    return limits.max_prompt_usd is not None and usage.cost_usd >= limits.max_prompt_usd

@@ -7,13 +7,14 @@ process boundaries cheaply; the parent process is the only one that writes them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.llm import LLMClient, LLMConfig, LLMError
+from agent.llm import LLMClient, LLMConfig, LLMError, Usage
 from agent.loop import LoopLimits, PromptTimeout, run_agent
 from agent.sandboxes import SandboxError, SandboxSpec, create_sandbox
 from agent.tools.registry import ToolContext, close_prompt_resources, known_tool_names, tools_for_toolsets
@@ -45,6 +46,8 @@ class RunSettings:
     sandbox_backend: str = "local"
     sandbox_options: dict[str, Any] = field(default_factory=dict)
     sandbox_network: bool = True  # whether the prompt's commands may reach the network
+    rpm_per_worker: float | None = None  # this worker's share of --max_rpm
+    requests_per_worker: int | None = None  # this worker's share of --max_concurrent_requests
     tool_extra: dict[str, Any] = field(
         default_factory=dict
     )  # ToolContext.extra: run endpoint, run_dir, tool_env
@@ -64,30 +67,42 @@ def run_prompt(
     sandbox_starts: threading.Semaphore | Any | None = None,
     log=None,
 ) -> dict[str, Any]:
-    """Run one prompt and return its outcome; never raises."""
+    """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent."""
     started = time.monotonic()
+    usage = Usage()
     base = {"batch_num": job.batch_num, "prompt_index": job.prompt_index, "prompt": job.prompt}
     if job.fail_reason:
-        return {**base, "kind": FAILED, "error_class": "preflight", "error": job.fail_reason, "api_calls": 0}
+        return {
+            **base,
+            "kind": FAILED,
+            "error_class": "preflight",
+            "error": job.fail_reason,
+            "usage": usage.as_dict(),
+        }
     tools = tools_for_toolsets(list(job.toolsets))
     spec = SandboxSpec(
-        run_name=settings.run_name, prompt_index=job.prompt_index, image=job.image, cwd=job.cwd
+        run_name=settings.run_name,
+        prompt_index=job.prompt_index,
+        image=job.image,
+        cwd=job.cwd,
+        network=settings.sandbox_network,
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
     ctx = None
+    timings = {"sandbox_start_s": 0.0, "sandbox_stop_s": 0.0}
     try:
         sandbox = create_sandbox(settings.sandbox_backend, spec, options)
-        if sandbox_starts is not None:
-            with sandbox_starts:
-                sandbox.start()
-        else:
+        t0 = time.monotonic()
+        with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
             sandbox.start()
+        timings["sandbox_start_s"] = round(time.monotonic() - t0, 3)
         ctx = ToolContext(
             sandbox=sandbox,
             tool_timeout_s=settings.limits.tool_timeout_s,
             output_cap_bytes=settings.output_cap_bytes,
             extra=dict(settings.tool_extra),
+            usage=usage,
         )
         result = run_agent(
             llm=llm,
@@ -97,25 +112,41 @@ def run_prompt(
             limits=settings.limits,
             ephemeral_system_prompt=settings.ephemeral_system_prompt,
             prefill_messages=list(settings.prefill_messages),
+            usage=usage,
             log=log if settings.verbose else None,
         )
         isolation = sandbox.isolation
     except LLMError as exc:
-        return {**base, "kind": FAILED, "error_class": exc.error_class, "error": str(exc)}
+        return {
+            **base,
+            "kind": FAILED,
+            "error_class": exc.error_class,
+            "error": str(exc),
+            "usage": usage.as_dict(),
+        }
     except SandboxError as exc:
-        return {**base, "kind": FAILED, "error_class": "sandbox", "error": str(exc)}
+        return {**base, "kind": FAILED, "error_class": "sandbox", "error": str(exc), "usage": usage.as_dict()}
     except PromptTimeout as exc:
-        return {**base, "kind": FAILED, "error_class": "prompt_timeout", "error": str(exc)}
+        return {
+            **base,
+            "kind": FAILED,
+            "error_class": "prompt_timeout",
+            "error": str(exc),
+            "usage": usage.as_dict(),
+        }
     except Exception as exc:  # a bug must fail one prompt, not the worker and its other prompts
-        return {**base, "kind": FAILED, "error_class": "internal", "error": f"{type(exc).__name__}: {exc}"}
+        error = f"{type(exc).__name__}: {exc}"
+        return {**base, "kind": FAILED, "error_class": "internal", "error": error, "usage": usage.as_dict()}
     finally:
         if ctx is not None:
             close_prompt_resources(ctx)
         if sandbox is not None:
+            t0 = time.monotonic()
             try:
                 sandbox.stop()
             except Exception:
                 pass
+            timings["sandbox_stop_s"] = round(time.monotonic() - t0, 3)
     metadata = {
         "batch_num": job.batch_num,
         "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
@@ -124,8 +155,10 @@ def run_prompt(
         "duration_s": round(time.monotonic() - started, 3),
         "sandbox": settings.sandbox_backend,
         "isolation": isolation,
-        "prompt_tokens": result.usage.get("prompt_tokens", 0),
-        "completion_tokens": result.usage.get("completion_tokens", 0),
+        **timings,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "usage": usage.as_dict(),
     }
     record = build_record(
         prompt_index=job.prompt_index,
@@ -145,6 +178,6 @@ def run_prompt(
             "kind": DISCARDED,
             "reason": "no_reasoning",
             "record": record,
-            "api_calls": result.api_calls,
+            "usage": usage.as_dict(),
         }
-    return {**base, "kind": TRAJECTORY, "record": record, "api_calls": result.api_calls}
+    return {**base, "kind": TRAJECTORY, "record": record, "usage": usage.as_dict()}

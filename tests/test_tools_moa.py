@@ -40,10 +40,10 @@ def test_defaults_to_the_run_model(clean_tool_env):
 def test_failed_reference_is_left_out(monkeypatch, tool_ctx, call_tool):
     real_ask = moa._ask
 
-    def ask(cfg, model, messages, temperature, timeout_s):
+    def ask(cfg, model, messages, temperature, timeout_s, usage=None):
         if model == "broken":
             raise RuntimeError("HTTP 503: overloaded")
-        return real_ask(cfg, model, messages, temperature, timeout_s)
+        return real_ask(cfg, model, messages, temperature, timeout_s, usage)
 
     monkeypatch.setattr(moa, "_ask", ask)
     out = call_tool(

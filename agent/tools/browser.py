@@ -604,7 +604,7 @@ def browser_vision(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     session: BrowserSession = ctx.resources[RESOURCE_KEY]
     try:
         answer = ask_about_image(
-            cfg, question, shot["png"], "image/png", min(cfg.timeout_s, ctx.tool_timeout_s)
+            cfg, question, shot["png"], "image/png", min(cfg.timeout_s, ctx.tool_timeout_s), ctx.usage
         )
     except VisionError as exc:
         return {"error": str(exc)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from agent.llm import record_usage
 from agent.tools.config import MoaConfig, api_error_message, moa_config, openai_client
 from agent.tools.registry import Tool, ToolArgumentError, ToolContext, register, register_toolset_check
 
@@ -21,7 +22,12 @@ AGGREGATOR_SYSTEM_PROMPT = (
 
 
 def _ask(
-    cfg: MoaConfig, model: str, messages: list[dict[str, str]], temperature: float, timeout_s: float
+    cfg: MoaConfig,
+    model: str,
+    messages: list[dict[str, str]],
+    temperature: float,
+    timeout_s: float,
+    usage: Any = None,
 ) -> str:
     import openai
 
@@ -31,6 +37,7 @@ def _ask(
     client = openai_client(cfg.base_url, cfg.api_key, timeout_s)
     try:
         resp = client.chat.completions.create(**kwargs)
+        record_usage(usage, resp)
     except openai.APIStatusError as exc:
         raise RuntimeError(f"HTTP {exc.status_code}: {api_error_message(exc)}") from None
     except openai.APIError as exc:
@@ -55,7 +62,7 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
     def reference(model: str) -> tuple[str, str | None, str | None]:
         try:
-            return model, _ask(cfg, model, question, cfg.reference_temperature, timeout_s), None
+            return model, _ask(cfg, model, question, cfg.reference_temperature, timeout_s, ctx.usage), None
         except RuntimeError as exc:
             return model, None, str(exc)
 
@@ -71,7 +78,7 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     listing = "\n\n".join(f"{i}. {text}" for i, (_, text) in enumerate(good, 1))
     messages = [{"role": "system", "content": f"{AGGREGATOR_SYSTEM_PROMPT}\n\n{listing}"}, *question]
     try:
-        final = _ask(cfg, cfg.aggregator_model, messages, cfg.aggregator_temperature, timeout_s)
+        final = _ask(cfg, cfg.aggregator_model, messages, cfg.aggregator_temperature, timeout_s, ctx.usage)
     except RuntimeError as exc:
         return {"error": f"the aggregator model {cfg.aggregator_model} failed: {exc}"}
     result: dict[str, Any] = {

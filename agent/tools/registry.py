@@ -24,6 +24,7 @@ class ToolContext:
     tool_timeout_s: float = 180.0  # wall-clock limit of one tool call
     output_cap_bytes: int = 64 * 1024  # most bytes of command output shown to the model
     extra: dict[str, Any] = field(default_factory=dict)  # per-run settings of optional toolsets
+    usage: Any = None  # agent.llm.Usage of the prompt: model calls made by tools (vision, moa) count too
     # Per-prompt state a tool keeps between calls (e.g. the browser context); each value has a
     # close() method. Released by close_prompt_resources, which the runner calls in `finally`.
     resources: dict[str, Any] = field(default_factory=dict)

@@ -13,6 +13,7 @@ import binascii
 import urllib.parse
 from typing import Any
 
+from agent.llm import record_usage
 from agent.tools.config import VisionConfig, api_error_message, extract_config, openai_client, vision_config
 from agent.tools.registry import Tool, ToolArgumentError, ToolContext, register, register_toolset_check
 from agent.tools.web import FetchError, fetch_url
@@ -87,7 +88,9 @@ def load_image(ctx: ToolContext, source: str, max_bytes: int) -> tuple[bytes, st
     return data, mime, label
 
 
-def ask_about_image(cfg: VisionConfig, question: str, data: bytes, mime: str, timeout_s: float) -> str:
+def ask_about_image(
+    cfg: VisionConfig, question: str, data: bytes, mime: str, timeout_s: float, usage: Any = None
+) -> str:
     """The vision model's answer to ``question`` about the image."""
     import openai
 
@@ -110,6 +113,7 @@ def ask_about_image(cfg: VisionConfig, question: str, data: bytes, mime: str, ti
             ],
             **kwargs,
         )
+        record_usage(usage, resp)
     except openai.APIStatusError as exc:
         raise VisionError(
             f"the vision model failed: HTTP {exc.status_code}: {api_error_message(exc)}"
@@ -130,7 +134,7 @@ def vision_analyze(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         return {"error": "vision is not configured (no vision model or endpoint)"}
     try:
         data, mime, label = load_image(ctx, args["image_url"], cfg.max_image_bytes)
-        answer = ask_about_image(cfg, question, data, mime, min(cfg.timeout_s, ctx.tool_timeout_s))
+        answer = ask_about_image(cfg, question, data, mime, min(cfg.timeout_s, ctx.tool_timeout_s), ctx.usage)
     except VisionError as exc:
         return {"error": str(exc)}
     return {

@@ -1,0 +1,95 @@
+"""A worker's share of the run-wide request limits, and the run-wide back-off on 429.
+
+Every worker process holds one :class:`Limiter`. The parent splits the run's limits evenly
+(``--max_rpm`` and ``--max_concurrent_requests`` divided by the number of workers), so all workers
+together never exceed them, with no round trip per request. When any worker is told to slow down
+(HTTP 429), it pauses itself and reports it to the parent, which relays the pause to every worker:
+the whole run slows down, instead of each worker retrying on its own and stampeding the provider.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+
+MAX_PAUSE_S = 120.0  # cap on one back-off, whatever Retry-After says (a frozen run helps no one)
+
+
+class LimitTimeout(TimeoutError):
+    """The deadline passed while waiting for the limiter."""
+
+
+class Limiter:
+    def __init__(
+        self,
+        rpm: float | None = None,
+        max_concurrent: int | None = None,
+        on_pause: Callable[[float], None] | None = None,
+    ):
+        """``rpm``: this worker's requests per minute (None: unlimited); ``max_concurrent``: requests at once."""
+        self.rpm = rpm
+        self._slots = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
+        self._lock = threading.Lock()
+        self._next_free = 0.0  # monotonic time at which the next request may start (token spacing)
+        self._paused_until = 0.0  # wall-clock time (shared across processes through the parent)
+        self._on_pause = on_pause
+        self.waited_s = 0.0
+
+    def acquire(self, deadline: float) -> None:
+        """Wait for the run-wide pause, a request slot and this worker's rate; ``deadline`` is monotonic."""
+        start = time.monotonic()
+        while True:
+            pause = self._paused_until - time.time()
+            if pause <= 0:
+                break
+            self._sleep(min(pause, 1.0), deadline)
+        if self.rpm:
+            with self._lock:
+                now = time.monotonic()
+                slot = max(now, self._next_free)
+                self._next_free = slot + 60.0 / self.rpm
+            if slot > now:
+                self._sleep(slot - now, deadline)
+        if self._slots is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._slots.acquire(timeout=remaining):
+                raise LimitTimeout("no request slot before the prompt's deadline")
+        self.waited_s += time.monotonic() - start
+
+    def release(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    def pause(self, seconds: float, *, broadcast: bool = True) -> float:
+        """Hold every request of this worker (and, through the parent, of the run) for ``seconds``."""
+        seconds = max(0.0, min(seconds, MAX_PAUSE_S))
+        until = time.time() + seconds
+        with self._lock:
+            if until <= self._paused_until:
+                return seconds
+            self._paused_until = until
+        if broadcast and self._on_pause:
+            self._on_pause(until)
+        return seconds
+
+    def pause_until(self, until: float) -> None:
+        """Apply a pause relayed by the parent (wall-clock time)."""
+        with self._lock:
+            self._paused_until = max(self._paused_until, min(until, time.time() + MAX_PAUSE_S))
+
+    @staticmethod
+    def _sleep(seconds: float, deadline: float) -> None:
+        if time.monotonic() + seconds > deadline:
+            raise LimitTimeout("the prompt's deadline passed while the run was held back")
+        time.sleep(seconds)
+
+
+def backoff_s(
+    attempt: int, retry_after_s: float | None = None, base_s: float = 0.5, cap_s: float = MAX_PAUSE_S
+) -> float:
+    """How long to wait before retry ``attempt`` (1-based): Retry-After when given, else exponential; jittered."""
+    if retry_after_s is not None and retry_after_s >= 0:
+        return min(retry_after_s, cap_s) * random.uniform(1.0, 1.2) + random.uniform(0, 0.01)
+    return min(cap_s, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
