@@ -23,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
@@ -34,6 +33,15 @@ from agent.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMC
 from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
 from agent.sandboxes import BACKENDS, SandboxSpec, create_sandbox
+from agent.storage import (
+    append_jsonl,
+    batch_files,
+    fsync_dir,
+    iter_jsonl,
+    iter_jsonl_raw,
+    pid_alive,
+    write_json_atomic,
+)
 from agent.tools.registry import available_toolsets, known_tool_names
 from agent.trajectory import first_human, reasoning_counts, used_tool_names
 from toolset_distributions import (
@@ -159,83 +167,9 @@ class Redactor:
         return self._pattern.sub("[REDACTED]", text) if self._pattern else text
 
 
-def append_jsonl(path: Path, obj: dict[str, Any], redact: Redactor) -> None:
-    """Append one record durably: a torn last line is closed first, then write + flush + fsync."""
-    line = redact(json.dumps(obj, ensure_ascii=False)) + "\n"
-    with path.open("ab") as fh:
-        if fh.tell() > 0:
-            with path.open("rb") as rd:
-                rd.seek(-1, os.SEEK_END)
-                if rd.read(1) != b"\n":
-                    fh.write(b"\n")  # the torn line stays invalid and is skipped by every reader
-        fh.write(line.encode("utf-8"))
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def write_json_atomic(path: Path, obj: Any, redact: Redactor | None = None) -> None:
-    text = json.dumps(obj, indent=2, ensure_ascii=False)
-    write_text_atomic(path, redact(text) if redact else text)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
-    """Stream a JSONL file; yields None for a torn or invalid line."""
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                yield None
-                continue
-            yield obj if isinstance(obj, dict) else None
-
-
-def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
-    """Stream a JSONL file as (line bytes, parsed object or None when torn/invalid)."""
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                yield raw, None
-                continue
-            yield raw, obj if isinstance(obj, dict) else None
-
-
 def _key(text: str) -> bytes:
     """A prompt's identity for resume and de-duplication: a digest, so memory does not grow with prompt size."""
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-
-def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
-    found = []
-    for p in run_dir.glob("batch_*.jsonl"):
-        m = re.fullmatch(r"batch_(\d+)\.jsonl", p.name)
-        if m:
-            found.append((int(m.group(1)), p))
-    return sorted(found)
 
 
 # ----------------------------------------------------------------------------- worker processes
@@ -313,7 +247,7 @@ def _die_with_parent(parent_pid: int | None) -> None:
         pass
 
     def watchdog() -> None:
-        while _pid_alive(parent_pid):
+        while pid_alive(parent_pid):
             time.sleep(0.5)
         os._exit(1)
 
@@ -528,6 +462,7 @@ class Options:
     max_failure_rate: float = 0.5
     budget_usd: float | None = None
     budget_tokens: int | None = None
+    report_max_trajectories: int = 500
     verbose: bool = False
     ray_address: str | None = None  # workers on a Ray cluster instead of local processes
     llm_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -585,6 +520,7 @@ class BatchRunner:
         totals = self.merge(rows)
         stats = self.statistics(rows, totals)
         self.write_status("interrupted" if interrupted else "finished", force=True)
+        self.write_report()
         self.print_summary(stats, interrupted)
         return self.exit_code(stats, interrupted)
 
@@ -1157,7 +1093,7 @@ class BatchRunner:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
-        _fsync_dir(self.run_dir)
+        fsync_dir(self.run_dir)
         self.done_indices = None  # recount from the files once, at the end
         self.write_checkpoint()
         return totals
@@ -1212,6 +1148,16 @@ class BatchRunner:
                 left += 1
         return left
 
+    def write_report(self) -> None:
+        """report.html beside the data; a report must never fail a finished run."""
+        from agent.report import write_report
+
+        try:
+            path = write_report(self.run_dir, max_trajectories=self.opts.report_max_trajectories)
+            print(f"Report: {path}  (again any time: python -m agent.report {self.run_dir})")
+        except Exception as exc:
+            print(f"warning: report.html not written: {exc}", file=sys.stderr)
+
     def print_summary(self, stats: dict[str, Any], interrupted: bool) -> None:
         print("\n" + "=" * 72)
         print(
@@ -1262,20 +1208,6 @@ def _count_field(path: Path, field: str) -> dict[str, int]:
             if rec and isinstance(rec.get(field), str):
                 counts[rec[field]] += 1
     return dict(counts)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
 
 
 def resume_command() -> str:
@@ -1414,6 +1346,7 @@ def main(
     max_prompt_usd: float | None = None,
     max_rpm: float | None = None,
     max_concurrent_requests: int | None = None,
+    report_max_trajectories: int = 500,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset; see README.md for every flag."""
     if list_distributions:
@@ -1550,6 +1483,7 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         max_failure_rate=float(f["max_failure_rate"]),
         budget_usd=_positive_float(f["budget_usd"], "budget_usd"),
         budget_tokens=_positive_int(f["budget_tokens"], "budget_tokens", allow_none=True),
+        report_max_trajectories=_positive_int(f["report_max_trajectories"], "report_max_trajectories"),
         verbose=bool(f["verbose"]),
         ray_address=ray_address,
     )

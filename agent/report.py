@@ -20,10 +20,10 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from agent.storage import iter_jsonl
 from agent.trajectory import first_human, is_tool_failure, reasoning_counts
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -37,22 +37,6 @@ _TOOLS_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
-    """Stream a JSONL file; None for a torn or invalid line. A missing file yields nothing."""
-    if not path.is_file():
-        return
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                yield None
-                continue
-            yield obj if isinstance(obj, dict) else None
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -675,23 +659,24 @@ def section_usage(d: RunData) -> str:
             ("provider", "trajectories served"),
             "narrow providers",
         )
-    run_usage = (d.statistics or {}).get("usage")
+    this_run = (d.statistics or {}).get("this_run")
+    run_usage = this_run.get("usage") if isinstance(this_run, dict) else None
     if isinstance(run_usage, dict):
         flat = [
-            (k, v)
+            (k, fmt_usd(v) if k == "cost_usd" else fmt_int(v))
             for k, v in run_usage.items()
-            if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+            if _number(v) is not None
         ]
         if flat:
-            providers += "<h3>Run totals (statistics.json)</h3>" + table(
-                flat, ("counter", "value"), "narrow kv"
+            providers += "<h3>Last run, every model call (failed attempts included)</h3>" + table(
+                flat, ("counter", "value"), "narrow kv run-usage"
             )
     return (
         '<section id="usage"><h2>Tokens and cost</h2><div class="cards">'
         + "".join(cards)
         + "</div>"
         + providers
-        + '<p class="note">Failed attempts keep no record, so their tokens are only in the run totals the runner writes.</p></section>'
+        + '<p class="note">Failed attempts keep no record: their tokens are only in the last run\'s totals.</p></section>'
     )
 
 
@@ -727,7 +712,14 @@ def section_settings(d: RunData) -> str:
     ]
     this_run = (d.statistics or {}).get("this_run")
     if isinstance(this_run, dict):
-        for key in ("attempted", "api_calls", "duration_s", "bad_dataset_lines"):
+        for key in (
+            "attempted",
+            "api_calls",
+            "duration_s",
+            "skipped_for_budget",
+            "rate_limit_pauses",
+            "bad_dataset_lines",
+        ):
             if key in this_run:
                 rows.append((f"last run: {key}", str(this_run[key])))
     for key in ("sandbox", "isolation"):

@@ -5,8 +5,8 @@
     python -m agent.status data/<run_name> --json      # the file plus the checks below, as JSON
 
 The runner rewrites ``status.json`` every few seconds. Counters: ``done`` counts trajectories,
-``failed`` and ``discarded`` the other outcomes, so ``done + failed + discarded`` of ``total``
-prompts are settled. Times (``started_at``, ``updated_at``, ``last_event_at``) are Unix seconds
+``failed``, ``discarded`` and ``skipped_budget`` the other outcomes; together they are the settled
+part of ``total``. Times (``started_at``, ``updated_at``, ``last_event_at``) are Unix seconds
 or ISO 8601 strings. Two checks are added: a run marked running whose process is gone from this
 host is "not running", and one without an event for ``STALL_AFTER_S`` is flagged as stalled.
 """
@@ -17,12 +17,13 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from agent.storage import pid_alive
 
 STALL_AFTER_S = 60.0
 STATUS_NAME = "status.json"
@@ -82,8 +83,10 @@ def fmt_usd(x: float | None) -> str:
 def checks(status: dict[str, Any], now: float, alive: bool | None = None) -> dict[str, Any]:
     """What the raw file does not say: progress, ages, and whether the run looks stalled or dead."""
     total = _num(status.get("total"))
-    settled = sum(_num(status.get(k)) or 0 for k in ("done", "failed", "discarded"))
-    last_event, updated = to_epoch(status.get("last_event_at")), to_epoch(status.get("updated_at"))
+    settled = sum(_num(status.get(k)) or 0 for k in ("done", "failed", "discarded", "skipped_budget"))
+    # Before the first prompt settles, quiet time counts from the start: a run stuck there is stalled too.
+    last_event = to_epoch(status.get("last_event_at")) or to_epoch(status.get("started_at"))
+    updated = to_epoch(status.get("updated_at"))
     running = status.get("state") == "running"
     quiet_s = now - last_event if last_event is not None else None
     return {
@@ -119,6 +122,8 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
         f"{fmt_count(_num(status.get(k)) or 0)} {label}"
         for k, label in (("done", "done"), ("discarded", "discarded"), ("failed", "failed"))
     ]
+    if _num(status.get("skipped_budget")):
+        parts.append(f"{fmt_count(status['skipped_budget'])} not started (budget)")
     if _num(status.get("in_flight")) is not None:
         parts.append(f"{fmt_count(status['in_flight'])} in flight")
     lines.append(f"{progress} · {' · '.join(parts)}")
@@ -134,6 +139,11 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
     lines.append(
         f"Rate: {fmt_count(rate) if rate is not None else '–'} prompts/min · "
         f"{fmt_count(tpm) if tpm is not None else '–'} tokens/min · ETA {eta}"
+        + (
+            f" · {fmt_count(status['rate_limit_pauses'])} rate-limit pauses"
+            if _num(status.get("rate_limit_pauses"))
+            else ""
+        )
     )
 
     prompt_t, completion_t = _num(status.get("prompt_tokens")), _num(status.get("completion_tokens"))
@@ -150,7 +160,8 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
         limit, spent = _num(budget.get(limit_key)), _num(budget.get(spent_key))
         if limit is not None:
             share = f" ({spent / limit:.0%})" if spent is not None and limit > 0 else ""
-            reached = " REACHED: no new prompts are started" if spent is not None and spent >= limit else ""
+            hit = budget.get("reached") is True or (spent is not None and spent >= limit)
+            reached = " REACHED: no new prompts are started" if hit else ""
             limits.append(f"{fmt(spent)} of {fmt(limit)}{share}{reached}")
     if limits:
         lines.append("Budget: " + " · ".join(limits))
@@ -168,22 +179,6 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
             "the runner may be hung or gone"
         )
     return "\n".join(lines)
-
-
-def pid_alive(pid: Any) -> bool:
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:  # a zombie has exited; only its entry is left
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def local_alive(status: dict[str, Any]) -> bool | None:

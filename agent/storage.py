@@ -1,0 +1,107 @@
+"""Durable files: append-only JSONL with fsync, atomic JSON state, streaming readers.
+
+A crash at any instant leaves every file readable: appends close a torn last line first (the torn
+line stays invalid and every reader skips it), and state files are replaced whole by rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) -> None:
+    """Append one record durably: a torn last line is closed first, then write + flush + fsync."""
+    line = redact(json.dumps(obj, ensure_ascii=False)) + "\n"
+    with path.open("ab") as fh:
+        if fh.tell() > 0:
+            with path.open("rb") as rd:
+                rd.seek(-1, os.SEEK_END)
+                if rd.read(1) != b"\n":
+                    fh.write(b"\n")  # the torn line stays invalid and is skipped by every reader
+        fh.write(line.encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_json_atomic(path: Path, obj: Any, redact: Callable[[str], str] | None = None) -> None:
+    text = json.dumps(obj, indent=2, ensure_ascii=False)
+    write_text_atomic(path, redact(text) if redact else text)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
+    """Stream a JSONL file; yields None for a torn or invalid line. A missing file yields nothing."""
+    if not path.is_file():
+        return
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield None
+                continue
+            yield obj if isinstance(obj, dict) else None
+
+
+def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
+    """Stream a JSONL file as (line bytes, parsed object or None when torn/invalid)."""
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield raw, None
+                continue
+            yield raw, obj if isinstance(obj, dict) else None
+
+
+def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in run_dir.glob("batch_*.jsonl"):
+        m = re.fullmatch(r"batch_(\d+)\.jsonl", p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def pid_alive(pid: Any) -> bool:
+    """Whether a process of this host is alive (a zombie counts as dead)."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True

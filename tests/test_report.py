@@ -1,0 +1,481 @@
+"""The HTML report (agent/report.py): numbers against statistics.json, escaping of hostile content,
+streaming with a cap on the listed conversations, the CLI, and the page as headless Chromium renders it.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import os
+import struct
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+import batch_runner
+from agent import report
+from agent.tools.config import BROWSER_FLAGS  # the project's one list of headless Chromium flags
+
+ROOT = Path(__file__).resolve().parent.parent
+XSS_PROMPT = (
+    "Check <script>alert(1)</script> then </script><!-- x --> and <img src=x onerror=alert(2)> [calls:2]"
+)
+PROMPTS = [
+    "Write fib.py computing the first ten Fibonacci numbers and run it.",
+    "List the files of the working directory.",
+    "Count the words of a sentence you write to notes.txt.",
+    XSS_PROMPT,
+    "[no_reasoning] answer at once",
+    "[error:500] this request fails",
+    "[hallucinate] call a tool that does not exist",
+    "[truncate] stop early",
+]
+CHROMIUM = "/usr/bin/chromium"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run with the fake model: trajectories, a discard, a failure, a drop at merge, a partial."""
+    base = tmp_path_factory.mktemp("report")
+    dataset = base / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS), "utf-8")
+    batch_runner.main(
+        dataset_file=str(dataset),
+        batch_size=3,
+        run_name="demo",
+        model="mock",
+        output_dir=str(base / "data"),
+        distribution="terminal_only",
+        num_workers=2,
+    )
+    run_dir = base / "data" / "demo"
+    report.write_report(run_dir)
+    return run_dir
+
+
+class Page(html.parser.HTMLParser):
+    """Collects the ``data-stat`` numbers, table rows, start tags and script bodies of a page."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stats: dict[str, str] = {}
+        self.tags: list[str] = []
+        self.scripts: list[tuple[dict, str]] = []
+        self.hist_n: dict[str, int] = {}
+        self.rows: dict[str, list[list[str]]] = {}  # table class -> rows of cell texts
+        self._stat: str | None = None
+        self._script: dict | None = None
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append(tag)
+        if "data-stat" in a:
+            self._stat = a["data-stat"]
+            self.stats[self._stat] = ""
+        if "data-hist" in a:
+            self.hist_n[a["data-hist"]] = int(a["data-n"])
+        if tag == "script":
+            self._script = a
+            self.scripts.append((a, ""))
+        if tag == "table":
+            self._table = a.get("class", "")
+            self.rows.setdefault(self._table, [])
+        if tag == "tr" and self._table is not None:
+            self.rows[self._table].append([])
+        if tag == "td":
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._script = None
+        if tag == "td" and self._cell is not None:
+            self.rows[self._table][-1].append("".join(self._cell))
+            self._cell = None
+        if tag == "table":
+            self._table = None
+        if tag == "div":
+            self._stat = None
+
+    def handle_data(self, data):
+        if self._stat is not None:
+            self.stats[self._stat] += data
+        if self._script is not None:
+            attrs, body = self.scripts[-1]
+            self.scripts[-1] = (attrs, body + data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def parse(path: Path) -> Page:
+    page = Page()
+    page.feed(path.read_text("utf-8"))
+    return page
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def payload(page: Page) -> dict:
+    (body,) = [b for a, b in page.scripts if a.get("id") == "report-data"]
+    return json.loads(body)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "agent.report", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- the page's content
+
+
+def test_headline_numbers_match_the_run_files(demo_run: Path) -> None:
+    stats = json.loads((demo_run / "statistics.json").read_text())
+    page = parse(demo_run / "report.html")
+    assert number(page.stats["trajectories"]) == stats["trajectories"] == 5
+    assert number(page.stats["discarded"]) == stats["discarded"]["total"] == 1
+    assert number(page.stats["failed"]) == stats["failed_attempts"]["total"] == 1
+    assert number(page.stats["dropped"]) == sum(stats["dropped_at_merge"].values()) == 1
+    assert number(page.stats["no_reasoning_discards"]) == 1
+    assert page.stats["reasoning_coverage"] == f"{stats['reasoning']['coverage']:.1%}"
+    outcomes = {(kind, reason): number(n) for kind, reason, n in page.rows["narrow outcomes"][1:]}
+    run_usage = dict(page.rows["narrow kv run-usage"][1:])
+    assert number(run_usage["prompt_tokens"]) == stats["this_run"]["usage"]["prompt_tokens"] > 0
+    assert outcomes == {
+        ("trajectory", "completed"): stats["completed"],
+        ("trajectory", "partial"): stats["partial"],
+        ("discarded", "no_reasoning"): 1,
+        ("failed attempt", "http_500"): 1,
+        ("dropped at merge", "unknown_tool"): 1,
+    }
+
+
+def test_tool_table_and_histograms_match_the_trajectories(demo_run: Path) -> None:
+    stats = json.loads((demo_run / "statistics.json").read_text())
+    page = parse(demo_run / "report.html")
+    table = {row[0]: [number(c) for c in row[1:4]] for row in page.rows["narrow tools"][1:]}
+    expected = {
+        n: [s["count"], s["success"], s["failure"]] for n, s in stats["tool_stats"].items() if s["count"]
+    }
+    assert table == expected and "terminal" in table
+    records = read_jsonl(demo_run / "trajectories.jsonl")
+    assert page.hist_n == {"turns": len(records), "tokens": len(records)}
+    tokens = [r["metadata"]["prompt_tokens"] + r["metadata"]["completion_tokens"] for r in records]
+    assert number(page.stats["prompt_tokens"]) == sum(r["metadata"]["prompt_tokens"] for r in records)
+    assert f"max {report.fmt_compact(max(tokens))}" in (demo_run / "report.html").read_text()
+    settings = dict(page.rows["narrow kv settings"][1:])
+    assert settings["model"] == "mock" and settings["distribution"] == "terminal_only"
+
+
+def test_hostile_content_is_escaped(demo_run: Path) -> None:
+    text = (demo_run / "report.html").read_text("utf-8")
+    page = parse(demo_run / "report.html")
+    # Only the page's own two scripts: nothing from a prompt or a tool result became markup.
+    assert page.tags.count("script") == 2
+    assert "img" not in page.tags
+    for markup in ("<script>alert", "</script><!--", "<!-- x", "<img"):
+        assert markup not in text
+    (body,) = [b for a, b in page.scripts if a.get("id") == "report-data"]
+    assert "<" not in body and "\u2028" not in body
+    data = payload(page)
+    xss = [it for it in data["items"] if it["p"] == XSS_PROMPT]
+    assert len(xss) == 1
+    human = [t["v"] for t in xss[0]["t"] if t["k"] == "h"]
+    assert human == [XSS_PROMPT]  # decoded back exactly
+
+
+def test_discarded_samples_are_listed_with_their_reason(demo_run: Path) -> None:
+    items = payload(parse(demo_run / "report.html"))["items"]
+    assert [(it["o"], it["r"]) for it in items if it["o"] == "discarded"] == [("discarded", "no_reasoning")]
+    assert sorted(it["o"] for it in items if it["o"] != "discarded") == ["completed"] * 4 + ["partial"]
+
+
+def test_cli_writes_on_demand_atomically(demo_run: Path) -> None:
+    (demo_run / "report.html").unlink()
+    done = cli(str(demo_run), "--max-trajectories", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(demo_run / "report.html")
+    assert not [p.name for p in demo_run.iterdir() if p.name.endswith(".tmp")]
+    page = parse(demo_run / "report.html")
+    assert len([it for it in payload(page)["items"] if it["o"] != "discarded"]) == 2
+    assert "3 of 5 trajectories are not listed" in (demo_run / "report.html").read_text()
+    report.write_report(demo_run)  # back to the default for the other tests
+
+
+def test_cli_on_a_missing_directory(tmp_path: Path) -> None:
+    done = cli(str(tmp_path / "nope"))
+    assert done.returncode == 2 and "no run directory" in done.stderr
+
+
+def test_cost_reported_by_the_endpoint(tmp_path: Path) -> None:
+    """Against an endpoint that prices its answers, the report sums the records' metadata.usage.cost_usd."""
+    from agent.fake_model import FakeModelServer
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3] + ["[calls:4] many"]))
+    with FakeModelServer(cost_per_token=2e-6) as server:
+        batch_runner.main(
+            dataset_file=str(dataset),
+            batch_size=2,
+            run_name="priced",
+            model="fake-model",
+            base_url=server.base_url,
+            api_key="sk-local-test",
+            output_dir=str(tmp_path / "data"),
+            distribution="terminal_only",
+            num_workers=2,
+        )
+        endpoint_cost = server.stats()["cost_usd"]
+    run_dir = tmp_path / "data" / "priced"
+    page = parse(report.write_report(run_dir))
+    costs = [r["metadata"]["usage"]["cost_usd"] for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    assert page.stats["cost_usd"] == report.fmt_usd(sum(costs))
+    assert sum(costs) == pytest.approx(endpoint_cost)  # nothing failed or was discarded here
+    assert page.hist_n["cost"] == 4
+
+
+# ----------------------------------------------------------------------------- large and partial runs
+
+
+def synthetic_record(i: int, pad: int = 0) -> dict:
+    """A small valid record; every third has ``metadata.usage``, every third the flat fields, the rest none."""
+    meta: dict = {"batch_num": i // 100, "model": "m", "stop_reason": "final_answer"}
+    if i % 3 == 0:
+        meta["usage"] = {
+            "calls": 2,
+            "prompt_tokens": 100 + i,
+            "completion_tokens": 10,
+            "reasoning_tokens": 5,
+            "cost_usd": 0.001,
+            "retries": 1 if i % 2 else 0,
+            "rate_limited": 0,
+            "providers": ["ProvA" if i % 2 else "ProvB"],
+        }
+    elif i % 3 == 1:
+        meta.update(prompt_tokens=50, completion_tokens=5)
+    call = {
+        "id": f"c{i}",
+        "type": "function",
+        "function": {"name": "terminal", "arguments": '{"command": "ls"}'},
+    }
+    return {
+        "prompt_index": i,
+        "conversations": [
+            {"from": "system", "value": 'pre <tools>\n[{"name": "terminal"}]\n</tools>'},
+            {"from": "human", "value": f"prompt number {i} " + "x" * pad},
+            {
+                "from": "gpt",
+                "value": '<think>\nhm\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>',
+                "tool_calls": [call],
+            },
+            {
+                "from": "tool",
+                "value": "<tool_response>\n"
+                + json.dumps({"tool_call_id": f"c{i}", "name": "terminal", "content": {"error": "boom"}})
+                + "\n</tool_response>",
+            },
+            {"from": "gpt", "value": "<think>\nok\n</think>\ndone"},
+        ],
+        "metadata": meta,
+        "completed": True,
+        "partial": False,
+        "api_calls": 2 + i % 5,
+        "toolsets_used": ["terminal"],
+        "tool_stats": {"terminal": {"count": 1, "success": 0, "failure": 1}},
+        "tool_error_counts": {"terminal": 1},
+    }
+
+
+def test_large_run_streams_and_caps_the_list(tmp_path: Path) -> None:
+    n, pad = 3000, 10_000
+    run_dir = tmp_path / "big"
+    run_dir.mkdir()
+    with (run_dir / "trajectories.jsonl").open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps(synthetic_record(i, pad)) + "\n")
+    file_size = (run_dir / "trajectories.jsonl").stat().st_size
+    tracemalloc.start()
+    try:
+        report.write_report(run_dir, max_trajectories=40)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < file_size / 4, f"peak {peak} for a {file_size}-byte file: records were held in memory"
+    text = (run_dir / "report.html").read_text()
+    page = parse(run_dir / "report.html")
+    assert len(payload(page)["items"]) == 40
+    assert "2,960 of 3,000 trajectories are not listed" in text
+    assert page.hist_n["turns"] == n
+    with_tokens = [i for i in range(n) if i % 3 != 2]
+    assert page.hist_n["tokens"] == len(with_tokens)
+    assert page.hist_n["cost"] == n // 3
+    assert f"{n - len(with_tokens):,} without a value" in text
+    expected_prompt = sum(100 + i if i % 3 == 0 else 50 for i in with_tokens)
+    assert number(page.stats["prompt_tokens"]) == expected_prompt
+    assert page.stats["cost_usd"] == report.fmt_usd(0.001 * (n // 3))
+    assert number(page.stats["retries"]) == sum(1 for i in range(0, n, 3) if i % 2)
+    providers = {r[0]: number(r[1]) for r in page.rows["narrow providers"][1:]}
+    assert providers == {"ProvA": 500, "ProvB": 500}
+    tools = {row[0]: row[1:] for row in page.rows["narrow tools"][1:]}
+    assert tools == {"terminal": ["3,000", "0", "3,000", "0.0%"]}
+    assert payload(page)["systems"] == {
+        "s0": {"v": 'pre <tools>\n[{"name": "terminal"}]\n</tools>', "tools": ["terminal"]}
+    }
+
+
+def test_unmerged_run_reads_batch_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(synthetic_record(0)) + "\n{torn\n")
+    (run_dir / "batch_1.jsonl").write_text(json.dumps(synthetic_record(1)) + "\n")
+    (run_dir / "status.json").write_text(json.dumps({"state": "running"}))
+    text = report.write_report(run_dir).read_text()
+    page = parse(run_dir / "report.html")
+    assert number(page.stats["trajectories"]) == 2
+    assert "not merged yet" in text and "still running" in text and "1 torn or invalid line(s)" in text
+
+
+def test_empty_run_directory(tmp_path: Path) -> None:
+    page = parse(report.write_report(tmp_path))
+    assert number(page.stats["trajectories"]) == 0
+    assert payload(page) == {"items": [], "systems": {}}
+
+
+def test_script_json_escaping() -> None:
+    hostile = {"a": "</script><script>alert(1)</script><!-- & \u2028 \u2029"}
+    text = report.json_for_script(hostile)
+    assert not set("<>&\u2028\u2029") & set(text)
+    assert json.loads(text) == hostile
+
+
+def test_histogram_bins() -> None:
+    assert report.histogram([1, 2, 2, 4]) == [(1, 2, 1), (2, 3, 2), (3, 4, 0), (4, 5, 1)]
+    bins = report.histogram([float(v) for v in range(0, 10_001, 7)])
+    assert sum(c for _, _, c in bins) == len(range(0, 10_001, 7))
+    assert all(hi - lo == bins[0][1] - bins[0][0] for lo, hi, _ in bins) and len(bins) <= 25
+    assert report.histogram([0.5, 0.5]) == [(0.5, 0.5, 2)]
+
+
+# ----------------------------------------------------------------------------- in headless Chromium
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium through Playwright; skips locally (fails in CI) when either is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        problem = "the playwright package is not installed"
+    else:
+        problem = (
+            None if os.access(CHROMIUM, os.X_OK) else f"{CHROMIUM} is missing (apt-get install chromium)"
+        )
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must be able to run this test: {problem}")
+        pytest.skip(problem)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=list(BROWSER_FLAGS))
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def report_page(browser, demo_run: Path):
+    """The demo report opened from disk; any request other than the file itself is refused and kept."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    seen = {"requests": [], "errors": [], "dialogs": []}
+    url = (demo_run / "report.html").as_uri()
+
+    def route(r):
+        if r.request.url == url:
+            r.continue_()
+        else:
+            seen["requests"].append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("pageerror", lambda exc: seen["errors"].append(str(exc)))
+    page.on("console", lambda m: seen["errors"].append(m.text) if m.type == "error" else None)
+    page.on("dialog", lambda d: (seen["dialogs"].append(d.message), d.dismiss()))
+    page.goto(url)
+    yield page, seen
+    page.close()
+    assert seen == {"requests": [], "errors": [], "dialogs": []}  # offline, no script error, no alert()
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+@pytest.mark.browser
+def test_report_renders_in_chromium(report_page, demo_run: Path, tmp_path: Path) -> None:
+    page, _ = report_page
+    shot = tmp_path / "report.png"
+    page.screenshot(path=str(shot), full_page=True)
+    width, height = png_size(shot)
+    assert width == 1280 and height > 2000 and shot.stat().st_size > 50_000
+    assert page.inner_text("#run-name") == "demo"
+    outcomes = page.inner_text("#outcomes")
+    assert "trajectories" in outcomes and "http_500" in outcomes and "unknown_tool" in outcomes
+    assert page.inner_text('[data-stat="trajectories"]') == "5"
+    assert page.locator("svg.chart").count() >= 4  # outcomes, tools, reasoning, two histograms
+    assert "terminal" in page.inner_text("#tools")
+    assert page.inner_text("#shown") == "6 of 6 shown"
+    assert page.locator("details.traj").count() == 6
+
+
+@pytest.mark.browser
+def test_conversation_unfolds_and_shows_markup_as_text(report_page) -> None:
+    page, _ = report_page
+    item = page.locator("details.traj", has_text="onerror=alert(2)")
+    item.locator("summary").first.click()
+    human = item.locator(".turn.human .text")
+    assert human.inner_text() == XSS_PROMPT  # shown as text, not run as markup
+    call = item.locator("details.call").first
+    args = call.locator("pre")
+    assert not args.is_visible()
+    assert call.locator("summary").inner_text().startswith("⚙ terminal(")
+    call.locator("summary").click()
+    assert args.is_visible() and '"command"' in args.inner_text()
+    result = item.locator("details.result").first
+    result.locator("summary").click()
+    assert "exit_code" in result.locator("pre").inner_text()
+    assert item.locator("details.think").count() == 3  # one reasoning fold per assistant turn
+
+
+@pytest.mark.browser
+def test_filter_box_and_outcome_select(report_page) -> None:
+    from playwright.sync_api import expect
+
+    page, _ = report_page
+    visible = page.locator("details.traj:visible")
+    page.fill("#filter", "ALERT(1)")
+    expect(page.locator("#shown")).to_have_text("1 of 6 shown")
+    assert visible.count() == 1 and "onerror" in visible.first.inner_text()
+    page.fill("#filter", "")
+    page.select_option("#outcome", "discarded")
+    expect(page.locator("#shown")).to_have_text("1 of 6 shown")
+    assert "discarded: no_reasoning" in visible.first.inner_text()
+    page.select_option("#outcome", "partial")
+    assert "[truncate]" in visible.first.inner_text()
+    page.select_option("#outcome", "")
+    page.fill("#filter", "no such text anywhere")
+    expect(page.locator("#shown")).to_have_text("0 of 6 shown")
+    assert visible.count() == 0

@@ -1,0 +1,232 @@
+"""Live status (agent/status.py): format_status on crafted status dicts, and the CLI on a written status.json."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import status as st
+
+ROOT = Path(__file__).resolve().parent.parent
+NOW = 1_800_000_000.0
+
+
+def running(**over) -> dict:
+    base = {
+        "run_name": "big",
+        "pid": 4242,
+        "host": "gpu-box",
+        "started_at": NOW - 3723,
+        "updated_at": NOW - 2,
+        "state": "running",
+        "total": 10_000,
+        "done": 1180,
+        "failed": 24,
+        "discarded": 30,
+        "in_flight": 16,
+        "api_calls": 3456,
+        "tool_calls": 8901,
+        "prompt_tokens": 1_234_567,
+        "completion_tokens": 45_678,
+        "cost_usd": 12.3456,
+        "tokens_per_min": 120_345.2,
+        "eta_s": 11_640,
+        "rate_per_min": 45.2,
+        "budget": {"usd": 50.0, "tokens": None, "spent_usd": 12.3456, "spent_tokens": 1_280_245},
+        "last_event_at": NOW - 5,
+    }
+    base.update(over)
+    return base
+
+
+def lines(text: str) -> dict[str, str]:
+    """Each line by its first word (Run, Progress, Rate, Spend, Budget, WARNING)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        out.setdefault(line.split(":")[0].split()[0], line)
+    return out
+
+
+def test_a_healthy_running_run() -> None:
+    text = st.format_status(running(), NOW, alive=True)
+    got = lines(text)
+    assert got["Run"] == "Run big: running · pid 4242 on gpu-box · started 1h 02m ago · updated 2s ago"
+    assert got["Progress"] == (
+        "Progress: 1,234 of 10,000 prompts (12.3%) · 1,180 done · 30 discarded · 24 failed · 16 in flight"
+    )
+    assert got["Rate"] == "Rate: 45.2 prompts/min · 120k tokens/min · ETA 3h 14m"
+    assert (
+        got["Spend"]
+        == "Spend: $12.35 · 1.23M prompt + 45,678 completion tokens · 3,456 model calls · 8,901 tool calls"
+    )
+    assert got["Budget"] == "Budget: $12.35 of $50.00 (25%)"
+    assert "WARNING" not in text
+    assert len(text.splitlines()) == 5
+
+
+def test_stall_warning_after_a_minute_without_events() -> None:
+    assert "WARNING" not in st.format_status(running(last_event_at=NOW - 59), NOW)
+    text = st.format_status(running(last_event_at=NOW - 75), NOW)
+    assert "WARNING: stalled? no event for 1m 15s" in text
+    # A finished run is quiet by design.
+    assert "WARNING" not in st.format_status(running(state="finished", last_event_at=NOW - 999), NOW)
+
+
+def test_dead_process_while_state_says_running() -> None:
+    text = st.format_status(running(last_event_at=NOW - 500), NOW, alive=False)
+    assert "WARNING: not running" in text and "process 4242 is gone" in text and "--resume" in text
+    assert "stalled" not in text  # the stronger diagnosis only
+    assert "not running" not in st.format_status(running(state="interrupted"), NOW, alive=False)
+
+
+def test_status_file_not_rewritten() -> None:
+    text = st.format_status(running(updated_at=NOW - 300, last_event_at=NOW - 300), NOW, alive=None)
+    assert "status file has not been rewritten for 5m 00s" in text
+
+
+def test_budget_reached_and_token_budget() -> None:
+    budget = {"usd": None, "tokens": 1_000_000, "spent_usd": 3.0, "spent_tokens": 1_000_500}
+    got = lines(st.format_status(running(budget=budget), NOW))
+    assert got["Budget"] == "Budget: 1M of 1M (100%) REACHED: no new prompts are started"
+    no_budget = {"usd": None, "tokens": None, "spent_usd": 0, "spent_tokens": 0}
+    assert "Budget" not in lines(st.format_status(running(budget=no_budget), NOW))
+
+
+def test_finished_and_sparse_dicts() -> None:
+    got = lines(
+        st.format_status(running(state="finished", done=9900, failed=50, discarded=50, eta_s=None), NOW)
+    )
+    assert "(100.0%)" in got["Progress"] and got["Rate"].endswith("ETA done")
+    # Early in a run, or from an older runner: missing fields print as dashes, never raise.
+    sparse = st.format_status({"state": "running"}, NOW)
+    assert sparse.splitlines()[0] == "Run ?: running"
+    assert "Progress: 0 of – prompts · 0 done" in sparse
+    assert "Rate: – prompts/min · – tokens/min · ETA –" in sparse
+
+
+def test_iso_timestamps() -> None:
+    iso = dt.datetime.fromtimestamp(NOW - 90, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    text = st.format_status(running(started_at=iso, updated_at=iso, last_event_at=iso), NOW)
+    assert "started 1m 30s ago" in text and "no event for 1m 30s" in text
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "agent.status", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write_status(run_dir: Path, status: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "status.json").write_text(json.dumps(status))
+
+
+@pytest.fixture
+def sleeper():
+    """A live process of ours, standing in for a running runner."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_cli_prints_a_live_run(tmp_path: Path, sleeper) -> None:
+    import time
+
+    now = time.time()
+    write_status(
+        tmp_path,
+        running(
+            pid=sleeper.pid, host=socket.gethostname(), started_at=now - 10, updated_at=now, last_event_at=now
+        ),
+    )
+    done = cli(str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"Run big: running · pid {sleeper.pid} on {socket.gethostname()}")
+    assert "(12.3%)" in done.stdout and "WARNING" not in done.stdout
+
+
+def test_cli_says_not_running_when_the_pid_is_dead(tmp_path: Path) -> None:
+    import time
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    now = time.time()
+    write_status(
+        tmp_path, running(pid=dead.pid, host=socket.gethostname(), updated_at=now, last_event_at=now)
+    )
+    done = cli(str(tmp_path))
+    assert done.returncode == 0
+    assert f"WARNING: not running: state says running but process {dead.pid} is gone" in done.stdout
+    # On another host the pid means nothing here: no verdict.
+    write_status(tmp_path, running(pid=dead.pid, host="elsewhere", updated_at=now, last_event_at=now))
+    assert "not running" not in cli(str(tmp_path)).stdout
+
+
+def test_cli_json(tmp_path: Path) -> None:
+    write_status(tmp_path, running(state="finished", pid=os.getpid(), host=socket.gethostname()))
+    done = cli(str(tmp_path), "--json")
+    data = json.loads(done.stdout)
+    assert data["run_name"] == "big" and data["done"] == 1180
+    assert data["checks"]["settled"] == 1234 and data["checks"]["progress"] == pytest.approx(0.1234)
+    assert data["checks"]["pid_alive"] is True and data["checks"]["stalled"] is False
+
+
+def test_cli_watch_refreshes_until_the_run_ends(tmp_path: Path, sleeper) -> None:
+    import time
+
+    now = time.time()
+    write_status(
+        tmp_path, running(pid=sleeper.pid, host=socket.gethostname(), updated_at=now, last_event_at=now)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.status", str(tmp_path), "--watch", "0.2", "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["state"] == "running"
+        write_status(tmp_path, running(state="finished", pid=sleeper.pid, host=socket.gethostname()))
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    states = [json.loads(line)["state"] for line in out.splitlines()]
+    assert states[-1] == "finished" and set(states) <= {"running", "finished"}
+    assert proc.returncode == 0
+
+
+def test_cli_without_a_status_file(tmp_path: Path) -> None:
+    done = cli(str(tmp_path))
+    assert done.returncode == 2 and "no status.json" in done.stderr
+    (tmp_path / "status.json").write_text("[1, 2]")
+    done = cli(str(tmp_path))
+    assert done.returncode == 2 and "not a JSON object" in done.stderr
+
+
+def test_budget_skips_reached_flag_and_rate_limit_pauses() -> None:
+    budget = {"usd": 50.0, "tokens": None, "spent_usd": 49.5, "spent_tokens": 10, "reached": True}
+    got = lines(st.format_status(running(skipped_budget=66, budget=budget, rate_limit_pauses=3), NOW))
+    assert "(13.0%)" in got["Progress"] and "66 not started (budget)" in got["Progress"]
+    assert got["Budget"] == "Budget: $49.50 of $50.00 (99%) REACHED: no new prompts are started"
+    assert got["Rate"].endswith("ETA 3h 14m · 3 rate-limit pauses")
+
+
+def test_stall_before_the_first_event_counts_from_the_start() -> None:
+    assert "stalled" not in st.format_status(running(started_at=NOW - 30, last_event_at=None), NOW)
+    assert "no event for 2m 00s" in st.format_status(running(started_at=NOW - 120, last_event_at=None), NOW)
