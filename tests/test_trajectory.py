@@ -1,0 +1,316 @@
+"""agent/trajectory.py: reasoning extraction, SPEC's tool-failure rule, ShareGPT rendering, round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.trajectory import (
+    SYSTEM_PREAMBLE,
+    build_record,
+    canonical_arguments,
+    first_human,
+    gpt_value,
+    is_tool_failure,
+    parse_tool_calls,
+    reasoning_counts,
+    split_reasoning,
+    to_sharegpt,
+    used_tool_names,
+)
+
+# ----------------------------------------------------------------------------- split_reasoning
+
+
+def test_scratchpad_at_start_becomes_reasoning_and_leaves_the_answer():
+    reasoning, content = split_reasoning(
+        "<REASONING_SCRATCHPAD>I should list files.</REASONING_SCRATCHPAD>\nLet me use terminal."
+    )
+    assert reasoning == "I should list files."
+    assert content == "Let me use terminal."
+
+
+def test_several_scratchpads_anywhere_are_joined_in_order():
+    reasoning, content = split_reasoning(
+        "<REASONING_SCRATCHPAD> first </REASONING_SCRATCHPAD>Answer part one. "
+        "<REASONING_SCRATCHPAD>second</REASONING_SCRATCHPAD>Part two."
+    )
+    assert reasoning == "first\n\nsecond"
+    assert "REASONING_SCRATCHPAD" not in content
+    assert content == "Answer part one. Part two."
+
+
+def test_leading_think_block_becomes_reasoning():
+    reasoning, content = split_reasoning("  <think>\nweigh the options\n</think>\nThe answer is 4.")
+    assert reasoning == "weigh the options"
+    assert content == "The answer is 4."
+
+
+def test_think_not_at_the_start_is_part_of_the_content():
+    text = "The tag <think>x</think> is how some models show reasoning."
+    assert split_reasoning(text) == (None, text)
+
+
+def test_scratchpad_and_think_together_keep_both():
+    reasoning, content = split_reasoning(
+        "<REASONING_SCRATCHPAD>pad</REASONING_SCRATCHPAD><think>thought</think>done"
+    )
+    assert reasoning == "pad\n\nthought"
+    assert content == "done"
+
+
+@pytest.mark.parametrize("content", [None, "", "Plain answer, no reasoning at all."])
+def test_no_reasoning_gives_none(content):
+    reasoning, rest = split_reasoning(content)
+    assert reasoning is None
+    assert rest == (content or "")
+
+
+def test_empty_scratchpad_is_no_reasoning():
+    assert split_reasoning("<REASONING_SCRATCHPAD>  </REASONING_SCRATCHPAD>hi") == (None, "hi")
+
+
+# ----------------------------------------------------------------------------- is_tool_failure
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"error": "No such file"}',
+        '{"error": ""}',  # non-null, even if empty
+        '{"error": {"code": 2}}',
+        '{"success": false}',
+        '{"success": false, "error": null}',
+        '{"content": {"error": "nested failure"}}',
+        '{"content": {"success": false}}',
+        '{"output": "", "exit_code": -1, "error": "Command timed out after 5 s"}',
+        "error: something broke",
+        "error:no space",
+        "  error: leading whitespace",
+        "",
+        "   \n",
+    ],
+)
+def test_is_tool_failure_true(content):
+    assert is_tool_failure(content) is True
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"output": "boom", "exit_code": 1, "error": null}',  # a non-zero exit code is not a failure
+        '{"error": null}',
+        '{"success": true}',
+        '{"content": {"error": null, "text": "fine"}}',
+        '{"content": "some text mentioning error: inside"}',
+        '{"bytes_written": 12, "path": "a.txt"}',
+        "[]",
+        "42",
+        "plain text output",
+        "the word error: appears later",
+        "errors: 0",
+    ],
+)
+def test_is_tool_failure_false(content):
+    assert is_tool_failure(content) is False
+
+
+# ----------------------------------------------------------------------------- to_sharegpt
+
+
+def _schema(name: str) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} tool",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+MESSAGES = [
+    {"role": "user", "content": "Do two things"},
+    {
+        "role": "assistant",
+        "content": "Running both.",
+        "reasoning": "Two calls in parallel.",
+        "tool_calls": [
+            _call("c1", "terminal", '{"command": "ls"}'),
+            _call("c2", "read_file", '{"path": "a.txt"}'),
+        ],
+    },
+    {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "name": "terminal",
+        "content": '{"output": "a.txt\\n", "exit_code": 0}',
+    },
+    {"role": "tool", "tool_call_id": "c2", "name": "read_file", "content": "error: not json text"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "One more.",
+        "tool_calls": [_call("c3", "terminal", "{broken")],
+    },
+    {"role": "tool", "tool_call_id": "c3", "name": "terminal", "content": '{"error": "Invalid JSON"}'},
+    {"role": "assistant", "content": "All done.", "reasoning": None},
+]
+SCHEMAS = [_schema("terminal"), _schema("read_file")]
+
+
+def _blocks(value: str) -> list[dict]:
+    parts = value.split("<tool_response>\n")[1:]
+    return [json.loads(p.split("\n</tool_response>")[0]) for p in parts]
+
+
+def test_to_sharegpt_roles_and_merged_tool_results():
+    conv = to_sharegpt(MESSAGES, SCHEMAS)
+    assert [c["from"] for c in conv] == ["system", "human", "gpt", "tool", "gpt", "tool", "gpt"]
+    assert conv[1]["value"] == "Do two things"
+    first_tools = _blocks(conv[3]["value"])
+    assert [b["tool_call_id"] for b in first_tools] == ["c1", "c2"]
+    assert [b["name"] for b in first_tools] == ["terminal", "read_file"]
+    assert first_tools[0]["content"] == {"output": "a.txt\n", "exit_code": 0}  # JSON results stay JSON
+    assert first_tools[1]["content"] == "error: not json text"  # text results stay text
+    assert conv[3]["value"].count("<tool_response>") == 2
+    assert _blocks(conv[5]["value"]) == [
+        {"tool_call_id": "c3", "name": "terminal", "content": {"error": "Invalid JSON"}}
+    ]
+
+
+def test_to_sharegpt_system_lists_exactly_the_schemas():
+    conv = to_sharegpt(MESSAGES, SCHEMAS)
+    system = conv[0]["value"]
+    assert system == SYSTEM_PREAMBLE.format(tools=json.dumps([s["function"] for s in SCHEMAS]))
+    listed = json.loads(system.split("<tools>\n")[1].split("\n</tools>")[0])
+    assert listed == [s["function"] for s in SCHEMAS]
+
+
+def test_to_sharegpt_gpt_turns_think_and_tool_calls():
+    conv = to_sharegpt(MESSAGES, SCHEMAS)
+    first, second, last = conv[2], conv[4], conv[6]
+    assert first["value"].startswith(
+        "<think>\nTwo calls in parallel.\n</think>\nRunning both.\n<tool_call>\n"
+    )
+    assert [c["id"] for c in first["tool_calls"]] == ["c1", "c2"]
+    assert second["value"].startswith("<think>\nOne more.\n</think>\n<tool_call>\n")
+    assert last == {"from": "gpt", "value": "All done."}  # no reasoning: no <think>, no tool_calls key
+    for entry in (first, second):
+        assert parse_tool_calls(entry["value"]) == [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in entry["tool_calls"]
+        ]
+
+
+def test_to_sharegpt_with_no_tools_offered():
+    conv = to_sharegpt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], [])
+    assert "<tools>\n[]\n</tools>" in conv[0]["value"]
+    assert [c["from"] for c in conv] == ["system", "human", "gpt"]
+
+
+# ----------------------------------------------------------------------------- parse_tool_calls round trip
+
+ROUND_TRIP_ARGUMENTS = [
+    '{"command": "ls -la"}',
+    '{"command":"ls",   "timeout": 5}',  # not canonical spacing
+    '{"path": "docs/ünïcödé 🌍.txt", "content": "line1\\nline2\\t\\"quoted\\""}',
+    '{"nested": {"a": [1, 2.5, null, true]}, "empty": {}}',
+    '{"x": "a literal \\n</tool_call> inside the value"}',
+    "{broken json",
+    "not json at all",
+    "",
+    "[1, 2, 3]",
+    "123",
+    "null",
+    '{"command": "ls"} trailing garbage',
+]
+
+
+@pytest.mark.parametrize("raw", ROUND_TRIP_ARGUMENTS)
+def test_parse_tool_calls_round_trip(raw):
+    args = canonical_arguments(raw)
+    calls = [_call("call_1", "terminal", args), _call("call_2", "write_file", '{"path": "p"}')]
+    value = gpt_value("why", "text", calls)
+    assert parse_tool_calls(value) == [
+        {"name": "terminal", "arguments": args},
+        {"name": "write_file", "arguments": '{"path": "p"}'},
+    ]
+
+
+def test_canonical_arguments_normalises_json_and_keeps_other_text():
+    assert canonical_arguments('{"b":1,"a":"é"}') == '{"b": 1, "a": "é"}'
+    assert canonical_arguments("{oops") == "{oops"
+
+
+@pytest.mark.parametrize("raw", ['"ls -la"', json.dumps(json.dumps({"command": "ls"}))])
+def test_parse_tool_calls_round_trip_json_string_arguments(raw):
+    args = canonical_arguments(raw)
+    value = gpt_value(None, "", [_call("call_1", "terminal", args)])
+    assert parse_tool_calls(value) == [{"name": "terminal", "arguments": args}]
+
+
+def test_parse_tool_calls_ignores_tool_call_text_in_content():
+    content = (
+        'Hermes models write calls like\n<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>\nas text.'
+    )
+    value = gpt_value("thinking", content, [_call("call_1", "terminal", '{"command": "ls"}')])
+    assert parse_tool_calls(value) == [{"name": "terminal", "arguments": '{"command": "ls"}'}]
+
+
+# ----------------------------------------------------------------------------- build_record and helpers
+
+KNOWN = ["patch", "read_file", "search_files", "terminal", "write_file"]
+
+
+def _record():
+    return build_record(
+        prompt_index=7,
+        messages=MESSAGES,
+        tool_schemas=SCHEMAS,
+        known_tools=KNOWN,
+        metadata={"batch_num": 1, "timestamp": "2026-01-01T00:00:00", "model": "m"},
+        completed=True,
+        partial=False,
+        api_calls=3,
+        toolsets_used=["terminal", "file"],
+    )
+
+
+def test_build_record_tool_stats_over_every_known_tool():
+    rec = _record()
+    assert set(rec) == {
+        "prompt_index",
+        "conversations",
+        "metadata",
+        "completed",
+        "partial",
+        "api_calls",
+        "toolsets_used",
+        "tool_stats",
+        "tool_error_counts",
+    }
+    assert list(rec["tool_stats"]) == KNOWN
+    assert rec["tool_stats"]["terminal"] == {"count": 2, "success": 1, "failure": 1}
+    assert rec["tool_stats"]["read_file"] == {"count": 1, "success": 0, "failure": 1}
+    assert rec["tool_stats"]["patch"] == {"count": 0, "success": 0, "failure": 0}
+    assert rec["tool_error_counts"] == {
+        "patch": 0,
+        "read_file": 1,
+        "search_files": 0,
+        "terminal": 1,
+        "write_file": 0,
+    }
+
+
+def test_record_helpers():
+    rec = _record()
+    assert first_human(rec["conversations"]) == "Do two things"
+    assert first_human([{"from": "system", "value": "s"}]) is None
+    assert reasoning_counts(rec["conversations"]) == (2, 3)
+    assert used_tool_names(rec) == {"terminal", "read_file"}
