@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import shlex
 import signal
 import socket
 import sys
@@ -374,6 +375,7 @@ class Inbox:
             self._listener = Listener(family="AF_UNIX", authkey=authkey)
             self.address = (self._listener.address, authkey)
         self._ids: set[int] = set()  # remote workers' ids: pids, made unique across machines
+        self._closed = False
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.open_connections = 0  # live workers; 0 for long means the pool can no longer make any
         self._lock = threading.Lock()
@@ -384,8 +386,11 @@ class Inbox:
         while True:
             try:
                 conn = self._listener.accept()
-            except (OSError, EOFError):
-                return  # closed
+            except (OSError, EOFError, mp.AuthenticationError):
+                if self._closed:
+                    return
+                time.sleep(0.05)
+                continue  # a client that failed the handshake (wrong key, hung up): not one of ours
             if self.remote:
                 _tcp_keepalive(conn.fileno())  # a machine that vanishes ends its connection too
             with self._lock:
@@ -432,6 +437,7 @@ class Inbox:
                 pass  # that worker is gone; its exit is reported by its reader
 
     def close(self) -> None:
+        self._closed = True
         self._listener.close()
 
 
@@ -507,6 +513,7 @@ class BatchRunner:
         jobs = self.make_jobs(todo)
         self.print_plan(rows, jobs)
         jobs = self.preflight(jobs)
+        self.write_manifest()  # only once the run can start: a rejected start leaves the name free
         interrupted = False
         if jobs:
             try:
@@ -541,7 +548,9 @@ class BatchRunner:
         manifest_path = self.run_dir / "run_manifest.json"
         if manifest_path.exists():
             self.check_manifest(json.loads(manifest_path.read_text()))
-        write_json_atomic(manifest_path, self.manifest, self.redact)
+
+    def write_manifest(self) -> None:
+        write_json_atomic(self.run_dir / "run_manifest.json", self.manifest, self.redact)
 
     def check_manifest(self, old: dict[str, Any]) -> None:
         changed = [k for k in MANIFEST_KEYS if old.get(k) != self.manifest.get(k)]
@@ -603,6 +612,17 @@ class BatchRunner:
             offered = available_toolsets(self.settings.tool_extra)
         except ValueError as exc:
             raise UsageError(f"toolset configuration: {exc}") from None
+        dist = get_distribution(self.opts.distribution)
+        # The at-least-one guarantee must hold for what is really offered: the most probable available toolset.
+        fallback = max(
+            (t for t in dist.probabilities if t in offered), key=dist.probabilities.get, default=None
+        )
+        if fallback is None and rows:
+            print(
+                f"warning: no toolset of distribution {self.opts.distribution!r} is available here "
+                f"({', '.join(dist.probabilities)}); prompts run without tools",
+                file=sys.stderr,
+            )
         missing: collections.Counter[str] = collections.Counter()
         batches: list[list[PromptJob]] = []
         for i, row in enumerate(rows):
@@ -610,6 +630,8 @@ class BatchRunner:
             sampled = sample_toolsets_from_distribution(self.opts.distribution, rng)
             usable = [t for t in sampled if t in offered]
             missing.update(t for t in sampled if t not in offered)
+            if not usable and fallback:
+                usable = [fallback]
             self.counts.update(f"toolset:{t}" for t in usable)
             job = PromptJob(
                 batch_num=first + i // self.opts.batch_size,
@@ -804,6 +826,7 @@ class BatchRunner:
             for batch in batches:
                 pool.apply_async(_worker_run_batch, (batch,))
             last_alive = time.monotonic()
+            exits_without_progress = 0
             while remaining:
                 try:
                     ev = inbox.events.get(timeout=1.0)
@@ -827,8 +850,15 @@ class BatchRunner:
                     remaining -= self.fail_lost_prompts(
                         claims.pop(ev["pid"], set()), ev["pid"], outstanding, by_num
                     )
+                    exits_without_progress += 1
+                    if exits_without_progress > 2 * self.opts.num_workers + 2:
+                        # Workers die as fast as the pool replaces them (e.g. at start-up): stop, don't spin.
+                        print("error: worker processes keep dying; giving up on this run", file=sys.stderr)
+                        remaining -= self.fail_all_outstanding(outstanding, by_num)
                 else:
-                    remaining -= self.handle_event(ev, outstanding)
+                    settled = self.handle_event(ev, outstanding)
+                    remaining -= settled
+                    exits_without_progress = 0 if settled else exits_without_progress
                     self.check_budget(inbox)
                 self.write_status("running")
         finally:
@@ -1100,8 +1130,22 @@ class BatchRunner:
 
     def statistics(self, rows: list[Row], totals: MergeTotals) -> dict[str, Any]:
         """Statistics over the merged output of every run of this run name, plus this run's counters."""
-        discards_all = _count_field(self.run_dir / "discarded.jsonl", "reason")
+        discards_all: collections.Counter[str] = collections.Counter()
+        with_r, without_r = totals.with_reasoning, totals.without_reasoning
+        for rec in iter_jsonl(self.run_dir / "discarded.jsonl"):
+            if rec and isinstance(rec.get("reason"), str):
+                discards_all[rec["reason"]] += 1
+                w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
+                with_r, without_r = with_r + w, without_r + n - w
         failures_all = _count_field(self.run_dir / "failed.jsonl", "error_class")
+        summary = totals.summary()
+        # Coverage over every sample the model produced, the discarded ones included (SPEC: "over the run").
+        summary["reasoning"] = {
+            "turns_with_reasoning": with_r,
+            "turns_without_reasoning": without_r,
+            "coverage": round(with_r / (with_r + without_r), 4) if with_r + without_r else None,
+            "coverage_of_kept_trajectories": summary["reasoning"]["coverage"],
+        }
         stats = {
             "run_name": self.opts.run_name,
             "model": self.settings.llm.model,
@@ -1109,8 +1153,8 @@ class BatchRunner:
             "sandbox": self.settings.sandbox_backend,
             "isolation": self.isolation,
             "dataset_prompts": len(rows),
-            **totals.summary(),
-            "discarded": {"total": sum(discards_all.values()), "by_reason": discards_all},
+            **summary,
+            "discarded": {"total": sum(discards_all.values()), "by_reason": dict(discards_all)},
             "failed_attempts": {"total": sum(failures_all.values()), "by_class": failures_all},
             "remaining_for_resume": self.count_remaining(rows, totals),
             "this_run": {
@@ -1184,7 +1228,9 @@ class BatchRunner:
         if any(d.values()):
             print(f"Dropped at merge: {d}")
         if stats["remaining_for_resume"]:
-            print(f"{stats['remaining_for_resume']} prompt(s) remain; continue with:\n  {resume_command()}")
+            print(
+                f"{stats['remaining_for_resume']} prompt(s) remain; continue with:\n  {self.redact(resume_command())}"
+            )
         print("=" * 72)
 
     def exit_code(self, stats: dict[str, Any], interrupted: bool) -> int:
@@ -1212,7 +1258,16 @@ def _count_field(path: Path, field: str) -> dict[str, int]:
 
 def resume_command() -> str:
     """The command that continues this run; the API key is left out (it comes from the environment)."""
-    args = [a for a in sys.argv[1:] if not a.startswith(("--resume", "--api_key", "--api-key"))]
+    args, skip_next = [], False
+    for arg in sys.argv[1:]:
+        if skip_next:
+            skip_next = False
+            continue
+        if arg in ("--api_key", "--api-key"):
+            skip_next = True  # Fire also takes "--api_key KEY" as two arguments
+            continue
+        if not arg.startswith(("--resume", "--api_key=", "--api-key=")):
+            args.append(shlex.quote(arg))
     return " ".join(["python", "batch_runner.py", *args, "--resume"])
 
 

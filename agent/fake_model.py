@@ -527,8 +527,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         for key, value in (headers or {}).items():
             self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(payload)
+        # Headers and body in one write: one segment, so the client reads the answer in one recv
+        # (end_headers() would send the headers on their own first).
+        self._headers_buffer.append(b"\r\n")
+        head, self._headers_buffer = b"".join(self._headers_buffer), []
+        self.wfile.write(head + payload)
         self.wfile.flush()
 
     def _json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:

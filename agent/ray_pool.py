@@ -180,9 +180,9 @@ class RayPool:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._thread.join(timeout=5)
         for timer in self._timers:
             timer.cancel()
-        self._thread.join(timeout=5)
         try:
             self._pool.terminate()
         except Exception:

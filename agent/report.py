@@ -175,6 +175,10 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData
         rec = row.get("record")
         if isinstance(rec, dict):
             data.discarded_spend.add(record_usage(rec))
+            if isinstance(rec.get("conversations"), list):  # coverage counts every sample produced
+                with_r, gpt_turns = reasoning_counts(rec["conversations"])
+                data.turns_with_reasoning += with_r
+                data.turns_without_reasoning += gpt_turns - with_r
             if data.discarded_items < max_items and isinstance(rec.get("conversations"), list):
                 data.discarded_items += 1
                 data.items.append(browsable(data, rec, "discarded", reason, record_usage(rec)))
@@ -603,7 +607,7 @@ def section_reasoning(d: RunData) -> str:
         + stat(
             "reasoning_coverage",
             fmt_pct(w, w + wo),
-            "of assistant turns have reasoning",
+            "of assistant turns have reasoning (discarded samples included)",
             f"{w:,} with · {wo:,} without",
         )
         + stat("no_reasoning_discards", fmt_int(no_reasoning), "samples discarded for no reasoning")

@@ -104,14 +104,7 @@ def test_cli_run_against_an_endpoint(server, tmp_path):
     "key_args",
     [
         ["--api_key=sk-cli-SECRET-777777"],
-        pytest.param(
-            ["--api_key", "sk-cli-SECRET-777777"],
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: resume_command() drops the '--api_key' token but keeps the value after it when "
-                "the flag is written as two arguments (Fire accepts '--api_key KEY'), so the key is printed",
-            ),
-        ),
+        ["--api_key", "sk-cli-SECRET-777777"],
     ],
     ids=["equals", "separate"],
 )

@@ -41,9 +41,11 @@ def run_process(
 ) -> ExecResult:
     """Run ``argv`` in a new session (its own process group), feeding it ``stdin``.
 
-    One thread multiplexes stdin and output, so a command that writes much before reading
-    cannot deadlock. The run ends when the command exits, even if a background child still
-    holds the output pipe; at the deadline ``kill`` ends the whole process group.
+    One thread multiplexes stdin, output and (through a pidfd, where the kernel has them) the
+    command's exit, so it sleeps until something happens instead of polling; a command that
+    writes much before reading cannot deadlock. The run ends when the command exits, even if a
+    background child still holds the output pipe; at the deadline ``kill`` ends the whole
+    process group.
     """
     proc = subprocess.Popen(
         argv,
@@ -60,6 +62,9 @@ def run_process(
         out_fd = proc.stdout.fileno()
         os.set_blocking(out_fd, False)
         sel.register(out_fd, selectors.EVENT_READ)
+        exit_fd = _pidfd(proc.pid)
+        if exit_fd is not None:
+            sel.register(exit_fd, selectors.EVENT_READ)
         pending = memoryview(stdin or b"")
         if proc.stdin is not None:
             if pending:
@@ -69,33 +74,52 @@ def run_process(
                 proc.stdin.close()
         timed_out = False
         exited_at: float | None = None
-        while True:
-            now = time.monotonic()
-            if proc.poll() is not None:
-                exited_at = exited_at or now
-                if out_fd not in sel.get_map() or now - exited_at >= EXIT_GRACE_S:
+        try:
+            while True:
+                now = time.monotonic()
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now
+                    if exit_fd is not None:
+                        sel.unregister(exit_fd)
+                if exited_at is not None:
+                    if out_fd not in sel.get_map() or now - exited_at >= EXIT_GRACE_S:
+                        break
+                    wait = exited_at + EXIT_GRACE_S - now
+                elif now >= deadline:
+                    timed_out = True
+                    kill(proc)
+                    proc.wait()
+                    _drain(sel, out_fd, buf, time.monotonic() + KILL_DRAIN_S)
                     break
-            elif now >= deadline:
-                timed_out = True
-                kill(proc)
-                proc.wait()
-                _drain(sel, out_fd, buf, time.monotonic() + KILL_DRAIN_S)
-                break
-            if not sel.get_map():  # output closed and stdin written: only the exit is left to wait for
-                _wait_quietly(proc, deadline - now)
-                continue
-            for key, _ in sel.select(min(POLL_INTERVAL_S, max(deadline - now, 0))):
-                if key.fd == out_fd:
-                    _read_into(sel, out_fd, buf)
                 else:
-                    pending = _write_some(sel, proc, pending)
-        _drain(sel, out_fd, buf, time.monotonic())  # whatever is already in the pipe, without waiting
+                    # With a pidfd the exit wakes us; without one, check for it every POLL_INTERVAL_S.
+                    wait = deadline - now if exit_fd is not None else min(POLL_INTERVAL_S, deadline - now)
+                if not sel.get_map():  # output closed and stdin written: only the exit is left to wait for
+                    _wait_quietly(proc, wait)
+                    continue
+                for key, _ in sel.select(max(wait, 0)):
+                    if key.fd == out_fd:
+                        _read_into(sel, out_fd, buf)
+                    elif key.fd != exit_fd:
+                        pending = _write_some(sel, proc, pending)
+            _drain(sel, out_fd, buf, time.monotonic())  # whatever is already in the pipe, without waiting
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
     proc.stdout.close()
     if proc.stdin is not None and not proc.stdin.closed:
         proc.stdin.close()
     output, truncated = buf.result()
     exit_code = -1 if timed_out else exit_code_of(proc.returncode)
     return ExecResult(output=output, exit_code=exit_code, timed_out=timed_out, truncated=truncated)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when ``pid`` exits (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _wait_quietly(proc: subprocess.Popen, seconds: float) -> None:

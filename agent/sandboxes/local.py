@@ -71,9 +71,41 @@ def bwrap_problem() -> str | None:
     return None
 
 
+@functools.cache
+def _shell() -> str:
+    """bash when installed, else sh; looked up once, not on every command."""
+    return shutil.which("bash") or "sh"
+
+
 def local_isolation_available() -> bool:
     """Whether the local backend can isolate commands with bubblewrap on this machine."""
     return bwrap_problem() is None
+
+
+# Host paths a dataset's cwd may never name: the cwd is bound writable inside bubblewrap.
+_SYSTEM_DIRS = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/proc",
+    "/sbin",
+    "/sys",
+    "/usr",
+)
+_SYSTEM_ROOTS = ("/home", "/root", "/var", "/run", "/opt", "/srv", "/mnt", "/media", "/tmp")
+
+
+def _protected(path: str) -> bool:
+    """``/``, a system directory or anything inside one, or a top-level directory such as /home."""
+    real = os.path.realpath(path)
+    if real == "/" or real in _SYSTEM_ROOTS:
+        return True
+    return any(real == d or real.startswith(d + "/") for d in _SYSTEM_DIRS)
 
 
 class LocalSandbox:
@@ -101,6 +133,11 @@ class LocalSandbox:
         # An absolute cwd is a host path (shared by prompts that name it); a relative one lives in the private dir.
         cwd = os.path.join(self._root, "work", self.spec.cwd or "")
         self.workdir = os.path.abspath(cwd)
+        if _protected(self.workdir):
+            raise SandboxError(
+                f"local sandbox: cwd {self.spec.cwd!r} is a system directory; it would become writable to the "
+                "model. Use a project directory, or --sandbox=docker"
+            )
         try:
             os.makedirs(self.workdir, exist_ok=True)
         except OSError as exc:
@@ -115,7 +152,7 @@ class LocalSandbox:
         env.update(HOME=self.workdir, TMPDIR="/tmp" if self.isolation == "bwrap" else host_tmp)
         env.update(self.spec.env)
         env[TAG_VAR] = self._tag
-        argv = [shutil.which("bash") or "sh", "-c", command]
+        argv = [_shell(), "-c", command]
         if self.isolation == "bwrap":
             argv = self._bwrap_prefix(host_tmp) + argv
         return run_process(

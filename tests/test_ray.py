@@ -1,0 +1,562 @@
+"""The run on a Ray cluster (``--ray_address``): a head node started here (``ray start --head`` in a
+subprocess, token authentication on, its own ports and temp dir), the real runner in-process or as the
+CLI, the scripted fake model over HTTP, the local sandbox. A Ray run is compared with a local run of
+the same dataset and seed; a worker is SIGKILLed mid-run before ``--resume``; the CLI's parent is
+killed and its workers must end.
+
+The tests that need no Ray (the missing-Ray message, the TCP inbox, the remote worker's watchdog) run
+without it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import skip_or_fail
+
+import batch_runner
+from agent.fake_model import FakeModelServer
+from agent.trajectory import first_human
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "sk-ray-test-0123456789"
+VARYING_METADATA = ("timestamp", "duration_s", "sandbox_start_s", "sandbox_stop_s")
+SANDBOX_DIR = re.compile(r"/tmp/br-[\w.\-]+")  # the local sandbox's temporary directory
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def write_jsonl(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), "utf-8")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+
+
+def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:
+    args = dict(
+        dataset_file=str(dataset),
+        batch_size=4,
+        run_name=run_name,
+        model="fake",
+        base_url=server.base_url,
+        api_key=API_KEY,
+        output_dir=str(out),
+        num_workers=2,
+        distribution="terminal_only",
+        seed=11,
+        max_failure_rate=1.0,
+    )
+    args.update(kw)
+    assert batch_runner.main(**args) is None
+
+
+def comparable(records: list[dict]) -> dict[int, dict]:
+    """Records by prompt index, without what varies from run to run (times, temporary paths)."""
+    out = {}
+    for rec in records:
+        rec = json.loads(json.dumps(rec))
+        for key in VARYING_METADATA:
+            rec["metadata"].pop(key, None)
+        out[rec["prompt_index"]] = json.loads(SANDBOX_DIR.sub("<sandbox>", json.dumps(rec, sort_keys=True)))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pool_actor_pids(root: int) -> list[int]:
+    """The Ray Pool workers (``ray::PoolActor`` processes) descending from ``root`` (the head node)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            parents[int(entry.name)] = _ppid(int(entry.name))
+    found = []
+    for pid in parents:
+        p, depth = parents.get(pid), 0
+        while p and p != root and depth < 10:
+            p, depth = parents.get(p), depth + 1
+        if p == root:
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::PoolActor"):
+                    found.append(pid)
+            except OSError:
+                pass
+    return sorted(found)
+
+
+def wait_for(predicate, timeout: float, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    return predicate()
+
+
+def outcomes_written(run_dir: Path) -> int:
+    return sum(len(read_jsonl(p)) for p in run_dir.glob("batch_*.jsonl"))
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def ray_env():
+    """Token authentication with a token of this test module's own (never ~/.ray/auth_token).
+
+    Set before ``ray`` is first imported: Ray reads them once, at import.
+    """
+    values = {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    saved = {k: os.environ.get(k) for k in values}
+    if "ray" in sys.modules:
+        pytest.fail("ray was imported before the Ray tests set its authentication environment")
+    os.environ.update(values)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        skip_or_fail("the Ray tests need Ray: pip install 'batch-runner[ray]'")
+    yield values
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_head(ray_env, tmp_path_factory):
+    """A Ray head node on this machine (2 CPUs, no dashboard), stopped by SIGTERM to the process we started."""
+    port = free_port()
+    temp_dir = tmp_path_factory.mktemp("ray")
+    log_path = temp_dir / "head.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        "--num-cpus=2",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--object-store-memory=200000000",  # modest, and fits a container's small /dev/shm
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--temp-dir={temp_dir}",
+    ]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ))
+    started = wait_for(lambda: proc.poll() is not None or "will now block" in log_path.read_text(), 90, 0.2)
+    if not started or proc.poll() is not None:
+        proc.kill()
+        pytest.fail(f"ray start --head did not come up:\n{log_path.read_text()[-3000:]}")
+    yield SimpleNamespace(address=f"127.0.0.1:{port}", proc=proc)
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    proc.send_signal(signal.SIGTERM)  # --block: the head drains and stops the processes it started
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeModelServer() as s:
+        yield s
+
+
+# ----------------------------------------------------------------------------- without Ray
+
+
+def test_without_ray_the_flag_says_how_to_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["hello"])
+    with pytest.raises(SystemExit) as exc:
+        batch_runner.main(
+            dataset_file=str(dataset),
+            batch_size=1,
+            run_name="r",
+            model="fake",
+            base_url="http://127.0.0.1:9/v1",
+            api_key=API_KEY,
+            output_dir=str(tmp_path / "out"),
+            ray_address="auto",
+        )
+    assert exc.value.code == 2
+    assert "pip install 'batch-runner[ray]'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+@pytest.mark.parametrize("address", ["", "nowhere", "host:99999", "http://head:6379"])
+def test_a_malformed_ray_address_is_refused_at_start(address, tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["hello"])
+    with pytest.raises(SystemExit) as exc:
+        batch_runner.main(
+            dataset_file=str(dataset),
+            batch_size=1,
+            run_name="r",
+            model="fake",
+            base_url="http://127.0.0.1:9/v1",
+            api_key=API_KEY,
+            output_dir=str(tmp_path / "out"),
+            ray_address=address,
+        )
+    assert exc.value.code == 2
+    assert "--ray_address must be auto, local, ray://host:port or host:port" in capsys.readouterr().err
+
+
+def test_tcp_inbox_tells_apart_workers_with_the_same_pid_on_two_machines():
+    inbox = batch_runner.Inbox(host="127.0.0.1")
+    (host, port), authkey = inbox.address
+    assert host == "127.0.0.1" and port > 0
+    a = Client((host, port), authkey=authkey)
+    b = Client((host, port), authkey=authkey)
+    try:
+        a.send({"kind": "claim", "batch_num": 0, "pid": 4242})
+        b.send({"kind": "claim", "batch_num": 1, "pid": 4242})
+        claims = [inbox.events.get(timeout=5) for _ in range(2)]
+        ids = {ev["batch_num"]: ev["pid"] for ev in claims}
+        assert ids[0] != ids[1] and 4242 in ids.values()
+        a.send({"kind": "log", "pid": 4242})
+        assert inbox.events.get(timeout=5)["pid"] == ids[0]  # the same id for every event of a worker
+        a.close()
+        assert inbox.events.get(timeout=5) == {"kind": "worker_exit", "pid": ids[0]}
+    finally:
+        b.close()
+        inbox.close()
+
+
+def test_tcp_inbox_refuses_a_wrong_authkey_and_still_accepts_workers():
+    inbox = batch_runner.Inbox(host="127.0.0.1")
+    address, authkey = inbox.address
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - AuthenticationError or a closed connection
+            Client(address, authkey=b"not the key").send({"kind": "claim", "pid": 1, "batch_num": 0})
+        with socket.create_connection(address):
+            pass  # a port scanner: connects and hangs up
+        good = Client(address, authkey=authkey)
+        good.send({"kind": "claim", "pid": 2, "batch_num": 0})
+        assert inbox.events.get(timeout=5) == {"kind": "claim", "pid": 2, "batch_num": 0}
+        good.close()
+    finally:
+        inbox.close()
+
+
+class _FakeRayError(Exception):
+    pass
+
+
+class _FakeRef:
+    def __init__(self, actor) -> None:
+        self.actor, self.error = actor, None
+
+
+class _FakeActor:
+    """Stands in for a Ray Pool actor: records the batches it is given; its calls end as the test says."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+        self.killed = False
+        self.run_batch = SimpleNamespace(remote=self._remote)
+
+    def _remote(self, func, calls):
+        (args, _kwargs) = calls[0]
+        self.batches.append(args[0])
+        return _FakeRef(self)
+
+
+def test_ray_pool_sends_batches_to_idle_workers_and_fails_those_a_dead_worker_took(monkeypatch):
+    import queue
+
+    from agent import ray_pool
+    from agent.runner import PromptJob
+
+    monkeypatch.setattr(ray_pool, "LOST_BATCH_DELAY_S", 0.05)
+    fake_ray = SimpleNamespace(
+        exceptions=SimpleNamespace(RayError=_FakeRayError),
+        get=lambda ref: (_ for _ in ()).throw(ref.error) if ref.error else [len(ref.actor.batches[-1])],
+        kill=lambda actor: setattr(actor, "killed", True),
+    )
+    batches = [[PromptJob(n, 2 * n + i, f"p{n}.{i}", ()) for i in range(2)] for n in range(4)]
+    a, b = _FakeActor(), _FakeActor()
+    pool = object.__new__(ray_pool.RayPool)
+    pool.__dict__.update(
+        _ray=fake_ray,
+        _events=queue.Queue(),
+        _idle=[a, b],
+        _pending=collections.deque(),
+        _running={},
+        _timers=[],
+        _cond=threading.Condition(),
+        _closed=False,
+    )
+    for batch in batches:
+        pool.apply_async(print, (batch,))
+    pool._start_idle()
+    assert (a.batches, b.batches) == ([batches[0]], [batches[1]])  # one batch per worker at a time
+    ref_a, ref_b = list(pool._running)
+    pool._finished(ref_a)  # a started its batch: it is idle again
+    ref_b.error = _FakeRayError("actor died")
+    pool._finished(ref_b)  # b died with batch 1
+    assert b.killed and not a.killed
+    pool._start_idle()
+    assert a.batches == [batches[0], batches[2]] and b.batches == [batches[1]]  # b gets nothing more
+    (ref_a,) = pool._running
+    ref_a.error = _FakeRayError("actor died")
+    pool._finished(ref_a)
+    pool._start_idle()  # no worker left: batch 3 fails at once
+    time.sleep(0.3)  # the dead workers' batches fail after the delay
+    failed = {}
+    while not pool._events.empty():
+        ev = pool._events.get()
+        failed[ev["prompt_index"]] = ev
+    assert sorted(failed) == [2, 3, 4, 5, 6, 7]  # batches 1, 2 and 3; batch 0 is the live worker's own
+    assert {ev["kind"] for ev in failed.values()} == {"failed"}
+    assert {ev["error_class"] for ev in failed.values()} == {"worker_died"}
+    assert "no Ray worker was left" in failed[6]["error"] and "actor died" in failed[2]["error"]
+
+
+WORKER_SCRIPT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import batch_runner
+from agent.llm import LLMConfig
+from agent.loop import LoopLimits
+from agent.runner import RunSettings
+
+settings = RunSettings(run_name="t", llm=LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"),
+                       limits=LoopLimits(max_turns=1))
+# A TCP inbox, and the pid of a runner on "another machine" (no such process here).
+batch_runner._worker_init(settings, ({address!r}, {authkey!r}), 1, 1, 4194000)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_remote_worker_outlives_a_foreign_parent_pid_and_ends_when_its_connection_closes(tmp_path):
+    authkey = os.urandom(16)
+    listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=authkey)
+    script = WORKER_SCRIPT.format(repo=str(REPO), address=listener.address, authkey=authkey)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        accepted: list = []
+        t = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        t.start()
+        t.join(30)
+        assert accepted, "the worker did not connect"
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.5)  # the local pid watchdog would have ended it by now
+        assert proc.poll() is None
+        accepted[0].close()  # the runner is gone
+        assert proc.wait(timeout=10) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()
+
+
+# ----------------------------------------------------------------------------- on a Ray cluster
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_run_equals_local_run(ray_head, server, tmp_path, capsys):
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_bytes((REPO / "data" / "prompts.jsonl").read_bytes())
+    # The same run name: it is part of the sandbox paths the model sees, and so of the token counts.
+    run(server, dataset, tmp_path / "local")
+    t = time.monotonic()
+    run(server, dataset, tmp_path / "ray", ray_address=ray_head.address)
+    ray_s = time.monotonic() - t
+    printed = capsys.readouterr().out
+    assert "cluster (127.0.0.1:" in printed and "reporting to this process over TCP" in printed
+
+    local = read_jsonl(tmp_path / "local" / "run" / "trajectories.jsonl")
+    on_ray = read_jsonl(tmp_path / "ray" / "run" / "trajectories.jsonl")
+    prompts = [json.loads(line)["prompt"] for line in dataset.read_text().splitlines()]
+    assert sorted(first_human(r["conversations"]) for r in on_ray) == sorted(prompts)
+    assert {r["prompt_index"]: r["toolsets_used"] for r in on_ray} == {
+        r["prompt_index"]: r["toolsets_used"] for r in local
+    }
+    assert comparable(on_ray) == comparable(local)
+    assert not (tmp_path / "ray" / "run" / "failed.jsonl").exists()
+    stats = [json.loads((tmp_path / d / "run" / "statistics.json").read_text()) for d in ("local", "ray")]
+    for key in ("trajectories", "completed", "tool_stats", "reasoning", "api_calls_in_trajectories"):
+        assert stats[0][key] == stats[1][key], key
+    import ray
+
+    assert not ray.is_initialized()  # the runner left the cluster it joined
+    assert ray_s < 60
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_local_ray_started_by_the_runner(ray_env, server, tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"Local Ray prompt {i}" for i in range(3)])
+    run(server, dataset, tmp_path / "out", ray_address="local", batch_size=2)
+    assert "Ray " in capsys.readouterr().out
+    assert len(read_jsonl(tmp_path / "out" / "run" / "trajectories.jsonl")) == 3
+    import ray
+
+    assert not ray.is_initialized()  # and stopped it
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_killed_ray_worker_fails_its_prompts_and_resume_completes_without_duplicates(
+    ray_head, server, tmp_path
+):
+    prompts = [f"Slow job number {i}: write the notes [slow:0.7]" for i in range(12)]
+    dataset = write_jsonl(tmp_path / "slow.jsonl", prompts)
+    out = tmp_path / "out"
+    run_dir = out / "run"
+    killed: list[int] = []
+
+    def kill_one_worker_mid_run() -> None:
+        actors = wait_for(
+            lambda: (
+                (a := pool_actor_pids(ray_head.proc.pid)) and len(a) >= 2 and outcomes_written(run_dir) and a
+            ),
+            90,
+        )
+        if actors:
+            os.kill(actors[0], signal.SIGKILL)
+            killed.append(actors[0])
+
+    killer = threading.Thread(target=kill_one_worker_mid_run, daemon=True)
+    killer.start()
+    opts = dict(ray_address=ray_head.address, batch_size=2, prompts_per_worker=2)
+    run(server, dataset, out, **opts)
+    killer.join(5)
+    assert killed, "no Ray worker was found to kill"
+
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert failed and {f["error_class"] for f in failed} == {"worker_died"}
+    done = [first_human(r["conversations"]) for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert len(done) < len(prompts)
+    assert sorted(done + [f["prompt"] for f in failed]) == sorted(prompts)  # every prompt: one outcome
+
+    run(server, dataset, out, resume=True, **opts)
+    merged = [first_human(r["conversations"]) for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert sorted(merged) == sorted(prompts)
+    in_batches = collections.Counter(
+        first_human(r["conversations"]) for p in run_dir.glob("batch_*.jsonl") for r in read_jsonl(p)
+    )
+    assert set(in_batches.values()) == {1}, "a prompt was written twice"
+    assert len(in_batches) == len(prompts)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_cli_with_auto_address_and_its_workers_end_when_it_is_killed(ray_head, ray_env, server, tmp_path):
+    """``python batch_runner.py`` (functions of ``__main__`` reach the workers by module name), address from
+    RAY_ADDRESS; SIGKILL the runner mid-run and every worker it started must end."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"CLI job {i} [slow:1]" for i in range(12)])
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        str(REPO / "batch_runner.py"),
+        f"--dataset_file={dataset}",
+        "--batch_size=2",
+        "--run_name=cli",
+        f"--output_dir={out}",
+        "--model=fake",
+        f"--base_url={server.base_url}",
+        f"--api_key={API_KEY}",
+        "--distribution=terminal_only",
+        "--num_workers=2",
+        "--prompts_per_worker=2",
+        "--ray_address=auto",
+    ]
+    env = {**os.environ, **ray_env, "RAY_ADDRESS": ray_head.address}
+    log = tmp_path / "cli.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        actors = wait_for(
+            lambda: (
+                (a := pool_actor_pids(ray_head.proc.pid))
+                and len(a) >= 2
+                and outcomes_written(out / "cli")
+                and a
+            ),
+            90,
+        )
+        assert actors, f"the CLI run did not get going:\n{log.read_text()[-3000:]}"
+        assert proc.poll() is None
+        proc.kill()
+        proc.wait(10)
+        gone = wait_for(lambda: not set(actors) & set(pool_actor_pids(ray_head.proc.pid)), 30, 0.25)
+        assert gone, f"Ray workers {actors} outlived the runner"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.docker
+def test_containers_left_on_the_nodes_are_removed(ray_head, docker_test_image):
+    """After the actors are killed, the run's containers on every node are removed (docker backend)."""
+    import ray
+
+    from agent.ray_pool import RayPool
+    from agent.sandboxes.docker_engine import LABEL_OWNER, docker_client
+
+    owner = f"{uuid.uuid4().hex[:8]}@another-host"
+    client = docker_client()
+    client.containers.create(docker_test_image, command=["true"], labels={LABEL_OWNER: owner})
+    ray.init(address=ray_head.address, logging_level="WARNING")
+    try:
+        pool = SimpleNamespace(
+            _settings=SimpleNamespace(sandbox_backend="docker", sandbox_options={"run_owner": owner}),
+            _ray=ray,
+        )
+        RayPool._remove_containers_on_nodes(pool)
+    finally:
+        ray.shutdown()
+        left = client.containers.list(all=True, filters={"label": f"{LABEL_OWNER}={owner}"})
+        for c in left:
+            c.remove(force=True)
+    assert not left
