@@ -154,7 +154,7 @@ class Redactor:
     def __init__(self, api_key: str | None, environ: dict[str, str] | None = None):
         env = os.environ if environ is None else environ
         values = {v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8}
-        if api_key and api_key != NO_KEY:
+        if api_key and api_key != NO_KEY and len(api_key) >= 6:  # "x" for a local server is no secret
             values.add(api_key)
         # Also their JSON-escaped forms, since lines are redacted after serialisation.
         forms = values | {json.dumps(v)[1:-1] for v in values}
