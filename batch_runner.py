@@ -57,6 +57,7 @@ DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MOCK_MODEL = "mock"
 DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
 # Settings that define what the data is; a resume with other values would mix two datasets.
+PRELOAD_MODULES = ["httpcore2", "h11"]  # imported lazily by the SDK's first client: once in the forkserver
 TOOL_MODULES = [
     f"agent.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
 ]
@@ -794,7 +795,7 @@ class BatchRunner:
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["openai", "agent.runner", *TOOL_MODULES])
+        ctx.set_forkserver_preload(["openai", "agent.runner", *PRELOAD_MODULES, *TOOL_MODULES])
         if self.opts.ray_address:  # workers on any node of a Ray cluster: they report over TCP
             from agent.ray_pool import inbox_endpoint
 
@@ -1097,6 +1098,7 @@ class BatchRunner:
         statistics, so memory stays flat and each record is parsed once.
         """
         wanted = collections.Counter(self.prompt_key(r.prompt) for r in rows)
+        done_indices: set[int] = set()
         kept: collections.Counter[bytes] = collections.Counter()
         known = set(known_tool_names())
         totals = MergeTotals(known_tool_names())
@@ -1111,6 +1113,8 @@ class BatchRunner:
                         continue
                     key = _key(text)
                     totals.finished[key] += 1
+                    if isinstance(rec.get("prompt_index"), int):
+                        done_indices.add(rec["prompt_index"])
                     if used_tool_names(rec) - known:
                         totals.dropped["unknown_tool"] += 1
                         continue
@@ -1124,7 +1128,7 @@ class BatchRunner:
             os.fsync(fh.fileno())
         os.replace(tmp, out)
         fsync_dir(self.run_dir)
-        self.done_indices = None  # recount from the files once, at the end
+        self.done_indices = done_indices  # counted in this pass: no second parse of the batch files
         self.write_checkpoint()
         return totals
 

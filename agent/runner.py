@@ -90,13 +90,15 @@ def run_prompt(
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
     ctx = None
-    timings = {"sandbox_start_s": 0.0, "sandbox_stop_s": 0.0}
+    timings = {"sandbox_start_wait_s": 0.0, "sandbox_start_s": 0.0, "sandbox_stop_s": 0.0}
     try:
         sandbox = create_sandbox(settings.sandbox_backend, spec, options)
         t0 = time.monotonic()
         with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
+            t1 = time.monotonic()
             sandbox.start()
-        timings["sandbox_start_s"] = round(time.monotonic() - t0, 3)
+        timings["sandbox_start_wait_s"] = round(t1 - t0, 3)  # waiting for a start-up slot
+        timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
         ctx = ToolContext(
             sandbox=sandbox,
             tool_timeout_s=settings.limits.tool_timeout_s,

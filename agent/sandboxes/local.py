@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -108,6 +109,9 @@ def _protected(path: str) -> bool:
     return any(real == d or real.startswith(d + "/") for d in _SYSTEM_DIRS)
 
 
+_BWRAP_MOUNT_RACE = re.compile(r"\Abwrap: Can't (bind mount|remount|mount) /oldroot/")
+
+
 class LocalSandbox:
     """Commands run in ``bash -c`` in their own process group, inside bubblewrap when available."""
 
@@ -155,10 +159,19 @@ class LocalSandbox:
         argv = [_shell(), "-c", command]
         if self.isolation == "bwrap":
             argv = self._bwrap_prefix(host_tmp) + argv
-        return run_process(
-            argv, stdin=stdin, timeout_s=timeout_s, output_cap_bytes=self.options.output_cap_bytes,
-            cwd=self.workdir, env=env,
-        )  # fmt: skip
+        for attempt in range(3):
+            result = run_process(
+                argv, stdin=stdin, timeout_s=timeout_s, output_cap_bytes=self.options.output_cap_bytes,
+                cwd=self.workdir, env=env,
+            )  # fmt: skip
+            # bwrap copies the host's mounts; one that vanishes meanwhile (Docker's overlays come and go)
+            # fails the set-up before the command runs. Nothing ran, so trying again is safe.
+            if not (
+                self.isolation == "bwrap" and result.exit_code == 1 and _BWRAP_MOUNT_RACE.match(result.output)
+            ):
+                return result
+            time.sleep(0.05 * (attempt + 1))
+        return result
 
     def stop(self) -> None:
         root, self._root = self._root, None

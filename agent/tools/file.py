@@ -168,7 +168,9 @@ def _write_bytes(ctx: ToolContext, path: str, data: bytes, *, make_parents: bool
     parent = posixpath.dirname(path)
     quoted_parent = shell_path(parent)
     # `[` is a shell builtin: only a missing parent costs a mkdir process.
-    mkdir = f"[ -d {quoted_parent} ] || mkdir -p {quoted_parent} || exit 1; " if make_parents and parent else ""
+    mkdir = (
+        f"[ -d {quoted_parent} ] || mkdir -p {quoted_parent} || exit 1; " if make_parents and parent else ""
+    )
     command = (
         f"f={shell_path(path)}; "
         f'if [ -d "$f" ]; then echo "{_MARK} err is_dir"; exit 0; fi; '

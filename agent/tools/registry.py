@@ -62,6 +62,8 @@ def register(tool: Tool) -> Tool:
     if tool.name in _REGISTRY:
         raise ValueError(f"tool {tool.name!r} registered twice")
     _REGISTRY[tool.name] = tool
+    global _ORDERED
+    _ORDERED = None
     return tool
 
 
@@ -81,14 +83,20 @@ def _load_builtin_tools() -> None:
 _BUILTINS_LOADED = False
 
 
+_ORDERED: dict[str, Tool] | None = None
+
+
 def all_tools() -> dict[str, Tool]:
     global _BUILTINS_LOADED
     # A flag, not "registry empty": importing one tool module directly must not hide the others.
     if not _BUILTINS_LOADED:
         _load_builtin_tools()
         _BUILTINS_LOADED = True
-    # Toolsets in TOOLSETS order, so the order never depends on which module was imported first.
-    return dict(sorted(_REGISTRY.items(), key=lambda item: TOOLSETS.index(item[1].toolset)))
+    global _ORDERED
+    if _ORDERED is None:  # cached: this is called on every tool call
+        # Toolsets in TOOLSETS order, so the order never depends on which module was imported first.
+        _ORDERED = dict(sorted(_REGISTRY.items(), key=lambda item: TOOLSETS.index(item[1].toolset)))
+    return dict(_ORDERED)
 
 
 def known_tool_names() -> list[str]:
