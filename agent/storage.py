@@ -55,16 +55,8 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
     """Stream a JSONL file; yields None for a torn or invalid line. A missing file yields nothing."""
     if not path.is_file():
         return
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                yield None
-                continue
-            yield obj if isinstance(obj, dict) else None
+    for _, obj in iter_jsonl_raw(path):
+        yield obj
 
 
 def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:

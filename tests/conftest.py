@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from agent.sandboxes.base import SandboxSpec
+from agent.sandboxes.local import LocalSandbox
 
 TESTS_DIR = Path(__file__).resolve().parent
 IN_CI = os.environ.get("CI") == "true"
@@ -202,3 +207,59 @@ def chromium_ready() -> None:
 
     if browser_config({}) is None:
         skip_or_fail("the browser tools need the playwright package and Chromium (apt-get install chromium)")
+
+
+# ----------------------------------------------------------------------------- tool tests: a sandbox per test
+# The terminal and file tool tests run every case twice: on the default local sandbox, and with only
+# busybox on PATH (busybox sh as the shell), which is what a minimal container offers.
+
+TOOL_CAP = 64 * 1024
+
+
+@pytest.fixture(scope="session")
+def busybox_bin(tmp_path_factory):
+    """A directory holding only busybox applets, with ``bash`` running busybox sh."""
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("busybox is not installed")
+    root = tmp_path_factory.mktemp("busybox-bin")
+    for applet in subprocess.run([busybox, "--list"], capture_output=True, text=True).stdout.split():
+        if applet not in ("bash", "busybox"):
+            (root / applet).symlink_to(busybox)
+    wrapper = root / "bash"
+    wrapper.write_text(f'#!{busybox} sh\nexec {busybox} sh "$@"\n')
+    wrapper.chmod(0o755)
+    return str(root)
+
+
+@pytest.fixture(params=["local", "local-busybox"])
+def sandbox(request, tmp_path, monkeypatch):
+    options = {"output_cap_bytes": TOOL_CAP, "base_dir": str(tmp_path)}
+    env = {}
+    if request.param == "local-busybox":
+        # The backend takes its shell from the host PATH: make that busybox sh, with only busybox to call.
+        bin_dir = request.getfixturevalue("busybox_bin")
+        monkeypatch.setenv("PATH", bin_dir)
+        env = {"PATH": bin_dir}
+        options["isolation"] = "none"  # the busybox directory lives under /tmp, which bwrap replaces
+    box = LocalSandbox(SandboxSpec(run_name="tools", prompt_index=0, env=env), **options)
+    box.start()
+    try:
+        yield box
+    finally:
+        box.stop()
+
+
+# ----------------------------------------------------------------------------- run-directory helpers (plain functions)
+
+
+def write_jsonl(path: Path, prompts: list[str]) -> Path:
+    """A dataset of one ``{"prompt": ...}`` row per prompt."""
+    path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts), "utf-8")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import read_jsonl, write_jsonl
 
 import batch_runner
 from agent.fake_model import FakeModelServer
@@ -41,17 +42,6 @@ PREFILL = [
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def write_jsonl(path: Path, prompts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts), "utf-8")
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
 
 
 def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:

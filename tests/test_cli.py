@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import read_jsonl
 
 import batch_runner
 from agent.fake_model import FakeModelServer
@@ -17,12 +18,6 @@ from toolset_distributions import DISTRIBUTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "batch_runner.py")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
 
 
 def cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:

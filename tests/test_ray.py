@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import skip_or_fail
+from conftest import read_jsonl, skip_or_fail, write_jsonl
 
 import batch_runner
 from agent.fake_model import FakeModelServer
@@ -39,17 +39,6 @@ VARYING_METADATA = ("timestamp", "duration_s", "sandbox_start_s", "sandbox_stop_
 SANDBOX_DIR = re.compile(r"/tmp/br-[\w.\-]+")  # the local sandbox's temporary directory
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def write_jsonl(path: Path, prompts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), "utf-8")
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
 
 
 def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:

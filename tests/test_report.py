@@ -14,6 +14,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from conftest import read_jsonl
 
 import batch_runner
 from agent import report
@@ -133,10 +134,6 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "agent.report", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
 
 
 # ----------------------------------------------------------------------------- the page's content

@@ -8,52 +8,14 @@ what the tools may assume inside a container.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 
 import pytest
+from conftest import TOOL_CAP as CAP
 
-from agent.sandboxes.base import SandboxSpec
-from agent.sandboxes.local import LocalSandbox
 from agent.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
 
-CAP = 64 * 1024
 OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
-
-
-@pytest.fixture(scope="session")
-def busybox_bin(tmp_path_factory):
-    """A directory holding only busybox applets, with ``bash`` running busybox sh."""
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        pytest.skip("busybox is not installed")
-    root = tmp_path_factory.mktemp("busybox-bin")
-    for applet in subprocess.run([busybox, "--list"], capture_output=True, text=True).stdout.split():
-        if applet not in ("bash", "busybox"):
-            (root / applet).symlink_to(busybox)
-    wrapper = root / "bash"
-    wrapper.write_text(f'#!{busybox} sh\nexec {busybox} sh "$@"\n')
-    wrapper.chmod(0o755)
-    return str(root)
-
-
-@pytest.fixture(params=["local", "local-busybox"])
-def sandbox(request, tmp_path, monkeypatch):
-    options = {"output_cap_bytes": CAP, "base_dir": str(tmp_path)}
-    env = {}
-    if request.param == "local-busybox":
-        # The backend takes its shell from the host PATH: make that busybox sh, with only busybox to call.
-        bin_dir = request.getfixturevalue("busybox_bin")
-        monkeypatch.setenv("PATH", bin_dir)
-        env = {"PATH": bin_dir}
-        options["isolation"] = "none"  # the busybox directory lives under /tmp, which bwrap replaces
-    box = LocalSandbox(SandboxSpec(run_name="tools", prompt_index=0, env=env), **options)
-    box.start()
-    try:
-        yield box
-    finally:
-        box.stop()
 
 
 def call(sandbox, name: str, timeout_s: float = 20.0, **args):
