@@ -61,6 +61,7 @@ PRELOAD_MODULES = ["httpcore2", "h11"]  # imported lazily by the SDK's first cli
 TOOL_MODULES = [
     f"agent.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
 ]
+LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
 STATUS_EVERY_S = 2.0  # status.json refresh period during a run
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
@@ -540,15 +541,34 @@ class BatchRunner:
         self.counts["bad_lines"] = len(problems)
 
     def prepare_run_dir(self) -> None:
-        existing = self.run_dir.exists() and any(self.run_dir.iterdir())
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock_run_dir()
+        existing = any(p.name != LOCK_NAME for p in self.run_dir.iterdir())
         if existing and not self.opts.resume:
             raise UsageError(
                 f"{self.run_dir} already holds a run; add --resume to continue it, or choose another --run_name"
             )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         manifest_path = self.run_dir / "run_manifest.json"
         if manifest_path.exists():
             self.check_manifest(json.loads(manifest_path.read_text()))
+
+    def lock_run_dir(self) -> None:
+        """One runner per run directory: a second one would write the same prompts twice."""
+        import fcntl
+
+        self._lock_file = (self.run_dir / LOCK_NAME).open("a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            owner = self._lock_file.read().strip() or "another process"
+            raise UsageError(
+                f"{self.run_dir} is in use by a running batch_runner ({owner}); wait for it or stop it"
+            ) from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._lock_file.flush()  # the lock itself dies with the process: nothing to clean up after a crash
 
     def write_manifest(self) -> None:
         write_json_atomic(self.run_dir / "run_manifest.json", self.manifest, self.redact)

@@ -920,3 +920,23 @@ def test_sandbox_network_flag_reaches_the_sandbox_spec(server, tmp_path, monkeyp
     outcome = run_prompt(job, settings, LLMClient(settings.llm))
     assert outcome["kind"] == "trajectory"
     assert specs and all(spec.network is False for spec in specs)
+
+
+def test_a_second_runner_on_the_same_run_directory_is_refused(server, tmp_path, capsys):
+    """Two runners on one run directory would pay for and write the same prompts twice."""
+    import fcntl
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["only once [calls:0]"])
+    run_dir = tmp_path / "data" / "run"
+    run_dir.mkdir(parents=True)
+    with (run_dir / ".lock").open("a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a live runner holds
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        with pytest.raises(SystemExit) as info:
+            run(server, dataset, tmp_path / "data")
+        assert info.value.code == 2
+        assert "in use by a running batch_runner" in capsys.readouterr().err
+    assert server.stats()["requests"] == 0
+    run(server, dataset, tmp_path / "data")  # the lock died with its holder: the run goes ahead
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 1
