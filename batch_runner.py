@@ -1318,6 +1318,12 @@ def _positive_int(value: Any, flag: str, allow_none: bool = False) -> int | None
     return value
 
 
+def _optional_bool(value: Any, flag: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise UsageError(f"--{flag} must be True or False, got {value!r}")
+
+
 def _positive_float(value: Any, flag: str) -> float | None:
     if value is None:
         return None
@@ -1426,6 +1432,8 @@ def main(
     max_rpm: float | None = None,
     max_concurrent_requests: int | None = None,
     report_max_trajectories: int = 500,
+    provider_allow_fallbacks: bool | None = None,
+    provider_data_collection: str | None = None,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset; see README.md for every flag."""
     if list_distributions:
@@ -1483,6 +1491,10 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         raise UsageError(
             f"--provider_sort must be one of {', '.join(PROVIDER_SORTS)}; got {f['provider_sort']!r}"
         )
+    if f["provider_data_collection"] not in (None, "allow", "deny"):
+        raise UsageError(
+            f"--provider_data_collection must be allow or deny; got {f['provider_data_collection']!r}"
+        )
     backend = f["sandbox"] or os.environ.get("TERMINAL_ENV") or "local"
     if backend not in BACKENDS:
         raise UsageError(
@@ -1517,6 +1529,8 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         providers_ignored=_list(f["providers_ignored"], "providers_ignored"),
         providers_order=_list(f["providers_order"], "providers_order"),
         provider_sort=f["provider_sort"],
+        provider_allow_fallbacks=_optional_bool(f["provider_allow_fallbacks"], "provider_allow_fallbacks"),
+        provider_data_collection=f["provider_data_collection"],
         request_timeout_s=float(f["request_timeout"]),
         max_retries=int(f["max_retries"]),
     )

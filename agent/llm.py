@@ -41,6 +41,8 @@ class LLMConfig:
     providers_ignored: tuple[str, ...] = ()
     providers_order: tuple[str, ...] = ()
     provider_sort: str | None = None
+    provider_allow_fallbacks: bool | None = None  # False pins the request to the listed providers
+    provider_data_collection: str | None = None  # "allow" or "deny"
     request_timeout_s: float = 600.0  # one model call, including the SDK's retries' individual attempts
     max_retries: int = 3  # retries of one call on 5xx, timeouts, dropped connections
     max_rate_limit_retries: int = 30  # 429s of one call waited out (run-wide pause) before it fails
@@ -62,6 +64,10 @@ def build_extra_body(cfg: LLMConfig) -> dict[str, Any]:
         provider["order"] = list(cfg.providers_order)
     if cfg.provider_sort:
         provider["sort"] = cfg.provider_sort
+    if cfg.provider_allow_fallbacks is not None:
+        provider["allow_fallbacks"] = cfg.provider_allow_fallbacks
+    if cfg.provider_data_collection:
+        provider["data_collection"] = cfg.provider_data_collection
     if provider:
         body["provider"] = provider
     if "openrouter.ai" in cfg.base_url:

@@ -265,3 +265,21 @@ def test_persistent_429_without_retry_after_backs_off_exponentially():
     assert info.value.error_class == "http_429"
     # exponential back-off from 0.5 s (jitter 0.5-1x): at most 4-5 attempts in 3 s
     assert len(hits) <= 5, f"{len(hits)} requests in 3 s"
+
+
+def test_provider_pinning_and_data_collection_reach_extra_body():
+    cfg = LLMConfig(
+        model="m",
+        base_url="https://openrouter.ai/api/v1",
+        providers_order=("a",),
+        provider_allow_fallbacks=False,
+        provider_data_collection="deny",
+    )
+    assert build_extra_body(cfg)["provider"] == {
+        "order": ["a"],
+        "allow_fallbacks": False,
+        "data_collection": "deny",
+    }
+    assert build_extra_body(cfg)["usage"] == {"include": True}  # OpenRouter reports each call's cost
+    plain = LLMConfig(model="m", base_url="http://localhost:8000/v1")
+    assert build_extra_body(plain) == {}  # a plain endpoint gets no field it may not know
