@@ -504,10 +504,17 @@ class BatchRunner:
         self.started_at = dt.datetime.now().isoformat(timespec="seconds")
         self.last_event_at: str | None = None
         self.isolation = "unknown"
+        self._lock_file: Any = None
 
     # -- the steps, top-down
 
     def run(self) -> int:
+        try:
+            return self.run_locked()
+        finally:
+            self.unlock_run_dir()
+
+    def run_locked(self) -> int:
         rows, problems = load_dataset(self.opts.dataset_file, self.opts.max_samples)
         self.report_bad_lines(problems)
         self.prepare_run_dir()
@@ -569,6 +576,11 @@ class BatchRunner:
         self._lock_file.truncate()
         self._lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         self._lock_file.flush()  # the lock itself dies with the process: nothing to clean up after a crash
+
+    def unlock_run_dir(self) -> None:
+        lock, self._lock_file = self._lock_file, None
+        if lock is not None:
+            lock.close()  # closing the descriptor releases the flock
 
     def write_manifest(self) -> None:
         write_json_atomic(self.run_dir / "run_manifest.json", self.manifest, self.redact)
