@@ -263,3 +263,14 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+
+
+@pytest.fixture
+def local_tool_ctx(tool_ctx):
+    """``tool_ctx`` for tests whose fake servers listen on 127.0.0.1: private addresses are allowed
+    unless the test passes WEB_ALLOW_PRIVATE_ADDRESSES itself."""
+
+    def make(tool_env: dict | None = None, prompt_index: int = 0, **extra):
+        return tool_ctx({"WEB_ALLOW_PRIVATE_ADDRESSES": "1", **(tool_env or {})}, prompt_index, **extra)
+
+    return make

@@ -12,11 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from agent.tools import browser
+from agent.fake_services import FakeWebServer, Page, _html
+from agent.tools import browser, web
 from agent.tools.browser import HOST, format_snapshot
 from agent.tools.registry import available_toolsets, close_prompt_resources
 
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("chromium_ready")]
+
+PRIVATE_OFF = {"WEB_ALLOW_PRIVATE_ADDRESSES": "0"}
+
+
+@pytest.fixture
+def tool_ctx(local_tool_ctx):
+    """The fake servers listen on 127.0.0.1 (see local_tool_ctx); PRIVATE_OFF turns the guard back on."""
+    return local_tool_ctx
 
 
 def free_port() -> int:
@@ -241,6 +250,134 @@ def test_format_snapshot_collapses_containers_and_cuts():
     assert (
         short.splitlines()[-1].startswith("[... 2 more lines not shown") and cut == "2 of 3 lines not shown"
     )
+
+
+# ----------------------------------------------------------------------------- private addresses (setting off)
+
+
+@pytest.fixture
+def site_and_secret():
+    """Two fake sites of the test's own: a page server and a "private" one that must not be reached."""
+    with FakeWebServer() as site, FakeWebServer() as secret:
+        yield site, secret
+
+
+def pretend_public(monkeypatch, *names: str) -> None:
+    """Let the address check pass ``names`` (resolved as 127.0.0.1): they stand for public hosts."""
+    check = web.resolve_public
+
+    def resolve(host, port):
+        if host in names:
+            return socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
+        return check(host, port)
+
+    monkeypatch.setattr(web, "resolve_public", resolve)
+
+
+def test_navigation_to_a_private_address_is_refused(site_and_secret, tool_ctx, call_tool):
+    _, secret = site_and_secret
+    ctx = tool_ctx(PRIVATE_OFF)
+    url = secret.url("/articles/alpha.html")
+    assert call_tool(ctx, "browser_navigate", url=url) == {
+        "error": f"browser_navigate: {url} resolves to a private address (127.0.0.1); refused"
+    }
+    for other, ip in (
+        ("http://169.254.169.254/latest/meta-data/", "169.254.169.254"),  # refused before Chromium sees it
+        (f"http://[::1]:{secret.port}/", "::1"),
+        (f"http://[::ffff:127.0.0.1]:{secret.port}/", "::ffff:127.0.0.1"),
+    ):
+        assert call_tool(ctx, "browser_navigate", url=other)["error"].endswith(
+            f"private address ({ip}); refused"
+        )
+    for url in ("file:///etc/passwd", "chrome://version", "view-source:http://example.com/"):
+        assert "only http(s) URLs" in call_tool(ctx, "browser_navigate", url=url)["error"]
+    assert secret.requests == []
+
+
+def test_a_page_cannot_reach_private_addresses(site_and_secret, monkeypatch, tool_ctx, call_tool):
+    site, secret = site_and_secret
+    s = secret.port
+    site.pages["/leaky.html"] = _html(
+        "Leaky page",
+        "<main><h1>LEAKY-PAGE</h1>"
+        f"<img src='http://127.0.0.1:{s}/site/img/red.png'>"
+        f"<iframe src='http://127.0.0.1:{s}/site/'></iframe>"
+        f"<script>fetch('http://127.0.0.1:{s}/site/fetch').catch(() => {{}});"
+        f"try {{ new WebSocket('ws://127.0.0.1:{s}/site/ws'); }} catch (e) {{}}</script></main>",
+    )
+    pretend_public(monkeypatch, "localhost")
+    page = f"http://localhost:{site.port}/site/leaky.html"
+    # With the setting on, the page does reach the other server (so the check below means something).
+    allowed = call_tool(tool_ctx(), "browser_navigate", url=page)
+    assert allowed["success"] is True
+    deadline = time.monotonic() + 5
+    while len({r["path"] for r in secret.requests}) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {r["path"] for r in secret.requests} >= {"/site/img/red.png", "/site/", "/site/fetch", "/site/ws"}
+    secret.requests.clear()
+
+    out = call_tool(tool_ctx(PRIVATE_OFF), "browser_navigate", url=page)
+    assert out["success"] is True and "LEAKY-PAGE" in out["snapshot"]
+    time.sleep(1)
+    assert secret.requests == []
+    assert f"http://127.0.0.1:{s}/site/img/red.png (127.0.0.1)" in out["blocked_requests"]
+    assert "private addresses" in out["note"]
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_redirect_to_a_private_address_is_refused(
+    scheme, site_and_secret, monkeypatch, tool_ctx, call_tool
+):
+    """Playwright's routes do not see redirect hops: the context's checking proxy refuses them."""
+    site, secret = site_and_secret
+    target = f"{scheme}://127.0.0.1:{secret.port}/site/articles/alpha.html"
+    site.pages["/hop"] = Page(b"", status=302, headers={"Location": target})
+    pretend_public(monkeypatch, "localhost")
+    ctx = tool_ctx(PRIVATE_OFF)
+    url = f"http://localhost:{site.port}/site/hop"
+    error = call_tool(ctx, "browser_navigate", url=url)["error"]
+    via = target if scheme == "http" else f"127.0.0.1:{secret.port}"
+    assert (
+        error
+        == f"browser_navigate: {url} led to {via}, which resolves to a private address (127.0.0.1); refused"
+    )
+    assert secret.requests == [] and [r["path"] for r in site.requests] == ["/site/hop"]
+    # the prompt's browser goes on working
+    out = call_tool(ctx, "browser_navigate", url=f"http://localhost:{site.port}/site/articles/beta.html")
+    assert out["title"] == "Beta Pictoris"
+
+
+def test_the_browser_connects_to_the_address_that_was_checked(
+    site_and_secret, monkeypatch, tool_ctx, call_tool
+):
+    """Chromium does no DNS of its own (rebinding): the name below exists only for the address check,
+    so the page loads only if the connection goes to the checked address."""
+    site, _ = site_and_secret
+    host = f"rebind.example.com:{site.port}"
+    site.pages["/ws.html"] = _html(
+        "Socket page",
+        f"<main><p>SOCKET-PAGE</p><script>new WebSocket('ws://{host}/site/ws');</script></main>",
+    )
+    pretend_public(monkeypatch, "rebind.example.com")
+    out = call_tool(tool_ctx(PRIVATE_OFF), "browser_navigate", url=f"http://{host}/site/ws.html")
+    assert out["success"] is True and out["title"] == "Socket page" and "blocked_requests" not in out
+    deadline = time.monotonic() + 5
+    while len(site.requests) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # the page, then the WebSocket handshake (tunnelled through the proxy with CONNECT)
+    assert [(r["path"], r["headers"]["host"]) for r in site.requests[:2]] == [
+        ("/site/ws.html", host),
+        ("/site/ws", host),
+    ]
+
+
+def test_unreachable_hosts_are_reported_as_chromium_would(monkeypatch, tool_ctx, call_tool):
+    pretend_public(monkeypatch, "localhost")
+    ctx = tool_ctx(PRIVATE_OFF)
+    refused = call_tool(ctx, "browser_navigate", url=f"http://localhost:{free_port()}/")
+    assert refused["error"].startswith("net::ERR_CONNECTION_REFUSED at http://localhost:")
+    missing = call_tool(ctx, "browser_navigate", url="http://no-such-host.invalid/")
+    assert "ERR_NAME_NOT_RESOLVED" in missing["error"]
 
 
 def test_shutdown_and_restart(fake_web, tool_ctx, call_tool):

@@ -21,6 +21,12 @@ def last_image_request(server) -> dict:
     return [r for r in server.stats()["last_requests"] if isinstance(r["messages"][-1]["content"], list)][-1]
 
 
+@pytest.fixture
+def tool_ctx(local_tool_ctx):
+    """The fake site listens on 127.0.0.1 (see local_tool_ctx)."""
+    return local_tool_ctx
+
+
 def test_image_url_is_fetched_and_sent_to_the_model(fake_web, tools_llm, tool_ctx, call_tool):
     red = fake_web.pages["/img/red.png"].body
     out = call_tool(
@@ -38,6 +44,15 @@ def test_image_url_is_fetched_and_sent_to_the_model(fake_web, tools_llm, tool_ct
     text, image = request["messages"][-1]["content"]
     assert text == {"type": "text", "text": "What colour?"}
     assert image["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(red).decode()
+
+
+def test_image_url_on_the_hosts_private_network_is_refused(fake_web, tools_llm, tool_ctx, call_tool):
+    """The URL is the model's choice: by default it may not reach 127.0.0.1 (or any private address)."""
+    before = len(tools_llm.stats()["last_requests"])
+    ctx = tool_ctx({"WEB_ALLOW_PRIVATE_ADDRESSES": "0"})
+    out = call_tool(ctx, "vision_analyze", image_url=fake_web.url("/img/red.png"), question="What colour?")
+    assert "private address" in out["error"]
+    assert len(tools_llm.stats()["last_requests"]) == before  # no model call either
 
 
 def test_file_in_the_sandbox(tool_ctx, call_tool):

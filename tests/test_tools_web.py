@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 import time
 
 import pytest
 
-from agent.tools.config import SEARCH_PROVIDERS, ToolConfigError, search_config
+from agent.fake_services import FakeWebServer, Page
+from agent.tools import web
+from agent.tools.config import SEARCH_PROVIDERS, ToolConfigError, extract_config, search_config
 from agent.tools.registry import available_toolsets
+
+PRIVATE_OFF = {"WEB_ALLOW_PRIVATE_ADDRESSES": "0"}
+
+
+@pytest.fixture
+def tool_ctx(local_tool_ctx):
+    """The fake servers listen on 127.0.0.1 (see local_tool_ctx); PRIVATE_OFF turns the guard back on."""
+    return local_tool_ctx
+
 
 AUTH_HEADERS = {
     "tavily": ("authorization", "Bearer {key}"),
@@ -208,6 +221,189 @@ def test_extract_argument_checks(fake_web, tool_ctx, call_tool):
     assert "at most 5" in call_tool(ctx, "web_extract", urls=[fake_web.url("/")] * 6)["error"]
     assert "must be array" in call_tool(ctx, "web_extract", urls=fake_web.url("/"))["error"]
     assert "non-empty" in call_tool(ctx, "web_extract", urls=[])["error"]
+
+
+# ----------------------------------------------------------------------------- private addresses (setting off)
+
+
+@pytest.fixture
+def own_site():
+    """A fake site of this test's own, to tell which requests reached it."""
+    with FakeWebServer() as server:
+        yield server
+
+
+def pretend_public(monkeypatch, *names: str) -> None:
+    """Let the address check pass ``names`` (resolved as 127.0.0.1): they stand for public hosts."""
+    check = web.resolve_public
+
+    def resolve(host, port):
+        if host in names:
+            return socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
+        return check(host, port)
+
+    monkeypatch.setattr(web, "resolve_public", resolve)
+
+
+def test_private_addresses_are_refused_by_default(clean_tool_env):
+    assert extract_config({}).allow_private is False
+    assert extract_config({"tool_env": {"WEB_ALLOW_PRIVATE_ADDRESSES": "1"}}).allow_private is True
+
+
+def test_the_setting_comes_from_the_environment_overlaid_by_tool_env(clean_tool_env, monkeypatch):
+    monkeypatch.setenv("WEB_ALLOW_PRIVATE_ADDRESSES", "true")
+    assert extract_config({}).allow_private is True
+    assert extract_config({"tool_env": PRIVATE_OFF}).allow_private is False
+    with pytest.raises(ToolConfigError, match="WEB_ALLOW_PRIVATE_ADDRESSES"):
+        extract_config({"tool_env": {"WEB_ALLOW_PRIVATE_ADDRESSES": "maybe"}})
+
+
+def test_extract_of_a_live_local_server_is_refused_and_sends_nothing(own_site, tool_ctx, call_tool):
+    url = own_site.url("/articles/alpha.html")
+    out = call_tool(tool_ctx(PRIVATE_OFF), "web_extract", urls=[url])
+    expected = f"web_extract: {url} resolves to a private address (127.0.0.1); refused"
+    assert out["results"][0]["error"] == expected and out["error"] == expected
+    assert out["results"][0]["content"] == ""
+    assert own_site.requests == []
+
+
+@pytest.mark.parametrize(
+    ("url", "ip"),
+    [
+        ("http://169.254.169.254/latest/meta-data/", "169.254.169.254"),
+        ("http://[::1]/", "::1"),
+        ("http://[::ffff:127.0.0.1]/", "::ffff:127.0.0.1"),
+        ("http://0.0.0.0/", "0.0.0.0"),
+        ("https://10.0.0.5/admin", "10.0.0.5"),
+        ("http://192.168.1.1:8080/", "192.168.1.1"),
+        ("http://100.64.0.1/", "100.64.0.1"),
+        ("http://224.0.0.1/", "224.0.0.1"),
+        ("http://[fd00::1]/", "fd00::1"),
+        ("http://2130706433/", "127.0.0.1"),  # 127.0.0.1 written as one number
+        ("http://127.1/", "127.0.0.1"),
+        ("http://localhost/", None),  # 127.0.0.1 or ::1, whichever the resolver lists first
+    ],
+)
+def test_extract_refuses_private_addresses_in_any_spelling(url, ip, tool_ctx, call_tool):
+    error = call_tool(tool_ctx(PRIVATE_OFF), "web_extract", urls=[url])["results"][0]["error"]
+    assert error.startswith(f"web_extract: {url} resolves to a private address (") and error.endswith(
+        "); refused"
+    )
+    if ip is not None:
+        assert f"({ip})" in error
+
+
+@pytest.mark.parametrize(
+    "url", ["file:///etc/passwd", "ftp://example.com/x", "data:text/plain,hi", "gopher://x/"]
+)
+def test_extract_refuses_other_schemes_with_the_setting_off(url, tool_ctx, call_tool):
+    assert (
+        "not an http(s) URL"
+        in call_tool(tool_ctx(PRIVATE_OFF), "web_extract", urls=[url])["results"][0]["error"]
+    )
+
+
+def test_a_public_looking_name_that_resolves_to_loopback_is_refused(
+    own_site, monkeypatch, tool_ctx, call_tool
+):
+    real = socket.getaddrinfo
+
+    def fake(host, port, *args, **kwargs):
+        return real("127.0.0.1" if host == "docs.example.com" else host, port, *args, **kwargs)
+
+    monkeypatch.setattr(web.socket, "getaddrinfo", fake)
+    url = f"http://docs.example.com:{own_site.port}/site/articles/alpha.html"
+    error = call_tool(tool_ctx(PRIVATE_OFF), "web_extract", urls=[url])["results"][0]["error"]
+    assert error == f"web_extract: {url} resolves to a private address (127.0.0.1); refused"
+    assert own_site.requests == []
+
+
+def test_every_resolved_address_is_checked(monkeypatch):
+    answers = [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", 80)),
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.5", 80)),
+    ]
+    monkeypatch.setattr(web.socket, "getaddrinfo", lambda *a, **k: answers)
+    with pytest.raises(web.PrivateAddressError) as caught:
+        web.resolve_public("mixed.example.com", 80)
+    assert caught.value.ip == "10.0.0.5"
+    monkeypatch.setattr(web.socket, "getaddrinfo", lambda *a, **k: answers[:1])
+    assert web.resolve_public("public.example.com", 80) == answers[:1]
+
+
+@pytest.mark.parametrize(
+    ("address", "private"),
+    [
+        ("93.184.216.34", False),
+        ("2606:4700:4700::1111", False),
+        ("::ffff:93.184.216.34", False),  # IPv4-mapped: judged by the IPv4 address inside
+        ("64:ff9b::5db8:d822", False),  # NAT64 of 93.184.216.34
+        ("127.0.0.1", True),
+        ("10.1.2.3", True),
+        ("172.16.0.1", True),
+        ("192.168.0.1", True),
+        ("169.254.169.254", True),
+        ("100.100.100.200", True),  # shared address space (Alibaba Cloud's metadata service)
+        ("0.0.0.0", True),
+        ("255.255.255.255", True),
+        ("240.0.0.1", True),
+        ("239.1.1.1", True),
+        ("::", True),
+        ("::1", True),
+        ("::ffff:10.0.0.1", True),
+        ("::127.0.0.1", True),  # IPv4-compatible (deprecated)
+        ("64:ff9b::a00:1", True),  # NAT64 of 10.0.0.1
+        ("2002:7f00:1::", True),  # 6to4 of 127.0.0.1
+        ("fe80::1", True),
+        ("fc00::1", True),
+        ("ff02::1", True),
+        ("fd00:ec2::254", True),  # AWS's IPv6 metadata address
+    ],
+)
+def test_is_private_address(address, private):
+    assert web.is_private_address(ipaddress.ip_address(address)) is private
+
+
+def test_a_redirect_to_a_private_address_is_refused(own_site, monkeypatch, tool_ctx, call_tool):
+    target = own_site.url("/articles/alpha.html")
+    own_site.pages["/hop"] = Page(b"", status=302, headers={"Location": target})
+    pretend_public(monkeypatch, "localhost")  # the first hop passes as a public host
+    ctx = tool_ctx(PRIVATE_OFF)
+    allowed = call_tool(
+        ctx, "web_extract", urls=[f"http://localhost:{own_site.port}/site/articles/beta.html"]
+    )
+    assert "BETA-FACT" in allowed["results"][0]["content"]
+    own_site.requests.clear()
+    out = call_tool(ctx, "web_extract", urls=[f"http://localhost:{own_site.port}/site/hop"])
+    assert (
+        out["results"][0]["error"]
+        == f"web_extract: {target} resolves to a private address (127.0.0.1); refused"
+    )
+    assert [r["path"] for r in own_site.requests] == ["/site/hop"]  # the redirect target was never asked
+
+
+def test_the_connection_goes_to_the_address_that_was_checked(own_site, monkeypatch, tool_ctx, call_tool):
+    """No second DNS lookup between check and connect (rebinding): the name below resolves only
+    through the checked answer, so the fetch works only if it connects to that answer."""
+    pretend_public(monkeypatch, "rebind.example.com")
+    real = socket.getaddrinfo
+
+    def no_dns(host, *args, **kwargs):
+        if host == "rebind.example.com":
+            raise socket.gaierror(socket.EAI_NONAME, "a second lookup happened")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(web.socket, "getaddrinfo", no_dns)
+    url = f"http://rebind.example.com:{own_site.port}/site/articles/alpha.html"
+    page = call_tool(tool_ctx(PRIVATE_OFF), "web_extract", urls=[url])["results"][0]
+    assert page["error"] is None and "ALPHA-FACT" in page["content"]
+    assert own_site.requests[-1]["headers"]["host"] == f"rebind.example.com:{own_site.port}"
+
+
+def test_search_providers_on_private_addresses_still_work(fake_web, tool_ctx, call_tool):
+    ctx = tool_ctx({**fake_web.provider_env("searxng"), **PRIVATE_OFF})
+    out = call_tool(ctx, "web_search", query="Alpha Centauri")
+    assert out["success"] is True and out["results"][0]["url"] == fake_web.url("/articles/alpha.html")
 
 
 # ----------------------------------------------------------------------------- through the agent loop

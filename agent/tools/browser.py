@@ -12,6 +12,19 @@ driver notices its pipe closing and takes Chromium down with it.
 
 Snapshots are Playwright's accessibility tree in its AI mode; element refs are shown as
 ``[@e5]`` and accepted by browser_click and browser_type as ``@e5`` (or ``e5``).
+
+Private addresses. Chromium runs on the host, not in the prompt's sandbox, so unless
+WEB_ALLOW_PRIVATE_ADDRESSES is set a prompt's context only reaches public addresses, by two
+layers. (1) ``context.route("**/*")`` sees every request the page makes first (navigation,
+frames, subresources, fetch/XHR) and aborts those to another scheme than http(s) or to a host
+that resolves to a non-public address (``web.resolve_public``); browser_navigate checks its URL
+the same way first and says why it refused. (2) Playwright does not route redirect hops, and
+Chromium resolves names itself, so the context also goes through its own small HTTP proxy
+(``_EgressProxy``, on 127.0.0.1, on the browser loop): the proxy resolves each host, refuses it
+if any address is not public, and connects to an address it checked. Every hop of a redirect,
+WebSockets (tunnelled with CONNECT) and a name whose DNS answer changes after the first check
+(rebinding) all meet that check. WebRTC's UDP, which would pass beside the proxy, is turned off
+(``BROWSER_FLAGS``).
 """
 
 from __future__ import annotations
@@ -24,10 +37,12 @@ import json
 import os
 import re
 import threading
+import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from agent.tools import web
 from agent.tools.config import BROWSER_FLAGS, BrowserConfig, browser_config, run_dir, vision_config
 from agent.tools.registry import Tool, ToolArgumentError, ToolContext, register, register_toolset_check
 
@@ -76,6 +91,10 @@ class BrowserHost:
             if self._loop is None or self._pid != os.getpid() or not alive:
                 # A forked child inherits no threads: it starts its own loop and browser.
                 loop = asyncio.new_event_loop()
+                # Address checks (getaddrinfo) block: they get threads of this loop's own.
+                loop.set_default_executor(
+                    concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="browser-dns")
+                )
                 thread = threading.Thread(target=loop.run_forever, name="browser-loop", daemon=True)
                 thread.start()
                 self._loop, self._thread, self._pid = loop, thread, os.getpid()
@@ -174,6 +193,278 @@ def shutdown_browser() -> None:
     HOST.shutdown()
 
 
+# ----------------------------------------------------------------------------- private addresses
+
+REFUSED_HEADER = "X-Batch-Runner-Refused"  # on the proxy's answer for a refused plain-http request
+FAILED_HEADER = "X-Batch-Runner-Failed"  # on its answer when the host cannot be resolved or reached
+ROUTED_SCHEMES = ("http", "https")  # checked; data:, blob: and about: stay inside the browser
+_CHECK_TTL_S = 30.0  # how long the route check trusts a host's verdict (the proxy checks every connection)
+_PROXY_HEAD_LIMIT = 64 * 1024
+_PROXY_CONNECT_TIMEOUT_S = 30.0
+_HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "proxy-authenticate"}
+
+
+def refusal_message(tool: str, url: str, ip: str, via: str | None = None) -> str:
+    if via and via != url:
+        return f"{tool}: {url} led to {via}, which resolves to a private address ({ip}); refused"
+    return f"{tool}: {url} resolves to a private address ({ip}); refused"
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    return parts.hostname, port or (443 if parts.scheme in ("https", "wss") else 80)
+
+
+class AddressGuard:
+    """One prompt's address checks (on the browser loop) and the requests it refused."""
+
+    def __init__(self) -> None:
+        # (number, url or host:port, address or net::ERR_... code), the latest MAX_CONSOLE of each
+        self.refused: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=MAX_CONSOLE)
+        self.failed: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=MAX_CONSOLE)
+        self.events = 0  # refusals and failures so far: a mark for ``since``
+        self._verdicts: dict[tuple[str, int], tuple[float, str | None]] = {}
+
+    def record(self, what: str, ip: str) -> None:
+        """A request refused: ``what`` (URL or host:port) resolves to ``ip`` (or another reason)."""
+        self.events += 1
+        self.refused.append((self.events, what, ip))
+
+    def record_failure(self, what: str, code: str) -> None:
+        """The proxy could not resolve or reach ``what``: ``code`` as Chromium would say it."""
+        self.events += 1
+        self.failed.append((self.events, what, code))
+
+    @staticmethod
+    def since(mark: int, log: collections.deque[tuple[int, str, str]]) -> list[tuple[str, str]]:
+        return [(what, why) for n, what, why in log if n > mark]
+
+    async def resolve(self, host: str, port: int) -> list[tuple[Any, ...]]:
+        """``web.resolve_public`` off the loop: PrivateAddressError, OSError, or the addresses."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, web.resolve_public, host, port)
+
+    async def private_ip(self, url: str) -> str | None:
+        """The non-public address ``url``'s host resolves to, "" for an unparsable URL, else None
+        (also when the name does not resolve: the proxy then fails the request itself). Verdicts
+        are kept a little while; the proxy checks every connection regardless."""
+        where = _host_port(url)
+        if where is None:
+            return ""
+        key = (where[0].lower(), where[1])
+        now = asyncio.get_running_loop().time()
+        cached = self._verdicts.get(key)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        try:
+            await self.resolve(*where)
+            verdict = None
+        except web.PrivateAddressError as exc:
+            verdict = exc.ip
+        except OSError:
+            verdict = None  # the proxy, resolving again, says what is wrong
+        if len(self._verdicts) > 1000:
+            self._verdicts.clear()
+        self._verdicts[key] = (now + _CHECK_TTL_S, verdict)
+        return verdict
+
+
+class _EgressProxy:
+    """An HTTP proxy on 127.0.0.1 for one prompt's browser context that only connects to public
+    addresses, each one checked on the connection that uses it (see the module docstring).
+
+    CONNECT (https, wss) is tunnelled as bytes; a plain-http request is sent on as the only
+    request of its connection (``Connection: close`` both ways), so a kept-alive client connection
+    can never carry a request to a host that was not checked."""
+
+    def __init__(self, guard: AddressGuard):
+        self.guard = guard
+        self.server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=_PROXY_HEAD_LIMIT)
+
+    async def close(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
+
+    async def _answer(self, writer: asyncio.StreamWriter, status: str, text: str, extra: str = "") -> None:
+        body = text.encode("utf-8")
+        writer.write(
+            f"HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n{extra}"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\nProxy-Connection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+
+    async def _connect(
+        self, host: str, port: int, what: str, client: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to a checked address of ``host``, or None after answering the client."""
+        try:
+            infos = await self.guard.resolve(host, port)
+        except web.PrivateAddressError as exc:
+            self.guard.record(what, exc.ip)
+            message = f"Refused: {what} resolves to a private address ({exc.ip}); the browser only reaches public addresses."
+            await self._answer(client, "403 Forbidden", message, f"{REFUSED_HEADER}: {exc.ip}\r\n")
+            return None
+        except OSError as exc:
+            await self._fail(client, what, "net::ERR_NAME_NOT_RESOLVED", f"cannot resolve {host}: {exc}")
+            return None
+        error: Exception | None = None
+        for info in infos:
+            sockaddr = info[4]
+            try:
+                return await asyncio.wait_for(
+                    asyncio.open_connection(sockaddr[0], sockaddr[1], limit=_PROXY_HEAD_LIMIT),
+                    _PROXY_CONNECT_TIMEOUT_S,
+                )
+            except (OSError, asyncio.TimeoutError) as exc:
+                error = exc
+        if isinstance(error, ConnectionRefusedError):
+            code = "net::ERR_CONNECTION_REFUSED"
+        elif isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+            code = "net::ERR_CONNECTION_TIMED_OUT"
+        else:
+            code = "net::ERR_CONNECTION_FAILED"
+        await self._fail(client, what, code, f"cannot connect to {host}:{port}: {error}")
+        return None
+
+    async def _fail(self, client: asyncio.StreamWriter, what: str, code: str, text: str) -> None:
+        """Chromium shows a failed CONNECT only as ERR_TUNNEL_CONNECTION_FAILED and a plain-http
+        502 as a page: record what went wrong, so browser_navigate can say it as Chromium would."""
+        self.guard.record_failure(what, code)
+        await self._answer(client, "502 Bad Gateway", text, f"{FAILED_HEADER}: {code}\r\n")
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)).decode("latin-1")
+            lines = head.split("\r\n")
+            method, target, version = lines[0].split(" ", 2)
+            if method.upper() == "CONNECT":
+                where = _host_port(f"//{target}")
+                if where is None:
+                    await self._answer(writer, "400 Bad Request", f"bad CONNECT target {target!r}")
+                    return
+                opened = await self._connect(where[0], where[1], target, writer)
+                if opened is None:
+                    return
+                up_reader, upstream = opened
+                self._writers.add(upstream)
+                writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+                await writer.drain()
+                await _relay(reader, writer, up_reader, upstream)
+                return
+            parts = urllib.parse.urlsplit(target)
+            where = _host_port(target) if parts.scheme.lower() == "http" else None
+            if where is None:
+                await self._answer(
+                    writer, "400 Bad Request", f"this proxy forwards http:// URLs only, not {target!r}"
+                )
+                return
+            opened = await self._connect(where[0], where[1], target, writer)
+            if opened is None:
+                return
+            up_reader, upstream = opened
+            self._writers.add(upstream)
+            path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+            kept = [
+                line
+                for line in lines[1:]
+                if line and line.split(":", 1)[0].strip().lower() not in _HOP_HEADERS
+            ]
+            upstream.write(f"{method} {path} {version}\r\n".encode("latin-1"))
+            upstream.write("".join(f"{line}\r\n" for line in [*kept, "Connection: close"]).encode("latin-1"))
+            upstream.write(b"\r\n")
+            body = asyncio.ensure_future(_copy(reader, upstream))  # a request body, if any
+            try:
+                while True:
+                    raw = await up_reader.readuntil(b"\r\n\r\n")
+                    answer = raw.decode("latin-1").split("\r\n")
+                    status = (answer[0].split(" ", 2) + [""])[1]
+                    if status.startswith("1") and status != "101":
+                        writer.write(raw)  # 100 Continue, 103 Early Hints: the final answer follows
+                        continue
+                    break
+                if status == "101":  # an upgrade: the connection is the protocol's from now on
+                    body.cancel()
+                    writer.write(raw)
+                    await _relay(reader, writer, up_reader, upstream)
+                    return
+                kept = [
+                    line
+                    for line in answer[1:]
+                    if line and line.split(":", 1)[0].strip().lower() not in _HOP_HEADERS
+                ]
+                lines_out = [answer[0], *kept, "Connection: close", "Proxy-Connection: close"]
+                writer.write("".join(f"{line}\r\n" for line in lines_out).encode("latin-1") + b"\r\n")
+                await _copy(up_reader, writer)
+            finally:
+                body.cancel()
+        except (
+            OSError,
+            EOFError,
+            ValueError,
+            asyncio.TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+        ):
+            pass  # a client or server that went away or spoke nonsense: drop the connection
+        finally:
+            for w in (writer, upstream):
+                if w is not None:
+                    self._writers.discard(w)
+                    w.close()
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            writer.write(data)
+            await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+
+
+async def _relay(
+    a_reader: asyncio.StreamReader,
+    a_writer: asyncio.StreamWriter,
+    b_reader: asyncio.StreamReader,
+    b_writer: asyncio.StreamWriter,
+) -> None:
+    """Copy both ways until either side closes."""
+    tasks = [
+        asyncio.ensure_future(_copy(a_reader, b_writer)),
+        asyncio.ensure_future(_copy(b_reader, a_writer)),
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 # ----------------------------------------------------------------------------- one prompt's browser
 
 
@@ -181,6 +472,17 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     line = text[0] if text else type(exc).__name__
     return re.sub(r"^\w+\.\w+: ", "", line)[:400]
+
+
+async def _error_page_committed(page: Any) -> None:
+    """After a failed navigation Chromium still commits its error page; page.goto has already
+    raised by then, and a navigation started before that commit would be interrupted by it."""
+    if page.url.startswith("chrome-error://"):
+        return
+    try:
+        await page.wait_for_url(lambda u: u.startswith("chrome-error://"), timeout=2000)
+    except Exception:
+        pass
 
 
 class BrowserSession:
@@ -199,6 +501,8 @@ class BrowserSession:
         self.screenshots = 0
         self._lock: asyncio.Lock | None = None
         self._listened: list[Any] = []  # pages whose console we already follow
+        self.guard: AddressGuard | None = None if cfg.allow_private else AddressGuard()
+        self._proxy: _EgressProxy | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -209,9 +513,18 @@ class BrowserSession:
         if self.context is None:
             browser = await self.host.browser(self.cfg)
             w, h = self.cfg.viewport
+            options: dict[str, Any] = {}
+            if self.guard is not None:
+                if self._proxy is None:
+                    self._proxy = _EgressProxy(self.guard)
+                    await self._proxy.start()
+                # Playwright adds "<-loopback>": loopback addresses go through the proxy too.
+                options["proxy"] = {"server": self._proxy.url}
             self.context = await browser.new_context(
-                viewport={"width": w, "height": h}, accept_downloads=False, service_workers="block"
+                viewport={"width": w, "height": h}, accept_downloads=False, service_workers="block", **options
             )
+            if self.guard is not None:
+                await self.context.route("**/*", self._route)
             self.context.set_default_timeout(self.cfg.action_timeout_s * 1000)
             self.context.set_default_navigation_timeout(self.cfg.nav_timeout_s * 1000)
             self.context.on("page", self._adopt)
@@ -237,13 +550,46 @@ class BrowserSession:
         page.on("console", lambda msg: self.console.append({"type": msg.type, "text": msg.text[:2000]}))
         page.on("pageerror", lambda err: self.errors.append(str(err)[:2000]))
 
+    async def _route(self, route: Any) -> None:
+        """Every request of the context: abort other schemes and non-public addresses."""
+        assert self.guard is not None
+        url = route.request.url
+        try:
+            scheme = url.split(":", 1)[0].lower()
+            if scheme in ("data", "blob", "about"):
+                await route.continue_()
+                return
+            if scheme not in ROUTED_SCHEMES:
+                self.guard.record(url[:200], f"{scheme}: is not allowed")
+                await route.abort("blockedbyclient")
+                return
+            ip = await self.guard.private_ip(url)
+            if ip is not None:
+                self.guard.record(url, ip or "unparsable URL")
+                await route.abort("blockedbyclient")
+                return
+            await route.continue_()
+        except Exception:  # the page or context closed meanwhile
+            pass
+
     async def run(self, op: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self.closed:
                 raise BrowserToolError("the browser session of this prompt is closed")
-            return await op()
+            mark = self.guard.events if self.guard is not None else 0
+            out = await op()
+            refused = self.guard.since(mark, self.guard.refused) if self.guard is not None else []
+            if refused and isinstance(out, dict):
+                blocked = [f"{what} ({ip})" for what, ip in refused]
+                out["blocked_requests"] = blocked[:10] + (
+                    [f"... {len(blocked) - 10} more"] if len(blocked) > 10 else []
+                )
+                out.setdefault(
+                    "note", "requests to private addresses (or other schemes than http/https) were blocked"
+                )
+            return out
 
     async def aclose(self) -> None:
         context, self.context, self.page = self.context, None, None
@@ -252,6 +598,9 @@ class BrowserSession:
                 await context.close()
             except Exception:  # the browser may already be gone
                 pass
+        proxy, self._proxy = self._proxy, None
+        if proxy is not None:
+            await proxy.close()
 
     def close(self, wait: bool = True) -> None:
         """Close the context; idempotent. ``wait=False`` schedules it (safe from any thread)."""
@@ -311,7 +660,36 @@ class BrowserSession:
     async def navigate(self, url: str) -> dict[str, Any]:
         page = await self._page(navigating=True)
         timeout_ms = self.cfg.nav_timeout_s * 1000
-        response = await page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
+        guard = self.guard
+        if guard is not None:
+            ip = await guard.private_ip(url)
+            if ip is not None:
+                raise BrowserToolError(refusal_message("browser_navigate", url, ip or "unparsable URL"))
+        mark = guard.events if guard is not None else 0
+        try:
+            response = await page.goto(url, wait_until="domcontentloaded", timeout=timeout_ms)
+        except Exception as exc:
+            if "net::ERR_" in str(exc) and "ERR_ABORTED" not in str(exc):
+                await _error_page_committed(page)
+            if guard is not None and "net::ERR_" in str(exc):
+                # A redirect hop the route check cannot see, refused by the proxy (https: no tunnel).
+                refused = guard.since(mark, guard.refused)
+                if refused:
+                    what, ip = refused[0]
+                    raise BrowserToolError(refusal_message("browser_navigate", url, ip, what)) from None
+                failed = guard.since(mark, guard.failed)
+                if "ERR_TUNNEL_CONNECTION_FAILED" in str(exc) and failed:
+                    raise BrowserToolError(f"{failed[0][1]} at {url}") from None
+            raise
+        if guard is not None and response is not None:
+            # The proxy's own answers (a page's server could send these headers too: check the log).
+            headers, where = response.headers, response.url.split("#", 1)[0]
+            refused = [r for r in guard.since(mark, guard.refused) if r[0] == where]
+            if REFUSED_HEADER.lower() in headers and refused:
+                raise BrowserToolError(refusal_message("browser_navigate", url, refused[0][1], response.url))
+            failed = [f for f in guard.since(mark, guard.failed) if f[0] == where]
+            if FAILED_HEADER.lower() in headers and failed:
+                raise BrowserToolError(f"{failed[0][1]} at {response.url}")
         try:
             await page.wait_for_load_state("load", timeout=min(timeout_ms, 5000))
         except Exception:

@@ -29,6 +29,13 @@ web (``web_search`` needs a provider; ``web_extract`` fetches pages itself)
                              no key). ``SEARXNG_URL``: the SearXNG instance (JSON format enabled).
     ``WEB_SEARCH_MAX_RESULTS`` (5), ``WEB_TIMEOUT_S`` (30), ``WEB_EXTRACT_MAX_BYTES`` (5000000),
     ``WEB_EXTRACT_MAX_CHARS`` (20000, per page), ``WEB_USER_AGENT``.
+    ``WEB_ALLOW_PRIVATE_ADDRESSES`` (0): web_extract and the browser run on this host, not in the
+                             prompt's sandbox, so by default they refuse URLs whose host resolves to
+                             a loopback, private, link-local, multicast, reserved or unspecified
+                             address (127.0.0.1, 10.x, 169.254.169.254, ::1, ...), on every redirect
+                             hop and for every browser request. 1 lets the model reach them (a
+                             trusted local site, tests). The search providers' own URLs are
+                             configuration and never checked.
 
 vision (``vision_analyze``; also used by ``browser_vision``)
     ``VISION_BASE_URL`` / ``VISION_API_KEY`` / ``VISION_MODEL``: default to the run's endpoint and
@@ -50,6 +57,7 @@ browser (offered when Playwright is installed and a Chromium binary is found)
     ``BROWSER_EXECUTABLE`` (default: /usr/bin/chromium, else chromium or chromium-browser on PATH),
     ``BROWSER_ENABLED`` (1; 0 turns the toolset off), ``BROWSER_NAV_TIMEOUT_S`` (30),
     ``BROWSER_ACTION_TIMEOUT_S`` (10), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000), ``BROWSER_VIEWPORT`` (1280x800).
+    ``WEB_ALLOW_PRIVATE_ADDRESSES`` (see web) applies to the browser too.
 
 An endpoint's API key defaults to the run's key only while its base URL is the run's: a key is
 never sent to a host it was not given for.
@@ -106,6 +114,7 @@ TOOL_ENV_VARS = (
     "WEB_EXTRACT_MAX_BYTES",
     "WEB_EXTRACT_MAX_CHARS",
     "WEB_USER_AGENT",
+    "WEB_ALLOW_PRIVATE_ADDRESSES",
     "VISION_BASE_URL",
     "VISION_API_KEY",
     "VISION_MODEL",
@@ -180,6 +189,23 @@ def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool 
     if value < 0:
         raise ToolConfigError(f"{name} must not be negative, got {raw!r}")
     return value
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ToolConfigError(f"{name} must be 1 or 0, got {raw!r}")
+
+
+def allow_private_addresses(env: Mapping[str, str]) -> bool:
+    """``WEB_ALLOW_PRIVATE_ADDRESSES``: whether model-given URLs may reach private addresses."""
+    return _flag(env, "WEB_ALLOW_PRIVATE_ADDRESSES", False)
 
 
 def _optional_int(env: Mapping[str, str], name: str) -> int | None:
@@ -265,6 +291,7 @@ class ExtractConfig:
     max_bytes: int  # larger bodies are refused
     max_chars: int  # text kept per page (the results budget may lower it)
     user_agent: str
+    allow_private: bool = False  # WEB_ALLOW_PRIVATE_ADDRESSES: fetch from private addresses too
 
 
 def search_config(extra: Mapping[str, Any] | None = None) -> SearchConfig | None:
@@ -313,6 +340,7 @@ def extract_config(extra: Mapping[str, Any] | None = None) -> ExtractConfig:
         max_chars=_number(env, "WEB_EXTRACT_MAX_CHARS", 20_000, integer=True),
         user_agent=_get(env, "WEB_USER_AGENT")
         or "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) batch-runner-web/1.0",
+        allow_private=allow_private_addresses(env),
     )
 
 
@@ -443,6 +471,8 @@ BROWSER_FLAGS = (
     "--disable-sync",
     "--no-first-run",
     "--disable-dev-shm-usage",
+    # WebRTC's UDP bypasses the per-context proxy that checks addresses (browser.py): no UDP then.
+    "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
 )
 
 
@@ -453,6 +483,7 @@ class BrowserConfig:
     action_timeout_s: float  # one click, fill or key press
     snapshot_max_chars: int  # default snapshot size; full=true allows four times as much
     viewport: tuple[int, int]  # width, height in CSS pixels
+    allow_private: bool = False  # WEB_ALLOW_PRIVATE_ADDRESSES: let pages reach private addresses
 
 
 def find_chromium(env: Mapping[str, str]) -> str | None:
@@ -488,6 +519,7 @@ def browser_config(extra: Mapping[str, Any] | None = None) -> BrowserConfig | No
         action_timeout_s=_number(env, "BROWSER_ACTION_TIMEOUT_S", 10.0),
         snapshot_max_chars=_number(env, "BROWSER_SNAPSHOT_MAX_CHARS", 8000, integer=True),
         viewport=(int(w), int(h)),
+        allow_private=allow_private_addresses(env),
     )
 
 

@@ -14,7 +14,15 @@ import urllib.parse
 from typing import Any
 
 from agent.llm import record_usage
-from agent.tools.config import VisionConfig, api_error_message, extract_config, openai_client, vision_config
+from agent.tools.config import (
+    VisionConfig,
+    allow_private_addresses,
+    api_error_message,
+    extract_config,
+    openai_client,
+    settings,
+    vision_config,
+)
 from agent.tools.registry import Tool, ToolArgumentError, ToolContext, register, register_toolset_check
 from agent.tools.web import FetchError, fetch_url
 
@@ -56,6 +64,8 @@ def load_image(ctx: ToolContext, source: str, max_bytes: int) -> tuple[bytes, st
                 timeout_s=min(web.timeout_s, ctx.tool_timeout_s),
                 user_agent=web.user_agent,
                 headers={"Accept": "image/*"},
+                # The URL is the model's choice: the host's private network is off limits (see web.py).
+                public_only=not allow_private_addresses(settings(ctx.extra)),
             )
         except FetchError as exc:
             raise VisionError(str(exc)) from None

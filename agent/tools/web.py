@@ -5,12 +5,22 @@ where is read from the environment (agent/tools/config.py), so tests point them 
 web_extract fetches each URL with the standard library under a time, size and content-type
 limit and turns HTML into markdown with BeautifulSoup + markdownify, keeping the main content
 (``<main>``, ``<article>``) and dropping scripts, navigation and footers.
+
+web_extract runs on the host, not in the prompt's sandbox, so unless WEB_ALLOW_PRIVATE_ADDRESSES
+is set it only reaches public addresses: each connection (the first URL and every redirect hop)
+resolves the host, refuses it if ANY of its addresses is loopback, private, link-local, multicast,
+reserved or unspecified (``resolve_public``), and then connects to one of the addresses it checked,
+so a DNS answer that changes between check and connect (rebinding) cannot slip through. The
+search providers' base URLs are the operator's configuration and are fetched unchecked.
 """
 
 from __future__ import annotations
 
+import http.client
+import ipaddress
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -51,6 +61,134 @@ class Fetched:
     body: bytes
 
 
+class AddressRefused(FetchError):
+    """A URL (or a redirect hop) whose host resolves to an address that is not public."""
+
+    def __init__(self, url: str, ip: str):
+        super().__init__(f"{url} resolves to a private address ({ip}); refused")
+        self.url = url
+        self.ip = ip
+
+
+class PrivateAddressError(Exception):
+    """``resolve_public``: ``host`` resolved to ``ip``, which is not a public address."""
+
+    def __init__(self, host: str, ip: str):
+        super().__init__(f"{host} resolves to a private address ({ip})")
+        self.host = host
+        self.ip = ip
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_private_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """True unless ``ip`` is a globally routable unicast address: loopback, private, link-local,
+    multicast, reserved, unspecified, shared (100.64/10)... IPv6 forms that carry an IPv4 address
+    (IPv4-mapped, NAT64, 6to4) are judged by that IPv4 address."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return is_private_address(ip.ipv4_mapped)
+        if ip in _NAT64:
+            return is_private_address(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip.sixtofour is not None:
+            return is_private_address(ip.sixtofour)
+        ip = ipaddress.IPv6Address(int(ip))  # without a %scope
+    return (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+        or not ip.is_global
+    )
+
+
+def resolve_public(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo`` results (TCP) for ``host``, after checking EVERY address: raises
+    PrivateAddressError if any is not public (OSError when the name does not resolve). Connect
+    to these very addresses, not to the name, so a second DNS answer cannot differ."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"{host} has no address")
+    for info in infos:
+        raw = str(info[4][0])
+        try:
+            ip = ipaddress.ip_address(raw.split("%", 1)[0])
+        except ValueError:
+            raise PrivateAddressError(host, raw) from None
+        if is_private_address(ip):
+            raise PrivateAddressError(host, raw)
+    return infos
+
+
+def _connect_checked(url: str, host: str, port: int, timeout: Any, source: Any) -> socket.socket:
+    """A TCP connection to ``host`` through ``resolve_public`` (AddressRefused naming ``url``)."""
+    try:
+        infos = resolve_public(host, port)
+    except PrivateAddressError as exc:
+        raise AddressRefused(url, exc.ip) from None
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:  # type: ignore[attr-defined]
+                sock.settimeout(timeout)
+            if source:
+                sock.bind(source)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error or OSError(f"could not connect to {host}")
+
+
+def _checked_connection(conn_class: type[http.client.HTTPConnection], req: urllib.request.Request):
+    """What ``do_open`` calls to make its connection: one that only reaches public addresses."""
+    url = req.full_url
+    target = urllib.parse.urlsplit(url)
+    host = target.hostname or ""
+    port = target.port or (443 if target.scheme == "https" else 80)
+
+    def make(netloc: str, **kwargs: Any) -> http.client.HTTPConnection:
+        conn = conn_class(netloc, **kwargs)
+        through_proxy = bool(req._tunnel_host) or req.selector.lower().startswith(  # type: ignore[attr-defined]
+            ("http://", "https://")
+        )
+        if through_proxy:
+            # An operator's proxy (http_proxy...) resolves the name itself: check it here, best
+            # effort (a name only the proxy can resolve is left to the proxy).
+            try:
+                resolve_public(host, port)
+            except PrivateAddressError as exc:
+                raise AddressRefused(url, exc.ip) from None
+            except OSError:
+                pass
+        else:
+            conn._create_connection = lambda address, timeout, source=None: _connect_checked(  # type: ignore[attr-defined]
+                url, address[0], address[1], timeout, source
+            )
+        return conn
+
+    return make
+
+
+class _CheckedHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(_checked_connection(http.client.HTTPConnection, req), req)
+
+
+class _CheckedHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(
+            _checked_connection(http.client.HTTPSConnection, req),
+            req,
+            context=self._context,  # type: ignore[attr-defined]
+        )
+
+
 class _Redirects(urllib.request.HTTPRedirectHandler):
     max_redirections = 5
 
@@ -61,6 +199,8 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(_Redirects())
+# Every connection it makes, redirect hops included, goes through resolve_public.
+_PUBLIC_OPENER = urllib.request.build_opener(_CheckedHTTPHandler(), _CheckedHTTPSHandler(), _Redirects())
 
 
 def check_http_url(url: str) -> str:
@@ -82,10 +222,13 @@ def fetch_url(
     method: str = "GET",
     data: bytes | None = None,
     headers: dict[str, str] | None = None,
+    public_only: bool = False,
 ) -> Fetched:
     """Fetch ``url`` (http/https only), giving up past ``timeout_s`` or ``max_bytes``.
 
     ``accept``: media-type prefixes allowed (others raise FetchError before the body is read).
+    ``public_only``: refuse (AddressRefused) a URL or redirect hop whose host resolves to a
+    non-public address, and connect only to the addresses checked. For URLs a model chose.
     """
     deadline = time.monotonic() + timeout_s
     req = urllib.request.Request(url, data=data, method=method)
@@ -93,7 +236,7 @@ def fetch_url(
     for key, value in (headers or {}).items():
         req.add_header(key, value)
     try:
-        resp = _OPENER.open(req, timeout=timeout_s)
+        resp = (_PUBLIC_OPENER if public_only else _OPENER).open(req, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
         detail = _error_detail(exc)
         raise FetchError(f"HTTP {exc.code} {exc.reason} from {url}{detail}") from None
@@ -214,7 +357,11 @@ def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any
             timeout_s=min(cfg.timeout_s, ctx.tool_timeout_s),
             user_agent=cfg.user_agent,
             headers={"Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"},
+            public_only=not cfg.allow_private,
         )
+    except AddressRefused as exc:
+        entry["error"] = f"web_extract: {exc}"
+        return entry
     except (FetchError, ToolArgumentError) as exc:
         entry["error"] = str(exc)
         return entry
