@@ -8,6 +8,7 @@ travel in ``extra_body`` and are only sent when the user asked for them, so plai
 from __future__ import annotations
 
 import email.utils
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -327,21 +328,38 @@ def _parse_payload(data: Any) -> AssistantTurn:
     message = choice["message"]
     calls = [
         ToolCall(
-            id=c.get("id") or f"call_{i}",
-            name=(c.get("function") or {}).get("name") or "",
-            arguments=(c.get("function") or {}).get("arguments") or "",
+            id=str(c.get("id") or f"call_{i}"),
+            name=str((c.get("function") or {}).get("name") or ""),
+            arguments=_arguments_text((c.get("function") or {}).get("arguments")),
         )
         for i, c in enumerate(message.get("tool_calls") or [])
         if isinstance(c, dict)
     ]
-    content = message.get("content")
     return AssistantTurn(
-        content=content if isinstance(content, str) else "",
+        content=_content_text(message.get("content")),
         reasoning=native_reasoning(message),
         tool_calls=calls,
         finish_reason=choice.get("finish_reason"),
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
     )
+
+
+def _arguments_text(arguments: Any) -> str:
+    """Tool-call arguments as a JSON string: some servers send an object instead of a string."""
+    if arguments is None:
+        return ""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _content_text(content: Any) -> str:
+    """Message content as text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
 
 
 def _error_message(exc: openai.APIStatusError) -> str:

@@ -283,3 +283,26 @@ def test_provider_pinning_and_data_collection_reach_extra_body():
     assert build_extra_body(cfg)["usage"] == {"include": True}  # OpenRouter reports each call's cost
     plain = LLMConfig(model="m", base_url="http://localhost:8000/v1")
     assert build_extra_body(plain) == {}  # a plain endpoint gets no field it may not know
+
+
+def test_answers_from_less_strict_servers_are_normalised():
+    """Some OpenAI-compatible servers send arguments as an object, or content as a list of parts."""
+    from agent.llm import _parse_payload
+
+    turn = _parse_payload(
+        {
+            "choices": [
+                {
+                    "finish_reason": "tool_calls",
+                    "message": {
+                        "content": [{"type": "text", "text": "Let me "}, {"type": "text", "text": "look."}],
+                        "tool_calls": [{"function": {"name": "terminal", "arguments": {"command": "ls"}}}],
+                    },
+                }
+            ]
+        }
+    )
+    assert turn.content == "Let me look."
+    assert turn.tool_calls[0].arguments == '{"command": "ls"}'
+    assert turn.tool_calls[0].id == "call_0"
+    assert turn.usage == {}
