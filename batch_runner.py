@@ -590,9 +590,10 @@ class BatchRunner:
         if changed:
             detail = ", ".join(f"{k}: {old.get(k)!r} -> {self.manifest.get(k)!r}" for k in changed)
             if not self.opts.force_resume:
+                original = " ".join(_flag(k, old.get(k)) for k in changed)
                 raise UsageError(
                     f"--resume with settings that differ from the first run ({detail}) would mix two datasets; "
-                    "resume with the original settings, or add --force_resume to mix them deliberately"
+                    f"resume with the original settings ({original}), or add --force_resume to mix them deliberately"
                 )
             print(f"warning: resuming with changed settings ({detail}), as forced", file=sys.stderr)
         if old.get("dataset_sha256") != self.manifest.get("dataset_sha256"):
@@ -1281,6 +1282,13 @@ class BatchRunner:
             )
             return 3
         return 0
+
+
+def _flag(name: str, value: Any) -> str:
+    """A manifest setting as the command-line flag that reproduces it."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--{name}=False"
+    return f"--{name}={shlex.quote(str(value))}"
 
 
 def _count_field(path: Path, field: str) -> dict[str, int]:
