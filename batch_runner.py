@@ -1464,6 +1464,9 @@ def main(
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # outside the dispatch (preflight, merge): every written file is intact
+        print("\nInterrupted. Continue with --resume.", file=sys.stderr)
+        raise SystemExit(130) from None
     if code:
         raise SystemExit(code)
 
