@@ -1026,17 +1026,9 @@ class BatchRunner:
         self.counts[kind] += 1
         self.last_event_at = dt.datetime.now().isoformat(timespec="seconds")
         usage = ev.get("usage") or {}
-        for key in (
-            "requests",
-            "calls",
-            "prompt_tokens",
-            "completion_tokens",
-            "reasoning_tokens",
-            "cost_usd",
-            "retries",
-            "rate_limited",
-        ):
-            self.spend[key] += usage.get(key, 0) or 0
+        for key, value in usage.items():  # Usage.as_dict(): every number is summed, the provider list is not
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.spend[key] += value
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
         stamp = dt.datetime.now().isoformat(timespec="seconds")
         if kind == TRAJECTORY:
