@@ -43,7 +43,7 @@ from agent.storage import (
     pid_alive,
     write_json_atomic,
 )
-from agent.tools.registry import available_toolsets, known_tool_names
+from agent.tools.registry import BUILTIN_TOOL_MODULES, available_toolsets, known_tool_names
 from agent.trajectory import first_human, reasoning_counts, used_tool_names
 from toolset_distributions import (
     format_distributions,
@@ -58,9 +58,6 @@ MOCK_MODEL = "mock"
 DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
 # Settings that define what the data is; a resume with other values would mix two datasets.
 PRELOAD_MODULES = ["httpcore2", "h11"]  # imported lazily by the SDK's first client: once in the forkserver
-TOOL_MODULES = [
-    f"agent.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
-]
 LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
 STATUS_EVERY_S = 2.0  # status.json refresh period during a run
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
@@ -473,7 +470,6 @@ class Options:
     report_max_trajectories: int = 500
     verbose: bool = False
     ray_address: str | None = None  # workers on a Ray cluster instead of local processes
-    llm_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class BatchRunner:
@@ -605,16 +601,21 @@ class BatchRunner:
 
     def resume_filter(self, rows: list[Row]) -> list[Row]:
         """Keep the rows whose prompt has no finished outcome yet, counting duplicates by text."""
-        done = self.scan_finished()
-        todo = []
+        todo = self.unfinished(rows, self.scan_finished())
+        print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
+        return todo
+
+    def unfinished(self, rows: list[Row], done: collections.Counter[bytes]) -> list[Row]:
+        """The rows left once each finished outcome has taken one row of its prompt (duplicates count)."""
+        done = collections.Counter(done)
+        left = []
         for row in rows:
             key = self.prompt_key(row.prompt)
             if done[key] > 0:
                 done[key] -= 1
             else:
-                todo.append(row)
-        print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
-        return todo
+                left.append(row)
+        return left
 
     def prompt_key(self, prompt: str) -> bytes:
         """A dataset prompt's key as it appears in saved records (secrets in it were redacted there)."""
@@ -828,7 +829,7 @@ class BatchRunner:
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["openai", "agent.runner", *PRELOAD_MODULES, *TOOL_MODULES])
+        ctx.set_forkserver_preload(["openai", "agent.runner", *PRELOAD_MODULES, *BUILTIN_TOOL_MODULES])
         if self.opts.ray_address:  # workers on any node of a Ray cluster: they report over TCP
             from agent.ray_pool import inbox_endpoint
 
@@ -1212,14 +1213,7 @@ class BatchRunner:
         """Dataset rows a --resume would run: no trajectory and (unless re-run) no discard yet."""
         done = collections.Counter(totals.finished)
         self.add_discards(done)
-        left = 0
-        for row in rows:
-            key = self.prompt_key(row.prompt)
-            if done[key] > 0:
-                done[key] -= 1
-            else:
-                left += 1
-        return left
+        return len(self.unfinished(rows, done))
 
     def write_report(self) -> None:
         """report.html beside the data; a report must never fail a finished run."""

@@ -6,6 +6,7 @@ is derived from this registry and never listed anywhere else.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,9 +76,15 @@ def register_toolset_check(toolset: str, is_configured: Callable[[dict[str, Any]
     _TOOLSET_CHECKS[toolset] = is_configured
 
 
+BUILTIN_TOOL_MODULES = tuple(
+    f"agent.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
+)
+
+
 def _load_builtin_tools() -> None:
     # Importing the modules registers their tools; done once, on first use.
-    from agent.tools import browser, file, image_gen, moa, terminal, vision, web  # noqa: F401
+    for module in BUILTIN_TOOL_MODULES:
+        importlib.import_module(module)
 
 
 _BUILTINS_LOADED = False
