@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -371,3 +372,125 @@ def test_unknown_option_is_rejected_with_the_valid_ones(backend: str):
 def test_bad_option_value_names_the_field(backend: str, options: dict, field: str):
     with pytest.raises(ValueError, match=field):
         create_sandbox(backend, SandboxSpec(RUN, 0), options)
+
+
+# ---------------------------------------------------------------------------- local: the per-prompt command server
+@pytest.fixture
+def bwrap_box(bwrap_available: None, tmp_path: Path):
+    from agent.sandboxes.local import LocalSandbox
+
+    box = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
+    box.start()
+    yield box
+    box.stop()
+
+
+def _pids_in_namespace(box) -> list[str]:
+    """The processes other than bwrap (1), the server (2) and the probe itself, as command names."""
+    out = box.run("for p in /proc/[0-9]*; do echo ${p#/proc/} $(cat $p/comm); done", timeout_s=20).output
+    return sorted(line.split(" ", 1)[1] for line in out.splitlines() if line.split(" ")[0] not in ("1", "2"))
+
+
+@pytest.mark.bwrap
+def test_bwrap_one_namespace_per_prompt_but_nothing_outlives_a_command(bwrap_box):
+    from agent.sandboxes.local import _shell
+
+    server_pid = bwrap_box._server.proc.pid
+    started = bwrap_box.run("sleep 300 & setsid sleep 301 & (sleep 302 &) ; echo started", timeout_s=20)
+    assert started.output == "started\n" and started.exit_code == 0
+    left = _pids_in_namespace(bwrap_box)
+    assert "sleep" not in left, left  # setsid and double forks included: every leftover was killed
+    assert bwrap_box.run("cd / && export X=1 && echo $X", timeout_s=20).output == "1\n"
+    fresh = bwrap_box.run('echo "$X|$(pwd)|$SHLVL|$0"', timeout_s=20).output
+    assert fresh == f"|{bwrap_box.workdir}|1|{_shell()}\n"  # $0 as with a plain `bash -c`
+    assert bwrap_box._server.proc.pid == server_pid  # no new bubblewrap per command
+
+
+@pytest.mark.bwrap
+def test_bwrap_command_env_matches_unisolated_and_hides_the_server(bwrap_box, tmp_path: Path):
+    from agent.sandboxes.local import LocalSandbox
+
+    plain = LocalSandbox(SandboxSpec(RUN, 1), isolation="none", base_dir=str(tmp_path))
+    plain.start()
+    try:
+        def names(box) -> set[str]:
+            return {line.split("=", 1)[0] for line in box.run("env", timeout_s=20).output.splitlines()}
+
+        assert names(bwrap_box) == names(plain)
+        shell_vars = bwrap_box.run("set", timeout_s=20).output
+        assert "ctl=" not in shell_vars and "tok=" not in shell_vars and "batch-runner-exit" not in shell_vars
+    finally:
+        plain.stop()
+
+
+@pytest.mark.bwrap
+def test_bwrap_timeout_ends_the_namespace_and_the_next_command_gets_a_new_one(bwrap_box):
+    first = bwrap_box._server.proc.pid
+    res = bwrap_box.run("echo partial; sleep 60 & sleep 60", timeout_s=1)
+    assert res.timed_out and res.exit_code == -1 and "partial" in res.output
+    after = bwrap_box.run("echo ok; exit 3", timeout_s=20)
+    assert (after.output, after.exit_code, after.timed_out) == ("ok\n", 3, False)
+    assert bwrap_box._server.proc.pid != first
+    assert "sleep" not in _pids_in_namespace(bwrap_box)
+
+
+@pytest.mark.bwrap
+@pytest.mark.parametrize("killer", ["kill -9 $PPID", "kill -9 -1"])
+def test_bwrap_command_that_kills_the_server_is_reported_and_the_sandbox_recovers(bwrap_box, killer: str):
+    res = bwrap_box.run(f"echo before; {killer}; sleep 2; echo never", timeout_s=20)
+    assert res.output.startswith("before\n") and "never" not in res.output
+    assert "ended during this command" in res.output and res.exit_code == 137 and not res.timed_out
+    assert bwrap_box.run("echo again", timeout_s=20).output == "again\n"
+
+
+@pytest.mark.bwrap
+def test_bwrap_rm_rf_dev_does_not_break_later_commands(bwrap_box):
+    bwrap_box.run("rm -rf /dev/* 2>/dev/null; true", timeout_s=20)
+    res = bwrap_box.run("cat; echo done", timeout_s=20)
+    assert (res.output, res.exit_code) == ("done\n", 0)
+    assert bwrap_box.run("cat", timeout_s=20, stdin=b"in\0put").output == "in\0put"
+
+
+@pytest.mark.bwrap
+def test_bwrap_masks_host_unix_sockets(bwrap_box):
+    """A read-only bind does not stop connect(): the Docker socket would hand the model the host."""
+    from agent.sandboxes.local import host_unix_sockets
+
+    where = Path(tempfile.mkdtemp(prefix="br-sock-", dir="/var/tmp"))  # outside /tmp, so visible inside
+    path = where / "daemon.sock"
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(path))
+        server.listen(1)
+        assert str(path) in host_unix_sockets()
+        bwrap_box.stop()
+        bwrap_box.start()  # the mask list is taken when the prompt's namespace starts
+        probe = (
+            "import socket, sys; s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect(sys.argv[1]); print('CONNECTED')\n"
+            "except OSError as e:\n    print('refused', e.errno)\n"
+        )
+        res = bwrap_box.run(f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)} {path}", timeout_s=30)
+        assert res.output.startswith("refused"), res.output
+        with socket.socket(socket.AF_UNIX) as client:  # the host itself still reaches it
+            client.connect(str(path))
+    finally:
+        server.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: Path):
+    """Its `kill -9 -1` after each command is only safe as PID 2 of the prompt's namespace."""
+    from agent.sandboxes.local import _CommandServer
+
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        done = subprocess.run(
+            [*_CommandServer.argv(str(tmp_path)), "READY"], input=b"1 tok 0\n", capture_output=True, timeout=20
+        )
+        assert done.returncode == 97
+        assert b"not in its own PID namespace" in done.stderr and b"READY" not in done.stdout
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()

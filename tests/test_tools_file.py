@@ -293,3 +293,9 @@ def test_search_files_by_name(tree):
 )
 def test_bad_arguments_are_errors(sandbox, name, args, message):
     assert message in call(sandbox, name, **args)["error"]
+
+
+def test_write_reports_a_failed_write(sandbox):
+    """/dev/full fails every write with ENOSPC, as a full disk does: the tool must say so."""
+    result = call(sandbox, "write_file", path="/dev/full", content="x" * 100)
+    assert "error" in result and "bytes_written" not in result

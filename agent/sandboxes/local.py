@@ -1,8 +1,14 @@
 """Local backend: each prompt gets a private directory on this machine, and with bubblewrap a read-only host.
 
-With ``bwrap`` every command runs in its own mount and PID namespace: the host filesystem is
-read-only, only the prompt's working directory and its private ``/tmp`` are writable, and the
-network is cut when the spec asks for it. Without it there is no isolation at all: say so loudly.
+With ``bwrap`` each prompt gets its own mount and PID namespace: the host filesystem is read-only,
+only the prompt's working directory and its private ``/tmp`` are writable, the host's Unix sockets
+(the Docker daemon's above all) are masked, and the network is cut when the spec asks for it.
+Without bubblewrap there is no isolation at all: say so loudly.
+
+With bubblewrap, one command server runs per prompt (see ``_CommandServer``): setting up the
+namespaces costs more CPU than the command itself, so it is paid once per prompt, not per command.
+Each command still gets a fresh ``bash -c``, and after each one every process it left behind is
+killed, so commands behave as if each had its own sandbox.
 """
 
 from __future__ import annotations
@@ -10,17 +16,22 @@ from __future__ import annotations
 import functools
 import os
 import re
+import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 
-from agent.sandboxes._process import run_process
+from agent.sandboxes._process import kill_process_group, run_process
+from agent.sandboxes._shell import MarkerScanner, new_exec_token
 from agent.sandboxes.base import (
     DEFAULT_OUTPUT_CAP_BYTES,
+    CappedBuffer,
     ExecResult,
     SandboxError,
     SandboxSpec,
@@ -109,11 +120,40 @@ def _protected(path: str) -> bool:
     return any(real == d or real.startswith(d + "/") for d in _SYSTEM_DIRS)
 
 
-_BWRAP_MOUNT_RACE = re.compile(r"\Abwrap: Can't (bind mount|remount|mount) /oldroot/")
+# bwrap copies the host's mounts; one that vanishes meanwhile (Docker's overlays come and go) fails the
+# set-up before anything runs, and so does a masked socket that vanished since the scan: try again.
+_BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (bind mount|remount|mount) /oldroot/|\Abwrap: Can't create file at ")
+SERVER_READY_TIMEOUT_S = 20.0
+SERVER_STOP_TIMEOUT_S = 2.0
+
+
+def host_unix_sockets() -> list[str]:
+    """Paths of the Unix sockets bound on this host (``/proc/net/unix``) that exist here now.
+
+    A read-only bind does not stop ``connect()``: without a mask, a command could reach
+    ``/run/docker.sock`` and, through the Docker daemon, the whole host.
+    """
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    found: set[str] = set()
+    for line in lines:
+        parts = line.split(None, 7)
+        if len(parts) < 8 or not parts[7].startswith("/"):
+            continue  # unbound, or abstract (@name): those go with the network namespace
+        path = os.path.realpath(parts[7])
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                found.add(path)
+        except OSError:
+            continue
+    return sorted(found)
 
 
 class LocalSandbox:
-    """Commands run in ``bash -c`` in their own process group, inside bubblewrap when available."""
+    """Commands run in ``bash -c``: inside the prompt's bubblewrap namespace when available."""
 
     def __init__(self, spec: SandboxSpec, **options: object):
         self.spec = spec
@@ -125,6 +165,8 @@ class LocalSandbox:
         self.workdir = ""
         self._root: str | None = None
         self._tag = uuid.uuid4().hex
+        self._server: _CommandServer | None = None
+        self._lock = threading.Lock()  # one command at a time per prompt
 
     def start(self) -> None:
         if self.isolation == "bwrap" and bwrap_problem():
@@ -146,34 +188,30 @@ class LocalSandbox:
             os.makedirs(self.workdir, exist_ok=True)
         except OSError as exc:
             raise SandboxError(f"local sandbox: cannot create cwd {self.spec.cwd!r}: {exc}") from exc
+        if self.isolation == "bwrap":
+            os.mkdir(os.path.join(self._root, "ctl"))
+            open(os.path.join(self._root, "ctl", "empty"), "wb").close()
+            self._server = self._start_server()
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         if self._root is None:
             raise SandboxError("local sandbox is not started")
-        host_tmp = os.path.join(self._root, "tmp")
-        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        env.setdefault("PATH", os.defpath)
-        env.update(HOME=self.workdir, TMPDIR="/tmp" if self.isolation == "bwrap" else host_tmp)
-        env.update(self.spec.env)
-        env[TAG_VAR] = self._tag
-        argv = [_shell(), "-c", command]
-        if self.isolation == "bwrap":
-            argv = self._bwrap_prefix(host_tmp) + argv
-        for attempt in range(3):
-            result = run_process(
-                argv, stdin=stdin, timeout_s=timeout_s, output_cap_bytes=self.options.output_cap_bytes,
-                cwd=self.workdir, env=env,
+        if self.isolation == "none":
+            return run_process(
+                [_shell(), "-c", command], stdin=stdin, timeout_s=timeout_s,
+                output_cap_bytes=self.options.output_cap_bytes, cwd=self.workdir, env=self._env(),
             )  # fmt: skip
-            # bwrap copies the host's mounts; one that vanishes meanwhile (Docker's overlays come and go)
-            # fails the set-up before the command runs. Nothing ran, so trying again is safe.
-            if not (
-                self.isolation == "bwrap" and result.exit_code == 1 and _BWRAP_MOUNT_RACE.match(result.output)
-            ):
-                return result
-            time.sleep(0.05 * (attempt + 1))
-        return result
+        with self._lock:
+            if self._server is None or not self._server.alive():
+                # A timeout ended the last server with everything it ran; the next command gets a new one.
+                self._server = self._start_server()
+            return self._server.run(command, timeout_s=timeout_s, stdin=stdin)
 
     def stop(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
         root, self._root = self._root, None
         if root is None:
             return
@@ -181,13 +219,200 @@ class LocalSandbox:
             _kill_tagged(f"{TAG_VAR}={self._tag}".encode())
         shutil.rmtree(root, ignore_errors=True)
 
-    def _bwrap_prefix(self, host_tmp: str) -> list[str]:
+    def _env(self) -> dict[str, str]:
+        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        env.setdefault("PATH", os.defpath)
+        tmp = "/tmp" if self.isolation == "bwrap" else os.path.join(self._root or "", "tmp")
+        env.update(HOME=self.workdir, TMPDIR=tmp)
+        env.update(self.spec.env)
+        env[TAG_VAR] = self._tag
+        return env
+
+    def _start_server(self) -> _CommandServer:
+        assert self._root is not None
+        for attempt in range(3):
+            argv = [*self._bwrap_prefix(), *_CommandServer.argv(os.path.join(self._root, "ctl"))]
+            server = _CommandServer(argv, env=self._env(), cwd=self.workdir, root=self._root,
+                                    output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
+            problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
+            if problem is None:
+                return server
+            server.close()
+            if not _BWRAP_SETUP_RACE.match(problem):
+                break
+            time.sleep(0.05 * (attempt + 1))
+        raise SandboxError(f"local sandbox: bubblewrap could not start the prompt's shell: {problem}")
+
+    def _bwrap_prefix(self) -> list[str]:
+        assert self._root is not None
+        prefix = [*BWRAP_BASE]
+        # Masks first: a socket under /tmp is then hidden twice, and the binds below need no new mount points.
+        for sock in host_unix_sockets():
+            prefix += ["--ro-bind", "/dev/null", sock]
         # Order matters: /tmp is mounted before the workdir, which may itself live under /tmp.
-        prefix = [*BWRAP_BASE, "--bind", host_tmp, "/tmp"]
-        prefix += ["--bind", self.workdir, self.workdir, "--chdir", self.workdir]
+        ctl = os.path.join(self._root, "ctl")
+        prefix += ["--bind", os.path.join(self._root, "tmp"), "/tmp"]
+        prefix += ["--bind", self.workdir, self.workdir, "--ro-bind", ctl, ctl, "--chdir", self.workdir]
         if not self.spec.network:
             prefix.append("--unshare-net")
         return [*prefix, "--"]
+
+
+# The server, run by bash as PID 2 of the prompt's PID namespace (bwrap is PID 1). Requests come on
+# stdin, one line each: "<seq> <token> <stdin: 0|1>"; the command text is in $ctl/<seq>.cmd and its
+# stdin, when given, in $ctl/<seq>.in (files: no size limit, no deadlock, any bytes), else the empty
+# $ctl/empty (read-only, unlike the namespace's /dev/null, which `rm -rf /` removes). Each command
+# runs in a fresh `bash -c` with stdout and stderr on the server's stdout. When it is done, every
+# other process in the namespace is killed (so nothing it left behind writes after the marker or
+# outlives the call, as with one sandbox per command), then the end marker with the exit code is
+# printed. `kill -9 -1` on the host would be a disaster: the PID check makes sure it never runs there.
+_SERVER_SCRIPT = r"""
+[ "$$" = 2 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
+unset SHLVL
+ctl=$1 sh=$2
+printf '%s\n' "$3"
+while IFS=' ' read -r seq tok has_in; do
+    cmd=
+    IFS= read -r -d '' cmd < "$ctl/$seq.cmd"
+    in=$ctl/empty
+    [ "$has_in" = 1 ] && in=$ctl/$seq.in
+    "$sh" -c "$cmd" < "$in" 2>&1
+    rc=$?
+    kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null
+    printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
+done
+"""
+
+
+class _CommandServer:
+    """One prompt's bubblewrap namespace with a shell that runs its commands one by one."""
+
+    @staticmethod
+    def argv(ctl: str) -> list[str]:
+        return [_shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell()]
+
+    def __init__(self, argv: list[str], *, env: dict[str, str], cwd: str, root: str, output_cap_bytes: int):
+        self.ctl = os.path.join(root, "ctl")
+        self.output_cap_bytes = output_cap_bytes
+        self._ready = f"[batch-runner-ready:{new_exec_token()}]"
+        self._seq = 0
+        self.proc = subprocess.Popen(
+            [*argv, self._ready], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self._out = self.proc.stdout.fileno()
+        os.set_blocking(self._out, False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._out, selectors.EVENT_READ)
+        self._eof = False
+
+    def alive(self) -> bool:
+        return not self._eof and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        """None once the server said it is ready; else what bwrap or the shell printed instead."""
+        seen = b""
+        deadline = time.monotonic() + timeout_s
+        want = self._ready.encode() + b"\n"
+        while not seen.endswith(want):
+            chunk = self._read(deadline)
+            if chunk is None:
+                return "no answer within {:g} s".format(timeout_s)
+            if not chunk:
+                text = seen.decode(errors="replace").strip()
+                return text or f"it exited with code {self.proc.wait()}"
+            seen += chunk
+            if len(seen) > 65536:
+                break
+        if seen != want:
+            return seen.decode(errors="replace").replace(self._ready, "").strip() or "unexpected output"
+        return None
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult:
+        self._seq += 1
+        seq, token = self._seq, new_exec_token()
+        cmd_file, in_file = os.path.join(self.ctl, f"{seq}.cmd"), os.path.join(self.ctl, f"{seq}.in")
+        with open(cmd_file, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(command)
+        if stdin is not None:
+            with open(in_file, "wb") as f:
+                f.write(stdin)
+        buf = CappedBuffer(self.output_cap_bytes)
+        scanner = MarkerScanner(token, buf)
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        try:
+            self.proc.stdin.write(f"{seq} {token} {int(stdin is not None)}\n".encode())
+            self.proc.stdin.flush()
+            while not scanner.done:
+                chunk = self._read(deadline)
+                if chunk is None:  # the deadline: end the namespace, and with it everything the command started
+                    timed_out = True
+                    self.kill()
+                    self._drain(scanner, time.monotonic() + 1.0)
+                    break
+                if not chunk:
+                    break
+                scanner.feed(chunk)
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            for path in (cmd_file, in_file):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if not scanner.done:
+            scanner.finish()
+        output, truncated = buf.result()
+        if timed_out:
+            return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
+        if not scanner.done:  # the server itself was killed (e.g. by `kill -9 -1` in the command)
+            self.kill()
+            note = "[the sandbox's shell ended during this command; the next command gets a new one]"
+            return ExecResult(output=(output + "\n" + note).lstrip("\n"), exit_code=137, truncated=truncated)
+        return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
+
+    def close(self) -> None:
+        """End the server: EOF on its requests, a short wait, then SIGKILL for the whole namespace."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=SERVER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._sel.close()
+        self.proc.stdout.close()
+
+    def kill(self) -> None:
+        kill_process_group(self.proc)  # bwrap (--die-with-parent) takes the whole PID namespace with it
+        self.proc.wait()
+        self._eof = True
+
+    def _read(self, deadline: float) -> bytes | None:
+        """The next bytes of output; b"" at EOF, None when the deadline passed first."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not self._sel.select(left):
+                continue
+            try:
+                chunk = os.read(self._out, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                self._eof = True
+            return chunk
+
+    def _drain(self, scanner: MarkerScanner, until: float) -> None:
+        while not self._eof:
+            chunk = self._read(until)
+            if not chunk:
+                return
+            scanner.feed(chunk)
 
 
 def _kill_tagged(marker: bytes) -> None:
