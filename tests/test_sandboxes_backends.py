@@ -386,9 +386,18 @@ def bwrap_box(bwrap_available: None, tmp_path: Path):
 
 
 def _pids_in_namespace(box) -> list[str]:
-    """The processes other than bwrap (1), the server (2) and the probe itself, as command names."""
-    out = box.run("for p in /proc/[0-9]*; do echo ${p#/proc/} $(cat $p/comm); done", timeout_s=20).output
-    return sorted(line.split(" ", 1)[1] for line in out.splitlines() if line.split(" ")[0] not in ("1", "2"))
+    """Names of the live processes other than bwrap (PID 1), the server (2) and the probe itself.
+
+    Zombies do not count: a killed process stays listed until bwrap's init reaps it.
+    """
+    out = box.run("exec cat /proc/[0-9]*/stat 2>/dev/null", timeout_s=20).output
+    names = []
+    for line in out.splitlines():
+        pid, rest = line.split(" (", 1)
+        comm, state = rest.rsplit(") ", 1)[0], rest.rsplit(") ", 1)[1][:1]
+        if pid not in ("1", "2") and state != "Z" and comm != "cat":
+            names.append(comm)
+    return sorted(names)
 
 
 @pytest.mark.bwrap

@@ -278,7 +278,10 @@ while IFS=' ' read -r seq tok has_in; do
     [ "$has_in" = 1 ] && in=$ctl/$seq.in
     "$sh" -c "$cmd" < "$in" 2>&1
     rc=$?
-    kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null
+    # kill(-1) fails once nothing is left to signal: repeat until then, so that a child forked
+    # during a round, or killed but not yet gone, is dead and reaped before the marker.
+    n=0
+    while kill -9 -1 2>/dev/null && [ "$n" -lt 100000 ]; do n=$((n + 1)); done
     printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
 done
 """
