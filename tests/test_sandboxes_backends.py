@@ -471,7 +471,7 @@ def test_bwrap_masks_host_unix_sockets(bwrap_box):
     try:
         server.bind(str(path))
         server.listen(1)
-        assert str(path) in host_unix_sockets()
+        assert str(path) in host_unix_sockets(fresh=True)
         bwrap_box.stop()
         bwrap_box.start()  # the mask list is taken when the prompt's namespace starts
         probe = (
@@ -503,3 +503,25 @@ def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: P
     finally:
         victim.kill()
         victim.wait()
+
+
+@pytest.mark.bwrap
+def test_bwrap_start_survives_a_masked_socket_that_vanished(bwrap_available: None, tmp_path: Path):
+    """Sockets are scanned at most every few seconds; one removed since makes bwrap fail, then a rescan."""
+    from agent.sandboxes.local import LocalSandbox, host_unix_sockets
+
+    where = Path(tempfile.mkdtemp(prefix="br-sock-", dir="/var/tmp"))
+    try:
+        with socket.socket(socket.AF_UNIX) as gone:
+            gone.bind(str(where / "gone.sock"))
+            gone.listen(1)
+            assert str(where / "gone.sock") in host_unix_sockets(fresh=True)
+        (where / "gone.sock").unlink()
+        box = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
+        box.start()
+        try:
+            assert box.run("echo ok", timeout_s=20).output == "ok\n"
+        finally:
+            box.stop()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)

@@ -127,12 +127,29 @@ SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
 
 
-def host_unix_sockets() -> list[str]:
+SOCKET_SCAN_TTL_S = 2.0  # how long one scan of the host's sockets serves new sandboxes
+_socket_scan: tuple[float, list[str]] = (float("-inf"), [])
+_socket_scan_lock = threading.Lock()
+
+
+def host_unix_sockets(*, fresh: bool = False) -> list[str]:
     """Paths of the Unix sockets bound on this host (``/proc/net/unix``) that exist here now.
 
     A read-only bind does not stop ``connect()``: without a mask, a command could reach
-    ``/run/docker.sock`` and, through the Docker daemon, the whole host.
+    ``/run/docker.sock`` and, through the Docker daemon, the whole host. Reading the kernel's
+    table costs about a millisecond on a busy host, so a scan serves the sandboxes started in the
+    next ``SOCKET_SCAN_TTL_S`` seconds (long-lived daemons' sockets are what matter; a socket
+    made while a prompt runs is not masked for it either way).
     """
+    global _socket_scan
+    with _socket_scan_lock:
+        taken, paths = _socket_scan
+        if fresh or time.monotonic() - taken > SOCKET_SCAN_TTL_S:
+            _socket_scan = (time.monotonic(), _scan_unix_sockets())
+        return list(_socket_scan[1])
+
+
+def _scan_unix_sockets() -> list[str]:
     try:
         with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()[1:]
@@ -231,7 +248,8 @@ class LocalSandbox:
     def _start_server(self) -> _CommandServer:
         assert self._root is not None
         for attempt in range(3):
-            argv = [*self._bwrap_prefix(), *_CommandServer.argv(os.path.join(self._root, "ctl"))]
+            prefix = self._bwrap_prefix(fresh_sockets=attempt > 0)  # a masked socket may have gone since
+            argv = [*prefix, *_CommandServer.argv(os.path.join(self._root, "ctl"))]
             server = _CommandServer(argv, env=self._env(), cwd=self.workdir, root=self._root,
                                     output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
@@ -243,11 +261,11 @@ class LocalSandbox:
             time.sleep(0.05 * (attempt + 1))
         raise SandboxError(f"local sandbox: bubblewrap could not start the prompt's shell: {problem}")
 
-    def _bwrap_prefix(self) -> list[str]:
+    def _bwrap_prefix(self, *, fresh_sockets: bool = False) -> list[str]:
         assert self._root is not None
         prefix = [*BWRAP_BASE]
         # Masks first: a socket under /tmp is then hidden twice, and the binds below need no new mount points.
-        for sock in host_unix_sockets():
+        for sock in host_unix_sockets(fresh=fresh_sockets):
             prefix += ["--ro-bind", "/dev/null", sock]
         # Order matters: /tmp is mounted before the workdir, which may itself live under /tmp.
         ctl = os.path.join(self._root, "ctl")
