@@ -112,6 +112,11 @@ _SYSTEM_DIRS = (
 _SYSTEM_ROOTS = ("/home", "/root", "/var", "/run", "/opt", "/srv", "/mnt", "/media", "/tmp")
 
 
+def _is_within(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
 def _protected(path: str) -> bool:
     """``/``, a system directory or anything inside one, or a top-level directory such as /home."""
     real = os.path.realpath(path)
@@ -128,45 +133,77 @@ SERVER_STOP_TIMEOUT_S = 2.0
 
 
 SOCKET_SCAN_TTL_S = 2.0  # how long one scan of the host's sockets serves new sandboxes
-_socket_scan: tuple[float, list[str]] = (float("-inf"), [])
+
+
+@dataclass(frozen=True)
+class SocketDir:
+    """A host directory holding bound Unix sockets: ``names`` are those sockets. ``only_sockets``:
+    the directory holds nothing else, so a tmpfs can hide it whole, new sockets included."""
+
+    path: str
+    names: tuple[str, ...]
+    only_sockets: bool
+
+
+_socket_scan: tuple[float, list[SocketDir]] = (float("-inf"), [])
 _socket_scan_lock = threading.Lock()
 
 
-def host_unix_sockets(*, fresh: bool = False) -> list[str]:
-    """Paths of the Unix sockets bound on this host (``/proc/net/unix``) that exist here now.
+def host_socket_dirs(*, fresh: bool = False) -> list[SocketDir]:
+    """Where the Unix sockets bound on this host (``/proc/net/unix``) are, grouped by directory.
 
     A read-only bind does not stop ``connect()``: without a mask, a command could reach
     ``/run/docker.sock`` and, through the Docker daemon, the whole host. Reading the kernel's
     table costs about a millisecond on a busy host, so a scan serves the sandboxes started in the
     next ``SOCKET_SCAN_TTL_S`` seconds (long-lived daemons' sockets are what matter; a socket
-    made while a prompt runs is not masked for it either way).
+    made while a prompt runs is not masked for it either way, unless its directory is hidden whole).
     """
     global _socket_scan
     with _socket_scan_lock:
-        taken, paths = _socket_scan
+        taken, _ = _socket_scan
         if fresh or time.monotonic() - taken > SOCKET_SCAN_TTL_S:
-            _socket_scan = (time.monotonic(), _scan_unix_sockets())
-        return list(_socket_scan[1])
+            _socket_scan = (time.monotonic(), _scan_socket_dirs())
+        return _socket_scan[1]
 
 
-def _scan_unix_sockets() -> list[str]:
+def host_unix_sockets(*, fresh: bool = False) -> list[str]:
+    """The paths of the host's bound Unix sockets (see ``host_socket_dirs``)."""
+    return sorted(os.path.join(d.path, n) for d in host_socket_dirs(fresh=fresh) for n in d.names)
+
+
+def _scan_socket_dirs() -> list[SocketDir]:
     try:
         with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()[1:]
     except OSError:
         return []
-    found: set[str] = set()
+    wanted: dict[str, set[str]] = {}
     for line in lines:
         parts = line.split(None, 7)
         if len(parts) < 8 or not parts[7].startswith("/"):
             continue  # unbound, or abstract (@name): those go with the network namespace
-        path = os.path.realpath(parts[7])
+        parent, name = os.path.split(parts[7])
+        wanted.setdefault(parent, set()).add(name)
+    found: dict[str, SocketDir] = {}
+    for parent, names in wanted.items():
+        real = os.path.realpath(parent)  # /var/run and /run are one directory
+        if real in found:
+            continue
         try:
-            if stat.S_ISSOCK(os.stat(path).st_mode):
-                found.add(path)
+            entries = list(os.scandir(real))
         except OSError:
             continue
-    return sorted(found)
+        sockets = set()
+        for entry in entries:
+            try:
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    sockets.add(entry.name)
+            except OSError:
+                continue
+        bound = set().union(*(n for p, n in wanted.items() if os.path.realpath(p) == real)) & sockets
+        if bound:
+            found[real] = SocketDir(real, tuple(sorted(bound)), only_sockets=len(sockets) == len(entries))
+    return sorted(found.values(), key=lambda d: d.path)
 
 
 class LocalSandbox:
@@ -265,8 +302,14 @@ class LocalSandbox:
         assert self._root is not None
         prefix = [*BWRAP_BASE]
         # Masks first: a socket under /tmp is then hidden twice, and the binds below need no new mount points.
-        for sock in host_unix_sockets(fresh=fresh_sockets):
-            prefix += ["--ro-bind", "/dev/null", sock]
+        # A directory of sockets alone (containerd's, whose sockets come and go with each container)
+        # is hidden under an empty tmpfs; elsewhere each socket is covered by /dev/null.
+        for d in host_socket_dirs(fresh=fresh_sockets):
+            if d.only_sockets and d.path != "/" and not _is_within(self._root, d.path):
+                prefix += ["--tmpfs", d.path]
+            else:
+                for name in d.names:
+                    prefix += ["--ro-bind", "/dev/null", os.path.join(d.path, name)]
         # Order matters: /tmp is mounted before the workdir, which may itself live under /tmp.
         ctl = os.path.join(self._root, "ctl")
         prefix += ["--bind", os.path.join(self._root, "tmp"), "/tmp"]
