@@ -127,7 +127,9 @@ def _protected(path: str) -> bool:
 
 # bwrap copies the host's mounts; one that vanishes meanwhile (Docker's overlays come and go) fails the
 # set-up before anything runs, and so does a masked socket that vanished since the scan: try again.
-_BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (bind mount|remount|mount) /oldroot/|\Abwrap: Can't create file at ")
+_BWRAP_SETUP_RACE = re.compile(
+    r"\Abwrap: Can't (bind mount|remount|mount) /oldroot/|\Abwrap: Can't (create file at|mkdir) "
+)
 SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
 
@@ -305,6 +307,8 @@ class LocalSandbox:
         # A directory of sockets alone (containerd's, whose sockets come and go with each container)
         # is hidden under an empty tmpfs; elsewhere each socket is covered by /dev/null.
         for d in host_socket_dirs(fresh=fresh_sockets):
+            if _is_within(d.path, "/tmp"):
+                continue  # the private /tmp below hides the host's
             if d.only_sockets and d.path != "/" and not _is_within(self._root, d.path):
                 prefix += ["--tmpfs", d.path]
             else:

@@ -1,0 +1,103 @@
+"""CPU that one prompt's tool calls cost in the local sandbox, piece by piece, whole process tree.
+
+The throughput benchmark's workload (``terminal_only`` against the fake model) makes three tool
+calls per prompt: ``terminal`` (``echo <slug> && pwd``), ``write_file`` and ``read_file``. This
+script runs exactly those calls, without a model, in a loop of fresh sandboxes, and adds them one
+at a time, so each line's figure is the difference it makes:
+
+    python benchmarks/sandbox_cpu.py --prompts 200
+    python benchmarks/sandbox_cpu.py --prompts 200 --isolation none
+
+The script makes itself a child subreaper, so the CPU of every process the sandbox starts (bwrap
+orphans one) ends up in ``RUSAGE_CHILDREN`` when it is reaped. "python" is this process's own CPU
+(starting processes, reading their output, the tools' Python code). CPU, not wall time: the
+machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent.sandboxes.base import SandboxSpec  # noqa: E402
+from agent.sandboxes.local import LocalSandbox, bwrap_problem  # noqa: E402
+from agent.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets  # noqa: E402
+
+PR_SET_CHILD_SUBREAPER = 36
+OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
+CALLS = [
+    ("terminal", lambda i: {"command": f"echo slug{i} && pwd"}),
+    ("write_file", lambda i: {"path": f"notes/slug{i}.txt", "content": f"slug {i}\n" * 20}),
+    ("read_file", lambda i: {"path": f"notes/slug{i}.txt"}),
+]
+
+
+def _cpu() -> tuple[float, float]:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _reap() -> None:
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def run(prompts: int, calls: int, isolation: str, base_dir: str | None) -> tuple[float, float]:
+    """Per-prompt CPU (own, children) of start + the first ``calls`` tool calls + stop."""
+    own0, kids0 = _cpu()
+    for i in range(prompts):
+        box = LocalSandbox(SandboxSpec("cpu-bench", i, network=False), isolation=isolation, base_dir=base_dir)
+        ctx = ToolContext(sandbox=box, tool_timeout_s=60.0)
+        box.start()
+        try:
+            for name, args in CALLS[:calls]:
+                out = json.loads(execute_tool_call(name, json.dumps(args(i)), ctx, OFFERED))
+                if out.get("error"):
+                    raise SystemExit(f"{name} failed: {out['error']}")
+        finally:
+            box.stop()
+    time.sleep(0.2)  # orphans bwrap left finish and are reaped by us, the subreaper
+    _reap()
+    own1, kids1 = _cpu()
+    return (own1 - own0) / prompts * 1000, (kids1 - kids0) / prompts * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=200)
+    ap.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap")
+    ap.add_argument("--base_dir", default=None, help="where sandbox directories go (default: the temp dir)")
+    args = ap.parse_args()
+    if args.isolation == "bwrap" and bwrap_problem():
+        raise SystemExit(f"bubblewrap: {bwrap_problem()}")
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    run(5, len(CALLS), args.isolation, args.base_dir)  # warm-up: imports, the first tool call's set-up
+    print(
+        f"{args.prompts} prompts per line, local sandbox, isolation {args.isolation}, "
+        f"load average {os.getloadavg()[0]:.1f}; ms of CPU per prompt"
+    )
+    print(f"  {'step':<34} {'python':>7} {'children':>9} {'total':>7}   {'added by the step':>17}")
+    previous = 0.0
+    labels = ["sandbox start + stop"] + [f"+ {name}" for name, _ in CALLS]
+    for calls, label in enumerate(labels):
+        own, kids = run(args.prompts, calls, args.isolation, args.base_dir)
+        total = own + kids
+        print(f"  {label:<34} {own:7.2f} {kids:9.2f} {total:7.2f}   {total - previous:17.2f}")
+        previous = total
+
+
+if __name__ == "__main__":
+    main()
