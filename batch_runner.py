@@ -33,6 +33,7 @@ from agent.limiter import Limiter
 from agent.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
 from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
+from agent.sandbox_lifecycle import BackgroundStopper
 from agent.sandboxes import BACKENDS, SandboxSpec, create_sandbox
 from agent.storage import (
     append_jsonl,
@@ -61,6 +62,7 @@ PRELOAD_MODULES = ["httpcore2", "h11"]  # imported lazily by the SDK's first cli
 LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
 STATUS_EVERY_S = 2.0  # status.json refresh period during a run
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
+STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
 MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
 
@@ -200,6 +202,14 @@ def _worker_init(
         stop=threading.Event(),
         slots=threading.BoundedSemaphore(slots),
         threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
+        # Sandbox stops after the prompt reported (not local: it stops in a few ms on the prompt's thread).
+        # The parent counts queued and finished stops and ends the workers only once all are done.
+        stopper=BackgroundStopper(
+            threads=start_slots,
+            max_pending=slots,
+            on_queued=lambda: _send({"kind": "stop_queued"}),
+            on_done=lambda: _send({"kind": "stopped"}),
+        ),
     )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
 
@@ -286,7 +296,12 @@ def _worker_run_one(job: PromptJob) -> None:
             else None
         )
         outcome = run_prompt(
-            job, _WORKER["settings"], _WORKER["llm"], sandbox_starts=_WORKER["sandbox_starts"], log=log
+            job,
+            _WORKER["settings"],
+            _WORKER["llm"],
+            sandbox_starts=_WORKER["sandbox_starts"],
+            stop_in_background=_WORKER["stopper"].submit,
+            log=log,
         )
         _send(outcome)
     finally:
@@ -840,6 +855,7 @@ class BatchRunner:
         outstanding = {b[0].batch_num: {j.prompt_index for j in b} for b in batches}
         by_num = {b[0].batch_num: b for b in batches}
         claims: dict[int, set[int]] = collections.defaultdict(set)  # worker pid -> batches it took
+        stops: collections.Counter[Any] = collections.Counter()  # worker pid -> sandbox stops not done yet
         remaining = sum(len(b) for b in batches)
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         start_slots = max(1, self.opts.max_sandbox_starts // self.opts.num_workers)
@@ -878,10 +894,13 @@ class BatchRunner:
                     continue
                 if ev["kind"] == "claim":
                     claims[ev["pid"]].add(ev["batch_num"])
+                elif ev["kind"] in ("stop_queued", "stopped"):
+                    self.count_stop(ev, stops)
                 elif ev["kind"] == "pause":  # one worker was told to slow down: the whole run does
                     self.counts["rate_limit_pauses"] += 1
                     inbox.broadcast({"kind": "pause", "until": ev["until"]})
                 elif ev["kind"] == "worker_exit":
+                    stops.pop(ev["pid"], None)  # what it was stopping is the leftover sweep's now
                     remaining -= self.fail_lost_prompts(
                         claims.pop(ev["pid"], set()), ev["pid"], outstanding, by_num
                     )
@@ -896,14 +915,45 @@ class BatchRunner:
                     exits_without_progress = 0 if settled else exits_without_progress
                     self.check_budget(inbox)
                 self.write_status("running")
+            self.wait_for_sandbox_stops(inbox, stops)
         finally:
-            # Every outcome is in (each is sent after its sandbox stopped), so ending the workers
-            # loses nothing. Not close()+join(): join waits forever on a pool whose forkserver died.
+            # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
+            # so ending the workers loses nothing. Not close()+join(): join waits forever on a pool
+            # whose forkserver died.
             signal.signal(signal.SIGTERM, previous_term)
             pool.terminate()
             inbox.close()
             self.remove_leftover_sandboxes()
             self.pbar.close()
+
+    @staticmethod
+    def count_stop(ev: dict[str, Any], stops: collections.Counter[Any]) -> None:
+        """A worker queued a sandbox stop or finished one. A stop is queued just before its prompt's
+        outcome is sent, on the same connection, so once every outcome is in every queued stop is counted."""
+        stops[ev["pid"]] += 1 if ev["kind"] == "stop_queued" else -1
+        if not stops[ev["pid"]]:
+            del stops[ev["pid"]]
+
+    def wait_for_sandbox_stops(self, inbox: Inbox, stops: collections.Counter[Any]) -> None:
+        """Workers stop sandboxes (remove containers) in the background, while the prompt's outcome goes
+        out: wait for the last of those before the workers are ended, so none outlives the run. What a
+        worker that dies or hangs leaves is for ``remove_leftover_sandboxes``."""
+        deadline = time.monotonic() + STOPS_DRAIN_S
+        while stops and inbox.open_connections and time.monotonic() < deadline:
+            try:
+                ev = inbox.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if ev["kind"] in ("stop_queued", "stopped"):
+                self.count_stop(ev, stops)
+            elif ev["kind"] == "worker_exit":
+                stops.pop(ev["pid"], None)
+        if stops and inbox.open_connections:
+            print(
+                f"warning: {sum(stops.values())} sandbox stop(s) still running after {STOPS_DRAIN_S:g} s; "
+                "ending the workers",
+                file=sys.stderr,
+            )
 
     def remove_leftover_sandboxes(self) -> None:
         """After the pool ends (normally, Ctrl-C or a crash of a worker): no container of ours survives."""

@@ -11,16 +11,21 @@ import contextlib
 import datetime as dt
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.llm import LLMClient, LLMConfig, LLMError, Usage
 from agent.loop import LoopLimits, PromptTimeout, run_agent
+from agent.sandbox_lifecycle import BackgroundStart
 from agent.sandboxes import SandboxError, SandboxSpec, create_sandbox
 from agent.tools.registry import ToolContext, close_prompt_resources, known_tool_names, tools_for_toolsets
 from agent.trajectory import build_record, reasoning_counts
 
 TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
+# Backends whose start is quick (local: a few ms) stay synchronous: a start failure then costs no model call.
+# Every other backend starts on a thread while the prompt's first model call is in flight.
+SYNCHRONOUS_START_BACKENDS = frozenset({"local"})
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,16 @@ def run_prompt(
     llm: LLMClient,
     *,
     sandbox_starts: threading.Semaphore | Any | None = None,
+    stop_in_background: Callable[[Callable[[], None]], None] | None = None,
     log=None,
 ) -> dict[str, Any]:
-    """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent."""
+    """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent.
+
+    Except for the local backend, the sandbox starts on a thread (after a ``sandbox_starts`` slot)
+    while the first model call is in flight; the first tool call waits for it. ``stop_in_background``
+    (e.g. ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path:
+    the outcome is returned at once and the stop runs later. The local backend always stops here.
+    """
     started = time.monotonic()
     usage = Usage()
     base = {"batch_num": job.batch_num, "prompt_index": job.prompt_index, "prompt": job.prompt}
@@ -89,16 +101,27 @@ def run_prompt(
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
+    background = settings.sandbox_backend not in SYNCHRONOUS_START_BACKENDS
     ctx = None
-    timings = {"sandbox_start_wait_s": 0.0, "sandbox_start_s": 0.0, "sandbox_stop_s": 0.0}
+    timings: dict[str, Any] = {
+        "sandbox_start_wait_s": 0.0,  # waiting for a start-up slot
+        "sandbox_start_s": 0.0,  # the backend's start
+        "sandbox_start_blocked_s": 0.0,  # what this prompt's own thread waited for the start
+        "sandbox_stop_s": 0.0,  # what this prompt's own thread waited for the stop
+    }
     try:
-        sandbox = create_sandbox(settings.sandbox_backend, spec, options)
-        t0 = time.monotonic()
-        with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
-            t1 = time.monotonic()
-            sandbox.start()
-        timings["sandbox_start_wait_s"] = round(t1 - t0, 3)  # waiting for a start-up slot
-        timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
+        if background:
+            sandbox = BackgroundStart(create_sandbox(settings.sandbox_backend, spec, options), sandbox_starts)
+            sandbox.start()  # returns at once; the first tool call waits for it
+        else:
+            sandbox = create_sandbox(settings.sandbox_backend, spec, options)
+            t0 = time.monotonic()
+            with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
+                t1 = time.monotonic()
+                sandbox.start()
+            timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
+            timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
+            timings["sandbox_start_blocked_s"] = round(time.monotonic() - t0, 3)
         ctx = ToolContext(
             sandbox=sandbox,
             tool_timeout_s=settings.limits.tool_timeout_s,
@@ -117,7 +140,8 @@ def run_prompt(
             usage=usage,
             log=log if settings.verbose else None,
         )
-        isolation = sandbox.isolation
+        # The backend's own value, without waiting for a start the prompt never needed.
+        isolation = sandbox.inner.isolation if background else sandbox.isolation
     except LLMError as exc:
         return {
             **base,
@@ -144,11 +168,18 @@ def run_prompt(
             close_prompt_resources(ctx)
         if sandbox is not None:
             t0 = time.monotonic()
-            try:
-                sandbox.stop()
-            except Exception:
-                pass
+            if background and stop_in_background is not None and _hand_off(stop_in_background, sandbox.stop):
+                timings["sandbox_stop_background"] = True
+            else:
+                try:
+                    sandbox.stop()
+                except Exception:
+                    pass
             timings["sandbox_stop_s"] = round(time.monotonic() - t0, 3)
+            if background:  # as known now: a start the prompt never needed may still be going on
+                timings["sandbox_start_wait_s"] = sandbox.start_wait_s
+                timings["sandbox_start_s"] = sandbox.start_s
+                timings["sandbox_start_blocked_s"] = sandbox.blocked_s
     metadata = {
         "batch_num": job.batch_num,
         "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
@@ -183,3 +214,12 @@ def run_prompt(
             "usage": usage.as_dict(),
         }
     return {**base, "kind": TRAJECTORY, "record": record, "usage": usage.as_dict()}
+
+
+def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:
+    """Give ``stop`` to the background stopper (waits only while too many stops are queued); False if it refused."""
+    try:
+        stop_in_background(stop)
+    except Exception:
+        return False
+    return True

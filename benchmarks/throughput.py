@@ -25,7 +25,9 @@ in flight (``--prompts_per_worker = in_flight / workers``), then with reference-
 With ``--sandbox docker`` (image batch-runner-test:latest, see tests/docker_image/build.sh) it
 also prints the per-prompt sandbox overhead: from the records' ``metadata.sandbox_start_s`` /
 ``sandbox_stop_s`` when the runner writes them, else from the engine's container events
-(create -> start, and kill -> destroy), per container.
+(create -> start, and kill -> destroy), per container; and what each prompt itself waited:
+``sandbox_start_blocked_s`` (its first tool call waiting for a start that overlapped its first
+model call) and that plus ``sandbox_stop_s`` (the stop runs in the background).
 
 Numbers vary with the machine's load: the CPU per prompt is the steadier figure.
 """
@@ -426,9 +428,11 @@ class EngineEvents:
 def docker_overhead(run: RunResult, events: list[dict]) -> dict[str, dict[str, list[float]]]:
     """Per-prompt sandbox overhead, from the records' metadata and from the engine's container events.
 
-    The metadata's ``sandbox_start_s`` is what the prompt waited, a start-up slot included
-    (``sandbox_start_wait_s``, when recorded, is that wait alone); the engine's events time its own
-    work: create -> start, and kill (or die) -> destroy (``events``: from :class:`EngineEvents`).
+    The metadata's ``sandbox_start_s`` is the backend's start, ``sandbox_start_wait_s`` the wait for a
+    start-up slot before it, ``sandbox_start_blocked_s`` what the prompt itself waited for the start
+    (the start overlaps its first model call) and ``sandbox_stop_s`` what it waited for the stop (a
+    hand-off when ``sandbox_stop_background``). The engine's events time its own work: create ->
+    start, and kill (or die) -> destroy (``events``: from :class:`EngineEvents`).
     """
     out: dict[str, dict[str, list[float]]] = {}
     metas = [r.get("metadata", {}) for r in run.records]
@@ -439,6 +443,14 @@ def docker_overhead(run: RunResult, events: list[dict]) -> dict[str, dict[str, l
         }
         if all("sandbox_start_wait_s" in m for m in metas):
             out["records' metadata"]["waited for a start slot"] = [m["sandbox_start_wait_s"] for m in metas]
+        if all("sandbox_start_blocked_s" in m for m in metas):
+            # What the prompt itself waited: the start overlaps its first model call, the stop runs after
+            # its outcome was sent (sandbox_stop_s is then the hand-off).
+            blocked = [m["sandbox_start_blocked_s"] for m in metas]
+            out["records' metadata"]["start blocked (prompt waited)"] = blocked
+            out["records' metadata"]["overhead waited: blocked+stop"] = [
+                b + m["sandbox_stop_s"] for b, m in zip(blocked, metas, strict=True)
+            ]
     if not events:
         return out
     times: dict[str, dict[str, float]] = {}
@@ -569,9 +581,15 @@ def main() -> int:
                 for source, o in docker_overhead(run, run.engine_events).items():
                     print(f"  sandbox overhead per prompt ({source}):")
                     for what, values in o.items():
-                        print(f"    {what:<26}{_summary(values)}")
+                        print(f"    {what:<31}{_summary(values)}")
                     both = [a + b for a, b in zip(o["start"], o["stop"], strict=True)]
-                    print(f"    {'start + stop':<26}{_summary(both)}")
+                    print(f"    {'start + stop':<31}{_summary(both)}")
+                    later = sum(bool(r["metadata"].get("sandbox_stop_background")) for r in run.records)
+                    if source == "records' metadata" and later:
+                        print(
+                            f"    ({later} of {len(run.records)} stops ran in the background: 'stop' is the"
+                            " hand-off; starts ran alongside the first model call)"
+                        )
             runs.append(run)
         if len(runs) == 2:
             c, r = runs

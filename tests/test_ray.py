@@ -35,7 +35,14 @@ from agent.trajectory import first_human
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "sk-ray-test-0123456789"
-VARYING_METADATA = ("timestamp", "duration_s", "sandbox_start_wait_s", "sandbox_start_s", "sandbox_stop_s")
+VARYING_METADATA = (
+    "timestamp",
+    "duration_s",
+    "sandbox_start_wait_s",
+    "sandbox_start_s",
+    "sandbox_start_blocked_s",
+    "sandbox_stop_s",
+)
 SANDBOX_DIR = re.compile(r"/tmp/br-[\w.\-]+")  # the local sandbox's temporary directory
 
 # ----------------------------------------------------------------------------- helpers

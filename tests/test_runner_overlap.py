@@ -1,0 +1,386 @@
+"""Sandbox start and stop off a prompt's path (agent/sandbox_lifecycle.py, agent/runner.py::run_prompt).
+
+For every backend but local, the sandbox starts on a thread while the prompt's first model call is in
+flight, and (in the workers) it is stopped by a background stopper after the outcome went out. The
+orderings are checked with a scripted sandbox whose start is gated on what the fake endpoint saw, so
+no test depends on timing; then with real Docker: no container of a run survives it, whether it ends
+normally, with a failed start, with prompts that never called a tool, or with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import read_jsonl, write_jsonl
+
+import agent.runner as runner_mod
+import batch_runner
+from agent.fake_model import FakeModelServer
+from agent.llm import LLMClient, LLMConfig
+from agent.loop import LoopLimits
+from agent.runner import PromptJob, RunSettings, run_prompt
+from agent.sandbox_lifecycle import BackgroundStart, BackgroundStopper
+from agent.sandboxes.base import ExecResult, SandboxError, SandboxSpec
+
+REPO = Path(__file__).resolve().parent.parent
+GATE_S = 30.0  # longest a gated start waits for its condition before it gives up (the test then fails)
+
+
+def wait_for(predicate, timeout: float = GATE_S, step: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    return predicate()
+
+
+def docker_ps(label: str) -> list[str]:
+    """Names of all containers (running or not) with ``label``, as the docker CLI reports them."""
+    done = subprocess.run(
+        ["docker", "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.split()
+
+
+def start_threads_alive() -> bool:
+    return any(t.name.startswith("sandbox-start") and t.is_alive() for t in threading.enumerate())
+
+
+# ----------------------------------------------------------------------------- a scripted sandbox
+
+
+class ScriptedSandbox:
+    """Every command prints "ok"; ``start`` runs the test's ``on_start`` (wait for a condition, fail, ...).
+    ``events`` lists what happened, in order: start, started, run, stop."""
+
+    def __init__(self, spec: SandboxSpec, on_start):
+        self.spec = spec
+        self.workdir = "/scripted"
+        self.isolation = "scripted"
+        self.on_start = on_start
+        self.events: list[str] = []
+
+    def start(self) -> None:
+        self.events.append("start")
+        self.on_start()
+        self.events.append("started")
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        self.events.append("run")
+        return ExecResult(output="ok\n", exit_code=0)
+
+    def stop(self) -> None:
+        self.events.append("stop")
+
+
+class Scripted:
+    """Replaces the runner's ``create_sandbox``: every prompt gets a ScriptedSandbox running ``on_start``."""
+
+    def __init__(self) -> None:
+        self.on_start = lambda: None
+        self.boxes: list[ScriptedSandbox] = []
+
+    def create(self, name: str, spec: SandboxSpec, options=None) -> ScriptedSandbox:
+        box = ScriptedSandbox(spec, lambda: self.on_start())
+        self.boxes.append(box)
+        return box
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Scripted:
+    s = Scripted()
+    monkeypatch.setattr(runner_mod, "create_sandbox", s.create)
+    return s
+
+
+@pytest.fixture
+def server():
+    with FakeModelServer(latency_s=0) as srv:
+        yield srv
+
+
+def settings_for(server: FakeModelServer, backend: str = "scripted", **kw) -> RunSettings:
+    return RunSettings(
+        run_name="overlap",
+        llm=LLMConfig(model="fake", base_url=server.base_url, api_key="sk-overlap"),
+        limits=LoopLimits(max_turns=6, prompt_timeout_s=120, tool_timeout_s=60),
+        sandbox_backend=backend,
+        **kw,
+    )
+
+
+def job(prompt: str, index: int = 0, image: str | None = None) -> PromptJob:
+    return PromptJob(batch_num=0, prompt_index=index, prompt=prompt, toolsets=("terminal",), image=image)
+
+
+# ----------------------------------------------------------------------------- the start overlaps the first model call
+
+
+def test_the_first_model_call_goes_out_before_the_sandbox_start_finishes(server, scripted):
+    finished_at: list[float] = []
+
+    def start() -> None:
+        # This start can only finish once the endpoint has seen the prompt's first model call; a runner
+        # that waited for the start before calling the model would never get there.
+        if not wait_for(lambda: server.stats()["requests"] >= 1):
+            raise SandboxError("the model was not called while the sandbox was starting")
+        finished_at.append(time.time())
+
+    scripted.on_start = start
+    settings = settings_for(server)
+    outcome = run_prompt(job("overlap please [calls:1]"), settings, LLMClient(settings.llm))
+    assert outcome["kind"] == "trajectory", outcome.get("error")
+    assert server.stats()["first_request_at"] < finished_at[0]
+    (box,) = scripted.boxes
+    assert box.events == ["start", "started", "run", "stop"]  # the tool call ran on the started sandbox
+    meta = outcome["record"]["metadata"]
+    assert meta["isolation"] == "scripted"
+    assert meta["sandbox_start_blocked_s"] >= 0
+    for key in ("sandbox_start_wait_s", "sandbox_start_s", "sandbox_stop_s"):
+        assert isinstance(meta[key], float)
+    assert "sandbox_stop_background" not in meta  # no stopper given: stopped before returning
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (SandboxError("image is gone"), "image is gone"),
+        (RuntimeError("engine bug"), "RuntimeError: engine bug"),
+    ],
+)
+def test_a_failed_background_start_fails_the_prompt_with_error_class_sandbox(
+    server, scripted, error, message
+):
+    def start() -> None:
+        raise error
+
+    scripted.on_start = start
+    settings = settings_for(server)
+    outcome = run_prompt(job("needs a shell [calls:1]"), settings, LLMClient(settings.llm))
+    assert outcome["kind"] == "failed"
+    assert outcome["error_class"] == "sandbox"
+    assert message in outcome["error"]
+    assert outcome["usage"]["requests"] == 1  # the first model call overlapped the start
+    (box,) = scripted.boxes
+    assert box.events == ["start", "stop"]  # stop() also after a failed start: it may have created something
+
+
+def test_the_local_backend_still_starts_before_any_model_call(server, scripted):
+    """Local starts in ~1 ms: it stays synchronous, so a failed local start costs no model call."""
+
+    def start() -> None:
+        raise SandboxError("no room for the working directory")
+
+    scripted.on_start = start
+    settings = settings_for(server, backend="local")
+    outcome = run_prompt(job("local [calls:1]"), settings, LLMClient(settings.llm))
+    assert outcome["kind"] == "failed" and outcome["error_class"] == "sandbox"
+    assert server.stats()["requests"] == 0
+    assert not start_threads_alive()
+
+
+# ----------------------------------------------------------------------------- prompts that never call a tool
+
+
+def test_a_prompt_without_tool_calls_never_starts_a_sandbox_still_waiting_for_a_slot(server, scripted):
+    slots = threading.BoundedSemaphore(1)
+    slots.acquire()  # every start-up slot is taken
+    settings = settings_for(server)
+    outcome = run_prompt(job("no tools [calls:0]"), settings, LLMClient(settings.llm), sandbox_starts=slots)
+    assert outcome["kind"] == "trajectory"
+    slots.release()
+    assert wait_for(lambda: not start_threads_alive())  # the start got its slot and found the prompt gone
+    (box,) = scripted.boxes
+    assert box.events == []
+    meta = outcome["record"]["metadata"]
+    assert meta["sandbox_start_s"] == 0.0 and meta["sandbox_start_blocked_s"] == 0.0
+
+
+def test_a_prompt_without_tool_calls_reports_at_once_and_its_sandbox_is_stopped_after_its_start(
+    server, scripted
+):
+    gate = threading.Event()
+    scripted.on_start = lambda: gate.wait(GATE_S)
+    order: list[str] = []
+    stopper = BackgroundStopper(
+        threads=1,
+        max_pending=4,
+        on_queued=lambda: order.append("queued"),
+        on_done=lambda: order.append("done"),
+    )
+    settings = settings_for(server)
+    outcome = run_prompt(
+        job("no tools [calls:0]"), settings, LLMClient(settings.llm), stop_in_background=stopper.submit
+    )
+    returned_while_starting = not gate.is_set()
+    gate.set()
+    assert stopper.drain(GATE_S)
+    assert returned_while_starting  # neither the start nor the stop held the outcome back
+    assert outcome["kind"] == "trajectory"
+    assert outcome["record"]["metadata"]["sandbox_stop_background"] is True
+    (box,) = scripted.boxes
+    assert box.events == ["start", "started", "stop"]  # the stop waited for the start
+    assert order == ["queued", "done"]
+
+
+# ----------------------------------------------------------------------------- the building blocks
+
+
+def test_background_start_waits_in_run_workdir_and_isolation():
+    gate = threading.Event()
+    box = ScriptedSandbox(SandboxSpec("overlap", 3), lambda: gate.wait(GATE_S))
+    wrapped = BackgroundStart(box)
+    assert wrapped.spec.prompt_index == 3  # the spec needs no start
+    wrapped.start()
+    results: list = []
+    reader = threading.Thread(target=lambda: results.append((wrapped.workdir, wrapped.run("x", timeout_s=5))))
+    reader.start()
+    assert wait_for(lambda: box.events == ["start"])
+    assert results == []  # still waiting for the start
+    gate.set()
+    reader.join(GATE_S)
+    assert results and results[0][0] == "/scripted" and results[0][1].output == "ok\n"
+    assert wrapped.isolation == "scripted"
+    assert box.events == ["start", "started", "run"]
+    wrapped.stop()
+    wrapped.stop()  # idempotent
+    assert box.events[-1] == "stop"
+
+
+def test_a_stopper_that_is_full_makes_the_next_hand_off_wait():
+    release = threading.Event()
+    stopper = BackgroundStopper(threads=1, max_pending=1)
+    stopper.submit(lambda: release.wait(GATE_S))
+    second = threading.Thread(target=stopper.submit, args=(lambda: None,))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and stopper.pending == 1  # waiting for room
+    release.set()
+    second.join(GATE_S)
+    assert stopper.drain(GATE_S) and stopper.pending == 0
+
+
+# ----------------------------------------------------------------------------- real Docker
+
+
+@pytest.mark.docker
+def test_docker_prompts_with_and_without_tools_and_a_failed_start_leave_no_container(
+    server, docker_test_image
+):
+    run_name = f"overlap-{os.getpid()}"
+    settings = dataclasses.replace(
+        settings_for(server, backend="docker", sandbox_options={"default_image": docker_test_image}),
+        run_name=run_name,
+    )
+    llm = LLMClient(settings.llm)
+    stopper = BackgroundStopper(threads=2, max_pending=8)
+    try:
+        used = run_prompt(job("list files [calls:1]", 0), settings, llm, stop_in_background=stopper.submit)
+        unused = run_prompt(job("just answer [calls:0]", 1), settings, llm, stop_in_background=stopper.submit)
+        failed = run_prompt(
+            job("shell in a missing image [calls:1]", 2, image="does-not-exist-br:never"),
+            settings,
+            llm,
+            stop_in_background=stopper.submit,
+        )
+        synchronous = run_prompt(job("list files [calls:1]", 3), settings, llm)  # no stopper: stops here
+    finally:
+        assert stopper.drain(120)
+    assert docker_ps(f"batch_runner.run_name={run_name}") == []
+    assert used["kind"] == "trajectory", used.get("error")
+    meta = used["record"]["metadata"]
+    assert meta["isolation"] == "docker" and meta["sandbox_stop_background"] is True
+    assert meta["sandbox_start_s"] > 0 and meta["sandbox_start_blocked_s"] >= 0
+    assert unused["kind"] == "trajectory"
+    assert failed["kind"] == "failed" and failed["error_class"] == "sandbox"
+    assert "does-not-exist-br:never" in failed["error"]
+    assert synchronous["kind"] == "trajectory"
+    assert "sandbox_stop_background" not in synchronous["record"]["metadata"]
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_a_docker_run_ends_with_no_container_of_its_own(server, docker_test_image, tmp_path, monkeypatch):
+    """The runner waits for the workers' background stops before ending them: no container is left even
+    without the after-run cleanup (disabled here), which only catches what dead workers leave."""
+    swept: list[bool] = []
+    monkeypatch.setattr(
+        batch_runner.BatchRunner, "remove_leftover_sandboxes", lambda self: swept.append(True)
+    )
+    run_name = f"overlap-run-{os.getpid()}"
+    prompts = [f"docker task {i} [calls:{i % 3}]" for i in range(10)]
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    assert (
+        batch_runner.main(
+            dataset_file=str(dataset),
+            batch_size=3,
+            run_name=run_name,
+            model="fake",
+            base_url=server.base_url,
+            api_key="sk-overlap",
+            output_dir=str(tmp_path / "data"),
+            num_workers=2,
+            prompts_per_worker=3,
+            max_sandbox_starts=2,
+            distribution="terminal_only",
+            sandbox="docker",
+            default_image=docker_test_image,
+            max_failure_rate=1.0,
+        )
+        is None
+    )
+    assert swept == [True]
+    assert docker_ps(f"batch_runner.run_name={run_name}") == []
+    records = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
+    failed = read_jsonl(tmp_path / "data" / run_name / "failed.jsonl")
+    assert len(records) + len(failed) == len(prompts)
+    # This machine's engine fails an odd container start under load; that must be a sandbox failure.
+    assert all(f["error_class"] == "sandbox" for f in failed), failed
+    assert len(records) >= len(prompts) // 2, failed
+    for rec in records:
+        meta = rec["metadata"]
+        assert meta["sandbox"] == "docker" and meta["sandbox_stop_background"] is True
+        assert meta["sandbox_start_blocked_s"] >= 0
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_ctrl_c_during_a_docker_run_leaves_no_container(docker_test_image, tmp_path):
+    run_name = f"overlap-int-{os.getpid()}"
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", [f"slow docker task {i} [calls:3]" for i in range(12)])
+    with FakeModelServer(latency_s=0.5) as slow:
+        proc = subprocess.Popen(
+            [
+                sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=3",
+                f"--run_name={run_name}", "--model=fake", f"--base_url={slow.base_url}", "--api_key=sk-overlap",
+                f"--output_dir={tmp_path / 'data'}", "--num_workers=2", "--prompts_per_worker=3",
+                "--distribution=terminal_only", "--sandbox=docker", f"--default_image={docker_test_image}",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            assert wait_for(lambda: docker_ps(f"batch_runner.run_name={run_name}"), timeout=120, step=0.2)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 130, err
+    assert docker_ps(f"batch_runner.run_name={run_name}") == []
