@@ -24,10 +24,11 @@ from agent.sandboxes.base import SandboxError, SandboxSpec
 RUN = f"backends-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may share this Docker engine
 
 
-def docker_ps(label: str) -> list[str]:
-    """Names of all containers (running or not) with ``label``, as the docker CLI reports them."""
+def docker_ps(*labels: str) -> list[str]:
+    """Names of all containers (running or not) with every one of ``labels``, as the docker CLI reports them."""
+    filters = [arg for label in labels for arg in ("--filter", f"label={label}")]
     done = subprocess.run(
-        ["docker", "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
+        ["docker", "ps", "-a", *filters, "--format", "{{.Names}}"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return done.stdout.split()
@@ -80,6 +81,60 @@ def test_docker_failed_start_leaves_no_container(docker_test_image: str):
         box.start()
     box.stop()
     assert docker_ps(f"batch_runner.run_name={RUN}") == []
+
+
+@pytest.mark.docker
+def test_docker_start_that_keeps_failing_gives_up_and_leaves_no_container(docker_test_image: str):
+    from agent.sandboxes.docker import START_ATTEMPTS, DockerSandbox
+
+    index = 31
+    box = DockerSandbox(
+        SandboxSpec(RUN, index), default_image=docker_test_image, network_mode="no-such-network"
+    )
+    with pytest.raises(SandboxError, match=f"did not start \\({START_ATTEMPTS} attempts\\)"):
+        box.start()
+    box.stop()
+    assert docker_ps(f"batch_runner.run_name={RUN}", f"batch_runner.prompt_index={index}") == []
+
+
+@pytest.mark.docker
+def test_docker_start_failing_once_is_tried_again(docker_test_image: str, monkeypatch: pytest.MonkeyPatch):
+    """The engine's error is faked at docker-py's Container.start (the narrowest seam); the retry is real."""
+    from docker.errors import APIError
+    from docker.models.containers import Container
+
+    from agent.sandboxes.docker import DockerSandbox
+
+    real_start, failed = Container.start, []
+
+    def flaky_start(self, **kwargs):
+        if not failed:
+            failed.append(self.id)
+            raise APIError("error reopening /dev/null inside container: no such file or directory")
+        return real_start(self, **kwargs)
+
+    monkeypatch.setattr(Container, "start", flaky_start)
+    box = DockerSandbox(SandboxSpec(RUN, 32), default_image=docker_test_image)
+    box.start()
+    try:
+        assert box.run("echo up", timeout_s=30).output == "up\n"
+        assert failed and failed[0] != box.container_id  # the failed container was replaced ...
+        names = docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=32")
+        assert len(names) == 1  # ... and removed
+    finally:
+        box.stop()
+
+
+@pytest.mark.docker
+def test_docker_container_dead_before_its_first_command_is_replaced(docker_box):
+    box = docker_box(index=33)
+    first = box.container_id
+    subprocess.run(["docker", "kill", first], capture_output=True, check=True)
+    res = box.run("echo alive", timeout_s=30)
+    assert (res.output, res.exit_code) == ("alive\n", 0) and box.container_id != first
+    subprocess.run(["docker", "kill", box.container_id], capture_output=True, check=True)
+    with pytest.raises(SandboxError):  # after a command ran, a dead container fails the prompt
+        box.run("echo again", timeout_s=30)
 
 
 @pytest.mark.docker
@@ -422,6 +477,7 @@ def test_bwrap_command_env_matches_unisolated_and_hides_the_server(bwrap_box, tm
     plain = LocalSandbox(SandboxSpec(RUN, 1), isolation="none", base_dir=str(tmp_path))
     plain.start()
     try:
+
         def names(box) -> set[str]:
             return {line.split("=", 1)[0] for line in box.run("env", timeout_s=20).output.splitlines()}
 
@@ -495,7 +551,10 @@ def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: P
     victim = subprocess.Popen(["sleep", "30"])
     try:
         done = subprocess.run(
-            [*_CommandServer.argv(str(tmp_path)), "READY"], input=b"1 tok 0\n", capture_output=True, timeout=20
+            [*_CommandServer.argv(str(tmp_path)), "READY"],
+            input=b"1 tok 0\n",
+            capture_output=True,
+            timeout=20,
         )
         assert done.returncode == 97
         assert b"not in its own PID namespace" in done.stderr and b"READY" not in done.stdout

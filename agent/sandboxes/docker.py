@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from docker.errors import DockerException, ImageNotFound, NotFound
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from agent.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner, kill_argv, new_exec_token, wrapped_argv
 from agent.sandboxes.base import (
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 DEFAULT_IMAGE = "batch-runner-test:latest"
 DEFAULT_WORKDIR = "/workspace"
 KEEPALIVE = ["sh", "-c", "while :; do sleep 3600; done"]  # portable: not every sleep accepts "infinity"
+START_ATTEMPTS = 3  # containers tried per start before the prompt fails
+START_RETRY_PAUSE_S = 0.25  # times the attempt number, between attempts
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class DockerSandbox:
         self.workdir = posixpath.join(DEFAULT_WORKDIR, spec.cwd) if spec.cwd else DEFAULT_WORKDIR
         self.isolation = "docker"
         self.container_id: str | None = None
+        self._commands = 0  # commands run in the current container
 
     def start(self) -> None:
         opts, spec = self.options, self.spec
@@ -106,45 +109,73 @@ class DockerSandbox:
         slots = _start_slots.setdefault(
             opts.max_concurrent_starts, threading.BoundedSemaphore(opts.max_concurrent_starts)
         )
-        with slots:
-            try:
-                container = docker_client().containers.create(
-                    self.image,
-                    entrypoint=KEEPALIVE,
-                    command=[],
-                    name=f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}",
-                    labels=labels,
-                    working_dir=self.workdir,  # created by Docker when the image lacks it
-                    environment=dict(spec.env),
-                    init=opts.init,
-                    network_mode=opts.network_mode if spec.network else "none",
-                    **limits,
-                )
-                self.container_id = container.id  # from here on, stop() removes it whatever happens next
-                container.start()
-            except ImageNotFound as exc:
-                raise SandboxError(
-                    f"docker image {self.image!r} is not available locally: {exc.explanation}"
-                ) from exc
-            except DockerException as exc:
-                raise SandboxError(
-                    f"docker container for prompt {spec.prompt_index} did not start: {exc}"
-                ) from exc
+        # An engine under heavy load sometimes fails a start it would do a moment later (runc's
+        # "error reopening /dev/null inside container", an exec before the container runs). Nothing
+        # of the prompt ran yet, so a fresh container is a safe retry.
+        for attempt in range(1, START_ATTEMPTS + 1):
+            with slots:
+                try:
+                    container = docker_client().containers.create(
+                        self.image,
+                        entrypoint=KEEPALIVE,
+                        command=[],
+                        name=f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}",
+                        labels=labels,
+                        working_dir=self.workdir,  # created by Docker when the image lacks it
+                        environment=dict(spec.env),
+                        init=opts.init,
+                        network_mode=opts.network_mode if spec.network else "none",
+                        **limits,
+                    )
+                    self.container_id = container.id  # from here on, stop() removes it whatever happens next
+                    container.start()
+                    self._commands = 0
+                    return
+                except ImageNotFound as exc:
+                    raise SandboxError(
+                        f"docker image {self.image!r} is not available locally: {exc.explanation}"
+                    ) from exc
+                except DockerException as exc:
+                    self.stop()
+                    if attempt == START_ATTEMPTS:
+                        raise SandboxError(
+                            f"docker container for prompt {spec.prompt_index} did not start "
+                            f"({attempt} attempts): {exc}"
+                        ) from exc
+                    log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
+            time.sleep(START_RETRY_PAUSE_S * attempt)
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
-        api, token = docker_client().api, new_exec_token()
+        token = new_exec_token()
         try:
-            exec_id = api.exec_create(
-                self.container_id, wrapped_argv(command, token), stdin=True, workdir=self.workdir,
-                environment={EXEC_TAG_VAR: token},
-            )["Id"]  # fmt: skip
-            stream = api.exec_start(exec_id, socket=True)
+            exec_id, stream = self._exec(command, token)
+        except APIError as exc:
+            if not (self._commands == 0 and exc.status_code == 409):
+                raise SandboxError(
+                    f"docker exec failed in container of prompt {self.spec.prompt_index}: {exc}"
+                ) from exc
+            # The container died before its first command (a start the engine botched under load):
+            # nothing ran in it yet, so a new one is safe.
+            log.info(
+                "container of prompt %s is not running before its first command: %s",
+                self.spec.prompt_index,
+                exc,
+            )
+            self.stop()
+            self.start()
+            try:
+                exec_id, stream = self._exec(command, token)
+            except DockerException as exc2:
+                raise SandboxError(
+                    f"docker exec failed in container of prompt {self.spec.prompt_index}: {exc2}"
+                ) from exc2
         except DockerException as exc:
             raise SandboxError(
                 f"docker exec failed in container of prompt {self.spec.prompt_index}: {exc}"
             ) from exc
+        self._commands += 1
         sock: socket.socket = getattr(stream, "_sock", stream)
         threading.Thread(target=_send_stdin, args=(sock, stdin or b""), daemon=True).start()
         scanner = MarkerScanner(token, CappedBuffer(self.options.output_cap_bytes))
@@ -172,6 +203,14 @@ class DockerSandbox:
             pass
         except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
             log.warning("could not remove container %s: %s", container_id[:12], exc)
+
+    def _exec(self, command: str, token: str) -> tuple[str, object]:
+        api = docker_client().api
+        exec_id = api.exec_create(
+            self.container_id, wrapped_argv(command, token), stdin=True, workdir=self.workdir,
+            environment={EXEC_TAG_VAR: token},
+        )["Id"]  # fmt: skip
+        return exec_id, api.exec_start(exec_id, socket=True)
 
     def _kill_command(self, token: str) -> None:
         """SIGKILL, inside the container, every process of the command that carries ``token``."""

@@ -187,7 +187,7 @@ def _scan_socket_dirs() -> list[SocketDir]:
         parent, name = os.path.split(parts[7])
         wanted.setdefault(parent, set()).add(name)
     found: dict[str, SocketDir] = {}
-    for parent, names in wanted.items():
+    for parent in wanted:
         real = os.path.realpath(parent)  # /var/run and /run are one directory
         if real in found:
             continue
@@ -385,7 +385,7 @@ class _CommandServer:
         while not seen.endswith(want):
             chunk = self._read(deadline)
             if chunk is None:
-                return "no answer within {:g} s".format(timeout_s)
+                return f"no answer within {timeout_s:g} s"
             if not chunk:
                 text = seen.decode(errors="replace").strip()
                 return text or f"it exited with code {self.proc.wait()}"
@@ -414,7 +414,9 @@ class _CommandServer:
             self.proc.stdin.flush()
             while not scanner.done:
                 chunk = self._read(deadline)
-                if chunk is None:  # the deadline: end the namespace, and with it everything the command started
+                if (
+                    chunk is None
+                ):  # the deadline: end the namespace, and with it everything the command started
                     timed_out = True
                     self.kill()
                     self._drain(scanner, time.monotonic() + 1.0)
