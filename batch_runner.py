@@ -179,6 +179,21 @@ def _key(text: str) -> bytes:
 _WORKER: dict[str, Any] = {}
 
 
+FORKSERVER_PRELOAD = ["openai", "agent.runner", *PRELOAD_MODULES, *BUILTIN_TOOL_MODULES]
+
+
+def start_forkserver() -> None:
+    """Start the worker pool's forkserver now, so that its imports run while the parent works.
+
+    The pool made later in ``dispatch`` uses the same server. If nothing is dispatched, the server
+    exits with this process.
+    """
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+    forkserver.ensure_running()
+
+
 def _worker_init(
     settings: RunSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
 ) -> None:
@@ -526,6 +541,8 @@ class BatchRunner:
             self.unlock_run_dir()
 
     def run_locked(self) -> int:
+        if not self.opts.ray_address:
+            start_forkserver()  # its imports (~1 s) overlap with loading, the resume scan and preflight
         rows, problems = load_dataset(self.opts.dataset_file, self.opts.max_samples)
         self.report_bad_lines(problems)
         self.prepare_run_dir()
@@ -844,7 +861,7 @@ class BatchRunner:
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["openai", "agent.runner", *PRELOAD_MODULES, *BUILTIN_TOOL_MODULES])
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         if self.opts.ray_address:  # workers on any node of a Ray cluster: they report over TCP
             from agent.ray_pool import inbox_endpoint
 

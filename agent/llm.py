@@ -12,16 +12,12 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import openai
-
-try:  # the openai SDK's own HTTP library: httpx2 in current releases, httpx before
-    from httpx2 import Response as HTTPResponse
-except ImportError:  # pragma: no cover - older openai releases
-    from httpx import Response as HTTPResponse
+from typing import TYPE_CHECKING, Any
 
 from agent.limiter import Limiter, LimitTimeout, backoff_s
+
+if TYPE_CHECKING:
+    import openai
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 PROVIDER_SORTS = ("price", "throughput", "latency")
@@ -196,6 +192,21 @@ def record_usage(usage: Usage | None, resp: Any) -> None:
 RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
 
 
+def _sdk() -> tuple[Any, type]:
+    """The ``openai`` module and the HTTP response class of its HTTP library, imported on first use.
+
+    Importing the SDK takes about 0.6 s. The parent process needs it only for its endpoint check,
+    so it is not paid before the run starts, and meanwhile the workers' forkserver imports it.
+    """
+    import openai
+
+    try:  # the openai SDK's own HTTP library: httpx2 in current releases, httpx before
+        from httpx2 import Response
+    except ImportError:  # pragma: no cover - older openai releases
+        from httpx import Response
+    return openai, Response
+
+
 class LLMClient:
     """One per worker process: the SDK client holds a connection pool shared by the worker's threads.
 
@@ -207,6 +218,7 @@ class LLMClient:
     def __init__(self, cfg: LLMConfig, limiter: Limiter | None = None):
         self.cfg = cfg
         self.limiter = limiter or Limiter()
+        openai, self._response_class = _sdk()
         self._client = openai.OpenAI(
             base_url=cfg.base_url,
             api_key=cfg.api_key or NO_KEY,
@@ -231,6 +243,7 @@ class LLMClient:
             body["max_tokens"] = self.cfg.max_tokens
         body.update(self._extra_body)
         deadline = deadline if deadline is not None else time.monotonic() + 10 * self.cfg.request_timeout_s
+        openai, _ = _sdk()
         failures = rate_limited = 0
         while True:
             try:
@@ -247,7 +260,10 @@ class LLMClient:
                 # The SDK's low-level POST: its auth, timeouts and status errors, without the typed-params
                 # transform and response models (a third of a worker's CPU per prompt, measured).
                 raw = self._client.post(
-                    "/chat/completions", body=body, cast_to=HTTPResponse, options={"timeout": per_attempt}
+                    "/chat/completions",
+                    body=body,
+                    cast_to=self._response_class,
+                    options={"timeout": per_attempt},
                 )
                 data = raw.json()  # not JSON: ValueError, reported as bad_response below
                 turn = _parse_payload(data)
