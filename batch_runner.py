@@ -541,12 +541,12 @@ class BatchRunner:
             self.unlock_run_dir()
 
     def run_locked(self) -> int:
-        if not self.opts.ray_address:
-            start_forkserver()  # its imports (~1 s) overlap with loading, the resume scan and preflight
         rows, problems = load_dataset(self.opts.dataset_file, self.opts.max_samples)
         self.report_bad_lines(problems)
         self.prepare_run_dir()
         todo = self.resume_filter(rows) if self.opts.resume else rows
+        if todo and not self.opts.ray_address:
+            start_forkserver()  # its imports (~1 s) overlap with the parent's own and with preflight
         jobs = self.make_jobs(todo)
         self.print_plan(rows, jobs)
         jobs = self.preflight(jobs)
