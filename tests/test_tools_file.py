@@ -299,3 +299,16 @@ def test_write_reports_a_failed_write(sandbox):
     """/dev/full fails every write with ENOSPC, as a full disk does: the tool must say so."""
     result = call(sandbox, "write_file", path="/dev/full", content="x" * 100)
     assert "error" in result and "bytes_written" not in result
+
+
+@pytest.mark.parametrize(
+    ("tool", "args"),
+    [
+        ("read_file", {"path": "a\u0000b"}),
+        ("write_file", {"path": "a\u0000b", "content": "x"}),
+        ("search_files", {"pattern": "x\u0000"}),
+        ("search_files", {"pattern": "x", "file_glob": "*\u0000"}),
+    ],
+)
+def test_a_nul_character_in_a_path_or_pattern_is_the_model_s_error(sandbox, tool: str, args: dict):
+    assert "NUL" in call(sandbox, tool, **args)["error"]

@@ -105,3 +105,10 @@ def test_unknown_tool_and_invalid_json(sandbox):
     assert call_raw(sandbox, "shell", '{"command": "ls"}')["error"].startswith("Unknown tool 'shell'")
     assert "Invalid JSON" in call_raw(sandbox, "terminal", '{"command": ')["error"]
     assert "must be a JSON object" in call_raw(sandbox, "terminal", '["ls"]')["error"]
+
+
+def test_a_nul_character_in_the_command_is_the_model_s_error(sandbox):
+    """No shell can run it (a command line is a C string): the model is told, the prompt goes on."""
+    result = call(sandbox, "terminal", command="echo a\u0000b")
+    assert "NUL" in result["error"]
+    assert call(sandbox, "terminal", command="echo still here")["output"] == "still here\n"

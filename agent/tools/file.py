@@ -103,6 +103,8 @@ def _require_path(args: dict[str, Any]) -> str:
     path = args["path"]
     if not path:
         raise ToolArgumentError("path must not be empty")
+    if "\0" in path:
+        raise ToolArgumentError("path must not contain a NUL character")
     return path
 
 
@@ -313,6 +315,8 @@ def search_files(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     limit = _opt(args, "limit", 50)
     if not pattern:
         raise ToolArgumentError("pattern must not be empty")
+    if "\0" in pattern or "\0" in root or "\0" in (file_glob or ""):
+        raise ToolArgumentError("pattern and path must not contain a NUL character")
     if target not in ("content", "files"):
         raise ToolArgumentError(f"target must be 'content' or 'files', got {target!r}")
     if not 1 <= limit <= MAX_SEARCH_LIMIT:

@@ -15,6 +15,8 @@ def terminal(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     command = args["command"]
     if not command.strip():
         raise ToolArgumentError("command must not be empty")
+    if "\0" in command:  # no shell can run it: a command line is a C string
+        raise ToolArgumentError("command must not contain a NUL character")
     timeout = args.get("timeout")
     if timeout is not None and timeout < 1:
         raise ToolArgumentError("timeout must be a positive number of seconds")
