@@ -19,9 +19,11 @@ import os
 import queue
 import re
 import shlex
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -177,6 +179,15 @@ def _key(text: str) -> bytes:
 # ----------------------------------------------------------------------------- worker processes
 
 _WORKER: dict[str, Any] = {}
+
+
+LOCAL_SANDBOX_DIR_PREFIX = (
+    "batch-runner-"  # <tmp>/batch-runner-<run>-<pid>-<random>: one run's local sandboxes
+)
+
+
+def _safe_name(run_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
 
 
 FORKSERVER_PRELOAD = ["openai", "agent.runner", *PRELOAD_MODULES, *BUILTIN_TOOL_MODULES]
@@ -523,6 +534,7 @@ class BatchRunner:
         self.started = time.monotonic()
         self.pbar = None
         self.done_indices: set[int] | None = None
+        self.local_sandbox_dir: str | None = None  # this run's local sandboxes (see make_local_sandbox_dir)
         self.spend: collections.Counter[str] = collections.Counter()  # this run's usage, all outcomes
         self.budget_hit = False
         self.in_flight_total = 0
@@ -744,6 +756,8 @@ class BatchRunner:
         backend = self.settings.sandbox_backend
         if backend == "local":
             self.preflight_local(batches)
+            if batches and not self.opts.ray_address:
+                self.make_local_sandbox_dir()
             return batches
         if backend == "singularity":
             from agent.sandboxes.singularity import find_executable
@@ -972,8 +986,36 @@ class BatchRunner:
                 file=sys.stderr,
             )
 
+    def make_local_sandbox_dir(self) -> None:
+        """One directory holds this run's local sandboxes, so none outlives it.
+
+        The workers' sandboxes go under ``<tmp>/batch-runner-<run>-<pid>-<random>``. After the pool
+        ends (normally, on Ctrl-C or after a worker died mid-prompt) the parent removes it; one left
+        by a runner that was killed outright is removed by the next run of the same name, once its
+        pid is gone. (Ray workers may run on other machines: they keep their own temp dirs.)
+        """
+        prefix = f"{LOCAL_SANDBOX_DIR_PREFIX}{_safe_name(self.opts.run_name)}-"
+        leftover = re.compile(re.escape(prefix) + r"(\d+)-[A-Za-z0-9_]{8}")
+        removed = 0
+        for entry in os.scandir(tempfile.gettempdir()):
+            m = leftover.fullmatch(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+        if removed:
+            print(
+                f"Removed {removed} sandbox director(ies) left by an earlier run named {self.opts.run_name}"
+            )
+        self.local_sandbox_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+        options = {**self.settings.sandbox_options, "base_dir": self.local_sandbox_dir}
+        self.settings = dataclasses.replace(self.settings, sandbox_options=options)
+
     def remove_leftover_sandboxes(self) -> None:
-        """After the pool ends (normally, Ctrl-C or a crash of a worker): no container of ours survives."""
+        """After the pool ends (normally, Ctrl-C or a crash of a worker): no sandbox of ours survives."""
+        if self.local_sandbox_dir is not None:
+            # The workers are gone, and with them their bubblewrap namespaces (they die with their parent).
+            shutil.rmtree(self.local_sandbox_dir, ignore_errors=True)
+            self.local_sandbox_dir = None
         if self.settings.sandbox_backend != "docker":
             return
         from agent.sandboxes.docker_engine import remove_owned_containers

@@ -1,0 +1,97 @@
+"""The local backend's sandboxes live in one directory per run, which no way of ending a run leaves behind.
+
+Each test runs ``batch_runner.py`` as a user does (a subprocess, the real pool) with ``TMPDIR``
+pointing into the test's own directory, so what the run leaves in its temp dir is all there is to see.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import read_jsonl, write_jsonl
+
+from agent.fake_model import FakeModelServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_run(server: FakeModelServer, tmp_path: Path, prompts: list[str], *extra: str) -> subprocess.Popen:
+    dataset = tmp_path / "prompts.jsonl"
+    if not dataset.exists():
+        write_jsonl(dataset, prompts)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    argv = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=dirs", "--model=fake", f"--base_url={server.base_url}", "--api_key=sk-dirs",
+        f"--output_dir={tmp_path / 'data'}", "--num_workers=2", "--prompts_per_worker=2",
+        "--distribution=terminal_only", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    return subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def temp_entries(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "tmp").iterdir())
+
+
+def wait_for_sandboxes(tmp_path: Path, timeout: float = 60.0) -> list[Path]:
+    """Prompt sandboxes (br-dirs-<index>-...) inside the run's directory, once there are some."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list((tmp_path / "tmp").glob("batch-runner-dirs-*/br-dirs-*"))
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no sandbox appeared in {tmp_path / 'tmp'}: {temp_entries(tmp_path)}")
+
+
+def test_a_finished_run_leaves_no_sandbox_directory(tmp_path: Path):
+    with FakeModelServer(latency_s=0) as server:
+        proc = start_run(server, tmp_path, [f"task {i}" for i in range(6)])
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert len(read_jsonl(tmp_path / "data" / "dirs" / "trajectories.jsonl")) == 6
+    assert temp_entries(tmp_path) == []
+
+
+def test_ctrl_c_leaves_no_sandbox_directory(tmp_path: Path):
+    with FakeModelServer(latency_s=0.5) as server:
+        proc = start_run(server, tmp_path, [f"slow task {i} [calls:6]" for i in range(8)])
+        try:
+            wait_for_sandboxes(tmp_path)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 130, err
+    assert temp_entries(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_killed_runner_s_sandboxes_are_removed_by_the_next_run(tmp_path: Path):
+    prompts = [f"slow task {i} [calls:6]" for i in range(6)]
+    with FakeModelServer(latency_s=0.5) as server:
+        proc = start_run(server, tmp_path, prompts)
+        try:
+            wait_for_sandboxes(tmp_path)
+        finally:
+            proc.kill()  # SIGKILL: no cleanup at all; the workers die with it
+            proc.communicate(timeout=60)
+        left = [name for name in temp_entries(tmp_path) if name.startswith("batch-runner-dirs-")]
+        assert left, "the killed run left nothing to clean up: the test proves nothing"
+        proc = start_run(server, tmp_path, prompts, "--resume")
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert len(read_jsonl(tmp_path / "data" / "dirs" / "trajectories.jsonl")) == len(prompts)
+    # multiprocessing's own pymp-* directory of the killed runner stays: it is Python's, not a sandbox
+    assert [name for name in temp_entries(tmp_path) if not name.startswith("pymp-")] == []
