@@ -1013,8 +1013,13 @@ class BatchRunner:
     def remove_leftover_sandboxes(self) -> None:
         """After the pool ends (normally, Ctrl-C or a crash of a worker): no sandbox of ours survives."""
         if self.local_sandbox_dir is not None:
-            # The workers are gone, and with them their bubblewrap namespaces (they die with their parent).
-            shutil.rmtree(self.local_sandbox_dir, ignore_errors=True)
+            # The workers are gone, and their bubblewrap namespaces die with them (SIGKILL, from the
+            # kernel); a process still dying may write a last file: try again a few times.
+            for attempt in range(5):
+                shutil.rmtree(self.local_sandbox_dir, ignore_errors=True)
+                if not os.path.exists(self.local_sandbox_dir):
+                    break
+                time.sleep(0.1 * (attempt + 1))
             self.local_sandbox_dir = None
         if self.settings.sandbox_backend != "docker":
             return
