@@ -37,6 +37,7 @@ from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
 from agent.sandbox_lifecycle import BackgroundStopper
 from agent.sandboxes import BACKENDS, SandboxSpec, create_sandbox
+from agent.sandboxes.local import safe_run_name
 from agent.storage import (
     append_jsonl,
     batch_files,
@@ -181,15 +182,8 @@ def _key(text: str) -> bytes:
 _WORKER: dict[str, Any] = {}
 
 
-LOCAL_SANDBOX_DIR_PREFIX = (
-    "batch-runner-"  # <tmp>/batch-runner-<run>-<pid>-<random>: one run's local sandboxes
-)
-
-
-def _safe_name(run_name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
-
-
+# <tmp>/batch-runner-<run>-<pid>-<random>: one run's local sandboxes
+LOCAL_SANDBOX_DIR_PREFIX = "batch-runner-"
 FORKSERVER_PRELOAD = ["openai", "agent.runner", *PRELOAD_MODULES, *BUILTIN_TOOL_MODULES]
 
 
@@ -875,7 +869,6 @@ class BatchRunner:
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         if self.opts.ray_address:  # workers on any node of a Ray cluster: they report over TCP
             from agent.ray_pool import inbox_endpoint
 
@@ -902,6 +895,7 @@ class BatchRunner:
                 inbox.close()
                 raise UsageError(str(exc)) from None
         else:
+            start_forkserver()  # started already by run_locked when it had prompts: then a no-op
             pool = ctx.Pool(self.opts.num_workers, initializer=_worker_init, initargs=initargs)
         previous_term = signal.signal(signal.SIGTERM, _interrupt)
         try:
@@ -994,7 +988,7 @@ class BatchRunner:
         by a runner that was killed outright is removed by the next run of the same name, once its
         pid is gone. (Ray workers may run on other machines: they keep their own temp dirs.)
         """
-        prefix = f"{LOCAL_SANDBOX_DIR_PREFIX}{_safe_name(self.opts.run_name)}-"
+        prefix = f"{LOCAL_SANDBOX_DIR_PREFIX}{safe_run_name(self.opts.run_name)}-"
         leftover = re.compile(re.escape(prefix) + r"(\d+)-[A-Za-z0-9_]{8}")
         removed = 0
         for entry in os.scandir(tempfile.gettempdir()):

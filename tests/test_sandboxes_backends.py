@@ -551,7 +551,7 @@ def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: P
     victim = subprocess.Popen(["sleep", "30"])
     try:
         done = subprocess.run(
-            [*_CommandServer.argv(str(tmp_path)), "READY"],
+            _CommandServer.argv(str(tmp_path), "READY"),
             input=b"1 tok 0\n",
             capture_output=True,
             timeout=20,

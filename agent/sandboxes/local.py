@@ -112,6 +112,11 @@ _SYSTEM_DIRS = (
 _SYSTEM_ROOTS = ("/home", "/root", "/var", "/run", "/opt", "/srv", "/mnt", "/media", "/tmp")
 
 
+def safe_run_name(run_name: str) -> str:
+    """The run name as it appears in temporary directory names: file-name characters, at most 40."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
+
+
 def _is_within(path: str, directory: str) -> bool:
     path, directory = os.path.realpath(path), os.path.realpath(directory)
     return path == directory or path.startswith(directory.rstrip("/") + "/")
@@ -179,18 +184,18 @@ def _scan_socket_dirs() -> list[SocketDir]:
             lines = f.read().splitlines()[1:]
     except OSError:
         return []
-    wanted: dict[str, set[str]] = {}
+    bound: dict[str, set[str]] = {}  # real directory -> names of the sockets bound in it
     for line in lines:
         parts = line.split(None, 7)
         if len(parts) < 8 or not parts[7].startswith("/"):
             continue  # unbound, or abstract (@name): those go with the network namespace
         parent, name = os.path.split(parts[7])
-        wanted.setdefault(parent, set()).add(name)
+        bound.setdefault(parent, set()).add(name)
+    by_real: dict[str, set[str]] = {}
+    for parent, names in bound.items():  # /var/run and /run are one directory
+        by_real.setdefault(os.path.realpath(parent), set()).update(names)
     found: dict[str, SocketDir] = {}
-    for parent in wanted:
-        real = os.path.realpath(parent)  # /var/run and /run are one directory
-        if real in found:
-            continue
+    for real, names in by_real.items():
         try:
             entries = list(os.scandir(real))
         except OSError:
@@ -202,9 +207,10 @@ def _scan_socket_dirs() -> list[SocketDir]:
                     sockets.add(entry.name)
             except OSError:
                 continue
-        bound = set().union(*(n for p, n in wanted.items() if os.path.realpath(p) == real)) & sockets
-        if bound:
-            found[real] = SocketDir(real, tuple(sorted(bound)), only_sockets=len(sockets) == len(entries))
+        if names & sockets:
+            found[real] = SocketDir(
+                real, tuple(sorted(names & sockets)), only_sockets=len(sockets) == len(entries)
+            )
     return sorted(found.values(), key=lambda d: d.path)
 
 
@@ -227,9 +233,9 @@ class LocalSandbox:
     def start(self) -> None:
         if self.isolation == "bwrap" and bwrap_problem():
             raise SandboxError(f"local sandbox: isolation 'bwrap' was requested but {bwrap_problem()}")
-        safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.spec.run_name)[:40]
         self._root = tempfile.mkdtemp(
-            prefix=f"br-{safe_name}-{self.spec.prompt_index}-", dir=self.options.base_dir
+            prefix=f"br-{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
+            dir=self.options.base_dir,
         )
         os.mkdir(os.path.join(self._root, "tmp"))
         # An absolute cwd is a host path (shared by prompts that name it); a relative one lives in the private dir.
@@ -288,9 +294,8 @@ class LocalSandbox:
         assert self._root is not None
         for attempt in range(3):
             prefix = self._bwrap_prefix(fresh_sockets=attempt > 0)  # a masked socket may have gone since
-            argv = [*prefix, *_CommandServer.argv(os.path.join(self._root, "ctl"))]
-            server = _CommandServer(argv, env=self._env(), cwd=self.workdir, root=self._root,
-                                    output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
+            server = _CommandServer(prefix, ctl=os.path.join(self._root, "ctl"), env=self._env(),
+                                    cwd=self.workdir, output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None:
                 return server
@@ -356,16 +361,19 @@ class _CommandServer:
     """One prompt's bubblewrap namespace with a shell that runs its commands one by one."""
 
     @staticmethod
-    def argv(ctl: str) -> list[str]:
-        return [_shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell()]
+    def argv(ctl: str, ready: str) -> list[str]:
+        """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests."""
+        return [_shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready]
 
-    def __init__(self, argv: list[str], *, env: dict[str, str], cwd: str, root: str, output_cap_bytes: int):
-        self.ctl = os.path.join(root, "ctl")
+    def __init__(
+        self, bwrap_prefix: list[str], *, ctl: str, env: dict[str, str], cwd: str, output_cap_bytes: int
+    ):
+        self.ctl = ctl
         self.output_cap_bytes = output_cap_bytes
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
         self.proc = subprocess.Popen(
-            [*argv, self._ready], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [*bwrap_prefix, *self.argv(ctl, self._ready)], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._out = self.proc.stdout.fileno()
@@ -414,9 +422,7 @@ class _CommandServer:
             self.proc.stdin.flush()
             while not scanner.done:
                 chunk = self._read(deadline)
-                if (
-                    chunk is None
-                ):  # the deadline: end the namespace, and with it everything the command started
+                if chunk is None:  # the deadline: end the namespace, and everything the command started
                     timed_out = True
                     self.kill()
                     self._drain(scanner, time.monotonic() + 1.0)
