@@ -218,8 +218,8 @@ class LLMClient:
     def __init__(self, cfg: LLMConfig, limiter: Limiter | None = None):
         self.cfg = cfg
         self.limiter = limiter or Limiter()
-        openai, self._response_class = _sdk()
-        self._client = openai.OpenAI(
+        self._openai, self._response_class = _sdk()
+        self._client = self._openai.OpenAI(
             base_url=cfg.base_url,
             api_key=cfg.api_key or NO_KEY,
             max_retries=0,
@@ -243,7 +243,7 @@ class LLMClient:
             body["max_tokens"] = self.cfg.max_tokens
         body.update(self._extra_body)
         deadline = deadline if deadline is not None else time.monotonic() + 10 * self.cfg.request_timeout_s
-        openai, _ = _sdk()
+        openai = self._openai  # for its exception classes below
         failures = rate_limited = 0
         while True:
             try:

@@ -93,7 +93,7 @@ class DockerSandbox:
         self.workdir = posixpath.join(DEFAULT_WORKDIR, spec.cwd) if spec.cwd else DEFAULT_WORKDIR
         self.isolation = "docker"
         self.container_id: str | None = None
-        self._commands = 0  # commands run in the current container
+        self._used = False  # whether a command ran in the current container
 
     def start(self) -> None:
         opts, spec = self.options, self.spec
@@ -129,7 +129,7 @@ class DockerSandbox:
                     )
                     self.container_id = container.id  # from here on, stop() removes it whatever happens next
                     container.start()
-                    self._commands = 0
+                    self._used = False
                     return
                 except ImageNotFound as exc:
                     raise SandboxError(
@@ -149,33 +149,28 @@ class DockerSandbox:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
         token = new_exec_token()
-        try:
-            exec_id, stream = self._exec(command, token)
-        except APIError as exc:
-            if not (self._commands == 0 and exc.status_code == 409):
-                raise SandboxError(
-                    f"docker exec failed in container of prompt {self.spec.prompt_index}: {exc}"
-                ) from exc
-            # The container died before its first command (a start the engine botched under load):
-            # nothing ran in it yet, so a new one is safe.
-            log.info(
-                "container of prompt %s is not running before its first command: %s",
-                self.spec.prompt_index,
-                exc,
-            )
-            self.stop()
-            self.start()
+        for attempt in (1, 2):
             try:
                 exec_id, stream = self._exec(command, token)
-            except DockerException as exc2:
-                raise SandboxError(
-                    f"docker exec failed in container of prompt {self.spec.prompt_index}: {exc2}"
-                ) from exc2
-        except DockerException as exc:
-            raise SandboxError(
-                f"docker exec failed in container of prompt {self.spec.prompt_index}: {exc}"
-            ) from exc
-        self._commands += 1
+                break
+            except DockerException as exc:
+                # A container dead before its first command (a start the engine botched under load)
+                # ran nothing of the prompt yet: a new one is safe, once.
+                dead_before_first = (
+                    attempt == 1 and not self._used and isinstance(exc, APIError) and exc.status_code == 409
+                )
+                if not dead_before_first:
+                    raise SandboxError(
+                        f"docker exec failed in container of prompt {self.spec.prompt_index}: {exc}"
+                    ) from exc
+                log.info(
+                    "container of prompt %s is not running before its first command: %s",
+                    self.spec.prompt_index,
+                    exc,
+                )
+                self.stop()
+                self.start()
+        self._used = True
         sock: socket.socket = getattr(stream, "_sock", stream)
         threading.Thread(target=_send_stdin, args=(sock, stdin or b""), daemon=True).start()
         scanner = MarkerScanner(token, CappedBuffer(self.options.output_cap_bytes))
