@@ -253,6 +253,16 @@ def sandbox(request, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- run-directory helpers (plain functions)
 
 
+def docker_ps(*labels: str) -> list[str]:
+    """Names of all containers (running or not) with every one of ``labels``, as the docker CLI reports them."""
+    filters = [arg for label in labels for arg in ("--filter", f"label={label}")]
+    done = subprocess.run(
+        ["docker", "ps", "-a", *filters, "--format", "{{.Names}}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.split()
+
+
 def write_jsonl(path: Path, prompts: list[str]) -> Path:
     """A dataset of one ``{"prompt": ...}`` row per prompt."""
     path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts), "utf-8")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_jsonl, write_jsonl
+from conftest import docker_ps, read_jsonl, write_jsonl
 
 import agent.runner as runner_mod
 import batch_runner
@@ -42,17 +42,6 @@ def wait_for(predicate, timeout: float = GATE_S, step: float = 0.02):
             return value
         time.sleep(step)
     return predicate()
-
-
-def docker_ps(label: str) -> list[str]:
-    """Names of all containers (running or not) with ``label``, as the docker CLI reports them."""
-    done = subprocess.run(
-        ["docker", "ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return done.stdout.split()
 
 
 def start_threads_alive() -> bool:

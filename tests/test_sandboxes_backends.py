@@ -17,21 +17,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import docker_ps
 
 from agent.sandboxes import BACKENDS, create_sandbox
 from agent.sandboxes.base import SandboxError, SandboxSpec
 
 RUN = f"backends-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may share this Docker engine
-
-
-def docker_ps(*labels: str) -> list[str]:
-    """Names of all containers (running or not) with every one of ``labels``, as the docker CLI reports them."""
-    filters = [arg for label in labels for arg in ("--filter", f"label={label}")]
-    done = subprocess.run(
-        ["docker", "ps", "-a", *filters, "--format", "{{.Names}}"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return done.stdout.split()
 
 
 # ============================================================================ Docker
