@@ -316,7 +316,7 @@ def search_files(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     if not pattern:
         raise ToolArgumentError("pattern must not be empty")
     if "\0" in pattern or "\0" in root or "\0" in (file_glob or ""):
-        raise ToolArgumentError("pattern and path must not contain a NUL character")
+        raise ToolArgumentError("pattern, path and file_glob must not contain a NUL character")
     if target not in ("content", "files"):
         raise ToolArgumentError(f"target must be 'content' or 'files', got {target!r}")
     if not 1 <= limit <= MAX_SEARCH_LIMIT:
