@@ -17,21 +17,20 @@ machine is shared.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from throughput import become_subreaper, children_cpu_s, reap_descendants  # noqa: E402
 
 from agent.sandboxes.base import SandboxSpec  # noqa: E402
 from agent.sandboxes.local import LocalSandbox, bwrap_problem  # noqa: E402
 from agent.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets  # noqa: E402
 
-PR_SET_CHILD_SUBREAPER = 36
 OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
 CALLS = [
     ("terminal", lambda i: {"command": f"echo slug{i} && pwd"}),
@@ -42,17 +41,7 @@ CALLS = [
 
 def _cpu() -> tuple[float, float]:
     me = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
-
-
-def _reap() -> None:
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
+    return me.ru_utime + me.ru_stime, children_cpu_s()
 
 
 def run(prompts: int, calls: int, isolation: str, base_dir: str | None) -> tuple[float, float]:
@@ -69,8 +58,7 @@ def run(prompts: int, calls: int, isolation: str, base_dir: str | None) -> tuple
                     raise SystemExit(f"{name} failed: {out['error']}")
         finally:
             box.stop()
-    time.sleep(0.2)  # orphans bwrap left finish and are reaped by us, the subreaper
-    _reap()
+    reap_descendants(exclude=set())  # orphans bwrap left finish and are reaped by us, the subreaper
     own1, kids1 = _cpu()
     return (own1 - own0) / prompts * 1000, (kids1 - kids0) / prompts * 1000
 
@@ -83,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.isolation == "bwrap" and bwrap_problem():
         raise SystemExit(f"bubblewrap: {bwrap_problem()}")
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    become_subreaper()
     run(5, len(CALLS), args.isolation, args.base_dir)  # warm-up: imports, the first tool call's set-up
     print(
         f"{args.prompts} prompts per line, local sandbox, isolation {args.isolation}, "
