@@ -52,11 +52,6 @@ class BackgroundStart:
     def blocked_s(self) -> float:
         return round(self._blocked_s, 3)
 
-    @property
-    def started(self) -> bool:
-        """The start has finished (successfully or not); never waits."""
-        return self._done.is_set()
-
     def start(self) -> None:
         """Begin the start on a thread and return at once."""
         with self._lock:
