@@ -253,6 +253,20 @@ def sandbox(request, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- run-directory helpers (plain functions)
 
 
+# The fields of a trajectory record, as ../shared/SPEC.md states them.
+SPEC_FIELDS = {
+    "prompt_index",
+    "conversations",
+    "metadata",
+    "completed",
+    "partial",
+    "api_calls",
+    "toolsets_used",
+    "tool_stats",
+    "tool_error_counts",
+}
+
+
 def docker_ps(*labels: str) -> list[str]:
     """Names of all containers (running or not) with every one of ``labels``, as the docker CLI reports them."""
     filters = [arg for label in labels for arg in ("--filter", f"label={label}")]

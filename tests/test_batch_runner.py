@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import read_jsonl, write_jsonl
+from conftest import SPEC_FIELDS, read_jsonl, write_jsonl
 
 import batch_runner
 from agent.fake_model import FakeModelServer
@@ -20,17 +20,6 @@ from agent.tools.registry import known_tool_names, tools_for_toolsets
 from agent.trajectory import first_human, parse_tool_calls
 from toolset_distributions import prompt_rng, sample_toolsets_from_distribution
 
-SPEC_FIELDS = {
-    "prompt_index",
-    "conversations",
-    "metadata",
-    "completed",
-    "partial",
-    "api_calls",
-    "toolsets_used",
-    "tool_stats",
-    "tool_error_counts",
-}
 API_KEY = "sk-test-SECRET-123456"
 ENV_TOKEN = "tok-very-secret-987"
 PROMPT_SECRET = "ds.secret.value.777"  # an env secret that also appears inside one prompt

@@ -209,9 +209,8 @@ def server():
 # ----------------------------------------------------------------------------- without Ray
 
 
-def test_without_ray_the_flag_says_how_to_install(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    dataset = write_jsonl(tmp_path / "d.jsonl", ["hello"])
+def exit_code_with_ray_address(dataset: Path, out: Path, address: str) -> int:
+    """The exit code of a run refused at start because of ``--ray_address`` (no endpoint is reached)."""
     with pytest.raises(SystemExit) as exc:
         batch_runner.main(
             dataset_file=str(dataset),
@@ -220,10 +219,16 @@ def test_without_ray_the_flag_says_how_to_install(monkeypatch, tmp_path, capsys)
             model="fake",
             base_url="http://127.0.0.1:9/v1",
             api_key=API_KEY,
-            output_dir=str(tmp_path / "out"),
-            ray_address="auto",
+            output_dir=str(out),
+            ray_address=address,
         )
-    assert exc.value.code == 2
+    return exc.value.code
+
+
+def test_without_ray_the_flag_says_how_to_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["hello"])
+    assert exit_code_with_ray_address(dataset, tmp_path / "out", "auto") == 2
     assert "pip install 'batch-runner[ray]'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing started
 
@@ -231,18 +236,7 @@ def test_without_ray_the_flag_says_how_to_install(monkeypatch, tmp_path, capsys)
 @pytest.mark.parametrize("address", ["", "nowhere", "host:99999", "http://head:6379"])
 def test_a_malformed_ray_address_is_refused_at_start(address, tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "d.jsonl", ["hello"])
-    with pytest.raises(SystemExit) as exc:
-        batch_runner.main(
-            dataset_file=str(dataset),
-            batch_size=1,
-            run_name="r",
-            model="fake",
-            base_url="http://127.0.0.1:9/v1",
-            api_key=API_KEY,
-            output_dir=str(tmp_path / "out"),
-            ray_address=address,
-        )
-    assert exc.value.code == 2
+    assert exit_code_with_ray_address(dataset, tmp_path / "out", address) == 2
     assert "--ray_address must be auto, local, ray://host:port or host:port" in capsys.readouterr().err
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import SPEC_FIELDS
 
 from agent.trajectory import (
     SYSTEM_PREAMBLE,
@@ -284,17 +285,7 @@ def _record():
 
 def test_build_record_tool_stats_over_every_known_tool():
     rec = _record()
-    assert set(rec) == {
-        "prompt_index",
-        "conversations",
-        "metadata",
-        "completed",
-        "partial",
-        "api_calls",
-        "toolsets_used",
-        "tool_stats",
-        "tool_error_counts",
-    }
+    assert set(rec) == SPEC_FIELDS
     assert list(rec["tool_stats"]) == KNOWN
     assert rec["tool_stats"]["terminal"] == {"count": 2, "success": 1, "failure": 1}
     assert rec["tool_stats"]["read_file"] == {"count": 1, "success": 0, "failure": 1}
