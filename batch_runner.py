@@ -31,14 +31,22 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
-from agent.limiter import Limiter
-from agent.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
-from agent.loop import LoopLimits
-from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
-from agent.sandbox_lifecycle import BackgroundStopper
-from agent.sandboxes import BACKENDS, SandboxSpec, create_sandbox
-from agent.sandboxes.local import safe_run_name
-from agent.storage import (
+from batchrun.distributions import (
+    format_distributions,
+    get_distribution,
+    prompt_rng,
+    sample_toolsets_from_distribution,
+)
+from batchrun.prompt.limiter import Limiter
+from batchrun.prompt.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
+from batchrun.prompt.loop import LoopLimits
+from batchrun.prompt.run import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
+from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
+from batchrun.prompt.sandboxes import BACKENDS, SandboxSpec, create_sandbox
+from batchrun.prompt.sandboxes.local import safe_run_name
+from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, available_toolsets, known_tool_names
+from batchrun.prompt.trajectory import first_human, reasoning_counts, used_tool_names
+from batchrun.storage import (
     append_jsonl,
     batch_files,
     fsync_dir,
@@ -46,14 +54,6 @@ from agent.storage import (
     iter_jsonl_raw,
     pid_alive,
     write_json_atomic,
-)
-from agent.tools.registry import BUILTIN_TOOL_MODULES, available_toolsets, known_tool_names
-from agent.trajectory import first_human, reasoning_counts, used_tool_names
-from toolset_distributions import (
-    format_distributions,
-    get_distribution,
-    prompt_rng,
-    sample_toolsets_from_distribution,
 )
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -184,7 +184,7 @@ _WORKER: dict[str, Any] = {}
 
 # <tmp>/batch-runner-<run>-<pid>-<random>: one run's local sandboxes
 LOCAL_SANDBOX_DIR_PREFIX = "batch-runner-"
-FORKSERVER_PRELOAD = ["openai", "agent.runner", *PRELOAD_MODULES, *BUILTIN_TOOL_MODULES]
+FORKSERVER_PRELOAD = ["openai", "batchrun.prompt.run", *PRELOAD_MODULES, *BUILTIN_TOOL_MODULES]
 
 
 def start_forkserver() -> None:
@@ -733,7 +733,7 @@ class BatchRunner:
             f"{self.opts.max_sandbox_starts} concurrent sandbox start-ups"
         )
         if self.opts.ray_address and jobs:
-            from agent.ray_pool import RaySetupError, connect
+            from batchrun.run.ray_pool import RaySetupError, connect
 
             try:
                 print(connect(self.opts.ray_address, self.opts.num_workers))
@@ -754,7 +754,7 @@ class BatchRunner:
                 self.make_local_sandbox_dir()
             return batches
         if backend == "singularity":
-            from agent.sandboxes.singularity import find_executable
+            from batchrun.prompt.sandboxes.singularity import find_executable
 
             try:
                 print(
@@ -793,7 +793,7 @@ class BatchRunner:
             pass  # some servers have no /models; the first real request will tell
 
     def preflight_local(self, batches: list[list[PromptJob]]) -> None:
-        from agent.sandboxes.local import bwrap_problem
+        from batchrun.prompt.sandboxes.local import bwrap_problem
 
         isolation = self.settings.sandbox_options.get("isolation", "auto")
         problem = bwrap_problem() if isolation != "none" else "isolation disabled (--local_isolation=none)"
@@ -816,7 +816,7 @@ class BatchRunner:
             )
 
     def preflight_docker(self, batches: list[list[PromptJob]]) -> list[list[PromptJob]]:
-        from agent.sandboxes.docker_engine import check_engine, ensure_images, sweep_containers
+        from batchrun.prompt.sandboxes.docker_engine import check_engine, ensure_images, sweep_containers
 
         try:
             version = check_engine()
@@ -870,7 +870,7 @@ class BatchRunner:
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         ctx = mp.get_context("forkserver")
         if self.opts.ray_address:  # workers on any node of a Ray cluster: they report over TCP
-            from agent.ray_pool import inbox_endpoint
+            from batchrun.run.ray_pool import inbox_endpoint
 
             inbox = Inbox(*inbox_endpoint())
         else:
@@ -885,7 +885,7 @@ class BatchRunner:
         start_slots = max(1, self.opts.max_sandbox_starts // self.opts.num_workers)
         initargs = (self.settings, inbox.address, self.opts.prompts_per_worker, start_slots, os.getpid())
         if self.opts.ray_address:
-            from agent.ray_pool import RayPool, RaySetupError
+            from batchrun.run.ray_pool import RayPool, RaySetupError
 
             try:
                 pool = RayPool(
@@ -1017,7 +1017,7 @@ class BatchRunner:
             self.local_sandbox_dir = None
         if self.settings.sandbox_backend != "docker":
             return
-        from agent.sandboxes.docker_engine import remove_owned_containers
+        from batchrun.prompt.sandboxes.docker_engine import remove_owned_containers
 
         removed = remove_owned_containers(self.settings.sandbox_options["run_owner"])
         if removed:
@@ -1072,7 +1072,7 @@ class BatchRunner:
             )
 
     def write_status(self, state: str, force: bool = False) -> None:
-        """status.json for a second terminal (python -m agent.status data/<run>), every few seconds."""
+        """status.json for a second terminal (python -m batchrun.views.status data/<run>), every few seconds."""
         now = time.monotonic()
         if not force and now - self.status_written < STATUS_EVERY_S:
             return
@@ -1325,11 +1325,11 @@ class BatchRunner:
 
     def write_report(self) -> None:
         """report.html beside the data; a report must never fail a finished run."""
-        from agent.report import write_report
+        from batchrun.views.report import write_report
 
         try:
             path = write_report(self.run_dir, max_trajectories=self.opts.report_max_trajectories)
-            print(f"Report: {path}  (again any time: python -m agent.report {self.run_dir})")
+            print(f"Report: {path}  (again any time: python -m batchrun.views.report {self.run_dir})")
         except Exception as exc:
             print(f"warning: report.html not written: {exc}", file=sys.stderr)
 
@@ -1586,7 +1586,7 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
     num_workers = _positive_int(f["num_workers"], "num_workers")
     ray_address = f["ray_address"]
     if ray_address is not None:  # before anything starts: without Ray, say how to install it
-        from agent.ray_pool import RaySetupError, check_address
+        from batchrun.run.ray_pool import RaySetupError, check_address
 
         try:
             ray_address = check_address(ray_address)
@@ -1621,7 +1621,7 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
     model, base_url = str(f["model"]), str(f["base_url"])
     mock = None
     if model == MOCK_MODEL:
-        from agent.fake_model import FakeModelServer
+        from batchrun.fakes.fake_model import FakeModelServer
 
         mock = FakeModelServer().start()
         base_url = mock.base_url
@@ -1715,7 +1715,7 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
 
 def _tool_extra(llm: LLMConfig, run_dir: Path) -> dict[str, Any]:
     """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings."""
-    from agent.tools.config import tool_env_snapshot
+    from batchrun.prompt.tools.config import tool_env_snapshot
 
     return {
         "llm_base_url": llm.base_url,
@@ -1743,7 +1743,7 @@ def _backend_options(backend: str, f: dict[str, Any]) -> dict[str, Any]:
         return {"isolation": f["local_isolation"]}
     options: dict[str, Any] = {"default_image": str(f["default_image"])}
     if backend == "docker":
-        from agent.sandboxes.docker_engine import default_owner
+        from batchrun.prompt.sandboxes.docker_engine import default_owner
 
         options.update(
             cpus=float(f["container_cpus"]),

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.fake_model import FakeModelServer  # noqa: E402
+from batchrun.fakes.fake_model import FakeModelServer  # noqa: E402
 
 
 def make_dataset(path: Path, n: int) -> list[str]:

@@ -5,7 +5,7 @@
     python benchmarks/large_run.py --records 100000 --dir /tmp/br-large --keep
 
 Generates ``--records`` synthetic trajectory records into ``batch_*.jsonl`` files of a run
-directory (built with ``agent.trajectory.build_record`` from the real tool schemas, so they look
+directory (built with ``batchrun.prompt.trajectory.build_record`` from the real tool schemas, so they look
 like real output: a system prompt with the tool schemas of 1.7-6.8 KB, 2 to 8 model turns with
 reasoning, tool calls and results of 50 B to 4 KB), and the matching dataset file. Then each
 step runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own:
@@ -83,7 +83,7 @@ def _args(rng: random.Random, name: str) -> dict:
 
 
 def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> tuple[str, dict]:
-    from agent.trajectory import build_record
+    from batchrun.prompt.trajectory import build_record
 
     toolsets = rng.choice(TOOLSET_CHOICES)
     tools = schemas[toolsets]
@@ -122,7 +122,7 @@ def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> 
 
 
 def generate(run_dir: Path, dataset: Path, n: int, batch_size: int, seed: int) -> None:
-    from agent.tools.registry import known_tool_names, tools_for_toolsets
+    from batchrun.prompt.tools.registry import known_tool_names, tools_for_toolsets
 
     schemas = {ts: [t.openai_schema() for t in tools_for_toolsets(list(ts))] for ts in TOOLSET_CHOICES}
     known = known_tool_names()

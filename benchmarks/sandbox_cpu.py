@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from throughput import become_subreaper, children_cpu_s, reap_descendants  # noqa: E402
 
-from agent.sandboxes.base import SandboxSpec  # noqa: E402
-from agent.sandboxes.local import LocalSandbox, bwrap_problem  # noqa: E402
-from agent.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets  # noqa: E402
+from batchrun.prompt.sandboxes.base import SandboxSpec  # noqa: E402
+from batchrun.prompt.sandboxes.local import LocalSandbox, bwrap_problem  # noqa: E402
+from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets  # noqa: E402
 
 OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
 CALLS = [

@@ -5,7 +5,7 @@
     python benchmarks/throughput.py --prompts 2000 --in_flight 200 --no-reference
     python benchmarks/throughput.py --prompts 100 --in_flight 40 --sandbox docker
 
-The fake endpoint (``python -m agent.fake_model``) runs in its own process. ``batch_runner.py``
+The fake endpoint (``python -m batchrun.fakes.fake_model``) runs in its own process. ``batch_runner.py``
 runs as a subprocess with the real pool, twice on the same dataset: with ``--in_flight`` prompts
 in flight (``--prompts_per_worker = in_flight / workers``), then with reference-style scheduling
 (``--prompts_per_worker=1``: one prompt per worker process at a time). For each run it prints:
@@ -61,11 +61,11 @@ KINDS = ("parent", "workers", "tools", "helpers")
 
 
 class Endpoint:
-    """``python -m agent.fake_model`` in its own process."""
+    """``python -m batchrun.fakes.fake_model`` in its own process."""
 
     def __init__(self, latency_s: float):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.fake_model", "--port", "0", "--latency", str(latency_s)],
+            [sys.executable, "-m", "batchrun.fakes.fake_model", "--port", "0", "--latency", str(latency_s)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,

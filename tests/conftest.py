@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.sandboxes.base import SandboxSpec
-from agent.sandboxes.local import LocalSandbox
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.local import LocalSandbox
 
 TESTS_DIR = Path(__file__).resolve().parent
 IN_CI = os.environ.get("CI") == "true"
@@ -33,8 +33,8 @@ DOCKER_IMAGE_BUILD = TESTS_DIR / "docker_image" / "build.sh"
 @pytest.fixture(scope="session")
 def docker_engine() -> str:
     """The Docker server version; skips locally (fails in CI) when no engine answers."""
-    from agent.sandboxes.base import SandboxError
-    from agent.sandboxes.docker import check_engine
+    from batchrun.prompt.sandboxes.base import SandboxError
+    from batchrun.prompt.sandboxes.docker import check_engine
 
     try:
         return check_engine()
@@ -55,7 +55,7 @@ def docker_test_image(docker_engine: str) -> str:
 @pytest.fixture(scope="session")
 def bwrap_available() -> None:
     """Skips locally (fails in CI) when bubblewrap cannot isolate commands here."""
-    from agent.sandboxes.local import bwrap_problem
+    from batchrun.prompt.sandboxes.local import bwrap_problem
 
     problem = bwrap_problem()
     if problem:
@@ -108,8 +108,8 @@ def fake_modal(fakes_runnable: None, monkeypatch: pytest.MonkeyPatch):
 # ============================================================================ tools: web, vision, image_gen, moa, browser
 @pytest.fixture(scope="session")
 def fake_web():
-    """The local fake site (``/site/...``) and fake search providers (agent/fake_services.py)."""
-    from agent.fake_services import FakeWebServer
+    """The local fake site (``/site/...``) and fake search providers (batchrun/fakes/fake_services.py)."""
+    from batchrun.fakes.fake_services import FakeWebServer
 
     with FakeWebServer() as server:
         yield server
@@ -118,7 +118,7 @@ def fake_web():
 @pytest.fixture(scope="session")
 def tools_llm():
     """A fake model endpoint of its own for the tools that call models (vision, image_gen, moa)."""
-    from agent.fake_model import FakeModelServer
+    from batchrun.fakes.fake_model import FakeModelServer
 
     with FakeModelServer() as server:
         yield server
@@ -127,7 +127,7 @@ def tools_llm():
 @pytest.fixture
 def clean_tool_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No tool variable from the developer's environment leaks into a test."""
-    from agent.tools.config import TOOL_ENV_VARS
+    from batchrun.prompt.tools.config import TOOL_ENV_VARS
 
     for name in TOOL_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -138,9 +138,9 @@ def tool_ctx(tmp_path: Path, tools_llm, clean_tool_env: None):
     """``make(tool_env=None, prompt_index=0, **extra)``: a ToolContext on a started local sandbox whose
     run endpoint is ``tools_llm`` and run_dir ``tmp_path/"run"``. Resources and sandboxes are released
     after the test."""
-    from agent.sandboxes.base import SandboxSpec
-    from agent.sandboxes.local import LocalSandbox
-    from agent.tools.registry import ToolContext, close_prompt_resources
+    from batchrun.prompt.sandboxes.base import SandboxSpec
+    from batchrun.prompt.sandboxes.local import LocalSandbox
+    from batchrun.prompt.tools.registry import ToolContext, close_prompt_resources
 
     made = []
 
@@ -172,7 +172,7 @@ def call_tool():
     """``call_tool(ctx, name, **args)``: run one tool call as the agent loop does; the parsed result."""
     import json
 
-    from agent.tools.registry import execute_tool_call, known_tool_names
+    from batchrun.prompt.tools.registry import execute_tool_call, known_tool_names
 
     def call(ctx, name: str, **args):
         text = execute_tool_call(name, json.dumps(args), ctx, set(known_tool_names()))
@@ -185,9 +185,9 @@ def call_tool():
 def run_tool_loop(tools_llm):
     """``run(ctx, prompt, toolsets)``: the agent loop with the scripted fake model (which calls the first
     offered tool, arguments filled from the prompt, then answers); returns the saved messages."""
-    from agent.llm import LLMClient, LLMConfig
-    from agent.loop import LoopLimits, run_agent
-    from agent.tools.registry import tools_for_toolsets
+    from batchrun.prompt.llm import LLMClient, LLMConfig
+    from batchrun.prompt.loop import LoopLimits, run_agent
+    from batchrun.prompt.tools.registry import tools_for_toolsets
 
     client = LLMClient(LLMConfig(model="mock", base_url=tools_llm.base_url, api_key="sk-run-key"))
 
@@ -203,7 +203,7 @@ def run_tool_loop(tools_llm):
 @pytest.fixture(scope="session")
 def chromium_ready() -> None:
     """Playwright and Debian's chromium are installed; skips locally (fails in CI) otherwise."""
-    from agent.tools.config import browser_config
+    from batchrun.prompt.tools.config import browser_config
 
     if browser_config({}) is None:
         skip_or_fail("the browser tools need the playwright package and Chromium (apt-get install chromium)")

@@ -15,9 +15,9 @@ import pytest
 from conftest import SPEC_FIELDS, read_jsonl, write_jsonl
 
 import batch_runner
-from agent.fake_model import FakeModelServer
-from agent.tools.registry import known_tool_names, tools_for_toolsets
-from agent.trajectory import first_human, parse_tool_calls
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.tools.registry import known_tool_names, tools_for_toolsets
+from batchrun.prompt.trajectory import first_human, parse_tool_calls
 from toolset_distributions import prompt_rng, sample_toolsets_from_distribution
 
 API_KEY = "sk-test-SECRET-123456"
@@ -882,9 +882,9 @@ def test_verbose_previews_never_show_part_of_a_secret(server, tmp_path, monkeypa
 def test_sandbox_network_flag_reaches_the_sandbox_spec(server, tmp_path, monkeypatch):
     import inspect
 
-    import agent.runner as runner_mod
-    from agent.llm import LLMClient
-    from agent.runner import PromptJob, run_prompt
+    import batchrun.prompt.run as runner_mod
+    from batchrun.prompt.llm import LLMClient
+    from batchrun.prompt.run import PromptJob, run_prompt
 
     specs = []
     real = runner_mod.create_sandbox

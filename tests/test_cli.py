@@ -11,9 +11,9 @@ import pytest
 from conftest import read_jsonl
 
 import batch_runner
-from agent.fake_model import FakeModelServer
-from agent.llm import PROVIDER_SORTS, REASONING_EFFORTS
-from agent.trajectory import first_human
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.llm import PROVIDER_SORTS, REASONING_EFFORTS
+from batchrun.prompt.trajectory import first_human
 from toolset_distributions import DISTRIBUTIONS
 
 REPO = Path(__file__).resolve().parent.parent

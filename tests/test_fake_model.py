@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from agent.fake_model import FakeModelServer, find_prompt, parse_directives, respond
+from batchrun.fakes.fake_model import FakeModelServer, find_prompt, parse_directives, respond
 
 
 def _tool(name: str, props: dict, required: list[str]) -> dict:
@@ -346,7 +346,7 @@ def test_api_key_required():
 def test_module_entry_point():
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.fake_model", "--port", "0", "--latency", "0"],
+        [sys.executable, "-m", "batchrun.fakes.fake_model", "--port", "0", "--latency", "0"],
         cwd=root,
         stdout=subprocess.PIPE,
         text=True,

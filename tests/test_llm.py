@@ -1,4 +1,4 @@
-"""agent/llm.py: extra_body from the flags, native reasoning fields, and the client over HTTP to the fake."""
+"""batchrun/prompt/llm.py: extra_body from the flags, native reasoning fields, and the client over HTTP to the fake."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from agent.fake_model import FakeModelServer
-from agent.llm import LLMClient, LLMConfig, LLMError, build_extra_body, native_reasoning
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, build_extra_body, native_reasoning
 
 # ----------------------------------------------------------------------------- build_extra_body
 
@@ -287,7 +287,7 @@ def test_provider_pinning_and_data_collection_reach_extra_body():
 
 def test_answers_from_less_strict_servers_are_normalised():
     """Some OpenAI-compatible servers send arguments as an object, or content as a list of parts."""
-    from agent.llm import _parse_payload
+    from batchrun.prompt.llm import _parse_payload
 
     turn = _parse_payload(
         {

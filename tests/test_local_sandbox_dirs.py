@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import read_jsonl, write_jsonl
 
-from agent.fake_model import FakeModelServer
+from batchrun.fakes.fake_model import FakeModelServer
 
 REPO = Path(__file__).resolve().parent.parent
 

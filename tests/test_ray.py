@@ -30,8 +30,8 @@ import pytest
 from conftest import read_jsonl, skip_or_fail, write_jsonl
 
 import batch_runner
-from agent.fake_model import FakeModelServer
-from agent.trajectory import first_human
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.trajectory import first_human
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "sk-ray-test-0123456789"
@@ -303,8 +303,8 @@ class _FakeActor:
 def test_ray_pool_sends_batches_to_idle_workers_and_fails_those_a_dead_worker_took(monkeypatch):
     import queue
 
-    from agent import ray_pool
-    from agent.runner import PromptJob
+    from batchrun.prompt.run import PromptJob
+    from batchrun.run import ray_pool
 
     monkeypatch.setattr(ray_pool, "LOST_BATCH_DELAY_S", 0.05)
     fake_ray = SimpleNamespace(
@@ -355,9 +355,9 @@ WORKER_SCRIPT = """
 import sys, time
 sys.path.insert(0, {repo!r})
 import batch_runner
-from agent.llm import LLMConfig
-from agent.loop import LoopLimits
-from agent.runner import RunSettings
+from batchrun.prompt.llm import LLMConfig
+from batchrun.prompt.loop import LoopLimits
+from batchrun.prompt.run import RunSettings
 
 settings = RunSettings(run_name="t", llm=LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"),
                        limits=LoopLimits(max_turns=1))
@@ -541,8 +541,8 @@ def test_containers_left_on_the_nodes_are_removed(ray_head, docker_test_image):
     """After the actors are killed, the run's containers on every node are removed (docker backend)."""
     import ray
 
-    from agent.ray_pool import RayPool
-    from agent.sandboxes.docker_engine import LABEL_OWNER, docker_client
+    from batchrun.prompt.sandboxes.docker_engine import LABEL_OWNER, docker_client
+    from batchrun.run.ray_pool import RayPool
 
     owner = f"{uuid.uuid4().hex[:8]}@another-host"
     client = docker_client()

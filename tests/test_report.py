@@ -1,4 +1,4 @@
-"""The HTML report (agent/report.py): numbers against statistics.json, escaping of hostile content,
+"""The HTML report (batchrun/views/report.py): numbers against statistics.json, escaping of hostile content,
 streaming with a cap on the listed conversations, the CLI, and the page as headless Chromium renders it.
 """
 
@@ -17,8 +17,8 @@ import pytest
 from conftest import read_jsonl
 
 import batch_runner
-from agent import report
-from agent.tools.config import BROWSER_FLAGS  # the project's one list of headless Chromium flags
+from batchrun.prompt.tools.config import BROWSER_FLAGS  # the project's one list of headless Chromium flags
+from batchrun.views import report
 
 ROOT = Path(__file__).resolve().parent.parent
 XSS_PROMPT = (
@@ -132,7 +132,11 @@ def payload(page: Page) -> dict:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "agent.report", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "batchrun.views.report", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -219,7 +223,7 @@ def test_cli_on_a_missing_directory(tmp_path: Path) -> None:
 
 def test_cost_reported_by_the_endpoint(tmp_path: Path) -> None:
     """Against an endpoint that prices its answers, the report sums the records' metadata.usage.cost_usd."""
-    from agent.fake_model import FakeModelServer
+    from batchrun.fakes.fake_model import FakeModelServer
 
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3] + ["[calls:4] many"]))

@@ -1,4 +1,4 @@
-"""Sandbox start and stop off a prompt's path (agent/sandbox_lifecycle.py, agent/runner.py::run_prompt).
+"""Sandbox start and stop off a prompt's path (batchrun/prompt/sandbox_lifecycle.py, batchrun/prompt/run.py::run_prompt).
 
 For every backend but local, the sandbox starts on a thread while the prompt's first model call is in
 flight, and (in the workers) it is stopped by a background stopper after the outcome went out. The
@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 from conftest import docker_ps, read_jsonl, write_jsonl
 
-import agent.runner as runner_mod
 import batch_runner
-from agent.fake_model import FakeModelServer
-from agent.llm import LLMClient, LLMConfig
-from agent.loop import LoopLimits
-from agent.runner import PromptJob, RunSettings, run_prompt
-from agent.sandbox_lifecycle import BackgroundStart, BackgroundStopper
-from agent.sandboxes.base import ExecResult, SandboxError, SandboxSpec
+import batchrun.prompt.run as runner_mod
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.llm import LLMClient, LLMConfig
+from batchrun.prompt.loop import LoopLimits
+from batchrun.prompt.run import PromptJob, RunSettings, run_prompt
+from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper
+from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_S = 30.0  # longest a gated start waits for its condition before it gives up (the test then fails)

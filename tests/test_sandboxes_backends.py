@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import docker_ps
 
-from agent.sandboxes import BACKENDS, create_sandbox
-from agent.sandboxes.base import SandboxError, SandboxSpec
+from batchrun.prompt.sandboxes import BACKENDS, create_sandbox
+from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
 
 RUN = f"backends-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may share this Docker engine
 
@@ -29,7 +29,7 @@ RUN = f"backends-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may shar
 @pytest.fixture
 def docker_box(docker_test_image: str):
     """``docker_box(**spec_fields, **options)``: started DockerSandboxes, all stopped at teardown."""
-    from agent.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker import DockerSandbox
 
     made = []
 
@@ -48,7 +48,7 @@ def docker_box(docker_test_image: str):
 
 @pytest.mark.docker
 def test_docker_container_has_labels_and_limits_and_is_gone_after_stop(docker_box):
-    from agent.sandboxes.docker import default_owner, docker_client
+    from batchrun.prompt.sandboxes.docker import default_owner, docker_client
 
     box = docker_box(index=7, network=False, options={"cpus": 0.5, "memory_mb": 300, "pids_limit": 64})
     assert docker_ps(f"batch_runner.run_name={RUN}") != []
@@ -65,7 +65,7 @@ def test_docker_container_has_labels_and_limits_and_is_gone_after_stop(docker_bo
 
 @pytest.mark.docker
 def test_docker_failed_start_leaves_no_container(docker_test_image: str):
-    from agent.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker import DockerSandbox
 
     box = DockerSandbox(SandboxSpec(RUN, 0, image="does-not-exist-br:never"), default_image=docker_test_image)
     with pytest.raises(SandboxError, match="does-not-exist-br:never"):
@@ -76,7 +76,7 @@ def test_docker_failed_start_leaves_no_container(docker_test_image: str):
 
 @pytest.mark.docker
 def test_docker_start_that_keeps_failing_gives_up_and_leaves_no_container(docker_test_image: str):
-    from agent.sandboxes.docker import START_ATTEMPTS, DockerSandbox
+    from batchrun.prompt.sandboxes.docker import START_ATTEMPTS, DockerSandbox
 
     index = 31
     box = DockerSandbox(
@@ -94,7 +94,7 @@ def test_docker_start_failing_once_is_tried_again(docker_test_image: str, monkey
     from docker.errors import APIError
     from docker.models.containers import Container
 
-    from agent.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker import DockerSandbox
 
     real_start, failed = Container.start, []
 
@@ -132,7 +132,7 @@ def test_docker_container_dead_before_its_first_command_is_replaced(docker_box):
 def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     from docker.errors import NotFound
 
-    from agent.sandboxes.docker import docker_client
+    from batchrun.prompt.sandboxes.docker import docker_client
 
     sentinel = tmp_path / "host-file.txt"
     sentinel.write_text("still here")
@@ -148,7 +148,7 @@ def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
 
 @pytest.mark.docker
 def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
-    from agent.sandboxes.docker import ensure_images
+    from batchrun.prompt.sandboxes.docker import ensure_images
 
     messages: list[str] = []
     result = ensure_images(
@@ -162,7 +162,7 @@ def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
 
 @pytest.mark.docker
 def test_sweep_removes_only_containers_of_dead_owners(docker_box):
-    from agent.sandboxes.docker import default_owner, sweep_containers
+    from batchrun.prompt.sandboxes.docker import default_owner, sweep_containers
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -180,7 +180,7 @@ def test_sweep_removes_only_containers_of_dead_owners(docker_box):
 
 @pytest.mark.docker
 def test_remove_owned_containers_removes_every_container_of_that_owner(docker_box):
-    from agent.sandboxes.docker import remove_owned_containers
+    from batchrun.prompt.sandboxes.docker import remove_owned_containers
 
     owner = f"{os.getpid()}@test-{uuid.uuid4().hex[:8]}"
     docker_box(index=1, options={"run_owner": owner})
@@ -191,7 +191,7 @@ def test_remove_owned_containers_removes_every_container_of_that_owner(docker_bo
 
 
 def test_check_engine_fails_clearly_without_an_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    import agent.sandboxes.docker_engine as engine
+    import batchrun.prompt.sandboxes.docker_engine as engine
 
     monkeypatch.setattr(engine, "_clients", {})
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
@@ -202,7 +202,7 @@ def test_check_engine_fails_clearly_without_an_engine(monkeypatch: pytest.Monkey
 @pytest.mark.docker
 def test_docker_overhead_per_prompt(docker_test_image: str):
     """Prints the create+start+remove time of one prompt's container (run with -s); asserts nothing on time."""
-    from agent.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker import DockerSandbox
 
     timings = []
     for index in range(8):
@@ -220,7 +220,7 @@ def test_docker_overhead_per_prompt(docker_test_image: str):
 # ============================================================================ local
 @pytest.mark.bwrap
 def test_rm_rf_root_inside_bwrap_leaves_host_intact(bwrap_available: None, tmp_path: Path):
-    from agent.sandboxes.local import LocalSandbox
+    from batchrun.prompt.sandboxes.local import LocalSandbox
 
     victim = Path(
         tempfile.mkdtemp(prefix="br-victim-", dir="/var/tmp")
@@ -253,7 +253,7 @@ def test_rm_rf_root_inside_bwrap_leaves_host_intact(bwrap_available: None, tmp_p
 
 
 def test_local_isolation_choice(monkeypatch: pytest.MonkeyPatch):
-    import agent.sandboxes.local as local
+    import batchrun.prompt.sandboxes.local as local
 
     monkeypatch.setattr(local, "bwrap_problem", lambda: "bubblewrap is not installed")
     assert not local.local_isolation_available()
@@ -265,7 +265,7 @@ def test_local_isolation_choice(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_local_bwrap_is_chosen_when_available(bwrap_available: None):
-    from agent.sandboxes.local import LocalSandbox, local_isolation_available
+    from batchrun.prompt.sandboxes.local import LocalSandbox, local_isolation_available
 
     assert local_isolation_available()
     assert LocalSandbox(SandboxSpec(RUN, 0)).isolation == "bwrap"
@@ -273,7 +273,7 @@ def test_local_bwrap_is_chosen_when_available(bwrap_available: None):
 
 
 def test_local_none_stop_kills_background_processes(tmp_path: Path):
-    from agent.sandboxes.local import LocalSandbox
+    from batchrun.prompt.sandboxes.local import LocalSandbox
 
     box = LocalSandbox(SandboxSpec(RUN, 0), isolation="none", base_dir=str(tmp_path))
     box.start()
@@ -291,7 +291,7 @@ def apptainer_calls(home: Path) -> list[list[str]]:
 
 
 def test_singularity_cli_calls(fake_apptainer: Path, tmp_path: Path):
-    from agent.sandboxes.singularity import SingularitySandbox
+    from batchrun.prompt.sandboxes.singularity import SingularitySandbox
 
     spec = SandboxSpec(RUN, 3, image="ubuntu:22.04", cwd="/srv/app", network=False, env={"A": "1"})
     box = SingularitySandbox(spec, base_dir=str(tmp_path))
@@ -316,7 +316,7 @@ def test_singularity_cli_calls(fake_apptainer: Path, tmp_path: Path):
     [("tmpfs", ["--writable-tmpfs"]), ("image", ["--overlay"])],
 )
 def test_singularity_overlay_kinds(fake_apptainer: Path, tmp_path: Path, overlay: str, expected: list[str]):
-    from agent.sandboxes.singularity import SingularitySandbox
+    from batchrun.prompt.sandboxes.singularity import SingularitySandbox
 
     box = SingularitySandbox(SandboxSpec(RUN, 0), overlay=overlay, overlay_size_mb=64, base_dir=str(tmp_path))
     box.start()
@@ -341,13 +341,13 @@ def test_singularity_overlay_kinds(fake_apptainer: Path, tmp_path: Path, overlay
     ],
 )
 def test_singularity_image_refs(image: str, ref: str):
-    from agent.sandboxes.singularity import image_ref
+    from batchrun.prompt.sandboxes.singularity import image_ref
 
     assert image_ref(image) == ref
 
 
 def test_singularity_without_cli_fails_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    from agent.sandboxes.singularity import SingularitySandbox
+    from batchrun.prompt.sandboxes.singularity import SingularitySandbox
 
     monkeypatch.setenv("PATH", str(tmp_path))
     box = SingularitySandbox(SandboxSpec(RUN, 0))
@@ -358,7 +358,7 @@ def test_singularity_without_cli_fails_clearly(monkeypatch: pytest.MonkeyPatch, 
 
 # ============================================================================ Modal (fake SDK)
 def test_modal_sdk_calls(fake_modal):
-    from agent.sandboxes.modal import ModalSandbox
+    from batchrun.prompt.sandboxes.modal import ModalSandbox
 
     spec = SandboxSpec(RUN, 0, image="python:3.12-slim", cwd="proj", network=False, env={"A": "1"})
     box = ModalSandbox(spec, cpu=2.0, memory_mb=1024, timeout_s=900, app_name="br-test")
@@ -385,7 +385,7 @@ def test_modal_sdk_calls(fake_modal):
 
 
 def test_modal_without_the_sdk_fails_clearly(monkeypatch: pytest.MonkeyPatch):
-    from agent.sandboxes.modal import ModalSandbox
+    from batchrun.prompt.sandboxes.modal import ModalSandbox
 
     monkeypatch.setitem(sys.modules, "modal", None)  # makes "import modal" raise ImportError
     box = ModalSandbox(SandboxSpec(RUN, 0))
@@ -423,7 +423,7 @@ def test_bad_option_value_names_the_field(backend: str, options: dict, field: st
 # ---------------------------------------------------------------------------- local: the per-prompt command server
 @pytest.fixture
 def bwrap_box(bwrap_available: None, tmp_path: Path):
-    from agent.sandboxes.local import LocalSandbox
+    from batchrun.prompt.sandboxes.local import LocalSandbox
 
     box = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
     box.start()
@@ -448,7 +448,7 @@ def _pids_in_namespace(box) -> list[str]:
 
 @pytest.mark.bwrap
 def test_bwrap_one_namespace_per_prompt_but_nothing_outlives_a_command(bwrap_box):
-    from agent.sandboxes.local import _shell
+    from batchrun.prompt.sandboxes.local import _shell
 
     server_pid = bwrap_box._server.proc.pid
     started = bwrap_box.run("sleep 300 & setsid sleep 301 & (sleep 302 &) ; echo started", timeout_s=20)
@@ -463,7 +463,7 @@ def test_bwrap_one_namespace_per_prompt_but_nothing_outlives_a_command(bwrap_box
 
 @pytest.mark.bwrap
 def test_bwrap_command_env_matches_unisolated_and_hides_the_server(bwrap_box, tmp_path: Path):
-    from agent.sandboxes.local import LocalSandbox
+    from batchrun.prompt.sandboxes.local import LocalSandbox
 
     plain = LocalSandbox(SandboxSpec(RUN, 1), isolation="none", base_dir=str(tmp_path))
     plain.start()
@@ -510,7 +510,7 @@ def test_bwrap_rm_rf_dev_does_not_break_later_commands(bwrap_box):
 @pytest.mark.bwrap
 def test_bwrap_masks_host_unix_sockets(bwrap_box):
     """A read-only bind does not stop connect(): the Docker socket would hand the model the host."""
-    from agent.sandboxes.local import host_unix_sockets
+    from batchrun.prompt.sandboxes.local import host_unix_sockets
 
     where = Path(tempfile.mkdtemp(prefix="br-sock-", dir="/var/tmp"))  # outside /tmp, so visible inside
     path = where / "daemon.sock"
@@ -537,7 +537,7 @@ def test_bwrap_masks_host_unix_sockets(bwrap_box):
 
 def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: Path):
     """Its `kill -9 -1` after each command is only safe as PID 2 of the prompt's namespace."""
-    from agent.sandboxes.local import _CommandServer
+    from batchrun.prompt.sandboxes.local import _CommandServer
 
     victim = subprocess.Popen(["sleep", "30"])
     try:
@@ -558,7 +558,7 @@ def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: P
 @pytest.mark.bwrap
 def test_bwrap_start_survives_a_masked_socket_that_vanished(bwrap_available: None, tmp_path: Path):
     """Sockets are scanned at most every few seconds; one removed since makes bwrap fail, then a rescan."""
-    from agent.sandboxes.local import LocalSandbox, host_unix_sockets
+    from batchrun.prompt.sandboxes.local import LocalSandbox, host_unix_sockets
 
     where = Path(tempfile.mkdtemp(prefix="br-sock-", dir="/var/tmp"))
     try:

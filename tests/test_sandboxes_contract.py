@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.sandboxes import create_sandbox
-from agent.sandboxes.base import Sandbox, SandboxError, SandboxSpec
+from batchrun.prompt.sandboxes import create_sandbox
+from batchrun.prompt.sandboxes.base import Sandbox, SandboxError, SandboxSpec
 
 CAP = 4096
 RUN = f"contract-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may share this Docker engine
@@ -147,7 +147,7 @@ def test_output_is_capped_with_a_note(make: Make):
 
 
 def test_file_round_trip_through_the_file_tools(make: Make):
-    from agent.tools.registry import ToolContext, execute_tool_call
+    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call
 
     sandbox = make()
     ctx = ToolContext(sandbox=sandbox, tool_timeout_s=30.0, output_cap_bytes=CAP)

@@ -1,4 +1,4 @@
-"""Live status (agent/status.py): format_status on crafted status dicts, and the CLI on a written status.json."""
+"""Live status (batchrun/views/status.py): format_status on crafted status dicts, and the CLI on a written status.json."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import status as st
+from batchrun.views import status as st
 
 ROOT = Path(__file__).resolve().parent.parent
 NOW = 1_800_000_000.0
@@ -122,7 +122,7 @@ def test_iso_timestamps() -> None:
 
 def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "agent.status", *args],
+        [sys.executable, "-m", "batchrun.views.status", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -194,7 +194,7 @@ def test_cli_watch_refreshes_until_the_run_ends(tmp_path: Path, sleeper) -> None
         tmp_path, running(pid=sleeper.pid, host=socket.gethostname(), updated_at=now, last_event_at=now)
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.status", str(tmp_path), "--watch", "0.2", "--json"],
+        [sys.executable, "-m", "batchrun.views.status", str(tmp_path), "--watch", "0.2", "--json"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

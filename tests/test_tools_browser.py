@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.fake_services import FakeWebServer, Page, _html
-from agent.tools import browser, web
-from agent.tools.browser import HOST, format_snapshot
-from agent.tools.registry import available_toolsets, close_prompt_resources
+from batchrun.fakes.fake_services import FakeWebServer, Page, _html
+from batchrun.prompt.tools import browser, web
+from batchrun.prompt.tools.browser import HOST, format_snapshot
+from batchrun.prompt.tools.registry import available_toolsets, close_prompt_resources
 
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("chromium_ready")]
 

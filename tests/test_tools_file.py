@@ -14,7 +14,7 @@ import json
 import pytest
 from conftest import TOOL_CAP as CAP
 
-from agent.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
+from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
 
 OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
 

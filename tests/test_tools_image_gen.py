@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.fake_services import color_for, make_png
-from agent.tools.config import ToolConfigError
-from agent.tools.registry import available_toolsets
+from batchrun.fakes.fake_services import color_for, make_png
+from batchrun.prompt.tools.config import ToolConfigError
+from batchrun.prompt.tools.registry import available_toolsets
 
 ENV = {"IMAGE_GEN_MODEL": "mock-image"}
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from agent.fake_services import BLUE, make_png
-from agent.tools.config import vision_config
-from agent.tools.registry import available_toolsets
+from batchrun.fakes.fake_services import BLUE, make_png
+from batchrun.prompt.tools.config import vision_config
+from batchrun.prompt.tools.registry import available_toolsets
 
 
 def sha12(data: bytes) -> str:

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from agent.fake_services import FakeWebServer, Page
-from agent.tools import web
-from agent.tools.config import SEARCH_PROVIDERS, ToolConfigError, extract_config, search_config
-from agent.tools.registry import available_toolsets
+from batchrun.fakes.fake_services import FakeWebServer, Page
+from batchrun.prompt.tools import web
+from batchrun.prompt.tools.config import SEARCH_PROVIDERS, ToolConfigError, extract_config, search_config
+from batchrun.prompt.tools.registry import available_toolsets
 
 PRIVATE_OFF = {"WEB_ALLOW_PRIVATE_ADDRESSES": "0"}
 

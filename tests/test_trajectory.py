@@ -1,4 +1,4 @@
-"""agent/trajectory.py: reasoning extraction, SPEC's tool-failure rule, ShareGPT rendering, round trips."""
+"""batchrun/prompt/trajectory.py: reasoning extraction, SPEC's tool-failure rule, ShareGPT rendering, round trips."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import SPEC_FIELDS
 
-from agent.trajectory import (
+from batchrun.prompt.trajectory import (
     SYSTEM_PREAMBLE,
     build_record,
     canonical_arguments,

@@ -1,0 +1,223 @@
+"""Toolset distributions: which toolsets each prompt is offered, as data.
+
+A distribution gives every toolset it mentions an independent inclusion probability in
+percent. For each prompt the sampler flips one coin per toolset; if every flip fails, the
+most probable toolset is offered alone, so no prompt runs without tools.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from batchrun.prompt.tools.registry import TOOLSETS
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """A named mix of toolsets, each with its inclusion probability in percent (1-100)."""
+
+    name: str
+    description: str
+    probabilities: Mapping[str, int]  # toolset -> percent, in the order the sampler flips them
+
+
+def _entry(name: str, description: str, **probabilities: int) -> Distribution:
+    return Distribution(name, description, MappingProxyType(dict(probabilities)))
+
+
+_ALL = dict.fromkeys(TOOLSETS, 100)
+_HALF = dict.fromkeys(TOOLSETS, 50)
+
+# The names and numbers are the users' documented interface: change them only on purpose.
+_ENTRIES = (
+    _entry("default", "Every toolset on every prompt.", **_ALL),
+    _entry(
+        "image_gen",
+        "Picture making and looking, with some web lookups and shell work.",
+        image_gen=90,
+        vision=90,
+        web=55,
+        terminal=45,
+        moa=10,
+    ),
+    _entry(
+        "research",
+        "Finding and reading sources on the web, often through a real browser.",
+        web=90,
+        browser=70,
+        vision=50,
+        moa=40,
+        terminal=10,
+    ),
+    _entry(
+        "science",
+        "Look things up, then compute and keep results in files.",
+        web=94,
+        terminal=94,
+        file=94,
+        vision=65,
+        browser=50,
+        image_gen=15,
+        moa=10,
+    ),
+    _entry(
+        "development",
+        "Writing and running code in the sandbox, with occasional documentation lookups.",
+        terminal=80,
+        file=80,
+        moa=60,
+        web=30,
+        vision=10,
+    ),
+    _entry(
+        "safe",
+        "Everything except shell access: for prompts that must not run commands.",
+        web=80,
+        browser=70,
+        vision=60,
+        image_gen=60,
+        moa=50,
+    ),
+    _entry("balanced", "A fair coin for each toolset: a broad, unbiased mix.", **_HALF),
+    _entry("minimal", "Web search and extraction only.", web=100),
+    _entry("terminal_only", "Shell and file editing in the sandbox, nothing online.", terminal=100, file=100),
+    _entry(
+        "terminal_web",
+        "Shell and file editing plus web lookups.",
+        terminal=100,
+        file=100,
+        web=100,
+    ),
+    _entry(
+        "creative",
+        "Generating and inspecting images, with a little web inspiration.",
+        image_gen=90,
+        vision=90,
+        web=30,
+    ),
+    _entry(
+        "reasoning",
+        "Hard thinking with the mixture-of-agents tool, rarely anything else.",
+        moa=90,
+        web=30,
+        terminal=20,
+    ),
+    _entry(
+        "browser_use", "Driving a browser, helped by search and screenshots.", browser=100, web=80, vision=70
+    ),
+    _entry("browser_only", "The browser and nothing else.", browser=100),
+    _entry(
+        "browser_tasks",
+        "Browser tasks, seldom needing vision or a shell.",
+        browser=97,
+        vision=12,
+        terminal=15,
+    ),
+    _entry(
+        "terminal_tasks",
+        "Sandbox tasks that usually also need the web, often a browser.",
+        terminal=97,
+        file=97,
+        web=97,
+        browser=75,
+        vision=50,
+        image_gen=10,
+    ),
+    _entry(
+        "mixed_tasks",
+        "Tasks that combine the browser with shell and files.",
+        browser=92,
+        terminal=92,
+        file=92,
+        web=35,
+        vision=15,
+        image_gen=15,
+    ),
+)
+
+
+def validate_distribution(dist: Distribution) -> None:
+    """Raise ValueError, naming the distribution and the field, if `dist` is malformed."""
+    if not dist.name:
+        raise ValueError("distribution with empty name")
+    if not dist.description.strip():
+        raise ValueError(f"distribution {dist.name!r}: field 'description' is empty")
+    if not dist.probabilities:
+        raise ValueError(f"distribution {dist.name!r}: field 'probabilities' names no toolset")
+    for toolset, percent in dist.probabilities.items():
+        if toolset not in TOOLSETS:
+            raise ValueError(
+                f"distribution {dist.name!r}: field 'probabilities' names unknown toolset {toolset!r}"
+                f" (known: {', '.join(TOOLSETS)})"
+            )
+        if isinstance(percent, bool) or not isinstance(percent, int) or not 0 < percent <= 100:
+            raise ValueError(
+                f"distribution {dist.name!r}: field 'probabilities' gives {toolset!r} {percent!r};"
+                " expected an integer percent in 1..100"
+            )
+
+
+def _build(entries: tuple[Distribution, ...]) -> dict[str, Distribution]:
+    table: dict[str, Distribution] = {}
+    for dist in entries:
+        validate_distribution(dist)
+        if dist.name in table:
+            raise ValueError(f"distribution {dist.name!r}: field 'name' is used twice")
+        table[dist.name] = dist
+    return table
+
+
+DISTRIBUTIONS: dict[str, Distribution] = _build(_ENTRIES)
+
+
+def get_distribution(name: str) -> Distribution:
+    """The distribution called `name`; ValueError listing the valid names otherwise."""
+    try:
+        return DISTRIBUTIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown toolset distribution {name!r}; valid names: {', '.join(DISTRIBUTIONS)}"
+        ) from None
+
+
+def list_distributions() -> dict[str, Distribution]:
+    """All distributions by name, in their documented order (a copy; entries are immutable)."""
+    return dict(DISTRIBUTIONS)
+
+
+def sample_toolsets_from_distribution(name: str, rng: random.Random) -> list[str]:
+    """Flip one coin per toolset; if none comes up, offer the most probable toolset alone."""
+    probabilities = get_distribution(name).probabilities
+    # Always draw once per toolset so the rng stream does not depend on earlier outcomes.
+    chosen = [toolset for toolset, percent in probabilities.items() if rng.random() * 100 < percent]
+    if chosen:
+        return chosen
+    # max() keeps the first of equal maxima, so ties go to the earliest toolset.
+    return [max(probabilities, key=probabilities.__getitem__)]
+
+
+def prompt_rng(seed: int, prompt: str, occurrence: int = 0) -> random.Random:
+    """A Random fixed by (seed, prompt text, occurrence), so reruns and resumes draw the same toolsets.
+
+    `occurrence` tells apart repeated copies of the same prompt text in one dataset. sha256
+    rather than hash() keeps the result independent of PYTHONHASHSEED.
+    """
+    digest = hashlib.sha256(f"{seed}\0{occurrence}\0{prompt}".encode()).digest()
+    return random.Random(int.from_bytes(digest, "big"))
+
+
+def format_distributions() -> str:
+    """A readable listing of every distribution for `--list_distributions`."""
+    lines: list[str] = []
+    for dist in DISTRIBUTIONS.values():
+        lines.append(f"{dist.name}: {dist.description}")
+        # sorted() is stable: equal probabilities keep the distribution's own order.
+        ranked = sorted(dist.probabilities.items(), key=lambda item: -item[1])
+        width = max(len(toolset) for toolset, _ in ranked)
+        lines.extend(f"  {toolset:<{width}}  {percent:>3}%" for toolset, percent in ranked)
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"

@@ -1,0 +1,1 @@
+"""In-package fakes: a scripted OpenAI-compatible model and local stand-ins for the web."""

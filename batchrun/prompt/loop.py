@@ -1,0 +1,170 @@
+"""The agent loop for one prompt: ask the model, run its tool calls in the sandbox, repeat.
+
+The loop never raises for what the model did (unknown tools, bad arguments, failing commands
+are observations it sees). It raises for infrastructure failure: :class:`batchrun.prompt.llm.LLMError`
+after the SDK's retries, :class:`batchrun.prompt.sandboxes.SandboxError`, or :class:`PromptTimeout`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from batchrun.prompt.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage
+from batchrun.prompt.tools.registry import Tool, ToolContext, execute_tool_call
+from batchrun.prompt.trajectory import canonical_arguments, split_reasoning
+
+MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid before we stop the prompt
+
+
+class PromptTimeout(RuntimeError):
+    """The prompt's wall-clock limit was reached."""
+
+
+@dataclass
+class LoopLimits:
+    max_turns: int = 10  # model calls per prompt
+    prompt_timeout_s: float = 1800.0  # wall clock for the whole prompt
+    tool_timeout_s: float = 180.0  # one tool call
+    max_prompt_tokens: int | None = None  # tokens (prompt + completion) one prompt may spend; then partial
+    max_prompt_usd: float | None = None  # dollars one prompt may spend (when the endpoint reports cost)
+
+
+@dataclass
+class LoopResult:
+    messages: list[
+        dict[str, Any]
+    ]  # what is saved: user prompt, assistant turns (with "reasoning"), tool results
+    api_calls: int
+    completed: bool
+    partial: bool
+    stop_reason: (
+        str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
+    )
+    tool_calls: int = 0
+
+
+def run_agent(
+    *,
+    llm: LLMClient,
+    prompt: str,
+    tools: list[Tool],
+    ctx: ToolContext,
+    limits: LoopLimits,
+    ephemeral_system_prompt: str | None = None,
+    prefill_messages: list[dict[str, Any]] | None = None,
+    usage: Usage | None = None,
+    log=None,
+) -> LoopResult:
+    """Run one prompt to a final answer or a limit. ``usage`` collects tokens and cost as calls happen,
+    so a prompt that fails half-way still accounts for what it spent."""
+    deadline = time.monotonic() + limits.prompt_timeout_s
+    usage = usage if usage is not None else Usage()
+    schemas = [t.openai_schema() for t in tools]
+    offered = {t.name for t in tools}
+    # What the model sees; the ephemeral system prompt and prefill never reach `saved`.
+    sent: list[dict[str, Any]] = []
+    if ephemeral_system_prompt:
+        sent.append({"role": "system", "content": ephemeral_system_prompt})
+    sent.extend(prefill_messages or [])
+    user = {"role": "user", "content": prompt}
+    sent.append(user)
+    saved: list[dict[str, Any]] = [user]
+    result = LoopResult(messages=saved, api_calls=0, completed=False, partial=True, stop_reason="max_turns")
+    invalid_streak = 0
+
+    while result.api_calls < limits.max_turns:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PromptTimeout(f"prompt exceeded its {limits.prompt_timeout_s:g} s limit")
+        if over_budget(usage, limits):
+            result.stop_reason = "prompt_budget"
+            return result
+        try:
+            turn = llm.chat(sent, schemas, deadline=deadline, usage=usage)
+        except ContextLimitError:
+            if result.api_calls == 0:
+                raise
+            result.stop_reason = "context_limit"
+            return result
+        except LLMError as exc:
+            if time.monotonic() >= deadline:
+                raise PromptTimeout(
+                    f"prompt exceeded its {limits.prompt_timeout_s:g} s limit ({exc})"
+                ) from exc
+            raise
+        result.api_calls += 1
+        assistant_saved, assistant_sent = _assistant_messages(turn)
+        saved.append(assistant_saved)
+        sent.append(assistant_sent)
+        if turn.finish_reason == "length":
+            result.stop_reason = "truncated"
+            return result
+        if not turn.tool_calls:
+            result.completed, result.partial, result.stop_reason = True, False, "final_answer"
+            return result
+        invalid = 0
+        for call in assistant_saved["tool_calls"]:
+            name, args = call["function"]["name"], call["function"]["arguments"]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PromptTimeout(f"prompt exceeded its {limits.prompt_timeout_s:g} s limit")
+            ctx.tool_timeout_s = max(1.0, min(limits.tool_timeout_s, remaining))
+            content = execute_tool_call(name, args, ctx, offered)
+            result.tool_calls += 1
+            if name not in offered or _is_invalid_json(args):
+                invalid += 1
+            if log:
+                log({"tool": name, "args": args, "result": content})
+            tool_msg = {"role": "tool", "tool_call_id": call["id"], "name": name, "content": content}
+            saved.append(tool_msg)
+            sent.append(tool_msg)
+        invalid_streak = invalid_streak + 1 if invalid == len(assistant_saved["tool_calls"]) else 0
+        if invalid_streak >= MAX_INVALID_TURNS:
+            result.stop_reason = "invalid_tool_calls"
+            return result
+    return result
+
+
+def _assistant_messages(turn: AssistantTurn) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The saved form (reasoning split out, canonical arguments) and the form sent back to the model."""
+    scratch_reasoning, content = split_reasoning(turn.content)
+    reasoning = turn.reasoning or scratch_reasoning
+    if turn.reasoning and scratch_reasoning:
+        reasoning = f"{turn.reasoning}\n\n{scratch_reasoning}"
+    calls = []
+    seen_ids: set[str] = set()
+    for i, c in enumerate(turn.tool_calls):
+        call_id = c.id if c.id and c.id not in seen_ids else f"call_{i + 1}"
+        seen_ids.add(call_id)
+        calls.append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": canonical_arguments(c.arguments)},
+            }
+        )
+    saved: dict[str, Any] = {"role": "assistant", "content": content, "reasoning": reasoning}
+    sent: dict[str, Any] = {"role": "assistant", "content": turn.content or ""}
+    if calls:
+        saved["tool_calls"] = calls
+        sent["tool_calls"] = calls
+    return saved, sent
+
+
+def _is_invalid_json(args: str) -> bool:
+    if not args.strip():
+        return False
+    try:
+        return not isinstance(json.loads(args), dict)
+    except json.JSONDecodeError:
+        return True
+
+
+def over_budget(usage: Usage, limits: LoopLimits) -> bool:
+    """The per-prompt cap: a runaway prompt ends as partial instead of spending on."""
+    if limits.max_prompt_tokens is not None and usage.total_tokens >= limits.max_prompt_tokens:
+        return True
+    return limits.max_prompt_usd is not None and usage.cost_usd >= limits.max_prompt_usd

@@ -1,0 +1,230 @@
+"""One dataset row, end to end: toolsets → sandbox → agent loop → record → quality filter → outcome.
+
+Every attempted prompt ends as exactly one outcome: a trajectory, a discard (with its reason)
+or a failure (with an error class and message). Outcomes are plain dicts so they cross
+process boundaries cheaply; the parent process is the only one that writes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
+from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
+from batchrun.prompt.sandbox_lifecycle import BackgroundStart
+from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
+from batchrun.prompt.tools.registry import (
+    ToolContext,
+    close_prompt_resources,
+    known_tool_names,
+    tools_for_toolsets,
+)
+from batchrun.prompt.trajectory import build_record, reasoning_counts
+
+TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
+# Backends whose start is quick (local: a few ms) stay synchronous: a start failure then costs no model call.
+# Every other backend starts on a thread while the prompt's first model call is in flight.
+SYNCHRONOUS_START_BACKENDS = frozenset({"local"})
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    """One row to run, as the parent schedules it."""
+
+    batch_num: int
+    prompt_index: int
+    prompt: str
+    toolsets: tuple[str, ...]  # sampled by the parent, so they are fixed before any work starts
+    image: str | None = None
+    cwd: str | None = None
+    fail_reason: str | None = None  # set by preflight: the prompt fails without calling the model
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Per-run settings a worker needs; pickled once into each worker process."""
+
+    run_name: str
+    llm: LLMConfig
+    limits: LoopLimits
+    sandbox_backend: str = "local"
+    sandbox_options: dict[str, Any] = field(default_factory=dict)
+    sandbox_network: bool = True  # whether the prompt's commands may reach the network
+    rpm_per_worker: float | None = None  # this worker's share of --max_rpm
+    requests_per_worker: int | None = None  # this worker's share of --max_concurrent_requests
+    tool_extra: dict[str, Any] = field(
+        default_factory=dict
+    )  # ToolContext.extra: run endpoint, run_dir, tool_env
+    output_cap_bytes: int = 64 * 1024
+    ephemeral_system_prompt: str | None = None
+    prefill_messages: tuple[dict[str, Any], ...] = ()
+    require_reasoning: bool = True
+    verbose: bool = False
+    log_prefix_chars: int = 100
+
+
+def run_prompt(
+    job: PromptJob,
+    settings: RunSettings,
+    llm: LLMClient,
+    *,
+    sandbox_starts: threading.Semaphore | Any | None = None,
+    stop_in_background: Callable[[Callable[[], None]], None] | None = None,
+    log=None,
+) -> dict[str, Any]:
+    """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent.
+
+    Except for the local backend, the sandbox starts on a thread (after a ``sandbox_starts`` slot)
+    while the first model call is in flight; the first tool call waits for it. ``stop_in_background``
+    (e.g. ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path:
+    the outcome is returned at once and the stop runs later. The local backend always stops here.
+    """
+    started = time.monotonic()
+    usage = Usage()
+    base = {"batch_num": job.batch_num, "prompt_index": job.prompt_index, "prompt": job.prompt}
+    if job.fail_reason:
+        return {
+            **base,
+            "kind": FAILED,
+            "error_class": "preflight",
+            "error": job.fail_reason,
+            "usage": usage.as_dict(),
+        }
+    tools = tools_for_toolsets(list(job.toolsets))
+    spec = SandboxSpec(
+        run_name=settings.run_name,
+        prompt_index=job.prompt_index,
+        image=job.image,
+        cwd=job.cwd,
+        network=settings.sandbox_network,
+    )
+    options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
+    sandbox = None
+    background = settings.sandbox_backend not in SYNCHRONOUS_START_BACKENDS
+    ctx = None
+    timings: dict[str, Any] = {
+        "sandbox_start_wait_s": 0.0,  # waiting for a start-up slot
+        "sandbox_start_s": 0.0,  # the backend's start
+        "sandbox_start_blocked_s": 0.0,  # what this prompt's own thread waited for the start
+        "sandbox_stop_s": 0.0,  # what this prompt's own thread waited for the stop
+    }
+    try:
+        if background:
+            sandbox = BackgroundStart(create_sandbox(settings.sandbox_backend, spec, options), sandbox_starts)
+            sandbox.start()  # returns at once; the first tool call waits for it
+        else:
+            sandbox = create_sandbox(settings.sandbox_backend, spec, options)
+            t0 = time.monotonic()
+            with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
+                t1 = time.monotonic()
+                sandbox.start()
+            timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
+            timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
+            timings["sandbox_start_blocked_s"] = round(time.monotonic() - t0, 3)
+        ctx = ToolContext(
+            sandbox=sandbox,
+            tool_timeout_s=settings.limits.tool_timeout_s,
+            output_cap_bytes=settings.output_cap_bytes,
+            extra=dict(settings.tool_extra),
+            usage=usage,
+        )
+        result = run_agent(
+            llm=llm,
+            prompt=job.prompt,
+            tools=tools,
+            ctx=ctx,
+            limits=settings.limits,
+            ephemeral_system_prompt=settings.ephemeral_system_prompt,
+            prefill_messages=list(settings.prefill_messages),
+            usage=usage,
+            log=log if settings.verbose else None,
+        )
+        # The backend's own value, without waiting for a start the prompt never needed.
+        isolation = sandbox.inner.isolation if background else sandbox.isolation
+    except LLMError as exc:
+        return {
+            **base,
+            "kind": FAILED,
+            "error_class": exc.error_class,
+            "error": str(exc),
+            "usage": usage.as_dict(),
+        }
+    except SandboxError as exc:
+        return {**base, "kind": FAILED, "error_class": "sandbox", "error": str(exc), "usage": usage.as_dict()}
+    except PromptTimeout as exc:
+        return {
+            **base,
+            "kind": FAILED,
+            "error_class": "prompt_timeout",
+            "error": str(exc),
+            "usage": usage.as_dict(),
+        }
+    except Exception as exc:  # a bug must fail one prompt, not the worker and its other prompts
+        error = f"{type(exc).__name__}: {exc}"
+        return {**base, "kind": FAILED, "error_class": "internal", "error": error, "usage": usage.as_dict()}
+    finally:
+        if ctx is not None:
+            close_prompt_resources(ctx)
+        if sandbox is not None:
+            t0 = time.monotonic()
+            if background and stop_in_background is not None and _hand_off(stop_in_background, sandbox.stop):
+                timings["sandbox_stop_background"] = True
+            else:
+                try:
+                    sandbox.stop()
+                except Exception:
+                    pass
+            timings["sandbox_stop_s"] = round(time.monotonic() - t0, 3)
+            if background:  # as known now: a start the prompt never needed may still be going on
+                timings["sandbox_start_wait_s"] = sandbox.start_wait_s
+                timings["sandbox_start_s"] = sandbox.start_s
+                timings["sandbox_start_blocked_s"] = sandbox.blocked_s
+    metadata = {
+        "batch_num": job.batch_num,
+        "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
+        "model": settings.llm.model,
+        "stop_reason": result.stop_reason,
+        "duration_s": round(time.monotonic() - started, 3),
+        "sandbox": settings.sandbox_backend,
+        "isolation": isolation,
+        **timings,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "usage": usage.as_dict(),
+    }
+    record = build_record(
+        prompt_index=job.prompt_index,
+        messages=result.messages,
+        tool_schemas=[t.openai_schema() for t in tools],
+        known_tools=known_tool_names(),
+        metadata=metadata,
+        completed=result.completed,
+        partial=result.partial,
+        api_calls=result.api_calls,
+        toolsets_used=list(job.toolsets),
+    )
+    with_reasoning, _ = reasoning_counts(record["conversations"])
+    if settings.require_reasoning and with_reasoning == 0:
+        return {
+            **base,
+            "kind": DISCARDED,
+            "reason": "no_reasoning",
+            "record": record,
+            "usage": usage.as_dict(),
+        }
+    return {**base, "kind": TRAJECTORY, "record": record, "usage": usage.as_dict()}
+
+
+def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:
+    """Give ``stop`` to the background stopper (waits only while too many stops are queued); False if it refused."""
+    try:
+        stop_in_background(stop)
+    except Exception:
+        return False
+    return True

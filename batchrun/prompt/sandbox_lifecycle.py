@@ -1,0 +1,190 @@
+"""Sandbox start and stop off a prompt's path, for backends whose start takes a while (docker, modal, singularity).
+
+:class:`BackgroundStart` wraps one prompt's sandbox. Its ``start()`` returns at once; the real start
+(a start-up slot first) runs on a thread while the prompt's first model call is in flight. What needs
+the sandbox itself (``run``, ``workdir``, ``isolation``) waits for that start and raises its error if it
+failed. ``stop()`` waits for a start in progress, then stops; a start still queued for its slot is
+skipped, so a prompt that never called a tool may never create a container at all.
+
+:class:`BackgroundStopper` is a worker process's few threads that stop sandboxes after their prompts
+have reported, so removing a container does not hold a prompt's thread slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError
+
+log = logging.getLogger(__name__)
+
+_PENDING, _STARTING, _SKIPPED = "pending", "starting", "skipped"
+
+
+class BackgroundStart:
+    """A sandbox (same ``spec``/``workdir``/``isolation``/``start``/``run``/``stop`` surface) started on a thread.
+
+    Timings, in seconds, filled in as they become known: ``start_wait_s`` (waiting for a start-up
+    slot), ``start_s`` (the backend's start) and ``blocked_s`` (how long callers waited for the start
+    to finish: 0 when it was done before the first tool call needed it).
+    """
+
+    def __init__(self, sandbox: Sandbox, slots: Any = None):
+        self.inner = sandbox
+        self.spec = sandbox.spec
+        self._slots = slots  # a semaphore (context manager) bounding start-ups, or None
+        self._lock = threading.Lock()
+        self._state = _PENDING
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.start_wait_s = 0.0
+        self.start_s = 0.0
+        self._blocked_s = 0.0
+
+    @property
+    def blocked_s(self) -> float:
+        return round(self._blocked_s, 3)
+
+    def start(self) -> None:
+        """Begin the start on a thread and return at once."""
+        with self._lock:
+            if self._thread is not None or self._state == _SKIPPED:
+                return
+            self._thread = threading.Thread(
+                target=self._start, name=f"sandbox-start-{self.spec.prompt_index}", daemon=True
+            )
+        self._thread.start()
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        try:
+            with self._slots if self._slots is not None else contextlib.nullcontext():
+                t1 = time.monotonic()
+                self.start_wait_s = round(t1 - t0, 3)
+                with self._lock:
+                    if self._state == _SKIPPED:  # stopped before it got a slot: nothing to start
+                        return
+                    self._state = _STARTING
+                try:
+                    self.inner.start()
+                finally:
+                    self.start_s = round(time.monotonic() - t1, 3)
+        except BaseException as exc:  # kept for whoever needs the sandbox; stop() still cleans up
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def wait_started(self) -> None:
+        """Block until the start has finished; raise :class:`SandboxError` if it failed."""
+        if self._thread is None:
+            raise SandboxError(f"sandbox of prompt {self.spec.prompt_index} is not started")
+        if not self._done.is_set():
+            t0 = time.monotonic()
+            self._done.wait()
+            self._blocked_s += time.monotonic() - t0
+        error = self._error
+        if isinstance(error, SandboxError):
+            raise error
+        if error is not None:  # a start that failed is an infrastructure failure, whatever raised it
+            raise SandboxError(
+                f"sandbox of prompt {self.spec.prompt_index} did not start: {type(error).__name__}: {error}"
+            ) from error
+        if self._state == _SKIPPED:
+            raise SandboxError(f"sandbox of prompt {self.spec.prompt_index} was stopped before it started")
+
+    @property
+    def workdir(self) -> str:
+        self.wait_started()
+        return self.inner.workdir
+
+    @property
+    def isolation(self) -> str:
+        self.wait_started()
+        return self.inner.isolation
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        self.wait_started()
+        return self.inner.run(command, timeout_s=timeout_s, stdin=stdin)
+
+    def stop(self) -> None:
+        """Skip a start still waiting for its slot; otherwise wait for the start, then stop. Idempotent."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._state = _SKIPPED
+            skipped = self._state == _SKIPPED
+        if skipped:
+            return
+        self._done.wait()
+        self.inner.stop()  # also after a failed start: it may have created a container first
+
+
+class BackgroundStopper:
+    """Runs sandbox stops on ``threads`` threads, at most ``max_pending`` queued or running at once.
+
+    ``submit`` returns at once unless ``max_pending`` stops are already pending, in which case it
+    waits for room (so containers waiting for removal cannot pile up). ``on_queued`` and ``on_done``
+    are called once per stop, in that order (the worker tells the parent, which waits for every
+    stop before ending the workers).
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        max_pending: int,
+        on_queued: Callable[[], None] | None = None,
+        on_done: Callable[[], None] | None = None,
+    ):
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="sandbox-stop")
+        self._room = threading.BoundedSemaphore(max(1, max_pending))
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._on_queued = on_queued
+        self._on_done = on_done
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending
+
+    def submit(self, stop: Callable[[], None]) -> None:
+        self._room.acquire()
+        with self._cond:
+            self._pending += 1
+        _notify(self._on_queued)
+        try:
+            self._pool.submit(self._run, stop)
+        except RuntimeError:  # the executor is shut down (process exiting): stop here
+            self._run(stop)
+
+    def _run(self, stop: Callable[[], None]) -> None:
+        try:
+            stop()
+        except Exception as exc:  # a stop that fails must not stop the others
+            log.warning("sandbox stop failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._room.release()
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+            _notify(self._on_done)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until no stop is pending; False if ``timeout_s`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout_s)
+
+
+def _notify(callback: Callable[[], None] | None) -> None:
+    if callback is None:
+        return
+    try:
+        callback()
+    except Exception:  # e.g. the parent's connection is gone: the worker is ending anyway
+        pass

@@ -1,0 +1,171 @@
+"""Run one host process with stdin, a deadline and an output cap: shared by the local and singularity backends."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+
+from batchrun.prompt.sandboxes.base import CappedBuffer, ExecResult
+
+POLL_INTERVAL_S = 0.05  # how often a running command is checked for having exited
+EXIT_GRACE_S = 0.1  # after the command exits, how long output from children that hold its pipe is still read
+KILL_DRAIN_S = 1.0  # after a timeout kill, how long to collect what is left in the pipe
+
+
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group the command leads (it was started in a new session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell convention: a process killed by signal N exits with 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_process(
+    argv: list[str],
+    *,
+    stdin: bytes | None,
+    timeout_s: float,
+    output_cap_bytes: int,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    kill: Callable[[subprocess.Popen], None] = kill_process_group,
+) -> ExecResult:
+    """Run ``argv`` in a new session (its own process group), feeding it ``stdin``.
+
+    One thread multiplexes stdin, output and (through a pidfd, where the kernel has them) the
+    command's exit, so it sleeps until something happens instead of polling; a command that
+    writes much before reading cannot deadlock. The run ends when the command exits, even if a
+    background child still holds the output pipe; at the deadline ``kill`` ends the whole
+    process group.
+    """
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    buf = CappedBuffer(output_cap_bytes)
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        out_fd = proc.stdout.fileno()
+        os.set_blocking(out_fd, False)
+        sel.register(out_fd, selectors.EVENT_READ)
+        exit_fd = _pidfd(proc.pid)
+        if exit_fd is not None:
+            sel.register(exit_fd, selectors.EVENT_READ)
+        pending = memoryview(stdin or b"")
+        if proc.stdin is not None:
+            if pending:
+                os.set_blocking(proc.stdin.fileno(), False)
+                sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+            else:
+                proc.stdin.close()
+        timed_out = False
+        exited_at: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now
+                    if exit_fd is not None:
+                        sel.unregister(exit_fd)
+                if exited_at is not None:
+                    if out_fd not in sel.get_map() or now - exited_at >= EXIT_GRACE_S:
+                        break
+                    wait = exited_at + EXIT_GRACE_S - now
+                elif now >= deadline:
+                    timed_out = True
+                    kill(proc)
+                    proc.wait()
+                    _drain(sel, out_fd, buf, time.monotonic() + KILL_DRAIN_S)
+                    break
+                else:
+                    # With a pidfd the exit wakes us; without one, check for it every POLL_INTERVAL_S.
+                    wait = deadline - now if exit_fd is not None else min(POLL_INTERVAL_S, deadline - now)
+                if not sel.get_map():  # output closed and stdin written: only the exit is left to wait for
+                    _wait_quietly(proc, wait)
+                    continue
+                for key, _ in sel.select(max(wait, 0)):
+                    if key.fd == out_fd:
+                        _read_into(sel, out_fd, buf)
+                    elif key.fd != exit_fd:
+                        pending = _write_some(sel, proc, pending)
+            _drain(sel, out_fd, buf, time.monotonic())  # whatever is already in the pipe, without waiting
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+    proc.stdout.close()
+    if proc.stdin is not None and not proc.stdin.closed:
+        proc.stdin.close()
+    output, truncated = buf.result()
+    exit_code = -1 if timed_out else exit_code_of(proc.returncode)
+    return ExecResult(output=output, exit_code=exit_code, timed_out=timed_out, truncated=truncated)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when ``pid`` exits (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _wait_quietly(proc: subprocess.Popen, seconds: float) -> None:
+    try:
+        proc.wait(timeout=max(min(seconds, POLL_INTERVAL_S * 4), 0))
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _read_into(sel: selectors.BaseSelector, fd: int, buf: CappedBuffer) -> bool:
+    """Read what is available; unregister at EOF. Returns whether anything was read."""
+    try:
+        chunk = os.read(fd, 65536)
+    except BlockingIOError:
+        return False
+    if not chunk:
+        sel.unregister(fd)
+        return False
+    buf.feed(chunk)
+    return True
+
+
+def _drain(sel: selectors.BaseSelector, fd: int, buf: CappedBuffer, until: float) -> None:
+    """Read until EOF, a pause, or ``until`` (a child that writes without end must not keep us here)."""
+    while fd in sel.get_map():
+        if not sel.select(max(until - time.monotonic(), 0)):
+            return
+        if not _read_into(sel, fd, buf) and fd in sel.get_map():
+            return
+        if time.monotonic() >= until:
+            return
+
+
+def _write_some(sel: selectors.BaseSelector, proc: subprocess.Popen, pending: memoryview) -> memoryview:
+    fd = proc.stdin.fileno()
+    try:
+        written = os.write(fd, pending[:65536])
+    except BlockingIOError:
+        return pending
+    except (BrokenPipeError, OSError):
+        written = len(pending)  # the command stopped reading; the rest of stdin is dropped
+    pending = pending[written:]
+    if not pending:
+        sel.unregister(fd)
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    return pending

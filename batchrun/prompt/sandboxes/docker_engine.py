@@ -1,0 +1,141 @@
+"""The Docker engine as a whole, for the runner: client, preflight (engine and images), leftover cleanup.
+
+Containers are found by their labels: the run name, the prompt index, and the owner (``pid@host``
+of the run's parent process), so a sweep can tell containers of a live run from a dead run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import docker
+from docker.errors import DockerException, ImageNotFound, NotFound
+
+from batchrun.prompt.sandboxes.base import SandboxError
+
+log = logging.getLogger(__name__)
+
+LABEL_RUN = "batch_runner.run_name"
+LABEL_INDEX = "batch_runner.prompt_index"
+LABEL_OWNER = "batch_runner.owner"
+
+# One client per process: a forked worker must not share its parent's sockets.
+_clients: dict[int, docker.DockerClient] = {}
+_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def docker_client() -> docker.DockerClient:
+    """The Docker client of this process (from the environment, API version negotiated), made once."""
+    with _lock:
+        client = _clients.get(os.getpid())
+        if client is None:
+            try:
+                client = docker.from_env(version="auto", max_pool_size=64)
+            except DockerException as exc:
+                raise SandboxError(_unreachable(exc)) from exc
+            _clients[os.getpid()] = client
+        return client
+
+
+def check_engine() -> str:
+    """The engine's server version; ``SandboxError`` with a clear hint when no engine answers."""
+    try:
+        return str(docker_client().version().get("Version", "unknown"))
+    except DockerException as exc:
+        raise SandboxError(_unreachable(exc)) from exc
+
+
+def _unreachable(exc: Exception) -> str:
+    return f"Docker engine not reachable: {exc}. Start dockerd (or Docker Desktop) or choose --sandbox=local"
+
+
+def default_owner() -> str:
+    """This process as a container owner: ``pid@hostname``."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def ensure_images(
+    images: list[str], *, max_concurrent: int = 4, progress: Callable[[str], None] = print
+) -> dict[str, str | None]:
+    """Make each distinct image present, pulling missing ones once; image -> None if ready, else the error."""
+    client = docker_client()
+
+    def ensure(image: str) -> str | None:
+        try:
+            client.images.get(image)
+            return None
+        except ImageNotFound:
+            pass
+        except DockerException as exc:
+            return f"cannot inspect image: {exc}"
+        progress(f"pulling {image} ...")
+        try:
+            client.images.pull(image)
+        except DockerException as exc:
+            progress(f"pull of {image} failed")
+            return f"not present locally and the pull failed: {getattr(exc, 'explanation', None) or exc}"
+        progress(f"pulled {image}")
+        return None
+
+    unique = list(dict.fromkeys(image for image in images if image))
+    if not unique:
+        return {}
+    with ThreadPoolExecutor(max_workers=max(1, min(max_concurrent, len(unique)))) as pool:
+        return dict(zip(unique, pool.map(ensure, unique), strict=True))
+
+
+def _owner_alive(owner: str) -> bool | None:
+    """Whether the ``pid@host`` owner is alive: None when it lives on another host (cannot tell)."""
+    pid, _, host = owner.partition("@")
+    if not pid.isdigit():
+        return False
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def sweep_containers(run_name: str) -> list[str]:
+    """Remove this run's containers whose owner process is dead on this host; returns their names."""
+    removed = []
+    for container in docker_client().containers.list(all=True, filters={"label": f"{LABEL_RUN}={run_name}"}):
+        if _owner_alive(container.labels.get(LABEL_OWNER, "")) is False:
+            removed += _remove(container)
+    return removed
+
+
+def remove_owned_containers(owner: str) -> list[str]:
+    """Remove every container this owner (``pid@host``) started, e.g. on Ctrl-C; returns their names."""
+    removed = []
+    for container in docker_client().containers.list(all=True, filters={"label": f"{LABEL_OWNER}={owner}"}):
+        removed += _remove(container)
+    return removed
+
+
+def _remove(container) -> list[str]:
+    try:
+        container.remove(force=True, v=True)
+    except NotFound:
+        return []
+    except DockerException as exc:
+        log.warning("could not remove container %s: %s", container.name, exc)
+        return []
+    return [container.name]

@@ -1,0 +1,145 @@
+"""Modal backend: one Modal Sandbox per prompt, created from the prompt's image; commands via ``exec``.
+
+The ``modal`` package is imported only when a sandbox starts, so the rest of the runner works
+without it (``pip install 'batch-runner[modal]'`` and ``modal token new`` to use it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import posixpath
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from batchrun.prompt.sandboxes._shell import MarkerScanner, kill_argv, new_exec_token, wrapped_argv
+from batchrun.prompt.sandboxes.base import (
+    DEFAULT_OUTPUT_CAP_BYTES,
+    CappedBuffer,
+    ExecResult,
+    SandboxError,
+    SandboxSpec,
+    check_option_types,
+    parse_options,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IMAGE = "python:3.11-slim"
+DEFAULT_WORKDIR = "/workspace"
+KEEPALIVE = ("sh", "-c", "while :; do sleep 3600; done")
+STDIN_CHUNK_BYTES = 64 * 1024  # the SDK buffers stdin writes in memory until drain(); keep each batch small
+GRACE_S = 5.0  # past the command's timeout, how long to wait for Modal to end it before killing it ourselves
+
+
+@dataclass(frozen=True)
+class ModalOptions:
+    default_image: str = DEFAULT_IMAGE  # registry image for prompts whose record names none
+    timeout_s: int = 3600  # lifetime of one prompt's sandbox; Modal ends it after this
+    cpu: float = 1.0  # CPU cores requested per sandbox
+    memory_mb: int = 2048  # memory requested per sandbox (MiB)
+    output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES  # most bytes of one command's output kept
+    app_name: str = "batch-runner"  # Modal app the sandboxes are grouped under (created if missing)
+
+    def __post_init__(self) -> None:
+        check_option_types(self, "modal", positive=("timeout_s", "cpu", "memory_mb", "output_cap_bytes"))
+
+
+class ModalSandbox:
+    """A remote Modal Sandbox kept alive by a sleep loop; terminated at stop()."""
+
+    def __init__(self, spec: SandboxSpec, **options: object):
+        self.spec = spec
+        self.options = parse_options(ModalOptions, "modal", options)
+        self.image = spec.image or self.options.default_image
+        self.workdir = posixpath.join(DEFAULT_WORKDIR, spec.cwd) if spec.cwd else DEFAULT_WORKDIR
+        self.isolation = "modal"
+        self._sandbox: Any = None
+
+    def start(self) -> None:
+        try:
+            import modal
+        except ImportError as exc:
+            raise SandboxError(
+                "the modal backend needs the modal package: pip install 'batch-runner[modal]'"
+            ) from exc
+        opts, spec = self.options, self.spec
+        try:
+            app = modal.App.lookup(opts.app_name, create_if_missing=True)
+            secrets = [modal.Secret.from_dict(dict(spec.env))] if spec.env else []
+            self._sandbox = modal.Sandbox.create(
+                *KEEPALIVE, app=app, image=modal.Image.from_registry(self.image), secrets=secrets,
+                timeout=opts.timeout_s, cpu=opts.cpu, memory=opts.memory_mb, block_network=not spec.network,
+            )  # fmt: skip
+            mkdir = self._sandbox.exec("mkdir", "-p", self.workdir, timeout=60, text=False)
+            exit_code = mkdir.wait()
+        except Exception as exc:  # the SDK raises its own exception types; any of them fails the start
+            raise SandboxError(f"modal sandbox for image {self.image!r} did not start: {exc}") from exc
+        if exit_code != 0:
+            raise SandboxError(f"modal sandbox: cannot create cwd {self.workdir!r} (exit {exit_code})")
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        if self._sandbox is None:
+            raise SandboxError("modal sandbox is not started")
+        token, began = new_exec_token(), time.monotonic()
+        scanner = MarkerScanner(token, CappedBuffer(self.options.output_cap_bytes))
+        try:
+            proc = self._sandbox.exec(
+                *wrapped_argv(command, token),
+                timeout=max(1, math.ceil(timeout_s)),
+                workdir=self.workdir,
+                text=False,
+            )
+        except Exception as exc:
+            raise SandboxError(
+                f"modal exec failed in sandbox of prompt {self.spec.prompt_index}: {exc}"
+            ) from exc
+        reader = threading.Thread(target=_read_until_marker, args=(proc, scanner), daemon=True)
+        reader.start()
+        _send_stdin(proc, stdin or b"")
+        reader.join(timeout_s + GRACE_S)
+        if reader.is_alive():  # Modal did not end it: kill the command's processes ourselves
+            self._kill(token)
+            reader.join(GRACE_S)
+        output, truncated = scanner.buf.result()
+        if scanner.done:
+            return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
+        timed_out = time.monotonic() - began >= timeout_s
+        exit_code = -1 if timed_out else (proc.poll() if proc.poll() is not None else -1)
+        return ExecResult(output=output, exit_code=exit_code, timed_out=timed_out, truncated=truncated)
+
+    def stop(self) -> None:
+        sandbox, self._sandbox = self._sandbox, None
+        if sandbox is None:
+            return
+        try:
+            sandbox.terminate()
+        except Exception as exc:  # Modal ends it anyway after timeout_s
+            log.warning("could not terminate modal sandbox of prompt %s: %s", self.spec.prompt_index, exc)
+
+    def _kill(self, token: str) -> None:
+        try:
+            self._sandbox.exec(*kill_argv(token), timeout=30, text=False).wait()
+        except Exception as exc:
+            raise SandboxError(f"modal sandbox of prompt {self.spec.prompt_index} is gone: {exc}") from exc
+
+
+def _read_until_marker(proc: Any, scanner: MarkerScanner) -> None:
+    for chunk in proc.stdout:
+        scanner.feed(chunk)
+        if scanner.done:
+            return
+    scanner.finish()
+
+
+def _send_stdin(proc: Any, data: bytes) -> None:
+    try:
+        for at in range(0, len(data), STDIN_CHUNK_BYTES):
+            proc.stdin.write(data[at : at + STDIN_CHUNK_BYTES])
+            proc.stdin.drain()
+        proc.stdin.write_eof()
+        proc.stdin.drain()
+    except Exception as exc:  # the command exited without reading it all
+        log.debug("stdin not fully delivered: %s", exc)

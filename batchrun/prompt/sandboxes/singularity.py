@@ -1,0 +1,176 @@
+"""Singularity/Apptainer backend through its CLI: one instance per prompt, commands via ``exec``.
+
+Each instance runs with ``--containall`` (no host home, /tmp or environment inside) and a
+writable overlay private to the prompt, so what one prompt writes no other prompt sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import re
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+from batchrun.prompt.sandboxes._process import run_process
+from batchrun.prompt.sandboxes.base import (
+    DEFAULT_OUTPUT_CAP_BYTES,
+    ExecResult,
+    SandboxError,
+    SandboxSpec,
+    check_option_types,
+    parse_options,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IMAGE = "python:3.11-slim"
+DEFAULT_WORKDIR = "/workspace"
+OVERLAY_KINDS = ("dir", "tmpfs", "image")
+PASSED_ENV = ("PATH", "LANG", "TERM", "APPTAINER_CACHEDIR", "SINGULARITY_CACHEDIR", "XDG_RUNTIME_DIR")
+
+
+@dataclass(frozen=True)
+class SingularityOptions:
+    default_image: str = (
+        DEFAULT_IMAGE  # image for prompts whose record names none; plain names mean docker://
+    )
+    executable: str = ""  # CLI to call; "" = apptainer, else singularity, whichever is on PATH
+    output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES  # most bytes of one command's output kept
+    overlay: str = "dir"  # writable layer: "dir" (a private directory), "tmpfs" (small, in memory), "image"
+    overlay_size_mb: int = 1024  # size of the ext3 overlay image when overlay == "image"
+    start_timeout_s: float = 900.0  # instance start, including a first pull and conversion of the image
+    base_dir: str | None = None  # where per-prompt overlays are made; None: the system temp dir
+
+    def __post_init__(self) -> None:
+        check_option_types(
+            self, "singularity", positive=("output_cap_bytes", "overlay_size_mb", "start_timeout_s")
+        )
+        if self.overlay not in OVERLAY_KINDS:
+            raise ValueError(
+                f"singularity sandbox option overlay must be one of {OVERLAY_KINDS}, got {self.overlay!r}"
+            )
+
+
+def find_executable(preferred: str = "") -> str:
+    """Path of the apptainer (or singularity) CLI; ``SandboxError`` when neither is installed."""
+    for name in [preferred] if preferred else ["apptainer", "singularity"]:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise SandboxError(
+        f"{preferred or 'apptainer/singularity'} not found on PATH: install Apptainer or choose another --sandbox"
+    )
+
+
+def image_ref(image: str) -> str:
+    """``docker://`` for plain image names; paths (.sif, sandbox dirs) and refs with a scheme stay as they are."""
+    if (
+        "://" in image
+        or image.startswith(("docker-daemon:", "/", "./", "../"))
+        or image.endswith((".sif", ".img"))
+    ):
+        return image
+    return image if os.path.exists(image) else f"docker://{image}"
+
+
+class SingularitySandbox:
+    """One ``apptainer instance`` per prompt; stop() stops it and removes the private overlay."""
+
+    def __init__(self, spec: SandboxSpec, **options: object):
+        self.spec = spec
+        self.options = parse_options(SingularityOptions, "singularity", options)
+        self.image = image_ref(spec.image or self.options.default_image)
+        self.workdir = posixpath.join(DEFAULT_WORKDIR, spec.cwd) if spec.cwd else DEFAULT_WORKDIR
+        self.isolation = "singularity"
+        self.instance: str | None = None
+        self._root: str | None = None
+        self._exe = ""
+
+    def start(self) -> None:
+        self._exe = find_executable(self.options.executable)
+        safe_run = re.sub(r"[^A-Za-z0-9_.-]", "-", self.spec.run_name)[:40]
+        self._root = tempfile.mkdtemp(
+            prefix=f"br-{safe_run}-{self.spec.prompt_index}-", dir=self.options.base_dir
+        )
+        name = f"br-{safe_run}-{self.spec.prompt_index}-{uuid.uuid4().hex[:8]}"
+        argv = [self._exe, "instance", "start", "--containall", *self._overlay_args()]
+        if not self.spec.network:
+            argv += ["--net", "--network", "none"]
+        self._cli(
+            argv + [self.image, name],
+            self.options.start_timeout_s,
+            f"instance for image {self.image!r} did not start",
+        )
+        self.instance = name  # from here on, stop() stops it
+        self._cli(
+            [self._exe, "exec", "--cleanenv", f"instance://{name}", "mkdir", "-p", self.workdir],
+            60,
+            "cannot create cwd",
+        )
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        if self.instance is None:
+            raise SandboxError("singularity sandbox is not started")
+        env_args = [f"--env={key}={value}" for key, value in self.spec.env.items()]
+        argv = [
+            self._exe,
+            "exec",
+            "--cleanenv",
+            "--pwd",
+            self.workdir,
+            *env_args,
+            f"instance://{self.instance}",
+        ]
+        return run_process(
+            [*argv, "sh", "-c", command], stdin=stdin, timeout_s=timeout_s,
+            output_cap_bytes=self.options.output_cap_bytes, env=_host_env(),
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        instance, self.instance = self.instance, None
+        root, self._root = self._root, None
+        if instance is not None:
+            try:
+                self._cli([self._exe, "instance", "stop", "--force", instance], 60, "instance stop failed")
+            except SandboxError as exc:
+                log.warning("%s", exc)
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _overlay_args(self) -> list[str]:
+        if self.options.overlay == "tmpfs":
+            return ["--writable-tmpfs"]
+        overlay = os.path.join(self._root, "overlay")
+        if self.options.overlay == "dir":
+            os.mkdir(overlay)
+        else:
+            overlay += ".img"
+            size = str(self.options.overlay_size_mb)
+            self._cli(
+                [self._exe, "overlay", "create", "--size", size, overlay], 300, "overlay image not created"
+            )
+        return ["--overlay", overlay]
+
+    def _cli(self, argv: list[str], timeout_s: float, what: str) -> None:
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, timeout=timeout_s, env=_host_env(), stdin=subprocess.DEVNULL
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxError(f"singularity: {what}: {exc}") from exc
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).decode(errors="replace").strip()[-2000:]
+            raise SandboxError(f"singularity: {what} (exit {done.returncode}): {detail}")
+
+
+def _host_env() -> dict[str, str]:
+    """The CLI's own environment: only what it needs, so no host secret can reach a container."""
+    env = {key: os.environ[key] for key in PASSED_ENV if key in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env["HOME"] = os.environ.get("HOME", "/")
+    return env

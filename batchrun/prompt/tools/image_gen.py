@@ -1,0 +1,163 @@
+"""The ``image_gen`` toolset: image_generate through an OpenAI-compatible images endpoint.
+
+The image (returned by the endpoint as base64 or as a URL) is saved under the run directory,
+``<run_dir>/images/``, and the result names that file: base64 never reaches a trajectory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from batchrun.prompt.tools.config import (
+    ASPECT_RATIOS,
+    api_error_message,
+    image_gen_config,
+    openai_client,
+    run_dir,
+)
+from batchrun.prompt.tools.registry import (
+    Tool,
+    ToolArgumentError,
+    ToolContext,
+    register,
+    register_toolset_check,
+)
+from batchrun.prompt.tools.vision import sniff_image
+from batchrun.prompt.tools.web import FetchError, fetch_url
+
+IMAGES_DIR = "images"
+_EXTENSIONS = {
+    "image/png": "png",
+    "image/jpeg": "jpg",
+    "image/gif": "gif",
+    "image/webp": "webp",
+    "image/bmp": "bmp",
+}
+
+
+def save_image(base_dir: str, subdir: str, stem: str, data: bytes, mime: str) -> Path:
+    """Write ``data`` to ``<base_dir>/<subdir>/<stem>_<sha12>.<ext>`` atomically; the final path."""
+    folder = Path(base_dir) / subdir
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}_{hashlib.sha256(data).hexdigest()[:12]}.{_EXTENSIONS[mime]}"
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def prompt_stem(ctx: ToolContext) -> str:
+    spec = getattr(ctx.sandbox, "spec", None)
+    index = getattr(spec, "prompt_index", None)
+    return f"prompt{index}" if index is not None else "prompt"
+
+
+def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    import openai
+
+    prompt = args["prompt"].strip()
+    if not prompt:
+        raise ToolArgumentError("prompt must not be empty")
+    aspect = args.get("aspect_ratio") or "landscape"
+    if aspect not in ASPECT_RATIOS:
+        raise ToolArgumentError(f"aspect_ratio must be one of {', '.join(ASPECT_RATIOS)}, got {aspect!r}")
+    cfg = image_gen_config(ctx.extra)
+    if cfg is None:
+        return {"error": "image generation is not configured (set IMAGE_GEN_MODEL)"}
+    out_dir = run_dir(ctx.extra)
+    if out_dir is None:
+        return {"error": "image generation has nowhere to save images (the runner gave no run_dir)"}
+    timeout_s = min(cfg.timeout_s, ctx.tool_timeout_s)
+    kwargs: dict[str, Any] = {
+        "model": cfg.endpoint.model,
+        "prompt": prompt,
+        "n": 1,
+        "size": cfg.sizes[aspect],
+    }
+    if cfg.response_format:
+        kwargs["response_format"] = cfg.response_format
+    client = openai_client(cfg.endpoint.base_url, cfg.endpoint.api_key, timeout_s)
+    try:
+        resp = client.images.generate(**kwargs)
+    except openai.APIStatusError as exc:
+        return {"error": f"image generation failed: HTTP {exc.status_code}: {api_error_message(exc)}"}
+    except openai.APIError as exc:
+        return {"error": f"image generation failed: {type(exc).__name__}: {exc}"}
+    items = getattr(resp, "data", None) or []
+    if not items:
+        return {"error": "the image endpoint returned no image"}
+    item = items[0]
+    source_url = None
+    if getattr(item, "b64_json", None):
+        try:
+            data = base64.b64decode(item.b64_json)
+        except (binascii.Error, ValueError):
+            return {"error": "the image endpoint returned invalid base64"}
+    elif getattr(item, "url", None):
+        source_url = item.url
+        try:
+            data = fetch_url(source_url, max_bytes=cfg.max_bytes, timeout_s=timeout_s).body
+        except FetchError as exc:
+            return {"error": f"the generated image could not be downloaded: {exc}"}
+    else:
+        return {"error": "the image endpoint returned neither b64_json nor url"}
+    mime = sniff_image(data)
+    if mime is None:
+        return {"error": f"the image endpoint returned {len(data)} bytes that are not an image"}
+    path = save_image(out_dir, IMAGES_DIR, prompt_stem(ctx), data, mime)
+    result: dict[str, Any] = {
+        "success": True,
+        "image": str(path),
+        "relative_path": str(path.relative_to(out_dir)),
+        "mime_type": mime,
+        "bytes": len(data),
+        "size": cfg.sizes[aspect],
+        "aspect_ratio": aspect,
+    }
+    if source_url and not source_url.startswith("data:"):
+        result["url"] = source_url
+    if getattr(item, "revised_prompt", None):
+        result["revised_prompt"] = item.revised_prompt
+    return result
+
+
+register_toolset_check("image_gen", lambda extra: image_gen_config(extra) is not None)
+
+register(
+    Tool(
+        name="image_generate",
+        toolset="image_gen",
+        description=(
+            "Generate an image from a text prompt. The image is saved as a file and the result gives "
+            "its path (`image`) and, when the generator provides one, its URL. Describe the subject, "
+            "style, composition and lighting in detail."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "prompt": {
+                    "type": "string",
+                    "description": "Detailed description of the image to generate.",
+                },
+                "aspect_ratio": {
+                    "type": "string",
+                    "enum": list(ASPECT_RATIOS),
+                    "description": "'landscape' (wide, the default), 'square', or 'portrait' (tall).",
+                },
+            },
+            "required": ["prompt"],
+        },
+        handler=image_generate,
+    )
+)

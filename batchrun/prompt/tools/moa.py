@@ -1,0 +1,124 @@
+"""The ``moa`` toolset: mixture_of_agents asks several reference models in parallel, then one
+aggregator model writes the answer from theirs. All calls go to an OpenAI-compatible endpoint.
+
+A reference model that fails is left out; the aggregation needs ``MOA_MIN_SUCCESSFUL`` answers.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from batchrun.prompt.llm import record_usage
+from batchrun.prompt.tools.config import MoaConfig, api_error_message, moa_config, openai_client
+from batchrun.prompt.tools.registry import (
+    Tool,
+    ToolArgumentError,
+    ToolContext,
+    register,
+    register_toolset_check,
+)
+
+AGGREGATOR_SYSTEM_PROMPT = (
+    "Several assistants answered the user's request below. Write the single best answer to it. "
+    "Weigh their answers critically, since some may be wrong or incomplete; keep what is correct, "
+    "resolve disagreements by reasoning, and do not mention that several answers were given.\n\n"
+    "The assistants' answers:"
+)
+
+
+def _ask(
+    cfg: MoaConfig,
+    model: str,
+    messages: list[dict[str, str]],
+    temperature: float,
+    timeout_s: float,
+    usage: Any = None,
+) -> str:
+    import openai
+
+    kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature}
+    if cfg.max_tokens is not None:
+        kwargs["max_tokens"] = cfg.max_tokens
+    client = openai_client(cfg.base_url, cfg.api_key, timeout_s)
+    try:
+        resp = client.chat.completions.create(**kwargs)
+        record_usage(usage, resp)
+    except openai.APIStatusError as exc:
+        raise RuntimeError(f"HTTP {exc.status_code}: {api_error_message(exc)}") from None
+    except openai.APIError as exc:
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+    choices = getattr(resp, "choices", None) or []
+    text = (choices[0].message.content or "").strip() if choices else ""
+    if not text:
+        raise RuntimeError("empty answer")
+    return text
+
+
+def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    user_prompt = args["user_prompt"].strip()
+    if not user_prompt:
+        raise ToolArgumentError("user_prompt must not be empty")
+    cfg = moa_config(ctx.extra)
+    if cfg is None:
+        return {"error": "mixture_of_agents is not configured (no models or endpoint)"}
+    # The reference calls run in parallel and the aggregator after them: each gets half the budget.
+    timeout_s = min(cfg.timeout_s, ctx.tool_timeout_s / 2)
+    question = [{"role": "user", "content": user_prompt}]
+
+    def reference(model: str) -> tuple[str, str | None, str | None]:
+        try:
+            return model, _ask(cfg, model, question, cfg.reference_temperature, timeout_s, ctx.usage), None
+        except RuntimeError as exc:
+            return model, None, str(exc)
+
+    with ThreadPoolExecutor(max_workers=len(cfg.reference_models), thread_name_prefix="moa") as pool:
+        answers = list(pool.map(reference, cfg.reference_models))
+    good = [(m, text) for m, text, _ in answers if text is not None]
+    failed = {m: err for m, _, err in answers if err is not None}
+    if len(good) < cfg.min_successful:
+        return {
+            "error": f"only {len(good)} of {len(answers)} reference models answered "
+            f"(need {cfg.min_successful}): " + "; ".join(f"{m}: {e}" for m, e in failed.items())
+        }
+    listing = "\n\n".join(f"{i}. {text}" for i, (_, text) in enumerate(good, 1))
+    messages = [{"role": "system", "content": f"{AGGREGATOR_SYSTEM_PROMPT}\n\n{listing}"}, *question]
+    try:
+        final = _ask(cfg, cfg.aggregator_model, messages, cfg.aggregator_temperature, timeout_s, ctx.usage)
+    except RuntimeError as exc:
+        return {"error": f"the aggregator model {cfg.aggregator_model} failed: {exc}"}
+    result: dict[str, Any] = {
+        "success": True,
+        "response": final,
+        "models_used": {"reference_models": [m for m, _ in good], "aggregator_model": cfg.aggregator_model},
+    }
+    if failed:
+        result["failed_models"] = failed
+    return result
+
+
+register_toolset_check("moa", lambda extra: moa_config(extra) is not None)
+
+register(
+    Tool(
+        name="mixture_of_agents",
+        toolset="moa",
+        description=(
+            "Put a hard problem to several language models at once and get one answer synthesised from "
+            "theirs. Slow and costly (several model calls): use it for genuinely difficult questions "
+            "such as tricky math, algorithm design or multi-step analysis, not for simple lookups. "
+            "State the problem completely: the models see nothing but `user_prompt`."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "user_prompt": {
+                    "type": "string",
+                    "description": "The complete problem or question for the models to solve.",
+                }
+            },
+            "required": ["user_prompt"],
+        },
+        handler=mixture_of_agents,
+    )
+)

@@ -1,0 +1,207 @@
+"""The tool registry: name, toolset, JSON schema and handler for every tool the agent can be offered.
+
+The set of known tool names (used for normalised statistics and the hallucination filter)
+is derived from this registry and never listed anywhere else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.prompt.sandboxes.base import Sandbox, SandboxError
+
+TOOLSETS = ("web", "vision", "image_gen", "terminal", "file", "moa", "browser")
+
+
+@dataclass
+class ToolContext:
+    """What a handler may use: the prompt's sandbox and the run's limits."""
+
+    sandbox: Sandbox
+    tool_timeout_s: float = 180.0  # wall-clock limit of one tool call
+    output_cap_bytes: int = 64 * 1024  # most bytes of command output shown to the model
+    extra: dict[str, Any] = field(default_factory=dict)  # per-run settings of optional toolsets
+    usage: Any = (
+        None  # batchrun.prompt.llm.Usage of the prompt: model calls made by tools (vision, moa) count too
+    )
+    # Per-prompt state a tool keeps between calls (e.g. the browser context); each value has a
+    # close() method. Released by close_prompt_resources, which the runner calls in `finally`.
+    resources: dict[str, Any] = field(default_factory=dict)
+
+
+Handler = Callable[[ToolContext, dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    toolset: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    handler: Handler
+
+    def openai_schema(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+class ToolArgumentError(ValueError):
+    """The model passed arguments that do not fit the schema; shown to the model as an error."""
+
+
+_REGISTRY: dict[str, Tool] = {}
+_TOOLSET_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {}
+
+
+def register(tool: Tool) -> Tool:
+    if tool.toolset not in TOOLSETS:
+        raise ValueError(f"tool {tool.name!r} names unknown toolset {tool.toolset!r}")
+    if tool.name in _REGISTRY:
+        raise ValueError(f"tool {tool.name!r} registered twice")
+    _REGISTRY[tool.name] = tool
+    global _ORDERED
+    _ORDERED = None
+    return tool
+
+
+def register_toolset_check(toolset: str, is_configured: Callable[[dict[str, Any]], bool]) -> None:
+    """Offer ``toolset`` only when ``is_configured(extra)`` holds (see batchrun/prompt/tools/config.py).
+
+    The check may raise ``ToolConfigError`` (a ValueError) for a setting that is present but bad.
+    """
+    _TOOLSET_CHECKS[toolset] = is_configured
+
+
+BUILTIN_TOOL_MODULES = tuple(
+    f"batchrun.prompt.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
+)
+
+
+def _load_builtin_tools() -> None:
+    # Importing the modules registers their tools; done once, on first use.
+    for module in BUILTIN_TOOL_MODULES:
+        importlib.import_module(module)
+
+
+_BUILTINS_LOADED = False
+
+
+_ORDERED: dict[str, Tool] | None = None
+
+
+def all_tools() -> dict[str, Tool]:
+    global _BUILTINS_LOADED
+    # A flag, not "registry empty": importing one tool module directly must not hide the others.
+    if not _BUILTINS_LOADED:
+        _load_builtin_tools()
+        _BUILTINS_LOADED = True
+    global _ORDERED
+    if _ORDERED is None:  # cached: this is called on every tool call
+        # Toolsets in TOOLSETS order, so the order never depends on which module was imported first.
+        _ORDERED = dict(sorted(_REGISTRY.items(), key=lambda item: TOOLSETS.index(item[1].toolset)))
+    return dict(_ORDERED)
+
+
+def known_tool_names() -> list[str]:
+    """Every tool name the runner knows, sorted: the columns of tool_stats in every record."""
+    return sorted(all_tools())
+
+
+def available_toolsets(extra: dict[str, Any] | None = None) -> set[str]:
+    """Toolsets that have a tool here and whose configuration is present.
+
+    ``extra`` is what the runner puts in ``ToolContext.extra`` (the run's endpoint, run_dir, ...).
+    Raises ``ToolConfigError`` (a ValueError naming the variable) for a bad setting.
+    """
+    extra = extra or {}
+    present = {t.toolset for t in all_tools().values()}
+    return {ts for ts in present if ts not in _TOOLSET_CHECKS or _TOOLSET_CHECKS[ts](extra)}
+
+
+def tools_for_toolsets(toolsets: list[str]) -> list[Tool]:
+    """The tools offered for the given toolsets, in registry order."""
+    wanted = set(toolsets)
+    return [t for t in all_tools().values() if t.toolset in wanted]
+
+
+def close_prompt_resources(ctx: ToolContext) -> None:
+    """Release what the prompt's tools kept open (browser context, ...). Idempotent; never raises."""
+    while ctx.resources:
+        _, resource = ctx.resources.popitem()
+        try:
+            resource.close()
+        except Exception:  # cleanup of one resource must not stop the others
+            pass
+
+
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+}
+
+
+def check_arguments(tool: Tool, args: Any) -> dict[str, Any]:
+    """Validate the top level of ``args`` against the tool's schema: required keys, known keys, types."""
+    if not isinstance(args, dict):
+        raise ToolArgumentError(f"arguments of {tool.name} must be a JSON object, got {type(args).__name__}")
+    props = tool.parameters.get("properties", {})
+    missing = [k for k in tool.parameters.get("required", []) if k not in args]
+    if missing:
+        raise ToolArgumentError(f"{tool.name}: missing required argument(s): {', '.join(missing)}")
+    unknown = [k for k in args if k not in props]
+    if unknown:
+        raise ToolArgumentError(
+            f"{tool.name}: unknown argument(s): {', '.join(unknown)}; expected: {', '.join(props)}"
+        )
+    for key, value in args.items():
+        expected = props[key].get("type")
+        if expected is None or value is None and key not in tool.parameters.get("required", []):
+            continue
+        py_type = _JSON_TYPES.get(expected)
+        ok = isinstance(value, py_type) if py_type else True
+        if expected in ("integer", "number") and isinstance(value, bool):
+            ok = False
+        if not ok:
+            raise ToolArgumentError(
+                f"{tool.name}: argument {key!r} must be {expected}, got {type(value).__name__}"
+            )
+    return args
+
+
+def execute_tool_call(name: str, arguments: str, ctx: ToolContext, offered: set[str]) -> str:
+    """Run one tool call the model made and return its result as a JSON string.
+
+    Whatever the model did wrong (unknown or not-offered tool, arguments that are not JSON or do
+    not fit the schema, a handler that raises) becomes ``{"error": ...}`` for the model to see.
+    Only infrastructure failure (:class:`SandboxError`) propagates and fails the prompt.
+    """
+    tools = all_tools()
+    tool = tools.get(name)
+    if tool is None or name not in offered:
+        return json.dumps(
+            {"error": f"Unknown tool '{name}'. Available tools: {', '.join(sorted(offered)) or 'none'}"}
+        )
+    try:
+        parsed = json.loads(arguments) if arguments and arguments.strip() else {}
+    except json.JSONDecodeError as exc:
+        return json.dumps({"error": f"Invalid JSON in arguments of {name}: {exc.msg} at position {exc.pos}"})
+    try:
+        args = check_arguments(tool, parsed)
+        result = tool.handler(ctx, args)
+    except SandboxError:
+        raise
+    except ToolArgumentError as exc:
+        return json.dumps({"error": str(exc)})
+    except Exception as exc:  # a handler bug or an unexpected input is still only an observation
+        return json.dumps({"error": f"{name} failed: {type(exc).__name__}: {exc}"})
+    return json.dumps(result, ensure_ascii=False)

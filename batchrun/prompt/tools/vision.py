@@ -1,0 +1,191 @@
+"""The ``vision`` toolset: vision_analyze asks a vision-capable model about an image.
+
+The image is an http(s) URL (fetched here, so the model's provider need not reach it), a
+``data:`` URL, or a file in the prompt's sandbox (read through the sandbox, so it works in every
+backend). It travels to the model as a base64 data URL inside the request only; results carry
+the answer and a short description of the image, never its bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import urllib.parse
+from typing import Any
+
+from batchrun.prompt.llm import record_usage
+from batchrun.prompt.tools.config import (
+    VisionConfig,
+    allow_private_addresses,
+    api_error_message,
+    extract_config,
+    openai_client,
+    settings,
+    vision_config,
+)
+from batchrun.prompt.tools.registry import (
+    Tool,
+    ToolArgumentError,
+    ToolContext,
+    register,
+    register_toolset_check,
+)
+from batchrun.prompt.tools.web import FetchError, fetch_url
+
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"BM", "image/bmp"),
+)
+
+
+class VisionError(Exception):
+    """The image could not be loaded or the model did not answer; shown to the model."""
+
+
+def sniff_image(data: bytes) -> str | None:
+    """The media type of an image format vision models take (png, jpeg, gif, webp, bmp), else None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    for magic, mime in _MAGIC:
+        if data.startswith(magic):
+            return mime
+    return None
+
+
+def load_image(ctx: ToolContext, source: str, max_bytes: int) -> tuple[bytes, str, str]:
+    """(bytes, media type, how to name the source in results) of an image URL, data URL or sandbox file."""
+    source = source.strip()
+    if not source:
+        raise ToolArgumentError("image_url must not be empty")
+    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    if scheme in ("http", "https"):
+        web = extract_config(ctx.extra)
+        try:
+            page = fetch_url(
+                source,
+                max_bytes=max_bytes,
+                timeout_s=min(web.timeout_s, ctx.tool_timeout_s),
+                user_agent=web.user_agent,
+                headers={"Accept": "image/*"},
+                # The URL is the model's choice: the host's private network is off limits (see web.py).
+                public_only=not allow_private_addresses(settings(ctx.extra)),
+            )
+        except FetchError as exc:
+            raise VisionError(str(exc)) from None
+        data, label = page.body, source
+    elif scheme == "data":
+        header, _, payload = source.partition(",")
+        if ";base64" not in header:
+            raise VisionError("a data: URL must be base64 encoded (data:image/png;base64,...)")
+        try:
+            data = base64.b64decode(payload, validate=False)
+        except (binascii.Error, ValueError):
+            raise VisionError("the data: URL is not valid base64") from None
+        if len(data) > max_bytes:
+            raise VisionError(f"the image is {len(data)} bytes, over the limit of {max_bytes}")
+        label = f"data URL ({len(data)} bytes)"
+    else:
+        from batchrun.prompt.tools.file import read_bytes  # the file toolset's sandbox reader
+
+        path = source[len("file://") :] if scheme == "file" else source
+        got = read_bytes(ctx, path, max_bytes=max_bytes)
+        if isinstance(got, dict):
+            raise VisionError(got["error"])
+        data, label = got, path
+    mime = sniff_image(data)
+    if mime is None:
+        raise VisionError(
+            f"{label} is not an image this tool can show (PNG, JPEG, GIF, WebP or BMP expected, "
+            f"got {len(data)} bytes starting {data[:12]!r})"
+        )
+    return data, mime, label
+
+
+def ask_about_image(
+    cfg: VisionConfig, question: str, data: bytes, mime: str, timeout_s: float, usage: Any = None
+) -> str:
+    """The vision model's answer to ``question`` about the image."""
+    import openai
+
+    data_url = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    kwargs: dict[str, Any] = {}
+    if cfg.max_tokens is not None:
+        kwargs["max_tokens"] = cfg.max_tokens
+    client = openai_client(cfg.endpoint.base_url, cfg.endpoint.api_key, timeout_s)
+    try:
+        resp = client.chat.completions.create(
+            model=cfg.endpoint.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": question},
+                        {"type": "image_url", "image_url": {"url": data_url}},
+                    ],
+                }
+            ],
+            **kwargs,
+        )
+        record_usage(usage, resp)
+    except openai.APIStatusError as exc:
+        raise VisionError(
+            f"the vision model failed: HTTP {exc.status_code}: {api_error_message(exc)}"
+        ) from None
+    except openai.APIError as exc:
+        raise VisionError(f"the vision model failed: {type(exc).__name__}: {exc}") from None
+    choices = getattr(resp, "choices", None) or []
+    text = (choices[0].message.content or "").strip() if choices else ""
+    if not text:
+        raise VisionError("the vision model returned an empty answer")
+    return text
+
+
+def vision_analyze(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    question = args["question"].strip() or "Describe this image in detail."
+    cfg = vision_config(ctx.extra)
+    if cfg is None:
+        return {"error": "vision is not configured (no vision model or endpoint)"}
+    try:
+        data, mime, label = load_image(ctx, args["image_url"], cfg.max_image_bytes)
+        answer = ask_about_image(cfg, question, data, mime, min(cfg.timeout_s, ctx.tool_timeout_s), ctx.usage)
+    except VisionError as exc:
+        return {"error": str(exc)}
+    return {
+        "success": True,
+        "analysis": answer,
+        "image": {"source": label, "mime_type": mime, "bytes": len(data)},
+    }
+
+
+register_toolset_check("vision", lambda extra: vision_config(extra) is not None)
+
+register(
+    Tool(
+        name="vision_analyze",
+        toolset="vision",
+        description=(
+            "Look at an image with a vision model and answer a question about it: describe it, read its "
+            "text, interpret a chart or screenshot. `image_url` is an http(s) URL, a data: URL, or the "
+            "path of an image file in the working environment (e.g. one you downloaded or made). PNG, "
+            "JPEG, GIF, WebP and BMP are supported."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "image_url": {
+                    "type": "string",
+                    "description": "Image URL (http/https or data:) or path of an image file in the sandbox.",
+                },
+                "question": {
+                    "type": "string",
+                    "description": "What you want to know about the image; be specific.",
+                },
+            },
+            "required": ["image_url", "question"],
+        },
+        handler=vision_analyze,
+    )
+)

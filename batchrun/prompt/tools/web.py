@@ -1,0 +1,573 @@
+"""The ``web`` toolset: web_search through a configured provider, web_extract fetching pages itself.
+
+Providers speak their own HTTP APIs (Tavily, Brave, SearXNG JSON, Exa, Firecrawl); which one and
+where is read from the environment (batchrun/prompt/tools/config.py), so tests point them at a local fake.
+web_extract fetches each URL with the standard library under a time, size and content-type
+limit and turns HTML into markdown with BeautifulSoup + markdownify, keeping the main content
+(``<main>``, ``<article>``) and dropping scripts, navigation and footers.
+
+web_extract runs on the host, not in the prompt's sandbox, so unless WEB_ALLOW_PRIVATE_ADDRESSES
+is set it only reaches public addresses: each connection (the first URL and every redirect hop)
+resolves the host, refuses it if ANY of its addresses is loopback, private, link-local, multicast,
+reserved or unspecified (``resolve_public``), and then connects to one of the addresses it checked,
+so a DNS answer that changes between check and connect (rebinding) cannot slip through. The
+search providers' base URLs are the operator's configuration and are fetched unchecked.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import re
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from email.message import Message
+from typing import Any
+
+from batchrun.prompt.tools.config import SearchConfig, extract_config, search_config
+from batchrun.prompt.tools.registry import (
+    Tool,
+    ToolArgumentError,
+    ToolContext,
+    register,
+    register_toolset_check,
+)
+
+MAX_URLS = 5  # per web_extract call, as in the reference
+MIN_PAGE_CHARS = 2000  # the results budget never cuts a page below this
+MAX_DESCRIPTION_CHARS = 500  # per search result
+_TEXT_TYPES = (
+    "text/",
+    "application/json",
+    "application/xml",
+    "application/javascript",
+    "application/ld+json",
+)
+_HTML_TYPES = ("text/html", "application/xhtml+xml")
+
+
+# ----------------------------------------------------------------------------- fetching
+
+
+class FetchError(Exception):
+    """A URL could not be fetched within the limits; the message is shown to the model."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    url: str  # after redirects
+    status: int
+    content_type: str  # lower-case media type without parameters; "" when the server sent none
+    charset: str | None
+    body: bytes
+
+
+class AddressRefused(FetchError):
+    """A URL (or a redirect hop) whose host resolves to an address that is not public."""
+
+    def __init__(self, url: str, ip: str):
+        super().__init__(f"{url} resolves to a private address ({ip}); refused")
+        self.url = url
+        self.ip = ip
+
+
+class PrivateAddressError(Exception):
+    """``resolve_public``: ``host`` resolved to ``ip``, which is not a public address."""
+
+    def __init__(self, host: str, ip: str):
+        super().__init__(f"{host} resolves to a private address ({ip})")
+        self.host = host
+        self.ip = ip
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_private_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """True unless ``ip`` is a globally routable unicast address: loopback, private, link-local,
+    multicast, reserved, unspecified, shared (100.64/10)... IPv6 forms that carry an IPv4 address
+    (IPv4-mapped, NAT64, 6to4) are judged by that IPv4 address."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return is_private_address(ip.ipv4_mapped)
+        if ip in _NAT64:
+            return is_private_address(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip.sixtofour is not None:
+            return is_private_address(ip.sixtofour)
+        ip = ipaddress.IPv6Address(int(ip))  # without a %scope
+    return (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+        or not ip.is_global
+    )
+
+
+def resolve_public(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo`` results (TCP) for ``host``, after checking EVERY address: raises
+    PrivateAddressError if any is not public (OSError when the name does not resolve). Connect
+    to these very addresses, not to the name, so a second DNS answer cannot differ."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"{host} has no address")
+    for info in infos:
+        raw = str(info[4][0])
+        try:
+            ip = ipaddress.ip_address(raw.split("%", 1)[0])
+        except ValueError:
+            raise PrivateAddressError(host, raw) from None
+        if is_private_address(ip):
+            raise PrivateAddressError(host, raw)
+    return infos
+
+
+def _connect_checked(url: str, host: str, port: int, timeout: Any, source: Any) -> socket.socket:
+    """A TCP connection to ``host`` through ``resolve_public`` (AddressRefused naming ``url``)."""
+    try:
+        infos = resolve_public(host, port)
+    except PrivateAddressError as exc:
+        raise AddressRefused(url, exc.ip) from None
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:  # type: ignore[attr-defined]
+                sock.settimeout(timeout)
+            if source:
+                sock.bind(source)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error or OSError(f"could not connect to {host}")
+
+
+def _checked_connection(conn_class: type[http.client.HTTPConnection], req: urllib.request.Request):
+    """What ``do_open`` calls to make its connection: one that only reaches public addresses."""
+    url = req.full_url
+    target = urllib.parse.urlsplit(url)
+    host = target.hostname or ""
+    port = target.port or (443 if target.scheme == "https" else 80)
+
+    def make(netloc: str, **kwargs: Any) -> http.client.HTTPConnection:
+        conn = conn_class(netloc, **kwargs)
+        through_proxy = bool(req._tunnel_host) or req.selector.lower().startswith(  # type: ignore[attr-defined]
+            ("http://", "https://")
+        )
+        if through_proxy:
+            # An operator's proxy (http_proxy...) resolves the name itself: check it here, best
+            # effort (a name only the proxy can resolve is left to the proxy).
+            try:
+                resolve_public(host, port)
+            except PrivateAddressError as exc:
+                raise AddressRefused(url, exc.ip) from None
+            except OSError:
+                pass
+        else:
+            conn._create_connection = lambda address, timeout, source=None: _connect_checked(  # type: ignore[attr-defined]
+                url, address[0], address[1], timeout, source
+            )
+        return conn
+
+    return make
+
+
+class _CheckedHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(_checked_connection(http.client.HTTPConnection, req), req)
+
+
+class _CheckedHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(
+            _checked_connection(http.client.HTTPSConnection, req),
+            req,
+            context=self._context,  # type: ignore[attr-defined]
+        )
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    max_redirections = 5
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
+        if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
+            raise FetchError(f"redirect to a non-http(s) URL refused: {newurl}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_Redirects())
+# Every connection it makes, redirect hops included, goes through resolve_public.
+_PUBLIC_OPENER = urllib.request.build_opener(_CheckedHTTPHandler(), _CheckedHTTPSHandler(), _Redirects())
+
+
+def check_http_url(url: str) -> str:
+    """The URL stripped, or ToolArgumentError unless it is an absolute http(s) URL."""
+    url = url.strip()
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ToolArgumentError(f"not an http(s) URL: {url!r}")
+    return url
+
+
+def fetch_url(
+    url: str,
+    *,
+    max_bytes: int,
+    timeout_s: float,
+    user_agent: str = "batch-runner/1.0",
+    accept: tuple[str, ...] | None = None,
+    method: str = "GET",
+    data: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    public_only: bool = False,
+) -> Fetched:
+    """Fetch ``url`` (http/https only), giving up past ``timeout_s`` or ``max_bytes``.
+
+    ``accept``: media-type prefixes allowed (others raise FetchError before the body is read).
+    ``public_only``: refuse (AddressRefused) a URL or redirect hop whose host resolves to a
+    non-public address, and connect only to the addresses checked. For URLs a model chose.
+    """
+    deadline = time.monotonic() + timeout_s
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("User-Agent", user_agent)
+    for key, value in (headers or {}).items():
+        req.add_header(key, value)
+    try:
+        resp = (_PUBLIC_OPENER if public_only else _OPENER).open(req, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        detail = _error_detail(exc)
+        raise FetchError(f"HTTP {exc.code} {exc.reason} from {url}{detail}") from None
+    except urllib.error.URLError as exc:
+        raise FetchError(f"could not fetch {url}: {exc.reason}") from None
+    except (TimeoutError, OSError) as exc:
+        raise FetchError(f"could not fetch {url}: {exc or type(exc).__name__}") from None
+    with resp:
+        msg: Message = resp.headers
+        content_type = (msg.get_content_type() if msg.get("Content-Type") else "").lower()
+        charset = msg.get_content_charset()
+        if accept is not None and content_type and not content_type.startswith(accept):
+            raise FetchError(f"{url} is {content_type}, not one of: {', '.join(accept)}")
+        length = msg.get("Content-Length")
+        if length and length.isdigit() and int(length) > max_bytes:
+            raise FetchError(f"{url} is {int(length)} bytes, over the limit of {max_bytes} bytes")
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise FetchError(f"{url} took longer than {timeout_s:g} s")
+                chunk = resp.read1(65536)
+                if not chunk:
+                    break
+                got += len(chunk)
+                if got > max_bytes:
+                    raise FetchError(
+                        f"{url} is larger than the limit of {max_bytes} bytes (sent without a length)"
+                    )
+                chunks.append(chunk)
+        except (TimeoutError, OSError) as exc:
+            raise FetchError(f"reading {url} failed: {exc or type(exc).__name__}") from None
+        return Fetched(resp.geturl(), resp.status, content_type, charset, b"".join(chunks))
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    try:
+        text = exc.read(300).decode("utf-8", errors="replace").strip()
+    except Exception:
+        return ""
+    return f": {' '.join(text.split())[:200]}" if text else ""
+
+
+# ----------------------------------------------------------------------------- HTML -> markdown
+
+_DROP_TAGS = ["script", "style", "noscript", "template", "svg", "canvas", "iframe", "object", "embed", "head"]
+_CHROME_SELECTOR = (
+    "nav, aside, footer, [role=navigation], [role=banner], [role=contentinfo], [role=complementary], "
+    '[hidden], [aria-hidden=true], [style*="display:none"], [style*="display: none"]'
+)
+
+
+def html_to_markdown(body: bytes | str, base_url: str, charset: str | None = None) -> tuple[str, str]:
+    """(title, markdown of the page's main content). Links and images become absolute URLs."""
+    from bs4 import BeautifulSoup
+    from markdownify import MarkdownConverter
+
+    if isinstance(body, bytes):
+        soup = BeautifulSoup(body, "html.parser", from_encoding=charset)
+    else:
+        soup = BeautifulSoup(body, "html.parser")
+    title = " ".join(soup.title.get_text().split()) if soup.title else ""
+    for tag in soup(_DROP_TAGS):
+        tag.decompose()
+    body_tag = soup.body or soup
+    root = soup.find("main") or soup.find(attrs={"role": "main"}) or soup.find("article") or body_tag
+    for tag in root.select(_CHROME_SELECTOR):
+        tag.decompose()
+    if root is body_tag:
+        for header in root.find_all("header", recursive=False):
+            if not header.find(["h1", "h2"]):
+                header.decompose()
+    for a in root.find_all("a", href=True):
+        href = a["href"].strip()
+        if href.lower().startswith("javascript:"):
+            del a["href"]
+        else:
+            a["href"] = urllib.parse.urljoin(base_url, href)
+    for img in root.find_all("img"):
+        src = (img.get("src") or "").strip()
+        if not src or src.startswith("data:"):
+            img.replace_with(img.get("alt") or "")
+        else:
+            img["src"] = urllib.parse.urljoin(base_url, src)
+    converter = MarkdownConverter(
+        heading_style="ATX", bullets="-", escape_underscores=False, escape_misc=False
+    )
+    text = converter.convert_soup(root)
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    text = re.sub(r"\n{3,}", "\n\n", text).strip()
+    return title, text
+
+
+def _decode(body: bytes, charset: str | None) -> str:
+    try:
+        return body.decode(charset or "utf-8", errors="replace")
+    except LookupError:
+        return body.decode("utf-8", errors="replace")
+
+
+def _looks_like_html(body: bytes) -> bool:
+    head = body[:1024].lstrip().lower()
+    return head.startswith((b"<!doctype html", b"<html")) or b"<body" in body[:4096].lower()
+
+
+# ----------------------------------------------------------------------------- web_extract
+
+
+def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any]:
+    cfg = extract_config(ctx.extra)
+    entry: dict[str, Any] = {"url": url, "title": "", "content": "", "error": None}
+    try:
+        url = check_http_url(url)
+        page = fetch_url(
+            url,
+            max_bytes=cfg.max_bytes,
+            timeout_s=min(cfg.timeout_s, ctx.tool_timeout_s),
+            user_agent=cfg.user_agent,
+            headers={"Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"},
+            public_only=not cfg.allow_private,
+        )
+    except AddressRefused as exc:
+        entry["error"] = f"web_extract: {exc}"
+        return entry
+    except (FetchError, ToolArgumentError) as exc:
+        entry["error"] = str(exc)
+        return entry
+    kind = page.content_type
+    if kind.startswith(_HTML_TYPES) or (not kind and _looks_like_html(page.body)):
+        try:
+            title, text = html_to_markdown(page.body, page.url, page.charset)
+        except Exception as exc:  # a page the parser chokes on fails alone, not the whole call
+            entry["error"] = f"could not convert {url} to text: {type(exc).__name__}: {exc}"
+            return entry
+    elif kind.startswith(_TEXT_TYPES) or not kind:
+        title, text = "", _decode(page.body, page.charset)
+        if not kind and "\x00" in text[:4096]:
+            entry["error"] = f"{url} sent binary data without a content type; web_extract reads text pages"
+            return entry
+    else:
+        entry["error"] = (
+            f"{url} is {kind}; web_extract reads HTML and text pages only "
+            "(for other content, download it in the terminal if one is offered)"
+        )
+        return entry
+    if page.url != url:
+        entry["final_url"] = page.url
+    entry["title"] = title
+    entry["content_type"] = kind or "unknown"
+    if len(text) > budget_chars:
+        entry["content"] = text[:budget_chars]
+        entry["truncated"] = f"content cut at {budget_chars} of {len(text)} characters"
+    else:
+        entry["content"] = text
+    if not text.strip():
+        entry["note"] = "the page has no text content (it may be built by JavaScript; try the browser)"
+    return entry
+
+
+def web_extract(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    urls = args["urls"]
+    if isinstance(urls, str):
+        urls = [urls]
+    if not urls or not all(isinstance(u, str) and u.strip() for u in urls):
+        raise ToolArgumentError("urls must be a non-empty list of URL strings")
+    if len(urls) > MAX_URLS:
+        raise ToolArgumentError(f"at most {MAX_URLS} URLs per call, got {len(urls)}")
+    cfg = extract_config(ctx.extra)
+    share = max(MIN_PAGE_CHARS, (ctx.output_cap_bytes - 1024) // len(urls))
+    budget = min(cfg.max_chars, share)
+    results = [_extract_one(u, budget, ctx) for u in urls]
+    out: dict[str, Any] = {"results": results}
+    if all(r["error"] for r in results):
+        out["error"] = "; ".join(r["error"] for r in results)
+    return out
+
+
+# ----------------------------------------------------------------------------- web_search
+
+
+def _call_json(cfg: SearchConfig, url: str, *, body: dict | None = None, headers: dict[str, str]) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    hdrs = {"Accept": "application/json", **headers}
+    if data is not None:
+        hdrs["Content-Type"] = "application/json"
+    page = fetch_url(
+        url,
+        max_bytes=5_000_000,
+        timeout_s=cfg.timeout_s,
+        method="POST" if data is not None else "GET",
+        data=data,
+        headers=hdrs,
+    )
+    try:
+        return json.loads(page.body.decode(page.charset or "utf-8", errors="replace"))
+    except json.JSONDecodeError:
+        raise FetchError(f"{cfg.provider} answered with something that is not JSON") from None
+
+
+def _rows(items: Any, desc_keys: tuple[str, ...]) -> list[dict[str, str]]:
+    rows = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict) or not item.get("url"):
+            continue
+        desc = next((item[k] for k in desc_keys if isinstance(item.get(k), str) and item[k]), "")
+        if not desc and isinstance(item.get("highlights"), list):
+            desc = " … ".join(h for h in item["highlights"] if isinstance(h, str))
+        desc = " ".join(str(desc).split())
+        if len(desc) > MAX_DESCRIPTION_CHARS:
+            desc = desc[:MAX_DESCRIPTION_CHARS] + "…"
+        rows.append({"title": str(item.get("title") or ""), "url": str(item["url"]), "description": desc})
+    return rows
+
+
+def _search(cfg: SearchConfig, query: str, n: int) -> list[dict[str, str]]:
+    base = cfg.base_url
+    if cfg.provider == "tavily":
+        data = _call_json(
+            cfg,
+            f"{base}/search",
+            body={"query": query, "max_results": n, "search_depth": "basic"},
+            headers={"Authorization": f"Bearer {cfg.api_key}"},
+        )
+        return _rows(data.get("results"), ("content",))
+    if cfg.provider == "brave":
+        qs = urllib.parse.urlencode({"q": query, "count": n})
+        data = _call_json(
+            cfg, f"{base}/res/v1/web/search?{qs}", headers={"X-Subscription-Token": cfg.api_key or ""}
+        )
+        return _rows((data.get("web") or {}).get("results"), ("description",))
+    if cfg.provider == "searxng":
+        qs = urllib.parse.urlencode({"q": query, "format": "json"})
+        data = _call_json(cfg, f"{base}/search?{qs}", headers={})
+        return _rows(data.get("results"), ("content",))
+    if cfg.provider == "exa":
+        data = _call_json(
+            cfg,
+            f"{base}/search",
+            body={"query": query, "numResults": n, "contents": {"text": {"maxCharacters": 500}}},
+            headers={"x-api-key": cfg.api_key or ""},
+        )
+        return _rows(data.get("results"), ("summary", "text"))
+    # firecrawl: v2 answers {"data": {"web": [...]}}, v1 answered {"data": [...]}
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    data = _call_json(cfg, f"{base}/v2/search", body={"query": query, "limit": n}, headers=headers)
+    items = data.get("data")
+    if isinstance(items, dict):
+        items = items.get("web")
+    return _rows(items, ("description", "markdown"))
+
+
+def web_search(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    query = args["query"].strip()
+    if not query:
+        raise ToolArgumentError("query must not be empty")
+    cfg = search_config(ctx.extra)
+    if cfg is None:
+        return {"error": "web search is not configured (set WEB_SEARCH_PROVIDER and its API key)"}
+    cfg = SearchConfig(
+        cfg.provider, cfg.base_url, cfg.api_key, cfg.max_results, min(cfg.timeout_s, ctx.tool_timeout_s)
+    )
+    try:
+        rows = _search(cfg, query, cfg.max_results)
+    except FetchError as exc:
+        return {"error": f"search failed ({cfg.provider}): {_redact(str(exc), cfg.api_key)}"}
+    results = [{**row, "position": i + 1} for i, row in enumerate(rows[: cfg.max_results])]
+    out: dict[str, Any] = {"success": True, "query": query, "results": results}
+    if not results:
+        out["note"] = "no results; try other words"
+    return out
+
+
+def _redact(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def _web_configured(extra: dict[str, Any]) -> bool:
+    return search_config(extra) is not None
+
+
+# ----------------------------------------------------------------------------- registration
+
+register_toolset_check("web", _web_configured)
+
+register(
+    Tool(
+        name="web_search",
+        toolset="web",
+        description=(
+            "Search the web. Returns up to 5 results, each with a title, URL and a short description. "
+            "Use web_extract on the URLs to read the pages themselves."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {"query": {"type": "string", "description": "What to search for."}},
+            "required": ["query"],
+        },
+        handler=web_search,
+    )
+)
+
+register(
+    Tool(
+        name="web_extract",
+        toolset="web",
+        description=(
+            "Fetch web pages and return their main content as markdown (navigation, scripts and "
+            "footers left out; links kept as absolute URLs), with each page's title. Takes up to 5 "
+            "http(s) URLs. HTML and plain-text pages only: PDFs, images and other files are refused, "
+            "and very large pages are cut. A URL that fails gets its own error while the others are "
+            "still returned. Pages built by JavaScript may come back empty: use the browser tools then."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "urls": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": "URLs to read (at most 5).",
+                    "maxItems": MAX_URLS,
+                }
+            },
+            "required": ["urls"],
+        },
+        handler=web_extract,
+    )
+)

@@ -1,0 +1,1 @@
+"""Views of a run directory: the HTML report and the live status; they only read."""

@@ -1,0 +1,252 @@
+"""Print a run's live status (``status.json`` in the run directory), from any terminal.
+
+    python -m batchrun.views.status data/<run_name>             # once
+    python -m batchrun.views.status data/<run_name> --watch 5   # every 5 s until the run ends (Ctrl-C stops)
+    python -m batchrun.views.status data/<run_name> --json      # the file plus the checks below, as JSON
+
+The runner rewrites ``status.json`` every few seconds. Counters: ``done`` counts trajectories,
+``failed``, ``discarded`` and ``skipped_budget`` the other outcomes; together they are the settled
+part of ``total``. Times (``started_at``, ``updated_at``, ``last_event_at``) are Unix seconds
+or ISO 8601 strings. Two checks are added: a run marked running whose process is gone from this
+host is "not running", and one without an event for ``STALL_AFTER_S`` is flagged as stalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from batchrun.storage import pid_alive
+
+STALL_AFTER_S = 60.0
+STATUS_NAME = "status.json"
+
+
+def to_epoch(value: Any) -> float | None:
+    """Unix seconds from a number or an ISO 8601 string (naive means local time); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, str) and value.strip():
+        try:
+            return dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "–"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def fmt_count(n: float | None) -> str:
+    """Exact below 100,000, then compact (1.23M): token counts grow long."""
+    if n is None:
+        return "–"
+    if abs(n) < 100_000:
+        return f"{n:,.0f}" if float(n).is_integer() else f"{n:,.1f}"
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{suffix}"
+    return str(n)
+
+
+def fmt_usd(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"${x:,.2f}" if abs(x) >= 1 or x == 0 else f"${x:.4f}"
+
+
+def checks(status: dict[str, Any], now: float, alive: bool | None = None) -> dict[str, Any]:
+    """What the raw file does not say: progress, ages, and whether the run looks stalled or dead."""
+    total = _num(status.get("total"))
+    settled = sum(_num(status.get(k)) or 0 for k in ("done", "failed", "discarded", "skipped_budget"))
+    # Before the first prompt settles, quiet time counts from the start: a run stuck there is stalled too.
+    last_event = to_epoch(status.get("last_event_at")) or to_epoch(status.get("started_at"))
+    updated = to_epoch(status.get("updated_at"))
+    running = status.get("state") == "running"
+    quiet_s = now - last_event if last_event is not None else None
+    return {
+        "settled": settled,
+        "progress": settled / total if total else None,
+        "updated_age_s": now - updated if updated is not None else None,
+        "quiet_s": quiet_s,
+        "stalled": bool(running and quiet_s is not None and quiet_s > STALL_AFTER_S),
+        "pid_alive": alive,
+        "not_running": bool(running and alive is False),
+    }
+
+
+def format_status(status: dict[str, Any], now: float, alive: bool | None = None) -> str:
+    """A few readable lines about a run. ``now`` is Unix seconds; ``alive`` is whether the run's
+    process exists (None: not checked, e.g. the run is on another host)."""
+    c = checks(status, now, alive)
+    state = str(status.get("state") or "unknown")
+    started = to_epoch(status.get("started_at"))
+    head = [f"Run {status.get('run_name') or '?'}: {state}"]
+    if status.get("pid") is not None:
+        head.append(f"pid {status['pid']}" + (f" on {status['host']}" if status.get("host") else ""))
+    if started is not None:
+        head.append(f"started {fmt_duration(now - started)} ago")
+    if c["updated_age_s"] is not None:
+        head.append(f"updated {fmt_duration(c['updated_age_s'])} ago")
+    lines = [" · ".join(head)]
+
+    total = _num(status.get("total"))
+    pct = f" ({c['progress']:.1%})" if c["progress"] is not None else ""
+    progress = f"Progress: {fmt_count(c['settled'])} of {fmt_count(total)} prompts{pct}"
+    parts = [
+        f"{fmt_count(_num(status.get(k)) or 0)} {label}"
+        for k, label in (("done", "done"), ("discarded", "discarded"), ("failed", "failed"))
+    ]
+    if _num(status.get("skipped_budget")):
+        parts.append(f"{fmt_count(status['skipped_budget'])} not started (budget)")
+    if _num(status.get("in_flight")) is not None:
+        parts.append(f"{fmt_count(status['in_flight'])} in flight")
+    lines.append(f"{progress} · {' · '.join(parts)}")
+
+    rate, tpm = _num(status.get("rate_per_min")), _num(status.get("tokens_per_min"))
+    eta = (
+        "done"
+        if state == "finished"
+        else fmt_duration(_num(status.get("eta_s")))
+        if state == "running"
+        else "–"
+    )
+    lines.append(
+        f"Rate: {fmt_count(rate) if rate is not None else '–'} prompts/min · "
+        f"{fmt_count(tpm) if tpm is not None else '–'} tokens/min · ETA {eta}"
+        + (
+            f" · {fmt_count(status['rate_limit_pauses'])} rate-limit pauses"
+            if _num(status.get("rate_limit_pauses"))
+            else ""
+        )
+    )
+
+    prompt_t, completion_t = _num(status.get("prompt_tokens")), _num(status.get("completion_tokens"))
+    spend = [fmt_usd(_num(status.get("cost_usd")))]
+    spend.append(f"{fmt_count(prompt_t)} prompt + {fmt_count(completion_t)} completion tokens")
+    spend.append(
+        f"{fmt_count(_num(status.get('api_calls')))} model calls · {fmt_count(_num(status.get('tool_calls')))} tool calls"
+    )
+    lines.append("Spend: " + " · ".join(spend))
+
+    budget = status.get("budget") if isinstance(status.get("budget"), dict) else {}
+    limits = []
+    for limit_key, spent_key, fmt in (("usd", "spent_usd", fmt_usd), ("tokens", "spent_tokens", fmt_count)):
+        limit, spent = _num(budget.get(limit_key)), _num(budget.get(spent_key))
+        if limit is not None:
+            share = f" ({spent / limit:.0%})" if spent is not None and limit > 0 else ""
+            hit = budget.get("reached") is True or (spent is not None and spent >= limit)
+            reached = " REACHED: no new prompts are started" if hit else ""
+            limits.append(f"{fmt(spent)} of {fmt(limit)}{share}{reached}")
+    if limits:
+        lines.append("Budget: " + " · ".join(limits))
+
+    if c["not_running"]:
+        lines.append(
+            f"WARNING: not running: state says running but process {status.get('pid')} is gone "
+            "(killed or crashed); continue it with --resume"
+        )
+    elif c["stalled"]:
+        lines.append(f"WARNING: stalled? no event for {fmt_duration(c['quiet_s'])} while running")
+    if state == "running" and not c["not_running"] and (c["updated_age_s"] or 0) > STALL_AFTER_S:
+        lines.append(
+            f"WARNING: the status file has not been rewritten for {fmt_duration(c['updated_age_s'])}; "
+            "the runner may be hung or gone"
+        )
+    return "\n".join(lines)
+
+
+def local_alive(status: dict[str, Any]) -> bool | None:
+    """Whether the run's process lives, when it ran on this host; None when that cannot be told."""
+    if status.get("host") not in (None, socket.gethostname()) or status.get("pid") is None:
+        return None
+    return pid_alive(status.get("pid"))
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """The status file; retried once, as a reader may meet it between the runner's writes."""
+    path = run_dir / STATUS_NAME
+    for attempt in range(2):
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(obj, dict):
+                return obj
+        except FileNotFoundError:
+            raise
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            pass
+        if attempt == 0:
+            time.sleep(0.2)
+    raise ValueError(f"{path} is not a JSON object")
+
+
+def show(run_dir: Path, as_json: bool) -> dict[str, Any]:
+    status = read_status(run_dir)
+    now = time.time()
+    alive = local_alive(status)
+    if as_json:
+        print(json.dumps({**status, "checks": checks(status, now, alive)}, ensure_ascii=False), flush=True)
+    else:
+        print(format_status(status, now, alive), flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m batchrun.views.status", description="Show a run's live status."
+    )
+    parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")
+    parser.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until the run ends")
+    parser.add_argument("--json", action="store_true", help="print JSON (one object a line with --watch)")
+    args = parser.parse_args(argv)
+    if args.watch is not None and args.watch <= 0:
+        parser.error("--watch needs a positive number of seconds")
+    clear = args.watch is not None and not args.json and sys.stdout.isatty()
+    try:
+        while True:
+            if clear:
+                print("\033[H\033[J", end="")
+            status = show(args.run_dir, args.json)
+            if args.watch is None or status.get("state") != "running" or local_alive(status) is False:
+                return 0
+            time.sleep(args.watch)
+    except FileNotFoundError:
+        print(
+            f"error: no {STATUS_NAME} in {args.run_dir} (the run has not started yet, or its runner writes no status)",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
