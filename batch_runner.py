@@ -31,6 +31,14 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
+from batchrun.config import (
+    DEFAULT_BASE_URL,
+    DEFAULT_DOCKER_IMAGE,
+    DEFAULT_MODEL,
+    RunConfig,
+    UsageError,
+    parse_argv,
+)
 from batchrun.distributions import (
     format_distributions,
     get_distribution,
@@ -38,11 +46,11 @@ from batchrun.distributions import (
     sample_toolsets_from_distribution,
 )
 from batchrun.prompt.limiter import Limiter
-from batchrun.prompt.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
+from batchrun.prompt.llm import NO_KEY, LLMClient, LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.run import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
-from batchrun.prompt.sandboxes import BACKENDS, SandboxSpec, create_sandbox
+from batchrun.prompt.sandboxes import SandboxSpec, create_sandbox
 from batchrun.prompt.sandboxes.local import safe_run_name
 from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, available_toolsets, known_tool_names
 from batchrun.prompt.trajectory import first_human, reasoning_counts, used_tool_names
@@ -56,10 +64,6 @@ from batchrun.storage import (
     write_json_atomic,
 )
 
-DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
-DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
-MOCK_MODEL = "mock"
-DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
 # Settings that define what the data is; a resume with other values would mix two datasets.
 PRELOAD_MODULES = ["httpcore2", "h11"]  # imported lazily by the SDK's first client: once in the forkserver
 LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
@@ -68,10 +72,6 @@ POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
 MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
-
-
-class UsageError(ValueError):
-    """A flag or input the run cannot start with; printed without a traceback, exit code 2."""
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -1412,88 +1412,6 @@ def resume_command() -> str:
 # ----------------------------------------------------------------------------- CLI
 
 
-def _list(value: Any, flag: str) -> tuple[str, ...]:
-    if value is None or value == "":
-        return ()
-    if isinstance(value, (list, tuple)):
-        items = [str(v).strip() for v in value]
-    else:
-        items = [v.strip() for v in str(value).split(",")]
-    if not all(items):
-        raise UsageError(f"--{flag} must be a comma-separated list of provider names")
-    return tuple(items)
-
-
-def _positive_int(value: Any, flag: str, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"--{flag} must be a positive integer, got {value!r}")
-    return value
-
-
-def _optional_bool(value: Any, flag: str) -> bool | None:
-    if value is None or isinstance(value, bool):
-        return value
-    raise UsageError(f"--{flag} must be True or False, got {value!r}")
-
-
-def _positive_float(value: Any, flag: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise UsageError(f"--{flag} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _share(total: float | None, workers: int) -> float | None:
-    """One worker's share of a run-wide rate, so all workers together stay within it."""
-    return None if total is None else total / workers
-
-
-def _share_int(total: int | None, workers: int) -> int | None:
-    if total is None:
-        return None
-    if total < workers:
-        raise UsageError(
-            f"--max_concurrent_requests={total} is below --num_workers={workers}; raise it or use fewer workers"
-        )
-    return total // workers
-
-
-def load_prefill(path: str | None) -> tuple[dict[str, Any], ...]:
-    if not path:
-        return ()
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"--prefill_messages_file {path}: cannot read: {exc.strerror}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--prefill_messages_file {path}: not valid JSON: {exc}") from exc
-    if not isinstance(data, list):
-        raise UsageError(
-            f"--prefill_messages_file {path}: expected a JSON array of {{role, content}} messages"
-        )
-    for i, msg in enumerate(data):
-        if (
-            not isinstance(msg, dict)
-            or msg.get("role") not in ("system", "user", "assistant")
-            or not isinstance(msg.get("content"), str)
-        ):
-            raise UsageError(
-                f'--prefill_messages_file {path}: message {i} must be {{"role": system|user|assistant, "content": string}}'
-            )
-    return tuple(data)
-
-
-def _dataset_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def main(
     dataset_file: str | None = None,
     batch_size: int | None = None,
@@ -1518,10 +1436,10 @@ def main(
     reasoning_disabled: bool = False,
     prefill_messages_file: str | None = None,
     max_samples: int | None = None,
-    # Additions (see README): reproducibility, concurrency, sandboxes, limits, resume policy.
     seed: int = 0,
     prompts_per_worker: int = 16,
     max_sandbox_starts: int = 8,
+    ray_address: str | None = None,
     sandbox: str | None = None,
     default_image: str = DEFAULT_DOCKER_IMAGE,
     local_isolation: str = "auto",
@@ -1538,23 +1456,136 @@ def main(
     force_resume: bool = False,
     max_failure_rate: float = 0.5,
     keep_no_reasoning: bool = False,
-    ray_address: str | None = None,
+    report_max_trajectories: int = 500,
     budget_usd: float | None = None,
     budget_tokens: int | None = None,
     max_prompt_tokens: int | None = None,
     max_prompt_usd: float | None = None,
     max_rpm: float | None = None,
     max_concurrent_requests: int | None = None,
-    report_max_trajectories: int = 500,
     provider_allow_fallbacks: bool | None = None,
     provider_data_collection: str | None = None,
 ) -> None:
-    """Run a tool-using agent over every prompt of a JSONL dataset; see README.md for every flag."""
-    if list_distributions:
-        print(format_distributions())
-        return
+    """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
+
+    Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
+    statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
+    anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
+    130 interrupted.
+
+    Args:
+        dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
+        batch_size: [reference] Prompts per batch file (a positive whole number, required).
+        run_name: [reference] Output goes to <output_dir>/<run_name>/ (letters, digits, '.', '-', '_').
+        distribution: [reference] Toolset distribution; --list_distributions shows them all.
+        model: [reference] Model id sent to the endpoint; "mock" runs the built-in fake model.
+        api_key: [reference] API key; default OPENROUTER_API_KEY, then OPENAI_API_KEY (safer: ps shows flags).
+        base_url: [reference] Any OpenAI-compatible endpoint (OpenRouter, OpenAI, vLLM, SGLang, llama.cpp, Ollama).
+        max_turns: [reference] Most model calls (tool-calling iterations) per prompt.
+        num_workers: [reference] Worker processes.
+        resume: [reference] Continue an interrupted run: only prompts without an outcome run.
+        list_distributions: [reference] Print the toolset distributions and exit.
+        verbose: [reference] Per-prompt logging (tool calls and results, failures).
+        ephemeral_system_prompt: [reference] System prompt sent to the model, never saved anywhere.
+        log_prefix_chars: [reference] Length of tool call/result previews in logs.
+        providers_allowed: [reference] OpenRouter provider.only (comma-separated).
+        providers_ignored: [reference] OpenRouter provider.ignore (comma-separated).
+        providers_order: [reference] OpenRouter provider.order (comma-separated).
+        provider_sort: [reference] OpenRouter provider.sort: price, throughput or latency.
+        max_tokens: [reference] Most tokens per model response.
+        reasoning_effort: [reference] none, minimal, low, medium, high, xhigh, max or ultra.
+        reasoning_disabled: [reference] Ask the model not to reason; wins over --reasoning_effort.
+        prefill_messages_file: [reference] JSON array of {role, content} sent before the prompt, never saved.
+        max_samples: [reference] Only the first N dataset rows.
+        seed: [concurrency] Toolset sampling seed; a prompt's toolsets depend only on it and the row.
+        prompts_per_worker: [concurrency] Prompts in flight per worker process (threads).
+        max_sandbox_starts: [concurrency] Concurrent sandbox start-ups across the whole run.
+        ray_address: [concurrency] Run the workers on a Ray cluster: auto, local, host:port or ray://host:port.
+        sandbox: [sandbox] local, docker, singularity or modal; default TERMINAL_ENV, else local.
+        default_image: [sandbox] Image for rows that name none (container backends).
+        local_isolation: [sandbox] Local backend: auto (bubblewrap when it works), bwrap (required) or none.
+        container_cpus: [sandbox] CPUs of one prompt's sandbox.
+        container_memory_mb: [sandbox] Memory of one prompt's sandbox, MiB.
+        container_pids_limit: [sandbox] Most processes in one prompt's sandbox.
+        sandbox_network: [sandbox] Whether the prompt's commands may reach the network.
+        tool_timeout: [limits] Seconds per tool call.
+        prompt_timeout: [limits] Seconds per prompt (wall clock).
+        request_timeout: [limits] Seconds per model call.
+        max_retries: [limits] Retries of one model call on 5xx, timeouts and dropped connections.
+        output_dir: [output] Parent directory of run directories.
+        rerun_discarded: [output] On resume, run discarded prompts again.
+        force_resume: [output] Resume although data-defining settings changed (recorded in the manifest).
+        max_failure_rate: [output] Exit 3 when more than this share (0 to 1) of the run's prompts failed.
+        keep_no_reasoning: [output] Keep samples with no reasoning instead of discarding them.
+        report_max_trajectories: [output] Conversations listed in report.html (all records are counted).
+        budget_usd: [spend] Run-wide budget in USD; once spent, the run stops (resume later).
+        budget_tokens: [spend] Run-wide budget in tokens; once spent, the run stops (resume later).
+        max_prompt_tokens: [spend] Per-prompt token cap: a runaway prompt ends as partial.
+        max_prompt_usd: [spend] Per-prompt cost cap in USD: a runaway prompt ends as partial.
+        max_rpm: [spend] Model requests per minute for the whole run.
+        max_concurrent_requests: [spend] Model requests in flight for the whole run.
+        provider_allow_fallbacks: [routing] OpenRouter provider.allow_fallbacks (false pins the providers).
+        provider_data_collection: [routing] OpenRouter provider.data_collection: allow or deny.
+    """
     try:
-        code = _run(locals())
+        config = RunConfig.from_flags(
+            dataset_file=dataset_file,
+            batch_size=batch_size,
+            run_name=run_name,
+            distribution=distribution,
+            model=model,
+            api_key=api_key,
+            base_url=base_url,
+            max_turns=max_turns,
+            num_workers=num_workers,
+            resume=resume,
+            list_distributions=list_distributions,
+            verbose=verbose,
+            ephemeral_system_prompt=ephemeral_system_prompt,
+            log_prefix_chars=log_prefix_chars,
+            providers_allowed=providers_allowed,
+            providers_ignored=providers_ignored,
+            providers_order=providers_order,
+            provider_sort=provider_sort,
+            max_tokens=max_tokens,
+            reasoning_effort=reasoning_effort,
+            reasoning_disabled=reasoning_disabled,
+            prefill_messages_file=prefill_messages_file,
+            max_samples=max_samples,
+            seed=seed,
+            prompts_per_worker=prompts_per_worker,
+            max_sandbox_starts=max_sandbox_starts,
+            ray_address=ray_address,
+            sandbox=sandbox,
+            default_image=default_image,
+            local_isolation=local_isolation,
+            container_cpus=container_cpus,
+            container_memory_mb=container_memory_mb,
+            container_pids_limit=container_pids_limit,
+            sandbox_network=sandbox_network,
+            tool_timeout=tool_timeout,
+            prompt_timeout=prompt_timeout,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            output_dir=output_dir,
+            rerun_discarded=rerun_discarded,
+            force_resume=force_resume,
+            max_failure_rate=max_failure_rate,
+            keep_no_reasoning=keep_no_reasoning,
+            report_max_trajectories=report_max_trajectories,
+            budget_usd=budget_usd,
+            budget_tokens=budget_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            max_prompt_usd=max_prompt_usd,
+            max_rpm=max_rpm,
+            max_concurrent_requests=max_concurrent_requests,
+            provider_allow_fallbacks=provider_allow_fallbacks,
+            provider_data_collection=provider_data_collection,
+        )
+        if config.list_distributions:
+            print(format_distributions())
+            return
+        code = _run(config)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -1565,8 +1596,31 @@ def main(
         raise SystemExit(code)
 
 
-def _run(flags: dict[str, Any]) -> int:
-    opts, settings, manifest, redact, mock = build_run(flags)
+def cli(argv: list[str] | None = None) -> None:
+    """The command line: ``--help`` through Fire (from main's docstring); everything else parsed strictly.
+
+    Fire itself would run the whole dataset before refusing a misspelled flag, accept ``false`` as
+    true, and echo the command line (the API key included) in its usage message: flags are read
+    here instead, and ``main`` gets them as strings that ``RunConfig.from_flags`` types and checks.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "-help") for a in argv):
+        import fire
+
+        fire.Fire(main, command=["--help"], name="batch_runner.py")
+        return
+    names = RunConfig.flag_names()
+    bools = [f.name for f in dataclasses.fields(RunConfig) if f.type in ("bool", "bool | None")]
+    try:
+        flags = parse_argv(argv, bools, names)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    main(**flags)
+
+
+def _run(config: RunConfig) -> int:
+    opts, settings, manifest, redact, mock = build_run(config)
     try:
         return BatchRunner(opts, settings, manifest, redact, mock).run()
     finally:
@@ -1574,143 +1628,126 @@ def _run(flags: dict[str, Any]) -> int:
             mock.stop()
 
 
-def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], Redactor, Any]:
-    """Check every flag and build the run's settings; raises UsageError with a specific message."""
-    if not f["dataset_file"]:
-        raise UsageError('--dataset_file is required (a JSONL file with one {"prompt": ...} object per line)')
-    if not f["run_name"] or not re.fullmatch(r"[\w.\-]+", str(f["run_name"])):
-        raise UsageError(
-            "--run_name is required: letters, digits, '.', '-' and '_' only (output goes to data/<run_name>/)"
-        )
-    batch_size = _positive_int(f["batch_size"], "batch_size")
-    num_workers = _positive_int(f["num_workers"], "num_workers")
-    ray_address = f["ray_address"]
+def build_run(config: RunConfig) -> tuple[Options, RunSettings, dict[str, Any], Redactor, Any]:
+    """The run's objects from its checked configuration: raises UsageError with a specific message."""
+    ray_address = config.ray_address
     if ray_address is not None:  # before anything starts: without Ray, say how to install it
         from batchrun.run.ray_pool import RaySetupError, check_address
 
         try:
             ray_address = check_address(ray_address)
         except RaySetupError as exc:
-            raise UsageError(str(exc)) from None
-    max_turns = _positive_int(f["max_turns"], "max_turns")
-    max_samples = _positive_int(f["max_samples"], "max_samples", allow_none=True)
-    max_tokens = _positive_int(f["max_tokens"], "max_tokens", allow_none=True)
-    _positive_int(f["prompts_per_worker"], "prompts_per_worker")
-    _positive_int(f["max_sandbox_starts"], "max_sandbox_starts")
-    try:
-        get_distribution(f["distribution"])
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    effort = f["reasoning_effort"]
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}")
-    if f["provider_sort"] is not None and f["provider_sort"] not in PROVIDER_SORTS:
-        raise UsageError(
-            f"--provider_sort must be one of {', '.join(PROVIDER_SORTS)}; got {f['provider_sort']!r}"
+            raise UsageError(f"--ray_address: {exc}") from None
+    backend = config.backend
+    api_key = config.resolved_api_key
+    if config.api_key:
+        print(
+            "warning: --api_key is visible to other users of this machine (ps, /proc); "
+            "the OPENROUTER_API_KEY or OPENAI_API_KEY environment variable is safer",
+            file=sys.stderr,
         )
-    if f["provider_data_collection"] not in (None, "allow", "deny"):
+    model, base_url = config.model, config.base_url
+    if not api_key and not config.is_mock and ("openrouter.ai" in base_url or "api.openai.com" in base_url):
         raise UsageError(
-            f"--provider_data_collection must be allow or deny; got {f['provider_data_collection']!r}"
+            f"no API key for {base_url}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
         )
-    backend = f["sandbox"] or os.environ.get("TERMINAL_ENV") or "local"
-    if backend not in BACKENDS:
-        raise UsageError(
-            f"unknown sandbox backend {backend!r}; valid: {', '.join(BACKENDS)} (--sandbox or TERMINAL_ENV)"
-        )
-    prefill = load_prefill(f["prefill_messages_file"])
-    model, base_url = str(f["model"]), str(f["base_url"])
+    sandbox_options = _sandbox_options(backend, config)
     mock = None
-    if model == MOCK_MODEL:
+    if config.is_mock:
         from batchrun.fakes.fake_model import FakeModelServer
 
         mock = FakeModelServer().start()
         base_url = mock.base_url
-    api_key = (
-        f["api_key"]
-        if f["api_key"] is not None
-        else os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    )
-    api_key = str(api_key) if api_key else None
-    if not api_key and mock is None and ("openrouter.ai" in base_url or "api.openai.com" in base_url):
-        raise UsageError(
-            f"no API key for {base_url}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
-        )
     llm = LLMConfig(
         model=model,
         base_url=base_url,
         api_key=api_key,
-        max_tokens=max_tokens,
-        reasoning_effort=effort,
-        reasoning_disabled=bool(f["reasoning_disabled"]),
-        providers_allowed=_list(f["providers_allowed"], "providers_allowed"),
-        providers_ignored=_list(f["providers_ignored"], "providers_ignored"),
-        providers_order=_list(f["providers_order"], "providers_order"),
-        provider_sort=f["provider_sort"],
-        provider_allow_fallbacks=_optional_bool(f["provider_allow_fallbacks"], "provider_allow_fallbacks"),
-        provider_data_collection=f["provider_data_collection"],
-        request_timeout_s=float(f["request_timeout"]),
-        max_retries=int(f["max_retries"]),
+        max_tokens=config.max_tokens,
+        reasoning_effort=config.reasoning_effort,
+        reasoning_disabled=config.reasoning_disabled,
+        providers_allowed=config.providers_allowed,
+        providers_ignored=config.providers_ignored,
+        providers_order=config.providers_order,
+        provider_sort=config.provider_sort,
+        provider_allow_fallbacks=config.provider_allow_fallbacks,
+        provider_data_collection=config.provider_data_collection,
+        request_timeout_s=config.request_timeout,
+        max_retries=config.max_retries,
     )
     settings = RunSettings(
-        run_name=str(f["run_name"]),
+        run_name=config.run_name,
         llm=llm,
         limits=LoopLimits(
-            max_turns=max_turns,
-            prompt_timeout_s=float(f["prompt_timeout"]),
-            tool_timeout_s=float(f["tool_timeout"]),
-            max_prompt_tokens=_positive_int(f["max_prompt_tokens"], "max_prompt_tokens", allow_none=True),
-            max_prompt_usd=_positive_float(f["max_prompt_usd"], "max_prompt_usd"),
+            max_turns=config.max_turns,
+            prompt_timeout_s=config.prompt_timeout,
+            tool_timeout_s=config.tool_timeout,
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_prompt_usd=config.max_prompt_usd,
         ),
-        rpm_per_worker=_share(_positive_float(f["max_rpm"], "max_rpm"), num_workers),
-        requests_per_worker=_share_int(
-            _positive_int(f["max_concurrent_requests"], "max_concurrent_requests", allow_none=True),
-            num_workers,
-        ),
+        rpm_per_worker=_share(config.max_rpm, config.num_workers),
+        requests_per_worker=_share_int(config.max_concurrent_requests, config.num_workers),
         sandbox_backend=backend,
-        sandbox_options=_sandbox_options(backend, f, str(f["run_name"])),
-        sandbox_network=bool(f["sandbox_network"]),
-        ephemeral_system_prompt=f["ephemeral_system_prompt"],
-        prefill_messages=prefill,
-        require_reasoning=not f["keep_no_reasoning"],
-        verbose=bool(f["verbose"]),
-        log_prefix_chars=int(f["log_prefix_chars"]),
-        tool_extra=_tool_extra(llm, Path(str(f["output_dir"])) / str(f["run_name"])),
+        sandbox_options=sandbox_options,
+        sandbox_network=config.sandbox_network,
+        ephemeral_system_prompt=config.ephemeral_system_prompt,
+        prefill_messages=config.prefill_messages,
+        require_reasoning=not config.keep_no_reasoning,
+        verbose=config.verbose,
+        log_prefix_chars=config.log_prefix_chars,
+        tool_extra=_tool_extra(llm, config.run_dir),
     )
     opts = Options(
-        dataset_file=str(f["dataset_file"]),
-        batch_size=batch_size,
-        run_name=str(f["run_name"]),
-        distribution=f["distribution"],
-        num_workers=num_workers,
-        resume=bool(f["resume"]),
-        max_samples=max_samples,
-        seed=int(f["seed"]),
-        prompts_per_worker=int(f["prompts_per_worker"]),
-        max_sandbox_starts=int(f["max_sandbox_starts"]),
-        output_dir=str(f["output_dir"]),
-        rerun_discarded=bool(f["rerun_discarded"]),
-        force_resume=bool(f["force_resume"]),
-        max_failure_rate=float(f["max_failure_rate"]),
-        budget_usd=_positive_float(f["budget_usd"], "budget_usd"),
-        budget_tokens=_positive_int(f["budget_tokens"], "budget_tokens", allow_none=True),
-        report_max_trajectories=_positive_int(f["report_max_trajectories"], "report_max_trajectories"),
-        verbose=bool(f["verbose"]),
+        dataset_file=config.dataset_file,
+        batch_size=config.batch_size,
+        run_name=config.run_name,
+        distribution=config.distribution,
+        num_workers=config.num_workers,
+        resume=config.resume,
+        max_samples=config.max_samples,
+        seed=config.seed,
+        prompts_per_worker=config.prompts_per_worker,
+        max_sandbox_starts=config.max_sandbox_starts,
+        output_dir=config.output_dir,
+        rerun_discarded=config.rerun_discarded,
+        force_resume=config.force_resume,
+        max_failure_rate=config.max_failure_rate,
+        budget_usd=config.budget_usd,
+        budget_tokens=config.budget_tokens,
+        report_max_trajectories=config.report_max_trajectories,
+        verbose=config.verbose,
         ray_address=ray_address,
     )
     manifest = {
         "model": model,
-        "distribution": opts.distribution,
-        "max_turns": max_turns,
-        "seed": opts.seed,
-        "reasoning_effort": effort,
-        "reasoning_disabled": llm.reasoning_disabled,
+        "distribution": config.distribution,
+        "max_turns": config.max_turns,
+        "seed": config.seed,
+        "reasoning_effort": config.reasoning_effort,
+        "reasoning_disabled": config.reasoning_disabled,
         "sandbox": backend,
-        "dataset_file": opts.dataset_file,
-        "dataset_sha256": _dataset_sha256(opts.dataset_file) if Path(opts.dataset_file).is_file() else None,
+        "dataset_file": config.dataset_file,
+        "dataset_sha256": _dataset_sha256(config.dataset_file),
         "created": dt.datetime.now().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
     }
     return opts, settings, manifest, Redactor(api_key), mock
+
+
+def _share(total: float | None, workers: int) -> float | None:
+    """One worker's share of a run-wide rate, so all workers together stay within it."""
+    return None if total is None else total / workers
+
+
+def _share_int(total: int | None, workers: int) -> int | None:
+    return None if total is None else total // workers
+
+
+def _dataset_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _tool_extra(llm: LLMConfig, run_dir: Path) -> dict[str, Any]:
@@ -1726,38 +1763,34 @@ def _tool_extra(llm: LLMConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _sandbox_options(backend: str, f: dict[str, Any], run_name: str) -> dict[str, Any]:
-    options = _backend_options(backend, f)
+def _sandbox_options(backend: str, config: RunConfig) -> dict[str, Any]:
+    options = _backend_options(backend, config)
     try:  # build (not start) one sandbox so a bad option fails now, naming the field
-        create_sandbox(backend, SandboxSpec(run_name=run_name, prompt_index=-1), options)
+        create_sandbox(backend, SandboxSpec(run_name=config.run_name, prompt_index=-1), options)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return options
 
 
-def _backend_options(backend: str, f: dict[str, Any]) -> dict[str, Any]:
+def _backend_options(backend: str, config: RunConfig) -> dict[str, Any]:
     """Backend options from the flags; each backend's options dataclass validates them at start."""
     if backend == "local":
-        if f["local_isolation"] not in ("auto", "bwrap", "none"):
-            raise UsageError(f"--local_isolation must be auto, bwrap or none; got {f['local_isolation']!r}")
-        return {"isolation": f["local_isolation"]}
-    options: dict[str, Any] = {"default_image": str(f["default_image"])}
+        return {"isolation": config.local_isolation}
+    options: dict[str, Any] = {"default_image": config.default_image}
     if backend == "docker":
         from batchrun.prompt.sandboxes.docker_engine import default_owner
 
         options.update(
-            cpus=float(f["container_cpus"]),
-            memory_mb=int(f["container_memory_mb"]),
-            pids_limit=int(f["container_pids_limit"]),
-            network_mode="bridge" if f["sandbox_network"] else "none",
+            cpus=config.container_cpus,
+            memory_mb=config.container_memory_mb,
+            pids_limit=config.container_pids_limit,
+            network_mode="bridge" if config.sandbox_network else "none",
             run_owner=default_owner(),
         )
     elif backend == "modal":
-        options.update(cpu=float(f["container_cpus"]), memory_mb=int(f["container_memory_mb"]))
+        options.update(cpu=config.container_cpus, memory_mb=config.container_memory_mb)
     return options
 
 
 if __name__ == "__main__":
-    import fire
-
-    fire.Fire(main)
+    cli()

@@ -15,6 +15,7 @@ import pytest
 from conftest import SPEC_FIELDS, read_jsonl, write_jsonl
 
 import batch_runner
+from batchrun.config import RunConfig
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.tools.registry import known_tool_names, tools_for_toolsets
 from batchrun.prompt.trajectory import first_human, parse_tool_calls
@@ -880,7 +881,6 @@ def test_verbose_previews_never_show_part_of_a_secret(server, tmp_path, monkeypa
 
 
 def test_sandbox_network_flag_reaches_the_sandbox_spec(server, tmp_path, monkeypatch):
-    import inspect
 
     import batchrun.prompt.run as runner_mod
     from batchrun.prompt.llm import LLMClient
@@ -894,17 +894,17 @@ def test_sandbox_network_flag_reaches_the_sandbox_spec(server, tmp_path, monkeyp
         return real(name, spec, options)
 
     monkeypatch.setattr(runner_mod, "create_sandbox", spy)
-    flags = {k: p.default for k, p in inspect.signature(batch_runner.main).parameters.items()}
-    flags.update(
+    config = RunConfig.from_flags(
         dataset_file=str(write_jsonl(tmp_path / "d.jsonl", ["x"])),
         batch_size=1,
         run_name="net",
+        output_dir=str(tmp_path / "out"),
         base_url=server.base_url,
         api_key="k",
         distribution="terminal_only",
         sandbox_network=False,
     )
-    settings = batch_runner.build_run(flags)[1]
+    settings = batch_runner.build_run(config)[1]
     job = PromptJob(batch_num=0, prompt_index=0, prompt="offline please [calls:1]", toolsets=("terminal",))
     outcome = run_prompt(job, settings, LLMClient(settings.llm))
     assert outcome["kind"] == "trajectory"

@@ -12,8 +12,8 @@ from types import MappingProxyType
 
 import pytest
 
-import toolset_distributions as td
-from toolset_distributions import (
+import batchrun.distributions as td
+from batchrun.distributions import (
     DISTRIBUTIONS,
     Distribution,
     format_distributions,

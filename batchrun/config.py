@@ -1,0 +1,453 @@
+"""The run's configuration: every command-line flag typed and checked before anything starts.
+
+:meth:`RunConfig.from_flags` turns the flags (as typed by a caller of ``main(...)``, or as the raw
+strings of a command line) into one frozen :class:`RunConfig`. A bad value, a bad combination or an
+unusable path raises :class:`UsageError` naming the flag; nothing has been started by then (no
+endpoint check, no sandbox, no model call). :func:`parse_argv` reads a command line the same strict
+way: an unknown flag is refused with the closest valid name, and no value (the API key above all)
+is ever echoed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
+DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
+MOCK_MODEL = "mock"  # the built-in fake model (batchrun.fakes.fake_model): no key, no network
+DEFAULT_DOCKER_IMAGE = "python:3.11-slim"  # the product default; the tests' image is never one
+ISOLATION_MODES = ("auto", "bwrap", "none")
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+# Where a run's output may never go: the kernel's own file systems.
+_NOT_OUTPUT = ("/proc", "/sys", "/dev")
+
+
+class UsageError(ValueError):
+    """A flag or input the run cannot start with; printed without a traceback, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- value parsers
+
+
+def parse_bool(value: Any, flag: str) -> bool:
+    """true/false, 1/0, yes/no, on/off in any case (and Python bools); anything else is refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    raise UsageError(f"--{flag} must be true or false (also 1/0, yes/no, on/off), got {_show(value)}")
+
+
+def parse_optional_bool(value: Any, flag: str) -> bool | None:
+    return None if value is None else parse_bool(value, flag)
+
+
+def _show(value: Any) -> str:
+    """A refused value as the message shows it: quoted, and cut so a pasted secret does not print whole."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def int_flag(
+    low: int | None = None, high: int | None = None, optional: bool = False
+) -> Callable[[Any, str], Any]:
+    """A parser for a whole-number flag within [low, high]; ``optional``: None (unset) is allowed."""
+
+    def parse(value: Any, flag: str) -> int | None:
+        if value is None and optional:
+            return None
+        number: int | None = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            number = int(value)
+        if low == 1:
+            kind = "a positive integer" + (f" (at most {high})" if high is not None else "")
+        else:
+            kind = f"an integer{_range(low, high)}"
+        if number is None:
+            raise UsageError(f"--{flag} must be {kind}, got {_show(value)}")
+        if (low is not None and number < low) or (high is not None and number > high):
+            raise UsageError(f"--{flag} must be {kind}, got {number}")
+        return number
+
+    return parse
+
+
+def float_flag(
+    low: float | None = None, high: float | None = None, low_open: bool = False, optional: bool = False
+) -> Callable[[Any, str], Any]:
+    """A parser for a number flag within its range; ``low_open``: the low end itself is refused (``> low``)."""
+
+    def parse(value: Any, flag: str) -> float | None:
+        if value is None and optional:
+            return None
+        number: float | None = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        if number is None or not math.isfinite(number):
+            raise UsageError(f"--{flag} must be a number{_range(low, high, low_open)}, got {_show(value)}")
+        too_low = low is not None and (number <= low if low_open else number < low)
+        if too_low or (high is not None and number > high):
+            raise UsageError(f"--{flag} must be a number{_range(low, high, low_open)}, got {value}")
+        return number
+
+    return parse
+
+
+def _range(low: float | None, high: float | None, low_open: bool = False) -> str:
+    if low is not None and high is not None:
+        return f" from {low} to {high}"
+    if low is not None:
+        if low == 0 and low_open:
+            return " above 0"
+        return f" above {low}" if low_open else f" of at least {low}"
+    return ""
+
+
+def choice_flag(choices: Iterable[str], optional: bool = True) -> Callable[[Any, str], Any]:
+    options = tuple(choices)
+
+    def parse(value: Any, flag: str) -> str | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, str) and value in options:
+            return value
+        raise UsageError(f"--{flag} must be one of {', '.join(options)}, got {_show(value)}")
+
+    return parse
+
+
+def text_flag(optional: bool = True, nonempty: bool = True) -> Callable[[Any, str], Any]:
+    def parse(value: Any, flag: str) -> str | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or value is None or isinstance(value, (list, tuple, dict)):
+            raise UsageError(f"--{flag} must be text, got {_show(value)}")
+        text = str(value)
+        if nonempty and not text.strip():
+            raise UsageError(f"--{flag} must not be empty")
+        if "\0" in text:
+            raise UsageError(f"--{flag} must not contain a NUL character")
+        return text
+
+    return parse
+
+
+def list_flag(value: Any, flag: str) -> tuple[str, ...]:
+    """A comma-separated list (or a list from a Python caller); empty items are refused."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, (list, tuple)):
+        items = [str(v).strip() for v in value]
+    elif isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    else:
+        raise UsageError(f"--{flag} must be a comma-separated list of names, got {_show(value)}")
+    if not all(items):
+        raise UsageError(f"--{flag} must be a comma-separated list of names (one is empty)")
+    return tuple(items)
+
+
+def run_name_flag(value: Any, flag: str) -> str | None:
+    text = text_flag()(value, flag)
+    if text is None:
+        return None
+    if not re.fullmatch(r"[A-Za-z0-9_][\w.\-]*", text) or len(text) > 200:
+        raise UsageError(
+            f"--{flag} must start with a letter, digit or '_' and hold only letters, digits, '.', '-' and '_' "
+            f"(output goes to <output_dir>/<run_name>/), got {_show(value)}"
+        )
+    return text
+
+
+# ----------------------------------------------------------------------------- the configuration
+
+
+def _flag(parse: Callable[[Any, str], Any], default: Any = None) -> Any:
+    return dataclasses.field(default=default, metadata={"parse": parse})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every flag of a run, typed and checked; built once by :meth:`from_flags` and never changed."""
+
+    # The reference runner's flags (same names and defaults)
+    dataset_file: str = _flag(text_flag())  # the three required flags: see check()
+    batch_size: int = _flag(int_flag(1, optional=True))
+    run_name: str = _flag(run_name_flag)
+    distribution: str = _flag(text_flag(optional=False), "default")
+    model: str = _flag(text_flag(optional=False), DEFAULT_MODEL)
+    api_key: str | None = _flag(text_flag(nonempty=False))
+    base_url: str = _flag(text_flag(optional=False), DEFAULT_BASE_URL)
+    max_turns: int = _flag(int_flag(1), 10)
+    num_workers: int = _flag(int_flag(1, 1024), 4)
+    resume: bool = _flag(parse_bool, False)
+    list_distributions: bool = _flag(parse_bool, False)
+    verbose: bool = _flag(parse_bool, False)
+    ephemeral_system_prompt: str | None = _flag(text_flag(nonempty=False))
+    log_prefix_chars: int = _flag(int_flag(0), 100)
+    providers_allowed: tuple[str, ...] = _flag(list_flag, ())
+    providers_ignored: tuple[str, ...] = _flag(list_flag, ())
+    providers_order: tuple[str, ...] = _flag(list_flag, ())
+    provider_sort: str | None = _flag(choice_flag(("price", "throughput", "latency")))
+    max_tokens: int | None = _flag(int_flag(1, optional=True))
+    reasoning_effort: str | None = _flag(
+        choice_flag(("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"))
+    )
+    reasoning_disabled: bool = _flag(parse_bool, False)
+    prefill_messages_file: str | None = _flag(text_flag())
+    max_samples: int | None = _flag(int_flag(1, optional=True))
+    # Additions: reproducibility and concurrency
+    seed: int = _flag(int_flag(0), 0)
+    prompts_per_worker: int = _flag(int_flag(1, 10_000), 16)
+    max_sandbox_starts: int = _flag(int_flag(1, 10_000), 8)
+    ray_address: str | None = _flag(text_flag(nonempty=False))  # checked by the Ray pool's check_address
+    # Sandboxes
+    sandbox: str | None = _flag(text_flag())
+    default_image: str = _flag(text_flag(optional=False), DEFAULT_DOCKER_IMAGE)
+    local_isolation: str = _flag(choice_flag(ISOLATION_MODES, optional=False), "auto")
+    container_cpus: float = _flag(float_flag(0, 1024, low_open=True), 1.0)
+    container_memory_mb: int = _flag(int_flag(16), 2048)
+    container_pids_limit: int = _flag(int_flag(8), 512)
+    sandbox_network: bool = _flag(parse_bool, True)
+    # Time limits and retries
+    tool_timeout: float = _flag(float_flag(0, low_open=True), 180.0)
+    prompt_timeout: float = _flag(float_flag(0, low_open=True), 1800.0)
+    request_timeout: float = _flag(float_flag(0, low_open=True), 600.0)
+    max_retries: int = _flag(int_flag(0, 100), 3)
+    # Output, resume and quality
+    output_dir: str = _flag(text_flag(optional=False), "data")
+    rerun_discarded: bool = _flag(parse_bool, False)
+    force_resume: bool = _flag(parse_bool, False)
+    max_failure_rate: float = _flag(float_flag(0, 1), 0.5)
+    keep_no_reasoning: bool = _flag(parse_bool, False)
+    report_max_trajectories: int = _flag(int_flag(0), 500)
+    # Spend and rate limits
+    budget_usd: float | None = _flag(float_flag(0, low_open=True, optional=True))
+    budget_tokens: int | None = _flag(int_flag(1, optional=True))
+    max_prompt_tokens: int | None = _flag(int_flag(1, optional=True))
+    max_prompt_usd: float | None = _flag(float_flag(0, low_open=True, optional=True))
+    max_rpm: float | None = _flag(float_flag(0, low_open=True, optional=True))
+    max_concurrent_requests: int | None = _flag(int_flag(1, optional=True))
+    # OpenRouter routing
+    provider_allow_fallbacks: bool | None = _flag(parse_optional_bool)
+    provider_data_collection: str | None = _flag(choice_flag(("allow", "deny")))
+
+    @classmethod
+    def flag_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> RunConfig:
+        """Parse and check every flag, then the combinations and paths; raises UsageError."""
+        unknown = sorted(set(flags) - set(cls.flag_names()))
+        if unknown:
+            raise UsageError(unknown_flag_message(unknown[0], cls.flag_names()))
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = flags.get(field.name, field.default)
+            values[field.name] = field.metadata["parse"](raw, field.name)
+        config = cls(**values)
+        if not config.list_distributions:
+            config.check()
+        return config
+
+    def check(self) -> None:
+        """The checks that look beyond one flag: combinations, names that must exist, paths."""
+        from batchrun.distributions import get_distribution
+        from batchrun.prompt.sandboxes import BACKENDS
+
+        if not self.dataset_file:
+            raise UsageError(
+                '--dataset_file is required (a JSONL file with one {"prompt": ...} object per line)'
+            )
+        if self.batch_size is None:
+            raise UsageError(
+                "--batch_size must be a positive integer (prompts per batch file); it is required"
+            )
+        if not self.run_name:
+            raise UsageError("--run_name is required (output goes to <output_dir>/<run_name>/)")
+        try:
+            get_distribution(self.distribution)
+        except ValueError as exc:
+            raise UsageError(f"--distribution: {exc}") from None
+        if self.backend not in BACKENDS:
+            raise UsageError(
+                f"--sandbox: unknown sandbox backend {self.backend!r}; valid: {', '.join(BACKENDS)} "
+                "(--sandbox or the TERMINAL_ENV variable)"
+            )
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < self.num_workers:
+            raise UsageError(
+                f"--max_concurrent_requests={self.max_concurrent_requests} is below "
+                f"--num_workers={self.num_workers}; raise it or use fewer workers"
+            )
+        if not re.fullmatch(r"https?://\S+", self.base_url):
+            raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")
+        check_output_dir(self.output_dir, self.run_name)
+        if not Path(self.dataset_file).is_file():
+            raise UsageError(f"--dataset_file: dataset file not found: {self.dataset_file}")
+        self.prefill_messages  # noqa: B018  (reads and checks the file now, before anything starts)
+
+    # -- values derived from the flags (computed, never stored apart from them)
+
+    @property
+    def backend(self) -> str:
+        return self.sandbox or os.environ.get("TERMINAL_ENV") or "local"
+
+    @property
+    def is_mock(self) -> bool:
+        return self.model == MOCK_MODEL
+
+    @property
+    def resolved_api_key(self) -> str | None:
+        """--api_key, else OPENROUTER_API_KEY, else OPENAI_API_KEY."""
+        key = self.api_key if self.api_key is not None else None
+        key = key or os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        return key or None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+    @property
+    def prefill_messages(self) -> tuple[dict[str, Any], ...]:
+        return load_prefill(self.prefill_messages_file)
+
+    def secret_hashes(self) -> dict[str, str | None]:
+        """Digests of the ephemeral system prompt and the prefill, for the manifest: never their text."""
+        prefill = self.prefill_messages
+        return {
+            "ephemeral_system_prompt_sha256": _sha256(self.ephemeral_system_prompt)
+            if self.ephemeral_system_prompt
+            else None,
+            "prefill_sha256": _sha256(json.dumps(prefill, sort_keys=True)) if prefill else None,
+        }
+
+    def secret_texts(self) -> list[str]:
+        """What must be redacted from every file besides the key: the ephemeral prompt, the prefill contents."""
+        texts = [self.ephemeral_system_prompt or ""]
+        texts += [m["content"] for m in self.prefill_messages]
+        return [t for t in texts if t]
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def check_output_dir(output_dir: str, run_name: str) -> None:
+    """The output directory can hold this run: a directory (made if absent), writable, not a kernel file system."""
+    path = Path(output_dir).expanduser()
+    real = os.path.realpath(path)
+    if any(real == p or real.startswith(p + "/") for p in _NOT_OUTPUT):
+        raise UsageError(f"--output_dir {output_dir}: {real} is a kernel file system, not a place for data")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--output_dir {output_dir}: exists and is not a directory")
+    existing = path.absolute()
+    while not existing.exists():  # nothing is made yet: a refused run leaves no directory behind
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--output_dir {output_dir}: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--output_dir {output_dir}: cannot write there: {exc.strerror or exc}") from None
+    run_dir = path / run_name
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--run_name {run_name}: {run_dir} exists and is not a directory")
+
+
+def load_prefill(path: str | None) -> tuple[dict[str, Any], ...]:
+    if not path:
+        return ()
+    flag = "--prefill_messages_file"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot read: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{flag} {path}: not valid JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise UsageError(f"{flag} {path}: expected a JSON array of {{role, content}} messages")
+    for i, msg in enumerate(data):
+        if (
+            not isinstance(msg, dict)
+            or msg.get("role") not in ("system", "user", "assistant")
+            or not isinstance(msg.get("content"), str)
+        ):
+            raise UsageError(
+                f'{flag} {path}: message {i} must be {{"role": system|user|assistant, "content": string}}'
+            )
+    return tuple(data)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def unknown_flag_message(name: str, valid: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    hint = f" (did you mean --{close[0]}?)" if close else "; python batch_runner.py --help lists every flag"
+    return f"unknown flag --{name}{hint}"
+
+
+def parse_argv(argv: list[str], bool_flags: Iterable[str], valid: Iterable[str]) -> dict[str, Any]:
+    """A command line as raw flag values, checked strictly: no unknown flag, no stray word, no repeat.
+
+    ``--name=value`` and ``--name value`` set a flag; a boolean flag alone means true, and
+    ``--noname`` false (as Fire reads them). Values stay strings: :meth:`RunConfig.from_flags` types
+    them. No message repeats a value given on the line, so the API key cannot leak through one.
+    """
+    bools, names = set(bool_flags), set(valid)
+    flags: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--") or token == "--":
+            raise UsageError(
+                f"unexpected argument at position {i} (every setting is a --flag=value; "
+                "python batch_runner.py --help lists them)"
+            )
+        name, has_value, value = token[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in names and name.startswith("no") and name[2:] in bools and not has_value:
+            name, has_value, value = name[2:], True, "false"
+        if name not in names:
+            raise UsageError(unknown_flag_message(name, names))
+        if name in flags:
+            raise UsageError(f"--{name} is given more than once")
+        if not has_value:
+            if name in bools:
+                if i < len(argv) and argv[i].strip().lower() in (*TRUE_WORDS, *FALSE_WORDS):
+                    value, i = argv[i], i + 1
+                else:
+                    value = "true"
+            elif i < len(argv) and not argv[i].startswith("--"):
+                value, i = argv[i], i + 1
+            else:
+                raise UsageError(f"--{name} needs a value (--{name}=VALUE)")
+        flags[name] = value
+    return flags
