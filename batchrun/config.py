@@ -22,11 +22,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from batchrun.prompt.llm import PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
+from batchrun.prompt.loop import LoopLimits
+from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
+from batchrun.prompt.sandboxes.local import ISOLATION_MODES
+
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MOCK_MODEL = "mock"  # the built-in fake model (batchrun.fakes.fake_model): no key, no network
-DEFAULT_DOCKER_IMAGE = "python:3.11-slim"  # the product default; the tests' image is never one
-ISOLATION_MODES = ("auto", "bwrap", "none")
+
+DEFAULT_DOCKER_IMAGE = DEFAULT_IMAGE  # the product default (the tests' image is never one)
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 # Where a run's output may never go: the kernel's own file systems.
@@ -212,11 +217,9 @@ class RunConfig:
     providers_allowed: tuple[str, ...] = _flag(list_flag, ())
     providers_ignored: tuple[str, ...] = _flag(list_flag, ())
     providers_order: tuple[str, ...] = _flag(list_flag, ())
-    provider_sort: str | None = _flag(choice_flag(("price", "throughput", "latency")))
+    provider_sort: str | None = _flag(choice_flag(PROVIDER_SORTS))
     max_tokens: int | None = _flag(int_flag(1, optional=True))
-    reasoning_effort: str | None = _flag(
-        choice_flag(("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"))
-    )
+    reasoning_effort: str | None = _flag(choice_flag(REASONING_EFFORTS))
     reasoning_disabled: bool = _flag(parse_bool, False)
     prefill_messages_file: str | None = _flag(text_flag())
     max_samples: int | None = _flag(int_flag(1, optional=True))
@@ -335,6 +338,53 @@ class RunConfig:
     @property
     def prefill_messages(self) -> tuple[dict[str, Any], ...]:
         return load_prefill(self.prefill_messages_file)
+
+    def llm_config(self, base_url: str) -> LLMConfig:
+        """The model client's settings; ``base_url`` is the endpoint really used (the fake model's for mock)."""
+        return LLMConfig(
+            model=self.model,
+            base_url=base_url,
+            api_key=self.resolved_api_key,
+            max_tokens=self.max_tokens,
+            reasoning_effort=self.reasoning_effort,
+            reasoning_disabled=self.reasoning_disabled,
+            providers_allowed=self.providers_allowed,
+            providers_ignored=self.providers_ignored,
+            providers_order=self.providers_order,
+            provider_sort=self.provider_sort,
+            provider_allow_fallbacks=self.provider_allow_fallbacks,
+            provider_data_collection=self.provider_data_collection,
+            request_timeout_s=self.request_timeout,
+            max_retries=self.max_retries,
+        )
+
+    def loop_limits(self) -> LoopLimits:
+        return LoopLimits(
+            max_turns=self.max_turns,
+            prompt_timeout_s=self.prompt_timeout,
+            tool_timeout_s=self.tool_timeout,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_prompt_usd=self.max_prompt_usd,
+        )
+
+    def sandbox_options(self) -> dict[str, Any]:
+        """The backend's options from the sandbox flags, checked now by building (not starting) one sandbox."""
+        from batchrun.prompt.sandboxes import SandboxSpec, backend_class, create_sandbox
+
+        flags = SandboxFlags(
+            default_image=self.default_image,
+            local_isolation=self.local_isolation,
+            cpus=self.container_cpus,
+            memory_mb=self.container_memory_mb,
+            pids_limit=self.container_pids_limit,
+            network=self.sandbox_network,
+        )
+        try:
+            options = backend_class(self.backend).options_from(flags)
+            create_sandbox(self.backend, SandboxSpec(run_name=self.run_name, prompt_index=-1), options)
+        except ValueError as exc:
+            raise UsageError(f"--sandbox={self.backend}: {exc}") from None
+        return options
 
     def secret_hashes(self) -> dict[str, str | None]:
         """Digests of the ephemeral system prompt and the prefill, for the manifest: never their text."""

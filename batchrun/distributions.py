@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -189,15 +189,29 @@ def list_distributions() -> dict[str, Distribution]:
     return dict(DISTRIBUTIONS)
 
 
-def sample_toolsets_from_distribution(name: str, rng: random.Random) -> list[str]:
-    """Flip one coin per toolset; if none comes up, offer the most probable toolset alone."""
+def sample_toolsets_from_distribution(
+    name: str,
+    rng: random.Random,
+    available: Collection[str] | None = None,
+    unavailable: list[str] | None = None,
+) -> list[str]:
+    """Flip one coin per toolset; if none comes up, offer the most probable toolset alone.
+
+    ``available``: only these toolsets can be offered here; the guarantee of at least one then holds
+    among them (none only when the distribution has no available toolset at all). Toolsets that came
+    up but are not available are appended to ``unavailable`` when it is given.
+    """
     probabilities = get_distribution(name).probabilities
     # Always draw once per toolset so the rng stream does not depend on earlier outcomes.
-    chosen = [toolset for toolset, percent in probabilities.items() if rng.random() * 100 < percent]
-    if chosen:
+    drawn = [toolset for toolset, percent in probabilities.items() if rng.random() * 100 < percent]
+    offerable = [t for t in probabilities if available is None or t in available]
+    chosen = [t for t in drawn if t in offerable]
+    if unavailable is not None:
+        unavailable.extend(t for t in drawn if t not in offerable)
+    if chosen or not offerable:
         return chosen
     # max() keeps the first of equal maxima, so ties go to the earliest toolset.
-    return [max(probabilities, key=probabilities.__getitem__)]
+    return [max(offerable, key=probabilities.__getitem__)]
 
 
 def prompt_rng(seed: int, prompt: str, occurrence: int = 0) -> random.Random:

@@ -24,7 +24,6 @@ time (wall time is printed too): on a shared machine wall time moves with the ne
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import random
@@ -155,16 +154,13 @@ def generate(run_dir: Path, dataset: Path, n: int, batch_size: int, seed: int) -
 # ----------------------------------------------------------------------------- the steps (each in its own process)
 
 
-def _runner(output_dir: Path, dataset: Path):
-    import batch_runner as br
+def _config(output_dir: Path, dataset: Path):
+    from batchrun.config import RunConfig
 
-    flags = {k: p.default for k, p in inspect.signature(br.main).parameters.items()}
-    flags.update(
+    return RunConfig.from_flags(
         dataset_file=str(dataset), batch_size=100, run_name=RUN_NAME, model="synthetic",
         base_url="http://127.0.0.1:9/v1", api_key="sk-large-run", output_dir=str(output_dir), resume=True,
     )  # fmt: skip
-    built = br.build_run(flags)
-    return br, br.BatchRunner(*built)
 
 
 def step(name: str, output_dir: Path, dataset: Path) -> dict:
@@ -187,21 +183,26 @@ def step(name: str, output_dir: Path, dataset: Path) -> dict:
                     n += len(raw)
         extra["bytes"] = n
     else:
-        import batch_runner as br
+        from batchrun.run import finish
+        from batchrun.run.dataset import load_dataset
+        from batchrun.run.recorder import Recorder
+        from batchrun.run.resume import scan_finished
+        from batchrun.secrets import Redactor
 
         t0 = time.perf_counter()
-        rows, _ = br.load_dataset(str(dataset))
+        rows, _ = load_dataset(str(dataset))
         t_rows = time.perf_counter()
         extra["load_dataset_s"] = round(t_rows - t0, 2)
-        _, runner = _runner(output_dir, dataset)
+        config = _config(output_dir, dataset)
+        recorder = Recorder(config.run_dir, RUN_NAME, Redactor(config.resolved_api_key))
         t0, c0 = time.perf_counter(), time.process_time()
         if name == "scan_finished":
-            done = runner.scan_finished()
+            done = scan_finished(config.run_dir, rerun_discarded=False)
             extra["finished"] = sum(done.values())
         elif name == "merge + statistics":
-            totals = runner.merge(rows)
+            totals = finish.merge(config.run_dir, rows, recorder)
             t_merge = time.perf_counter()
-            stats = runner.statistics(rows, totals)
+            stats = finish.statistics(config, rows, totals, recorder, "none")
             extra["merge_s"] = round(t_merge - t0, 2)
             extra["statistics_s"] = round(time.perf_counter() - t_merge, 2)
             extra["trajectories"] = stats["trajectories"]

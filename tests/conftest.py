@@ -1,4 +1,4 @@
-"""Shared fixtures. Each section belongs to one area; add new ones in a section of their own."""
+"""Shared fixtures only (plain helpers are in helpers.py). Each section belongs to one area."""
 
 from __future__ import annotations
 
@@ -10,23 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import DOCKER_TEST_IMAGE, TESTS_DIR, TOOL_CAP, skip_or_fail
 
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
 
-TESTS_DIR = Path(__file__).resolve().parent
-IN_CI = os.environ.get("CI") == "true"
-
-
-def skip_or_fail(reason: str) -> None:
-    """Locally a missing facility skips the test; in CI it fails it, so nothing is silently not run."""
-    if IN_CI:
-        pytest.fail(f"CI must be able to run this test: {reason}")
-    pytest.skip(reason)
-
-
 # ============================================================================ sandboxes: Docker
-DOCKER_TEST_IMAGE = "batch-runner-test:latest"
 DOCKER_IMAGE_BUILD = TESTS_DIR / "docker_image" / "build.sh"
 
 
@@ -170,7 +159,6 @@ def tool_ctx(tmp_path: Path, tools_llm, clean_tool_env: None):
 @pytest.fixture
 def call_tool():
     """``call_tool(ctx, name, **args)``: run one tool call as the agent loop does; the parsed result."""
-    import json
 
     from batchrun.prompt.tools.registry import execute_tool_call, known_tool_names
 
@@ -213,8 +201,6 @@ def chromium_ready() -> None:
 # The terminal and file tool tests run every case twice: on the default local sandbox, and with only
 # busybox on PATH (busybox sh as the shell), which is what a minimal container offers.
 
-TOOL_CAP = 64 * 1024
-
 
 @pytest.fixture(scope="session")
 def busybox_bin(tmp_path_factory):
@@ -251,42 +237,6 @@ def sandbox(request, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- run-directory helpers (plain functions)
-
-
-# The fields of a trajectory record, as ../shared/SPEC.md states them.
-SPEC_FIELDS = {
-    "prompt_index",
-    "conversations",
-    "metadata",
-    "completed",
-    "partial",
-    "api_calls",
-    "toolsets_used",
-    "tool_stats",
-    "tool_error_counts",
-}
-
-
-def docker_ps(*labels: str) -> list[str]:
-    """Names of all containers (running or not) with every one of ``labels``, as the docker CLI reports them."""
-    filters = [arg for label in labels for arg in ("--filter", f"label={label}")]
-    done = subprocess.run(
-        ["docker", "ps", "-a", *filters, "--format", "{{.Names}}"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return done.stdout.split()
-
-
-def write_jsonl(path: Path, prompts: list[str]) -> Path:
-    """A dataset of one ``{"prompt": ...}`` row per prompt."""
-    path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts), "utf-8")
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
 
 
 @pytest.fixture

@@ -12,13 +12,17 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import SPEC_FIELDS, read_jsonl, write_jsonl
+from helpers import read_jsonl, write_jsonl
 
 import batch_runner
+from batchrun.cli import tool_settings, worker_settings
 from batchrun.config import RunConfig
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.tools.registry import known_tool_names, tools_for_toolsets
 from batchrun.prompt.trajectory import first_human, parse_tool_calls
+from batchrun.record import RECORD_FIELDS
+from batchrun.secrets import Redactor
+from batchrun.storage import append_jsonl
 from toolset_distributions import prompt_rng, sample_toolsets_from_distribution
 
 API_KEY = "sk-test-SECRET-123456"
@@ -182,7 +186,7 @@ def test_full_run_outputs_one_trajectory_per_good_prompt(full_run):
 def test_full_run_records_have_every_spec_field_with_its_type(full_run):
     known = known_tool_names()
     for rec in full_run["records"]:
-        assert set(rec) == SPEC_FIELDS
+        assert list(rec) == list(RECORD_FIELDS)
         assert isinstance(rec["prompt_index"], int)
         assert isinstance(rec["completed"], bool) and isinstance(rec["partial"], bool)
         assert isinstance(rec["api_calls"], int) and rec["api_calls"] >= 1
@@ -417,8 +421,8 @@ def test_output_loads_with_hugging_face_datasets(full_run, tmp_path, monkeypatch
     ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "cache"))
     rows = read_jsonl(path)
     assert ds.num_rows == len(rows) == len(FULL) - len(DROPPED)
-    assert set(ds.column_names) == SPEC_FIELDS
-    assert all(set(r) == SPEC_FIELDS for r in rows)
+    assert set(ds.column_names) == set(RECORD_FIELDS)
+    assert all(list(r) == list(RECORD_FIELDS) for r in rows)
     assert set(ds.features["tool_stats"]) == set(known_tool_names())
     assert ds["prompt_index"] == [r["prompt_index"] for r in rows]
     assert [c[1]["value"] for c in ds["conversations"]] == [r["conversations"][1]["value"] for r in rows]
@@ -570,7 +574,7 @@ def test_torn_last_line_is_skipped_at_merge_and_later_appends_stay_valid(server,
 
     # The next append to the torn file starts on a fresh line: the new record is intact.
     rec = json.loads(line)
-    batch_runner.append_jsonl(b0, rec, batch_runner.Redactor(None, environ={}))
+    append_jsonl(b0, rec, Redactor(None, environ={}))
     raw = b0.read_bytes().split(b"\n")
     assert raw[-1] == b""
     assert json.loads(raw[-2]) == rec
@@ -884,7 +888,8 @@ def test_sandbox_network_flag_reaches_the_sandbox_spec(server, tmp_path, monkeyp
 
     import batchrun.prompt.run as runner_mod
     from batchrun.prompt.llm import LLMClient
-    from batchrun.prompt.run import PromptJob, run_prompt
+    from batchrun.prompt.run import run_prompt
+    from batchrun.protocol import PromptJob
 
     specs = []
     real = runner_mod.create_sandbox
@@ -904,10 +909,13 @@ def test_sandbox_network_flag_reaches_the_sandbox_spec(server, tmp_path, monkeyp
         distribution="terminal_only",
         sandbox_network=False,
     )
-    settings = batch_runner.build_run(config)[1]
+    llm = config.llm_config(server.base_url)
+    settings = worker_settings(
+        config, llm, config.sandbox_options(), tool_settings(config, llm.base_url, llm.api_key)
+    )
     job = PromptJob(batch_num=0, prompt_index=0, prompt="offline please [calls:1]", toolsets=("terminal",))
     outcome = run_prompt(job, settings, LLMClient(settings.llm))
-    assert outcome["kind"] == "trajectory"
+    assert outcome.kind == "trajectory"
     assert specs and all(spec.network is False for spec in specs)
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_jsonl
+from helpers import read_jsonl
 
 import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer

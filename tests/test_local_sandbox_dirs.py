@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_jsonl, write_jsonl
+from helpers import read_jsonl, write_jsonl
 
 from batchrun.fakes.fake_model import FakeModelServer
 

@@ -27,11 +27,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import read_jsonl, skip_or_fail, write_jsonl
+from helpers import read_jsonl, skip_or_fail, write_jsonl
 
 import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.trajectory import first_human
+from batchrun.protocol import Claim, Log, Received, WorkerExit
+from batchrun.run.inbox import Inbox
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "sk-ray-test-0123456789"
@@ -241,37 +243,40 @@ def test_a_malformed_ray_address_is_refused_at_start(address, tmp_path, capsys):
 
 
 def test_tcp_inbox_tells_apart_workers_with_the_same_pid_on_two_machines():
-    inbox = batch_runner.Inbox(host="127.0.0.1")
+    inbox = Inbox(host="127.0.0.1")
     (host, port), authkey = inbox.address
     assert host == "127.0.0.1" and port > 0
     a = Client((host, port), authkey=authkey)
     b = Client((host, port), authkey=authkey)
     try:
-        a.send({"kind": "claim", "batch_num": 0, "pid": 4242})
-        b.send({"kind": "claim", "batch_num": 1, "pid": 4242})
+        a.send(4242)  # a worker introduces itself by its pid
+        b.send(4242)
+        a.send(Claim(0))
+        b.send(Claim(1))
         claims = [inbox.events.get(timeout=5) for _ in range(2)]
-        ids = {ev["batch_num"]: ev["pid"] for ev in claims}
+        ids = {ev.message.batch_num: ev.pid for ev in claims}
         assert ids[0] != ids[1] and 4242 in ids.values()
-        a.send({"kind": "log", "pid": 4242})
-        assert inbox.events.get(timeout=5)["pid"] == ids[0]  # the same id for every event of a worker
+        a.send(Log(0, "terminal", "{}", "ok"))
+        assert inbox.events.get(timeout=5).pid == ids[0]  # the same id for every message of a worker
         a.close()
-        assert inbox.events.get(timeout=5) == {"kind": "worker_exit", "pid": ids[0]}
+        assert inbox.events.get(timeout=5) == WorkerExit(ids[0])
     finally:
         b.close()
         inbox.close()
 
 
 def test_tcp_inbox_refuses_a_wrong_authkey_and_still_accepts_workers():
-    inbox = batch_runner.Inbox(host="127.0.0.1")
+    inbox = Inbox(host="127.0.0.1")
     address, authkey = inbox.address
     try:
         with pytest.raises(Exception):  # noqa: B017 - AuthenticationError or a closed connection
-            Client(address, authkey=b"not the key").send({"kind": "claim", "pid": 1, "batch_num": 0})
+            Client(address, authkey=b"not the key").send(1)
         with socket.create_connection(address):
             pass  # a port scanner: connects and hangs up
         good = Client(address, authkey=authkey)
-        good.send({"kind": "claim", "pid": 2, "batch_num": 0})
-        assert inbox.events.get(timeout=5) == {"kind": "claim", "pid": 2, "batch_num": 0}
+        good.send(2)
+        good.send(Claim(0))
+        assert inbox.events.get(timeout=5) == Received(2, Claim(0))
         good.close()
     finally:
         inbox.close()
@@ -303,7 +308,7 @@ class _FakeActor:
 def test_ray_pool_sends_batches_to_idle_workers_and_fails_those_a_dead_worker_took(monkeypatch):
     import queue
 
-    from batchrun.prompt.run import PromptJob
+    from batchrun.protocol import PromptJob
     from batchrun.run import ray_pool
 
     monkeypatch.setattr(ray_pool, "LOST_BATCH_DELAY_S", 0.05)
@@ -343,26 +348,26 @@ def test_ray_pool_sends_batches_to_idle_workers_and_fails_those_a_dead_worker_to
     time.sleep(0.3)  # the dead workers' batches fail after the delay
     failed = {}
     while not pool._events.empty():
-        ev = pool._events.get()
-        failed[ev["prompt_index"]] = ev
+        outcome = pool._events.get().message
+        failed[outcome.prompt_index] = outcome
     assert sorted(failed) == [2, 3, 4, 5, 6, 7]  # batches 1, 2 and 3; batch 0 is the live worker's own
-    assert {ev["kind"] for ev in failed.values()} == {"failed"}
-    assert {ev["error_class"] for ev in failed.values()} == {"worker_died"}
-    assert "no Ray worker was left" in failed[6]["error"] and "actor died" in failed[2]["error"]
+    assert {o.kind for o in failed.values()} == {"failed"}
+    assert {o.error_class for o in failed.values()} == {"worker_died"}
+    assert "no Ray worker was left" in failed[6].error and "actor died" in failed[2].error
 
 
 WORKER_SCRIPT = """
 import sys, time
 sys.path.insert(0, {repo!r})
-import batch_runner
 from batchrun.prompt.llm import LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.run import RunSettings
+from batchrun.run import worker
 
 settings = RunSettings(run_name="t", llm=LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"),
                        limits=LoopLimits(max_turns=1))
 # A TCP inbox, and the pid of a runner on "another machine" (no such process here).
-batch_runner._worker_init(settings, ({address!r}, {authkey!r}), 1, 1, 4194000)
+worker.init_worker(settings, ({address!r}, {authkey!r}), 1, 1, 4194000)
 print("ready", flush=True)
 time.sleep(120)
 """

@@ -14,7 +14,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from conftest import read_jsonl
+from helpers import read_jsonl
 
 import batch_runner
 from batchrun.prompt.tools.config import BROWSER_FLAGS  # the project's one list of headless Chromium flags

@@ -19,16 +19,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import docker_ps, read_jsonl, write_jsonl
+from helpers import docker_ps, read_jsonl, write_jsonl
 
 import batch_runner
 import batchrun.prompt.run as runner_mod
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import LLMClient, LLMConfig
 from batchrun.prompt.loop import LoopLimits
-from batchrun.prompt.run import PromptJob, RunSettings, run_prompt
+from batchrun.prompt.run import RunSettings, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
+from batchrun.prompt.sandboxes.docker import DockerSandbox
+from batchrun.protocol import PromptJob
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_S = 30.0  # longest a gated start waits for its condition before it gives up (the test then fails)
@@ -131,11 +133,11 @@ def test_the_first_model_call_goes_out_before_the_sandbox_start_finishes(server,
     scripted.on_start = start
     settings = settings_for(server)
     outcome = run_prompt(job("overlap please [calls:1]"), settings, LLMClient(settings.llm))
-    assert outcome["kind"] == "trajectory", outcome.get("error")
+    assert outcome.kind == "trajectory", outcome.error
     assert server.stats()["first_request_at"] < finished_at[0]
     (box,) = scripted.boxes
     assert box.events == ["start", "started", "run", "stop"]  # the tool call ran on the started sandbox
-    meta = outcome["record"]["metadata"]
+    meta = outcome.record["metadata"]
     assert meta["isolation"] == "scripted"
     assert meta["sandbox_start_blocked_s"] >= 0
     for key in ("sandbox_start_wait_s", "sandbox_start_s", "sandbox_stop_s"):
@@ -159,10 +161,10 @@ def test_a_failed_background_start_fails_the_prompt_with_error_class_sandbox(
     scripted.on_start = start
     settings = settings_for(server)
     outcome = run_prompt(job("needs a shell [calls:1]"), settings, LLMClient(settings.llm))
-    assert outcome["kind"] == "failed"
-    assert outcome["error_class"] == "sandbox"
-    assert message in outcome["error"]
-    assert outcome["usage"]["requests"] == 1  # the first model call overlapped the start
+    assert outcome.kind == "failed"
+    assert outcome.error_class == "sandbox"
+    assert message in outcome.error
+    assert outcome.usage["requests"] == 1  # the first model call overlapped the start
     (box,) = scripted.boxes
     assert box.events == ["start", "stop"]  # stop() also after a failed start: it may have created something
 
@@ -176,7 +178,7 @@ def test_the_local_backend_still_starts_before_any_model_call(server, scripted):
     scripted.on_start = start
     settings = settings_for(server, backend="local")
     outcome = run_prompt(job("local [calls:1]"), settings, LLMClient(settings.llm))
-    assert outcome["kind"] == "failed" and outcome["error_class"] == "sandbox"
+    assert outcome.kind == "failed" and outcome.error_class == "sandbox"
     assert server.stats()["requests"] == 0
     assert not start_threads_alive()
 
@@ -189,12 +191,12 @@ def test_a_prompt_without_tool_calls_never_starts_a_sandbox_still_waiting_for_a_
     slots.acquire()  # every start-up slot is taken
     settings = settings_for(server)
     outcome = run_prompt(job("no tools [calls:0]"), settings, LLMClient(settings.llm), sandbox_starts=slots)
-    assert outcome["kind"] == "trajectory"
+    assert outcome.kind == "trajectory"
     slots.release()
     assert wait_for(lambda: not start_threads_alive())  # the start got its slot and found the prompt gone
     (box,) = scripted.boxes
     assert box.events == []
-    meta = outcome["record"]["metadata"]
+    meta = outcome.record["metadata"]
     assert meta["sandbox_start_s"] == 0.0 and meta["sandbox_start_blocked_s"] == 0.0
 
 
@@ -218,8 +220,8 @@ def test_a_prompt_without_tool_calls_reports_at_once_and_its_sandbox_is_stopped_
     gate.set()
     assert stopper.drain(GATE_S)
     assert returned_while_starting  # neither the start nor the stop held the outcome back
-    assert outcome["kind"] == "trajectory"
-    assert outcome["record"]["metadata"]["sandbox_stop_background"] is True
+    assert outcome.kind == "trajectory"
+    assert outcome.record["metadata"]["sandbox_stop_background"] is True
     (box,) = scripted.boxes
     assert box.events == ["start", "started", "stop"]  # the stop waited for the start
     assert order == ["queued", "done"]
@@ -289,15 +291,15 @@ def test_docker_prompts_with_and_without_tools_and_a_failed_start_leave_no_conta
     finally:
         assert stopper.drain(120)
     assert docker_ps(f"batch_runner.run_name={run_name}") == []
-    assert used["kind"] == "trajectory", used.get("error")
-    meta = used["record"]["metadata"]
+    assert used.kind == "trajectory", used.error
+    meta = used.record["metadata"]
     assert meta["isolation"] == "docker" and meta["sandbox_stop_background"] is True
     assert meta["sandbox_start_s"] > 0 and meta["sandbox_start_blocked_s"] >= 0
-    assert unused["kind"] == "trajectory"
-    assert failed["kind"] == "failed" and failed["error_class"] == "sandbox"
-    assert "does-not-exist-br:never" in failed["error"]
-    assert synchronous["kind"] == "trajectory"
-    assert "sandbox_stop_background" not in synchronous["record"]["metadata"]
+    assert unused.kind == "trajectory"
+    assert failed.kind == "failed" and failed.error_class == "sandbox"
+    assert "does-not-exist-br:never" in failed.error
+    assert synchronous.kind == "trajectory"
+    assert "sandbox_stop_background" not in synchronous.record["metadata"]
 
 
 @pytest.mark.docker
@@ -306,9 +308,7 @@ def test_a_docker_run_ends_with_no_container_of_its_own(server, docker_test_imag
     """The runner waits for the workers' background stops before ending them: no container is left even
     without the after-run cleanup (disabled here), which only catches what dead workers leave."""
     swept: list[bool] = []
-    monkeypatch.setattr(
-        batch_runner.BatchRunner, "remove_leftover_sandboxes", lambda self: swept.append(True)
-    )
+    monkeypatch.setattr(DockerSandbox, "sweep", classmethod(lambda cls, options: swept.append(True)))
     run_name = f"overlap-run-{os.getpid()}"
     prompts = [f"docker task {i} [calls:{i % 3}]" for i in range(10)]
     dataset = write_jsonl(tmp_path / "prompts.jsonl", prompts)

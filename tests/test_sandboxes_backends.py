@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import docker_ps
+from helpers import docker_ps
 
 from batchrun.prompt.sandboxes import BACKENDS, create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec

@@ -12,7 +12,7 @@ import hashlib
 import json
 
 import pytest
-from conftest import TOOL_CAP as CAP
+from helpers import TOOL_CAP as CAP
 
 from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
 

@@ -11,7 +11,7 @@ import json
 import time
 
 import pytest
-from conftest import TOOL_CAP as CAP
+from helpers import TOOL_CAP as CAP
 
 from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SPEC_FIELDS
 
 from batchrun.prompt.trajectory import (
     SYSTEM_PREAMBLE,
@@ -20,6 +19,7 @@ from batchrun.prompt.trajectory import (
     to_sharegpt,
     used_tool_names,
 )
+from batchrun.record import RECORD_FIELDS
 
 # ----------------------------------------------------------------------------- split_reasoning
 
@@ -285,7 +285,7 @@ def _record():
 
 def test_build_record_tool_stats_over_every_known_tool():
     rec = _record()
-    assert set(rec) == SPEC_FIELDS
+    assert list(rec) == list(RECORD_FIELDS)
     assert list(rec["tool_stats"]) == KNOWN
     assert rec["tool_stats"]["terminal"] == {"count": 2, "success": 1, "failure": 1}
     assert rec["tool_stats"]["read_file"] == {"count": 1, "success": 0, "failure": 1}

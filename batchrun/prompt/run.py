@@ -1,8 +1,8 @@
 """One dataset row, end to end: toolsets → sandbox → agent loop → record → quality filter → outcome.
 
-Every attempted prompt ends as exactly one outcome: a trajectory, a discard (with its reason)
-or a failure (with an error class and message). Outcomes are plain dicts so they cross
-process boundaries cheaply; the parent process is the only one that writes them.
+Every attempted prompt ends as exactly one :class:`~batchrun.protocol.Outcome`: a trajectory, a
+discard (with its reason) or a failure (with an error class and message). The parent process is
+the only one that writes them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart
-from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
+from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, backend_class, create_sandbox
 from batchrun.prompt.tools.registry import (
     ToolContext,
     close_prompt_resources,
@@ -26,24 +26,7 @@ from batchrun.prompt.tools.registry import (
     tools_for_toolsets,
 )
 from batchrun.prompt.trajectory import build_record, reasoning_counts
-
-TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
-# Backends whose start is quick (local: a few ms) stay synchronous: a start failure then costs no model call.
-# Every other backend starts on a thread while the prompt's first model call is in flight.
-SYNCHRONOUS_START_BACKENDS = frozenset({"local"})
-
-
-@dataclass(frozen=True)
-class PromptJob:
-    """One row to run, as the parent schedules it."""
-
-    batch_num: int
-    prompt_index: int
-    prompt: str
-    toolsets: tuple[str, ...]  # sampled by the parent, so they are fixed before any work starts
-    image: str | None = None
-    cwd: str | None = None
-    fail_reason: str | None = None  # set by preflight: the prompt fails without calling the model
+from batchrun.protocol import Outcome, PromptJob
 
 
 @dataclass(frozen=True)
@@ -77,7 +60,7 @@ def run_prompt(
     sandbox_starts: threading.Semaphore | Any | None = None,
     stop_in_background: Callable[[Callable[[], None]], None] | None = None,
     log=None,
-) -> dict[str, Any]:
+) -> Outcome:
     """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent.
 
     Except for the local backend, the sandbox starts on a thread (after a ``sandbox_starts`` slot)
@@ -87,15 +70,8 @@ def run_prompt(
     """
     started = time.monotonic()
     usage = Usage()
-    base = {"batch_num": job.batch_num, "prompt_index": job.prompt_index, "prompt": job.prompt}
     if job.fail_reason:
-        return {
-            **base,
-            "kind": FAILED,
-            "error_class": "preflight",
-            "error": job.fail_reason,
-            "usage": usage.as_dict(),
-        }
+        return Outcome.failed(job, "preflight", job.fail_reason, usage.as_dict())
     tools = tools_for_toolsets(list(job.toolsets))
     spec = SandboxSpec(
         run_name=settings.run_name,
@@ -106,7 +82,8 @@ def run_prompt(
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
-    background = settings.sandbox_backend not in SYNCHRONOUS_START_BACKENDS
+    # A slow start (containers) runs on a thread while the prompt's first model call is in flight.
+    background = not backend_class(settings.sandbox_backend).synchronous_start
     ctx = None
     timings: dict[str, Any] = {
         "sandbox_start_wait_s": 0.0,  # waiting for a start-up slot
@@ -148,26 +125,13 @@ def run_prompt(
         # The backend's own value, without waiting for a start the prompt never needed.
         isolation = sandbox.inner.isolation if background else sandbox.isolation
     except LLMError as exc:
-        return {
-            **base,
-            "kind": FAILED,
-            "error_class": exc.error_class,
-            "error": str(exc),
-            "usage": usage.as_dict(),
-        }
+        return Outcome.failed(job, exc.error_class, str(exc), usage.as_dict())
     except SandboxError as exc:
-        return {**base, "kind": FAILED, "error_class": "sandbox", "error": str(exc), "usage": usage.as_dict()}
+        return Outcome.failed(job, "sandbox", str(exc), usage.as_dict())
     except PromptTimeout as exc:
-        return {
-            **base,
-            "kind": FAILED,
-            "error_class": "prompt_timeout",
-            "error": str(exc),
-            "usage": usage.as_dict(),
-        }
+        return Outcome.failed(job, "prompt_timeout", str(exc), usage.as_dict())
     except Exception as exc:  # a bug must fail one prompt, not the worker and its other prompts
-        error = f"{type(exc).__name__}: {exc}"
-        return {**base, "kind": FAILED, "error_class": "internal", "error": error, "usage": usage.as_dict()}
+        return Outcome.failed(job, "internal", f"{type(exc).__name__}: {exc}", usage.as_dict())
     finally:
         if ctx is not None:
             close_prompt_resources(ctx)
@@ -211,14 +175,8 @@ def run_prompt(
     )
     with_reasoning, _ = reasoning_counts(record["conversations"])
     if settings.require_reasoning and with_reasoning == 0:
-        return {
-            **base,
-            "kind": DISCARDED,
-            "reason": "no_reasoning",
-            "record": record,
-            "usage": usage.as_dict(),
-        }
-    return {**base, "kind": TRAJECTORY, "record": record, "usage": usage.as_dict()}
+        return Outcome.discarded(job, "no_reasoning", record, usage.as_dict())
+    return Outcome.trajectory(job, record, usage.as_dict())
 
 
 def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:

@@ -10,6 +10,8 @@ import json
 import re
 from typing import Any
 
+from batchrun.record import RECORD_FIELDS
+
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
     "as JSON schemas, between the <tools> and </tools> tags below. Call a function only when it "
@@ -182,7 +184,7 @@ def build_record(
             entry = stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
             entry["count"] += 1
             entry["failure" if is_tool_failure(msg["content"]) else "success"] += 1
-    return {
+    record = {
         "prompt_index": prompt_index,
         "conversations": to_sharegpt(messages, tool_schemas),
         "metadata": metadata,
@@ -193,6 +195,8 @@ def build_record(
         "tool_stats": stats,
         "tool_error_counts": {name: s["failure"] for name, s in stats.items()},
     }
+    assert tuple(record) == RECORD_FIELDS  # batchrun.record defines the fields; this writes them
+    return record
 
 
 def reasoning_counts(conversations: list[dict[str, Any]]) -> tuple[int, int]:

@@ -25,18 +25,17 @@ the actors of a driver that is gone).
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
 import os
 import re
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from queue import Queue
 from typing import Any
 
-from batchrun.prompt.run import FAILED
+from batchrun.prompt.sandboxes import backend_class
+from batchrun.protocol import Outcome, Received
 
 INSTALL_HINT = "pip install 'batch-runner[ray]'"
 # Where workers reach the parent's inbox: the host (default: the IP Ray knows this node by) and a
@@ -148,7 +147,7 @@ class RayPool:
         try:
             self._pool = Pool(
                 processes,
-                initializer=_by_reference(initializer),
+                initializer=initializer,
                 initargs=initargs,
                 ray_remote_args={"scheduling_strategy": "SPREAD"},
             )
@@ -172,7 +171,7 @@ class RayPool:
         with self._cond:
             if self._closed:
                 raise ValueError("Pool not running")
-            self._pending.append((_by_reference(func), tuple(args)))
+            self._pending.append((func, tuple(args)))
             self._cond.notify()
 
     def terminate(self) -> None:
@@ -187,7 +186,7 @@ class RayPool:
             self._pool.terminate()
         except Exception:
             pass
-        self._remove_containers_on_nodes()
+        self._sweep_nodes()
         shutdown()
 
     # -- scheduling (the feeder thread)
@@ -246,69 +245,36 @@ class RayPool:
         if self._closed:
             return
         for job in args[0]:
-            self._events.put(
-                {
-                    "kind": FAILED,
-                    "batch_num": job.batch_num,
-                    "prompt_index": job.prompt_index,
-                    "prompt": job.prompt,
-                    "error_class": "worker_died",
-                    "error": reason,
-                }
-            )
+            self._events.put(Received(None, Outcome.failed(job, "worker_died", reason)))
 
     # -- sandboxes left on the nodes
 
-    def _remove_containers_on_nodes(self) -> None:
-        """Actors are killed, not asked to stop: remove the run's containers on every node (docker backend)."""
+    def _sweep_nodes(self) -> None:
+        """Actors are killed, not asked to stop: the backend sweeps what the run left on every node."""
         settings = self._settings
-        owner = (getattr(settings, "sandbox_options", None) or {}).get("run_owner")
-        if getattr(settings, "sandbox_backend", None) != "docker" or not owner:
-            return
         ray = self._ray
         try:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            task = ray.remote(num_cpus=0)(_remove_owned_containers)
+            task = ray.remote(num_cpus=0)(_sweep_node)
             refs = [
                 task.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-                ).remote(owner)
+                ).remote(settings.sandbox_backend, settings.sandbox_options)
                 for n in ray.nodes()
                 if n.get("Alive")
             ]
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=CLEANUP_TIMEOUT_S)
-            removed = sum(len(ray.get(r)) for r in done)
+            ray.wait(refs, num_returns=len(refs), timeout=CLEANUP_TIMEOUT_S)
         except Exception as exc:
-            print(f"warning: could not remove containers on the Ray nodes: {_short(exc)}", file=sys.stderr)
-            return
-        if removed:
-            print(f"Removed {removed} container(s) left on the Ray nodes", file=sys.stderr)
+            print(f"warning: could not sweep sandboxes on the Ray nodes: {_short(exc)}", file=sys.stderr)
 
 
-def _remove_owned_containers(owner: str) -> list[str]:
-    """Runs on one node: remove this run's containers there (none when the node has no Docker engine)."""
+def _sweep_node(backend: str, options: dict[str, Any]) -> None:
+    """Runs on one node: the backend removes what the run's sandboxes left there (e.g. containers)."""
     try:
-        from batchrun.prompt.sandboxes.docker_engine import remove_owned_containers
-
-        return remove_owned_containers(owner)
+        backend_class(backend).sweep(options)
     except Exception:
-        return []
-
-
-def _by_reference(func: Callable[..., Any]) -> Callable[..., Any]:
-    """The same function, named through its importable module when it was defined in ``__main__``.
-
-    Ray pickles ``__main__`` functions by value, each with its own copy of the module's globals, so
-    the state the initializer leaves in the worker would be invisible to the batch function
-    (``python batch_runner.py`` → ``batch_runner``, which every node must be able to import).
-    """
-    if getattr(func, "__module__", None) != "__main__":
-        return func
-    main = sys.modules["__main__"]
-    spec = getattr(main, "__spec__", None)
-    name = spec.name if spec is not None else Path(main.__file__).stem
-    return getattr(importlib.import_module(name), func.__qualname__)
+        pass  # e.g. a node with no Docker engine: nothing of ours can be there
 
 
 def _short(exc: BaseException, limit: int = 500) -> str:

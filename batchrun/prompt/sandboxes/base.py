@@ -7,16 +7,42 @@ backend supports every tool without backend-specific file code.
 
 from __future__ import annotations
 
+import re
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints, runtime_checkable
 
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024
+DEFAULT_IMAGE = "python:3.11-slim"  # container backends: the image of rows that name none (--default_image)
 TRUNCATION_NOTE = "\n[output truncated: {dropped} of {total} bytes not shown]"
 
 
 class SandboxError(RuntimeError):
     """Infrastructure failure: the sandbox could not start, or is gone. Fails the prompt."""
+
+
+class SetupError(RuntimeError):
+    """A backend cannot work here, or with these options: the run does not start (exit 2, this message)."""
+
+
+@dataclass(frozen=True)
+class SandboxFlags:
+    """The run's sandbox flags, backend-independent; each backend's ``options_from`` takes what applies."""
+
+    default_image: str = DEFAULT_IMAGE  # container backends: the image of rows that name none
+    local_isolation: str = "auto"  # local backend: auto, bwrap or none
+    cpus: float = 1.0  # CPUs of one prompt's sandbox
+    memory_mb: int = 2048  # memory of one prompt's sandbox (MiB)
+    pids_limit: int = 512  # most processes in one prompt's sandbox
+    network: bool = True  # whether the prompt's commands may reach the network
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What a backend's run-level preflight found, before any token is spent."""
+
+    isolation: str  # the isolation really in force, for the statistics ("bwrap", "none", "docker", ...)
+    unavailable: dict[str, str] = field(default_factory=dict)  # image -> why: its prompts fail, no model call
 
 
 @dataclass(frozen=True)
@@ -43,7 +69,15 @@ class ExecResult:
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """One prompt's isolated environment. ``stop`` is idempotent and safe after a failed ``start``."""
+    """One prompt's isolated environment. ``stop`` is idempotent and safe after a failed ``start``.
+
+    Each backend class also owns its run-level steps, so the orchestrator names no backend:
+    ``options_from(SandboxFlags)`` -> its options (checked when a sandbox is built),
+    ``synchronous_start`` (start on the prompt's thread, or overlapped with its first model call),
+    ``preflight(images, options, real_model=...)`` -> :class:`Preflight` (raises :class:`SetupError`),
+    ``prepare_run(run_name, options, workers_here=...)`` -> the options the workers get, and
+    ``sweep(options)``, which removes whatever the run's sandboxes left once the workers are gone.
+    """
 
     spec: SandboxSpec
     workdir: str  # absolute path, inside the sandbox, where commands start and relative paths resolve
@@ -54,6 +88,11 @@ class Sandbox(Protocol):
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult: ...
 
     def stop(self) -> None: ...
+
+
+def safe_run_name(run_name: str) -> str:
+    """The run name as it appears in container, instance and directory names: name characters, at most 40."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
 
 
 def cap_output(data: bytes, cap_bytes: int) -> tuple[str, bool]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import re
 import select
 import socket
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
@@ -27,13 +28,18 @@ from batchrun.prompt.sandboxes._shell import (
     wrapped_argv,
 )
 from batchrun.prompt.sandboxes.base import (
+    DEFAULT_IMAGE,
     DEFAULT_OUTPUT_CAP_BYTES,
     CappedBuffer,
     ExecResult,
+    Preflight,
     SandboxError,
+    SandboxFlags,
     SandboxSpec,
+    SetupError,
     check_option_types,
     parse_options,
+    safe_run_name,
 )
 from batchrun.prompt.sandboxes.docker_engine import (
     LABEL_INDEX,
@@ -60,7 +66,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IMAGE = "batch-runner-test:latest"
 DEFAULT_WORKDIR = "/workspace"
 KEEPALIVE = ["sh", "-c", "while :; do sleep 3600; done"]  # portable: not every sleep accepts "infinity"
 START_ATTEMPTS = 3  # containers tried per start before the prompt fails
@@ -92,6 +97,60 @@ os.register_at_fork(after_in_child=_start_slots.clear)  # slots taken by the par
 class DockerSandbox:
     """One container per prompt, kept alive by a sleep loop; each command is a separate exec."""
 
+    synchronous_start = False  # a container takes a while: it starts during the first model call
+
+    # -- run-level steps (see base.Sandbox)
+
+    @classmethod
+    def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
+        return {
+            "default_image": flags.default_image,
+            "cpus": flags.cpus,
+            "memory_mb": flags.memory_mb,
+            "pids_limit": flags.pids_limit,
+            "network_mode": "bridge" if flags.network else "none",
+            "run_owner": default_owner(),
+        }
+
+    @classmethod
+    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+        """The engine answers; every image is present or pulled once, up front (never inside a worker)."""
+        try:
+            version = check_engine()
+        except Exception as exc:
+            raise SetupError(str(exc)) from None
+        print(f"Docker engine {version}")
+        default = options.get("default_image", DEFAULT_IMAGE)
+        wanted = sorted({image or default for image in images})
+        if not wanted:
+            return Preflight(isolation="docker")
+        print(f"Checking {len(wanted)} image(s); missing ones are pulled once")
+        status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"))
+        width = max(len(i) for i in wanted)
+        for image in wanted:
+            state = "ready" if status[image] is None else f"NOT AVAILABLE: {status[image]}"
+            print(f"  {image:<{width}}  {state}")
+        return Preflight(
+            isolation="docker", unavailable={i: str(e) for i, e in status.items() if e is not None}
+        )
+
+    @classmethod
+    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        """Containers of an earlier run of this name whose runner is dead go, before new ones start."""
+        removed = sweep_containers(run_name)
+        if removed:
+            print(f"Removed {len(removed)} leftover container(s) of an earlier run named {run_name}")
+        return options
+
+    @classmethod
+    def sweep(cls, options: dict[str, Any]) -> None:
+        """After the pool ended: every container this run started (e.g. of prompts cut short) goes."""
+        removed = remove_owned_containers(options.get("run_owner") or default_owner())
+        if removed:
+            print(f"Removed {len(removed)} container(s) left by interrupted prompts", file=sys.stderr)
+
+    # -- one prompt's sandbox
+
     def __init__(self, spec: SandboxSpec, **options: object):
         self.spec = spec
         self.options = parse_options(DockerOptions, "docker", options)
@@ -105,7 +164,7 @@ class DockerSandbox:
         opts, spec = self.options, self.spec
         labels = {LABEL_RUN: spec.run_name, LABEL_INDEX: str(spec.prompt_index)}
         labels[LABEL_OWNER] = opts.run_owner or default_owner()
-        safe_run = re.sub(r"[^A-Za-z0-9_.-]", "-", spec.run_name)[:40]
+        safe_run = safe_run_name(spec.run_name)
         limits = {
             "nano_cpus": int(opts.cpus * 1e9),
             "mem_limit": f"{opts.memory_mb}m",

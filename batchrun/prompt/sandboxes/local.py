@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from batchrun.prompt.sandboxes._process import kill_process_group, run_process
 from batchrun.prompt.sandboxes._shell import MarkerScanner, new_exec_token
@@ -33,15 +34,21 @@ from batchrun.prompt.sandboxes.base import (
     DEFAULT_OUTPUT_CAP_BYTES,
     CappedBuffer,
     ExecResult,
+    Preflight,
     SandboxError,
+    SandboxFlags,
     SandboxSpec,
+    SetupError,
     check_option_types,
     parse_options,
+    safe_run_name,
 )
+from batchrun.storage import pid_alive
 
 ISOLATION_MODES = ("auto", "bwrap", "none")
 # Host variables a command may see; everything else (API keys above all) stays out of the sandbox.
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TERM", "TZ")
+RUN_DIR_PREFIX = "batch-runner-"  # <tmp>/batch-runner-<run>-<pid>-<random>: one run's sandboxes
 TAG_VAR = "BATCH_RUNNER_SANDBOX"  # marks every process of one sandbox, so stop() can find leftovers
 
 
@@ -110,11 +117,6 @@ _SYSTEM_DIRS = (
     "/usr",
 )
 _SYSTEM_ROOTS = ("/home", "/root", "/var", "/run", "/opt", "/srv", "/mnt", "/media", "/tmp")
-
-
-def safe_run_name(run_name: str) -> str:
-    """The run name as it appears in temporary directory names: file-name characters, at most 40."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
 
 
 def _is_within(path: str, directory: str) -> bool:
@@ -216,6 +218,75 @@ def _scan_socket_dirs() -> list[SocketDir]:
 
 class LocalSandbox:
     """Commands run in ``bash -c``: inside the prompt's bubblewrap namespace when available."""
+
+    synchronous_start = True  # a start takes a few ms: a start failure then costs no model call
+
+    # -- run-level steps (see base.Sandbox)
+
+    @classmethod
+    def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
+        return {"isolation": flags.local_isolation}
+
+    @classmethod
+    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+        isolation = options.get("isolation", "auto")
+        problem = bwrap_problem() if isolation != "none" else "isolation disabled (--local_isolation=none)"
+        if problem:
+            if isolation == "bwrap":
+                raise SetupError(f"--local_isolation=bwrap: {problem}")
+            print(
+                f"warning: the local sandbox has NO isolation: commands run on this machine as this user ({problem})"
+            )
+        else:
+            print(
+                "Local sandbox isolation: bubblewrap (host read-only, private workdir and /tmp, own PID namespace)"
+            )
+        with_image = sum(1 for image in images if image)
+        if with_image:
+            print(
+                f"warning: {with_image} prompt(s) name a container image, which the local backend ignores; "
+                "use --sandbox=docker to run them in their images"
+            )
+        return Preflight(isolation="none" if problem else "bwrap")
+
+    @classmethod
+    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        """One directory holds this run's sandboxes, so none outlives it.
+
+        The workers' sandboxes go under ``<tmp>/batch-runner-<run>-<pid>-<random>``; :meth:`sweep`
+        removes it once the pool has ended (normally, on Ctrl-C or after a worker died mid-prompt).
+        One left by a runner that was killed outright is removed here, by the next run of the same
+        name, once its pid is gone. (Workers on other machines, Ray's, keep their own temp dirs.)
+        """
+        if not workers_here:
+            return options
+        prefix = f"{RUN_DIR_PREFIX}{safe_run_name(run_name)}-"
+        leftover = re.compile(re.escape(prefix) + r"(\d+)-[A-Za-z0-9_]{8}")
+        removed = 0
+        for entry in os.scandir(tempfile.gettempdir()):
+            m = leftover.fullmatch(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+        if removed:
+            print(f"Removed {removed} sandbox director(ies) left by an earlier run named {run_name}")
+        return {**options, "base_dir": tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")}
+
+    @classmethod
+    def sweep(cls, options: dict[str, Any]) -> None:
+        """After the pool ended: the run's sandbox directory goes, whatever its prompts left in it."""
+        base_dir = options.get("base_dir")
+        if not base_dir:
+            return
+        # The workers are gone, and their bubblewrap namespaces die with them (SIGKILL, from the
+        # kernel); a process still dying may write a last file: try again a few times.
+        for attempt in range(5):
+            shutil.rmtree(base_dir, ignore_errors=True)
+            if not os.path.exists(base_dir):
+                break
+            time.sleep(0.1 * (attempt + 1))
+
+    # -- one prompt's sandbox
 
     def __init__(self, spec: SandboxSpec, **options: object):
         self.spec = spec

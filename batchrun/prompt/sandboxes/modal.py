@@ -16,18 +16,21 @@ from typing import Any
 
 from batchrun.prompt.sandboxes._shell import MarkerScanner, kill_argv, new_exec_token, wrapped_argv
 from batchrun.prompt.sandboxes.base import (
+    DEFAULT_IMAGE,
     DEFAULT_OUTPUT_CAP_BYTES,
     CappedBuffer,
     ExecResult,
+    Preflight,
     SandboxError,
+    SandboxFlags,
     SandboxSpec,
+    SetupError,
     check_option_types,
     parse_options,
 )
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IMAGE = "python:3.11-slim"
 DEFAULT_WORKDIR = "/workspace"
 KEEPALIVE = ("sh", "-c", "while :; do sleep 3600; done")
 STDIN_CHUNK_BYTES = 64 * 1024  # the SDK buffers stdin writes in memory until drain(); keep each batch small
@@ -49,6 +52,34 @@ class ModalOptions:
 
 class ModalSandbox:
     """A remote Modal Sandbox kept alive by a sleep loop; terminated at stop()."""
+
+    synchronous_start = False  # a cloud sandbox takes seconds: it starts during the first model call
+
+    # -- run-level steps (see base.Sandbox)
+
+    @classmethod
+    def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
+        return {"default_image": flags.default_image, "cpu": flags.cpus, "memory_mb": flags.memory_mb}
+
+    @classmethod
+    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+        try:
+            import modal  # noqa: F401
+        except ImportError:
+            raise SetupError(
+                "--sandbox=modal needs the modal SDK: pip install 'batch-runner[modal]'"
+            ) from None
+        return Preflight(isolation="modal")
+
+    @classmethod
+    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        return options
+
+    @classmethod
+    def sweep(cls, options: dict[str, Any]) -> None:
+        """Nothing to sweep: Modal ends a sandbox whose client is gone, after its timeout."""
+
+    # -- one prompt's sandbox
 
     def __init__(self, spec: SandboxSpec, **options: object):
         self.spec = spec

@@ -9,26 +9,30 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import re
 import shutil
 import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from batchrun.prompt.sandboxes._process import run_process
 from batchrun.prompt.sandboxes.base import (
+    DEFAULT_IMAGE,
     DEFAULT_OUTPUT_CAP_BYTES,
     ExecResult,
+    Preflight,
     SandboxError,
+    SandboxFlags,
     SandboxSpec,
+    SetupError,
     check_option_types,
     parse_options,
+    safe_run_name,
 )
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IMAGE = "python:3.11-slim"
 DEFAULT_WORKDIR = "/workspace"
 OVERLAY_KINDS = ("dir", "tmpfs", "image")
 PASSED_ENV = ("PATH", "LANG", "TERM", "APPTAINER_CACHEDIR", "SINGULARITY_CACHEDIR", "XDG_RUNTIME_DIR")
@@ -81,6 +85,32 @@ def image_ref(image: str) -> str:
 class SingularitySandbox:
     """One ``apptainer instance`` per prompt; stop() stops it and removes the private overlay."""
 
+    synchronous_start = False  # an image may need converting: it starts during the first model call
+
+    # -- run-level steps (see base.Sandbox)
+
+    @classmethod
+    def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
+        return {"default_image": flags.default_image}
+
+    @classmethod
+    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+        try:
+            print(f"Singularity/Apptainer CLI: {find_executable(options.get('executable', ''))}")
+        except Exception as exc:
+            raise SetupError(f"--sandbox=singularity: {exc}") from None
+        return Preflight(isolation="singularity")
+
+    @classmethod
+    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        return options
+
+    @classmethod
+    def sweep(cls, options: dict[str, Any]) -> None:
+        """Nothing to sweep: each instance is stopped by its prompt, and dies with its worker."""
+
+    # -- one prompt's sandbox
+
     def __init__(self, spec: SandboxSpec, **options: object):
         self.spec = spec
         self.options = parse_options(SingularityOptions, "singularity", options)
@@ -93,7 +123,7 @@ class SingularitySandbox:
 
     def start(self) -> None:
         self._exe = find_executable(self.options.executable)
-        safe_run = re.sub(r"[^A-Za-z0-9_.-]", "-", self.spec.run_name)[:40]
+        safe_run = safe_run_name(self.spec.run_name)
         self._root = tempfile.mkdtemp(
             prefix=f"br-{safe_run}-{self.spec.prompt_index}-", dir=self.options.base_dir
         )

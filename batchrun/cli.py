@@ -1,0 +1,426 @@
+"""The command line and the story of one run, step by step.
+
+    python batch_runner.py --dataset_file=data/prompts.jsonl --batch_size=10 --run_name=my_run
+    batch-runner --dataset_file=...          (the installed console command: the same)
+
+:func:`main` (Fire's, with every flag in its ``Args:``) builds one checked
+:class:`~batchrun.config.RunConfig`; :func:`run` then takes the steps of a run, one call each:
+load the dataset, open the run directory, filter for resume, plan, preflight, dispatch to the
+workers, merge, statistics, report. The parent process is the only writer under ``data/<run_name>/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from batchrun.config import (
+    DEFAULT_BASE_URL,
+    DEFAULT_DOCKER_IMAGE,
+    DEFAULT_MODEL,
+    RunConfig,
+    UsageError,
+    parse_argv,
+)
+from batchrun.distributions import format_distributions
+from batchrun.prompt.run import RunSettings
+from batchrun.run import finish
+from batchrun.run.dataset import Row, load_dataset
+from batchrun.run.dispatch import Dispatch
+from batchrun.run.plan import make_plan, print_plan
+from batchrun.run.preflight import check_endpoint, preflight_sandboxes
+from batchrun.run.recorder import Recorder
+from batchrun.run.resume import build_manifest, check_manifest, resume_filter
+from batchrun.run.worker import start_forkserver
+from batchrun.secrets import Redactor
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def main(
+    dataset_file: str | None = None,
+    batch_size: int | None = None,
+    run_name: str | None = None,
+    distribution: str = "default",
+    model: str = DEFAULT_MODEL,
+    api_key: str | None = None,
+    base_url: str = DEFAULT_BASE_URL,
+    max_turns: int = 10,
+    num_workers: int = 4,
+    resume: bool = False,
+    list_distributions: bool = False,
+    verbose: bool = False,
+    ephemeral_system_prompt: str | None = None,
+    log_prefix_chars: int = 100,
+    providers_allowed: str | None = None,
+    providers_ignored: str | None = None,
+    providers_order: str | None = None,
+    provider_sort: str | None = None,
+    max_tokens: int | None = None,
+    reasoning_effort: str | None = None,
+    reasoning_disabled: bool = False,
+    prefill_messages_file: str | None = None,
+    max_samples: int | None = None,
+    seed: int = 0,
+    prompts_per_worker: int = 16,
+    max_sandbox_starts: int = 8,
+    ray_address: str | None = None,
+    sandbox: str | None = None,
+    default_image: str = DEFAULT_DOCKER_IMAGE,
+    local_isolation: str = "auto",
+    container_cpus: float = 1.0,
+    container_memory_mb: int = 2048,
+    container_pids_limit: int = 512,
+    sandbox_network: bool = True,
+    tool_timeout: float = 180.0,
+    prompt_timeout: float = 1800.0,
+    request_timeout: float = 600.0,
+    max_retries: int = 3,
+    output_dir: str = "data",
+    rerun_discarded: bool = False,
+    force_resume: bool = False,
+    max_failure_rate: float = 0.5,
+    keep_no_reasoning: bool = False,
+    report_max_trajectories: int = 500,
+    budget_usd: float | None = None,
+    budget_tokens: int | None = None,
+    max_prompt_tokens: int | None = None,
+    max_prompt_usd: float | None = None,
+    max_rpm: float | None = None,
+    max_concurrent_requests: int | None = None,
+    provider_allow_fallbacks: bool | None = None,
+    provider_data_collection: str | None = None,
+) -> None:
+    """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
+
+    Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
+    statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
+    anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
+    130 interrupted.
+
+    Args:
+        dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
+        batch_size: [reference] Prompts per batch file (a positive whole number, required).
+        run_name: [reference] Output goes to <output_dir>/<run_name>/ (letters, digits, '.', '-', '_').
+        distribution: [reference] Toolset distribution; --list_distributions shows them all.
+        model: [reference] Model id sent to the endpoint; "mock" runs the built-in fake model.
+        api_key: [reference] API key; default OPENROUTER_API_KEY, then OPENAI_API_KEY (safer: ps shows flags).
+        base_url: [reference] Any OpenAI-compatible endpoint (OpenRouter, OpenAI, vLLM, SGLang, llama.cpp, Ollama).
+        max_turns: [reference] Most model calls (tool-calling iterations) per prompt.
+        num_workers: [reference] Worker processes.
+        resume: [reference] Continue an interrupted run: only prompts without an outcome run.
+        list_distributions: [reference] Print the toolset distributions and exit.
+        verbose: [reference] Per-prompt logging (tool calls and results, failures).
+        ephemeral_system_prompt: [reference] System prompt sent to the model, never saved anywhere.
+        log_prefix_chars: [reference] Length of tool call/result previews in logs.
+        providers_allowed: [reference] OpenRouter provider.only (comma-separated).
+        providers_ignored: [reference] OpenRouter provider.ignore (comma-separated).
+        providers_order: [reference] OpenRouter provider.order (comma-separated).
+        provider_sort: [reference] OpenRouter provider.sort: price, throughput or latency.
+        max_tokens: [reference] Most tokens per model response.
+        reasoning_effort: [reference] none, minimal, low, medium, high, xhigh, max or ultra.
+        reasoning_disabled: [reference] Ask the model not to reason; wins over --reasoning_effort.
+        prefill_messages_file: [reference] JSON array of {role, content} sent before the prompt, never saved.
+        max_samples: [reference] Only the first N dataset rows.
+        seed: [concurrency] Toolset sampling seed; a prompt's toolsets depend only on it and the row.
+        prompts_per_worker: [concurrency] Prompts in flight per worker process (threads).
+        max_sandbox_starts: [concurrency] Concurrent sandbox start-ups across the whole run.
+        ray_address: [concurrency] Run the workers on a Ray cluster: auto, local, host:port or ray://host:port.
+        sandbox: [sandbox] local, docker, singularity or modal; default TERMINAL_ENV, else local.
+        default_image: [sandbox] Image for rows that name none (container backends).
+        local_isolation: [sandbox] Local backend: auto (bubblewrap when it works), bwrap (required) or none.
+        container_cpus: [sandbox] CPUs of one prompt's sandbox.
+        container_memory_mb: [sandbox] Memory of one prompt's sandbox, MiB.
+        container_pids_limit: [sandbox] Most processes in one prompt's sandbox.
+        sandbox_network: [sandbox] Whether the prompt's commands may reach the network.
+        tool_timeout: [limits] Seconds per tool call.
+        prompt_timeout: [limits] Seconds per prompt (wall clock).
+        request_timeout: [limits] Seconds per model call.
+        max_retries: [limits] Retries of one model call on 5xx, timeouts and dropped connections.
+        output_dir: [output] Parent directory of run directories.
+        rerun_discarded: [output] On resume, run discarded prompts again.
+        force_resume: [output] Resume although data-defining settings changed (recorded in the manifest).
+        max_failure_rate: [output] Exit 3 when more than this share (0 to 1) of the run's prompts failed.
+        keep_no_reasoning: [output] Keep samples with no reasoning instead of discarding them.
+        report_max_trajectories: [output] Conversations listed in report.html (all records are counted).
+        budget_usd: [spend] Run-wide budget in USD; once spent, the run stops (resume later).
+        budget_tokens: [spend] Run-wide budget in tokens; once spent, the run stops (resume later).
+        max_prompt_tokens: [spend] Per-prompt token cap: a runaway prompt ends as partial.
+        max_prompt_usd: [spend] Per-prompt cost cap in USD: a runaway prompt ends as partial.
+        max_rpm: [spend] Model requests per minute for the whole run.
+        max_concurrent_requests: [spend] Model requests in flight for the whole run.
+        provider_allow_fallbacks: [routing] OpenRouter provider.allow_fallbacks (false pins the providers).
+        provider_data_collection: [routing] OpenRouter provider.data_collection: allow or deny.
+    """
+    try:
+        config = RunConfig.from_flags(
+            dataset_file=dataset_file,
+            batch_size=batch_size,
+            run_name=run_name,
+            distribution=distribution,
+            model=model,
+            api_key=api_key,
+            base_url=base_url,
+            max_turns=max_turns,
+            num_workers=num_workers,
+            resume=resume,
+            list_distributions=list_distributions,
+            verbose=verbose,
+            ephemeral_system_prompt=ephemeral_system_prompt,
+            log_prefix_chars=log_prefix_chars,
+            providers_allowed=providers_allowed,
+            providers_ignored=providers_ignored,
+            providers_order=providers_order,
+            provider_sort=provider_sort,
+            max_tokens=max_tokens,
+            reasoning_effort=reasoning_effort,
+            reasoning_disabled=reasoning_disabled,
+            prefill_messages_file=prefill_messages_file,
+            max_samples=max_samples,
+            seed=seed,
+            prompts_per_worker=prompts_per_worker,
+            max_sandbox_starts=max_sandbox_starts,
+            ray_address=ray_address,
+            sandbox=sandbox,
+            default_image=default_image,
+            local_isolation=local_isolation,
+            container_cpus=container_cpus,
+            container_memory_mb=container_memory_mb,
+            container_pids_limit=container_pids_limit,
+            sandbox_network=sandbox_network,
+            tool_timeout=tool_timeout,
+            prompt_timeout=prompt_timeout,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            output_dir=output_dir,
+            rerun_discarded=rerun_discarded,
+            force_resume=force_resume,
+            max_failure_rate=max_failure_rate,
+            keep_no_reasoning=keep_no_reasoning,
+            report_max_trajectories=report_max_trajectories,
+            budget_usd=budget_usd,
+            budget_tokens=budget_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            max_prompt_usd=max_prompt_usd,
+            max_rpm=max_rpm,
+            max_concurrent_requests=max_concurrent_requests,
+            provider_allow_fallbacks=provider_allow_fallbacks,
+            provider_data_collection=provider_data_collection,
+        )
+        if config.list_distributions:
+            print(format_distributions())
+            return
+        code = run(config)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:  # outside the dispatch (preflight, merge): every written file is intact
+        print("\nInterrupted. Continue with --resume.", file=sys.stderr)
+        raise SystemExit(130) from None
+    if code:
+        raise SystemExit(code)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The command line: ``--help`` through Fire (from main's docstring); everything else parsed strictly.
+
+    Fire itself would run the whole dataset before refusing a misspelled flag, accept ``false`` as
+    true, and echo the command line (the API key included) in its usage message: flags are read
+    here instead, and ``main`` gets them as strings that ``RunConfig.from_flags`` types and checks.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "-help") for a in argv):
+        import fire
+
+        fire.Fire(main, command=["--help"], name="batch_runner.py")
+        return
+    names = RunConfig.flag_names()
+    bools = [f.name for f in dataclasses.fields(RunConfig) if f.type in ("bool", "bool | None")]
+    try:
+        flags = parse_argv(argv, bools, names)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    main(**flags)
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def run(config: RunConfig) -> int:
+    """One run of the configuration; returns the exit code. The fake model (``--model=mock``) lives as long as the run."""
+    sandbox_options = check_before_start(config)
+    fake = None
+    if config.is_mock:
+        from batchrun.fakes.fake_model import FakeModelServer
+
+        fake = FakeModelServer().start()
+    recorder = Recorder(
+        config.run_dir,
+        config.run_name,
+        Redactor(config.resolved_api_key),
+        verbose=config.verbose,
+        budget_usd=config.budget_usd,
+        budget_tokens=config.budget_tokens,
+    )
+    try:
+        recorder.lock()
+        return run_steps(config, recorder, fake.base_url if fake else config.base_url, sandbox_options)
+    finally:
+        recorder.unlock()
+        if fake is not None:
+            fake.stop()
+
+
+def run_steps(config: RunConfig, recorder: Recorder, base_url: str, sandbox_options: dict[str, Any]) -> int:
+    """The steps of a run, in order; the run directory is locked by the caller."""
+    rows = read_dataset(config, recorder)
+    manifest = open_run_dir(config, recorder)
+    todo = (
+        resume_filter(rows, config.run_dir, recorder.redact, rerun_discarded=config.rerun_discarded)
+        if config.resume
+        else rows
+    )
+    if todo and not config.ray_address:
+        start_forkserver()  # its imports (~1 s) overlap with the parent's own and with preflight
+    llm = config.llm_config(base_url)
+    tool_extra = tool_settings(config, llm.base_url, llm.api_key)
+    plan = make_plan(todo, config, config.run_dir, tool_extra)
+    recorder.counts.update({f"toolset:{t}": n for t, n in plan.offered.items()})
+    recorder.counts.update({f"toolset_missing:{t}": n for t, n in plan.missing.items()})
+    print_plan(rows, plan, config, llm.base_url)
+    connect_ray(config, plan.prompts)
+    if plan.batches:
+        check_endpoint(llm)
+    ready = preflight_sandboxes(
+        plan.batches,
+        config.backend,
+        sandbox_options,
+        run_name=config.run_name,
+        real_model=not config.is_mock,
+        workers_here=not config.ray_address,
+    )
+    recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
+    interrupted = False
+    if ready.batches:
+        settings = worker_settings(config, llm, ready.sandbox_options, tool_extra)
+        try:
+            Dispatch(config, settings, recorder).run(ready.batches)
+        except KeyboardInterrupt:
+            interrupted = True
+            print(
+                "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
+                file=sys.stderr,
+            )
+    totals = finish.merge(config.run_dir, rows, recorder)
+    stats = finish.statistics(config, rows, totals, recorder, ready.isolation)
+    recorder.write_status("interrupted" if interrupted else "finished", force=True)
+    finish.write_report(config.run_dir, config.report_max_trajectories)
+    finish.print_summary(config.run_dir, stats, recorder)
+    return finish.exit_code(stats, interrupted, config.max_failure_rate)
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
+def check_before_start(config: RunConfig) -> dict[str, Any]:
+    """What needs more than the flags themselves, before anything is written: the key, Ray, the backend options."""
+    if config.api_key:
+        print(
+            "warning: --api_key is visible to other users of this machine (ps, /proc); "
+            "the OPENROUTER_API_KEY or OPENAI_API_KEY environment variable is safer",
+            file=sys.stderr,
+        )
+    base_url = config.base_url
+    if (
+        not config.resolved_api_key
+        and not config.is_mock
+        and ("openrouter.ai" in base_url or "api.openai.com" in base_url)
+    ):
+        raise UsageError(
+            f"no API key for {base_url}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
+        )
+    if config.ray_address is not None:  # without Ray, say how to install it
+        from batchrun.run.ray_pool import RaySetupError, check_address
+
+        try:
+            check_address(config.ray_address)
+        except RaySetupError as exc:
+            raise UsageError(str(exc)) from None
+    return config.sandbox_options()
+
+
+def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
+    """The dataset's good rows; bad lines are reported by number (the first 20) and counted."""
+    rows, problems = load_dataset(config.dataset_file, config.max_samples)
+    for msg in problems[:20]:
+        print(f"warning: skipped {msg}", file=sys.stderr)
+    if len(problems) > 20:
+        print(f"warning: ... and {len(problems) - 20} more bad lines", file=sys.stderr)
+    recorder.counts["bad_lines"] = len(problems)
+    return rows
+
+
+def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
+    """A new run needs a free name; a resume must keep the data-defining settings. Returns the manifest to write."""
+    manifest = build_manifest(config)
+    if recorder.holds_other_files() and not config.resume:
+        raise UsageError(
+            f"{config.run_dir} already holds a run; add --resume to continue it, or choose another --run_name"
+        )
+    manifest_path = config.run_dir / "run_manifest.json"
+    if manifest_path.exists():
+        import json
+
+        manifest = check_manifest(json.loads(manifest_path.read_text()), manifest, force=config.force_resume)
+    return manifest
+
+
+def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> dict[str, Any]:
+    """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings."""
+    from batchrun.prompt.tools.config import tool_env_snapshot
+
+    return {
+        "llm_base_url": base_url,
+        "llm_api_key": api_key,
+        "llm_model": config.model,
+        "run_dir": str(Path(config.run_dir).resolve()),
+        "tool_env": tool_env_snapshot(),
+    }
+
+
+def connect_ray(config: RunConfig, prompts: int) -> None:
+    if not (config.ray_address and prompts):
+        return
+    from batchrun.run.ray_pool import RaySetupError, check_address, connect
+
+    try:
+        print(connect(check_address(config.ray_address), config.num_workers))
+    except RaySetupError as exc:
+        raise UsageError(f"--ray_address: {exc}") from None
+
+
+def worker_settings(
+    config: RunConfig, llm: Any, sandbox_options: dict[str, Any], tool_extra: dict[str, Any]
+) -> RunSettings:
+    """What every worker gets, once: the prompt side's settings, derived from the config and preflight."""
+    return RunSettings(
+        run_name=config.run_name,
+        llm=llm,
+        limits=config.loop_limits(),
+        rpm_per_worker=None if config.max_rpm is None else config.max_rpm / config.num_workers,
+        requests_per_worker=None
+        if config.max_concurrent_requests is None
+        else config.max_concurrent_requests // config.num_workers,
+        sandbox_backend=config.backend,
+        sandbox_options=sandbox_options,
+        sandbox_network=config.sandbox_network,
+        ephemeral_system_prompt=config.ephemeral_system_prompt,
+        prefill_messages=config.prefill_messages,
+        require_reasoning=not config.keep_no_reasoning,
+        verbose=config.verbose,
+        log_prefix_chars=config.log_prefix_chars,
+        tool_extra=tool_extra,
+    )

@@ -1,0 +1,147 @@
+"""What crosses the process boundary: a prompt's job, its outcome, and the parent <-> worker messages.
+
+One frozen dataclass per kind, pickled as they are. The parent hands each worker :class:`PromptJob`
+s; a worker sends back, on its own connection, :class:`Claim` when it takes a batch, a
+:class:`Log` line per tool call (``--verbose``), exactly one :class:`Outcome` (or :class:`Skipped`)
+per job, :class:`StopQueued` / :class:`StopDone` around each background sandbox stop, and
+:class:`Pause` when the endpoint said 429. The parent sends :class:`PauseAll` (the whole run backs
+off) and :class:`StopStarting` (the budget is spent). The inbox wraps what a worker sends in
+:class:`Received`, with the worker's id, and adds :class:`WorkerExit` when a connection ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    """One row to run, as the parent schedules it."""
+
+    batch_num: int
+    prompt_index: int
+    prompt: str
+    toolsets: tuple[str, ...]  # sampled by the parent, so they are fixed before any work starts
+    image: str | None = None
+    cwd: str | None = None
+    fail_reason: str | None = None  # set by preflight: the prompt fails without calling the model
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempted prompt ended: a trajectory, a discard (with its reason) or a failure."""
+
+    kind: str  # TRAJECTORY, DISCARDED or FAILED
+    batch_num: int
+    prompt_index: int
+    prompt: str
+    usage: dict[str, Any]  # Usage.as_dict(): what this attempt spent, whatever its end
+    record: dict[str, Any] | None = None  # trajectories and discards
+    reason: str | None = None  # discards: which quality filter
+    error_class: str | None = None  # failures: what kind of failure
+    error: str | None = None  # failures: the message
+
+    @classmethod
+    def trajectory(cls, job: PromptJob, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
+        return cls(TRAJECTORY, job.batch_num, job.prompt_index, job.prompt, usage, record=record)
+
+    @classmethod
+    def discarded(cls, job: PromptJob, reason: str, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
+        return cls(
+            DISCARDED, job.batch_num, job.prompt_index, job.prompt, usage, record=record, reason=reason
+        )
+
+    @classmethod
+    def failed(
+        cls, job: PromptJob, error_class: str, error: str, usage: dict[str, Any] | None = None
+    ) -> Outcome:
+        return cls(
+            FAILED,
+            job.batch_num,
+            job.prompt_index,
+            job.prompt,
+            usage or {},
+            error_class=error_class,
+            error=error,
+        )
+
+
+# -- worker -> parent
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A worker took a batch: if it dies, the batch's unfinished prompts are its loss."""
+
+    batch_num: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A prompt not started because the run is stopping (budget): left for a later --resume."""
+
+    batch_num: int
+    prompt_index: int
+
+
+@dataclass(frozen=True)
+class Log:
+    """One tool call of a prompt, for --verbose (redacted and cut by the parent)."""
+
+    prompt_index: int
+    tool: str
+    args: str
+    result: str
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The endpoint said 429 to this worker: the whole run should back off until ``until`` (epoch s)."""
+
+    until: float
+
+
+@dataclass(frozen=True)
+class StopQueued:
+    """A sandbox stop was queued in the background (sent just before its prompt's outcome)."""
+
+
+@dataclass(frozen=True)
+class StopDone:
+    """A background sandbox stop finished."""
+
+
+# -- parent -> worker
+
+
+@dataclass(frozen=True)
+class PauseAll:
+    """Back off from the endpoint until ``until`` (epoch seconds), as one worker was told to."""
+
+    until: float
+
+
+@dataclass(frozen=True)
+class StopStarting:
+    """Start no new prompt (the budget is spent); prompts in flight end at their next model call."""
+
+
+# -- what the parent's inbox yields
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message from worker ``pid`` (an id unique across machines for Ray workers)."""
+
+    pid: int | None
+    message: Any
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """Worker ``pid``'s connection ended: it died or was ended."""
+
+    pid: int | None

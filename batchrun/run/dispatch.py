@@ -1,0 +1,263 @@
+"""The parent's event loop: hand batches to the pool, record every outcome the moment it arrives.
+
+Workers (a ``multiprocessing`` forkserver pool, or Ray actors) report on their own connection to
+the :class:`~batchrun.run.inbox.Inbox`. The loop records outcomes through the
+:class:`~batchrun.run.recorder.Recorder`, relays a 429 pause to every worker, stops the run when
+the budget is spent, fails the prompts of a worker that died (``--resume`` runs them again), and
+once every outcome is in waits for the workers' background sandbox stops before ending them.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.config import RunConfig, UsageError
+from batchrun.prompt.run import RunSettings
+from batchrun.prompt.sandboxes import backend_class
+from batchrun.protocol import (
+    Claim,
+    Log,
+    Outcome,
+    Pause,
+    PauseAll,
+    PromptJob,
+    Received,
+    Skipped,
+    StopDone,
+    StopQueued,
+    StopStarting,
+    WorkerExit,
+)
+from batchrun.run import worker
+from batchrun.run.inbox import Inbox
+from batchrun.run.recorder import Recorder
+
+POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
+STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@dataclass
+class _Tracking:
+    """What the loop knows about the prompts it handed out."""
+
+    outstanding: dict[int, set[int]]  # batch number -> prompt indices without an outcome
+    by_num: dict[int, list[PromptJob]]
+    claims: dict[Any, set[int]] = field(
+        default_factory=lambda: collections.defaultdict(set)
+    )  # pid -> batches
+    stops: collections.Counter[Any] = field(default_factory=collections.Counter)  # pid -> stops not done yet
+
+
+class Dispatch:
+    """One run's dispatch: :meth:`run` returns when every handed-out prompt has an outcome."""
+
+    def __init__(self, config: RunConfig, settings: RunSettings, recorder: Recorder) -> None:
+        self.config = config
+        self.settings = settings
+        self.recorder = recorder
+        self.pbar: Any = None
+
+    def run(self, batches: list[list[PromptJob]]) -> None:
+        """Fan batches out to the pool and write every outcome the moment it arrives."""
+        from tqdm import tqdm
+
+        config, rec = self.config, self.recorder
+        if config.ray_address:  # workers on any node of a Ray cluster: they report over TCP
+            from batchrun.run.ray_pool import inbox_endpoint
+
+            inbox = Inbox(*inbox_endpoint())
+        else:
+            inbox = Inbox()
+        rec.total = sum(len(b) for b in batches)
+        track = _Tracking(
+            outstanding={b[0].batch_num: {j.prompt_index for j in b} for b in batches},
+            by_num={b[0].batch_num: b for b in batches},
+        )
+        remaining = rec.total
+        self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
+        rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
+        start_slots = max(1, config.max_sandbox_starts // config.num_workers)
+        initargs = (self.settings, inbox.address, config.prompts_per_worker, start_slots, os.getpid())
+        pool = self._make_pool(inbox, initargs)
+        previous_term = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            for batch in batches:
+                pool.apply_async(worker.run_batch, (batch,))
+            last_alive = time.monotonic()
+            exits_without_progress = 0
+            while remaining:
+                try:
+                    event = inbox.events.get(timeout=1.0)
+                except queue.Empty:
+                    if inbox.open_connections:
+                        last_alive = time.monotonic()
+                    elif time.monotonic() - last_alive > POOL_DEAD_AFTER_S:
+                        remaining -= self.fail_all_outstanding(track)
+                        print(
+                            "error: no worker process has been alive for a while; the pool is broken",
+                            file=sys.stderr,
+                        )
+                    rec.write_status("running")
+                    continue
+                if isinstance(event, WorkerExit):
+                    track.stops.pop(event.pid, None)  # what it was stopping is the backend's sweep's now
+                    remaining -= self.fail_lost_prompts(track.claims.pop(event.pid, set()), event.pid, track)
+                    exits_without_progress += 1
+                    if exits_without_progress > 2 * config.num_workers + 2:
+                        # Workers die as fast as the pool replaces them (e.g. at start-up): stop, don't spin.
+                        print("error: worker processes keep dying; giving up on this run", file=sys.stderr)
+                        remaining -= self.fail_all_outstanding(track)
+                else:
+                    settled = self.handle(event, track, inbox)
+                    remaining -= settled
+                    exits_without_progress = 0 if settled else exits_without_progress
+                rec.write_status("running")
+            self.wait_for_sandbox_stops(inbox, track)
+        finally:
+            # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
+            # so ending the workers loses nothing. Not close()+join(): join waits forever on a pool
+            # whose forkserver died.
+            signal.signal(signal.SIGTERM, previous_term)
+            pool.terminate()
+            inbox.close()
+            backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
+            self.pbar.close()
+
+    def _make_pool(self, inbox: Inbox, initargs: tuple[Any, ...]) -> Any:
+        config = self.config
+        if config.ray_address:
+            from batchrun.run.ray_pool import RayPool, RaySetupError
+
+            try:
+                return RayPool(
+                    config.ray_address, config.num_workers, worker.init_worker, initargs, inbox.events
+                )
+            except RaySetupError as exc:
+                inbox.close()
+                raise UsageError(str(exc)) from None
+        # forkserver: workers fork from a clean, single-threaded server that has already imported
+        # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
+        worker.start_forkserver()  # started already when the run had prompts: then a no-op
+        return mp.get_context("forkserver").Pool(
+            config.num_workers, initializer=worker.init_worker, initargs=initargs
+        )
+
+    def handle(self, event: Received, track: _Tracking, inbox: Inbox) -> int:
+        """One message from a worker; returns how many prompts it settled."""
+        message, pid = event.message, event.pid
+        if isinstance(message, Claim):
+            track.claims[pid].add(message.batch_num)
+        elif isinstance(message, (StopQueued, StopDone)):
+            self.count_stop(message, pid, track.stops)
+        elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does
+            self.recorder.counts["rate_limit_pauses"] += 1
+            inbox.broadcast(PauseAll(message.until))
+        elif isinstance(message, Log):
+            self.pbar.write(self.format_log(message), file=sys.stderr)
+        elif isinstance(message, (Outcome, Skipped)):
+            settled = self.settle(message, track)
+            self.check_budget(inbox)
+            return settled
+        return 0
+
+    def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:
+        """Record an outcome (or a skip) once: a prompt already settled (e.g. by a lost-batch report) is ignored."""
+        batch_num, index = message.batch_num, message.prompt_index
+        if index not in track.outstanding.get(batch_num, ()):
+            return 0
+        if isinstance(message, Skipped):
+            self.recorder.counts["skipped_budget"] += 1
+        else:
+            self.recorder.record(message)
+        track.outstanding[batch_num].discard(index)
+        if not track.outstanding[batch_num]:
+            del track.outstanding[batch_num]
+            self.recorder.write_checkpoint()
+        self.pbar.update(1)
+        self.pbar.set_postfix_str(self.recorder.progress_text(), refresh=False)
+        return 1
+
+    @staticmethod
+    def count_stop(message: StopQueued | StopDone, pid: Any, stops: collections.Counter[Any]) -> None:
+        """A worker queued a sandbox stop or finished one. A stop is queued just before its prompt's
+        outcome is sent, on the same connection, so once every outcome is in every queued stop is counted."""
+        stops[pid] += 1 if isinstance(message, StopQueued) else -1
+        if not stops[pid]:
+            del stops[pid]
+
+    def wait_for_sandbox_stops(self, inbox: Inbox, track: _Tracking) -> None:
+        """Workers stop sandboxes (remove containers) in the background, while the prompt's outcome goes
+        out: wait for the last of those before the workers are ended, so none outlives the run. What a
+        worker that dies or hangs leaves is for the backend's sweep."""
+        deadline = time.monotonic() + STOPS_DRAIN_S
+        while track.stops and inbox.open_connections and time.monotonic() < deadline:
+            try:
+                event = inbox.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if isinstance(event, WorkerExit):
+                track.stops.pop(event.pid, None)
+            elif isinstance(event.message, (StopQueued, StopDone)):
+                self.count_stop(event.message, event.pid, track.stops)
+        if track.stops and inbox.open_connections:
+            print(
+                f"warning: {sum(track.stops.values())} sandbox stop(s) still running after {STOPS_DRAIN_S:g} s; "
+                "ending the workers",
+                file=sys.stderr,
+            )
+
+    def check_budget(self, inbox: Inbox) -> None:
+        """Once the run's budget is spent, start no new prompt; those in flight finish. Resume later."""
+        rec = self.recorder
+        if rec.budget_hit or not rec.budget_reached():
+            return
+        rec.budget_hit = True
+        inbox.broadcast(StopStarting())
+        self.pbar.write(
+            f"Budget reached (${rec.spend['cost_usd']:.4f}, {rec.spend['total_tokens']:,} tokens): "
+            "no new prompts start; the ones in flight finish. Continue later with --resume.",
+            file=sys.stderr,
+        )
+
+    def format_log(self, message: Log) -> str:
+        """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""
+        n = self.config.log_prefix_chars
+        redact = self.recorder.redact
+
+        def cut(text: str) -> str:
+            text = redact(text)
+            return text if len(text) <= n else text[:n] + "..."
+
+        return f"[{message.prompt_index}] {message.tool}({cut(message.args)}) -> {cut(message.result)}"
+
+    def fail_lost_prompts(
+        self, batch_nums: set[int], pid: Any, track: _Tracking, error_class: str = "worker_died"
+    ) -> int:
+        """A worker died: its unfinished prompts will never report, so record them as failed (re-run on resume)."""
+        lost = 0
+        for batch_num in batch_nums:
+            for job in track.by_num[batch_num]:
+                if job.prompt_index in track.outstanding.get(batch_num, ()):
+                    error = (
+                        f"worker process {pid} ended before the prompt finished"
+                        if isinstance(pid, int) and pid > 0
+                        else "no worker process could run it"
+                    )
+                    lost += self.settle(Outcome.failed(job, error_class, error), track)
+        return lost
+
+    def fail_all_outstanding(self, track: _Tracking) -> int:
+        """The pool cannot start workers any more: every unfinished prompt fails (re-run on resume)."""
+        return self.fail_lost_prompts(set(track.outstanding), -1, track, "pool_broken")

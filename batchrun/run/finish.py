@@ -1,0 +1,255 @@
+"""The end of a run: merge every batch file into trajectories.jsonl, statistics, the report, the summary, the exit code.
+
+Merge and statistics stream the run's files one record at a time (memory stays flat), skip and
+count torn or malformed lines, drop records that call a tool outside the known set, and keep one
+record per finished row. They cover every run of this run name; ``this_run`` covers this one.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from batchrun.config import RunConfig
+from batchrun.prompt.tools.registry import known_tool_names
+from batchrun.prompt.trajectory import first_human, reasoning_counts, used_tool_names
+from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY
+from batchrun.run.dataset import Row, prompt_key
+from batchrun.run.recorder import Recorder
+from batchrun.run.resume import add_discards, resume_command, unfinished
+from batchrun.storage import batch_files, fsync_dir, iter_jsonl, iter_jsonl_raw, write_json_atomic
+
+
+class MergeTotals:
+    """Statistics accumulated over the merged records, one record at a time."""
+
+    def __init__(self, tool_names: list[str]):
+        self.tool_stats = {n: {"count": 0, "success": 0, "failure": 0} for n in tool_names}
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.finished: collections.Counter[bytes] = (
+            collections.Counter()
+        )  # prompt key -> records in batch files
+        self.kept = self.completed = self.partial = self.api_calls = 0
+        self.with_reasoning = self.without_reasoning = 0
+        self.usage: collections.Counter[str] = collections.Counter()
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.kept += 1
+        for name, s in (rec.get("tool_stats") or {}).items():
+            t = self.tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            t["count"] += s.get("count", 0)
+            t["success"] += s.get("success", 0)
+            t["failure"] += s.get("failure", 0)
+        w, n = reasoning_counts(rec.get("conversations", []))
+        self.with_reasoning += w
+        self.without_reasoning += n - w
+        self.completed += bool(rec.get("completed"))
+        self.partial += bool(rec.get("partial"))
+        self.api_calls += rec.get("api_calls", 0) or 0
+        usage = (rec.get("metadata") or {}).get("usage") or {}
+        for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd"):
+            value = usage.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.usage[key] += value
+
+    def summary(self) -> dict[str, Any]:
+        tools = {
+            name: {**t, "success_rate": round(t["success"] / t["count"], 4) if t["count"] else None}
+            for name, t in self.tool_stats.items()
+        }
+        turns = self.with_reasoning + self.without_reasoning
+        return {
+            "trajectories": self.kept,
+            "completed": self.completed,
+            "partial": self.partial,
+            "api_calls_in_trajectories": self.api_calls,
+            "usage_in_trajectories": {
+                "prompt_tokens": self.usage["prompt_tokens"],
+                "completion_tokens": self.usage["completion_tokens"],
+                "reasoning_tokens": self.usage["reasoning_tokens"],
+                "cost_usd": round(self.usage["cost_usd"], 6),
+            },
+            "dropped_at_merge": {
+                k: self.dropped.get(k, 0) for k in ("invalid_lines", "unknown_tool", "duplicate")
+            },
+            "tool_stats": tools,
+            "reasoning": {
+                "turns_with_reasoning": self.with_reasoning,
+                "turns_without_reasoning": self.without_reasoning,
+                "coverage": round(self.with_reasoning / turns, 4) if turns else None,
+            },
+        }
+
+
+def merge(run_dir: Path, rows: list[Row], recorder: Recorder) -> MergeTotals:
+    """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras.
+
+    One pass: each kept line is copied as written (already redacted) and counted for the
+    statistics, so memory stays flat and each record is parsed once.
+    """
+    wanted = collections.Counter(prompt_key(recorder.redact(r.prompt)) for r in rows)
+    done_indices: set[int] = set()
+    kept: collections.Counter[bytes] = collections.Counter()
+    known = set(known_tool_names())
+    totals = MergeTotals(known_tool_names())
+    out = run_dir / "trajectories.jsonl"
+    tmp = out.with_name(f".trajectories.jsonl.{os.getpid()}.tmp")
+    with tmp.open("wb") as fh:
+        for _, path in batch_files(run_dir):
+            for raw, rec in iter_jsonl_raw(path):
+                text = first_human(rec.get("conversations", [])) if rec else None
+                if text is None:
+                    totals.dropped["invalid_lines"] += 1
+                    continue
+                key = prompt_key(text)
+                totals.finished[key] += 1
+                if isinstance(rec.get("prompt_index"), int):
+                    done_indices.add(rec["prompt_index"])
+                if used_tool_names(rec) - known:
+                    totals.dropped["unknown_tool"] += 1
+                    continue
+                if key in wanted and kept[key] >= wanted[key]:
+                    totals.dropped["duplicate"] += 1
+                    continue
+                kept[key] += 1
+                totals.add(rec)
+                fh.write(raw if raw.endswith(b"\n") else raw + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+    fsync_dir(run_dir)
+    recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
+    recorder.write_checkpoint()
+    return totals
+
+
+def statistics(
+    config: RunConfig, rows: list[Row], totals: MergeTotals, recorder: Recorder, isolation: str
+) -> dict[str, Any]:
+    """Statistics over the merged output of every run of this run name, plus this run's counters."""
+    discards_all: collections.Counter[str] = collections.Counter()
+    run_dir = config.run_dir
+    with_r, without_r = totals.with_reasoning, totals.without_reasoning
+    for rec in iter_jsonl(run_dir / "discarded.jsonl"):
+        if rec and isinstance(rec.get("reason"), str):
+            discards_all[rec["reason"]] += 1
+            w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
+            with_r, without_r = with_r + w, without_r + n - w
+    failures_all = _count_field(run_dir / "failed.jsonl", "error_class")
+    summary = totals.summary()
+    # Coverage over every sample the model produced, the discarded ones included (SPEC: "over the run").
+    summary["reasoning"] = {
+        "turns_with_reasoning": with_r,
+        "turns_without_reasoning": without_r,
+        "coverage": round(with_r / (with_r + without_r), 4) if with_r + without_r else None,
+        "coverage_of_kept_trajectories": summary["reasoning"]["coverage"],
+    }
+    stats = {
+        "run_name": config.run_name,
+        "model": config.model,
+        "distribution": config.distribution,
+        "sandbox": config.backend,
+        "isolation": isolation,
+        "dataset_prompts": len(rows),
+        **summary,
+        "discarded": {"total": sum(discards_all.values()), "by_reason": dict(discards_all)},
+        "failed_attempts": {"total": sum(failures_all.values()), "by_class": failures_all},
+        "remaining_for_resume": count_remaining(run_dir, rows, totals, recorder, config.rerun_discarded),
+        "this_run": {
+            "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
+            "trajectories": recorder.counts[TRAJECTORY],
+            "discarded": dict(recorder.discards),
+            "failed": dict(recorder.failures),
+            "api_calls": recorder.spend["requests"],
+            "usage": {k: round(v, 8) if isinstance(v, float) else v for k, v in recorder.spend.items()},
+            "skipped_for_budget": recorder.counts["skipped_budget"],
+            "rate_limit_pauses": recorder.counts["rate_limit_pauses"],
+            "bad_dataset_lines": recorder.counts["bad_lines"],
+            "toolsets_offered": {
+                k.split(":", 1)[1]: v for k, v in recorder.counts.items() if k.startswith("toolset:")
+            },
+            "toolsets_not_available": {
+                k.split(":", 1)[1]: v for k, v in recorder.counts.items() if k.startswith("toolset_missing:")
+            },
+            "duration_s": round(time.monotonic() - recorder.started, 2),
+        },
+    }
+    write_json_atomic(run_dir / "statistics.json", stats, recorder.redact)
+    return stats
+
+
+def count_remaining(
+    run_dir: Path, rows: list[Row], totals: MergeTotals, recorder: Recorder, rerun_discarded: bool
+) -> int:
+    """Dataset rows a --resume would run: no trajectory and (unless re-run) no discard yet."""
+    done = collections.Counter(totals.finished)
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded)
+    return len(unfinished(rows, done, recorder.redact))
+
+
+def write_report(run_dir: Path, max_trajectories: int) -> None:
+    """report.html beside the data; a report must never fail a finished run."""
+    from batchrun.views.report import write_report
+
+    try:
+        path = write_report(run_dir, max_trajectories=max_trajectories)
+        print(f"Report: {path}  (again any time: python -m batchrun.views.report {run_dir})")
+    except Exception as exc:
+        print(f"warning: report.html not written: {exc}", file=sys.stderr)
+
+
+def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> None:
+    print("\n" + "=" * 72)
+    print(
+        f"Run {stats['run_name']}: {stats['trajectories']} trajectories in {run_dir / 'trajectories.jsonl'}"
+    )
+    tr = stats["this_run"]
+    print(
+        f"This run: {tr['attempted']} attempted, {tr['trajectories']} trajectories, discarded {tr['discarded'] or 0}, failed {tr['failed'] or 0}, {tr['api_calls']} model calls, {tr['duration_s']} s"
+    )
+    used = {n: s for n, s in stats["tool_stats"].items() if s["count"]}
+    if used:
+        print(f"{'tool':<20}{'calls':>8}{'ok':>8}{'failed':>8}{'success':>10}")
+        for name, s in sorted(used.items(), key=lambda kv: -kv[1]["count"]):
+            print(f"{name:<20}{s['count']:>8}{s['success']:>8}{s['failure']:>8}{s['success_rate']:>10.1%}")
+    r = stats["reasoning"]
+    if r["coverage"] is not None:
+        print(
+            f"Reasoning coverage: {r['coverage']:.1%} of {r['turns_with_reasoning'] + r['turns_without_reasoning']} assistant turns"
+        )
+    print(f"Discarded (all runs): {stats['discarded']['total']} {stats['discarded']['by_reason'] or ''}")
+    d = stats["dropped_at_merge"]
+    if any(d.values()):
+        print(f"Dropped at merge: {d}")
+    if stats["remaining_for_resume"]:
+        print(
+            f"{stats['remaining_for_resume']} prompt(s) remain; continue with:\n  {recorder.redact(resume_command())}"
+        )
+    print("=" * 72)
+
+
+def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float) -> int:
+    if interrupted:
+        return 130
+    tr = stats["this_run"]
+    failed = sum(tr["failed"].values())
+    if tr["attempted"] and failed / tr["attempted"] > max_failure_rate:
+        print(
+            f"error: {failed} of {tr['attempted']} prompts failed (more than --max_failure_rate={max_failure_rate})",
+            file=sys.stderr,
+        )
+        return 3
+    return 0
+
+
+def _count_field(path: Path, field: str) -> dict[str, int]:
+    counts: collections.Counter[str] = collections.Counter()
+    if path.exists():
+        for rec in iter_jsonl(path):
+            if isinstance(rec, dict) and isinstance(rec.get(field), str):
+                counts[rec[field]] += 1
+    return dict(counts)

@@ -1,0 +1,81 @@
+"""Preflight, before any token is spent: the endpoint answers, the backend works, every image is there.
+
+What cannot work stops the run here (exit 2, one clear message). A missing image fails only its
+own prompts, without a model call. The backend's own steps live on its class (see
+``batchrun.prompt.sandboxes.base.Sandbox``): nothing here names a backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from batchrun.config import UsageError
+from batchrun.prompt.llm import NO_KEY, LLMConfig
+from batchrun.prompt.sandboxes import backend_class
+from batchrun.prompt.sandboxes.base import SetupError
+from batchrun.protocol import PromptJob
+
+
+def check_endpoint(cfg: LLMConfig) -> None:
+    """One cheap request: an unreachable endpoint or a rejected key is a clear error, once."""
+    import openai
+
+    client = openai.OpenAI(base_url=cfg.base_url, api_key=cfg.api_key or NO_KEY, max_retries=1, timeout=15)
+    try:
+        client.models.list()
+    except openai.AuthenticationError as exc:
+        raise UsageError(
+            f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.status_code})"
+        ) from None
+    except openai.APIConnectionError as exc:
+        raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {exc}") from None
+    except Exception:
+        pass  # some servers have no /models; the first real request will tell
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """What preflight hands the dispatch: the jobs (some marked to fail), the isolation, the workers' options."""
+
+    batches: list[list[PromptJob]]
+    isolation: str
+    sandbox_options: dict[str, Any]
+
+
+def preflight_sandboxes(
+    batches: list[list[PromptJob]],
+    backend: str,
+    options: dict[str, Any],
+    *,
+    run_name: str,
+    real_model: bool,
+    workers_here: bool,
+) -> Ready:
+    """The backend's preflight and run preparation; prompts whose image is missing fail without a model call."""
+    cls = backend_class(backend)
+    try:
+        found = cls.preflight([j.image for b in batches for j in b], options, real_model=real_model)
+        if batches:
+            options = cls.prepare_run(run_name, options, workers_here=workers_here)
+    except SetupError as exc:
+        raise UsageError(str(exc)) from None
+    if found.unavailable:
+        default = options.get("default_image")
+        batches = [
+            [
+                dataclasses.replace(
+                    j, fail_reason=f"image {image!r} not available: {found.unavailable[image]}"
+                )
+                if (image := j.image or default) in found.unavailable
+                else j
+                for j in batch
+            ]
+            for batch in batches
+        ]
+        n = sum(1 for b in batches for j in b if j.fail_reason)
+        print(
+            f"warning: {n} prompt(s) will fail without a model call because their image is missing; "
+            "--resume runs them once it exists"
+        )
+    return Ready(batches=batches, isolation=found.isolation, sandbox_options=options)

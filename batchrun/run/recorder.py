@@ -1,0 +1,232 @@
+"""The single writer: every outcome is appended the moment it arrives; state files are replaced whole.
+
+:class:`Recorder` owns the run directory while the run works in it (an exclusive lock), the
+counters of this run, and every write: ``batch_N.jsonl`` (trajectories), ``discarded.jsonl``,
+``failed.jsonl``, ``checkpoint.json``, ``status.json`` and ``run_manifest.json``. Appends are
+flushed and fsync'd; state files are written to a temp file and renamed. Every line goes through
+the redactor first.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from batchrun.config import UsageError
+from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome
+from batchrun.secrets import Redactor
+from batchrun.storage import append_jsonl, batch_files, iter_jsonl, write_json_atomic
+
+LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
+STATUS_EVERY_S = 2.0  # status.json refresh period during a run
+
+
+def _now() -> str:
+    return dt.datetime.now().isoformat(timespec="seconds")
+
+
+class Recorder:
+    """Writes a run's files and keeps its counters; the only code that writes under the run directory."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        run_name: str,
+        redact: Redactor,
+        *,
+        verbose: bool = False,
+        budget_usd: float | None = None,
+        budget_tokens: int | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self.run_name = run_name
+        self.redact = redact
+        self.verbose = verbose
+        self.budget_usd, self.budget_tokens = budget_usd, budget_tokens
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.discards: collections.Counter[str] = collections.Counter()
+        self.spend: collections.Counter[str] = collections.Counter()  # this run's usage, all outcomes
+        self.budget_hit = False
+        self.total = 0  # prompts handed to the workers in this run
+        self.started = time.monotonic()
+        self.started_at = _now()
+        self.last_event_at: str | None = None
+        self.done_indices: set[int] | None = None
+        self.echo: Callable[[str], None] = lambda line: print(
+            line, file=sys.stderr
+        )  # the progress bar's, in a run
+        self._status_written = 0.0
+        self._lock_file: Any = None
+
+    # -- the run directory
+
+    def lock(self) -> None:
+        """One runner per run directory: a second one would write the same prompts twice."""
+        import fcntl
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = (self.run_dir / LOCK_NAME).open("a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            owner = self._lock_file.read().strip() or "another process"
+            raise UsageError(
+                f"{self.run_dir} is in use by a running batch_runner ({owner}); wait for it or stop it"
+            ) from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._lock_file.flush()  # the lock itself dies with the process: nothing to clean up after a crash
+
+    def unlock(self) -> None:
+        lock, self._lock_file = self._lock_file, None
+        if lock is not None:
+            lock.close()  # closing the descriptor releases the flock
+
+    def holds_other_files(self) -> bool:
+        return any(p.name != LOCK_NAME for p in self.run_dir.iterdir())
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        write_json_atomic(self.run_dir / "run_manifest.json", manifest, self.redact)
+
+    # -- outcomes
+
+    def record(self, outcome: Outcome) -> None:
+        """Write one outcome durably: trajectories to their batch file, discards and failures aside."""
+        kind = outcome.kind
+        self.counts[kind] += 1
+        self.last_event_at = _now()
+        for key, value in outcome.usage.items():  # Usage.as_dict(): every number is summed, not the providers
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.spend[key] += value
+        self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
+        if kind == TRAJECTORY:
+            rec = outcome.record or {}
+            self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
+            append_jsonl(self.run_dir / f"batch_{outcome.batch_num}.jsonl", rec, self.redact)
+            if self.done_indices is not None:
+                self.done_indices.add(rec["prompt_index"])
+        elif kind == DISCARDED:
+            self.discards[outcome.reason or "unknown"] += 1
+            row = {
+                "prompt": outcome.prompt,
+                "prompt_index": outcome.prompt_index,
+                "batch_num": outcome.batch_num,
+                "reason": outcome.reason,
+                "timestamp": _now(),
+                "record": outcome.record,
+            }
+            append_jsonl(self.run_dir / "discarded.jsonl", row, self.redact)
+        else:
+            self.failures[outcome.error_class or "unknown"] += 1
+            row = {
+                "prompt": outcome.prompt,
+                "prompt_index": outcome.prompt_index,
+                "batch_num": outcome.batch_num,
+                "error_class": outcome.error_class,
+                "error": outcome.error,
+                "timestamp": _now(),
+                "usage": outcome.usage,
+            }
+            append_jsonl(self.run_dir / "failed.jsonl", row, self.redact)
+            if self.verbose:
+                self.echo(
+                    self.redact(f"[{outcome.prompt_index}] failed: {outcome.error_class}: {outcome.error}")
+                )
+
+    def budget_reached(self) -> bool:
+        """Whether this run has spent its --budget_usd or --budget_tokens (checked after each outcome)."""
+        return (self.budget_usd is not None and self.spend["cost_usd"] >= self.budget_usd) or (
+            self.budget_tokens is not None and self.spend["total_tokens"] >= self.budget_tokens
+        )
+
+    @property
+    def settled(self) -> int:
+        return (
+            self.counts[TRAJECTORY]
+            + self.counts[FAILED]
+            + self.counts[DISCARDED]
+            + self.counts["skipped_budget"]
+        )
+
+    def progress_text(self) -> str:
+        minutes = max((time.monotonic() - self.started) / 60, 1e-6)
+        text = (
+            f"done={self.counts[TRAJECTORY]} failed={self.counts[FAILED]} discarded={self.counts[DISCARDED]} "
+            f"tools={self.counts['tool_calls']} tok/min={self.spend['total_tokens'] / minutes:,.0f}"
+        )
+        if self.spend["cost_usd"]:
+            text += f" spent=${self.spend['cost_usd']:.4f}"
+        return text
+
+    # -- state files
+
+    def write_checkpoint(self) -> None:
+        """Resume state after each batch. Informational: --resume trusts the batch files' content."""
+        if self.done_indices is None:
+            self.done_indices = set()
+            for _, path in batch_files(self.run_dir):
+                self.done_indices.update(
+                    rec["prompt_index"]
+                    for rec in iter_jsonl(path)
+                    if isinstance(rec, dict) and isinstance(rec.get("prompt_index"), int)
+                )
+        state = {
+            "run_name": self.run_name,
+            "completed_prompts": sorted(self.done_indices),
+            "batches": [n for n, _ in batch_files(self.run_dir)],
+            "last_updated": _now(),
+        }
+        write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
+
+    def write_status(self, state: str, force: bool = False) -> None:
+        """status.json for a second terminal (python -m batchrun.views.status data/<run>), every few seconds."""
+        now = time.monotonic()
+        if not force and now - self._status_written < STATUS_EVERY_S:
+            return
+        self._status_written = now
+        elapsed = now - self.started
+        settled = self.settled
+        rate = settled / elapsed * 60 if elapsed > 0 else 0.0
+        left = self.total - settled
+        status = {
+            "run_name": self.run_name,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": self.started_at,
+            "updated_at": _now(),
+            "state": state,
+            "total": self.total,
+            "done": self.counts[TRAJECTORY],
+            "failed": self.counts[FAILED],
+            "discarded": self.counts[DISCARDED],
+            "skipped_budget": self.counts["skipped_budget"],
+            "in_flight": max(0, left) if state == "running" else 0,
+            "api_calls": self.spend["requests"],
+            "tool_calls": self.counts["tool_calls"],
+            "prompt_tokens": self.spend["prompt_tokens"],
+            "completion_tokens": self.spend["completion_tokens"],
+            "cost_usd": round(self.spend["cost_usd"], 6),
+            "tokens_per_min": round(self.spend["total_tokens"] / elapsed * 60, 1) if elapsed > 0 else 0.0,
+            "rate_per_min": round(rate, 2),
+            "eta_s": round(left / rate * 60, 1) if rate > 0 and left > 0 else None,
+            "rate_limit_pauses": self.counts["rate_limit_pauses"],
+            "budget": {
+                "usd": self.budget_usd,
+                "tokens": self.budget_tokens,
+                "spent_usd": round(self.spend["cost_usd"], 6),
+                "spent_tokens": self.spend["total_tokens"],
+                "reached": self.budget_hit,
+            },
+            "last_event_at": self.last_event_at,
+        }
+        write_json_atomic(self.run_dir / "status.json", status, self.redact)

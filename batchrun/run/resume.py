@@ -1,0 +1,138 @@
+"""--resume: which rows are finished (by their content, duplicates counted), and whether the settings still match.
+
+A row is finished when a batch file holds a trajectory of it, or (unless ``--rerun_discarded``)
+``discarded.jsonl`` holds a discard of it. Failures are not finished: they run again. The
+manifest (``run_manifest.json``) records the settings that define the data; a resume with other
+values would mix two datasets and is refused unless ``--force_resume``.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import hashlib
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from batchrun.config import RunConfig, UsageError
+from batchrun.prompt.trajectory import first_human
+from batchrun.run.dataset import Row, prompt_key
+from batchrun.secrets import Redactor
+from batchrun.storage import batch_files, iter_jsonl
+
+# Settings that define what the data is; a resume with other values would mix two datasets.
+MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
+
+
+def build_manifest(config: RunConfig) -> dict[str, Any]:
+    """The run's data-defining settings, as run_manifest.json records them."""
+    return {
+        "model": config.model,
+        "distribution": config.distribution,
+        "max_turns": config.max_turns,
+        "seed": config.seed,
+        "reasoning_effort": config.reasoning_effort,
+        "reasoning_disabled": config.reasoning_disabled,
+        "sandbox": config.backend,
+        "dataset_file": config.dataset_file,
+        "dataset_sha256": _file_sha256(config.dataset_file),
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+    }
+
+
+def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> dict[str, Any]:
+    """The manifest to keep for a resume: refused when data-defining settings changed, unless forced."""
+    changed = [k for k in MANIFEST_KEYS if old.get(k) != new.get(k)]
+    if changed:
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        if not force:
+            original = " ".join(_flag(k, old.get(k)) for k in changed)
+            raise UsageError(
+                f"--resume with settings that differ from the first run ({detail}) would mix two datasets; "
+                f"resume with the original settings ({original}), or add --force_resume to mix them deliberately"
+            )
+        print(f"warning: resuming with changed settings ({detail}), as forced", file=sys.stderr)
+    if old.get("dataset_sha256") != new.get("dataset_sha256"):
+        print(
+            "note: the dataset file changed since the first run; prompts are matched by their text",
+            file=sys.stderr,
+        )
+    return {**new, "created": old.get("created", new.get("created"))}
+
+
+def unfinished(rows: list[Row], done: collections.Counter[bytes], redact: Redactor) -> list[Row]:
+    """The rows left once each finished outcome has taken one row of its prompt (duplicates count).
+
+    A saved record's prompt had its secrets redacted, so a dataset prompt is keyed the same way.
+    """
+    done = collections.Counter(done)
+    left = []
+    for row in rows:
+        key = prompt_key(redact(row.prompt))
+        if done[key] > 0:
+            done[key] -= 1
+        else:
+            left.append(row)
+    return left
+
+
+def scan_finished(run_dir: Path, *, rerun_discarded: bool) -> collections.Counter[bytes]:
+    """Prompt key -> number of finished outcomes (trajectories, and discards unless re-run)."""
+    done: collections.Counter[bytes] = collections.Counter()
+    for _, path in batch_files(run_dir):
+        for rec in iter_jsonl(path):
+            text = first_human(rec.get("conversations", [])) if isinstance(rec, dict) else None
+            if text is not None:
+                done[prompt_key(text)] += 1
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded)
+    return done
+
+
+def add_discards(run_dir: Path, done: collections.Counter[bytes], *, rerun_discarded: bool) -> None:
+    """Discarded prompts count as finished unless --rerun_discarded (they cost money to redo)."""
+    discards = run_dir / "discarded.jsonl"
+    if discards.exists() and not rerun_discarded:
+        for rec in iter_jsonl(discards):
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                done[prompt_key(rec["prompt"])] += 1
+
+
+def resume_filter(rows: list[Row], run_dir: Path, redact: Redactor, *, rerun_discarded: bool) -> list[Row]:
+    """Keep the rows whose prompt has no finished outcome yet, counting duplicates by text."""
+    todo = unfinished(rows, scan_finished(run_dir, rerun_discarded=rerun_discarded), redact)
+    print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
+    return todo
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    """The command that continues this run; the API key is left out (it comes from the environment)."""
+    args, skip_next = [], False
+    for arg in sys.argv[1:] if argv is None else argv:
+        if skip_next:
+            skip_next = False
+            continue
+        if arg in ("--api_key", "--api-key"):
+            skip_next = True  # "--api_key KEY" is two arguments
+            continue
+        if not arg.startswith(("--resume", "--api_key=", "--api-key=")):
+            args.append(shlex.quote(arg))
+    return " ".join(["python", "batch_runner.py", *args, "--resume"])
+
+
+def _flag(name: str, value: Any) -> str:
+    """A manifest setting as the command-line flag that reproduces it."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--{name}=False"
+    return f"--{name}={shlex.quote(str(value))}"
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

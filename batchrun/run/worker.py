@@ -1,0 +1,189 @@
+"""The worker process: many prompts at once on threads, each outcome sent to the parent the moment it ends.
+
+A pool (``multiprocessing`` forkserver, or Ray actors) calls :func:`init_worker` once per process
+and :func:`run_batch` per batch. This module imports only the package, so a worker on any machine
+can import it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from batchrun.prompt.limiter import Limiter
+from batchrun.prompt.llm import LLMClient
+from batchrun.prompt.run import RunSettings, run_prompt
+from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
+from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, known_tool_names
+from batchrun.protocol import (
+    Claim,
+    Log,
+    Pause,
+    PauseAll,
+    PromptJob,
+    Skipped,
+    StopDone,
+    StopQueued,
+    StopStarting,
+)
+from batchrun.run.inbox import connect_to_inbox
+from batchrun.storage import pid_alive
+
+# Imported once in the forkserver, so each forked worker starts with them: the SDK, the prompt
+# code, the tools, and what the SDK's first client imports lazily.
+FORKSERVER_PRELOAD = ["openai", "batchrun.run.worker", "httpcore2", "h11", *BUILTIN_TOOL_MODULES]
+
+
+@dataclass
+class WorkerState:
+    """What one worker process holds for all its prompts (made once by :func:`init_worker`)."""
+
+    settings: RunSettings
+    conn: Any
+    send_lock: threading.Lock
+    sandbox_starts: threading.BoundedSemaphore
+    llm: LLMClient
+    stop: threading.Event
+    slots: threading.BoundedSemaphore
+    threads: ThreadPoolExecutor
+    stopper: BackgroundStopper
+
+
+_state: WorkerState | None = None  # this process's worker state; set by init_worker
+
+
+def start_forkserver() -> None:
+    """Start the worker pool's forkserver now, so that its imports run while the parent works.
+
+    The pool made later uses the same server. If nothing is dispatched, the server exits with this process.
+    """
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+    forkserver.ensure_running()
+
+
+def init_worker(
+    settings: RunSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
+) -> None:
+    """Once per worker process: client, registry and thread pool, so no prompt pays for them."""
+    global _state
+    address, authkey = inbox
+    remote = isinstance(address, tuple)  # a TCP inbox (Ray): the runner may be on another machine
+    _die_with_parent(None if remote else parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
+    known_tool_names()
+    conn = connect_to_inbox(address, authkey)
+    _state = WorkerState(
+        settings=settings,
+        conn=conn,
+        send_lock=threading.Lock(),
+        sandbox_starts=threading.BoundedSemaphore(start_slots),
+        llm=LLMClient(
+            settings.llm,
+            Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
+        ),
+        stop=threading.Event(),
+        slots=threading.BoundedSemaphore(slots),
+        threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
+        # Sandbox stops after the prompt reported (not local: it stops in a few ms on the prompt's thread).
+        # The parent counts queued and finished stops and ends the workers only once all are done.
+        stopper=BackgroundStopper(
+            threads=start_slots,
+            max_pending=slots,
+            on_queued=lambda: send(StopQueued()),
+            on_done=lambda: send(StopDone()),
+        ),
+    )
+    threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
+
+
+def run_batch(jobs: list[PromptJob]) -> int:
+    """Claim a batch and start its prompts as slots free up; returns once all are started."""
+    state = _worker()
+    send(Claim(jobs[0].batch_num))
+    for job in jobs:
+        state.slots.acquire()
+        state.threads.submit(_run_one, job)
+    return len(jobs)
+
+
+def send(message: Any) -> None:
+    state = _worker()
+    with state.send_lock:
+        state.conn.send(message)
+
+
+def _worker() -> WorkerState:
+    if _state is None:
+        raise RuntimeError("init_worker has not run in this process")
+    return _state
+
+
+def _run_one(job: PromptJob) -> None:
+    state = _worker()
+    try:
+        if state.stop.is_set():  # the budget is spent: leave this prompt for a later --resume
+            send(Skipped(job.batch_num, job.prompt_index))
+            return
+        log = (
+            (lambda entry: send(Log(prompt_index=job.prompt_index, **entry)))
+            if state.settings.verbose
+            else None
+        )
+        outcome = run_prompt(
+            job,
+            state.settings,
+            state.llm,
+            sandbox_starts=state.sandbox_starts,
+            stop_in_background=state.stopper.submit,
+            log=log,
+        )
+        send(outcome)
+    finally:
+        state.slots.release()
+
+
+def _listen_to_parent() -> None:
+    """Messages from the parent: a run-wide pause (429 elsewhere), or stop starting prompts (budget)."""
+    state = _worker()
+    while True:
+        try:
+            message = state.conn.recv()
+        except (EOFError, OSError):
+            os._exit(1)  # the parent is gone: nobody would write our results
+        if isinstance(message, PauseAll):
+            state.llm.limiter.pause_until(message.until)
+        elif isinstance(message, StopStarting):
+            state.stop.set()
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """End this worker as soon as the runner dies, so no orphan keeps running prompts or spending.
+
+    The kernel signal covers our direct parent (the forkserver, which exits with the runner);
+    the watchdog thread covers the runner itself. ``None``: a worker that may run on another
+    machine (Ray), where the runner's pid means nothing; it ends when its inbox connection
+    closes or breaks (``_listen_to_parent``, with TCP keepalive for a machine that vanishes).
+    """
+    if parent_pid is None:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watchdog() -> None:
+        while pid_alive(parent_pid):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()

@@ -1,0 +1,163 @@
+"""The spend and rate flags end to end: ``batch_runner.main(...)`` in-process against the scripted fake
+model. What is checked is what the provider would see (the fake server's counters: requests in flight,
+request times, requests per prompt) and what the user reads back (records, statistics.json, status.json).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+from helpers import read_jsonl, write_jsonl
+
+import batch_runner
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.trajectory import first_human
+
+COST_PER_TOKEN = 1e-6  # the fake reports usage.cost = total_tokens * this
+
+
+def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:
+    """One in-process run; raises SystemExit on a non-zero exit like the CLI does."""
+    args = dict(
+        dataset_file=str(dataset),
+        batch_size=4,
+        run_name=run_name,
+        model="fake-model",
+        base_url=server.base_url,
+        api_key="sk-local-test",
+        output_dir=str(out),
+        num_workers=2,
+        distribution="terminal_only",
+        max_failure_rate=1.0,
+    )
+    args.update(kw)
+    assert batch_runner.main(**args) is None
+
+
+def by_prompt(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = collections.defaultdict(list)
+    for rec in records:
+        out[first_human(rec["conversations"])].append(rec)
+    return out
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text("utf-8"))
+
+
+@pytest.fixture
+def server():
+    with FakeModelServer(latency_s=0) as srv:
+        yield srv
+
+
+@pytest.fixture
+def priced_server():
+    """Answers carry usage.cost, as OpenRouter's do."""
+    with FakeModelServer(latency_s=0, cost_per_token=COST_PER_TOKEN) as srv:
+        yield srv
+
+
+# ----------------------------------------------------------------------------- request rate and concurrency
+
+
+def test_max_concurrent_requests_bounds_requests_in_flight(server, tmp_path):
+    prompts = [f"Slow task {i} [slow:0.3] [calls:1]" for i in range(8)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    run(server, dataset, tmp_path / "data", num_workers=2, max_concurrent_requests=2)
+    stats = server.stats()
+    assert stats["max_in_flight"] <= 2  # without the flag: up to all 8 prompts at once
+    assert stats["requests"] == 8 * 2
+    records = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert sorted(first_human(r["conversations"]) for r in records) == sorted(prompts)
+    assert all(r["completed"] for r in records)
+
+
+def test_max_rpm_spaces_the_requests(server, tmp_path):
+    prompts = [f"Quick task {i} [calls:0]" for i in range(6)]  # one request each
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    run(server, dataset, tmp_path / "data", num_workers=1, max_rpm=120)  # 0.5 s apart
+    stats = server.stats()
+    assert stats["requests"] == 6
+    span = stats["last_response_at"] - stats["first_request_at"]
+    assert span >= (6 - 1) * 0.5 - 0.05  # unlimited, the fake answers all six in well under a second
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 6
+
+
+# ----------------------------------------------------------------------------- per-prompt caps
+
+LONG = "A long task [calls:12]"  # 13 model calls, ~22k tokens, ~$0.022 if left alone
+SHORT = ["A short task [calls:0]", "A usual task"]  # 1 and 3 calls, under 5k tokens each
+
+
+@pytest.mark.parametrize(
+    "flag, cap, spent",
+    [("max_prompt_tokens", 6000, "total_tokens"), ("max_prompt_usd", 0.006, "cost_usd")],
+)
+def test_per_prompt_cap_ends_a_long_prompt_as_partial(priced_server, tmp_path, flag, cap, spent):
+    dataset = write_jsonl(tmp_path / "d.jsonl", [LONG, *SHORT])
+    run(priced_server, dataset, tmp_path / "data", num_workers=1, max_turns=20, **{flag: cap})
+    records = by_prompt(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl"))
+    (long_rec,) = records[LONG]
+    assert long_rec["partial"] is True and long_rec["completed"] is False
+    assert long_rec["metadata"]["stop_reason"] == "prompt_budget"
+    usage = long_rec["metadata"]["usage"]
+    used = usage["prompt_tokens"] + usage["completion_tokens"] if spent == "total_tokens" else usage[spent]
+    assert used >= cap  # it stopped once the cap was reached ...
+    served = priced_server.stats()["requests_by_prompt"]
+    assert long_rec["api_calls"] == served[LONG] < 13  # ... not after the 13 calls it wanted
+    for prompt in SHORT:
+        (rec,) = records[prompt]
+        assert rec["completed"] is True and rec["metadata"]["stop_reason"] == "final_answer"
+
+
+# ----------------------------------------------------------------------------- run-wide budgets
+
+BUDGETED = [f"Budgeted task number {i} [slow:0.3] [calls:0]" for i in range(12)]  # ~1.4k tokens each
+
+
+@pytest.mark.parametrize(
+    "flag, budget, bigger, spent",
+    [("budget_tokens", 4000, 10**9, "total_tokens"), ("budget_usd", 0.004, 1000.0, "cost_usd")],
+)
+def test_budget_stops_starting_prompts_and_resume_runs_the_rest(
+    priced_server, tmp_path, flag, budget, bigger, spent
+):
+    dataset = write_jsonl(tmp_path / "d.jsonl", BUDGETED)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    # One prompt at a time: the budget is reached after about three prompts.
+    one_at_a_time = dict(num_workers=1, prompts_per_worker=1, batch_size=4)
+    run(priced_server, dataset, out, **one_at_a_time, **{flag: budget})
+
+    stats = read_json(run_dir / "statistics.json")
+    this_run = stats["this_run"]
+    assert 3 <= this_run["attempted"] < len(BUDGETED)
+    assert this_run["usage"][spent] >= budget
+    assert this_run["skipped_for_budget"] >= 1
+    assert this_run["attempted"] + this_run["skipped_for_budget"] == len(BUDGETED)
+    assert stats["remaining_for_resume"] == len(BUDGETED) - stats["trajectories"] > 0
+    status = read_json(run_dir / "status.json")
+    assert status["state"] == "finished"
+    assert status["budget"]["reached"] is True
+    assert status["budget"]["tokens" if flag == "budget_tokens" else "usd"] == budget
+    assert status["budget"]["spent_tokens" if flag == "budget_tokens" else "spent_usd"] >= budget
+    served_first = collections.Counter(priced_server.stats()["requests_by_prompt"])
+    assert len(served_first) < len(BUDGETED)  # the provider never saw the rest
+    first_trajectories = stats["trajectories"]
+
+    run(priced_server, dataset, out, resume=True, **one_at_a_time, **{flag: bigger})
+
+    stats = read_json(run_dir / "statistics.json")
+    assert stats["this_run"]["attempted"] == len(BUDGETED) - first_trajectories  # only the rest ran
+    assert stats["this_run"]["skipped_for_budget"] == 0
+    assert stats["remaining_for_resume"] == 0
+    assert read_json(run_dir / "status.json")["budget"]["reached"] is False
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["prompt_index"] for r in records) == list(range(len(BUDGETED)))  # each row once
+    assert collections.Counter(first_human(r["conversations"]) for r in records) == collections.Counter(
+        BUDGETED
+    )
