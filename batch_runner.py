@@ -45,8 +45,17 @@ from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
 from batchrun.prompt.sandboxes import BACKENDS, SandboxSpec, create_sandbox
 from batchrun.prompt.sandboxes.local import safe_run_name
 from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, available_toolsets, known_tool_names
-from batchrun.prompt.trajectory import first_human, reasoning_counts, used_tool_names
+from batchrun.prompt.trajectory import (
+    outcome_row_key,
+    reasoning_counts,
+    record_row_key,
+    row_key,
+    used_tool_names,
+    valid_outcome_row,
+    valid_record,
+)
 from batchrun.storage import (
+    WriteError,
     append_jsonl,
     batch_files,
     fsync_dir,
@@ -54,6 +63,7 @@ from batchrun.storage import (
     iter_jsonl_raw,
     pid_alive,
     write_json_atomic,
+    write_text_in_place,
 )
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -66,7 +76,20 @@ LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
 STATUS_EVERY_S = 2.0  # status.json refresh period during a run
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
-MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
+MANIFEST_KEYS = (
+    "model",
+    "distribution",
+    "max_turns",
+    "seed",
+    "reasoning_effort",
+    "reasoning_disabled",
+    "sandbox",
+    "keep_no_reasoning",
+    "ephemeral_system_prompt_sha256",  # hashes, never the text: both are secrets (see Redactor)
+    "prefill_sha256",
+)
+EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-only): the run stopped
+MIN_SECRET_CHARS = 8  # shorter values (a prefill "ok") would redact ordinary words everywhere
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
 
 
@@ -153,15 +176,25 @@ def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tup
 
 
 class Redactor:
-    """Replaces secret values (the API key, secret-looking environment variables) before any write."""
+    """Replaces secret values before any write: the API key, secret-looking environment variables,
+    and ``secrets`` (the ephemeral system prompt and the prefill contents, which an endpoint may
+    quote back in an error message)."""
 
-    def __init__(self, api_key: str | None, environ: dict[str, str] | None = None):
+    def __init__(
+        self, api_key: str | None, environ: dict[str, str] | None = None, secrets: tuple[str, ...] = ()
+    ):
         env = os.environ if environ is None else environ
-        values = {v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8}
+        values = {v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET_CHARS}
         if api_key and api_key != NO_KEY and len(api_key) >= 6:  # "x" for a local server is no secret
             values.add(api_key)
-        # Also their JSON-escaped forms, since lines are redacted after serialisation.
-        forms = values | {json.dumps(v)[1:-1] for v in values}
+        values |= {v for v in secrets if isinstance(v, str) and len(v.strip()) >= MIN_SECRET_CHARS}
+        # Also their JSON-escaped forms (lines are redacted after serialisation), ASCII-escaped or not,
+        # and escaped twice: an endpoint's error that quotes the request body is JSON inside a string.
+        forms = set(values)
+        for v in values:
+            for ascii_only in (True, False):
+                once = json.dumps(v, ensure_ascii=ascii_only)[1:-1]
+                forms |= {once, json.dumps(once, ensure_ascii=ascii_only)[1:-1]}
         self._pattern = (
             re.compile("|".join(re.escape(v) for v in sorted(forms, key=len, reverse=True)))
             if forms
@@ -170,11 +203,6 @@ class Redactor:
 
     def __call__(self, text: str) -> str:
         return self._pattern.sub("[REDACTED]", text) if self._pattern else text
-
-
-def _key(text: str) -> bytes:
-    """A prompt's identity for resume and de-duplication: a digest, so memory does not grow with prompt size."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 # ----------------------------------------------------------------------------- worker processes
@@ -211,15 +239,20 @@ def _worker_init(
     conn = Client(address, authkey=authkey)
     if remote:
         _tcp_keepalive(conn.fileno())  # a runner machine that vanishes breaks the connection too
+    stop = threading.Event()  # set when the run's budget is spent: no new prompt, no further model call
     _WORKER.update(
         settings=settings,
         conn=conn,
         send_lock=threading.Lock(),
         sandbox_starts=threading.BoundedSemaphore(start_slots),
         llm=LLMClient(
-            settings.llm, Limiter(settings.rpm_per_worker, settings.requests_per_worker, _report_pause)
+            settings.llm,
+            Limiter(settings.rpm_per_worker, settings.requests_per_worker, _report_pause),
+            stop=stop,
+            on_usage=_report_spend,
         ),
-        stop=threading.Event(),
+        stop=stop,
+        current=threading.local(),  # the job a prompt thread runs, for _report_spend
         slots=threading.BoundedSemaphore(slots),
         threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
         # Sandbox stops after the prompt reported (not local: it stops in a few ms on the prompt's thread).
@@ -250,6 +283,28 @@ def _listen_to_parent() -> None:
 
 def _report_pause(until: float) -> None:
     _send({"kind": "pause", "until": until})
+
+
+def _report_spend(usage: dict[str, Any]) -> None:
+    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them."""
+    job = getattr(_WORKER["current"], "job", None)
+    if job is None:
+        return
+    cost = usage.get("cost")
+    _send(
+        {
+            "kind": "spend",
+            "batch_num": job.batch_num,
+            "prompt_index": job.prompt_index,
+            "prompt_tokens": _count_of(usage.get("prompt_tokens")),
+            "completion_tokens": _count_of(usage.get("completion_tokens")),
+            "cost_usd": float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0,
+        }
+    )
+
+
+def _count_of(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _send(event: dict[str, Any]) -> None:
@@ -306,6 +361,7 @@ def _worker_run_batch(jobs: list[PromptJob]) -> int:
 
 
 def _worker_run_one(job: PromptJob) -> None:
+    _WORKER["current"].job = job
     try:
         if _WORKER["stop"].is_set():  # the budget is spent: leave this prompt for a later --resume
             _send({"kind": "skipped", "batch_num": job.batch_num, "prompt_index": job.prompt_index})
@@ -325,6 +381,7 @@ def _worker_run_one(job: PromptJob) -> None:
         )
         _send(outcome)
     finally:
+        _WORKER["current"].job = None
         _WORKER["slots"].release()
 
 
@@ -334,9 +391,8 @@ class MergeTotals:
     def __init__(self, tool_names: list[str]):
         self.tool_stats = {n: {"count": 0, "success": 0, "failure": 0} for n in tool_names}
         self.dropped: collections.Counter[str] = collections.Counter()
-        self.finished: collections.Counter[bytes] = (
-            collections.Counter()
-        )  # prompt key -> records in batch files
+        # row identity -> records in batch files
+        self.finished: collections.Counter[str] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
@@ -475,8 +531,37 @@ class Inbox:
         self._listener.close()
 
 
+_TERM_PENDING = threading.Event()  # a SIGTERM whose KeyboardInterrupt no handler has taken yet
+
+
 def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM ends the run like Ctrl-C.
+
+    Python drops an exception raised where it cannot propagate (a weakref callback during an import,
+    a ``__del__``); until one of the run's handlers has taken it (``_interrupt_handled``), the signal
+    is sent again."""
+    if not _TERM_PENDING.is_set():
+        _TERM_PENDING.set()
+        threading.Thread(target=_resend_until_handled, name="sigterm-resend", daemon=True).start()
     raise KeyboardInterrupt
+
+
+def _resend_until_handled() -> None:
+    while True:
+        time.sleep(0.5)
+        if not _TERM_PENDING.is_set():
+            return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _interrupt_handled() -> None:
+    _TERM_PENDING.clear()
+
+
+def _quiet_unraisable(unraisable: Any) -> None:
+    """A dropped KeyboardInterrupt is no error to print: the signal is sent again (see _interrupt)."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -530,6 +615,9 @@ class BatchRunner:
         self.done_indices: set[int] | None = None
         self.local_sandbox_dir: str | None = None  # this run's local sandboxes (see make_local_sandbox_dir)
         self.spend: collections.Counter[str] = collections.Counter()  # this run's usage, all outcomes
+        # Tokens and cost of prompts still in flight, reported call by call (batch_num, prompt_index) -> usage:
+        # the budget sees spend as it happens; the outcome's usage then adds only the rest.
+        self.live_spend: dict[tuple[int, int], collections.Counter[str]] = {}
         self.budget_hit = False
         self.in_flight_total = 0
         self.status_written = 0.0
@@ -547,6 +635,16 @@ class BatchRunner:
             self.unlock_run_dir()
 
     def run_locked(self) -> int:
+        try:
+            return self.run_steps()
+        except WriteError as exc:
+            return self.stop_cannot_write(exc)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM outside the dispatch (load, preflight, merge)
+            _interrupt_handled()
+            self.mark_interrupted()
+            raise
+
+    def run_steps(self) -> int:
         rows, problems = load_dataset(self.opts.dataset_file, self.opts.max_samples)
         self.report_bad_lines(problems)
         self.prepare_run_dir()
@@ -562,6 +660,7 @@ class BatchRunner:
             try:
                 self.dispatch(jobs)
             except KeyboardInterrupt:
+                _interrupt_handled()
                 interrupted = True
                 print(
                     "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
@@ -574,6 +673,28 @@ class BatchRunner:
         self.print_summary(stats, interrupted)
         return self.exit_code(stats, interrupted)
 
+    def stop_cannot_write(self, exc: WriteError) -> int:
+        """An output file cannot be written (disk full, read-only): the workers are ended already
+        (dispatch's ``finally``); say why in one line and leave status.json saying so when possible."""
+        print(
+            f"error: {exc}; the run stopped. What was recorded before is intact: "
+            "free space (or make the directory writable) and continue with --resume",
+            file=sys.stderr,
+        )
+        try:
+            self.write_status("failed", force=True, error=str(exc))
+        except WriteError as status_exc:
+            print(f"error: status.json could not say so either: {status_exc}", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
+
+    def mark_interrupted(self) -> None:
+        if self._lock_file is None:  # the run directory is not ours (yet): write nothing there
+            return
+        try:
+            self.write_status("interrupted", force=True)
+        except WriteError as exc:
+            print(f"warning: {exc}", file=sys.stderr)
+
     def report_bad_lines(self, problems: list[str]) -> None:
         for msg in problems[:20]:
             print(f"warning: skipped {msg}", file=sys.stderr)
@@ -584,7 +705,8 @@ class BatchRunner:
     def prepare_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock_run_dir()
-        existing = any(p.name != LOCK_NAME for p in self.run_dir.iterdir())
+        # status.json alone is left by a run interrupted before it started: no data to protect.
+        existing = any(p.name not in (LOCK_NAME, "status.json") for p in self.run_dir.iterdir())
         if existing and not self.opts.resume:
             raise UsageError(
                 f"{self.run_dir} already holds a run; add --resume to continue it, or choose another --run_name"
@@ -620,7 +742,10 @@ class BatchRunner:
         write_json_atomic(self.run_dir / "run_manifest.json", self.manifest, self.redact)
 
     def check_manifest(self, old: dict[str, Any]) -> None:
-        changed = [k for k in MANIFEST_KEYS if old.get(k) != self.manifest.get(k)]
+        # A key that a manifest of an older version lacks cannot be compared: it is recorded from now on.
+        compared = [k for k in MANIFEST_KEYS if k in old]
+        changed = [k for k in compared if old.get(k) != self.manifest.get(k)]
+        history = old.get("history") if isinstance(old.get("history"), list) else []
         if changed:
             detail = ", ".join(f"{k}: {old.get(k)!r} -> {self.manifest.get(k)!r}" for k in changed)
             if not self.opts.force_resume:
@@ -630,6 +755,16 @@ class BatchRunner:
                     f"resume with the original settings ({original}), or add --force_resume to mix them deliberately"
                 )
             print(f"warning: resuming with changed settings ({detail}), as forced", file=sys.stderr)
+            # The data now holds both settings: keep the earlier ones, with when they were replaced.
+            history = [
+                *history,
+                {
+                    "replaced_at": dt.datetime.now().isoformat(timespec="seconds"),
+                    "settings": {k: old.get(k) for k in MANIFEST_KEYS if k in old},
+                },
+            ]
+        if history:
+            self.manifest["history"] = history
         if old.get("dataset_sha256") != self.manifest.get("dataset_sha256"):
             print(
                 "note: the dataset file changed since the first run; prompts are matched by their text",
@@ -638,45 +773,50 @@ class BatchRunner:
         self.manifest["created"] = old.get("created", self.manifest.get("created"))
 
     def resume_filter(self, rows: list[Row]) -> list[Row]:
-        """Keep the rows whose prompt has no finished outcome yet, counting duplicates by text."""
+        """Keep the rows with no finished outcome yet, counting duplicates per identity (see row_key)."""
         todo = self.unfinished(rows, self.scan_finished())
         print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
         return todo
 
-    def unfinished(self, rows: list[Row], done: collections.Counter[bytes]) -> list[Row]:
-        """The rows left once each finished outcome has taken one row of its prompt (duplicates count)."""
+    def unfinished(self, rows: list[Row], done: collections.Counter[str]) -> list[Row]:
+        """The rows left once each finished outcome has taken one row of its identity (duplicates count)."""
         done = collections.Counter(done)
         left = []
         for row in rows:
-            key = self.prompt_key(row.prompt)
+            key = self.row_key(row)
             if done[key] > 0:
                 done[key] -= 1
             else:
                 left.append(row)
         return left
 
-    def prompt_key(self, prompt: str) -> bytes:
-        """A dataset prompt's key as it appears in saved records (secrets in it were redacted there)."""
-        return _key(self.redact(prompt))
+    def row_key(self, row: Row | PromptJob) -> str:
+        return self.identity_key(row.prompt, row.image, row.cwd)
 
-    def scan_finished(self) -> collections.Counter[bytes]:
-        """Prompt key → number of finished outcomes (trajectories, and discards unless re-run)."""
-        done: collections.Counter[bytes] = collections.Counter()
+    def identity_key(self, prompt: str, image: str | None, cwd: str | None) -> str:
+        """A dataset row's identity as saved records give it back (secrets in it were redacted there)."""
+        image = None if image is None else self.redact(image)
+        cwd = None if cwd is None else self.redact(cwd)
+        return row_key(self.redact(prompt), image, cwd)
+
+    def scan_finished(self) -> collections.Counter[str]:
+        """Row identity → number of finished outcomes (trajectories, and discards unless re-run).
+        Lines of the wrong shape are skipped, as torn lines are."""
+        done: collections.Counter[str] = collections.Counter()
         for _, path in batch_files(self.run_dir):
             for rec in iter_jsonl(path):
-                text = first_human(rec.get("conversations", [])) if rec else None
-                if text is not None:
-                    done[_key(text)] += 1
+                if valid_record(rec):
+                    done[record_row_key(rec)] += 1
         self.add_discards(done)
         return done
 
-    def add_discards(self, done: collections.Counter[bytes]) -> None:
+    def add_discards(self, done: collections.Counter[str]) -> None:
         """Discarded prompts count as finished unless --rerun_discarded (they cost money to redo)."""
         discards = self.run_dir / "discarded.jsonl"
         if discards.exists() and not self.opts.rerun_discarded:
             for rec in iter_jsonl(discards):
-                if rec and isinstance(rec.get("prompt"), str):
-                    done[_key(rec["prompt"])] += 1
+                if valid_outcome_row(rec, "reason"):
+                    done[outcome_row_key(rec)] += 1
 
     def make_jobs(self, rows: list[Row]) -> list[list[PromptJob]]:
         """Sample toolsets (reproducibly per prompt) and cut the rows into new batches."""
@@ -921,6 +1061,9 @@ class BatchRunner:
                     claims[ev["pid"]].add(ev["batch_num"])
                 elif ev["kind"] in ("stop_queued", "stopped"):
                     self.count_stop(ev, stops)
+                elif ev["kind"] == "spend":
+                    self.add_live_spend(ev)
+                    self.check_budget(inbox)
                 elif ev["kind"] == "pause":  # one worker was told to slow down: the whole run does
                     self.counts["rate_limit_pauses"] += 1
                     inbox.broadcast({"kind": "pause", "until": ev["until"]})
@@ -1054,8 +1197,18 @@ class BatchRunner:
             text += f" spent=${self.spend['cost_usd']:.4f}"
         return text
 
+    def add_live_spend(self, ev: dict[str, Any]) -> None:
+        """One model call's tokens and cost, reported while its prompt is still running."""
+        live = self.live_spend.setdefault((ev["batch_num"], ev["prompt_index"]), collections.Counter())
+        for key in ("prompt_tokens", "completion_tokens", "cost_usd"):
+            live[key] += ev[key]
+            self.spend[key] += ev[key]
+        self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
+
     def check_budget(self, inbox: Inbox) -> None:
-        """Once the run's budget is spent, start no new prompt; those in flight finish. Resume later."""
+        """Once the run's budget is spent: no new prompt starts, and prompts in flight stop at their next
+        model call (failed, class ``budget``; --resume runs them). The overshoot is then at most the calls
+        already under way, one per prompt in flight."""
         if self.budget_hit:
             return
         o = self.opts
@@ -1067,11 +1220,12 @@ class BatchRunner:
             inbox.broadcast({"kind": "stop"})
             self.pbar.write(
                 f"Budget reached (${self.spend['cost_usd']:.4f}, {self.spend['total_tokens']:,} tokens): "
-                "no new prompts start; the ones in flight finish. Continue later with --resume.",
+                "no new prompt starts and prompts in flight stop at their next model call. "
+                "Continue later with --resume (and a larger budget).",
                 file=sys.stderr,
             )
 
-    def write_status(self, state: str, force: bool = False) -> None:
+    def write_status(self, state: str, force: bool = False, error: str | None = None) -> None:
         """status.json for a second terminal (python -m batchrun.views.status data/<run>), every few seconds."""
         now = time.monotonic()
         if not force and now - self.status_written < STATUS_EVERY_S:
@@ -1116,8 +1270,17 @@ class BatchRunner:
                 "reached": self.budget_hit,
             },
             "last_event_at": self.last_event_at,
+            "error": self.redact(error) if error else None,  # why a run in state "failed" stopped
         }
-        write_json_atomic(self.run_dir / "status.json", status, self.redact)
+        try:
+            write_json_atomic(self.run_dir / "status.json", status, self.redact)
+        except WriteError:
+            if state != "failed":
+                raise
+            # A full disk has no room for the temp file; overwriting in place reuses the old file's blocks.
+            write_text_in_place(
+                self.run_dir / "status.json", self.redact(json.dumps(status, indent=2, ensure_ascii=False))
+            )
 
     def format_log(self, ev: dict[str, Any]) -> str:
         """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""
@@ -1135,11 +1298,21 @@ class BatchRunner:
         self.counts[kind] += 1
         self.last_event_at = dt.datetime.now().isoformat(timespec="seconds")
         usage = ev.get("usage") or {}
+        live = self.live_spend.pop((ev["batch_num"], ev["prompt_index"]), collections.Counter())
         for key, value in usage.items():  # Usage.as_dict(): every number is summed, the provider list is not
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.spend[key] += value
+                self.spend[key] += value - live.get(key, 0)  # what add_live_spend has not counted yet
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
         stamp = dt.datetime.now().isoformat(timespec="seconds")
+        # The row's identity travels with every outcome, so resume and merge can tell apart rows with
+        # the same text and another image or cwd. Always present, null when the row has none.
+        identity = {
+            "image": ev.get("image"),
+            "cwd": ev.get("cwd"),
+            "row_key": self.identity_key(ev["prompt"], ev.get("image"), ev.get("cwd")),
+        }
+        if isinstance(ev.get("record"), dict) and isinstance(ev["record"].get("metadata"), dict):
+            ev["record"]["metadata"].update(identity)
         if kind == TRAJECTORY:
             rec = ev["record"]
             self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
@@ -1150,6 +1323,7 @@ class BatchRunner:
             self.discards[ev["reason"]] += 1
             row = {
                 "prompt": ev["prompt"],
+                **identity,
                 "prompt_index": ev["prompt_index"],
                 "batch_num": ev["batch_num"],
                 "reason": ev["reason"],
@@ -1161,10 +1335,12 @@ class BatchRunner:
             self.failures[ev["error_class"]] += 1
             row = {
                 "prompt": ev["prompt"],
+                **identity,
                 "prompt_index": ev["prompt_index"],
                 "batch_num": ev["batch_num"],
                 "error_class": ev["error_class"],
-                "error": ev["error"],
+                # Redacted as a value too: an endpoint quoting the request puts JSON inside this string.
+                "error": self.redact(str(ev["error"])),
                 "timestamp": stamp,
                 "usage": usage,
             }
@@ -1193,6 +1369,8 @@ class BatchRunner:
                         "batch_num": batch_num,
                         "prompt_index": job.prompt_index,
                         "prompt": job.prompt,
+                        "image": job.image,
+                        "cwd": job.cwd,
                         "error_class": error_class,
                         "error": f"worker process {pid} ended before the prompt finished"
                         if pid > 0
@@ -1215,7 +1393,7 @@ class BatchRunner:
                 self.done_indices.update(
                     rec["prompt_index"]
                     for rec in iter_jsonl(path)
-                    if rec and isinstance(rec.get("prompt_index"), int)
+                    if valid_record(rec) and isinstance(rec.get("prompt_index"), int)
                 )
         state = {
             "run_name": self.opts.run_name,
@@ -1231,9 +1409,9 @@ class BatchRunner:
         One pass: each kept line is copied as written (already redacted) and counted for the
         statistics, so memory stays flat and each record is parsed once.
         """
-        wanted = collections.Counter(self.prompt_key(r.prompt) for r in rows)
+        wanted = collections.Counter(self.row_key(r) for r in rows)
         done_indices: set[int] = set()
-        kept: collections.Counter[bytes] = collections.Counter()
+        kept: collections.Counter[str] = collections.Counter()
         known = set(known_tool_names())
         totals = MergeTotals(known_tool_names())
         out = self.run_dir / "trajectories.jsonl"
@@ -1241,11 +1419,10 @@ class BatchRunner:
         with tmp.open("wb") as fh:
             for _, path in batch_files(self.run_dir):
                 for raw, rec in iter_jsonl_raw(path):
-                    text = first_human(rec.get("conversations", [])) if rec else None
-                    if text is None:
+                    if not valid_record(rec):  # torn, or valid JSON of the wrong shape
                         totals.dropped["invalid_lines"] += 1
                         continue
-                    key = _key(text)
+                    key = record_row_key(rec)
                     totals.finished[key] += 1
                     if isinstance(rec.get("prompt_index"), int):
                         done_indices.add(rec["prompt_index"])
@@ -1270,13 +1447,22 @@ class BatchRunner:
         """Statistics over the merged output of every run of this run name, plus this run's counters."""
         discards_all: collections.Counter[str] = collections.Counter()
         with_r, without_r = totals.with_reasoning, totals.without_reasoning
+        invalid = 0
         for rec in iter_jsonl(self.run_dir / "discarded.jsonl"):
-            if rec and isinstance(rec.get("reason"), str):
-                discards_all[rec["reason"]] += 1
-                w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
-                with_r, without_r = with_r + w, without_r + n - w
-        failures_all = _count_field(self.run_dir / "failed.jsonl", "error_class")
+            if not valid_outcome_row(rec, "reason"):
+                invalid += 1
+                continue
+            discards_all[rec["reason"]] += 1
+            w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
+            with_r, without_r = with_r + w, without_r + n - w
+        failures_all, invalid_failed = _count_field(self.run_dir / "failed.jsonl", "error_class")
         summary = totals.summary()
+        # Lines skipped for their shape (or torn) in discarded.jsonl and failed.jsonl, beside the batch files'.
+        summary["invalid_lines_skipped"] = {
+            "batch_files": totals.dropped.get("invalid_lines", 0),
+            "discarded.jsonl": invalid,
+            "failed.jsonl": invalid_failed,
+        }
         # Coverage over every sample the model produced, the discarded ones included (SPEC: "over the run").
         summary["reasoning"] = {
             "turns_with_reasoning": with_r,
@@ -1303,6 +1489,7 @@ class BatchRunner:
                 "api_calls": self.spend["requests"],
                 "usage": {k: round(v, 8) if isinstance(v, float) else v for k, v in self.spend.items()},
                 "skipped_for_budget": self.counts["skipped_budget"],
+                "budget": self.budget_summary(),
                 "rate_limit_pauses": self.counts["rate_limit_pauses"],
                 "bad_dataset_lines": self.counts["bad_lines"],
                 "toolsets_offered": {
@@ -1317,6 +1504,21 @@ class BatchRunner:
         write_json_atomic(self.run_dir / "statistics.json", stats, self.redact)
         return stats
 
+    def budget_summary(self) -> dict[str, Any]:
+        """The run-wide budget, what this run spent, and by how much it went past the budget (the calls
+        already under way when it was reached)."""
+        o, tokens, usd = self.opts, self.spend["total_tokens"], self.spend["cost_usd"]
+        return {
+            "tokens": o.budget_tokens,
+            "usd": o.budget_usd,
+            "spent_tokens": tokens,
+            "spent_usd": round(usd, 6),
+            "reached": self.budget_hit,
+            "overshoot_tokens": max(0, tokens - o.budget_tokens) if o.budget_tokens is not None else None,
+            "overshoot_usd": round(max(0.0, usd - o.budget_usd), 6) if o.budget_usd is not None else None,
+            "stopped_in_flight": self.failures.get("budget", 0),
+        }
+
     def count_remaining(self, rows: list[Row], totals: MergeTotals) -> int:
         """Dataset rows a --resume would run: no trajectory and (unless re-run) no discard yet."""
         done = collections.Counter(totals.finished)
@@ -1328,10 +1530,12 @@ class BatchRunner:
         from batchrun.views.report import write_report
 
         try:
-            path = write_report(self.run_dir, max_trajectories=self.opts.report_max_trajectories)
+            path = write_report(
+                self.run_dir, max_trajectories=self.opts.report_max_trajectories, redact=self.redact
+            )
             print(f"Report: {path}  (again any time: python -m batchrun.views.report {self.run_dir})")
         except Exception as exc:
-            print(f"warning: report.html not written: {exc}", file=sys.stderr)
+            print(self.redact(f"warning: report.html not written: {exc}"), file=sys.stderr)
 
     def print_summary(self, stats: dict[str, Any], interrupted: bool) -> None:
         print("\n" + "=" * 72)
@@ -1368,7 +1572,8 @@ class BatchRunner:
         if interrupted:
             return 130
         tr = stats["this_run"]
-        failed = sum(tr["failed"].values())
+        # Prompts the budget stopped were stopped on purpose; they are not failures of the run.
+        failed = sum(n for cls, n in tr["failed"].items() if cls != "budget")
         if tr["attempted"] and failed / tr["attempted"] > self.opts.max_failure_rate:
             print(
                 f"error: {failed} of {tr['attempted']} prompts failed (more than --max_failure_rate={self.opts.max_failure_rate})",
@@ -1380,18 +1585,24 @@ class BatchRunner:
 
 def _flag(name: str, value: Any) -> str:
     """A manifest setting as the command-line flag that reproduces it."""
+    if name.endswith("_sha256"):  # the text itself is a secret and is not stored
+        flag = {"prefill_sha256": "prefill_messages_file"}.get(name, name.removesuffix("_sha256"))
+        return f"--{flag}=<the original, sha256 {value[:12]}…>" if value else f"(no --{flag})"
     if isinstance(value, bool):
         return f"--{name}" if value else f"--{name}=False"
     return f"--{name}={shlex.quote(str(value))}"
 
 
-def _count_field(path: Path, field: str) -> dict[str, int]:
+def _count_field(path: Path, field: str) -> tuple[dict[str, int], int]:
+    """Rows of an outcome file by ``field``, and the number of lines skipped for their shape."""
     counts: collections.Counter[str] = collections.Counter()
-    if path.exists():
-        for rec in iter_jsonl(path):
-            if rec and isinstance(rec.get(field), str):
-                counts[rec[field]] += 1
-    return dict(counts)
+    invalid = 0
+    for rec in iter_jsonl(path):
+        if valid_outcome_row(rec, field):
+            counts[rec[field]] += 1
+        else:
+            invalid += 1
+    return dict(counts), invalid
 
 
 def resume_command() -> str:
@@ -1566,12 +1777,22 @@ def main(
 
 
 def _run(flags: dict[str, Any]) -> int:
-    opts, settings, manifest, redact, mock = build_run(flags)
+    # SIGTERM at any moment (flag checks, dataset load, preflight too) ends the run like Ctrl-C.
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     try:
-        return BatchRunner(opts, settings, manifest, redact, mock).run()
+        opts, settings, manifest, redact, mock = build_run(flags)
+        try:
+            return BatchRunner(opts, settings, manifest, redact, mock).run()
+        finally:
+            if mock is not None:
+                mock.stop()
+    except KeyboardInterrupt:
+        _interrupt_handled()  # before the default SIGTERM action is back: no re-sent signal may kill us
+        raise
     finally:
-        if mock is not None:
-            mock.stop()
+        signal.signal(signal.SIGTERM, previous_term)
+        sys.unraisablehook = previous_hook
 
 
 def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], Redactor, Any]:
@@ -1705,12 +1926,27 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         "reasoning_effort": effort,
         "reasoning_disabled": llm.reasoning_disabled,
         "sandbox": backend,
+        "keep_no_reasoning": bool(f["keep_no_reasoning"]),
+        "ephemeral_system_prompt_sha256": _sha256_text(f["ephemeral_system_prompt"]),
+        "prefill_sha256": _sha256_text(_canonical_json(list(prefill)) if prefill else None),
         "dataset_file": opts.dataset_file,
         "dataset_sha256": _dataset_sha256(opts.dataset_file) if Path(opts.dataset_file).is_file() else None,
         "created": dt.datetime.now().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
     }
-    return opts, settings, manifest, Redactor(api_key), mock
+    # The ephemeral system prompt and the prefill are secrets like the key: an endpoint's error may quote them.
+    secrets = tuple(m["content"] for m in prefill)
+    if f["ephemeral_system_prompt"]:
+        secrets += (str(f["ephemeral_system_prompt"]),)
+    return opts, settings, manifest, Redactor(api_key, secrets=secrets), mock
+
+
+def _sha256_text(text: str | None) -> str | None:
+    return hashlib.sha256(str(text).encode("utf-8", "surrogatepass")).hexdigest() if text else None
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def _tool_extra(llm: LLMConfig, run_dir: Path) -> dict[str, Any]:

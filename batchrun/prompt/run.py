@@ -87,7 +87,13 @@ def run_prompt(
     """
     started = time.monotonic()
     usage = Usage()
-    base = {"batch_num": job.batch_num, "prompt_index": job.prompt_index, "prompt": job.prompt}
+    base = {
+        "batch_num": job.batch_num,
+        "prompt_index": job.prompt_index,
+        "prompt": job.prompt,
+        "image": job.image,  # with the prompt text, the row's identity (resume, merge)
+        "cwd": job.cwd,
+    }
     if job.fail_reason:
         return {
             **base,
