@@ -23,6 +23,7 @@ import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.trajectory import first_human, row_key, valid_record
 from batchrun.views.report import collect
+from batchrun.views.status import format_status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -400,6 +401,7 @@ def small_tmpfs(path: Path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.root
 def test_disk_full_stops_with_exit_4_and_resume_gives_each_row_once(server, tmp_path, capsys):
     prompts = [f"row {i:02d} " + "lorem ipsum " * 300 for i in range(30)]
     dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
@@ -427,6 +429,7 @@ def test_disk_full_stops_with_exit_4_and_resume_gives_each_row_once(server, tmp_
         assert json.loads((run_dir / "status.json").read_text("utf-8"))["state"] == "finished"
 
 
+@pytest.mark.root
 def test_an_output_directory_that_turns_read_only_stops_with_exit_4(server, tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "d.jsonl", [f"row {i} [slow:0.2]" for i in range(12)])
     with small_tmpfs(tmp_path / "out", "16m") as out:
@@ -459,6 +462,17 @@ def test_an_output_directory_that_turns_read_only_stops_with_exit_4(server, tmp_
         merged = read_jsonl(run_dir / "trajectories.jsonl")
         assert len(merged) == 12 and len({first_human(r["conversations"]) for r in merged}) == 12
         assert len(kept) >= 1
+
+
+def test_status_shows_why_a_run_failed():
+    status = {
+        "run_name": "r",
+        "state": "failed",
+        "error": "cannot write /x/batch_0.jsonl: No space left on device",
+    }
+    text = format_status(status, now=time.time())
+    assert "Run r: failed" in text
+    assert "FAILED: cannot write /x/batch_0.jsonl: No space left on device" in text
 
 
 def _parse(raw: bytes):
