@@ -101,6 +101,36 @@ def test_same_instruction_in_n_repositories_resume_runs_the_lost_row_not_its_twi
     assert sorted(r["metadata"]["cwd"] for r in merged) == sorted(map(str, repos))
 
 
+@pytest.mark.docker
+def test_same_instruction_in_two_images_resume_runs_exactly_the_failed_row(
+    server, tmp_path, docker_test_image, capsys
+):
+    """The row whose image is missing fails (first in the dataset); its twin in a good image succeeds.
+    A resume runs the failed row only: no model call for the finished twin."""
+    run_name = f"ident-{os.getpid()}"
+    missing = "127.0.0.1:9/batch-runner-missing:never"  # a registry on loopback that refuses at once
+    rows = [
+        {"prompt": "fix the bug", "image": missing},
+        {"prompt": "fix the bug", "image": docker_test_image},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run_dir = out / run_name
+    kw = dict(run_name=run_name, sandbox="docker", default_image=docker_test_image, num_workers=1)
+    run(server, dataset, out, **kw)
+    (failed,) = read_jsonl(run_dir / "failed.jsonl")
+    assert (failed["error_class"], failed["image"]) == ("preflight", missing)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["metadata"]["image"] == docker_test_image
+    calls = server.stats()["requests"]
+    capsys.readouterr()
+    run(server, dataset, out, resume=True, **kw)
+    assert "1 prompt(s) already finished, 1 to run" in capsys.readouterr().out
+    assert server.stats()["requests"] == calls  # the twin did not run again (the failed row makes no call)
+    assert [r["image"] for r in read_jsonl(run_dir / "failed.jsonl")] == [missing, missing]
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 1
+
+
 def test_merge_keeps_one_record_per_identity_and_counts_duplicates_per_identity(server, tmp_path):
     repo_a, repo_b = tmp_path / "a", tmp_path / "b"
     repo_a.mkdir(), repo_b.mkdir()
