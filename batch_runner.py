@@ -703,8 +703,13 @@ class BatchRunner:
         self.counts["bad_lines"] = len(problems)
 
     def prepare_run_dir(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.lock_run_dir()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock_run_dir()
+        except OSError as exc:  # nothing has started: a usage problem, not a run that stopped
+            raise UsageError(
+                f"--output_dir: cannot write {exc.filename or self.run_dir}: {exc.strerror or exc}"
+            ) from None
         # status.json alone is left by a run interrupted before it started: no data to protect.
         existing = any(p.name not in (LOCK_NAME, "status.json") for p in self.run_dir.iterdir())
         if existing and not self.opts.resume:

@@ -411,6 +411,20 @@ def test_a_run_wide_429_pause_does_not_time_out_other_prompts(tmp_path):
     assert stats_of(run_dir)["this_run"]["rate_limit_pauses"] >= 1
 
 
+def test_limiter_credits_a_pause_another_prompt_caused_but_not_its_own():
+    from batchrun.prompt.limiter import Limiter, LimitTimeout
+
+    limiter = Limiter()
+    limiter.pause_until(time.time() + 0.3)  # relayed from another worker's 429
+    deadline = time.monotonic() + 0.05  # passes during the pause
+    credited = limiter.acquire(deadline)
+    limiter.release()
+    assert credited >= 0.2 and limiter.credited_s() == credited
+    limiter.pause(0.3)  # this thread's own 429: its wait counts
+    with pytest.raises(LimitTimeout):
+        limiter.acquire(time.monotonic() + 0.05)
+
+
 # ----------------------------------------------------------------------------- 2. a run that cannot go on
 
 
@@ -492,6 +506,15 @@ def test_an_output_directory_that_turns_read_only_stops_with_exit_4(server, tmp_
         merged = read_jsonl(run_dir / "trajectories.jsonl")
         assert len(merged) == 12 and len({first_human(r["conversations"]) for r in merged}) == 12
         assert len(kept) >= 1
+
+
+def test_an_output_dir_that_is_a_file_exits_2_before_anything_runs(server, tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing"])
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert exit_code(server, dataset, not_a_dir) == 2
+    assert "--output_dir: cannot write" in capsys.readouterr().err
+    assert server.stats()["requests"] == 0
 
 
 def test_status_shows_why_a_run_failed():
