@@ -718,7 +718,23 @@ class BatchRunner:
             )
         manifest_path = self.run_dir / "run_manifest.json"
         if manifest_path.exists():
-            self.check_manifest(json.loads(manifest_path.read_text()))
+            self.check_manifest(self.read_manifest(manifest_path))
+
+    @staticmethod
+    def read_manifest(path: Path) -> dict[str, Any]:
+        """The first run's settings; a damaged file stops the resume instead of silently skipping the check."""
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            old, problem = None, str(exc)
+        else:
+            problem = f"a JSON {type(old).__name__}"
+        if not isinstance(old, dict):
+            raise UsageError(
+                f"{path} is not a settings object ({problem}); the resume cannot check its settings. "
+                "Restore it, or remove it to resume without the check"
+            )
+        return old
 
     def lock_run_dir(self) -> None:
         """One runner per run directory: a second one would write the same prompts twice."""

@@ -310,6 +310,17 @@ def test_valid_json_of_the_wrong_shape_is_skipped_and_counted_everywhere(server,
     assert (run_dir / "report.html").is_file()
 
 
+@pytest.mark.parametrize("content", ["null", "[1]", "{not json"])
+def test_a_damaged_manifest_stops_the_resume_with_exit_2(server, tmp_path, capsys, content):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing"])
+    out = tmp_path / "data"
+    run(server, dataset, out)
+    (out / "run" / "run_manifest.json").write_text(content, "utf-8")
+    capsys.readouterr()
+    assert exit_code(server, dataset, out, resume=True) == 2
+    assert "the resume cannot check its settings" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- 5. secrets quoted back
 
 EPHEMERAL = 'You are "careful".\nSecret house rule marker-5f1c: never say the word banana.'
