@@ -408,11 +408,11 @@ def test_token_budget_stops_prompts_in_flight_at_their_next_call(tmp_path):
 def test_a_run_wide_429_pause_does_not_time_out_other_prompts(tmp_path):
     """One prompt is rate limited for good and pauses the run again and again; another prompt waits
     through those pauses longer than its --prompt_timeout and still finishes."""
-    dataset = write_jsonl(tmp_path / "d.jsonl", ["endless [error:429] [retry_after:1.2]", "patient task"])
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["endless [error:429] [retry_after:2.5]", "patient task"])
     out = tmp_path / "data"
     run_dir = out / "run"
     with FakeModelServer(latency_s=0) as server:
-        run(server, dataset, out, num_workers=1, prompts_per_worker=2, prompt_timeout=2.0)
+        run(server, dataset, out, num_workers=1, prompts_per_worker=2, prompt_timeout=4.0)
         requests = server.stats()["requests_by_prompt"]
     (failed,) = read_jsonl(run_dir / "failed.jsonl")
     assert failed["prompt"].startswith("endless") and failed["error_class"] == "http_429"
