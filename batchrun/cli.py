@@ -12,7 +12,11 @@ workers, merge, statistics, report. The parent process is the only writer under 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +36,12 @@ from batchrun.run.dispatch import Dispatch
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import check_endpoint, preflight_sandboxes
 from batchrun.run.recorder import Recorder
-from batchrun.run.resume import build_manifest, check_manifest, resume_filter
+from batchrun.run.resume import build_manifest, check_manifest, read_manifest, resume_filter
 from batchrun.run.worker import start_forkserver
 from batchrun.secrets import Redactor
+from batchrun.storage import WriteError
+
+EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-only): the run stopped
 
 # ----------------------------------------------------------------------------- the command line
 
@@ -250,33 +257,56 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 def run(config: RunConfig) -> int:
-    """One run of the configuration; returns the exit code. The fake model (``--model=mock``) lives as long as the run."""
-    sandbox_options = check_before_start(config)
-    fake = None
-    if config.is_mock:
-        from batchrun.fakes.fake_model import FakeModelServer
+    """One run of the configuration; returns the exit code.
 
-        fake = FakeModelServer().start()
-    recorder = Recorder(
-        config.run_dir,
-        config.run_name,
-        Redactor(config.resolved_api_key),
-        verbose=config.verbose,
-        budget_usd=config.budget_usd,
-        budget_tokens=config.budget_tokens,
-    )
+    SIGTERM at any moment (preflight and the dataset load too) ends the run like Ctrl-C. The fake
+    model (``--model=mock``) lives as long as the run.
+    """
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     try:
-        recorder.lock()
-        return run_steps(config, recorder, fake.base_url if fake else config.base_url, sandbox_options)
+        sandbox_options = check_before_start(config)
+        fake = None
+        if config.is_mock:
+            from batchrun.fakes.fake_model import FakeModelServer
+
+            fake = FakeModelServer().start()
+        recorder = Recorder(
+            config.run_dir,
+            config.run_name,
+            Redactor(config.resolved_api_key, secrets=tuple(config.secret_texts())),
+            verbose=config.verbose,
+            budget_usd=config.budget_usd,
+            budget_tokens=config.budget_tokens,
+        )
+        try:
+            rows = read_dataset(config, recorder)  # a dataset with no usable row writes nothing
+            recorder.lock()
+            return run_steps(
+                config, recorder, rows, fake.base_url if fake else config.base_url, sandbox_options
+            )
+        except WriteError as exc:
+            return stop_cannot_write(recorder, exc)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM outside the dispatch (load, preflight, merge)
+            _interrupt_handled()
+            mark_interrupted(recorder)
+            raise
+        finally:
+            recorder.unlock()
+            if fake is not None:
+                fake.stop()
+    except KeyboardInterrupt:
+        _interrupt_handled()  # before the default SIGTERM action is back: no re-sent signal may kill us
+        raise
     finally:
-        recorder.unlock()
-        if fake is not None:
-            fake.stop()
+        signal.signal(signal.SIGTERM, previous_term)
+        sys.unraisablehook = previous_hook
 
 
-def run_steps(config: RunConfig, recorder: Recorder, base_url: str, sandbox_options: dict[str, Any]) -> int:
-    """The steps of a run, in order; the run directory is locked by the caller."""
-    rows = read_dataset(config, recorder)
+def run_steps(
+    config: RunConfig, recorder: Recorder, rows: list[Row], base_url: str, sandbox_options: dict[str, Any]
+) -> int:
+    """The steps of a run, in order, once its dataset is read; the run directory is locked by the caller."""
     manifest = open_run_dir(config, recorder)
     todo = (
         resume_filter(rows, config.run_dir, recorder.redact, rerun_discarded=config.rerun_discarded)
@@ -309,6 +339,7 @@ def run_steps(config: RunConfig, recorder: Recorder, base_url: str, sandbox_opti
         try:
             Dispatch(config, settings, recorder).run(ready.batches)
         except KeyboardInterrupt:
+            _interrupt_handled()
             interrupted = True
             print(
                 "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
@@ -317,12 +348,36 @@ def run_steps(config: RunConfig, recorder: Recorder, base_url: str, sandbox_opti
     totals = finish.merge(config.run_dir, rows, recorder)
     stats = finish.statistics(config, rows, totals, recorder, ready.isolation)
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
-    finish.write_report(config.run_dir, config.report_max_trajectories)
+    finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
     finish.print_summary(config.run_dir, stats, recorder)
     return finish.exit_code(stats, interrupted, config.max_failure_rate)
 
 
 # ----------------------------------------------------------------------------- the steps
+
+
+def stop_cannot_write(recorder: Recorder, exc: WriteError) -> int:
+    """An output file cannot be written (disk full, read-only): the workers are ended already (the
+    dispatch's ``finally``); say why in one line and leave status.json saying so when possible."""
+    print(
+        f"error: {exc}; the run stopped. What was recorded before is intact: "
+        "free space (or make the directory writable) and continue with --resume",
+        file=sys.stderr,
+    )
+    try:
+        recorder.write_status("failed", force=True, error=str(exc))
+    except WriteError as status_exc:
+        print(f"error: status.json could not say so either: {status_exc}", file=sys.stderr)
+    return EXIT_CANNOT_WRITE
+
+
+def mark_interrupted(recorder: Recorder) -> None:
+    if not recorder.locked:  # the run directory is not ours (yet): write nothing there
+        return
+    try:
+        recorder.write_status("interrupted", force=True)
+    except WriteError as exc:
+        print(f"warning: {exc}", file=sys.stderr)
 
 
 def check_before_start(config: RunConfig) -> dict[str, Any]:
@@ -366,15 +421,13 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
 def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     """A new run needs a free name; a resume must keep the data-defining settings. Returns the manifest to write."""
     manifest = build_manifest(config)
-    if recorder.holds_other_files() and not config.resume:
+    if recorder.holds_a_run() and not config.resume:
         raise UsageError(
             f"{config.run_dir} already holds a run; add --resume to continue it, or choose another --run_name"
         )
     manifest_path = config.run_dir / "run_manifest.json"
     if manifest_path.exists():
-        import json
-
-        manifest = check_manifest(json.loads(manifest_path.read_text()), manifest, force=config.force_resume)
+        manifest = check_manifest(read_manifest(manifest_path), manifest, force=config.force_resume)
     return manifest
 
 
@@ -424,3 +477,38 @@ def worker_settings(
         log_prefix_chars=config.log_prefix_chars,
         tool_extra=tool_extra,
     )
+
+
+# ----------------------------------------------------------------------------- SIGTERM as Ctrl-C
+
+_TERM_PENDING = threading.Event()  # a SIGTERM whose KeyboardInterrupt no handler has taken yet
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM ends the run like Ctrl-C.
+
+    Python drops an exception raised where it cannot propagate (a weakref callback during an import,
+    a ``__del__``); until one of the run's handlers has taken it (``_interrupt_handled``), the signal
+    is sent again."""
+    if not _TERM_PENDING.is_set():
+        _TERM_PENDING.set()
+        threading.Thread(target=_resend_until_handled, name="sigterm-resend", daemon=True).start()
+    raise KeyboardInterrupt
+
+
+def _resend_until_handled() -> None:
+    while True:
+        time.sleep(0.5)
+        if not _TERM_PENDING.is_set():
+            return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _interrupt_handled() -> None:
+    _TERM_PENDING.clear()
+
+
+def _quiet_unraisable(unraisable: Any) -> None:
+    """A dropped KeyboardInterrupt is no error to print: the signal is sent again (see _interrupt)."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)

@@ -4,7 +4,7 @@ One frozen dataclass per kind, pickled as they are. The parent hands each worker
 s; a worker sends back, on its own connection, :class:`Claim` when it takes a batch, a
 :class:`Log` line per tool call (``--verbose``), exactly one :class:`Outcome` (or :class:`Skipped`)
 per job, :class:`StopQueued` / :class:`StopDone` around each background sandbox stop, and
-:class:`Pause` when the endpoint said 429. The parent sends :class:`PauseAll` (the whole run backs
+:class:`Spend` per answered model call (the run's budget), and :class:`Pause` when the endpoint said 429. The parent sends :class:`PauseAll` (the whole run backs
 off) and :class:`StopStarting` (the budget is spent). The inbox wraps what a worker sends in
 :class:`Received`, with the worker's id, and adds :class:`WorkerExit` when a connection ends.
 """
@@ -39,6 +39,8 @@ class Outcome:
     prompt_index: int
     prompt: str
     usage: dict[str, Any]  # Usage.as_dict(): what this attempt spent, whatever its end
+    image: str | None = None  # with the prompt text, the row's identity (resume, merge)
+    cwd: str | None = None
     record: dict[str, Any] | None = None  # trajectories and discards
     reason: str | None = None  # discards: which quality filter
     error_class: str | None = None  # failures: what kind of failure
@@ -46,27 +48,21 @@ class Outcome:
 
     @classmethod
     def trajectory(cls, job: PromptJob, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
-        return cls(TRAJECTORY, job.batch_num, job.prompt_index, job.prompt, usage, record=record)
+        return cls(TRAJECTORY, *_row(job), usage, job.image, job.cwd, record=record)
 
     @classmethod
     def discarded(cls, job: PromptJob, reason: str, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
-        return cls(
-            DISCARDED, job.batch_num, job.prompt_index, job.prompt, usage, record=record, reason=reason
-        )
+        return cls(DISCARDED, *_row(job), usage, job.image, job.cwd, record=record, reason=reason)
 
     @classmethod
     def failed(
         cls, job: PromptJob, error_class: str, error: str, usage: dict[str, Any] | None = None
     ) -> Outcome:
-        return cls(
-            FAILED,
-            job.batch_num,
-            job.prompt_index,
-            job.prompt,
-            usage or {},
-            error_class=error_class,
-            error=error,
-        )
+        return cls(FAILED, *_row(job), usage or {}, job.image, job.cwd, error_class=error_class, error=error)
+
+
+def _row(job: PromptJob) -> tuple[int, int, str]:
+    return job.batch_num, job.prompt_index, job.prompt
 
 
 # -- worker -> parent
@@ -95,6 +91,17 @@ class Log:
     tool: str
     args: str
     result: str
+
+
+@dataclass(frozen=True)
+class Spend:
+    """One answered model call of a prompt still in flight: the parent holds the run's budget to it at once."""
+
+    batch_num: int
+    prompt_index: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
 
 
 @dataclass(frozen=True)

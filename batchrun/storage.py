@@ -14,18 +14,39 @@ from pathlib import Path
 from typing import Any
 
 
+class WriteError(OSError):
+    """A run file could not be written (disk full, read-only file system, ...): the run cannot go on.
+
+    Carries the path and the system's reason, since a failed ``write``/``fsync`` names no file.
+    """
+
+    def __init__(self, path: Path, exc: OSError):
+        super().__init__(exc.errno, exc.strerror or str(exc), str(path))
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"cannot write {self.path}: {self.strerror}"
+
+
 def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) -> None:
-    """Append one record durably: a torn last line is closed first, then write + flush + fsync."""
+    """Append one record durably: a torn last line is closed first, then write + flush + fsync.
+
+    A failure (disk full, read-only) raises :class:`WriteError`; a line it left half-written is
+    closed by the next append like any torn line, so the lines before it stay intact.
+    """
     line = redact(json.dumps(obj, ensure_ascii=False)) + "\n"
-    with path.open("ab") as fh:
-        if fh.tell() > 0:
-            with path.open("rb") as rd:
-                rd.seek(-1, os.SEEK_END)
-                if rd.read(1) != b"\n":
-                    fh.write(b"\n")  # the torn line stays invalid and is skipped by every reader
-        fh.write(line.encode("utf-8"))
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with path.open("ab") as fh:
+            if fh.tell() > 0:
+                with path.open("rb") as rd:
+                    rd.seek(-1, os.SEEK_END)
+                    if rd.read(1) != b"\n":
+                        fh.write(b"\n")  # the torn line stays invalid and is skipped by every reader
+            fh.write(line.encode("utf-8"))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise WriteError(path, exc) from exc
 
 
 def write_json_atomic(path: Path, obj: Any, redact: Callable[[str], str] | None = None) -> None:
@@ -34,13 +55,33 @@ def write_json_atomic(path: Path, obj: Any, redact: Callable[[str], str] | None 
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` whole (temp file, fsync, rename); raises :class:`WriteError`, leaving no temp file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise WriteError(path, exc) from exc
+
+
+def write_text_in_place(path: Path, text: str) -> None:
+    """Last resort when an atomic write failed for lack of space: truncating first frees the old
+    content's blocks for the new one. Not atomic; used only for the final ``failed`` status."""
+    try:
+        with path.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise WriteError(path, exc) from exc
 
 
 def fsync_dir(path: Path) -> None:

@@ -62,6 +62,9 @@ Directives (written anywhere in the prompt text; they combine):
 ``[truncate]``           every response is partial content with ``finish_reason: "length"``, no calls
 ``[error:CODE]``         (server) every request answers HTTP CODE (400, 401, 404, 429, 500, any 4xx/5xx)
                          with an OpenAI-style ``{"error": {message, type, code}}`` body
+``[quote_request]``      (server) with ``[error:CODE]``: the error message quotes the request's
+                         ``messages`` as JSON, as some endpoints do on a 400 (system prompt included)
+``[retry_after:S]``      (server) with ``[error:429]``: ask for S seconds (``retry-after-ms``) instead of 1 ms
 ``[flaky:N]``            (server) the first N requests for this prompt text answer 429 with
                          ``Retry-After: 0``, then normal
 ``[garbage]``            (server) 200 with a body that is not JSON
@@ -115,9 +118,9 @@ LAST_REQUESTS_KEPT = 50
 # ---------------------------------------------------------------------------------------------
 
 _FLAG_RE = re.compile(
-    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate)\]"
+    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request)\]"
 )
-_VALUE_RE = re.compile(r"\[(error|flaky|slow|calls):\s*([0-9]+(?:\.[0-9]+)?)\]")
+_VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after):\s*([0-9]+(?:\.[0-9]+)?)\]")
 _ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern)
 
 
@@ -132,7 +135,9 @@ class Directives:
     hangup: bool = False
     loop: bool = False
     truncate: bool = False
+    quote_request: bool = False
     error: int | None = None
+    retry_after: float | None = None
     flaky: int = 0
     slow: float = 0.0
     calls: int | None = None
@@ -144,7 +149,7 @@ def parse_directives(prompt: str) -> Directives:
     values: dict[str, Any] = {}
     for m in _VALUE_RE.finditer(prompt):
         name, raw = m.group(1), m.group(2)
-        if name == "slow":
+        if name in ("slow", "retry_after"):
             values[name] = float(raw)
         else:
             values[name] = int(float(raw))
@@ -628,7 +633,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if d.error is not None:
             fake._count(d.error)
-            self._error(d.error, f"Scripted error {d.error} (mock directive [error:{d.error}])")
+            message = f"Scripted error {d.error} (mock directive [error:{d.error}])"
+            if d.quote_request:
+                message = f"Invalid request: {json.dumps(messages)}"
+            if d.error == 429 and d.retry_after is not None:
+                ms = str(int(d.retry_after * 1000))
+                self._json(429, error_body(429, message), {"retry-after-ms": ms})
+                return
+            self._error(d.error, message)
             return
         if seen < d.flaky:
             fake._count(429)

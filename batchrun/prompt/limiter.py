@@ -36,15 +36,29 @@ class Limiter:
         self._paused_until = 0.0  # wall-clock time (shared across processes through the parent)
         self._on_pause = on_pause
         self.waited_s = 0.0
+        self._local = threading.local()  # per prompt thread: its own 429's pause, its credited pause time
 
-    def acquire(self, deadline: float) -> None:
-        """Wait for the run-wide pause, a request slot and this worker's rate; ``deadline`` is monotonic."""
+    def acquire(self, deadline: float) -> float:
+        """Wait for the run-wide pause, a request slot and this worker's rate; ``deadline`` is monotonic.
+
+        Returns the seconds this thread waited for a pause that another prompt's 429 caused: that time
+        does not count against this prompt's deadline (the caller moves its deadline by it; see also
+        :meth:`credited_s`). Waiting out a pause its own 429 caused does count.
+        """
         start = time.monotonic()
+        credited = 0.0
         while True:
             pause = self._paused_until - time.time()
             if pause <= 0:
                 break
-            self._sleep(min(pause, 1.0), deadline)
+            step = min(pause, 1.0)
+            if getattr(self._local, "own_until", 0.0) >= self._paused_until:
+                self._sleep(step, deadline)
+            else:
+                time.sleep(step)
+                credited += step
+                deadline += step
+        self._local.credited = self.credited_s() + credited
         if self.rpm:
             with self._lock:
                 now = time.monotonic()
@@ -57,6 +71,11 @@ class Limiter:
             if remaining <= 0 or not self._slots.acquire(timeout=remaining):
                 raise LimitTimeout("no request slot before the prompt's deadline")
         self.waited_s += time.monotonic() - start
+        return credited
+
+    def credited_s(self) -> float:
+        """All pause time credited to the calling thread so far (a prompt compares it before and after)."""
+        return getattr(self._local, "credited", 0.0)
 
     def release(self) -> None:
         if self._slots is not None:
@@ -66,6 +85,7 @@ class Limiter:
         """Hold every request of this worker (and, through the parent, of the run) for ``seconds``."""
         seconds = max(0.0, min(seconds, MAX_PAUSE_S))
         until = time.time() + seconds
+        self._local.own_until = until  # this thread's own wait for it counts against its deadline
         with self._lock:
             if until <= self._paused_until:
                 return seconds

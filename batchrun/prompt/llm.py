@@ -11,6 +11,7 @@ import email.utils
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +104,15 @@ class LLMError(RuntimeError):
 
 class ContextLimitError(LLMError):
     """The conversation no longer fits the model's context: the prompt ends as partial."""
+
+
+class BudgetStop(LLMError):
+    """The run's budget is spent: a prompt in flight stops at its next model call (failed, class ``budget``)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "budget", "the run's budget was reached before this model call; --resume runs it again"
+        )
 
 
 def native_reasoning(message: dict[str, Any]) -> str | None:
@@ -215,9 +225,20 @@ class LLMClient:
     deadline; 5xx, timeouts and dropped connections are retried ``max_retries`` times with jitter.
     """
 
-    def __init__(self, cfg: LLMConfig, limiter: Limiter | None = None):
+    def __init__(
+        self,
+        cfg: LLMConfig,
+        limiter: Limiter | None = None,
+        *,
+        stop: threading.Event | None = None,
+        on_usage: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        """``stop``: once set, every further call raises :class:`BudgetStop` before it is sent.
+        ``on_usage``: called with each answered call's usage (the run's budget counts it at once)."""
         self.cfg = cfg
         self.limiter = limiter or Limiter()
+        self.stop = stop
+        self.on_usage = on_usage
         self._openai, self._response_class = _sdk()
         self._client = self._openai.OpenAI(
             base_url=cfg.base_url,
@@ -246,10 +267,16 @@ class LLMClient:
         openai = self._openai  # for its exception classes below
         failures = rate_limited = 0
         while True:
+            if self.stop is not None and self.stop.is_set():
+                raise BudgetStop()
             try:
-                self.limiter.acquire(deadline)
+                # A run-wide pause (another prompt's 429) does not count against this prompt's time.
+                deadline += self.limiter.acquire(deadline)
             except LimitTimeout as exc:
                 raise LLMError("timeout", str(exc)) from exc
+            if self.stop is not None and self.stop.is_set():  # set while this call waited for the limiter
+                self.limiter.release()
+                raise BudgetStop()
             remaining = deadline - time.monotonic()
             try:
                 if remaining <= 0:
@@ -271,6 +298,8 @@ class LLMClient:
                     usage.add(
                         turn.usage, data.get("provider") if isinstance(data.get("provider"), str) else None
                     )
+                if self.on_usage is not None:
+                    self.on_usage(turn.usage)
                 return turn
             except openai.APIStatusError as exc:
                 message = _error_message(exc)

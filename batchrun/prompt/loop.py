@@ -60,7 +60,14 @@ def run_agent(
 ) -> LoopResult:
     """Run one prompt to a final answer or a limit. ``usage`` collects tokens and cost as calls happen,
     so a prompt that fails half-way still accounts for what it spent."""
-    deadline = time.monotonic() + limits.prompt_timeout_s
+    # A run-wide pause for another prompt's 429 moves this prompt's deadline (the limiter credits it).
+    limiter = getattr(llm, "limiter", None)
+    credited_at_start = limiter.credited_s() if limiter is not None else 0.0
+    end = time.monotonic() + limits.prompt_timeout_s
+
+    def deadline_now() -> float:
+        return end + (limiter.credited_s() - credited_at_start if limiter is not None else 0.0)
+
     usage = usage if usage is not None else Usage()
     schemas = [t.openai_schema() for t in tools]
     offered = {t.name for t in tools}
@@ -76,6 +83,7 @@ def run_agent(
     invalid_streak = 0
 
     while result.api_calls < limits.max_turns:
+        deadline = deadline_now()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise PromptTimeout(f"prompt exceeded its {limits.prompt_timeout_s:g} s limit")
@@ -90,7 +98,7 @@ def run_agent(
             result.stop_reason = "context_limit"
             return result
         except LLMError as exc:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline_now():
                 raise PromptTimeout(
                     f"prompt exceeded its {limits.prompt_timeout_s:g} s limit ({exc})"
                 ) from exc
@@ -108,7 +116,7 @@ def run_agent(
         invalid = 0
         for call in assistant_saved["tool_calls"]:
             name, args = call["function"]["name"], call["function"]["arguments"]
-            remaining = deadline - time.monotonic()
+            remaining = deadline_now() - time.monotonic()
             if remaining <= 0:
                 raise PromptTimeout(f"prompt exceeded its {limits.prompt_timeout_s:g} s limit")
             ctx.tool_timeout_s = max(1.0, min(limits.tool_timeout_s, remaining))

@@ -6,6 +6,7 @@ The conversion is reversible where it matters: parsing a gpt ``value`` back with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -207,8 +208,9 @@ def reasoning_counts(conversations: list[dict[str, Any]]) -> tuple[int, int]:
 
 def first_human(conversations: list[dict[str, Any]]) -> str | None:
     for c in conversations:
-        if c.get("from") == "human":
-            return c.get("value")
+        if isinstance(c, dict) and c.get("from") == "human":
+            value = c.get("value")
+            return value if isinstance(value, str) else None
     return None
 
 
@@ -218,3 +220,89 @@ def used_tool_names(record: dict[str, Any]) -> set[str]:
         for call in c.get("tool_calls") or []:
             names.add(call["function"]["name"])
     return names
+
+
+def row_key(text: str, image: str | None = None, cwd: str | None = None) -> str:
+    """A dataset row's identity: everything that defines how it runs (prompt text, image, cwd), as hex.
+
+    Two rows with the same text but another image or cwd are different rows for resume and merge.
+    A field that is absent is ``None`` (records of older versions have no image/cwd: they match rows
+    without them).
+    """
+    payload = json.dumps([text, image, cwd], ensure_ascii=False)
+    return hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def record_row_key(record: dict[str, Any]) -> str:
+    """The identity of the row a (valid) record came from; see :func:`valid_record`."""
+    meta = record.get("metadata") or {}
+    return row_key(first_human(record["conversations"]) or "", meta.get("image"), meta.get("cwd"))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _optional_str(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def valid_record(rec: Any) -> bool:
+    """Whether a line read back from a batch file has the shape every reader relies on.
+
+    Valid JSON of the wrong shape (``null``, a list, ``"conversations": "x"``, ``"tool_stats": 5``)
+    is skipped and counted like a torn line, by merge, resume, statistics, checkpoint and report.
+    """
+    if not isinstance(rec, dict):
+        return False
+    conv = rec.get("conversations")
+    if not isinstance(conv, list) or not conv:
+        return False
+    for turn in conv:
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str):
+            return False
+        if not isinstance(turn.get("value"), str):
+            return False
+        calls = turn.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list)
+            and all(
+                isinstance(c, dict)
+                and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                for c in calls
+            )
+        ):
+            return False
+    if first_human(conv) is None:
+        return False
+    stats = rec.get("tool_stats", {})
+    if not isinstance(stats, dict) or not all(
+        isinstance(s, dict) and all(_count(s.get(k, 0)) for k in ("count", "success", "failure"))
+        for s in stats.values()
+    ):
+        return False
+    meta = rec.get("metadata", {})
+    if not isinstance(meta, dict) or not isinstance(meta.get("usage", {}), dict):
+        return False
+    if not (_optional_str(meta.get("image")) and _optional_str(meta.get("cwd"))):
+        return False
+    index, calls_made = rec.get("prompt_index"), rec.get("api_calls", 0)
+    return (index is None or _count(index)) and (calls_made is None or _count(calls_made))
+
+
+def valid_outcome_row(row: Any, field: str) -> bool:
+    """A discarded.jsonl (``field="reason"``) or failed.jsonl (``"error_class"``) row of the right shape."""
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("prompt"), str)
+        and isinstance(row.get(field), str)
+        and _optional_str(row.get("image"))
+        and _optional_str(row.get("cwd"))
+        and (row.get("record") is None or valid_record(row["record"]))
+        and isinstance(row.get("usage", {}), dict)
+    )
+
+
+def outcome_row_key(row: dict[str, Any]) -> str:
+    return row_key(row["prompt"], row.get("image"), row.get("cwd"))

@@ -1,14 +1,13 @@
 """The dataset: one JSONL file read once; each good line a :class:`Row`, each bad line a message.
 
-A row's identity is what defines its run (see :func:`row_key`); resume and the merge count
-finished rows by it, duplicates included.
+A row's identity is everything that defines its run (its text, image and cwd: see
+``batchrun.prompt.trajectory.row_key``); resume and the merge count finished rows by it, duplicates included.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -85,8 +84,3 @@ def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tup
     row = Row(index=line_no - 1, prompt=prompt, image=image, cwd=cwd, occurrence=seen[prompt])
     seen[prompt] += 1
     return None, row
-
-
-def prompt_key(text: str) -> bytes:
-    """A prompt's identity for resume and de-duplication: a digest, so memory does not grow with prompt size."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()

@@ -13,7 +13,6 @@ import collections
 import multiprocessing as mp
 import os
 import queue
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from batchrun.protocol import (
     PromptJob,
     Received,
     Skipped,
+    Spend,
     StopDone,
     StopQueued,
     StopStarting,
@@ -42,10 +42,6 @@ from batchrun.run.recorder import Recorder
 
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 @dataclass
@@ -91,7 +87,6 @@ class Dispatch:
         start_slots = max(1, config.max_sandbox_starts // config.num_workers)
         initargs = (self.settings, inbox.address, config.prompts_per_worker, start_slots, os.getpid())
         pool = self._make_pool(inbox, initargs)
-        previous_term = signal.signal(signal.SIGTERM, _interrupt)
         try:
             for batch in batches:
                 pool.apply_async(worker.run_batch, (batch,))
@@ -129,7 +124,6 @@ class Dispatch:
             # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
             # so ending the workers loses nothing. Not close()+join(): join waits forever on a pool
             # whose forkserver died.
-            signal.signal(signal.SIGTERM, previous_term)
             pool.terminate()
             inbox.close()
             backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
@@ -161,6 +155,9 @@ class Dispatch:
             track.claims[pid].add(message.batch_num)
         elif isinstance(message, (StopQueued, StopDone)):
             self.count_stop(message, pid, track.stops)
+        elif isinstance(message, Spend):  # a call of a prompt in flight: the budget counts it at once
+            self.recorder.add_live_spend(message)
+            self.check_budget(inbox)
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does
             self.recorder.counts["rate_limit_pauses"] += 1
             inbox.broadcast(PauseAll(message.until))
@@ -219,7 +216,9 @@ class Dispatch:
             )
 
     def check_budget(self, inbox: Inbox) -> None:
-        """Once the run's budget is spent, start no new prompt; those in flight finish. Resume later."""
+        """Once the run's budget is spent: no new prompt starts, and prompts in flight stop at their next
+        model call (failed, class ``budget``; --resume runs them). The overshoot is then at most the calls
+        already under way, one per prompt in flight."""
         rec = self.recorder
         if rec.budget_hit or not rec.budget_reached():
             return
@@ -227,7 +226,8 @@ class Dispatch:
         inbox.broadcast(StopStarting())
         self.pbar.write(
             f"Budget reached (${rec.spend['cost_usd']:.4f}, {rec.spend['total_tokens']:,} tokens): "
-            "no new prompts start; the ones in flight finish. Continue later with --resume.",
+            "no new prompt starts and prompts in flight stop at their next model call. "
+            "Continue later with --resume (and a larger budget).",
             file=sys.stderr,
         )
 

@@ -16,11 +16,18 @@ from typing import Any
 
 from batchrun.config import RunConfig
 from batchrun.prompt.tools.registry import known_tool_names
-from batchrun.prompt.trajectory import first_human, reasoning_counts, used_tool_names
+from batchrun.prompt.trajectory import (
+    reasoning_counts,
+    record_row_key,
+    used_tool_names,
+    valid_outcome_row,
+    valid_record,
+)
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY
-from batchrun.run.dataset import Row, prompt_key
+from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
-from batchrun.run.resume import add_discards, resume_command, unfinished
+from batchrun.run.resume import add_discards, resume_command, row_identity, unfinished
+from batchrun.secrets import Redactor
 from batchrun.storage import batch_files, fsync_dir, iter_jsonl, iter_jsonl_raw, write_json_atomic
 
 
@@ -30,9 +37,9 @@ class MergeTotals:
     def __init__(self, tool_names: list[str]):
         self.tool_stats = {n: {"count": 0, "success": 0, "failure": 0} for n in tool_names}
         self.dropped: collections.Counter[str] = collections.Counter()
-        self.finished: collections.Counter[bytes] = (
+        self.finished: collections.Counter[str] = (
             collections.Counter()
-        )  # prompt key -> records in batch files
+        )  # row identity -> records in batch files
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
@@ -91,9 +98,9 @@ def merge(run_dir: Path, rows: list[Row], recorder: Recorder) -> MergeTotals:
     One pass: each kept line is copied as written (already redacted) and counted for the
     statistics, so memory stays flat and each record is parsed once.
     """
-    wanted = collections.Counter(prompt_key(recorder.redact(r.prompt)) for r in rows)
+    wanted = collections.Counter(row_identity(r, recorder.redact) for r in rows)
     done_indices: set[int] = set()
-    kept: collections.Counter[bytes] = collections.Counter()
+    kept: collections.Counter[str] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
     out = run_dir / "trajectories.jsonl"
@@ -101,11 +108,10 @@ def merge(run_dir: Path, rows: list[Row], recorder: Recorder) -> MergeTotals:
     with tmp.open("wb") as fh:
         for _, path in batch_files(run_dir):
             for raw, rec in iter_jsonl_raw(path):
-                text = first_human(rec.get("conversations", [])) if rec else None
-                if text is None:
+                if not valid_record(rec):  # torn, or valid JSON of the wrong shape
                     totals.dropped["invalid_lines"] += 1
                     continue
-                key = prompt_key(text)
+                key = record_row_key(rec)
                 totals.finished[key] += 1
                 if isinstance(rec.get("prompt_index"), int):
                     done_indices.add(rec["prompt_index"])
@@ -134,13 +140,22 @@ def statistics(
     discards_all: collections.Counter[str] = collections.Counter()
     run_dir = config.run_dir
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
+    invalid = 0
     for rec in iter_jsonl(run_dir / "discarded.jsonl"):
-        if rec and isinstance(rec.get("reason"), str):
-            discards_all[rec["reason"]] += 1
-            w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
-            with_r, without_r = with_r + w, without_r + n - w
-    failures_all = _count_field(run_dir / "failed.jsonl", "error_class")
+        if not valid_outcome_row(rec, "reason"):
+            invalid += 1
+            continue
+        discards_all[rec["reason"]] += 1
+        w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
+        with_r, without_r = with_r + w, without_r + n - w
+    failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
     summary = totals.summary()
+    # Lines skipped for their shape (or torn) in discarded.jsonl and failed.jsonl, beside the batch files'.
+    summary["invalid_lines_skipped"] = {
+        "batch_files": totals.dropped.get("invalid_lines", 0),
+        "discarded.jsonl": invalid,
+        "failed.jsonl": invalid_failed,
+    }
     # Coverage over every sample the model produced, the discarded ones included (SPEC: "over the run").
     summary["reasoning"] = {
         "turns_with_reasoning": with_r,
@@ -167,6 +182,7 @@ def statistics(
             "api_calls": recorder.spend["requests"],
             "usage": {k: round(v, 8) if isinstance(v, float) else v for k, v in recorder.spend.items()},
             "skipped_for_budget": recorder.counts["skipped_budget"],
+            "budget": recorder.budget_summary(),
             "rate_limit_pauses": recorder.counts["rate_limit_pauses"],
             "bad_dataset_lines": recorder.counts["bad_lines"],
             "toolsets_offered": {
@@ -191,15 +207,15 @@ def count_remaining(
     return len(unfinished(rows, done, recorder.redact))
 
 
-def write_report(run_dir: Path, max_trajectories: int) -> None:
+def write_report(run_dir: Path, max_trajectories: int, redact: Redactor) -> None:
     """report.html beside the data; a report must never fail a finished run."""
     from batchrun.views.report import write_report
 
     try:
-        path = write_report(run_dir, max_trajectories=max_trajectories)
+        path = write_report(run_dir, max_trajectories=max_trajectories, redact=redact)
         print(f"Report: {path}  (again any time: python -m batchrun.views.report {run_dir})")
     except Exception as exc:
-        print(f"warning: report.html not written: {exc}", file=sys.stderr)
+        print(redact(f"warning: report.html not written: {exc}"), file=sys.stderr)
 
 
 def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> None:
@@ -236,7 +252,8 @@ def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float)
     if interrupted:
         return 130
     tr = stats["this_run"]
-    failed = sum(tr["failed"].values())
+    # Prompts the budget stopped were stopped on purpose; they are not failures of the run.
+    failed = sum(n for cls, n in tr["failed"].items() if cls != "budget")
     if tr["attempted"] and failed / tr["attempted"] > max_failure_rate:
         print(
             f"error: {failed} of {tr['attempted']} prompts failed (more than --max_failure_rate={max_failure_rate})",
@@ -246,10 +263,13 @@ def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float)
     return 0
 
 
-def _count_field(path: Path, field: str) -> dict[str, int]:
+def _count_field(path: Path, field: str) -> tuple[dict[str, int], int]:
+    """Rows of an outcome file by ``field``, and the number of lines skipped for their shape."""
     counts: collections.Counter[str] = collections.Counter()
-    if path.exists():
-        for rec in iter_jsonl(path):
-            if isinstance(rec, dict) and isinstance(rec.get(field), str):
-                counts[rec[field]] += 1
-    return dict(counts)
+    invalid = 0
+    for rec in iter_jsonl(path):
+        if valid_outcome_row(rec, field):
+            counts[rec[field]] += 1
+        else:
+            invalid += 1
+    return dict(counts), invalid

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import os
 import socket
 import sys
@@ -20,9 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome
+from batchrun.prompt.trajectory import row_key, valid_record
+from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.secrets import Redactor
-from batchrun.storage import append_jsonl, batch_files, iter_jsonl, write_json_atomic
+from batchrun.storage import (
+    WriteError,
+    append_jsonl,
+    batch_files,
+    iter_jsonl,
+    write_json_atomic,
+    write_text_in_place,
+)
 
 LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
 STATUS_EVERY_S = 2.0  # status.json refresh period during a run
@@ -54,6 +63,9 @@ class Recorder:
         self.failures: collections.Counter[str] = collections.Counter()
         self.discards: collections.Counter[str] = collections.Counter()
         self.spend: collections.Counter[str] = collections.Counter()  # this run's usage, all outcomes
+        # Tokens and cost of prompts still in flight, reported call by call (batch_num, prompt_index) -> usage:
+        # the budget sees spend as it happens; the outcome's usage then adds only the rest.
+        self.live_spend: dict[tuple[int, int], collections.Counter[str]] = {}
         self.budget_hit = False
         self.total = 0  # prompts handed to the workers in this run
         self.started = time.monotonic()
@@ -66,14 +78,23 @@ class Recorder:
         self._status_written = 0.0
         self._lock_file: Any = None
 
+    @property
+    def locked(self) -> bool:
+        return self._lock_file is not None
+
     # -- the run directory
 
     def lock(self) -> None:
         """One runner per run directory: a second one would write the same prompts twice."""
         import fcntl
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_file = (self.run_dir / LOCK_NAME).open("a+")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_file = (self.run_dir / LOCK_NAME).open("a+")
+        except OSError as exc:  # nothing has started: a usage problem, not a run that stopped
+            raise UsageError(
+                f"--output_dir: cannot write {exc.filename or self.run_dir}: {exc.strerror or exc}"
+            ) from None
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -92,8 +113,9 @@ class Recorder:
         if lock is not None:
             lock.close()  # closing the descriptor releases the flock
 
-    def holds_other_files(self) -> bool:
-        return any(p.name != LOCK_NAME for p in self.run_dir.iterdir())
+    def holds_a_run(self) -> bool:
+        """Whether the directory holds data; status.json alone is left by a run interrupted before it started."""
+        return any(p.name not in (LOCK_NAME, "status.json") for p in self.run_dir.iterdir())
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         write_json_atomic(self.run_dir / "run_manifest.json", manifest, self.redact)
@@ -105,10 +127,16 @@ class Recorder:
         kind = outcome.kind
         self.counts[kind] += 1
         self.last_event_at = _now()
+        live = self.live_spend.pop((outcome.batch_num, outcome.prompt_index), collections.Counter())
         for key, value in outcome.usage.items():  # Usage.as_dict(): every number is summed, not the providers
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.spend[key] += value
+                self.spend[key] += value - live.get(key, 0)  # what add_live_spend has not counted yet
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
+        # The row's identity travels with every outcome, so resume and merge can tell apart rows with
+        # the same text and another image or cwd. Always present, null when the row has none.
+        identity = {"image": outcome.image, "cwd": outcome.cwd, "row_key": self.identity_key(outcome)}
+        if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
+            outcome.record["metadata"].update(identity)
         if kind == TRAJECTORY:
             rec = outcome.record or {}
             self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
@@ -119,6 +147,7 @@ class Recorder:
             self.discards[outcome.reason or "unknown"] += 1
             row = {
                 "prompt": outcome.prompt,
+                **identity,
                 "prompt_index": outcome.prompt_index,
                 "batch_num": outcome.batch_num,
                 "reason": outcome.reason,
@@ -130,10 +159,12 @@ class Recorder:
             self.failures[outcome.error_class or "unknown"] += 1
             row = {
                 "prompt": outcome.prompt,
+                **identity,
                 "prompt_index": outcome.prompt_index,
                 "batch_num": outcome.batch_num,
                 "error_class": outcome.error_class,
-                "error": outcome.error,
+                # Redacted as a value too: an endpoint quoting the request puts JSON inside this string.
+                "error": self.redact(str(outcome.error)),
                 "timestamp": _now(),
                 "usage": outcome.usage,
             }
@@ -142,6 +173,40 @@ class Recorder:
                 self.echo(
                     self.redact(f"[{outcome.prompt_index}] failed: {outcome.error_class}: {outcome.error}")
                 )
+
+    def identity_key(self, outcome: Outcome) -> str:
+        """The row's identity as the saved record gives it back (secrets in it are redacted there)."""
+        image = None if outcome.image is None else self.redact(outcome.image)
+        cwd = None if outcome.cwd is None else self.redact(outcome.cwd)
+        return row_key(self.redact(outcome.prompt), image, cwd)
+
+    def add_live_spend(self, spend: Spend) -> None:
+        """One model call's tokens and cost, reported while its prompt is still running."""
+        live = self.live_spend.setdefault((spend.batch_num, spend.prompt_index), collections.Counter())
+        for key in ("prompt_tokens", "completion_tokens", "cost_usd"):
+            value = getattr(spend, key)
+            live[key] += value
+            self.spend[key] += value
+        self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
+
+    def budget_summary(self) -> dict[str, Any]:
+        """The run-wide budget, what this run spent, and by how much it went past the budget (the calls
+        already under way when it was reached)."""
+        tokens, usd = self.spend["total_tokens"], self.spend["cost_usd"]
+        return {
+            "tokens": self.budget_tokens,
+            "usd": self.budget_usd,
+            "spent_tokens": tokens,
+            "spent_usd": round(usd, 6),
+            "reached": self.budget_hit,
+            "overshoot_tokens": max(0, tokens - self.budget_tokens)
+            if self.budget_tokens is not None
+            else None,
+            "overshoot_usd": round(max(0.0, usd - self.budget_usd), 6)
+            if self.budget_usd is not None
+            else None,
+            "stopped_in_flight": self.failures.get("budget", 0),
+        }
 
     def budget_reached(self) -> bool:
         """Whether this run has spent its --budget_usd or --budget_tokens (checked after each outcome)."""
@@ -178,7 +243,7 @@ class Recorder:
                 self.done_indices.update(
                     rec["prompt_index"]
                     for rec in iter_jsonl(path)
-                    if isinstance(rec, dict) and isinstance(rec.get("prompt_index"), int)
+                    if valid_record(rec) and isinstance(rec.get("prompt_index"), int)
                 )
         state = {
             "run_name": self.run_name,
@@ -188,7 +253,7 @@ class Recorder:
         }
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
 
-    def write_status(self, state: str, force: bool = False) -> None:
+    def write_status(self, state: str, force: bool = False, error: str | None = None) -> None:
         """status.json for a second terminal (python -m batchrun.views.status data/<run>), every few seconds."""
         now = time.monotonic()
         if not force and now - self._status_written < STATUS_EVERY_S:
@@ -228,5 +293,14 @@ class Recorder:
                 "reached": self.budget_hit,
             },
             "last_event_at": self.last_event_at,
+            "error": self.redact(error) if error else None,  # why a run in state "failed" stopped
         }
-        write_json_atomic(self.run_dir / "status.json", status, self.redact)
+        try:
+            write_json_atomic(self.run_dir / "status.json", status, self.redact)
+        except WriteError:
+            if state != "failed":
+                raise
+            # A full disk has no room for the temp file; overwriting in place reuses the old file's blocks.
+            write_text_in_place(
+                self.run_dir / "status.json", self.redact(json.dumps(status, indent=2, ensure_ascii=False))
+            )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import hashlib
+import json
 import shlex
 import socket
 import sys
@@ -18,13 +19,30 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
-from batchrun.prompt.trajectory import first_human
-from batchrun.run.dataset import Row, prompt_key
+from batchrun.prompt.trajectory import (
+    outcome_row_key,
+    record_row_key,
+    row_key,
+    valid_outcome_row,
+    valid_record,
+)
+from batchrun.run.dataset import Row
 from batchrun.secrets import Redactor
 from batchrun.storage import batch_files, iter_jsonl
 
 # Settings that define what the data is; a resume with other values would mix two datasets.
-MANIFEST_KEYS = ("model", "distribution", "max_turns", "seed", "reasoning_effort", "reasoning_disabled")
+MANIFEST_KEYS = (
+    "model",
+    "distribution",
+    "max_turns",
+    "seed",
+    "reasoning_effort",
+    "reasoning_disabled",
+    "sandbox",
+    "keep_no_reasoning",
+    "ephemeral_system_prompt_sha256",  # hashes, never the text: both are secrets (see Redactor)
+    "prefill_sha256",
+)
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
@@ -37,6 +55,8 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "reasoning_effort": config.reasoning_effort,
         "reasoning_disabled": config.reasoning_disabled,
         "sandbox": config.backend,
+        "keep_no_reasoning": config.keep_no_reasoning,
+        **config.secret_hashes(),
         "dataset_file": config.dataset_file,
         "dataset_sha256": _file_sha256(config.dataset_file),
         "created": dt.datetime.now().isoformat(timespec="seconds"),
@@ -44,9 +64,30 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
     }
 
 
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The first run's settings; a damaged file stops the resume instead of silently skipping the check."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        old, problem = None, str(exc)
+    else:
+        problem = f"a JSON {type(old).__name__}"
+    if not isinstance(old, dict):
+        raise UsageError(
+            f"{path} is not a settings object ({problem}); the resume cannot check its settings. "
+            "Restore it, or remove it to resume without the check"
+        )
+    return old
+
+
 def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> dict[str, Any]:
-    """The manifest to keep for a resume: refused when data-defining settings changed, unless forced."""
-    changed = [k for k in MANIFEST_KEYS if old.get(k) != new.get(k)]
+    """The manifest to keep for a resume: refused when data-defining settings changed, unless forced.
+
+    With ``force`` the earlier settings go into the manifest's ``history``, so the data says it holds both.
+    """
+    # A key that a manifest of an older version lacks cannot be compared: it is recorded from now on.
+    changed = [k for k in MANIFEST_KEYS if k in old and old.get(k) != new.get(k)]
+    history = old.get("history") if isinstance(old.get("history"), list) else []
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
         if not force:
@@ -56,23 +97,37 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
                 f"resume with the original settings ({original}), or add --force_resume to mix them deliberately"
             )
         print(f"warning: resuming with changed settings ({detail}), as forced", file=sys.stderr)
+        history = [
+            *history,
+            {
+                "replaced_at": dt.datetime.now().isoformat(timespec="seconds"),
+                "settings": {k: old.get(k) for k in MANIFEST_KEYS if k in old},
+            },
+        ]
     if old.get("dataset_sha256") != new.get("dataset_sha256"):
         print(
-            "note: the dataset file changed since the first run; prompts are matched by their text",
+            "note: the dataset file changed since the first run; rows are matched by their content",
             file=sys.stderr,
         )
-    return {**new, "created": old.get("created", new.get("created"))}
+    kept = {**new, "created": old.get("created", new.get("created"))}
+    if history:
+        kept["history"] = history
+    return kept
 
 
-def unfinished(rows: list[Row], done: collections.Counter[bytes], redact: Redactor) -> list[Row]:
-    """The rows left once each finished outcome has taken one row of its prompt (duplicates count).
+def row_identity(row: Row, redact: Redactor) -> str:
+    """A dataset row's identity as saved records give it back (secrets in them were redacted there)."""
+    image = None if row.image is None else redact(row.image)
+    cwd = None if row.cwd is None else redact(row.cwd)
+    return row_key(redact(row.prompt), image, cwd)
 
-    A saved record's prompt had its secrets redacted, so a dataset prompt is keyed the same way.
-    """
+
+def unfinished(rows: list[Row], done: collections.Counter[str], redact: Redactor) -> list[Row]:
+    """The rows left once each finished outcome has taken one row of its identity (duplicates count)."""
     done = collections.Counter(done)
     left = []
     for row in rows:
-        key = prompt_key(redact(row.prompt))
+        key = row_identity(row, redact)
         if done[key] > 0:
             done[key] -= 1
         else:
@@ -80,29 +135,29 @@ def unfinished(rows: list[Row], done: collections.Counter[bytes], redact: Redact
     return left
 
 
-def scan_finished(run_dir: Path, *, rerun_discarded: bool) -> collections.Counter[bytes]:
-    """Prompt key -> number of finished outcomes (trajectories, and discards unless re-run)."""
-    done: collections.Counter[bytes] = collections.Counter()
+def scan_finished(run_dir: Path, *, rerun_discarded: bool) -> collections.Counter[str]:
+    """Row identity -> number of finished outcomes (trajectories, and discards unless re-run).
+    Lines of the wrong shape are skipped, as torn lines are."""
+    done: collections.Counter[str] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
-            text = first_human(rec.get("conversations", [])) if isinstance(rec, dict) else None
-            if text is not None:
-                done[prompt_key(text)] += 1
+            if valid_record(rec):
+                done[record_row_key(rec)] += 1
     add_discards(run_dir, done, rerun_discarded=rerun_discarded)
     return done
 
 
-def add_discards(run_dir: Path, done: collections.Counter[bytes], *, rerun_discarded: bool) -> None:
+def add_discards(run_dir: Path, done: collections.Counter[str], *, rerun_discarded: bool) -> None:
     """Discarded prompts count as finished unless --rerun_discarded (they cost money to redo)."""
     discards = run_dir / "discarded.jsonl"
     if discards.exists() and not rerun_discarded:
         for rec in iter_jsonl(discards):
-            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                done[prompt_key(rec["prompt"])] += 1
+            if valid_outcome_row(rec, "reason"):
+                done[outcome_row_key(rec)] += 1
 
 
 def resume_filter(rows: list[Row], run_dir: Path, redact: Redactor, *, rerun_discarded: bool) -> list[Row]:
-    """Keep the rows whose prompt has no finished outcome yet, counting duplicates by text."""
+    """Keep the rows with no finished outcome yet, counting duplicates per identity (text, image, cwd)."""
     todo = unfinished(rows, scan_finished(run_dir, rerun_discarded=rerun_discarded), redact)
     print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
     return todo
@@ -125,6 +180,9 @@ def resume_command(argv: list[str] | None = None) -> str:
 
 def _flag(name: str, value: Any) -> str:
     """A manifest setting as the command-line flag that reproduces it."""
+    if name.endswith("_sha256"):  # the text itself is a secret and is not stored
+        flag = {"prefill_sha256": "prefill_messages_file"}.get(name, name.removesuffix("_sha256"))
+        return f"--{flag}=<the original, sha256 {value[:12]}...>" if value else f"(no --{flag})"
     if isinstance(value, bool):
         return f"--{name}" if value else f"--{name}=False"
     return f"--{name}={shlex.quote(str(value))}"

@@ -27,6 +27,7 @@ from batchrun.protocol import (
     PauseAll,
     PromptJob,
     Skipped,
+    Spend,
     StopDone,
     StopQueued,
     StopStarting,
@@ -48,7 +49,8 @@ class WorkerState:
     send_lock: threading.Lock
     sandbox_starts: threading.BoundedSemaphore
     llm: LLMClient
-    stop: threading.Event
+    stop: threading.Event  # the run's budget is spent: no new prompt, no further model call
+    current: threading.local  # .job: the job a prompt thread runs (for report_spend)
     slots: threading.BoundedSemaphore
     threads: ThreadPoolExecutor
     stopper: BackgroundStopper
@@ -79,6 +81,7 @@ def init_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     known_tool_names()
     conn = connect_to_inbox(address, authkey)
+    stop = threading.Event()
     _state = WorkerState(
         settings=settings,
         conn=conn,
@@ -87,8 +90,11 @@ def init_worker(
         llm=LLMClient(
             settings.llm,
             Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
+            stop=stop,
+            on_usage=report_spend,
         ),
-        stop=threading.Event(),
+        stop=stop,
+        current=threading.local(),
         slots=threading.BoundedSemaphore(slots),
         threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
         # Sandbox stops after the prompt reported (not local: it stops in a few ms on the prompt's thread).
@@ -119,6 +125,27 @@ def send(message: Any) -> None:
         state.conn.send(message)
 
 
+def report_spend(usage: dict[str, Any]) -> None:
+    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them."""
+    job = getattr(_worker().current, "job", None)
+    if job is None:
+        return
+    cost = usage.get("cost")
+    send(
+        Spend(
+            batch_num=job.batch_num,
+            prompt_index=job.prompt_index,
+            prompt_tokens=_count_of(usage.get("prompt_tokens")),
+            completion_tokens=_count_of(usage.get("completion_tokens")),
+            cost_usd=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0,
+        )
+    )
+
+
+def _count_of(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _worker() -> WorkerState:
     if _state is None:
         raise RuntimeError("init_worker has not run in this process")
@@ -127,6 +154,7 @@ def _worker() -> WorkerState:
 
 def _run_one(job: PromptJob) -> None:
     state = _worker()
+    state.current.job = job
     try:
         if state.stop.is_set():  # the budget is spent: leave this prompt for a later --resume
             send(Skipped(job.batch_num, job.prompt_index))
@@ -146,6 +174,7 @@ def _run_one(job: PromptJob) -> None:
         )
         send(outcome)
     finally:
+        state.current.job = None
         state.slots.release()
 
 

@@ -20,10 +20,17 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import first_human, is_tool_failure, reasoning_counts
+from batchrun.prompt.trajectory import (
+    first_human,
+    is_tool_failure,
+    reasoning_counts,
+    valid_outcome_row,
+    valid_record,
+)
 from batchrun.storage import iter_jsonl
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -162,12 +169,12 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData
     sources, data.merged = trajectory_sources(run_dir)
     for path in sources:
         for rec in iter_jsonl(path):
-            if rec is None or not isinstance(rec.get("conversations"), list):
+            if not valid_record(rec):  # torn, or valid JSON of the wrong shape: skipped and counted
                 data.invalid_lines += 1
             else:
                 add_trajectory(data, rec)
     for row in iter_jsonl(run_dir / "discarded.jsonl"):
-        if row is None:
+        if not valid_outcome_row(row, "reason"):
             data.invalid_lines += 1
             continue
         reason = str(row.get("reason") or "unknown")
@@ -183,7 +190,7 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData
                 data.discarded_items += 1
                 data.items.append(browsable(data, rec, "discarded", reason, record_usage(rec)))
     for row in iter_jsonl(run_dir / "failed.jsonl"):
-        if row is None:
+        if not valid_outcome_row(row, "error_class"):
             data.invalid_lines += 1
             continue
         data.failed[str(row.get("error_class") or "unknown")] += 1
@@ -824,12 +831,21 @@ def render_page(d: RunData) -> str:
     )
 
 
-def write_report(run_dir: Path, max_trajectories: int = DEFAULT_MAX_TRAJECTORIES) -> Path:
-    """Write ``report.html`` into the run directory (atomically) and return its path."""
+def write_report(
+    run_dir: Path,
+    max_trajectories: int = DEFAULT_MAX_TRAJECTORIES,
+    redact: Callable[[str], str] | None = None,
+) -> Path:
+    """Write ``report.html`` into the run directory (atomically) and return its path.
+
+    ``redact``: the run's secret filter (the runner passes it); the files read are redacted already,
+    this also covers what the page derives from them."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run directory at {run_dir}")
     page = render_page(collect(run_dir, max_trajectories))
+    if redact is not None:
+        page = redact(page)
     out = run_dir / REPORT_NAME
     tmp = run_dir / f".{REPORT_NAME}.{os.getpid()}.tmp"
     try:

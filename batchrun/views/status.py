@@ -166,6 +166,8 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
     if limits:
         lines.append("Budget: " + " · ".join(limits))
 
+    if state == "failed" and isinstance(status.get("error"), str):
+        lines.append(f"FAILED: {status['error']}")
     if c["not_running"]:
         lines.append(
             f"WARNING: not running: state says running but process {status.get('pid')} is gone "
