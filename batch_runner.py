@@ -44,7 +44,12 @@ from batchrun.prompt.run import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSet
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
 from batchrun.prompt.sandboxes import BACKENDS, SandboxSpec, create_sandbox
 from batchrun.prompt.sandboxes.local import safe_run_name
-from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, available_toolsets, known_tool_names
+from batchrun.prompt.tools.registry import (
+    BUILTIN_TOOL_MODULES,
+    available_toolsets,
+    known_tool_names,
+    toolset_needs,
+)
 from batchrun.prompt.trajectory import first_human, reasoning_counts, used_tool_names
 from batchrun.storage import (
     append_jsonl,
@@ -691,10 +696,11 @@ class BatchRunner:
             (t for t in dist.probabilities if t in offered), key=dist.probabilities.get, default=None
         )
         if fallback is None and rows:
-            print(
-                f"warning: no toolset of distribution {self.opts.distribution!r} is available here "
-                f"({', '.join(dist.probabilities)}); prompts run without tools",
-                file=sys.stderr,
+            # Tool-less prompts would spend tokens on samples the distribution never meant to make.
+            needs = "; ".join(f"{t}: {toolset_needs(t) or 'not available'}" for t in dist.probabilities)
+            raise UsageError(
+                f"no toolset of distribution {self.opts.distribution!r} is available here, so its prompts "
+                f"would run without tools. Missing: {needs}. Configure one, or choose another --distribution"
             )
         missing: collections.Counter[str] = collections.Counter()
         batches: list[list[PromptJob]] = []

@@ -96,7 +96,7 @@ def run_prompt(
             "error": job.fail_reason,
             "usage": usage.as_dict(),
         }
-    tools = tools_for_toolsets(list(job.toolsets))
+    tools = tools_for_toolsets(list(job.toolsets), settings.tool_extra)
     spec = SandboxSpec(
         run_name=settings.run_name,
         prompt_index=job.prompt_index,

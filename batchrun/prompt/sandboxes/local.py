@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from batchrun.prompt.sandboxes._process import kill_process_group, run_process
 from batchrun.prompt.sandboxes._shell import MarkerScanner, new_exec_token
 from batchrun.prompt.sandboxes.base import (
+    BACKGROUND_DIR,
+    BACKGROUND_ENV,
     DEFAULT_OUTPUT_CAP_BYTES,
     CappedBuffer,
     ExecResult,
@@ -336,11 +338,49 @@ class LocalSandbox:
 # other process in the namespace is killed (so nothing it left behind writes after the marker or
 # outlives the call, as with one sandbox per command), then the end marker with the exit code is
 # printed. `kill -9 -1` on the host would be a disaster: the PID check makes sure it never runs there.
+# Once the process tool has started a background process (its directory exists), the sweep spares
+# the sessions it started and the processes marked with BACKGROUND_ENV (children inherit the mark)
+# instead of killing everything; zombies are skipped, as they write nothing and PID 1 reaps them.
 _SERVER_SCRIPT = r"""
 [ "$$" = 2 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
 unset SHLVL
-ctl=$1 sh=$2
+ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 keep_env=$5
 printf '%s\n' "$3"
+# kept <pid> <session>: 0 spare it, 1 kill it, 2 cannot tell yet. A process of a session the process
+# tool started is kept whatever it execs; otherwise the mark in its environment decides, and an
+# environment that reads empty (a process in the middle of an exec) is looked at again next round.
+kept() {
+    local e n=0
+    [ -n "${sessions[$2]}" ] && return 0
+    while IFS= read -r -d '' e; do
+        n=$((n + 1))
+        [ "$e" = "$keep_env" ] && return 0
+    done < "/proc/$1/environ"
+    [ "$n" = 0 ] && return 2
+    return 1
+}
+sweep() {
+    local round p f x st left unsure
+    declare -A sessions=()
+    for f in "$keep_dir"/p*/pid; do { read -r x < "$f" && sessions[$x]=1; } 2>/dev/null; done
+    for ((round = 0; round < 1000; round++)); do
+        left=0 unsure=0
+        for p in /proc/[0-9]*; do
+            p=${p#/proc/}
+            case $p in 1 | $$) continue ;; esac
+            { IFS= read -r st < "/proc/$p/stat"; } 2>/dev/null || continue  # gone meanwhile
+            set -- ${st##*) }  # state ppid pgrp session ...
+            [ "$1" = Z ] && continue
+            kept "$p" "$4" 2>/dev/null
+            case $?:$round in
+                0:*) continue ;;
+                2:?) unsure=1; continue ;;  # for the first 10 rounds
+            esac
+            kill -9 "$p" 2>/dev/null && left=1
+        done
+        [ "$left$unsure" = 00 ] && return
+    done
+}
 while IFS=' ' read -r seq tok has_in; do
     cmd=
     IFS= read -r -d '' cmd < "$ctl/$seq.cmd"
@@ -348,10 +388,14 @@ while IFS=' ' read -r seq tok has_in; do
     [ "$has_in" = 1 ] && in=$ctl/$seq.in
     "$sh" -c "$cmd" < "$in" 2>&1
     rc=$?
-    # kill(-1) fails once nothing is left to signal: repeat until then, so that a child forked
-    # during a round, or killed but not yet gone, is dead and reaped before the marker.
-    n=0
-    while kill -9 -1 2>/dev/null && [ "$n" -lt 100000 ]; do n=$((n + 1)); done
+    if [ -d "$keep_dir" ]; then
+        sweep
+    else
+        # kill(-1) fails once nothing is left to signal: repeat until then, so that a child forked
+        # during a round, or killed but not yet gone, is dead and reaped before the marker.
+        n=0
+        while kill -9 -1 2>/dev/null && [ "$n" -lt 100000 ]; do n=$((n + 1)); done
+    fi
     printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
 done
 """
@@ -363,7 +407,11 @@ class _CommandServer:
     @staticmethod
     def argv(ctl: str, ready: str) -> list[str]:
         """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests."""
-        return [_shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready]
+        keep_env = "=".join(BACKGROUND_ENV)
+        return [
+            _shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready,
+            BACKGROUND_DIR, keep_env,
+        ]  # fmt: skip
 
     def __init__(
         self, bwrap_prefix: list[str], *, ctl: str, env: dict[str, str], cwd: str, output_cap_bytes: int
