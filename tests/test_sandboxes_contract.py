@@ -252,11 +252,15 @@ def test_process_tool_keeps_a_background_command_between_commands(make: Make, ki
     # backend sweeps them; the background commands live on.
     assert sandbox.run(f"echo other; sleep {tag + 1} >/dev/null 2>&1 &", timeout_s=20).output == "other\n"
     assert sandbox.run("sleep 2", timeout_s=20).exit_code == 0
+    # A command that times out is killed with its children, not the background commands.
+    timed_out = sandbox.run(f"sleep {tag + 2} & sleep {tag + 3}", timeout_s=1)
+    assert timed_out.timed_out
     assert call(action="poll", id=waiter["id"])["status"] == "running"
     assert call(action="read", id=waiter["id"])["output"] == "ready\n"
     assert call(action="read", id=waiter["id"])["output"] == ""  # read only once
     listing = processes(kind, sandbox)
     assert f"sleep {tag}" in listing
+    assert f"sleep {tag + 2}" not in listing and f"sleep {tag + 3}" not in listing
     if kind == "local-bwrap":
         assert f"sleep {tag + 1}" not in listing
 

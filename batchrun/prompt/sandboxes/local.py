@@ -297,7 +297,8 @@ class LocalSandbox:
         for attempt in range(3):
             prefix = self._bwrap_prefix(fresh_sockets=attempt > 0)  # a masked socket may have gone since
             server = _CommandServer(prefix, ctl=os.path.join(self._root, "ctl"), env=self._env(),
-                                    cwd=self.workdir, output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
+                                    cwd=self.workdir, output_cap_bytes=self.options.output_cap_bytes,
+                                    background_dir=os.path.join(self._root, "tmp", BACKGROUND_DIR))  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None:
                 return server
@@ -414,10 +415,18 @@ class _CommandServer:
         ]  # fmt: skip
 
     def __init__(
-        self, bwrap_prefix: list[str], *, ctl: str, env: dict[str, str], cwd: str, output_cap_bytes: int
+        self,
+        bwrap_prefix: list[str],
+        *,
+        ctl: str,
+        env: dict[str, str],
+        cwd: str,
+        output_cap_bytes: int,
+        background_dir: str | None = None,
     ):
         self.ctl = ctl
         self.output_cap_bytes = output_cap_bytes
+        self.background_dir = background_dir  # the process tool's directory, seen from the host
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
         self.proc = subprocess.Popen(
@@ -472,8 +481,9 @@ class _CommandServer:
                 chunk = self._read(deadline)
                 if chunk is None:  # the deadline: end the namespace, and everything the command started
                     timed_out = True
-                    self.kill()
-                    self._drain(scanner, time.monotonic() + 1.0)
+                    if not self._end_command(scanner):
+                        self.kill()
+                        self._drain(scanner, time.monotonic() + 1.0)
                     break
                 if not chunk:
                     break
@@ -496,6 +506,45 @@ class _CommandServer:
             note = "[the sandbox's shell ended during this command; the next command gets a new one]"
             return ExecResult(output=(output + "\n" + note).lstrip("\n"), exit_code=137, truncated=truncated)
         return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
+
+    def _end_command(self, scanner: MarkerScanner) -> bool:
+        """After a timeout, kill the command's processes but not the process tool's, if any run.
+
+        Ending the whole namespace would end the background processes too. From the host, every
+        process of the namespace but PID 1 (bwrap), PID 2 (the server), the sessions the process
+        tool started and processes carrying its mark is killed; the server then sweeps and prints
+        the end marker as after any command. False (the caller ends the namespace) when no process
+        tool directory exists or the marker does not come.
+        """
+        if not (self.background_dir and os.path.isdir(self.background_dir)):
+            return False
+        members = _namespace_members(self.proc.pid)
+        if not members:
+            return False
+        keep_sessions = set()
+        for entry in os.scandir(self.background_dir):
+            try:
+                with open(os.path.join(entry.path, "pid")) as f:
+                    ns_pid = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            keep_sessions.update(h for h, m in members.items() if m.ns_pid == ns_pid)
+        mark = "=".join(BACKGROUND_ENV).encode()
+        for _ in range(3):  # again for children forked meanwhile
+            for host_pid, member in _namespace_members(self.proc.pid).items():
+                if member.ns_pid in (1, 2) or member.session in keep_sessions or _has_env(host_pid, mark):
+                    continue
+                try:
+                    os.kill(host_pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
+        while not scanner.done:
+            chunk = self._read(deadline)
+            if not chunk:
+                return False
+            scanner.feed(chunk)
+        return True
 
     def close(self) -> None:
         """End the server: EOF on its requests, a short wait, then SIGKILL for the whole namespace."""
@@ -537,6 +586,45 @@ class _CommandServer:
             if not chunk:
                 return
             scanner.feed(chunk)
+
+
+@dataclass(frozen=True)
+class _Member:
+    ns_pid: int  # its pid inside the namespace
+    session: int  # its session id, as the host sees it
+
+
+def _namespace_members(bwrap_pid: int) -> dict[int, _Member]:
+    """The processes of the PID namespace that ``bwrap_pid`` (the outer bwrap) made, by host pid."""
+    try:
+        with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
+            init = int(f.read().split()[0])  # the namespace's PID 1, bwrap's only child
+        target = os.readlink(f"/proc/{init}/ns/pid")
+    except (OSError, ValueError, IndexError):
+        return {}
+    members = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != target:
+                continue
+            with open(f"/proc/{entry.name}/status") as f:
+                ns_pid = next(int(line.split()[-1]) for line in f if line.startswith("NSpid:"))
+            with open(f"/proc/{entry.name}/stat") as f:
+                session = int(f.read().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue
+        members[int(entry.name)] = _Member(ns_pid, session)
+    return members
+
+
+def _has_env(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _kill_tagged(marker: bytes) -> None:

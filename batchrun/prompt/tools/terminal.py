@@ -142,8 +142,8 @@ _STATUS_NOTES = {
     "running": None,
     "exited": None,
     "killed": "killed by the process tool",
-    "lost": "the process ended without an exit code (killed from outside, or its sandbox shell was "
-    "restarted after a timed-out terminal command)",
+    "lost": "the process ended without an exit code (killed by another command, or the sandbox "
+    "restarted its shell)",
 }
 
 
