@@ -210,3 +210,10 @@ def test_cli_refuses_a_non_empty_output_and_skips_malformed_lines(run_dir, tmp_p
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 2 and "no trajectories.jsonl" in done.stderr
+
+
+def test_parquet_without_pyarrow_is_a_clear_error(run_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    assert export.main([str(run_dir), "--format=parquet", f"--out={tmp_path / 'out'}"]) == 2
+    assert "needs pyarrow: pip install 'batch-runner[export]'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -8,7 +8,8 @@ Without bubblewrap there is no isolation at all: say so loudly.
 With bubblewrap, one command server runs per prompt (see ``_CommandServer``): setting up the
 namespaces costs more CPU than the command itself, so it is paid once per prompt, not per command.
 Each command still gets a fresh ``bash -c``, and after each one every process it left behind is
-killed, so commands behave as if each had its own sandbox.
+killed, so commands behave as if each had its own sandbox; only what the ``process`` tool started
+in the background is spared (see ``_SERVER_SCRIPT`` and ``_CommandServer._end_command``).
 """
 
 from __future__ import annotations
