@@ -217,3 +217,21 @@ def test_parquet_without_pyarrow_is_a_clear_error(run_dir, tmp_path, monkeypatch
     assert export.main([str(run_dir), "--format=parquet", f"--out={tmp_path / 'out'}"]) == 2
     assert "needs pyarrow: pip install 'batch-runner[export]'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_records_that_do_not_parse_back_are_left_out_and_counted(run_dir, tmp_path):
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    with_calls = [r for r in records if any(t.get("tool_calls") for t in r["conversations"])]
+    first, second = with_calls[0], with_calls[1]
+    next(t for t in first["conversations"] if t.get("tool_calls"))["tool_calls"][0]["function"][
+        "arguments"
+    ] = '{"command": "not what the text says"}'
+    next(t for t in second["conversations"] if t.get("tool_calls"))["tool_calls"][0]["id"] = 5
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), "utf-8")
+    result = export.export_run(copy, "parquet", tmp_path / "out")
+    assert result.skipped == {"unparsable (ValueError)": 2}
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "out" / "train.parquet"))["train"]
+    assert len(loaded) == len(records) - 2
+    assert first["prompt_index"] not in loaded["prompt_index"]

@@ -94,6 +94,8 @@ def to_openai_messages(conversations: list[dict[str, Any]]) -> list[dict[str, An
             messages.append(_assistant_message(turn, value))
         elif who == "tool":
             for resp in parse_tool_responses(value):
+                if not isinstance(resp["tool_call_id"], str):
+                    raise ValueError("a tool result's tool_call_id is not a string")
                 messages.append(
                     {"role": "tool", "tool_call_id": resp["tool_call_id"], "content": resp["content"]}
                 )
@@ -105,6 +107,9 @@ def to_openai_messages(conversations: list[dict[str, Any]]) -> list[dict[str, An
 def _assistant_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
     reasoning, content, parsed = parse_gpt_value(value)
     structured = turn.get("tool_calls") or []
+    for c in structured:  # typed as the columns are: a bad value would fail the whole Parquet row group
+        if not all(isinstance(v, str) for v in (c["id"], c["function"]["name"], c["function"]["arguments"])):
+            raise ValueError("a tool call's id, name or arguments is not a string")
     # The structured list carries the ids; the text must hold exactly the same calls, or one of the two is wrong.
     if [
         {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in structured
@@ -150,12 +155,13 @@ def _row(record: dict[str, Any], fmt: str, discard_reason: str | None) -> dict[s
     else:
         row = {"messages": [_full_message(m) for m in to_openai_messages(conversations)]}
     row["tools"] = json.dumps(tools, ensure_ascii=False)
+    index, model = record.get("prompt_index"), metadata.get("model")
     row.update(
-        prompt_index=record.get("prompt_index"),
+        prompt_index=index if isinstance(index, int) and not isinstance(index, bool) else None,
         completed=bool(record.get("completed")),
         partial=bool(record.get("partial")),
-        model=metadata.get("model"),
-        toolsets_used=list(record.get("toolsets_used") or []),
+        model=model if isinstance(model, str) else None,
+        toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
         discard_reason=discard_reason,
     )
     return row
