@@ -1,6 +1,7 @@
 """The command line and the story of one run, step by step.
 
     python batch_runner.py --dataset_file=data/prompts.jsonl --batch_size=10 --run_name=my_run
+    python batch_runner.py export data/my_run --format=openai --out=exported/   (trainer formats)
     batch-runner --dataset_file=...          (the installed console command: the same)
 
 :func:`main` (Fire's, with every flag in its ``Args:``) builds one checked
@@ -238,6 +239,10 @@ def cli(argv: list[str] | None = None) -> None:
     here instead, and ``main`` gets them as strings that ``RunConfig.from_flags`` types and checks.
     """
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:  # python batch_runner.py export data/<run> --format=openai --out=DIR
+        from batchrun.views.export import main as export_main
+
+        raise SystemExit(export_main(argv[1:]))
     if any(a in ("-h", "--help", "-help") for a in argv):
         import fire
 

@@ -219,6 +219,21 @@ def test_unknown_distribution_lists_the_valid_ones(tmp_path, capsys):
         assert name in err
 
 
+def test_a_distribution_with_no_available_toolset_is_refused_before_any_request(
+    tmp_path, capsys, clean_tool_env, server
+):
+    """`minimal` is web only: without a search provider its prompts would run without tools."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit) as info:
+        _main(tmp_path, distribution="minimal", base_url=server.base_url)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no toolset of distribution 'minimal' is available" in err
+    assert "WEB_SEARCH_PROVIDER" in err
+    assert server.stats()["requests"] == 0
+    _main(tmp_path, distribution="terminal_only", base_url=server.base_url, model="mock")  # the name is free
+
+
 def test_unknown_reasoning_effort_lists_the_valid_ones(tmp_path, capsys):
     err = _usage_error(tmp_path, capsys, reasoning_effort="extreme")
     assert "--reasoning_effort" in err and "'extreme'" in err

@@ -218,3 +218,64 @@ def test_failed_start_raises_and_stop_is_safe(make: Make, kind: str):
         sandbox.start()
     sandbox.stop()
     sandbox.stop()
+
+
+def test_process_tool_keeps_a_background_command_between_commands(make: Make, kind: str):
+    """Started by the process tool, a command lives on while other commands come and go."""
+    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call
+
+    if kind.endswith("-fake"):
+        # The fakes run each exec in a PID namespace of its own that ends with it; a real Apptainer
+        # instance or Modal sandbox keeps one for its life. Untested there: no such service here.
+        pytest.skip("the fake backends end every process with its exec")
+
+    sandbox = make()
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=30.0, output_cap_bytes=CAP)
+
+    def call(**args) -> dict:
+        return json.loads(execute_tool_call("process", json.dumps(args), ctx, {"process"}))
+
+    def wait_for(proc_id: str, status: str) -> dict:
+        deadline = time.monotonic() + 20
+        while (got := call(action="poll", id=proc_id))["status"] != status:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.2)
+        return got
+
+    tag = random.randint(100_000, 999_999)
+    waiter = call(
+        action="start", command="echo ready; while [ ! -f stop-now ]; do sleep 1; done; echo bye; exit 3"
+    )
+    assert waiter["status"] == "running" and waiter["id"] == "p1", waiter
+    sleeper = call(action="start", command=f"sleep {tag}")
+    # Other commands run and end, and a terminal command's own leftovers are still swept where the
+    # backend sweeps them; the background commands live on.
+    assert sandbox.run(f"echo other; sleep {tag + 1} >/dev/null 2>&1 &", timeout_s=20).output == "other\n"
+    assert sandbox.run("sleep 2", timeout_s=20).exit_code == 0
+    # A command that times out is killed with its children, not the background commands.
+    timed_out = sandbox.run(f"sleep {tag + 2} & sleep {tag + 3}", timeout_s=1)
+    assert timed_out.timed_out
+    assert call(action="poll", id=waiter["id"])["status"] == "running"
+    assert call(action="read", id=waiter["id"])["output"] == "ready\n"
+    assert call(action="read", id=waiter["id"])["output"] == ""  # read only once
+    listing = processes(kind, sandbox)
+    assert f"sleep {tag}" in listing
+    assert f"sleep {tag + 2}" not in listing and f"sleep {tag + 3}" not in listing
+    if kind == "local-bwrap":
+        assert f"sleep {tag + 1}" not in listing
+
+    sandbox.run("touch stop-now", timeout_s=20)  # in the working directory the background command shares
+    done = wait_for(waiter["id"], "exited")
+    assert done["exit_code"] == 3 and done["unread_bytes"] == len("bye\n")
+    assert call(action="read", id=waiter["id"])["output"] == "bye\n"
+
+    killed = call(action="kill", id=sleeper["id"])
+    assert killed["status"] == "killed"
+    deadline = time.monotonic() + 10
+    while f"sleep {tag}\n" in processes(kind, sandbox) + "\n":
+        assert time.monotonic() < deadline, "the killed process still runs"
+        time.sleep(0.2)
+    assert [(p["id"], p["status"]) for p in call(action="list")["processes"]] == [
+        ("p1", "exited"),
+        ("p2", "killed"),
+    ]

@@ -112,3 +112,55 @@ def test_a_nul_character_in_the_command_is_the_model_s_error(sandbox):
     result = call(sandbox, "terminal", command="echo a\u0000b")
     assert "NUL" in result["error"]
     assert call(sandbox, "terminal", command="echo still here")["output"] == "still here\n"
+
+
+# ----------------------------------------------------------------------------- process (background commands)
+
+
+def process(sandbox, cap: int = CAP, **args):
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=20.0, output_cap_bytes=cap)
+    return json.loads(execute_tool_call("process", json.dumps(args), ctx, OFFERED))
+
+
+def test_process_is_offered_with_the_terminal():
+    assert {t.name for t in tools_for_toolsets(["terminal"])} == {"terminal", "process"}
+
+
+def test_process_output_is_read_in_pieces_and_once(sandbox):
+    # 1500 bytes with a 1024-byte limit: pieces of 512 bytes (room is kept for the status).
+    started = process(sandbox, action="start", command="head -c 1500 /dev/zero | tr '\\000' x; exit 7")
+    deadline = time.monotonic() + 10
+    while (st := process(sandbox, action="poll", id=started["id"]))["status"] != "exited":
+        assert time.monotonic() < deadline, st
+        time.sleep(0.1)
+    assert st["exit_code"] == 7 and st["output_bytes"] == 1500 and st["unread_bytes"] == 1500
+    pieces = [process(sandbox, cap=1024, action="read", id=started["id"]) for _ in range(4)]
+    assert [len(p["output"]) for p in pieces] == [512, 512, 476, 0]
+    assert [p["unread_bytes"] for p in pieces] == [988, 476, 0, 0]
+    assert "".join(p["output"] for p in pieces) == "x" * 1500
+
+
+def test_process_runs_in_the_workdir_and_is_killed_with_its_children(sandbox):
+    started = process(sandbox, action="start", command="pwd; sleep 30917 & sleep 30918; echo never")
+    assert process(sandbox, action="poll", id=started["id"])["status"] == "running"
+    killed = process(sandbox, action="kill", id=started["id"])
+    assert killed["status"] == "killed" and killed["note"] == "killed by the process tool"
+    time.sleep(0.3)
+    assert process(sandbox, action="read", id=started["id"])["output"] == f"{sandbox.workdir}\n"
+    assert process(sandbox, action="kill", id=started["id"])["status"] == "killed"  # again: no effect
+    listing = sandbox.run("ps -o args 2>/dev/null || ps", timeout_s=10).output
+    assert "sleep 30917" not in listing and "sleep 30918" not in listing
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"action": "start"}, "needs a non-empty command"),
+        ({"action": "poll"}, "needs the id that 'start' returned"),
+        ({"action": "read", "id": "../etc"}, "needs the id that 'start' returned"),
+        ({"action": "kill", "id": "p42"}, "no process 'p42' was started"),
+        ({"action": "pause", "id": "p1"}, "unknown action 'pause'"),
+    ],
+)
+def test_process_bad_arguments_are_errors(sandbox, args, message):
+    assert message in process(sandbox, **args)["error"]

@@ -12,7 +12,7 @@ import pytest
 from batchrun.fakes.fake_services import FakeWebServer, Page
 from batchrun.prompt.tools import web
 from batchrun.prompt.tools.config import SEARCH_PROVIDERS, ToolConfigError, extract_config, search_config
-from batchrun.prompt.tools.registry import available_toolsets
+from batchrun.prompt.tools.registry import available_toolsets, tools_for_toolsets
 
 PRIVATE_OFF = {"WEB_ALLOW_PRIVATE_ADDRESSES": "0"}
 
@@ -89,6 +89,41 @@ def test_unreachable_provider_is_an_error(tool_ctx, call_tool):
 def test_web_is_offered_only_with_a_provider(clean_tool_env, fake_web):
     assert "web" not in available_toolsets({})
     assert "web" in available_toolsets({"tool_env": fake_web.provider_env("searxng")})
+
+
+def test_browser_toolset_offers_web_search_when_a_provider_is_configured(clean_tool_env, fake_web):
+    """As in the reference, browser includes web_search: here only when a search provider is set."""
+    configured = {"tool_env": fake_web.provider_env("searxng")}
+    plain = [t.name for t in tools_for_toolsets(["browser"], {})]
+    assert plain and all(name.startswith("browser_") for name in plain)
+    assert [t.name for t in tools_for_toolsets(["browser"], configured)] == ["web_search", *plain]
+    assert [t.name for t in tools_for_toolsets(["web", "browser"], configured)].count("web_search") == 1
+    assert "web_extract" not in {t.name for t in tools_for_toolsets(["browser"], configured)}
+    bad = {"tool_env": {"WEB_SEARCH_PROVIDER": "google"}}  # reported by the run's preflight, not offered
+    assert [t.name for t in tools_for_toolsets(["browser"], bad)] == plain
+
+
+def test_a_browser_only_run_searches_the_web(clean_tool_env, fake_web, chromium_ready, tmp_path, monkeypatch):
+    """End to end: the browser_only distribution, a search provider set in the environment, the fake
+    model (which calls the first offered tool): web_search runs and its results reach the record."""
+    import batch_runner
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    for name, value in fake_web.provider_env("searxng").items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "alpha article search"}) + "\n")
+    with FakeModelServer(latency_s=0) as server:
+        batch_runner.main(
+            dataset_file=str(tmp_path / "p.jsonl"), batch_size=1, run_name="b", model="fake-model",
+            base_url=server.base_url, api_key="k", output_dir=str(tmp_path / "data"), num_workers=1,
+            distribution="browser_only",
+        )  # fmt: skip
+    (record,) = [json.loads(line) for line in (tmp_path / "data" / "b" / "trajectories.jsonl").open()]
+    assert record["toolsets_used"] == ["browser"]
+    offered = json.loads(record["conversations"][0]["value"].split("<tools>\n")[1].split("\n</tools>")[0])
+    assert offered[0]["name"] == "web_search" and offered[1]["name"].startswith("browser_")
+    assert record["tool_stats"]["web_search"] == {"count": 1, "success": 1, "failure": 0}
+    assert fake_web.url("/articles/alpha.html") in record["conversations"][3]["value"]
 
 
 def test_provider_is_detected_from_its_key(clean_tool_env):

@@ -72,7 +72,7 @@ def run_prompt(
     usage = Usage()
     if job.fail_reason:
         return Outcome.failed(job, "preflight", job.fail_reason, usage.as_dict())
-    tools = tools_for_toolsets(list(job.toolsets))
+    tools = tools_for_toolsets(list(job.toolsets), settings.tool_extra)
     spec = SandboxSpec(
         run_name=settings.run_name,
         prompt_index=job.prompt_index,

@@ -306,3 +306,49 @@ def valid_outcome_row(row: Any, field: str) -> bool:
 
 def outcome_row_key(row: dict[str, Any]) -> str:
     return row_key(row["prompt"], row.get("image"), row.get("cwd"))
+
+
+# ----------------------------------------------------------------------------- reading a record back
+# The inverses of the renderers above, for readers of saved records (the exporter): they live here so
+# the text convention is written and read in one place.
+
+_TOOLS_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+_TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
+
+
+def parse_gpt_value(value: str) -> tuple[str | None, str, list[dict[str, str]]]:
+    """Split a gpt ``value`` into (reasoning, the model's words, ``[{"name", "arguments"}]``).
+
+    ``gpt_value`` writes the calls after the words, so the words end where the first call block starts.
+    """
+    reasoning, rest = split_reasoning(value)
+    first = _TOOL_CALL_RE.search(rest)
+    content = rest if first is None else rest[: first.start()]
+    return reasoning, content.removesuffix("\n"), parse_tool_calls(rest)
+
+
+def parse_tool_responses(value: str) -> list[dict[str, Any]]:
+    """The ``<tool_response>`` blocks of a tool entry as ``[{"tool_call_id", "name", "content"}]``.
+
+    ``content`` is the result text the model saw (JSON results as compact JSON text, as tools return them).
+    """
+    out = []
+    for block in _TOOL_RESPONSE_RE.findall(value):
+        obj = json.loads(block)
+        body = obj["content"]
+        out.append(
+            {
+                "tool_call_id": obj["tool_call_id"],
+                "name": obj.get("name", ""),
+                "content": body if isinstance(body, str) else json.dumps(body, ensure_ascii=False),
+            }
+        )
+    return out
+
+
+def offered_tools(system_value: str) -> list[dict[str, Any]]:
+    """The tools a system entry offered, as OpenAI tool schemas (``{"type": "function", "function": ...}``)."""
+    found = _TOOLS_RE.search(system_value)
+    if found is None:
+        return []
+    return [{"type": "function", "function": f} for f in json.loads(found.group(1))]

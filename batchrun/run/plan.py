@@ -9,7 +9,7 @@ from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.distributions import get_distribution, prompt_rng, sample_toolsets_from_distribution
-from batchrun.prompt.tools.registry import available_toolsets
+from batchrun.prompt.tools.registry import available_toolsets, toolset_needs
 from batchrun.protocol import PromptJob
 from batchrun.run.dataset import Row
 from batchrun.storage import batch_files
@@ -34,14 +34,12 @@ def make_plan(rows: list[Row], config: RunConfig, run_dir: Path, tool_extra: dic
     except ValueError as exc:
         raise UsageError(f"toolset configuration: {exc}") from None
     dist = get_distribution(config.distribution)
-    # The at-least-one guarantee must hold for what is really offered: the most probable available toolset.
-    fallback = max(
-        (t for t in dist.probabilities if t in available), key=dist.probabilities.get, default=None
-    )
-    if fallback is None and rows:
-        print(
-            f"warning: no toolset of distribution {config.distribution!r} is available here "
-            f"({', '.join(dist.probabilities)}); prompts run without tools"
+    if rows and not any(t in available for t in dist.probabilities):
+        # Tool-less prompts would spend tokens on samples the distribution never meant to make.
+        needs = "; ".join(f"{t}: {toolset_needs(t) or 'not available'}" for t in dist.probabilities)
+        raise UsageError(
+            f"no toolset of distribution {config.distribution!r} is available here, so its prompts "
+            f"would run without tools. Missing: {needs}. Configure one, or choose another --distribution"
         )
     plan = Plan(batches=[])
     for i, row in enumerate(rows):

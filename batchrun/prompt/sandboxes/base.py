@@ -15,6 +15,12 @@ from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024
 DEFAULT_IMAGE = "python:3.11-slim"  # container backends: the image of rows that name none (--default_image)
 TRUNCATION_NOTE = "\n[output truncated: {dropped} of {total} bytes not shown]"
+# Processes the ``process`` tool starts carry BACKGROUND_ENV in their environment, and their state
+# lives in BACKGROUND_DIR under $TMPDIR (else /tmp) inside the sandbox. A backend that ends each
+# command's leftovers (local with bubblewrap) spares processes marked so while that directory exists:
+# they run on until the process tool kills them or the sandbox stops.
+BACKGROUND_ENV = ("BATCH_RUNNER_BACKGROUND", "1")
+BACKGROUND_DIR = ".batch-runner-processes"
 
 
 class SandboxError(RuntimeError):

@@ -8,7 +8,8 @@ Without bubblewrap there is no isolation at all: say so loudly.
 With bubblewrap, one command server runs per prompt (see ``_CommandServer``): setting up the
 namespaces costs more CPU than the command itself, so it is paid once per prompt, not per command.
 Each command still gets a fresh ``bash -c``, and after each one every process it left behind is
-killed, so commands behave as if each had its own sandbox.
+killed, so commands behave as if each had its own sandbox; only what the ``process`` tool started
+in the background is spared (see ``_SERVER_SCRIPT`` and ``_CommandServer._end_command``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 from batchrun.prompt.sandboxes._process import kill_process_group, run_process
 from batchrun.prompt.sandboxes._shell import MarkerScanner, new_exec_token
 from batchrun.prompt.sandboxes.base import (
+    BACKGROUND_DIR,
+    BACKGROUND_ENV,
     DEFAULT_OUTPUT_CAP_BYTES,
     CappedBuffer,
     ExecResult,
@@ -366,7 +369,8 @@ class LocalSandbox:
         for attempt in range(3):
             prefix = self._bwrap_prefix(fresh_sockets=attempt > 0)  # a masked socket may have gone since
             server = _CommandServer(prefix, ctl=os.path.join(self._root, "ctl"), env=self._env(),
-                                    cwd=self.workdir, output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
+                                    cwd=self.workdir, output_cap_bytes=self.options.output_cap_bytes,
+                                    background_dir=os.path.join(self._root, "tmp", BACKGROUND_DIR))  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None:
                 return server
@@ -407,11 +411,49 @@ class LocalSandbox:
 # other process in the namespace is killed (so nothing it left behind writes after the marker or
 # outlives the call, as with one sandbox per command), then the end marker with the exit code is
 # printed. `kill -9 -1` on the host would be a disaster: the PID check makes sure it never runs there.
+# Once the process tool has started a background process (its directory exists), the sweep spares
+# the sessions it started and the processes marked with BACKGROUND_ENV (children inherit the mark)
+# instead of killing everything; zombies are skipped, as they write nothing and PID 1 reaps them.
 _SERVER_SCRIPT = r"""
 [ "$$" = 2 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
 unset SHLVL
-ctl=$1 sh=$2
+ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 keep_env=$5
 printf '%s\n' "$3"
+# kept <pid> <session>: 0 spare it, 1 kill it, 2 cannot tell yet. A process of a session the process
+# tool started is kept whatever it execs; otherwise the mark in its environment decides, and an
+# environment that reads empty (a process in the middle of an exec) is looked at again next round.
+kept() {
+    local e n=0
+    [ -n "${sessions[$2]}" ] && return 0
+    while IFS= read -r -d '' e; do
+        n=$((n + 1))
+        [ "$e" = "$keep_env" ] && return 0
+    done < "/proc/$1/environ"
+    [ "$n" = 0 ] && return 2
+    return 1
+}
+sweep() {
+    local round p f x st left unsure
+    declare -A sessions=()
+    for f in "$keep_dir"/p*/pid; do { read -r x < "$f" && sessions[$x]=1; } 2>/dev/null; done
+    for ((round = 0; round < 1000; round++)); do
+        left=0 unsure=0
+        for p in /proc/[0-9]*; do
+            p=${p#/proc/}
+            case $p in 1 | $$) continue ;; esac
+            { IFS= read -r st < "/proc/$p/stat"; } 2>/dev/null || continue  # gone meanwhile
+            set -- ${st##*) }  # state ppid pgrp session ...
+            [ "$1" = Z ] && continue
+            kept "$p" "$4" 2>/dev/null
+            case $?:$round in
+                0:*) continue ;;
+                2:?) unsure=1; continue ;;  # for the first 10 rounds
+            esac
+            kill -9 "$p" 2>/dev/null && left=1
+        done
+        [ "$left$unsure" = 00 ] && return
+    done
+}
 while IFS=' ' read -r seq tok has_in; do
     cmd=
     IFS= read -r -d '' cmd < "$ctl/$seq.cmd"
@@ -419,10 +461,14 @@ while IFS=' ' read -r seq tok has_in; do
     [ "$has_in" = 1 ] && in=$ctl/$seq.in
     "$sh" -c "$cmd" < "$in" 2>&1
     rc=$?
-    # kill(-1) fails once nothing is left to signal: repeat until then, so that a child forked
-    # during a round, or killed but not yet gone, is dead and reaped before the marker.
-    n=0
-    while kill -9 -1 2>/dev/null && [ "$n" -lt 100000 ]; do n=$((n + 1)); done
+    if [ -d "$keep_dir" ]; then
+        sweep
+    else
+        # kill(-1) fails once nothing is left to signal: repeat until then, so that a child forked
+        # during a round, or killed but not yet gone, is dead and reaped before the marker.
+        n=0
+        while kill -9 -1 2>/dev/null && [ "$n" -lt 100000 ]; do n=$((n + 1)); done
+    fi
     printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
 done
 """
@@ -434,13 +480,25 @@ class _CommandServer:
     @staticmethod
     def argv(ctl: str, ready: str) -> list[str]:
         """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests."""
-        return [_shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready]
+        keep_env = "=".join(BACKGROUND_ENV)
+        return [
+            _shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready,
+            BACKGROUND_DIR, keep_env,
+        ]  # fmt: skip
 
     def __init__(
-        self, bwrap_prefix: list[str], *, ctl: str, env: dict[str, str], cwd: str, output_cap_bytes: int
+        self,
+        bwrap_prefix: list[str],
+        *,
+        ctl: str,
+        env: dict[str, str],
+        cwd: str,
+        output_cap_bytes: int,
+        background_dir: str | None = None,
     ):
         self.ctl = ctl
         self.output_cap_bytes = output_cap_bytes
+        self.background_dir = background_dir  # the process tool's directory, seen from the host
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
         self.proc = subprocess.Popen(
@@ -495,8 +553,9 @@ class _CommandServer:
                 chunk = self._read(deadline)
                 if chunk is None:  # the deadline: end the namespace, and everything the command started
                     timed_out = True
-                    self.kill()
-                    self._drain(scanner, time.monotonic() + 1.0)
+                    if not self._end_command(scanner):
+                        self.kill()
+                        self._drain(scanner, time.monotonic() + 1.0)
                     break
                 if not chunk:
                     break
@@ -519,6 +578,45 @@ class _CommandServer:
             note = "[the sandbox's shell ended during this command; the next command gets a new one]"
             return ExecResult(output=(output + "\n" + note).lstrip("\n"), exit_code=137, truncated=truncated)
         return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
+
+    def _end_command(self, scanner: MarkerScanner) -> bool:
+        """After a timeout, kill the command's processes but not the process tool's, if any run.
+
+        Ending the whole namespace would end the background processes too. From the host, every
+        process of the namespace but PID 1 (bwrap), PID 2 (the server), the sessions the process
+        tool started and processes carrying its mark is killed; the server then sweeps and prints
+        the end marker as after any command. False (the caller ends the namespace) when no process
+        tool directory exists or the marker does not come.
+        """
+        if not (self.background_dir and os.path.isdir(self.background_dir)):
+            return False
+        members = _namespace_members(self.proc.pid)
+        if not members:
+            return False
+        keep_sessions = set()
+        for entry in os.scandir(self.background_dir):
+            try:
+                with open(os.path.join(entry.path, "pid")) as f:
+                    ns_pid = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            keep_sessions.update(h for h, m in members.items() if m.ns_pid == ns_pid)
+        mark = "=".join(BACKGROUND_ENV).encode()
+        for _ in range(3):  # again for children forked meanwhile
+            for host_pid, member in _namespace_members(self.proc.pid).items():
+                if member.ns_pid in (1, 2) or member.session in keep_sessions or _has_env(host_pid, mark):
+                    continue
+                try:
+                    os.kill(host_pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
+        while not scanner.done:
+            chunk = self._read(deadline)
+            if not chunk:
+                return False
+            scanner.feed(chunk)
+        return True
 
     def close(self) -> None:
         """End the server: EOF on its requests, a short wait, then SIGKILL for the whole namespace."""
@@ -560,6 +658,45 @@ class _CommandServer:
             if not chunk:
                 return
             scanner.feed(chunk)
+
+
+@dataclass(frozen=True)
+class _Member:
+    ns_pid: int  # its pid inside the namespace
+    session: int  # its session id, as the host sees it
+
+
+def _namespace_members(bwrap_pid: int) -> dict[int, _Member]:
+    """The processes of the PID namespace that ``bwrap_pid`` (the outer bwrap) made, by host pid."""
+    try:
+        with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
+            init = int(f.read().split()[0])  # the namespace's PID 1, bwrap's only child
+        target = os.readlink(f"/proc/{init}/ns/pid")
+    except (OSError, ValueError, IndexError):
+        return {}
+    members = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != target:
+                continue
+            with open(f"/proc/{entry.name}/status") as f:
+                ns_pid = next(int(line.split()[-1]) for line in f if line.startswith("NSpid:"))
+            with open(f"/proc/{entry.name}/stat") as f:
+                session = int(f.read().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue
+        members[int(entry.name)] = _Member(ns_pid, session)
+    return members
+
+
+def _has_env(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _kill_tagged(marker: bytes) -> None:

@@ -1005,7 +1005,11 @@ def browser_vision(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- registration
 
-register_toolset_check("browser", lambda extra: browser_config(extra) is not None)
+register_toolset_check(
+    "browser",
+    lambda extra: browser_config(extra) is not None,
+    "the playwright package and Chromium (apt-get install chromium), BROWSER_ENABLED not 0",
+)
 
 _NO_ARGS: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
 _REF_DOC = "Element ref from the latest snapshot, e.g. '@e5'."

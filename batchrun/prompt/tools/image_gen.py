@@ -132,7 +132,11 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-register_toolset_check("image_gen", lambda extra: image_gen_config(extra) is not None)
+register_toolset_check(
+    "image_gen",
+    lambda extra: image_gen_config(extra) is not None,
+    "IMAGE_GEN_MODEL (an OpenAI-compatible images endpoint)",
+)
 
 register(
     Tool(

@@ -97,7 +97,11 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-register_toolset_check("moa", lambda extra: moa_config(extra) is not None)
+register_toolset_check(
+    "moa",
+    lambda extra: moa_config(extra) is not None,
+    "a model endpoint (the run's, or MOA_BASE_URL) and models (MOA_REFERENCE_MODELS, MOA_AGGREGATOR_MODEL)",
+)
 
 register(
     Tool(

@@ -43,6 +43,9 @@ class Tool:
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments object
     handler: Handler
+    # Other toolsets that include this tool, offered there only when its own toolset is configured
+    # (web_search is in the browser toolset too, as in the reference, when a search provider is set).
+    also_in: tuple[str, ...] = ()
 
     def openai_schema(self) -> dict[str, Any]:
         return {
@@ -57,11 +60,13 @@ class ToolArgumentError(ValueError):
 
 _REGISTRY: dict[str, Tool] = {}
 _TOOLSET_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {}
+_TOOLSET_NEEDS: dict[str, str] = {}
 
 
 def register(tool: Tool) -> Tool:
-    if tool.toolset not in TOOLSETS:
-        raise ValueError(f"tool {tool.name!r} names unknown toolset {tool.toolset!r}")
+    for toolset in (tool.toolset, *tool.also_in):
+        if toolset not in TOOLSETS:
+            raise ValueError(f"tool {tool.name!r} names unknown toolset {toolset!r}")
     if tool.name in _REGISTRY:
         raise ValueError(f"tool {tool.name!r} registered twice")
     _REGISTRY[tool.name] = tool
@@ -70,12 +75,24 @@ def register(tool: Tool) -> Tool:
     return tool
 
 
-def register_toolset_check(toolset: str, is_configured: Callable[[dict[str, Any]], bool]) -> None:
+def register_toolset_check(
+    toolset: str, is_configured: Callable[[dict[str, Any]], bool], needs: str = ""
+) -> None:
     """Offer ``toolset`` only when ``is_configured(extra)`` holds (see batchrun/prompt/tools/config.py).
 
     The check may raise ``ToolConfigError`` (a ValueError) for a setting that is present but bad.
+    ``needs`` says, for messages to the user, what makes the toolset available.
     """
     _TOOLSET_CHECKS[toolset] = is_configured
+    _TOOLSET_NEEDS[toolset] = needs
+
+
+def toolset_needs(toolset: str) -> str:
+    """What makes ``toolset`` available (empty when nothing is needed or nothing is known)."""
+    all_tools()  # the checks register with their tools
+    if not any(t.toolset == toolset for t in _REGISTRY.values()):
+        return "no tool of this toolset is installed"
+    return _TOOLSET_NEEDS.get(toolset, "")
 
 
 BUILTIN_TOOL_MODULES = tuple(
@@ -124,10 +141,26 @@ def available_toolsets(extra: dict[str, Any] | None = None) -> set[str]:
     return {ts for ts in present if ts not in _TOOLSET_CHECKS or _TOOLSET_CHECKS[ts](extra)}
 
 
-def tools_for_toolsets(toolsets: list[str]) -> list[Tool]:
-    """The tools offered for the given toolsets, in registry order."""
+def tools_for_toolsets(toolsets: list[str], extra: dict[str, Any] | None = None) -> list[Tool]:
+    """The tools offered for the given toolsets, in registry order.
+
+    A tool that belongs to another toolset as well (``also_in``) comes with it only when its own
+    toolset is configured under ``extra`` (the run's ``ToolContext.extra``; None: this environment).
+    """
     wanted = set(toolsets)
-    return [t for t in all_tools().values() if t.toolset in wanted]
+    return [
+        t
+        for t in all_tools().values()
+        if t.toolset in wanted or (wanted.intersection(t.also_in) and _configured(t.toolset, extra))
+    ]
+
+
+def _configured(toolset: str, extra: dict[str, Any] | None) -> bool:
+    check = _TOOLSET_CHECKS.get(toolset)
+    try:
+        return check is None or bool(check(extra or {}))
+    except ValueError:  # a bad setting: the run's preflight reports it; here the tool is just not offered
+        return False
 
 
 def close_prompt_resources(ctx: ToolContext) -> None:

@@ -160,7 +160,11 @@ def vision_analyze(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-register_toolset_check("vision", lambda extra: vision_config(extra) is not None)
+register_toolset_check(
+    "vision",
+    lambda extra: vision_config(extra) is not None,
+    "a model endpoint (the run's, or VISION_BASE_URL) and a model (VISION_MODEL)",
+)
 
 register(
     Tool(

@@ -526,12 +526,15 @@ def _web_configured(extra: dict[str, Any]) -> bool:
 
 # ----------------------------------------------------------------------------- registration
 
-register_toolset_check("web", _web_configured)
+register_toolset_check(
+    "web", _web_configured, "a search provider: WEB_SEARCH_PROVIDER with its API key, or SEARXNG_URL"
+)
 
 register(
     Tool(
         name="web_search",
         toolset="web",
+        also_in=("browser",),
         description=(
             "Search the web. Returns up to 5 results, each with a title, URL and a short description. "
             "Use web_extract on the URLs to read the pages themselves."

@@ -1,0 +1,237 @@
+"""The trainer exporter (batchrun/views/export.py) over a real run: the CLI with the built-in fake model
+(``--model=mock``), then every format checked with the ``openai`` package's own message types and
+loaded with the real ``datasets`` loader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+from conftest import read_jsonl, write_jsonl
+from openai.types.chat import (
+    ChatCompletionAssistantMessageParam,
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolMessageParam,
+    ChatCompletionUserMessageParam,
+)
+from pydantic import TypeAdapter
+
+from batchrun.prompt.trajectory import first_human, parse_tool_calls
+from batchrun.views import export
+
+REPO = Path(__file__).resolve().parent.parent
+PLAIN = [f"Plain task number {i}: list the files" for i in range(12)]
+PROMPTS = [
+    *PLAIN,
+    "Draft an email [scratchpad] [calls:2]",
+    "Describe a cat [reasoning_details] [calls:1]",
+    "Quick reply [no_reasoning] [calls:0]",  # discarded: no reasoning
+    "Keep going forever [loop]",  # partial: stops at --max_turns
+]
+MESSAGE_TYPES = {
+    "user": ChatCompletionUserMessageParam,
+    "assistant": ChatCompletionAssistantMessageParam,
+    "tool": ChatCompletionToolMessageParam,
+}
+ANY_MESSAGE = TypeAdapter(ChatCompletionMessageParam)
+TOOL = TypeAdapter(ChatCompletionFunctionToolParam)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """One real run of the CLI against the built-in fake model (no key, no network)."""
+    root = tmp_path_factory.mktemp("export-run")
+    write_jsonl(root / "p.jsonl", PROMPTS)
+    done = subprocess.run(
+        [
+            sys.executable, str(REPO / "batch_runner.py"), "--dataset_file=p.jsonl", "--batch_size=4",
+            "--run_name=r", "--model=mock", "--num_workers=1", "--distribution=terminal_only", "--max_turns=3",
+        ],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root / "data" / "r"
+
+
+def rows(path: Path) -> list[dict]:
+    return [row for file in sorted(path.glob("*.jsonl")) for row in read_jsonl(file)]
+
+
+def check_openai_message(msg: dict) -> None:
+    """The message validates as the openai package's type for its role, with no key that type lacks."""
+    kind = MESSAGE_TYPES[msg["role"]]
+    TypeAdapter(kind).validate_python(msg)
+    ANY_MESSAGE.validate_python(msg)
+    allowed = set(kind.__annotations__) | ({"reasoning_content"} if msg["role"] == "assistant" else set())
+    assert set(msg) <= allowed, msg
+
+
+def test_openai_format_messages_validate_and_match_the_records(run_dir, tmp_path):
+    result = export.export_run(run_dir, "openai", tmp_path / "out")
+    records = {first_human(r["conversations"]): r for r in read_jsonl(run_dir / "trajectories.jsonl")}
+    exported = rows(tmp_path / "out")
+    assert result.rows["train"] == len(exported) == len(records) == len(PROMPTS) - 1
+    assert "test" not in result.files  # no split asked for
+    saw_parallel = saw_partial = False
+    for row in exported:
+        messages = row["messages"]
+        for msg in messages:
+            check_openai_message(msg)
+        for tool in json.loads(row["tools"]):
+            TOOL.validate_python(tool)
+        assert {t["function"]["name"] for t in json.loads(row["tools"])} >= {"terminal", "read_file"}
+        record = records[messages[0]["content"]]
+        assert messages[0]["role"] == "user"  # the preamble is not a message: its tool list is `tools`
+        saw_partial |= row["partial"]
+        gpt = [t for t in record["conversations"] if t["from"] == "gpt"]
+        assistants = [m for m in messages if m["role"] == "assistant"]
+        assert len(assistants) == len(gpt)
+        pending: list[str] = []
+        for msg, turn in zip(assistants, gpt, strict=True):
+            # Calls only in tool_calls: the text markup is gone from content, and reasoning has its own field.
+            for tag in ("<tool_call>", "</tool_call>", "<think>", "</think>", "REASONING_SCRATCHPAD"):
+                assert tag not in (msg.get("content") or ""), msg
+            calls = msg.get("tool_calls", [])
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+                (c["name"], c["arguments"]) for c in parse_tool_calls(turn["value"])
+            ]
+            assert [c["id"] for c in calls] == [c["id"] for c in turn.get("tool_calls", [])]
+            if "[no_reasoning]" not in messages[0]["content"]:
+                assert msg["reasoning_content"] and msg["reasoning_content"] in turn["value"]
+            saw_parallel |= len(calls) > 1
+        # Each tool message answers one call of the assistant message before it, in order.
+        for msg in messages:
+            if msg["role"] == "assistant":
+                pending = [c["id"] for c in msg.get("tool_calls", [])]
+            elif msg["role"] == "tool":
+                assert msg["tool_call_id"] == pending.pop(0)
+        tool_messages = [m for m in messages if m["role"] == "tool"]
+        assert len(tool_messages) == sum(s["count"] for s in record["tool_stats"].values())
+    assert saw_parallel and saw_partial
+
+
+def test_reasoning_from_each_source_lands_in_reasoning_content(run_dir, tmp_path):
+    export.export_run(run_dir, "openai", tmp_path / "out")
+    by_prompt = {r["messages"][0]["content"]: r["messages"] for r in rows(tmp_path / "out")}
+    scratch = [m for m in by_prompt["Draft an email [scratchpad] [calls:2]"] if m["role"] == "assistant"]
+    details = [
+        m for m in by_prompt["Describe a cat [reasoning_details] [calls:1]"] if m["role"] == "assistant"
+    ]
+    for msgs in (scratch, details):
+        assert all(m["reasoning_content"].startswith("The user asks:") for m in msgs), msgs
+        assert all(not (m.get("content") or "").startswith("The user asks:") for m in msgs)
+
+
+def test_partial_and_discarded_are_chosen_by_flags(run_dir, tmp_path):
+    without = export.export_run(run_dir, "openai", tmp_path / "a", include_partial=False)
+    assert without.skipped["partial"] == 1
+    assert not any(r["partial"] for r in rows(tmp_path / "a"))
+    everything = export.export_run(run_dir, "openai", tmp_path / "b", include_discarded=True)
+    discarded = [r for r in rows(tmp_path / "b") if r["discard_reason"] is not None]
+    assert [(r["messages"][0]["content"], r["discard_reason"]) for r in discarded] == [
+        ("Quick reply [no_reasoning] [calls:0]", "no_reasoning")
+    ]
+    assert sum(everything.rows.values()) == len(PROMPTS)
+    for msg in discarded[0]["messages"]:
+        check_openai_message(msg)
+
+
+def test_split_is_deterministic_by_seed_and_each_format_loads_with_datasets(run_dir, tmp_path):
+    def split_of_prompts(fmt: str, seed: int, name: str) -> dict[str, list[str]]:
+        out = tmp_path / name
+        export.export_run(run_dir, fmt, out, test_fraction=0.3, seed=seed)
+        loaded = datasets.load_dataset(str(out))  # through the dataset card, as from the Hub
+        assert set(loaded) == {"train", "test"}
+        assert loaded["train"].features == loaded["test"].features
+        key = "conversations" if fmt == "sharegpt" else "messages"
+        firsts = {}
+        for split in loaded:
+            if fmt == "sharegpt":
+                firsts[split] = sorted(r[key][1]["value"] for r in loaded[split])
+            else:
+                firsts[split] = sorted(r[key][0]["content"] for r in loaded[split])
+        return firsts
+
+    a = split_of_prompts("openai", 7, "a")
+    assert a == split_of_prompts("openai", 7, "a2")  # same seed, same split
+    assert a == split_of_prompts("parquet", 7, "p")  # and the same in every format
+    assert a == split_of_prompts("sharegpt", 7, "s")
+    assert a != split_of_prompts("openai", 8, "b")  # another seed, another split
+    assert len(a["train"]) + len(a["test"]) == len(PROMPTS) - 1 and a["test"]
+
+
+def test_parquet_has_one_typed_schema_and_messages_validate_once_nulls_are_dropped(run_dir, tmp_path):
+    export.export_run(run_dir, "parquet", tmp_path / "out")
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "out" / "train.parquet"))["train"]
+    assert loaded.features["tools"] == datasets.Value("string")
+    messages = loaded.features["messages"]  # datasets 5: List(...); older versions: [dict]
+    assert set(messages[0] if isinstance(messages, list) else messages.feature) == {
+        "role", "content", "reasoning_content", "tool_calls", "tool_call_id",
+    }  # fmt: skip
+    assert len(loaded) == len(PROMPTS) - 1
+    for row in loaded:
+        for msg in row["messages"]:
+            check_openai_message({k: v for k, v in msg.items() if v is not None})
+
+
+def test_sharegpt_keeps_the_records_text_without_structured_calls(run_dir, tmp_path):
+    export.export_run(run_dir, "sharegpt", tmp_path / "out")
+    records = {first_human(r["conversations"]): r for r in read_jsonl(run_dir / "trajectories.jsonl")}
+    for row in rows(tmp_path / "out"):
+        record = records[first_human(row["conversations"])]
+        assert row["conversations"] == [
+            {"from": t["from"], "value": t["value"]} for t in record["conversations"]
+        ]
+        assert json.loads(row["tools"])
+
+
+def test_cli_refuses_a_non_empty_output_and_skips_malformed_lines(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    copy.mkdir()
+    text = (run_dir / "trajectories.jsonl").read_text("utf-8")
+    (copy / "trajectories.jsonl").write_text('{"torn": \n' + text + "not json\n", "utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("x")
+    argv = [str(copy), "--format=openai", f"--out={out}"]
+    assert export.main(argv) == 2  # would upload stale.txt with the export
+    assert export.main([*argv, "--overwrite"]) == 0
+    result = export.export_run(copy, "openai", tmp_path / "out2")
+    assert result.skipped["malformed lines"] == 2
+    assert result.rows["train"] == len(PROMPTS) - 1
+    done = subprocess.run(
+        [sys.executable, "-m", "batchrun.views.export", str(tmp_path / "nothing"), "--format=parquet",
+         f"--out={tmp_path / 'o'}"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 2 and "no trajectories.jsonl" in done.stderr
+
+
+def test_parquet_without_pyarrow_is_a_clear_error(run_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    assert export.main([str(run_dir), "--format=parquet", f"--out={tmp_path / 'out'}"]) == 2
+    assert "needs pyarrow: pip install 'batch-runner[export]'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_records_that_do_not_parse_back_are_left_out_and_counted(run_dir, tmp_path):
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    with_calls = [r for r in records if any(t.get("tool_calls") for t in r["conversations"])]
+    first, second = with_calls[0], with_calls[1]
+    next(t for t in first["conversations"] if t.get("tool_calls"))["tool_calls"][0]["function"][
+        "arguments"
+    ] = '{"command": "not what the text says"}'
+    next(t for t in second["conversations"] if t.get("tool_calls"))["tool_calls"][0]["id"] = 5
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), "utf-8")
+    result = export.export_run(copy, "parquet", tmp_path / "out")
+    assert result.skipped == {"unparsable (ValueError)": 2}
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "out" / "train.parquet"))["train"]
+    assert len(loaded) == len(records) - 2
+    assert first["prompt_index"] not in loaded["prompt_index"]
