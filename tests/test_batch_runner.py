@@ -721,7 +721,7 @@ def test_failure_rate_at_the_threshold_exits_zero(server, tmp_path):
     run(server, dataset, tmp_path / "data", max_failure_rate=0.5)  # 1 of 2 is not *more* than half
 
 
-def test_rate_limits_are_absorbed_by_sdk_retries_with_default_flags(server, tmp_path):
+def test_rate_limits_are_waited_out_by_the_client_with_default_flags(server, tmp_path):
     """Default --max_retries=3, --prompt_timeout and --request_timeout: three 429s in a row are retried."""
     prompts = ["Rate limited at first [flaky:3]", "Rate limited once [flaky:1] [calls:1]"]
     dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
@@ -744,7 +744,7 @@ def test_rate_limits_are_retried_when_prompt_timeout_is_below_request_timeout(se
 
 
 def test_prompt_timeout_bounds_the_whole_prompt(server, tmp_path):
-    """--prompt_timeout is wall clock for the prompt, SDK retries included, and fails as prompt_timeout."""
+    """--prompt_timeout is wall clock for the prompt, retries included, and fails as prompt_timeout."""
     import time
 
     dataset = write_jsonl(tmp_path / "d.jsonl", ["very slow [slow:3] [calls:0]"])

@@ -191,7 +191,7 @@ def test_endpoint_errors_become_llm_errors_with_a_class(server, prompt, error_cl
     assert str(info.value)
 
 
-def test_sdk_retries_rate_limits(server):
+def test_client_retries_rate_limits(server):
     before = server.stats()["requests_by_prompt"].get("retry me [flaky:2] [calls:0]", 0)
     turn = _client(server, max_retries=2).chat(_user("retry me [flaky:2] [calls:0]"), [])
     assert turn.finish_reason == "stop"

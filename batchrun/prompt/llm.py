@@ -41,7 +41,7 @@ class LLMConfig:
     provider_sort: str | None = None
     provider_allow_fallbacks: bool | None = None  # False pins the request to the listed providers
     provider_data_collection: str | None = None  # "allow" or "deny"
-    request_timeout_s: float = 600.0  # one model call, including the SDK's retries' individual attempts
+    request_timeout_s: float = 600.0  # one attempt of one model call (our client retries; the SDK does not)
     max_retries: int = 3  # retries of one call on 5xx, timeouts, dropped connections
     max_rate_limit_retries: int = 30  # 429s of one call waited out (run-wide pause) before it fails
     extra_body: dict[str, Any] = field(default_factory=dict)  # computed by build_extra_body when empty
@@ -94,7 +94,7 @@ class AssistantTurn:
 
 
 class LLMError(RuntimeError):
-    """The endpoint failed after the SDK's retries; fails the prompt (retried on resume)."""
+    """The endpoint failed after our client's retries; fails the prompt (retried on resume)."""
 
     def __init__(self, error_class: str, message: str, status: int | None = None):
         super().__init__(message)

@@ -2,7 +2,7 @@
 
 The loop never raises for what the model did (unknown tools, bad arguments, failing commands
 are observations it sees). It raises for infrastructure failure: :class:`batchrun.prompt.llm.LLMError`
-after the SDK's retries, :class:`batchrun.prompt.sandboxes.SandboxError`, or :class:`PromptTimeout`.
+after the model client's own retries, :class:`batchrun.prompt.sandboxes.SandboxError`, or :class:`PromptTimeout`.
 """
 
 from __future__ import annotations
