@@ -37,6 +37,7 @@ from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
 from agent.sandbox_lifecycle import BackgroundStopper
 from agent.sandboxes import BACKENDS, SandboxSpec, create_sandbox
+from agent.sandboxes._limits import remove_run_cgroups
 from agent.sandboxes.local import safe_run_name
 from agent.storage import (
     append_jsonl,
@@ -749,7 +750,7 @@ class BatchRunner:
             self.check_endpoint()
         backend = self.settings.sandbox_backend
         if backend == "local":
-            self.preflight_local(batches)
+            batches = self.preflight_local(batches)
             if batches and not self.opts.ray_address:
                 self.make_local_sandbox_dir()
             return batches
@@ -792,28 +793,71 @@ class BatchRunner:
         except Exception:
             pass  # some servers have no /models; the first real request will tell
 
-    def preflight_local(self, batches: list[list[PromptJob]]) -> None:
-        from agent.sandboxes.local import bwrap_problem
+    def preflight_local(self, batches: list[list[PromptJob]]) -> list[list[PromptJob]]:
+        """Isolation, limits and network as they will really be; no silent run without isolation."""
+        from agent.sandboxes._limits import limits_mechanism
+        from agent.sandboxes.local import bwrap_problem, host_cwd_problem, pasta_problem, sandbox_cwd_problem
 
-        isolation = self.settings.sandbox_options.get("isolation", "auto")
-        problem = bwrap_problem() if isolation != "none" else "isolation disabled (--local_isolation=none)"
-        self.isolation = "none" if problem else "bwrap"
-        if problem:
-            if isolation == "bwrap":
-                raise UsageError(f"--local_isolation=bwrap: {problem}")
-            print(
-                f"warning: the local sandbox has NO isolation: commands run on this machine as this user ({problem})"
+        options = self.settings.sandbox_options
+        isolation = options.get("isolation", "auto")
+        problem = bwrap_problem() if isolation != "none" else None
+        if problem and (isolation == "bwrap" or self.settings.llm.model != MOCK_MODEL):
+            raise UsageError(
+                f"the local sandbox cannot isolate commands: {problem}. Install bubblewrap "
+                "(Debian: apt-get install bubblewrap), use --sandbox=docker, or pass "
+                "--local_isolation=none to run the model's commands on this machine without isolation, on purpose"
             )
-        else:
-            print(
-                "Local sandbox isolation: bubblewrap (host read-only, private workdir and /tmp, own PID namespace)"
-            )
+        self.isolation = "none" if problem or isolation == "none" else "bwrap"
         with_image = sum(1 for b in batches for j in b if j.image)
         if with_image:
             print(
                 f"warning: {with_image} prompt(s) name a container image, which the local backend ignores; "
                 "use --sandbox=docker to run them in their images"
             )
+        if self.isolation == "none":
+            why = problem or "--local_isolation=none"
+            print(
+                f"warning: the local sandbox has NO isolation ({why}): commands run on this machine as this "
+                f"user, in a private directory, or in a row's cwd under --cwd_root ({options.get('cwd_root')})"
+            )
+            bad = [(j, host_cwd_problem(j.cwd, options.get("cwd_root"))) for b in batches for j in b if j.cwd]
+            bad = [(j, why) for j, why in bad if why]
+            if bad:
+                lines = "; ".join(
+                    f"{self.opts.dataset_file}:{j.prompt_index + 1}: {why}" for j, why in bad[:5]
+                )
+                more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+                raise UsageError(f"{len(bad)} row(s) name a cwd the local sandbox may not use: {lines}{more}")
+            return batches
+        net = "off"
+        if self.settings.sandbox_network:
+            net = "outside world through pasta; not the host's loopback services"
+            if pasta_problem():
+                net = "OFF"
+                print(
+                    f"warning: --sandbox_network is on, but {pasta_problem()}: the local sandbox has NO network"
+                )
+        print(
+            "Local sandbox isolation: bubblewrap (system directories read-only; each prompt sees only its own "
+            f"working directory and /tmp; own PID, network and IPC namespaces); network: {net}"
+        )
+        print(
+            f"Per-prompt limits: {options.get('cpus')} CPU, {options.get('memory_mb')} MiB memory + "
+            f"{options.get('disk_mb')} MiB per tmpfs (working directory, /tmp), {options.get('pids_limit')} "
+            f"processes; enforced by {limits_mechanism()}"
+        )
+        out = []
+        for batch in batches:
+            out.append([])
+            for j in batch:
+                why = sandbox_cwd_problem(j.cwd) if j.cwd else None
+                out[-1].append(dataclasses.replace(j, fail_reason=f"local sandbox: {why}") if why else j)
+        n = sum(1 for b in out for j in b if j.fail_reason)
+        if n:
+            print(
+                f"warning: {n} prompt(s) name a cwd the sandbox cannot have; they fail without a model call"
+            )
+        return out
 
     def preflight_docker(self, batches: list[list[PromptJob]]) -> list[list[PromptJob]]:
         from agent.sandboxes.docker_engine import check_engine, ensure_images, sweep_containers
@@ -995,18 +1039,25 @@ class BatchRunner:
             m = leftover.fullmatch(entry.name)
             if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
                 shutil.rmtree(entry.path, ignore_errors=True)
+                remove_run_cgroups(entry.name)
                 removed += 1
         if removed:
             print(
                 f"Removed {removed} sandbox director(ies) left by an earlier run named {self.opts.run_name}"
             )
         self.local_sandbox_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
-        options = {**self.settings.sandbox_options, "base_dir": self.local_sandbox_dir}
+        # The run's parent cgroup is named after the directory, so a sweep finds both.
+        options = {
+            **self.settings.sandbox_options,
+            "base_dir": self.local_sandbox_dir,
+            "cgroup_parent": os.path.basename(self.local_sandbox_dir),
+        }
         self.settings = dataclasses.replace(self.settings, sandbox_options=options)
 
     def remove_leftover_sandboxes(self) -> None:
         """After the pool ends (normally, Ctrl-C or a crash of a worker): no sandbox of ours survives."""
         if self.local_sandbox_dir is not None:
+            remove_run_cgroups(os.path.basename(self.local_sandbox_dir))
             # The workers are gone, and their bubblewrap namespaces die with them (SIGKILL, from the
             # kernel); a process still dying may write a last file: try again a few times.
             for attempt in range(5):
@@ -1528,6 +1579,8 @@ def main(
     container_cpus: float = 1.0,
     container_memory_mb: int = 2048,
     container_pids_limit: int = 512,
+    container_disk_mb: int = 4096,
+    cwd_root: str | None = None,
     sandbox_network: bool = True,
     tool_timeout: float = 180.0,
     prompt_timeout: float = 1800.0,
@@ -1740,7 +1793,18 @@ def _backend_options(backend: str, f: dict[str, Any]) -> dict[str, Any]:
     if backend == "local":
         if f["local_isolation"] not in ("auto", "bwrap", "none"):
             raise UsageError(f"--local_isolation must be auto, bwrap or none; got {f['local_isolation']!r}")
-        return {"isolation": f["local_isolation"]}
+        options = {
+            "isolation": f["local_isolation"],
+            "cpus": float(f["container_cpus"]),
+            "memory_mb": int(f["container_memory_mb"]),
+            "pids_limit": int(f["container_pids_limit"]),
+            "disk_mb": int(f["container_disk_mb"]),
+        }
+        if f["cwd_root"] is not None:
+            if not os.path.isdir(str(f["cwd_root"])):
+                raise UsageError(f"--cwd_root {f['cwd_root']}: not a directory")
+            options["cwd_root"] = os.path.realpath(str(f["cwd_root"]))
+        return options
     options: dict[str, Any] = {"default_image": str(f["default_image"])}
     if backend == "docker":
         from agent.sandboxes.docker_engine import default_owner

@@ -13,8 +13,10 @@ killed, so commands behave as if each had its own sandbox.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import posixpath
 import re
 import selectors
 import shutil
@@ -26,7 +28,16 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
+from agent.sandboxes._limits import (
+    PARENT_PREFIX,
+    CgroupLayout,
+    Limits,
+    PromptCgroup,
+    cgroup_layout,
+    rlimit_commands,
+)
 from agent.sandboxes._process import kill_process_group, run_process
 from agent.sandboxes._shell import MarkerScanner, new_exec_token
 from agent.sandboxes.base import (
@@ -43,30 +54,127 @@ ISOLATION_MODES = ("auto", "bwrap", "none")
 # Host variables a command may see; everything else (API keys above all) stays out of the sandbox.
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TERM", "TZ")
 TAG_VAR = "BATCH_RUNNER_SANDBOX"  # marks every process of one sandbox, so stop() can find leftovers
+DEFAULT_WORKDIR = "/workspace"  # inside bubblewrap, as for the container backends
+CTL_DIR = "/.batch-runner"  # inside bubblewrap: the server's request files, read-only
 
 
 @dataclass(frozen=True)
 class LocalOptions:
     output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES  # most bytes of one command's output kept
     isolation: str = "auto"  # "auto": bwrap when it works here; "bwrap": required; "none": plain processes
-    base_dir: str | None = None  # where private directories are made; None: the system temp dir
+    base_dir: str | None = None  # where the host-side private directories are made; None: the temp dir
+    cwd_root: str | None = None  # isolation "none" only: the host directory an absolute cwd must lie in
+    cpus: float = 1.0  # bwrap: CPU time per wall second, in cores (cgroup)
+    memory_mb: int = 2048  # bwrap: memory of the prompt's processes (cgroup, else RLIMIT_AS per process)
+    pids_limit: int = 512  # bwrap: processes at once (cgroup)
+    disk_mb: int = 4096  # bwrap: size cap of the working directory and of /tmp (each a tmpfs)
+    cgroup_parent: str | None = None  # the run's parent cgroup; None: one per process
 
     def __post_init__(self) -> None:
-        check_option_types(self, "local", positive=("output_cap_bytes",))
+        check_option_types(
+            self, "local", positive=("output_cap_bytes", "cpus", "memory_mb", "pids_limit", "disk_mb")
+        )
         if self.isolation not in ISOLATION_MODES:
             raise ValueError(
                 f"local sandbox option isolation must be one of {ISOLATION_MODES}, got {self.isolation!r}"
             )
 
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            cpus=self.cpus, memory_mb=self.memory_mb, pids_limit=self.pids_limit, disk_mb=self.disk_mb
+        )
 
-# The host read-only, fresh /dev and /proc, its own PID namespace, gone with its parent. Run as root,
-# bwrap keeps every capability, which would let a command remount / read-write: drop them all, and
-# keep /proc/sys read-only (root may write sysctls by file permission alone).
-BWRAP_BASE = (
-    "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-    "--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-    "--unshare-pid", "--die-with-parent", "--new-session", *(("--cap-drop", "ALL") if os.geteuid() == 0 else ()),
+
+# Own PID, network, IPC, UTS and cgroup namespaces, gone with its parent. The command server is
+# PID 1 (--as-pid-1): a command can then neither kill it nor, with it, the prompt's files, which
+# live in tmpfs mounts that last as long as the namespace. Run as root, bwrap keeps every
+# capability, which would let a command remount anything read-write: drop them all.
+NAMESPACES = (
+    "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+    "--die-with-parent", "--new-session", "--as-pid-1", *(("--cap-drop", "ALL") if os.geteuid() == 0 else ()),
 )  # fmt: skip
+# The system, read-only: what commands need to run. Nothing else of the host is mounted.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# Empty and read-only inside (each a tmpfs): the host's homes, daemons' state and sockets stay out.
+HIDDEN_DIRS = ("/home", "/root", "/run", "/var", "/opt", "/srv", "/mnt", "/media")
+# A cwd may not replace these (or lie inside the read-only system directories).
+_NO_CWD = ("/", "/dev", "/proc", "/sys", CTL_DIR)
+
+
+@functools.cache
+def system_mounts() -> tuple[str, ...]:
+    """bwrap arguments for the read-only system, /dev, /proc and the masks of /etc's secrets."""
+    args: list[str] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):  # merged /usr: /bin -> usr/bin
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    args += ["--dev", "/dev", "--proc", "/proc"]
+    # Root may write sysctls by file permission alone: keep them read-only.
+    args += [
+        "--ro-bind-try",
+        "/proc/sys",
+        "/proc/sys",
+        "--ro-bind-try",
+        "/proc/sysrq-trigger",
+        "/proc/sysrq-trigger",
+    ]
+    for path, is_dir in etc_secrets():
+        args += ["--tmpfs", path, "--remount-ro", path] if is_dir else ["--ro-bind", "/dev/null", path]
+    return tuple(args)
+
+
+@functools.cache
+def etc_secrets() -> tuple[tuple[str, bool], ...]:
+    """What in /etc other users may not read (shadow, SSH host keys, TLS private keys): (path, is_dir).
+
+    The sandbox runs as this user without capabilities; as root it could read root-only files, so
+    whatever an unprivileged user could not read is hidden from it too.
+    """
+    found: list[tuple[str, bool]] = []
+    for top, dirs, files in os.walk("/etc"):
+        for name in list(dirs):
+            path = os.path.join(top, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISDIR(mode) and (mode & 0o005) != 0o005:
+                found.append((path, True))
+                dirs.remove(name)
+        for name in files:
+            path = os.path.join(top, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISREG(mode) and not mode & stat.S_IROTH:
+                found.append((path, False))
+    return tuple(sorted(found))
+
+
+def system_sockets() -> list[str]:
+    """Bound Unix sockets (``/proc/net/unix``) inside the mounted system directories.
+
+    A read-only bind does not stop ``connect()``. Daemons keep their sockets in /run or /var/run,
+    which the sandbox does not see; one in /etc or /usr would be reachable, so it is masked.
+    """
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    found = set()
+    for line in lines:
+        parts = line.split(None, 7)
+        if len(parts) < 8 or not parts[7].startswith("/"):
+            continue  # unbound, or abstract (@name): those go with the network namespace
+        real = os.path.realpath(parts[7])
+        if any(_is_within(real, d) for d in SYSTEM_DIRS if not os.path.islink(d)):
+            found.add(real)
+    return sorted(found)
 
 
 @functools.cache
@@ -75,11 +183,20 @@ def bwrap_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed (on Debian: apt-get install bubblewrap)"
     try:
-        done = subprocess.run([*BWRAP_BASE, "--unshare-net", "true"], capture_output=True, timeout=20)
+        argv = ["bwrap", *NAMESPACES, *system_mounts(), "--tmpfs", "/tmp", "--remount-ro", "/", "true"]
+        done = subprocess.run(argv, capture_output=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap could not be run: {exc}"
     if done.returncode != 0:
         return f"bubblewrap does not work here: {done.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+@functools.cache
+def pasta_problem() -> str | None:
+    """Why the sandbox cannot get user-mode networking (passt's ``pasta``), or None."""
+    if shutil.which("pasta") is None:
+        return "pasta is not installed (on Debian: apt-get install passt)"
     return None
 
 
@@ -94,124 +211,42 @@ def local_isolation_available() -> bool:
     return bwrap_problem() is None
 
 
-# Host paths a dataset's cwd may never name: the cwd is bound writable inside bubblewrap.
-_SYSTEM_DIRS = (
-    "/bin",
-    "/boot",
-    "/dev",
-    "/etc",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/proc",
-    "/sbin",
-    "/sys",
-    "/usr",
-)
-_SYSTEM_ROOTS = ("/home", "/root", "/var", "/run", "/opt", "/srv", "/mnt", "/media", "/tmp")
-
-
 def safe_run_name(run_name: str) -> str:
     """The run name as it appears in temporary directory names: file-name characters, at most 40."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
 
 
 def _is_within(path: str, directory: str) -> bool:
-    path, directory = os.path.realpath(path), os.path.realpath(directory)
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def _protected(path: str) -> bool:
-    """``/``, a system directory or anything inside one, or a top-level directory such as /home."""
-    real = os.path.realpath(path)
-    if real == "/" or real in _SYSTEM_ROOTS:
-        return True
-    return any(real == d or real.startswith(d + "/") for d in _SYSTEM_DIRS)
+def sandbox_cwd_problem(cwd: str) -> str | None:
+    """Why ``cwd`` (a path inside the sandbox) cannot be a bubblewrap sandbox's working directory."""
+    path = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+    if path in _NO_CWD or any(_is_within(path, d) for d in _NO_CWD[1:]):
+        return f"cwd {cwd!r} would replace {path.split('/')[1] and '/' + path.split('/')[1] or '/'} in the sandbox"
+    for d in SYSTEM_DIRS:
+        if _is_within(path, d):
+            return f"cwd {cwd!r} lies in the read-only system directory {d}"
+    return None
 
 
-# bwrap copies the host's mounts; one that vanishes meanwhile (Docker's overlays come and go) fails the
-# set-up before anything runs, and so does a masked socket that vanished since the scan: try again.
-_BWRAP_SETUP_RACE = re.compile(
-    r"\Abwrap: Can't (bind mount|remount|mount) /oldroot/|\Abwrap: Can't (create file at|mkdir) "
-)
+def host_cwd_problem(cwd: str, cwd_root: str | None) -> str | None:
+    """Isolation "none": why a row's absolute ``cwd`` (a host path) may not be used."""
+    if not cwd.startswith("/"):
+        return None  # relative: inside the prompt's private directory
+    if cwd_root is None:
+        return f"cwd {cwd!r} is a host directory and --local_isolation=none; name its parent with --cwd_root"
+    if not _is_within(os.path.realpath(cwd), os.path.realpath(cwd_root)):
+        return f"cwd {cwd!r} is outside --cwd_root {cwd_root}"
+    return None
+
+
+# bwrap fails the set-up when a masked socket vanished since the scan: try again with a new scan.
+_BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (create file at|bind mount|mkdir) ")
 SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
-
-
-SOCKET_SCAN_TTL_S = 2.0  # how long one scan of the host's sockets serves new sandboxes
-
-
-@dataclass(frozen=True)
-class SocketDir:
-    """A host directory holding bound Unix sockets: ``names`` are those sockets. ``only_sockets``:
-    the directory holds nothing else, so a tmpfs can hide it whole, new sockets included."""
-
-    path: str
-    names: tuple[str, ...]
-    only_sockets: bool
-
-
-_socket_scan: tuple[float, list[SocketDir]] = (float("-inf"), [])
-_socket_scan_lock = threading.Lock()
-
-
-def host_socket_dirs(*, fresh: bool = False) -> list[SocketDir]:
-    """Where the Unix sockets bound on this host (``/proc/net/unix``) are, grouped by directory.
-
-    A read-only bind does not stop ``connect()``: without a mask, a command could reach
-    ``/run/docker.sock`` and, through the Docker daemon, the whole host. Reading the kernel's
-    table costs about a millisecond on a busy host, so a scan serves the sandboxes started in the
-    next ``SOCKET_SCAN_TTL_S`` seconds (long-lived daemons' sockets are what matter; a socket
-    made while a prompt runs is not masked for it either way, unless its directory is hidden whole).
-    """
-    global _socket_scan
-    with _socket_scan_lock:
-        taken, _ = _socket_scan
-        if fresh or time.monotonic() - taken > SOCKET_SCAN_TTL_S:
-            _socket_scan = (time.monotonic(), _scan_socket_dirs())
-        return _socket_scan[1]
-
-
-def host_unix_sockets(*, fresh: bool = False) -> list[str]:
-    """The paths of the host's bound Unix sockets (see ``host_socket_dirs``)."""
-    return sorted(os.path.join(d.path, n) for d in host_socket_dirs(fresh=fresh) for n in d.names)
-
-
-def _scan_socket_dirs() -> list[SocketDir]:
-    try:
-        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()[1:]
-    except OSError:
-        return []
-    bound: dict[str, set[str]] = {}  # real directory -> names of the sockets bound in it
-    for line in lines:
-        parts = line.split(None, 7)
-        if len(parts) < 8 or not parts[7].startswith("/"):
-            continue  # unbound, or abstract (@name): those go with the network namespace
-        parent, name = os.path.split(parts[7])
-        bound.setdefault(parent, set()).add(name)
-    by_real: dict[str, set[str]] = {}
-    for parent, names in bound.items():  # /var/run and /run are one directory
-        by_real.setdefault(os.path.realpath(parent), set()).update(names)
-    found: dict[str, SocketDir] = {}
-    for real, names in by_real.items():
-        try:
-            entries = list(os.scandir(real))
-        except OSError:
-            continue
-        sockets = set()
-        for entry in entries:
-            try:
-                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-                    sockets.add(entry.name)
-            except OSError:
-                continue
-        if names & sockets:
-            found[real] = SocketDir(
-                real, tuple(sorted(names & sockets)), only_sockets=len(sockets) == len(entries)
-            )
-    return sorted(found.values(), key=lambda d: d.path)
+TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report the killed command
 
 
 class LocalSandbox:
@@ -225,35 +260,47 @@ class LocalSandbox:
             "bwrap" if wanted == "bwrap" or (wanted == "auto" and local_isolation_available()) else "none"
         )
         self.workdir = ""
+        self.network = "none"  # what the commands really get: "none", or "pasta" (user-mode networking)
         self._root: str | None = None
         self._tag = uuid.uuid4().hex
         self._server: _CommandServer | None = None
+        self._cgroup: PromptCgroup | None = None
         self._lock = threading.Lock()  # one command at a time per prompt
 
     def start(self) -> None:
         if self.isolation == "bwrap" and bwrap_problem():
             raise SandboxError(f"local sandbox: isolation 'bwrap' was requested but {bwrap_problem()}")
+        cwd = self.spec.cwd or ""
+        if self.isolation == "bwrap":
+            problem = sandbox_cwd_problem(cwd)
+        else:
+            problem = host_cwd_problem(cwd, self.options.cwd_root)
+        if problem:
+            raise SandboxError(f"local sandbox: {problem}")
         self._root = tempfile.mkdtemp(
             prefix=f"br-{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
             dir=self.options.base_dir,
         )
-        os.mkdir(os.path.join(self._root, "tmp"))
-        # An absolute cwd is a host path (shared by prompts that name it); a relative one lives in the private dir.
-        cwd = os.path.join(self._root, "work", self.spec.cwd or "")
-        self.workdir = os.path.abspath(cwd)
-        if _protected(self.workdir):
-            raise SandboxError(
-                f"local sandbox: cwd {self.spec.cwd!r} is a system directory; it would become writable to the "
-                "model. Use a project directory, or --sandbox=docker"
-            )
-        try:
-            os.makedirs(self.workdir, exist_ok=True)
-        except OSError as exc:
-            raise SandboxError(f"local sandbox: cannot create cwd {self.spec.cwd!r}: {exc}") from exc
-        if self.isolation == "bwrap":
-            os.mkdir(os.path.join(self._root, "ctl"))
-            open(os.path.join(self._root, "ctl", "empty"), "wb").close()
-            self._server = self._start_server()
+        if self.isolation == "none":
+            os.mkdir(os.path.join(self._root, "tmp"))
+            self.workdir = os.path.abspath(os.path.join(self._root, "work", cwd))
+            try:
+                os.makedirs(self.workdir, exist_ok=True)
+            except OSError as exc:
+                raise SandboxError(f"local sandbox: cannot create cwd {cwd!r}: {exc}") from exc
+            return
+        # Inside bubblewrap the cwd is a path in the sandbox, its own size-capped tmpfs.
+        self.workdir = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+        os.mkdir(os.path.join(self._root, "ctl"))
+        open(os.path.join(self._root, "ctl", "empty"), "wb").close()
+        layout = cgroup_layout()
+        if isinstance(layout, CgroupLayout):
+            parent = self.options.cgroup_parent or f"{PARENT_PREFIX}pid{os.getpid()}"
+            try:
+                self._cgroup = PromptCgroup(layout, parent, os.path.basename(self._root), self.options.limits)
+            except OSError as exc:
+                raise SandboxError(f"local sandbox: cannot make the prompt's cgroup: {exc}") from exc
+        self._server = self._start_server()
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         if self._root is None:
@@ -265,15 +312,48 @@ class LocalSandbox:
             )  # fmt: skip
         with self._lock:
             if self._server is None or not self._server.alive():
-                # A timeout ended the last server with everything it ran; the next command gets a new one.
+                # The namespace ended (bwrap was killed from outside): the next command gets a new one.
                 self._server = self._start_server()
-            return self._server.run(command, timeout_s=timeout_s, stdin=stdin)
+            before = self._cgroup.hits() if self._cgroup else (0, 0)
+            result = self._server.run(command, timeout_s=timeout_s, stdin=stdin)
+            notes = self._limit_notes(before)
+        if notes:
+            result = dataclasses.replace(
+                result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n")
+            )
+        return result
+
+    def _limit_notes(self, before: tuple[int, int]) -> list[str]:
+        """What a limit did during the command, said plainly (the command's own errors can be cryptic)."""
+        notes = []
+        opts = self.options
+        if self._cgroup is not None:
+            pids, oom = self._cgroup.hits()
+            if pids > before[0]:
+                notes.append(
+                    f"[batch-runner: the sandbox's process limit ({opts.pids_limit}) was reached; "
+                    "fork() failed for some processes]"
+                )
+            if oom > before[1]:
+                notes.append(
+                    f"[batch-runner: the sandbox's memory limit ({opts.memory_mb} MiB for processes + "
+                    f"{opts.disk_mb} MiB for files) was reached; the kernel killed {oom - before[1]} process(es)]"
+                )
+        server = self._server
+        for where in dict.fromkeys((self.workdir, "/tmp")):
+            free = server.free_bytes(where) if server is not None else None
+            if free == 0:
+                notes.append(f"[batch-runner: {where} is full: its size cap is {opts.disk_mb} MiB]")
+        return notes
 
     def stop(self) -> None:
         with self._lock:
             server, self._server = self._server, None
         if server is not None:
             server.close()
+        if self._cgroup is not None:
+            self._cgroup.remove()
+            self._cgroup = None
         root, self._root = self._root, None
         if root is None:
             return
@@ -293,11 +373,17 @@ class LocalSandbox:
     def _start_server(self) -> _CommandServer:
         assert self._root is not None
         for attempt in range(3):
-            prefix = self._bwrap_prefix(fresh_sockets=attempt > 0)  # a masked socket may have gone since
-            server = _CommandServer(prefix, ctl=os.path.join(self._root, "ctl"), env=self._env(),
-                                    cwd=self.workdir, output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
+            server = _CommandServer(self._launch_argv(), ctl=os.path.join(self._root, "ctl"), env=self._env(),
+                                    output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None:
+                if self.spec.network and pasta_problem() is None:
+                    try:
+                        server.connect_network(os.path.join(self._root, "pasta.pid"))
+                    except SandboxError:
+                        server.close()
+                        raise
+                    self.network = "pasta"
                 return server
             server.close()
             if not _BWRAP_SETUP_RACE.match(problem):
@@ -305,41 +391,43 @@ class LocalSandbox:
             time.sleep(0.05 * (attempt + 1))
         raise SandboxError(f"local sandbox: bubblewrap could not start the prompt's shell: {problem}")
 
-    def _bwrap_prefix(self, *, fresh_sockets: bool = False) -> list[str]:
+    def _launch_argv(self) -> list[str]:
+        """The wrapper that puts bwrap under the prompt's limits, then bwrap and its mounts."""
         assert self._root is not None
-        prefix = [*BWRAP_BASE]
-        # Masks first: a socket under /tmp is then hidden twice, and the binds below need no new mount points.
-        # A directory of sockets alone (containerd's, whose sockets come and go with each container)
-        # is hidden under an empty tmpfs; elsewhere each socket is covered by /dev/null.
-        for d in host_socket_dirs(fresh=fresh_sockets):
-            if _is_within(d.path, "/tmp"):
-                continue  # the private /tmp below hides the host's
-            if d.only_sockets and d.path != "/" and not _is_within(self._root, d.path):
-                prefix += ["--tmpfs", d.path]
-            else:
-                for name in d.names:
-                    prefix += ["--ro-bind", "/dev/null", os.path.join(d.path, name)]
-        # Order matters: /tmp is mounted before the workdir, which may itself live under /tmp.
-        ctl = os.path.join(self._root, "ctl")
-        prefix += ["--bind", os.path.join(self._root, "tmp"), "/tmp"]
-        prefix += ["--bind", self.workdir, self.workdir, "--ro-bind", ctl, ctl, "--chdir", self.workdir]
-        if not self.spec.network:
-            prefix.append("--unshare-net")
-        return [*prefix, "--"]
+        disk = str(self.options.disk_mb << 20)
+        argv = ["bwrap", *NAMESPACES, *system_mounts()]
+        for path in system_sockets():
+            argv += ["--ro-bind", "/dev/null", path]
+        for d in HIDDEN_DIRS:
+            argv += ["--tmpfs", d]
+        argv += ["--symlink", "../tmp", "/var/tmp", "--size", disk, "--tmpfs", "/tmp"]
+        argv += ["--ro-bind", os.path.join(self._root, "ctl"), CTL_DIR]
+        argv += ["--size", disk, "--tmpfs", self.workdir]
+        # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
+        argv += [arg for d in ("/", *HIDDEN_DIRS) if d != self.workdir for arg in ("--remount-ro", d)]
+        argv += ["--chdir", self.workdir, "--"]
+        if self._cgroup is not None:  # into the cgroup before bwrap forks: every descendant inherits it
+            enter = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 96; shift; done; shift; exec "$@"'
+            return ["/bin/sh", "-c", enter, "br-limits", *self._cgroup.procs_files, "--", *argv]
+        fallback = rlimit_commands(self.options.limits)
+        return ["/bin/sh", "-c", f'{fallback} || exit 96; exec "$@"', "br-limits", *argv]
 
 
-# The server, run by bash as PID 2 of the prompt's PID namespace (bwrap is PID 1). Requests come on
-# stdin, one line each: "<seq> <token> <stdin: 0|1>"; the command text is in $ctl/<seq>.cmd and its
-# stdin, when given, in $ctl/<seq>.in (files: no size limit, no deadlock, any bytes), else the empty
-# $ctl/empty (read-only, unlike the namespace's /dev/null, which `rm -rf /` removes). Each command
-# runs in a fresh `bash -c` with stdout and stderr on the server's stdout. When it is done, every
-# other process in the namespace is killed (so nothing it left behind writes after the marker or
+# The server, run by bash as PID 1 of the prompt's PID namespace. Requests come on stdin, one line
+# each: "<seq> <token> <stdin: 0|1>"; the command text is in $ctl/<seq>.cmd and its stdin, when
+# given, in $ctl/<seq>.in (files: no size limit, no deadlock, any bytes), else the empty $ctl/empty
+# (read-only, unlike the namespace's /dev/null, which `rm -rf /` removes). Each command runs in a
+# fresh `bash -c` with stdout and stderr on the server's stdout. When it is done, every other
+# process in the namespace is killed (so nothing it left behind writes after the marker or
 # outlives the call, as with one sandbox per command), then the end marker with the exit code is
-# printed. `kill -9 -1` on the host would be a disaster: the PID check makes sure it never runs there.
+# printed. As PID 1 the server gets no signal from inside the namespace it did not ask for, and
+# it reaps the orphans. `kill -9 -1` on the host would be a disaster: the PID check makes sure it
+# never runs there.
 _SERVER_SCRIPT = r"""
-[ "$$" = 2 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
+[ "$$" = 1 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
 unset SHLVL
 ctl=$1 sh=$2
+exec 2>/dev/null  # not bash's "Killed" notes for a command killed at its deadline
 printf '%s\n' "$3"
 while IFS=' ' read -r seq tok has_in; do
     cmd=
@@ -348,10 +436,20 @@ while IFS=' ' read -r seq tok has_in; do
     [ "$has_in" = 1 ] && in=$ctl/$seq.in
     "$sh" -c "$cmd" < "$in" 2>&1
     rc=$?
-    # kill(-1) fails once nothing is left to signal: repeat until then, so that a child forked
-    # during a round, or killed but not yet gone, is dead and reaped before the marker.
+    # Repeat until every other process is a zombie, so that a child forked during a round, or
+    # killed but not yet gone, is dead before the marker. Zombies (orphans now ours) also answer
+    # kill(-1) until bash reaps them, so they do not count; builtins only: a fork here would count.
     n=0
-    while kill -9 -1 2>/dev/null && [ "$n" -lt 100000 ]; do n=$((n + 1)); done
+    while kill -9 -1 2>/dev/null && [ "$n" -lt 10000 ]; do
+        n=$((n + 1)) live=
+        for s in /proc/[0-9]*/stat; do
+            [ "$s" = /proc/1/stat ] && continue
+            IFS= read -r line < "$s" 2>/dev/null || continue
+            st=${line##*) } && st=${st%% *}
+            [ "$st" = Z ] || { live=1 && break; }
+        done
+        [ -n "$live" ] || break
+    done
     printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
 done
 """
@@ -365,16 +463,16 @@ class _CommandServer:
         """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests."""
         return [_shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready]
 
-    def __init__(
-        self, bwrap_prefix: list[str], *, ctl: str, env: dict[str, str], cwd: str, output_cap_bytes: int
-    ):
+    def __init__(self, launch: list[str], *, ctl: str, env: dict[str, str], output_cap_bytes: int):
         self.ctl = ctl
         self.output_cap_bytes = output_cap_bytes
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
+        self._pid: int | None = None  # the server's host PID (bwrap's child)
+        self._pasta_pid_file: str | None = None
         self.proc = subprocess.Popen(
-            [*bwrap_prefix, *self.argv(ctl, self._ready)], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [*launch, *self.argv(CTL_DIR, self._ready)], cwd="/", env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._out = self.proc.stdout.fileno()
         os.set_blocking(self._out, False)
@@ -402,7 +500,47 @@ class _CommandServer:
                 break
         if seen != want:
             return seen.decode(errors="replace").replace(self._ready, "").strip() or "unexpected output"
-        return None
+        self._pid = _child_of(self.proc.pid)
+        return None if self._pid else "bubblewrap's child process was not found"
+
+    def connect_network(self, pid_file: str) -> None:
+        """Give the namespace the outside world through pasta, but not the host's loopback services.
+
+        ``-T none -U none``: no port of the host's 127.0.0.1 is spliced into the namespace;
+        ``--no-map-gw``: the gateway address is not the host either; ``-t none -u none``: nothing of
+        the namespace is published on the host. pasta ends by itself when the namespace does.
+        """
+        self._pasta_pid_file = pid_file
+        argv = ["pasta", "--config-net", "--quiet", "-t", "none", "-u", "none", "-T", "none", "-U", "none",
+                "--no-map-gw", "-P", pid_file, "--runas", f"{os.geteuid()}:{os.getegid()}"]  # fmt: skip
+        fd = os.open(f"/proc/{self._pid}/ns/net", os.O_RDONLY)
+        extra = []
+        try:
+            argv += ["--netns", f"/dev/fd/{fd}"]  # pasta cannot open /proc/<pid>/ns/net itself
+            if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+                extra = [os.open(f"/proc/{self._pid}/ns/user", os.O_RDONLY)]  # unprivileged bwrap's own
+                argv += ["--userns", f"/dev/fd/{extra[0]}"]
+            done = subprocess.run(argv, pass_fds=(fd, *extra), capture_output=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxError(f"local sandbox: pasta could not connect the sandbox: {exc}") from exc
+        finally:
+            for f in (fd, *extra):
+                os.close(f)
+        if done.returncode != 0:
+            text = done.stderr.decode(errors="replace").strip().splitlines()
+            raise SandboxError(
+                f"local sandbox: pasta could not connect the sandbox: {text[-1:] or done.returncode}"
+            )
+
+    def free_bytes(self, path: str) -> int | None:
+        """Free bytes of the filesystem at ``path`` inside the namespace (seen through /proc), or None."""
+        if self._pid is None or not self.alive():
+            return None
+        try:
+            st = os.statvfs(f"/proc/{self._pid}/root{path}")
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult:
         self._seq += 1
@@ -422,10 +560,14 @@ class _CommandServer:
             self.proc.stdin.flush()
             while not scanner.done:
                 chunk = self._read(deadline)
-                if chunk is None:  # the deadline: end the namespace, and everything the command started
+                if chunk is None:
+                    # The deadline: kill what the command started, but keep the server and with it
+                    # the namespace's files; it then reports the killed command as usual.
                     timed_out = True
-                    self.kill()
-                    self._drain(scanner, time.monotonic() + 1.0)
+                    self.kill_commands()
+                    self._drain(scanner, time.monotonic() + TIMEOUT_KILL_WAIT_S)
+                    if not scanner.done:
+                        self.kill()
                     break
                 if not chunk:
                     break
@@ -443,11 +585,34 @@ class _CommandServer:
         output, truncated = buf.result()
         if timed_out:
             return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
-        if not scanner.done:  # the server itself was killed (e.g. by `kill -9 -1` in the command)
+        if not scanner.done:  # the server itself ended (bwrap killed from outside, or the OOM killer)
             self.kill()
             note = "[the sandbox's shell ended during this command; the next command gets a new one]"
             return ExecResult(output=(output + "\n" + note).lstrip("\n"), exit_code=137, truncated=truncated)
         return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
+
+    def kill_commands(self) -> None:
+        """From the host: SIGKILL every process of the namespace but the server, until none is left."""
+        if self._pid is None:
+            return
+        try:
+            ns = os.readlink(f"/proc/{self._pid}/ns/pid")
+        except OSError:
+            return
+        for _ in range(50):
+            found = False
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit() or int(entry.name) == self._pid:
+                    continue
+                try:
+                    if os.readlink(f"/proc/{entry.name}/ns/pid") == ns:
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        found = True
+                except OSError:
+                    continue
+            if not found:
+                return
+            time.sleep(0.01)
 
     def close(self) -> None:
         """End the server: EOF on its requests, a short wait, then SIGKILL for the whole namespace."""
@@ -461,11 +626,23 @@ class _CommandServer:
             self.kill()
         self._sel.close()
         self.proc.stdout.close()
+        self._end_pasta()
 
     def kill(self) -> None:
         kill_process_group(self.proc)  # bwrap (--die-with-parent) takes the whole PID namespace with it
         self.proc.wait()
         self._eof = True
+
+    def _end_pasta(self) -> None:
+        """pasta quits once the namespace is gone; if it lingers, end it (checking the PID is still it)."""
+        if self._pasta_pid_file is None:
+            return
+        try:
+            pid = int(Path(self._pasta_pid_file).read_text().strip())
+            if Path(f"/proc/{pid}/comm").read_text().strip() in ("pasta", "passt"):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
     def _read(self, deadline: float) -> bytes | None:
         """The next bytes of output; b"" at EOF, None when the deadline passed first."""
@@ -484,7 +661,7 @@ class _CommandServer:
             return chunk
 
     def _drain(self, scanner: MarkerScanner, until: float) -> None:
-        while not self._eof:
+        while not self._eof and not scanner.done:
             chunk = self._read(until)
             if not chunk:
                 return
@@ -503,3 +680,22 @@ def _kill_tagged(marker: bytes) -> None:
                         os.kill(int(entry.name), signal.SIGKILL)
             except OSError:
                 continue
+
+
+def _child_of(pid: int) -> int | None:
+    """The first child of ``pid`` (bwrap has exactly one: the namespace's PID 1), or None."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+    except (OSError, ValueError):
+        pass
+    for entry in os.scandir("/proc"):  # kernels without the children file
+        try:
+            if entry.name.isdigit() and Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[
+                1
+            ] == str(pid):
+                return int(entry.name)
+        except (OSError, IndexError):
+            continue
+    return None
