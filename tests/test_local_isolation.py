@@ -198,9 +198,9 @@ PROBE_TCP = """
 import socket, sys
 port = int(sys.argv[1])
 gateways = [l.split()[2] for l in open("/proc/net/route").read().splitlines()[1:] if l.split()[1] == "00000000"]
-hosts = ["127.0.0.1", *(socket.inet_ntoa(bytes.fromhex(g)[::-1]) for g in gateways)]
+hosts = ["127.0.0.1", *(socket.inet_ntoa(bytes.fromhex(g)[::-1]) for g in gateways), *sys.argv[2:]]
 for host in hosts:
-    s = socket.socket()
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     s.settimeout(3)
     try:
         s.connect((host, port))
@@ -211,13 +211,16 @@ for host in hosts:
 
 
 @pytest.mark.bwrap
-def test_host_loopback_services_are_out_of_reach_with_network_on_or_off(boxes):
-    from agent.sandboxes.local import pasta_problem
+def test_host_services_are_out_of_reach_with_network_on_or_off(boxes):
+    """Loopback, the gateway and the host's other addresses: a service on all interfaces (as model
+    servers often are) answers none of them from inside."""
+    from agent.sandboxes.local import host_addresses, pasta_problem
 
     if pasta_problem():
         skip_or_fail(pasta_problem())
-    service = socket.socket()
-    service.bind(("127.0.0.1", 0))
+    service = socket.socket(socket.AF_INET6)
+    service.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    service.bind(("::", 0))
     service.listen(8)
     port = service.getsockname()[1]
     try:
@@ -228,9 +231,14 @@ def test_host_loopback_services_are_out_of_reach_with_network_on_or_off(boxes):
         devices = online.run("tail -n +3 /proc/net/dev | cut -d: -f1", timeout_s=20).output.split()
         assert "lo" in devices and len(devices) >= 2, devices  # an interface to the outside world
         assert "00000000" in online.run("cut -f2 /proc/net/route", timeout_s=20).output  # a default route
+        others = host_addresses()
+        for address in others:  # each one answers on the host
+            with socket.create_connection((address, port), timeout=5):
+                pass
         for box in (online, offline):
-            res = box.run(f"{PY} -c {shlex.quote(PROBE_TCP)} {port}", timeout_s=60)
+            res = box.run(f"{PY} -c {shlex.quote(PROBE_TCP)} {port} {' '.join(others)}", timeout_s=120)
             assert "127.0.0.1 unreachable" in res.output and "CONNECTED" not in res.output, res.output
+            assert all(f"{a} unreachable" in res.output for a in others), res.output
     finally:
         service.close()
 

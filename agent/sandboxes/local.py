@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import os
 import posixpath
 import re
@@ -197,7 +198,27 @@ def pasta_problem() -> str | None:
     """Why the sandbox cannot get user-mode networking (passt's ``pasta``), or None."""
     if shutil.which("pasta") is None:
         return "pasta is not installed (on Debian: apt-get install passt)"
+    missing = [tool for tool in ("ip", "nsenter") if shutil.which(tool) is None]
+    if missing:  # needed to keep the host's own addresses out of reach
+        return f"{' and '.join(missing)} not found (on Debian: apt-get install iproute2 util-linux)"
     return None
+
+
+def host_addresses() -> list[str]:
+    """The host's own addresses but loopback and link-local (``ip -o addr``), looked up at each
+    start: bridges come and go."""
+    try:
+        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] in ("inet", "inet6"):
+            address = ipaddress.ip_address(parts[3].split("/")[0])
+            if not (address.is_loopback or address.is_link_local):
+                found.append(str(address))
+    return sorted(set(found))
 
 
 @functools.cache
@@ -224,7 +245,7 @@ def sandbox_cwd_problem(cwd: str) -> str | None:
     """Why ``cwd`` (a path inside the sandbox) cannot be a bubblewrap sandbox's working directory."""
     path = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
     if path in _NO_CWD or any(_is_within(path, d) for d in _NO_CWD[1:]):
-        return f"cwd {cwd!r} would replace {path.split('/')[1] and '/' + path.split('/')[1] or '/'} in the sandbox"
+        return f"cwd {cwd!r} would replace a directory the sandbox needs (/, /dev, /proc, /sys)"
     for d in SYSTEM_DIRS:
         if _is_within(path, d):
             return f"cwd {cwd!r} lies in the read-only system directory {d}"
@@ -531,6 +552,28 @@ class _CommandServer:
             raise SandboxError(
                 f"local sandbox: pasta could not connect the sandbox: {text[-1:] or done.returncode}"
             )
+        self._block_host_addresses()
+
+    def _block_host_addresses(self) -> None:
+        """Through pasta, the host's other addresses (a bridge's, say) would reach services that
+        listen on all interfaces, a model server included: make them unreachable inside. The
+        namespace's own copy of the host's address stays local (the local table comes first)."""
+        blocked = host_addresses()
+        if not blocked:
+            return
+        script = "".join(f"route add unreachable {a}/{128 if ':' in a else 32}\n" for a in blocked)
+        argv = ["nsenter", f"--net=/proc/{self._pid}/ns/net", "ip", "-batch", "-"]
+        if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+            argv[1:1] = [f"--user=/proc/{self._pid}/ns/user", "--preserve-credentials"]
+        try:
+            done = subprocess.run(argv, input=script.encode(), capture_output=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxError(
+                f"local sandbox: cannot close the host's addresses to the sandbox: {exc}"
+            ) from exc
+        if done.returncode != 0:
+            text = done.stderr.decode(errors="replace").strip()
+            raise SandboxError(f"local sandbox: cannot close the host's addresses to the sandbox: {text}")
 
     def free_bytes(self, path: str) -> int | None:
         """Free bytes of the filesystem at ``path`` inside the namespace (seen through /proc), or None."""
