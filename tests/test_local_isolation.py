@@ -321,3 +321,44 @@ def test_no_isolation_refuses_a_cwd_outside_cwd_root(tmp_path: Path):
     assert accepted.returncode == 0, accepted.stderr
     (record,) = read_jsonl(tmp_path / "data" / "iso" / "trajectories.jsonl")
     assert str(root / "a") in json.dumps(record["conversations"])  # the command ran there
+
+
+@pytest.mark.bwrap
+def test_without_cgroups_rlimits_still_bound_memory_and_disk(
+    bwrap_available: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import agent.sandboxes.local as local
+
+    monkeypatch.setattr(local, "cgroup_layout", lambda: "no cgroups (test)")
+    box = LocalSandbox(
+        SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path), memory_mb=256, disk_mb=16
+    )
+    box.start()
+    try:
+        assert box._cgroup is None
+        res = box.run(f"{PY} -c 'b = bytearray(3 << 30); print(len(b))'", timeout_s=60)
+        assert "MemoryError" in res.output and res.exit_code == 1, res.output
+        assert box.run("ulimit -v", timeout_s=20).output == f"{256 << 10}\n"
+        assert box.run("ulimit -v unlimited", timeout_s=20).exit_code != 0  # the sandbox cannot raise it
+        dd = box.run("dd if=/dev/zero of=big bs=1M count=64", timeout_s=60)
+        assert "No space left on device" in dd.output
+    finally:
+        box.stop()
+
+
+def test_a_cwd_the_sandbox_cannot_have_fails_its_row_without_a_model_call(
+    bwrap_available: None, tmp_path: Path
+):
+    rows = [{"prompt": "system dir [calls:1]", "cwd": "/usr/lib/app"}, {"prompt": "hello", "cwd": "/srv/app"}]
+    with FakeModelServer() as server:
+        done = run_cli(
+            tmp_path, rows, "--model=some/model", f"--base_url={server.base_url}", "--api_key=sk-iso",
+            "--max_failure_rate=1.0",
+        )  # fmt: skip
+        asked = server.stats()["requests_by_prompt"]
+    assert done.returncode == 0, done.stderr
+    (failed,) = read_jsonl(tmp_path / "data" / "iso" / "failed.jsonl")
+    assert "/usr/lib/app" in json.dumps(failed) and "read-only system directory /usr" in json.dumps(failed)
+    assert not any("system dir" in key for key in asked), asked
+    (record,) = read_jsonl(tmp_path / "data" / "iso" / "trajectories.jsonl")
+    assert "/srv/app" in json.dumps(record["conversations"])  # the fake model's pwd, inside the sandbox

@@ -1,14 +1,16 @@
-"""Local backend: each prompt gets a private directory on this machine, and with bubblewrap a read-only host.
+"""Local backend: each prompt in its own bubblewrap sandbox, or (on purpose) plain host processes.
 
-With ``bwrap`` each prompt gets its own mount and PID namespace: the host filesystem is read-only,
-only the prompt's working directory and its private ``/tmp`` are writable, the host's Unix sockets
-(the Docker daemon's above all) are masked, and the network is cut when the spec asks for it.
-Without bubblewrap there is no isolation at all: say so loudly.
+With ``bwrap`` a prompt sees the system directories read-only and nothing of the host's data: its
+working directory (the row's ``cwd``, a path inside the sandbox) and its ``/tmp`` are its own
+size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own PID, network,
+IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
+offers no cgroups, see ``_limits``) bounds its processes, memory and CPU. With the network on,
+``pasta`` connects its network namespace to the outside world but not to the host's services.
 
-With bubblewrap, one command server runs per prompt (see ``_CommandServer``): setting up the
-namespaces costs more CPU than the command itself, so it is paid once per prompt, not per command.
-Each command still gets a fresh ``bash -c``, and after each one every process it left behind is
-killed, so commands behave as if each had its own sandbox.
+One command server runs per prompt (see ``_CommandServer``): setting up the namespaces costs more
+CPU than the command itself, so it is paid once per prompt, not per command. Each command still
+gets a fresh ``bash -c``, and after each one every process it left behind is killed, so commands
+behave as if each had its own sandbox, except for the files.
 """
 
 from __future__ import annotations
@@ -320,8 +322,13 @@ class LocalSandbox:
             try:
                 self._cgroup = PromptCgroup(layout, parent, os.path.basename(self._root), self.options.limits)
             except OSError as exc:
+                self.stop()
                 raise SandboxError(f"local sandbox: cannot make the prompt's cgroup: {exc}") from exc
-        self._server = self._start_server()
+        try:
+            self._server = self._start_server()
+        except BaseException:
+            self.stop()  # no cgroup or directory of a sandbox that never ran is left behind
+            raise
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         if self._root is None:
