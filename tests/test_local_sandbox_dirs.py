@@ -38,6 +38,16 @@ def start_run(server: FakeModelServer, tmp_path: Path, prompts: list[str], *extr
     )
 
 
+def run_cgroups(runner_pid: int) -> list[Path]:
+    """The cgroups (any hierarchy) of the runs this runner process started: none may outlive it."""
+    from agent.sandboxes._limits import CgroupLayout, cgroup_layout
+
+    layout = cgroup_layout()
+    if not isinstance(layout, CgroupLayout):
+        return []
+    return [p for base in set(layout.bases.values()) for p in base.glob(f"batch-runner-dirs-{runner_pid}-*")]
+
+
 def temp_entries(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "tmp").iterdir())
 
@@ -59,7 +69,7 @@ def test_a_finished_run_leaves_no_sandbox_directory(tmp_path: Path):
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert len(read_jsonl(tmp_path / "data" / "dirs" / "trajectories.jsonl")) == 6
-    assert temp_entries(tmp_path) == []
+    assert temp_entries(tmp_path) == [] and run_cgroups(proc.pid) == []
 
 
 def test_ctrl_c_leaves_no_sandbox_directory(tmp_path: Path):
@@ -74,7 +84,7 @@ def test_ctrl_c_leaves_no_sandbox_directory(tmp_path: Path):
                 proc.kill()
                 proc.wait()
     assert proc.returncode == 130, err
-    assert temp_entries(tmp_path) == []
+    assert temp_entries(tmp_path) == [] and run_cgroups(proc.pid) == []
 
 
 @pytest.mark.slow
@@ -82,6 +92,7 @@ def test_a_killed_runner_s_sandboxes_are_removed_by_the_next_run(tmp_path: Path)
     prompts = [f"slow task {i} [calls:6]" for i in range(6)]
     with FakeModelServer(latency_s=0.5) as server:
         proc = start_run(server, tmp_path, prompts)
+        killed = proc.pid
         try:
             wait_for_sandboxes(tmp_path)
         finally:
@@ -95,3 +106,4 @@ def test_a_killed_runner_s_sandboxes_are_removed_by_the_next_run(tmp_path: Path)
     assert len(read_jsonl(tmp_path / "data" / "dirs" / "trajectories.jsonl")) == len(prompts)
     # multiprocessing's own pymp-* directory of the killed runner stays: it is Python's, not a sandbox
     assert [name for name in temp_entries(tmp_path) if not name.startswith("pymp-")] == []
+    assert run_cgroups(killed) == []  # its cgroups went with its directory

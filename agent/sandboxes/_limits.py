@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,17 +209,38 @@ class PromptCgroup:
 
 
 def remove_run_cgroups(parent: str) -> None:
-    """At the end of a run: remove what a killed worker left under the run's parent cgroup."""
+    """After a run's workers are gone (or a killed run's, by the next run of its name): remove its
+    cgroups, killing what still runs in them (a dead worker's sandbox may still be dying)."""
     layout = cgroup_layout()
     if not isinstance(layout, CgroupLayout):
         return
     for base in set(layout.bases.values()):
         run_dir = base / parent
-        if run_dir.is_dir():
-            for child in run_dir.iterdir():
-                if child.is_dir():
-                    _try_rmdir(child)
-            _try_rmdir(run_dir)
+        if not run_dir.is_dir():
+            continue
+        for child in run_dir.iterdir():
+            if child.is_dir():
+                for _attempt in range(50):
+                    for pid in _procs(child):
+                        _try_kill(pid)
+                    if _try_rmdir(child):
+                        break
+                    time.sleep(0.02)
+        _try_rmdir(run_dir)
+
+
+def _procs(cgroup: Path) -> list[int]:
+    try:
+        return [int(line) for line in (cgroup / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _try_kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def rlimit_commands(limits: Limits) -> str:
@@ -259,8 +281,11 @@ def _try_write(path: Path, text: str) -> None:
         pass
 
 
-def _try_rmdir(path: Path) -> None:
+def _try_rmdir(path: Path) -> bool:
     try:
         path.rmdir()
+    except FileNotFoundError:
+        return True
     except OSError:
-        pass
+        return False
+    return True
