@@ -37,7 +37,7 @@ from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
 from agent.sandbox_lifecycle import BackgroundStopper
 from agent.sandboxes import BACKENDS, SandboxSpec, create_sandbox
-from agent.sandboxes._limits import remove_run_cgroups
+from agent.sandboxes._limits import remove_run_cgroups, run_cgroup_names
 from agent.sandboxes.local import safe_run_name
 from agent.storage import (
     append_jsonl,
@@ -796,7 +796,12 @@ class BatchRunner:
     def preflight_local(self, batches: list[list[PromptJob]]) -> list[list[PromptJob]]:
         """Isolation, limits and network as they will really be; no silent run without isolation."""
         from agent.sandboxes._limits import limits_mechanism
-        from agent.sandboxes.local import bwrap_problem, host_cwd_problem, pasta_problem, sandbox_cwd_problem
+        from agent.sandboxes.local import (
+            bwrap_problem,
+            host_cwd_problem,
+            network_problem,
+            sandbox_cwd_problem,
+        )
 
         options = self.settings.sandbox_options
         isolation = options.get("isolation", "auto")
@@ -831,11 +836,11 @@ class BatchRunner:
             return batches
         net = "off"
         if self.settings.sandbox_network:
-            net = "outside world through pasta; not the host's loopback services"
-            if pasta_problem():
+            net = "outside world through slirp4netns; not the host's own services"
+            if network_problem():
                 net = "OFF"
                 print(
-                    f"warning: --sandbox_network is on, but {pasta_problem()}: the local sandbox has NO network"
+                    f"warning: --sandbox_network is on, but {network_problem()}: the local sandbox has NO network"
                 )
         print(
             "Local sandbox isolation: bubblewrap (system directories read-only; each prompt sees only its own "
@@ -1041,6 +1046,10 @@ class BatchRunner:
                 shutil.rmtree(entry.path, ignore_errors=True)
                 remove_run_cgroups(entry.name)
                 removed += 1
+        for name in run_cgroup_names():  # also those whose directory is gone (another TMPDIR, say)
+            m = leftover.fullmatch(name)
+            if m and not pid_alive(int(m.group(1))):
+                remove_run_cgroups(name)
         if removed:
             print(
                 f"Removed {removed} sandbox director(ies) left by an earlier run named {self.opts.run_name}"

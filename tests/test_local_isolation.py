@@ -214,10 +214,10 @@ for host in hosts:
 def test_host_services_are_out_of_reach_with_network_on_or_off(boxes):
     """Loopback, the gateway and the host's other addresses: a service on all interfaces (as model
     servers often are) answers none of them from inside."""
-    from agent.sandboxes.local import host_addresses, pasta_problem
+    from agent.sandboxes.local import host_addresses, network_problem
 
-    if pasta_problem():
-        skip_or_fail(pasta_problem())
+    if network_problem():
+        skip_or_fail(network_problem())
     service = socket.socket(socket.AF_INET6)
     service.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     service.bind(("::", 0))
@@ -227,7 +227,7 @@ def test_host_services_are_out_of_reach_with_network_on_or_off(boxes):
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # the service does answer on the host
         online, offline = boxes(0, network=True), boxes(1, network=False)
-        assert online.network == "pasta" and offline.network == "none"
+        assert online.network == "slirp4netns" and offline.network == "none"
         devices = online.run("tail -n +3 /proc/net/dev | cut -d: -f1", timeout_s=20).output.split()
         assert "lo" in devices and len(devices) >= 2, devices  # an interface to the outside world
         assert "00000000" in online.run("cut -f2 /proc/net/route", timeout_s=20).output  # a default route

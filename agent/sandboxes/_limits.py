@@ -229,6 +229,20 @@ def remove_run_cgroups(parent: str) -> None:
         _try_rmdir(run_dir)
 
 
+def run_cgroup_names() -> list[str]:
+    """The names of the run-level parent cgroups under this process's own (ours and earlier runs')."""
+    layout = cgroup_layout()
+    if not isinstance(layout, CgroupLayout):
+        return []
+    names = set()
+    for base in set(layout.bases.values()):
+        try:
+            names.update(e.name for e in os.scandir(base) if e.is_dir() and e.name.startswith(PARENT_PREFIX))
+        except OSError:
+            continue
+    return sorted(names)
+
+
 def _procs(cgroup: Path) -> list[int]:
     try:
         return [int(line) for line in (cgroup / "cgroup.procs").read_text().split()]

@@ -5,7 +5,7 @@ working directory (the row's ``cwd``, a path inside the sandbox) and its ``/tmp`
 size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own PID, network,
 IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
 offers no cgroups, see ``_limits``) bounds its processes, memory and CPU. With the network on,
-``pasta`` connects its network namespace to the outside world but not to the host's services.
+``slirp4netns`` connects its network namespace to the outside world but not to the host's services.
 
 One command server runs per prompt (see ``_CommandServer``): setting up the namespaces costs more
 CPU than the command itself, so it is paid once per prompt, not per command. Each command still
@@ -21,6 +21,7 @@ import ipaddress
 import os
 import posixpath
 import re
+import select
 import selectors
 import shutil
 import signal
@@ -196,10 +197,10 @@ def bwrap_problem() -> str | None:
 
 
 @functools.cache
-def pasta_problem() -> str | None:
-    """Why the sandbox cannot get user-mode networking (passt's ``pasta``), or None."""
-    if shutil.which("pasta") is None:
-        return "pasta is not installed (on Debian: apt-get install passt)"
+def network_problem() -> str | None:
+    """Why the sandbox cannot get user-mode networking (``slirp4netns``), or None."""
+    if shutil.which("slirp4netns") is None:
+        return "slirp4netns is not installed (on Debian: apt-get install slirp4netns)"
     missing = [tool for tool in ("ip", "nsenter") if shutil.which(tool) is None]
     if missing:  # needed to keep the host's own addresses out of reach
         return f"{' and '.join(missing)} not found (on Debian: apt-get install iproute2 util-linux)"
@@ -283,7 +284,7 @@ class LocalSandbox:
             "bwrap" if wanted == "bwrap" or (wanted == "auto" and local_isolation_available()) else "none"
         )
         self.workdir = ""
-        self.network = "none"  # what the commands really get: "none", or "pasta" (user-mode networking)
+        self.network = "none"  # what the commands really get: "none", or "slirp4netns" (user-mode networking)
         self._root: str | None = None
         self._tag = uuid.uuid4().hex
         self._server: _CommandServer | None = None
@@ -405,13 +406,13 @@ class LocalSandbox:
                                     output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None:
-                if self.spec.network and pasta_problem() is None:
+                if self.spec.network and network_problem() is None:
                     try:
-                        server.connect_network(os.path.join(self._root, "pasta.pid"))
+                        server.connect_network()
                     except SandboxError:
                         server.close()
                         raise
-                    self.network = "pasta"
+                    self.network = "slirp4netns"
                 return server
             server.close()
             if not _BWRAP_SETUP_RACE.match(problem):
@@ -497,7 +498,8 @@ class _CommandServer:
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
         self._pid: int | None = None  # the server's host PID (bwrap's child)
-        self._pasta_pid_file: str | None = None
+        self._slirp: subprocess.Popen | None = None  # the namespace's user-mode network, if any
+        self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
         self.proc = subprocess.Popen(
             [*launch, *self.argv(CTL_DIR, self._ready)], cwd="/", env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -531,38 +533,45 @@ class _CommandServer:
         self._pid = _child_of(self.proc.pid)
         return None if self._pid else "bubblewrap's child process was not found"
 
-    def connect_network(self, pid_file: str) -> None:
-        """Give the namespace the outside world through pasta, but not the host's loopback services.
+    def connect_network(self) -> None:
+        """Give the namespace the outside world through slirp4netns, but not the host's services.
 
-        ``-T none -U none``: no port of the host's 127.0.0.1 is spliced into the namespace;
-        ``--no-map-gw``: the gateway address is not the host either; ``-t none -u none``: nothing of
-        the namespace is published on the host. pasta ends by itself when the namespace does.
+        ``--disable-host-loopback``: the gateway does not lead to the host's 127.0.0.1; the host's
+        other addresses are made unreachable below. slirp4netns ends when the write end of its
+        exit pipe closes: at ``close``, or when this process dies, however it dies.
         """
-        self._pasta_pid_file = pid_file
-        argv = ["pasta", "--config-net", "--quiet", "-t", "none", "-u", "none", "-T", "none", "-U", "none",
-                "--no-map-gw", "-P", pid_file, "--runas", f"{os.geteuid()}:{os.getegid()}"]  # fmt: skip
-        fd = os.open(f"/proc/{self._pid}/ns/net", os.O_RDONLY)
-        extra = []
+        exit_r, self._slirp_exit = os.pipe()
+        ready_r, ready_w = os.pipe()
+        argv = ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
+                f"--exit-fd={exit_r}", f"--ready-fd={ready_w}", str(self._pid), "tap0"]  # fmt: skip
+        if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+            argv[-2:-2] = [f"--userns-path=/proc/{self._pid}/ns/user"]  # unprivileged bwrap's own
+        log = os.path.join(os.path.dirname(self.ctl), "slirp4netns.log")  # outside the sandbox's view
         try:
-            argv += ["--netns", f"/dev/fd/{fd}"]  # pasta cannot open /proc/<pid>/ns/net itself
-            if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
-                extra = [os.open(f"/proc/{self._pid}/ns/user", os.O_RDONLY)]  # unprivileged bwrap's own
-                argv += ["--userns", f"/dev/fd/{extra[0]}"]
-            done = subprocess.run(argv, pass_fds=(fd, *extra), capture_output=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise SandboxError(f"local sandbox: pasta could not connect the sandbox: {exc}") from exc
+            with open(log, "wb") as err:
+                self._slirp = subprocess.Popen(
+                    argv, pass_fds=(exit_r, ready_w), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                    start_new_session=True,
+                )  # fmt: skip
+        except OSError as exc:
+            raise SandboxError(f"local sandbox: slirp4netns could not be started: {exc}") from exc
         finally:
-            for f in (fd, *extra):
-                os.close(f)
-        if done.returncode != 0:
-            text = done.stderr.decode(errors="replace").strip().splitlines()
+            os.close(exit_r)
+            os.close(ready_w)
+        try:
+            ready = select.select([ready_r], [], [], SERVER_READY_TIMEOUT_S)[0] and os.read(ready_r, 1)
+        finally:
+            os.close(ready_r)
+        if ready != b"1":
+            self._end_network()
+            said = Path(log).read_text(errors="replace").strip().splitlines()
             raise SandboxError(
-                f"local sandbox: pasta could not connect the sandbox: {text[-1:] or done.returncode}"
+                f"local sandbox: slirp4netns could not connect the sandbox: {said[-1:] or ready!r}"
             )
         self._block_host_addresses()
 
     def _block_host_addresses(self) -> None:
-        """Through pasta, the host's other addresses (a bridge's, say) would reach services that
+        """Through slirp4netns, the host's other addresses (a bridge's, say) would reach services that
         listen on all interfaces, a model server included: make them unreachable inside. The
         namespace's own copy of the host's address stays local (the local table comes first)."""
         blocked = host_addresses()
@@ -676,23 +685,25 @@ class _CommandServer:
             self.kill()
         self._sel.close()
         self.proc.stdout.close()
-        self._end_pasta()
+        self._end_network()
 
     def kill(self) -> None:
         kill_process_group(self.proc)  # bwrap (--die-with-parent) takes the whole PID namespace with it
         self.proc.wait()
         self._eof = True
 
-    def _end_pasta(self) -> None:
-        """pasta quits once the namespace is gone; if it lingers, end it (checking the PID is still it)."""
-        if self._pasta_pid_file is None:
-            return
-        try:
-            pid = int(Path(self._pasta_pid_file).read_text().strip())
-            if Path(f"/proc/{pid}/comm").read_text().strip() in ("pasta", "passt"):
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+    def _end_network(self) -> None:
+        """Close slirp4netns's exit pipe, so it ends; SIGKILL it if it has not within a second."""
+        exit_w, self._slirp_exit = self._slirp_exit, None
+        if exit_w is not None:
+            os.close(exit_w)
+        slirp, self._slirp = self._slirp, None
+        if slirp is not None:
+            try:
+                slirp.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                slirp.kill()
+                slirp.wait()
 
     def _read(self, deadline: float) -> bytes | None:
         """The next bytes of output; b"" at EOF, None when the deadline passed first."""
