@@ -231,6 +231,9 @@ def test_host_services_are_out_of_reach_with_network_on_or_off(boxes):
         devices = online.run("tail -n +3 /proc/net/dev | cut -d: -f1", timeout_s=20).output.split()
         assert "lo" in devices and len(devices) >= 2, devices  # an interface to the outside world
         assert "00000000" in online.run("cut -f2 /proc/net/route", timeout_s=20).output  # a default route
+        assert (
+            online.run("cat /etc/resolv.conf", timeout_s=20).output == "nameserver 10.0.2.3\n"
+        )  # slirp's DNS
         others = host_addresses()
         for address in others:  # each one answers on the host
             with socket.create_connection((address, port), timeout=5):

@@ -268,6 +268,7 @@ def host_cwd_problem(cwd: str, cwd_root: str | None) -> str | None:
 
 # bwrap fails the set-up when a masked socket vanished since the scan: try again with a new scan.
 _BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (create file at|bind mount|mkdir) ")
+SLIRP_DNS = "10.0.2.3"  # slirp4netns's DNS forwarder, in its default 10.0.2.0/24
 SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
 TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report the killed command
@@ -420,6 +421,19 @@ class LocalSandbox:
             time.sleep(0.05 * (attempt + 1))
         raise SandboxError(f"local sandbox: bubblewrap could not start the prompt's shell: {problem}")
 
+    def _resolv_conf(self) -> list[str]:
+        """slirp4netns answers DNS at 10.0.2.3; the host's resolver (127.0.0.53, say) may be
+        unreachable from the sandbox. Bound where /etc/resolv.conf leads (often into /run)."""
+        assert self._root is not None
+        target = os.path.realpath("/etc/resolv.conf")
+        hidden = any(_is_within(target, d) for d in HIDDEN_DIRS)
+        if not (hidden or os.path.isfile(target)):
+            return []  # no file to cover in the read-only /etc
+        ours = os.path.join(self._root, "resolv.conf")
+        with open(ours, "w", encoding="utf-8") as f:
+            f.write(f"nameserver {SLIRP_DNS}\n")
+        return [*(["--dir", os.path.dirname(target)] if hidden else []), "--ro-bind", ours, target]
+
     def _launch_argv(self) -> list[str]:
         """The wrapper that puts bwrap under the prompt's limits, then bwrap and its mounts."""
         assert self._root is not None
@@ -431,6 +445,8 @@ class LocalSandbox:
             argv += ["--tmpfs", d]
         argv += ["--symlink", "../tmp", "/var/tmp", "--size", disk, "--tmpfs", "/tmp"]
         argv += ["--ro-bind", os.path.join(self._root, "ctl"), CTL_DIR]
+        if self.spec.network and network_problem() is None:
+            argv += self._resolv_conf()
         argv += ["--size", disk, "--tmpfs", self.workdir]
         # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
         argv += [arg for d in ("/", *HIDDEN_DIRS) if d != self.workdir for arg in ("--remount-ro", d)]
