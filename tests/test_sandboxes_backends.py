@@ -577,3 +577,19 @@ def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: P
     finally:
         victim.kill()
         victim.wait()
+
+
+@pytest.mark.bwrap
+def test_bwrap_timeout_kill_never_reaches_host_processes(bwrap_box):
+    """The host-side kill scans for the server's PID namespace: with a wrong PID it must not scan
+    the host's (which would kill every process here), but end the sandbox's namespace instead."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        server = bwrap_box._server
+        server._pid = bystander.pid  # a host process, in the host's PID namespace
+        server.kill_commands()
+        assert bystander.poll() is None and not server.alive()
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert bwrap_box.run("echo next", timeout_s=20).output == "next\n"  # a new namespace

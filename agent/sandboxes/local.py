@@ -668,11 +668,9 @@ class _CommandServer:
 
     def kill_commands(self) -> None:
         """From the host: SIGKILL every process of the namespace but the server, until none is left."""
-        if self._pid is None:
-            return
-        try:
-            ns = os.readlink(f"/proc/{self._pid}/ns/pid")
-        except OSError:
+        ns = self._namespace()
+        if ns is None:  # the server is gone (or its PID is no longer ours): end the namespace instead
+            self.kill()
             return
         for _ in range(50):
             found = False
@@ -688,6 +686,22 @@ class _CommandServer:
             if not found:
                 return
             time.sleep(0.01)
+
+    def _namespace(self) -> str | None:
+        """The server's PID namespace, checked to be its own (never this host's) and still ours."""
+        if self._pid is None or not self.alive():
+            return None
+        try:
+            ns = os.readlink(f"/proc/{self._pid}/ns/pid")
+            status = Path(f"/proc/{self._pid}/status").read_text()
+        except OSError:
+            return None
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        nspid = fields.get("NSpid", "").split()
+        parent = fields.get("PPid", "").strip()
+        if ns == os.readlink("/proc/self/ns/pid") or nspid[-1:] != ["1"] or parent != str(self.proc.pid):
+            return None
+        return ns
 
     def close(self) -> None:
         """End the server: EOF on its requests, a short wait, then SIGKILL for the whole namespace."""
