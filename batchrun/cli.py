@@ -81,6 +81,8 @@ def main(
     container_cpus: float = 1.0,
     container_memory_mb: int = 2048,
     container_pids_limit: int = 512,
+    container_disk_mb: int = 4096,
+    cwd_root: str | None = None,
     sandbox_network: bool = True,
     tool_timeout: float = 180.0,
     prompt_timeout: float = 1800.0,
@@ -142,6 +144,8 @@ def main(
         container_cpus: [sandbox] CPUs of one prompt's sandbox.
         container_memory_mb: [sandbox] Memory of one prompt's sandbox, MiB.
         container_pids_limit: [sandbox] Most processes in one prompt's sandbox.
+        container_disk_mb: [sandbox] Size cap of one prompt's working directory (local: and of its /tmp), MiB.
+        cwd_root: [sandbox] With --local_isolation=none: the host directory every row's cwd must lie in.
         sandbox_network: [sandbox] Whether the prompt's commands may reach the network.
         tool_timeout: [limits] Seconds per tool call.
         prompt_timeout: [limits] Seconds per prompt (wall clock).
@@ -197,6 +201,8 @@ def main(
             container_cpus=container_cpus,
             container_memory_mb=container_memory_mb,
             container_pids_limit=container_pids_limit,
+            container_disk_mb=container_disk_mb,
+            cwd_root=cwd_root,
             sandbox_network=sandbox_network,
             tool_timeout=tool_timeout,
             prompt_timeout=prompt_timeout,
@@ -335,7 +341,9 @@ def run_steps(
         sandbox_options,
         run_name=config.run_name,
         real_model=not config.is_mock,
+        network=config.sandbox_network,
         workers_here=not config.ray_address,
+        dataset=config.dataset_file,
     )
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False

@@ -235,6 +235,8 @@ class RunConfig:
     container_cpus: float = _flag(float_flag(0, 1024, low_open=True), 1.0)
     container_memory_mb: int = _flag(int_flag(16), 2048)
     container_pids_limit: int = _flag(int_flag(8), 512)
+    container_disk_mb: int = _flag(int_flag(16), 4096)
+    cwd_root: str | None = _flag(text_flag())
     sandbox_network: bool = _flag(parse_bool, True)
     # Time limits and retries
     tool_timeout: float = _flag(float_flag(0, low_open=True), 180.0)
@@ -310,6 +312,8 @@ class RunConfig:
         if not re.fullmatch(r"https?://\S+", self.base_url):
             raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")
         check_output_dir(self.output_dir, self.run_name)
+        if self.cwd_root is not None and not os.path.isdir(self.cwd_root):
+            raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
         if not Path(self.dataset_file).is_file():
             raise UsageError(f"--dataset_file: dataset file not found: {self.dataset_file}")
         self.prefill_messages  # noqa: B018  (reads and checks the file now, before anything starts)
@@ -377,7 +381,9 @@ class RunConfig:
             cpus=self.container_cpus,
             memory_mb=self.container_memory_mb,
             pids_limit=self.container_pids_limit,
+            disk_mb=self.container_disk_mb,
             network=self.sandbox_network,
+            cwd_root=os.path.realpath(self.cwd_root) if self.cwd_root else None,
         )
         try:
             options = backend_class(self.backend).options_from(flags)

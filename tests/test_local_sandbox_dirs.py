@@ -38,6 +38,45 @@ def start_run(server: FakeModelServer, tmp_path: Path, prompts: list[str], *extr
     )
 
 
+def run_cgroups(runner_pid: int) -> list[Path]:
+    """The cgroups (any hierarchy) of the runs this runner process started: none may outlive it."""
+    from batchrun.prompt.sandboxes._limits import CgroupLayout, cgroup_layout
+
+    layout = cgroup_layout()
+    if not isinstance(layout, CgroupLayout):
+        return []
+    return [p for base in set(layout.bases.values()) for p in base.glob(f"batch-runner-dirs-{runner_pid}-*")]
+
+
+def network_helpers(runner_pid: int) -> list[int]:
+    """The slirp4netns processes (a sandbox's network) that this runner's workers started."""
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and Path(entry.path, "comm").read_text().strip() == "slirp4netns":
+                pid = int(entry.name)
+                for _ in range(4):  # runner -> forkserver -> worker -> slirp4netns
+                    pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if pid == runner_pid:
+                        found.append(int(entry.name))
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def poll(probe, want: bool, timeout: float = 10.0):
+    """``probe()`` once its truth is ``want``, or its last value after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while bool(value := probe()) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
 def temp_entries(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "tmp").iterdir())
 
@@ -59,7 +98,8 @@ def test_a_finished_run_leaves_no_sandbox_directory(tmp_path: Path):
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert len(read_jsonl(tmp_path / "data" / "dirs" / "trajectories.jsonl")) == 6
-    assert temp_entries(tmp_path) == []
+    assert temp_entries(tmp_path) == [] and run_cgroups(proc.pid) == []
+    assert network_helpers(proc.pid) == []
 
 
 def test_ctrl_c_leaves_no_sandbox_directory(tmp_path: Path):
@@ -74,7 +114,8 @@ def test_ctrl_c_leaves_no_sandbox_directory(tmp_path: Path):
                 proc.kill()
                 proc.wait()
     assert proc.returncode == 130, err
-    assert temp_entries(tmp_path) == []
+    assert temp_entries(tmp_path) == [] and run_cgroups(proc.pid) == []
+    assert network_helpers(proc.pid) == []
 
 
 @pytest.mark.slow
@@ -82,11 +123,15 @@ def test_a_killed_runner_s_sandboxes_are_removed_by_the_next_run(tmp_path: Path)
     prompts = [f"slow task {i} [calls:6]" for i in range(6)]
     with FakeModelServer(latency_s=0.5) as server:
         proc = start_run(server, tmp_path, prompts)
+        killed = proc.pid
         try:
             wait_for_sandboxes(tmp_path)
+            helpers = poll(lambda: network_helpers(proc.pid), want=True)
         finally:
             proc.kill()  # SIGKILL: no cleanup at all; the workers die with it
             proc.communicate(timeout=60)
+        assert helpers, "no sandbox had its network helper running: the check below proves nothing"
+        assert poll(lambda: alive(helpers), want=False) == []  # they end with their runner
         left = [name for name in temp_entries(tmp_path) if name.startswith("batch-runner-dirs-")]
         assert left, "the killed run left nothing to clean up: the test proves nothing"
         proc = start_run(server, tmp_path, prompts, "--resume")
@@ -95,3 +140,4 @@ def test_a_killed_runner_s_sandboxes_are_removed_by_the_next_run(tmp_path: Path)
     assert len(read_jsonl(tmp_path / "data" / "dirs" / "trajectories.jsonl")) == len(prompts)
     # multiprocessing's own pymp-* directory of the killed runner stays: it is Python's, not a sandbox
     assert [name for name in temp_entries(tmp_path) if not name.startswith("pymp-")] == []
+    assert run_cgroups(killed) == []  # its cgroups went with its directory

@@ -46,7 +46,10 @@ def backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[
         if kind == "local-bwrap":
             request.getfixturevalue("bwrap_available")
         isolation = kind.removeprefix("local-")
-        return "local", {"output_cap_bytes": CAP, "isolation": isolation, "base_dir": str(tmp_path)}
+        options = {"output_cap_bytes": CAP, "isolation": isolation, "base_dir": str(tmp_path)}
+        if isolation == "none":  # an absolute cwd is a host path there, allowed under cwd_root only
+            options["cwd_root"] = str(tmp_path)
+        return "local", options
     if kind == "docker":
         image = request.getfixturevalue("docker_test_image")
         return "docker", {"output_cap_bytes": CAP, "default_image": image, "memory_mb": 256}
@@ -82,8 +85,8 @@ def make(backend: tuple[str, dict]) -> Iterator[Make]:
 
 
 def absolute_cwd(kind: str, tmp_path: Path) -> str:
-    # A local cwd is a host path: keep it inside the test's directory.
-    return str(tmp_path / "proj" / "sub") if kind.startswith("local") else "/srv/proj/sub"
+    # Without isolation a cwd is a host path: keep it inside the test's directory (its cwd_root).
+    return str(tmp_path / "proj" / "sub") if kind == "local-none" else "/srv/proj/sub"
 
 
 def processes(kind: str, sandbox: Sandbox) -> str:
@@ -210,8 +213,10 @@ def test_stop_is_idempotent_and_run_after_stop_fails(make: Make):
 
 
 def test_failed_start_raises_and_stop_is_safe(make: Make, kind: str):
-    if kind.startswith("local"):
-        sandbox = make(start=False, cwd="/proc/cannot/create")
+    if kind == "local-none":
+        sandbox = make(start=False, cwd="/proc/cannot/create")  # outside cwd_root
+    elif kind == "local-bwrap":
+        sandbox = make(start=False, cwd="/usr/cannot/create")  # in the read-only system
     else:
         sandbox = make(start=False, image=MISSING_IMAGE)
     with pytest.raises(SandboxError):

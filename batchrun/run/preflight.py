@@ -50,32 +50,28 @@ def preflight_sandboxes(
     *,
     run_name: str,
     real_model: bool,
+    network: bool,
     workers_here: bool,
+    dataset: str,
 ) -> Ready:
-    """The backend's preflight and run preparation; prompts whose image is missing fail without a model call."""
+    """The backend's preflight and run preparation; prompts it cannot run fail without a model call."""
     cls = backend_class(backend)
     try:
-        found = cls.preflight([j.image for b in batches for j in b], options, real_model=real_model)
+        found = cls.preflight(
+            [j for b in batches for j in b], options, real_model=real_model, network=network, dataset=dataset
+        )
         if batches:
             options = cls.prepare_run(run_name, options, workers_here=workers_here)
     except SetupError as exc:
         raise UsageError(str(exc)) from None
-    if found.unavailable:
-        default = options.get("default_image")
+    if found.failed:
         batches = [
             [
-                dataclasses.replace(
-                    j, fail_reason=f"image {image!r} not available: {found.unavailable[image]}"
-                )
-                if (image := j.image or default) in found.unavailable
+                dataclasses.replace(j, fail_reason=found.failed[j.prompt_index])
+                if j.prompt_index in found.failed
                 else j
                 for j in batch
             ]
             for batch in batches
         ]
-        n = sum(1 for b in batches for j in b if j.fail_reason)
-        print(
-            f"warning: {n} prompt(s) will fail without a model call because their image is missing; "
-            "--resume runs them once it exists"
-        )
     return Ready(batches=batches, isolation=found.isolation, sandbox_options=options)

@@ -40,7 +40,9 @@ class SandboxFlags:
     cpus: float = 1.0  # CPUs of one prompt's sandbox
     memory_mb: int = 2048  # memory of one prompt's sandbox (MiB)
     pids_limit: int = 512  # most processes in one prompt's sandbox
+    disk_mb: int = 4096  # the size cap of one prompt's working directory (and, local, of its /tmp)
     network: bool = True  # whether the prompt's commands may reach the network
+    cwd_root: str | None = None  # local without isolation: the host directory every row's cwd must lie in
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Preflight:
     """What a backend's run-level preflight found, before any token is spent."""
 
     isolation: str  # the isolation really in force, for the statistics ("bwrap", "none", "docker", ...)
-    unavailable: dict[str, str] = field(default_factory=dict)  # image -> why: its prompts fail, no model call
+    failed: dict[int, str] = field(default_factory=dict)  # prompt index -> why it fails without a model call
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class Sandbox(Protocol):
     Each backend class also owns its run-level steps, so the orchestrator names no backend:
     ``options_from(SandboxFlags)`` -> its options (checked when a sandbox is built),
     ``synchronous_start`` (start on the prompt's thread, or overlapped with its first model call),
-    ``preflight(images, options, real_model=...)`` -> :class:`Preflight` (raises :class:`SetupError`),
+    ``preflight(jobs, options, real_model=..., network=..., dataset=...)`` -> :class:`Preflight` (raises :class:`SetupError`),
     ``prepare_run(run_name, options, workers_here=...)`` -> the options the workers get, and
     ``sweep(options)``, which removes whatever the run's sandboxes left once the workers are gone.
     """

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ from batchrun.prompt.sandboxes.docker_engine import (
     remove_owned_containers,
     sweep_containers,
 )
+from batchrun.protocol import PromptJob
 
 __all__ = [
     "DockerOptions",
@@ -113,7 +115,15 @@ class DockerSandbox:
         }
 
     @classmethod
-    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+    def preflight(
+        cls,
+        jobs: Sequence[PromptJob],
+        options: dict[str, Any],
+        *,
+        real_model: bool,
+        network: bool,
+        dataset: str = "the dataset",
+    ) -> Preflight:
         """The engine answers; every image is present or pulled once, up front (never inside a worker)."""
         try:
             version = check_engine()
@@ -121,7 +131,7 @@ class DockerSandbox:
             raise SetupError(str(exc)) from None
         print(f"Docker engine {version}")
         default = options.get("default_image", DEFAULT_IMAGE)
-        wanted = sorted({image or default for image in images})
+        wanted = sorted({j.image or default for j in jobs})
         if not wanted:
             return Preflight(isolation="docker")
         print(f"Checking {len(wanted)} image(s); missing ones are pulled once")

@@ -1,22 +1,28 @@
-"""Local backend: each prompt gets a private directory on this machine, and with bubblewrap a read-only host.
+"""Local backend: each prompt in its own bubblewrap sandbox, or (on purpose) plain host processes.
 
-With ``bwrap`` each prompt gets its own mount and PID namespace: the host filesystem is read-only,
-only the prompt's working directory and its private ``/tmp`` are writable, the host's Unix sockets
-(the Docker daemon's above all) are masked, and the network is cut when the spec asks for it.
-Without bubblewrap there is no isolation at all: say so loudly.
+With ``bwrap`` a prompt sees the system directories read-only and nothing of the host's data: its
+working directory (the row's ``cwd``, a path inside the sandbox) and its ``/tmp`` are its own
+size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own PID, network,
+IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
+offers no cgroups, see ``_limits``) bounds its processes, memory and CPU. With the network on,
+``slirp4netns`` connects its network namespace to the outside world but not to the host's services.
 
-With bubblewrap, one command server runs per prompt (see ``_CommandServer``): setting up the
-namespaces costs more CPU than the command itself, so it is paid once per prompt, not per command.
-Each command still gets a fresh ``bash -c``, and after each one every process it left behind is
-killed, so commands behave as if each had its own sandbox; only what the ``process`` tool started
-in the background is spared (see ``_SERVER_SCRIPT`` and ``_CommandServer._end_command``).
+One command server runs per prompt (see ``_CommandServer``): setting up the namespaces costs more
+CPU than the command itself, so it is paid once per prompt, not per command. Each command still
+gets a fresh ``bash -c``, and after each one every process it left behind is killed, so commands
+behave as if each had its own sandbox, except for the files; only what the ``process`` tool started
+in the background is spared (see ``_SERVER_SCRIPT`` and ``_CommandServer.kill_commands``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import ipaddress
 import os
+import posixpath
 import re
+import select
 import selectors
 import shutil
 import signal
@@ -26,9 +32,22 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from batchrun.prompt.sandboxes._limits import (
+    PARENT_PREFIX,
+    CgroupLayout,
+    Limits,
+    PromptCgroup,
+    cgroup_layout,
+    limits_mechanism,
+    remove_run_cgroups,
+    rlimit_commands,
+    run_cgroup_names,
+)
 from batchrun.prompt.sandboxes._process import kill_process_group, run_process
 from batchrun.prompt.sandboxes._shell import MarkerScanner, new_exec_token
 from batchrun.prompt.sandboxes.base import (
@@ -46,6 +65,7 @@ from batchrun.prompt.sandboxes.base import (
     parse_options,
     safe_run_name,
 )
+from batchrun.protocol import PromptJob
 from batchrun.storage import pid_alive
 
 ISOLATION_MODES = ("auto", "bwrap", "none")
@@ -53,30 +73,127 @@ ISOLATION_MODES = ("auto", "bwrap", "none")
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TERM", "TZ")
 RUN_DIR_PREFIX = "batch-runner-"  # <tmp>/batch-runner-<run>-<pid>-<random>: one run's sandboxes
 TAG_VAR = "BATCH_RUNNER_SANDBOX"  # marks every process of one sandbox, so stop() can find leftovers
+DEFAULT_WORKDIR = "/workspace"  # inside bubblewrap, as for the container backends
+CTL_DIR = "/.batch-runner"  # inside bubblewrap: the server's request files, read-only
 
 
 @dataclass(frozen=True)
 class LocalOptions:
     output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES  # most bytes of one command's output kept
     isolation: str = "auto"  # "auto": bwrap when it works here; "bwrap": required; "none": plain processes
-    base_dir: str | None = None  # where private directories are made; None: the system temp dir
+    base_dir: str | None = None  # where the host-side private directories are made; None: the temp dir
+    cwd_root: str | None = None  # isolation "none" only: the host directory an absolute cwd must lie in
+    cpus: float = 1.0  # bwrap: CPU time per wall second, in cores (cgroup)
+    memory_mb: int = 2048  # bwrap: memory of the prompt's processes (cgroup, else RLIMIT_AS per process)
+    pids_limit: int = 512  # bwrap: processes at once (cgroup)
+    disk_mb: int = 4096  # bwrap: size cap of the working directory and of /tmp (each a tmpfs)
+    cgroup_parent: str | None = None  # the run's parent cgroup; None: one per process
 
     def __post_init__(self) -> None:
-        check_option_types(self, "local", positive=("output_cap_bytes",))
+        check_option_types(
+            self, "local", positive=("output_cap_bytes", "cpus", "memory_mb", "pids_limit", "disk_mb")
+        )
         if self.isolation not in ISOLATION_MODES:
             raise ValueError(
                 f"local sandbox option isolation must be one of {ISOLATION_MODES}, got {self.isolation!r}"
             )
 
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            cpus=self.cpus, memory_mb=self.memory_mb, pids_limit=self.pids_limit, disk_mb=self.disk_mb
+        )
 
-# The host read-only, fresh /dev and /proc, its own PID namespace, gone with its parent. Run as root,
-# bwrap keeps every capability, which would let a command remount / read-write: drop them all, and
-# keep /proc/sys read-only (root may write sysctls by file permission alone).
-BWRAP_BASE = (
-    "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-    "--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-    "--unshare-pid", "--die-with-parent", "--new-session", *(("--cap-drop", "ALL") if os.geteuid() == 0 else ()),
+
+# Own PID, network, IPC, UTS and cgroup namespaces, gone with its parent. The command server is
+# PID 1 (--as-pid-1): a command can then neither kill it nor, with it, the prompt's files, which
+# live in tmpfs mounts that last as long as the namespace. Run as root, bwrap keeps every
+# capability, which would let a command remount anything read-write: drop them all.
+NAMESPACES = (
+    "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+    "--die-with-parent", "--new-session", "--as-pid-1", *(("--cap-drop", "ALL") if os.geteuid() == 0 else ()),
 )  # fmt: skip
+# The system, read-only: what commands need to run. Nothing else of the host is mounted.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# Empty and read-only inside (each a tmpfs): the host's homes, daemons' state and sockets stay out.
+HIDDEN_DIRS = ("/home", "/root", "/run", "/var", "/opt", "/srv", "/mnt", "/media")
+# A cwd may not replace these (or lie inside the read-only system directories).
+_NO_CWD = ("/", "/dev", "/proc", "/sys", CTL_DIR)
+
+
+@functools.cache
+def system_mounts() -> tuple[str, ...]:
+    """bwrap arguments for the read-only system, /dev, /proc and the masks of /etc's secrets."""
+    args: list[str] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):  # merged /usr: /bin -> usr/bin
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    args += ["--dev", "/dev", "--proc", "/proc"]
+    # Root may write sysctls by file permission alone: keep them read-only.
+    args += [
+        "--ro-bind-try",
+        "/proc/sys",
+        "/proc/sys",
+        "--ro-bind-try",
+        "/proc/sysrq-trigger",
+        "/proc/sysrq-trigger",
+    ]
+    for path, is_dir in etc_secrets():
+        args += ["--tmpfs", path, "--remount-ro", path] if is_dir else ["--ro-bind", "/dev/null", path]
+    return tuple(args)
+
+
+@functools.cache
+def etc_secrets() -> tuple[tuple[str, bool], ...]:
+    """What in /etc other users may not read (shadow, SSH host keys, TLS private keys): (path, is_dir).
+
+    The sandbox runs as this user without capabilities; as root it could read root-only files, so
+    whatever an unprivileged user could not read is hidden from it too.
+    """
+    found: list[tuple[str, bool]] = []
+    for top, dirs, files in os.walk("/etc"):
+        for name in list(dirs):
+            path = os.path.join(top, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISDIR(mode) and (mode & 0o005) != 0o005:
+                found.append((path, True))
+                dirs.remove(name)
+        for name in files:
+            path = os.path.join(top, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISREG(mode) and not mode & stat.S_IROTH:
+                found.append((path, False))
+    return tuple(sorted(found))
+
+
+def system_sockets() -> list[str]:
+    """Bound Unix sockets (``/proc/net/unix``) inside the mounted system directories.
+
+    A read-only bind does not stop ``connect()``. Daemons keep their sockets in /run or /var/run,
+    which the sandbox does not see; one in /etc or /usr would be reachable, so it is masked.
+    """
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    found = set()
+    for line in lines:
+        parts = line.split(None, 7)
+        if len(parts) < 8 or not parts[7].startswith("/"):
+            continue  # unbound, or abstract (@name): those go with the network namespace
+        real = os.path.realpath(parts[7])
+        if any(_is_within(real, d) for d in SYSTEM_DIRS if not os.path.islink(d)):
+            found.add(real)
+    return sorted(found)
 
 
 @functools.cache
@@ -85,12 +202,41 @@ def bwrap_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed (on Debian: apt-get install bubblewrap)"
     try:
-        done = subprocess.run([*BWRAP_BASE, "--unshare-net", "true"], capture_output=True, timeout=20)
+        argv = ["bwrap", *NAMESPACES, *system_mounts(), "--tmpfs", "/tmp", "--remount-ro", "/", "true"]
+        done = subprocess.run(argv, capture_output=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap could not be run: {exc}"
     if done.returncode != 0:
         return f"bubblewrap does not work here: {done.stderr.decode(errors='replace').strip()}"
     return None
+
+
+@functools.cache
+def network_problem() -> str | None:
+    """Why the sandbox cannot get user-mode networking (``slirp4netns``), or None."""
+    if shutil.which("slirp4netns") is None:
+        return "slirp4netns is not installed (on Debian: apt-get install slirp4netns)"
+    missing = [tool for tool in ("ip", "nsenter") if shutil.which(tool) is None]
+    if missing:  # needed to keep the host's own addresses out of reach
+        return f"{' and '.join(missing)} not found (on Debian: apt-get install iproute2 util-linux)"
+    return None
+
+
+def host_addresses() -> list[str]:
+    """The host's own addresses but loopback and link-local (``ip -o addr``), looked up at each
+    start: bridges come and go."""
+    try:
+        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] in ("inet", "inet6"):
+            address = ipaddress.ip_address(parts[3].split("/")[0])
+            if not (address.is_loopback or address.is_link_local):
+                found.append(str(address))
+    return sorted(set(found))
 
 
 @functools.cache
@@ -104,119 +250,38 @@ def local_isolation_available() -> bool:
     return bwrap_problem() is None
 
 
-# Host paths a dataset's cwd may never name: the cwd is bound writable inside bubblewrap.
-_SYSTEM_DIRS = (
-    "/bin",
-    "/boot",
-    "/dev",
-    "/etc",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/proc",
-    "/sbin",
-    "/sys",
-    "/usr",
-)
-_SYSTEM_ROOTS = ("/home", "/root", "/var", "/run", "/opt", "/srv", "/mnt", "/media", "/tmp")
-
-
 def _is_within(path: str, directory: str) -> bool:
-    path, directory = os.path.realpath(path), os.path.realpath(directory)
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def _protected(path: str) -> bool:
-    """``/``, a system directory or anything inside one, or a top-level directory such as /home."""
-    real = os.path.realpath(path)
-    if real == "/" or real in _SYSTEM_ROOTS:
-        return True
-    return any(real == d or real.startswith(d + "/") for d in _SYSTEM_DIRS)
+def sandbox_cwd_problem(cwd: str) -> str | None:
+    """Why ``cwd`` (a path inside the sandbox) cannot be a bubblewrap sandbox's working directory."""
+    path = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+    if path in _NO_CWD or any(_is_within(path, d) for d in _NO_CWD[1:]):
+        return f"cwd {cwd!r} would replace a directory the sandbox needs (/, /dev, /proc, /sys)"
+    for d in SYSTEM_DIRS:
+        if _is_within(path, d):
+            return f"cwd {cwd!r} lies in the read-only system directory {d}"
+    return None
 
 
-# bwrap copies the host's mounts; one that vanishes meanwhile (Docker's overlays come and go) fails the
-# set-up before anything runs, and so does a masked socket that vanished since the scan: try again.
-_BWRAP_SETUP_RACE = re.compile(
-    r"\Abwrap: Can't (bind mount|remount|mount) /oldroot/|\Abwrap: Can't (create file at|mkdir) "
-)
+def host_cwd_problem(cwd: str, cwd_root: str | None) -> str | None:
+    """Isolation "none": why a row's absolute ``cwd`` (a host path) may not be used."""
+    if not cwd.startswith("/"):
+        return None  # relative: inside the prompt's private directory
+    if cwd_root is None:
+        return f"cwd {cwd!r} is a host directory and --local_isolation=none; name its parent with --cwd_root"
+    if not _is_within(os.path.realpath(cwd), os.path.realpath(cwd_root)):
+        return f"cwd {cwd!r} is outside --cwd_root {cwd_root}"
+    return None
+
+
+# bwrap fails the set-up when a masked socket vanished since the scan: try again with a new scan.
+_BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (create file at|bind mount|mkdir) ")
+SLIRP_DNS = "10.0.2.3"  # slirp4netns's DNS forwarder, in its default 10.0.2.0/24
 SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
-
-
-SOCKET_SCAN_TTL_S = 2.0  # how long one scan of the host's sockets serves new sandboxes
-
-
-@dataclass(frozen=True)
-class SocketDir:
-    """A host directory holding bound Unix sockets: ``names`` are those sockets. ``only_sockets``:
-    the directory holds nothing else, so a tmpfs can hide it whole, new sockets included."""
-
-    path: str
-    names: tuple[str, ...]
-    only_sockets: bool
-
-
-_socket_scan: tuple[float, list[SocketDir]] = (float("-inf"), [])
-_socket_scan_lock = threading.Lock()
-
-
-def host_socket_dirs(*, fresh: bool = False) -> list[SocketDir]:
-    """Where the Unix sockets bound on this host (``/proc/net/unix``) are, grouped by directory.
-
-    A read-only bind does not stop ``connect()``: without a mask, a command could reach
-    ``/run/docker.sock`` and, through the Docker daemon, the whole host. Reading the kernel's
-    table costs about a millisecond on a busy host, so a scan serves the sandboxes started in the
-    next ``SOCKET_SCAN_TTL_S`` seconds (long-lived daemons' sockets are what matter; a socket
-    made while a prompt runs is not masked for it either way, unless its directory is hidden whole).
-    """
-    global _socket_scan
-    with _socket_scan_lock:
-        taken, _ = _socket_scan
-        if fresh or time.monotonic() - taken > SOCKET_SCAN_TTL_S:
-            _socket_scan = (time.monotonic(), _scan_socket_dirs())
-        return _socket_scan[1]
-
-
-def host_unix_sockets(*, fresh: bool = False) -> list[str]:
-    """The paths of the host's bound Unix sockets (see ``host_socket_dirs``)."""
-    return sorted(os.path.join(d.path, n) for d in host_socket_dirs(fresh=fresh) for n in d.names)
-
-
-def _scan_socket_dirs() -> list[SocketDir]:
-    try:
-        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()[1:]
-    except OSError:
-        return []
-    bound: dict[str, set[str]] = {}  # real directory -> names of the sockets bound in it
-    for line in lines:
-        parts = line.split(None, 7)
-        if len(parts) < 8 or not parts[7].startswith("/"):
-            continue  # unbound, or abstract (@name): those go with the network namespace
-        parent, name = os.path.split(parts[7])
-        bound.setdefault(parent, set()).add(name)
-    by_real: dict[str, set[str]] = {}
-    for parent, names in bound.items():  # /var/run and /run are one directory
-        by_real.setdefault(os.path.realpath(parent), set()).update(names)
-    found: dict[str, SocketDir] = {}
-    for real, names in by_real.items():
-        try:
-            entries = list(os.scandir(real))
-        except OSError:
-            continue
-        sockets = set()
-        for entry in entries:
-            try:
-                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-                    sockets.add(entry.name)
-            except OSError:
-                continue
-        if names & sockets:
-            found[real] = SocketDir(
-                real, tuple(sorted(names & sockets)), only_sockets=len(sockets) == len(entries)
-            )
-    return sorted(found.values(), key=lambda d: d.path)
+TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report the killed command
 
 
 class LocalSandbox:
@@ -228,37 +293,93 @@ class LocalSandbox:
 
     @classmethod
     def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
-        return {"isolation": flags.local_isolation}
+        options: dict[str, Any] = {
+            "isolation": flags.local_isolation,
+            "cpus": flags.cpus,
+            "memory_mb": flags.memory_mb,
+            "pids_limit": flags.pids_limit,
+            "disk_mb": flags.disk_mb,
+        }
+        if flags.cwd_root is not None:
+            options["cwd_root"] = flags.cwd_root
+        return options
 
     @classmethod
-    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+    def preflight(
+        cls,
+        jobs: Sequence[PromptJob],
+        options: dict[str, Any],
+        *,
+        real_model: bool,
+        network: bool,
+        dataset: str = "the dataset",
+    ) -> Preflight:
+        """Isolation, limits and network as they will really be; no silent run without isolation."""
         isolation = options.get("isolation", "auto")
-        problem = bwrap_problem() if isolation != "none" else "isolation disabled (--local_isolation=none)"
-        if problem:
-            if isolation == "bwrap":
-                raise SetupError(f"--local_isolation=bwrap: {problem}")
-            print(
-                f"warning: the local sandbox has NO isolation: commands run on this machine as this user ({problem})"
+        problem = bwrap_problem() if isolation != "none" else None
+        if problem and (isolation == "bwrap" or real_model):
+            raise SetupError(
+                f"the local sandbox cannot isolate commands: {problem}. Install bubblewrap "
+                "(Debian: apt-get install bubblewrap), use --sandbox=docker, or pass "
+                "--local_isolation=none to run the model's commands on this machine without isolation, on purpose"
             )
-        else:
-            print(
-                "Local sandbox isolation: bubblewrap (host read-only, private workdir and /tmp, own PID namespace)"
-            )
-        with_image = sum(1 for image in images if image)
+        with_image = sum(1 for j in jobs if j.image)
         if with_image:
             print(
                 f"warning: {with_image} prompt(s) name a container image, which the local backend ignores; "
                 "use --sandbox=docker to run them in their images"
             )
-        return Preflight(isolation="none" if problem else "bwrap")
+        if problem or isolation == "none":
+            print(
+                f"warning: the local sandbox has NO isolation ({problem or '--local_isolation=none'}): commands "
+                "run on this machine as this user, in a private directory, or in a row's cwd under --cwd_root "
+                f"({options.get('cwd_root')})"
+            )
+            bad = [
+                (j, why) for j in jobs if j.cwd and (why := host_cwd_problem(j.cwd, options.get("cwd_root")))
+            ]
+            if bad:
+                lines = "; ".join(f"{dataset}:{j.prompt_index + 1}: {why}" for j, why in bad[:5])
+                more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+                raise SetupError(
+                    f"{len(bad)} dataset row(s) name a cwd the local sandbox may not use: {lines}{more}"
+                )
+            return Preflight(isolation="none")
+        net = "off"
+        if network:
+            net = "outside world through slirp4netns; not the host's own services"
+            if network_problem():
+                net = "OFF"
+                print(
+                    f"warning: --sandbox_network is on, but {network_problem()}: the local sandbox has NO network"
+                )
+        print(
+            "Local sandbox isolation: bubblewrap (system directories read-only; each prompt sees only its own "
+            f"working directory and /tmp; own PID, network and IPC namespaces); network: {net}"
+        )
+        print(
+            f"Per-prompt limits: {options.get('cpus')} CPU, {options.get('memory_mb')} MiB memory + "
+            f"{options.get('disk_mb')} MiB per tmpfs (working directory, /tmp), {options.get('pids_limit')} "
+            f"processes; enforced by {limits_mechanism()}"
+        )
+        failed = {
+            j.prompt_index: f"local sandbox: {why}"
+            for j in jobs
+            if j.cwd and (why := sandbox_cwd_problem(j.cwd))
+        }
+        if failed:
+            print(
+                f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a model call"
+            )
+        return Preflight(isolation="bwrap", failed=failed)
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
-        """One directory holds this run's sandboxes, so none outlives it.
+        """One directory (and one parent cgroup of the same name) holds this run's sandboxes, so none outlives it.
 
         The workers' sandboxes go under ``<tmp>/batch-runner-<run>-<pid>-<random>``; :meth:`sweep`
         removes it once the pool has ended (normally, on Ctrl-C or after a worker died mid-prompt).
-        One left by a runner that was killed outright is removed here, by the next run of the same
+        What a runner that was killed outright left is removed here, by the next run of the same
         name, once its pid is gone. (Workers on other machines, Ray's, keep their own temp dirs.)
         """
         if not workers_here:
@@ -270,17 +391,25 @@ class LocalSandbox:
             m = leftover.fullmatch(entry.name)
             if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
                 shutil.rmtree(entry.path, ignore_errors=True)
+                remove_run_cgroups(entry.name)
                 removed += 1
+        for name in run_cgroup_names():  # also those whose directory is gone (another TMPDIR, say)
+            m = leftover.fullmatch(name)
+            if m and not pid_alive(int(m.group(1))):
+                remove_run_cgroups(name)
         if removed:
             print(f"Removed {removed} sandbox director(ies) left by an earlier run named {run_name}")
-        return {**options, "base_dir": tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")}
+        base_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+        # The run's parent cgroup is named after the directory, so a sweep finds both.
+        return {**options, "base_dir": base_dir, "cgroup_parent": os.path.basename(base_dir)}
 
     @classmethod
     def sweep(cls, options: dict[str, Any]) -> None:
-        """After the pool ended: the run's sandbox directory goes, whatever its prompts left in it."""
+        """After the pool ended: the run's cgroups and sandbox directory go, whatever its prompts left."""
         base_dir = options.get("base_dir")
         if not base_dir:
             return
+        remove_run_cgroups(os.path.basename(base_dir))
         # The workers are gone, and their bubblewrap namespaces die with them (SIGKILL, from the
         # kernel); a process still dying may write a last file: try again a few times.
         for attempt in range(5):
@@ -299,35 +428,52 @@ class LocalSandbox:
             "bwrap" if wanted == "bwrap" or (wanted == "auto" and local_isolation_available()) else "none"
         )
         self.workdir = ""
+        self.network = "none"  # what the commands really get: "none", or "slirp4netns" (user-mode networking)
         self._root: str | None = None
         self._tag = uuid.uuid4().hex
         self._server: _CommandServer | None = None
+        self._cgroup: PromptCgroup | None = None
         self._lock = threading.Lock()  # one command at a time per prompt
 
     def start(self) -> None:
         if self.isolation == "bwrap" and bwrap_problem():
             raise SandboxError(f"local sandbox: isolation 'bwrap' was requested but {bwrap_problem()}")
+        cwd = self.spec.cwd or ""
+        if self.isolation == "bwrap":
+            problem = sandbox_cwd_problem(cwd)
+        else:
+            problem = host_cwd_problem(cwd, self.options.cwd_root)
+        if problem:
+            raise SandboxError(f"local sandbox: {problem}")
         self._root = tempfile.mkdtemp(
             prefix=f"br-{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
             dir=self.options.base_dir,
         )
-        os.mkdir(os.path.join(self._root, "tmp"))
-        # An absolute cwd is a host path (shared by prompts that name it); a relative one lives in the private dir.
-        cwd = os.path.join(self._root, "work", self.spec.cwd or "")
-        self.workdir = os.path.abspath(cwd)
-        if _protected(self.workdir):
-            raise SandboxError(
-                f"local sandbox: cwd {self.spec.cwd!r} is a system directory; it would become writable to the "
-                "model. Use a project directory, or --sandbox=docker"
-            )
+        if self.isolation == "none":
+            os.mkdir(os.path.join(self._root, "tmp"))
+            self.workdir = os.path.abspath(os.path.join(self._root, "work", cwd))
+            try:
+                os.makedirs(self.workdir, exist_ok=True)
+            except OSError as exc:
+                raise SandboxError(f"local sandbox: cannot create cwd {cwd!r}: {exc}") from exc
+            return
+        # Inside bubblewrap the cwd is a path in the sandbox, its own size-capped tmpfs.
+        self.workdir = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+        os.mkdir(os.path.join(self._root, "ctl"))
+        open(os.path.join(self._root, "ctl", "empty"), "wb").close()
+        layout = cgroup_layout()
+        if isinstance(layout, CgroupLayout):
+            parent = self.options.cgroup_parent or f"{PARENT_PREFIX}pid{os.getpid()}"
+            try:
+                self._cgroup = PromptCgroup(layout, parent, os.path.basename(self._root), self.options.limits)
+            except OSError as exc:
+                self.stop()
+                raise SandboxError(f"local sandbox: cannot make the prompt's cgroup: {exc}") from exc
         try:
-            os.makedirs(self.workdir, exist_ok=True)
-        except OSError as exc:
-            raise SandboxError(f"local sandbox: cannot create cwd {self.spec.cwd!r}: {exc}") from exc
-        if self.isolation == "bwrap":
-            os.mkdir(os.path.join(self._root, "ctl"))
-            open(os.path.join(self._root, "ctl", "empty"), "wb").close()
             self._server = self._start_server()
+        except BaseException:
+            self.stop()  # no cgroup or directory of a sandbox that never ran is left behind
+            raise
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         if self._root is None:
@@ -339,15 +485,48 @@ class LocalSandbox:
             )  # fmt: skip
         with self._lock:
             if self._server is None or not self._server.alive():
-                # A timeout ended the last server with everything it ran; the next command gets a new one.
+                # The namespace ended (bwrap was killed from outside): the next command gets a new one.
                 self._server = self._start_server()
-            return self._server.run(command, timeout_s=timeout_s, stdin=stdin)
+            before = self._cgroup.hits() if self._cgroup else (0, 0)
+            result = self._server.run(command, timeout_s=timeout_s, stdin=stdin)
+            notes = self._limit_notes(before)
+        if notes:
+            result = dataclasses.replace(
+                result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n")
+            )
+        return result
+
+    def _limit_notes(self, before: tuple[int, int]) -> list[str]:
+        """What a limit did during the command, said plainly (the command's own errors can be cryptic)."""
+        notes = []
+        opts = self.options
+        if self._cgroup is not None:
+            pids, oom = self._cgroup.hits()
+            if pids > before[0]:
+                notes.append(
+                    f"[batch-runner: the sandbox's process limit ({opts.pids_limit}) was reached; "
+                    "fork() failed for some processes]"
+                )
+            if oom > before[1]:
+                notes.append(
+                    f"[batch-runner: the sandbox's memory limit ({opts.memory_mb} MiB for processes + "
+                    f"{opts.disk_mb} MiB for files) was reached; the kernel killed {oom - before[1]} process(es)]"
+                )
+        server = self._server
+        for where in dict.fromkeys((self.workdir, "/tmp")):
+            free = server.free_bytes(where) if server is not None else None
+            if free == 0:
+                notes.append(f"[batch-runner: {where} is full: its size cap is {opts.disk_mb} MiB]")
+        return notes
 
     def stop(self) -> None:
         with self._lock:
             server, self._server = self._server, None
         if server is not None:
             server.close()
+        if self._cgroup is not None:
+            self._cgroup.remove()
+            self._cgroup = None
         root, self._root = self._root, None
         if root is None:
             return
@@ -367,12 +546,17 @@ class LocalSandbox:
     def _start_server(self) -> _CommandServer:
         assert self._root is not None
         for attempt in range(3):
-            prefix = self._bwrap_prefix(fresh_sockets=attempt > 0)  # a masked socket may have gone since
-            server = _CommandServer(prefix, ctl=os.path.join(self._root, "ctl"), env=self._env(),
-                                    cwd=self.workdir, output_cap_bytes=self.options.output_cap_bytes,
-                                    background_dir=os.path.join(self._root, "tmp", BACKGROUND_DIR))  # fmt: skip
+            server = _CommandServer(self._launch_argv(), ctl=os.path.join(self._root, "ctl"), env=self._env(),
+                                    output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None:
+                if self.spec.network and network_problem() is None:
+                    try:
+                        server.connect_network()
+                    except SandboxError:
+                        server.close()
+                        raise
+                    self.network = "slirp4netns"
                 return server
             server.close()
             if not _BWRAP_SETUP_RACE.match(problem):
@@ -380,44 +564,60 @@ class LocalSandbox:
             time.sleep(0.05 * (attempt + 1))
         raise SandboxError(f"local sandbox: bubblewrap could not start the prompt's shell: {problem}")
 
-    def _bwrap_prefix(self, *, fresh_sockets: bool = False) -> list[str]:
+    def _resolv_conf(self) -> list[str]:
+        """slirp4netns answers DNS at 10.0.2.3; the host's resolver (127.0.0.53, say) may be
+        unreachable from the sandbox. Bound where /etc/resolv.conf leads (often into /run)."""
         assert self._root is not None
-        prefix = [*BWRAP_BASE]
-        # Masks first: a socket under /tmp is then hidden twice, and the binds below need no new mount points.
-        # A directory of sockets alone (containerd's, whose sockets come and go with each container)
-        # is hidden under an empty tmpfs; elsewhere each socket is covered by /dev/null.
-        for d in host_socket_dirs(fresh=fresh_sockets):
-            if _is_within(d.path, "/tmp"):
-                continue  # the private /tmp below hides the host's
-            if d.only_sockets and d.path != "/" and not _is_within(self._root, d.path):
-                prefix += ["--tmpfs", d.path]
-            else:
-                for name in d.names:
-                    prefix += ["--ro-bind", "/dev/null", os.path.join(d.path, name)]
-        # Order matters: /tmp is mounted before the workdir, which may itself live under /tmp.
-        ctl = os.path.join(self._root, "ctl")
-        prefix += ["--bind", os.path.join(self._root, "tmp"), "/tmp"]
-        prefix += ["--bind", self.workdir, self.workdir, "--ro-bind", ctl, ctl, "--chdir", self.workdir]
-        if not self.spec.network:
-            prefix.append("--unshare-net")
-        return [*prefix, "--"]
+        target = os.path.realpath("/etc/resolv.conf")
+        hidden = any(_is_within(target, d) for d in HIDDEN_DIRS)
+        if not (hidden or os.path.isfile(target)):
+            return []  # no file to cover in the read-only /etc
+        ours = os.path.join(self._root, "resolv.conf")
+        with open(ours, "w", encoding="utf-8") as f:
+            f.write(f"nameserver {SLIRP_DNS}\n")
+        return [*(["--dir", os.path.dirname(target)] if hidden else []), "--ro-bind", ours, target]
+
+    def _launch_argv(self) -> list[str]:
+        """The wrapper that puts bwrap under the prompt's limits, then bwrap and its mounts."""
+        assert self._root is not None
+        disk = str(self.options.disk_mb << 20)
+        argv = ["bwrap", *NAMESPACES, *system_mounts()]
+        for path in system_sockets():
+            argv += ["--ro-bind", "/dev/null", path]
+        for d in HIDDEN_DIRS:
+            argv += ["--tmpfs", d]
+        argv += ["--symlink", "../tmp", "/var/tmp", "--size", disk, "--tmpfs", "/tmp"]
+        argv += ["--ro-bind", os.path.join(self._root, "ctl"), CTL_DIR]
+        if self.spec.network and network_problem() is None:
+            argv += self._resolv_conf()
+        argv += ["--size", disk, "--tmpfs", self.workdir]
+        # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
+        argv += [arg for d in ("/", *HIDDEN_DIRS) if d != self.workdir for arg in ("--remount-ro", d)]
+        argv += ["--chdir", self.workdir, "--"]
+        if self._cgroup is not None:  # into the cgroup before bwrap forks: every descendant inherits it
+            enter = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 96; shift; done; shift; exec "$@"'
+            return ["/bin/sh", "-c", enter, "br-limits", *self._cgroup.procs_files, "--", *argv]
+        fallback = rlimit_commands(self.options.limits)
+        return ["/bin/sh", "-c", f'{fallback} || exit 96; exec "$@"', "br-limits", *argv]
 
 
-# The server, run by bash as PID 2 of the prompt's PID namespace (bwrap is PID 1). Requests come on
-# stdin, one line each: "<seq> <token> <stdin: 0|1>"; the command text is in $ctl/<seq>.cmd and its
-# stdin, when given, in $ctl/<seq>.in (files: no size limit, no deadlock, any bytes), else the empty
-# $ctl/empty (read-only, unlike the namespace's /dev/null, which `rm -rf /` removes). Each command
-# runs in a fresh `bash -c` with stdout and stderr on the server's stdout. When it is done, every
-# other process in the namespace is killed (so nothing it left behind writes after the marker or
+# The server, run by bash as PID 1 of the prompt's PID namespace. Requests come on stdin, one line
+# each: "<seq> <token> <stdin: 0|1>"; the command text is in $ctl/<seq>.cmd and its stdin, when
+# given, in $ctl/<seq>.in (files: no size limit, no deadlock, any bytes), else the empty $ctl/empty
+# (read-only, unlike the namespace's /dev/null, which `rm -rf /` removes). Each command runs in a
+# fresh `bash -c` with stdout and stderr on the server's stdout. When it is done, every other
+# process in the namespace is killed (so nothing it left behind writes after the marker or
 # outlives the call, as with one sandbox per command), then the end marker with the exit code is
-# printed. `kill -9 -1` on the host would be a disaster: the PID check makes sure it never runs there.
-# Once the process tool has started a background process (its directory exists), the sweep spares
-# the sessions it started and the processes marked with BACKGROUND_ENV (children inherit the mark)
-# instead of killing everything; zombies are skipped, as they write nothing and PID 1 reaps them.
+# printed. As PID 1 the server gets no signal from inside the namespace it did not ask for, and
+# it reaps the orphans. `kill -9 -1` on the host would be a disaster: the PID check makes sure it
+# never runs there. Once the process tool has started a background process (its directory exists),
+# the sweep spares the sessions it started and the processes marked with BACKGROUND_ENV (children
+# inherit the mark) instead of killing everything; zombies are skipped, as they write nothing.
 _SERVER_SCRIPT = r"""
-[ "$$" = 2 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
+[ "$$" = 1 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
 unset SHLVL
 ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 keep_env=$5
+exec 2>/dev/null  # not bash's "Killed" notes for a command killed at its deadline
 printf '%s\n' "$3"
 # kept <pid> <session>: 0 spare it, 1 kill it, 2 cannot tell yet. A process of a session the process
 # tool started is kept whatever it execs; otherwise the mark in its environment decides, and an
@@ -464,10 +664,20 @@ while IFS=' ' read -r seq tok has_in; do
     if [ -d "$keep_dir" ]; then
         sweep
     else
-        # kill(-1) fails once nothing is left to signal: repeat until then, so that a child forked
-        # during a round, or killed but not yet gone, is dead and reaped before the marker.
+        # Repeat until every other process is a zombie, so that a child forked during a round, or
+        # killed but not yet gone, is dead before the marker. Zombies (orphans now ours) also answer
+        # kill(-1) until bash reaps them, so they do not count; builtins only: a fork here would count.
         n=0
-        while kill -9 -1 2>/dev/null && [ "$n" -lt 100000 ]; do n=$((n + 1)); done
+        while kill -9 -1 2>/dev/null && [ "$n" -lt 10000 ]; do
+            n=$((n + 1)) live=
+            for s in /proc/[0-9]*/stat; do
+                [ "$s" = /proc/1/stat ] && continue
+                IFS= read -r line < "$s" 2>/dev/null || continue
+                st=${line##*) } && st=${st%% *}
+                [ "$st" = Z ] || { live=1 && break; }
+            done
+            [ -n "$live" ] || break
+        done
     fi
     printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
 done
@@ -486,24 +696,17 @@ class _CommandServer:
             BACKGROUND_DIR, keep_env,
         ]  # fmt: skip
 
-    def __init__(
-        self,
-        bwrap_prefix: list[str],
-        *,
-        ctl: str,
-        env: dict[str, str],
-        cwd: str,
-        output_cap_bytes: int,
-        background_dir: str | None = None,
-    ):
+    def __init__(self, launch: list[str], *, ctl: str, env: dict[str, str], output_cap_bytes: int):
         self.ctl = ctl
         self.output_cap_bytes = output_cap_bytes
-        self.background_dir = background_dir  # the process tool's directory, seen from the host
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
+        self._pid: int | None = None  # the server's host PID (bwrap's child)
+        self._slirp: subprocess.Popen | None = None  # the namespace's user-mode network, if any
+        self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
         self.proc = subprocess.Popen(
-            [*bwrap_prefix, *self.argv(ctl, self._ready)], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [*launch, *self.argv(CTL_DIR, self._ready)], cwd="/", env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._out = self.proc.stdout.fileno()
         os.set_blocking(self._out, False)
@@ -531,7 +734,76 @@ class _CommandServer:
                 break
         if seen != want:
             return seen.decode(errors="replace").replace(self._ready, "").strip() or "unexpected output"
-        return None
+        self._pid = _child_of(self.proc.pid)
+        return None if self._pid else "bubblewrap's child process was not found"
+
+    def connect_network(self) -> None:
+        """Give the namespace the outside world through slirp4netns, but not the host's services.
+
+        ``--disable-host-loopback``: the gateway does not lead to the host's 127.0.0.1; the host's
+        other addresses are made unreachable below. slirp4netns ends when the write end of its
+        exit pipe closes: at ``close``, or when this process dies, however it dies.
+        """
+        exit_r, self._slirp_exit = os.pipe()
+        ready_r, ready_w = os.pipe()
+        argv = ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
+                f"--exit-fd={exit_r}", f"--ready-fd={ready_w}", str(self._pid), "tap0"]  # fmt: skip
+        if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+            argv[-2:-2] = [f"--userns-path=/proc/{self._pid}/ns/user"]  # unprivileged bwrap's own
+        log = os.path.join(os.path.dirname(self.ctl), "slirp4netns.log")  # outside the sandbox's view
+        try:
+            with open(log, "wb") as err:
+                self._slirp = subprocess.Popen(
+                    argv, pass_fds=(exit_r, ready_w), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                    start_new_session=True,
+                )  # fmt: skip
+        except OSError as exc:
+            raise SandboxError(f"local sandbox: slirp4netns could not be started: {exc}") from exc
+        finally:
+            os.close(exit_r)
+            os.close(ready_w)
+        try:
+            ready = select.select([ready_r], [], [], SERVER_READY_TIMEOUT_S)[0] and os.read(ready_r, 1)
+        finally:
+            os.close(ready_r)
+        if ready != b"1":
+            self._end_network()
+            said = Path(log).read_text(errors="replace").strip().splitlines()
+            raise SandboxError(
+                f"local sandbox: slirp4netns could not connect the sandbox: {said[-1:] or ready!r}"
+            )
+        self._block_host_addresses()
+
+    def _block_host_addresses(self) -> None:
+        """Through slirp4netns, the host's other addresses (a bridge's, say) would reach services that
+        listen on all interfaces, a model server included: make them unreachable inside. The
+        namespace's own copy of the host's address stays local (the local table comes first)."""
+        blocked = host_addresses()
+        if not blocked:
+            return
+        script = "".join(f"route add unreachable {a}/{128 if ':' in a else 32}\n" for a in blocked)
+        argv = ["nsenter", f"--net=/proc/{self._pid}/ns/net", "ip", "-batch", "-"]
+        if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+            argv[1:1] = [f"--user=/proc/{self._pid}/ns/user", "--preserve-credentials"]
+        try:
+            done = subprocess.run(argv, input=script.encode(), capture_output=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxError(
+                f"local sandbox: cannot close the host's addresses to the sandbox: {exc}"
+            ) from exc
+        if done.returncode != 0:
+            text = done.stderr.decode(errors="replace").strip()
+            raise SandboxError(f"local sandbox: cannot close the host's addresses to the sandbox: {text}")
+
+    def free_bytes(self, path: str) -> int | None:
+        """Free bytes of the filesystem at ``path`` inside the namespace (seen through /proc), or None."""
+        if self._pid is None or not self.alive():
+            return None
+        try:
+            st = os.statvfs(f"/proc/{self._pid}/root{path}")
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult:
         self._seq += 1
@@ -551,11 +823,14 @@ class _CommandServer:
             self.proc.stdin.flush()
             while not scanner.done:
                 chunk = self._read(deadline)
-                if chunk is None:  # the deadline: end the namespace, and everything the command started
+                if chunk is None:
+                    # The deadline: kill what the command started, but keep the server and with it
+                    # the namespace's files; it then reports the killed command as usual.
                     timed_out = True
-                    if not self._end_command(scanner):
+                    self.kill_commands()
+                    self._drain(scanner, time.monotonic() + TIMEOUT_KILL_WAIT_S)
+                    if not scanner.done:
                         self.kill()
-                        self._drain(scanner, time.monotonic() + 1.0)
                     break
                 if not chunk:
                     break
@@ -573,50 +848,71 @@ class _CommandServer:
         output, truncated = buf.result()
         if timed_out:
             return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
-        if not scanner.done:  # the server itself was killed (e.g. by `kill -9 -1` in the command)
+        if not scanner.done:  # the server itself ended (bwrap killed from outside, or the OOM killer)
             self.kill()
             note = "[the sandbox's shell ended during this command; the next command gets a new one]"
             return ExecResult(output=(output + "\n" + note).lstrip("\n"), exit_code=137, truncated=truncated)
         return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
 
-    def _end_command(self, scanner: MarkerScanner) -> bool:
-        """After a timeout, kill the command's processes but not the process tool's, if any run.
+    def kill_commands(self) -> None:
+        """From the host: SIGKILL every process of the namespace but the server, until none is left.
 
-        Ending the whole namespace would end the background processes too. From the host, every
-        process of the namespace but PID 1 (bwrap), PID 2 (the server), the sessions the process
-        tool started and processes carrying its mark is killed; the server then sweeps and prints
-        the end marker as after any command. False (the caller ends the namespace) when no process
-        tool directory exists or the marker does not come.
+        What the ``process`` tool started in the background (the sessions in its directory, and
+        processes carrying its mark) is spared, as the server's own sweep spares it.
         """
-        if not (self.background_dir and os.path.isdir(self.background_dir)):
-            return False
-        members = _namespace_members(self.proc.pid)
-        if not members:
-            return False
-        keep_sessions = set()
-        for entry in os.scandir(self.background_dir):
-            try:
-                with open(os.path.join(entry.path, "pid")) as f:
-                    ns_pid = int(f.read().strip())
-            except (OSError, ValueError):
-                continue
-            keep_sessions.update(h for h, m in members.items() if m.ns_pid == ns_pid)
+        ns = self._namespace()
+        if ns is None:  # the server is gone (or its PID is no longer ours): end the namespace instead
+            self.kill()
+            return
+        keep_sessions = self._background_sessions(ns)
         mark = "=".join(BACKGROUND_ENV).encode()
-        for _ in range(3):  # again for children forked meanwhile
-            for host_pid, member in _namespace_members(self.proc.pid).items():
-                if member.ns_pid in (1, 2) or member.session in keep_sessions or _has_env(host_pid, mark):
+        for _ in range(50):
+            found = False
+            for host_pid, member in _namespace_members(ns).items():
+                if host_pid == self._pid:
+                    continue
+                if keep_sessions is not None and (
+                    member.session in keep_sessions or _has_env(host_pid, mark)
+                ):
                     continue
                 try:
                     os.kill(host_pid, signal.SIGKILL)
+                    found = True
                 except OSError:
-                    pass
-        deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
-        while not scanner.done:
-            chunk = self._read(deadline)
-            if not chunk:
-                return False
-            scanner.feed(chunk)
-        return True
+                    continue
+            if not found:
+                return
+            time.sleep(0.01)
+
+    def _background_sessions(self, ns: str) -> set[int] | None:
+        """Host session ids of what the process tool started, or None when it was never used here."""
+        where = f"/proc/{self._pid}/root/tmp/{BACKGROUND_DIR}"  # the sandbox's own /tmp, seen from the host
+        if not os.path.isdir(where):
+            return None
+        started = set()
+        for entry in os.scandir(where):
+            try:
+                with open(os.path.join(entry.path, "pid")) as f:
+                    started.add(int(f.read().strip()))
+            except (OSError, ValueError):
+                continue
+        return {m.session for m in _namespace_members(ns).values() if m.ns_pid in started}
+
+    def _namespace(self) -> str | None:
+        """The server's PID namespace, checked to be its own (never this host's) and still ours."""
+        if self._pid is None or not self.alive():
+            return None
+        try:
+            ns = os.readlink(f"/proc/{self._pid}/ns/pid")
+            status = Path(f"/proc/{self._pid}/status").read_text()
+        except OSError:
+            return None
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        nspid = fields.get("NSpid", "").split()
+        parent = fields.get("PPid", "").strip()
+        if ns == os.readlink("/proc/self/ns/pid") or nspid[-1:] != ["1"] or parent != str(self.proc.pid):
+            return None
+        return ns
 
     def close(self) -> None:
         """End the server: EOF on its requests, a short wait, then SIGKILL for the whole namespace."""
@@ -630,11 +926,25 @@ class _CommandServer:
             self.kill()
         self._sel.close()
         self.proc.stdout.close()
+        self._end_network()
 
     def kill(self) -> None:
         kill_process_group(self.proc)  # bwrap (--die-with-parent) takes the whole PID namespace with it
         self.proc.wait()
         self._eof = True
+
+    def _end_network(self) -> None:
+        """Close slirp4netns's exit pipe, so it ends; SIGKILL it if it has not within a second."""
+        exit_w, self._slirp_exit = self._slirp_exit, None
+        if exit_w is not None:
+            os.close(exit_w)
+        slirp, self._slirp = self._slirp, None
+        if slirp is not None:
+            try:
+                slirp.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                slirp.kill()
+                slirp.wait()
 
     def _read(self, deadline: float) -> bytes | None:
         """The next bytes of output; b"" at EOF, None when the deadline passed first."""
@@ -653,7 +963,7 @@ class _CommandServer:
             return chunk
 
     def _drain(self, scanner: MarkerScanner, until: float) -> None:
-        while not self._eof:
+        while not self._eof and not scanner.done:
             chunk = self._read(until)
             if not chunk:
                 return
@@ -666,20 +976,14 @@ class _Member:
     session: int  # its session id, as the host sees it
 
 
-def _namespace_members(bwrap_pid: int) -> dict[int, _Member]:
-    """The processes of the PID namespace that ``bwrap_pid`` (the outer bwrap) made, by host pid."""
-    try:
-        with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
-            init = int(f.read().split()[0])  # the namespace's PID 1, bwrap's only child
-        target = os.readlink(f"/proc/{init}/ns/pid")
-    except (OSError, ValueError, IndexError):
-        return {}
+def _namespace_members(ns: str) -> dict[int, _Member]:
+    """The processes of PID namespace ``ns`` (a /proc/<pid>/ns/pid link), by host pid."""
     members = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            if os.readlink(f"/proc/{entry.name}/ns/pid") != target:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != ns:
                 continue
             with open(f"/proc/{entry.name}/status") as f:
                 ns_pid = next(int(line.split()[-1]) for line in f if line.startswith("NSpid:"))
@@ -711,3 +1015,22 @@ def _kill_tagged(marker: bytes) -> None:
                         os.kill(int(entry.name), signal.SIGKILL)
             except OSError:
                 continue
+
+
+def _child_of(pid: int) -> int | None:
+    """The first child of ``pid`` (bwrap has exactly one: the namespace's PID 1), or None."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+    except (OSError, ValueError):
+        pass
+    for entry in os.scandir("/proc"):  # kernels without the children file
+        try:
+            if entry.name.isdigit() and Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[
+                1
+            ] == str(pid):
+                return int(entry.name)
+        except (OSError, IndexError):
+            continue
+    return None

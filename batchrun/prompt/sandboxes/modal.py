@@ -11,6 +11,7 @@ import math
 import posixpath
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,15 @@ class ModalSandbox:
         return {"default_image": flags.default_image, "cpu": flags.cpus, "memory_mb": flags.memory_mb}
 
     @classmethod
-    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+    def preflight(
+        cls,
+        jobs: Sequence[object],
+        options: dict[str, Any],
+        *,
+        real_model: bool,
+        network: bool,
+        dataset: str = "the dataset",
+    ) -> Preflight:
         try:
             import modal  # noqa: F401
         except ImportError:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +95,15 @@ class SingularitySandbox:
         return {"default_image": flags.default_image}
 
     @classmethod
-    def preflight(cls, images: list[str | None], options: dict[str, Any], *, real_model: bool) -> Preflight:
+    def preflight(
+        cls,
+        jobs: Sequence[object],
+        options: dict[str, Any],
+        *,
+        real_model: bool,
+        network: bool,
+        dataset: str = "the dataset",
+    ) -> Preflight:
         try:
             print(f"Singularity/Apptainer CLI: {find_executable(options.get('executable', ''))}")
         except Exception as exc:

@@ -1,0 +1,305 @@
+"""Per-prompt resource limits for the local sandbox: a cgroup per prompt where the machine lets us
+make one (v2, or v1's pids/memory/cpu hierarchies), else rlimits set before bubblewrap starts.
+
+A prompt's cgroup lives under a run-level parent (``batch-runner-<tag>``) inside this process's own
+cgroup, so the limits of whatever runs the runner still apply on top. The bubblewrap process is
+moved into it by a small ``sh`` wrapper before it forks, so nothing of the sandbox escapes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTROLLERS = ("pids", "memory", "cpu")
+CPU_PERIOD_US = 100_000
+PARENT_PREFIX = "batch-runner-"
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpus: float  # CPU time per wall second, in cores
+    memory_mb: int  # the prompt's processes
+    pids_limit: int  # processes and threads at once
+    disk_mb: int  # each of the working directory and /tmp (tmpfs; their files are RAM too)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the cgroup allows: the processes' memory plus the files, which live in tmpfs (RAM)."""
+        return (self.memory_mb + self.disk_mb) << 20
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    version: int  # 1 or 2
+    bases: dict[str, Path]  # controller -> this process's own cgroup directory in its hierarchy
+
+
+def _mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(mount root, mount point, fs type, super options) of every cgroup mount."""
+    found = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, rest = left.split(), right.split()
+        if len(fields) >= 5 and len(rest) >= 3 and rest[0] in ("cgroup", "cgroup2"):
+            found.append((fields[3], fields[4], rest[0], set(rest[2].split(","))))
+    return found
+
+
+def _own_paths() -> dict[str, str]:
+    """Hierarchy key ("" for v2, else each controller name) -> this process's cgroup path."""
+    own: dict[str, str] = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        for name in names.split(",") if names else [""]:
+            own[name] = path
+    return own
+
+
+def _inside(mount_root: str, mount_point: str, own: str) -> Path:
+    rel = own[len(mount_root) :] if own.startswith(mount_root) else ""
+    path = Path(mount_point, rel.lstrip("/"))
+    return path if path.is_dir() else Path(mount_point)  # a cgroup namespace shows its root only
+
+
+def _writable(base: Path) -> bool:
+    probe = base / f"{PARENT_PREFIX}probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+        return True
+    except OSError:
+        return False
+
+
+@functools.cache
+def cgroup_layout() -> CgroupLayout | str:
+    """Where this process may make cgroups with every controller we need, or why it may not."""
+    try:
+        own, mounts = _own_paths(), _mounts()
+    except (OSError, ValueError) as exc:
+        return f"cannot read this process's cgroups: {exc}"
+    v1: dict[str, Path] = {}
+    for root, point, fstype, opts in mounts:
+        for controller in CONTROLLERS:
+            if fstype == "cgroup" and controller in opts and controller in own:
+                v1.setdefault(controller, _inside(root, point, own[controller]))
+    if len(v1) == len(CONTROLLERS):
+        if all(_writable(b) for b in v1.values()):
+            return CgroupLayout(1, v1)
+        return "the cgroup v1 hierarchies are not writable (not root, or no delegation)"
+    for root, point, fstype, _ in mounts:
+        if fstype == "cgroup2" and "" in own:
+            base = _v2_base(_inside(root, point, own[""]), Path(point))
+            if isinstance(base, Path):
+                return CgroupLayout(2, dict.fromkeys(CONTROLLERS, base))
+            return base
+    return "no cgroup hierarchy offers the pids, memory and cpu controllers here"
+
+
+def _v2_base(own: Path, root: Path) -> Path | str:
+    """A v2 cgroup whose children get pids, memory and cpu: our own, else the hierarchy's root.
+
+    A v2 cgroup that holds processes may not hand controllers to children (the "no internal
+    processes" rule), so our own cgroup works only when delegated; the root is exempt.
+    """
+    want = " ".join(f"+{c}" for c in CONTROLLERS)
+    for base in dict.fromkeys((own, root)):
+        try:
+            if not set(CONTROLLERS) <= set((base / "cgroup.controllers").read_text().split()):
+                continue
+            (base / "cgroup.subtree_control").write_text(want)
+            if _writable(base):
+                return base
+        except OSError:
+            continue
+    return "cgroup v2 does not let this process delegate pids, memory and cpu (not root, or no delegation)"
+
+
+def limits_mechanism() -> str:
+    """One line for the start of a run: what enforces the per-prompt limits here."""
+    layout = cgroup_layout()
+    if isinstance(layout, CgroupLayout):
+        return f"cgroup v{layout.version} per prompt (pids, memory, cpu)"
+    proc = (
+        "process count not limited (RLIMIT_NPROC does not bind root)" if os.geteuid() == 0 else "RLIMIT_NPROC"
+    )
+    return f"rlimits: RLIMIT_AS per process, {proc}, no CPU limit ({layout})"
+
+
+class PromptCgroup:
+    """One prompt's cgroup in every hierarchy; ``remove`` is safe to call twice."""
+
+    def __init__(self, layout: CgroupLayout, parent: str, name: str, limits: Limits):
+        self.layout = layout
+        self.dirs: list[Path] = []
+        by_base: dict[Path, list[str]] = {}
+        for controller, base in layout.bases.items():
+            by_base.setdefault(base, []).append(controller)
+        try:
+            for base, controllers in by_base.items():
+                run_dir = base / parent
+                run_dir.mkdir(exist_ok=True)
+                if layout.version == 2:
+                    (run_dir / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in controllers))
+                path = run_dir / name
+                path.mkdir()
+                self.dirs.append(path)
+                for controller in controllers:
+                    self._limit(path, controller, limits)
+        except OSError:
+            self.remove()
+            raise
+
+    def _limit(self, path: Path, controller: str, limits: Limits) -> None:
+        quota = max(1000, int(limits.cpus * CPU_PERIOD_US))
+        if controller == "pids":
+            (path / "pids.max").write_text(str(limits.pids_limit))
+        elif controller == "memory" and self.layout.version == 1:
+            (path / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            _try_write(path / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))  # no swap either
+        elif controller == "memory":
+            (path / "memory.max").write_text(str(limits.memory_bytes))
+            _try_write(path / "memory.swap.max", "0")
+        elif self.layout.version == 1:
+            (path / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def hits(self) -> tuple[int, int]:
+        """(times a fork failed at pids.max, processes the OOM killer ended) so far."""
+        pids = memory = 0
+        for d in self.dirs:
+            pids += _counter(d / "pids.events", "max")
+            memory += _counter(
+                d / ("memory.oom_control" if self.layout.version == 1 else "memory.events"), "oom_kill"
+            )
+        return pids, memory
+
+    def remove(self) -> None:
+        """Remove the cgroups (their processes are gone or going: retry briefly), then the run's
+        parent if this was its last prompt."""
+        for d in self.dirs:
+            for attempt in range(20):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01 * (attempt + 1))
+            try:
+                d.parent.rmdir()
+            except OSError:
+                pass  # other prompts of the run still use it
+        self.dirs = []
+
+
+def remove_run_cgroups(parent: str) -> None:
+    """After a run's workers are gone (or a killed run's, by the next run of its name): remove its
+    cgroups, killing what still runs in them (a dead worker's sandbox may still be dying)."""
+    layout = cgroup_layout()
+    if not isinstance(layout, CgroupLayout):
+        return
+    for base in set(layout.bases.values()):
+        run_dir = base / parent
+        if not run_dir.is_dir():
+            continue
+        for child in run_dir.iterdir():
+            if child.is_dir():
+                for _attempt in range(50):
+                    for pid in _procs(child):
+                        _try_kill(pid)
+                    if _try_rmdir(child):
+                        break
+                    time.sleep(0.02)
+        _try_rmdir(run_dir)
+
+
+def run_cgroup_names() -> list[str]:
+    """The names of the run-level parent cgroups under this process's own (ours and earlier runs')."""
+    layout = cgroup_layout()
+    if not isinstance(layout, CgroupLayout):
+        return []
+    names = set()
+    for base in set(layout.bases.values()):
+        try:
+            names.update(e.name for e in os.scandir(base) if e.is_dir() and e.name.startswith(PARENT_PREFIX))
+        except OSError:
+            continue
+    return sorted(names)
+
+
+def _procs(cgroup: Path) -> list[int]:
+    try:
+        return [int(line) for line in (cgroup / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _try_kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def rlimit_commands(limits: Limits) -> str:
+    """The ``ulimit`` lines the fallback runs before bubblewrap (the sandbox cannot raise them)."""
+    lines = [f"ulimit -v {(limits.memory_mb << 10)}"]
+    if os.geteuid() != 0:  # RLIMIT_NPROC counts all of this user's processes: leave room for them
+        lines.append(f"ulimit -u {_user_processes() + limits.pids_limit}")
+    return "; ".join(lines)
+
+
+def _user_processes() -> int:
+    uid = os.getuid()
+    count = 0
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+def _counter(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _try_write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError:
+        pass
+
+
+def _try_rmdir(path: Path) -> bool:
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True

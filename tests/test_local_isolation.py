@@ -1,0 +1,378 @@
+"""The local sandbox under bubblewrap: what a prompt can see, write and use up, and what it cannot reach;
+and the run-level rules: no silent run without isolation, and --cwd_root when there is none."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import read_jsonl, skip_or_fail
+
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.local import LocalSandbox
+
+RUN = f"isolation-{uuid.uuid4().hex[:8]}"
+REPO = Path(__file__).resolve().parent.parent
+PY = "/usr/bin/python3"  # the system's: the sandbox sees /usr, not this test's virtualenv
+OPTION_NAMES = ("cpus", "memory_mb", "pids_limit", "disk_mb")
+CONNECT_DAEMON = "import socket; socket.socket(socket.AF_UNIX).connect('daemon.sock')"
+
+
+@pytest.fixture
+def boxes(bwrap_available: None, tmp_path: Path):
+    """``boxes(index, **spec_fields_and_limits)``: started bubblewrap sandboxes, stopped at teardown."""
+    made: list[LocalSandbox] = []
+
+    def factory(index: int = 0, **fields) -> LocalSandbox:
+        limits = {k: fields.pop(k) for k in list(fields) if k in OPTION_NAMES}
+        box = LocalSandbox(
+            SandboxSpec(RUN, index, **fields), isolation="bwrap", base_dir=str(tmp_path), **limits
+        )
+        made.append(box)
+        box.start()
+        return box
+
+    yield factory
+    for box in made:
+        box.stop()
+
+
+@pytest.fixture
+def cgroups() -> None:
+    from batchrun.prompt.sandboxes._limits import CgroupLayout, cgroup_layout
+
+    layout = cgroup_layout()
+    if not isinstance(layout, CgroupLayout):
+        skip_or_fail(f"no cgroups here ({layout}): a fork bomb would reach the host")
+
+
+def in_background(fn, *args, **kwargs) -> dict:
+    """Run ``fn`` on a thread; the returned dict gets "result" and is joined through dict["join"]()."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn(*args, **kwargs)))
+    thread.start()
+    out["join"] = thread.join
+    return out
+
+
+# ---------------------------------------------------------------------------- what a prompt may write
+@pytest.mark.bwrap
+def test_a_hostile_cwd_never_makes_a_host_directory_writable(boxes, tmp_path: Path):
+    output_dir = tmp_path / "data" / "run"
+    output_dir.mkdir(parents=True)
+    (output_dir / "checkpoint.json").write_text('{"done": [1, 2]}')
+    sock_dir = Path(tempfile.mkdtemp(prefix="br-sockdir-", dir="/run"))
+    daemon = socket.socket(socket.AF_UNIX)
+    daemon.bind(str(sock_dir / "daemon.sock"))
+    daemon.listen(1)
+    try:
+        for i, cwd in enumerate([str(output_dir), "/root", "/run", str(sock_dir), "/var/lib"]):
+            box = boxes(i, cwd=cwd)
+            res = box.run(
+                "pwd; ls -A | wc -l; echo pwned > checkpoint.json; mkdir -p br-x && echo pwned > br-x/y; "
+                f"{PY} -c {shlex.quote(CONNECT_DAEMON)} 2>&1 | tail -1",
+                timeout_s=30,
+            )
+            # The prompt's own, empty directory at that path: nothing of the host's is there.
+            assert res.output.startswith(f"{cwd}\n0\n"), res.output
+            assert "No such file" in res.output or "refused" in res.output, res.output
+            assert box.run("cat br-x/y", timeout_s=20).output == "pwned\n"
+            assert not Path(cwd, "br-x").exists()
+            box.stop()
+        assert (output_dir / "checkpoint.json").read_text() == '{"done": [1, 2]}'
+        assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint.json"]
+        assert sorted(p.name for p in sock_dir.iterdir()) == ["daemon.sock"]
+    finally:
+        daemon.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.mark.bwrap
+def test_nothing_but_the_working_directory_and_tmp_is_writable(boxes):
+    box = boxes(0)
+    probe = "for d in / /usr /etc /home /root /run /var /var/lib /opt /srv; do touch $d/br-w 2>/dev/null && echo $d; done"
+    assert box.run(probe, timeout_s=20).output == ""
+    assert box.run("touch br-w /tmp/br-w /var/tmp/br-v && echo ok", timeout_s=20).output == "ok\n"
+
+
+# ---------------------------------------------------------------------------- what a prompt may see
+@pytest.mark.bwrap
+@pytest.mark.parametrize("tmpdir", ["/tmp", "/var/tmp", "/srv"])
+def test_a_prompt_sees_the_system_but_no_host_data(
+    bwrap_available: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tmpdir: str
+):
+    """Whatever TMPDIR is: other prompts, the output and dataset directories, homes, /var/lib, the project."""
+    host_tmp = Path(tempfile.mkdtemp(prefix="br-tmpdir-", dir=tmpdir))
+    monkeypatch.setenv("TMPDIR", str(host_tmp))
+    tempfile.tempdir = None  # so the sandboxes' private directories go under this TMPDIR
+    secrets: list[Path] = []
+    try:
+        for where in (host_tmp / "data" / "run", host_tmp / "datasets", Path.home(), Path("/var/lib")):
+            where.mkdir(parents=True, exist_ok=True)
+            secret = where / f"br-secret-{uuid.uuid4().hex[:8]}.txt"
+            secret.write_text("TOP-SECRET")
+            secrets.append(secret)
+        first = LocalSandbox(SandboxSpec(RUN, 0, cwd="/work/shared"), isolation="bwrap")
+        second = LocalSandbox(SandboxSpec(RUN, 1, cwd="/work/shared"), isolation="bwrap")
+        first.start()
+        second.start()
+        try:
+            assert first._root and Path(first._root).parent == host_tmp
+            first.run("echo TOP-SECRET > mine.txt; echo TOP-SECRET > /tmp/mine.txt", timeout_s=20)
+            paths = [*secrets, Path("/work/shared/mine.txt"), Path("/tmp/mine.txt"), Path(first._root), REPO]
+            listing = " ".join(shlex.quote(str(p)) for p in paths)
+            res = second.run(f"cat {listing}", timeout_s=20)
+            assert "TOP-SECRET" not in res.output and res.exit_code != 0, res.output
+            dirs = f"/work/shared /tmp {host_tmp} /root /home /var/lib {secrets[0].parent}"
+            listed = second.run(f"ls -A {dirs} 2>/dev/null", timeout_s=20).output
+            assert "br-secret" not in listed and "mine.txt" not in listed, listed
+            assert first.run("cat mine.txt", timeout_s=20).output == "TOP-SECRET\n"
+            system = second.run(
+                "cat /etc/os-release | head -1; cat /etc/shadow; ls /usr/bin | grep -c .", timeout_s=20
+            )
+            assert system.output.startswith(("PRETTY_NAME=", "NAME=")) and "root:" not in system.output
+        finally:
+            first.stop()
+            second.stop()
+    finally:
+        tempfile.tempdir = None
+        for secret in secrets:
+            secret.unlink(missing_ok=True)
+        shutil.rmtree(host_tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- what a prompt may use up
+@pytest.mark.bwrap
+def test_a_fork_bomb_ends_with_a_clear_message_and_others_carry_on(boxes, cgroups: None):
+    bomb, other = boxes(0, pids_limit=64), boxes(1)
+    running = in_background(bomb.run, "b() { b | b & }; b; sleep 3; echo bombed", timeout_s=60)
+    assert other.run("echo alive", timeout_s=30).output == "alive\n"
+    assert subprocess.run(["true"], timeout=30).returncode == 0  # the host still forks
+    running["join"]()
+    res = running["result"]
+    assert "[batch-runner: the sandbox's process limit (64) was reached" in res.output, res.output[-500:]
+    assert bomb.run("echo recovered", timeout_s=30).output == "recovered\n"
+
+
+@pytest.mark.bwrap
+def test_a_memory_hog_is_killed_with_a_clear_message_and_others_carry_on(boxes, cgroups: None):
+    hog, other = boxes(0, memory_mb=64, disk_mb=16), boxes(1)
+    running = in_background(hog.run, f"{PY} -c 'b = bytearray(3 << 30); print(len(b))'", timeout_s=120)
+    assert other.run("echo alive", timeout_s=30).output == "alive\n"
+    running["join"]()
+    res = running["result"]
+    assert res.exit_code == 137 and str(3 << 30) not in res.output
+    assert "memory limit (64 MiB for processes + 16 MiB for files) was reached" in res.output, res.output
+    assert hog.run("echo recovered", timeout_s=30).output == "recovered\n"
+
+
+@pytest.mark.bwrap
+def test_writing_beyond_the_disk_cap_fails_with_a_clear_message(boxes):
+    box, other = boxes(0, disk_mb=16), boxes(1)
+    res = box.run("dd if=/dev/zero of=big bs=1M count=2048", timeout_s=120)
+    assert "No space left on device" in res.output, res.output
+    assert "[batch-runner: /workspace is full: its size cap is 16 MiB]" in res.output
+    assert int(box.run("du -m big | cut -f1", timeout_s=20).output.split()[0]) <= 16
+    tmp = box.run("dd if=/dev/zero of=/tmp/big bs=1M count=64", timeout_s=60)
+    assert "No space left on device" in tmp.output and "/tmp is full" in tmp.output
+    assert box.run("rm big /tmp/big && echo small > f && cat f", timeout_s=20).output == "small\n"
+    assert (
+        other.run("dd if=/dev/zero of=big bs=1M count=32 2>/dev/null && du -m big", timeout_s=60).exit_code
+        == 0
+    )
+
+
+# ---------------------------------------------------------------------------- what a prompt may reach
+PROBE_TCP = """
+import socket, sys
+port = int(sys.argv[1])
+gateways = [l.split()[2] for l in open("/proc/net/route").read().splitlines()[1:] if l.split()[1] == "00000000"]
+hosts = ["127.0.0.1", *(socket.inet_ntoa(bytes.fromhex(g)[::-1]) for g in gateways), *sys.argv[2:]]
+for host in hosts:
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.settimeout(3)
+    try:
+        s.connect((host, port))
+        print(host, "CONNECTED")
+    except OSError as e:
+        print(host, "unreachable", e)
+"""
+
+
+@pytest.mark.bwrap
+def test_host_services_are_out_of_reach_with_network_on_or_off(boxes):
+    """Loopback, the gateway and the host's other addresses: a service on all interfaces (as model
+    servers often are) answers none of them from inside."""
+    from batchrun.prompt.sandboxes.local import host_addresses, network_problem
+
+    if network_problem():
+        skip_or_fail(network_problem())
+    service = socket.socket(socket.AF_INET6)
+    service.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    service.bind(("::", 0))
+    service.listen(8)
+    port = service.getsockname()[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the service does answer on the host
+        online, offline = boxes(0, network=True), boxes(1, network=False)
+        assert online.network == "slirp4netns" and offline.network == "none"
+        devices = online.run("tail -n +3 /proc/net/dev | cut -d: -f1", timeout_s=20).output.split()
+        assert "lo" in devices and len(devices) >= 2, devices  # an interface to the outside world
+        assert "00000000" in online.run("cut -f2 /proc/net/route", timeout_s=20).output  # a default route
+        assert (
+            online.run("cat /etc/resolv.conf", timeout_s=20).output == "nameserver 10.0.2.3\n"
+        )  # slirp's DNS
+        others = host_addresses()
+        for address in others:  # each one answers on the host
+            with socket.create_connection((address, port), timeout=5):
+                pass
+        for box in (online, offline):
+            res = box.run(f"{PY} -c {shlex.quote(PROBE_TCP)} {port} {' '.join(others)}", timeout_s=120)
+            assert "127.0.0.1 unreachable" in res.output and "CONNECTED" not in res.output, res.output
+            assert all(f"{a} unreachable" in res.output for a in others), res.output
+    finally:
+        service.close()
+
+
+# ---------------------------------------------------------------------------- the run: no silent "no isolation"
+def run_cli(
+    tmp_path: Path, rows: list[dict], *flags: str, path: str | None = None
+) -> subprocess.CompletedProcess:
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=iso", f"--output_dir={tmp_path / 'data'}", "--num_workers=1",
+        "--distribution=terminal_only", *flags,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def path_without_bwrap(tmp_path: Path) -> str:
+    """A PATH with every command of this machine but bubblewrap."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):
+        if not os.path.isdir(d):
+            continue
+        for entry in os.scandir(d):
+            target = bin_dir / entry.name
+            if entry.name != "bwrap" and not target.exists() and os.access(entry.path, os.X_OK):
+                target.symlink_to(entry.path)
+    return str(bin_dir)
+
+
+def test_auto_isolation_without_bubblewrap_refuses_a_real_model(tmp_path: Path):
+    with FakeModelServer() as server:
+        done = run_cli(
+            tmp_path, [{"prompt": "list files [calls:1]"}], "--model=some/model",
+            f"--base_url={server.base_url}", "--api_key=sk-iso", path=path_without_bwrap(tmp_path),
+        )  # fmt: skip
+        assert server.stats()["requests_by_prompt"] == {}  # no model call
+    assert done.returncode == 2, done.stderr
+    assert "bubblewrap is not installed" in done.stderr and "--local_isolation=none" in done.stderr
+    assert not (tmp_path / "data" / "iso" / "trajectories.jsonl").exists()
+
+
+def test_auto_isolation_falls_back_to_none_only_for_the_mock_model(tmp_path: Path):
+    done = run_cli(
+        tmp_path, [{"prompt": "list files [calls:1]"}], "--model=mock", path=path_without_bwrap(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the local sandbox has NO isolation (bubblewrap is not installed" in done.stdout
+    assert len(read_jsonl(tmp_path / "data" / "iso" / "trajectories.jsonl")) == 1
+
+
+def test_no_isolation_refuses_a_cwd_outside_cwd_root(tmp_path: Path):
+    root = tmp_path / "projects"
+    (root / "a").mkdir(parents=True)
+    rows = [
+        {"prompt": "hello", "cwd": str(root / "a")},  # the fake model runs pwd for it
+        {"prompt": "outside [calls:1]", "cwd": "/etc"},
+    ]
+    with FakeModelServer() as server:
+        common = [
+            "--model=some/model",
+            f"--base_url={server.base_url}",
+            "--api_key=sk-iso",
+            "--local_isolation=none",
+        ]
+        refused = run_cli(tmp_path, rows, *common, f"--cwd_root={root}")
+        no_root = run_cli(tmp_path, rows[:1], *common)
+        assert server.stats()["requests_by_prompt"] == {}
+        accepted = run_cli(tmp_path, rows[:1], *common, f"--cwd_root={root}")
+    assert (
+        refused.returncode == 2 and f"rows.jsonl:2: cwd '/etc' is outside --cwd_root {root}" in refused.stderr
+    )
+    assert "rows.jsonl:1:" not in refused.stderr
+    assert no_root.returncode == 2 and "name its parent with --cwd_root" in no_root.stderr
+    assert accepted.returncode == 0, accepted.stderr
+    (record,) = read_jsonl(tmp_path / "data" / "iso" / "trajectories.jsonl")
+    assert str(root / "a") in json.dumps(record["conversations"])  # the command ran there
+
+
+@pytest.mark.bwrap
+def test_without_cgroups_rlimits_still_bound_memory_and_disk(
+    bwrap_available: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import batchrun.prompt.sandboxes.local as local
+
+    monkeypatch.setattr(local, "cgroup_layout", lambda: "no cgroups (test)")
+    box = LocalSandbox(
+        SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path), memory_mb=256, disk_mb=16
+    )
+    box.start()
+    try:
+        assert box._cgroup is None
+        res = box.run(f"{PY} -c 'b = bytearray(3 << 30); print(len(b))'", timeout_s=60)
+        assert "MemoryError" in res.output and res.exit_code == 1, res.output
+        assert box.run("ulimit -v", timeout_s=20).output == f"{256 << 10}\n"
+        assert box.run("ulimit -v unlimited", timeout_s=20).exit_code != 0  # the sandbox cannot raise it
+        dd = box.run("dd if=/dev/zero of=big bs=1M count=64", timeout_s=60)
+        assert "No space left on device" in dd.output
+    finally:
+        box.stop()
+
+
+def test_a_cwd_the_sandbox_cannot_have_fails_its_row_without_a_model_call(
+    bwrap_available: None, tmp_path: Path
+):
+    rows = [{"prompt": "system dir [calls:1]", "cwd": "/usr/lib/app"}, {"prompt": "hello", "cwd": "/srv/app"}]
+    with FakeModelServer() as server:
+        done = run_cli(
+            tmp_path, rows, "--model=some/model", f"--base_url={server.base_url}", "--api_key=sk-iso",
+            "--max_failure_rate=1.0",
+        )  # fmt: skip
+        asked = server.stats()["requests_by_prompt"]
+    assert done.returncode == 0, done.stderr
+    (failed,) = read_jsonl(tmp_path / "data" / "iso" / "failed.jsonl")
+    assert "/usr/lib/app" in json.dumps(failed) and "read-only system directory /usr" in json.dumps(failed)
+    assert not any("system dir" in key for key in asked), asked
+    (record,) = read_jsonl(tmp_path / "data" / "iso" / "trajectories.jsonl")
+    assert "/srv/app" in json.dumps(record["conversations"])  # the fake model's pwd, inside the sandbox
+
+
+@pytest.mark.bwrap
+def test_a_busy_loop_is_held_to_the_cpu_quota(boxes, cgroups: None):
+    box = boxes(0, cpus=0.1)
+    stat = next(d for d in box._cgroup.dirs if (d / "cpu.stat").exists()) / "cpu.stat"
+    quota = (stat.parent / "cpu.cfs_quota_us") if (stat.parent / "cpu.cfs_quota_us").exists() else None
+    assert quota is None or quota.read_text().strip() == "10000"
+    box.run("timeout 1 sh -c 'while :; do :; done'", timeout_s=30)
+    throttled = dict(line.split() for line in stat.read_text().splitlines())
+    assert int(throttled["nr_throttled"]) > 0, throttled
