@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from agent.limiter import Limiter
-from agent.llm import NO_KEY, PROVIDER_SORTS, REASONING_EFFORTS, LLMClient, LLMConfig
+from agent.llm import (
+    DIALECTS,
+    NO_KEY,
+    PROVIDER_SORTS,
+    REASONING_EFFORTS,
+    LLMClient,
+    LLMConfig,
+    dialect_warnings,
+)
 from agent.loop import LoopLimits
 from agent.runner import DISCARDED, FAILED, TRAJECTORY, PromptJob, RunSettings, run_prompt
 from agent.sandbox_lifecycle import BackgroundStopper
@@ -1548,6 +1556,8 @@ def main(
     report_max_trajectories: int = 500,
     provider_allow_fallbacks: bool | None = None,
     provider_data_collection: str | None = None,
+    endpoint_dialect: str = "auto",
+    stream: bool = False,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset; see README.md for every flag."""
     if list_distributions:
@@ -1612,6 +1622,10 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         raise UsageError(
             f"--provider_data_collection must be allow or deny; got {f['provider_data_collection']!r}"
         )
+    if f["endpoint_dialect"] not in DIALECTS:
+        raise UsageError(
+            f"--endpoint_dialect must be one of {', '.join(DIALECTS)}; got {f['endpoint_dialect']!r}"
+        )
     backend = f["sandbox"] or os.environ.get("TERMINAL_ENV") or "local"
     if backend not in BACKENDS:
         raise UsageError(
@@ -1650,7 +1664,11 @@ def build_run(f: dict[str, Any]) -> tuple[Options, RunSettings, dict[str, Any], 
         provider_data_collection=f["provider_data_collection"],
         request_timeout_s=float(f["request_timeout"]),
         max_retries=int(f["max_retries"]),
+        dialect=f["endpoint_dialect"],
+        stream=bool(f["stream"]),
     )
+    for warning in dialect_warnings(llm):
+        print(f"warning: {warning}", file=sys.stderr)
     settings = RunSettings(
         run_name=str(f["run_name"]),
         llm=llm,
