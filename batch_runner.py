@@ -532,6 +532,9 @@ class BatchRunner:
         self.run_dir = Path(opts.output_dir) / opts.run_name
         self.counts: collections.Counter[str] = collections.Counter()
         self.failures: collections.Counter[str] = collections.Counter()
+        self.failure_messages: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
         self.discards: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()
         self.pbar = None
@@ -1167,6 +1170,7 @@ class BatchRunner:
             append_jsonl(self.run_dir / "discarded.jsonl", row, self.redact)
         else:
             self.failures[ev["error_class"]] += 1
+            self.failure_messages[ev["error_class"]][str(ev["error"])[:300]] += 1
             row = {
                 "prompt": ev["prompt"],
                 "prompt_index": ev["prompt_index"],
@@ -1363,6 +1367,7 @@ class BatchRunner:
                 f"Reasoning coverage: {r['coverage']:.1%} of {r['turns_with_reasoning'] + r['turns_without_reasoning']} assistant turns"
             )
         print(f"Discarded (all runs): {stats['discarded']['total']} {stats['discarded']['by_reason'] or ''}")
+        self.print_failures()
         d = stats["dropped_at_merge"]
         if any(d.values()):
             print(f"Dropped at merge: {d}")
@@ -1371,6 +1376,21 @@ class BatchRunner:
                 f"{stats['remaining_for_resume']} prompt(s) remain; continue with:\n  {self.redact(resume_command())}"
             )
         print("=" * 72)
+
+    def print_failures(self) -> None:
+        """Each failure class of this run with its most common message; every message is in failed.jsonl."""
+        if not self.failures:
+            return
+        print(
+            f"Failed this run: {sum(self.failures.values())} prompt(s); each one in {self.run_dir / 'failed.jsonl'}"
+        )
+        for error_class, count in self.failures.most_common():
+            message, same = self.failure_messages[error_class].most_common(1)[0]
+            print(
+                self.redact(
+                    f"  {error_class} x{count}: {message}" + (f"  ({same} of {count})" if count > 1 else "")
+                )
+            )
 
     def exit_code(self, stats: dict[str, Any], interrupted: bool) -> int:
         if interrupted:

@@ -423,6 +423,12 @@ class LLMClient:
             failures += 1
             wait = backoff_s(failures, retry_after, cap_s=30.0)
             if failures > self.cfg.max_retries or time.monotonic() + wait >= deadline:
+                if failures > 1:  # say it was retried, so one failure is not read as several requests
+                    raise LLMError(
+                        error.error_class,
+                        f"{error} (failed {failures} times: 1 try + {failures - 1} retries)",
+                        error.status,
+                    )
                 raise error
             if usage is not None:
                 usage.note_retry(rate_limited=False)

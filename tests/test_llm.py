@@ -526,3 +526,43 @@ def test_streaming_tallies_usage_from_the_last_chunk(server):
     turn = _client(server, stream=True).chat(_user("usage check [calls:1]"), [TERMINAL], usage=usage)
     assert turn.usage["prompt_tokens"] > 0 and usage.completion_tokens == turn.usage["completion_tokens"] > 0
     assert turn.served_model == "fake-model"
+
+
+# ----------------------------------------------------------------------------- what the user sees
+
+
+def test_a_retried_500_says_it_was_retried(server):
+    with pytest.raises(LLMError) as info:
+        _client(server, max_retries=3).chat(_user("always broken [error:500]"), [])
+    assert info.value.error_class == "http_500"
+    assert str(info.value).endswith("(failed 4 times: 1 try + 3 retries)")
+
+
+def test_closing_summary_names_each_failure_class_with_its_message(server, tmp_path, capsys):
+    from conftest import write_jsonl
+
+    import batch_runner
+
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", ["a [error:500]", "b [error:500]", "c [error:404]", "fine [calls:0]"]
+    )
+    batch_runner.main(
+        dataset_file=str(dataset),
+        batch_size=4,
+        run_name="fails",
+        model="fake-model",
+        base_url=server.base_url,
+        api_key="k",
+        output_dir=str(tmp_path),
+        num_workers=1,
+        distribution="terminal_only",
+        max_failure_rate=1.0,
+        max_retries=2,
+    )
+    out = capsys.readouterr().out
+    assert f"Failed this run: 3 prompt(s); each one in {tmp_path / 'fails' / 'failed.jsonl'}" in out
+    assert (
+        "  http_500 x2: HTTP 500: Scripted error 500 (mock directive [error:500]) (failed 3 times: 1 try + 2 retries)  (2 of 2)"
+        in out
+    )
+    assert "  http_404 x1: HTTP 404: Scripted error 404" in out
