@@ -24,7 +24,7 @@ from agent.trajectory import parse_tool_calls
 from tests.llama.model import Script, write_model
 from tests.llama.server import LlamaServer, find_binary
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.timeout(900)]  # a loaded CI machine slows the starts
 
 SERVED = "tiny-scripted-llama"  # the alias the server answers with; the runner asks for REQUESTED
 REQUESTED = "local-model"
@@ -152,6 +152,15 @@ def test_later_turn_context_overflow_ends_as_partial(overflow, tmp_path):
     assert not (run_dir / "failed.jsonl").exists() or not read_jsonl(run_dir / "failed.jsonl")
 
 
+def _same_ids(conversations: list[dict]) -> str:
+    """The conversation as text with llama-server's random tool-call ids replaced by their order."""
+    text = json.dumps(conversations)
+    ids = [c["id"] for turn in conversations for c in turn.get("tool_calls") or []]
+    for n, call_id in enumerate(ids):
+        text = text.replace(call_id, f"call-{n}")
+    return text
+
+
 def test_streaming_and_plain_calls_give_the_same_records(hermes, thinker, tmp_path):
     for server, name in ((hermes, "hermes"), (thinker, "thinker")):
         records = {}
@@ -161,7 +170,8 @@ def test_streaming_and_plain_calls_give_the_same_records(hermes, thinker, tmp_pa
             (rec,) = read_jsonl(run_dir / "trajectories.jsonl")
             records[stream] = rec
         plain, streamed = records[False], records[True]
-        for key in ("conversations", "completed", "partial", "api_calls", "tool_stats"):
+        assert _same_ids(streamed["conversations"]) == _same_ids(plain["conversations"])
+        for key in ("completed", "partial", "api_calls", "tool_stats"):
             assert streamed[key] == plain[key], key
         for key in ("prompt_tokens", "completion_tokens"):
             assert streamed["metadata"]["usage"][key] == plain["metadata"]["usage"][key] > 0

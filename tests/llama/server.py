@@ -52,7 +52,7 @@ class LlamaServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, timeout_s: float = 120.0) -> LlamaServer:
+    def start(self, timeout_s: float = 300.0) -> LlamaServer:  # it loads in well under a second when idle
         self.port = _free_port()
         cmd = [
             str(self.binary),
