@@ -702,7 +702,7 @@ CONTEXT_LIMIT_SIGNS: tuple[ContextLimitSign, ...] = (
     ContextLimitSign(
         "TGI",
         "message",
-        r"must be <= \d+",
+        r"max_new_tokens` must be <= \d+",
         "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 8192. Given: 9000",
     ),
     ContextLimitSign("generic", "code", "context_window_exceeded", "model_context_window_exceeded"),

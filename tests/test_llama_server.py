@@ -142,8 +142,9 @@ def test_reasoning_disabled_in_the_openrouter_dialect_is_ignored_and_warned(thin
     assert "still answers with reasoning" in capsys.readouterr().err  # ...and the user is told
 
 
-def test_later_turn_context_overflow_ends_as_partial(overflow, tmp_path):
-    run_dir = _run(overflow, tmp_path, ["Count to 3000."])
+@pytest.mark.parametrize("stream", [False, True])
+def test_later_turn_context_overflow_ends_as_partial(overflow, tmp_path, stream):
+    run_dir = _run(overflow, tmp_path, ["Count to 3000."], stream=stream)
     (record,) = read_jsonl(run_dir / "trajectories.jsonl")
     assert record["partial"] and not record["completed"]
     assert record["metadata"]["stop_reason"] == "context_limit"

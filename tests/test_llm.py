@@ -566,3 +566,36 @@ def test_closing_summary_names_each_failure_class_with_its_message(server, tmp_p
         in out
     )
     assert "  http_404 x1: HTTP 404: Scripted error 404" in out
+
+
+class _Lines:
+    """The part of an HTTP response _read_stream uses."""
+
+    def __init__(self, lines: list[str]):
+        self.lines, self.closed = lines, False
+
+    def iter_lines(self):
+        yield from self.lines
+
+    def close(self):
+        self.closed = True
+
+
+def test_an_error_event_mid_stream_is_classified_like_an_http_error():
+    from agent.llm import _read_stream
+
+    event = {
+        "error": {
+            "code": 400,
+            "type": "exceed_context_size_error",
+            "message": "request (9000 tokens) exceeds",
+        }
+    }
+    raw = _Lines([": keep-alive", "", "data: " + __import__("json").dumps(event)])
+    with pytest.raises(ContextLimitError):
+        _read_stream(raw)
+    assert raw.closed
+    raw = _Lines(['data: {"error": {"message": "upstream went away", "code": 502}}'])
+    with pytest.raises(LLMError) as info:
+        _read_stream(raw)
+    assert info.value.error_class == "http_502"
