@@ -376,7 +376,7 @@ class LLMClient:
                     stream_cls=self._openai.Stream[Any] if self.cfg.stream else None,
                 )
                 # Not JSON: ValueError, reported as bad_response below.
-                data = _read_stream(raw) if self.cfg.stream else raw.json()
+                data = _read_stream(raw, deadline) if self.cfg.stream else raw.json()
                 turn = _parse_payload(data)
                 self._check_controls(turn)
                 if usage is not None:
@@ -479,12 +479,13 @@ def _parse_payload(data: Any) -> AssistantTurn:
     )
 
 
-def _read_stream(raw: Any) -> dict[str, Any]:
+def _read_stream(raw: Any, deadline: float | None = None) -> dict[str, Any]:
     """Server-sent chat.completion.chunk events -> the chat.completion body a non-streaming call returns.
 
     Content, reasoning (every native field) and tool-call argument deltas are concatenated; tool calls
     are assembled by their ``index``; usage comes from the last chunk (``stream_options.include_usage``).
-    An error event mid-stream raises like an HTTP error would.
+    An error event mid-stream raises like an HTTP error would. The read timeout bounds each wait for a
+    chunk; ``deadline`` (time.monotonic) bounds a stream that keeps trickling.
     """
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     texts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": []}
@@ -494,6 +495,8 @@ def _read_stream(raw: Any) -> dict[str, Any]:
     finish_reason = None
     try:
         for line in raw.iter_lines():
+            if deadline is not None and time.monotonic() > deadline:
+                raise LLMError("timeout", "the streamed reply did not finish before the prompt's deadline")
             if not line.startswith("data:"):
                 continue  # comments (": keep-alive"), event names, blank separators
             data = line[5:].strip()

@@ -22,6 +22,7 @@ tokens, so they come back in a few stream chunks.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,8 +94,6 @@ def chat_template(thinking: bool) -> str:
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
-    import json
-
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
