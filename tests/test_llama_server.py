@@ -109,7 +109,8 @@ def test_full_run_executes_parallel_tool_calls_in_the_sandbox(hermes, tmp_path):
 
 
 def test_reasoning_is_captured_from_reasoning_content(thinker, tmp_path):
-    run_dir = _run(thinker, tmp_path, ["Run echo hello."])
+    # --reasoning_effort in the local dialect (top-level reasoning_effort, enable_thinking: true) is accepted
+    run_dir = _run(thinker, tmp_path, ["Run echo hello."], reasoning_effort="high")
     (record,) = read_jsonl(run_dir / "trajectories.jsonl")
     first, last = _gpt(record)
     assert first["value"].startswith(
