@@ -2,8 +2,8 @@
 
 Retries go through the run-wide limiter (see :class:`LLMClient`). Reasoning controls are sent in the
 dialect of the endpoint (:data:`DIALECTS`): OpenRouter's nested ``reasoning`` object, OpenAI's top-level
-``reasoning_effort``, or what local OpenAI-compatible servers (llama.cpp, vLLM, SGLang, Ollama) read:
-``chat_template_kwargs.enable_thinking`` plus ``reasoning_effort``. Nothing is sent the user did not ask
+``reasoning_effort``, what local OpenAI-compatible servers (llama.cpp, vLLM, SGLang) read:
+``chat_template_kwargs.enable_thinking`` plus ``reasoning_effort``, or Ollama's ``reasoning_effort``. Nothing is sent the user did not ask
 for, and no endpoint sees a field of another's dialect (OpenAI rejects unknown request fields).
 """
 
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     import openai
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
-# auto: openrouter.ai -> openrouter, api.openai.com -> openai, anything else -> local
-DIALECTS = ("auto", "openrouter", "openai", "local")
+# auto: openrouter.ai -> openrouter, api.openai.com -> openai, port 11434 -> ollama, anything else -> local
+DIALECTS = ("auto", "openrouter", "openai", "local", "ollama")
+OLLAMA_PORT = 11434  # Ollama's default port: how auto tells it from other local servers
 PROVIDER_SORTS = ("price", "throughput", "latency")
 NO_KEY = "no-key"  # placeholder for local endpoints that want no key; never written anywhere
 
@@ -71,7 +72,11 @@ def resolve_dialect(base_url: str, dialect: str = "auto") -> str:
         return "openrouter"
     if host == "api.openai.com":
         return "openai"
-    return "local"
+    try:
+        port = urlsplit(base_url).port
+    except ValueError:
+        port = None
+    return "ollama" if port == OLLAMA_PORT else "local"
 
 
 # OpenAI accepts these reasoning_effort values (none on GPT-5.1 and later); vLLM and SGLang validate
@@ -104,6 +109,14 @@ def build_extra_body(cfg: LLMConfig) -> dict[str, Any]:
             body["reasoning_effort"] = "none"
         elif cfg.reasoning_effort:
             body["reasoning_effort"] = _OPENAI_EFFORT[cfg.reasoning_effort]
+        return body
+    if dialect == "ollama":
+        # Ollama's /v1 maps reasoning_effort (low/medium/high, none = off) to its think switch and
+        # ignores chat_template_kwargs.
+        if off:
+            body["reasoning_effort"] = "none"
+        elif cfg.reasoning_effort:
+            body["reasoning_effort"] = _LOCAL_EFFORT[cfg.reasoning_effort]
         return body
     # local: llama.cpp reads both fields; vLLM and SGLang pass chat_template_kwargs to the template
     # (enable_thinking: Qwen3, GLM, Granite...; thinking: DeepSeek V3.1) and validate reasoning_effort.
@@ -142,7 +155,7 @@ def dialect_warnings(cfg: LLMConfig) -> list[str]:
             f"provider routing flags apply to OpenRouter only; not sent to this {dialect} endpoint "
             "(set --endpoint_dialect=openrouter for an OpenRouter-compatible proxy)"
         )
-    if dialect == "local" and cfg.reasoning_effort in ("minimal", "xhigh", "max", "ultra"):
+    if dialect in ("local", "ollama") and cfg.reasoning_effort in ("minimal", "xhigh", "max", "ultra"):
         out.append(
             f"--reasoning_effort={cfg.reasoning_effort} is sent as {_LOCAL_EFFORT[cfg.reasoning_effort]!r}: "
             "local servers accept only low, medium and high"

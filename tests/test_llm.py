@@ -336,6 +336,7 @@ def test_answers_from_less_strict_servers_are_normalised():
         ("https://api.openai.com/v1", "openai"),
         ("http://127.0.0.1:8080/v1", "local"),
         ("http://gpu-box:8000/v1", "local"),
+        ("http://localhost:11434/v1", "ollama"),
         ("https://notopenrouter.ai.example/v1", "local"),
     ],
 )
@@ -361,6 +362,14 @@ def test_local_servers_get_template_kwargs_and_top_level_effort():
     # vLLM and SGLang validate reasoning_effort as low/medium/high: other levels are mapped
     assert _body(url, reasoning_effort="ultra")["reasoning_effort"] == "high"
     assert _body(url, reasoning_effort="minimal")["reasoning_effort"] == "low"
+    assert _body(url) == {}
+
+
+def test_ollama_gets_reasoning_effort_none_to_switch_thinking_off():
+    """Ollama's /v1 ignores chat_template_kwargs; reasoning_effort "none" is its off switch."""
+    url = "http://127.0.0.1:11434/v1"
+    assert _body(url, reasoning_disabled=True) == {"reasoning_effort": "none"}
+    assert _body(url, reasoning_effort="xhigh") == {"reasoning_effort": "high"}
     assert _body(url) == {}
 
 
