@@ -3,8 +3,9 @@
 Retries go through the run-wide limiter (see :class:`LLMClient`). Reasoning controls are sent in the
 dialect of the endpoint (:data:`DIALECTS`): OpenRouter's nested ``reasoning`` object, OpenAI's top-level
 ``reasoning_effort``, what local OpenAI-compatible servers (llama.cpp, vLLM, SGLang) read:
-``chat_template_kwargs.enable_thinking`` plus ``reasoning_effort``, or Ollama's ``reasoning_effort``. Nothing is sent the user did not ask
-for, and no endpoint sees a field of another's dialect (OpenAI rejects unknown request fields).
+``chat_template_kwargs.enable_thinking`` plus ``reasoning_effort``, or Ollama's ``reasoning_effort``.
+Nothing is sent the user did not ask for, and no endpoint sees a field of another's dialect (OpenAI
+rejects unknown request fields).
 """
 
 from __future__ import annotations
