@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 from conftest import read_jsonl, skip_or_fail, write_jsonl
+from llama.model import Script, write_model  # tests/llama, importable like conftest
+from llama.server import LlamaServer, find_binary
 
 import batch_runner
 from agent.llm import LLMClient, LLMConfig
 from agent.trajectory import parse_tool_calls
-from tests.llama.model import Script, write_model
-from tests.llama.server import LlamaServer, find_binary
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(900)]  # a loaded CI machine slows the starts
 
