@@ -30,6 +30,7 @@ from batchrun.config import (
     parse_argv,
 )
 from batchrun.distributions import format_distributions
+from batchrun.prompt.llm import dialect_warnings
 from batchrun.prompt.run import RunSettings
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
@@ -102,6 +103,8 @@ def main(
     max_concurrent_requests: int | None = None,
     provider_allow_fallbacks: bool | None = None,
     provider_data_collection: str | None = None,
+    endpoint_dialect: str = "auto",
+    stream: bool = False,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
@@ -165,6 +168,8 @@ def main(
         max_concurrent_requests: [spend] Model requests in flight for the whole run.
         provider_allow_fallbacks: [routing] OpenRouter provider.allow_fallbacks (false pins the providers).
         provider_data_collection: [routing] OpenRouter provider.data_collection: allow or deny.
+        endpoint_dialect: [endpoint] auto (by the endpoint's host), openrouter, openai, local or ollama.
+        stream: [endpoint] Stream replies (usage, tool-call and reasoning deltas assembled).
     """
     try:
         config = RunConfig.from_flags(
@@ -222,6 +227,8 @@ def main(
             max_concurrent_requests=max_concurrent_requests,
             provider_allow_fallbacks=provider_allow_fallbacks,
             provider_data_collection=provider_data_collection,
+            endpoint_dialect=endpoint_dialect,
+            stream=stream,
         )
         if config.list_distributions:
             print(format_distributions())
@@ -327,6 +334,8 @@ def run_steps(
     if todo and not config.ray_address:
         start_forkserver()  # its imports (~1 s) overlap with the parent's own and with preflight
     llm = config.llm_config(base_url)
+    for warning in dialect_warnings(llm):
+        print(f"warning: {warning}", file=sys.stderr)
     tool_extra = tool_settings(config, llm.base_url, llm.api_key)
     plan = make_plan(todo, config, config.run_dir, tool_extra)
     recorder.counts.update({f"toolset:{t}": n for t, n in plan.offered.items()})

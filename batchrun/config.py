@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.llm import PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
+from batchrun.prompt.llm import DIALECTS, PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
@@ -260,6 +260,9 @@ class RunConfig:
     # OpenRouter routing
     provider_allow_fallbacks: bool | None = _flag(parse_optional_bool)
     provider_data_collection: str | None = _flag(choice_flag(("allow", "deny")))
+    # Endpoint dialects
+    endpoint_dialect: str = _flag(choice_flag(DIALECTS, optional=False), "auto")
+    stream: bool = _flag(parse_bool, False)
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -360,6 +363,8 @@ class RunConfig:
             provider_data_collection=self.provider_data_collection,
             request_timeout_s=self.request_timeout,
             max_retries=self.max_retries,
+            dialect=self.endpoint_dialect,
+            stream=self.stream,
         )
 
     def loop_limits(self) -> LoopLimits:

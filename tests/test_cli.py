@@ -72,6 +72,7 @@ def test_cli_run_against_an_endpoint(server, tmp_path):
         "--provider_sort=price",
         "--reasoning_effort=high",
         "--max_tokens=123",
+        "--endpoint_dialect=openrouter",  # a local address, spoken to as OpenRouter (e.g. a proxy)
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr

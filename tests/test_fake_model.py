@@ -266,9 +266,20 @@ def test_garbage_hangup_slow(client, server):
     assert stats["hangups"] == 1 and stats["status_counts"] == {200: 2}
 
 
-def test_stream_rejected(client):
-    with pytest.raises(openai.BadRequestError):
-        _ask(client, "hi", stream=True)
+def test_stream_is_the_same_reply_in_chunks(client):
+    """The SDK's own stream reader joins the chunks back into the non-streaming reply."""
+    plain = _ask(client, "stream me [calls:2]", [TERMINAL]).choices[0].message
+    chunks = list(
+        _ask(client, "stream me [calls:2]", [TERMINAL], stream=True, stream_options={"include_usage": True})
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    args: dict[int, str] = {}
+    for c in chunks:
+        for call in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            args[call.index] = args.get(call.index, "") + (call.function.arguments or "")
+    assert len(chunks) > 5 and content == plain.content
+    assert [args[i] for i in sorted(args)] == [t.function.arguments for t in plain.tool_calls]
+    assert chunks[-1].usage.prompt_tokens > 0 and not chunks[-1].choices
 
 
 def test_last_requests_keep_extra_body(client, server):

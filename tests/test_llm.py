@@ -7,13 +7,26 @@ import time
 import pytest
 
 from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, build_extra_body, native_reasoning
+from batchrun.prompt.llm import (
+    CONTEXT_LIMIT_SIGNS,
+    ENCRYPTED_REASONING,
+    ContextLimitError,
+    LLMClient,
+    LLMConfig,
+    LLMError,
+    build_extra_body,
+    dialect_warnings,
+    is_context_limit,
+    native_reasoning,
+    resolve_dialect,
+)
 
 # ----------------------------------------------------------------------------- build_extra_body
 
 
 def _cfg(**kw) -> LLMConfig:
-    return LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", **kw)
+    """An OpenRouter-dialect config on a local address (the dialect is forced, not guessed from the host)."""
+    return LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", **{"dialect": "openrouter", **kw})
 
 
 def test_extra_body_empty_when_no_flag_is_set():
@@ -157,7 +170,12 @@ def test_chat_without_reasoning(server):
 
 def test_request_carries_extra_body_and_max_tokens(server):
     client = _client(
-        server, providers_allowed=("a", "b"), provider_sort="price", reasoning_effort="high", max_tokens=77
+        server,
+        providers_allowed=("a", "b"),
+        provider_sort="price",
+        reasoning_effort="high",
+        max_tokens=77,
+        dialect="openrouter",
     )
     client.chat(_user("extra body check [calls:0]"), [])
     req = server.stats()["last_requests"][-1]
@@ -306,3 +324,287 @@ def test_answers_from_less_strict_servers_are_normalised():
     assert turn.tool_calls[0].arguments == '{"command": "ls"}'
     assert turn.tool_calls[0].id == "call_0"
     assert turn.usage == {}
+
+
+# ----------------------------------------------------------------------------- dialects
+
+
+@pytest.mark.parametrize(
+    ("base_url", "dialect"),
+    [
+        ("https://openrouter.ai/api/v1", "openrouter"),
+        ("https://api.openai.com/v1", "openai"),
+        ("http://127.0.0.1:8080/v1", "local"),
+        ("http://gpu-box:8000/v1", "local"),
+        ("http://localhost:11434/v1", "ollama"),
+        ("https://notopenrouter.ai.example/v1", "local"),
+    ],
+)
+def test_dialect_follows_the_host(base_url, dialect):
+    assert resolve_dialect(base_url) == dialect
+    assert resolve_dialect(base_url, "openai") == "openai"  # the flag wins
+
+
+def _body(base_url: str, **kw) -> dict:
+    return build_extra_body(LLMConfig(model="m", base_url=base_url, **kw))
+
+
+def test_local_servers_get_template_kwargs_and_top_level_effort():
+    url = "http://127.0.0.1:8080/v1"
+    assert _body(url, reasoning_disabled=True, reasoning_effort="high") == {
+        "chat_template_kwargs": {"enable_thinking": False, "thinking": False}
+    }
+    assert _body(url, reasoning_effort="none")["chat_template_kwargs"]["enable_thinking"] is False
+    assert _body(url, reasoning_effort="medium") == {
+        "chat_template_kwargs": {"enable_thinking": True, "thinking": True},
+        "reasoning_effort": "medium",
+    }
+    # vLLM and SGLang validate reasoning_effort as low/medium/high: other levels are mapped
+    assert _body(url, reasoning_effort="ultra")["reasoning_effort"] == "high"
+    assert _body(url, reasoning_effort="minimal")["reasoning_effort"] == "low"
+    assert _body(url) == {}
+
+
+def test_ollama_gets_reasoning_effort_none_to_switch_thinking_off():
+    """Ollama's /v1 ignores chat_template_kwargs; reasoning_effort "none" is its off switch."""
+    url = "http://127.0.0.1:11434/v1"
+    assert _body(url, reasoning_disabled=True) == {"reasoning_effort": "none"}
+    assert _body(url, reasoning_effort="xhigh") == {"reasoning_effort": "high"}
+    assert _body(url) == {}
+
+
+def test_openai_gets_only_top_level_reasoning_effort():
+    url = "https://api.openai.com/v1"
+    assert _body(url, reasoning_disabled=True, providers_allowed=("x",)) == {"reasoning_effort": "none"}
+    assert _body(url, reasoning_effort="max") == {"reasoning_effort": "xhigh"}
+    assert _body(url, reasoning_effort="low") == {"reasoning_effort": "low"}
+
+
+def test_provider_flags_reach_only_openrouter_and_are_warned_about_elsewhere():
+    cfg = LLMConfig(model="m", base_url="http://127.0.0.1:8080/v1", providers_allowed=("a",))
+    assert "provider" not in build_extra_body(cfg)
+    assert any("OpenRouter only" in w for w in dialect_warnings(cfg))
+    forced = LLMConfig(
+        model="m", base_url="http://127.0.0.1:8080/v1", providers_allowed=("a",), dialect="openrouter"
+    )
+    assert build_extra_body(forced)["provider"] == {"only": ["a"]}
+    assert dialect_warnings(forced) == []
+
+
+def test_reasoning_disabled_that_does_not_take_effect_is_warned_once(server, capsys):
+    client = _client(server, reasoning_disabled=True)
+    client.chat(_user("still thinking [calls:0]"), [])
+    client.chat(_user("still thinking again [calls:0]"), [])
+    err = capsys.readouterr().err
+    assert err.count("--reasoning_disabled was sent (local dialect)") == 1
+
+
+# ----------------------------------------------------------------------------- context limits
+
+
+@pytest.mark.parametrize("sign", CONTEXT_LIMIT_SIGNS, ids=lambda c: f"{c.server}:{c.pattern}")
+def test_every_servers_context_limit_is_recognised(sign):
+    """Each entry's own example, the way that server sends it (code/type in the error object, or wording)."""
+    if sign.field == "message":
+        body = {"error": {"message": sign.example, "type": "BadRequestError", "code": 400}}
+        assert is_context_limit(400, body, f"HTTP 400: {sign.example}")
+    else:
+        body = {"error": {"message": sign.example, sign.field: sign.pattern}}
+        assert is_context_limit(400, body, "HTTP 400: (wording unknown)")
+
+
+def test_context_limit_behind_openrouter_metadata_raw():
+    body = {
+        "error": {
+            "message": "Provider returned error",
+            "code": 400,
+            "metadata": {"raw": "prompt is too long: 9 > 8"},
+        }
+    }
+    assert is_context_limit(400, body, "HTTP 400: Provider returned error")
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        (400, "Invalid 'tools[0].function.name': string does not match pattern"),
+        (400, "max_tokens must be at least 1"),
+        (503, "This model's maximum context length is 8192 tokens"),  # a 5xx is retried, by wording
+        (401, "Invalid API key"),
+    ],
+)
+def test_other_errors_are_not_context_limits(status, message):
+    assert not is_context_limit(status, {"error": {"message": message}}, f"HTTP {status}: {message}")
+
+
+def test_llama_cpp_context_overflow_raises_context_limit():
+    """The exact body llama-server sends (type exceed_context_size_error), over HTTP through the SDK."""
+    import http.server
+    import json
+    import threading
+
+    body = json.dumps(
+        {
+            "error": {
+                "code": 400,
+                "message": "request (5566 tokens) exceeds the available context size (1024 tokens), try increasing it",
+                "type": "exceed_context_size_error",
+                "n_prompt_tokens": 5566,
+                "n_ctx": 1024,
+            }
+        }
+    ).encode()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        cfg = LLMConfig(model="m", base_url=f"http://127.0.0.1:{httpd.server_port}/v1", max_retries=3)
+        with pytest.raises(ContextLimitError) as info:
+            LLMClient(cfg).chat(_user("hi"), [])
+        assert info.value.error_class == "context_limit" and "5566 tokens" in str(info.value)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+# ----------------------------------------------------------------------------- reasoning fields
+
+
+def test_encrypted_only_reasoning_details_count_as_reasoning():
+    details = [
+        {"type": "reasoning.encrypted", "data": "gAAAA...", "id": "rs_1", "format": "openai-responses-v1"}
+    ]
+    assert native_reasoning({"content": "x", "reasoning_details": details}) == ENCRYPTED_REASONING
+
+
+def test_summary_parts_of_reasoning_details():
+    details = [{"type": "reasoning.summary", "summary": "first, check the file"}]
+    assert native_reasoning({"reasoning_details": details}) == "first, check the file"
+
+
+@pytest.mark.parametrize(
+    ("content", "reasoning", "rest"),
+    [
+        ("<think>\nplan it\n</think>\n\nThe answer.", "plan it", "The answer."),
+        ("plan it\n</think>\n\nThe answer.", "plan it", "The answer."),  # template opened the block
+        ("No reasoning here.", None, "No reasoning here."),
+    ],
+)
+def test_inline_think_is_split_from_the_content(content, reasoning, rest):
+    from batchrun.prompt.trajectory import split_reasoning
+
+    assert split_reasoning(content) == (reasoning, rest)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "stream check [calls:2]",
+        "stream check [reasoning_details]",
+        "stream check [scratchpad]",
+        "stream final [calls:0]",
+    ],
+)
+def test_streaming_gives_the_same_turn_as_a_plain_call(server, prompt):
+    plain = _client(server).chat(_user(prompt), [TERMINAL])
+    streamed = _client(server, stream=True).chat(_user(prompt), [TERMINAL])
+    assert streamed == plain
+    req = server.stats()["last_requests"][-1]
+    assert req["stream"] is True and req["stream_options"] == {"include_usage": True}
+
+
+def test_streaming_tallies_usage_from_the_last_chunk(server):
+    from batchrun.prompt.llm import Usage
+
+    usage = Usage()
+    turn = _client(server, stream=True).chat(_user("usage check [calls:1]"), [TERMINAL], usage=usage)
+    assert turn.usage["prompt_tokens"] > 0 and usage.completion_tokens == turn.usage["completion_tokens"] > 0
+    assert turn.served_model == "fake-model"
+
+
+# ----------------------------------------------------------------------------- what the user sees
+
+
+def test_a_retried_500_says_it_was_retried(server):
+    with pytest.raises(LLMError) as info:
+        _client(server, max_retries=3).chat(_user("always broken [error:500]"), [])
+    assert info.value.error_class == "http_500"
+    assert str(info.value).endswith("(failed 4 times: 1 try + 3 retries)")
+
+
+def test_closing_summary_names_each_failure_class_with_its_message(server, tmp_path, capsys):
+    from conftest import write_jsonl
+
+    import batch_runner
+
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", ["a [error:500]", "b [error:500]", "c [error:404]", "fine [calls:0]"]
+    )
+    batch_runner.main(
+        dataset_file=str(dataset),
+        batch_size=4,
+        run_name="fails",
+        model="fake-model",
+        base_url=server.base_url,
+        api_key="k",
+        output_dir=str(tmp_path),
+        num_workers=1,
+        distribution="terminal_only",
+        max_failure_rate=1.0,
+        max_retries=2,
+    )
+    out = capsys.readouterr().out
+    assert f"Failed this run: 3 prompt(s); each one in {tmp_path / 'fails' / 'failed.jsonl'}" in out
+    assert (
+        "  http_500 x2: HTTP 500: Scripted error 500 (mock directive [error:500]) (failed 3 times: 1 try + 2 retries)  (2 of 2)"
+        in out
+    )
+    assert "  http_404 x1: HTTP 404: Scripted error 404" in out
+
+
+class _Lines:
+    """The part of an HTTP response _read_stream uses."""
+
+    def __init__(self, lines: list[str]):
+        self.lines, self.closed = lines, False
+
+    def iter_lines(self):
+        yield from self.lines
+
+    def close(self):
+        self.closed = True
+
+
+def test_an_error_event_mid_stream_is_classified_like_an_http_error():
+    from batchrun.prompt.llm import _read_stream
+
+    event = {
+        "error": {
+            "code": 400,
+            "type": "exceed_context_size_error",
+            "message": "request (9000 tokens) exceeds",
+        }
+    }
+    raw = _Lines([": keep-alive", "", "data: " + __import__("json").dumps(event)])
+    with pytest.raises(ContextLimitError):
+        _read_stream(raw)
+    assert raw.closed
+    raw = _Lines(['data: {"error": {"message": "upstream went away", "code": 502}}'])
+    with pytest.raises(LLMError) as info:
+        _read_stream(raw)
+    assert info.value.error_class == "http_502"

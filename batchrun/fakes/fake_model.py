@@ -17,7 +17,9 @@ Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models`` (lists ``mock``), `
 (the counters as JSON; status_counts keys become strings there), ``POST /reset``, and for the
 image tools ``POST /v1/images/generations`` (see "Images" below).
 With ``api_key=...`` the ``/v1/*`` endpoints demand ``Authorization: Bearer <key>`` (else 401).
-Streaming is not supported (``stream: true`` gets 400).
+With ``stream: true`` the same reply comes as server-sent ``chat.completion.chunk`` events (see
+:func:`stream_chunks`): content, reasoning and tool-call arguments cut into pieces, the usage in a last
+chunk when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 
 The policy (:func:`respond`, a pure function of the request body)
 ------------------------------------------------------------------
@@ -468,6 +470,50 @@ def respond(request_body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _pieces(text: str, n: int = 3) -> list[str]:
+    """``text`` cut into up to ``n`` pieces, so a client must join deltas to get it back."""
+    size = max(1, -(-len(text) // n))
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def stream_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A chat.completion as the chat.completion.chunk events a streaming server sends for it."""
+    choice = completion["choices"][0]
+    msg = choice["message"]
+    head = {k: completion[k] for k in ("id", "created", "model") if k in completion}
+    head["object"] = "chat.completion.chunk"
+    if "provider" in completion:
+        head["provider"] = completion["provider"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    for key in ("reasoning_content", "reasoning"):
+        for piece in _pieces(msg.get(key) or ""):
+            out.append(chunk({key: piece}))
+    for d in msg.get("reasoning_details") or []:
+        for piece in _pieces(d.get("text") or ""):
+            out.append(chunk({"reasoning_details": [{**d, "text": piece}]}))
+    for piece in _pieces(msg.get("content") or ""):
+        out.append(chunk({"content": piece}))
+    for i, call in enumerate(msg.get("tool_calls") or []):
+        fn = call["function"]
+        first = {
+            "index": i,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": ""},
+        }
+        out.append(chunk({"tool_calls": [first]}))
+        for piece in _pieces(fn["arguments"]):
+            out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}))
+    out.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": completion["usage"]})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # HTTP server
 # ---------------------------------------------------------------------------------------------
@@ -614,10 +660,6 @@ class _Handler(BaseHTTPRequestHandler):
             fake._count(400)
             self._error(400, "'messages' must be a non-empty array")
             return
-        if body.get("stream"):
-            fake._count(400)
-            self._error(400, "Streaming is not supported by the mock model")
-            return
         _, prompt = find_prompt([m for m in messages if isinstance(m, dict)])
         seen = fake._count_prompt(prompt)
         d = parse_directives(prompt)
@@ -665,6 +707,13 @@ class _Handler(BaseHTTPRequestHandler):
             usage["cost"] = round(usage["total_tokens"] * fake.cost_per_token, 10)
             completion["provider"] = "MockProvider"
         fake._count(200, completion["usage"])
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            events = b"".join(
+                b"data: " + json.dumps(c).encode() + b"\n\n" for c in stream_chunks(completion, include_usage)
+            )
+            self._send(200, events + b"data: [DONE]\n\n", "text/event-stream")
+            return
         self._json(200, completion)
 
     # -- images (vision answers are in the policy; see "Images" in the module docstring) ----

@@ -1,19 +1,25 @@
 """The model client: an OpenAI-compatible endpoint through the ``openai`` SDK.
 
-Retries go through the run-wide limiter (see :class:`LLMClient`). OpenRouter routing and reasoning settings
-travel in ``extra_body`` and are only sent when the user asked for them, so plain endpoints
-(vLLM, SGLang, Ollama, llama.cpp) never see fields they do not know.
+Retries go through the run-wide limiter (see :class:`LLMClient`). Reasoning controls are sent in the
+dialect of the endpoint (:data:`DIALECTS`): OpenRouter's nested ``reasoning`` object, OpenAI's top-level
+``reasoning_effort``, what local OpenAI-compatible servers (llama.cpp, vLLM, SGLang) read:
+``chat_template_kwargs.enable_thinking`` plus ``reasoning_effort``, or Ollama's ``reasoning_effort``.
+Nothing is sent the user did not ask for, and no endpoint sees a field of another's dialect (OpenAI
+rejects unknown request fields).
 """
 
 from __future__ import annotations
 
 import email.utils
 import json
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from batchrun.prompt.limiter import Limiter, LimitTimeout, backoff_s
 
@@ -21,6 +27,9 @@ if TYPE_CHECKING:
     import openai
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
+# auto: openrouter.ai -> openrouter, api.openai.com -> openai, port 11434 -> ollama, anything else -> local
+DIALECTS = ("auto", "openrouter", "openai", "local", "ollama")
+OLLAMA_PORT = 11434  # Ollama's default port: how auto tells it from other local servers
 PROVIDER_SORTS = ("price", "throughput", "latency")
 NO_KEY = "no-key"  # placeholder for local endpoints that want no key; never written anywhere
 
@@ -45,14 +54,84 @@ class LLMConfig:
     max_retries: int = 3  # retries of one call on 5xx, timeouts, dropped connections
     max_rate_limit_retries: int = 30  # 429s of one call waited out (run-wide pause) before it fails
     extra_body: dict[str, Any] = field(default_factory=dict)  # computed by build_extra_body when empty
+    dialect: str = "auto"  # one of DIALECTS: how reasoning controls and routing are spelled
+    stream: bool = False  # ask for server-sent events (usage through stream_options.include_usage)
+
+    @property
+    def resolved_dialect(self) -> str:
+        return resolve_dialect(self.base_url, self.dialect)
 
     def request_extra_body(self) -> dict[str, Any]:
         return self.extra_body or build_extra_body(self)
 
 
+def resolve_dialect(base_url: str, dialect: str = "auto") -> str:
+    """The request dialect of an endpoint: the flag when given, else what the host says it is."""
+    if dialect != "auto":
+        return dialect
+    host = (urlsplit(base_url).hostname or "").lower()
+    if host == "openrouter.ai" or host.endswith(".openrouter.ai"):
+        return "openrouter"
+    if host == "api.openai.com":
+        return "openai"
+    try:
+        port = urlsplit(base_url).port
+    except ValueError:
+        port = None
+    return "ollama" if port == OLLAMA_PORT else "local"
+
+
+# OpenAI accepts these reasoning_effort values (none on GPT-5.1 and later); vLLM and SGLang validate
+# the field against low/medium/high, so local servers get only those and are switched off through the
+# chat template instead.
+_OPENAI_EFFORT = {"minimal": "minimal", "low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh"}
+_OPENAI_EFFORT |= {"max": "xhigh", "ultra": "xhigh", "none": "none"}
+_LOCAL_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "high"}
+_LOCAL_EFFORT |= {"xhigh": "high", "max": "high", "ultra": "high"}
+
+
 def build_extra_body(cfg: LLMConfig) -> dict[str, Any]:
-    """OpenRouter ``provider`` preferences and ``reasoning`` config, exactly as the flags define them."""
+    """The request fields the flags ask for, spelled in the endpoint's dialect (see :data:`DIALECTS`)."""
+    dialect = cfg.resolved_dialect
     body: dict[str, Any] = {}
+    if dialect == "openrouter":
+        provider = openrouter_provider(cfg)
+        if provider:
+            body["provider"] = provider
+        if "openrouter.ai" in cfg.base_url:
+            body["usage"] = {"include": True}  # OpenRouter then reports the cost of each call
+        if cfg.reasoning_disabled:
+            body["reasoning"] = {"effort": "none"}
+        elif cfg.reasoning_effort:
+            body["reasoning"] = {"enabled": True, "effort": cfg.reasoning_effort}
+        return body
+    off = cfg.reasoning_disabled or cfg.reasoning_effort == "none"
+    if dialect == "openai":
+        if off:
+            body["reasoning_effort"] = "none"
+        elif cfg.reasoning_effort:
+            body["reasoning_effort"] = _OPENAI_EFFORT[cfg.reasoning_effort]
+        return body
+    if dialect == "ollama":
+        # Ollama's /v1 maps reasoning_effort (low/medium/high, none = off) to its think switch and
+        # ignores chat_template_kwargs.
+        if off:
+            body["reasoning_effort"] = "none"
+        elif cfg.reasoning_effort:
+            body["reasoning_effort"] = _LOCAL_EFFORT[cfg.reasoning_effort]
+        return body
+    # local: llama.cpp reads both fields; vLLM and SGLang pass chat_template_kwargs to the template
+    # (enable_thinking: Qwen3, GLM, Granite...; thinking: DeepSeek V3.1) and validate reasoning_effort.
+    if off:
+        body["chat_template_kwargs"] = {"enable_thinking": False, "thinking": False}
+    elif cfg.reasoning_effort:
+        body["chat_template_kwargs"] = {"enable_thinking": True, "thinking": True}
+        body["reasoning_effort"] = _LOCAL_EFFORT[cfg.reasoning_effort]
+    return body
+
+
+def openrouter_provider(cfg: LLMConfig) -> dict[str, Any]:
+    """OpenRouter's ``provider`` preferences, exactly as the flags define them."""
     provider: dict[str, Any] = {}
     if cfg.providers_allowed:
         provider["only"] = list(cfg.providers_allowed)
@@ -66,15 +145,24 @@ def build_extra_body(cfg: LLMConfig) -> dict[str, Any]:
         provider["allow_fallbacks"] = cfg.provider_allow_fallbacks
     if cfg.provider_data_collection:
         provider["data_collection"] = cfg.provider_data_collection
-    if provider:
-        body["provider"] = provider
-    if "openrouter.ai" in cfg.base_url:
-        body["usage"] = {"include": True}  # OpenRouter then reports the cost of each call
-    if cfg.reasoning_disabled:
-        body["reasoning"] = {"effort": "none"}
-    elif cfg.reasoning_effort:
-        body["reasoning"] = {"enabled": True, "effort": cfg.reasoning_effort}
-    return body
+    return provider
+
+
+def dialect_warnings(cfg: LLMConfig) -> list[str]:
+    """What the flags ask for that this endpoint's dialect cannot carry (said once, at start)."""
+    dialect = cfg.resolved_dialect
+    out = []
+    if dialect != "openrouter" and openrouter_provider(cfg):
+        out.append(
+            f"provider routing flags apply to OpenRouter only; not sent to this {dialect} endpoint "
+            "(set --endpoint_dialect=openrouter for an OpenRouter-compatible proxy)"
+        )
+    if dialect in ("local", "ollama") and cfg.reasoning_effort in ("minimal", "xhigh", "max", "ultra"):
+        out.append(
+            f"--reasoning_effort={cfg.reasoning_effort} is sent as {_LOCAL_EFFORT[cfg.reasoning_effort]!r}: "
+            "local servers accept only low, medium and high"
+        )
+    return out
 
 
 @dataclass
@@ -91,6 +179,9 @@ class AssistantTurn:
     tool_calls: list[ToolCall]
     finish_reason: str | None
     usage: dict[str, Any]
+    served_model: str | None = (
+        None  # the response's ``model``: what answered, which may differ from the request
+    )
 
 
 class LLMError(RuntimeError):
@@ -115,22 +206,37 @@ class BudgetStop(LLMError):
         )
 
 
+ENCRYPTED_REASONING = "[reasoning encrypted by the provider]"
+
+
 def native_reasoning(message: dict[str, Any]) -> str | None:
-    """Reasoning from ``reasoning``, ``reasoning_content`` or ``reasoning_details`` (first present)."""
+    """Reasoning from the first native field present, in the order providers fill them.
+
+    ``reasoning_content`` (vLLM, SGLang, llama.cpp, DeepSeek), ``reasoning`` (OpenRouter, Ollama),
+    ``reasoning_details`` (OpenRouter's structured form; it repeats ``reasoning`` when both come, so
+    only one is read). A turn whose only reasoning is encrypted still had reasoning: it is kept as a
+    marker, so the record shows it and reasoning coverage counts it.
+    """
     for key in ("reasoning_content", "reasoning"):
         value = message.get(key)
         if isinstance(value, str) and value.strip():
             return value.strip()
     details = message.get("reasoning_details")
     if isinstance(details, list):
-        texts = []
+        texts, encrypted = [], False
         for d in details:
             if isinstance(d, dict):
                 text = d.get("text") or d.get("summary")
+                if isinstance(text, list):  # summaries may come as a list of parts
+                    text = "\n".join(t if isinstance(t, str) else str(t.get("text", "")) for t in text)
                 if isinstance(text, str) and text.strip():
                     texts.append(text.strip())
+                elif d.get("type") == "reasoning.encrypted" or d.get("data"):
+                    encrypted = True
         if texts:
             return "\n\n".join(texts)
+        if encrypted:
+            return ENCRYPTED_REASONING
     return None
 
 
@@ -247,6 +353,19 @@ class LLMClient:
             timeout=cfg.request_timeout_s,
         )
         self._extra_body = cfg.request_extra_body()
+        self._warned: set[str] = set()
+
+    def _check_controls(self, turn: AssistantTurn) -> None:
+        """Warn once per process when a reasoning control visibly did not take effect."""
+        if self.cfg.reasoning_disabled and turn.reasoning and "reasoning_disabled" not in self._warned:
+            self._warned.add("reasoning_disabled")
+            print(
+                f"warning: --reasoning_disabled was sent ({self.cfg.resolved_dialect} dialect) but "
+                f"{self.cfg.model} still answers with reasoning; the endpoint or its chat template "
+                "ignores the control (see --endpoint_dialect)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def chat(
         self,
@@ -262,6 +381,9 @@ class LLMClient:
             body["tools"] = tools
         if self.cfg.max_tokens:
             body["max_tokens"] = self.cfg.max_tokens
+        if self.cfg.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}  # the last chunk then carries the usage
         body.update(self._extra_body)
         deadline = deadline if deadline is not None else time.monotonic() + 10 * self.cfg.request_timeout_s
         openai = self._openai  # for its exception classes below
@@ -291,9 +413,13 @@ class LLMClient:
                     body=body,
                     cast_to=self._response_class,
                     options={"timeout": per_attempt},
+                    stream=self.cfg.stream,
+                    stream_cls=self._openai.Stream[Any] if self.cfg.stream else None,
                 )
-                data = raw.json()  # not JSON: ValueError, reported as bad_response below
+                # Not JSON: ValueError, reported as bad_response below.
+                data = _read_stream(raw, deadline) if self.cfg.stream else raw.json()
                 turn = _parse_payload(data)
+                self._check_controls(turn)
                 if usage is not None:
                     usage.add(
                         turn.usage, data.get("provider") if isinstance(data.get("provider"), str) else None
@@ -321,7 +447,7 @@ class LLMClient:
                             "http_429", f"{message} (rate limited until the prompt's deadline)", status
                         ) from exc
                     continue  # the limiter holds this and every other request until the pause ends
-                if status == 400 and _looks_like_context_limit(message):
+                if is_context_limit(status, exc.body, message):
                     raise ContextLimitError("context_limit", message, status) from exc
                 error = LLMError(f"http_{status}", message, status)
                 if status not in RETRYABLE_STATUS:
@@ -340,6 +466,12 @@ class LLMClient:
             failures += 1
             wait = backoff_s(failures, retry_after, cap_s=30.0)
             if failures > self.cfg.max_retries or time.monotonic() + wait >= deadline:
+                if failures > 1:  # say it was retried, so one failure is not read as several requests
+                    raise LLMError(
+                        error.error_class,
+                        f"{error} (failed {failures} times: 1 try + {failures - 1} retries)",
+                        error.status,
+                    )
                 raise error
             if usage is not None:
                 usage.note_retry(rate_limited=False)
@@ -386,7 +518,96 @@ def _parse_payload(data: Any) -> AssistantTurn:
         tool_calls=calls,
         finish_reason=choice.get("finish_reason"),
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
+        served_model=data.get("model") if isinstance(data.get("model"), str) else None,
     )
+
+
+def _read_stream(raw: Any, deadline: float | None = None) -> dict[str, Any]:
+    """Server-sent chat.completion.chunk events -> the chat.completion body a non-streaming call returns.
+
+    Content, reasoning (every native field) and tool-call argument deltas are concatenated; tool calls
+    are assembled by their ``index``; usage comes from the last chunk (``stream_options.include_usage``).
+    An error event mid-stream raises like an HTTP error would. The read timeout bounds each wait for a
+    chunk; ``deadline`` (time.monotonic) bounds a stream that keeps trickling.
+    """
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    texts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": []}
+    details: list[dict[str, Any]] = []
+    calls: dict[int, dict[str, Any]] = {}
+    out: dict[str, Any] = {}
+    finish_reason = None
+    try:
+        for line in raw.iter_lines():
+            if deadline is not None and time.monotonic() > deadline:
+                raise LLMError("timeout", "the streamed reply did not finish before the prompt's deadline")
+            if not line.startswith("data:"):
+                continue  # comments (": keep-alive"), event names, blank separators
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                continue
+            if chunk.get("error") is not None:
+                err = chunk["error"]
+                msg = err.get("message") if isinstance(err, dict) else str(err)
+                code = err.get("code") if isinstance(err, dict) else None
+                status = code if isinstance(code, int) else None
+                text = f"HTTP {status or 'stream'}: {msg}"
+                if is_context_limit(status, chunk, text):
+                    raise ContextLimitError("context_limit", text, status)
+                raise LLMError(f"http_{status}" if status else "stream_error", text, status)
+            for key in ("model", "provider", "id"):
+                if isinstance(chunk.get(key), str):
+                    out[key] = chunk[key]
+            if isinstance(chunk.get("usage"), dict):
+                out["usage"] = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    continue
+                finish_reason = choice.get("finish_reason") or finish_reason
+                delta = choice.get("delta") or {}
+                for key, parts in texts.items():
+                    if isinstance(delta.get(key), str):
+                        parts.append(delta[key])
+                for d in delta.get("reasoning_details") or []:
+                    if isinstance(d, dict):
+                        _merge_detail(details, d)
+                for i, c in enumerate(delta.get("tool_calls") or []):
+                    if not isinstance(c, dict):
+                        continue
+                    call = calls.setdefault(
+                        c.get("index", i),
+                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                    )
+                    call["id"] = c.get("id") or call["id"]
+                    fn = c.get("function") or {}
+                    call["function"]["name"] += fn.get("name") or ""
+                    args = fn.get("arguments")
+                    call["function"]["arguments"] += args if isinstance(args, str) else _arguments_text(args)
+    finally:
+        raw.close()
+    message["content"] = "".join(texts["content"])
+    for key in ("reasoning_content", "reasoning"):
+        if texts[key]:
+            message[key] = "".join(texts[key])
+    if details:
+        message["reasoning_details"] = details
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    out["choices"] = [{"index": 0, "message": message, "finish_reason": finish_reason}]
+    return out
+
+
+def _merge_detail(details: list[dict[str, Any]], d: dict[str, Any]) -> None:
+    """A streamed reasoning_details part extends the previous one of the same index and type."""
+    last = details[-1] if details else None
+    if last is not None and last.get("type") == d.get("type") and last.get("index") == d.get("index"):
+        for key in ("text", "summary", "data"):
+            if isinstance(d.get(key), str):
+                last[key] = (last.get(key) or "") + d[key]
+        return
+    details.append(dict(d))
 
 
 def _arguments_text(arguments: Any) -> str:
@@ -416,9 +637,149 @@ def _error_message(exc: openai.APIStatusError) -> str:
     return f"HTTP {exc.status_code}: {exc.message}"
 
 
-def _looks_like_context_limit(message: str) -> bool:
-    text = message.lower()
-    return any(
-        k in text
-        for k in ("context length", "context_length", "maximum context", "too many tokens", "context window")
-    )
+@dataclass(frozen=True)
+class ContextLimitSign:
+    """One way a server says "the conversation no longer fits": an error code/type, or message wording."""
+
+    server: str
+    field: str  # "code" or "type" (exact, in the error object), or "message" (regex, case-insensitive)
+    pattern: str
+    example: str  # a real message or error object of that server, for the tests
+
+
+# Learned from each server's source and documentation. Order does not matter: any match is a context limit.
+CONTEXT_LIMIT_SIGNS: tuple[ContextLimitSign, ...] = (
+    ContextLimitSign(
+        "OpenAI",
+        "code",
+        "context_length_exceeded",
+        "This model's maximum context length is 128000 tokens. However, your messages resulted "
+        "in 130000 tokens. Please reduce the length of the messages.",
+    ),
+    ContextLimitSign(
+        "OpenAI, DeepSeek, vLLM",
+        "message",
+        r"maximum context length is \d+ tokens",
+        "This model's maximum context length is 4096 tokens. However, you requested 4120 tokens "
+        "(3120 in the messages, 1000 in the completion).",
+    ),
+    ContextLimitSign(
+        "OpenAI (Responses)",
+        "message",
+        r"exceeds the context window",
+        "Your input exceeds the context window of this model. Please adjust your input and try again.",
+    ),
+    ContextLimitSign(
+        "OpenRouter",
+        "message",
+        r"maximum context length is \d+",
+        "This endpoint's maximum context length is 40960 tokens. However, you requested about "
+        "42988 tokens (38892 of text input, 4096 in the output).",
+    ),
+    ContextLimitSign(
+        "vLLM",
+        "message",
+        r"max(imum)? model length",
+        "The decoder prompt (length 9000) is longer than the maximum model length of 8192.",
+    ),
+    ContextLimitSign(
+        "vLLM",
+        "message",
+        r"'?max_(completion_)?tokens'? .*is too large",
+        "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context "
+        "length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778).",
+    ),
+    ContextLimitSign(
+        "SGLang, Together",
+        "message",
+        r"longer than the model's context length",
+        "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+    ),
+    ContextLimitSign(
+        "SGLang",
+        "message",
+        r"exceeds the model's maximum context length",
+        "Requested token count exceeds the model's maximum context length of 8192 tokens. You "
+        "requested a total of 9000 tokens: 8000 tokens from the input messages and 1000 tokens "
+        "for the completion.",
+    ),
+    ContextLimitSign(
+        "llama.cpp",
+        "type",
+        "exceed_context_size_error",
+        "request (5566 tokens) exceeds the available context size (1024 tokens), try increasing it",
+    ),
+    ContextLimitSign(
+        "llama.cpp",
+        "message",
+        r"exceeds the available context size|larger than the max context size",
+        "input (9000 tokens) is larger than the max context size (8192 tokens). skipping",
+    ),
+    ContextLimitSign(
+        "Ollama",
+        "message",
+        r"input length exceeds the context length",
+        "the input length exceeds the context length",
+    ),
+    ContextLimitSign(
+        "Anthropic (behind OpenRouter)",
+        "message",
+        r"prompt is too long",
+        "prompt is too long: 210000 tokens > 200000 maximum",
+    ),
+    ContextLimitSign(
+        "Google (behind OpenRouter)",
+        "message",
+        r"input token count .*exceeds the maximum",
+        "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).",
+    ),
+    ContextLimitSign(
+        "Mistral (behind OpenRouter)",
+        "message",
+        r"too large for model with \d+ maximum context",
+        "Prompt contains 140000 tokens, too large for model with 131072 maximum context length",
+    ),
+    ContextLimitSign(
+        "Groq",
+        "message",
+        r"reduce the length of the messages",
+        "Please reduce the length of the messages or completion.",
+    ),
+    ContextLimitSign(
+        "TGI",
+        "message",
+        r"max_new_tokens` must be <= \d+",
+        "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 8192. Given: 9000",
+    ),
+    ContextLimitSign("generic", "code", "context_window_exceeded", "model_context_window_exceeded"),
+    ContextLimitSign(
+        "generic", "message", r"context[ _](length|window)[ _]exceeded", "context window exceeded"
+    ),
+)
+_CONTEXT_RES = [re.compile(c.pattern, re.IGNORECASE) for c in CONTEXT_LIMIT_SIGNS if c.field == "message"]
+_CONTEXT_IDS = {c.pattern for c in CONTEXT_LIMIT_SIGNS if c.field != "message"}
+
+
+def is_context_limit(status: int | None, body: Any, message: str) -> bool:
+    """Whether an error answer means the conversation outgrew the model's context (see CONTEXT_LIMIT_SIGNS).
+
+    Looks at the error object's ``code`` and ``type``, OpenRouter's upstream ``metadata.raw`` and the
+    message. By wording only a 4xx or a 500 (Ollama has answered 500 with its wording); other 5xx are
+    retried unless their code says so.
+    """
+    texts = [message]
+    ids: set[str] = set()
+    err = body.get("error", body) if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        for key in ("code", "type"):
+            if isinstance(err.get(key), str):
+                ids.add(err[key])
+        meta = err.get("metadata")
+        if isinstance(meta, dict) and meta.get("raw") is not None:
+            raw = meta["raw"]
+            texts.append(raw if isinstance(raw, str) else json.dumps(raw))
+    if ids & _CONTEXT_IDS:
+        return True
+    if status is not None and not (400 <= status < 500 or status == 500):
+        return False
+    return any(r.search(t) for r in _CONTEXT_RES for t in texts)

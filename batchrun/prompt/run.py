@@ -153,6 +153,7 @@ def run_prompt(
         "batch_num": job.batch_num,
         "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
         "model": settings.llm.model,
+        "served_model": result.served_model,
         "stop_reason": result.stop_reason,
         "duration_s": round(time.monotonic() - started, 3),
         "sandbox": settings.sandbox_backend,

@@ -30,7 +30,12 @@ _THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 
 def split_reasoning(content: str | None) -> tuple[str | None, str]:
-    """Pull ``<REASONING_SCRATCHPAD>`` (or a leading ``<think>``) out of a message's content."""
+    """Pull reasoning written inline out of a message's content.
+
+    ``<REASONING_SCRATCHPAD>`` blocks, a leading ``<think>...</think>`` (models served without a
+    reasoning parser), or text before a lone ``</think>`` (templates that open the think block in the
+    generation prompt, so the reply starts inside it).
+    """
     text = content or ""
     parts = [m.strip() for m in _SCRATCHPAD_RE.findall(text)]
     text = _SCRATCHPAD_RE.sub("", text)
@@ -38,6 +43,10 @@ def split_reasoning(content: str | None) -> tuple[str | None, str]:
     if think:
         parts.append(think.group(1).strip())
         text = text[think.end() :]
+    elif "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
+        before, text = text.split("</think>", 1)
+        parts.append(before.strip())
+        text = text.lstrip()
     reasoning = "\n\n".join(p for p in parts if p)
     return (reasoning or None), text
 

@@ -238,6 +238,7 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
             f"Reasoning coverage: {r['coverage']:.1%} of {r['turns_with_reasoning'] + r['turns_without_reasoning']} assistant turns"
         )
     print(f"Discarded (all runs): {stats['discarded']['total']} {stats['discarded']['by_reason'] or ''}")
+    print_failures(run_dir, recorder)
     d = stats["dropped_at_merge"]
     if any(d.values()):
         print(f"Dropped at merge: {d}")
@@ -246,6 +247,22 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
             f"{stats['remaining_for_resume']} prompt(s) remain; continue with:\n  {recorder.redact(resume_command())}"
         )
     print("=" * 72)
+
+
+def print_failures(run_dir: Path, recorder: Recorder) -> None:
+    """Each failure class of this run with its most common message; every message is in failed.jsonl."""
+    if not recorder.failures:
+        return
+    print(
+        f"Failed this run: {sum(recorder.failures.values())} prompt(s); each one in {run_dir / 'failed.jsonl'}"
+    )
+    for error_class, count in recorder.failures.most_common():
+        message, same = recorder.failure_messages[error_class].most_common(1)[0]
+        print(
+            recorder.redact(
+                f"  {error_class} x{count}: {message}" + (f"  ({same} of {count})" if count > 1 else "")
+            )
+        )
 
 
 def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float) -> int:

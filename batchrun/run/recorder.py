@@ -61,6 +61,10 @@ class Recorder:
         self.budget_usd, self.budget_tokens = budget_usd, budget_tokens
         self.counts: collections.Counter[str] = collections.Counter()
         self.failures: collections.Counter[str] = collections.Counter()
+        # error class -> its messages (cut), for the closing summary's most common one per class
+        self.failure_messages: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
         self.discards: collections.Counter[str] = collections.Counter()
         self.spend: collections.Counter[str] = collections.Counter()  # this run's usage, all outcomes
         # Tokens and cost of prompts still in flight, reported call by call (batch_num, prompt_index) -> usage:
@@ -157,6 +161,7 @@ class Recorder:
             append_jsonl(self.run_dir / "discarded.jsonl", row, self.redact)
         else:
             self.failures[outcome.error_class or "unknown"] += 1
+            self.failure_messages[outcome.error_class or "unknown"][str(outcome.error)[:300]] += 1
             row = {
                 "prompt": outcome.prompt,
                 **identity,

