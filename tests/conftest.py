@@ -12,8 +12,19 @@ from pathlib import Path
 import pytest
 from helpers import DOCKER_TEST_IMAGE, TESTS_DIR, TOOL_CAP, skip_or_fail
 
+from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
+
+# ============================================================================ the fake model
+
+
+@pytest.fixture
+def server():
+    """The scripted fake model on a free loopback port, for one test."""
+    with FakeModelServer(latency_s=0) as srv:
+        yield srv
+
 
 # ============================================================================ sandboxes: Docker
 DOCKER_IMAGE_BUILD = TESTS_DIR / "docker_image" / "build.sh"

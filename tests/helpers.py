@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -9,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import batch_runner
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.trajectory import first_human
+
 TESTS_DIR = Path(__file__).resolve().parent
+ROOT = TESTS_DIR.parent
 IN_CI = os.environ.get("CI") == "true"
 DOCKER_TEST_IMAGE = "batch-runner-test:latest"  # built from busybox by tests/docker_image/build.sh
 TOOL_CAP = 64 * 1024  # the output cap the tool tests' sandboxes use
@@ -42,3 +48,68 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- a run in-process
+
+
+def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:
+    """One in-process run; raises SystemExit on a non-zero exit like the CLI does."""
+    args = dict(
+        dataset_file=str(dataset),
+        batch_size=4,
+        run_name=run_name,
+        model="fake-model",
+        base_url=server.base_url,
+        api_key="sk-local-test",
+        output_dir=str(out),
+        num_workers=2,
+        distribution="terminal_only",
+        max_failure_rate=1.0,
+    )
+    args.update(kw)
+    assert batch_runner.main(**args) is None
+
+
+def by_prompt(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = collections.defaultdict(list)
+    for rec in records:
+        out[first_human(rec["conversations"])].append(rec)
+    return out
+
+
+def requests(server: FakeModelServer) -> collections.Counter:
+    return collections.Counter(server.stats()["requests_by_prompt"])
+
+
+def tool_blocks(value: str) -> list[dict]:
+    parts = value.split("<tool_response>\n")[1:]
+    return [json.loads(p.split("\n</tool_response>")[0]) for p in parts]
+
+
+def offered_in_system(system_value: str) -> list[dict]:
+    return json.loads(system_value.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0])
+
+
+def exit_code(server: FakeModelServer, dataset: Path, out: Path, **kw) -> int:
+    try:
+        run(server, dataset, out, **kw)
+    except SystemExit as exc:
+        return int(exc.code)
+    return 0
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    return path
+
+
+def stats_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "statistics.json").read_text("utf-8"))
+
+
+def parse_line(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

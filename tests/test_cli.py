@@ -11,7 +11,6 @@ import pytest
 from helpers import read_jsonl
 
 import batch_runner
-from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import PROVIDER_SORTS, REASONING_EFFORTS
 from batchrun.prompt.trajectory import first_human
 from toolset_distributions import DISTRIBUTIONS
@@ -24,12 +23,6 @@ def cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProc
     return subprocess.run(
         [sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
-
-
-@pytest.fixture
-def server():
-    with FakeModelServer(latency_s=0) as srv:
-        yield srv
 
 
 # ----------------------------------------------------------------------------- the CLI as a subprocess

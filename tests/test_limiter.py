@@ -259,3 +259,17 @@ def test_backoff_without_retry_after_is_capped() -> None:
 def test_a_negative_retry_after_falls_back_to_exponential(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(limiter_module.random, "uniform", lambda low, high: high)
     assert backoff_s(4, -1.0) == pytest.approx(4.0)
+
+
+def test_limiter_credits_a_pause_another_prompt_caused_but_not_its_own():
+    from batchrun.prompt.limiter import Limiter, LimitTimeout
+
+    limiter = Limiter()
+    limiter.pause_until(time.time() + 0.3)  # relayed from another worker's 429
+    deadline = time.monotonic() + 0.05  # passes during the pause
+    credited = limiter.acquire(deadline)
+    limiter.release()
+    assert credited >= 0.2 and limiter.credited_s() == credited
+    limiter.pause(0.3)  # this thread's own 429: its wait counts
+    with pytest.raises(LimitTimeout):
+        limiter.acquire(time.monotonic() + 0.05)

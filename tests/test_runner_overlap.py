@@ -97,12 +97,6 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Scripted:
     return s
 
 
-@pytest.fixture
-def server():
-    with FakeModelServer(latency_s=0) as srv:
-        yield srv
-
-
 def settings_for(server: FakeModelServer, backend: str = "scripted", **kw) -> RunSettings:
     return RunSettings(
         run_name="overlap",

@@ -10,31 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import read_jsonl, write_jsonl
+from helpers import read_jsonl, run, write_jsonl
 
-import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.trajectory import first_human
 
 COST_PER_TOKEN = 1e-6  # the fake reports usage.cost = total_tokens * this
-
-
-def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:
-    """One in-process run; raises SystemExit on a non-zero exit like the CLI does."""
-    args = dict(
-        dataset_file=str(dataset),
-        batch_size=4,
-        run_name=run_name,
-        model="fake-model",
-        base_url=server.base_url,
-        api_key="sk-local-test",
-        output_dir=str(out),
-        num_workers=2,
-        distribution="terminal_only",
-        max_failure_rate=1.0,
-    )
-    args.update(kw)
-    assert batch_runner.main(**args) is None
 
 
 def by_prompt(records: list[dict]) -> dict[str, list[dict]]:
@@ -46,12 +27,6 @@ def by_prompt(records: list[dict]) -> dict[str, list[dict]]:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text("utf-8"))
-
-
-@pytest.fixture
-def server():
-    with FakeModelServer(latency_s=0) as srv:
-        yield srv
 
 
 @pytest.fixture

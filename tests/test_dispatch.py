@@ -1,0 +1,194 @@
+"""batchrun/run/dispatch.py: outcomes and limits, failure rates, retries, timeouts, budgets as hard caps."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from helpers import (
+    by_prompt,
+    read_jsonl,
+    run,
+    stats_of,
+    write_jsonl,
+)
+
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.trajectory import first_human
+
+
+def test_loop_truncate_garbage_and_hangup(server, tmp_path):
+    prompts = [
+        "Loop forever [loop]",
+        "Cut off [truncate]",
+        "Exactly three calls",
+        "Garbage reply [garbage]",
+        "Hang up [hangup]",
+        "Fine afterwards [calls:1]",
+    ]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run(server, dataset, out, max_turns=3, max_retries=1, batch_size=3)
+    recs = by_prompt(read_jsonl(out / "run" / "trajectories.jsonl"))
+    (loop,) = recs["Loop forever [loop]"]
+    assert (loop["completed"], loop["partial"], loop["api_calls"]) == (False, True, 3)
+    assert loop["tool_stats"]["terminal"]["count"] == 3
+    assert loop["metadata"]["stop_reason"] == "max_turns"
+    assert server.stats()["requests_by_prompt"]["Loop forever [loop]"] == 3
+    (cut,) = recs["Cut off [truncate]"]
+    assert (cut["completed"], cut["partial"], cut["api_calls"]) == (False, True, 1)
+    assert cut["metadata"]["stop_reason"] == "truncated"
+    (three,) = recs["Exactly three calls"]
+    assert (three["completed"], three["partial"], three["api_calls"]) == (True, False, 3)
+    assert recs["Fine afterwards [calls:1]"][0]["completed"] is True
+    failed = {r["prompt"]: r for r in read_jsonl(out / "run" / "failed.jsonl")}
+    assert failed["Garbage reply [garbage]"]["error_class"] == "bad_response"
+    assert failed["Hang up [hangup]"]["error_class"] == "connection"
+    assert set(failed) == {"Garbage reply [garbage]", "Hang up [hangup]"}
+    assert all(r["error"] for r in failed.values())
+
+
+def test_wrong_api_key_stops_the_run_before_any_model_call(tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["first try", "second try"])
+    out = tmp_path / "data"
+    with FakeModelServer(latency_s=0, api_key="the-right-key") as srv:
+        with pytest.raises(SystemExit) as info:
+            run(srv, dataset, out, api_key="the-wrong-key-1234")
+        stats = srv.stats()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "401" in err and "API key" in err
+    assert "the-wrong-key-1234" not in err
+    assert stats["requests_by_prompt"] == {}  # no prompt was sent, no token spent
+    assert not read_jsonl(out / "run" / "trajectories.jsonl")
+    for path in (out / "run").rglob("*"):
+        if path.is_file():
+            assert b"the-wrong-key-1234" not in path.read_bytes()
+
+
+def test_the_same_command_works_after_a_run_that_never_started(tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["first try [calls:0]"])
+    out = tmp_path / "data"
+    with FakeModelServer(latency_s=0, api_key="the-right-key") as srv:
+        with pytest.raises(SystemExit):
+            run(srv, dataset, out, api_key="the-wrong-key-1234")
+        run(srv, dataset, out, api_key="the-right-key")  # fixed the key, same command otherwise
+    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 1
+
+
+def test_too_many_failures_exit_3_and_say_so(server, tmp_path, capsys):
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", ["down one [error:500]", "down two [error:502]", "fine [calls:0]"]
+    )
+    out = tmp_path / "data"
+    with pytest.raises(SystemExit) as info:
+        run(server, dataset, out, max_failure_rate=0.5, max_retries=0)
+    assert info.value.code == 3
+    assert "2 of 3 prompts failed" in capsys.readouterr().err
+    failed = read_jsonl(out / "run" / "failed.jsonl")
+    assert sorted(r["error_class"] for r in failed) == ["http_500", "http_502"]
+    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 1  # what finished is kept
+
+
+def test_failure_rate_at_the_threshold_exits_zero(server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["ok [calls:0]", "bad [error:400]"])
+    run(server, dataset, tmp_path / "data", max_failure_rate=0.5)  # 1 of 2 is not *more* than half
+
+
+def test_rate_limits_are_waited_out_by_the_client_with_default_flags(server, tmp_path):
+    """Default --max_retries=3, --prompt_timeout and --request_timeout: three 429s in a row are retried."""
+    prompts = ["Rate limited at first [flaky:3]", "Rate limited once [flaky:1] [calls:1]"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    run(server, dataset, tmp_path / "data")
+    recs = by_prompt(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl"))
+    assert not read_jsonl(tmp_path / "data" / "run" / "failed.jsonl")
+    seen = server.stats()["requests_by_prompt"]
+    assert [r["api_calls"] for r in recs[prompts[0]]] == [3]
+    assert seen[prompts[0]] == 3 + 3  # the three 429s were retried, not paid as turns
+    assert seen[prompts[1]] == 2 + 1
+
+
+def test_rate_limits_are_retried_when_prompt_timeout_is_below_request_timeout(server, tmp_path):
+    """A 429 answered in a millisecond must be retried even with a per-prompt limit under --request_timeout."""
+    prompts = ["Rate limited with a short budget [flaky:2] [calls:0]"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    run(server, dataset, tmp_path / "data", prompt_timeout=60)  # --request_timeout stays 600
+    assert not read_jsonl(tmp_path / "data" / "run" / "failed.jsonl")
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
+
+
+def test_prompt_timeout_bounds_the_whole_prompt(server, tmp_path):
+    """--prompt_timeout is wall clock for the prompt, retries included, and fails as prompt_timeout."""
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["very slow [slow:3] [calls:0]"])
+    started = time.monotonic()
+    run(server, dataset, tmp_path / "data", prompt_timeout=1, max_retries=3)
+    elapsed = time.monotonic() - started
+    failed = read_jsonl(tmp_path / "data" / "run" / "failed.jsonl")
+    assert failed[0]["error_class"] == "prompt_timeout"
+    assert elapsed < 4.0  # 1 s limit + pool start-up, preflight and merge
+
+
+def test_model_calls_of_failed_prompts_are_counted(server, tmp_path):
+    prompt = "slowish [slow:0.6] [calls:3]"
+    dataset = write_jsonl(tmp_path / "d.jsonl", [prompt])
+    run(server, dataset, tmp_path / "data", prompt_timeout=1, max_retries=0)
+    (failed,) = read_jsonl(tmp_path / "data" / "run" / "failed.jsonl")
+    assert failed["error_class"] == "prompt_timeout"
+    served = server.stats()["requests_by_prompt"][prompt]
+    assert served >= 1
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text("utf-8"))
+    assert stats["this_run"]["api_calls"] == served
+
+
+def test_token_budget_stops_prompts_in_flight_at_their_next_call(tmp_path):
+    """40 prompts, 8 in flight, a budget of a few prompts: the overshoot is bounded by one call
+    per prompt in flight; the stopped prompts fail with class budget and a resume runs them."""
+    prompts = [f"task number {i} [calls:4]" for i in range(40)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    in_flight = 8
+    with FakeModelServer(latency_s=0.05) as server:
+        run(server, dataset, out, budget_tokens=20000, num_workers=2, prompts_per_worker=4, batch_size=5)
+        stats = stats_of(run_dir)
+        budget = stats["this_run"]["budget"]
+        records = read_jsonl(run_dir / "trajectories.jsonl")
+        failed = read_jsonl(run_dir / "failed.jsonl")
+        assert budget["reached"] is True
+        assert {r["error_class"] for r in failed} == {"budget"}
+        assert budget["stopped_in_flight"] == len(failed) > 0
+        # What the fake server counted is what the run counted.
+        served = server.stats()
+        assert budget["spent_tokens"] == served["prompt_tokens"] + served["completion_tokens"]
+        assert budget["overshoot_tokens"] == budget["spent_tokens"] - 20000
+        # Every call belongs to a prompt with an outcome, so no call cost more than the costliest outcome:
+        # the bound of one call per prompt in flight.
+        usages = [r["metadata"]["usage"] for r in records] + [r["usage"] for r in failed]
+        biggest = max(u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+        assert budget["overshoot_tokens"] <= in_flight * biggest
+        assert len(records) + len(failed) + stats["this_run"]["skipped_for_budget"] == 40
+        assert len(records) < 40
+
+        run(server, dataset, out, resume=True, num_workers=2, batch_size=5)
+        merged = read_jsonl(run_dir / "trajectories.jsonl")
+        assert sorted(first_human(r["conversations"]) for r in merged) == sorted(prompts)
+        assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
+def test_a_run_wide_429_pause_does_not_time_out_other_prompts(tmp_path):
+    """One prompt is rate limited for good and pauses the run again and again; another prompt waits
+    through those pauses longer than its --prompt_timeout and still finishes."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["endless [error:429] [retry_after:2.5]", "patient task"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    with FakeModelServer(latency_s=0) as server:
+        run(server, dataset, out, num_workers=1, prompts_per_worker=2, prompt_timeout=4.0)
+        requests = server.stats()["requests_by_prompt"]
+    (failed,) = read_jsonl(run_dir / "failed.jsonl")
+    assert failed["prompt"].startswith("endless") and failed["error_class"] == "http_429"
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert first_human(record["conversations"]) == "patient task"
+    assert record["completed"] is True and requests["patient task"] == 3
+    assert stats_of(run_dir)["this_run"]["rate_limit_pauses"] >= 1

@@ -1,0 +1,74 @@
+"""batchrun/run/finish.py: merge, statistics and the report skip and count lines of the wrong shape."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+from helpers import read_jsonl, run, stats_of, write_jsonl
+
+from batchrun.prompt.trajectory import valid_record
+from batchrun.views.report import collect
+
+GARBAGE_RECORDS = [
+    "null",
+    "[1, 2]",
+    '"text"',
+    '{"conversations": "x"}',
+    '{"conversations": [null]}',
+    '{"conversations": [{"from": "human", "value": 5}]}',
+    '{"conversations": [{"from": "human", "value": "p"}], "tool_stats": 5}',
+    '{"conversations": [{"from": "human", "value": "p"}], "tool_stats": {"terminal": {"count": "x"}}}',
+    '{"conversations": [{"from": "gpt", "value": "p", "tool_calls": [{"function": 3}]}]}',
+    '{"conversations": [{"from": "human", "value": "p"}], "metadata": []}',
+    '{"conversations": [{"from": "human", "value": "p"}], "prompt_index": "3"}',
+]
+GARBAGE_ROWS = [
+    "null",
+    "[]",
+    '{"prompt": 5, "reason": "x"}',
+    '{"prompt": "p", "reason": 3}',
+    '{"prompt": "p"}',
+]
+
+
+def test_valid_json_of_the_wrong_shape_is_skipped_and_counted_everywhere(server, tmp_path):
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", ["one thing", "two things", "three [no_reasoning]", "x [error:500]"]
+    )
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    good = read_jsonl(run_dir / "trajectories.jsonl")
+    assert all(valid_record(r) for r in good)
+    for name, lines in (
+        ("batch_0.jsonl", GARBAGE_RECORDS),
+        ("discarded.jsonl", GARBAGE_ROWS),
+        ("failed.jsonl", GARBAGE_ROWS),
+    ):
+        with (run_dir / name).open("a", encoding="utf-8") as fh:
+            fh.write("".join(line + "\n" for line in lines))
+
+    before = collections.Counter(server.stats()["requests_by_prompt"])
+    run(server, dataset, out, resume=True)  # no crash
+    assert set(collections.Counter(server.stats()["requests_by_prompt"]) - before) == {"x [error:500]"}
+    run(server, dataset, out, resume=True)  # and again: nothing it wrote breaks the next resume
+    assert read_jsonl(run_dir / "trajectories.jsonl") == good
+    stats = stats_of(run_dir)
+    assert stats["dropped_at_merge"]["invalid_lines"] == len(GARBAGE_RECORDS)
+    assert stats["invalid_lines_skipped"] == {
+        "batch_files": len(GARBAGE_RECORDS),
+        "discarded.jsonl": len(GARBAGE_ROWS),
+        "failed.jsonl": len(GARBAGE_ROWS),
+    }
+    assert stats["discarded"]["total"] == 1
+    assert stats["failed_attempts"]["by_class"] == {"http_500": 3}
+    assert sorted(json.loads((run_dir / "checkpoint.json").read_text())["completed_prompts"]) == [0, 1]
+    # The report reads the batch files when they are newer than the merge: make them so.
+    os.utime(run_dir / "batch_0.jsonl", (time.time() + 5, time.time() + 5))
+    data = collect(run_dir)
+    assert data.trajectories == 2
+    assert data.invalid_lines == len(GARBAGE_RECORDS) + 2 * len(GARBAGE_ROWS)
+    assert (run_dir / "report.html").is_file()

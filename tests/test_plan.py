@@ -1,0 +1,54 @@
+"""batchrun/run/plan.py: each row's toolsets, sampled reproducibly."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+from helpers import offered_in_system, read_jsonl, run, write_jsonl
+
+from batchrun.prompt.tools.registry import tools_for_toolsets
+from toolset_distributions import prompt_rng, sample_toolsets_from_distribution
+
+
+def test_same_seed_gives_each_prompt_the_same_toolsets(server, tmp_path):
+    prompts = [f"sampled prompt {i} [calls:0]" for i in range(10)] + ["sampled prompt 0 [calls:0]"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run(server, dataset, out, run_name="first", distribution="balanced", seed=7)
+    run(server, dataset, out, run_name="second", distribution="balanced", seed=7)
+    first = read_jsonl(out / "first" / "trajectories.jsonl")
+    second = read_jsonl(out / "second" / "trajectories.jsonl")
+    key = lambda r: r["prompt_index"]  # noqa: E731
+    assert [r["toolsets_used"] for r in sorted(first, key=key)] == [
+        r["toolsets_used"] for r in sorted(second, key=key)
+    ]
+    occurrences: collections.Counter[str] = collections.Counter()
+    kept: set[str] = set()
+    not_offered: set[str] = set()
+    for rec in sorted(first, key=key):
+        prompt = prompts[rec["prompt_index"]]
+        sampled = sample_toolsets_from_distribution("balanced", prompt_rng(7, prompt, occurrences[prompt]))
+        occurrences[prompt] += 1
+        used = rec["toolsets_used"]
+        # toolsets_used: the sampled toolsets this installation can offer, in sampled order
+        assert used == [t for t in sampled if t in used]
+        kept.update(used)
+        not_offered.update(set(sampled) - set(used))
+        offered = [t["name"] for t in offered_in_system(rec["conversations"][0]["value"])]
+        assert offered == [t.name for t in tools_for_toolsets(used)]
+    assert not kept & not_offered  # a toolset is either available to every prompt or to none
+    assert {"terminal", "file"} & kept and not {"terminal", "file"} & not_offered
+    assert len({tuple(r["toolsets_used"]) for r in first}) > 1  # the coins really vary by prompt
+    stats = json.loads((out / "first" / "statistics.json").read_text("utf-8"))
+    offered_counts = collections.Counter(t for r in first for t in r["toolsets_used"])
+    assert stats["this_run"]["toolsets_offered"] == dict(offered_counts)
+
+
+def test_a_different_seed_changes_the_draws():
+    prompts = [f"sampled prompt {i} [calls:0]" for i in range(10)]
+    draws = {
+        seed: [sample_toolsets_from_distribution("balanced", prompt_rng(seed, p)) for p in prompts]
+        for seed in (7, 8)
+    }
+    assert draws[7] != draws[8]

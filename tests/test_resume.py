@@ -1,0 +1,422 @@
+"""batchrun/run/resume.py: --resume by row identity (text, image, cwd), duplicates, discards, the manifest."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from helpers import (
+    exit_code,
+    read_jsonl,
+    requests,
+    run,
+    stats_of,
+    write_jsonl,
+    write_rows,
+)
+
+from batchrun.prompt.trajectory import first_human, row_key
+from batchrun.secrets import Redactor
+from batchrun.storage import append_jsonl
+
+RESUME = ["alpha task", "beta task", "gamma task", "alpha task", "delta task", "epsilon task"]
+
+PROMPT_SECRET = "ds.secret.value.777"  # an env secret that also appears inside one prompt
+SECRET_PROMPT = f"Remember the code {PROMPT_SECRET} in a note"
+
+
+def _checkpoint(run_dir: Path) -> dict:
+    return json.loads((run_dir / "checkpoint.json").read_text("utf-8"))
+
+
+def test_resume_runs_only_missing_prompts_then_nothing(server, tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "d.jsonl", RESUME)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, max_samples=3, batch_size=2)
+    assert requests(server) == {"alpha task": 3, "beta task": 3, "gamma task": 3}
+    assert sorted(_checkpoint(run_dir)["completed_prompts"]) == [0, 1, 2]
+    first_stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert first_stats["remaining_for_resume"] == 0  # of the 3 rows this run was asked for
+
+    before = requests(server)
+    run(server, dataset, out, resume=True, batch_size=2)
+    assert requests(server) - before == {"alpha task": 3, "delta task": 3, "epsilon task": 3}
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert collections.Counter(first_human(r["conversations"]) for r in records) == collections.Counter(
+        RESUME
+    )
+    assert sorted(_checkpoint(run_dir)["completed_prompts"]) == [0, 1, 2, 3, 4, 5]
+
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert stats["trajectories"] == 6  # both runs
+    assert stats["tool_stats"]["terminal"]["count"] == 6
+    assert stats["tool_stats"]["read_file"]["count"] == 6
+    assert stats["api_calls_in_trajectories"] == 18
+    assert stats["this_run"]["attempted"] == 3
+    assert stats["remaining_for_resume"] == 0
+
+    total = server.stats()["requests"]
+    capsys.readouterr()
+    run(server, dataset, out, resume=True, batch_size=2)
+    assert server.stats()["requests"] == total  # zero model calls when everything is done
+    assert "6 prompt(s) already finished, 0 to run" in capsys.readouterr().out
+    assert read_jsonl(run_dir / "trajectories.jsonl") == records
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert stats["trajectories"] == 6 and stats["this_run"]["attempted"] == 0
+
+
+def test_resume_reruns_prompts_whose_lines_were_lost(server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", RESUME)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, batch_size=3)
+    b0, b1 = run_dir / "batch_0.jsonl", run_dir / "batch_1.jsonl"
+    lines0, lines1 = b0.read_text("utf-8").splitlines(True), b1.read_text("utf-8").splitlines(True)
+    lost = [
+        first_human(json.loads(lines0[-1])["conversations"]),
+        first_human(json.loads(lines1[0])["conversations"]),
+    ]
+    b0.write_text("".join(lines0[:-1]), "utf-8")
+    b1.write_text("".join(lines1[1:]), "utf-8")
+
+    before = requests(server)
+    run(server, dataset, out, resume=True, batch_size=3)
+    assert requests(server) - before == collections.Counter({p: 3 * lost.count(p) for p in lost})
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert collections.Counter(first_human(r["conversations"]) for r in records) == collections.Counter(
+        RESUME
+    )
+
+
+def test_reordered_dataset_resumes_with_zero_calls(server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", RESUME)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, batch_size=2)
+    before_records = read_jsonl(run_dir / "trajectories.jsonl")
+    shuffled = RESUME[:]
+    random.Random(3).shuffle(shuffled)
+    assert shuffled != RESUME
+    write_jsonl(dataset, shuffled)
+
+    total = server.stats()["requests"]
+    run(server, dataset, out, resume=True, batch_size=2)
+    assert server.stats()["requests"] == total
+    after = read_jsonl(run_dir / "trajectories.jsonl")
+    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+    assert sorted(map(key, after)) == sorted(map(key, before_records))
+
+    # and a prompt added to the reordered dataset is the only one that runs
+    write_jsonl(dataset, ["zeta task", *shuffled])
+    run(server, dataset, out, resume=True, batch_size=2)
+    assert server.stats()["requests"] == total + 3
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 7
+
+
+def test_discards_stay_done_failures_rerun_and_rerun_discarded_flag(server, tmp_path):
+    prompts = ["keep me", "skip reasoning [no_reasoning]", "server down [error:500]", "keep me too"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, batch_size=2)
+    assert len(read_jsonl(run_dir / "failed.jsonl")) == 1
+    assert len(read_jsonl(run_dir / "discarded.jsonl")) == 1
+
+    before = requests(server)
+    run(server, dataset, out, resume=True, batch_size=2)
+    new = requests(server) - before
+    assert set(new) == {"server down [error:500]"}  # failures re-run; discards and trajectories do not
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert [r["error_class"] for r in failed] == ["http_500", "http_500"]
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert stats["failed_attempts"] == {"total": 2, "by_class": {"http_500": 2}}  # across both runs
+    assert stats["discarded"]["by_reason"] == {"no_reasoning": 1}
+    assert stats["trajectories"] == 2
+
+    before = requests(server)
+    run(server, dataset, out, resume=True, batch_size=2, rerun_discarded=True)
+    new = requests(server) - before
+    assert set(new) == {"skip reasoning [no_reasoning]", "server down [error:500]"}
+    assert new["skip reasoning [no_reasoning]"] == 3
+    trajectories = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(first_human(r["conversations"]) for r in trajectories) == ["keep me", "keep me too"]
+
+
+def test_torn_last_line_is_skipped_at_merge_and_later_appends_stay_valid(server, tmp_path):
+    prompts = ["one thing", "two things", "three things", "four things"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, batch_size=2)
+    b0 = run_dir / "batch_0.jsonl"
+    line = b0.read_text("utf-8").splitlines()[0]
+    with b0.open("a", encoding="utf-8") as fh:
+        fh.write(line[: len(line) // 2])  # a crash mid-append: half a line, no newline
+
+    total = server.stats()["requests"]
+    run(server, dataset, out, resume=True, batch_size=2)
+    assert server.stats()["requests"] == total
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(first_human(r["conversations"]) for r in records) == sorted(prompts)
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert stats["dropped_at_merge"]["invalid_lines"] == 1
+    assert stats["trajectories"] == 4
+    assert sorted(_checkpoint(run_dir)["completed_prompts"]) == [0, 1, 2, 3]
+
+    # The next append to the torn file starts on a fresh line: the new record is intact.
+    rec = json.loads(line)
+    append_jsonl(b0, rec, Redactor(None, environ={}))
+    raw = b0.read_bytes().split(b"\n")
+    assert raw[-1] == b""
+    assert json.loads(raw[-2]) == rec
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(raw[-3])
+
+
+def test_a_truncated_record_is_run_again_on_resume(server, tmp_path):
+    prompts = ["first job", "second job", "third job", "fourth job"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, batch_size=2)
+    b1 = run_dir / "batch_1.jsonl"
+    data = b1.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    torn_prompt = first_human(json.loads(data[last_start:])["conversations"])
+    b1.write_bytes(data[: last_start + (len(data) - last_start) // 2])
+
+    before = requests(server)
+    run(server, dataset, out, resume=True, batch_size=2)
+    assert requests(server) - before == {torn_prompt: 3}
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(first_human(r["conversations"]) for r in records) == sorted(prompts)
+    assert json.loads((run_dir / "checkpoint.json").read_text("utf-8"))["run_name"] == "run"
+
+
+def test_a_secret_inside_a_prompt_is_redacted_in_every_file(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("DATASET_SECRET", PROMPT_SECRET)
+    dataset = write_jsonl(tmp_path / "d.jsonl", [SECRET_PROMPT, f"{PROMPT_SECRET} [no_reasoning]"])
+    out = tmp_path / "data"
+    run(server, dataset, out)
+    # the model saw it (it is the user's own prompt), wrote it to a file and read it back
+    assert server.stats()["requests_by_prompt"][SECRET_PROMPT] == 3
+    files = [p for p in (out / "run").rglob("*") if p.is_file()]
+    assert {"trajectories.jsonl", "discarded.jsonl"} <= {p.name for p in files}
+    for path in files:
+        assert PROMPT_SECRET.encode() not in path.read_bytes(), path.name
+    (rec,) = read_jsonl(out / "run" / "trajectories.jsonl")
+    assert first_human(rec["conversations"]) == SECRET_PROMPT.replace(PROMPT_SECRET, "[REDACTED]")
+    assert "[REDACTED]" in rec["conversations"][-1]["value"] or any(
+        "[REDACTED]" in c["value"] for c in rec["conversations"] if c["from"] == "tool"
+    )
+
+
+def test_resume_recognises_a_prompt_whose_secret_was_redacted(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("DATASET_SECRET", PROMPT_SECRET)
+    dataset = write_jsonl(tmp_path / "d.jsonl", [SECRET_PROMPT, "plain one"])
+    out = tmp_path / "data"
+    run(server, dataset, out)
+    total = server.stats()["requests"]
+    run(server, dataset, out, resume=True)
+    assert server.stats()["requests"] == total
+    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 2
+
+
+def test_merge_follows_numeric_batch_order(server, tmp_path):
+    prompts = [f"numbered task {i}" for i in range(12)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"{p} [calls:0]" for p in prompts])
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=1)
+    nums = [r["metadata"]["batch_num"] for r in read_jsonl(out / "run" / "trajectories.jsonl")]
+    assert nums == sorted(nums) == list(range(12))
+
+
+def test_same_instruction_in_n_repositories_resume_runs_the_lost_row_not_its_twin(server, tmp_path):
+    """Rows differ only by cwd: the one whose record is missing is the one that runs again."""
+    repos = [tmp_path / "repos" / name for name in ("a", "b", "c")]
+    for repo in repos:
+        repo.mkdir(parents=True)
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "fix the bug", "cwd": str(r)} for r in repos])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    records = read_jsonl(run_dir / "batch_0.jsonl")
+    assert sorted(r["metadata"]["cwd"] for r in records) == sorted(map(str, repos))
+    for rec in records:
+        meta = rec["metadata"]
+        assert meta["image"] is None
+        assert meta["row_key"] == row_key("fix the bug", None, meta["cwd"])
+
+    # The record of the first row (repo a) is lost; b and c are done.
+    lost = next(r for r in records if r["metadata"]["cwd"] == str(repos[0]))
+    kept = [r for r in records if r is not lost]
+    (run_dir / "batch_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept), "utf-8")
+
+    before = server.stats()["requests"]
+    run(server, dataset, out, resume=True)
+    assert server.stats()["requests"] - before == 3  # one prompt's three model calls
+    new = read_jsonl(run_dir / "batch_1.jsonl")
+    assert [r["metadata"]["cwd"] for r in new] == [str(repos[0])]
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["metadata"]["cwd"] for r in merged) == sorted(map(str, repos))
+
+
+@pytest.mark.docker
+def test_same_instruction_in_two_images_resume_runs_exactly_the_failed_row(
+    server, tmp_path, docker_test_image, capsys
+):
+    """The row whose image is missing fails (first in the dataset); its twin in a good image succeeds.
+    A resume runs the failed row only: no model call for the finished twin."""
+    run_name = f"ident-{os.getpid()}"
+    missing = "127.0.0.1:9/batch-runner-missing:never"  # a registry on loopback that refuses at once
+    rows = [
+        {"prompt": "fix the bug", "image": missing},
+        {"prompt": "fix the bug", "image": docker_test_image},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run_dir = out / run_name
+    kw = dict(run_name=run_name, sandbox="docker", default_image=docker_test_image, num_workers=1)
+    run(server, dataset, out, **kw)
+    (failed,) = read_jsonl(run_dir / "failed.jsonl")
+    assert (failed["error_class"], failed["image"]) == ("preflight", missing)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["metadata"]["image"] == docker_test_image
+    calls = server.stats()["requests"]
+    capsys.readouterr()
+    run(server, dataset, out, resume=True, **kw)
+    assert "1 prompt(s) already finished, 1 to run" in capsys.readouterr().out
+    assert server.stats()["requests"] == calls  # the twin did not run again (the failed row makes no call)
+    assert [r["image"] for r in read_jsonl(run_dir / "failed.jsonl")] == [missing, missing]
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 1
+
+
+def test_merge_keeps_one_record_per_identity_and_counts_duplicates_per_identity(server, tmp_path):
+    repo_a, repo_b = tmp_path / "a", tmp_path / "b"
+    repo_a.mkdir(), repo_b.mkdir()
+    rows = [
+        {"prompt": "same words", "cwd": str(repo_a)},
+        {"prompt": "same words", "cwd": str(repo_b)},
+        {"prompt": "same words", "cwd": str(repo_b)},  # an intentional duplicate of the row above
+        {"prompt": "same words"},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 4
+    # An extra copy of repo a's record (say, from a crashed earlier attempt) is dropped at merge.
+    batch = run_dir / "batch_0.jsonl"
+    extra = next(r for r in read_jsonl(batch) if r["metadata"]["cwd"] == str(repo_a))
+    with batch.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(extra) + "\n")
+    before = server.stats()["requests"]
+    run(server, dataset, out, resume=True)
+    assert server.stats()["requests"] == before
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert collections.Counter(r["metadata"]["cwd"] for r in merged) == {
+        str(repo_a): 1,
+        str(repo_b): 2,
+        None: 1,
+    }
+    assert stats_of(run_dir)["dropped_at_merge"]["duplicate"] == 1
+
+
+def test_failed_and_discarded_rows_carry_the_identity(server, tmp_path):
+    repo = tmp_path / "r"
+    repo.mkdir()
+    rows = [
+        {"prompt": "down [error:500]", "cwd": str(repo)},
+        {"prompt": "down [error:500]"},
+        {"prompt": "terse [no_reasoning]", "image": "some/image:1"},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert sorted((r["cwd"] or "") for r in failed) == ["", str(repo)]
+    assert all(r["row_key"] == row_key(r["prompt"], r["image"], r["cwd"]) for r in failed)
+    (discard,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert (discard["image"], discard["cwd"]) == ("some/image:1", None)
+    assert discard["record"]["metadata"]["image"] == "some/image:1"
+    before = collections.Counter(server.stats()["requests_by_prompt"])
+    run(server, dataset, out, resume=True)
+    new = collections.Counter(server.stats()["requests_by_prompt"]) - before
+    assert set(new) == {"down [error:500]"}  # both failed rows again, the discard not
+    assert len(read_jsonl(run_dir / "failed.jsonl")) == 4
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run_manifest.json").read_text("utf-8"))
+
+
+def test_resume_refuses_changed_data_settings_and_forced_keeps_a_history(server, tmp_path, capsys):
+    secret_prompt = "SYSTEM-SECRET marker-9d2e: answer in French"
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing", "two things"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, ephemeral_system_prompt=secret_prompt)
+    first = _manifest(run_dir)
+    for key in ("sandbox", "keep_no_reasoning", "ephemeral_system_prompt_sha256", "prefill_sha256"):
+        assert key in first
+    assert first["keep_no_reasoning"] is False and first["prefill_sha256"] is None
+    assert "marker-9d2e" not in (run_dir / "run_manifest.json").read_text("utf-8")
+
+    prefill = tmp_path / "prefill.json"
+    prefill.write_text(json.dumps([{"role": "user", "content": "PREFILL marker-77aa example"}]), "utf-8")
+    changes = [
+        {"keep_no_reasoning": True},
+        {"ephemeral_system_prompt": "another system prompt entirely"},
+        {"ephemeral_system_prompt": None},
+        {"prefill_messages_file": str(prefill)},
+    ]
+    for change in changes:
+        capsys.readouterr()
+        kw = {"ephemeral_system_prompt": secret_prompt, **change}
+        assert exit_code(server, dataset, out, resume=True, **kw) == 2
+        err = capsys.readouterr().err
+        assert "would mix two datasets" in err
+        assert "marker-9d2e" not in err and "marker-77aa" not in err
+    assert _manifest(run_dir) == first
+
+    capsys.readouterr()
+    run(server, dataset, out, resume=True, keep_no_reasoning=True, force_resume=True)
+    after = _manifest(run_dir)
+    assert after["keep_no_reasoning"] is True and after["ephemeral_system_prompt_sha256"] is None
+    (entry,) = after["history"]
+    assert entry["settings"]["keep_no_reasoning"] is False
+    assert entry["settings"]["ephemeral_system_prompt_sha256"] == first["ephemeral_system_prompt_sha256"]
+    assert entry["replaced_at"]
+    # The next resume compares with the latest settings and keeps the history.
+    run(server, dataset, out, resume=True, keep_no_reasoning=True)
+    assert _manifest(run_dir)["history"] == after["history"]
+
+
+def test_a_manifest_of_an_older_version_still_resumes(server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    old = _manifest(run_dir)
+    for key in ("keep_no_reasoning", "ephemeral_system_prompt_sha256", "prefill_sha256"):
+        del old[key]
+    (run_dir / "run_manifest.json").write_text(json.dumps(old), "utf-8")
+    run(server, dataset, out, resume=True)
+    assert _manifest(run_dir)["keep_no_reasoning"] is False
+
+
+@pytest.mark.parametrize("content", ["null", "[1]", "{not json"])
+def test_a_damaged_manifest_stops_the_resume_with_exit_2(server, tmp_path, capsys, content):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing"])
+    out = tmp_path / "data"
+    run(server, dataset, out)
+    (out / "run" / "run_manifest.json").write_text(content, "utf-8")
+    capsys.readouterr()
+    assert exit_code(server, dataset, out, resume=True) == 2
+    assert "the resume cannot check its settings" in capsys.readouterr().err
