@@ -455,15 +455,11 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
 
 def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> dict[str, Any]:
     """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings."""
-    from batchrun.prompt.tools.config import tool_env_snapshot
+    from batchrun.prompt.tools.config import run_tool_extra
 
-    return {
-        "llm_base_url": base_url,
-        "llm_api_key": api_key,
-        "llm_model": config.model,
-        "run_dir": str(Path(config.run_dir).resolve()),
-        "tool_env": tool_env_snapshot(),
-    }
+    return run_tool_extra(
+        base_url=base_url, api_key=api_key, model=config.model, run_dir=str(Path(config.run_dir).resolve())
+    )
 
 
 def connect_ray(config: RunConfig, prompts: int) -> None:

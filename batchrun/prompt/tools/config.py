@@ -170,6 +170,17 @@ def tool_env_snapshot(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {name: env[name] for name in TOOL_ENV_VARS if env.get(name)}
 
 
+def run_tool_extra(*, base_url: str, api_key: str | None, model: str, run_dir: str) -> dict[str, Any]:
+    """``ToolContext.extra`` for a run: its endpoint (vision, moa), its directory (images), the tool settings."""
+    return {
+        EXTRA_BASE_URL: base_url,
+        EXTRA_API_KEY: api_key,
+        EXTRA_MODEL: model,
+        EXTRA_RUN_DIR: run_dir,
+        EXTRA_TOOL_ENV: tool_env_snapshot(),
+    }
+
+
 def _get(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name)
     return value.strip() if value and value.strip() else None
