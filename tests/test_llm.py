@@ -548,7 +548,7 @@ def test_a_retried_500_says_it_was_retried(server):
 
 
 def test_closing_summary_names_each_failure_class_with_its_message(server, tmp_path, capsys):
-    from conftest import write_jsonl
+    from helpers import write_jsonl
 
     import batch_runner
 
