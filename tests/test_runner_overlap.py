@@ -28,6 +28,7 @@ from batchrun.prompt.llm import LLMClient, LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.run import RunSettings, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper
+from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
 from batchrun.prompt.sandboxes.docker import DockerSandbox
 from batchrun.protocol import PromptJob
@@ -86,6 +87,8 @@ class Scripted:
 
     def create(self, name: str, spec: SandboxSpec, options=None) -> ScriptedSandbox:
         box = ScriptedSandbox(spec, lambda: self.on_start())
+        # As the real class of that name says: a quick start (local) stays on the prompt's thread.
+        box.synchronous_start = name != "scripted" and backend_class(name).synchronous_start
         self.boxes.append(box)
         return box
 

@@ -18,7 +18,7 @@ from typing import Any
 from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart
-from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, backend_class, create_sandbox
+from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
 from batchrun.prompt.tools.registry import (
     ToolContext,
     close_prompt_resources,
@@ -82,8 +82,7 @@ def run_prompt(
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
-    # A slow start (containers) runs on a thread while the prompt's first model call is in flight.
-    background = not backend_class(settings.sandbox_backend).synchronous_start
+    background = False
     ctx = None
     timings: dict[str, Any] = {
         "sandbox_start_wait_s": 0.0,  # waiting for a start-up slot
@@ -92,11 +91,14 @@ def run_prompt(
         "sandbox_stop_s": 0.0,  # what this prompt's own thread waited for the stop
     }
     try:
+        box = create_sandbox(settings.sandbox_backend, spec, options)
+        # A slow start (containers) runs on a thread while the prompt's first model call is in flight.
+        background = not getattr(box, "synchronous_start", False)
         if background:
-            sandbox = BackgroundStart(create_sandbox(settings.sandbox_backend, spec, options), sandbox_starts)
+            sandbox = BackgroundStart(box, sandbox_starts)
             sandbox.start()  # returns at once; the first tool call waits for it
         else:
-            sandbox = create_sandbox(settings.sandbox_backend, spec, options)
+            sandbox = box
             t0 = time.monotonic()
             with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
                 t1 = time.monotonic()

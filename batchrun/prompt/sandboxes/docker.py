@@ -140,9 +140,17 @@ class DockerSandbox:
         for image in wanted:
             state = "ready" if status[image] is None else f"NOT AVAILABLE: {status[image]}"
             print(f"  {image:<{width}}  {state}")
-        return Preflight(
-            isolation="docker", unavailable={i: str(e) for i, e in status.items() if e is not None}
-        )
+        failed = {
+            j.prompt_index: f"image {(j.image or default)!r} not available: {status[j.image or default]}"
+            for j in jobs
+            if status[j.image or default] is not None
+        }
+        if failed:
+            print(
+                f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
+                "missing; --resume runs them once it exists"
+            )
+        return Preflight(isolation="docker", failed=failed)
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
