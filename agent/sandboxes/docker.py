@@ -1,20 +1,31 @@
 """Docker backend: one labelled container per prompt, commands through exec, removed at stop.
 
-The run-level helpers live in ``docker_engine`` and are re-exported here: ``check_engine`` and
-``ensure_images`` (preflight), ``sweep_containers`` and ``remove_owned_containers`` (cleanup).
+The container's main process waits on its stdin, which this process holds open through an attach
+stream: when the process holding it dies (even by SIGKILL) the kernel closes the stream, the
+engine closes stdin, and the container ends and removes itself. ``lifetime_s`` bounds it anyway.
+
+The run-level helpers live in ``docker_engine`` and are re-exported here: ``check_engine``,
+``ensure_images`` and ``storage_size_supported`` (preflight), ``sweep_containers`` and
+``remove_owned_containers`` (cleanup).
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import logging
+import math
 import os
 import posixpath
 import re
 import select
+import shlex
 import socket
+import tarfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
@@ -38,6 +49,7 @@ from agent.sandboxes.docker_engine import (
     docker_client,
     ensure_images,
     remove_owned_containers,
+    storage_size_supported,
     sweep_containers,
 )
 
@@ -49,6 +61,7 @@ __all__ = [
     "docker_client",
     "ensure_images",
     "remove_owned_containers",
+    "storage_size_supported",
     "sweep_containers",
 ]
 
@@ -56,7 +69,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "batch-runner-test:latest"
 DEFAULT_WORKDIR = "/workspace"
-KEEPALIVE = ["sh", "-c", "while :; do sleep 3600; done"]  # portable: not every sleep accepts "infinity"
+# The container's main process (POSIX sh and sleep only: images may be minimal): it ends at EOF on
+# its stdin, i.e. when the runner's attach stream closes, or when the lifetime ($0) is over.
+KEEPALIVE_SCRIPT = 'trap "exit 0" TERM; (sleep "$0"; kill $$) & while read -r _; do :; done'
+DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 START_ATTEMPTS = 3  # containers tried per start before the prompt fails
 START_RETRY_PAUSE_S = 0.25  # times the attempt number, between attempts
 
@@ -69,22 +85,33 @@ class DockerOptions:
     pids_limit: int = 512  # most processes alive in one container
     network_mode: str = "bridge"  # Docker network mode; "none" whenever the spec asks for no network
     output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES  # most bytes of one command's output kept
-    run_owner: str = ""  # "pid@host" of the run's parent process (see default_owner); "" = this process
+    run_owner: str = ""  # "pid:start@host" of the run's parent process (see default_owner); "" = this process
     init: bool = True  # run docker-init as PID 1 so orphaned processes are reaped
     max_concurrent_starts: int = 8  # container start-ups in flight at once in one process
+    disk_mb: int = 4096  # most disk one container may fill (MiB), the way disk_cap says
+    # "storage-opt": the engine caps the whole writable layer; "tmpfs": a tmpfs of disk_mb at the
+    # working directory (in memory: it counts against memory_mb); "auto": ask the engine, once
+    disk_cap: str = "auto"
+    lifetime_s: float = 4200.0  # a container ends itself after this long, whatever the runner does
 
     def __post_init__(self) -> None:
         positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes", "max_concurrent_starts")
-        check_option_types(self, "docker", positive=positive)
+        check_option_types(self, "docker", positive=(*positive, "disk_mb", "lifetime_s"))
+        if self.disk_cap not in DISK_CAPS:
+            raise ValueError(
+                f"docker sandbox option disk_cap must be one of {', '.join(DISK_CAPS)}, got {self.disk_cap!r}"
+            )
 
 
 # Start-ups in flight in this process, per limit (pitfall: too many at once exhaust the engine).
 _start_slots: dict[int, threading.BoundedSemaphore] = {}
 os.register_at_fork(after_in_child=_start_slots.clear)  # slots taken by the parent's threads are not ours
+_storage_opt_ok: dict[str, bool] = {}  # "answer" -> whether the engine takes storage_opt (disk_cap="auto")
+_empty_dirs: set[tuple[str, str]] = set()  # (image, dir): nothing to copy into a tmpfs at dir
 
 
 class DockerSandbox:
-    """One container per prompt, kept alive by a sleep loop; each command is a separate exec."""
+    """One container per prompt, alive while its stdin stream is held open; each command is a separate exec."""
 
     def __init__(self, spec: SandboxSpec, **options: object):
         self.spec = spec
@@ -94,6 +121,16 @@ class DockerSandbox:
         self.isolation = "docker"
         self.container_id: str | None = None
         self._used = False  # whether a command ran in the current container
+        self._stdin: socket.socket | None = None  # held open for as long as the container should live
+
+    @property
+    def disk_cap(self) -> str:
+        """The disk cap in force: "storage-opt" or "tmpfs" ("auto" asks the engine, once per process)."""
+        if self.options.disk_cap != "auto":
+            return self.options.disk_cap
+        if "answer" not in _storage_opt_ok:
+            _storage_opt_ok["answer"] = storage_size_supported(self.image)
+        return "storage-opt" if _storage_opt_ok["answer"] else "tmpfs"
 
     def start(self) -> None:
         opts, spec = self.options, self.spec
@@ -105,6 +142,7 @@ class DockerSandbox:
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
             "pids_limit": opts.pids_limit,
+            **self._disk_limit(),
         }
         slots = _start_slots.setdefault(
             opts.max_concurrent_starts, threading.BoundedSemaphore(opts.max_concurrent_starts)
@@ -117,8 +155,10 @@ class DockerSandbox:
                 try:
                     container = docker_client().containers.create(
                         self.image,
-                        entrypoint=KEEPALIVE,
+                        entrypoint=["sh", "-c", KEEPALIVE_SCRIPT, str(math.ceil(opts.lifetime_s))],
                         command=[],
+                        stdin_open=True,  # docker-py adds stdin_once: stdin ends when our stream does
+                        auto_remove=True,  # a container that ended itself leaves nothing behind
                         name=f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}",
                         labels=labels,
                         working_dir=self.workdir,  # created by Docker when the image lacks it
@@ -128,10 +168,12 @@ class DockerSandbox:
                         **limits,
                     )
                     self.container_id = container.id  # from here on, stop() removes it whatever happens next
+                    # Attached before the start, so the container never runs without a holder.
+                    self._stdin = _attach_stdin(container.id)
                     container.start()
-                    self._used = False
-                    return
+                    break
                 except ImageNotFound as exc:
+                    self.stop()
                     raise SandboxError(
                         f"docker image {self.image!r} is not available locally: {exc.explanation}"
                     ) from exc
@@ -144,8 +186,52 @@ class DockerSandbox:
                         ) from exc
                     log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
             time.sleep(START_RETRY_PAUSE_S * attempt)
+        if "tmpfs" in limits:
+            self._fill_workdir()
+        self._used = False
+
+    def _disk_limit(self) -> dict[str, object]:
+        size = f"{self.options.disk_mb}m"
+        if self.disk_cap == "storage-opt":
+            return {"storage_opt": {"size": size}}
+        if self.workdir == "/":
+            raise SandboxError("the disk cap is a tmpfs at the working directory, which cannot be /")
+        return {"tmpfs": {self.workdir: f"size={size},exec"}}  # exec: prompts build and run programs there
+
+    def _fill_workdir(self) -> None:
+        """Copy what the image holds at the working directory into the tmpfs that hides it there."""
+        key = (self.image, self.workdir)
+        if key in _empty_dirs:
+            return
+        try:  # the archive API reads the image's files, beneath the tmpfs
+            chunks, _ = docker_client().api.get_archive(self.container_id, self.workdir)
+            chunks = iter(chunks)
+            head = b""
+            while len(head) < 65536 and (chunk := next(chunks, b"")):
+                head += chunk
+        except NotFound:
+            chunks, head = iter(()), b""
+        except DockerException as exc:
+            self.stop()
+            raise SandboxError(f"cannot read {self.workdir} of image {self.image!r}: {exc}") from exc
+        if not head or (len(head) < 65536 and _only_the_directory(head)):
+            _empty_dirs.add(key)
+            return
+        parent = posixpath.dirname(self.workdir)
+        result = self._run(
+            f"tar -xf - -C {shlex.quote(parent)}", timeout_s=600.0, stdin=itertools.chain([head], chunks)
+        )
+        if result.exit_code != 0:
+            self.stop()
+            raise SandboxError(
+                f"copying {self.workdir} of image {self.image!r} into its {self.options.disk_mb} MiB tmpfs "
+                f"failed (exit {result.exit_code}): {result.output[-500:]}"
+            )
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""])
+
+    def _run(self, command: str, *, timeout_s: float, stdin: Iterable[bytes]) -> ExecResult:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
         token = new_exec_token()
@@ -154,10 +240,13 @@ class DockerSandbox:
                 exec_id, stream = self._exec(command, token)
                 break
             except DockerException as exc:
-                # A container dead before its first command (a start the engine botched under load)
-                # ran nothing of the prompt yet: a new one is safe, once.
+                # A container dead before its first command (a start the engine botched under load;
+                # gone already, as it removes itself) ran nothing of the prompt yet: a new one is safe, once.
                 dead_before_first = (
-                    attempt == 1 and not self._used and isinstance(exc, APIError) and exc.status_code == 409
+                    attempt == 1
+                    and not self._used
+                    and isinstance(exc, APIError)
+                    and exc.status_code in (404, 409)
                 )
                 if not dead_before_first:
                     raise SandboxError(
@@ -172,7 +261,7 @@ class DockerSandbox:
                 self.start()
         self._used = True
         sock: socket.socket = getattr(stream, "_sock", stream)
-        threading.Thread(target=_send_stdin, args=(sock, stdin or b""), daemon=True).start()
+        threading.Thread(target=_send_stdin, args=(sock, stdin), daemon=True).start()
         scanner = MarkerScanner(token, CappedBuffer(self.options.output_cap_bytes))
         try:
             finished = _read_frames(sock, scanner, time.monotonic() + timeout_s)
@@ -190,14 +279,19 @@ class DockerSandbox:
 
     def stop(self) -> None:
         container_id, self.container_id = self.container_id, None
-        if container_id is None:
-            return
-        try:
-            docker_client().api.remove_container(container_id, force=True, v=True)
-        except NotFound:
-            pass
-        except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
-            log.warning("could not remove container %s: %s", container_id[:12], exc)
+        stdin, self._stdin = self._stdin, None
+        if container_id is not None:
+            try:
+                docker_client().api.remove_container(container_id, force=True, v=True)
+            except NotFound:
+                pass
+            except APIError as exc:
+                if exc.status_code != 409:  # 409: being removed already, after it ended itself
+                    log.warning("could not remove container %s: %s", container_id[:12], exc)
+            except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
+                log.warning("could not remove container %s: %s", container_id[:12], exc)
+        if stdin is not None:
+            _close(stdin)  # should the removal have failed, the container now ends itself
 
     def _exec(self, command: str, token: str) -> tuple[str, object]:
         api = docker_client().api
@@ -228,13 +322,34 @@ class DockerSandbox:
         return -1
 
 
-def _send_stdin(sock: socket.socket, data: bytes) -> None:
+def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
     try:
-        if data:
-            sock.sendall(data)
+        for data in chunks:
+            if data:
+                sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin
     except OSError:
         pass  # the command exited without reading it all
+
+
+def _attach_stdin(container_id: str) -> socket.socket:
+    """A stream to the container's stdin, never written: its end (ours closed, or we died) ends the container."""
+    stream = docker_client().api.attach_socket(container_id, params={"stdin": 1, "stream": 1})
+    return getattr(stream, "_sock", stream)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _only_the_directory(tar: bytes) -> bool:
+    """Whether a complete tar archive (as the engine sends a directory) holds that directory alone."""
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        return len(archive.getmembers()) <= 1
 
 
 def _read_frames(sock: socket.socket, scanner: MarkerScanner, deadline: float) -> bool:

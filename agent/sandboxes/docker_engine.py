@@ -1,7 +1,8 @@
-"""The Docker engine as a whole, for the runner: client, preflight (engine and images), leftover cleanup.
+"""The Docker engine as a whole, for the runner: client, preflight (engine, images, disk cap), cleanup.
 
-Containers are found by their labels: the run name, the prompt index, and the owner (``pid@host``
-of the run's parent process), so a sweep can tell containers of a live run from a dead run's.
+Containers are found by their labels: the run name, the prompt index, and the owner
+(``pid:starttime@host`` of the run's parent process), so a sweep can tell containers of a live
+runner from a dead one's, even after the pid was reused.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import docker
 from docker.errors import DockerException, ImageNotFound, NotFound
 
 from agent.sandboxes.base import SandboxError
+from agent.storage import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,18 @@ def _unreachable(exc: Exception) -> str:
 
 
 def default_owner() -> str:
-    """This process as a container owner: ``pid@hostname``."""
-    return f"{os.getpid()}@{socket.gethostname()}"
+    """This process as a container owner: ``pid:starttime@hostname`` (``pid@hostname`` without /proc)."""
+    pid = os.getpid()
+    start = process_start_ticks(pid)
+    return f"{pid}:{start}@{socket.gethostname()}" if start else f"{pid}@{socket.gethostname()}"
+
+
+def process_start_ticks(pid: int) -> str:
+    """When ``pid`` started, in clock ticks since boot (/proc/<pid>/stat field 22); "" where unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def ensure_images(
@@ -98,28 +111,50 @@ def ensure_images(
 
 
 def _owner_alive(owner: str) -> bool | None:
-    """Whether the ``pid@host`` owner is alive: None when it lives on another host (cannot tell)."""
-    pid, _, host = owner.partition("@")
+    """Whether the ``pid[:starttime]@host`` owner is alive: None when it lives on another host (cannot tell).
+
+    A live pid with another start time is a new process that reused the number: the owner is dead.
+    """
+    ident, _, host = owner.partition("@")
+    pid, _, start = ident.partition(":")
     if not pid.isdigit():
         return False
     if host != socket.gethostname():
         return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
+    if not pid_alive(int(pid)):
         return False
-    except PermissionError:
-        pass
-    return True
+    return not start or process_start_ticks(int(pid)) in ("", start)
 
 
-def sweep_containers(run_name: str) -> list[str]:
-    """Remove this run's containers whose owner process is dead on this host; returns their names."""
+def sweep_containers() -> list[str]:
+    """Remove the containers, of any run, whose owner process is dead on this host; returns their names.
+
+    Only containers that carry our owner label are looked at; those of live runners, and of
+    runners on other hosts sharing this engine, are left alone.
+    """
     removed = []
-    for container in docker_client().containers.list(all=True, filters={"label": f"{LABEL_RUN}={run_name}"}):
+    for container in docker_client().containers.list(all=True, filters={"label": LABEL_OWNER}):
         if _owner_alive(container.labels.get(LABEL_OWNER, "")) is False:
             removed += _remove(container)
     return removed
+
+
+def storage_size_supported(image: str) -> bool:
+    """Whether the engine caps a container's writable layer (``--storage-opt size=``).
+
+    Asked by creating (never starting) a container: overlay2 accepts it only on xfs mounted with
+    pquota, and most engines refuse, which is the answer, not a failure.
+    """
+    client = docker_client()
+    try:
+        container = client.containers.create(
+            image, command=["true"], storage_opt={"size": "64m"},
+            labels={LABEL_RUN: "storage-probe", LABEL_OWNER: default_owner()},
+        )  # fmt: skip
+    except DockerException:
+        return False
+    _remove(container)
+    return True
 
 
 def remove_owned_containers(owner: str) -> list[str]:
