@@ -60,6 +60,7 @@ DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MOCK_MODEL = "mock"
 DEFAULT_DOCKER_IMAGE = "python:3.11-slim"
+DOCKER_LIFETIME_MARGIN_S = 600.0  # a container ends itself after 2 x --prompt_timeout + this
 # Settings that define what the data is; a resume with other values would mix two datasets.
 PRELOAD_MODULES = ["httpcore2", "h11"]  # imported lazily by the SDK's first client: once in the forkserver
 LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
@@ -536,6 +537,7 @@ class BatchRunner:
         self.started_at = dt.datetime.now().isoformat(timespec="seconds")
         self.last_event_at: str | None = None
         self.isolation = "unknown"
+        self.disk_cap: str | None = None  # the Docker disk cap in force, for the start and statistics
         self._lock_file: Any = None
 
     # -- the steps, top-down
@@ -773,6 +775,24 @@ class BatchRunner:
             return batches
         return self.preflight_docker(batches)
 
+    def choose_docker_disk_cap(self, image: str | None) -> None:
+        """Ask the engine once whether it caps a container's disk itself; else a tmpfs at the workdir."""
+        from agent.sandboxes.docker_engine import storage_size_supported
+
+        options = self.settings.sandbox_options
+        cap = options.get("disk_cap", "auto")
+        if cap == "auto":
+            cap = "storage-opt" if image is not None and storage_size_supported(image) else "tmpfs"
+        mb = options["disk_mb"]
+        self.disk_cap = (
+            f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
+            if cap == "storage-opt"
+            else f"tmpfs {mb} MiB at the working directory (the engine's storage driver cannot cap a container; "
+            "the tmpfs counts against --container_memory_mb)"
+        )
+        print(f"Docker disk cap per container: {self.disk_cap}")
+        self.settings = dataclasses.replace(self.settings, sandbox_options={**options, "disk_cap": cap})
+
     def check_endpoint(self) -> None:
         """One cheap request: an unreachable endpoint or a rejected key is a clear error, once."""
         import openai
@@ -824,11 +844,9 @@ class BatchRunner:
             raise UsageError(str(exc)) from None
         print(f"Docker engine {version}")
         self.isolation = "docker"
-        removed = sweep_containers(self.opts.run_name)
+        removed = sweep_containers()
         if removed:
-            print(
-                f"Removed {len(removed)} leftover container(s) of an earlier run named {self.opts.run_name}"
-            )
+            print(f"Removed {len(removed)} leftover container(s) of runners that are gone (any run name)")
         default = self.settings.sandbox_options["default_image"]
         images = sorted({j.image or default for b in batches for j in b})
         if not images:
@@ -841,6 +859,7 @@ class BatchRunner:
                 f"  {image:<{width}}  {'ready' if status[image] is None else 'NOT AVAILABLE: ' + str(status[image])}"
             )
         bad = {i: e for i, e in status.items() if e is not None}
+        self.choose_docker_disk_cap(next((i for i in images if i not in bad), None))
         if not bad:
             return batches
         out = []
@@ -1290,6 +1309,7 @@ class BatchRunner:
             "distribution": self.opts.distribution,
             "sandbox": self.settings.sandbox_backend,
             "isolation": self.isolation,
+            "sandbox_disk_cap": self.disk_cap,
             "dataset_prompts": len(rows),
             **summary,
             "discarded": {"total": sum(discards_all.values()), "by_reason": dict(discards_all)},
@@ -1527,6 +1547,7 @@ def main(
     local_isolation: str = "auto",
     container_cpus: float = 1.0,
     container_memory_mb: int = 2048,
+    container_disk_mb: int = 4096,
     container_pids_limit: int = 512,
     sandbox_network: bool = True,
     tool_timeout: float = 180.0,
@@ -1751,6 +1772,10 @@ def _backend_options(backend: str, f: dict[str, Any]) -> dict[str, Any]:
             pids_limit=int(f["container_pids_limit"]),
             network_mode="bridge" if f["sandbox_network"] else "none",
             run_owner=default_owner(),
+            disk_mb=_positive_int(f["container_disk_mb"], "container_disk_mb"),
+            # A backstop should the runner's death go unnoticed: a prompt may outlive its timeout
+            # by the run-wide pauses for rate limits, hence the generous margin.
+            lifetime_s=2 * max(float(f["prompt_timeout"]), 0.0) + DOCKER_LIFETIME_MARGIN_S,
         )
     elif backend == "modal":
         options.update(cpu=float(f["container_cpus"]), memory_mb=int(f["container_memory_mb"]))

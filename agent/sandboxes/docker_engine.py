@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker
-from docker.errors import DockerException, ImageNotFound, NotFound
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from agent.sandboxes.base import SandboxError
 from agent.storage import pid_alive
@@ -133,7 +133,10 @@ def sweep_containers() -> list[str]:
     runners on other hosts sharing this engine, are left alone.
     """
     removed = []
-    for container in docker_client().containers.list(all=True, filters={"label": LABEL_OWNER}):
+    # ignore_removed: containers that end themselves vanish between the listing and their inspection.
+    for container in docker_client().containers.list(
+        all=True, filters={"label": LABEL_OWNER}, ignore_removed=True
+    ):
         if _owner_alive(container.labels.get(LABEL_OWNER, "")) is False:
             removed += _remove(container)
     return removed
@@ -160,7 +163,9 @@ def storage_size_supported(image: str) -> bool:
 def remove_owned_containers(owner: str) -> list[str]:
     """Remove every container this owner (``pid@host``) started, e.g. on Ctrl-C; returns their names."""
     removed = []
-    for container in docker_client().containers.list(all=True, filters={"label": f"{LABEL_OWNER}={owner}"}):
+    for container in docker_client().containers.list(
+        all=True, filters={"label": f"{LABEL_OWNER}={owner}"}, ignore_removed=True
+    ):
         removed += _remove(container)
     return removed
 
@@ -169,6 +174,11 @@ def _remove(container) -> list[str]:
     try:
         container.remove(force=True, v=True)
     except NotFound:
+        return []
+    except APIError as exc:
+        if exc.status_code == 409:  # being removed already: it ended itself (auto-remove)
+            return [container.name]
+        log.warning("could not remove container %s: %s", container.name, exc)
         return []
     except DockerException as exc:
         log.warning("could not remove container %s: %s", container.name, exc)
