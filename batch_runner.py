@@ -777,19 +777,21 @@ class BatchRunner:
 
     def choose_docker_disk_cap(self, image: str | None) -> None:
         """Ask the engine once whether it caps a container's disk itself; else a tmpfs at the workdir."""
-        from agent.sandboxes.docker_engine import storage_size_supported
+        from agent.sandboxes.docker import storage_size_supported, tmpfs_size_mb
 
         options = self.settings.sandbox_options
         cap = options.get("disk_cap", "auto")
         if cap == "auto":
             cap = "storage-opt" if image is not None and storage_size_supported(image) else "tmpfs"
         mb = options["disk_mb"]
-        self.disk_cap = (
-            f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
-            if cap == "storage-opt"
-            else f"tmpfs {mb} MiB at the working directory (the engine's storage driver cannot cap a container; "
-            "the tmpfs counts against --container_memory_mb)"
-        )
+        if cap == "storage-opt":
+            self.disk_cap = f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
+        else:
+            size = tmpfs_size_mb(mb, options["memory_mb"])
+            self.disk_cap = (
+                f"tmpfs {size} MiB at the working directory (the engine cannot cap a container's layer; "
+                "a tmpfs lives in the container's memory: at most half of --container_memory_mb)"
+            )
         print(f"Docker disk cap per container: {self.disk_cap}")
         self.settings = dataclasses.replace(self.settings, sandbox_options={**options, "disk_cap": cap})
 

@@ -335,7 +335,9 @@ def test_a_docker_run_ends_with_no_container_of_its_own(server, docker_test_imag
     assert swept == [True]
     assert docker_ps(f"batch_runner.run_name={run_name}") == []
     stats = json.loads((tmp_path / "data" / run_name / "statistics.json").read_text())
-    assert stats["sandbox_disk_cap"].startswith(("tmpfs 4096 MiB", "storage-opt 4096 MiB"))
+    assert stats["sandbox_disk_cap"].startswith(
+        ("tmpfs 1024 MiB", "storage-opt 4096 MiB")
+    )  # 1024: half the memory
     records = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
     failed = read_jsonl(tmp_path / "data" / run_name / "failed.jsonl")
     assert len(records) + len(failed) == len(prompts)

@@ -293,6 +293,17 @@ def test_writing_past_the_disk_cap_fails_and_other_commands_still_work(docker_bo
 
 
 @pytest.mark.docker
+def test_tmpfs_disk_cap_stays_below_the_memory_limit_so_a_full_disk_leaves_the_container_usable(docker_box):
+    # A tmpfs of the full 256 MiB would fill the 64 MiB of memory: the writer, then every later
+    # command, would be OOM-killed. Half the memory: ENOSPC first, and the next command works.
+    box = docker_box(index=44, options={"disk_cap": "tmpfs", "disk_mb": 256, "memory_mb": 64})
+    assert box.tmpfs_mb == 32
+    res = box.run("dd if=/dev/zero of=big bs=1M count=128; echo dd-exit=$?", timeout_s=60)
+    assert "No space left on device" in res.output and "Killed" not in res.output
+    assert box.run("echo still working", timeout_s=30).output == "still working\n"
+
+
+@pytest.mark.docker
 def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker_box, docker_test_image):
     from agent.sandboxes.docker import docker_client
 

@@ -63,6 +63,7 @@ __all__ = [
     "remove_owned_containers",
     "storage_size_supported",
     "sweep_containers",
+    "tmpfs_size_mb",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ class DockerOptions:
     init: bool = True  # run docker-init as PID 1 so orphaned processes are reaped
     max_concurrent_starts: int = 8  # container start-ups in flight at once in one process
     disk_mb: int = 4096  # most disk one container may fill (MiB), the way disk_cap says
-    # "storage-opt": the engine caps the whole writable layer; "tmpfs": a tmpfs of disk_mb at the
-    # working directory (in memory: it counts against memory_mb); "auto": ask the engine, once
+    # "storage-opt": the engine caps the whole writable layer; "tmpfs": a tmpfs at the working
+    # directory, of disk_mb but at most half of memory_mb (see tmpfs_mb); "auto": ask the engine, once
     disk_cap: str = "auto"
     lifetime_s: float = 4200.0  # a container ends itself after this long, whatever the runner does
 
@@ -131,6 +132,12 @@ class DockerSandbox:
         if "answer" not in _storage_opt_ok:
             _storage_opt_ok["answer"] = storage_size_supported(self.image)
         return "storage-opt" if _storage_opt_ok["answer"] else "tmpfs"
+
+    @property
+    def tmpfs_mb(self) -> int:
+        """Size of the tmpfs cap: its pages are the container's memory, and a tmpfs that filled the
+        memory limit would get every later command OOM-killed; half of it leaves room to work."""
+        return tmpfs_size_mb(self.options.disk_mb, self.options.memory_mb)
 
     def start(self) -> None:
         opts, spec = self.options, self.spec
@@ -191,12 +198,12 @@ class DockerSandbox:
         self._used = False
 
     def _disk_limit(self) -> dict[str, object]:
-        size = f"{self.options.disk_mb}m"
         if self.disk_cap == "storage-opt":
-            return {"storage_opt": {"size": size}}
+            return {"storage_opt": {"size": f"{self.options.disk_mb}m"}}
         if self.workdir == "/":
             raise SandboxError("the disk cap is a tmpfs at the working directory, which cannot be /")
-        return {"tmpfs": {self.workdir: f"size={size},exec"}}  # exec: prompts build and run programs there
+        # exec: prompts build and run programs there
+        return {"tmpfs": {self.workdir: f"size={self.tmpfs_mb}m,exec"}}
 
     def _fill_workdir(self) -> None:
         """Copy what the image holds at the working directory into the tmpfs that hides it there."""
@@ -224,7 +231,7 @@ class DockerSandbox:
         if result.exit_code != 0:
             self.stop()
             raise SandboxError(
-                f"copying {self.workdir} of image {self.image!r} into its {self.options.disk_mb} MiB tmpfs "
+                f"copying {self.workdir} of image {self.image!r} into its {self.tmpfs_mb} MiB tmpfs "
                 f"failed (exit {result.exit_code}): {result.output[-500:]}"
             )
 
@@ -320,6 +327,11 @@ class DockerSandbox:
         except DockerException as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
         return -1
+
+
+def tmpfs_size_mb(disk_mb: int, memory_mb: int) -> int:
+    """The size of a tmpfs disk cap: ``disk_mb``, but at most half the container's memory limit."""
+    return max(1, min(disk_mb, memory_mb // 2))
 
 
 def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
