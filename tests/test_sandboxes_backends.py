@@ -623,6 +623,9 @@ def test_unknown_option_is_rejected_with_the_valid_ones(backend: str):
         ("docker", {"cpus": "two"}, "cpus"),
         ("docker", {"memory_mb": 0}, "memory_mb"),
         ("docker", {"init": "yes"}, "init"),
+        ("docker", {"disk_mb": 0}, "disk_mb"),
+        ("docker", {"disk_cap": "quota"}, "disk_cap"),
+        ("docker", {"lifetime_s": 0}, "lifetime_s"),
         ("local", {"isolation": "maybe"}, "isolation"),
         ("local", {"output_cap_bytes": 1.5}, "output_cap_bytes"),
         ("singularity", {"overlay": "zfs"}, "overlay"),
@@ -632,6 +635,33 @@ def test_unknown_option_is_rejected_with_the_valid_ones(backend: str):
 def test_bad_option_value_names_the_field(backend: str, options: dict, field: str):
     with pytest.raises(ValueError, match=field):
         create_sandbox(backend, SandboxSpec(RUN, 0), options)
+
+
+@pytest.mark.parametrize("value", [0, -5, "big", 1.5])
+def test_container_disk_mb_must_be_a_positive_int(tmp_path: Path, capsys, value):
+    import batch_runner
+
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit) as info:
+        batch_runner.main(
+            dataset_file=str(dataset), batch_size=1, run_name="disk", sandbox="docker",
+            container_disk_mb=value, output_dir=str(tmp_path / "data"), base_url="http://127.0.0.1:9/v1",
+        )  # fmt: skip
+    assert info.value.code == 2
+    assert f"--container_disk_mb must be a positive integer, got {value!r}" in capsys.readouterr().err
+
+
+def test_docker_options_from_the_flags_carry_the_disk_cap_and_a_lifetime_past_the_prompt_timeout():
+    import batch_runner
+
+    flags = {
+        "default_image": "img", "container_cpus": 1.0, "container_memory_mb": 2048, "container_pids_limit": 512,
+        "sandbox_network": False, "container_disk_mb": 300, "prompt_timeout": 1800.0,
+    }  # fmt: skip
+    options = batch_runner._backend_options("docker", flags)
+    assert options["disk_mb"] == 300 and options["network_mode"] == "none"
+    assert options["lifetime_s"] == 2 * 1800.0 + batch_runner.DOCKER_LIFETIME_MARGIN_S
 
 
 # ---------------------------------------------------------------------------- local: the per-prompt command server
