@@ -117,10 +117,10 @@ def _owner_alive(owner: str) -> bool | None:
     """
     ident, _, host = owner.partition("@")
     pid, _, start = ident.partition(":")
-    if not pid.isdigit():
-        return False
     if host != socket.gethostname():
         return None
+    if not pid.isdigit():
+        return False
     if not pid_alive(int(pid)):
         return False
     return not start or process_start_ticks(int(pid)) in ("", start)
