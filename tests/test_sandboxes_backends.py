@@ -309,19 +309,26 @@ def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker
 
     seed = docker_client().containers.run(
         docker_test_image,
-        ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py"],
+        ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
         detach=True,
-    )
+    )  # fmt: skip
     seed.wait()
     image = f"batch-runner-test-repo:{uuid.uuid4().hex[:8]}"
     seed.commit(*image.split(":"))
     seed.remove()
     try:
         box = docker_box(index=42, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 8})
-        res = box.run("cat src/main.py; df -k . | tail -1", timeout_s=30)
-        assert res.output.startswith("print(1)\n") and " /repo" in res.output  # the files, on the tmpfs
+        res = box.run("cat src/main.py; wc -c < blob; df -k . | tail -1", timeout_s=30)
+        lines = res.output.splitlines()
+        assert lines[:2] == ["print(1)", str(2 * 2**20)] and lines[2].endswith(
+            " /repo"
+        )  # the files, on the tmpfs
         assert "No space left" in box.run("dd if=/dev/zero of=big bs=1M count=32", timeout_s=60).output
         box.stop()
+        # The image's 2 MiB do not fit a 1 MiB tmpfs: the start fails, and leaves no container.
+        with pytest.raises(SandboxError, match="into its 1 MiB tmpfs failed"):
+            docker_box(index=45, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 1})
+        assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=45") == []
     finally:
         docker_client().images.remove(image, force=True)
 

@@ -11,7 +11,6 @@ The run-level helpers live in ``docker_engine`` and are re-exported here: ``chec
 
 from __future__ import annotations
 
-import io
 import itertools
 import logging
 import math
@@ -22,11 +21,13 @@ import select
 import shlex
 import socket
 import tarfile
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import IO
 
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
@@ -194,7 +195,11 @@ class DockerSandbox:
                     log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
             time.sleep(START_RETRY_PAUSE_S * attempt)
         if "tmpfs" in limits:
-            self._fill_workdir()
+            try:
+                self._fill_workdir()
+            except BaseException:
+                self.stop()
+                raise
         self._used = False
 
     def _disk_limit(self) -> dict[str, object]:
@@ -210,26 +215,28 @@ class DockerSandbox:
         key = (self.image, self.workdir)
         if key in _empty_dirs:
             return
-        try:  # the archive API reads the image's files, beneath the tmpfs
-            chunks, _ = docker_client().api.get_archive(self.container_id, self.workdir)
-            chunks = iter(chunks)
-            head = b""
-            while len(head) < 65536 and (chunk := next(chunks, b"")):
-                head += chunk
-        except NotFound:
-            chunks, head = iter(()), b""
-        except DockerException as exc:
-            self.stop()
-            raise SandboxError(f"cannot read {self.workdir} of image {self.image!r}: {exc}") from exc
-        if not head or (len(head) < 65536 and _only_the_directory(head)):
-            _empty_dirs.add(key)
-            return
-        parent = posixpath.dirname(self.workdir)
-        result = self._run(
-            f"tar -xf - -C {shlex.quote(parent)}", timeout_s=600.0, stdin=itertools.chain([head], chunks)
-        )
+        # The archive API reads the image's files, beneath the tmpfs. The engine locks the container
+        # while it sends them: the whole archive is read (to memory, or disk past 8 MiB) before the exec.
+        with tempfile.SpooledTemporaryFile(max_size=8 * 2**20) as archive:
+            try:
+                chunks, _ = docker_client().api.get_archive(self.container_id, self.workdir)
+                for chunk in chunks:
+                    archive.write(chunk)
+            except NotFound:
+                pass
+            except DockerException as exc:
+                raise SandboxError(f"cannot read {self.workdir} of image {self.image!r}: {exc}") from exc
+            archive.seek(0)
+            if _only_the_directory(archive):
+                _empty_dirs.add(key)
+                return
+            archive.seek(0)
+            result = self._run(
+                f"tar -xf - -C {shlex.quote(posixpath.dirname(self.workdir))}",
+                timeout_s=600.0,
+                stdin=iter(lambda: archive.read(2**20), b""),
+            )
         if result.exit_code != 0:
-            self.stop()
             raise SandboxError(
                 f"copying {self.workdir} of image {self.image!r} into its {self.tmpfs_mb} MiB tmpfs "
                 f"failed (exit {result.exit_code}): {result.output[-500:]}"
@@ -339,9 +346,12 @@ def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
         for data in chunks:
             if data:
                 sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin
+    except Exception:  # the command exited without reading it all, or the source broke off
+        pass
+    try:
+        sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin (a broken-off tar then fails)
     except OSError:
-        pass  # the command exited without reading it all
+        pass
 
 
 def _attach_stdin(container_id: str) -> socket.socket:
@@ -358,10 +368,15 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
-def _only_the_directory(tar: bytes) -> bool:
-    """Whether a complete tar archive (as the engine sends a directory) holds that directory alone."""
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        return len(archive.getmembers()) <= 1
+def _only_the_directory(archive: IO[bytes]) -> bool:
+    """Whether a tar archive (as the engine sends a directory) is empty or holds that directory alone."""
+    try:
+        with tarfile.open(fileobj=archive, mode="r|") as members:
+            return sum(1 for _ in itertools.islice(members, 2)) <= 1
+    except tarfile.ReadError:
+        return archive.tell() == 0  # nothing at all: the image has no such directory
+    except tarfile.TarError:
+        return False  # copy it anyway: tar in the container is the judge
 
 
 def _read_frames(sock: socket.socket, scanner: MarkerScanner, deadline: float) -> bool:
