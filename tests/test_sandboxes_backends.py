@@ -309,20 +309,21 @@ def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker
 
     seed = docker_client().containers.run(
         docker_test_image,
-        ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
+        ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && chmod 777 /repo"
+         " && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
         detach=True,
     )  # fmt: skip
     seed.wait()
     image = f"batch-runner-test-repo:{uuid.uuid4().hex[:8]}"
-    seed.commit(*image.split(":"))
+    seed.commit(*image.split(":"), changes=["USER nobody"])  # copied in as root all the same
     seed.remove()
     try:
         box = docker_box(index=42, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 8})
-        res = box.run("cat src/main.py; wc -c < blob; df -k . | tail -1", timeout_s=30)
-        lines = res.output.splitlines()
-        assert lines[:2] == ["print(1)", str(2 * 2**20)] and lines[2].endswith(
-            " /repo"
-        )  # the files, on the tmpfs
+        probe = "cat src/main.py; wc -c < blob; df -k . | tail -1; stat -c '%U %a' . src/main.py; id -u"
+        lines = box.run(probe, timeout_s=30).output.splitlines()
+        assert lines[:2] == ["print(1)", str(2 * 2**20)]  # the image's files ...
+        assert lines[2].endswith(" /repo") and lines[2].startswith("tmpfs")  # ... on the tmpfs
+        assert lines[3:] == ["root 777", "root 644", "65534"]  # owners and modes as in the image
         assert "No space left" in box.run("dd if=/dev/zero of=big bs=1M count=32", timeout_s=60).output
         box.stop()
         # The image's 2 MiB do not fit a 1 MiB tmpfs: the start fails, and leaves no container.

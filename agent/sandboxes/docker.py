@@ -234,6 +234,7 @@ class DockerSandbox:
             result = self._run(
                 f"tar -xf - -C {shlex.quote(posixpath.dirname(self.workdir))}",
                 timeout_s=600.0,
+                user="root",  # whatever the image's user: owners and modes as the image has them
                 stdin=iter(lambda: archive.read(2**20), b""),
             )
         if result.exit_code != 0:
@@ -245,13 +246,13 @@ class DockerSandbox:
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""])
 
-    def _run(self, command: str, *, timeout_s: float, stdin: Iterable[bytes]) -> ExecResult:
+    def _run(self, command: str, *, timeout_s: float, stdin: Iterable[bytes], user: str = "") -> ExecResult:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
         token = new_exec_token()
         for attempt in (1, 2):
             try:
-                exec_id, stream = self._exec(command, token)
+                exec_id, stream = self._exec(command, token, user)
                 break
             except DockerException as exc:
                 # A container dead before its first command (a start the engine botched under load;
@@ -307,11 +308,11 @@ class DockerSandbox:
         if stdin is not None:
             _close(stdin)  # should the removal have failed, the container now ends itself
 
-    def _exec(self, command: str, token: str) -> tuple[str, object]:
+    def _exec(self, command: str, token: str, user: str = "") -> tuple[str, object]:
         api = docker_client().api
         exec_id = api.exec_create(
             self.container_id, wrapped_argv(command, token), stdin=True, workdir=self.workdir,
-            environment={EXEC_TAG_VAR: token},
+            environment={EXEC_TAG_VAR: token}, user=user,
         )["Id"]  # fmt: skip
         return exec_id, api.exec_start(exec_id, socket=True)
 
