@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -177,10 +178,25 @@ def _remove(container) -> list[str]:
         return []
     except APIError as exc:
         if exc.status_code == 409:  # being removed already: it ended itself (auto-remove)
-            return [container.name]
+            return [container.name] if _gone(container) else []
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
     except DockerException as exc:
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
     return [container.name]
+
+
+def _gone(container, timeout_s: float = 10.0) -> bool:
+    """Wait for a removal the engine has in progress, so that what we report removed is gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            container.reload()
+        except NotFound:
+            return True
+        except DockerException:
+            return False
+        time.sleep(0.05)
+    log.warning("container %s is still being removed", container.name)
+    return False
