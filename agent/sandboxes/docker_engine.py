@@ -162,7 +162,7 @@ def storage_size_supported(image: str) -> bool:
 
 
 def remove_owned_containers(owner: str) -> list[str]:
-    """Remove every container this owner (``pid@host``) started, e.g. on Ctrl-C; returns their names."""
+    """Remove every container this owner (see ``default_owner``) started, e.g. on Ctrl-C; returns their names."""
     removed = []
     for container in docker_client().containers.list(
         all=True, filters={"label": f"{LABEL_OWNER}={owner}"}, ignore_removed=True
