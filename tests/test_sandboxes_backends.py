@@ -1,5 +1,6 @@
-"""What each sandbox backend does beyond the shared contract: Docker labels, limits, disk cap, preflight,
-containers that end themselves, sweep, host services through the bridge, overhead; bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes; options."""
+"""What each sandbox backend does beyond the shared contract: Docker labels, limits, disk cap,
+preflight, containers that end themselves, sweep, host services through the bridge, overhead;
+bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes; options."""
 
 from __future__ import annotations
 
