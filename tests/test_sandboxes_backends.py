@@ -139,7 +139,7 @@ def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     sentinel.write_text("still here")
     box = docker_box()
     # Outside the working directory: the archive API does not see into its tmpfs (the disk cap).
-    box.run("echo mine > /mine.txt", timeout_s=20)
+    assert box.run("echo mine > /mine.txt", timeout_s=20).exit_code == 0
     docker_client().api.get_archive(box.container_id, "/mine.txt")  # there before
     box.run("rm -rf / --no-preserve-root 2>/dev/null || rm -rf /", timeout_s=120)  # GNU, then busybox
     with pytest.raises(NotFound):

@@ -123,7 +123,7 @@ class DockerSandbox:
         self.isolation = "docker"
         self.container_id: str | None = None
         self._used = False  # whether a command ran in the current container
-        self._stdin: socket.socket | None = None  # held open for as long as the container should live
+        self._stdin: object | None = None  # attach stream, held open for as long as the container should live
 
     @property
     def disk_cap(self) -> str:
@@ -355,18 +355,23 @@ def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
         pass
 
 
-def _attach_stdin(container_id: str) -> socket.socket:
-    """A stream to the container's stdin, never written: its end (ours closed, or we died) ends the container."""
-    stream = docker_client().api.attach_socket(container_id, params={"stdin": 1, "stream": 1})
-    return getattr(stream, "_sock", stream)
+def _attach_stdin(container_id: str) -> object:
+    """A stream to the container's stdin, never written: its end (ours closed, or we died) ends the container.
+
+    The stream object itself is kept, not only its socket: it holds the HTTP response whose
+    collection would close the connection under the container.
+    """
+    return docker_client().api.attach_socket(container_id, params={"stdin": 1, "stream": 1})
 
 
-def _close(sock: socket.socket) -> None:
+def _close(stream: object) -> None:
+    sock: socket.socket = getattr(stream, "_sock", stream)
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
     sock.close()
+    stream.close()
 
 
 def _only_the_directory(archive: IO[bytes]) -> bool:

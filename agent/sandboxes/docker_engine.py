@@ -161,13 +161,24 @@ def storage_size_supported(image: str) -> bool:
     return True
 
 
-def remove_owned_containers(owner: str) -> list[str]:
-    """Remove every container this owner (see ``default_owner``) started, e.g. on Ctrl-C; returns their names."""
-    removed = []
-    for container in docker_client().containers.list(
-        all=True, filters={"label": f"{LABEL_OWNER}={owner}"}, ignore_removed=True
-    ):
-        removed += _remove(container)
+def remove_owned_containers(owner: str, *, passes: int = 5, pause_s: float = 0.5) -> list[str]:
+    """Remove every container this owner (see ``default_owner``) started, e.g. on Ctrl-C; returns their names.
+
+    A worker ended mid-start may have a create request still in the engine: after a pass that
+    found containers, look again a moment later, until a pass finds none.
+    """
+    removed: list[str] = []
+    for attempt in range(passes):
+        if attempt:
+            time.sleep(pause_s)
+        found = []
+        for container in docker_client().containers.list(
+            all=True, filters={"label": f"{LABEL_OWNER}={owner}"}, ignore_removed=True
+        ):
+            found += _remove(container)
+        removed += found
+        if not found:
+            break
     return removed
 
 
