@@ -52,6 +52,7 @@ from agent.sandboxes.docker_engine import (
     remove_owned_containers,
     storage_size_supported,
     sweep_containers,
+    wait_removed,
 )
 
 __all__ = [
@@ -301,7 +302,9 @@ class DockerSandbox:
             except NotFound:
                 pass
             except APIError as exc:
-                if exc.status_code != 409:  # 409: being removed already, after it ended itself
+                if exc.status_code == 409:  # being removed already: killed by our remove, or it ended itself
+                    wait_removed(container_id)
+                else:
                     log.warning("could not remove container %s: %s", container_id[:12], exc)
             except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
                 log.warning("could not remove container %s: %s", container_id[:12], exc)

@@ -189,7 +189,7 @@ def _remove(container) -> list[str]:
         return []
     except APIError as exc:
         if exc.status_code == 409:  # being removed already: it ended itself (auto-remove)
-            return [container.name] if _gone(container) else []
+            return [container.name] if wait_removed(container.id) else []
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
     except DockerException as exc:
@@ -198,16 +198,16 @@ def _remove(container) -> list[str]:
     return [container.name]
 
 
-def _gone(container, timeout_s: float = 10.0) -> bool:
-    """Wait for a removal the engine has in progress, so that what we report removed is gone."""
+def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
+    """Wait for a removal the engine has in progress (a 409 on remove), so that what we call gone is."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            container.reload()
+            docker_client().api.inspect_container(container_id)
         except NotFound:
             return True
         except DockerException:
             return False
         time.sleep(0.05)
-    log.warning("container %s is still being removed", container.name)
+    log.warning("container %s is still being removed", container_id[:12])
     return False
