@@ -368,7 +368,7 @@ def run_steps(
                 file=sys.stderr,
             )
     totals = finish.merge(config.run_dir, rows, recorder)
-    stats = finish.statistics(config, rows, totals, recorder, ready.isolation)
+    stats = finish.statistics(config, rows, totals, recorder, ready.isolation, ready.facts)
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
     finish.print_summary(config.run_dir, stats, recorder)

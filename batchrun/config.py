@@ -386,6 +386,7 @@ class RunConfig:
             cpus=self.container_cpus,
             memory_mb=self.container_memory_mb,
             pids_limit=self.container_pids_limit,
+            prompt_timeout_s=self.prompt_timeout,
             disk_mb=self.container_disk_mb,
             network=self.sandbox_network,
             cwd_root=os.path.realpath(self.cwd_root) if self.cwd_root else None,

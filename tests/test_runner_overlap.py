@@ -10,6 +10,7 @@ normally, with a failed start, with prompts that never called a tool, or with Ct
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -330,6 +331,10 @@ def test_a_docker_run_ends_with_no_container_of_its_own(server, docker_test_imag
     )
     assert swept == [True]
     assert docker_ps(f"batch_runner.run_name={run_name}") == []
+    stats = json.loads((tmp_path / "data" / run_name / "statistics.json").read_text())
+    assert stats["sandbox_disk_cap"].startswith(
+        ("tmpfs 1024 MiB", "storage-opt 4096 MiB")
+    )  # 1024: half the memory
     records = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
     failed = read_jsonl(tmp_path / "data" / run_name / "failed.jsonl")
     assert len(records) + len(failed) == len(prompts)
@@ -342,24 +347,29 @@ def test_a_docker_run_ends_with_no_container_of_its_own(server, docker_test_imag
         assert meta["sandbox_start_blocked_s"] >= 0
 
 
+def start_slow_docker_run(run_name: str, base_url: str, image: str, tmp_path: Path) -> subprocess.Popen:
+    """The runner as a user starts it, on 12 prompts of 3 tool calls each; stderr piped (text)."""
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", [f"slow docker task {i} [calls:3]" for i in range(12)])
+    return subprocess.Popen(
+        [
+            sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=3",
+            f"--run_name={run_name}", "--model=fake", f"--base_url={base_url}", "--api_key=sk-overlap",
+            f"--output_dir={tmp_path / 'data'}", "--num_workers=2", "--prompts_per_worker=3",
+            "--distribution=terminal_only", "--sandbox=docker", f"--default_image={image}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
 @pytest.mark.docker
 @pytest.mark.slow
 def test_ctrl_c_during_a_docker_run_leaves_no_container(docker_test_image, tmp_path):
     run_name = f"overlap-int-{os.getpid()}"
-    dataset = write_jsonl(tmp_path / "prompts.jsonl", [f"slow docker task {i} [calls:3]" for i in range(12)])
     with FakeModelServer(latency_s=0.5) as slow:
-        proc = subprocess.Popen(
-            [
-                sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=3",
-                f"--run_name={run_name}", "--model=fake", f"--base_url={slow.base_url}", "--api_key=sk-overlap",
-                f"--output_dir={tmp_path / 'data'}", "--num_workers=2", "--prompts_per_worker=3",
-                "--distribution=terminal_only", "--sandbox=docker", f"--default_image={docker_test_image}",
-            ],
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+        proc = start_slow_docker_run(run_name, slow.base_url, docker_test_image, tmp_path)
         try:
             assert wait_for(lambda: docker_ps(f"batch_runner.run_name={run_name}"), timeout=120, step=0.2)
             proc.send_signal(signal.SIGINT)
@@ -370,3 +380,44 @@ def test_ctrl_c_during_a_docker_run_leaves_no_container(docker_test_image, tmp_p
                 proc.wait()
     assert proc.returncode == 130, err
     assert docker_ps(f"batch_runner.run_name={run_name}") == []
+
+
+def running_containers(run_name: str) -> list[str]:
+    done = subprocess.run(
+        ["docker", "ps", "--filter", f"label=batch_runner.run_name={run_name}", "--format", "{{.Names}}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.split()
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_kill_9_of_a_docker_run_leaves_no_running_container_and_a_later_run_removes_the_rest(
+    server, docker_test_image, tmp_path
+):
+    """No cleanup code runs after SIGKILL: the started containers end (and remove) themselves once the
+    runner and its workers (which die with it) are gone; one created but not started yet stays, never
+    running, until the next run, whatever its name, sweeps it."""
+    run_name = f"overlap-kill-{os.getpid()}"
+    with FakeModelServer(latency_s=0.5) as slow:
+        proc = start_slow_docker_run(run_name, slow.base_url, docker_test_image, tmp_path)
+        try:
+            assert wait_for(lambda: running_containers(run_name), timeout=120, step=0.2)
+            proc.kill()
+            proc.communicate()  # drains and closes its stderr pipe
+            assert wait_for(lambda: not running_containers(run_name), timeout=60, step=0.2)
+            later = f"overlap-later-{os.getpid()}"
+            batch_runner.main(
+                dataset_file=str(write_jsonl(tmp_path / "one.jsonl", ["later task [calls:1]"])),
+                batch_size=1, run_name=later, model="fake", base_url=server.base_url, api_key="sk-overlap",
+                output_dir=str(tmp_path / "data"), num_workers=1, distribution="terminal_only",
+                sandbox="docker", default_image=docker_test_image,
+            )  # fmt: skip
+            assert docker_ps(f"batch_runner.run_name={run_name}") == []
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            left = docker_ps(f"batch_runner.run_name={run_name}")
+            if left:
+                subprocess.run(["docker", "rm", "-f", *left], capture_output=True)

@@ -1,5 +1,6 @@
-"""What each sandbox backend does beyond the shared contract: Docker labels, limits, preflight, sweep
-and overhead; bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes; options."""
+"""What each sandbox backend does beyond the shared contract: Docker labels, limits, disk cap,
+preflight, containers that end themselves, sweep, host services through the bridge, overhead;
+bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes; options."""
 
 from __future__ import annotations
 
@@ -137,11 +138,12 @@ def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     sentinel = tmp_path / "host-file.txt"
     sentinel.write_text("still here")
     box = docker_box()
-    box.run("echo mine > mine.txt", timeout_s=20)
-    docker_client().api.get_archive(box.container_id, "/workspace/mine.txt")  # there before
+    # Outside the working directory: the archive API does not see into its tmpfs (the disk cap).
+    assert box.run("echo mine > /mine.txt", timeout_s=20).exit_code == 0
+    docker_client().api.get_archive(box.container_id, "/mine.txt")  # there before
     box.run("rm -rf / --no-preserve-root 2>/dev/null || rm -rf /", timeout_s=120)  # GNU, then busybox
     with pytest.raises(NotFound):
-        docker_client().api.get_archive(box.container_id, "/workspace/mine.txt")  # rm did run
+        docker_client().api.get_archive(box.container_id, "/mine.txt")  # rm did run
     assert sentinel.read_text() == "still here"
     assert Path("/etc/passwd").exists() and Path(sys.executable).exists()
 
@@ -161,21 +163,242 @@ def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
 
 
 @pytest.mark.docker
-def test_sweep_removes_only_containers_of_dead_owners(docker_box):
-    from batchrun.prompt.sandboxes.docker import default_owner, sweep_containers
+def test_sweep_removes_containers_of_dead_owners_of_any_run_and_nothing_else(docker_box, docker_test_image):
+    from batchrun.prompt.sandboxes.docker import default_owner, docker_client, sweep_containers
 
+    host = socket.gethostname()
     dead = subprocess.Popen(["true"])
     dead.wait()
-    orphan = docker_box(index=1, options={"run_owner": f"{dead.pid}@{socket.gethostname()}"})
-    elsewhere = docker_box(index=2, options={"run_owner": "1@some-other-host"})  # cannot tell: kept
-    alive = docker_box(index=3, options={"run_owner": default_owner()})
-    removed = sweep_containers(RUN)
-    remaining = docker_ps(f"batch_runner.run_name={RUN}")
-    assert len(removed) == 1 and removed[0] not in remaining
-    assert len(remaining) == 2
-    orphan.stop()  # already gone: still safe
-    assert elsewhere.container_id and alive.container_id
-    assert sweep_containers(RUN) == []  # the live owner's and the other host's stay
+    me = os.getpid()
+    orphan = docker_box(index=1, options={"run_owner": f"{dead.pid}@{host}"})
+    # This pid is alive, but the owner started at another instant: the pid was reused, the owner is dead.
+    reused = docker_box(index=2, options={"run_owner": f"{me}:1@{host}"})
+    elsewhere = docker_box(index=3, options={"run_owner": "1@some-other-host"})  # cannot tell: kept
+    alive = docker_box(index=4, options={"run_owner": default_owner()})
+    assert default_owner().startswith(f"{me}:")  # the start time is part of the owner here
+    other_run = f"other-{uuid.uuid4().hex[:8]}"  # the sweep is not limited to one run name
+    other = docker_client().containers.create(
+        docker_test_image, command=["true"], labels={"batch_runner.run_name": other_run,
+                                                     "batch_runner.owner": f"{dead.pid}@{host}"},
+    )  # fmt: skip
+    foreign = docker_client().containers.create(  # ours in nothing but the run-name label: never touched
+        docker_test_image, command=["true"], labels={"batch_runner.run_name": other_run}
+    )
+    kept = {elsewhere.container_id, alive.container_id, foreign.id}
+    try:
+        removed = sweep_containers()
+        assert {orphan.container_id, reused.container_id, other.id}.isdisjoint(_container_ids())
+        assert other.name in removed
+        assert kept <= _container_ids()
+        orphan.stop()  # already gone: still safe
+        sweep_containers()
+        assert kept <= _container_ids()
+    finally:
+        foreign.remove(force=True)
+
+
+def _container_ids() -> set[str]:
+    """Full ids of every container of the engine, running or not."""
+    done = subprocess.run(
+        ["docker", "ps", "-a", "--no-trunc", "--format", "{{.ID}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return set(done.stdout.split())
+
+
+# A process that creates a sandbox the way a worker does, prints its container id, then waits to be killed.
+SANDBOX_HOLDER = """
+import sys, time
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.docker import DockerSandbox
+box = DockerSandbox(SandboxSpec(sys.argv[1], 0), default_image=sys.argv[2])
+box.start()
+assert box.run("echo up", timeout_s=30).output == "up\\n"
+print(box.container_id, flush=True)
+time.sleep(3600)
+"""
+
+
+def container_running(container_id: str) -> bool:
+    done = subprocess.run(
+        ["docker", "inspect", "-f", "{{.State.Running}}", container_id], capture_output=True, text=True
+    )
+    return done.stdout.strip() == "true"  # gone (auto-removed) or exited: not running
+
+
+@pytest.mark.docker
+def test_container_ends_itself_when_the_process_holding_it_is_killed(docker_test_image: str):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SANDBOX_HOLDER, RUN, docker_test_image], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        container_id = proc.stdout.readline().strip()
+        assert container_id and container_running(container_id)
+        proc.kill()  # SIGKILL: no finally, no atexit, no stop()
+        proc.wait()
+        assert wait_until(lambda: not container_running(container_id), timeout_s=60)
+        assert wait_until(lambda: container_id not in _container_ids(), timeout_s=60)  # and removed itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["docker", "rm", "-f", container_id], capture_output=True)
+
+
+@pytest.mark.docker
+def test_container_ends_itself_after_its_lifetime(docker_box):
+    box = docker_box(index=40, options={"lifetime_s": 2.0})
+    assert box.run("echo up", timeout_s=30).output == "up\n"
+    assert wait_until(lambda: not container_running(box.container_id), timeout_s=60)
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return bool(predicate())
+
+
+@pytest.mark.docker
+def test_storage_probe_answers_and_leaves_no_container(docker_test_image: str):
+    from batchrun.prompt.sandboxes.docker import storage_size_supported
+
+    before = _container_ids()
+    answer = storage_size_supported(docker_test_image)
+    driver = subprocess.run(
+        ["docker", "info", "-f", "{{.Driver}}"], capture_output=True, text=True
+    ).stdout.strip()
+    backing = subprocess.run(
+        ["docker", "info", "-f", "{{range .DriverStatus}}{{index . 1}} {{end}}"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    if driver == "overlay2" and "xfs" not in backing:
+        assert answer is False  # overlay2 caps a container only on xfs with pquota
+    assert _container_ids() - before == set()
+
+
+@pytest.mark.docker
+def test_writing_past_the_disk_cap_fails_and_other_commands_still_work(docker_box):
+    box = docker_box(index=41, options={"disk_mb": 16})
+    res = box.run("dd if=/dev/zero of=big bs=1M count=64; echo dd-exit=$?", timeout_s=60)
+    assert "No space left on device" in res.output and "dd-exit=0" not in res.output
+    res = box.run("rm big && echo fine > small.txt && cat small.txt && pwd", timeout_s=30)
+    assert (res.output, res.exit_code) == (f"fine\n{box.workdir}\n", 0)
+    if box.disk_cap == "tmpfs":
+        attrs = _inspect(box.container_id)
+        assert attrs["HostConfig"]["Tmpfs"] == {box.workdir: "size=16m,exec"}
+
+
+@pytest.mark.docker
+def test_tmpfs_disk_cap_stays_below_the_memory_limit_so_a_full_disk_leaves_the_container_usable(docker_box):
+    # A tmpfs of the full 256 MiB would fill the 64 MiB of memory: the writer, then every later
+    # command, would be OOM-killed. Half the memory: ENOSPC first, and the next command works.
+    box = docker_box(index=44, options={"disk_cap": "tmpfs", "disk_mb": 256, "memory_mb": 64})
+    assert box.tmpfs_mb == 32
+    res = box.run("dd if=/dev/zero of=big bs=1M count=128; echo dd-exit=$?", timeout_s=60)
+    assert "No space left on device" in res.output and "Killed" not in res.output
+    assert box.run("echo still working", timeout_s=30).output == "still working\n"
+
+
+@pytest.mark.docker
+def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker_box, docker_test_image):
+    from batchrun.prompt.sandboxes.docker import docker_client
+
+    seed = docker_client().containers.run(
+        docker_test_image,
+        ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && chmod 777 /repo"
+         " && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
+        detach=True,
+    )  # fmt: skip
+    seed.wait()
+    image = f"batch-runner-test-repo:{uuid.uuid4().hex[:8]}"
+    seed.commit(*image.split(":"), changes=["USER nobody"])  # copied in as root all the same
+    seed.remove()
+    try:
+        box = docker_box(index=42, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 8})
+        probe = "cat src/main.py; wc -c < blob; df -k . | tail -1; stat -c '%U %a' . src/main.py; id -u"
+        lines = box.run(probe, timeout_s=30).output.splitlines()
+        assert lines[:2] == ["print(1)", str(2 * 2**20)]  # the image's files ...
+        assert lines[2].endswith(" /repo") and lines[2].startswith("tmpfs")  # ... on the tmpfs
+        assert lines[3:] == ["root 777", "root 644", "65534"]  # owners and modes as in the image
+        assert "No space left" in box.run("dd if=/dev/zero of=big bs=1M count=32", timeout_s=60).output
+        box.stop()
+        # The image's 2 MiB do not fit a 1 MiB tmpfs: the start fails, and leaves no container.
+        with pytest.raises(SandboxError, match="into its 1 MiB tmpfs failed"):
+            docker_box(index=45, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 1})
+        assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=45") == []
+    finally:
+        docker_client().images.remove(image, force=True)
+
+
+@pytest.fixture
+def host_service():
+    """An HTTP server of the host on every interface (0.0.0.0), on a free port: what containers must not reach."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"host-secret-service"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def bridge_gateway() -> str:
+    """The address of the host on Docker's default bridge (docker0), as containers see it."""
+    import ipaddress
+
+    done = subprocess.run(
+        ["docker", "network", "inspect", "bridge", "-f", "{{range .IPAM.Config}}{{.Gateway}}{{end}}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    gateway = done.stdout.strip()
+    if not gateway:  # some engines leave it out of the IPAM config: the bridge's own address then
+        done = subprocess.run(["ip", "-o", "-4", "addr", "show", "docker0"], capture_output=True, text=True)
+        fields = done.stdout.split()
+        gateway = fields[fields.index("inet") + 1].split("/")[0] if "inet" in fields else ""
+    # Never aim at anything but this machine's bridge address.
+    assert gateway and ipaddress.ip_address(gateway).is_private, (
+        f"no docker bridge address found: {gateway!r}"
+    )
+    return gateway
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("network", [False, True], ids=["network-off", "network-on"])
+def test_host_services_through_the_bridge_gateway(docker_box, host_service: int, network: bool):
+    """Off: nothing of the host answers. On: the host's services on 0.0.0.0 do (what the README says)."""
+    gateway = bridge_gateway()
+    box = docker_box(index=43, network=network)
+    # busybox nc, not wget: the static busybox's wget crashes on any URL.
+    fetch = f'printf "GET / HTTP/1.0\\r\\n\\r\\n" | nc -w 5 {gateway} {host_service}; echo "nc-exit=$?"'
+    res = box.run(fetch, timeout_s=30)
+    if network:
+        assert res.output.startswith("HTTP/1.0 200") and "host-secret-service" in res.output
+    else:
+        assert "Network is unreachable" in res.output and "host-secret-service" not in res.output
+        assert "eth0" not in box.run("ip -o addr", timeout_s=30).output  # loopback alone: no route anywhere
+
+
+def _inspect(container_id: str) -> dict:
+    from batchrun.prompt.sandboxes.docker import docker_client
+
+    return docker_client().api.inspect_container(container_id)
 
 
 @pytest.mark.docker
@@ -408,6 +631,9 @@ def test_unknown_option_is_rejected_with_the_valid_ones(backend: str):
         ("docker", {"cpus": "two"}, "cpus"),
         ("docker", {"memory_mb": 0}, "memory_mb"),
         ("docker", {"init": "yes"}, "init"),
+        ("docker", {"disk_mb": 0}, "disk_mb"),
+        ("docker", {"disk_cap": "quota"}, "disk_cap"),
+        ("docker", {"lifetime_s": 0}, "lifetime_s"),
         ("local", {"isolation": "maybe"}, "isolation"),
         ("local", {"output_cap_bytes": 1.5}, "output_cap_bytes"),
         ("singularity", {"overlay": "zfs"}, "overlay"),
@@ -417,6 +643,33 @@ def test_unknown_option_is_rejected_with_the_valid_ones(backend: str):
 def test_bad_option_value_names_the_field(backend: str, options: dict, field: str):
     with pytest.raises(ValueError, match=field):
         create_sandbox(backend, SandboxSpec(RUN, 0), options)
+
+
+@pytest.mark.parametrize("value", [0, -5, "big", 1.5])
+def test_container_disk_mb_must_be_a_positive_int(tmp_path: Path, capsys, value):
+    import batch_runner
+
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit) as info:
+        batch_runner.main(
+            dataset_file=str(dataset), batch_size=1, run_name="disk", sandbox="docker",
+            container_disk_mb=value, output_dir=str(tmp_path / "data"), base_url="http://127.0.0.1:9/v1",
+        )  # fmt: skip
+    assert info.value.code == 2
+    assert f"--container_disk_mb must be a positive integer, got {value!r}" in capsys.readouterr().err
+
+
+def test_docker_options_from_the_flags_carry_the_disk_cap_and_a_lifetime_past_the_prompt_timeout():
+    import batch_runner
+
+    flags = {
+        "default_image": "img", "container_cpus": 1.0, "container_memory_mb": 2048, "container_pids_limit": 512,
+        "sandbox_network": False, "container_disk_mb": 300, "prompt_timeout": 1800.0,
+    }  # fmt: skip
+    options = batch_runner._backend_options("docker", flags)
+    assert options["disk_mb"] == 300 and options["network_mode"] == "none"
+    assert options["lifetime_s"] == 2 * 1800.0 + batch_runner.DOCKER_LIFETIME_MARGIN_S
 
 
 # ---------------------------------------------------------------------------- local: the per-prompt command server

@@ -134,7 +134,12 @@ def merge(run_dir: Path, rows: list[Row], recorder: Recorder) -> MergeTotals:
 
 
 def statistics(
-    config: RunConfig, rows: list[Row], totals: MergeTotals, recorder: Recorder, isolation: str
+    config: RunConfig,
+    rows: list[Row],
+    totals: MergeTotals,
+    recorder: Recorder,
+    isolation: str,
+    sandbox_facts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Statistics over the merged output of every run of this run name, plus this run's counters."""
     discards_all: collections.Counter[str] = collections.Counter()
@@ -169,6 +174,7 @@ def statistics(
         "distribution": config.distribution,
         "sandbox": config.backend,
         "isolation": isolation,
+        **(sandbox_facts or {}),
         "dataset_prompts": len(rows),
         **summary,
         "discarded": {"total": sum(discards_all.values()), "by_reason": dict(discards_all)},

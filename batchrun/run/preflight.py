@@ -41,6 +41,7 @@ class Ready:
     batches: list[list[PromptJob]]
     isolation: str
     sandbox_options: dict[str, Any]
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # for statistics.json
 
 
 def preflight_sandboxes(
@@ -60,6 +61,7 @@ def preflight_sandboxes(
         found = cls.preflight(
             [j for b in batches for j in b], options, real_model=real_model, network=network, dataset=dataset
         )
+        options = found.options if found.options is not None else options
         if batches:
             options = cls.prepare_run(run_name, options, workers_here=workers_here)
     except SetupError as exc:
@@ -74,4 +76,4 @@ def preflight_sandboxes(
             ]
             for batch in batches
         ]
-    return Ready(batches=batches, isolation=found.isolation, sandbox_options=options)
+    return Ready(batches=batches, isolation=found.isolation, sandbox_options=options, facts=found.facts)

@@ -40,6 +40,7 @@ class SandboxFlags:
     cpus: float = 1.0  # CPUs of one prompt's sandbox
     memory_mb: int = 2048  # memory of one prompt's sandbox (MiB)
     pids_limit: int = 512  # most processes in one prompt's sandbox
+    prompt_timeout_s: float = 1800.0  # a prompt's time limit (a container's lifetime is bounded by it)
     disk_mb: int = 4096  # the size cap of one prompt's working directory (and, local, of its /tmp)
     network: bool = True  # whether the prompt's commands may reach the network
     cwd_root: str | None = None  # local without isolation: the host directory every row's cwd must lie in
@@ -51,6 +52,8 @@ class Preflight:
 
     isolation: str  # the isolation really in force, for the statistics ("bwrap", "none", "docker", ...)
     failed: dict[int, str] = field(default_factory=dict)  # prompt index -> why it fails without a model call
+    options: dict[str, Any] | None = None  # the options the run goes on with, when preflight settled one
+    facts: dict[str, Any] = field(default_factory=dict)  # what statistics.json should say of the sandboxes
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,32 @@
 """Docker backend: one labelled container per prompt, commands through exec, removed at stop.
 
-The run-level helpers live in ``docker_engine`` and are re-exported here: ``check_engine`` and
-``ensure_images`` (preflight), ``sweep_containers`` and ``remove_owned_containers`` (cleanup).
+The container's main process waits on its stdin, which this process holds open through an attach
+stream: when the process holding it dies (even by SIGKILL) the kernel closes the stream, the
+engine closes stdin, and the container ends and removes itself. ``lifetime_s`` bounds it anyway.
+
+The run-level helpers live in ``docker_engine`` and are re-exported here: ``check_engine``,
+``ensure_images`` and ``storage_size_supported`` (preflight), ``sweep_containers`` and
+``remove_owned_containers`` (cleanup).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
+import math
 import posixpath
 import select
+import shlex
 import socket
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
@@ -51,7 +60,9 @@ from batchrun.prompt.sandboxes.docker_engine import (
     docker_client,
     ensure_images,
     remove_owned_containers,
+    storage_size_supported,
     sweep_containers,
+    wait_removed,
 )
 from batchrun.protocol import PromptJob
 
@@ -63,13 +74,19 @@ __all__ = [
     "docker_client",
     "ensure_images",
     "remove_owned_containers",
+    "storage_size_supported",
     "sweep_containers",
+    "tmpfs_size_mb",
 ]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKDIR = "/workspace"
-KEEPALIVE = ["sh", "-c", "while :; do sleep 3600; done"]  # portable: not every sleep accepts "infinity"
+LIFETIME_MARGIN_S = 600.0  # a container ends itself after 2 x --prompt_timeout + this
+# The container's main process (POSIX sh and sleep only: images may be minimal): it ends at EOF on
+# its stdin, i.e. when the runner's attach stream closes, or when the lifetime ($0) is over.
+KEEPALIVE_SCRIPT = 'trap "exit 0" TERM; (sleep "$0"; kill $$) & while read -r _; do :; done'
+DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 START_ATTEMPTS = 3  # containers tried per start before the prompt fails
 START_RETRY_PAUSE_S = 0.25  # times the attempt number, between attempts
 
@@ -82,22 +99,30 @@ class DockerOptions:
     pids_limit: int = 512  # most processes alive in one container
     network_mode: str = "bridge"  # Docker network mode; "none" whenever the spec asks for no network
     output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES  # most bytes of one command's output kept
-    run_owner: str = ""  # "pid@host" of the run's parent process (see default_owner); "" = this process
+    run_owner: str = ""  # "pid:start@host" of the run's parent process (see default_owner); "" = this process
     init: bool = True  # run docker-init as PID 1 so orphaned processes are reaped
-    max_concurrent_starts: int = 8  # container start-ups in flight at once in one process
+    disk_mb: int = 4096  # most disk one container may fill (MiB), the way disk_cap says
+    # "storage-opt": the engine caps the whole writable layer; "tmpfs": a tmpfs at the working
+    # directory, of disk_mb but at most half of memory_mb (see tmpfs_mb); "auto": ask the engine, once
+    disk_cap: str = "auto"
+    lifetime_s: float = 4200.0  # a container ends itself after this long, whatever the runner does
 
     def __post_init__(self) -> None:
-        positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes", "max_concurrent_starts")
-        check_option_types(self, "docker", positive=positive)
+        positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes")
+        check_option_types(self, "docker", positive=(*positive, "disk_mb", "lifetime_s"))
+        if self.disk_cap not in DISK_CAPS:
+            raise ValueError(
+                f"docker sandbox option disk_cap must be one of {', '.join(DISK_CAPS)}, got {self.disk_cap!r}"
+            )
 
 
-# Start-ups in flight in this process, per limit (pitfall: too many at once exhaust the engine).
-_start_slots: dict[int, threading.BoundedSemaphore] = {}
-os.register_at_fork(after_in_child=_start_slots.clear)  # slots taken by the parent's threads are not ours
+# Start-ups in flight are limited in one place, --max_sandbox_starts (the worker's BackgroundStart slots).
+_storage_opt_ok: dict[str, bool] = {}  # "answer" -> whether the engine takes storage_opt (disk_cap="auto")
+_empty_dirs: set[tuple[str, str]] = set()  # (image, dir): nothing to copy into a tmpfs at dir
 
 
 class DockerSandbox:
-    """One container per prompt, kept alive by a sleep loop; each command is a separate exec."""
+    """One container per prompt, alive while its stdin stream is held open; each command is a separate exec."""
 
     synchronous_start = False  # a container takes a while: it starts during the first model call
 
@@ -112,6 +137,10 @@ class DockerSandbox:
             "pids_limit": flags.pids_limit,
             "network_mode": "bridge" if flags.network else "none",
             "run_owner": default_owner(),
+            "disk_mb": flags.disk_mb,
+            # A backstop should the runner's death go unnoticed: a prompt may outlive its timeout
+            # by the run-wide pauses for rate limits, hence the generous margin.
+            "lifetime_s": 2 * flags.prompt_timeout_s + LIFETIME_MARGIN_S,
         }
 
     @classmethod
@@ -150,14 +179,33 @@ class DockerSandbox:
                 f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
                 "missing; --resume runs them once it exists"
             )
-        return Preflight(isolation="docker", failed=failed)
+        cap = options.get("disk_cap", "auto")
+        if cap == "auto":
+            usable = next((i for i in wanted if status[i] is None), None)
+            cap = "storage-opt" if usable is not None and storage_size_supported(usable) else "tmpfs"
+        mb = options.get("disk_mb", 4096)
+        if cap == "storage-opt":
+            in_force = f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
+        else:
+            in_force = (
+                f"tmpfs {tmpfs_size_mb(mb, options.get('memory_mb', 2048))} MiB at the working directory (the "
+                "engine cannot cap a container's layer; a tmpfs lives in the container's memory: at most half "
+                "of --container_memory_mb)"
+            )
+        print(f"Docker disk cap per container: {in_force}")
+        return Preflight(
+            isolation="docker",
+            failed=failed,
+            options={**options, "disk_cap": cap},
+            facts={"sandbox_disk_cap": in_force},
+        )
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
-        """Containers of an earlier run of this name whose runner is dead go, before new ones start."""
-        removed = sweep_containers(run_name)
+        """Containers of runners that are gone (of any run name) go, before new ones start."""
+        removed = sweep_containers()
         if removed:
-            print(f"Removed {len(removed)} leftover container(s) of an earlier run named {run_name}")
+            print(f"Removed {len(removed)} leftover container(s) of runners that are gone (any run name)")
         return options
 
     @classmethod
@@ -177,6 +225,22 @@ class DockerSandbox:
         self.isolation = "docker"
         self.container_id: str | None = None
         self._used = False  # whether a command ran in the current container
+        self._stdin: object | None = None  # attach stream, held open for as long as the container should live
+
+    @property
+    def disk_cap(self) -> str:
+        """The disk cap in force: "storage-opt" or "tmpfs" ("auto" asks the engine, once per process)."""
+        if self.options.disk_cap != "auto":
+            return self.options.disk_cap
+        if "answer" not in _storage_opt_ok:
+            _storage_opt_ok["answer"] = storage_size_supported(self.image)
+        return "storage-opt" if _storage_opt_ok["answer"] else "tmpfs"
+
+    @property
+    def tmpfs_mb(self) -> int:
+        """Size of the tmpfs cap: its pages are the container's memory, and a tmpfs that filled the
+        memory limit would get every later command OOM-killed; half of it leaves room to work."""
+        return tmpfs_size_mb(self.options.disk_mb, self.options.memory_mb)
 
     def start(self) -> None:
         opts, spec = self.options, self.spec
@@ -188,59 +252,114 @@ class DockerSandbox:
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
             "pids_limit": opts.pids_limit,
+            **self._disk_limit(),
         }
-        slots = _start_slots.setdefault(
-            opts.max_concurrent_starts, threading.BoundedSemaphore(opts.max_concurrent_starts)
-        )
         # An engine under heavy load sometimes fails a start it would do a moment later (runc's
         # "error reopening /dev/null inside container", an exec before the container runs). Nothing
         # of the prompt ran yet, so a fresh container is a safe retry.
         for attempt in range(1, START_ATTEMPTS + 1):
-            with slots:
-                try:
-                    container = docker_client().containers.create(
-                        self.image,
-                        entrypoint=KEEPALIVE,
-                        command=[],
-                        name=f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}",
-                        labels=labels,
-                        working_dir=self.workdir,  # created by Docker when the image lacks it
-                        environment=dict(spec.env),
-                        init=opts.init,
-                        network_mode=opts.network_mode if spec.network else "none",
-                        **limits,
-                    )
-                    self.container_id = container.id  # from here on, stop() removes it whatever happens next
-                    container.start()
-                    self._used = False
-                    return
-                except ImageNotFound as exc:
+            try:
+                container = docker_client().containers.create(
+                    self.image,
+                    entrypoint=["sh", "-c", KEEPALIVE_SCRIPT, str(math.ceil(opts.lifetime_s))],
+                    command=[],
+                    stdin_open=True,  # docker-py adds stdin_once: stdin ends when our stream does
+                    auto_remove=True,  # a container that ended itself leaves nothing behind
+                    name=f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}",
+                    labels=labels,
+                    working_dir=self.workdir,  # created by Docker when the image lacks it
+                    environment=dict(spec.env),
+                    init=opts.init,
+                    network_mode=opts.network_mode if spec.network else "none",
+                    **limits,
+                )
+                self.container_id = container.id  # from here on, stop() removes it whatever happens next
+                # Attached before the start, so the container never runs without a holder.
+                self._stdin = _attach_stdin(container.id)
+                container.start()
+                break
+            except ImageNotFound as exc:
+                self.stop()
+                raise SandboxError(
+                    f"docker image {self.image!r} is not available locally: {exc.explanation}"
+                ) from exc
+            except DockerException as exc:
+                self.stop()
+                if attempt == START_ATTEMPTS:
                     raise SandboxError(
-                        f"docker image {self.image!r} is not available locally: {exc.explanation}"
+                        f"docker container for prompt {spec.prompt_index} did not start "
+                        f"({attempt} attempts): {exc}"
                     ) from exc
-                except DockerException as exc:
-                    self.stop()
-                    if attempt == START_ATTEMPTS:
-                        raise SandboxError(
-                            f"docker container for prompt {spec.prompt_index} did not start "
-                            f"({attempt} attempts): {exc}"
-                        ) from exc
-                    log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
+                log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
             time.sleep(START_RETRY_PAUSE_S * attempt)
+        if "tmpfs" in limits:
+            try:
+                self._fill_workdir()
+            except BaseException:
+                self.stop()
+                raise
+        self._used = False
+
+    def _disk_limit(self) -> dict[str, object]:
+        if self.disk_cap == "storage-opt":
+            return {"storage_opt": {"size": f"{self.options.disk_mb}m"}}
+        if self.workdir == "/":
+            raise SandboxError("the disk cap is a tmpfs at the working directory, which cannot be /")
+        # exec: prompts build and run programs there
+        return {"tmpfs": {self.workdir: f"size={self.tmpfs_mb}m,exec"}}
+
+    def _fill_workdir(self) -> None:
+        """Copy what the image holds at the working directory into the tmpfs that hides it there."""
+        key = (self.image, self.workdir)
+        if key in _empty_dirs:
+            return
+        # The archive API reads the image's files, beneath the tmpfs. The engine locks the container
+        # while it sends them: the whole archive is read (to memory, or disk past 8 MiB) before the exec.
+        with tempfile.SpooledTemporaryFile(max_size=8 * 2**20) as archive:
+            try:
+                chunks, _ = docker_client().api.get_archive(self.container_id, self.workdir)
+                for chunk in chunks:
+                    archive.write(chunk)
+            except NotFound:
+                pass
+            except DockerException as exc:
+                raise SandboxError(f"cannot read {self.workdir} of image {self.image!r}: {exc}") from exc
+            archive.seek(0)
+            if _only_the_directory(archive):
+                _empty_dirs.add(key)
+                return
+            archive.seek(0)
+            result = self._run(
+                f"tar -xf - -C {shlex.quote(posixpath.dirname(self.workdir))}",
+                timeout_s=600.0,
+                user="root",  # whatever the image's user: owners and modes as the image has them
+                stdin=iter(lambda: archive.read(2**20), b""),
+            )
+        if result.exit_code != 0:
+            raise SandboxError(
+                f"copying {self.workdir} of image {self.image!r} into its {self.tmpfs_mb} MiB tmpfs "
+                f"failed (exit {result.exit_code}): {result.output[-500:]}"
+            )
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""])
+
+    def _run(self, command: str, *, timeout_s: float, stdin: Iterable[bytes], user: str = "") -> ExecResult:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
         token = new_exec_token()
         for attempt in (1, 2):
             try:
-                exec_id, stream = self._exec(command, token)
+                exec_id, stream = self._exec(command, token, user)
                 break
             except DockerException as exc:
-                # A container dead before its first command (a start the engine botched under load)
-                # ran nothing of the prompt yet: a new one is safe, once.
+                # A container dead before its first command (a start the engine botched under load;
+                # gone already, as it removes itself) ran nothing of the prompt yet: a new one is safe, once.
                 dead_before_first = (
-                    attempt == 1 and not self._used and isinstance(exc, APIError) and exc.status_code == 409
+                    attempt == 1
+                    and not self._used
+                    and isinstance(exc, APIError)
+                    and exc.status_code in (404, 409)
                 )
                 if not dead_before_first:
                     raise SandboxError(
@@ -255,7 +374,7 @@ class DockerSandbox:
                 self.start()
         self._used = True
         sock: socket.socket = getattr(stream, "_sock", stream)
-        threading.Thread(target=_send_stdin, args=(sock, stdin or b""), daemon=True).start()
+        threading.Thread(target=_send_stdin, args=(sock, stdin), daemon=True).start()
         scanner = MarkerScanner(token, CappedBuffer(self.options.output_cap_bytes))
         try:
             finished = _read_frames(sock, scanner, time.monotonic() + timeout_s)
@@ -273,20 +392,27 @@ class DockerSandbox:
 
     def stop(self) -> None:
         container_id, self.container_id = self.container_id, None
-        if container_id is None:
-            return
-        try:
-            docker_client().api.remove_container(container_id, force=True, v=True)
-        except NotFound:
-            pass
-        except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
-            log.warning("could not remove container %s: %s", container_id[:12], exc)
+        stdin, self._stdin = self._stdin, None
+        if container_id is not None:
+            try:
+                docker_client().api.remove_container(container_id, force=True, v=True)
+            except NotFound:
+                pass
+            except APIError as exc:
+                if exc.status_code == 409:  # being removed already: killed by our remove, or it ended itself
+                    wait_removed(container_id)
+                else:
+                    log.warning("could not remove container %s: %s", container_id[:12], exc)
+            except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
+                log.warning("could not remove container %s: %s", container_id[:12], exc)
+        if stdin is not None:
+            _close(stdin)  # should the removal have failed, the container now ends itself
 
-    def _exec(self, command: str, token: str) -> tuple[str, object]:
+    def _exec(self, command: str, token: str, user: str = "") -> tuple[str, object]:
         api = docker_client().api
         exec_id = api.exec_create(
             self.container_id, wrapped_argv(command, token), stdin=True, workdir=self.workdir,
-            environment={EXEC_TAG_VAR: token},
+            environment={EXEC_TAG_VAR: token}, user=user,
         )["Id"]  # fmt: skip
         return exec_id, api.exec_start(exec_id, socket=True)
 
@@ -311,13 +437,52 @@ class DockerSandbox:
         return -1
 
 
-def _send_stdin(sock: socket.socket, data: bytes) -> None:
+def tmpfs_size_mb(disk_mb: int, memory_mb: int) -> int:
+    """The size of a tmpfs disk cap: ``disk_mb``, but at most half the container's memory limit."""
+    return max(1, min(disk_mb, memory_mb // 2))
+
+
+def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
     try:
-        if data:
-            sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin
+        for data in chunks:
+            if data:
+                sock.sendall(data)
+    except Exception:  # the command exited without reading it all, or the source broke off
+        pass
+    try:
+        sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin (a broken-off tar then fails)
     except OSError:
-        pass  # the command exited without reading it all
+        pass
+
+
+def _attach_stdin(container_id: str) -> object:
+    """A stream to the container's stdin, never written: its end (ours closed, or we died) ends the container.
+
+    The stream object itself is kept, not only its socket: it holds the HTTP response whose
+    collection would close the connection under the container.
+    """
+    return docker_client().api.attach_socket(container_id, params={"stdin": 1, "stream": 1})
+
+
+def _close(stream: object) -> None:
+    sock: socket.socket = getattr(stream, "_sock", stream)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+    stream.close()
+
+
+def _only_the_directory(archive: IO[bytes]) -> bool:
+    """Whether a tar archive (as the engine sends a directory) is empty or holds that directory alone."""
+    try:
+        with tarfile.open(fileobj=archive, mode="r|") as members:
+            return sum(1 for _ in itertools.islice(members, 2)) <= 1
+    except tarfile.ReadError:
+        return archive.tell() == 0  # nothing at all: the image has no such directory
+    except tarfile.TarError:
+        return False  # copy it anyway: tar in the container is the judge
 
 
 def _read_frames(sock: socket.socket, scanner: MarkerScanner, deadline: float) -> bool:

@@ -1,7 +1,8 @@
-"""The Docker engine as a whole, for the runner: client, preflight (engine and images), leftover cleanup.
+"""The Docker engine as a whole, for the runner: client, preflight (engine, images, disk cap), cleanup.
 
-Containers are found by their labels: the run name, the prompt index, and the owner (``pid@host``
-of the run's parent process), so a sweep can tell containers of a live run from a dead run's.
+Containers are found by their labels: the run name, the prompt index, and the owner
+(``pid:starttime@host`` of the run's parent process), so a sweep can tell containers of a live
+runner from a dead one's, even after the pid was reused.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import docker
-from docker.errors import DockerException, ImageNotFound, NotFound
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from batchrun.prompt.sandboxes.base import SandboxError
+from batchrun.storage import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +67,18 @@ def _unreachable(exc: Exception) -> str:
 
 
 def default_owner() -> str:
-    """This process as a container owner: ``pid@hostname``."""
-    return f"{os.getpid()}@{socket.gethostname()}"
+    """This process as a container owner: ``pid:starttime@hostname`` (``pid@hostname`` without /proc)."""
+    pid = os.getpid()
+    start = process_start_ticks(pid)
+    return f"{pid}:{start}@{socket.gethostname()}" if start else f"{pid}@{socket.gethostname()}"
+
+
+def process_start_ticks(pid: int) -> str:
+    """When ``pid`` started, in clock ticks since boot (/proc/<pid>/stat field 22); "" where unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def ensure_images(
@@ -98,35 +112,73 @@ def ensure_images(
 
 
 def _owner_alive(owner: str) -> bool | None:
-    """Whether the ``pid@host`` owner is alive: None when it lives on another host (cannot tell)."""
-    pid, _, host = owner.partition("@")
-    if not pid.isdigit():
-        return False
+    """Whether the ``pid[:starttime]@host`` owner is alive: None when it lives on another host (cannot tell).
+
+    A live pid with another start time is a new process that reused the number: the owner is dead.
+    """
+    ident, _, host = owner.partition("@")
+    pid, _, start = ident.partition(":")
     if host != socket.gethostname():
         return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
+    if not pid.isdigit():
         return False
-    except PermissionError:
-        pass
-    return True
+    if not pid_alive(int(pid)):
+        return False
+    return not start or process_start_ticks(int(pid)) in ("", start)
 
 
-def sweep_containers(run_name: str) -> list[str]:
-    """Remove this run's containers whose owner process is dead on this host; returns their names."""
+def sweep_containers() -> list[str]:
+    """Remove the containers, of any run, whose owner process is dead on this host; returns their names.
+
+    Only containers that carry our owner label are looked at; those of live runners, and of
+    runners on other hosts sharing this engine, are left alone.
+    """
     removed = []
-    for container in docker_client().containers.list(all=True, filters={"label": f"{LABEL_RUN}={run_name}"}):
+    # ignore_removed: containers that end themselves vanish between the listing and their inspection.
+    for container in docker_client().containers.list(
+        all=True, filters={"label": LABEL_OWNER}, ignore_removed=True
+    ):
         if _owner_alive(container.labels.get(LABEL_OWNER, "")) is False:
             removed += _remove(container)
     return removed
 
 
-def remove_owned_containers(owner: str) -> list[str]:
-    """Remove every container this owner (``pid@host``) started, e.g. on Ctrl-C; returns their names."""
-    removed = []
-    for container in docker_client().containers.list(all=True, filters={"label": f"{LABEL_OWNER}={owner}"}):
-        removed += _remove(container)
+def storage_size_supported(image: str) -> bool:
+    """Whether the engine caps a container's writable layer (``--storage-opt size=``).
+
+    Asked by creating (never starting) a container: overlay2 accepts it only on xfs mounted with
+    pquota, and most engines refuse, which is the answer, not a failure.
+    """
+    client = docker_client()
+    try:
+        container = client.containers.create(
+            image, command=["true"], storage_opt={"size": "64m"},
+            labels={LABEL_RUN: "storage-probe", LABEL_OWNER: default_owner()},
+        )  # fmt: skip
+    except DockerException:
+        return False
+    _remove(container)
+    return True
+
+
+def remove_owned_containers(owner: str, *, passes: int = 5, pause_s: float = 0.5) -> list[str]:
+    """Remove every container this owner (see ``default_owner``) started, e.g. on Ctrl-C; returns their names.
+
+    A worker ended mid-start may have a create request still in the engine: after a pass that
+    found containers, look again a moment later, until a pass finds none.
+    """
+    removed: list[str] = []
+    for attempt in range(passes):
+        if attempt:
+            time.sleep(pause_s)
+        found = []
+        for container in docker_client().containers.list(
+            all=True, filters={"label": f"{LABEL_OWNER}={owner}"}, ignore_removed=True
+        ):
+            found += _remove(container)
+        removed += found
+        if not found:
+            break
     return removed
 
 
@@ -135,7 +187,27 @@ def _remove(container) -> list[str]:
         container.remove(force=True, v=True)
     except NotFound:
         return []
+    except APIError as exc:
+        if exc.status_code == 409:  # being removed already: it ended itself (auto-remove)
+            return [container.name] if wait_removed(container.id) else []
+        log.warning("could not remove container %s: %s", container.name, exc)
+        return []
     except DockerException as exc:
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
     return [container.name]
+
+
+def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
+    """Wait for a removal the engine has in progress (a 409 on remove), so that what we call gone is."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            docker_client().api.inspect_container(container_id)
+        except NotFound:
+            return True
+        except DockerException:
+            return False
+        time.sleep(0.05)
+    log.warning("container %s is still being removed", container_id[:12])
+    return False
