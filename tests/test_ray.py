@@ -558,7 +558,7 @@ def test_containers_left_on_the_nodes_are_removed(ray_head, docker_test_image):
             _settings=SimpleNamespace(sandbox_backend="docker", sandbox_options={"run_owner": owner}),
             _ray=ray,
         )
-        RayPool._remove_containers_on_nodes(pool)
+        RayPool._sweep_nodes(pool)  # the backend's own sweep, run on every node
     finally:
         ray.shutdown()
         left = client.containers.list(all=True, filters={"label": f"{LABEL_OWNER}={owner}"})

@@ -657,19 +657,18 @@ def test_container_disk_mb_must_be_a_positive_int(tmp_path: Path, capsys, value)
             container_disk_mb=value, output_dir=str(tmp_path / "data"), base_url="http://127.0.0.1:9/v1",
         )  # fmt: skip
     assert info.value.code == 2
-    assert f"--container_disk_mb must be a positive integer, got {value!r}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--container_disk_mb must be an integer of at least 16" in err and str(value) in err
 
 
 def test_docker_options_from_the_flags_carry_the_disk_cap_and_a_lifetime_past_the_prompt_timeout():
-    import batch_runner
+    from batchrun.prompt.sandboxes.base import SandboxFlags
+    from batchrun.prompt.sandboxes.docker import LIFETIME_MARGIN_S, DockerSandbox
 
-    flags = {
-        "default_image": "img", "container_cpus": 1.0, "container_memory_mb": 2048, "container_pids_limit": 512,
-        "sandbox_network": False, "container_disk_mb": 300, "prompt_timeout": 1800.0,
-    }  # fmt: skip
-    options = batch_runner._backend_options("docker", flags)
+    flags = SandboxFlags(default_image="img", network=False, disk_mb=300, prompt_timeout_s=1800.0)
+    options = DockerSandbox.options_from(flags)
     assert options["disk_mb"] == 300 and options["network_mode"] == "none"
-    assert options["lifetime_s"] == 2 * 1800.0 + batch_runner.DOCKER_LIFETIME_MARGIN_S
+    assert options["lifetime_s"] == 2 * 1800.0 + LIFETIME_MARGIN_S
 
 
 # ---------------------------------------------------------------------------- local: the per-prompt command server
