@@ -70,6 +70,11 @@ Directives (written anywhere in the prompt text; they combine):
 ``[garbage]``            (server) 200 with a body that is not JSON
 ``[hangup]``             (server) the connection is closed without a response
 ``[slow:S]``             (server) sleep S seconds before answering (on top of ``latency_s``)
+``[empty_answer]``       the final answer's content is empty (reasoning only)
+``[literal_tool_call]``  the final answer's words end with a literal ``<tool_call>`` block (never a call)
+``[unclosed_think]``     the final answer's words open ``<think>`` and never close it
+``[think_in_reasoning]`` every reasoning text holds a literal ``</think>``
+``[served_other]``       the response's ``model`` is ``mock-served-other``, not the requested name
 =======================  ==========================================================================
 
 Server-side 429/5xx answers also carry ``retry-after-ms: 1``: the ``openai`` SDK ignores
@@ -118,7 +123,8 @@ LAST_REQUESTS_KEPT = 50
 # ---------------------------------------------------------------------------------------------
 
 _FLAG_RE = re.compile(
-    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request)\]"
+    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request"
+    r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other)\]"
 )
 _VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after):\s*([0-9]+(?:\.[0-9]+)?)\]")
 _ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern)
@@ -136,6 +142,11 @@ class Directives:
     loop: bool = False
     truncate: bool = False
     quote_request: bool = False
+    empty_answer: bool = False
+    literal_tool_call: bool = False
+    unclosed_think: bool = False
+    think_in_reasoning: bool = False
+    served_other: bool = False
     error: int | None = None
     retry_after: float | None = None
     flaky: int = 0
@@ -400,8 +411,16 @@ class _Script:
                 seen = _describe_images(self.messages)
                 if seen:
                     content += f" {seen}"
+                if self.d.literal_tool_call:
+                    content += '\nA call looks like\n<tool_call>\n{"name": "terminal", "arguments": {}}\n</tool_call>'
+                if self.d.unclosed_think:
+                    content = f"<think>{content}"
+                if self.d.empty_answer:
+                    content = ""
                 action, finish = "give the final answer", "stop"
         reasoning = self.reasoning_text(action)
+        if self.d.think_in_reasoning:
+            reasoning += " Then </think> appears inside the reasoning."
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if self.d.no_reasoning:
             pass
@@ -458,7 +477,7 @@ def respond(request_body: dict[str, Any]) -> dict[str, Any]:
         "id": f"chatcmpl-mock-{digest}",
         "object": "chat.completion",
         "created": 0,  # the server stamps the current time
-        "model": request_body.get("model") or MOCK_MODEL,
+        "model": "mock-served-other" if script.d.served_other else request_body.get("model") or MOCK_MODEL,
         "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
         "usage": {
             "prompt_tokens": prompt_tokens,

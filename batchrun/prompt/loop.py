@@ -44,6 +44,7 @@ class LoopResult:
         str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
     )
     tool_calls: int = 0
+    served_model: str | None = None  # the last answered response's ``model``, when it named one
 
 
 def run_agent(
@@ -104,6 +105,7 @@ def run_agent(
                 ) from exc
             raise
         result.api_calls += 1
+        result.served_model = turn.model or result.served_model
         assistant_saved, assistant_sent = _assistant_messages(turn)
         saved.append(assistant_saved)
         sent.append(assistant_sent)
