@@ -53,7 +53,7 @@ USAGE: dict[str, Any] = {
 
 METADATA: dict[str, Any] = {
     "batch_num": INT,
-    "timestamp": STRING,
+    "timestamp": "timestamp[s]",  # ISO 8601 text, seconds; JSON readers (pyarrow) infer a timestamp
     "model": STRING,  # as requested (--model)
     "served_model": STRING,  # the last answered response's ``model``; null when the endpoint sent none
     "stop_reason": STRING,

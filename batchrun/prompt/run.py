@@ -54,8 +54,10 @@ class RunSettings:
     ephemeral_system_prompt: str | None = None
     prefill_messages: tuple[dict[str, Any], ...] = ()
     require_reasoning: bool = True
-    keep_invalid_tool_calls: bool = False  # else a sample with a call whose arguments are not a JSON object is discarded
-    keep_empty_answers: bool = False  # else a sample whose final answer has no words is discarded
+    # Else a sample with a call whose arguments are not a JSON object is discarded (invalid_tool_call),
+    # and one whose final answer has no words (empty_answer).
+    keep_invalid_tool_calls: bool = False
+    keep_empty_answers: bool = False
     verbose: bool = False
     log_prefix_chars: int = 100
 
@@ -194,7 +196,9 @@ def run_prompt(
     return Outcome.trajectory(job, record, usage.as_dict())
 
 
-def quality_problem(messages: list[dict[str, Any]], record: dict[str, Any], settings: RunSettings) -> str | None:
+def quality_problem(
+    messages: list[dict[str, Any]], record: dict[str, Any], settings: RunSettings
+) -> str | None:
     """The first quality filter a sample fails (its discard reason), or None: no broken sample is saved as good."""
     if not settings.keep_invalid_tool_calls and invalid_tool_call(messages):
         return "invalid_tool_call"

@@ -98,7 +98,9 @@ class MergeTotals:
         }
 
 
-def merge(run_dir: Path, rows: list[Row], recorder: Recorder, *, exclude_partial: bool = False) -> MergeTotals:
+def merge(
+    run_dir: Path, rows: list[Row], recorder: Recorder, *, exclude_partial: bool = False
+) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
 
