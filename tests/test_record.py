@@ -264,3 +264,29 @@ def test_two_mock_runs_load_together_and_carry_their_rows(tmp_path):
     assert ds.num_rows == plain.num_rows == 4
     assert ds.features == schema
     _assert_compatible(plain.features.to_dict(), schema.to_dict(), "plain")
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_a_local_and_a_docker_run_load_together(tmp_path, docker_test_image):
+    """The container backend's own keys (sandbox_stop_background, image, cwd) exist in local records too."""
+    out = tmp_path / "data"
+    local = _run(write_jsonl(tmp_path / "l.jsonl", ["Local one [calls:1]"]), out, "local", "terminal_only")
+    rows = [{"prompt": "In a container [calls:1]", "image": docker_test_image, "cwd": "/work", "id": 1}]
+    dataset = tmp_path / "c.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    docker = _run(dataset, out, "docker", "terminal_only", sandbox="docker", default_image=docker_test_image)
+    (lrec,) = read_jsonl(local / "trajectories.jsonl")
+    (drec,) = read_jsonl(docker / "trajectories.jsonl")
+    assert list(lrec["metadata"]) == list(drec["metadata"]) == list(METADATA)
+    assert lrec["metadata"]["sandbox_stop_background"] is False and lrec["metadata"]["image"] is None
+    assert drec["metadata"]["sandbox_stop_background"] is True
+    assert (drec["metadata"]["image"], drec["metadata"]["cwd"]) == (docker_test_image, "/work")
+    assert drec["metadata"]["row_id"] == "1"
+    files = [local / "trajectories.jsonl", docker / "trajectories.jsonl"]
+    schema = record_features()
+    for i, order in enumerate((files, files[::-1])):
+        ds = load(order, tmp_path / f"c{i}", features=schema)
+        assert ds.num_rows == 2 and ds.features == schema
+    plain = load(files[::-1], tmp_path / "plain")  # the docker run first: its image column is typed
+    _assert_compatible(plain.features.to_dict(), schema.to_dict(), "plain")
