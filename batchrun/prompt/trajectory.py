@@ -1,7 +1,8 @@
 """Turn one prompt's conversation into a ShareGPT record (Hermes function-calling convention).
 
-The conversion is reversible where it matters: parsing a gpt ``value`` back with
-:func:`parse_tool_calls` gives exactly the calls in its structured ``tool_calls`` list.
+The conversion is reversible: parsing a gpt ``value`` back (:func:`parse_gpt_value`) gives exactly
+the turn's reasoning, words and the calls in its structured ``tool_calls`` list. The model's words are
+never rewritten to make that so; a sample where it does not hold is discarded (:func:`ambiguous_markup`).
 """
 
 from __future__ import annotations
