@@ -290,3 +290,20 @@ def test_a_local_and_a_docker_run_load_together(tmp_path, docker_test_image):
         assert ds.num_rows == 2 and ds.features == schema
     plain = load(files[::-1], tmp_path / "plain")  # the docker run first: its image column is typed
     _assert_compatible(plain.features.to_dict(), schema.to_dict(), "plain")
+
+
+def test_the_exporter_carries_served_model_and_row_fields(tmp_path):
+    from batchrun.views import export
+
+    dataset = tmp_path / "d.jsonl"
+    rows = [{"prompt": "Join me [calls:0]", "id": 5, "answer": "x"}, {"prompt": "No id [calls:0]"}]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    run_dir = _run(dataset, tmp_path / "data", "e", "terminal_only")
+    export.export_run(run_dir, "parquet", tmp_path / "out")
+    loaded = load_parquet(tmp_path / "out" / "train.parquet", tmp_path / "c")
+    got = {r["row_id"]: (r["served_model"], r["row_fields"]) for r in loaded}
+    assert got == {"5": ("mock", '{"answer": "x", "id": 5}'), None: ("mock", None)}
+
+
+def load_parquet(path: Path, cache: Path):
+    return datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=str(cache))
