@@ -51,6 +51,7 @@ HOSTILE = {
     "Quote the markup [literal_tool_call] [calls:0]": "ambiguous_markup",
     "Open and forget [unclosed_think] [calls:0]": "ambiguous_markup",
     "Close too early [think_in_reasoning] [calls:0]": "ambiguous_markup",
+    "Cut off mid-call [truncate_call]": "invalid_tool_call",
 }
 GOOD = ["Answer plainly [calls:0]", "Use the shell once [calls:1]"]
 
@@ -80,7 +81,7 @@ def test_hostile_samples_are_discarded_with_their_reason_and_never_rewritten(tmp
                 ]
     stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
     assert stats["discarded"]["by_reason"] == {
-        "invalid_tool_call": 1,
+        "invalid_tool_call": 2,
         "empty_answer": 1,
         "ambiguous_markup": 3,
     }
@@ -90,8 +91,19 @@ def test_flags_keep_invalid_calls_and_empty_answers_but_never_ambiguous_markup(t
     dataset = write_jsonl(tmp_path / "d.jsonl", list(HOSTILE))
     run_dir = run(dataset, tmp_path / "data", keep_invalid_tool_calls=True, keep_empty_answers=True)
     kept = {r["conversations"][1]["value"]: r for r in read_jsonl(run_dir / "trajectories.jsonl")}
-    assert set(kept) == {"Try a broken call [bad_json]", "Say nothing at all [empty_answer] [calls:0]"}
+    assert set(kept) == {
+        "Try a broken call [bad_json]",
+        "Say nothing at all [empty_answer] [calls:0]",
+        "Cut off mid-call [truncate_call]",
+    }
     assert kept["Say nothing at all [empty_answer] [calls:0]"]["completed"] is True
+    cut = kept["Cut off mid-call [truncate_call]"]
+    assert cut["partial"] is True and cut["metadata"]["stop_reason"] == "truncated"
+    assert (
+        cut["conversations"][-1]["tool_calls"][0]["function"]["arguments"]
+        == '{"command": "echo a very long comm'
+    )
+
     reasons = {r["reason"] for r in read_jsonl(run_dir / "discarded.jsonl")}
     assert reasons == {"ambiguous_markup"}
 

@@ -75,6 +75,8 @@ Directives (written anywhere in the prompt text; they combine):
 ``[unclosed_think]``     the final answer's words open ``<think>`` and never close it
 ``[think_in_reasoning]`` every reasoning text holds a literal ``</think>``
 ``[served_other]``       the response's ``model`` is ``mock-served-other``, not the requested name
+``[truncate_call]``      the first response calls ``terminal`` with arguments cut off mid-JSON,
+                         ``finish_reason: "length"``
 =======================  ==========================================================================
 
 Server-side 429/5xx answers also carry ``retry-after-ms: 1``: the ``openai`` SDK ignores
@@ -124,7 +126,7 @@ LAST_REQUESTS_KEPT = 50
 
 _FLAG_RE = re.compile(
     r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request"
-    r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other)\]"
+    r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other|truncate_call)\]"
 )
 _VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after):\s*([0-9]+(?:\.[0-9]+)?)\]")
 _ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern)
@@ -147,6 +149,7 @@ class Directives:
     unclosed_think: bool = False
     think_in_reasoning: bool = False
     served_other: bool = False
+    truncate_call: bool = False
     error: int | None = None
     retry_after: float | None = None
     flaky: int = 0
@@ -394,6 +397,9 @@ class _Script:
         calls: list[tuple[str, str]] = []
         if self.d.truncate:
             action, content, finish = "answer at length", "This answer is cut off in the mid", "length"
+        elif self.d.truncate_call:
+            calls = [("terminal", '{"command": "echo a very long comm')]
+            action, content, finish = "call terminal at length", "Let me use terminal.", "length"
         else:
             if self.d.loop:
                 calls = [self.loop_call()]
