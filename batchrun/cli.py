@@ -94,6 +94,9 @@ def main(
     force_resume: bool = False,
     max_failure_rate: float = 0.5,
     keep_no_reasoning: bool = False,
+    keep_invalid_tool_calls: bool = False,
+    keep_empty_answers: bool = False,
+    exclude_partial: bool = False,
     report_max_trajectories: int = 500,
     budget_usd: float | None = None,
     budget_tokens: int | None = None,
@@ -159,6 +162,12 @@ def main(
         force_resume: [output] Resume although data-defining settings changed (recorded in the manifest).
         max_failure_rate: [output] Exit 3 when more than this share (0 to 1) of the run's prompts failed.
         keep_no_reasoning: [output] Keep samples with no reasoning instead of discarding them.
+        keep_invalid_tool_calls: [output] Keep samples holding a tool call whose arguments are not a JSON
+            object (bad or cut-off JSON) instead of discarding them (reason invalid_tool_call).
+        keep_empty_answers: [output] Keep samples whose final answer is empty (or reasoning only) instead
+            of discarding them (reason empty_answer).
+        exclude_partial: [output] Leave partial trajectories (max_turns, context limit, truncated, budget)
+            out of trajectories.jsonl; they stay in the batch files and count as finished for resume.
         report_max_trajectories: [output] Conversations listed in report.html (all records are counted).
         budget_usd: [spend] Run-wide budget in USD; once spent, the run stops (resume later).
         budget_tokens: [spend] Run-wide budget in tokens; once spent, the run stops (resume later).
@@ -218,6 +227,9 @@ def main(
             force_resume=force_resume,
             max_failure_rate=max_failure_rate,
             keep_no_reasoning=keep_no_reasoning,
+            keep_invalid_tool_calls=keep_invalid_tool_calls,
+            keep_empty_answers=keep_empty_answers,
+            exclude_partial=exclude_partial,
             report_max_trajectories=report_max_trajectories,
             budget_usd=budget_usd,
             budget_tokens=budget_tokens,
@@ -367,7 +379,7 @@ def run_steps(
                 "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
                 file=sys.stderr,
             )
-    totals = finish.merge(config.run_dir, rows, recorder)
+    totals = finish.merge(config.run_dir, rows, recorder, exclude_partial=config.exclude_partial)
     stats = finish.statistics(config, rows, totals, recorder, ready.isolation, ready.facts)
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
@@ -491,6 +503,8 @@ def worker_settings(
         ephemeral_system_prompt=config.ephemeral_system_prompt,
         prefill_messages=config.prefill_messages,
         require_reasoning=not config.keep_no_reasoning,
+        keep_invalid_tool_calls=config.keep_invalid_tool_calls,
+        keep_empty_answers=config.keep_empty_answers,
         verbose=config.verbose,
         log_prefix_chars=config.log_prefix_chars,
         tool_extra=tool_extra,

@@ -249,6 +249,9 @@ class RunConfig:
     force_resume: bool = _flag(parse_bool, False)
     max_failure_rate: float = _flag(float_flag(0, 1), 0.5)
     keep_no_reasoning: bool = _flag(parse_bool, False)
+    keep_invalid_tool_calls: bool = _flag(parse_bool, False)
+    keep_empty_answers: bool = _flag(parse_bool, False)
+    exclude_partial: bool = _flag(parse_bool, False)
     report_max_trajectories: int = _flag(int_flag(0), 500)
     # Spend and rate limits
     budget_usd: float | None = _flag(float_flag(0, low_open=True, optional=True))

@@ -28,6 +28,9 @@ class PromptJob:
     image: str | None = None
     cwd: str | None = None
     fail_reason: str | None = None  # set by preflight: the prompt fails without calling the model
+    row_fields: str | None = None  # the dataset row's other fields, as JSON text (metadata.row_fields)
+    row_id: str | None = None  # the dataset row's ``id`` as a string (metadata.row_id)
+    toolsets_sampled: tuple[str, ...] | None = None  # what the distribution drew, before availability
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,23 @@
-"""The trajectory record: its fields, defined once.
+"""The trajectory record: its fields and their types, defined once.
 
-The writer (``batchrun.prompt.trajectory.build_record``), the merge and statistics
-(``batchrun.run.finish``) and the tests all take the field list from here.
+The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.run``), the merge and
+statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here.
+
+Every key is present in every record, whatever the backend, endpoint, toolsets or outcome, with one
+type: a value that is unknown is ``null`` (never a missing key, never an empty list of unknown type),
+so any set of runs loads together with Hugging Face ``datasets``.
+
+Types are written as data, without importing ``datasets``: ``"string"``, ``"int64"``, ``"float64"``,
+``"bool"`` for a (nullable) value, a dict for a struct, a one-element list for a list of that type.
+:func:`record_features` turns the schema into ``datasets.Features`` for readers that want it.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
+
+STRING, INT, FLOAT, BOOL = "string", "int64", "float64", "bool"
 
 # The top-level fields of a record, in the order they are written (../shared/SPEC.md).
 RECORD_FIELDS = (
@@ -18,3 +31,136 @@ RECORD_FIELDS = (
     "tool_stats",
     "tool_error_counts",
 )
+
+# One structured call of a gpt turn; arguments as a JSON string (always a JSON object's text).
+TOOL_CALL: dict[str, Any] = {"id": STRING, "type": STRING, "function": {"name": STRING, "arguments": STRING}}
+
+# One ShareGPT entry. ``tool_calls`` is on every entry: the calls of a gpt turn, else an empty list.
+TURN: dict[str, Any] = {"from": STRING, "value": STRING, "tool_calls": [TOOL_CALL]}
+
+# metadata.usage: what the prompt spent. Counts the endpoint did not report are null, not 0.
+USAGE: dict[str, Any] = {
+    "requests": INT,  # requests sent, failed attempts included (our own count)
+    "calls": INT,  # answered calls (our own count)
+    "prompt_tokens": INT,
+    "completion_tokens": INT,
+    "reasoning_tokens": INT,
+    "cost_usd": FLOAT,
+    "retries": INT,
+    "rate_limited": INT,
+    "providers": [STRING],  # null when the endpoint named none
+}
+
+METADATA: dict[str, Any] = {
+    "batch_num": INT,
+    "timestamp": "timestamp[s]",  # ISO 8601 text, seconds; JSON readers (pyarrow) infer a timestamp
+    "model": STRING,  # as requested (--model)
+    "served_model": STRING,  # the last answered response's ``model``; null when the endpoint sent none
+    "stop_reason": STRING,
+    "duration_s": FLOAT,
+    "sandbox": STRING,
+    "isolation": STRING,
+    "sandbox_start_wait_s": FLOAT,
+    "sandbox_start_s": FLOAT,
+    "sandbox_start_blocked_s": FLOAT,
+    "sandbox_stop_s": FLOAT,
+    "sandbox_stop_background": BOOL,  # whether the stop ran after the outcome was sent
+    "prompt_tokens": INT,
+    "completion_tokens": INT,
+    "usage": USAGE,
+    "toolsets_sampled": [STRING],  # what the distribution drew (``toolsets_used`` is what was offered)
+    "image": STRING,  # the row's image (null: the backend's default)
+    "cwd": STRING,
+    "row_key": STRING,  # the row's identity, as resume and merge use it
+    "row_id": STRING,  # the dataset row's ``id``, as a string; null when it has none
+    "row_fields": STRING,  # the row's other fields as one JSON object's text; null when none
+}
+
+TOOL_STAT: dict[str, Any] = {"count": INT, "success": INT, "failure": INT}
+
+# Dataset fields the runner itself reads; every other field of a row travels in ``row_fields``.
+ROW_RUN_FIELDS = ("prompt", "image", "docker_image", "cwd")
+
+
+def record_schema(tool_names: list[str]) -> dict[str, Any]:
+    """The whole record's schema; ``tool_stats`` and ``tool_error_counts`` list every known tool."""
+    return {
+        "prompt_index": INT,
+        "conversations": [TURN],
+        "metadata": METADATA,
+        "completed": BOOL,
+        "partial": BOOL,
+        "api_calls": INT,
+        "toolsets_used": [STRING],
+        "tool_stats": {name: TOOL_STAT for name in tool_names},
+        "tool_error_counts": {name: INT for name in tool_names},
+    }
+
+
+def conform(value: Any, kind: Any) -> Any:
+    """``value`` shaped as ``kind``: every struct key present (missing ones null), numbers of the column's type.
+
+    Extra struct keys are dropped, so nothing outside the schema reaches a record.
+    """
+    if value is None:
+        return None
+    if isinstance(kind, dict):
+        source = value if isinstance(value, dict) else {}
+        return {key: conform(source.get(key), sub) for key, sub in kind.items()}
+    if isinstance(kind, list):
+        if not isinstance(value, (list, tuple)):
+            return None
+        return [conform(v, kind[0]) for v in value]
+    if kind == FLOAT and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)  # 0 and 0.0 must not make two types of one column
+    if kind == INT and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def normalize_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Every metadata key present with its type; an empty providers list (element type unknown) is null."""
+    meta = conform(metadata, METADATA)
+    usage = meta.get("usage")
+    if usage is not None and not usage.get("providers"):
+        usage["providers"] = None
+    return meta
+
+
+def row_fields_text(fields: dict[str, Any] | None) -> str | None:
+    """A row's extra fields as one JSON object's text (stable key order), or None when it has none."""
+    if not fields:
+        return None
+    return json.dumps(fields, ensure_ascii=False, sort_keys=True)
+
+
+def row_id_text(fields: dict[str, Any] | None) -> str | None:
+    """The row's ``id`` as a string (numbers too), or None."""
+    value = (fields or {}).get("id")
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def record_features(tool_names: list[str] | None = None) -> Any:
+    """The schema as ``datasets.Features`` (imports ``datasets``; only readers call this).
+
+    Pass it to ``datasets.load_dataset("json", data_files=[...], features=...)``: the loader otherwise
+    infers the types from the first file, and a column that happens to be null in every record of that
+    file (no row had an image, no endpoint reported reasoning tokens) has no type to cast the others to.
+    """
+    import datasets
+
+    if tool_names is None:
+        from batchrun.prompt.tools.registry import known_tool_names
+
+        tool_names = known_tool_names()
+
+    def feature(kind: Any) -> Any:
+        if isinstance(kind, dict):
+            return {k: feature(v) for k, v in kind.items()}
+        if isinstance(kind, list):
+            return datasets.List(feature(kind[0]))
+        return datasets.Value(kind)
+
+    return datasets.Features(feature(record_schema(tool_names)))

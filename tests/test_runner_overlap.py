@@ -140,7 +140,7 @@ def test_the_first_model_call_goes_out_before_the_sandbox_start_finishes(server,
     assert meta["sandbox_start_blocked_s"] >= 0
     for key in ("sandbox_start_wait_s", "sandbox_start_s", "sandbox_stop_s"):
         assert isinstance(meta[key], float)
-    assert "sandbox_stop_background" not in meta  # no stopper given: stopped before returning
+    assert meta["sandbox_stop_background"] is False  # no stopper given: stopped before returning
 
 
 @pytest.mark.parametrize(
@@ -297,7 +297,7 @@ def test_docker_prompts_with_and_without_tools_and_a_failed_start_leave_no_conta
     assert failed.kind == "failed" and failed.error_class == "sandbox"
     assert "does-not-exist-br:never" in failed.error
     assert synchronous.kind == "trajectory"
-    assert "sandbox_stop_background" not in synchronous.record["metadata"]
+    assert synchronous.record["metadata"]["sandbox_stop_background"] is False
 
 
 @pytest.mark.docker

@@ -8,6 +8,7 @@ import pytest
 
 from batchrun.prompt.trajectory import (
     SYSTEM_PREAMBLE,
+    ambiguous_markup,
     build_record,
     canonical_arguments,
     first_human,
@@ -201,7 +202,8 @@ def test_to_sharegpt_gpt_turns_think_and_tool_calls():
     )
     assert [c["id"] for c in first["tool_calls"]] == ["c1", "c2"]
     assert second["value"].startswith("<think>\nOne more.\n</think>\n<tool_call>\n")
-    assert last == {"from": "gpt", "value": "All done."}  # no reasoning: no <think>, no tool_calls key
+    # No reasoning: no <think>. tool_calls is on every entry (empty without calls), so the schema holds.
+    assert last == {"from": "gpt", "value": "All done.", "tool_calls": []}
     for entry in (first, second):
         assert parse_tool_calls(entry["value"]) == [
             {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
@@ -256,12 +258,19 @@ def test_parse_tool_calls_round_trip_json_string_arguments(raw):
     assert parse_tool_calls(value) == [{"name": "terminal", "arguments": args}]
 
 
-def test_parse_tool_calls_ignores_tool_call_text_in_content():
+def test_tool_call_text_in_content_is_kept_verbatim_and_flagged_ambiguous():
     content = (
         'Hermes models write calls like\n<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>\nas text.'
     )
-    value = gpt_value("thinking", content, [_call("call_1", "terminal", '{"command": "ls"}')])
-    assert parse_tool_calls(value) == [{"name": "terminal", "arguments": '{"command": "ls"}'}]
+    calls = [_call("call_1", "terminal", '{"command": "ls"}')]
+    value = gpt_value("thinking", content, calls)
+    assert content in value  # the model's words are never rewritten
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": content, "reasoning": "thinking", "tool_calls": calls},
+    ]
+    conv = to_sharegpt(messages, [])
+    assert ambiguous_markup(messages, conv)  # it would parse back as a call never made: discarded
 
 
 # ----------------------------------------------------------------------------- build_record and helpers

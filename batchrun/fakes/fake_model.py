@@ -72,6 +72,13 @@ Directives (written anywhere in the prompt text; they combine):
 ``[garbage]``            (server) 200 with a body that is not JSON
 ``[hangup]``             (server) the connection is closed without a response
 ``[slow:S]``             (server) sleep S seconds before answering (on top of ``latency_s``)
+``[empty_answer]``       the final answer's content is empty (reasoning only)
+``[literal_tool_call]``  the final answer's words end with a literal ``<tool_call>`` block (never a call)
+``[unclosed_think]``     the final answer's words open ``<think>`` and never close it
+``[think_in_reasoning]`` every reasoning text holds a literal ``</think>``
+``[served_other]``       the response's ``model`` is ``mock-served-other``, not the requested name
+``[truncate_call]``      the first response calls ``terminal`` with arguments cut off mid-JSON,
+                         ``finish_reason: "length"``
 =======================  ==========================================================================
 
 Server-side 429/5xx answers also carry ``retry-after-ms: 1``: the ``openai`` SDK ignores
@@ -120,7 +127,8 @@ LAST_REQUESTS_KEPT = 50
 # ---------------------------------------------------------------------------------------------
 
 _FLAG_RE = re.compile(
-    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request)\]"
+    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request"
+    r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other|truncate_call)\]"
 )
 _VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after):\s*([0-9]+(?:\.[0-9]+)?)\]")
 _ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern)
@@ -138,6 +146,12 @@ class Directives:
     loop: bool = False
     truncate: bool = False
     quote_request: bool = False
+    empty_answer: bool = False
+    literal_tool_call: bool = False
+    unclosed_think: bool = False
+    think_in_reasoning: bool = False
+    served_other: bool = False
+    truncate_call: bool = False
     error: int | None = None
     retry_after: float | None = None
     flaky: int = 0
@@ -385,6 +399,9 @@ class _Script:
         calls: list[tuple[str, str]] = []
         if self.d.truncate:
             action, content, finish = "answer at length", "This answer is cut off in the mid", "length"
+        elif self.d.truncate_call:
+            calls = [("terminal", '{"command": "echo a very long comm')]
+            action, content, finish = "call terminal at length", "Let me use terminal.", "length"
         else:
             if self.d.loop:
                 calls = [self.loop_call()]
@@ -402,8 +419,16 @@ class _Script:
                 seen = _describe_images(self.messages)
                 if seen:
                     content += f" {seen}"
+                if self.d.literal_tool_call:
+                    content += '\nA call looks like\n<tool_call>\n{"name": "terminal", "arguments": {}}\n</tool_call>'
+                if self.d.unclosed_think:
+                    content = f"<think>{content}"
+                if self.d.empty_answer:
+                    content = ""
                 action, finish = "give the final answer", "stop"
         reasoning = self.reasoning_text(action)
+        if self.d.think_in_reasoning:
+            reasoning += " Then </think> appears inside the reasoning."
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if self.d.no_reasoning:
             pass
@@ -460,7 +485,7 @@ def respond(request_body: dict[str, Any]) -> dict[str, Any]:
         "id": f"chatcmpl-mock-{digest}",
         "object": "chat.completion",
         "created": 0,  # the server stamps the current time
-        "model": request_body.get("model") or MOCK_MODEL,
+        "model": "mock-served-other" if script.d.served_other else request_body.get("model") or MOCK_MODEL,
         "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
         "usage": {
             "prompt_tokens": prompt_tokens,

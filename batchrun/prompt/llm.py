@@ -250,18 +250,25 @@ class Usage:
         self.cost_usd = 0.0
         self.retries = self.rate_limited = 0
         self.providers: list[str] = []
+        self.reported: set[str] = set()  # the counts some response reported: the others are unknown (null)
 
     def add(self, usage: dict[str, Any] | None, provider: str | None = None) -> None:
         usage = usage or {}
         details = usage.get("completion_tokens_details") or {}
         with self._lock:
             self.calls += 1
+            for key in ("prompt_tokens", "completion_tokens"):
+                if _is_count(usage.get(key)):
+                    self.reported.add(key)
+            if isinstance(details, dict) and _is_count(details.get("reasoning_tokens")):
+                self.reported.add("reasoning_tokens")
             self.prompt_tokens += _int(usage.get("prompt_tokens"))
             self.completion_tokens += _int(usage.get("completion_tokens"))
             self.reasoning_tokens += _int(details.get("reasoning_tokens") if isinstance(details, dict) else 0)
             cost = usage.get("cost")
             if isinstance(cost, (int, float)) and not isinstance(cost, bool):
                 self.cost_usd += float(cost)
+                self.reported.add("cost_usd")
             if provider and provider not in self.providers:
                 self.providers.append(provider)
 
@@ -279,18 +286,24 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
     def as_dict(self) -> dict[str, Any]:
-        """The record's ``metadata.usage``: the same keys and types in every record."""
+        """The record's ``metadata.usage`` (``batchrun.record.USAGE``): a count no response reported is
+        None, not 0, and no provider named is None, not an empty list of unknown type."""
+        known = self.reported
         return {
             "requests": self.requests,
             "calls": self.calls,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "reasoning_tokens": self.reasoning_tokens,
-            "cost_usd": round(self.cost_usd, 8),
+            "prompt_tokens": self.prompt_tokens if "prompt_tokens" in known else None,
+            "completion_tokens": self.completion_tokens if "completion_tokens" in known else None,
+            "reasoning_tokens": self.reasoning_tokens if "reasoning_tokens" in known else None,
+            "cost_usd": round(self.cost_usd, 8) if "cost_usd" in known else None,
             "retries": self.retries,
             "rate_limited": self.rate_limited,
-            "providers": list(self.providers),
+            "providers": list(self.providers) or None,
         }
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _int(value: Any) -> int:
@@ -518,7 +531,7 @@ def _parse_payload(data: Any) -> AssistantTurn:
         tool_calls=calls,
         finish_reason=choice.get("finish_reason"),
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
-        served_model=data.get("model") if isinstance(data.get("model"), str) else None,
+        served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
     )
 
 

@@ -44,9 +44,7 @@ class LoopResult:
         str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
     )
     tool_calls: int = 0
-    served_model: str = (
-        ""  # the model the endpoint said answered (its last reply's ``model``); "" if none said
-    )
+    served_model: str | None = None  # the last answered response's ``model``, when it named one
 
 
 def run_agent(

@@ -25,7 +25,13 @@ from batchrun.prompt.tools.registry import (
     known_tool_names,
     tools_for_toolsets,
 )
-from batchrun.prompt.trajectory import build_record, reasoning_counts
+from batchrun.prompt.trajectory import (
+    ambiguous_markup,
+    build_record,
+    empty_answer,
+    invalid_tool_call,
+    reasoning_counts,
+)
 from batchrun.protocol import Outcome, PromptJob
 
 
@@ -48,6 +54,10 @@ class RunSettings:
     ephemeral_system_prompt: str | None = None
     prefill_messages: tuple[dict[str, Any], ...] = ()
     require_reasoning: bool = True
+    # Else a sample with a call whose arguments are not a JSON object is discarded (invalid_tool_call),
+    # and one whose final answer has no words (empty_answer).
+    keep_invalid_tool_calls: bool = False
+    keep_empty_answers: bool = False
     verbose: bool = False
     log_prefix_chars: int = 100
 
@@ -89,6 +99,7 @@ def run_prompt(
         "sandbox_start_s": 0.0,  # the backend's start
         "sandbox_start_blocked_s": 0.0,  # what this prompt's own thread waited for the start
         "sandbox_stop_s": 0.0,  # what this prompt's own thread waited for the stop
+        "sandbox_stop_background": False,  # whether the stop was left to the background stopper
     }
     try:
         box = create_sandbox(settings.sandbox_backend, spec, options)
@@ -161,10 +172,15 @@ def run_prompt(
         "sandbox": settings.sandbox_backend,
         "isolation": isolation,
         **timings,
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
         "usage": usage.as_dict(),
+        "toolsets_sampled": list(job.toolsets_sampled if job.toolsets_sampled is not None else job.toolsets),
+        "image": job.image,
+        "cwd": job.cwd,
+        "row_id": job.row_id,
+        "row_fields": job.row_fields,
     }
+    metadata["prompt_tokens"] = metadata["usage"]["prompt_tokens"]
+    metadata["completion_tokens"] = metadata["usage"]["completion_tokens"]
     record = build_record(
         prompt_index=job.prompt_index,
         messages=result.messages,
@@ -176,10 +192,26 @@ def run_prompt(
         api_calls=result.api_calls,
         toolsets_used=list(job.toolsets),
     )
+    reason = quality_problem(result.messages, record, settings)
+    if reason is not None:
+        return Outcome.discarded(job, reason, record, usage.as_dict())
+    return Outcome.trajectory(job, record, usage.as_dict())
+
+
+def quality_problem(
+    messages: list[dict[str, Any]], record: dict[str, Any], settings: RunSettings
+) -> str | None:
+    """The first quality filter a sample fails (its discard reason), or None: no broken sample is saved as good."""
+    if not settings.keep_invalid_tool_calls and invalid_tool_call(messages):
+        return "invalid_tool_call"
+    if ambiguous_markup(messages, record["conversations"]):
+        return "ambiguous_markup"  # no flag keeps it: its text does not say what the model said
+    if not settings.keep_empty_answers and record["completed"] and empty_answer(messages):
+        return "empty_answer"
     with_reasoning, _ = reasoning_counts(record["conversations"])
     if settings.require_reasoning and with_reasoning == 0:
-        return Outcome.discarded(job, "no_reasoning", record, usage.as_dict())
-    return Outcome.trajectory(job, record, usage.as_dict())
+        return "no_reasoning"
+    return None
 
 
 def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:

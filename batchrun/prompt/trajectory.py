@@ -1,7 +1,8 @@
 """Turn one prompt's conversation into a ShareGPT record (Hermes function-calling convention).
 
-The conversion is reversible where it matters: parsing a gpt ``value`` back with
-:func:`parse_tool_calls` gives exactly the calls in its structured ``tool_calls`` list.
+The conversion is reversible: parsing a gpt ``value`` back (:func:`parse_gpt_value`) gives exactly
+the turn's reasoning, words and the calls in its structured ``tool_calls`` list. The model's words are
+never rewritten to make that so; a sample where it does not hold is discarded (:func:`ambiguous_markup`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from batchrun.record import RECORD_FIELDS
+from batchrun.record import RECORD_FIELDS, normalize_metadata
 
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
@@ -52,7 +53,12 @@ def split_reasoning(content: str | None) -> tuple[str | None, str]:
 
 
 def canonical_arguments(raw: str) -> str:
-    """The arguments string saved in ``tool_calls``: canonical JSON when it parses, else the raw text."""
+    """The arguments string saved in ``tool_calls``: canonical JSON when it parses, else the raw text.
+
+    No arguments at all (an empty string, as some servers send for a tool without parameters) is ``{}``.
+    """
+    if not (raw or "").strip():
+        return "{}"
     try:
         return json.dumps(json.loads(raw), ensure_ascii=False)
     except (json.JSONDecodeError, TypeError):
@@ -86,20 +92,14 @@ def parse_tool_calls(value: str) -> list[dict[str, str]]:
     return calls
 
 
-_TAG_RE = re.compile(r"<(/?)tool_call>")
-
-
-def _escape_tags(text: str) -> str:
-    """Literal tool-call tags in free text would parse back as calls that were never made."""
-    return _TAG_RE.sub(r"&lt;\1tool_call&gt;", text)
-
-
 def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, Any]]) -> str:
+    """A gpt turn as text. The model's words are never rewritten: a turn whose words would not parse
+    back as written is discarded instead (see :func:`ambiguous_markup`)."""
     parts = []
     if reasoning:
-        parts.append(f"<think>\n{_escape_tags(reasoning)}\n</think>")
+        parts.append(f"<think>\n{reasoning}\n</think>")
     if content.strip():
-        parts.append(_escape_tags(content.strip()))
+        parts.append(content.strip())
     parts.extend(_tool_call_block(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
     return "\n".join(parts)
 
@@ -120,16 +120,21 @@ def to_sharegpt(messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any
     native fields or scratchpad tags). Consecutive tool results become one ``tool`` entry.
     """
     tools_json = json.dumps([s["function"] for s in tool_schemas], ensure_ascii=False)
-    conv: list[dict[str, Any]] = [{"from": "system", "value": SYSTEM_PREAMBLE.format(tools=tools_json)}]
+    conv: list[dict[str, Any]] = [
+        {"from": "system", "value": SYSTEM_PREAMBLE.format(tools=tools_json), "tool_calls": []}
+    ]
     for msg in messages:
         role = msg["role"]
         if role == "user":
-            conv.append({"from": "human", "value": msg["content"]})
+            conv.append({"from": "human", "value": msg["content"], "tool_calls": []})
         elif role == "assistant":
             calls = msg.get("tool_calls") or []
+            # ``tool_calls`` is on every entry (an empty list when none; the schema types its elements):
+            # a key present in some entries only makes datasets load the conversation as untyped JSON.
             entry: dict[str, Any] = {
                 "from": "gpt",
                 "value": gpt_value(msg.get("reasoning"), msg.get("content") or "", calls),
+                "tool_calls": [],
             }
             if calls:
                 entry["tool_calls"] = [
@@ -146,7 +151,7 @@ def to_sharegpt(messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any
             if conv[-1]["from"] == "tool":
                 conv[-1]["value"] += "\n" + block
             else:
-                conv.append({"from": "tool", "value": block})
+                conv.append({"from": "tool", "value": block, "tool_calls": []})
     return conv
 
 
@@ -197,7 +202,7 @@ def build_record(
     record = {
         "prompt_index": prompt_index,
         "conversations": to_sharegpt(messages, tool_schemas),
-        "metadata": metadata,
+        "metadata": normalize_metadata(metadata),
         "completed": completed,
         "partial": partial,
         "api_calls": api_calls,
@@ -212,7 +217,70 @@ def build_record(
 def reasoning_counts(conversations: list[dict[str, Any]]) -> tuple[int, int]:
     """(gpt turns with reasoning, gpt turns in all) of a ShareGPT conversation."""
     gpt = [c for c in conversations if c.get("from") == "gpt"]
-    return sum(1 for c in gpt if c.get("value", "").startswith("<think>")), len(gpt)
+    # A closed, non-empty envelope: words that open <think> and never close it are not reasoning.
+    return sum(1 for c in gpt if _has_reasoning(c.get("value", ""))), len(gpt)
+
+
+def _has_reasoning(value: str) -> bool:
+    found = _THINK_RE.match(value)
+    return found is not None and bool(found.group(1).strip())
+
+
+# ----------------------------------------------------------------------------- quality checks of a sample
+
+
+def invalid_tool_call(messages: list[dict[str, Any]]) -> bool:
+    """Whether any saved call's arguments are not a JSON object (bad JSON, or cut off by the length limit)."""
+    for msg in messages:
+        if msg.get("role") != "assistant":
+            continue
+        for call in msg.get("tool_calls") or []:
+            try:
+                args = json.loads(call["function"]["arguments"])
+            except (json.JSONDecodeError, TypeError):
+                return True
+            if not isinstance(args, dict):
+                return True
+    return False
+
+
+def empty_answer(messages: list[dict[str, Any]]) -> bool:
+    """Whether the final assistant turn (no calls) has no words: empty, or reasoning only."""
+    last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+    return last is not None and not last.get("tool_calls") and not (last.get("content") or "").strip()
+
+
+_LOOSE_CALL_RE = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+def ambiguous_markup(messages: list[dict[str, Any]], conversations: list[dict[str, Any]]) -> bool:
+    """Whether some gpt value does not parse back to exactly its turn's reasoning, words and calls.
+
+    Beyond this module's own parser, markup a looser reader would misread counts too: ``<think>`` or
+    ``</think>`` in the words or ``</think>`` in the reasoning, and a ``<tool_call>...</tool_call>``
+    span in the words or the reasoning.
+    """
+    turns = [m for m in messages if m.get("role") == "assistant"]
+    values = [c["value"] for c in conversations if c.get("from") == "gpt"]
+    if len(turns) != len(values):
+        return True
+    for msg, value in zip(turns, values, strict=True):
+        reasoning, words = msg.get("reasoning") or None, (msg.get("content") or "").strip()
+        calls = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in msg.get("tool_calls") or []
+        ]
+        if "<think>" in words or "</think>" in words or (reasoning and "</think>" in reasoning):
+            return True
+        if _LOOSE_CALL_RE.search(words) or (reasoning and _LOOSE_CALL_RE.search(reasoning)):
+            return True
+        try:
+            parsed = parse_gpt_value(value)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return True
+        if parsed != ((reasoning.strip() if reasoning else None), words, calls):
+            return True
+    return False
 
 
 def first_human(conversations: list[dict[str, Any]]) -> str | None:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from batchrun.config import UsageError
+from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,8 @@ class Row:
     image: str | None
     cwd: str | None
     occurrence: int  # how many earlier rows hold the same prompt text
+    row_fields: str | None = None  # the row's other fields (id, answer, ...) as JSON text; None when none
+    row_id: str | None = None  # the row's ``id`` as a string, when it has one
 
 
 def load_dataset(path: str, max_samples: int | None = None) -> tuple[list[Row], list[str]]:
@@ -81,6 +84,15 @@ def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tup
     cwd = obj.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
         return "field 'cwd' must be an absolute path string", None
-    row = Row(index=line_no - 1, prompt=prompt, image=image, cwd=cwd, occurrence=seen[prompt])
+    extra = {k: v for k, v in obj.items() if k not in ROW_RUN_FIELDS}
+    row = Row(
+        index=line_no - 1,
+        prompt=prompt,
+        image=image,
+        cwd=cwd,
+        occurrence=seen[prompt],
+        row_fields=row_fields_text(extra),
+        row_id=row_id_text(extra),
+    )
     seen[prompt] += 1
     return None, row

@@ -8,6 +8,8 @@ record per finished row. They cover every run of this run name; ``this_run`` cov
 from __future__ import annotations
 
 import collections
+import datetime as dt
+import json
 import os
 import sys
 import time
@@ -43,6 +45,8 @@ class MergeTotals:
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
+        # Every valid finished record in the batch files by how it ended, the excluded partial ones included.
+        self.by_stop_reason: collections.Counter[str] = collections.Counter()
 
     def add(self, rec: dict[str, Any]) -> None:
         self.kept += 1
@@ -81,8 +85,10 @@ class MergeTotals:
                 "cost_usd": round(self.usage["cost_usd"], 6),
             },
             "dropped_at_merge": {
-                k: self.dropped.get(k, 0) for k in ("invalid_lines", "unknown_tool", "duplicate")
+                k: self.dropped.get(k, 0)
+                for k in ("invalid_lines", "unknown_tool", "duplicate", "partial_excluded")
             },
+            "trajectories_by_stop_reason": dict(self.by_stop_reason),
             "tool_stats": tools,
             "reasoning": {
                 "turns_with_reasoning": self.with_reasoning,
@@ -92,8 +98,11 @@ class MergeTotals:
         }
 
 
-def merge(run_dir: Path, rows: list[Row], recorder: Recorder) -> MergeTotals:
-    """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras.
+def merge(
+    run_dir: Path, rows: list[Row], recorder: Recorder, *, exclude_partial: bool = False
+) -> MergeTotals:
+    """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
+    and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
 
     One pass: each kept line is copied as written (already redacted) and counted for the
     statistics, so memory stays flat and each record is parsed once.
@@ -122,6 +131,10 @@ def merge(run_dir: Path, rows: list[Row], recorder: Recorder) -> MergeTotals:
                     totals.dropped["duplicate"] += 1
                     continue
                 kept[key] += 1
+                totals.by_stop_reason[_stop_reason(rec)] += 1
+                if exclude_partial and rec.get("partial"):
+                    totals.dropped["partial_excluded"] += 1
+                    continue
                 totals.add(rec)
                 fh.write(raw if raw.endswith(b"\n") else raw + b"\n")
         fh.flush()
@@ -131,6 +144,11 @@ def merge(run_dir: Path, rows: list[Row], recorder: Recorder) -> MergeTotals:
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
     recorder.write_checkpoint()
     return totals
+
+
+def _stop_reason(rec: dict[str, Any]) -> str:
+    reason = (rec.get("metadata") or {}).get("stop_reason")
+    return reason if isinstance(reason, str) else "unknown"
 
 
 def statistics(
@@ -154,6 +172,8 @@ def statistics(
         w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
         with_r, without_r = with_r + w, without_r + n - w
     failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
+    this_run = this_run_totals(recorder)
+    runs = [*earlier_runs(run_dir / "statistics.json"), this_run]
     summary = totals.summary()
     # Lines skipped for their shape (or torn) in discarded.jsonl and failed.jsonl, beside the batch files'.
     summary["invalid_lines_skipped"] = {
@@ -180,6 +200,23 @@ def statistics(
         "discarded": {"total": sum(discards_all.values()), "by_reason": dict(discards_all)},
         "failed_attempts": {"total": sum(failures_all.values()), "by_class": failures_all},
         "remaining_for_resume": count_remaining(run_dir, rows, totals, recorder, config.rerun_discarded),
+        # The reference runner's names and shapes, beside ours, so scripts written for it read this file.
+        "total_prompts": len(rows),
+        "total_batches": len(batch_files(run_dir)),  # batch files of every run of this run name
+        "batch_size": config.batch_size,
+        "completed_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "duration_seconds": round(sum(r["duration_s"] for r in runs), 2),  # every run of this run name
+        "tool_statistics": reference_tool_statistics(summary["tool_stats"]),
+        "reasoning_statistics": {
+            "total_assistant_turns": with_r + without_r,
+            "turns_with_reasoning": with_r,
+            "turns_without_reasoning": without_r,
+            "coverage": summary["reasoning"]["coverage"],
+            "samples_discarded_no_reasoning": discards_all.get("no_reasoning", 0),
+        },
+        # Totals over every invocation of this run name: a --resume adds to them, never resets them.
+        "run_totals": run_totals(runs),
+        "runs": runs,
         "this_run": {
             "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
             "trajectories": recorder.counts[TRAJECTORY],
@@ -197,11 +234,90 @@ def statistics(
             "toolsets_not_available": {
                 k.split(":", 1)[1]: v for k, v in recorder.counts.items() if k.startswith("toolset_missing:")
             },
-            "duration_s": round(time.monotonic() - recorder.started, 2),
+            "duration_s": this_run["duration_s"],
         },
     }
     write_json_atomic(run_dir / "statistics.json", stats, recorder.redact)
     return stats
+
+
+RUN_TOTAL_KEYS = ("attempted", "trajectories", "requests", "prompt_tokens", "completion_tokens", "cost_usd")
+
+
+def this_run_totals(recorder: Recorder) -> dict[str, Any]:
+    """This invocation's entry in ``runs``: when, how long, what it spent."""
+    spend = recorder.spend
+    return {
+        "started_at": recorder.started_at,
+        "completed_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "duration_s": round(time.monotonic() - recorder.started, 2),
+        "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
+        "trajectories": recorder.counts[TRAJECTORY],
+        "requests": int(spend["requests"]),
+        "prompt_tokens": int(spend["prompt_tokens"]),
+        "completion_tokens": int(spend["completion_tokens"]),
+        "cost_usd": round(float(spend["cost_usd"]), 8),
+    }
+
+
+def earlier_runs(path: Path) -> list[dict[str, Any]]:
+    """The ``runs`` history of the statistics.json an earlier invocation wrote (one entry per invocation).
+
+    A file written before the history existed gives its ``this_run`` as the one earlier run; an
+    unreadable one gives none (its numbers cannot be trusted to add up).
+    """
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    runs = old.get("runs")
+    if isinstance(runs, list):
+        return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
+    tr = old.get("this_run")
+    if isinstance(tr, dict) and isinstance(tr.get("duration_s"), (int, float)):
+        usage = tr.get("usage") if isinstance(tr.get("usage"), dict) else {}
+        return [
+            {
+                "started_at": None,
+                "completed_at": None,
+                "duration_s": tr["duration_s"],
+                "attempted": tr.get("attempted", 0),
+                "trajectories": tr.get("trajectories", 0),
+                "requests": tr.get("api_calls", 0),
+                "prompt_tokens": usage.get("prompt_tokens", 0),
+                "completion_tokens": usage.get("completion_tokens", 0),
+                "cost_usd": usage.get("cost_usd", 0.0),
+            }
+        ]
+    return []
+
+
+def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def total(key: str) -> float:
+        return sum(r.get(key) or 0 for r in runs if isinstance(r.get(key) or 0, (int, float)))
+
+    totals: dict[str, Any] = {"runs": len(runs), "duration_s": round(total("duration_s"), 2)}
+    for key in RUN_TOTAL_KEYS:
+        totals[key] = round(total(key), 8) if key == "cost_usd" else int(total(key))
+    totals["total_tokens"] = totals["prompt_tokens"] + totals["completion_tokens"]
+    return totals
+
+
+def reference_tool_statistics(tool_stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per tool as the reference runner writes it: rates in percent of the calls, 0.0 when none."""
+    out = {}
+    for name, s in tool_stats.items():
+        calls = s["success"] + s["failure"]
+        out[name] = {
+            "count": s["count"],
+            "success": s["success"],
+            "failure": s["failure"],
+            "success_rate": round(s["success"] / calls * 100, 2) if calls else 0.0,
+            "failure_rate": round(s["failure"] / calls * 100, 2) if calls else 0.0,
+        }
+    return out
 
 
 def count_remaining(

@@ -58,6 +58,10 @@ def make_plan(rows: list[Row], config: RunConfig, run_dir: Path, tool_extra: dic
                 toolsets=tuple(usable),
                 image=row.image,
                 cwd=row.cwd,
+                row_fields=row.row_fields,
+                row_id=row.row_id,
+                # Drawn (or the guaranteed one), available here or not: ``toolsets`` is what is offered.
+                toolsets_sampled=tuple(t for t in dist.probabilities if t in usable or t in unavailable),
             )
         )
     if plan.missing:

@@ -8,6 +8,7 @@ own prompts, without a model call. The backend's own steps live on its class (se
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from batchrun.config import UsageError
@@ -18,12 +19,17 @@ from batchrun.protocol import PromptJob
 
 
 def check_endpoint(cfg: LLMConfig) -> None:
-    """One cheap request: an unreachable endpoint or a rejected key is a clear error, once."""
+    """One cheap request: an unreachable endpoint or a rejected key is a clear error, once.
+
+    When the endpoint lists its models and the requested one is not among them, say so once: the
+    server may answer with another model (each record's ``metadata.served_model`` says which).
+    """
     import openai
 
     client = openai.OpenAI(base_url=cfg.base_url, api_key=cfg.api_key or NO_KEY, max_retries=1, timeout=15)
     try:
-        client.models.list()
+        listed = [m.id for m in client.models.list().data if isinstance(getattr(m, "id", None), str)]
+        warn_unlisted_model(cfg.model, listed)
     except openai.AuthenticationError as exc:
         raise UsageError(
             f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.status_code})"
@@ -32,6 +38,19 @@ def check_endpoint(cfg: LLMConfig) -> None:
         raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {exc}") from None
     except Exception:
         pass  # some servers have no /models; the first real request will tell
+
+
+def warn_unlisted_model(model: str, listed: list[str]) -> bool:
+    """Print one warning when ``listed`` (the endpoint's /models) is not empty and lacks ``model``."""
+    if not listed or model in listed:
+        return False
+    shown = ", ".join(listed[:5]) + (f" (and {len(listed) - 5} more)" if len(listed) > 5 else "")
+    print(
+        f"warning: the endpoint does not list the requested model {model!r}; it lists {shown}. "
+        "Records keep the requested name in metadata.model and the one that answered in metadata.served_model",
+        file=sys.stderr,
+    )
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

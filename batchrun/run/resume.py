@@ -41,6 +41,8 @@ MANIFEST_KEYS = (
     "endpoint_dialect",  # how the reasoning controls were sent decides whether they took effect
     "sandbox",
     "keep_no_reasoning",
+    "keep_invalid_tool_calls",
+    "keep_empty_answers",
     "ephemeral_system_prompt_sha256",  # hashes, never the text: both are secrets (see Redactor)
     "prefill_sha256",
 )
@@ -58,6 +60,8 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "endpoint_dialect": config.endpoint_dialect,
         "sandbox": config.backend,
         "keep_no_reasoning": config.keep_no_reasoning,
+        "keep_invalid_tool_calls": config.keep_invalid_tool_calls,
+        "keep_empty_answers": config.keep_empty_answers,
         **config.secret_hashes(),
         "dataset_file": config.dataset_file,
         "dataset_sha256": _file_sha256(config.dataset_file),

@@ -161,10 +161,16 @@ def _row(record: dict[str, Any], fmt: str, discard_reason: str | None) -> dict[s
         completed=bool(record.get("completed")),
         partial=bool(record.get("partial")),
         model=model if isinstance(model, str) else None,
+        # The model that answered, and the dataset row's id and other fields: join back to ground truth.
+        **{k: _text_or_none(metadata.get(k)) for k in ("served_model", "row_id", "row_fields")},
         toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
         discard_reason=discard_reason,
     )
     return row
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def split_of(prompt: str, seed: int, test_fraction: float) -> str:
@@ -240,6 +246,9 @@ def _parquet_schema() -> Any:
             ("completed", pa.bool_()),
             ("partial", pa.bool_()),
             ("model", pa.string()),
+            ("served_model", pa.string()),
+            ("row_id", pa.string()),
+            ("row_fields", pa.string()),
             ("toolsets_used", pa.list_(pa.string())),
             ("discard_reason", pa.string()),
         ]
