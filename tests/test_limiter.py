@@ -83,11 +83,6 @@ def test_rpm_wait_past_the_deadline_raises_at_once(clock: FakeClock) -> None:
     assert clock.slept == []  # no point waiting for a slot after the deadline
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an acquire that gives up at its deadline keeps the rate slot it reserved, "
-    "so timed-out waits push every later request further out",
-)
 def test_a_timed_out_wait_does_not_use_up_the_rate(clock: FakeClock) -> None:
     lim = Limiter(rpm=6)  # 10 s apart
     lim.acquire(clock.mono + 100)
