@@ -53,15 +53,17 @@ def read_jsonl(path: Path) -> list[dict]:
 # ----------------------------------------------------------------------------- a run in-process
 
 
-def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:
-    """One in-process run; raises SystemExit on a non-zero exit like the CLI does."""
+def run(server: FakeModelServer | None, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:
+    """One in-process run against ``server`` (None: the built-in ``--model=mock``); flags in ``kw`` win.
+    Raises SystemExit on a non-zero exit like the CLI does."""
+    endpoint = {"model": "mock"}
+    if server is not None:
+        endpoint = {"model": "fake-model", "base_url": server.base_url, "api_key": "sk-local-test"}
     args = dict(
         dataset_file=str(dataset),
         batch_size=4,
         run_name=run_name,
-        model="fake-model",
-        base_url=server.base_url,
-        api_key="sk-local-test",
+        **endpoint,
         output_dir=str(out),
         num_workers=2,
         distribution="terminal_only",

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import read_jsonl, skip_or_fail, write_jsonl
+from helpers import run as run_main
 
 import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
@@ -52,21 +53,7 @@ SANDBOX_DIR = re.compile(r"/tmp/(batch-runner-[\w.\-]+/)?br-[\w.\-]+")
 
 
 def run(server: FakeModelServer, dataset: Path, out: Path, run_name: str = "run", **kw) -> None:
-    args = dict(
-        dataset_file=str(dataset),
-        batch_size=4,
-        run_name=run_name,
-        model="fake",
-        base_url=server.base_url,
-        api_key=API_KEY,
-        output_dir=str(out),
-        num_workers=2,
-        distribution="terminal_only",
-        seed=11,
-        max_failure_rate=1.0,
-    )
-    args.update(kw)
-    assert batch_runner.main(**args) is None
+    run_main(server, dataset, out, run_name, **{"model": "fake", "api_key": API_KEY, "seed": 11, **kw})
 
 
 def comparable(records: list[dict]) -> dict[int, dict]:

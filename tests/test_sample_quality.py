@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from helpers import read_jsonl, write_jsonl
+from helpers import run as run_main
 
-import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import LLMConfig
 from batchrun.prompt.trajectory import (
@@ -26,18 +26,8 @@ from batchrun.run.preflight import check_endpoint, warn_unlisted_model
 
 
 def run(dataset: Path, out: Path, run_name: str = "q", **kw) -> Path:
-    args = dict(
-        dataset_file=str(dataset),
-        batch_size=4,
-        run_name=run_name,
-        model="mock",
-        output_dir=str(out),
-        num_workers=1,
-        distribution="terminal_only",
-        max_failure_rate=1.0,
-    )
-    args.update(kw)
-    assert batch_runner.main(**args) is None
+    """A run with the built-in mock model; returns its run directory."""
+    run_main(None, dataset, out, run_name, **{"num_workers": 1, **kw})
     return out / run_name
 
 
