@@ -10,8 +10,6 @@ load the dataset, open the run directory, filter for resume, plan, preflight, di
 workers, merge, statistics, report. The parent process is the only writer under ``data/<run_name>/``.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import os
 import signal
@@ -269,9 +267,10 @@ def cli(argv: list[str] | None = None) -> None:
 
         raise SystemExit(export_main(argv[1:]))
     if any(a in ("-h", "--help", "-help") for a in argv):
-        import fire
+        from fire import helptext, trace
 
-        fire.Fire(main, command=["--help"], name="batch_runner.py")
+        # Fire's own rendering of main's Args: docstring, on stdout (Fire itself writes help to stderr).
+        print(helptext.HelpText(main, trace=trace.FireTrace(main, name="batch_runner.py")))
         return
     names = RunConfig.flag_names()
     bools = [f.name for f in dataclasses.fields(RunConfig) if f.type in ("bool", "bool | None")]

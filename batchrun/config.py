@@ -491,6 +491,12 @@ def parse_argv(argv: list[str], bool_flags: Iterable[str], valid: Iterable[str])
     while i < len(argv):
         token = argv[i]
         i += 1
+        short = re.fullmatch(r"-([A-Za-z])(=.*)?", token)
+        if short:  # Fire's one-letter alias of the only flag starting with that letter (--help shows them)
+            owners = [n for n in names if n.startswith(short.group(1))]
+            if len(owners) != 1:
+                raise UsageError(f"-{short.group(1)} stands for no single flag; write the flag out in full")
+            token = f"--{owners[0]}{short.group(2) or ''}"
         if not token.startswith("--") or token == "--":
             raise UsageError(
                 f"unexpected argument at position {i} (every setting is a --flag=value; "
