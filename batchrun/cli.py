@@ -21,7 +21,7 @@ from typing import Any
 
 from batchrun.config import (
     DEFAULT_BASE_URL,
-    DEFAULT_DOCKER_IMAGE,
+    DEFAULT_IMAGE,
     DEFAULT_MODEL,
     RunConfig,
     UsageError,
@@ -75,7 +75,7 @@ def main(
     max_sandbox_starts: int = 8,
     ray_address: str | None = None,
     sandbox: str | None = None,
-    default_image: str = DEFAULT_DOCKER_IMAGE,
+    default_image: str = DEFAULT_IMAGE,
     local_isolation: str = "auto",
     container_cpus: float = 1.0,
     container_memory_mb: int = 2048,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -31,7 +32,6 @@ DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MOCK_MODEL = "mock"  # the built-in fake model (batchrun.fakes.fake_model): no key, no network
 
-DEFAULT_DOCKER_IMAGE = DEFAULT_IMAGE  # the product default (the tests' image is never one)
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 # Where a run's output may never go: the kernel's own file systems.
@@ -230,7 +230,7 @@ class RunConfig:
     ray_address: str | None = _flag(text_flag(nonempty=False))  # checked by the Ray pool's check_address
     # Sandboxes
     sandbox: str | None = _flag(text_flag())
-    default_image: str = _flag(text_flag(optional=False), DEFAULT_DOCKER_IMAGE)
+    default_image: str = _flag(text_flag(optional=False), DEFAULT_IMAGE)  # the tests' image is never it
     local_isolation: str = _flag(choice_flag(ISOLATION_MODES, optional=False), "auto")
     container_cpus: float = _flag(float_flag(0, 1024, low_open=True), 1.0)
     container_memory_mb: int = _flag(int_flag(16), 2048)
@@ -345,8 +345,9 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name
 
-    @property
+    @functools.cached_property
     def prefill_messages(self) -> tuple[dict[str, Any], ...]:
+        """The --prefill_messages_file's messages, read and checked once (by ``check``)."""
         return load_prefill(self.prefill_messages_file)
 
     def llm_config(self, base_url: str) -> LLMConfig:

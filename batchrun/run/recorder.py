@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.prompt.trajectory import row_key, valid_record
+from batchrun.prompt.trajectory import valid_record
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
+from batchrun.run.resume import row_identity
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,
@@ -138,7 +139,7 @@ class Recorder:
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
         # The row's identity travels with every outcome, so resume and merge can tell apart rows with
         # the same text and another image or cwd. Always present, null when the row has none.
-        identity = {"image": outcome.image, "cwd": outcome.cwd, "row_key": self.identity_key(outcome)}
+        identity = {"image": outcome.image, "cwd": outcome.cwd, "row_key": row_identity(outcome, self.redact)}
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
             outcome.record["metadata"].update(identity)
         if kind == TRAJECTORY:
@@ -178,12 +179,6 @@ class Recorder:
                 self.echo(
                     self.redact(f"[{outcome.prompt_index}] failed: {outcome.error_class}: {outcome.error}")
                 )
-
-    def identity_key(self, outcome: Outcome) -> str:
-        """The row's identity as the saved record gives it back (secrets in it are redacted there)."""
-        image = None if outcome.image is None else self.redact(outcome.image)
-        cwd = None if outcome.cwd is None else self.redact(outcome.cwd)
-        return row_key(self.redact(outcome.prompt), image, cwd)
 
     def add_live_spend(self, spend: Spend) -> None:
         """One model call's tokens and cost, reported while its prompt is still running."""

@@ -26,6 +26,7 @@ from batchrun.prompt.trajectory import (
     valid_outcome_row,
     valid_record,
 )
+from batchrun.protocol import Outcome
 from batchrun.run.dataset import Row
 from batchrun.secrets import Redactor
 from batchrun.storage import batch_files, iter_jsonl
@@ -121,8 +122,9 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
     return kept
 
 
-def row_identity(row: Row, redact: Redactor) -> str:
-    """A dataset row's identity as saved records give it back (secrets in them were redacted there)."""
+def row_identity(row: Row | Outcome, redact: Redactor) -> str:
+    """A row's identity (a dataset row's, or an outcome's) as saved records give it back: secrets in
+    them were redacted there."""
     image = None if row.image is None else redact(row.image)
     cwd = None if row.cwd is None else redact(row.cwd)
     return row_key(redact(row.prompt), image, cwd)
