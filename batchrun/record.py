@@ -73,7 +73,7 @@ METADATA: dict[str, Any] = {
     "cwd": STRING,
     "row_key": STRING,  # the row's identity, as resume and merge use it
     "row_id": STRING,  # the dataset row's ``id``, as a string; null when it has none
-    "row_fields": STRING,  # the row's other fields as one JSON object's text; null when none
+    "row_fields": STRING,  # the row's other fields as one JSON object's text; "{}" when none
 }
 
 TOOL_STAT: dict[str, Any] = {"count": INT, "success": INT, "failure": INT}
@@ -127,11 +127,13 @@ def normalize_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def row_fields_text(fields: dict[str, Any] | None) -> str | None:
-    """A row's extra fields as one JSON object's text (stable key order), or None when it has none."""
-    if not fields:
-        return None
-    return json.dumps(fields, ensure_ascii=False, sort_keys=True)
+def row_fields_text(fields: dict[str, Any] | None) -> str:
+    """A row's extra fields as one JSON object's text (stable key order); ``"{}"`` when it has none.
+
+    Never null: ``json.loads`` always works on it, and a run whose rows have no extra fields still
+    gives the column its type (a column null in every record of a file has none for a JSON reader).
+    """
+    return json.dumps(fields or {}, ensure_ascii=False, sort_keys=True)
 
 
 def row_id_text(fields: dict[str, Any] | None) -> str | None:
@@ -140,6 +142,53 @@ def row_id_text(fields: dict[str, Any] | None) -> str | None:
     if value is None:
         return None
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def features_yaml(spec: dict[str, Any], indent: int = 2) -> list[str]:
+    """A schema (this module's notation) as the ``features:`` list of a Hugging Face dataset card."""
+    pad = " " * indent
+    lines = []
+    for name, kind in spec.items():
+        lines.append(f"{pad}- name: {name}")
+        if isinstance(kind, str):
+            lines.append(f"{pad}  dtype: {kind}")
+        elif isinstance(kind, dict):
+            lines += [f"{pad}  struct:", *features_yaml(kind, indent + 2)]
+        elif isinstance(kind[0], str):
+            lines.append(f"{pad}  list: {kind[0]}")
+        else:
+            lines += [f"{pad}  list:", *features_yaml(kind[0], indent + 2)]
+    return lines
+
+
+def run_card(run_name: str, tool_names: list[str]) -> str:
+    """The dataset card written beside ``trajectories.jsonl``: ``load_dataset(run_dir)`` reads that file
+    with this schema, so every column has its type even when it is null in every record of the run."""
+    lines = [
+        "---",
+        "configs:",
+        "- config_name: default",
+        "  data_files:",
+        "  - split: train",
+        "    path: trajectories.jsonl",
+        "dataset_info:",
+        "  features:",
+        *features_yaml(record_schema(tool_names), 2),
+        "tags:",
+        "- tool-use",
+        "- agent-trajectories",
+        "---",
+        "",
+    ]
+    body = f"""# {run_name}
+
+Agent trajectories written by batch-runner (ShareGPT `conversations` with structured `tool_calls`,
+`metadata`, tool statistics over every known tool). `datasets.load_dataset("<this directory>")` reads
+`trajectories.jsonl` with the schema above. For several runs at once, pass the schema:
+`load_dataset("json", data_files=[...], features=batchrun.record.record_features())`, or export them
+together with `python batch_runner.py export RUN_DIR [RUN_DIR ...] --format=parquet --out=DIR`.
+"""
+    return "\n".join(lines) + "\n" + body
 
 
 def record_features(tool_names: list[str] | None = None) -> Any:

@@ -247,7 +247,8 @@ def test_two_mock_runs_load_together_and_carry_their_rows(tmp_path):
     assert set(by_id) == {"11", "q-2"}
     assert json.loads(by_id["11"]["metadata"]["row_fields"]) == {"id": 11, "answer": "3", "source": "s"}
     assert json.loads(by_id["q-2"]["metadata"]["row_fields"]) == {"id": "q-2"}
-    assert all(r["metadata"]["row_id"] is None and r["metadata"]["row_fields"] is None for r in rb)
+    # No id: null; no other fields: an empty object's text (never null, so the column keeps its type).
+    assert all(r["metadata"]["row_id"] is None and r["metadata"]["row_fields"] == "{}" for r in rb)
     for r in ra + rb:
         meta = r["metadata"]
         assert meta["model"] == "mock" and meta["served_model"] == "mock"
@@ -264,6 +265,34 @@ def test_two_mock_runs_load_together_and_carry_their_rows(tmp_path):
     assert ds.num_rows == plain.num_rows == 4
     assert ds.features == schema
     _assert_compatible(plain.features.to_dict(), schema.to_dict(), "plain")
+    # Each run directory carries a dataset card: load_dataset(run_dir) types every column, including
+    # those null throughout the run (b: no row id, no tool call, no reasoning tokens reported).
+    for i, run in enumerate((a, b)):
+        own = datasets.load_dataset(str(run), split="train", cache_dir=str(tmp_path / f"card{i}"))
+        assert own.features == schema and own.num_rows == 2
+    assert own["metadata"][0]["row_id"] is None and own["metadata"][0]["usage"]["reasoning_tokens"] is None
+
+
+def test_runs_export_together_into_one_dataset(tmp_path):
+    """Several run directories export into one Parquet file (one schema), each row naming its run."""
+    from batchrun.views import export
+
+    first = tmp_path / "first.jsonl"
+    first.write_text(json.dumps({"prompt": "Count [calls:1]", "id": 3, "answer": "7"}) + "\n", "utf-8")
+    out = tmp_path / "data"
+    a = _run(first, out, "a", "terminal_only")
+    b = _run(write_jsonl(tmp_path / "plain.jsonl", ["Say hi [calls:0]"]), out, "b", "reasoning")
+    assert export.main([str(b), str(a), "--format=parquet", f"--out={tmp_path / 'exp'}"]) == 0
+    ds = datasets.load_dataset(str(tmp_path / "exp"), split="train", cache_dir=str(tmp_path / "c"))
+    rows = {r["run_name"]: r for r in ds}
+    assert set(rows) == {"a", "b"}
+    assert (rows["a"]["row_id"], json.loads(rows["a"]["row_fields"])) == ("3", {"id": 3, "answer": "7"})
+    assert rows["b"]["row_id"] is None and rows["b"]["served_model"] == "mock"
+    assert any(m["tool_calls"] for m in rows["a"]["messages"])
+    card = (tmp_path / "exp" / "README.md").read_text("utf-8")
+    assert "`a`" in card and "`b`" in card
+    # The same run named twice would export its samples twice: refused.
+    assert export.main([str(a), str(a), "--format=openai", f"--out={tmp_path / 'twice'}"]) == 2
 
 
 @pytest.mark.docker
@@ -302,7 +331,7 @@ def test_the_exporter_carries_served_model_and_row_fields(tmp_path):
     export.export_run(run_dir, "parquet", tmp_path / "out")
     loaded = load_parquet(tmp_path / "out" / "train.parquet", tmp_path / "c")
     got = {r["row_id"]: (r["served_model"], r["row_fields"]) for r in loaded}
-    assert got == {"5": ("mock", '{"answer": "x", "id": 5}'), None: ("mock", None)}
+    assert got == {"5": ("mock", '{"answer": "x", "id": 5}'), None: ("mock", "{}")}
 
 
 def load_parquet(path: Path, cache: Path):

@@ -26,11 +26,19 @@ from batchrun.prompt.trajectory import (
     valid_record,
 )
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY
+from batchrun.record import run_card
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, row_identity, unfinished
 from batchrun.secrets import Redactor
-from batchrun.storage import batch_files, fsync_dir, iter_jsonl, iter_jsonl_raw, write_json_atomic
+from batchrun.storage import (
+    batch_files,
+    fsync_dir,
+    iter_jsonl,
+    iter_jsonl_raw,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 class MergeTotals:
@@ -141,6 +149,9 @@ def merge(
         os.fsync(fh.fileno())
     os.replace(tmp, out)
     fsync_dir(run_dir)
+    # The dataset card: load_dataset(run_dir) reads trajectories.jsonl with the record schema, typed
+    # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
+    write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
     recorder.write_checkpoint()
     return totals

@@ -1,6 +1,6 @@
 """Export a run's trajectories for trainers: OpenAI chat messages, ShareGPT, or Parquet.
 
-    python -m batchrun.views.export data/<run_name> --format=openai|sharegpt|parquet --out=DIR \
+    python -m batchrun.views.export data/<run_name> [data/<other_run> ...] --format=openai|sharegpt|parquet --out=DIR \
         [--no-include_partial] [--include_discarded] [--test_fraction=0.1 --seed=0] [--overwrite]
 
 Each sample becomes one row. In the ``openai`` and ``parquet`` formats a row holds ``messages``
@@ -33,7 +33,7 @@ import hashlib
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from batchrun.prompt.trajectory import (
     parse_gpt_value,
     parse_tool_responses,
 )
+from batchrun.record import features_yaml
 from batchrun.storage import iter_jsonl
 
 FORMATS = ("openai", "sharegpt", "parquet")
@@ -141,7 +142,7 @@ def _full_message(msg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _row(record: dict[str, Any], fmt: str, discard_reason: str | None) -> dict[str, Any]:
+def _row(record: dict[str, Any], fmt: str, discard_reason: str | None, run_name: str) -> dict[str, Any]:
     conversations = record["conversations"]
     system = next((t["value"] for t in conversations if t.get("from") == "system"), "")
     tools = offered_tools(system)
@@ -163,6 +164,7 @@ def _row(record: dict[str, Any], fmt: str, discard_reason: str | None) -> dict[s
         model=model if isinstance(model, str) else None,
         # The model that answered, and the dataset row's id and other fields: join back to ground truth.
         **{k: _text_or_none(metadata.get(k)) for k in ("served_model", "row_id", "row_fields")},
+        run_name=run_name,
         toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
         discard_reason=discard_reason,
     )
@@ -249,6 +251,7 @@ def _parquet_schema() -> Any:
             ("served_model", pa.string()),
             ("row_id", pa.string()),
             ("row_fields", pa.string()),
+            ("run_name", pa.string()),
             ("toolsets_used", pa.list_(pa.string())),
             ("discard_reason", pa.string()),
         ]
@@ -297,7 +300,7 @@ def _require_pyarrow() -> None:
 
 
 def export_run(
-    run_dir: str | Path,
+    run_dir: str | Path | Sequence[str | Path],
     fmt: str,
     out: str | Path,
     *,
@@ -307,17 +310,24 @@ def export_run(
     seed: int = 0,
     overwrite: bool = False,
 ) -> ExportResult:
-    """Export ``run_dir``'s trajectories (and, when asked, its discarded samples) to ``out``.
+    """Export the trajectories of ``run_dir`` (one run directory, or several exported together into one
+    dataset, each row naming its run in ``run_name``), and when asked the discarded samples, to ``out``.
 
     Raises ExportError for a bad request. A sample that does not parse back is left out and counted.
     """
-    run_dir, out = Path(run_dir), Path(out)
+    run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
+    out = Path(out)
+    if not run_dirs:
+        raise ExportError("name at least one run directory")
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if not 0 <= test_fraction < 1:
         raise ExportError(f"--test_fraction must be at least 0 and below 1, got {test_fraction!r}")
-    if not (run_dir / "trajectories.jsonl").is_file():
-        raise ExportError(f"{run_dir} holds no trajectories.jsonl (is it a finished run's directory?)")
+    for one in run_dirs:
+        if not (one / "trajectories.jsonl").is_file():
+            raise ExportError(f"{one} holds no trajectories.jsonl (is it a finished run's directory?)")
+    if len({d.resolve() for d in run_dirs}) != len(run_dirs):
+        raise ExportError("a run directory is named twice: its samples would be exported twice")
     if fmt == "parquet":
         _require_pyarrow()
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -332,12 +342,12 @@ def export_run(
     ext = "parquet" if fmt == "parquet" else "jsonl"
     writers: dict[str, _JsonlWriter | _ParquetWriter] = {}
     try:
-        for record, reason in _samples(run_dir, include_discarded, result.skipped):
+        for record, reason, run_name in _all_samples(run_dirs, include_discarded, result.skipped):
             if record.get("partial") and not include_partial:
                 result.skipped["partial"] += 1
                 continue
             try:
-                row = _row(record, fmt, reason)
+                row = _row(record, fmt, reason, run_name)
             # A record that does not parse back (JSONDecodeError is a ValueError) is left out, and counted.
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 result.skipped[f"unparsable ({type(exc).__name__})"] += 1
@@ -353,8 +363,16 @@ def export_run(
         for writer in writers.values():
             writer.close()
     result.files = {s: result.files[s] for s in SPLITS if s in result.files}
-    (out / CARD_NAME).write_text(dataset_card(run_dir, fmt, result, test_fraction, seed), encoding="utf-8")
+    (out / CARD_NAME).write_text(dataset_card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
     return result
+
+
+def _all_samples(
+    run_dirs: list[Path], include_discarded: bool, skipped: Counter[str]
+) -> Iterator[tuple[dict[str, Any], str | None, str]]:
+    for run_dir in run_dirs:
+        for record, reason in _samples(run_dir, include_discarded, skipped):
+            yield record, reason, run_dir.resolve().name
 
 
 # The columns as Hugging Face features (the card's dataset_info): a dtype name, or a struct (dict), or
@@ -373,6 +391,10 @@ _COMMON = {
     "completed": "bool",
     "partial": "bool",
     "model": "string",
+    "served_model": "string",
+    "row_id": "string",
+    "row_fields": "string",
+    "run_name": "string",
     "toolsets_used": ["string"],
     "discard_reason": "string",
 }
@@ -383,28 +405,14 @@ FEATURES: dict[str, dict[str, Any]] = {
 }
 
 
-def _yaml_features(spec: dict[str, Any], indent: int) -> list[str]:
-    pad = " " * indent
-    lines = []
-    for name, kind in spec.items():
-        lines.append(f"{pad}- name: {name}")
-        if isinstance(kind, str):
-            lines.append(f"{pad}  dtype: {kind}")
-        elif isinstance(kind, dict):
-            lines += [f"{pad}  struct:", *_yaml_features(kind, indent + 2)]
-        elif isinstance(kind[0], str):
-            lines.append(f"{pad}  sequence: {kind[0]}")
-        else:
-            lines += [f"{pad}  list:", *_yaml_features(kind[0], indent + 2)]
-    return lines
-
-
-def dataset_card(run_dir: Path, fmt: str, result: ExportResult, test_fraction: float, seed: int) -> str:
+def dataset_card(
+    run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: float, seed: int
+) -> str:
     """A Hugging Face dataset card: the YAML header maps each split to its file."""
     lines = ["---", "configs:", "- config_name: default", "  data_files:"]
     for split, path in result.files.items():
         lines += [f"  - split: {split}", f"    path: {path.name}"]
-    lines += ["dataset_info:", "  features:", *_yaml_features(FEATURES[fmt], 2)]
+    lines += ["dataset_info:", "  features:", *features_yaml(FEATURES[fmt], 2)]
     lines += ["tags:", "- tool-use", "- agent-trajectories", "---", "", ""]
     columns = {
         "openai": "`messages` (OpenAI chat messages: `role`, `content`, `reasoning_content`, `tool_calls`, "
@@ -421,11 +429,16 @@ def dataset_card(run_dir: Path, fmt: str, result: ExportResult, test_fraction: f
     )
     counts = ", ".join(f"{s}: {result.rows[s]}" for s in result.files) or "none"
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
-    body = f"""# {run_dir.name}
+    names = [d.resolve().name for d in run_dirs]
+    title = names[0] if len(names) == 1 else f"{len(names)} runs"
+    runs = ", ".join(f"`{n}`" for n in names)
+    body = f"""# {title}
 
-Agent trajectories exported by batch-runner from the run `{run_dir.name}` (format `{fmt}`).
+Agent trajectories exported by batch-runner from the run{"s" if len(names) > 1 else ""} {runs} (format `{fmt}`).
 
-- Columns: {columns}; `prompt_index`, `completed`, `partial`, `model`, `toolsets_used`, `discard_reason`
+- Columns: {columns}; `prompt_index`, `completed`, `partial`, `model` (as requested), `served_model` (as the
+  endpoint answered), `row_id` and `row_fields` (the dataset row's `id` and other fields, JSON text),
+  `run_name`, `toolsets_used`, `discard_reason`
   (null unless the sample was set aside by a quality filter and exported on request).
 - Splits: {split_text}. Rows: {counts}.
 - Not exported: {skipped}.
@@ -443,7 +456,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m batchrun.views.export", description="Export a run's trajectories for trainers."
     )
-    parser.add_argument("run_dir", help="the run's directory, data/<run_name>")
+    parser.add_argument(
+        "run_dir",
+        nargs="+",
+        help="the run's directory, data/<run_name>; several runs export into one dataset",
+    )
     parser.add_argument("--format", choices=FORMATS, required=True, dest="fmt")
     parser.add_argument("--out", required=True, help="output directory (created; must be empty)")
     parser.add_argument(
