@@ -119,5 +119,8 @@ def backoff_s(
 ) -> float:
     """How long to wait before retry ``attempt`` (1-based): Retry-After when given, else exponential; jittered."""
     if retry_after_s is not None and retry_after_s >= 0:
-        return min(retry_after_s, cap_s) * random.uniform(1.0, 1.2) + random.uniform(0, 0.01)
+        if retry_after_s >= cap_s:  # asked to wait longer than we ever do: the cap, jittered below it
+            return cap_s * random.uniform(0.9, 1.0)
+        # Jittered upwards (never earlier than asked), but never past the cap either.
+        return min(cap_s, retry_after_s * random.uniform(1.0, 1.2) + random.uniform(0, 0.01))
     return min(cap_s, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
