@@ -271,3 +271,26 @@ def test_limiter_credits_a_pause_another_prompt_caused_but_not_its_own():
     limiter.pause(0.3)  # this thread's own 429: its wait counts
     with pytest.raises(LimitTimeout):
         limiter.acquire(time.monotonic() + 0.05)
+
+
+def test_rpm_spacing_holds_behind_the_concurrency_limit() -> None:
+    """Requests queued for a request slot take their --max_rpm turn only once they hold a slot, so when
+    slots free at the same moment the requests behind them still go out spaced, not in a burst."""
+    limiter = Limiter(rpm=300, max_concurrent=2)  # one request every 0.2 s, two at once
+    deadline = time.monotonic() + 60
+    limiter.acquire(deadline), limiter.acquire(deadline)  # both slots held
+    started: list[float] = []
+
+    def request() -> None:
+        limiter.acquire(deadline)
+        started.append(time.monotonic())
+
+    waiting = [threading.Thread(target=request) for _ in range(2)]
+    for t in waiting:
+        t.start()
+    time.sleep(1.0)  # long past every turn the waiting requests could have taken
+    limiter.release(), limiter.release()  # both slots free at once
+    for t in waiting:
+        t.join(10)
+    first, second = sorted(started)
+    assert second - first >= 0.1  # spaced by the rate (0.2 s), not both at the moment the slots freed

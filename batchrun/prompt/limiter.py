@@ -59,27 +59,32 @@ class Limiter:
                 credited += step
                 deadline += step
         self._local.credited = self.credited_s() + credited
-        slot = None
-        if self.rpm:
-            interval = 60.0 / self.rpm
-            with self._lock:
-                now = time.monotonic()
-                slot = max(now, self._next_free)
-                if slot > deadline:  # a turn it cannot wait for is not taken from the requests after it
-                    raise LimitTimeout("the prompt's deadline comes before its turn under --max_rpm")
-                self._next_free = slot + interval
-            if slot > now:
-                self._sleep(slot - now, deadline)
+        # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
+        # slot would be spent by the time the slot frees, and the requests behind it would go in a burst.
         if self._slots is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._slots.acquire(timeout=remaining):
-                if slot is not None:
-                    with self._lock:  # give the turn back unless a later request already queued behind it
-                        if self._next_free == slot + interval:
-                            self._next_free = slot
                 raise LimitTimeout("no request slot before the prompt's deadline")
+        try:
+            self._take_turn(deadline)
+        except BaseException:
+            self.release()
+            raise
         self.waited_s += time.monotonic() - start
         return credited
+
+    def _take_turn(self, deadline: float) -> None:
+        """Wait for this worker's next turn under ``rpm`` (requests spaced evenly)."""
+        if not self.rpm:
+            return
+        with self._lock:
+            now = time.monotonic()
+            slot = max(now, self._next_free)
+            if slot > deadline:  # a turn it cannot wait for is not taken from the requests after it
+                raise LimitTimeout("the prompt's deadline comes before its turn under --max_rpm")
+            self._next_free = slot + 60.0 / self.rpm
+        if slot > now:
+            self._sleep(slot - now, deadline)
 
     def credited_s(self) -> float:
         """All pause time credited to the calling thread so far (a prompt compares it before and after)."""
