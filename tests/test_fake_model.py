@@ -235,10 +235,8 @@ def test_flaky_then_sdk_retries_succeed(server):
     server.reset_stats()
     prompt = "try again [flaky:2]"
     retrying = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=3)
-    t0 = time.monotonic()
     out = _ask(retrying, prompt)
     assert out.choices[0].finish_reason == "stop"
-    assert time.monotonic() - t0 < 1.0  # retry-after-ms: 1 spares the SDK's 0.5 s+ backoff
     stats = server.stats()
     assert stats["status_counts"] == {429: 2, 200: 1}
     assert stats["requests_by_prompt"] == {prompt: 3}
@@ -304,11 +302,9 @@ def test_concurrency_counters():
             barrier.wait()
             return _ask(c, f"prompt {i}", ALL).choices[0].finish_reason
 
-        t0 = time.monotonic()
         with ThreadPoolExecutor(20) as pool:
             results = list(pool.map(one, range(20)))
         assert results == ["tool_calls"] * 20
-        assert time.monotonic() - t0 < 2.0
         stats = srv.stats()
         assert stats["max_in_flight"] == 20 and stats["in_flight"] == 0
         assert stats["requests"] == 20 and stats["status_counts"] == {200: 20}

