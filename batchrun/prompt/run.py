@@ -7,6 +7,7 @@ the only one that writes them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import threading
@@ -19,6 +20,8 @@ from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart
 from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
+from batchrun.prompt.tools import mcp
+from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.prompt.tools.registry import (
     ToolContext,
     close_prompt_resources,
@@ -33,6 +36,31 @@ from batchrun.prompt.trajectory import (
     reasoning_counts,
 )
 from batchrun.protocol import Outcome, PromptJob
+
+
+@dataclass(frozen=True)
+class RunTools:
+    """The run's tools beyond the built-ins, as the parent found them: each worker installs the same."""
+
+    mcp: McpSetup | None = None  # the MCP servers and the tools the parent listed
+    known_tools: tuple[str, ...] = ()  # the parent's known_tool_names(): a worker must know exactly these
+
+
+def install_run_tools(tools: RunTools | None) -> None:
+    """In a worker, at start: the run's MCP tools; then the same known tools as the parent, or a clear error."""
+    if tools is None:
+        return
+    mcp.install(tools.mcp)
+    # A worker that ends normally stops its servers; one that is killed closes their stdin, which ends them.
+    atexit.register(mcp.close_shared)
+    here = known_tool_names()
+    if tools.known_tools and list(tools.known_tools) != here:
+        missing = sorted(set(tools.known_tools) - set(here))
+        extra = sorted(set(here) - set(tools.known_tools))
+        raise RuntimeError(
+            f"this worker's tools differ from the runner's (missing: {', '.join(missing) or '-'}; "
+            f"extra: {', '.join(extra) or '-'}): install the same toolset plugins where the workers run"
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +88,7 @@ class RunSettings:
     keep_empty_answers: bool = False
     verbose: bool = False
     log_prefix_chars: int = 100
+    tools: RunTools | None = None
 
 
 def run_prompt(
