@@ -108,3 +108,55 @@ def test_without_the_plugin_installed_its_toolset_is_unknown(tmp_path):
         f"--distribution_file {dists}: distribution 'words': field 'probabilities' names unknown toolset 'wordtools'"
         in done.stderr
     )
+
+
+# ----------------------------------------------------------------------------- the definitions, checked
+
+
+def _handler(ctx, args):
+    return {"ok": True, "error": None}
+
+
+@pytest.mark.parametrize(
+    ("definition", "fragment"),
+    [
+        ({"name": "has space", "handler": _handler}, "'name' must be 1-64 letters"),
+        ({"name": "x" * 65, "handler": _handler}, "'name' must be 1-64 letters"),
+        ({"name": "t", "parameters": {"type": "array"}, "handler": _handler}, '"type": "object"'),
+        (
+            {
+                "name": "t",
+                "parameters": {"type": "object", "properties": {}, "required": ["a"]},
+                "handler": _handler,
+            },
+            "'parameters.required' must list names declared",
+        ),
+        ({"name": "t", "handler": "not callable"}, "'handler' must be a function"),
+        ({"name": "t", "description": 5, "handler": _handler}, "'description' must be a string"),
+    ],
+)
+def test_bad_tool_definitions_are_refused(definition, fragment):
+    from batchrun.prompt.tools.plugins import tools_from
+
+    with pytest.raises(ValueError, match=None) as info:
+        tools_from("mine", [definition])
+    assert fragment in str(info.value)
+
+
+def test_a_handler_answer_that_is_not_a_json_object_is_an_error_the_model_sees():
+    from batchrun.prompt.tools.plugins import tools_from
+    from batchrun.prompt.tools.registry import check_arguments
+
+    schema = {"type": "object", "properties": {"a": {"type": ["string", "null"]}}}
+    lists, sets = tools_from(
+        "mine",
+        lambda: [
+            {"name": "lists", "parameters": schema, "handler": lambda ctx, args: [1]},
+            {"name": "sets", "parameters": schema, "handler": lambda ctx, args: {"s": {1}}},
+        ],
+    )
+    assert lists.handler(None, {}) == {"error": "lists returned list, not a JSON object"}
+    assert sets.handler(None, {})["error"].startswith("sets returned a value that is not JSON")
+    assert check_arguments(lists, {"a": None}) == {"a": None}  # a list of types: any of them fits
+    with pytest.raises(ValueError, match="argument 'a' must be string or null, got int"):
+        check_arguments(lists, {"a": 3})
