@@ -160,3 +160,18 @@ def test_a_handler_answer_that_is_not_a_json_object_is_an_error_the_model_sees()
     assert check_arguments(lists, {"a": None}) == {"a": None}  # a list of types: any of them fits
     with pytest.raises(ValueError, match="argument 'a' must be string or null, got int"):
         check_arguments(lists, {"a": 3})
+
+
+def test_a_worker_that_knows_other_tools_fails_its_prompts_naming_the_difference():
+    from batchrun.prompt.run import RunTools, install_run_tools, run_prompt
+    from batchrun.prompt.tools.registry import known_tool_names
+    from batchrun.protocol import PromptJob
+
+    job = PromptJob(batch_num=0, prompt_index=0, prompt="p", toolsets=("terminal",))
+    try:
+        install_run_tools(RunTools(known_tools=(*known_tool_names(), "word_count")))
+        outcome = run_prompt(job, settings=None, llm=None)  # fails before it needs either
+    finally:
+        install_run_tools(RunTools(known_tools=tuple(known_tool_names())))
+    assert outcome.error_class == "tools"
+    assert "this worker's tools differ from the runner's (missing: word_count; extra: -)" in outcome.error

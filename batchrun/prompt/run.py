@@ -46,8 +46,16 @@ class RunTools:
     known_tools: tuple[str, ...] = ()  # the parent's known_tool_names(): a worker must know exactly these
 
 
+_TOOLS_PROBLEM: list[str] = []  # set by install_run_tools: why this worker cannot run prompts
+
+
 def install_run_tools(tools: RunTools | None) -> None:
-    """In a worker, at start: the run's MCP tools; then the same known tools as the parent, or a clear error."""
+    """In a worker, at start: the run's MCP tools; then check it knows the same tools as the parent.
+
+    A worker that does not (a plugin missing or broken on a Ray node) fails each of its prompts with
+    the reason, without a model call: a raising initializer would only be restarted again and again.
+    """
+    _TOOLS_PROBLEM.clear()
     if tools is None:
         return
     mcp.install(tools.mcp)
@@ -57,7 +65,7 @@ def install_run_tools(tools: RunTools | None) -> None:
     if tools.known_tools and list(tools.known_tools) != here:
         missing = sorted(set(tools.known_tools) - set(here))
         extra = sorted(set(here) - set(tools.known_tools))
-        raise RuntimeError(
+        _TOOLS_PROBLEM.append(
             f"this worker's tools differ from the runner's (missing: {', '.join(missing) or '-'}; "
             f"extra: {', '.join(extra) or '-'}): install the same toolset plugins where the workers run"
         )
@@ -111,6 +119,8 @@ def run_prompt(
     usage = Usage()
     if job.fail_reason:
         return Outcome.failed(job, "preflight", job.fail_reason, usage.as_dict())
+    if _TOOLS_PROBLEM:
+        return Outcome.failed(job, "tools", _TOOLS_PROBLEM[0], usage.as_dict())
     tools = tools_for_toolsets(list(job.toolsets), settings.tool_extra)
     spec = SandboxSpec(
         run_name=settings.run_name,
