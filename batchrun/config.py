@@ -319,15 +319,10 @@ class RunConfig:
             dist = get_distribution(self.distribution)
         except ValueError as exc:
             raise UsageError(f"--distribution: {exc}") from None
-        from batchrun.prompt.tools.plugins import plugin_problems
-
-        broken = plugin_problems()
         for toolset in dist.probabilities:
-            if toolset in broken:
-                raise UsageError(
-                    f"--distribution={self.distribution} names toolset {toolset!r}, whose plugin cannot be "
-                    f"loaded: {broken[toolset]}"
-                )
+            problem = self.toolset_problem(toolset)
+            if problem:
+                raise UsageError(f"--distribution={self.distribution}: {problem}")
         if self.backend not in BACKENDS:
             raise UsageError(
                 f"--sandbox: unknown sandbox backend {self.backend!r}; valid: {', '.join(BACKENDS)} "
@@ -394,6 +389,25 @@ class RunConfig:
             return load_distribution_file(self.distribution_file, known)
         except ValueError as exc:
             raise UsageError(f"--distribution_file {exc}") from None
+
+    def toolset_names(self) -> list[str]:
+        """Every toolset a distribution or a dataset row may name in this run: built in, plugins, MCP servers."""
+        from batchrun.prompt.tools.registry import toolset_names
+
+        names = toolset_names()
+        return names + [s.toolset for s in self.mcp_servers if s.toolset not in names]
+
+    def toolset_problem(self, name: str) -> str | None:
+        """Why a toolset named by a distribution or a row cannot run here (None: it can): unknown, or its
+        plugin failed to load. The run stops (exit 2) on it."""
+        from batchrun.prompt.tools.plugins import plugin_problems
+
+        broken = plugin_problems()
+        if name in broken:
+            return f"toolset {name!r} comes from a plugin that cannot be loaded: {broken[name]}"
+        if name not in self.toolset_names():
+            return f"unknown toolset {name!r} (known: {', '.join(self.toolset_names())})"
+        return None
 
     def tool_sources_manifest(self) -> dict[str, Any]:
         """For the manifest: digests of --mcp_config and --distribution_file (the config holds secrets),

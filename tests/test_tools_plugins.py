@@ -90,7 +90,10 @@ def test_a_distribution_naming_a_broken_plugin_stops_the_run(plugin_path, tmp_pa
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "--distribution=broken names toolset 'brokentools', whose plugin cannot be loaded" in done.stderr
+    assert (
+        "--distribution=broken: toolset 'brokentools' comes from a plugin that cannot be loaded"
+        in done.stderr
+    )
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "data").exists()
 
