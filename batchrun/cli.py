@@ -539,7 +539,10 @@ def prepare_tools(config: RunConfig) -> McpSetup | None:
     for problem in plugin_problems().values():
         print(f"warning: toolset plugin not loaded, its tools are not offered: {problem}", file=sys.stderr)
     setup = probe_mcp_servers(config) if config.mcp_servers else None
-    mcp_tools.install(setup)
+    try:
+        mcp_tools.install(setup)
+    except ValueError as exc:  # a tool name taken twice (two servers' names that read the same, a plugin's)
+        raise UsageError(f"--mcp_config: {exc}") from None
     return setup
 
 

@@ -221,13 +221,18 @@ def probe(servers: tuple[McpServer, ...], redact: Any = None) -> McpSetup:
 
 
 def _tool_of(server: McpServer, entry: dict[str, Any]) -> McpTool:
-    from batchrun.prompt.tools.plugins import check_parameters
-
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"a listed tool has no name: {str(entry)[:200]}")
-    schema = entry.get("inputSchema") or {"type": "object", "properties": {}}
-    check_parameters(schema, f"tool {name!r}")
+    # Lenient with what servers send (the server checks the arguments itself): a schema without a
+    # type is an object's; only one that is not an object's cannot describe tool arguments.
+    schema = entry.get("inputSchema")
+    schema = dict(schema) if isinstance(schema, dict) else {}
+    schema.setdefault("type", "object")
+    if schema["type"] != "object":
+        raise ValueError(f"tool {name!r}: its inputSchema must describe an object, not {schema['type']!r}")
+    if not isinstance(schema.get("properties", {}), dict):
+        schema["properties"] = {}
     description = entry.get("description") or entry.get("title") or name
     return McpTool(server.name, name, exposed_name(server.name, name), str(description), dict(schema))
 
