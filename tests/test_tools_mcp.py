@@ -12,7 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, by_prompt, exit_code, offered_in_system, read_jsonl, requests, run, write_jsonl
+from helpers import (
+    TESTS_DIR,
+    by_prompt,
+    exit_code,
+    offered_in_system,
+    read_jsonl,
+    requests,
+    run,
+    tool_blocks,
+    write_jsonl,
+)
 
 from batchrun.distributions import use_file_distributions
 from batchrun.prompt.tools import mcp
@@ -21,7 +31,7 @@ pytest.importorskip("mcp")
 
 SERVER = TESTS_DIR / "mcp_servers" / "tools_server.py"
 TOKEN = "tok-mcp-secret-5531"  # the server prints it on its stderr at start: it must reach no file
-TOOLS = ["mcp__tools__echo", "mcp__tools__add", "mcp__tools__count", "mcp__tools__fail", "mcp__tools__crash"]
+TOOLS = [f"mcp__tools__{n}" for n in ("echo", "add", "count", "fail", "nap", "crash")]
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +136,8 @@ def test_per_prompt_sessions_get_a_server_each(server, tmp_path):
 
 
 def test_crashing_server_gives_tool_errors_not_a_failed_run(server, tmp_path):
-    # [calls:5] calls echo, add, count, fail, crash in turn, then answers.
-    ds = write_jsonl(tmp_path / "ds.jsonl", [f"crash {i} [calls:5]" for i in range(3)])
+    # [calls:7] calls echo, add, count, fail, nap (longer than the tool timeout), crash, echo, then answers.
+    ds = write_jsonl(tmp_path / "ds.jsonl", [f"crash {i} [calls:7]" for i in range(3)])
     out = tmp_path / "out"
     run(
         server, ds, out,
@@ -136,13 +146,22 @@ def test_crashing_server_gives_tool_errors_not_a_failed_run(server, tmp_path):
         distribution="mcp_only",
         num_workers=1,
         max_failure_rate=0.0,  # a single failed prompt would exit 3
+        tool_timeout=1,
+        prompts_per_worker=1,  # one after the other: no prompt's crash lands in another's call
     )  # fmt: skip
     records = read_jsonl(out / "run" / "trajectories.jsonl")
     assert len(records) == 3 and all(r["completed"] for r in records)
     for rec in records:
         assert rec["tool_stats"]["mcp__tools__fail"] == {"count": 1, "success": 0, "failure": 1}
         assert rec["tool_stats"]["mcp__tools__crash"] == {"count": 1, "success": 0, "failure": 1}
-        assert "MCP server 'tools'" in rec["conversations"][-1]["value"]
+        assert rec["tool_stats"]["mcp__tools__nap"] == {"count": 1, "success": 0, "failure": 1}
+        results = [
+            b["content"] for t in rec["conversations"] if t["from"] == "tool" for b in tool_blocks(t["value"])
+        ]
+        assert "did not answer within 1 s" in json.dumps(results)
+        # After the crash the server was started again: the last call got a real answer.
+        assert rec["tool_stats"]["mcp__tools__echo"] == {"count": 2, "success": 2, "failure": 0}
+        assert "echo from pid" in rec["conversations"][-1]["value"]
     assert not (out / "run" / "failed.jsonl").exists() or not read_jsonl(out / "run" / "failed.jsonl")
 
 

@@ -4,11 +4,12 @@
     python tools_server.py http PORT
 
 Tools: ``echo`` (its text back, with the server's secret-free marker), ``add``, ``count`` (calls seen
-by this server process: per-session state), ``fail`` (an error result), ``crash`` (the process exits).
+by this server process: per-session state), ``fail`` (an error result), ``nap`` (slow), ``crash`` (the process exits).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -44,6 +45,13 @@ def count() -> str:
 def fail(reason: str) -> str:
     """Always fails."""
     raise ValueError(f"failing on purpose: {reason}")
+
+
+@server.tool()
+async def nap(seconds: int) -> str:
+    """Sleeps five times the given seconds (without blocking the server's other calls)."""
+    await asyncio.sleep(seconds * 5)
+    return "rested"
 
 
 @server.tool()
