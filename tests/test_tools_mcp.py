@@ -269,3 +269,18 @@ def test_list_distributions_shows_file_distributions_and_mcp_toolsets(tmp_path):
     assert "Toolsets:\n  mcp:tools: MCP server 'tools' (stdio: " in done.stdout
     assert f"tools: {', '.join(TOOLS)}" in done.stdout
     assert TOKEN not in done.stdout + done.stderr
+
+
+def test_resume_with_other_tools_is_refused_so_records_keep_one_schema(tmp_path, capsys):
+    ds = write_jsonl(tmp_path / "ds.jsonl", ["first run", "second run"])
+    out = tmp_path / "out"
+    run(None, ds, out, max_samples=1)
+    code = exit_code(None, ds, out, resume=True, mcp_config=str(stdio_config(tmp_path)))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--resume with settings that differ from the first run (known_tools:" in err
+    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 1
+    run(None, ds, out, resume=True)  # the same tools: the second row runs
+    records = read_jsonl(out / "run" / "trajectories.jsonl")
+    assert len(records) == 2
+    assert set(records[0]["tool_stats"]) == set(records[1]["tool_stats"])
