@@ -57,6 +57,12 @@ def mcp_only(tmp_path: Path) -> Path:
     return path
 
 
+def run_stdio(server, tmp_path: Path, ds: Path, out: Path, **kw) -> None:
+    """A run of one worker whose prompts are offered the stdio test server's tools alone."""
+    args = dict(distribution_file=str(mcp_only(tmp_path)), distribution="mcp_only", num_workers=1)
+    run(server, ds, out, mcp_config=str(stdio_config(tmp_path)), **{**args, **kw})
+
+
 def files_of(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
@@ -75,13 +81,7 @@ def pid_alive(pid: int) -> bool:
 def test_stdio_server_tools_reach_the_model_and_the_records(server, tmp_path):
     ds = write_jsonl(tmp_path / "ds.jsonl", ["say hello there", "count them [calls:3]"])
     out = tmp_path / "out"
-    run(
-        server, ds, out,
-        mcp_config=str(stdio_config(tmp_path)),
-        distribution_file=str(mcp_only(tmp_path)),
-        distribution="mcp_only",
-        num_workers=1,
-    )  # fmt: skip
+    run_stdio(server, tmp_path, ds, out)
     records = by_prompt(read_jsonl(out / "run" / "trajectories.jsonl"))
     hello = records["say hello there"][0]
     # The server's own schema reached the model under the namespaced name.
@@ -139,12 +139,8 @@ def test_crashing_server_gives_tool_errors_not_a_failed_run(server, tmp_path):
     # [calls:7] calls echo, add, count, fail, nap (longer than the tool timeout), crash, echo, then answers.
     ds = write_jsonl(tmp_path / "ds.jsonl", [f"crash {i} [calls:7]" for i in range(3)])
     out = tmp_path / "out"
-    run(
-        server, ds, out,
-        mcp_config=str(stdio_config(tmp_path)),
-        distribution_file=str(mcp_only(tmp_path)),
-        distribution="mcp_only",
-        num_workers=1,
+    run_stdio(
+        server, tmp_path, ds, out,
         max_failure_rate=0.0,  # a single failed prompt would exit 3
         tool_timeout=1,
         prompts_per_worker=1,  # one after the other: no prompt's crash lands in another's call
