@@ -262,7 +262,10 @@ def test_list_distributions_shows_file_distributions_and_mcp_toolsets(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "mixed: Shell and the tools server.\n  terminal    80%\n  mcp:tools   50%\n" in done.stdout
-    assert "Toolsets:\n  mcp:tools: MCP server 'tools' (stdio: " in done.stdout
+    assert (
+        f"Toolsets:\n  mcp:tools: MCP server 'tools' (stdio: {sys.executable}; one session per worker)\n"
+        in done.stdout
+    )
     assert f"tools: {', '.join(TOOLS)}" in done.stdout
     assert TOKEN not in done.stdout + done.stderr
 

@@ -74,10 +74,9 @@ class McpServer:
         return f"mcp:{self.name}"
 
     def describe(self) -> str:
-        """For messages and listings: never the env or the headers (secrets)."""
-        where = (
-            f"stdio: {' '.join([self.command or '', *self.args])}" if self.command else f"HTTP: {self.url}"
-        )
+        """For messages and listings: the command or the URL without its query, never the args, the env
+        or the headers (any of them may hold a token)."""
+        where = f"stdio: {self.command}" if self.command else f"HTTP: {(self.url or '').split('?')[0]}"
         return f"MCP server {self.name!r} ({where}; one session per {self.session})"
 
     def secrets(self) -> list[str]:
@@ -461,6 +460,7 @@ class Connection:
             result = future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
+            self._check_alive()  # slow, or hung: a server that does not answer a ping is restarted
             return {"error": f"{label}: {tool} did not answer within {timeout_s:g} s"}
         except Exception as exc:
             self._check_alive()
