@@ -57,6 +57,7 @@ def install_run_tools(tools: RunTools | None) -> None:
     """
     _TOOLS_PROBLEM.clear()
     if tools is None:
+        known_tool_names()  # the registry (built-ins, plugins) loaded now, not by the first prompt
         return
     mcp.install(tools.mcp)
     # A worker that ends normally stops its servers; one that is killed closes their stdin, which ends them.
