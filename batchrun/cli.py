@@ -29,12 +29,14 @@ from batchrun.config import (
 )
 from batchrun.distributions import format_distributions
 from batchrun.prompt.llm import dialect_warnings
-from batchrun.prompt.run import RunSettings
+from batchrun.prompt.run import RunSettings, RunTools
+from batchrun.prompt.tools.mcp import McpSetup
+from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
 from batchrun.run.plan import make_plan, print_plan
-from batchrun.run.preflight import check_endpoint, preflight_sandboxes
+from batchrun.run.preflight import check_endpoint, preflight_sandboxes, probe_mcp_servers
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import build_manifest, check_manifest, read_manifest, resume_filter
 from batchrun.run.worker import start_forkserver
@@ -70,6 +72,8 @@ def main(
     reasoning_disabled: bool = False,
     prefill_messages_file: str | None = None,
     max_samples: int | None = None,
+    distribution_file: str | None = None,
+    mcp_config: str | None = None,
     seed: int = 0,
     prompts_per_worker: int = 16,
     max_sandbox_starts: int = 8,
@@ -138,6 +142,8 @@ def main(
         reasoning_disabled: [reference] Ask the model not to reason; wins over --reasoning_effort.
         prefill_messages_file: [reference] JSON array of {role, content} sent before the prompt, never saved.
         max_samples: [reference] Only the first N dataset rows.
+        distribution_file: [tools] JSON (or YAML) file of named distributions, usable with --distribution.
+        mcp_config: [tools] {"mcpServers": ...} file: each MCP server becomes the toolset mcp:<name>.
         seed: [concurrency] Toolset sampling seed; a prompt's toolsets depend only on it and the row.
         prompts_per_worker: [concurrency] Prompts in flight per worker process (threads).
         max_sandbox_starts: [concurrency] Concurrent sandbox start-ups across the whole run.
@@ -203,6 +209,8 @@ def main(
             reasoning_disabled=reasoning_disabled,
             prefill_messages_file=prefill_messages_file,
             max_samples=max_samples,
+            distribution_file=distribution_file,
+            mcp_config=mcp_config,
             seed=seed,
             prompts_per_worker=prompts_per_worker,
             max_sandbox_starts=max_sandbox_starts,
@@ -241,7 +249,8 @@ def main(
             stream=stream,
         )
         if config.list_distributions:
-            print(format_distributions())
+            prepare_tools(config)
+            print(format_distributions(toolset_listing()))
             return
         code = run(config)
     except UsageError as exc:
@@ -295,6 +304,7 @@ def run(config: RunConfig) -> int:
     previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     try:
         sandbox_options = check_before_start(config)
+        mcp = prepare_tools(config)
         fake = None
         if config.is_mock:
             from batchrun.fakes.fake_model import FakeModelServer
@@ -312,7 +322,7 @@ def run(config: RunConfig) -> int:
             rows = read_dataset(config, recorder)  # a dataset with no usable row writes nothing
             recorder.lock()
             return run_steps(
-                config, recorder, rows, fake.base_url if fake else config.base_url, sandbox_options
+                config, recorder, rows, fake.base_url if fake else config.base_url, sandbox_options, mcp
             )
         except WriteError as exc:
             return stop_cannot_write(recorder, exc)
@@ -333,7 +343,12 @@ def run(config: RunConfig) -> int:
 
 
 def run_steps(
-    config: RunConfig, recorder: Recorder, rows: list[Row], base_url: str, sandbox_options: dict[str, Any]
+    config: RunConfig,
+    recorder: Recorder,
+    rows: list[Row],
+    base_url: str,
+    sandbox_options: dict[str, Any],
+    mcp: McpSetup | None = None,
 ) -> int:
     """The steps of a run, in order, once its dataset is read; the run directory is locked by the caller."""
     manifest = open_run_dir(config, recorder)
@@ -368,7 +383,7 @@ def run_steps(
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
     if ready.batches:
-        settings = worker_settings(config, llm, ready.sandbox_options, tool_extra)
+        settings = worker_settings(config, llm, ready.sandbox_options, tool_extra, mcp)
         try:
             Dispatch(config, settings, recorder).run(ready.batches)
         except KeyboardInterrupt:
@@ -485,7 +500,11 @@ def connect_ray(config: RunConfig, prompts: int) -> None:
 
 
 def worker_settings(
-    config: RunConfig, llm: Any, sandbox_options: dict[str, Any], tool_extra: dict[str, Any]
+    config: RunConfig,
+    llm: Any,
+    sandbox_options: dict[str, Any],
+    tool_extra: dict[str, Any],
+    mcp: McpSetup | None = None,
 ) -> RunSettings:
     """What every worker gets, once: the prompt side's settings, derived from the config and preflight."""
     return RunSettings(
@@ -507,7 +526,41 @@ def worker_settings(
         verbose=config.verbose,
         log_prefix_chars=config.log_prefix_chars,
         tool_extra=tool_extra,
+        tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
     )
+
+
+def prepare_tools(config: RunConfig) -> McpSetup | None:
+    """Before any token: report plugins that cannot load (once), list each MCP server's tools, and
+    install those tools here (the workers install the same)."""
+    from batchrun.prompt.tools import mcp as mcp_tools
+    from batchrun.prompt.tools.plugins import plugin_problems
+
+    for problem in plugin_problems().values():
+        print(f"warning: toolset plugin not loaded, its tools are not offered: {problem}", file=sys.stderr)
+    setup = probe_mcp_servers(config) if config.mcp_servers else None
+    try:
+        mcp_tools.install(setup)
+    except ValueError as exc:  # a tool name taken twice (two servers' names that read the same, a plugin's)
+        raise UsageError(f"--mcp_config: {exc}") from None
+    return setup
+
+
+def toolset_listing() -> dict[str, list[str]]:
+    """For --list_distributions: the toolsets beyond the built-ins (plugins, MCP servers), with their tools.
+    Empty when there are none, so the listing is the reference's."""
+    from batchrun.prompt.tools.plugins import plugin_problems
+    from batchrun.prompt.tools.registry import TOOLSETS, all_tools, toolset_names, toolset_source
+
+    tools = all_tools().values()
+    listing = {
+        name: [toolset_source(name), "tools: " + ", ".join(t.name for t in tools if t.toolset == name)]
+        for name in toolset_names()
+        if name not in TOOLSETS
+    }
+    for name, problem in plugin_problems().items():
+        listing.setdefault(name, [f"NOT LOADED: {problem}"])
+    return listing
 
 
 # ----------------------------------------------------------------------------- SIGTERM as Ctrl-C

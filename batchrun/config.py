@@ -223,6 +223,9 @@ class RunConfig:
     reasoning_disabled: bool = _flag(parse_bool, False)
     prefill_messages_file: str | None = _flag(text_flag())
     max_samples: int | None = _flag(int_flag(1, optional=True))
+    # Your own toolsets and distributions
+    distribution_file: str | None = _flag(text_flag())
+    mcp_config: str | None = _flag(text_flag())
     # Additions: reproducibility and concurrency
     seed: int = _flag(int_flag(0), 0)
     prompts_per_worker: int = _flag(int_flag(1, 10_000), 16)
@@ -282,9 +285,20 @@ class RunConfig:
             raw = flags.get(field.name, field.default)
             values[field.name] = field.metadata["parse"](raw, field.name)
         config = cls(**values)
+        config.check_tool_sources()
         if not config.list_distributions:
             config.check()
         return config
+
+    def check_tool_sources(self) -> None:
+        """Read --mcp_config and --distribution_file; the file's distributions become usable by name.
+
+        Runs for --list_distributions too. Plugin toolsets (entry points) are known here already.
+        """
+        from batchrun.distributions import use_file_distributions
+
+        self.mcp_servers  # noqa: B018  (reads and checks the file now)
+        use_file_distributions(self.file_distributions)
 
     def check(self) -> None:
         """The checks that look beyond one flag: combinations, names that must exist, paths."""
@@ -302,9 +316,13 @@ class RunConfig:
         if not self.run_name:
             raise UsageError("--run_name is required (output goes to <output_dir>/<run_name>/)")
         try:
-            get_distribution(self.distribution)
+            dist = get_distribution(self.distribution)
         except ValueError as exc:
             raise UsageError(f"--distribution: {exc}") from None
+        for toolset in dist.probabilities:
+            problem = self.toolset_problem(toolset)
+            if problem:
+                raise UsageError(f"--distribution={self.distribution}: {problem}")
         if self.backend not in BACKENDS:
             raise UsageError(
                 f"--sandbox: unknown sandbox backend {self.backend!r}; valid: {', '.join(BACKENDS)} "
@@ -344,6 +362,68 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name
+
+    @functools.cached_property
+    def mcp_servers(self) -> tuple[Any, ...]:
+        """The --mcp_config's servers (``McpServer``), read and checked once; empty without the flag."""
+        if not self.mcp_config:
+            return ()
+        from batchrun.prompt.tools.mcp import McpConfigError, load_config
+
+        try:
+            return load_config(self.mcp_config)
+        except McpConfigError as exc:
+            raise UsageError(f"--mcp_config {exc}") from None
+
+    @functools.cached_property
+    def file_distributions(self) -> dict[str, Any]:
+        """The --distribution_file's distributions by name, checked against every known toolset."""
+        if not self.distribution_file:
+            return {}
+        from batchrun.distributions import load_distribution_file
+        from batchrun.prompt.tools.plugins import plugin_problems
+        from batchrun.prompt.tools.registry import toolset_names
+
+        known = [*toolset_names(), *(s.toolset for s in self.mcp_servers), *plugin_problems()]
+        try:
+            return load_distribution_file(self.distribution_file, known)
+        except ValueError as exc:
+            raise UsageError(f"--distribution_file {exc}") from None
+
+    def toolset_names(self) -> list[str]:
+        """Every toolset a distribution or a dataset row may name in this run: built in, plugins, MCP servers."""
+        from batchrun.prompt.tools.registry import toolset_names
+
+        names = toolset_names()
+        return names + [s.toolset for s in self.mcp_servers if s.toolset not in names]
+
+    def toolset_problem(self, name: str) -> str | None:
+        """Why a toolset named by a distribution or a row cannot run here (None: it can): unknown, or its
+        plugin failed to load. The run stops (exit 2) on it."""
+        from batchrun.prompt.tools.plugins import plugin_problems
+
+        broken = plugin_problems()
+        if name in broken:
+            return f"toolset {name!r} comes from a plugin that cannot be loaded: {broken[name]}"
+        if name not in self.toolset_names():
+            return f"unknown toolset {name!r} (known: {', '.join(self.toolset_names())})"
+        return None
+
+    def tool_sources_manifest(self) -> dict[str, Any]:
+        """For the manifest: digests of --mcp_config and --distribution_file (the config holds secrets),
+        the run's distribution as data, and every tool a record's tool_stats lists."""
+        from batchrun.distributions import get_distribution
+        from batchrun.prompt.tools.registry import known_tool_names
+
+        def digest(path: str | None) -> str | None:
+            return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+
+        return {
+            "distribution_probabilities": dict(get_distribution(self.distribution).probabilities),
+            "known_tools": known_tool_names(),
+            "mcp_config_sha256": digest(self.mcp_config),
+            "distribution_file_sha256": digest(self.distribution_file),
+        }
 
     @functools.cached_property
     def prefill_messages(self) -> tuple[dict[str, Any], ...]:
@@ -416,6 +496,7 @@ class RunConfig:
         """What must be redacted from every file besides the key: the ephemeral prompt, the prefill contents."""
         texts = [self.ephemeral_system_prompt or ""]
         texts += [m["content"] for m in self.prefill_messages]
+        texts += [v for server in self.mcp_servers for v in server.secrets()]  # MCP env and header values
         return [t for t in texts if t]
 
 

@@ -140,8 +140,11 @@ _ENTRIES = (
 )
 
 
-def validate_distribution(dist: Distribution) -> None:
-    """Raise ValueError, naming the distribution and the field, if `dist` is malformed."""
+def validate_distribution(dist: Distribution, known: Collection[str] = TOOLSETS) -> None:
+    """Raise ValueError, naming the distribution and the field, if `dist` is malformed.
+
+    ``known``: the toolset names it may use (the built-ins; for a --distribution_file also plugin
+    and MCP toolsets)."""
     if not dist.name:
         raise ValueError("distribution with empty name")
     if not dist.description.strip():
@@ -149,10 +152,10 @@ def validate_distribution(dist: Distribution) -> None:
     if not dist.probabilities:
         raise ValueError(f"distribution {dist.name!r}: field 'probabilities' names no toolset")
     for toolset, percent in dist.probabilities.items():
-        if toolset not in TOOLSETS:
+        if toolset not in known:
             raise ValueError(
                 f"distribution {dist.name!r}: field 'probabilities' names unknown toolset {toolset!r}"
-                f" (known: {', '.join(TOOLSETS)})"
+                f" (known: {', '.join(known)})"
             )
         if isinstance(percent, bool) or not isinstance(percent, int) or not 0 < percent <= 100:
             raise ValueError(
@@ -173,20 +176,88 @@ def _build(entries: tuple[Distribution, ...]) -> dict[str, Distribution]:
 
 DISTRIBUTIONS: dict[str, Distribution] = _build(_ENTRIES)
 
+# The run's --distribution_file entries (set by the run's configuration; empty without one).
+_FROM_FILE: dict[str, Distribution] = {}
+
 
 def get_distribution(name: str) -> Distribution:
     """The distribution called `name`; ValueError listing the valid names otherwise."""
-    try:
-        return DISTRIBUTIONS[name]
-    except KeyError:
+    found = DISTRIBUTIONS.get(name) or _FROM_FILE.get(name)
+    if found is None:
         raise ValueError(
-            f"unknown toolset distribution {name!r}; valid names: {', '.join(DISTRIBUTIONS)}"
-        ) from None
+            f"unknown toolset distribution {name!r}; valid names: {', '.join(list_distributions())}"
+        )
+    return found
 
 
 def list_distributions() -> dict[str, Distribution]:
-    """All distributions by name, in their documented order (a copy; entries are immutable)."""
-    return dict(DISTRIBUTIONS)
+    """All distributions by name: the built-ins in their documented order, then the file's (a copy)."""
+    return {**DISTRIBUTIONS, **_FROM_FILE}
+
+
+def load_distribution_file(path: str, known: Collection[str]) -> dict[str, Distribution]:
+    """The named distributions of a JSON (or, with PyYAML installed, YAML) file, checked.
+
+    The file maps each name to ``{"description": ..., "probabilities": {toolset: percent}}``, the
+    shape of the built-ins. ValueError naming the file, the distribution and the field otherwise.
+    """
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    if Path(path).suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(
+                f"{path}: reading YAML needs PyYAML (pip install pyyaml); or write it as JSON"
+            ) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not data:
+        raise ValueError(
+            f'{path}: expected an object of named distributions, {{"name": {{"description": ..., '
+            f'"probabilities": {{"terminal": 100, ...}}}}}}'
+        )
+    table: dict[str, Distribution] = {}
+    for name, entry in data.items():
+        where = f"{path}: distribution {name!r}"
+        if name in DISTRIBUTIONS:
+            raise ValueError(f"{where}: the name is a built-in distribution's; choose another")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected an object with 'description' and 'probabilities'")
+        unknown = sorted(set(entry) - {"description", "probabilities"})
+        if unknown:
+            raise ValueError(f"{where}: unknown field {unknown[0]!r} (fields: description, probabilities)")
+        description = entry.get("description", f"From {Path(path).name}.")
+        probabilities = entry.get("probabilities")
+        if not isinstance(description, str):
+            raise ValueError(f"{where}: field 'description' must be text")
+        if not isinstance(probabilities, dict):
+            raise ValueError(f"{where}: field 'probabilities' must be an object of toolset -> percent")
+        dist = Distribution(str(name), description, MappingProxyType(dict(probabilities)))
+        try:
+            validate_distribution(dist, known)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        table[dist.name] = dist
+    return table
+
+
+def use_file_distributions(table: dict[str, Distribution]) -> None:
+    """Make ``table`` (a run's --distribution_file, or empty) the distributions beyond the built-ins."""
+    _FROM_FILE.clear()
+    _FROM_FILE.update(table)
 
 
 def sample_toolsets_from_distribution(
@@ -224,14 +295,23 @@ def prompt_rng(seed: int, prompt: str, occurrence: int = 0) -> random.Random:
     return random.Random(int.from_bytes(digest, "big"))
 
 
-def format_distributions() -> str:
-    """A readable listing of every distribution for `--list_distributions`."""
+def format_distributions(toolsets: dict[str, list[str]] | None = None) -> str:
+    """A readable listing of every distribution for `--list_distributions`.
+
+    ``toolsets``: toolset -> lines describing it (where it comes from, its tools), listed after the
+    distributions under "Toolsets:"."""
     lines: list[str] = []
-    for dist in DISTRIBUTIONS.values():
+    for dist in list_distributions().values():
         lines.append(f"{dist.name}: {dist.description}")
         # sorted() is stable: equal probabilities keep the distribution's own order.
         ranked = sorted(dist.probabilities.items(), key=lambda item: -item[1])
         width = max(len(toolset) for toolset, _ in ranked)
         lines.extend(f"  {toolset:<{width}}  {percent:>3}%" for toolset, percent in ranked)
+        lines.append("")
+    if toolsets:
+        lines.append("Toolsets:")
+        for name, about in toolsets.items():
+            lines.append(f"  {name}: {about[0]}")
+            lines.extend(f"    {line}" for line in about[1:])
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -332,3 +332,65 @@ def test_format_sorts_each_distribution_by_probability():
     browser_tasks = next(block for block in blocks if block.startswith("browser_tasks:"))
     rows = [line.split() for line in browser_tasks.splitlines()[1:]]
     assert rows == [["browser", "97%"], ["terminal", "15%"], ["vision", "12%"]]
+
+
+# --- --distribution_file -------------------------------------------------------------------
+
+
+def _file(tmp_path: Path, text: str, name: str = "dists.json") -> str:
+    path = tmp_path / name
+    path.write_text(text, "utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            '{"mine": {"probabilities": {"nope": 50}}}',
+            "distribution 'mine': field 'probabilities' names unknown toolset 'nope'",
+        ),
+        (
+            '{"mine": {"probabilities": {"web": 150}}}',
+            "distribution 'mine': field 'probabilities' gives 'web' 150",
+        ),
+        ('{"mine": {"probabilities": {"web": 0}}}', "gives 'web' 0; expected an integer percent in 1..100"),
+        ('{"mine": {"probabilities": {"web": 12.5}}}', "gives 'web' 12.5"),
+        ('{"mine": {"probabilities": {}}}', "field 'probabilities' names no toolset"),
+        (
+            '{"mine": {"probabilities": {"web": 50}, "weights": 1}}',
+            "distribution 'mine': unknown field 'weights'",
+        ),
+        ('{"default": {"probabilities": {"web": 50}}}', "distribution 'default': the name is a built-in"),
+        ('{"mine": {"description": 3, "probabilities": {"web": 50}}}', "field 'description' must be text"),
+        ('["web"]', "expected an object of named distributions"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_distribution_file_errors_name_the_file_and_field(tmp_path, text, fragment):
+    path = _file(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        td.load_distribution_file(path, td.TOOLSETS)
+    assert str(info.value).startswith(f"{path}: ")
+    assert fragment in str(info.value)
+
+
+def test_distribution_file_entries_are_usable_by_name_then_forgotten(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    assert yaml
+    text = "mine:\n  description: Mostly files.\n  probabilities: {file: 90, extra: 40}\n"
+    table = td.load_distribution_file(_file(tmp_path, text, "d.yaml"), [*td.TOOLSETS, "extra"])
+    td.use_file_distributions(table)
+    try:
+        assert get_distribution("mine").probabilities == {"file": 90, "extra": 40}
+        assert list(td.list_distributions())[-1] == "mine"
+        assert "mine: Mostly files.\n  file    90%\n  extra   40%\n" in format_distributions()
+        assert sample_toolsets_from_distribution("mine", random.Random(1)) in (
+            ["file"],
+            ["file", "extra"],
+            ["extra"],
+        )
+    finally:
+        td.use_file_distributions({})
+    with pytest.raises(ValueError, match="unknown toolset distribution 'mine'"):
+        get_distribution("mine")

@@ -7,6 +7,7 @@ the only one that writes them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import threading
@@ -19,6 +20,8 @@ from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart
 from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
+from batchrun.prompt.tools import mcp
+from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.prompt.tools.registry import (
     ToolContext,
     close_prompt_resources,
@@ -33,6 +36,40 @@ from batchrun.prompt.trajectory import (
     reasoning_counts,
 )
 from batchrun.protocol import Outcome, PromptJob
+
+
+@dataclass(frozen=True)
+class RunTools:
+    """The run's tools beyond the built-ins, as the parent found them: each worker installs the same."""
+
+    mcp: McpSetup | None = None  # the MCP servers and the tools the parent listed
+    known_tools: tuple[str, ...] = ()  # the parent's known_tool_names(): a worker must know exactly these
+
+
+_TOOLS_PROBLEM: list[str] = []  # set by install_run_tools: why this worker cannot run prompts
+
+
+def install_run_tools(tools: RunTools | None) -> None:
+    """In a worker, at start: the run's MCP tools; then check it knows the same tools as the parent.
+
+    A worker that does not (a plugin missing or broken on a Ray node) fails each of its prompts with
+    the reason, without a model call: a raising initializer would only be restarted again and again.
+    """
+    _TOOLS_PROBLEM.clear()
+    if tools is None:
+        known_tool_names()  # the registry (built-ins, plugins) loaded now, not by the first prompt
+        return
+    mcp.install(tools.mcp)
+    # A worker that ends normally stops its servers; one that is killed closes their stdin, which ends them.
+    atexit.register(mcp.close_shared)
+    here = known_tool_names()
+    if tools.known_tools and list(tools.known_tools) != here:
+        missing = sorted(set(tools.known_tools) - set(here))
+        extra = sorted(set(here) - set(tools.known_tools))
+        _TOOLS_PROBLEM.append(
+            f"this worker's tools differ from the runner's (missing: {', '.join(missing) or '-'}; "
+            f"extra: {', '.join(extra) or '-'}): install the same toolset plugins where the workers run"
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +97,7 @@ class RunSettings:
     keep_empty_answers: bool = False
     verbose: bool = False
     log_prefix_chars: int = 100
+    tools: RunTools | None = None
 
 
 def run_prompt(
@@ -82,6 +120,8 @@ def run_prompt(
     usage = Usage()
     if job.fail_reason:
         return Outcome.failed(job, "preflight", job.fail_reason, usage.as_dict())
+    if _TOOLS_PROBLEM:
+        return Outcome.failed(job, "tools", _TOOLS_PROBLEM[0], usage.as_dict())
     tools = tools_for_toolsets(list(job.toolsets), settings.tool_extra)
     spec = SandboxSpec(
         run_name=settings.run_name,

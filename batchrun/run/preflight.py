@@ -15,7 +15,9 @@ from batchrun.config import UsageError
 from batchrun.prompt.llm import NO_KEY, LLMConfig
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import SetupError
+from batchrun.prompt.tools.mcp import McpConfigError, McpSetup, probe
 from batchrun.protocol import PromptJob
+from batchrun.secrets import Redactor
 
 
 def check_endpoint(cfg: LLMConfig) -> None:
@@ -38,6 +40,23 @@ def check_endpoint(cfg: LLMConfig) -> None:
         raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {exc}") from None
     except Exception:
         pass  # some servers have no /models; the first real request will tell
+
+
+def probe_mcp_servers(config: Any) -> McpSetup:
+    """Start each --mcp_config server once and list its tools; one that cannot is a clear error (exit 2).
+
+    Its stderr's last lines are quoted, redacted like every output (the config's env values too)."""
+    redact = Redactor(config.resolved_api_key, secrets=tuple(config.secret_texts()))
+    try:
+        setup = probe(config.mcp_servers, redact)
+    except McpConfigError as exc:
+        raise UsageError(f"--mcp_config: {exc}") from None
+    for server in setup.servers:
+        names = [t.exposed for t in setup.tools if t.server == server.name]
+        print(
+            f"{server.describe()}: toolset {server.toolset}, {len(names)} tools: {', '.join(names) or 'none'}"
+        )
+    return setup
 
 
 def warn_unlisted_model(model: str, listed: list[str]) -> bool:

@@ -46,6 +46,8 @@ MANIFEST_KEYS = (
     "keep_empty_answers",
     "ephemeral_system_prompt_sha256",  # hashes, never the text: both are secrets (see Redactor)
     "prefill_sha256",
+    "distribution_probabilities",  # a --distribution_file may give a name other numbers
+    "known_tools",  # the columns of tool_stats (plugins, MCP servers): records must keep one schema
 )
 
 
@@ -64,6 +66,7 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "keep_invalid_tool_calls": config.keep_invalid_tool_calls,
         "keep_empty_answers": config.keep_empty_answers,
         **config.secret_hashes(),
+        **config.tool_sources_manifest(),
         "dataset_file": config.dataset_file,
         "dataset_sha256": _file_sha256(config.dataset_file),
         "created": dt.datetime.now().isoformat(timespec="seconds"),

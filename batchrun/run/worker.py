@@ -17,9 +17,9 @@ from typing import Any
 
 from batchrun.prompt.limiter import Limiter
 from batchrun.prompt.llm import LLMClient
-from batchrun.prompt.run import RunSettings, run_prompt
+from batchrun.prompt.run import RunSettings, install_run_tools, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
-from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, known_tool_names
+from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES
 from batchrun.protocol import (
     Claim,
     Log,
@@ -79,7 +79,7 @@ def init_worker(
     remote = isinstance(address, tuple)  # a TCP inbox (Ray): the runner may be on another machine
     _die_with_parent(None if remote else parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
-    known_tool_names()
+    install_run_tools(settings.tools)  # MCP tools; the same known tools as the parent, or no worker
     conn = connect_to_inbox(address, authkey)
     stop = threading.Event()
     _state = WorkerState(

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.prompt.sandboxes.base import Sandbox, SandboxError
 
-TOOLSETS = ("web", "vision", "image_gen", "terminal", "file", "moa", "browser")
+TOOLSETS = ("web", "vision", "image_gen", "terminal", "file", "moa", "browser")  # the built-in toolsets
+
+# A tool name as OpenAI function calling accepts it.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
@@ -46,6 +50,9 @@ class Tool:
     # Other toolsets that include this tool, offered there only when its own toolset is configured
     # (web_search is in the browser toolset too, as in the reference, when a search provider is set).
     also_in: tuple[str, ...] = ()
+    # False: the handler's far end checks the arguments against the schema itself (an MCP server
+    # does, and may accept what this checker would not); here only "a JSON object" is required.
+    check_schema: bool = True
 
     def openai_schema(self) -> dict[str, Any]:
         return {
@@ -63,9 +70,14 @@ _TOOLSET_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {}
 _TOOLSET_NEEDS: dict[str, str] = {}
 
 
+# Toolsets beyond the built-ins, in the order they were added: plugins (entry points), then MCP
+# servers. name -> where it comes from, for listings and messages.
+_EXTRA_TOOLSETS: dict[str, str] = {}
+
+
 def register(tool: Tool) -> Tool:
     for toolset in (tool.toolset, *tool.also_in):
-        if toolset not in TOOLSETS:
+        if toolset not in TOOLSETS and toolset not in _EXTRA_TOOLSETS:
             raise ValueError(f"tool {tool.name!r} names unknown toolset {toolset!r}")
     if tool.name in _REGISTRY:
         raise ValueError(f"tool {tool.name!r} registered twice")
@@ -73,6 +85,43 @@ def register(tool: Tool) -> Tool:
     global _ORDERED
     _ORDERED = None
     return tool
+
+
+def add_toolset(name: str, source: str, tools: list[Tool]) -> None:
+    """Register a toolset beyond the built-ins with all its tools, or nothing (ValueError naming the clash)."""
+    if name in TOOLSETS or name in _EXTRA_TOOLSETS:
+        raise ValueError(
+            f"toolset {name!r} is defined twice ({_EXTRA_TOOLSETS.get(name, 'built in')} and {source})"
+        )
+    all_tools()  # the built-ins first, so a clash with one of their names is seen
+    names = [t.name for t in tools]
+    clash = sorted({n for n in names if n in _REGISTRY or names.count(n) > 1})
+    if clash:
+        raise ValueError(f"toolset {name!r} ({source}): tool name(s) {', '.join(clash)} already taken")
+    _EXTRA_TOOLSETS[name] = source
+    for tool in tools:
+        register(tool)
+
+
+def remove_toolsets(names: set[str]) -> None:
+    """Forget extra toolsets and their tools (a new run in the same process configures its own)."""
+    for name in names:
+        _EXTRA_TOOLSETS.pop(name, None)
+    for tool_name in [n for n, t in _REGISTRY.items() if t.toolset in names]:
+        del _REGISTRY[tool_name]
+    global _ORDERED
+    _ORDERED = None
+
+
+def toolset_names() -> list[str]:
+    """Every toolset known here: the built-ins, then plugins and MCP servers in the order they were added."""
+    all_tools()
+    return [*TOOLSETS, *_EXTRA_TOOLSETS]
+
+
+def toolset_source(name: str) -> str:
+    """Where a toolset comes from ("built in", "plugin ...", "MCP server ...")."""
+    return "built in" if name in TOOLSETS else _EXTRA_TOOLSETS.get(name, "unknown")
 
 
 def register_toolset_check(
@@ -116,12 +165,18 @@ def all_tools() -> dict[str, Tool]:
     global _BUILTINS_LOADED
     # A flag, not "registry empty": importing one tool module directly must not hide the others.
     if not _BUILTINS_LOADED:
-        _load_builtin_tools()
         _BUILTINS_LOADED = True
+        _load_builtin_tools()
+        # Plugins after the built-ins, in every process alike (parent, forkserver workers, Ray actors).
+        from batchrun.prompt.tools.plugins import load_plugins
+
+        load_plugins()
     global _ORDERED
     if _ORDERED is None:  # cached: this is called on every tool call
-        # Toolsets in TOOLSETS order, so the order never depends on which module was imported first.
-        _ORDERED = dict(sorted(_REGISTRY.items(), key=lambda item: TOOLSETS.index(item[1].toolset)))
+        # Built-in toolsets in TOOLSETS order, then the others in the order they were added, so the
+        # order never depends on which module was imported first.
+        order = {name: i for i, name in enumerate([*TOOLSETS, *_EXTRA_TOOLSETS])}
+        _ORDERED = dict(sorted(_REGISTRY.items(), key=lambda item: order[item[1].toolset]))
     return dict(_ORDERED)
 
 
@@ -183,10 +238,23 @@ _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+def _fits(value: Any, kind: Any) -> bool:
+    if kind == "null":
+        return value is None
+    py_type = _JSON_TYPES.get(kind) if isinstance(kind, str) else None
+    if py_type is None:  # a type this checker does not know: the handler judges
+        return True
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    return isinstance(value, py_type)
+
+
 def check_arguments(tool: Tool, args: Any) -> dict[str, Any]:
     """Validate the top level of ``args`` against the tool's schema: required keys, known keys, types."""
     if not isinstance(args, dict):
         raise ToolArgumentError(f"arguments of {tool.name} must be a JSON object, got {type(args).__name__}")
+    if not tool.check_schema:
+        return args
     props = tool.parameters.get("properties", {})
     missing = [k for k in tool.parameters.get("required", []) if k not in args]
     if missing:
@@ -197,16 +265,16 @@ def check_arguments(tool: Tool, args: Any) -> dict[str, Any]:
             f"{tool.name}: unknown argument(s): {', '.join(unknown)}; expected: {', '.join(props)}"
         )
     for key, value in args.items():
-        expected = props[key].get("type")
+        spec = props[key] if isinstance(props[key], dict) else {}
+        expected = spec.get("type")
         if expected is None or value is None and key not in tool.parameters.get("required", []):
             continue
-        py_type = _JSON_TYPES.get(expected)
-        ok = isinstance(value, py_type) if py_type else True
-        if expected in ("integer", "number") and isinstance(value, bool):
-            ok = False
-        if not ok:
+        # A schema may allow several types (["string", "null"]); the value must fit one of them.
+        kinds = expected if isinstance(expected, list) else [expected]
+        if not any(_fits(value, kind) for kind in kinds):
+            shown = " or ".join(str(k) for k in kinds)
             raise ToolArgumentError(
-                f"{tool.name}: argument {key!r} must be {expected}, got {type(value).__name__}"
+                f"{tool.name}: argument {key!r} must be {shown}, got {type(value).__name__}"
             )
     return args
 
