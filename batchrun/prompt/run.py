@@ -146,7 +146,9 @@ def run_prompt(
             usage=usage,
             log=log if settings.verbose else None,
             system_prompt=own.system,
-            request_seed=None if settings.request_seed is None else request_seed_base(settings.request_seed, job),
+            request_seed=None
+            if settings.request_seed is None
+            else request_seed_base(settings.request_seed, job),
         )
         # The backend's own value, without waiting for a start the prompt never needed.
         isolation = sandbox.inner.isolation if background else sandbox.isolation
