@@ -315,3 +315,32 @@ def test_sampling_flags_out_of_range_are_refused_naming_the_flag(tmp_path, flag,
         RunConfig.from_flags(
             dataset_file=str(dataset), batch_size=1, run_name="r", output_dir=str(tmp_path), **{flag: value}
         )
+
+
+def test_discards_and_duplicate_lines_count_per_sample(server, tmp_path, capsys):
+    dataset = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "[no_reasoning] quiet one"}, {"prompt": "loud one"}]
+    )
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, samples_per_prompt=2)
+    discards = read_jsonl(run_dir / "discarded.jsonl")
+    assert sorted((d["prompt"], d["sample_index"], d["reason"]) for d in discards) == [
+        ("[no_reasoning] quiet one", 0, "no_reasoning"),
+        ("[no_reasoning] quiet one", 1, "no_reasoning"),
+    ]
+    # A copied line (as a crash between write and checkpoint could leave) is one sample, kept once.
+    batch = run_dir / "batch_0.jsonl"
+    batch.write_text(batch.read_text("utf-8") * 2, "utf-8")
+    before = server.stats()["requests"]
+    run(server, dataset, out, resume=True, samples_per_prompt=2)
+    assert server.stats()["requests"] == before  # discards are finished samples
+    assert _samples(run_dir) == {("loud one", 0): 1, ("loud one", 1): 1}
+    # batch_0 holds every row's sample 0 (a batch never holds two samples of one row): one copied line.
+    assert stats_of(run_dir)["dropped_at_merge"]["duplicate"] == 1
+    before = collections.Counter(server.stats()["requests_by_prompt"])
+    run(server, dataset, out, resume=True, samples_per_prompt=2, rerun_discarded=True)
+    # Both samples again, once each (three calls a sample), and nothing else.
+    assert collections.Counter(server.stats()["requests_by_prompt"]) - before == {
+        "[no_reasoning] quiet one": 6
+    }
