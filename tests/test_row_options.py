@@ -245,3 +245,27 @@ def test_a_row_that_names_toolsets_or_tools_runs_under_a_distribution_that_offer
     run(server, dataset, out, distribution="minimal")
     (rec,) = read_jsonl(out / "run" / "trajectories.jsonl")
     assert rec["toolsets_used"] == ["terminal"]
+
+
+def test_row_settings_and_samples_with_the_built_in_mock_model(tmp_path):
+    rows = [
+        {
+            "prompt": "mock with a persona",
+            "system": "You are a pirate.",
+            "tools": ["read_file"],
+            "samples": 2,
+        },
+        {"prompt": "mock capped", "max_turns": 1},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run(None, dataset, out, samples_per_prompt=1)
+    recs = by_prompt(read_jsonl(out / "run" / "trajectories.jsonl"))
+    persona = recs["mock with a persona"]
+    assert sorted(r["metadata"]["sample_index"] for r in persona) == [0, 1]
+    for rec in persona:
+        assert split_system_value(rec["conversations"][0]["value"]) == "You are a pirate."
+        assert rec["metadata"]["tools_offered"] == ["read_file"] and rec["toolsets_used"] == ["file"]
+    (capped,) = recs["mock capped"]
+    assert capped["api_calls"] == 1 and capped["metadata"]["max_turns"] == 1
+    assert stats_of(out / "run")["dataset_samples"] == 3
