@@ -111,7 +111,7 @@ def test_each_row_is_offered_what_it_asked_for_and_the_record_says_so(server, tm
     # The settings have fields of their own, not copies in row_fields.
     assert json.loads(meta["own toolsets"]["row_fields"]) == {"id": 1}
     assert json.loads(meta["tools only"]["row_fields"]) == {"answer": "x"}
-    assert meta["both"]["row_fields"] is None and meta["own system"]["row_fields"] is None
+    assert meta["both"]["row_fields"] == "{}" and meta["own system"]["row_fields"] == "{}"
     assert all(m["sample_index"] == 0 for m in meta.values())
 
 
