@@ -38,7 +38,7 @@ from batchrun.run.dispatch import Dispatch
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import check_endpoint, preflight_sandboxes, probe_mcp_servers
 from batchrun.run.recorder import Recorder
-from batchrun.run.resume import build_manifest, check_manifest, read_manifest, resume_filter
+from batchrun.run.resume import all_samples, build_manifest, check_manifest, read_manifest, resume_filter
 from batchrun.run.worker import start_forkserver
 from batchrun.secrets import Redactor
 from batchrun.storage import WriteError
@@ -110,6 +110,10 @@ def main(
     provider_data_collection: str | None = None,
     endpoint_dialect: str = "auto",
     stream: bool = False,
+    samples_per_prompt: int = 1,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed_per_request: bool = False,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
@@ -183,6 +187,12 @@ def main(
         provider_data_collection: [routing] OpenRouter provider.data_collection: allow or deny.
         endpoint_dialect: [endpoint] auto (by the endpoint's host), openrouter, openai, local or ollama.
         stream: [endpoint] Stream replies (usage, tool-call and reasoning deltas assembled).
+        samples_per_prompt: [sampling] Samples per dataset row, each its own record (sample_index); a
+            row's own "samples" field wins. --resume runs only the missing samples.
+        temperature: [sampling] Sampling temperature sent with every model request (0 to 2); default: the endpoint's.
+        top_p: [sampling] Nucleus sampling top_p sent with every model request (above 0, at most 1).
+        seed_per_request: [sampling] Send each request a seed derived from --seed, the row, the sample
+            index and the turn (reproducible samples where the endpoint honours it).
     """
     try:
         config = RunConfig.from_flags(
@@ -247,6 +257,10 @@ def main(
             provider_data_collection=provider_data_collection,
             endpoint_dialect=endpoint_dialect,
             stream=stream,
+            samples_per_prompt=samples_per_prompt,
+            temperature=temperature,
+            top_p=top_p,
+            seed_per_request=seed_per_request,
         )
         if config.list_distributions:
             prepare_tools(config)
@@ -353,9 +367,15 @@ def run_steps(
     """The steps of a run, in order, once its dataset is read; the run directory is locked by the caller."""
     manifest = open_run_dir(config, recorder)
     todo = (
-        resume_filter(rows, config.run_dir, recorder.redact, rerun_discarded=config.rerun_discarded)
+        resume_filter(
+            rows,
+            config.run_dir,
+            recorder.redact,
+            rerun_discarded=config.rerun_discarded,
+            samples_per_prompt=config.samples_per_prompt,
+        )
         if config.resume
-        else rows
+        else all_samples(rows, config.samples_per_prompt)
     )
     if todo and not config.ray_address:
         start_forkserver()  # its imports (~1 s) overlap with the parent's own and with preflight
@@ -393,7 +413,13 @@ def run_steps(
                 "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
                 file=sys.stderr,
             )
-    totals = finish.merge(config.run_dir, rows, recorder, exclude_partial=config.exclude_partial)
+    totals = finish.merge(
+        config.run_dir,
+        rows,
+        recorder,
+        exclude_partial=config.exclude_partial,
+        samples_per_prompt=config.samples_per_prompt,
+    )
     stats = finish.statistics(config, rows, totals, recorder, ready.isolation, ready.facts)
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
@@ -527,6 +553,7 @@ def worker_settings(
         log_prefix_chars=config.log_prefix_chars,
         tool_extra=tool_extra,
         tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
+        request_seed=config.seed if config.seed_per_request else None,
     )
 
 

@@ -269,6 +269,11 @@ class RunConfig:
     # Endpoint dialects
     endpoint_dialect: str = _flag(choice_flag(DIALECTS, optional=False), "auto")
     stream: bool = _flag(parse_bool, False)
+    # Samples and sampling parameters
+    samples_per_prompt: int = _flag(int_flag(1, 10_000), 1)
+    temperature: float | None = _flag(float_flag(0, 2, optional=True))
+    top_p: float | None = _flag(float_flag(0, 1, low_open=True, optional=True))
+    seed_per_request: bool = _flag(parse_bool, False)
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -449,6 +454,8 @@ class RunConfig:
             max_retries=self.max_retries,
             dialect=self.endpoint_dialect,
             stream=self.stream,
+            temperature=self.temperature,
+            top_p=self.top_p,
         )
 
     def loop_limits(self) -> LoopLimits:

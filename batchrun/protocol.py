@@ -18,6 +18,22 @@ TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
 
 
 @dataclass(frozen=True)
+class RowOptions:
+    """A dataset row's own settings for its run; None: the run's (the distribution, --max_turns, no system prompt).
+
+    They are part of the row's identity: two rows that differ only here are different work.
+    """
+
+    toolsets: tuple[str, ...] | None = None  # offered instead of a draw from the distribution
+    tools: tuple[str, ...] | None = None  # allowlist: only these tool names are offered
+    system: str | None = None  # system prompt sent to the model and saved as the record's system turn
+    max_turns: int | None = None  # instead of --max_turns
+
+    def is_default(self) -> bool:
+        return self == RowOptions()
+
+
+@dataclass(frozen=True)
 class PromptJob:
     """One row to run, as the parent schedules it."""
 
@@ -31,6 +47,9 @@ class PromptJob:
     row_fields: str | None = None  # the dataset row's other fields, as JSON text (metadata.row_fields)
     row_id: str | None = None  # the dataset row's ``id`` as a string (metadata.row_id)
     toolsets_sampled: tuple[str, ...] | None = None  # what the distribution drew, before availability
+    options: RowOptions = RowOptions()  # the row's own toolsets, tools, system prompt, max_turns
+    sample_index: int = 0  # which of the row's samples (--samples_per_prompt) this job is, from 0
+    occurrence: int = 0  # how many earlier dataset rows hold the same prompt text (request seeds differ)
 
 
 @dataclass(frozen=True)
@@ -48,24 +67,41 @@ class Outcome:
     reason: str | None = None  # discards: which quality filter
     error_class: str | None = None  # failures: what kind of failure
     error: str | None = None  # failures: the message
+    options: RowOptions = RowOptions()  # with prompt, image and cwd, the row's identity
+    sample_index: int = 0
 
     @classmethod
     def trajectory(cls, job: PromptJob, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
-        return cls(TRAJECTORY, *_row(job), usage, job.image, job.cwd, record=record)
+        return cls(TRAJECTORY, *_row(job), usage, job.image, job.cwd, record=record, **_sample(job))
 
     @classmethod
     def discarded(cls, job: PromptJob, reason: str, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
-        return cls(DISCARDED, *_row(job), usage, job.image, job.cwd, record=record, reason=reason)
+        return cls(
+            DISCARDED, *_row(job), usage, job.image, job.cwd, record=record, reason=reason, **_sample(job)
+        )
 
     @classmethod
     def failed(
         cls, job: PromptJob, error_class: str, error: str, usage: dict[str, Any] | None = None
     ) -> Outcome:
-        return cls(FAILED, *_row(job), usage or {}, job.image, job.cwd, error_class=error_class, error=error)
+        return cls(
+            FAILED,
+            *_row(job),
+            usage or {},
+            job.image,
+            job.cwd,
+            error_class=error_class,
+            error=error,
+            **_sample(job),
+        )
 
 
 def _row(job: PromptJob) -> tuple[int, int, str]:
     return job.batch_num, job.prompt_index, job.prompt
+
+
+def _sample(job: PromptJob) -> dict[str, Any]:
+    return {"options": job.options, "sample_index": job.sample_index}
 
 
 # -- worker -> parent

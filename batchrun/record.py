@@ -14,6 +14,7 @@ Types are written as data, without importing ``datasets``: ``"string"``, ``"int6
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -74,12 +75,35 @@ METADATA: dict[str, Any] = {
     "row_key": STRING,  # the row's identity, as resume and merge use it
     "row_id": STRING,  # the dataset row's ``id``, as a string; null when it has none
     "row_fields": STRING,  # the row's other fields as one JSON object's text; "{}" when none
+    # Records of versions before these fields lack them: readers take a missing sample_index as 0 and
+    # a missing row_* field as null (the row asked for nothing of its own).
+    "sample_index": INT,  # which sample of its row this record is (--samples_per_prompt, ``samples``), from 0
+    "row_toolsets": [STRING],  # the row's own ``toolsets`` (sorted); null: drawn from the distribution
+    "row_tools": [STRING],  # the row's own ``tools`` allowlist (sorted); null: none
+    "row_system_sha256": STRING,  # sha256 of the row's own ``system`` prompt; null: the row had none
+    "row_max_turns": INT,  # the row's own ``max_turns``; null: --max_turns
+    "max_turns": INT,  # the limit this sample ran with (the row's, else --max_turns)
+    "tools_offered": [STRING],  # the tool names offered to the model, in the order offered
 }
+
+# The metadata fields that, with the prompt text, image and cwd, make a row's identity (resume, merge).
+ROW_OPTION_FIELDS = ("row_toolsets", "row_tools", "row_system_sha256", "row_max_turns")
 
 TOOL_STAT: dict[str, Any] = {"count": INT, "success": INT, "failure": INT}
 
-# Dataset fields the runner itself reads; every other field of a row travels in ``row_fields``.
-ROW_RUN_FIELDS = ("prompt", "image", "docker_image", "cwd")
+# Dataset fields the runner itself reads; every other field of a row travels in ``row_fields``. The
+# per-row settings are recorded in their own typed fields (row_toolsets, ...), never also in row_fields.
+ROW_RUN_FIELDS = (
+    "prompt",
+    "image",
+    "docker_image",
+    "cwd",
+    "toolsets",
+    "tools",
+    "system",
+    "max_turns",
+    "samples",
+)
 
 
 def record_schema(tool_names: list[str]) -> dict[str, Any]:
@@ -189,6 +213,26 @@ Agent trajectories written by batch-runner (ShareGPT `conversations` with struct
 together with `python batch_runner.py export RUN_DIR [RUN_DIR ...] --format=parquet --out=DIR`.
 """
     return "\n".join(lines) + "\n" + body
+
+
+def row_option_fields(
+    toolsets: tuple[str, ...] | None, tools: tuple[str, ...] | None, system: str | None, max_turns: int | None
+) -> dict[str, Any]:
+    """A row's own settings as the record's ``row_*`` metadata fields (the system prompt as its sha256)."""
+    return {
+        "row_toolsets": None if toolsets is None else sorted(toolsets),
+        "row_tools": None if tools is None else sorted(tools),
+        "row_system_sha256": None
+        if system is None
+        else hashlib.sha256(system.encode("utf-8", "surrogatepass")).hexdigest(),
+        "row_max_turns": max_turns,
+    }
+
+
+def sample_index_of(fields: dict[str, Any]) -> int:
+    """A record's (or outcome row's) sample index: records written before samples existed are sample 0."""
+    value = fields.get("sample_index")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def record_features(tool_names: list[str] | None = None) -> Any:

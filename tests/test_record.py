@@ -13,7 +13,15 @@ import batch_runner
 from batchrun.prompt.llm import Usage
 from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.prompt.trajectory import build_record, row_key, to_sharegpt
-from batchrun.record import METADATA, RECORD_FIELDS, USAGE, conform, record_features, record_schema
+from batchrun.record import (
+    METADATA,
+    RECORD_FIELDS,
+    USAGE,
+    conform,
+    record_features,
+    record_schema,
+    row_option_fields,
+)
 
 datasets = pytest.importorskip("datasets")
 
@@ -59,6 +67,7 @@ def situation(
     completed: bool,
     row: dict | None = None,
     served: str | None = "served/model",
+    own: dict | None = None,
 ) -> dict:
     """A record as run_prompt and the recorder build it, for one kind of backend, endpoint and outcome."""
     usage = Usage()
@@ -88,6 +97,11 @@ def situation(
         "cwd": "/work" if backend == "docker" else None,
         "row_id": None if row is None else str(row.get("id")),
         "row_fields": None if row is None else json.dumps(row, sort_keys=True),
+        "sample_index": 0,
+        "max_turns": 10,
+        "tools_offered": ["terminal", "read_file"],
+        # The row's own settings (the recorder writes them; null when the row has none).
+        **row_option_fields(**(own or {"toolsets": None, "tools": None, "system": None, "max_turns": None})),
     }
     meta["prompt_tokens"] = meta["usage"]["prompt_tokens"]  # as run_prompt copies them
     meta["completion_tokens"] = meta["usage"]["completion_tokens"]
@@ -120,6 +134,7 @@ SITUATIONS = {
         with_calls=True,
         completed=True,
         row={"id": 7, "answer": "42"},
+        own={"toolsets": ("terminal", "file"), "tools": ("terminal",), "system": "Be brief.", "max_turns": 4},
     ),
     "local_partial_calls_unknown_served": dict(
         backend="local",

@@ -56,6 +56,8 @@ class LLMConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)  # computed by build_extra_body when empty
     dialect: str = "auto"  # one of DIALECTS: how reasoning controls and routing are spelled
     stream: bool = False  # ask for server-sent events (usage through stream_options.include_usage)
+    temperature: float | None = None  # sent when set; None: the endpoint's default
+    top_p: float | None = None  # sent when set; None: the endpoint's default
 
     @property
     def resolved_dialect(self) -> str:
@@ -387,13 +389,21 @@ class LLMClient:
         *,
         deadline: float | None = None,
         usage: Usage | None = None,
+        seed: int | None = None,
     ) -> AssistantTurn:
-        """One model turn. ``deadline`` (time.monotonic) bounds every attempt and every wait."""
+        """One model turn. ``deadline`` (time.monotonic) bounds every attempt and every wait.
+        ``seed``: sent as the request's ``seed`` (--seed_per_request), the same on every retry."""
         body: dict[str, Any] = {"model": self.cfg.model, "messages": messages}
         if tools:
             body["tools"] = tools
         if self.cfg.max_tokens:
             body["max_tokens"] = self.cfg.max_tokens
+        if self.cfg.temperature is not None:
+            body["temperature"] = self.cfg.temperature
+        if self.cfg.top_p is not None:
+            body["top_p"] = self.cfg.top_p
+        if seed is not None:
+            body["seed"] = seed
         if self.cfg.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}  # the last chunk then carries the usage

@@ -7,6 +7,7 @@ after the model client's own retries, :class:`batchrun.prompt.sandboxes.SandboxE
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -58,9 +59,15 @@ def run_agent(
     prefill_messages: list[dict[str, Any]] | None = None,
     usage: Usage | None = None,
     log=None,
+    system_prompt: str | None = None,
+    request_seed: int | None = None,
 ) -> LoopResult:
     """Run one prompt to a final answer or a limit. ``usage`` collects tokens and cost as calls happen,
-    so a prompt that fails half-way still accounts for what it spent."""
+    so a prompt that fails half-way still accounts for what it spent.
+
+    ``system_prompt`` (the row's own, saved by the caller in the record) and the ephemeral one (never
+    saved) reach the model as one system message, the row's first. ``request_seed``: each model call
+    sends a seed derived from it and the turn number (None: no seed is sent)."""
     # A run-wide pause for another prompt's 429 moves this prompt's deadline (the limiter credits it).
     limiter = getattr(llm, "limiter", None)
     credited_at_start = limiter.credited_s() if limiter is not None else 0.0
@@ -74,8 +81,10 @@ def run_agent(
     offered = {t.name for t in tools}
     # What the model sees; the ephemeral system prompt and prefill never reach `saved`.
     sent: list[dict[str, Any]] = []
-    if ephemeral_system_prompt:
-        sent.append({"role": "system", "content": ephemeral_system_prompt})
+    # One system message: several, or one after other turns, are refused by some chat templates.
+    system = "\n\n".join(p for p in (system_prompt, ephemeral_system_prompt) if p)
+    if system:
+        sent.append({"role": "system", "content": system})
     sent.extend(prefill_messages or [])
     user = {"role": "user", "content": prompt}
     sent.append(user)
@@ -92,7 +101,8 @@ def run_agent(
             result.stop_reason = "prompt_budget"
             return result
         try:
-            turn = llm.chat(sent, schemas, deadline=deadline, usage=usage)
+            seed = None if request_seed is None else turn_seed(request_seed, result.api_calls)
+            turn = llm.chat(sent, schemas, deadline=deadline, usage=usage, seed=seed)
         except ContextLimitError:
             if result.api_calls == 0:
                 raise
@@ -162,6 +172,13 @@ def _assistant_messages(turn: AssistantTurn) -> tuple[dict[str, Any], dict[str, 
         saved["tool_calls"] = calls
         sent["tool_calls"] = calls
     return saved, sent
+
+
+def turn_seed(base: int, turn: int) -> int:
+    """The ``seed`` of a prompt's ``turn``-th model call: fixed by ``base`` and the turn, within 0..2**31-1
+    (the range every endpoint that takes a seed accepts)."""
+    digest = hashlib.sha256(f"{base}\0{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def _is_invalid_json(args: str) -> bool:

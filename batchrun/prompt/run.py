@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime as dt
+import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -98,6 +101,8 @@ class RunSettings:
     verbose: bool = False
     log_prefix_chars: int = 100
     tools: RunTools | None = None
+    # --seed_per_request: the run's --seed, from which each request's ``seed`` is derived; None: no seed sent.
+    request_seed: int | None = None
 
 
 def run_prompt(
@@ -123,6 +128,12 @@ def run_prompt(
     if _TOOLS_PROBLEM:
         return Outcome.failed(job, "tools", _TOOLS_PROBLEM[0], usage.as_dict())
     tools = tools_for_toolsets(list(job.toolsets), settings.tool_extra)
+    own = job.options
+    if own.tools is not None:  # the row's allowlist: only these are offered
+        tools = [t for t in tools if t.name in own.tools]
+    limits = settings.limits
+    if own.max_turns is not None:
+        limits = dataclasses.replace(limits, max_turns=own.max_turns)
     spec = SandboxSpec(
         run_name=settings.run_name,
         prompt_index=job.prompt_index,
@@ -169,11 +180,15 @@ def run_prompt(
             prompt=job.prompt,
             tools=tools,
             ctx=ctx,
-            limits=settings.limits,
+            limits=limits,
             ephemeral_system_prompt=settings.ephemeral_system_prompt,
             prefill_messages=list(settings.prefill_messages),
             usage=usage,
             log=log if settings.verbose else None,
+            system_prompt=own.system,
+            request_seed=None
+            if settings.request_seed is None
+            else request_seed_base(settings.request_seed, job),
         )
         # The backend's own value, without waiting for a start the prompt never needed.
         isolation = sandbox.inner.isolation if background else sandbox.isolation
@@ -213,11 +228,18 @@ def run_prompt(
         "isolation": isolation,
         **timings,
         "usage": usage.as_dict(),
-        "toolsets_sampled": list(job.toolsets_sampled if job.toolsets_sampled is not None else job.toolsets),
+        # Nothing was drawn for a row that names its own toolsets or tools (row_toolsets, row_tools say what).
+        "toolsets_sampled": None
+        if own.toolsets is not None or own.tools is not None
+        else list(job.toolsets_sampled if job.toolsets_sampled is not None else job.toolsets),
         "image": job.image,
         "cwd": job.cwd,
         "row_id": job.row_id,
         "row_fields": job.row_fields,
+        # The row's identity fields (row_*, sample_index) are filled in by the parent's recorder.
+        "sample_index": job.sample_index,
+        "max_turns": limits.max_turns,
+        "tools_offered": [t.name for t in tools],
     }
     metadata["prompt_tokens"] = metadata["usage"]["prompt_tokens"]
     metadata["completion_tokens"] = metadata["usage"]["completion_tokens"]
@@ -231,11 +253,31 @@ def run_prompt(
         partial=result.partial,
         api_calls=result.api_calls,
         toolsets_used=list(job.toolsets),
+        system=own.system,
     )
     reason = quality_problem(result.messages, record, settings)
     if reason is not None:
         return Outcome.discarded(job, reason, record, usage.as_dict())
     return Outcome.trajectory(job, record, usage.as_dict())
+
+
+def request_seed_base(run_seed: int, job: PromptJob) -> int:
+    """The base of a sample's request seeds: fixed by the run's seed, the row's identity (text, image,
+    cwd, own settings), its occurrence among identical rows and the sample index; the loop adds the turn."""
+    payload = json.dumps(
+        [
+            run_seed,
+            job.prompt,
+            job.image,
+            job.cwd,
+            dataclasses.asdict(job.options),
+            job.occurrence,
+            job.sample_index,
+        ],
+        ensure_ascii=False,
+        sort_keys=True,
+    )
+    return int.from_bytes(hashlib.sha256(payload.encode("utf-8", "surrogatepass")).digest()[:8], "big")
 
 
 def quality_problem(

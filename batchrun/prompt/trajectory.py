@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from batchrun.record import RECORD_FIELDS, normalize_metadata
+from batchrun.record import RECORD_FIELDS, ROW_OPTION_FIELDS, normalize_metadata, sample_index_of
 
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
@@ -24,6 +24,7 @@ SYSTEM_PREAMBLE = (
     '<tool_call>\n{{"name": <function name>, "arguments": <arguments object>}}\n</tool_call>\n'
     "Each result comes back between <tool_response> and </tool_response> tags."
 )
+SYSTEM_PREAMBLE_START = SYSTEM_PREAMBLE.split("\n", 1)[0].split(".", 1)[0]  # its fixed first words
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 _SCRATCHPAD_RE = re.compile(r"<REASONING_SCRATCHPAD>(.*?)</REASONING_SCRATCHPAD>\s*", re.DOTALL)
@@ -113,15 +114,35 @@ def tool_response_block(tool_call_id: str, name: str, content: str) -> str:
     return "<tool_response>\n" + json.dumps(payload, ensure_ascii=False) + "\n</tool_response>"
 
 
-def to_sharegpt(messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def system_value(tool_schemas: list[dict[str, Any]], system: str | None = None) -> str:
+    """The record's system entry: the row's own system prompt (when it has one), a blank line, then the
+    function-calling preamble with the offered tools. :func:`split_system_value` reads it back."""
+    tools_json = json.dumps([s["function"] for s in tool_schemas], ensure_ascii=False)
+    preamble = SYSTEM_PREAMBLE.format(tools=tools_json)
+    return f"{system}\n\n{preamble}" if system else preamble
+
+
+def split_system_value(value: str) -> str | None:
+    """The row's own system prompt in a record's system entry (what precedes the preamble), or None."""
+    # JSON text holds no raw newline, so the last "\n<tools>\n" is the preamble's own.
+    start = value.rfind(SYSTEM_PREAMBLE_START, 0, max(value.rfind("\n<tools>\n"), 0))
+    if start <= 0:
+        return None
+    return value[:start].removesuffix("\n\n") or None
+
+
+def to_sharegpt(
+    messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]], system: str | None = None
+) -> list[dict[str, Any]]:
     """Convert saved OpenAI-style messages (user/assistant/tool) to ShareGPT ``conversations``.
+
+    ``system``: the row's own system prompt, saved at the start of the system entry.
 
     Assistant messages carry their reasoning in a ``reasoning`` key (already extracted from
     native fields or scratchpad tags). Consecutive tool results become one ``tool`` entry.
     """
-    tools_json = json.dumps([s["function"] for s in tool_schemas], ensure_ascii=False)
     conv: list[dict[str, Any]] = [
-        {"from": "system", "value": SYSTEM_PREAMBLE.format(tools=tools_json), "tool_calls": []}
+        {"from": "system", "value": system_value(tool_schemas, system), "tool_calls": []}
     ]
     for msg in messages:
         role = msg["role"]
@@ -186,8 +207,11 @@ def build_record(
     partial: bool,
     api_calls: int,
     toolsets_used: list[str],
+    system: str | None = None,
 ) -> dict[str, Any]:
-    """The SPEC record for one finished prompt, with tool statistics over every known tool."""
+    """The SPEC record for one finished prompt, with tool statistics over every known tool.
+
+    ``system``: the row's own system prompt, saved in the system entry (never the ephemeral one)."""
     stats = empty_tool_stats(known_tools)
     names_by_id = {}
     for msg in messages:
@@ -201,7 +225,7 @@ def build_record(
             entry["failure" if is_tool_failure(msg["content"]) else "success"] += 1
     record = {
         "prompt_index": prompt_index,
-        "conversations": to_sharegpt(messages, tool_schemas),
+        "conversations": to_sharegpt(messages, tool_schemas, system),
         "metadata": normalize_metadata(metadata),
         "completed": completed,
         "partial": partial,
@@ -299,21 +323,39 @@ def used_tool_names(record: dict[str, Any]) -> set[str]:
     return names
 
 
-def row_key(text: str, image: str | None = None, cwd: str | None = None) -> str:
-    """A dataset row's identity: everything that defines how it runs (prompt text, image, cwd), as hex.
+def row_key(
+    text: str, image: str | None = None, cwd: str | None = None, options: dict[str, Any] | None = None
+) -> str:
+    """A dataset row's identity: everything that defines how it runs, as hex.
 
-    Two rows with the same text but another image or cwd are different rows for resume and merge.
-    A field that is absent is ``None`` (records of older versions have no image/cwd: they match rows
-    without them).
+    The prompt text, image and cwd, and the row's own settings (``options``: the ``row_*`` metadata
+    fields, see ``batchrun.record.row_option_fields``). Two rows with the same text but another image,
+    cwd, toolsets, tools, system prompt or max_turns are different rows for resume and merge. A field
+    that is absent is ``None``: records of older versions match rows without them, and a row without
+    settings of its own has the identity it had before those settings existed.
     """
-    payload = json.dumps([text, image, cwd], ensure_ascii=False)
+    own = {k: v for k, v in (options or {}).items() if v is not None}
+    payload = json.dumps(
+        [text, image, cwd, own] if own else [text, image, cwd], ensure_ascii=False, sort_keys=True
+    )
     return hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def _options_of(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: fields.get(k) for k in ROW_OPTION_FIELDS}
 
 
 def record_row_key(record: dict[str, Any]) -> str:
     """The identity of the row a (valid) record came from; see :func:`valid_record`."""
     meta = record.get("metadata") or {}
-    return row_key(first_human(record["conversations"]) or "", meta.get("image"), meta.get("cwd"))
+    return row_key(
+        first_human(record["conversations"]) or "", meta.get("image"), meta.get("cwd"), _options_of(meta)
+    )
+
+
+def record_sample(record: dict[str, Any]) -> tuple[str, int]:
+    """(row identity, sample index) of a (valid) record: merge keeps one record per pair."""
+    return record_row_key(record), sample_index_of(record.get("metadata") or {})
 
 
 def _count(value: Any) -> bool:
@@ -322,6 +364,22 @@ def _count(value: Any) -> bool:
 
 def _optional_str(value: Any) -> bool:
     return value is None or isinstance(value, str)
+
+
+def _identity_fields_ok(fields: dict[str, Any]) -> bool:
+    """The row_* identity fields and sample_index, where present, have their types (absent: an older version)."""
+
+    def names(value: Any) -> bool:
+        return value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+    turns, sample = fields.get("row_max_turns"), fields.get("sample_index")
+    return (
+        names(fields.get("row_toolsets"))
+        and names(fields.get("row_tools"))
+        and _optional_str(fields.get("row_system_sha256"))
+        and (turns is None or (_count(turns) and turns > 0))
+        and (sample is None or _count(sample))
+    )
 
 
 def valid_record(rec: Any) -> bool:
@@ -362,7 +420,9 @@ def valid_record(rec: Any) -> bool:
     meta = rec.get("metadata", {})
     if not isinstance(meta, dict) or not isinstance(meta.get("usage", {}), dict):
         return False
-    if not (_optional_str(meta.get("image")) and _optional_str(meta.get("cwd"))):
+    if not (
+        _optional_str(meta.get("image")) and _optional_str(meta.get("cwd")) and _identity_fields_ok(meta)
+    ):
         return False
     index, calls_made = rec.get("prompt_index"), rec.get("api_calls", 0)
     return (index is None or _count(index)) and (calls_made is None or _count(calls_made))
@@ -376,13 +436,19 @@ def valid_outcome_row(row: Any, field: str) -> bool:
         and isinstance(row.get(field), str)
         and _optional_str(row.get("image"))
         and _optional_str(row.get("cwd"))
+        and _identity_fields_ok(row)
         and (row.get("record") is None or valid_record(row["record"]))
         and isinstance(row.get("usage", {}), dict)
     )
 
 
 def outcome_row_key(row: dict[str, Any]) -> str:
-    return row_key(row["prompt"], row.get("image"), row.get("cwd"))
+    return row_key(row["prompt"], row.get("image"), row.get("cwd"), _options_of(row))
+
+
+def outcome_sample(row: dict[str, Any]) -> tuple[str, int]:
+    """(row identity, sample index) of a (valid) discarded.jsonl or failed.jsonl row."""
+    return outcome_row_key(row), sample_index_of(row)
 
 
 # ----------------------------------------------------------------------------- reading a record back
@@ -425,7 +491,7 @@ def parse_tool_responses(value: str) -> list[dict[str, Any]]:
 
 def offered_tools(system_value: str) -> list[dict[str, Any]]:
     """The tools a system entry offered, as OpenAI tool schemas (``{"type": "function", "function": ...}``)."""
-    found = _TOOLS_RE.search(system_value)
-    if found is None:
+    found = _TOOLS_RE.findall(system_value)  # the last block: a row's own system prompt comes first
+    if not found:
         return []
-    return [{"type": "function", "function": f} for f in json.loads(found.group(1))]
+    return [{"type": "function", "function": f} for f in json.loads(found[-1])]

@@ -1,7 +1,14 @@
 """The dataset: one JSONL file read once; each good line a :class:`Row`, each bad line a message.
 
-A row's identity is everything that defines its run (its text, image and cwd: see
-``batchrun.prompt.trajectory.row_key``); resume and the merge count finished rows by it, duplicates included.
+A row's identity is everything that defines its run (its text, image, cwd and its own toolsets,
+tools, system prompt and max_turns: see ``batchrun.prompt.trajectory.row_key``); resume and the
+merge count finished samples by it, duplicates included.
+
+A row's own settings, each optional: ``toolsets`` (a list of toolset names, offered instead of a
+draw from the distribution), ``tools`` (a list of tool names: only these are offered; without
+``toolsets``, exactly these), ``system`` (a system prompt, saved as the record's system turn),
+``max_turns`` and ``samples`` (positive integers, instead of --max_turns and --samples_per_prompt).
+A name no installed toolset or tool has, or a value of the wrong type, makes the line a bad line.
 """
 
 from __future__ import annotations
@@ -9,10 +16,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from batchrun.config import UsageError
+from batchrun.protocol import RowOptions
 from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
+
+MAX_SAMPLES_PER_ROW = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +36,38 @@ class Row:
     occurrence: int  # how many earlier rows hold the same prompt text
     row_fields: str | None = None  # the row's other fields (id, answer, ...) as JSON text; None when none
     row_id: str | None = None  # the row's ``id`` as a string, when it has one
+    options: RowOptions = RowOptions()  # the row's own toolsets, tools, system prompt, max_turns
+    samples: int | None = None  # the row's own ``samples`` (None: --samples_per_prompt)
 
 
-def load_dataset(path: str, max_samples: int | None = None) -> tuple[list[Row], list[str]]:
-    """Read the JSONL dataset. Bad lines are reported by number and skipped; no usable row is an error."""
+def tool_catalog() -> dict[str, tuple[str, ...]]:
+    """Every installed tool name -> the toolsets that can offer it, from the tool registry (so toolsets
+    that plugins register are known too)."""
+    from batchrun.prompt.tools.registry import all_tools
+
+    return {t.name: (t.toolset, *t.also_in) for t in all_tools().values()}
+
+
+def known_toolsets(catalog: Mapping[str, tuple[str, ...]]) -> set[str]:
+    """Toolset names a row may ask for: those of installed tools and those the distributions name."""
+    from batchrun.distributions import list_distributions
+
+    names = {ts for sets in catalog.values() for ts in sets}
+    for dist in list_distributions().values():
+        names.update(dist.probabilities)
+    return names
+
+
+def load_dataset(
+    path: str, max_samples: int | None = None, catalog: Mapping[str, tuple[str, ...]] | None = None
+) -> tuple[list[Row], list[str]]:
+    """Read the JSONL dataset. Bad lines are reported by number and skipped; no usable row is an error.
+
+    ``catalog``: tool name -> the toolsets that offer it (default: :func:`tool_catalog`), against which
+    rows' ``toolsets`` and ``tools`` are checked.
+    """
+    catalog = tool_catalog() if catalog is None else catalog
+    toolsets = known_toolsets(catalog)
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"dataset file not found: {path}")
@@ -38,7 +78,7 @@ def load_dataset(path: str, max_samples: int | None = None) -> tuple[list[Row], 
         for line_no, raw in enumerate(fh, start=1):
             if max_samples is not None and len(rows) >= max_samples:
                 break
-            problem, row = _parse_line(raw, line_no, seen)
+            problem, row = _parse_line(raw, line_no, seen, catalog, toolsets)
             if problem:
                 problems.append(f"{path}:{line_no}: {problem}")
             elif row:
@@ -49,7 +89,13 @@ def load_dataset(path: str, max_samples: int | None = None) -> tuple[list[Row], 
     return rows, problems
 
 
-def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tuple[str | None, Row | None]:
+def _parse_line(
+    raw: bytes,
+    line_no: int,
+    seen: collections.Counter[str],
+    catalog: Mapping[str, tuple[str, ...]],
+    toolsets: set[str],
+) -> tuple[str | None, Row | None]:
     if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte order mark is harmless; accept it
     try:
@@ -84,6 +130,11 @@ def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tup
     cwd = obj.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
         return "field 'cwd' must be an absolute path string", None
+    try:
+        options = _row_options(obj, catalog, toolsets)
+        samples = _positive_int(obj, "samples", MAX_SAMPLES_PER_ROW)
+    except ValueError as exc:
+        return str(exc), None
     extra = {k: v for k, v in obj.items() if k not in ROW_RUN_FIELDS}
     row = Row(
         index=line_no - 1,
@@ -93,6 +144,72 @@ def _parse_line(raw: bytes, line_no: int, seen: collections.Counter[str]) -> tup
         occurrence=seen[prompt],
         row_fields=row_fields_text(extra),
         row_id=row_id_text(extra),
+        options=options,
+        samples=samples,
     )
     seen[prompt] += 1
     return None, row
+
+
+def _row_options(obj: dict[str, Any], catalog: Mapping[str, tuple[str, ...]], known: set[str]) -> RowOptions:
+    """The row's own settings, checked; ValueError names the field and what is wrong with it."""
+    toolsets = _names(obj, "toolsets")
+    if toolsets is not None:
+        unknown = [t for t in toolsets if t not in known]
+        if unknown:
+            raise ValueError(
+                f"field 'toolsets' names unknown toolset {unknown[0]!r} (known: {', '.join(sorted(known))})"
+            )
+    tools = _names(obj, "tools")
+    if tools is not None:
+        unknown = [t for t in tools if t not in catalog]
+        if unknown:
+            raise ValueError(
+                f"field 'tools' names unknown tool {unknown[0]!r} (known: {', '.join(sorted(catalog))})"
+            )
+        if toolsets is not None:
+            # An allowlisted tool none of the row's toolsets offers could never be offered: a mistake.
+            outside = [t for t in tools if not set(catalog[t]) & set(toolsets)]
+            if outside:
+                raise ValueError(
+                    f"field 'tools' names {outside[0]!r}, which none of the row's toolsets "
+                    f"({', '.join(toolsets)}) offers (it is in: {', '.join(catalog[outside[0]])})"
+                )
+    system = obj.get("system")
+    if system is not None and (not isinstance(system, str) or not system.strip()):
+        raise ValueError("field 'system' must be a non-empty string")
+    if isinstance(system, str):
+        try:
+            system.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "field 'system' holds an unpaired surrogate escape, not valid Unicode text"
+            ) from None
+    return RowOptions(
+        toolsets=toolsets, tools=tools, system=system, max_turns=_positive_int(obj, "max_turns")
+    )
+
+
+def _names(obj: dict[str, Any], field: str) -> tuple[str, ...] | None:
+    """A list of names as a sorted tuple without repeats (order means nothing); None when absent."""
+    value = obj.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError(f"field {field!r} must be a list of names (strings), got {json.dumps(value)[:60]}")
+    return tuple(sorted(set(value)))
+
+
+def _positive_int(obj: dict[str, Any], field: str, high: int | None = None) -> int | None:
+    value = obj.get(field)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 1
+        or (high is not None and value > high)
+    ):
+        limit = f" (at most {high})" if high is not None else ""
+        raise ValueError(f"field {field!r} must be a positive integer{limit}, got {json.dumps(value)[:60]}")
+    return value

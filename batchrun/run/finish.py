@@ -2,7 +2,7 @@
 
 Merge and statistics stream the run's files one record at a time (memory stays flat), skip and
 count torn or malformed lines, drop records that call a tool outside the known set, and keep one
-record per finished row. They cover every run of this run name; ``this_run`` covers this one.
+record per finished sample (row identity, sample index). They cover every run of this run name; ``this_run`` covers this one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from batchrun.config import RunConfig
 from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.prompt.trajectory import (
     reasoning_counts,
-    record_row_key,
+    record_sample,
     used_tool_names,
     valid_outcome_row,
     valid_record,
@@ -29,7 +29,7 @@ from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY
 from batchrun.record import run_card
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
-from batchrun.run.resume import add_discards, resume_command, row_identity, unfinished
+from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     batch_files,
@@ -47,9 +47,8 @@ class MergeTotals:
     def __init__(self, tool_names: list[str]):
         self.tool_stats = {n: {"count": 0, "success": 0, "failure": 0} for n in tool_names}
         self.dropped: collections.Counter[str] = collections.Counter()
-        self.finished: collections.Counter[str] = (
-            collections.Counter()
-        )  # row identity -> records in batch files
+        # (row identity, sample index) -> records in batch files
+        self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
@@ -107,17 +106,24 @@ class MergeTotals:
 
 
 def merge(
-    run_dir: Path, rows: list[Row], recorder: Recorder, *, exclude_partial: bool = False
+    run_dir: Path,
+    rows: list[Row],
+    recorder: Recorder,
+    *,
+    exclude_partial: bool = False,
+    samples_per_prompt: int = 1,
 ) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
 
     One pass: each kept line is copied as written (already redacted) and counted for the
-    statistics, so memory stays flat and each record is parsed once.
+    statistics, so memory stays flat and each record is parsed once. One record is kept per sample
+    the dataset wants (duplicate rows each want theirs); records of samples the dataset does not
+    want (rows since removed, sample indices beyond today's count) are all kept.
     """
-    wanted = collections.Counter(row_identity(r, recorder.redact) for r in rows)
+    wanted = wanted_samples(rows, samples_per_prompt, recorder.redact)
     done_indices: set[int] = set()
-    kept: collections.Counter[str] = collections.Counter()
+    kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
     out = run_dir / "trajectories.jsonl"
@@ -128,7 +134,7 @@ def merge(
                 if not valid_record(rec):  # torn, or valid JSON of the wrong shape
                     totals.dropped["invalid_lines"] += 1
                     continue
-                key = record_row_key(rec)
+                key = record_sample(rec)
                 totals.finished[key] += 1
                 if isinstance(rec.get("prompt_index"), int):
                     done_indices.add(rec["prompt_index"])
@@ -207,10 +213,17 @@ def statistics(
         "isolation": isolation,
         **(sandbox_facts or {}),
         "dataset_prompts": len(rows),
+        "samples_per_prompt": config.samples_per_prompt,
+        "dataset_samples": sum(
+            samples_of(r, config.samples_per_prompt) for r in rows
+        ),  # rows' own counts too
         **summary,
         "discarded": {"total": sum(discards_all.values()), "by_reason": dict(discards_all)},
         "failed_attempts": {"total": sum(failures_all.values()), "by_class": failures_all},
-        "remaining_for_resume": count_remaining(run_dir, rows, totals, recorder, config.rerun_discarded),
+        # Samples (a row of N samples counts N) a --resume would run.
+        "remaining_for_resume": count_remaining(
+            run_dir, rows, totals, recorder, config.rerun_discarded, config.samples_per_prompt
+        ),
         # The reference runner's names and shapes, beside ours, so scripts written for it read this file.
         "total_prompts": len(rows),
         "total_batches": len(batch_files(run_dir)),  # batch files of every run of this run name
@@ -332,12 +345,17 @@ def reference_tool_statistics(tool_stats: dict[str, dict[str, Any]]) -> dict[str
 
 
 def count_remaining(
-    run_dir: Path, rows: list[Row], totals: MergeTotals, recorder: Recorder, rerun_discarded: bool
+    run_dir: Path,
+    rows: list[Row],
+    totals: MergeTotals,
+    recorder: Recorder,
+    rerun_discarded: bool,
+    samples_per_prompt: int = 1,
 ) -> int:
-    """Dataset rows a --resume would run: no trajectory and (unless re-run) no discard yet."""
+    """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
     done = collections.Counter(totals.finished)
     add_discards(run_dir, done, rerun_discarded=rerun_discarded)
-    return len(unfinished(rows, done, recorder.redact))
+    return len(unfinished(rows, done, recorder.redact, samples_per_prompt))
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor) -> None:
@@ -377,7 +395,7 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
         print(f"Dropped at merge: {d}")
     if stats["remaining_for_resume"]:
         print(
-            f"{stats['remaining_for_resume']} prompt(s) remain; continue with:\n  {recorder.redact(resume_command())}"
+            f"{stats['remaining_for_resume']} {'prompt' if stats['dataset_samples'] == stats['dataset_prompts'] else 'sample'}(s) remain; continue with:\n  {recorder.redact(resume_command())}"
         )
     print("=" * 72)
 

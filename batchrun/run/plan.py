@@ -1,17 +1,25 @@
-"""The plan: each row's toolsets sampled (reproducibly), the rows cut into numbered batches of jobs."""
+"""The plan: each sample's toolsets (a row's own, or drawn reproducibly), the samples cut into numbered batches of jobs.
+
+A job is one sample of one row: (dataset row, sample index). Batches are filled sample by sample
+(every row's sample 0, then every row's sample 1, ...) and never hold two samples of the same row:
+the dispatch and the recorder tell a batch's jobs apart by their row's ``prompt_index``.
+"""
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.distributions import get_distribution, prompt_rng, sample_toolsets_from_distribution
-from batchrun.prompt.tools.registry import available_toolsets, toolset_needs
+from batchrun.prompt.tools.registry import available_toolsets, tools_for_toolsets, toolset_needs
 from batchrun.protocol import PromptJob
 from batchrun.run.dataset import Row
+from batchrun.run.resume import Sample
 from batchrun.storage import batch_files
 
 
@@ -26,15 +34,27 @@ class Plan:
         return sum(len(b) for b in self.batches)
 
 
-def make_plan(rows: list[Row], config: RunConfig, run_dir: Path, tool_extra: dict[str, Any]) -> Plan:
-    """Sample toolsets (reproducibly per prompt) and cut the rows into new batches after the existing ones."""
+def sample_rng(seed: int, row: Row, sample_index: int) -> random.Random:
+    """The toolset draw's Random for one sample, fixed by (seed, row text, occurrence, sample index).
+
+    Sample 0 draws exactly what runs before samples existed drew, so their resumes offer the same.
+    """
+    if sample_index == 0:
+        return prompt_rng(seed, row.prompt, row.occurrence)
+    digest = hashlib.sha256(f"{seed}\0{row.occurrence}\0{sample_index}\0{row.prompt}".encode()).digest()
+    return random.Random(int.from_bytes(digest, "big"))
+
+
+def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extra: dict[str, Any]) -> Plan:
+    """Choose each sample's toolsets and cut the samples into new batches after the existing ones."""
     first = max((n for n, _ in batch_files(run_dir)), default=-1) + 1
     try:
         available = available_toolsets(tool_extra)
     except ValueError as exc:
         raise UsageError(f"toolset configuration: {exc}") from None
     dist = get_distribution(config.distribution)
-    if rows and not any(t in available for t in dist.probabilities):
+    drawn_rows = [row for row, _ in samples if _draws(row)]
+    if drawn_rows and not any(t in available for t in dist.probabilities):
         # Tool-less prompts would spend tokens on samples the distribution never meant to make.
         needs = "; ".join(f"{t}: {toolset_needs(t) or 'not available'}" for t in dist.probabilities)
         raise UsageError(
@@ -42,39 +62,96 @@ def make_plan(rows: list[Row], config: RunConfig, run_dir: Path, tool_extra: dic
             f"would run without tools. Missing: {needs}. Configure one, or choose another --distribution"
         )
     plan = Plan(batches=[])
-    for i, row in enumerate(rows):
-        rng = prompt_rng(config.seed, row.prompt, row.occurrence)
-        unavailable: list[str] = []
-        usable = sample_toolsets_from_distribution(config.distribution, rng, available, unavailable)
-        plan.missing.update(unavailable)
+    in_batch: set[int] = set()
+    unavailable_rows = 0
+    # Sample-major: a run stopped half-way (budget, Ctrl-C) has its first samples of every row.
+    for row, s in sorted(samples, key=lambda item: item[1]):
+        fail_reason = None
+        sampled: tuple[str, ...] | None = None
+        if _draws(row):
+            unavailable: list[str] = []
+            usable = sample_toolsets_from_distribution(
+                config.distribution, sample_rng(config.seed, row, s), available, unavailable
+            )
+            plan.missing.update(unavailable)
+            # Drawn (or the guaranteed one), available here or not: ``toolsets`` is what is offered.
+            sampled = tuple(t for t in dist.probabilities if t in usable or t in unavailable)
+        else:
+            usable, fail_reason = _own_toolsets(row, available, tool_extra)
+            unavailable_rows += fail_reason is not None
         plan.offered.update(usable)
-        if i % config.batch_size == 0:
+        if not plan.batches or len(plan.batches[-1]) >= config.batch_size or row.index in in_batch:
             plan.batches.append([])
+            in_batch = set()
+        in_batch.add(row.index)
         plan.batches[-1].append(
             PromptJob(
-                batch_num=first + i // config.batch_size,
+                batch_num=first + len(plan.batches) - 1,
                 prompt_index=row.index,
                 prompt=row.prompt,
                 toolsets=tuple(usable),
                 image=row.image,
                 cwd=row.cwd,
+                fail_reason=fail_reason,
                 row_fields=row.row_fields,
                 row_id=row.row_id,
-                # Drawn (or the guaranteed one), available here or not: ``toolsets`` is what is offered.
-                toolsets_sampled=tuple(t for t in dist.probabilities if t in usable or t in unavailable),
+                toolsets_sampled=sampled,
+                options=row.options,
+                sample_index=s,
+                occurrence=row.occurrence,
             )
         )
     if plan.missing:
         names = ", ".join(f"{t} ({n} prompts)" for t, n in sorted(plan.missing.items()))
         print(f"note: toolsets sampled but not available in this installation, not offered: {names}")
+    if unavailable_rows:
+        print(
+            f"warning: {unavailable_rows} sample(s) ask for a toolset or tool not available in this run; "
+            "they fail without a model call (failed.jsonl says which; --resume runs them once it is configured)"
+        )
     return plan
+
+
+def _draws(row: Row) -> bool:
+    """Whether the row's toolsets come from the distribution (it names neither toolsets nor tools)."""
+    return row.options.toolsets is None and row.options.tools is None
+
+
+def _own_toolsets(row: Row, available: set[str], tool_extra: dict[str, Any]) -> tuple[list[str], str | None]:
+    """A row's own toolsets (its ``toolsets``, else those of its ``tools``), and why the row cannot run
+    as it asked in this run (None: it can): a row is offered exactly what it asked for, or fails."""
+    from batchrun.prompt.tools.registry import all_tools
+
+    opts = row.options
+    if opts.toolsets is not None:
+        toolsets = list(opts.toolsets)
+    else:
+        registry = all_tools()
+        toolsets = sorted({registry[name].toolset for name in opts.tools or ()})
+    for toolset in toolsets:
+        if toolset not in available:
+            needs = toolset_needs(toolset) or "not configured"
+            return (
+                toolsets,
+                f"the row asks for toolset {toolset!r}, which is not available in this run ({needs})",
+            )
+    if opts.tools is not None:
+        offered = {t.name for t in tools_for_toolsets(toolsets, tool_extra)}
+        for name in opts.tools:
+            if name not in offered:
+                return (
+                    toolsets,
+                    f"the row asks for tool {name!r}, which its toolsets do not offer in this run",
+                )
+    return toolsets, None
 
 
 def print_plan(rows: list[Row], plan: Plan, config: RunConfig, base_url: str) -> None:
     n = plan.prompts
     in_flight = min(config.num_workers * config.prompts_per_worker, max(n, 1))
+    samples = f" x {config.samples_per_prompt} samples" if config.samples_per_prompt > 1 else ""
     print(
-        f"Run {config.run_name}: {len(rows)} prompts in dataset, {n} to run in {len(plan.batches)} batches | "
+        f"Run {config.run_name}: {len(rows)} prompts in dataset{samples}, {n} to run in {len(plan.batches)} batches | "
         f"model {config.model} at {base_url} | sandbox {config.backend} | "
         f"{config.num_workers} workers x {config.prompts_per_worker} prompts = up to {in_flight} in flight, "
         f"{config.max_sandbox_starts} concurrent sandbox start-ups"

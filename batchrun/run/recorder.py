@@ -23,7 +23,7 @@ from typing import Any
 from batchrun.config import UsageError
 from batchrun.prompt.trajectory import valid_record
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
-from batchrun.run.resume import row_identity
+from batchrun.run.resume import identity_fields, row_identity
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,
@@ -138,8 +138,13 @@ class Recorder:
                 self.spend[key] += value - live.get(key, 0)  # what add_live_spend has not counted yet
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
         # The row's identity travels with every outcome, so resume and merge can tell apart rows with
-        # the same text and another image or cwd. Always present, null when the row has none.
-        identity = {"image": outcome.image, "cwd": outcome.cwd, "row_key": row_identity(outcome, self.redact)}
+        # the same text and another image, cwd or settings of its own, and which sample this is.
+        # Always present, null when the row has none.
+        identity = {
+            **identity_fields(outcome, self.redact),
+            "row_key": row_identity(outcome, self.redact),
+            "sample_index": outcome.sample_index,
+        }
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
             outcome.record["metadata"].update(identity)
         if kind == TRAJECTORY:

@@ -1,7 +1,9 @@
-"""--resume: which rows are finished (by their content, duplicates counted), and whether the settings still match.
+"""--resume: which samples are finished (by their row's content, duplicates counted), and whether the settings still match.
 
-A row is finished when a batch file holds a trajectory of it, or (unless ``--rerun_discarded``)
-``discarded.jsonl`` holds a discard of it. Failures are not finished: they run again. The
+Each row runs ``samples`` times (its own field, else ``--samples_per_prompt``); a sample is
+(row identity, sample index). It is finished when a batch file holds a trajectory of it, or (unless
+``--rerun_discarded``) ``discarded.jsonl`` holds a discard of it. Failures are not finished: they
+run again. Records written before samples existed are sample 0. The
 manifest (``run_manifest.json``) records the settings that define the data; a resume with other
 values would mix two datasets and is refused unless ``--force_resume``.
 """
@@ -20,13 +22,14 @@ from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.prompt.trajectory import (
-    outcome_row_key,
-    record_row_key,
+    outcome_sample,
+    record_sample,
     row_key,
     valid_outcome_row,
     valid_record,
 )
 from batchrun.protocol import Outcome
+from batchrun.record import ROW_OPTION_FIELDS, row_option_fields
 from batchrun.run.dataset import Row
 from batchrun.secrets import Redactor
 from batchrun.storage import batch_files, iter_jsonl
@@ -48,7 +51,14 @@ MANIFEST_KEYS = (
     "prefill_sha256",
     "distribution_probabilities",  # a --distribution_file may give a name other numbers
     "known_tools",  # the columns of tool_stats (plugins, MCP servers): records must keep one schema
+    "temperature",
+    "top_p",
+    "seed_per_request",
 )
+
+# What a manifest written before a key existed stands for: the value that run used. A resume with
+# that value compares equal; another value is a change like any other.
+MANIFEST_DEFAULTS: dict[str, Any] = {"temperature": None, "top_p": None, "seed_per_request": False}
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
@@ -67,6 +77,10 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "keep_empty_answers": config.keep_empty_answers,
         **config.secret_hashes(),
         **config.tool_sources_manifest(),
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "seed_per_request": config.seed_per_request,
+        "samples_per_prompt": config.samples_per_prompt,  # informational: more samples on resume is fine
         "dataset_file": config.dataset_file,
         "dataset_sha256": _file_sha256(config.dataset_file),
         "created": dt.datetime.now().isoformat(timespec="seconds"),
@@ -95,7 +109,9 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
 
     With ``force`` the earlier settings go into the manifest's ``history``, so the data says it holds both.
     """
-    # A key that a manifest of an older version lacks cannot be compared: it is recorded from now on.
+    # A key that a manifest of an older version lacks cannot be compared (it is recorded from now on),
+    # except one whose value then is known (MANIFEST_DEFAULTS): that run could not have set it.
+    old = {**{k: v for k, v in MANIFEST_DEFAULTS.items() if k not in old}, **old}
     changed = [k for k in MANIFEST_KEYS if k in old and old.get(k) != new.get(k)]
     history = old.get("history") if isinstance(old.get("history"), list) else []
     if changed:
@@ -125,52 +141,97 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
     return kept
 
 
+def identity_fields(row: Row | Outcome, redact: Redactor) -> dict[str, Any]:
+    """A row's identity fields as saved records hold them (secrets in image and cwd redacted there):
+    image, cwd and the ``row_*`` fields of its own settings."""
+    opts = row.options
+    return {
+        "image": None if row.image is None else redact(row.image),
+        "cwd": None if row.cwd is None else redact(row.cwd),
+        **row_option_fields(opts.toolsets, opts.tools, opts.system, opts.max_turns),
+    }
+
+
 def row_identity(row: Row | Outcome, redact: Redactor) -> str:
     """A row's identity (a dataset row's, or an outcome's) as saved records give it back: secrets in
     them were redacted there."""
-    image = None if row.image is None else redact(row.image)
-    cwd = None if row.cwd is None else redact(row.cwd)
-    return row_key(redact(row.prompt), image, cwd)
+    fields = identity_fields(row, redact)
+    options = {k: fields[k] for k in ROW_OPTION_FIELDS}
+    return row_key(redact(row.prompt), fields["image"], fields["cwd"], options)
 
 
-def unfinished(rows: list[Row], done: collections.Counter[str], redact: Redactor) -> list[Row]:
-    """The rows left once each finished outcome has taken one row of its identity (duplicates count)."""
-    done = collections.Counter(done)
-    left = []
+Sample = tuple[Row, int]  # a dataset row and one of its sample indices: one job
+
+
+def samples_of(row: Row, samples_per_prompt: int) -> int:
+    """How many samples ``row`` wants: its own ``samples``, else the run's --samples_per_prompt."""
+    return row.samples if row.samples is not None else samples_per_prompt
+
+
+def wanted_samples(
+    rows: list[Row], samples_per_prompt: int, redact: Redactor
+) -> collections.Counter[tuple[str, int]]:
+    """(row identity, sample index) -> how many dataset rows want that sample (duplicate rows each do)."""
+    wanted: collections.Counter[tuple[str, int]] = collections.Counter()
     for row in rows:
         key = row_identity(row, redact)
-        if done[key] > 0:
-            done[key] -= 1
-        else:
-            left.append(row)
+        for s in range(samples_of(row, samples_per_prompt)):
+            wanted[key, s] += 1
+    return wanted
+
+
+def unfinished(
+    rows: list[Row], done: collections.Counter[tuple[str, int]], redact: Redactor, samples_per_prompt: int = 1
+) -> list[Sample]:
+    """The samples left once each finished outcome has taken one sample of its (identity, sample index):
+    duplicate rows count, each wanting its own samples."""
+    done = collections.Counter(done)
+    left: list[Sample] = []
+    for row in rows:
+        key = row_identity(row, redact)
+        for s in range(samples_of(row, samples_per_prompt)):
+            if done[key, s] > 0:
+                done[key, s] -= 1
+            else:
+                left.append((row, s))
     return left
 
 
-def scan_finished(run_dir: Path, *, rerun_discarded: bool) -> collections.Counter[str]:
-    """Row identity -> number of finished outcomes (trajectories, and discards unless re-run).
-    Lines of the wrong shape are skipped, as torn lines are."""
-    done: collections.Counter[str] = collections.Counter()
+def all_samples(rows: list[Row], samples_per_prompt: int) -> list[Sample]:
+    """Every sample of every row (a new run)."""
+    return [(row, s) for row in rows for s in range(samples_of(row, samples_per_prompt))]
+
+
+def scan_finished(run_dir: Path, *, rerun_discarded: bool) -> collections.Counter[tuple[str, int]]:
+    """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
+    re-run). Lines of the wrong shape are skipped, as torn lines are."""
+    done: collections.Counter[tuple[str, int]] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec):
-                done[record_row_key(rec)] += 1
+                done[record_sample(rec)] += 1
     add_discards(run_dir, done, rerun_discarded=rerun_discarded)
     return done
 
 
-def add_discards(run_dir: Path, done: collections.Counter[str], *, rerun_discarded: bool) -> None:
-    """Discarded prompts count as finished unless --rerun_discarded (they cost money to redo)."""
+def add_discards(run_dir: Path, done: collections.Counter[tuple[str, int]], *, rerun_discarded: bool) -> None:
+    """Discarded samples count as finished unless --rerun_discarded (they cost money to redo)."""
     discards = run_dir / "discarded.jsonl"
     if discards.exists() and not rerun_discarded:
         for rec in iter_jsonl(discards):
             if valid_outcome_row(rec, "reason"):
-                done[outcome_row_key(rec)] += 1
+                done[outcome_sample(rec)] += 1
 
 
-def resume_filter(rows: list[Row], run_dir: Path, redact: Redactor, *, rerun_discarded: bool) -> list[Row]:
-    """Keep the rows with no finished outcome yet, counting duplicates per identity (text, image, cwd)."""
-    todo = unfinished(rows, scan_finished(run_dir, rerun_discarded=rerun_discarded), redact)
-    print(f"Resume: {len(rows) - len(todo)} prompt(s) already finished, {len(todo)} to run")
+def resume_filter(
+    rows: list[Row], run_dir: Path, redact: Redactor, *, rerun_discarded: bool, samples_per_prompt: int = 1
+) -> list[Sample]:
+    """The samples with no finished outcome yet, counting duplicates per (identity, sample index)."""
+    done = scan_finished(run_dir, rerun_discarded=rerun_discarded)
+    todo = unfinished(rows, done, redact, samples_per_prompt)
+    total = sum(samples_of(r, samples_per_prompt) for r in rows)
+    unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed
+    print(f"Resume: {total - len(todo)} {unit} already finished, {len(todo)} to run")
     return todo
 
 

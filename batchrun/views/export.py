@@ -7,8 +7,9 @@ Each sample becomes one row. In the ``openai`` and ``parquet`` formats a row hol
 (``role``, ``content``, ``reasoning_content``, ``tool_calls``, ``tool_call_id``) and the tools the
 prompt was offered as a column of their own (``tools``): the Hermes text markup is taken apart, so a
 call is in ``tool_calls`` only (never repeated in ``content``), reasoning is in ``reasoning_content``,
-and a tool entry becomes one ``tool`` message per ``tool_call_id``. The record's system entry is only
-the function-calling preamble around that tool list, so it is not exported as a message.
+and a tool entry becomes one ``tool`` message per ``tool_call_id``. The record's system entry is the
+function-calling preamble around that tool list, so it is not exported as a message; a row's own
+``system`` prompt, saved before the preamble, is exported as the first (``system``) message.
 ``sharegpt`` keeps the record's own ``conversations`` (Hermes convention, system entry included)
 without the structured ``tool_calls``, so every turn has the same two keys.
 
@@ -43,6 +44,7 @@ from batchrun.prompt.trajectory import (
     offered_tools,
     parse_gpt_value,
     parse_tool_responses,
+    split_system_value,
 )
 from batchrun.record import features_yaml
 from batchrun.storage import iter_jsonl
@@ -88,6 +90,9 @@ def to_openai_messages(conversations: list[dict[str, Any]]) -> list[dict[str, An
         if not isinstance(value, str):
             raise ValueError(f"a {who!r} turn has no text value")
         if who == "system":
+            own = split_system_value(value)  # a row's own system prompt, before the preamble
+            if own is not None:
+                messages.append({"role": "system", "content": own})
             continue  # the preamble around the tool list, which is exported as its own column
         if who == "human":
             messages.append({"role": "user", "content": value})
