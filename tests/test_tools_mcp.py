@@ -283,3 +283,25 @@ def test_resume_with_other_tools_is_refused_so_records_keep_one_schema(tmp_path,
     records = read_jsonl(out / "run" / "trajectories.jsonl")
     assert len(records) == 2
     assert set(records[0]["tool_stats"]) == set(records[1]["tool_stats"])
+
+
+def test_rows_name_an_mcp_toolset_and_allowlist_its_tools(server, tmp_path):
+    """Per-row control reaches MCP toolsets: a row's ``toolsets`` and ``tools`` may name them."""
+    rows = [
+        {"prompt": "only the server", "toolsets": ["mcp:tools"]},
+        {"prompt": "just echo", "tools": ["mcp__tools__echo"]},
+        {"prompt": "plain terminal"},
+    ]
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    out = tmp_path / "out"
+    run(server, ds, out, mcp_config=str(stdio_config(tmp_path)), distribution="terminal_only", num_workers=1)
+    records = {r["conversations"][1]["value"]: r for r in read_jsonl(out / "run" / "trajectories.jsonl")}
+    names = {
+        prompt: [t.get("function", t)["name"] for t in offered_in_system(rec["conversations"][0]["value"])]
+        for prompt, rec in records.items()
+    }
+    assert names["only the server"] == TOOLS
+    assert names["just echo"] == ["mcp__tools__echo"]
+    assert names["plain terminal"] and not any(n.startswith("mcp__") for n in names["plain terminal"])
+    assert records["only the server"]["toolsets_used"] == ["mcp:tools"]
