@@ -37,6 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from docker.errors import APIError, NotFound  # noqa: E402
+
 from batchrun.prompt.sandboxes import docker as docker_backend  # noqa: E402
 from batchrun.prompt.sandboxes.base import SandboxSpec  # noqa: E402
 from batchrun.prompt.sandboxes.docker import DockerSandbox, docker_client  # noqa: E402
@@ -106,7 +108,10 @@ def engine_api_rate(count: int, clients: int, run: str, network: str) -> float:
         box = DockerSandbox(SandboxSpec(run, i, network=network != "none"), **sandbox_options(network))
         container = client.containers.create(box.image, **engine_create_kwargs(box, f"br-rate-{run}-{i}"))
         container.start()
-        client.api.remove_container(container.id, force=True, v=True)
+        try:
+            client.api.remove_container(container.id, force=True, v=True)
+        except (NotFound, APIError):  # it ended and removed itself already (a start the engine botched)
+            pass
 
     return timed_loop(count, clients, one)
 
@@ -130,7 +135,7 @@ def engine_cli_rate(count: int, clients: int, run: str, network: str) -> float:
             [*argv, f"--name=br-cli-{run}-{i}", IMAGE, *kw["entrypoint"][1:]],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
-        subprocess.run(["docker", "rm", "-f", cid], capture_output=True, check=True)
+        subprocess.run(["docker", "rm", "-f", cid], capture_output=True)  # may have removed itself already
 
     return timed_loop(count, clients, one)
 

@@ -171,3 +171,20 @@ def _wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
             return True
         time.sleep(step_s)
     return bool(predicate())
+
+
+def test_without_docker_init_the_server_works_and_the_lifetime_still_ends_the_container(
+    docker_test_image: str,
+):
+    from batchrun.prompt.sandboxes.docker import DockerSandbox
+
+    box = DockerSandbox(
+        SandboxSpec(RUN, 2, network=False), default_image=docker_test_image, init=False, lifetime_s=3.0
+    )
+    box.start()
+    try:
+        assert box.run("echo $$; sleep 1000 & echo started", timeout_s=30).output.splitlines()[1] == "started"
+        assert box.run("cat /proc/1/comm", timeout_s=30).output == "sh\n"  # the boot shell is PID 1
+        assert _wait_until(lambda: not _exists(box.container_id), timeout_s=60)
+    finally:
+        box.stop()

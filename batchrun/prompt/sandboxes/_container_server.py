@@ -3,15 +3,16 @@
 Images may be minimal (busybox, no Python), so the server is ``sh`` itself, with ``cat`` and, where
 the image has it, ``setsid``. The container's entrypoint (``BOOT_SCRIPT``) is, in effect::
 
-    { cat; kill -9 $boot; } | { sh -s; kill -9 $boot; }
+    { cat; kill -9 <boot shell>; } | { sh -s; kill -9 <boot shell>; }
 
 ``cat`` relays the container's stdin, which the runner holds through an attach stream, to a shell
 that reads its script from the pipe. When the runner's stream ends (the runner stopped the
 sandbox, or died, even by SIGKILL: the kernel closes its socket), ``cat`` sees EOF at once, even in
 the middle of a command, and kills the boot shell, docker-init's only child: docker-init (PID 1)
-exits, the kernel kills every other process of the container, and it removes itself. Nothing here
-signals more than one process (never ``kill -1``): run outside a container, it would end only itself. Should the server shell die (the OOM killer,
-a command's ``kill -9``), the same happens from the other side. A sleeper bounds the lifetime.
+exits, the kernel kills every other process of the container, and it removes itself. Should the
+server shell die (the OOM killer, a command's ``kill -9``), the same happens from the other side.
+A sleeper bounds the lifetime. Outside a PID namespace of its own, nothing here signals more than
+the boot shell.
 
 The protocol is shell code on the container's stdin and a marker on its stdout (attached, no log
 driver: nothing reaches the host's disk). The runner first sends ``SERVER_PRELUDE``, which defines
@@ -23,9 +24,10 @@ The command runs in ``sh -c`` with stdout and stderr on the container's stdout, 
 own (``setsid``), with ``BATCH_RUNNER_EXEC=<token>`` in its environment (a timeout kills what
 carries it, through one exec). Its stdin is the bytes given, through a pipe, or an empty pipe.
 When its shell exits, what is left of its process group is killed (as the local sandbox ends a
-command's leftovers; the ``process`` tool's commands start sessions of their own and live on),
-then ``\\n[batch-runner-exit:<token>]=<exit code>\\n`` is printed. Only shell builtins run between
-commands, so a command that deleted the container's files (``rm -rf /``) still gets its answer.
+command's leftovers), but for what the ``process`` tool started; then
+``\\n[batch-runner-exit:<token>]=<exit code>\\n`` is printed. Between commands the server runs
+shell builtins only (the sweep forks only when leftovers exist), so a command that deleted the
+container's files (``rm -rf /``) still gets its answer.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ READY_LINE = "[batch-runner-ready]"
 # $1: the lifetime in seconds. The boot shell is docker-init's only child: when it dies, docker-init
 # exits, and with the namespace's PID 1 gone the kernel kills every process of the container. So
 # killing the boot shell ends the container, and outside one it ends nothing but the boot shell.
-# Without cat (images with sh and little else) the server reads the stream itself: the container
-# then ends at EOF once the command in progress is done.
+# Without docker-init (the init option off) the boot shell is PID 1, which nothing inside may kill:
+# it ends every other process of its own PID namespace instead, then the script ends. Without cat
+# (images with sh and little else) the server reads the stream itself: the container then ends at
+# EOF once the command in progress is done.
 BOOT_SCRIPT = """exec 2>&1
-b=$$
-(sleep "$1"; kill -9 "$b") </dev/null >/dev/null 2>&1 &
+if [ "$$" = 1 ]; then end='kill -9 -1'; else end="kill -9 $$"; fi
+(sleep "$1"; $end) </dev/null >/dev/null 2>&1 &
 if command -v cat >/dev/null 2>&1; then
-    { cat; kill -9 "$b"; } | { sh -s; kill -9 "$b"; }
+    { cat; $end; } | { sh -s; $end; }
 else
     sh -s
 fi
