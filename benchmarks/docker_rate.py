@@ -24,6 +24,7 @@ the machine's load (other sessions share its 2 cores): run it a few times.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import resource
 import statistics
@@ -33,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -42,6 +44,7 @@ from docker.errors import APIError, NotFound  # noqa: E402
 from batchrun.prompt.sandboxes import docker as docker_backend  # noqa: E402
 from batchrun.prompt.sandboxes.base import SandboxSpec  # noqa: E402
 from batchrun.prompt.sandboxes.docker import DockerSandbox, docker_client  # noqa: E402
+from batchrun.prompt.sandboxes.docker_engine import LABEL_RUN  # noqa: E402
 
 IMAGE = "batch-runner-test:latest"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -101,19 +104,32 @@ def timed_loop(count: int, clients: int, one: Callable[[int], None]) -> float:
     return count / (time.monotonic() - started)
 
 
-def engine_api_rate(count: int, clients: int, run: str, network: str) -> float:
+def engine_api_rate(count: int, clients: int, run: str, network: str) -> tuple[float, int]:
+    """Containers per second, and how many of them the engine botched (their process never ran)."""
     client = docker_client()
+    loop_run = f"{run}-{uuid.uuid4().hex[:4]}"
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
 
     def one(i: int) -> None:
-        box = DockerSandbox(SandboxSpec(run, i, network=network != "none"), **sandbox_options(network))
-        container = client.containers.create(box.image, **engine_create_kwargs(box, f"br-rate-{run}-{i}"))
+        box = DockerSandbox(SandboxSpec(loop_run, i, network=network != "none"), **sandbox_options(network))
+        container = client.containers.create(
+            box.image, **engine_create_kwargs(box, f"br-rate-{loop_run}-{i}")
+        )
         container.start()
         try:
             client.api.remove_container(container.id, force=True, v=True)
-        except (NotFound, APIError):  # it ended and removed itself already (a start the engine botched)
+        except (NotFound, APIError):  # it ended and removed itself already
             pass
 
-    return timed_loop(count, clients, one)
+    rate = timed_loop(count, clients, one)
+    # Killed by the removal, a container dies of SIGKILL (137); one that died of anything else never
+    # ran its entrypoint (on this engine: started on an empty root, "exec sh failed").
+    events = client.api.events(
+        since=since, until=datetime.now(timezone.utc) + timedelta(seconds=1), decode=True,
+        filters={"event": "die", "label": f"{LABEL_RUN}={loop_run}"},
+    )  # fmt: skip
+    botched = sum(1 for e in events if e.get("Actor", {}).get("Attributes", {}).get("exitCode") != "137")
+    return rate, botched
 
 
 def engine_cli_rate(count: int, clients: int, run: str, network: str) -> float:
@@ -140,7 +156,25 @@ def engine_cli_rate(count: int, clients: int, run: str, network: str) -> float:
     return timed_loop(count, clients, one)
 
 
-def runner_rate(count: int, clients: int, run: str, network: str) -> float:
+class _Retries(logging.Handler):
+    """Counts the starts the backend tried again (the engine botched a container, see START_ATTEMPTS)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "trying again" in record.getMessage() or "before its first command" in record.getMessage():
+            self.count += 1
+
+
+def runner_rate(count: int, clients: int, run: str, network: str) -> tuple[float, int]:
+    """Sandboxes per second, and how many container starts the backend had to try again."""
+    retries = _Retries()
+    logger = logging.getLogger(docker_backend.__name__)
+    logger.addHandler(retries)
+    logger.setLevel(logging.INFO)
+
     def one(i: int) -> None:
         box = DockerSandbox(SandboxSpec(run, i, network=network != "none"), **sandbox_options(network))
         box.start()
@@ -150,7 +184,10 @@ def runner_rate(count: int, clients: int, run: str, network: str) -> float:
         finally:
             box.stop()
 
-    return timed_loop(count, clients, one)
+    try:
+        return timed_loop(count, clients, one), retries.count
+    finally:
+        logger.removeHandler(retries)
 
 
 def command_costs(commands: int, run: str, network: str) -> dict[str, dict[str, float]]:
@@ -182,6 +219,10 @@ def command_costs(commands: int, run: str, network: str) -> dict[str, dict[str, 
     return out
 
 
+def _rates(rates: list[float]) -> str:
+    return " ".join(f"{r:.2f}" for r in rates)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -189,6 +230,7 @@ def main() -> int:
     parser.add_argument("--containers", type=int, default=40, help="containers per loop")
     parser.add_argument("--clients", type=int, default=4, help="threads creating containers at once")
     parser.add_argument("--network", default="none", help="network mode: none (network off) or bridge")
+    parser.add_argument("--rounds", type=int, default=2, help="engine and runner loops, taking turns")
     parser.add_argument("--commands", type=int, default=100, help="commands for the per-command figures")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: cli, commands")
     args = parser.parse_args()
@@ -198,14 +240,25 @@ def main() -> int:
           f"{args.containers} containers over {args.clients} clients, load {os.getloadavg()[0]:.2f}")  # fmt: skip
     # One warm-up container each way: the first create pays for caches the others do not.
     runner_rate(2, 1, run, args.network)
-    engine = engine_api_rate(args.containers, args.clients, run, args.network)
-    print(f"engine (API, create+start+remove):        {engine:6.2f} containers/s")
+    # Engine and runner loops take turns, so that a change in the machine's load hits both alike.
+    engines, runners, botched, retried = [], [], 0, 0
+    for _ in range(args.rounds):
+        rate, n = engine_api_rate(args.containers, args.clients, run, args.network)
+        engines.append(rate)
+        botched += n
+        rate, n = runner_rate(args.containers, args.clients, run, args.network)
+        runners.append(rate)
+        retried += n
+    engine, runner = statistics.mean(engines), statistics.mean(runners)
+    rounds = f"mean of {args.rounds} rounds"
+    print(f"engine (API, create+start+remove):   {engine:6.2f} containers/s  "
+          f"({rounds}: {_rates(engines)}; {botched} botched: their entrypoint never ran)")  # fmt: skip
     if "cli" not in skip:
         cli = engine_cli_rate(args.containers, args.clients, run, args.network)
-        print(f"engine (CLI, docker run -d + rm -f):      {cli:6.2f} containers/s")
-    runner = runner_rate(args.containers, args.clients, run, args.network)
-    print(f"runner (start + one command + stop):      {runner:6.2f} sandboxes/s")
-    print(f"ratio runner / engine (API):              {runner / engine:6.2f}")
+        print(f"engine (CLI, docker run -d + rm -f): {cli:6.2f} containers/s")
+    print(f"runner (start + one command + stop): {runner:6.2f} sandboxes/s   "
+          f"({rounds}: {_rates(runners)}; {retried} starts tried again)")  # fmt: skip
+    print(f"ratio runner / engine (API):         {runner / engine:6.2f}")
     if "commands" not in skip:
         costs = command_costs(args.commands, run, args.network)
         print(f"per command ({args.commands} x `echo`, one container):")

@@ -93,7 +93,7 @@ KILL_WAIT_S = 10.0  # after a timed-out command was killed, how long its server 
 NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell can run"
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 START_ATTEMPTS = 5  # containers tried per start before the prompt fails
-START_RETRY_PAUSE_S = 0.25  # times the attempt number, between attempts
+START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
 
 
 @dataclass(frozen=True)
