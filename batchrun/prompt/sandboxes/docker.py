@@ -90,6 +90,7 @@ DEFAULT_WORKDIR = "/workspace"
 LIFETIME_MARGIN_S = 600.0  # a container ends itself after 2 x --prompt_timeout + this
 READY_TIMEOUT_S = 60.0  # from the container's start to its command server's first answer
 KILL_WAIT_S = 10.0  # after a timed-out command was killed, how long its server has to report it
+SELF_END_WAIT_S = 10.0  # at stop, how long a container may take to end and go once its stream is closed
 NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell can run"
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 START_ATTEMPTS = 5  # containers tried per start before the prompt fails
@@ -232,6 +233,7 @@ class DockerSandbox:
         self._used = False  # whether a command ran in the current container
         self._channel: server.Channel | None = None  # the attach stream: the server's stdin and stdout
         self._broken: str | None = None  # why the current container's server cannot take commands
+        self._serving = False  # whether the current container's server answered (it ends at our EOF)
         self._lock = threading.Lock()  # one command at a time: they share the stream
 
     @property
@@ -291,6 +293,7 @@ class DockerSandbox:
                 self._channel = server.Channel(_attach(container.id))
                 container.start()
                 self._start_server()
+                self._serving = True
                 break
             except ImageNotFound as exc:
                 self.stop()
@@ -493,6 +496,12 @@ class DockerSandbox:
     def stop(self) -> None:
         container_id, self.container_id = self.container_id, None
         channel, self._channel = self._channel, None
+        serving, self._serving = self._serving, False
+        if channel is not None:
+            channel.close()  # EOF for the server: a container that runs ends itself now
+        # One call that returns once the engine removed it (no kill from here, no 409 to poll out).
+        if container_id is not None and serving and _removed_by_itself(container_id):
+            return
         if container_id is not None:
             try:
                 docker_client().api.remove_container(container_id, force=True, v=True)
@@ -505,8 +514,6 @@ class DockerSandbox:
                     log.warning("could not remove container %s: %s", container_id[:12], exc)
             except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
                 log.warning("could not remove container %s: %s", container_id[:12], exc)
-        if channel is not None:
-            channel.close()  # should the removal have failed, the container now ends itself
 
     def _exec(self, command: str, token: str, user: str = "") -> tuple[str, object]:
         api = docker_client().api
@@ -553,6 +560,18 @@ def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
         sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin (a broken-off tar then fails)
     except OSError:
         pass
+
+
+def _removed_by_itself(container_id: str) -> bool:
+    """Wait for a container whose server got EOF to end and be removed; False if it was not in time."""
+    try:
+        docker_client().api.wait(container_id, timeout=SELF_END_WAIT_S, condition="removed")
+    except NotFound:
+        pass  # gone already
+    except Exception as exc:  # a timeout (requests' own exception) or an engine error: remove it instead
+        log.info("container %s did not end by itself: %s", container_id[:12], exc)
+        return False
+    return True
 
 
 def _attach(container_id: str) -> object:
