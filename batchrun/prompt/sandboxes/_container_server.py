@@ -136,7 +136,7 @@ class Channel:
 
     def discard_stray(self) -> None:
         """Drop what arrived between commands (output of a process a command left in its own session)."""
-        while not self.eof and select.select([self.sock], [], [], 0)[0]:
+        while not self.eof and self._readable(0):
             self._recv()
         self._pending.clear()
 
@@ -156,8 +156,15 @@ class Channel:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return "timeout"
-            if select.select([self.sock], [], [], remaining)[0]:
+            if self._readable(remaining):
                 self._recv()
+
+    def _readable(self, timeout_s: float) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], timeout_s)[0])
+        except (OSError, ValueError):  # closed under us (a stop from another thread): the end
+            self.eof = True
+            return False
 
     def _recv(self) -> None:
         try:
