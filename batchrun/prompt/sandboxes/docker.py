@@ -1,8 +1,11 @@
-"""Docker backend: one labelled container per prompt, commands through exec, removed at stop.
+"""Docker backend: one labelled container per prompt, its commands run by a server inside, removed at stop.
 
-The container's main process waits on its stdin, which this process holds open through an attach
-stream: when the process holding it dies (even by SIGKILL) the kernel closes the stream, the
-engine closes stdin, and the container ends and removes itself. ``lifetime_s`` bounds it anyway.
+The container's main process is a small ``sh`` command server (``_container_server``) that reads
+requests on its stdin and answers on its stdout, both held by this process through one attach
+stream: a command costs no API call and no ``docker exec`` (only a timeout's kill does). When the
+process holding the stream dies (even by SIGKILL) the kernel closes it, the engine closes stdin,
+and the container ends and removes itself, even in the middle of a command. ``lifetime_s`` bounds
+it anyway.
 
 The run-level helpers live in ``docker_engine`` and are re-exported here: ``check_engine``,
 ``ensure_images`` and ``storage_size_supported`` (preflight), ``sweep_containers`` and
@@ -29,7 +32,9 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import LogConfig
 
+from batchrun.prompt.sandboxes import _container_server as server
 from batchrun.prompt.sandboxes._shell import (
     EXEC_TAG_VAR,
     MarkerScanner,
@@ -83,12 +88,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WORKDIR = "/workspace"
 LIFETIME_MARGIN_S = 600.0  # a container ends itself after 2 x --prompt_timeout + this
-# The container's main process (POSIX sh and sleep only: images may be minimal): it ends at EOF on
-# its stdin, i.e. when the runner's attach stream closes, or when the lifetime ($0) is over.
-KEEPALIVE_SCRIPT = 'trap "exit 0" TERM; (sleep "$0"; kill $$) & while read -r _; do :; done'
+READY_TIMEOUT_S = 60.0  # from the container's start to its command server's first answer
+KILL_WAIT_S = 10.0  # after a timed-out command was killed, how long its server has to report it
+SELF_END_WAIT_S = 10.0  # at stop, how long a container may take to end and go once its stream is closed
+NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell can run"
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
-START_ATTEMPTS = 3  # containers tried per start before the prompt fails
-START_RETRY_PAUSE_S = 0.25  # times the attempt number, between attempts
+START_ATTEMPTS = 5  # containers tried per start before the prompt fails
+START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ _empty_dirs: set[tuple[str, str]] = set()  # (image, dir): nothing to copy into 
 
 
 class DockerSandbox:
-    """One container per prompt, alive while its stdin stream is held open; each command is a separate exec."""
+    """One container per prompt, alive while its attach stream is held open; a server in it runs the commands."""
 
     synchronous_start = False  # a container takes a while: it starts during the first model call
 
@@ -225,7 +231,10 @@ class DockerSandbox:
         self.isolation = "docker"
         self.container_id: str | None = None
         self._used = False  # whether a command ran in the current container
-        self._stdin: object | None = None  # attach stream, held open for as long as the container should live
+        self._channel: server.Channel | None = None  # the attach stream: the server's stdin and stdout
+        self._broken: str | None = None  # why the current container's server cannot take commands
+        self._serving = False  # whether the current container's server answered (it ends at our EOF)
+        self._lock = threading.Lock()  # one command at a time: they share the stream
 
     @property
     def disk_cap(self) -> str:
@@ -242,48 +251,56 @@ class DockerSandbox:
         memory limit would get every later command OOM-killed; half of it leaves room to work."""
         return tmpfs_size_mb(self.options.disk_mb, self.options.memory_mb)
 
-    def start(self) -> None:
+    def create_kwargs(self, name: str) -> dict[str, Any]:
+        """The arguments of ``containers.create`` (after the image) for this prompt's container."""
         opts, spec = self.options, self.spec
         labels = {LABEL_RUN: spec.run_name, LABEL_INDEX: str(spec.prompt_index)}
         labels[LABEL_OWNER] = opts.run_owner or default_owner()
-        safe_run = safe_run_name(spec.run_name)
-        limits = {
+        return {
+            "entrypoint": ["sh", "-c", server.BOOT_SCRIPT, "br-boot", str(math.ceil(opts.lifetime_s))],
+            "command": [],
+            "stdin_open": True,  # docker-py adds stdin_once: stdin ends when our stream does
+            "log_config": LogConfig(
+                type=LogConfig.types.NONE
+            ),  # commands' output never reaches the host's disk
+            "auto_remove": True,  # a container that ended itself leaves nothing behind
+            "name": name,
+            "labels": labels,
+            "working_dir": self.workdir,  # created by Docker when the image lacks it
+            "environment": dict(spec.env),
+            "init": opts.init,
+            "network_mode": opts.network_mode if spec.network else "none",
             "nano_cpus": int(opts.cpus * 1e9),
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
             "pids_limit": opts.pids_limit,
             **self._disk_limit(),
         }
+
+    def start(self) -> None:
+        spec = self.spec
+        safe_run = safe_run_name(spec.run_name)
+        kwargs = self.create_kwargs("")
         # An engine under heavy load sometimes fails a start it would do a moment later (runc's
         # "error reopening /dev/null inside container", an exec before the container runs). Nothing
         # of the prompt ran yet, so a fresh container is a safe retry.
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
-                container = docker_client().containers.create(
-                    self.image,
-                    entrypoint=["sh", "-c", KEEPALIVE_SCRIPT, str(math.ceil(opts.lifetime_s))],
-                    command=[],
-                    stdin_open=True,  # docker-py adds stdin_once: stdin ends when our stream does
-                    auto_remove=True,  # a container that ended itself leaves nothing behind
-                    name=f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}",
-                    labels=labels,
-                    working_dir=self.workdir,  # created by Docker when the image lacks it
-                    environment=dict(spec.env),
-                    init=opts.init,
-                    network_mode=opts.network_mode if spec.network else "none",
-                    **limits,
-                )
+                kwargs["name"] = f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}"
+                container = docker_client().containers.create(self.image, **kwargs)
                 self.container_id = container.id  # from here on, stop() removes it whatever happens next
                 # Attached before the start, so the container never runs without a holder.
-                self._stdin = _attach_stdin(container.id)
+                self._channel = server.Channel(_attach(container.id))
                 container.start()
+                self._start_server()
+                self._serving = True
                 break
             except ImageNotFound as exc:
                 self.stop()
                 raise SandboxError(
                     f"docker image {self.image!r} is not available locally: {exc.explanation}"
                 ) from exc
-            except DockerException as exc:
+            except (DockerException, OSError, SandboxError) as exc:
                 self.stop()
                 if attempt == START_ATTEMPTS:
                     raise SandboxError(
@@ -292,13 +309,32 @@ class DockerSandbox:
                     ) from exc
                 log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
             time.sleep(START_RETRY_PAUSE_S * attempt)
-        if "tmpfs" in limits:
+        if "tmpfs" in kwargs:
             try:
                 self._fill_workdir()
             except BaseException:
                 self.stop()
                 raise
         self._used = False
+        self._broken = None
+
+    def _start_server(self) -> None:
+        """Send the server its functions and wait for its ready line (the container runs, its sh works)."""
+        assert self._channel is not None
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        self._channel.send(server.SERVER_PRELUDE, deadline)
+        seen = bytearray()
+        want = server.READY_LINE.encode() + b"\n"
+
+        def feed(data: bytes) -> bool:
+            seen.extend(data)
+            return want in seen or len(seen) > 65536
+
+        state = self._channel.read_until(feed, deadline)
+        if want not in seen:
+            said = seen.decode(errors="replace").strip()[-300:]
+            why = "no answer in time" if state == "timeout" else f"it ended ({said or 'no output'})"
+            raise SandboxError(f"the command server of prompt {self.spec.prompt_index} did not start: {why}")
 
     def _disk_limit(self) -> dict[str, object]:
         if self.disk_cap == "storage-opt":
@@ -342,6 +378,73 @@ class DockerSandbox:
             )
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """Run ``command`` through the container's command server (see ``_container_server``)."""
+        with self._lock:
+            if self.container_id is None or self._channel is None:
+                raise SandboxError("docker sandbox is not started")
+            if "\0" in command:  # a shell's command line is a C string
+                return ExecResult(output=NUL_IN_COMMAND, exit_code=2)
+            result = self._serve(command, timeout_s=timeout_s, stdin=stdin)
+            if result is None:
+                # The container was gone before the first command did anything: nothing of the
+                # prompt ran yet (a start the engine botched under load), so a new one is safe, once.
+                log.info("container of prompt %s ended before its first command", self.spec.prompt_index)
+                self.stop()
+                self.start()
+                result = self._serve(command, timeout_s=timeout_s, stdin=stdin)
+            if result is None:
+                raise SandboxError(
+                    f"docker container of prompt {self.spec.prompt_index} ended twice before its first command"
+                )
+            return result
+
+    def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
+        """One request to the server; None when the container ended before its first command did anything."""
+        channel = self._channel
+        assert channel is not None
+        gone = f"docker container of prompt {self.spec.prompt_index} is gone"
+        if self._broken:
+            raise SandboxError(f"{gone}: {self._broken}")
+        channel.discard_stray()
+        token = new_exec_token()
+        scanner = server.Scanner(token, CappedBuffer(self.options.output_cap_bytes))
+        deadline = time.monotonic() + timeout_s
+
+        def feed(data: bytes) -> bool:
+            scanner.feed(data)
+            return scanner.done
+
+        state = "eof"
+        if not channel.eof:
+            try:
+                channel.send(server.request(token, command, stdin), deadline)
+                state = channel.read_until(feed, deadline)
+            except TimeoutError:
+                state = "timeout"  # the request itself did not fit in the time (a huge stdin)
+            except OSError:
+                state = "eof"
+        if state == "eof":
+            if not self._used and scanner.buf.total == 0:
+                return None
+            self._broken = "it ended during a command"
+            raise SandboxError(
+                f"{gone}: it ended during a command (killed from inside, out of memory, or removed); "
+                "what the prompt had in it is lost"
+            )
+        self._used = True
+        if state == "timeout":
+            # The output is what came before the deadline (not the shell's "Killed" notes): from
+            # here on only the end marker is looked for, so the stream is in step for the next command.
+            output, truncated = scanner.close_output()
+            self._kill_command(token)
+            if channel.read_until(feed, time.monotonic() + KILL_WAIT_S) != "done":
+                self._broken = "its command server did not report a timed-out command after it was killed"
+            return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
+        output, truncated = scanner.buf.result()
+        return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
+
+    def run_exec(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """Run ``command`` through one ``docker exec`` (as the runner did before the command server)."""
         return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""])
 
     def _run(self, command: str, *, timeout_s: float, stdin: Iterable[bytes], user: str = "") -> ExecResult:
@@ -392,7 +495,13 @@ class DockerSandbox:
 
     def stop(self) -> None:
         container_id, self.container_id = self.container_id, None
-        stdin, self._stdin = self._stdin, None
+        channel, self._channel = self._channel, None
+        serving, self._serving = self._serving, False
+        if channel is not None:
+            channel.close()  # EOF for the server: a container that runs ends itself now
+        # One call that returns once the engine removed it (no kill from here, no 409 to poll out).
+        if container_id is not None and serving and _removed_by_itself(container_id):
+            return
         if container_id is not None:
             try:
                 docker_client().api.remove_container(container_id, force=True, v=True)
@@ -405,8 +514,6 @@ class DockerSandbox:
                     log.warning("could not remove container %s: %s", container_id[:12], exc)
             except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
                 log.warning("could not remove container %s: %s", container_id[:12], exc)
-        if stdin is not None:
-            _close(stdin)  # should the removal have failed, the container now ends itself
 
     def _exec(self, command: str, token: str, user: str = "") -> tuple[str, object]:
         api = docker_client().api
@@ -455,23 +562,24 @@ def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
         pass
 
 
-def _attach_stdin(container_id: str) -> object:
-    """A stream to the container's stdin, never written: its end (ours closed, or we died) ends the container.
-
-    The stream object itself is kept, not only its socket: it holds the HTTP response whose
-    collection would close the connection under the container.
-    """
-    return docker_client().api.attach_socket(container_id, params={"stdin": 1, "stream": 1})
-
-
-def _close(stream: object) -> None:
-    sock: socket.socket = getattr(stream, "_sock", stream)
+def _removed_by_itself(container_id: str) -> bool:
+    """Wait for a container whose server got EOF to end and be removed; False if it was not in time."""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-    stream.close()
+        docker_client().api.wait(container_id, timeout=SELF_END_WAIT_S, condition="removed")
+    except NotFound:
+        pass  # gone already
+    except Exception as exc:  # a timeout (requests' own exception) or an engine error: remove it instead
+        log.info("container %s did not end by itself: %s", container_id[:12], exc)
+        return False
+    return True
+
+
+def _attach(container_id: str) -> object:
+    """A stream to the container's stdin and from its stdout and stderr: its end (ours closed, or we
+    died) ends the container."""
+    return docker_client().api.attach_socket(
+        container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+    )
 
 
 def _only_the_directory(archive: IO[bytes]) -> bool:

@@ -1,0 +1,206 @@
+"""The command server inside a container: a POSIX ``sh`` that runs one prompt's commands, no ``docker exec``.
+
+Images may be minimal (busybox, no Python), so the server is ``sh`` itself, with ``cat`` and, where
+the image has it, ``setsid``. The container's entrypoint (``BOOT_SCRIPT``) is, in effect::
+
+    { cat; kill -9 <boot shell>; } | { sh -s; kill -9 <boot shell>; }
+
+``cat`` relays the container's stdin, which the runner holds through an attach stream, to a shell
+that reads its script from the pipe. When the runner's stream ends (the runner stopped the
+sandbox, or died, even by SIGKILL: the kernel closes its socket), ``cat`` sees EOF at once, even in
+the middle of a command, and kills the boot shell, docker-init's only child: docker-init (PID 1)
+exits, the kernel kills every other process of the container, and it removes itself. Should the
+server shell die (the OOM killer, a command's ``kill -9``), the same happens from the other side.
+A sleeper bounds the lifetime. Outside a PID namespace of its own, nothing here signals more than
+the boot shell.
+
+The protocol is shell code on the container's stdin and a marker on its stdout (attached, no log
+driver: nothing reaches the host's disk). The runner first sends ``SERVER_PRELUDE``, which defines
+``__br_run`` and prints a ready line; then, per command, one line (``request``)::
+
+    __br_run <token> '<command>' ['<stdin as a printf format>']
+
+The command runs in ``sh -c`` with stdout and stderr on the container's stdout, in a session of its
+own (``setsid``), with ``BATCH_RUNNER_EXEC=<token>`` in its environment (a timeout kills what
+carries it, through one exec). Its stdin is the bytes given, through a pipe, or an empty pipe.
+When its shell exits, what is left of its process group is killed (as the local sandbox ends a
+command's leftovers), but for what the ``process`` tool started; then
+``\\n[batch-runner-exit:<token>]=<exit code>\\n`` is printed. Between commands the server runs
+shell builtins only (the sweep forks only when leftovers exist), so a command that deleted the
+container's files (``rm -rf /``) still gets its answer.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections.abc import Callable
+
+from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner
+from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, CappedBuffer
+
+READY_LINE = "[batch-runner-ready]"
+
+# $1: the lifetime in seconds. The boot shell is docker-init's only child: when it dies, docker-init
+# exits, and with the namespace's PID 1 gone the kernel kills every process of the container. So
+# killing the boot shell ends the container, and outside one it ends nothing but the boot shell.
+# Without docker-init (the init option off) the boot shell is PID 1, which nothing inside may kill:
+# it ends every other process of its own PID namespace instead, then the script ends. Without cat
+# (images with sh and little else) the server reads the stream itself: the container then ends at
+# EOF once the command in progress is done.
+BOOT_SCRIPT = """exec 2>&1
+if [ "$$" = 1 ]; then end='kill -9 -1'; else end="kill -9 $$"; fi
+(sleep "$1"; $end) </dev/null >/dev/null 2>&1 &
+if command -v cat >/dev/null 2>&1; then
+    { cat; $end; } | { sh -s; $end; }
+else
+    sh -s
+fi
+"""
+
+SERVER_PRELUDE = f"""__br_s=
+command -v setsid >/dev/null 2>&1 && __br_s=setsid
+__br_keep='{"=".join(BACKGROUND_ENV)}'
+__br_run() {{
+    if [ "$#" -gt 2 ]; then
+        printf "$3" | {EXEC_TAG_VAR}=$1 $__br_s sh -c "$2" &
+    else
+        {EXEC_TAG_VAR}=$1 $__br_s sh -c "$2" <<'__BR_EMPTY__' &
+__BR_EMPTY__
+    fi
+    __br_p=$!
+    wait "$__br_p"
+    __br_rc=$?
+    [ -z "$__br_s" ] || __br_sweep "$__br_p"
+    printf '\\n[batch-runner-exit:%s]=%s\\n' "$1" "$__br_rc"
+}}
+# What is left of the command's process group, but what the process tool started (marked in its
+# environment from its fork on, before it makes a session of its own); a few rounds catch forks.
+__br_sweep() {{
+    __br_g=$1
+    for __br_round in 1 2 3; do
+        kill -0 "-$__br_g" 2>/dev/null || return 0
+        for __br_f in /proc/[0-9]*/stat; do
+            {{ read -r __br_l < "$__br_f"; }} 2>/dev/null || continue
+            set -- ${{__br_l##*) }}
+            [ "$3" = "$__br_g" ] && [ "$1" != Z ] || continue
+            __br_f=${{__br_f%/stat}}
+            tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null | grep -qxF "$__br_keep" || kill -9 "${{__br_f#/proc/}}" 2>/dev/null
+        done
+    done
+}}
+printf '%s\\n' '{READY_LINE}'
+""".encode()
+
+
+def sh_quote(data: bytes) -> bytes:
+    """``data`` as one single-quoted shell word: any byte but NUL stands for itself there."""
+    return b"'" + data.replace(b"'", b"'\\''") + b"'"
+
+
+def printf_format(data: bytes) -> bytes:
+    """A printf format that prints exactly ``data``: only backslash, percent and NUL need escaping."""
+    out = data.replace(b"\\", b"\\\\").replace(b"%", b"%%").replace(b"\0", b"\\000")
+    return b"\\055" + out[1:] if out.startswith(b"-") else out  # never read as an option
+
+
+def request(token: str, command: str, stdin: bytes | None) -> bytes:
+    """The line that runs ``command`` (no NUL in it: no shell can run one) with ``stdin``."""
+    words = [b"__br_run", token.encode(), sh_quote(command.encode("utf-8", errors="surrogateescape"))]
+    if stdin is not None:
+        words.append(sh_quote(printf_format(stdin)))
+    return b" ".join(words) + b"\n"
+
+
+class Channel:
+    """The runner's end of a container's attach stream: requests in, demultiplexed output out.
+
+    The engine frames what the container writes (8-byte headers: stream, 0, 0, 0, size); a frame
+    may arrive in pieces, so what is left of one stays for the next read.
+    """
+
+    def __init__(self, stream: object):
+        self.stream = stream  # kept: it holds the HTTP response whose collection would close the socket
+        self.sock: socket.socket = getattr(stream, "_sock", stream)
+        self.eof = False
+        self._pending = bytearray()
+
+    def send(self, data: bytes, deadline: float) -> None:
+        """Send all of ``data`` before ``deadline``; ``OSError`` (``TimeoutError``) if it cannot."""
+        self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            self.sock.sendall(data)
+        finally:
+            self.sock.settimeout(None)
+
+    def discard_stray(self) -> None:
+        """Drop what arrived between commands (output of a process a command left in its own session)."""
+        while not self.eof and self._readable(0):
+            self._recv()
+        self._pending.clear()
+
+    def read_until(self, feed: Callable[[bytes], bool], deadline: float) -> str:
+        """Pass output to ``feed`` until it returns True ("done"), the stream ends ("eof") or the deadline ("timeout")."""
+        while True:
+            while len(self._pending) >= 8:
+                size = int.from_bytes(self._pending[4:8], "big")
+                if len(self._pending) < 8 + size:
+                    break
+                payload = bytes(self._pending[8 : 8 + size])
+                del self._pending[: 8 + size]
+                if feed(payload):
+                    return "done"
+            if self.eof:
+                return "eof"
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout"
+            if self._readable(remaining):
+                self._recv()
+
+    def _readable(self, timeout_s: float) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], timeout_s)[0])
+        except (OSError, ValueError):  # closed under us (a stop from another thread): the end
+            self.eof = True
+            return False
+
+    def _recv(self) -> None:
+        try:
+            chunk = self.sock.recv(65536)
+        except OSError:
+            chunk = b""
+        if chunk:
+            self._pending += chunk
+        else:
+            self.eof = True
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.stream.close()
+
+
+class Scanner(MarkerScanner):
+    """A marker scanner whose output can be closed before the marker comes (a timeout)."""
+
+    def close_output(self) -> tuple[str, bool]:
+        """The output so far, and from now on look for the marker only (what follows is not kept).
+
+        Of the bytes held back, only those that may begin the marker stay held; a lone newline is
+        output (the server prints the marker with one write, so it does not arrive cut after its
+        first byte).
+        """
+        if self._after is None:
+            held = self._held
+            keep = next((k for k in range(min(len(held), len(self.marker)), 1, -1)
+                         if held.endswith(self.marker[:k])), 0)  # fmt: skip
+            self.buf.feed(held[: len(held) - keep])
+            self._held = held[len(held) - keep :]
+        result = self.buf.result()
+        self.buf = CappedBuffer(0)
+        return result

@@ -1,0 +1,190 @@
+"""The command server inside a Docker sandbox's container (``_container_server``), on the real engine.
+
+What the shared contract does not cover: bytes that are special to the protocol (quotes, percent,
+backslash, NUL, a leading dash) in commands and stdin, big output and big stdin, exit codes, a
+command's leftovers, a command killed with the server, a runner killed in the middle of a command,
+and that commands cost no ``docker exec`` and write nothing to the engine's logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from helpers import docker_ps
+
+from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
+
+pytestmark = pytest.mark.docker
+
+RUN = f"server-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may share this Docker engine
+CAP = 64 * 1024
+
+
+@pytest.fixture
+def box(docker_test_image: str):
+    """A started DockerSandbox (256 MiB, no network), stopped at teardown."""
+    from batchrun.prompt.sandboxes.docker import DockerSandbox
+
+    sandbox = DockerSandbox(
+        SandboxSpec(RUN, random.randint(0, 10**6), network=False),
+        default_image=docker_test_image,
+        memory_mb=256,
+        output_cap_bytes=CAP,
+    )
+    sandbox.start()
+    yield sandbox
+    sandbox.stop()
+
+
+def test_special_bytes_in_commands_and_stdin_arrive_unchanged(box):
+    tricky = 'it\'s 100% \\n "quoted" `tick` $HOME -dash\ttab\r\nnew line é'
+    res = box.run(f"printf '%s' {_sh_word(tricky)}", timeout_s=30)
+    assert (res.output, res.exit_code) == (tricky, 0)
+    for data in (b"-n starts with a dash", b"%s %d %% \\c \\0 \\\\ '", bytes(range(256)) * 3, b"a\0b\0\0"):
+        res = box.run("od -An -v -tx1 | tr -d ' \\n'", timeout_s=30, stdin=data)
+        assert res.output == data.hex(), data
+    assert box.run("wc -c", timeout_s=30, stdin=b"").output.strip() == "0"  # empty stdin, not none
+
+
+def test_big_stdin_and_big_output(box):
+    blob = random.Random(7).randbytes(4 * 2**20)
+    res = box.run("md5sum", timeout_s=120, stdin=blob)
+    assert res.output.split()[0] == hashlib.md5(blob).hexdigest()
+    res = box.run("head -c 20000000 /dev/zero | tr '\\0' y; echo; echo end", timeout_s=120)
+    assert res.truncated and res.exit_code == 0 and res.output.startswith("y" * CAP)
+    assert res.output.endswith(f"[output truncated: {20_000_005 - CAP} of 20000005 bytes not shown]")
+    # Nothing of that output spills into the next command.
+    assert box.run("echo next", timeout_s=30).output == "next\n"
+
+
+def test_exit_codes(box):
+    assert box.run("exit 7", timeout_s=30).exit_code == 7
+    assert box.run("kill -9 $$", timeout_s=30).exit_code == 128 + 9  # killed by a signal
+    assert box.run("no-such-command-br", timeout_s=30).exit_code == 127
+    assert box.run("true", timeout_s=30).exit_code == 0
+
+
+def test_nul_in_a_command_is_an_observation_and_the_sandbox_goes_on(box):
+    res = box.run("echo a\0b", timeout_s=30)
+    assert res.exit_code != 0 and "NUL" in res.output
+    assert box.run("echo fine", timeout_s=30).output == "fine\n"
+
+
+def test_leftovers_of_a_command_are_ended_and_never_write_into_the_next(box):
+    tag = random.randint(10_000, 99_999)
+    res = box.run(f"(sleep 1; echo late-{tag}) & sleep {tag} & echo now", timeout_s=30)
+    assert res.output == "now\n"
+    time.sleep(1.5)
+    res = box.run("ps", timeout_s=30)
+    assert f"sleep {tag}" not in res.output and f"late-{tag}" not in res.output
+
+
+def test_timeout_kills_a_command_that_ignores_signals_and_its_children(box):
+    tag = random.randint(10_000, 99_999)
+    res = box.run(f"trap '' TERM INT HUP; echo begun; sleep {tag} & sleep {tag + 1}", timeout_s=1)
+    assert res.timed_out and res.exit_code == -1 and res.output == "begun\n"
+    listing = box.run("ps", timeout_s=30).output
+    assert f"sleep {tag}" not in listing and f"sleep {tag + 1}" not in listing
+
+
+def test_server_killed_during_a_command_fails_the_sandbox_without_hanging(box):
+    box.run("echo first", timeout_s=30)  # a command ran: the container is not replaced silently
+    with pytest.raises(SandboxError, match="ended during a command"):
+        box.run("echo going; kill -9 $PPID; sleep 600", timeout_s=300)  # $PPID: the server shell
+    with pytest.raises(SandboxError, match="gone"):
+        box.run("echo again", timeout_s=30)
+
+
+def test_commands_cost_no_exec_and_write_no_log(box):
+    from batchrun.prompt.sandboxes.docker import docker_client
+
+    client = docker_client()
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
+    for i in range(5):
+        assert box.run(f"echo {i}", timeout_s=30, stdin=b"x" if i % 2 else None).output == f"{i}\n"
+    box.run_exec("echo through-exec", timeout_s=30)  # one exec, so that the count below can see it
+    until = datetime.now(timezone.utc) + timedelta(seconds=1)
+    events = client.api.events(
+        since=since, until=until, decode=True, filters={"container": box.container_id, "event": "exec_create"}
+    )
+    assert len(list(events)) == 1
+    attrs = client.api.inspect_container(box.container_id)
+    assert attrs["HostConfig"]["LogConfig"]["Type"] == "none"
+
+
+# A process that starts a sandbox, runs a long command in it and is SIGKILLed in the middle of it.
+HOLDER = """
+import sys, threading
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.docker import DockerSandbox
+box = DockerSandbox(SandboxSpec(sys.argv[1], 1), default_image=sys.argv[2])
+box.start()
+print(box.container_id, flush=True)
+box.run("sleep 3000", timeout_s=3600)
+"""
+
+
+def test_container_ends_when_its_runner_dies_in_the_middle_of_a_command(docker_test_image: str):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, RUN, docker_test_image], stdout=subprocess.PIPE, text=True
+    )
+    container_id = ""
+    try:
+        container_id = proc.stdout.readline().strip()
+        assert container_id
+        assert _wait_until(lambda: "sleep 3000" in _top(container_id), timeout_s=60)
+        proc.kill()  # SIGKILL: no finally, no stop(); the command has an hour to go
+        proc.wait()
+        assert _wait_until(lambda: not _exists(container_id), timeout_s=60)  # ended and removed itself
+        assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=1") == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if container_id:
+            subprocess.run(["docker", "rm", "-f", container_id], capture_output=True)
+
+
+def _sh_word(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+def _top(container_id: str) -> str:
+    return subprocess.run(["docker", "top", container_id], capture_output=True, text=True).stdout
+
+
+def _exists(container_id: str) -> bool:
+    done = subprocess.run(["docker", "inspect", container_id], capture_output=True, text=True)
+    return done.returncode == 0
+
+
+def _wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return bool(predicate())
+
+
+def test_without_docker_init_the_server_works_and_the_lifetime_still_ends_the_container(
+    docker_test_image: str,
+):
+    from batchrun.prompt.sandboxes.docker import DockerSandbox
+
+    box = DockerSandbox(
+        SandboxSpec(RUN, 2, network=False), default_image=docker_test_image, init=False, lifetime_s=3.0
+    )
+    box.start()
+    try:
+        assert box.run("echo $$; sleep 1000 & echo started", timeout_s=30).output.splitlines()[1] == "started"
+        assert box.run("cat /proc/1/comm", timeout_s=30).output == "sh\n"  # the boot shell is PID 1
+        assert _wait_until(lambda: not _exists(box.container_id), timeout_s=60)
+    finally:
+        box.stop()
