@@ -13,7 +13,7 @@ from helpers import (
     write_jsonl,
 )
 
-from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.fakes.fake_model import FakeModelServer, find_prompt
 from batchrun.prompt.trajectory import first_human
 
 
@@ -192,3 +192,46 @@ def test_a_run_wide_429_pause_does_not_time_out_other_prompts(tmp_path):
     assert first_human(record["conversations"]) == "patient task"
     assert record["completed"] is True and requests["patient task"] == 3
     assert stats_of(run_dir)["this_run"]["rate_limit_pauses"] >= 1
+
+
+def test_one_batch_runs_on_every_worker_at_once(tmp_path):
+    """Prompts go out one per free slot, not a batch per worker: one batch of 8 prompts fills the
+    slots of both workers (2 x 2), so the endpoint sees more requests at once than one worker has slots."""
+    prompts = [f"shared batch task {i}" for i in range(8)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    with FakeModelServer(latency_s=0.5) as server:
+        run(server, dataset, out, batch_size=8, num_workers=2, prompts_per_worker=2)
+        stats = server.stats()
+    assert stats["max_in_flight"] > 2
+    assert stats["max_in_flight"] <= 4  # never more prompts in flight than slots
+    records = read_jsonl(out / "run" / "batch_0.jsonl")
+    assert sorted(first_human(r["conversations"]) for r in records) == sorted(prompts)
+    checkpoint = json.loads((out / "run" / "checkpoint.json").read_text("utf-8"))
+    assert sorted(checkpoint["completed_prompts"]) == list(range(8))
+
+
+def test_a_slow_prompt_does_not_hold_back_the_rest_of_its_batch(tmp_path):
+    """Two workers with one slot each, batches of 3. The first prompt is slow; the other prompts of
+    its batch go to the other worker's free slot instead of waiting behind it (before, a worker
+    took a whole batch and ran it in its own slots), so the slow prompt's answer is the endpoint's
+    last request, and the batch files and checkpoint are as before."""
+    slow = "slow first [slow:2] [calls:2]"
+    fast = [f"quick {i} [calls:0]" for i in range(5)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [slow, *fast])
+    out = tmp_path / "data"
+    with FakeModelServer(latency_s=0) as server:
+        run(server, dataset, out, batch_size=3, num_workers=2, prompts_per_worker=1)
+        stats = server.stats()
+    assert stats["requests_by_prompt"] == {slow: 3, **dict.fromkeys(fast, 1)}
+    order = [find_prompt(body["messages"])[1] for body in stats["last_requests"]]
+    assert order[-1] == slow
+    assert {first_human(r["conversations"]) for r in read_jsonl(out / "run" / "batch_0.jsonl")} == {
+        slow,
+        *fast[:2],
+    }
+    assert {first_human(r["conversations"]) for r in read_jsonl(out / "run" / "batch_1.jsonl")} == set(
+        fast[2:]
+    )
+    checkpoint = json.loads((out / "run" / "checkpoint.json").read_text("utf-8"))
+    assert sorted(checkpoint["completed_prompts"]) == list(range(6))

@@ -1,8 +1,10 @@
 """The worker process: many prompts at once on threads, each outcome sent to the parent the moment it ends.
 
-A pool (``multiprocessing`` forkserver, or Ray actors) calls :func:`init_worker` once per process
-and :func:`run_batch` per batch. This module imports only the package, so a worker on any machine
-can import it by name.
+A pool (``multiprocessing`` forkserver, or Ray actors) calls :func:`init_worker` once per process.
+The worker then connects to the parent's inbox, says how many prompts it runs at once
+(:class:`~batchrun.protocol.Ready`), and runs each :class:`~batchrun.protocol.PromptJob` the parent
+sends on that connection: the parent sends one per free slot, so a worker never holds a prompt it
+cannot start. This module imports only the package, so a worker on any machine can import it by name.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from batchrun.prompt.run import RunSettings, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
 from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, known_tool_names
 from batchrun.protocol import (
-    Claim,
     Log,
     Pause,
     PauseAll,
     PromptJob,
+    Ready,
     Skipped,
     Spend,
     StopDone,
@@ -51,8 +53,7 @@ class WorkerState:
     llm: LLMClient
     stop: threading.Event  # the run's budget is spent: no new prompt, no further model call
     current: threading.local  # .job: the job a prompt thread runs (for report_spend)
-    slots: threading.BoundedSemaphore
-    threads: ThreadPoolExecutor
+    threads: ThreadPoolExecutor  # one thread per slot: the parent sends at most that many jobs at once
     stopper: BackgroundStopper
 
 
@@ -95,7 +96,6 @@ def init_worker(
         ),
         stop=stop,
         current=threading.local(),
-        slots=threading.BoundedSemaphore(slots),
         threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
         # Sandbox stops after the prompt reported (not local: it stops in a few ms on the prompt's thread).
         # The parent counts queued and finished stops and ends the workers only once all are done.
@@ -107,16 +107,7 @@ def init_worker(
         ),
     )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
-
-
-def run_batch(jobs: list[PromptJob]) -> int:
-    """Claim a batch and start its prompts as slots free up; returns once all are started."""
-    state = _worker()
-    send(Claim(jobs[0].batch_num))
-    for job in jobs:
-        state.slots.acquire()
-        state.threads.submit(_run_one, job)
-    return len(jobs)
+    send(Ready(slots))  # only now: every prompt the parent sends can start at once
 
 
 def send(message: Any) -> None:
@@ -172,21 +163,22 @@ def _run_one(job: PromptJob) -> None:
             stop_in_background=state.stopper.submit,
             log=log,
         )
-        send(outcome)
+        send(outcome)  # the parent counts this slot free and sends the next prompt
     finally:
         state.current.job = None
-        state.slots.release()
 
 
 def _listen_to_parent() -> None:
-    """Messages from the parent: a run-wide pause (429 elsewhere), or stop starting prompts (budget)."""
+    """Messages from the parent: a prompt to run, a run-wide pause (429 elsewhere), or stop starting prompts (budget)."""
     state = _worker()
     while True:
         try:
             message = state.conn.recv()
         except (EOFError, OSError):
             os._exit(1)  # the parent is gone: nobody would write our results
-        if isinstance(message, PauseAll):
+        if isinstance(message, PromptJob):
+            state.threads.submit(_run_one, message)
+        elif isinstance(message, PauseAll):
             state.llm.limiter.pause_until(message.until)
         elif isinstance(message, StopStarting):
             state.stop.set()
