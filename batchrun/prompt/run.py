@@ -73,10 +73,12 @@ def run_prompt(
 ) -> Outcome:
     """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent.
 
-    Except for the local backend, the sandbox starts on a thread (after a ``sandbox_starts`` slot)
-    while the first model call is in flight; the first tool call waits for it. ``stop_in_background``
-    (e.g. ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path:
-    the outcome is returned at once and the stop runs later. The local backend always stops here.
+    The sandbox starts on a start-up slot (``sandbox_starts``: a ``StartPool`` or a semaphore) while the
+    first model call is in flight; the first tool call waits for it (a backend with
+    ``synchronous_start`` starts here, before any model call). ``stop_in_background`` (e.g.
+    ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path: the
+    outcome is returned at once and the stop runs later. A backend with ``synchronous_stop`` (local:
+    a few ms) always stops here, so its stop costs the parent no messages.
     """
     started = time.monotonic()
     usage = Usage()
@@ -103,7 +105,8 @@ def run_prompt(
     }
     try:
         box = create_sandbox(settings.sandbox_backend, spec, options)
-        # A slow start (containers) runs on a thread while the prompt's first model call is in flight.
+        # The start runs on a start-up slot while the prompt's first model call is in flight: the
+        # prompt pays for it only when its first tool call comes before the start is done.
         background = not getattr(box, "synchronous_start", False)
         if background:
             sandbox = BackgroundStart(box, sandbox_starts)
@@ -150,7 +153,8 @@ def run_prompt(
             close_prompt_resources(ctx)
         if sandbox is not None:
             t0 = time.monotonic()
-            if background and stop_in_background is not None and _hand_off(stop_in_background, sandbox.stop):
+            later = background and not getattr(sandbox.inner, "synchronous_stop", False)
+            if later and stop_in_background is not None and _hand_off(stop_in_background, sandbox.stop):
                 timings["sandbox_stop_background"] = True
             else:
                 try:

@@ -24,6 +24,7 @@ from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.prompt.run import RunSettings
+from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.protocol import (
     Log,
@@ -98,7 +99,9 @@ class Dispatch:
         remaining = rec.total
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
-        start_slots = max(1, config.max_sandbox_starts // config.num_workers)
+        start_slots = start_slots_per_worker(
+            backend_class(self.settings.sandbox_backend), config.max_sandbox_starts, config.num_workers
+        )
         initargs = (self.settings, inbox.address, config.prompts_per_worker, start_slots, os.getpid())
         pool = self._make_pool(inbox, initargs)
         try:

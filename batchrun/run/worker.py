@@ -20,7 +20,7 @@ from typing import Any
 from batchrun.prompt.limiter import Limiter
 from batchrun.prompt.llm import LLMClient
 from batchrun.prompt.run import RunSettings, run_prompt
-from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
+from batchrun.prompt.sandbox_lifecycle import BackgroundStopper, StartPool
 from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES, known_tool_names
 from batchrun.protocol import (
     Log,
@@ -49,7 +49,7 @@ class WorkerState:
     settings: RunSettings
     conn: Any
     send_lock: threading.Lock
-    sandbox_starts: threading.BoundedSemaphore
+    sandbox_starts: StartPool
     llm: LLMClient
     stop: threading.Event  # the run's budget is spent: no new prompt, no further model call
     current: threading.local  # .job: the job a prompt thread runs (for report_spend)
@@ -87,7 +87,7 @@ def init_worker(
         settings=settings,
         conn=conn,
         send_lock=threading.Lock(),
-        sandbox_starts=threading.BoundedSemaphore(start_slots),
+        sandbox_starts=StartPool(start_slots),
         llm=LLMClient(
             settings.llm,
             Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
