@@ -29,7 +29,7 @@ from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import LLMClient, LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.run import RunSettings, run_prompt
-from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper
+from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
 from batchrun.prompt.sandboxes.docker import DockerSandbox
@@ -166,6 +166,28 @@ def test_a_failed_background_start_fails_the_prompt_with_error_class_sandbox(
     assert outcome.usage["requests"] == 1  # the first model call overlapped the start
     (box,) = scripted.boxes
     assert box.events == ["start", "stop"]  # stop() also after a failed start: it may have created something
+
+
+def test_a_synchronous_start_runs_on_a_start_pool_slot_before_any_model_call(server, scripted, monkeypatch):
+    seen: list[tuple[int, str]] = []
+    scripted.on_start = lambda: seen.append((server.stats()["requests"], threading.current_thread().name))
+
+    def create(name, spec, options=None):
+        box = Scripted.create(scripted, name, spec, options)
+        box.synchronous_start = True  # a backend that must start before the prompt's first model call
+        return box
+
+    monkeypatch.setattr(runner_mod, "create_sandbox", create)
+    settings = settings_for(server)
+    pool = StartPool(1)
+    outcome = run_prompt(
+        job("needs a shell [calls:1]"), settings, LLMClient(settings.llm), sandbox_starts=pool
+    )
+    assert outcome.kind == "trajectory"
+    ((requests_then, thread),) = seen
+    assert requests_then == 0 and thread.startswith("sandbox-start")
+    (box,) = scripted.boxes
+    assert box.events == ["start", "started", "run", "stop"]
 
 
 def local_settings(server: FakeModelServer, base_dir: Path) -> RunSettings:

@@ -17,7 +17,7 @@ from typing import Any
 
 from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
-from batchrun.prompt.sandbox_lifecycle import BackgroundStart
+from batchrun.prompt.sandbox_lifecycle import BackgroundStart, StartPool
 from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
 from batchrun.prompt.tools.registry import (
     ToolContext,
@@ -114,11 +114,16 @@ def run_prompt(
         else:
             sandbox = box
             t0 = time.monotonic()
-            with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
-                t1 = time.monotonic()
-                sandbox.start()
-            timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
-            timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
+            if isinstance(sandbox_starts, StartPool):  # on a start-up slot's thread; this one waits
+                began = sandbox_starts.submit(_timed_start(sandbox), t0).result()
+                timings["sandbox_start_wait_s"] = round(began - t0, 3)
+                timings["sandbox_start_s"] = round(time.monotonic() - began, 3)
+            else:
+                with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
+                    t1 = time.monotonic()
+                    sandbox.start()
+                timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
+                timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
             timings["sandbox_start_blocked_s"] = round(time.monotonic() - t0, 3)
         ctx = ToolContext(
             sandbox=sandbox,
@@ -216,6 +221,17 @@ def quality_problem(
     if settings.require_reasoning and with_reasoning == 0:
         return "no_reasoning"
     return None
+
+
+def _timed_start(sandbox: Any) -> Callable[[float], float]:
+    """A start for a StartPool slot that returns when it began (the time after the queue)."""
+
+    def start(queued_at: float) -> float:
+        began = time.monotonic()
+        sandbox.start()
+        return began
+
+    return start
 
 
 def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:
