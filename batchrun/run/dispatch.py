@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,58 @@ class _Tracking:
         default_factory=lambda: collections.defaultdict(set)
     )  # pid -> prompts handed to it without an outcome yet
     stops: collections.Counter[Any] = field(default_factory=collections.Counter)  # pid -> stops not done yet
+
+
+class WorkerProcesses:
+    """``num`` worker processes forked from the forkserver, each replaced when it dies, until :meth:`terminate`.
+
+    Not ``multiprocessing.Pool``: prompts reach the workers over their inbox connections, so the
+    pool's task queue would only hold idle workers blocked on its shared read lock, and a worker
+    killed while holding it (the one blocked reading) makes ``Pool.terminate`` wait forever.
+    """
+
+    def __init__(self, num: int, initargs: tuple[Any, ...]) -> None:
+        self._ctx = mp.get_context("forkserver")
+        self._initargs = initargs
+        self._procs: list[Any] = []
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # no replacement starts while terminate() ends the workers
+        for _ in range(num):
+            self._procs.append(self._start())
+        threading.Thread(target=self._maintain, name="worker-maintenance", daemon=True).start()
+
+    def _start(self) -> Any:
+        proc = self._ctx.Process(target=worker.serve, args=self._initargs, daemon=True)
+        proc.start()
+        return proc
+
+    def _maintain(self) -> None:
+        """Replace a worker that died (its prompts are failed by the dispatch loop); stop if none can start."""
+        while not self._closed.wait(0.2):
+            with self._lock:
+                for i, proc in enumerate(self._procs):
+                    if proc.is_alive() or self._closed.is_set():
+                        continue
+                    proc.join(0)
+                    try:
+                        self._procs[i] = self._start()
+                    except Exception:  # e.g. the forkserver is gone: the loop's broken-pool check takes over
+                        return
+
+    def terminate(self) -> None:
+        """End every worker now (SIGTERM, then SIGKILL for one that lingers) and reap it."""
+        self._closed.set()
+        with self._lock:
+            procs = list(self._procs)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
 
 class Dispatch:
@@ -138,8 +191,7 @@ class Dispatch:
             self.wait_for_sandbox_stops(inbox, track)
         finally:
             # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
-            # so ending the workers loses nothing. Not close()+join(): join waits forever on a pool
-            # whose forkserver died.
+            # so ending the workers loses nothing.
             pool.terminate()
             inbox.close()
             backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
@@ -158,9 +210,7 @@ class Dispatch:
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         worker.start_forkserver()  # started already when the run had prompts: then a no-op
-        return mp.get_context("forkserver").Pool(
-            config.num_workers, initializer=worker.init_worker, initargs=initargs
-        )
+        return WorkerProcesses(config.num_workers, initargs)
 
     def handle(self, event: Received, track: _Tracking, inbox: Inbox) -> int:
         """One message from a worker; returns how many prompts it settled."""

@@ -1,6 +1,7 @@
 """The worker process: many prompts at once on threads, each outcome sent to the parent the moment it ends.
 
-A pool (``multiprocessing`` forkserver, or Ray actors) calls :func:`init_worker` once per process.
+A pool (processes forked from a ``multiprocessing`` forkserver, running :func:`serve`, or Ray actors)
+calls :func:`init_worker` once per process.
 The worker then connects to the parent's inbox, says how many prompts it runs at once
 (:class:`~batchrun.protocol.Ready`), and runs each :class:`~batchrun.protocol.PromptJob` the parent
 sends on that connection: the parent sends one per free slot, so a worker never holds a prompt it
@@ -119,6 +120,13 @@ def init_worker(
     )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
+
+
+def serve(*initargs: Any) -> None:
+    """A worker process's whole life (the local pool's target): set up, then run what the parent sends
+    until the parent's connection ends (the listener then exits the process) or the parent ends us."""
+    init_worker(*initargs)
+    threading.Event().wait()
 
 
 def send(message: Any) -> None:
