@@ -241,15 +241,28 @@ class Dispatch:
         return 0
 
     def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> None:
-        """Send worker ``pid`` the next prompts of the plan, one per free slot (none once the budget is spent)."""
-        while track.pending and track.free.get(pid, 0) > 0 and not self.recorder.budget_hit:
+        """Send worker ``pid`` the next prompts of the plan, one per free slot (none once the budget is spent).
+
+        A worker holds at most its share of the prompts not yet settled (÷ --num_workers): with fewer
+        prompts than slots, the first worker up would otherwise take them all and run them on one
+        core while the others idle. The share shrinks as prompts settle, so no slot idles at the end.
+        """
+        held = track.held[pid]
+        unsettled = len(track.pending) + sum(len(h) for h in track.held.values())
+        share = max(1, -(-unsettled // self.config.num_workers))
+        while (
+            track.pending
+            and track.free.get(pid, 0) > 0
+            and len(held) < share
+            and not self.recorder.budget_hit
+        ):
             job = track.pending.popleft()
             if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
                 track.pending.appendleft(job)
                 track.free.pop(pid, None)
                 return
             track.free[pid] -= 1
-            track.held[pid].add(_key(job))
+            held.add(_key(job))
 
     def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:
         """Record an outcome (or a skip) once: a prompt already settled (e.g. by a lost-batch report) is ignored."""
