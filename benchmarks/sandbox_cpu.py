@@ -51,7 +51,9 @@ def run(
     """Per-prompt CPU (own, children) of start + the first ``calls`` tool calls + stop."""
     own0, kids0 = _cpu()
     for i in range(prompts):
-        box = LocalSandbox(SandboxSpec("cpu-bench", i, network=network), isolation=isolation, base_dir=base_dir)
+        box = LocalSandbox(
+            SandboxSpec("cpu-bench", i, network=network), isolation=isolation, base_dir=base_dir
+        )
         ctx = ToolContext(sandbox=box, tool_timeout_s=60.0)
         box.start()
         try:
@@ -71,12 +73,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap")
     ap.add_argument("--base_dir", default=None, help="where sandbox directories go (default: the temp dir)")
-    ap.add_argument("--network", action="store_true", help="the prompt's network on (slirp4netns), as in a run")
+    ap.add_argument(
+        "--network", action="store_true", help="the prompt's network on (slirp4netns), as in a run"
+    )
     args = ap.parse_args()
     if args.isolation == "bwrap" and bwrap_problem():
         raise SystemExit(f"bubblewrap: {bwrap_problem()}")
     become_subreaper()
-    run(5, len(CALLS), args.isolation, args.base_dir, args.network)  # warm-up: imports, the first tool call's set-up
+    # Warm-up: imports, the first tool call's set-up.
+    run(5, len(CALLS), args.isolation, args.base_dir, args.network)
     print(
         f"{args.prompts} prompts per line, local sandbox, isolation {args.isolation}, network {args.network}, "
         f"load average {os.getloadavg()[0]:.1f}; ms of CPU per prompt"

@@ -198,10 +198,14 @@ def main() -> int:
     metas = [r["metadata"] for r in records]
     print(f"  exit code          {code}; {len(records)} trajectories of {n}")
     print(f"  first request      {first - t0 if first else float('nan'):7.2f} s after launch")
-    print(f"  wall               {wall:7.2f} s whole command; {dispatch:.2f} s first request -> last response")
+    print(
+        f"  wall               {wall:7.2f} s whole command; {dispatch:.2f} s first request -> last response"
+    )
     print(f"  ideal              {ideal:7.2f} s = {calls} calls x {args.latency:g} s / {limit} in flight")
     print(f"  efficiency         {ideal / wall:7.2f} whole command; {ideal / dispatch:.2f} dispatch")
-    print(f"  max in flight      {stats['max_in_flight']:7d} requests at the endpoint at once (limit {limit})")
+    print(
+        f"  max in flight      {stats['max_in_flight']:7d} requests at the endpoint at once (limit {limit})"
+    )
     print(
         f"  CPU                {tree_cpu:7.2f} s whole tree, exact = {1000 * tree_cpu / n:.1f} ms/prompt; "
         f"endpoint {endpoint_cpu:.2f} s ({1000 * endpoint_cpu / max(calls, 1):.2f} ms/call, same cores)"
