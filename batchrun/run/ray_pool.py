@@ -1,6 +1,6 @@
 """The worker pool on a Ray cluster (``--ray_address``): the same workers, on any node of the cluster.
 
-:class:`RayPool` stands in for ``multiprocessing.Pool`` in ``BatchRunner.dispatch``. It starts the
+:class:`RayPool` stands in for the local worker processes in :mod:`batchrun.run.dispatch`. It starts the
 actors of ``ray.util.multiprocessing.Pool`` with the runner's own initializer and initargs, so each
 actor is an ordinary worker: it connects to the parent's inbox (TCP with the run's authkey, at an
 address reachable from every node), runs its prompts on threads and sends each outcome back the
