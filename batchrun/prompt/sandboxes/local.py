@@ -319,7 +319,7 @@ class LocalSandbox:
     # The start (mounts, a cgroup, the command server, slirp4netns) overlaps the first model call: at a
     # thousand prompts in flight, starting first put seconds of queueing before every first request.
     synchronous_start = False
-    starts_per_cpu = 2  # a start is mostly this machine's CPU (~15-25 ms): more at once only compete
+    starts_per_cpu = 4  # a start is mostly this machine's CPU (~15-25 ms): more at once only compete
     synchronous_stop = True  # a few ms on the prompt's thread, without messages to the parent
 
     # -- run-level steps (see base.Sandbox)
