@@ -150,7 +150,7 @@ def main(
         mcp_config: [tools] {"mcpServers": ...} file: each MCP server becomes the toolset mcp:<name>.
         seed: [concurrency] Toolset sampling seed; a prompt's toolsets depend only on it and the row.
         prompts_per_worker: [concurrency] Prompts in flight per worker process (threads).
-        max_sandbox_starts: [concurrency] Concurrent sandbox start-ups across the whole run.
+        max_sandbox_starts: [concurrency] Concurrent sandbox start-ups across the whole run (local: at most 4 per core).
         ray_address: [concurrency] Run the workers on a Ray cluster: auto, local, host:port or ray://host:port.
         sandbox: [sandbox] local, docker, singularity or modal; default TERMINAL_ENV, else local.
         default_image: [sandbox] Image for rows that name none (container backends).

@@ -1,12 +1,14 @@
 """What crosses the process boundary: a prompt's job, its outcome, and the parent <-> worker messages.
 
-One frozen dataclass per kind, pickled as they are. The parent hands each worker :class:`PromptJob`
-s; a worker sends back, on its own connection, :class:`Claim` when it takes a batch, a
-:class:`Log` line per tool call (``--verbose``), exactly one :class:`Outcome` (or :class:`Skipped`)
-per job, :class:`StopQueued` / :class:`StopDone` around each background sandbox stop, and
-:class:`Spend` per answered model call (the run's budget), and :class:`Pause` when the endpoint said 429. The parent sends :class:`PauseAll` (the whole run backs
-off) and :class:`StopStarting` (the budget is spent). The inbox wraps what a worker sends in
-:class:`Received`, with the worker's id, and adds :class:`WorkerExit` when a connection ends.
+One frozen dataclass per kind, pickled as they are. A worker introduces itself with :class:`Ready`
+(how many prompts it runs at once); the parent then sends it one :class:`PromptJob` at a time, on
+the worker's own connection, whenever it has a free slot. A worker sends back a :class:`Log` line
+per tool call (``--verbose``), exactly one :class:`Outcome` (or :class:`Skipped`) per job (which
+frees its slot), :class:`StopQueued` / :class:`StopDone` around each background sandbox stop,
+:class:`Spend` per answered model call (the run's budget), and :class:`Pause` when the endpoint
+said 429. The parent sends :class:`PauseAll` (the whole run backs off) and :class:`StopStarting`
+(the budget is spent). The inbox wraps what a worker sends in :class:`Received`, with the
+worker's id, and adds :class:`WorkerExit` when a connection ends.
 """
 
 from __future__ import annotations
@@ -108,10 +110,10 @@ def _sample(job: PromptJob) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Claim:
-    """A worker took a batch: if it dies, the batch's unfinished prompts are its loss."""
+class Ready:
+    """A worker is up and runs ``slots`` prompts at once: the parent hands it that many, then one per outcome."""
 
-    batch_num: int
+    slots: int
 
 
 @dataclass(frozen=True)

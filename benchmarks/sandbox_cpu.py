@@ -7,6 +7,7 @@ at a time, so each line's figure is the difference it makes:
 
     python benchmarks/sandbox_cpu.py --prompts 200
     python benchmarks/sandbox_cpu.py --prompts 200 --isolation none
+    python benchmarks/sandbox_cpu.py --prompts 200 --network      # with the network a run gives by default
 
 The script makes itself a child subreaper, so the CPU of every process the sandbox starts (bwrap
 orphans one) ends up in ``RUSAGE_CHILDREN`` when it is reaped. "python" is this process's own CPU
@@ -44,11 +45,15 @@ def _cpu() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, children_cpu_s()
 
 
-def run(prompts: int, calls: int, isolation: str, base_dir: str | None) -> tuple[float, float]:
+def run(
+    prompts: int, calls: int, isolation: str, base_dir: str | None, network: bool = False
+) -> tuple[float, float]:
     """Per-prompt CPU (own, children) of start + the first ``calls`` tool calls + stop."""
     own0, kids0 = _cpu()
     for i in range(prompts):
-        box = LocalSandbox(SandboxSpec("cpu-bench", i, network=False), isolation=isolation, base_dir=base_dir)
+        box = LocalSandbox(
+            SandboxSpec("cpu-bench", i, network=network), isolation=isolation, base_dir=base_dir
+        )
         ctx = ToolContext(sandbox=box, tool_timeout_s=60.0)
         box.start()
         try:
@@ -68,20 +73,24 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap")
     ap.add_argument("--base_dir", default=None, help="where sandbox directories go (default: the temp dir)")
+    ap.add_argument(
+        "--network", action="store_true", help="the prompt's network on (slirp4netns), as in a run"
+    )
     args = ap.parse_args()
     if args.isolation == "bwrap" and bwrap_problem():
         raise SystemExit(f"bubblewrap: {bwrap_problem()}")
     become_subreaper()
-    run(5, len(CALLS), args.isolation, args.base_dir)  # warm-up: imports, the first tool call's set-up
+    # Warm-up: imports, the first tool call's set-up.
+    run(5, len(CALLS), args.isolation, args.base_dir, args.network)
     print(
-        f"{args.prompts} prompts per line, local sandbox, isolation {args.isolation}, "
+        f"{args.prompts} prompts per line, local sandbox, isolation {args.isolation}, network {args.network}, "
         f"load average {os.getloadavg()[0]:.1f}; ms of CPU per prompt"
     )
     print(f"  {'step':<34} {'python':>7} {'children':>9} {'total':>7}   {'added by the step':>17}")
     previous = 0.0
     labels = ["sandbox start + stop"] + [f"+ {name}" for name, _ in CALLS]
     for calls, label in enumerate(labels):
-        own, kids = run(args.prompts, calls, args.isolation, args.base_dir)
+        own, kids = run(args.prompts, calls, args.isolation, args.base_dir, args.network)
         total = own + kids
         print(f"  {label:<34} {own:7.2f} {kids:9.2f} {total:7.2f}   {total - previous:17.2f}")
         previous = total

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -13,7 +18,7 @@ from helpers import (
     write_jsonl,
 )
 
-from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.fakes.fake_model import FakeModelServer, find_prompt
 from batchrun.prompt.trajectory import first_human
 
 
@@ -192,3 +197,95 @@ def test_a_run_wide_429_pause_does_not_time_out_other_prompts(tmp_path):
     assert first_human(record["conversations"]) == "patient task"
     assert record["completed"] is True and requests["patient task"] == 3
     assert stats_of(run_dir)["this_run"]["rate_limit_pauses"] >= 1
+
+
+def test_one_batch_runs_on_every_worker_at_once(tmp_path):
+    """Prompts go out one per free slot, not a batch per worker: one batch of 8 prompts fills the
+    slots of both workers (2 x 2), so the endpoint sees more requests at once than one worker has slots."""
+    prompts = [f"shared batch task {i}" for i in range(8)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    with FakeModelServer(latency_s=0.5) as server:
+        run(server, dataset, out, batch_size=8, num_workers=2, prompts_per_worker=2)
+        stats = server.stats()
+    assert stats["max_in_flight"] > 2
+    assert stats["max_in_flight"] <= 4  # never more prompts in flight than slots
+    records = read_jsonl(out / "run" / "batch_0.jsonl")
+    assert sorted(first_human(r["conversations"]) for r in records) == sorted(prompts)
+    checkpoint = json.loads((out / "run" / "checkpoint.json").read_text("utf-8"))
+    assert sorted(checkpoint["completed_prompts"]) == list(range(8))
+
+
+def test_a_slow_prompt_does_not_hold_back_the_rest_of_its_batch(tmp_path):
+    """Two workers with one slot each, batches of 3. The first prompt is slow; the other prompts of
+    its batch go to the other worker's free slot instead of waiting behind it (before, a worker
+    took a whole batch and ran it in its own slots), so the slow prompt's answer is the endpoint's
+    last request, and the batch files and checkpoint are as before."""
+    slow = "slow first [slow:2] [calls:2]"
+    fast = [f"quick {i} [calls:0]" for i in range(5)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [slow, *fast])
+    out = tmp_path / "data"
+    with FakeModelServer(latency_s=0) as server:
+        run(server, dataset, out, batch_size=3, num_workers=2, prompts_per_worker=1)
+        stats = server.stats()
+    assert stats["requests_by_prompt"] == {slow: 3, **dict.fromkeys(fast, 1)}
+    order = [find_prompt(body["messages"])[1] for body in stats["last_requests"]]
+    assert order[-1] == slow
+    assert {first_human(r["conversations"]) for r in read_jsonl(out / "run" / "batch_0.jsonl")} == {
+        slow,
+        *fast[:2],
+    }
+    assert {first_human(r["conversations"]) for r in read_jsonl(out / "run" / "batch_1.jsonl")} == set(
+        fast[2:]
+    )
+    checkpoint = json.loads((out / "run" / "checkpoint.json").read_text("utf-8"))
+    assert sorted(checkpoint["completed_prompts"]) == list(range(6))
+
+
+def _workers_of_this_process() -> list[int]:
+    """The pool's worker processes: the children of this process's multiprocessing forkserver."""
+    out = []
+    for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+        if "forkserver" in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+            for task in Path(f"/proc/{child}/task").iterdir():
+                out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
+def test_a_killed_worker_fails_only_the_prompts_it_held_and_resume_completes(tmp_path):
+    """2 workers x 2 slots, 12 prompts of one slow call each. One worker is killed while all 4 slots
+    are busy: exactly its 2 prompts fail (worker_died), the pool's new worker and the other one run
+    the rest, and --resume runs the 2 again."""
+    prompts = [f"held task {i} [slow:1] [calls:0]" for i in range(12)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    killed: list[int] = []
+
+    def kill_one_worker_when_every_slot_is_busy(server: FakeModelServer) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and server.stats()["in_flight"] < 4:
+            time.sleep(0.01)
+        workers = _workers_of_this_process()
+        if workers:
+            os.kill(workers[0], signal.SIGKILL)
+            killed.append(workers[0])
+
+    with FakeModelServer(latency_s=0) as server:
+        killer = threading.Thread(target=kill_one_worker_when_every_slot_is_busy, args=(server,))
+        killer.start()
+        run(server, dataset, out, batch_size=4, num_workers=2, prompts_per_worker=2)
+        killer.join()
+        assert len(killed) == 1
+        failed = read_jsonl(run_dir / "failed.jsonl")
+        assert [f["error_class"] for f in failed] == ["worker_died", "worker_died"]
+        assert all(f"worker process {killed[0]} ended" in f["error"] for f in failed)
+        records = read_jsonl(run_dir / "trajectories.jsonl")
+        assert len(records) == 10
+        assert {first_human(r["conversations"]) for r in records} | {f["prompt"] for f in failed} == set(
+            prompts
+        )
+
+        run(server, dataset, out, resume=True, batch_size=4, num_workers=2, prompts_per_worker=2)
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(first_human(r["conversations"]) for r in merged) == sorted(prompts)

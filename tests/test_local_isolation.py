@@ -376,3 +376,28 @@ def test_a_busy_loop_is_held_to_the_cpu_quota(boxes, cgroups: None):
     box.run("timeout 1 sh -c 'while :; do :; done'", timeout_s=30)
     throttled = dict(line.split() for line in stat.read_text().splitlines())
     assert int(throttled["nr_throttled"]) > 0, throttled
+
+
+def test_host_addresses_read_from_proc_are_those_ip_lists_secondary_ones_included():
+    """The host's addresses are read from /proc at every start (no process); in a network namespace
+    of our own with a secondary IPv4 and an IPv6 address, they are exactly what ``ip -o addr`` lists."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        skip_or_fail("unshare and ip are needed")
+    script = (
+        "import ipaddress\n"
+        "from batchrun.prompt.sandboxes import local as L\n"
+        "ip = sorted({str(a) for a in map(ipaddress.ip_address, L._ip_addresses())"
+        " if not (a.is_loopback or a.is_link_local)})\n"
+        "print(L.host_addresses() == ip, L.host_addresses())\n"
+    )
+    setup = (
+        "ip link set lo up && ip addr add 10.9.8.7/24 dev lo && ip addr add 10.9.8.8/24 dev lo"
+        ' && ip -6 addr add fd12::5/64 dev lo && exec "$0" -c "$1"'
+    )
+    done = subprocess.run(
+        ["unshare", "-n", "sh", "-c", setup, sys.executable, script],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    if done.returncode != 0 and "Operation not permitted" in done.stderr:
+        skip_or_fail(f"cannot make a network namespace here: {done.stderr.strip()}")
+    assert done.stdout.strip() == "True ['10.9.8.7', '10.9.8.8', 'fd12::5']", done.stderr

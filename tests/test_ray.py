@@ -33,7 +33,7 @@ from helpers import run as run_main
 import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.trajectory import first_human
-from batchrun.protocol import Claim, Log, Received, WorkerExit
+from batchrun.protocol import Log, Ready, Received, WorkerExit
 from batchrun.run.inbox import Inbox
 
 REPO = Path(__file__).resolve().parent.parent
@@ -238,10 +238,10 @@ def test_tcp_inbox_tells_apart_workers_with_the_same_pid_on_two_machines():
     try:
         a.send(4242)  # a worker introduces itself by its pid
         b.send(4242)
-        a.send(Claim(0))
-        b.send(Claim(1))
+        a.send(Ready(0))
+        b.send(Ready(1))
         claims = [inbox.events.get(timeout=5) for _ in range(2)]
-        ids = {ev.message.batch_num: ev.pid for ev in claims}
+        ids = {ev.message.slots: ev.pid for ev in claims}
         assert ids[0] != ids[1] and 4242 in ids.values()
         a.send(Log(0, "terminal", "{}", "ok"))
         assert inbox.events.get(timeout=5).pid == ids[0]  # the same id for every message of a worker
@@ -262,85 +262,11 @@ def test_tcp_inbox_refuses_a_wrong_authkey_and_still_accepts_workers():
             pass  # a port scanner: connects and hangs up
         good = Client(address, authkey=authkey)
         good.send(2)
-        good.send(Claim(0))
-        assert inbox.events.get(timeout=5) == Received(2, Claim(0))
+        good.send(Ready(0))
+        assert inbox.events.get(timeout=5) == Received(2, Ready(0))
         good.close()
     finally:
         inbox.close()
-
-
-class _FakeRayError(Exception):
-    pass
-
-
-class _FakeRef:
-    def __init__(self, actor) -> None:
-        self.actor, self.error = actor, None
-
-
-class _FakeActor:
-    """Stands in for a Ray Pool actor: records the batches it is given; its calls end as the test says."""
-
-    def __init__(self) -> None:
-        self.batches: list[list] = []
-        self.killed = False
-        self.run_batch = SimpleNamespace(remote=self._remote)
-
-    def _remote(self, func, calls):
-        (args, _kwargs) = calls[0]
-        self.batches.append(args[0])
-        return _FakeRef(self)
-
-
-def test_ray_pool_sends_batches_to_idle_workers_and_fails_those_a_dead_worker_took(monkeypatch):
-    import queue
-
-    from batchrun.protocol import PromptJob
-    from batchrun.run import ray_pool
-
-    monkeypatch.setattr(ray_pool, "LOST_BATCH_DELAY_S", 0.05)
-    fake_ray = SimpleNamespace(
-        exceptions=SimpleNamespace(RayError=_FakeRayError),
-        get=lambda ref: (_ for _ in ()).throw(ref.error) if ref.error else [len(ref.actor.batches[-1])],
-        kill=lambda actor: setattr(actor, "killed", True),
-    )
-    batches = [[PromptJob(n, 2 * n + i, f"p{n}.{i}", ()) for i in range(2)] for n in range(4)]
-    a, b = _FakeActor(), _FakeActor()
-    pool = object.__new__(ray_pool.RayPool)
-    pool.__dict__.update(
-        _ray=fake_ray,
-        _events=queue.Queue(),
-        _idle=[a, b],
-        _pending=collections.deque(),
-        _running={},
-        _timers=[],
-        _cond=threading.Condition(),
-        _closed=False,
-    )
-    for batch in batches:
-        pool.apply_async(print, (batch,))
-    pool._start_idle()
-    assert (a.batches, b.batches) == ([batches[0]], [batches[1]])  # one batch per worker at a time
-    ref_a, ref_b = list(pool._running)
-    pool._finished(ref_a)  # a started its batch: it is idle again
-    ref_b.error = _FakeRayError("actor died")
-    pool._finished(ref_b)  # b died with batch 1
-    assert b.killed and not a.killed
-    pool._start_idle()
-    assert a.batches == [batches[0], batches[2]] and b.batches == [batches[1]]  # b gets nothing more
-    (ref_a,) = pool._running
-    ref_a.error = _FakeRayError("actor died")
-    pool._finished(ref_a)
-    pool._start_idle()  # no worker left: batch 3 fails at once
-    time.sleep(0.3)  # the dead workers' batches fail after the delay
-    failed = {}
-    while not pool._events.empty():
-        outcome = pool._events.get().message
-        failed[outcome.prompt_index] = outcome
-    assert sorted(failed) == [2, 3, 4, 5, 6, 7]  # batches 1, 2 and 3; batch 0 is the live worker's own
-    assert {o.kind for o in failed.values()} == {"failed"}
-    assert {o.error_class for o in failed.values()} == {"worker_died"}
-    assert "no Ray worker was left" in failed[6].error and "actor died" in failed[2].error
 
 
 WORKER_SCRIPT = """

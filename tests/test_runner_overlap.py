@@ -1,7 +1,8 @@
 """Sandbox start and stop off a prompt's path (batchrun/prompt/sandbox_lifecycle.py, batchrun/prompt/run.py::run_prompt).
 
-For every backend but local, the sandbox starts on a thread while the prompt's first model call is in
-flight, and (in the workers) it is stopped by a background stopper after the outcome went out. The
+For every backend, the sandbox starts on a start-up slot while the prompt's first model call is in
+flight; for every backend but local (whose stop takes a few ms), it is stopped by a background
+stopper (in the workers) after the outcome went out. The
 orderings are checked with a scripted sandbox whose start is gated on what the fake endpoint saw, so
 no test depends on timing; then with real Docker: no container of a run survives it, whether it ends
 normally, with a failed start, with prompts that never called a tool, or with Ctrl-C.
@@ -28,7 +29,7 @@ from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import LLMClient, LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.run import RunSettings, run_prompt
-from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper
+from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
 from batchrun.prompt.sandboxes.docker import DockerSandbox
@@ -167,18 +168,60 @@ def test_a_failed_background_start_fails_the_prompt_with_error_class_sandbox(
     assert box.events == ["start", "stop"]  # stop() also after a failed start: it may have created something
 
 
-def test_the_local_backend_still_starts_before_any_model_call(server, scripted):
-    """Local starts in ~1 ms: it stays synchronous, so a failed local start costs no model call."""
+def test_a_synchronous_start_runs_on_a_start_pool_slot_before_any_model_call(server, scripted, monkeypatch):
+    seen: list[tuple[int, str]] = []
+    scripted.on_start = lambda: seen.append((server.stats()["requests"], threading.current_thread().name))
 
-    def start() -> None:
-        raise SandboxError("no room for the working directory")
+    def create(name, spec, options=None):
+        box = Scripted.create(scripted, name, spec, options)
+        box.synchronous_start = True  # a backend that must start before the prompt's first model call
+        return box
 
-    scripted.on_start = start
-    settings = settings_for(server, backend="local")
-    outcome = run_prompt(job("local [calls:1]"), settings, LLMClient(settings.llm))
+    monkeypatch.setattr(runner_mod, "create_sandbox", create)
+    settings = settings_for(server)
+    pool = StartPool(1)
+    outcome = run_prompt(
+        job("needs a shell [calls:1]"), settings, LLMClient(settings.llm), sandbox_starts=pool
+    )
+    assert outcome.kind == "trajectory"
+    ((requests_then, thread),) = seen
+    assert requests_then == 0 and thread.startswith("sandbox-start")
+    (box,) = scripted.boxes
+    assert box.events == ["start", "started", "run", "stop"]
+
+
+def local_settings(server: FakeModelServer, base_dir: Path) -> RunSettings:
+    return settings_for(server, backend="local", sandbox_options={"base_dir": str(base_dir)})
+
+
+def test_a_failed_local_start_fails_the_prompt_with_class_sandbox_after_its_first_model_call(
+    server, tmp_path
+):
+    """The real local sandbox now starts alongside the first model call: a start that fails (here, a
+    cwd the sandbox cannot have) fails the prompt with class sandbox at its first tool call, leaves
+    nothing behind, and that one model call is counted."""
+    settings = local_settings(server, tmp_path)
+    bad = dataclasses.replace(job("local [calls:1]"), cwd="/proc")
+    outcome = run_prompt(bad, settings, LLMClient(settings.llm))
     assert outcome.kind == "failed" and outcome.error_class == "sandbox"
-    assert server.stats()["requests"] == 0
-    assert not start_threads_alive()
+    assert "cwd" in outcome.error
+    assert outcome.usage["requests"] == 1 and server.stats()["requests"] == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_local_prompts_with_and_without_tool_calls_run_and_leave_nothing_behind(server, tmp_path):
+    settings = local_settings(server, tmp_path)
+    quiet = run_prompt(job("no tools [calls:0]", index=0), settings, LLMClient(settings.llm))
+    busy = run_prompt(job("shell please [calls:1]", index=1), settings, LLMClient(settings.llm))
+    assert quiet.kind == "trajectory" and quiet.record["api_calls"] == 1
+    assert busy.kind == "trajectory" and busy.record["api_calls"] == 2
+    assert busy.record["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
+    assert "step 1 of 1" in json.dumps(busy.record["conversations"])  # the command really ran
+    for outcome in (quiet, busy):
+        meta = outcome.record["metadata"]
+        assert meta["sandbox_stop_background"] is False  # a local stop stays on the prompt's thread
+        assert meta["isolation"] in ("bwrap", "none")
+    assert list(tmp_path.iterdir()) == []  # both sandboxes stopped: directories gone
 
 
 # ----------------------------------------------------------------------------- prompts that never call a tool

@@ -21,7 +21,7 @@ from typing import Any
 
 from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
-from batchrun.prompt.sandbox_lifecycle import BackgroundStart
+from batchrun.prompt.sandbox_lifecycle import BackgroundStart, StartPool
 from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
 from batchrun.prompt.tools import mcp
 from batchrun.prompt.tools.mcp import McpSetup
@@ -116,10 +116,12 @@ def run_prompt(
 ) -> Outcome:
     """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent.
 
-    Except for the local backend, the sandbox starts on a thread (after a ``sandbox_starts`` slot)
-    while the first model call is in flight; the first tool call waits for it. ``stop_in_background``
-    (e.g. ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path:
-    the outcome is returned at once and the stop runs later. The local backend always stops here.
+    The sandbox starts on a start-up slot (``sandbox_starts``: a ``StartPool`` or a semaphore) while the
+    first model call is in flight; the first tool call waits for it (a backend with
+    ``synchronous_start`` starts here, before any model call). ``stop_in_background`` (e.g.
+    ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path: the
+    outcome is returned at once and the stop runs later. A backend with ``synchronous_stop`` (local:
+    a few ms) always stops here, so its stop costs the parent no messages.
     """
     started = time.monotonic()
     usage = Usage()
@@ -154,7 +156,8 @@ def run_prompt(
     }
     try:
         box = create_sandbox(settings.sandbox_backend, spec, options)
-        # A slow start (containers) runs on a thread while the prompt's first model call is in flight.
+        # The start runs on a start-up slot while the prompt's first model call is in flight: the
+        # prompt pays for it only when its first tool call comes before the start is done.
         background = not getattr(box, "synchronous_start", False)
         if background:
             sandbox = BackgroundStart(box, sandbox_starts)
@@ -162,11 +165,16 @@ def run_prompt(
         else:
             sandbox = box
             t0 = time.monotonic()
-            with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
-                t1 = time.monotonic()
-                sandbox.start()
-            timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
-            timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
+            if isinstance(sandbox_starts, StartPool):  # on a start-up slot's thread; this one waits
+                began = sandbox_starts.submit(_timed_start(sandbox), t0).result()
+                timings["sandbox_start_wait_s"] = round(began - t0, 3)
+                timings["sandbox_start_s"] = round(time.monotonic() - began, 3)
+            else:
+                with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
+                    t1 = time.monotonic()
+                    sandbox.start()
+                timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
+                timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
             timings["sandbox_start_blocked_s"] = round(time.monotonic() - t0, 3)
         ctx = ToolContext(
             sandbox=sandbox,
@@ -205,7 +213,8 @@ def run_prompt(
             close_prompt_resources(ctx)
         if sandbox is not None:
             t0 = time.monotonic()
-            if background and stop_in_background is not None and _hand_off(stop_in_background, sandbox.stop):
+            later = background and not getattr(sandbox.inner, "synchronous_stop", False)
+            if later and stop_in_background is not None and _hand_off(stop_in_background, sandbox.stop):
                 timings["sandbox_stop_background"] = True
             else:
                 try:
@@ -294,6 +303,17 @@ def quality_problem(
     if settings.require_reasoning and with_reasoning == 0:
         return "no_reasoning"
     return None
+
+
+def _timed_start(sandbox: Any) -> Callable[[float], float]:
+    """A start for a StartPool slot that returns when it began (the time after the queue)."""
+
+    def start(queued_at: float) -> float:
+        began = time.monotonic()
+        sandbox.start()
+        return began
+
+    return start
 
 
 def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:

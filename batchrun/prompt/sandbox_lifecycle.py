@@ -1,7 +1,8 @@
-"""Sandbox start and stop off a prompt's path, for backends whose start takes a while (docker, modal, singularity).
+"""Sandbox start and stop off a prompt's path (every backend's start; the stop of those whose stop takes a while).
 
 :class:`BackgroundStart` wraps one prompt's sandbox. Its ``start()`` returns at once; the real start
-(a start-up slot first) runs on a thread while the prompt's first model call is in flight. What needs
+runs on a start-up slot (a thread of the worker's :class:`StartPool`, or a thread of its own behind a
+semaphore) while the prompt's first model call is in flight. What needs
 the sandbox itself (``run``, ``workdir``, ``isolation``) waits for that start and raises its error if it
 failed. ``stop()`` waits for a start in progress, then stops; a start still queued for its slot is
 skipped, so a prompt that never called a tool may never create a container at all.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,10 +40,12 @@ class BackgroundStart:
     def __init__(self, sandbox: Sandbox, slots: Any = None):
         self.inner = sandbox
         self.spec = sandbox.spec
-        self._slots = slots  # a semaphore (context manager) bounding start-ups, or None
+        # A StartPool (its threads are the start-up slots: no thread per waiting start), or a semaphore
+        # (context manager) bounding start-ups, each on a thread of its own; or None: no bound.
+        self._slots = slots
         self._lock = threading.Lock()
         self._state = _PENDING
-        self._thread: threading.Thread | None = None
+        self._thread: Any = None  # the start's thread, or its future in a StartPool
         self._done = threading.Event()
         self._error: BaseException | None = None
         self.start_wait_s = 0.0
@@ -57,15 +61,19 @@ class BackgroundStart:
         with self._lock:
             if self._thread is not None or self._state == _SKIPPED:
                 return
+            if isinstance(self._slots, StartPool):
+                self._thread = self._slots.submit(self._start, time.monotonic())
+                return
             self._thread = threading.Thread(
                 target=self._start, name=f"sandbox-start-{self.spec.prompt_index}", daemon=True
             )
         self._thread.start()
 
-    def _start(self) -> None:
-        t0 = time.monotonic()
+    def _start(self, queued_at: float | None = None) -> None:
+        t0 = time.monotonic() if queued_at is None else queued_at
+        slots = self._slots if self._slots is not None and not isinstance(self._slots, StartPool) else None
         try:
-            with self._slots if self._slots is not None else contextlib.nullcontext():
+            with slots if slots is not None else contextlib.nullcontext():
                 t1 = time.monotonic()
                 self.start_wait_s = round(t1 - t0, 3)
                 with self._lock:
@@ -123,6 +131,34 @@ class BackgroundStart:
             return
         self._done.wait()
         self.inner.stop()  # also after a failed start: it may have created a container first
+
+
+def start_slots_per_worker(backend: Any, max_sandbox_starts: int, num_workers: int) -> int:
+    """How many sandbox starts one worker runs at once.
+
+    A backend whose start is bound by this machine's CPU (``starts_per_cpu``: local, a few processes
+    and mounts, ~15-25 ms of CPU each) gets that many per core at most: more only makes the starts
+    compete with each other and with the prompts. Any other backend's start waits on something
+    else (a container engine, a cloud API): ``--max_sandbox_starts`` bounds it, for the whole run.
+    """
+    total = max_sandbox_starts
+    per_cpu = getattr(backend, "starts_per_cpu", None)
+    if per_cpu:
+        total = min(total, per_cpu * (os.cpu_count() or 1))
+    return max(1, total // num_workers)
+
+
+class StartPool:
+    """A worker's start-up slots: ``size`` threads that run the sandbox starts queued with :meth:`submit`,
+    in order. A start waiting for a slot holds no thread (a thousand prompts in flight would otherwise
+    hold a thousand threads, each with its stack, to wait on a semaphore)."""
+
+    def __init__(self, size: int):
+        self.size = max(1, size)
+        self._pool = ThreadPoolExecutor(max_workers=self.size, thread_name_prefix="sandbox-start")
+
+    def submit(self, start: Callable[[float], None], queued_at: float) -> Any:
+        return self._pool.submit(start, queued_at)
 
 
 class BackgroundStopper:

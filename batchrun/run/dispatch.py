@@ -1,7 +1,11 @@
-"""The parent's event loop: hand batches to the pool, record every outcome the moment it arrives.
+"""The parent's event loop: hand out prompts one at a time as slots free, record every outcome the moment it arrives.
 
-Workers (a ``multiprocessing`` forkserver pool, or Ray actors) report on their own connection to
-the :class:`~batchrun.run.inbox.Inbox`. The loop records outcomes through the
+Workers (a ``multiprocessing`` forkserver pool, or Ray actors) connect to the
+:class:`~batchrun.run.inbox.Inbox` and say how many prompts they run at once; the loop sends each
+worker that many prompts, in plan order, then one more for every outcome it sends back. So a
+worker never holds a prompt it cannot start while another has a free slot, and the tail of one
+batch never keeps a slot idle: batches are only how outcomes are filed (batch files, the
+checkpoint once a batch is complete). The loop records outcomes through the
 :class:`~batchrun.run.recorder.Recorder`, relays a 429 pause to every worker, stops the run when
 the budget is spent, fails the prompts of a worker that died (``--resume`` runs them again), and
 once every outcome is in waits for the workers' background sandbox stops before ending them.
@@ -14,20 +18,22 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.prompt.run import RunSettings
+from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.protocol import (
-    Claim,
     Log,
     Outcome,
     Pause,
     PauseAll,
     PromptJob,
+    Ready,
     Received,
     Skipped,
     Spend,
@@ -44,16 +50,77 @@ POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
 
 
+Key = tuple[int, int]  # (batch number, prompt index): one job of the plan
+
+
+def _key(item: PromptJob | Outcome | Skipped) -> Key:
+    return item.batch_num, item.prompt_index
+
+
 @dataclass
 class _Tracking:
-    """What the loop knows about the prompts it handed out."""
+    """What the loop knows about the prompts of the plan."""
 
     outstanding: dict[int, set[int]]  # batch number -> prompt indices without an outcome
-    by_num: dict[int, list[PromptJob]]
-    claims: dict[Any, set[int]] = field(
+    jobs: dict[Key, PromptJob]
+    pending: collections.deque[PromptJob]  # not handed out yet, in plan order
+    free: dict[Any, int] = field(default_factory=dict)  # pid -> free slots of a live worker
+    held: dict[Any, set[Key]] = field(
         default_factory=lambda: collections.defaultdict(set)
-    )  # pid -> batches
+    )  # pid -> prompts handed to it without an outcome yet
     stops: collections.Counter[Any] = field(default_factory=collections.Counter)  # pid -> stops not done yet
+
+
+class WorkerProcesses:
+    """``num`` worker processes forked from the forkserver, each replaced when it dies, until :meth:`terminate`.
+
+    Not ``multiprocessing.Pool``: prompts reach the workers over their inbox connections, so the
+    pool's task queue would only hold idle workers blocked on its shared read lock, and a worker
+    killed while holding it (the one blocked reading) makes ``Pool.terminate`` wait forever.
+    """
+
+    def __init__(self, num: int, initargs: tuple[Any, ...]) -> None:
+        self._ctx = mp.get_context("forkserver")
+        self._initargs = initargs
+        self._procs: list[Any] = []
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # no replacement starts while terminate() ends the workers
+        for _ in range(num):
+            self._procs.append(self._start())
+        threading.Thread(target=self._maintain, name="worker-maintenance", daemon=True).start()
+
+    def _start(self) -> Any:
+        proc = self._ctx.Process(target=worker.serve, args=self._initargs, daemon=True)
+        proc.start()
+        return proc
+
+    def _maintain(self) -> None:
+        """Replace a worker that died (its prompts are failed by the dispatch loop); stop if none can start."""
+        while not self._closed.wait(0.2):
+            with self._lock:
+                for i, proc in enumerate(self._procs):
+                    if proc.is_alive() or self._closed.is_set():
+                        continue
+                    proc.join(0)
+                    try:
+                        self._procs[i] = self._start()
+                    except Exception:  # e.g. the forkserver is gone: the loop's broken-pool check takes over
+                        return
+
+    def terminate(self) -> None:
+        """End every worker now (SIGTERM, then SIGKILL for one that lingers) and reap it."""
+        self._closed.set()
+        with self._lock:
+            procs = list(self._procs)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
 
 class Dispatch:
@@ -66,7 +133,7 @@ class Dispatch:
         self.pbar: Any = None
 
     def run(self, batches: list[list[PromptJob]]) -> None:
-        """Fan batches out to the pool and write every outcome the moment it arrives."""
+        """Hand the batches' prompts out as workers' slots free, and write every outcome the moment it arrives."""
         from tqdm import tqdm
 
         config, rec = self.config, self.recorder
@@ -79,17 +146,18 @@ class Dispatch:
         rec.total = sum(len(b) for b in batches)
         track = _Tracking(
             outstanding={b[0].batch_num: {j.prompt_index for j in b} for b in batches},
-            by_num={b[0].batch_num: b for b in batches},
+            jobs={_key(j): j for b in batches for j in b},
+            pending=collections.deque(j for b in batches for j in b),
         )
         remaining = rec.total
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
-        start_slots = max(1, config.max_sandbox_starts // config.num_workers)
+        start_slots = start_slots_per_worker(
+            backend_class(self.settings.sandbox_backend), config.max_sandbox_starts, config.num_workers
+        )
         initargs = (self.settings, inbox.address, config.prompts_per_worker, start_slots, os.getpid())
         pool = self._make_pool(inbox, initargs)
         try:
-            for batch in batches:
-                pool.apply_async(worker.run_batch, (batch,))
             last_alive = time.monotonic()
             exits_without_progress = 0
             while remaining:
@@ -108,7 +176,8 @@ class Dispatch:
                     continue
                 if isinstance(event, WorkerExit):
                     track.stops.pop(event.pid, None)  # what it was stopping is the backend's sweep's now
-                    remaining -= self.fail_lost_prompts(track.claims.pop(event.pid, set()), event.pid, track)
+                    track.free.pop(event.pid, None)
+                    remaining -= self.fail_lost_prompts(track.held.pop(event.pid, set()), event.pid, track)
                     exits_without_progress += 1
                     if exits_without_progress > 2 * config.num_workers + 2:
                         # Workers die as fast as the pool replaces them (e.g. at start-up): stop, don't spin.
@@ -122,8 +191,7 @@ class Dispatch:
             self.wait_for_sandbox_stops(inbox, track)
         finally:
             # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
-            # so ending the workers loses nothing. Not close()+join(): join waits forever on a pool
-            # whose forkserver died.
+            # so ending the workers loses nothing.
             pool.terminate()
             inbox.close()
             backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
@@ -135,39 +203,66 @@ class Dispatch:
             from batchrun.run.ray_pool import RayPool, RaySetupError
 
             try:
-                return RayPool(
-                    config.ray_address, config.num_workers, worker.init_worker, initargs, inbox.events
-                )
+                return RayPool(config.ray_address, config.num_workers, worker.init_worker, initargs)
             except RaySetupError as exc:
                 inbox.close()
                 raise UsageError(str(exc)) from None
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         worker.start_forkserver()  # started already when the run had prompts: then a no-op
-        return mp.get_context("forkserver").Pool(
-            config.num_workers, initializer=worker.init_worker, initargs=initargs
-        )
+        return WorkerProcesses(config.num_workers, initargs)
 
     def handle(self, event: Received, track: _Tracking, inbox: Inbox) -> int:
         """One message from a worker; returns how many prompts it settled."""
         message, pid = event.message, event.pid
-        if isinstance(message, Claim):
-            track.claims[pid].add(message.batch_num)
+        if isinstance(message, Ready):  # a worker is up: fill its slots
+            track.free[pid] = message.slots
+            self.hand_out(pid, track, inbox)
         elif isinstance(message, (StopQueued, StopDone)):
             self.count_stop(message, pid, track.stops)
         elif isinstance(message, Spend):  # a call of a prompt in flight: the budget counts it at once
             self.recorder.add_live_spend(message)
-            self.check_budget(inbox)
+            return self.check_budget(inbox, track)
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does
             self.recorder.counts["rate_limit_pauses"] += 1
             inbox.broadcast(PauseAll(message.until))
         elif isinstance(message, Log):
             self.pbar.write(self.format_log(message), file=sys.stderr)
         elif isinstance(message, (Outcome, Skipped)):
+            held = track.held.get(pid)
+            if held is not None and _key(message) in held:
+                held.discard(_key(message))
+                track.free[pid] = track.free.get(pid, 0) + 1
+                # The slot is refilled before the outcome is written (append + fsync), so the
+                # worker does not wait for the parent's disk.
+                self.hand_out(pid, track, inbox)
             settled = self.settle(message, track)
-            self.check_budget(inbox)
-            return settled
+            return settled + self.check_budget(inbox, track)
         return 0
+
+    def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> None:
+        """Send worker ``pid`` the next prompts of the plan, one per free slot (none once the budget is spent).
+
+        A worker holds at most its share of the prompts not yet settled (÷ --num_workers): with fewer
+        prompts than slots, the first worker up would otherwise take them all and run them on one
+        core while the others idle. The share shrinks as prompts settle, so no slot idles at the end.
+        """
+        held = track.held[pid]
+        unsettled = len(track.pending) + sum(len(h) for h in track.held.values())
+        share = max(1, -(-unsettled // self.config.num_workers))
+        while (
+            track.pending
+            and track.free.get(pid, 0) > 0
+            and len(held) < share
+            and not self.recorder.budget_hit
+        ):
+            job = track.pending.popleft()
+            if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
+                track.pending.appendleft(job)
+                track.free.pop(pid, None)
+                return
+            track.free[pid] -= 1
+            held.add(_key(job))
 
     def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:
         """Record an outcome (or a skip) once: a prompt already settled (e.g. by a lost-batch report) is ignored."""
@@ -215,21 +310,26 @@ class Dispatch:
                 file=sys.stderr,
             )
 
-    def check_budget(self, inbox: Inbox) -> None:
-        """Once the run's budget is spent: no new prompt starts, and prompts in flight stop at their next
-        model call (failed, class ``budget``; --resume runs them). The overshoot is then at most the calls
-        already under way, one per prompt in flight."""
+    def check_budget(self, inbox: Inbox, track: _Tracking) -> int:
+        """Once the run's budget is spent: no new prompt starts (those not handed out yet are settled as
+        skipped; returns how many), and prompts in flight stop at their next model call (failed, class
+        ``budget``; --resume runs them). The overshoot is then at most the calls already under way, one
+        per prompt in flight."""
         rec = self.recorder
         if rec.budget_hit or not rec.budget_reached():
-            return
+            return 0
         rec.budget_hit = True
         inbox.broadcast(StopStarting())
+        skipped = 0
+        while track.pending:
+            skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
         self.pbar.write(
             f"Budget reached (${rec.spend['cost_usd']:.4f}, {rec.spend['total_tokens']:,} tokens): "
             "no new prompt starts and prompts in flight stop at their next model call. "
             "Continue later with --resume (and a larger budget).",
             file=sys.stderr,
         )
+        return skipped
 
     def format_log(self, message: Log) -> str:
         """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""
@@ -243,21 +343,22 @@ class Dispatch:
         return f"[{message.prompt_index}] {message.tool}({cut(message.args)}) -> {cut(message.result)}"
 
     def fail_lost_prompts(
-        self, batch_nums: set[int], pid: Any, track: _Tracking, error_class: str = "worker_died"
+        self, keys: set[Key], pid: Any, track: _Tracking, error_class: str = "worker_died"
     ) -> int:
-        """A worker died: its unfinished prompts will never report, so record them as failed (re-run on resume)."""
-        lost = 0
-        for batch_num in batch_nums:
-            for job in track.by_num[batch_num]:
-                if job.prompt_index in track.outstanding.get(batch_num, ()):
-                    error = (
-                        f"worker process {pid} ended before the prompt finished"
-                        if isinstance(pid, int) and pid > 0
-                        else "no worker process could run it"
-                    )
-                    lost += self.settle(Outcome.failed(job, error_class, error), track)
-        return lost
+        """A worker died: the prompts it held will never report, so record them as failed (re-run on resume)."""
+        error = (
+            f"worker process {pid} ended before the prompt finished"
+            if isinstance(pid, int) and pid > 0
+            else "no worker process could run it"
+        )
+        return sum(
+            self.settle(Outcome.failed(track.jobs[key], error_class, error), track) for key in sorted(keys)
+        )
 
     def fail_all_outstanding(self, track: _Tracking) -> int:
         """The pool cannot start workers any more: every unfinished prompt fails (re-run on resume)."""
-        return self.fail_lost_prompts(set(track.outstanding), -1, track, "pool_broken")
+        track.pending.clear()
+        track.held.clear()
+        track.free.clear()
+        keys = {(b, i) for b, indices in track.outstanding.items() for i in indices}
+        return self.fail_lost_prompts(keys, -1, track, "pool_broken")

@@ -42,6 +42,7 @@ class Inbox:
         self.open_connections = 0  # live workers; 0 for long means the pool can no longer make any
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[Any, threading.Lock]] = {}
+        self._by_pid: dict[Any, tuple[Any, threading.Lock]] = {}  # a worker's id -> its connection
         threading.Thread(target=self._accept, name="inbox-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -66,6 +67,8 @@ class Inbox:
             pid = conn.recv()  # a worker's first message is its pid
             if self.remote:  # two machines may run workers with the same pid
                 pid = self._unique_id(pid)
+            with self._lock:
+                self._by_pid[pid] = self._conns[id(conn)]
             while True:
                 self.events.put(Received(pid, conn.recv()))
         except (EOFError, OSError):
@@ -74,6 +77,8 @@ class Inbox:
             with self._lock:
                 self.open_connections -= 1
                 self._conns.pop(id(conn), None)
+                if pid is not None and self._by_pid.get(pid, (None,))[0] is conn:
+                    del self._by_pid[pid]
                 self._ids.discard(pid)
             conn.close()
 
@@ -95,6 +100,20 @@ class Inbox:
                     conn.send(message)
             except (OSError, ValueError):
                 pass  # that worker is gone; its exit is reported by its reader
+
+    def send(self, pid: Any, message: Any) -> bool:
+        """Send one worker a message (a prompt to run); False when that worker is gone."""
+        with self._lock:
+            entry = self._by_pid.get(pid)
+        if entry is None:
+            return False
+        conn, lock = entry
+        try:
+            with lock:
+                conn.send(message)
+        except (OSError, ValueError):
+            return False  # its exit is reported by its reader
+        return True
 
     def close(self) -> None:
         self._closed = True

@@ -147,12 +147,18 @@ def _own_toolsets(row: Row, available: set[str], tool_extra: dict[str, Any]) -> 
 
 
 def print_plan(rows: list[Row], plan: Plan, config: RunConfig, base_url: str) -> None:
+    from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
+    from batchrun.prompt.sandboxes import backend_class
+
     n = plan.prompts
     in_flight = min(config.num_workers * config.prompts_per_worker, max(n, 1))
     samples = f" x {config.samples_per_prompt} samples" if config.samples_per_prompt > 1 else ""
+    starts = config.num_workers * start_slots_per_worker(
+        backend_class(config.backend), config.max_sandbox_starts, config.num_workers
+    )
     print(
         f"Run {config.run_name}: {len(rows)} prompts in dataset{samples}, {n} to run in {len(plan.batches)} batches | "
         f"model {config.model} at {base_url} | sandbox {config.backend} | "
         f"{config.num_workers} workers x {config.prompts_per_worker} prompts = up to {in_flight} in flight, "
-        f"{config.max_sandbox_starts} concurrent sandbox start-ups"
+        f"{starts} concurrent sandbox start-ups"
     )

@@ -25,21 +25,38 @@ def check_endpoint(cfg: LLMConfig) -> None:
 
     When the endpoint lists its models and the requested one is not among them, say so once: the
     server may answer with another model (each record's ``metadata.served_model`` says which).
+    A plain ``GET <base_url>/models`` (not the SDK, whose import costs the parent ~1 s before the
+    first prompt can start; the workers import it on their own), with one retry like the SDK's.
     """
-    import openai
+    import http.client
+    import json
+    import urllib.error
+    import urllib.request
 
-    client = openai.OpenAI(base_url=cfg.base_url, api_key=cfg.api_key or NO_KEY, max_retries=1, timeout=15)
-    try:
-        listed = [m.id for m in client.models.list().data if isinstance(getattr(m, "id", None), str)]
-        warn_unlisted_model(cfg.model, listed)
-    except openai.AuthenticationError as exc:
-        raise UsageError(
-            f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.status_code})"
-        ) from None
-    except openai.APIConnectionError as exc:
-        raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {exc}") from None
-    except Exception:
-        pass  # some servers have no /models; the first real request will tell
+    url = cfg.base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {cfg.api_key or NO_KEY}", "Accept": "application/json"}
+    for attempt in range(2):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=15) as resp:
+                body = json.loads(resp.read())
+            break
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                raise UsageError(
+                    f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.code})"
+                ) from None
+            return  # some servers have no /models; the first real request will tell
+        except (TimeoutError, urllib.error.URLError, http.client.HTTPException, ConnectionError) as exc:
+            if attempt:
+                reason = getattr(exc, "reason", exc)
+                raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {reason}") from None
+        except ValueError:  # not JSON
+            return
+    data = body.get("data") if isinstance(body, dict) else None
+    if isinstance(data, list):
+        warn_unlisted_model(
+            cfg.model, [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        )
 
 
 def probe_mcp_servers(config: Any) -> McpSetup:

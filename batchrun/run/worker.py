@@ -1,8 +1,11 @@
 """The worker process: many prompts at once on threads, each outcome sent to the parent the moment it ends.
 
-A pool (``multiprocessing`` forkserver, or Ray actors) calls :func:`init_worker` once per process
-and :func:`run_batch` per batch. This module imports only the package, so a worker on any machine
-can import it by name.
+A pool (processes forked from a ``multiprocessing`` forkserver, running :func:`serve`, or Ray actors)
+calls :func:`init_worker` once per process.
+The worker then connects to the parent's inbox, says how many prompts it runs at once
+(:class:`~batchrun.protocol.Ready`), and runs each :class:`~batchrun.protocol.PromptJob` the parent
+sends on that connection: the parent sends one per free slot, so a worker never holds a prompt it
+cannot start. This module imports only the package, so a worker on any machine can import it by name.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from typing import Any
 from batchrun.prompt.limiter import Limiter
 from batchrun.prompt.llm import LLMClient
 from batchrun.prompt.run import RunSettings, install_run_tools, run_prompt
-from batchrun.prompt.sandbox_lifecycle import BackgroundStopper
+from batchrun.prompt.sandbox_lifecycle import BackgroundStopper, StartPool
 from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES
 from batchrun.protocol import (
-    Claim,
     Log,
     Pause,
     PauseAll,
     PromptJob,
+    Ready,
     Skipped,
     Spend,
     StopDone,
@@ -36,8 +39,19 @@ from batchrun.run.inbox import connect_to_inbox
 from batchrun.storage import pid_alive
 
 # Imported once in the forkserver, so each forked worker starts with them: the SDK, the prompt
-# code, the tools, and what the SDK's first client imports lazily.
-FORKSERVER_PRELOAD = ["openai", "batchrun.run.worker", "httpcore2", "h11", *BUILTIN_TOOL_MODULES]
+# code, the tools, and what the SDK's first client imports lazily. And what the main script
+# imports: multiprocessing runs a script's main module again in every child it starts (here
+# batch_runner.py, importing batchrun.cli: ~90 ms per worker before its first prompt, idle machine);
+# with its imports already loaded that costs next to nothing. ("__main__" in the preload list would
+# be the documented way, but Python 3.11's forkserver never receives the main path.)
+FORKSERVER_PRELOAD = [
+    "openai",
+    "batchrun.run.worker",
+    "httpcore2",
+    "h11",
+    *BUILTIN_TOOL_MODULES,
+    "batchrun.cli",
+]
 
 
 @dataclass
@@ -47,12 +61,11 @@ class WorkerState:
     settings: RunSettings
     conn: Any
     send_lock: threading.Lock
-    sandbox_starts: threading.BoundedSemaphore
+    sandbox_starts: StartPool
     llm: LLMClient
     stop: threading.Event  # the run's budget is spent: no new prompt, no further model call
     current: threading.local  # .job: the job a prompt thread runs (for report_spend)
-    slots: threading.BoundedSemaphore
-    threads: ThreadPoolExecutor
+    threads: ThreadPoolExecutor  # one thread per slot: the parent sends at most that many jobs at once
     stopper: BackgroundStopper
 
 
@@ -86,7 +99,7 @@ def init_worker(
         settings=settings,
         conn=conn,
         send_lock=threading.Lock(),
-        sandbox_starts=threading.BoundedSemaphore(start_slots),
+        sandbox_starts=StartPool(start_slots),
         llm=LLMClient(
             settings.llm,
             Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
@@ -95,7 +108,6 @@ def init_worker(
         ),
         stop=stop,
         current=threading.local(),
-        slots=threading.BoundedSemaphore(slots),
         threads=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prompt"),
         # Sandbox stops after the prompt reported (not local: it stops in a few ms on the prompt's thread).
         # The parent counts queued and finished stops and ends the workers only once all are done.
@@ -107,16 +119,14 @@ def init_worker(
         ),
     )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
+    send(Ready(slots))  # only now: every prompt the parent sends can start at once
 
 
-def run_batch(jobs: list[PromptJob]) -> int:
-    """Claim a batch and start its prompts as slots free up; returns once all are started."""
-    state = _worker()
-    send(Claim(jobs[0].batch_num))
-    for job in jobs:
-        state.slots.acquire()
-        state.threads.submit(_run_one, job)
-    return len(jobs)
+def serve(*initargs: Any) -> None:
+    """A worker process's whole life (the local pool's target): set up, then run what the parent sends
+    until the parent's connection ends (the listener then exits the process) or the parent ends us."""
+    init_worker(*initargs)
+    threading.Event().wait()
 
 
 def send(message: Any) -> None:
@@ -172,21 +182,22 @@ def _run_one(job: PromptJob) -> None:
             stop_in_background=state.stopper.submit,
             log=log,
         )
-        send(outcome)
+        send(outcome)  # the parent counts this slot free and sends the next prompt
     finally:
         state.current.job = None
-        state.slots.release()
 
 
 def _listen_to_parent() -> None:
-    """Messages from the parent: a run-wide pause (429 elsewhere), or stop starting prompts (budget)."""
+    """Messages from the parent: a prompt to run, a run-wide pause (429 elsewhere), or stop starting prompts (budget)."""
     state = _worker()
     while True:
         try:
             message = state.conn.recv()
         except (EOFError, OSError):
             os._exit(1)  # the parent is gone: nobody would write our results
-        if isinstance(message, PauseAll):
+        if isinstance(message, PromptJob):
+            state.threads.submit(_run_one, message)
+        elif isinstance(message, PauseAll):
             state.llm.limiter.pause_until(message.until)
         elif isinstance(message, StopStarting):
             state.stop.set()

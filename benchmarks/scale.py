@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Scale: many prompts in flight on one small machine, against the fake endpoint with a set latency.
+
+    python benchmarks/scale.py                                    # 1,000 prompts, 2 s per call, 1,000 in flight
+    python benchmarks/scale.py --prompts 200 --latency 0.1 --in_flight 40
+    python benchmarks/scale.py --prompts 10000 --in_flight 1000   # long: minutes
+    python benchmarks/scale.py --backend docker --prompts 100 --in_flight 40 --latency 2
+
+Runs ``batch_runner.py`` once as a user runs it (``--distribution=terminal_only``: 3 model calls and
+3 tool calls per prompt) against ``python -m batchrun.fakes.fake_model --latency L`` in its own
+process, and prints:
+
+* **first request**: seconds from launching the command to the endpoint's first model request;
+* **wall** time of the whole command, the **ideal** (model calls x latency / in-flight limit) and the
+  **efficiency** (ideal / wall), and the same over the dispatch phase (first request to last response);
+* the most **requests in flight** the endpoint saw at once;
+* **CPU per prompt** of the whole process tree (exact: this script is a child subreaper and reaps
+  every descendant, so ``RUSAGE_CHILDREN`` holds them all, bwrap's orphans included), and the
+  endpoint's own CPU (same cores);
+* **peak PSS** of the tree (parent, forkserver, workers, sandboxes, their helpers), sampled every
+  ``--pss_s`` from ``/proc/<pid>/smaps_rollup``, and the PSS per prompt in flight at that moment;
+* the **sandbox wait** percentiles from the records' metadata: ``sandbox_start_wait_s`` (queueing for
+  a start-up slot), ``sandbox_start_s`` (the start itself), ``sandbox_start_blocked_s`` (what the
+  prompt's own thread waited for its sandbox).
+
+Reading ``smaps_rollup`` of thousands of processes costs CPU of its own (this script's, not the
+tree's): ``--pss_s 0`` turns the memory sampling off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import (  # noqa: E402 - the shared pieces of the throughput benchmark
+    DOCKER_IMAGE,
+    ROOT,
+    Endpoint,
+    _children,
+    become_subreaper,
+    children_cpu_s,
+    make_dataset,
+    reap_descendants,
+)
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class PssMeter:
+    """Samples the PSS of the runner's process tree (and of orphans reparented to this script)."""
+
+    def __init__(self, root: int, exclude: set[int], interval_s: float, endpoint: Endpoint):
+        self.root, self.exclude, self.interval_s, self.endpoint = root, exclude, interval_s, endpoint
+        self.peak_kb = 0
+        self.peak_in_flight = 0
+        self.peak_processes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pss-meter", daemon=True)
+
+    def start(self) -> PssMeter:
+        if self.interval_s > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            pids = self._tree()
+            total = sum(_pss_kb(p) for p in pids)
+            if total > self.peak_kb:
+                self.peak_kb, self.peak_processes = total, len(pids)
+                try:
+                    self.peak_in_flight = self.endpoint.stats()["in_flight"]
+                except Exception:
+                    pass
+
+    def _tree(self) -> set[int]:
+        todo = [self.root, *(_children(os.getpid()) - self.exclude - {self.root})]
+        seen: set[int] = set()
+        while todo:
+            pid = todo.pop()
+            if pid not in seen:
+                seen.add(pid)
+                todo.extend(_children(pid))
+        return seen
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "no data"
+    v = sorted(values)
+
+    def at(q: float) -> float:
+        return v[min(len(v) - 1, int(q * len(v)))]
+
+    return (
+        f"median {statistics.median(v):.3f} s, p90 {at(0.9):.3f} s, p99 {at(0.99):.3f} s, max {v[-1]:.3f} s"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=1000)
+    p.add_argument("--latency", type=float, default=2.0, help="seconds the endpoint takes per call")
+    p.add_argument("--in_flight", type=int, default=1000, help="prompts in flight in all")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--batch_size", type=int, default=100)
+    p.add_argument("--backend", choices=("local", "docker"), default="local")
+    p.add_argument("--image", default=DOCKER_IMAGE, help="image for --backend docker")
+    p.add_argument("--max_sandbox_starts", type=int, default=None, help="default: the runner's own")
+    p.add_argument("--distribution", default="terminal_only")
+    p.add_argument("--pss_s", type=float, default=1.0, help="PSS sampling interval; 0: off")
+    p.add_argument("--extra", action="append", default=[], help="another flag for batch_runner.py")
+    p.add_argument("--keep", action="store_true", help="keep the output directory")
+    args = p.parse_args()
+    if args.in_flight % args.workers:
+        p.error("--in_flight must be a multiple of --workers")
+    become_subreaper()
+    tmp = Path(tempfile.mkdtemp(prefix="br-scale-"))
+    dataset = tmp / "prompts.jsonl"
+    make_dataset(dataset, args.prompts)
+    endpoint = Endpoint(args.latency)
+    per_worker = args.in_flight // args.workers
+    print(
+        f"{args.prompts} prompts, {args.distribution}, backend {args.backend}, {args.workers} workers x "
+        f"{per_worker} = {args.in_flight} in flight, latency {args.latency:g} s; {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    run_name = "scale"
+    cmd = [
+        sys.executable, str(ROOT / "batch_runner.py"),
+        f"--dataset_file={dataset}", f"--batch_size={args.batch_size}", f"--run_name={run_name}",
+        "--model=fake", f"--base_url={endpoint.base_url}", "--api_key=sk-benchmark",
+        f"--distribution={args.distribution}", f"--num_workers={args.workers}",
+        f"--prompts_per_worker={per_worker}", f"--sandbox={args.backend}", f"--output_dir={tmp}",
+        *args.extra,
+    ]  # fmt: skip
+    if args.max_sandbox_starts is not None:
+        cmd.append(f"--max_sandbox_starts={args.max_sandbox_starts}")
+    if args.backend == "docker":
+        cmd.append(f"--default_image={args.image}")
+    try:
+        endpoint.reset()
+        endpoint_cpu0 = endpoint.cpu_s()
+        cpu0 = children_cpu_s()
+        log_path = tmp / "run.log"
+        with log_path.open("w") as log:
+            t0 = time.time()
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            pss = PssMeter(proc.pid, {endpoint.proc.pid}, args.pss_s, endpoint).start()
+            code = proc.wait()
+            wall = time.time() - t0
+            pss.stop()
+        reap_descendants(exclude={endpoint.proc.pid})
+        tree_cpu = children_cpu_s() - cpu0
+        stats = endpoint.stats()
+        endpoint_cpu = endpoint.cpu_s() - endpoint_cpu0
+        if code != 0:
+            tail = log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-15:]
+            print(f"runner exited with {code}:", *tail, sep="\n  ", file=sys.stderr)
+        records = []
+        merged = tmp / run_name / "trajectories.jsonl"
+        if merged.exists():
+            with merged.open() as fh:
+                records = [json.loads(line) for line in fh if line.strip()]
+    finally:
+        endpoint.stop()
+    n = args.prompts
+    calls = stats["requests"]
+    limit = min(args.in_flight, n)
+    ideal = calls * args.latency / limit
+    first, last = stats.get("first_request_at"), stats.get("last_response_at")
+    dispatch = (last - first) if first and last else float("nan")
+    metas = [r["metadata"] for r in records]
+    print(f"  exit code          {code}; {len(records)} trajectories of {n}")
+    print(f"  first request      {first - t0 if first else float('nan'):7.2f} s after launch")
+    print(
+        f"  wall               {wall:7.2f} s whole command; {dispatch:.2f} s first request -> last response"
+    )
+    print(f"  ideal              {ideal:7.2f} s = {calls} calls x {args.latency:g} s / {limit} in flight")
+    print(f"  efficiency         {ideal / wall:7.2f} whole command; {ideal / dispatch:.2f} dispatch")
+    print(
+        f"  max in flight      {stats['max_in_flight']:7d} requests at the endpoint at once (limit {limit})"
+    )
+    print(
+        f"  CPU                {tree_cpu:7.2f} s whole tree, exact = {1000 * tree_cpu / n:.1f} ms/prompt; "
+        f"endpoint {endpoint_cpu:.2f} s ({1000 * endpoint_cpu / max(calls, 1):.2f} ms/call, same cores)"
+    )
+    if pss.peak_kb:
+        per = pss.peak_kb / 1024 / max(pss.peak_in_flight, 1)
+        print(
+            f"  peak PSS           {pss.peak_kb / 1024:7.0f} MB of the tree ({pss.peak_processes} processes), "
+            f"{pss.peak_in_flight} requests in flight then: {per:.2f} MB per prompt in flight"
+        )
+    for key in ("sandbox_start_wait_s", "sandbox_start_s", "sandbox_start_blocked_s"):
+        print(f"  {key:<24} {percentiles([m[key] for m in metas if key in m])}")
+    if args.keep:
+        print(f"  output in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
