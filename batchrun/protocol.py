@@ -122,6 +122,7 @@ class Skipped:
 
     batch_num: int
     prompt_index: int
+    sample_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class Spend:
     prompt_tokens: int
     completion_tokens: int
     cost_usd: float
+    sample_index: int = 0
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def _batch_trajectories(run_dir: Path) -> collections.Counter:
 # ----------------------------------------------------------------------------- the plan
 
 
-def test_each_sample_draws_its_own_toolsets_and_batches_never_hold_two_samples_of_a_row(tmp_path):
+def test_each_sample_draws_its_own_toolsets_and_batches_are_full(tmp_path):
     prompts = [f"task number {i}" for i in range(12)]
     dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
     rows, _ = load_dataset(str(dataset))
@@ -67,9 +67,7 @@ def test_each_sample_draws_its_own_toolsets_and_batches_never_hold_two_samples_o
     assert collections.Counter((j.prompt_index, j.sample_index) for j in jobs) == {
         (i, s): 1 for i in range(12) for s in range(4)
     }
-    for batch in plan.batches:
-        assert len(batch) <= 5
-        assert len({j.prompt_index for j in batch}) == len(batch)  # the dispatch keys jobs by it
+    assert [len(b) for b in plan.batches] == [5] * 9 + [3]  # batches are full, whatever rows they span
     # Sample-major: every row's sample 0 comes before any sample 1.
     assert [j.sample_index for j in jobs] == sorted(j.sample_index for j in jobs)
     # Sample 0 draws what a run without samples drew; later samples draw on their own, reproducibly.
@@ -336,11 +334,25 @@ def test_discards_and_duplicate_lines_count_per_sample(server, tmp_path, capsys)
     run(server, dataset, out, resume=True, samples_per_prompt=2)
     assert server.stats()["requests"] == before  # discards are finished samples
     assert _samples(run_dir) == {("loud one", 0): 1, ("loud one", 1): 1}
-    # batch_0 holds every row's sample 0 (a batch never holds two samples of one row): one copied line.
-    assert stats_of(run_dir)["dropped_at_merge"]["duplicate"] == 1
+    # batch_0 holds both samples of the row that finished: two copied lines, each dropped at the merge.
+    assert stats_of(run_dir)["dropped_at_merge"]["duplicate"] == 2
     before = collections.Counter(server.stats()["requests_by_prompt"])
     run(server, dataset, out, resume=True, samples_per_prompt=2, rerun_discarded=True)
     # Both samples again, once each (three calls a sample), and nothing else.
     assert collections.Counter(server.stats()["requests_by_prompt"]) - before == {
         "[no_reasoning] quiet one": 6
     }
+
+
+def test_one_row_many_samples_fill_one_batch_each_sample_once(server, tmp_path):
+    """Samples of one row share a batch (the dispatch keys a job by row and sample): one batch file,
+    not one per sample, and every sample recorded once with its own index."""
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "only row [calls:1]"}])
+    out = tmp_path / "data"
+    run(server, dataset, out, samples_per_prompt=5, batch_size=10, num_workers=2)
+    run_dir = out / "run"
+    assert [p.name for _, p in batch_files(run_dir)] == ["batch_0.jsonl"]
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["metadata"]["sample_index"] for r in records) == [0, 1, 2, 3, 4]
+    checkpoint = json.loads((run_dir / "checkpoint.json").read_text("utf-8"))
+    assert (checkpoint["batches"], checkpoint["completed_prompts"]) == ([0], [0])

@@ -50,18 +50,18 @@ POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
 
 
-Key = tuple[int, int]  # (batch number, prompt index): one job of the plan
+Key = tuple[int, int, int]  # (batch number, prompt index, sample index): one job of the plan
 
 
 def _key(item: PromptJob | Outcome | Skipped) -> Key:
-    return item.batch_num, item.prompt_index
+    return item.batch_num, item.prompt_index, item.sample_index
 
 
 @dataclass
 class _Tracking:
     """What the loop knows about the prompts of the plan."""
 
-    outstanding: dict[int, set[int]]  # batch number -> prompt indices without an outcome
+    outstanding: dict[int, set[tuple[int, int]]]  # batch number -> (prompt, sample) without an outcome
     jobs: dict[Key, PromptJob]
     pending: collections.deque[PromptJob]  # not handed out yet, in plan order
     free: dict[Any, int] = field(default_factory=dict)  # pid -> free slots of a live worker
@@ -145,7 +145,7 @@ class Dispatch:
             inbox = Inbox()
         rec.total = sum(len(b) for b in batches)
         track = _Tracking(
-            outstanding={b[0].batch_num: {j.prompt_index for j in b} for b in batches},
+            outstanding={b[0].batch_num: {(j.prompt_index, j.sample_index) for j in b} for b in batches},
             jobs={_key(j): j for b in batches for j in b},
             pending=collections.deque(j for b in batches for j in b),
         )
@@ -266,7 +266,7 @@ class Dispatch:
 
     def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:
         """Record an outcome (or a skip) once: a prompt already settled (e.g. by a lost-batch report) is ignored."""
-        batch_num, index = message.batch_num, message.prompt_index
+        batch_num, index = message.batch_num, (message.prompt_index, message.sample_index)
         if index not in track.outstanding.get(batch_num, ()):
             return 0
         if isinstance(message, Skipped):
@@ -360,5 +360,5 @@ class Dispatch:
         track.pending.clear()
         track.held.clear()
         track.free.clear()
-        keys = {(b, i) for b, indices in track.outstanding.items() for i in indices}
+        keys = {(b, *i) for b, indices in track.outstanding.items() for i in indices}
         return self.fail_lost_prompts(keys, -1, track, "pool_broken")

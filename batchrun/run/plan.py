@@ -1,8 +1,8 @@
 """The plan: each sample's toolsets (a row's own, or drawn reproducibly), the samples cut into numbered batches of jobs.
 
 A job is one sample of one row: (dataset row, sample index). Batches are filled sample by sample
-(every row's sample 0, then every row's sample 1, ...) and never hold two samples of the same row:
-the dispatch and the recorder tell a batch's jobs apart by their row's ``prompt_index``.
+(every row's sample 0, then every row's sample 1, ...); a batch may hold several samples of one row:
+the dispatch and the recorder tell jobs apart by (batch, ``prompt_index``, ``sample_index``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extr
             f"would run without tools. Missing: {needs}. Configure one, or choose another --distribution"
         )
     plan = Plan(batches=[])
-    in_batch: set[int] = set()
     unavailable_rows = 0
     # Sample-major: a run stopped half-way (budget, Ctrl-C) has its first samples of every row.
     for row, s in sorted(samples, key=lambda item: item[1]):
@@ -80,10 +79,8 @@ def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extr
             usable, fail_reason = _own_toolsets(row, available, tool_extra)
             unavailable_rows += fail_reason is not None
         plan.offered.update(usable)
-        if not plan.batches or len(plan.batches[-1]) >= config.batch_size or row.index in in_batch:
+        if not plan.batches or len(plan.batches[-1]) >= config.batch_size:
             plan.batches.append([])
-            in_batch = set()
-        in_batch.add(row.index)
         plan.batches[-1].append(
             PromptJob(
                 batch_num=first + len(plan.batches) - 1,

@@ -68,9 +68,9 @@ class Recorder:
         )
         self.discards: collections.Counter[str] = collections.Counter()
         self.spend: collections.Counter[str] = collections.Counter()  # this run's usage, all outcomes
-        # Tokens and cost of prompts still in flight, reported call by call (batch_num, prompt_index) -> usage:
+        # Tokens and cost of prompts still in flight, reported call by call (batch_num, prompt_index, sample_index) -> usage:
         # the budget sees spend as it happens; the outcome's usage then adds only the rest.
-        self.live_spend: dict[tuple[int, int], collections.Counter[str]] = {}
+        self.live_spend: dict[tuple[int, int, int], collections.Counter[str]] = {}
         self.budget_hit = False
         self.total = 0  # prompts handed to the workers in this run
         self.started = time.monotonic()
@@ -132,7 +132,9 @@ class Recorder:
         kind = outcome.kind
         self.counts[kind] += 1
         self.last_event_at = _now()
-        live = self.live_spend.pop((outcome.batch_num, outcome.prompt_index), collections.Counter())
+        live = self.live_spend.pop(
+            (outcome.batch_num, outcome.prompt_index, outcome.sample_index), collections.Counter()
+        )
         for key, value in outcome.usage.items():  # Usage.as_dict(): every number is summed, not the providers
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.spend[key] += value - live.get(key, 0)  # what add_live_spend has not counted yet
@@ -187,7 +189,9 @@ class Recorder:
 
     def add_live_spend(self, spend: Spend) -> None:
         """One model call's tokens and cost, reported while its prompt is still running."""
-        live = self.live_spend.setdefault((spend.batch_num, spend.prompt_index), collections.Counter())
+        live = self.live_spend.setdefault(
+            (spend.batch_num, spend.prompt_index, spend.sample_index), collections.Counter()
+        )
         for key in ("prompt_tokens", "completion_tokens", "cost_usd"):
             value = getattr(spend, key)
             live[key] += value

@@ -148,6 +148,7 @@ def report_spend(usage: dict[str, Any]) -> None:
             prompt_tokens=_count_of(usage.get("prompt_tokens")),
             completion_tokens=_count_of(usage.get("completion_tokens")),
             cost_usd=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0,
+            sample_index=job.sample_index,
         )
     )
 
@@ -167,7 +168,7 @@ def _run_one(job: PromptJob) -> None:
     state.current.job = job
     try:
         if state.stop.is_set():  # the budget is spent: leave this prompt for a later --resume
-            send(Skipped(job.batch_num, job.prompt_index))
+            send(Skipped(job.batch_num, job.prompt_index, job.sample_index))
             return
         log = (
             (lambda entry: send(Log(prompt_index=job.prompt_index, **entry)))
