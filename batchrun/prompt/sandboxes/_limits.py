@@ -141,6 +141,9 @@ class PromptCgroup:
     def __init__(self, layout: CgroupLayout, parent: str, name: str, limits: Limits):
         self.layout = layout
         self.dirs: list[Path] = []
+        # The two counters ``hits`` reads, in the hierarchy that has each (read after every command).
+        self._pids_events: Path | None = None
+        self._oom_events: Path | None = None
         by_base: dict[Path, list[str]] = {}
         for controller, base in layout.bases.items():
             by_base.setdefault(base, []).append(controller)
@@ -155,6 +158,12 @@ class PromptCgroup:
                 self.dirs.append(path)
                 for controller in controllers:
                     self._limit(path, controller, limits)
+                if "pids" in controllers:
+                    self._pids_events = path / "pids.events"
+                if "memory" in controllers:
+                    self._oom_events = path / (
+                        "memory.oom_control" if layout.version == 1 else "memory.events"
+                    )
         except OSError:
             self.remove()
             raise
@@ -181,12 +190,8 @@ class PromptCgroup:
 
     def hits(self) -> tuple[int, int]:
         """(times a fork failed at pids.max, processes the OOM killer ended) so far."""
-        pids = memory = 0
-        for d in self.dirs:
-            pids += _counter(d / "pids.events", "max")
-            memory += _counter(
-                d / ("memory.oom_control" if self.layout.version == 1 else "memory.events"), "oom_kill"
-            )
+        pids = _counter(self._pids_events, "max") if self._pids_events else 0
+        memory = _counter(self._oom_events, "oom_kill") if self._oom_events else 0
         return pids, memory
 
     def remove(self) -> None:

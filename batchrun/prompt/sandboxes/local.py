@@ -466,6 +466,7 @@ class LocalSandbox:
         self._tag = uuid.uuid4().hex
         self._server: _CommandServer | None = None
         self._cgroup: PromptCgroup | None = None
+        self._hits = (0, 0)  # the cgroup's (pids.max hits, OOM kills) after the last command
         self._lock = threading.Lock()  # one command at a time per prompt
 
     def start(self) -> None:
@@ -520,21 +521,24 @@ class LocalSandbox:
             if self._server is None or not self._server.alive():
                 # The namespace ended (bwrap was killed from outside): the next command gets a new one.
                 self._server = self._start_server()
-            before = self._cgroup.hits() if self._cgroup else (0, 0)
             result = self._server.run(command, timeout_s=timeout_s, stdin=stdin)
-            notes = self._limit_notes(before)
+            notes = self._limit_notes()
         if notes:
             result = dataclasses.replace(
                 result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n")
             )
         return result
 
-    def _limit_notes(self, before: tuple[int, int]) -> list[str]:
-        """What a limit did during the command, said plainly (the command's own errors can be cryptic)."""
+    def _limit_notes(self) -> list[str]:
+        """What a limit did during the command, said plainly (the command's own errors can be cryptic).
+
+        The counters are read once per command: the values after the previous command (zero in a new
+        cgroup) are this one's starting point. Called under ``_lock``, so commands do not interleave."""
         notes = []
         opts = self.options
         if self._cgroup is not None:
-            pids, oom = self._cgroup.hits()
+            before = self._hits
+            pids, oom = self._hits = self._cgroup.hits()
             if pids > before[0]:
                 notes.append(
                     f"[batch-runner: the sandbox's process limit ({opts.pids_limit}) was reached; "
