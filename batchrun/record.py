@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 STRING, INT, FLOAT, BOOL = "string", "int64", "float64", "bool"
@@ -208,8 +209,8 @@ def run_card(run_name: str, tool_names: list[str]) -> str:
 
 Agent trajectories written by batch-runner (ShareGPT `conversations` with structured `tool_calls`,
 `metadata`, tool statistics over every known tool). `datasets.load_dataset("<this directory>")` reads
-`trajectories.jsonl` with the schema above. For several runs at once, pass the schema:
-`load_dataset("json", data_files=[...], features=batchrun.record.record_features())`, or export them
+`trajectories.jsonl` with the schema above. For several runs at once, `batchrun.record.load_runs(DIR, ...)`,
+or pass the schema: `load_dataset("json", data_files=[...], features=batchrun.record.record_features())`, or export them
 together with `python batch_runner.py export RUN_DIR [RUN_DIR ...] --format=parquet --out=DIR`.
 """
     return "\n".join(lines) + "\n" + body
@@ -233,6 +234,44 @@ def sample_index_of(fields: dict[str, Any]) -> int:
     """A record's (or outcome row's) sample index: records written before samples existed are sample 0."""
     value = fields.get("sample_index")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def run_tool_names(trajectories: Path) -> list[str]:
+    """The tools a run's records count (the keys of ``tool_stats``, the same in every record of a run),
+    from its first record; none for an empty file."""
+    with trajectories.open("rb") as fh:
+        for line in fh:
+            try:
+                stats = json.loads(line).get("tool_stats")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(stats, dict):
+                return list(stats)
+    return []
+
+
+def load_runs(*run_dirs: str | Path, split: str = "train", **kwargs: Any) -> Any:
+    """The ``trajectories.jsonl`` of one or several runs as one ``datasets.Dataset``, typed by the record
+    schema (a column null throughout one run still loads beside another run's values). ``tool_stats``
+    and ``tool_error_counts`` list every tool any of the runs counts (null where a run did not know it).
+    Other keyword arguments go to ``datasets.load_dataset`` (``cache_dir``, ``streaming``, ...)."""
+    import datasets
+
+    files = [Path(d) / "trajectories.jsonl" for d in run_dirs]
+    if not files:
+        raise ValueError("name at least one run directory")
+    tools: dict[str, None] = {}
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (is {path.parent} a finished run's directory?)")
+        tools.update(dict.fromkeys(run_tool_names(path)))
+    return datasets.load_dataset(
+        "json",
+        data_files=[str(f) for f in files],
+        split=split,
+        features=record_features(list(tools)),
+        **kwargs,
+    )
 
 
 def record_features(tool_names: list[str] | None = None) -> Any:

@@ -18,6 +18,7 @@ from batchrun.record import (
     RECORD_FIELDS,
     USAGE,
     conform,
+    load_runs,
     record_features,
     record_schema,
     row_option_fields,
@@ -286,6 +287,25 @@ def test_two_mock_runs_load_together_and_carry_their_rows(tmp_path):
         own = datasets.load_dataset(str(run), split="train", cache_dir=str(tmp_path / f"card{i}"))
         assert own.features == schema and own.num_rows == 2
     assert own["metadata"][0]["row_id"] is None and own["metadata"][0]["usage"]["reasoning_tokens"] is None
+    # Several runs in either order, without naming the schema: batchrun.record.load_runs.
+    for i, order in enumerate(((b, a), (a, b))):
+        both = load_runs(*order, cache_dir=str(tmp_path / f"runs{i}"))
+        assert both.features == schema and both.num_rows == 4
+    # A run that counted one more tool (a plugin's, say): its column is null in the other run's rows.
+    extra = tmp_path / "data" / "extra"
+    extra.mkdir()
+    lines = []
+    for rec in read_jsonl(a / "trajectories.jsonl"):
+        rec["tool_stats"]["my_tool"] = {"count": 1, "success": 1, "failure": 0}
+        rec["tool_error_counts"]["my_tool"] = 0
+        lines.append(json.dumps(rec) + "\n")
+    (extra / "trajectories.jsonl").write_text("".join(lines), "utf-8")
+    mixed = load_runs(b, extra, cache_dir=str(tmp_path / "mixed"))
+    assert [r["my_tool"] for r in mixed["tool_stats"]] == [
+        None,
+        None,
+        {"count": 1, "success": 1, "failure": 0},
+    ] * 1 + [{"count": 1, "success": 1, "failure": 0}]
 
 
 def test_runs_export_together_into_one_dataset(tmp_path):
