@@ -6,6 +6,7 @@ import collections
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,13 @@ def parse_line(raw: bytes):
         return json.loads(raw)
     except ValueError:
         return None
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes; whether it held at the end."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return bool(predicate())

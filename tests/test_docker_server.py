@@ -17,7 +17,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from helpers import docker_ps
+from helpers import docker_ps, wait_until
 
 from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
 
@@ -139,10 +139,10 @@ def test_container_ends_when_its_runner_dies_in_the_middle_of_a_command(docker_t
     try:
         container_id = proc.stdout.readline().strip()
         assert container_id
-        assert _wait_until(lambda: "sleep 3000" in _top(container_id), timeout_s=60)
+        assert wait_until(lambda: "sleep 3000" in _top(container_id), timeout_s=60)
         proc.kill()  # SIGKILL: no finally, no stop(); the command has an hour to go
         proc.wait()
-        assert _wait_until(lambda: not _exists(container_id), timeout_s=60)  # ended and removed itself
+        assert wait_until(lambda: not _exists(container_id), timeout_s=60)  # ended and removed itself
         assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=1") == []
     finally:
         if proc.poll() is None:
@@ -164,15 +164,6 @@ def _exists(container_id: str) -> bool:
     return done.returncode == 0
 
 
-def _wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return bool(predicate())
-
-
 def test_without_docker_init_the_server_works_and_the_lifetime_still_ends_the_container(
     docker_test_image: str,
 ):
@@ -185,6 +176,6 @@ def test_without_docker_init_the_server_works_and_the_lifetime_still_ends_the_co
     try:
         assert box.run("echo $$; sleep 1000 & echo started", timeout_s=30).output.splitlines()[1] == "started"
         assert box.run("cat /proc/1/comm", timeout_s=30).output == "sh\n"  # the boot shell is PID 1
-        assert _wait_until(lambda: not _exists(box.container_id), timeout_s=60)
+        assert wait_until(lambda: not _exists(box.container_id), timeout_s=60)
     finally:
         box.stop()

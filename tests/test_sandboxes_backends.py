@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import docker_ps
+from helpers import docker_ps, wait_until
 
 from batchrun.prompt.sandboxes import BACKENDS, create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
@@ -251,15 +251,6 @@ def test_container_ends_itself_after_its_lifetime(docker_box):
     box = docker_box(index=40, options={"lifetime_s": 2.0})
     assert box.run("echo up", timeout_s=30).output == "up\n"
     assert wait_until(lambda: not container_running(box.container_id), timeout_s=60)
-
-
-def wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return bool(predicate())
 
 
 @pytest.mark.docker
