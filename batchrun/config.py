@@ -27,6 +27,7 @@ from batchrun.prompt.llm import DIALECTS, PROVIDER_SORTS, REASONING_EFFORTS, LLM
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
+from batchrun.storage import read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
@@ -539,11 +540,9 @@ def load_prefill(path: str | None) -> tuple[dict[str, Any], ...]:
         return ()
     flag = "--prefill_messages_file"
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot read: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{flag} {path}: not valid JSON: {exc}") from None
+        data = read_json_file(path)
+    except ValueError as exc:
+        raise UsageError(f"{flag} {exc}") from None
     if not isinstance(data, list):
         raise UsageError(f"{flag} {path}: expected a JSON array of {{role, content}} messages")
     for i, msg in enumerate(data):

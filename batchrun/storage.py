@@ -49,6 +49,17 @@ def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) 
         raise WriteError(path, exc) from exc
 
 
+def read_json_file(path: str | Path) -> Any:
+    """A small JSON file the user named (a flag's file); ValueError saying ``<path>: cannot read`` or
+    ``<path>: not valid JSON``, for the caller to prefix with its flag."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+
+
 def write_json_atomic(path: Path, obj: Any, redact: Callable[[str], str] | None = None) -> None:
     text = json.dumps(obj, indent=2, ensure_ascii=False)
     write_text_atomic(path, redact(text) if redact else text)

@@ -27,10 +27,10 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from batchrun.prompt.tools.registry import TOOL_NAME, Tool, ToolContext, add_toolset, remove_toolsets
+from batchrun.storage import read_json_file
 
 SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}")
 SESSIONS = ("worker", "prompt")
@@ -109,11 +109,9 @@ class McpSetup:
 def load_config(path: str) -> tuple[McpServer, ...]:
     """The servers of an ``{"mcpServers": {name: {...}}}`` file, checked (McpConfigError naming the field)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise McpConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise McpConfigError(f"{path}: not valid JSON: {exc}") from None
+        data = read_json_file(path)
+    except ValueError as exc:
+        raise McpConfigError(str(exc)) from None
     servers = data.get("mcpServers") if isinstance(data, dict) else None
     if not isinstance(servers, dict):
         raise McpConfigError(
