@@ -17,7 +17,6 @@ import datetime as dt
 import html
 import json
 import math
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from batchrun.prompt.trajectory import (
     valid_outcome_row,
     valid_record,
 )
-from batchrun.storage import iter_jsonl
+from batchrun.storage import iter_jsonl, write_text_atomic
 
 DEFAULT_MAX_TRAJECTORIES = 500
 MAX_TEXT_CHARS = 20_000  # one turn's text in the browsable list; the JSONL files hold it whole
@@ -847,15 +846,7 @@ def write_report(
     if redact is not None:
         page = redact(page)
     out = run_dir / REPORT_NAME
-    tmp = run_dir / f".{REPORT_NAME}.{os.getpid()}.tmp"
-    try:
-        with tmp.open("w", encoding="utf-8") as fh:
-            fh.write(page)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(out, page)
     return out
 
 
