@@ -153,20 +153,9 @@ def _parse_line(
 
 def _row_options(obj: dict[str, Any], catalog: Mapping[str, tuple[str, ...]], known: set[str]) -> RowOptions:
     """The row's own settings, checked; ValueError names the field and what is wrong with it."""
-    toolsets = _names(obj, "toolsets")
-    if toolsets is not None:
-        unknown = [t for t in toolsets if t not in known]
-        if unknown:
-            raise ValueError(
-                f"field 'toolsets' names unknown toolset {unknown[0]!r} (known: {', '.join(sorted(known))})"
-            )
-    tools = _names(obj, "tools")
+    toolsets = _names(obj, "toolsets", known, "toolset")
+    tools = _names(obj, "tools", catalog, "tool")
     if tools is not None:
-        unknown = [t for t in tools if t not in catalog]
-        if unknown:
-            raise ValueError(
-                f"field 'tools' names unknown tool {unknown[0]!r} (known: {', '.join(sorted(catalog))})"
-            )
         if toolsets is not None:
             # An allowlisted tool none of the row's toolsets offers could never be offered: a mistake.
             outside = [t for t in tools if not set(catalog[t]) & set(toolsets)]
@@ -190,14 +179,22 @@ def _row_options(obj: dict[str, Any], catalog: Mapping[str, tuple[str, ...]], kn
     )
 
 
-def _names(obj: dict[str, Any], field: str) -> tuple[str, ...] | None:
-    """A list of names as a sorted tuple without repeats (order means nothing); None when absent."""
+def _names(
+    obj: dict[str, Any], field: str, known: Mapping[str, Any] | set[str], kind: str
+) -> tuple[str, ...] | None:
+    """A list of ``known`` names as a sorted tuple without repeats (order means nothing); None when absent."""
     value = obj.get(field)
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
         raise ValueError(f"field {field!r} must be a list of names (strings), got {json.dumps(value)[:60]}")
-    return tuple(sorted(set(value)))
+    names = tuple(sorted(set(value)))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(
+            f"field {field!r} names unknown {kind} {unknown[0]!r} (known: {', '.join(sorted(known))})"
+        )
+    return names
 
 
 def _positive_int(obj: dict[str, Any], field: str, high: int | None = None) -> int | None:
