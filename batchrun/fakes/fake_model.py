@@ -644,18 +644,12 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/reset":
             self.server.fake.reset_stats()
             self._json(200, {"ok": True})
-        elif path in ("/v1/chat/completions", "/chat/completions"):
+        elif path.removeprefix("/v1") in ("/chat/completions", "/images/generations"):
+            handle = self._chat if path.endswith("/chat/completions") else self._images
             fake = self.server.fake
-            fake._enter()
+            fake._enter()  # counted in flight while it is answered
             try:
-                self._chat(raw)
-            finally:
-                fake._leave()
-        elif path in ("/v1/images/generations", "/images/generations"):
-            fake = self.server.fake
-            fake._enter()
-            try:
-                self._images(raw)
+                handle(raw)
             finally:
                 fake._leave()
         else:
