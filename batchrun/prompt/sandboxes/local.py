@@ -115,7 +115,9 @@ NAMESPACES = (
 )  # fmt: skip
 # The system, read-only: what commands need to run. Nothing else of the host is mounted.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-# Empty and read-only inside (each a tmpfs): the host's homes, daemons' state and sockets stay out.
+# Empty and read-only inside: plain directories of the sandbox's own root (bwrap's root is a fresh
+# tmpfs, made read-only last), so the host's homes, daemons' state and sockets stay out. Not a
+# tmpfs each: 16 mount operations fewer per start (~2 ms of CPU), with the same view inside.
 HIDDEN_DIRS = ("/home", "/root", "/run", "/var", "/opt", "/srv", "/mnt", "/media")
 # A cwd may not replace these (or lie inside the read-only system directories).
 _NO_CWD = ("/", "/dev", "/proc", "/sys", CTL_DIR)
@@ -622,14 +624,14 @@ class LocalSandbox:
         for path in system_sockets():
             argv += ["--ro-bind", "/dev/null", path]
         for d in HIDDEN_DIRS:
-            argv += ["--tmpfs", d]
+            argv += ["--dir", d]
         argv += ["--symlink", "../tmp", "/var/tmp", "--size", disk, "--tmpfs", "/tmp"]
         argv += ["--ro-bind", os.path.join(self._root, "ctl"), CTL_DIR]
         if self.spec.network and network_problem() is None:
             argv += self._resolv_conf()
         argv += ["--size", disk, "--tmpfs", self.workdir]
         # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
-        argv += [arg for d in ("/", *HIDDEN_DIRS) if d != self.workdir for arg in ("--remount-ro", d)]
+        argv += ["--remount-ro", "/"]
         argv += ["--chdir", self.workdir, "--"]
         if self._cgroup is not None:  # into the cgroup before bwrap forks: every descendant inherits it
             enter = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 96; shift; done; shift; exec "$@"'
