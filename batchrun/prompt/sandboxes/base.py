@@ -101,6 +101,20 @@ class Sandbox(Protocol):
     def stop(self) -> None: ...
 
 
+@runtime_checkable
+class DirectFileAccess(Protocol):
+    """Optional, for a backend whose prompt files this process can reach without running a command.
+
+    The file tools try these first; None or False means "not this way" (the file is elsewhere,
+    not a plain file, not permitted...), and they then run their usual commands in the sandbox,
+    which give the usual errors. Paths are the tool's: relative to ``workdir``, ``~`` for $HOME.
+    """
+
+    def read_direct(self, path: str, max_bytes: int) -> bytes | None: ...
+
+    def write_direct(self, path: str, data: bytes, *, make_parents: bool) -> bool: ...
+
+
 def safe_run_name(run_name: str) -> str:
     """The run name as it appears in container, instance and directory names: name characters, at most 40."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchrun.prompt.sandboxes._direct import DirectFiles
 from batchrun.prompt.sandboxes._limits import (
     PARENT_PREFIX,
     CgroupLayout,
@@ -522,6 +523,8 @@ class LocalSandbox:
         with self._lock:
             if self._server is None or not self._server.alive():
                 # The namespace ended (bwrap was killed from outside): the next command gets a new one.
+                if self._server is not None:
+                    self._server.close()
                 self._server = self._start_server()
             result = self._server.run(command, timeout_s=timeout_s, stdin=stdin)
             notes = self._limit_notes()
@@ -530,6 +533,32 @@ class LocalSandbox:
                 result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n")
             )
         return result
+
+    # -- the file tools' direct path (see _direct): the prompt's working directory and /tmp, from here
+
+    def read_direct(self, path: str, max_bytes: int) -> bytes | None:
+        with self._lock:
+            files = self._direct_files()
+            return files.read(path, max_bytes) if files is not None else None
+
+    def write_direct(self, path: str, data: bytes, *, make_parents: bool) -> bool:
+        with self._lock:
+            files = self._direct_files()
+            return files is not None and files.write(path, data, make_parents=make_parents)
+
+    def _direct_files(self) -> DirectFiles | None:
+        """The live server's view of the sandbox's own mounts; None without bubblewrap, or when the
+        server has ended (its namespace, which the next command replaces, must not be written)."""
+        server = self._server
+        if self.isolation != "bwrap" or server is None or not server.alive():
+            return None
+        if server.files is None and not server.files_tried:
+            server.files_tried = True
+            home = posixpath.join(self.workdir, self.spec.env.get("HOME", self.workdir))
+            server.files = DirectFiles.open(
+                f"/proc/{server.pid}/root", self.workdir, home, tuple(dict.fromkeys((self.workdir, "/tmp")))
+            )
+        return server.files
 
     def _limit_notes(self) -> list[str]:
         """What a limit did during the command, said plainly (the command's own errors can be cryptic).
@@ -741,6 +770,8 @@ class _CommandServer:
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
         self._pid: int | None = None  # the server's host PID (bwrap's child)
+        self.files: DirectFiles | None = None  # the namespace's own mounts seen from here (LocalSandbox)
+        self.files_tried = False
         self._slirp: subprocess.Popen | None = None  # the namespace's user-mode network, if any
         self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
         self.proc = subprocess.Popen(
@@ -752,6 +783,10 @@ class _CommandServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._out, selectors.EVENT_READ)
         self._eof = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
 
     def alive(self) -> bool:
         return not self._eof and self.proc.poll() is None
@@ -966,6 +1001,8 @@ class _CommandServer:
         self._sel.close()
         self.proc.stdout.close()
         self._end_network()
+        if self.files is not None:
+            self.files.close()
 
     def kill(self) -> None:
         kill_process_group(self.proc)  # bwrap (--die-with-parent) takes the whole PID namespace with it

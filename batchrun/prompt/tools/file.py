@@ -17,7 +17,7 @@ import re
 import shlex
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import ExecResult
+from batchrun.prompt.sandboxes.base import DirectFileAccess, ExecResult
 from batchrun.prompt.tools.registry import Tool, ToolArgumentError, ToolContext, register
 
 MAX_LINE_CHARS = 2000  # longer lines are cut in read_file, with a note
@@ -26,6 +26,7 @@ MAX_DIFF_CHARS = 4000
 MAX_MATCH_CHARS = 400  # longest search match line shown
 MAX_SEARCH_LIMIT = 1000
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in this many leading bytes marks a file as binary
+DIRECT_READ_MAX_BYTES = 16 * 1024 * 1024  # larger files are read by commands, which stream them
 
 _MARK = "@@BR"  # first/last line of a command's own reports; file data never starts with it
 
@@ -75,6 +76,11 @@ _CHECK_ERRORS = {
 
 def _run(ctx: ToolContext, command: str, stdin: bytes | None = None) -> ExecResult:
     return ctx.sandbox.run(command, timeout_s=ctx.tool_timeout_s, stdin=stdin)
+
+
+def _direct(ctx: ToolContext) -> DirectFileAccess | None:
+    """The sandbox's direct file access, when it has one (the local bubblewrap sandbox)."""
+    return ctx.sandbox if isinstance(ctx.sandbox, DirectFileAccess) else None
 
 
 def _header(output: str) -> tuple[list[str], list[str]]:
@@ -138,6 +144,12 @@ def read_file(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         raise ToolArgumentError("limit must be >= 1")
     budget = _budget(ctx)
     width = min(MAX_LINE_CHARS, budget // 4)
+    direct = _direct(ctx)
+    data = direct.read_direct(path, DIRECT_READ_MAX_BYTES) if direct is not None else None
+    if data is not None and b"\0" in data[:BINARY_SNIFF_BYTES]:
+        return {"error": _CHECK_ERRORS["binary"].format(path=path, size=len(data))}
+    if data is not None and b"\0" not in data:  # NUL bytes further on: awk's own way, below
+        return _numbered(data, offset, limit, width, budget)
     awk_vars = f"-v s={offset} -v n={limit} -v w={width} -v b={budget}"
     command = (
         f"f={shell_path(path)}; {_check_file()}"
@@ -153,8 +165,33 @@ def read_file(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     trailer = lines[-2].split() if len(lines) >= 2 and lines[-1] == "" else []
     if head[:1] != ["ok"] or trailer[:2] != [_MARK, "end"] or res.truncated:
         return _failure("read_file", res)
-    total, last = int(trailer[2]), int(trailer[3])
-    result: dict[str, Any] = {"content": "\n".join(lines[:-2]), "total_lines": total, "truncated": False}
+    return _read_result("\n".join(lines[:-2]), int(trailer[2]), int(trailer[3]), offset)
+
+
+def _numbered(data: bytes, offset: int, limit: int, width: int, budget: int) -> dict[str, Any]:
+    """What ``_READ_AWK`` prints for ``data``, byte for byte, done here (the direct path)."""
+    lines = data.split(b"\n")
+    if lines[-1] == b"":  # the newline that ends the last line does not start another
+        lines.pop()
+    total = len(lines)
+    shown: list[bytes] = []
+    used = last = 0
+    for number in range(offset, min(total, offset + limit - 1) + 1):
+        line, note = lines[number - 1], b""
+        if len(line) > width:
+            note = b" [line truncated: %d bytes, first %d shown]" % (len(line), width)
+            line = line[:width]
+        out = b"%6d|%s%s" % (number, line, note)
+        if shown and used + len(out) + 1 > budget:
+            break
+        shown.append(out)
+        used += len(out) + 1
+        last = number
+    return _read_result(b"\n".join(shown).decode("utf-8", errors="replace"), total, last, offset)
+
+
+def _read_result(content: str, total: int, last: int, offset: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"content": content, "total_lines": total, "truncated": False}
     if total and offset > total:
         result["hint"] = f"offset {offset} is past the end of the file ({total} lines)."
     elif last < total:
@@ -168,6 +205,9 @@ def read_file(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 def _write_bytes(ctx: ToolContext, path: str, data: bytes, *, make_parents: bool) -> dict[str, Any] | int:
     """Write ``data`` to ``path`` over stdin; the size the sandbox reports, or an error dict."""
+    direct = _direct(ctx)
+    if direct is not None and direct.write_direct(path, data, make_parents=make_parents):
+        return len(data)
     parent = posixpath.dirname(path)
     quoted_parent = shell_path(parent)
     # `[` is a shell builtin: only a missing parent costs a mkdir process.
@@ -215,6 +255,10 @@ def _chunk_bytes(ctx: ToolContext) -> int:
 
 def read_bytes(ctx: ToolContext, path: str, max_bytes: int = MAX_PATCH_BYTES) -> bytes | dict[str, Any]:
     """The exact bytes of a file in the sandbox, read as base64 in output-sized chunks; or an error dict."""
+    direct = _direct(ctx)
+    data = direct.read_direct(path, max_bytes) if direct is not None else None
+    if data is not None:
+        return data
     quoted = shell_path(path)
     res = _run(ctx, f'f={quoted}; {_check_file()}echo "{_MARK} ok $(wc -c < "$f")"')
     head, _ = _header(res.output)
