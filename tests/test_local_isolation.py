@@ -211,13 +211,23 @@ for host in hosts:
 
 
 @pytest.mark.bwrap
-def test_host_services_are_out_of_reach_with_network_on_or_off(boxes):
+@pytest.mark.parametrize("routes_by", ["netlink", "ip"])
+def test_host_services_are_out_of_reach_with_network_on_or_off(boxes, routes_by, monkeypatch):
     """Loopback, the gateway and the host's other addresses: a service on all interfaces (as model
-    servers often are) answers none of them from inside."""
+    servers often are) answers none of them from inside. The routes that close the host's addresses
+    are added over netlink from the worker where it may enter the namespace (root), else by
+    ``nsenter ... ip``; both ways are tried here."""
+    from batchrun.prompt.sandboxes import local
     from batchrun.prompt.sandboxes.local import host_addresses, network_problem
 
     if network_problem():
         skip_or_fail(network_problem())
+    if routes_by == "ip":
+
+        def refuse(*args):
+            raise OSError("netlink refused in this test")
+
+        monkeypatch.setattr(local, "add_unreachable_routes", refuse)
     service = socket.socket(socket.AF_INET6)
     service.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     service.bind(("::", 0))

@@ -49,6 +49,7 @@ from batchrun.prompt.sandboxes._limits import (
     rlimit_commands,
     run_cgroup_names,
 )
+from batchrun.prompt.sandboxes._netlink import add_unreachable_routes
 from batchrun.prompt.sandboxes._process import kill_process_group, run_process
 from batchrun.prompt.sandboxes._shell import MarkerScanner, new_exec_token
 from batchrun.prompt.sandboxes.base import (
@@ -855,9 +856,16 @@ class _CommandServer:
         blocked = host_addresses()
         if not blocked:
             return
+        same_userns = os.readlink(f"/proc/{self._pid}/ns/user") == os.readlink("/proc/self/ns/user")
+        if same_userns:  # this process may enter the namespace (as root): no nsenter and ip processes
+            try:
+                add_unreachable_routes(f"/proc/{self._pid}/ns/net", blocked)
+                return
+            except OSError:
+                pass  # the usual way, below, says what is wrong if it fails too
         script = "".join(f"route add unreachable {a}/{128 if ':' in a else 32}\n" for a in blocked)
         argv = ["nsenter", f"--net=/proc/{self._pid}/ns/net", "ip", "-batch", "-"]
-        if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+        if not same_userns:
             argv[1:1] = [f"--user=/proc/{self._pid}/ns/user", "--preserve-credentials"]
         try:
             done = subprocess.run(argv, input=script.encode(), capture_output=True, timeout=20)
