@@ -184,9 +184,14 @@ class PromptCgroup:
         else:
             (path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
 
-    @property
-    def procs_files(self) -> list[str]:
-        return [str(d / "cgroup.procs") for d in self.dirs]
+    def enter(self, *pids: int) -> None:
+        """Move running processes into the cgroups (OSError if the kernel refuses): their later children
+        are born in them."""
+        for d in self.dirs:
+            with open(d / "cgroup.procs", "w") as f:
+                for pid in pids:
+                    f.write(f"{pid}\n")
+                    f.flush()
 
     def hits(self) -> tuple[int, int]:
         """(times a fork failed at pids.max, processes the OOM killer ended) so far."""
