@@ -235,32 +235,45 @@ def host_addresses() -> list[str]:
     go): read from ``/proc`` (no process: ``ip -o addr`` cost ~1.5 ms of CPU per start), or from
     ``ip -o addr`` where those files cannot be read."""
     try:
-        found = _proc_addresses()
+        return list(_proc_addresses(*_proc_address_files()))
     except (OSError, ValueError):
-        found = _ip_addresses()
+        return _public(_ip_addresses())
+
+
+def _public(found: list[str]) -> list[str]:
     return sorted(
         {str(a) for a in map(ipaddress.ip_address, found) if not (a.is_loopback or a.is_link_local)}
     )
 
 
-def _proc_addresses() -> list[str]:
-    """IPv4: the ``/32 host LOCAL`` entries of ``/proc/net/fib_trie`` (every address of an interface,
-    secondary ones included); IPv6: ``/proc/net/if_inet6``."""
-    found: list[str] = []
-    last = None
+def _proc_address_files() -> tuple[str, str]:
     with open("/proc/net/fib_trie", encoding="ascii") as f:
-        for line in f:
-            text = line.strip()
-            if text.startswith("|--"):
-                last = text[3:].strip()
-            elif text == "/32 host LOCAL" and last:
-                found.append(last)
+        trie = f.read()
     try:
         with open("/proc/net/if_inet6", encoding="ascii") as f:
-            found += [str(ipaddress.IPv6Address(int(line.split()[0], 16))) for line in f if line.strip()]
+            inet6 = f.read()
     except FileNotFoundError:  # no IPv6 on this host
-        pass
-    return found
+        inet6 = ""
+    return trie, inet6
+
+
+@functools.lru_cache(maxsize=4)
+def _proc_addresses(trie: str, inet6: str) -> tuple[str, ...]:
+    """IPv4: the ``/32 host LOCAL`` entries of ``/proc/net/fib_trie`` (every address of an interface,
+    secondary ones included); IPv6: ``/proc/net/if_inet6``. Parsed again only when the files
+    changed since the last start (the parsing cost ~0.7 ms of CPU per start)."""
+    found: list[str] = []
+    last = None
+    for line in trie.splitlines():
+        text = line.strip()
+        if text.startswith("|--"):
+            last = text[3:].strip()
+        elif text == "/32 host LOCAL" and last:
+            found.append(last)
+    found += [
+        str(ipaddress.IPv6Address(int(line.split()[0], 16))) for line in inet6.splitlines() if line.strip()
+    ]
+    return tuple(_public(found))
 
 
 def _ip_addresses() -> list[str]:
