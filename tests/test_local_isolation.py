@@ -411,3 +411,25 @@ def test_host_addresses_read_from_proc_are_those_ip_lists_secondary_ones_include
     if done.returncode != 0 and "Operation not permitted" in done.stderr:
         skip_or_fail(f"cannot make a network namespace here: {done.stderr.strip()}")
     assert done.stdout.strip() == "True ['10.9.8.7', '10.9.8.8', 'fd12::5']", done.stderr
+
+
+@pytest.mark.bwrap
+def test_a_worker_with_descriptors_above_1023_still_starts_and_runs_sandboxes(boxes):
+    """A worker with hundreds of prompts in flight holds thousands of descriptors; select(2) refuses
+    any above 1023 (it raised ValueError at the network's start), poll(2) does not."""
+    from batchrun.prompt.sandboxes.base import readable
+
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        r, w = os.pipe()
+        held += [r, w]
+        assert r > 1023 and not readable(r, 0.01)
+        os.write(w, b"x")
+        assert readable(r, 1.0)
+        box = boxes(0, network=True)
+        assert box.run("echo ok", timeout_s=20).output == "ok\n"
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -32,13 +32,12 @@ container's files (``rm -rf /``) still gets its answer.
 
 from __future__ import annotations
 
-import select
 import socket
 import time
 from collections.abc import Callable
 
 from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner
-from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, CappedBuffer
+from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, CappedBuffer, readable
 
 READY_LINE = "[batch-runner-ready]"
 
@@ -161,7 +160,7 @@ class Channel:
 
     def _readable(self, timeout_s: float) -> bool:
         try:
-            return bool(select.select([self.sock], [], [], timeout_s)[0])
+            return readable(self.sock, timeout_s)
         except (OSError, ValueError):  # closed under us (a stop from another thread): the end
             self.eof = True
             return False

@@ -58,7 +58,7 @@ def run_process(
     )
     buf = CappedBuffer(output_cap_bytes)
     deadline = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as sel:
+    with selectors.PollSelector() as sel:  # not select(2): descriptors above 1023 are common here
         out_fd = proc.stdout.fileno()
         os.set_blocking(out_fd, False)
         sel.register(out_fd, selectors.EVENT_READ)

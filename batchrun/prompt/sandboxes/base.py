@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import select
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints, runtime_checkable
@@ -119,6 +120,15 @@ class DirectFileAccess(Protocol):
 def safe_run_name(run_name: str) -> str:
     """The run name as it appears in container, instance and directory names: name characters, at most 40."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
+
+
+def readable(fd: Any, timeout_s: float) -> bool:
+    """Whether ``fd`` (a descriptor, or an object with ``fileno()``) has input or its end within
+    ``timeout_s``. poll(2), not select(2), which refuses descriptors above 1023: a worker with
+    hundreds of sandboxes in flight holds thousands."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(max(0.0, timeout_s) * 1000))
 
 
 def cap_output(data: bytes, cap_bytes: int) -> tuple[str, bool]:

@@ -18,7 +18,6 @@ import itertools
 import logging
 import math
 import posixpath
-import select
 import shlex
 import socket
 import sys
@@ -54,6 +53,7 @@ from batchrun.prompt.sandboxes.base import (
     SetupError,
     check_option_types,
     parse_options,
+    readable,
     safe_run_name,
 )
 from batchrun.prompt.sandboxes.docker_engine import (
@@ -603,7 +603,7 @@ def _read_frames(sock: socket.socket, scanner: MarkerScanner, deadline: float) -
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        if not select.select([sock], [], [], remaining)[0]:
+        if not readable(sock, remaining):
             continue
         chunk = sock.recv(65536)
         if not chunk:

@@ -22,7 +22,6 @@ import ipaddress
 import os
 import posixpath
 import re
-import select
 import selectors
 import shutil
 import signal
@@ -65,6 +64,7 @@ from batchrun.prompt.sandboxes.base import (
     SetupError,
     check_option_types,
     parse_options,
+    readable,
     safe_run_name,
 )
 from batchrun.protocol import PromptJob
@@ -804,7 +804,7 @@ class _CommandServer:
         )  # fmt: skip
         self._out = self.proc.stdout.fileno()
         os.set_blocking(self._out, False)
-        self._sel = selectors.DefaultSelector()
+        self._sel = selectors.PollSelector()  # no descriptor of its own (epoll's), none limited to < 1024
         self._sel.register(self._out, selectors.EVENT_READ)
         self._eof = False
 
@@ -861,7 +861,7 @@ class _CommandServer:
             os.close(exit_r)
             os.close(ready_w)
         try:
-            ready = select.select([ready_r], [], [], SERVER_READY_TIMEOUT_S)[0] and os.read(ready_r, 1)
+            ready = readable(ready_r, SERVER_READY_TIMEOUT_S) and os.read(ready_r, 1)
         finally:
             os.close(ready_r)
         if ready != b"1":
