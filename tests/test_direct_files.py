@@ -189,3 +189,21 @@ def test_size_limit_leaves_large_files_to_commands(box):
     assert box.write_direct("big", b"x" * 5000, make_parents=False)
     assert box.read_direct("big", 4999) is None
     assert box.read_direct("big", 5000) == b"x" * 5000
+
+
+def test_the_runner_s_wrapped_sandbox_takes_the_direct_path_too(tmp_path):
+    """A run's prompt gets its sandbox wrapped (started alongside the first model call): the file
+    tools must see through the wrapper, or every call pays its commands again."""
+    from batchrun.prompt.sandbox_lifecycle import BackgroundStart, StartPool
+
+    inner = Counting(
+        SandboxSpec(run_name="direct", prompt_index=1), base_dir=str(tmp_path), output_cap_bytes=TOOL_CAP
+    )
+    wrapped = BackgroundStart(inner, StartPool(1))
+    wrapped.start()
+    try:
+        assert call(wrapped, "write_file", path="a/b.txt", content="one\n")["bytes_written"] == 4
+        assert call(wrapped, "read_file", path="a/b.txt")["content"] == "     1|one"
+        assert inner.commands == []
+    finally:
+        wrapped.stop()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError
+from batchrun.prompt.sandboxes.base import DirectFileAccess, ExecResult, Sandbox, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,20 @@ class BackgroundStart:
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         self.wait_started()
         return self.inner.run(command, timeout_s=timeout_s, stdin=stdin)
+
+    # The file tools' direct path (base.DirectFileAccess), when the sandbox has one; else "not this way".
+
+    def read_direct(self, path: str, max_bytes: int) -> bytes | None:
+        self.wait_started()
+        inner = self.inner
+        return inner.read_direct(path, max_bytes) if isinstance(inner, DirectFileAccess) else None
+
+    def write_direct(self, path: str, data: bytes, *, make_parents: bool) -> bool:
+        self.wait_started()
+        inner = self.inner
+        return isinstance(inner, DirectFileAccess) and inner.write_direct(
+            path, data, make_parents=make_parents
+        )
 
     def stop(self) -> None:
         """Skip a start still waiting for its slot; otherwise wait for the start, then stop. Idempotent."""
