@@ -380,7 +380,7 @@ def test_a_cwd_the_sandbox_cannot_have_fails_its_row_without_a_model_call(
 @pytest.mark.bwrap
 def test_a_busy_loop_is_held_to_the_cpu_quota(boxes, cgroups: None):
     box = boxes(0, cpus=0.1)
-    stat = next(d for d in box._cgroup.dirs if (d / "cpu.stat").exists()) / "cpu.stat"
+    stat = next(Path(d) for d in box._cgroup.dirs if (Path(d) / "cpu.stat").exists()) / "cpu.stat"
     quota = (stat.parent / "cpu.cfs_quota_us") if (stat.parent / "cpu.cfs_quota_us").exists() else None
     assert quota is None or quota.read_text().strip() == "10000"
     box.run("timeout 1 sh -c 'while :; do :; done'", timeout_s=30)
