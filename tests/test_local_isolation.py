@@ -433,3 +433,29 @@ def test_a_worker_with_descriptors_above_1023_still_starts_and_runs_sandboxes(bo
     finally:
         for fd in held:
             os.close(fd)
+
+
+@pytest.mark.bwrap
+def test_the_runs_etc_view_shows_what_the_masks_show(bwrap_available: None, tmp_path: Path):
+    """A run's sandboxes bind one copy of /etc without its secrets instead of masking each secret
+    (a mount each): the same names, the same contents, and every secret empty."""
+    from batchrun.prompt.sandboxes.local import etc_secrets
+
+    view = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
+    masked = LocalSandbox(SandboxSpec(RUN, 1), isolation="bwrap")
+    view.start()
+    masked.start()
+    try:
+        assert any(name.startswith("etc-") for name in os.listdir(tmp_path))  # the view is in use
+        listing = "find /etc | sort"
+        assert view.run(listing, timeout_s=30).output == masked.run(listing, timeout_s=30).output
+        digests = "find /etc -type f -size +0 -readable -exec md5sum {} + | sort"
+        seen = view.run(digests, timeout_s=30).output
+        assert seen == masked.run(digests, timeout_s=30).output and seen.count("\n") > 20
+        for path, is_dir in etc_secrets():
+            probe = f"ls -A {shlex.quote(path)}" if is_dir else f"cat {shlex.quote(path)}"
+            assert view.run(probe, timeout_s=10).output == "", path
+        assert "root:" not in view.run("cat /etc/shadow", timeout_s=10).output
+    finally:
+        view.stop()
+        masked.stop()
