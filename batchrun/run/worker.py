@@ -38,17 +38,15 @@ from batchrun.protocol import (
 from batchrun.run.inbox import connect_to_inbox
 from batchrun.storage import pid_alive
 
-# Imported once in the forkserver, so each forked worker starts with them: the SDK, the prompt
-# code, the tools, and what the SDK's first client imports lazily. And what the main script
-# imports: multiprocessing runs a script's main module again in every child it starts (here
-# batch_runner.py, importing batchrun.cli: ~90 ms per worker before its first prompt, idle machine);
-# with its imports already loaded that costs next to nothing. ("__main__" in the preload list would
-# be the documented way, but Python 3.11's forkserver never receives the main path.)
+# Imported once in the forkserver, so each forked worker starts with them: the prompt code (its
+# model client is batchrun.prompt.httpclient: no openai SDK, whose import alone took ~0.75 s of CPU
+# here), the tools, and what the main script imports: multiprocessing runs a script's main module
+# again in every child it starts (here batch_runner.py, importing batchrun.cli: ~90 ms per worker
+# before its first prompt, idle machine); with its imports already loaded that costs next to
+# nothing. ("__main__" in the preload list would be the documented way, but Python 3.11's forkserver
+# never receives the main path.)
 FORKSERVER_PRELOAD = [
-    "openai",
     "batchrun.run.worker",
-    "httpcore2",
-    "h11",
     *BUILTIN_TOOL_MODULES,
     "batchrun.cli",
 ]
