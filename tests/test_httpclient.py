@@ -758,13 +758,12 @@ def test_https_through_a_connect_tunnel(tls_server, tls_files, no_ca_env, proxy,
 # ----------------------------------------------------------------------------- the worker starts without the SDK
 
 
-def test_the_workers_chat_path_imports_no_openai_sdk():
+def test_the_workers_forkserver_and_chat_path_import_no_openai_sdk():
     code = (
         "import sys\n"
         "from batchrun.fakes.fake_model import FakeModelServer\n"
-        "import batchrun.run.worker as w, batchrun.cli\n"
+        "import batchrun.run.worker_preload\n"  # what the workers' forkserver imports
         "from batchrun.prompt.llm import LLMClient, LLMConfig\n"
-        "assert not any('openai' in m for m in w.FORKSERVER_PRELOAD)\n"
         "with FakeModelServer() as srv:\n"
         "    for stream in (False, True):\n"
         "        LLMClient(LLMConfig(model='m', base_url=srv.base_url, stream=stream)).chat(\n"
@@ -776,3 +775,29 @@ def test_the_workers_chat_path_imports_no_openai_sdk():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("argv", "backend"),
+    [
+        (["--dataset_file=d.jsonl", "--batch_size=2", "--run_name=r"], "local"),
+        (["--dataset_file", "d.jsonl", "--sandbox", "docker"], "docker"),
+        (["--dataset_file=d.jsonl", "--sandbox=modal"], "modal"),
+        (["--dataset_file=d.jsonl", "--help"], None),
+        (["--list_distributions"], None),
+        (["--dataset_file=d.jsonl", "--ray_address=auto"], None),
+        (["export", "data/run", "--format=openai"], None),
+        (["--batch_size=2"], None),
+    ],
+)
+def test_the_forkserver_starts_first_only_for_a_run_with_local_workers(monkeypatch, argv, backend):
+    from batchrun.prompt.sandboxes import BACKENDS
+    from batchrun.run import forkserver
+
+    started = []
+    monkeypatch.delenv("TERMINAL_ENV", raising=False)
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda b=None: started.append(b))
+    forkserver.start_for_argv(argv)
+    assert started == ([backend] if backend else [])
+    for name, target in BACKENDS.items():  # the preload's "<name> is in module ...sandboxes.<name>"
+        assert target.partition(":")[0] == forkserver.BACKEND_MODULE.format(name)

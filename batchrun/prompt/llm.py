@@ -14,7 +14,6 @@ rejects unknown request fields).
 
 from __future__ import annotations
 
-import email.utils
 import json
 import os
 import re
@@ -520,6 +519,8 @@ def _retry_after_s(exc: httpclient.StatusError) -> float | None:
             try:
                 return float(value)
             except ValueError:
+                import email.utils  # only for a date, which few send (~10 ms to import)
+
                 when = email.utils.parsedate_to_datetime(value)
                 return max(0.0, when.timestamp() - time.time())
     except (TypeError, ValueError):
