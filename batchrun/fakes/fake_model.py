@@ -1,6 +1,6 @@
 """A deterministic scripted model behind a small OpenAI-compatible HTTP server.
 
-Used by the tests (the real ``openai`` client talks to it over HTTP), by the benchmarks
+Used by the tests (the runner's model client and the ``openai`` SDK talk to it over HTTP), by the benchmarks
 (a set latency, hundreds of concurrent requests) and for a zero-cost dry run (``--model=mock``).
 
 Server (standard library only)::
