@@ -313,21 +313,16 @@ class _Body:
     def _errors(self) -> Iterator[None]:
         """OS and zlib errors as this module's; the connection is closed on any of them."""
         try:
-            yield
-        except HTTPError:
-            self._drop()
-            raise
-        except TimeoutError:
-            self._drop()
-            raise RequestTimeout(
-                f"{self.url} sent nothing for {self.timeout_s:.1f} s mid-answer (read timeout)"
-            ) from None
+            with _os_errors(
+                self._drop,
+                f"{self.url} sent nothing for {self.timeout_s:.1f} s mid-answer (read timeout)",
+                TransportError,
+                f"the connection to {self.url} failed mid-answer",
+            ):
+                yield
         except zlib.error as exc:
             self._drop()
             raise TransportError(f"{self.url} sent a body that does not decompress: {exc}") from None
-        except OSError as exc:
-            self._drop()
-            raise TransportError(f"the connection to {self.url} failed mid-answer: {_reason(exc)}") from None
 
     def _drop(self) -> None:
         self.done = self.released = True
@@ -531,7 +526,12 @@ class Client:
         resent = False
         while True:
             conn = self._take(target.key) or self._connect(target, timeout_s)
-            try:
+            with _os_errors(
+                conn.close,
+                f"no answer from {target.display} within {timeout_s:.1f} s",
+                TransportError,
+                f"the connection to {target.display} failed",
+            ):
                 conn.sock.settimeout(timeout_s)
                 try:
                     conn.sock.sendall(data)
@@ -555,15 +555,6 @@ class Client:
                     raise
                 response._body = _Body(self, conn, response, method, timeout_s)
                 return response
-            except TimeoutError:
-                conn.close()
-                raise RequestTimeout(f"no answer from {target.display} within {timeout_s:.1f} s") from None
-            except HTTPError:
-                conn.close()
-                raise
-            except OSError as exc:
-                conn.close()
-                raise TransportError(f"the connection to {target.display} failed: {_reason(exc)}") from None
 
     # -- the pool ----------------------------------------------------------------------------
 
@@ -602,13 +593,14 @@ class Client:
         proxy = target.proxy
         host, port = (proxy.host, proxy.port) if proxy else (target.host, target.port)
         where = f"{target.display} through {proxy.display}" if proxy else target.display
-        try:
+        sock: Any = None
+        with _os_errors(
+            lambda: sock is not None and sock.close(),  # ssl.SSLError (certificate, handshake) is an OSError
+            f"connecting to {where} timed out after {timeout_s:.1f} s",
+            ConnectError,
+            f"cannot connect to {where}",
+        ):
             sock = socket.create_connection((host, port), timeout=timeout_s)
-        except TimeoutError:
-            raise RequestTimeout(f"connecting to {where} timed out after {timeout_s:.1f} s") from None
-        except OSError as exc:
-            raise ConnectError(f"cannot connect to {where}: {_reason(exc)}") from None
-        try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if target.scheme == "https":
                 if proxy:
@@ -616,17 +608,24 @@ class Client:
                 if self._ssl is None:
                     self._ssl = ssl_context()  # two threads may both build one: the same, harmless
                 sock = self._ssl.wrap_socket(sock, server_hostname=target.host)
-        except TimeoutError:
-            sock.close()
-            raise RequestTimeout(f"connecting to {where} timed out after {timeout_s:.1f} s") from None
-        except HTTPError:
-            sock.close()
-            raise
-        except OSError as exc:  # ssl.SSLError (certificate, handshake) is an OSError
-            sock.close()
-            raise ConnectError(f"cannot connect to {where}: {_reason(exc)}") from None
         self._count("opened")
         return _Conn(sock, target.key)
+
+
+@contextlib.contextmanager
+def _os_errors(close: Any, timeout_text: str, error: type[HTTPError], error_text: str) -> Iterator[None]:
+    """OS errors as this module's (a timeout as RequestTimeout), after ``close()``; ours pass through."""
+    try:
+        yield
+    except HTTPError:
+        close()
+        raise
+    except TimeoutError:
+        close()
+        raise RequestTimeout(timeout_text) from None
+    except OSError as exc:
+        close()
+        raise error(f"{error_text}: {_reason(exc)}") from None
 
 
 def _header_problem(headers: dict[str, str]) -> str | None:
