@@ -10,7 +10,19 @@ every flag; ``batchrun/run/`` is the parent and the worker processes; ``batchrun
 prompt. This file is not installed, so it never shadows another package's ``batch_runner`` module.
 """
 
-from batchrun.cli import cli, main, run  # noqa: F401  (main and run: for scripts that call them in-process)
+import sys
+
+if (
+    __name__ == "__main__"
+):  # a run's worker forkserver starts before the imports below (batchrun/run/forkserver.py)
+    from batchrun.run.forkserver import start_for_argv
+
+    start_for_argv(sys.argv[1:])
+
+# multiprocessing runs this file again in every worker it starts, as __mp_main__: a worker needs
+# nothing of the command line, and skipping its imports keeps them out of the forkserver too.
+if __name__ != "__mp_main__":
+    from batchrun.cli import cli, main, run  # noqa: F401  (main and run: for scripts that call them in-process)
 
 if __name__ == "__main__":
     cli()

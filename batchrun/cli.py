@@ -35,11 +35,11 @@ from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
+from batchrun.run.forkserver import start_forkserver
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import check_endpoint, preflight_sandboxes, probe_mcp_servers
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import all_samples, build_manifest, check_manifest, read_manifest, resume_filter
-from batchrun.run.worker import start_forkserver
 from batchrun.secrets import Redactor
 from batchrun.storage import WriteError
 
@@ -378,7 +378,9 @@ def run_steps(
         else all_samples(rows, config.samples_per_prompt)
     )
     if todo and not config.ray_address:
-        start_forkserver()  # its imports (~1 s) overlap with the parent's own and with preflight
+        start_forkserver(
+            config.backend
+        )  # a no-op when the command line started it (batchrun/run/forkserver.py)
     llm = config.llm_config(base_url)
     for warning in dialect_warnings(llm):
         print(f"warning: {warning}", file=sys.stderr)

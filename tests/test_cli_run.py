@@ -1,5 +1,5 @@
 """batchrun/cli.py end to end: one full run through ``batch_runner.main(...)`` in-process (a real
-forkserver pool, the real ``openai`` client over HTTP to the scripted fake model, the local sandbox), checked
+forkserver pool, the runner's model client over real HTTP to the scripted fake model, the local sandbox), checked
 from the files a user trains on; SIGTERM before the dispatch.
 """
 

@@ -71,3 +71,48 @@ def test_redactor_covers_escaped_forms_of_multiline_secrets():
     for text in (EPHEMERAL, once, twice, json.dumps(EPHEMERAL, ensure_ascii=False)):
         assert "marker-5f1c" not in redact(text)
     assert redact("ok, short") == "ok, short"
+
+
+def _everything_said_about(exc: BaseException) -> str:
+    """An exception's text, repr, traceback and attributes, down its chain of causes."""
+    import traceback
+
+    texts = ["".join(traceback.format_exception(exc))]
+    while exc is not None:
+        texts += [str(exc), repr(exc), repr(vars(exc)), repr(exc.args)]
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(texts)
+
+
+def test_errors_of_the_model_client_never_carry_the_key():
+    """Every way a model call fails over HTTP: the key is in no error's text, repr, attributes or traceback."""
+    import socket
+
+    import pytest
+
+    from batchrun.fakes.fake_model import FakeModelServer
+    from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError
+
+    key = "sk-live-0123456789abcdef"
+    refused = socket.create_server(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{refused.getsockname()[1]}/v1"
+    refused.close()
+    with FakeModelServer(api_key="another-key-entirely") as wrong_key, FakeModelServer() as srv:
+        cases = [
+            (wrong_key.base_url, key, "hi", "http_401"),
+            (srv.base_url, key, "slow [slow:2] [calls:0]", "timeout"),
+            (srv.base_url, key, "dropped [hangup]", "connection"),
+            (srv.base_url, key, "broken [error:503]", "http_503"),
+            (dead_url, key, "hi", "connection"),
+            (srv.base_url, key + "\n", "a key with a line break", "bad_request"),
+        ]
+        for url, api_key, prompt, error_class in cases:
+            client = LLMClient(
+                LLMConfig(model="m", base_url=url, api_key=api_key, max_retries=1, request_timeout_s=0.5)
+            )
+            assert key not in repr(client._http)
+            with pytest.raises(LLMError) as info:
+                client.chat([{"role": "user", "content": prompt}], [])
+            assert info.value.error_class == error_class
+            said = _everything_said_about(info.value)
+            assert key not in said and key[:12] not in said, (error_class, said)

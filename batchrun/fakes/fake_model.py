@@ -1,6 +1,6 @@
 """A deterministic scripted model behind a small OpenAI-compatible HTTP server.
 
-Used by the tests (the real ``openai`` client talks to it over HTTP), by the benchmarks
+Used by the tests (the runner's model client and the ``openai`` SDK talk to it over HTTP), by the benchmarks
 (a set latency, hundreds of concurrent requests) and for a zero-cost dry run (``--model=mock``).
 
 Server (standard library only)::
@@ -804,9 +804,11 @@ class FakeModelServer:
         verbose: bool = False,
         cost_per_token: float = 0.0,
         rate_limit_every: int = 0,
+        ssl_context: Any = None,
     ):
         """``cost_per_token`` > 0: answers carry OpenRouter-style ``usage.cost`` and ``provider``;
-        ``rate_limit_every`` = N > 0: every Nth chat request answers 429 (retry-after-ms: 50)."""
+        ``rate_limit_every`` = N > 0: every Nth chat request answers 429 (retry-after-ms: 50);
+        ``ssl_context`` (a server-side ``ssl.SSLContext``): serve HTTPS (``base_url`` says https)."""
         self.cost_per_token = float(cost_per_token)
         self.rate_limit_every = int(rate_limit_every)
         self.latency_s = float(latency_s)
@@ -814,6 +816,7 @@ class FakeModelServer:
         self.port = port
         self.api_key = api_key
         self.verbose = verbose
+        self.ssl_context = ssl_context
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -828,6 +831,8 @@ class FakeModelServer:
             return self
         httpd = _HTTPServer((self.host, self.port), _Handler)
         httpd.fake = self
+        if self.ssl_context is not None:
+            httpd.socket = self.ssl_context.wrap_socket(httpd.socket, server_side=True)
         self.port = httpd.server_address[1]
         self._httpd = httpd
         self._thread = threading.Thread(
@@ -856,7 +861,8 @@ class FakeModelServer:
     def base_url(self) -> str:
         if self._httpd is None:
             raise RuntimeError("FakeModelServer is not started")
-        return f"http://{self.host}:{self.port}/v1"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://{self.host}:{self.port}/v1"
 
     def serve_forever(self) -> None:
         """Serve on the calling thread until interrupted (the module entry point)."""

@@ -209,7 +209,7 @@ class Dispatch:
                 raise UsageError(str(exc)) from None
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
-        worker.start_forkserver()  # started already when the run had prompts: then a no-op
+        worker.start_forkserver(self.settings.sandbox_backend)  # started already: then a no-op
         return WorkerProcesses(config.num_workers, initargs)
 
     def handle(self, event: Received, track: _Tracking, inbox: Inbox) -> int:

@@ -22,7 +22,9 @@ from batchrun.prompt.limiter import Limiter
 from batchrun.prompt.llm import LLMClient
 from batchrun.prompt.run import RunSettings, install_run_tools, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper, StartPool
-from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES
+from batchrun.prompt.sandboxes import create_sandbox
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.tools.registry import all_tools
 from batchrun.protocol import (
     Log,
     Pause,
@@ -35,23 +37,9 @@ from batchrun.protocol import (
     StopQueued,
     StopStarting,
 )
+from batchrun.run.forkserver import FORKSERVER_PRELOAD, start_forkserver  # noqa: F401 - re-exported
 from batchrun.run.inbox import connect_to_inbox
 from batchrun.storage import pid_alive
-
-# Imported once in the forkserver, so each forked worker starts with them: the SDK, the prompt
-# code, the tools, and what the SDK's first client imports lazily. And what the main script
-# imports: multiprocessing runs a script's main module again in every child it starts (here
-# batch_runner.py, importing batchrun.cli: ~90 ms per worker before its first prompt, idle machine);
-# with its imports already loaded that costs next to nothing. ("__main__" in the preload list would
-# be the documented way, but Python 3.11's forkserver never receives the main path.)
-FORKSERVER_PRELOAD = [
-    "openai",
-    "batchrun.run.worker",
-    "httpcore2",
-    "h11",
-    *BUILTIN_TOOL_MODULES,
-    "batchrun.cli",
-]
 
 
 @dataclass
@@ -72,17 +60,6 @@ class WorkerState:
 _state: WorkerState | None = None  # this process's worker state; set by init_worker
 
 
-def start_forkserver() -> None:
-    """Start the worker pool's forkserver now, so that its imports run while the parent works.
-
-    The pool made later uses the same server. If nothing is dispatched, the server exits with this process.
-    """
-    from multiprocessing import forkserver
-
-    forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
-    forkserver.ensure_running()
-
-
 def init_worker(
     settings: RunSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
 ) -> None:
@@ -93,6 +70,7 @@ def init_worker(
     _die_with_parent(None if remote else parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     install_run_tools(settings.tools)  # MCP tools; the same known tools as the parent, or no worker
+    _warm_up(settings)
     conn = connect_to_inbox(address, authkey)
     stop = threading.Event()
     _state = WorkerState(
@@ -120,6 +98,23 @@ def init_worker(
     )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
+
+
+def _warm_up(settings: RunSettings) -> None:
+    """Do now, once, what each prompt's first steps would do once per process: the tool registry (with
+    its plugins) and the backend's machine checks made when a sandbox is built (local: the bubblewrap
+    probe and the scan of /etc). Left to the prompts, all of a worker's threads would do them at the
+    same moment (nothing there is locked), each, and the worker's first model requests would wait."""
+    all_tools()
+    spec = SandboxSpec(run_name=settings.run_name, prompt_index=-1, network=settings.sandbox_network)
+    try:
+        create_sandbox(
+            settings.sandbox_backend,
+            spec,
+            {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options},
+        )  # built, never started
+    except Exception:  # the first prompt meets the same problem and fails with it, as before
+        pass
 
 
 def serve(*initargs: Any) -> None:

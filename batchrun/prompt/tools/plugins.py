@@ -15,6 +15,7 @@ its problem kept (:func:`plugin_problems`); the runner reports it once at start.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -33,7 +34,7 @@ _LOADED: dict[str, str] = {}  # toolset name -> its source ("plugin <entry point
 
 def load_plugins() -> None:
     """Load every plugin toolset of the environment (once per process; called by the registry)."""
-    for ep in sorted(_entry_points(), key=lambda e: e.name):
+    for ep in sorted(plugin_entry_points(), key=lambda e: e.name):
         source = f"plugin {ep.name} = {ep.value}" + (f" (package {ep.dist.name})" if ep.dist else "")
         if ep.name in _LOADED or ep.name in _PROBLEMS:
             _PROBLEMS[ep.name] = f"{source}: the toolset name {ep.name!r} is defined by two plugins"
@@ -51,8 +52,10 @@ def load_plugins() -> None:
             _LOADED[ep.name] = source
 
 
-def _entry_points() -> list[metadata.EntryPoint]:
-    return list(metadata.entry_points(group=GROUP))
+@functools.cache
+def plugin_entry_points() -> tuple[metadata.EntryPoint, ...]:
+    """The group's entry points, scanned once per process (a worker inherits its forkserver's scan)."""
+    return tuple(metadata.entry_points(group=GROUP))
 
 
 def plugin_problems() -> dict[str, str]:

@@ -1,0 +1,19 @@
+"""Imported once by the workers' forkserver (batchrun/run/forkserver.py), so every forked worker starts
+with it loaded: the worker and the prompt code, and the built-in tools. Not the command line's modules
+(batchrun.cli: the parent's steps): the main script, which multiprocessing runs again in every worker,
+does not import them there (see batch_runner.py).
+
+The model client needs no ``openai`` SDK (batchrun/prompt/httpclient.py): its import alone took each
+worker's forkserver ~0.75 s of CPU. The plugin entry points are scanned here, once for all workers
+(reading the installed packages' metadata, ~25 ms; no plugin code runs here).
+"""
+
+import importlib
+
+import batchrun.run.worker  # noqa: F401
+from batchrun.prompt.tools.plugins import plugin_entry_points
+from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES
+
+for _name in BUILTIN_TOOL_MODULES:
+    importlib.import_module(_name)
+plugin_entry_points()
