@@ -12,9 +12,8 @@ prompt. This file is not installed, so it never shadows another package's ``batc
 
 import sys
 
-if (
-    __name__ == "__main__"
-):  # a run's worker forkserver starts before the imports below (batchrun/run/forkserver.py)
+# A run's worker forkserver starts before the imports below (batchrun/run/forkserver.py).
+if __name__ == "__main__":
     from batchrun.run.forkserver import start_for_argv
 
     start_for_argv(sys.argv[1:])
