@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -459,3 +460,23 @@ def test_the_runs_etc_view_shows_what_the_masks_show(bwrap_available: None, tmp_
     finally:
         view.stop()
         masked.stop()
+
+
+@pytest.mark.bwrap
+def test_a_sandbox_started_on_a_thread_that_ends_keeps_its_shell(bwrap_available: None, tmp_path: Path):
+    """bwrap's --die-with-parent follows the thread that started it, not the process: a sandbox
+    started on a thread of its own (a start alongside the first model call, without a pool of start
+    threads) must still be there for its first command."""
+    from batchrun.prompt.sandbox_lifecycle import BackgroundStart
+
+    box = BackgroundStart(LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path)))
+    box.start()
+    try:
+        box.wait_started()
+        server = box.inner._server
+        time.sleep(0.3)  # the start's thread has returned
+        assert server.alive()  # not killed with that thread (run() would quietly start another)
+        assert box.run("echo still here", timeout_s=20).output == "still here\n"
+        assert box.inner._server is server
+    finally:
+        box.stop()

@@ -39,8 +39,10 @@ def split_reasoning(content: str | None) -> tuple[str | None, str]:
     generation prompt, so the reply starts inside it).
     """
     text = content or ""
-    parts = [m.strip() for m in _SCRATCHPAD_RE.findall(text)]
-    text = _SCRATCHPAD_RE.sub("", text)
+    parts: list[str] = []
+    if "<REASONING_SCRATCHPAD>" in text:  # a plain search first: most replies have none
+        parts = [m.strip() for m in _SCRATCHPAD_RE.findall(text)]
+        text = _SCRATCHPAD_RE.sub("", text)
     think = _THINK_RE.match(text)
     if think:
         parts.append(think.group(1).strip())

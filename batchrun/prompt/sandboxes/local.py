@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -873,7 +874,7 @@ class _CommandServer:
         self.files_tried = False
         self._slirp: subprocess.Popen | None = None  # the namespace's user-mode network, if any
         self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
-        self.proc = subprocess.Popen(
+        self.proc = _spawn(
             [*launch, *self.argv(CTL_DIR, self._ready)], cwd="/", env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -1150,6 +1151,25 @@ class _CommandServer:
             if not chunk:
                 return
             scanner.feed(chunk)
+
+
+_spawner: tuple[int, ThreadPoolExecutor] | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start bwrap from a thread that lives as long as this process.
+
+    ``--die-with-parent`` is PR_SET_PDEATHSIG, which fires when the *thread* that started the
+    process ends, not the process: a sandbox started on a thread of its own (a start alongside the
+    first model call without a pool of start threads) died as soon as that thread returned, and its
+    first command found the shell gone. One spawning thread per process (made again after a fork)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():
+            _spawner = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn"))
+        pool = _spawner[1]
+    return pool.submit(subprocess.Popen, argv, **kwargs).result()
 
 
 @dataclass(frozen=True)
