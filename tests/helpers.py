@@ -126,3 +126,19 @@ def wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
             return True
         time.sleep(step_s)
     return bool(predicate())
+
+
+def tool_call(sandbox, name: str, **args) -> dict:
+    """One call of a terminal/file tool through execute_tool_call, as a prompt makes it."""
+    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
+
+    offered = {t.name for t in tools_for_toolsets(["terminal", "file"])}
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=20.0, output_cap_bytes=TOOL_CAP)
+    return json.loads(execute_tool_call(name, json.dumps(args), ctx, offered))
+
+
+def sandbox_sh(sandbox, command: str) -> str:
+    """A command in the sandbox that must succeed; its output."""
+    result = sandbox.run(command, timeout_s=20)
+    assert result.exit_code == 0, result.output
+    return result.output

@@ -7,23 +7,21 @@ really taken, and that it never reaches anything a command in the sandbox could 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import pytest
 from helpers import TOOL_CAP
+from helpers import sandbox_sh as sh
+from helpers import tool_call as call
 
 from batchrun.prompt.sandboxes._direct import openat2_available
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox, bwrap_problem
-from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
 
 pytestmark = pytest.mark.skipif(
     bool(bwrap_problem()) or not openat2_available(), reason="needs bubblewrap and openat2 (Linux 5.6+)"
 )
-
-OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
 
 
 class Counting(LocalSandbox):
@@ -55,17 +53,6 @@ def box(tmp_path):
         yield sandbox
     finally:
         sandbox.stop()
-
-
-def call(sandbox, name: str, **args):
-    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=20.0, output_cap_bytes=TOOL_CAP)
-    return json.loads(execute_tool_call(name, json.dumps(args), ctx, OFFERED))
-
-
-def sh(sandbox, command: str) -> str:
-    result = sandbox.run(command, timeout_s=20)
-    assert result.exit_code == 0, result.output
-    return result.output
 
 
 # Contents where awk's way and the direct way could part: line ends, cut lines, bytes that are not

@@ -9,25 +9,11 @@ too, never through host paths.
 from __future__ import annotations
 
 import hashlib
-import json
 
 import pytest
 from helpers import TOOL_CAP as CAP
-
-from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
-
-OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
-
-
-def call(sandbox, name: str, **args):
-    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=20.0, output_cap_bytes=CAP)
-    return json.loads(execute_tool_call(name, json.dumps(args), ctx, OFFERED))
-
-
-def sh(sandbox, command: str) -> str:
-    result = sandbox.run(command, timeout_s=20)
-    assert result.exit_code == 0, result.output
-    return result.output
+from helpers import sandbox_sh as sh
+from helpers import tool_call as call
 
 
 def sha256_in_sandbox(sandbox, path: str) -> str:
