@@ -194,3 +194,11 @@ def test_the_runner_s_wrapped_sandbox_takes_the_direct_path_too(tmp_path):
         assert inner.commands == []
     finally:
         wrapped.stop()
+
+
+def test_a_symlink_as_the_file_is_left_to_the_commands_which_follow_it_inside(box):
+    sh(box, "echo old > real.txt; ln -s real.txt link.txt")
+    assert box.write_direct("link.txt", b"new\n", make_parents=False) is False
+    assert call(box, "write_file", path="link.txt", content="new\n")["bytes_written"] == 4
+    assert sh(box, "cat real.txt; readlink link.txt") == "new\nreal.txt\n"
+    assert box.read_direct("link.txt", 100) == b"new\n"  # reading follows it, inside the sandbox's root

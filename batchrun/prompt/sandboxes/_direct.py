@@ -69,6 +69,11 @@ def openat2_available() -> bool:
     return True
 
 
+def _reopen(handle: int, flags: int) -> int:
+    """Open the file an ``O_PATH`` handle refers to, with no new lookup of its path."""
+    return os.open(f"/proc/self/fd/{handle}", flags | os.O_CLOEXEC | os.O_NOCTTY)
+
+
 def _permitted(st: os.stat_result, want: int) -> bool:
     """Whether the sandbox's user (this uid, no capabilities) may ``want`` (R/W/X_OK bits) the file."""
     if st.st_uid == os.geteuid():
@@ -130,11 +135,12 @@ class DirectFiles:
         if self.root_fd < 0:
             return None
         try:
-            fd = openat2(self.root_fd, self.path_inside(path), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            # O_PATH first: nothing is opened for reading (a FIFO, a file in /proc) before it is checked.
+            handle = openat2(self.root_fd, self.path_inside(path), os.O_PATH)
         except OSError:
             return None
         try:
-            st = os.fstat(fd)
+            st = os.fstat(handle)
             if not (
                 stat.S_ISREG(st.st_mode)
                 and st.st_dev in self.devices
@@ -142,6 +148,12 @@ class DirectFiles:
                 and _permitted(st, os.R_OK)
             ):
                 return None
+            fd = _reopen(handle, os.O_RDONLY)
+        except OSError:
+            return None
+        finally:
+            os.close(handle)
+        try:
             parts, got = [], 0
             while got <= max_bytes:
                 chunk = os.read(fd, max(st.st_size - got, 0) + 65536)
@@ -171,20 +183,12 @@ class DirectFiles:
         if dir_fd is None:
             return False
         try:
-            fd = os.open(
-                name,
-                os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
-                0o666,  # less this process's umask, which the sandbox's shell inherits too
-                dir_fd=dir_fd,
-            )
-        except OSError:
-            return False
+            fd = self._open_for_write(dir_fd, name)
         finally:
             os.close(dir_fd)
+        if fd is None:
+            return False
         try:
-            st = os.fstat(fd)
-            if not (stat.S_ISREG(st.st_mode) and st.st_dev in self.devices and _permitted(st, os.W_OK)):
-                return False
             os.ftruncate(fd, 0)
             view = memoryview(data)
             while view:
@@ -194,6 +198,35 @@ class DirectFiles:
             return False
         finally:
             os.close(fd)
+
+    def _open_for_write(self, dir_fd: int, name: str) -> int | None:
+        """``name`` in the directory, opened for writing: made new (``O_EXCL``, never through a
+        symlink), or an existing regular file of the sandbox's own mounts the sandbox's user may
+        write, checked through an ``O_PATH`` handle before it is opened at all. None: not here."""
+        try:
+            return os.open(
+                name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o666,  # less this process's umask, which the sandbox's shell inherits too
+                dir_fd=dir_fd,
+            )
+        except FileExistsError:
+            pass
+        except OSError:
+            return None
+        try:
+            handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(handle)  # a symlink is seen as one here (O_NOFOLLOW): not a regular file
+            if not (stat.S_ISREG(st.st_mode) and st.st_dev in self.devices and _permitted(st, os.W_OK)):
+                return None
+            return _reopen(handle, os.O_WRONLY)
+        except OSError:
+            return None
+        finally:
+            os.close(handle)
 
     def _directory(self, path: str, make: bool, depth: int) -> int | None:
         """An O_PATH descriptor of directory ``path`` on the sandbox's own mounts, in which the sandbox's
