@@ -75,17 +75,21 @@ __BR_EMPTY__
     printf '\\n[batch-runner-exit:%s]=%s\\n' "$1" "$__br_rc"
 }}
 # What is left of the command's process group, but what the process tool started (marked in its
-# environment from its fork on, before it makes a session of its own); a few rounds catch forks.
+# environment from its fork on, before it makes a session of its own); ten rounds catch forks and execs.
 __br_sweep() {{
     __br_g=$1
-    for __br_round in 1 2 3; do
+    for __br_round in 1 2 3 4 5 6 7 8 9 10; do
         kill -0 "-$__br_g" 2>/dev/null || return 0
         for __br_f in /proc/[0-9]*/stat; do
             {{ read -r __br_l < "$__br_f"; }} 2>/dev/null || continue
             set -- ${{__br_l##*) }}
             [ "$3" = "$__br_g" ] && [ "$1" != Z ] || continue
             __br_f=${{__br_f%/stat}}
-            tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null | grep -qxF "$__br_keep" || kill -9 "${{__br_f#/proc/}}" 2>/dev/null
+            tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null | grep -qxF "$__br_keep" && continue
+            # An environment that reads empty is a process in the middle of an exec (the process
+            # tool's setsid, say): looked at again next round, killed only in the last one.
+            [ "$__br_round" -lt 10 ] && ! tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null | grep -q . && continue
+            kill -9 "${{__br_f#/proc/}}" 2>/dev/null
         done
     done
 }}
