@@ -36,7 +36,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,10 +46,10 @@ from throughput import (  # noqa: E402 - the shared pieces of the throughput ben
     ROOT,
     Endpoint,
     _children,
-    become_subreaper,
     children_cpu_s,
-    make_dataset,
     reap_descendants,
+    runner_argv,
+    start_benchmark,
 )
 
 
@@ -136,13 +135,7 @@ def main() -> int:
     p.add_argument("--extra", action="append", default=[], help="another flag for batch_runner.py")
     p.add_argument("--keep", action="store_true", help="keep the output directory")
     args = p.parse_args()
-    if args.in_flight % args.workers:
-        p.error("--in_flight must be a multiple of --workers")
-    become_subreaper()
-    tmp = Path(tempfile.mkdtemp(prefix="br-scale-"))
-    dataset = tmp / "prompts.jsonl"
-    make_dataset(dataset, args.prompts)
-    endpoint = Endpoint(args.latency)
+    tmp, dataset, endpoint = start_benchmark(p, args, "br-scale-")
     per_worker = args.in_flight // args.workers
     print(
         f"{args.prompts} prompts, {args.distribution}, backend {args.backend}, {args.workers} workers x "
@@ -151,18 +144,11 @@ def main() -> int:
         flush=True,
     )
     run_name = "scale"
-    cmd = [
-        sys.executable, str(ROOT / "batch_runner.py"),
-        f"--dataset_file={dataset}", f"--batch_size={args.batch_size}", f"--run_name={run_name}",
-        "--model=fake", f"--base_url={endpoint.base_url}", "--api_key=sk-benchmark",
-        f"--distribution={args.distribution}", f"--num_workers={args.workers}",
-        f"--prompts_per_worker={per_worker}", f"--sandbox={args.backend}", f"--output_dir={tmp}",
-        *args.extra,
-    ]  # fmt: skip
-    if args.max_sandbox_starts is not None:
-        cmd.append(f"--max_sandbox_starts={args.max_sandbox_starts}")
-    if args.backend == "docker":
-        cmd.append(f"--default_image={args.image}")
+    starts = [] if args.max_sandbox_starts is None else [f"--max_sandbox_starts={args.max_sandbox_starts}"]
+    cmd = runner_argv(
+        dataset, tmp, run_name, endpoint, args.batch_size, args.distribution, args.workers, per_worker,
+        args.backend, args.image, *args.extra, *starts,
+    )  # fmt: skip
     try:
         endpoint.reset()
         endpoint_cpu0 = endpoint.cpu_s()

@@ -318,20 +318,53 @@ def make_dataset(path: Path, n: int) -> None:
             fh.write(json.dumps({"prompt": prompt}) + "\n")
 
 
+def runner_argv(
+    dataset: Path,
+    out: Path,
+    run_name: str,
+    endpoint: Endpoint,
+    batch_size: int,
+    distribution: str,
+    workers: int,
+    per_worker: int,
+    sandbox: str,
+    image: str,
+    *extra: str,
+) -> list[str]:
+    """``batch_runner.py`` as the benchmarks run it against the fake endpoint; ``extra``: more flags."""
+    cmd = [
+        sys.executable, str(ROOT / "batch_runner.py"),
+        f"--dataset_file={dataset}", f"--batch_size={batch_size}", f"--run_name={run_name}",
+        "--model=fake", f"--base_url={endpoint.base_url}", "--api_key=sk-benchmark",
+        f"--distribution={distribution}", f"--num_workers={workers}",
+        f"--prompts_per_worker={per_worker}", f"--sandbox={sandbox}", f"--output_dir={out}", *extra,
+    ]  # fmt: skip
+    if sandbox == "docker":
+        cmd.append(f"--default_image={image}")
+    return cmd
+
+
+def start_benchmark(
+    p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str
+) -> tuple[Path, Path, Endpoint]:
+    """The common start: in-flight check, subreaper, a temp directory with the dataset, the endpoint."""
+    if args.in_flight % args.workers:
+        p.error("--in_flight must be a multiple of --workers")
+    become_subreaper()
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    dataset = tmp / "prompts.jsonl"
+    make_dataset(dataset, args.prompts)
+    return tmp, dataset, Endpoint(args.latency)
+
+
 def run_once(
     label: str, args: argparse.Namespace, endpoint: Endpoint, dataset: Path, out: Path, per_worker: int
 ) -> RunResult:
     run_name = f"tp_{label}"
-    cmd = [
-        sys.executable, str(ROOT / "batch_runner.py"),
-        f"--dataset_file={dataset}", f"--batch_size={args.batch_size}", f"--run_name={run_name}",
-        "--model=fake", f"--base_url={endpoint.base_url}", "--api_key=sk-benchmark",
-        f"--distribution={args.distribution}", f"--num_workers={args.workers}",
-        f"--prompts_per_worker={per_worker}", f"--max_sandbox_starts={args.max_sandbox_starts}",
-        f"--sandbox={args.sandbox}", f"--output_dir={out}",
-    ]  # fmt: skip
-    if args.sandbox == "docker":
-        cmd.append(f"--default_image={args.image}")
+    cmd = runner_argv(
+        dataset, out, run_name, endpoint, args.batch_size, args.distribution, args.workers, per_worker,
+        args.sandbox, args.image, f"--max_sandbox_starts={args.max_sandbox_starts}",
+    )  # fmt: skip
     events = EngineEvents(run_name) if args.sandbox == "docker" else None
     endpoint.reset()
     endpoint_cpu0 = endpoint.cpu_s()
@@ -558,13 +591,7 @@ def main() -> int:
     p.add_argument("--sample_s", type=float, default=0.1, help="CPU sampling interval")
     p.add_argument("--keep", action="store_true", help="keep the output directory")
     args = p.parse_args()
-    if args.in_flight % args.workers:
-        p.error("--in_flight must be a multiple of --workers")
-    become_subreaper()
-    tmp = Path(tempfile.mkdtemp(prefix="br-throughput-"))
-    dataset = tmp / "prompts.jsonl"
-    make_dataset(dataset, args.prompts)
-    endpoint = Endpoint(args.latency)
+    tmp, dataset, endpoint = start_benchmark(p, args, "br-throughput-")
     print(
         f"{args.prompts} prompts, {args.distribution}, sandbox {args.sandbox}, {args.workers} workers, "
         f"latency {args.latency:g} s, endpoint {endpoint.base_url}, output in {tmp}; {os.cpu_count()} cores, "
