@@ -62,10 +62,13 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = _RE
 @functools.cache
 def openat2_available() -> bool:
     """Whether this kernel has openat2 with RESOLVE_IN_ROOT (Linux 5.6 and later), probed once."""
+    root = os.open("/", os.O_PATH | os.O_CLOEXEC)
     try:
-        os.close(openat2(os.open("/", os.O_PATH), ".", os.O_PATH | os.O_DIRECTORY))
+        os.close(openat2(root, ".", os.O_PATH | os.O_DIRECTORY))
     except (OSError, AttributeError):
         return False
+    finally:
+        os.close(root)
     return True
 
 

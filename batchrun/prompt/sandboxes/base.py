@@ -103,7 +103,6 @@ class Sandbox(Protocol):
     def stop(self) -> None: ...
 
 
-@runtime_checkable
 class DirectFileAccess(Protocol):
     """Optional, for a backend whose prompt files this process can reach without running a command.
 

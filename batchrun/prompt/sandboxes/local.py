@@ -154,14 +154,13 @@ def system_mounts(etc_view: str | None = None) -> tuple[str, ...]:
 
 
 _etc_views: dict[str, str | None] = {}
-_etc_views_lock = threading.Lock()  # also for _resolv_files
-_resolv_files: set[str] = set()  # this worker's resolv.conf for networked sandboxes, per run directory
+_run_files_lock = threading.Lock()  # this worker's files in the run's directory: the /etc view, resolv.conf
 
 
 def _etc_view(base_dir: str) -> str | None:
     """This worker's view of /etc in the run's directory, made by its first sandbox start (~70 ms,
     where the masks cost ~2 ms in every start); None if it cannot be made (then: masks)."""
-    with _etc_views_lock:
+    with _run_files_lock:
         if base_dir not in _etc_views:
             target = os.path.join(base_dir, f"etc-{os.getpid()}")
             try:
@@ -631,14 +630,8 @@ class LocalSandbox:
         """The live server's view of the sandbox's own mounts; None without bubblewrap, or when the
         server has ended (its namespace, which the next command replaces, must not be written)."""
         server = self._server
-        if self.isolation != "bwrap" or server is None or not server.alive():
+        if server is None or not server.alive():
             return None
-        if server.files is None and not server.files_tried:
-            server.files_tried = True
-            home = posixpath.join(self.workdir, self.spec.env.get("HOME", self.workdir))
-            server.files = DirectFiles.open(
-                f"/proc/{server.pid}/root", self.workdir, home, tuple(dict.fromkeys((self.workdir, "/tmp")))
-            )
         return server.files
 
     def _limit_notes(self) -> list[str]:
@@ -710,6 +703,13 @@ class LocalSandbox:
                         f"local sandbox: cannot put the prompt into its cgroup: {exc}"
                     ) from exc
             if problem is None:
+                home = posixpath.join(self.workdir, self.spec.env.get("HOME", self.workdir))
+                server.files = DirectFiles.open(
+                    f"/proc/{server.pid}/root",
+                    self.workdir,
+                    home,
+                    tuple(dict.fromkeys((self.workdir, "/tmp"))),
+                )
                 if self.spec.network and network_problem() is None:
                     try:
                         server.connect_network()
@@ -736,12 +736,10 @@ class LocalSandbox:
         # start was ~3% of a busy worker's CPU), or in the sandbox's own when there is no run.
         where = self.options.base_dir or self._root
         ours = os.path.join(where, f"resolv-{os.getpid()}.conf")
-        with _etc_views_lock:
-            if ours not in _resolv_files:
+        with _run_files_lock:
+            if not os.path.exists(ours):
                 with open(ours, "w", encoding="utf-8") as f:
                     f.write(f"nameserver {SLIRP_DNS}\n")
-                if self.options.base_dir:
-                    _resolv_files.add(ours)
         return [*(["--dir", os.path.dirname(target)] if hidden else []), "--ro-bind", ours, target]
 
     def _launch_argv(self) -> list[str]:
@@ -870,8 +868,7 @@ class _CommandServer:
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
         self._seq = 0
         self._pid: int | None = None  # the server's host PID (bwrap's child)
-        self.files: DirectFiles | None = None  # the namespace's own mounts seen from here (LocalSandbox)
-        self.files_tried = False
+        self.files: DirectFiles | None = None  # the namespace's own mounts seen from here, once it is ready
         self._slirp: subprocess.Popen | None = None  # the namespace's user-mode network, if any
         self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
         self.proc = _spawn(
