@@ -137,6 +137,37 @@ def test_endpoint_check_warns_once_when_models_does_not_list_the_requested_name(
     assert "(and 4 more)" in capsys.readouterr().err
 
 
+def test_endpoint_check_refuses_a_rejected_key_and_tolerates_a_missing_models_route():
+    """401 on /models is a clear error without the key in it; any other status leaves it to the first call."""
+    import http.server
+    import threading
+
+    from batchrun.config import UsageError
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status = 401 if self.headers.get("Authorization") == "Bearer sk-wrong" else 404
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        with pytest.raises(UsageError) as rejected:
+            check_endpoint(LLMConfig(model="m", base_url=base, api_key="sk-wrong"))
+        assert "rejected the API key (HTTP 401)" in str(rejected.value) and "sk-wrong" not in str(
+            rejected.value
+        )
+        check_endpoint(LLMConfig(model="m", base_url=base, api_key="sk-right"))  # 404: no error
+    finally:
+        server.shutdown()
+
+
 def test_resume_with_nothing_to_do_keeps_the_run_totals_and_zeroes_this_run(tmp_path):
     dataset = write_jsonl(tmp_path / "d.jsonl", ["One [calls:1]", "Two [calls:0]", "Three [calls:2]"])
     out = tmp_path / "data"

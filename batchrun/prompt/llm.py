@@ -328,11 +328,10 @@ RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
 USER_AGENT = "batch-runner/0.1 (OpenAI-compatible client)"
 
 
-def chat_url(base_url: str) -> str:
-    """``<base_url>/chat/completions``, the base's path prefix kept (``https://openrouter.ai/api/v1``)."""
+def endpoint_url(base_url: str, path: str) -> str:
+    """``<base_url>/<path>``, the base's path prefix kept (``https://openrouter.ai/api/v1``)."""
     parts = urlsplit(base_url)
-    path = parts.path.rstrip("/") + "/chat/completions"
-    return parts._replace(path=path).geturl()
+    return parts._replace(path=parts.path.rstrip("/") + "/" + path).geturl()
 
 
 def request_headers(api_key: str | None) -> dict[str, str]:
@@ -374,7 +373,7 @@ class LLMClient:
         self.stop = stop
         self.on_usage = on_usage
         self._http = httpclient.Client(request_headers(cfg.api_key))
-        self._url = chat_url(cfg.base_url)
+        self._url = endpoint_url(cfg.base_url, "chat/completions")
         self._extra_body = cfg.request_extra_body()
         self._warned: set[str] = set()
 

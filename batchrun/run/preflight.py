@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.prompt.llm import NO_KEY, LLMConfig
+from batchrun.prompt import httpclient
+from batchrun.prompt.llm import LLMConfig, endpoint_url, request_headers
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import SetupError
 from batchrun.prompt.tools.mcp import McpConfigError, McpSetup, probe
@@ -25,33 +26,28 @@ def check_endpoint(cfg: LLMConfig) -> None:
 
     When the endpoint lists its models and the requested one is not among them, say so once: the
     server may answer with another model (each record's ``metadata.served_model`` says which).
-    A plain ``GET <base_url>/models`` (not the SDK, whose import costs the parent ~1 s before the
-    first prompt can start; the workers import it on their own), with one retry like the SDK's.
+    A ``GET <base_url>/models`` through the workers' own model client (the same headers, CA
+    variables and proxies as every model call), with one retry.
     """
-    import http.client
-    import json
-    import urllib.error
-    import urllib.request
-
-    url = cfg.base_url.rstrip("/") + "/models"
-    headers = {"Authorization": f"Bearer {cfg.api_key or NO_KEY}", "Accept": "application/json"}
-    for attempt in range(2):
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=15) as resp:
-                body = json.loads(resp.read())
-            break
-        except urllib.error.HTTPError as exc:
-            if exc.code == 401:
-                raise UsageError(
-                    f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.code})"
-                ) from None
-            return  # some servers have no /models; the first real request will tell
-        except (TimeoutError, urllib.error.URLError, http.client.HTTPException, ConnectionError) as exc:
-            if attempt:
-                reason = getattr(exc, "reason", exc)
-                raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {reason}") from None
-        except ValueError:  # not JSON
-            return
+    client = httpclient.Client(request_headers(cfg.api_key))
+    try:
+        for attempt in range(2):
+            try:
+                body = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=15).json()
+                break
+            except httpclient.StatusError as exc:
+                if exc.status_code == 401:
+                    raise UsageError(
+                        f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.status_code})"
+                    ) from None
+                return  # some servers have no /models; the first real request will tell
+            except (httpclient.TransportError, httpclient.RequestTimeout, httpclient.InvalidRequest) as exc:
+                if attempt:
+                    raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {exc}") from None
+            except ValueError:  # not JSON
+                return
+    finally:
+        client.close()
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list):
         warn_unlisted_model(
