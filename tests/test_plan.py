@@ -72,7 +72,9 @@ def test_a_distribution_that_may_draw_a_toolset_without_its_extra_is_refused_wit
     assert sum(server.stats()["requests_by_prompt"].values()) == 0
 
 
-def test_a_row_asking_for_a_toolset_without_its_extra_fails_naming_the_pip_line(server, tmp_path, monkeypatch):
+def test_a_row_asking_for_a_toolset_without_its_extra_fails_naming_the_pip_line(
+    server, tmp_path, monkeypatch
+):
     from batchrun.prompt.tools import config as tool_config
 
     monkeypatch.setitem(tool_config.TOOLSET_EXTRAS, "browser", ("browser", ("no_such_module_of_the_test",)))
