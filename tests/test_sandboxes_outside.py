@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import build_wheel
 
 from batchrun.prompt.sandboxes import backend_class, backend_names
 from batchrun.prompt.sandboxes.conformance import CAP, Target, run_suite
@@ -25,12 +26,13 @@ PACKAGE = ROOT / "tests" / "outside_backend"
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The package installed by pip (no network: no dependencies, the build backend already here)."""
+    """The package installed by pip from a wheel built here (no package index is reached)."""
     target = tmp_path_factory.mktemp("site")
+    wheel = build_wheel(PACKAGE, tmp_path_factory.mktemp("wheels"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-         str(target), str(PACKAGE)],
-        check=True, capture_output=True, timeout=300,
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
+         str(wheel)],
+        check=True, capture_output=True, timeout=300, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     sys.path.insert(0, str(target))
     backend_class.cache_clear()
