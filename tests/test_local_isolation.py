@@ -440,14 +440,15 @@ def test_a_worker_with_descriptors_above_1023_still_starts_and_runs_sandboxes(bo
 def test_the_runs_etc_view_shows_what_the_masks_show(bwrap_available: None, tmp_path: Path):
     """A run's sandboxes bind one copy of /etc without its secrets instead of masking each secret
     (a mount each): the same names, the same contents, and every secret empty."""
-    from batchrun.prompt.sandboxes.local import etc_secrets
+    from batchrun.prompt.sandboxes.local import _etc_view, etc_secrets
 
     view = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
     masked = LocalSandbox(SandboxSpec(RUN, 1), isolation="bwrap")
     view.start()
     masked.start()
     try:
-        assert any(name.startswith("etc-") for name in os.listdir(tmp_path))  # the view is in use
+        etc = _etc_view(str(tmp_path))
+        assert etc is not None and ["--ro-bind", etc, "/etc"] == _bound(view, "/etc")  # the view is in use
         listing = "find /etc | sort"
         assert view.run(listing, timeout_s=30).output == masked.run(listing, timeout_s=30).output
         digests = "find /etc -type f -size +0 -readable -exec md5sum {} + | sort"
@@ -480,3 +481,48 @@ def test_a_sandbox_started_on_a_thread_that_ends_keeps_its_shell(bwrap_available
         assert box.inner._server is server
     finally:
         box.stop()
+
+
+def _bound(box: LocalSandbox, target: str) -> list[str] | None:
+    """The ``--ro-bind <source> <target>`` that box's bwrap would get for ``target``."""
+    argv = box._launch_argv()
+    for i in range(len(argv) - 2):
+        if argv[i] == "--ro-bind" and argv[i + 2] == target:
+            return argv[i : i + 3]
+    return None
+
+
+@pytest.mark.bwrap
+def test_every_run_shares_one_etc_view_in_a_directory_only_this_user_can_use(
+    bwrap_available: None, tmp_path: Path, monkeypatch
+):
+    """The /etc view is made once per machine in this user's runtime directory, not once per worker
+    and run: two runs (two run directories) bind the same one; a runtime directory someone else could
+    write into is not used (each run then makes its own view in its run directory)."""
+    from batchrun.prompt.sandboxes import local
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.setattr(local, "_etc_views", {})
+    first, second = tmp_path / "run1", tmp_path / "run2"
+    first.mkdir()
+    second.mkdir()
+    view = local._etc_view(str(first))
+    assert view is not None and view == local._etc_view(str(second))
+    assert Path(view).parent == runtime / f"batch-runner-{os.geteuid()}"
+    assert Path(view).parent.stat().st_mode & 0o777 == 0o700
+    assert os.listdir(first) == [] and os.listdir(second) == []
+    box = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(first))
+    box.start()
+    try:
+        assert _bound(box, "/etc") == ["--ro-bind", view, "/etc"]
+        assert "root:" not in box.run("cat /etc/shadow", timeout_s=10).output
+        assert box.run("cat /etc/passwd", timeout_s=10).output == Path("/etc/passwd").read_text()
+    finally:
+        box.stop()
+
+    Path(view).parent.chmod(0o733)  # others may write into it: not trusted
+    monkeypatch.setattr(local, "_etc_views", {})
+    own = local._etc_view(str(first))
+    assert own is not None and Path(own).parent == first
