@@ -526,3 +526,26 @@ def test_every_run_shares_one_etc_view_in_a_directory_only_this_user_can_use(
     monkeypatch.setattr(local, "_etc_views", {})
     own = local._etc_view(str(first))
     assert own is not None and Path(own).parent == first
+
+
+def test_the_rlimit_fallback_sets_memory_and_processes_on_the_running_server(monkeypatch):
+    """Without cgroups the limits go onto the server process (its commands inherit them), soft and
+    hard alike; for a user other than root the process count too (a shell's ``ulimit -u`` did that
+    before, which /bin/sh as dash refused: no sandbox started for such a user)."""
+    from batchrun.prompt.sandboxes import _limits
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        monkeypatch.setattr(_limits, "_user_processes", lambda: 7)
+        monkeypatch.setattr(_limits.os, "geteuid", lambda: 1000)  # the non-root branch, as root
+        _limits.apply_rlimits(proc.pid, _limits.Limits(cpus=1.0, memory_mb=300, pids_limit=40, disk_mb=16))
+        monkeypatch.undo()
+        limits = {
+            line[:26].strip(): line[26:].split()[:2]
+            for line in Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+        }
+        assert limits["Max address space"] == [str(300 << 20)] * 2
+        assert limits["Max processes"] == ["47", "47"]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -44,10 +44,10 @@ from batchrun.prompt.sandboxes._limits import (
     CgroupLayout,
     Limits,
     PromptCgroup,
+    apply_rlimits,
     cgroup_layout,
     limits_mechanism,
     remove_run_cgroups,
-    rlimit_commands,
     run_cgroup_names,
 )
 from batchrun.prompt.sandboxes._netlink import add_unreachable_routes
@@ -801,7 +801,13 @@ class LocalSandbox:
             server = _CommandServer(self._launch_argv(), ctl=os.path.join(self._root, "ctl"), env=self._env(),
                                     output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
-            if problem is None and self._cgroup is not None:
+            if problem is None and self._cgroup is None:
+                try:
+                    apply_rlimits(server.pid, self.options.limits)
+                except OSError as exc:
+                    server.close()
+                    raise SandboxError(f"local sandbox: cannot set the prompt's rlimits: {exc}") from exc
+            elif problem is None:
                 # The server only waits for requests until now; every command is its child, so
                 # everything the model runs starts in the cgroup. (A shell around bwrap that joined
                 # it first cost a process, ~1 ms of CPU, per start.)
@@ -853,7 +859,7 @@ class LocalSandbox:
         return [*(["--dir", os.path.dirname(target)] if hidden else []), "--ro-bind", ours, target]
 
     def _launch_argv(self) -> list[str]:
-        """The wrapper that puts bwrap under the prompt's limits, then bwrap and its mounts."""
+        """bwrap, its namespaces and mounts, and where the command server starts."""
         assert self._root is not None
         disk = str(self.options.disk_mb << 20)
         etc_view = _etc_view(self.options.base_dir) if self.options.base_dir else None
@@ -870,11 +876,9 @@ class LocalSandbox:
         argv += ["--size", disk, "--tmpfs", self.workdir]
         # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
         argv += ["--remount-ro", "/"]
-        argv += ["--chdir", self.workdir, "--"]
-        if self._cgroup is not None:  # bwrap and the server join it before the first command (_start_server)
-            return argv
-        fallback = rlimit_commands(self.options.limits)
-        return ["/bin/sh", "-c", f'{fallback} || exit 96; exec "$@"', "br-limits", *argv]
+        # The cgroup, or the rlimits without one, are put on the server before its first command
+        # (_start_server).
+        return [*argv, "--chdir", self.workdir, "--"]
 
 
 # The server, run by bash as PID 1 of the prompt's PID namespace. Requests come on stdin, one line
