@@ -549,3 +549,28 @@ def test_the_rlimit_fallback_sets_memory_and_processes_on_the_running_server(mon
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.bwrap
+@pytest.mark.parametrize("lines", [1, 3, 400], ids=["short", "multi-line", "long"])
+def test_a_command_reaches_bash_byte_for_byte_whatever_its_length(boxes, lines: int):
+    """The command server (sh) reads short commands with `read` and long ones (> 1 KB) with `cat`:
+    either way bash gets exactly the text, trailing newlines, backslashes, a final "." and a
+    here-document included, up to a NUL, as bash's own `read -d ''` took it before."""
+    box = boxes(0)
+    body = "".join(f"printf '%s\\n' 'line {i} \\\\ end.'\n" for i in range(lines))
+    # Its last line prints the length of the text bash got: the two trailing newlines count.
+    command = body + "cat <<'EOF'\nx\\ty $HOME.\nEOF\n" + 'printf "last. %s" "${#BASH_EXECUTION_STRING}"\n\n'
+    assert (len(command) > 1024) == (lines == 400)
+    expected = "".join(f"line {i} \\\\ end.\n" for i in range(lines)) + f"x\\ty $HOME.\nlast. {len(command)}"
+    assert box.run(command, timeout_s=30).output == expected
+    assert box.run("echo before\0echo after", timeout_s=10).output == "before\n"
+
+
+@pytest.mark.bwrap
+def test_a_command_killed_at_its_deadline_leaves_no_shell_note(boxes):
+    """The shell's "Killed" note for a command killed at its deadline is not in the output."""
+    box = boxes(0)
+    result = box.run("echo partial; sleep 30", timeout_s=1)
+    assert result.timed_out and result.output == "partial\n"
+    assert box.run("echo next", timeout_s=10).output == "next\n"
