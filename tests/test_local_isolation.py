@@ -440,14 +440,15 @@ def test_a_worker_with_descriptors_above_1023_still_starts_and_runs_sandboxes(bo
 def test_the_runs_etc_view_shows_what_the_masks_show(bwrap_available: None, tmp_path: Path):
     """A run's sandboxes bind one copy of /etc without its secrets instead of masking each secret
     (a mount each): the same names, the same contents, and every secret empty."""
-    from batchrun.prompt.sandboxes.local import etc_secrets
+    from batchrun.prompt.sandboxes.local import _etc_view, etc_secrets
 
     view = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
     masked = LocalSandbox(SandboxSpec(RUN, 1), isolation="bwrap")
     view.start()
     masked.start()
     try:
-        assert any(name.startswith("etc-") for name in os.listdir(tmp_path))  # the view is in use
+        etc = _etc_view(str(tmp_path))
+        assert etc is not None and ["--ro-bind", etc, "/etc"] == _bound(view, "/etc")  # the view is in use
         listing = "find /etc | sort"
         assert view.run(listing, timeout_s=30).output == masked.run(listing, timeout_s=30).output
         digests = "find /etc -type f -size +0 -readable -exec md5sum {} + | sort"
@@ -480,3 +481,96 @@ def test_a_sandbox_started_on_a_thread_that_ends_keeps_its_shell(bwrap_available
         assert box.inner._server is server
     finally:
         box.stop()
+
+
+def _bound(box: LocalSandbox, target: str) -> list[str] | None:
+    """The ``--ro-bind <source> <target>`` that box's bwrap would get for ``target``."""
+    argv = box._launch_argv()
+    for i in range(len(argv) - 2):
+        if argv[i] == "--ro-bind" and argv[i + 2] == target:
+            return argv[i : i + 3]
+    return None
+
+
+@pytest.mark.bwrap
+def test_every_run_shares_one_etc_view_in_a_directory_only_this_user_can_use(
+    bwrap_available: None, tmp_path: Path, monkeypatch
+):
+    """The /etc view is made once per machine in this user's runtime directory, not once per worker
+    and run: two runs (two run directories) bind the same one; a runtime directory someone else could
+    write into is not used (each run then makes its own view in its run directory)."""
+    from batchrun.prompt.sandboxes import local
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.setattr(local, "_etc_views", {})
+    first, second = tmp_path / "run1", tmp_path / "run2"
+    first.mkdir()
+    second.mkdir()
+    view = local._etc_view(str(first))
+    assert view is not None and view == local._etc_view(str(second))
+    assert Path(view).parent == runtime / f"batch-runner-{os.geteuid()}"
+    assert Path(view).parent.stat().st_mode & 0o777 == 0o700
+    assert os.listdir(first) == [] and os.listdir(second) == []
+    box = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(first))
+    box.start()
+    try:
+        assert _bound(box, "/etc") == ["--ro-bind", view, "/etc"]
+        assert "root:" not in box.run("cat /etc/shadow", timeout_s=10).output
+        assert box.run("cat /etc/passwd", timeout_s=10).output == Path("/etc/passwd").read_text()
+    finally:
+        box.stop()
+
+    Path(view).parent.chmod(0o733)  # others may write into it: not trusted
+    monkeypatch.setattr(local, "_etc_views", {})
+    own = local._etc_view(str(first))
+    assert own is not None and Path(own).parent == first
+
+
+def test_the_rlimit_fallback_sets_memory_and_processes_on_the_running_server(monkeypatch):
+    """Without cgroups the limits go onto the server process (its commands inherit them), soft and
+    hard alike; for a user other than root the process count too (a shell's ``ulimit -u`` did that
+    before, which /bin/sh as dash refused: no sandbox started for such a user)."""
+    from batchrun.prompt.sandboxes import _limits
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        monkeypatch.setattr(_limits, "_user_processes", lambda: 7)
+        monkeypatch.setattr(_limits.os, "geteuid", lambda: 1000)  # the non-root branch, as root
+        _limits.apply_rlimits(proc.pid, _limits.Limits(cpus=1.0, memory_mb=300, pids_limit=40, disk_mb=16))
+        monkeypatch.undo()
+        limits = {
+            line[:26].strip(): line[26:].split()[:2]
+            for line in Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+        }
+        assert limits["Max address space"] == [str(300 << 20)] * 2
+        assert limits["Max processes"] == ["47", "47"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.bwrap
+@pytest.mark.parametrize("lines", [1, 3, 400], ids=["short", "multi-line", "long"])
+def test_a_command_reaches_bash_byte_for_byte_whatever_its_length(boxes, lines: int):
+    """The command server (sh) reads short commands with `read` and long ones (> 1 KB) with `cat`:
+    either way bash gets exactly the text, trailing newlines, backslashes, a final "." and a
+    here-document included, up to a NUL, as bash's own `read -d ''` took it before."""
+    box = boxes(0)
+    body = "".join(f"printf '%s\\n' 'line {i} \\\\ end.'\n" for i in range(lines))
+    # Its last line prints the length of the text bash got: the two trailing newlines count.
+    command = body + "cat <<'EOF'\nx\\ty $HOME.\nEOF\n" + 'printf "last. %s" "${#BASH_EXECUTION_STRING}"\n\n'
+    assert (len(command) > 1024) == (lines == 400)
+    expected = "".join(f"line {i} \\\\ end.\n" for i in range(lines)) + f"x\\ty $HOME.\nlast. {len(command)}"
+    assert box.run(command, timeout_s=30).output == expected
+    assert box.run("echo before\0echo after", timeout_s=10).output == "before\n"
+
+
+@pytest.mark.bwrap
+def test_a_command_killed_at_its_deadline_leaves_no_shell_note(boxes):
+    """The shell's "Killed" note for a command killed at its deadline is not in the output."""
+    box = boxes(0)
+    result = box.run("echo partial; sleep 30", timeout_s=1)
+    assert result.timed_out and result.output == "partial\n"
+    assert box.run("echo next", timeout_s=10).output == "next\n"

@@ -9,6 +9,7 @@ This module imports nothing of the package, so starting the server costs the par
 from __future__ import annotations
 
 import os
+import sys
 
 # What the forkserver imports before it forks any worker (see batchrun/run/worker_preload.py), and
 # the run's sandbox backend module: a built-in "<name>" is in module batchrun.prompt.sandboxes.<name>
@@ -20,6 +21,32 @@ BACKEND_MODULE = "batchrun.prompt.sandboxes.{}"
 
 # Arguments with which the command runs no local worker: help, listings, a Ray cluster.
 _NO_WORKERS = ("-h", "--help", "-help", "--list_distributions", "--ray_address")
+
+
+def bytecode_cache_dir() -> str:
+    """The runner's own bytecode directory: ``$XDG_CACHE_HOME/batch-runner/pycache`` (``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "batch-runner", "pycache")
+
+
+def use_bytecode_cache() -> None:
+    """Where the environment forbids writing bytecode next to the sources (``PYTHONDONTWRITEBYTECODE``,
+    as these machines set it), compile the modules into a directory of the runner's own instead
+    (``sys.pycache_prefix``), so that each run does not compile them again from source: ~0.1 s of
+    CPU in the parent and as much in the forkserver, before the first request. Called by the parent
+    at the top of the command line and by the forkserver before its preload (both find the same
+    directory). A prefix the user chose (``PYTHONPYCACHEPREFIX``) is left alone, as is a directory
+    that cannot be made or written."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix:
+        return
+    cache = bytecode_cache_dir()
+    try:
+        os.makedirs(cache, mode=0o700, exist_ok=True)
+    except OSError:
+        return
+    if os.access(cache, os.W_OK | os.X_OK):
+        sys.pycache_prefix = cache
+        sys.dont_write_bytecode = False
 
 
 def start_forkserver(backend: str | None = None) -> None:
@@ -43,6 +70,7 @@ def start_for_argv(argv: list[str]) -> None:
 
     The flags are only glanced at here (``RunConfig`` checks them later): a run whose flags turn out
     wrong, or that has nothing left to do, leaves an idle server that exits with the command."""
+    use_bytecode_cache()
     names = [a.split("=", 1)[0] for a in argv]
     if argv[:1] == ["export"] or "--dataset_file" not in names or any(n in _NO_WORKERS for n in names):
         return

@@ -10,9 +10,13 @@ worker's forkserver ~0.75 s of CPU. The plugin entry points are scanned here, on
 
 import importlib
 
-import batchrun.run.worker  # noqa: F401
-from batchrun.prompt.tools.plugins import plugin_entry_points
-from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES
+from batchrun.run.forkserver import use_bytecode_cache
+
+use_bytecode_cache()  # first: the forkserver's own imports below, as the parent's (see there)
+
+import batchrun.run.worker  # noqa: E402, F401
+from batchrun.prompt.tools.plugins import plugin_entry_points  # noqa: E402
+from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES  # noqa: E402
 
 for _name in BUILTIN_TOOL_MODULES:
     importlib.import_module(_name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -276,12 +277,17 @@ def _try_kill(pid: int) -> None:
         pass
 
 
-def rlimit_commands(limits: Limits) -> str:
-    """The ``ulimit`` lines the fallback runs before bubblewrap (the sandbox cannot raise them)."""
-    lines = [f"ulimit -v {(limits.memory_mb << 10)}"]
+def apply_rlimits(pid: int, limits: Limits) -> None:
+    """The fallback's limits, set on the sandbox's running server (``prlimit``) before its first
+    command: every command is its child and inherits them, and without CAP_SYS_RESOURCE (dropped)
+    none can raise them. Soft and hard alike, as ``ulimit`` sets them. No shell around bwrap: its
+    ``ulimit -u`` is bash's, which ``/bin/sh`` (dash) refused, so no sandbox started for a user
+    without cgroups; it also cost a process per start. OSError if the kernel refuses."""
+    size = limits.memory_mb << 20
+    resource.prlimit(pid, resource.RLIMIT_AS, (size, size))
     if os.geteuid() != 0:  # RLIMIT_NPROC counts all of this user's processes: leave room for them
-        lines.append(f"ulimit -u {_user_processes() + limits.pids_limit}")
-    return "; ".join(lines)
+        count = _user_processes() + limits.pids_limit
+        resource.prlimit(pid, resource.RLIMIT_NPROC, (count, count))
 
 
 def _user_processes() -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import ipaddress
 import os
 import posixpath
@@ -43,10 +44,10 @@ from batchrun.prompt.sandboxes._limits import (
     CgroupLayout,
     Limits,
     PromptCgroup,
+    apply_rlimits,
     cgroup_layout,
     limits_mechanism,
     remove_run_cgroups,
-    rlimit_commands,
     run_cgroup_names,
 )
 from batchrun.prompt.sandboxes._netlink import add_unreachable_routes
@@ -75,7 +76,7 @@ from batchrun.storage import pid_alive
 ISOLATION_MODES = ("auto", "bwrap", "none")
 # Host variables a command may see; everything else (API keys above all) stays out of the sandbox.
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TERM", "TZ")
-RUN_DIR_PREFIX = "batch-runner-"  # <tmp>/batch-runner-<run>-<pid>-<random>: one run's sandboxes
+RUN_DIR_PREFIX = "batch-runner-"  # <runtime dir>/batch-runner-<run>-<pid>-<random>: one run's sandboxes
 TAG_VAR = "BATCH_RUNNER_SANDBOX"  # marks every process of one sandbox, so stop() can find leftovers
 DEFAULT_WORKDIR = "/workspace"  # inside bubblewrap, as for the container backends
 CTL_DIR = "/.batch-runner"  # inside bubblewrap: the server's request files, read-only
@@ -156,21 +157,107 @@ def system_mounts(etc_view: str | None = None) -> tuple[str, ...]:
 
 _etc_views: dict[str, str | None] = {}
 _run_files_lock = threading.Lock()  # this worker's files in the run's directory: the /etc view, resolv.conf
+VIEW_KEEP_S = 2 * 86400  # a machine-wide /etc view no run has used for this long is removed
+
+
+def runtime_dir() -> str:
+    """Where the sandboxes' host-side files go (the run's directory, each prompt's control files).
+
+    ``TMPDIR`` when the user set it; else a memory-backed runtime directory (``$XDG_RUNTIME_DIR``,
+    else ``/dev/shm``): on a disk filesystem each prompt's few files cost ~3 ms of the worker's CPU
+    per start and stop (ext4 allocating inodes right after a burst of deletions), against ~0.3 ms
+    on tmpfs. The system temp dir when neither can be written."""
+    if os.environ.get("TMPDIR"):
+        return tempfile.gettempdir()
+    return _memory_dir() or tempfile.gettempdir()
+
+
+def _memory_dir() -> str | None:
+    for where in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
+        if where and os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK):
+            return where
+    return None
+
+
+def _view_cache() -> str | None:
+    """This user's directory of /etc views in the runtime directory (kept across runs), or None.
+
+    Made 0700; refused when someone else made it (another user could otherwise plant a view)."""
+    where = _memory_dir()
+    if where is None:
+        return None
+    path = os.path.join(where, f"batch-runner-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
 
 
 def _etc_view(base_dir: str) -> str | None:
-    """This worker's view of /etc in the run's directory, made by its first sandbox start (~70 ms,
-    where the masks cost ~2 ms in every start); None if it cannot be made (then: masks)."""
+    """The view of /etc a run's sandboxes bind (one mount, where the masks cost ~2 ms in every
+    start): the machine's, shared by every run while /etc is unchanged (:func:`shared_etc_view`),
+    else this worker's in the run's directory; None if neither can be made (then: masks)."""
     with _run_files_lock:
         if base_dir not in _etc_views:
-            target = os.path.join(base_dir, f"etc-{os.getpid()}")
-            try:
-                make_etc_view(target)
-                _etc_views[base_dir] = target
-            except OSError:
-                shutil.rmtree(target, ignore_errors=True)
-                _etc_views[base_dir] = None
+            _etc_views[base_dir] = shared_etc_view() or _own_etc_view(base_dir)
         return _etc_views[base_dir]
+
+
+def _own_etc_view(base_dir: str) -> str | None:
+    target = os.path.join(base_dir, f"etc-{os.getpid()}")
+    try:
+        make_etc_view(target)
+        return target
+    except OSError:
+        shutil.rmtree(target, ignore_errors=True)
+        return None
+
+
+def shared_etc_view() -> str | None:
+    """The view of /etc as it is now, in this user's runtime directory: made by the first worker that
+    needs it (1,453 entries here: ~70 ms of CPU per worker and run when each made its own, on the
+    disk), then reused by every worker of every run until something in /etc changes (its name is a
+    digest of every entry's metadata, see :func:`_etc_scan`). Made under a temporary name and
+    renamed, so no sandbox binds a half-made view; None if there is no runtime directory."""
+    cache = _view_cache()
+    if cache is None:
+        return None
+    view = os.path.join(cache, f"etc-{_etc_scan()[1]}")
+    if os.path.isdir(view):
+        os.utime(view)  # in use: not pruned (below)
+        return view
+    try:
+        part = tempfile.mkdtemp(prefix=".etc-", dir=cache)
+    except OSError:
+        return None
+    try:
+        make_etc_view(os.path.join(part, "etc"))
+        os.rename(os.path.join(part, "etc"), view)
+    except OSError:
+        if not os.path.isdir(view):  # not another worker's rename that came first
+            return None
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    _prune_views(cache, keep=view)
+    return view
+
+
+def _prune_views(cache: str, keep: str) -> None:
+    """Views of an /etc that has since changed, not used by any run for VIEW_KEEP_S, go."""
+    for entry in os.scandir(cache):
+        if entry.path == keep or not entry.name.startswith(("etc-", ".etc-")):
+            continue
+        try:
+            if time.time() - entry.stat(follow_symlinks=False).st_mtime > VIEW_KEEP_S:
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def make_etc_view(target: str) -> None:
@@ -210,33 +297,52 @@ def make_etc_view(target: str) -> None:
         os.chmod(path, mode)
 
 
-@functools.cache
 def etc_secrets() -> tuple[tuple[str, bool], ...]:
     """What in /etc other users may not read (shadow, SSH host keys, TLS private keys): (path, is_dir).
 
     The sandbox runs as this user without capabilities; as root it could read root-only files, so
     whatever an unprivileged user could not read is hidden from it too.
     """
+    return _etc_scan()[0]
+
+
+@functools.cache
+def _etc_scan() -> tuple[tuple[tuple[str, bool], ...], str]:
+    """One walk of /etc (once per process): its secrets (:func:`etc_secrets`) and a digest of every
+    entry it sees (path, type and mode, owner, size, modification time, inode), which names the
+    machine-wide view (:func:`shared_etc_view`): a view is reused only for the same /etc. Not the
+    change time: a hard link to the file (the per-worker views made one each) changes it."""
     found: list[tuple[str, bool]] = []
+    digest = hashlib.blake2b(digest_size=12)
+
+    def seen(path: str) -> int | None:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        digest.update(
+            f"{path}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode(
+                errors="surrogateescape"
+            )
+        )
+        return st.st_mode
+
+    seen("/etc")
     for top, dirs, files in os.walk("/etc"):
         for name in list(dirs):
             path = os.path.join(top, name)
-            try:
-                mode = os.lstat(path).st_mode
-            except OSError:
+            mode = seen(path)
+            if mode is None:
                 continue
             if stat.S_ISDIR(mode) and (mode & 0o005) != 0o005:
                 found.append((path, True))
                 dirs.remove(name)
         for name in files:
             path = os.path.join(top, name)
-            try:
-                mode = os.lstat(path).st_mode
-            except OSError:
-                continue
-            if stat.S_ISREG(mode) and not mode & stat.S_IROTH:
+            mode = seen(path)
+            if mode is not None and stat.S_ISREG(mode) and not mode & stat.S_IROTH:
                 found.append((path, False))
-    return tuple(sorted(found))
+    return tuple(sorted(found)), digest.hexdigest()
 
 
 def system_sockets() -> list[str]:
@@ -495,7 +601,8 @@ class LocalSandbox(SandboxBackend):
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
         """One directory (and one parent cgroup of the same name) holds this run's sandboxes, so none outlives it.
 
-        The workers' sandboxes go under ``<tmp>/batch-runner-<run>-<pid>-<random>``; :meth:`sweep`
+        The workers' sandboxes go under ``<runtime dir>/batch-runner-<run>-<pid>-<random>`` (see
+        :func:`runtime_dir`: ``TMPDIR`` when set, else memory-backed); :meth:`sweep`
         removes it once the pool has ended (normally, on Ctrl-C or after a worker died mid-prompt).
         What a runner that was killed outright left is removed here, by the next run of the same
         name, once its pid is gone. (Workers on other machines, Ray's, keep their own temp dirs.)
@@ -505,19 +612,22 @@ class LocalSandbox(SandboxBackend):
         prefix = f"{RUN_DIR_PREFIX}{safe_run_name(run_name)}-"
         leftover = re.compile(re.escape(prefix) + r"(\d+)-[A-Za-z0-9_]{8}")
         removed = 0
-        for entry in os.scandir(tempfile.gettempdir()):
-            m = leftover.fullmatch(entry.name)
-            if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
-                shutil.rmtree(entry.path, ignore_errors=True)
-                remove_run_cgroups(entry.name)
-                removed += 1
+        here = runtime_dir()
+        # Also the system temp dir: where an earlier version, or a run with another TMPDIR, put them.
+        for where in dict.fromkeys((here, tempfile.gettempdir())):
+            for entry in os.scandir(where):
+                m = leftover.fullmatch(entry.name)
+                if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    remove_run_cgroups(entry.name)
+                    removed += 1
         for name in run_cgroup_names():  # also those whose directory is gone (another TMPDIR, say)
             m = leftover.fullmatch(name)
             if m and not pid_alive(int(m.group(1))):
                 remove_run_cgroups(name)
         if removed:
             print(f"Removed {removed} sandbox director(ies) left by an earlier run named {run_name}")
-        base_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+        base_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=here)
         # The run's parent cgroup is named after the directory, so a sweep finds both.
         return {**options, "base_dir": base_dir, "cgroup_parent": os.path.basename(base_dir)}
 
@@ -566,7 +676,7 @@ class LocalSandbox(SandboxBackend):
             raise SandboxError(f"local sandbox: {problem}")
         self._root = tempfile.mkdtemp(
             prefix=f"br-{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
-            dir=self.options.base_dir,
+            dir=self.options.base_dir or runtime_dir(),
         )
         if self.isolation == "none":
             os.mkdir(os.path.join(self._root, "tmp"))
@@ -693,7 +803,13 @@ class LocalSandbox(SandboxBackend):
             server = _CommandServer(self._launch_argv(), ctl=os.path.join(self._root, "ctl"), env=self._env(),
                                     output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
-            if problem is None and self._cgroup is not None:
+            if problem is None and self._cgroup is None:
+                try:
+                    apply_rlimits(server.pid, self.options.limits)
+                except OSError as exc:
+                    server.close()
+                    raise SandboxError(f"local sandbox: cannot set the prompt's rlimits: {exc}") from exc
+            elif problem is None:
                 # The server only waits for requests until now; every command is its child, so
                 # everything the model runs starts in the cgroup. (A shell around bwrap that joined
                 # it first cost a process, ~1 ms of CPU, per start.)
@@ -745,7 +861,7 @@ class LocalSandbox(SandboxBackend):
         return [*(["--dir", os.path.dirname(target)] if hidden else []), "--ro-bind", ours, target]
 
     def _launch_argv(self) -> list[str]:
-        """The wrapper that puts bwrap under the prompt's limits, then bwrap and its mounts."""
+        """bwrap, its namespaces and mounts, and where the command server starts."""
         assert self._root is not None
         disk = str(self.options.disk_mb << 20)
         etc_view = _etc_view(self.options.base_dir) if self.options.base_dir else None
@@ -762,31 +878,77 @@ class LocalSandbox(SandboxBackend):
         argv += ["--size", disk, "--tmpfs", self.workdir]
         # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
         argv += ["--remount-ro", "/"]
-        argv += ["--chdir", self.workdir, "--"]
-        if self._cgroup is not None:  # bwrap and the server join it before the first command (_start_server)
-            return argv
-        fallback = rlimit_commands(self.options.limits)
-        return ["/bin/sh", "-c", f'{fallback} || exit 96; exec "$@"', "br-limits", *argv]
+        # The cgroup, or the rlimits without one, are put on the server before its first command
+        # (_start_server).
+        return [*argv, "--chdir", self.workdir, "--"]
 
 
-# The server, run by bash as PID 1 of the prompt's PID namespace. Requests come on stdin, one line
-# each: "<seq> <token> <stdin: 0|1>"; the command text is in $ctl/<seq>.cmd and its stdin, when
-# given, in $ctl/<seq>.in (files: no size limit, no deadlock, any bytes), else the empty $ctl/empty
-# (read-only, unlike the namespace's /dev/null, which `rm -rf /` removes). Each command runs in a
-# fresh `bash -c` with stdout and stderr on the server's stdout. When it is done, every other
-# process in the namespace is killed (so nothing it left behind writes after the marker or
-# outlives the call, as with one sandbox per command), then the end marker with the exit code is
-# printed. As PID 1 the server gets no signal from inside the namespace it did not ask for, and
-# it reaps the orphans. `kill -9 -1` on the host would be a disaster: the PID check makes sure it
-# never runs there. Once the process tool has started a background process (its directory exists),
-# the sweep spares the sessions it started and the processes marked with BACKGROUND_ENV (children
-# inherit the mark) instead of killing everything; zombies are skipped, as they write nothing.
+# The server, run by sh (dash: a resident shell ~1.2 ms of CPU cheaper to start than bash) as PID 1
+# of the prompt's PID namespace. Requests come on stdin, one line each: "<seq> <token> <stdin: 0|1>
+# <long: 0|1>"; the command text is in $ctl/<seq>.cmd, followed by one "." (so that no trailing
+# newline of it is lost, whichever way it is read), and its stdin, when given, in $ctl/<seq>.in
+# (files: no size limit, no deadlock, any bytes), else the empty $ctl/empty (read-only, unlike the
+# namespace's /dev/null, which `rm -rf /` removes). dash's `read` takes one system call per byte, so
+# a long command is read with one `cat` instead. Each command runs in a fresh `bash -c` with stdout
+# and stderr on the server's stdout, in the same environment as under a bash server. When it is
+# done, every other process in the namespace is killed (so nothing it left behind writes after the
+# marker or outlives the call, as with one sandbox per command), then the end marker with the exit
+# code is printed. As PID 1 the server gets no signal from inside the namespace it did not ask for,
+# and it reaps the orphans. `kill -9 -1` on the host would be a disaster: the PID check makes sure
+# it never runs there. Once the process tool has started a background process (its directory
+# exists), the sweep must spare the sessions it started and the processes marked with
+# BACKGROUND_ENV (children inherit the mark), reading NUL-separated environments, which only bash
+# can: the sh server then becomes the bash one (`exec`, still PID 1: _BASH_SERVER_SCRIPT, handed the
+# command's token and exit code) for the rest of the prompt.
 _SERVER_SCRIPT = r"""
 [ "$$" = 1 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
 unset SHLVL
+ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 bash_server=$6 nl='
+'
+exec 2>/dev/null
+printf '%s\n' "$3"
+while IFS=' ' read -r seq tok has_in long; do
+    if [ "$long" = 1 ]; then
+        cmd=$(cat "$ctl/$seq.cmd")
+    else
+        cmd= line=
+        while IFS= read -r line; do cmd=$cmd$line$nl; done < "$ctl/$seq.cmd"
+        cmd=$cmd$line
+    fi
+    cmd=${cmd%.}
+    in=$ctl/empty
+    [ "$has_in" = 1 ] && in=$ctl/$seq.in
+    # In a subshell that becomes bash (no extra process): dash writes its "Killed" note for a
+    # command killed at its deadline to its own stderr (/dev/null), not into the command's 2>&1.
+    (exec "$sh" -c "$cmd" < "$in" 2>&1)
+    rc=$?
+    [ -d "$keep_dir" ] && exec "$sh" --noprofile --norc -c "$bash_server" br-server "$1" "$2" "" "$4" "$5" "$tok" "$rc"
+    # Repeat until every other process is a zombie, so that a child forked during a round, or
+    # killed but not yet gone, is dead before the marker. Zombies (orphans now ours) also answer
+    # kill(-1) until the shell reaps them, so they do not count; builtins only: a fork would count.
+    n=0
+    while kill -9 -1 2>/dev/null && [ "$n" -lt 10000 ]; do
+        n=$((n + 1)) live=
+        for s in /proc/[0-9]*/stat; do
+            [ "$s" = /proc/1/stat ] && continue
+            IFS= read -r line < "$s" 2>/dev/null || continue
+            st=${line##*) } && st=${st%% *}
+            [ "$st" = Z ] || { live=1 && break; }
+        done
+        [ -n "$live" ] || break
+    done
+    printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
+done
+"""
+LONG_COMMAND_BYTES = 1024  # from here on the sh server reads a command with `cat` (~1 ms), not `read`
+
+# The bash server the sh server becomes once the process tool has been used (see above); given a
+# token and an exit code ($6, $7), it first finishes that command (the sweep, the marker).
+_BASH_SERVER_SCRIPT = r"""
+unset SHLVL
 ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 keep_env=$5
 exec 2>/dev/null  # not bash's "Killed" notes for a command killed at its deadline
-printf '%s\n' "$3"
+[ -z "$3" ] || printf '%s\n' "$3"
 # kept <pid> <session>: 0 spare it, 1 kill it, 2 cannot tell yet. A process of a session the process
 # tool started is kept whatever it execs; otherwise the mark in its environment decides, and an
 # environment that reads empty (a process in the middle of an exec) is looked at again next round.
@@ -822,34 +984,25 @@ sweep() {
         [ "$left$unsure" = 00 ] && return
     done
 }
-while IFS=' ' read -r seq tok has_in; do
+[ -z "$6" ] || { sweep; printf '\n[batch-runner-exit:%s]=%s\n' "$6" "$7"; }
+while IFS=' ' read -r seq tok has_in long; do
     cmd=
     IFS= read -r -d '' cmd < "$ctl/$seq.cmd"
+    cmd=${cmd%.}
     in=$ctl/empty
     [ "$has_in" = 1 ] && in=$ctl/$seq.in
     "$sh" -c "$cmd" < "$in" 2>&1
     rc=$?
-    if [ -d "$keep_dir" ]; then
-        sweep
-    else
-        # Repeat until every other process is a zombie, so that a child forked during a round, or
-        # killed but not yet gone, is dead before the marker. Zombies (orphans now ours) also answer
-        # kill(-1) until bash reaps them, so they do not count; builtins only: a fork here would count.
-        n=0
-        while kill -9 -1 2>/dev/null && [ "$n" -lt 10000 ]; do
-            n=$((n + 1)) live=
-            for s in /proc/[0-9]*/stat; do
-                [ "$s" = /proc/1/stat ] && continue
-                IFS= read -r line < "$s" 2>/dev/null || continue
-                st=${line##*) } && st=${st%% *}
-                [ "$st" = Z ] || { live=1 && break; }
-            done
-            [ -n "$live" ] || break
-        done
-    fi
+    sweep
     printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
 done
 """
+
+
+@functools.cache
+def _server_shell() -> str:
+    """The command server's shell: sh (the PID 1 of each namespace), bash where there is no sh."""
+    return shutil.which("sh") or _shell()
 
 
 class _CommandServer:
@@ -860,8 +1013,8 @@ class _CommandServer:
         """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests."""
         keep_env = "=".join(BACKGROUND_ENV)
         return [
-            _shell(), "--noprofile", "--norc", "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready,
-            BACKGROUND_DIR, keep_env,
+            _server_shell(), "-c", _SERVER_SCRIPT, "br-server", ctl, _shell(), ready, BACKGROUND_DIR, keep_env,
+            _BASH_SERVER_SCRIPT,
         ]  # fmt: skip
 
     def __init__(self, launch: list[str], *, ctl: str, env: dict[str, str], output_cap_bytes: int):
@@ -989,8 +1142,10 @@ class _CommandServer:
         self._seq += 1
         seq, token = self._seq, new_exec_token()
         cmd_file, in_file = os.path.join(self.ctl, f"{seq}.cmd"), os.path.join(self.ctl, f"{seq}.in")
-        with open(cmd_file, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(command)
+        # What bash itself would read of it: up to the first NUL (see _SERVER_SCRIPT for the ".").
+        text = command.partition("\0")[0].encode("utf-8", "surrogateescape") + b"."
+        with open(cmd_file, "wb") as f:
+            f.write(text)
         if stdin is not None:
             with open(in_file, "wb") as f:
                 f.write(stdin)
@@ -999,7 +1154,8 @@ class _CommandServer:
         deadline = time.monotonic() + timeout_s
         timed_out = False
         try:
-            self.proc.stdin.write(f"{seq} {token} {int(stdin is not None)}\n".encode())
+            long = int(len(text) > LONG_COMMAND_BYTES)
+            self.proc.stdin.write(f"{seq} {token} {int(stdin is not None)} {long}\n".encode())
             self.proc.stdin.flush()
             while not scanner.done:
                 chunk = self._read(deadline)
