@@ -63,6 +63,10 @@ class Bounds:
     body_bytes: int = 32 << 20
     line_bytes: int = 4 << 20
 
+    def __post_init__(self) -> None:
+        # a line may be a whole reply's tool call, never most of the stream
+        object.__setattr__(self, "line_bytes", max(1, min(self.line_bytes, self.body_bytes // 2)))
+
 
 class HTTPError(Exception):
     """Base of what this client raises. Its text never holds a request header or the request body."""
