@@ -114,6 +114,9 @@ def main(
     temperature: float | None = None,
     top_p: float | None = None,
     seed_per_request: bool = False,
+    max_response_mb: float = 32.0,
+    ephemeral_system_prompt_file: str | None = None,
+    endpoint_grace: float = 120.0,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
@@ -193,6 +196,10 @@ def main(
         top_p: [sampling] Nucleus sampling top_p sent with every model request (above 0, at most 1).
         seed_per_request: [sampling] Send each request a seed derived from --seed, the row, the sample
             index and the turn (reproducible samples where the endpoint honours it).
+        max_response_mb: [endpoint] Most an answer may hold, decoded (a whole stream too); more is a bad_response.
+        ephemeral_system_prompt_file: [output] File holding the ephemeral system prompt (kept out of ps;
+            or set BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT).
+        endpoint_grace: [endpoint] Seconds a dead endpoint may take to come back before the run stops (exit 4).
     """
     try:
         config = RunConfig.from_flags(
@@ -261,6 +268,9 @@ def main(
             temperature=temperature,
             top_p=top_p,
             seed_per_request=seed_per_request,
+            max_response_mb=max_response_mb,
+            ephemeral_system_prompt_file=ephemeral_system_prompt_file,
+            endpoint_grace=endpoint_grace,
         )
         if config.list_distributions:
             prepare_tools(config)
@@ -464,6 +474,13 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
             "the OPENROUTER_API_KEY or OPENAI_API_KEY environment variable is safer",
             file=sys.stderr,
         )
+    if config.ephemeral_system_prompt:
+        print(
+            "warning: --ephemeral_system_prompt is visible to other users of this machine (ps, /proc) for "
+            "the whole run; --ephemeral_system_prompt_file or the BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT "
+            "environment variable is safer",
+            file=sys.stderr,
+        )
     base_url = config.base_url
     if (
         not config.resolved_api_key
@@ -546,7 +563,7 @@ def worker_settings(
         sandbox_backend=config.backend,
         sandbox_options=sandbox_options,
         sandbox_network=config.sandbox_network,
-        ephemeral_system_prompt=config.ephemeral_system_prompt,
+        ephemeral_system_prompt=config.ephemeral_prompt,
         prefill_messages=config.prefill_messages,
         require_reasoning=not config.keep_no_reasoning,
         keep_invalid_tool_calls=config.keep_invalid_tool_calls,

@@ -659,17 +659,15 @@ class Client:
             if manager is None:
                 manager = self._make_manager(proxy_url)
                 self._managers[proxy_url] = manager
+            if scheme == "https" and "ssl_context" not in manager.connection_pool_kw:
+                # Built for the first https request only: loading the CA store costs ~0.1 s of CPU.
+                if self._ssl is None:
+                    self._ssl = ssl_context()
+                manager.connection_pool_kw["ssl_context"] = self._ssl
         return manager, _safe_url(proxy_url).split("://")[-1].rstrip("/") if proxy_url else None
 
     def _make_manager(self, proxy_url: str | None) -> Any:
-        if self._ssl is None:
-            self._ssl = ssl_context()
-        options: dict[str, Any] = {
-            "num_pools": 16,
-            "maxsize": MAX_CONNECTIONS,
-            "block": False,
-            "ssl_context": self._ssl,
-        }
+        options: dict[str, Any] = {"num_pools": 16, "maxsize": MAX_CONNECTIONS, "block": False}
         if proxy_url is None:
             manager = urllib3.PoolManager(**options)
         else:
