@@ -573,6 +573,7 @@ def worker_settings(
         tool_extra=tool_extra,
         tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
         request_seed=config.seed if config.seed_per_request else None,
+        budget_gate=config.budget_tokens is not None or config.budget_usd is not None,
     )
 
 

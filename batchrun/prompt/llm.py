@@ -744,7 +744,7 @@ class LLMClient:
         if fault:
             clean["fault"] = fault
             if self.on_usage is None and self.gate is None:  # no parent to warn once per run: once here
-                self._warn_once("usage", _usage_warning(self.cfg.base_url, fault))
+                self._warn_once("usage", usage_warning(self.cfg.base_url, fault))
         if usage is not None:
             usage.add(clean, provider)
         if self.on_usage is not None and self.gate is None:
@@ -771,7 +771,7 @@ class _Retry(Exception):
         self.rate_limited, self.endpoint_fault = rate_limited, endpoint_fault
 
 
-def _usage_warning(base_url: str, fault: str) -> str:
+def usage_warning(base_url: str, fault: str) -> str:
     return (
         f"the endpoint {safe_url(base_url)} reports usage that cannot be trusted ({fault}); such calls are "
         "counted by the runner's own estimate (UTF-8 bytes / 3 of the request and the reply) and marked "

@@ -103,6 +103,9 @@ class RunSettings:
     tools: RunTools | None = None
     # --seed_per_request: the run's --seed, from which each request's ``seed`` is derived; None: no seed sent.
     request_seed: int | None = None
+    budget_gate: bool = (
+        False  # a run-wide budget: every model call asks the parent first (batchrun/run/budget.py)
+    )
 
 
 def run_prompt(

@@ -24,10 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
+from batchrun.prompt.llm import usage_warning
 from batchrun.prompt.run import RunSettings
 from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.protocol import (
+    EndpointHealth,
+    Grant,
     Log,
     Outcome,
     Pause,
@@ -35,6 +38,7 @@ from batchrun.protocol import (
     PromptJob,
     Ready,
     Received,
+    Reserve,
     Skipped,
     Spend,
     StopDone,
@@ -43,6 +47,7 @@ from batchrun.protocol import (
     WorkerExit,
 )
 from batchrun.run import worker
+from batchrun.run.budget import Budget, Decision
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
 
@@ -131,6 +136,12 @@ class Dispatch:
         self.settings = settings
         self.recorder = recorder
         self.pbar: Any = None
+        self.budget = Budget(
+            config.budget_tokens,
+            config.budget_usd,
+            lambda: (recorder.spend["total_tokens"], recorder.spend["cost_usd"]),
+        )
+        self.usage_fault_warned = False
 
     def run(self, batches: list[list[PromptJob]]) -> None:
         """Hand the batches' prompts out as workers' slots free, and write every outcome the moment it arrives."""
@@ -175,6 +186,7 @@ class Dispatch:
                     rec.write_status("running")
                     continue
                 if isinstance(event, WorkerExit):
+                    self.grant(inbox, self.budget.drop(event.pid))
                     track.stops.pop(event.pid, None)  # what it was stopping is the backend's sweep's now
                     track.free.pop(event.pid, None)
                     remaining -= self.fail_lost_prompts(track.held.pop(event.pid, set()), event.pid, track)
@@ -221,8 +233,21 @@ class Dispatch:
         elif isinstance(message, (StopQueued, StopDone)):
             self.count_stop(message, pid, track.stops)
         elif isinstance(message, Spend):  # a call of a prompt in flight: the budget counts it at once
-            self.recorder.add_live_spend(message)
+            if message.prompt_index >= 0:
+                self.recorder.add_live_spend(message)
+            if message.fault and not self.usage_fault_warned:
+                self.usage_fault_warned = True
+                self.pbar.write(
+                    f"warning: {usage_warning(self.settings.llm.base_url, message.fault)}", file=sys.stderr
+                )
+            tokens = message.prompt_tokens + message.completion_tokens
+            self.grant(inbox, self.budget.settle(pid, message.reservation, tokens, message.cost_usd))
             return self.check_budget(inbox, track)
+        elif isinstance(message, Reserve):  # may this call be sent? (the budget as a cap)
+            self.grant(inbox, self.budget.request(pid, message.rid, message.tokens))
+            return self.check_budget(inbox, track)
+        elif isinstance(message, EndpointHealth):
+            self.recorder.counts["endpoint_failures"] += message.error_class is not None
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does
             self.recorder.counts["rate_limit_pauses"] += 1
             inbox.broadcast(PauseAll(message.until))
@@ -239,6 +264,11 @@ class Dispatch:
             settled = self.settle(message, track)
             return settled + self.check_budget(inbox, track)
         return 0
+
+    @staticmethod
+    def grant(inbox: Inbox, decisions: list[Decision]) -> None:
+        for pid, rid, ok in decisions:
+            inbox.send(pid, Grant(rid, ok))
 
     def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> None:
         """Send worker ``pid`` the next prompts of the plan, one per free slot (none once the budget is spent).
@@ -313,13 +343,14 @@ class Dispatch:
     def check_budget(self, inbox: Inbox, track: _Tracking) -> int:
         """Once the run's budget is spent: no new prompt starts (those not handed out yet are settled as
         skipped; returns how many), and prompts in flight stop at their next model call (failed, class
-        ``budget``; --resume runs them). The overshoot is then at most the calls already under way, one
-        per prompt in flight."""
+        ``budget``; --resume runs them). With the reservations of batchrun/run/budget.py no call is sent
+        that would not fit, so the budget is reached when the next call's worst case no longer fits."""
         rec = self.recorder
-        if rec.budget_hit or not rec.budget_reached():
+        if rec.budget_hit or not (rec.budget_reached() or self.budget.exhausted):
             return 0
         rec.budget_hit = True
         inbox.broadcast(StopStarting())
+        self.grant(inbox, self.budget.refuse_all())
         skipped = 0
         while track.pending:
             skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)

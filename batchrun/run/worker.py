@@ -26,11 +26,14 @@ from batchrun.prompt.sandboxes import create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.tools.registry import all_tools
 from batchrun.protocol import (
+    EndpointHealth,
+    Grant,
     Log,
     Pause,
     PauseAll,
     PromptJob,
     Ready,
+    Reserve,
     Skipped,
     Spend,
     StopDone,
@@ -55,6 +58,61 @@ class WorkerState:
     current: threading.local  # .job: the job a prompt thread runs (for report_spend)
     threads: ThreadPoolExecutor  # one thread per slot: the parent sends at most that many jobs at once
     stopper: BackgroundStopper
+    gate: ParentGate | None = None
+
+
+class ParentGate:
+    """The run's budget, asked of the parent before every model call's attempt (see batchrun/run/budget.py)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
+
+    def reserve(self, tokens: int, deadline: float) -> tuple[Any, float]:
+        from batchrun.prompt.llm import BudgetStop, LLMError
+
+        with self._lock:
+            self._next += 1
+            rid = self._next
+            event, answer = threading.Event(), []
+            self._waiting[rid] = (event, answer)
+        start = time.monotonic()
+        send(Reserve(rid, tokens))
+        # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
+        if not event.wait(timeout=max(1.0, deadline - start) + 3600.0):
+            with self._lock:
+                self._waiting.pop(rid, None)
+            self.settle(rid, None)
+            raise LLMError("timeout", "the run's budget did not answer a reservation")
+        if not answer[0]:
+            raise BudgetStop()
+        return rid, time.monotonic() - start
+
+    def granted(self, message: Grant) -> None:
+        with self._lock:
+            entry = self._waiting.pop(message.rid, None)
+        if entry is not None:
+            entry[1].append(message.ok)
+            entry[0].set()
+
+    def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
+        if ticket is not None:
+            report_spend(usage or {}, reservation=ticket)
+
+
+class HealthReporter:
+    """Tells the parent when model calls fail for the endpoint's reasons, and when they answer again
+    (only the first answer after a failure, so a healthy run sends nothing)."""
+
+    def __init__(self) -> None:
+        self._failing = False
+
+    def __call__(self, error_class: str | None) -> None:
+        if error_class is None and not self._failing:
+            return
+        self._failing = error_class is not None
+        send(EndpointHealth(error_class))
 
 
 _state: WorkerState | None = None  # this process's worker state; set by init_worker
@@ -73,6 +131,7 @@ def init_worker(
     _warm_up(settings)
     conn = connect_to_inbox(address, authkey)
     stop = threading.Event()
+    gate = ParentGate() if settings.budget_gate else None
     _state = WorkerState(
         settings=settings,
         conn=conn,
@@ -83,6 +142,8 @@ def init_worker(
             Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
             stop=stop,
             on_usage=report_spend,
+            gate=gate,
+            on_failure=HealthReporter(),
         ),
         stop=stop,
         current=threading.local(),
@@ -95,6 +156,7 @@ def init_worker(
             on_queued=lambda: send(StopQueued()),
             on_done=lambda: send(StopDone()),
         ),
+        gate=gate,
     )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
@@ -130,10 +192,13 @@ def send(message: Any) -> None:
         state.conn.send(message)
 
 
-def report_spend(usage: dict[str, Any]) -> None:
-    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them."""
+def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
+    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them
+    (and frees the call's ``reservation``)."""
     job = getattr(_worker().current, "job", None)
     if job is None:
+        if reservation is not None:  # a call outside a prompt (none today): still free its reservation
+            send(Spend(-1, -1, 0, 0, 0.0, reservation=reservation))
         return
     cost = usage.get("cost")
     send(
@@ -144,6 +209,8 @@ def report_spend(usage: dict[str, Any]) -> None:
             completion_tokens=_count_of(usage.get("completion_tokens")),
             cost_usd=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0,
             sample_index=job.sample_index,
+            reservation=reservation,
+            fault=usage.get("fault") if isinstance(usage.get("fault"), str) else None,
         )
     )
 
@@ -197,6 +264,8 @@ def _listen_to_parent() -> None:
             state.llm.limiter.pause_until(message.until)
         elif isinstance(message, StopStarting):
             state.stop.set()
+        elif isinstance(message, Grant) and state.gate is not None:
+            state.gate.granted(message)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
