@@ -425,11 +425,14 @@ class RunConfig:
 
     @property
     def call_max_tokens(self) -> int | None:
-        """Each call's completion limit: --max_tokens, or with a budget :data:`DERIVED_MAX_TOKENS` (a
-        call's worst case must be finite for the budget to be a cap), or None (the endpoint's own)."""
+        """Each call's completion limit: --max_tokens, or with a budget :data:`DERIVED_MAX_TOKENS` (at most
+        a tenth of --budget_tokens; a call's worst case must be finite for the budget to be a cap), or
+        None (the endpoint's own)."""
         if self.max_tokens is not None:
             return self.max_tokens
-        if self.budget_tokens is not None or self.budget_usd is not None:
+        if self.budget_tokens is not None:  # a tenth of the budget at most: several calls must fit in it
+            return max(64, min(DERIVED_MAX_TOKENS, self.budget_tokens // 10))
+        if self.budget_usd is not None:
             return DERIVED_MAX_TOKENS
         return None
 

@@ -481,6 +481,7 @@ class LLMClient:
         on_usage: Callable[[dict[str, Any]], None] | None = None,
         gate: SpendGate | None = None,
         on_failure: Callable[[str | None], None] | None = None,
+        headers: dict[str, str] | None = None,
     ):
         """``stop``: once set, every further call raises :class:`BudgetStop` before it is sent.
         ``on_usage``: called with each answered call's usage (the run's budget counts it at once).
@@ -494,7 +495,9 @@ class LLMClient:
         self.gate = gate
         self.on_failure = on_failure
         bounds = httpclient.Bounds(body_bytes=max(1, int(cfg.max_response_mb * (1 << 20))))
-        self._http = httpclient.Client(request_headers(cfg.api_key, cfg.base_url), bounds=bounds)
+        self._http = httpclient.Client(
+            {**request_headers(cfg.api_key, cfg.base_url), **(headers or {})}, bounds=bounds
+        )
         self._url = endpoint_url(cfg.base_url, "chat/completions")
         self._extra_body = cfg.request_extra_body()
         self._warned: set[str] = set()
