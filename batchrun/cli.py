@@ -581,10 +581,12 @@ def prepare_tools(config: RunConfig) -> McpSetup | None:
     """Before any token: report plugins that cannot load (once), list each MCP server's tools, and
     install those tools here (the workers install the same)."""
     from batchrun.prompt.tools import mcp as mcp_tools
-    from batchrun.prompt.tools.plugins import plugin_problems
+    from batchrun.prompt.tools.plugins import ignored_plugins, plugin_problems
 
     for problem in plugin_problems().values():
         print(f"warning: toolset plugin not loaded, its tools are not offered: {problem}", file=sys.stderr)
+    for why in ignored_plugins().values():
+        print(f"warning: toolset plugin {why}; the built-in or MCP toolset is used", file=sys.stderr)
     setup = probe_mcp_servers(config) if config.mcp_servers else None
     try:
         mcp_tools.install(setup)
