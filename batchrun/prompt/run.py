@@ -64,6 +64,7 @@ def install_run_tools(tools: RunTools | None) -> None:
         return
     mcp.install(tools.mcp)
     # A worker that ends normally stops its servers; one that is killed closes their stdin, which ends them.
+    atexit.register(mcp.kill_server_groups)  # atexit runs in reverse: after close_shared, what is left
     atexit.register(mcp.close_shared)
     here = known_tool_names()
     if tools.known_tools and list(tools.known_tools) != here:

@@ -127,6 +127,10 @@ def init_worker(
     remote = isinstance(address, tuple)  # a TCP inbox (Ray): the runner may be on another machine
     _die_with_parent(None if remote else parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
+    try:  # ended by the parent: the MCP servers we started end with us (see _exit)
+        signal.signal(signal.SIGTERM, lambda signum, frame: _exit(128 + signum))
+    except ValueError:  # not the main thread (a Ray actor): the actor's own end applies
+        pass
     install_run_tools(settings.tools)  # MCP tools; the same known tools as the parent, or no worker
     _warm_up(settings)
     conn = connect_to_inbox(address, authkey)
@@ -257,7 +261,7 @@ def _listen_to_parent() -> None:
         try:
             message = state.conn.recv()
         except (EOFError, OSError):
-            os._exit(1)  # the parent is gone: nobody would write our results
+            _exit(1)  # the parent is gone: nobody would write our results
         if isinstance(message, PromptJob):
             state.threads.submit(_run_one, message)
         elif isinstance(message, PauseAll):
@@ -266,6 +270,18 @@ def _listen_to_parent() -> None:
             state.stop.set()
         elif isinstance(message, Grant) and state.gate is not None:
             state.gate.granted(message)
+
+
+def _exit(code: int) -> None:
+    """End this worker now, and with it every stdio MCP server it started (their whole process groups,
+    SIGKILL after a grace period): a server in its own session that ignores SIGTERM and the end of its
+    stdin would otherwise outlive the run."""
+    from batchrun.prompt.tools.mcp import kill_server_groups
+
+    try:
+        kill_server_groups()
+    finally:
+        os._exit(code)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -289,6 +305,6 @@ def _die_with_parent(parent_pid: int | None) -> None:
     def watchdog() -> None:
         while pid_alive(parent_pid):
             time.sleep(0.5)
-        os._exit(1)
+        _exit(1)
 
     threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
