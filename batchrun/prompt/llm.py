@@ -14,6 +14,7 @@ rejects unknown request fields).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -753,6 +754,32 @@ class LLMClient:
         if self.on_usage is not None and self.gate is None:
             self.on_usage(clean)
         return turn, data, clean
+
+    def for_endpoint(self, base_url: str, api_key: str | None) -> LLMClient:
+        """The client of a tool's own endpoint (vision, mixture of agents, images, a judge): its own
+        connections and key, and this client's limiter, run-wide pause, retry policy, bounds and budget.
+        The run's own endpoint is this client."""
+        if base_url.rstrip("/") == self.cfg.base_url.rstrip("/") and api_key == self.cfg.api_key:
+            return self
+        key = (base_url.rstrip("/"), api_key)
+        with self._warn_lock:
+            siblings = self.__dict__.setdefault("_siblings", {})
+            client = siblings.get(key)
+            if client is None:
+                cfg = dataclasses.replace(
+                    self.cfg,
+                    base_url=base_url,
+                    api_key=api_key,
+                    stream=False,
+                    extra_body={},
+                    dialect="auto",
+                    reasoning_effort=None,
+                    reasoning_disabled=False,
+                )
+                client = siblings[key] = LLMClient(
+                    cfg, self.limiter, stop=self.stop, on_usage=self.on_usage, gate=self.gate
+                )
+        return client
 
     def close(self) -> None:
         self._http.close()

@@ -186,6 +186,7 @@ def run_prompt(
             output_cap_bytes=settings.output_cap_bytes,
             extra=dict(settings.tool_extra),
             usage=usage,
+            llm=llm,
         )
         result = run_agent(
             llm=llm,

@@ -32,6 +32,7 @@ class ToolContext:
     usage: Any = (
         None  # batchrun.prompt.llm.Usage of the prompt: model calls made by tools (vision, moa) count too
     )
+    llm: Any = None  # the run's batchrun.prompt.llm.LLMClient: tools call their models through it
     # Per-prompt state a tool keeps between calls (e.g. the browser context); each value has a
     # close() method. Released by close_prompt_resources, which the runner calls in `finally`.
     resources: dict[str, Any] = field(default_factory=dict)
