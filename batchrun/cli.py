@@ -35,11 +35,19 @@ from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
+from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD
 from batchrun.run.forkserver import start_forkserver
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import check_endpoint, preflight_sandboxes, probe_mcp_servers
 from batchrun.run.recorder import Recorder
-from batchrun.run.resume import all_samples, build_manifest, check_manifest, read_manifest, resume_filter
+from batchrun.run.resume import (
+    all_samples,
+    build_manifest,
+    check_manifest,
+    read_manifest,
+    resume_command,
+    resume_filter,
+)
 from batchrun.secrets import Redactor
 from batchrun.storage import WriteError
 
@@ -123,7 +131,7 @@ def main(
     Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
     statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
-    130 interrupted.
+    4 the endpoint died (resume when it is back), 130 interrupted.
 
     Args:
         dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
@@ -416,8 +424,9 @@ def run_steps(
     interrupted = False
     if ready.batches:
         settings = worker_settings(config, llm, ready.sandbox_options, tool_extra, mcp)
+        dispatch = Dispatch(config, settings, recorder)
         try:
-            Dispatch(config, settings, recorder).run(ready.batches)
+            dispatch.run(ready.batches)
         except KeyboardInterrupt:
             _interrupt_handled()
             interrupted = True
@@ -436,6 +445,13 @@ def run_steps(
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
     finish.print_summary(config.run_dir, stats, recorder)
+    if ready.batches and dispatch.endpoint_dead:
+        print(
+            "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "
+            + recorder.redact(resume_command()),
+            file=sys.stderr,
+        )
+        return EXIT_ENDPOINT_DEAD
     return finish.exit_code(stats, interrupted, config.max_failure_rate)
 
 

@@ -230,7 +230,9 @@ class BudgetStop(LLMError):
 
     def __init__(self) -> None:
         super().__init__(
-            "budget", "the run's budget was reached before this model call; --resume runs it again"
+            "budget",
+            "the run is stopping (its budget was reached, or its endpoint died) before this model call; "
+            "--resume runs it again",
         )
 
 

@@ -48,6 +48,7 @@ from batchrun.protocol import (
 )
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
+from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
 
@@ -142,6 +143,8 @@ class Dispatch:
             lambda: (recorder.spend["total_tokens"], recorder.spend["cost_usd"]),
         )
         self.usage_fault_warned = False
+        self.watch: EndpointWatch | None = None  # made with the inbox, in run()
+        self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 4)
 
     def run(self, batches: list[list[PromptJob]]) -> None:
         """Hand the batches' prompts out as workers' slots free, and write every outcome the moment it arrives."""
@@ -161,6 +164,9 @@ class Dispatch:
             pending=collections.deque(j for b in batches for j in b),
         )
         remaining = rec.total
+        self.watch = EndpointWatch(
+            self.settings.llm, config.endpoint_grace, lambda until: inbox.broadcast(PauseAll(until))
+        )
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
         start_slots = start_slots_per_worker(
@@ -184,6 +190,7 @@ class Dispatch:
                             file=sys.stderr,
                         )
                     rec.write_status("running")
+                    remaining -= self.watch_endpoint(inbox, track)
                     continue
                 if isinstance(event, WorkerExit):
                     self.grant(inbox, self.budget.drop(event.pid))
@@ -199,6 +206,7 @@ class Dispatch:
                     settled = self.handle(event, track, inbox)
                     remaining -= settled
                     exits_without_progress = 0 if settled else exits_without_progress
+                remaining -= self.watch_endpoint(inbox, track)
                 rec.write_status("running")
             self.wait_for_sandbox_stops(inbox, track)
         finally:
@@ -248,6 +256,9 @@ class Dispatch:
             return self.check_budget(inbox, track)
         elif isinstance(message, EndpointHealth):
             self.recorder.counts["endpoint_failures"] += message.error_class is not None
+            line = self.watch.report(message.error_class) if self.watch is not None else None
+            if line:
+                self.pbar.write(line, file=sys.stderr)
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does
             self.recorder.counts["rate_limit_pauses"] += 1
             inbox.broadcast(PauseAll(message.until))
@@ -285,6 +296,7 @@ class Dispatch:
             and track.free.get(pid, 0) > 0
             and len(held) < share
             and not self.recorder.budget_hit
+            and not self.endpoint_dead
         ):
             job = track.pending.popleft()
             if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
@@ -361,6 +373,29 @@ class Dispatch:
             file=sys.stderr,
         )
         return skipped
+
+    def watch_endpoint(self, inbox: Inbox, track: _Tracking) -> int:
+        """The dead-endpoint stop (batchrun/run/endpoint_watch.py); returns how many prompts it settled."""
+        watch = self.watch
+        if watch is None:
+            return 0
+        line = watch.tick()
+        if line:
+            self.pbar.write(line, file=sys.stderr)
+        if watch.dead and not self.endpoint_dead:
+            self.endpoint_dead = True
+            inbox.broadcast(StopStarting())
+            self.grant(inbox, self.budget.refuse_all())
+            skipped = 0
+            while track.pending:  # not started: left for --resume
+                skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
+            return skipped
+        if self.endpoint_dead and watch.dead_at is not None and time.monotonic() - watch.dead_at > DRAIN_S:
+            # Calls in flight to a hung endpoint would hold the run for --request_timeout: they end now.
+            held = {k for keys in track.held.values() for k in keys}
+            track.held.clear()
+            return self.fail_lost_prompts(held, -1, track, "endpoint_dead")
+        return 0
 
     def format_log(self, message: Log) -> str:
         """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""
