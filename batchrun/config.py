@@ -90,12 +90,11 @@ def int_flag(
             number = value
         elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
             number = int(value)
-        if low == 1:
-            kind = "a positive integer" + (f" (at most {high})" if high is not None else "")
-        else:
-            kind = f"an integer{_range(low, high)}"
+        kind = "a positive integer" if low == 1 else f"an integer{_range(low, high)}"
         if number is None:
             raise UsageError(f"--{flag} must be {kind}, got {_show(value)}")
+        if low == 1 and high is not None and number > high:  # a size or count the machine cannot honour
+            raise UsageError(f"--{flag} must be at most {high}, got {number}")
         if (low is not None and number < low) or (high is not None and number > high):
             raise UsageError(f"--{flag} must be {kind}, got {number}")
         return number
@@ -122,6 +121,8 @@ def float_flag(
         if number is None or not math.isfinite(number):
             raise UsageError(f"--{flag} must be a number{_range(low, high, low_open)}, got {_show(value)}")
         too_low = low is not None and (number <= low if low_open else number < low)
+        if low_open and high is not None and number > high:  # a size or duration past what can be honoured
+            raise UsageError(f"--{flag} must be at most {high:g}, got {value}")
         if too_low or (high is not None and number > high):
             raise UsageError(f"--{flag} must be a number{_range(low, high, low_open)}, got {value}")
         return number
@@ -131,8 +132,7 @@ def float_flag(
 
 def _range(low: float | None, high: float | None, low_open: bool = False) -> str:
     if low is not None and high is not None:
-        shown = f"{high:g}" if isinstance(high, float) else str(high)
-        return f" above {low:g} (at most {shown})" if low_open else f" from {low} to {high}"
+        return f" above {low:g}" if low_open else f" from {low} to {high}"
     if low is not None:
         if low == 0 and low_open:
             return " above 0"

@@ -13,8 +13,8 @@ import pytest
     [
         ("container_pids_limit", "100000000000", "--container_pids_limit must be"),
         ("container_memory_mb", str(1 << 30), "--container_memory_mb must be"),
-        ("prompt_timeout", "1e11", "--prompt_timeout must be a number above 0 (at most 604800)"),
-        ("max_tokens", "99999999999", "--max_tokens must be a positive integer (at most 10000000)"),
+        ("prompt_timeout", "1e11", "--prompt_timeout must be at most 604800"),
+        ("max_tokens", "99999999999", "--max_tokens must be at most 10000000"),
         ("max_response_mb", "0", "--max_response_mb must be a number above 0"),
     ],
 )
