@@ -131,7 +131,7 @@ def main(
     Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
     statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
-    4 the endpoint died (resume when it is back), 130 interrupted.
+    4 an output file cannot be written, 5 the endpoint died (resume when it is back), 130 interrupted.
 
     Args:
         dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
@@ -207,7 +207,7 @@ def main(
         max_response_mb: [endpoint] Most an answer may hold, decoded (a whole stream too); more is a bad_response.
         ephemeral_system_prompt_file: [output] File holding the ephemeral system prompt (kept out of ps;
             or set BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT).
-        endpoint_grace: [endpoint] Seconds a dead endpoint may take to come back before the run stops (exit 4).
+        endpoint_grace: [endpoint] Seconds a dead endpoint may take to come back before the run stops (exit 5).
     """
     try:
         config = RunConfig.from_flags(

@@ -6,7 +6,7 @@ and the first answer after such failures (:class:`~batchrun.protocol.EndpointHea
 pause as for a 429, renewed while it lasts) and probes the endpoint with one minimal chat call every
 :data:`PROBE_EVERY_S`. An answer ends the pause; no answer within ``--endpoint_grace`` seconds stops
 the run cleanly: no new prompt starts, prompts in flight stop at their next model call (or are failed
-after :data:`DRAIN_S`), and the run exits with :data:`EXIT_ENDPOINT_DEAD`, printing the resume command,
+after :data:`DRAIN_S`), and the run exits with :data:`EXIT_ENDPOINT_DEAD` (5), printing the resume command,
 instead of failing every remaining prompt after its retries.
 """
 
@@ -23,7 +23,7 @@ DEAD_AFTER = 8  # endpoint failures in a row, across the run's prompts, before t
 PROBE_EVERY_S = 5.0
 PAUSE_STEP_S = 15.0  # the run-wide pause is renewed in steps, so it ends soon after the endpoint is back
 DRAIN_S = 30.0  # after the stop: the longest wait for prompts in flight before they are failed
-EXIT_ENDPOINT_DEAD = 4
+EXIT_ENDPOINT_DEAD = 5  # (4 is an output file that cannot be written)
 
 
 def probe_once(cfg: LLMConfig) -> bool:
