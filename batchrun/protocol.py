@@ -155,6 +155,7 @@ class Reserve:
 
     rid: int
     tokens: int
+    priority: int = 0  # the calls its prompt has made: a prompt under way goes first
 
 
 @dataclass(frozen=True)

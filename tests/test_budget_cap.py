@@ -197,3 +197,13 @@ def test_many_prompts_in_flight_spend_at_most_the_budget(tmp_path):
     status = json.loads((Path(tmp_path) / "data" / "run" / "status.json").read_text())
     assert status["budget"]["reached"] is True
     assert status["budget"]["spent_tokens"] <= cap
+
+
+def test_a_prompt_under_way_gets_the_budget_before_one_not_started():
+    spent = Spent()
+    budget = Budget(1000, None, spent)
+    assert budget.request("w", 1, 900) == [("w", 1, True)]
+    assert budget.request("w", 2, 900, priority=0) == []  # a new prompt's first call
+    assert budget.request("w", 3, 900, priority=2) == []  # the third call of a prompt under way
+    spent.tokens += 50
+    assert budget.settle("w", 1, 50, 0.0) == [("w", 3, True)]  # it goes first, though it came later

@@ -456,9 +456,10 @@ def request_headers(api_key: str | None, base_url: str | None = None) -> dict[st
 class SpendGate(Protocol):
     """The run's budget as a model call sees it (the worker asks the parent, see batchrun/run/budget.py)."""
 
-    def reserve(self, tokens: int, deadline: float) -> tuple[Any, float]:
+    def reserve(self, tokens: int, deadline: float, priority: int = 0) -> tuple[Any, float]:
         """Wait until a call that may spend ``tokens`` fits the budget; returns a ticket and the seconds
-        waited (they do not count against the prompt's deadline). :class:`BudgetStop` when it never will."""
+        waited (they do not count against the prompt's deadline). :class:`BudgetStop` when it never will.
+        ``priority``: the calls its prompt has made (a prompt under way goes first)."""
 
     def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
         """The call is over: what it spent (None: no answer), in place of its reservation."""
@@ -624,7 +625,7 @@ class LLMClient:
                 raise BudgetStop()
             ticket = None
             if self.gate is not None:
-                ticket, waited = self.gate.reserve(worst, deadline)
+                ticket, waited = self.gate.reserve(worst, deadline, usage.calls if usage is not None else 0)
                 deadline += waited  # waiting for the budget is not the prompt's time
             answered: dict[str, Any] | None = None
             try:

@@ -4,8 +4,8 @@ Before each attempt of a model call a worker asks (:class:`~batchrun.protocol.Re
 worst case: its estimated prompt tokens plus its completion limit (``--max_tokens``, or the limit a
 budget run derives). The parent grants it (:class:`~batchrun.protocol.Grant`) only when what was spent,
 plus what the calls in flight have reserved, plus this worst case fits ``--budget_tokens`` (and, once a
-price per token has been seen, ``--budget_usd``). One that does not fit waits, in order, for calls in
-flight to settle; one that does not fit even with nothing in flight is refused, and the run's budget is
+price per token has been seen, ``--budget_usd``). One that does not fit waits for calls in flight to
+settle (a prompt under way goes before one that has not started: a tight budget finishes prompts); one that does not fit even with nothing in flight is refused, and the run's budget is
 reached. So whatever the number of prompts in flight, the run spends at most its budget, as long as the
 endpoint's counts stay within the worst cases (they do for a server that honours ``max_tokens``; the
 prompt estimate is UTF-8 bytes / 3, above the ~4 bytes per token of English and code).
@@ -17,7 +17,7 @@ endpoint that reports no cost after its first answer costs nothing by its own ac
 
 from __future__ import annotations
 
-import collections
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +29,8 @@ class Budget:
         """``spent()``: the run's (tokens, USD) so far, as the recorder counts them."""
         self.tokens, self.usd, self._spent = tokens, usd, spent
         self.reserved: dict[tuple[Any, int], int] = {}  # (worker, reservation) -> tokens
-        self.waiting: collections.deque[tuple[Any, int, int]] = collections.deque()
+        self.waiting: list[tuple[int, int, Any, int, int]] = []  # (-priority, arrival, worker, rid, tokens)
+        self._arrivals = 0
         self.usd_per_token: float | None = None  # the most any answer cost per token; None: none priced yet
         self.answers = 0
         self.exhausted = False  # a call did not fit with nothing in flight: the budget is reached
@@ -38,8 +39,11 @@ class Budget:
     def active(self) -> bool:
         return self.tokens is not None or self.usd is not None
 
-    def request(self, worker: Any, rid: int, tokens: int) -> list[Decision]:
-        self.waiting.append((worker, rid, max(0, tokens)))
+    def request(self, worker: Any, rid: int, tokens: int, priority: int = 0) -> list[Decision]:
+        """``priority``: the calls its prompt has made already. A prompt under way goes before one that
+        has not started, so a tight budget finishes prompts instead of starting many it cannot pay for."""
+        self._arrivals += 1
+        heapq.heappush(self.waiting, (-priority, self._arrivals, worker, rid, max(0, tokens)))
         return self._decide()
 
     def settle(self, worker: Any, rid: int | None, tokens: int, usd: float) -> list[Decision]:
@@ -56,12 +60,13 @@ class Budget:
         """A worker is gone: its reservations and requests with it."""
         for key in [k for k in self.reserved if k[0] == worker]:
             del self.reserved[key]
-        self.waiting = collections.deque(w for w in self.waiting if w[0] != worker)
+        self.waiting = [w for w in self.waiting if w[2] != worker]
+        heapq.heapify(self.waiting)
         return self._decide()
 
     def refuse_all(self) -> list[Decision]:
         """The run stops (budget reached): every waiting call is refused."""
-        out = [(w, rid, False) for w, rid, _ in self.waiting]
+        out = [(w, rid, False) for _, _, w, rid, _ in sorted(self.waiting)]
         self.waiting.clear()
         return out
 
@@ -82,9 +87,9 @@ class Budget:
     def _decide(self) -> list[Decision]:
         out: list[Decision] = []
         while self.waiting and not self.exhausted:
-            worker, rid, tokens = self.waiting[0]
+            _, _, worker, rid, tokens = self.waiting[0]
             if self._fits(tokens):
-                self.waiting.popleft()
+                heapq.heappop(self.waiting)
                 self.reserved[(worker, rid)] = tokens
                 out.append((worker, rid, True))
             elif not self.reserved:

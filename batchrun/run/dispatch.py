@@ -252,7 +252,7 @@ class Dispatch:
             self.grant(inbox, self.budget.settle(pid, message.reservation, tokens, message.cost_usd))
             return self.check_budget(inbox, track)
         elif isinstance(message, Reserve):  # may this call be sent? (the budget as a cap)
-            self.grant(inbox, self.budget.request(pid, message.rid, message.tokens))
+            self.grant(inbox, self.budget.request(pid, message.rid, message.tokens, message.priority))
             return self.check_budget(inbox, track)
         elif isinstance(message, EndpointHealth):
             self.recorder.counts["endpoint_failures"] += message.error_class is not None

@@ -34,7 +34,9 @@ def probe_once(cfg: LLMConfig) -> bool:
         cfg, max_tokens=16, max_retries=0, max_rate_limit_retries=0, stream=False,
         request_timeout_s=min(cfg.request_timeout_s, 20.0),
     )  # fmt: skip
-    client = LLMClient(check, headers={CHECK_HEADER: "1"})
+    client = LLMClient(
+        check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None
+    )  # the run warns of odd usage
     try:
         client.chat([{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 25)
         return True

@@ -77,7 +77,9 @@ def check_chat(cfg: LLMConfig) -> None:
         stream=False,
         request_timeout_s=min(cfg.request_timeout_s, 120.0),
     )
-    client = LLMClient(check, headers={CHECK_HEADER: "1"})
+    client = LLMClient(
+        check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None
+    )  # the run warns of odd usage
     shown = safe_url(cfg.base_url)
     try:
         client.chat([{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 240)

@@ -69,7 +69,7 @@ class ParentGate:
         self._next = 0
         self._waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
 
-    def reserve(self, tokens: int, deadline: float) -> tuple[Any, float]:
+    def reserve(self, tokens: int, deadline: float, priority: int = 0) -> tuple[Any, float]:
         from batchrun.prompt.llm import BudgetStop, LLMError
 
         with self._lock:
@@ -78,7 +78,7 @@ class ParentGate:
             event, answer = threading.Event(), []
             self._waiting[rid] = (event, answer)
         start = time.monotonic()
-        send(Reserve(rid, tokens))
+        send(Reserve(rid, tokens, priority))
         # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
         if not event.wait(timeout=max(1.0, deadline - start) + 3600.0):
             with self._lock:
