@@ -28,7 +28,7 @@ from batchrun.config import (
     parse_argv,
 )
 from batchrun.distributions import format_distributions
-from batchrun.prompt.llm import dialect_warnings
+from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.run import RunSettings, RunTools
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.prompt.tools.registry import known_tool_names
@@ -504,7 +504,7 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
         and ("openrouter.ai" in base_url or "api.openai.com" in base_url)
     ):
         raise UsageError(
-            f"no API key for {base_url}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
+            f"no API key for {safe_url(base_url)}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
         )
     if config.ray_address is not None:  # without Ray, say how to install it
         from batchrun.run.ray_pool import RaySetupError, check_address
