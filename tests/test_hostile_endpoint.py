@@ -132,6 +132,13 @@ class Hostile:
             conn.sendall(bytes([byte]))
             time.sleep(1.0)
 
+    def _header_drip(self, conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(120):
+            for byte in b"X-Slow: y\r\n":
+                conn.sendall(bytes([byte]))
+                time.sleep(0.5)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -199,6 +206,17 @@ def test_a_dripped_body_ends_at_the_prompts_deadline():
 
 def test_request_timeout_bounds_the_whole_request_not_each_read():
     server = Hostile("drip")
+    try:
+        result = run_client(server, request_timeout=3, prompt_timeout=600)
+    finally:
+        server.close()
+    assert result["error_class"] == "timeout", result
+    assert result["elapsed_s"] < 3 + 3, result
+
+
+def test_headers_dripped_a_byte_at_a_time_end_at_the_deadline():
+    """Each read of the head gets a byte in time; only the request's deadline (a watchdog) ends it."""
+    server = Hostile("header_drip")
     try:
         result = run_client(server, request_timeout=3, prompt_timeout=600)
     finally:

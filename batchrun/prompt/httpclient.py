@@ -30,9 +30,11 @@ messages name the host, the port and what went wrong.
 from __future__ import annotations
 
 import base64
+import heapq
 import http.client
 import json
 import os
+import socket
 import threading
 import time
 import zlib
@@ -398,7 +400,58 @@ def _decoder(encoding: str, url: str) -> _Decoder | None:
 # -- the pool ------------------------------------------------------------------------------------
 
 
-_this_thread = threading.local()  # .opened: whether this thread's request opened a connection
+_this_thread = threading.local()  # .opened: whether this thread's request opened a connection; .deadline
+
+
+class _Watchdog:
+    """Ends a connection whose request's deadline passed while urllib3 waits for the answer's head: a
+    server dripping its status line or headers a byte at a time meets each read's timeout forever.
+    One thread per process, asleep until the earliest deadline; shutting the socket down makes the
+    blocked read return at once."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Any]] = []
+        self._count = 0
+        self._pid = 0
+
+    def watch(self, deadline: float, conn: Any) -> list[Any]:
+        entry = [conn]  # emptied by cancel
+        with self._cv:
+            if self._pid != os.getpid():  # first use in this process (a fork has no thread)
+                self._pid, self._heap = os.getpid(), []
+                threading.Thread(target=self._run, name="http-deadlines", daemon=True).start()
+            self._count += 1
+            heapq.heappush(self._heap, (deadline, self._count, entry))
+            self._cv.notify()
+        return entry
+
+    @staticmethod
+    def cancel(entry: list[Any]) -> None:
+        entry.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._heap and not self._heap[0][2]:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                _, _, entry = heapq.heappop(self._heap)
+            sock = getattr(entry[0], "sock", None) if entry else None
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+_WATCHDOG = _Watchdog()
 
 
 class _Counting:
@@ -413,6 +466,9 @@ class _Counting:
         expiry = getattr(conn, "_expiry_s", KEEPALIVE_EXPIRY_S)
         if idle_since is not None and time.monotonic() - idle_since > expiry:
             conn.close()
+        deadline = getattr(_this_thread, "deadline", None)
+        if deadline is not None:  # this request's deadline watches its connection until the head is in
+            _this_thread.watched = _WATCHDOG.watch(deadline, conn)
         return conn
 
     def _put_conn(self, conn: Any) -> None:
@@ -615,7 +671,7 @@ class Client:
             raise RequestTimeout(f"no time left for a request to {display}")
         wait = min(left, timeout_s)
         idempotent = method in ("GET", "HEAD", "OPTIONS")
-        _this_thread.opened = False
+        _this_thread.opened, _this_thread.deadline, _this_thread.watched = False, deadline, None
         # Direct: the origin's pool, looked up once (the pool manager's key normalisation costs more
         # CPU per call than the rest of the request); through a proxy, the manager adds its parts.
         opener, target = (
@@ -648,7 +704,13 @@ class Client:
                 assert_same_host=False,
             )
         except u3.HTTPError as exc:
+            if time.monotonic() >= deadline:
+                raise RequestTimeout(f"{where} did not answer before the request's deadline") from None
             raise _send_error(exc, where, wait) from None
+        finally:
+            if _this_thread.watched is not None:
+                _WATCHDOG.cancel(_this_thread.watched)
+            _this_thread.deadline = _this_thread.watched = None
         with self._lock:
             if not _this_thread.opened:
                 self.stats["reused"] += 1
@@ -761,8 +823,6 @@ def _reason(exc: BaseException) -> str:
         inner = nxt
     if isinstance(inner, ConnectionRefusedError) or "Connection refused" in str(exc):
         return "connection refused"
-    import socket
-
     if isinstance(inner, socket.gaierror) or isinstance(exc, u3.NameResolutionError):
         return "name resolution failed"
     text = getattr(inner, "strerror", None) or str(inner)
