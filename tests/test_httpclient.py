@@ -754,7 +754,9 @@ def test_https_through_a_connect_tunnel(tls_server, tls_files, no_ca_env, proxy,
     monkeypatch.setenv("HTTPS_PROXY", proxy.url)
     client = llm(tls_server.base_url)
     assert client.chat(USER, []).content and client.chat(USER, []).content
-    assert [line.rsplit(" ", 1)[0] for line in proxy.lines] == [f"CONNECT 127.0.0.1:{tls_server.port}"]  # one tunnel, kept alive
+    assert [line.rsplit(" ", 1)[0] for line in proxy.lines] == [
+        f"CONNECT 127.0.0.1:{tls_server.port}"
+    ]  # one tunnel, kept alive
     assert tls_server.stats()["requests"] == 2
 
 
