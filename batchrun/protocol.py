@@ -156,6 +156,9 @@ class Reserve:
     rid: int
     tokens: int
     priority: int = 0  # the calls its prompt has made: a prompt under way goes first
+    prompt: tuple[int, int, int] | None = (
+        None  # (batch, prompt index, sample index); None: not a prompt's call
+    )
 
 
 @dataclass(frozen=True)

@@ -207,3 +207,19 @@ def test_a_prompt_under_way_gets_the_budget_before_one_not_started():
     assert budget.request("w", 3, 900, priority=2) == []  # the third call of a prompt under way
     spent.tokens += 50
     assert budget.settle("w", 1, 50, 0.0) == [("w", 3, True)]  # it goes first, though it came later
+
+
+def test_a_new_prompt_starts_only_when_the_budget_also_holds_the_prompts_under_way():
+    spent = Spent()
+    budget = Budget(10_000, None, spent)
+    # A finished prompt taught: 4 calls of ~1,000 tokens.
+    budget.prompt_done("old", 4, 4000)
+    assert budget.request("w", 1, 1000, 0, prompt="a") == [("w", 1, True)]  # alone: it starts
+    spent.tokens += 1000
+    budget.settle("w", 1, 1000, 0.0)
+    # "a" still expects 3 calls (3,000); "b" needs its own 4,000: 1,000 + 3,000 + 4,000 fits 10,000.
+    assert budget.request("w", 2, 1000, 0, prompt="b") == [("w", 2, True)]
+    # "c" would need 4,000 more on top of a's 3,000 and b's 3,000 (+ b's call in flight): it waits.
+    assert budget.request("w", 3, 1000, 0, prompt="c") == []
+    assert budget.request("w", 4, 1000, 1, prompt="a") == [("w", 4, True)]  # a prompt under way goes on
+    assert not budget.exhausted

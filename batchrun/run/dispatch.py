@@ -29,6 +29,7 @@ from batchrun.prompt.run import RunSettings
 from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.protocol import (
+    FAILED,
     EndpointHealth,
     Grant,
     Log,
@@ -252,7 +253,9 @@ class Dispatch:
             self.grant(inbox, self.budget.settle(pid, message.reservation, tokens, message.cost_usd))
             return self.check_budget(inbox, track)
         elif isinstance(message, Reserve):  # may this call be sent? (the budget as a cap)
-            self.grant(inbox, self.budget.request(pid, message.rid, message.tokens, message.priority))
+            self.grant(
+                inbox, self.budget.request(pid, message.rid, message.tokens, message.priority, message.prompt)
+            )
             return self.check_budget(inbox, track)
         elif isinstance(message, EndpointHealth):
             self.recorder.counts["endpoint_failures"] += message.error_class is not None
@@ -273,6 +276,13 @@ class Dispatch:
                 # worker does not wait for the parent's disk.
                 self.hand_out(pid, track, inbox)
             settled = self.settle(message, track)
+            if isinstance(message, Outcome) and self.budget.active:
+                usage = message.usage or {}
+                tokens = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0)
+                calls = (
+                    (usage.get("calls") or 0) if message.kind != FAILED else 0
+                )  # a stopped one teaches nothing
+                self.grant(inbox, self.budget.prompt_done(_key(message), calls, tokens))
             return settled + self.check_budget(inbox, track)
         return 0
 

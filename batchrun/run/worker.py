@@ -78,7 +78,12 @@ class ParentGate:
             event, answer = threading.Event(), []
             self._waiting[rid] = (event, answer)
         start = time.monotonic()
-        send(Reserve(rid, tokens, priority))
+        job = getattr(_worker().current, "job", None)
+        send(
+            Reserve(
+                rid, tokens, priority, (job.batch_num, job.prompt_index, job.sample_index) if job else None
+            )
+        )
         # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
         if not event.wait(timeout=max(1.0, deadline - start) + 3600.0):
             with self._lock:
