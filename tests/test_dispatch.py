@@ -169,7 +169,7 @@ def test_token_budget_stops_prompts_in_flight_at_their_next_call(tmp_path):
         assert budget["spent_tokens"] == served["prompt_tokens"] + served["completion_tokens"]
         assert budget["spent_tokens"] <= 20000 and budget["overshoot_tokens"] == 0
         usages = [r["metadata"]["usage"] for r in records] + [r["usage"] for r in failed]
-        biggest = max(u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+        biggest = max((u["prompt_tokens"] or 0) + (u["completion_tokens"] or 0) for u in usages)
         assert budget["spent_tokens"] >= 20000 - in_flight * biggest  # the cap was used, not refused early
         assert len(records) + len(failed) + stats["this_run"]["skipped_for_budget"] == 40
         assert len(records) < 40
