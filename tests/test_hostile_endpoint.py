@@ -2,7 +2,7 @@
 memory and within the deadline.
 
 The server is real (loopback, written here); the client runs in its own process so that its peak
-memory (``ru_maxrss``) is the client's alone. Without the bounds each case below took a worker to
+memory (``VmHWM``) is the client's alone. Without the bounds each case below took a worker to
 gigabytes or kept a prompt alive forever.
 """
 
@@ -37,7 +37,9 @@ try:
 except LLMError as exc:
     out = {"error_class": exc.error_class, "message": str(exc)[:300]}
 out["elapsed_s"] = time.monotonic() - t0
-out["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM: this process's own peak (ru_maxrss would also hold the forking parent's, from before exec)
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+out["maxrss_mb"] = int(hwm[0].split()[1]) / 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(out))
 """
 
