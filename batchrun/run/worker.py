@@ -10,6 +10,7 @@ cannot start. This module imports only the package, so a worker on any machine c
 
 from __future__ import annotations
 
+import contextvars
 import os
 import signal
 import threading
@@ -78,7 +79,7 @@ class ParentGate:
             event, answer = threading.Event(), []
             self._waiting[rid] = (event, answer)
         start = time.monotonic()
-        job = getattr(_worker().current, "job", None)
+        job = _current_job()
         send(
             Reserve(
                 rid, tokens, priority, (job.batch_num, job.prompt_index, job.sample_index) if job else None
@@ -204,7 +205,7 @@ def send(message: Any) -> None:
 def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
     """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them
     (and frees the call's ``reservation``)."""
-    job = getattr(_worker().current, "job", None)
+    job = _current_job()
     if job is None:
         if reservation is not None:  # a call outside a prompt (none today): still free its reservation
             send(Spend(-1, -1, 0, 0, 0.0, reservation=reservation))
@@ -228,6 +229,15 @@ def _count_of(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+_JOB: contextvars.ContextVar[PromptJob | None] = contextvars.ContextVar("prompt_job", default=None)
+
+
+def _current_job() -> PromptJob | None:
+    """The job of the prompt this thread works for: its own thread's, or the context a tool's thread was
+    started with (so a tool's model calls count against the budget as they happen)."""
+    return getattr(_worker().current, "job", None) or _JOB.get()
+
+
 def _worker() -> WorkerState:
     if _state is None:
         raise RuntimeError("init_worker has not run in this process")
@@ -237,6 +247,7 @@ def _worker() -> WorkerState:
 def _run_one(job: PromptJob) -> None:
     state = _worker()
     state.current.job = job
+    _JOB.set(job)  # also seen by the threads a tool starts with a copy of this context (moa's references)
     try:
         if state.stop.is_set():  # the budget is spent: leave this prompt for a later --resume
             send(Skipped(job.batch_num, job.prompt_index, job.sample_index))
@@ -257,6 +268,7 @@ def _run_one(job: PromptJob) -> None:
         send(outcome)  # the parent counts this slot free and sends the next prompt
     finally:
         state.current.job = None
+        _JOB.set(None)
 
 
 def _listen_to_parent() -> None:

@@ -6,6 +6,7 @@ A reference model that fails is left out; the aggregation needs ``MOA_MIN_SUCCES
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -78,7 +79,10 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
             return model, None, str(exc)
 
     with ThreadPoolExecutor(max_workers=len(cfg.reference_models), thread_name_prefix="moa") as pool:
-        answers = list(pool.map(reference, cfg.reference_models))
+        # Each reference runs in a copy of this thread's context: the worker's prompt (its budget, its
+        # live spend) goes with it.
+        contexts = [contextvars.copy_context() for _ in cfg.reference_models]
+        answers = list(pool.map(lambda c, m: c.run(reference, m), contexts, cfg.reference_models))
     good = [(m, text) for m, text, _ in answers if text is not None]
     failed = {m: err for m, _, err in answers if err is not None}
     if len(good) < cfg.min_successful:
