@@ -28,18 +28,26 @@ from batchrun.config import (
     parse_argv,
 )
 from batchrun.distributions import format_distributions
-from batchrun.prompt.llm import dialect_warnings
+from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.run import RunSettings, RunTools
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
+from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD
 from batchrun.run.forkserver import start_forkserver
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import check_endpoint, preflight_sandboxes, probe_mcp_servers
 from batchrun.run.recorder import Recorder
-from batchrun.run.resume import all_samples, build_manifest, check_manifest, read_manifest, resume_filter
+from batchrun.run.resume import (
+    all_samples,
+    build_manifest,
+    check_manifest,
+    read_manifest,
+    resume_command,
+    resume_filter,
+)
 from batchrun.secrets import Redactor
 from batchrun.storage import WriteError
 
@@ -115,13 +123,16 @@ def main(
     temperature: float | None = None,
     top_p: float | None = None,
     seed_per_request: bool = False,
+    max_response_mb: float = 32.0,
+    ephemeral_system_prompt_file: str | None = None,
+    endpoint_grace: float = 120.0,
 ) -> None:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
     Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
     statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
-    130 interrupted.
+    4 an output file cannot be written, 5 the endpoint died (resume when it is back), 130 interrupted.
 
     Args:
         dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
@@ -195,6 +206,10 @@ def main(
         top_p: [sampling] Nucleus sampling top_p sent with every model request (above 0, at most 1).
         seed_per_request: [sampling] Send each request a seed derived from --seed, the row, the sample
             index and the turn (reproducible samples where the endpoint honours it).
+        max_response_mb: [endpoint] Most an answer may hold, decoded (a whole stream too); more is a bad_response.
+        ephemeral_system_prompt_file: [output] File holding the ephemeral system prompt (kept out of ps;
+            or set BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT).
+        endpoint_grace: [endpoint] Seconds a dead endpoint may take to come back before the run stops (exit 5).
     """
     try:
         config = RunConfig.from_flags(
@@ -264,6 +279,9 @@ def main(
             temperature=temperature,
             top_p=top_p,
             seed_per_request=seed_per_request,
+            max_response_mb=max_response_mb,
+            ephemeral_system_prompt_file=ephemeral_system_prompt_file,
+            endpoint_grace=endpoint_grace,
         )
         if config.list_distributions:
             prepare_tools(config)
@@ -409,8 +427,9 @@ def run_steps(
     interrupted = False
     if ready.batches:
         settings = worker_settings(config, llm, ready.sandbox_options, tool_extra, mcp)
+        dispatch = Dispatch(config, settings, recorder)
         try:
-            Dispatch(config, settings, recorder).run(ready.batches)
+            dispatch.run(ready.batches)
         except KeyboardInterrupt:
             _interrupt_handled()
             interrupted = True
@@ -429,6 +448,13 @@ def run_steps(
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
     finish.print_summary(config.run_dir, stats, recorder)
+    if ready.batches and dispatch.endpoint_dead:
+        print(
+            "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "
+            + recorder.redact(resume_command()),
+            file=sys.stderr,
+        )
+        return EXIT_ENDPOINT_DEAD
     return finish.exit_code(stats, interrupted, config.max_failure_rate)
 
 
@@ -467,6 +493,13 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
             "the OPENROUTER_API_KEY or OPENAI_API_KEY environment variable is safer",
             file=sys.stderr,
         )
+    if config.ephemeral_system_prompt:
+        print(
+            "warning: --ephemeral_system_prompt is visible to other users of this machine (ps, /proc) for "
+            "the whole run; --ephemeral_system_prompt_file or the BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT "
+            "environment variable is safer",
+            file=sys.stderr,
+        )
     base_url = config.base_url
     if (
         not config.resolved_api_key
@@ -474,7 +507,7 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
         and ("openrouter.ai" in base_url or "api.openai.com" in base_url)
     ):
         raise UsageError(
-            f"no API key for {base_url}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
+            f"no API key for {safe_url(base_url)}: pass --api_key or set OPENROUTER_API_KEY (or OPENAI_API_KEY)"
         )
     if config.ray_address is not None:  # without Ray, say how to install it
         from batchrun.run.ray_pool import RaySetupError, check_address
@@ -549,7 +582,7 @@ def worker_settings(
         sandbox_backend=config.backend,
         sandbox_options=sandbox_options,
         sandbox_network=config.sandbox_network,
-        ephemeral_system_prompt=config.ephemeral_system_prompt,
+        ephemeral_system_prompt=config.ephemeral_prompt,
         prefill_messages=config.prefill_messages,
         require_reasoning=not config.keep_no_reasoning,
         keep_invalid_tool_calls=config.keep_invalid_tool_calls,
@@ -559,6 +592,7 @@ def worker_settings(
         tool_extra=tool_extra,
         tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
         request_seed=config.seed if config.seed_per_request else None,
+        budget_gate=config.budget_tokens is not None or config.budget_usd is not None,
     )
 
 
@@ -566,10 +600,12 @@ def prepare_tools(config: RunConfig) -> McpSetup | None:
     """Before any token: report plugins that cannot load (once), list each MCP server's tools, and
     install those tools here (the workers install the same)."""
     from batchrun.prompt.tools import mcp as mcp_tools
-    from batchrun.prompt.tools.plugins import plugin_problems
+    from batchrun.prompt.tools.plugins import ignored_plugins, plugin_problems
 
     for problem in plugin_problems().values():
         print(f"warning: toolset plugin not loaded, its tools are not offered: {problem}", file=sys.stderr)
+    for why in ignored_plugins().values():
+        print(f"warning: toolset plugin {why}; the built-in or MCP toolset is used", file=sys.stderr)
     setup = probe_mcp_servers(config) if config.mcp_servers else None
     try:
         mcp_tools.install(setup)

@@ -23,13 +23,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.llm import DIALECTS, PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
+from batchrun.prompt.httpclient import url_credentials
+from batchrun.prompt.llm import DIALECTS, MAX_CALL_TOKENS, PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.storage import read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
+MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
+MAX_DURATION_S = 7 * 24 * 3600.0  # a timeout longer than a week is a typo (1e11 s would overflow a timer)
+PID_MAX_LIMIT = 4_194_304  # the kernel's own highest pid_max
+DERIVED_MAX_TOKENS = 4096  # the per-call completion limit a budget run gets when --max_tokens is not set
+EPHEMERAL_PROMPT_ENV = "BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT"  # the prompt, kept out of ps
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MOCK_MODEL = "mock"  # the built-in fake model (batchrun.fakes.fake_model): no key, no network
 
@@ -84,12 +90,11 @@ def int_flag(
             number = value
         elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
             number = int(value)
-        if low == 1:
-            kind = "a positive integer" + (f" (at most {high})" if high is not None else "")
-        else:
-            kind = f"an integer{_range(low, high)}"
+        kind = "a positive integer" if low == 1 else f"an integer{_range(low, high)}"
         if number is None:
             raise UsageError(f"--{flag} must be {kind}, got {_show(value)}")
+        if low == 1 and high is not None and number > high:  # a size or count the machine cannot honour
+            raise UsageError(f"--{flag} must be at most {high}, got {number}")
         if (low is not None and number < low) or (high is not None and number > high):
             raise UsageError(f"--{flag} must be {kind}, got {number}")
         return number
@@ -116,6 +121,8 @@ def float_flag(
         if number is None or not math.isfinite(number):
             raise UsageError(f"--{flag} must be a number{_range(low, high, low_open)}, got {_show(value)}")
         too_low = low is not None and (number <= low if low_open else number < low)
+        if low_open and high is not None and number > high:  # a size or duration past what can be honoured
+            raise UsageError(f"--{flag} must be at most {high:g}, got {value}")
         if too_low or (high is not None and number > high):
             raise UsageError(f"--{flag} must be a number{_range(low, high, low_open)}, got {value}")
         return number
@@ -125,7 +132,7 @@ def float_flag(
 
 def _range(low: float | None, high: float | None, low_open: bool = False) -> str:
     if low is not None and high is not None:
-        return f" from {low} to {high}"
+        return f" above {low:g}" if low_open else f" from {low} to {high}"
     if low is not None:
         if low == 0 and low_open:
             return " above 0"
@@ -216,28 +223,28 @@ class RunConfig:
 
     # The reference runner's flags (same names and defaults)
     dataset_file: str = _flag(text_flag())  # the three required flags: see check()
-    batch_size: int = _flag(int_flag(1, optional=True))
+    batch_size: int = _flag(int_flag(1, MAX_COUNT, optional=True))
     run_name: str = _flag(run_name_flag)
     distribution: str = _flag(text_flag(optional=False), "default")
     model: str = _flag(text_flag(optional=False), DEFAULT_MODEL)
     api_key: str | None = _flag(text_flag(nonempty=False))
     base_url: str = _flag(text_flag(optional=False), DEFAULT_BASE_URL)
-    max_turns: int = _flag(int_flag(1), 10)
+    max_turns: int = _flag(int_flag(1, 100_000), 10)
     num_workers: int = _flag(int_flag(1, 1024), 4)
     resume: bool = _flag(parse_bool, False)
     list_distributions: bool = _flag(parse_bool, False)
     verbose: bool = _flag(parse_bool, False)
     ephemeral_system_prompt: str | None = _flag(text_flag(nonempty=False))
-    log_prefix_chars: int = _flag(int_flag(0), 100)
+    log_prefix_chars: int = _flag(int_flag(0, 1_000_000), 100)
     providers_allowed: tuple[str, ...] = _flag(list_flag, ())
     providers_ignored: tuple[str, ...] = _flag(list_flag, ())
     providers_order: tuple[str, ...] = _flag(list_flag, ())
     provider_sort: str | None = _flag(choice_flag(PROVIDER_SORTS))
-    max_tokens: int | None = _flag(int_flag(1, optional=True))
+    max_tokens: int | None = _flag(int_flag(1, MAX_CALL_TOKENS, optional=True))
     reasoning_effort: str | None = _flag(choice_flag(REASONING_EFFORTS))
     reasoning_disabled: bool = _flag(parse_bool, False)
     prefill_messages_file: str | None = _flag(text_flag())
-    max_samples: int | None = _flag(int_flag(1, optional=True))
+    max_samples: int | None = _flag(int_flag(1, MAX_COUNT, optional=True))
     # Your own toolsets and distributions
     distribution_file: str | None = _flag(text_flag())
     mcp_config: str | None = _flag(text_flag())
@@ -251,16 +258,18 @@ class RunConfig:
     default_image: str = _flag(text_flag(optional=False), DEFAULT_IMAGE)  # the tests' image is never it
     local_isolation: str = _flag(choice_flag(ISOLATION_MODES, optional=False), "auto")
     container_cpus: float = _flag(float_flag(0, 1024, low_open=True), 1.0)
-    container_memory_mb: int = _flag(int_flag(16), 2048)
-    container_pids_limit: int = _flag(int_flag(8), 512)
-    container_disk_mb: int = _flag(int_flag(16), 4096)
+    container_memory_mb: int = _flag(
+        int_flag(16, 1 << 24), 2048
+    )  # and at most this machine's memory: check()
+    container_pids_limit: int = _flag(int_flag(8, PID_MAX_LIMIT), 512)  # and kernel.pid_max: check()
+    container_disk_mb: int = _flag(int_flag(16, 1 << 26), 4096)  # 64 TiB
     cwd_root: str | None = _flag(text_flag())
     sandbox_network: bool = _flag(parse_bool, True)
     sandbox_settings: dict[str, Any] | None = _flag(json_object_flag)  # laid over the backend's options
     # Time limits and retries
-    tool_timeout: float = _flag(float_flag(0, low_open=True), 180.0)
-    prompt_timeout: float = _flag(float_flag(0, low_open=True), 1800.0)
-    request_timeout: float = _flag(float_flag(0, low_open=True), 600.0)
+    tool_timeout: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 180.0)
+    prompt_timeout: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 1800.0)
+    request_timeout: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 600.0)
     max_retries: int = _flag(int_flag(0, 100), 3)
     # Output, resume and quality
     output_dir: str = _flag(text_flag(optional=False), "data")
@@ -271,14 +280,14 @@ class RunConfig:
     keep_invalid_tool_calls: bool = _flag(parse_bool, False)
     keep_empty_answers: bool = _flag(parse_bool, False)
     exclude_partial: bool = _flag(parse_bool, False)
-    report_max_trajectories: int = _flag(int_flag(0), 500)
+    report_max_trajectories: int = _flag(int_flag(0, 1_000_000), 500)
     # Spend and rate limits
-    budget_usd: float | None = _flag(float_flag(0, low_open=True, optional=True))
-    budget_tokens: int | None = _flag(int_flag(1, optional=True))
-    max_prompt_tokens: int | None = _flag(int_flag(1, optional=True))
-    max_prompt_usd: float | None = _flag(float_flag(0, low_open=True, optional=True))
-    max_rpm: float | None = _flag(float_flag(0, low_open=True, optional=True))
-    max_concurrent_requests: int | None = _flag(int_flag(1, optional=True))
+    budget_usd: float | None = _flag(float_flag(0, 1e9, low_open=True, optional=True))
+    budget_tokens: int | None = _flag(int_flag(1, 10**15, optional=True))
+    max_prompt_tokens: int | None = _flag(int_flag(1, 10**12, optional=True))
+    max_prompt_usd: float | None = _flag(float_flag(0, 1e9, low_open=True, optional=True))
+    max_rpm: float | None = _flag(float_flag(0, 1e7, low_open=True, optional=True))
+    max_concurrent_requests: int | None = _flag(int_flag(1, 1_000_000, optional=True))
     # OpenRouter routing
     provider_allow_fallbacks: bool | None = _flag(parse_optional_bool)
     provider_data_collection: str | None = _flag(choice_flag(("allow", "deny")))
@@ -290,6 +299,10 @@ class RunConfig:
     temperature: float | None = _flag(float_flag(0, 2, optional=True))
     top_p: float | None = _flag(float_flag(0, 1, low_open=True, optional=True))
     seed_per_request: bool = _flag(parse_bool, False)
+    # Hostile endpoints and money (issue 25)
+    max_response_mb: float = _flag(float_flag(0, 4096, low_open=True), 32.0)
+    ephemeral_system_prompt_file: str | None = _flag(text_flag())
+    endpoint_grace: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 120.0)
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -354,7 +367,16 @@ class RunConfig:
                 f"--num_workers={self.num_workers}; raise it or use fewer workers"
             )
         if not re.fullmatch(r"https?://\S+", self.base_url):
-            raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")
+            raise UsageError(
+                f"--base_url must be an http:// or https:// URL, got {_show(url_credentials(self.base_url)[0])}"
+            )
+        if url_credentials(self.base_url)[1] is not None and self.resolved_api_key:
+            raise UsageError(
+                "--base_url holds a user and password and an API key is set too: both would be the "
+                "Authorization header. Give one: the key, or the URL's credentials (sent as HTTP Basic auth)"
+            )
+        self.check_machine_bounds()
+        self.ephemeral_prompt  # noqa: B018  (reads and checks the file now)
         check_output_dir(self.output_dir, self.run_name)
         if self.cwd_root is not None and not os.path.isdir(self.cwd_root):
             raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
@@ -362,7 +384,71 @@ class RunConfig:
             raise UsageError(f"--dataset_file: dataset file not found: {self.dataset_file}")
         self.prefill_messages  # noqa: B018  (reads and checks the file now, before anything starts)
 
+    def check_machine_bounds(self) -> None:
+        """Sizes this machine cannot honour fail now, naming the flag, not at every sandbox's start."""
+        try:
+            pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        except (OSError, ValueError):
+            pid_max = PID_MAX_LIMIT
+        if self.container_pids_limit > pid_max:
+            raise UsageError(
+                f"--container_pids_limit must be at most this machine's kernel.pid_max ({pid_max}), "
+                f"got {self.container_pids_limit}"
+            )
+        try:
+            memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+        except (OSError, ValueError):
+            memory_mb = 1 << 24
+        if self.backend in ("local", "docker") and self.container_memory_mb > memory_mb:
+            raise UsageError(
+                f"--container_memory_mb must be at most this machine's memory ({memory_mb} MB), "
+                f"got {self.container_memory_mb}"
+            )
+        cpus = os.cpu_count() or 1
+        if self.backend == "docker" and self.container_cpus > cpus:
+            raise UsageError(
+                f"--container_cpus must be at most this machine's {cpus} CPUs, got {self.container_cpus:g}"
+            )
+
     # -- values derived from the flags (computed, never stored apart from them)
+
+    @functools.cached_property
+    def ephemeral_prompt(self) -> str | None:
+        """The ephemeral system prompt: --ephemeral_system_prompt, --ephemeral_system_prompt_file or
+        the BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT variable (one of them); never saved anywhere."""
+        given = [
+            name
+            for name, value in (
+                ("--ephemeral_system_prompt", self.ephemeral_system_prompt),
+                ("--ephemeral_system_prompt_file", self.ephemeral_system_prompt_file),
+                (EPHEMERAL_PROMPT_ENV, os.environ.get(EPHEMERAL_PROMPT_ENV)),
+            )
+            if value
+        ]
+        if len(given) > 1:
+            raise UsageError(f"the ephemeral system prompt is given twice ({' and '.join(given)}): give one")
+        if self.ephemeral_system_prompt_file:
+            try:
+                return Path(self.ephemeral_system_prompt_file).read_text(encoding="utf-8") or None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(
+                    f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: cannot read: "
+                    f"{getattr(exc, 'strerror', None) or exc}"
+                ) from None
+        return self.ephemeral_system_prompt or os.environ.get(EPHEMERAL_PROMPT_ENV) or None
+
+    @property
+    def call_max_tokens(self) -> int | None:
+        """Each call's completion limit: --max_tokens, or with a budget :data:`DERIVED_MAX_TOKENS` (at most
+        a tenth of --budget_tokens; a call's worst case must be finite for the budget to be a cap), or
+        None (the endpoint's own)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        if self.budget_tokens is not None:  # a tenth of the budget at most: several calls must fit in it
+            return max(64, min(DERIVED_MAX_TOKENS, self.budget_tokens // 10))
+        if self.budget_usd is not None:
+            return DERIVED_MAX_TOKENS
+        return None
 
     @property
     def backend(self) -> str:
@@ -456,7 +542,7 @@ class RunConfig:
             model=self.model,
             base_url=base_url,
             api_key=self.resolved_api_key,
-            max_tokens=self.max_tokens,
+            max_tokens=self.call_max_tokens,
             reasoning_effort=self.reasoning_effort,
             reasoning_disabled=self.reasoning_disabled,
             providers_allowed=self.providers_allowed,
@@ -466,6 +552,7 @@ class RunConfig:
             provider_allow_fallbacks=self.provider_allow_fallbacks,
             provider_data_collection=self.provider_data_collection,
             request_timeout_s=self.request_timeout,
+            max_response_mb=self.max_response_mb,
             max_retries=self.max_retries,
             dialect=self.endpoint_dialect,
             stream=self.stream,
@@ -508,15 +595,17 @@ class RunConfig:
         """Digests of the ephemeral system prompt and the prefill, for the manifest: never their text."""
         prefill = self.prefill_messages
         return {
-            "ephemeral_system_prompt_sha256": _sha256(self.ephemeral_system_prompt)
-            if self.ephemeral_system_prompt
+            "ephemeral_system_prompt_sha256": _sha256(self.ephemeral_prompt)
+            if self.ephemeral_prompt
             else None,
             "prefill_sha256": _sha256(json.dumps(prefill, sort_keys=True)) if prefill else None,
         }
 
     def secret_texts(self) -> list[str]:
         """What must be redacted from every file besides the key: the ephemeral prompt, the prefill contents."""
-        texts = [self.ephemeral_system_prompt or ""]
+        texts = [self.ephemeral_prompt or ""]
+        creds = url_credentials(self.base_url)[1]
+        texts += [creds[1]] if creds and len(creds[1]) >= 4 else []  # the --base_url password
         texts += [m["content"] for m in self.prefill_messages]
         texts += [v for server in self.mcp_servers for v in server.secrets()]  # MCP env and header values
         return [t for t in texts if t]

@@ -12,6 +12,7 @@ import random
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from batchrun.prompt.tools.registry import TOOLSETS
 
@@ -195,6 +196,29 @@ def list_distributions() -> dict[str, Distribution]:
     return {**DISTRIBUTIONS, **_FROM_FILE}
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: a distribution (or a toolset) defined twice is an error,
+    not the last definition silently."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"{key!r} is defined twice")
+        seen[key] = value
+    return seen
+
+
+def _unique_key_loader(yaml: Any) -> Any:
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+            if twice:
+                raise ValueError(f"{twice[0]!r} is defined twice")
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def load_distribution_file(path: str, known: Collection[str]) -> dict[str, Distribution]:
     """The named distributions of a JSON (or, with PyYAML installed, YAML) file, checked.
 
@@ -216,14 +240,18 @@ def load_distribution_file(path: str, known: Collection[str]) -> dict[str, Distr
                 f"{path}: reading YAML needs PyYAML (pip install pyyaml); or write it as JSON"
             ) from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_key_loader(yaml))  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: not valid YAML: {exc}") from None
+        except ValueError as exc:  # a name defined twice
+            raise ValueError(f"{path}: {exc}") from None
     else:
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
+        except ValueError as exc:  # a name defined twice
+            raise ValueError(f"{path}: {exc}") from None
     if not isinstance(data, dict) or not data:
         raise ValueError(
             f'{path}: expected an object of named distributions, {{"name": {{"description": ..., '

@@ -145,6 +145,28 @@ class Spend:
     completion_tokens: int
     cost_usd: float
     sample_index: int = 0
+    reservation: int | None = None  # the Reserve this call was sent under: freed now
+    fault: str | None = None  # what was wrong with the endpoint's usage (then the counts are estimates)
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """A model call of this worker may spend up to ``tokens``: may it be sent? (the budget, see batchrun/run/budget.py)"""
+
+    rid: int
+    tokens: int
+    priority: int = 0  # the calls its prompt has made: a prompt under way goes first
+    prompt: tuple[int, int, int] | None = (
+        None  # (batch, prompt index, sample index); None: not a prompt's call
+    )
+
+
+@dataclass(frozen=True)
+class EndpointHealth:
+    """After a model call's attempt: whether it failed for the endpoint's reasons (refused, reset,
+    timed out, 5xx: ``error_class``) or answered (None). The parent watches for a dead endpoint."""
+
+    error_class: str | None
 
 
 @dataclass(frozen=True)
@@ -172,6 +194,14 @@ class PauseAll:
     """Back off from the endpoint until ``until`` (epoch seconds), as one worker was told to."""
 
     until: float
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The answer to a :class:`Reserve`: send the call, or not (the budget is reached)."""
+
+    rid: int
+    ok: bool
 
 
 @dataclass(frozen=True)

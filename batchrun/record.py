@@ -51,6 +51,7 @@ USAGE: dict[str, Any] = {
     "retries": INT,
     "rate_limited": INT,
     "providers": [STRING],  # null when the endpoint named none
+    "estimated_calls": INT,  # answered calls whose usage the endpoint did not report credibly: counted by the runner
 }
 
 METADATA: dict[str, Any] = {

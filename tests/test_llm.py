@@ -337,7 +337,12 @@ def test_answers_from_less_strict_servers_are_normalised():
         ("http://127.0.0.1:8080/v1", "local"),
         ("http://gpu-box:8000/v1", "local"),
         ("http://localhost:11434/v1", "ollama"),
-        ("https://notopenrouter.ai.example/v1", "local"),
+        ("https://notopenrouter.ai.example/v1", "openai"),  # an unknown remote host: standard fields only
+        ("https://api.example.com/v1", "openai"),
+        ("http://10.1.2.3:8000/v1", "local"),  # a private network
+        ("http://192.168.1.20:11434/v1", "ollama"),
+        ("http://[::1]:8080/v1", "local"),
+        ("http://llm.internal:8000/v1", "local"),
     ],
 )
 def test_dialect_follows_the_host(base_url, dialect):

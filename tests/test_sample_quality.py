@@ -22,7 +22,7 @@ from batchrun.prompt.trajectory import (
     parse_gpt_value,
     to_sharegpt,
 )
-from batchrun.run.preflight import check_endpoint, warn_unlisted_model
+from batchrun.run.preflight import check_endpoint, list_models, warn_unlisted_model
 
 
 def run(dataset: Path, out: Path, run_name: str = "q", **kw) -> Path:
@@ -159,11 +159,11 @@ def test_endpoint_check_refuses_a_rejected_key_and_tolerates_a_missing_models_ro
     base = f"http://127.0.0.1:{server.server_address[1]}/v1"
     try:
         with pytest.raises(UsageError) as rejected:
-            check_endpoint(LLMConfig(model="m", base_url=base, api_key="sk-wrong"))
+            list_models(LLMConfig(model="m", base_url=base, api_key="sk-wrong"))
         assert "rejected the API key (HTTP 401)" in str(rejected.value) and "sk-wrong" not in str(
             rejected.value
         )
-        check_endpoint(LLMConfig(model="m", base_url=base, api_key="sk-right"))  # 404: no error
+        list_models(LLMConfig(model="m", base_url=base, api_key="sk-right"))  # 404: no error
     finally:
         server.shutdown()
 

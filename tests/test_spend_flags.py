@@ -104,14 +104,15 @@ def test_budget_stops_starting_prompts_and_resume_runs_the_rest(
     dataset = write_jsonl(tmp_path / "d.jsonl", BUDGETED)
     out = tmp_path / "data"
     run_dir = out / "run"
-    # One prompt at a time: the budget is reached after about three prompts.
+    # One prompt at a time: the budget holds about three prompts; a call is sent only when its worst
+    # case (its estimated prompt and the derived completion limit) still fits, so fewer run.
     one_at_a_time = dict(num_workers=1, prompts_per_worker=1, batch_size=4)
     run(priced_server, dataset, out, **one_at_a_time, **{flag: budget})
 
     stats = read_json(run_dir / "statistics.json")
     this_run = stats["this_run"]
-    assert 3 <= this_run["attempted"] < len(BUDGETED)
-    assert this_run["usage"][spent] >= budget
+    assert 1 <= this_run["attempted"] < len(BUDGETED)
+    assert 0 < this_run["usage"][spent] <= budget  # a cap: never past it
     assert this_run["skipped_for_budget"] >= 1
     assert this_run["attempted"] + this_run["skipped_for_budget"] == len(BUDGETED)
     assert stats["remaining_for_resume"] == len(BUDGETED) - stats["trajectories"] > 0
@@ -119,7 +120,7 @@ def test_budget_stops_starting_prompts_and_resume_runs_the_rest(
     assert status["state"] == "finished"
     assert status["budget"]["reached"] is True
     assert status["budget"]["tokens" if flag == "budget_tokens" else "usd"] == budget
-    assert status["budget"]["spent_tokens" if flag == "budget_tokens" else "spent_usd"] >= budget
+    assert status["budget"]["spent_tokens" if flag == "budget_tokens" else "spent_usd"] <= budget
     served_first = collections.Counter(priced_server.stats()["requests_by_prompt"])
     assert len(served_first) < len(BUDGETED)  # the provider never saw the rest
     first_trajectories = stats["trajectories"]

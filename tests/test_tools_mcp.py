@@ -116,6 +116,35 @@ def test_stdio_server_tools_reach_the_model_and_the_records(server, tmp_path):
     assert not any(pid_alive(p) for p in pids)
 
 
+def test_a_stdio_server_that_ignores_sigterm_and_eof_ends_with_the_run(server, tmp_path):
+    """Its whole process group is killed (SIGKILL after the grace period) when its worker ends."""
+    ds = write_jsonl(tmp_path / "ds.jsonl", ["say hello there"])
+    out = tmp_path / "out"
+    entry = {
+        "command": sys.executable,
+        "args": [str(SERVER), "stdio", "--stubborn", "--pid-file", str(tmp_path / "pids")],
+    }
+    config = tmp_path / "servers.json"
+    config.write_text(json.dumps({"mcpServers": {"tools": entry}}), "utf-8")
+    run(
+        server,
+        ds,
+        out,
+        mcp_config=str(config),
+        distribution_file=str(mcp_only(tmp_path)),
+        distribution="mcp_only",
+        num_workers=1,
+    )
+    (rec,) = read_jsonl(out / "run" / "trajectories.jsonl")
+    assert rec["tool_stats"]["mcp__tools__echo"]["success"] == 1
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 4  # the probe's server and the worker's, each with its child
+    deadline = time.monotonic() + 20
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if pid_alive(p)]
+
+
 def test_per_prompt_sessions_get_a_server_each(server, tmp_path):
     prompts = ["first prompt", "second prompt", "third prompt"]
     ds = write_jsonl(tmp_path / "ds.jsonl", prompts)

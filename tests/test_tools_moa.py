@@ -40,10 +40,10 @@ def test_defaults_to_the_run_model(clean_tool_env):
 def test_failed_reference_is_left_out(monkeypatch, tool_ctx, call_tool):
     real_ask = moa._ask
 
-    def ask(cfg, model, messages, temperature, timeout_s, usage=None):
+    def ask(cfg, model, messages, temperature, timeout_s, usage=None, ctx=None):
         if model == "broken":
             raise RuntimeError("HTTP 503: overloaded")
-        return real_ask(cfg, model, messages, temperature, timeout_s, usage)
+        return real_ask(cfg, model, messages, temperature, timeout_s, usage, ctx)
 
     monkeypatch.setattr(moa, "_ask", ask)
     out = call_tool(
@@ -75,3 +75,37 @@ def test_agent_loop_with_moa(tool_ctx, run_tool_loop):
     tool = next(m for m in messages if m["role"] == "tool")
     assert tool["name"] == "mixture_of_agents"
     assert json.loads(tool["content"])["response"].startswith("Final answer for 'what-is-the-10th'")
+
+
+def test_the_tools_model_calls_go_through_the_runs_client(tools_llm, tool_ctx, call_tool):
+    """The run's limiter, pause and budget: each reference and aggregator call reserves with the
+    run's budget gate and takes the run's limiter; a 429 pauses the run's limiter."""
+    from batchrun.prompt.limiter import Limiter
+    from batchrun.prompt.llm import LLMClient, LLMConfig
+
+    class Gate:
+        def __init__(self):
+            self.reserved, self.settled = [], []
+
+        def reserve(self, tokens, deadline, priority=0):
+            self.reserved.append(tokens)
+            return len(self.reserved), 0.0
+
+        def settle(self, ticket, usage):
+            self.settled.append((ticket, usage))
+
+    gate, limiter = Gate(), Limiter()
+    run_client = LLMClient(
+        LLMConfig(model="run", base_url="http://127.0.0.1:9/v1", api_key="k"), limiter, gate=gate
+    )
+    ctx = tool_ctx({"MOA_REFERENCE_MODELS": "ref-a, ref-b", "MOA_AGGREGATOR_MODEL": "agg"})
+    ctx.llm = run_client
+    out = call_tool(ctx, "mixture_of_agents", user_prompt="A question")
+    assert out["success"] is True
+    assert len(gate.reserved) == 3 and all(t > 0 for t in gate.reserved)  # two references, the aggregator
+    assert [u["completion_tokens"] > 0 for _, u in gate.settled] == [True, True, True]
+    assert ctx.usage is None or ctx.usage.calls == 3
+    limited = tool_ctx({"MOA_REFERENCE_MODELS": "ref-a", "MOA_AGGREGATOR_MODEL": "agg"})
+    limited.llm = run_client
+    out = call_tool(limited, "mixture_of_agents", user_prompt="busy [flaky:1]")
+    assert limiter._paused_until > 0  # the tool's 429 paused the run's limiter (no SDK retries of its own)

@@ -644,6 +644,16 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/reset":
             self.server.fake.reset_stats()
             self._json(200, {"ok": True})
+        elif path.removeprefix("/v1") == "/chat/completions" and self.headers.get("X-Batch-Runner-Check"):
+            # The runner's start check (one minimal chat call): answered like any, but not counted, so
+            # the counters show the run's own calls.
+            if not self._authorized():
+                self._error(401)
+                return
+            try:
+                self._json(200, respond(json.loads(raw.decode("utf-8"))))
+            except (ValueError, TypeError, AttributeError) as exc:
+                self._error(400, f"Bad start check request: {exc}")
         elif path.removeprefix("/v1") in ("/chat/completions", "/images/generations"):
             handle = self._chat if path.endswith("/chat/completions") else self._images
             fake = self.server.fake

@@ -1,36 +1,27 @@
-"""A small HTTP/1.1 client on the standard library, for the model calls (:class:`batchrun.prompt.llm.LLMClient`).
+"""The HTTP client of every model call (:class:`batchrun.prompt.llm.LLMClient`), on urllib3 2.x.
 
-The ``openai`` SDK costs a worker ~0.75 s of CPU to import and ~1.7 ms of CPU per call (``httpx2``,
-``h11``, its option handling); this client does what those calls need, and nothing else:
+urllib3 does the protocol (pooled keep-alive connections, ``Content-Length``, chunked and read-until-close
+bodies, TLS, proxies); this module adds what an endpoint nobody here controls makes necessary:
 
-* **keep-alive**: idle connections are pooled per :class:`Client` (one per worker process) and shared
-  by all its threads, most recently used first. A connection is used by one thread at a time, so a
-  thread holds at most one; an idle one is dropped after :data:`KEEPALIVE_EXPIRY_S` (the SDK's
-  5 s), or sooner when the server announced a shorter ``Keep-Alive: timeout``;
-* **bodies**: ``Content-Length``, ``chunked`` and read-until-close; ``gzip`` and ``deflate``
-  (asked for, like the SDK did); streamed bodies line by line (server-sent events);
-* **timeouts**: ``timeout_s`` bounds the connect and every single read or write (a server that stalls
-  mid-stream times out); the caller bounds the whole call;
+* **bounds** on everything the endpoint sends (:class:`Bounds`): the decompressed body
+  (``--max_response_mb``; a ``Content-Length`` above it fails before a byte is read, a gzip bomb is
+  inflated a piece at a time and stops at the bound), the headers (http.client: 100 lines of 64 KiB at
+  most), each server-sent-events line and the whole stream. Past a bound: :class:`BadResponse`;
+* **one deadline per request** (``deadline``, time.monotonic): the connect, and every read, get only
+  the time left, and the deadline is checked after every read, so neither a stall nor a body dripped a
+  byte at a time keeps a request past it (:class:`RequestTimeout`);
+* **keep-alive**: connections are pooled per :class:`Client` (one per worker process, shared by its
+  threads); one idle for more than :data:`KEEPALIVE_EXPIRY_S` is closed before reuse, so a server's own
+  idle timeout (uvicorn's 5 s) does not race a request;
+* **no silent resend of a POST**: urllib3 retries nothing here. A connection that ends before an
+  answer raises :class:`ConnectionDropped`; the model client counts it as a retry (limiter, back-off,
+  ``--max_retries``), because the server may have run, and billed, the call. A GET is sent again once;
 * **HTTPS** with the system CA store, or ``SSL_CERT_FILE`` / ``REQUESTS_CA_BUNDLE`` / ``SSL_CERT_DIR``;
-* **proxies** from the environment (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, ``NO_PROXY``, read
-  once per client, as ``httpx`` did with ``trust_env``): a ``CONNECT`` tunnel for https, the
-  absolute form for http. Only ``http://`` proxies;
-* **redirects**: 307 and 308 are followed (same method and body; ``Authorization`` is dropped when
-  the redirect leaves the origin); any other 3xx is a :class:`StatusError` naming the new location.
-
-When is a request sent twice? A pooled connection may have been closed by the server while it
-sat idle. Before reuse, an idle connection is checked (readable while idle means the server closed
-it, or broke the protocol) and dropped. What remains is a race with a close in flight, and it ends in
-one of two ways:
-
-1. writing the request fails: the server cannot have received all of it, so it cannot have acted on
-   it. The request is sent again once, on a new connection, whatever its method;
-2. the request was written, and the connection ends before the first byte of an answer. The server
-   may have received it and acted on it (a model call is paid for as soon as it runs). A GET
-   (idempotent) is sent again once on a new connection; anything else raises
-   :class:`ConnectionDropped`, and the caller decides: the model client counts it as one retry through
-   its retry logic (limiter, back-off, ``--max_retries``, the prompt's usage counts the request), so a
-   repeated POST is never silent. Once a byte of the answer was read, nothing is ever resent here.
+* **proxies** from the environment (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, ``NO_PROXY``), read
+  once per client; credentials in the proxy URL become ``Proxy-Authorization``;
+* **gzip and deflate** asked for, decoded here (bounded); **redirects**: 307 and 308 are followed
+  (same method and body; ``Authorization`` is dropped when the redirect leaves the origin), any other
+  3xx is a :class:`StatusError` naming the new location.
 
 Nothing this module raises carries a request header (the API key is one) or the request body:
 messages name the host, the port and what went wrong.
@@ -39,27 +30,44 @@ messages name the host, the port and what went wrong.
 from __future__ import annotations
 
 import base64
-import contextlib
+import heapq
+import http.client
 import json
 import os
-import select
 import socket
 import threading
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
-KEEPALIVE_EXPIRY_S = 5.0  # an idle pooled connection is dropped after this (the openai SDK's value)
-MAX_IDLE_CONNECTIONS = 1024  # per origin; a worker has at most one connection per prompt thread
+import urllib3
+from urllib3 import exceptions as u3
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+KEEPALIVE_EXPIRY_S = 4.0  # an idle pooled connection is closed after this (below uvicorn's 5 s)
+MAX_CONNECTIONS = 1024  # per origin; a worker has at most one connection per prompt thread
 MAX_REDIRECTS = 5
-MAX_HEADER_LINE = 65536
-MAX_HEADERS = 200
 READ_SIZE = 65536
-DRAIN_S = 1.0  # after the caller stopped reading ([DONE]): how long the rest may take to arrive
-IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+MAX_ERROR_BODY = 1 << 20  # an error answer's body is read up to this (its message is what matters)
+DRAIN_BYTES = 1 << 20  # after the caller stopped reading ([DONE]): the rest read to keep the connection
+DRAIN_S = 1.0
 ACCEPT_ENCODING = "gzip, deflate"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one answer may hold. ``body_bytes`` bounds the decoded body, streamed or not (a stream is
+    its body); ``line_bytes`` one server-sent-events line."""
+
+    body_bytes: int = 32 << 20
+    line_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        # a line may be a whole reply's tool call, never most of the stream
+        object.__setattr__(self, "line_bytes", max(1, min(self.line_bytes, self.body_bytes // 2)))
 
 
 class HTTPError(Exception):
@@ -71,7 +79,7 @@ class InvalidRequest(HTTPError, ValueError):
 
 
 class RequestTimeout(HTTPError):
-    """Connecting, or one read or write, took longer than the request's ``timeout_s``."""
+    """The request's deadline passed: connecting, waiting for the answer, or reading it."""
 
 
 class TransportError(HTTPError):
@@ -86,18 +94,22 @@ class ConnectionDropped(TransportError):
     """The server closed the connection without a byte of an answer; the request may have reached it."""
 
 
+class BadResponse(HTTPError):
+    """The answer broke a bound (:class:`Bounds`, the header limits) or its encoding: error class ``bad_response``."""
+
+
 class StatusError(HTTPError):
     """The server answered with a status of 300 or more (redirects not followed, see the module doc).
 
     ``body`` is the answer's JSON (any type) or, when it is not JSON, its stripped text; ``message``
-    is ``Error code: <status>`` plus the error object's ``message`` when it has one (as the SDK said it);
+    is ``Error code: <status>`` plus the error object's ``message`` when it has one;
     ``response`` holds the status and the headers (``Retry-After``, ``retry-after-ms``)."""
 
     def __init__(self, response: Response, body: Any):
         message = f"Error code: {response.status}"
         error = body.get("error", body) if isinstance(body, dict) else None
         if isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"]:
-            message += f" - {error['message']}"
+            message += f" - {error['message'][:1000]}"
         elif isinstance(body, str) and body:  # not JSON (a proxy's error page): its start
             message += f" - {body[:300]}"
         super().__init__(message)
@@ -108,24 +120,43 @@ class StatusError(HTTPError):
 
 
 class Response:
-    """An answer: ``status``, ``headers`` (lower-case names), and its body, read whole or line by line."""
+    """An answer: ``status``, ``headers`` (lower-case names), and its body, read whole or line by line,
+    within the request's bounds and deadline."""
 
-    def __init__(self, status: int, reason: str, headers: dict[str, str], url: str):
-        self.status = status
-        self.reason = reason
-        self.headers = headers
+    def __init__(self, raw: Any, url: str, bounds: Bounds, deadline: float, read_timeout_s: float):
+        self.status = raw.status
+        self.reason = raw.reason or ""
+        self.headers = {k.lower(): v for k, v in raw.headers.items()}  # repeated ones joined by ", "
         self.url = url  # origin and path of the request (no credentials)
+        self._raw = raw
+        self._bounds = bounds
+        self._deadline = deadline
+        self._read_timeout_s = read_timeout_s
+        self._decoder = _decoder(self.headers.get("content-encoding", ""), url)
+        if raw.connection is not None:  # how long it may idle in the pool after this answer
+            raw.connection._expiry_s = _keepalive_expiry(self.headers.get("keep-alive"))
         self._content: bytes | None = None
-        self._body: _Body | None = None  # set while the body is still to be read
+        self._received = 0  # decoded bytes so far
+        self._done = False
+        length = self.headers.get("content-length", "")
+        if length.isdigit() and int(length) > bounds.body_bytes:
+            self.close()
+            raise BadResponse(f"{url} announced a body of {int(length):,} bytes, above {_limit(bounds)}")
 
     def __repr__(self) -> str:
         return f"<Response {self.status} from {self.url}>"
 
-    def read(self) -> bytes:
-        """The whole (decoded) body."""
+    def read(self, limit: int | None = None) -> bytes:
+        """The whole (decoded) body; ``limit``: cut there instead of failing (error answers)."""
         if self._content is None:
-            body, self._body = self._body, None
-            self._content = body.read_all() if body is not None else b""
+            parts, size = [], 0
+            for piece in self._pieces(cut_at=limit):
+                parts.append(piece)
+                size += len(piece)
+                if limit is not None and size >= limit:
+                    break
+            self._content = b"".join(parts)
+            self.close()
         return self._content
 
     @property
@@ -137,33 +168,46 @@ class Response:
         return json.loads(self.read())
 
     def iter_lines(self) -> Iterator[str]:
-        """The body's lines as they arrive, without their ends (``\\n``, ``\\r\\n`` or ``\\r``)."""
-        body = self._body
-        if body is None:  # already read whole
-            for line in self.read().splitlines():
+        """The body's lines as they arrive, without their ends; a line longer than ``Bounds.line_bytes``
+        is :class:`BadResponse`. The unfinished line is kept in one buffer and searched only where new
+        bytes came, so a line without a newline costs linear time, not quadratic."""
+        if self._content is not None:
+            for line in self._content.splitlines():
                 yield line.decode("utf-8", "replace")
             return
-        pending = b""
-        while True:
-            data = body.piece()
-            if not data:
-                break
-            if pending:
-                data = pending + data
-            lines = data.splitlines(keepends=True)
-            # An unfinished last line waits for more; so does one ending in \r (\n may follow).
-            pending = lines.pop() if not lines[-1].endswith(b"\n") else b""
-            for line in lines:
-                yield line.rstrip(b"\r\n").decode("utf-8", "replace")
-        for line in pending.splitlines():
-            yield line.decode("utf-8", "replace")
+        buf = bytearray()
+        max_line = self._bounds.line_bytes
+        for piece in self._pieces():
+            start = len(buf)
+            buf += piece
+            cut = 0
+            while True:
+                nl = _line_end(buf, max(cut, start - 1))
+                if nl < 0:
+                    break
+                yield buf[cut:nl].rstrip(b"\r").decode("utf-8", "replace")
+                cut = nl + 1
+                start = cut
+            if cut:
+                del buf[:cut]
+            if len(buf) > max_line:
+                self._drop()
+                raise BadResponse(f"{self.url} sent a streamed line longer than {max_line:,} bytes")
+        if buf:
+            yield buf.decode("utf-8", "replace")
 
     def close(self) -> None:
-        """Done with the answer. A body read to its end, or whose rest arrives within :data:`DRAIN_S`,
-        leaves the connection in the pool; otherwise the connection is closed."""
-        body, self._body = self._body, None
-        if body is not None:
-            body.close()
+        """Done with the answer: a body read to its end, or whose rest is short and prompt, leaves the
+        connection in the pool; otherwise the connection is closed."""
+        raw, self._raw = self._raw, None
+        if raw is None:
+            return
+        try:
+            if not self._done:
+                self._drain(raw)
+            raw.release_conn()
+        except Exception:  # noqa: BLE001 - any failure here only means the connection is not reused
+            _discard(raw)
 
     def __enter__(self) -> Response:
         return self
@@ -171,216 +215,287 @@ class Response:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # -- reading ----------------------------------------------------------------------------
 
-class _Conn:
-    """One TCP (or TLS) connection and its buffered reader."""
-
-    __slots__ = ("sock", "rfile", "key", "idle_since", "expiry_s", "reused")
-
-    def __init__(self, sock: socket.socket, key: tuple):
-        self.sock = sock
-        self.rfile = sock.makefile("rb", buffering=READ_SIZE)
-        self.key = key
-        self.idle_since = 0.0
-        self.expiry_s = KEEPALIVE_EXPIRY_S
-        self.reused = False
-
-    def closed_while_idle(self) -> bool:
-        """Readable while idle: the server closed it (EOF), reset it, or sent what nobody asked for."""
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(poller.poll(0))
-
-    def close(self) -> None:
-        for closable in (self.rfile, self.sock):
-            try:
-                closable.close()
-            except OSError:
-                pass
-
-
-class _Body:
-    """The body of one answer on its connection: framing, content decoding, and where the connection
-    goes afterwards (back to the pool only when the body was read to its end)."""
-
-    def __init__(self, client: Client, conn: _Conn, response: Response, method: str, timeout_s: float):
-        self.client, self.conn, self.url, self.timeout_s = client, conn, response.url, timeout_s
-        self.framing, self.left = _framing(response, method)
-        self.done = self.framing == "none" or (self.framing == "length" and self.left == 0)
-        self.keep = self.framing != "close" and _keep_alive(response)
-        self.expiry_s = _keepalive_expiry(response.headers.get("keep-alive"))
-        self.decoder = _decoder(response.headers.get("content-encoding", ""), self.url)
-        self.released = False
-        if self.done:
-            self._release()
-
-    def read_all(self) -> bytes:
-        with self._errors():
-            if self.framing == "length" and not self.decoder and not self.done:
-                data = self.conn.rfile.read(self.left)
-                if len(data) < self.left:
-                    raise ConnectionResetError("the connection closed before the body's end")
-                self.left, self.done = 0, True
-                self._release()
-                return data
-        parts = []
-        while True:
-            data = self.piece()
-            if not data:
-                return b"".join(parts)
-            parts.append(data)
-
-    def piece(self) -> bytes:
-        """The next decoded piece of the body; b"" at its end (the connection is then released)."""
-        with self._errors():
-            while not self.done:
-                raw = self._raw()
-                if self.decoder is not None:
-                    out = self.decoder.decompress(raw) if raw else self.decoder.flush()
-                    if out:
-                        return out
-                elif raw:
-                    return raw
-            self._release()
-            return b""
-
-    def close(self) -> None:
-        """The caller is done: drain a body that is almost over (a stream after ``[DONE]``), or drop it."""
-        if self.released:
+    def _pieces(self, cut_at: int | None = None) -> Iterator[bytes]:
+        """The decoded body a bounded piece at a time; the deadline checked before every read."""
+        raw = self._raw
+        if raw is None:
             return
-        if self.keep and self.framing in ("length", "chunked"):
-            try:
-                self.conn.sock.settimeout(min(DRAIN_S, self.timeout_s))
-                total = 0
-                while not self.done and total <= 1 << 20:
-                    total += len(self._raw())
-            except OSError:
-                pass
-        if self.done:
-            self._release()
-        else:
-            self.released = True
-            self.conn.close()
-
-    def _raw(self) -> bytes:
-        """The next bytes of the body as sent (b"" once at its end, setting ``done``)."""
-        rfile = self.conn.rfile
-        if self.framing == "length":
-            data = rfile.read1(min(self.left, READ_SIZE))
+        bound = self._bounds.body_bytes if cut_at is None else max(cut_at, 1)
+        while True:
+            data = self._read_raw(raw)
             if not data:
-                raise ConnectionResetError("the connection closed before the body's end")
-            self.left -= len(data)
-            self.done = self.left == 0
-            return data
-        if self.framing == "close":
-            data = rfile.read1(READ_SIZE)
-            self.done = not data
-            return data
-        if self.left == 0:  # chunked: a chunk's size line
-            line = rfile.readline(MAX_HEADER_LINE + 1)
-            if not line:
-                raise ConnectionResetError("the connection closed before the body's end")
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise ConnectionResetError(f"bad chunk size line {line[:20]!r}") from None
-            if size == 0:
-                while line not in (b"\r\n", b"\n"):  # trailers, then a blank line
-                    line = rfile.readline(MAX_HEADER_LINE + 1)
-                    if not line:
-                        raise ConnectionResetError("the connection closed in the chunked trailer")
-                self.done = True
-                return b""
-            self.left = size
-        data = rfile.read1(min(self.left, READ_SIZE))
-        if not data:
-            raise ConnectionResetError("the connection closed before the body's end")
-        self.left -= len(data)
-        if self.left == 0 and rfile.readline(3) not in (b"\r\n", b"\n"):
-            raise ConnectionResetError("a chunk did not end with CRLF")
-        return data
+                tail = self._inflate(b"", bound, final=True)
+                if tail:
+                    yield tail
+                self._done = True
+                return
+            out = self._inflate(data, bound)
+            if out:
+                yield out
 
-    def _release(self) -> None:
-        if not self.released:
-            self.released = True
-            if self.keep:
-                self.conn.expiry_s = self.expiry_s
-                self.client._put(self.conn)
-            else:
-                self.conn.close()
-
-    @contextlib.contextmanager
-    def _errors(self) -> Iterator[None]:
-        """OS and zlib errors as this module's; the connection is closed on any of them."""
-        try:
-            with _os_errors(
-                self._drop,
-                f"{self.url} sent nothing for {self.timeout_s:.1f} s mid-answer (read timeout)",
-                TransportError,
-                f"the connection to {self.url} failed mid-answer",
-            ):
-                yield
-        except zlib.error as exc:
+    def _read_raw(self, raw: Any) -> bytes:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
             self._drop()
-            raise TransportError(f"{self.url} sent a body that does not decompress: {exc}") from None
+            raise RequestTimeout(f"{self.url} did not finish its answer before the request's deadline")
+        _set_read_timeout(raw, min(left, self._read_timeout_s))
+        try:
+            return raw.read1(READ_SIZE, decode_content=False)
+        except Exception as exc:  # noqa: BLE001 - every failure of a read is one of ours
+            self._drop()
+            raise _body_error(exc, self.url, time.monotonic() >= self._deadline) from None
+
+    def _inflate(self, data: bytes, bound: int, final: bool = False) -> bytes:
+        """Decode (a piece of bounded size at a time) and count against ``bound``."""
+        dec = self._decoder
+        if dec is None:
+            out = data
+        else:
+            try:
+                out = dec.decompress(data, bound - self._received + 1) if not final else dec.flush()
+                while dec.unconsumed_tail and len(out) <= bound - self._received:
+                    out += dec.decompress(dec.unconsumed_tail, bound - self._received - len(out) + 1)
+            except zlib.error as exc:
+                self._drop()
+                raise BadResponse(f"{self.url} sent a body that does not decompress: {exc}") from None
+        self._received += len(out)
+        if self._received > bound:
+            self._drop()
+            if bound == self._bounds.body_bytes:
+                raise BadResponse(f"{self.url} sent a body above {_limit(self._bounds)} (decoded)")
+            return out[: len(out) - (self._received - bound)]
+        return out
+
+    def _drain(self, raw: Any) -> None:
+        """Read what is left of a body the caller stopped reading, if it is short and prompt."""
+        if self._decoder is not None or raw.headers.get("content-length") is None and not raw.chunked:
+            _discard(raw)
+            return
+        _set_read_timeout(raw, DRAIN_S)
+        total = 0
+        while total <= DRAIN_BYTES:
+            data = raw.read1(READ_SIZE, decode_content=False)
+            if not data:
+                return
+            total += len(data)
+        _discard(raw)
 
     def _drop(self) -> None:
-        self.done = self.released = True
-        self.conn.close()
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            _discard(raw)
 
 
-class _Target:
-    """Where a URL's request goes: the origin, the pool's key, and the request line's target."""
-
-    __slots__ = ("scheme", "host", "port", "host_header", "path", "proxy", "key", "display")
-
-    def __init__(self, url: str, proxy: _Proxy | None):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidRequest(f"not an http(s) URL: {_safe_url(url)}")
-        self.scheme = parts.scheme
-        self.host = parts.hostname
-        try:
-            port = parts.port
-        except ValueError:
-            raise InvalidRequest(f"bad port in {_safe_url(url)}") from None
-        default = 443 if self.scheme == "https" else 80
-        self.port = port or default
-        self.host_header = _authority(self.host, self.port, default)
-        self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        self.proxy = proxy
-        self.key = (self.scheme, self.host, self.port, proxy.key if proxy else None)
-        self.display = f"{self.scheme}://{self.host_header}"
+def _line_end(buf: bytearray, start: int) -> int:
+    """Index of the first line end (``\\n``, or a ``\\r`` not followed by ``\\n``) from ``start``, or -1."""
+    start = max(start, 0)
+    nl = buf.find(b"\n", start)
+    cr = buf.find(b"\r", start, nl if nl >= 0 else len(buf))
+    while cr >= 0:
+        if cr + 1 < len(buf) and buf[cr + 1] != 0x0A:
+            return cr
+        if cr + 1 >= len(buf):
+            break  # \n may follow
+        cr = buf.find(b"\r", cr + 1, nl if nl >= 0 else len(buf))
+    return nl
 
 
-def _authority(host: str, port: int, default: int | None = None) -> str:
-    shown = f"[{host}]" if ":" in host else host
-    return shown if port == default else f"{shown}:{port}"
+def _keepalive_expiry(value: str | None) -> float:
+    """``Keep-Alive: timeout=N``: the connection is dropped a second before the server would."""
+    for part in (value or "").split(","):
+        key, _, number = part.strip().partition("=")
+        if key.strip().lower() == "timeout":
+            try:
+                return max(0.0, min(KEEPALIVE_EXPIRY_S, float(number) - 1.0))
+            except ValueError:
+                break
+    return KEEPALIVE_EXPIRY_S
 
 
-class _Proxy:
-    """An ``http://`` proxy from the environment (its credentials are kept out of every message)."""
+def _limit(bounds: Bounds) -> str:
+    return f"the bound of {bounds.body_bytes / (1 << 20):g} MiB (--max_response_mb)"
 
-    __slots__ = ("host", "port", "auth", "key", "display")
 
-    def __init__(self, url: str):
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme != "http" or not parts.hostname:
-            raise InvalidRequest(
-                f"the proxy {parts.scheme}://{parts.hostname or ''} from the environment is not supported: "
-                "only http:// proxies are"
-            )
-        self.host = parts.hostname
-        try:
-            self.port = parts.port or 80
-        except ValueError:
-            raise InvalidRequest(f"bad port in the proxy {parts.hostname} from the environment") from None
-        self.auth = None
-        if parts.username is not None:
-            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-            self.auth = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
-        self.key = (self.host, self.port, self.auth)
-        self.display = f"the proxy {_authority(self.host, self.port)}"
+def _discard(raw: Any) -> None:
+    """Close the answer's connection (it is not reused), returning its slot to the pool."""
+    try:
+        conn = raw.connection
+        if conn is not None:
+            conn.close()
+        raw.release_conn()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _set_read_timeout(raw: Any, seconds: float) -> None:
+    conn = raw.connection
+    sock = getattr(conn, "sock", None) if conn is not None else None
+    if sock is not None:
+        sock.settimeout(max(0.001, seconds))
+
+
+def _body_error(exc: BaseException, url: str, deadline_passed: bool) -> HTTPError:
+    """A failure while reading a body, as this module's error."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if deadline_passed or isinstance(exc, (TimeoutError, u3.ReadTimeoutError)):
+        return RequestTimeout(
+            f"{url} sent nothing more mid-answer before the request's deadline (read timeout)"
+        )
+    if _caused_by(exc, http.client.LineTooLong) or isinstance(exc, u3.InvalidChunkLength):
+        return BadResponse(f"{url} sent a malformed or overlong chunk size line")
+    return TransportError(f"the connection to {url} failed mid-answer: {_reason(exc)}")
+
+
+def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``kind`` is ``exc`` or behind it (urllib3 wraps http.client's error as its second arg)."""
+    for _ in range(8):
+        if exc is None:
+            return False
+        if isinstance(exc, kind):
+            return True
+        wrapped = exc.args[1] if len(exc.args) > 1 and isinstance(exc.args[1], BaseException) else None
+        exc = getattr(exc, "reason", None) or wrapped or exc.__cause__ or exc.__context__
+    return False
+
+
+class _Decoder:
+    """gzip (``16 + MAX_WBITS``) or deflate (zlib-wrapped by the standard, raw from some servers)."""
+
+    def __init__(self, gzip: bool):
+        self._gzip = gzip
+        self._obj: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
+        self.unconsumed_tail = b""
+
+    def decompress(self, data: bytes, max_length: int) -> bytes:
+        if self._obj is None:  # deflate: which form it is shows in the first bytes
+            try:
+                obj = zlib.decompressobj()
+                out = obj.decompress(data, max_length)
+            except zlib.error:
+                obj = zlib.decompressobj(-zlib.MAX_WBITS)
+                out = obj.decompress(data, max_length)
+            self._obj = obj
+        else:
+            out = self._obj.decompress(data, max_length)
+        self.unconsumed_tail = self._obj.unconsumed_tail
+        return out
+
+    def flush(self) -> bytes:
+        return self._obj.flush(READ_SIZE) if self._obj is not None else b""
+
+
+def _decoder(encoding: str, url: str) -> _Decoder | None:
+    codings = [c.strip().lower() for c in encoding.split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    if not codings:
+        return None
+    if len(codings) > 1 or codings[0] not in ("gzip", "x-gzip", "deflate"):
+        raise BadResponse(f"{url} sent a body encoded as {encoding[:40]!r}, which was not asked for")
+    return _Decoder(gzip=codings[0] != "deflate")
+
+
+# -- the pool ------------------------------------------------------------------------------------
+
+
+_this_thread = threading.local()  # .opened: whether this thread's request opened a connection; .deadline
+
+
+class _Watchdog:
+    """Ends a connection whose request's deadline passed while urllib3 waits for the answer's head: a
+    server dripping its status line or headers a byte at a time meets each read's timeout forever.
+    One thread per process, asleep until the earliest deadline; shutting the socket down makes the
+    blocked read return at once."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Any]] = []
+        self._count = 0
+        self._pid = 0
+
+    def watch(self, deadline: float, conn: Any) -> list[Any]:
+        entry = [conn]  # emptied by cancel
+        with self._cv:
+            if self._pid != os.getpid():  # first use in this process (a fork has no thread)
+                self._pid, self._heap = os.getpid(), []
+                threading.Thread(target=self._run, name="http-deadlines", daemon=True).start()
+            self._count += 1
+            heapq.heappush(self._heap, (deadline, self._count, entry))
+            self._cv.notify()
+        return entry
+
+    @staticmethod
+    def cancel(entry: list[Any]) -> None:
+        entry.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._heap and not self._heap[0][2]:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                _, _, entry = heapq.heappop(self._heap)
+            sock = getattr(entry[0], "sock", None) if entry else None
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+_WATCHDOG = _Watchdog()
+
+
+class _Counting:
+    """Mixed into the pools: counts connections opened, and closes one idle too long before reuse."""
+
+    stats: dict[str, int]
+    lock: threading.Lock
+
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        conn = super()._get_conn(timeout)  # type: ignore[misc]
+        idle_since = getattr(conn, "_idle_since", None)
+        expiry = getattr(conn, "_expiry_s", KEEPALIVE_EXPIRY_S)
+        if idle_since is not None and time.monotonic() - idle_since > expiry:
+            conn.close()
+        deadline = getattr(_this_thread, "deadline", None)
+        if deadline is not None:  # this request's deadline watches its connection until the head is in
+            _this_thread.watched = _WATCHDOG.watch(deadline, conn)
+        return conn
+
+    def _put_conn(self, conn: Any) -> None:
+        if conn is not None:
+            conn._idle_since = time.monotonic()
+        super()._put_conn(conn)  # type: ignore[misc]
+
+    def _new_conn(self) -> Any:
+        conn = super()._new_conn()  # type: ignore[misc]
+        original = conn.connect
+
+        def connect() -> None:
+            original()
+            _this_thread.opened = True
+            with self.lock:
+                self.stats["opened"] += 1
+
+        conn.connect = connect
+        return conn
+
+
+def _pool_classes(stats: dict[str, int], lock: threading.Lock) -> dict[str, type]:
+    attrs = {"stats": stats, "lock": lock}
+    return {
+        "http": type("_HTTPPool", (_Counting, HTTPConnectionPool), attrs),
+        "https": type("_HTTPSPool", (_Counting, HTTPSConnectionPool), attrs),
+    }
 
 
 def _safe_url(url: str) -> str:
@@ -392,9 +507,20 @@ def _safe_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+def url_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``url`` without its user and password, and the (user, password) it held, URL-unquoted."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    return _safe_url(url), (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
+def basic_auth(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+
+
 def environment_proxies() -> dict[str, str]:
-    """``getproxies()`` of the environment, read only when some ``*_proxy`` variable is set
-    (``urllib.request`` is a heavy import for a worker that needs no proxy)."""
+    """``getproxies()`` of the environment, read only when some ``*_proxy`` variable is set."""
     if not any(name.lower().endswith("_proxy") for name in os.environ):
         return {}
     from urllib.request import getproxies_environment
@@ -431,10 +557,22 @@ def ssl_context() -> Any:
                 import certifi
 
                 ctx.load_verify_locations(certifi.where())
-            except ImportError:  # pragma: no cover - certifi comes with the openai SDK
+            except ImportError:  # pragma: no cover
                 pass
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
+
+
+def _header_problem(headers: dict[str, str]) -> str | None:
+    """What would break the request (a line break would split it); names the header, never its value."""
+    for name, value in headers.items():
+        if not name or any(c in name for c in "\r\n\0: \t") or any(c in str(value) for c in "\r\n\0"):
+            return f"the request header {name.strip()!r} holds a line break or NUL (or has a bad name)"
+        try:
+            str(value).encode("latin-1")
+        except UnicodeEncodeError:
+            return f"the request header {name.strip()!r} holds a character outside Latin-1"
+    return None
 
 
 class Client:
@@ -444,19 +582,23 @@ class Client:
     from the environment once, here. ``stats`` counts connections opened, reused, and requests resent.
     """
 
-    def __init__(self, headers: dict[str, str] | None = None, *, trust_env: bool = True):
+    def __init__(
+        self, headers: dict[str, str] | None = None, *, trust_env: bool = True, bounds: Bounds | None = None
+    ):
         self.headers = dict(headers or {})
+        self.headers.setdefault("Accept-Encoding", ACCEPT_ENCODING)
+        self.bounds = bounds or Bounds()
         self._bad_headers = _header_problem(self.headers)  # raised by each request, not here
         self._proxies = environment_proxies() if trust_env else {}
-        self._targets: dict[str, _Target] = {}
-        self._idle: dict[tuple, list[_Conn]] = {}
         self._lock = threading.Lock()
-        self._ssl: Any = None
-        self._pid = os.getpid()
         self.stats = {"opened": 0, "reused": 0, "resent": 0}
+        self._managers: dict[str | None, Any] = {}
+        self._pools: dict[tuple[str, str, int], Any] = {}  # direct origins' pools
+        self._pid = os.getpid()
+        self._ssl: Any = None
 
     def __repr__(self) -> str:
-        return f"<httpclient.Client, {sum(len(v) for v in self._idle.values())} idle connections>"
+        return f"<httpclient.Client, {self.stats['opened']} connections opened>"
 
     def request(
         self,
@@ -467,24 +609,29 @@ class Client:
         headers: dict[str, str] | None = None,
         timeout_s: float = 60.0,
         stream: bool = False,
+        deadline: float | None = None,
     ) -> Response:
         """Send one request; its answer when the status is below 300 (307/308 followed), else :class:`StatusError`.
 
-        ``stream``: the body is read as it arrives (:meth:`Response.iter_lines`); close the response when
-        done. Otherwise it is read whole before this returns, and the connection is back in the pool.
+        ``timeout_s`` bounds each wait (connect, each read); ``deadline`` (time.monotonic; default
+        ``timeout_s`` from now) bounds the whole request, its body included. ``stream``: the body is read
+        as it arrives (:meth:`Response.iter_lines`); close the response when done. Otherwise it is read
+        whole before this returns, and the connection is back in the pool.
         """
         problem = self._bad_headers or (_header_problem(headers) if headers else None)
         if problem:
             raise InvalidRequest(problem)
-        all_headers = {**self.headers, **headers} if headers else self.headers
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
+        all_headers = {**self.headers, **headers} if headers else dict(self.headers)
         for _ in range(MAX_REDIRECTS + 1):
-            target = self._target(url)
-            response = self._send(method, target, body, all_headers, timeout_s)
+            response = self._send(method, url, body, all_headers, timeout_s, deadline)
             if response.status in (307, 308) and response.headers.get("location"):
-                response.read()
-                url = urljoin(url, response.headers["location"])
-                if self._target(url).key[:3] != target.key[:3]:  # never hand the key to another origin
+                response.read(limit=MAX_ERROR_BODY)
+                new = urljoin(url, response.headers["location"])
+                if _origin(new) != _origin(url):  # never hand the key to another origin
                     all_headers = {k: v for k, v in all_headers.items() if k.lower() != "authorization"}
+                url = new
                 continue
             if response.status >= 300:
                 raise _status_error(response)
@@ -494,312 +641,166 @@ class Client:
         raise TransportError(f"more than {MAX_REDIRECTS} redirects from {_safe_url(url)}")
 
     def close(self) -> None:
-        """Close every idle connection (one in use is closed or pooled when its answer is done)."""
+        """Close every pooled connection."""
         with self._lock:
-            idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
-
-    def _target(self, url: str) -> _Target:
-        target = self._targets.get(url)
-        if target is None:
-            parts = urlsplit(url)
-            proxy_url = None
-            if self._proxies and parts.hostname:
-                try:
-                    port = parts.port or (443 if parts.scheme == "https" else 80)
-                except ValueError:
-                    port = 0  # _Target says what is wrong with it
-                proxy_url = _proxy_for(parts.scheme, parts.hostname, port, self._proxies)
-            target = _Target(url, _Proxy(proxy_url) if proxy_url else None)
-            if len(self._targets) < 64:  # the model client asks for one URL; redirects are few
-                self._targets[url] = target
-        return target
+            managers, self._managers, self._pools = self._managers, {}, {}
+        for manager in managers.values():
+            manager.clear()
 
     def _send(
-        self, method: str, target: _Target, body: bytes | None, headers: dict[str, str], timeout_s: float
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout_s: float,
+        deadline: float,
     ) -> Response:
-        """Write the request and read the answer's head (see the module doc for when it is sent again)."""
-        head = _request_head(method, target, headers, body)
-        data = head + body if body else head
-        resent = False
-        while True:
-            conn = self._take(target.key) or self._connect(target, timeout_s)
-            with _os_errors(
-                conn.close,
-                f"no answer from {target.display} within {timeout_s:.1f} s",
-                TransportError,
-                f"the connection to {target.display} failed",
-            ):
-                conn.sock.settimeout(timeout_s)
-                try:
-                    conn.sock.sendall(data)
-                except TimeoutError:
-                    raise
-                except OSError as exc:  # not all of the request left: the server cannot have acted on it
-                    if conn.reused and not resent:
-                        conn.close()
-                        resent = True
-                        self._count("resent")
-                        continue
-                    raise TransportError(f"sending to {target.display} failed: {_reason(exc)}") from None
-                try:
-                    response = _read_head(conn.rfile, target)
-                except ConnectionDropped:
-                    if conn.reused and not resent and method in IDEMPOTENT:
-                        conn.close()
-                        resent = True
-                        self._count("resent")
-                        continue
-                    raise
-                response._body = _Body(self, conn, response, method, timeout_s)
-                return response
-
-    # -- the pool ----------------------------------------------------------------------------
-
-    def _take(self, key: tuple) -> _Conn | None:
-        """The most recently used idle connection that is still good, or None."""
-        if self._pid != os.getpid():  # a forked child must not share its parent's connections
-            self._idle, self._lock, self._pid = {}, threading.Lock(), os.getpid()
-        now = time.monotonic()
-        while True:
-            with self._lock:
-                idle = self._idle.get(key)
-                if not idle:
-                    return None
-                conn = idle.pop()
-            if now - conn.idle_since < conn.expiry_s and not conn.closed_while_idle():
-                conn.reused = True
-                self._count("reused")
-                return conn
-            conn.close()
-
-    def _put(self, conn: _Conn) -> None:
-        conn.idle_since = time.monotonic()
-        with self._lock:
-            idle = self._idle.setdefault(conn.key, [])
-            if len(idle) < MAX_IDLE_CONNECTIONS:
-                idle.append(conn)
-                return
-        conn.close()
-
-    def _count(self, what: str) -> None:
-        with self._lock:
-            self.stats[what] += 1
-
-    def _connect(self, target: _Target, timeout_s: float) -> _Conn:
-        """A new connection: TCP to the origin or the proxy, the CONNECT tunnel, TLS."""
-        proxy = target.proxy
-        host, port = (proxy.host, proxy.port) if proxy else (target.host, target.port)
-        where = f"{target.display} through {proxy.display}" if proxy else target.display
-        sock: Any = None
-        with _os_errors(
-            lambda: sock is not None and sock.close(),  # ssl.SSLError (certificate, handshake) is an OSError
-            f"connecting to {where} timed out after {timeout_s:.1f} s",
-            ConnectError,
-            f"cannot connect to {where}",
-        ):
-            sock = socket.create_connection((host, port), timeout=timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if target.scheme == "https":
-                if proxy:
-                    _tunnel(sock, target, proxy)
-                if self._ssl is None:
-                    self._ssl = ssl_context()  # two threads may both build one: the same, harmless
-                sock = self._ssl.wrap_socket(sock, server_hostname=target.host)
-        self._count("opened")
-        return _Conn(sock, target.key)
-
-
-@contextlib.contextmanager
-def _os_errors(close: Any, timeout_text: str, error: type[HTTPError], error_text: str) -> Iterator[None]:
-    """OS errors as this module's (a timeout as RequestTimeout), after ``close()``; ours pass through."""
-    try:
-        yield
-    except HTTPError:
-        close()
-        raise
-    except TimeoutError:
-        close()
-        raise RequestTimeout(timeout_text) from None
-    except OSError as exc:
-        close()
-        raise error(f"{error_text}: {_reason(exc)}") from None
-
-
-def _header_problem(headers: dict[str, str]) -> str | None:
-    """What would break the request (a line break would split it); names the header, never its value."""
-    for name, value in headers.items():
-        if not name or any(c in name for c in "\r\n\0: \t") or any(c in str(value) for c in "\r\n\0"):
-            return f"the request header {name.strip()!r} holds a line break or NUL (or has a bad name)"
-    return None
-
-
-def _request_head(method: str, target: _Target, headers: dict[str, str], body: bytes | None) -> bytes:
-    absolute = target.proxy is not None and target.scheme == "http"  # a plain-http proxy wants the URL
-    path = f"{target.display}{target.path}" if absolute else target.path
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {target.host_header}"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
-    if not any(k.lower() == "accept-encoding" for k in headers):
-        lines.append(f"Accept-Encoding: {ACCEPT_ENCODING}")
-    if body is not None or method in ("POST", "PUT", "PATCH"):
-        lines.append(f"Content-Length: {len(body or b'')}")
-    if absolute and target.proxy.auth:
-        lines.append(f"Proxy-Authorization: {target.proxy.auth}")
-    lines.append("\r\n")
-    try:
-        return "\r\n".join(lines).encode("latin-1")
-    except UnicodeEncodeError:
-        raise InvalidRequest("a request header holds a character outside Latin-1") from None
-
-
-def _tunnel(sock: socket.socket, target: _Target, proxy: _Proxy) -> None:
-    """``CONNECT host:port`` through an http proxy; ConnectError unless it answers 2xx."""
-    authority = _authority(target.host, target.port)
-    lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
-    if proxy.auth:
-        lines.append(f"Proxy-Authorization: {proxy.auth}")
-    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-    # Unbuffered: the tunnel's first bytes (the TLS handshake) must not be read into a buffer here.
-    rfile = sock.makefile("rb", buffering=0)
-    try:
-        status_line = _unbuffered_line(rfile, proxy)
-        while _unbuffered_line(rfile, proxy).strip():  # the proxy's headers
-            pass
-    finally:
-        rfile.close()
-    parts = status_line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-        raise ConnectError(f"{proxy.display} did not answer CONNECT with HTTP")
-    if not 200 <= int(parts[1]) < 300:
-        raise ConnectError(f"{proxy.display} refused the tunnel to {target.display}: HTTP {int(parts[1])}")
-
-
-def _unbuffered_line(rfile: Any, proxy: _Proxy) -> bytes:
-    line = bytearray()
-    while not line.endswith(b"\n"):
-        b = rfile.read(1)
-        if not b:
-            raise ConnectError(f"{proxy.display} closed the connection during CONNECT")
-        line += b
-        if len(line) > MAX_HEADER_LINE:
-            raise ConnectError(f"{proxy.display} answered CONNECT with an overlong line")
-    return bytes(line)
-
-
-def _read_head(rfile: Any, target: _Target) -> Response:
-    """The status line and headers (1xx answers skipped). ConnectionDropped: not a byte came."""
-    first = True
-    while True:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidRequest(f"not an http(s) URL: {_safe_url(url)}")
         try:
-            line = rfile.readline(MAX_HEADER_LINE + 1)
-        except TimeoutError:
-            raise
-        except OSError as exc:  # reset before anything came
-            if first:
-                raise ConnectionDropped(
-                    f"{target.display} closed the connection without answering ({_reason(exc)})"
-                ) from None
-            raise
-        if not line:
-            if first:
-                raise ConnectionDropped(f"{target.display} closed the connection without answering")
-            raise TransportError(f"{target.display} closed the connection mid-answer")
-        first = False
-        parts = line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-            raise TransportError(f"{target.display} did not answer with HTTP: {line[:40]!r}")
-        version, status = parts[0], int(parts[1])
-        reason = parts[2].strip().decode("latin-1") if len(parts) > 2 else ""
-        headers: dict[str, str] = {}
-        for _ in range(MAX_HEADERS + 1):
-            line = rfile.readline(MAX_HEADER_LINE + 1)
-            if not line:
-                raise TransportError(f"{target.display} closed the connection mid-answer")
-            if line in (b"\r\n", b"\n"):
-                break
-            name, sep, value = line.decode("latin-1").partition(":")
-            if not sep:
-                raise TransportError(f"{target.display} sent a malformed header line")
-            name, value = name.strip().lower(), value.strip()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise InvalidRequest(f"bad port in {_safe_url(url)}") from None
+        display = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+        manager, proxy = self._manager(parts.scheme, parts.hostname, port)
+        where = f"{display} through the proxy {proxy}" if proxy else display
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RequestTimeout(f"no time left for a request to {display}")
+        wait = min(left, timeout_s)
+        idempotent = method in ("GET", "HEAD", "OPTIONS")
+        _this_thread.opened, _this_thread.deadline, _this_thread.watched = False, deadline, None
+        # Direct: the origin's pool, looked up once (the pool manager's key normalisation costs more
+        # CPU per call than the rest of the request); through a proxy, the manager adds its parts.
+        opener, target = (
+            (manager, url)
+            if proxy
+            else (self._pool(manager, parts.scheme, parts.hostname, port), _path(parts))
+        )
+        try:
+            raw = opener.urlopen(
+                method,
+                target,
+                body=body,
+                headers=headers,
+                timeout=urllib3.Timeout(connect=wait, read=wait),
+                retries=urllib3.Retry(
+                    total=1,
+                    connect=0,
+                    read=1,
+                    redirect=0,
+                    status=0,
+                    other=0,
+                    raise_on_redirect=False,
+                    raise_on_status=False,
+                )
+                if idempotent
+                else False,
+                redirect=False,
+                preload_content=False,
+                decode_content=False,
+                assert_same_host=False,
+            )
+        except u3.HTTPError as exc:
+            if time.monotonic() >= deadline:
+                raise RequestTimeout(f"{where} did not answer before the request's deadline") from None
+            raise _send_error(exc, where, wait) from None
+        finally:
+            if _this_thread.watched is not None:
+                _WATCHDOG.cancel(_this_thread.watched)
+            _this_thread.deadline = _this_thread.watched = None
+        with self._lock:
+            if not _this_thread.opened:
+                self.stats["reused"] += 1
+            if raw.retries is not None and raw.retries.history:
+                self.stats["resent"] += len(raw.retries.history)
+        path = parts.path or "/"
+        return Response(raw, f"{display}{path}", self.bounds, deadline, timeout_s)
+
+    def _pool(self, manager: Any, scheme: str, host: str, port: int) -> Any:
+        key = (scheme, host, port)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = manager.connection_from_host(host, port, scheme)
+        return pool
+
+    def _manager(self, scheme: str, host: str, port: int) -> tuple[Any, str | None]:
+        """The pool manager for this origin: direct, or through its proxy from the environment."""
+        if self._pid != os.getpid():  # a forked child must not share its parent's connections
+            self._managers, self._pools, self._lock, self._pid = {}, {}, threading.Lock(), os.getpid()
+        proxy_url = _proxy_for(scheme, host, port, self._proxies) if self._proxies else None
+        with self._lock:
+            manager = self._managers.get(proxy_url)
+            if manager is None:
+                manager = self._make_manager(proxy_url)
+                self._managers[proxy_url] = manager
+            if scheme == "https" and "ssl_context" not in manager.connection_pool_kw:
+                # Built for the first https request only: loading the CA store costs ~0.1 s of CPU.
+                if self._ssl is None:
+                    self._ssl = ssl_context()
+                manager.connection_pool_kw["ssl_context"] = self._ssl
+        return manager, _safe_url(proxy_url).split("://")[-1].rstrip("/") if proxy_url else None
+
+    def _make_manager(self, proxy_url: str | None) -> Any:
+        options: dict[str, Any] = {"num_pools": 16, "maxsize": MAX_CONNECTIONS, "block": False}
+        if proxy_url is None:
+            manager = urllib3.PoolManager(**options)
         else:
-            raise TransportError(f"{target.display} sent more than {MAX_HEADERS} headers")
-        if 100 <= status < 200 and status != 101:
-            continue  # 100 Continue, 103 Early Hints: the answer follows
-        if version == b"HTTP/1.0" and "keep-alive" not in headers.get("connection", "").lower():
-            headers["connection"] = "close"  # HTTP/1.0 keeps the connection only when it says so
-        return Response(status, reason, headers, f"{target.display}{target.path}")
+            plain, creds = url_credentials(proxy_url if "://" in proxy_url else f"http://{proxy_url}")
+            scheme = urlsplit(plain).scheme
+            if scheme not in ("http", "https"):
+                raise InvalidRequest(
+                    f"the proxy {_safe_url(plain)} from the environment is not supported: only http(s):// proxies are"
+                )
+            proxy_headers = {"Proxy-Authorization": basic_auth(*creds)} if creds else None
+            manager = urllib3.ProxyManager(plain, proxy_headers=proxy_headers, **options)
+        manager.pool_classes_by_scheme = _pool_classes(self.stats, self._lock)
+        return manager
 
 
-def _framing(response: Response, method: str) -> tuple[str, int]:
-    """How the body ends: ("none", 0), ("length", n), ("chunked", 0) or ("close", 0)."""
-    if method == "HEAD" or response.status in (204, 304) or 100 <= response.status < 200:
-        return "none", 0
-    if "chunked" in response.headers.get("transfer-encoding", "").lower():
-        return "chunked", 0
-    length = response.headers.get("content-length")
-    if length is None:
-        return "close", 0
-    values = {v.strip() for v in length.split(",")}  # repeated headers were joined
-    if len(values) != 1 or not next(iter(values)).isdigit():
-        raise TransportError(f"{response.url} sent a bad Content-Length")
-    return "length", int(next(iter(values)))
+def _path(parts: Any) -> str:
+    return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
-def _keep_alive(response: Response) -> bool:
-    return "close" not in response.headers.get("connection", "").lower()
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
-def _keepalive_expiry(value: str | None) -> float:
-    """``Keep-Alive: timeout=N``: the connection is dropped a second before the server would."""
-    if value:
-        for part in value.split(","):
-            key, _, number = part.strip().partition("=")
-            if key.strip().lower() == "timeout":
-                try:
-                    return max(0.0, min(KEEPALIVE_EXPIRY_S, float(number) - 1.0))
-                except ValueError:
-                    break
-    return KEEPALIVE_EXPIRY_S
-
-
-def _decoder(encoding: str, url: str) -> Any:
-    """A decompressor for the body's Content-Encoding (gzip, deflate), or None for identity."""
-    codings = [c.strip().lower() for c in encoding.split(",")]
-    codings = [c for c in codings if c and c != "identity"]
-    if not codings:
-        return None
-    if len(codings) > 1 or codings[0] not in ("gzip", "x-gzip", "deflate"):
-        raise TransportError(f"{url} sent a body encoded as {encoding!r}, which was not asked for")
-    return _Deflate() if codings[0] == "deflate" else zlib.decompressobj(16 + zlib.MAX_WBITS)
-
-
-class _Deflate:
-    """``deflate`` is zlib-wrapped by the standard, raw from some servers: tried in that order."""
-
-    def __init__(self) -> None:
-        self._obj: Any = None
-
-    def decompress(self, data: bytes) -> bytes:
-        if self._obj is None:
-            try:
-                obj = zlib.decompressobj()
-                out = obj.decompress(data)
-            except zlib.error:
-                obj = zlib.decompressobj(-zlib.MAX_WBITS)
-                out = obj.decompress(data)
-            self._obj = obj
-            return out
-        return self._obj.decompress(data)
-
-    def flush(self) -> bytes:
-        return self._obj.flush() if self._obj is not None else b""
+def _send_error(exc: BaseException, where: str, wait: float) -> HTTPError:
+    """urllib3's failure to get an answer, as this module's error (the request's text never in it)."""
+    if isinstance(exc, u3.MaxRetryError) and exc.reason is not None:
+        exc = exc.reason
+    # NewConnectionError is a ConnectTimeoutError in urllib3 2.x: it goes first.
+    if isinstance(exc, (u3.NewConnectionError, u3.SSLError, u3.NameResolutionError, u3.ProxyError)):
+        return ConnectError(f"cannot connect to {where}: {_reason(exc)}")
+    if isinstance(exc, u3.ConnectTimeoutError):
+        return RequestTimeout(f"connecting to {where} timed out after {wait:.1f} s")
+    if isinstance(exc, (u3.ReadTimeoutError, TimeoutError)):
+        return RequestTimeout(f"no answer from {where} within {wait:.1f} s")
+    if isinstance(exc, u3.LocationParseError):
+        return InvalidRequest(f"not a valid URL for {where}")
+    if isinstance(exc, u3.ProtocolError):
+        if (
+            _caused_by(exc, http.client.LineTooLong)
+            or "headers" in str(exc).lower()
+            and "more than" in str(exc)
+        ):
+            return BadResponse(f"{where} sent an overlong header line or too many headers")
+        if _caused_by(exc, http.client.BadStatusLine) and not _caused_by(exc, http.client.RemoteDisconnected):
+            return TransportError(f"{where} did not answer with HTTP")
+        return ConnectionDropped(f"{where} closed the connection without answering ({_reason(exc)})")
+    return TransportError(f"the connection to {where} failed: {_reason(exc)}")
 
 
 def _status_error(response: Response) -> StatusError:
-    text = response.read().decode("utf-8", "replace").strip()
+    text = response.read(limit=MAX_ERROR_BODY).decode("utf-8", "replace").strip()
     body: Any = text
     if text:
         try:
@@ -813,10 +814,16 @@ def _status_error(response: Response) -> StatusError:
 
 
 def _reason(exc: BaseException) -> str:
-    """An OS error in words (an OSError's text holds no request data)."""
-    if isinstance(exc, socket.gaierror):
-        return f"name resolution failed ({exc.strerror or exc})"
-    if isinstance(exc, ConnectionRefusedError):
+    """An error in words (urllib3's and the OS's text hold no request data)."""
+    inner = exc
+    for _ in range(6):
+        nxt = getattr(inner, "reason", None) or inner.__cause__ or inner.__context__
+        if not isinstance(nxt, BaseException) or nxt is inner:
+            break
+        inner = nxt
+    if isinstance(inner, ConnectionRefusedError) or "Connection refused" in str(exc):
         return "connection refused"
-    text = getattr(exc, "strerror", None) or str(exc)
-    return text or type(exc).__name__
+    if isinstance(inner, socket.gaierror) or isinstance(exc, u3.NameResolutionError):
+        return "name resolution failed"
+    text = getattr(inner, "strerror", None) or str(inner)
+    return text[:300] or type(inner).__name__

@@ -14,6 +14,7 @@ rejects unknown request fields).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from batchrun.prompt import httpclient
@@ -52,7 +53,8 @@ class LLMConfig:
     provider_sort: str | None = None
     provider_allow_fallbacks: bool | None = None  # False pins the request to the listed providers
     provider_data_collection: str | None = None  # "allow" or "deny"
-    request_timeout_s: float = 600.0  # one attempt of one model call: connect, and each read or write
+    request_timeout_s: float = 600.0  # one attempt of one model call, whole: connect, send, every read
+    max_response_mb: float = 32.0  # the most an answer's decoded body (or a whole stream) may hold
     max_retries: int = 3  # retries of one call on 5xx, timeouts, dropped connections
     max_rate_limit_retries: int = 30  # 429s of one call waited out (run-wide pause) before it fails
     extra_body: dict[str, Any] = field(default_factory=dict)  # computed by build_extra_body when empty
@@ -70,19 +72,41 @@ class LLMConfig:
 
 
 def resolve_dialect(base_url: str, dialect: str = "auto") -> str:
-    """The request dialect of an endpoint: the flag when given, else what the host says it is."""
+    """The request dialect of an endpoint: the flag when given, else what the host says it is.
+
+    An unknown remote host gets the standard OpenAI fields only (``openai``): an OpenAI-style upstream
+    rejects the ``local`` dialect's extra fields. ``local`` (and ``ollama`` on its port) is for hosts
+    on this machine or a private network (:func:`is_local_host`)."""
     if dialect != "auto":
         return dialect
     host = (urlsplit(base_url).hostname or "").lower()
     if host == "openrouter.ai" or host.endswith(".openrouter.ai"):
         return "openrouter"
-    if host == "api.openai.com":
+    if not is_local_host(host):
         return "openai"
     try:
         port = urlsplit(base_url).port
     except ValueError:
         port = None
     return "ollama" if port == OLLAMA_PORT else "local"
+
+
+def is_local_host(host: str) -> bool:
+    """A host on this machine or a private network: a loopback, private or link-local address,
+    ``localhost``, a name without a dot (a container's or a LAN host's), or one under ``.local``,
+    ``.lan``, ``.internal``, ``.localhost``, ``.home.arpa``. Nothing is resolved."""
+    import ipaddress
+
+    host = host.strip("[]").lower().rstrip(".")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return (
+            host == "localhost"
+            or "." not in host
+            or host.endswith((".local", ".lan", ".internal", ".localhost", ".home.arpa"))
+        )
+    return ip.is_loopback or ip.is_private or ip.is_link_local
 
 
 # OpenAI accepts these reasoning_effort values (none on GPT-5.1 and later); vLLM and SGLang validate
@@ -206,7 +230,9 @@ class BudgetStop(LLMError):
 
     def __init__(self) -> None:
         super().__init__(
-            "budget", "the run's budget was reached before this model call; --resume runs it again"
+            "budget",
+            "the run is stopping (its budget was reached, or its endpoint died) before this model call; "
+            "--resume runs it again",
         )
 
 
@@ -244,6 +270,73 @@ def native_reasoning(message: dict[str, Any]) -> str | None:
     return None
 
 
+MAX_CALL_TOKENS = 10_000_000  # more tokens than any model's context in one call: an absurd count
+MAX_CALL_USD = 1000.0  # more than any one call costs: an absurd cost
+ESTIMATE_BYTES_PER_TOKEN = 3  # the runner's own count: UTF-8 bytes / 3, rounded up (an over-estimate)
+
+
+def estimate_tokens(text: str | bytes) -> int:
+    """The runner's own token count of ``text``: its UTF-8 bytes / :data:`ESTIMATE_BYTES_PER_TOKEN`,
+    rounded up. Tokenizers give ~4 bytes per token of English and code, so this errs high, on the
+    side of a budget."""
+    size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "replace"))
+    return -(-size // ESTIMATE_BYTES_PER_TOKEN)
+
+
+def _count_problem(value: Any, limit: float) -> str | None:
+    """Why ``value`` is not a credible count (None: it is)."""
+    if value is None:
+        return "missing"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "not a number"
+    if value != value or value in (float("inf"), float("-inf")):
+        return "NaN or infinite"
+    if value < 0:
+        return "negative"
+    if value > limit:
+        return "absurd"
+    if isinstance(value, float) and not value.is_integer() and limit == MAX_CALL_TOKENS:
+        return "not a whole number"
+    return None
+
+
+def credible_usage(
+    raw: Any, prompt_estimate: int, completion_estimate: int
+) -> tuple[dict[str, Any], str | None]:
+    """An endpoint's ``usage`` made safe to add: counts that are missing, non-numeric, negative, NaN or
+    absurd are replaced by the runner's estimates (:func:`estimate_tokens` of the request and the reply)
+    and the result is marked ``estimated``; such a cost is dropped. Returns it and the endpoint's fault
+    in words (None: nothing was wrong)."""
+    usage = raw if isinstance(raw, dict) else {}
+    clean: dict[str, Any] = {}
+    faults = []
+    if not usage:
+        faults.append("no usage")
+    for key, estimate in (("prompt_tokens", prompt_estimate), ("completion_tokens", completion_estimate)):
+        problem = _count_problem(usage.get(key), MAX_CALL_TOKENS)
+        if problem is None:
+            clean[key] = int(usage[key])
+        else:
+            clean[key] = estimate
+            if usage:
+                faults.append(f"{key} {problem}")
+    details = usage.get("completion_tokens_details")
+    if isinstance(details, dict) and _count_problem(details.get("reasoning_tokens"), MAX_CALL_TOKENS) is None:
+        clean["completion_tokens_details"] = {
+            "reasoning_tokens": min(int(details["reasoning_tokens"]), clean["completion_tokens"])
+        }
+    if "cost" in usage:
+        problem = _count_problem(usage["cost"], MAX_CALL_USD)
+        if problem is None:
+            clean["cost"] = float(usage["cost"])
+        else:
+            faults.append(f"cost {problem}")
+    clean["total_tokens"] = clean["prompt_tokens"] + clean["completion_tokens"]
+    if faults:
+        clean["estimated"] = True
+    return clean, (", ".join(faults) or None)
+
+
 class Usage:
     """Tokens, cost and calls of one prompt (model calls and the calls tools make). Thread-safe."""
 
@@ -251,16 +344,20 @@ class Usage:
         self._lock = threading.Lock()
         self.requests = 0  # requests sent, failed attempts included
         self.calls = self.prompt_tokens = self.completion_tokens = self.reasoning_tokens = 0  # answered calls
+        self.estimated_calls = 0  # answered calls whose usage the endpoint did not report credibly
         self.cost_usd = 0.0
         self.retries = self.rate_limited = 0
         self.providers: list[str] = []
         self.reported: set[str] = set()  # the counts some response reported: the others are unknown (null)
 
     def add(self, usage: dict[str, Any] | None, provider: str | None = None) -> None:
+        """Add one answered call's usage; anything not credible counts as 0 (see :func:`credible_usage`,
+        which the model client applies first, so its counts are estimates rather than zeros)."""
         usage = usage or {}
         details = usage.get("completion_tokens_details") or {}
         with self._lock:
             self.calls += 1
+            self.estimated_calls += bool(usage.get("estimated"))
             for key in ("prompt_tokens", "completion_tokens"):
                 if _is_count(usage.get(key)):
                     self.reported.add(key)
@@ -270,7 +367,7 @@ class Usage:
             self.completion_tokens += _int(usage.get("completion_tokens"))
             self.reasoning_tokens += _int(details.get("reasoning_tokens") if isinstance(details, dict) else 0)
             cost = usage.get("cost")
-            if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+            if _count_problem(cost, MAX_CALL_USD) is None:
                 self.cost_usd += float(cost)
                 self.reported.add("cost_usd")
             if provider and provider not in self.providers:
@@ -303,15 +400,16 @@ class Usage:
             "retries": self.retries,
             "rate_limited": self.rate_limited,
             "providers": list(self.providers) or None,
+            "estimated_calls": self.estimated_calls,
         }
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return _count_problem(value, MAX_CALL_TOKENS) is None
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return int(value) if _is_count(value) else 0
 
 
 def record_usage(usage: Usage | None, resp: Any) -> None:
@@ -319,7 +417,8 @@ def record_usage(usage: Usage | None, resp: Any) -> None:
     if usage is None:
         return
     raw = resp.usage.model_dump() if getattr(resp, "usage", None) is not None else {}
-    usage.add(raw, getattr(resp, "provider", None))
+    clean, _ = credible_usage(raw, 0, 0)
+    usage.add(clean, getattr(resp, "provider", None))
 
 
 RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
@@ -329,17 +428,21 @@ USER_AGENT = "batch-runner/0.1 (OpenAI-compatible client)"
 
 
 def endpoint_url(base_url: str, path: str) -> str:
-    """``<base_url>/<path>``, the base's path prefix kept (``https://openrouter.ai/api/v1``)."""
-    parts = urlsplit(base_url)
+    """``<base_url>/<path>``, the base's path prefix kept (``https://openrouter.ai/api/v1``), without
+    the base's user and password (they go in a header, see :func:`request_headers`)."""
+    parts = urlsplit(safe_url(base_url))
     return parts._replace(path=parts.path.rstrip("/") + "/" + path).geturl()
 
 
-def request_headers(api_key: str | None) -> dict[str, str]:
+def request_headers(api_key: str | None, base_url: str | None = None) -> dict[str, str]:
     """What every model request carries, as the ``openai`` SDK sent it: the key as a bearer token
-    (:data:`NO_KEY` when none), JSON both ways, and ``OPENAI_ORG_ID`` / ``OPENAI_PROJECT_ID`` from the
+    (:data:`NO_KEY` when none; HTTP Basic auth instead when ``base_url`` holds a user and password and
+    no key is given), JSON both ways, and ``OPENAI_ORG_ID`` / ``OPENAI_PROJECT_ID`` from the
     environment as ``OpenAI-Organization`` / ``OpenAI-Project`` when set."""
+    creds = httpclient.url_credentials(base_url)[1] if base_url else None
+    auth = httpclient.basic_auth(*creds) if creds and not api_key else f"Bearer {api_key or NO_KEY}"
     headers = {
-        "Authorization": f"Bearer {api_key or NO_KEY}",
+        "Authorization": auth,
         "Content-Type": "application/json",
         "Accept": "application/json",
         "User-Agent": USER_AGENT,
@@ -350,12 +453,27 @@ def request_headers(api_key: str | None) -> dict[str, str]:
     return headers
 
 
+class SpendGate(Protocol):
+    """The run's budget as a model call sees it (the worker asks the parent, see batchrun/run/budget.py)."""
+
+    def reserve(self, tokens: int, deadline: float, priority: int = 0) -> tuple[Any, float]:
+        """Wait until a call that may spend ``tokens`` fits the budget; returns a ticket and the seconds
+        waited (they do not count against the prompt's deadline). :class:`BudgetStop` when it never will.
+        ``priority``: the calls its prompt has made (a prompt under way goes first)."""
+
+    def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
+        """The call is over: what it spent (None: no answer), in place of its reservation."""
+
+
 class LLMClient:
     """One per worker process: its HTTP client pools keep-alive connections shared by the worker's threads.
 
-    Retries are ours, not the SDK's, because they must go through the run-wide limiter: a 429
-    pauses the whole run (Retry-After honoured up to a cap) and is retried until the prompt's
-    deadline; 5xx, timeouts and dropped connections are retried ``max_retries`` times with jitter.
+    Every model call of a prompt goes through it (the agent's turns, the tools' models, a judge), so
+    each one takes the shared limiter, the run-wide 429 pause, the retry policy and the live budget.
+    Retries are ours: a 429 pauses the whole run (Retry-After honoured up to a cap) and is retried until
+    the prompt's deadline; 5xx, timeouts, dropped connections and bad answers are retried
+    ``max_retries`` times with jitter. Each attempt is bounded whole by ``--request_timeout`` and by
+    the prompt's deadline, and its answer by ``--max_response_mb`` (:mod:`httpclient`).
     """
 
     def __init__(
@@ -365,28 +483,45 @@ class LLMClient:
         *,
         stop: threading.Event | None = None,
         on_usage: Callable[[dict[str, Any]], None] | None = None,
+        gate: SpendGate | None = None,
+        on_failure: Callable[[str | None], None] | None = None,
+        headers: dict[str, str] | None = None,
     ):
         """``stop``: once set, every further call raises :class:`BudgetStop` before it is sent.
-        ``on_usage``: called with each answered call's usage (the run's budget counts it at once)."""
+        ``on_usage``: called with each answered call's usage (the run's budget counts it at once).
+        ``gate``: the run's budget, asked before every attempt (then ``on_usage`` is not called: the
+        gate's ``settle`` reports the spend). ``on_failure``: told after each attempt whether it failed
+        for the endpoint's reasons (an error class) or answered (None): the run's dead-endpoint watch."""
         self.cfg = cfg
         self.limiter = limiter or Limiter()
         self.stop = stop
         self.on_usage = on_usage
-        self._http = httpclient.Client(request_headers(cfg.api_key))
+        self.gate = gate
+        self.on_failure = on_failure
+        bounds = httpclient.Bounds(body_bytes=max(1, int(cfg.max_response_mb * (1 << 20))))
+        self._http = httpclient.Client(
+            {**request_headers(cfg.api_key, cfg.base_url), **(headers or {})}, bounds=bounds
+        )
         self._url = endpoint_url(cfg.base_url, "chat/completions")
         self._extra_body = cfg.request_extra_body()
         self._warned: set[str] = set()
+        self._warn_lock = threading.Lock()
+
+    def _warn_once(self, key: str, text: str) -> None:
+        with self._warn_lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
     def _check_controls(self, turn: AssistantTurn) -> None:
         """Warn once per process when a reasoning control visibly did not take effect."""
-        if self.cfg.reasoning_disabled and turn.reasoning and "reasoning_disabled" not in self._warned:
-            self._warned.add("reasoning_disabled")
-            print(
-                f"warning: --reasoning_disabled was sent ({self.cfg.resolved_dialect} dialect) but "
+        if self.cfg.reasoning_disabled and turn.reasoning:
+            self._warn_once(
+                "reasoning_disabled",
+                f"--reasoning_disabled was sent ({self.cfg.resolved_dialect} dialect) but "
                 f"{self.cfg.model} still answers with reasoning; the endpoint or its chat template "
                 "ignores the control (see --endpoint_dialect)",
-                file=sys.stderr,
-                flush=True,
             )
 
     def chat(
@@ -397,101 +532,141 @@ class LLMClient:
         deadline: float | None = None,
         usage: Usage | None = None,
         seed: int | None = None,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        extra_body: dict[str, Any] | None = None,
     ) -> AssistantTurn:
         """One model turn. ``deadline`` (time.monotonic) bounds every attempt and every wait.
-        ``seed``: sent as the request's ``seed`` (--seed_per_request), the same on every retry."""
-        body: dict[str, Any] = {"model": self.cfg.model, "messages": messages}
+        ``seed``: sent as the request's ``seed`` (--seed_per_request), the same on every retry.
+        ``model``, ``max_tokens``, ``temperature``, ``extra_body``: a tool's or a judge's own call (its
+        model, no reasoning fields of the run's dialect unless given)."""
+        own = model is not None
+        body: dict[str, Any] = {"model": model or self.cfg.model, "messages": messages}
         if tools:
             body["tools"] = tools
-        if self.cfg.max_tokens:
-            body["max_tokens"] = self.cfg.max_tokens
-        if self.cfg.temperature is not None:
-            body["temperature"] = self.cfg.temperature
-        if self.cfg.top_p is not None:
+        limit = max_tokens or self.cfg.max_tokens
+        if limit:
+            body["max_tokens"] = limit
+        temperature = temperature if temperature is not None else (None if own else self.cfg.temperature)
+        if temperature is not None:
+            body["temperature"] = temperature
+        if self.cfg.top_p is not None and not own:
             body["top_p"] = self.cfg.top_p
         if seed is not None:
             body["seed"] = seed
         if self.cfg.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}  # the last chunk then carries the usage
-        body.update(self._extra_body)
-        try:  # as the SDK encoded it: UTF-8, no NaN
-            payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        except ValueError as exc:  # a NaN, or text that is not Unicode: every try would fail the same way
-            raise LLMError("bad_request", f"the request cannot be sent as JSON: {exc}") from None
+        body.update(self._extra_body if extra_body is None and not own else (extra_body or {}))
+        payload = _encode(body)
+
+        def parse(raw: httpclient.Response, attempt_deadline: float) -> tuple[AssistantTurn, dict[str, Any]]:
+            data = (
+                _read_stream(raw, attempt_deadline, self._http.bounds.body_bytes)
+                if self.cfg.stream
+                else raw.json()
+            )
+            turn = _parse_payload(data)
+            if not own:
+                self._check_controls(turn)
+            return turn, data
+
+        turn, data = self._call(self._url, payload, parse, deadline, usage, limit, stream=self.cfg.stream)
+        return turn
+
+    def post_json(
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        deadline: float | None = None,
+        usage: Usage | None = None,
+        worst_tokens: int = 0,
+    ) -> dict[str, Any]:
+        """Another endpoint of the same server (``images/generations``) through the same limiter,
+        pause, retries, bounds and budget; its JSON answer. Its ``usage``, when it has one, is counted."""
+
+        def parse(raw: httpclient.Response, attempt_deadline: float) -> tuple[AssistantTurn, dict[str, Any]]:
+            data = raw.json()
+            if not isinstance(data, dict):
+                raise LLMError("bad_response", f"endpoint answered {path} with {str(data)[:200]!r}")
+            u = data.get("usage")
+            return AssistantTurn("", None, [], None, u if isinstance(u, dict) else {}), data
+
+        _, data = self._call(
+            endpoint_url(self.cfg.base_url, path),
+            _encode(body),
+            parse,
+            deadline,
+            usage,
+            worst_tokens,
+            stream=False,
+        )
+        return data
+
+    def _call(
+        self,
+        url: str,
+        payload: bytes,
+        parse: Callable[[httpclient.Response, float], tuple[AssistantTurn, dict[str, Any]]],
+        deadline: float | None,
+        usage: Usage | None,
+        completion_limit: int | None,
+        *,
+        stream: bool,
+    ) -> tuple[AssistantTurn, dict[str, Any]]:
         deadline = deadline if deadline is not None else time.monotonic() + 10 * self.cfg.request_timeout_s
+        prompt_estimate = estimate_tokens(payload)
+        worst = prompt_estimate + (completion_limit or 0)
         failures = rate_limited = 0
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise BudgetStop()
+            ticket = None
+            if self.gate is not None:
+                ticket, waited = self.gate.reserve(worst, deadline, usage.calls if usage is not None else 0)
+                deadline += waited  # waiting for the budget is not the prompt's time
+            answered: dict[str, Any] | None = None
             try:
-                # A run-wide pause (another prompt's 429) does not count against this prompt's time.
-                deadline += self.limiter.acquire(deadline)
-            except LimitTimeout as exc:
-                raise LLMError("timeout", str(exc)) from exc
-            if self.stop is not None and self.stop.is_set():  # set while this call waited for the limiter
-                self.limiter.release()
-                raise BudgetStop()
-            remaining = deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise LLMError("timeout", "no time left for the model call")
-                per_attempt = max(0.5, min(remaining, self.cfg.request_timeout_s))
-                if usage is not None:
-                    usage.note_request()
-                raw = self._http.request(
-                    "POST", self._url, body=payload, timeout_s=per_attempt, stream=self.cfg.stream
-                )
-                # Not JSON: ValueError, reported as bad_response below.
-                data = _read_stream(raw, deadline) if self.cfg.stream else raw.json()
-                turn = _parse_payload(data)
-                self._check_controls(turn)
-                if usage is not None:
-                    usage.add(
-                        turn.usage, data.get("provider") if isinstance(data.get("provider"), str) else None
+                try:
+                    # A run-wide pause (another prompt's 429) does not count against this prompt's time.
+                    deadline += self.limiter.acquire(deadline)
+                except LimitTimeout as exc:
+                    raise LLMError("timeout", str(exc)) from exc
+                try:
+                    if self.stop is not None and self.stop.is_set():  # set while this call waited
+                        raise BudgetStop()
+                    turn, data, answered = self._attempt(
+                        url, payload, parse, deadline, usage, prompt_estimate, stream
                     )
-                if self.on_usage is not None:
-                    self.on_usage(turn.usage)
-                return turn
-            except httpclient.StatusError as exc:
-                message = _error_message(exc)
-                status = exc.status_code
-                if status == 429:
+                    if self.on_failure is not None:
+                        self.on_failure(None)
+                    return turn, data
+                finally:
+                    self.limiter.release()
+            except _Retry as retry:
+                error, retry_after = retry.error, retry.retry_after
+                if self.on_failure is not None and retry.endpoint_fault:
+                    self.on_failure(error.error_class)
+                if retry.rate_limited:
                     rate_limited += 1
-                    wait = backoff_s(rate_limited, _retry_after_s(exc))
+                    wait = backoff_s(rate_limited, retry_after)
                     self.limiter.pause(wait)
                     if usage is not None:
                         usage.note_retry(rate_limited=True)
                     if rate_limited > self.cfg.max_rate_limit_retries:
                         raise LLMError(
-                            "http_429",
-                            f"{message} (still rate limited after {rate_limited - 1} waits)",
-                            status,
-                        ) from exc
+                            "http_429", f"{error} (still rate limited after {rate_limited - 1} waits)", 429
+                        ) from None
                     if time.monotonic() + wait >= deadline:
                         raise LLMError(
-                            "http_429", f"{message} (rate limited until the prompt's deadline)", status
-                        ) from exc
+                            "http_429", f"{error} (rate limited until the prompt's deadline)", 429
+                        ) from None
                     continue  # the limiter holds this and every other request until the pause ends
-                if is_context_limit(status, exc.body, message):
-                    raise ContextLimitError("context_limit", message, status) from exc
-                error = LLMError(f"http_{status}", message, status)
-                if status not in RETRYABLE_STATUS:
-                    raise error from exc
-                retry_after = _retry_after_s(exc)
-            except httpclient.RequestTimeout as exc:
-                error, retry_after = LLMError("timeout", f"model call timed out: {exc}"), None
-            except httpclient.InvalidRequest as exc:  # e.g. a key with a line break: every try would fail
-                raise LLMError("bad_request", f"the model request cannot be sent: {exc}") from None
-            except httpclient.TransportError as exc:
-                # A connection that ended before any answer counts as a retry here, never as a silent
-                # resend: the endpoint may have run (and billed) the call (see httpclient's doc).
-                error, retry_after = LLMError("connection", f"cannot reach {self.cfg.base_url}: {exc}"), None
-            except ValueError as exc:  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
-                error = LLMError("bad_response", f"endpoint answered with an invalid response: {exc}")
-                retry_after = None
             finally:
-                self.limiter.release()
+                if self.gate is not None:
+                    self.gate.settle(ticket, answered)
             failures += 1
             wait = backoff_s(failures, retry_after, cap_s=30.0)
             if failures > self.cfg.max_retries or time.monotonic() + wait >= deadline:
@@ -505,6 +680,148 @@ class LLMClient:
             if usage is not None:
                 usage.note_retry(rate_limited=False)
             time.sleep(wait)
+
+    def _attempt(
+        self,
+        url: str,
+        payload: bytes,
+        parse: Callable[[httpclient.Response, float], tuple[AssistantTurn, dict[str, Any]]],
+        deadline: float,
+        usage: Usage | None,
+        prompt_estimate: int,
+        stream: bool,
+    ) -> tuple[AssistantTurn, dict[str, Any], dict[str, Any]]:
+        """One request, bounded whole by --request_timeout and the prompt's deadline; raises :class:`_Retry`
+        for what may pass on another try, :class:`LLMError` for what will not."""
+        if time.monotonic() >= deadline:
+            raise LLMError("timeout", "no time left for the model call")
+        attempt_deadline = min(deadline, time.monotonic() + self.cfg.request_timeout_s)
+        if usage is not None:
+            usage.note_request()
+        try:
+            raw = self._http.request(
+                "POST",
+                url,
+                body=payload,
+                timeout_s=self.cfg.request_timeout_s,
+                stream=stream,
+                deadline=attempt_deadline,
+            )
+            turn, data = parse(raw, attempt_deadline)
+        except httpclient.StatusError as exc:
+            message = _error_message(exc)
+            status = exc.status_code
+            if status == 429:
+                raise _Retry(
+                    LLMError("http_429", message, status), _retry_after_s(exc), rate_limited=True
+                ) from None
+            if is_context_limit(status, exc.body, message):
+                raise ContextLimitError("context_limit", message, status) from exc
+            error = LLMError(f"http_{status}", message, status)
+            if status not in RETRYABLE_STATUS:
+                raise error from exc
+            raise _Retry(error, _retry_after_s(exc), endpoint_fault=status >= 500) from None
+        except httpclient.RequestTimeout as exc:
+            if time.monotonic() >= deadline:
+                raise LLMError("timeout", f"model call timed out at the prompt's deadline: {exc}") from None
+            raise _Retry(LLMError("timeout", f"model call timed out: {exc}"), endpoint_fault=True) from None
+        except httpclient.InvalidRequest as exc:  # e.g. a key with a line break: every try would fail
+            raise LLMError("bad_request", f"the model request cannot be sent: {exc}") from None
+        except httpclient.BadResponse as exc:
+            raise _Retry(LLMError("bad_response", f"endpoint answered with a bad response: {exc}")) from None
+        except httpclient.TransportError as exc:
+            # A connection that ended before any answer counts as a retry here, never as a silent
+            # resend: the endpoint may have run (and billed) the call (see httpclient's doc).
+            error = LLMError("connection", f"cannot reach {safe_url(self.cfg.base_url)}: {exc}")
+            raise _Retry(error, endpoint_fault=True) from None
+        except ValueError as exc:  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
+            raise _Retry(
+                LLMError("bad_response", f"endpoint answered with an invalid response: {exc}")
+            ) from None
+        except LLMError as exc:
+            if exc.error_class in ("timeout", "context_limit") or isinstance(exc, ContextLimitError):
+                raise
+            if exc.error_class == "bad_response":
+                raise _Retry(exc) from None
+            raise
+        reply = turn.content + (turn.reasoning or "") + "".join(c.name + c.arguments for c in turn.tool_calls)
+        clean, fault = credible_usage(turn.usage, prompt_estimate, estimate_tokens(reply))
+        turn.usage = clean
+        provider = data.get("provider") if isinstance(data.get("provider"), str) else None
+        if fault:
+            clean["fault"] = fault
+            if self.on_usage is None and self.gate is None:  # no parent to warn once per run: once here
+                self._warn_once("usage", usage_warning(self.cfg.base_url, fault))
+        if usage is not None:
+            usage.add(clean, provider)
+        if self.on_usage is not None and self.gate is None:
+            self.on_usage(clean)
+        return turn, data, clean
+
+    def for_endpoint(self, base_url: str, api_key: str | None) -> LLMClient:
+        """The client of a tool's own endpoint (vision, mixture of agents, images, a judge): its own
+        connections and key, and this client's limiter, run-wide pause, retry policy, bounds and budget.
+        The run's own endpoint is this client."""
+        if base_url.rstrip("/") == self.cfg.base_url.rstrip("/") and api_key == self.cfg.api_key:
+            return self
+        key = (base_url.rstrip("/"), api_key)
+        with self._warn_lock:
+            siblings = self.__dict__.setdefault("_siblings", {})
+            client = siblings.get(key)
+            if client is None:
+                cfg = dataclasses.replace(
+                    self.cfg,
+                    base_url=base_url,
+                    api_key=api_key,
+                    stream=False,
+                    extra_body={},
+                    dialect="auto",
+                    reasoning_effort=None,
+                    reasoning_disabled=False,
+                )
+                client = siblings[key] = LLMClient(
+                    cfg, self.limiter, stop=self.stop, on_usage=self.on_usage, gate=self.gate
+                )
+        return client
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class _Retry(Exception):
+    """An attempt that failed in a way another attempt may not (inside :meth:`LLMClient._call`)."""
+
+    def __init__(
+        self,
+        error: LLMError,
+        retry_after: float | None = None,
+        *,
+        rate_limited: bool = False,
+        endpoint_fault: bool = False,
+    ):
+        super().__init__(str(error))
+        self.error, self.retry_after = error, retry_after
+        self.rate_limited, self.endpoint_fault = rate_limited, endpoint_fault
+
+
+def usage_warning(base_url: str, fault: str) -> str:
+    return (
+        f"the endpoint {safe_url(base_url)} reports usage that cannot be trusted ({fault}); such calls are "
+        "counted by the runner's own estimate (UTF-8 bytes / 3 of the request and the reply) and marked "
+        "in metadata.usage.estimated_calls"
+    )
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    try:  # UTF-8, no NaN
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as exc:  # a NaN, or text that is not Unicode: every try would fail the same way
+        raise LLMError("bad_request", f"the request cannot be sent as JSON: {exc}") from None
+
+
+def safe_url(url: str) -> str:
+    """``url`` without a user or password (for every message and the start line)."""
+    return httpclient.url_credentials(url)[0]
 
 
 def _retry_after_s(exc: httpclient.StatusError) -> float | None:
@@ -553,15 +870,17 @@ def _parse_payload(data: Any) -> AssistantTurn:
     )
 
 
-def _read_stream(raw: Any, deadline: float | None = None) -> dict[str, Any]:
+def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None = None) -> dict[str, Any]:
     """Server-sent chat.completion.chunk events -> the chat.completion body a non-streaming call returns.
 
     Content, reasoning (every native field) and tool-call argument deltas are concatenated; tool calls
     are assembled by their ``index``; usage comes from the last chunk (``stream_options.include_usage``).
     An error event mid-stream raises like an HTTP error would. The read timeout bounds each wait for a
-    chunk; ``deadline`` (time.monotonic) bounds a stream that keeps trickling.
+    chunk; ``deadline`` (time.monotonic) bounds a stream that keeps trickling; ``max_bytes`` the
+    assembled reply (the HTTP client bounds each line and the stream's bytes as well).
     """
     message: dict[str, Any] = {"role": "assistant", "content": ""}
+    assembled = 0
     texts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": []}
     details: list[dict[str, Any]] = []
     calls: dict[int, dict[str, Any]] = {}
@@ -576,6 +895,9 @@ def _read_stream(raw: Any, deadline: float | None = None) -> dict[str, Any]:
             data = line[5:].strip()
             if data == "[DONE]":
                 break
+            assembled += len(data)
+            if max_bytes is not None and assembled > max_bytes:
+                raise httpclient.BadResponse(f"the streamed reply grew past {max_bytes:,} bytes")
             chunk = json.loads(data)
             if not isinstance(chunk, dict):
                 continue

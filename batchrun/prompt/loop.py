@@ -116,7 +116,9 @@ def run_agent(
             raise
         result.api_calls += 1
         result.served_model = turn.served_model or result.served_model
-        assistant_saved, assistant_sent = _assistant_messages(turn)
+        assistant_saved, assistant_sent = _assistant_messages(
+            turn, reasoning_disabled=getattr(getattr(llm, "cfg", None), "reasoning_disabled", False)
+        )
         saved.append(assistant_saved)
         sent.append(assistant_sent)
         if turn.finish_reason == "length":
@@ -148,9 +150,19 @@ def run_agent(
     return result
 
 
-def _assistant_messages(turn: AssistantTurn) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The saved form (reasoning split out, canonical arguments) and the form sent back to the model."""
-    scratch_reasoning, content = split_reasoning(turn.content)
+def _assistant_messages(
+    turn: AssistantTurn, *, reasoning_disabled: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The saved form (reasoning split out, canonical arguments) and the form sent back to the model.
+
+    Words are read as reasoning only where the endpoint sent no reasoning field and reasoning is not
+    disabled, and only a leading block (``<think>...</think>``, or words before a lone ``</think>``
+    when the template opened the block). Anywhere else a tag stays in the words, where the
+    ``ambiguous_markup`` filter finds it: a stray ``</think>`` never turns words into reasoning."""
+    if turn.reasoning is None and not reasoning_disabled:
+        scratch_reasoning, content = split_reasoning(turn.content)
+    else:
+        scratch_reasoning, content = None, turn.content or ""
     reasoning = turn.reasoning or scratch_reasoning
     if turn.reasoning and scratch_reasoning:
         reasoning = f"{turn.reasoning}\n\n{scratch_reasoning}"

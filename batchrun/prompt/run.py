@@ -65,6 +65,7 @@ def install_run_tools(tools: RunTools | None) -> None:
         return
     mcp.install(tools.mcp)
     # A worker that ends normally stops its servers; one that is killed closes their stdin, which ends them.
+    atexit.register(mcp.kill_server_groups)  # atexit runs in reverse: after close_shared, what is left
     atexit.register(mcp.close_shared)
     here = known_tool_names()
     if tools.known_tools and list(tools.known_tools) != here:
@@ -104,6 +105,9 @@ class RunSettings:
     tools: RunTools | None = None
     # --seed_per_request: the run's --seed, from which each request's ``seed`` is derived; None: no seed sent.
     request_seed: int | None = None
+    budget_gate: bool = (
+        False  # a run-wide budget: every model call asks the parent first (batchrun/run/budget.py)
+    )
 
 
 def run_prompt(
@@ -183,6 +187,7 @@ def run_prompt(
             output_cap_bytes=settings.output_cap_bytes,
             extra=dict(settings.tool_extra),
             usage=usage,
+            llm=llm,
         )
         result = run_agent(
             llm=llm,

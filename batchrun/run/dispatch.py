@@ -24,10 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
+from batchrun.prompt.llm import usage_warning
 from batchrun.prompt.run import RunSettings
 from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.protocol import (
+    FAILED,
+    EndpointHealth,
+    Grant,
     Log,
     Outcome,
     Pause,
@@ -35,6 +39,7 @@ from batchrun.protocol import (
     PromptJob,
     Ready,
     Received,
+    Reserve,
     Skipped,
     Spend,
     StopDone,
@@ -43,6 +48,8 @@ from batchrun.protocol import (
     WorkerExit,
 )
 from batchrun.run import worker
+from batchrun.run.budget import Budget, Decision
+from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
 
@@ -131,6 +138,14 @@ class Dispatch:
         self.settings = settings
         self.recorder = recorder
         self.pbar: Any = None
+        self.budget = Budget(
+            config.budget_tokens,
+            config.budget_usd,
+            lambda: (recorder.spend["total_tokens"], recorder.spend["cost_usd"]),
+        )
+        self.usage_fault_warned = False
+        self.watch: EndpointWatch | None = None  # made with the inbox, in run()
+        self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 4)
 
     def run(self, batches: list[list[PromptJob]]) -> None:
         """Hand the batches' prompts out as workers' slots free, and write every outcome the moment it arrives."""
@@ -150,6 +165,9 @@ class Dispatch:
             pending=collections.deque(j for b in batches for j in b),
         )
         remaining = rec.total
+        self.watch = EndpointWatch(
+            self.settings.llm, config.endpoint_grace, lambda until: inbox.broadcast(PauseAll(until))
+        )
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
         start_slots = start_slots_per_worker(
@@ -173,8 +191,10 @@ class Dispatch:
                             file=sys.stderr,
                         )
                     rec.write_status("running")
+                    remaining -= self.watch_endpoint(inbox, track)
                     continue
                 if isinstance(event, WorkerExit):
+                    self.grant(inbox, self.budget.drop(event.pid))
                     track.stops.pop(event.pid, None)  # what it was stopping is the backend's sweep's now
                     track.free.pop(event.pid, None)
                     remaining -= self.fail_lost_prompts(track.held.pop(event.pid, set()), event.pid, track)
@@ -187,6 +207,7 @@ class Dispatch:
                     settled = self.handle(event, track, inbox)
                     remaining -= settled
                     exits_without_progress = 0 if settled else exits_without_progress
+                remaining -= self.watch_endpoint(inbox, track)
                 rec.write_status("running")
             self.wait_for_sandbox_stops(inbox, track)
         finally:
@@ -221,8 +242,26 @@ class Dispatch:
         elif isinstance(message, (StopQueued, StopDone)):
             self.count_stop(message, pid, track.stops)
         elif isinstance(message, Spend):  # a call of a prompt in flight: the budget counts it at once
-            self.recorder.add_live_spend(message)
+            if message.prompt_index >= 0:
+                self.recorder.add_live_spend(message)
+            if message.fault and not self.usage_fault_warned:
+                self.usage_fault_warned = True
+                self.pbar.write(
+                    f"warning: {usage_warning(self.settings.llm.base_url, message.fault)}", file=sys.stderr
+                )
+            tokens = message.prompt_tokens + message.completion_tokens
+            self.grant(inbox, self.budget.settle(pid, message.reservation, tokens, message.cost_usd))
             return self.check_budget(inbox, track)
+        elif isinstance(message, Reserve):  # may this call be sent? (the budget as a cap)
+            self.grant(
+                inbox, self.budget.request(pid, message.rid, message.tokens, message.priority, message.prompt)
+            )
+            return self.check_budget(inbox, track)
+        elif isinstance(message, EndpointHealth):
+            self.recorder.counts["endpoint_failures"] += message.error_class is not None
+            line = self.watch.report(message.error_class) if self.watch is not None else None
+            if line:
+                self.pbar.write(line, file=sys.stderr)
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does
             self.recorder.counts["rate_limit_pauses"] += 1
             inbox.broadcast(PauseAll(message.until))
@@ -237,8 +276,20 @@ class Dispatch:
                 # worker does not wait for the parent's disk.
                 self.hand_out(pid, track, inbox)
             settled = self.settle(message, track)
+            if isinstance(message, Outcome) and self.budget.active:
+                usage = message.usage or {}
+                tokens = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0)
+                calls = (
+                    (usage.get("calls") or 0) if message.kind != FAILED else 0
+                )  # a stopped one teaches nothing
+                self.grant(inbox, self.budget.prompt_done(_key(message), calls, tokens))
             return settled + self.check_budget(inbox, track)
         return 0
+
+    @staticmethod
+    def grant(inbox: Inbox, decisions: list[Decision]) -> None:
+        for pid, rid, ok in decisions:
+            inbox.send(pid, Grant(rid, ok))
 
     def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> None:
         """Send worker ``pid`` the next prompts of the plan, one per free slot (none once the budget is spent).
@@ -255,6 +306,7 @@ class Dispatch:
             and track.free.get(pid, 0) > 0
             and len(held) < share
             and not self.recorder.budget_hit
+            and not self.endpoint_dead
         ):
             job = track.pending.popleft()
             if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
@@ -313,13 +365,14 @@ class Dispatch:
     def check_budget(self, inbox: Inbox, track: _Tracking) -> int:
         """Once the run's budget is spent: no new prompt starts (those not handed out yet are settled as
         skipped; returns how many), and prompts in flight stop at their next model call (failed, class
-        ``budget``; --resume runs them). The overshoot is then at most the calls already under way, one
-        per prompt in flight."""
+        ``budget``; --resume runs them). With the reservations of batchrun/run/budget.py no call is sent
+        that would not fit, so the budget is reached when the next call's worst case no longer fits."""
         rec = self.recorder
-        if rec.budget_hit or not rec.budget_reached():
+        if rec.budget_hit or not (rec.budget_reached() or self.budget.exhausted):
             return 0
         rec.budget_hit = True
         inbox.broadcast(StopStarting())
+        self.grant(inbox, self.budget.refuse_all())
         skipped = 0
         while track.pending:
             skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
@@ -330,6 +383,29 @@ class Dispatch:
             file=sys.stderr,
         )
         return skipped
+
+    def watch_endpoint(self, inbox: Inbox, track: _Tracking) -> int:
+        """The dead-endpoint stop (batchrun/run/endpoint_watch.py); returns how many prompts it settled."""
+        watch = self.watch
+        if watch is None:
+            return 0
+        line = watch.tick()
+        if line:
+            self.pbar.write(line, file=sys.stderr)
+        if watch.dead and not self.endpoint_dead:
+            self.endpoint_dead = True
+            inbox.broadcast(StopStarting())
+            self.grant(inbox, self.budget.refuse_all())
+            skipped = 0
+            while track.pending:  # not started: left for --resume
+                skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
+            return skipped
+        if self.endpoint_dead and watch.dead_at is not None and time.monotonic() - watch.dead_at > DRAIN_S:
+            # Calls in flight to a hung endpoint would hold the run for --request_timeout: they end now.
+            held = {k for keys in track.held.values() for k in keys}
+            track.held.clear()
+            return self.fail_lost_prompts(held, -1, track, "endpoint_dead")
+        return 0
 
     def format_log(self, message: Log) -> str:
         """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""

@@ -160,6 +160,7 @@ def _own_toolsets(row: Row, available: set[str], tool_extra: dict[str, Any]) -> 
 
 
 def print_plan(rows: list[Row], plan: Plan, config: RunConfig, base_url: str) -> None:
+    from batchrun.prompt.llm import resolve_dialect, safe_url
     from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
     from batchrun.prompt.sandboxes import backend_class
 
@@ -171,7 +172,14 @@ def print_plan(rows: list[Row], plan: Plan, config: RunConfig, base_url: str) ->
     )
     print(
         f"Run {config.run_name}: {len(rows)} prompts in dataset{samples}, {n} to run in {len(plan.batches)} batches | "
-        f"model {config.model} at {base_url} | sandbox {config.backend} | "
+        f"model {config.model} at {safe_url(base_url)} ({resolve_dialect(base_url, config.endpoint_dialect)} "
+        f"dialect) | sandbox {config.backend} | "
         f"{config.num_workers} workers x {config.prompts_per_worker} prompts = up to {in_flight} in flight, "
         f"{starts} concurrent sandbox start-ups"
     )
+    if config.max_tokens is None and config.call_max_tokens is not None:
+        print(
+            f"Budget: each model call's completion is limited to {config.call_max_tokens} tokens (--max_tokens "
+            "not set): a call is sent only when what was spent, what calls in flight may still spend and its "
+            "own worst case fit the budget"
+        )

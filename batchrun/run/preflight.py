@@ -9,27 +9,39 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Any
 
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
-from batchrun.prompt.llm import LLMConfig, endpoint_url, request_headers
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, endpoint_url, request_headers, safe_url
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import SetupError
 from batchrun.prompt.tools.mcp import McpConfigError, McpSetup, probe
 from batchrun.protocol import PromptJob
 from batchrun.secrets import Redactor
 
+REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: this run cannot work
+CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
+
 
 def check_endpoint(cfg: LLMConfig) -> None:
-    """One cheap request: an unreachable endpoint or a rejected key is a clear error, once.
+    """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
-    When the endpoint lists its models and the requested one is not among them, say so once: the
-    server may answer with another model (each record's ``metadata.served_model`` says which).
-    A ``GET <base_url>/models`` through the workers' own model client (the same headers, CA
-    variables and proxies as every model call), with one retry.
+    ``GET <base_url>/models`` first: a rejected key (401) stops here, and when the endpoint lists its
+    models and the requested one is not among them, say so once. Then the start check: one chat call
+    of a few tokens with the run's model, key and dialect fields, through the workers' own model client
+    (headers, CA variables, proxies, bounds). Any refusal of it (400, 401, 403, 404, 422: a wrong key
+    behind a proxy, a model name the server rejects, a field its dialect does not take) is exit 2 naming
+    the status and the server's own message, so no prompt sends a doomed request.
     """
-    client = httpclient.Client(request_headers(cfg.api_key))
+    list_models(cfg)
+    check_chat(cfg)
+
+
+def list_models(cfg: LLMConfig) -> None:
+    client = httpclient.Client(request_headers(cfg.api_key, cfg.base_url))
+    shown = safe_url(cfg.base_url)
     try:
         for attempt in range(2):
             try:
@@ -38,13 +50,13 @@ def check_endpoint(cfg: LLMConfig) -> None:
             except httpclient.StatusError as exc:
                 if exc.status_code == 401:
                     raise UsageError(
-                        f"the endpoint {cfg.base_url} rejected the API key (HTTP {exc.status_code})"
+                        f"the endpoint {shown} rejected the API key (HTTP {exc.status_code})"
                     ) from None
-                return  # some servers have no /models; the first real request will tell
+                return  # some servers have no /models; the start check's chat call tells
             except (httpclient.TransportError, httpclient.RequestTimeout, httpclient.InvalidRequest) as exc:
                 if attempt:
-                    raise UsageError(f"cannot reach the endpoint {cfg.base_url}: {exc}") from None
-            except ValueError:  # not JSON
+                    raise UsageError(f"cannot reach the endpoint {shown}: {exc}") from None
+            except (ValueError, httpclient.HTTPError):  # not JSON, or too large: the chat call tells
                 return
     finally:
         client.close()
@@ -53,6 +65,41 @@ def check_endpoint(cfg: LLMConfig) -> None:
         warn_unlisted_model(
             cfg.model, [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
         )
+
+
+def check_chat(cfg: LLMConfig) -> None:
+    """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words."""
+    check = dataclasses.replace(
+        cfg,
+        max_tokens=16,
+        max_retries=1,
+        max_rate_limit_retries=1,
+        stream=False,
+        request_timeout_s=min(cfg.request_timeout_s, 120.0),
+    )
+    client = LLMClient(
+        check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None
+    )  # the run warns of odd usage
+    shown = safe_url(cfg.base_url)
+    try:
+        client.chat([{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 240)
+    except LLMError as exc:
+        if exc.status in REFUSALS:
+            raise UsageError(
+                f"the endpoint {shown} refused the start check (one minimal chat call with model {cfg.model!r}): "
+                f"{exc}"
+            ) from None
+        if exc.status == 429:
+            print(
+                f"warning: the start check was rate limited by {shown}; the run starts and waits as it must",
+                file=sys.stderr,
+            )
+            return
+        if exc.error_class == "context_limit":
+            return  # the server is there and says so: the prompts will tell
+        raise UsageError(f"the endpoint {shown} failed the start check: {exc}") from None
+    finally:
+        client.close()
 
 
 def probe_mcp_servers(config: Any) -> McpSetup:

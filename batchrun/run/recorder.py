@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import json
+import math
 import os
 import socket
 import sys
@@ -194,6 +195,8 @@ class Recorder:
         )
         for key in ("prompt_tokens", "completion_tokens", "cost_usd"):
             value = getattr(spend, key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                continue  # the worker sends only credible counts; a NaN would void the budget
             live[key] += value
             self.spend[key] += value
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]

@@ -10,6 +10,7 @@ cannot start. This module imports only the package, so a worker on any machine c
 
 from __future__ import annotations
 
+import contextvars
 import os
 import signal
 import threading
@@ -26,11 +27,14 @@ from batchrun.prompt.sandboxes import create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.tools.registry import all_tools
 from batchrun.protocol import (
+    EndpointHealth,
+    Grant,
     Log,
     Pause,
     PauseAll,
     PromptJob,
     Ready,
+    Reserve,
     Skipped,
     Spend,
     StopDone,
@@ -55,6 +59,66 @@ class WorkerState:
     current: threading.local  # .job: the job a prompt thread runs (for report_spend)
     threads: ThreadPoolExecutor  # one thread per slot: the parent sends at most that many jobs at once
     stopper: BackgroundStopper
+    gate: ParentGate | None = None
+
+
+class ParentGate:
+    """The run's budget, asked of the parent before every model call's attempt (see batchrun/run/budget.py)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
+
+    def reserve(self, tokens: int, deadline: float, priority: int = 0) -> tuple[Any, float]:
+        from batchrun.prompt.llm import BudgetStop, LLMError
+
+        with self._lock:
+            self._next += 1
+            rid = self._next
+            event, answer = threading.Event(), []
+            self._waiting[rid] = (event, answer)
+        start = time.monotonic()
+        job = _current_job()
+        send(
+            Reserve(
+                rid, tokens, priority, (job.batch_num, job.prompt_index, job.sample_index) if job else None
+            )
+        )
+        # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
+        if not event.wait(timeout=max(1.0, deadline - start) + 3600.0):
+            with self._lock:
+                self._waiting.pop(rid, None)
+            self.settle(rid, None)
+            raise LLMError("timeout", "the run's budget did not answer a reservation")
+        if not answer[0]:
+            raise BudgetStop()
+        return rid, time.monotonic() - start
+
+    def granted(self, message: Grant) -> None:
+        with self._lock:
+            entry = self._waiting.pop(message.rid, None)
+        if entry is not None:
+            entry[1].append(message.ok)
+            entry[0].set()
+
+    def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
+        if ticket is not None:
+            report_spend(usage or {}, reservation=ticket)
+
+
+class HealthReporter:
+    """Tells the parent when model calls fail for the endpoint's reasons, and when they answer again
+    (only the first answer after a failure, so a healthy run sends nothing)."""
+
+    def __init__(self) -> None:
+        self._failing = False
+
+    def __call__(self, error_class: str | None) -> None:
+        if error_class is None and not self._failing:
+            return
+        self._failing = error_class is not None
+        send(EndpointHealth(error_class))
 
 
 _state: WorkerState | None = None  # this process's worker state; set by init_worker
@@ -69,10 +133,15 @@ def init_worker(
     remote = isinstance(address, tuple)  # a TCP inbox (Ray): the runner may be on another machine
     _die_with_parent(None if remote else parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
+    try:  # ended by the parent: the MCP servers we started end with us (see _exit)
+        signal.signal(signal.SIGTERM, lambda signum, frame: _exit(128 + signum))
+    except ValueError:  # not the main thread (a Ray actor): the actor's own end applies
+        pass
     install_run_tools(settings.tools)  # MCP tools; the same known tools as the parent, or no worker
     _warm_up(settings)
     conn = connect_to_inbox(address, authkey)
     stop = threading.Event()
+    gate = ParentGate() if settings.budget_gate else None
     _state = WorkerState(
         settings=settings,
         conn=conn,
@@ -83,6 +152,8 @@ def init_worker(
             Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
             stop=stop,
             on_usage=report_spend,
+            gate=gate,
+            on_failure=HealthReporter(),
         ),
         stop=stop,
         current=threading.local(),
@@ -95,6 +166,7 @@ def init_worker(
             on_queued=lambda: send(StopQueued()),
             on_done=lambda: send(StopDone()),
         ),
+        gate=gate,
     )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
@@ -130,10 +202,13 @@ def send(message: Any) -> None:
         state.conn.send(message)
 
 
-def report_spend(usage: dict[str, Any]) -> None:
-    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them."""
-    job = getattr(_worker().current, "job", None)
+def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
+    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them
+    (and frees the call's ``reservation``)."""
+    job = _current_job()
     if job is None:
+        if reservation is not None:  # a call outside a prompt (none today): still free its reservation
+            send(Spend(-1, -1, 0, 0, 0.0, reservation=reservation))
         return
     cost = usage.get("cost")
     send(
@@ -144,12 +219,23 @@ def report_spend(usage: dict[str, Any]) -> None:
             completion_tokens=_count_of(usage.get("completion_tokens")),
             cost_usd=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0,
             sample_index=job.sample_index,
+            reservation=reservation,
+            fault=usage.get("fault") if isinstance(usage.get("fault"), str) else None,
         )
     )
 
 
 def _count_of(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+_JOB: contextvars.ContextVar[PromptJob | None] = contextvars.ContextVar("prompt_job", default=None)
+
+
+def _current_job() -> PromptJob | None:
+    """The job of the prompt this thread works for: its own thread's, or the context a tool's thread was
+    started with (so a tool's model calls count against the budget as they happen)."""
+    return getattr(_worker().current, "job", None) or _JOB.get()
 
 
 def _worker() -> WorkerState:
@@ -161,6 +247,7 @@ def _worker() -> WorkerState:
 def _run_one(job: PromptJob) -> None:
     state = _worker()
     state.current.job = job
+    _JOB.set(job)  # also seen by the threads a tool starts with a copy of this context (moa's references)
     try:
         if state.stop.is_set():  # the budget is spent: leave this prompt for a later --resume
             send(Skipped(job.batch_num, job.prompt_index, job.sample_index))
@@ -181,6 +268,7 @@ def _run_one(job: PromptJob) -> None:
         send(outcome)  # the parent counts this slot free and sends the next prompt
     finally:
         state.current.job = None
+        _JOB.set(None)
 
 
 def _listen_to_parent() -> None:
@@ -190,13 +278,27 @@ def _listen_to_parent() -> None:
         try:
             message = state.conn.recv()
         except (EOFError, OSError):
-            os._exit(1)  # the parent is gone: nobody would write our results
+            _exit(1)  # the parent is gone: nobody would write our results
         if isinstance(message, PromptJob):
             state.threads.submit(_run_one, message)
         elif isinstance(message, PauseAll):
             state.llm.limiter.pause_until(message.until)
         elif isinstance(message, StopStarting):
             state.stop.set()
+        elif isinstance(message, Grant) and state.gate is not None:
+            state.gate.granted(message)
+
+
+def _exit(code: int) -> None:
+    """End this worker now, and with it every stdio MCP server it started (their whole process groups,
+    SIGKILL after a grace period): a server in its own session that ignores SIGTERM and the end of its
+    stdin would otherwise outlive the run."""
+    from batchrun.prompt.tools.mcp import kill_server_groups
+
+    try:
+        kill_server_groups()
+    finally:
+        os._exit(code)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -220,6 +322,6 @@ def _die_with_parent(parent_pid: int | None) -> None:
     def watchdog() -> None:
         while pid_alive(parent_pid):
             time.sleep(0.5)
-        os._exit(1)
+        _exit(1)
 
     threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()

@@ -65,6 +65,15 @@ if __name__ == "__main__":
     if "--pid-file" in sys.argv:
         with open(sys.argv[sys.argv.index("--pid-file") + 1], "a") as fh:
             fh.write(f"{os.getpid()}\n")
+    stubborn = "--stubborn" in sys.argv  # ignores SIGTERM and its stdin's end; has a child in its group
+    if stubborn:
+        import signal
+        import subprocess
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)
+        with open(sys.argv[sys.argv.index("--pid-file") + 1], "a") as fh:
+            fh.write(f"{child.pid}\n")
     if os.environ.get("TOOLS_FAIL_START"):
         sys.exit("refusing to start: TOOLS_FAIL_START is set")
     if sys.argv[1] == "http":
@@ -76,3 +85,7 @@ if __name__ == "__main__":
             server.run("streamable-http")
     else:
         server.run("stdio")
+        while stubborn:  # stdin ended: a well-behaved server exits here, this one does not
+            import time
+
+            time.sleep(1)

@@ -262,26 +262,21 @@ _CLIENTS: dict[tuple[str, str | None], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-def openai_client(base_url: str, api_key: str | None, timeout_s: float) -> Any:
-    """An ``openai.OpenAI`` client for one endpoint (cached, thread-safe) with this call's timeout."""
-    import openai
+def model_client(ctx: Any, base_url: str, api_key: str | None) -> Any:
+    """The model client a tool calls its model through: the run's (``ctx.llm``: its limiter, run-wide
+    pause, retries, bounds and budget) for the tool's endpoint; outside a run, one of its own."""
+    llm = getattr(ctx, "llm", None)
+    if llm is not None:
+        return llm.for_endpoint(base_url, api_key)
+    from batchrun.prompt.llm import LLMClient, LLMConfig
 
     with _CLIENTS_LOCK:
         client = _CLIENTS.get((base_url, api_key))
         if client is None:
-            client = openai.OpenAI(base_url=base_url, api_key=api_key or NO_KEY, max_retries=2)
-            _CLIENTS[(base_url, api_key)] = client
-    return client.with_options(timeout=timeout_s)
-
-
-def api_error_message(exc: Any) -> str:
-    """The provider's own message of an ``openai`` API error, short."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:300]
-    return str(exc)[:300]
+            client = _CLIENTS[(base_url, api_key)] = LLMClient(
+                LLMConfig(model="", base_url=base_url, api_key=api_key, max_retries=2)
+            )
+    return client
 
 
 # ----------------------------------------------------------------------------- web

@@ -11,14 +11,15 @@ import binascii
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from batchrun.prompt.llm import LLMError
 from batchrun.prompt.tools.config import (
     ASPECT_RATIOS,
-    api_error_message,
     image_gen_config,
-    openai_client,
+    model_client,
     run_dir,
 )
 from batchrun.prompt.tools.registry import (
@@ -64,8 +65,6 @@ def prompt_stem(ctx: ToolContext) -> str:
 
 
 def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
-    import openai
-
     prompt = args["prompt"].strip()
     if not prompt:
         raise ToolArgumentError("prompt must not be empty")
@@ -87,25 +86,25 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     }
     if cfg.response_format:
         kwargs["response_format"] = cfg.response_format
-    client = openai_client(cfg.endpoint.base_url, cfg.endpoint.api_key, timeout_s)
+    client = model_client(ctx, cfg.endpoint.base_url, cfg.endpoint.api_key)
     try:
-        resp = client.images.generate(**kwargs)
-    except openai.APIStatusError as exc:
-        return {"error": f"image generation failed: HTTP {exc.status_code}: {api_error_message(exc)}"}
-    except openai.APIError as exc:
-        return {"error": f"image generation failed: {type(exc).__name__}: {exc}"}
-    items = getattr(resp, "data", None) or []
-    if not items:
+        resp = client.post_json(
+            "images/generations", kwargs, deadline=time.monotonic() + timeout_s, usage=ctx.usage
+        )
+    except LLMError as exc:
+        return {"error": f"image generation failed: {exc}"}
+    items = resp.get("data") if isinstance(resp.get("data"), list) else []
+    if not items or not isinstance(items[0], dict):
         return {"error": "the image endpoint returned no image"}
     item = items[0]
     source_url = None
-    if getattr(item, "b64_json", None):
+    if isinstance(item.get("b64_json"), str) and item["b64_json"]:
         try:
-            data = base64.b64decode(item.b64_json)
+            data = base64.b64decode(item["b64_json"])
         except (binascii.Error, ValueError):
             return {"error": "the image endpoint returned invalid base64"}
-    elif getattr(item, "url", None):
-        source_url = item.url
+    elif isinstance(item.get("url"), str) and item["url"]:
+        source_url = item["url"]
         try:
             data = fetch_url(source_url, max_bytes=cfg.max_bytes, timeout_s=timeout_s).body
         except FetchError as exc:
@@ -127,8 +126,8 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     }
     if source_url and not source_url.startswith("data:"):
         result["url"] = source_url
-    if getattr(item, "revised_prompt", None):
-        result["revised_prompt"] = item.revised_prompt
+    if isinstance(item.get("revised_prompt"), str) and item["revised_prompt"]:
+        result["revised_prompt"] = item["revised_prompt"]
     return result
 
 

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,6 +309,58 @@ def _shared(server: McpServer) -> Connection:
         return conn
 
 
+KILL_GRACE_S = 2.0  # after SIGTERM to a server's process group: how long before SIGKILL
+_SERVER_GROUPS: set[int] = set()  # process groups of the stdio servers this process started (pid = pgid)
+
+
+def _track_stdio_processes() -> None:
+    """Note the pid of every stdio server the SDK spawns (it starts each in its own session, so its pid
+    is its process group), so that :func:`kill_server_groups` can end them when this process ends
+    without closing its sessions: a worker told to stop, or whose parent died."""
+    from mcp.client import stdio
+
+    original = getattr(stdio, "_create_platform_compatible_process", None)
+    if original is None or getattr(original, "_tracked", False):
+        return
+
+    async def spawn(*args: Any, **kwargs: Any) -> Any:
+        process = await original(*args, **kwargs)
+        pid = getattr(process, "pid", None)
+        if isinstance(pid, int):
+            _SERVER_GROUPS.add(pid)
+        return process
+
+    spawn._tracked = True  # type: ignore[attr-defined]
+    stdio._create_platform_compatible_process = spawn
+
+
+def kill_server_groups(grace_s: float = KILL_GRACE_S) -> None:
+    """End every stdio server's whole process group: SIGTERM, then SIGKILL after ``grace_s`` for
+    what is left (a server that ignores SIGTERM and the end of its stdin)."""
+    import signal
+
+    groups = list(_SERVER_GROUPS)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            _SERVER_GROUPS.discard(pgid)
+    deadline = time.monotonic() + grace_s
+    while _SERVER_GROUPS and time.monotonic() < deadline:
+        for pgid in list(_SERVER_GROUPS):
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                _SERVER_GROUPS.discard(pgid)
+        time.sleep(0.05)
+    for pgid in list(_SERVER_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _SERVER_GROUPS.discard(pgid)
+
+
 def close_shared() -> None:
     """Stop this process's per-worker servers (idempotent; at exit and when a new setup is installed)."""
     with _SHARED_LOCK:
@@ -380,6 +433,8 @@ class Connection:
         server = self.server
         if server.command:
             from mcp import StdioServerParameters, stdio_client
+
+            _track_stdio_processes()
 
             params = StdioServerParameters(
                 command=server.command, args=list(server.args), env=dict(server.env) or None, cwd=server.cwd

@@ -6,11 +6,13 @@ A reference model that fails is left out; the aggregation needs ``MOA_MIN_SUCCES
 
 from __future__ import annotations
 
+import contextvars
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchrun.prompt.llm import record_usage
-from batchrun.prompt.tools.config import MoaConfig, api_error_message, moa_config, openai_client
+from batchrun.prompt.llm import LLMError
+from batchrun.prompt.tools.config import MoaConfig, moa_config, model_client
 from batchrun.prompt.tools.registry import (
     Tool,
     ToolArgumentError,
@@ -34,22 +36,22 @@ def _ask(
     temperature: float,
     timeout_s: float,
     usage: Any = None,
+    ctx: Any = None,
 ) -> str:
-    import openai
-
-    kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature}
-    if cfg.max_tokens is not None:
-        kwargs["max_tokens"] = cfg.max_tokens
-    client = openai_client(cfg.base_url, cfg.api_key, timeout_s)
+    client = model_client(ctx, cfg.base_url, cfg.api_key)
     try:
-        resp = client.chat.completions.create(**kwargs)
-        record_usage(usage, resp)
-    except openai.APIStatusError as exc:
-        raise RuntimeError(f"HTTP {exc.status_code}: {api_error_message(exc)}") from None
-    except openai.APIError as exc:
-        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
-    choices = getattr(resp, "choices", None) or []
-    text = (choices[0].message.content or "").strip() if choices else ""
+        turn = client.chat(
+            messages,
+            [],
+            deadline=time.monotonic() + timeout_s,
+            usage=usage,
+            model=model,
+            max_tokens=cfg.max_tokens,
+            temperature=temperature,
+        )
+    except LLMError as exc:
+        raise RuntimeError(str(exc)) from None
+    text = (turn.content or "").strip()
     if not text:
         raise RuntimeError("empty answer")
     return text
@@ -68,12 +70,19 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
     def reference(model: str) -> tuple[str, str | None, str | None]:
         try:
-            return model, _ask(cfg, model, question, cfg.reference_temperature, timeout_s, ctx.usage), None
+            return (
+                model,
+                _ask(cfg, model, question, cfg.reference_temperature, timeout_s, ctx.usage, ctx),
+                None,
+            )
         except RuntimeError as exc:
             return model, None, str(exc)
 
     with ThreadPoolExecutor(max_workers=len(cfg.reference_models), thread_name_prefix="moa") as pool:
-        answers = list(pool.map(reference, cfg.reference_models))
+        # Each reference runs in a copy of this thread's context: the worker's prompt (its budget, its
+        # live spend) goes with it.
+        contexts = [contextvars.copy_context() for _ in cfg.reference_models]
+        answers = list(pool.map(lambda c, m: c.run(reference, m), contexts, cfg.reference_models))
     good = [(m, text) for m, text, _ in answers if text is not None]
     failed = {m: err for m, _, err in answers if err is not None}
     if len(good) < cfg.min_successful:
@@ -84,7 +93,9 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     listing = "\n\n".join(f"{i}. {text}" for i, (_, text) in enumerate(good, 1))
     messages = [{"role": "system", "content": f"{AGGREGATOR_SYSTEM_PROMPT}\n\n{listing}"}, *question]
     try:
-        final = _ask(cfg, cfg.aggregator_model, messages, cfg.aggregator_temperature, timeout_s, ctx.usage)
+        final = _ask(
+            cfg, cfg.aggregator_model, messages, cfg.aggregator_temperature, timeout_s, ctx.usage, ctx
+        )
     except RuntimeError as exc:
         return {"error": f"the aggregator model {cfg.aggregator_model} failed: {exc}"}
     result: dict[str, Any] = {

@@ -30,12 +30,34 @@ TOOLSET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 _PROBLEMS: dict[str, str] = {}  # toolset name -> why its plugin is not loaded
 _LOADED: dict[str, str] = {}  # toolset name -> its source ("plugin <entry point> from <distribution>")
+_IGNORED: dict[str, str] = {}  # toolset name -> why the plugin was ignored (it would shadow or block another)
+RESERVED_PREFIXES = ("mcp:",)  # toolset names of configured MCP servers
+RESERVED_TOOL_PREFIXES = ("mcp__",)  # tool names of MCP servers' tools
+
+
+def _collision(name: str, tools: list[Tool]) -> str | None:
+    """Why a plugin would shadow or block a built-in or an MCP server (None: it would not)."""
+    from batchrun.prompt.tools.registry import TOOLSETS, all_tools
+
+    if name in TOOLSETS:
+        return f"its toolset name {name!r} is a built-in toolset's"
+    if name.startswith(RESERVED_PREFIXES):
+        return f"its toolset name {name!r} is reserved for --mcp_config servers"
+    builtin = {t.name for t in all_tools().values() if t.toolset in TOOLSETS}
+    taken = sorted({t.name for t in tools if t.name in builtin or t.name.startswith(RESERVED_TOOL_PREFIXES)})
+    if taken:
+        return f"its tool name(s) {', '.join(taken)} are built-in or reserved for MCP servers"
+    return None
 
 
 def load_plugins() -> None:
     """Load every plugin toolset of the environment (once per process; called by the registry)."""
     for ep in sorted(plugin_entry_points(), key=lambda e: e.name):
         source = f"plugin {ep.name} = {ep.value}" + (f" (package {ep.dist.name})" if ep.dist else "")
+        early = _collision(ep.name, [])  # by its name alone: its code is not even loaded
+        if early:
+            _IGNORED[ep.name] = f"{source}: ignored: {early}"
+            continue
         if ep.name in _LOADED or ep.name in _PROBLEMS:
             _PROBLEMS[ep.name] = f"{source}: the toolset name {ep.name!r} is defined by two plugins"
             continue
@@ -45,6 +67,10 @@ def load_plugins() -> None:
                     "the entry point's name is the toolset's name: letters, digits, '_', '.', '-', at most 64"
                 )
             tools = tools_from(ep.name, ep.load())
+            collision = _collision(ep.name, tools)
+            if collision:
+                _IGNORED[ep.name] = f"{source}: ignored: {collision}"
+                continue
             add_toolset(ep.name, source, tools)
         except Exception as exc:  # any failure of third-party code: reported, the run decides
             _PROBLEMS[ep.name] = f"{source}: {type(exc).__name__}: {exc}"
@@ -64,6 +90,14 @@ def plugin_problems() -> dict[str, str]:
 
     all_tools()
     return dict(_PROBLEMS)
+
+
+def ignored_plugins() -> dict[str, str]:
+    """Plugin toolsets ignored because they would shadow or block a built-in or an MCP server: name -> why."""
+    from batchrun.prompt.tools.registry import all_tools
+
+    all_tools()
+    return dict(_IGNORED)
 
 
 def loaded_plugins() -> dict[str, str]:

@@ -32,6 +32,7 @@ class ToolContext:
     usage: Any = (
         None  # batchrun.prompt.llm.Usage of the prompt: model calls made by tools (vision, moa) count too
     )
+    llm: Any = None  # the run's batchrun.prompt.llm.LLMClient: tools call their models through it
     # Per-prompt state a tool keeps between calls (e.g. the browser context); each value has a
     # close() method. Released by close_prompt_resources, which the runner calls in `finally`.
     resources: dict[str, Any] = field(default_factory=dict)
@@ -304,5 +305,28 @@ def execute_tool_call(name: str, arguments: str, ctx: ToolContext, offered: set[
     except ToolArgumentError as exc:
         return json.dumps({"error": str(exc)})
     except Exception as exc:  # a handler bug or an unexpected input is still only an observation
-        return json.dumps({"error": f"{name} failed: {type(exc).__name__}: {exc}"})
-    return json.dumps(result, ensure_ascii=False)
+        return cap_result(json.dumps({"error": f"{name} failed: {type(exc).__name__}: {exc}"}), ctx)
+    return cap_result(json.dumps(result, ensure_ascii=False), ctx)
+
+
+MIN_RESULT_CAP_BYTES = 256 * 1024  # above what the built-ins return (web extract: 5 pages x 20,000 chars)
+
+
+def result_cap_bytes(ctx: ToolContext) -> int:
+    """The one cap on every tool result, built-in, plugin or MCP: four times the command output cap,
+    at least :data:`MIN_RESULT_CAP_BYTES`. A result goes into every later request of the prompt."""
+    return max(MIN_RESULT_CAP_BYTES, 4 * ctx.output_cap_bytes)
+
+
+def cap_result(text: str, ctx: ToolContext) -> str:
+    """``text`` (a result's JSON) when it fits the cap; else its start, with a note of what was dropped."""
+    cap = result_cap_bytes(ctx)
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= cap:
+        return text
+    kept = data[: cap - 512].decode("utf-8", "ignore")  # room for the note within the cap
+    note = (
+        f"tool result cut: {len(data):,} bytes, of which the first {len(kept.encode()):,} are kept and "
+        f"{len(data) - len(kept.encode()):,} dropped (the cap on every tool result is {cap:,} bytes)"
+    )
+    return json.dumps({"truncated_result": kept, "note": note}, ensure_ascii=False)

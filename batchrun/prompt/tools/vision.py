@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 import urllib.parse
 from typing import Any
 
-from batchrun.prompt.llm import record_usage
+from batchrun.prompt.llm import LLMError
 from batchrun.prompt.tools.config import (
     VisionConfig,
     allow_private_addresses,
-    api_error_message,
     extract_config,
-    openai_client,
+    model_client,
     settings,
     vision_config,
 )
@@ -105,39 +105,38 @@ def load_image(ctx: ToolContext, source: str, max_bytes: int) -> tuple[bytes, st
 
 
 def ask_about_image(
-    cfg: VisionConfig, question: str, data: bytes, mime: str, timeout_s: float, usage: Any = None
+    cfg: VisionConfig,
+    question: str,
+    data: bytes,
+    mime: str,
+    timeout_s: float,
+    usage: Any = None,
+    ctx: Any = None,
 ) -> str:
-    """The vision model's answer to ``question`` about the image."""
-    import openai
-
+    """The vision model's answer to ``question`` about the image, through the run's model client."""
     data_url = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
-    kwargs: dict[str, Any] = {}
-    if cfg.max_tokens is not None:
-        kwargs["max_tokens"] = cfg.max_tokens
-    client = openai_client(cfg.endpoint.base_url, cfg.endpoint.api_key, timeout_s)
-    try:
-        resp = client.chat.completions.create(
-            model=cfg.endpoint.model,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": question},
-                        {"type": "image_url", "image_url": {"url": data_url}},
-                    ],
-                }
+    client = model_client(ctx, cfg.endpoint.base_url, cfg.endpoint.api_key)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": question},
+                {"type": "image_url", "image_url": {"url": data_url}},
             ],
-            **kwargs,
+        }
+    ]
+    try:
+        turn = client.chat(
+            messages,
+            [],
+            deadline=time.monotonic() + timeout_s,
+            usage=usage,
+            model=cfg.endpoint.model,
+            max_tokens=cfg.max_tokens,
         )
-        record_usage(usage, resp)
-    except openai.APIStatusError as exc:
-        raise VisionError(
-            f"the vision model failed: HTTP {exc.status_code}: {api_error_message(exc)}"
-        ) from None
-    except openai.APIError as exc:
-        raise VisionError(f"the vision model failed: {type(exc).__name__}: {exc}") from None
-    choices = getattr(resp, "choices", None) or []
-    text = (choices[0].message.content or "").strip() if choices else ""
+    except LLMError as exc:
+        raise VisionError(f"the vision model failed: {exc}") from None
+    text = (turn.content or "").strip()
     if not text:
         raise VisionError("the vision model returned an empty answer")
     return text
@@ -150,7 +149,9 @@ def vision_analyze(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         return {"error": "vision is not configured (no vision model or endpoint)"}
     try:
         data, mime, label = load_image(ctx, args["image_url"], cfg.max_image_bytes)
-        answer = ask_about_image(cfg, question, data, mime, min(cfg.timeout_s, ctx.tool_timeout_s), ctx.usage)
+        answer = ask_about_image(
+            cfg, question, data, mime, min(cfg.timeout_s, ctx.tool_timeout_s), ctx.usage, ctx=ctx
+        )
     except VisionError as exc:
         return {"error": str(exc)}
     return {

@@ -1,0 +1,139 @@
+"""The run's budget as a cap: a model call is sent only when it fits (the parent's side).
+
+Before each attempt of a model call a worker asks (:class:`~batchrun.protocol.Reserve`) for the call's
+worst case: its estimated prompt tokens plus its completion limit (``--max_tokens``, or the limit a
+budget run derives). The parent grants it (:class:`~batchrun.protocol.Grant`) only when what was spent,
+plus what the calls in flight have reserved, plus this worst case fits ``--budget_tokens`` (and, once a
+price per token has been seen, ``--budget_usd``). One that does not fit waits for calls in flight to
+settle (a prompt under way goes before one that has not started, and a prompt starts only when the
+budget also holds what it and the prompts under way are expected to spend: a tight budget finishes
+prompts); one that does not fit even with nothing in flight is refused, and the run's budget is
+reached. So whatever the number of prompts in flight, the run spends at most its budget, as long as the
+endpoint's counts stay within the worst cases (they do for a server that honours ``max_tokens``; the
+prompt estimate is UTF-8 bytes / 3, above the ~4 bytes per token of English and code).
+
+A ``--budget_usd`` needs a price: until some answer reported a cost, calls are granted one at a time, so
+the first priced answer teaches the price (the most USD per token seen) before more are in flight; an
+endpoint that reports no cost after its first answer costs nothing by its own account.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+Decision = tuple[Any, int, bool]  # (worker id, reservation id, granted)
+DEFAULT_CALLS = 3  # calls a prompt is expected to make until a prompt of this run has finished
+
+
+class Budget:
+    def __init__(self, tokens: int | None, usd: float | None, spent: Callable[[], tuple[int, float]]) -> None:
+        """``spent()``: the run's (tokens, USD) so far, as the recorder counts them."""
+        self.tokens, self.usd, self._spent = tokens, usd, spent
+        self.reserved: dict[tuple[Any, int], int] = {}  # (worker, reservation) -> tokens
+        self.waiting: list[tuple[int, int, Any, int, int]] = []  # (-priority, arrival, worker, rid, tokens)
+        self._arrivals = 0
+        self.usd_per_token: float | None = None  # the most any answer cost per token; None: none priced yet
+        self.answers = 0
+        self.exhausted = False  # a call did not fit with nothing in flight: the budget is reached
+        # Prompts with a granted call and no outcome yet: key -> (worker, calls made before the last grant)
+        self.under_way: dict[Any, tuple[Any, int]] = {}
+        self._done = [0, 0, 0]  # finished prompts, their calls, their tokens: what a prompt costs here
+
+    @property
+    def active(self) -> bool:
+        return self.tokens is not None or self.usd is not None
+
+    def request(
+        self, worker: Any, rid: int, tokens: int, priority: int = 0, prompt: Any = None
+    ) -> list[Decision]:
+        """``priority``: the calls its prompt has made already. A prompt under way goes before one that
+        has not started, and a prompt starts only when the budget also holds what the prompts under way
+        and it are expected to spend (see :meth:`_room_to_start`): a tight budget finishes prompts
+        instead of starting many it cannot pay for."""
+        self._arrivals += 1
+        heapq.heappush(self.waiting, (-priority, self._arrivals, worker, rid, max(0, tokens), prompt))
+        return self._decide()
+
+    def prompt_done(self, prompt: Any, calls: int, tokens: int) -> list[Decision]:
+        """A prompt's outcome: it is no longer under way, and it teaches what a prompt costs."""
+        self.under_way.pop(prompt, None)
+        if calls > 0:
+            self._done[0] += 1
+            self._done[1] += calls
+            self._done[2] += max(0, tokens)
+        return self._decide()
+
+    def settle(self, worker: Any, rid: int | None, tokens: int, usd: float) -> list[Decision]:
+        """A reserved call is over (its spend is already in ``spent()``): its reservation is freed."""
+        if tokens > 0:
+            self.answers += 1
+            # The most USD per token seen; an answer with no cost sets 0 (free by its own account).
+            self.usd_per_token = max(self.usd_per_token or 0.0, max(0.0, usd) / tokens)
+        if rid is not None:
+            self.reserved.pop((worker, rid), None)
+        return self._decide()
+
+    def drop(self, worker: Any) -> list[Decision]:
+        """A worker is gone: its reservations and requests with it."""
+        for key in [k for k in self.reserved if k[0] == worker]:
+            del self.reserved[key]
+        for key in [k for k, (w, _) in self.under_way.items() if w == worker]:
+            del self.under_way[key]
+        self.waiting = [w for w in self.waiting if w[2] != worker]
+        heapq.heapify(self.waiting)
+        return self._decide()
+
+    def refuse_all(self) -> list[Decision]:
+        """The run stops (budget reached): every waiting call is refused."""
+        out = [(w, rid, False) for _, _, w, rid, _, _ in sorted(self.waiting, key=lambda e: e[:2])]
+        self.waiting.clear()
+        return out
+
+    def _fits(self, tokens: int) -> bool:
+        spent_tokens, spent_usd = self._spent()
+        in_flight = sum(self.reserved.values())
+        if self.tokens is not None and spent_tokens + in_flight + tokens > self.tokens:
+            return False
+        if self.usd is not None:
+            if spent_usd >= self.usd:
+                return False
+            if self.usd_per_token is None:
+                return not self.reserved  # no answer yet: one call at a time until one shows the price
+            if spent_usd + (in_flight + tokens) * self.usd_per_token > self.usd:
+                return False
+        return True
+
+    def _room_to_start(self, tokens: int) -> bool:
+        """Whether a new prompt's first call may go: the budget holds it, the rest of this prompt, and
+        what the prompts under way are expected still to spend (calls per prompt and tokens per call as
+        the finished prompts of this run show them; :data:`DEFAULT_CALLS` calls until one finished). With
+        no other prompt under way and nothing in flight, the call alone decides (the spend then ends
+        close to the budget)."""
+        if not self.under_way and not self.reserved:
+            return True
+        prompts, calls, spent = self._done
+        per_prompt = calls / prompts if prompts else DEFAULT_CALLS
+        per_call = spent / calls if calls else tokens
+        still = sum(max(0.0, per_prompt - made - 1) for _, made in self.under_way.values())
+        return self._fits(tokens + int((still + max(0.0, per_prompt - 1)) * per_call))
+
+    def _decide(self) -> list[Decision]:
+        out: list[Decision] = []
+        while self.waiting and not self.exhausted:
+            neg_priority, _, worker, rid, tokens, prompt = self.waiting[0]
+            starting = prompt is not None and prompt not in self.under_way
+            if self._fits(tokens) and (not starting or self._room_to_start(tokens)):
+                heapq.heappop(self.waiting)
+                self.reserved[(worker, rid)] = tokens
+                if prompt is not None:
+                    self.under_way[prompt] = (worker, -neg_priority)
+                out.append((worker, rid, True))
+            elif not self.reserved and not self._fits(tokens):
+                self.exhausted = True
+            else:
+                break  # calls in flight, or prompts under way, may leave room when they settle
+        if self.exhausted:
+            out += self.refuse_all()
+        return out

@@ -1,0 +1,225 @@
+"""Budgets as caps (batchrun/run/budget.py) and usage an endpoint does not report credibly.
+
+The rule is tested as data (the parent's Budget) and end to end: a run with many prompts in flight
+against the fake model, and one against a scripted endpoint whose ``usage`` is odd.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from helpers import run, write_jsonl
+
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.llm import Usage, credible_usage
+from batchrun.run.budget import Budget
+
+
+class Spent:
+    def __init__(self):
+        self.tokens, self.usd = 0, 0.0
+
+    def __call__(self):
+        return self.tokens, self.usd
+
+
+def test_a_call_is_granted_only_when_spent_plus_reserved_plus_its_worst_case_fits():
+    spent = Spent()
+    budget = Budget(1000, None, spent)
+    assert budget.request("w", 1, 400) == [("w", 1, True)]
+    assert budget.request("w", 2, 400) == [("w", 2, True)]
+    assert budget.request("w", 3, 400) == []  # 0 + 800 reserved + 400 > 1000: it waits
+    spent.tokens += 300
+    assert budget.settle("w", 1, 300, 0.0) == []  # 300 + 400 + 400 > 1000: still waits
+    spent.tokens += 300
+    assert budget.settle("w", 2, 300, 0.0) == [("w", 3, True)]  # 600 + 0 + 400 fits exactly
+    assert budget.request("x", 1, 100) == []  # behind nobody, but 600 + 400 + 100 > 1000
+    spent.tokens += 400
+    # Nothing in flight and 1000 + 100 > 1000: it never will fit, the budget is reached.
+    assert budget.settle("w", 3, 400, 0.0) == [("x", 1, False)]
+    assert budget.exhausted
+
+
+def test_a_usd_budget_learns_the_price_one_call_at_a_time():
+    spent = Spent()
+    budget = Budget(None, 1.0, spent)
+    assert budget.request("w", 1, 1000) == [("w", 1, True)]
+    assert budget.request("w", 2, 1000) == []  # no price seen yet: one at a time
+    spent.tokens, spent.usd = 1000, 0.125
+    assert budget.settle("w", 1, 1000, 0.125) == [("w", 2, True)]  # $0.000125/token: 0.125 + 0.125 fits
+    for rid in range(3, 10):
+        budget.request("w", rid, 1000)
+    assert len(budget.reserved) == 7  # 0.125 spent + 7 x $0.125 reserved = $1; the 8th waits
+    assert len(budget.waiting) == 1
+
+
+def test_a_dead_worker_frees_its_reservations():
+    budget = Budget(1000, None, Spent())
+    budget.request("a", 1, 900)
+    assert budget.request("b", 1, 900) == []
+    assert budget.drop("a") == [("b", 1, True)]
+
+
+@pytest.mark.parametrize(
+    ("usage", "fault"),
+    [
+        (None, "no usage"),
+        ({"prompt_tokens": "120", "completion_tokens": "7"}, "prompt_tokens not a number"),
+        ({"prompt_tokens": -1000000, "completion_tokens": 5}, "prompt_tokens negative"),
+        ({"prompt_tokens": float("nan"), "completion_tokens": 5}, "prompt_tokens NaN or infinite"),
+        ({"prompt_tokens": 10, "completion_tokens": 10**12}, "completion_tokens absurd"),
+        ({"prompt_tokens": 10, "completion_tokens": 5, "cost": float("nan")}, "cost NaN or infinite"),
+        ({"prompt_tokens": 10, "completion_tokens": 5, "cost": -600.0}, "cost negative"),
+    ],
+)
+def test_odd_usage_is_estimated_never_added_as_it_is(usage, fault):
+    clean, why = credible_usage(usage, 111, 22)
+    assert fault in why
+    assert clean["estimated"] is True
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert isinstance(clean[key], int) and 0 <= clean[key] <= 10**7
+    assert "cost" not in clean or (math.isfinite(clean["cost"]) and clean["cost"] >= 0)
+    tally = Usage()
+    tally.add(clean)
+    assert tally.total_tokens > 0 and tally.cost_usd >= 0 and tally.as_dict()["estimated_calls"] == 1
+
+
+def test_credible_usage_is_kept_exactly():
+    usage = {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.002}
+    clean, why = credible_usage(usage, 999, 999)
+    assert why is None and clean["prompt_tokens"] == 10 and clean["completion_tokens"] == 5
+    assert clean["cost"] == 0.002 and "estimated" not in clean
+
+
+class OddUsage:
+    """A scripted endpoint: every answer is a final one (with reasoning) whose usage is odd."""
+
+    def __init__(self, usage_text: str):
+        outer = self
+        self.requests = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                self._send(b'{"data": []}')
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                outer.requests += 1
+                body = (
+                    '{"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": '
+                    '{"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2"}}], '
+                    f'"usage": {usage_text}}}'
+                )
+                self._send(body.encode())
+
+            def _send(self, body):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_json(tmp_path, capsys):
+    endpoint = OddUsage('{"prompt_tokens": "120", "completion_tokens": -5, "cost": NaN}')
+    try:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"What is 2+2? ({i})" for i in range(6)])
+        run(
+            None,
+            dataset,
+            tmp_path / "data",
+            model="m",
+            base_url=endpoint.base_url,
+            api_key="sk-test-odd",
+            budget_tokens=50_000,
+            max_tokens=50,
+            num_workers=1,
+        )
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert err.count("reports usage that cannot be trusted") == 1  # one warning per run
+    run_dir = tmp_path / "data" / "run"
+    stats = _strict((run_dir / "statistics.json").read_text())
+    records = [_strict(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+    for rec in records:
+        usage = rec["metadata"]["usage"]
+        assert usage["estimated_calls"] == 1 and usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+        assert usage["cost_usd"] is None  # a NaN cost is no cost, not a NaN in the file
+    budget = stats["this_run"]["budget"]
+    assert budget["spent_tokens"] > 0  # the budget counted the estimates, not 0
+
+
+def test_many_prompts_in_flight_spend_at_most_the_budget(tmp_path):
+    """40 prompts in flight at once, 3 calls each, ~2,000 tokens a call: without reservations the run
+    overshot by up to one call per prompt in flight (~80,000 tokens past a 20,000 cap)."""
+    cap = 20_000
+    with FakeModelServer(latency_s=0.2) as server:
+        prompts = [f"Task {i} [calls:2]" for i in range(60)]
+        dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+        run(
+            server,
+            dataset,
+            tmp_path / "data",
+            num_workers=2,
+            prompts_per_worker=20,
+            budget_tokens=cap,
+            max_tokens=100,
+            batch_size=10,
+        )
+        served = server.stats()
+    spent_at_server = served["prompt_tokens"] + served["completion_tokens"]
+    assert spent_at_server <= cap  # what the endpoint itself counted
+    assert spent_at_server >= cap * 0.7  # and the cap was used, not refused early
+    status = json.loads((Path(tmp_path) / "data" / "run" / "status.json").read_text())
+    assert status["budget"]["reached"] is True
+    assert status["budget"]["spent_tokens"] <= cap
+
+
+def test_a_prompt_under_way_gets_the_budget_before_one_not_started():
+    spent = Spent()
+    budget = Budget(1000, None, spent)
+    assert budget.request("w", 1, 900) == [("w", 1, True)]
+    assert budget.request("w", 2, 900, priority=0) == []  # a new prompt's first call
+    assert budget.request("w", 3, 900, priority=2) == []  # the third call of a prompt under way
+    spent.tokens += 50
+    assert budget.settle("w", 1, 50, 0.0) == [("w", 3, True)]  # it goes first, though it came later
+
+
+def test_a_new_prompt_starts_only_when_the_budget_also_holds_the_prompts_under_way():
+    spent = Spent()
+    budget = Budget(10_000, None, spent)
+    # A finished prompt taught: 4 calls of ~1,000 tokens.
+    budget.prompt_done("old", 4, 4000)
+    assert budget.request("w", 1, 1000, 0, prompt="a") == [("w", 1, True)]  # alone: it starts
+    spent.tokens += 1000
+    budget.settle("w", 1, 1000, 0.0)
+    # "a" still expects 3 calls (3,000); "b" needs its own 4,000: 1,000 + 3,000 + 4,000 fits 10,000.
+    assert budget.request("w", 2, 1000, 0, prompt="b") == [("w", 2, True)]
+    # "c" would need 4,000 more on top of a's 3,000 and b's 3,000 (+ b's call in flight): it waits.
+    assert budget.request("w", 3, 1000, 0, prompt="c") == []
+    assert budget.request("w", 4, 1000, 1, prompt="a") == [("w", 4, True)]  # a prompt under way goes on
+    assert not budget.exhausted

@@ -1,0 +1,91 @@
+"""The dead-endpoint stop (batchrun/run/endpoint_watch.py): an endpoint that dies during the run pauses
+it, is probed, and stops it cleanly (exit 4, the resume command printed) instead of every remaining
+prompt failing after its retries."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from helpers import exit_code, read_jsonl, write_jsonl
+
+from batchrun.run.endpoint_watch import DEAD_AFTER, EXIT_ENDPOINT_DEAD, EndpointWatch
+
+
+class DiesAfterTheStartCheck:
+    """Answers the start check once, then 503 to everything (probes included)."""
+
+    def __init__(self):
+        outer = self
+        self.calls = self.checks = 0
+        self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                self._send(404, b"{}")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                with outer.lock:
+                    if self.headers.get("X-Batch-Runner-Check"):
+                        outer.checks += 1
+                        alive = outer.checks == 1
+                    else:
+                        outer.calls += 1
+                        alive = False
+                if alive:
+                    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "OK"}}]}
+                    self._send(200, json.dumps(reply).encode())
+                else:
+                    self._send(503, b'{"error": {"message": "upstream connect error"}}')
+
+            def _send(self, code, body):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_a_dead_endpoint_stops_the_run_with_its_own_exit_code(tmp_path, capsys):
+    endpoint = DiesAfterTheStartCheck()
+    prompts = [f"task {i}" for i in range(40)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key="sk-dead-test",
+            num_workers=2, prompts_per_worker=4, max_retries=1, endpoint_grace=3, batch_size=10,
+        )  # fmt: skip
+    finally:
+        endpoint.httpd.shutdown()
+    err = capsys.readouterr().err
+    assert code == EXIT_ENDPOINT_DEAD
+    assert "the run is paused and the endpoint probed" in err
+    assert "did not come back within 3 s" in err and "--resume" in err
+    assert endpoint.checks >= 2  # the start check, then at least one probe
+    # Without the stop: 40 prompts x 2 tries = 80 doomed requests. With it: about the failures that
+    # tripped it, plus what was in flight.
+    assert endpoint.calls < 40
+    run_dir = tmp_path / "data" / "run"
+    failed = read_jsonl(run_dir / "failed.jsonl") if (run_dir / "failed.jsonl").exists() else []
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["remaining_for_resume"] == 40  # nothing lost: every prompt is left for --resume
+    assert len(failed) < 40
+
+
+def test_an_endpoint_that_comes_back_ends_the_pause():
+    pauses = []
+    watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg: True)
+    lines = [watch.report("http_503") for _ in range(DEAD_AFTER)]
+    assert lines[-1] and "paused" in lines[-1] and pauses
+    watch._back.wait(5)
+    assert watch.tick() == "the endpoint answers again; the run continues"
+    assert not watch.dead and watch.failures == 0

@@ -1,0 +1,87 @@
+"""Flags that cannot fail later (issue 25): upper bounds the machine can honour, a distribution defined
+twice, the ephemeral prompt kept out of ps, credentials in --base_url."""
+
+from __future__ import annotations
+
+import pytest
+
+# ----------------------------------------------------------------------------- issue 25: flags that cannot fail later
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("container_pids_limit", "100000000000", "--container_pids_limit must be"),
+        ("container_memory_mb", str(1 << 30), "--container_memory_mb must be"),
+        ("prompt_timeout", "1e11", "--prompt_timeout must be at most 604800"),
+        ("max_tokens", "99999999999", "--max_tokens must be at most 10000000"),
+        ("max_response_mb", "0", "--max_response_mb must be a number above 0"),
+    ],
+)
+def test_sizes_the_machine_cannot_honour_exit_2_naming_the_flag(tmp_path, flag, value, message):
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    with pytest.raises(UsageError) as info:
+        RunConfig.from_flags(
+            dataset_file=str(ds),
+            batch_size=1,
+            run_name="r",
+            output_dir=str(tmp_path),
+            model="mock",
+            **{flag: value},
+        )
+    assert message in str(info.value)
+
+
+def test_a_distribution_defined_twice_in_one_file_exits_2(tmp_path):
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    dists = tmp_path / "dists.json"
+    dists.write_text(
+        '{"mine": {"probabilities": {"terminal": 100}}, "mine": {"probabilities": {"file": 100}}}'
+    )
+    with pytest.raises(UsageError) as info:
+        RunConfig.from_flags(
+            dataset_file=str(ds),
+            batch_size=1,
+            run_name="r",
+            output_dir=str(tmp_path),
+            model="mock",
+            distribution_file=str(dists),
+            distribution="mine",
+        )
+    assert "'mine' is defined twice" in str(info.value) and "--distribution_file" in str(info.value)
+
+
+def test_the_ephemeral_prompt_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from batchrun.config import EPHEMERAL_PROMPT_ENV, RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    secret = tmp_path / "system.txt"
+    secret.write_text("You are terse. (secret scaffolding)")
+    config = RunConfig.from_flags(**base, ephemeral_system_prompt_file=str(secret))
+    assert config.ephemeral_prompt == "You are terse. (secret scaffolding)"
+    assert "You are terse. (secret scaffolding)" in config.secret_texts()  # redacted wherever it appears
+    monkeypatch.setenv(EPHEMERAL_PROMPT_ENV, "from the environment")
+    with pytest.raises(UsageError, match="given twice"):
+        RunConfig.from_flags(**base, ephemeral_system_prompt_file=str(secret))
+    assert RunConfig.from_flags(**base).ephemeral_prompt == "from the environment"
+
+
+def test_base_url_credentials_with_a_key_exit_2_and_are_never_printed(tmp_path):
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path))
+    with pytest.raises(UsageError) as info:
+        RunConfig.from_flags(**base, base_url="http://user:hunter2pw@127.0.0.1:9/v1", api_key="sk-x")
+    assert "hunter2pw" not in str(info.value) and "Basic auth" in str(info.value)
+    config = RunConfig.from_flags(**base, base_url="http://user:hunter2pw@127.0.0.1:9/v1")
+    assert "hunter2pw" in config.secret_texts()

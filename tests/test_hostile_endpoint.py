@@ -1,0 +1,227 @@
+"""A hostile endpoint against the model client: every case ends as a clear error class, in bounded
+memory and within the deadline.
+
+The server is real (loopback, written here); the client runs in its own process so that its peak
+memory (``VmHWM``) is the client's alone. Without the bounds each case below took a worker to
+gigabytes or kept a prompt alive forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_MB = 4  # --max_response_mb for these runs
+RSS_LIMIT_MB = 100  # the client process's peak: Python and the package (~25 MB) + a few bounds' worth
+
+CLIENT = r"""
+import json, resource, sys, time
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError
+base_url, stream, max_mb, request_timeout, prompt_timeout = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+client = LLMClient(LLMConfig(model="m", base_url=base_url, api_key="k", stream=stream, max_retries=0,
+                             max_response_mb=max_mb, request_timeout_s=request_timeout))
+t0 = time.monotonic()
+try:
+    turn = client.chat([{"role": "user", "content": "hi"}], [], deadline=time.monotonic() + prompt_timeout)
+    out = {"error_class": None, "content": turn.content[:100]}
+except LLMError as exc:
+    out = {"error_class": exc.error_class, "message": str(exc)[:300]}
+out["elapsed_s"] = time.monotonic() - t0
+# VmHWM: this process's own peak (ru_maxrss would also hold the forking parent's, from before exec)
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+out["maxrss_mb"] = int(hwm[0].split()[1]) / 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def _gzip_bomb() -> bytes:
+    """~256 MiB of zeros, gzip-compressed to ~250 KiB."""
+    comp = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    block = bytes(1 << 20)
+    return b"".join(comp.compress(block) for _ in range(256)) + comp.flush()
+
+
+class Hostile:
+    """A loopback server that answers every request the way ``mode`` says, until the client goes."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            rfile = conn.makefile("rb")
+            headers = {}
+            rfile.readline()
+            while (line := rfile.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            rfile.read(int(headers.get("content-length", 0)))
+            getattr(self, f"_{self.mode}")(conn)
+        except OSError:
+            pass  # the client went away: what every case here wants
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _endless(conn: socket.socket, piece: bytes) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            conn.sendall(piece)
+
+    def _gzip_bomb(self, conn):
+        body = _gzip_bomb()
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: {len(body)}\r\n\r\n"
+        conn.sendall(head.encode() + body)
+        time.sleep(5)
+
+    def _huge_content_length(self, conn):
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n"
+        )
+        self._endless(conn, b" " * 65536)
+
+    def _until_close(self, conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+        self._endless(conn, b" " * 65536)
+
+    def _huge_chunk(self, conn):
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        conn.sendall(b"ffffffffffffffff\r\n")
+        self._endless(conn, b" " * 65536)
+
+    def _huge_headers(self, conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        self._endless(conn, b"X-Filler: " + b"y" * 1000 + b"\r\n")
+
+    def _endless_sse(self, conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        chunk = {"choices": [{"index": 0, "delta": {"content": "x" * 200}}]}
+        self._endless(conn, (b"data: " + json.dumps(chunk).encode() + b"\n\n") * 50)
+
+    def _sse_no_newline(self, conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\ndata: ")
+        self._endless(conn, b"a" * 4096)
+
+    def _drip(self, conn):
+        body = json.dumps({"choices": [{"index": 0, "message": {"content": "hi"}}]}).encode()
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        for byte in body:
+            conn.sendall(bytes([byte]))
+            time.sleep(1.0)
+
+    def _header_drip(self, conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(120):
+            for byte in b"X-Slow: y\r\n":
+                conn.sendall(bytes([byte]))
+                time.sleep(0.5)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def run_client(
+    server: Hostile, *, stream: bool = False, request_timeout: float = 30, prompt_timeout: float = 60
+) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HTTP_PROXY", None), env.pop("http_proxy", None)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLIENT,
+            server.base_url,
+            "1" if stream else "0",
+            str(MAX_MB),
+            str(request_timeout),
+            str(prompt_timeout),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("mode", "stream"),
+    [
+        ("gzip_bomb", False),
+        ("huge_content_length", False),
+        ("until_close", False),
+        ("huge_chunk", False),
+        ("huge_headers", False),
+        ("endless_sse", True),
+        ("sse_no_newline", True),
+    ],
+)
+def test_an_oversized_answer_is_a_bad_response_in_bounded_memory(mode, stream):
+    server = Hostile(mode)
+    try:
+        result = run_client(server, stream=stream)
+    finally:
+        server.close()
+    assert result["error_class"] == "bad_response", result
+    if mode == "sse_no_newline":
+        assert "line longer than" in result["message"]
+    assert result["maxrss_mb"] < RSS_LIMIT_MB, result
+    assert result["elapsed_s"] < 60, result  # the prompt's deadline (60 s) was not what stopped it
+
+
+def test_a_dripped_body_ends_at_the_prompts_deadline():
+    """One byte a second: every read succeeds, only the deadline checked on each read ends it."""
+    server = Hostile("drip")
+    try:
+        result = run_client(server, request_timeout=600, prompt_timeout=4)
+    finally:
+        server.close()
+    assert result["error_class"] == "timeout", result
+    assert result["elapsed_s"] < 4 + 3, result  # the deadline held: not the ~60 s the drip would take
+
+
+def test_request_timeout_bounds_the_whole_request_not_each_read():
+    server = Hostile("drip")
+    try:
+        result = run_client(server, request_timeout=3, prompt_timeout=600)
+    finally:
+        server.close()
+    assert result["error_class"] == "timeout", result
+    assert result["elapsed_s"] < 3 + 3, result
+
+
+def test_headers_dripped_a_byte_at_a_time_end_at_the_deadline():
+    """Each read of the head gets a byte in time; only the request's deadline (a watchdog) ends it."""
+    server = Hostile("header_drip")
+    try:
+        result = run_client(server, request_timeout=3, prompt_timeout=600)
+    finally:
+        server.close()
+    assert result["error_class"] == "timeout", result
+    assert result["elapsed_s"] < 3 + 3, result

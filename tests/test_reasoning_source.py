@@ -1,0 +1,73 @@
+"""Reasoning from the field it came in (issue 25, item 9): words become reasoning only where the endpoint
+sent no reasoning field and reasoning is not disabled; two fields with the same text are one reasoning."""
+
+from __future__ import annotations
+
+import json
+
+from batchrun.prompt.llm import AssistantTurn, _parse_payload, _read_stream
+from batchrun.prompt.loop import _assistant_messages
+from batchrun.prompt.trajectory import ambiguous_markup, reasoning_counts, to_sharegpt
+
+
+def turn(content: str, reasoning: str | None = None) -> AssistantTurn:
+    return AssistantTurn(content=content, reasoning=reasoning, tool_calls=[], finish_reason="stop", usage={})
+
+
+def test_a_stray_close_tag_is_not_reasoning_when_the_server_sent_its_own_field():
+    saved, _ = _assistant_messages(turn("I compared them </think> and chose B.", reasoning="real reasoning"))
+    assert saved["reasoning"] == "real reasoning"
+    assert saved["content"] == "I compared them </think> and chose B."  # words left as they came
+
+
+def test_with_reasoning_disabled_words_are_never_reasoning():
+    saved, _ = _assistant_messages(turn("Half a thought </think> The answer is 4."), reasoning_disabled=True)
+    assert saved["reasoning"] is None
+    assert "</think>" in saved["content"]
+
+
+def test_such_samples_are_ambiguous_markup_and_count_no_reasoning():
+    """--reasoning_disabled against a server that produced none: 0 % coverage, the sample set aside."""
+    saved, _ = _assistant_messages(turn("Half a thought </think> The answer is 4."), reasoning_disabled=True)
+    messages = [{"role": "user", "content": "q"}, saved]
+    conversations = to_sharegpt(messages, [], None)
+    assert ambiguous_markup(messages, conversations)
+    assert reasoning_counts(conversations)[0] == 0
+
+
+def test_a_leading_think_block_is_reasoning_when_no_field_came():
+    saved, sent = _assistant_messages(turn("<think>\nplan\n</think>\nThe answer."))
+    assert saved["reasoning"] == "plan" and saved["content"] == "The answer."
+    assert sent["content"] == "<think>\nplan\n</think>\nThe answer."  # the model sees what it wrote
+
+
+def test_two_reasoning_fields_with_the_same_text_are_one_reasoning():
+    body = {
+        "choices": [{"index": 0, "message": {"content": "A", "reasoning_content": "why", "reasoning": "why"}}]
+    }
+    assert _parse_payload(body).reasoning == "why"
+
+
+class Lines:
+    def __init__(self, lines):
+        self.lines = lines
+
+    def iter_lines(self):
+        yield from self.lines
+
+    def close(self):
+        pass
+
+
+def test_a_stream_with_both_reasoning_fields_is_not_doubled():
+    """LiteLLM streams an upstream's reasoning in both reasoning_content and reasoning."""
+    deltas = [
+        {"reasoning_content": "step one, ", "reasoning": "step one, "},
+        {"reasoning_content": "step two", "reasoning": "step two"},
+        {"content": "Done."},
+    ]
+    lines = [f"data: {json.dumps({'choices': [{'index': 0, 'delta': d}]})}" for d in deltas] + [
+        "data: [DONE]"
+    ]
+    parsed = _parse_payload(_read_stream(Lines(lines)))
+    assert parsed.reasoning == "step one, step two" and parsed.content == "Done."
