@@ -102,7 +102,6 @@ _PROVIDER_URL_VARS = {
 ASPECT_RATIOS = ("landscape", "square", "portrait")
 DEFAULT_IMAGE_SIZES = {"landscape": "1536x1024", "square": "1024x1024", "portrait": "1024x1536"}
 BROWSER_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")
-NO_KEY = "no-key"  # what the openai client gets for endpoints that want no key
 
 
 TOOL_ENV_VARS = (
