@@ -114,13 +114,13 @@ def main(
     temperature: float | None = None,
     top_p: float | None = None,
     seed_per_request: bool = False,
-) -> None:
+) -> int:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
     Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
     statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
-    130 interrupted.
+    130 interrupted (called from Python, main returns the code instead of exiting).
 
     Args:
         dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
@@ -265,16 +265,14 @@ def main(
         if config.list_distributions:
             prepare_tools(config)
             print(format_distributions(toolset_listing()))
-            return
-        code = run(config)
+            return 0
+        return run(config)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
     except KeyboardInterrupt:  # outside the dispatch (preflight, merge): every written file is intact
         print("\nInterrupted. Continue with --resume.", file=sys.stderr)
-        raise SystemExit(130) from None
-    if code:
-        raise SystemExit(code)
+        return 130
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -302,7 +300,9 @@ def cli(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    main(**flags)
+    code = main(**flags)
+    if code:
+        raise SystemExit(code)
 
 
 # ----------------------------------------------------------------------------- one run

@@ -240,7 +240,7 @@ def _run(dataset: Path, out: Path, run_name: str, distribution: str, **kw) -> Pa
             max_failure_rate=1.0,
             **kw,
         )
-        is None
+        == 0
     )
     return out / run_name
 

@@ -145,6 +145,7 @@ def run_prompt(
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
+    sandbox_image = ""
     background = False
     ctx = None
     timings: dict[str, Any] = {
@@ -156,6 +157,7 @@ def run_prompt(
     }
     try:
         box = create_sandbox(settings.sandbox_backend, spec, options)
+        sandbox_image = getattr(box, "image", None) or ""  # the row's or the backend's default
         # The start runs on a start-up slot while the prompt's first model call is in flight: the
         # prompt pays for it only when its first tool call comes before the start is done.
         background = not getattr(box, "synchronous_start", False)
@@ -237,11 +239,13 @@ def run_prompt(
         "isolation": isolation,
         **timings,
         "usage": usage.as_dict(),
-        # Nothing was drawn for a row that names its own toolsets or tools (row_toolsets, row_tools say what).
-        "toolsets_sampled": None
-        if own.toolsets is not None or own.tools is not None
-        else list(job.toolsets_sampled if job.toolsets_sampled is not None else job.toolsets),
+        # Nothing was drawn for a row that names its own toolsets or tools: the toolsets it was given
+        # (row_toolsets, row_tools say so), never null, so the column has its type in every run.
+        "toolsets_sampled": list(job.toolsets)
+        if own.toolsets is not None or own.tools is not None or job.toolsets_sampled is None
+        else list(job.toolsets_sampled),
         "image": job.image,
+        "sandbox_image": sandbox_image,
         "cwd": job.cwd,
         "row_id": job.row_id,
         "row_fields": job.row_fields,

@@ -12,7 +12,14 @@ import json
 import re
 from typing import Any
 
-from batchrun.record import RECORD_FIELDS, ROW_OPTION_FIELDS, normalize_metadata, sample_index_of
+from batchrun.record import (
+    RECORD_FIELDS,
+    identity_options,
+    names_of,
+    normalize_metadata,
+    optional_text,
+    sample_index_of,
+)
 
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
@@ -344,14 +351,17 @@ def row_key(
 
 
 def _options_of(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: fields.get(k) for k in ROW_OPTION_FIELDS}
+    return identity_options(fields)
 
 
 def record_row_key(record: dict[str, Any]) -> str:
     """The identity of the row a (valid) record came from; see :func:`valid_record`."""
     meta = record.get("metadata") or {}
     return row_key(
-        first_human(record["conversations"]) or "", meta.get("image"), meta.get("cwd"), _options_of(meta)
+        first_human(record["conversations"]) or "",
+        optional_text(meta.get("image")),
+        optional_text(meta.get("cwd")),
+        _options_of(meta),
     )
 
 
@@ -372,14 +382,18 @@ def _identity_fields_ok(fields: dict[str, Any]) -> bool:
     """The row_* identity fields and sample_index, where present, have their types (absent: an older version)."""
 
     def names(value: Any) -> bool:
-        return value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        if value is None or value == "":
+            return True
+        if isinstance(value, str):  # JSON text of a name list, as records write it
+            return names_of(value) is not None
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
     turns, sample = fields.get("row_max_turns"), fields.get("sample_index")
     return (
         names(fields.get("row_toolsets"))
         and names(fields.get("row_tools"))
         and _optional_str(fields.get("row_system_sha256"))
-        and (turns is None or (_count(turns) and turns > 0))
+        and (turns is None or _count(turns))
         and (sample is None or _count(sample))
     )
 
@@ -445,7 +459,7 @@ def valid_outcome_row(row: Any, field: str) -> bool:
 
 
 def outcome_row_key(row: dict[str, Any]) -> str:
-    return row_key(row["prompt"], row.get("image"), row.get("cwd"), _options_of(row))
+    return row_key(row["prompt"], optional_text(row.get("image")), optional_text(row.get("cwd")), _options_of(row))
 
 
 def outcome_sample(row: dict[str, Any]) -> tuple[str, int]:

@@ -23,6 +23,7 @@ from typing import Any
 from batchrun.config import UsageError
 from batchrun.prompt.trajectory import valid_record
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
+from batchrun.record import normalize_metadata
 from batchrun.run.resume import identity_fields, row_identity
 from batchrun.secrets import Redactor
 from batchrun.storage import (
@@ -148,7 +149,8 @@ class Recorder:
             "sample_index": outcome.sample_index,
         }
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
-            outcome.record["metadata"].update(identity)
+            # Typed again with the identity in: no column of a record is null (batchrun.record).
+            outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
         if kind == TRAJECTORY:
             rec = outcome.record or {}
             self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
