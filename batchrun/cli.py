@@ -327,7 +327,7 @@ def run(config: RunConfig) -> int:
         recorder = Recorder(
             config.run_dir,
             config.run_name,
-            Redactor(config.resolved_api_key, secrets=tuple(config.secret_texts())),
+            Redactor.for_config(config),
             verbose=config.verbose,
             budget_usd=config.budget_usd,
             budget_tokens=config.budget_tokens,
@@ -370,7 +370,7 @@ def run_steps(
         resume_filter(
             rows,
             config.run_dir,
-            recorder.redact,
+            recorder.sample_text,
             rerun_discarded=config.rerun_discarded,
             samples_per_prompt=config.samples_per_prompt,
         )

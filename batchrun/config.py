@@ -501,10 +501,14 @@ class RunConfig:
         }
 
     def secret_texts(self) -> list[str]:
-        """What must be redacted from every file besides the key: the ephemeral prompt, the prefill contents."""
+        """Secrets besides the key and the environment: MCP servers' env and header values (batchrun.secrets)."""
+        return [v for server in self.mcp_servers for v in server.secrets() if v]
+
+    def scaffolding_texts(self) -> list[str]:
+        """The ephemeral prompt and the prefill contents: never saved, redacted from side files, but no
+        secret (a sample echoing them is kept as the model wrote it; batchrun.secrets)."""
         texts = [self.ephemeral_system_prompt or ""]
-        texts += [m["content"] for m in self.prefill_messages]
-        texts += [v for server in self.mcp_servers for v in server.secrets()]  # MCP env and header values
+        texts += [m["content"] for m in self.prefill_messages if isinstance(m.get("content"), str)]
         return [t for t in texts if t]
 
 

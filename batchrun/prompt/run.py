@@ -37,6 +37,7 @@ from batchrun.prompt.trajectory import (
     empty_answer,
     invalid_tool_call,
     reasoning_counts,
+    unoffered_call,
 )
 from batchrun.protocol import Outcome, PromptJob
 
@@ -299,6 +300,12 @@ def quality_problem(
     """The first quality filter a sample fails (its discard reason), or None: no broken sample is saved as good."""
     if not settings.keep_invalid_tool_calls and invalid_tool_call(messages):
         return "invalid_tool_call"
+    # No flag keeps these: a call to a tool that was not offered is never a kept sample, partial or not.
+    unoffered = unoffered_call(
+        messages, set(record["metadata"]["tools_offered"]), set(record["tool_stats"]) | set(known_tool_names())
+    )
+    if unoffered is not None:
+        return unoffered
     if ambiguous_markup(messages, record["conversations"]):
         return "ambiguous_markup"  # no flag keeps it: its text does not say what the model said
     if not settings.keep_empty_answers and record["completed"] and empty_answer(messages):

@@ -105,9 +105,9 @@ def parse_tool_calls(value: str) -> list[dict[str, str]]:
 def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, Any]]) -> str:
     """A gpt turn as text. The model's words are never rewritten: a turn whose words would not parse
     back as written is discarded instead (see :func:`ambiguous_markup`)."""
-    parts = []
-    if reasoning:
-        parts.append(f"<think>\n{reasoning}\n</think>")
+    # A turn without reasoning opens with an empty think block, as the reference renders it: every gpt
+    # turn has the same shape for a trainer (and the block parses back as no reasoning).
+    parts = [f"<think>\n{reasoning}\n</think>" if reasoning else "<think>\n</think>"]
     if content.strip():
         parts.append(content.strip())
     parts.extend(_tool_call_block(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
@@ -126,9 +126,21 @@ def tool_response_block(tool_call_id: str, name: str, content: str) -> str:
 def system_value(tool_schemas: list[dict[str, Any]], system: str | None = None) -> str:
     """The record's system entry: the row's own system prompt (when it has one), a blank line, then the
     function-calling preamble with the offered tools. :func:`split_system_value` reads it back."""
-    tools_json = json.dumps([s["function"] for s in tool_schemas], ensure_ascii=False)
+    tools_json = json.dumps([system_tool_entry(s["function"]) for s in tool_schemas], ensure_ascii=False)
     preamble = SYSTEM_PREAMBLE.format(tools=tools_json)
     return f"{system}\n\n{preamble}" if system else preamble
+
+
+def system_tool_entry(function: dict[str, Any]) -> dict[str, Any]:
+    """One tool as the system text lists it, with the keys the reference's entries carry: ``name``,
+    ``description``, ``parameters`` and ``required`` (null there too; the required arguments are in
+    ``parameters``). :func:`offered_tools` reads it back as the OpenAI function schema."""
+    return {
+        "name": function["name"],
+        "description": function.get("description", ""),
+        "parameters": function.get("parameters", {}),
+        "required": None,
+    }
 
 
 def split_system_value(value: str) -> str | None:
@@ -275,6 +287,23 @@ def invalid_tool_call(messages: list[dict[str, Any]]) -> bool:
             if not isinstance(args, dict):
                 return True
     return False
+
+
+def unoffered_call(messages: list[dict[str, Any]], offered: set[str], known: set[str]) -> str | None:
+    """Why a sample calls a tool it was not given, or None: ``unknown_tool`` (no such tool: hallucinated)
+    or ``tool_not_offered`` (a tool that exists, but not among this prompt's). Either way the calls and
+    their error results would teach a trainer to call what is not there."""
+    names = {
+        call["function"]["name"]
+        for msg in messages
+        if msg.get("role") == "assistant"
+        for call in msg.get("tool_calls") or []
+    }
+    if names - known:
+        return "unknown_tool"
+    if names - offered:
+        return "tool_not_offered"
+    return None
 
 
 def empty_answer(messages: list[dict[str, Any]]) -> bool:
@@ -510,4 +539,7 @@ def offered_tools(system_value: str) -> list[dict[str, Any]]:
     found = _TOOLS_RE.findall(system_value)  # the last block: a row's own system prompt comes first
     if not found:
         return []
-    return [{"type": "function", "function": f} for f in json.loads(found[-1])]
+    return [
+        {"type": "function", "function": {k: v for k, v in f.items() if not (k == "required" and v is None)}}
+        for f in json.loads(found[-1])
+    ]

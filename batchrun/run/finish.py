@@ -19,6 +19,7 @@ from typing import Any
 from batchrun.config import RunConfig
 from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.prompt.trajectory import (
+    outcome_sample,
     reasoning_counts,
     record_sample,
     used_tool_names,
@@ -121,11 +122,12 @@ def merge(
     the dataset wants (duplicate rows each want theirs); records of samples the dataset does not
     want (rows since removed, sample indices beyond today's count) are all kept.
     """
-    wanted = wanted_samples(rows, samples_per_prompt, recorder.redact)
+    wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
     done_indices: set[int] = set()
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
+    unknown: list[dict[str, Any]] = []  # records that call a tool outside the known set
     out = run_dir / "trajectories.jsonl"
     tmp = out.with_name(f".trajectories.jsonl.{os.getpid()}.tmp")
     with tmp.open("wb") as fh:
@@ -140,6 +142,7 @@ def merge(
                     done_indices.add(rec["prompt_index"])
                 if used_tool_names(rec) - known:
                     totals.dropped["unknown_tool"] += 1
+                    unknown.append(rec)
                     continue
                 if key in wanted and kept[key] >= wanted[key]:
                     totals.dropped["duplicate"] += 1
@@ -155,12 +158,30 @@ def merge(
         os.fsync(fh.fileno())
     os.replace(tmp, out)
     fsync_dir(run_dir)
+    set_aside_unknown_tools(run_dir, unknown, recorder)
     # The dataset card: load_dataset(run_dir) reads trajectories.jsonl with the record schema, typed
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
     recorder.write_checkpoint()
     return totals
+
+
+def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], recorder: Recorder) -> None:
+    """Records dropped at merge for a tool outside the known set go to discarded.jsonl (reason
+    ``unknown_tool``) like every other discard, once: a later merge finds them there already."""
+    if not records:
+        return
+    there: collections.Counter[tuple[str, int]] = collections.Counter()
+    for row in iter_jsonl(run_dir / "discarded.jsonl"):
+        if valid_outcome_row(row, "reason") and row["reason"] == "unknown_tool":
+            there[outcome_sample(row)] += 1
+    for rec in records:
+        key = record_sample(rec)
+        if there[key] > 0:
+            there[key] -= 1
+            continue
+        recorder.set_aside(rec, "unknown_tool")
 
 
 def _stop_reason(rec: dict[str, Any]) -> str:
@@ -355,7 +376,7 @@ def count_remaining(
     """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
     done = collections.Counter(totals.finished)
     add_discards(run_dir, done, rerun_discarded=rerun_discarded)
-    return len(unfinished(rows, done, recorder.redact, samples_per_prompt))
+    return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt))
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor) -> None:
