@@ -332,6 +332,9 @@ def run(config: RunConfig) -> int:
             budget_usd=config.budget_usd,
             budget_tokens=config.budget_tokens,
         )
+        note = recorder.redact.start_note()  # secret-named variables holding a word: not redacted
+        if note:
+            print(note, file=sys.stderr)
         try:
             rows = read_dataset(config, recorder)  # a dataset with no usable row writes nothing
             recorder.lock()

@@ -205,7 +205,10 @@ def test_a_turn_without_reasoning_opens_with_an_empty_think_block_as_the_referen
     assert gpt_value("", "", []) == "<think>\n</think>"
     call = {"function": {"name": "terminal", "arguments": '{"command": "ls"}'}}
     value = gpt_value(None, "", [call])
-    assert value == '<think>\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'
+    assert (
+        value
+        == '<think>\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'
+    )
     assert parse_gpt_value(value) == (None, "", [{"name": "terminal", "arguments": '{"command": "ls"}'}])
     assert reasoning_counts([{"from": "gpt", "value": value}]) == (0, 1)
 

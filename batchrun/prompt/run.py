@@ -302,7 +302,9 @@ def quality_problem(
         return "invalid_tool_call"
     # No flag keeps these: a call to a tool that was not offered is never a kept sample, partial or not.
     unoffered = unoffered_call(
-        messages, set(record["metadata"]["tools_offered"]), set(record["tool_stats"]) | set(known_tool_names())
+        messages,
+        set(record["metadata"]["tools_offered"]),
+        set(record["tool_stats"]) | set(known_tool_names()),
     )
     if unoffered is not None:
         return unoffered

@@ -488,7 +488,9 @@ def valid_outcome_row(row: Any, field: str) -> bool:
 
 
 def outcome_row_key(row: dict[str, Any]) -> str:
-    return row_key(row["prompt"], optional_text(row.get("image")), optional_text(row.get("cwd")), _options_of(row))
+    return row_key(
+        row["prompt"], optional_text(row.get("image")), optional_text(row.get("cwd")), _options_of(row)
+    )
 
 
 def outcome_sample(row: dict[str, Any]) -> tuple[str, int]:

@@ -231,6 +231,7 @@ def statistics(
         "model": config.model,
         "distribution": config.distribution,
         "sandbox": config.backend,
+        "default_image": config.default_image,  # for rows that name no image (container backends)
         "isolation": isolation,
         **(sandbox_facts or {}),
         "dataset_prompts": len(rows),
@@ -351,16 +352,18 @@ def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def reference_tool_statistics(tool_stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per tool as the reference runner writes it: rates in percent of the calls, 0.0 when none."""
+    """Per tool as the reference runner writes it: only the tools that were called (a tool never called
+    has no rate), rates in percent of its calls. Everywhere else in statistics.json rates are fractions."""
     out = {}
     for name, s in tool_stats.items():
-        calls = s["success"] + s["failure"]
+        if not s["count"]:
+            continue
         out[name] = {
             "count": s["count"],
             "success": s["success"],
             "failure": s["failure"],
-            "success_rate": round(s["success"] / calls * 100, 2) if calls else 0.0,
-            "failure_rate": round(s["failure"] / calls * 100, 2) if calls else 0.0,
+            "success_rate": round(s["success"] / s["count"] * 100, 2),
+            "failure_rate": round(s["failure"] / s["count"] * 100, 2),
         }
     return out
 

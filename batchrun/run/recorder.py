@@ -81,6 +81,8 @@ class Recorder:
         self.started_at = _now()
         self.last_event_at: str | None = None
         self.done_indices: set[int] | None = None
+        # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
+        self.batch_outcomes: dict[int, collections.Counter[str]] | None = None
         self.echo: Callable[[str], None] = lambda line: print(
             line, file=sys.stderr
         )  # the progress bar's, in a run
@@ -164,6 +166,8 @@ class Recorder:
             if self._holds_secret(line):
                 kind, reason, line = DISCARDED, "secret_in_output", None
         self.counts[kind] += 1
+        if self.batch_outcomes is not None:
+            _count_outcome(self.batch_outcomes, outcome.batch_num, kind, reason)
         if kind == TRAJECTORY:
             rec = outcome.record or {}
             self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
@@ -185,7 +189,9 @@ class Recorder:
             append_jsonl(self.run_dir / "discarded.jsonl", row, sample_text)
         else:
             self.failures[outcome.error_class or "unknown"] += 1
-            self.failure_messages[outcome.error_class or "unknown"][self.redact(str(outcome.error))[:300]] += 1
+            self.failure_messages[outcome.error_class or "unknown"][
+                self.redact(str(outcome.error))[:300]
+            ] += 1
             row = {
                 "prompt": outcome.prompt,
                 **identity,
@@ -293,10 +299,13 @@ class Recorder:
                     for rec in iter_jsonl(path)
                     if valid_record(rec) and isinstance(rec.get("prompt_index"), int)
                 )
+        if self.batch_outcomes is None:
+            self.batch_outcomes = scan_batch_outcomes(self.run_dir)
         state = {
             "run_name": self.run_name,
             "completed_prompts": sorted(self.done_indices),
             "batches": [n for n, _ in batch_files(self.run_dir)],
+            "batch_stats": batch_stats(self.batch_outcomes),
             "last_updated": _now(),
         }
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
@@ -352,3 +361,45 @@ class Recorder:
             write_text_in_place(
                 self.run_dir / "status.json", self.redact(json.dumps(status, indent=2, ensure_ascii=False))
             )
+
+
+def _count_outcome(
+    outcomes: dict[int, collections.Counter[str]], batch_num: Any, kind: str, reason: str | None
+) -> None:
+    if not isinstance(batch_num, int) or isinstance(batch_num, bool):
+        return
+    counter = outcomes.setdefault(batch_num, collections.Counter())
+    counter[kind] += 1
+    if kind == DISCARDED and reason == "no_reasoning":
+        counter["no_reasoning"] += 1
+
+
+def scan_batch_outcomes(run_dir: Path) -> dict[int, collections.Counter[str]]:
+    """Every outcome of every run of this run name, by batch: batch files, discarded.jsonl, failed.jsonl."""
+    outcomes: dict[int, collections.Counter[str]] = {}
+    for num, path in batch_files(run_dir):
+        outcomes.setdefault(num, collections.Counter())
+        for rec in iter_jsonl(path):
+            if valid_record(rec):
+                _count_outcome(outcomes, num, TRAJECTORY, None)
+    for name, kind in (("discarded.jsonl", DISCARDED), ("failed.jsonl", FAILED)):
+        for row in iter_jsonl(run_dir / name):
+            if isinstance(row, dict):
+                _count_outcome(outcomes, row.get("batch_num"), kind, row.get("reason"))
+    return outcomes
+
+
+def batch_stats(outcomes: dict[int, collections.Counter[str]]) -> dict[str, dict[str, int]]:
+    """checkpoint.json's ``batch_stats`` under the reference's keys (``processed``: samples of the batch
+    with an outcome; ``skipped``: those that failed, run again on resume; ``discarded_no_reasoning``),
+    plus ours: ``trajectories`` and ``discarded`` (every reason)."""
+    return {
+        str(num): {
+            "processed": c[TRAJECTORY] + c[DISCARDED] + c[FAILED],
+            "skipped": c[FAILED],
+            "discarded_no_reasoning": c["no_reasoning"],
+            "trajectories": c[TRAJECTORY],
+            "discarded": c[DISCARDED],
+        }
+        for num, c in sorted(outcomes.items())
+    }
