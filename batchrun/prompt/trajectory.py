@@ -87,6 +87,11 @@ def _tool_call_block(name: str, arguments: str) -> str:
     )
 
 
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call's ``<tool_call>`` block exactly as a gpt value holds it (readers strip it back off)."""
+    return _tool_call_block(name, arguments)
+
+
 def parse_tool_calls(value: str) -> list[dict[str, str]]:
     """Read the ``<tool_call>`` blocks of a gpt value back as ``[{"name", "arguments"}]``."""
     calls = []
