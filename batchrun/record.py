@@ -340,11 +340,10 @@ def typed_record(rec: dict[str, Any], tool_names: list[str]) -> dict[str, Any]:
     return conform(own, record_schema(tool_names))
 
 
-def _run_records(files: list[str], names: list[str], tool_names: list[str], stamps: list[str]) -> Any:
-    # ``stamps`` (size and mtime of each file) only change the generator's fingerprint, so a file
-    # that grew is read again instead of coming from the datasets cache.
-    del stamps
-    for path, run_name in zip(files, names, strict=True):
+def _run_records(sources: list[tuple[str, str, str]], tool_names: tuple[str, ...]) -> Any:
+    """Each (file, run name, stamp)'s records, typed. The stamp (size and mtime) only changes the
+    generator's fingerprint, so a file that grew is read again instead of coming from the cache."""
+    for path, run_name, _stamp in sources:
         with open(path, "rb") as fh:
             for line in fh:
                 try:
@@ -352,7 +351,7 @@ def _run_records(files: list[str], names: list[str], tool_names: list[str], stam
                 except ValueError:
                     continue  # a torn line: every reader skips it
                 if isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
-                    yield {**typed_record(rec, tool_names), "run_name": run_name}
+                    yield {**typed_record(rec, list(tool_names)), "run_name": run_name}
 
 
 def load_runs(*run_dirs: str | Path, split: str = "train", **kwargs: Any) -> Any:
@@ -377,10 +376,10 @@ def load_runs(*run_dirs: str | Path, split: str = "train", **kwargs: Any) -> Any
     features = record_features(list(tools))
     features["run_name"] = datasets.Value("string")
     gen_kwargs = {
-        "files": [str(p) for p in paths],
-        "names": [p.parent.resolve().name for p in paths],
-        "tool_names": list(tools),
-        "stamps": [f"{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths],
+        "sources": [
+            (str(p), p.parent.resolve().name, f"{p.stat().st_size}:{p.stat().st_mtime_ns}") for p in paths
+        ],
+        "tool_names": tuple(tools),  # a tuple: datasets shards generators over their list arguments
     }
     if kwargs.pop("streaming", False):
         return datasets.IterableDataset.from_generator(_run_records, features=features, gen_kwargs=gen_kwargs)

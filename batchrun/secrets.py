@@ -36,7 +36,7 @@ MIN_SCAFFOLD_CHARS = 8  # a prefill "ok" is no pattern either
 # Values that are words, numbers, identifiers or plain paths: what a variable holds when it is a
 # setting, not a credential ("changeme" aside, a real key has digits or mixed symbols).
 ORDINARY = re.compile(
-    r"[A-Za-z]+(?:[ _.\-/:][A-Za-z]+)*"  # a word, words, an identifier (web_search), a path without digits
+    r"[/~.]*[A-Za-z]+(?:[ _.\-/:]+[A-Za-z]+)*/?"  # a word, words, an identifier (web_search), a path without digits
     r"|[+-]?\d+(?:[.,]\d+)*"  # a number
     r"|(?:true|false|yes|no|on|off|none|null)",
     re.IGNORECASE,

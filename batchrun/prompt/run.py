@@ -304,7 +304,7 @@ def quality_problem(
     unoffered = unoffered_call(
         messages,
         set(record["metadata"]["tools_offered"]),
-        set(record["tool_stats"]) | set(known_tool_names()),
+        set(known_tool_names()),  # not tool_stats: it counts every name called, hallucinated ones too
     )
     if unoffered is not None:
         return unoffered
