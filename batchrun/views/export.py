@@ -41,8 +41,8 @@ Every row carries ``run_name``, ``prompt_index``, ``sample_index``, ``stop_reaso
 ``partial``, ``model``, ``served_model``, ``row_id``, ``row_fields``, ``usage``, ``toolsets_used`` and
 ``discard_reason``, built in one function (:func:`_row`). Column types are chosen so that
 ``datasets.load_dataset`` reads every file; the card's ``dataset_info`` states the features of the
-fixed-schema formats. An export with nothing to write is an error (exit code 1) for the JSONL formats
-(an empty JSONL file cannot be loaded) and an empty, typed ``train.parquet`` for ``parquet``.
+fixed-schema formats. An export with nothing to write is an error (exit code 1, saying what was left
+out and why) that writes nothing: ``datasets`` cannot load a dataset of no rows from JSONL or Parquet.
 
 The train/test split is a pure function of (seed, prompt text): the same seed gives the same split
 on every export, a resumed run's new rows do not move old ones, and two samples of the same prompt
@@ -343,8 +343,8 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
         return "partial"
     meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
     reason = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
-    if opts.stop_reasons is not None and reason not in opts.stop_reasons:
-        return f"stop_reason {reason}"
+    if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
+        return None if reason in opts.stop_reasons else f"stop_reason {reason}"
     excluded = opts.exclude_stop_reasons
     if excluded is None:  # the default leaves out the model's faults among the kept samples
         excluded = MODEL_FAULT_STOP_REASONS if discard_reason is None else frozenset()
@@ -481,8 +481,8 @@ def export_run(
     """Export the trajectories of ``run_dir`` (one run directory, or several exported together into one
     dataset, each row naming its run in ``run_name``), and when asked the discarded samples, to ``out``.
 
-    Raises ExportError for a bad request, NothingToExport when no sample is left to write (a JSONL
-    format; ``parquet`` writes an empty, typed ``train.parquet``). A sample that does not parse back is
+    Raises ExportError for a bad request, NothingToExport when no sample is left to write (nothing is
+    written then: ``datasets`` cannot load a dataset of no rows). A sample that does not parse back is
     left out and counted.
     """
     opts = ExportOptions(
@@ -501,7 +501,7 @@ def export_run(
     ext = "parquet" if fmt == "parquet" else "jsonl"
     rows = _rows(run_dirs, opts, seed, test_fraction, result.skipped)
     first = next(rows, None)
-    if first is None and fmt != "parquet":
+    if first is None:  # datasets cannot load a dataset of no rows (JSONL or Parquet): no directory at all
         raise NothingToExport(
             f"nothing to export from {', '.join(str(d) for d in run_dirs)} (not exported: "
             f"{result.skipped_text()}); no dataset written"
@@ -509,10 +509,7 @@ def export_run(
     _prepare_out(out)
     writers: dict[str, _JsonlWriter | _ParquetWriter] = {}
     try:
-        if first is None:  # parquet: an empty file of the schema loads as an empty dataset
-            writers["train"] = _ParquetWriter(out / "train.parquet")
-            result.files["train"] = out / "train.parquet"
-        for split, row in itertools.chain([first] if first is not None else [], rows):
+        for split, row in itertools.chain([first], rows):
             if split not in writers:
                 path = out / f"{split}.{ext}"
                 writers[split] = _ParquetWriter(path) if fmt == "parquet" else _JsonlWriter(path)
