@@ -185,12 +185,13 @@ def names_of(value: Any) -> list[str] | None:
 
 
 def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    unreported = [k for k in USAGE_COUNTS if usage.get(k) is None]
+    missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
     if isinstance(usage.get("unreported"), str):  # written before: keep what it said
         try:
-            unreported = sorted(set(unreported) | set(json.loads(usage["unreported"])))
+            missing |= {k for k in json.loads(usage["unreported"]) if isinstance(k, str)}
         except (ValueError, TypeError):
             pass
+    unreported = [k for k in USAGE_COUNTS if k in missing]  # one order: typing twice changes nothing
     providers = usage.get("providers")
     if not isinstance(providers, str):
         providers = json.dumps([str(p) for p in providers or []], ensure_ascii=False)

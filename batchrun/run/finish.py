@@ -27,7 +27,7 @@ from batchrun.prompt.trajectory import (
     valid_record,
 )
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY
-from batchrun.record import run_card
+from batchrun.record import normalize_metadata, run_card
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
@@ -153,7 +153,7 @@ def merge(
                     totals.dropped["partial_excluded"] += 1
                     continue
                 totals.add(rec)
-                fh.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                fh.write(typed_line(raw, rec))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
@@ -165,6 +165,18 @@ def merge(
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
     recorder.write_checkpoint()
     return totals
+
+
+def typed_line(raw: bytes, rec: dict[str, Any]) -> bytes:
+    """A batch file's line for trajectories.jsonl: as written, or, for a record of an earlier version
+    (nulls, row name lists), with its metadata in today's types, so one file never mixes two types
+    in a column. Only metadata is retyped: what the model and the tools said is never touched."""
+    meta = rec.get("metadata")
+    if isinstance(meta, dict):
+        typed = normalize_metadata(meta)
+        if typed != meta:
+            return (json.dumps({**rec, "metadata": typed}, ensure_ascii=False) + "\n").encode("utf-8")
+    return raw if raw.endswith(b"\n") else raw + b"\n"
 
 
 def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], recorder: Recorder) -> None:
