@@ -9,8 +9,10 @@ empty list (both have no type for a JSON reader, and ``datasets.load_dataset("js
 without ``features=`` then fails on whichever file comes second). It is written with its type and a
 documented "none" value instead (``""``, ``0``, ``false``), or as JSON text (``row_toolsets``,
 ``usage.providers``, ``row_fields``), so any set of runs loads together, in any order, with plain
-``datasets``. The one exception is inherent: a run in which no prompt was offered a tool or called one
-has ``toolsets_used``/``tool_calls`` empty throughout (:func:`load_runs` and the run's card type them).
+``datasets``. Two exceptions are inherent to the documented record: a run in which no prompt was
+offered a tool or called one has ``toolsets_used``/``tool_calls`` empty throughout, and runs that know
+different tools (plugins, MCP servers) have different ``tool_stats`` keys; :func:`load_runs` and the
+run's card type both.
 
 Types are written as data, without importing ``datasets``: ``"string"``, ``"int64"``, ``"float64"``,
 ``"bool"`` for a (nullable) value, a dict for a struct, a one-element list for a list of that type.
