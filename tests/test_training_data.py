@@ -17,8 +17,8 @@ from helpers import read_jsonl, run, stats_of, write_jsonl, write_rows
 
 import batch_runner
 from batchrun.config import UsageError
-from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.trajectory import first_human, unoffered_call
+from batchrun.fakes.fake_model import FakeModelServer, find_prompt, respond
+from batchrun.prompt.trajectory import canonical_arguments, first_human, split_reasoning, unoffered_call
 from batchrun.record import METADATA, load_runs
 from batchrun.secrets import Redactor, looks_like_secret
 
@@ -239,6 +239,7 @@ def test_ordinary_values_of_secret_named_variables_and_echoed_prefill_leave_samp
             tmp_path / "data",
             prefill_messages_file=str(prefill),
         )
+        sent = server.stats()["last_requests"]
     err = capsys.readouterr().err
     assert "not redacting BUILD_PASSWORD, DEPLOY_KEY, MY_SERVICE_TOKEN" in err
     run_dir = tmp_path / "data" / "run"
@@ -253,6 +254,19 @@ def test_ordinary_values_of_secret_named_variables_and_echoed_prefill_leave_samp
     # The model wrote the phrase into a file (the fake's write_file quotes the prompt): kept as said.
     assert any(phrase in json.loads(c["function"]["arguments"]).get("content", "") for c in calls)
     assert stats_of(run_dir)["dropped_at_merge"]["unknown_tool"] == 0
+    # Every answer the endpoint sent is in its kept record as sent: the words and each call's arguments.
+    assert len(sent) == 5
+    for body in sent:
+        answer = respond(body)["choices"][0]["message"]
+        rec = by_prompt[find_prompt(body["messages"])[1]]
+        values = [t["value"] for t in rec["conversations"] if t["from"] == "gpt"]
+        saved_args = [c["function"]["arguments"] for t in rec["conversations"] for c in t["tool_calls"]]
+        for call in answer.get("tool_calls") or []:
+            assert canonical_arguments(call["function"]["arguments"]) in saved_args
+        words = split_reasoning(answer.get("content"))[1].strip()
+        assert not words or any(words in v for v in values)
+        reasoning = answer.get("reasoning_content")
+        assert not reasoning or any(f"<think>\n{reasoning}\n</think>" in v for v in values)
 
 
 SECRET = "s3cr3t-Value-42xyz"
