@@ -87,7 +87,8 @@ def test_each_row_is_offered_what_it_asked_for_and_the_record_says_so(server, tm
     # Nothing was drawn for rows with their own toolsets or tools (they hold what they were given);
     # the distribution row drew.
     assert all(
-        meta[p]["toolsets_sampled"] == recs[p]["toolsets_used"] for p in ("own toolsets", "tools only", "both")
+        meta[p]["toolsets_sampled"] == recs[p]["toolsets_used"]
+        for p in ("own toolsets", "tools only", "both")
     )
     assert meta["from the distribution"]["toolsets_sampled"] == ["terminal", "file"]
     assert all(
