@@ -8,6 +8,12 @@ A thin entry point over the ``batchrun`` package (installed as the ``batch-runne
 the command line and the story of a run are in ``batchrun/cli.py``; ``batchrun/config.py`` checks
 every flag; ``batchrun/run/`` is the parent and the worker processes; ``batchrun/prompt/`` runs one
 prompt. This file is not installed, so it never shadows another package's ``batch_runner`` module.
+
+From Python, as scripts written for the reference do (``main(...)`` returns the exit code)::
+
+    from batch_runner import BatchRunner, main
+    BatchRunner(dataset_file="data/prompts.jsonl", batch_size=10, run_name="my_run").run(resume=False)
+    code = main(dataset_file="data/prompts.jsonl", batch_size=10, run_name="my_run")
 """
 
 import sys
@@ -21,6 +27,7 @@ if __name__ == "__main__":
 # multiprocessing runs this file again in every worker it starts, as __mp_main__: a worker needs
 # nothing of the command line, and skipping its imports keeps them out of the forkserver too.
 if __name__ != "__mp_main__":
+    from batchrun.api import BatchRunner  # noqa: F401  (the reference's Python API)
     from batchrun.cli import cli, main, run  # noqa: F401  (main and run: for scripts that call them in-process)
 
 if __name__ == "__main__":

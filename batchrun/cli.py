@@ -126,13 +126,14 @@ def main(
     max_response_mb: float = 32.0,
     ephemeral_system_prompt_file: str | None = None,
     endpoint_grace: float = 120.0,
-) -> None:
+) -> int:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
     Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
     statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
-    4 an output file cannot be written, 5 the endpoint died (resume when it is back), 130 interrupted.
+    4 an output file cannot be written, 5 the endpoint died (resume when it is back), 130 interrupted
+    (called from Python, main returns the code instead of exiting).
 
     Args:
         dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
@@ -286,16 +287,14 @@ def main(
         if config.list_distributions:
             prepare_tools(config)
             print(format_distributions(toolset_listing()))
-            return
-        code = run(config)
+            return 0
+        return run(config)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
     except KeyboardInterrupt:  # outside the dispatch (preflight, merge): every written file is intact
         print("\nInterrupted. Continue with --resume.", file=sys.stderr)
-        raise SystemExit(130) from None
-    if code:
-        raise SystemExit(code)
+        return 130
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -323,7 +322,9 @@ def cli(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    main(**flags)
+    code = main(**flags)
+    if code:
+        raise SystemExit(code)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -348,11 +349,14 @@ def run(config: RunConfig) -> int:
         recorder = Recorder(
             config.run_dir,
             config.run_name,
-            Redactor(config.resolved_api_key, secrets=tuple(config.secret_texts())),
+            Redactor.for_config(config),
             verbose=config.verbose,
             budget_usd=config.budget_usd,
             budget_tokens=config.budget_tokens,
         )
+        note = recorder.redact.start_note()  # secret-named variables holding a word: not redacted
+        if note:
+            print(note, file=sys.stderr)
         try:
             rows = read_dataset(config, recorder)  # a dataset with no usable row writes nothing
             recorder.lock()
@@ -391,7 +395,7 @@ def run_steps(
         resume_filter(
             rows,
             config.run_dir,
-            recorder.redact,
+            recorder.sample_text,
             rerun_discarded=config.rerun_discarded,
             samples_per_prompt=config.samples_per_prompt,
         )

@@ -602,12 +602,19 @@ class RunConfig:
         }
 
     def secret_texts(self) -> list[str]:
-        """What must be redacted from every file besides the key: the ephemeral prompt, the prefill contents."""
-        texts = [self.ephemeral_prompt or ""]
+        """Secrets besides the key and the environment: the --base_url password, MCP servers' env and
+        header values (batchrun.secrets)."""
+        texts = []
         creds = url_credentials(self.base_url)[1]
         texts += [creds[1]] if creds and len(creds[1]) >= 4 else []  # the --base_url password
-        texts += [m["content"] for m in self.prefill_messages]
-        texts += [v for server in self.mcp_servers for v in server.secrets()]  # MCP env and header values
+        texts += [v for server in self.mcp_servers for v in server.secrets() if v]  # MCP env and header values
+        return texts
+
+    def scaffolding_texts(self) -> list[str]:
+        """The ephemeral prompt and the prefill contents: never saved, redacted from side files, but no
+        secret (a sample echoing them is kept as the model wrote it; batchrun.secrets)."""
+        texts = [self.ephemeral_prompt or ""]
+        texts += [m["content"] for m in self.prefill_messages if isinstance(m.get("content"), str)]
         return [t for t in texts if t]
 
 

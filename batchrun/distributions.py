@@ -25,6 +25,20 @@ class Distribution:
     description: str
     probabilities: Mapping[str, int]  # toolset -> percent, in the order the sampler flips them
 
+    # Read as the reference's dict too (``dist["description"]``, ``dist["toolsets"]``), for scripts written for it.
+    def keys(self) -> tuple[str, ...]:
+        return ("description", "toolsets")
+
+    def __getitem__(self, key: str) -> object:
+        if key == "description":
+            return self.description
+        if key == "toolsets":
+            return dict(self.probabilities)
+        raise KeyError(key)
+
+    def get(self, key: str, default: object = None) -> object:
+        return self[key] if key in self.keys() else default
+
 
 def _entry(name: str, description: str, **probabilities: int) -> Distribution:
     return Distribution(name, description, MappingProxyType(dict(probabilities)))
@@ -290,7 +304,7 @@ def use_file_distributions(table: dict[str, Distribution]) -> None:
 
 def sample_toolsets_from_distribution(
     name: str,
-    rng: random.Random,
+    rng: random.Random | None = None,
     available: Collection[str] | None = None,
     unavailable: list[str] | None = None,
 ) -> list[str]:
@@ -298,11 +312,13 @@ def sample_toolsets_from_distribution(
 
     ``available``: only these toolsets can be offered here; the guarantee of at least one then holds
     among them (none only when the distribution has no available toolset at all). Toolsets that came
-    up but are not available are appended to ``unavailable`` when it is given.
+    up but are not available are appended to ``unavailable`` when it is given. ``rng``: the draw's
+    randomness (the runner's is seeded per prompt); None: the ``random`` module's, as the reference samples.
     """
+    draw = rng.random if rng is not None else random.random
     probabilities = get_distribution(name).probabilities
     # Always draw once per toolset so the rng stream does not depend on earlier outcomes.
-    drawn = [toolset for toolset, percent in probabilities.items() if rng.random() * 100 < percent]
+    drawn = [toolset for toolset, percent in probabilities.items() if draw() * 100 < percent]
     offerable = [t for t in probabilities if available is None or t in available]
     chosen = [t for t in drawn if t in offerable]
     if unavailable is not None:

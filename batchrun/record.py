@@ -4,8 +4,15 @@ The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.ru
 statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here.
 
 Every key is present in every record, whatever the backend, endpoint, toolsets or outcome, with one
-type: a value that is unknown is ``null`` (never a missing key, never an empty list of unknown type),
-so any set of runs loads together with Hugging Face ``datasets``.
+type that JSON inference sees in every run: a value a run may lack is never ``null`` and never an
+empty list (both have no type for a JSON reader, and ``datasets.load_dataset("json", data_files=[...])``
+without ``features=`` then fails on whichever file comes second). It is written with its type and a
+documented "none" value instead (``""``, ``0``, ``false``), or as JSON text (``row_toolsets``,
+``usage.providers``, ``row_fields``), so any set of runs loads together, in any order, with plain
+``datasets``. Two exceptions are inherent to the documented record: a run in which no prompt was
+offered a tool or called one has ``toolsets_used``/``tool_calls`` empty throughout, and runs that know
+different tools (plugins, MCP servers) have different ``tool_stats`` keys; :func:`load_runs` and the
+run's card type both.
 
 Types are written as data, without importing ``datasets``: ``"string"``, ``"int64"``, ``"float64"``,
 ``"bool"`` for a (nullable) value, a dict for a struct, a one-element list for a list of that type.
@@ -40,7 +47,8 @@ TOOL_CALL: dict[str, Any] = {"id": STRING, "type": STRING, "function": {"name": 
 # One ShareGPT entry. ``tool_calls`` is on every entry: the calls of a gpt turn, else an empty list.
 TURN: dict[str, Any] = {"from": STRING, "value": STRING, "tool_calls": [TOOL_CALL]}
 
-# metadata.usage: what the prompt spent. Counts the endpoint did not report are null, not 0.
+# metadata.usage: what the prompt spent. A count the endpoint did not report is 0 and named in
+# ``unreported`` (so 0 reported and 0 unknown stay apart without a column that may be null throughout).
 USAGE: dict[str, Any] = {
     "requests": INT,  # requests sent, failed attempts included (our own count)
     "calls": INT,  # answered calls (our own count)
@@ -50,15 +58,17 @@ USAGE: dict[str, Any] = {
     "cost_usd": FLOAT,
     "retries": INT,
     "rate_limited": INT,
-    "providers": [STRING],  # null when the endpoint named none
+    "providers": STRING,  # JSON text of the list of providers that served the calls; "[]" when none named
     "estimated_calls": INT,  # answered calls whose usage the endpoint did not report credibly: counted by the runner
+    "unreported": STRING,  # JSON text of the list of the counts above no response reported; "[]" when none
 }
+USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd")
 
 METADATA: dict[str, Any] = {
     "batch_num": INT,
     "timestamp": "timestamp[s]",  # ISO 8601 text, seconds; JSON readers (pyarrow) infer a timestamp
     "model": STRING,  # as requested (--model)
-    "served_model": STRING,  # the last answered response's ``model``; null when the endpoint sent none
+    "served_model": STRING,  # the last answered response's ``model``; "" when the endpoint sent none
     "stop_reason": STRING,
     "duration_s": FLOAT,
     "sandbox": STRING,
@@ -71,19 +81,22 @@ METADATA: dict[str, Any] = {
     "prompt_tokens": INT,
     "completion_tokens": INT,
     "usage": USAGE,
-    "toolsets_sampled": [STRING],  # what the distribution drew (``toolsets_used`` is what was offered)
-    "image": STRING,  # the row's image (null: the backend's default)
-    "cwd": STRING,
+    # What the distribution drew; a row that names its own toolsets or tools draws nothing and has the
+    # toolsets it was given here (row_toolsets / row_tools say so). ``toolsets_used`` is what was offered.
+    "toolsets_sampled": [STRING],
+    "image": STRING,  # the row's own image; "" when it named none (part of the row's identity)
+    "sandbox_image": STRING,  # the image the sandbox actually ran (the row's or --default_image); "" without images
+    "cwd": STRING,  # the row's own cwd; "" when it named none
     "row_key": STRING,  # the row's identity, as resume and merge use it
-    "row_id": STRING,  # the dataset row's ``id``, as a string; null when it has none
+    "row_id": STRING,  # the dataset row's ``id``, as a string; "" when it has none
     "row_fields": STRING,  # the row's other fields as one JSON object's text; "{}" when none
-    # Records of versions before these fields lack them: readers take a missing sample_index as 0 and
-    # a missing row_* field as null (the row asked for nothing of its own).
+    # Records of versions before these fields lack them (or hold null): readers take a missing
+    # sample_index as 0 and a missing row_* field as "the row asked for nothing of its own".
     "sample_index": INT,  # which sample of its row this record is (--samples_per_prompt, ``samples``), from 0
-    "row_toolsets": [STRING],  # the row's own ``toolsets`` (sorted); null: drawn from the distribution
-    "row_tools": [STRING],  # the row's own ``tools`` allowlist (sorted); null: none
-    "row_system_sha256": STRING,  # sha256 of the row's own ``system`` prompt; null: the row had none
-    "row_max_turns": INT,  # the row's own ``max_turns``; null: --max_turns
+    "row_toolsets": STRING,  # JSON text of the row's own ``toolsets`` (sorted); "": drawn from the distribution
+    "row_tools": STRING,  # JSON text of the row's own ``tools`` allowlist (sorted); "": none
+    "row_system_sha256": STRING,  # sha256 of the row's own ``system`` prompt; "": the row had none
+    "row_max_turns": INT,  # the row's own ``max_turns``; 0: --max_turns
     "max_turns": INT,  # the limit this sample ran with (the row's, else --max_turns)
     "tools_offered": [STRING],  # the tool names offered to the model, in the order offered
 }
@@ -144,13 +157,83 @@ def conform(value: Any, kind: Any) -> Any:
     return value
 
 
+# The "none" value of a scalar column: what a record holds where the value does not apply or is unknown.
+EMPTY: dict[str, Any] = {STRING: "", INT: 0, FLOAT: 0.0, BOOL: False, "timestamp[s]": None}
+NAME_LIST_FIELDS = ("row_toolsets", "row_tools")  # JSON text of a sorted name list; "" for none
+
+
+def names_text(value: Any) -> str:
+    """A row's own name list (toolsets, tools) as a record writes it: JSON text of the sorted list, "" for none."""
+    if isinstance(value, str):  # already written (a record read back and written again)
+        return value
+    if not isinstance(value, (list, tuple)):
+        return ""
+    return json.dumps(sorted(str(v) for v in value), ensure_ascii=False)
+
+
+def names_of(value: Any) -> list[str] | None:
+    """The inverse of :func:`names_text`; also reads the list (or null) that older versions wrote."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return None
+        if isinstance(parsed, list):
+            return [str(v) for v in parsed]
+    return None
+
+
+def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
+    if isinstance(usage.get("unreported"), str):  # written before: keep what it said
+        try:
+            missing |= {k for k in json.loads(usage["unreported"]) if isinstance(k, str)}
+        except (ValueError, TypeError):
+            pass
+    unreported = [k for k in USAGE_COUNTS if k in missing]  # one order: typing twice changes nothing
+    providers = usage.get("providers")
+    if not isinstance(providers, str):
+        providers = json.dumps([str(p) for p in providers or []], ensure_ascii=False)
+    typed = {k: (EMPTY[kind] if usage.get(k) is None else usage[k]) for k, kind in USAGE.items()}
+    typed["providers"] = providers
+    typed["unreported"] = json.dumps(unreported)
+    return typed
+
+
 def normalize_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
-    """Every metadata key present with its type; an empty providers list (element type unknown) is null."""
-    meta = conform(metadata, METADATA)
-    usage = meta.get("usage")
-    if usage is not None and not usage.get("providers"):
-        usage["providers"] = None
+    """Every metadata key present with its type, none of them null (see the module's docstring):
+    unknown scalars take their column's "none" value, row name lists and providers become JSON text."""
+    raw = dict(metadata)
+    for name in NAME_LIST_FIELDS:
+        raw[name] = names_text(raw.get(name))
+    raw["usage"] = _typed_usage(raw.get("usage") if isinstance(raw.get("usage"), dict) else {})
+    meta = conform(raw, METADATA)
+    for key, kind in METADATA.items():
+        if meta[key] is None:
+            meta[key] = [] if isinstance(kind, list) else EMPTY.get(kind) if isinstance(kind, str) else None
     return meta
+
+
+def identity_options(fields: dict[str, Any]) -> dict[str, Any]:
+    """A record's (or outcome row's) ``row_*`` fields in the form the row's identity is computed from:
+    lists or None, None where the row set nothing (the records' "", 0 and the null of older versions)."""
+    turns = fields.get("row_max_turns")
+    sha = fields.get("row_system_sha256")
+    return {
+        "row_toolsets": names_of(fields.get("row_toolsets")),
+        "row_tools": names_of(fields.get("row_tools")),
+        "row_system_sha256": sha or None,
+        "row_max_turns": turns or None,
+    }
+
+
+def optional_text(value: Any) -> str | None:
+    """A record's image or cwd for the row's identity: "" (written for none) and null (older versions) are None."""
+    return value or None
 
 
 def row_fields_text(fields: dict[str, Any] | None) -> str:
@@ -163,7 +246,7 @@ def row_fields_text(fields: dict[str, Any] | None) -> str:
 
 
 def row_id_text(fields: dict[str, Any] | None) -> str | None:
-    """The row's ``id`` as a string (numbers too), or None."""
+    """The row's ``id`` as a string (numbers too), or None (written as "")."""
     value = (fields or {}).get("id")
     if value is None:
         return None
@@ -251,27 +334,63 @@ def run_tool_names(trajectories: Path) -> list[str]:
     return []
 
 
+def typed_record(rec: dict[str, Any], tool_names: list[str]) -> dict[str, Any]:
+    """A record read back, in the schema of today: only the record's own top-level keys (other tools add
+    theirs, e.g. Hermes' compressor its ``compression_metrics``), every key present with its type (records
+    of older versions wrote null or lists where today's write "" or JSON text)."""
+    own = {key: rec.get(key) for key in RECORD_FIELDS}
+    if isinstance(own["metadata"], dict):
+        own["metadata"] = normalize_metadata(own["metadata"])
+    return conform(own, record_schema(tool_names))
+
+
+def _run_records(sources: list[tuple[str, str, str]], tool_names: tuple[str, ...]) -> Any:
+    """Each (file, run name, stamp)'s records, typed. The stamp (size and mtime) only changes the
+    generator's fingerprint, so a file that grew is read again instead of coming from the cache."""
+    for path, run_name, _stamp in sources:
+        with open(path, "rb") as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn line: every reader skips it
+                if isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
+                    yield {**typed_record(rec, list(tool_names)), "run_name": run_name}
+
+
 def load_runs(*run_dirs: str | Path, split: str = "train", **kwargs: Any) -> Any:
     """The ``trajectories.jsonl`` of one or several runs as one ``datasets.Dataset``, typed by the record
-    schema (a column null throughout one run still loads beside another run's values). ``tool_stats``
-    and ``tool_error_counts`` list every tool any of the runs counts (null where a run did not know it).
-    Other keyword arguments go to ``datasets.load_dataset`` (``cache_dir``, ``streaming``, ...)."""
+    schema, with a ``run_name`` column (the directory's name: rows of two runs share prompt indices).
+
+    ``tool_stats`` and ``tool_error_counts`` list every tool any of the runs counts (null where a run did
+    not know it); top-level keys that other tools added are left out; a run with no trajectory (every
+    prompt failed or was discarded) adds no row, and runs with none at all give an empty dataset.
+    ``streaming=True`` gives an ``IterableDataset``; other keyword arguments (``cache_dir``, ...) go to
+    ``datasets.Dataset.from_generator``."""
     import datasets
 
-    files = [Path(d) / "trajectories.jsonl" for d in run_dirs]
-    if not files:
+    paths = [Path(d) / "trajectories.jsonl" for d in run_dirs]
+    if not paths:
         raise ValueError("name at least one run directory")
     tools: dict[str, None] = {}
-    for path in files:
+    for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist (is {path.parent} a finished run's directory?)")
         tools.update(dict.fromkeys(run_tool_names(path)))
-    return datasets.load_dataset(
-        "json",
-        data_files=[str(f) for f in files],
-        split=split,
-        features=record_features(list(tools)),
-        **kwargs,
+    features = record_features(list(tools))
+    features["run_name"] = datasets.Value("string")
+    gen_kwargs = {
+        "sources": [
+            (str(p), p.parent.resolve().name, f"{p.stat().st_size}:{p.stat().st_mtime_ns}") for p in paths
+        ],
+        "tool_names": tuple(tools),  # a tuple: datasets shards generators over their list arguments
+    }
+    if kwargs.pop("streaming", False):
+        return datasets.IterableDataset.from_generator(_run_records, features=features, gen_kwargs=gen_kwargs)
+    if not any(True for _ in _run_records(**gen_kwargs)):
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features, split=split)
+    return datasets.Dataset.from_generator(
+        _run_records, features=features, gen_kwargs=gen_kwargs, split=split, **kwargs
     )
 
 

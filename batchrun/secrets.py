@@ -1,45 +1,155 @@
-"""Secrets never reach a file or a stream: :class:`Redactor` replaces their values before any write."""
+"""Secrets never reach a file or a stream, and a kept sample is never rewritten.
+
+:class:`Redactor` knows two kinds of text:
+
+* **secrets**: the run's API key, tool-provider keys and other secret-looking environment values,
+  MCP servers' env and header values. They are replaced wherever they appear in side files, logs and
+  messages, in every form they may take there: as written, JSON-escaped (once or twice), URL-quoted,
+  base64-encoded (at any byte alignment, standard and URL-safe alphabets) and in any letter case.
+  A sample whose own text holds one is not kept: :meth:`Redactor.finds_secret` tells the recorder,
+  which discards it as ``secret_in_output`` (redacted in ``discarded.jsonl``).
+* **scaffolding**: the ephemeral system prompt and the prefill contents. They are not secrets and are
+  never saved as messages; an endpoint's error that quotes the request is redacted of them in side
+  files (``__call__``), but the model's own words are never changed for resembling them
+  (:meth:`Redactor.sample` redacts secrets only).
+
+A secret-named variable whose value is too short or too ordinary to be a secret (a word, a number,
+an identifier such as a tool name) is not used as a pattern: it would redact ordinary words
+everywhere. :attr:`Redactor.ignored` names those variables for the start line.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
+import urllib.parse
 
 from batchrun.prompt.llm import NO_KEY
 
 # Environment variables whose values are secrets wherever they turn up (tool-provider keys and the like).
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET|PASSWORD|_PASS)$|^(API_KEY|TOKEN|SECRET)$", re.IGNORECASE)
 
+MIN_SECRET_CHARS = 8  # shorter values would redact ordinary words everywhere
+MIN_SCAFFOLD_CHARS = 8  # a prefill "ok" is no pattern either
+# Values that are words, numbers, identifiers or plain paths: what a variable holds when it is a
+# setting, not a credential ("changeme" aside, a real key has digits or mixed symbols).
+ORDINARY = re.compile(
+    r"[/~.]*[A-Za-z]+(?:[ _.\-/:]+[A-Za-z]+)*/?"  # a word, words, an identifier (web_search), a path without digits
+    r"|[+-]?\d+(?:[.,]\d+)*"  # a number
+    r"|(?:true|false|yes|no|on|off|none|null)",
+    re.IGNORECASE,
+)
+REDACTED = "[REDACTED]"
 
-MIN_SECRET_CHARS = 8  # shorter values (a prefill "ok") would redact ordinary words everywhere
+
+def looks_like_secret(value: str) -> bool:
+    """Whether an environment value is a credential rather than an ordinary setting."""
+    value = value.strip()
+    return len(value) >= MIN_SECRET_CHARS and ORDINARY.fullmatch(value) is None
+
+
+def _base64_forms(value: str) -> set[str]:
+    """The base64 text of ``value`` as it appears inside a longer encoded string, at each of the three
+    byte alignments and in both alphabets: only the characters that depend on ``value`` alone."""
+    raw = value.encode("utf-8", "surrogatepass")
+    forms = set()
+    for pad in range(3):
+        encoded = base64.b64encode(b"\0" * pad + raw).decode().rstrip("=")
+        start = (pad * 8 + 5) // 6  # characters that mix in the padding bytes
+        end = len(encoded) - (1 if (pad + len(raw)) % 3 else 0)  # the last one mixes in what follows
+        piece = encoded[start:end]
+        if len(piece) >= MIN_SECRET_CHARS:
+            forms |= {piece, piece.replace("+", "-").replace("/", "_")}
+    return forms
+
+
+def _forms(values: set[str], *, encodings: bool) -> set[str]:
+    """Each value as written and JSON-escaped (ASCII-escaped or not, once or twice: an endpoint's error
+    quoting the request body is JSON inside a string); with ``encodings``, URL-quoted and base64 too."""
+    forms = set(values)
+    for v in values:
+        for ascii_only in (True, False):
+            once = json.dumps(v, ensure_ascii=ascii_only)[1:-1]
+            forms |= {once, json.dumps(once, ensure_ascii=ascii_only)[1:-1]}
+        if encodings:
+            forms |= {urllib.parse.quote(v, safe=""), urllib.parse.quote_plus(v), urllib.parse.quote(v)}
+    return {f for f in forms if f}
+
+
+def _pattern(forms: set[str], *, ignore_case: bool) -> re.Pattern[str] | None:
+    if not forms:
+        return None
+    alternatives = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+    return re.compile(alternatives, re.IGNORECASE if ignore_case else 0)
 
 
 class Redactor:
-    """Replaces secret values before any write: the API key, secret-looking environment variables,
-    and ``secrets`` (the ephemeral system prompt and the prefill contents, which an endpoint may
-    quote back in an error message)."""
+    """Replaces secrets (and, in side files, scaffolding) before any write; see the module docstring.
+
+    ``secrets``: further secret values (MCP servers' env and header values). ``scaffolding``: the
+    ephemeral system prompt and the prefill contents.
+    """
 
     def __init__(
-        self, api_key: str | None, environ: dict[str, str] | None = None, secrets: tuple[str, ...] = ()
+        self,
+        api_key: str | None,
+        environ: dict[str, str] | None = None,
+        secrets: tuple[str, ...] = (),
+        scaffolding: tuple[str, ...] = (),
     ):
         env = os.environ if environ is None else environ
-        values = {v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET_CHARS}
+        named = {k: v for k, v in env.items() if SECRET_NAME.search(k) and v}
+        values = {v for v in named.values() if looks_like_secret(v)}
+        # Variables that look like secrets by name but hold a word or a number: not patterns (said at start).
+        self.ignored = sorted(k for k, v in named.items() if not looks_like_secret(v))
         if api_key and api_key != NO_KEY and len(api_key) >= 6:  # "x" for a local server is no secret
             values.add(api_key)
         values |= {v for v in secrets if isinstance(v, str) and len(v.strip()) >= MIN_SECRET_CHARS}
-        # Also their JSON-escaped forms (lines are redacted after serialisation), ASCII-escaped or not,
-        # and escaped twice: an endpoint's error that quotes the request body is JSON inside a string.
-        forms = set(values)
-        for v in values:
-            for ascii_only in (True, False):
-                once = json.dumps(v, ensure_ascii=ascii_only)[1:-1]
-                forms |= {once, json.dumps(once, ensure_ascii=ascii_only)[1:-1]}
-        self._pattern = (
-            re.compile("|".join(re.escape(v) for v in sorted(forms, key=len, reverse=True)))
-            if forms
-            else None
+        scaffold = {v for v in scaffolding if isinstance(v, str) and len(v.strip()) >= MIN_SCAFFOLD_CHARS}
+        # Text forms match in any letter case (an upper-cased header, a title-cased log); base64 only
+        # exactly, since its letter case is part of the encoding.
+        encoded = {f for v in values for f in _base64_forms(v)}
+        self._secrets = [
+            p
+            for p in (
+                _pattern(_forms(values, encodings=True), ignore_case=True),
+                _pattern(encoded, ignore_case=False),
+            )
+            if p is not None
+        ]
+        self._scaffolding = _pattern(_forms(scaffold - values, encodings=False), ignore_case=False)
+
+    @classmethod
+    def for_config(cls, config: object) -> Redactor:
+        """The run's redactor: its key, the environment, its MCP secrets and its scaffolding."""
+        return cls(
+            getattr(config, "resolved_api_key", None),
+            secrets=tuple(config.secret_texts()),  # type: ignore[attr-defined]
+            scaffolding=tuple(config.scaffolding_texts()),  # type: ignore[attr-defined]
         )
 
     def __call__(self, text: str) -> str:
-        return self._pattern.sub("[REDACTED]", text) if self._pattern else text
+        """For side files, logs and messages: secrets and scaffolding replaced."""
+        text = self.sample(text)
+        return self._scaffolding.sub(REDACTED, text) if self._scaffolding else text
+
+    def sample(self, text: str) -> str:
+        """For what a model or a tool said (discarded samples, a row's identity): secrets only."""
+        for pattern in self._secrets:
+            text = pattern.sub(REDACTED, text)
+        return text
+
+    def finds_secret(self, text: str) -> bool:
+        """Whether ``text`` (a sample's serialised record) holds a secret in any of its forms."""
+        return any(pattern.search(text) for pattern in self._secrets)
+
+    def start_note(self) -> str | None:
+        """The start line's note on secret-named variables that are not treated as secrets, if any."""
+        if not self.ignored:
+            return None
+        return (
+            f"note: not redacting {', '.join(self.ignored)}: named like secrets, but each holds a word or a "
+            f"number (or fewer than {MIN_SECRET_CHARS} characters), which would redact ordinary text"
+        )

@@ -34,7 +34,12 @@ def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) 
     A failure (disk full, read-only) raises :class:`WriteError`; a line it left half-written is
     closed by the next append like any torn line, so the lines before it stay intact.
     """
-    line = redact(json.dumps(obj, ensure_ascii=False)) + "\n"
+    append_jsonl_line(path, redact(json.dumps(obj, ensure_ascii=False)))
+
+
+def append_jsonl_line(path: Path, line: str) -> None:
+    """Append one line of JSON text as :func:`append_jsonl` does (a kept sample: written as it is)."""
+    line = line.rstrip("\n") + "\n"
     try:
         with path.open("ab") as fh:
             if fh.tell() > 0:

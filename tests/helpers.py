@@ -74,7 +74,9 @@ def run(server: FakeModelServer | None, dataset: Path, out: Path, run_name: str 
         max_failure_rate=1.0,
     )
     args.update(kw)
-    assert batch_runner.main(**args) is None
+    code = batch_runner.main(**args)
+    if code:
+        raise SystemExit(code)
 
 
 def by_prompt(records: list[dict]) -> dict[str, list[dict]]:

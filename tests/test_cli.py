@@ -174,7 +174,9 @@ def _main(tmp_path: Path, **kw) -> None:
         distribution="terminal_only",
     )
     args.update(kw)
-    batch_runner.main(**args)
+    code = batch_runner.main(**args)  # returns the exit code when called from Python
+    if code:
+        raise SystemExit(code)
 
 
 def _usage_error(tmp_path: Path, capsys, **kw) -> str:

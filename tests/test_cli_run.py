@@ -20,7 +20,7 @@ from helpers import ROOT, by_prompt, offered_in_system, read_jsonl, run, tool_bl
 
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.tools.registry import known_tool_names, tools_for_toolsets
-from batchrun.prompt.trajectory import first_human, parse_tool_calls
+from batchrun.prompt.trajectory import first_human, parse_tool_calls, reasoning_counts
 from batchrun.record import RECORD_FIELDS
 
 API_KEY = "sk-test-SECRET-123456"
@@ -166,11 +166,14 @@ def test_full_run_records_sit_in_the_batch_file_their_metadata_names(full_run):
         for rec in read_jsonl(path):
             assert rec["metadata"]["batch_num"] == num
             seen += 1
-    assert seen == len(full_run["records"]) + 1  # + the hallucinated record, dropped at merge only
+    assert seen == len(full_run["records"])  # the hallucinated sample is a discard, never in a batch file
 
 
 def test_system_turn_lists_exactly_the_offered_tools(full_run):
-    expected = [t.openai_schema()["function"] for t in tools_for_toolsets(["terminal", "file"])]
+    # The reference's keys: name, description, parameters and required (null).
+    expected = [
+        {**t.openai_schema()["function"], "required": None} for t in tools_for_toolsets(["terminal", "file"])
+    ]
     for rec in full_run["records"]:
         conv = rec["conversations"]
         assert conv[0]["from"] == "system"
@@ -263,28 +266,26 @@ def test_non_ascii_prompt_round_trips(full_run):
     assert NON_ASCII in raw  # written as UTF-8, not \u escapes
 
 
-def test_hallucinated_tool_record_is_dropped_at_merge(full_run):
+def test_a_hallucinated_tool_call_makes_the_sample_a_discard(full_run):
     assert "Go somewhere impossible [hallucinate]" not in full_run["by_prompt"]
-    batch = [
-        r
-        for p in full_run["dir"].glob("batch_*.jsonl")
-        for r in read_jsonl(p)
-        if first_human(r["conversations"]) == "Go somewhere impossible [hallucinate]"
-    ]
-    assert len(batch) == 1
-    first = batch[0]["conversations"][2]["tool_calls"][0]["function"]["name"]
-    assert first == "teleport"
-    assert "Unknown tool" in tool_blocks(batch[0]["conversations"][3]["value"])[0]["content"]["error"]
-    assert full_run["statistics"]["dropped_at_merge"]["unknown_tool"] == 1
+    rows = [r for r in read_jsonl(full_run["dir"] / "discarded.jsonl") if r["reason"] == "unknown_tool"]
+    assert [r["prompt"] for r in rows] == ["Go somewhere impossible [hallucinate]"]
+    rec = rows[0]["record"]
+    assert rec["conversations"][2]["tool_calls"][0]["function"]["name"] == "teleport"
+    assert "Unknown tool" in tool_blocks(rec["conversations"][3]["value"])[0]["content"]["error"]
+    assert full_run["statistics"]["dropped_at_merge"]["unknown_tool"] == 0
 
 
 def test_no_reasoning_prompts_are_discarded_with_their_reason(full_run):
-    rows = read_jsonl(full_run["dir"] / "discarded.jsonl")
+    rows = [r for r in read_jsonl(full_run["dir"] / "discarded.jsonl") if r["reason"] != "unknown_tool"]
     assert sorted(r["prompt"] for r in rows) == sorted(p for p in DROPPED if "[no_reasoning]" in p)
     assert {r["reason"] for r in rows} == {"no_reasoning"}
     for r in rows:
         assert FULL[r["prompt_index"]] == r["prompt"]
-    assert full_run["statistics"]["discarded"] == {"total": 2, "by_reason": {"no_reasoning": 2}}
+    assert full_run["statistics"]["discarded"] == {
+        "total": 3,
+        "by_reason": {"no_reasoning": 2, "unknown_tool": 1},
+    }
 
 
 def test_endpoint_500_fails_the_prompt_with_an_error_class(full_run):
@@ -311,7 +312,9 @@ def test_statistics_cover_tools_reasoning_outcomes_and_duration(full_run):
     assert stats["tool_stats"]["terminal"]["failure"] == 2  # the two [bad_json] calls
     turns = sum(1 for r in records for c in r["conversations"] if c["from"] == "gpt")
     discarded = read_jsonl(full_run["dir"] / "discarded.jsonl")
-    bare = sum(1 for d in discarded for c in d["record"]["conversations"] if c["from"] == "gpt")
+    thinking = [reasoning_counts(d["record"]["conversations"]) for d in discarded]
+    turns += sum(w for w, _ in thinking)  # the hallucinated sample's turns all reason
+    bare = sum(n - w for w, n in thinking)
     assert bare == 4  # the two [no_reasoning] samples: 3 + 1 turns, none with reasoning
     # Coverage is over every sample the model produced, discarded ones included; kept ones apart.
     assert stats["reasoning"] == {
@@ -324,8 +327,8 @@ def test_statistics_cover_tools_reasoning_outcomes_and_duration(full_run):
     assert stats["remaining_for_resume"] == 1  # the [error:500] prompt
     tr = stats["this_run"]
     assert tr["attempted"] == len(FULL)
-    assert tr["trajectories"] == len(FULL) - 3  # the hallucinated record was a trajectory until the merge
-    assert tr["discarded"] == {"no_reasoning": 2}
+    assert tr["trajectories"] == len(FULL) - 4
+    assert tr["discarded"] == {"no_reasoning": 2, "unknown_tool": 1}
     assert tr["failed"] == {"http_500": 1}
     assert 0 < tr["duration_s"] < 120
 
@@ -334,7 +337,7 @@ def test_checkpoint_lists_the_finished_prompts(full_run):
     ckpt = json.loads((full_run["dir"] / "checkpoint.json").read_text("utf-8"))
     done = set(ckpt["completed_prompts"])
     assert {r["prompt_index"] for r in full_run["records"]} <= done
-    failed_or_discarded = {i for i, p in enumerate(FULL) if p in DROPPED and "[hallucinate]" not in p}
+    failed_or_discarded = {i for i, p in enumerate(FULL) if p in DROPPED}
     assert not done & failed_or_discarded
     assert ckpt["batches"] == sorted(ckpt["batches"])
 

@@ -81,7 +81,7 @@ def _run(server: LlamaServer, tmp_path: Path, prompts: list[str], run_name: str 
         max_turns=4,
     )
     args.update(kw)
-    assert batch_runner.main(**args) is None
+    assert batch_runner.main(**args) == 0
     return tmp_path / "out" / run_name
 
 

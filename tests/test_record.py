@@ -166,15 +166,18 @@ def test_every_record_has_exactly_the_schema_keys_whatever_the_situation():
             assert isinstance(turn["tool_calls"], list), name
 
 
-def test_unreported_counts_are_null_not_zero():
+def test_unreported_counts_are_zero_and_named_never_null():
+    """A count no response reported is 0 and named in usage.unreported: no column is null throughout a run."""
     rec = situation(**SITUATIONS["local_plain_endpoint_no_calls"])
     usage = rec["metadata"]["usage"]
-    assert usage["reasoning_tokens"] is None and usage["cost_usd"] is None and usage["providers"] is None
+    assert usage["reasoning_tokens"] == 0 and usage["cost_usd"] == 0.0 and usage["providers"] == "[]"
+    assert set(json.loads(usage["unreported"])) == {"reasoning_tokens", "cost_usd"}
     assert usage["prompt_tokens"] == 10 and usage["calls"] == 1
-    assert rec["metadata"]["sandbox_stop_background"] is None  # a key of every record, unknown here
+    assert rec["metadata"]["sandbox_stop_background"] is False  # a key of every record, false here
     assert isinstance(rec["metadata"]["duration_s"], float)
     full = situation(**SITUATIONS["docker_openrouter_calls"])["metadata"]["usage"]
-    assert full["reasoning_tokens"] == 3 and full["providers"] == ["ProviderA"] and full["cost_usd"] == 0.001
+    assert full["reasoning_tokens"] == 3 and json.loads(full["providers"]) == ["ProviderA"]
+    assert full["cost_usd"] == 0.001 and full["unreported"] == "[]"
 
 
 def test_records_of_every_situation_load_together_with_the_same_features(tmp_path):
@@ -197,7 +200,12 @@ def test_records_of_every_situation_load_together_with_the_same_features(tmp_pat
         ds = load(order, tmp_path / f"c{i + 1}", features=schema)
         assert ds.features == schema
         tokens = [m["usage"]["reasoning_tokens"] for m in ds["metadata"]]
-        assert sorted(tokens, key=str) == [3, None, None, None]  # null stays null, not 0
+        assert sorted(tokens) == [0, 0, 0, 3]  # unreported: 0, and named in usage.unreported
+    # Without features= too, in either order: no column is null or an empty list throughout a file
+    # (except conversations.tool_calls in a file where no call was made at all: see batchrun.record).
+    with_calls = [f for f, kw in zip(files, SITUATIONS.values(), strict=True) if kw["with_calls"]]
+    for i, order in enumerate((with_calls, with_calls[::-1])):
+        assert load(order, tmp_path / f"p{i}").num_rows == len(with_calls)
     # Each file alone: every column the loader types is typed as the schema says, or is all null.
     for i, path in enumerate(files):
         inferred = load([path], tmp_path / f"s{i}").features
@@ -240,7 +248,7 @@ def _run(dataset: Path, out: Path, run_name: str, distribution: str, **kw) -> Pa
             max_failure_rate=1.0,
             **kw,
         )
-        is None
+        == 0
     )
     return out / run_name
 
@@ -263,8 +271,8 @@ def test_two_mock_runs_load_together_and_carry_their_rows(tmp_path):
     assert set(by_id) == {"11", "q-2"}
     assert json.loads(by_id["11"]["metadata"]["row_fields"]) == {"id": 11, "answer": "3", "source": "s"}
     assert json.loads(by_id["q-2"]["metadata"]["row_fields"]) == {"id": "q-2"}
-    # No id: null; no other fields: an empty object's text (never null, so the column keeps its type).
-    assert all(r["metadata"]["row_id"] is None and r["metadata"]["row_fields"] == "{}" for r in rb)
+    # No id: ""; no other fields: an empty object's text (never null, so the column keeps its type).
+    assert all(r["metadata"]["row_id"] == "" and r["metadata"]["row_fields"] == "{}" for r in rb)
     for r in ra + rb:
         meta = r["metadata"]
         assert meta["model"] == "mock" and meta["served_model"] == "mock"
@@ -286,11 +294,12 @@ def test_two_mock_runs_load_together_and_carry_their_rows(tmp_path):
     for i, run in enumerate((a, b)):
         own = datasets.load_dataset(str(run), split="train", cache_dir=str(tmp_path / f"card{i}"))
         assert own.features == schema and own.num_rows == 2
-    assert own["metadata"][0]["row_id"] is None and own["metadata"][0]["usage"]["reasoning_tokens"] is None
+    assert own["metadata"][0]["row_id"] == "" and own["metadata"][0]["usage"]["reasoning_tokens"] == 0
     # Several runs in either order, without naming the schema: batchrun.record.load_runs.
     for i, order in enumerate(((b, a), (a, b))):
         both = load_runs(*order, cache_dir=str(tmp_path / f"runs{i}"))
-        assert both.features == schema and both.num_rows == 4
+        assert both.num_rows == 4 and sorted(both["run_name"]) == ["a", "a", "b", "b"]
+        assert datasets.Features({k: v for k, v in both.features.items() if k != "run_name"}) == schema
     # A run that counted one more tool (a plugin's, say): its column is null in the other run's rows.
     extra = tmp_path / "data" / "extra"
     extra.mkdir()
@@ -322,7 +331,7 @@ def test_runs_export_together_into_one_dataset(tmp_path):
     rows = {r["run_name"]: r for r in ds}
     assert set(rows) == {"a", "b"}
     assert (rows["a"]["row_id"], json.loads(rows["a"]["row_fields"])) == ("3", {"id": 3, "answer": "7"})
-    assert rows["b"]["row_id"] is None and rows["b"]["served_model"] == "mock"
+    assert rows["b"]["row_id"] == "" and rows["b"]["served_model"] == "mock"
     assert any(m["tool_calls"] for m in rows["a"]["messages"])
     card = (tmp_path / "exp" / "README.md").read_text("utf-8")
     assert "`a`" in card and "`b`" in card
@@ -343,7 +352,8 @@ def test_a_local_and_a_docker_run_load_together(tmp_path, docker_test_image):
     (lrec,) = read_jsonl(local / "trajectories.jsonl")
     (drec,) = read_jsonl(docker / "trajectories.jsonl")
     assert list(lrec["metadata"]) == list(drec["metadata"]) == list(METADATA)
-    assert lrec["metadata"]["sandbox_stop_background"] is False and lrec["metadata"]["image"] is None
+    assert lrec["metadata"]["sandbox_stop_background"] is False and lrec["metadata"]["image"] == ""
+    assert lrec["metadata"]["sandbox_image"] == "" and drec["metadata"]["sandbox_image"] == docker_test_image
     assert drec["metadata"]["sandbox_stop_background"] is True
     assert (drec["metadata"]["image"], drec["metadata"]["cwd"]) == (docker_test_image, "/work")
     assert drec["metadata"]["row_id"] == "1"
@@ -352,8 +362,11 @@ def test_a_local_and_a_docker_run_load_together(tmp_path, docker_test_image):
     for i, order in enumerate((files, files[::-1])):
         ds = load(order, tmp_path / f"c{i}", features=schema)
         assert ds.num_rows == 2 and ds.features == schema
-    plain = load(files[::-1], tmp_path / "plain")  # the docker run first: its image column is typed
-    _assert_compatible(plain.features.to_dict(), schema.to_dict(), "plain")
+    # Without features=, in both orders: every column is typed in both runs (image "" on local).
+    for i, order in enumerate((files, files[::-1])):
+        plain = load(order, tmp_path / f"plain{i}")
+        assert plain.num_rows == 2
+        _assert_compatible(plain.features.to_dict(), schema.to_dict(), "plain")
 
 
 def test_the_exporter_carries_served_model_and_row_fields(tmp_path):
@@ -366,7 +379,7 @@ def test_the_exporter_carries_served_model_and_row_fields(tmp_path):
     export.export_run(run_dir, "parquet", tmp_path / "out")
     loaded = load_parquet(tmp_path / "out" / "train.parquet", tmp_path / "c")
     got = {r["row_id"]: (r["served_model"], r["row_fields"]) for r in loaded}
-    assert got == {"5": ("mock", '{"answer": "x", "id": 5}'), None: ("mock", "{}")}
+    assert got == {"5": ("mock", '{"answer": "x", "id": 5}'), "": ("mock", "{}")}
 
 
 def load_parquet(path: Path, cache: Path):

@@ -42,7 +42,7 @@ CHROMIUM = "/usr/bin/chromium"
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real run with the fake model: trajectories, a discard, a failure, a drop at merge, a partial."""
+    """A real run with the fake model: trajectories, discards (the hallucinated call's too), a failure, a partial."""
     base = tmp_path_factory.mktemp("report")
     dataset = base / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS), "utf-8")
@@ -147,9 +147,10 @@ def test_headline_numbers_match_the_run_files(demo_run: Path) -> None:
     stats = json.loads((demo_run / "statistics.json").read_text())
     page = parse(demo_run / "report.html")
     assert number(page.stats["trajectories"]) == stats["trajectories"] == 5
-    assert number(page.stats["discarded"]) == stats["discarded"]["total"] == 1
+    assert number(page.stats["discarded"]) == stats["discarded"]["total"] == 2
     assert number(page.stats["failed"]) == stats["failed_attempts"]["total"] == 1
-    assert number(page.stats["dropped"]) == sum(stats["dropped_at_merge"].values()) == 1
+    # A call to a tool that does not exist makes the sample a discard at once, not a drop at merge.
+    assert number(page.stats["dropped"]) == sum(stats["dropped_at_merge"].values()) == 0
     assert number(page.stats["no_reasoning_discards"]) == 1
     assert page.stats["reasoning_coverage"] == f"{stats['reasoning']['coverage']:.1%}"
     outcomes = {(kind, reason): number(n) for kind, reason, n in page.rows["narrow outcomes"][1:]}
@@ -159,8 +160,8 @@ def test_headline_numbers_match_the_run_files(demo_run: Path) -> None:
         ("trajectory", "completed"): stats["completed"],
         ("trajectory", "partial"): stats["partial"],
         ("discarded", "no_reasoning"): 1,
+        ("discarded", "unknown_tool"): 1,
         ("failed attempt", "http_500"): 1,
-        ("dropped at merge", "unknown_tool"): 1,
     }
 
 
@@ -200,7 +201,7 @@ def test_hostile_content_is_escaped(demo_run: Path) -> None:
 
 def test_discarded_samples_are_listed_with_their_reason(demo_run: Path) -> None:
     items = payload(parse(demo_run / "report.html"))["items"]
-    assert [(it["o"], it["r"]) for it in items if it["o"] == "discarded"] == [("discarded", "no_reasoning")]
+    assert sorted(it["r"] for it in items if it["o"] == "discarded") == ["no_reasoning", "unknown_tool"]
     assert sorted(it["o"] for it in items if it["o"] != "discarded") == ["completed"] * 4 + ["partial"]
 
 
@@ -438,8 +439,8 @@ def test_report_renders_in_chromium(report_page, demo_run: Path, tmp_path: Path)
     assert page.inner_text('[data-stat="trajectories"]') == "5"
     assert page.locator("svg.chart").count() >= 4  # outcomes, tools, reasoning, two histograms
     assert "terminal" in page.inner_text("#tools")
-    assert page.inner_text("#shown") == "6 of 6 shown"
-    assert page.locator("details.traj").count() == 6
+    assert page.inner_text("#shown") == "7 of 7 shown"
+    assert page.locator("details.traj").count() == 7
 
 
 @pytest.mark.browser
@@ -468,15 +469,15 @@ def test_filter_box_and_outcome_select(report_page) -> None:
     page, _ = report_page
     visible = page.locator("details.traj:visible")
     page.fill("#filter", "ALERT(1)")
-    expect(page.locator("#shown")).to_have_text("1 of 6 shown")
+    expect(page.locator("#shown")).to_have_text("1 of 7 shown")
     assert visible.count() == 1 and "onerror" in visible.first.inner_text()
     page.fill("#filter", "")
     page.select_option("#outcome", "discarded")
-    expect(page.locator("#shown")).to_have_text("1 of 6 shown")
-    assert "discarded: no_reasoning" in visible.first.inner_text()
+    expect(page.locator("#shown")).to_have_text("2 of 7 shown")
+    assert "discarded: no_reasoning" in " ".join(visible.nth(i).inner_text() for i in range(2))
     page.select_option("#outcome", "partial")
     assert "[truncate]" in visible.first.inner_text()
     page.select_option("#outcome", "")
     page.fill("#filter", "no such text anywhere")
-    expect(page.locator("#shown")).to_have_text("0 of 6 shown")
+    expect(page.locator("#shown")).to_have_text("0 of 7 shown")
     assert visible.count() == 0

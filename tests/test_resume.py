@@ -199,6 +199,8 @@ def test_a_truncated_record_is_run_again_on_resume(server, tmp_path):
 
 
 def test_a_secret_inside_a_prompt_is_redacted_in_every_file(server, tmp_path, monkeypatch):
+    """A sample holding a secret is never kept (kept text is never rewritten): it is a discard
+    (``secret_in_output``), redacted in discarded.jsonl, like every other file."""
     monkeypatch.setenv("DATASET_SECRET", PROMPT_SECRET)
     dataset = write_jsonl(tmp_path / "d.jsonl", [SECRET_PROMPT, f"{PROMPT_SECRET} [no_reasoning]"])
     out = tmp_path / "data"
@@ -209,11 +211,13 @@ def test_a_secret_inside_a_prompt_is_redacted_in_every_file(server, tmp_path, mo
     assert {"trajectories.jsonl", "discarded.jsonl"} <= {p.name for p in files}
     for path in files:
         assert PROMPT_SECRET.encode() not in path.read_bytes(), path.name
-    (rec,) = read_jsonl(out / "run" / "trajectories.jsonl")
+    assert read_jsonl(out / "run" / "trajectories.jsonl") == []
+    discards = {d["reason"]: d for d in read_jsonl(out / "run" / "discarded.jsonl")}
+    assert set(discards) == {"secret_in_output", "no_reasoning"}
+    rec = discards["secret_in_output"]["record"]
     assert first_human(rec["conversations"]) == SECRET_PROMPT.replace(PROMPT_SECRET, "[REDACTED]")
-    assert "[REDACTED]" in rec["conversations"][-1]["value"] or any(
-        "[REDACTED]" in c["value"] for c in rec["conversations"] if c["from"] == "tool"
-    )
+    stats = json.loads((out / "run" / "statistics.json").read_text("utf-8"))
+    assert stats["discarded"]["by_reason"]["secret_in_output"] == 1
 
 
 def test_resume_recognises_a_prompt_whose_secret_was_redacted(server, tmp_path, monkeypatch):
@@ -223,8 +227,9 @@ def test_resume_recognises_a_prompt_whose_secret_was_redacted(server, tmp_path, 
     run(server, dataset, out)
     total = server.stats()["requests"]
     run(server, dataset, out, resume=True)
-    assert server.stats()["requests"] == total
-    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 2
+    assert server.stats()["requests"] == total  # the secret's discard is not redone
+    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 1
+    assert [d["reason"] for d in read_jsonl(out / "run" / "discarded.jsonl")] == ["secret_in_output"]
 
 
 def test_merge_follows_numeric_batch_order(server, tmp_path):
@@ -249,7 +254,7 @@ def test_same_instruction_in_n_repositories_resume_runs_the_lost_row_not_its_twi
     assert sorted(r["metadata"]["cwd"] for r in records) == sorted(map(str, repos))
     for rec in records:
         meta = rec["metadata"]
-        assert meta["image"] is None
+        assert meta["image"] == ""  # none of its own (written "", read back as none)
         assert meta["row_key"] == row_key("fix the bug", None, meta["cwd"])
 
     # The record of the first row (repo a) is lost; b and c are done.
@@ -322,7 +327,7 @@ def test_merge_keeps_one_record_per_identity_and_counts_duplicates_per_identity(
     assert collections.Counter(r["metadata"]["cwd"] for r in merged) == {
         str(repo_a): 1,
         str(repo_b): 2,
-        None: 1,
+        "": 1,
     }
     assert stats_of(run_dir)["dropped_at_merge"]["duplicate"] == 1
 

@@ -12,7 +12,7 @@ from helpers import by_prompt, read_jsonl, run, stats_of, write_rows
 from batchrun.fakes.fake_model import find_prompt
 from batchrun.prompt.trajectory import row_key, split_system_value
 from batchrun.protocol import RowOptions
-from batchrun.record import ROW_OPTION_FIELDS
+from batchrun.record import identity_options
 from batchrun.run.dataset import load_dataset
 from batchrun.views.export import to_openai_messages
 
@@ -72,20 +72,27 @@ def test_each_row_is_offered_what_it_asked_for_and_the_record_says_so(server, tm
     assert set(recs) == {r["prompt"] for r in rows}
 
     meta = {p: r["metadata"] for p, r in recs.items()}
-    assert meta["own toolsets"]["row_toolsets"] == ["file"] and meta["own toolsets"]["row_tools"] is None
+    # Written with their types (JSON text of the sorted names, "" and 0 for none); read back as lists and None.
+    own = {p: identity_options(m) for p, m in meta.items()}
+    assert meta["own toolsets"]["row_toolsets"] == '["file"]' and meta["own toolsets"]["row_tools"] == ""
+    assert own["own toolsets"]["row_toolsets"] == ["file"] and own["own toolsets"]["row_tools"] is None
     assert recs["own toolsets"]["toolsets_used"] == ["file"]
     assert meta["own toolsets"]["tools_offered"] == file_tools
-    assert meta["tools only"]["row_tools"] == ["terminal"] and meta["tools only"]["row_toolsets"] is None
+    assert own["tools only"]["row_tools"] == ["terminal"] and own["tools only"]["row_toolsets"] is None
     assert recs["tools only"]["toolsets_used"] == ["terminal"]
-    assert meta["both"]["row_toolsets"] == ["file", "terminal"]
-    assert meta["both"]["row_tools"] == ["read_file", "terminal"]
+    assert own["both"]["row_toolsets"] == ["file", "terminal"]
+    assert own["both"]["row_tools"] == ["read_file", "terminal"]
     assert meta["both"]["tools_offered"] == ["terminal", "read_file"]
-    assert meta["no tools at all"]["row_toolsets"] == [] and meta["no tools at all"]["tools_offered"] == []
-    # Nothing was drawn for rows with their own toolsets or tools; the distribution row drew.
-    assert all(meta[p]["toolsets_sampled"] is None for p in ("own toolsets", "tools only", "both"))
+    assert own["no tools at all"]["row_toolsets"] == [] and meta["no tools at all"]["tools_offered"] == []
+    # Nothing was drawn for rows with their own toolsets or tools (they hold what they were given);
+    # the distribution row drew.
+    assert all(
+        meta[p]["toolsets_sampled"] == recs[p]["toolsets_used"]
+        for p in ("own toolsets", "tools only", "both")
+    )
     assert meta["from the distribution"]["toolsets_sampled"] == ["terminal", "file"]
     assert all(
-        meta["from the distribution"][k] is None for k in ("row_toolsets", "row_tools", "row_max_turns")
+        own["from the distribution"][k] is None for k in ("row_toolsets", "row_tools", "row_max_turns")
     )
 
     # The row's system prompt is saved at the start of the system entry; the ephemeral one nowhere.
@@ -95,7 +102,7 @@ def test_each_row_is_offered_what_it_asked_for_and_the_record_says_so(server, tm
     assert split_system_value(recs["both"]["conversations"][0]["value"]) is None
     digest = hashlib.sha256(b"You are terse.\nAnswer in one line.").hexdigest()
     assert meta["own system"]["row_system_sha256"] == digest
-    assert all(meta[p]["row_system_sha256"] is None for p in recs if p != "own system")
+    assert all(meta[p]["row_system_sha256"] == "" for p in recs if p != "own system")
     exported = to_openai_messages(recs["own system"]["conversations"])
     assert exported[0] == {"role": "system", "content": "You are terse.\nAnswer in one line."}
     assert to_openai_messages(recs["both"]["conversations"])[0]["role"] == "user"
@@ -106,7 +113,7 @@ def test_each_row_is_offered_what_it_asked_for_and_the_record_says_so(server, tm
     # max_turns: the row's own limit, recorded beside the run's.
     assert recs["one turn"]["api_calls"] == 1 and meta["one turn"]["stop_reason"] == "max_turns"
     assert meta["one turn"]["row_max_turns"] == 1 and meta["one turn"]["max_turns"] == 1
-    assert meta["own toolsets"]["row_max_turns"] is None and meta["own toolsets"]["max_turns"] == 5
+    assert meta["own toolsets"]["row_max_turns"] == 0 and meta["own toolsets"]["max_turns"] == 5
 
     # The settings have fields of their own, not copies in row_fields.
     assert json.loads(meta["own toolsets"]["row_fields"]) == {"id": 1}
@@ -202,7 +209,7 @@ def test_rows_differing_only_in_their_settings_are_different_work(server, tmp_pa
     recs = read_jsonl(out / "run" / "trajectories.jsonl")
     assert len(recs) == 5 and len({r["metadata"]["row_key"] for r in recs}) == 5
     # The row without settings of its own keeps the identity it had before they existed.
-    (plain,) = [r for r in recs if all(r["metadata"][k] is None for k in ROW_OPTION_FIELDS)]
+    (plain,) = [r for r in recs if all(v is None for v in identity_options(r["metadata"]).values())]
     assert plain["metadata"]["row_key"] == row_key("same words")
 
     before = server.stats()["requests"]
@@ -215,7 +222,7 @@ def test_rows_differing_only_in_their_settings_are_different_work(server, tmp_pa
     # A row whose record is lost runs again, and only that one: its twin with another system prompt does not.
     batch = out / "run" / "batch_0.jsonl"
     lines = batch.read_text("utf-8").splitlines(keepends=True)
-    lost = [ln for ln in lines if json.loads(ln)["metadata"]["row_system_sha256"] is not None][0]
+    lost = [ln for ln in lines if json.loads(ln)["metadata"]["row_system_sha256"]][0]
     batch.write_text("".join(ln for ln in lines if ln != lost), "utf-8")
     run(server, dataset, out, resume=True)
     expected = (

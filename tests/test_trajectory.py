@@ -14,6 +14,8 @@ from batchrun.prompt.trajectory import (
     first_human,
     gpt_value,
     is_tool_failure,
+    offered_tools,
+    parse_gpt_value,
     parse_tool_calls,
     reasoning_counts,
     split_reasoning,
@@ -189,9 +191,26 @@ def test_to_sharegpt_roles_and_merged_tool_results():
 def test_to_sharegpt_system_lists_exactly_the_schemas():
     conv = to_sharegpt(MESSAGES, SCHEMAS)
     system = conv[0]["value"]
-    assert system == SYSTEM_PREAMBLE.format(tools=json.dumps([s["function"] for s in SCHEMAS]))
+    # Each entry carries the reference's keys: name, description, parameters and required (null).
+    entries = [{**s["function"], "required": None} for s in SCHEMAS]
+    assert system == SYSTEM_PREAMBLE.format(tools=json.dumps(entries))
     listed = json.loads(system.split("<tools>\n")[1].split("\n</tools>")[0])
-    assert listed == [s["function"] for s in SCHEMAS]
+    assert listed == entries
+    assert [list(e) for e in listed] == [["name", "description", "parameters", "required"]] * len(SCHEMAS)
+    assert offered_tools(system) == SCHEMAS  # read back as the OpenAI schemas, without the null key
+
+
+def test_a_turn_without_reasoning_opens_with_an_empty_think_block_as_the_reference_renders_it():
+    assert gpt_value(None, "Hello.", []) == "<think>\n</think>\nHello."
+    assert gpt_value("", "", []) == "<think>\n</think>"
+    call = {"function": {"name": "terminal", "arguments": '{"command": "ls"}'}}
+    value = gpt_value(None, "", [call])
+    assert (
+        value
+        == '<think>\n</think>\n<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'
+    )
+    assert parse_gpt_value(value) == (None, "", [{"name": "terminal", "arguments": '{"command": "ls"}'}])
+    assert reasoning_counts([{"from": "gpt", "value": value}]) == (0, 1)
 
 
 def test_to_sharegpt_gpt_turns_think_and_tool_calls():
@@ -202,8 +221,9 @@ def test_to_sharegpt_gpt_turns_think_and_tool_calls():
     )
     assert [c["id"] for c in first["tool_calls"]] == ["c1", "c2"]
     assert second["value"].startswith("<think>\nOne more.\n</think>\n<tool_call>\n")
-    # No reasoning: no <think>. tool_calls is on every entry (empty without calls), so the schema holds.
-    assert last == {"from": "gpt", "value": "All done.", "tool_calls": []}
+    # No reasoning: an empty <think> block, as the reference writes it. tool_calls is on every entry
+    # (empty without calls), so the schema holds.
+    assert last == {"from": "gpt", "value": "<think>\n</think>\nAll done.", "tool_calls": []}
     for entry in (first, second):
         assert parse_tool_calls(entry["value"]) == [
             {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}

@@ -38,6 +38,7 @@ from batchrun.prompt.trajectory import (
     empty_answer,
     invalid_tool_call,
     reasoning_counts,
+    unoffered_call,
 )
 from batchrun.protocol import Outcome, PromptJob
 
@@ -150,6 +151,7 @@ def run_prompt(
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
+    sandbox_image = ""
     background = False
     ctx = None
     timings: dict[str, Any] = {
@@ -161,6 +163,7 @@ def run_prompt(
     }
     try:
         box = create_sandbox(settings.sandbox_backend, spec, options)
+        sandbox_image = getattr(box, "image", None) or ""  # the row's or the backend's default
         # The start runs on a start-up slot while the prompt's first model call is in flight: the
         # prompt pays for it only when its first tool call comes before the start is done.
         background = not declared(box, "synchronous_start")
@@ -243,11 +246,13 @@ def run_prompt(
         "isolation": isolation,
         **timings,
         "usage": usage.as_dict(),
-        # Nothing was drawn for a row that names its own toolsets or tools (row_toolsets, row_tools say what).
-        "toolsets_sampled": None
-        if own.toolsets is not None or own.tools is not None
-        else list(job.toolsets_sampled if job.toolsets_sampled is not None else job.toolsets),
+        # Nothing was drawn for a row that names its own toolsets or tools: the toolsets it was given
+        # (row_toolsets, row_tools say so), never null, so the column has its type in every run.
+        "toolsets_sampled": list(job.toolsets)
+        if own.toolsets is not None or own.tools is not None or job.toolsets_sampled is None
+        else list(job.toolsets_sampled),
         "image": job.image,
+        "sandbox_image": sandbox_image,
         "cwd": job.cwd,
         "row_id": job.row_id,
         "row_fields": job.row_fields,
@@ -301,6 +306,14 @@ def quality_problem(
     """The first quality filter a sample fails (its discard reason), or None: no broken sample is saved as good."""
     if not settings.keep_invalid_tool_calls and invalid_tool_call(messages):
         return "invalid_tool_call"
+    # No flag keeps these: a call to a tool that was not offered is never a kept sample, partial or not.
+    unoffered = unoffered_call(
+        messages,
+        set(record["metadata"]["tools_offered"]),
+        set(known_tool_names()),  # not tool_stats: it counts every name called, hallucinated ones too
+    )
+    if unoffered is not None:
+        return unoffered
     if ambiguous_markup(messages, record["conversations"]):
         return "ambiguous_markup"  # no flag keeps it: its text does not say what the model said
     if not settings.keep_empty_answers and record["completed"] and empty_answer(messages):

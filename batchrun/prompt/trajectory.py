@@ -12,7 +12,14 @@ import json
 import re
 from typing import Any
 
-from batchrun.record import RECORD_FIELDS, ROW_OPTION_FIELDS, normalize_metadata, sample_index_of
+from batchrun.record import (
+    RECORD_FIELDS,
+    identity_options,
+    names_of,
+    normalize_metadata,
+    optional_text,
+    sample_index_of,
+)
 
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
@@ -80,6 +87,11 @@ def _tool_call_block(name: str, arguments: str) -> str:
     )
 
 
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call's ``<tool_call>`` block exactly as a gpt value holds it (readers strip it back off)."""
+    return _tool_call_block(name, arguments)
+
+
 def parse_tool_calls(value: str) -> list[dict[str, str]]:
     """Read the ``<tool_call>`` blocks of a gpt value back as ``[{"name", "arguments"}]``."""
     calls = []
@@ -98,9 +110,9 @@ def parse_tool_calls(value: str) -> list[dict[str, str]]:
 def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, Any]]) -> str:
     """A gpt turn as text. The model's words are never rewritten: a turn whose words would not parse
     back as written is discarded instead (see :func:`ambiguous_markup`)."""
-    parts = []
-    if reasoning:
-        parts.append(f"<think>\n{reasoning}\n</think>")
+    # A turn without reasoning opens with an empty think block, as the reference renders it: every gpt
+    # turn has the same shape for a trainer (and the block parses back as no reasoning).
+    parts = [f"<think>\n{reasoning}\n</think>" if reasoning else "<think>\n</think>"]
     if content.strip():
         parts.append(content.strip())
     parts.extend(_tool_call_block(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
@@ -119,9 +131,21 @@ def tool_response_block(tool_call_id: str, name: str, content: str) -> str:
 def system_value(tool_schemas: list[dict[str, Any]], system: str | None = None) -> str:
     """The record's system entry: the row's own system prompt (when it has one), a blank line, then the
     function-calling preamble with the offered tools. :func:`split_system_value` reads it back."""
-    tools_json = json.dumps([s["function"] for s in tool_schemas], ensure_ascii=False)
+    tools_json = json.dumps([system_tool_entry(s["function"]) for s in tool_schemas], ensure_ascii=False)
     preamble = SYSTEM_PREAMBLE.format(tools=tools_json)
     return f"{system}\n\n{preamble}" if system else preamble
+
+
+def system_tool_entry(function: dict[str, Any]) -> dict[str, Any]:
+    """One tool as the system text lists it, with the keys the reference's entries carry: ``name``,
+    ``description``, ``parameters`` and ``required`` (null there too; the required arguments are in
+    ``parameters``). :func:`offered_tools` reads it back as the OpenAI function schema."""
+    return {
+        "name": function["name"],
+        "description": function.get("description", ""),
+        "parameters": function.get("parameters", {}),
+        "required": None,
+    }
 
 
 def split_system_value(value: str) -> str | None:
@@ -270,6 +294,23 @@ def invalid_tool_call(messages: list[dict[str, Any]]) -> bool:
     return False
 
 
+def unoffered_call(messages: list[dict[str, Any]], offered: set[str], known: set[str]) -> str | None:
+    """Why a sample calls a tool it was not given, or None: ``unknown_tool`` (no such tool: hallucinated)
+    or ``tool_not_offered`` (a tool that exists, but not among this prompt's). Either way the calls and
+    their error results would teach a trainer to call what is not there."""
+    names = {
+        call["function"]["name"]
+        for msg in messages
+        if msg.get("role") == "assistant"
+        for call in msg.get("tool_calls") or []
+    }
+    if names - known:
+        return "unknown_tool"
+    if names - offered:
+        return "tool_not_offered"
+    return None
+
+
 def empty_answer(messages: list[dict[str, Any]]) -> bool:
     """Whether the final assistant turn (no calls) has no words: empty, or reasoning only."""
     last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
@@ -344,14 +385,17 @@ def row_key(
 
 
 def _options_of(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: fields.get(k) for k in ROW_OPTION_FIELDS}
+    return identity_options(fields)
 
 
 def record_row_key(record: dict[str, Any]) -> str:
     """The identity of the row a (valid) record came from; see :func:`valid_record`."""
     meta = record.get("metadata") or {}
     return row_key(
-        first_human(record["conversations"]) or "", meta.get("image"), meta.get("cwd"), _options_of(meta)
+        first_human(record["conversations"]) or "",
+        optional_text(meta.get("image")),
+        optional_text(meta.get("cwd")),
+        _options_of(meta),
     )
 
 
@@ -372,14 +416,18 @@ def _identity_fields_ok(fields: dict[str, Any]) -> bool:
     """The row_* identity fields and sample_index, where present, have their types (absent: an older version)."""
 
     def names(value: Any) -> bool:
-        return value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        if value is None or value == "":
+            return True
+        if isinstance(value, str):  # JSON text of a name list, as records write it
+            return names_of(value) is not None
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
     turns, sample = fields.get("row_max_turns"), fields.get("sample_index")
     return (
         names(fields.get("row_toolsets"))
         and names(fields.get("row_tools"))
         and _optional_str(fields.get("row_system_sha256"))
-        and (turns is None or (_count(turns) and turns > 0))
+        and (turns is None or _count(turns))
         and (sample is None or _count(sample))
     )
 
@@ -445,7 +493,9 @@ def valid_outcome_row(row: Any, field: str) -> bool:
 
 
 def outcome_row_key(row: dict[str, Any]) -> str:
-    return row_key(row["prompt"], row.get("image"), row.get("cwd"), _options_of(row))
+    return row_key(
+        row["prompt"], optional_text(row.get("image")), optional_text(row.get("cwd")), _options_of(row)
+    )
 
 
 def outcome_sample(row: dict[str, Any]) -> tuple[str, int]:
@@ -496,4 +546,7 @@ def offered_tools(system_value: str) -> list[dict[str, Any]]:
     found = _TOOLS_RE.findall(system_value)  # the last block: a row's own system prompt comes first
     if not found:
         return []
-    return [{"type": "function", "function": f} for f in json.loads(found[-1])]
+    return [
+        {"type": "function", "function": {k: v for k, v in f.items() if not (k == "required" and v is None)}}
+        for f in json.loads(found[-1])
+    ]

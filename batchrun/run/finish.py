@@ -19,6 +19,7 @@ from typing import Any
 from batchrun.config import RunConfig
 from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.prompt.trajectory import (
+    outcome_sample,
     reasoning_counts,
     record_sample,
     used_tool_names,
@@ -26,7 +27,7 @@ from batchrun.prompt.trajectory import (
     valid_record,
 )
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY
-from batchrun.record import run_card
+from batchrun.record import normalize_metadata, run_card
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
@@ -121,11 +122,12 @@ def merge(
     the dataset wants (duplicate rows each want theirs); records of samples the dataset does not
     want (rows since removed, sample indices beyond today's count) are all kept.
     """
-    wanted = wanted_samples(rows, samples_per_prompt, recorder.redact)
+    wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
     done_indices: set[int] = set()
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
+    unknown: list[dict[str, Any]] = []  # records that call a tool outside the known set
     out = run_dir / "trajectories.jsonl"
     tmp = out.with_name(f".trajectories.jsonl.{os.getpid()}.tmp")
     with tmp.open("wb") as fh:
@@ -140,6 +142,7 @@ def merge(
                     done_indices.add(rec["prompt_index"])
                 if used_tool_names(rec) - known:
                     totals.dropped["unknown_tool"] += 1
+                    unknown.append(rec)
                     continue
                 if key in wanted and kept[key] >= wanted[key]:
                     totals.dropped["duplicate"] += 1
@@ -150,17 +153,47 @@ def merge(
                     totals.dropped["partial_excluded"] += 1
                     continue
                 totals.add(rec)
-                fh.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                fh.write(typed_line(raw, rec))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
     fsync_dir(run_dir)
+    set_aside_unknown_tools(run_dir, unknown, recorder)
     # The dataset card: load_dataset(run_dir) reads trajectories.jsonl with the record schema, typed
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
     recorder.write_checkpoint()
     return totals
+
+
+def typed_line(raw: bytes, rec: dict[str, Any]) -> bytes:
+    """A batch file's line for trajectories.jsonl: as written, or, for a record of an earlier version
+    (nulls, row name lists), with its metadata in today's types, so one file never mixes two types
+    in a column. Only metadata is retyped: what the model and the tools said is never touched."""
+    meta = rec.get("metadata")
+    if isinstance(meta, dict):
+        typed = normalize_metadata(meta)
+        if typed != meta:
+            return (json.dumps({**rec, "metadata": typed}, ensure_ascii=False) + "\n").encode("utf-8")
+    return raw if raw.endswith(b"\n") else raw + b"\n"
+
+
+def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], recorder: Recorder) -> None:
+    """Records dropped at merge for a tool outside the known set go to discarded.jsonl (reason
+    ``unknown_tool``) like every other discard, once: a later merge finds them there already."""
+    if not records:
+        return
+    there: collections.Counter[tuple[str, int]] = collections.Counter()
+    for row in iter_jsonl(run_dir / "discarded.jsonl"):
+        if valid_outcome_row(row, "reason") and row["reason"] == "unknown_tool":
+            there[outcome_sample(row)] += 1
+    for rec in records:
+        key = record_sample(rec)
+        if there[key] > 0:
+            there[key] -= 1
+            continue
+        recorder.set_aside(rec, "unknown_tool")
 
 
 def _stop_reason(rec: dict[str, Any]) -> str:
@@ -210,6 +243,7 @@ def statistics(
         "model": config.model,
         "distribution": config.distribution,
         "sandbox": config.backend,
+        "default_image": config.default_image,  # for rows that name no image (container backends)
         "isolation": isolation,
         **(sandbox_facts or {}),
         "dataset_prompts": len(rows),
@@ -330,16 +364,18 @@ def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def reference_tool_statistics(tool_stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per tool as the reference runner writes it: rates in percent of the calls, 0.0 when none."""
+    """Per tool as the reference runner writes it: only the tools that were called (a tool never called
+    has no rate), rates in percent of its calls. Everywhere else in statistics.json rates are fractions."""
     out = {}
     for name, s in tool_stats.items():
-        calls = s["success"] + s["failure"]
+        if not s["count"]:
+            continue
         out[name] = {
             "count": s["count"],
             "success": s["success"],
             "failure": s["failure"],
-            "success_rate": round(s["success"] / calls * 100, 2) if calls else 0.0,
-            "failure_rate": round(s["failure"] / calls * 100, 2) if calls else 0.0,
+            "success_rate": round(s["success"] / s["count"] * 100, 2),
+            "failure_rate": round(s["failure"] / s["count"] * 100, 2),
         }
     return out
 
@@ -355,7 +391,7 @@ def count_remaining(
     """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
     done = collections.Counter(totals.finished)
     add_discards(run_dir, done, rerun_discarded=rerun_discarded)
-    return len(unfinished(rows, done, recorder.redact, samples_per_prompt))
+    return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt))
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor) -> None:

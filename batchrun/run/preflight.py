@@ -106,7 +106,7 @@ def probe_mcp_servers(config: Any) -> McpSetup:
     """Start each --mcp_config server once and list its tools; one that cannot is a clear error (exit 2).
 
     Its stderr's last lines are quoted, redacted like every output (the config's env values too)."""
-    redact = Redactor(config.resolved_api_key, secrets=tuple(config.secret_texts()))
+    redact = Redactor.for_config(config)
     try:
         setup = probe(config.mcp_servers, redact)
     except McpConfigError as exc:

@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.prompt.trajectory import valid_record
+from batchrun.prompt.trajectory import first_human, valid_record
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
+from batchrun.record import identity_options, normalize_metadata, optional_text, sample_index_of
 from batchrun.run.resume import identity_fields, row_identity
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,
     append_jsonl,
+    append_jsonl_line,
     batch_files,
     iter_jsonl,
     write_json_atomic,
@@ -59,6 +61,8 @@ class Recorder:
         self.run_dir = run_dir
         self.run_name = run_name
         self.redact = redact
+        # Secrets only: for what a model or a tool said (discarded samples) and a row's identity.
+        self.sample_text: Callable[[str], str] = getattr(redact, "sample", redact)
         self.verbose = verbose
         self.budget_usd, self.budget_tokens = budget_usd, budget_tokens
         self.counts: collections.Counter[str] = collections.Counter()
@@ -78,6 +82,8 @@ class Recorder:
         self.started_at = _now()
         self.last_event_at: str | None = None
         self.done_indices: set[int] | None = None
+        # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
+        self.batch_outcomes: dict[int, collections.Counter[str]] | None = None
         self.echo: Callable[[str], None] = lambda line: print(
             line, file=sys.stderr
         )  # the progress bar's, in a run
@@ -129,9 +135,12 @@ class Recorder:
     # -- outcomes
 
     def record(self, outcome: Outcome) -> None:
-        """Write one outcome durably: trajectories to their batch file, discards and failures aside."""
-        kind = outcome.kind
-        self.counts[kind] += 1
+        """Write one outcome durably: trajectories to their batch file, discards and failures aside.
+
+        A kept trajectory is written exactly as the model and the tools said it; one whose text holds
+        a secret is a discard (``secret_in_output``) instead, redacted in discarded.jsonl.
+        """
+        kind, reason = outcome.kind, outcome.reason
         self.last_event_at = _now()
         live = self.live_spend.pop(
             (outcome.batch_num, outcome.prompt_index, outcome.sample_index), collections.Counter()
@@ -142,35 +151,48 @@ class Recorder:
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
         # The row's identity travels with every outcome, so resume and merge can tell apart rows with
         # the same text and another image, cwd or settings of its own, and which sample this is.
-        # Always present, null when the row has none.
+        # Computed from the text as saved records hold it (secrets redacted, nothing else).
+        sample_text = self.sample_text
         identity = {
-            **identity_fields(outcome, self.redact),
-            "row_key": row_identity(outcome, self.redact),
+            **identity_fields(outcome, sample_text),
+            "row_key": row_identity(outcome, sample_text),
             "sample_index": outcome.sample_index,
         }
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
-            outcome.record["metadata"].update(identity)
+            # Typed again with the identity in: no column of a record is null (batchrun.record).
+            outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
+        line = None
+        if kind == TRAJECTORY:
+            line = json.dumps(outcome.record or {}, ensure_ascii=False)
+            if self._holds_secret(line):
+                kind, reason, line = DISCARDED, "secret_in_output", None
+        self.counts[kind] += 1
+        if self.batch_outcomes is not None:
+            _count_outcome(self.batch_outcomes, outcome.batch_num, kind, reason)
         if kind == TRAJECTORY:
             rec = outcome.record or {}
             self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
-            append_jsonl(self.run_dir / f"batch_{outcome.batch_num}.jsonl", rec, self.redact)
+            append_jsonl_line(self.run_dir / f"batch_{outcome.batch_num}.jsonl", line)
             if self.done_indices is not None:
                 self.done_indices.add(rec["prompt_index"])
         elif kind == DISCARDED:
-            self.discards[outcome.reason or "unknown"] += 1
+            self.discards[reason or "unknown"] += 1
             row = {
                 "prompt": outcome.prompt,
                 **identity,
                 "prompt_index": outcome.prompt_index,
                 "batch_num": outcome.batch_num,
-                "reason": outcome.reason,
+                "reason": reason,
                 "timestamp": _now(),
                 "record": outcome.record,
             }
-            append_jsonl(self.run_dir / "discarded.jsonl", row, self.redact)
+            # The model's words are redacted of secrets only: never of text that resembles the scaffolding.
+            append_jsonl(self.run_dir / "discarded.jsonl", row, sample_text)
         else:
             self.failures[outcome.error_class or "unknown"] += 1
-            self.failure_messages[outcome.error_class or "unknown"][str(outcome.error)[:300]] += 1
+            self.failure_messages[outcome.error_class or "unknown"][
+                self.redact(str(outcome.error))[:300]
+            ] += 1
             row = {
                 "prompt": outcome.prompt,
                 **identity,
@@ -182,11 +204,34 @@ class Recorder:
                 "timestamp": _now(),
                 "usage": outcome.usage,
             }
-            append_jsonl(self.run_dir / "failed.jsonl", row, self.redact)
+            append_jsonl(self.run_dir / "failed.jsonl", row, sample_text)
             if self.verbose:
                 self.echo(
                     self.redact(f"[{outcome.prompt_index}] failed: {outcome.error_class}: {outcome.error}")
                 )
+
+    def set_aside(self, rec: dict[str, Any], reason: str) -> None:
+        """A record found unfit at merge, written to discarded.jsonl with its reason (it stays in its
+        batch file, finished for resume)."""
+        meta = rec.get("metadata") or {}
+        row = {
+            "prompt": first_human(rec["conversations"]) or "",
+            "image": optional_text(meta.get("image")),
+            "cwd": optional_text(meta.get("cwd")),
+            **identity_options(meta),
+            "row_key": meta.get("row_key"),
+            "sample_index": sample_index_of(meta),
+            "prompt_index": rec.get("prompt_index"),
+            "batch_num": meta.get("batch_num"),
+            "reason": reason,
+            "timestamp": _now(),
+            "record": rec,
+        }
+        append_jsonl(self.run_dir / "discarded.jsonl", row, self.sample_text)
+
+    def _holds_secret(self, line: str) -> bool:
+        finds = getattr(self.redact, "finds_secret", None)
+        return finds(line) if finds is not None else self.redact(line) != line
 
     def add_live_spend(self, spend: Spend) -> None:
         """One model call's tokens and cost, reported while its prompt is still running."""
@@ -257,10 +302,13 @@ class Recorder:
                     for rec in iter_jsonl(path)
                     if valid_record(rec) and isinstance(rec.get("prompt_index"), int)
                 )
+        if self.batch_outcomes is None:
+            self.batch_outcomes = scan_batch_outcomes(self.run_dir)
         state = {
             "run_name": self.run_name,
             "completed_prompts": sorted(self.done_indices),
             "batches": [n for n, _ in batch_files(self.run_dir)],
+            "batch_stats": batch_stats(self.batch_outcomes),
             "last_updated": _now(),
         }
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
@@ -316,3 +364,45 @@ class Recorder:
             write_text_in_place(
                 self.run_dir / "status.json", self.redact(json.dumps(status, indent=2, ensure_ascii=False))
             )
+
+
+def _count_outcome(
+    outcomes: dict[int, collections.Counter[str]], batch_num: Any, kind: str, reason: str | None
+) -> None:
+    if not isinstance(batch_num, int) or isinstance(batch_num, bool):
+        return
+    counter = outcomes.setdefault(batch_num, collections.Counter())
+    counter[kind] += 1
+    if kind == DISCARDED and reason == "no_reasoning":
+        counter["no_reasoning"] += 1
+
+
+def scan_batch_outcomes(run_dir: Path) -> dict[int, collections.Counter[str]]:
+    """Every outcome of every run of this run name, by batch: batch files, discarded.jsonl, failed.jsonl."""
+    outcomes: dict[int, collections.Counter[str]] = {}
+    for num, path in batch_files(run_dir):
+        outcomes.setdefault(num, collections.Counter())
+        for rec in iter_jsonl(path):
+            if valid_record(rec):
+                _count_outcome(outcomes, num, TRAJECTORY, None)
+    for name, kind in (("discarded.jsonl", DISCARDED), ("failed.jsonl", FAILED)):
+        for row in iter_jsonl(run_dir / name):
+            if isinstance(row, dict):
+                _count_outcome(outcomes, row.get("batch_num"), kind, row.get("reason"))
+    return outcomes
+
+
+def batch_stats(outcomes: dict[int, collections.Counter[str]]) -> dict[str, dict[str, int]]:
+    """checkpoint.json's ``batch_stats`` under the reference's keys (``processed``: samples of the batch
+    with an outcome; ``skipped``: those that failed, run again on resume; ``discarded_no_reasoning``),
+    plus ours: ``trajectories`` and ``discarded`` (every reason)."""
+    return {
+        str(num): {
+            "processed": c[TRAJECTORY] + c[DISCARDED] + c[FAILED],
+            "skipped": c[FAILED],
+            "discarded_no_reasoning": c["no_reasoning"],
+            "trajectories": c[TRAJECTORY],
+            "discarded": c[DISCARDED],
+        }
+        for num, c in sorted(outcomes.items())
+    }

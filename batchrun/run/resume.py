@@ -81,6 +81,8 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "top_p": config.top_p,
         "seed_per_request": config.seed_per_request,
         "samples_per_prompt": config.samples_per_prompt,  # informational: more samples on resume is fine
+        # Informational: the image of rows that name none (each record's sandbox_image says what ran).
+        "default_image": config.default_image,
         "dataset_file": config.dataset_file,
         "dataset_sha256": _file_sha256(config.dataset_file),
         "created": dt.datetime.now().isoformat(timespec="seconds"),

@@ -1,25 +1,48 @@
-"""Export a run's trajectories for trainers: OpenAI chat messages, ShareGPT, or Parquet.
+"""Export a run's trajectories for trainers: chat messages for templates, OpenAI messages, TRL's
+prompt/completion, ShareGPT, or Parquet.
 
-    python -m batchrun.views.export data/<run_name> [data/<other_run> ...] --format=openai|sharegpt|parquet --out=DIR \
-        [--no-include_partial] [--include_discarded] [--test_fraction=0.1 --seed=0] [--overwrite]
+    python -m batchrun.views.export data/<run_name> [data/<other_run> ...] --out=DIR \
+        --format=messages|openai|prompt_completion|sharegpt|parquet [--reasoning=field|think|drop] \
+        [--no-include_partial] [--stop_reasons=a,b | --exclude_stop_reasons=a,b] [--include_discarded] \
+        [--dedup] [--test_fraction=0.1 --seed=0] [--overwrite]
 
-Each sample becomes one row. In the ``openai`` and ``parquet`` formats a row holds ``messages``
-(``role``, ``content``, ``reasoning_content``, ``tool_calls``, ``tool_call_id``) and the tools the
-prompt was offered as a column of their own (``tools``): the Hermes text markup is taken apart, so a
-call is in ``tool_calls`` only (never repeated in ``content``), reasoning is in ``reasoning_content``,
-and a tool entry becomes one ``tool`` message per ``tool_call_id``. The record's system entry is the
-function-calling preamble around that tool list, so it is not exported as a message; a row's own
-``system`` prompt, saved before the preamble, is exported as the first (``system``) message.
-``sharegpt`` keeps the record's own ``conversations`` (Hermes convention, system entry included)
-without the structured ``tool_calls``, so every turn has the same two keys.
+Each sample becomes one row; the Hermes text markup is taken apart, so a call is in ``tool_calls`` only
+(never repeated in ``content``), reasoning is in ``reasoning_content``, and a tool entry becomes one
+``tool`` message per ``tool_call_id``. The record's system entry is the function-calling preamble
+around the tool list, so it is not exported as a message; a row's own ``system`` prompt, saved before
+the preamble, is exported as the first (``system``) message.
 
-Column types, chosen so that ``datasets.load_dataset`` reads every file whatever the tools were:
-``tools`` is one JSON string (a list of OpenAI tool objects; ``json.loads`` it), because tools'
-parameter schemas differ too much for one Arrow type. ``openai`` (JSONL) leaves out the message keys
-that do not apply, so each message validates as the ``openai`` package's message types;
-``parquet`` gives every message all five keys, null where they do not apply (one Arrow type).
-The card's ``dataset_info`` states the features, so ``load_dataset(DIR)`` reads the JSONL splits
-with one schema even when one split has, say, no tool call at all.
+* ``messages``: for Hugging Face chat templates (``tokenizer.apply_chat_template(row["messages"],
+  tools=row["tools"])``): tool-call ``arguments`` are JSON objects, as transformers' templates expect
+  (Qwen2.5's and Hermes-3's apply ``tojson`` to them: a string would come out double-encoded), and
+  ``tools`` is a list of OpenAI tool objects (``[]`` when none).
+* ``openai``: the API's own shapes (``arguments`` as JSON strings; ``tools`` as one JSON string), keys
+  that do not apply left out, so each message validates as the ``openai`` package's message types.
+* ``prompt_completion``: TRL's conversational prompt/completion layout: ``prompt`` holds the system and
+  user messages, ``completion`` everything the model and the tools said after them (loss on the
+  completion only); messages as in ``messages``.
+* ``sharegpt``: the record's own ``conversations`` (Hermes convention, system entry included) without
+  the structured ``tool_calls``.
+* ``parquet``: the ``openai`` rows in one typed Arrow schema (every message key present, null where it
+  does not apply).
+
+``--reasoning``: ``field`` (``reasoning_content``), ``think`` (folded back into ``content`` as
+``<think>...</think>``, for templates that ignore ``reasoning_content``), ``drop``.
+
+What is exported by default: every kept sample, partial ones included, except those whose stop reason
+is a model fault (``invalid_tool_calls``); ``--stop_reasons`` keeps only the reasons named,
+``--exclude_stop_reasons`` leaves out those named instead of the default. ``--include_discarded`` adds the
+samples in ``discarded.jsonl`` with their ``discard_reason``: an ``ambiguous_markup`` sample's assistant
+turns carry their text unsplit (reasoning and words are not cut where the markup is ambiguous), an
+``invalid_tool_call`` sample's calls keep their raw arguments in ``raw_arguments``. ``--dedup`` leaves out
+samples whose conversation is byte-identical to one exported before (within and across the runs given).
+
+Every row carries ``run_name``, ``prompt_index``, ``sample_index``, ``stop_reason``, ``completed``,
+``partial``, ``model``, ``served_model``, ``row_id``, ``row_fields``, ``usage``, ``toolsets_used`` and
+``discard_reason``, built in one function (:func:`_row`). Column types are chosen so that
+``datasets.load_dataset`` reads every file; the card's ``dataset_info`` states the features of the
+fixed-schema formats. An export with nothing to write is an error (exit code 1, saying what was left
+out and why) that writes nothing: ``datasets`` cannot load a dataset of no rows from JSONL or Parquet.
 
 The train/test split is a pure function of (seed, prompt text): the same seed gives the same split
 on every export, a resumed run's new rows do not move old ones, and two samples of the same prompt
@@ -31,10 +54,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,11 +69,16 @@ from batchrun.prompt.trajectory import (
     parse_gpt_value,
     parse_tool_responses,
     split_system_value,
+    tool_call_text,
 )
-from batchrun.record import features_yaml
+from batchrun.record import USAGE, features_yaml, normalize_metadata
 from batchrun.storage import iter_jsonl
 
-FORMATS = ("openai", "sharegpt", "parquet")
+FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
+TEMPLATE_FORMATS = ("messages", "prompt_completion")  # arguments as objects, tools as a list
+REASONING_MODES = ("field", "think", "drop")
+# Stop reasons that are the model's fault: a sample that stopped so is not exported unless asked.
+MODEL_FAULT_STOP_REASONS = frozenset({"invalid_tool_calls"})
 SPLITS = ("train", "test")
 CARD_NAME = "README.md"
 PARQUET_ROWS_PER_GROUP = 1000
@@ -57,6 +86,23 @@ PARQUET_ROWS_PER_GROUP = 1000
 
 class ExportError(ValueError):
     """A bad request (missing run, non-empty output directory, missing pyarrow): exit code 2."""
+
+
+class NothingToExport(ExportError):
+    """Every sample was left out (or there was none): exit code 1, and no dataset that cannot load."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What to export and how (the command line's flags)."""
+
+    fmt: str = "openai"
+    reasoning: str = "field"  # field | think | drop
+    include_partial: bool = True
+    include_discarded: bool = False
+    stop_reasons: frozenset[str] | None = None  # only these (None: every one not excluded)
+    exclude_stop_reasons: frozenset[str] | None = None  # None: MODEL_FAULT_STOP_REASONS for kept samples
+    dedup: bool = False
 
 
 @dataclass
@@ -72,17 +118,22 @@ class ExportResult:
         written = ", ".join(f"{split} {self.rows[split]}" for split in self.files) or "nothing"
         text = f"exported {sum(self.rows.values())} samples ({written}) to {self.out}"
         if self.skipped:
-            text += "; not exported: " + ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items()))
+            text += "; not exported: " + self.skipped_text()
         return text
 
+    def skipped_text(self) -> str:
+        return ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
 
-# ----------------------------------------------------------------------------- one record -> one row
+
+# ----------------------------------------------------------------------------- one record -> messages
 
 
-def to_openai_messages(conversations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def to_openai_messages(conversations: list[dict[str, Any]], *, unsplit: bool = False) -> list[dict[str, Any]]:
     """A record's ShareGPT conversation as OpenAI chat messages (keys that do not apply left out).
 
-    Raises ValueError (or KeyError, json.JSONDecodeError) for a conversation that does not parse back.
+    ``unsplit``: assistant turns keep their text whole (reasoning markup included), for samples whose
+    markup was ambiguous. Raises ValueError (or KeyError, json.JSONDecodeError) for a conversation
+    that does not parse back.
     """
     messages: list[dict[str, Any]] = []
     for turn in conversations:
@@ -97,7 +148,7 @@ def to_openai_messages(conversations: list[dict[str, Any]]) -> list[dict[str, An
         if who == "human":
             messages.append({"role": "user", "content": value})
         elif who == "gpt":
-            messages.append(_assistant_message(turn, value))
+            messages.append(_unsplit_message(turn, value) if unsplit else _assistant_message(turn, value))
         elif who == "tool":
             for resp in parse_tool_responses(value):
                 if not isinstance(resp["tool_call_id"], str):
@@ -110,74 +161,202 @@ def to_openai_messages(conversations: list[dict[str, Any]]) -> list[dict[str, An
     return messages
 
 
-def _assistant_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
-    reasoning, content, parsed = parse_gpt_value(value)
+def _structured_calls(turn: dict[str, Any]) -> list[dict[str, Any]]:
     structured = turn.get("tool_calls") or []
     for c in structured:  # typed as the columns are: a bad value would fail the whole Parquet row group
         if not all(isinstance(v, str) for v in (c["id"], c["function"]["name"], c["function"]["arguments"])):
             raise ValueError("a tool call's id, name or arguments is not a string")
+    return [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+        }
+        for c in structured
+    ]
+
+
+def _assistant_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
+    reasoning, content, parsed = parse_gpt_value(value)
+    calls = _structured_calls(turn)
     # The structured list carries the ids; the text must hold exactly the same calls, or one of the two is wrong.
-    if [
-        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in structured
-    ] != parsed:
+    if [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls] != parsed:
         raise ValueError("the calls in a gpt turn's text differ from its tool_calls")
-    msg: dict[str, Any] = {"role": "assistant", "content": content if content or not structured else None}
+    msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
-    if structured:
-        msg["tool_calls"] = [
-            {
-                "id": c["id"],
-                "type": "function",
-                "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-            }
-            for c in structured
-        ]
+    if calls:
+        msg["tool_calls"] = calls
     return msg
+
+
+def _unsplit_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
+    """An assistant turn whose markup is ambiguous: its text as written (reasoning and words not cut
+    apart), without only the call blocks the runner appended for its structured calls."""
+    calls = _structured_calls(turn)
+    blocks = "\n".join(tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls)
+    text = value
+    if blocks and value.endswith(blocks):
+        text = value[: len(value) - len(blocks)].removesuffix("\n")
+    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def apply_reasoning(messages: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """``field``: reasoning in ``reasoning_content``; ``think``: folded into ``content`` as a leading
+    ``<think>...</think>`` block; ``drop``: left out."""
+    if mode == "field":
+        return messages
+    out = []
+    for msg in messages:
+        reasoning = msg.get("reasoning_content")
+        msg = {k: v for k, v in msg.items() if k != "reasoning_content"}
+        if mode == "think" and reasoning is not None:
+            words = msg.get("content") or ""
+            msg["content"] = (
+                f"<think>\n{reasoning}\n</think>\n{words}" if words else f"<think>\n{reasoning}\n</think>"
+            )
+        out.append(msg)
+    return out
+
+
+def _raw_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls whose arguments are not a JSON object (an invalid_tool_call discard) keep them as written
+    in ``raw_arguments`` too, so a reader need not guess which string is which."""
+    for msg in messages:
+        for call in msg.get("tool_calls") or []:
+            if _arguments_object(call["function"]["arguments"]) is None:
+                call["raw_arguments"] = call["function"]["arguments"]
+    return messages
+
+
+def _arguments_object(arguments: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(arguments)
+    except (json.JSONDecodeError, TypeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for chat templates: each call's ``arguments`` as a JSON object (``{}`` for arguments that
+    are not one; their text is in ``raw_arguments``)."""
+    out = []
+    for msg in messages:
+        if msg.get("tool_calls"):
+            calls = []
+            for call in msg["tool_calls"]:
+                parsed = _arguments_object(call["function"]["arguments"])
+                calls.append({**call, "function": {**call["function"], "arguments": parsed or {}}})
+            msg = {**msg, "tool_calls": calls}
+        out.append(msg)
+    return out
+
+
+def split_prompt_completion(
+    messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """TRL's conversational prompt/completion: the leading system and user messages, then the rest."""
+    cut = 0
+    while cut < len(messages) and messages[cut]["role"] in ("system", "user"):
+        cut += 1
+    return messages[:cut], messages[cut:]
 
 
 def _full_message(msg: dict[str, Any]) -> dict[str, Any]:
     """Every message key present (null where it does not apply): one Arrow type for all messages."""
+    calls = msg.get("tool_calls")
     return {
         "role": msg["role"],
         "content": msg.get("content"),
         "reasoning_content": msg.get("reasoning_content"),
-        "tool_calls": msg.get("tool_calls"),
+        "tool_calls": None
+        if calls is None
+        else [
+            {
+                "id": c["id"],
+                "type": c["type"],
+                "function": c["function"],
+                "raw_arguments": c.get("raw_arguments"),
+            }
+            for c in calls
+        ],
         "tool_call_id": msg.get("tool_call_id"),
     }
 
 
-def _row(record: dict[str, Any], fmt: str, discard_reason: str | None, run_name: str) -> dict[str, Any]:
+# ----------------------------------------------------------------------------- one record -> one row
+
+
+def _row(
+    record: dict[str, Any], discard_reason: str | None, run_name: str, opts: ExportOptions
+) -> dict[str, Any]:
+    """One export row: the sample in the format's layout, then the columns every format carries.
+
+    Every column is added here (the scoring columns too), so each format has the same ones.
+    """
     conversations = record["conversations"]
     system = next((t["value"] for t in conversations if t.get("from") == "system"), "")
     tools = offered_tools(system)
-    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    unsplit = discard_reason == "ambiguous_markup"
+    messages = to_openai_messages(conversations, unsplit=unsplit)  # also checks that the sample parses back
+    messages = _raw_arguments(apply_reasoning(messages, opts.reasoning))
     row: dict[str, Any]
-    if fmt == "sharegpt":
-        to_openai_messages(conversations)  # only to check that the sample parses back
+    if opts.fmt == "sharegpt":
         row = {"conversations": [{"from": t["from"], "value": t["value"]} for t in conversations]}
-    elif fmt == "openai":
-        row = {"messages": to_openai_messages(conversations)}
+    elif opts.fmt == "openai":
+        row = {"messages": messages}
+    elif opts.fmt == "messages":
+        row = {"messages": template_messages(messages)}
+    elif opts.fmt == "prompt_completion":
+        prompt, completion = split_prompt_completion(template_messages(messages))
+        row = {"prompt": prompt, "completion": completion}
     else:
-        row = {"messages": [_full_message(m) for m in to_openai_messages(conversations)]}
-    row["tools"] = json.dumps(tools, ensure_ascii=False)
-    index, model = record.get("prompt_index"), metadata.get("model")
+        row = {"messages": [_full_message(m) for m in messages]}
+    row["tools"] = tools if opts.fmt in TEMPLATE_FORMATS else json.dumps(tools, ensure_ascii=False)
+    meta = normalize_metadata(record.get("metadata") if isinstance(record.get("metadata"), dict) else {})
+    index = record.get("prompt_index")
     row.update(
+        run_name=run_name,
         prompt_index=index if isinstance(index, int) and not isinstance(index, bool) else None,
+        sample_index=meta["sample_index"],
+        stop_reason=meta["stop_reason"],
         completed=bool(record.get("completed")),
         partial=bool(record.get("partial")),
-        model=model if isinstance(model, str) else None,
+        model=meta["model"],
         # The model that answered, and the dataset row's id and other fields: join back to ground truth.
-        **{k: _text_or_none(metadata.get(k)) for k in ("served_model", "row_id", "row_fields")},
-        run_name=run_name,
+        served_model=meta["served_model"],
+        row_id=meta["row_id"],
+        row_fields=meta["row_fields"],
+        usage=meta["usage"],
         toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
         discard_reason=discard_reason,
     )
     return row
 
 
-def _text_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
+def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptions) -> str | None:
+    """Why a sample is not exported (a ``skipped`` reason), or None to export it."""
+    if record.get("partial") and not opts.include_partial:
+        return "partial"
+    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    reason = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
+    if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
+        return None if reason in opts.stop_reasons else f"stop_reason {reason}"
+    excluded = opts.exclude_stop_reasons
+    if excluded is None:  # the default leaves out the model's faults among the kept samples
+        excluded = MODEL_FAULT_STOP_REASONS if discard_reason is None else frozenset()
+    if reason in excluded:
+        return f"stop_reason {reason}"
+    return None
+
+
+def sample_digest(record: dict[str, Any]) -> str:
+    """What ``--dedup`` compares: the sample's conversation, byte for byte."""
+    text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def split_of(prompt: str, seed: int, test_fraction: float) -> str:
@@ -226,41 +405,21 @@ class _JsonlWriter:
         self._fh.close()
 
 
+def _arrow_type(kind: Any) -> Any:
+    """A column type in this module's notation (see FEATURES) as an Arrow type."""
+    import pyarrow as pa
+
+    if isinstance(kind, dict):
+        return pa.struct([(k, _arrow_type(v)) for k, v in kind.items()])
+    if isinstance(kind, list):
+        return pa.list_(_arrow_type(kind[0]))
+    return {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_()}[kind]
+
+
 def _parquet_schema() -> Any:
     import pyarrow as pa
 
-    call = pa.struct(
-        [
-            ("id", pa.string()),
-            ("type", pa.string()),
-            ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
-        ]
-    )
-    message = pa.struct(
-        [
-            ("role", pa.string()),
-            ("content", pa.string()),
-            ("reasoning_content", pa.string()),
-            ("tool_calls", pa.list_(call)),
-            ("tool_call_id", pa.string()),
-        ]
-    )
-    return pa.schema(
-        [
-            ("messages", pa.list_(message)),
-            ("tools", pa.string()),
-            ("prompt_index", pa.int64()),
-            ("completed", pa.bool_()),
-            ("partial", pa.bool_()),
-            ("model", pa.string()),
-            ("served_model", pa.string()),
-            ("row_id", pa.string()),
-            ("row_fields", pa.string()),
-            ("run_name", pa.string()),
-            ("toolsets_used", pa.list_(pa.string())),
-            ("discard_reason", pa.string()),
-        ]
-    )
+    return pa.schema([(name, _arrow_type(kind)) for name, kind in FEATURES["parquet"].items()])
 
 
 class _ParquetWriter:
@@ -314,50 +473,43 @@ def export_run(
     test_fraction: float = 0.0,
     seed: int = 0,
     overwrite: bool = False,
+    reasoning: str = "field",
+    stop_reasons: Collection[str] | None = None,
+    exclude_stop_reasons: Collection[str] | None = None,
+    dedup: bool = False,
 ) -> ExportResult:
     """Export the trajectories of ``run_dir`` (one run directory, or several exported together into one
     dataset, each row naming its run in ``run_name``), and when asked the discarded samples, to ``out``.
 
-    Raises ExportError for a bad request. A sample that does not parse back is left out and counted.
+    Raises ExportError for a bad request, NothingToExport when no sample is left to write (nothing is
+    written then: ``datasets`` cannot load a dataset of no rows). A sample that does not parse back is
+    left out and counted.
     """
+    opts = ExportOptions(
+        fmt=fmt,
+        reasoning=reasoning,
+        include_partial=include_partial,
+        include_discarded=include_discarded,
+        stop_reasons=None if stop_reasons is None else frozenset(stop_reasons),
+        exclude_stop_reasons=None if exclude_stop_reasons is None else frozenset(exclude_stop_reasons),
+        dedup=dedup,
+    )
     run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
     out = Path(out)
-    if not run_dirs:
-        raise ExportError("name at least one run directory")
-    if fmt not in FORMATS:
-        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if not 0 <= test_fraction < 1:
-        raise ExportError(f"--test_fraction must be at least 0 and below 1, got {test_fraction!r}")
-    for one in run_dirs:
-        if not (one / "trajectories.jsonl").is_file():
-            raise ExportError(f"{one} holds no trajectories.jsonl (is it a finished run's directory?)")
-    if len({d.resolve() for d in run_dirs}) != len(run_dirs):
-        raise ExportError("a run directory is named twice: its samples would be exported twice")
-    if fmt == "parquet":
-        _require_pyarrow()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        # An upload sends the whole directory: files left from another export would be published too.
-        raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")
-    out.mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:  # a previous export's split file must not outlive this one
-        for ext in ("jsonl", "parquet"):
-            (out / f"{split}.{ext}").unlink(missing_ok=True)
-
+    _check_request(run_dirs, out, opts, test_fraction, overwrite)
     result = ExportResult(out=out)
     ext = "parquet" if fmt == "parquet" else "jsonl"
+    rows = _rows(run_dirs, opts, seed, test_fraction, result.skipped)
+    first = next(rows, None)
+    if first is None:  # datasets cannot load a dataset of no rows (JSONL or Parquet): no directory at all
+        raise NothingToExport(
+            f"nothing to export from {', '.join(str(d) for d in run_dirs)} (not exported: "
+            f"{result.skipped_text()}); no dataset written"
+        )
+    _prepare_out(out)
     writers: dict[str, _JsonlWriter | _ParquetWriter] = {}
     try:
-        for record, reason, run_name in _all_samples(run_dirs, include_discarded, result.skipped):
-            if record.get("partial") and not include_partial:
-                result.skipped["partial"] += 1
-                continue
-            try:
-                row = _row(record, fmt, reason, run_name)
-            # A record that does not parse back (JSONDecodeError is a ValueError) is left out, and counted.
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                result.skipped[f"unparsable ({type(exc).__name__})"] += 1
-                continue
-            split = split_of(first_human(record["conversations"]) or "", seed, test_fraction)
+        for split, row in itertools.chain([first], rows):
             if split not in writers:
                 path = out / f"{split}.{ext}"
                 writers[split] = _ParquetWriter(path) if fmt == "parquet" else _JsonlWriter(path)
@@ -368,8 +520,69 @@ def export_run(
         for writer in writers.values():
             writer.close()
     result.files = {s: result.files[s] for s in SPLITS if s in result.files}
-    (out / CARD_NAME).write_text(dataset_card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
+    (out / CARD_NAME).write_text(dataset_card(run_dirs, opts, result, test_fraction, seed), encoding="utf-8")
     return result
+
+
+def _check_request(
+    run_dirs: list[Path], out: Path, opts: ExportOptions, test_fraction: float, overwrite: bool
+) -> None:
+    if not run_dirs:
+        raise ExportError("name at least one run directory")
+    if opts.fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {opts.fmt!r}")
+    if opts.reasoning not in REASONING_MODES:
+        raise ExportError(f"--reasoning must be one of {', '.join(REASONING_MODES)}, got {opts.reasoning!r}")
+    if opts.fmt == "sharegpt" and opts.reasoning != "field":
+        raise ExportError(
+            "--reasoning applies to the message formats; sharegpt keeps the record's <think> text"
+        )
+    if opts.stop_reasons is not None and opts.exclude_stop_reasons is not None:
+        raise ExportError("--stop_reasons and --exclude_stop_reasons exclude each other: name one")
+    if not 0 <= test_fraction < 1:
+        raise ExportError(f"--test_fraction must be at least 0 and below 1, got {test_fraction!r}")
+    for one in run_dirs:
+        if not (one / "trajectories.jsonl").is_file():
+            raise ExportError(f"{one} holds no trajectories.jsonl (is it a finished run's directory?)")
+    if len({d.resolve() for d in run_dirs}) != len(run_dirs):
+        raise ExportError("a run directory is named twice: its samples would be exported twice")
+    if opts.fmt == "parquet":
+        _require_pyarrow()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        # An upload sends the whole directory: files left from another export would be published too.
+        raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")
+
+
+def _prepare_out(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:  # a previous export's split file must not outlive this one
+        for ext in ("jsonl", "parquet"):
+            (out / f"{split}.{ext}").unlink(missing_ok=True)
+
+
+def _rows(
+    run_dirs: list[Path], opts: ExportOptions, seed: int, test_fraction: float, skipped: Counter[str]
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(split, row) for every sample to export, streamed; what is left out is counted in ``skipped``."""
+    seen: set[str] = set()
+    for record, reason, run_name in _all_samples(run_dirs, opts.include_discarded, skipped):
+        why = wanted(record, reason, opts)
+        if why is not None:
+            skipped[why] += 1
+            continue
+        if opts.dedup:
+            digest = sample_digest(record)
+            if digest in seen:
+                skipped["duplicate"] += 1
+                continue
+            seen.add(digest)
+        try:
+            row = _row(record, reason, run_name, opts)
+        # A record that does not parse back (JSONDecodeError is a ValueError) is left out, and counted.
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            skipped[f"unparsable ({type(exc).__name__})"] += 1
+            continue
+        yield split_of(first_human(record["conversations"]) or "", seed, test_fraction), row
 
 
 def _all_samples(
@@ -381,7 +594,8 @@ def _all_samples(
 
 
 # The columns as Hugging Face features (the card's dataset_info): a dtype name, or a struct (dict), or
-# a list of structs ([dict]), or a list of a dtype ([str]).
+# a list of structs ([dict]), or a list of a dtype ([str]). The template formats (arguments as objects,
+# tools as a list) have no fixed schema: their card states none and the loader infers it.
 _CALL = {"id": "string", "type": "string", "function": {"name": "string", "arguments": "string"}}
 _MESSAGE = {
     "role": "string",
@@ -390,63 +604,76 @@ _MESSAGE = {
     "tool_calls": [_CALL],
     "tool_call_id": "string",
 }
+_PARQUET_MESSAGE = {**_MESSAGE, "tool_calls": [{**_CALL, "raw_arguments": "string"}]}
 _COMMON = {
     "tools": "string",
+    "run_name": "string",
     "prompt_index": "int64",
+    "sample_index": "int64",
+    "stop_reason": "string",
     "completed": "bool",
     "partial": "bool",
     "model": "string",
     "served_model": "string",
     "row_id": "string",
     "row_fields": "string",
-    "run_name": "string",
+    "usage": USAGE,
     "toolsets_used": ["string"],
     "discard_reason": "string",
 }
 FEATURES: dict[str, dict[str, Any]] = {
     "openai": {"messages": [_MESSAGE], **_COMMON},
-    "parquet": {"messages": [_MESSAGE], **_COMMON},
+    "parquet": {"messages": [_PARQUET_MESSAGE], **_COMMON},
     "sharegpt": {"conversations": [{"from": "string", "value": "string"}], **_COMMON},
+}
+COLUMNS_TEXT = {
+    "messages": "`messages` (chat messages for `apply_chat_template`: `role`, `content`, `reasoning_content`, "
+    "`tool_calls` with `arguments` as JSON objects, `tool_call_id`), `tools` (a list of OpenAI tool objects, "
+    "`[]` when none)",
+    "openai": "`messages` (OpenAI chat messages: `role`, `content`, `reasoning_content`, `tool_calls`, "
+    "`tool_call_id`; keys that do not apply are left out), `tools` (JSON string: list of OpenAI tool objects)",
+    "prompt_completion": "`prompt` (the system and user messages) and `completion` (everything the model and "
+    "the tools said after them), messages as in the `messages` format (TRL's conversational prompt/completion), "
+    "`tools` (a list of OpenAI tool objects)",
+    "parquet": "`messages` (OpenAI chat messages: `role`, `content`, `reasoning_content`, `tool_calls`, "
+    "`tool_call_id`; null where they do not apply), `tools` (JSON string: list of OpenAI tool objects)",
+    "sharegpt": "`conversations` (ShareGPT `from`/`value`, Hermes function-calling markup: `<tools>`, "
+    "`<think>`, `<tool_call>`, `<tool_response>`), `tools` (JSON string: list of OpenAI tool objects)",
 }
 
 
 def dataset_card(
-    run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: float, seed: int
+    run_dirs: list[Path], opts: ExportOptions, result: ExportResult, test_fraction: float, seed: int
 ) -> str:
     """A Hugging Face dataset card: the YAML header maps each split to its file."""
+    fmt = opts.fmt
     lines = ["---", "configs:", "- config_name: default", "  data_files:"]
     for split, path in result.files.items():
         lines += [f"  - split: {split}", f"    path: {path.name}"]
-    lines += ["dataset_info:", "  features:", *features_yaml(FEATURES[fmt], 2)]
+    if fmt in FEATURES:
+        lines += ["dataset_info:", "  features:", *features_yaml(FEATURES[fmt], 2)]
     lines += ["tags:", "- tool-use", "- agent-trajectories", "---", "", ""]
-    columns = {
-        "openai": "`messages` (OpenAI chat messages: `role`, `content`, `reasoning_content`, `tool_calls`, "
-        "`tool_call_id`; keys that do not apply are left out), `tools` (JSON string: list of OpenAI tool objects)",
-        "parquet": "`messages` (OpenAI chat messages: `role`, `content`, `reasoning_content`, `tool_calls`, "
-        "`tool_call_id`; null where they do not apply), `tools` (JSON string: list of OpenAI tool objects)",
-        "sharegpt": "`conversations` (ShareGPT `from`/`value`, Hermes function-calling markup: `<tools>`, "
-        "`<think>`, `<tool_call>`, `<tool_response>`), `tools` (JSON string: list of OpenAI tool objects)",
-    }[fmt]
     split_text = (
         f"{test_fraction:g} of prompts in `test`, chosen by seed {seed} and the prompt text"
         if test_fraction > 0
         else "one split, `train`"
     )
     counts = ", ".join(f"{s}: {result.rows[s]}" for s in result.files) or "none"
-    skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
     names = [d.resolve().name for d in run_dirs]
     title = names[0] if len(names) == 1 else f"{len(names)} runs"
     runs = ", ".join(f"`{n}`" for n in names)
     body = f"""# {title}
 
-Agent trajectories exported by batch-runner from the run{"s" if len(names) > 1 else ""} {runs} (format `{fmt}`).
+Agent trajectories exported by batch-runner from the run{"s" if len(names) > 1 else ""} {runs} (format `{fmt}`,
+reasoning `{opts.reasoning}`).
 
-- Columns: {columns}; `prompt_index`, `completed`, `partial`, `model` (as requested), `served_model` (as the
-  endpoint answered), `row_id` and `row_fields` (the dataset row's `id` and other fields, JSON text),
-  `run_name`, `toolsets_used`, `discard_reason`
-  (null unless the sample was set aside by a quality filter and exported on request).
+- Columns: {COLUMNS_TEXT[fmt]}; `run_name`, `prompt_index`, `sample_index`, `stop_reason`, `completed`,
+  `partial`, `model` (as requested), `served_model` (as the endpoint answered; `""` when it named none),
+  `row_id` and `row_fields` (the dataset row's `id`, `""` when none, and its other fields as JSON text),
+  `usage` (what the sample spent), `toolsets_used`, `discard_reason` (null unless the sample was set aside
+  by a quality filter and exported on request).
 - Splits: {split_text}. Rows: {counts}.
-- Not exported: {skipped}.
+- Not exported: {result.skipped_text()}.
 
 Publish with `hf upload <user>/<repo> <this directory> --repo-type=dataset`
 (or `huggingface-cli upload <user>/<repo> <this directory> --repo-type=dataset`).
@@ -455,6 +682,13 @@ Publish with `hf upload <user>/<repo> <this directory> --repo-type=dataset`
 
 
 # ----------------------------------------------------------------------------- command line
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError("a comma-separated list of stop reasons (one is empty)")
+    return names
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -469,16 +703,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--format", choices=FORMATS, required=True, dest="fmt")
     parser.add_argument("--out", required=True, help="output directory (created; must be empty)")
     parser.add_argument(
+        "--reasoning",
+        choices=REASONING_MODES,
+        default="field",
+        help="field: reasoning_content; think: folded into content as <think>...</think>; drop; default: field",
+    )
+    parser.add_argument(
         "--include_partial",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="export samples that stopped early (max_turns, context limit, truncation); default: yes",
     )
     parser.add_argument(
+        "--stop_reasons",
+        type=_names,
+        default=None,
+        help="export only samples that stopped for these reasons (comma-separated, e.g. final_answer)",
+    )
+    parser.add_argument(
+        "--exclude_stop_reasons",
+        type=_names,
+        default=None,
+        help="leave out samples that stopped for these reasons; default: invalid_tool_calls (kept samples)",
+    )
+    parser.add_argument(
         "--include_discarded",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="also export the samples in discarded.jsonl, with their discard_reason; default: no",
+    )
+    parser.add_argument(
+        "--dedup", action="store_true", help="leave out samples byte-identical to one already exported"
     )
     parser.add_argument("--test_fraction", type=float, default=0.0, help="share of prompts in the test split")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
@@ -487,7 +742,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit code: 0 when the export is written, 2 for a bad request."""
+    """Exit code: 0 when the export is written, 1 when there was nothing to export, 2 for a bad request."""
     args = parse_args(argv)
     try:
         result = export_run(
@@ -499,7 +754,14 @@ def main(argv: list[str] | None = None) -> int:
             test_fraction=args.test_fraction,
             seed=args.seed,
             overwrite=args.overwrite,
+            reasoning=args.reasoning,
+            stop_reasons=args.stop_reasons,
+            exclude_stop_reasons=args.exclude_stop_reasons,
+            dedup=args.dedup,
         )
+    except NothingToExport as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

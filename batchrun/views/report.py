@@ -75,17 +75,34 @@ def _number(value: Any) -> float | None:
     return value
 
 
+def _json_list(value: Any) -> list[Any]:
+    """A record's JSON-text list field (``usage.providers``, ``usage.unreported``); [] for anything else."""
+    if not isinstance(value, str):
+        return []
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return []
+    return parsed if isinstance(parsed, list) else []
+
+
 def record_usage(rec: dict[str, Any]) -> dict[str, Any]:
     """Tokens and cost of one record: ``metadata.usage`` when present, else the older flat fields."""
     meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
     usage = meta.get("usage") if isinstance(meta.get("usage"), dict) else {}
 
+    unreported = _json_list(usage.get("unreported"))  # counts written as 0 that no response reported
+
     def pick(key: str) -> float | None:
+        if key in unreported:
+            return None
         value = _number(usage.get(key))
         return value if value is not None else _number(meta.get(key))
 
     prompt, completion = pick("prompt_tokens"), pick("completion_tokens")
     providers = usage.get("providers")
+    if isinstance(providers, str):  # JSON text of the list, as records write it now
+        providers = _json_list(providers)
     if isinstance(providers, dict):  # {name: calls}: the names are what the report counts
         providers = list(providers)
     return {

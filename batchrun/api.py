@@ -1,0 +1,143 @@
+"""The reference's Python API: ``BatchRunner(...)`` and ``.run(resume=False)``, for scripts written for it.
+
+    from batch_runner import BatchRunner
+    runner = BatchRunner(dataset_file="data/prompts.jsonl", batch_size=10, run_name="my_run",
+                         providers_allowed=["anthropic"], reasoning_config={"effort": "low"},
+                         prefill_messages=[{"role": "user", "content": "..."}])
+    runner.run(resume=False)
+
+The arguments keep the reference's names and meanings (``max_iterations`` is the CLI's ``--max_turns``;
+provider lists are lists; ``reasoning_config`` a dict; ``prefill_messages`` a list of messages), and
+every value goes through the same checks as the command line's flags (:class:`batchrun.config.RunConfig`):
+a bad one raises :class:`batchrun.config.UsageError` (a ``ValueError``) naming the argument, before
+anything starts. Any other flag of the command line may be passed as a keyword (``output_dir``,
+``sandbox``, ...). ``run()`` returns the command line's exit code (0 done, 3 too many failures,
+130 interrupted) instead of exiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from batchrun.config import RunConfig, UsageError
+
+# The reference's argument -> this runner's flag, where the names differ.
+RENAMED = {"max_iterations": "max_turns"}
+EFFORTS_OFF = ("none",)
+
+
+def reasoning_flags(reasoning_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The reference's ``reasoning_config`` as the flags that send it: ``{"effort": "none"}`` or
+    ``{"enabled": False}`` -> --reasoning_disabled; ``{"enabled": True, "effort": E}`` -> --reasoning_effort=E."""
+    if reasoning_config is None:
+        return {}
+    if not isinstance(reasoning_config, dict):
+        raise UsageError(
+            f"reasoning_config must be a dict such as {{'effort': 'low'}}, got {reasoning_config!r}"
+        )
+    unknown = sorted(set(reasoning_config) - {"enabled", "effort"})
+    if unknown:
+        raise UsageError(f"reasoning_config: unknown key {unknown[0]!r} (known: enabled, effort)")
+    effort = reasoning_config.get("effort")
+    if reasoning_config.get("enabled") is False or effort in EFFORTS_OFF:
+        return {"reasoning_disabled": True}
+    return {"reasoning_effort": effort} if effort is not None else {}
+
+
+class BatchRunner:
+    """A run configured as the reference's ``BatchRunner``; see the module docstring."""
+
+    def __init__(
+        self,
+        dataset_file: str,
+        batch_size: int,
+        run_name: str,
+        distribution: str = "default",
+        max_iterations: int = 10,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        model: str | None = None,
+        num_workers: int = 4,
+        verbose: bool = False,
+        ephemeral_system_prompt: str | None = None,
+        log_prefix_chars: int = 100,
+        providers_allowed: list[str] | None = None,
+        providers_ignored: list[str] | None = None,
+        providers_order: list[str] | None = None,
+        provider_sort: str | None = None,
+        max_tokens: int | None = None,
+        reasoning_config: dict[str, Any] | None = None,
+        prefill_messages: list[dict[str, Any]] | None = None,
+        max_samples: int | None = None,
+        **flags: Any,
+    ) -> None:
+        given = {
+            "dataset_file": dataset_file,
+            "batch_size": batch_size,
+            "run_name": run_name,
+            "distribution": distribution,
+            "max_iterations": max_iterations,
+            "base_url": base_url,
+            "api_key": api_key,
+            "model": model,
+            "num_workers": num_workers,
+            "verbose": verbose,
+            "ephemeral_system_prompt": ephemeral_system_prompt,
+            "log_prefix_chars": log_prefix_chars,
+            "providers_allowed": providers_allowed,
+            "providers_ignored": providers_ignored,
+            "providers_order": providers_order,
+            "provider_sort": provider_sort,
+            "max_tokens": max_tokens,
+            "max_samples": max_samples,
+        }
+        self.flags = {RENAMED.get(k, k): v for k, v in given.items() if v is not None}
+        self.flags.update(reasoning_flags(reasoning_config))
+        if "resume" in flags:
+            raise UsageError("resume is an argument of run(), not of BatchRunner(...)")
+        self.flags.update(flags)
+        if prefill_messages is not None and not isinstance(prefill_messages, list):
+            raise UsageError(
+                f"prefill_messages must be a list of {{role, content}} messages, got {prefill_messages!r}"
+            )
+        self.prefill_messages = prefill_messages
+        with self._config(resume=False) as config:  # every check now, before anything starts
+            self.config = config
+
+    @contextmanager
+    def _config(self, *, resume: bool) -> Iterator[RunConfig]:
+        """The run's configuration; the prefill travels in a file, as --prefill_messages_file does."""
+        path = None
+        flags = dict(self.flags, resume=resume)
+        try:
+            if self.prefill_messages:
+                fd, path = tempfile.mkstemp(prefix="batch-runner-prefill-", suffix=".json")
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump(self.prefill_messages, fh, ensure_ascii=False)
+                flags["prefill_messages_file"] = path
+            config = RunConfig.from_flags(**flags)
+            config.prefill_messages  # noqa: B018  (read now: the file goes when this block ends)
+            yield config
+        finally:
+            if path is not None:
+                os.unlink(path)
+
+    def run(self, resume: bool = False) -> int:
+        """Run (or, with ``resume``, continue) the batch; returns the exit code."""
+        from batchrun.cli import run
+
+        try:
+            with self._config(resume=resume) as config:
+                return run(config)
+        except UsageError as exc:  # what needs more than the arguments (the key, the run directory)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("\nInterrupted. Continue with run(resume=True).", file=sys.stderr)
+            return 130
