@@ -168,7 +168,8 @@ def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_j
     for rec in records:
         usage = rec["metadata"]["usage"]
         assert usage["estimated_calls"] == 1 and usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
-        assert usage["cost_usd"] is None  # a NaN cost is no cost, not a NaN in the file
+        # A NaN cost is no cost, not a NaN in the file: unreported, and typed 0.0 as every unknown count is.
+        assert usage["cost_usd"] == 0.0 and "cost_usd" in json.loads(usage["unreported"])
     budget = stats["this_run"]["budget"]
     assert budget["spent_tokens"] > 0  # the budget counted the estimates, not 0
 

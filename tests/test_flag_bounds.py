@@ -67,7 +67,8 @@ def test_the_ephemeral_prompt_from_a_file_or_the_environment(tmp_path, monkeypat
     secret.write_text("You are terse. (secret scaffolding)")
     config = RunConfig.from_flags(**base, ephemeral_system_prompt_file=str(secret))
     assert config.ephemeral_prompt == "You are terse. (secret scaffolding)"
-    assert "You are terse. (secret scaffolding)" in config.secret_texts()  # redacted wherever it appears
+    # Scaffolding: redacted from side files and logs (never saved); a sample echoing it is kept as written.
+    assert "You are terse. (secret scaffolding)" in config.scaffolding_texts()
     monkeypatch.setenv(EPHEMERAL_PROMPT_ENV, "from the environment")
     with pytest.raises(UsageError, match="given twice"):
         RunConfig.from_flags(**base, ephemeral_system_prompt_file=str(secret))
