@@ -189,6 +189,47 @@ def run_name_flag(value: Any, flag: str) -> str | None:
     return text
 
 
+# ----------------------------------------------------------------------------- scoring flags
+
+from batchrun.scoring import NORMALIZE_STEPS  # noqa: E402  (a leaf: protocol and the sandbox errors)
+
+
+def scorer_flag(value: Any, flag: str) -> tuple[str, ...]:
+    """--scorer: comma-separated scorer names (built-ins, module:function, entry points); auto: the row's."""
+    from batchrun.scoring import parse_scorers
+
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    if value is not None and not isinstance(value, str):
+        raise UsageError(f"--{flag} must be a comma-separated list of scorers, got {_show(value)}")
+    try:
+        return parse_scorers(value)
+    except ValueError as exc:
+        raise UsageError(f"--{flag}: {exc}") from None
+
+
+def regex_flag(value: Any, flag: str) -> str | None:
+    text = text_flag()(value, flag)
+    if text is None:
+        return None
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise UsageError(f"--{flag} is not a valid regular expression: {exc}") from None
+    return text
+
+
+def normalize_flag(value: Any, flag: str) -> tuple[str, ...]:
+    """--answer_normalize: which of case, whitespace, punctuation; "none" for none."""
+    if value is None or value == "none" or value == ():
+        return ()
+    items = list_flag(value, flag)
+    bad = [i for i in items if i not in NORMALIZE_STEPS]
+    if bad:
+        raise UsageError(f"--{flag} must name some of {', '.join(NORMALIZE_STEPS)} (or none), got {bad[0]!r}")
+    return tuple(items)
+
+
 # ----------------------------------------------------------------------------- the configuration
 
 
@@ -275,6 +316,17 @@ class RunConfig:
     temperature: float | None = _flag(float_flag(0, 2, optional=True))
     top_p: float | None = _flag(float_flag(0, 1, low_open=True, optional=True))
     seed_per_request: bool = _flag(parse_bool, False)
+    # Scores and verified samples (batchrun.scoring)
+    scorer: tuple[str, ...] = _flag(scorer_flag, ())
+    answer_pattern: str | None = _flag(regex_flag)
+    answer_normalize: tuple[str, ...] = _flag(normalize_flag, NORMALIZE_STEPS)
+    numeric_tolerance: float = _flag(float_flag(0), 1e-6)
+    verify_timeout: float = _flag(float_flag(0, low_open=True), 60.0)
+    keep: str = _flag(choice_flag(("all", "passed"), optional=False), "all")
+    stop_after_passes: int | None = _flag(int_flag(1, optional=True))
+    judge_model: str | None = _flag(text_flag())
+    judge_base_url: str | None = _flag(text_flag())
+    judge_api_key_env: str = _flag(text_flag(optional=False), "JUDGE_API_KEY")
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -341,12 +393,55 @@ class RunConfig:
             )
         if not re.fullmatch(r"https?://\S+", self.base_url):
             raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")
+        self.check_scoring()
         check_output_dir(self.output_dir, self.run_name)
         if self.cwd_root is not None and not os.path.isdir(self.cwd_root):
             raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
         if not Path(self.dataset_file).is_file():
             raise UsageError(f"--dataset_file: dataset file not found: {self.dataset_file}")
         self.prefill_messages  # noqa: B018  (reads and checks the file now, before anything starts)
+
+    def check_scoring(self) -> None:
+        """The scoring flags together: a judge needs its model, --stop_after_passes its samples."""
+        wants_judge = "judge" in self.scorer
+        if wants_judge and not self.judge_model:
+            raise UsageError("--scorer=judge needs --judge_model (and --judge_base_url, else --base_url)")
+        if self.judge_base_url is not None and not re.fullmatch(r"https?://\S+", self.judge_base_url):
+            raise UsageError(
+                f"--judge_base_url must be an http:// or https:// URL, got {_show(self.judge_base_url)}"
+            )
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.judge_api_key_env):
+            raise UsageError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+
+    @property
+    def judge_api_key(self) -> str | None:
+        """The judge's key: the variable --judge_api_key_env names, else the run's own key when the
+        judge uses the run's endpoint (never a flag's text: flags show in ps)."""
+        key = os.environ.get(self.judge_api_key_env) or None
+        if key is None and (self.judge_base_url is None or self.judge_base_url == self.base_url):
+            key = self.resolved_api_key
+        return key
+
+    def scoring_settings(self) -> Any:
+        """How the workers judge samples (batchrun.scoring.ScoringSettings)."""
+        from batchrun.scoring import JudgeSettings, ScoringSettings
+
+        judge = None
+        if self.judge_model:
+            judge = JudgeSettings(
+                model=self.judge_model,
+                base_url=self.judge_base_url or self.base_url,
+                api_key=self.judge_api_key,
+            )
+        return ScoringSettings(
+            scorers=self.scorer,
+            answer_pattern=self.answer_pattern,
+            numeric_tolerance=self.numeric_tolerance,
+            normalize=self.answer_normalize,
+            verify_timeout_s=self.verify_timeout,
+            judge=judge,
+            keep=self.keep,
+        )
 
     # -- values derived from the flags (computed, never stored apart from them)
 
@@ -505,6 +600,7 @@ class RunConfig:
         texts = [self.ephemeral_system_prompt or ""]
         texts += [m["content"] for m in self.prefill_messages]
         texts += [v for server in self.mcp_servers for v in server.secrets()]  # MCP env and header values
+        texts += [self.judge_api_key or ""] if self.judge_model else []  # the judge's key, like the main one
         return [t for t in texts if t]
 
 

@@ -36,6 +36,20 @@ class RowOptions:
 
 
 @dataclass(frozen=True)
+class RowCheck:
+    """How a dataset row's samples are judged (``batchrun.scoring``): its expected answer, its verify
+    commands and hidden files, its rubric. Not part of the row's identity."""
+
+    answer: Any = None  # a string, a number, or a tuple of acceptable strings
+    verify: tuple[str, ...] = ()  # shell commands run in the sandbox after the last turn
+    verify_files: tuple[tuple[str, str], ...] = ()  # (path, text), written only after the last turn
+    rubric: str | None = None  # instructions for a model judge
+
+    def is_empty(self) -> bool:
+        return self == RowCheck()
+
+
+@dataclass(frozen=True)
 class PromptJob:
     """One row to run, as the parent schedules it."""
 
@@ -52,6 +66,7 @@ class PromptJob:
     options: RowOptions = RowOptions()  # the row's own toolsets, tools, system prompt, max_turns
     sample_index: int = 0  # which of the row's samples (--samples_per_prompt) this job is, from 0
     occurrence: int = 0  # how many earlier dataset rows hold the same prompt text (request seeds differ)
+    check: RowCheck | None = None  # the row's answer / verify / verify_files / rubric (None: none)
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,8 @@ class Outcome:
     error: str | None = None  # failures: the message
     options: RowOptions = RowOptions()  # with prompt, image and cwd, the row's identity
     sample_index: int = 0
+    row_id: str | None = None  # the dataset row's ``id`` (failed and discarded rows carry it too)
+    row_fields: str | None = None  # the dataset row's other fields, as JSON text
 
     @classmethod
     def trajectory(cls, job: PromptJob, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
@@ -103,7 +120,12 @@ def _row(job: PromptJob) -> tuple[int, int, str]:
 
 
 def _sample(job: PromptJob) -> dict[str, Any]:
-    return {"options": job.options, "sample_index": job.sample_index}
+    return {
+        "options": job.options,
+        "sample_index": job.sample_index,
+        "row_id": job.row_id,
+        "row_fields": job.row_fields,
+    }
 
 
 # -- worker -> parent

@@ -12,7 +12,13 @@ import json
 import re
 from typing import Any
 
-from batchrun.record import RECORD_FIELDS, ROW_OPTION_FIELDS, normalize_metadata, sample_index_of
+from batchrun.record import (
+    RECORD_FIELDS,
+    ROW_OPTION_FIELDS,
+    conform_score,
+    normalize_metadata,
+    sample_index_of,
+)
 
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
@@ -210,6 +216,7 @@ def build_record(
     api_calls: int,
     toolsets_used: list[str],
     system: str | None = None,
+    score: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The SPEC record for one finished prompt, with tool statistics over every known tool.
 
@@ -235,6 +242,7 @@ def build_record(
         "toolsets_used": toolsets_used,
         "tool_stats": stats,
         "tool_error_counts": {name: s["failure"] for name, s in stats.items()},
+        "score": conform_score(score),  # batchrun.scoring fills it in while the sandbox is up
     }
     assert tuple(record) == RECORD_FIELDS  # batchrun.record defines the fields; this writes them
     return record

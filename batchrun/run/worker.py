@@ -55,6 +55,7 @@ class WorkerState:
     current: threading.local  # .job: the job a prompt thread runs (for report_spend)
     threads: ThreadPoolExecutor  # one thread per slot: the parent sends at most that many jobs at once
     stopper: BackgroundStopper
+    judge: LLMClient | None = None  # the judge model's client (--judge_model): same limiter, budget, stop
 
 
 _state: WorkerState | None = None  # this process's worker state; set by init_worker
@@ -96,6 +97,8 @@ def init_worker(
             on_done=lambda: send(StopDone()),
         ),
     )
+    if settings.judge_llm is not None:
+        _state.judge = LLMClient(settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_spend)
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
 
@@ -177,6 +180,7 @@ def _run_one(job: PromptJob) -> None:
             sandbox_starts=state.sandbox_starts,
             stop_in_background=state.stopper.submit,
             log=log,
+            judge=state.judge,
         )
         send(outcome)  # the parent counts this slot free and sends the next prompt
     finally:
