@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
+SKIPPED_AFTER_PASSES = "skipped_after_passes"  # a discard reason: the row had --stop_after_passes passes
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ class Outcome:
         return cls(TRAJECTORY, *_row(job), usage, job.image, job.cwd, record=record, **_sample(job))
 
     @classmethod
-    def discarded(cls, job: PromptJob, reason: str, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
+    def discarded(
+        cls, job: PromptJob, reason: str, record: dict[str, Any] | None, usage: dict[str, Any]
+    ) -> Outcome:
         return cls(
             DISCARDED, *_row(job), usage, job.image, job.cwd, record=record, reason=reason, **_sample(job)
         )

@@ -799,3 +799,81 @@ def row_table(tally: ScoreTally) -> dict[str, list[int]]:
 
 def replace_settings(settings: ScoringSettings, **changes: Any) -> ScoringSettings:
     return dataclasses.replace(settings, **changes)
+
+
+# ----------------------------------------------------------------------------- a run's scores
+
+OWN_TOOLSETS = "(row's own toolsets)"
+
+
+class RunScores:
+    """The ``scores`` section of statistics.json, built one record at a time: overall, per
+    distribution, per toolset mix, per stop reason. Each (row, sample) counts once."""
+
+    def __init__(self, distribution: str):
+        self.distribution = distribution
+        self.all = ScoreTally()
+        self.groups: dict[str, dict[str, ScoreTally]] = {
+            "distribution": {},
+            "toolsets": {},
+            "stop_reason": {},
+        }
+        self.seen: set[tuple[str, int]] = set()
+        self.kept_passed = 0
+
+    def add(self, rec: dict[str, Any], row_key: str, sample_index: int) -> None:
+        if (row_key, sample_index) in self.seen:
+            return
+        self.seen.add((row_key, sample_index))
+        score = rec.get("score") or {}
+        meta = rec.get("metadata") or {}
+        self.all.add(score, row_key)
+        dist = self.distribution if meta.get("toolsets_sampled") is not None else OWN_TOOLSETS
+        mix = "+".join(sorted(rec.get("toolsets_used") or [])) or "none"
+        stop = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
+        for group, key in (("distribution", dist), ("toolsets", mix), ("stop_reason", stop)):
+            self.groups[group].setdefault(key, ScoreTally()).add(score, row_key)
+
+    def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
+        out = self.all.summary()
+        out["skipped_after_passes"] = skipped_after_passes
+        for group, tallies in self.groups.items():
+            out[f"by_{group}"] = {k: _short(t.summary()) for k, t in sorted(tallies.items())}
+        return out
+
+
+def _short(summary: dict[str, Any]) -> dict[str, Any]:
+    keep = (
+        "scored",
+        "unscored",
+        "scorer_errors",
+        "passed",
+        "pass_rate",
+        "pass_rate_95ci",
+        "mean_score",
+        "pass_at_k",
+    )
+    return {k: summary[k] for k in keep}
+
+
+def headline(scores: dict[str, Any]) -> str | None:
+    """The closing summary's line about scores (None when nothing was judged)."""
+    n = scores.get("scored", 0)
+    if not n and not scores.get("scorer_errors"):
+        return None
+    parts = []
+    if n:
+        lo, hi = scores["pass_rate_95ci"]
+        parts.append(f"pass rate {scores['pass_rate']:.1%} of {n} scored (95% CI {lo:.1%}-{hi:.1%})")
+        ks = ", ".join(f"{k} {v:.3f}" for k, v in scores["pass_at_k"].items() if v is not None)
+        if ks:
+            parts.append(ks)
+        if scores.get("mean_score") is not None:
+            parts.append(f"mean score {scores['mean_score']:.3f}")
+    if scores.get("unscored"):
+        parts.append(f"{scores['unscored']} unscored")
+    if scores.get("scorer_errors"):
+        parts.append(f"{scores['scorer_errors']} scorer errors")
+    if scores.get("skipped_after_passes"):
+        parts.append(f"{scores['skipped_after_passes']} samples skipped after passes")
+    return "Scores: " + "; ".join(parts)

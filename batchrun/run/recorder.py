@@ -147,6 +147,8 @@ class Recorder:
             "row_key": row_identity(outcome, self.redact),
             "sample_index": outcome.sample_index,
         }
+        # Discards and failures name their dataset row too (its id and fields: answer, verify, ...).
+        row_of = {"row_id": outcome.row_id, "row_fields": outcome.row_fields}
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
             outcome.record["metadata"].update(identity)
         if kind == TRAJECTORY:
@@ -160,6 +162,7 @@ class Recorder:
             row = {
                 "prompt": outcome.prompt,
                 **identity,
+                **row_of,
                 "prompt_index": outcome.prompt_index,
                 "batch_num": outcome.batch_num,
                 "reason": outcome.reason,
@@ -173,6 +176,7 @@ class Recorder:
             row = {
                 "prompt": outcome.prompt,
                 **identity,
+                **row_of,
                 "prompt_index": outcome.prompt_index,
                 "batch_num": outcome.batch_num,
                 "error_class": outcome.error_class,
