@@ -877,3 +877,28 @@ def headline(scores: dict[str, Any]) -> str | None:
     if scores.get("skipped_after_passes"):
         parts.append(f"{scores['skipped_after_passes']} samples skipped after passes")
     return "Scores: " + "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- comparing two runs
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """McNemar's exact two-sided p-value: b pairs passed only in A, c only in B (binomial, p = 1/2)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_bootstrap(diffs: list[float], reps: int = 10_000, seed: int = 0) -> tuple[float, float] | None:
+    """The 95% percentile interval of the mean of paired differences, resampling the pairs (seeded)."""
+    import random
+
+    if not diffs:
+        return None
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
+    return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
