@@ -15,7 +15,8 @@ index; only pairs judged in both runs (passed true or false) count. Printed and 
 * the rows that flipped each way (passed in A and failed in B, and the reverse).
 
 ``--scores=NAME`` compares a re-scoring (``scores.NAME.jsonl`` from ``batchrun.views.score``) instead
-of the runs' own scores.
+of the runs' own scores; ``--scores_a``/``--scores_b`` pick one side's (so a run's own scores can be
+compared with its re-scoring: the same run named twice).
 """
 
 from __future__ import annotations
@@ -84,9 +85,13 @@ def compare_pairs(pairs: list[tuple[bool, bool]], bootstrap: int = 10_000, seed:
 
 
 def compare_runs(
-    run_a: Path, run_b: Path, scores_name: str | None = None, bootstrap: int = 10_000
+    run_a: Path,
+    run_b: Path,
+    scores_a: str | None = None,
+    scores_b: str | None = None,
+    bootstrap: int = 10_000,
 ) -> dict[str, Any]:
-    a, b = sample_verdicts(run_a, scores_name), sample_verdicts(run_b, scores_name)
+    a, b = sample_verdicts(run_a, scores_a), sample_verdicts(run_b, scores_b)
     keys = sorted(set(a) & set(b))
     result = compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in keys], bootstrap)
     by_mix: dict[str, list[Key]] = collections.defaultdict(list)
@@ -179,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scores", help="compare scores.NAME.jsonl (a re-scoring) instead of the records' own"
     )
+    parser.add_argument("--scores_a", help="A's scores.NAME.jsonl (default --scores, else A's own)")
+    parser.add_argument("--scores_b", help="B's scores.NAME.jsonl (default --scores, else B's own)")
     parser.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
@@ -192,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     try:
-        result = compare_runs(args.run_a, args.run_b, args.scores, args.bootstrap)
+        result = compare_runs(
+            args.run_a, args.run_b, args.scores_a or args.scores, args.scores_b or args.scores, args.bootstrap
+        )
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
