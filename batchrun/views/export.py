@@ -50,6 +50,8 @@ from batchrun.record import features_yaml
 from batchrun.storage import iter_jsonl
 
 FORMATS = ("openai", "sharegpt", "parquet")
+# Formats that group a row's samples by their scores (batchrun.views.export_scored): JSONL only.
+SCORED_FORMATS = ("preference", "rewards")
 SPLITS = ("train", "test")
 CARD_NAME = "README.md"
 PARQUET_ROWS_PER_GROUP = 1000
@@ -172,8 +174,30 @@ def _row(record: dict[str, Any], fmt: str, discard_reason: str | None, run_name:
         run_name=run_name,
         toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
         discard_reason=discard_reason,
+        **score_columns(record),
     )
     return row
+
+
+def score_columns(record: dict[str, Any]) -> dict[str, Any]:
+    """The sample's score as flat columns (``score_value``, ``score_passed``, ``scorer``): null when not judged."""
+    score = record.get("score") if isinstance(record.get("score"), dict) else {}
+    value, passed, scorer = score.get("value"), score.get("passed"), score.get("scorer")
+    return {
+        "score_value": float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None,
+        "score_passed": passed if isinstance(passed, bool) else None,
+        "scorer": scorer if isinstance(scorer, str) else None,
+    }
+
+
+def score_filter(record: dict[str, Any], only_passed: bool, min_score: float | None) -> str | None:
+    """Why --only_passed or --min_score leaves a sample out (None: it is exported)."""
+    cols = score_columns(record)
+    if only_passed and cols["score_passed"] is not True:
+        return "not passed (--only_passed)"
+    if min_score is not None and (cols["score_value"] is None or cols["score_value"] < min_score):
+        return f"score below {min_score:g} (--min_score)"
+    return None
 
 
 def _text_or_none(value: Any) -> str | None:
@@ -259,6 +283,9 @@ def _parquet_schema() -> Any:
             ("run_name", pa.string()),
             ("toolsets_used", pa.list_(pa.string())),
             ("discard_reason", pa.string()),
+            ("score_value", pa.float64()),
+            ("score_passed", pa.bool_()),
+            ("scorer", pa.string()),
         ]
     )
 
@@ -314,6 +341,8 @@ def export_run(
     test_fraction: float = 0.0,
     seed: int = 0,
     overwrite: bool = False,
+    only_passed: bool = False,
+    min_score: float | None = None,
 ) -> ExportResult:
     """Export the trajectories of ``run_dir`` (one run directory, or several exported together into one
     dataset, each row naming its run in ``run_name``), and when asked the discarded samples, to ``out``.
@@ -324,8 +353,8 @@ def export_run(
     out = Path(out)
     if not run_dirs:
         raise ExportError("name at least one run directory")
-    if fmt not in FORMATS:
-        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt not in FORMATS + SCORED_FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS + SCORED_FORMATS)}, got {fmt!r}")
     if not 0 <= test_fraction < 1:
         raise ExportError(f"--test_fraction must be at least 0 and below 1, got {test_fraction!r}")
     for one in run_dirs:
@@ -344,12 +373,20 @@ def export_run(
             (out / f"{split}.{ext}").unlink(missing_ok=True)
 
     result = ExportResult(out=out)
+    if fmt in SCORED_FORMATS:
+        from batchrun.views.export_scored import export_scored
+
+        return export_scored(run_dirs, fmt, result, include_partial, include_discarded, test_fraction, seed)
     ext = "parquet" if fmt == "parquet" else "jsonl"
     writers: dict[str, _JsonlWriter | _ParquetWriter] = {}
     try:
         for record, reason, run_name in _all_samples(run_dirs, include_discarded, result.skipped):
             if record.get("partial") and not include_partial:
                 result.skipped["partial"] += 1
+                continue
+            left_out = score_filter(record, only_passed, min_score)
+            if left_out is not None:
+                result.skipped[left_out] += 1
                 continue
             try:
                 row = _row(record, fmt, reason, run_name)
@@ -402,6 +439,9 @@ _COMMON = {
     "run_name": "string",
     "toolsets_used": ["string"],
     "discard_reason": "string",
+    "score_value": "float64",
+    "score_passed": "bool",
+    "scorer": "string",
 }
 FEATURES: dict[str, dict[str, Any]] = {
     "openai": {"messages": [_MESSAGE], **_COMMON},
@@ -444,7 +484,8 @@ Agent trajectories exported by batch-runner from the run{"s" if len(names) > 1 e
 - Columns: {columns}; `prompt_index`, `completed`, `partial`, `model` (as requested), `served_model` (as the
   endpoint answered), `row_id` and `row_fields` (the dataset row's `id` and other fields, JSON text),
   `run_name`, `toolsets_used`, `discard_reason`
-  (null unless the sample was set aside by a quality filter and exported on request).
+  (null unless the sample was set aside by a quality filter and exported on request), `score_value`,
+  `score_passed`, `scorer` (the sample's score; null when it was not judged).
 - Splits: {split_text}. Rows: {counts}.
 - Not exported: {skipped}.
 
@@ -466,7 +507,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         help="the run's directory, data/<run_name>; several runs export into one dataset",
     )
-    parser.add_argument("--format", choices=FORMATS, required=True, dest="fmt")
+    parser.add_argument("--format", choices=FORMATS + SCORED_FORMATS, required=True, dest="fmt")
     parser.add_argument("--out", required=True, help="output directory (created; must be empty)")
     parser.add_argument(
         "--include_partial",
@@ -483,6 +524,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--test_fraction", type=float, default=0.0, help="share of prompts in the test split")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument("--only_passed", action="store_true", help="only samples whose check passed")
+    parser.add_argument("--min_score", type=float, help="only samples scored at least this (0 to 1)")
     return parser.parse_args(argv)
 
 
@@ -499,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
             test_fraction=args.test_fraction,
             seed=args.seed,
             overwrite=args.overwrite,
+            only_passed=args.only_passed,
+            min_score=args.min_score,
         )
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -508,4 +553,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The package's own copy of this module (not __main__), so errors raised by the modules it
+    # imports (export_scored) are this main's ExportError.
+    from batchrun.views.export import main as package_main
+
+    sys.exit(package_main())
