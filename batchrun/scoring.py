@@ -837,6 +837,12 @@ class RunScores:
     def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
         out = self.all.summary()
         out["skipped_after_passes"] = skipped_after_passes
+        out["note"] = (
+            "--stop_after_passes stopped rows early: a row that passed soon has fewer samples, so the pass "
+            "rate and pass@k here describe the kept data, not the model (evaluate without it)"
+            if skipped_after_passes
+            else None
+        )
         for group, tallies in self.groups.items():
             out[f"by_{group}"] = {k: _short(t.summary()) for k, t in sorted(tallies.items())}
         return out

@@ -148,7 +148,8 @@ def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp
     ]
     dataset = write_rows(tmp_path / "d.jsonl", rows)
     out = tmp_path / "data"
-    one_at_a_time = dict(num_workers=1, prompts_per_worker=1, samples_per_prompt=4, stop_after_passes=1)
+    # Slots for every sample at once (2 workers x 16): a row still runs only the samples it may need.
+    one_at_a_time = dict(samples_per_prompt=4, stop_after_passes=1)
     run(server, dataset, out, **one_at_a_time)
     run_dir = out / "run"
     calls = collections.Counter(server.stats()["requests_by_prompt"])
@@ -162,6 +163,7 @@ def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp
     ]
     stats = stats_of(run_dir)
     assert stats["scores"]["skipped_after_passes"] == 3 and stats["remaining_for_resume"] == 0
+    assert "biased" not in (stats["scores"]["note"] or "") and "not the model" in stats["scores"]["note"]
     run(server, dataset, out, resume=True, **one_at_a_time)
     assert collections.Counter(server.stats()["requests_by_prompt"]) == calls
     # More samples later: the easy row still has its pass, so its new samples are skipped as well.

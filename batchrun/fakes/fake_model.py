@@ -84,6 +84,9 @@ Directives (written anywhere in the prompt text; they combine):
                          answer (quoting the last command's output)
 ``[answer:TEXT]``        the final answer ends with the line ``ANSWER: TEXT`` (graded runs: a model
                          that answers right or wrong on purpose)
+``[answers:A|B|...]``    as ``[answer:...]``, the answer chosen by the request's ``seed`` (seed mod
+                         the number of answers; the first without a seed): with ``--seed_per_request``
+                         the samples of one row answer differently, reproducibly
 =======================  ==========================================================================
 
 Server-side 429/5xx answers also carry ``retry-after-ms: 1``: the ``openai`` SDK ignores
@@ -137,7 +140,7 @@ _FLAG_RE = re.compile(
 )
 _VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after):\s*([0-9]+(?:\.[0-9]+)?)\]")
 # Directives with free text (a command, an answer): anything up to the closing bracket.
-_TEXT_RE = re.compile(r"\[(run|answer):([^\]]*)\]")
+_TEXT_RE = re.compile(r"\[(run|answers|answer):([^\]]*)\]")
 _ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern + "|" + _TEXT_RE.pattern)
 
 
@@ -166,6 +169,7 @@ class Directives:
     calls: int | None = None
     run: tuple[str, ...] = ()  # [run:CMD]: terminal commands, one turn each
     answer: str | None = None  # [answer:TEXT]
+    answers: tuple[str, ...] = ()  # [answers:A|B]: one by the request's seed
 
 
 def parse_directives(prompt: str) -> Directives:
@@ -185,6 +189,9 @@ def parse_directives(prompt: str) -> Directives:
     answers = [text for name, text in texts if name == "answer"]
     if answers:
         values["answer"] = answers[-1]
+    choices = [text for name, text in texts if name == "answers"]
+    if choices:
+        values["answers"] = tuple(a.strip() for a in choices[-1].split("|"))
     return Directives(**flags, **values)
 
 
@@ -444,6 +451,14 @@ class _Script:
                     content = f"<think>{content}"
                 if self.d.answer is not None:
                     content += f"\nANSWER: {self.d.answer}"
+                elif self.d.answers:
+                    seed = self.body.get("seed")
+                    pick = (
+                        seed % len(self.d.answers)
+                        if isinstance(seed, int) and not isinstance(seed, bool)
+                        else 0
+                    )
+                    content += f"\nANSWER: {self.d.answers[pick]}"
                 if self.d.empty_answer:
                     content = ""
                 action, finish = "give the final answer", "stop"

@@ -259,6 +259,8 @@ class Dispatch:
             else:
                 skipped = 0
             settled = self.settle(message, track)
+            if self.config.stop_after_passes:
+                skipped += self.hand_out_everywhere(track, inbox)
             return settled + skipped + self.check_budget(inbox, track)
         return 0
 
@@ -269,33 +271,56 @@ class Dispatch:
         A worker holds at most its share of the prompts not yet settled (÷ --num_workers): with fewer
         prompts than slots, the first worker up would otherwise take them all and run them on one
         core while the others idle. The share shrinks as prompts settle, so no slot idles at the end.
+
+        With --stop_after_passes=K a row never has more samples running than it may still need
+        (K minus its passes): a sample that could turn out unnecessary waits, in plan order, until
+        one of the row's samples in flight fails; once the row has K passes its samples are skipped.
         """
         held = track.held[pid]
         skipped = 0
         unsettled = len(track.pending) + sum(len(h) for h in track.held.values())
         share = max(1, -(-unsettled // self.config.num_workers))
-        while (
-            track.pending
-            and track.free.get(pid, 0) > 0
-            and len(held) < share
-            and not self.recorder.budget_hit
-        ):
-            job = track.pending.popleft()
-            if self.row_has_passes(job):
-                skipped += self.settle(Outcome.discarded(job, SKIPPED_AFTER_PASSES, None, {}), track)
-                continue
-            if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
-                track.pending.appendleft(job)
-                track.free.pop(pid, None)
-                return skipped
-            track.free[pid] -= 1
-            held.add(_key(job))
+        k = self.config.stop_after_passes
+        in_flight = self.rows_in_flight(track) if k else collections.Counter()
+        waiting: list[PromptJob] = []
+        try:
+            while (
+                track.pending
+                and track.free.get(pid, 0) > 0
+                and len(held) < share
+                and not self.recorder.budget_hit
+            ):
+                job = track.pending.popleft()
+                if k:
+                    row = row_identity(job, self.recorder.redact)
+                    if self.passes[row] >= k:
+                        skipped += self.settle(Outcome.discarded(job, SKIPPED_AFTER_PASSES, None, {}), track)
+                        continue
+                    if self.passes[row] + in_flight[row] >= k:
+                        waiting.append(job)
+                        continue
+                    in_flight[row] += 1
+                if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
+                    track.pending.appendleft(job)
+                    track.free.pop(pid, None)
+                    return skipped
+                track.free[pid] -= 1
+                held.add(_key(job))
+        finally:
+            track.pending.extendleft(reversed(waiting))  # back at the front, in plan order
         return skipped
 
-    def row_has_passes(self, job: PromptJob) -> bool:
-        """--stop_after_passes: whether the job's row already has enough passing samples to skip it."""
-        k = self.config.stop_after_passes
-        return bool(k) and self.passes[row_identity(job, self.recorder.redact)] >= k
+    def rows_in_flight(self, track: _Tracking) -> collections.Counter[str]:
+        """Row identity -> its samples handed out without an outcome yet."""
+        return collections.Counter(
+            row_identity(track.jobs[key], self.recorder.redact)
+            for keys in track.held.values()
+            for key in keys
+        )
+
+    def hand_out_everywhere(self, track: _Tracking, inbox: Inbox) -> int:
+        """--stop_after_passes: an outcome may free samples of its row for any worker with a free slot."""
+        return sum(self.hand_out(pid, track, inbox) for pid, free in list(track.free.items()) if free > 0)
 
     def count_pass(self, message: Outcome | Skipped, track: _Tracking) -> None:
         """A passing sample's outcome, counted once (an outcome already settled is not)."""
