@@ -291,3 +291,15 @@ def test_kill_9_then_resume_gives_each_sample_one_outcome_with_one_score(tmp_pat
     assert len(seen) == 12 and set(seen.values()) == {1}
     scores = stats_of(run_dir)["scores"]
     assert (scores["scored"], scores["passed"], scores["pass_at_k"]["pass@1"]) == (12, 6, 0.5)
+
+
+def test_a_resume_with_other_scoring_settings_is_refused(tmp_path, capsys):
+    dataset = write_rows(tmp_path / "d.jsonl", ANSWER_ROWS)
+    out = tmp_path / "data"
+    run(None, dataset, out, samples_per_prompt=1)
+    capsys.readouterr()
+    assert exit_code(None, dataset, out, resume=True, keep="passed") == 2
+    err = capsys.readouterr().err
+    assert "keep: 'all' -> 'passed'" in err and "--keep=all" in err
+    assert exit_code(None, dataset, out, resume=True, scorer="includes") == 2
+    assert "--scorer=auto" in capsys.readouterr().err
