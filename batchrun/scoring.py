@@ -577,8 +577,17 @@ JUDGE_SYSTEM = (
 )
 
 
+JUDGE_TEXT_CHARS = 32_000  # of the task and of the answer each: a judge call has a bounded size
+
+
 def judge_messages(prompt: str, answer_text: str, check: RowCheck | None) -> list[dict[str, str]]:
-    parts = [f"Task given to the assistant:\n{prompt}", f"The assistant's final answer:\n{answer_text}"]
+    def cut(text: str) -> str:
+        return text if len(text) <= JUDGE_TEXT_CHARS else text[:JUDGE_TEXT_CHARS] + "\n[...cut...]"
+
+    parts = [
+        f"Task given to the assistant:\n{cut(prompt)}",
+        f"The assistant's final answer:\n{cut(answer_text)}",
+    ]
     if check is not None and check.answer is not None:
         parts.append(f"Reference answer: {json.dumps(check.answer, ensure_ascii=False)}")
     if check is not None and check.rubric:
