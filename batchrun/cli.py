@@ -87,6 +87,7 @@ def main(
     container_disk_mb: int = 4096,
     cwd_root: str | None = None,
     sandbox_network: bool = True,
+    sandbox_settings: dict | str | None = None,
     tool_timeout: float = 180.0,
     prompt_timeout: float = 1800.0,
     request_timeout: float = 600.0,
@@ -162,7 +163,7 @@ def main(
         prompts_per_worker: [concurrency] Prompts in flight per worker process (threads).
         max_sandbox_starts: [concurrency] Concurrent sandbox start-ups across the whole run (local: at most 4 per core).
         ray_address: [concurrency] Run the workers on a Ray cluster: auto, local, host:port or ray://host:port.
-        sandbox: [sandbox] local, docker, singularity or modal; default TERMINAL_ENV, else local.
+        sandbox: [sandbox] local, docker, singularity, modal, an installed backend (entry point batch_runner.sandboxes) or package.module:Class; default TERMINAL_ENV, else local.
         default_image: [sandbox] Image for rows that name none (container backends).
         local_isolation: [sandbox] Local backend: auto (bubblewrap when it works), bwrap (required) or none.
         container_cpus: [sandbox] CPUs of one prompt's sandbox.
@@ -171,6 +172,7 @@ def main(
         container_disk_mb: [sandbox] Size cap of one prompt's working directory (local: and of its /tmp), MiB.
         cwd_root: [sandbox] With --local_isolation=none: the host directory every row's cwd must lie in.
         sandbox_network: [sandbox] Whether the prompt's commands may reach the network.
+        sandbox_settings: [sandbox] A JSON object of the backend's own options, laid over those the flags set (an outside backend's settings; unknown names exit 2).
         tool_timeout: [limits] Seconds per tool call.
         prompt_timeout: [limits] Seconds per prompt (wall clock).
         request_timeout: [limits] Seconds per model call.
@@ -260,6 +262,7 @@ def main(
             container_disk_mb=container_disk_mb,
             cwd_root=cwd_root,
             sandbox_network=sandbox_network,
+            sandbox_settings=sandbox_settings,
             tool_timeout=tool_timeout,
             prompt_timeout=prompt_timeout,
             request_timeout=request_timeout,

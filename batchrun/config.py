@@ -233,6 +233,20 @@ def normalize_flag(value: Any, flag: str) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- the configuration
 
 
+def json_object_flag(value: Any, flag: str) -> dict[str, Any] | None:
+    """A JSON object, as its text (the command line) or a dict (``main(...)`` from Python)."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return parsed
+    raise UsageError(f"--{flag} must be a JSON object such as '{{\"name\": value}}', got {_show(value)}")
+
+
 def _flag(parse: Callable[[Any, str], Any], default: Any = None) -> Any:
     return dataclasses.field(default=default, metadata={"parse": parse})
 
@@ -283,6 +297,7 @@ class RunConfig:
     container_disk_mb: int = _flag(int_flag(16), 4096)
     cwd_root: str | None = _flag(text_flag())
     sandbox_network: bool = _flag(parse_bool, True)
+    sandbox_settings: dict[str, Any] | None = _flag(json_object_flag)  # laid over the backend's options
     # Time limits and retries
     tool_timeout: float = _flag(float_flag(0, low_open=True), 180.0)
     prompt_timeout: float = _flag(float_flag(0, low_open=True), 1800.0)
@@ -361,7 +376,7 @@ class RunConfig:
     def check(self) -> None:
         """The checks that look beyond one flag: combinations, names that must exist, paths."""
         from batchrun.distributions import get_distribution
-        from batchrun.prompt.sandboxes import BACKENDS
+        from batchrun.prompt.sandboxes import backend_class
 
         if not self.dataset_file:
             raise UsageError(
@@ -381,11 +396,10 @@ class RunConfig:
             problem = self.toolset_problem(toolset)
             if problem:
                 raise UsageError(f"--distribution={self.distribution}: {problem}")
-        if self.backend not in BACKENDS:
-            raise UsageError(
-                f"--sandbox: unknown sandbox backend {self.backend!r}; valid: {', '.join(BACKENDS)} "
-                "(--sandbox or the TERMINAL_ENV variable)"
-            )
+        try:
+            backend_class(self.backend)
+        except ValueError as exc:
+            raise UsageError(f"--sandbox: {exc} (--sandbox or the TERMINAL_ENV variable)") from None
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < self.num_workers:
             raise UsageError(
                 f"--max_concurrent_requests={self.max_concurrent_requests} is below "
@@ -579,7 +593,7 @@ class RunConfig:
             cwd_root=os.path.realpath(self.cwd_root) if self.cwd_root else None,
         )
         try:
-            options = backend_class(self.backend).options_from(flags)
+            options = {**backend_class(self.backend).options_from(flags), **(self.sandbox_settings or {})}
             create_sandbox(self.backend, SandboxSpec(run_name=self.run_name, prompt_index=-1), options)
         except ValueError as exc:
             raise UsageError(f"--sandbox={self.backend}: {exc}") from None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import collections
+import hashlib
 import json
 import os
 import subprocess
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -142,3 +145,52 @@ def sandbox_sh(sandbox, command: str) -> str:
     result = sandbox.run(command, timeout_s=20)
     assert result.exit_code == 0, result.output
     return result.output
+
+
+def _project_of(pyproject: Path) -> tuple[str, str, dict[str, dict[str, str]]]:
+    """Name, version and entry points of a test plugin's pyproject.toml (simple TOML only; Python 3.10
+    has no tomllib)."""
+    name = version = ""
+    groups: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in pyproject.read_text("utf-8").splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif "=" in line:
+            key, value = (part.strip().strip('"') for part in line.split("=", 1))
+            if section == "project" and key in ("name", "version"):
+                name, version = (value, version) if key == "name" else (name, value)
+            elif section.startswith("project.entry-points."):
+                groups.setdefault(section.split(".", 2)[2].strip('"'), {})[key] = value
+    return name, version, groups
+
+
+def build_wheel(project: Path, out: Path) -> Path:
+    """A pure-Python wheel of a test package (a plugin, a backend), made from its pyproject.toml without a build backend, so
+    installing it needs nothing from a package index (pip's build isolation would fetch setuptools)."""
+    name, version, groups = _project_of(project / "pyproject.toml")
+    stem = f"{name.replace('-', '_')}-{version}"
+    files: dict[str, bytes] = {}
+    for package in (p for p in project.iterdir() if (p / "__init__.py").is_file()):
+        for source in sorted(package.rglob("*.py")):
+            files[source.relative_to(project).as_posix()] = source.read_bytes()
+    info = f"{stem}.dist-info"
+    files[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+    files[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    files[f"{info}/entry_points.txt"] = "".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) + "\n"
+        for group, points in groups.items()
+    ).encode()
+    record = [
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
+        for path, data in files.items()
+    ]
+    files[f"{info}/RECORD"] = ("\n".join([*record, f"{info}/RECORD,,"]) + "\n").encode()
+    wheel = out / f"{stem}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return wheel

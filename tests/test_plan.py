@@ -52,3 +52,35 @@ def test_a_different_seed_changes_the_draws():
         for seed in (7, 8)
     }
     assert draws[7] != draws[8]
+
+
+def test_a_distribution_that_may_draw_a_toolset_without_its_extra_is_refused_with_the_pip_line(
+    server, tmp_path, monkeypatch, capsys
+):
+    import pytest
+
+    from batchrun.prompt.tools import config as tool_config
+
+    # The light core: the browser extra's module is missing (a name no installation has).
+    monkeypatch.setitem(tool_config.TOOLSET_EXTRAS, "browser", ("browser", ("no_such_module_of_the_test",)))
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["a prompt [calls:0]"])
+    with pytest.raises(SystemExit) as exc:
+        run(server, dataset, tmp_path / "data", distribution="browser_only")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "browser" in err and "pip install 'batch-runner[browser]'" in err
+    assert sum(server.stats()["requests_by_prompt"].values()) == 0
+
+
+def test_a_row_asking_for_a_toolset_without_its_extra_fails_naming_the_pip_line(
+    server, tmp_path, monkeypatch
+):
+    from batchrun.prompt.tools import config as tool_config
+
+    monkeypatch.setitem(tool_config.TOOLSET_EXTRAS, "browser", ("browser", ("no_such_module_of_the_test",)))
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps({"prompt": "browse [calls:0]", "toolsets": ["browser"]}) + "\n", "utf-8")
+    run(server, dataset, tmp_path / "data")
+    failed = read_jsonl(tmp_path / "data" / "run" / "failed.jsonl")
+    assert len(failed) == 1 and "pip install 'batch-runner[browser]'" in failed[0]["error"]
+    assert sum(server.stats()["requests_by_prompt"].values()) == 0

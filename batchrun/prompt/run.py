@@ -23,6 +23,7 @@ from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, StartPool
 from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
+from batchrun.prompt.sandboxes.base import declared
 from batchrun.prompt.tools import mcp
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.prompt.tools.registry import (
@@ -168,7 +169,7 @@ def run_prompt(
         box = create_sandbox(settings.sandbox_backend, spec, options)
         # The start runs on a start-up slot while the prompt's first model call is in flight: the
         # prompt pays for it only when its first tool call comes before the start is done.
-        background = not getattr(box, "synchronous_start", False)
+        background = not declared(box, "synchronous_start")
         if background:
             sandbox = BackgroundStart(box, sandbox_starts)
             sandbox.start()  # returns at once; the first tool call waits for it

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError
+from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError, declared
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +123,17 @@ class BackgroundStart:
 
     # The file tools' direct path (base.DirectFileAccess), when the sandbox has one; else "not this way".
 
+    @property
+    def direct_files(self) -> bool:
+        return declared(self.inner, "direct_files")
+
     def read_direct(self, path: str, max_bytes: int) -> bytes | None:
         self.wait_started()
-        read = getattr(self.inner, "read_direct", None)  # not isinstance(): a Protocol check is slow
-        return read(path, max_bytes) if read is not None else None
+        return self.inner.read_direct(path, max_bytes) if self.direct_files else None
 
     def write_direct(self, path: str, data: bytes, *, make_parents: bool) -> bool:
         self.wait_started()
-        write = getattr(self.inner, "write_direct", None)
-        return write is not None and write(path, data, make_parents=make_parents)
+        return self.direct_files and self.inner.write_direct(path, data, make_parents=make_parents)
 
     def stop(self) -> None:
         """Skip a start still waiting for its slot; otherwise wait for the start, then stop. Idempotent."""
@@ -154,7 +156,7 @@ def start_slots_per_worker(backend: Any, max_sandbox_starts: int, num_workers: i
     else (a container engine, a cloud API): ``--max_sandbox_starts`` bounds it, for the whole run.
     """
     total = max_sandbox_starts
-    per_cpu = getattr(backend, "starts_per_cpu", None)
+    per_cpu = declared(backend, "starts_per_cpu")
     if per_cpu:
         total = min(total, per_cpu * (os.cpu_count() or 1))
     return max(1, total // num_workers)

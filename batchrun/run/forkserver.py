@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 
 # What the forkserver imports before it forks any worker (see batchrun/run/worker_preload.py), and
-# the run's sandbox backend module (batchrun.prompt.sandboxes.BACKENDS: "<name>" is in module
-# batchrun.prompt.sandboxes.<name>; a name that is not a backend imports nothing).
+# the run's sandbox backend module: a built-in "<name>" is in module batchrun.prompt.sandboxes.<name>
+# (batchrun.prompt.sandboxes.BACKENDS), a dotted path "package.module:Class" in its module. The
+# forkserver skips a module that does not import, so a backend found by entry point is not
+# preloaded: each worker imports it at its first sandbox.
 FORKSERVER_PRELOAD = ["batchrun.run.worker_preload"]
 BACKEND_MODULE = "batchrun.prompt.sandboxes.{}"
 
@@ -27,7 +29,11 @@ def start_forkserver(backend: str | None = None) -> None:
     """
     from multiprocessing import forkserver
 
-    extra = [BACKEND_MODULE.format(backend)] if backend and backend.isidentifier() else []
+    extra = []
+    if backend and ":" in backend:
+        extra = [backend.partition(":")[0]]
+    elif backend and backend.isidentifier():
+        extra = [BACKEND_MODULE.format(backend)]
     forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *extra])
     forkserver.ensure_running()
 

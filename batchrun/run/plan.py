@@ -10,12 +10,14 @@ from __future__ import annotations
 import collections
 import hashlib
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.distributions import get_distribution, prompt_rng, sample_toolsets_from_distribution
+from batchrun.prompt.tools.config import extra_missing, pip_line
 from batchrun.prompt.tools.registry import available_toolsets, tools_for_toolsets, toolset_needs
 from batchrun.protocol import PromptJob
 from batchrun.run.dataset import Row
@@ -54,6 +56,8 @@ def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extr
         raise UsageError(f"toolset configuration: {exc}") from None
     dist = get_distribution(config.distribution)
     drawn_rows = [row for row, _ in samples if _draws(row)]
+    if drawn_rows:
+        _refuse_missing_extras(config.distribution, dist.probabilities)
     if drawn_rows and not any(t in available for t in dist.probabilities):
         # Tool-less prompts would spend tokens on samples the distribution never meant to make.
         needs = "; ".join(f"{t}: {toolset_needs(t) or 'not available'}" for t in dist.probabilities)
@@ -110,6 +114,17 @@ def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extr
     return plan
 
 
+def _refuse_missing_extras(name: str, probabilities: Mapping[str, int]) -> None:
+    """Stop the run when the distribution may draw a toolset whose optional extra is not installed."""
+    lacking = {t: e for t, p in probabilities.items() if p > 0 and (e := extra_missing(t))}
+    if lacking:
+        toolsets = ", ".join(sorted(lacking))
+        raise UsageError(
+            f"distribution {name!r} may draw toolset(s) {toolsets}, whose packages are not installed: "
+            f"{pip_line(lacking.values())}, or choose another --distribution (--list_distributions)"
+        )
+
+
 def _draws(row: Row) -> bool:
     """Whether the row's toolsets come from the distribution (it names neither toolsets nor tools)."""
     return row.options.toolsets is None and row.options.tools is None
@@ -128,7 +143,8 @@ def _own_toolsets(row: Row, available: set[str], tool_extra: dict[str, Any]) -> 
         toolsets = sorted({registry[name].toolset for name in opts.tools or ()})
     for toolset in toolsets:
         if toolset not in available:
-            needs = toolset_needs(toolset) or "not configured"
+            extra = extra_missing(toolset)
+            needs = pip_line([extra]) if extra else toolset_needs(toolset) or "not configured"
             return (
                 toolsets,
                 f"the row asks for toolset {toolset!r}, which is not available in this run ({needs})",

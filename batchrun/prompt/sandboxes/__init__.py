@@ -1,11 +1,18 @@
-"""Sandbox backends, chosen by name and imported lazily (docker and modal only load when used)."""
+"""Sandbox backends, found by name and imported lazily (docker and modal only load when used).
+
+``--sandbox`` takes a built-in name (``BACKENDS``), the name of a ``batch_runner.sandboxes`` entry
+point of an installed package, or a dotted path ``package.module:Class``. Whatever it names must
+subclass :class:`~batchrun.prompt.sandboxes.base.SandboxBackend`.
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
+from importlib import metadata
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxSpec
+from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 
 BACKENDS: dict[str, str] = {
     "local": "batchrun.prompt.sandboxes.local:LocalSandbox",
@@ -13,33 +20,67 @@ BACKENDS: dict[str, str] = {
     "singularity": "batchrun.prompt.sandboxes.singularity:SingularitySandbox",
     "modal": "batchrun.prompt.sandboxes.modal:ModalSandbox",
 }
-EXTRAS = {"docker": "docker", "modal": "modal"}
+ENTRY_POINT_GROUP = "batch_runner.sandboxes"
+EXTRAS = {"modal": "modal"}  # backend -> the extra that brings its SDK
 
 __all__ = [
     "BACKENDS",
+    "ENTRY_POINT_GROUP",
     "ExecResult",
     "Sandbox",
+    "SandboxBackend",
     "SandboxError",
     "SandboxSpec",
     "backend_class",
+    "backend_names",
+    "backend_target",
     "create_sandbox",
 ]
 
 
-def backend_class(name: str) -> type:
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def backend_names() -> list[str]:
+    """The backends ``--sandbox`` takes by name: the built-ins, then those of installed packages."""
+    return [*BACKENDS, *sorted(set(_entry_points()) - set(BACKENDS))]
+
+
+def backend_target(name: str) -> str:
+    """``module:Class`` of backend ``name`` (a built-in never yields to an entry point of its name)."""
+    if name in BACKENDS:
+        return BACKENDS[name]
+    if ":" in name:
+        return name
+    found = _entry_points().get(name)
+    if found is None:
+        raise ValueError(
+            f"unknown sandbox backend {name!r}; valid backends: {', '.join(backend_names())}, "
+            f"or a dotted path package.module:Class"
+        )
+    return found
+
+
+@functools.cache
+def backend_class(name: str) -> type[SandboxBackend]:
     """Import and return the class of a backend; an unknown name lists the valid ones."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown sandbox backend {name!r}; valid backends: {', '.join(BACKENDS)}")
-    module_name, _, class_name = BACKENDS[name].partition(":")
+    module_name, _, class_name = backend_target(name).partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         extra = EXTRAS.get(name)
         hint = f" (install it with: pip install 'batch-runner[{extra}]')" if extra else ""
         raise ValueError(f"sandbox backend {name!r} cannot be loaded: {exc}{hint}") from exc
-    return getattr(module, class_name)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, SandboxBackend)):
+        raise ValueError(
+            f"sandbox backend {name!r}: {module_name}:{class_name} is not a subclass of "
+            "batchrun.prompt.sandboxes.SandboxBackend"
+        )
+    return cls
 
 
 def create_sandbox(name: str, spec: SandboxSpec, options: dict[str, Any] | None = None) -> Sandbox:
     """Build (not start) a sandbox of backend ``name`` for ``spec`` with backend ``options``."""
-    return backend_class(name)(spec, **(options or {}))
+    return backend_class(name)(spec, **(options or {}))  # type: ignore[call-arg]

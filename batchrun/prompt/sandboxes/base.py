@@ -11,8 +11,19 @@ import functools
 import re
 import select
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints, runtime_checkable
+from typing import (
+    Any,
+    ClassVar,
+    Protocol,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+    runtime_checkable,
+)
 
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024
 DEFAULT_IMAGE = "python:3.11-slim"  # container backends: the image of rows that name none (--default_image)
@@ -84,12 +95,8 @@ class ExecResult:
 class Sandbox(Protocol):
     """One prompt's isolated environment. ``stop`` is idempotent and safe after a failed ``start``.
 
-    Each backend class also owns its run-level steps, so the orchestrator names no backend:
-    ``options_from(SandboxFlags)`` -> its options (checked when a sandbox is built),
-    ``synchronous_start`` (start on the prompt's thread, or overlapped with its first model call),
-    ``preflight(jobs, options, real_model=..., network=..., dataset=...)`` -> :class:`Preflight` (raises :class:`SetupError`),
-    ``prepare_run(run_name, options, workers_here=...)`` -> the options the workers get, and
-    ``sweep(options)``, which removes whatever the run's sandboxes left once the workers are gone.
+    A backend's class implements this for one prompt and subclasses :class:`SandboxBackend` for the
+    run: its declared capabilities and its run-level steps, so the orchestrator names no backend.
     """
 
     spec: SandboxSpec
@@ -101,6 +108,52 @@ class Sandbox(Protocol):
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult: ...
 
     def stop(self) -> None: ...
+
+
+class SandboxBackend:
+    """The run-level side of a sandbox backend: what it declares and the steps it owns, with defaults.
+
+    A backend is a class that subclasses this and implements :class:`Sandbox` (``__init__(spec,
+    **options)``, ``start``, ``run``, ``stop``). The runner finds it by name (the built-ins, or a
+    ``batch_runner.sandboxes`` entry point) or by dotted path (``package.module:Class``), and reads
+    only what is declared here. ``batchrun.prompt.sandboxes.conformance`` is the contract suite a
+    backend proves itself with.
+    """
+
+    # Capabilities, declared on the class (the runner never probes for them).
+    synchronous_start: ClassVar[bool] = False  # start on the prompt's thread (a quick start), else
+    # overlapped with the prompt's first model call
+    starts_per_cpu: ClassVar[int | None] = None  # a start bound by this machine's CPU: at most this
+    # many at once per core (None: bounded by --max_sandbox_starts alone)
+    direct_files: ClassVar[bool] = False  # implements DirectFileAccess (the file tools skip commands)
+
+    @classmethod
+    def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
+        """The backend's options from the run's sandbox flags (``--sandbox_options`` are laid over them)."""
+        return {}
+
+    @classmethod
+    def preflight(
+        cls, jobs: Sequence[Any], options: dict[str, Any], *, real_model: bool, network: bool,
+        dataset: str = "the dataset",
+    ) -> Preflight:  # fmt: skip
+        """Before any token: check this machine and the jobs (raise :class:`SetupError` to stop the run)."""
+        return Preflight(isolation=cls.__name__)
+
+    @classmethod
+    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        """Once per run, in the parent: the options the workers get."""
+        return options
+
+    @classmethod
+    def sweep(cls, options: dict[str, Any]) -> None:
+        """Once the workers are gone: remove whatever the run's sandboxes left (idempotent)."""
+
+
+def declared(sandbox: object, capability: str) -> Any:
+    """What ``sandbox`` (or a backend class) declares of a :class:`SandboxBackend` capability; a
+    sandbox that is no SandboxBackend (a test's stand-in, a wrapper) has the defaults."""
+    return getattr(sandbox, capability, getattr(SandboxBackend, capability))
 
 
 class DirectFileAccess(Protocol):

@@ -47,6 +47,7 @@ from batchrun.prompt.sandboxes.base import (
     CappedBuffer,
     ExecResult,
     Preflight,
+    SandboxBackend,
     SandboxError,
     SandboxFlags,
     SandboxSpec,
@@ -127,7 +128,7 @@ _storage_opt_ok: dict[str, bool] = {}  # "answer" -> whether the engine takes st
 _empty_dirs: set[tuple[str, str]] = set()  # (image, dir): nothing to copy into a tmpfs at dir
 
 
-class DockerSandbox:
+class DockerSandbox(SandboxBackend):
     """One container per prompt, alive while its attach stream is held open; a server in it runs the commands."""
 
     synchronous_start = False  # a container takes a while: it starts during the first model call

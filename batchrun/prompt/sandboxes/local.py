@@ -59,6 +59,7 @@ from batchrun.prompt.sandboxes.base import (
     CappedBuffer,
     ExecResult,
     Preflight,
+    SandboxBackend,
     SandboxError,
     SandboxFlags,
     SandboxSpec,
@@ -396,12 +397,13 @@ SERVER_STOP_TIMEOUT_S = 2.0
 TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report the killed command
 
 
-class LocalSandbox:
+class LocalSandbox(SandboxBackend):
     """Commands run in ``bash -c``: inside the prompt's bubblewrap namespace when available."""
 
     # The start (mounts, a cgroup, the command server, slirp4netns) overlaps the first model call: at a
     # thousand prompts in flight, starting first put seconds of queueing before every first request.
     synchronous_start = False
+    direct_files = True  # read_direct / write_direct: the file tools reach its tmpfs without a command
     starts_per_cpu = 4  # a start is mostly this machine's CPU (~15-25 ms): more at once only compete
     synchronous_stop = True  # a few ms on the prompt's thread, without messages to the parent
 

@@ -22,6 +22,7 @@ from batchrun.prompt.sandboxes.base import (
     CappedBuffer,
     ExecResult,
     Preflight,
+    SandboxBackend,
     SandboxError,
     SandboxFlags,
     SandboxSpec,
@@ -51,7 +52,7 @@ class ModalOptions:
         check_option_types(self, "modal", positive=("timeout_s", "cpu", "memory_mb", "output_cap_bytes"))
 
 
-class ModalSandbox:
+class ModalSandbox(SandboxBackend):
     """A remote Modal Sandbox kept alive by a sleep loop; terminated at stop()."""
 
     synchronous_start = False  # a cloud sandbox takes seconds: it starts during the first model call
@@ -79,14 +80,6 @@ class ModalSandbox:
                 "--sandbox=modal needs the modal SDK: pip install 'batch-runner[modal]'"
             ) from None
         return Preflight(isolation="modal")
-
-    @classmethod
-    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
-        return options
-
-    @classmethod
-    def sweep(cls, options: dict[str, Any]) -> None:
-        """Nothing to sweep: Modal ends a sandbox whose client is gone, after its timeout."""
 
     # -- one prompt's sandbox
 

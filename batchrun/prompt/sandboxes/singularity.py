@@ -23,6 +23,7 @@ from batchrun.prompt.sandboxes.base import (
     DEFAULT_OUTPUT_CAP_BYTES,
     ExecResult,
     Preflight,
+    SandboxBackend,
     SandboxError,
     SandboxFlags,
     SandboxSpec,
@@ -83,7 +84,7 @@ def image_ref(image: str) -> str:
     return image if os.path.exists(image) else f"docker://{image}"
 
 
-class SingularitySandbox:
+class SingularitySandbox(SandboxBackend):
     """One ``apptainer instance`` per prompt; stop() stops it and removes the private overlay."""
 
     synchronous_start = False  # an image may need converting: it starts during the first model call
@@ -109,14 +110,6 @@ class SingularitySandbox:
         except Exception as exc:
             raise SetupError(f"--sandbox=singularity: {exc}") from None
         return Preflight(isolation="singularity")
-
-    @classmethod
-    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
-        return options
-
-    @classmethod
-    def sweep(cls, options: dict[str, Any]) -> None:
-        """Nothing to sweep: each instance is stopped by its prompt, and dies with its worker."""
 
     # -- one prompt's sandbox
 

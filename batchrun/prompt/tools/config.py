@@ -69,7 +69,7 @@ import importlib.util
 import os
 import shutil
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -510,12 +510,31 @@ def find_chromium(env: Mapping[str, str]) -> str | None:
     return None
 
 
+# Toolsets whose code needs an optional extra of the package (the light core has neither):
+# toolset -> (the extra's name, the modules it brings). A distribution that may draw one of these
+# while its modules are missing is refused at start with the pip line (``missing_extras``).
+TOOLSET_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "browser": ("browser", ("playwright",)),
+}
+
+
+def extra_missing(toolset: str) -> str | None:
+    """The extra ``toolset`` needs and this installation lacks, or None."""
+    extra, modules = TOOLSET_EXTRAS.get(toolset, ("", ()))
+    return extra if any(importlib.util.find_spec(m) is None for m in modules) else None
+
+
+def pip_line(extras: Iterable[str]) -> str:
+    """The command that installs ``extras``: pip install 'batch-runner[a,b]'."""
+    return f"pip install 'batch-runner[{','.join(sorted(set(extras)))}]'"
+
+
 def browser_config(extra: Mapping[str, Any] | None = None) -> BrowserConfig | None:
     env = settings(extra)
     enabled = (_get(env, "BROWSER_ENABLED") or "1").lower()
     if enabled not in ("1", "0", "true", "false", "yes", "no"):
         raise ToolConfigError(f"BROWSER_ENABLED must be 1 or 0, got {enabled!r}")
-    if enabled in ("0", "false", "no") or importlib.util.find_spec("playwright") is None:
+    if enabled in ("0", "false", "no") or extra_missing("browser"):
         return None
     executable = find_chromium(env)
     if executable is None:

@@ -17,7 +17,7 @@ import re
 import shlex
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import DirectFileAccess, ExecResult
+from batchrun.prompt.sandboxes.base import DirectFileAccess, ExecResult, declared
 from batchrun.prompt.tools.registry import Tool, ToolArgumentError, ToolContext, register
 
 MAX_LINE_CHARS = 2000  # longer lines are cut in read_file, with a note
@@ -79,9 +79,8 @@ def _run(ctx: ToolContext, command: str, stdin: bytes | None = None) -> ExecResu
 
 
 def _direct(ctx: ToolContext) -> DirectFileAccess | None:
-    """The sandbox's direct file access, when it has one (the local bubblewrap sandbox). Looked up on
-    its class: isinstance() with a runtime-checkable Protocol inspects every member each time."""
-    return ctx.sandbox if hasattr(type(ctx.sandbox), "read_direct") else None
+    """The sandbox's direct file access, when it declares one (the local bubblewrap sandbox)."""
+    return ctx.sandbox if declared(ctx.sandbox, "direct_files") else None
 
 
 def _header(output: str) -> tuple[list[str], list[str]]:

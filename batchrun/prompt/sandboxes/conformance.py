@@ -1,0 +1,318 @@
+"""The sandbox contract: one suite of checks that every backend passes, built-in or from another package.
+
+A backend proves itself with :func:`run_suite` (or, under pytest, by parametrizing over
+:data:`CHECKS` as tests/sandboxes/test_contract.py does)::
+
+    from batchrun.prompt.sandboxes.conformance import Target, run_suite
+
+    failures = [r for r in run_suite(Target("my_backend", {"region": "eu"})) if not r.passed]
+
+Each check builds sandboxes through the runner's own registry (``create_sandbox``), runs commands
+and tool calls in them and stops every one it made. What differs between backends is said in the
+:class:`Target`, never by the backend's name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.prompt.sandboxes import create_sandbox
+from batchrun.prompt.sandboxes.base import Sandbox, SandboxError, SandboxSpec
+
+CAP = 4096  # the output cap the checks expect: give the backend output_cap_bytes=CAP
+MISSING_IMAGE = "does-not-exist-br:never"
+
+
+def host_processes(sandbox: Sandbox) -> str:
+    """The host's process list: where the processes of a sandbox that shares the host's kernel show."""
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+
+
+def own_processes(sandbox: Sandbox) -> str:
+    """The sandbox's own process list (a container's)."""
+    return sandbox.run("ps", timeout_s=20).output
+
+
+@dataclass
+class Target:
+    """A backend under test and what the contract may expect of it."""
+
+    backend: str  # a name --sandbox takes (built-in, entry point, or package.module:Class)
+    options: dict[str, Any] = field(default_factory=dict)  # its options; include output_cap_bytes=CAP
+    absolute_cwd: str = "/srv/proj/sub"  # an absolute cwd the backend accepts
+    failing_spec: dict[str, Any] = field(default_factory=lambda: {"image": MISSING_IMAGE})  # start fails
+    isolated: bool = True  # a private /tmp, and network=False leaves only loopback
+    processes: Callable[[Sandbox], str] = host_processes  # where its processes can be listed
+    keeps_background: bool = True  # the process tool's commands outlive the command that started them
+    reaps_leftovers: bool = False  # what a command leaves running is killed when it ends
+    run_name: str = field(default_factory=lambda: f"contract-{uuid.uuid4().hex[:8]}")
+
+
+class Skip(Exception):
+    """The check does not apply to this target (its reason is the message)."""
+
+
+Make = Callable[..., Sandbox]
+
+
+@contextmanager
+def sandboxes(target: Target) -> Iterator[Make]:
+    """``make(start=True, **spec_fields)`` builds (and starts) a sandbox; all are stopped at the end."""
+    made: list[Sandbox] = []
+
+    def make(*, start: bool = True, **spec_fields: Any) -> Sandbox:
+        spec = SandboxSpec(run_name=target.run_name, prompt_index=len(made), **spec_fields)
+        sandbox = create_sandbox(target.backend, spec, target.options)
+        made.append(sandbox)
+        if start:
+            sandbox.start()
+        return sandbox
+
+    try:
+        yield make
+    finally:
+        for sandbox in made:
+            sandbox.stop()
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def check_run_gives_output_and_exit_code(target: Target, make: Make) -> None:
+    sandbox = make()
+    result = sandbox.run("echo hello; echo oops >&2; exit 3", timeout_s=20)
+    got = (result.output, result.exit_code, result.timed_out, result.truncated)
+    assert got == ("hello\noops\n", 3, False, False), got
+    assert sandbox.run("true", timeout_s=20).exit_code == 0
+    assert sandbox.run("printf 'no newline'", timeout_s=20).output == "no newline"
+
+
+def check_stdin_reaches_the_command(target: Target, make: Make) -> None:
+    sandbox = make()
+    assert sandbox.run("cat", timeout_s=20, stdin=b"line one\nline two\n").output == "line one\nline two\n"
+    assert sandbox.run("cat", timeout_s=20).output == ""  # no stdin: EOF at once, no hang
+    blob = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    result = sandbox.run("wc -c; ", timeout_s=60, stdin=blob)
+    assert result.output.split() == [str(len(blob))], result.output
+
+
+def check_timeout_kills_the_command_and_its_children(target: Target, make: Make) -> None:
+    sandbox = make()
+    tag = random.randint(10_000, 99_999)  # unique sleep durations to find in the process list
+    started = time.monotonic()
+    result = sandbox.run(f"echo started; sleep {tag} & sleep {tag + 1}; echo never", timeout_s=1)
+    assert time.monotonic() - started < 8
+    assert result.timed_out and result.exit_code == -1, result
+    assert "never" not in result.output
+    time.sleep(0.3)
+    listing = target.processes(sandbox)
+    assert f"sleep {tag}" not in listing and f"sleep {tag + 1}" not in listing, "a child outlived the timeout"
+    assert sandbox.run("echo still usable", timeout_s=20).output == "still usable\n"
+
+
+def check_background_process_does_not_block_run(target: Target, make: Make) -> None:
+    sandbox = make()
+    started = time.monotonic()
+    result = sandbox.run("sleep 50 & echo started", timeout_s=30)
+    assert (result.output, result.exit_code, result.timed_out) == ("started\n", 0, False), result
+    assert time.monotonic() - started < 40, "run waited for the 50 s background sleep"
+
+
+def check_output_is_capped_with_a_note(target: Target, make: Make) -> None:
+    sandbox = make()
+    result = sandbox.run("head -c 100000 /dev/zero | tr '\\0' x; echo; echo tail", timeout_s=30)
+    assert result.truncated and result.exit_code == 0, result.exit_code
+    assert result.output.startswith("x" * CAP)
+    assert "output truncated" in result.output and "tail" not in result.output
+    assert len(result.output) < CAP + 200
+
+
+def check_file_round_trip_through_the_file_tools(target: Target, make: Make) -> None:
+    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call
+
+    sandbox = make()
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=30.0, output_cap_bytes=CAP)
+    offered = {"write_file", "read_file"}
+    content = "héllo wörld\n$HOME `backticks` 'quotes' \\ back\nlast"
+    written = json.loads(
+        execute_tool_call("write_file", json.dumps({"path": "notes/a.txt", "content": content}), ctx, offered)
+    )
+    assert not written.get("error"), written
+    read = json.loads(execute_tool_call("read_file", json.dumps({"path": "notes/a.txt"}), ctx, offered))
+    assert read["content"] == "\n".join(f"{n:6d}|{line}" for n, line in enumerate(content.split("\n"), 1))
+    assert sandbox.run("cat notes/a.txt", timeout_s=20).output == content
+
+
+def check_cwd_is_honoured_and_created(target: Target, make: Make) -> None:
+    cwd = target.absolute_cwd
+    sandbox = make(cwd=cwd)
+    assert sandbox.workdir == cwd, sandbox.workdir
+    assert sandbox.run("pwd", timeout_s=20).output == f"{cwd}\n"
+    sandbox.run("echo x > here.txt", timeout_s=20)
+    assert sandbox.run(f"cat {cwd}/here.txt", timeout_s=20).output == "x\n"
+    relative = make(cwd="rel/dir")
+    assert relative.workdir.endswith("/rel/dir"), relative.workdir
+    assert relative.run("pwd", timeout_s=20).output == f"{relative.workdir}\n"
+
+
+def check_two_sandboxes_do_not_see_each_others_files(target: Target, make: Make) -> None:
+    first, second = make(), make()
+    first.run("echo secret > left.txt", timeout_s=20)
+    assert first.run("cat left.txt", timeout_s=20).output == "secret\n"
+    assert second.run("cat left.txt", timeout_s=20).exit_code != 0, "the second sandbox sees the first's file"
+    if target.isolated:  # without isolation /tmp is the host's: nothing to check there
+        first.run("echo secret > /tmp/left-tmp.txt", timeout_s=20)
+        assert first.run("cat /tmp/left-tmp.txt", timeout_s=20).exit_code == 0
+        assert second.run("cat /tmp/left-tmp.txt", timeout_s=20).exit_code != 0, "/tmp is shared"
+
+
+def check_environment_has_spec_env_and_no_host_secrets(target: Target, make: Make) -> None:
+    import os
+
+    name, secret = "OPENROUTER_API_KEY", f"sk-or-must-not-leak-{uuid.uuid4().hex[:8]}"
+    before = os.environ.get(name)
+    os.environ[name] = secret
+    try:
+        output = make(env={"GREETING": "hi there"}).run("env", timeout_s=20).output
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+    assert "GREETING=hi there" in output
+    assert secret not in output, "a host secret reached the sandbox's environment"
+
+
+def check_no_network_leaves_only_loopback(target: Target, make: Make) -> None:
+    if not target.isolated:
+        raise Skip("a sandbox without isolation cannot cut the network")
+    sandbox = make(network=False)
+    devices = sandbox.run("cat /proc/net/dev", timeout_s=20).output.splitlines()[2:]
+    assert [line.split(":")[0].strip() for line in devices] == ["lo"], devices
+
+
+def check_stop_is_idempotent_and_run_after_stop_fails(target: Target, make: Make) -> None:
+    sandbox = make()
+    sandbox.stop()
+    sandbox.stop()
+    try:
+        sandbox.run("true", timeout_s=5)
+    except SandboxError:
+        return
+    raise AssertionError("run after stop did not raise SandboxError")
+
+
+def check_failed_start_raises_and_stop_is_safe(target: Target, make: Make) -> None:
+    sandbox = make(start=False, **target.failing_spec)
+    try:
+        sandbox.start()
+    except SandboxError:
+        pass
+    else:
+        raise AssertionError(f"start with {target.failing_spec} did not raise SandboxError")
+    sandbox.stop()
+    sandbox.stop()
+
+
+def check_process_tool_keeps_a_background_command_between_commands(target: Target, make: Make) -> None:
+    """Started by the process tool, a command lives on while other commands come and go."""
+    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call
+
+    if not target.keeps_background:
+        raise Skip("this target ends every process with its exec")
+    sandbox = make()
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=30.0, output_cap_bytes=CAP)
+
+    def call(**args: Any) -> dict[str, Any]:
+        return json.loads(execute_tool_call("process", json.dumps(args), ctx, {"process"}))
+
+    def wait_for(proc_id: str, status: str) -> dict[str, Any]:
+        deadline = time.monotonic() + 20
+        while (got := call(action="poll", id=proc_id))["status"] != status:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.2)
+        return got
+
+    tag = random.randint(100_000, 999_999)
+    waiter = call(
+        action="start", command="echo ready; while [ ! -f stop-now ]; do sleep 1; done; echo bye; exit 3"
+    )
+    assert waiter["status"] == "running" and waiter["id"] == "p1", waiter
+    sleeper = call(action="start", command=f"sleep {tag}")
+    # Other commands run and end, and a terminal command's own leftovers are still swept where the
+    # backend sweeps them; the background commands live on.
+    assert sandbox.run(f"echo other; sleep {tag + 1} >/dev/null 2>&1 &", timeout_s=20).output == "other\n"
+    assert sandbox.run("sleep 2", timeout_s=20).exit_code == 0
+    # A command that times out is killed with its children, not the background commands.
+    timed_out = sandbox.run(f"sleep {tag + 2} & sleep {tag + 3}", timeout_s=1)
+    assert timed_out.timed_out
+    assert call(action="poll", id=waiter["id"])["status"] == "running"
+    assert call(action="read", id=waiter["id"])["output"] == "ready\n"
+    assert call(action="read", id=waiter["id"])["output"] == ""  # read only once
+    listing = target.processes(sandbox)
+    assert f"sleep {tag}" in listing
+    assert f"sleep {tag + 2}" not in listing and f"sleep {tag + 3}" not in listing
+    if target.reaps_leftovers:
+        assert f"sleep {tag + 1}" not in listing
+
+    sandbox.run("touch stop-now", timeout_s=20)  # in the working directory the background command shares
+    done = wait_for(waiter["id"], "exited")
+    assert done["exit_code"] == 3 and done["unread_bytes"] == len("bye\n"), done
+    assert call(action="read", id=waiter["id"])["output"] == "bye\n"
+
+    killed = call(action="kill", id=sleeper["id"])
+    assert killed["status"] == "killed", killed
+    deadline = time.monotonic() + 10
+    while f"sleep {tag}\n" in target.processes(sandbox) + "\n":
+        assert time.monotonic() < deadline, "the killed process still runs"
+        time.sleep(0.2)
+    listed = [(p["id"], p["status"]) for p in call(action="list")["processes"]]
+    assert listed == [("p1", "exited"), ("p2", "killed")], listed
+
+
+CHECKS: dict[str, Callable[[Target, Make], None]] = {
+    name.removeprefix("check_"): check
+    for name, check in sorted(globals().items())
+    if name.startswith("check_") and callable(check)
+}
+
+
+# ----------------------------------------------------------------------------- running the suite
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    passed: bool
+    skipped: bool = False
+    detail: str = ""  # the failure (assertion and where), or why it was skipped
+
+
+def run_check(target: Target, name: str) -> None:
+    """Run one check (raises AssertionError on a failure, :class:`Skip` where it does not apply)."""
+    with sandboxes(target) as make:
+        CHECKS[name](target, make)
+
+
+def run_suite(target: Target, names: list[str] | None = None) -> list[CheckResult]:
+    """Run the checks (all, or ``names``) against ``target``; never raises for a failing check."""
+    results = []
+    for name in names or list(CHECKS):
+        try:
+            run_check(target, name)
+        except Skip as exc:
+            results.append(CheckResult(name, passed=True, skipped=True, detail=str(exc)))
+        except Exception:
+            results.append(CheckResult(name, passed=False, detail=traceback.format_exc(limit=4)))
+        else:
+            results.append(CheckResult(name, passed=True))
+    return results
