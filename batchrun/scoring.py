@@ -507,7 +507,7 @@ def verify_score(sandbox: Any, check: RowCheck | None, settings: ScoringSettings
         code = res.exit_code
         if code != 0:
             break
-    output = "\n".join(outputs)
+    output = "".join(o if o.endswith("\n") or not o else o + "\n" for o in outputs)
     passed = code == 0
     credit, why = partial_credit(outputs[-1] if outputs else "")
     value = credit if credit is not None else (1.0 if passed else 0.0)
