@@ -890,7 +890,10 @@ def headline(scores: dict[str, Any]) -> str | None:
     if scores.get("scorer_errors"):
         parts.append(f"{scores['scorer_errors']} scorer errors")
     if scores.get("skipped_after_passes"):
-        parts.append(f"{scores['skipped_after_passes']} samples skipped after passes")
+        parts.append(
+            f"{scores['skipped_after_passes']} samples skipped after passes (rows stopped early: "
+            "these figures describe the kept data, not the model)"
+        )
     return "Scores: " + "; ".join(parts)
 
 
