@@ -267,3 +267,25 @@ def test_tally_summary_by_rows():
     assert s["pass_at_k"]["pass@2"] == pytest.approx((0.5 + 1.0) / 2, abs=1e-6)
     assert s["pass_at_k"]["pass@4"] == pytest.approx(1.0, abs=1e-6)
     assert list(s["pass_at_k"]) == ["pass@1", "pass@2", "pass@4"]
+
+
+def test_a_scorer_from_an_installed_entry_point(tmp_path, monkeypatch):
+    """A package's ``batch_runner.scorers`` entry point, found through its installed metadata."""
+    (tmp_path / "lenscorer.py").write_text(
+        "def short(record, row, sandbox):\n    return {'value': 1.0, 'explanation': 'short enough'}\n",
+        "utf-8",
+    )
+    info = tmp_path / "lenscorer-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lenscorer\nVersion: 0.1\n", "utf-8")
+    (info / "entry_points.txt").write_text("[batch_runner.scorers]\nshort = lenscorer:short\n", "utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from batchrun.scoring import parse_scorers
+
+    assert parse_scorers("short,exact") == ("short", "exact")
+    score = score_sample(
+        record_saying("x"), Judgement(check=None, settings=ScoringSettings(scorers=("short",)))
+    )
+    assert (score["passed"], score["value"], score["explanation"]) == (True, 1.0, "short: short enough")
+    with pytest.raises(ValueError, match="unknown scorer 'long'"):
+        parse_scorers("long")
