@@ -27,6 +27,7 @@ from batchrun.prompt.llm import DIALECTS, PROVIDER_SORTS, REASONING_EFFORTS, LLM
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
+from batchrun.scoring import NORMALIZE_STEPS
 from batchrun.storage import read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -190,8 +191,6 @@ def run_name_flag(value: Any, flag: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------- scoring flags
-
-from batchrun.scoring import NORMALIZE_STEPS  # noqa: E402  (a leaf: protocol and the sandbox errors)
 
 
 def scorer_flag(value: Any, flag: str) -> tuple[str, ...]:

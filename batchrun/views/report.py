@@ -801,8 +801,13 @@ def section_scores(d: RunData) -> str:
             entry[2].append(float(sc["value"]))
     rows = [
         (label, n, passes, f"{sum(vals) / len(vals):.3f}" if vals else "–")
-        for label, (n, passes, vals) in sorted(per_row.items())
+        for label, (n, passes, vals) in sorted(per_row.items())[: d.max_items]
     ]
+    rows_note = (
+        f'<p class="note">The first {d.max_items:,} of {len(per_row):,} rows; all are counted above.</p>'
+        if len(per_row) > d.max_items
+        else ""
+    )
     values = [float(sc["value"]) for _, _, _, sc in judged if isinstance(sc.get("value"), (int, float))]
     failing = [(label, i, where, sc) for label, i, where, sc in judged if sc.get("passed") is not True]
     items = []
@@ -825,6 +830,7 @@ def section_scores(d: RunData) -> str:
         + (f"<h3>Score histogram</h3>{hist}" if hist else "")
         + "<h3>Per row</h3>"
         + table(rows, ("row", "samples", "passes", "mean score"), "scores")
+        + rows_note
         + f"<h3>Failing samples ({len(failing):,})</h3>"
         + ("".join(items) or '<p class="empty">None.</p>')
         + "</section>"
