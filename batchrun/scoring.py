@@ -27,6 +27,7 @@ The estimators (all with ``math`` alone):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import json
@@ -817,23 +818,29 @@ OWN_TOOLSETS = "(row's own toolsets)"
 
 class RunScores:
     """The ``scores`` section of statistics.json, built one record at a time: overall, per
-    distribution, per toolset mix, per stop reason. Each (row, sample) counts once."""
+    distribution, per toolset mix, per stop reason.
 
-    def __init__(self, distribution: str):
+    Each (row, sample) counts as often as the dataset wants it (``wanted``: two identical rows want
+    two; a sample re-run by --rerun_discarded is counted once, kept before discarded); without
+    ``wanted``, once."""
+
+    def __init__(self, distribution: str, wanted: dict[tuple[str, int], int] | None = None):
         self.distribution = distribution
+        self.wanted = wanted
+        self.counted: collections.Counter[tuple[str, int]] = collections.Counter()
         self.all = ScoreTally()
         self.groups: dict[str, dict[str, ScoreTally]] = {
             "distribution": {},
             "toolsets": {},
             "stop_reason": {},
         }
-        self.seen: set[tuple[str, int]] = set()
         self.kept_passed = 0
 
     def add(self, rec: dict[str, Any], row_key: str, sample_index: int) -> None:
-        if (row_key, sample_index) in self.seen:
+        key = (row_key, sample_index)
+        if self.counted[key] >= (self.wanted or {}).get(key, 1):
             return
-        self.seen.add((row_key, sample_index))
+        self.counted[key] += 1
         score = rec.get("score") or {}
         meta = rec.get("metadata") or {}
         self.all.add(score, row_key)

@@ -303,3 +303,17 @@ def test_a_resume_with_other_scoring_settings_is_refused(tmp_path, capsys):
     assert "keep: 'all' -> 'passed'" in err and "--keep=all" in err
     assert exit_code(None, dataset, out, resume=True, scorer="includes") == 2
     assert "--scorer=auto" in capsys.readouterr().err
+
+
+def test_scores_count_each_wanted_sample_once_duplicates_and_reruns_included(tmp_path):
+    twice = {"prompt": "Say 42 twice [calls:0] [answer:42]", "answer": 42}
+    wrong = {"prompt": "Say 43 [calls:0] [answer:42]", "answer": 43}
+    dataset = write_rows(tmp_path / "d.jsonl", [twice, twice, wrong])
+    out = tmp_path / "data"
+    run(None, dataset, out, keep="passed")
+    scores = stats_of(out / "run")["scores"]
+    assert (scores["scored"], scores["passed"]) == (3, 2)  # the duplicate row is its own sample
+    run(None, dataset, out, keep="passed", resume=True, rerun_discarded=True)
+    assert len(read_jsonl(out / "run" / "discarded.jsonl")) == 2  # the failed check ran again
+    scores = stats_of(out / "run")["scores"]
+    assert (scores["scored"], scores["passed"]) == (3, 2)  # and still counts once

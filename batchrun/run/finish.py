@@ -242,7 +242,12 @@ def statistics(
         # Totals over every invocation of this run name: a --resume adds to them, never resets them.
         "run_totals": run_totals(runs),
         "runs": runs,
-        "scores": score_statistics(run_dir, config.distribution, discards_all.get(SKIPPED_AFTER_PASSES, 0)),
+        "scores": score_statistics(
+            run_dir,
+            config.distribution,
+            discards_all.get(SKIPPED_AFTER_PASSES, 0),
+            wanted_samples(rows, config.samples_per_prompt, recorder.redact),
+        ),
         "this_run": {
             "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
             "trajectories": recorder.counts[TRAJECTORY],
@@ -267,10 +272,16 @@ def statistics(
     return stats
 
 
-def score_statistics(run_dir: Path, distribution: str, skipped_after_passes: int = 0) -> dict[str, Any]:
+def score_statistics(
+    run_dir: Path,
+    distribution: str,
+    skipped_after_passes: int = 0,
+    wanted: dict[tuple[str, int], int] | None = None,
+) -> dict[str, Any]:
     """The ``scores`` section: every judged sample the model finished, kept (trajectories.jsonl) or
-    discarded (a failed check under --keep=passed, no reasoning, ...), each (row, sample) once."""
-    scores = RunScores(distribution)
+    discarded (a failed check under --keep=passed, no reasoning, ...), each (row, sample) as often as
+    the dataset wants it (``wanted``; a sample the dataset no longer wants: once)."""
+    scores = RunScores(distribution, wanted)
     for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
         if valid_record(rec):
             scores.add(rec, *record_sample(rec))
