@@ -350,15 +350,18 @@ def acceptable(answer: Any) -> list[Any]:
 _NUMBER_RE = re.compile(r"[-+]?(?:\d[\d,_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
+_FRACTION_END_RE = re.compile(r"([-+]?\d+)\s*/\s*(\d+)\s*\.?\s*$")
+
+
 def parse_number(text: str) -> float | None:
-    """The last number in ``text`` (thousands separators allowed; a fraction a/b too), or None."""
-    frac = re.findall(r"([-+]?\d+)\s*/\s*(\d+)", text)
+    """The last number in ``text`` (thousands separators allowed; a fraction a/b at the end too), or None."""
+    frac = _FRACTION_END_RE.search(text)
+    if frac:
+        num, den = int(frac.group(1)), int(frac.group(2))
+        return num / den if den else None
     found = _NUMBER_RE.findall(text)
     if not found:
         return None
-    if frac and text.rstrip(" .").endswith(f"{frac[-1][0]}/{frac[-1][1]}".replace(" ", "")):
-        num, den = int(frac[-1][0]), int(frac[-1][1])
-        return num / den if den else None
     try:
         return float(found[-1].replace(",", "").replace("_", ""))
     except ValueError:

@@ -135,6 +135,7 @@ def test_reasoning_never_decides_the_answer():
         ("ANSWER: 1,234.5", 1234.5, "numeric", True),
         ("ANSWER: 0.333", "1/3", "numeric", False),  # outside the default tolerance
         ("ANSWER: 3/4", 0.75, "numeric", True),
+        ("ANSWER: 3 / 4.", 0.75, "numeric", True),
         ("ANSWER: no number", 3, "numeric", False),
         ("the answer is blue and green", "green", "includes", True),
         ("ANSWER: ab123", r"^ab\d+$", "regex", True),
