@@ -128,6 +128,7 @@ def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
         score = {"scorer": "none", "explanation": "not judged"}
     return conform(score, SCORE)
 
+
 # Dataset fields the runner itself reads; every other field of a row travels in ``row_fields``. The
 # per-row settings are recorded in their own typed fields (row_toolsets, ...), never also in row_fields.
 ROW_RUN_FIELDS = (

@@ -184,7 +184,9 @@ def score_columns(record: dict[str, Any]) -> dict[str, Any]:
     score = record.get("score") if isinstance(record.get("score"), dict) else {}
     value, passed, scorer = score.get("value"), score.get("passed"), score.get("scorer")
     return {
-        "score_value": float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None,
+        "score_value": float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+        else None,
         "score_passed": passed if isinstance(passed, bool) else None,
         "scorer": scorer if isinstance(scorer, str) else None,
     }
