@@ -126,6 +126,16 @@ def main(
     max_response_mb: float = 32.0,
     ephemeral_system_prompt_file: str | None = None,
     endpoint_grace: float = 120.0,
+    scorer: str | None = None,
+    answer_pattern: str | None = None,
+    answer_normalize: str = "case,whitespace,punctuation",
+    numeric_tolerance: float = 1e-6,
+    verify_timeout: float = 60.0,
+    keep: str = "all",
+    stop_after_passes: int | None = None,
+    judge_model: str | None = None,
+    judge_base_url: str | None = None,
+    judge_api_key_env: str = "JUDGE_API_KEY",
 ) -> int:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
@@ -211,6 +221,22 @@ def main(
         ephemeral_system_prompt_file: [output] File holding the ephemeral system prompt (kept out of ps;
             or set BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT).
         endpoint_grace: [endpoint] Seconds a dead endpoint may take to come back before the run stops (exit 5).
+        scorer: [scores] Scorers, comma-separated: exact, includes, regex, numeric, json, verify, judge,
+            module:function or a batch_runner.scorers entry point; default: the row's (verify if it has
+            one, else its answer: numeric for a number, else exact; else none).
+        answer_pattern: [scores] Regex extracting the answer from the final text (group 1, last match);
+            default: the last \\boxed{}, else the last "ANSWER: ..." line, else the whole text.
+        answer_normalize: [scores] For exact/includes: any of case, whitespace, punctuation, or none.
+        numeric_tolerance: [scores] numeric: passes when |got - want| <= tolerance x max(1, |want|).
+        verify_timeout: [scores] Seconds per verify command (a timeout leaves the sample unscored).
+        keep: [scores] all, or passed: only samples whose check passed go to trajectories.jsonl (the
+            rest to discarded.jsonl: failed_check, unscored).
+        stop_after_passes: [scores] Once a row has this many passing samples, its samples not yet
+            started are not run (recorded as skipped_after_passes; not run by --resume either).
+        judge_model: [scores] Model id of the judge (--scorer=judge).
+        judge_base_url: [scores] The judge's endpoint; default --base_url.
+        judge_api_key_env: [scores] Environment variable holding the judge's key (default JUDGE_API_KEY;
+            without it, the run's own key when the judge uses the run's endpoint).
     """
     try:
         config = RunConfig.from_flags(
@@ -283,6 +309,16 @@ def main(
             max_response_mb=max_response_mb,
             ephemeral_system_prompt_file=ephemeral_system_prompt_file,
             endpoint_grace=endpoint_grace,
+            scorer=scorer,
+            answer_pattern=answer_pattern,
+            answer_normalize=answer_normalize,
+            numeric_tolerance=numeric_tolerance,
+            verify_timeout=verify_timeout,
+            keep=keep,
+            stop_after_passes=stop_after_passes,
+            judge_model=judge_model,
+            judge_base_url=judge_base_url,
+            judge_api_key_env=judge_api_key_env,
         )
         if config.list_distributions:
             prepare_tools(config)
@@ -597,6 +633,29 @@ def worker_settings(
         tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
         request_seed=config.seed if config.seed_per_request else None,
         budget_gate=config.budget_tokens is not None or config.budget_usd is not None,
+        scoring=config.scoring_settings(),
+        judge_llm=judge_llm_config(config, llm),
+    )
+
+
+def judge_llm_config(config: RunConfig, llm: Any) -> Any:
+    """The judge model's client settings: the run's (timeouts, retries, dialect), another model and endpoint."""
+    judge = config.scoring_settings().judge
+    if judge is None:
+        return None
+    base_url = llm.base_url if config.judge_base_url is None else judge.base_url  # mock: the fake's URL
+    return dataclasses.replace(
+        llm,
+        model=judge.model,
+        base_url=base_url,
+        api_key=judge.api_key,
+        max_tokens=judge.max_tokens,
+        reasoning_effort=None,
+        reasoning_disabled=False,
+        extra_body={},
+        temperature=0.0,
+        top_p=None,
+        stream=False,
     )
 
 

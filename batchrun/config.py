@@ -28,6 +28,7 @@ from batchrun.prompt.llm import DIALECTS, MAX_CALL_TOKENS, PROVIDER_SORTS, REASO
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
+from batchrun.scoring import NORMALIZE_STEPS
 from batchrun.storage import read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -196,6 +197,45 @@ def run_name_flag(value: Any, flag: str) -> str | None:
     return text
 
 
+# ----------------------------------------------------------------------------- scoring flags
+
+
+def scorer_flag(value: Any, flag: str) -> tuple[str, ...]:
+    """--scorer: comma-separated scorer names (built-ins, module:function, entry points); auto: the row's."""
+    from batchrun.scoring import parse_scorers
+
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    if value is not None and not isinstance(value, str):
+        raise UsageError(f"--{flag} must be a comma-separated list of scorers, got {_show(value)}")
+    try:
+        return parse_scorers(value)
+    except ValueError as exc:
+        raise UsageError(f"--{flag}: {exc}") from None
+
+
+def regex_flag(value: Any, flag: str) -> str | None:
+    text = text_flag()(value, flag)
+    if text is None:
+        return None
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise UsageError(f"--{flag} is not a valid regular expression: {exc}") from None
+    return text
+
+
+def normalize_flag(value: Any, flag: str) -> tuple[str, ...]:
+    """--answer_normalize: which of case, whitespace, punctuation; "none" for none."""
+    if value is None or value == "none" or value == ():
+        return ()
+    items = list_flag(value, flag)
+    bad = [i for i in items if i not in NORMALIZE_STEPS]
+    if bad:
+        raise UsageError(f"--{flag} must name some of {', '.join(NORMALIZE_STEPS)} (or none), got {bad[0]!r}")
+    return tuple(items)
+
+
 # ----------------------------------------------------------------------------- the configuration
 
 
@@ -303,6 +343,17 @@ class RunConfig:
     max_response_mb: float = _flag(float_flag(0, 4096, low_open=True), 32.0)
     ephemeral_system_prompt_file: str | None = _flag(text_flag())
     endpoint_grace: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 120.0)
+    # Scores and verified samples (batchrun.scoring)
+    scorer: tuple[str, ...] = _flag(scorer_flag, ())
+    answer_pattern: str | None = _flag(regex_flag)
+    answer_normalize: tuple[str, ...] = _flag(normalize_flag, NORMALIZE_STEPS)
+    numeric_tolerance: float = _flag(float_flag(0), 1e-6)
+    verify_timeout: float = _flag(float_flag(0, low_open=True), 60.0)
+    keep: str = _flag(choice_flag(("all", "passed"), optional=False), "all")
+    stop_after_passes: int | None = _flag(int_flag(1, optional=True))
+    judge_model: str | None = _flag(text_flag())
+    judge_base_url: str | None = _flag(text_flag())
+    judge_api_key_env: str = _flag(text_flag(optional=False), "JUDGE_API_KEY")
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -377,6 +428,7 @@ class RunConfig:
             )
         self.check_machine_bounds()
         self.ephemeral_prompt  # noqa: B018  (reads and checks the file now)
+        self.check_scoring()
         check_output_dir(self.output_dir, self.run_name)
         if self.cwd_root is not None and not os.path.isdir(self.cwd_root):
             raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
@@ -409,6 +461,48 @@ class RunConfig:
             raise UsageError(
                 f"--container_cpus must be at most this machine's {cpus} CPUs, got {self.container_cpus:g}"
             )
+
+    def check_scoring(self) -> None:
+        """The scoring flags together: a judge needs its model, --stop_after_passes its samples."""
+        wants_judge = "judge" in self.scorer
+        if wants_judge and not self.judge_model:
+            raise UsageError("--scorer=judge needs --judge_model (and --judge_base_url, else --base_url)")
+        if self.judge_base_url is not None and not re.fullmatch(r"https?://\S+", self.judge_base_url):
+            raise UsageError(
+                f"--judge_base_url must be an http:// or https:// URL, got {_show(self.judge_base_url)}"
+            )
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.judge_api_key_env):
+            raise UsageError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+
+    @property
+    def judge_api_key(self) -> str | None:
+        """The judge's key: the variable --judge_api_key_env names, else the run's own key when the
+        judge uses the run's endpoint (never a flag's text: flags show in ps)."""
+        key = os.environ.get(self.judge_api_key_env) or None
+        if key is None and (self.judge_base_url is None or self.judge_base_url == self.base_url):
+            key = self.resolved_api_key
+        return key
+
+    def scoring_settings(self) -> Any:
+        """How the workers judge samples (batchrun.scoring.ScoringSettings)."""
+        from batchrun.scoring import JudgeSettings, ScoringSettings
+
+        judge = None
+        if self.judge_model:
+            judge = JudgeSettings(
+                model=self.judge_model,
+                base_url=self.judge_base_url or self.base_url,
+                api_key=self.judge_api_key,
+            )
+        return ScoringSettings(
+            scorers=self.scorer,
+            answer_pattern=self.answer_pattern,
+            numeric_tolerance=self.numeric_tolerance,
+            normalize=self.answer_normalize,
+            verify_timeout_s=self.verify_timeout,
+            judge=judge,
+            keep=self.keep,
+        )
 
     # -- values derived from the flags (computed, never stored apart from them)
 
@@ -608,7 +702,8 @@ class RunConfig:
         creds = url_credentials(self.base_url)[1]
         texts += [creds[1]] if creds and len(creds[1]) >= 4 else []  # the --base_url password
         texts += [v for server in self.mcp_servers for v in server.secrets() if v]  # MCP env and header values
-        return texts
+        texts += [self.judge_api_key or ""] if self.judge_model else []  # the judge's key, like the main one
+        return [t for t in texts if t]
 
     def scaffolding_texts(self) -> list[str]:
         """The ephemeral prompt and the prefill contents: never saved, redacted from side files, but no

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
+SKIPPED_AFTER_PASSES = "skipped_after_passes"  # a discard reason: the row had --stop_after_passes passes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,20 @@ class RowOptions:
 
 
 @dataclass(frozen=True)
+class RowCheck:
+    """How a dataset row's samples are judged (``batchrun.scoring``): its expected answer, its verify
+    commands and hidden files, its rubric. Not part of the row's identity."""
+
+    answer: Any = None  # a string, a number, or a tuple of acceptable strings
+    verify: tuple[str, ...] = ()  # shell commands run in the sandbox after the last turn
+    verify_files: tuple[tuple[str, str], ...] = ()  # (path, text), written only after the last turn
+    rubric: str | None = None  # instructions for a model judge
+
+    def is_empty(self) -> bool:
+        return self == RowCheck()
+
+
+@dataclass(frozen=True)
 class PromptJob:
     """One row to run, as the parent schedules it."""
 
@@ -52,6 +67,7 @@ class PromptJob:
     options: RowOptions = RowOptions()  # the row's own toolsets, tools, system prompt, max_turns
     sample_index: int = 0  # which of the row's samples (--samples_per_prompt) this job is, from 0
     occurrence: int = 0  # how many earlier dataset rows hold the same prompt text (request seeds differ)
+    check: RowCheck | None = None  # the row's answer / verify / verify_files / rubric (None: none)
 
 
 @dataclass(frozen=True)
@@ -71,13 +87,17 @@ class Outcome:
     error: str | None = None  # failures: the message
     options: RowOptions = RowOptions()  # with prompt, image and cwd, the row's identity
     sample_index: int = 0
+    row_id: str | None = None  # the dataset row's ``id`` (failed and discarded rows carry it too)
+    row_fields: str | None = None  # the dataset row's other fields, as JSON text
 
     @classmethod
     def trajectory(cls, job: PromptJob, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
         return cls(TRAJECTORY, *_row(job), usage, job.image, job.cwd, record=record, **_sample(job))
 
     @classmethod
-    def discarded(cls, job: PromptJob, reason: str, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
+    def discarded(
+        cls, job: PromptJob, reason: str, record: dict[str, Any] | None, usage: dict[str, Any]
+    ) -> Outcome:
         return cls(
             DISCARDED, *_row(job), usage, job.image, job.cwd, record=record, reason=reason, **_sample(job)
         )
@@ -103,7 +123,12 @@ def _row(job: PromptJob) -> tuple[int, int, str]:
 
 
 def _sample(job: PromptJob) -> dict[str, Any]:
-    return {"options": job.options, "sample_index": job.sample_index}
+    return {
+        "options": job.options,
+        "sample_index": job.sample_index,
+        "row_id": job.row_id,
+        "row_fields": job.row_fields,
+    }
 
 
 # -- worker -> parent

@@ -39,6 +39,7 @@ RECORD_FIELDS = (
     "toolsets_used",
     "tool_stats",
     "tool_error_counts",
+    "score",
 )
 
 # One structured call of a gpt turn; arguments as a JSON string (always a JSON object's text).
@@ -106,6 +107,42 @@ ROW_OPTION_FIELDS = ("row_toolsets", "row_tools", "row_system_sha256", "row_max_
 
 TOOL_STAT: dict[str, Any] = {"count": INT, "success": INT, "failure": INT}
 
+# score: how the sample was judged (batchrun.scoring). In every record: an unjudged sample has
+# value/passed null and scorer "none"; a scorer that broke has value/passed null and its error.
+SCORE_PART: dict[str, Any] = {
+    "scorer": STRING,
+    "value": FLOAT,
+    "passed": BOOL,
+    "explanation": STRING,
+    "error": STRING,
+}
+JUDGE_USAGE: dict[str, Any] = {
+    "requests": INT,
+    "calls": INT,
+    "prompt_tokens": INT,
+    "completion_tokens": INT,
+    "cost_usd": FLOAT,
+}
+SCORE: dict[str, Any] = {
+    "value": FLOAT,  # 0..1 (verify's partial credit, a judge's grade); null: not judged, or the scorer broke
+    "passed": BOOL,
+    "scorer": STRING,  # the scorers, comma-separated ("none": not judged)
+    "explanation": STRING,
+    "error": STRING,  # why a scorer gave no verdict (raised, timed out, bad judge reply); null: none
+    "verify_exit_code": INT,  # the verify commands' last exit code (-1: timed out); null: no verify
+    "verify_output": STRING,  # their output, its end kept (VERIFY_OUTPUT_CHARS); never shown to the model
+    "judge_usage": JUDGE_USAGE,  # the judge model's calls, apart from the agent's metadata.usage
+    "parts": [SCORE_PART],  # each scorer's own verdict; null when none ran
+}
+
+
+def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
+    """A ``score`` with every key of :data:`SCORE`; none at all is the unjudged score."""
+    if score is None:
+        score = {"scorer": "none", "explanation": "not judged"}
+    return conform(score, SCORE)
+
+
 # Dataset fields the runner itself reads; every other field of a row travels in ``row_fields``. The
 # per-row settings are recorded in their own typed fields (row_toolsets, ...), never also in row_fields.
 ROW_RUN_FIELDS = (
@@ -133,6 +170,7 @@ def record_schema(tool_names: list[str]) -> dict[str, Any]:
         "toolsets_used": [STRING],
         "tool_stats": {name: TOOL_STAT for name in tool_names},
         "tool_error_counts": {name: INT for name in tool_names},
+        "score": SCORE,
     }
 
 

@@ -69,6 +69,7 @@ def situation(
     row: dict | None = None,
     served: str | None = "served/model",
     own: dict | None = None,
+    score: dict | None = None,
 ) -> dict:
     """A record as run_prompt and the recorder build it, for one kind of backend, endpoint and outcome."""
     usage = Usage()
@@ -118,6 +119,7 @@ def situation(
         partial=not completed,
         api_calls=2 if with_calls else 1,
         toolsets_used=["terminal", "file"],
+        score=score,
     )
     rec["metadata"]["row_key"] = row_key("List files", meta["image"], meta["cwd"])  # as the recorder does
     return rec
@@ -136,6 +138,16 @@ SITUATIONS = {
         completed=True,
         row={"id": 7, "answer": "42"},
         own={"toolsets": ("terminal", "file"), "tools": ("terminal",), "system": "Be brief.", "max_turns": 4},
+        # A verify score with partial credit (as batchrun.scoring.combine gives it).
+        score={
+            "value": 1,  # an int must still be written as a float
+            "passed": True,
+            "scorer": "verify",
+            "explanation": "verify: exit 0",
+            "verify_exit_code": 0,
+            "verify_output": "ok\n",
+            "parts": [{"scorer": "verify", "value": 1.0, "passed": True, "explanation": "exit 0"}],
+        },
     ),
     "local_partial_calls_unknown_served": dict(
         backend="local",
@@ -147,7 +159,26 @@ SITUATIONS = {
         served=None,
     ),
     "docker_discarded_sample_no_calls": dict(
-        backend="docker", providers=True, reasoning_tokens=False, cost=True, with_calls=False, completed=True
+        backend="docker",
+        providers=True,
+        reasoning_tokens=False,
+        cost=True,
+        with_calls=False,
+        completed=True,
+        # A judge that answered nonsense: no verdict, its error and its usage.
+        score={
+            "scorer": "judge",
+            "explanation": "",
+            "error": "judge: the judge's reply holds no JSON verdict",
+            "judge_usage": {
+                "requests": 1,
+                "calls": 1,
+                "prompt_tokens": 9,
+                "completion_tokens": 2,
+                "cost_usd": 0,
+            },
+            "parts": [{"scorer": "judge", "explanation": "", "error": "no JSON verdict"}],
+        },
     ),
 }
 

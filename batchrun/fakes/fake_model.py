@@ -79,6 +79,14 @@ Directives (written anywhere in the prompt text; they combine):
 ``[served_other]``       the response's ``model`` is ``mock-served-other``, not the requested name
 ``[truncate_call]``      the first response calls ``terminal`` with arguments cut off mid-JSON,
                          ``finish_reason: "length"``
+``[run:CMD]``            instead of the default plan, turn 0 calls ``terminal`` with CMD (any text
+                         without ``]``; several ``[run:...]`` are several turns, in order), then the
+                         answer (quoting the last command's output)
+``[answer:TEXT]``        the final answer ends with the line ``ANSWER: TEXT`` (graded runs: a model
+                         that answers right or wrong on purpose)
+``[answers:A|B|...]``    as ``[answer:...]``, the answer chosen by the request's ``seed`` (seed mod
+                         the number of answers; the first without a seed): with ``--seed_per_request``
+                         the samples of one row answer differently, reproducibly
 =======================  ==========================================================================
 
 Server-side 429/5xx answers also carry ``retry-after-ms: 1``: the ``openai`` SDK ignores
@@ -131,7 +139,9 @@ _FLAG_RE = re.compile(
     r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other|truncate_call)\]"
 )
 _VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after):\s*([0-9]+(?:\.[0-9]+)?)\]")
-_ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern)
+# Directives with free text (a command, an answer): anything up to the closing bracket.
+_TEXT_RE = re.compile(r"\[(run|answers|answer):([^\]]*)\]")
+_ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern + "|" + _TEXT_RE.pattern)
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,9 @@ class Directives:
     flaky: int = 0
     slow: float = 0.0
     calls: int | None = None
+    run: tuple[str, ...] = ()  # [run:CMD]: terminal commands, one turn each
+    answer: str | None = None  # [answer:TEXT]
+    answers: tuple[str, ...] = ()  # [answers:A|B]: one by the request's seed
 
 
 def parse_directives(prompt: str) -> Directives:
@@ -171,6 +184,14 @@ def parse_directives(prompt: str) -> Directives:
             values[name] = int(float(raw))
     if "error" in values and not 400 <= values["error"] <= 599:
         del values["error"]
+    texts = [(m.group(1), m.group(2).strip()) for m in _TEXT_RE.finditer(prompt)]
+    values["run"] = tuple(text for name, text in texts if name == "run" and text)
+    answers = [text for name, text in texts if name == "answer"]
+    if answers:
+        values["answer"] = answers[-1]
+    choices = [text for name, text in texts if name == "answers"]
+    if choices:
+        values["answers"] = tuple(a.strip() for a in choices[-1].split("|"))
     return Directives(**flags, **values)
 
 
@@ -381,7 +402,12 @@ class _Script:
             name = "terminal" if "terminal" in self.offered else next(iter(self.offered))
             _, args = self.terminal("ls") if name == "terminal" else self.other(name)
             prefix.append([(name, args[:-1])])  # drop the closing brace: not valid JSON
-        body = self.calls_plan(self.d.calls) if self.d.calls is not None else self.default_plan()
+        if self.d.run:
+            body = [[self.terminal(command)] for command in self.d.run]
+        elif self.d.calls is not None:
+            body = self.calls_plan(self.d.calls)
+        else:
+            body = self.default_plan()
         return prefix + body
 
     def loop_call(self) -> tuple[str, str]:
@@ -423,6 +449,16 @@ class _Script:
                     content += '\nA call looks like\n<tool_call>\n{"name": "terminal", "arguments": {}}\n</tool_call>'
                 if self.d.unclosed_think:
                     content = f"<think>{content}"
+                if self.d.answer is not None:
+                    content += f"\nANSWER: {self.d.answer}"
+                elif self.d.answers:
+                    seed = self.body.get("seed")
+                    pick = (
+                        seed % len(self.d.answers)
+                        if isinstance(seed, int) and not isinstance(seed, bool)
+                        else 0
+                    )
+                    content += f"\nANSWER: {self.d.answers[pick]}"
                 if self.d.empty_answer:
                     content = ""
                 action, finish = "give the final answer", "stop"

@@ -41,6 +41,8 @@ from batchrun.prompt.trajectory import (
     unoffered_call,
 )
 from batchrun.protocol import Outcome, PromptJob
+from batchrun.record import conform_score
+from batchrun.scoring import Judgement, ScoringSettings, keep_problem, score_sample
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class RunSettings:
     budget_gate: bool = (
         False  # a run-wide budget: every model call asks the parent first (batchrun/run/budget.py)
     )
+    # How samples are judged (--scorer, --keep, ...); the judge model's client settings (--judge_model).
+    scoring: ScoringSettings = field(default_factory=ScoringSettings)
+    judge_llm: LLMConfig | None = None
 
 
 def run_prompt(
@@ -119,6 +124,7 @@ def run_prompt(
     sandbox_starts: threading.Semaphore | Any | None = None,
     stop_in_background: Callable[[Callable[[], None]], None] | None = None,
     log=None,
+    judge: LLMClient | None = None,
 ) -> Outcome:
     """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent.
 
@@ -128,6 +134,10 @@ def run_prompt(
     ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path: the
     outcome is returned at once and the stop runs later. A backend with ``synchronous_stop`` (local:
     a few ms) always stops here, so its stop costs the parent no messages.
+
+    The sample is judged after the agent's last turn and before the sandbox stops (the row's verify
+    commands and hidden files, text scorers, ``judge``: the judge model's client); its ``score`` goes
+    into the record.
     """
     started = time.monotonic()
     usage = Usage()
@@ -209,6 +219,35 @@ def run_prompt(
         )
         # The backend's own value, without waiting for a start the prompt never needed.
         isolation = sandbox.inner.isolation if background else sandbox.isolation
+        metadata = _metadata(job, settings, result, usage, limits, tools, isolation, sandbox_image)
+        record = build_record(
+            prompt_index=job.prompt_index,
+            messages=result.messages,
+            tool_schemas=[t.openai_schema() for t in tools],
+            known_tools=known_tool_names(),
+            metadata=metadata,
+            completed=result.completed,
+            partial=result.partial,
+            api_calls=result.api_calls,
+            toolsets_used=list(job.toolsets),
+            system=own.system,
+        )
+        # Judged now: the agent is done and the sandbox still holds what it made. Hidden files are
+        # written only here, so the model never saw them.
+        record["score"] = conform_score(
+            score_sample(
+                record,
+                Judgement(
+                    check=job.check,
+                    settings=settings.scoring,
+                    row=_row_of(job),
+                    sandbox=sandbox,
+                    judge=judge,
+                    prompt=job.prompt,
+                    deadline=started + limits.prompt_timeout_s + settings.scoring.verify_timeout_s,
+                ),
+            )
+        )
     except LLMError as exc:
         return Outcome.failed(job, exc.error_class, str(exc), usage.as_dict())
     except SandboxError as exc:
@@ -235,16 +274,48 @@ def run_prompt(
                 timings["sandbox_start_wait_s"] = sandbox.start_wait_s
                 timings["sandbox_start_s"] = sandbox.start_s
                 timings["sandbox_start_blocked_s"] = sandbox.blocked_s
+    # The sandbox's timings and the duration as they are now that it stopped (judging included).
+    record["metadata"].update(timings, duration_s=round(time.monotonic() - started, 3))
+    spent = with_judge_usage(usage.as_dict(), record["score"]["judge_usage"])
+    reason = quality_problem(result.messages, record, settings)
+    if reason is not None:
+        return Outcome.discarded(job, reason, record, spent)
+    return Outcome.trajectory(job, record, spent)
+
+
+def with_judge_usage(usage: dict[str, Any], judge: dict[str, Any] | None) -> dict[str, Any]:
+    """What the sample cost the run (the outcome's usage: budget, statistics): the agent's calls plus the
+    judge's. The record keeps them apart (metadata.usage, score.judge_usage)."""
+    if not judge:
+        return usage
+    total = dict(usage)
+    for key, value in judge.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[key] = (total.get(key) or 0) + value
+    return total
+
+
+def _metadata(
+    job: PromptJob,
+    settings: RunSettings,
+    result: Any,
+    usage: Usage,
+    limits: LoopLimits,
+    tools: list[Any],
+    isolation: str,
+    sandbox_image: str,
+) -> dict[str, Any]:
+    """The record's metadata as known after the last turn (the sandbox's stop timings are added later)."""
+    own = job.options
     metadata = {
         "batch_num": job.batch_num,
         "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
         "model": settings.llm.model,
         "served_model": result.served_model,
         "stop_reason": result.stop_reason,
-        "duration_s": round(time.monotonic() - started, 3),
+        "duration_s": 0.0,
         "sandbox": settings.sandbox_backend,
         "isolation": isolation,
-        **timings,
         "usage": usage.as_dict(),
         # Nothing was drawn for a row that names its own toolsets or tools: the toolsets it was given
         # (row_toolsets, row_tools say so), never null, so the column has its type in every run.
@@ -263,22 +334,16 @@ def run_prompt(
     }
     metadata["prompt_tokens"] = metadata["usage"]["prompt_tokens"]
     metadata["completion_tokens"] = metadata["usage"]["completion_tokens"]
-    record = build_record(
-        prompt_index=job.prompt_index,
-        messages=result.messages,
-        tool_schemas=[t.openai_schema() for t in tools],
-        known_tools=known_tool_names(),
-        metadata=metadata,
-        completed=result.completed,
-        partial=result.partial,
-        api_calls=result.api_calls,
-        toolsets_used=list(job.toolsets),
-        system=own.system,
-    )
-    reason = quality_problem(result.messages, record, settings)
-    if reason is not None:
-        return Outcome.discarded(job, reason, record, usage.as_dict())
-    return Outcome.trajectory(job, record, usage.as_dict())
+    return metadata
+
+
+def _row_of(job: PromptJob) -> dict[str, Any]:
+    """The dataset row as a user's scorer sees it: its fields, with its prompt."""
+    try:
+        fields = json.loads(job.row_fields or "{}")
+    except ValueError:
+        fields = {}
+    return {**(fields if isinstance(fields, dict) else {}), "prompt": job.prompt}
 
 
 def request_seed_base(run_seed: int, job: PromptJob) -> int:
@@ -321,7 +386,7 @@ def quality_problem(
     with_reasoning, _ = reasoning_counts(record["conversations"])
     if settings.require_reasoning and with_reasoning == 0:
         return "no_reasoning"
-    return None
+    return keep_problem(record.get("score") or {}, settings.scoring.keep)  # --keep=passed
 
 
 def _timed_start(sandbox: Any) -> Callable[[float], float]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from batchrun.record import (
     RECORD_FIELDS,
+    conform_score,
     identity_options,
     names_of,
     normalize_metadata,
@@ -234,6 +235,7 @@ def build_record(
     api_calls: int,
     toolsets_used: list[str],
     system: str | None = None,
+    score: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The SPEC record for one finished prompt, with tool statistics over every known tool.
 
@@ -259,6 +261,7 @@ def build_record(
         "toolsets_used": toolsets_used,
         "tool_stats": stats,
         "tool_error_counts": {name: s["failure"] for name, s in stats.items()},
+        "score": conform_score(score),  # batchrun.scoring fills it in while the sandbox is up
     }
     assert tuple(record) == RECORD_FIELDS  # batchrun.record defines the fields; this writes them
     return record

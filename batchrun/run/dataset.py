@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.protocol import RowOptions
+from batchrun.protocol import RowCheck, RowOptions
 from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
 
 MAX_SAMPLES_PER_ROW = 10_000
@@ -38,6 +38,7 @@ class Row:
     row_id: str | None = None  # the row's ``id`` as a string, when it has one
     options: RowOptions = RowOptions()  # the row's own toolsets, tools, system prompt, max_turns
     samples: int | None = None  # the row's own ``samples`` (None: --samples_per_prompt)
+    check: RowCheck | None = None  # answer / verify / verify_files / rubric (batchrun.scoring); None: none
 
 
 def tool_catalog() -> dict[str, tuple[str, ...]]:
@@ -133,6 +134,7 @@ def _parse_line(
     try:
         options = _row_options(obj, catalog, toolsets)
         samples = _positive_int(obj, "samples", MAX_SAMPLES_PER_ROW)
+        check = _row_check(obj)
     except ValueError as exc:
         return str(exc), None
     extra = {k: v for k, v in obj.items() if k not in ROW_RUN_FIELDS}
@@ -146,9 +148,21 @@ def _parse_line(
         row_id=row_id_text(extra),
         options=options,
         samples=samples,
+        check=check,
     )
     seen[prompt] += 1
     return None, row
+
+
+def _row_check(obj: dict[str, Any]) -> RowCheck | None:
+    """The row's check fields (answer, verify, verify_files, rubric), checked; None when it has none.
+    They also stay in ``row_fields``, where they always travelled."""
+    from batchrun.scoring import check_fields
+
+    check = check_fields(obj)
+    if check.verify_files and not check.verify:
+        raise ValueError("field 'verify_files' needs a 'verify' command that uses them")
+    return None if check.is_empty() else check
 
 
 def _row_options(obj: dict[str, Any], catalog: Mapping[str, tuple[str, ...]], known: set[str]) -> RowOptions:

@@ -30,6 +30,7 @@ from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.protocol import (
     FAILED,
+    SKIPPED_AFTER_PASSES,
     EndpointHealth,
     Grant,
     Log,
@@ -52,6 +53,7 @@ from batchrun.run.budget import Budget, Decision
 from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
+from batchrun.run.resume import row_identity
 
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
@@ -76,6 +78,19 @@ class _Tracking:
         default_factory=lambda: collections.defaultdict(set)
     )  # pid -> prompts handed to it without an outcome yet
     stops: collections.Counter[Any] = field(default_factory=collections.Counter)  # pid -> stops not done yet
+
+
+def passing_samples(run_dir: Any) -> collections.Counter[str]:
+    """Row identity -> passing samples in the run's batch files (a resume's --stop_after_passes counts them)."""
+    from batchrun.prompt.trajectory import record_row_key, valid_record
+    from batchrun.storage import batch_files, iter_jsonl
+
+    passes: collections.Counter[str] = collections.Counter()
+    for _, path in batch_files(run_dir):
+        for rec in iter_jsonl(path):
+            if valid_record(rec) and ((rec.get("score") or {}).get("passed") is True):
+                passes[record_row_key(rec)] += 1
+    return passes
 
 
 class WorkerProcesses:
@@ -146,6 +161,10 @@ class Dispatch:
         self.usage_fault_warned = False
         self.watch: EndpointWatch | None = None  # made with the inbox, in run()
         self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 4)
+        # --stop_after_passes: row identity -> passing samples so far (earlier runs' included)
+        self.passes: collections.Counter[str] = (
+            passing_samples(config.run_dir) if config.stop_after_passes else collections.Counter()
+        )
 
     def run(self, batches: list[list[PromptJob]]) -> None:
         """Hand the batches' prompts out as workers' slots free, and write every outcome the moment it arrives."""
@@ -238,7 +257,7 @@ class Dispatch:
         message, pid = event.message, event.pid
         if isinstance(message, Ready):  # a worker is up: fill its slots
             track.free[pid] = message.slots
-            self.hand_out(pid, track, inbox)
+            return self.hand_out(pid, track, inbox)
         elif isinstance(message, (StopQueued, StopDone)):
             self.count_stop(message, pid, track.stops)
         elif isinstance(message, Spend):  # a call of a prompt in flight: the budget counts it at once
@@ -268,13 +287,16 @@ class Dispatch:
         elif isinstance(message, Log):
             self.pbar.write(self.format_log(message), file=sys.stderr)
         elif isinstance(message, (Outcome, Skipped)):
+            self.count_pass(message, track)  # before the slot is refilled: a row done needs no more
             held = track.held.get(pid)
             if held is not None and _key(message) in held:
                 held.discard(_key(message))
                 track.free[pid] = track.free.get(pid, 0) + 1
                 # The slot is refilled before the outcome is written (append + fsync), so the
                 # worker does not wait for the parent's disk.
-                self.hand_out(pid, track, inbox)
+                skipped = self.hand_out(pid, track, inbox)
+            else:
+                skipped = 0
             settled = self.settle(message, track)
             if isinstance(message, Outcome) and self.budget.active:
                 usage = message.usage or {}
@@ -283,7 +305,9 @@ class Dispatch:
                     (usage.get("calls") or 0) if message.kind != FAILED else 0
                 )  # a stopped one teaches nothing
                 self.grant(inbox, self.budget.prompt_done(_key(message), calls, tokens))
-            return settled + self.check_budget(inbox, track)
+            if self.config.stop_after_passes:
+                skipped += self.hand_out_everywhere(track, inbox)
+            return settled + skipped + self.check_budget(inbox, track)
         return 0
 
     @staticmethod
@@ -291,30 +315,74 @@ class Dispatch:
         for pid, rid, ok in decisions:
             inbox.send(pid, Grant(rid, ok))
 
-    def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> None:
+    def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> int:
         """Send worker ``pid`` the next prompts of the plan, one per free slot (none once the budget is spent).
+        Returns how many it settled without running them (their row has its --stop_after_passes).
 
         A worker holds at most its share of the prompts not yet settled (÷ --num_workers): with fewer
         prompts than slots, the first worker up would otherwise take them all and run them on one
         core while the others idle. The share shrinks as prompts settle, so no slot idles at the end.
+
+        With --stop_after_passes=K a row never has more samples running than it may still need
+        (K minus its passes): a sample that could turn out unnecessary waits, in plan order, until
+        one of the row's samples in flight fails; once the row has K passes its samples are skipped.
         """
         held = track.held[pid]
+        skipped = 0
         unsettled = len(track.pending) + sum(len(h) for h in track.held.values())
         share = max(1, -(-unsettled // self.config.num_workers))
-        while (
-            track.pending
-            and track.free.get(pid, 0) > 0
-            and len(held) < share
-            and not self.recorder.budget_hit
-            and not self.endpoint_dead
-        ):
-            job = track.pending.popleft()
-            if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
-                track.pending.appendleft(job)
-                track.free.pop(pid, None)
-                return
-            track.free[pid] -= 1
-            held.add(_key(job))
+        k = self.config.stop_after_passes
+        in_flight = self.rows_in_flight(track) if k else collections.Counter()
+        waiting: list[PromptJob] = []
+        try:
+            while (
+                track.pending
+                and track.free.get(pid, 0) > 0
+                and len(held) < share
+                and not self.recorder.budget_hit
+                and not self.endpoint_dead
+            ):
+                job = track.pending.popleft()
+                if k:
+                    row = row_identity(job, self.recorder.redact)
+                    if self.passes[row] >= k:
+                        skipped += self.settle(Outcome.discarded(job, SKIPPED_AFTER_PASSES, None, {}), track)
+                        continue
+                    if self.passes[row] + in_flight[row] >= k:
+                        waiting.append(job)
+                        continue
+                    in_flight[row] += 1
+                if not inbox.send(pid, job):  # it is gone: its exit (and its held prompts' failure) follows
+                    track.pending.appendleft(job)
+                    track.free.pop(pid, None)
+                    return skipped
+                track.free[pid] -= 1
+                held.add(_key(job))
+        finally:
+            track.pending.extendleft(reversed(waiting))  # back at the front, in plan order
+        return skipped
+
+    def rows_in_flight(self, track: _Tracking) -> collections.Counter[str]:
+        """Row identity -> its samples handed out without an outcome yet."""
+        return collections.Counter(
+            row_identity(track.jobs[key], self.recorder.redact)
+            for keys in track.held.values()
+            for key in keys
+        )
+
+    def hand_out_everywhere(self, track: _Tracking, inbox: Inbox) -> int:
+        """--stop_after_passes: an outcome may free samples of its row for any worker with a free slot."""
+        return sum(self.hand_out(pid, track, inbox) for pid, free in list(track.free.items()) if free > 0)
+
+    def count_pass(self, message: Outcome | Skipped, track: _Tracking) -> None:
+        """A passing sample's outcome, counted once (an outcome already settled is not)."""
+        if not self.config.stop_after_passes or not isinstance(message, Outcome):
+            return
+        if (message.prompt_index, message.sample_index) not in track.outstanding.get(message.batch_num, ()):
+            return
+        score = (message.record or {}).get("score") or {}
+        if message.kind == "trajectory" and score.get("passed") is True:
+            self.passes[row_identity(message, self.recorder.redact)] += 1
 
     def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:
         """Record an outcome (or a skip) once: a prompt already settled (e.g. by a lost-batch report) is ignored."""

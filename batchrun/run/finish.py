@@ -26,11 +26,12 @@ from batchrun.prompt.trajectory import (
     valid_outcome_row,
     valid_record,
 )
-from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY
+from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
+from batchrun.scoring import RunScores, headline
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     batch_files,
@@ -275,6 +276,12 @@ def statistics(
         # Totals over every invocation of this run name: a --resume adds to them, never resets them.
         "run_totals": run_totals(runs),
         "runs": runs,
+        "scores": score_statistics(
+            run_dir,
+            config.distribution,
+            discards_all.get(SKIPPED_AFTER_PASSES, 0),
+            wanted_samples(rows, config.samples_per_prompt, recorder.redact),
+        ),
         "this_run": {
             "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
             "trajectories": recorder.counts[TRAJECTORY],
@@ -297,6 +304,26 @@ def statistics(
     }
     write_json_atomic(run_dir / "statistics.json", stats, recorder.redact)
     return stats
+
+
+def score_statistics(
+    run_dir: Path,
+    distribution: str,
+    skipped_after_passes: int = 0,
+    wanted: dict[tuple[str, int], int] | None = None,
+) -> dict[str, Any]:
+    """The ``scores`` section: every judged sample the model finished, kept (trajectories.jsonl) or
+    discarded (a failed check under --keep=passed, no reasoning, ...), each (row, sample) as often as
+    the dataset wants it (``wanted``; a sample the dataset no longer wants: once)."""
+    scores = RunScores(distribution, wanted)
+    for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
+        if valid_record(rec):
+            scores.add(rec, *record_sample(rec))
+    for row in iter_jsonl(run_dir / "discarded.jsonl"):
+        rec = row.get("record") if isinstance(row, dict) else None
+        if valid_outcome_row(row, "reason") and isinstance(rec, dict):
+            scores.add(rec, *record_sample(rec))
+    return scores.summary(skipped_after_passes)
 
 
 RUN_TOTAL_KEYS = ("attempted", "trajectories", "requests", "prompt_tokens", "completion_tokens", "cost_usd")
@@ -425,6 +452,9 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
             f"Reasoning coverage: {r['coverage']:.1%} of {r['turns_with_reasoning'] + r['turns_without_reasoning']} assistant turns"
         )
     print(f"Discarded (all runs): {stats['discarded']['total']} {stats['discarded']['by_reason'] or ''}")
+    line = headline(stats.get("scores") or {})
+    if line:
+        print(line)
     print_failures(run_dir, recorder)
     d = stats["dropped_at_merge"]
     if any(d.values()):

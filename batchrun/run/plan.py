@@ -100,6 +100,7 @@ def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extr
                 options=row.options,
                 sample_index=s,
                 occurrence=row.occurrence,
+                check=row.check,
             )
         )
     if plan.missing:

@@ -158,6 +158,8 @@ class Recorder:
             "row_key": row_identity(outcome, sample_text),
             "sample_index": outcome.sample_index,
         }
+        # Discards and failures name their dataset row too (its id and fields: answer, verify, ...).
+        row_of = {"row_id": outcome.row_id, "row_fields": outcome.row_fields}
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
             # Typed again with the identity in: no column of a record is null (batchrun.record).
             outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
@@ -180,6 +182,7 @@ class Recorder:
             row = {
                 "prompt": outcome.prompt,
                 **identity,
+                **row_of,
                 "prompt_index": outcome.prompt_index,
                 "batch_num": outcome.batch_num,
                 "reason": reason,
@@ -196,6 +199,7 @@ class Recorder:
             row = {
                 "prompt": outcome.prompt,
                 **identity,
+                **row_of,
                 "prompt_index": outcome.prompt_index,
                 "batch_num": outcome.batch_num,
                 "error_class": outcome.error_class,

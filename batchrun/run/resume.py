@@ -54,11 +54,28 @@ MANIFEST_KEYS = (
     "temperature",
     "top_p",
     "seed_per_request",
+    # How samples are judged and which are kept: a resume with others would mix two kinds of scores.
+    "scorer",
+    "answer_pattern",
+    "answer_normalize",
+    "numeric_tolerance",
+    "keep",
+    "judge_model",
 )
 
 # What a manifest written before a key existed stands for: the value that run used. A resume with
 # that value compares equal; another value is a change like any other.
-MANIFEST_DEFAULTS: dict[str, Any] = {"temperature": None, "top_p": None, "seed_per_request": False}
+MANIFEST_DEFAULTS: dict[str, Any] = {
+    "temperature": None,
+    "top_p": None,
+    "seed_per_request": False,
+    "scorer": [],
+    "answer_pattern": None,
+    "answer_normalize": ["case", "whitespace", "punctuation"],
+    "numeric_tolerance": 1e-6,
+    "keep": "all",
+    "judge_model": None,
+}
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
@@ -80,6 +97,12 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "temperature": config.temperature,
         "top_p": config.top_p,
         "seed_per_request": config.seed_per_request,
+        "scorer": list(config.scorer),
+        "answer_pattern": config.answer_pattern,
+        "answer_normalize": list(config.answer_normalize),
+        "numeric_tolerance": config.numeric_tolerance,
+        "keep": config.keep,
+        "judge_model": config.judge_model,
         "samples_per_prompt": config.samples_per_prompt,  # informational: more samples on resume is fine
         # Informational: the image of rows that name none (each record's sandbox_image says what ran).
         "default_image": config.default_image,
@@ -259,6 +282,8 @@ def _flag(name: str, value: Any) -> str:
         return f"--{flag}=<the original, sha256 {value[:12]}...>" if value else f"(no --{flag})"
     if isinstance(value, bool):
         return f"--{name}" if value else f"--{name}=False"
+    if isinstance(value, list):  # --scorer, --answer_normalize: comma-separated
+        return f"--{name}={shlex.quote(','.join(map(str, value)) or ('none' if name == 'answer_normalize' else 'auto'))}"
     return f"--{name}={shlex.quote(str(value))}"
 
 

@@ -60,6 +60,7 @@ class WorkerState:
     threads: ThreadPoolExecutor  # one thread per slot: the parent sends at most that many jobs at once
     stopper: BackgroundStopper
     gate: ParentGate | None = None
+    judge: LLMClient | None = None  # the judge model's client (--judge_model): same limiter, budget, stop
 
 
 class ParentGate:
@@ -168,6 +169,11 @@ def init_worker(
         ),
         gate=gate,
     )
+    if settings.judge_llm is not None:
+        # The judge shares the run's limiter, stop and budget; its endpoint's health is not the agent's.
+        _state.judge = LLMClient(
+            settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_spend, gate=gate
+        )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
 
@@ -264,6 +270,7 @@ def _run_one(job: PromptJob) -> None:
             sandbox_starts=state.sandbox_starts,
             stop_in_background=state.stopper.submit,
             log=log,
+            judge=state.judge,
         )
         send(outcome)  # the parent counts this slot free and sends the next prompt
     finally:

@@ -79,6 +79,8 @@ TEMPLATE_FORMATS = ("messages", "prompt_completion")  # arguments as objects, to
 REASONING_MODES = ("field", "think", "drop")
 # Stop reasons that are the model's fault: a sample that stopped so is not exported unless asked.
 MODEL_FAULT_STOP_REASONS = frozenset({"invalid_tool_calls"})
+# Formats that group a row's samples by their scores (batchrun.views.export_scored): JSONL only.
+SCORED_FORMATS = ("preference", "rewards")
 SPLITS = ("train", "test")
 CARD_NAME = "README.md"
 PARQUET_ROWS_PER_GROUP = 1000
@@ -103,6 +105,8 @@ class ExportOptions:
     stop_reasons: frozenset[str] | None = None  # only these (None: every one not excluded)
     exclude_stop_reasons: frozenset[str] | None = None  # None: MODEL_FAULT_STOP_REASONS for kept samples
     dedup: bool = False
+    only_passed: bool = False  # --only_passed: samples whose check passed
+    min_score: float | None = None  # --min_score: samples scored at least this
 
 
 @dataclass
@@ -333,6 +337,7 @@ def _row(
         usage=meta["usage"],
         toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
         discard_reason=discard_reason,
+        **score_columns(record),
     )
     return row
 
@@ -341,6 +346,9 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
     """Why a sample is not exported (a ``skipped`` reason), or None to export it."""
     if record.get("partial") and not opts.include_partial:
         return "partial"
+    left_out = score_filter(record, opts.only_passed, opts.min_score)
+    if left_out is not None:
+        return left_out
     meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
     reason = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
     if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
@@ -357,6 +365,29 @@ def sample_digest(record: dict[str, Any]) -> str:
     """What ``--dedup`` compares: the sample's conversation, byte for byte."""
     text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def score_columns(record: dict[str, Any]) -> dict[str, Any]:
+    """The sample's score as flat columns (``score_value``, ``score_passed``, ``scorer``): null when not judged."""
+    score = record.get("score") if isinstance(record.get("score"), dict) else {}
+    value, passed, scorer = score.get("value"), score.get("passed"), score.get("scorer")
+    return {
+        "score_value": float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+        else None,
+        "score_passed": passed if isinstance(passed, bool) else None,
+        "scorer": scorer if isinstance(scorer, str) else None,
+    }
+
+
+def score_filter(record: dict[str, Any], only_passed: bool, min_score: float | None) -> str | None:
+    """Why --only_passed or --min_score leaves a sample out (None: it is exported)."""
+    cols = score_columns(record)
+    if only_passed and cols["score_passed"] is not True:
+        return "not passed (--only_passed)"
+    if min_score is not None and (cols["score_value"] is None or cols["score_value"] < min_score):
+        return f"score below {min_score:g} (--min_score)"
+    return None
 
 
 def split_of(prompt: str, seed: int, test_fraction: float) -> str:
@@ -477,6 +508,8 @@ def export_run(
     stop_reasons: Collection[str] | None = None,
     exclude_stop_reasons: Collection[str] | None = None,
     dedup: bool = False,
+    only_passed: bool = False,
+    min_score: float | None = None,
 ) -> ExportResult:
     """Export the trajectories of ``run_dir`` (one run directory, or several exported together into one
     dataset, each row naming its run in ``run_name``), and when asked the discarded samples, to ``out``.
@@ -493,11 +526,18 @@ def export_run(
         stop_reasons=None if stop_reasons is None else frozenset(stop_reasons),
         exclude_stop_reasons=None if exclude_stop_reasons is None else frozenset(exclude_stop_reasons),
         dedup=dedup,
+        only_passed=only_passed,
+        min_score=min_score,
     )
     run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
     out = Path(out)
     _check_request(run_dirs, out, opts, test_fraction, overwrite)
     result = ExportResult(out=out)
+    if fmt in SCORED_FORMATS:
+        from batchrun.views.export_scored import export_scored
+
+        _prepare_out(out)
+        return export_scored(run_dirs, fmt, result, include_partial, include_discarded, test_fraction, seed)
     ext = "parquet" if fmt == "parquet" else "jsonl"
     rows = _rows(run_dirs, opts, seed, test_fraction, result.skipped)
     first = next(rows, None)
@@ -529,8 +569,8 @@ def _check_request(
 ) -> None:
     if not run_dirs:
         raise ExportError("name at least one run directory")
-    if opts.fmt not in FORMATS:
-        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {opts.fmt!r}")
+    if opts.fmt not in FORMATS + SCORED_FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS + SCORED_FORMATS)}, got {opts.fmt!r}")
     if opts.reasoning not in REASONING_MODES:
         raise ExportError(f"--reasoning must be one of {', '.join(REASONING_MODES)}, got {opts.reasoning!r}")
     if opts.fmt == "sharegpt" and opts.reasoning != "field":
@@ -620,6 +660,9 @@ _COMMON = {
     "usage": USAGE,
     "toolsets_used": ["string"],
     "discard_reason": "string",
+    "score_value": "float64",
+    "score_passed": "bool",
+    "scorer": "string",
 }
 FEATURES: dict[str, dict[str, Any]] = {
     "openai": {"messages": [_MESSAGE], **_COMMON},
@@ -672,6 +715,7 @@ reasoning `{opts.reasoning}`).
   `row_id` and `row_fields` (the dataset row's `id`, `""` when none, and its other fields as JSON text),
   `usage` (what the sample spent), `toolsets_used`, `discard_reason` (null unless the sample was set aside
   by a quality filter and exported on request).
+  `score_value`, `score_passed`, `scorer`: the sample's score (see the record's `score`).
 - Splits: {split_text}. Rows: {counts}.
 - Not exported: {result.skipped_text()}.
 
@@ -700,7 +744,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         help="the run's directory, data/<run_name>; several runs export into one dataset",
     )
-    parser.add_argument("--format", choices=FORMATS, required=True, dest="fmt")
+    parser.add_argument("--format", choices=FORMATS + SCORED_FORMATS, required=True, dest="fmt")
     parser.add_argument("--out", required=True, help="output directory (created; must be empty)")
     parser.add_argument(
         "--reasoning",
@@ -738,6 +782,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--test_fraction", type=float, default=0.0, help="share of prompts in the test split")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument("--only_passed", action="store_true", help="only samples whose check passed")
+    parser.add_argument("--min_score", type=float, help="only samples scored at least this (0 to 1)")
     return parser.parse_args(argv)
 
 
@@ -758,6 +804,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_reasons=args.stop_reasons,
             exclude_stop_reasons=args.exclude_stop_reasons,
             dedup=args.dedup,
+            only_passed=args.only_passed,
+            min_score=args.min_score,
         )
     except NothingToExport as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -770,4 +818,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The package's own copy of this module (not __main__), so errors raised by the modules it
+    # imports (export_scored) are this main's ExportError.
+    from batchrun.views.export import main as package_main
+
+    sys.exit(package_main())

@@ -174,6 +174,8 @@ class RunData:
     failed_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     systems: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     system_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Judged samples (kept and discarded): (row label, sample index, where it went, its score)
+    scored: list[tuple[str, int, str, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
 
 def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData:
@@ -197,6 +199,7 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData
         data.discarded[reason] += 1
         rec = row.get("record")
         if isinstance(rec, dict):
+            add_score(data, rec, f"discarded: {reason}")
             data.discarded_spend.add(record_usage(rec))
             if isinstance(rec.get("conversations"), list):  # coverage counts every sample produced
                 with_r, gpt_turns = reasoning_counts(rec["conversations"])
@@ -215,7 +218,20 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData
     return data
 
 
+def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
+    """A sample's score for the scores section (a record of a version before scores has none)."""
+    score = rec.get("score")
+    if not isinstance(score, dict):
+        return
+    meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
+    human = next((t.get("value", "") for t in rec.get("conversations") or [] if t.get("from") == "human"), "")
+    label = str(meta.get("row_id") or "") or " ".join(str(human).split())[:60]
+    index = meta.get("sample_index") if isinstance(meta.get("sample_index"), int) else 0
+    data.scored.append((label, index, where, score))
+
+
 def add_trajectory(data: RunData, rec: dict[str, Any]) -> None:
+    add_score(data, rec, "kept")
     data.trajectories += 1
     outcome = "completed" if rec.get("completed") else "partial" if rec.get("partial") else "incomplete"
     data.outcomes[outcome] += 1
@@ -760,6 +776,84 @@ def section_settings(d: RunData) -> str:
     return f'<section id="settings"><h2>Run settings</h2>{body}</section>'
 
 
+def section_scores(d: RunData) -> str:
+    """Pass rate and pass@k (from statistics.json), a per-row table, the score histogram, and the
+    failing samples with their verify output, one click away."""
+    judged = [
+        (label, i, where, sc) for label, i, where, sc in d.scored if sc.get("scorer") not in (None, "none")
+    ]
+    if not judged:
+        return ""
+    scores = (d.statistics or {}).get("scores") or {}
+    cards = []
+    if scores.get("pass_rate") is not None:
+        lo, hi = scores["pass_rate_95ci"]
+        cards.append(
+            stat(
+                "pass_rate",
+                f"{scores['pass_rate']:.1%}",
+                "pass rate",
+                f"95% CI {lo:.1%}–{hi:.1%} · n={scores['scored']:,}",
+            )
+        )
+    for k, v in (scores.get("pass_at_k") or {}).items():
+        if v is not None:
+            cards.append(stat(k, f"{v:.3f}", k, "unbiased estimator"))
+    if scores.get("mean_score") is not None:
+        cards.append(stat("mean_score", f"{scores['mean_score']:.3f}", "mean score"))
+    cards.append(
+        stat(
+            "unscored",
+            fmt_int(scores.get("unscored", 0) + scores.get("scorer_errors", 0)),
+            "not judged",
+            f"{scores.get('scorer_errors', 0):,} scorer errors",
+        )
+    )
+    per_row: dict[str, list[Any]] = {}
+    for label, _, _, sc in judged:
+        entry = per_row.setdefault(label, [0, 0, []])
+        entry[0] += 1
+        entry[1] += sc.get("passed") is True
+        if isinstance(sc.get("value"), (int, float)):
+            entry[2].append(float(sc["value"]))
+    rows = [
+        (label, n, passes, f"{sum(vals) / len(vals):.3f}" if vals else "–")
+        for label, (n, passes, vals) in sorted(per_row.items())[: d.max_items]
+    ]
+    rows_note = (
+        f'<p class="note">The first {d.max_items:,} of {len(per_row):,} rows; all are counted above.</p>'
+        if len(per_row) > d.max_items
+        else ""
+    )
+    values = [float(sc["value"]) for _, _, _, sc in judged if isinstance(sc.get("value"), (int, float))]
+    failing = [(label, i, where, sc) for label, i, where, sc in judged if sc.get("passed") is not True]
+    items = []
+    for label, i, where, sc in failing[: d.max_items]:
+        verdict = "no verdict" if sc.get("passed") is None else f"score {sc.get('value')}"
+        why = sc.get("error") or sc.get("explanation") or ""
+        output = sc.get("verify_output")
+        body = f"<pre>{esc(output)}</pre>" if output else '<p class="note">No verify output.</p>'
+        code = sc.get("verify_exit_code")
+        exit_note = "" if code is None else f" · exit {code}"
+        items.append(
+            f'<details class="failing"><summary><b>{esc(label)}</b> #{i} · {esc(where)} · {esc(verdict)} · '
+            f"{esc(why[:200])}{esc(exit_note)}</summary>{body}</details>"
+        )
+    hist = svg_histogram(histogram(values, 10), "score", fmt=lambda x: f"{x:g}") if values else ""
+    return (
+        '<section id="scores"><h2>Scores</h2><div class="cards">'
+        + "".join(cards)
+        + "</div>"
+        + (f"<h3>Score histogram</h3>{hist}" if hist else "")
+        + "<h3>Per row</h3>"
+        + table(rows, ("row", "samples", "passes", "mean score"), "scores")
+        + rows_note
+        + f"<h3>Failing samples ({len(failing):,})</h3>"
+        + ("".join(items) or '<p class="empty">None.</p>')
+        + "</section>"
+    )
+
+
 def section_failed(d: RunData) -> str:
     total = sum(d.failed.values())
     if not total:
@@ -831,10 +925,11 @@ def render_page(d: RunData) -> str:
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">"
         f"<title>Run report: {esc(name)}</title><style>{CSS}</style></head><body>"
         f'<header><h1>Run <span id="run-name">{esc(name)}</span></h1><p class="sub">{sub}</p>'
-        '<nav><a href="#outcomes">Outcomes</a><a href="#tools">Tools</a><a href="#reasoning">Reasoning</a>'
+        '<nav><a href="#outcomes">Outcomes</a><a href="#scores">Scores</a><a href="#tools">Tools</a><a href="#reasoning">Reasoning</a>'
         '<a href="#usage">Tokens and cost</a><a href="#histograms">Per prompt</a><a href="#settings">Settings</a>'
         f'<a href="#browse">Trajectories</a></nav></header><main>{banner}'
         + section_outcomes(d)
+        + section_scores(d)
         + section_tools(d)
         + section_reasoning(d)
         + section_usage(d)
@@ -911,6 +1006,8 @@ details.fold>summary{cursor:pointer;padding:3px 8px;font-size:12.5px;white-space
 details.fold>pre{padding:4px 10px;border-top:1px solid var(--line);max-height:480px;overflow:auto}
 details.think>summary{color:var(--think);font-style:italic}details.call>summary{font-family:ui-monospace,Menlo,Consolas,monospace}
 .res-ok{color:var(--ok);font-weight:700}.res-bad{color:var(--bad);font-weight:700}
+details.failing{border:1px solid var(--line);border-left:3px solid var(--bad);border-radius:6px;margin:4px 0;padding:4px 10px}
+details.failing summary{cursor:pointer}details.failing pre{max-height:360px;overflow:auto;background:var(--bg);padding:6px}
 """
 
 JS = r"""

@@ -1,0 +1,932 @@
+"""Judging samples: the row's check fields, the scorers, and the statistics of scores.
+
+Shared by the dataset reader (row fields checked at read), the worker (scoring while the prompt's
+sandbox is still up), finish (statistics), and the views (re-scoring, comparing runs).
+
+A row may say how its samples are judged:
+
+* ``answer``: the expected final answer: a string, a number, or a list of acceptable strings;
+* ``verify``: a shell command (or a list of them) run in the prompt's own sandbox after the agent's
+  last turn, in the row's working directory; exit 0 passes; a last output line that is a JSON object
+  with a numeric ``score`` gives partial credit;
+* ``verify_files``: ``{path: text}`` written into the sandbox only after the last turn (hidden tests);
+* ``rubric``: instructions for a model judge.
+
+Every record carries one ``score`` (:data:`batchrun.record.SCORE`); a scorer that raises, times out
+or gets a bad judge reply gives ``value``/``passed`` null and its ``error``: such a sample is never
+counted as passed or failed.
+
+The estimators (all with ``math`` alone):
+
+* pass rate ``p = c / n`` over the scored samples, its standard error ``sqrt(p (1 - p) / n)`` and the
+  Wilson score 95% interval (well-behaved at p = 0 or 1 and for small n, unlike p +- 1.96 se);
+* mean score with its standard error (sample standard deviation / sqrt(n));
+* pass@k per row by the unbiased estimator ``1 - C(n - c, k) / C(n, k)`` (n samples of the row,
+  c of them passing), averaged over the rows that have at least k scored samples.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import json
+import math
+import re
+import shlex
+import string
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.prompt.sandboxes.base import SandboxError
+from batchrun.protocol import RowCheck
+
+TEXT_SCORERS = ("exact", "includes", "regex", "numeric", "json")
+SANDBOX_SCORERS = ("verify",)
+BUILTIN_SCORERS = (*TEXT_SCORERS, "verify", "judge")
+NORMALIZE_STEPS = ("case", "whitespace", "punctuation")
+ENTRY_POINT_GROUP = "batch_runner.scorers"
+
+MAX_ANSWER_CHARS = 64 * 1024
+MAX_VERIFY_COMMANDS = 32
+MAX_COMMAND_CHARS = 64 * 1024
+MAX_VERIFY_FILES = 200
+MAX_VERIFY_FILES_BYTES = 4 * 1024 * 1024
+MAX_RUBRIC_CHARS = 64 * 1024
+VERIFY_OUTPUT_CHARS = 4096  # what a record keeps of the verify output: its end (where tests say why)
+
+
+# ----------------------------------------------------------------------------- row fields
+
+
+def check_fields(obj: dict[str, Any]) -> RowCheck:
+    """A dataset row's ``answer``/``verify``/``verify_files``/``rubric``, checked (type, size).
+
+    ValueError names the field and what is wrong with it (the dataset reader makes it a bad line)."""
+    return RowCheck(
+        answer=_answer_field(obj.get("answer")),
+        verify=_verify_field(obj.get("verify")),
+        verify_files=_verify_files_field(obj.get("verify_files")),
+        rubric=_rubric_field(obj.get("rubric")),
+    )
+
+
+def _answer_field(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("field 'answer' must be a string, a number or a list of strings, got a boolean")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError("field 'answer' must be a finite number")
+        return value
+    if isinstance(value, str):
+        _check_text("answer", value, MAX_ANSWER_CHARS)
+        return value
+    if isinstance(value, list):
+        if not value or not all(isinstance(v, str) for v in value):
+            raise ValueError("field 'answer' as a list must hold one or more strings (acceptable answers)")
+        _check_text("answer", "".join(value), MAX_ANSWER_CHARS)
+        return tuple(value)
+    raise ValueError(
+        f"field 'answer' must be a string, a number or a list of strings, got {type(value).__name__}"
+    )
+
+
+def _verify_field(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    commands = [value] if isinstance(value, str) else value
+    if not isinstance(commands, list) or not commands:
+        raise ValueError("field 'verify' must be a shell command (a string) or a non-empty list of them")
+    if len(commands) > MAX_VERIFY_COMMANDS:
+        raise ValueError(f"field 'verify' holds {len(commands)} commands (at most {MAX_VERIFY_COMMANDS})")
+    for command in commands:
+        if not isinstance(command, str) or not command.strip():
+            raise ValueError("field 'verify' must hold non-empty command strings")
+        _check_text("verify", command, MAX_COMMAND_CHARS)
+        if "\0" in command:
+            raise ValueError("field 'verify' holds a NUL character")
+    return tuple(commands)
+
+
+def _verify_files_field(value: Any) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not value:
+        raise ValueError("field 'verify_files' must be a non-empty object of {path: text}")
+    if len(value) > MAX_VERIFY_FILES:
+        raise ValueError(f"field 'verify_files' holds {len(value)} files (at most {MAX_VERIFY_FILES})")
+    total = 0
+    for path, text in value.items():
+        if not path.strip() or "\0" in path or ".." in path.split("/") or path.endswith("/"):
+            raise ValueError(
+                f"field 'verify_files' has a bad path {path[:60]!r} (a file path without '..' or NUL)"
+            )
+        if not isinstance(text, str):
+            raise ValueError(
+                f"field 'verify_files' entry {path[:60]!r} must be text, got {type(text).__name__}"
+            )
+        _check_text("verify_files", text, MAX_VERIFY_FILES_BYTES)
+        total += len(text.encode("utf-8"))
+    if total > MAX_VERIFY_FILES_BYTES:
+        raise ValueError(f"field 'verify_files' holds {total} bytes (at most {MAX_VERIFY_FILES_BYTES})")
+    return tuple(sorted(value.items()))
+
+
+def _rubric_field(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("field 'rubric' must be a non-empty string")
+    _check_text("rubric", value, MAX_RUBRIC_CHARS)
+    return value
+
+
+def _check_text(name: str, text: str, limit: int) -> None:
+    if len(text) > limit:
+        raise ValueError(f"field {name!r} is {len(text)} characters long (at most {limit})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"field {name!r} holds an unpaired surrogate escape, not valid Unicode text"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    """The model judge: its endpoint (the key comes from the environment, never from a flag's text)."""
+
+    model: str
+    base_url: str
+    api_key: str | None = None
+    max_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    """How a run judges its samples (from --scorer and the flags beside it); pickled into each worker."""
+
+    scorers: tuple[str, ...] = ()  # empty: follow the row (verify, else answer matching, else none)
+    answer_pattern: str | None = None  # regex: the answer is its group 1 (or the whole match), last match
+    numeric_tolerance: float = 1e-6
+    normalize: tuple[str, ...] = NORMALIZE_STEPS
+    verify_timeout_s: float = 60.0
+    judge: JudgeSettings | None = None
+    keep: str = "all"  # --keep: all, or passed (the rest are discards: failed_check, unscored)
+
+
+def parse_scorers(text: str | None) -> tuple[str, ...]:
+    """--scorer as names: built-ins, ``module:function`` or entry-point names; ValueError when unknown."""
+    if text is None or not str(text).strip() or str(text).strip() == "auto":
+        return ()
+    names = tuple(n.strip() for n in str(text).split(","))
+    if not all(names):
+        raise ValueError("a comma-separated list of scorers (one is empty)")
+    for name in names:
+        if name in BUILTIN_SCORERS:
+            continue
+        try:
+            load_user_scorer(name)
+        except Exception as exc:
+            raise ValueError(
+                f"unknown scorer {name!r} ({exc}); built in: {', '.join(BUILTIN_SCORERS)}, "
+                f"or module:function, or a {ENTRY_POINT_GROUP} entry point"
+            ) from None
+    return names
+
+
+def load_user_scorer(name: str) -> Callable[..., Any]:
+    """A user's scorer: ``module:function``, or the name of a ``batch_runner.scorers`` entry point."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        fn = importlib.import_module(module)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+    else:
+        from importlib.metadata import entry_points
+
+        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not found:
+            raise LookupError("no such module:function or entry point")
+        fn = found[0].load()
+    if not callable(fn):
+        raise TypeError(f"{name} is not callable")
+    return fn
+
+
+def scorers_for(check: RowCheck | None, settings: ScoringSettings) -> tuple[str, ...]:
+    """The scorers of one row: --scorer's, else the row's own default (verify, else answer, else none)."""
+    if settings.scorers:
+        return settings.scorers
+    if check is None:
+        return ()
+    if check.verify:
+        return ("verify",)
+    if check.answer is not None:
+        return ("numeric",) if isinstance(check.answer, (int, float)) else ("exact",)
+    return ()
+
+
+# ----------------------------------------------------------------------------- score objects
+
+
+@dataclass
+class Part:
+    """One scorer's verdict on one sample."""
+
+    scorer: str
+    value: float | None = None
+    passed: bool | None = None
+    explanation: str = ""
+    error: str | None = None
+    verify_exit_code: int | None = None
+    verify_output: str | None = None
+    judge_usage: dict[str, Any] | None = None
+
+
+def unscored(explanation: str = "no scorer: the row has no answer or verify and --scorer names none") -> dict:
+    """The ``score`` of a sample nobody judged (present in every record, so the schema never varies)."""
+    return combine([], explanation)
+
+
+def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]:
+    """The record's ``score`` from the scorers' parts: passed when all pass, value the mean.
+
+    Any part that broke (error) makes the whole score null: a broken scorer never decides a sample."""
+    base: dict[str, Any] = {
+        "value": None,
+        "passed": None,
+        "scorer": ",".join(p.scorer for p in parts) or "none",
+        "explanation": explanation or "; ".join(f"{p.scorer}: {p.explanation}" for p in parts),
+        "error": None,
+        "verify_exit_code": next((p.verify_exit_code for p in parts if p.verify_exit_code is not None), None),
+        "verify_output": next((p.verify_output for p in parts if p.verify_output is not None), None),
+        "judge_usage": next((p.judge_usage for p in parts if p.judge_usage is not None), None),
+        "parts": [
+            {
+                "scorer": p.scorer,
+                "value": p.value,
+                "passed": p.passed,
+                "explanation": p.explanation,
+                "error": p.error,
+            }
+            for p in parts
+        ]
+        or None,
+    }
+    broken = [p for p in parts if p.error is not None or p.value is None]
+    if broken:
+        base["error"] = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)
+        return base
+    if parts:
+        base["value"] = float(sum(p.value for p in parts if p.value is not None) / len(parts))
+        base["passed"] = all(bool(p.passed) for p in parts)
+    return base
+
+
+# ----------------------------------------------------------------------------- the final answer
+
+
+_THINK_RE = re.compile(r"<think>.*?</think>|<REASONING_SCRATCHPAD>.*?</REASONING_SCRATCHPAD>", re.DOTALL)
+_TOOL_CALL_RE = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+_BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_ANSWER_LINE_RE = re.compile(r"(?im)^\s*(?:final\s+)?answer\s*[:=]\s*(.+?)\s*$")
+
+
+def final_text(record: dict[str, Any]) -> str:
+    """The last gpt turn's words, reasoning and tool-call markup removed ("" when there is none)."""
+    for turn in reversed(record.get("conversations") or []):
+        if turn.get("from") == "gpt":
+            text = _THINK_RE.sub("", turn.get("value") or "")
+            return _TOOL_CALL_RE.sub("", text).strip()
+    return ""
+
+
+def extract_answer(text: str, pattern: str | None = None) -> str:
+    """The answer inside a final text.
+
+    With ``pattern`` (--answer_pattern): its last match, group 1 when it has groups. Without: the last
+    ``\\boxed{...}``, else the last ``ANSWER: ...`` line, else the whole text."""
+    if pattern:
+        matches = list(re.finditer(pattern, text, re.DOTALL))
+        if not matches:
+            return ""
+        last = matches[-1]
+        return (last.group(1) if last.re.groups else last.group(0)) or ""
+    boxed = _BOXED_RE.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    lines = _ANSWER_LINE_RE.findall(text)
+    if lines:
+        return lines[-1].strip()
+    return text.strip()
+
+
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS) -> str:
+    """Case folded, punctuation removed, whitespace collapsed (each step switchable: --answer_normalize)."""
+    steps = set(steps)
+    if "case" in steps:
+        text = text.casefold()
+    if "punctuation" in steps:
+        text = text.translate(_PUNCT)
+    if "whitespace" in steps:
+        text = " ".join(text.split())
+    return text
+
+
+def acceptable(answer: Any) -> list[Any]:
+    return list(answer) if isinstance(answer, (list, tuple)) else [answer]
+
+
+_NUMBER_RE = re.compile(r"[-+]?(?:\d[\d,_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+_FRACTION_END_RE = re.compile(r"([-+]?\d+)\s*/\s*(\d+)\s*\.?\s*$")
+
+
+def parse_number(text: str) -> float | None:
+    """The last number in ``text`` (thousands separators allowed; a fraction a/b at the end too), or None."""
+    frac = _FRACTION_END_RE.search(text)
+    if frac:
+        num, den = int(frac.group(1)), int(frac.group(2))
+        return num / den if den else None
+    found = _NUMBER_RE.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", "").replace("_", ""))
+    except ValueError:
+        return None
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Semantic JSON equality: objects by keys, 1 == 1.0, but true is no number."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _json_of(text: str) -> Any:
+    fenced = re.findall(r"```(?:json)?\s*(.*?)```", text, re.DOTALL)
+    candidates = [*reversed(fenced), text]
+    for cand in candidates:
+        try:
+            return json.loads(cand)
+        except ValueError:
+            continue
+    raise ValueError("the answer is not JSON")
+
+
+def text_score(name: str, record: dict[str, Any], check: RowCheck | None, settings: ScoringSettings) -> Part:
+    """One text scorer on the final answer (reasoning removed); an error when the row has no answer."""
+    if check is None or check.answer is None:
+        return Part(name, error="the row has no 'answer'")
+    got = extract_answer(final_text(record), settings.answer_pattern)
+    shown = got if len(got) <= 200 else got[:200] + "..."
+    answers = acceptable(check.answer)
+    if name == "numeric":
+        value = parse_number(got)
+        if value is None:
+            return Part(name, 0.0, False, f"no number in the answer {shown!r}")
+        for want in answers:
+            want_n = want if isinstance(want, (int, float)) else parse_number(str(want))
+            if want_n is not None and abs(value - want_n) <= settings.numeric_tolerance * max(
+                1.0, abs(want_n)
+            ):
+                return Part(name, 1.0, True, f"{value:g} matches {want_n:g}")
+        return Part(name, 0.0, False, f"{value:g} is not {', '.join(str(a) for a in answers)}")
+    if name == "json":
+        try:
+            value = _json_of(got)
+        except ValueError:
+            return Part(name, 0.0, False, f"the answer is not JSON: {shown!r}")
+        for want in answers:
+            try:
+                want_v = json.loads(want) if isinstance(want, str) else want
+            except ValueError:
+                want_v = want
+            if json_equal(value, want_v):
+                return Part(name, 1.0, True, "the JSON values are equal")
+        return Part(name, 0.0, False, f"the JSON value {shown!r} differs")
+    if name == "regex":
+        for want in answers:
+            try:
+                if re.search(str(want), got):
+                    return Part(name, 1.0, True, f"{shown!r} matches /{want}/")
+            except re.error as exc:
+                return Part(name, error=f"the row's answer is not a valid regex: {exc}")
+        return Part(name, 0.0, False, f"{shown!r} matches none of the patterns")
+    norm_got = normalize(got, settings.normalize)
+    for want in answers:
+        norm_want = normalize(str(want), settings.normalize)
+        if (name == "exact" and norm_got == norm_want) or (name == "includes" and norm_want in norm_got):
+            return Part(
+                name, 1.0, True, f"{shown!r} {'is' if name == 'exact' else 'includes'} {str(want)[:80]!r}"
+            )
+    return Part(name, 0.0, False, f"{shown!r} is not {' / '.join(str(a)[:80] for a in answers)!r}")
+
+
+# ----------------------------------------------------------------------------- verify, in the sandbox
+
+
+def write_verify_files(sandbox: Any, files: Iterable[tuple[str, str]], timeout_s: float) -> None:
+    """The hidden files, written into the sandbox now (after the agent's last turn); raises on failure."""
+    for path, text in files:
+        q = shlex.quote(path)
+        res = sandbox.run(
+            f'mkdir -p -- "$(dirname -- {q})" && cat > {q}', timeout_s=timeout_s, stdin=text.encode("utf-8")
+        )
+        if res.exit_code != 0:
+            raise RuntimeError(f"could not write verify file {path}: {res.output.strip()[:200]}")
+
+
+def cap_output(text: str, limit: int = VERIFY_OUTPUT_CHARS) -> str:
+    """The end of a command's output, marked as cut when it was longer."""
+    return text if len(text) <= limit else "[...cut...]\n" + text[-limit:]
+
+
+def partial_credit(output: str) -> tuple[float | None, str | None]:
+    """A last output line that is a JSON object with a numeric ``score``: (score, its explanation)."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    if not lines:
+        return None, None
+    try:
+        obj = json.loads(lines[-1])
+    except ValueError:
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    score = obj.get("score")
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        return None, None
+    why = obj.get("explanation") if isinstance(obj.get("explanation"), str) else None
+    return float(score), why
+
+
+def verify_score(sandbox: Any, check: RowCheck | None, settings: ScoringSettings) -> Part:
+    """The row's verify commands in its sandbox, in order, stopping at the first that fails."""
+    if check is None or not check.verify:
+        return Part("verify", error="the row has no 'verify' command")
+    timeout = settings.verify_timeout_s
+    try:
+        write_verify_files(sandbox, check.verify_files, timeout)
+    except SandboxError:
+        raise
+    except Exception as exc:
+        return Part("verify", error=f"{type(exc).__name__}: {exc}")
+    outputs: list[str] = []
+    code = 0
+    for command in check.verify:
+        try:
+            res = sandbox.run(command, timeout_s=timeout)
+        except SandboxError:
+            raise  # the sandbox itself broke: the prompt fails (and runs again on resume)
+        except Exception as exc:
+            return Part(
+                "verify", error=f"{type(exc).__name__}: {exc}", verify_output=cap_output("\n".join(outputs))
+            )
+        outputs.append(res.output)
+        if res.timed_out:
+            return Part(
+                "verify",
+                error=f"verify command timed out after {timeout:g} s (--verify_timeout)",
+                verify_exit_code=res.exit_code,
+                verify_output=cap_output("\n".join(outputs)),
+            )
+        code = res.exit_code
+        if code != 0:
+            break
+    output = "".join(o if o.endswith("\n") or not o else o + "\n" for o in outputs)
+    passed = code == 0
+    credit, why = partial_credit(outputs[-1] if outputs else "")
+    value = credit if credit is not None else (1.0 if passed else 0.0)
+    explanation = why or (f"exit {code}" + (f", score {credit:g}" if credit is not None else ""))
+    return Part("verify", value, passed, explanation, verify_exit_code=code, verify_output=cap_output(output))
+
+
+# ----------------------------------------------------------------------------- user scorers
+
+
+class SandboxHandle:
+    """What a user's scorer gets of the still-running sandbox: run a command, read a file."""
+
+    def __init__(self, sandbox: Any, timeout_s: float):
+        self._sandbox = sandbox
+        self._timeout_s = timeout_s
+
+    def run(self, command: str, timeout_s: float | None = None) -> tuple[int, str]:
+        res = self._sandbox.run(command, timeout_s=timeout_s or self._timeout_s)
+        return res.exit_code, res.output
+
+    def read_file(self, path: str) -> str:
+        code, out = self.run(f"cat -- {shlex.quote(path)}")
+        if code != 0:
+            raise FileNotFoundError(path)
+        return out
+
+
+def user_score(
+    name: str, record: dict[str, Any], row: dict[str, Any], sandbox: Any, timeout_s: float
+) -> Part:
+    """A user's scorer (trusted code, run in the worker): it returns a number, a bool, or a dict with
+    ``value``/``score``, ``passed`` and ``explanation``."""
+    try:
+        fn = load_user_scorer(name)
+        result = fn(record, row, None if sandbox is None else SandboxHandle(sandbox, timeout_s))
+    except Exception as exc:
+        return Part(name, error=f"{type(exc).__name__}: {exc}")
+    return part_from_result(name, result)
+
+
+def part_from_result(name: str, result: Any) -> Part:
+    if isinstance(result, bool):
+        return Part(name, float(result), result, "")
+    if isinstance(result, (int, float)) and math.isfinite(result):
+        return Part(name, float(result), result >= 1.0, "")
+    if isinstance(result, dict):
+        value = result.get("value", result.get("score"))
+        passed = result.get("passed")
+        if isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return Part(name, error=f"the scorer returned no numeric value: {str(result)[:200]}")
+        if not isinstance(passed, bool):
+            passed = value >= 1.0
+        why = result.get("explanation")
+        return Part(name, float(value), passed, why if isinstance(why, str) else "")
+    return Part(name, error=f"the scorer returned {type(result).__name__}, not a score")
+
+
+# ----------------------------------------------------------------------------- the judge
+
+
+JUDGE_SYSTEM = (
+    "You grade an AI assistant's final answer. Reply with one JSON object and nothing else: "
+    '{"score": <a number from 0 to 1>, "passed": <true or false>, "explanation": "<one sentence>"}.'
+)
+
+
+JUDGE_TEXT_CHARS = 32_000  # of the task and of the answer each: a judge call has a bounded size
+
+
+def judge_messages(prompt: str, answer_text: str, check: RowCheck | None) -> list[dict[str, str]]:
+    def cut(text: str) -> str:
+        return text if len(text) <= JUDGE_TEXT_CHARS else text[:JUDGE_TEXT_CHARS] + "\n[...cut...]"
+
+    parts = [
+        f"Task given to the assistant:\n{cut(prompt)}",
+        f"The assistant's final answer:\n{cut(answer_text)}",
+    ]
+    if check is not None and check.answer is not None:
+        parts.append(f"Reference answer: {json.dumps(check.answer, ensure_ascii=False)}")
+    if check is not None and check.rubric:
+        parts.append(f"Grading rubric:\n{check.rubric}")
+    return [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_judge_reply(text: str) -> Part:
+    """The judge's JSON verdict (the last JSON object in its reply); a bad reply is an error, no verdict."""
+    for cand in reversed(re.findall(r"\{.*?\}", text, re.DOTALL)):
+        try:
+            obj = json.loads(cand)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            part = part_from_result("judge", obj)
+            if part.error is None and part.value is not None and not 0.0 <= part.value <= 1.0:
+                return Part("judge", error=f"the judge's score {part.value} is outside 0..1")
+            return part
+    return Part("judge", error=f"the judge's reply holds no JSON verdict: {text[:200]!r}")
+
+
+def judge_score(
+    judge: Any, prompt: str, record: dict[str, Any], check: RowCheck | None, deadline: float | None
+) -> Part:
+    """The model judge's verdict through ``judge`` (an LLMClient); its usage goes into the part."""
+    if check is None or (check.answer is None and not check.rubric):
+        return Part("judge", error="the row has neither 'answer' nor 'rubric' to judge against")
+    if judge is None:
+        return Part("judge", error="no judge model (--judge_model)")
+    from batchrun.prompt.llm import Usage
+
+    usage = Usage()
+    try:
+        turn = judge.chat(
+            judge_messages(prompt, final_text(record), check), [], deadline=deadline, usage=usage
+        )
+    except Exception as exc:
+        part = Part("judge", error=f"{type(exc).__name__}: {exc}")
+    else:
+        part = parse_judge_reply(turn.content or "")
+    part.judge_usage = usage.as_dict()
+    return part
+
+
+# ----------------------------------------------------------------------------- one sample
+
+
+@dataclass
+class Judgement:
+    """What :func:`score_sample` needs beside the record (the worker has it; a re-score has part of it)."""
+
+    check: RowCheck | None
+    settings: ScoringSettings
+    row: dict[str, Any] = field(default_factory=dict)
+    sandbox: Any = None  # the still-running sandbox (None: text and judge scorers only)
+    judge: Any = None  # an LLMClient for the judge model
+    prompt: str = ""
+    deadline: float | None = None
+
+
+def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
+    """The ``score`` of one sample by the row's scorers; never raises."""
+    names = [n for n in scorers_for(j.check, j.settings) if applies(n, j.check)]
+    if not names:
+        return unscored()
+    parts = []
+    for name in names:
+        try:
+            if name in TEXT_SCORERS:
+                parts.append(text_score(name, record, j.check, j.settings))
+            elif name == "verify":
+                if j.sandbox is None:
+                    parts.append(Part(name, error="verify needs the prompt's sandbox (not available here)"))
+                else:
+                    parts.append(verify_score(j.sandbox, j.check, j.settings))
+            elif name == "judge":
+                parts.append(judge_score(j.judge, j.prompt, record, j.check, j.deadline))
+            else:
+                parts.append(user_score(name, record, j.row, j.sandbox, j.settings.verify_timeout_s))
+        except SandboxError:
+            raise  # infrastructure, not a verdict: the prompt fails and a resume runs it again
+        except Exception as exc:  # a bug in a scorer voids its verdict, never the sample
+            parts.append(Part(name, error=f"{type(exc).__name__}: {exc}"))
+    return combine(parts)
+
+
+def applies(name: str, check: RowCheck | None) -> bool:
+    """Whether a scorer has something to judge this row by (a row without an answer is unscored by
+    ``exact``, not a scorer error); users' scorers decide for themselves."""
+    if name in TEXT_SCORERS:
+        return check is not None and check.answer is not None
+    if name == "verify":
+        return check is not None and bool(check.verify)
+    if name == "judge":
+        return check is not None and (check.answer is not None or check.rubric is not None)
+    return True
+
+
+def needs_sandbox(names: Iterable[str]) -> bool:
+    return any(n == "verify" or n not in BUILTIN_SCORERS for n in names)
+
+
+def keep_problem(score: dict[str, Any], keep: str) -> str | None:
+    """With --keep=passed, why a sample is not kept: failed_check or unscored (None: kept)."""
+    if keep != "passed":
+        return None
+    if score.get("passed") is True:
+        return None
+    return "failed_check" if score.get("passed") is False else "unscored"
+
+
+def check_from_row_fields(text: str | None) -> RowCheck | None:
+    """A record's row check, from its ``metadata.row_fields`` (for re-scoring a finished run)."""
+    try:
+        obj = json.loads(text or "{}")
+        check = check_fields(obj if isinstance(obj, dict) else {})
+    except ValueError:
+        return None
+    return None if check.is_empty() else check
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one row: 1 - C(n-c, k) / C(n, k) (n samples, c passing, k <= n)."""
+    if k > n or k < 1:
+        raise ValueError(f"pass@{k} needs at least {k} samples, the row has {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def wilson_interval(passes: int, n: int, z: float = 1.959964) -> tuple[float, float] | None:
+    """The Wilson score interval of a proportion (95% by default); None without samples."""
+    if n == 0:
+        return None
+    p = passes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def ks_for(max_n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to the most samples a row has."""
+    ks, k = [], 1
+    while k <= max_n:
+        ks.append(k)
+        k *= 2
+    return ks
+
+
+@dataclass
+class ScoreTally:
+    """Scores of many samples, added one record at a time; :meth:`summary` is the statistics section."""
+
+    scored: int = 0
+    unscored: int = 0
+    errors: int = 0
+    passes: int = 0
+    values: list[float] = field(default_factory=list)
+    rows: dict[str, list[int]] = field(default_factory=dict)  # row key -> [samples judged, passes]
+
+    def add(self, score: dict[str, Any] | None, row_key: str | None = None) -> None:
+        score = score or {}
+        if score.get("error"):
+            self.errors += 1
+            return
+        passed, value = score.get("passed"), score.get("value")
+        if not isinstance(passed, bool):
+            self.unscored += 1
+            return
+        self.scored += 1
+        self.passes += passed
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self.values.append(float(value))
+        if row_key is not None:
+            entry = self.rows.setdefault(row_key, [0, 0])
+            entry[0] += 1
+            entry[1] += passed
+
+    def summary(self) -> dict[str, Any]:
+        n = self.scored
+        rate = self.passes / n if n else None
+        interval = wilson_interval(self.passes, n)
+        mean = sum(self.values) / len(self.values) if self.values else None
+        sd = (
+            math.sqrt(sum((v - mean) ** 2 for v in self.values) / (len(self.values) - 1))
+            if mean is not None and len(self.values) > 1
+            else None
+        )
+        max_n = max((r[0] for r in self.rows.values()), default=0)
+        pass_k = {}
+        for k in ks_for(max_n):
+            eligible = [pass_at_k(s, c, k) for s, c in self.rows.values() if s >= k]
+            pass_k[f"pass@{k}"] = round(sum(eligible) / len(eligible), 6) if eligible else None
+        return {
+            "scored": n,
+            "unscored": self.unscored,
+            "scorer_errors": self.errors,
+            "passed": self.passes,
+            "failed": n - self.passes,
+            "pass_rate": None if rate is None else round(rate, 6),
+            "pass_rate_stderr": None if rate is None else round(math.sqrt(rate * (1 - rate) / n), 6),
+            "pass_rate_95ci": None if interval is None else [round(interval[0], 6), round(interval[1], 6)],
+            "mean_score": None if mean is None else round(mean, 6),
+            "mean_score_stderr": None if sd is None else round(sd / math.sqrt(len(self.values)), 6),
+            "rows_scored": len(self.rows),
+            "pass_at_k": pass_k,
+        }
+
+
+def row_table(tally: ScoreTally) -> dict[str, list[int]]:
+    return dict(tally.rows)
+
+
+def replace_settings(settings: ScoringSettings, **changes: Any) -> ScoringSettings:
+    return dataclasses.replace(settings, **changes)
+
+
+# ----------------------------------------------------------------------------- a run's scores
+
+OWN_TOOLSETS = "(row's own toolsets)"
+
+
+class RunScores:
+    """The ``scores`` section of statistics.json, built one record at a time: overall, per
+    distribution, per toolset mix, per stop reason.
+
+    Each (row, sample) counts as often as the dataset wants it (``wanted``: two identical rows want
+    two; a sample re-run by --rerun_discarded is counted once, kept before discarded); without
+    ``wanted``, once."""
+
+    def __init__(self, distribution: str, wanted: dict[tuple[str, int], int] | None = None):
+        self.distribution = distribution
+        self.wanted = wanted
+        self.counted: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.all = ScoreTally()
+        self.groups: dict[str, dict[str, ScoreTally]] = {
+            "distribution": {},
+            "toolsets": {},
+            "stop_reason": {},
+        }
+        self.kept_passed = 0
+
+    def add(self, rec: dict[str, Any], row_key: str, sample_index: int) -> None:
+        key = (row_key, sample_index)
+        if self.counted[key] >= (self.wanted or {}).get(key, 1):
+            return
+        self.counted[key] += 1
+        score = rec.get("score") or {}
+        meta = rec.get("metadata") or {}
+        self.all.add(score, row_key)
+        dist = self.distribution if meta.get("toolsets_sampled") is not None else OWN_TOOLSETS
+        mix = "+".join(sorted(rec.get("toolsets_used") or [])) or "none"
+        stop = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
+        for group, key in (("distribution", dist), ("toolsets", mix), ("stop_reason", stop)):
+            self.groups[group].setdefault(key, ScoreTally()).add(score, row_key)
+
+    def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
+        out = self.all.summary()
+        out["skipped_after_passes"] = skipped_after_passes
+        out["note"] = (
+            "--stop_after_passes stopped rows early: a row that passed soon has fewer samples, so the pass "
+            "rate and pass@k here describe the kept data, not the model (evaluate without it)"
+            if skipped_after_passes
+            else None
+        )
+        for group, tallies in self.groups.items():
+            out[f"by_{group}"] = {k: _short(t.summary()) for k, t in sorted(tallies.items())}
+        return out
+
+
+def _short(summary: dict[str, Any]) -> dict[str, Any]:
+    keep = (
+        "scored",
+        "unscored",
+        "scorer_errors",
+        "passed",
+        "pass_rate",
+        "pass_rate_95ci",
+        "mean_score",
+        "pass_at_k",
+    )
+    return {k: summary[k] for k in keep}
+
+
+def headline(scores: dict[str, Any]) -> str | None:
+    """The closing summary's line about scores (None when nothing was judged)."""
+    n = scores.get("scored", 0)
+    if not n and not scores.get("scorer_errors"):
+        return None
+    parts = []
+    if n:
+        lo, hi = scores["pass_rate_95ci"]
+        parts.append(f"pass rate {scores['pass_rate']:.1%} of {n} scored (95% CI {lo:.1%}-{hi:.1%})")
+        ks = ", ".join(f"{k} {v:.3f}" for k, v in scores["pass_at_k"].items() if v is not None)
+        if ks:
+            parts.append(ks)
+        if scores.get("mean_score") is not None:
+            parts.append(f"mean score {scores['mean_score']:.3f}")
+    if scores.get("unscored"):
+        parts.append(f"{scores['unscored']} unscored")
+    if scores.get("scorer_errors"):
+        parts.append(f"{scores['scorer_errors']} scorer errors")
+    if scores.get("skipped_after_passes"):
+        parts.append(
+            f"{scores['skipped_after_passes']} samples skipped after passes (rows stopped early: "
+            "these figures describe the kept data, not the model)"
+        )
+    return "Scores: " + "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- comparing two runs
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """McNemar's exact two-sided p-value: b pairs passed only in A, c only in B (binomial, p = 1/2)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_bootstrap(diffs: list[float], reps: int = 10_000, seed: int = 0) -> tuple[float, float] | None:
+    """The 95% percentile interval of the mean of paired differences, resampling the pairs (seeded)."""
+    import random
+
+    if not diffs:
+        return None
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
+    return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]

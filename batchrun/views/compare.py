@@ -1,0 +1,219 @@
+"""Compare the scores of two runs over the same rows.
+
+    python -m batchrun.views.compare data/<runA> data/<runB>                  # prints; writes compare.html
+    python -m batchrun.views.compare data/<runA> data/<runB> --out=ab.html --json
+
+Samples are paired by row identity (prompt text, image, cwd, the row's own settings) and sample
+index; only pairs judged in both runs (passed true or false) count. Printed and written as HTML:
+
+* the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
+  95% interval (the pairs resampled with replacement, ``--bootstrap`` times, seeded: the same inputs
+  give the same interval);
+* McNemar's exact test on the discordant pairs (b: passed in A only, c: passed in B only; two-sided
+  binomial p-value with p = 1/2), which asks whether the two runs differ beyond chance;
+* the same per toolset mix (A's toolsets of the pair);
+* the rows that flipped each way (passed in A and failed in B, and the reverse).
+
+``--scores=NAME`` compares a re-scoring (``scores.NAME.jsonl`` from ``batchrun.views.score``) instead
+of the runs' own scores; ``--scores_a``/``--scores_b`` pick one side's (so a run's own scores can be
+compared with its re-scoring: the same run named twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import html
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from batchrun.prompt.trajectory import first_human, record_sample
+from batchrun.scoring import mcnemar_exact, paired_bootstrap
+from batchrun.storage import iter_jsonl, write_text_atomic
+from batchrun.views.score import run_samples
+
+Key = tuple[str, int]
+
+
+def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, dict[str, Any]]:
+    """(row key, sample index) -> {passed, value, label, toolsets} of every judged sample of a run."""
+    override: dict[Key, dict[str, Any]] = {}
+    if scores_name:
+        path = run_dir / f"scores.{scores_name}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (python -m batchrun.views.score writes it)")
+        for line in iter_jsonl(path):
+            if isinstance(line, dict) and isinstance(line.get("score"), dict):
+                override[(line["row_key"], int(line["sample_index"]))] = line["score"]
+    out = {}
+    for rec in run_samples(run_dir):
+        key = record_sample(rec)
+        score = override.get(key) if scores_name else rec.get("score")
+        if not isinstance(score, dict) or not isinstance(score.get("passed"), bool):
+            continue
+        meta = rec.get("metadata") or {}
+        prompt = " ".join((first_human(rec["conversations"]) or "").split())
+        out[key] = {
+            "passed": score["passed"],
+            "value": score.get("value"),
+            "label": meta.get("row_id") or prompt[:80],
+            "toolsets": "+".join(sorted(rec.get("toolsets_used") or [])) or "none",
+        }
+    return out
+
+
+def compare_pairs(pairs: list[tuple[bool, bool]], bootstrap: int = 10_000, seed: int = 0) -> dict[str, Any]:
+    """The figures for paired verdicts (A, B): pass rates, their difference with its interval, McNemar."""
+    n = len(pairs)
+    a = sum(x for x, _ in pairs)
+    b_pass = sum(y for _, y in pairs)
+    only_a = sum(1 for x, y in pairs if x and not y)
+    only_b = sum(1 for x, y in pairs if y and not x)
+    interval = paired_bootstrap([float(y) - float(x) for x, y in pairs], bootstrap, seed)
+    return {
+        "pairs": n,
+        "pass_rate_a": a / n if n else None,
+        "pass_rate_b": b_pass / n if n else None,
+        "difference": (b_pass - a) / n if n else None,
+        "difference_95ci": None if interval is None else [interval[0], interval[1]],
+        "passed_only_in_a": only_a,
+        "passed_only_in_b": only_b,
+        "mcnemar_p": mcnemar_exact(only_a, only_b),
+    }
+
+
+def compare_runs(
+    run_a: Path,
+    run_b: Path,
+    scores_a: str | None = None,
+    scores_b: str | None = None,
+    bootstrap: int = 10_000,
+) -> dict[str, Any]:
+    a, b = sample_verdicts(run_a, scores_a), sample_verdicts(run_b, scores_b)
+    keys = sorted(set(a) & set(b))
+    result = compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in keys], bootstrap)
+    by_mix: dict[str, list[Key]] = collections.defaultdict(list)
+    for k in keys:
+        by_mix[a[k]["toolsets"]].append(k)
+    result["by_toolsets"] = {
+        mix: compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in ks], bootstrap)
+        for mix, ks in sorted(by_mix.items())
+    }
+    result["only_in_a"] = len(set(a) - set(b))
+    result["only_in_b"] = len(set(b) - set(a))
+    result["flipped_to_fail"] = sorted({a[k]["label"] for k in keys if a[k]["passed"] and not b[k]["passed"]})
+    result["flipped_to_pass"] = sorted({a[k]["label"] for k in keys if b[k]["passed"] and not a[k]["passed"]})
+    result["run_a"], result["run_b"] = str(run_a), str(run_b)
+    return result
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1%}"
+
+
+def _diff(r: dict[str, Any]) -> str:
+    if r["difference"] is None:
+        return "–"
+    lo, hi = r["difference_95ci"]
+    return f"{r['difference']:+.1%} (95% CI {lo:+.1%} to {hi:+.1%})"
+
+
+def text_report(r: dict[str, Any]) -> str:
+    lines = [
+        f"A: {r['run_a']}",
+        f"B: {r['run_b']}",
+        f"{r['pairs']} paired samples (only in A: {r['only_in_a']}, only in B: {r['only_in_b']})",
+        f"pass rate A {_pct(r['pass_rate_a'])}, B {_pct(r['pass_rate_b'])}; B - A {_diff(r)}",
+        f"McNemar exact p = {r['mcnemar_p']:.4g} (passed only in A: {r['passed_only_in_a']}, only in B: {r['passed_only_in_b']})",
+    ]
+    for mix, m in r["by_toolsets"].items():
+        lines.append(f"  {mix}: {m['pairs']} pairs, B - A {_diff(m)}, p = {m['mcnemar_p']:.4g}")
+    lines.append(
+        f"rows that flipped to fail in B ({len(r['flipped_to_fail'])}): {', '.join(r['flipped_to_fail'][:20])}"
+    )
+    lines.append(
+        f"rows that flipped to pass in B ({len(r['flipped_to_pass'])}): {', '.join(r['flipped_to_pass'][:20])}"
+    )
+    return "\n".join(lines)
+
+
+def html_report(r: dict[str, Any]) -> str:
+    esc = html.escape
+
+    def row(name: str, m: dict[str, Any]) -> str:
+        cells = [
+            name,
+            m["pairs"],
+            _pct(m["pass_rate_a"]),
+            _pct(m["pass_rate_b"]),
+            _diff(m),
+            f"{m['mcnemar_p']:.4g}",
+        ]
+        return "<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in cells) + "</tr>"
+
+    head = "".join(f"<th>{h}</th>" for h in ("", "pairs", "pass rate A", "pass rate B", "B - A", "McNemar p"))
+    rows = row("all", r) + "".join(row(mix, m) for mix, m in r["by_toolsets"].items())
+    flips = "".join(
+        f"<h2>{esc(title)} ({len(names)})</h2><ul>" + "".join(f"<li>{esc(n)}</li>" for n in names) + "</ul>"
+        for title, names in (
+            ("Passed in A, failed in B", r["flipped_to_fail"]),
+            ("Failed in A, passed in B", r["flipped_to_pass"]),
+        )
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Run comparison</title>'
+        "<style>body{font:14px system-ui,sans-serif;margin:24px;color:#1d2330}table{border-collapse:collapse}"
+        "td,th{border-bottom:1px solid #e3e6eb;padding:4px 10px;text-align:left}</style></head><body>"
+        f"<h1>Run comparison</h1><p>A: <code>{esc(r['run_a'])}</code><br>B: <code>{esc(r['run_b'])}</code></p>"
+        f'<p id="headline">{r["pairs"]} paired samples · B - A {esc(_diff(r))} · McNemar exact p = {r["mcnemar_p"]:.4g}</p>'
+        f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{flips}</body></html>"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m batchrun.views.compare", description="Compare two runs' scores."
+    )
+    parser.add_argument("run_a", type=Path)
+    parser.add_argument("run_b", type=Path)
+    parser.add_argument(
+        "--out", type=Path, default=Path("compare.html"), help="the HTML page (default compare.html)"
+    )
+    parser.add_argument(
+        "--scores", help="compare scores.NAME.jsonl (a re-scoring) instead of the records' own"
+    )
+    parser.add_argument("--scores_a", help="A's scores.NAME.jsonl (default --scores, else A's own)")
+    parser.add_argument("--scores_b", help="B's scores.NAME.jsonl (default --scores, else B's own)")
+    parser.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    if args.bootstrap < 100:
+        parser.error("--bootstrap must be at least 100")
+    for run in (args.run_a, args.run_b):
+        if not (run / "trajectories.jsonl").is_file():
+            print(
+                f"error: {run} holds no trajectories.jsonl (is it a finished run's directory?)",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        result = compare_runs(
+            args.run_a, args.run_b, args.scores_a or args.scores, args.scores_b or args.scores, args.bootstrap
+        )
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not result["pairs"]:
+        print("error: no sample is judged in both runs (same rows? scores on?)", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else text_report(result))
+    write_text_atomic(args.out, html_report(result))
+    if not args.json:
+        print(f"Wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

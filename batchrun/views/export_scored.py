@@ -1,0 +1,247 @@
+"""Exports that group a row's samples by their scores: ``preference`` (chosen / rejected pairs, TRL's
+conversational preference layout) and ``rewards`` (each row's samples with their scores, for
+GRPO-style trainers).
+
+    python -m batchrun.views.export data/<run> [data/<other_run> ...] --format=preference --out=DIR
+    python -m batchrun.views.export data/<run> --format=rewards --out=DIR
+
+Samples are grouped by their row's identity and the tools they were offered (a pair or a group
+shares one prompt: the same messages up to the user's, and the same ``tools``), across every run
+named, so two models' runs over one dataset pair up too. Kept trajectories and the samples a failed
+check discarded (``--keep=passed``) are read; other discards only with ``--include_discarded``.
+
+* ``preference``: ``prompt`` (the messages up to and including the user's), ``chosen`` and
+  ``rejected`` (the rest of a passing and of a failing sample: assistant turns with their
+  ``tool_calls``, tool results), ``tools``, the two scores and sample indices. A group's passing and
+  failing samples are paired in order, so a row with 3 passes and 2 failures gives 2 pairs.
+* ``rewards``: one line per group: ``prompt``, ``completions`` (per judged sample: ``messages``,
+  ``reward`` (its score value), ``passed``, ``sample_index``), ``rewards`` (the values again, as one
+  list), ``tools``.
+
+Messages carry every key (``role``, ``content``, ``reasoning_content``, ``tool_calls``,
+``tool_call_id``; null where they do not apply) so every line has one type; the card states it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+from batchrun.prompt.trajectory import first_human, offered_tools, record_row_key
+from batchrun.record import features_yaml
+from batchrun.views.export import (
+    _MESSAGE,
+    CARD_NAME,
+    SPLITS,
+    ExportError,
+    ExportResult,
+    _all_samples,
+    _full_message,
+    score_columns,
+    split_of,
+    to_openai_messages,
+)
+
+SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samples, not broken ones
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "preference": {
+        "prompt": [_MESSAGE],
+        "chosen": [_MESSAGE],
+        "rejected": [_MESSAGE],
+        "tools": "string",
+        "chosen_score": "float64",
+        "rejected_score": "float64",
+        "chosen_sample_index": "int64",
+        "rejected_sample_index": "int64",
+        "row_id": "string",
+        "row_fields": "string",
+        "run_names": ["string"],
+    },
+    "rewards": {
+        "prompt": [_MESSAGE],
+        "completions": [
+            {"messages": [_MESSAGE], "reward": "float64", "passed": "bool", "sample_index": "int64"}
+        ],
+        "rewards": ["float64"],
+        "tools": "string",
+        "row_id": "string",
+        "row_fields": "string",
+        "run_names": ["string"],
+    },
+}
+
+
+def split_prompt(record: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(prompt messages: up to and including the first user message, the completion: the rest)."""
+    messages = [_full_message(m) for m in to_openai_messages(record["conversations"])]
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise ValueError("the sample has no user message")
+    return messages[: first_user + 1], messages[first_user + 1 :]
+
+
+def _sample_ok(reason: str | None, include_discarded: bool) -> bool:
+    return reason is None or reason in SCORING_DISCARDS or include_discarded
+
+
+def export_scored(
+    run_dirs: list[Path],
+    fmt: str,
+    result: ExportResult,
+    include_partial: bool,
+    include_discarded: bool,
+    test_fraction: float,
+    seed: int,
+) -> ExportResult:
+    """Write ``train.jsonl`` (and ``test.jsonl``) of ``preference`` or ``rewards`` rows, and the card."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
+    skipped = result.skipped
+    for record, reason, run_name in _all_samples(run_dirs, True, skipped):
+        if not _sample_ok(reason, include_discarded):
+            skipped[f"discarded ({reason})"] += 1
+            continue
+        if record.get("partial") and not include_partial:
+            skipped["partial"] += 1
+            continue
+        cols = score_columns(record)
+        if cols["score_passed"] is None or cols["score_value"] is None:
+            skipped["not judged"] += 1
+            continue
+        try:
+            system = next((t["value"] for t in record["conversations"] if t.get("from") == "system"), "")
+            tools = json.dumps(offered_tools(system), ensure_ascii=False)
+            prompt, completion = split_prompt(record)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            skipped[f"unparsable ({type(exc).__name__})"] += 1
+            continue
+        meta = record.get("metadata") or {}
+        groups[(record_row_key(record), tools)].append(
+            {
+                "prompt": prompt,
+                "completion": completion,
+                "tools": tools,
+                "score": cols["score_value"],
+                "passed": cols["score_passed"],
+                "sample_index": meta.get("sample_index") or 0,
+                "row_id": meta.get("row_id"),
+                "row_fields": meta.get("row_fields"),
+                "run_name": run_name,
+                "text": first_human(record["conversations"]) or "",
+            }
+        )
+    out = result.out
+    handles: dict[str, Any] = {}
+    try:
+        for samples in groups.values():
+            rows = _preference_rows(samples) if fmt == "preference" else _rewards_rows(samples)
+            if not rows:
+                skipped["rows without both a passing and a failing sample"] += fmt == "preference"
+            for row in rows:
+                split = split_of(samples[0]["text"], seed, test_fraction)
+                if split not in handles:
+                    handles[split] = (out / f"{split}.jsonl").open("w", encoding="utf-8")
+                    result.files[split] = out / f"{split}.jsonl"
+                handles[split].write(json.dumps(row, ensure_ascii=False) + "\n")
+                result.rows[split] += 1
+    finally:
+        for fh in handles.values():
+            fh.close()
+    result.files = {s: result.files[s] for s in SPLITS if s in result.files}
+    if not result.files:
+        raise ExportError(
+            f"no {fmt} rows: "
+            + (
+                "no row has both a passing and a failing sample"
+                if fmt == "preference"
+                else "no sample is judged"
+            )
+            + f" (not exported: {dict(skipped)})"
+        )
+    (out / CARD_NAME).write_text(card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
+    return result
+
+
+def _common(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    first = samples[0]
+    return {
+        "tools": first["tools"],
+        "row_id": first["row_id"],
+        "row_fields": first["row_fields"],
+        "run_names": sorted({s["run_name"] for s in samples}),
+    }
+
+
+def _preference_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    passing = [s for s in samples if s["passed"]]
+    failing = [s for s in samples if not s["passed"]]
+    rows = []
+    for good, bad in zip(passing, failing, strict=False):  # paired in order; the longer list's rest is unused
+        rows.append(
+            {
+                "prompt": good["prompt"],
+                "chosen": good["completion"],
+                "rejected": bad["completion"],
+                "tools": good["tools"],
+                "chosen_score": good["score"],
+                "rejected_score": bad["score"],
+                "chosen_sample_index": good["sample_index"],
+                "rejected_sample_index": bad["sample_index"],
+                **{k: v for k, v in _common([good, bad]).items() if k != "tools"},
+            }
+        )
+    return rows
+
+
+def _rewards_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt": samples[0]["prompt"],
+            "completions": [
+                {
+                    "messages": s["completion"],
+                    "reward": s["score"],
+                    "passed": s["passed"],
+                    "sample_index": s["sample_index"],
+                }
+                for s in samples
+            ],
+            "rewards": [s["score"] for s in samples],
+            **_common(samples),
+        }
+    ]
+
+
+def card(run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: float, seed: int) -> str:
+    lines = ["---", "configs:", "- config_name: default", "  data_files:"]
+    for split, path in result.files.items():
+        lines += [f"  - split: {split}", f"    path: {path.name}"]
+    lines += ["dataset_info:", "  features:", *features_yaml(FEATURES[fmt], 2)]
+    lines += ["tags:", "- tool-use", "- agent-trajectories", f"- {fmt}", "---", "", ""]
+    what = {
+        "preference": "`prompt` / `chosen` / `rejected` conversational messages (TRL's preference layout): "
+        "a passing and a failing sample of the same row, offered the same `tools`",
+        "rewards": "`prompt`, `completions` (per sample: `messages`, `reward`, `passed`, `sample_index`) and "
+        "`rewards` (the scores as one list), "
+        "one line per row and tool list (GRPO-style groups)",
+    }[fmt]
+    counts = ", ".join(f"{s}: {result.rows[s]}" for s in result.files) or "none"
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
+    runs = ", ".join(f"`{d.resolve().name}`" for d in run_dirs)
+    split_text = (
+        f"{test_fraction:g} of prompts in `test` (seed {seed})" if test_fraction > 0 else "one split, `train`"
+    )
+    return (
+        "\n".join(lines)
+        + f"""# {fmt} data from {runs}
+
+Exported by batch-runner: {what}. Messages carry `role`, `content`, `reasoning_content`, `tool_calls`
+(arguments as JSON text), `tool_call_id` (null where they do not apply); `tools` is the JSON text of the
+OpenAI tool list the samples were offered.
+
+- Splits: {split_text}. Rows: {counts}.
+- Not exported: {skipped}.
+"""
+    )

@@ -1,0 +1,218 @@
+"""Re-score a finished run without running the agent again.
+
+    python -m batchrun.views.score data/<run> --scorer=includes
+    python -m batchrun.views.score data/<run> --scorer=numeric --answer_pattern='ANSWER: (.*)' --name=strict
+    JUDGE_API_KEY=... python -m batchrun.views.score data/<run> --scorer=judge --judge_model=M --judge_base_url=URL
+
+Scorers that need no sandbox (``exact``, ``includes``, ``regex``, ``numeric``, ``json``, and ``judge``,
+which makes only the judge's own model calls) judge every sample of the run (kept trajectories and
+discarded samples) against its row's ``answer``/``rubric`` as the record's ``metadata.row_fields``
+holds them. ``verify`` cannot run again (the sandbox is gone) and is refused.
+
+The new scores go beside the old ones: ``scores.<name>.jsonl`` (one line per sample: its row key,
+sample index, row id and ``score``) and a ``rescored.<name>`` entry in ``statistics.json``'s ``scores``
+section (the same figures as the run's own: pass rate, interval, pass@k). The records themselves are
+never rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from batchrun.prompt.trajectory import first_human, record_sample, valid_outcome_row, valid_record
+from batchrun.scoring import (
+    NORMALIZE_STEPS,
+    SANDBOX_SCORERS,
+    Judgement,
+    JudgeSettings,
+    RunScores,
+    ScoringSettings,
+    check_from_row_fields,
+    headline,
+    parse_scorers,
+    score_sample,
+)
+from batchrun.storage import iter_jsonl, write_json_atomic, write_text_atomic
+
+
+def run_samples(run_dir: Path) -> list[dict[str, Any]]:
+    """Every sample a run holds a record of: kept trajectories, then discarded ones (each once)."""
+    out, seen = [], set()
+    sources = [iter_jsonl(run_dir / "trajectories.jsonl")]
+    sources.append(
+        row["record"]
+        for row in iter_jsonl(run_dir / "discarded.jsonl")
+        if valid_outcome_row(row, "reason") and isinstance(row.get("record"), dict)
+    )
+    for source in sources:
+        for rec in source:
+            if not valid_record(rec):
+                continue
+            key = record_sample(rec)
+            if key not in seen:
+                seen.add(key)
+                out.append(rec)
+    return out
+
+
+def rescore(
+    run_dir: Path, settings: ScoringSettings, name: str, judge: Any = None, distribution: str = ""
+) -> dict[str, Any]:
+    """Score every sample of the run again; write ``scores.<name>.jsonl`` and refresh statistics.json.
+    What is written is redacted of the judge's key (an endpoint's error may quote it)."""
+    from batchrun.secrets import Redactor
+
+    redact = Redactor(settings.judge.api_key if settings.judge else None)
+    lines = []
+    scores = RunScores(distribution)
+    for rec in run_samples(run_dir):
+        meta = rec.get("metadata") or {}
+        check = check_from_row_fields(meta.get("row_fields"))
+        try:
+            row = json.loads(meta.get("row_fields") or "{}")
+        except ValueError:
+            row = {}
+        judgement = Judgement(
+            check=check,
+            settings=settings,
+            row=row,
+            judge=judge,
+            prompt=first_human(rec["conversations"]) or "",
+        )
+        score = score_sample(rec, judgement)
+        row_key, sample_index = record_sample(rec)
+        scores.add({**rec, "score": score}, row_key, sample_index)
+        line = {
+            "row_key": row_key,
+            "sample_index": sample_index,
+            "row_id": meta.get("row_id"),
+            "score": score,
+        }
+        lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+    write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
+    summary = scores.summary()
+    stats_path = run_dir / "statistics.json"
+    try:
+        stats = json.loads(stats_path.read_text("utf-8"))
+    except (OSError, ValueError):
+        stats = {}
+    section = stats.setdefault("scores", {})
+    section.setdefault("rescored", {})[name] = {
+        **summary,
+        "scorers": list(settings.scorers),
+        "answer_pattern": settings.answer_pattern,
+        "file": f"scores.{name}.jsonl",
+    }
+    write_json_atomic(stats_path, stats, redact)
+    return summary
+
+
+def judge_client(settings: JudgeSettings) -> Any:
+    """The judge's model client: the runner's own (retries, timeouts, bounds on what it reads)."""
+    from batchrun.prompt.llm import LLMClient, LLMConfig
+
+    return LLMClient(
+        LLMConfig(
+            model=settings.model,
+            base_url=settings.base_url,
+            api_key=settings.api_key,
+            max_tokens=settings.max_tokens,
+            temperature=0.0,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m batchrun.views.score", description="Re-score a finished run (no agent calls)."
+    )
+    parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")
+    parser.add_argument(
+        "--scorer", required=True, help="exact, includes, regex, numeric, json, judge (comma-separated)"
+    )
+    parser.add_argument("--name", help="label of the new scores (default: the scorers' names)")
+    parser.add_argument("--answer_pattern", help="regex extracting the answer (group 1, last match)")
+    parser.add_argument(
+        "--answer_normalize", default=",".join(NORMALIZE_STEPS), help="case,whitespace,punctuation or none"
+    )
+    parser.add_argument("--numeric_tolerance", type=float, default=1e-6)
+    parser.add_argument("--judge_model")
+    parser.add_argument("--judge_base_url")
+    parser.add_argument(
+        "--judge_api_key_env", default="JUDGE_API_KEY", help="variable holding the judge's key"
+    )
+    args = parser.parse_args(argv)
+    try:
+        settings, judge = _settings(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not (args.run_dir / "trajectories.jsonl").is_file():
+        print(
+            f"error: {args.run_dir} holds no trajectories.jsonl (is it a finished run's directory?)",
+            file=sys.stderr,
+        )
+        return 2
+    name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
+    stats = _read_stats(args.run_dir)
+    summary = rescore(args.run_dir, settings, name, judge, stats.get("distribution", ""))
+    print(headline(summary) or "Scores: no sample could be judged by these scorers")
+    old = (stats.get("scores") or {}).get("pass_rate")
+    if old is not None and summary["pass_rate"] is not None:
+        print(f"The run's own scores: pass rate {old:.1%}; re-scored ({name}): {summary['pass_rate']:.1%}")
+    print(f"Wrote {args.run_dir / f'scores.{name}.jsonl'}; statistics.json scores.rescored.{name}")
+    return 0
+
+
+def _settings(args: argparse.Namespace) -> tuple[ScoringSettings, Any]:
+    scorers = parse_scorers(args.scorer)
+    if not scorers:
+        raise ValueError("--scorer names no scorer")
+    needs_box = [s for s in scorers if s in SANDBOX_SCORERS]
+    if needs_box:
+        raise ValueError(
+            f"--scorer={needs_box[0]} needs the prompt's sandbox, which is gone; re-run the samples"
+        )
+    if args.name is not None and not re.fullmatch(r"[\w.+-]+", args.name):
+        raise ValueError("--name: letters, digits, '.', '+', '-' and '_' only")
+    if args.answer_pattern is not None:
+        try:
+            re.compile(args.answer_pattern)
+        except re.error as exc:
+            raise ValueError(f"--answer_pattern is not a valid regular expression: {exc}") from None
+    steps = () if args.answer_normalize == "none" else tuple(s for s in args.answer_normalize.split(",") if s)
+    if any(s not in NORMALIZE_STEPS for s in steps):
+        raise ValueError(f"--answer_normalize: some of {', '.join(NORMALIZE_STEPS)}, or none")
+    judge_settings = None
+    if "judge" in scorers:
+        if not args.judge_model or not args.judge_base_url:
+            raise ValueError("--scorer=judge needs --judge_model and --judge_base_url")
+        judge_settings = JudgeSettings(
+            args.judge_model, args.judge_base_url, os.environ.get(args.judge_api_key_env) or None
+        )
+    settings = ScoringSettings(
+        scorers=scorers,
+        answer_pattern=args.answer_pattern,
+        numeric_tolerance=args.numeric_tolerance,
+        normalize=steps,
+        judge=judge_settings,
+    )
+    return settings, judge_client(judge_settings) if judge_settings else None
+
+
+def _read_stats(run_dir: Path) -> dict[str, Any]:
+    try:
+        stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

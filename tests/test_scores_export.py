@@ -1,0 +1,94 @@
+"""Exports that use scores: score columns, --only_passed and --min_score, and the preference and
+rewards formats, each loaded back with `datasets`."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+from helpers import run, write_rows
+
+from batchrun.views import export
+
+# The fake model answers 42 to each row; run "exact" judges with exact, run "includes" with includes.
+ROWS = [
+    {"id": "right", "prompt": "Say 42 [calls:1] [answer:42]", "answer": "42"},  # passes in both runs
+    {"id": "four", "prompt": "Say 4 [calls:1] [answer:42]", "answer": "4"},  # fails, then passes
+    {"id": "seven", "prompt": "Say 7 [calls:1] [answer:42]", "answer": "7"},  # fails in both
+    {"id": "free", "prompt": "Say hi [calls:1]"},  # never judged
+]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scored")
+    dataset = write_rows(tmp / "d.jsonl", ROWS)
+    out = tmp / "data"
+    run(None, dataset, out, run_name="exact", samples_per_prompt=2)
+    run(None, dataset, out, run_name="includes", samples_per_prompt=2, scorer="includes", keep="passed")
+    return out / "exact", out / "includes"
+
+
+def _load(path, tmp_path):
+    return datasets.load_dataset(str(path), split="train", cache_dir=str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("fmt", ["openai", "parquet", "sharegpt"])
+def test_score_columns_and_filters(two_runs, tmp_path, fmt):
+    exact, _ = two_runs
+    assert export.main([str(exact), f"--format={fmt}", f"--out={tmp_path / 'all'}"]) == 0
+    ds = _load(tmp_path / "all", tmp_path)
+    assert ds.features["score_value"].dtype == "float64" and ds.features["score_passed"].dtype == "bool"
+    got = sorted((r["row_id"], r["score_passed"], r["scorer"]) for r in ds)
+    assert got == sorted(
+        [("right", True, "exact")] * 2
+        + [("four", False, "exact")] * 2
+        + [("seven", False, "exact")] * 2
+        + [("free", None, "none")] * 2
+    )
+    assert export.main([str(exact), f"--format={fmt}", "--only_passed", f"--out={tmp_path / 'ok'}"]) == 0
+    assert [r["row_id"] for r in _load(tmp_path / "ok", tmp_path)] == ["right", "right"]
+    assert export.main([str(exact), f"--format={fmt}", "--min_score=0.5", f"--out={tmp_path / 'min'}"]) == 0
+    assert _load(tmp_path / "min", tmp_path).num_rows == 2
+    card = (tmp_path / "ok" / "README.md").read_text("utf-8")
+    assert "6 not passed (--only_passed)" in card
+
+
+def test_preference_pairs_a_passing_and_a_failing_sample_of_one_row(two_runs, tmp_path):
+    exact, includes = two_runs
+    # The failing samples of the includes run were discarded (--keep=passed): they are read too.
+    assert export.main([str(exact), str(includes), "--format=preference", f"--out={tmp_path / 'p'}"]) == 0
+    ds = _load(tmp_path / "p", tmp_path)
+    # Row four: 2 failures (exact) and 2 passes (includes) -> 2 pairs. Row right never fails, row
+    # seven never passes: no pair.
+    assert ds.num_rows == 2 and set(ds["row_id"]) == {"four"}
+    for row in ds:
+        assert row["prompt"][-1]["role"] == "user" and row["prompt"][-1]["content"].startswith("Say 4")
+        assert row["chosen"][0]["role"] == "assistant" and row["rejected"][0]["role"] == "assistant"
+        assert (row["chosen_score"], row["rejected_score"]) == (1.0, 0.0)
+        assert row["run_names"] == ["exact", "includes"]
+        # Both completions hold the tool call and its result, as the model made them.
+        assert row["chosen"][0]["tool_calls"][0]["function"]["name"] == "terminal"
+        assert [m["role"] for m in row["chosen"]] == ["assistant", "tool", "assistant"]
+        assert json.loads(row["tools"])[0]["function"]["name"] == "terminal"
+    # TRL's conversational preference layout: lists of {role, content} messages under these keys.
+    assert {"prompt", "chosen", "rejected"} <= set(ds.column_names)
+
+
+def test_rewards_groups_each_rows_samples_with_their_scores(two_runs, tmp_path):
+    exact, includes = two_runs
+    assert export.main([str(exact), str(includes), "--format=rewards", f"--out={tmp_path / 'r'}"]) == 0
+    ds = _load(tmp_path / "r", tmp_path)
+    by_row = {r["row_id"]: r for r in ds}
+    assert set(by_row) == {"right", "four", "seven"}  # "free" was never judged
+    assert sorted(by_row["four"]["rewards"]) == [0.0, 0.0, 1.0, 1.0]
+    assert [c["passed"] for c in by_row["four"]["completions"]].count(True) == 2
+    assert all(c["messages"][-1]["role"] == "assistant" for c in by_row["seven"]["completions"])
+    assert by_row["right"]["prompt"][-1]["content"].startswith("Say 42")
+
+
+def test_preference_without_any_pair_is_a_clear_error(two_runs, tmp_path, capsys):
+    exact, _ = two_runs
+    assert export.main([str(exact), "--format=preference", f"--out={tmp_path / 'none'}"]) == 2
+    assert "no row has both a passing and a failing sample" in capsys.readouterr().err

@@ -1,0 +1,319 @@
+"""Scores end to end: runs with answers, verify commands and hidden files on the real local and Docker
+backends, --keep=passed, --stop_after_passes, the judge, resume and kill -9 with scoring on, and the
+records loading with `datasets`."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_rows
+
+from batchrun.prompt.trajectory import outcome_sample, record_sample
+from batchrun.record import load_runs
+
+SECRET = "HIDDEN-TEST-7f3a"
+
+# The agent (the fake model, scripted by [run:...]) tries to read the hidden test and to plant its own.
+HIDDEN_ROW = {
+    "id": "hidden",
+    "prompt": "Write made into out.txt [run:cat tests/check.sh; ls -la tests; find . /tmp -name check.sh]"
+    " [run:mkdir -p tests && printf 'exit 0' > tests/check.sh && echo made > out.txt]",
+    "verify": "sh tests/check.sh",
+    # The test checks what the agent made, and that it is itself the hidden one (not the planted file).
+    "verify_files": {
+        "tests/check.sh": f"# {SECRET}\ngrep -qx made out.txt && grep -q {SECRET} tests/check.sh"
+    },
+}
+WRONG_FILE_ROW = {
+    "id": "wrong",
+    "prompt": "Write made into out.txt, carelessly [run:echo maid > out.txt]",
+    "verify": ["test -f out.txt", "grep -qx made out.txt"],
+}
+PARTIAL_ROW = {
+    "id": "partial",
+    "prompt": "Make two files [run:touch a.txt]",
+    # Partial credit: half the files made is half the score, and no pass.
+    "verify": "if [ -f b.txt ]; then echo '{\"score\": 1.0}'; elif [ -f a.txt ]; then echo '{\"score\": 0.5}';"
+    " else echo '{\"score\": 0}'; fi; [ -f a.txt ] && [ -f b.txt ]",
+}
+ANSWER_ROWS = [
+    {"id": "sum-right", "prompt": "What is 19 + 23? [answer:42]", "answer": 42},
+    {"id": "sum-wrong", "prompt": "What is 20 + 23? [answer:42]", "answer": 43},
+    {"id": "city", "prompt": "Capital of France? [answer:paris.]", "answer": ["Paris", "Paris, France"]},
+]
+
+
+def _by_id(path: Path) -> dict[str, dict]:
+    return {r["metadata"]["row_id"]: r for r in read_jsonl(path)}
+
+
+def _check_hidden_files(run_dir: Path) -> None:
+    recs = _by_id(run_dir / "trajectories.jsonl")
+    hidden = recs["hidden"]
+    # The model never saw the hidden test: not in any turn it was shown or wrote.
+    conversation = json.dumps(hidden["conversations"])
+    assert SECRET not in conversation
+    first_tool = next(t["value"] for t in hidden["conversations"] if t["from"] == "tool")
+    assert "No such file" in first_tool
+    assert "./tests/check.sh" not in first_tool  # find found nothing either
+    # The hidden file replaced the one the agent planted, and judged what the sandbox really holds.
+    score = hidden["score"]
+    assert (score["passed"], score["value"], score["verify_exit_code"]) == (True, 1.0, 0), score
+    wrong = recs["wrong"]["score"]
+    assert (wrong["passed"], wrong["value"], wrong["verify_exit_code"]) == (False, 0.0, 1), wrong
+
+
+def test_hidden_files_and_verify_on_the_local_backend(tmp_path):
+    dataset = write_rows(tmp_path / "d.jsonl", [HIDDEN_ROW, WRONG_FILE_ROW, PARTIAL_ROW])
+    out = tmp_path / "data"
+    run(None, dataset, out)
+    run_dir = out / "run"
+    _check_hidden_files(run_dir)
+    partial = _by_id(run_dir / "trajectories.jsonl")["partial"]["score"]
+    assert (partial["passed"], partial["value"]) == (False, 0.5), partial
+    assert '{"score": 0.5}' in partial["verify_output"]
+    scores = stats_of(run_dir)["scores"]
+    assert (scores["scored"], scores["passed"], scores["pass_rate"]) == (3, 1, round(1 / 3, 6))
+
+
+@pytest.mark.docker
+def test_hidden_files_and_verify_on_the_docker_backend(tmp_path, docker_test_image):
+    rows = [{**r, "image": docker_test_image, "cwd": "/work"} for r in (HIDDEN_ROW, WRONG_FILE_ROW)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, sandbox="docker", default_image=docker_test_image)
+    _check_hidden_files(out / "run")
+
+
+def test_text_scorers_by_default_and_named(tmp_path, capsys):
+    dataset = write_rows(tmp_path / "d.jsonl", [*ANSWER_ROWS, {"id": "free", "prompt": "Say hi"}])
+    out = tmp_path / "data"
+    run(None, dataset, out)
+    recs = _by_id(out / "run" / "trajectories.jsonl")
+    assert {k: (r["score"]["scorer"], r["score"]["passed"]) for k, r in recs.items()} == {
+        "sum-right": ("numeric", True),
+        "sum-wrong": ("numeric", False),
+        "city": ("exact", True),
+        "free": ("none", None),
+    }
+    assert "Scores: pass rate 66.7% of 3 scored" in capsys.readouterr().out
+    # --scorer names the scorer for every row; --answer_pattern extracts another part of the answer.
+    run(None, dataset, out, run_name="inc", scorer="includes", answer_pattern=r"Final answer for '([^']*)'")
+    recs = _by_id(out / "inc" / "trajectories.jsonl")
+    assert recs["sum-right"]["score"]["passed"] is False  # the slug, not the ANSWER line
+    assert recs["free"]["score"]["passed"] is None  # no answer: unscored, not a scorer error
+
+
+def test_every_record_loads_with_datasets_and_score_columns_have_types(tmp_path):
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "a.jsonl", ANSWER_ROWS), out, run_name="a")
+    run(None, write_rows(tmp_path / "b.jsonl", [{"prompt": "Say hi"}]), out, run_name="b")  # nothing judged
+    plain = datasets.load_dataset(str(out / "a"), split="train", cache_dir=str(tmp_path / "c0"))
+    assert plain.features["score"]["value"].dtype == "float64"
+    assert plain.features["score"]["passed"].dtype == "bool"
+    both = load_runs(out / "a", out / "b", cache_dir=str(tmp_path / "c1"))
+    assert sorted(both["score"], key=lambda s: str(s["passed"]))[0]["scorer"] == "numeric"
+    assert [s["passed"] for s in both["score"]].count(None) == 1
+
+
+def test_keep_passed_discards_failed_checks_and_resume_never_reruns_them(server, tmp_path):
+    dataset = write_rows(tmp_path / "d.jsonl", [*ANSWER_ROWS, {"id": "free", "prompt": "Say hi"}])
+    out = tmp_path / "data"
+    run(server, dataset, out, keep="passed")
+    run_dir = out / "run"
+    assert sorted(_by_id(run_dir / "trajectories.jsonl")) == ["city", "sum-right"]
+    discards = {r["row_id"]: r for r in read_jsonl(run_dir / "discarded.jsonl")}
+    assert {k: r["reason"] for k, r in discards.items()} == {"sum-wrong": "failed_check", "free": "unscored"}
+    assert json.loads(discards["sum-wrong"]["row_fields"])["answer"] == 43  # the row's fields travel
+    stats = stats_of(run_dir)
+    assert stats["discarded"]["by_reason"] == {"failed_check": 1, "unscored": 1}
+    assert stats["scores"]["scored"] == 3 and stats["scores"]["passed"] == 2  # discards are judged samples
+    before = server.stats()["requests"]
+    run(server, dataset, out, keep="passed", resume=True)
+    assert server.stats()["requests"] == before  # a failed check is an outcome, not a failure
+
+
+def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp_path):
+    rows = [
+        {"id": "easy", "prompt": "Easy one [answer:1] [calls:0]", "answer": 1},
+        {"id": "hard", "prompt": "Hard one [answer:1] [calls:0]", "answer": 2},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    # Slots for every sample at once (2 workers x 16): a row still runs only the samples it may need.
+    one_at_a_time = dict(samples_per_prompt=4, stop_after_passes=1)
+    run(server, dataset, out, **one_at_a_time)
+    run_dir = out / "run"
+    calls = collections.Counter(server.stats()["requests_by_prompt"])
+    # One model call per sample ([calls:0]); the easy row passed at its first sample: 3 not run.
+    assert calls == {rows[0]["prompt"]: 1, rows[1]["prompt"]: 4}
+    skipped = [r for r in read_jsonl(run_dir / "discarded.jsonl") if r["reason"] == "skipped_after_passes"]
+    assert sorted((r["row_id"], r["sample_index"]) for r in skipped) == [
+        ("easy", 1),
+        ("easy", 2),
+        ("easy", 3),
+    ]
+    stats = stats_of(run_dir)
+    assert stats["scores"]["skipped_after_passes"] == 3 and stats["remaining_for_resume"] == 0
+    assert "biased" not in (stats["scores"]["note"] or "") and "not the model" in stats["scores"]["note"]
+    run(server, dataset, out, resume=True, **one_at_a_time)
+    assert collections.Counter(server.stats()["requests_by_prompt"]) == calls
+    # More samples later: the easy row still has its pass, so its new samples are skipped as well.
+    run(server, dataset, out, resume=True, **{**one_at_a_time, "samples_per_prompt": 6})
+    assert collections.Counter(server.stats()["requests_by_prompt"]) - calls == {rows[1]["prompt"]: 2}
+
+
+def test_failed_rows_carry_their_row_id_and_fields(server, tmp_path):
+    row = {"id": 9, "prompt": "Broken endpoint [error:400]", "answer": "x", "verify": "true"}
+    out = tmp_path / "data"
+    run(server, write_rows(tmp_path / "d.jsonl", [row]), out)
+    (failed,) = read_jsonl(out / "run" / "failed.jsonl")
+    assert failed["row_id"] == "9"
+    assert json.loads(failed["row_fields"]) == {"id": 9, "answer": "x", "verify": "true"}
+
+
+def test_judge_scores_through_the_run_client_with_its_usage_apart(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-123")
+    rows = [
+        # The fake model answers the judge's request too (the task text is in it): a verdict, or none.
+        {"id": "good", "prompt": 'Grade me [calls:0] [answer:{"score": 0.9, "passed": true}]', "rubric": "r"},
+        {"id": "garbled", "prompt": "Grade me too [calls:0]", "rubric": "be strict"},
+    ]
+    out = tmp_path / "data"
+    judge = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
+    run(server, write_rows(tmp_path / "d.jsonl", rows), out, **judge)
+    recs = _by_id(out / "run" / "trajectories.jsonl")
+    good, garbled = recs["good"], recs["garbled"]
+    assert (good["score"]["value"], good["score"]["passed"]) == (0.9, True)
+    assert good["score"]["judge_usage"]["calls"] == 1 and good["score"]["judge_usage"]["prompt_tokens"] > 0
+    assert good["metadata"]["usage"]["calls"] == 1  # the agent's own call only
+    assert garbled["score"]["passed"] is None and "no JSON verdict" in garbled["score"]["error"]
+    models = [r["model"] for r in server.stats()["last_requests"]]
+    assert models.count("judge-model") == 2
+    # The judge's calls count in the run's spend (budget), beside the agent's.
+    assert stats_of(out / "run")["this_run"]["api_calls"] == 4
+    for path in (out / "run").iterdir():
+        if path.is_file():
+            assert "sk-judge-secret-123" not in path.read_text("utf-8", errors="replace"), path
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({"scorer": "nope"}, "--scorer"),
+        ({"scorer": "no_such_module_xyz:f"}, "--scorer"),
+        ({"answer_pattern": "("}, "--answer_pattern"),
+        ({"scorer": "judge"}, "--judge_model"),
+        ({"keep": "some"}, "--keep"),
+        ({"stop_after_passes": 0}, "--stop_after_passes"),
+        ({"verify_timeout": 0}, "--verify_timeout"),
+        ({"answer_normalize": "case,accents"}, "--answer_normalize"),
+    ],
+)
+def test_bad_scoring_flags_exit_2_before_any_model_call(server, tmp_path, capsys, flags, named):
+    dataset = write_rows(tmp_path / "d.jsonl", ANSWER_ROWS)
+    assert exit_code(server, dataset, tmp_path / "data", **flags) == 2
+    assert named in capsys.readouterr().err
+    assert server.stats()["requests"] == 0
+
+
+def user_scorer(record, row, sandbox):
+    """A user's scorer (module:function): reads a file the agent made, through the live sandbox."""
+    code, listing = sandbox.run("ls")
+    text = sandbox.read_file("out.txt") if "out.txt" in listing else ""
+    return {
+        "value": 1.0 if text.strip() == row["expected"] else 0.0,
+        "explanation": f"out.txt={text.strip()}",
+    }
+
+
+def test_a_user_scorer_reads_the_still_running_sandbox(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    rows = [
+        {"id": "y", "prompt": "Write yes [run:echo yes > out.txt]", "expected": "yes"},
+        {"id": "n", "prompt": "Write no [run:echo no > out.txt]", "expected": "yes"},
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, scorer="test_scores_run:user_scorer")
+    recs = _by_id(out / "run" / "trajectories.jsonl")
+    assert (recs["y"]["score"]["passed"], recs["n"]["score"]["passed"]) == (True, False)
+    assert recs["n"]["score"]["explanation"].endswith("out.txt=no")
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_gives_each_sample_one_outcome_with_one_score(tmp_path):
+    rows = [
+        {"id": f"r{i}", "prompt": f"Sum {i} [slow:0.2] [calls:0] [answer:{i % 2}]", "answer": 1}
+        for i in range(4)
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    args = [
+        sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=run", f"--output_dir={out}", "--model=mock", "--distribution=terminal_only",
+        "--num_workers=1", "--prompts_per_worker=2", "--samples_per_prompt=3", "--max_failure_rate=1",
+        "--keep=passed",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def outcomes() -> int:
+        files = [*run_dir.glob("batch_*.jsonl"), run_dir / "discarded.jsonl"]
+        return sum(len(read_jsonl(f)) for f in files if f.exists())
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and outcomes() < 4:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert 4 <= outcomes() < 12
+    resumed = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    seen: collections.Counter = collections.Counter()
+    for path in run_dir.glob("batch_*.jsonl"):
+        for rec in read_jsonl(path):
+            seen[record_sample(rec)] += 1
+            assert rec["score"]["passed"] is True
+    for row in read_jsonl(run_dir / "discarded.jsonl"):
+        seen[outcome_sample(row)] += 1
+        assert row["reason"] == "failed_check" and row["record"]["score"]["passed"] is False
+    assert len(seen) == 12 and set(seen.values()) == {1}
+    scores = stats_of(run_dir)["scores"]
+    assert (scores["scored"], scores["passed"], scores["pass_at_k"]["pass@1"]) == (12, 6, 0.5)
+
+
+def test_a_resume_with_other_scoring_settings_is_refused(tmp_path, capsys):
+    dataset = write_rows(tmp_path / "d.jsonl", ANSWER_ROWS)
+    out = tmp_path / "data"
+    run(None, dataset, out, samples_per_prompt=1)
+    capsys.readouterr()
+    assert exit_code(None, dataset, out, resume=True, keep="passed") == 2
+    err = capsys.readouterr().err
+    assert "keep: 'all' -> 'passed'" in err and "--keep=all" in err
+    assert exit_code(None, dataset, out, resume=True, scorer="includes") == 2
+    assert "--scorer=auto" in capsys.readouterr().err
+
+
+def test_scores_count_each_wanted_sample_once_duplicates_and_reruns_included(tmp_path):
+    twice = {"prompt": "Say 42 twice [calls:0] [answer:42]", "answer": 42}
+    wrong = {"prompt": "Say 43 [calls:0] [answer:42]", "answer": 43}
+    dataset = write_rows(tmp_path / "d.jsonl", [twice, twice, wrong])
+    out = tmp_path / "data"
+    run(None, dataset, out, keep="passed")
+    scores = stats_of(out / "run")["scores"]
+    assert (scores["scored"], scores["passed"]) == (3, 2)  # the duplicate row is its own sample
+    run(None, dataset, out, keep="passed", resume=True, rerun_discarded=True)
+    assert len(read_jsonl(out / "run" / "discarded.jsonl")) == 2  # the failed check ran again
+    scores = stats_of(out / "run")["scores"]
+    assert (scores["scored"], scores["passed"]) == (3, 2)  # and still counts once

@@ -1,0 +1,148 @@
+"""The views over scores: re-scoring a finished run, comparing two runs (against known figures), and
+the report's scores section in a real Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from helpers import read_jsonl, run, stats_of, write_rows
+
+from batchrun.scoring import mcnemar_exact, paired_bootstrap
+from batchrun.views import compare, score
+
+CHROMIUM = "/usr/bin/chromium"
+
+ROWS = [
+    # The fake model answers 42 to each; the rows expect different things.
+    {"id": "exact-42", "prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"},
+    {"id": "four", "prompt": "Say 4 [calls:0] [answer:42]", "answer": "4"},  # includes passes, exact fails
+    {"id": "two", "prompt": "Say 2 [calls:0] [answer:42]", "answer": "2"},  # the same
+    {"id": "seven", "prompt": "Say 7 [calls:0] [answer:42]", "answer": "7"},  # fails either way
+    {
+        "id": "file",
+        "prompt": "Make out.txt [run:echo nope > out.txt]",
+        "verify": "echo checking out.txt; grep -q yes out.txt",
+    },
+]
+
+
+def test_mcnemar_exact_known_values():
+    assert mcnemar_exact(1, 5) == pytest.approx(2 * (1 + 6) / 64)  # 0.21875
+    assert mcnemar_exact(0, 10) == pytest.approx(2 / 1024)
+    assert mcnemar_exact(3, 3) == 1.0 and mcnemar_exact(0, 0) == 1.0
+
+
+def test_paired_bootstrap_interval():
+    assert paired_bootstrap([0.5] * 20) == (0.5, 0.5)  # no spread, no width
+    diffs = [1.0] * 30 + [0.0] * 60 + [-1.0] * 10  # mean 0.2
+    lo, hi = paired_bootstrap(diffs, 4000, seed=1)
+    assert lo < 0.2 < hi
+    assert paired_bootstrap(diffs, 4000, seed=1) == (lo, hi)  # seeded: the same inputs, the same interval
+    # The normal approximation's half-width is 1.96 * sd / sqrt(n) = 1.96 * 0.6 / 10 ~ 0.118.
+    assert 0.09 < (hi - lo) / 2 < 0.15
+    assert paired_bootstrap([]) is None
+
+
+def test_compare_pairs_figures():
+    # 10 pairs: both pass 2, only A passes 5, only B passes 1, both fail 2.
+    pairs = [(True, True)] * 2 + [(True, False)] * 5 + [(False, True)] * 1 + [(False, False)] * 2
+    r = compare.compare_pairs(pairs, bootstrap=2000)
+    assert (r["pairs"], r["pass_rate_a"], r["pass_rate_b"]) == (10, 0.7, 0.3)
+    assert r["difference"] == pytest.approx(-0.4)
+    assert r["difference_95ci"][0] < -0.4 < r["difference_95ci"][1] <= 0.0
+    assert (r["passed_only_in_a"], r["passed_only_in_b"]) == (5, 1)
+    assert r["mcnemar_p"] == pytest.approx(0.21875)
+
+
+def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_path, capsys):
+    dataset = write_rows(tmp_path / "d.jsonl", ROWS)
+    out = tmp_path / "data"
+    run(server, dataset, out, run_name="a")
+    run(server, dataset, out, run_name="b", scorer="includes,verify")
+    a, b = out / "a", out / "b"
+    calls = server.stats()["requests"]
+    assert stats_of(a)["scores"]["passed"] == 1  # exact-42 only
+
+    assert score.main([str(a), "--scorer=includes"]) == 0
+    assert server.stats()["requests"] == calls  # no model call
+    lines = {line["row_id"]: line["score"]["passed"] for line in read_jsonl(a / "scores.includes.jsonl")}
+    assert lines == {"exact-42": True, "four": True, "two": True, "seven": False, "file": None}
+    stats = stats_of(a)
+    assert stats["scores"]["rescored"]["includes"]["passed"] == 3
+    assert stats["scores"]["passed"] == 1  # the run's own scores stay as they were
+    assert read_jsonl(a / "trajectories.jsonl")[0]["score"]["scorer"] in ("exact", "verify")
+    assert score.main([str(a), "--scorer=verify"]) == 2  # the sandbox is gone
+    assert "sandbox" in capsys.readouterr().err
+
+    page = tmp_path / "ab.html"
+    capsys.readouterr()
+    assert compare.main([str(a), str(b), f"--out={page}", "--json", "--bootstrap=500"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # Rows four and two flip from fail (exact) to pass (includes); the file row: verify fails in
+    # both (in B includes does not apply to it, so its verdict is verify's).
+    assert r["pairs"] == 5
+    assert r["flipped_to_pass"] == ["four", "two"] and r["flipped_to_fail"] == []
+    assert (r["passed_only_in_a"], r["passed_only_in_b"]) == (0, 2)
+    assert r["mcnemar_p"] == pytest.approx(0.5)
+    assert r["difference"] == pytest.approx(0.4)
+    assert set(r["by_toolsets"]) == {"file+terminal"}
+    text = page.read_text("utf-8")
+    assert "Failed in A, passed in B (2)" in text and "<li>four</li>" in text
+    # A's own scores against its re-scoring with includes: the same flips, without another run.
+    assert (
+        compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'x.html'}"]) == 0
+    )
+    again = json.loads(capsys.readouterr().out)
+    assert again["pairs"] == 4  # the file row has no includes verdict
+    assert again["flipped_to_pass"] == ["four", "two"]
+    assert compare.main([str(a), str(b), "--scores=nope", f"--out={tmp_path / 'y.html'}"]) == 2
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        problem = "the playwright package is not installed"
+    else:
+        problem = None if os.access(CHROMIUM, os.X_OK) else f"{CHROMIUM} is missing"
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must be able to run this test: {problem}")
+        pytest.skip(problem)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+@pytest.mark.browser
+def test_report_scores_section_in_chromium(browser, tmp_path: Path):
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", ROWS), out, samples_per_prompt=2)
+    report = out / "run" / "report.html"
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(report.as_uri())
+    section = page.locator("#scores")
+    assert section.is_visible()
+    assert page.inner_text('[data-stat="pass_rate"]') == "20.0%"  # 2 of 10 samples
+    assert page.inner_text('[data-stat="pass@1"]') == "0.200"
+    assert page.inner_text('[data-stat="pass@2"]') == "0.200"
+    assert "exact-42" in page.inner_text("table.scores")
+    assert section.locator("svg.hist").count() == 1
+    # A failing sample's verify output is one click away.
+    failing = section.locator("details.failing", has_text="file").first
+    output = failing.locator("pre")
+    assert not output.is_visible()
+    failing.locator("summary").click()
+    assert output.is_visible() and "checking out.txt" in output.inner_text()
+    shot = tmp_path / "scores.png"
+    section.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
+    assert errors == []
+    page.close()

@@ -1,0 +1,292 @@
+"""batchrun.scoring on its own: the row's check fields, the text scorers, verify's verdicts, the judge's
+reply, and the statistics (pass@k, intervals) against values computed by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from helpers import write_rows
+
+from batchrun.prompt.sandboxes.base import ExecResult
+from batchrun.protocol import RowCheck
+from batchrun.run.dataset import load_dataset
+from batchrun.scoring import (
+    Judgement,
+    Part,
+    ScoreTally,
+    ScoringSettings,
+    check_fields,
+    combine,
+    extract_answer,
+    final_text,
+    normalize,
+    parse_judge_reply,
+    pass_at_k,
+    score_sample,
+    scorers_for,
+    verify_score,
+    wilson_interval,
+)
+
+
+def record_saying(text: str, reasoning: str = "I think it is 99.") -> dict:
+    """A record whose last gpt turn says ``text`` (with reasoning in <think>, as records keep it)."""
+    return {
+        "conversations": [
+            {"from": "system", "value": "tools"},
+            {"from": "human", "value": "question"},
+            {"from": "gpt", "value": f"<think>\n{reasoning}\n</think>\n{text}", "tool_calls": []},
+        ]
+    }
+
+
+def judged(text: str, answer, scorer: str | None = None, **settings) -> dict:
+    check = RowCheck(answer=answer)
+    cfg = ScoringSettings(scorers=(scorer,) if scorer else (), **settings)
+    return score_sample(record_saying(text), Judgement(check=check, settings=cfg))
+
+
+# ----------------------------------------------------------------------------- row fields
+
+
+def test_bad_check_fields_are_bad_lines_with_file_line_and_field(tmp_path):
+    rows = [
+        {
+            "prompt": "ok",
+            "answer": "4",
+            "verify": "true",
+            "verify_files": {"t/a.sh": "x"},
+            "rubric": "be right",
+        },
+        {"prompt": "p1", "answer": True},
+        {"prompt": "p2", "answer": [1, 2]},
+        {"prompt": "p3", "verify": ""},
+        {"prompt": "p4", "verify": ["ok", 3]},
+        {"prompt": "p5", "verify": "true", "verify_files": {"../escape": "x"}},
+        {"prompt": "p6", "verify": "true", "verify_files": {"a": 5}},
+        {"prompt": "p7", "verify_files": {"a": "x"}},  # hidden files nothing runs
+        {"prompt": "p8", "rubric": ""},
+        {"prompt": "p9", "answer": "x" * 70_000},
+    ]
+    path = write_rows(tmp_path / "d.jsonl", rows)
+    good, problems = load_dataset(str(path))
+    assert [r.prompt for r in good] == ["ok"]
+    assert good[0].check == RowCheck(
+        answer="4", verify=("true",), verify_files=(("t/a.sh", "x"),), rubric="be right"
+    )
+    fields = ["answer", "answer", "verify", "verify", "verify_files", "verify_files", "verify_files"]
+    fields += ["rubric", "answer"]
+    assert len(problems) == len(fields)
+    for line_no, (problem, field) in enumerate(zip(problems, fields, strict=True), start=2):
+        assert problem.startswith(f"{path}:{line_no}: field '{field}'"), problem
+    # The fields still travel in row_fields, as every other field does.
+    assert json.loads(good[0].row_fields)["answer"] == "4"
+
+
+def test_a_row_without_check_fields_has_no_check(tmp_path):
+    (row,), _ = load_dataset(str(write_rows(tmp_path / "d.jsonl", [{"prompt": "p", "id": 1}])))
+    assert row.check is None
+    assert check_fields({"answer": 3.5, "verify": ["a", "b"]}) == RowCheck(answer=3.5, verify=("a", "b"))
+
+
+def test_default_scorer_follows_the_row():
+    cfg = ScoringSettings()
+    assert scorers_for(RowCheck(answer="x", verify=("true",)), cfg) == ("verify",)
+    assert scorers_for(RowCheck(answer=4), cfg) == ("numeric",)
+    assert scorers_for(RowCheck(answer="four"), cfg) == ("exact",)
+    assert scorers_for(None, cfg) == ()
+    assert scorers_for(RowCheck(answer="x"), ScoringSettings(scorers=("includes",))) == ("includes",)
+
+
+# ----------------------------------------------------------------------------- the text scorers
+
+
+def test_final_text_drops_reasoning_and_answer_extraction():
+    rec = record_saying("The result is 12.\nANSWER: 12", reasoning="maybe 13")
+    assert "13" not in final_text(rec)
+    assert extract_answer(final_text(rec)) == "12"
+    assert extract_answer(r"so \boxed{3} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert extract_answer("plain words") == "plain words"
+    assert extract_answer("x=1, y=22", r"y=(\d+)") == "22"
+    assert extract_answer("nothing", r"y=(\d+)") == ""
+
+
+def test_exact_uses_the_documented_normalisation_and_can_switch_it_off():
+    assert judged("ANSWER:  Paris!", "paris")["passed"] is True
+    off = judged("ANSWER: Paris!", "paris", normalize=())
+    assert off["passed"] is False and off["value"] == 0.0
+    assert normalize("  Hello,   World ") == "hello world"
+
+
+def test_reasoning_never_decides_the_answer():
+    # The reasoning says the right answer; the final text does not.
+    score = score_sample(
+        record_saying("ANSWER: 98", reasoning="ANSWER: 99"),
+        Judgement(check=RowCheck(answer=99), settings=ScoringSettings()),
+    )
+    assert score["passed"] is False
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        ("ANSWER: 1,234.5", 1234.5, "numeric", True),
+        ("ANSWER: 0.333", "1/3", "numeric", False),  # outside the default tolerance
+        ("ANSWER: 3/4", 0.75, "numeric", True),
+        ("ANSWER: 3 / 4.", 0.75, "numeric", True),
+        ("ANSWER: no number", 3, "numeric", False),
+        ("the answer is blue and green", "green", "includes", True),
+        ("ANSWER: ab123", r"^ab\d+$", "regex", True),
+        ("ANSWER: abc", r"^ab\d+$", "regex", False),
+        ('```json\n{"b": [1, 2.0], "a": true}\n```', '{"a": true, "b": [1, 2]}', "json", True),
+        ('ANSWER: {"a": 1}', '{"a": true}', "json", False),  # true is no number
+        ("ANSWER: cat", ["dog", "Cat"], "exact", True),  # a list: any acceptable answer
+    ],
+)
+def test_text_scorers(text, answer, scorer, passed):
+    score = judged(text, answer, scorer)
+    assert score["passed"] is passed, score
+    assert score["value"] == (1.0 if passed else 0.0)
+    assert score["scorer"] == scorer and score["error"] is None
+
+
+def test_numeric_tolerance_is_relative_above_one():
+    assert judged("ANSWER: 1000.4", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is True
+    assert judged("ANSWER: 1002", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is False
+    assert judged("ANSWER: 0.0005", 0, "numeric", numeric_tolerance=1e-3)["passed"] is True
+
+
+def test_a_broken_scorer_is_null_with_its_error_never_a_failure():
+    bad_regex = judged("ANSWER: x", "(unclosed", "regex")
+    assert bad_regex["passed"] is None and bad_regex["value"] is None
+    assert "not a valid regex" in bad_regex["error"]
+    # One of two scorers broke: the sample has no verdict at all.
+    both = combine([Part("exact", 1.0, True, "ok"), Part("judge", error="timed out")])
+    assert both["passed"] is None and both["value"] is None and "judge: timed out" in both["error"]
+    assert combine([Part("exact", 1.0, True), Part("verify", 0.5, False)])["value"] == 0.75
+
+
+def test_a_row_the_scorer_cannot_judge_is_unscored():
+    score = score_sample(
+        record_saying("hi"), Judgement(check=None, settings=ScoringSettings(scorers=("exact",)))
+    )
+    assert score["passed"] is None and score["error"] is None and score["scorer"] == "none"
+
+
+# ----------------------------------------------------------------------------- verify and judge
+
+
+class ScriptedSandbox:
+    """A sandbox whose commands answer from a script (the real backends are in test_scores_run.py)."""
+
+    def __init__(self, answers: dict[str, ExecResult]):
+        self.answers = answers
+        self.commands: list[tuple[str, bytes | None]] = []
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        self.commands.append((command, stdin))
+        return self.answers.get(command, ExecResult("", 0))
+
+
+def test_verify_partial_credit_exit_code_and_timeout():
+    check = RowCheck(verify=("pytest -q", "python grade.py"), verify_files=(("tests/t.py", "assert 1"),))
+    box = ScriptedSandbox(
+        {"python grade.py": ExecResult('3 of 4\n{"score": 0.75, "explanation": "3/4"}\n', 0)}
+    )
+    part = verify_score(box, check, ScoringSettings())
+    assert (part.value, part.passed, part.explanation, part.verify_exit_code) == (0.75, True, "3/4", 0)
+    assert box.commands[0][1] == b"assert 1"  # the hidden file's text, written first
+    assert [c for c, _ in box.commands[1:]] == ["pytest -q", "python grade.py"]
+    failing = ScriptedSandbox({"pytest -q": ExecResult("1 failed\n", 1)})
+    part = verify_score(failing, check, ScoringSettings())
+    assert (part.value, part.passed, part.verify_exit_code) == (0.0, False, 1)
+    assert [c for c, _ in failing.commands[1:]] == ["pytest -q"]  # stops at the first failure
+    hung = ScriptedSandbox({"pytest -q": ExecResult("", -1, timed_out=True)})
+    part = verify_score(hung, check, ScoringSettings(verify_timeout_s=2))
+    assert part.value is None and "timed out after 2 s" in part.error
+
+
+def test_verify_output_is_capped_keeping_its_end():
+    box = ScriptedSandbox({"t": ExecResult("x" * 10_000 + "THE END", 1)})
+    part = verify_score(box, RowCheck(verify=("t",)), ScoringSettings())
+    assert len(part.verify_output) < 5000 and part.verify_output.rstrip().endswith("THE END")
+
+
+@pytest.mark.parametrize(
+    ("reply", "value", "passed"),
+    [
+        ('{"score": 0.8, "passed": true, "explanation": "good"}', 0.8, True),
+        ('Sure. {"score": 0, "passed": false, "explanation": "wrong"}', 0.0, False),
+        ('{"score": 7}', None, None),  # outside 0..1
+        ("I cannot grade this.", None, None),
+    ],
+)
+def test_judge_replies(reply, value, passed):
+    part = parse_judge_reply(reply)
+    assert (part.value, part.passed) == (value, passed)
+    assert (part.error is None) == (value is not None)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_pass_at_k_matches_hand_computed_values():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(10, 3, 2) == pytest.approx(1 - 21 / 45)  # 1 - C(7,2)/C(10,2)
+    assert pass_at_k(5, 2, 4) == 1.0  # fewer than 4 failures: any 4 include a pass
+    assert pass_at_k(3, 0, 3) == 0.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 4)
+
+
+def test_wilson_interval_known_values():
+    lo, hi = wilson_interval(8, 16)
+    assert (round(lo, 4), round(hi, 4)) == (0.28, 0.72)
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and round(hi, 4) == 0.2775
+    assert wilson_interval(0, 0) is None
+
+
+def test_tally_summary_by_rows():
+    tally = ScoreTally()
+    # Row a: 4 samples, 1 pass; row b: 2 samples, 2 passes; one unscored and one broken sample.
+    for passed in (True, False, False, False):
+        tally.add({"value": float(passed), "passed": passed}, "a")
+    for _ in range(2):
+        tally.add({"value": 1.0, "passed": True}, "b")
+    tally.add({"value": None, "passed": None}, "c")
+    tally.add({"value": None, "passed": None, "error": "boom"}, "c")
+    s = tally.summary()
+    assert (s["scored"], s["unscored"], s["scorer_errors"], s["passed"]) == (6, 1, 1, 3)
+    assert s["pass_rate"] == 0.5
+    assert s["pass_rate_stderr"] == pytest.approx(math.sqrt(0.25 / 6), abs=1e-6)
+    # pass@1 averages over both rows; pass@2 too (both have 2+); pass@4 only row a.
+    assert s["pass_at_k"]["pass@1"] == pytest.approx((0.25 + 1.0) / 2, abs=1e-6)
+    assert s["pass_at_k"]["pass@2"] == pytest.approx((0.5 + 1.0) / 2, abs=1e-6)
+    assert s["pass_at_k"]["pass@4"] == pytest.approx(1.0, abs=1e-6)
+    assert list(s["pass_at_k"]) == ["pass@1", "pass@2", "pass@4"]
+
+
+def test_a_scorer_from_an_installed_entry_point(tmp_path, monkeypatch):
+    """A package's ``batch_runner.scorers`` entry point, found through its installed metadata."""
+    (tmp_path / "lenscorer.py").write_text(
+        "def short(record, row, sandbox):\n    return {'value': 1.0, 'explanation': 'short enough'}\n",
+        "utf-8",
+    )
+    info = tmp_path / "lenscorer-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lenscorer\nVersion: 0.1\n", "utf-8")
+    (info / "entry_points.txt").write_text("[batch_runner.scorers]\nshort = lenscorer:short\n", "utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from batchrun.scoring import parse_scorers
+
+    assert parse_scorers("short,exact") == ("short", "exact")
+    score = score_sample(
+        record_saying("x"), Judgement(check=None, settings=ScoringSettings(scorers=("short",)))
+    )
+    assert (score["passed"], score["value"], score["explanation"]) == (True, 1.0, "short: short enough")
+    with pytest.raises(ValueError, match="unknown scorer 'long'"):
+        parse_scorers("long")
