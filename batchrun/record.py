@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -123,24 +124,82 @@ JUDGE_USAGE: dict[str, Any] = {
     "completion_tokens": INT,
     "cost_usd": FLOAT,
 }
+# The record's score is typed in every record, as every column is (a null throughout one run would leave the
+# column untyped there, and plain ``datasets`` fails on whichever run comes second): ``status`` says what
+# the other fields mean. Code reads it through :func:`read_score`, which gives the nulls back.
+SCORE_STATUSES = ("passed", "failed", "unscored", "error")  # unscored: not judged; error: a scorer broke
+NO_VERIFY = -2  # score.verify_exit_code when no verify command ran (-1: one timed out)
 SCORE: dict[str, Any] = {
-    "value": FLOAT,  # 0..1 (verify's partial credit, a judge's grade); null: not judged, or the scorer broke
-    "passed": BOOL,
+    "status": STRING,  # passed | failed (a verdict), unscored (not judged), error (a scorer broke: no verdict)
+    "value": FLOAT,  # 0..1 (verify's partial credit, a judge's grade); 0.0 without a verdict
+    "passed": BOOL,  # true only for status passed
     "scorer": STRING,  # the scorers, comma-separated ("none": not judged)
     "explanation": STRING,
-    "error": STRING,  # why a scorer gave no verdict (raised, timed out, bad judge reply); null: none
-    "verify_exit_code": INT,  # the verify commands' last exit code (-1: timed out); null: no verify
+    "error": STRING,  # why a scorer gave no verdict (raised, timed out, bad judge reply); "" when none
+    "verify_exit_code": INT,  # the verify commands' last exit code (-1: timed out; NO_VERIFY: none ran)
     "verify_output": STRING,  # their output, its end kept (VERIFY_OUTPUT_CHARS); never shown to the model
-    "judge_usage": JUDGE_USAGE,  # the judge model's calls, apart from the agent's metadata.usage
-    "parts": [SCORE_PART],  # each scorer's own verdict; null when none ran
+    "judge_usage": JUDGE_USAGE,  # the judge model's calls, apart from the agent's metadata.usage (0 when none)
+    "parts": STRING,  # JSON text of each scorer's own verdict ({scorer, value, passed, explanation, error})
 }
+_UNJUDGED = {"scorer": "none", "explanation": "not judged"}
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
-    """A ``score`` with every key of :data:`SCORE`; none at all is the unjudged score."""
-    if score is None:
-        score = {"scorer": "none", "explanation": "not judged"}
-    return conform(score, SCORE)
+    """The typed ``score`` of a record from what the scorers said (nulls where they gave no verdict);
+    none at all is the unjudged score. A typed score comes back as it is."""
+    sem = read_score(score) if isinstance(score, dict) else dict(_UNJUDGED)
+    passed, value, error = sem.get("passed"), _number(sem.get("value")), sem.get("error")
+    if isinstance(passed, bool):
+        status = "passed" if passed else "failed"
+        value = (1.0 if passed else 0.0) if value is None else value
+    else:
+        status, value = ("error" if error else "unscored"), 0.0
+    code = sem.get("verify_exit_code")
+    usage = sem.get("judge_usage") if isinstance(sem.get("judge_usage"), dict) else {}
+    parts = [conform(p, SCORE_PART) for p in sem.get("parts") or [] if isinstance(p, dict)]
+    return {
+        "status": status,
+        "value": value,
+        "passed": status == "passed",
+        "scorer": sem.get("scorer") if isinstance(sem.get("scorer"), str) else "none",
+        "explanation": sem.get("explanation") if isinstance(sem.get("explanation"), str) else "",
+        "error": error if isinstance(error, str) else "",
+        "verify_exit_code": code if isinstance(code, int) and not isinstance(code, bool) else NO_VERIFY,
+        "verify_output": sem.get("verify_output") if isinstance(sem.get("verify_output"), str) else "",
+        "judge_usage": {k: usage.get(k) or EMPTY[kind] for k, kind in JUDGE_USAGE.items()},
+        "parts": json.dumps(parts, ensure_ascii=False),
+    }
+
+
+def read_score(score: Any) -> dict[str, Any]:
+    """What a record's ``score`` says, with null where there is no verdict: ``value`` and ``passed`` only
+    for status passed or failed, ``error`` and ``verify_exit_code`` only when there is one, ``parts`` a
+    list. A score without ``status`` (what the scorers return, before :func:`conform_score`) is read as is."""
+    if not isinstance(score, dict):
+        return {**_UNJUDGED, "status": "unscored", "value": None, "passed": None, "parts": []}
+    if "status" not in score:
+        return dict(score)
+    judged = score.get("status") in ("passed", "failed")
+    parts = score.get("parts")
+    if isinstance(parts, str):
+        try:
+            parts = json.loads(parts)
+        except ValueError:
+            parts = []
+    code = score.get("verify_exit_code")
+    return {
+        **score,
+        "value": score.get("value") if judged else None,
+        "passed": score.get("passed") if judged else None,
+        "error": score.get("error") or None,
+        "verify_exit_code": None if code == NO_VERIFY or not isinstance(code, int) else code,
+        "parts": parts if isinstance(parts, list) else [],
+    }
 
 
 # Dataset fields the runner itself reads; every other field of a row travels in ``row_fields``. The

@@ -41,6 +41,7 @@ from typing import Any
 
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.protocol import RowCheck
+from batchrun.record import read_score
 
 TEXT_SCORERS = ("exact", "includes", "regex", "numeric", "json")
 SANDBOX_SCORERS = ("verify",)
@@ -844,10 +845,12 @@ class RunScores:
         if self.counted[key] >= (self.wanted or {}).get(key, 1):
             return
         self.counted[key] += 1
-        score = rec.get("score") or {}
+        score = read_score(rec.get("score"))
         meta = rec.get("metadata") or {}
         self.all.add(score, row_key)
-        dist = self.distribution if meta.get("toolsets_sampled") is not None else OWN_TOOLSETS
+        # A row with its own toolsets or tools drew nothing from the distribution (row_* are "" when unset).
+        own = bool(meta.get("row_toolsets")) or bool(meta.get("row_tools"))
+        dist = OWN_TOOLSETS if own else self.distribution
         mix = "+".join(sorted(rec.get("toolsets_used") or [])) or "none"
         stop = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
         for group, key in (("distribution", dist), ("toolsets", mix), ("stop_reason", stop)):

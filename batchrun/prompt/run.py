@@ -41,7 +41,7 @@ from batchrun.prompt.trajectory import (
     unoffered_call,
 )
 from batchrun.protocol import Outcome, PromptJob
-from batchrun.record import conform_score
+from batchrun.record import conform_score, read_score
 from batchrun.scoring import Judgement, ScoringSettings, keep_problem, score_sample
 
 
@@ -386,7 +386,7 @@ def quality_problem(
     with_reasoning, _ = reasoning_counts(record["conversations"])
     if settings.require_reasoning and with_reasoning == 0:
         return "no_reasoning"
-    return keep_problem(record.get("score") or {}, settings.scoring.keep)  # --keep=passed
+    return keep_problem(read_score(record.get("score")), settings.scoring.keep)  # --keep=passed
 
 
 def _timed_start(sandbox: Any) -> Callable[[float], float]:

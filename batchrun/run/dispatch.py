@@ -48,6 +48,7 @@ from batchrun.protocol import (
     StopStarting,
     WorkerExit,
 )
+from batchrun.record import read_score
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
 from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
@@ -88,7 +89,7 @@ def passing_samples(run_dir: Any) -> collections.Counter[str]:
     passes: collections.Counter[str] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
-            if valid_record(rec) and ((rec.get("score") or {}).get("passed") is True):
+            if valid_record(rec) and read_score(rec.get("score")).get("passed") is True:
                 passes[record_row_key(rec)] += 1
     return passes
 
@@ -380,7 +381,7 @@ class Dispatch:
             return
         if (message.prompt_index, message.sample_index) not in track.outstanding.get(message.batch_num, ()):
             return
-        score = (message.record or {}).get("score") or {}
+        score = read_score((message.record or {}).get("score"))
         if message.kind == "trajectory" and score.get("passed") is True:
             self.passes[row_identity(message, self.recorder.redact)] += 1
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.prompt.trajectory import first_human, record_sample
+from batchrun.record import read_score
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
 from batchrun.storage import iter_jsonl, write_text_atomic
 from batchrun.views.score import run_samples
@@ -50,8 +51,8 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
     out = {}
     for rec in run_samples(run_dir):
         key = record_sample(rec)
-        score = override.get(key) if scores_name else rec.get("score")
-        if not isinstance(score, dict) or not isinstance(score.get("passed"), bool):
+        score = read_score(override.get(key) if scores_name else rec.get("score"))
+        if not isinstance(score.get("passed"), bool):
             continue
         meta = rec.get("metadata") or {}
         prompt = " ".join((first_human(rec["conversations"]) or "").split())

@@ -71,7 +71,7 @@ from batchrun.prompt.trajectory import (
     split_system_value,
     tool_call_text,
 )
-from batchrun.record import USAGE, features_yaml, normalize_metadata
+from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata, read_score
 from batchrun.storage import iter_jsonl
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
@@ -337,7 +337,7 @@ def _row(
         usage=meta["usage"],
         toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
         discard_reason=discard_reason,
-        **score_columns(record),
+        **typed_score_columns(record),
     )
     return row
 
@@ -369,7 +369,7 @@ def sample_digest(record: dict[str, Any]) -> str:
 
 def score_columns(record: dict[str, Any]) -> dict[str, Any]:
     """The sample's score as flat columns (``score_value``, ``score_passed``, ``scorer``): null when not judged."""
-    score = record.get("score") if isinstance(record.get("score"), dict) else {}
+    score = read_score(record.get("score"))
     value, passed, scorer = score.get("value"), score.get("passed"), score.get("scorer")
     return {
         "score_value": float(value)
@@ -377,6 +377,18 @@ def score_columns(record: dict[str, Any]) -> dict[str, Any]:
         else None,
         "score_passed": passed if isinstance(passed, bool) else None,
         "scorer": scorer if isinstance(scorer, str) else None,
+    }
+
+
+def typed_score_columns(record: dict[str, Any]) -> dict[str, Any]:
+    """The score columns of an export row, typed in every row (an export's columns load like the
+    record's): ``score_status`` says whether ``score_value`` and ``score_passed`` are a verdict."""
+    score = conform_score(record.get("score"))
+    return {
+        "score_status": score["status"],
+        "score_value": score["value"],
+        "score_passed": score["passed"],
+        "scorer": score["scorer"],
     }
 
 
@@ -660,6 +672,7 @@ _COMMON = {
     "usage": USAGE,
     "toolsets_used": ["string"],
     "discard_reason": "string",
+    "score_status": "string",
     "score_value": "float64",
     "score_passed": "bool",
     "scorer": "string",
@@ -715,7 +728,8 @@ reasoning `{opts.reasoning}`).
   `row_id` and `row_fields` (the dataset row's `id`, `""` when none, and its other fields as JSON text),
   `usage` (what the sample spent), `toolsets_used`, `discard_reason` (null unless the sample was set aside
   by a quality filter and exported on request).
-  `score_value`, `score_passed`, `scorer`: the sample's score (see the record's `score`).
+  `score_status` (passed, failed, unscored or error), `score_value` and `score_passed` (a verdict only
+  where the status is passed or failed; 0.0 and false otherwise), `scorer`: the sample's score.
 - Splits: {split_text}. Rows: {counts}.
 - Not exported: {result.skipped_text()}.
 

@@ -30,6 +30,7 @@ from batchrun.prompt.trajectory import (
     valid_outcome_row,
     valid_record,
 )
+from batchrun.record import read_score
 from batchrun.storage import iter_jsonl, write_text_atomic
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -220,9 +221,9 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData
 
 def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
     """A sample's score for the scores section (a record of a version before scores has none)."""
-    score = rec.get("score")
-    if not isinstance(score, dict):
+    if not isinstance(rec.get("score"), dict):
         return
+    score = read_score(rec["score"])
     meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
     human = next((t.get("value", "") for t in rec.get("conversations") or [] if t.get("from") == "human"), "")
     label = str(meta.get("row_id") or "") or " ".join(str(human).split())[:60]
