@@ -102,7 +102,7 @@ def test_full_run_executes_parallel_tool_calls_in_the_sandbox(hermes, tmp_path):
     (tool,) = [c for c in record["conversations"] if c["from"] == "tool"]
     assert tool["value"].count("<tool_response>") == 2
     assert "hello" in tool["value"] and "world" in tool["value"]  # the sandbox really ran them
-    assert last["value"] == "Both commands ran."
+    assert last["value"] == "<think>\n</think>\nBoth commands ran."  # no reasoning: the reference's empty block
     assert record["tool_stats"]["terminal"] == {"count": 2, "success": 2, "failure": 0}
     assert record["metadata"]["model"] == REQUESTED and record["metadata"]["served_model"] == SERVED
     assert record["metadata"]["usage"]["prompt_tokens"] > 1000  # byte-level: every byte a token
@@ -128,8 +128,9 @@ def test_reasoning_disabled_changes_what_the_model_does(thinker, tmp_path, capsy
     run_dir = _run(thinker, tmp_path, ["Run echo hello."], reasoning_disabled=True, keep_no_reasoning=True)
     (record,) = read_jsonl(run_dir / "trajectories.jsonl")
     assert record["completed"]
-    assert all("<think>" not in g["value"] for g in _gpt(record))
-    assert _gpt(record)[-1]["value"] == "The command printed hello."
+    # No reasoning in any turn: each opens with the reference's empty think block, nothing in it.
+    assert all(g["value"].startswith("<think>\n</think>\n") for g in _gpt(record))
+    assert _gpt(record)[-1]["value"] == "<think>\n</think>\nThe command printed hello."
     stats = json.loads((run_dir / "statistics.json").read_text())
     assert stats["reasoning"]["coverage"] == 0.0
     assert "still answers with reasoning" not in capsys.readouterr().err

@@ -648,7 +648,7 @@ def test_container_disk_mb_must_be_a_positive_int(tmp_path: Path, capsys, value)
     )  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err
-    assert "--container_disk_mb must be an integer of at least 16" in err and str(value) in err
+    assert "--container_disk_mb must be an integer from 16 to" in err and str(value) in err
 
 
 def test_docker_options_from_the_flags_carry_the_disk_cap_and_a_lifetime_past_the_prompt_timeout():
