@@ -701,7 +701,9 @@ class RunConfig:
         texts = []
         creds = url_credentials(self.base_url)[1]
         texts += [creds[1]] if creds and len(creds[1]) >= 4 else []  # the --base_url password
-        texts += [v for server in self.mcp_servers for v in server.secrets() if v]  # MCP env and header values
+        texts += [
+            v for server in self.mcp_servers for v in server.secrets() if v
+        ]  # MCP env and header values
         texts += [self.judge_api_key or ""] if self.judge_model else []  # the judge's key, like the main one
         return [t for t in texts if t]
 

@@ -102,7 +102,9 @@ def test_full_run_executes_parallel_tool_calls_in_the_sandbox(hermes, tmp_path):
     (tool,) = [c for c in record["conversations"] if c["from"] == "tool"]
     assert tool["value"].count("<tool_response>") == 2
     assert "hello" in tool["value"] and "world" in tool["value"]  # the sandbox really ran them
-    assert last["value"] == "<think>\n</think>\nBoth commands ran."  # no reasoning: the reference's empty block
+    assert (
+        last["value"] == "<think>\n</think>\nBoth commands ran."
+    )  # no reasoning: the reference's empty block
     assert record["tool_stats"]["terminal"] == {"count": 2, "success": 2, "failure": 0}
     assert record["metadata"]["model"] == REQUESTED and record["metadata"]["served_model"] == SERVED
     assert record["metadata"]["usage"]["prompt_tokens"] > 1000  # byte-level: every byte a token

@@ -40,12 +40,12 @@ def test_score_columns_and_filters(two_runs, tmp_path, fmt):
     assert export.main([str(exact), f"--format={fmt}", f"--out={tmp_path / 'all'}"]) == 0
     ds = _load(tmp_path / "all", tmp_path)
     assert ds.features["score_value"].dtype == "float64" and ds.features["score_passed"].dtype == "bool"
-    got = sorted((r["row_id"], r["score_passed"], r["scorer"]) for r in ds)
+    got = sorted((r["row_id"], r["score_status"], r["score_passed"], r["scorer"]) for r in ds)
     assert got == sorted(
-        [("right", True, "exact")] * 2
-        + [("four", False, "exact")] * 2
-        + [("seven", False, "exact")] * 2
-        + [("free", None, "none")] * 2
+        [("right", "passed", True, "exact")] * 2
+        + [("four", "failed", False, "exact")] * 2
+        + [("seven", "failed", False, "exact")] * 2
+        + [("free", "unscored", False, "none")] * 2  # no verdict: the status says so, the columns stay typed
     )
     assert export.main([str(exact), f"--format={fmt}", "--only_passed", f"--out={tmp_path / 'ok'}"]) == 0
     assert [r["row_id"] for r in _load(tmp_path / "ok", tmp_path)] == ["right", "right"]

@@ -18,7 +18,7 @@ import pytest
 from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_rows
 
 from batchrun.prompt.trajectory import outcome_sample, record_sample
-from batchrun.record import load_runs
+from batchrun.record import load_runs, read_score
 
 SECRET = "HIDDEN-TEST-7f3a"
 
@@ -98,7 +98,7 @@ def test_text_scorers_by_default_and_named(tmp_path, capsys):
     out = tmp_path / "data"
     run(None, dataset, out)
     recs = _by_id(out / "run" / "trajectories.jsonl")
-    assert {k: (r["score"]["scorer"], r["score"]["passed"]) for k, r in recs.items()} == {
+    assert {k: (r["score"]["scorer"], read_score(r["score"])["passed"]) for k, r in recs.items()} == {
         "sum-right": ("numeric", True),
         "sum-wrong": ("numeric", False),
         "city": ("exact", True),
@@ -108,8 +108,9 @@ def test_text_scorers_by_default_and_named(tmp_path, capsys):
     # --scorer names the scorer for every row; --answer_pattern extracts another part of the answer.
     run(None, dataset, out, run_name="inc", scorer="includes", answer_pattern=r"Final answer for '([^']*)'")
     recs = _by_id(out / "inc" / "trajectories.jsonl")
-    assert recs["sum-right"]["score"]["passed"] is False  # the slug, not the ANSWER line
-    assert recs["free"]["score"]["passed"] is None  # no answer: unscored, not a scorer error
+    assert recs["sum-right"]["score"]["status"] == "failed"  # the slug, not the ANSWER line
+    assert recs["free"]["score"]["status"] == "unscored"  # no answer: unscored, not a scorer error
+    assert read_score(recs["free"]["score"])["passed"] is None
 
 
 def test_every_record_loads_with_datasets_and_score_columns_have_types(tmp_path):
@@ -120,8 +121,15 @@ def test_every_record_loads_with_datasets_and_score_columns_have_types(tmp_path)
     assert plain.features["score"]["value"].dtype == "float64"
     assert plain.features["score"]["passed"].dtype == "bool"
     both = load_runs(out / "a", out / "b", cache_dir=str(tmp_path / "c1"))
-    assert sorted(both["score"], key=lambda s: str(s["passed"]))[0]["scorer"] == "numeric"
-    assert [s["passed"] for s in both["score"]].count(None) == 1
+    assert sorted(both["score"], key=lambda s: s["status"])[0]["scorer"] == "numeric"  # "failed" first
+    assert [s["status"] for s in both["score"]].count("unscored") == 1
+    # Plain datasets, no features=, both orders: the score is typed in the run that judged nothing too.
+    for files in ([out / "a", out / "b"], [out / "b", out / "a"]):
+        data_files = [str(d / "trajectories.jsonl") for d in files]
+        plain = datasets.load_dataset(
+            "json", data_files=data_files, split="train", cache_dir=str(tmp_path / "c2")
+        )
+        assert sorted(s["status"] for s in plain["score"]) == ["failed", "passed", "passed", "unscored"]
 
 
 def test_keep_passed_discards_failed_checks_and_resume_never_reruns_them(server, tmp_path):
@@ -195,7 +203,7 @@ def test_judge_scores_through_the_run_client_with_its_usage_apart(server, tmp_pa
     assert (good["score"]["value"], good["score"]["passed"]) == (0.9, True)
     assert good["score"]["judge_usage"]["calls"] == 1 and good["score"]["judge_usage"]["prompt_tokens"] > 0
     assert good["metadata"]["usage"]["calls"] == 1  # the agent's own call only
-    assert garbled["score"]["passed"] is None and "no JSON verdict" in garbled["score"]["error"]
+    assert garbled["score"]["status"] == "error" and "no JSON verdict" in garbled["score"]["error"]
     models = [r["model"] for r in server.stats()["last_requests"]]
     assert models.count("judge-model") == 2
     # The judge's calls count in the run's spend (budget), beside the agent's.

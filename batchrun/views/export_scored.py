@@ -32,7 +32,7 @@ from typing import Any
 from batchrun.prompt.trajectory import first_human, offered_tools, record_row_key
 from batchrun.record import features_yaml
 from batchrun.views.export import (
-    _MESSAGE,
+    _PARQUET_MESSAGE,
     CARD_NAME,
     SPLITS,
     ExportError,
@@ -46,11 +46,13 @@ from batchrun.views.export import (
 
 SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samples, not broken ones
 
+# Messages with every key present (export._full_message), raw_arguments included.
+_FULL = _PARQUET_MESSAGE
 FEATURES: dict[str, dict[str, Any]] = {
     "preference": {
-        "prompt": [_MESSAGE],
-        "chosen": [_MESSAGE],
-        "rejected": [_MESSAGE],
+        "prompt": [_FULL],
+        "chosen": [_FULL],
+        "rejected": [_FULL],
         "tools": "string",
         "chosen_score": "float64",
         "rejected_score": "float64",
@@ -61,9 +63,9 @@ FEATURES: dict[str, dict[str, Any]] = {
         "run_names": ["string"],
     },
     "rewards": {
-        "prompt": [_MESSAGE],
+        "prompt": [_FULL],
         "completions": [
-            {"messages": [_MESSAGE], "reward": "float64", "passed": "bool", "sample_index": "int64"}
+            {"messages": [_FULL], "reward": "float64", "passed": "bool", "sample_index": "int64"}
         ],
         "rewards": ["float64"],
         "tools": "string",
