@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import (
-    DEFAULT_BASE_URL,
-    DEFAULT_IMAGE,
-    DEFAULT_MODEL,
     RunConfig,
     UsageError,
     parse_argv,
+    with_flag_signature,
 )
 from batchrun.distributions import format_distributions
 from batchrun.prompt.llm import dialect_warnings, safe_url
@@ -56,87 +54,8 @@ EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-on
 # ----------------------------------------------------------------------------- the command line
 
 
-def main(
-    dataset_file: str | None = None,
-    batch_size: int | None = None,
-    run_name: str | None = None,
-    distribution: str = "default",
-    model: str = DEFAULT_MODEL,
-    api_key: str | None = None,
-    base_url: str = DEFAULT_BASE_URL,
-    max_turns: int = 10,
-    num_workers: int = 4,
-    resume: bool = False,
-    list_distributions: bool = False,
-    verbose: bool = False,
-    ephemeral_system_prompt: str | None = None,
-    log_prefix_chars: int = 100,
-    providers_allowed: str | None = None,
-    providers_ignored: str | None = None,
-    providers_order: str | None = None,
-    provider_sort: str | None = None,
-    max_tokens: int | None = None,
-    reasoning_effort: str | None = None,
-    reasoning_disabled: bool = False,
-    prefill_messages_file: str | None = None,
-    max_samples: int | None = None,
-    distribution_file: str | None = None,
-    mcp_config: str | None = None,
-    seed: int = 0,
-    prompts_per_worker: int = 16,
-    max_sandbox_starts: int = 8,
-    ray_address: str | None = None,
-    sandbox: str | None = None,
-    default_image: str = DEFAULT_IMAGE,
-    local_isolation: str = "auto",
-    container_cpus: float = 1.0,
-    container_memory_mb: int = 2048,
-    container_pids_limit: int = 512,
-    container_disk_mb: int = 4096,
-    cwd_root: str | None = None,
-    sandbox_network: bool = True,
-    sandbox_settings: dict | str | None = None,
-    tool_timeout: float = 180.0,
-    prompt_timeout: float = 1800.0,
-    request_timeout: float = 600.0,
-    max_retries: int = 3,
-    output_dir: str = "data",
-    rerun_discarded: bool = False,
-    force_resume: bool = False,
-    max_failure_rate: float = 0.5,
-    keep_no_reasoning: bool = False,
-    keep_invalid_tool_calls: bool = False,
-    keep_empty_answers: bool = False,
-    exclude_partial: bool = False,
-    report_max_trajectories: int = 500,
-    budget_usd: float | None = None,
-    budget_tokens: int | None = None,
-    max_prompt_tokens: int | None = None,
-    max_prompt_usd: float | None = None,
-    max_rpm: float | None = None,
-    max_concurrent_requests: int | None = None,
-    provider_allow_fallbacks: bool | None = None,
-    provider_data_collection: str | None = None,
-    endpoint_dialect: str = "auto",
-    stream: bool = False,
-    samples_per_prompt: int = 1,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed_per_request: bool = False,
-    max_response_mb: float = 32.0,
-    ephemeral_system_prompt_file: str | None = None,
-    endpoint_grace: float = 120.0,
-    scorer: str | None = None,
-    answer_pattern: str | None = None,
-    answer_normalize: str = "case,whitespace,punctuation",
-    numeric_tolerance: float = 1e-6,
-    verify_timeout: float = 60.0,
-    keep: str = "all",
-    stop_after_passes: int | None = None,
-    judge_model: str | None = None,
-    judge_base_url: str | None = None,
-    judge_api_key_env: str = "JUDGE_API_KEY",
-) -> int:
+@with_flag_signature
+def main(**flags: Any) -> int:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
     Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
@@ -144,182 +63,9 @@ def main(
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
     4 an output file cannot be written, 5 the endpoint died (resume when it is back), 130 interrupted
     (called from Python, main returns the code instead of exiting).
-
-    Args:
-        dataset_file: [reference] JSONL dataset, one {"prompt": ...} object a line (required).
-        batch_size: [reference] Prompts per batch file (a positive whole number, required).
-        run_name: [reference] Output goes to <output_dir>/<run_name>/ (letters, digits, '.', '-', '_').
-        distribution: [reference] Toolset distribution; --list_distributions shows them all.
-        model: [reference] Model id sent to the endpoint; "mock" runs the built-in fake model.
-        api_key: [reference] API key; default OPENROUTER_API_KEY, then OPENAI_API_KEY (safer: ps shows flags).
-        base_url: [reference] Any OpenAI-compatible endpoint (OpenRouter, OpenAI, vLLM, SGLang, llama.cpp, Ollama).
-        max_turns: [reference] Most model calls (tool-calling iterations) per prompt.
-        num_workers: [reference] Worker processes.
-        resume: [reference] Continue an interrupted run: only prompts without an outcome run.
-        list_distributions: [reference] Print the toolset distributions and exit.
-        verbose: [reference] Per-prompt logging (tool calls and results, failures).
-        ephemeral_system_prompt: [reference] System prompt sent to the model, never saved anywhere.
-        log_prefix_chars: [reference] Length of tool call/result previews in logs.
-        providers_allowed: [reference] OpenRouter provider.only (comma-separated).
-        providers_ignored: [reference] OpenRouter provider.ignore (comma-separated).
-        providers_order: [reference] OpenRouter provider.order (comma-separated).
-        provider_sort: [reference] OpenRouter provider.sort: price, throughput or latency.
-        max_tokens: [reference] Most tokens per model response.
-        reasoning_effort: [reference] none, minimal, low, medium, high, xhigh, max or ultra.
-        reasoning_disabled: [reference] Ask the model not to reason; wins over --reasoning_effort.
-        prefill_messages_file: [reference] JSON array of {role, content} sent before the prompt, never saved.
-        max_samples: [reference] Only the first N dataset rows.
-        distribution_file: [tools] JSON (or YAML) file of named distributions, usable with --distribution.
-        mcp_config: [tools] {"mcpServers": ...} file: each MCP server becomes the toolset mcp:<name>.
-        seed: [concurrency] Toolset sampling seed; a prompt's toolsets depend only on it and the row.
-        prompts_per_worker: [concurrency] Prompts in flight per worker process (threads).
-        max_sandbox_starts: [concurrency] Concurrent sandbox start-ups across the whole run (local: at most 4 per core).
-        ray_address: [concurrency] Run the workers on a Ray cluster: auto, local, host:port or ray://host:port.
-        sandbox: [sandbox] local, docker, singularity, modal, an installed backend (entry point batch_runner.sandboxes) or package.module:Class; default TERMINAL_ENV, else local.
-        default_image: [sandbox] Image for rows that name none (container backends).
-        local_isolation: [sandbox] Local backend: auto (bubblewrap when it works), bwrap (required) or none.
-        container_cpus: [sandbox] CPUs of one prompt's sandbox.
-        container_memory_mb: [sandbox] Memory of one prompt's sandbox, MiB.
-        container_pids_limit: [sandbox] Most processes in one prompt's sandbox.
-        container_disk_mb: [sandbox] Size cap of one prompt's working directory (local: and of its /tmp), MiB.
-        cwd_root: [sandbox] With --local_isolation=none: the host directory every row's cwd must lie in.
-        sandbox_network: [sandbox] Whether the prompt's commands may reach the network.
-        sandbox_settings: [sandbox] A JSON object of the backend's own options, laid over those the flags set (an outside backend's settings; unknown names exit 2).
-        tool_timeout: [limits] Seconds per tool call.
-        prompt_timeout: [limits] Seconds per prompt (wall clock).
-        request_timeout: [limits] Seconds per model call.
-        max_retries: [limits] Retries of one model call on 5xx, timeouts and dropped connections.
-        output_dir: [output] Parent directory of run directories.
-        rerun_discarded: [output] On resume, run discarded prompts again.
-        force_resume: [output] Resume although data-defining settings changed (recorded in the manifest).
-        max_failure_rate: [output] Exit 3 when more than this share (0 to 1) of the run's prompts failed.
-        keep_no_reasoning: [output] Keep samples with no reasoning instead of discarding them.
-        keep_invalid_tool_calls: [output] Keep samples holding a tool call whose arguments are not a JSON
-            object (bad or cut-off JSON) instead of discarding them (reason invalid_tool_call).
-        keep_empty_answers: [output] Keep samples whose final answer is empty (or reasoning only) instead
-            of discarding them (reason empty_answer).
-        exclude_partial: [output] Leave partial trajectories (max_turns, context limit, truncated, budget)
-            out of trajectories.jsonl; they stay in the batch files and count as finished for resume.
-        report_max_trajectories: [output] Conversations listed in report.html (all records are counted).
-        budget_usd: [spend] Run-wide budget in USD; once spent, the run stops (resume later).
-        budget_tokens: [spend] Run-wide budget in tokens; once spent, the run stops (resume later).
-        max_prompt_tokens: [spend] Per-prompt token cap: a runaway prompt ends as partial.
-        max_prompt_usd: [spend] Per-prompt cost cap in USD: a runaway prompt ends as partial.
-        max_rpm: [spend] Model requests per minute for the whole run.
-        max_concurrent_requests: [spend] Model requests in flight for the whole run.
-        provider_allow_fallbacks: [routing] OpenRouter provider.allow_fallbacks (false pins the providers).
-        provider_data_collection: [routing] OpenRouter provider.data_collection: allow or deny.
-        endpoint_dialect: [endpoint] auto (by the endpoint's host), openrouter, openai, local or ollama.
-        stream: [endpoint] Stream replies (usage, tool-call and reasoning deltas assembled).
-        samples_per_prompt: [sampling] Samples per dataset row, each its own record (sample_index); a
-            row's own "samples" field wins. --resume runs only the missing samples.
-        temperature: [sampling] Sampling temperature sent with every model request (0 to 2); default: the endpoint's.
-        top_p: [sampling] Nucleus sampling top_p sent with every model request (above 0, at most 1).
-        seed_per_request: [sampling] Send each request a seed derived from --seed, the row, the sample
-            index and the turn (reproducible samples where the endpoint honours it).
-        max_response_mb: [endpoint] Most an answer may hold, decoded (a whole stream too); more is a bad_response.
-        ephemeral_system_prompt_file: [output] File holding the ephemeral system prompt (kept out of ps;
-            or set BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT).
-        endpoint_grace: [endpoint] Seconds a dead endpoint may take to come back before the run stops (exit 5).
-        scorer: [scores] Scorers, comma-separated: exact, includes, regex, numeric, json, verify, judge,
-            module:function or a batch_runner.scorers entry point; default: the row's (verify if it has
-            one, else its answer: numeric for a number, else exact; else none).
-        answer_pattern: [scores] Regex extracting the answer from the final text (group 1, last match);
-            default: the last \\boxed{}, else the last "ANSWER: ..." line, else the whole text.
-        answer_normalize: [scores] For exact/includes: any of case, whitespace, punctuation, or none.
-        numeric_tolerance: [scores] numeric: passes when |got - want| <= tolerance x max(1, |want|).
-        verify_timeout: [scores] Seconds per verify command (a timeout leaves the sample unscored).
-        keep: [scores] all, or passed: only samples whose check passed go to trajectories.jsonl (the
-            rest to discarded.jsonl: failed_check, unscored).
-        stop_after_passes: [scores] Once a row has this many passing samples, its samples not yet
-            started are not run (recorded as skipped_after_passes; not run by --resume either).
-        judge_model: [scores] Model id of the judge (--scorer=judge).
-        judge_base_url: [scores] The judge's endpoint; default --base_url.
-        judge_api_key_env: [scores] Environment variable holding the judge's key (default JUDGE_API_KEY;
-            without it, the run's own key when the judge uses the run's endpoint).
     """
     try:
-        config = RunConfig.from_flags(
-            dataset_file=dataset_file,
-            batch_size=batch_size,
-            run_name=run_name,
-            distribution=distribution,
-            model=model,
-            api_key=api_key,
-            base_url=base_url,
-            max_turns=max_turns,
-            num_workers=num_workers,
-            resume=resume,
-            list_distributions=list_distributions,
-            verbose=verbose,
-            ephemeral_system_prompt=ephemeral_system_prompt,
-            log_prefix_chars=log_prefix_chars,
-            providers_allowed=providers_allowed,
-            providers_ignored=providers_ignored,
-            providers_order=providers_order,
-            provider_sort=provider_sort,
-            max_tokens=max_tokens,
-            reasoning_effort=reasoning_effort,
-            reasoning_disabled=reasoning_disabled,
-            prefill_messages_file=prefill_messages_file,
-            max_samples=max_samples,
-            distribution_file=distribution_file,
-            mcp_config=mcp_config,
-            seed=seed,
-            prompts_per_worker=prompts_per_worker,
-            max_sandbox_starts=max_sandbox_starts,
-            ray_address=ray_address,
-            sandbox=sandbox,
-            default_image=default_image,
-            local_isolation=local_isolation,
-            container_cpus=container_cpus,
-            container_memory_mb=container_memory_mb,
-            container_pids_limit=container_pids_limit,
-            container_disk_mb=container_disk_mb,
-            cwd_root=cwd_root,
-            sandbox_network=sandbox_network,
-            sandbox_settings=sandbox_settings,
-            tool_timeout=tool_timeout,
-            prompt_timeout=prompt_timeout,
-            request_timeout=request_timeout,
-            max_retries=max_retries,
-            output_dir=output_dir,
-            rerun_discarded=rerun_discarded,
-            force_resume=force_resume,
-            max_failure_rate=max_failure_rate,
-            keep_no_reasoning=keep_no_reasoning,
-            keep_invalid_tool_calls=keep_invalid_tool_calls,
-            keep_empty_answers=keep_empty_answers,
-            exclude_partial=exclude_partial,
-            report_max_trajectories=report_max_trajectories,
-            budget_usd=budget_usd,
-            budget_tokens=budget_tokens,
-            max_prompt_tokens=max_prompt_tokens,
-            max_prompt_usd=max_prompt_usd,
-            max_rpm=max_rpm,
-            max_concurrent_requests=max_concurrent_requests,
-            provider_allow_fallbacks=provider_allow_fallbacks,
-            provider_data_collection=provider_data_collection,
-            endpoint_dialect=endpoint_dialect,
-            stream=stream,
-            samples_per_prompt=samples_per_prompt,
-            temperature=temperature,
-            top_p=top_p,
-            seed_per_request=seed_per_request,
-            max_response_mb=max_response_mb,
-            ephemeral_system_prompt_file=ephemeral_system_prompt_file,
-            endpoint_grace=endpoint_grace,
-            scorer=scorer,
-            answer_pattern=answer_pattern,
-            answer_normalize=answer_normalize,
-            numeric_tolerance=numeric_tolerance,
-            verify_timeout=verify_timeout,
-            keep=keep,
-            stop_after_passes=stop_after_passes,
-            judge_model=judge_model,
-            judge_base_url=judge_base_url,
-            judge_api_key_env=judge_api_key_env,
-        )
+        config = RunConfig.from_flags(**flags)
         if config.list_distributions:
             prepare_tools(config)
             print(format_distributions(toolset_listing()))

@@ -14,11 +14,14 @@ import dataclasses
 import difflib
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
 import re
 import tempfile
+import textwrap
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -253,8 +256,9 @@ def json_object_flag(value: Any, flag: str) -> dict[str, Any] | None:
     raise UsageError(f"--{flag} must be a JSON object such as '{{\"name\": value}}', got {_show(value)}")
 
 
-def _flag(parse: Callable[[Any, str], Any], default: Any = None) -> Any:
-    return dataclasses.field(default=default, metadata={"parse": parse})
+def _flag(parse: Callable[[Any, str], Any], default: Any = None, *, group: str, help: str) -> Any:
+    """A flag: its parser, default, ``--help`` group and help line (cli.main is generated from these)."""
+    return dataclasses.field(default=default, metadata={"parse": parse, "group": group, "help": help})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,98 +266,397 @@ class RunConfig:
     """Every flag of a run, typed and checked; built once by :meth:`from_flags` and never changed."""
 
     # The reference runner's flags (same names and defaults)
-    dataset_file: str = _flag(text_flag())  # the three required flags: see check()
-    batch_size: int = _flag(int_flag(1, MAX_COUNT, optional=True))
-    run_name: str = _flag(run_name_flag)
-    distribution: str = _flag(text_flag(optional=False), "default")
-    model: str = _flag(text_flag(optional=False), DEFAULT_MODEL)
-    api_key: str | None = _flag(text_flag(nonempty=False))
-    base_url: str = _flag(text_flag(optional=False), DEFAULT_BASE_URL)
-    max_turns: int = _flag(int_flag(1, 100_000), 10)
-    num_workers: int = _flag(int_flag(1, 1024), 4)
-    resume: bool = _flag(parse_bool, False)
-    list_distributions: bool = _flag(parse_bool, False)
-    verbose: bool = _flag(parse_bool, False)
-    ephemeral_system_prompt: str | None = _flag(text_flag(nonempty=False))
-    log_prefix_chars: int = _flag(int_flag(0, 1_000_000), 100)
-    providers_allowed: tuple[str, ...] = _flag(list_flag, ())
-    providers_ignored: tuple[str, ...] = _flag(list_flag, ())
-    providers_order: tuple[str, ...] = _flag(list_flag, ())
-    provider_sort: str | None = _flag(choice_flag(PROVIDER_SORTS))
-    max_tokens: int | None = _flag(int_flag(1, MAX_CALL_TOKENS, optional=True))
-    reasoning_effort: str | None = _flag(choice_flag(REASONING_EFFORTS))
-    reasoning_disabled: bool = _flag(parse_bool, False)
-    prefill_messages_file: str | None = _flag(text_flag())
-    max_samples: int | None = _flag(int_flag(1, MAX_COUNT, optional=True))
+    dataset_file: str = _flag(
+        text_flag(), group="reference", help='JSONL dataset, one {"prompt": ...} object a line (required).'
+    )  # the three required flags: see check()
+    batch_size: int = _flag(
+        int_flag(1, MAX_COUNT, optional=True),
+        group="reference",
+        help="Prompts per batch file (a positive whole number, required).",
+    )
+    run_name: str = _flag(
+        run_name_flag,
+        group="reference",
+        help="Output goes to <output_dir>/<run_name>/ (letters, digits, '.', '-', '_').",
+    )
+    distribution: str = _flag(
+        text_flag(optional=False),
+        "default",
+        group="reference",
+        help="Toolset distribution; --list_distributions shows them all.",
+    )
+    model: str = _flag(
+        text_flag(optional=False),
+        DEFAULT_MODEL,
+        group="reference",
+        help='Model id sent to the endpoint; "mock" runs the built-in fake model.',
+    )
+    api_key: str | None = _flag(
+        text_flag(nonempty=False),
+        group="reference",
+        help="API key; default OPENROUTER_API_KEY, then OPENAI_API_KEY (safer: ps shows flags).",
+    )
+    base_url: str = _flag(
+        text_flag(optional=False),
+        DEFAULT_BASE_URL,
+        group="reference",
+        help="Any OpenAI-compatible endpoint (OpenRouter, OpenAI, vLLM, SGLang, llama.cpp, Ollama).",
+    )
+    max_turns: int = _flag(
+        int_flag(1, 100_000),
+        10,
+        group="reference",
+        help="Most model calls (tool-calling iterations) per prompt.",
+    )
+    num_workers: int = _flag(int_flag(1, 1024), 4, group="reference", help="Worker processes.")
+    resume: bool = _flag(
+        parse_bool,
+        False,
+        group="reference",
+        help="Continue an interrupted run: only prompts without an outcome run.",
+    )
+    list_distributions: bool = _flag(
+        parse_bool, False, group="reference", help="Print the toolset distributions and exit."
+    )
+    verbose: bool = _flag(
+        parse_bool, False, group="reference", help="Per-prompt logging (tool calls and results, failures)."
+    )
+    ephemeral_system_prompt: str | None = _flag(
+        text_flag(nonempty=False),
+        group="reference",
+        help="System prompt sent to the model, never saved anywhere.",
+    )
+    log_prefix_chars: int = _flag(
+        int_flag(0, 1_000_000), 100, group="reference", help="Length of tool call/result previews in logs."
+    )
+    providers_allowed: tuple[str, ...] = _flag(
+        list_flag, (), group="reference", help="OpenRouter provider.only (comma-separated)."
+    )
+    providers_ignored: tuple[str, ...] = _flag(
+        list_flag, (), group="reference", help="OpenRouter provider.ignore (comma-separated)."
+    )
+    providers_order: tuple[str, ...] = _flag(
+        list_flag, (), group="reference", help="OpenRouter provider.order (comma-separated)."
+    )
+    provider_sort: str | None = _flag(
+        choice_flag(PROVIDER_SORTS),
+        group="reference",
+        help="OpenRouter provider.sort: price, throughput or latency.",
+    )
+    max_tokens: int | None = _flag(
+        int_flag(1, MAX_CALL_TOKENS, optional=True), group="reference", help="Most tokens per model response."
+    )
+    reasoning_effort: str | None = _flag(
+        choice_flag(REASONING_EFFORTS),
+        group="reference",
+        help="none, minimal, low, medium, high, xhigh, max or ultra.",
+    )
+    reasoning_disabled: bool = _flag(
+        parse_bool,
+        False,
+        group="reference",
+        help="Ask the model not to reason; wins over --reasoning_effort.",
+    )
+    prefill_messages_file: str | None = _flag(
+        text_flag(),
+        group="reference",
+        help="JSON array of {role, content} sent before the prompt, never saved.",
+    )
+    max_samples: int | None = _flag(
+        int_flag(1, MAX_COUNT, optional=True), group="reference", help="Only the first N dataset rows."
+    )
     # Your own toolsets and distributions
-    distribution_file: str | None = _flag(text_flag())
-    mcp_config: str | None = _flag(text_flag())
+    distribution_file: str | None = _flag(
+        text_flag(),
+        group="tools",
+        help="JSON (or YAML) file of named distributions, usable with --distribution.",
+    )
+    mcp_config: str | None = _flag(
+        text_flag(),
+        group="tools",
+        help='{"mcpServers": ...} file: each MCP server becomes the toolset mcp:<name>.',
+    )
     # Additions: reproducibility and concurrency
-    seed: int = _flag(int_flag(0), 0)
-    prompts_per_worker: int = _flag(int_flag(1, 10_000), 16)
-    max_sandbox_starts: int = _flag(int_flag(1, 10_000), 8)
-    ray_address: str | None = _flag(text_flag(nonempty=False))  # checked by the Ray pool's check_address
+    seed: int = _flag(
+        int_flag(0),
+        0,
+        group="concurrency",
+        help="Toolset sampling seed; a prompt's toolsets depend only on it and the row.",
+    )
+    prompts_per_worker: int = _flag(
+        int_flag(1, 10_000), 16, group="concurrency", help="Prompts in flight per worker process (threads)."
+    )
+    max_sandbox_starts: int = _flag(
+        int_flag(1, 10_000),
+        8,
+        group="concurrency",
+        help="Concurrent sandbox start-ups across the whole run (local: at most 4 per core).",
+    )
+    ray_address: str | None = _flag(
+        text_flag(nonempty=False),
+        group="concurrency",
+        help="Run the workers on a Ray cluster: auto, local, host:port or ray://host:port.",
+    )  # checked by the Ray pool's check_address
     # Sandboxes
-    sandbox: str | None = _flag(text_flag())
-    default_image: str = _flag(text_flag(optional=False), DEFAULT_IMAGE)  # the tests' image is never it
-    local_isolation: str = _flag(choice_flag(ISOLATION_MODES, optional=False), "auto")
-    container_cpus: float = _flag(float_flag(0, 1024, low_open=True), 1.0)
+    sandbox: str | None = _flag(
+        text_flag(),
+        group="sandbox",
+        help="local, docker, singularity, modal, an installed backend (entry point batch_runner.sandboxes) or package.module:Class; default TERMINAL_ENV, else local.",
+    )
+    default_image: str = _flag(
+        text_flag(optional=False),
+        DEFAULT_IMAGE,
+        group="sandbox",
+        help="Image for rows that name none (container backends).",
+    )  # the tests' image is never it
+    local_isolation: str = _flag(
+        choice_flag(ISOLATION_MODES, optional=False),
+        "auto",
+        group="sandbox",
+        help="Local backend: auto (bubblewrap when it works), bwrap (required) or none.",
+    )
+    container_cpus: float = _flag(
+        float_flag(0, 1024, low_open=True), 1.0, group="sandbox", help="CPUs of one prompt's sandbox."
+    )
     container_memory_mb: int = _flag(
-        int_flag(16, 1 << 24), 2048
+        int_flag(16, 1 << 24), 2048, group="sandbox", help="Memory of one prompt's sandbox, MiB."
     )  # and at most this machine's memory: check()
-    container_pids_limit: int = _flag(int_flag(8, PID_MAX_LIMIT), 512)  # and kernel.pid_max: check()
-    container_disk_mb: int = _flag(int_flag(16, 1 << 26), 4096)  # 64 TiB
-    cwd_root: str | None = _flag(text_flag())
-    sandbox_network: bool = _flag(parse_bool, True)
-    sandbox_settings: dict[str, Any] | None = _flag(json_object_flag)  # laid over the backend's options
+    container_pids_limit: int = _flag(
+        int_flag(8, PID_MAX_LIMIT), 512, group="sandbox", help="Most processes in one prompt's sandbox."
+    )  # and kernel.pid_max: check()
+    container_disk_mb: int = _flag(
+        int_flag(16, 1 << 26),
+        4096,
+        group="sandbox",
+        help="Size cap of one prompt's working directory (local: and of its /tmp), MiB.",
+    )  # 64 TiB
+    cwd_root: str | None = _flag(
+        text_flag(),
+        group="sandbox",
+        help="With --local_isolation=none: the host directory every row's cwd must lie in.",
+    )
+    sandbox_network: bool = _flag(
+        parse_bool, True, group="sandbox", help="Whether the prompt's commands may reach the network."
+    )
+    sandbox_settings: dict[str, Any] | None = _flag(
+        json_object_flag,
+        group="sandbox",
+        help="A JSON object of the backend's own options, laid over those the flags set (an outside backend's settings; unknown names exit 2).",
+    )  # laid over the backend's options
     # Time limits and retries
-    tool_timeout: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 180.0)
-    prompt_timeout: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 1800.0)
-    request_timeout: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 600.0)
-    max_retries: int = _flag(int_flag(0, 100), 3)
+    tool_timeout: float = _flag(
+        float_flag(0, MAX_DURATION_S, low_open=True), 180.0, group="limits", help="Seconds per tool call."
+    )
+    prompt_timeout: float = _flag(
+        float_flag(0, MAX_DURATION_S, low_open=True),
+        1800.0,
+        group="limits",
+        help="Seconds per prompt (wall clock).",
+    )
+    request_timeout: float = _flag(
+        float_flag(0, MAX_DURATION_S, low_open=True), 600.0, group="limits", help="Seconds per model call."
+    )
+    max_retries: int = _flag(
+        int_flag(0, 100),
+        3,
+        group="limits",
+        help="Retries of one model call on 5xx, timeouts and dropped connections.",
+    )
     # Output, resume and quality
-    output_dir: str = _flag(text_flag(optional=False), "data")
-    rerun_discarded: bool = _flag(parse_bool, False)
-    force_resume: bool = _flag(parse_bool, False)
-    max_failure_rate: float = _flag(float_flag(0, 1), 0.5)
-    keep_no_reasoning: bool = _flag(parse_bool, False)
-    keep_invalid_tool_calls: bool = _flag(parse_bool, False)
-    keep_empty_answers: bool = _flag(parse_bool, False)
-    exclude_partial: bool = _flag(parse_bool, False)
-    report_max_trajectories: int = _flag(int_flag(0, 1_000_000), 500)
+    output_dir: str = _flag(
+        text_flag(optional=False), "data", group="output", help="Parent directory of run directories."
+    )
+    rerun_discarded: bool = _flag(
+        parse_bool, False, group="output", help="On resume, run discarded prompts again."
+    )
+    force_resume: bool = _flag(
+        parse_bool,
+        False,
+        group="output",
+        help="Resume although data-defining settings changed (recorded in the manifest).",
+    )
+    max_failure_rate: float = _flag(
+        float_flag(0, 1),
+        0.5,
+        group="output",
+        help="Exit 3 when more than this share (0 to 1) of the run's prompts failed.",
+    )
+    keep_no_reasoning: bool = _flag(
+        parse_bool, False, group="output", help="Keep samples with no reasoning instead of discarding them."
+    )
+    keep_invalid_tool_calls: bool = _flag(
+        parse_bool,
+        False,
+        group="output",
+        help="Keep samples holding a tool call whose arguments are not a JSON object (bad or cut-off JSON) instead of discarding them (reason invalid_tool_call).",
+    )
+    keep_empty_answers: bool = _flag(
+        parse_bool,
+        False,
+        group="output",
+        help="Keep samples whose final answer is empty (or reasoning only) instead of discarding them (reason empty_answer).",
+    )
+    exclude_partial: bool = _flag(
+        parse_bool,
+        False,
+        group="output",
+        help="Leave partial trajectories (max_turns, context limit, truncated, budget) out of trajectories.jsonl; they stay in the batch files and count as finished for resume.",
+    )
+    report_max_trajectories: int = _flag(
+        int_flag(0, 1_000_000),
+        500,
+        group="output",
+        help="Conversations listed in report.html (all records are counted).",
+    )
     # Spend and rate limits
-    budget_usd: float | None = _flag(float_flag(0, 1e9, low_open=True, optional=True))
-    budget_tokens: int | None = _flag(int_flag(1, 10**15, optional=True))
-    max_prompt_tokens: int | None = _flag(int_flag(1, 10**12, optional=True))
-    max_prompt_usd: float | None = _flag(float_flag(0, 1e9, low_open=True, optional=True))
-    max_rpm: float | None = _flag(float_flag(0, 1e7, low_open=True, optional=True))
-    max_concurrent_requests: int | None = _flag(int_flag(1, 1_000_000, optional=True))
+    budget_usd: float | None = _flag(
+        float_flag(0, 1e9, low_open=True, optional=True),
+        group="spend",
+        help="Run-wide budget in USD; once spent, the run stops (resume later).",
+    )
+    budget_tokens: int | None = _flag(
+        int_flag(1, 10**15, optional=True),
+        group="spend",
+        help="Run-wide budget in tokens; once spent, the run stops (resume later).",
+    )
+    max_prompt_tokens: int | None = _flag(
+        int_flag(1, 10**12, optional=True),
+        group="spend",
+        help="Per-prompt token cap: a runaway prompt ends as partial.",
+    )
+    max_prompt_usd: float | None = _flag(
+        float_flag(0, 1e9, low_open=True, optional=True),
+        group="spend",
+        help="Per-prompt cost cap in USD: a runaway prompt ends as partial.",
+    )
+    max_rpm: float | None = _flag(
+        float_flag(0, 1e7, low_open=True, optional=True),
+        group="spend",
+        help="Model requests per minute for the whole run.",
+    )
+    max_concurrent_requests: int | None = _flag(
+        int_flag(1, 1_000_000, optional=True),
+        group="spend",
+        help="Model requests in flight for the whole run.",
+    )
     # OpenRouter routing
-    provider_allow_fallbacks: bool | None = _flag(parse_optional_bool)
-    provider_data_collection: str | None = _flag(choice_flag(("allow", "deny")))
+    provider_allow_fallbacks: bool | None = _flag(
+        parse_optional_bool,
+        group="routing",
+        help="OpenRouter provider.allow_fallbacks (false pins the providers).",
+    )
+    provider_data_collection: str | None = _flag(
+        choice_flag(("allow", "deny")),
+        group="routing",
+        help="OpenRouter provider.data_collection: allow or deny.",
+    )
     # Endpoint dialects
-    endpoint_dialect: str = _flag(choice_flag(DIALECTS, optional=False), "auto")
-    stream: bool = _flag(parse_bool, False)
+    endpoint_dialect: str = _flag(
+        choice_flag(DIALECTS, optional=False),
+        "auto",
+        group="endpoint",
+        help="auto (by the endpoint's host), openrouter, openai, local or ollama.",
+    )
+    stream: bool = _flag(
+        parse_bool,
+        False,
+        group="endpoint",
+        help="Stream replies (usage, tool-call and reasoning deltas assembled).",
+    )
     # Samples and sampling parameters
-    samples_per_prompt: int = _flag(int_flag(1, 10_000), 1)
-    temperature: float | None = _flag(float_flag(0, 2, optional=True))
-    top_p: float | None = _flag(float_flag(0, 1, low_open=True, optional=True))
-    seed_per_request: bool = _flag(parse_bool, False)
+    samples_per_prompt: int = _flag(
+        int_flag(1, 10_000),
+        1,
+        group="sampling",
+        help='Samples per dataset row, each its own record (sample_index); a row\'s own "samples" field wins. --resume runs only the missing samples.',
+    )
+    temperature: float | None = _flag(
+        float_flag(0, 2, optional=True),
+        group="sampling",
+        help="Sampling temperature sent with every model request (0 to 2); default: the endpoint's.",
+    )
+    top_p: float | None = _flag(
+        float_flag(0, 1, low_open=True, optional=True),
+        group="sampling",
+        help="Nucleus sampling top_p sent with every model request (above 0, at most 1).",
+    )
+    seed_per_request: bool = _flag(
+        parse_bool,
+        False,
+        group="sampling",
+        help="Send each request a seed derived from --seed, the row, the sample index and the turn (reproducible samples where the endpoint honours it).",
+    )
     # Hostile endpoints and money (issue 25)
-    max_response_mb: float = _flag(float_flag(0, 4096, low_open=True), 32.0)
-    ephemeral_system_prompt_file: str | None = _flag(text_flag())
-    endpoint_grace: float = _flag(float_flag(0, MAX_DURATION_S, low_open=True), 120.0)
+    max_response_mb: float = _flag(
+        float_flag(0, 4096, low_open=True),
+        32.0,
+        group="endpoint",
+        help="Most an answer may hold, decoded (a whole stream too); more is a bad_response.",
+    )
+    ephemeral_system_prompt_file: str | None = _flag(
+        text_flag(),
+        group="output",
+        help="File holding the ephemeral system prompt (kept out of ps; or set BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT).",
+    )
+    endpoint_grace: float = _flag(
+        float_flag(0, MAX_DURATION_S, low_open=True),
+        120.0,
+        group="endpoint",
+        help="Seconds a dead endpoint may take to come back before the run stops (exit 5).",
+    )
     # Scores and verified samples (batchrun.scoring)
-    scorer: tuple[str, ...] = _flag(scorer_flag, ())
-    answer_pattern: str | None = _flag(regex_flag)
-    answer_normalize: tuple[str, ...] = _flag(normalize_flag, NORMALIZE_STEPS)
-    numeric_tolerance: float = _flag(float_flag(0), 1e-6)
-    verify_timeout: float = _flag(float_flag(0, low_open=True), 60.0)
-    keep: str = _flag(choice_flag(("all", "passed"), optional=False), "all")
-    stop_after_passes: int | None = _flag(int_flag(1, optional=True))
-    judge_model: str | None = _flag(text_flag())
-    judge_base_url: str | None = _flag(text_flag())
-    judge_api_key_env: str = _flag(text_flag(optional=False), "JUDGE_API_KEY")
+    scorer: tuple[str, ...] = _flag(
+        scorer_flag,
+        (),
+        group="scores",
+        help="Scorers, comma-separated: exact, includes, regex, numeric, json, verify, judge, module:function or a batch_runner.scorers entry point; default: the row's (verify if it has one, else its answer: numeric for a number, else exact; else none).",
+    )
+    answer_pattern: str | None = _flag(
+        regex_flag,
+        group="scores",
+        help='Regex extracting the answer from the final text (group 1, last match); default: the last \\\\boxed{}, else the last "ANSWER: ..." line, else the whole text.',
+    )
+    answer_normalize: tuple[str, ...] = _flag(
+        normalize_flag,
+        NORMALIZE_STEPS,
+        group="scores",
+        help="For exact/includes: any of case, whitespace, punctuation, or none.",
+    )
+    numeric_tolerance: float = _flag(
+        float_flag(0),
+        1e-6,
+        group="scores",
+        help="numeric: passes when |got - want| <= tolerance x max(1, |want|).",
+    )
+    verify_timeout: float = _flag(
+        float_flag(0, low_open=True),
+        60.0,
+        group="scores",
+        help="Seconds per verify command (a timeout leaves the sample unscored).",
+    )
+    keep: str = _flag(
+        choice_flag(("all", "passed"), optional=False),
+        "all",
+        group="scores",
+        help="all, or passed: only samples whose check passed go to trajectories.jsonl (the rest to discarded.jsonl: failed_check, unscored).",
+    )
+    stop_after_passes: int | None = _flag(
+        int_flag(1, optional=True),
+        group="scores",
+        help="Once a row has this many passing samples, its samples not yet started are not run (recorded as skipped_after_passes; not run by --resume either).",
+    )
+    judge_model: str | None = _flag(
+        text_flag(), group="scores", help="Model id of the judge (--scorer=judge)."
+    )
+    judge_base_url: str | None = _flag(
+        text_flag(), group="scores", help="The judge's endpoint; default --base_url."
+    )
+    judge_api_key_env: str = _flag(
+        text_flag(optional=False),
+        "JUDGE_API_KEY",
+        group="scores",
+        help="Environment variable holding the judge's key (default JUDGE_API_KEY; without it, the run's own key when the judge uses the run's endpoint).",
+    )
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -817,3 +1120,27 @@ def parse_argv(argv: list[str], bool_flags: Iterable[str], valid: Iterable[str])
                 raise UsageError(f"--{name} needs a value (--{name}=VALUE)")
         flags[name] = value
     return flags
+
+
+# ----------------------------------------------------------------------------- main's flags, from the fields
+
+
+def with_flag_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give ``fn(**flags)`` RunConfig's flags as its signature and its docstring's ``Args:`` (each
+    flag's ``[group] help``), so Fire's ``--help`` and ``inspect`` see every flag, each written once."""
+    hints = typing.get_type_hints(RunConfig)
+    fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name]
+            )
+            for f in dataclasses.fields(RunConfig)
+        ],
+        return_annotation=inspect.signature(fn).return_annotation,
+    )
+    lines = ["", "    Args:"]
+    for f in dataclasses.fields(RunConfig):
+        text = f"{f.name}: [{f.metadata['group']}] {f.metadata['help']}"
+        lines += textwrap.wrap(text, 110, initial_indent=" " * 8, subsequent_indent=" " * 12)
+    fn.__doc__ = (fn.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
+    return fn
