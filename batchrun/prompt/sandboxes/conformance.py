@@ -1,7 +1,7 @@
 """The sandbox contract: one suite of checks that every backend passes, built-in or from another package.
 
 A backend proves itself with :func:`run_suite` (or, under pytest, by parametrizing over
-:data:`CHECKS` as tests/sandboxes/test_contract.py does)::
+:data:`CHECKS` as tests/sandboxes/test_sandboxes_contract.py does)::
 
     from batchrun.prompt.sandboxes.conformance import Target, run_suite
 

@@ -35,7 +35,7 @@ from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
 from batchrun.prompt.sandboxes.docker import DockerSandbox
 from batchrun.protocol import PromptJob
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GATE_S = 30.0  # longest a gated start waits for its condition before it gives up (the test then fails)
 
 

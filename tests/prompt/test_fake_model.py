@@ -351,7 +351,7 @@ def test_api_key_required():
 
 
 def test_module_entry_point():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchrun.fakes.fake_model", "--port", "0", "--latency", "0"],
         cwd=root,

@@ -14,7 +14,7 @@ import pytest
 
 from batchrun.views import status as st
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOW = 1_800_000_000.0
 
 

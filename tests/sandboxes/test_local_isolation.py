@@ -24,7 +24,7 @@ from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
 
 RUN = f"isolation-{uuid.uuid4().hex[:8]}"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PY = "/usr/bin/python3"  # the system's: the sandbox sees /usr, not this test's virtualenv
 OPTION_NAMES = ("cpus", "memory_mb", "pids_limit", "disk_mb")
 CONNECT_DAEMON = "import socket; socket.socket(socket.AF_UNIX).connect('daemon.sock')"
@@ -407,7 +407,7 @@ def test_host_addresses_read_from_proc_are_those_ip_lists_secondary_ones_include
     )
     done = subprocess.run(
         ["unshare", "-n", "sh", "-c", setup, sys.executable, script],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     if done.returncode != 0 and "Operation not permitted" in done.stderr:
         skip_or_fail(f"cannot make a network namespace here: {done.stderr.strip()}")

@@ -24,7 +24,7 @@ from pydantic import TypeAdapter
 from batchrun.prompt.trajectory import first_human, parse_tool_calls
 from batchrun.views import export
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PLAIN = [f"Plain task number {i}: list the files" for i in range(12)]
 PROMPTS = [
     *PLAIN,

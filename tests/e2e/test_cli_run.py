@@ -110,7 +110,7 @@ def full_run(tmp_path_factory):
             prefill_messages_file=str(prefill),
             max_failure_rate=0.5,
             # The [bad_json] samples show the model seeing and recovering from its error; by default they
-            # are discarded as invalid_tool_call (tests/test_sample_quality.py).
+            # are discarded as invalid_tool_call (tests/prompt/test_sample_quality.py).
             keep_invalid_tool_calls=True,
         )
         stats = srv.stats()

@@ -19,7 +19,7 @@ from helpers import read_jsonl, write_jsonl
 
 from batchrun.fakes.fake_model import FakeModelServer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def start_run(server: FakeModelServer, tmp_path: Path, prompts: list[str], *extra: str) -> subprocess.Popen:

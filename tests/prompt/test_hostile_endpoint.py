@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAX_MB = 4  # --max_response_mb for these runs
 RSS_LIMIT_MB = 100  # the client process's peak: Python and the package (~25 MB) + a few bounds' worth
 

@@ -20,7 +20,7 @@ from helpers import build_wheel
 from batchrun.prompt.sandboxes import backend_class, backend_names
 from batchrun.prompt.sandboxes.conformance import CAP, Target, run_suite
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tests" / "outside_backend"
 
 

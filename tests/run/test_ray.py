@@ -36,7 +36,7 @@ from batchrun.prompt.trajectory import first_human
 from batchrun.protocol import Log, Ready, Received, WorkerExit
 from batchrun.run.inbox import Inbox
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-ray-test-0123456789"
 VARYING_METADATA = (
     "timestamp",

@@ -3,7 +3,7 @@
 Backends: local without isolation, local inside bubblewrap, Docker on the real engine (marker
 ``docker``; fails in CI when no engine answers), and Singularity and Modal through their fakes
 (a fake ``apptainer`` CLI and a fake ``modal`` SDK that run commands in a local busybox root).
-An outside backend runs the same checks (tests/test_sandboxes_outside.py).
+An outside backend runs the same checks (tests/sandboxes/test_sandboxes_outside.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import batch_runner
 from batchrun.prompt.tools.config import BROWSER_FLAGS  # the project's one list of headless Chromium flags
 from batchrun.views import report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 XSS_PROMPT = (
     "Check <script>alert(1)</script> then </script><!-- x --> and <img src=x onerror=alert(2)> [calls:2]"
 )
