@@ -7,13 +7,13 @@ most probable toolset is offered alone, so no prompt runs without tools.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from batchrun.identity import prompt_rng  # noqa: F401  (re-exported: scripts import it from here)
 from batchrun.prompt.tools.registry import TOOLSETS
 
 
@@ -327,16 +327,6 @@ def sample_toolsets_from_distribution(
         return chosen
     # max() keeps the first of equal maxima, so ties go to the earliest toolset.
     return [max(offerable, key=probabilities.__getitem__)]
-
-
-def prompt_rng(seed: int, prompt: str, occurrence: int = 0) -> random.Random:
-    """A Random fixed by (seed, prompt text, occurrence), so reruns and resumes draw the same toolsets.
-
-    `occurrence` tells apart repeated copies of the same prompt text in one dataset. sha256
-    rather than hash() keeps the result independent of PYTHONHASHSEED.
-    """
-    digest = hashlib.sha256(f"{seed}\0{occurrence}\0{prompt}".encode()).digest()
-    return random.Random(int.from_bytes(digest, "big"))
 
 
 def format_distributions(toolsets: dict[str, list[str]] | None = None) -> str:

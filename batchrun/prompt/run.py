@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import dataclasses
 import datetime as dt
-import hashlib
 import json
 import threading
 import time
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchrun.identity import request_seed_base
 from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, StartPool
@@ -344,25 +344,6 @@ def _row_of(job: PromptJob) -> dict[str, Any]:
     except ValueError:
         fields = {}
     return {**(fields if isinstance(fields, dict) else {}), "prompt": job.prompt}
-
-
-def request_seed_base(run_seed: int, job: PromptJob) -> int:
-    """The base of a sample's request seeds: fixed by the run's seed, the row's identity (text, image,
-    cwd, own settings), its occurrence among identical rows and the sample index; the loop adds the turn."""
-    payload = json.dumps(
-        [
-            run_seed,
-            job.prompt,
-            job.image,
-            job.cwd,
-            dataclasses.asdict(job.options),
-            job.occurrence,
-            job.sample_index,
-        ],
-        ensure_ascii=False,
-        sort_keys=True,
-    )
-    return int.from_bytes(hashlib.sha256(payload.encode("utf-8", "surrogatepass")).digest()[:8], "big")
 
 
 def quality_problem(

@@ -7,7 +7,6 @@ never rewritten to make that so; a sample where it does not hold is discarded (:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from typing import Any
@@ -15,12 +14,10 @@ from typing import Any
 from batchrun.record import (
     RECORD_FIELDS,
     conform_score,
-    identity_options,
     names_of,
     normalize_metadata,
-    optional_text,
-    sample_index_of,
 )
+from batchrun.sharegpt import first_human  # noqa: F401  (its readers import it from here too)
 
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
@@ -353,58 +350,12 @@ def ambiguous_markup(messages: list[dict[str, Any]], conversations: list[dict[st
     return False
 
 
-def first_human(conversations: list[dict[str, Any]]) -> str | None:
-    for c in conversations:
-        if isinstance(c, dict) and c.get("from") == "human":
-            value = c.get("value")
-            return value if isinstance(value, str) else None
-    return None
-
-
 def used_tool_names(record: dict[str, Any]) -> set[str]:
     names = set()
     for c in record.get("conversations", []):
         for call in c.get("tool_calls") or []:
             names.add(call["function"]["name"])
     return names
-
-
-def row_key(
-    text: str, image: str | None = None, cwd: str | None = None, options: dict[str, Any] | None = None
-) -> str:
-    """A dataset row's identity: everything that defines how it runs, as hex.
-
-    The prompt text, image and cwd, and the row's own settings (``options``: the ``row_*`` metadata
-    fields, see ``batchrun.record.row_option_fields``). Two rows with the same text but another image,
-    cwd, toolsets, tools, system prompt or max_turns are different rows for resume and merge. A field
-    that is absent is ``None``: records of older versions match rows without them, and a row without
-    settings of its own has the identity it had before those settings existed.
-    """
-    own = {k: v for k, v in (options or {}).items() if v is not None}
-    payload = json.dumps(
-        [text, image, cwd, own] if own else [text, image, cwd], ensure_ascii=False, sort_keys=True
-    )
-    return hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
-def _options_of(fields: dict[str, Any]) -> dict[str, Any]:
-    return identity_options(fields)
-
-
-def record_row_key(record: dict[str, Any]) -> str:
-    """The identity of the row a (valid) record came from; see :func:`valid_record`."""
-    meta = record.get("metadata") or {}
-    return row_key(
-        first_human(record["conversations"]) or "",
-        optional_text(meta.get("image")),
-        optional_text(meta.get("cwd")),
-        _options_of(meta),
-    )
-
-
-def record_sample(record: dict[str, Any]) -> tuple[str, int]:
-    """(row identity, sample index) of a (valid) record: merge keeps one record per pair."""
-    return record_row_key(record), sample_index_of(record.get("metadata") or {})
 
 
 def _count(value: Any) -> bool:
@@ -493,17 +444,6 @@ def valid_outcome_row(row: Any, field: str) -> bool:
         and (row.get("record") is None or valid_record(row["record"]))
         and isinstance(row.get("usage", {}), dict)
     )
-
-
-def outcome_row_key(row: dict[str, Any]) -> str:
-    return row_key(
-        row["prompt"], optional_text(row.get("image")), optional_text(row.get("cwd")), _options_of(row)
-    )
-
-
-def outcome_sample(row: dict[str, Any]) -> tuple[str, int]:
-    """(row identity, sample index) of a (valid) discarded.jsonl or failed.jsonl row."""
-    return outcome_row_key(row), sample_index_of(row)
 
 
 # ----------------------------------------------------------------------------- reading a record back

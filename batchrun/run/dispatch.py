@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
+from batchrun.identity import row_identity
 from batchrun.prompt.llm import usage_warning
 from batchrun.prompt.run import RunSettings
 from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
@@ -54,7 +55,6 @@ from batchrun.run.budget import Budget, Decision
 from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
-from batchrun.run.resume import row_identity
 
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
@@ -83,7 +83,8 @@ class _Tracking:
 
 def passing_samples(run_dir: Any) -> collections.Counter[str]:
     """Row identity -> passing samples in the run's batch files (a resume's --stop_after_passes counts them)."""
-    from batchrun.prompt.trajectory import record_row_key, valid_record
+    from batchrun.identity import record_row_key
+    from batchrun.prompt.trajectory import valid_record
     from batchrun.storage import batch_files, iter_jsonl
 
     passes: collections.Counter[str] = collections.Counter()

@@ -8,15 +8,14 @@ the dispatch and the recorder tell jobs apart by (batch, ``prompt_index``, ``sam
 from __future__ import annotations
 
 import collections
-import hashlib
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
-from batchrun.distributions import get_distribution, prompt_rng, sample_toolsets_from_distribution
+from batchrun.distributions import get_distribution, sample_toolsets_from_distribution
+from batchrun.identity import toolset_rng
 from batchrun.prompt.tools.config import extra_missing, pip_line
 from batchrun.prompt.tools.registry import available_toolsets, tools_for_toolsets, toolset_needs
 from batchrun.protocol import PromptJob
@@ -34,17 +33,6 @@ class Plan:
     @property
     def prompts(self) -> int:
         return sum(len(b) for b in self.batches)
-
-
-def sample_rng(seed: int, row: Row, sample_index: int) -> random.Random:
-    """The toolset draw's Random for one sample, fixed by (seed, row text, occurrence, sample index).
-
-    Sample 0 draws exactly what runs before samples existed drew, so their resumes offer the same.
-    """
-    if sample_index == 0:
-        return prompt_rng(seed, row.prompt, row.occurrence)
-    digest = hashlib.sha256(f"{seed}\0{row.occurrence}\0{sample_index}\0{row.prompt}".encode()).digest()
-    return random.Random(int.from_bytes(digest, "big"))
 
 
 def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extra: dict[str, Any]) -> Plan:
@@ -74,7 +62,7 @@ def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extr
         if _draws(row):
             unavailable: list[str] = []
             usable = sample_toolsets_from_distribution(
-                config.distribution, sample_rng(config.seed, row, s), available, unavailable
+                config.distribution, toolset_rng(config.seed, row, s), available, unavailable
             )
             plan.missing.update(unavailable)
             # Drawn (or the guaranteed one), available here or not: ``toolsets`` is what is offered.

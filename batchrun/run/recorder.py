@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
+from batchrun.identity import identity_fields, row_identity
 from batchrun.prompt.trajectory import first_human, valid_record
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import identity_options, normalize_metadata, optional_text, sample_index_of
-from batchrun.run.resume import identity_fields, row_identity
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,

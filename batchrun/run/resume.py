@@ -21,15 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
-from batchrun.prompt.trajectory import (
-    outcome_sample,
-    record_sample,
-    row_key,
-    valid_outcome_row,
-    valid_record,
-)
-from batchrun.protocol import Outcome
-from batchrun.record import ROW_OPTION_FIELDS, row_option_fields
+from batchrun.identity import outcome_sample, record_sample, row_identity
+from batchrun.prompt.trajectory import valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.secrets import Redactor
 from batchrun.storage import batch_files, iter_jsonl
@@ -164,25 +157,6 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
     if history:
         kept["history"] = history
     return kept
-
-
-def identity_fields(row: Row | Outcome, redact: Redactor) -> dict[str, Any]:
-    """A row's identity fields as saved records hold them (secrets in image and cwd redacted there):
-    image, cwd and the ``row_*`` fields of its own settings."""
-    opts = row.options
-    return {
-        "image": None if row.image is None else redact(row.image),
-        "cwd": None if row.cwd is None else redact(row.cwd),
-        **row_option_fields(opts.toolsets, opts.tools, opts.system, opts.max_turns),
-    }
-
-
-def row_identity(row: Row | Outcome, redact: Redactor) -> str:
-    """A row's identity (a dataset row's, or an outcome's) as saved records give it back: secrets in
-    them were redacted there."""
-    fields = identity_fields(row, redact)
-    options = {k: fields[k] for k in ROW_OPTION_FIELDS}
-    return row_key(redact(row.prompt), fields["image"], fields["cwd"], options)
 
 
 Sample = tuple[Row, int]  # a dataset row and one of its sample indices: one job

@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import first_human, record_sample
+from batchrun.identity import record_sample
+from batchrun.prompt.trajectory import first_human
 from batchrun.record import read_score
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
 from batchrun.storage import iter_jsonl, write_text_atomic

@@ -29,7 +29,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import first_human, offered_tools, record_row_key
+from batchrun.identity import record_row_key
+from batchrun.prompt.trajectory import first_human, offered_tools
 from batchrun.record import features_yaml
 from batchrun.views.export import (
     _PARQUET_MESSAGE,

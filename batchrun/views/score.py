@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import first_human, record_sample, valid_outcome_row, valid_record
+from batchrun.identity import record_sample
+from batchrun.prompt.trajectory import first_human, valid_outcome_row, valid_record
 from batchrun.scoring import (
     NORMALIZE_STEPS,
     SANDBOX_SCORERS,

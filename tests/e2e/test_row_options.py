@@ -10,7 +10,8 @@ import pytest
 from helpers import by_prompt, read_jsonl, run, stats_of, write_rows
 
 from batchrun.fakes.fake_model import find_prompt
-from batchrun.prompt.trajectory import row_key, split_system_value
+from batchrun.identity import row_key
+from batchrun.prompt.trajectory import split_system_value
 from batchrun.protocol import RowOptions
 from batchrun.record import identity_options
 from batchrun.run.dataset import load_dataset

@@ -19,10 +19,12 @@ from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_jsonl, wri
 from batchrun.config import RunConfig, UsageError
 from batchrun.distributions import get_distribution, prompt_rng, sample_toolsets_from_distribution
 from batchrun.fakes.fake_model import FakeModelServer, find_prompt
+from batchrun.identity import record_sample
+from batchrun.identity import toolset_rng as sample_rng
 from batchrun.prompt.tools.registry import available_toolsets
-from batchrun.prompt.trajectory import first_human, record_sample, valid_record
+from batchrun.prompt.trajectory import first_human, valid_record
 from batchrun.run.dataset import load_dataset
-from batchrun.run.plan import make_plan, sample_rng
+from batchrun.run.plan import make_plan
 from batchrun.run.resume import all_samples
 from batchrun.storage import batch_files
 

@@ -17,7 +17,7 @@ import datasets
 import pytest
 from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_rows
 
-from batchrun.prompt.trajectory import outcome_sample, record_sample
+from batchrun.identity import outcome_sample, record_sample
 from batchrun.record import load_runs, read_score
 
 SECRET = "HIDDEN-TEST-7f3a"

@@ -19,7 +19,8 @@ from helpers import (
     write_rows,
 )
 
-from batchrun.prompt.trajectory import first_human, row_key
+from batchrun.identity import row_key
+from batchrun.prompt.trajectory import first_human
 from batchrun.secrets import Redactor
 from batchrun.storage import append_jsonl
 
