@@ -28,8 +28,8 @@ from batchrun.config import (
 from batchrun.distributions import format_distributions
 from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.run import RunSettings, RunTools
+from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.prompt.tools.mcp import McpSetup
-from batchrun.prompt.tools.registry import known_tool_names
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
@@ -426,8 +426,9 @@ def prepare_tools(config: RunConfig) -> McpSetup | None:
 def toolset_listing() -> dict[str, list[str]]:
     """For --list_distributions: the toolsets beyond the built-ins (plugins, MCP servers), with their tools.
     Empty when there are none, so the listing is the reference's."""
+    from batchrun.prompt.tools.catalog import all_tools, toolset_names
     from batchrun.prompt.tools.plugins import plugin_problems
-    from batchrun.prompt.tools.registry import TOOLSETS, all_tools, toolset_names, toolset_source
+    from batchrun.prompt.tools.registry import TOOLSETS, toolset_source
 
     tools = all_tools().values()
     listing = {

@@ -884,8 +884,8 @@ class RunConfig:
         if not self.distribution_file:
             return {}
         from batchrun.distributions import load_distribution_file
+        from batchrun.prompt.tools.catalog import toolset_names
         from batchrun.prompt.tools.plugins import plugin_problems
-        from batchrun.prompt.tools.registry import toolset_names
 
         known = [*toolset_names(), *(s.toolset for s in self.mcp_servers), *plugin_problems()]
         try:
@@ -895,7 +895,7 @@ class RunConfig:
 
     def toolset_names(self) -> list[str]:
         """Every toolset a distribution or a dataset row may name in this run: built in, plugins, MCP servers."""
-        from batchrun.prompt.tools.registry import toolset_names
+        from batchrun.prompt.tools.catalog import toolset_names
 
         names = toolset_names()
         return names + [s.toolset for s in self.mcp_servers if s.toolset not in names]
@@ -916,7 +916,7 @@ class RunConfig:
         """For the manifest: digests of --mcp_config and --distribution_file (the config holds secrets),
         the run's distribution as data, and every tool a record's tool_stats lists."""
         from batchrun.distributions import get_distribution
-        from batchrun.prompt.tools.registry import known_tool_names
+        from batchrun.prompt.tools.catalog import known_tool_names
 
         def digest(path: str | None) -> str | None:
             return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None

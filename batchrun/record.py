@@ -501,7 +501,7 @@ def record_features(tool_names: list[str] | None = None) -> Any:
     import datasets
 
     if tool_names is None:
-        from batchrun.prompt.tools.registry import known_tool_names
+        from batchrun.prompt.tools.catalog import known_tool_names
 
         tool_names = known_tool_names()
 

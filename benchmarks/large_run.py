@@ -121,7 +121,7 @@ def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> 
 
 
 def generate(run_dir: Path, dataset: Path, n: int, batch_size: int, seed: int) -> None:
-    from batchrun.prompt.tools.registry import known_tool_names, tools_for_toolsets
+    from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 
     schemas = {ts: [t.openai_schema() for t in tools_for_toolsets(list(ts))] for ts in TOOLSET_CHOICES}
     known = known_tool_names()

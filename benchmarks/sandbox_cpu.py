@@ -30,7 +30,8 @@ from throughput import become_subreaper, children_cpu_s, reap_descendants  # noq
 
 from batchrun.prompt.sandboxes.base import SandboxSpec  # noqa: E402
 from batchrun.prompt.sandboxes.local import LocalSandbox, bwrap_problem  # noqa: E402
-from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets  # noqa: E402
+from batchrun.prompt.tools.catalog import execute_tool_call, tools_for_toolsets
+from batchrun.prompt.tools.registry import ToolContext
 
 OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
 CALLS = [

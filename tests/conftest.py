@@ -171,7 +171,7 @@ def tool_ctx(tmp_path: Path, tools_llm, clean_tool_env: None):
 def call_tool():
     """``call_tool(ctx, name, **args)``: run one tool call as the agent loop does; the parsed result."""
 
-    from batchrun.prompt.tools.registry import execute_tool_call, known_tool_names
+    from batchrun.prompt.tools.catalog import execute_tool_call, known_tool_names
 
     def call(ctx, name: str, **args):
         text = execute_tool_call(name, json.dumps(args), ctx, set(known_tool_names()))
@@ -186,7 +186,7 @@ def run_tool_loop(tools_llm):
     offered tool, arguments filled from the prompt, then answers); returns the saved messages."""
     from batchrun.prompt.llm import LLMClient, LLMConfig
     from batchrun.prompt.loop import LoopLimits, run_agent
-    from batchrun.prompt.tools.registry import tools_for_toolsets
+    from batchrun.prompt.tools.catalog import tools_for_toolsets
 
     client = LLMClient(LLMConfig(model="mock", base_url=tools_llm.base_url, api_key="sk-run-key"))
 

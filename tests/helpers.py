@@ -135,7 +135,8 @@ def wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
 
 def tool_call(sandbox, name: str, **args) -> dict:
     """One call of a terminal/file tool through execute_tool_call, as a prompt makes it."""
-    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
+    from batchrun.prompt.tools.catalog import execute_tool_call, tools_for_toolsets
+    from batchrun.prompt.tools.registry import ToolContext
 
     offered = {t.name for t in tools_for_toolsets(["terminal", "file"])}
     ctx = ToolContext(sandbox=sandbox, tool_timeout_s=20.0, output_cap_bytes=TOOL_CAP)

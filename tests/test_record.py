@@ -12,7 +12,7 @@ from helpers import read_jsonl, write_jsonl
 import batch_runner
 from batchrun.identity import row_key
 from batchrun.prompt.llm import Usage
-from batchrun.prompt.tools.registry import known_tool_names
+from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.prompt.trajectory import build_record, to_sharegpt
 from batchrun.record import (
     METADATA,

@@ -25,13 +25,9 @@ from batchrun.prompt.sandbox_lifecycle import BackgroundStart, StartPool
 from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
 from batchrun.prompt.sandboxes.base import declared
 from batchrun.prompt.tools import mcp
+from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 from batchrun.prompt.tools.mcp import McpSetup
-from batchrun.prompt.tools.registry import (
-    ToolContext,
-    close_prompt_resources,
-    known_tool_names,
-    tools_for_toolsets,
-)
+from batchrun.prompt.tools.registry import ToolContext, close_prompt_resources
 from batchrun.prompt.trajectory import (
     ambiguous_markup,
     build_record,

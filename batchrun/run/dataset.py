@@ -44,7 +44,7 @@ class Row:
 def tool_catalog() -> dict[str, tuple[str, ...]]:
     """Every installed tool name -> the toolsets that can offer it, from the tool registry (so toolsets
     that plugins register are known too)."""
-    from batchrun.prompt.tools.registry import all_tools
+    from batchrun.prompt.tools.catalog import all_tools
 
     return {t.name: (t.toolset, *t.also_in) for t in all_tools().values()}
 

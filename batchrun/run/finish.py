@@ -18,7 +18,7 @@ from typing import Any
 
 from batchrun.config import RunConfig
 from batchrun.identity import outcome_sample, record_sample
-from batchrun.prompt.tools.registry import known_tool_names
+from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.prompt.trajectory import reasoning_counts, used_tool_names, valid_outcome_row, valid_record
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card

@@ -16,8 +16,8 @@ from typing import Any
 from batchrun.config import RunConfig, UsageError
 from batchrun.distributions import get_distribution, sample_toolsets_from_distribution
 from batchrun.identity import toolset_rng
+from batchrun.prompt.tools.catalog import available_toolsets, tools_for_toolsets, toolset_needs
 from batchrun.prompt.tools.config import extra_missing, pip_line
-from batchrun.prompt.tools.registry import available_toolsets, tools_for_toolsets, toolset_needs
 from batchrun.protocol import PromptJob
 from batchrun.run.dataset import Row
 from batchrun.run.resume import Sample
@@ -121,7 +121,7 @@ def _draws(row: Row) -> bool:
 def _own_toolsets(row: Row, available: set[str], tool_extra: dict[str, Any]) -> tuple[list[str], str | None]:
     """A row's own toolsets (its ``toolsets``, else those of its ``tools``), and why the row cannot run
     as it asked in this run (None: it can): a row is offered exactly what it asked for, or fails."""
-    from batchrun.prompt.tools.registry import all_tools
+    from batchrun.prompt.tools.catalog import all_tools
 
     opts = row.options
     if opts.toolsets is not None:

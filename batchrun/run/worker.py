@@ -25,7 +25,7 @@ from batchrun.prompt.run import RunSettings, install_run_tools, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxSpec
-from batchrun.prompt.tools.registry import all_tools
+from batchrun.prompt.tools.catalog import all_tools
 from batchrun.protocol import (
     EndpointHealth,
     Grant,

@@ -19,7 +19,7 @@ import pytest
 from helpers import ROOT, by_prompt, offered_in_system, read_jsonl, run, tool_blocks, write_jsonl
 
 from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.tools.registry import known_tool_names, tools_for_toolsets
+from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 from batchrun.prompt.trajectory import first_human, parse_tool_calls, reasoning_counts
 from batchrun.record import RECORD_FIELDS
 

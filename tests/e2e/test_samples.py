@@ -21,7 +21,7 @@ from batchrun.distributions import get_distribution, prompt_rng, sample_toolsets
 from batchrun.fakes.fake_model import FakeModelServer, find_prompt
 from batchrun.identity import record_sample
 from batchrun.identity import toolset_rng as sample_rng
-from batchrun.prompt.tools.registry import available_toolsets
+from batchrun.prompt.tools.catalog import available_toolsets
 from batchrun.prompt.trajectory import first_human, valid_record
 from batchrun.run.dataset import load_dataset
 from batchrun.run.plan import make_plan

@@ -7,7 +7,7 @@ import json
 
 from helpers import offered_in_system, read_jsonl, run, write_jsonl
 
-from batchrun.prompt.tools.registry import tools_for_toolsets
+from batchrun.prompt.tools.catalog import tools_for_toolsets
 from toolset_distributions import prompt_rng, sample_toolsets_from_distribution
 
 

@@ -11,14 +11,8 @@ import pytest
 from helpers import read_jsonl, write_jsonl
 from test_tools_plugins import PLUGINS, build_wheel, runner
 
-from batchrun.prompt.tools.registry import (
-    Tool,
-    ToolContext,
-    add_toolset,
-    execute_tool_call,
-    remove_toolsets,
-    result_cap_bytes,
-)
+from batchrun.prompt.tools.catalog import add_toolset, execute_tool_call
+from batchrun.prompt.tools.registry import Tool, ToolContext, remove_toolsets, result_cap_bytes
 
 
 def test_a_huge_tool_result_is_cut_at_the_registry_with_a_note():

@@ -15,7 +15,8 @@ import pytest
 from batchrun.fakes.fake_services import FakeWebServer, Page, _html
 from batchrun.prompt.tools import browser, web
 from batchrun.prompt.tools.browser import HOST, format_snapshot
-from batchrun.prompt.tools.registry import available_toolsets, close_prompt_resources
+from batchrun.prompt.tools.catalog import available_toolsets
+from batchrun.prompt.tools.registry import close_prompt_resources
 
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("chromium_ready")]
 

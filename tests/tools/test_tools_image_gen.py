@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from batchrun.fakes.fake_services import color_for, make_png
+from batchrun.prompt.tools.catalog import available_toolsets
 from batchrun.prompt.tools.config import ToolConfigError
-from batchrun.prompt.tools.registry import available_toolsets
 
 ENV = {"IMAGE_GEN_MODEL": "mock-image"}
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from batchrun.prompt.tools import moa
+from batchrun.prompt.tools.catalog import available_toolsets
 from batchrun.prompt.tools.config import ToolConfigError, moa_config
-from batchrun.prompt.tools.registry import available_toolsets
 
 
 def test_references_then_aggregator(tools_llm, tool_ctx, call_tool):

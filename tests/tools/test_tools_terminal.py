@@ -13,7 +13,8 @@ import time
 import pytest
 from helpers import TOOL_CAP as CAP
 
-from batchrun.prompt.tools.registry import ToolContext, execute_tool_call, tools_for_toolsets
+from batchrun.prompt.tools.catalog import execute_tool_call, tools_for_toolsets
+from batchrun.prompt.tools.registry import ToolContext
 
 OFFERED = {t.name for t in tools_for_toolsets(["terminal", "file"])}
 

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from batchrun.fakes.fake_services import BLUE, make_png
+from batchrun.prompt.tools.catalog import available_toolsets
 from batchrun.prompt.tools.config import vision_config
-from batchrun.prompt.tools.registry import available_toolsets
 
 
 def sha12(data: bytes) -> str:

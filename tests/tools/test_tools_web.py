@@ -11,8 +11,8 @@ import pytest
 
 from batchrun.fakes.fake_services import FakeWebServer, Page
 from batchrun.prompt.tools import web
+from batchrun.prompt.tools.catalog import available_toolsets, tools_for_toolsets
 from batchrun.prompt.tools.config import SEARCH_PROVIDERS, ToolConfigError, extract_config, search_config
-from batchrun.prompt.tools.registry import available_toolsets, tools_for_toolsets
 
 PRIVATE_OFF = {"WEB_ALLOW_PRIVATE_ADDRESSES": "0"}
 

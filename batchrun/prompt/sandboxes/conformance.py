@@ -137,7 +137,8 @@ def check_output_is_capped_with_a_note(target: Target, make: Make) -> None:
 
 
 def check_file_round_trip_through_the_file_tools(target: Target, make: Make) -> None:
-    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call
+    from batchrun.prompt.tools.catalog import execute_tool_call
+    from batchrun.prompt.tools.registry import ToolContext
 
     sandbox = make()
     ctx = ToolContext(sandbox=sandbox, tool_timeout_s=30.0, output_cap_bytes=CAP)
@@ -225,7 +226,8 @@ def check_failed_start_raises_and_stop_is_safe(target: Target, make: Make) -> No
 
 def check_process_tool_keeps_a_background_command_between_commands(target: Target, make: Make) -> None:
     """Started by the process tool, a command lives on while other commands come and go."""
-    from batchrun.prompt.tools.registry import ToolContext, execute_tool_call
+    from batchrun.prompt.tools.catalog import execute_tool_call
+    from batchrun.prompt.tools.registry import ToolContext
 
     if not target.keeps_background:
         raise Skip("this target ends every process with its exec")

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchrun.prompt.tools.registry import TOOL_NAME, Tool, ToolContext, add_toolset, remove_toolsets
+from batchrun.prompt.tools.catalog import add_toolset
+from batchrun.prompt.tools.registry import TOOL_NAME, Tool, ToolContext, remove_toolsets
 from batchrun.storage import read_json_file
 
 SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}")

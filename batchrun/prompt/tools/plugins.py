@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
-from batchrun.prompt.tools.registry import TOOL_NAME, Tool, add_toolset
+from batchrun.prompt.tools.registry import TOOL_NAME, TOOLSETS, Tool, add_toolset
 
 GROUP = "batch_runner.toolsets"
 # A plugin toolset's name: no ':' (MCP toolsets are "mcp:<server>"), usable as a JSON key and a flag value.
@@ -35,26 +35,25 @@ RESERVED_PREFIXES = ("mcp:",)  # toolset names of configured MCP servers
 RESERVED_TOOL_PREFIXES = ("mcp__",)  # tool names of MCP servers' tools
 
 
-def _collision(name: str, tools: list[Tool]) -> str | None:
-    """Why a plugin would shadow or block a built-in or an MCP server (None: it would not)."""
-    from batchrun.prompt.tools.registry import TOOLSETS, all_tools
-
+def _collision(name: str, tools: list[Tool], builtin: set[str]) -> str | None:
+    """Why a plugin would shadow or block a built-in or an MCP server (None: it would not); ``builtin``:
+    the built-in tools' names."""
     if name in TOOLSETS:
         return f"its toolset name {name!r} is a built-in toolset's"
     if name.startswith(RESERVED_PREFIXES):
         return f"its toolset name {name!r} is reserved for --mcp_config servers"
-    builtin = {t.name for t in all_tools().values() if t.toolset in TOOLSETS}
     taken = sorted({t.name for t in tools if t.name in builtin or t.name.startswith(RESERVED_TOOL_PREFIXES)})
     if taken:
         return f"its tool name(s) {', '.join(taken)} are built-in or reserved for MCP servers"
     return None
 
 
-def load_plugins() -> None:
-    """Load every plugin toolset of the environment (once per process; called by the registry)."""
+def load_plugins(builtin: set[str]) -> None:
+    """Load every plugin toolset of the environment (once per process; called by the catalog after the
+    built-ins, whose tool names are ``builtin``)."""
     for ep in sorted(plugin_entry_points(), key=lambda e: e.name):
         source = f"plugin {ep.name} = {ep.value}" + (f" (package {ep.dist.name})" if ep.dist else "")
-        early = _collision(ep.name, [])  # by its name alone: its code is not even loaded
+        early = _collision(ep.name, [], builtin)  # by its name alone: its code is not even loaded
         if early:
             _IGNORED[ep.name] = f"{source}: ignored: {early}"
             continue
@@ -67,7 +66,7 @@ def load_plugins() -> None:
                     "the entry point's name is the toolset's name: letters, digits, '_', '.', '-', at most 64"
                 )
             tools = tools_from(ep.name, ep.load())
-            collision = _collision(ep.name, tools)
+            collision = _collision(ep.name, tools, builtin)
             if collision:
                 _IGNORED[ep.name] = f"{source}: ignored: {collision}"
                 continue

@@ -6,16 +6,17 @@ is derived from this registry and never listed anywhere else.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import Sandbox, SandboxError
+from batchrun.prompt.sandboxes.base import Sandbox
 
-TOOLSETS = ("web", "vision", "image_gen", "terminal", "file", "moa", "browser")  # the built-in toolsets
+# The built-in toolsets, the one table of them: toolset NAME is module batchrun.prompt.tools.NAME,
+# which batchrun.prompt.tools.catalog imports to register its tools.
+TOOLSETS = ("web", "vision", "image_gen", "terminal", "file", "moa", "browser")
 
 # A tool name as OpenAI function calling accepts it.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -94,8 +95,7 @@ def add_toolset(name: str, source: str, tools: list[Tool]) -> None:
         raise ValueError(
             f"toolset {name!r} is defined twice ({_EXTRA_TOOLSETS.get(name, 'built in')} and {source})"
         )
-    all_tools()  # the built-ins first, so a clash with one of their names is seen
-    names = [t.name for t in tools]
+    names = [t.name for t in tools]  # the catalog loads the built-ins first (catalog.add_toolset)
     clash = sorted({n for n in names if n in _REGISTRY or names.count(n) > 1})
     if clash:
         raise ValueError(f"toolset {name!r} ({source}): tool name(s) {', '.join(clash)} already taken")
@@ -115,9 +115,21 @@ def remove_toolsets(names: set[str]) -> None:
 
 
 def toolset_names() -> list[str]:
-    """Every toolset known here: the built-ins, then plugins and MCP servers in the order they were added."""
-    all_tools()
+    """Every toolset registered: the built-ins, then plugins and MCP servers in the order they were added."""
     return [*TOOLSETS, *_EXTRA_TOOLSETS]
+
+
+_ORDERED: dict[str, Tool] | None = None
+
+
+def ordered_tools() -> dict[str, Tool]:
+    """The registered tools: built-in toolsets in TOOLSETS order, then the others in the order they were
+    added, so the order never depends on which module was imported first (cached: read on every call)."""
+    global _ORDERED
+    if _ORDERED is None:
+        order = {name: i for i, name in enumerate([*TOOLSETS, *_EXTRA_TOOLSETS])}
+        _ORDERED = dict(sorted(_REGISTRY.items(), key=lambda item: order[item[1].toolset]))
+    return _ORDERED
 
 
 def toolset_source(name: str) -> str:
@@ -135,88 +147,6 @@ def register_toolset_check(
     """
     _TOOLSET_CHECKS[toolset] = is_configured
     _TOOLSET_NEEDS[toolset] = needs
-
-
-def toolset_needs(toolset: str) -> str:
-    """What makes ``toolset`` available (empty when nothing is needed or nothing is known)."""
-    all_tools()  # the checks register with their tools
-    if not any(t.toolset == toolset for t in _REGISTRY.values()):
-        return "no tool of this toolset is installed"
-    return _TOOLSET_NEEDS.get(toolset, "")
-
-
-BUILTIN_TOOL_MODULES = tuple(
-    f"batchrun.prompt.tools.{m}" for m in ("terminal", "file", "web", "vision", "image_gen", "moa", "browser")
-)
-
-
-def _load_builtin_tools() -> None:
-    # Importing the modules registers their tools; done once, on first use.
-    for module in BUILTIN_TOOL_MODULES:
-        importlib.import_module(module)
-
-
-_BUILTINS_LOADED = False
-
-
-_ORDERED: dict[str, Tool] | None = None
-
-
-def all_tools() -> dict[str, Tool]:
-    global _BUILTINS_LOADED
-    # A flag, not "registry empty": importing one tool module directly must not hide the others.
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        _load_builtin_tools()
-        # Plugins after the built-ins, in every process alike (parent, forkserver workers, Ray actors).
-        from batchrun.prompt.tools.plugins import load_plugins
-
-        load_plugins()
-    global _ORDERED
-    if _ORDERED is None:  # cached: this is called on every tool call
-        # Built-in toolsets in TOOLSETS order, then the others in the order they were added, so the
-        # order never depends on which module was imported first.
-        order = {name: i for i, name in enumerate([*TOOLSETS, *_EXTRA_TOOLSETS])}
-        _ORDERED = dict(sorted(_REGISTRY.items(), key=lambda item: order[item[1].toolset]))
-    return dict(_ORDERED)
-
-
-def known_tool_names() -> list[str]:
-    """Every tool name the runner knows, sorted: the columns of tool_stats in every record."""
-    return sorted(all_tools())
-
-
-def available_toolsets(extra: dict[str, Any] | None = None) -> set[str]:
-    """Toolsets that have a tool here and whose configuration is present.
-
-    ``extra`` is what the runner puts in ``ToolContext.extra`` (the run's endpoint, run_dir, ...).
-    Raises ``ToolConfigError`` (a ValueError naming the variable) for a bad setting.
-    """
-    extra = extra or {}
-    present = {t.toolset for t in all_tools().values()}
-    return {ts for ts in present if ts not in _TOOLSET_CHECKS or _TOOLSET_CHECKS[ts](extra)}
-
-
-def tools_for_toolsets(toolsets: list[str], extra: dict[str, Any] | None = None) -> list[Tool]:
-    """The tools offered for the given toolsets, in registry order.
-
-    A tool that belongs to another toolset as well (``also_in``) comes with it only when its own
-    toolset is configured under ``extra`` (the run's ``ToolContext.extra``; None: this environment).
-    """
-    wanted = set(toolsets)
-    return [
-        t
-        for t in all_tools().values()
-        if t.toolset in wanted or (wanted.intersection(t.also_in) and _configured(t.toolset, extra))
-    ]
-
-
-def _configured(toolset: str, extra: dict[str, Any] | None) -> bool:
-    check = _TOOLSET_CHECKS.get(toolset)
-    try:
-        return check is None or bool(check(extra or {}))
-    except ValueError:  # a bad setting: the run's preflight reports it; here the tool is just not offered
-        return False
 
 
 def close_prompt_resources(ctx: ToolContext) -> None:
@@ -278,35 +208,6 @@ def check_arguments(tool: Tool, args: Any) -> dict[str, Any]:
                 f"{tool.name}: argument {key!r} must be {shown}, got {type(value).__name__}"
             )
     return args
-
-
-def execute_tool_call(name: str, arguments: str, ctx: ToolContext, offered: set[str]) -> str:
-    """Run one tool call the model made and return its result as a JSON string.
-
-    Whatever the model did wrong (unknown or not-offered tool, arguments that are not JSON or do
-    not fit the schema, a handler that raises) becomes ``{"error": ...}`` for the model to see.
-    Only infrastructure failure (:class:`SandboxError`) propagates and fails the prompt.
-    """
-    tools = all_tools()
-    tool = tools.get(name)
-    if tool is None or name not in offered:
-        return json.dumps(
-            {"error": f"Unknown tool '{name}'. Available tools: {', '.join(sorted(offered)) or 'none'}"}
-        )
-    try:
-        parsed = json.loads(arguments) if arguments and arguments.strip() else {}
-    except json.JSONDecodeError as exc:
-        return json.dumps({"error": f"Invalid JSON in arguments of {name}: {exc.msg} at position {exc.pos}"})
-    try:
-        args = check_arguments(tool, parsed)
-        result = tool.handler(ctx, args)
-    except SandboxError:
-        raise
-    except ToolArgumentError as exc:
-        return json.dumps({"error": str(exc)})
-    except Exception as exc:  # a handler bug or an unexpected input is still only an observation
-        return cap_result(json.dumps({"error": f"{name} failed: {type(exc).__name__}: {exc}"}), ctx)
-    return cap_result(json.dumps(result, ensure_ascii=False), ctx)
 
 
 MIN_RESULT_CAP_BYTES = 256 * 1024  # above what the built-ins return (web extract: 5 pages x 20,000 chars)

@@ -1,0 +1,133 @@
+"""The tool catalog: the built-in toolsets loaded from one table (registry.TOOLSETS), then the plugins,
+then MCP servers' toolsets as the run adds them; what is offered, known and available; one call run.
+
+:mod:`batchrun.prompt.tools.registry` is the data structure (a leaf: it imports no tool); this module
+loads into it, so nothing imports in a circle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+from batchrun.prompt.sandboxes.base import SandboxError
+from batchrun.prompt.tools import registry
+from batchrun.prompt.tools.plugins import load_plugins
+from batchrun.prompt.tools.registry import (
+    _REGISTRY,
+    _TOOLSET_CHECKS,
+    _TOOLSET_NEEDS,
+    TOOLSETS,
+    Tool,
+    ToolArgumentError,
+    ToolContext,
+    cap_result,
+    check_arguments,
+)
+
+
+def toolset_needs(toolset: str) -> str:
+    """What makes ``toolset`` available (empty when nothing is needed or nothing is known)."""
+    all_tools()  # the checks register with their tools
+    if not any(t.toolset == toolset for t in _REGISTRY.values()):
+        return "no tool of this toolset is installed"
+    return _TOOLSET_NEEDS.get(toolset, "")
+
+
+_BUILTINS_LOADED = False
+
+
+def all_tools() -> dict[str, Tool]:
+    global _BUILTINS_LOADED
+    # A flag, not "registry empty": importing one tool module directly must not hide the others.
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        # Importing a toolset's module registers its tools; each built-in toolset NAME is in module
+        # batchrun.prompt.tools.NAME (the one table is registry.TOOLSETS).
+        for toolset in TOOLSETS:
+            importlib.import_module(f"batchrun.prompt.tools.{toolset}")
+        # Plugins after the built-ins, in every process alike (parent, forkserver workers, Ray actors),
+        # told the built-ins' tool names, which no plugin may take.
+        load_plugins({t.name for t in _REGISTRY.values() if t.toolset in TOOLSETS})
+    return dict(registry.ordered_tools())
+
+
+def add_toolset(name: str, source: str, tools: list[Tool]) -> None:
+    """Register a toolset beyond the built-ins (an MCP server's), once the built-ins are loaded, so a
+    clash with one of their names is seen (ValueError naming it)."""
+    all_tools()
+    registry.add_toolset(name, source, tools)
+
+
+def toolset_names() -> list[str]:
+    """Every toolset known here: the built-ins, then plugins and MCP servers in the order they were added."""
+    all_tools()
+    return registry.toolset_names()
+
+
+def known_tool_names() -> list[str]:
+    """Every tool name the runner knows, sorted: the columns of tool_stats in every record."""
+    return sorted(all_tools())
+
+
+def available_toolsets(extra: dict[str, Any] | None = None) -> set[str]:
+    """Toolsets that have a tool here and whose configuration is present.
+
+    ``extra`` is what the runner puts in ``ToolContext.extra`` (the run's endpoint, run_dir, ...).
+    Raises ``ToolConfigError`` (a ValueError naming the variable) for a bad setting.
+    """
+    extra = extra or {}
+    present = {t.toolset for t in all_tools().values()}
+    return {ts for ts in present if ts not in _TOOLSET_CHECKS or _TOOLSET_CHECKS[ts](extra)}
+
+
+def tools_for_toolsets(toolsets: list[str], extra: dict[str, Any] | None = None) -> list[Tool]:
+    """The tools offered for the given toolsets, in registry order.
+
+    A tool that belongs to another toolset as well (``also_in``) comes with it only when its own
+    toolset is configured under ``extra`` (the run's ``ToolContext.extra``; None: this environment).
+    """
+    wanted = set(toolsets)
+    return [
+        t
+        for t in all_tools().values()
+        if t.toolset in wanted or (wanted.intersection(t.also_in) and _configured(t.toolset, extra))
+    ]
+
+
+def _configured(toolset: str, extra: dict[str, Any] | None) -> bool:
+    check = _TOOLSET_CHECKS.get(toolset)
+    try:
+        return check is None or bool(check(extra or {}))
+    except ValueError:  # a bad setting: the run's preflight reports it; here the tool is just not offered
+        return False
+
+
+def execute_tool_call(name: str, arguments: str, ctx: ToolContext, offered: set[str]) -> str:
+    """Run one tool call the model made and return its result as a JSON string.
+
+    Whatever the model did wrong (unknown or not-offered tool, arguments that are not JSON or do
+    not fit the schema, a handler that raises) becomes ``{"error": ...}`` for the model to see.
+    Only infrastructure failure (:class:`SandboxError`) propagates and fails the prompt.
+    """
+    tools = all_tools()
+    tool = tools.get(name)
+    if tool is None or name not in offered:
+        return json.dumps(
+            {"error": f"Unknown tool '{name}'. Available tools: {', '.join(sorted(offered)) or 'none'}"}
+        )
+    try:
+        parsed = json.loads(arguments) if arguments and arguments.strip() else {}
+    except json.JSONDecodeError as exc:
+        return json.dumps({"error": f"Invalid JSON in arguments of {name}: {exc.msg} at position {exc.pos}"})
+    try:
+        args = check_arguments(tool, parsed)
+        result = tool.handler(ctx, args)
+    except SandboxError:
+        raise
+    except ToolArgumentError as exc:
+        return json.dumps({"error": str(exc)})
+    except Exception as exc:  # a handler bug or an unexpected input is still only an observation
+        return cap_result(json.dumps({"error": f"{name} failed: {type(exc).__name__}: {exc}"}), ctx)
+    return cap_result(json.dumps(result, ensure_ascii=False), ctx)
