@@ -409,7 +409,7 @@ def prepare_tools(config: RunConfig) -> McpSetup | None:
     """Before any token: report plugins that cannot load (once), list each MCP server's tools, and
     install those tools here (the workers install the same)."""
     from batchrun.prompt.tools import mcp as mcp_tools
-    from batchrun.prompt.tools.plugins import ignored_plugins, plugin_problems
+    from batchrun.prompt.tools.catalog import ignored_plugins, plugin_problems
 
     for problem in plugin_problems().values():
         print(f"warning: toolset plugin not loaded, its tools are not offered: {problem}", file=sys.stderr)
@@ -426,8 +426,7 @@ def prepare_tools(config: RunConfig) -> McpSetup | None:
 def toolset_listing() -> dict[str, list[str]]:
     """For --list_distributions: the toolsets beyond the built-ins (plugins, MCP servers), with their tools.
     Empty when there are none, so the listing is the reference's."""
-    from batchrun.prompt.tools.catalog import all_tools, toolset_names
-    from batchrun.prompt.tools.plugins import plugin_problems
+    from batchrun.prompt.tools.catalog import all_tools, plugin_problems, toolset_names
     from batchrun.prompt.tools.registry import TOOLSETS, toolset_source
 
     tools = all_tools().values()

@@ -884,8 +884,7 @@ class RunConfig:
         if not self.distribution_file:
             return {}
         from batchrun.distributions import load_distribution_file
-        from batchrun.prompt.tools.catalog import toolset_names
-        from batchrun.prompt.tools.plugins import plugin_problems
+        from batchrun.prompt.tools.catalog import plugin_problems, toolset_names
 
         known = [*toolset_names(), *(s.toolset for s in self.mcp_servers), *plugin_problems()]
         try:
@@ -903,7 +902,7 @@ class RunConfig:
     def toolset_problem(self, name: str) -> str | None:
         """Why a toolset named by a distribution or a row cannot run here (None: it can): unknown, or its
         plugin failed to load. The run stops (exit 2) on it."""
-        from batchrun.prompt.tools.plugins import plugin_problems
+        from batchrun.prompt.tools.catalog import plugin_problems
 
         broken = plugin_problems()
         if name in broken:

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from batchrun.prompt.sandboxes.base import SandboxError
-from batchrun.prompt.tools import registry
+from batchrun.prompt.tools import plugins, registry
 from batchrun.prompt.tools.plugins import load_plugins
 from batchrun.prompt.tools.registry import (
     _REGISTRY,
@@ -131,3 +131,21 @@ def execute_tool_call(name: str, arguments: str, ctx: ToolContext, offered: set[
     except Exception as exc:  # a handler bug or an unexpected input is still only an observation
         return cap_result(json.dumps({"error": f"{name} failed: {type(exc).__name__}: {exc}"}), ctx)
     return cap_result(json.dumps(result, ensure_ascii=False), ctx)
+
+
+def plugin_problems() -> dict[str, str]:
+    """Plugin toolsets that could not be loaded here: name -> the problem, naming the plugin."""
+    all_tools()
+    return plugins.plugin_problems()
+
+
+def ignored_plugins() -> dict[str, str]:
+    """Plugin toolsets ignored because they would shadow or block a built-in or an MCP server: name -> why."""
+    all_tools()
+    return plugins.ignored_plugins()
+
+
+def loaded_plugins() -> dict[str, str]:
+    """Plugin toolsets loaded here: name -> where it comes from."""
+    all_tools()
+    return plugins.loaded_plugins()

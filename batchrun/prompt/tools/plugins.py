@@ -84,26 +84,18 @@ def plugin_entry_points() -> tuple[metadata.EntryPoint, ...]:
 
 
 def plugin_problems() -> dict[str, str]:
-    """Plugin toolsets that could not be loaded here: name -> the problem, naming the plugin."""
-    from batchrun.prompt.tools.registry import all_tools
-
-    all_tools()
+    """Plugin toolsets that could not be loaded here: name -> the problem, naming the plugin (as loaded so
+    far: ``catalog.plugin_problems`` loads them first)."""
     return dict(_PROBLEMS)
 
 
 def ignored_plugins() -> dict[str, str]:
     """Plugin toolsets ignored because they would shadow or block a built-in or an MCP server: name -> why."""
-    from batchrun.prompt.tools.registry import all_tools
-
-    all_tools()
     return dict(_IGNORED)
 
 
 def loaded_plugins() -> dict[str, str]:
     """Plugin toolsets loaded here: name -> where it comes from."""
-    from batchrun.prompt.tools.registry import all_tools
-
-    all_tools()
     return dict(_LOADED)
 
 
