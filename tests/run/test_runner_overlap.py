@@ -372,7 +372,7 @@ def test_a_docker_run_ends_with_no_container_of_its_own(server, docker_test_imag
             default_image=docker_test_image,
             max_failure_rate=1.0,
         )
-        is None
+        == 0
     )
     assert swept == [True]
     assert docker_ps(f"batch_runner.run_name={run_name}") == []
