@@ -15,9 +15,11 @@ from batchrun.run.forkserver import use_bytecode_cache
 use_bytecode_cache()  # first: the forkserver's own imports below, as the parent's (see there)
 
 import batchrun.run.worker  # noqa: E402, F401
+from batchrun.prompt.tools.catalog import builtin_module  # noqa: E402
 from batchrun.prompt.tools.plugins import plugin_entry_points  # noqa: E402
-from batchrun.prompt.tools.registry import BUILTIN_TOOL_MODULES  # noqa: E402
+from batchrun.prompt.tools.registry import TOOLSETS  # noqa: E402
 
-for _name in BUILTIN_TOOL_MODULES:
-    importlib.import_module(_name)
+# The built-in tools' modules, not catalog.all_tools(): that would also load the plugins' code here.
+for _toolset in TOOLSETS:
+    importlib.import_module(builtin_module(_toolset))
 plugin_entry_points()

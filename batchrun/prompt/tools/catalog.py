@@ -35,6 +35,11 @@ def toolset_needs(toolset: str) -> str:
     return _TOOLSET_NEEDS.get(toolset, "")
 
 
+def builtin_module(toolset: str) -> str:
+    """The module of built-in ``toolset``; importing it registers its tools."""
+    return f"batchrun.prompt.tools.{toolset}"
+
+
 _BUILTINS_LOADED = False
 
 
@@ -46,7 +51,7 @@ def all_tools() -> dict[str, Tool]:
         # Importing a toolset's module registers its tools; each built-in toolset NAME is in module
         # batchrun.prompt.tools.NAME (the one table is registry.TOOLSETS).
         for toolset in TOOLSETS:
-            importlib.import_module(f"batchrun.prompt.tools.{toolset}")
+            importlib.import_module(builtin_module(toolset))
         # Plugins after the built-ins, in every process alike (parent, forkserver workers, Ray actors),
         # told the built-ins' tool names, which no plugin may take.
         load_plugins({t.name for t in _REGISTRY.values() if t.toolset in TOOLSETS})
