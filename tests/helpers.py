@@ -197,3 +197,12 @@ def build_wheel(project: Path, out: Path) -> Path:
         for path, data in files.items():
             zf.writestr(path, data)
     return wheel
+
+
+def default_sigint() -> None:
+    """preexec_fn for a runner that a test interrupts with SIGINT: Ctrl-C's default disposition, even
+    where the test itself was started with SIGINT ignored (a shell's background job), so the runner's
+    Python turns it into KeyboardInterrupt as it does in a terminal."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import docker_ps, read_jsonl, write_jsonl
+from helpers import default_sigint, docker_ps, read_jsonl, write_jsonl
 
 import batch_runner
 import batchrun.prompt.run as runner_mod
@@ -403,6 +403,7 @@ def start_slow_docker_run(run_name: str, base_url: str, image: str, tmp_path: Pa
             "--distribution=terminal_only", "--sandbox=docker", f"--default_image={image}",
         ],
         cwd=tmp_path,
+        preexec_fn=default_sigint,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

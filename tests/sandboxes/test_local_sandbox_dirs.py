@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import read_jsonl, write_jsonl
+from helpers import default_sigint, read_jsonl, write_jsonl
 
 from batchrun.fakes.fake_model import FakeModelServer
 
@@ -35,7 +35,13 @@ def start_run(server: FakeModelServer, tmp_path: Path, prompts: list[str], *extr
     ]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     return subprocess.Popen(
-        argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        argv,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
     )
 
 
