@@ -313,7 +313,7 @@ def test_concurrency_counters():
 
 
 def test_many_concurrent_connections():
-    with FakeModelServer(latency_s=0.3) as srv:
+    with FakeModelServer(latency_s=1.0) as srv:
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
         def one(_):
