@@ -32,7 +32,7 @@ from batchrun.prompt.run import RunSettings, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
-from batchrun.prompt.sandboxes.docker import DockerSandbox
+from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 from batchrun.protocol import PromptJob
 
 REPO = Path(__file__).resolve().parents[2]
