@@ -27,7 +27,7 @@ from batchrun.prompt.sandboxes.base import declared
 from batchrun.prompt.tools import mcp
 from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 from batchrun.prompt.tools.mcp import McpSetup
-from batchrun.prompt.tools.registry import ToolContext, close_prompt_resources
+from batchrun.prompt.tools.registry import ToolContext, close_prompt_resources, needs_sandbox_network
 from batchrun.prompt.trajectory import (
     ambiguous_markup,
     build_record,
@@ -153,7 +153,7 @@ def run_prompt(
         prompt_index=job.prompt_index,
         image=job.image,
         cwd=job.cwd,
-        network=settings.sandbox_network,
+        network=settings.sandbox_network and _needs_network(tools, job),
     )
     options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
     sandbox = None
@@ -331,6 +331,13 @@ def _metadata(
     metadata["prompt_tokens"] = metadata["usage"]["prompt_tokens"]
     metadata["completion_tokens"] = metadata["usage"]["completion_tokens"]
     return metadata
+
+
+def _needs_network(tools: list[Any], job: PromptJob) -> bool:
+    """A prompt's sandbox gets the network (when the run allows it) only if something will run there
+    that may use it: an offered tool that runs commands (terminal, process, a plugin's) or the row's
+    verify commands. Without one the start skips slirp4netns and its routes."""
+    return needs_sandbox_network(tools) or bool(job.check and job.check.verify)
 
 
 def _row_of(job: PromptJob) -> dict[str, Any]:
