@@ -78,7 +78,9 @@ def start_for_argv(argv: list[str]) -> None:
     names = [a.split("=", 1)[0] for a in argv]
     if argv[:1] == ["export"] or "--dataset_file" not in names or any(n in _NO_WORKERS for n in names):
         return
-    backend = os.environ.get("TERMINAL_ENV") or "local"  # as RunConfig.backend decides it
+    from batchrun.prompt.sandboxes import DEFAULT_BACKEND
+
+    backend = os.environ.get("TERMINAL_ENV") or DEFAULT_BACKEND  # as RunConfig.backend decides it
     for i, arg in enumerate(argv):
         if arg.startswith("--sandbox="):
             backend = arg.split("=", 1)[1]

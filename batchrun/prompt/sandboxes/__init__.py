@@ -20,11 +20,13 @@ BACKENDS: dict[str, str] = {
     "singularity": "batchrun.prompt.sandboxes.singularity:SingularitySandbox",
     "modal": "batchrun.prompt.sandboxes.modal:ModalSandbox",
 }
+DEFAULT_BACKEND = "local"  # without --sandbox or TERMINAL_ENV
 ENTRY_POINT_GROUP = "batch_runner.sandboxes"
 EXTRAS = {"modal": "modal"}  # backend -> the extra that brings its SDK
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_BACKEND",
     "ENTRY_POINT_GROUP",
     "ExecResult",
     "Sandbox",

@@ -132,6 +132,7 @@ class DockerSandbox(SandboxBackend):
     """One container per prompt, alive while its attach stream is held open; a server in it runs the commands."""
 
     synchronous_start = False  # a container takes a while: it starts during the first model call
+    host_bounds = ("memory", "cpus")  # the engine runs on this machine
 
     # -- run-level steps (see base.Sandbox)
 
