@@ -26,8 +26,8 @@ from batchrun.config import (
     with_flag_signature,
 )
 from batchrun.distributions import format_distributions
+from batchrun.prompt.attempt import RunTools, WorkerSettings
 from batchrun.prompt.llm import dialect_warnings, safe_url
-from batchrun.prompt.run import RunSettings, RunTools
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.run import finish
@@ -355,9 +355,9 @@ def worker_settings(
     sandbox_options: dict[str, Any],
     tool_extra: dict[str, Any],
     mcp: McpSetup | None = None,
-) -> RunSettings:
+) -> WorkerSettings:
     """What every worker gets, once: the prompt side's settings, derived from the config and preflight."""
-    return RunSettings(
+    return WorkerSettings(
         run_name=config.run_name,
         llm=llm,
         limits=config.loop_limits(),

@@ -77,7 +77,7 @@ def install_run_tools(tools: RunTools | None) -> None:
 
 
 @dataclass(frozen=True)
-class RunSettings:
+class WorkerSettings:
     """Per-run settings a worker needs; pickled once into each worker process."""
 
     run_name: str
@@ -114,7 +114,7 @@ class RunSettings:
 
 def run_prompt(
     job: PromptJob,
-    settings: RunSettings,
+    settings: WorkerSettings,
     llm: LLMClient,
     *,
     sandbox_starts: threading.Semaphore | Any | None = None,
@@ -293,7 +293,7 @@ def with_judge_usage(usage: dict[str, Any], judge: dict[str, Any] | None) -> dic
 
 def _metadata(
     job: PromptJob,
-    settings: RunSettings,
+    settings: WorkerSettings,
     result: Any,
     usage: Usage,
     limits: LoopLimits,
@@ -343,7 +343,7 @@ def _row_of(job: PromptJob) -> dict[str, Any]:
 
 
 def quality_problem(
-    messages: list[dict[str, Any]], record: dict[str, Any], settings: RunSettings
+    messages: list[dict[str, Any]], record: dict[str, Any], settings: WorkerSettings
 ) -> str | None:
     """The first quality filter a sample fails (its discard reason), or None: no broken sample is saved as good."""
     if not settings.keep_invalid_tool_calls and invalid_tool_call(messages):
