@@ -199,7 +199,7 @@ def run_steps(
     connect_ray(config, plan.prompts)
     if plan.batches:
         check_endpoint(llm)
-    ready = preflight_sandboxes(
+    preflighted = preflight_sandboxes(
         plan.batches,
         config.backend,
         sandbox_options,
@@ -211,11 +211,11 @@ def run_steps(
     )
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
-    if ready.batches:
-        settings = worker_settings(config, llm, ready.sandbox_options, tool_extra, mcp)
+    if preflighted.batches:
+        settings = worker_settings(config, llm, preflighted.sandbox_options, tool_extra, mcp)
         dispatch = Dispatch(config, settings, recorder)
         try:
-            dispatch.run(ready.batches)
+            dispatch.run(preflighted.batches)
         except KeyboardInterrupt:
             _interrupt_handled()
             interrupted = True
@@ -230,11 +230,13 @@ def run_steps(
         exclude_partial=config.exclude_partial,
         samples_per_prompt=config.samples_per_prompt,
     )
-    stats = finish.statistics(config, rows, totals, recorder, ready.isolation, ready.facts)
+    stats = finish.statistics(
+        config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts
+    )
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
     finish.print_summary(config.run_dir, stats, recorder)
-    if ready.batches and dispatch.endpoint_dead:
+    if preflighted.batches and dispatch.endpoint_dead:
         print(
             "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "
             + recorder.redact(resume_command()),
