@@ -29,6 +29,7 @@ from batchrun.distributions import format_distributions
 from batchrun.prompt.attempt import RunTools, WorkerSettings
 from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.tools.catalog import known_tool_names
+from batchrun.prompt.tools.config import ToolSettings, run_tool_settings
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
@@ -191,8 +192,8 @@ def run_steps(
     llm = config.llm_config(base_url)
     for warning in dialect_warnings(llm):
         print(f"warning: {warning}", file=sys.stderr)
-    tool_extra = tool_settings(config, llm.base_url, llm.api_key)
-    plan = make_plan(todo, config, config.run_dir, tool_extra)
+    tools_run = tool_settings(config, llm.base_url, llm.api_key)
+    plan = make_plan(todo, config, config.run_dir, tools_run)
     recorder.counts.update({f"toolset:{t}": n for t, n in plan.offered.items()})
     recorder.counts.update({f"toolset_missing:{t}": n for t, n in plan.missing.items()})
     print_plan(rows, plan, config, llm.base_url)
@@ -212,7 +213,7 @@ def run_steps(
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
     if preflighted.batches:
-        settings = worker_settings(config, llm, preflighted.sandbox_options, tool_extra, mcp)
+        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp)
         dispatch = Dispatch(config, settings, recorder)
         try:
             dispatch.run(preflighted.batches)
@@ -331,11 +332,9 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     return manifest
 
 
-def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> dict[str, Any]:
+def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> ToolSettings:
     """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings."""
-    from batchrun.prompt.tools.config import run_tool_extra
-
-    return run_tool_extra(
+    return run_tool_settings(
         base_url=base_url, api_key=api_key, model=config.model, run_dir=str(Path(config.run_dir).resolve())
     )
 
@@ -355,7 +354,7 @@ def worker_settings(
     config: RunConfig,
     llm: Any,
     sandbox_options: dict[str, Any],
-    tool_extra: dict[str, Any],
+    tools_run: ToolSettings,
     mcp: McpSetup | None = None,
 ) -> WorkerSettings:
     """What every worker gets, once: the prompt side's settings, derived from the config and preflight."""
@@ -377,7 +376,7 @@ def worker_settings(
         keep_empty_answers=config.keep_empty_answers,
         verbose=config.verbose,
         log_prefix_chars=config.log_prefix_chars,
-        tool_extra=tool_extra,
+        tool_settings=tools_run,
         tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
         request_seed=config.seed if config.seed_per_request else None,
         budget_gate=config.budget_tokens is not None or config.budget_usd is not None,

@@ -26,6 +26,7 @@ from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
 from batchrun.prompt.sandboxes.base import declared
 from batchrun.prompt.tools import mcp
 from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
+from batchrun.prompt.tools.config import NO_SETTINGS, ToolSettings
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.prompt.tools.registry import ToolContext, close_prompt_resources
 from batchrun.prompt.trajectory import (
@@ -88,9 +89,7 @@ class WorkerSettings:
     sandbox_network: bool = True  # whether the prompt's commands may reach the network
     rpm_per_worker: float | None = None  # this worker's share of --max_rpm
     requests_per_worker: int | None = None  # this worker's share of --max_concurrent_requests
-    tool_extra: dict[str, Any] = field(
-        default_factory=dict
-    )  # ToolContext.extra: run endpoint, run_dir, tool_env
+    tool_settings: ToolSettings = NO_SETTINGS  # ToolContext.settings: run endpoint, run_dir, tool_env
     output_cap_bytes: int = 64 * 1024
     ephemeral_system_prompt: str | None = None
     prefill_messages: tuple[dict[str, Any], ...] = ()
@@ -141,7 +140,7 @@ def run_prompt(
         return Outcome.failed(job, "preflight", job.fail_reason, usage.as_dict())
     if _TOOLS_PROBLEM:
         return Outcome.failed(job, "tools", _TOOLS_PROBLEM[0], usage.as_dict())
-    tools = tools_for_toolsets(list(job.toolsets), settings.tool_extra)
+    tools = tools_for_toolsets(list(job.toolsets), settings.tool_settings)
     own = job.options
     if own.tools is not None:  # the row's allowlist: only these are offered
         tools = [t for t in tools if t.name in own.tools]
@@ -194,7 +193,7 @@ def run_prompt(
             sandbox=sandbox,
             tool_timeout_s=settings.limits.tool_timeout_s,
             output_cap_bytes=settings.output_cap_bytes,
-            extra=dict(settings.tool_extra),
+            settings=settings.tool_settings,
             usage=usage,
             llm=llm,
         )
