@@ -10,25 +10,24 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.identity import request_seed_base
 from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
-from batchrun.prompt.sandbox_lifecycle import BackgroundStart, StartPool
+from batchrun.prompt.metadata import prompt_metadata
+from batchrun.prompt.sandbox_lifecycle import PromptSandbox
 from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
-from batchrun.prompt.sandboxes.base import declared
 from batchrun.prompt.tools import mcp
 from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 from batchrun.prompt.tools.config import NO_SETTINGS, ToolSettings
 from batchrun.prompt.tools.mcp import McpSetup
-from batchrun.prompt.tools.registry import ToolContext, close_prompt_resources
+from batchrun.prompt.tools.registry import Tool, ToolContext, close_prompt_resources
 from batchrun.prompt.trajectory import (
     ambiguous_markup,
     build_record,
@@ -123,16 +122,10 @@ def run_prompt(
 ) -> Outcome:
     """Run one prompt and return its outcome; never raises. Every outcome carries the usage it spent.
 
-    The sandbox starts on a start-up slot (``sandbox_starts``: a ``StartPool`` or a semaphore) while the
-    first model call is in flight; the first tool call waits for it (a backend with
-    ``synchronous_start`` starts here, before any model call). ``stop_in_background`` (e.g.
-    ``BackgroundStopper.submit``), when given, takes the sandbox's stop off the prompt's path: the
-    outcome is returned at once and the stop runs later. A backend with ``synchronous_stop`` (local:
-    a few ms) always stops here, so its stop costs the parent no messages.
-
-    The sample is judged after the agent's last turn and before the sandbox stops (the row's verify
-    commands and hidden files, text scorers, ``judge``: the judge model's client); its ``score`` goes
-    into the record.
+    The sandbox's start and stop are :class:`~batchrun.prompt.sandbox_lifecycle.PromptSandbox`'s
+    (``sandbox_starts``: its start-up slots; ``stop_in_background``: its background stopper). The
+    sample is judged after the agent's last turn and before the sandbox stops (``judge``: the judge
+    model's client); its ``score`` goes into the record.
     """
     started = time.monotonic()
     usage = Usage()
@@ -140,109 +133,30 @@ def run_prompt(
         return Outcome.failed(job, "preflight", job.fail_reason, usage.as_dict())
     if _TOOLS_PROBLEM:
         return Outcome.failed(job, "tools", _TOOLS_PROBLEM[0], usage.as_dict())
-    tools = tools_for_toolsets(list(job.toolsets), settings.tool_settings)
-    own = job.options
-    if own.tools is not None:  # the row's allowlist: only these are offered
-        tools = [t for t in tools if t.name in own.tools]
-    limits = settings.limits
-    if own.max_turns is not None:
-        limits = dataclasses.replace(limits, max_turns=own.max_turns)
-    spec = SandboxSpec(
-        run_name=settings.run_name,
-        prompt_index=job.prompt_index,
-        image=job.image,
-        cwd=job.cwd,
-        network=settings.sandbox_network,
-    )
-    options = {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
-    sandbox = None
-    sandbox_image = ""
-    background = False
-    ctx = None
-    timings: dict[str, Any] = {
-        "sandbox_start_wait_s": 0.0,  # waiting for a start-up slot
-        "sandbox_start_s": 0.0,  # the backend's start
-        "sandbox_start_blocked_s": 0.0,  # what this prompt's own thread waited for the start
-        "sandbox_stop_s": 0.0,  # what this prompt's own thread waited for the stop
-        "sandbox_stop_background": False,  # whether the stop was left to the background stopper
-    }
+    tools = offered_tools(job, settings)
+    limits = prompt_limits(job, settings)
     try:
-        box = create_sandbox(settings.sandbox_backend, spec, options)
-        sandbox_image = getattr(box, "image", None) or ""  # the row's or the backend's default
-        # The start runs on a start-up slot while the prompt's first model call is in flight: the
-        # prompt pays for it only when its first tool call comes before the start is done.
-        background = not declared(box, "synchronous_start")
-        if background:
-            sandbox = BackgroundStart(box, sandbox_starts)
-            sandbox.start()  # returns at once; the first tool call waits for it
-        else:
-            sandbox = box
-            t0 = time.monotonic()
-            if isinstance(sandbox_starts, StartPool):  # on a start-up slot's thread; this one waits
-                began = sandbox_starts.submit(_timed_start(sandbox), t0).result()
-                timings["sandbox_start_wait_s"] = round(began - t0, 3)
-                timings["sandbox_start_s"] = round(time.monotonic() - began, 3)
-            else:
-                with sandbox_starts if sandbox_starts is not None else contextlib.nullcontext():
-                    t1 = time.monotonic()
-                    sandbox.start()
-                timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
-                timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
-            timings["sandbox_start_blocked_s"] = round(time.monotonic() - t0, 3)
-        ctx = ToolContext(
-            sandbox=sandbox,
-            tool_timeout_s=settings.limits.tool_timeout_s,
-            output_cap_bytes=settings.output_cap_bytes,
-            settings=settings.tool_settings,
-            usage=usage,
-            llm=llm,
-        )
-        result = run_agent(
-            llm=llm,
-            prompt=job.prompt,
-            tools=tools,
-            ctx=ctx,
-            limits=limits,
-            ephemeral_system_prompt=settings.ephemeral_system_prompt,
-            prefill_messages=list(settings.prefill_messages),
-            usage=usage,
-            log=log if settings.verbose else None,
-            system_prompt=own.system,
-            request_seed=None
-            if settings.request_seed is None
-            else request_seed_base(settings.request_seed, job),
-        )
-        # The backend's own value, without waiting for a start the prompt never needed.
-        isolation = sandbox.inner.isolation if background else sandbox.isolation
-        metadata = _metadata(job, settings, result, usage, limits, tools, isolation, sandbox_image)
-        record = build_record(
-            prompt_index=job.prompt_index,
-            messages=result.messages,
-            tool_schemas=[t.openai_schema() for t in tools],
-            known_tools=known_tool_names(),
-            metadata=metadata,
-            completed=result.completed,
-            partial=result.partial,
-            api_calls=result.api_calls,
-            toolsets_used=list(job.toolsets),
-            system=own.system,
-        )
-        # Judged now: the agent is done and the sandbox still holds what it made. Hidden files are
-        # written only here, so the model never saw them.
-        record["score"] = conform_score(
-            score_sample(
-                record,
-                Judgement(
-                    check=job.check,
-                    settings=settings.scoring,
-                    row=_row_of(job),
-                    sandbox=sandbox,
-                    judge=judge,
-                    prompt=job.prompt,
-                    deadline=started + limits.prompt_timeout_s + settings.scoring.verify_timeout_s,
-                ),
+        box = create_sandbox(settings.sandbox_backend, sandbox_spec(job, settings), sandbox_options(settings))
+        lifecycle = PromptSandbox(box, sandbox_starts, stop_in_background)
+        with lifecycle as sandbox, _tool_context(sandbox, settings, usage, llm) as ctx:
+            result = run_agent(
+                llm=llm,
+                prompt=job.prompt,
+                tools=tools,
+                ctx=ctx,
+                limits=limits,
+                ephemeral_system_prompt=settings.ephemeral_system_prompt,
+                prefill_messages=list(settings.prefill_messages),
+                usage=usage,
+                log=log if settings.verbose else None,
+                system_prompt=job.options.system,
+                request_seed=None
+                if settings.request_seed is None
+                else request_seed_base(settings.request_seed, job),
             )
-        )
+            record = _record(job, settings, result, usage, limits, tools, lifecycle)
+            deadline = started + limits.prompt_timeout_s + settings.scoring.verify_timeout_s
+            record["score"] = judge_sample(record, job, settings.scoring, sandbox, judge, deadline)
     except LLMError as exc:
         return Outcome.failed(job, exc.error_class, str(exc), usage.as_dict())
     except SandboxError as exc:
@@ -251,31 +165,118 @@ def run_prompt(
         return Outcome.failed(job, "prompt_timeout", str(exc), usage.as_dict())
     except Exception as exc:  # a bug must fail one prompt, not the worker and its other prompts
         return Outcome.failed(job, "internal", f"{type(exc).__name__}: {exc}", usage.as_dict())
-    finally:
-        if ctx is not None:
-            close_prompt_resources(ctx)
-        if sandbox is not None:
-            t0 = time.monotonic()
-            later = background and not getattr(sandbox.inner, "synchronous_stop", False)
-            if later and stop_in_background is not None and _hand_off(stop_in_background, sandbox.stop):
-                timings["sandbox_stop_background"] = True
-            else:
-                try:
-                    sandbox.stop()
-                except Exception:
-                    pass
-            timings["sandbox_stop_s"] = round(time.monotonic() - t0, 3)
-            if background:  # as known now: a start the prompt never needed may still be going on
-                timings["sandbox_start_wait_s"] = sandbox.start_wait_s
-                timings["sandbox_start_s"] = sandbox.start_s
-                timings["sandbox_start_blocked_s"] = sandbox.blocked_s
     # The sandbox's timings and the duration as they are now that it stopped (judging included).
-    record["metadata"].update(timings, duration_s=round(time.monotonic() - started, 3))
+    record["metadata"].update(lifecycle.timings, duration_s=round(time.monotonic() - started, 3))
     spent = with_judge_usage(usage.as_dict(), record["score"]["judge_usage"])
     reason = quality_problem(result.messages, record, settings)
     if reason is not None:
         return Outcome.discarded(job, reason, record, spent)
     return Outcome.trajectory(job, record, spent)
+
+
+def offered_tools(job: PromptJob, settings: WorkerSettings) -> list[Tool]:
+    """The tools of the job's toolsets, narrowed to the row's allowlist (its ``tools``) when it has one."""
+    tools = tools_for_toolsets(list(job.toolsets), settings.tool_settings)
+    allowed = job.options.tools
+    return tools if allowed is None else [t for t in tools if t.name in allowed]
+
+
+def prompt_limits(job: PromptJob, settings: WorkerSettings) -> LoopLimits:
+    """The run's loop limits, with the row's own ``max_turns`` when it sets one."""
+    max_turns = job.options.max_turns
+    if max_turns is None:
+        return settings.limits
+    return dataclasses.replace(settings.limits, max_turns=max_turns)
+
+
+def sandbox_spec(job: PromptJob, settings: WorkerSettings) -> SandboxSpec:
+    return SandboxSpec(
+        run_name=settings.run_name,
+        prompt_index=job.prompt_index,
+        image=job.image,
+        cwd=job.cwd,
+        network=settings.sandbox_network,
+    )
+
+
+def sandbox_options(settings: WorkerSettings) -> dict[str, Any]:
+    return {"output_cap_bytes": settings.output_cap_bytes, **settings.sandbox_options}
+
+
+@contextlib.contextmanager
+def _tool_context(
+    sandbox: Any, settings: WorkerSettings, usage: Usage, llm: LLMClient
+) -> Iterator[ToolContext]:
+    """The prompt's ToolContext; what its tools kept open is closed on leaving, before the sandbox stops."""
+    ctx = ToolContext(
+        sandbox=sandbox,
+        tool_timeout_s=settings.limits.tool_timeout_s,
+        output_cap_bytes=settings.output_cap_bytes,
+        settings=settings.tool_settings,
+        usage=usage,
+        llm=llm,
+    )
+    try:
+        yield ctx
+    finally:
+        close_prompt_resources(ctx)
+
+
+def _record(
+    job: PromptJob,
+    settings: WorkerSettings,
+    result: Any,
+    usage: Usage,
+    limits: LoopLimits,
+    tools: list[Tool],
+    lifecycle: PromptSandbox,
+) -> dict[str, Any]:
+    """The sample's record as known after the agent's last turn (not yet judged, the sandbox not stopped)."""
+    metadata = prompt_metadata(
+        job,
+        model=settings.llm.model,
+        backend=settings.sandbox_backend,
+        result=result,
+        usage=usage,
+        max_turns=limits.max_turns,
+        tools=tools,
+        isolation=lifecycle.isolation,
+        sandbox_image=lifecycle.image,
+    )
+    return build_record(
+        prompt_index=job.prompt_index,
+        messages=result.messages,
+        tool_schemas=[t.openai_schema() for t in tools],
+        known_tools=known_tool_names(),
+        metadata=metadata,
+        completed=result.completed,
+        partial=result.partial,
+        api_calls=result.api_calls,
+        toolsets_used=list(job.toolsets),
+        system=job.options.system,
+    )
+
+
+def judge_sample(
+    record: dict[str, Any],
+    job: PromptJob,
+    scoring: ScoringSettings,
+    sandbox: Any,
+    judge: LLMClient | None,
+    deadline: float,
+) -> dict[str, Any]:
+    """The sample's ``score``, judged while the sandbox still holds what the agent made: the row's verify
+    commands and hidden files (written only now, so the model never saw them), text scorers, the judge."""
+    judgement = Judgement(
+        check=job.check,
+        settings=scoring,
+        row=_row_of(job),
+        sandbox=sandbox,
+        judge=judge,
+        prompt=job.prompt,
+        deadline=deadline,
+    )
+    return conform_score(score_sample(record, judgement))
 
 
 def with_judge_usage(usage: dict[str, Any], judge: dict[str, Any] | None) -> dict[str, Any]:
@@ -288,48 +289,6 @@ def with_judge_usage(usage: dict[str, Any], judge: dict[str, Any] | None) -> dic
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             total[key] = (total.get(key) or 0) + value
     return total
-
-
-def _metadata(
-    job: PromptJob,
-    settings: WorkerSettings,
-    result: Any,
-    usage: Usage,
-    limits: LoopLimits,
-    tools: list[Any],
-    isolation: str,
-    sandbox_image: str,
-) -> dict[str, Any]:
-    """The record's metadata as known after the last turn (the sandbox's stop timings are added later)."""
-    own = job.options
-    metadata = {
-        "batch_num": job.batch_num,
-        "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
-        "model": settings.llm.model,
-        "served_model": result.served_model,
-        "stop_reason": result.stop_reason,
-        "duration_s": 0.0,
-        "sandbox": settings.sandbox_backend,
-        "isolation": isolation,
-        "usage": usage.as_dict(),
-        # Nothing was drawn for a row that names its own toolsets or tools: the toolsets it was given
-        # (row_toolsets, row_tools say so), never null, so the column has its type in every run.
-        "toolsets_sampled": list(job.toolsets)
-        if own.toolsets is not None or own.tools is not None or job.toolsets_sampled is None
-        else list(job.toolsets_sampled),
-        "image": job.image,
-        "sandbox_image": sandbox_image,
-        "cwd": job.cwd,
-        "row_id": job.row_id,
-        "row_fields": job.row_fields,
-        # The row's identity fields (row_*, sample_index) are filled in by the parent's recorder.
-        "sample_index": job.sample_index,
-        "max_turns": limits.max_turns,
-        "tools_offered": [t.name for t in tools],
-    }
-    metadata["prompt_tokens"] = metadata["usage"]["prompt_tokens"]
-    metadata["completion_tokens"] = metadata["usage"]["completion_tokens"]
-    return metadata
 
 
 def _row_of(job: PromptJob) -> dict[str, Any]:
@@ -363,23 +322,3 @@ def quality_problem(
     if settings.require_reasoning and with_reasoning == 0:
         return "no_reasoning"
     return keep_problem(read_score(record.get("score")), settings.scoring.keep)  # --keep=passed
-
-
-def _timed_start(sandbox: Any) -> Callable[[float], float]:
-    """A start for a StartPool slot that returns when it began (the time after the queue)."""
-
-    def start(queued_at: float) -> float:
-        began = time.monotonic()
-        sandbox.start()
-        return began
-
-    return start
-
-
-def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:
-    """Give ``stop`` to the background stopper (waits only while too many stops are queued); False if it refused."""
-    try:
-        stop_in_background(stop)
-    except Exception:
-        return False
-    return True
