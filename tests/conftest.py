@@ -34,7 +34,7 @@ DOCKER_IMAGE_BUILD = TESTS_DIR / "docker_image" / "build.sh"
 def docker_engine() -> str:
     """The Docker server version; skips locally (fails in CI) when no engine answers."""
     from batchrun.prompt.sandboxes.base import SandboxError
-    from batchrun.prompt.sandboxes.docker import check_engine
+    from batchrun.prompt.sandboxes.docker.sandbox import check_engine
 
     try:
         return check_engine()

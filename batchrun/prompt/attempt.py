@@ -27,7 +27,7 @@ from batchrun.prompt.tools import mcp
 from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 from batchrun.prompt.tools.config import NO_SETTINGS, ToolSettings
 from batchrun.prompt.tools.mcp import McpSetup
-from batchrun.prompt.tools.registry import Tool, ToolContext, close_prompt_resources
+from batchrun.prompt.tools.registry import Tool, ToolContext, close_prompt_resources, needs_sandbox_network
 from batchrun.prompt.trajectory import (
     ambiguous_markup,
     build_record,
@@ -136,7 +136,9 @@ def run_prompt(
     tools = offered_tools(job, settings)
     limits = prompt_limits(job, settings)
     try:
-        box = create_sandbox(settings.sandbox_backend, sandbox_spec(job, settings), sandbox_options(settings))
+        box = create_sandbox(
+            settings.sandbox_backend, sandbox_spec(job, settings, tools), sandbox_options(settings)
+        )
         lifecycle = PromptSandbox(box, sandbox_starts, stop_in_background)
         with lifecycle as sandbox, _tool_context(sandbox, settings, usage, llm) as ctx:
             result = run_agent(
@@ -189,14 +191,21 @@ def prompt_limits(job: PromptJob, settings: WorkerSettings) -> LoopLimits:
     return dataclasses.replace(settings.limits, max_turns=max_turns)
 
 
-def sandbox_spec(job: PromptJob, settings: WorkerSettings) -> SandboxSpec:
+def sandbox_spec(job: PromptJob, settings: WorkerSettings, tools: list[Tool]) -> SandboxSpec:
     return SandboxSpec(
         run_name=settings.run_name,
         prompt_index=job.prompt_index,
         image=job.image,
         cwd=job.cwd,
-        network=settings.sandbox_network,
+        network=settings.sandbox_network and _needs_network(tools, job),
     )
+
+
+def _needs_network(tools: list[Any], job: PromptJob) -> bool:
+    """A prompt's sandbox gets the network (when the run allows it) only if something will run there
+    that may use it: an offered tool that runs commands (terminal, process, a plugin's) or the row's
+    verify commands. Without one the start skips slirp4netns and its routes."""
+    return needs_sandbox_network(tools) or bool(job.check and job.check.verify)
 
 
 def sandbox_options(settings: WorkerSettings) -> dict[str, Any]:

@@ -457,7 +457,7 @@ def test_containers_left_on_the_nodes_are_removed(ray_head, docker_test_image):
     """After the actors are killed, the run's containers on every node are removed (docker backend)."""
     import ray
 
-    from batchrun.prompt.sandboxes.docker_engine import LABEL_OWNER, docker_client
+    from batchrun.prompt.sandboxes.docker.engine import LABEL_OWNER, docker_client
     from batchrun.run.ray_pool import RayPool
 
     owner = f"{uuid.uuid4().hex[:8]}@another-host"

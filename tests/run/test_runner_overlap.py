@@ -32,7 +32,7 @@ from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
-from batchrun.prompt.sandboxes.docker import DockerSandbox
+from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 from batchrun.protocol import PromptJob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -467,3 +467,29 @@ def test_kill_9_of_a_docker_run_leaves_no_running_container_and_a_later_run_remo
             left = docker_ps(f"batch_runner.run_name={run_name}")
             if left:
                 subprocess.run(["docker", "rm", "-f", *left], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- the network only where it is asked for
+
+
+@pytest.mark.parametrize(
+    ("toolsets", "verify", "run_network", "expected"),
+    [
+        (("terminal",), (), True, True),  # commands may use it
+        (("file",), (), True, False),  # the file tools never do: no slirp4netns
+        (("file", "web"), (), True, False),  # web tools run on the host
+        (("file",), ("test -f out.txt",), True, True),  # the row's verify commands may
+        (("terminal",), (), False, False),  # --sandbox_network=False wins
+    ],
+)
+def test_a_prompts_sandbox_gets_the_network_only_when_something_there_may_use_it(
+    server, scripted, toolsets, verify, run_network, expected
+):
+    from batchrun.protocol import RowCheck
+
+    settings = settings_for(server, sandbox_network=run_network)
+    row = dataclasses.replace(job("network please [calls:0]"), toolsets=toolsets, check=RowCheck(verify=verify))
+    outcome = run_prompt(row, settings, LLMClient(settings.llm))
+    assert outcome.kind in ("trajectory", "discarded"), outcome.error
+    (box,) = scripted.boxes
+    assert box.spec.network is expected

@@ -15,8 +15,8 @@ from typing import Any
 from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 
 BACKENDS: dict[str, str] = {
-    "local": "batchrun.prompt.sandboxes.local:LocalSandbox",
-    "docker": "batchrun.prompt.sandboxes.docker:DockerSandbox",
+    "local": "batchrun.prompt.sandboxes.local.sandbox:LocalSandbox",
+    "docker": "batchrun.prompt.sandboxes.docker.sandbox:DockerSandbox",
     "singularity": "batchrun.prompt.sandboxes.singularity:SingularitySandbox",
     "modal": "batchrun.prompt.sandboxes.modal:ModalSandbox",
 }

@@ -878,4 +878,4 @@ for _name, _handler, _description, _parameters in (
         },
     ),
 ):
-    register(Tool(_name, "browser", _description, _parameters, _handler))
+    register(Tool(_name, "browser", _description, _parameters, _handler, sandbox_network=False))

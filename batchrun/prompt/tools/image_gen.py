@@ -161,5 +161,6 @@ register(
             "required": ["prompt"],
         },
         handler=image_generate,
+        sandbox_network=False,  # on the host, or files only
     )
 )

@@ -255,6 +255,7 @@ def install(setup: McpSetup | None) -> None:
                 parameters=t.input_schema,
                 handler=_handler(server, t.name),
                 check_schema=False,  # the server validates against its own schema
+                sandbox_network=False,  # the server runs on this host, never in the sandbox
             )
             for t in setup.tools
             if t.server == server.name

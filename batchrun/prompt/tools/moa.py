@@ -135,5 +135,6 @@ register(
             "required": ["user_prompt"],
         },
         handler=mixture_of_agents,
+        sandbox_network=False,  # on the host, or files only
     )
 )

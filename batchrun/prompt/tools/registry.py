@@ -56,6 +56,10 @@ class Tool:
     # False: the handler's far end checks the arguments against the schema itself (an MCP server
     # does, and may accept what this checker would not); here only "a JSON object" is required.
     check_schema: bool = True
+    # False: the tool never runs anything in the prompt's sandbox that could use its network (it works
+    # on the host, or only reads and writes files there). A prompt offered no tool that may gets no
+    # network (the sandbox starts faster): only the command-running tools, and plugins' by default.
+    sandbox_network: bool = True
 
     def openai_schema(self) -> dict[str, Any]:
         return {
@@ -232,3 +236,8 @@ def cap_result(text: str, ctx: ToolContext) -> str:
         f"{len(data) - len(kept.encode()):,} dropped (the cap on every tool result is {cap:,} bytes)"
     )
     return json.dumps({"truncated_result": kept, "note": note}, ensure_ascii=False)
+
+
+def needs_sandbox_network(tools: list[Tool]) -> bool:
+    """Whether any of ``tools`` may use the prompt's sandbox network (see ``Tool.sandbox_network``)."""
+    return any(t.sandbox_network for t in tools)

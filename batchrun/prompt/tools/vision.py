@@ -191,5 +191,6 @@ register(
             "required": ["image_url", "question"],
         },
         handler=vision_analyze,
+        sandbox_network=False,  # on the host, or files only
     )
 )

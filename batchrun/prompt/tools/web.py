@@ -545,6 +545,7 @@ register(
             "required": ["query"],
         },
         handler=web_search,
+        sandbox_network=False,  # on the host, or files only
     )
 )
 
@@ -572,5 +573,6 @@ register(
             "required": ["urls"],
         },
         handler=web_extract,
+        sandbox_network=False,  # on the host, or files only
     )
 )
