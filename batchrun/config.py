@@ -674,13 +674,13 @@ class RunConfig:
             raw = flags.get(field.name, field.default)
             values[field.name] = field.metadata["parse"](raw, field.name)
         config = cls(**values)
-        config.check_tool_sources()
+        config.load_tool_files()
         if not config.list_distributions:
             config.check()
         return config
 
-    def check_tool_sources(self) -> None:
-        """Read --mcp_config and --distribution_file; the file's distributions become usable by name.
+    def load_tool_files(self) -> None:
+        """Read and check --mcp_config, and install --distribution_file's distributions (usable by name).
 
         Runs for --list_distributions too. Plugin toolsets (entry points) are known here already.
         """

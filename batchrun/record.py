@@ -1,6 +1,6 @@
 """The trajectory record: its fields and their types, defined once.
 
-The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.run``), the merge and
+The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.attempt``), the merge and
 statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here.
 
 Every key is present in every record, whatever the backend, endpoint, toolsets or outcome, with one

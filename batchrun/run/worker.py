@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from batchrun.prompt.attempt import WorkerSettings, install_run_tools, run_prompt
 from batchrun.prompt.limiter import Limiter
 from batchrun.prompt.llm import LLMClient
-from batchrun.prompt.run import RunSettings, install_run_tools, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxSpec
@@ -50,7 +50,7 @@ from batchrun.storage import pid_alive
 class WorkerState:
     """What one worker process holds for all its prompts (made once by :func:`init_worker`)."""
 
-    settings: RunSettings
+    settings: WorkerSettings
     conn: Any
     send_lock: threading.Lock
     sandbox_starts: StartPool
@@ -126,7 +126,7 @@ _state: WorkerState | None = None  # this process's worker state; set by init_wo
 
 
 def init_worker(
-    settings: RunSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
+    settings: WorkerSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
 ) -> None:
     """Once per worker process: client, registry and thread pool, so no prompt pays for them."""
     global _state
@@ -178,7 +178,7 @@ def init_worker(
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
 
 
-def _warm_up(settings: RunSettings) -> None:
+def _warm_up(settings: WorkerSettings) -> None:
     """Do now, once, what each prompt's first steps would do once per process: the tool registry (with
     its plugins) and the backend's machine checks made when a sandbox is built (local: the bubblewrap
     probe and the scan of /etc). Left to the prompts, all of a worker's threads would do them at the

@@ -1,4 +1,4 @@
-"""Sandbox start and stop off a prompt's path (batchrun/prompt/sandbox_lifecycle.py, batchrun/prompt/run.py::run_prompt).
+"""Sandbox start and stop off a prompt's path (batchrun/prompt/sandbox_lifecycle.py, batchrun/prompt/attempt.py::run_prompt).
 
 For every backend, the sandbox starts on a start-up slot while the prompt's first model call is in
 flight; for every backend but local (whose stop takes a few ms), it is stopped by a background
@@ -24,11 +24,11 @@ import pytest
 from helpers import default_sigint, docker_ps, read_jsonl, write_jsonl
 
 import batch_runner
-import batchrun.prompt.run as runner_mod
+import batchrun.prompt.attempt as runner_mod
 from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.attempt import WorkerSettings, run_prompt
 from batchrun.prompt.llm import LLMClient, LLMConfig
 from batchrun.prompt.loop import LoopLimits
-from batchrun.prompt.run import RunSettings, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
@@ -102,8 +102,8 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Scripted:
     return s
 
 
-def settings_for(server: FakeModelServer, backend: str = "scripted", **kw) -> RunSettings:
-    return RunSettings(
+def settings_for(server: FakeModelServer, backend: str = "scripted", **kw) -> WorkerSettings:
+    return WorkerSettings(
         run_name="overlap",
         llm=LLMConfig(model="fake", base_url=server.base_url, api_key="sk-overlap"),
         limits=LoopLimits(max_turns=6, prompt_timeout_s=120, tool_timeout_s=60),
@@ -190,7 +190,7 @@ def test_a_synchronous_start_runs_on_a_start_pool_slot_before_any_model_call(ser
     assert box.events == ["start", "started", "run", "stop"]
 
 
-def local_settings(server: FakeModelServer, base_dir: Path) -> RunSettings:
+def local_settings(server: FakeModelServer, base_dir: Path) -> WorkerSettings:
     return settings_for(server, backend="local", sandbox_options={"base_dir": str(base_dir)})
 
 

@@ -184,7 +184,7 @@ def test_a_handler_answer_that_is_not_a_json_object_is_an_error_the_model_sees()
 
 
 def test_a_worker_that_knows_other_tools_fails_its_prompts_naming_the_difference():
-    from batchrun.prompt.run import RunTools, install_run_tools, run_prompt
+    from batchrun.prompt.attempt import RunTools, install_run_tools, run_prompt
     from batchrun.prompt.tools.catalog import known_tool_names
     from batchrun.protocol import PromptJob
 

@@ -49,7 +49,7 @@ from batchrun.prompt.tools.browser_egress import (
     EgressProxy,
     refusal_message,
 )
-from batchrun.prompt.tools.config import BROWSER_FLAGS, BrowserConfig, browser_config, run_dir, vision_config
+from batchrun.prompt.tools.config import BROWSER_FLAGS, BrowserConfig, browser_config, vision_config
 from batchrun.prompt.tools.registry import (
     Tool,
     ToolArgumentError,
@@ -610,12 +610,12 @@ def _session(ctx: ToolContext) -> BrowserSession:
     session = ctx.resources.get(RESOURCE_KEY)
     if session is not None:
         return session
-    cfg = browser_config(ctx.extra)
+    cfg = browser_config(ctx.settings)
     if cfg is None:
         raise BrowserToolError("the browser is not available (Playwright or Chromium missing)")
     from batchrun.prompt.tools.image_gen import prompt_stem
 
-    session = BrowserSession(HOST, cfg, run_dir(ctx.extra), prompt_stem(ctx))
+    session = BrowserSession(HOST, cfg, ctx.settings.run_dir, prompt_stem(ctx))
     ctx.resources[RESOURCE_KEY] = session
     # Safety net for a runner that forgets close_prompt_resources: close when the context is collected.
     weakref.finalize(ctx, session.close, False)
@@ -707,7 +707,7 @@ def browser_vision(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
     question = args["question"].strip() or "Describe what this page shows."
     annotate = bool(args.get("annotate") or False)
-    cfg = vision_config(ctx.extra)
+    cfg = vision_config(ctx.settings)
     if cfg is None:
         return {"error": "browser_vision needs a vision model, and none is configured"}
     shot: dict[str, Any] = {}
@@ -741,7 +741,7 @@ def browser_vision(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 register_toolset_check(
     "browser",
-    lambda extra: browser_config(extra) is not None,
+    lambda settings: browser_config(settings) is not None,
     "the playwright package and Chromium (apt-get install chromium), BROWSER_ENABLED not 0",
 )
 
