@@ -22,7 +22,7 @@ from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.metadata import prompt_metadata
 from batchrun.prompt.sandbox_lifecycle import PromptSandbox
-from batchrun.prompt.sandboxes import SandboxError, SandboxSpec, create_sandbox
+from batchrun.prompt.sandboxes import DEFAULT_BACKEND, SandboxError, SandboxSpec, create_sandbox
 from batchrun.prompt.tools import mcp
 from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 from batchrun.prompt.tools.config import NO_SETTINGS, ToolSettings
@@ -83,7 +83,7 @@ class WorkerSettings:
     run_name: str
     llm: LLMConfig
     limits: LoopLimits
-    sandbox_backend: str = "local"
+    sandbox_backend: str = DEFAULT_BACKEND
     sandbox_options: dict[str, Any] = field(default_factory=dict)
     sandbox_network: bool = True  # whether the prompt's commands may reach the network
     rpm_per_worker: float | None = None  # this worker's share of --max_rpm

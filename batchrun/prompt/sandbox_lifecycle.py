@@ -304,7 +304,7 @@ class PromptSandbox:
 
     def _stop(self) -> None:
         t0 = time.monotonic()
-        later = self.background and not getattr(self.box, "synchronous_stop", False)
+        later = self.background and not declared(self.box, "synchronous_stop")
         if (
             later
             and self._stop_in_background is not None

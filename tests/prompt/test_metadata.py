@@ -45,7 +45,12 @@ def test_the_metadata_columns_in_their_order_with_the_token_counts_from_usage():
         "isolation", "usage", "toolsets_sampled", "image", "sandbox_image", "cwd", "row_id",
         "row_fields", "sample_index", "max_turns", "tools_offered", "prompt_tokens", "completion_tokens",
     ]  # fmt: skip
-    assert (meta["batch_num"], meta["model"], meta["served_model"], meta["sandbox"]) == (3, "asked", "served", "local")
+    assert (meta["batch_num"], meta["model"], meta["served_model"], meta["sandbox"]) == (
+        3,
+        "asked",
+        "served",
+        "local",
+    )
     assert meta["tools_offered"] == ["terminal", "process"] and meta["max_turns"] == 9
     assert meta["usage"] == usage.as_dict()
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (

@@ -488,7 +488,9 @@ def test_a_prompts_sandbox_gets_the_network_only_when_something_there_may_use_it
     from batchrun.protocol import RowCheck
 
     settings = settings_for(server, sandbox_network=run_network)
-    row = dataclasses.replace(job("network please [calls:0]"), toolsets=toolsets, check=RowCheck(verify=verify))
+    row = dataclasses.replace(
+        job("network please [calls:0]"), toolsets=toolsets, check=RowCheck(verify=verify)
+    )
     outcome = run_prompt(row, settings, LLMClient(settings.llm))
     assert outcome.kind in ("trajectory", "discarded"), outcome.error
     (box,) = scripted.boxes

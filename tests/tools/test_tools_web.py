@@ -105,7 +105,9 @@ def test_browser_toolset_offers_web_search_when_a_provider_is_configured(clean_t
     assert [t.name for t in tools_for_toolsets(["browser"], configured)] == ["web_search", *plain]
     assert [t.name for t in tools_for_toolsets(["web", "browser"], configured)].count("web_search") == 1
     assert "web_extract" not in {t.name for t in tools_for_toolsets(["browser"], configured)}
-    bad = ToolSettings(tool_env={"WEB_SEARCH_PROVIDER": "google"})  # reported by the run's preflight, not offered
+    bad = ToolSettings(
+        tool_env={"WEB_SEARCH_PROVIDER": "google"}
+    )  # reported by the run's preflight, not offered
     assert [t.name for t in tools_for_toolsets(["browser"], bad)] == plain
 
 

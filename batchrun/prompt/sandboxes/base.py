@@ -126,6 +126,9 @@ class SandboxBackend:
     starts_per_cpu: ClassVar[int | None] = None  # a start bound by this machine's CPU: at most this
     # many at once per core (None: bounded by --max_sandbox_starts alone)
     direct_files: ClassVar[bool] = False  # implements DirectFileAccess (the file tools skip commands)
+    synchronous_stop: ClassVar[bool] = (
+        False  # a stop of a few ms: on the prompt's thread, never the stopper's
+    )
     # The per-prompt limits this machine itself must be able to give ("memory", "cpus"): a flag asking
     # for more than it has stops the run at start. A remote backend's machines are not this one.
     host_bounds: ClassVar[tuple[str, ...]] = ()
