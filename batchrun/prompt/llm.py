@@ -15,6 +15,7 @@ rejects unknown request fields).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -1150,7 +1151,6 @@ CONTEXT_LIMIT_SIGNS: tuple[ContextLimitSign, ...] = (
         "generic", "message", r"context[ _](length|window)[ _]exceeded", "context window exceeded"
     ),
 )
-_CONTEXT_RES = [re.compile(c.pattern, re.IGNORECASE) for c in CONTEXT_LIMIT_SIGNS if c.field == "message"]
 _CONTEXT_IDS = {c.pattern for c in CONTEXT_LIMIT_SIGNS if c.field != "message"}
 
 
@@ -1176,4 +1176,10 @@ def is_context_limit(status: int | None, body: Any, message: str) -> bool:
         return True
     if status is not None and not (400 <= status < 500 or status == 500):
         return False
-    return any(r.search(t) for r in _CONTEXT_RES for t in texts)
+    return any(r.search(t) for r in _context_res() for t in texts)
+
+
+@functools.cache
+def _context_res() -> list[re.Pattern[str]]:
+    """The wordings, compiled at the first error answer rather than in every process's start."""
+    return [re.compile(c.pattern, re.IGNORECASE) for c in CONTEXT_LIMIT_SIGNS if c.field == "message"]
