@@ -152,7 +152,7 @@ def init_worker(
             settings.llm,
             Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
             stop=stop,
-            on_usage=report_spend,
+            on_usage=report_unbudgeted,
             gate=gate,
             on_failure=HealthReporter(),
         ),
@@ -172,7 +172,7 @@ def init_worker(
     if settings.judge_llm is not None:
         # The judge shares the run's limiter, stop and budget; its endpoint's health is not the agent's.
         _state.judge = LLMClient(
-            settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_spend, gate=gate
+            settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_unbudgeted, gate=gate
         )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
@@ -208,9 +208,23 @@ def send(message: Any) -> None:
         state.conn.send(message)
 
 
+_fault_sent = threading.Event()
+
+
+def report_unbudgeted(usage: dict[str, Any]) -> None:
+    """A model call's spend in a run without a run-wide budget: nothing needs it before its prompt's
+    outcome, which carries the prompt's whole usage, so no message per call. Only the first call whose
+    usage cannot be trusted goes at once, so that the parent warns while the run goes on (the parent
+    then counts it live and the rest of its prompt from the outcome, as for every live spend)."""
+    if not usage.get("fault") or _fault_sent.is_set():
+        return
+    _fault_sent.set()
+    report_spend(usage)
+
+
 def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
-    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them
-    (and frees the call's ``reservation``)."""
+    """A model call's tokens and cost, as it happens: with a run-wide budget the parent holds the run to
+    it at once and frees the call's ``reservation`` (see :class:`ParentGate`)."""
     job = _current_job()
     if job is None:
         if reservation is not None:  # a call outside a prompt (none today): still free its reservation
