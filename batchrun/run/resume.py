@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
-from batchrun.identity import outcome_sample, record_sample, row_identity
+from batchrun.identity import RowIdentity, outcome_sample, record_sample
 from batchrun.prompt.trajectory import valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.secrets import Redactor
@@ -173,7 +173,7 @@ def wanted_samples(
     """(row identity, sample index) -> how many dataset rows want that sample (duplicate rows each do)."""
     wanted: collections.Counter[tuple[str, int]] = collections.Counter()
     for row in rows:
-        key = row_identity(row, redact)
+        key = RowIdentity.of_row(row, redact).key
         for s in range(samples_of(row, samples_per_prompt)):
             wanted[key, s] += 1
     return wanted
@@ -187,7 +187,7 @@ def unfinished(
     done = collections.Counter(done)
     left: list[Sample] = []
     for row in rows:
-        key = row_identity(row, redact)
+        key = RowIdentity.of_row(row, redact).key
         for s in range(samples_of(row, samples_per_prompt)):
             if done[key, s] > 0:
                 done[key, s] -= 1
