@@ -1,7 +1,9 @@
 """The trajectory record: its fields and their types, defined once.
 
 The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.run``), the merge and
-statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here.
+statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here, and
+every reader of a saved record checks its shape with :func:`valid_record` / :func:`valid_outcome_row`.
+The text convention inside ``conversations`` is ``batchrun.sharegpt``'s.
 
 Every key is present in every record, whatever the backend, endpoint, toolsets or outcome, with one
 type that JSON inference sees in every run: a value a run may lack is never ``null`` and never an
@@ -26,6 +28,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from batchrun.sharegpt import first_human
 
 STRING, INT, FLOAT, BOOL = "string", "int64", "float64", "bool"
 
@@ -391,7 +395,7 @@ def run_card(run_name: str, tool_names: list[str]) -> str:
 Agent trajectories written by batch-runner (ShareGPT `conversations` with structured `tool_calls`,
 `metadata`, tool statistics over every known tool). `datasets.load_dataset("<this directory>")` reads
 `trajectories.jsonl` with the schema above. For several runs at once, `batchrun.record.load_runs(DIR, ...)`,
-or pass the schema: `load_dataset("json", data_files=[...], features=batchrun.record.record_features())`, or export them
+or pass the schema: `load_dataset("json", data_files=[...], features=batchrun.record.record_features({json.dumps(tool_names, ensure_ascii=False)}))`, or export them
 together with `python batch_runner.py export RUN_DIR [RUN_DIR ...] --format=parquet --out=DIR`.
 """
     return "\n".join(lines) + "\n" + body
@@ -415,6 +419,114 @@ def sample_index_of(fields: dict[str, Any]) -> int:
     """A record's (or outcome row's) sample index: records written before samples existed are sample 0."""
     value = fields.get("sample_index")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+# ----------------------------------------------------------------------------- a record read back
+# The shape every reader of a saved record (merge, resume, statistics, checkpoint, the views) relies on.
+
+
+def is_tool_failure(content: str) -> bool:
+    """Whether a tool result counts as a failure in ``tool_stats``, by SPEC's rule: non-null ``error`` (also nested in ``content``), ``success: false``, or error-like text."""
+    try:
+        data = json.loads(content)
+    except (json.JSONDecodeError, TypeError):
+        text = (content or "").strip()
+        return not text or text.lower().startswith("error:")
+    if isinstance(data, dict):
+        if data.get("error") is not None or data.get("success") is False:
+            return True
+        inner = data.get("content")
+        if isinstance(inner, dict) and (inner.get("error") is not None or inner.get("success") is False):
+            return True
+    return False
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _optional_str(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _identity_fields_ok(fields: dict[str, Any]) -> bool:
+    """The row_* identity fields and sample_index, where present, have their types (absent: an older version)."""
+
+    def names(value: Any) -> bool:
+        if value is None or value == "":
+            return True
+        if isinstance(value, str):  # JSON text of a name list, as records write it
+            return names_of(value) is not None
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    turns, sample = fields.get("row_max_turns"), fields.get("sample_index")
+    return (
+        names(fields.get("row_toolsets"))
+        and names(fields.get("row_tools"))
+        and _optional_str(fields.get("row_system_sha256"))
+        and (turns is None or _count(turns))
+        and (sample is None or _count(sample))
+    )
+
+
+def valid_record(rec: Any) -> bool:
+    """Whether a line read back from a batch file has the shape every reader relies on.
+
+    Valid JSON of the wrong shape (``null``, a list, ``"conversations": "x"``, ``"tool_stats": 5``)
+    is skipped and counted like a torn line, by merge, resume, statistics, checkpoint and report.
+    """
+    if not isinstance(rec, dict):
+        return False
+    conv = rec.get("conversations")
+    if not isinstance(conv, list) or not conv:
+        return False
+    for turn in conv:
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str):
+            return False
+        if not isinstance(turn.get("value"), str):
+            return False
+        calls = turn.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list)
+            and all(
+                isinstance(c, dict)
+                and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                for c in calls
+            )
+        ):
+            return False
+    if first_human(conv) is None:
+        return False
+    stats = rec.get("tool_stats", {})
+    if not isinstance(stats, dict) or not all(
+        isinstance(s, dict) and all(_count(s.get(k, 0)) for k in ("count", "success", "failure"))
+        for s in stats.values()
+    ):
+        return False
+    meta = rec.get("metadata", {})
+    if not isinstance(meta, dict) or not isinstance(meta.get("usage", {}), dict):
+        return False
+    if not (
+        _optional_str(meta.get("image")) and _optional_str(meta.get("cwd")) and _identity_fields_ok(meta)
+    ):
+        return False
+    index, calls_made = rec.get("prompt_index"), rec.get("api_calls", 0)
+    return (index is None or _count(index)) and (calls_made is None or _count(calls_made))
+
+
+def valid_outcome_row(row: Any, field: str) -> bool:
+    """A discarded.jsonl (``field="reason"``) or failed.jsonl (``"error_class"``) row of the right shape."""
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("prompt"), str)
+        and isinstance(row.get(field), str)
+        and _optional_str(row.get("image"))
+        and _optional_str(row.get("cwd"))
+        and _identity_fields_ok(row)
+        and (row.get("record") is None or valid_record(row["record"]))
+        and isinstance(row.get("usage", {}), dict)
+    )
 
 
 def run_tool_names(trajectories: Path) -> list[str]:
@@ -491,19 +603,16 @@ def load_runs(*run_dirs: str | Path, split: str = "train", **kwargs: Any) -> Any
     )
 
 
-def record_features(tool_names: list[str] | None = None) -> Any:
-    """The schema as ``datasets.Features`` (imports ``datasets``; only readers call this).
+def record_features(tool_names: list[str]) -> Any:
+    """The schema as ``datasets.Features`` for records that count ``tool_names`` in ``tool_stats``
+    (imports ``datasets``; only readers call this). A run's own names: :func:`run_tool_names`; every
+    installed tool's: ``batchrun.prompt.tools.catalog.known_tool_names()``.
 
     Pass it to ``datasets.load_dataset("json", data_files=[...], features=...)``: the loader otherwise
     infers the types from the first file, and a column that happens to be null in every record of that
     file (no row had an image, no endpoint reported reasoning tokens) has no type to cast the others to.
     """
     import datasets
-
-    if tool_names is None:
-        from batchrun.prompt.tools.catalog import known_tool_names
-
-        tool_names = known_tool_names()
 
     def feature(kind: Any) -> Any:
         if isinstance(kind, dict):

@@ -16,7 +16,7 @@ import pytest
 
 import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.trajectory import first_human
+from batchrun.sharegpt import first_human
 
 TESTS_DIR = Path(__file__).resolve().parent
 ROOT = TESTS_DIR.parent

@@ -83,7 +83,7 @@ class _Tracking:
 
 def passing_samples(run_dir: Any) -> collections.Counter[str]:
     """Row identity -> passing samples in the run's batch files (a resume's --stop_after_passes counts them)."""
-    from batchrun.prompt.trajectory import valid_record
+    from batchrun.record import valid_record
     from batchrun.storage import batch_files, iter_jsonl
 
     passes: collections.Counter[str] = collections.Counter()

@@ -19,14 +19,14 @@ from typing import Any
 from batchrun.config import RunConfig
 from batchrun.identity import outcome_sample, record_sample
 from batchrun.prompt.tools.catalog import known_tool_names
-from batchrun.prompt.trajectory import reasoning_counts, used_tool_names, valid_outcome_row, valid_record
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
-from batchrun.record import normalize_metadata, run_card
+from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.scoring import RunScores, headline
 from batchrun.secrets import Redactor
+from batchrun.sharegpt import reasoning_counts, used_tool_names
 from batchrun.storage import (
     batch_files,
     fsync_dir,

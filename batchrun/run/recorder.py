@@ -23,9 +23,8 @@ from typing import Any
 
 from batchrun.config import UsageError
 from batchrun.identity import RowIdentity
-from batchrun.prompt.trajectory import valid_record
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
-from batchrun.record import normalize_metadata, sample_index_of
+from batchrun.record import normalize_metadata, sample_index_of, valid_record
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,

@@ -22,7 +22,7 @@ from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.identity import RowIdentity, outcome_sample, record_sample
-from batchrun.prompt.trajectory import valid_outcome_row, valid_record
+from batchrun.record import valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.secrets import Redactor
 from batchrun.storage import batch_files, iter_jsonl

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import record_sample
-from batchrun.prompt.trajectory import first_human
 from batchrun.record import read_score
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
+from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl, write_text_atomic
 from batchrun.views.score import run_samples
 

@@ -63,7 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import (
+from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata, read_score
+from batchrun.sharegpt import (
     first_human,
     offered_tools,
     parse_gpt_value,
@@ -71,7 +72,6 @@ from batchrun.prompt.trajectory import (
     split_system_value,
     tool_call_text,
 )
-from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata, read_score
 from batchrun.storage import iter_jsonl
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")

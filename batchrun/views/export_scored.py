@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import RowIdentity
-from batchrun.prompt.trajectory import first_human, offered_tools
 from batchrun.record import features_yaml
+from batchrun.sharegpt import first_human, offered_tools
 from batchrun.views.export import (
     _PARQUET_MESSAGE,
     CARD_NAME,

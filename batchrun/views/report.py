@@ -23,14 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import (
-    first_human,
-    is_tool_failure,
-    reasoning_counts,
-    valid_outcome_row,
-    valid_record,
-)
-from batchrun.record import read_score
+from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
+from batchrun.sharegpt import first_human, reasoning_counts
 from batchrun.storage import iter_jsonl, write_text_atomic
 
 DEFAULT_MAX_TRAJECTORIES = 500

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import record_sample
-from batchrun.prompt.trajectory import first_human, valid_outcome_row, valid_record
+from batchrun.record import valid_outcome_row, valid_record
 from batchrun.scoring import (
     NORMALIZE_STEPS,
     SANDBOX_SCORERS,
@@ -39,6 +39,7 @@ from batchrun.scoring import (
     parse_scorers,
     score_sample,
 )
+from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl, write_json_atomic, write_text_atomic
 
 

@@ -15,14 +15,9 @@ from helpers import run as run_main
 
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import LLMConfig
-from batchrun.prompt.trajectory import (
-    ambiguous_markup,
-    empty_answer,
-    invalid_tool_call,
-    parse_gpt_value,
-    to_sharegpt,
-)
+from batchrun.prompt.trajectory import ambiguous_markup, empty_answer, invalid_tool_call, to_sharegpt
 from batchrun.run.preflight import check_endpoint, list_models, warn_unlisted_model
+from batchrun.sharegpt import parse_gpt_value
 
 
 def run(dataset: Path, out: Path, run_name: str = "q", **kw) -> Path:

@@ -6,23 +6,20 @@ import json
 
 import pytest
 
-from batchrun.prompt.trajectory import (
+from batchrun.prompt.trajectory import ambiguous_markup, build_record, to_sharegpt
+from batchrun.record import RECORD_FIELDS, is_tool_failure
+from batchrun.sharegpt import (
     SYSTEM_PREAMBLE,
-    ambiguous_markup,
-    build_record,
     canonical_arguments,
     first_human,
     gpt_value,
-    is_tool_failure,
     offered_tools,
     parse_gpt_value,
     parse_tool_calls,
     reasoning_counts,
     split_reasoning,
-    to_sharegpt,
     used_tool_names,
 )
-from batchrun.record import RECORD_FIELDS
 
 # ----------------------------------------------------------------------------- split_reasoning
 
