@@ -342,35 +342,17 @@ def this_run_totals(recorder: Recorder) -> dict[str, Any]:
 def earlier_runs(path: Path) -> list[dict[str, Any]]:
     """The ``runs`` history of the statistics.json an earlier invocation wrote (one entry per invocation).
 
-    A file written before the history existed gives its ``this_run`` as the one earlier run; an
-    unreadable one gives none (its numbers cannot be trusted to add up).
+    An unreadable one gives none (its numbers cannot be trusted to add up); one without the history was
+    written in a form ``batchrun.run.run_dir`` refuses before a resume gets here.
     """
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
-    if not isinstance(old, dict):
+    runs = old.get("runs") if isinstance(old, dict) else None
+    if not isinstance(runs, list):
         return []
-    runs = old.get("runs")
-    if isinstance(runs, list):
-        return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
-    tr = old.get("this_run")
-    if isinstance(tr, dict) and isinstance(tr.get("duration_s"), (int, float)):
-        usage = tr.get("usage") if isinstance(tr.get("usage"), dict) else {}
-        return [
-            {
-                "started_at": None,
-                "completed_at": None,
-                "duration_s": tr["duration_s"],
-                "attempted": tr.get("attempted", 0),
-                "trajectories": tr.get("trajectories", 0),
-                "requests": tr.get("api_calls", 0),
-                "prompt_tokens": usage.get("prompt_tokens", 0),
-                "completion_tokens": usage.get("completion_tokens", 0),
-                "cost_usd": usage.get("cost_usd", 0.0),
-            }
-        ]
-    return []
+    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
 
 
 def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:

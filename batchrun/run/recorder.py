@@ -25,6 +25,7 @@ from batchrun.config import UsageError
 from batchrun.identity import RowIdentity
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import normalize_metadata, sample_index_of, valid_record
+from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,
@@ -304,6 +305,7 @@ class Recorder:
         if self.batch_outcomes is None:
             self.batch_outcomes = scan_batch_outcomes(self.run_dir)
         state = {
+            FORMAT_FIELD: FORMAT_VERSION,  # added to the reference's keys (batchrun.run.run_dir)
             "run_name": self.run_name,
             "completed_prompts": sorted(self.done_indices),
             "batches": [n for n, _ in batch_files(self.run_dir)],
