@@ -34,9 +34,6 @@ class RowOptions:
     system: str | None = None  # system prompt sent to the model and saved as the record's system turn
     max_turns: int | None = None  # instead of --max_turns
 
-    def is_default(self) -> bool:
-        return self == RowOptions()
-
 
 @dataclass(frozen=True)
 class RowCheck:

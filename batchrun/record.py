@@ -107,9 +107,6 @@ METADATA: dict[str, Any] = {
     "tools_offered": [STRING],  # the tool names offered to the model, in the order offered
 }
 
-# The metadata fields that, with the prompt text, image and cwd, make a row's identity (resume, merge).
-ROW_OPTION_FIELDS = ("row_toolsets", "row_tools", "row_system_sha256", "row_max_turns")
-
 TOOL_STAT: dict[str, Any] = {"count": INT, "success": INT, "failure": INT}
 
 # score: how the sample was judged (batchrun.scoring). In every record: an unjudged sample has

@@ -105,7 +105,7 @@ def parse_tool_calls(value: str) -> list[dict[str, str]]:
         calls.append(
             {
                 "name": obj["name"],
-                "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                "arguments": _json_text(args),
             }
         )
     return calls
@@ -212,7 +212,7 @@ def parse_tool_responses(value: str) -> list[dict[str, Any]]:
             {
                 "tool_call_id": obj["tool_call_id"],
                 "name": obj.get("name", ""),
-                "content": body if isinstance(body, str) else json.dumps(body, ensure_ascii=False),
+                "content": _json_text(body),
             }
         )
     return out
@@ -227,3 +227,8 @@ def offered_tools(system_value: str) -> list[dict[str, Any]]:
         {"type": "function", "function": {k: v for k, v in f.items() if not (k == "required" and v is None)}}
         for f in json.loads(found[-1])
     ]
+
+
+def _json_text(value: Any) -> str:
+    """A value a block held as JSON, as the text it stood for (a string stays as it is)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

@@ -163,9 +163,9 @@ def merge(
 
 
 def typed_line(raw: bytes, rec: dict[str, Any]) -> bytes:
-    """A batch file's line for trajectories.jsonl: as written, or, for a record of an earlier version
-    (nulls, row name lists), with its metadata in today's types, so one file never mixes two types
-    in a column. Only metadata is retyped: what the model and the tools said is never touched."""
+    """A batch file's line for trajectories.jsonl: as written, or, for a record whose metadata is not in
+    the schema's types (nulls, row name lists: another tool's record, or one from before format 1), with
+    its metadata typed, so one file never mixes two types in a column. Only metadata is retyped: what the model and the tools said is never touched."""
     meta = rec.get("metadata")
     if isinstance(meta, dict):
         typed = normalize_metadata(meta)
