@@ -21,6 +21,7 @@ from batchrun.record import (
     RECORD_FIELDS,
     USAGE,
     conform,
+    is_tool_failure,
     load_runs,
     record_features,
     record_schema,
@@ -425,3 +426,48 @@ def test_the_record_schema_imports_nothing_above_it():
     code = "import sys, batchrun.record; print(sorted(m for m in sys.modules if m.startswith('batchrun.')))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout.replace("'", '"')) == ["batchrun.record", "batchrun.sharegpt"]
+
+
+# ----------------------------------------------------------------------------- is_tool_failure
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"error": "No such file"}',
+        '{"error": ""}',  # non-null, even if empty
+        '{"error": {"code": 2}}',
+        '{"success": false}',
+        '{"success": false, "error": null}',
+        '{"content": {"error": "nested failure"}}',
+        '{"content": {"success": false}}',
+        '{"output": "", "exit_code": -1, "error": "Command timed out after 5 s"}',
+        "error: something broke",
+        "error:no space",
+        "  error: leading whitespace",
+        "",
+        "   \n",
+    ],
+)
+def test_is_tool_failure_true(content):
+    assert is_tool_failure(content) is True
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"output": "boom", "exit_code": 1, "error": null}',  # a non-zero exit code is not a failure
+        '{"error": null}',
+        '{"success": true}',
+        '{"content": {"error": null, "text": "fine"}}',
+        '{"content": "some text mentioning error: inside"}',
+        '{"bytes_written": 12, "path": "a.txt"}',
+        "[]",
+        "42",
+        "plain text output",
+        "the word error: appears later",
+        "errors: 0",
+    ],
+)
+def test_is_tool_failure_false(content):
+    assert is_tool_failure(content) is False
