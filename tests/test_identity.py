@@ -153,3 +153,21 @@ def test_resume_finds_a_record_by_its_saved_key(server, tmp_path):
     before = requests(server)
     run(server, dataset, out, resume=True)
     assert requests(server) == before  # nothing ran again
+
+
+def test_stop_after_passes_finds_earlier_passes_of_a_row_holding_scaffolding_text(server, tmp_path):
+    """The run's passes and the earlier runs' are keyed by one identity (secrets redacted, scaffolding
+    kept, as the saved text is): a row whose prompt quotes the ephemeral system prompt keeps its pass."""
+    scaffold = "Always answer in one short sentence, please."
+    rows = [{"prompt": f"Easy one [answer:1] [calls:0] ({scaffold})", "answer": 1}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    flags = dict(ephemeral_system_prompt=scaffold, stop_after_passes=1, scorer="includes")
+    run(server, dataset, out, samples_per_prompt=1, **flags)
+    assert requests(server) == {rows[0]["prompt"]: 1}
+    run(server, dataset, out, resume=True, samples_per_prompt=4, **flags)
+    assert requests(server) == {rows[0]["prompt"]: 1}  # the earlier pass counts: samples 1-3 skipped
+    skipped = [
+        r for r in read_jsonl(out / "run" / "discarded.jsonl") if r["reason"] == "skipped_after_passes"
+    ]
+    assert sorted(r["sample_index"] for r in skipped) == [1, 2, 3]
