@@ -96,8 +96,8 @@ METADATA: dict[str, Any] = {
     "row_key": STRING,  # the row's identity, as resume and merge use it
     "row_id": STRING,  # the dataset row's ``id``, as a string; "" when it has none
     "row_fields": STRING,  # the row's other fields as one JSON object's text; "{}" when none
-    # Records of versions before these fields lack them (or hold null): readers take a missing
-    # sample_index as 0 and a missing row_* field as "the row asked for nothing of its own".
+    # Records that lack these (other tools', and those from before format 1) or hold null are read as
+    # written for a row that asked for nothing of its own: sample_index 0, no row_* settings.
     "sample_index": INT,  # which sample of its row this record is (--samples_per_prompt, ``samples``), from 0
     "row_toolsets": STRING,  # JSON text of the row's own ``toolsets`` (sorted); "": drawn from the distribution
     "row_tools": STRING,  # JSON text of the row's own ``tools`` allowlist (sorted); "": none
@@ -270,7 +270,8 @@ def names_text(value: Any) -> str:
 
 
 def names_of(value: Any) -> list[str] | None:
-    """The inverse of :func:`names_text`; also reads the list (or null) that older versions wrote."""
+    """The inverse of :func:`names_text`; also reads a list or null, as failed.jsonl and discarded.jsonl
+    rows hold them (side files, not training data, keep the row's own form)."""
     if value is None or value == "":
         return None
     if isinstance(value, list):
@@ -287,7 +288,7 @@ def names_of(value: Any) -> list[str] | None:
 
 def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
     missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
-    if isinstance(usage.get("unreported"), str):  # written before: keep what it said
+    if isinstance(usage.get("unreported"), str):  # typed already (the recorder types it again): keep it
         try:
             missing |= {k for k in json.loads(usage["unreported"]) if isinstance(k, str)}
         except (ValueError, TypeError):
@@ -318,7 +319,7 @@ def normalize_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def identity_options(fields: dict[str, Any]) -> dict[str, Any]:
     """A record's (or outcome row's) ``row_*`` fields in the form the row's identity is computed from:
-    lists or None, None where the row set nothing (the records' "", 0 and the null of older versions)."""
+    lists or None, None where the row set nothing (the records' "" and 0, the outcome rows' null)."""
     turns = fields.get("row_max_turns")
     sha = fields.get("row_system_sha256")
     return {
@@ -330,7 +331,7 @@ def identity_options(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def optional_text(value: Any) -> str | None:
-    """A record's image or cwd for the row's identity: "" (written for none) and null (older versions) are None."""
+    """A record's image or cwd for the row's identity: "" (a record's none) and null (an outcome row's) are None."""
     return value or None
 
 
@@ -413,7 +414,7 @@ def row_option_fields(
 
 
 def sample_index_of(fields: dict[str, Any]) -> int:
-    """A record's (or outcome row's) sample index: records written before samples existed are sample 0."""
+    """A record's (or outcome row's) sample index; one that names none (another tool's record) is sample 0."""
     value = fields.get("sample_index")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
@@ -447,7 +448,7 @@ def _optional_str(value: Any) -> bool:
 
 
 def _identity_fields_ok(fields: dict[str, Any]) -> bool:
-    """The row_* identity fields and sample_index, where present, have their types (absent: an older version)."""
+    """The row_* identity fields and sample_index, where present, have their types (absent: none of its own)."""
 
     def names(value: Any) -> bool:
         if value is None or value == "":
@@ -542,8 +543,8 @@ def run_tool_names(trajectories: Path) -> list[str]:
 
 def typed_record(rec: dict[str, Any], tool_names: list[str]) -> dict[str, Any]:
     """A record read back, in the schema of today: only the record's own top-level keys (other tools add
-    theirs, e.g. Hermes' compressor its ``compression_metrics``), every key present with its type (records
-    of older versions wrote null or lists where today's write "" or JSON text)."""
+    theirs, e.g. Hermes' compressor its ``compression_metrics``), every key present with its type (a record
+    that holds null or lists where the schema has "" or JSON text, as other tools may write, is typed)."""
     own = {key: rec.get(key) for key in RECORD_FIELDS}
     if isinstance(own["metadata"], dict):
         own["metadata"] = normalize_metadata(own["metadata"])
