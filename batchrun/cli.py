@@ -26,9 +26,10 @@ from batchrun.config import (
     with_flag_signature,
 )
 from batchrun.distributions import format_distributions
+from batchrun.prompt.attempt import RunTools, WorkerSettings
 from batchrun.prompt.llm import dialect_warnings, safe_url
-from batchrun.prompt.run import RunSettings, RunTools
 from batchrun.prompt.tools.catalog import known_tool_names
+from batchrun.prompt.tools.config import ToolSettings, run_tool_settings
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
@@ -192,15 +193,15 @@ def run_steps(
     llm = config.llm_config(base_url)
     for warning in dialect_warnings(llm):
         print(f"warning: {warning}", file=sys.stderr)
-    tool_extra = tool_settings(config, llm.base_url, llm.api_key)
-    plan = make_plan(todo, config, config.run_dir, tool_extra)
+    tools_run = tool_settings(config, llm.base_url, llm.api_key)
+    plan = make_plan(todo, config, config.run_dir, tools_run)
     recorder.counts.update({f"toolset:{t}": n for t, n in plan.offered.items()})
     recorder.counts.update({f"toolset_missing:{t}": n for t, n in plan.missing.items()})
     print_plan(rows, plan, config, llm.base_url)
     connect_ray(config, plan.prompts)
     if plan.batches:
         check_endpoint(llm)
-    ready = preflight_sandboxes(
+    preflighted = preflight_sandboxes(
         plan.batches,
         config.backend,
         sandbox_options,
@@ -212,11 +213,11 @@ def run_steps(
     )
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
-    if ready.batches:
-        settings = worker_settings(config, llm, ready.sandbox_options, tool_extra, mcp)
+    if preflighted.batches:
+        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp)
         dispatch = Dispatch(config, settings, recorder)
         try:
-            dispatch.run(ready.batches)
+            dispatch.run(preflighted.batches)
         except KeyboardInterrupt:
             _interrupt_handled()
             interrupted = True
@@ -231,11 +232,13 @@ def run_steps(
         exclude_partial=config.exclude_partial,
         samples_per_prompt=config.samples_per_prompt,
     )
-    stats = finish.statistics(config, rows, totals, recorder, ready.isolation, ready.facts)
+    stats = finish.statistics(
+        config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts
+    )
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
     finish.print_summary(config.run_dir, stats, recorder)
-    if ready.batches and dispatch.endpoint_dead:
+    if preflighted.batches and dispatch.endpoint_dead:
         print(
             "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "
             + recorder.redact(resume_command()),
@@ -333,11 +336,9 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     return manifest
 
 
-def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> dict[str, Any]:
+def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> ToolSettings:
     """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings."""
-    from batchrun.prompt.tools.config import run_tool_extra
-
-    return run_tool_extra(
+    return run_tool_settings(
         base_url=base_url, api_key=api_key, model=config.model, run_dir=str(Path(config.run_dir).resolve())
     )
 
@@ -357,11 +358,11 @@ def worker_settings(
     config: RunConfig,
     llm: Any,
     sandbox_options: dict[str, Any],
-    tool_extra: dict[str, Any],
+    tools_run: ToolSettings,
     mcp: McpSetup | None = None,
-) -> RunSettings:
+) -> WorkerSettings:
     """What every worker gets, once: the prompt side's settings, derived from the config and preflight."""
-    return RunSettings(
+    return WorkerSettings(
         run_name=config.run_name,
         llm=llm,
         limits=config.loop_limits(),
@@ -379,7 +380,7 @@ def worker_settings(
         keep_empty_answers=config.keep_empty_answers,
         verbose=config.verbose,
         log_prefix_chars=config.log_prefix_chars,
-        tool_extra=tool_extra,
+        tool_settings=tools_run,
         tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
         request_seed=config.seed if config.seed_per_request else None,
         budget_gate=config.budget_tokens is not None or config.budget_usd is not None,

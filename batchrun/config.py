@@ -29,6 +29,7 @@ from typing import Any
 from batchrun.prompt.httpclient import url_credentials
 from batchrun.prompt.llm import DIALECTS, MAX_CALL_TOKENS, PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
 from batchrun.prompt.loop import LoopLimits
+from batchrun.prompt.sandboxes import DEFAULT_BACKEND, backend_class
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
@@ -673,13 +674,13 @@ class RunConfig:
             raw = flags.get(field.name, field.default)
             values[field.name] = field.metadata["parse"](raw, field.name)
         config = cls(**values)
-        config.check_tool_sources()
+        config.load_tool_files()
         if not config.list_distributions:
             config.check()
         return config
 
-    def check_tool_sources(self) -> None:
-        """Read --mcp_config and --distribution_file; the file's distributions become usable by name.
+    def load_tool_files(self) -> None:
+        """Read and check --mcp_config, and install --distribution_file's distributions (usable by name).
 
         Runs for --list_distributions too. Plugin toolsets (entry points) are known here already.
         """
@@ -754,13 +755,14 @@ class RunConfig:
             memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
         except (OSError, ValueError):
             memory_mb = 1 << 24
-        if self.backend in ("local", "docker") and self.container_memory_mb > memory_mb:
+        bounds = _host_bounds(self.backend)
+        if "memory" in bounds and self.container_memory_mb > memory_mb:
             raise UsageError(
                 f"--container_memory_mb must be at most this machine's memory ({memory_mb} MB), "
                 f"got {self.container_memory_mb}"
             )
         cpus = os.cpu_count() or 1
-        if self.backend == "docker" and self.container_cpus > cpus:
+        if "cpus" in bounds and self.container_cpus > cpus:
             raise UsageError(
                 f"--container_cpus must be at most this machine's {cpus} CPUs, got {self.container_cpus:g}"
             )
@@ -849,7 +851,7 @@ class RunConfig:
 
     @property
     def backend(self) -> str:
-        return self.sandbox or os.environ.get("TERMINAL_ENV") or "local"
+        return self.sandbox or os.environ.get("TERMINAL_ENV") or DEFAULT_BACKEND
 
     @property
     def is_mock(self) -> bool:
@@ -1143,3 +1145,12 @@ def with_flag_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
         lines += textwrap.wrap(text, 110, initial_indent=" " * 8, subsequent_indent=" " * 12)
     fn.__doc__ = (fn.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
     return fn
+
+
+def _host_bounds(backend: str) -> tuple[str, ...]:
+    """The limits ``backend`` takes from this machine (its declared ``host_bounds``); none for a
+    backend that does not load (the run refuses it with the reason elsewhere)."""
+    try:
+        return backend_class(backend).host_bounds
+    except ValueError:
+        return ()

@@ -5,7 +5,9 @@ One frozen dataclass per kind, pickled as they are. A worker introduces itself w
 the worker's own connection, whenever it has a free slot. A worker sends back a :class:`Log` line
 per tool call (``--verbose``), exactly one :class:`Outcome` (or :class:`Skipped`) per job (which
 frees its slot), :class:`StopQueued` / :class:`StopDone` around each background sandbox stop,
-:class:`Spend` per answered model call (the run's budget), and :class:`Pause` when the endpoint
+:class:`Spend` per answered model call when the run has a budget (without one, the outcome's usage
+is the spend: one :class:`Spend` only for the first call whose usage cannot be trusted, so that the
+parent warns at once), and :class:`Pause` when the endpoint
 said 429. The parent sends :class:`PauseAll` (the whole run backs off) and :class:`StopStarting`
 (the budget is spent). The inbox wraps what a worker sends in :class:`Received`, with the
 worker's id, and adds :class:`WorkerExit` when a connection ends.
@@ -158,7 +160,8 @@ class Log:
 
 @dataclass(frozen=True)
 class Spend:
-    """One answered model call of a prompt still in flight: the parent holds the run's budget to it at once."""
+    """One answered model call of a prompt still in flight: the parent holds the run's budget to it at once
+    (sent per call only with a run-wide budget; see batchrun/run/worker.py's ``report_unbudgeted``)."""
 
     batch_num: int
     prompt_index: int

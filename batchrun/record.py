@@ -1,6 +1,6 @@
 """The trajectory record: its fields and their types, defined once.
 
-The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.run``), the merge and
+The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.attempt``), the merge and
 statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here, and
 every reader of a saved record checks its shape with :func:`valid_record` / :func:`valid_outcome_row`.
 The text convention inside ``conversations`` is ``batchrun.sharegpt``'s.

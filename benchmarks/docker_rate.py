@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from docker.errors import APIError, NotFound  # noqa: E402
 
-from batchrun.prompt.sandboxes import docker as docker_backend  # noqa: E402
 from batchrun.prompt.sandboxes.base import SandboxSpec  # noqa: E402
-from batchrun.prompt.sandboxes.docker import DockerSandbox, docker_client  # noqa: E402
-from batchrun.prompt.sandboxes.docker_engine import LABEL_RUN  # noqa: E402
+from batchrun.prompt.sandboxes.docker import sandbox as docker_backend  # noqa: E402
+from batchrun.prompt.sandboxes.docker.engine import LABEL_RUN  # noqa: E402
+from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, docker_client  # noqa: E402
 
 IMAGE = "batch-runner-test:latest"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

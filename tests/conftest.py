@@ -34,7 +34,7 @@ DOCKER_IMAGE_BUILD = TESTS_DIR / "docker_image" / "build.sh"
 def docker_engine() -> str:
     """The Docker server version; skips locally (fails in CI) when no engine answers."""
     from batchrun.prompt.sandboxes.base import SandboxError
-    from batchrun.prompt.sandboxes.docker import check_engine
+    from batchrun.prompt.sandboxes.docker.sandbox import check_engine
 
     try:
         return check_engine()
@@ -135,29 +135,30 @@ def clean_tool_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def tool_ctx(tmp_path: Path, tools_llm, clean_tool_env: None):
-    """``make(tool_env=None, prompt_index=0, **extra)``: a ToolContext on a started local sandbox whose
+    """``make(tool_env=None, prompt_index=0, **settings)``: a ToolContext on a started local sandbox whose
     run endpoint is ``tools_llm`` and run_dir ``tmp_path/"run"``. Resources and sandboxes are released
     after the test."""
     from batchrun.prompt.sandboxes.base import SandboxSpec
     from batchrun.prompt.sandboxes.local import LocalSandbox
+    from batchrun.prompt.tools.config import ToolSettings
     from batchrun.prompt.tools.registry import ToolContext, close_prompt_resources
 
     made = []
 
-    def make(tool_env: dict | None = None, prompt_index: int = 0, **extra_overrides):
+    def make(tool_env: dict | None = None, prompt_index: int = 0, **overrides):
         sandbox = LocalSandbox(
             SandboxSpec(run_name="tools-test", prompt_index=prompt_index), base_dir=str(tmp_path)
         )
         sandbox.start()
-        extra = {
+        fields = {
             "llm_base_url": tools_llm.base_url,
             "llm_api_key": "sk-run-key",
             "llm_model": "mock",
             "run_dir": str(tmp_path / "run"),
             "tool_env": dict(tool_env or {}),
         }
-        extra.update(extra_overrides)
-        ctx = ToolContext(sandbox=sandbox, tool_timeout_s=60.0, extra=extra)
+        fields.update(overrides)
+        ctx = ToolContext(sandbox=sandbox, tool_timeout_s=60.0, settings=ToolSettings(**fields))
         made.append(ctx)
         return ctx
 
@@ -204,7 +205,7 @@ def chromium_ready() -> None:
     """Playwright and Debian's chromium are installed; skips locally (fails in CI) otherwise."""
     from batchrun.prompt.tools.config import browser_config
 
-    if browser_config({}) is None:
+    if browser_config() is None:
         skip_or_fail("the browser tools need the playwright package and Chromium (apt-get install chromium)")
 
 
@@ -255,7 +256,7 @@ def local_tool_ctx(tool_ctx):
     """``tool_ctx`` for tests whose fake servers listen on 127.0.0.1: private addresses are allowed
     unless the test passes WEB_ALLOW_PRIVATE_ADDRESSES itself."""
 
-    def make(tool_env: dict | None = None, prompt_index: int = 0, **extra):
-        return tool_ctx({"WEB_ALLOW_PRIVATE_ADDRESSES": "1", **(tool_env or {})}, prompt_index, **extra)
+    def make(tool_env: dict | None = None, prompt_index: int = 0, **settings):
+        return tool_ctx({"WEB_ALLOW_PRIVATE_ADDRESSES": "1", **(tool_env or {})}, prompt_index, **settings)
 
     return make

@@ -15,6 +15,7 @@ rejects unknown request fields).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from batchrun.prompt import httpclient
+from batchrun.prompt.jsonbody import RequestEncoder, encode_json
 from batchrun.prompt.limiter import Limiter, LimitTimeout, backoff_s
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
@@ -536,11 +538,40 @@ class LLMClient:
         max_tokens: int | None = None,
         temperature: float | None = None,
         extra_body: dict[str, Any] | None = None,
+        encoder: RequestEncoder | None = None,
     ) -> AssistantTurn:
         """One model turn. ``deadline`` (time.monotonic) bounds every attempt and every wait.
         ``seed``: sent as the request's ``seed`` (--seed_per_request), the same on every retry.
         ``model``, ``max_tokens``, ``temperature``, ``extra_body``: a tool's or a judge's own call (its
-        model, no reasoning fields of the run's dialect unless given)."""
+        model, no reasoning fields of the run's dialect unless given). ``encoder``: the conversation's
+        (:class:`~batchrun.prompt.jsonbody.RequestEncoder`), so that what earlier turns sent is not
+        encoded again; its messages must not change once sent."""
+        own = model is not None
+        body = self._request_body(messages, tools, seed, model, max_tokens, temperature, extra_body)
+        payload = _encode(body, encoder or RequestEncoder())
+
+        def parse(raw: httpclient.Response, attempt_deadline: float) -> tuple[AssistantTurn, dict[str, Any]]:
+            turn, data = self._parse_reply(raw, attempt_deadline)
+            if not own:
+                self._check_controls(turn)
+            return turn, data
+
+        limit = max_tokens or self.cfg.max_tokens
+        turn, _ = self._call(self._url, payload, parse, deadline, usage, limit, stream=self.cfg.stream)
+        return turn
+
+    def _request_body(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        seed: int | None,
+        model: str | None,
+        max_tokens: int | None,
+        temperature: float | None,
+        extra_body: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The chat request's fields, in the order they are sent. A call with its own ``model`` (a
+        tool's, a judge's) gets none of the run's sampling or dialect fields it did not give."""
         own = model is not None
         body: dict[str, Any] = {"model": model or self.cfg.model, "messages": messages}
         if tools:
@@ -559,21 +590,17 @@ class LLMClient:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}  # the last chunk then carries the usage
         body.update(self._extra_body if extra_body is None and not own else (extra_body or {}))
-        payload = _encode(body)
+        return body
 
-        def parse(raw: httpclient.Response, attempt_deadline: float) -> tuple[AssistantTurn, dict[str, Any]]:
-            data = (
-                _read_stream(raw, attempt_deadline, self._http.bounds.body_bytes)
-                if self.cfg.stream
-                else raw.json()
-            )
-            turn = _parse_payload(data)
-            if not own:
-                self._check_controls(turn)
-            return turn, data
-
-        turn, data = self._call(self._url, payload, parse, deadline, usage, limit, stream=self.cfg.stream)
-        return turn
+    def _parse_reply(
+        self, raw: httpclient.Response, attempt_deadline: float
+    ) -> tuple[AssistantTurn, dict[str, Any]]:
+        """The answer's body (a stream assembled into the body a plain call returns) and its turn."""
+        if self.cfg.stream:
+            data = _read_stream(raw, attempt_deadline, self._http.bounds.body_bytes)
+        else:
+            data = raw.json()
+        return _parse_payload(data), data
 
     def post_json(
         self,
@@ -708,42 +735,42 @@ class LLMClient:
                 deadline=attempt_deadline,
             )
             turn, data = parse(raw, attempt_deadline)
-        except httpclient.StatusError as exc:
-            message = _error_message(exc)
-            status = exc.status_code
-            if status == 429:
-                raise _Retry(
-                    LLMError("http_429", message, status), _retry_after_s(exc), rate_limited=True
-                ) from None
-            if is_context_limit(status, exc.body, message):
-                raise ContextLimitError("context_limit", message, status) from exc
-            error = LLMError(f"http_{status}", message, status)
-            if status not in RETRYABLE_STATUS:
-                raise error from exc
-            raise _Retry(error, _retry_after_s(exc), endpoint_fault=status >= 500) from None
-        except httpclient.RequestTimeout as exc:
+        except (httpclient.HTTPError, ValueError, LLMError) as exc:
+            raise self._attempt_error(exc, deadline) from None
+        clean = self._account(turn, data, usage, prompt_estimate)
+        return turn, data, clean
+
+    def _attempt_error(self, exc: Exception, deadline: float) -> Exception:
+        """What a failed attempt raises: :class:`_Retry` when another attempt may pass, else the
+        :class:`LLMError` that fails the call."""
+        if isinstance(exc, httpclient.StatusError):
+            return _status_error(exc)
+        if isinstance(exc, httpclient.RequestTimeout):
             if time.monotonic() >= deadline:
-                raise LLMError("timeout", f"model call timed out at the prompt's deadline: {exc}") from None
-            raise _Retry(LLMError("timeout", f"model call timed out: {exc}"), endpoint_fault=True) from None
-        except httpclient.InvalidRequest as exc:  # e.g. a key with a line break: every try would fail
-            raise LLMError("bad_request", f"the model request cannot be sent: {exc}") from None
-        except httpclient.BadResponse as exc:
-            raise _Retry(LLMError("bad_response", f"endpoint answered with a bad response: {exc}")) from None
-        except httpclient.TransportError as exc:
+                return LLMError("timeout", f"model call timed out at the prompt's deadline: {exc}")
+            return _Retry(LLMError("timeout", f"model call timed out: {exc}"), endpoint_fault=True)
+        if isinstance(exc, httpclient.InvalidRequest):  # e.g. a key with a line break: every try would fail
+            return LLMError("bad_request", f"the model request cannot be sent: {exc}")
+        if isinstance(exc, httpclient.BadResponse):
+            return _Retry(LLMError("bad_response", f"endpoint answered with a bad response: {exc}"))
+        if isinstance(exc, httpclient.TransportError):
             # A connection that ended before any answer counts as a retry here, never as a silent
             # resend: the endpoint may have run (and billed) the call (see httpclient's doc).
             error = LLMError("connection", f"cannot reach {safe_url(self.cfg.base_url)}: {exc}")
-            raise _Retry(error, endpoint_fault=True) from None
-        except ValueError as exc:  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
-            raise _Retry(
-                LLMError("bad_response", f"endpoint answered with an invalid response: {exc}")
-            ) from None
-        except LLMError as exc:
-            if exc.error_class in ("timeout", "context_limit") or isinstance(exc, ContextLimitError):
-                raise
-            if exc.error_class == "bad_response":
-                raise _Retry(exc) from None
-            raise
+            return _Retry(error, endpoint_fault=True)
+        if isinstance(exc, LLMError):  # raised while reading the answer (a stream's error event)
+            if exc.error_class == "bad_response" and not isinstance(exc, ContextLimitError):
+                return _Retry(exc)
+            return exc
+        if isinstance(exc, ValueError):  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
+            return _Retry(LLMError("bad_response", f"endpoint answered with an invalid response: {exc}"))
+        return exc
+
+    def _account(
+        self, turn: AssistantTurn, data: dict[str, Any], usage: Usage | None, prompt_estimate: int
+    ) -> dict[str, Any]:
+        """An answered call's usage, made credible (the runner's estimates where the endpoint's counts
+        are not), added to the prompt's tally and reported for the run's budget; returns it."""
         reply = turn.content + (turn.reasoning or "") + "".join(c.name + c.arguments for c in turn.tool_calls)
         clean, fault = credible_usage(turn.usage, prompt_estimate, estimate_tokens(reply))
         turn.usage = clean
@@ -756,7 +783,7 @@ class LLMClient:
             usage.add(clean, provider)
         if self.on_usage is not None and self.gate is None:
             self.on_usage(clean)
-        return turn, data, clean
+        return clean
 
     def for_endpoint(self, base_url: str, api_key: str | None) -> LLMClient:
         """The client of a tool's own endpoint (vision, mixture of agents, images, a judge): its own
@@ -812,10 +839,10 @@ def usage_warning(base_url: str, fault: str) -> str:
     )
 
 
-def _encode(body: dict[str, Any]) -> bytes:
+def _encode(body: dict[str, Any], encoder: RequestEncoder | None = None) -> bytes:
     try:  # UTF-8, no NaN
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-    except ValueError as exc:  # a NaN, or text that is not Unicode: every try would fail the same way
+        return encoder.encode(body) if encoder is not None else encode_json(body)
+    except ValueError as exc:  # a NaN: every try would fail the same way
         raise LLMError("bad_request", f"the request cannot be sent as JSON: {exc}") from None
 
 
@@ -981,6 +1008,21 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _status_error(exc: httpclient.StatusError) -> Exception:
+    """An error answer: a 429 waits out the run-wide pause, a context limit ends the prompt as
+    partial, a retryable status (:data:`RETRYABLE_STATUS`) is tried again, any other fails the call."""
+    message = _error_message(exc)
+    status = exc.status_code
+    if status == 429:
+        return _Retry(LLMError("http_429", message, status), _retry_after_s(exc), rate_limited=True)
+    if is_context_limit(status, exc.body, message):
+        return ContextLimitError("context_limit", message, status)
+    error = LLMError(f"http_{status}", message, status)
+    if status not in RETRYABLE_STATUS:
+        return error
+    return _Retry(error, _retry_after_s(exc), endpoint_fault=status >= 500)
+
+
 def _error_message(exc: httpclient.StatusError) -> str:
     body = exc.body
     if isinstance(body, dict):
@@ -1109,7 +1151,6 @@ CONTEXT_LIMIT_SIGNS: tuple[ContextLimitSign, ...] = (
         "generic", "message", r"context[ _](length|window)[ _]exceeded", "context window exceeded"
     ),
 )
-_CONTEXT_RES = [re.compile(c.pattern, re.IGNORECASE) for c in CONTEXT_LIMIT_SIGNS if c.field == "message"]
 _CONTEXT_IDS = {c.pattern for c in CONTEXT_LIMIT_SIGNS if c.field != "message"}
 
 
@@ -1135,4 +1176,10 @@ def is_context_limit(status: int | None, body: Any, message: str) -> bool:
         return True
     if status is not None and not (400 <= status < 500 or status == 500):
         return False
-    return any(r.search(t) for r in _CONTEXT_RES for t in texts)
+    return any(r.search(t) for r in _context_res() for t in texts)
+
+
+@functools.cache
+def _context_res() -> list[re.Pattern[str]]:
+    """The wordings, compiled at the first error answer rather than in every process's start."""
+    return [re.compile(c.pattern, re.IGNORECASE) for c in CONTEXT_LIMIT_SIGNS if c.field == "message"]

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from batchrun.prompt.jsonbody import RequestEncoder
 from batchrun.prompt.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
@@ -79,6 +80,7 @@ def run_agent(
 
     usage = usage if usage is not None else Usage()
     schemas = [t.openai_schema() for t in tools]
+    encoder = RequestEncoder()  # each message is encoded once: `sent` only grows, nothing in it changes
     offered = {t.name for t in tools}
     # What the model sees; the ephemeral system prompt and prefill never reach `saved`.
     sent: list[dict[str, Any]] = []
@@ -103,7 +105,7 @@ def run_agent(
             return result
         try:
             seed = None if request_seed is None else turn_seed(request_seed, result.api_calls)
-            turn = llm.chat(sent, schemas, deadline=deadline, usage=usage, seed=seed)
+            turn = llm.chat(sent, schemas, deadline=deadline, usage=usage, seed=seed, encoder=encoder)
         except ContextLimitError:
             if result.api_calls == 0:
                 raise

@@ -9,6 +9,10 @@ skipped, so a prompt that never called a tool may never create a container at al
 
 :class:`BackgroundStopper` is a worker process's few threads that stop sandboxes after their prompts
 have reported, so removing a container does not hold a prompt's thread slot.
+
+:class:`PromptSandbox` is one prompt's sandbox from start to stop, as a context manager: the start
+on a slot (in the background unless the backend declares ``synchronous_start``), the stop on leaving
+(handed to the background stopper unless the backend's stop is quick), and the timings of both.
 """
 
 from __future__ import annotations
@@ -229,6 +233,114 @@ class BackgroundStopper:
         """Wait until no stop is pending; False if ``timeout_s`` passed first."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout_s)
+
+
+class PromptSandbox:
+    """One prompt's sandbox, started on entering and stopped on leaving; ``timings`` says how long each took.
+
+    ``starts`` is a :class:`StartPool` or a semaphore bounding start-ups (None: no bound);
+    ``stop_in_background`` (e.g. ``BackgroundStopper.submit``), when given, takes the stop off the
+    prompt's path. A backend with ``synchronous_start`` starts on entering, before any model call;
+    one with ``synchronous_stop`` (local: a few ms) always stops here, so its stop costs no messages.
+    """
+
+    def __init__(
+        self,
+        box: Sandbox,
+        starts: Any = None,
+        stop_in_background: Callable[[Callable[[], None]], None] | None = None,
+    ):
+        self.box = box
+        self.image = getattr(box, "image", None) or ""  # the row's or the backend's default
+        self.background = not declared(box, "synchronous_start")
+        self.sandbox: Any = None  # what the tools use: the box itself, or its BackgroundStart
+        self._starts = starts
+        self._stop_in_background = stop_in_background
+        self.timings: dict[str, Any] = {
+            "sandbox_start_wait_s": 0.0,  # waiting for a start-up slot
+            "sandbox_start_s": 0.0,  # the backend's start
+            "sandbox_start_blocked_s": 0.0,  # what this prompt's own thread waited for the start
+            "sandbox_stop_s": 0.0,  # what this prompt's own thread waited for the stop
+            "sandbox_stop_background": False,  # whether the stop was left to the background stopper
+        }
+
+    @property
+    def isolation(self) -> str:
+        """The backend's own value, without waiting for a start the prompt never needed."""
+        return self.sandbox.inner.isolation if self.background else self.sandbox.isolation
+
+    def __enter__(self) -> Any:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)  # a failed start may have created a container first
+            raise
+        return self.sandbox
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.sandbox is not None:
+            self._stop()
+
+    def _start(self) -> None:
+        if self.background:
+            # The start runs on a start-up slot while the prompt's first model call is in flight: the
+            # prompt pays for it only when its first tool call comes before the start is done.
+            self.sandbox = BackgroundStart(self.box, self._starts)
+            self.sandbox.start()  # returns at once; the first tool call waits for it
+            return
+        self.sandbox = self.box
+        t0 = time.monotonic()
+        if isinstance(self._starts, StartPool):  # on a start-up slot's thread; this one waits
+            began = self._starts.submit(_timed_start(self.box), t0).result()
+            self.timings["sandbox_start_wait_s"] = round(began - t0, 3)
+            self.timings["sandbox_start_s"] = round(time.monotonic() - began, 3)
+        else:
+            with self._starts if self._starts is not None else contextlib.nullcontext():
+                t1 = time.monotonic()
+                self.box.start()
+            self.timings["sandbox_start_wait_s"] = round(t1 - t0, 3)
+            self.timings["sandbox_start_s"] = round(time.monotonic() - t1, 3)
+        self.timings["sandbox_start_blocked_s"] = round(time.monotonic() - t0, 3)
+
+    def _stop(self) -> None:
+        t0 = time.monotonic()
+        later = self.background and not declared(self.box, "synchronous_stop")
+        if (
+            later
+            and self._stop_in_background is not None
+            and _hand_off(self._stop_in_background, self.sandbox.stop)
+        ):
+            self.timings["sandbox_stop_background"] = True
+        else:
+            try:
+                self.sandbox.stop()
+            except Exception:
+                pass
+        self.timings["sandbox_stop_s"] = round(time.monotonic() - t0, 3)
+        if self.background:  # as known now: a start the prompt never needed may still be going on
+            self.timings["sandbox_start_wait_s"] = self.sandbox.start_wait_s
+            self.timings["sandbox_start_s"] = self.sandbox.start_s
+            self.timings["sandbox_start_blocked_s"] = self.sandbox.blocked_s
+
+
+def _timed_start(sandbox: Any) -> Callable[[float], float]:
+    """A start for a StartPool slot that returns when it began (the time after the queue)."""
+
+    def start(queued_at: float) -> float:
+        began = time.monotonic()
+        sandbox.start()
+        return began
+
+    return start
+
+
+def _hand_off(stop_in_background: Callable[[Callable[[], None]], None], stop: Callable[[], None]) -> bool:
+    """Give ``stop`` to the background stopper (waits only while too many stops are queued); False if it refused."""
+    try:
+        stop_in_background(stop)
+    except Exception:
+        return False
+    return True
 
 
 def _notify(callback: Callable[[], None] | None) -> None:

@@ -25,8 +25,8 @@ from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.identity import RowIdentity
+from batchrun.prompt.attempt import WorkerSettings
 from batchrun.prompt.llm import usage_warning
-from batchrun.prompt.run import RunSettings
 from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.protocol import (
@@ -149,7 +149,7 @@ class WorkerProcesses:
 class Dispatch:
     """One run's dispatch: :meth:`run` returns when every handed-out prompt has an outcome."""
 
-    def __init__(self, config: RunConfig, settings: RunSettings, recorder: Recorder) -> None:
+    def __init__(self, config: RunConfig, settings: WorkerSettings, recorder: Recorder) -> None:
         self.config = config
         self.settings = settings
         self.recorder = recorder

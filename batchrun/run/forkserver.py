@@ -12,12 +12,10 @@ import os
 import sys
 
 # What the forkserver imports before it forks any worker (see batchrun/run/worker_preload.py), and
-# the run's sandbox backend module: a built-in "<name>" is in module batchrun.prompt.sandboxes.<name>
-# (batchrun.prompt.sandboxes.BACKENDS), a dotted path "package.module:Class" in its module. The
-# forkserver skips a module that does not import, so a backend found by entry point is not
-# preloaded: each worker imports it at its first sandbox.
+# the module of the run's sandbox backend, as the backends' registry names it
+# (batchrun.prompt.sandboxes.backend_target: a built-in, an entry point or "package.module:Class").
+# The forkserver skips a module that does not import: each worker then imports it at its first sandbox.
 FORKSERVER_PRELOAD = ["batchrun.run.worker_preload"]
-BACKEND_MODULE = "batchrun.prompt.sandboxes.{}"
 
 # Arguments with which the command runs no local worker: help, listings, a Ray cluster.
 _NO_WORKERS = ("-h", "--help", "-help", "--list_distributions", "--ray_address")
@@ -56,13 +54,19 @@ def start_forkserver(backend: str | None = None) -> None:
     """
     from multiprocessing import forkserver
 
-    extra = []
-    if backend and ":" in backend:
-        extra = [backend.partition(":")[0]]
-    elif backend and backend.isidentifier():
-        extra = [BACKEND_MODULE.format(backend)]
-    forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *extra])
+    extra = [_backend_module(backend)] if backend else []
+    forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *filter(None, extra)])
     forkserver.ensure_running()
+
+
+def _backend_module(backend: str) -> str:
+    """The module that holds ``backend``, or "" when the name is unknown (the run refuses it later)."""
+    from batchrun.prompt.sandboxes import backend_target
+
+    try:
+        return backend_target(backend).partition(":")[0]
+    except ValueError:
+        return ""
 
 
 def start_for_argv(argv: list[str]) -> None:
@@ -74,7 +78,9 @@ def start_for_argv(argv: list[str]) -> None:
     names = [a.split("=", 1)[0] for a in argv]
     if argv[:1] == ["export"] or "--dataset_file" not in names or any(n in _NO_WORKERS for n in names):
         return
-    backend = os.environ.get("TERMINAL_ENV") or "local"  # as RunConfig.backend decides it
+    from batchrun.prompt.sandboxes import DEFAULT_BACKEND
+
+    backend = os.environ.get("TERMINAL_ENV") or DEFAULT_BACKEND  # as RunConfig.backend decides it
     for i, arg in enumerate(argv):
         if arg.startswith("--sandbox="):
             backend = arg.split("=", 1)[1]

@@ -11,13 +11,12 @@ import collections
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.distributions import get_distribution, sample_toolsets_from_distribution
 from batchrun.identity import toolset_rng
 from batchrun.prompt.tools.catalog import available_toolsets, tools_for_toolsets, toolset_needs
-from batchrun.prompt.tools.config import extra_missing, pip_line
+from batchrun.prompt.tools.config import NO_SETTINGS, ToolSettings, extra_missing, pip_line
 from batchrun.protocol import PromptJob
 from batchrun.run.dataset import Row
 from batchrun.run.resume import Sample
@@ -35,11 +34,13 @@ class Plan:
         return sum(len(b) for b in self.batches)
 
 
-def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extra: dict[str, Any]) -> Plan:
+def make_plan(
+    samples: list[Sample], config: RunConfig, run_dir: Path, tool_settings: ToolSettings = NO_SETTINGS
+) -> Plan:
     """Choose each sample's toolsets and cut the samples into new batches after the existing ones."""
     first = max((n for n, _ in batch_files(run_dir)), default=-1) + 1
     try:
-        available = available_toolsets(tool_extra)
+        available = available_toolsets(tool_settings)
     except ValueError as exc:
         raise UsageError(f"toolset configuration: {exc}") from None
     dist = get_distribution(config.distribution)
@@ -68,7 +69,7 @@ def make_plan(samples: list[Sample], config: RunConfig, run_dir: Path, tool_extr
             # Drawn (or the guaranteed one), available here or not: ``toolsets`` is what is offered.
             sampled = tuple(t for t in dist.probabilities if t in usable or t in unavailable)
         else:
-            usable, fail_reason = _own_toolsets(row, available, tool_extra)
+            usable, fail_reason = _row_toolsets(row, available, tool_settings)
             unavailable_rows += fail_reason is not None
         plan.offered.update(usable)
         if not plan.batches or len(plan.batches[-1]) >= config.batch_size:
@@ -118,7 +119,7 @@ def _draws(row: Row) -> bool:
     return row.options.toolsets is None and row.options.tools is None
 
 
-def _own_toolsets(row: Row, available: set[str], tool_extra: dict[str, Any]) -> tuple[list[str], str | None]:
+def _row_toolsets(row: Row, available: set[str], tool_settings: ToolSettings) -> tuple[list[str], str | None]:
     """A row's own toolsets (its ``toolsets``, else those of its ``tools``), and why the row cannot run
     as it asked in this run (None: it can): a row is offered exactly what it asked for, or fails."""
     from batchrun.prompt.tools.catalog import all_tools
@@ -138,7 +139,7 @@ def _own_toolsets(row: Row, available: set[str], tool_extra: dict[str, Any]) -> 
                 f"the row asks for toolset {toolset!r}, which is not available in this run ({needs})",
             )
     if opts.tools is not None:
-        offered = {t.name for t in tools_for_toolsets(toolsets, tool_extra)}
+        offered = {t.name for t in tools_for_toolsets(toolsets, tool_settings)}
         for name in opts.tools:
             if name not in offered:
                 return (

@@ -133,13 +133,14 @@ def warn_unlisted_model(model: str, listed: list[str]) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Ready:
-    """What preflight hands the dispatch: the jobs (some marked to fail), the isolation, the workers' options."""
+class Preflighted:
+    """What preflight hands the dispatch: the jobs (some marked to fail), the isolation really in force,
+    the workers' sandbox options and what statistics.json says of the sandboxes (e.g. the disk cap)."""
 
     batches: list[list[PromptJob]]
     isolation: str
     sandbox_options: dict[str, Any]
-    facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # for statistics.json
+    sandbox_facts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def preflight_sandboxes(
@@ -152,7 +153,7 @@ def preflight_sandboxes(
     network: bool,
     workers_here: bool,
     dataset: str,
-) -> Ready:
+) -> Preflighted:
     """The backend's preflight and run preparation; prompts it cannot run fail without a model call."""
     cls = backend_class(backend)
     try:
@@ -174,4 +175,6 @@ def preflight_sandboxes(
             ]
             for batch in batches
         ]
-    return Ready(batches=batches, isolation=found.isolation, sandbox_options=options, facts=found.facts)
+    return Preflighted(
+        batches=batches, isolation=found.isolation, sandbox_options=options, sandbox_facts=found.facts
+    )

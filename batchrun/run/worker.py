@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from batchrun.prompt.attempt import WorkerSettings, install_run_tools, run_prompt
 from batchrun.prompt.limiter import Limiter
 from batchrun.prompt.llm import LLMClient
-from batchrun.prompt.run import RunSettings, install_run_tools, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxSpec
@@ -50,7 +50,7 @@ from batchrun.storage import pid_alive
 class WorkerState:
     """What one worker process holds for all its prompts (made once by :func:`init_worker`)."""
 
-    settings: RunSettings
+    settings: WorkerSettings
     conn: Any
     send_lock: threading.Lock
     sandbox_starts: StartPool
@@ -126,7 +126,7 @@ _state: WorkerState | None = None  # this process's worker state; set by init_wo
 
 
 def init_worker(
-    settings: RunSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
+    settings: WorkerSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
 ) -> None:
     """Once per worker process: client, registry and thread pool, so no prompt pays for them."""
     global _state
@@ -152,7 +152,7 @@ def init_worker(
             settings.llm,
             Limiter(settings.rpm_per_worker, settings.requests_per_worker, lambda until: send(Pause(until))),
             stop=stop,
-            on_usage=report_spend,
+            on_usage=report_unbudgeted,
             gate=gate,
             on_failure=HealthReporter(),
         ),
@@ -172,13 +172,13 @@ def init_worker(
     if settings.judge_llm is not None:
         # The judge shares the run's limiter, stop and budget; its endpoint's health is not the agent's.
         _state.judge = LLMClient(
-            settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_spend, gate=gate
+            settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_unbudgeted, gate=gate
         )
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
 
 
-def _warm_up(settings: RunSettings) -> None:
+def _warm_up(settings: WorkerSettings) -> None:
     """Do now, once, what each prompt's first steps would do once per process: the tool registry (with
     its plugins) and the backend's machine checks made when a sandbox is built (local: the bubblewrap
     probe and the scan of /etc). Left to the prompts, all of a worker's threads would do them at the
@@ -208,9 +208,23 @@ def send(message: Any) -> None:
         state.conn.send(message)
 
 
+_fault_sent = threading.Event()
+
+
+def report_unbudgeted(usage: dict[str, Any]) -> None:
+    """A model call's spend in a run without a run-wide budget: nothing needs it before its prompt's
+    outcome, which carries the prompt's whole usage, so no message per call. Only the first call whose
+    usage cannot be trusted goes at once, so that the parent warns while the run goes on (the parent
+    then counts it live and the rest of its prompt from the outcome, as for every live spend)."""
+    if not usage.get("fault") or _fault_sent.is_set():
+        return
+    _fault_sent.set()
+    report_spend(usage)
+
+
 def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
-    """Each model call's tokens and cost, as it happens: the parent enforces the run's budget on them
-    (and frees the call's ``reservation``)."""
+    """A model call's tokens and cost, as it happens: with a run-wide budget the parent holds the run to
+    it at once and frees the call's ``reservation`` (see :class:`ParentGate`)."""
     job = _current_job()
     if job is None:
         if reservation is not None:  # a call outside a prompt (none today): still free its reservation

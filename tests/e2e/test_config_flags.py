@@ -12,9 +12,9 @@ from batchrun.config import RunConfig
 
 def test_sandbox_network_flag_reaches_the_sandbox_spec(server, tmp_path, monkeypatch):
 
-    import batchrun.prompt.run as runner_mod
+    import batchrun.prompt.attempt as runner_mod
+    from batchrun.prompt.attempt import run_prompt
     from batchrun.prompt.llm import LLMClient
-    from batchrun.prompt.run import run_prompt
     from batchrun.protocol import PromptJob
 
     specs = []

@@ -64,7 +64,7 @@ def test_each_sample_draws_its_own_toolsets_and_batches_are_full(tmp_path):
         seed=7,
         samples_per_prompt=4,
     )
-    plan = make_plan(all_samples(rows, 4), config, tmp_path / "none", {})
+    plan = make_plan(all_samples(rows, 4), config, tmp_path / "none")
     jobs = [j for b in plan.batches for j in b]
     assert len(jobs) == 48
     assert collections.Counter((j.prompt_index, j.sample_index) for j in jobs) == {
@@ -74,7 +74,7 @@ def test_each_sample_draws_its_own_toolsets_and_batches_are_full(tmp_path):
     # Sample-major: every row's sample 0 comes before any sample 1.
     assert [j.sample_index for j in jobs] == sorted(j.sample_index for j in jobs)
     # Sample 0 draws what a run without samples drew; later samples draw on their own, reproducibly.
-    available = available_toolsets({})
+    available = available_toolsets()
 
     def drawn(rng) -> list[str]:
         missing: list[str] = []
@@ -90,7 +90,7 @@ def test_each_sample_draws_its_own_toolsets_and_batches_are_full(tmp_path):
     for job in jobs:
         draws[job.prompt_index].add(job.toolsets_sampled)
     assert sum(len(d) > 1 for d in draws.values()) >= 9  # balanced: 2^7 outcomes, 4 draws per row
-    again = make_plan(all_samples(rows, 4), config, tmp_path / "none", {})
+    again = make_plan(all_samples(rows, 4), config, tmp_path / "none")
     assert [j.toolsets_sampled for b in again.batches for j in b] == [j.toolsets_sampled for j in jobs]
 
 

@@ -780,29 +780,3 @@ def test_the_workers_forkserver_and_chat_path_import_no_openai_sdk():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-
-
-@pytest.mark.parametrize(
-    ("argv", "backend"),
-    [
-        (["--dataset_file=d.jsonl", "--batch_size=2", "--run_name=r"], "local"),
-        (["--dataset_file", "d.jsonl", "--sandbox", "docker"], "docker"),
-        (["--dataset_file=d.jsonl", "--sandbox=modal"], "modal"),
-        (["--dataset_file=d.jsonl", "--help"], None),
-        (["--list_distributions"], None),
-        (["--dataset_file=d.jsonl", "--ray_address=auto"], None),
-        (["export", "data/run", "--format=openai"], None),
-        (["--batch_size=2"], None),
-    ],
-)
-def test_the_forkserver_starts_first_only_for_a_run_with_local_workers(monkeypatch, argv, backend):
-    from batchrun.prompt.sandboxes import BACKENDS
-    from batchrun.run import forkserver
-
-    started = []
-    monkeypatch.delenv("TERMINAL_ENV", raising=False)
-    monkeypatch.setattr(forkserver, "start_forkserver", lambda b=None: started.append(b))
-    forkserver.start_for_argv(argv)
-    assert started == ([backend] if backend else [])
-    for name, target in BACKENDS.items():  # the preload's "<name> is in module ...sandboxes.<name>"
-        assert target.partition(":")[0] == forkserver.BACKEND_MODULE.format(name)

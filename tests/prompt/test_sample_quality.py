@@ -13,10 +13,7 @@ import pytest
 from helpers import read_jsonl, write_jsonl
 from helpers import run as run_main
 
-from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.llm import LLMConfig
 from batchrun.prompt.trajectory import ambiguous_markup, empty_answer, invalid_tool_call, to_sharegpt
-from batchrun.run.preflight import check_endpoint, list_models, warn_unlisted_model
 from batchrun.sharegpt import parse_gpt_value
 
 
@@ -118,78 +115,6 @@ def test_served_model_is_recorded_beside_the_requested_one(tmp_path):
     assert meta["Who answers [served_other] [calls:0]"]["served_model"] == "mock-served-other"
     assert meta["Plain [calls:0]"]["served_model"] == "mock"
     assert {m["model"] for m in meta.values()} == {"mock"}
-
-
-def test_endpoint_check_warns_once_when_models_does_not_list_the_requested_name(capsys):
-    with FakeModelServer(latency_s=0) as srv:
-        check_endpoint(LLMConfig(model="Qwen/Qwen3-8B", base_url=srv.base_url, api_key="sk-local"))
-        err = capsys.readouterr().err
-        assert err.count("warning:") == 1 and "'Qwen/Qwen3-8B'" in err and "it lists mock" in err
-        check_endpoint(LLMConfig(model="mock", base_url=srv.base_url, api_key="sk-local"))
-        assert "warning" not in capsys.readouterr().err
-    assert warn_unlisted_model("x", []) is False  # no list: nothing to say
-    assert warn_unlisted_model("x", [f"m{i}" for i in range(9)]) is True
-    assert "(and 4 more)" in capsys.readouterr().err
-
-
-def test_endpoint_check_refuses_a_rejected_key_and_tolerates_a_missing_models_route():
-    """401 on /models is a clear error without the key in it; any other status leaves it to the first call."""
-    import http.server
-    import threading
-
-    from batchrun.config import UsageError
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            status = 401 if self.headers.get("Authorization") == "Bearer sk-wrong" else 404
-            self.send_response(status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    try:
-        with pytest.raises(UsageError) as rejected:
-            list_models(LLMConfig(model="m", base_url=base, api_key="sk-wrong"))
-        assert "rejected the API key (HTTP 401)" in str(rejected.value) and "sk-wrong" not in str(
-            rejected.value
-        )
-        list_models(LLMConfig(model="m", base_url=base, api_key="sk-right"))  # 404: no error
-    finally:
-        server.shutdown()
-
-
-def test_resume_with_nothing_to_do_keeps_the_run_totals_and_zeroes_this_run(tmp_path):
-    dataset = write_jsonl(tmp_path / "d.jsonl", ["One [calls:1]", "Two [calls:0]", "Three [calls:2]"])
-    out = tmp_path / "data"
-    run_dir = run(dataset, out, batch_size=2)
-    first = json.loads((run_dir / "statistics.json").read_text("utf-8"))
-    run(dataset, out, batch_size=2, resume=True)
-    second = json.loads((run_dir / "statistics.json").read_text("utf-8"))
-    t1, t2 = first["run_totals"], second["run_totals"]
-    assert t1["requests"] == first["this_run"]["api_calls"] > 0
-    for key in ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd", "trajectories"):
-        assert t2[key] == t1[key], key
-    assert t2["runs"] == 2 and len(second["runs"]) == 2 and second["runs"][0] == first["runs"][0]
-    assert second["duration_seconds"] >= first["duration_seconds"]
-    tr = second["this_run"]
-    assert tr["attempted"] == 0 and tr["api_calls"] == 0 and tr["usage"].get("prompt_tokens", 0) == 0
-    assert second["runs"][1]["requests"] == 0 and second["runs"][1]["prompt_tokens"] == 0
-    # The reference runner's names and shapes, beside ours.
-    assert second["total_batches"] == 2 and second["batch_size"] == 2 and second["total_prompts"] == 3
-    assert isinstance(second["completed_at"], str)
-    term = second["tool_statistics"]["terminal"]
-    assert set(term) == {"count", "success", "failure", "success_rate", "failure_rate"}
-    assert term["count"] == first["tool_stats"]["terminal"]["count"] > 0
-    assert term["success_rate"] + term["failure_rate"] == 100.0
-    assert "patch" not in second["tool_statistics"]  # never called: no rate at all, as the reference lists
-    rs = second["reasoning_statistics"]
-    assert rs["total_assistant_turns"] == rs["turns_with_reasoning"] + rs["turns_without_reasoning"] == 6
-    assert rs["coverage"] == 1.0
 
 
 # ----------------------------------------------------------------------------- the checks themselves

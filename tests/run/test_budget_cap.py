@@ -111,7 +111,9 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_json(tmp_path, capsys):
+@pytest.mark.parametrize("budget", [{"budget_tokens": 50_000}, {}], ids=["budget", "no_budget"])
+def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_json(tmp_path, capsys, budget):
+    """Without a budget the worker sends no spend per call, but still the first faulty one: the warning."""
     endpoint = odd_usage('{"prompt_tokens": "120", "completion_tokens": -5, "cost": NaN}')
     try:
         dataset = write_jsonl(tmp_path / "d.jsonl", [f"What is 2+2? ({i})" for i in range(6)])
@@ -122,9 +124,9 @@ def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_j
             model="m",
             base_url=endpoint.base_url,
             api_key="sk-test-odd",
-            budget_tokens=50_000,
             max_tokens=50,
             num_workers=1,
+            **budget,
         )
     finally:
         endpoint.close()
@@ -139,8 +141,12 @@ def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_j
         assert usage["estimated_calls"] == 1 and usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
         # A NaN cost is no cost, not a NaN in the file: unreported, and typed 0.0 as every unknown count is.
         assert usage["cost_usd"] == 0.0 and "cost_usd" in json.loads(usage["unreported"])
-    budget = stats["this_run"]["budget"]
-    assert budget["spent_tokens"] > 0  # the budget counted the estimates, not 0
+    spent = stats["this_run"]["budget"]["spent_tokens"]
+    assert spent > 0  # the budget counted the estimates, not 0
+    # The live spend of the faulty call sent at once is not counted twice when its outcome comes.
+    assert spent == sum(
+        r["metadata"]["usage"]["prompt_tokens"] + r["metadata"]["usage"]["completion_tokens"] for r in records
+    )
 
 
 def test_many_prompts_in_flight_spend_at_most_the_budget(tmp_path):
@@ -193,3 +199,33 @@ def test_a_new_prompt_starts_only_when_the_budget_also_holds_the_prompts_under_w
     assert budget.request("w", 3, 1000, 0, prompt="c") == []
     assert budget.request("w", 4, 1000, 1, prompt="a") == [("w", 4, True)]  # a prompt under way goes on
     assert not budget.exhausted
+
+
+@pytest.mark.parametrize("budget", [{"budget_tokens": 10**9}, {}], ids=["budget", "no_budget"])
+def test_spend_crosses_the_process_boundary_per_call_only_for_a_budget(tmp_path, monkeypatch, budget):
+    """With a run-wide budget every answered call is reported at once (the parent holds the run to it);
+    without one the outcome's usage is the spend, so a prompt's calls cost no message each, and the
+    run's totals are the same."""
+    from batchrun.protocol import Spend
+    from batchrun.run.dispatch import Dispatch
+
+    seen = []
+    handle = Dispatch.handle
+
+    def counting(self, event, track, inbox):
+        if isinstance(event.message, Spend):
+            seen.append(event.message)
+        return handle(self, event, track, inbox)
+
+    monkeypatch.setattr(Dispatch, "handle", counting)
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i}" for i in range(4)])  # 3 calls each
+        run(server, dataset, tmp_path / "data", max_tokens=100, **budget)
+        served = server.stats()
+    assert len(seen) == (12 if budget else 0)
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert stats["this_run"]["usage"]["prompt_tokens"] == served["prompt_tokens"]
+    assert stats["this_run"]["usage"]["completion_tokens"] == served["completion_tokens"]
+    assert (
+        stats["this_run"]["budget"]["spent_tokens"] == served["prompt_tokens"] + served["completion_tokens"]
+    )

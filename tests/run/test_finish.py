@@ -72,3 +72,38 @@ def test_valid_json_of_the_wrong_shape_is_skipped_and_counted_everywhere(server,
     assert data.trajectories == 2
     assert data.invalid_lines == len(GARBAGE_RECORDS) + 2 * len(GARBAGE_ROWS)
     assert (run_dir / "report.html").is_file()
+
+
+def _mock_run(dataset, out, run_name: str = "q", **kw):
+    """A run with the built-in mock model; returns its run directory."""
+    run(None, dataset, out, run_name, **{"num_workers": 1, **kw})
+    return out / run_name
+
+
+def test_resume_with_nothing_to_do_keeps_the_run_totals_and_zeroes_this_run(tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["One [calls:1]", "Two [calls:0]", "Three [calls:2]"])
+    out = tmp_path / "data"
+    run_dir = _mock_run(dataset, out, batch_size=2)
+    first = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    _mock_run(dataset, out, batch_size=2, resume=True)
+    second = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    t1, t2 = first["run_totals"], second["run_totals"]
+    assert t1["requests"] == first["this_run"]["api_calls"] > 0
+    for key in ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd", "trajectories"):
+        assert t2[key] == t1[key], key
+    assert t2["runs"] == 2 and len(second["runs"]) == 2 and second["runs"][0] == first["runs"][0]
+    assert second["duration_seconds"] >= first["duration_seconds"]
+    tr = second["this_run"]
+    assert tr["attempted"] == 0 and tr["api_calls"] == 0 and tr["usage"].get("prompt_tokens", 0) == 0
+    assert second["runs"][1]["requests"] == 0 and second["runs"][1]["prompt_tokens"] == 0
+    # The reference runner's names and shapes, beside ours.
+    assert second["total_batches"] == 2 and second["batch_size"] == 2 and second["total_prompts"] == 3
+    assert isinstance(second["completed_at"], str)
+    term = second["tool_statistics"]["terminal"]
+    assert set(term) == {"count", "success", "failure", "success_rate", "failure_rate"}
+    assert term["count"] == first["tool_stats"]["terminal"]["count"] > 0
+    assert term["success_rate"] + term["failure_rate"] == 100.0
+    assert "patch" not in second["tool_statistics"]  # never called: no rate at all, as the reference lists
+    rs = second["reasoning_statistics"]
+    assert rs["total_assistant_turns"] == rs["turns_with_reasoning"] + rs["turns_without_reasoning"] == 6
+    assert rs["coverage"] == 1.0

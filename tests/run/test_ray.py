@@ -272,10 +272,10 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from batchrun.prompt.llm import LLMConfig
 from batchrun.prompt.loop import LoopLimits
-from batchrun.prompt.run import RunSettings
+from batchrun.prompt.attempt import WorkerSettings
 from batchrun.run import worker
 
-settings = RunSettings(run_name="t", llm=LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"),
+settings = WorkerSettings(run_name="t", llm=LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"),
                        limits=LoopLimits(max_turns=1))
 # A TCP inbox, and the pid of a runner on "another machine" (no such process here).
 worker.init_worker(settings, ({address!r}, {authkey!r}), 1, 1, 4194000)
@@ -457,7 +457,7 @@ def test_containers_left_on_the_nodes_are_removed(ray_head, docker_test_image):
     """After the actors are killed, the run's containers on every node are removed (docker backend)."""
     import ray
 
-    from batchrun.prompt.sandboxes.docker_engine import LABEL_OWNER, docker_client
+    from batchrun.prompt.sandboxes.docker.engine import LABEL_OWNER, docker_client
     from batchrun.run.ray_pool import RayPool
 
     owner = f"{uuid.uuid4().hex[:8]}@another-host"

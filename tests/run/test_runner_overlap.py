@@ -1,4 +1,4 @@
-"""Sandbox start and stop off a prompt's path (batchrun/prompt/sandbox_lifecycle.py, batchrun/prompt/run.py::run_prompt).
+"""Sandbox start and stop off a prompt's path (batchrun/prompt/sandbox_lifecycle.py, batchrun/prompt/attempt.py::run_prompt).
 
 For every backend, the sandbox starts on a start-up slot while the prompt's first model call is in
 flight; for every backend but local (whose stop takes a few ms), it is stopped by a background
@@ -24,15 +24,15 @@ import pytest
 from helpers import default_sigint, docker_ps, read_jsonl, write_jsonl
 
 import batch_runner
-import batchrun.prompt.run as runner_mod
+import batchrun.prompt.attempt as runner_mod
 from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.attempt import WorkerSettings, run_prompt
 from batchrun.prompt.llm import LLMClient, LLMConfig
 from batchrun.prompt.loop import LoopLimits
-from batchrun.prompt.run import RunSettings, run_prompt
 from batchrun.prompt.sandbox_lifecycle import BackgroundStart, BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxError, SandboxSpec
-from batchrun.prompt.sandboxes.docker import DockerSandbox
+from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 from batchrun.protocol import PromptJob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,8 +102,8 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Scripted:
     return s
 
 
-def settings_for(server: FakeModelServer, backend: str = "scripted", **kw) -> RunSettings:
-    return RunSettings(
+def settings_for(server: FakeModelServer, backend: str = "scripted", **kw) -> WorkerSettings:
+    return WorkerSettings(
         run_name="overlap",
         llm=LLMConfig(model="fake", base_url=server.base_url, api_key="sk-overlap"),
         limits=LoopLimits(max_turns=6, prompt_timeout_s=120, tool_timeout_s=60),
@@ -190,7 +190,7 @@ def test_a_synchronous_start_runs_on_a_start_pool_slot_before_any_model_call(ser
     assert box.events == ["start", "started", "run", "stop"]
 
 
-def local_settings(server: FakeModelServer, base_dir: Path) -> RunSettings:
+def local_settings(server: FakeModelServer, base_dir: Path) -> WorkerSettings:
     return settings_for(server, backend="local", sandbox_options={"base_dir": str(base_dir)})
 
 
@@ -467,3 +467,31 @@ def test_kill_9_of_a_docker_run_leaves_no_running_container_and_a_later_run_remo
             left = docker_ps(f"batch_runner.run_name={run_name}")
             if left:
                 subprocess.run(["docker", "rm", "-f", *left], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- the network only where it is asked for
+
+
+@pytest.mark.parametrize(
+    ("toolsets", "verify", "run_network", "expected"),
+    [
+        (("terminal",), (), True, True),  # commands may use it
+        (("file",), (), True, False),  # the file tools never do: no slirp4netns
+        (("file", "web"), (), True, False),  # web tools run on the host
+        (("file",), ("test -f out.txt",), True, True),  # the row's verify commands may
+        (("terminal",), (), False, False),  # --sandbox_network=False wins
+    ],
+)
+def test_a_prompts_sandbox_gets_the_network_only_when_something_there_may_use_it(
+    server, scripted, toolsets, verify, run_network, expected
+):
+    from batchrun.protocol import RowCheck
+
+    settings = settings_for(server, sandbox_network=run_network)
+    row = dataclasses.replace(
+        job("network please [calls:0]"), toolsets=toolsets, check=RowCheck(verify=verify)
+    )
+    outcome = run_prompt(row, settings, LLMClient(settings.llm))
+    assert outcome.kind in ("trajectory", "discarded"), outcome.error
+    (box,) = scripted.boxes
+    assert box.spec.network is expected

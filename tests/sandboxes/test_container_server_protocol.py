@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from batchrun.prompt.sandboxes._container_server import Scanner, printf_format, request, sh_quote
 from batchrun.prompt.sandboxes.base import CappedBuffer
+from batchrun.prompt.sandboxes.docker.container_server import Scanner, printf_format, request, sh_quote
 
 SHELLS = [
     pytest.param(argv, id=argv[0])

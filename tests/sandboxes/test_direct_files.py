@@ -15,9 +15,9 @@ from helpers import TOOL_CAP
 from helpers import sandbox_sh as sh
 from helpers import tool_call as call
 
-from batchrun.prompt.sandboxes._direct import openat2_available
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox, bwrap_problem
+from batchrun.prompt.sandboxes.local.direct_files import openat2_available
 
 pytestmark = pytest.mark.skipif(
     bool(bwrap_problem()) or not openat2_available(), reason="needs bubblewrap and openat2 (Linux 5.6+)"

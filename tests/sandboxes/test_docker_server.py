@@ -30,7 +30,7 @@ CAP = 64 * 1024
 @pytest.fixture
 def box(docker_test_image: str):
     """A started DockerSandbox (256 MiB, no network), stopped at teardown."""
-    from batchrun.prompt.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 
     sandbox = DockerSandbox(
         SandboxSpec(RUN, random.randint(0, 10**6), network=False),
@@ -103,7 +103,7 @@ def test_server_killed_during_a_command_fails_the_sandbox_without_hanging(box):
 
 
 def test_commands_cost_no_exec_and_write_no_log(box):
-    from batchrun.prompt.sandboxes.docker import docker_client
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 
     client = docker_client()
     since = datetime.now(timezone.utc) - timedelta(seconds=1)
@@ -123,7 +123,7 @@ def test_commands_cost_no_exec_and_write_no_log(box):
 HOLDER = """
 import sys, threading
 from batchrun.prompt.sandboxes.base import SandboxSpec
-from batchrun.prompt.sandboxes.docker import DockerSandbox
+from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 box = DockerSandbox(SandboxSpec(sys.argv[1], 1), default_image=sys.argv[2])
 box.start()
 print(box.container_id, flush=True)
@@ -167,7 +167,7 @@ def _exists(container_id: str) -> bool:
 def test_without_docker_init_the_server_works_and_the_lifetime_still_ends_the_container(
     docker_test_image: str,
 ):
-    from batchrun.prompt.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 
     box = DockerSandbox(
         SandboxSpec(RUN, 2, network=False), default_image=docker_test_image, init=False, lifetime_s=3.0

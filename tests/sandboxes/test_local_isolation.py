@@ -51,7 +51,7 @@ def boxes(bwrap_available: None, tmp_path: Path):
 
 @pytest.fixture
 def cgroups() -> None:
-    from batchrun.prompt.sandboxes._limits import CgroupLayout, cgroup_layout
+    from batchrun.prompt.sandboxes.local.limits import CgroupLayout, cgroup_layout
 
     layout = cgroup_layout()
     if not isinstance(layout, CgroupLayout):
@@ -218,8 +218,8 @@ def test_host_services_are_out_of_reach_with_network_on_or_off(boxes, routes_by,
     servers often are) answers none of them from inside. The routes that close the host's addresses
     are added over netlink from the worker where it may enter the namespace (root), else by
     ``nsenter ... ip``; both ways are tried here."""
-    from batchrun.prompt.sandboxes import local
-    from batchrun.prompt.sandboxes.local import host_addresses, network_problem
+    from batchrun.prompt.sandboxes.local import command_server
+    from batchrun.prompt.sandboxes.local.host import host_addresses, network_problem
 
     if network_problem():
         skip_or_fail(network_problem())
@@ -228,7 +228,7 @@ def test_host_services_are_out_of_reach_with_network_on_or_off(boxes, routes_by,
         def refuse(*args):
             raise OSError("netlink refused in this test")
 
-        monkeypatch.setattr(local, "add_unreachable_routes", refuse)
+        monkeypatch.setattr(command_server, "add_unreachable_routes", refuse)
     service = socket.socket(socket.AF_INET6)
     service.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     service.bind(("::", 0))
@@ -341,9 +341,9 @@ def test_no_isolation_refuses_a_cwd_outside_cwd_root(tmp_path: Path):
 def test_without_cgroups_rlimits_still_bound_memory_and_disk(
     bwrap_available: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    import batchrun.prompt.sandboxes.local as local
+    from batchrun.prompt.sandboxes.local import sandbox
 
-    monkeypatch.setattr(local, "cgroup_layout", lambda: "no cgroups (test)")
+    monkeypatch.setattr(sandbox, "cgroup_layout", lambda: "no cgroups (test)")
     box = LocalSandbox(
         SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path), memory_mb=256, disk_mb=16
     )
@@ -396,7 +396,7 @@ def test_host_addresses_read_from_proc_are_those_ip_lists_secondary_ones_include
         skip_or_fail("unshare and ip are needed")
     script = (
         "import ipaddress\n"
-        "from batchrun.prompt.sandboxes import local as L\n"
+        "from batchrun.prompt.sandboxes.local import host as L\n"
         "ip = sorted({str(a) for a in map(ipaddress.ip_address, L._ip_addresses())"
         " if not (a.is_loopback or a.is_link_local)})\n"
         "print(L.host_addresses() == ip, L.host_addresses())\n"
@@ -440,14 +440,14 @@ def test_a_worker_with_descriptors_above_1023_still_starts_and_runs_sandboxes(bo
 def test_the_runs_etc_view_shows_what_the_masks_show(bwrap_available: None, tmp_path: Path):
     """A run's sandboxes bind one copy of /etc without its secrets instead of masking each secret
     (a mount each): the same names, the same contents, and every secret empty."""
-    from batchrun.prompt.sandboxes.local import _etc_view, etc_secrets
+    from batchrun.prompt.sandboxes.local.system_view import etc_secrets, run_etc_view
 
     view = LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap", base_dir=str(tmp_path))
     masked = LocalSandbox(SandboxSpec(RUN, 1), isolation="bwrap")
     view.start()
     masked.start()
     try:
-        etc = _etc_view(str(tmp_path))
+        etc = run_etc_view(str(tmp_path))
         assert etc is not None and ["--ro-bind", etc, "/etc"] == _bound(view, "/etc")  # the view is in use
         listing = "find /etc | sort"
         assert view.run(listing, timeout_s=30).output == masked.run(listing, timeout_s=30).output
@@ -499,7 +499,7 @@ def test_every_run_shares_one_etc_view_in_a_directory_only_this_user_can_use(
     """The /etc view is made once per machine in this user's runtime directory, not once per worker
     and run: two runs (two run directories) bind the same one; a runtime directory someone else could
     write into is not used (each run then makes its own view in its run directory)."""
-    from batchrun.prompt.sandboxes import local
+    from batchrun.prompt.sandboxes.local import system_view as local
 
     runtime = tmp_path / "runtime"
     runtime.mkdir()
@@ -508,8 +508,8 @@ def test_every_run_shares_one_etc_view_in_a_directory_only_this_user_can_use(
     first, second = tmp_path / "run1", tmp_path / "run2"
     first.mkdir()
     second.mkdir()
-    view = local._etc_view(str(first))
-    assert view is not None and view == local._etc_view(str(second))
+    view = local.run_etc_view(str(first))
+    assert view is not None and view == local.run_etc_view(str(second))
     assert Path(view).parent == runtime / f"batch-runner-{os.geteuid()}"
     assert Path(view).parent.stat().st_mode & 0o777 == 0o700
     assert os.listdir(first) == [] and os.listdir(second) == []
@@ -524,7 +524,7 @@ def test_every_run_shares_one_etc_view_in_a_directory_only_this_user_can_use(
 
     Path(view).parent.chmod(0o733)  # others may write into it: not trusted
     monkeypatch.setattr(local, "_etc_views", {})
-    own = local._etc_view(str(first))
+    own = local.run_etc_view(str(first))
     assert own is not None and Path(own).parent == first
 
 
@@ -532,7 +532,7 @@ def test_the_rlimit_fallback_sets_memory_and_processes_on_the_running_server(mon
     """Without cgroups the limits go onto the server process (its commands inherit them), soft and
     hard alike; for a user other than root the process count too (a shell's ``ulimit -u`` did that
     before, which /bin/sh as dash refused: no sandbox started for such a user)."""
-    from batchrun.prompt.sandboxes import _limits
+    from batchrun.prompt.sandboxes.local import limits as _limits
 
     proc = subprocess.Popen(["sleep", "30"])
     try:

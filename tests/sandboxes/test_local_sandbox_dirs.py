@@ -47,7 +47,7 @@ def start_run(server: FakeModelServer, tmp_path: Path, prompts: list[str], *extr
 
 def run_cgroups(runner_pid: int) -> list[Path]:
     """The cgroups (any hierarchy) of the runs this runner process started: none may outlive it."""
-    from batchrun.prompt.sandboxes._limits import CgroupLayout, cgroup_layout
+    from batchrun.prompt.sandboxes.local.limits import CgroupLayout, cgroup_layout
 
     layout = cgroup_layout()
     if not isinstance(layout, CgroupLayout):

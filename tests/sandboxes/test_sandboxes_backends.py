@@ -30,7 +30,7 @@ RUN = f"backends-{uuid.uuid4().hex[:8]}"  # unique: other test sessions may shar
 @pytest.fixture
 def docker_box(docker_test_image: str):
     """``docker_box(**spec_fields, **options)``: started DockerSandboxes, all stopped at teardown."""
-    from batchrun.prompt.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 
     made = []
 
@@ -49,7 +49,7 @@ def docker_box(docker_test_image: str):
 
 @pytest.mark.docker
 def test_docker_container_has_labels_and_limits_and_is_gone_after_stop(docker_box):
-    from batchrun.prompt.sandboxes.docker import default_owner, docker_client
+    from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client
 
     box = docker_box(index=7, network=False, options={"cpus": 0.5, "memory_mb": 300, "pids_limit": 64})
     assert docker_ps(f"batch_runner.run_name={RUN}") != []
@@ -66,7 +66,7 @@ def test_docker_container_has_labels_and_limits_and_is_gone_after_stop(docker_bo
 
 @pytest.mark.docker
 def test_docker_failed_start_leaves_no_container(docker_test_image: str):
-    from batchrun.prompt.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 
     box = DockerSandbox(SandboxSpec(RUN, 0, image="does-not-exist-br:never"), default_image=docker_test_image)
     with pytest.raises(SandboxError, match="does-not-exist-br:never"):
@@ -77,7 +77,7 @@ def test_docker_failed_start_leaves_no_container(docker_test_image: str):
 
 @pytest.mark.docker
 def test_docker_start_that_keeps_failing_gives_up_and_leaves_no_container(docker_test_image: str):
-    from batchrun.prompt.sandboxes.docker import START_ATTEMPTS, DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import START_ATTEMPTS, DockerSandbox
 
     index = 31
     box = DockerSandbox(
@@ -95,7 +95,7 @@ def test_docker_start_failing_once_is_tried_again(docker_test_image: str, monkey
     from docker.errors import APIError
     from docker.models.containers import Container
 
-    from batchrun.prompt.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 
     real_start, failed = Container.start, []
 
@@ -133,7 +133,7 @@ def test_docker_container_dead_before_its_first_command_is_replaced(docker_box):
 def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     from docker.errors import NotFound
 
-    from batchrun.prompt.sandboxes.docker import docker_client
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 
     sentinel = tmp_path / "host-file.txt"
     sentinel.write_text("still here")
@@ -150,7 +150,7 @@ def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
 
 @pytest.mark.docker
 def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
-    from batchrun.prompt.sandboxes.docker import ensure_images
+    from batchrun.prompt.sandboxes.docker.sandbox import ensure_images
 
     messages: list[str] = []
     result = ensure_images(
@@ -164,7 +164,7 @@ def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
 
 @pytest.mark.docker
 def test_sweep_removes_containers_of_dead_owners_of_any_run_and_nothing_else(docker_box, docker_test_image):
-    from batchrun.prompt.sandboxes.docker import default_owner, docker_client, sweep_containers
+    from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client, sweep_containers
 
     host = socket.gethostname()
     dead = subprocess.Popen(["true"])
@@ -212,7 +212,7 @@ def _container_ids() -> set[str]:
 SANDBOX_HOLDER = """
 import sys, time
 from batchrun.prompt.sandboxes.base import SandboxSpec
-from batchrun.prompt.sandboxes.docker import DockerSandbox
+from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 box = DockerSandbox(SandboxSpec(sys.argv[1], 0), default_image=sys.argv[2])
 box.start()
 assert box.run("echo up", timeout_s=30).output == "up\\n"
@@ -255,7 +255,7 @@ def test_container_ends_itself_after_its_lifetime(docker_box):
 
 @pytest.mark.docker
 def test_storage_probe_answers_and_leaves_no_container(docker_test_image: str):
-    from batchrun.prompt.sandboxes.docker import storage_size_supported
+    from batchrun.prompt.sandboxes.docker.sandbox import storage_size_supported
 
     before = _container_ids()
     answer = storage_size_supported(docker_test_image)
@@ -297,7 +297,7 @@ def test_tmpfs_disk_cap_stays_below_the_memory_limit_so_a_full_disk_leaves_the_c
 
 @pytest.mark.docker
 def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker_box, docker_test_image):
-    from batchrun.prompt.sandboxes.docker import docker_client
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 
     seed = docker_client().containers.run(
         docker_test_image,
@@ -387,14 +387,14 @@ def test_host_services_through_the_bridge_gateway(docker_box, host_service: int,
 
 
 def _inspect(container_id: str) -> dict:
-    from batchrun.prompt.sandboxes.docker import docker_client
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 
     return docker_client().api.inspect_container(container_id)
 
 
 @pytest.mark.docker
 def test_remove_owned_containers_removes_every_container_of_that_owner(docker_box):
-    from batchrun.prompt.sandboxes.docker import remove_owned_containers
+    from batchrun.prompt.sandboxes.docker.sandbox import remove_owned_containers
 
     owner = f"{os.getpid()}@test-{uuid.uuid4().hex[:8]}"
     docker_box(index=1, options={"run_owner": owner})
@@ -405,7 +405,7 @@ def test_remove_owned_containers_removes_every_container_of_that_owner(docker_bo
 
 
 def test_check_engine_fails_clearly_without_an_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    import batchrun.prompt.sandboxes.docker_engine as engine
+    import batchrun.prompt.sandboxes.docker.engine as engine
 
     monkeypatch.setattr(engine, "_clients", {})
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
@@ -416,7 +416,7 @@ def test_check_engine_fails_clearly_without_an_engine(monkeypatch: pytest.Monkey
 @pytest.mark.docker
 def test_docker_overhead_per_prompt(docker_test_image: str):
     """Prints the create+start+remove time of one prompt's container (run with -s); asserts nothing on time."""
-    from batchrun.prompt.sandboxes.docker import DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 
     timings = []
     for index in range(8):
@@ -467,8 +467,10 @@ def test_rm_rf_root_inside_bwrap_leaves_host_intact(bwrap_available: None, tmp_p
 
 def test_local_isolation_choice(monkeypatch: pytest.MonkeyPatch):
     import batchrun.prompt.sandboxes.local as local
+    from batchrun.prompt.sandboxes.local import host, sandbox
 
-    monkeypatch.setattr(local, "bwrap_problem", lambda: "bubblewrap is not installed")
+    for module in (host, sandbox):  # the probe, and the sandbox's own reference to it
+        monkeypatch.setattr(module, "bwrap_problem", lambda: "bubblewrap is not installed")
     assert not local.local_isolation_available()
     assert local.LocalSandbox(SandboxSpec(RUN, 0)).isolation == "none"
     box = local.LocalSandbox(SandboxSpec(RUN, 0), isolation="bwrap")
@@ -653,7 +655,7 @@ def test_container_disk_mb_must_be_a_positive_int(tmp_path: Path, capsys, value)
 
 def test_docker_options_from_the_flags_carry_the_disk_cap_and_a_lifetime_past_the_prompt_timeout():
     from batchrun.prompt.sandboxes.base import SandboxFlags
-    from batchrun.prompt.sandboxes.docker import LIFETIME_MARGIN_S, DockerSandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import LIFETIME_MARGIN_S, DockerSandbox
 
     flags = SandboxFlags(default_image="img", network=False, disk_mb=300, prompt_timeout_s=1800.0)
     options = DockerSandbox.options_from(flags)
@@ -689,7 +691,7 @@ def _pids_in_namespace(box) -> list[str]:
 
 @pytest.mark.bwrap
 def test_bwrap_one_namespace_per_prompt_but_nothing_outlives_a_command(bwrap_box):
-    from batchrun.prompt.sandboxes.local import _shell
+    from batchrun.prompt.sandboxes.local.host import command_shell
 
     server_pid = bwrap_box._server.proc.pid
     started = bwrap_box.run("sleep 300 & setsid sleep 301 & (sleep 302 &) ; echo started", timeout_s=20)
@@ -698,7 +700,7 @@ def test_bwrap_one_namespace_per_prompt_but_nothing_outlives_a_command(bwrap_box
     assert "sleep" not in left, left  # setsid and double forks included: every leftover was killed
     assert bwrap_box.run("cd / && export X=1 && echo $X", timeout_s=20).output == "1\n"
     fresh = bwrap_box.run('echo "$X|$(pwd)|$SHLVL|$0"', timeout_s=20).output
-    assert fresh == f"|{bwrap_box.workdir}|1|{_shell()}\n"  # $0 as with a plain `bash -c`
+    assert fresh == f"|{bwrap_box.workdir}|1|{command_shell()}\n"  # $0 as with a plain `bash -c`
     assert bwrap_box._server.proc.pid == server_pid  # no new bubblewrap per command
 
 
@@ -778,7 +780,8 @@ def test_bwrap_host_unix_sockets_are_out_of_reach(bwrap_available: None, tmp_pat
 
     In /run or /var the sandbox sees an empty directory; in /etc (mounted read-only) the socket
     is masked."""
-    from batchrun.prompt.sandboxes.local import LocalSandbox, system_sockets
+    from batchrun.prompt.sandboxes.local import LocalSandbox
+    from batchrun.prompt.sandboxes.local.host import system_sockets
 
     home = Path(tempfile.mkdtemp(prefix="br-sock-", dir=where))
     path = home / "daemon.sock"
@@ -803,12 +806,12 @@ def test_bwrap_host_unix_sockets_are_out_of_reach(bwrap_available: None, tmp_pat
 
 def test_command_server_refuses_to_run_outside_its_own_pid_namespace(tmp_path: Path):
     """Its `kill -9 -1` after each command is only safe as PID 2 of the prompt's namespace."""
-    from batchrun.prompt.sandboxes.local import _CommandServer
+    from batchrun.prompt.sandboxes.local.command_server import CommandServer
 
     victim = subprocess.Popen(["sleep", "30"])
     try:
         done = subprocess.run(
-            _CommandServer.argv(str(tmp_path), "READY"),
+            CommandServer.argv(str(tmp_path), "READY"),
             input=b"1 tok 0\n",
             capture_output=True,
             timeout=20,

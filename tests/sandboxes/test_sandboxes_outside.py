@@ -45,7 +45,7 @@ def test_the_installed_backend_is_found_by_its_entry_point_name(installed: Path)
     assert "outside" in backend_names()
     assert backend_class("outside").__name__ == "DirectorySandbox"
     # The built-ins keep their names whatever a package declares.
-    assert backend_class("local").__module__ == "batchrun.prompt.sandboxes.local"
+    assert backend_class("local").__module__ == "batchrun.prompt.sandboxes.local.sandbox"
 
 
 def test_the_outside_backend_passes_the_contract_suite(installed: Path, tmp_path: Path):

@@ -16,6 +16,7 @@ from batchrun.fakes.fake_services import FakeWebServer, Page, _html
 from batchrun.prompt.tools import browser, web
 from batchrun.prompt.tools.browser import HOST, format_snapshot
 from batchrun.prompt.tools.catalog import available_toolsets
+from batchrun.prompt.tools.config import ToolSettings
 from batchrun.prompt.tools.registry import close_prompt_resources
 
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("chromium_ready")]
@@ -219,12 +220,12 @@ def test_prompts_get_separate_contexts_in_one_browser(fake_web, tool_ctx, call_t
 
 
 def test_browser_configuration(clean_tool_env, tmp_path):
-    assert "browser" in available_toolsets({})
-    assert "browser" not in available_toolsets({"tool_env": {"BROWSER_ENABLED": "0"}})
+    assert "browser" in available_toolsets()
+    assert "browser" not in available_toolsets(ToolSettings(tool_env={"BROWSER_ENABLED": "0"}))
     with pytest.raises(ValueError, match="BROWSER_EXECUTABLE"):
-        available_toolsets({"tool_env": {"BROWSER_EXECUTABLE": str(tmp_path / "nothing")}})
+        available_toolsets(ToolSettings(tool_env={"BROWSER_EXECUTABLE": str(tmp_path / "nothing")}))
     with pytest.raises(ValueError, match="BROWSER_VIEWPORT"):
-        available_toolsets({"tool_env": {"BROWSER_VIEWPORT": "wide"}})
+        available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "wide"}))
 
 
 def test_agent_loop_drives_the_browser(fake_web, tool_ctx, run_tool_loop):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from batchrun.fakes.fake_services import color_for, make_png
 from batchrun.prompt.tools.catalog import available_toolsets
-from batchrun.prompt.tools.config import ToolConfigError
+from batchrun.prompt.tools.config import ToolConfigError, ToolSettings
 
 ENV = {"IMAGE_GEN_MODEL": "mock-image"}
 
@@ -69,14 +70,14 @@ def test_no_run_dir_is_an_error(tool_ctx, call_tool):
 
 
 def test_offered_only_with_an_image_model(clean_tool_env):
-    run = {"llm_base_url": "http://x/v1", "llm_model": "chat-model"}
+    run = ToolSettings(llm_base_url="http://x/v1", llm_model="chat-model")
     assert "image_gen" not in available_toolsets(run)
-    assert "image_gen" in available_toolsets({**run, "tool_env": ENV})
-    assert "image_gen" not in available_toolsets({"tool_env": ENV})  # no endpoint at all
+    assert "image_gen" in available_toolsets(replace(run, tool_env=ENV))
+    assert "image_gen" not in available_toolsets(ToolSettings(tool_env=ENV))  # no endpoint at all
     with pytest.raises(ToolConfigError, match="IMAGE_GEN_SIZES"):
-        available_toolsets({**run, "tool_env": {**ENV, "IMAGE_GEN_SIZES": "square=big"}})
+        available_toolsets(replace(run, tool_env={**ENV, "IMAGE_GEN_SIZES": "square=big"}))
     with pytest.raises(ToolConfigError, match="IMAGE_GEN_RESPONSE_FORMAT"):
-        available_toolsets({**run, "tool_env": {**ENV, "IMAGE_GEN_RESPONSE_FORMAT": "png"}})
+        available_toolsets(replace(run, tool_env={**ENV, "IMAGE_GEN_RESPONSE_FORMAT": "png"}))
 
 
 def test_agent_loop_with_image_gen(tool_ctx, run_tool_loop):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from batchrun.prompt.tools import moa
 from batchrun.prompt.tools.catalog import available_toolsets
-from batchrun.prompt.tools.config import ToolConfigError, moa_config
+from batchrun.prompt.tools.config import ToolConfigError, ToolSettings, moa_config
 
 
 def test_references_then_aggregator(tools_llm, tool_ctx, call_tool):
@@ -33,7 +34,7 @@ def test_references_then_aggregator(tools_llm, tool_ctx, call_tool):
 
 
 def test_defaults_to_the_run_model(clean_tool_env):
-    cfg = moa_config({"llm_base_url": "http://x/v1", "llm_api_key": "k", "llm_model": "run-model"})
+    cfg = moa_config(ToolSettings(llm_base_url="http://x/v1", llm_api_key="k", llm_model="run-model"))
     assert (cfg.reference_models, cfg.aggregator_model, cfg.api_key) == (("run-model",), "run-model", "k")
 
 
@@ -61,13 +62,13 @@ def test_too_few_answers_is_an_error(tool_ctx, call_tool):
 
 
 def test_configuration(clean_tool_env):
-    run = {"llm_base_url": "http://x/v1", "llm_model": "m"}
-    assert "moa" not in available_toolsets({})
+    run = ToolSettings(llm_base_url="http://x/v1", llm_model="m")
+    assert "moa" not in available_toolsets()
     assert "moa" in available_toolsets(run)
     with pytest.raises(ToolConfigError, match="MOA_MIN_SUCCESSFUL"):
-        available_toolsets({**run, "tool_env": {"MOA_REFERENCE_MODELS": "a", "MOA_MIN_SUCCESSFUL": "2"}})
+        available_toolsets(replace(run, tool_env={"MOA_REFERENCE_MODELS": "a", "MOA_MIN_SUCCESSFUL": "2"}))
     with pytest.raises(ToolConfigError, match="MOA_REFERENCE_TEMPERATURE"):
-        available_toolsets({**run, "tool_env": {"MOA_REFERENCE_TEMPERATURE": "hot"}})
+        available_toolsets(replace(run, tool_env={"MOA_REFERENCE_TEMPERATURE": "hot"}))
 
 
 def test_agent_loop_with_moa(tool_ctx, run_tool_loop):

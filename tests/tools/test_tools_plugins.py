@@ -138,6 +138,10 @@ def _handler(ctx, args):
         ),
         ({"name": "t", "handler": "not callable"}, "'handler' must be a function"),
         ({"name": "t", "description": 5, "handler": _handler}, "'description' must be a string"),
+        (
+            {"name": "t", "handler": _handler, "sandbox_network": "no"},
+            "'sandbox_network' must be true or false",
+        ),
     ],
 )
 def test_bad_tool_definitions_are_refused(definition, fragment):
@@ -146,6 +150,18 @@ def test_bad_tool_definitions_are_refused(definition, fragment):
     with pytest.raises(ValueError, match=None) as info:
         tools_from("mine", [definition])
     assert fragment in str(info.value)
+
+
+def test_a_plugin_tool_may_use_the_sandbox_network_unless_it_says_it_never_does():
+    from batchrun.prompt.tools.plugins import tools_from
+    from batchrun.prompt.tools.registry import needs_sandbox_network
+
+    default, offline = tools_from(
+        "mine",
+        [{"name": "a", "handler": _handler}, {"name": "b", "handler": _handler, "sandbox_network": False}],
+    )
+    assert default.sandbox_network is True and offline.sandbox_network is False
+    assert needs_sandbox_network([default, offline]) and not needs_sandbox_network([offline])
 
 
 def test_a_handler_answer_that_is_not_a_json_object_is_an_error_the_model_sees():
@@ -168,7 +184,7 @@ def test_a_handler_answer_that_is_not_a_json_object_is_an_error_the_model_sees()
 
 
 def test_a_worker_that_knows_other_tools_fails_its_prompts_naming_the_difference():
-    from batchrun.prompt.run import RunTools, install_run_tools, run_prompt
+    from batchrun.prompt.attempt import RunTools, install_run_tools, run_prompt
     from batchrun.prompt.tools.catalog import known_tool_names
     from batchrun.protocol import PromptJob
 

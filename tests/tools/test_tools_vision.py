@@ -5,12 +5,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from dataclasses import replace
 
 import pytest
 
 from batchrun.fakes.fake_services import BLUE, make_png
 from batchrun.prompt.tools.catalog import available_toolsets
-from batchrun.prompt.tools.config import vision_config
+from batchrun.prompt.tools.config import ToolSettings, vision_config
 
 
 def sha12(data: bytes) -> str:
@@ -108,20 +109,20 @@ def test_configured_model_and_endpoint(fake_web, tools_llm, tool_ctx, call_tool)
 
 
 def test_run_key_goes_only_to_the_run_endpoint(clean_tool_env):
-    extra = {"llm_base_url": "https://router.example/api/v1", "llm_api_key": "sk-run", "llm_model": "m"}
-    same = vision_config(extra).endpoint
+    run = ToolSettings(llm_base_url="https://router.example/api/v1", llm_api_key="sk-run", llm_model="m")
+    same = vision_config(run).endpoint
     assert (same.base_url, same.api_key, same.model) == ("https://router.example/api/v1", "sk-run", "m")
-    other = vision_config({**extra, "tool_env": {"VISION_BASE_URL": "http://vllm:8000/v1"}}).endpoint
+    other = vision_config(replace(run, tool_env={"VISION_BASE_URL": "http://vllm:8000/v1"})).endpoint
     assert (other.base_url, other.api_key) == ("http://vllm:8000/v1", None)
-    keyed = vision_config({**extra, "tool_env": {"VISION_BASE_URL": "http://v/v1", "VISION_API_KEY": "k2"}})
+    keyed = vision_config(replace(run, tool_env={"VISION_BASE_URL": "http://v/v1", "VISION_API_KEY": "k2"}))
     assert keyed.endpoint.api_key == "k2"
 
 
 def test_vision_is_offered_with_an_endpoint(clean_tool_env):
-    assert "vision" not in available_toolsets({})
-    assert "vision" in available_toolsets({"llm_base_url": "http://x/v1", "llm_model": "m"})
+    assert "vision" not in available_toolsets()
+    assert "vision" in available_toolsets(ToolSettings(llm_base_url="http://x/v1", llm_model="m"))
     assert "vision" in available_toolsets(
-        {"tool_env": {"VISION_BASE_URL": "http://x/v1", "VISION_MODEL": "m"}}
+        ToolSettings(tool_env={"VISION_BASE_URL": "http://x/v1", "VISION_MODEL": "m"})
     )
 
 

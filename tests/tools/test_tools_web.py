@@ -12,7 +12,13 @@ import pytest
 from batchrun.fakes.fake_services import FakeWebServer, Page
 from batchrun.prompt.tools import web
 from batchrun.prompt.tools.catalog import available_toolsets, tools_for_toolsets
-from batchrun.prompt.tools.config import SEARCH_PROVIDERS, ToolConfigError, extract_config, search_config
+from batchrun.prompt.tools.config import (
+    SEARCH_PROVIDERS,
+    ToolConfigError,
+    ToolSettings,
+    extract_config,
+    search_config,
+)
 
 PRIVATE_OFF = {"WEB_ALLOW_PRIVATE_ADDRESSES": "0"}
 
@@ -87,19 +93,21 @@ def test_unreachable_provider_is_an_error(tool_ctx, call_tool):
 
 
 def test_web_is_offered_only_with_a_provider(clean_tool_env, fake_web):
-    assert "web" not in available_toolsets({})
-    assert "web" in available_toolsets({"tool_env": fake_web.provider_env("searxng")})
+    assert "web" not in available_toolsets()
+    assert "web" in available_toolsets(ToolSettings(tool_env=fake_web.provider_env("searxng")))
 
 
 def test_browser_toolset_offers_web_search_when_a_provider_is_configured(clean_tool_env, fake_web):
     """As in the reference, browser includes web_search: here only when a search provider is set."""
-    configured = {"tool_env": fake_web.provider_env("searxng")}
-    plain = [t.name for t in tools_for_toolsets(["browser"], {})]
+    configured = ToolSettings(tool_env=fake_web.provider_env("searxng"))
+    plain = [t.name for t in tools_for_toolsets(["browser"])]
     assert plain and all(name.startswith("browser_") for name in plain)
     assert [t.name for t in tools_for_toolsets(["browser"], configured)] == ["web_search", *plain]
     assert [t.name for t in tools_for_toolsets(["web", "browser"], configured)].count("web_search") == 1
     assert "web_extract" not in {t.name for t in tools_for_toolsets(["browser"], configured)}
-    bad = {"tool_env": {"WEB_SEARCH_PROVIDER": "google"}}  # reported by the run's preflight, not offered
+    bad = ToolSettings(
+        tool_env={"WEB_SEARCH_PROVIDER": "google"}
+    )  # reported by the run's preflight, not offered
     assert [t.name for t in tools_for_toolsets(["browser"], bad)] == plain
 
 
@@ -127,13 +135,13 @@ def test_a_browser_only_run_searches_the_web(clean_tool_env, fake_web, chromium_
 
 
 def test_provider_is_detected_from_its_key(clean_tool_env):
-    cfg = search_config({"tool_env": {"BRAVE_API_KEY": "k"}})
+    cfg = search_config(ToolSettings(tool_env={"BRAVE_API_KEY": "k"}))
     assert (cfg.provider, cfg.base_url, cfg.api_key) == ("brave", "https://api.search.brave.com", "k")
 
 
 def test_self_hosted_firecrawl_needs_no_key(clean_tool_env):
     cfg = search_config(
-        {"tool_env": {"WEB_SEARCH_PROVIDER": "firecrawl", "FIRECRAWL_API_URL": "http://fc:3002/"}}
+        ToolSettings(tool_env={"WEB_SEARCH_PROVIDER": "firecrawl", "FIRECRAWL_API_URL": "http://fc:3002/"})
     )
     assert (cfg.base_url, cfg.api_key) == ("http://fc:3002", None)
 
@@ -150,7 +158,7 @@ def test_self_hosted_firecrawl_needs_no_key(clean_tool_env):
 )
 def test_bad_settings_fail_at_start_naming_the_variable(clean_tool_env, env, named):
     with pytest.raises(ToolConfigError, match=named):
-        available_toolsets({"tool_env": env})
+        available_toolsets(ToolSettings(tool_env=env))
 
 
 # ----------------------------------------------------------------------------- web_extract
@@ -281,16 +289,16 @@ def pretend_public(monkeypatch, *names: str) -> None:
 
 
 def test_private_addresses_are_refused_by_default(clean_tool_env):
-    assert extract_config({}).allow_private is False
-    assert extract_config({"tool_env": {"WEB_ALLOW_PRIVATE_ADDRESSES": "1"}}).allow_private is True
+    assert extract_config().allow_private is False
+    assert extract_config(ToolSettings(tool_env={"WEB_ALLOW_PRIVATE_ADDRESSES": "1"})).allow_private is True
 
 
 def test_the_setting_comes_from_the_environment_overlaid_by_tool_env(clean_tool_env, monkeypatch):
     monkeypatch.setenv("WEB_ALLOW_PRIVATE_ADDRESSES", "true")
-    assert extract_config({}).allow_private is True
-    assert extract_config({"tool_env": PRIVATE_OFF}).allow_private is False
+    assert extract_config().allow_private is True
+    assert extract_config(ToolSettings(tool_env=PRIVATE_OFF)).allow_private is False
     with pytest.raises(ToolConfigError, match="WEB_ALLOW_PRIVATE_ADDRESSES"):
-        extract_config({"tool_env": {"WEB_ALLOW_PRIVATE_ADDRESSES": "maybe"}})
+        extract_config(ToolSettings(tool_env={"WEB_ALLOW_PRIVATE_ADDRESSES": "maybe"}))
 
 
 def test_extract_of_a_live_local_server_is_refused_and_sends_nothing(own_site, tool_ctx, call_tool):

@@ -15,16 +15,18 @@ from typing import Any
 from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 
 BACKENDS: dict[str, str] = {
-    "local": "batchrun.prompt.sandboxes.local:LocalSandbox",
-    "docker": "batchrun.prompt.sandboxes.docker:DockerSandbox",
+    "local": "batchrun.prompt.sandboxes.local.sandbox:LocalSandbox",
+    "docker": "batchrun.prompt.sandboxes.docker.sandbox:DockerSandbox",
     "singularity": "batchrun.prompt.sandboxes.singularity:SingularitySandbox",
     "modal": "batchrun.prompt.sandboxes.modal:ModalSandbox",
 }
+DEFAULT_BACKEND = "local"  # without --sandbox or TERMINAL_ENV
 ENTRY_POINT_GROUP = "batch_runner.sandboxes"
 EXTRAS = {"modal": "modal"}  # backend -> the extra that brings its SDK
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_BACKEND",
     "ENTRY_POINT_GROUP",
     "ExecResult",
     "Sandbox",

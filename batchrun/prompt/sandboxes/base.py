@@ -126,6 +126,12 @@ class SandboxBackend:
     starts_per_cpu: ClassVar[int | None] = None  # a start bound by this machine's CPU: at most this
     # many at once per core (None: bounded by --max_sandbox_starts alone)
     direct_files: ClassVar[bool] = False  # implements DirectFileAccess (the file tools skip commands)
+    synchronous_stop: ClassVar[bool] = (
+        False  # a stop of a few ms: on the prompt's thread, never the stopper's
+    )
+    # The per-prompt limits this machine itself must be able to give ("memory", "cpus"): a flag asking
+    # for more than it has stops the run at start. A remote backend's machines are not this one.
+    host_bounds: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
@@ -243,8 +249,8 @@ def check_option_types(options: Any, backend: str, *, positive: tuple[str, ...] 
 
 @functools.cache
 def _field_types(options_cls: type) -> tuple[tuple[str, Any, tuple[type, ...]], ...]:
-    """(name, annotation, the types a value may have) of each field; resolving the annotations cost
-    ~0.5 ms of CPU, once per sandbox start before this was kept."""
+    """(name, annotation, the types a value may have) of each field; resolved once per
+    options class: resolving annotations costs more than the check itself, at every sandbox start."""
     hints = get_type_hints(options_cls)
     found = []
     for f in fields(options_cls):

@@ -29,7 +29,6 @@ WebSockets (tunnelled with CONNECT) and a name whose DNS answer changes after th
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
 import concurrent.futures
@@ -39,7 +38,10 @@ import re
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # asyncio is imported where the browser runs: every run imports this module
+    import asyncio
 
 from batchrun.prompt.tools.browser_egress import (
     FAILED_HEADER,
@@ -49,7 +51,7 @@ from batchrun.prompt.tools.browser_egress import (
     EgressProxy,
     refusal_message,
 )
-from batchrun.prompt.tools.config import BROWSER_FLAGS, BrowserConfig, browser_config, run_dir, vision_config
+from batchrun.prompt.tools.config import BROWSER_FLAGS, BrowserConfig, browser_config, vision_config
 from batchrun.prompt.tools.registry import (
     Tool,
     ToolArgumentError,
@@ -98,6 +100,8 @@ class BrowserHost:
     # -- the loop thread -------------------------------------------------------------------
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        import asyncio
+
         with self._lock:
             alive = self._thread is not None and self._thread.is_alive()
             if self._loop is None or self._pid != os.getpid() or not alive:
@@ -119,6 +123,8 @@ class BrowserHost:
 
     def call(self, make: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
         """Run ``make()`` on the browser loop and wait for it at most ``timeout_s`` seconds."""
+        import asyncio
+
         loop = self._ensure_loop()
         future = asyncio.run_coroutine_threadsafe(_call(make), loop)
         try:
@@ -129,6 +135,8 @@ class BrowserHost:
 
     def submit(self, make: Callable[[], Awaitable[Any]]) -> None:
         """Schedule ``make()`` on the loop without waiting (for cleanup from any thread)."""
+        import asyncio
+
         with self._lock:
             loop = self._loop if self._pid == os.getpid() else None
         if loop is not None and not loop.is_closed():
@@ -138,6 +146,8 @@ class BrowserHost:
 
     async def browser(self, cfg: BrowserConfig) -> Any:
         """The running Chromium, launched (again, after a crash) when needed. Loop thread only."""
+        import asyncio
+
         if self._launching is None:
             self._launching = asyncio.Lock()
         async with self._launching:
@@ -169,6 +179,8 @@ class BrowserHost:
                 if self._playwright is not None:
                     await self._playwright.stop()
                 self._browser = self._playwright = None
+
+        import asyncio  # loaded already: the loop exists
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=15)
@@ -313,6 +325,8 @@ class BrowserSession:
             pass
 
     async def run(self, op: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        import asyncio
+
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -361,6 +375,8 @@ class BrowserSession:
 
     async def _settle(self, page: Any) -> None:
         """Give a navigation an action may have started the time to reach DOMContentLoaded."""
+        import asyncio
+
         await asyncio.sleep(0.15)
         page = self.page or page
         try:
@@ -462,6 +478,8 @@ class BrowserSession:
         return {"success": True, "typed": text, "into": f"@{ref}", **await self._where()}
 
     async def scroll(self, direction: str) -> dict[str, Any]:
+        import asyncio
+
         page = await self._page()
         w, h = self.cfg.viewport
         await page.mouse.move(w / 2, h / 2)
@@ -610,12 +628,12 @@ def _session(ctx: ToolContext) -> BrowserSession:
     session = ctx.resources.get(RESOURCE_KEY)
     if session is not None:
         return session
-    cfg = browser_config(ctx.extra)
+    cfg = browser_config(ctx.settings)
     if cfg is None:
         raise BrowserToolError("the browser is not available (Playwright or Chromium missing)")
     from batchrun.prompt.tools.image_gen import prompt_stem
 
-    session = BrowserSession(HOST, cfg, run_dir(ctx.extra), prompt_stem(ctx))
+    session = BrowserSession(HOST, cfg, ctx.settings.run_dir, prompt_stem(ctx))
     ctx.resources[RESOURCE_KEY] = session
     # Safety net for a runner that forgets close_prompt_resources: close when the context is collected.
     weakref.finalize(ctx, session.close, False)
@@ -707,7 +725,7 @@ def browser_vision(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
     question = args["question"].strip() or "Describe what this page shows."
     annotate = bool(args.get("annotate") or False)
-    cfg = vision_config(ctx.extra)
+    cfg = vision_config(ctx.settings)
     if cfg is None:
         return {"error": "browser_vision needs a vision model, and none is configured"}
     shot: dict[str, Any] = {}
@@ -741,7 +759,7 @@ def browser_vision(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 register_toolset_check(
     "browser",
-    lambda extra: browser_config(extra) is not None,
+    lambda settings: browser_config(settings) is not None,
     "the playwright package and Chromium (apt-get install chromium), BROWSER_ENABLED not 0",
 )
 
@@ -878,4 +896,4 @@ for _name, _handler, _description, _parameters in (
         },
     ),
 ):
-    register(Tool(_name, "browser", _description, _parameters, _handler))
+    register(Tool(_name, "browser", _description, _parameters, _handler, sandbox_network=False))

@@ -9,12 +9,14 @@ checked, so redirect hops, WebSockets and DNS rebinding meet the same check (see
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import urllib.parse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchrun.prompt.tools import web
+
+if TYPE_CHECKING:  # asyncio is imported where the proxy runs (see browser.py)
+    import asyncio
 
 MAX_LOGGED = 200  # refusals and failures kept per prompt
 
@@ -70,6 +72,8 @@ class AddressGuard:
 
     async def resolve(self, host: str, port: int) -> list[tuple[Any, ...]]:
         """``web.resolve_public`` off the loop: PrivateAddressError, OSError, or the addresses."""
+        import asyncio
+
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, web.resolve_public, host, port)
 
@@ -77,6 +81,8 @@ class AddressGuard:
         """The non-public address ``url``'s host resolves to, "" for an unparsable URL, else None
         (also when the name does not resolve: the proxy then fails the request itself). Verdicts
         are kept a little while; the proxy checks every connection regardless."""
+        import asyncio
+
         where = _host_port(url)
         if where is None:
             return ""
@@ -117,6 +123,8 @@ class EgressProxy:
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def start(self) -> None:
+        import asyncio
+
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=_PROXY_HEAD_LIMIT)
 
     async def close(self) -> None:
@@ -140,6 +148,8 @@ class EgressProxy:
         self, host: str, port: int, what: str, client: asyncio.StreamWriter
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """A connection to a checked address of ``host``, or None after answering the client."""
+        import asyncio
+
         try:
             infos = await self.guard.resolve(host, port)
         except web.PrivateAddressError as exc:
@@ -176,6 +186,8 @@ class EgressProxy:
         await self._answer(client, "502 Bad Gateway", text, f"{FAILED_HEADER}: {code}\r\n")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import asyncio
+
         self._writers.add(writer)
         upstream: asyncio.StreamWriter | None = None
         try:
@@ -259,6 +271,8 @@ class EgressProxy:
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    import asyncio
+
     try:
         while True:
             data = await reader.read(65536)
@@ -277,6 +291,8 @@ async def _relay(
     b_writer: asyncio.StreamWriter,
 ) -> None:
     """Copy both ways until either side closes."""
+    import asyncio
+
     tasks = [
         asyncio.ensure_future(_copy(a_reader, b_writer)),
         asyncio.ensure_future(_copy(b_reader, a_writer)),

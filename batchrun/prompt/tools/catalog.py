@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import Any
 
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.prompt.tools import plugins, registry
+from batchrun.prompt.tools.config import NO_SETTINGS, ToolSettings
 from batchrun.prompt.tools.plugins import load_plugins
 from batchrun.prompt.tools.registry import (
     _REGISTRY,
@@ -76,35 +76,34 @@ def known_tool_names() -> list[str]:
     return sorted(all_tools())
 
 
-def available_toolsets(extra: dict[str, Any] | None = None) -> set[str]:
+def available_toolsets(settings: ToolSettings = NO_SETTINGS) -> set[str]:
     """Toolsets that have a tool here and whose configuration is present.
 
-    ``extra`` is what the runner puts in ``ToolContext.extra`` (the run's endpoint, run_dir, ...).
+    ``settings`` are the run's (what the runner puts in ``ToolContext.settings``).
     Raises ``ToolConfigError`` (a ValueError naming the variable) for a bad setting.
     """
-    extra = extra or {}
     present = {t.toolset for t in all_tools().values()}
-    return {ts for ts in present if ts not in _TOOLSET_CHECKS or _TOOLSET_CHECKS[ts](extra)}
+    return {ts for ts in present if ts not in _TOOLSET_CHECKS or _TOOLSET_CHECKS[ts](settings)}
 
 
-def tools_for_toolsets(toolsets: list[str], extra: dict[str, Any] | None = None) -> list[Tool]:
+def tools_for_toolsets(toolsets: list[str], settings: ToolSettings = NO_SETTINGS) -> list[Tool]:
     """The tools offered for the given toolsets, in registry order.
 
     A tool that belongs to another toolset as well (``also_in``) comes with it only when its own
-    toolset is configured under ``extra`` (the run's ``ToolContext.extra``; None: this environment).
+    toolset is configured under ``settings`` (the run's ``ToolContext.settings``; default: this environment).
     """
     wanted = set(toolsets)
     return [
         t
         for t in all_tools().values()
-        if t.toolset in wanted or (wanted.intersection(t.also_in) and _configured(t.toolset, extra))
+        if t.toolset in wanted or (wanted.intersection(t.also_in) and _configured(t.toolset, settings))
     ]
 
 
-def _configured(toolset: str, extra: dict[str, Any] | None) -> bool:
+def _configured(toolset: str, settings: ToolSettings) -> bool:
     check = _TOOLSET_CHECKS.get(toolset)
     try:
-        return check is None or bool(check(extra or {}))
+        return check is None or bool(check(settings))
     except ValueError:  # a bad setting: the run's preflight reports it; here the tool is just not offered
         return False
 

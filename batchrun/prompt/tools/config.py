@@ -4,18 +4,10 @@ A toolset is offered only when its settings are present (``available_toolsets``)
 bad value (an unknown provider, a number that is not one) raises :class:`ToolConfigError`
 naming the variable, so a run fails at start rather than on its thousandth prompt.
 
-Where settings come from: ``os.environ``, overlaid by ``extra["tool_env"]`` (a dict of the same
-variable names, so a runner or a test can set them without touching the process environment).
-The run's own endpoint comes from ``ToolContext.extra``:
-
-=================  =========================================================================
-``llm_base_url``   the run's OpenAI-compatible base URL (``--base_url``)
-``llm_api_key``    the run's API key (never written to results)
-``llm_model``      the run's model (``--model``)
-``run_dir``        the run's output directory; generated images and screenshots go below it
-``tool_env``       overrides of the variables below; the runner passes ``tool_env_snapshot()``
-                   taken in the parent, so workers see the same settings
-=================  =========================================================================
+Where settings come from: ``os.environ``, overlaid by :attr:`ToolSettings.tool_env` (a dict of the
+same variable names, so a runner or a test can set them without touching the process environment).
+The run's own endpoint and directory come from :class:`ToolSettings` too (``ToolContext.settings``),
+built once in the parent (``run_tool_settings``) and pickled into each worker.
 
 Variables (``*_S`` are seconds, ``*_BYTES`` bytes, ``*_CHARS`` characters):
 
@@ -70,14 +62,8 @@ import os
 import shutil
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-EXTRA_BASE_URL = "llm_base_url"
-EXTRA_API_KEY = "llm_api_key"
-EXTRA_MODEL = "llm_model"
-EXTRA_RUN_DIR = "run_dir"
-EXTRA_TOOL_ENV = "tool_env"
 
 SEARCH_PROVIDERS = ("tavily", "brave", "searxng", "exa", "firecrawl")
 _PROVIDER_DEFAULT_URLS = {
@@ -153,31 +139,46 @@ class ToolConfigError(ValueError):
 # ----------------------------------------------------------------------------- reading values
 
 
-def settings(extra: Mapping[str, Any] | None) -> dict[str, str]:
-    """The variables in force: the environment overlaid by ``extra["tool_env"]``."""
-    env = dict(os.environ)
-    overrides = (extra or {}).get(EXTRA_TOOL_ENV) or {}
-    env.update({str(k): str(v) for k, v in overrides.items()})
-    return env
+@dataclass(frozen=True)
+class ToolSettings:
+    """What the optional toolsets need of the run: its endpoint (vision, moa, image_gen default to it),
+    its directory (generated images, screenshots) and the tool variables in force."""
+
+    llm_base_url: str | None = None  # the run's OpenAI-compatible base URL (--base_url)
+    llm_api_key: str | None = None  # the run's API key: never written to results
+    llm_model: str | None = None  # the run's model (--model)
+    run_dir: str | None = None  # the run's output directory
+    # Overrides of the variables below; the runner passes tool_env_snapshot() taken in the parent,
+    # so workers see the same settings whatever their own environment.
+    tool_env: Mapping[str, str] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """The variables in force: the environment overlaid by ``tool_env``."""
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in self.tool_env.items()})
+        return env
+
+
+NO_SETTINGS = ToolSettings()  # outside a run: this process's environment, no run endpoint
 
 
 def tool_env_snapshot(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The tool variables set in ``env`` (default: this process's environment), for
-    ``extra["tool_env"]``: worker processes then see the parent's settings whatever their own
+    ``ToolSettings.tool_env``: worker processes then see the parent's settings whatever their own
     environment. The values of SECRET_ENV_VARS are API keys: keep them out of any output."""
     env = os.environ if env is None else env
     return {name: env[name] for name in TOOL_ENV_VARS if env.get(name)}
 
 
-def run_tool_extra(*, base_url: str, api_key: str | None, model: str, run_dir: str) -> dict[str, Any]:
-    """``ToolContext.extra`` for a run: its endpoint (vision, moa), its directory (images), the tool settings."""
-    return {
-        EXTRA_BASE_URL: base_url,
-        EXTRA_API_KEY: api_key,
-        EXTRA_MODEL: model,
-        EXTRA_RUN_DIR: run_dir,
-        EXTRA_TOOL_ENV: tool_env_snapshot(),
-    }
+def run_tool_settings(*, base_url: str, api_key: str | None, model: str, run_dir: str) -> ToolSettings:
+    """A run's tool settings: its endpoint (vision, moa), its directory (images), the tool variables."""
+    return ToolSettings(
+        llm_base_url=base_url,
+        llm_api_key=api_key,
+        llm_model=model,
+        run_dir=run_dir,
+        tool_env=tool_env_snapshot(),
+    )
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -243,17 +244,16 @@ class Endpoint:
     model: str
 
 
-def _endpoint(env: Mapping[str, str], extra: Mapping[str, Any], prefix: str) -> tuple[str, str | None] | None:
+def _endpoint(env: Mapping[str, str], run: ToolSettings, prefix: str) -> tuple[str, str | None] | None:
     """(base_url, api_key) for a toolset: its own variables, else the run's endpoint."""
-    own = _url(env, f"{prefix}_BASE_URL")
-    run_url = (extra or {}).get(EXTRA_BASE_URL)
-    run_key = (extra or {}).get(EXTRA_API_KEY)
-    if own is None and not run_url:
+    own_url = _url(env, f"{prefix}_BASE_URL")
+    run_url = run.llm_base_url
+    if own_url is None and not run_url:
         return None
-    base_url = own or str(run_url).rstrip("/")
+    base_url = own_url or str(run_url).rstrip("/")
     key = _get(env, f"{prefix}_API_KEY")
     if key is None and base_url == str(run_url or "").rstrip("/"):
-        key = run_key or None
+        key = run.llm_api_key or None
     return base_url, key
 
 
@@ -299,9 +299,9 @@ class ExtractConfig:
     allow_private: bool = False  # WEB_ALLOW_PRIVATE_ADDRESSES: fetch from private addresses too
 
 
-def search_config(extra: Mapping[str, Any] | None = None) -> SearchConfig | None:
+def search_config(run: ToolSettings = NO_SETTINGS) -> SearchConfig | None:
     """The search provider in force, or None when none is configured."""
-    env = settings(extra)
+    env = run.env()
     provider = _get(env, "WEB_SEARCH_PROVIDER")
     if provider is not None:
         provider = provider.lower()
@@ -337,8 +337,8 @@ def search_config(extra: Mapping[str, Any] | None = None) -> SearchConfig | None
     )
 
 
-def extract_config(extra: Mapping[str, Any] | None = None) -> ExtractConfig:
-    env = settings(extra)
+def extract_config(run: ToolSettings = NO_SETTINGS) -> ExtractConfig:
+    env = run.env()
     return ExtractConfig(
         timeout_s=_number(env, "WEB_TIMEOUT_S", 30.0),
         max_bytes=_number(env, "WEB_EXTRACT_MAX_BYTES", 5_000_000, integer=True),
@@ -360,10 +360,10 @@ class VisionConfig:
     timeout_s: float  # one model call
 
 
-def vision_config(extra: Mapping[str, Any] | None = None) -> VisionConfig | None:
-    env = settings(extra)
-    model = _get(env, "VISION_MODEL") or (extra or {}).get(EXTRA_MODEL)
-    where = _endpoint(env, extra or {}, "VISION")
+def vision_config(run: ToolSettings = NO_SETTINGS) -> VisionConfig | None:
+    env = run.env()
+    model = _get(env, "VISION_MODEL") or run.llm_model
+    where = _endpoint(env, run, "VISION")
     if where is None or not model:
         return None
     return VisionConfig(
@@ -402,12 +402,12 @@ def _sizes(env: Mapping[str, str]) -> dict[str, str]:
     return sizes
 
 
-def image_gen_config(extra: Mapping[str, Any] | None = None) -> ImageGenConfig | None:
-    env = settings(extra)
+def image_gen_config(run: ToolSettings = NO_SETTINGS) -> ImageGenConfig | None:
+    env = run.env()
     model = _get(env, "IMAGE_GEN_MODEL")
     if model is None:
         return None
-    where = _endpoint(env, extra or {}, "IMAGE_GEN")
+    where = _endpoint(env, run, "IMAGE_GEN")
     if where is None:
         return None
     fmt = _get(env, "IMAGE_GEN_RESPONSE_FORMAT")
@@ -438,16 +438,16 @@ class MoaConfig:
     timeout_s: float  # one model call
 
 
-def moa_config(extra: Mapping[str, Any] | None = None) -> MoaConfig | None:
-    env = settings(extra)
-    run_model = (extra or {}).get(EXTRA_MODEL)
+def moa_config(run: ToolSettings = NO_SETTINGS) -> MoaConfig | None:
+    env = run.env()
+    run_model = run.llm_model
     raw_refs = _get(env, "MOA_REFERENCE_MODELS")
     refs = tuple(m.strip() for m in raw_refs.split(",") if m.strip()) if raw_refs else ()
     if raw_refs and not refs:
         raise ToolConfigError(f"MOA_REFERENCE_MODELS names no model: {raw_refs!r}")
     refs = refs or ((str(run_model),) if run_model else ())
     aggregator = _get(env, "MOA_AGGREGATOR_MODEL") or (str(run_model) if run_model else None)
-    where = _endpoint(env, extra or {}, "MOA")
+    where = _endpoint(env, run, "MOA")
     if where is None or not refs or not aggregator:
         return None
     min_ok = _number(env, "MOA_MIN_SUCCESSFUL", 1, integer=True)
@@ -523,8 +523,8 @@ def pip_line(extras: Iterable[str]) -> str:
     return f"pip install 'batch-runner[{','.join(sorted(set(extras)))}]'"
 
 
-def browser_config(extra: Mapping[str, Any] | None = None) -> BrowserConfig | None:
-    env = settings(extra)
+def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
+    env = run.env()
     enabled = (_get(env, "BROWSER_ENABLED") or "1").lower()
     if enabled not in ("1", "0", "true", "false", "yes", "no"):
         raise ToolConfigError(f"BROWSER_ENABLED must be 1 or 0, got {enabled!r}")
@@ -545,8 +545,3 @@ def browser_config(extra: Mapping[str, Any] | None = None) -> BrowserConfig | No
         viewport=(int(w), int(h)),
         allow_private=allow_private_addresses(env),
     )
-
-
-def run_dir(extra: Mapping[str, Any] | None) -> str | None:
-    value = (extra or {}).get(EXTRA_RUN_DIR)
-    return str(value) if value else None

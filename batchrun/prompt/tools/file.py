@@ -454,6 +454,7 @@ register(
             "required": ["path"],
         },
         handler=read_file,
+        sandbox_network=False,  # on the host, or files only
     )
 )
 
@@ -475,6 +476,7 @@ register(
             "required": ["path", "content"],
         },
         handler=write_file,
+        sandbox_network=False,  # on the host, or files only
     )
 )
 
@@ -503,6 +505,7 @@ register(
             "required": ["path", "old_string", "new_string"],
         },
         handler=patch,
+        sandbox_network=False,  # on the host, or files only
     )
 )
 
@@ -549,5 +552,6 @@ register(
             "required": ["pattern"],
         },
         handler=search_files,
+        sandbox_network=False,  # on the host, or files only
     )
 )

@@ -20,7 +20,6 @@ from batchrun.prompt.tools.config import (
     ASPECT_RATIOS,
     image_gen_config,
     model_client,
-    run_dir,
 )
 from batchrun.prompt.tools.registry import (
     Tool,
@@ -71,10 +70,10 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     aspect = args.get("aspect_ratio") or "landscape"
     if aspect not in ASPECT_RATIOS:
         raise ToolArgumentError(f"aspect_ratio must be one of {', '.join(ASPECT_RATIOS)}, got {aspect!r}")
-    cfg = image_gen_config(ctx.extra)
+    cfg = image_gen_config(ctx.settings)
     if cfg is None:
         return {"error": "image generation is not configured (set IMAGE_GEN_MODEL)"}
-    out_dir = run_dir(ctx.extra)
+    out_dir = ctx.settings.run_dir
     if out_dir is None:
         return {"error": "image generation has nowhere to save images (the runner gave no run_dir)"}
     timeout_s = min(cfg.timeout_s, ctx.tool_timeout_s)
@@ -133,7 +132,7 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 register_toolset_check(
     "image_gen",
-    lambda extra: image_gen_config(extra) is not None,
+    lambda settings: image_gen_config(settings) is not None,
     "IMAGE_GEN_MODEL (an OpenAI-compatible images endpoint)",
 )
 
@@ -162,5 +161,6 @@ register(
             "required": ["prompt"],
         },
         handler=image_generate,
+        sandbox_network=False,  # on the host, or files only
     )
 )

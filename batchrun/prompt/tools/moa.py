@@ -61,7 +61,7 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     user_prompt = args["user_prompt"].strip()
     if not user_prompt:
         raise ToolArgumentError("user_prompt must not be empty")
-    cfg = moa_config(ctx.extra)
+    cfg = moa_config(ctx.settings)
     if cfg is None:
         return {"error": "mixture_of_agents is not configured (no models or endpoint)"}
     # The reference calls run in parallel and the aggregator after them: each gets half the budget.
@@ -110,7 +110,7 @@ def mixture_of_agents(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 register_toolset_check(
     "moa",
-    lambda extra: moa_config(extra) is not None,
+    lambda settings: moa_config(settings) is not None,
     "a model endpoint (the run's, or MOA_BASE_URL) and models (MOA_REFERENCE_MODELS, MOA_AGGREGATOR_MODEL)",
 )
 
@@ -135,5 +135,6 @@ register(
             "required": ["user_prompt"],
         },
         handler=mixture_of_agents,
+        sandbox_network=False,  # on the host, or files only
     )
 )

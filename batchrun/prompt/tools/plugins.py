@@ -116,6 +116,7 @@ def _tool(toolset: str, index: int, definition: Any) -> Tool:
             "description": definition.description,
             "parameters": definition.parameters,
             "handler": definition.handler,
+            "sandbox_network": definition.sandbox_network,
         }
     if not isinstance(definition, Mapping):
         raise ValueError(f"{where}: expected a mapping, got {type(definition).__name__}")
@@ -133,12 +134,16 @@ def _tool(toolset: str, index: int, definition: Any) -> Tool:
     check_parameters(spec.get("parameters", {"type": "object", "properties": {}}), where)
     if not callable(handler):
         raise ValueError(f"{where}: 'handler' must be a function handler(ctx, args) -> dict")
+    sandbox_network = definition.get("sandbox_network", True)
+    if not isinstance(sandbox_network, bool):
+        raise ValueError(f"{where}: 'sandbox_network' must be true or false, got {sandbox_network!r}")
     return Tool(
         name=name,
         toolset=toolset,
         description=description,
         parameters=dict(spec.get("parameters") or {"type": "object", "properties": {}}),
         handler=_checked_result(name, handler),
+        sandbox_network=sandbox_network,
     )
 
 

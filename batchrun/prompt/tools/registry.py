@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.prompt.sandboxes.base import Sandbox
+from batchrun.prompt.tools.config import NO_SETTINGS, ToolSettings
 
 # The built-in toolsets, the one table of them: toolset NAME is module batchrun.prompt.tools.NAME,
 # which batchrun.prompt.tools.catalog imports to register its tools.
@@ -29,7 +30,7 @@ class ToolContext:
     sandbox: Sandbox
     tool_timeout_s: float = 180.0  # wall-clock limit of one tool call
     output_cap_bytes: int = 64 * 1024  # most bytes of command output shown to the model
-    extra: dict[str, Any] = field(default_factory=dict)  # per-run settings of optional toolsets
+    settings: ToolSettings = NO_SETTINGS  # the run's endpoint, run_dir and tool variables (optional toolsets)
     usage: Any = (
         None  # batchrun.prompt.llm.Usage of the prompt: model calls made by tools (vision, moa) count too
     )
@@ -55,6 +56,10 @@ class Tool:
     # False: the handler's far end checks the arguments against the schema itself (an MCP server
     # does, and may accept what this checker would not); here only "a JSON object" is required.
     check_schema: bool = True
+    # False: the tool never runs anything in the prompt's sandbox that could use its network (it works
+    # on the host, or only reads and writes files there). A prompt offered no tool that may gets no
+    # network (the sandbox starts faster): only the command-running tools, and plugins' by default.
+    sandbox_network: bool = True
 
     def openai_schema(self) -> dict[str, Any]:
         return {
@@ -68,7 +73,7 @@ class ToolArgumentError(ValueError):
 
 
 _REGISTRY: dict[str, Tool] = {}
-_TOOLSET_CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {}
+_TOOLSET_CHECKS: dict[str, Callable[[ToolSettings], bool]] = {}
 _TOOLSET_NEEDS: dict[str, str] = {}
 
 
@@ -138,9 +143,9 @@ def toolset_source(name: str) -> str:
 
 
 def register_toolset_check(
-    toolset: str, is_configured: Callable[[dict[str, Any]], bool], needs: str = ""
+    toolset: str, is_configured: Callable[[ToolSettings], bool], needs: str = ""
 ) -> None:
-    """Offer ``toolset`` only when ``is_configured(extra)`` holds (see batchrun/prompt/tools/config.py).
+    """Offer ``toolset`` only when ``is_configured(settings)`` holds (see batchrun/prompt/tools/config.py).
 
     The check may raise ``ToolConfigError`` (a ValueError) for a setting that is present but bad.
     ``needs`` says, for messages to the user, what makes the toolset available.
@@ -231,3 +236,8 @@ def cap_result(text: str, ctx: ToolContext) -> str:
         f"{len(data) - len(kept.encode()):,} dropped (the cap on every tool result is {cap:,} bytes)"
     )
     return json.dumps({"truncated_result": kept, "note": note}, ensure_ascii=False)
+
+
+def needs_sandbox_network(tools: list[Tool]) -> bool:
+    """Whether any of ``tools`` may use the prompt's sandbox network (see ``Tool.sandbox_network``)."""
+    return any(t.sandbox_network for t in tools)

@@ -20,7 +20,6 @@ from batchrun.prompt.tools.config import (
     allow_private_addresses,
     extract_config,
     model_client,
-    settings,
     vision_config,
 )
 from batchrun.prompt.tools.registry import (
@@ -62,7 +61,7 @@ def load_image(ctx: ToolContext, source: str, max_bytes: int) -> tuple[bytes, st
         raise ToolArgumentError("image_url must not be empty")
     scheme = urllib.parse.urlsplit(source).scheme.lower()
     if scheme in ("http", "https"):
-        web = extract_config(ctx.extra)
+        web = extract_config(ctx.settings)
         try:
             page = fetch_url(
                 source,
@@ -71,7 +70,7 @@ def load_image(ctx: ToolContext, source: str, max_bytes: int) -> tuple[bytes, st
                 user_agent=web.user_agent,
                 headers={"Accept": "image/*"},
                 # The URL is the model's choice: the host's private network is off limits (see web.py).
-                public_only=not allow_private_addresses(settings(ctx.extra)),
+                public_only=not allow_private_addresses(ctx.settings.env()),
             )
         except FetchError as exc:
             raise VisionError(str(exc)) from None
@@ -144,7 +143,7 @@ def ask_about_image(
 
 def vision_analyze(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     question = args["question"].strip() or "Describe this image in detail."
-    cfg = vision_config(ctx.extra)
+    cfg = vision_config(ctx.settings)
     if cfg is None:
         return {"error": "vision is not configured (no vision model or endpoint)"}
     try:
@@ -163,7 +162,7 @@ def vision_analyze(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 register_toolset_check(
     "vision",
-    lambda extra: vision_config(extra) is not None,
+    lambda settings: vision_config(settings) is not None,
     "a model endpoint (the run's, or VISION_BASE_URL) and a model (VISION_MODEL)",
 )
 
@@ -192,5 +191,6 @@ register(
             "required": ["image_url", "question"],
         },
         handler=vision_analyze,
+        sandbox_network=False,  # on the host, or files only
     )
 )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from email.message import Message
 from typing import Any
 
-from batchrun.prompt.tools.config import SearchConfig, extract_config, search_config
+from batchrun.prompt.tools.config import SearchConfig, ToolSettings, extract_config, search_config
 from batchrun.prompt.tools.registry import (
     Tool,
     ToolArgumentError,
@@ -353,7 +353,7 @@ def _looks_like_html(body: bytes) -> bool:
 
 
 def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any]:
-    cfg = extract_config(ctx.extra)
+    cfg = extract_config(ctx.settings)
     entry: dict[str, Any] = {"url": url, "title": "", "content": "", "error": None}
     try:
         url = check_http_url(url)
@@ -411,7 +411,7 @@ def web_extract(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         raise ToolArgumentError("urls must be a non-empty list of URL strings")
     if len(urls) > MAX_URLS:
         raise ToolArgumentError(f"at most {MAX_URLS} URLs per call, got {len(urls)}")
-    cfg = extract_config(ctx.extra)
+    cfg = extract_config(ctx.settings)
     share = max(MIN_PAGE_CHARS, (ctx.output_cap_bytes - 1024) // len(urls))
     budget = min(cfg.max_chars, share)
     results = [_extract_one(u, budget, ctx) for u in urls]
@@ -499,7 +499,7 @@ def web_search(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     query = args["query"].strip()
     if not query:
         raise ToolArgumentError("query must not be empty")
-    cfg = search_config(ctx.extra)
+    cfg = search_config(ctx.settings)
     if cfg is None:
         return {"error": "web search is not configured (set WEB_SEARCH_PROVIDER and its API key)"}
     cfg = SearchConfig(
@@ -520,8 +520,8 @@ def _redact(text: str, secret: str | None) -> str:
     return text.replace(secret, "***") if secret else text
 
 
-def _web_configured(extra: dict[str, Any]) -> bool:
-    return search_config(extra) is not None
+def _web_configured(settings: ToolSettings) -> bool:
+    return search_config(settings) is not None
 
 
 # ----------------------------------------------------------------------------- registration
@@ -545,6 +545,7 @@ register(
             "required": ["query"],
         },
         handler=web_search,
+        sandbox_network=False,  # on the host, or files only
     )
 )
 
@@ -572,5 +573,6 @@ register(
             "required": ["urls"],
         },
         handler=web_extract,
+        sandbox_network=False,  # on the host, or files only
     )
 )

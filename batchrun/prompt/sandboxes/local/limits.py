@@ -136,6 +136,23 @@ def limits_mechanism() -> str:
     return f"rlimits: RLIMIT_AS per process, {proc}, no CPU limit ({layout})"
 
 
+# The run parents this process made and delegated controllers in (forgotten when it removes one).
+_READY_PARENTS: set[str] = set()
+
+
+def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
+    """The run's parent cgroup, made and its controllers delegated: once per process, not per prompt."""
+    if run_dir in _READY_PARENTS:
+        return
+    try:
+        os.mkdir(run_dir)
+    except FileExistsError:
+        pass
+    if version == 2:
+        _write(os.path.join(run_dir, "cgroup.subtree_control"), " ".join(f"+{c}" for c in controllers))
+    _READY_PARENTS.add(run_dir)
+
+
 class PromptCgroup:
     """One prompt's cgroup in every hierarchy; ``remove`` is safe to call twice.
 
@@ -154,17 +171,14 @@ class PromptCgroup:
         try:
             for base, controllers in by_base.items():
                 run_dir = os.path.join(base, parent)
-                try:
-                    os.mkdir(run_dir)
-                except FileExistsError:
-                    pass
-                if layout.version == 2:
-                    _write(
-                        os.path.join(run_dir, "cgroup.subtree_control"),
-                        " ".join(f"+{c}" for c in controllers),
-                    )
                 path = os.path.join(run_dir, name)
-                os.mkdir(path)
+                _ready_parent(run_dir, controllers, layout.version)
+                try:
+                    os.mkdir(path)
+                except FileNotFoundError:  # another thread removed the parent, empty for a moment
+                    _READY_PARENTS.discard(run_dir)
+                    _ready_parent(run_dir, controllers, layout.version)
+                    os.mkdir(path)
                 self.dirs.append(path)
                 for controller in controllers:
                     self._limit(path, controller, limits)
@@ -223,6 +237,7 @@ class PromptCgroup:
                     time.sleep(0.01 * (attempt + 1))
             try:
                 os.rmdir(os.path.dirname(d))
+                _READY_PARENTS.discard(os.path.dirname(d))
             except OSError:
                 pass  # other prompts of the run still use it
         self.dirs = []

@@ -1,13 +1,13 @@
 """Docker backend: one labelled container per prompt, its commands run by a server inside, removed at stop.
 
-The container's main process is a small ``sh`` command server (``_container_server``) that reads
+The container's main process is a small ``sh`` command server (``container_server``) that reads
 requests on its stdin and answers on its stdout, both held by this process through one attach
 stream: a command costs no API call and no ``docker exec`` (only a timeout's kill does). When the
 process holding the stream dies (even by SIGKILL) the kernel closes it, the engine closes stdin,
 and the container ends and removes itself, even in the middle of a command. ``lifetime_s`` bounds
 it anyway.
 
-The run-level helpers live in ``docker_engine`` and are re-exported here: ``check_engine``,
+The run-level helpers live in ``engine``: ``check_engine``,
 ``ensure_images`` and ``storage_size_supported`` (preflight), ``sweep_containers`` and
 ``remove_owned_containers`` (cleanup).
 """
@@ -33,7 +33,6 @@ from typing import IO, Any
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
-from batchrun.prompt.sandboxes import _container_server as server
 from batchrun.prompt.sandboxes._shell import (
     EXEC_TAG_VAR,
     MarkerScanner,
@@ -57,7 +56,8 @@ from batchrun.prompt.sandboxes.base import (
     readable,
     safe_run_name,
 )
-from batchrun.prompt.sandboxes.docker_engine import (
+from batchrun.prompt.sandboxes.docker import container_server as server
+from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
     LABEL_OWNER,
     LABEL_RUN,
@@ -132,6 +132,7 @@ class DockerSandbox(SandboxBackend):
     """One container per prompt, alive while its attach stream is held open; a server in it runs the commands."""
 
     synchronous_start = False  # a container takes a while: it starts during the first model call
+    host_bounds = ("memory", "cpus")  # the engine runs on this machine
 
     # -- run-level steps (see base.Sandbox)
 
@@ -379,7 +380,7 @@ class DockerSandbox(SandboxBackend):
             )
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
-        """Run ``command`` through the container's command server (see ``_container_server``)."""
+        """Run ``command`` through the container's command server (see ``container_server``)."""
         with self._lock:
             if self.container_id is None or self._channel is None:
                 raise SandboxError("docker sandbox is not started")

@@ -1,0 +1,455 @@
+"""The command server: one resident shell per prompt, PID 1 of the prompt's namespace, that runs each
+command in a fresh shell and kills whatever the command left behind."""
+
+from __future__ import annotations
+
+import functools
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from batchrun.prompt.sandboxes._process import kill_process_group
+from batchrun.prompt.sandboxes._shell import MarkerScanner, new_exec_token
+from batchrun.prompt.sandboxes.base import (
+    BACKGROUND_DIR,
+    BACKGROUND_ENV,
+    CappedBuffer,
+    ExecResult,
+    SandboxError,
+    readable,
+)
+from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
+from batchrun.prompt.sandboxes.local.host import command_shell, host_addresses
+from batchrun.prompt.sandboxes.local.netlink import add_unreachable_routes
+from batchrun.prompt.sandboxes.local.options import CTL_DIR
+from batchrun.prompt.sandboxes.local.process_tree import child_of, has_env, namespace_members, spawn
+
+SERVER_READY_TIMEOUT_S = 20.0
+SERVER_STOP_TIMEOUT_S = 2.0
+TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report the killed command
+
+# The server, run by sh (dash: a resident shell ~1.2 ms of CPU cheaper to start than bash) as PID 1
+# of the prompt's PID namespace. Requests come on stdin, one line each: "<seq> <token> <stdin: 0|1>
+# <long: 0|1>"; the command text is in $ctl/<seq>.cmd, followed by one "." (so that no trailing
+# newline of it is lost, whichever way it is read), and its stdin, when given, in $ctl/<seq>.in
+# (files: no size limit, no deadlock, any bytes), else the empty $ctl/empty (read-only, unlike the
+# namespace's /dev/null, which `rm -rf /` removes). dash's `read` takes one system call per byte, so
+# a long command is read with one `cat` instead. Each command runs in a fresh `bash -c` with stdout
+# and stderr on the server's stdout, in the same environment as under a bash server. When it is
+# done, every other process in the namespace is killed (so nothing it left behind writes after the
+# marker or outlives the call, as with one sandbox per command), then the end marker with the exit
+# code is printed. As PID 1 the server gets no signal from inside the namespace it did not ask for,
+# and it reaps the orphans. `kill -9 -1` on the host would be a disaster: the PID check makes sure
+# it never runs there. Once the process tool has started a background process (its directory
+# exists), the sweep must spare the sessions it started and the processes marked with
+# BACKGROUND_ENV (children inherit the mark), reading NUL-separated environments, which only bash
+# can: the sh server then becomes the bash one (`exec`, still PID 1: _BASH_SERVER_SCRIPT, handed the
+# command's token and exit code) for the rest of the prompt.
+_SERVER_SCRIPT = r"""
+[ "$$" = 1 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
+unset SHLVL
+ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 bash_server=$6 nl='
+'
+exec 2>/dev/null
+printf '%s\n' "$3"
+while IFS=' ' read -r seq tok has_in long; do
+    if [ "$long" = 1 ]; then
+        cmd=$(cat "$ctl/$seq.cmd")
+    else
+        cmd= line=
+        while IFS= read -r line; do cmd=$cmd$line$nl; done < "$ctl/$seq.cmd"
+        cmd=$cmd$line
+    fi
+    cmd=${cmd%.}
+    in=$ctl/empty
+    [ "$has_in" = 1 ] && in=$ctl/$seq.in
+    # In a subshell that becomes bash (no extra process): dash writes its "Killed" note for a
+    # command killed at its deadline to its own stderr (/dev/null), not into the command's 2>&1.
+    (exec "$sh" -c "$cmd" < "$in" 2>&1)
+    rc=$?
+    [ -d "$keep_dir" ] && exec "$sh" --noprofile --norc -c "$bash_server" br-server "$1" "$2" "" "$4" "$5" "$tok" "$rc"
+    # Repeat until every other process is a zombie, so that a child forked during a round, or
+    # killed but not yet gone, is dead before the marker. Zombies (orphans now ours) also answer
+    # kill(-1) until the shell reaps them, so they do not count; builtins only: a fork would count.
+    n=0
+    while kill -9 -1 2>/dev/null && [ "$n" -lt 10000 ]; do
+        n=$((n + 1)) live=
+        for s in /proc/[0-9]*/stat; do
+            [ "$s" = /proc/1/stat ] && continue
+            IFS= read -r line < "$s" 2>/dev/null || continue
+            st=${line##*) } && st=${st%% *}
+            [ "$st" = Z ] || { live=1 && break; }
+        done
+        [ -n "$live" ] || break
+    done
+    printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
+done
+"""
+LONG_COMMAND_BYTES = 1024  # from here on the sh server reads a command with `cat` (~1 ms), not `read`
+
+# The bash server the sh server becomes once the process tool has been used (see above); given a
+# token and an exit code ($6, $7), it first finishes that command (the sweep, the marker).
+_BASH_SERVER_SCRIPT = r"""
+unset SHLVL
+ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 keep_env=$5
+exec 2>/dev/null  # not bash's "Killed" notes for a command killed at its deadline
+[ -z "$3" ] || printf '%s\n' "$3"
+# kept <pid> <session>: 0 spare it, 1 kill it, 2 cannot tell yet. A process of a session the process
+# tool started is kept whatever it execs; otherwise the mark in its environment decides, and an
+# environment that reads empty (a process in the middle of an exec) is looked at again next round.
+kept() {
+    local e n=0
+    [ -n "${sessions[$2]}" ] && return 0
+    while IFS= read -r -d '' e; do
+        n=$((n + 1))
+        [ "$e" = "$keep_env" ] && return 0
+    done < "/proc/$1/environ"
+    [ "$n" = 0 ] && return 2
+    return 1
+}
+sweep() {
+    local round p f x st left unsure
+    declare -A sessions=()
+    for f in "$keep_dir"/p*/pid; do { read -r x < "$f" && sessions[$x]=1; } 2>/dev/null; done
+    for ((round = 0; round < 1000; round++)); do
+        left=0 unsure=0
+        for p in /proc/[0-9]*; do
+            p=${p#/proc/}
+            case $p in 1 | $$) continue ;; esac
+            { IFS= read -r st < "/proc/$p/stat"; } 2>/dev/null || continue  # gone meanwhile
+            set -- ${st##*) }  # state ppid pgrp session ...
+            [ "$1" = Z ] && continue
+            kept "$p" "$4" 2>/dev/null
+            case $?:$round in
+                0:*) continue ;;
+                2:?) unsure=1; continue ;;  # for the first 10 rounds
+            esac
+            kill -9 "$p" 2>/dev/null && left=1
+        done
+        [ "$left$unsure" = 00 ] && return
+    done
+}
+[ -z "$6" ] || { sweep; printf '\n[batch-runner-exit:%s]=%s\n' "$6" "$7"; }
+while IFS=' ' read -r seq tok has_in long; do
+    cmd=
+    IFS= read -r -d '' cmd < "$ctl/$seq.cmd"
+    cmd=${cmd%.}
+    in=$ctl/empty
+    [ "$has_in" = 1 ] && in=$ctl/$seq.in
+    "$sh" -c "$cmd" < "$in" 2>&1
+    rc=$?
+    sweep
+    printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"
+done
+"""
+
+
+@functools.cache
+def _server_shell() -> str:
+    """The command server's shell: sh (the PID 1 of each namespace), bash where there is no sh."""
+    return shutil.which("sh") or command_shell()
+
+
+class CommandServer:
+    """One prompt's bubblewrap namespace with a shell that runs its commands one by one."""
+
+    @staticmethod
+    def argv(ctl: str, ready: str) -> list[str]:
+        """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests."""
+        keep_env = "=".join(BACKGROUND_ENV)
+        return [
+            _server_shell(), "-c", _SERVER_SCRIPT, "br-server", ctl, command_shell(), ready, BACKGROUND_DIR, keep_env,
+            _BASH_SERVER_SCRIPT,
+        ]  # fmt: skip
+
+    def __init__(self, launch: list[str], *, ctl: str, env: dict[str, str], output_cap_bytes: int):
+        self.ctl = ctl
+        self.output_cap_bytes = output_cap_bytes
+        self._ready = f"[batch-runner-ready:{new_exec_token()}]"
+        self._seq = 0
+        self._pid: int | None = None  # the server's host PID (bwrap's child)
+        self.files: DirectFiles | None = None  # the namespace's own mounts seen from here, once it is ready
+        self._slirp: subprocess.Popen | None = None  # the namespace's user-mode network, if any
+        self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
+        self.proc = spawn(
+            [*launch, *self.argv(CTL_DIR, self._ready)], cwd="/", env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self._out = self.proc.stdout.fileno()
+        os.set_blocking(self._out, False)
+        self._sel = selectors.PollSelector()  # no descriptor of its own (epoll's), none limited to < 1024
+        self._sel.register(self._out, selectors.EVENT_READ)
+        self._eof = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def alive(self) -> bool:
+        return not self._eof and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        """None once the server said it is ready; else what bwrap or the shell printed instead."""
+        seen = b""
+        deadline = time.monotonic() + timeout_s
+        want = self._ready.encode() + b"\n"
+        while not seen.endswith(want):
+            chunk = self._read(deadline)
+            if chunk is None:
+                return f"no answer within {timeout_s:g} s"
+            if not chunk:
+                text = seen.decode(errors="replace").strip()
+                return text or f"it exited with code {self.proc.wait()}"
+            seen += chunk
+            if len(seen) > 65536:
+                break
+        if seen != want:
+            return seen.decode(errors="replace").replace(self._ready, "").strip() or "unexpected output"
+        self._pid = child_of(self.proc.pid)
+        return None if self._pid else "bubblewrap's child process was not found"
+
+    def connect_network(self) -> None:
+        """Give the namespace the outside world through slirp4netns, but not the host's services.
+
+        ``--disable-host-loopback``: the gateway does not lead to the host's 127.0.0.1; the host's
+        other addresses are made unreachable below. slirp4netns ends when the write end of its
+        exit pipe closes: at ``close``, or when this process dies, however it dies.
+        """
+        exit_r, self._slirp_exit = os.pipe()
+        ready_r, ready_w = os.pipe()
+        argv = ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
+                f"--exit-fd={exit_r}", f"--ready-fd={ready_w}", str(self._pid), "tap0"]  # fmt: skip
+        if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+            argv[-2:-2] = [f"--userns-path=/proc/{self._pid}/ns/user"]  # unprivileged bwrap's own
+        log = os.path.join(os.path.dirname(self.ctl), "slirp4netns.log")  # outside the sandbox's view
+        try:
+            with open(log, "wb") as err:
+                self._slirp = subprocess.Popen(
+                    argv, pass_fds=(exit_r, ready_w), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                    start_new_session=True,
+                )  # fmt: skip
+        except OSError as exc:
+            raise SandboxError(f"local sandbox: slirp4netns could not be started: {exc}") from exc
+        finally:
+            os.close(exit_r)
+            os.close(ready_w)
+        try:
+            ready = readable(ready_r, SERVER_READY_TIMEOUT_S) and os.read(ready_r, 1)
+        finally:
+            os.close(ready_r)
+        if ready != b"1":
+            self._end_network()
+            said = Path(log).read_text(errors="replace").strip().splitlines()
+            raise SandboxError(
+                f"local sandbox: slirp4netns could not connect the sandbox: {said[-1:] or ready!r}"
+            )
+        self._block_host_addresses()
+
+    def _block_host_addresses(self) -> None:
+        """Through slirp4netns, the host's other addresses (a bridge's, say) would reach services that
+        listen on all interfaces, a model server included: make them unreachable inside. The
+        namespace's own copy of the host's address stays local (the local table comes first)."""
+        blocked = host_addresses()
+        if not blocked:
+            return
+        same_userns = os.readlink(f"/proc/{self._pid}/ns/user") == os.readlink("/proc/self/ns/user")
+        if same_userns:  # this process may enter the namespace (as root): no nsenter and ip processes
+            try:
+                add_unreachable_routes(f"/proc/{self._pid}/ns/net", blocked)
+                return
+            except OSError:
+                pass  # the usual way, below, says what is wrong if it fails too
+        script = "".join(f"route add unreachable {a}/{128 if ':' in a else 32}\n" for a in blocked)
+        argv = ["nsenter", f"--net=/proc/{self._pid}/ns/net", "ip", "-batch", "-"]
+        if not same_userns:
+            argv[1:1] = [f"--user=/proc/{self._pid}/ns/user", "--preserve-credentials"]
+        try:
+            done = subprocess.run(argv, input=script.encode(), capture_output=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxError(
+                f"local sandbox: cannot close the host's addresses to the sandbox: {exc}"
+            ) from exc
+        if done.returncode != 0:
+            text = done.stderr.decode(errors="replace").strip()
+            raise SandboxError(f"local sandbox: cannot close the host's addresses to the sandbox: {text}")
+
+    def free_bytes(self, path: str) -> int | None:
+        """Free bytes of the filesystem at ``path`` inside the namespace (seen through /proc), or None."""
+        if self._pid is None or not self.alive():
+            return None
+        try:
+            st = os.statvfs(f"/proc/{self._pid}/root{path}")
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult:
+        self._seq += 1
+        seq, token = self._seq, new_exec_token()
+        cmd_file, in_file = os.path.join(self.ctl, f"{seq}.cmd"), os.path.join(self.ctl, f"{seq}.in")
+        # What bash itself would read of it: up to the first NUL (see _SERVER_SCRIPT for the ".").
+        text = command.partition("\0")[0].encode("utf-8", "surrogateescape") + b"."
+        with open(cmd_file, "wb") as f:
+            f.write(text)
+        if stdin is not None:
+            with open(in_file, "wb") as f:
+                f.write(stdin)
+        buf = CappedBuffer(self.output_cap_bytes)
+        scanner = MarkerScanner(token, buf)
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        try:
+            long = int(len(text) > LONG_COMMAND_BYTES)
+            self.proc.stdin.write(f"{seq} {token} {int(stdin is not None)} {long}\n".encode())
+            self.proc.stdin.flush()
+            while not scanner.done:
+                chunk = self._read(deadline)
+                if chunk is None:
+                    # The deadline: kill what the command started, but keep the server and with it
+                    # the namespace's files; it then reports the killed command as usual.
+                    timed_out = True
+                    self.kill_commands()
+                    self._drain(scanner, time.monotonic() + TIMEOUT_KILL_WAIT_S)
+                    if not scanner.done:
+                        self.kill()
+                    break
+                if not chunk:
+                    break
+                scanner.feed(chunk)
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            for path in (cmd_file, in_file):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if not scanner.done:
+            scanner.finish()
+        output, truncated = buf.result()
+        if timed_out:
+            return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
+        if not scanner.done:  # the server itself ended (bwrap killed from outside, or the OOM killer)
+            self.kill()
+            note = "[the sandbox's shell ended during this command; the next command gets a new one]"
+            return ExecResult(output=(output + "\n" + note).lstrip("\n"), exit_code=137, truncated=truncated)
+        return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
+
+    def kill_commands(self) -> None:
+        """From the host: SIGKILL every process of the namespace but the server, until none is left.
+
+        What the ``process`` tool started in the background (the sessions in its directory, and
+        processes carrying its mark) is spared, as the server's own sweep spares it.
+        """
+        ns = self._namespace()
+        if ns is None:  # the server is gone (or its PID is no longer ours): end the namespace instead
+            self.kill()
+            return
+        keep_sessions = self._background_sessions(ns)
+        mark = "=".join(BACKGROUND_ENV).encode()
+        for _ in range(50):
+            found = False
+            for host_pid, member in namespace_members(ns).items():
+                if host_pid == self._pid:
+                    continue
+                if keep_sessions is not None and (member.session in keep_sessions or has_env(host_pid, mark)):
+                    continue
+                try:
+                    os.kill(host_pid, signal.SIGKILL)
+                    found = True
+                except OSError:
+                    continue
+            if not found:
+                return
+            time.sleep(0.01)
+
+    def _background_sessions(self, ns: str) -> set[int] | None:
+        """Host session ids of what the process tool started, or None when it was never used here."""
+        where = f"/proc/{self._pid}/root/tmp/{BACKGROUND_DIR}"  # the sandbox's own /tmp, seen from the host
+        if not os.path.isdir(where):
+            return None
+        started = set()
+        for entry in os.scandir(where):
+            try:
+                with open(os.path.join(entry.path, "pid")) as f:
+                    started.add(int(f.read().strip()))
+            except (OSError, ValueError):
+                continue
+        return {m.session for m in namespace_members(ns).values() if m.ns_pid in started}
+
+    def _namespace(self) -> str | None:
+        """The server's PID namespace, checked to be its own (never this host's) and still ours."""
+        if self._pid is None or not self.alive():
+            return None
+        try:
+            ns = os.readlink(f"/proc/{self._pid}/ns/pid")
+            status = Path(f"/proc/{self._pid}/status").read_text()
+        except OSError:
+            return None
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        nspid = fields.get("NSpid", "").split()
+        parent = fields.get("PPid", "").strip()
+        if ns == os.readlink("/proc/self/ns/pid") or nspid[-1:] != ["1"] or parent != str(self.proc.pid):
+            return None
+        return ns
+
+    def close(self) -> None:
+        """End the server: EOF on its requests, a short wait, then SIGKILL for the whole namespace."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=SERVER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._sel.close()
+        self.proc.stdout.close()
+        self._end_network()
+        if self.files is not None:
+            self.files.close()
+
+    def kill(self) -> None:
+        kill_process_group(self.proc)  # bwrap (--die-with-parent) takes the whole PID namespace with it
+        self.proc.wait()
+        self._eof = True
+
+    def _end_network(self) -> None:
+        """Close slirp4netns's exit pipe, so it ends; SIGKILL it if it has not within a second."""
+        exit_w, self._slirp_exit = self._slirp_exit, None
+        if exit_w is not None:
+            os.close(exit_w)
+        slirp, self._slirp = self._slirp, None
+        if slirp is not None:
+            try:
+                slirp.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                slirp.kill()
+                slirp.wait()
+
+    def _read(self, deadline: float) -> bytes | None:
+        """The next bytes of output; b"" at EOF, None when the deadline passed first."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not self._sel.select(left):
+                continue
+            try:
+                chunk = os.read(self._out, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                self._eof = True
+            return chunk
+
+    def _drain(self, scanner: MarkerScanner, until: float) -> None:
+        while not self._eof and not scanner.done:
+            chunk = self._read(until)
+            if not chunk:
+                return
+            scanner.feed(chunk)

@@ -1,0 +1,97 @@
+"""Process-tree helpers for the local backend: the spawning thread bwrap needs, the members of a PID
+namespace, the processes one sandbox tagged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_spawner: tuple[int, ThreadPoolExecutor] | None = None
+_spawner_lock = threading.Lock()
+
+
+def spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start bwrap from a thread that lives as long as this process.
+
+    ``--die-with-parent`` is PR_SET_PDEATHSIG, which fires when the *thread* that started the
+    process ends, not the process: a sandbox started on a thread of its own (a start alongside the
+    first model call without a pool of start threads) died as soon as that thread returned, and its
+    first command found the shell gone. One spawning thread per process (made again after a fork)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():
+            _spawner = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn"))
+        pool = _spawner[1]
+    return pool.submit(subprocess.Popen, argv, **kwargs).result()
+
+
+@dataclass(frozen=True)
+class Member:
+    ns_pid: int  # its pid inside the namespace
+    session: int  # its session id, as the host sees it
+
+
+def namespace_members(ns: str) -> dict[int, Member]:
+    """The processes of PID namespace ``ns`` (a /proc/<pid>/ns/pid link), by host pid."""
+    members = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != ns:
+                continue
+            with open(f"/proc/{entry.name}/status") as f:
+                ns_pid = next(int(line.split()[-1]) for line in f if line.startswith("NSpid:"))
+            with open(f"/proc/{entry.name}/stat") as f:
+                session = int(f.read().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue
+        members[int(entry.name)] = Member(ns_pid, session)
+    return members
+
+
+def has_env(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def kill_tagged(marker: bytes) -> None:
+    """SIGKILL every process whose environment carries ``marker`` (twice, to catch late forks)."""
+    for _ in range(2):
+        for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def child_of(pid: int) -> int | None:
+    """The first child of ``pid`` (bwrap has exactly one: the namespace's PID 1), or None."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+    except (OSError, ValueError):
+        pass
+    for entry in os.scandir("/proc"):  # kernels without the children file
+        try:
+            if entry.name.isdigit() and Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[
+                1
+            ] == str(pid):
+                return int(entry.name)
+        except (OSError, IndexError):
+            continue
+    return None

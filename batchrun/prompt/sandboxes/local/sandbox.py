@@ -1,0 +1,470 @@
+"""Local backend: each prompt in its own bubblewrap sandbox, or (on purpose) plain host processes.
+
+With ``bwrap`` a prompt sees the system directories read-only and nothing of the host's data: its
+working directory (the row's ``cwd``, a path inside the sandbox) and its ``/tmp`` are its own
+size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own PID, network,
+IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
+offers no cgroups, see ``limits``) bounds its processes, memory and CPU. With the network on,
+``slirp4netns`` connects its network namespace to the outside world but not to the host's services.
+
+One command server runs per prompt (see ``CommandServer``): setting up the namespaces costs more
+CPU than the command itself, so it is paid once per prompt, not per command. Each command still
+gets a fresh ``bash -c``, and after each one every process it left behind is killed, so commands
+behave as if each had its own sandbox, except for the files; only what the ``process`` tool started
+in the background is spared (see ``command_server``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import re
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from batchrun.prompt.sandboxes._process import run_process
+from batchrun.prompt.sandboxes.base import (
+    ExecResult,
+    Preflight,
+    SandboxBackend,
+    SandboxError,
+    SandboxFlags,
+    SandboxSpec,
+    SetupError,
+    parse_options,
+    safe_run_name,
+)
+from batchrun.prompt.sandboxes.local.command_server import (
+    SERVER_READY_TIMEOUT_S,
+    CommandServer,
+)
+from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
+from batchrun.prompt.sandboxes.local.host import (
+    bwrap_problem,
+    command_shell,
+    host_cwd_problem,
+    is_within,
+    local_isolation_available,
+    network_problem,
+    sandbox_cwd_problem,
+    system_sockets,
+)
+from batchrun.prompt.sandboxes.local.limits import (
+    PARENT_PREFIX,
+    CgroupLayout,
+    PromptCgroup,
+    apply_rlimits,
+    cgroup_layout,
+    limits_mechanism,
+    remove_run_cgroups,
+    run_cgroup_names,
+)
+from batchrun.prompt.sandboxes.local.options import (
+    CTL_DIR,
+    DEFAULT_WORKDIR,
+    PASSED_ENV,
+    RUN_DIR_PREFIX,
+    TAG_VAR,
+    LocalOptions,
+)
+from batchrun.prompt.sandboxes.local.process_tree import kill_tagged
+from batchrun.prompt.sandboxes.local.system_view import (
+    HIDDEN_DIRS,
+    NAMESPACES,
+    run_etc_view,
+    run_files_lock,
+    runtime_dir,
+    system_mounts,
+)
+from batchrun.protocol import PromptJob
+from batchrun.storage import pid_alive
+
+_BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (create file at|bind mount|mkdir) ")
+SLIRP_DNS = "10.0.2.3"  # slirp4netns's DNS forwarder, in its default 10.0.2.0/24
+
+
+class LocalSandbox(SandboxBackend):
+    """Commands run in ``bash -c``: inside the prompt's bubblewrap namespace when available."""
+
+    # The start (mounts, a cgroup, the command server, slirp4netns) overlaps the first model call: at a
+    # thousand prompts in flight, starting first put seconds of queueing before every first request.
+    synchronous_start = False
+    direct_files = True  # read_direct / write_direct: the file tools reach its tmpfs without a command
+    starts_per_cpu = 4  # a start is mostly this machine's CPU (~15-25 ms): more at once only compete
+    host_bounds = ("memory",)  # cpus: a cgroup quota above the machine only never binds
+    synchronous_stop = True  # a few ms on the prompt's thread, without messages to the parent
+
+    # -- run-level steps (see base.Sandbox)
+
+    @classmethod
+    def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "isolation": flags.local_isolation,
+            "cpus": flags.cpus,
+            "memory_mb": flags.memory_mb,
+            "pids_limit": flags.pids_limit,
+            "disk_mb": flags.disk_mb,
+        }
+        if flags.cwd_root is not None:
+            options["cwd_root"] = flags.cwd_root
+        return options
+
+    @classmethod
+    def preflight(
+        cls,
+        jobs: Sequence[PromptJob],
+        options: dict[str, Any],
+        *,
+        real_model: bool,
+        network: bool,
+        dataset: str = "the dataset",
+    ) -> Preflight:
+        """Isolation, limits and network as they will really be; no silent run without isolation."""
+        isolation = options.get("isolation", "auto")
+        problem = bwrap_problem() if isolation != "none" else None
+        if problem and (isolation == "bwrap" or real_model):
+            raise SetupError(
+                f"the local sandbox cannot isolate commands: {problem}. Install bubblewrap "
+                "(Debian: apt-get install bubblewrap), use --sandbox=docker, or pass "
+                "--local_isolation=none to run the model's commands on this machine without isolation, on purpose"
+            )
+        with_image = sum(1 for j in jobs if j.image)
+        if with_image:
+            print(
+                f"warning: {with_image} prompt(s) name a container image, which the local backend ignores; "
+                "use --sandbox=docker to run them in their images"
+            )
+        if problem or isolation == "none":
+            print(
+                f"warning: the local sandbox has NO isolation ({problem or '--local_isolation=none'}): commands "
+                "run on this machine as this user, in a private directory, or in a row's cwd under --cwd_root "
+                f"({options.get('cwd_root')})"
+            )
+            bad = [
+                (j, why) for j in jobs if j.cwd and (why := host_cwd_problem(j.cwd, options.get("cwd_root")))
+            ]
+            if bad:
+                lines = "; ".join(f"{dataset}:{j.prompt_index + 1}: {why}" for j, why in bad[:5])
+                more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+                raise SetupError(
+                    f"{len(bad)} dataset row(s) name a cwd the local sandbox may not use: {lines}{more}"
+                )
+            return Preflight(isolation="none")
+        net = "off"
+        if network:
+            net = "outside world through slirp4netns; not the host's own services"
+            if network_problem():
+                net = "OFF"
+                print(
+                    f"warning: --sandbox_network is on, but {network_problem()}: the local sandbox has NO network"
+                )
+        print(
+            "Local sandbox isolation: bubblewrap (system directories read-only; each prompt sees only its own "
+            f"working directory and /tmp; own PID, network and IPC namespaces); network: {net}"
+        )
+        print(
+            f"Per-prompt limits: {options.get('cpus')} CPU, {options.get('memory_mb')} MiB memory + "
+            f"{options.get('disk_mb')} MiB per tmpfs (working directory, /tmp), {options.get('pids_limit')} "
+            f"processes; enforced by {limits_mechanism()}"
+        )
+        failed = {
+            j.prompt_index: f"local sandbox: {why}"
+            for j in jobs
+            if j.cwd and (why := sandbox_cwd_problem(j.cwd))
+        }
+        if failed:
+            print(
+                f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a model call"
+            )
+        return Preflight(isolation="bwrap", failed=failed)
+
+    @classmethod
+    def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        """One directory (and one parent cgroup of the same name) holds this run's sandboxes, so none outlives it.
+
+        The workers' sandboxes go under ``<runtime dir>/batch-runner-<run>-<pid>-<random>`` (see
+        :func:`runtime_dir`: ``TMPDIR`` when set, else memory-backed); :meth:`sweep`
+        removes it once the pool has ended (normally, on Ctrl-C or after a worker died mid-prompt).
+        What a runner that was killed outright left is removed here, by the next run of the same
+        name, once its pid is gone. (Workers on other machines, Ray's, keep their own temp dirs.)
+        """
+        if not workers_here:
+            return options
+        prefix = f"{RUN_DIR_PREFIX}{safe_run_name(run_name)}-"
+        leftover = re.compile(re.escape(prefix) + r"(\d+)-[A-Za-z0-9_]{8}")
+        removed = 0
+        here = runtime_dir()
+        # Also the system temp dir: where a run with another TMPDIR put them.
+        for where in dict.fromkeys((here, tempfile.gettempdir())):
+            for entry in os.scandir(where):
+                m = leftover.fullmatch(entry.name)
+                if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    remove_run_cgroups(entry.name)
+                    removed += 1
+        for name in run_cgroup_names():  # also those whose directory is gone (another TMPDIR, say)
+            m = leftover.fullmatch(name)
+            if m and not pid_alive(int(m.group(1))):
+                remove_run_cgroups(name)
+        if removed:
+            print(f"Removed {removed} sandbox director(ies) left by an earlier run named {run_name}")
+        base_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=here)
+        # The run's parent cgroup is named after the directory, so a sweep finds both.
+        return {**options, "base_dir": base_dir, "cgroup_parent": os.path.basename(base_dir)}
+
+    @classmethod
+    def sweep(cls, options: dict[str, Any]) -> None:
+        """After the pool ended: the run's cgroups and sandbox directory go, whatever its prompts left."""
+        base_dir = options.get("base_dir")
+        if not base_dir:
+            return
+        remove_run_cgroups(os.path.basename(base_dir))
+        # The workers are gone, and their bubblewrap namespaces die with them (SIGKILL, from the
+        # kernel); a process still dying may write a last file: try again a few times.
+        for attempt in range(5):
+            shutil.rmtree(base_dir, ignore_errors=True)
+            if not os.path.exists(base_dir):
+                break
+            time.sleep(0.1 * (attempt + 1))
+
+    # -- one prompt's sandbox
+
+    def __init__(self, spec: SandboxSpec, **options: object):
+        self.spec = spec
+        self.options = parse_options(LocalOptions, "local", options)
+        wanted = self.options.isolation
+        self.isolation = (
+            "bwrap" if wanted == "bwrap" or (wanted == "auto" and local_isolation_available()) else "none"
+        )
+        self.workdir = ""
+        self.network = "none"  # what the commands really get: "none", or "slirp4netns" (user-mode networking)
+        self._root: str | None = None
+        self._tag = uuid.uuid4().hex
+        self._server: CommandServer | None = None
+        self._cgroup: PromptCgroup | None = None
+        self._hits = (0, 0)  # the cgroup's (pids.max hits, OOM kills) after the last command
+        self._lock = threading.Lock()  # one command at a time per prompt
+
+    def start(self) -> None:
+        if self.isolation == "bwrap" and bwrap_problem():
+            raise SandboxError(f"local sandbox: isolation 'bwrap' was requested but {bwrap_problem()}")
+        cwd = self.spec.cwd or ""
+        if self.isolation == "bwrap":
+            problem = sandbox_cwd_problem(cwd)
+        else:
+            problem = host_cwd_problem(cwd, self.options.cwd_root)
+        if problem:
+            raise SandboxError(f"local sandbox: {problem}")
+        self._root = tempfile.mkdtemp(
+            prefix=f"br-{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
+            dir=self.options.base_dir or runtime_dir(),
+        )
+        if self.isolation == "none":
+            os.mkdir(os.path.join(self._root, "tmp"))
+            self.workdir = os.path.abspath(os.path.join(self._root, "work", cwd))
+            try:
+                os.makedirs(self.workdir, exist_ok=True)
+            except OSError as exc:
+                raise SandboxError(f"local sandbox: cannot create cwd {cwd!r}: {exc}") from exc
+            return
+        # Inside bubblewrap the cwd is a path in the sandbox, its own size-capped tmpfs.
+        self.workdir = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+        os.mkdir(os.path.join(self._root, "ctl"))
+        open(os.path.join(self._root, "ctl", "empty"), "wb").close()
+        layout = cgroup_layout()
+        if isinstance(layout, CgroupLayout):
+            parent = self.options.cgroup_parent or f"{PARENT_PREFIX}pid{os.getpid()}"
+            try:
+                self._cgroup = PromptCgroup(layout, parent, os.path.basename(self._root), self.options.limits)
+            except OSError as exc:
+                self.stop()
+                raise SandboxError(f"local sandbox: cannot make the prompt's cgroup: {exc}") from exc
+        try:
+            self._server = self._start_server()
+        except BaseException:
+            self.stop()  # no cgroup or directory of a sandbox that never ran is left behind
+            raise
+
+    def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        if self._root is None:
+            raise SandboxError("local sandbox is not started")
+        if self.isolation == "none":
+            return run_process(
+                [command_shell(), "-c", command], stdin=stdin, timeout_s=timeout_s,
+                output_cap_bytes=self.options.output_cap_bytes, cwd=self.workdir, env=self._env(),
+            )  # fmt: skip
+        with self._lock:
+            if self._server is None or not self._server.alive():
+                # The namespace ended (bwrap was killed from outside): the next command gets a new one.
+                if self._server is not None:
+                    self._server.close()
+                self._server = self._start_server()
+            result = self._server.run(command, timeout_s=timeout_s, stdin=stdin)
+            notes = self._limit_notes()
+        if notes:
+            result = dataclasses.replace(
+                result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n")
+            )
+        return result
+
+    # -- the file tools' direct path (see direct_files): the prompt's working directory and /tmp, from here
+
+    def read_direct(self, path: str, max_bytes: int) -> bytes | None:
+        with self._lock:
+            files = self._direct_files()
+            return files.read(path, max_bytes) if files is not None else None
+
+    def write_direct(self, path: str, data: bytes, *, make_parents: bool) -> bool:
+        with self._lock:
+            files = self._direct_files()
+            return files is not None and files.write(path, data, make_parents=make_parents)
+
+    def _direct_files(self) -> DirectFiles | None:
+        """The live server's view of the sandbox's own mounts; None without bubblewrap, or when the
+        server has ended (its namespace, which the next command replaces, must not be written)."""
+        server = self._server
+        if server is None or not server.alive():
+            return None
+        return server.files
+
+    def _limit_notes(self) -> list[str]:
+        """What a limit did during the command, said plainly (the command's own errors can be cryptic).
+
+        The counters are read once per command: the values after the previous command (zero in a new
+        cgroup) are this one's starting point. Called under ``_lock``, so commands do not interleave."""
+        notes = []
+        opts = self.options
+        if self._cgroup is not None:
+            before = self._hits
+            pids, oom = self._hits = self._cgroup.hits()
+            if pids > before[0]:
+                notes.append(
+                    f"[batch-runner: the sandbox's process limit ({opts.pids_limit}) was reached; "
+                    "fork() failed for some processes]"
+                )
+            if oom > before[1]:
+                notes.append(
+                    f"[batch-runner: the sandbox's memory limit ({opts.memory_mb} MiB for processes + "
+                    f"{opts.disk_mb} MiB for files) was reached; the kernel killed {oom - before[1]} process(es)]"
+                )
+        server = self._server
+        for where in dict.fromkeys((self.workdir, "/tmp")):
+            free = server.free_bytes(where) if server is not None else None
+            if free == 0:
+                notes.append(f"[batch-runner: {where} is full: its size cap is {opts.disk_mb} MiB]")
+        return notes
+
+    def stop(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        if self._cgroup is not None:
+            self._cgroup.remove()
+            self._cgroup = None
+        root, self._root = self._root, None
+        if root is None:
+            return
+        if self.isolation == "none":  # bwrap ends each command's processes with it; here some may linger
+            kill_tagged(f"{TAG_VAR}={self._tag}".encode())
+        shutil.rmtree(root, ignore_errors=True)
+
+    def _env(self) -> dict[str, str]:
+        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        env.setdefault("PATH", os.defpath)
+        tmp = "/tmp" if self.isolation == "bwrap" else os.path.join(self._root or "", "tmp")
+        env.update(HOME=self.workdir, TMPDIR=tmp)
+        env.update(self.spec.env)
+        env[TAG_VAR] = self._tag
+        return env
+
+    def _start_server(self) -> CommandServer:
+        assert self._root is not None
+        for attempt in range(3):
+            server = CommandServer(self._launch_argv(), ctl=os.path.join(self._root, "ctl"), env=self._env(),
+                                    output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
+            problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
+            if problem is None and self._cgroup is None:
+                try:
+                    apply_rlimits(server.pid, self.options.limits)
+                except OSError as exc:
+                    server.close()
+                    raise SandboxError(f"local sandbox: cannot set the prompt's rlimits: {exc}") from exc
+            elif problem is None:
+                # The server only waits for requests until now; every command is its child, so
+                # everything the model runs starts in the cgroup, without a process of
+                # its own to join it.
+                try:
+                    self._cgroup.enter(server.proc.pid, server.pid)
+                except OSError as exc:
+                    server.close()
+                    raise SandboxError(
+                        f"local sandbox: cannot put the prompt into its cgroup: {exc}"
+                    ) from exc
+            if problem is None:
+                home = posixpath.join(self.workdir, self.spec.env.get("HOME", self.workdir))
+                server.files = DirectFiles.open(
+                    f"/proc/{server.pid}/root",
+                    self.workdir,
+                    home,
+                    tuple(dict.fromkeys((self.workdir, "/tmp"))),
+                )
+                if self.spec.network and network_problem() is None:
+                    try:
+                        server.connect_network()
+                    except SandboxError:
+                        server.close()
+                        raise
+                    self.network = "slirp4netns"
+                return server
+            server.close()
+            if not _BWRAP_SETUP_RACE.match(problem):
+                break
+            time.sleep(0.05 * (attempt + 1))
+        raise SandboxError(f"local sandbox: bubblewrap could not start the prompt's shell: {problem}")
+
+    def _resolv_conf(self) -> list[str]:
+        """slirp4netns answers DNS at 10.0.2.3; the host's resolver (127.0.0.53, say) may be
+        unreachable from the sandbox. Bound where /etc/resolv.conf leads (often into /run)."""
+        assert self._root is not None
+        target = os.path.realpath("/etc/resolv.conf")
+        hidden = any(is_within(target, d) for d in HIDDEN_DIRS)
+        if not (hidden or os.path.isfile(target)):
+            return []  # no file to cover in the read-only /etc
+        # The same for every sandbox: written once per worker in the run's directory (a file per
+        # start was ~3% of a busy worker's CPU), or in the sandbox's own when there is no run.
+        where = self.options.base_dir or self._root
+        ours = os.path.join(where, f"resolv-{os.getpid()}.conf")
+        with run_files_lock:
+            if not os.path.exists(ours):
+                with open(ours, "w", encoding="utf-8") as f:
+                    f.write(f"nameserver {SLIRP_DNS}\n")
+        return [*(["--dir", os.path.dirname(target)] if hidden else []), "--ro-bind", ours, target]
+
+    def _launch_argv(self) -> list[str]:
+        """bwrap, its namespaces and mounts, and where the command server starts."""
+        assert self._root is not None
+        disk = str(self.options.disk_mb << 20)
+        etc_view = run_etc_view(self.options.base_dir) if self.options.base_dir else None
+        argv = ["bwrap", *NAMESPACES, *system_mounts(etc_view)]
+        for path in system_sockets():
+            if not (etc_view and is_within(path, "/etc")):  # the view has no sockets
+                argv += ["--ro-bind", "/dev/null", path]
+        for d in HIDDEN_DIRS:
+            argv += ["--dir", d]
+        argv += ["--symlink", "../tmp", "/var/tmp", "--size", disk, "--tmpfs", "/tmp"]
+        argv += ["--ro-bind", os.path.join(self._root, "ctl"), CTL_DIR]
+        if self.spec.network and network_problem() is None:
+            argv += self._resolv_conf()
+        argv += ["--size", disk, "--tmpfs", self.workdir]
+        # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
+        argv += ["--remount-ro", "/"]
+        # The cgroup, or the rlimits without one, are put on the server before its first command
+        # (_start_server).
+        return [*argv, "--chdir", self.workdir, "--"]

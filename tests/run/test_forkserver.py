@@ -1,0 +1,45 @@
+"""The workers' forkserver: started first only for a run with local workers, preloading its backend."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("argv", "backend"),
+    [
+        (["--dataset_file=d.jsonl", "--batch_size=2", "--run_name=r"], "local"),
+        (["--dataset_file", "d.jsonl", "--sandbox", "docker"], "docker"),
+        (["--dataset_file=d.jsonl", "--sandbox=modal"], "modal"),
+        (["--dataset_file=d.jsonl", "--help"], None),
+        (["--list_distributions"], None),
+        (["--dataset_file=d.jsonl", "--ray_address=auto"], None),
+        (["export", "data/run", "--format=openai"], None),
+        (["--batch_size=2"], None),
+    ],
+)
+def test_the_forkserver_starts_first_only_for_a_run_with_local_workers(monkeypatch, argv, backend):
+    from batchrun.run import forkserver
+
+    started = []
+    monkeypatch.delenv("TERMINAL_ENV", raising=False)
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda b=None: started.append(b))
+    forkserver.start_for_argv(argv)
+    assert started == ([backend] if backend else [])
+
+
+def test_the_forkserver_preloads_the_module_the_backends_registry_names():
+    """A built-in backend, a dotted path and an unknown name: the module preloaded is the one the
+    backend really lives in (the registry's), never a name guessed from the backend's."""
+    import importlib
+
+    from batchrun.prompt.sandboxes import BACKENDS, backend_class
+    from batchrun.run import forkserver
+
+    for name, target in BACKENDS.items():
+        module = forkserver._backend_module(name)
+        assert module == target.partition(":")[0]
+        if name in ("local", "docker"):  # importable here (modal's SDK is an extra)
+            assert backend_class(name).__module__ == importlib.import_module(module).__name__
+    assert forkserver._backend_module("tests_pkg.mod:Box") == "tests_pkg.mod"
+    assert forkserver._backend_module("no-such-backend") == ""

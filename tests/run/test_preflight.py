@@ -1,0 +1,53 @@
+"""The endpoint check before the first prompt (batchrun/run/preflight.py): a model the endpoint does not
+list is a warning, a rejected key a clear error without the key in it, a missing /models route nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchrun.fakes.fake_model import FakeModelServer
+from batchrun.prompt.llm import LLMConfig
+from batchrun.run.preflight import check_endpoint, list_models, warn_unlisted_model
+
+
+def test_endpoint_check_warns_once_when_models_does_not_list_the_requested_name(capsys):
+    with FakeModelServer(latency_s=0) as srv:
+        check_endpoint(LLMConfig(model="Qwen/Qwen3-8B", base_url=srv.base_url, api_key="sk-local"))
+        err = capsys.readouterr().err
+        assert err.count("warning:") == 1 and "'Qwen/Qwen3-8B'" in err and "it lists mock" in err
+        check_endpoint(LLMConfig(model="mock", base_url=srv.base_url, api_key="sk-local"))
+        assert "warning" not in capsys.readouterr().err
+    assert warn_unlisted_model("x", []) is False  # no list: nothing to say
+    assert warn_unlisted_model("x", [f"m{i}" for i in range(9)]) is True
+    assert "(and 4 more)" in capsys.readouterr().err
+
+
+def test_endpoint_check_refuses_a_rejected_key_and_tolerates_a_missing_models_route():
+    """401 on /models is a clear error without the key in it; any other status leaves it to the first call."""
+    import http.server
+    import threading
+
+    from batchrun.config import UsageError
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status = 401 if self.headers.get("Authorization") == "Bearer sk-wrong" else 404
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        with pytest.raises(UsageError) as rejected:
+            list_models(LLMConfig(model="m", base_url=base, api_key="sk-wrong"))
+        assert "rejected the API key (HTTP 401)" in str(rejected.value) and "sk-wrong" not in str(
+            rejected.value
+        )
+        list_models(LLMConfig(model="m", base_url=base, api_key="sk-right"))  # 404: no error
+    finally:
+        server.shutdown()
