@@ -47,6 +47,7 @@ from batchrun.run.resume import (
     resume_command,
     resume_filter,
 )
+from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import Redactor
 from batchrun.storage import WriteError
 
@@ -326,6 +327,9 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
         raise UsageError(
             f"{config.run_dir} already holds a run; add --resume to continue it, or choose another --run_name"
         )
+    problem = check_run_dir(config.run_dir) if config.resume else None
+    if problem:
+        raise UsageError(f"--resume: {problem}")
     manifest_path = config.run_dir / "run_manifest.json"
     if manifest_path.exists():
         manifest = check_manifest(read_manifest(manifest_path), manifest, force=config.force_resume)

@@ -2,9 +2,15 @@
 
 A row is its prompt text, its ``image`` and ``cwd``, and its own run settings (``toolsets``, ``tools``,
 ``system``, ``max_turns``: the records' ``row_*`` fields). Resume, merge, ``--stop_after_passes`` and the
-views find a row's samples by :func:`row_key` of these, computed the same way from a dataset row
-(:func:`row_identity`), a saved record (:func:`record_row_key`) or a ``failed.jsonl`` / ``discarded.jsonl``
-row (:func:`outcome_row_key`). A unit of work is a sample: (row key, sample index).
+views find a row's samples by the :attr:`RowIdentity.key` of these, one type built from a dataset row
+or its job (:meth:`RowIdentity.of_row`, :meth:`~RowIdentity.of_job`), a saved record
+(:meth:`~RowIdentity.of_record`) or a ``failed.jsonl`` / ``discarded.jsonl`` row
+(:meth:`~RowIdentity.of_outcome_row`); an :class:`~batchrun.protocol.Outcome` carries its job's. A unit
+of work is a sample: (row key, sample index).
+
+The recorder writes each record's and outcome row's key (``metadata.row_key``, ``row_key``), computed
+from the identity as saved (secrets redacted, as the saved text is): readers take that key when it has
+a key's form, and compute it from the saved fields when it is missing (records of other tools).
 
 Two seeds are derived from a row, each a deliberate choice kept as it was when it was made, so that
 earlier runs resume with the same draws:
@@ -22,21 +28,16 @@ import dataclasses
 import hashlib
 import json
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchrun.record import (
-    ROW_OPTION_FIELDS,
-    identity_options,
-    optional_text,
-    row_option_fields,
-    sample_index_of,
-)
+from batchrun.record import identity_options, optional_text, sample_index_of
 from batchrun.sharegpt import first_human
 
 if TYPE_CHECKING:
-    from batchrun.protocol import Outcome, PromptJob
+    from batchrun.protocol import PromptJob
     from batchrun.run.dataset import Row
-    from batchrun.secrets import Redactor
 
 
 def row_key(
@@ -57,54 +58,123 @@ def row_key(
     return hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def _options_of(fields: dict[str, Any]) -> dict[str, Any]:
-    return identity_options(fields)
+KEY_CHARS = 32  # a key's length: 16 bytes of blake2b as hex
 
 
-def record_row_key(record: dict[str, Any]) -> str:
-    """The identity of the row a (valid) record came from; see :func:`valid_record`."""
-    meta = record.get("metadata") or {}
-    return row_key(
-        first_human(record["conversations"]) or "",
-        optional_text(meta.get("image")),
-        optional_text(meta.get("cwd")),
-        _options_of(meta),
-    )
+def is_key(value: Any) -> bool:
+    """Whether ``value`` has the form of a :func:`row_key` (as a record's ``metadata.row_key`` holds it)."""
+    return isinstance(value, str) and len(value) == KEY_CHARS and all(c in "0123456789abcdef" for c in value)
+
+
+@dataclass(frozen=True)
+class RowIdentity:
+    """What makes two dataset rows the same row: its text, image, cwd and own settings.
+
+    The settings are held as the records' ``row_*`` fields hold them (the name lists sorted, the system
+    prompt as its sha256), so the identity of a row, a job, an outcome, a saved record and a
+    ``failed.jsonl`` / ``discarded.jsonl`` row is one type with one :attr:`key`. A row's identity as
+    saved records give it back has its text, image and cwd redacted of secrets (:meth:`redacted`).
+    """
+
+    text: str
+    image: str | None = None
+    cwd: str | None = None
+    toolsets: tuple[str, ...] | None = None  # the row's own toolsets, sorted
+    tools: tuple[str, ...] | None = None  # the row's own tool allowlist, sorted
+    system_sha256: str | None = None  # sha256 of the row's own system prompt
+    max_turns: int | None = None  # the row's own max_turns
+    # The key a saved record or outcome row carries (metadata.row_key / row_key): the recorder wrote it
+    # from these same fields, so reading it back spares the hash and keeps it as it was written.
+    saved_key: str | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of_job(cls, job: PromptJob | Row) -> RowIdentity:
+        """A dataset row's (or its job's) identity, unredacted: what the worker runs (an Outcome carries it)."""
+        opts = job.options
+        return cls(
+            job.prompt,
+            job.image,
+            job.cwd,
+            None if opts.toolsets is None else tuple(sorted(opts.toolsets)),
+            None if opts.tools is None else tuple(sorted(opts.tools)),
+            None if opts.system is None else _sha256(opts.system),
+            opts.max_turns,
+        )
+
+    @classmethod
+    def of_row(cls, row: Row | PromptJob, redact: Callable[[str], str]) -> RowIdentity:
+        """A row's identity as saved records give it back (secrets in its text, image and cwd redacted)."""
+        return cls.of_job(row).redacted(redact)
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> RowIdentity:
+        """The identity of the row a (valid, see ``valid_record``) record came from."""
+        meta = record.get("metadata") or {}
+        return cls._of_fields(first_human(record["conversations"]) or "", meta, meta.get("row_key"))
+
+    @classmethod
+    def of_outcome_row(cls, row: dict[str, Any]) -> RowIdentity:
+        """The identity of a (valid) ``failed.jsonl`` or ``discarded.jsonl`` row."""
+        return cls._of_fields(row["prompt"], row, row.get("row_key"))
+
+    @classmethod
+    def _of_fields(cls, text: str, fields: dict[str, Any], saved: Any) -> RowIdentity:
+        opts = identity_options(fields)
+        toolsets, tools = opts["row_toolsets"], opts["row_tools"]
+        return cls(
+            text,
+            optional_text(fields.get("image")),
+            optional_text(fields.get("cwd")),
+            None if toolsets is None else tuple(toolsets),
+            None if tools is None else tuple(tools),
+            opts["row_system_sha256"],
+            opts["row_max_turns"],
+            saved_key=saved if is_key(saved) else None,
+        )
+
+    def redacted(self, redact: Callable[[str], str]) -> RowIdentity:
+        """The identity as saved records hold it: its text, image and cwd redacted (``Redactor.sample``)."""
+        return dataclasses.replace(
+            self,
+            text=redact(self.text),
+            image=None if self.image is None else redact(self.image),
+            cwd=None if self.cwd is None else redact(self.cwd),
+            saved_key=None,
+        )
+
+    def options(self) -> dict[str, Any]:
+        """The row's own settings as the ``row_*`` fields (lists or None) its key is computed from."""
+        return {
+            "row_toolsets": None if self.toolsets is None else list(self.toolsets),
+            "row_tools": None if self.tools is None else list(self.tools),
+            "row_system_sha256": self.system_sha256,
+            "row_max_turns": self.max_turns,
+        }
+
+    def fields(self) -> dict[str, Any]:
+        """The identity fields that records and outcome rows save beside the text: image, cwd, ``row_*``."""
+        return {"image": self.image, "cwd": self.cwd, **self.options()}
+
+    @property
+    def key(self) -> str:
+        """The identity as hex (:func:`row_key`); a saved record's own ``row_key`` when it holds one."""
+        if self.saved_key is not None:
+            return self.saved_key
+        return row_key(self.text, self.image, self.cwd, self.options())
 
 
 def record_sample(record: dict[str, Any]) -> tuple[str, int]:
     """(row identity, sample index) of a (valid) record: merge keeps one record per pair."""
-    return record_row_key(record), sample_index_of(record.get("metadata") or {})
-
-
-def outcome_row_key(row: dict[str, Any]) -> str:
-    return row_key(
-        row["prompt"], optional_text(row.get("image")), optional_text(row.get("cwd")), _options_of(row)
-    )
+    return RowIdentity.of_record(record).key, sample_index_of(record.get("metadata") or {})
 
 
 def outcome_sample(row: dict[str, Any]) -> tuple[str, int]:
     """(row identity, sample index) of a (valid) discarded.jsonl or failed.jsonl row."""
-    return outcome_row_key(row), sample_index_of(row)
+    return RowIdentity.of_outcome_row(row).key, sample_index_of(row)
 
 
-def identity_fields(row: Row | Outcome, redact: Redactor) -> dict[str, Any]:
-    """A row's identity fields as saved records hold them (secrets in image and cwd redacted there):
-    image, cwd and the ``row_*`` fields of its own settings."""
-    opts = row.options
-    return {
-        "image": None if row.image is None else redact(row.image),
-        "cwd": None if row.cwd is None else redact(row.cwd),
-        **row_option_fields(opts.toolsets, opts.tools, opts.system, opts.max_turns),
-    }
-
-
-def row_identity(row: Row | Outcome, redact: Redactor) -> str:
-    """A row's identity (a dataset row's, or an outcome's) as saved records give it back: secrets in
-    them were redacted there."""
-    fields = identity_fields(row, redact)
-    options = {k: fields[k] for k in ROW_OPTION_FIELDS}
-    return row_key(redact(row.prompt), fields["image"], fields["cwd"], options)
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def prompt_rng(seed: int, prompt: str, occurrence: int = 0) -> random.Random:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchrun.identity import RowIdentity
+
 TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
 SKIPPED_AFTER_PASSES = "skipped_after_passes"  # a discard reason: the row had --stop_after_passes passes
 
@@ -33,9 +35,6 @@ class RowOptions:
     tools: tuple[str, ...] | None = None  # allowlist: only these tool names are offered
     system: str | None = None  # system prompt sent to the model and saved as the record's system turn
     max_turns: int | None = None  # instead of --max_turns
-
-    def is_default(self) -> bool:
-        return self == RowOptions()
 
 
 @dataclass(frozen=True)
@@ -79,54 +78,51 @@ class Outcome:
     kind: str  # TRAJECTORY, DISCARDED or FAILED
     batch_num: int
     prompt_index: int
-    prompt: str
+    identity: RowIdentity  # the row's (unredacted): resume, merge and --stop_after_passes find it by its key
     usage: dict[str, Any]  # Usage.as_dict(): what this attempt spent, whatever its end
-    image: str | None = None  # with the prompt text, the row's identity (resume, merge)
-    cwd: str | None = None
     record: dict[str, Any] | None = None  # trajectories and discards
     reason: str | None = None  # discards: which quality filter
     error_class: str | None = None  # failures: what kind of failure
     error: str | None = None  # failures: the message
-    options: RowOptions = RowOptions()  # with prompt, image and cwd, the row's identity
     sample_index: int = 0
     row_id: str | None = None  # the dataset row's ``id`` (failed and discarded rows carry it too)
     row_fields: str | None = None  # the dataset row's other fields, as JSON text
 
+    @property
+    def prompt(self) -> str:
+        return self.identity.text
+
+    @property
+    def image(self) -> str | None:
+        return self.identity.image
+
+    @property
+    def cwd(self) -> str | None:
+        return self.identity.cwd
+
     @classmethod
     def trajectory(cls, job: PromptJob, record: dict[str, Any], usage: dict[str, Any]) -> Outcome:
-        return cls(TRAJECTORY, *_row(job), usage, job.image, job.cwd, record=record, **_sample(job))
+        return cls(TRAJECTORY, **_of_job(job), usage=usage, record=record)
 
     @classmethod
     def discarded(
         cls, job: PromptJob, reason: str, record: dict[str, Any] | None, usage: dict[str, Any]
     ) -> Outcome:
-        return cls(
-            DISCARDED, *_row(job), usage, job.image, job.cwd, record=record, reason=reason, **_sample(job)
-        )
+        return cls(DISCARDED, **_of_job(job), usage=usage, record=record, reason=reason)
 
     @classmethod
     def failed(
         cls, job: PromptJob, error_class: str, error: str, usage: dict[str, Any] | None = None
     ) -> Outcome:
-        return cls(
-            FAILED,
-            *_row(job),
-            usage or {},
-            job.image,
-            job.cwd,
-            error_class=error_class,
-            error=error,
-            **_sample(job),
-        )
+        return cls(FAILED, **_of_job(job), usage=usage or {}, error_class=error_class, error=error)
 
 
-def _row(job: PromptJob) -> tuple[int, int, str]:
-    return job.batch_num, job.prompt_index, job.prompt
-
-
-def _sample(job: PromptJob) -> dict[str, Any]:
+def _of_job(job: PromptJob) -> dict[str, Any]:
+    """What an outcome takes from its job: where it belongs, the row's identity, its id and fields."""
     return {
-        "options": job.options,
+        "batch_num": job.batch_num,
+        "prompt_index": job.prompt_index,
+        "identity": RowIdentity.of_job(job),
         "sample_index": job.sample_index,
         "row_id": job.row_id,
         "row_fields": job.row_fields,

@@ -1,7 +1,9 @@
 """The trajectory record: its fields and their types, defined once.
 
 The writer (``batchrun.prompt.trajectory.build_record`` and ``batchrun.prompt.attempt``), the merge and
-statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here.
+statistics (``batchrun.run.finish``), the exporter and the tests all take the schema from here, and
+every reader of a saved record checks its shape with :func:`valid_record` / :func:`valid_outcome_row`.
+The text convention inside ``conversations`` is ``batchrun.sharegpt``'s.
 
 Every key is present in every record, whatever the backend, endpoint, toolsets or outcome, with one
 type that JSON inference sees in every run: a value a run may lack is never ``null`` and never an
@@ -26,6 +28,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from batchrun.sharegpt import first_human
 
 STRING, INT, FLOAT, BOOL = "string", "int64", "float64", "bool"
 
@@ -92,8 +96,8 @@ METADATA: dict[str, Any] = {
     "row_key": STRING,  # the row's identity, as resume and merge use it
     "row_id": STRING,  # the dataset row's ``id``, as a string; "" when it has none
     "row_fields": STRING,  # the row's other fields as one JSON object's text; "{}" when none
-    # Records of versions before these fields lack them (or hold null): readers take a missing
-    # sample_index as 0 and a missing row_* field as "the row asked for nothing of its own".
+    # Records that lack these (other tools', and those from before format 1) or hold null are read as
+    # written for a row that asked for nothing of its own: sample_index 0, no row_* settings.
     "sample_index": INT,  # which sample of its row this record is (--samples_per_prompt, ``samples``), from 0
     "row_toolsets": STRING,  # JSON text of the row's own ``toolsets`` (sorted); "": drawn from the distribution
     "row_tools": STRING,  # JSON text of the row's own ``tools`` allowlist (sorted); "": none
@@ -102,9 +106,6 @@ METADATA: dict[str, Any] = {
     "max_turns": INT,  # the limit this sample ran with (the row's, else --max_turns)
     "tools_offered": [STRING],  # the tool names offered to the model, in the order offered
 }
-
-# The metadata fields that, with the prompt text, image and cwd, make a row's identity (resume, merge).
-ROW_OPTION_FIELDS = ("row_toolsets", "row_tools", "row_system_sha256", "row_max_turns")
 
 TOOL_STAT: dict[str, Any] = {"count": INT, "success": INT, "failure": INT}
 
@@ -269,7 +270,8 @@ def names_text(value: Any) -> str:
 
 
 def names_of(value: Any) -> list[str] | None:
-    """The inverse of :func:`names_text`; also reads the list (or null) that older versions wrote."""
+    """The inverse of :func:`names_text`; also reads a list or null, as failed.jsonl and discarded.jsonl
+    rows hold them (side files, not training data, keep the row's own form)."""
     if value is None or value == "":
         return None
     if isinstance(value, list):
@@ -286,7 +288,7 @@ def names_of(value: Any) -> list[str] | None:
 
 def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
     missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
-    if isinstance(usage.get("unreported"), str):  # written before: keep what it said
+    if isinstance(usage.get("unreported"), str):  # typed already (the recorder types it again): keep it
         try:
             missing |= {k for k in json.loads(usage["unreported"]) if isinstance(k, str)}
         except (ValueError, TypeError):
@@ -317,7 +319,7 @@ def normalize_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def identity_options(fields: dict[str, Any]) -> dict[str, Any]:
     """A record's (or outcome row's) ``row_*`` fields in the form the row's identity is computed from:
-    lists or None, None where the row set nothing (the records' "", 0 and the null of older versions)."""
+    lists or None, None where the row set nothing (the records' "" and 0, the outcome rows' null)."""
     turns = fields.get("row_max_turns")
     sha = fields.get("row_system_sha256")
     return {
@@ -329,7 +331,7 @@ def identity_options(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def optional_text(value: Any) -> str | None:
-    """A record's image or cwd for the row's identity: "" (written for none) and null (older versions) are None."""
+    """A record's image or cwd for the row's identity: "" (a record's none) and null (an outcome row's) are None."""
     return value or None
 
 
@@ -391,7 +393,7 @@ def run_card(run_name: str, tool_names: list[str]) -> str:
 Agent trajectories written by batch-runner (ShareGPT `conversations` with structured `tool_calls`,
 `metadata`, tool statistics over every known tool). `datasets.load_dataset("<this directory>")` reads
 `trajectories.jsonl` with the schema above. For several runs at once, `batchrun.record.load_runs(DIR, ...)`,
-or pass the schema: `load_dataset("json", data_files=[...], features=batchrun.record.record_features())`, or export them
+or pass the schema: `load_dataset("json", data_files=[...], features=batchrun.record.record_features({json.dumps(tool_names, ensure_ascii=False)}))`, or export them
 together with `python batch_runner.py export RUN_DIR [RUN_DIR ...] --format=parquet --out=DIR`.
 """
     return "\n".join(lines) + "\n" + body
@@ -412,9 +414,117 @@ def row_option_fields(
 
 
 def sample_index_of(fields: dict[str, Any]) -> int:
-    """A record's (or outcome row's) sample index: records written before samples existed are sample 0."""
+    """A record's (or outcome row's) sample index; one that names none (another tool's record) is sample 0."""
     value = fields.get("sample_index")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+# ----------------------------------------------------------------------------- a record read back
+# The shape every reader of a saved record (merge, resume, statistics, checkpoint, the views) relies on.
+
+
+def is_tool_failure(content: str) -> bool:
+    """Whether a tool result counts as a failure in ``tool_stats``, by SPEC's rule: non-null ``error`` (also nested in ``content``), ``success: false``, or error-like text."""
+    try:
+        data = json.loads(content)
+    except (json.JSONDecodeError, TypeError):
+        text = (content or "").strip()
+        return not text or text.lower().startswith("error:")
+    if isinstance(data, dict):
+        if data.get("error") is not None or data.get("success") is False:
+            return True
+        inner = data.get("content")
+        if isinstance(inner, dict) and (inner.get("error") is not None or inner.get("success") is False):
+            return True
+    return False
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _optional_str(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _identity_fields_ok(fields: dict[str, Any]) -> bool:
+    """The row_* identity fields and sample_index, where present, have their types (absent: none of its own)."""
+
+    def names(value: Any) -> bool:
+        if value is None or value == "":
+            return True
+        if isinstance(value, str):  # JSON text of a name list, as records write it
+            return names_of(value) is not None
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    turns, sample = fields.get("row_max_turns"), fields.get("sample_index")
+    return (
+        names(fields.get("row_toolsets"))
+        and names(fields.get("row_tools"))
+        and _optional_str(fields.get("row_system_sha256"))
+        and (turns is None or _count(turns))
+        and (sample is None or _count(sample))
+    )
+
+
+def valid_record(rec: Any) -> bool:
+    """Whether a line read back from a batch file has the shape every reader relies on.
+
+    Valid JSON of the wrong shape (``null``, a list, ``"conversations": "x"``, ``"tool_stats": 5``)
+    is skipped and counted like a torn line, by merge, resume, statistics, checkpoint and report.
+    """
+    if not isinstance(rec, dict):
+        return False
+    conv = rec.get("conversations")
+    if not isinstance(conv, list) or not conv:
+        return False
+    for turn in conv:
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str):
+            return False
+        if not isinstance(turn.get("value"), str):
+            return False
+        calls = turn.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list)
+            and all(
+                isinstance(c, dict)
+                and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                for c in calls
+            )
+        ):
+            return False
+    if first_human(conv) is None:
+        return False
+    stats = rec.get("tool_stats", {})
+    if not isinstance(stats, dict) or not all(
+        isinstance(s, dict) and all(_count(s.get(k, 0)) for k in ("count", "success", "failure"))
+        for s in stats.values()
+    ):
+        return False
+    meta = rec.get("metadata", {})
+    if not isinstance(meta, dict) or not isinstance(meta.get("usage", {}), dict):
+        return False
+    if not (
+        _optional_str(meta.get("image")) and _optional_str(meta.get("cwd")) and _identity_fields_ok(meta)
+    ):
+        return False
+    index, calls_made = rec.get("prompt_index"), rec.get("api_calls", 0)
+    return (index is None or _count(index)) and (calls_made is None or _count(calls_made))
+
+
+def valid_outcome_row(row: Any, field: str) -> bool:
+    """A discarded.jsonl (``field="reason"``) or failed.jsonl (``"error_class"``) row of the right shape."""
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("prompt"), str)
+        and isinstance(row.get(field), str)
+        and _optional_str(row.get("image"))
+        and _optional_str(row.get("cwd"))
+        and _identity_fields_ok(row)
+        and (row.get("record") is None or valid_record(row["record"]))
+        and isinstance(row.get("usage", {}), dict)
+    )
 
 
 def run_tool_names(trajectories: Path) -> list[str]:
@@ -433,8 +543,8 @@ def run_tool_names(trajectories: Path) -> list[str]:
 
 def typed_record(rec: dict[str, Any], tool_names: list[str]) -> dict[str, Any]:
     """A record read back, in the schema of today: only the record's own top-level keys (other tools add
-    theirs, e.g. Hermes' compressor its ``compression_metrics``), every key present with its type (records
-    of older versions wrote null or lists where today's write "" or JSON text)."""
+    theirs, e.g. Hermes' compressor its ``compression_metrics``), every key present with its type (a record
+    that holds null or lists where the schema has "" or JSON text, as other tools may write, is typed)."""
     own = {key: rec.get(key) for key in RECORD_FIELDS}
     if isinstance(own["metadata"], dict):
         own["metadata"] = normalize_metadata(own["metadata"])
@@ -491,19 +601,16 @@ def load_runs(*run_dirs: str | Path, split: str = "train", **kwargs: Any) -> Any
     )
 
 
-def record_features(tool_names: list[str] | None = None) -> Any:
-    """The schema as ``datasets.Features`` (imports ``datasets``; only readers call this).
+def record_features(tool_names: list[str]) -> Any:
+    """The schema as ``datasets.Features`` for records that count ``tool_names`` in ``tool_stats``
+    (imports ``datasets``; only readers call this). A run's own names: :func:`run_tool_names`; every
+    installed tool's: ``batchrun.prompt.tools.catalog.known_tool_names()``.
 
     Pass it to ``datasets.load_dataset("json", data_files=[...], features=...)``: the loader otherwise
     infers the types from the first file, and a column that happens to be null in every record of that
     file (no row had an image, no endpoint reported reasoning tokens) has no type to cast the others to.
     """
     import datasets
-
-    if tool_names is None:
-        from batchrun.prompt.tools.catalog import known_tool_names
-
-        tool_names = known_tool_names()
 
     def feature(kind: Any) -> Any:
         if isinstance(kind, dict):

@@ -28,7 +28,6 @@ The estimators (all with ``math`` alone):
 from __future__ import annotations
 
 import collections
-import dataclasses
 import importlib
 import json
 import math
@@ -692,10 +691,6 @@ def applies(name: str, check: RowCheck | None) -> bool:
     return True
 
 
-def needs_sandbox(names: Iterable[str]) -> bool:
-    return any(n == "verify" or n not in BUILTIN_SCORERS for n in names)
-
-
 def keep_problem(score: dict[str, Any], keep: str) -> str | None:
     """With --keep=passed, why a sample is not kept: failed_check or unscored (None: kept)."""
     if keep != "passed":
@@ -805,14 +800,6 @@ class ScoreTally:
             "rows_scored": len(self.rows),
             "pass_at_k": pass_k,
         }
-
-
-def row_table(tally: ScoreTally) -> dict[str, list[int]]:
-    return dict(tally.rows)
-
-
-def replace_settings(settings: ScoringSettings, **changes: Any) -> ScoringSettings:
-    return dataclasses.replace(settings, **changes)
 
 
 # ----------------------------------------------------------------------------- a run's scores

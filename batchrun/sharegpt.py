@@ -1,17 +1,234 @@
-"""The ShareGPT text convention of the records, read back: what both sides of the process boundary need.
+"""The records' ShareGPT text convention (Hermes function calling), written and read back, in one place.
 
-The writer is ``batchrun.prompt.trajectory`` (it renders a prompt's messages); readers of saved records
-(resume, merge, the views) take the parts they need from here.
+What the ``from``/``value`` texts of a record's ``conversations`` hold: the system entry (a row's own
+system prompt, then the function-calling preamble listing the offered tools), the gpt turns (a
+``<think>`` block, the model's words, one ``<tool_call>`` block per call) and the tool entries (one
+``<tool_response>`` block per result). The renderers are used by the worker
+(``batchrun.prompt.trajectory`` builds a record from them); their inverses by the readers of saved
+records (resume, merge, statistics, the views). The convention is reversible: parsing a gpt value back
+(:func:`parse_gpt_value`) gives exactly the turn's reasoning, words and calls.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 
 def first_human(conversations: list[dict[str, Any]]) -> str | None:
+    """The first human entry's text (a record's prompt), or None when there is none."""
     for c in conversations:
         if isinstance(c, dict) and c.get("from") == "human":
             value = c.get("value")
             return value if isinstance(value, str) else None
     return None
+
+
+SYSTEM_PREAMBLE = (
+    "You are an assistant that can call functions. The functions you may call are described, "
+    "as JSON schemas, between the <tools> and </tools> tags below. Call a function only when it "
+    "helps with the user's request, and never guess argument values.\n"
+    "<tools>\n{tools}\n</tools>\n"
+    'To call a function, write a JSON object with the keys "name" and "arguments" between '
+    "<tool_call> and </tool_call> tags, one object per call:\n"
+    '<tool_call>\n{{"name": <function name>, "arguments": <arguments object>}}\n</tool_call>\n'
+    "Each result comes back between <tool_response> and </tool_response> tags."
+)
+SYSTEM_PREAMBLE_START = SYSTEM_PREAMBLE.split("\n", 1)[0].split(".", 1)[0]  # its fixed first words
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+_SCRATCHPAD_RE = re.compile(r"<REASONING_SCRATCHPAD>(.*?)</REASONING_SCRATCHPAD>\s*", re.DOTALL)
+_THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+def split_reasoning(content: str | None) -> tuple[str | None, str]:
+    """Pull reasoning written inline out of a message's content.
+
+    ``<REASONING_SCRATCHPAD>`` blocks, a leading ``<think>...</think>`` (models served without a
+    reasoning parser), or text before a lone ``</think>`` (templates that open the think block in the
+    generation prompt, so the reply starts inside it).
+    """
+    text = content or ""
+    parts: list[str] = []
+    if "<REASONING_SCRATCHPAD>" in text:  # a plain search first: most replies have none
+        parts = [m.strip() for m in _SCRATCHPAD_RE.findall(text)]
+        text = _SCRATCHPAD_RE.sub("", text)
+    think = _THINK_RE.match(text)
+    if think:
+        parts.append(think.group(1).strip())
+        text = text[think.end() :]
+    elif "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
+        before, text = text.split("</think>", 1)
+        parts.append(before.strip())
+        text = text.lstrip()
+    reasoning = "\n\n".join(p for p in parts if p)
+    return (reasoning or None), text
+
+
+def canonical_arguments(raw: str) -> str:
+    """The arguments string saved in ``tool_calls``: canonical JSON when it parses, else the raw text.
+
+    No arguments at all (an empty string, as some servers send for a tool without parameters) is ``{}``.
+    """
+    if not (raw or "").strip():
+        return "{}"
+    try:
+        return json.dumps(json.loads(raw), ensure_ascii=False)
+    except (json.JSONDecodeError, TypeError):
+        return raw
+
+
+def _tool_call_block(name: str, arguments: str) -> str:
+    try:
+        args: Any = json.loads(arguments)
+    except (json.JSONDecodeError, TypeError):
+        args = arguments  # not JSON: kept verbatim as a string so it still round-trips
+    if isinstance(args, str):
+        args = arguments  # a JSON string (double-encoded arguments): the raw text, so parsing gives it back
+    return (
+        "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+    )
+
+
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call's ``<tool_call>`` block exactly as a gpt value holds it (readers strip it back off)."""
+    return _tool_call_block(name, arguments)
+
+
+def parse_tool_calls(value: str) -> list[dict[str, str]]:
+    """Read the ``<tool_call>`` blocks of a gpt value back as ``[{"name", "arguments"}]``."""
+    calls = []
+    for block in _TOOL_CALL_RE.findall(value):
+        obj = json.loads(block)
+        args = obj["arguments"]
+        calls.append(
+            {
+                "name": obj["name"],
+                "arguments": _json_text(args),
+            }
+        )
+    return calls
+
+
+def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, Any]]) -> str:
+    """A gpt turn as text. The model's words are never rewritten: a turn whose words would not parse
+    back as written is discarded instead (see :func:`ambiguous_markup`)."""
+    # A turn without reasoning opens with an empty think block, as the reference renders it: every gpt
+    # turn has the same shape for a trainer (and the block parses back as no reasoning).
+    parts = [f"<think>\n{reasoning}\n</think>" if reasoning else "<think>\n</think>"]
+    if content.strip():
+        parts.append(content.strip())
+    parts.extend(_tool_call_block(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
+    return "\n".join(parts)
+
+
+def tool_response_block(tool_call_id: str, name: str, content: str) -> str:
+    try:
+        body: Any = json.loads(content)
+    except (json.JSONDecodeError, TypeError):
+        body = content
+    payload = {"tool_call_id": tool_call_id, "name": name, "content": body}
+    return "<tool_response>\n" + json.dumps(payload, ensure_ascii=False) + "\n</tool_response>"
+
+
+def system_value(tool_schemas: list[dict[str, Any]], system: str | None = None) -> str:
+    """The record's system entry: the row's own system prompt (when it has one), a blank line, then the
+    function-calling preamble with the offered tools. :func:`split_system_value` reads it back."""
+    tools_json = json.dumps([system_tool_entry(s["function"]) for s in tool_schemas], ensure_ascii=False)
+    preamble = SYSTEM_PREAMBLE.format(tools=tools_json)
+    return f"{system}\n\n{preamble}" if system else preamble
+
+
+def system_tool_entry(function: dict[str, Any]) -> dict[str, Any]:
+    """One tool as the system text lists it, with the keys the reference's entries carry: ``name``,
+    ``description``, ``parameters`` and ``required`` (null there too; the required arguments are in
+    ``parameters``). :func:`offered_tools` reads it back as the OpenAI function schema."""
+    return {
+        "name": function["name"],
+        "description": function.get("description", ""),
+        "parameters": function.get("parameters", {}),
+        "required": None,
+    }
+
+
+def split_system_value(value: str) -> str | None:
+    """The row's own system prompt in a record's system entry (what precedes the preamble), or None."""
+    # JSON text holds no raw newline, so the last "\n<tools>\n" is the preamble's own.
+    start = value.rfind(SYSTEM_PREAMBLE_START, 0, max(value.rfind("\n<tools>\n"), 0))
+    if start <= 0:
+        return None
+    return value[:start].removesuffix("\n\n") or None
+
+
+def reasoning_counts(conversations: list[dict[str, Any]]) -> tuple[int, int]:
+    """(gpt turns with reasoning, gpt turns in all) of a ShareGPT conversation."""
+    gpt = [c for c in conversations if c.get("from") == "gpt"]
+    # A closed, non-empty envelope: words that open <think> and never close it are not reasoning.
+    return sum(1 for c in gpt if _has_reasoning(c.get("value", ""))), len(gpt)
+
+
+def _has_reasoning(value: str) -> bool:
+    found = _THINK_RE.match(value)
+    return found is not None and bool(found.group(1).strip())
+
+
+def used_tool_names(record: dict[str, Any]) -> set[str]:
+    names = set()
+    for c in record.get("conversations", []):
+        for call in c.get("tool_calls") or []:
+            names.add(call["function"]["name"])
+    return names
+
+
+# ----------------------------------------------------------------------------- reading a record back
+# The inverses of the renderers above, for readers of saved records (the exporter).
+
+_TOOLS_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+_TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
+
+
+def parse_gpt_value(value: str) -> tuple[str | None, str, list[dict[str, str]]]:
+    """Split a gpt ``value`` into (reasoning, the model's words, ``[{"name", "arguments"}]``).
+
+    ``gpt_value`` writes the calls after the words, so the words end where the first call block starts.
+    """
+    reasoning, rest = split_reasoning(value)
+    first = _TOOL_CALL_RE.search(rest)
+    content = rest if first is None else rest[: first.start()]
+    return reasoning, content.removesuffix("\n"), parse_tool_calls(rest)
+
+
+def parse_tool_responses(value: str) -> list[dict[str, Any]]:
+    """The ``<tool_response>`` blocks of a tool entry as ``[{"tool_call_id", "name", "content"}]``.
+
+    ``content`` is the result text the model saw (JSON results as compact JSON text, as tools return them).
+    """
+    out = []
+    for block in _TOOL_RESPONSE_RE.findall(value):
+        obj = json.loads(block)
+        body = obj["content"]
+        out.append(
+            {
+                "tool_call_id": obj["tool_call_id"],
+                "name": obj.get("name", ""),
+                "content": _json_text(body),
+            }
+        )
+    return out
+
+
+def offered_tools(system_value: str) -> list[dict[str, Any]]:
+    """The tools a system entry offered, as OpenAI tool schemas (``{"type": "function", "function": ...}``)."""
+    found = _TOOLS_RE.findall(system_value)  # the last block: a row's own system prompt comes first
+    if not found:
+        return []
+    return [
+        {"type": "function", "function": {k: v for k, v in f.items() if not (k == "required" and v is None)}}
+        for f in json.loads(found[-1])
+    ]
+
+
+def _json_text(value: Any) -> str:
+    """A value a block held as JSON, as the text it stood for (a string stays as it is)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

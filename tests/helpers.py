@@ -10,13 +10,14 @@ import os
 import subprocess
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.trajectory import first_human
+from batchrun.sharegpt import first_human
 
 TESTS_DIR = Path(__file__).resolve().parent
 ROOT = TESTS_DIR.parent
@@ -206,3 +207,75 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# ----------------------------------------------------------------------------- a scripted endpoint
+
+OK_REPLY = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "OK"}}]}  # a chat answer
+
+Reply = tuple[int, "dict | bytes"]  # (HTTP status, JSON body: an object, or raw bytes sent as they are)
+
+
+class ScriptedEndpoint:
+    """A chat endpoint on a free loopback port whose every answer the test scripts (the fake model's
+    behaviour when it is not what a test needs: a dying endpoint, refusals, odd usage).
+
+    ``answer(call, calls)`` gives each POST's :data:`Reply`; ``call`` is ``{"body": parsed JSON or None,
+    "check": the start check's X-Batch-Runner-Check header}``, ``calls`` every POST so far, this one
+    last (answers are given one at a time). GET (the model list) answers ``get``."""
+
+    def __init__(self, answer: Callable[[dict, list[dict]], Reply], get: Reply = (404, {})):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.calls: list[dict] = []
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                self._send(*get)
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("content-length", 0)))
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = None
+                with lock:
+                    outer.calls.append({"body": body, "check": self.headers.get("X-Batch-Runner-Check")})
+                    status, reply = answer(outer.calls[-1], outer.calls)
+                self._send(status, reply)
+
+            def _send(self, status, reply):
+                data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def checks(self) -> int:
+        """Start checks (and probes) received."""
+        return sum(1 for c in self.calls if c["check"])
+
+    def prompt_calls(self) -> int:
+        """Calls made by prompts (not start checks or probes)."""
+        return sum(1 for c in self.calls if not c["check"])
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> ScriptedEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

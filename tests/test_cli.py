@@ -12,7 +12,7 @@ from helpers import read_jsonl
 
 import batch_runner
 from batchrun.prompt.llm import PROVIDER_SORTS, REASONING_EFFORTS
-from batchrun.prompt.trajectory import first_human
+from batchrun.sharegpt import first_human
 from toolset_distributions import DISTRIBUTIONS
 
 REPO = Path(__file__).resolve().parent.parent

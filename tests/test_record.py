@@ -4,6 +4,8 @@ outcomes load together with Hugging Face ``datasets`` (the installed version), w
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from batchrun.record import (
     RECORD_FIELDS,
     USAGE,
     conform,
+    is_tool_failure,
     load_runs,
     record_features,
     record_schema,
@@ -218,7 +221,7 @@ def test_records_of_every_situation_load_together_with_the_same_features(tmp_pat
         path = tmp_path / f"{name}.jsonl"
         path.write_text(json.dumps(situation(**kw), ensure_ascii=False) + "\n", "utf-8")
         files.append(path)
-    schema = record_features()
+    schema = record_features(known_tool_names())
     # Their concatenation, as one file, infers exactly the declared schema: one type per key.
     together = tmp_path / "together.jsonl"
     together.write_text("".join(p.read_text("utf-8") for p in files), "utf-8")
@@ -315,7 +318,7 @@ def test_two_mock_runs_load_together_and_carry_their_rows(tmp_path):
     assert not any(t["tool_calls"] for r in rb for t in r["conversations"])
     assert {tuple(r["toolsets_used"]) for r in ra} != {tuple(r["toolsets_used"]) for r in rb}
     files = [a / "trajectories.jsonl", b / "trajectories.jsonl"]
-    schema = record_features()
+    schema = record_features(known_tool_names())
     plain = load(files, tmp_path / "c1")  # the run with calls first: its columns type the others'
     ds = load(files[::-1], tmp_path / "c2", features=schema)
     assert ds.num_rows == plain.num_rows == 4
@@ -390,7 +393,7 @@ def test_a_local_and_a_docker_run_load_together(tmp_path, docker_test_image):
     assert (drec["metadata"]["image"], drec["metadata"]["cwd"]) == (docker_test_image, "/work")
     assert drec["metadata"]["row_id"] == "1"
     files = [local / "trajectories.jsonl", docker / "trajectories.jsonl"]
-    schema = record_features()
+    schema = record_features(known_tool_names())
     for i, order in enumerate((files, files[::-1])):
         ds = load(order, tmp_path / f"c{i}", features=schema)
         assert ds.num_rows == 2 and ds.features == schema
@@ -416,3 +419,55 @@ def test_the_exporter_carries_served_model_and_row_fields(tmp_path):
 
 def load_parquet(path: Path, cache: Path):
     return datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=str(cache))
+
+
+def test_the_record_schema_imports_nothing_above_it():
+    """record.py is a leaf beside sharegpt.py: the tool names come from its callers, not the catalog."""
+    code = "import sys, batchrun.record; print(sorted(m for m in sys.modules if m.startswith('batchrun.')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.replace("'", '"')) == ["batchrun.record", "batchrun.sharegpt"]
+
+
+# ----------------------------------------------------------------------------- is_tool_failure
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"error": "No such file"}',
+        '{"error": ""}',  # non-null, even if empty
+        '{"error": {"code": 2}}',
+        '{"success": false}',
+        '{"success": false, "error": null}',
+        '{"content": {"error": "nested failure"}}',
+        '{"content": {"success": false}}',
+        '{"output": "", "exit_code": -1, "error": "Command timed out after 5 s"}',
+        "error: something broke",
+        "error:no space",
+        "  error: leading whitespace",
+        "",
+        "   \n",
+    ],
+)
+def test_is_tool_failure_true(content):
+    assert is_tool_failure(content) is True
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"output": "boom", "exit_code": 1, "error": null}',  # a non-zero exit code is not a failure
+        '{"error": null}',
+        '{"success": true}',
+        '{"content": {"error": null, "text": "fine"}}',
+        '{"content": "some text mentioning error: inside"}',
+        '{"bytes_written": 12, "path": "a.txt"}',
+        "[]",
+        "42",
+        "plain text output",
+        "the word error: appears later",
+        "errors: 0",
+    ],
+)
+def test_is_tool_failure_false(content):
+    assert is_tool_failure(content) is False

@@ -33,12 +33,12 @@ from batchrun.prompt.trajectory import (
     build_record,
     empty_answer,
     invalid_tool_call,
-    reasoning_counts,
     unoffered_call,
 )
 from batchrun.protocol import Outcome, PromptJob
 from batchrun.record import conform_score, read_score
 from batchrun.scoring import Judgement, ScoringSettings, keep_problem, score_sample
+from batchrun.sharegpt import reasoning_counts
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from batchrun.prompt.jsonbody import RequestEncoder
 from batchrun.prompt.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
-from batchrun.prompt.trajectory import canonical_arguments, split_reasoning
+from batchrun.sharegpt import canonical_arguments, split_reasoning
 
 MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid before we stop the prompt
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
-from batchrun.identity import row_identity
+from batchrun.identity import RowIdentity
 from batchrun.prompt.attempt import WorkerSettings
 from batchrun.prompt.llm import usage_warning
 from batchrun.prompt.sandbox_lifecycle import start_slots_per_worker
@@ -83,15 +83,14 @@ class _Tracking:
 
 def passing_samples(run_dir: Any) -> collections.Counter[str]:
     """Row identity -> passing samples in the run's batch files (a resume's --stop_after_passes counts them)."""
-    from batchrun.identity import record_row_key
-    from batchrun.prompt.trajectory import valid_record
+    from batchrun.record import valid_record
     from batchrun.storage import batch_files, iter_jsonl
 
     passes: collections.Counter[str] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec) and read_score(rec.get("score")).get("passed") is True:
-                passes[record_row_key(rec)] += 1
+                passes[RowIdentity.of_record(rec).key] += 1
     return passes
 
 
@@ -346,7 +345,7 @@ class Dispatch:
             ):
                 job = track.pending.popleft()
                 if k:
-                    row = row_identity(job, self.recorder.redact)
+                    row = RowIdentity.of_row(job, self.recorder.sample_text).key
                     if self.passes[row] >= k:
                         skipped += self.settle(Outcome.discarded(job, SKIPPED_AFTER_PASSES, None, {}), track)
                         continue
@@ -367,7 +366,7 @@ class Dispatch:
     def rows_in_flight(self, track: _Tracking) -> collections.Counter[str]:
         """Row identity -> its samples handed out without an outcome yet."""
         return collections.Counter(
-            row_identity(track.jobs[key], self.recorder.redact)
+            RowIdentity.of_row(track.jobs[key], self.recorder.sample_text).key
             for keys in track.held.values()
             for key in keys
         )
@@ -384,7 +383,7 @@ class Dispatch:
             return
         score = read_score((message.record or {}).get("score"))
         if message.kind == "trajectory" and score.get("passed") is True:
-            self.passes[row_identity(message, self.recorder.redact)] += 1
+            self.passes[message.identity.redacted(self.recorder.sample_text).key] += 1
 
     def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:
         """Record an outcome (or a skip) once: a prompt already settled (e.g. by a lost-batch report) is ignored."""

@@ -19,14 +19,14 @@ from typing import Any
 from batchrun.config import RunConfig
 from batchrun.identity import outcome_sample, record_sample
 from batchrun.prompt.tools.catalog import known_tool_names
-from batchrun.prompt.trajectory import reasoning_counts, used_tool_names, valid_outcome_row, valid_record
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
-from batchrun.record import normalize_metadata, run_card
+from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.scoring import RunScores, headline
 from batchrun.secrets import Redactor
+from batchrun.sharegpt import reasoning_counts, used_tool_names
 from batchrun.storage import (
     batch_files,
     fsync_dir,
@@ -163,9 +163,9 @@ def merge(
 
 
 def typed_line(raw: bytes, rec: dict[str, Any]) -> bytes:
-    """A batch file's line for trajectories.jsonl: as written, or, for a record of an earlier version
-    (nulls, row name lists), with its metadata in today's types, so one file never mixes two types
-    in a column. Only metadata is retyped: what the model and the tools said is never touched."""
+    """A batch file's line for trajectories.jsonl: as written, or, for a record whose metadata is not in
+    the schema's types (nulls, row name lists: another tool's record, or one from before format 1), with
+    its metadata typed, so one file never mixes two types in a column. Only metadata is retyped: what the model and the tools said is never touched."""
     meta = rec.get("metadata")
     if isinstance(meta, dict):
         typed = normalize_metadata(meta)
@@ -342,35 +342,17 @@ def this_run_totals(recorder: Recorder) -> dict[str, Any]:
 def earlier_runs(path: Path) -> list[dict[str, Any]]:
     """The ``runs`` history of the statistics.json an earlier invocation wrote (one entry per invocation).
 
-    A file written before the history existed gives its ``this_run`` as the one earlier run; an
-    unreadable one gives none (its numbers cannot be trusted to add up).
+    An unreadable one gives none (its numbers cannot be trusted to add up); one without the history was
+    written in a form ``batchrun.run.run_dir`` refuses before a resume gets here.
     """
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
-    if not isinstance(old, dict):
+    runs = old.get("runs") if isinstance(old, dict) else None
+    if not isinstance(runs, list):
         return []
-    runs = old.get("runs")
-    if isinstance(runs, list):
-        return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
-    tr = old.get("this_run")
-    if isinstance(tr, dict) and isinstance(tr.get("duration_s"), (int, float)):
-        usage = tr.get("usage") if isinstance(tr.get("usage"), dict) else {}
-        return [
-            {
-                "started_at": None,
-                "completed_at": None,
-                "duration_s": tr["duration_s"],
-                "attempted": tr.get("attempted", 0),
-                "trajectories": tr.get("trajectories", 0),
-                "requests": tr.get("api_calls", 0),
-                "prompt_tokens": usage.get("prompt_tokens", 0),
-                "completion_tokens": usage.get("completion_tokens", 0),
-                "cost_usd": usage.get("cost_usd", 0.0),
-            }
-        ]
-    return []
+    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
 
 
 def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.identity import identity_fields, row_identity
-from batchrun.prompt.trajectory import first_human, valid_record
+from batchrun.identity import RowIdentity
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
-from batchrun.record import identity_options, normalize_metadata, optional_text, sample_index_of
+from batchrun.record import normalize_metadata, sample_index_of, valid_record
+from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,
@@ -153,11 +153,8 @@ class Recorder:
         # the same text and another image, cwd or settings of its own, and which sample this is.
         # Computed from the text as saved records hold it (secrets redacted, nothing else).
         sample_text = self.sample_text
-        identity = {
-            **identity_fields(outcome, sample_text),
-            "row_key": row_identity(outcome, sample_text),
-            "sample_index": outcome.sample_index,
-        }
+        saved = outcome.identity.redacted(sample_text)
+        identity = {**saved.fields(), "row_key": saved.key, "sample_index": outcome.sample_index}
         # Discards and failures name their dataset row too (its id and fields: answer, verify, ...).
         row_of = {"row_id": outcome.row_id, "row_fields": outcome.row_fields}
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
@@ -218,12 +215,11 @@ class Recorder:
         """A record found unfit at merge, written to discarded.jsonl with its reason (it stays in its
         batch file, finished for resume)."""
         meta = rec.get("metadata") or {}
+        identity = RowIdentity.of_record(rec)
         row = {
-            "prompt": first_human(rec["conversations"]) or "",
-            "image": optional_text(meta.get("image")),
-            "cwd": optional_text(meta.get("cwd")),
-            **identity_options(meta),
-            "row_key": meta.get("row_key"),
+            "prompt": identity.text,
+            **identity.fields(),
+            "row_key": identity.key,
             "sample_index": sample_index_of(meta),
             "prompt_index": rec.get("prompt_index"),
             "batch_num": meta.get("batch_num"),
@@ -309,6 +305,7 @@ class Recorder:
         if self.batch_outcomes is None:
             self.batch_outcomes = scan_batch_outcomes(self.run_dir)
         state = {
+            FORMAT_FIELD: FORMAT_VERSION,  # added to the reference's keys (batchrun.run.run_dir)
             "run_name": self.run_name,
             "completed_prompts": sorted(self.done_indices),
             "batches": [n for n, _ in batch_files(self.run_dir)],

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
-from batchrun.identity import outcome_sample, record_sample, row_identity
-from batchrun.prompt.trajectory import valid_outcome_row, valid_record
+from batchrun.identity import RowIdentity, outcome_sample, record_sample
+from batchrun.record import valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
+from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.secrets import Redactor
 from batchrun.storage import batch_files, iter_jsonl
 
@@ -74,6 +75,7 @@ MANIFEST_DEFAULTS: dict[str, Any] = {
 def build_manifest(config: RunConfig) -> dict[str, Any]:
     """The run's data-defining settings, as run_manifest.json records them."""
     return {
+        FORMAT_FIELD: FORMAT_VERSION,  # how the directory is written (batchrun.run.run_dir)
         "model": config.model,
         "distribution": config.distribution,
         "max_turns": config.max_turns,
@@ -127,8 +129,8 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
 
     With ``force`` the earlier settings go into the manifest's ``history``, so the data says it holds both.
     """
-    # A key that a manifest of an older version lacks cannot be compared (it is recorded from now on),
-    # except one whose value then is known (MANIFEST_DEFAULTS): that run could not have set it.
+    # A key that a manifest written before it existed lacks cannot be compared (it is recorded from now
+    # on), except one whose value then is known (MANIFEST_DEFAULTS): that run could not have set it.
     old = {**{k: v for k, v in MANIFEST_DEFAULTS.items() if k not in old}, **old}
     changed = [k for k in MANIFEST_KEYS if k in old and old.get(k) != new.get(k)]
     history = old.get("history") if isinstance(old.get("history"), list) else []
@@ -173,7 +175,7 @@ def wanted_samples(
     """(row identity, sample index) -> how many dataset rows want that sample (duplicate rows each do)."""
     wanted: collections.Counter[tuple[str, int]] = collections.Counter()
     for row in rows:
-        key = row_identity(row, redact)
+        key = RowIdentity.of_row(row, redact).key
         for s in range(samples_of(row, samples_per_prompt)):
             wanted[key, s] += 1
     return wanted
@@ -187,7 +189,7 @@ def unfinished(
     done = collections.Counter(done)
     left: list[Sample] = []
     for row in rows:
-        key = row_identity(row, redact)
+        key = RowIdentity.of_row(row, redact).key
         for s in range(samples_of(row, samples_per_prompt)):
             if done[key, s] > 0:
                 done[key, s] -= 1

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import record_sample
-from batchrun.prompt.trajectory import first_human
 from batchrun.record import read_score
+from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
+from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl, write_text_atomic
 from batchrun.views.score import run_samples
 
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"error: {run} holds no trajectories.jsonl (is it a finished run's directory?)",
                 file=sys.stderr,
             )
+            return 2
+        problem = check_run_dir(run)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             return 2
     try:
         result = compare_runs(

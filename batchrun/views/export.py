@@ -63,7 +63,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import (
+from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata, read_score
+from batchrun.run.run_dir import check_run_dir
+from batchrun.sharegpt import (
     first_human,
     offered_tools,
     parse_gpt_value,
@@ -71,7 +73,6 @@ from batchrun.prompt.trajectory import (
     split_system_value,
     tool_call_text,
 )
-from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata, read_score
 from batchrun.storage import iter_jsonl
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
@@ -543,6 +544,8 @@ def export_run(
     )
     run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
     out = Path(out)
+    for problem in filter(None, map(check_run_dir, run_dirs)):
+        raise ExportError(problem)
     _check_request(run_dirs, out, opts, test_fraction, overwrite)
     result = ExportResult(out=out)
     if fmt in SCORED_FORMATS:

@@ -29,9 +29,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import record_row_key
-from batchrun.prompt.trajectory import first_human, offered_tools
+from batchrun.identity import RowIdentity
 from batchrun.record import features_yaml
+from batchrun.sharegpt import first_human, offered_tools
 from batchrun.views.export import (
     _PARQUET_MESSAGE,
     CARD_NAME,
@@ -121,7 +121,7 @@ def export_scored(
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
         meta = record.get("metadata") or {}
-        groups[(record_row_key(record), tools)].append(
+        groups[(RowIdentity.of_record(record).key, tools)].append(
             {
                 "prompt": prompt,
                 "completion": completion,

@@ -23,14 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.prompt.trajectory import (
-    first_human,
-    is_tool_failure,
-    reasoning_counts,
-    valid_outcome_row,
-    valid_record,
-)
-from batchrun.record import read_score
+from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
+from batchrun.run.run_dir import check_run_dir
+from batchrun.sharegpt import first_human, reasoning_counts
 from batchrun.storage import iter_jsonl, write_text_atomic
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -88,7 +83,8 @@ def _json_list(value: Any) -> list[Any]:
 
 
 def record_usage(rec: dict[str, Any]) -> dict[str, Any]:
-    """Tokens and cost of one record: ``metadata.usage`` when present, else the older flat fields."""
+    """Tokens and cost of one record: ``metadata.usage`` when present, else the flat ``metadata`` counts
+    (every record has both; records of other tools may have only the flat ones)."""
     meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
     usage = meta.get("usage") if isinstance(meta.get("usage"), dict) else {}
 
@@ -1125,6 +1121,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_trajectories < 0:
         parser.error("--max-trajectories must be 0 or more")
+    problem = check_run_dir(args.run_dir)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         path = write_report(args.run_dir, args.max_trajectories)
     except FileNotFoundError as exc:

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import record_sample
-from batchrun.prompt.trajectory import first_human, valid_outcome_row, valid_record
+from batchrun.record import valid_outcome_row, valid_record
+from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import (
     NORMALIZE_STEPS,
     SANDBOX_SCORERS,
@@ -39,6 +40,7 @@ from batchrun.scoring import (
     parse_scorers,
     score_sample,
 )
+from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl, write_json_atomic, write_text_atomic
 
 
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {args.run_dir} holds no trajectories.jsonl (is it a finished run's directory?)",
             file=sys.stderr,
         )
+        return 2
+    problem = check_run_dir(args.run_dir)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)

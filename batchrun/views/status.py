@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchrun.run.run_dir import check_run_dir
 from batchrun.storage import pid_alive
 
 STALL_AFTER_S = 60.0
@@ -228,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.watch is not None and args.watch <= 0:
         parser.error("--watch needs a positive number of seconds")
+    problem = check_run_dir(args.run_dir)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     clear = args.watch is not None and not args.json and sys.stdout.isatty()
     try:
         while True:

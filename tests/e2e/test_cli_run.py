@@ -20,8 +20,8 @@ from helpers import ROOT, by_prompt, offered_in_system, read_jsonl, run, tool_bl
 
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
-from batchrun.prompt.trajectory import first_human, parse_tool_calls, reasoning_counts
 from batchrun.record import RECORD_FIELDS
+from batchrun.sharegpt import first_human, parse_tool_calls, reasoning_counts
 
 API_KEY = "sk-test-SECRET-123456"
 ENV_TOKEN = "tok-very-secret-987"

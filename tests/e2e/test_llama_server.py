@@ -22,7 +22,7 @@ from llama.server import LlamaServer, find_binary
 
 import batch_runner
 from batchrun.prompt.llm import LLMClient, LLMConfig
-from batchrun.prompt.trajectory import parse_tool_calls
+from batchrun.sharegpt import parse_tool_calls
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(900)]  # a loaded CI machine slows the starts
 

@@ -11,10 +11,10 @@ from helpers import by_prompt, read_jsonl, run, stats_of, write_rows
 
 from batchrun.fakes.fake_model import find_prompt
 from batchrun.identity import row_key
-from batchrun.prompt.trajectory import split_system_value
 from batchrun.protocol import RowOptions
 from batchrun.record import identity_options
 from batchrun.run.dataset import load_dataset
+from batchrun.sharegpt import split_system_value
 from batchrun.views.export import to_openai_messages
 
 SEARCH_VARS = ("WEB_SEARCH_PROVIDER", "TAVILY_API_KEY", "BRAVE_API_KEY", "EXA_API_KEY", "FIRECRAWL_API_KEY")

@@ -22,10 +22,11 @@ from batchrun.fakes.fake_model import FakeModelServer, find_prompt
 from batchrun.identity import record_sample
 from batchrun.identity import toolset_rng as sample_rng
 from batchrun.prompt.tools.catalog import available_toolsets
-from batchrun.prompt.trajectory import first_human, valid_record
+from batchrun.record import valid_record
 from batchrun.run.dataset import load_dataset
 from batchrun.run.plan import make_plan
 from batchrun.run.resume import all_samples
+from batchrun.sharegpt import first_human
 from batchrun.storage import batch_files
 
 

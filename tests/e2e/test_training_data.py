@@ -18,9 +18,10 @@ from helpers import read_jsonl, run, stats_of, write_jsonl, write_rows
 import batch_runner
 from batchrun.config import UsageError
 from batchrun.fakes.fake_model import FakeModelServer, find_prompt, respond
-from batchrun.prompt.trajectory import canonical_arguments, first_human, split_reasoning, unoffered_call
+from batchrun.prompt.trajectory import unoffered_call
 from batchrun.record import METADATA, load_runs
 from batchrun.secrets import Redactor, looks_like_secret
+from batchrun.sharegpt import canonical_arguments, first_human, split_reasoning
 
 datasets = pytest.importorskip("datasets")
 

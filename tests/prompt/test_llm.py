@@ -508,7 +508,7 @@ def test_summary_parts_of_reasoning_details():
     ],
 )
 def test_inline_think_is_split_from_the_content(content, reasoning, rest):
-    from batchrun.prompt.trajectory import split_reasoning
+    from batchrun.sharegpt import split_reasoning
 
     assert split_reasoning(content) == (reasoning, rest)
 

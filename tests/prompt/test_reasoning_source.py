@@ -7,7 +7,8 @@ import json
 
 from batchrun.prompt.llm import AssistantTurn, _parse_payload, _read_stream
 from batchrun.prompt.loop import _assistant_messages
-from batchrun.prompt.trajectory import ambiguous_markup, reasoning_counts, to_sharegpt
+from batchrun.prompt.trajectory import ambiguous_markup, to_sharegpt
+from batchrun.sharegpt import reasoning_counts
 
 
 def turn(content: str, reasoning: str | None = None) -> AssistantTurn:

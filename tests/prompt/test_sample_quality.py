@@ -13,13 +13,8 @@ import pytest
 from helpers import read_jsonl, write_jsonl
 from helpers import run as run_main
 
-from batchrun.prompt.trajectory import (
-    ambiguous_markup,
-    empty_answer,
-    invalid_tool_call,
-    parse_gpt_value,
-    to_sharegpt,
-)
+from batchrun.prompt.trajectory import ambiguous_markup, empty_answer, invalid_tool_call, to_sharegpt
+from batchrun.sharegpt import parse_gpt_value
 
 
 def run(dataset: Path, out: Path, run_name: str = "q", **kw) -> Path:

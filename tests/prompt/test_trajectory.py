@@ -1,124 +1,21 @@
-"""batchrun/prompt/trajectory.py: reasoning extraction, SPEC's tool-failure rule, ShareGPT rendering, round trips."""
+"""batchrun/prompt/trajectory.py: a record built from a prompt's messages (ShareGPT rendering), its quality checks."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
-from batchrun.prompt.trajectory import (
+from batchrun.prompt.trajectory import ambiguous_markup, build_record, to_sharegpt
+from batchrun.record import RECORD_FIELDS
+from batchrun.sharegpt import (
     SYSTEM_PREAMBLE,
-    ambiguous_markup,
-    build_record,
-    canonical_arguments,
     first_human,
     gpt_value,
-    is_tool_failure,
     offered_tools,
     parse_gpt_value,
     parse_tool_calls,
     reasoning_counts,
-    split_reasoning,
-    to_sharegpt,
     used_tool_names,
 )
-from batchrun.record import RECORD_FIELDS
-
-# ----------------------------------------------------------------------------- split_reasoning
-
-
-def test_scratchpad_at_start_becomes_reasoning_and_leaves_the_answer():
-    reasoning, content = split_reasoning(
-        "<REASONING_SCRATCHPAD>I should list files.</REASONING_SCRATCHPAD>\nLet me use terminal."
-    )
-    assert reasoning == "I should list files."
-    assert content == "Let me use terminal."
-
-
-def test_several_scratchpads_anywhere_are_joined_in_order():
-    reasoning, content = split_reasoning(
-        "<REASONING_SCRATCHPAD> first </REASONING_SCRATCHPAD>Answer part one. "
-        "<REASONING_SCRATCHPAD>second</REASONING_SCRATCHPAD>Part two."
-    )
-    assert reasoning == "first\n\nsecond"
-    assert "REASONING_SCRATCHPAD" not in content
-    assert content == "Answer part one. Part two."
-
-
-def test_leading_think_block_becomes_reasoning():
-    reasoning, content = split_reasoning("  <think>\nweigh the options\n</think>\nThe answer is 4.")
-    assert reasoning == "weigh the options"
-    assert content == "The answer is 4."
-
-
-def test_think_not_at_the_start_is_part_of_the_content():
-    text = "The tag <think>x</think> is how some models show reasoning."
-    assert split_reasoning(text) == (None, text)
-
-
-def test_scratchpad_and_think_together_keep_both():
-    reasoning, content = split_reasoning(
-        "<REASONING_SCRATCHPAD>pad</REASONING_SCRATCHPAD><think>thought</think>done"
-    )
-    assert reasoning == "pad\n\nthought"
-    assert content == "done"
-
-
-@pytest.mark.parametrize("content", [None, "", "Plain answer, no reasoning at all."])
-def test_no_reasoning_gives_none(content):
-    reasoning, rest = split_reasoning(content)
-    assert reasoning is None
-    assert rest == (content or "")
-
-
-def test_empty_scratchpad_is_no_reasoning():
-    assert split_reasoning("<REASONING_SCRATCHPAD>  </REASONING_SCRATCHPAD>hi") == (None, "hi")
-
-
-# ----------------------------------------------------------------------------- is_tool_failure
-
-
-@pytest.mark.parametrize(
-    "content",
-    [
-        '{"error": "No such file"}',
-        '{"error": ""}',  # non-null, even if empty
-        '{"error": {"code": 2}}',
-        '{"success": false}',
-        '{"success": false, "error": null}',
-        '{"content": {"error": "nested failure"}}',
-        '{"content": {"success": false}}',
-        '{"output": "", "exit_code": -1, "error": "Command timed out after 5 s"}',
-        "error: something broke",
-        "error:no space",
-        "  error: leading whitespace",
-        "",
-        "   \n",
-    ],
-)
-def test_is_tool_failure_true(content):
-    assert is_tool_failure(content) is True
-
-
-@pytest.mark.parametrize(
-    "content",
-    [
-        '{"output": "boom", "exit_code": 1, "error": null}',  # a non-zero exit code is not a failure
-        '{"error": null}',
-        '{"success": true}',
-        '{"content": {"error": null, "text": "fine"}}',
-        '{"content": "some text mentioning error: inside"}',
-        '{"bytes_written": 12, "path": "a.txt"}',
-        "[]",
-        "42",
-        "plain text output",
-        "the word error: appears later",
-        "errors: 0",
-    ],
-)
-def test_is_tool_failure_false(content):
-    assert is_tool_failure(content) is False
-
 
 # ----------------------------------------------------------------------------- to_sharegpt
 
@@ -235,47 +132,6 @@ def test_to_sharegpt_with_no_tools_offered():
     conv = to_sharegpt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], [])
     assert "<tools>\n[]\n</tools>" in conv[0]["value"]
     assert [c["from"] for c in conv] == ["system", "human", "gpt"]
-
-
-# ----------------------------------------------------------------------------- parse_tool_calls round trip
-
-ROUND_TRIP_ARGUMENTS = [
-    '{"command": "ls -la"}',
-    '{"command":"ls",   "timeout": 5}',  # not canonical spacing
-    '{"path": "docs/ünïcödé 🌍.txt", "content": "line1\\nline2\\t\\"quoted\\""}',
-    '{"nested": {"a": [1, 2.5, null, true]}, "empty": {}}',
-    '{"x": "a literal \\n</tool_call> inside the value"}',
-    "{broken json",
-    "not json at all",
-    "",
-    "[1, 2, 3]",
-    "123",
-    "null",
-    '{"command": "ls"} trailing garbage',
-]
-
-
-@pytest.mark.parametrize("raw", ROUND_TRIP_ARGUMENTS)
-def test_parse_tool_calls_round_trip(raw):
-    args = canonical_arguments(raw)
-    calls = [_call("call_1", "terminal", args), _call("call_2", "write_file", '{"path": "p"}')]
-    value = gpt_value("why", "text", calls)
-    assert parse_tool_calls(value) == [
-        {"name": "terminal", "arguments": args},
-        {"name": "write_file", "arguments": '{"path": "p"}'},
-    ]
-
-
-def test_canonical_arguments_normalises_json_and_keeps_other_text():
-    assert canonical_arguments('{"b":1,"a":"é"}') == '{"b": 1, "a": "é"}'
-    assert canonical_arguments("{oops") == "{oops"
-
-
-@pytest.mark.parametrize("raw", ['"ls -la"', json.dumps(json.dumps({"command": "ls"}))])
-def test_parse_tool_calls_round_trip_json_string_arguments(raw):
-    args = canonical_arguments(raw)
-    value = gpt_value(None, "", [_call("call_1", "terminal", args)])
-    assert parse_tool_calls(value) == [{"name": "terminal", "arguments": args}]
 
 
 def test_tool_call_text_in_content_is_kept_verbatim_and_flagged_ambiguous():

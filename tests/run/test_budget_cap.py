@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import run, write_jsonl
+from helpers import ScriptedEndpoint, run, write_jsonl
 
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import Usage, credible_usage
@@ -96,43 +94,14 @@ def test_credible_usage_is_kept_exactly():
     assert clean["cost"] == 0.002 and "estimated" not in clean
 
 
-class OddUsage:
-    """A scripted endpoint: every answer is a final one (with reasoning) whose usage is odd."""
-
-    def __init__(self, usage_text: str):
-        outer = self
-        self.requests = 0
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                self._send(b'{"data": []}')
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                outer.requests += 1
-                body = (
-                    '{"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": '
-                    '{"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2"}}], '
-                    f'"usage": {usage_text}}}'
-                )
-                self._send(body.encode())
-
-            def _send(self, body):
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
+def odd_usage(usage_text: str) -> ScriptedEndpoint:
+    """Every answer is a final one (with reasoning) whose usage is ``usage_text`` (not always valid JSON)."""
+    body = (
+        '{"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": '
+        '{"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2"}}], '
+        f'"usage": {usage_text}}}'
+    ).encode()
+    return ScriptedEndpoint(lambda call, calls: (200, body), get=(200, {"data": []}))
 
 
 def _strict(text: str):
@@ -145,7 +114,7 @@ def _strict(text: str):
 @pytest.mark.parametrize("budget", [{"budget_tokens": 50_000}, {}], ids=["budget", "no_budget"])
 def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_json(tmp_path, capsys, budget):
     """Without a budget the worker sends no spend per call, but still the first faulty one: the warning."""
-    endpoint = OddUsage('{"prompt_tokens": "120", "completion_tokens": -5, "cost": NaN}')
+    endpoint = odd_usage('{"prompt_tokens": "120", "completion_tokens": -5, "cost": NaN}')
     try:
         dataset = write_jsonl(tmp_path / "d.jsonl", [f"What is 2+2? ({i})" for i in range(6)])
         run(

@@ -19,7 +19,7 @@ from helpers import (
 )
 
 from batchrun.fakes.fake_model import FakeModelServer, find_prompt
-from batchrun.prompt.trajectory import first_human
+from batchrun.sharegpt import first_human
 
 
 def test_loop_truncate_garbage_and_hangup(server, tmp_path):

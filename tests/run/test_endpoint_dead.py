@@ -5,58 +5,21 @@ prompt failing after its retries."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from helpers import exit_code, read_jsonl, write_jsonl
+from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl
 
 from batchrun.run.endpoint_watch import DEAD_AFTER, EXIT_ENDPOINT_DEAD, EndpointWatch
 
 
-class DiesAfterTheStartCheck:
+def dies_after_the_start_check(call: dict, calls: list[dict]):
     """Answers the start check once, then 503 to everything (probes included)."""
-
-    def __init__(self):
-        outer = self
-        self.calls = self.checks = 0
-        self.lock = threading.Lock()
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                self._send(404, b"{}")
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                with outer.lock:
-                    if self.headers.get("X-Batch-Runner-Check"):
-                        outer.checks += 1
-                        alive = outer.checks == 1
-                    else:
-                        outer.calls += 1
-                        alive = False
-                if alive:
-                    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "OK"}}]}
-                    self._send(200, json.dumps(reply).encode())
-                else:
-                    self._send(503, b'{"error": {"message": "upstream connect error"}}')
-
-            def _send(self, code, body):
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    if call["check"] and sum(1 for c in calls if c["check"]) == 1:
+        return 200, OK_REPLY
+    return 503, {"error": {"message": "upstream connect error"}}
 
 
 def test_a_dead_endpoint_stops_the_run_with_its_own_exit_code(tmp_path, capsys):
-    endpoint = DiesAfterTheStartCheck()
+    endpoint = ScriptedEndpoint(dies_after_the_start_check)
     prompts = [f"task {i}" for i in range(40)]
     dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
     try:
@@ -65,15 +28,15 @@ def test_a_dead_endpoint_stops_the_run_with_its_own_exit_code(tmp_path, capsys):
             num_workers=2, prompts_per_worker=4, max_retries=1, endpoint_grace=3, batch_size=10,
         )  # fmt: skip
     finally:
-        endpoint.httpd.shutdown()
+        endpoint.close()
     err = capsys.readouterr().err
     assert code == EXIT_ENDPOINT_DEAD
     assert "the run is paused and the endpoint probed" in err
     assert "did not come back within 3 s" in err and "--resume" in err
-    assert endpoint.checks >= 2  # the start check, then at least one probe
+    assert endpoint.checks() >= 2  # the start check, then at least one probe
     # Without the stop: 40 prompts x 2 tries = 80 doomed requests. With it: about the failures that
     # tripped it, plus what was in flight.
-    assert endpoint.calls < 40
+    assert endpoint.prompt_calls() < 40
     run_dir = tmp_path / "data" / "run"
     failed = read_jsonl(run_dir / "failed.jsonl") if (run_dir / "failed.jsonl").exists() else []
     stats = json.loads((run_dir / "statistics.json").read_text())

@@ -9,7 +9,7 @@ import time
 
 from helpers import read_jsonl, run, stats_of, write_jsonl
 
-from batchrun.prompt.trajectory import valid_record
+from batchrun.record import valid_record
 from batchrun.views.report import collect
 
 GARBAGE_RECORDS = [

@@ -32,9 +32,9 @@ from helpers import run as run_main
 
 import batch_runner
 from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.trajectory import first_human
 from batchrun.protocol import Log, Ready, Received, WorkerExit
 from batchrun.run.inbox import Inbox
+from batchrun.sharegpt import first_human
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-ray-test-0123456789"

@@ -14,7 +14,8 @@ import pytest
 from helpers import exit_code, parse_line, read_jsonl, run, write_jsonl
 
 from batchrun.cli import EXIT_CANNOT_WRITE
-from batchrun.prompt.trajectory import first_human, valid_record
+from batchrun.record import valid_record
+from batchrun.sharegpt import first_human
 from batchrun.views.status import format_status
 
 

@@ -20,8 +20,8 @@ from helpers import (
 )
 
 from batchrun.identity import row_key
-from batchrun.prompt.trajectory import first_human
 from batchrun.secrets import Redactor
+from batchrun.sharegpt import first_human
 from batchrun.storage import append_jsonl
 
 RESUME = ["alpha task", "beta task", "gamma task", "alpha task", "delta task", "epsilon task"]

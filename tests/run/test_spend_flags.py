@@ -13,7 +13,7 @@ import pytest
 from helpers import read_jsonl, run, write_jsonl
 
 from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.trajectory import first_human
+from batchrun.sharegpt import first_human
 
 COST_PER_TOKEN = 1e-6  # the fake reports usage.cost = total_tokens * this
 

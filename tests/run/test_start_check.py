@@ -7,12 +7,8 @@ the status and the server's message, before any prompt's request, and never prin
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
-from helpers import exit_code, write_jsonl
+from helpers import OK_REPLY, ScriptedEndpoint, exit_code, write_jsonl
 
 from batchrun.config import UsageError
 from batchrun.prompt.llm import LLMConfig
@@ -21,48 +17,15 @@ from batchrun.run.preflight import check_chat
 KEY = "sk-start-check-secret-123"
 
 
-class Endpoint:
+def Endpoint(status: int, message: str = "") -> ScriptedEndpoint:
     """Answers GET /models with 404 and every chat call with ``status`` and ``message``."""
 
-    def __init__(self, status: int, message: str = ""):
-        outer = self
-        self.chat_calls: list[dict] = []
+    def answer(call: dict, calls: list[dict]):
+        if status == 200:
+            return 200, OK_REPLY
+        return status, {"error": {"message": message, "type": "invalid_request_error", "code": str(status)}}
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                self._send(404, b"{}")
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
-                outer.chat_calls.append({"body": body, "check": self.headers.get("X-Batch-Runner-Check")})
-                if status == 200:
-                    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "OK"}}]}
-                    self._send(200, json.dumps(reply).encode())
-                else:
-                    err = {
-                        "error": {"message": message, "type": "invalid_request_error", "code": str(status)}
-                    }
-                    self._send(status, json.dumps(err).encode())
-
-            def _send(self, code, body):
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
+    return ScriptedEndpoint(answer)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +43,7 @@ def test_a_refused_start_check_names_the_status_and_the_servers_message(status, 
     with Endpoint(status, message) as ep:
         with pytest.raises(UsageError) as info:
             check_chat(LLMConfig(model="nope", base_url=ep.base_url, api_key=KEY))
-        assert len(ep.chat_calls) == 1  # one call, not retried
+        assert len(ep.calls) == 1  # one call, not retried
     text = str(info.value)
     assert f"HTTP {status}" in text and message[:40] in text
     assert KEY not in text
@@ -89,7 +52,7 @@ def test_a_refused_start_check_names_the_status_and_the_servers_message(status, 
 def test_the_start_check_sends_the_model_and_the_dialects_fields():
     with Endpoint(200) as ep:
         check_chat(LLMConfig(model="m1", base_url=ep.base_url, api_key=KEY, reasoning_disabled=True))
-        (call,) = ep.chat_calls
+        (call,) = ep.calls
     assert call["body"]["model"] == "m1" and call["check"] == "1"
     assert call["body"]["chat_template_kwargs"] == {
         "enable_thinking": False,
@@ -102,7 +65,7 @@ def test_a_run_against_a_refusing_endpoint_exits_2_before_any_prompt(tmp_path, c
     dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(5)])
     with Endpoint(400, "Invalid model name passed in model=nope") as ep:
         code = exit_code(None, dataset, tmp_path / "data", model="nope", base_url=ep.base_url, api_key=KEY)
-        calls = len(ep.chat_calls)
+        calls = len(ep.calls)
     err = capsys.readouterr().err
     assert code == 2
     assert calls == 1  # the start check only: no prompt sent a doomed request

@@ -21,7 +21,7 @@ from openai.types.chat import (
 )
 from pydantic import TypeAdapter
 
-from batchrun.prompt.trajectory import first_human, parse_tool_calls
+from batchrun.sharegpt import first_human, parse_tool_calls
 from batchrun.views import export
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import read_jsonl, run, write_rows
 
-from batchrun.prompt.trajectory import reasoning_counts, system_value
+from batchrun.sharegpt import reasoning_counts, system_value
 from batchrun.views import export
 
 jinja2 = pytest.importorskip("jinja2")
