@@ -30,14 +30,23 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from batchrun.record import identity_options, optional_text, sample_index_of
 from batchrun.sharegpt import first_human
 
 if TYPE_CHECKING:
-    from batchrun.protocol import PromptJob
-    from batchrun.run.dataset import Row
+    from batchrun.protocol import PromptJob, RowOptions
+
+
+class DatasetRow(Protocol):
+    """What identity reads of a dataset row (``batchrun.run.dataset.Row``) or a job made from one."""
+
+    prompt: str
+    image: str | None
+    cwd: str | None
+    options: RowOptions
+    occurrence: int
 
 
 def row_key(
@@ -88,7 +97,7 @@ class RowIdentity:
     saved_key: str | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of_job(cls, job: PromptJob | Row) -> RowIdentity:
+    def of_job(cls, job: DatasetRow) -> RowIdentity:
         """A dataset row's (or its job's) identity, unredacted: what the worker runs (an Outcome carries it)."""
         opts = job.options
         return cls(
@@ -102,7 +111,7 @@ class RowIdentity:
         )
 
     @classmethod
-    def of_row(cls, row: Row | PromptJob, redact: Callable[[str], str]) -> RowIdentity:
+    def of_row(cls, row: DatasetRow, redact: Callable[[str], str]) -> RowIdentity:
         """A row's identity as saved records give it back (secrets in its text, image and cwd redacted)."""
         return cls.of_job(row).redacted(redact)
 
@@ -187,7 +196,7 @@ def prompt_rng(seed: int, prompt: str, occurrence: int = 0) -> random.Random:
     return random.Random(int.from_bytes(digest, "big"))
 
 
-def toolset_rng(seed: int, row: Row, sample_index: int) -> random.Random:
+def toolset_rng(seed: int, row: DatasetRow, sample_index: int) -> random.Random:
     """The toolset draw's Random for one sample, fixed by (seed, row text, occurrence, sample index).
 
     Sample 0 draws exactly what runs before samples existed drew, so their resumes offer the same.

@@ -33,6 +33,7 @@ from typing import IO, Any
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
+import batchrun.prompt.sandboxes.docker.container_server as server
 from batchrun.prompt.sandboxes._shell import (
     EXEC_TAG_VAR,
     MarkerScanner,
@@ -56,7 +57,6 @@ from batchrun.prompt.sandboxes.base import (
     readable,
     safe_run_name,
 )
-from batchrun.prompt.sandboxes.docker import container_server as server
 from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
     LABEL_OWNER,
