@@ -59,21 +59,34 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata, read_score
+from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata
 from batchrun.run.run_dir import check_run_dir
 from batchrun.sharegpt import (
     first_human,
     offered_tools,
-    parse_gpt_value,
-    parse_tool_responses,
-    split_system_value,
-    tool_call_text,
 )
-from batchrun.storage import iter_jsonl
+from batchrun.views.export_rows import (
+    _MESSAGE,
+    _PARQUET_MESSAGE,
+    CARD_NAME,
+    SPLITS,
+    ExportError,
+    ExportOptions,
+    ExportResult,
+    NothingToExport,
+    _all_samples,
+    _full_message,
+    _raw_arguments,
+    apply_reasoning,
+    score_columns,
+    split_of,
+    split_prompt_completion,
+    template_messages,
+    to_openai_messages,
+)
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
 TEMPLATE_FORMATS = ("messages", "prompt_completion")  # arguments as objects, tools as a list
@@ -82,217 +95,7 @@ REASONING_MODES = ("field", "think", "drop")
 MODEL_FAULT_STOP_REASONS = frozenset({"invalid_tool_calls"})
 # Formats that group a row's samples by their scores (batchrun.views.export_scored): JSONL only.
 SCORED_FORMATS = ("preference", "rewards")
-SPLITS = ("train", "test")
-CARD_NAME = "README.md"
 PARQUET_ROWS_PER_GROUP = 1000
-
-
-class ExportError(ValueError):
-    """A bad request (missing run, non-empty output directory, missing pyarrow): exit code 2."""
-
-
-class NothingToExport(ExportError):
-    """Every sample was left out (or there was none): exit code 1, and no dataset that cannot load."""
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """What to export and how (the command line's flags)."""
-
-    fmt: str = "openai"
-    reasoning: str = "field"  # field | think | drop
-    include_partial: bool = True
-    include_discarded: bool = False
-    stop_reasons: frozenset[str] | None = None  # only these (None: every one not excluded)
-    exclude_stop_reasons: frozenset[str] | None = None  # None: MODEL_FAULT_STOP_REASONS for kept samples
-    dedup: bool = False
-    only_passed: bool = False  # --only_passed: samples whose check passed
-    min_score: float | None = None  # --min_score: samples scored at least this
-
-
-@dataclass
-class ExportResult:
-    """What an export wrote and what it left out, with the reason for each sample not written."""
-
-    out: Path
-    files: dict[str, Path] = field(default_factory=dict)  # split -> file
-    rows: Counter[str] = field(default_factory=Counter)  # split -> rows written
-    skipped: Counter[str] = field(default_factory=Counter)  # reason -> samples or lines not written
-
-    def summary(self) -> str:
-        written = ", ".join(f"{split} {self.rows[split]}" for split in self.files) or "nothing"
-        text = f"exported {sum(self.rows.values())} samples ({written}) to {self.out}"
-        if self.skipped:
-            text += "; not exported: " + self.skipped_text()
-        return text
-
-    def skipped_text(self) -> str:
-        return ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
-
-
-# ----------------------------------------------------------------------------- one record -> messages
-
-
-def to_openai_messages(conversations: list[dict[str, Any]], *, unsplit: bool = False) -> list[dict[str, Any]]:
-    """A record's ShareGPT conversation as OpenAI chat messages (keys that do not apply left out).
-
-    ``unsplit``: assistant turns keep their text whole (reasoning markup included), for samples whose
-    markup was ambiguous. Raises ValueError (or KeyError, json.JSONDecodeError) for a conversation
-    that does not parse back.
-    """
-    messages: list[dict[str, Any]] = []
-    for turn in conversations:
-        who, value = turn.get("from"), turn.get("value")
-        if not isinstance(value, str):
-            raise ValueError(f"a {who!r} turn has no text value")
-        if who == "system":
-            own = split_system_value(value)  # a row's own system prompt, before the preamble
-            if own is not None:
-                messages.append({"role": "system", "content": own})
-            continue  # the preamble around the tool list, which is exported as its own column
-        if who == "human":
-            messages.append({"role": "user", "content": value})
-        elif who == "gpt":
-            messages.append(_unsplit_message(turn, value) if unsplit else _assistant_message(turn, value))
-        elif who == "tool":
-            for resp in parse_tool_responses(value):
-                if not isinstance(resp["tool_call_id"], str):
-                    raise ValueError("a tool result's tool_call_id is not a string")
-                messages.append(
-                    {"role": "tool", "tool_call_id": resp["tool_call_id"], "content": resp["content"]}
-                )
-        else:
-            raise ValueError(f"unknown turn kind {who!r}")
-    return messages
-
-
-def _structured_calls(turn: dict[str, Any]) -> list[dict[str, Any]]:
-    structured = turn.get("tool_calls") or []
-    for c in structured:  # typed as the columns are: a bad value would fail the whole Parquet row group
-        if not all(isinstance(v, str) for v in (c["id"], c["function"]["name"], c["function"]["arguments"])):
-            raise ValueError("a tool call's id, name or arguments is not a string")
-    return [
-        {
-            "id": c["id"],
-            "type": "function",
-            "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-        }
-        for c in structured
-    ]
-
-
-def _assistant_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
-    reasoning, content, parsed = parse_gpt_value(value)
-    calls = _structured_calls(turn)
-    # The structured list carries the ids; the text must hold exactly the same calls, or one of the two is wrong.
-    if [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls] != parsed:
-        raise ValueError("the calls in a gpt turn's text differ from its tool_calls")
-    msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-    if reasoning is not None:
-        msg["reasoning_content"] = reasoning
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
-
-
-def _unsplit_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
-    """An assistant turn whose markup is ambiguous: its text as written (reasoning and words not cut
-    apart), without only the call blocks the runner appended for its structured calls."""
-    calls = _structured_calls(turn)
-    blocks = "\n".join(tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls)
-    text = value
-    if blocks and value.endswith(blocks):
-        text = value[: len(value) - len(blocks)].removesuffix("\n")
-    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
-
-
-def apply_reasoning(messages: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-    """``field``: reasoning in ``reasoning_content``; ``think``: folded into ``content`` as a leading
-    ``<think>...</think>`` block; ``drop``: left out."""
-    if mode == "field":
-        return messages
-    out = []
-    for msg in messages:
-        reasoning = msg.get("reasoning_content")
-        msg = {k: v for k, v in msg.items() if k != "reasoning_content"}
-        if mode == "think" and reasoning is not None:
-            words = msg.get("content") or ""
-            msg["content"] = (
-                f"<think>\n{reasoning}\n</think>\n{words}" if words else f"<think>\n{reasoning}\n</think>"
-            )
-        out.append(msg)
-    return out
-
-
-def _raw_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Calls whose arguments are not a JSON object (an invalid_tool_call discard) keep them as written
-    in ``raw_arguments`` too, so a reader need not guess which string is which."""
-    for msg in messages:
-        for call in msg.get("tool_calls") or []:
-            if _arguments_object(call["function"]["arguments"]) is None:
-                call["raw_arguments"] = call["function"]["arguments"]
-    return messages
-
-
-def _arguments_object(arguments: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(arguments)
-    except (json.JSONDecodeError, TypeError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for chat templates: each call's ``arguments`` as a JSON object (``{}`` for arguments that
-    are not one; their text is in ``raw_arguments``)."""
-    out = []
-    for msg in messages:
-        if msg.get("tool_calls"):
-            calls = []
-            for call in msg["tool_calls"]:
-                parsed = _arguments_object(call["function"]["arguments"])
-                calls.append({**call, "function": {**call["function"], "arguments": parsed or {}}})
-            msg = {**msg, "tool_calls": calls}
-        out.append(msg)
-    return out
-
-
-def split_prompt_completion(
-    messages: list[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """TRL's conversational prompt/completion: the leading system and user messages, then the rest."""
-    cut = 0
-    while cut < len(messages) and messages[cut]["role"] in ("system", "user"):
-        cut += 1
-    return messages[:cut], messages[cut:]
-
-
-def _full_message(msg: dict[str, Any]) -> dict[str, Any]:
-    """Every message key present (null where it does not apply): one Arrow type for all messages."""
-    calls = msg.get("tool_calls")
-    return {
-        "role": msg["role"],
-        "content": msg.get("content"),
-        "reasoning_content": msg.get("reasoning_content"),
-        "tool_calls": None
-        if calls is None
-        else [
-            {
-                "id": c["id"],
-                "type": c["type"],
-                "function": c["function"],
-                "raw_arguments": c.get("raw_arguments"),
-            }
-            for c in calls
-        ],
-        "tool_call_id": msg.get("tool_call_id"),
-    }
-
-
-# ----------------------------------------------------------------------------- one record -> one row
 
 
 def _row(
@@ -368,19 +171,6 @@ def sample_digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def score_columns(record: dict[str, Any]) -> dict[str, Any]:
-    """The sample's score as flat columns (``score_value``, ``score_passed``, ``scorer``): null when not judged."""
-    score = read_score(record.get("score"))
-    value, passed, scorer = score.get("value"), score.get("passed"), score.get("scorer")
-    return {
-        "score_value": float(value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool)
-        else None,
-        "score_passed": passed if isinstance(passed, bool) else None,
-        "scorer": scorer if isinstance(scorer, str) else None,
-    }
-
-
 def typed_score_columns(record: dict[str, Any]) -> dict[str, Any]:
     """The score columns of an export row, typed in every row (an export's columns load like the
     record's): ``score_status`` says whether ``score_value`` and ``score_passed`` are a verdict."""
@@ -401,37 +191,6 @@ def score_filter(record: dict[str, Any], only_passed: bool, min_score: float | N
     if min_score is not None and (cols["score_value"] is None or cols["score_value"] < min_score):
         return f"score below {min_score:g} (--min_score)"
     return None
-
-
-def split_of(prompt: str, seed: int, test_fraction: float) -> str:
-    """``test`` for about ``test_fraction`` of prompts, decided by (seed, prompt text) alone."""
-    if test_fraction <= 0:
-        return "train"
-    digest = hashlib.sha256(f"{seed}\0{prompt}".encode()).digest()
-    return "test" if int.from_bytes(digest[:8], "big") / 2**64 < test_fraction else "train"
-
-
-# ----------------------------------------------------------------------------- reading the run
-
-
-def _samples(
-    run_dir: Path, include_discarded: bool, skipped: Counter[str]
-) -> Iterator[tuple[dict[str, Any], str | None]]:
-    """(record, discard reason or None), streamed; malformed lines are counted in ``skipped``."""
-    for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
-        if rec is None:
-            skipped["malformed lines"] += 1
-        else:
-            yield rec, None
-    if not include_discarded:
-        return
-    for row in iter_jsonl(run_dir / "discarded.jsonl"):
-        if row is None:
-            skipped["malformed lines"] += 1
-        elif not isinstance(row.get("record"), dict):
-            skipped["discarded without a record"] += 1
-        else:
-            yield row["record"], str(row.get("reason") or "unknown")
 
 
 # ----------------------------------------------------------------------------- writers
@@ -640,26 +399,9 @@ def _rows(
         yield split_of(first_human(record["conversations"]) or "", seed, test_fraction), row
 
 
-def _all_samples(
-    run_dirs: list[Path], include_discarded: bool, skipped: Counter[str]
-) -> Iterator[tuple[dict[str, Any], str | None, str]]:
-    for run_dir in run_dirs:
-        for record, reason in _samples(run_dir, include_discarded, skipped):
-            yield record, reason, run_dir.resolve().name
-
-
 # The columns as Hugging Face features (the card's dataset_info): a dtype name, or a struct (dict), or
 # a list of structs ([dict]), or a list of a dtype ([str]). The template formats (arguments as objects,
 # tools as a list) have no fixed schema: their card states none and the loader infers it.
-_CALL = {"id": "string", "type": "string", "function": {"name": "string", "arguments": "string"}}
-_MESSAGE = {
-    "role": "string",
-    "content": "string",
-    "reasoning_content": "string",
-    "tool_calls": [_CALL],
-    "tool_call_id": "string",
-}
-_PARQUET_MESSAGE = {**_MESSAGE, "tool_calls": [{**_CALL, "raw_arguments": "string"}]}
 _COMMON = {
     "tools": "string",
     "run_name": "string",
@@ -835,8 +577,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # The package's own copy of this module (not __main__), so errors raised by the modules it
-    # imports (export_scored) are this main's ExportError.
-    from batchrun.views.export import main as package_main
-
-    sys.exit(package_main())
+    sys.exit(main())

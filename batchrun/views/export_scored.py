@@ -32,7 +32,7 @@ from typing import Any
 from batchrun.identity import RowIdentity
 from batchrun.record import features_yaml
 from batchrun.sharegpt import first_human, offered_tools
-from batchrun.views.export import (
+from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
     CARD_NAME,
     SPLITS,
@@ -47,7 +47,7 @@ from batchrun.views.export import (
 
 SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samples, not broken ones
 
-# Messages with every key present (export._full_message), raw_arguments included.
+# Messages with every key present (export_rows._full_message), raw_arguments included.
 _FULL = _PARQUET_MESSAGE
 FEATURES: dict[str, dict[str, Any]] = {
     "preference": {
