@@ -30,13 +30,23 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from batchrun.record import identity_options, optional_text, sample_index_of
 from batchrun.sharegpt import first_human
 
-if TYPE_CHECKING:
-    from batchrun.protocol import PromptJob, RowOptions
+
+@dataclass(frozen=True)
+class RowOptions:
+    """A dataset row's own settings for its run; None: the run's (the distribution, --max_turns, no system prompt).
+
+    They are part of the row's identity: two rows that differ only here are different work.
+    """
+
+    toolsets: tuple[str, ...] | None = None  # offered instead of a draw from the distribution
+    tools: tuple[str, ...] | None = None  # allowlist: only these tool names are offered
+    system: str | None = None  # system prompt sent to the model and saved as the record's system turn
+    max_turns: int | None = None  # instead of --max_turns
 
 
 class DatasetRow(Protocol):
@@ -47,6 +57,12 @@ class DatasetRow(Protocol):
     cwd: str | None
     options: RowOptions
     occurrence: int
+
+
+class DatasetSample(DatasetRow, Protocol):
+    """One sample of a row (``batchrun.protocol.PromptJob``): the row and which of its samples."""
+
+    sample_index: int
 
 
 def row_key(
@@ -207,7 +223,7 @@ def toolset_rng(seed: int, row: DatasetRow, sample_index: int) -> random.Random:
     return random.Random(int.from_bytes(digest, "big"))
 
 
-def request_seed_base(run_seed: int, job: PromptJob) -> int:
+def request_seed_base(run_seed: int, job: DatasetSample) -> int:
     """The base of a sample's request seeds: fixed by the run's seed, the row's identity (text, image,
     cwd, own settings), its occurrence among identical rows and the sample index; the loop adds the turn."""
     payload = json.dumps(

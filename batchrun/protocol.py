@@ -18,23 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchrun.identity import RowIdentity
+from batchrun.identity import RowIdentity, RowOptions  # RowOptions: re-exported with the messages
 
 TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
 SKIPPED_AFTER_PASSES = "skipped_after_passes"  # a discard reason: the row had --stop_after_passes passes
-
-
-@dataclass(frozen=True)
-class RowOptions:
-    """A dataset row's own settings for its run; None: the run's (the distribution, --max_turns, no system prompt).
-
-    They are part of the row's identity: two rows that differ only here are different work.
-    """
-
-    toolsets: tuple[str, ...] | None = None  # offered instead of a draw from the distribution
-    tools: tuple[str, ...] | None = None  # allowlist: only these tool names are offered
-    system: str | None = None  # system prompt sent to the model and saved as the record's system turn
-    max_turns: int | None = None  # instead of --max_turns
 
 
 @dataclass(frozen=True)
