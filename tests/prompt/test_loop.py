@@ -21,7 +21,7 @@ from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.limiter import Limiter
 from batchrun.prompt.llm import ContextLimitError, LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import MAX_INVALID_TURNS, LoopLimits, PromptTimeout, run_agent, turn_seed
-from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
 from batchrun.prompt.tools.catalog import tools_for_toolsets
 from batchrun.prompt.tools.registry import ToolContext
@@ -303,7 +303,9 @@ def test_a_valid_turn_resets_the_invalid_streak_and_a_mixed_turn_is_not_invalid(
     bad_name = reply(calls=[("a", "teleport", "{}")])
     not_object = reply(calls=[("b", "terminal", "[1, 2]")])  # JSON, but not an arguments object
     mixed = reply(calls=[("c", "teleport", "{}"), ("d", "terminal", '{"command": "true"}')])
-    no_args = reply(calls=[("e", "terminal", "")])  # empty arguments are {}: schema error, not invalid JSON
+    no_args = reply(
+        calls=[("e", "terminal", "")]
+    )  # no arguments: saved as {}, a schema error, not invalid JSON
     script = replies(bad_name, not_object, mixed, bad_name, no_args, bad_name, reply("done"))
     result = agent(client(script.base_url, max_retries=0), "p", ctx)
     assert result.stop_reason == "final_answer" and result.api_calls == 7
@@ -338,6 +340,15 @@ def test_an_endpoint_error_propagates_as_itself(server: FakeModelServer, ctx: To
     with pytest.raises(LLMError) as info:
         agent(client(server.base_url, max_retries=0), "hi [error:500]", ctx)
     assert not isinstance(info.value, PromptTimeout) and info.value.status == 500
+
+
+def test_a_sandbox_failure_fails_the_prompt_instead_of_being_shown_to_the_model(
+    server: FakeModelServer, ctx: ToolContext
+):
+    ctx.sandbox.stop()  # the sandbox is gone: infrastructure, not something the model did
+    with pytest.raises(SandboxError):
+        agent(client(server.base_url), "Take notes", ctx)
+    assert server.stats()["requests"] == 1
 
 
 # ----------------------------------------------------------------------------- what is sent and what is saved
