@@ -105,7 +105,8 @@ def test_an_append_into_a_missing_directory_raises_write_error(tmp_path: Path):
 @pytest.mark.xfail(
     strict=True,
     reason="bug: a record holding a lone surrogate (a model reply may carry one: jsonbody sends it back "
-    "escaped) makes append_jsonl raise UnicodeEncodeError, neither written nor a WriteError",
+    "escaped) makes append_jsonl/append_jsonl_line raise UnicodeEncodeError, neither written nor a "
+    "WriteError; in a run the recorder's append_jsonl_line crashes the parent with a traceback",
 )
 def test_a_record_with_a_lone_surrogate_is_written_and_reads_back_the_same(tmp_path: Path):
     path = tmp_path / "out.jsonl"
