@@ -34,7 +34,20 @@ def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) 
     A failure (disk full, read-only) raises :class:`WriteError`; a line it left half-written is
     closed by the next append like any torn line, so the lines before it stay intact.
     """
-    append_jsonl_line(path, redact(json.dumps(obj, ensure_ascii=False)))
+    line = redact(json.dumps(obj, ensure_ascii=False))
+    if not utf8_encodable(line):  # a lone surrogate (a model may send one): escaped, the text is kept exactly
+        line = redact(json.dumps(obj))
+    append_jsonl_line(path, line)
+
+
+def utf8_encodable(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8: not if it holds a lone surrogate, which a JSON string
+    may carry (``"\\ud83d"``) but UTF-8 cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def append_jsonl_line(path: Path, line: str) -> None:
@@ -123,7 +136,8 @@ def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
+                # Strict UTF-8 first: json.loads of bytes would let an encoded surrogate through.
+                obj = json.loads(raw.decode("utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 yield raw, None
                 continue

@@ -102,12 +102,6 @@ def test_an_append_into_a_missing_directory_raises_write_error(tmp_path: Path):
         append_jsonl_line(path, "{}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a record holding a lone surrogate (a model reply may carry one: jsonbody sends it back "
-    "escaped) makes append_jsonl/append_jsonl_line raise UnicodeEncodeError, neither written nor a "
-    "WriteError; in a run the recorder's append_jsonl_line crashes the parent with a traceback",
-)
 def test_a_record_with_a_lone_surrogate_is_written_and_reads_back_the_same(tmp_path: Path):
     path = tmp_path / "out.jsonl"
     append_jsonl(path, {"content": "odd \ud83d reply"}, same)
@@ -218,11 +212,6 @@ def test_invalid_utf8_spoils_only_its_own_line(tmp_path: Path):
     assert list(iter_jsonl(path)) == [{"n": 1}, None, {"n": 3}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: json.loads decodes bytes with 'surrogatepass', so a line holding a UTF-8-encoded "
-    "surrogate (invalid UTF-8) is read as a record whose text no UTF-8 writer can write back",
-)
 def test_an_encoded_surrogate_is_invalid_utf8_and_its_line_is_marked(tmp_path: Path):
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"text": "\xed\xa0\x80"}\n')

@@ -33,6 +33,7 @@ from batchrun.storage import (
     append_jsonl_line,
     batch_files,
     iter_jsonl,
+    utf8_encodable,
     write_json_atomic,
     write_text_in_place,
 )
@@ -138,7 +139,8 @@ class Recorder:
         """Write one outcome durably: trajectories to their batch file, discards and failures aside.
 
         A kept trajectory is written exactly as the model and the tools said it; one whose text holds
-        a secret is a discard (``secret_in_output``) instead, redacted in discarded.jsonl.
+        a secret is a discard (``secret_in_output``) instead, redacted in discarded.jsonl, and one
+        whose text UTF-8 cannot carry (a lone surrogate) too (``unencodable_text``, escaped there).
         """
         kind, reason = outcome.kind, outcome.reason
         self.last_event_at = _now()
@@ -165,6 +167,10 @@ class Recorder:
             line = json.dumps(outcome.record or {}, ensure_ascii=False)
             if self._holds_secret(line):
                 kind, reason, line = DISCARDED, "secret_in_output", None
+            elif not utf8_encodable(line):
+                # A lone surrogate in what the model said: valid JSON only as an escape, which
+                # Arrow-based loaders (datasets) refuse; kept exactly, as a discard.
+                kind, reason, line = DISCARDED, "unencodable_text", None
         self.counts[kind] += 1
         if self.batch_outcomes is not None:
             _count_outcome(self.batch_outcomes, outcome.batch_num, kind, reason)

@@ -140,3 +140,31 @@ def test_status_shows_why_a_run_failed():
     text = format_status(status, now=time.time())
     assert "Run r: failed" in text
     assert "FAILED: cannot write /x/batch_0.jsonl: No space left on device" in text
+
+
+def test_a_reply_holding_a_lone_surrogate_is_a_discard_kept_exactly_and_the_run_goes_on(tmp_path):
+    """An endpoint may send a lone surrogate (escaped in its JSON). UTF-8 cannot carry it: the sample
+    is discarded as unencodable_text, written escaped to discarded.jsonl with the text exactly as the
+    model said it; the other samples are kept and the run's files load."""
+    from helpers import ScriptedEndpoint
+
+    odd = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "odd \ud83d reply"}}]}
+    plain = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "a plain reply"}}]}
+
+    def answer(call: dict, calls: list[dict]):
+        body = call["body"] or {}
+        text = json.dumps(body.get("messages", []))
+        return 200, odd if "surrogate please" in text else plain
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["surrogate please", "plain please"])
+    with ScriptedEndpoint(answer) as endpoint:
+        run(None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key="sk-odd-test",
+            num_workers=1, keep_no_reasoning=True)  # fmt: skip
+    run_dir = tmp_path / "data" / "run"
+    kept = read_jsonl(run_dir / "trajectories.jsonl")
+    assert [first_human(r["conversations"]) for r in kept] == ["plain please"]
+    (row,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert row["reason"] == "unencodable_text"
+    assert row["record"]["conversations"][-1]["value"].endswith("odd \ud83d reply")
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert stats["discarded"]["by_reason"] == {"unencodable_text": 1}
