@@ -148,6 +148,8 @@ def _row(
 
 def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptions) -> str | None:
     """Why a sample is not exported (a ``skipped`` reason), or None to export it."""
+    if discard_reason == "unencodable_text":  # UTF-8 cannot carry its text: no loadable file could
+        return "unencodable_text (a lone surrogate; kept in discarded.jsonl)"
     if record.get("partial") and not opts.include_partial:
         return "partial"
     left_out = score_filter(record, opts.only_passed, opts.min_score)

@@ -168,3 +168,7 @@ def test_a_reply_holding_a_lone_surrogate_is_a_discard_kept_exactly_and_the_run_
     assert row["record"]["conversations"][-1]["value"].endswith("odd \ud83d reply")
     stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
     assert stats["discarded"]["by_reason"] == {"unencodable_text": 1}
+    from batchrun.views.export import export_run
+
+    result = export_run(run_dir, "messages", tmp_path / "export", include_discarded=True)
+    assert sum(result.rows.values()) == 1 and "unencodable_text" in result.skipped_text()
