@@ -126,7 +126,7 @@ def test_send_reaches_only_the_named_worker_and_broadcast_reaches_every_live_one
         assert event(inbox) == WorkerExit(103)
         assert inbox.send(101, "for a only") is True
         assert inbox.send(999, "nobody") is False  # never connected
-        inbox.broadcast(PauseAll(12.5))  # the closed connection is skipped without an error
+        inbox.broadcast(PauseAll(12.5))  # to the two live workers only
         assert a.recv() == "for a only" and a.recv() == PauseAll(12.5)
         assert b.recv() == PauseAll(12.5)
         assert not a.poll(0.2) and not b.poll(0.2)

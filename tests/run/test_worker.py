@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
-from helpers import wait_until
+from helpers import ROOT, default_sigint, wait_until
 
 from batchrun.prompt.attempt import WorkerSettings
 from batchrun.prompt.llm import LLMConfig
@@ -111,12 +113,50 @@ def job(
     return PromptJob(batch_num=batch_num, prompt_index=index, prompt=prompt, toolsets=toolsets, **fields)
 
 
+# A worker started as a command of its own (not forked from the forkserver), with Ctrl-C's default
+# disposition: what it does with SIGINT is then its own choice, not one it inherited.
+WORKER_SCRIPT = """
+import pickle, sys
+sys.path.insert(0, {root!r})
+from batchrun.run import worker
+worker.serve(*pickle.loads(bytes.fromhex(sys.argv[1])))
+"""
+
+
+class ScriptProcess:
+    """A worker run by WORKER_SCRIPT, with the few ``multiprocessing.Process`` members the tests use."""
+
+    def __init__(self, initargs: tuple[Any, ...]) -> None:
+        script = WORKER_SCRIPT.format(root=str(ROOT))
+        self._popen = subprocess.Popen(
+            [sys.executable, "-c", script, pickle.dumps(initargs).hex()], preexec_fn=default_sigint
+        )
+        self.pid = self._popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+
 @pytest.fixture
 def start_worker(server, tmp_path):
-    """``start(**Launch fields) -> Parent``: a worker forked from the forkserver, connected and Ready."""
+    """``start(**Launch fields) -> Parent``: a worker forked from the forkserver (``own_process``: run as
+    a command of its own), connected to an inbox of its own."""
     started: list[Parent] = []
 
-    def start(**launch_fields: Any) -> Parent:
+    def start(own_process: bool = False, **launch_fields: Any) -> Parent:
         launch = Launch(**launch_fields)
         settings = WorkerSettings(
             run_name="worker-test",
@@ -126,10 +166,13 @@ def start_worker(server, tmp_path):
         )
         settings = replace(settings, **launch.settings)
         inbox = Inbox()
-        worker.start_forkserver(settings.sandbox_backend)
         initargs = (settings, inbox.address, launch.slots, launch.start_slots, launch.parent_pid)
-        proc = mp.get_context("forkserver").Process(target=worker.serve, args=initargs, daemon=True)
-        proc.start()
+        if own_process:
+            proc: Any = ScriptProcess(initargs)
+        else:
+            worker.start_forkserver(settings.sandbox_backend)
+            proc = mp.get_context("forkserver").Process(target=worker.serve, args=initargs, daemon=True)
+            proc.start()
         parent = Parent(inbox, proc)
         started.append(parent)
         return parent
@@ -344,8 +387,8 @@ def test_a_slow_stop_is_queued_before_the_outcome_and_done_after_it(start_worker
 
 
 def test_sigint_is_left_to_the_parent_and_sigterm_ends_the_worker(start_worker):
-    parent = start_worker()
-    parent.until(Ready)
+    parent = start_worker(own_process=True)
+    assert parent.next(timeout=60) == Ready(1)  # a fresh interpreter imports the package first
     os.kill(parent.proc.pid, signal.SIGINT)  # Ctrl-C in the terminal reaches the whole process group
     parent.send(job(0, "Still here [calls:0]"))
     assert parent.next().kind == TRAJECTORY
