@@ -7,6 +7,7 @@ is the scripted fake on loopback; prompts run in the local sandbox without isola
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -15,13 +16,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 from helpers import ROOT, default_sigint, wait_until
 
+from batchrun.fakes.fake_model import respond
 from batchrun.prompt.attempt import WorkerSettings
 from batchrun.prompt.llm import LLMConfig
 from batchrun.prompt.loop import LoopLimits
@@ -334,6 +338,45 @@ def test_stop_starting_ends_a_prompt_in_flight_at_its_next_model_call(start_work
 
 
 # ----------------------------------------------------------------------------- the endpoint: pauses and health
+
+
+class _NoUsageHandler(BaseHTTPRequestHandler):
+    """The fake model's replies without their ``usage``: an endpoint whose spend cannot be trusted."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        reply = respond(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        reply.pop("usage", None)
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def no_usage_endpoint():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _NoUsageHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_without_a_budget_only_the_first_untrusted_usage_is_sent_at_once(start_worker, no_usage_endpoint):
+    llm = LLMConfig(model="fake-model", base_url=no_usage_endpoint, api_key="sk-test", max_retries=0)
+    parent = start_worker(settings={"llm": llm})
+    parent.until(Ready)
+    parent.send(job(0, "First [calls:0]", sample_index=1))
+    got = parent.until(Outcome)
+    assert [type(m) for m in got] == [Spend, Outcome]  # the parent warns while the run goes on
+    assert "no usage" in got[0].fault and (got[0].prompt_index, got[0].sample_index) == (0, 1)
+    assert got[0].reservation is None
+    parent.send(job(1, "Second [calls:0]"))
+    assert [type(m) for m in parent.until(Outcome)] == [Outcome]  # once per worker, not per call
 
 
 def test_a_429_is_reported_as_a_pause_for_the_whole_run(start_worker):
