@@ -30,6 +30,7 @@ from batchrun.prompt.attempt import WorkerSettings
 from batchrun.prompt.llm import LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxBackend, SandboxSpec
+from batchrun.prompt.trajectory import first_human
 from batchrun.protocol import (
     FAILED,
     TRAJECTORY,
@@ -209,7 +210,8 @@ def test_a_job_gets_exactly_one_outcome_with_its_keys_and_no_spend_without_a_bud
     outcome = parent.next()
     assert isinstance(outcome, Outcome) and outcome.kind == TRAJECTORY, outcome
     assert (outcome.batch_num, outcome.prompt_index, outcome.sample_index) == (2, 7, 1)
-    assert outcome.record["conversations"][0]["from"] in ("system", "human")
+    assert first_human(outcome.record["conversations"]) == "List the files [calls:1]"
+    assert outcome.record["tool_stats"]["terminal"]["count"] == 1  # the tool ran in the job's sandbox
     assert outcome.usage["calls"] == 2 and outcome.usage["prompt_tokens"] > 0  # the outcome carries the spend
     assert parent.quiet() == []  # no Spend, Log or stop message: one message for one prompt
     assert server.stats()["requests_by_prompt"] == {"List the files [calls:1]": 2}
