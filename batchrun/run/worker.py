@@ -30,6 +30,7 @@ from batchrun.protocol import (
     EndpointHealth,
     Grant,
     Log,
+    Outcome,
     Pause,
     PauseAll,
     PromptJob,
@@ -277,15 +278,19 @@ def _run_one(job: PromptJob) -> None:
             if state.settings.verbose
             else None
         )
-        outcome = run_prompt(
-            job,
-            state.settings,
-            state.llm,
-            sandbox_starts=state.sandbox_starts,
-            stop_in_background=state.stopper.submit,
-            log=log,
-            judge=state.judge,
-        )
+        try:
+            outcome = run_prompt(
+                job,
+                state.settings,
+                state.llm,
+                sandbox_starts=state.sandbox_starts,
+                stop_in_background=state.stopper.submit,
+                log=log,
+                judge=state.judge,
+            )
+        except Exception as exc:  # run_prompt never raises by contract; if it did, the parent would
+            # wait for this slot forever: the prompt fails alone instead.
+            outcome = Outcome.failed(job, "internal", f"{type(exc).__name__}: {exc}")
         send(outcome)  # the parent counts this slot free and sends the next prompt
     finally:
         state.current.job = None
