@@ -30,7 +30,6 @@ from batchrun.prompt.attempt import WorkerSettings
 from batchrun.prompt.llm import LLMConfig
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes.base import ExecResult, SandboxBackend, SandboxSpec
-from batchrun.prompt.trajectory import first_human
 from batchrun.protocol import (
     FAILED,
     TRAJECTORY,
@@ -53,6 +52,7 @@ from batchrun.protocol import (
 )
 from batchrun.run import worker
 from batchrun.run.inbox import Inbox
+from batchrun.sharegpt import first_human
 
 WAIT_S = (
     30.0  # the longest any one message may take (a loaded machine); no test waits this long when it passes
