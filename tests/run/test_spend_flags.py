@@ -58,7 +58,9 @@ def test_max_rpm_spaces_the_requests(server, tmp_path):
     stats = server.stats()
     assert stats["requests"] == 6
     span = stats["last_response_at"] - stats["first_request_at"]
-    assert span >= (6 - 1) * 0.5 - 0.05  # unlimited, the fake answers all six in well under a second
+    # Slots are 0.5 s apart from the first; a first request sent late on a loaded machine shortens the
+    # span by its lateness, so one interval of slack. Unlimited, the fake answers all six in well under 1 s.
+    assert span >= (6 - 2) * 0.5
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 6
 
 
