@@ -3,6 +3,7 @@ command in a fresh shell and kills whatever the command left behind."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import selectors
@@ -30,6 +31,7 @@ from batchrun.prompt.sandboxes.local.process_tree import child_of, has_env, name
 
 SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
+NS_GET_USERNS = 0xB701  # ioctl(2) on a namespace: the user namespace that owns it (linux/nsfs.h)
 TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report the killed command
 
 # The server, run by sh (dash: a resident shell ~1.2 ms of CPU cheaper to start than bash) as PID 1
@@ -219,24 +221,33 @@ class CommandServer:
         other addresses are made unreachable below. slirp4netns ends when the write end of its
         exit pipe closes: at ``close``, or when this process dies, however it dies.
         """
+        owner = self._network_owner()
         exit_r, self._slirp_exit = os.pipe()
         ready_r, ready_w = os.pipe()
         argv = ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
                 f"--exit-fd={exit_r}", f"--ready-fd={ready_w}", str(self._pid), "tap0"]  # fmt: skip
-        if os.readlink(f"/proc/{self._pid}/ns/user") != os.readlink("/proc/self/ns/user"):
-            argv[-2:-2] = [f"--userns-path=/proc/{self._pid}/ns/user"]  # unprivileged bwrap's own
+        if owner is not None:
+            argv[-2:-2] = [f"--userns-path=/proc/self/fd/{owner}"]  # unprivileged bwrap's own (see there)
+            # Its mount-namespace sandbox needs it to be root where it starts, which an unprivileged
+            # user is not (bwrap maps the user to itself): a syscall filter instead, as this user.
+            argv[argv.index("--enable-sandbox")] = "--enable-seccomp"
         log = os.path.join(os.path.dirname(self.ctl), "slirp4netns.log")  # outside the sandbox's view
+        passed = (exit_r, ready_w) if owner is None else (exit_r, ready_w, owner)
         try:
             with open(log, "wb") as err:
+                # Nothing of the runner's environment (API keys) in a process that parses the
+                # sandbox's packets.
                 self._slirp = subprocess.Popen(
-                    argv, pass_fds=(exit_r, ready_w), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                    start_new_session=True,
+                    argv, pass_fds=passed, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                    start_new_session=True, env={"PATH": os.environ.get("PATH", os.defpath)},
                 )  # fmt: skip
         except OSError as exc:
             raise SandboxError(f"local sandbox: slirp4netns could not be started: {exc}") from exc
         finally:
             os.close(exit_r)
             os.close(ready_w)
+            if owner is not None:
+                os.close(owner)
         try:
             ready = readable(ready_r, SERVER_READY_TIMEOUT_S) and os.read(ready_r, 1)
         finally:
@@ -249,6 +260,23 @@ class CommandServer:
             )
         self._block_host_addresses()
 
+    def _network_owner(self) -> int | None:
+        """A descriptor of the user namespace that owns the sandbox's network namespace, when it is not
+        this process's (unprivileged bubblewrap), for slirp4netns and nsenter to enter before the
+        network namespace; None when this process may enter it as it is (root). Not the command
+        server's own user namespace: unprivileged bubblewrap nests a second one inside the first,
+        and only the first, which made the network namespace, lets a process join it."""
+        net = os.open(f"/proc/{self._pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            owner = fcntl.ioctl(net, NS_GET_USERNS)
+        finally:
+            os.close(net)
+        theirs, ours = os.fstat(owner), os.stat("/proc/self/ns/user")
+        if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+            os.close(owner)
+            return None
+        return owner
+
     def _block_host_addresses(self) -> None:
         """Through slirp4netns, the host's other addresses (a bridge's, say) would reach services that
         listen on all interfaces, a model server included: make them unreachable inside. The
@@ -256,8 +284,8 @@ class CommandServer:
         blocked = host_addresses()
         if not blocked:
             return
-        same_userns = os.readlink(f"/proc/{self._pid}/ns/user") == os.readlink("/proc/self/ns/user")
-        if same_userns:  # this process may enter the namespace (as root): no nsenter and ip processes
+        owner = self._network_owner()
+        if owner is None:  # this process may enter the namespace (as root): no nsenter and ip processes
             try:
                 add_unreachable_routes(f"/proc/{self._pid}/ns/net", blocked)
                 return
@@ -265,14 +293,23 @@ class CommandServer:
                 pass  # the usual way, below, says what is wrong if it fails too
         script = "".join(f"route add unreachable {a}/{128 if ':' in a else 32}\n" for a in blocked)
         argv = ["nsenter", f"--net=/proc/{self._pid}/ns/net", "ip", "-batch", "-"]
-        if not same_userns:
-            argv[1:1] = [f"--user=/proc/{self._pid}/ns/user", "--preserve-credentials"]
+        if owner is not None:
+            argv[1:1] = [f"--user=/proc/self/fd/{owner}", "--preserve-credentials"]
         try:
-            done = subprocess.run(argv, input=script.encode(), capture_output=True, timeout=20)
+            done = subprocess.run(
+                argv,
+                input=script.encode(),
+                capture_output=True,
+                timeout=20,
+                pass_fds=() if owner is None else (owner,),
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise SandboxError(
                 f"local sandbox: cannot close the host's addresses to the sandbox: {exc}"
             ) from exc
+        finally:
+            if owner is not None:
+                os.close(owner)
         if done.returncode != 0:
             text = done.stderr.decode(errors="replace").strip()
             raise SandboxError(f"local sandbox: cannot close the host's addresses to the sandbox: {text}")

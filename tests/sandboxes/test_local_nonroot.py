@@ -1,0 +1,105 @@
+"""The local sandbox for a user who is not root (unprivileged bubblewrap), with the network on.
+
+Unprivileged bubblewrap nests a second user namespace inside the one that owns the prompt's network
+namespace; slirp4netns and nsenter must enter the owner, and slirp4netns cannot build its own
+mount-namespace sandbox there (the user is not root in it), so it runs under its syscall filter.
+The tests run as root and start the sandbox in a child process as ``nobody``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NOBODY = 65534
+
+CHILD = r"""
+import json, os, sys
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.local import LocalSandbox
+from batchrun.prompt.sandboxes.local.host import host_addresses, network_problem
+
+box = LocalSandbox(SandboxSpec("nonroot", 0, network=True), isolation="bwrap", base_dir=sys.argv[1])
+box.start()
+try:
+    slirp = box._server._slirp
+    env = open(f"/proc/{slirp.pid}/environ", "rb").read().split(b"\0") if slirp else []
+    routes = box.run("cat /proc/net/route /proc/net/ipv6_route", timeout_s=30).output
+    who = box.run("id -u", timeout_s=30).output.strip()
+    print(json.dumps({
+        "network": box.network, "routes": routes, "uid": who, "hosts": host_addresses(),
+        "secret_in_slirp_env": any(b"sk-nonroot-secret" in e for e in env),
+    }))
+finally:
+    box.stop()
+"""
+
+
+def _interpreter_for_nobody(env: dict[str, str]) -> str | None:
+    """This interpreter, or the system's (the sandbox needs only the standard library), if nobody
+    can run it and import the local backend with it."""
+    for python in dict.fromkeys(
+        filter(None, (sys.executable, shutil.which("python3", path="/usr/bin:/bin")))
+    ):
+        try:
+            probe = subprocess.run(
+                [python, "-c", "import batchrun.prompt.sandboxes.local"],
+                env=env, preexec_fn=_as_nobody, capture_output=True, timeout=60,
+            )  # fmt: skip
+        except OSError:
+            continue
+        if probe.returncode == 0:
+            return python
+    return None
+
+
+def _as_nobody() -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+@pytest.mark.bwrap
+def test_a_non_root_sandbox_gets_the_network_with_the_hosts_addresses_closed(bwrap_available, request):
+    from batchrun.prompt.sandboxes.local.host import network_problem
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start a child as nobody")
+    if network_problem():
+        pytest.skip(network_problem())
+    base = Path(tempfile.mkdtemp(prefix="br-nonroot-"))  # pytest's own tmp_path is root's alone (0700)
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    os.chmod(base, 0o777)
+    env = {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "PYTHONPATH": str(REPO),
+        "HOME": str(base),
+        "TMPDIR": str(base),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "OPENROUTER_API_KEY": "sk-nonroot-secret",
+    }
+    python = _interpreter_for_nobody(env)
+    if python is None:  # neither this interpreter nor the system's is readable by other users here
+        pytest.skip("no Python interpreter that nobody can run imports the package here")
+    done = subprocess.run(
+        [python, "-c", CHILD, str(base)],
+        env=env, preexec_fn=_as_nobody, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["network"] == "slirp4netns"
+    assert seen["uid"] == str(NOBODY)
+    assert "tap0\t00000000" in seen["routes"]  # the default route leaves through slirp4netns
+    for address in seen["hosts"]:  # each of the host's own addresses is closed inside
+        if ":" not in address:
+            hexed = "".join(f"{int(part):02X}" for part in reversed(address.split(".")))
+            assert f"*\t{hexed}\t" in seen["routes"], (address, seen["routes"])
+    assert seen["secret_in_slirp_env"] is False
