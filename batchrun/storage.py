@@ -34,25 +34,21 @@ def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) 
     A failure (disk full, read-only) raises :class:`WriteError`; a line it left half-written is
     closed by the next append like any torn line, so the lines before it stay intact.
     """
-    line = redact(json.dumps(obj, ensure_ascii=False))
-    if not utf8_encodable(line):  # a lone surrogate (a model may send one): escaped, the text is kept exactly
-        line = redact(json.dumps(obj))
-    append_jsonl_line(path, line)
-
-
-def utf8_encodable(text: str) -> bool:
-    """Whether ``text`` can be written as UTF-8: not if it holds a lone surrogate, which a JSON string
-    may carry (``"\\ud83d"``) but UTF-8 cannot."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        data = redact(json.dumps(obj, ensure_ascii=False)).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (a model may send one): escaped, the text is kept exactly
+        data = redact(json.dumps(obj)).encode("utf-8")
+    append_jsonl_bytes(path, data)
 
 
 def append_jsonl_line(path: Path, line: str) -> None:
     """Append one line of JSON text as :func:`append_jsonl` does (a kept sample: written as it is)."""
-    line = line.rstrip("\n") + "\n"
+    append_jsonl_bytes(path, line.encode("utf-8"))
+
+
+def append_jsonl_bytes(path: Path, data: bytes) -> None:
+    """Append one line, already UTF-8, as :func:`append_jsonl` does."""
+    data = data.rstrip(b"\n") + b"\n"
     try:
         with path.open("ab") as fh:
             if fh.tell() > 0:
@@ -60,7 +56,7 @@ def append_jsonl_line(path: Path, line: str) -> None:
                     rd.seek(-1, os.SEEK_END)
                     if rd.read(1) != b"\n":
                         fh.write(b"\n")  # the torn line stays invalid and is skipped by every reader
-            fh.write(line.encode("utf-8"))
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
     except OSError as exc:

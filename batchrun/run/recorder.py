@@ -30,10 +30,9 @@ from batchrun.secrets import Redactor
 from batchrun.storage import (
     WriteError,
     append_jsonl,
-    append_jsonl_line,
+    append_jsonl_bytes,
     batch_files,
     iter_jsonl,
-    utf8_encodable,
     write_json_atomic,
     write_text_in_place,
 )
@@ -162,22 +161,25 @@ class Recorder:
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
             # Typed again with the identity in: no column of a record is null (batchrun.record).
             outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
-        line = None
+        data = b""
         if kind == TRAJECTORY:
             line = json.dumps(outcome.record or {}, ensure_ascii=False)
             if self._holds_secret(line):
-                kind, reason, line = DISCARDED, "secret_in_output", None
-            elif not utf8_encodable(line):
-                # A lone surrogate in what the model said: valid JSON only as an escape, which
-                # Arrow-based loaders (datasets) refuse; kept exactly, as a discard.
-                kind, reason, line = DISCARDED, "unencodable_text", None
+                kind, reason = DISCARDED, "secret_in_output"
+            else:
+                try:
+                    data = line.encode("utf-8")
+                except UnicodeEncodeError:
+                    # A lone surrogate in what the model said: valid JSON only as an escape, which
+                    # Arrow-based loaders (datasets) refuse; kept exactly, as a discard.
+                    kind, reason = DISCARDED, "unencodable_text"
         self.counts[kind] += 1
         if self.batch_outcomes is not None:
             _count_outcome(self.batch_outcomes, outcome.batch_num, kind, reason)
         if kind == TRAJECTORY:
             rec = outcome.record or {}
             self.counts["tool_calls"] += sum(s["count"] for s in rec["tool_stats"].values())
-            append_jsonl_line(self.run_dir / f"batch_{outcome.batch_num}.jsonl", line)
+            append_jsonl_bytes(self.run_dir / f"batch_{outcome.batch_num}.jsonl", data)
             if self.done_indices is not None:
                 self.done_indices.add(rec["prompt_index"])
         elif kind == DISCARDED:

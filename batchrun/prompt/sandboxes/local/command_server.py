@@ -242,23 +242,27 @@ class CommandServer:
                     start_new_session=True, env={"PATH": os.environ.get("PATH", os.defpath)},
                 )  # fmt: skip
         except OSError as exc:
+            if owner is not None:
+                os.close(owner)
             raise SandboxError(f"local sandbox: slirp4netns could not be started: {exc}") from exc
         finally:
             os.close(exit_r)
             os.close(ready_w)
+        try:
+            try:
+                ready = readable(ready_r, SERVER_READY_TIMEOUT_S) and os.read(ready_r, 1)
+            finally:
+                os.close(ready_r)
+            if ready != b"1":
+                self._end_network()
+                said = Path(log).read_text(errors="replace").strip().splitlines()
+                raise SandboxError(
+                    f"local sandbox: slirp4netns could not connect the sandbox: {said[-1:] or ready!r}"
+                )
+            self._block_host_addresses(owner)
+        finally:
             if owner is not None:
                 os.close(owner)
-        try:
-            ready = readable(ready_r, SERVER_READY_TIMEOUT_S) and os.read(ready_r, 1)
-        finally:
-            os.close(ready_r)
-        if ready != b"1":
-            self._end_network()
-            said = Path(log).read_text(errors="replace").strip().splitlines()
-            raise SandboxError(
-                f"local sandbox: slirp4netns could not connect the sandbox: {said[-1:] or ready!r}"
-            )
-        self._block_host_addresses()
 
     def _network_owner(self) -> int | None:
         """A descriptor of the user namespace that owns the sandbox's network namespace, when it is not
@@ -277,14 +281,14 @@ class CommandServer:
             return None
         return owner
 
-    def _block_host_addresses(self) -> None:
+    def _block_host_addresses(self, owner: int | None) -> None:
         """Through slirp4netns, the host's other addresses (a bridge's, say) would reach services that
         listen on all interfaces, a model server included: make them unreachable inside. The
-        namespace's own copy of the host's address stays local (the local table comes first)."""
+        namespace's own copy of the host's address stays local (the local table comes first).
+        ``owner``: the descriptor :meth:`_network_owner` gave (the caller closes it)."""
         blocked = host_addresses()
         if not blocked:
             return
-        owner = self._network_owner()
         if owner is None:  # this process may enter the namespace (as root): no nsenter and ip processes
             try:
                 add_unreachable_routes(f"/proc/{self._pid}/ns/net", blocked)
@@ -307,9 +311,6 @@ class CommandServer:
             raise SandboxError(
                 f"local sandbox: cannot close the host's addresses to the sandbox: {exc}"
             ) from exc
-        finally:
-            if owner is not None:
-                os.close(owner)
         if done.returncode != 0:
             text = done.stderr.decode(errors="replace").strip()
             raise SandboxError(f"local sandbox: cannot close the host's addresses to the sandbox: {text}")
