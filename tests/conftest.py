@@ -260,3 +260,11 @@ def local_tool_ctx(tool_ctx):
         return tool_ctx({"WEB_ALLOW_PRIVATE_ADDRESSES": "1", **(tool_env or {})}, prompt_index, **settings)
 
     return make
+
+
+@pytest.fixture
+def offline_hf(tmp_path, monkeypatch):
+    """The Hugging Face libraries offline, with their cache in the test's own directory."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -124,14 +124,20 @@ def parse_line(raw: bytes):
         return None
 
 
-def wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout_s`` passes; whether it held at the end."""
+def wait_for(predicate, timeout_s: float, step_s: float = 0.2):
+    """Poll ``predicate`` until it gives a true value or ``timeout_s`` passes; its last value."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():
-            return True
+        value = predicate()
+        if value:
+            return value
         time.sleep(step_s)
-    return bool(predicate())
+    return predicate()
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes; whether it held at the end."""
+    return bool(wait_for(predicate, timeout_s, step_s))
 
 
 def tool_call(sandbox, name: str, **args) -> dict:
@@ -279,3 +285,19 @@ class ScriptedEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def pretend_public(monkeypatch, *names: str) -> None:
+    """Let the web tools' address check pass ``names`` (resolved as 127.0.0.1): they stand for public hosts."""
+    import socket
+
+    from batchrun.prompt.tools import web
+
+    check = web.resolve_public
+
+    def resolve(host, port):
+        if host in names:
+            return socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
+        return check(host, port)
+
+    monkeypatch.setattr(web, "resolve_public", resolve)

@@ -29,13 +29,7 @@ from batchrun.record import (
 )
 
 datasets = pytest.importorskip("datasets")
-
-
-@pytest.fixture(autouse=True)
-def _offline_hf(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+pytestmark = pytest.mark.usefixtures("offline_hf")
 
 
 def load(files: list[Path], cache: Path, features=None):

@@ -367,10 +367,7 @@ def test_ephemeral_prompt_and_prefill_reach_the_model(full_run):
         assert [c["from"] for c in rec["conversations"]][:3] == ["system", "human", "gpt"]
 
 
-def test_output_loads_with_hugging_face_datasets(full_run, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+def test_output_loads_with_hugging_face_datasets(full_run, tmp_path, offline_hf):
     datasets = pytest.importorskip("datasets")
     path = full_run["dir"] / "trajectories.jsonl"
     ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "cache"))

@@ -24,13 +24,7 @@ from batchrun.secrets import Redactor, looks_like_secret
 from batchrun.sharegpt import canonical_arguments, first_human, split_reasoning
 
 datasets = pytest.importorskip("datasets")
-
-
-@pytest.fixture(autouse=True)
-def _offline_hf(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+pytestmark = pytest.mark.usefixtures("offline_hf")
 
 
 # ----------------------------------------------------------------------------- a matrix of differing runs

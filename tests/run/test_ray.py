@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import read_jsonl, skip_or_fail, write_jsonl
+from helpers import read_jsonl, skip_or_fail, wait_for, write_jsonl
 from helpers import run as run_main
 
 import batch_runner
@@ -102,16 +102,6 @@ def pool_actor_pids(root: int) -> list[int]:
             except OSError:
                 pass
     return sorted(found)
-
-
-def wait_for(predicate, timeout: float, step: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
 
 
 def outcomes_written(run_dir: Path) -> int:
@@ -374,6 +364,7 @@ def test_killed_ray_worker_fails_its_prompts_and_resume_completes_without_duplic
                 (a := pool_actor_pids(ray_head.proc.pid)) and len(a) >= 2 and outcomes_written(run_dir) and a
             ),
             90,
+            0.1,
         )
         if actors:
             os.kill(actors[0], signal.SIGKILL)
@@ -437,6 +428,7 @@ def test_cli_with_auto_address_and_its_workers_end_when_it_is_killed(ray_head, r
                 and a
             ),
             90,
+            0.1,
         )
         assert actors, f"the CLI run did not get going:\n{log.read_text()[-3000:]}"
         assert proc.poll() is None

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import default_sigint, docker_ps, read_jsonl, write_jsonl
+from helpers import default_sigint, docker_ps, read_jsonl, wait_for, write_jsonl
 
 import batch_runner
 import batchrun.prompt.attempt as runner_mod
@@ -37,16 +37,6 @@ from batchrun.protocol import PromptJob
 
 REPO = Path(__file__).resolve().parents[2]
 GATE_S = 30.0  # longest a gated start waits for its condition before it gives up (the test then fails)
-
-
-def wait_for(predicate, timeout: float = GATE_S, step: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
 
 
 def start_threads_alive() -> bool:
@@ -125,7 +115,7 @@ def test_the_first_model_call_goes_out_before_the_sandbox_start_finishes(server,
     def start() -> None:
         # This start can only finish once the endpoint has seen the prompt's first model call; a runner
         # that waited for the start before calling the model would never get there.
-        if not wait_for(lambda: server.stats()["requests"] >= 1):
+        if not wait_for(lambda: server.stats()["requests"] >= 1, GATE_S, 0.02):
             raise SandboxError("the model was not called while the sandbox was starting")
         finished_at.append(time.time())
 
@@ -236,7 +226,9 @@ def test_a_prompt_without_tool_calls_never_starts_a_sandbox_still_waiting_for_a_
     outcome = run_prompt(job("no tools [calls:0]"), settings, LLMClient(settings.llm), sandbox_starts=slots)
     assert outcome.kind == "trajectory"
     slots.release()
-    assert wait_for(lambda: not start_threads_alive())  # the start got its slot and found the prompt gone
+    assert wait_for(
+        lambda: not start_threads_alive(), GATE_S, 0.02
+    )  # the start got its slot and found the prompt gone
     (box,) = scripted.boxes
     assert box.events == []
     meta = outcome.record["metadata"]
@@ -282,7 +274,7 @@ def test_background_start_waits_in_run_workdir_and_isolation():
     results: list = []
     reader = threading.Thread(target=lambda: results.append((wrapped.workdir, wrapped.run("x", timeout_s=5))))
     reader.start()
-    assert wait_for(lambda: box.events == ["start"])
+    assert wait_for(lambda: box.events == ["start"], GATE_S, 0.02)
     assert results == []  # still waiting for the start
     gate.set()
     reader.join(GATE_S)
@@ -417,7 +409,7 @@ def test_ctrl_c_during_a_docker_run_leaves_no_container(docker_test_image, tmp_p
     with FakeModelServer(latency_s=0.5) as slow:
         proc = start_slow_docker_run(run_name, slow.base_url, docker_test_image, tmp_path)
         try:
-            assert wait_for(lambda: docker_ps(f"batch_runner.run_name={run_name}"), timeout=120, step=0.2)
+            assert wait_for(lambda: docker_ps(f"batch_runner.run_name={run_name}"), 120, 0.2)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=120)
         finally:
@@ -448,10 +440,10 @@ def test_kill_9_of_a_docker_run_leaves_no_running_container_and_a_later_run_remo
     with FakeModelServer(latency_s=0.5) as slow:
         proc = start_slow_docker_run(run_name, slow.base_url, docker_test_image, tmp_path)
         try:
-            assert wait_for(lambda: running_containers(run_name), timeout=120, step=0.2)
+            assert wait_for(lambda: running_containers(run_name), 120, 0.2)
             proc.kill()
             proc.communicate()  # drains and closes its stderr pipe
-            assert wait_for(lambda: not running_containers(run_name), timeout=60, step=0.2)
+            assert wait_for(lambda: not running_containers(run_name), 60, 0.2)
             later = f"overlap-later-{os.getpid()}"
             batch_runner.main(
                 dataset_file=str(write_jsonl(tmp_path / "one.jsonl", ["later task [calls:1]"])),

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import pretend_public
 
 from batchrun.fakes.fake_services import FakeWebServer, Page, _html
-from batchrun.prompt.tools import browser, web
+from batchrun.prompt.tools import browser
 from batchrun.prompt.tools.browser import HOST, format_snapshot
 from batchrun.prompt.tools.catalog import available_toolsets
 from batchrun.prompt.tools.config import ToolSettings
@@ -262,18 +263,6 @@ def site_and_secret():
     """Two fake sites of the test's own: a page server and a "private" one that must not be reached."""
     with FakeWebServer() as site, FakeWebServer() as secret:
         yield site, secret
-
-
-def pretend_public(monkeypatch, *names: str) -> None:
-    """Let the address check pass ``names`` (resolved as 127.0.0.1): they stand for public hosts."""
-    check = web.resolve_public
-
-    def resolve(host, port):
-        if host in names:
-            return socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
-        return check(host, port)
-
-    monkeypatch.setattr(web, "resolve_public", resolve)
 
 
 def test_navigation_to_a_private_address_is_refused(site_and_secret, tool_ctx, call_tool):

@@ -8,6 +8,7 @@ import socket
 import time
 
 import pytest
+from helpers import pretend_public
 
 from batchrun.fakes.fake_services import FakeWebServer, Page
 from batchrun.prompt.tools import web
@@ -274,18 +275,6 @@ def own_site():
     """A fake site of this test's own, to tell which requests reached it."""
     with FakeWebServer() as server:
         yield server
-
-
-def pretend_public(monkeypatch, *names: str) -> None:
-    """Let the address check pass ``names`` (resolved as 127.0.0.1): they stand for public hosts."""
-    check = web.resolve_public
-
-    def resolve(host, port):
-        if host in names:
-            return socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
-        return check(host, port)
-
-    monkeypatch.setattr(web, "resolve_public", resolve)
 
 
 def test_private_addresses_are_refused_by_default(clean_tool_env):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import html.parser
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -17,7 +16,6 @@ import pytest
 from helpers import read_jsonl
 
 import batch_runner
-from batchrun.prompt.tools.config import BROWSER_FLAGS  # the project's one list of headless Chromium flags
 from batchrun.views import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +32,6 @@ PROMPTS = [
     "[hallucinate] call a tool that does not exist",
     "[truncate] stop early",
 ]
-CHROMIUM = "/usr/bin/chromium"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -373,27 +370,6 @@ def test_histogram_bins() -> None:
 
 
 # ----------------------------------------------------------------------------- in headless Chromium
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """Debian's Chromium through Playwright; skips locally (fails in CI) when either is missing."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        problem = "the playwright package is not installed"
-    else:
-        problem = (
-            None if os.access(CHROMIUM, os.X_OK) else f"{CHROMIUM} is missing (apt-get install chromium)"
-        )
-    if problem:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must be able to run this test: {problem}")
-        pytest.skip(problem)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=list(BROWSER_FLAGS))
-        yield b
-        b.close()
 
 
 @pytest.fixture

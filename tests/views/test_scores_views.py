@@ -4,7 +4,6 @@ the report's scores section in a real Chromium."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,6 @@ from helpers import read_jsonl, run, stats_of, write_rows
 
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
 from batchrun.views import compare, score
-
-CHROMIUM = "/usr/bin/chromium"
 
 ROWS = [
     # The fake model answers 42 to each; the rows expect different things.
@@ -99,24 +96,6 @@ def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_pat
     assert again["pairs"] == 4  # the file row has no includes verdict
     assert again["flipped_to_pass"] == ["four", "two"]
     assert compare.main([str(a), str(b), "--scores=nope", f"--out={tmp_path / 'y.html'}"]) == 2
-
-
-@pytest.fixture(scope="module")
-def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        problem = "the playwright package is not installed"
-    else:
-        problem = None if os.access(CHROMIUM, os.X_OK) else f"{CHROMIUM} is missing"
-    if problem:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must be able to run this test: {problem}")
-        pytest.skip(problem)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        yield b
-        b.close()
 
 
 @pytest.mark.browser
