@@ -225,18 +225,20 @@ def run_steps(
                 "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
                 file=sys.stderr,
             )
+    kept = finish.KeptFeed(config, rows, recorder)  # what statistics and the report take from the merge
     totals = finish.merge(
         config.run_dir,
         rows,
         recorder,
         exclude_partial=config.exclude_partial,
         samples_per_prompt=config.samples_per_prompt,
+        written=kept,
     )
     stats = finish.statistics(
-        config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts
+        config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts, kept.scores
     )
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
-    finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact)
+    finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
     finish.print_summary(config.run_dir, stats, recorder)
     if preflighted.batches and dispatch.endpoint_dead:
         print(

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,7 @@ def merge(
     *,
     exclude_partial: bool = False,
     samples_per_prompt: int = 1,
+    written: Callable[[dict[str, Any]], None] | None = None,
 ) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
@@ -115,7 +117,9 @@ def merge(
     One pass: each kept line is copied as written (already redacted) and counted for the
     statistics, so memory stays flat and each record is parsed once. One record is kept per sample
     the dataset wants (duplicate rows each want theirs); records of samples the dataset does not
-    want (rows since removed, sample indices beyond today's count) are all kept.
+    want (rows since removed, sample indices beyond today's count) are all kept. ``written`` gets
+    each record as trajectories.jsonl holds it (:class:`KeptFeed`: the scores and the report, which
+    would otherwise read that file again).
     """
     wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
     done_indices: set[int] = set()
@@ -148,7 +152,10 @@ def merge(
                     totals.dropped["partial_excluded"] += 1
                     continue
                 totals.add(rec)
-                fh.write(typed_line(raw, rec))
+                typed = typed_record(rec)
+                fh.write(typed_line(raw, typed))
+                if written is not None:
+                    written(rec if typed is None else typed)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
@@ -162,16 +169,49 @@ def merge(
     return totals
 
 
-def typed_line(raw: bytes, rec: dict[str, Any]) -> bytes:
-    """A batch file's line for trajectories.jsonl: as written, or, for a record whose metadata is not in
-    the schema's types (nulls, row name lists: another tool's record, or one from before format 1), with
-    its metadata typed, so one file never mixes two types in a column. Only metadata is retyped: what the model and the tools said is never touched."""
+def typed_record(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """For a record whose metadata is not in the schema's types (nulls, row name lists: another tool's
+    record, or one from before format 1), the record with its metadata typed, so trajectories.jsonl
+    never mixes two types in a column; None when it is in them already (its line is copied as
+    written). Only metadata is retyped: what the model and the tools said is never touched."""
     meta = rec.get("metadata")
     if isinstance(meta, dict):
         typed = normalize_metadata(meta)
         if typed != meta:
-            return (json.dumps({**rec, "metadata": typed}, ensure_ascii=False) + "\n").encode("utf-8")
+            return {**rec, "metadata": typed}
+    return None
+
+
+def typed_line(raw: bytes, typed: dict[str, Any] | None) -> bytes:
+    """The line trajectories.jsonl holds for a batch file's line ``raw`` (see :func:`typed_record`)."""
+    if typed is not None:
+        return (json.dumps(typed, ensure_ascii=False) + "\n").encode("utf-8")
     return raw if raw.endswith(b"\n") else raw + b"\n"
+
+
+class KeptFeed:
+    """What the end of a run derives from each merged record, fed by :func:`merge` as it writes it, so
+    trajectories.jsonl is not read back for it: the scores section (kept samples first, the discarded
+    ones added by :func:`statistics`) and the report's trajectories. A record the report cannot take
+    only sends the report back to reading the files (where it says what failed): the merge goes on."""
+
+    def __init__(self, config: RunConfig, rows: list[Row], recorder: Recorder):
+        self.scores = RunScores(
+            config.distribution, wanted_samples(rows, config.samples_per_prompt, recorder.redact)
+        )
+        from batchrun.views.report import RunData
+
+        self.report: Any = RunData(run_dir=config.run_dir, max_items=config.report_max_trajectories)
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        self.scores.add(rec, *record_sample(rec))
+        if self.report is not None:
+            from batchrun.views.report import add_trajectory
+
+            try:
+                add_trajectory(self.report, rec)
+            except Exception:
+                self.report = None
 
 
 def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], recorder: Recorder) -> None:
@@ -203,10 +243,18 @@ def statistics(
     recorder: Recorder,
     isolation: str,
     sandbox_facts: dict[str, Any] | None = None,
+    scores: RunScores | None = None,
 ) -> dict[str, Any]:
-    """Statistics over the merged output of every run of this run name, plus this run's counters."""
+    """Statistics over the merged output of every run of this run name, plus this run's counters.
+
+    ``scores``: the kept samples' scores as the merge fed them (:class:`KeptFeed`); without it they
+    are read back from trajectories.jsonl. The discarded samples' are added here."""
     discards_all: collections.Counter[str] = collections.Counter()
     run_dir = config.run_dir
+    if scores is None:
+        scores = kept_scores(
+            run_dir, config.distribution, wanted_samples(rows, config.samples_per_prompt, recorder.redact)
+        )
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
     invalid = 0
     for rec in iter_jsonl(run_dir / "discarded.jsonl"):
@@ -216,6 +264,8 @@ def statistics(
         discards_all[rec["reason"]] += 1
         w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
         with_r, without_r = with_r + w, without_r + n - w
+        if isinstance(rec.get("record"), dict):  # kept samples first: a sample re-run counts once
+            scores.add(rec["record"], *record_sample(rec["record"]))
     failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
     this_run = this_run_totals(recorder)
     runs = [*earlier_runs(run_dir / "statistics.json"), this_run]
@@ -270,12 +320,7 @@ def statistics(
         # Totals over every invocation of this run name: a --resume adds to them, never resets them.
         "run_totals": run_totals(runs),
         "runs": runs,
-        "scores": score_statistics(
-            run_dir,
-            config.distribution,
-            discards_all.get(SKIPPED_AFTER_PASSES, 0),
-            wanted_samples(rows, config.samples_per_prompt, recorder.redact),
-        ),
+        "scores": scores.summary(discards_all.get(SKIPPED_AFTER_PASSES, 0)),
         "this_run": {
             "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
             "trajectories": recorder.counts[TRAJECTORY],
@@ -300,24 +345,17 @@ def statistics(
     return stats
 
 
-def score_statistics(
-    run_dir: Path,
-    distribution: str,
-    skipped_after_passes: int = 0,
-    wanted: dict[tuple[str, int], int] | None = None,
-) -> dict[str, Any]:
-    """The ``scores`` section: every judged sample the model finished, kept (trajectories.jsonl) or
-    discarded (a failed check under --keep=passed, no reasoning, ...), each (row, sample) as often as
-    the dataset wants it (``wanted``; a sample the dataset no longer wants: once)."""
+def kept_scores(
+    run_dir: Path, distribution: str, wanted: dict[tuple[str, int], int] | None = None
+) -> RunScores:
+    """The ``scores`` section's kept samples, read back from trajectories.jsonl: every judged sample the
+    model finished and the merge kept, each (row, sample) as often as the dataset wants it (``wanted``;
+    a sample the dataset no longer wants: once). :func:`statistics` adds the discarded ones."""
     scores = RunScores(distribution, wanted)
     for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
         if valid_record(rec):
             scores.add(rec, *record_sample(rec))
-    for row in iter_jsonl(run_dir / "discarded.jsonl"):
-        rec = row.get("record") if isinstance(row, dict) else None
-        if valid_outcome_row(row, "reason") and isinstance(rec, dict):
-            scores.add(rec, *record_sample(rec))
-    return scores.summary(skipped_after_passes)
+    return scores
 
 
 RUN_TOTAL_KEYS = ("attempted", "trajectories", "requests", "prompt_tokens", "completion_tokens", "cost_usd")
@@ -397,12 +435,13 @@ def count_remaining(
     return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt))
 
 
-def write_report(run_dir: Path, max_trajectories: int, redact: Redactor) -> None:
-    """report.html beside the data; a report must never fail a finished run."""
+def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: Any = None) -> None:
+    """report.html beside the data; a report must never fail a finished run. ``kept``: the merged
+    trajectories already gathered (:class:`KeptFeed`'s ``report``), or None to read them."""
     from batchrun.views.report import write_report
 
     try:
-        path = write_report(run_dir, max_trajectories=max_trajectories, redact=redact)
+        path = write_report(run_dir, max_trajectories=max_trajectories, redact=redact, kept=kept)
         print(f"Report: {path}  (again any time: python -m batchrun.views.report {run_dir})")
     except Exception as exc:
         print(redact(f"warning: report.html not written: {exc}"), file=sys.stderr)

@@ -175,19 +175,23 @@ class RunData:
     scored: list[tuple[str, int, str, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
 
-def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES) -> RunData:
-    """Read every file of the run once, as streams."""
-    data = RunData(run_dir=run_dir, max_items=max_items)
+def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunData | None = None) -> RunData:
+    """Read every file of the run once, as streams. ``kept``: the merged trajectories already added
+    (the runner's merge hands :func:`add_trajectory` each record as it writes trajectories.jsonl), so
+    only the other files are read."""
+    data = kept if kept is not None else RunData(run_dir=run_dir, max_items=max_items)
+    max_items = data.max_items
     data.manifest = read_json(run_dir / "run_manifest.json")
     data.statistics = read_json(run_dir / "statistics.json")
     data.status = read_json(run_dir / "status.json")
-    sources, data.merged = trajectory_sources(run_dir)
-    for path in sources:
-        for rec in iter_jsonl(path):
-            if not valid_record(rec):  # torn, or valid JSON of the wrong shape: skipped and counted
-                data.invalid_lines += 1
-            else:
-                add_trajectory(data, rec)
+    if kept is None:
+        sources, data.merged = trajectory_sources(run_dir)
+        for path in sources:
+            for rec in iter_jsonl(path):
+                if not valid_record(rec):  # torn, or valid JSON of the wrong shape: skipped and counted
+                    data.invalid_lines += 1
+                else:
+                    add_trajectory(data, rec)
     for row in iter_jsonl(run_dir / "discarded.jsonl"):
         if not valid_outcome_row(row, "reason"):
             data.invalid_lines += 1
@@ -943,15 +947,16 @@ def write_report(
     run_dir: Path,
     max_trajectories: int = DEFAULT_MAX_TRAJECTORIES,
     redact: Callable[[str], str] | None = None,
+    kept: RunData | None = None,
 ) -> Path:
     """Write ``report.html`` into the run directory (atomically) and return its path.
 
     ``redact``: the run's secret filter (the runner passes it); the files read are redacted already,
-    this also covers what the page derives from them."""
+    this also covers what the page derives from them. ``kept``: see :func:`collect`."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run directory at {run_dir}")
-    page = render_page(collect(run_dir, max_trajectories))
+    page = render_page(collect(run_dir, max_trajectories, kept))
     if redact is not None:
         page = redact(page)
     out = run_dir / REPORT_NAME

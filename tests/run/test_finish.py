@@ -7,10 +7,12 @@ import json
 import os
 import time
 
-from helpers import read_jsonl, run, stats_of, write_jsonl
+from helpers import read_jsonl, run, stats_of, write_jsonl, write_rows
 
-from batchrun.record import valid_record
-from batchrun.views.report import collect
+from batchrun.identity import record_sample
+from batchrun.record import read_score, valid_record
+from batchrun.run import finish
+from batchrun.views.report import collect, render_page
 
 GARBAGE_RECORDS = [
     "null",
@@ -107,3 +109,37 @@ def test_resume_with_nothing_to_do_keeps_the_run_totals_and_zeroes_this_run(tmp_
     rs = second["reasoning_statistics"]
     assert rs["total_assistant_turns"] == rs["turns_with_reasoning"] + rs["turns_without_reasoning"] == 6
     assert rs["coverage"] == 1.0
+
+
+
+def test_scores_and_report_fed_by_the_merge_equal_those_read_back_from_the_files(server, tmp_path):
+    """The merge hands each record it writes to the scores section and the report (finish.KeptFeed), so
+    neither reads trajectories.jsonl again: what they make must be what reading the files makes, with
+    kept and discarded samples, passed, failed and unscored ones, and a record of older metadata types
+    (retyped on its way into trajectories.jsonl)."""
+    rows = [
+        {"prompt": "Right one [answer:4] [calls:1]", "answer": "4", "id": 1},
+        {"prompt": "Wrong one [answer:5] [calls:0]", "answer": "4", "id": 2},
+        {"prompt": "Unscored [calls:1]"},
+        {"prompt": "Thinks not [no_reasoning]", "answer": "1"},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, samples_per_prompt=2, scorer="includes")
+    batch = run_dir / "batch_0.jsonl"  # a record as a version before format 1 wrote it: a null field
+    recs = read_jsonl(batch)
+    recs[0]["metadata"]["row_id"] = None
+    batch.write_text("".join(json.dumps(r) + "\n" for r in recs), "utf-8")
+    run(server, dataset, out, samples_per_prompt=2, scorer="includes", resume=True)
+
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert {read_score(r["score"])["status"] for r in merged} == {"passed", "failed", "unscored"}
+    discarded = [r for r in read_jsonl(run_dir / "discarded.jsonl") if r["reason"] == "no_reasoning"]
+    assert len(discarded) == 2
+    # The same sections read back from the files (no duplicate rows: each sample counts once).
+    scores = finish.kept_scores(run_dir, "terminal_only")
+    for row in discarded:
+        scores.add(row["record"], *record_sample(row["record"]))
+    assert stats_of(run_dir)["scores"] == json.loads(json.dumps(scores.summary(0)))
+    assert (run_dir / "report.html").read_text("utf-8") == render_page(collect(run_dir))
