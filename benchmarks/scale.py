@@ -30,6 +30,7 @@ tree's): ``--pss_s 0`` turns the memory sampling off.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
@@ -107,6 +108,67 @@ class PssMeter:
         return seen
 
 
+class MachineMeter:
+    """The whole machine's CPU (``/proc/stat``: every process, kernel threads included, other users'
+    too), sampled every ``interval_s``: busy cores over time, to tell the part of a run bound by the
+    CPU from its tail, where the last prompts wait on the endpoint with cores idle."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, float]] = []  # (time, busy core-s, idle core-s) so far
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="machine-meter", daemon=True)
+
+    @staticmethod
+    def _read() -> tuple[float, float]:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:9]]
+        user, nice, system, idle, iowait, irq, softirq, steal = fields
+        tick = os.sysconf("SC_CLK_TCK")
+        return (user + nice + system + irq + softirq + steal) / tick, (idle + iowait) / tick
+
+    def start(self) -> MachineMeter:
+        self.samples.append((time.time(), *self._read()))
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.time(), *self._read()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.samples.append((time.time(), *self._read()))
+
+    def between(self, t0: float, t1: float) -> tuple[float, float]:
+        """Busy and idle core-seconds between two instants (to the nearest samples)."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1] or self.samples[-1:]
+        first = max((s for s in self.samples if s[0] <= t0), default=inside[0])
+        last = inside[-1]
+        return last[1] - first[1], last[2] - first[2]
+
+    def per_second(self, t0: float) -> list[float]:
+        """Busy cores in each whole second after ``t0``."""
+        out = []
+        t = t0
+        while t + 1 <= self.samples[-1][0] + 1e-9:
+            busy, idle = self.between(t, t + 1)
+            out.append(busy / max(busy + idle, 1e-9) * (os.cpu_count() or 1))
+            t += 1
+        return out
+
+
+def _sandbox_ready_at(meta: dict) -> float | None:
+    """When a prompt's sandbox had started, from its record (its end, to the second, less its duration,
+    plus its wait for a start slot and the start itself)."""
+    try:
+        end = dt.datetime.fromisoformat(meta["timestamp"]).timestamp()
+        return end - meta["duration_s"] + meta["sandbox_start_wait_s"] + meta["sandbox_start_s"]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "no data"
@@ -155,12 +217,14 @@ def main() -> int:
         cpu0 = children_cpu_s()
         log_path = tmp / "run.log"
         with log_path.open("w") as log:
+            machine = MachineMeter().start()
             t0 = time.time()
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
             pss = PssMeter(proc.pid, {endpoint.proc.pid}, args.pss_s, endpoint).start()
             code = proc.wait()
             wall = time.time() - t0
             pss.stop()
+            machine.stop()
         reap_descendants(exclude={endpoint.proc.pid})
         tree_cpu = children_cpu_s() - cpu0
         stats = endpoint.stats()
@@ -196,6 +260,24 @@ def main() -> int:
         f"  CPU                {tree_cpu:7.2f} s whole tree, exact = {1000 * tree_cpu / n:.1f} ms/prompt; "
         f"endpoint {endpoint_cpu:.2f} s ({1000 * endpoint_cpu / max(calls, 1):.2f} ms/call, same cores)"
     )
+    cores = os.cpu_count() or 1
+    bound = max(ideal, tree_cpu / cores)
+    print(
+        f"  bound              {bound:7.2f} s = max(ideal, tree CPU / {cores} cores); wall / bound "
+        f"{wall / bound:.2f} whole command, {dispatch / bound:.2f} dispatch"
+    )
+    busy, idle = machine.between(t0, t0 + wall)
+    print(f"  machine CPU        {busy:7.2f} core-s busy, {idle:.2f} idle over the command (every process)")
+    ready = [r for r in map(_sandbox_ready_at, metas) if r is not None]
+    if ready:
+        last_ready = max(ready)
+        before, after = machine.between(t0, last_ready), machine.between(last_ready, t0 + wall)
+        print(
+            f"  last sandbox start {last_ready - t0:7.2f} s after launch (records, to the second): idle "
+            f"{before[1]:.2f} core-s before it, {after[1]:.2f} after it"
+        )
+    timeline = " ".join(f"{c:.1f}" for c in machine.per_second(t0))
+    print(f"  busy cores/second  {timeline}")
     if pss.peak_kb:
         per = pss.peak_kb / 1024 / max(pss.peak_in_flight, 1)
         print(

@@ -111,7 +111,6 @@ def test_resume_with_nothing_to_do_keeps_the_run_totals_and_zeroes_this_run(tmp_
     assert rs["coverage"] == 1.0
 
 
-
 def test_scores_and_report_fed_by_the_merge_equal_those_read_back_from_the_files(server, tmp_path):
     """The merge hands each record it writes to the scores section and the report (finish.KeptFeed), so
     neither reads trajectories.jsonl again: what they make must be what reading the files makes, with
