@@ -499,6 +499,40 @@ def docker_overhead(run: RunResult, events: list[dict]) -> dict[str, dict[str, l
     return out
 
 
+def engine_rate(containers: int) -> float:
+    """The bare engine's containers per second with the runner's limits (docker_rate.py's engine loop),
+    on the default bridge network, as the run's prompts get it (each is offered the terminal, and
+    ``--sandbox_network`` is on by default): a container on the bridge costs the engine a veth pair
+    and its firewall rules, one with network ``none`` neither."""
+    from docker_rate import engine_api_rate  # this directory's; imports docker only when asked
+
+    return engine_api_rate(containers, 4, f"tp-{os.getpid()}", "bridge")[0]
+
+
+def container_rates(run: RunResult, engine_rates: list[float]) -> None:
+    """The run's own container rate against the engine's, measured just before and after it.
+
+    Two figures: over the dispatch phase (what a user waits: it includes the first start's latency and
+    the last prompts' model calls and stop, where no container is made), and in the steady state, the
+    engine's ``create`` events between the 10th and the 90th percentile of their times."""
+    creates = sorted(e["timeNano"] / 1e9 for e in run.engine_events if e.get("Action") == "create")
+    if len(creates) < 10:
+        return
+    whole = len(creates) / run.dispatch_s
+    lo, hi = int(0.1 * len(creates)), int(0.9 * len(creates))
+    steady = (hi - lo) / (creates[hi] - creates[lo])
+    line = (
+        f"  container rate        {whole:.2f}/s over dispatch, {steady:.2f}/s steady (create events, p10-p90)"
+    )
+    if engine_rates:
+        engine = statistics.mean(engine_rates)
+        line += (
+            f"; engine alone {engine:.2f}/s (before {engine_rates[0]:.2f}, after {engine_rates[-1]:.2f}):"
+            f" {whole / engine:.2f} and {steady / engine:.2f} of it"
+        )
+    print(line)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -590,6 +624,9 @@ def main() -> int:
                    help="also run reference-style scheduling (--prompts_per_worker=1)")  # fmt: skip
     p.add_argument("--sample_s", type=float, default=0.1, help="CPU sampling interval")
     p.add_argument("--keep", action="store_true", help="keep the output directory")
+    p.add_argument("--engine_rate", type=int, default=40, metavar="N",
+                   help="--sandbox docker: the engine's own rate (docker_rate.py's engine loop, N "
+                        "containers over 4 clients) just before and just after each run; 0: off")  # fmt: skip
     args = p.parse_args()
     tmp, dataset, endpoint = start_benchmark(p, args, "br-throughput-")
     print(
@@ -602,9 +639,15 @@ def main() -> int:
         for label, per_worker in (("concurrent", args.in_flight // args.workers), ("reference", 1)):
             if label == "reference" and not args.reference:
                 continue
+            engine_rates = []
+            if args.sandbox == "docker" and args.engine_rate:
+                engine_rates.append(engine_rate(args.engine_rate))
             run = run_once(label, args, endpoint, dataset, tmp, per_worker)
+            if engine_rates:
+                engine_rates.append(engine_rate(args.engine_rate))
             report(run, args.latency)
             if args.sandbox == "docker":
+                container_rates(run, engine_rates)
                 for source, o in docker_overhead(run, run.engine_events).items():
                     print(f"  sandbox overhead per prompt ({source}):")
                     for what, values in o.items():
