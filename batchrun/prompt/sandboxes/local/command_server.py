@@ -27,7 +27,14 @@ from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
 from batchrun.prompt.sandboxes.local.host import command_shell, host_addresses
 from batchrun.prompt.sandboxes.local.netlink import add_unreachable_routes
 from batchrun.prompt.sandboxes.local.options import CTL_DIR
-from batchrun.prompt.sandboxes.local.process_tree import child_of, has_env, namespace_members, spawn
+from batchrun.prompt.sandboxes.local.process_tree import (
+    child_of,
+    has_env,
+    namespace_members,
+    reap_in_background,
+    spawn,
+    wait_exited,
+)
 
 SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
@@ -441,13 +448,11 @@ class CommandServer:
             self.proc.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=SERVER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        if not wait_exited(self.proc, SERVER_STOP_TIMEOUT_S):
             self.kill()
         self._sel.close()
         self.proc.stdout.close()
-        self._end_network()
+        self._end_network(wait=False)  # its namespace has ended: nothing of the prompt can use it now
         if self.files is not None:
             self.files.close()
 
@@ -456,18 +461,18 @@ class CommandServer:
         self.proc.wait()
         self._eof = True
 
-    def _end_network(self) -> None:
-        """Close slirp4netns's exit pipe, so it ends; SIGKILL it if it has not within a second."""
+    def _end_network(self, wait: bool = True) -> None:
+        """Close slirp4netns's exit pipe, so it ends; SIGKILL it if it has not within a second.
+        ``wait=False``: its end is waited for (and enforced) on the reaper thread, not here."""
         exit_w, self._slirp_exit = self._slirp_exit, None
         if exit_w is not None:
             os.close(exit_w)
         slirp, self._slirp = self._slirp, None
-        if slirp is not None:
-            try:
-                slirp.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                slirp.kill()
-                slirp.wait()
+        if slirp is not None and not wait:
+            reap_in_background(slirp, 1.0)
+        elif slirp is not None and not wait_exited(slirp, 1.0):
+            slirp.kill()
+            slirp.wait()
 
     def _read(self, deadline: float) -> bytes | None:
         """The next bytes of output; b"" at EOF, None when the deadline passed first."""
