@@ -17,6 +17,10 @@ process, and prints:
 * **CPU per prompt** of the whole process tree (exact: this script is a child subreaper and reaps
   every descendant, so ``RUSAGE_CHILDREN`` holds them all, bwrap's orphans included), and the
   endpoint's own CPU (same cores);
+* the **bound** the run cannot beat (the larger of the ideal and the tree's CPU over the cores) and
+  wall / bound; the **machine's CPU** (``/proc/stat``, every process: busy and idle core-seconds,
+  busy cores in each second) and when the **last sandbox started** (from the records), with the idle
+  core-seconds before and after it: bound by the CPU until then, by the endpoint after;
 * **peak PSS** of the tree (parent, forkserver, workers, sandboxes, their helpers), sampled every
   ``--pss_s`` from ``/proc/<pid>/smaps_rollup``, and the PSS per prompt in flight at that moment;
 * the **sandbox wait** percentiles from the records' metadata: ``sandbox_start_wait_s`` (queueing for
