@@ -16,6 +16,7 @@ import sys
 # (batchrun.prompt.sandboxes.backend_target: a built-in, an entry point or "package.module:Class").
 # The forkserver skips a module that does not import: each worker then imports it at its first sandbox.
 FORKSERVER_PRELOAD = ["batchrun.run.worker_preload"]
+WARM_MODULE = "batchrun.run.worker_warm"  # last: the backend, imported by then, prepares the workers' probes
 
 # Arguments with which the command runs no local worker: help, listings, a Ray cluster.
 _NO_WORKERS = ("-h", "--help", "-help", "--list_distributions", "--ray_address")
@@ -55,7 +56,7 @@ def start_forkserver(backend: str | None = None) -> None:
     from multiprocessing import forkserver
 
     extra = [_backend_module(backend)] if backend else []
-    forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *filter(None, extra)])
+    forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *filter(None, extra), WARM_MODULE])
     forkserver.ensure_running()
 
 

@@ -43,3 +43,23 @@ def test_the_forkserver_preloads_the_module_the_backends_registry_names():
             assert backend_class(name).__module__ == importlib.import_module(module).__name__
     assert forkserver._backend_module("tests_pkg.mod:Box") == "tests_pkg.mod"
     assert forkserver._backend_module("no-such-backend") == ""
+
+
+def test_the_forkserver_prepares_the_backends_probes_once_for_every_worker():
+    """batchrun.run.worker_warm, imported last by the forkserver, runs the loaded backend's
+    prepare_process: for the local backend the bubblewrap probe and the scan of /etc are then made
+    once, in the forkserver, and every forked worker finds them done. A backend not loaded is left alone."""
+    import subprocess
+    import sys
+
+    from batchrun.run.forkserver import WARM_MODULE
+
+    code = f"""
+import sys, batchrun.run.worker_preload, batchrun.prompt.sandboxes.local.sandbox, {WARM_MODULE}
+from batchrun.prompt.sandboxes.local import host, system_view
+print(host.bwrap_problem.cache_info().currsize, system_view._etc_scan.cache_info().currsize,
+      "batchrun.prompt.sandboxes.docker.sandbox" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1", "False"]

@@ -155,6 +155,12 @@ class SandboxBackend:
     def sweep(cls, options: dict[str, Any]) -> None:
         """Once the workers are gone: remove whatever the run's sandboxes left (idempotent)."""
 
+    @classmethod
+    def prepare_process(cls) -> None:
+        """What every process that builds this backend's sandboxes does once, before its first (probes
+        of this machine, cached): called in the workers' forkserver before it forks them, so each
+        worker inherits it instead of doing it again (batchrun/run/worker_warm.py)."""
+
 
 def declared(sandbox: object, capability: str) -> Any:
     """What ``sandbox`` (or a backend class) declares of a :class:`SandboxBackend` capability; a

@@ -233,6 +233,12 @@ class LocalSandbox(SandboxBackend):
                 break
             time.sleep(0.1 * (attempt + 1))
 
+    @classmethod
+    def prepare_process(cls) -> None:
+        """The bubblewrap probe, with the scan of /etc it needs (~30 ms), and the network's tools."""
+        if local_isolation_available():
+            network_problem()
+
     # -- one prompt's sandbox
 
     def __init__(self, spec: SandboxSpec, **options: object):
