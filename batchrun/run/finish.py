@@ -199,17 +199,16 @@ class KeptFeed:
         self.scores = RunScores(
             config.distribution, wanted_samples(rows, config.samples_per_prompt, recorder.redact)
         )
-        from batchrun.views.report import RunData
+        from batchrun.views.report import RunData, add_trajectory
 
         self.report: Any = RunData(run_dir=config.run_dir, max_items=config.report_max_trajectories)
+        self._add_trajectory = add_trajectory
 
     def __call__(self, rec: dict[str, Any]) -> None:
         self.scores.add(rec, *record_sample(rec))
         if self.report is not None:
-            from batchrun.views.report import add_trajectory
-
             try:
-                add_trajectory(self.report, rec)
+                self._add_trajectory(self.report, rec)
             except Exception:
                 self.report = None
 
