@@ -9,7 +9,9 @@ at a time, so each line's figure is the difference it makes:
     python benchmarks/sandbox_cpu.py --prompts 200 --isolation none
     python benchmarks/sandbox_cpu.py --prompts 200 --network      # with the network a run gives by default
 
-The script makes itself a child subreaper, so the CPU of every process the sandbox starts (bwrap
+The sandboxes are a run's, as a worker makes them (``LocalSandbox.prepare_run``: the run's
+directory and parent cgroup, whose emptied prompt cgroups are kept for the next prompt); the run is
+swept at the end. The script makes itself a child subreaper, so the CPU of every process the sandbox starts (bwrap
 orphans one) ends up in ``RUSAGE_CHILDREN`` when it is reaped. "python" is this process's own CPU
 (starting processes, reading their output, the tools' Python code). CPU, not wall time: the
 machine is shared.
@@ -46,15 +48,11 @@ def _cpu() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, children_cpu_s()
 
 
-def run(
-    prompts: int, calls: int, isolation: str, base_dir: str | None, network: bool = False
-) -> tuple[float, float]:
+def run(prompts: int, calls: int, options: dict, network: bool = False) -> tuple[float, float]:
     """Per-prompt CPU (own, children) of start + the first ``calls`` tool calls + stop."""
     own0, kids0 = _cpu()
     for i in range(prompts):
-        box = LocalSandbox(
-            SandboxSpec("cpu-bench", i, network=network), isolation=isolation, base_dir=base_dir
-        )
+        box = LocalSandbox(SandboxSpec("cpu-bench", i, network=network), **options)
         ctx = ToolContext(sandbox=box, tool_timeout_s=60.0)
         box.start()
         try:
@@ -81,8 +79,19 @@ def main() -> None:
     if args.isolation == "bwrap" and bwrap_problem():
         raise SystemExit(f"bubblewrap: {bwrap_problem()}")
     become_subreaper()
+    options = LocalSandbox.prepare_run("cpu-bench", {"isolation": args.isolation}, workers_here=True)
+    made = options["base_dir"]
+    if args.base_dir:
+        options["base_dir"] = args.base_dir
+    try:
+        measure(args, options)
+    finally:
+        LocalSandbox.sweep({**options, "base_dir": made})
+
+
+def measure(args: argparse.Namespace, options: dict) -> None:
     # Warm-up: imports, the first tool call's set-up.
-    run(5, len(CALLS), args.isolation, args.base_dir, args.network)
+    run(5, len(CALLS), options, args.network)
     print(
         f"{args.prompts} prompts per line, local sandbox, isolation {args.isolation}, network {args.network}, "
         f"load average {os.getloadavg()[0]:.1f}; ms of CPU per prompt"
@@ -91,7 +100,7 @@ def main() -> None:
     previous = 0.0
     labels = ["sandbox start + stop"] + [f"+ {name}" for name, _ in CALLS]
     for calls, label in enumerate(labels):
-        own, kids = run(args.prompts, calls, args.isolation, args.base_dir, args.network)
+        own, kids = run(args.prompts, calls, options, args.network)
         total = own + kids
         print(f"  {label:<34} {own:7.2f} {kids:9.2f} {total:7.2f}   {total - previous:17.2f}")
         previous = total

@@ -194,6 +194,63 @@ def test_writing_beyond_the_disk_cap_fails_with_a_clear_message(boxes):
     )
 
 
+@pytest.fixture
+def run_boxes(bwrap_available: None, cgroups: None):
+    """``run_boxes(index, **limits)``: sandboxes of one run, as a worker makes them (the run's own
+    parent cgroup, whose emptied prompt cgroups are kept for the next prompt); swept at teardown."""
+    from batchrun.prompt.sandboxes.local.limits import run_cgroup_names
+
+    options = LocalSandbox.prepare_run(RUN, {"isolation": "bwrap"}, workers_here=True)
+    made: list[LocalSandbox] = []
+
+    def factory(index: int = 0, **limits) -> LocalSandbox:
+        box = LocalSandbox(SandboxSpec(RUN, index), **options, **limits)
+        made.append(box)
+        box.start()
+        return box
+
+    yield factory
+    for box in made:
+        box.stop()
+    LocalSandbox.sweep(options)
+    assert options["cgroup_parent"] not in run_cgroup_names()  # the kept cgroups went with the run
+
+
+@pytest.mark.bwrap
+def test_a_kept_cgroup_starts_the_next_prompt_at_zero(run_boxes):
+    limits = {"pids_limit": 64, "memory_mb": 64, "disk_mb": 16}
+    first = run_boxes(0, **limits)
+    dirs = list(first._cgroup.dirs)
+    res = first.run("b() { b | b & }; b; sleep 3; echo bombed", timeout_s=60)
+    assert "process limit (64) was reached" in res.output, res.output[-500:]
+    res = first.run(f"{PY} -c 'b = bytearray(3 << 30)'", timeout_s=120)
+    assert "memory limit (64 MiB for processes + 16 MiB for files) was reached" in res.output, res.output
+    first.stop()
+    second = run_boxes(1, **limits)
+    assert second._cgroup.dirs == dirs  # the same cgroup, made again: none of its counts are this prompt's
+    assert second.run("echo clean", timeout_s=30).output == "clean\n"
+    res = second.run("b() { b | b & }; b; sleep 3; echo bombed", timeout_s=60)
+    assert "process limit (64) was reached" in res.output, res.output[-500:]  # and its own still count
+    other = run_boxes(2, pids_limit=128)
+    assert other._cgroup.dirs != dirs  # other limits, another cgroup
+
+
+@pytest.mark.bwrap
+def test_a_cgroup_that_still_holds_a_process_is_never_kept(run_boxes):
+    first = run_boxes(0)
+    dirs = list(first._cgroup.dirs)
+    lingering = subprocess.Popen(["sleep", "60"])
+    try:
+        first._cgroup.enter(lingering.pid)  # as if a process of the prompt had outlived its sandbox
+        first.stop()
+        second = run_boxes(1)
+        assert not set(second._cgroup.dirs) & set(dirs)
+        assert second.run("cat /proc/self/cgroup >/dev/null; echo own", timeout_s=30).output == "own\n"
+    finally:
+        lingering.kill()
+        lingering.wait()
+
+
 # ---------------------------------------------------------------------------- what a prompt may reach
 PROBE_TCP = """
 import socket, sys

@@ -4,7 +4,8 @@ With ``bwrap`` a prompt sees the system directories read-only and nothing of the
 working directory (the row's ``cwd``, a path inside the sandbox) and its ``/tmp`` are its own
 size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own PID, network,
 IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
-offers no cgroups, see ``limits``) bounds its processes, memory and CPU. With the network on,
+offers no cgroups, see ``limits``) bounds its processes, memory and CPU; in a run, an emptied one is
+kept for the worker's next prompt (``limits.CgroupPool``). With the network on,
 ``slirp4netns`` connects its network namespace to the outside world but not to the host's services.
 
 One command server runs per prompt (see ``CommandServer``): setting up the namespaces costs more
@@ -61,6 +62,7 @@ from batchrun.prompt.sandboxes.local.limits import (
     PromptCgroup,
     apply_rlimits,
     cgroup_layout,
+    cgroup_pool,
     limits_mechanism,
     remove_run_cgroups,
     run_cgroup_names,
@@ -285,9 +287,13 @@ class LocalSandbox(SandboxBackend):
         open(os.path.join(self._root, "ctl", "empty"), "wb").close()
         layout = cgroup_layout()
         if isinstance(layout, CgroupLayout):
-            parent = self.options.cgroup_parent or f"{PARENT_PREFIX}pid{os.getpid()}"
+            name, limits = os.path.basename(self._root), self.options.limits
             try:
-                self._cgroup = PromptCgroup(layout, parent, os.path.basename(self._root), self.options.limits)
+                if self.options.cgroup_parent:  # the run's own, which its sweep removes: kept ones too
+                    self._cgroup = cgroup_pool.take(layout, self.options.cgroup_parent, name, limits)
+                    self._hits = self._cgroup.hits()  # this prompt's zero (cumulative counters)
+                else:
+                    self._cgroup = PromptCgroup(layout, f"{PARENT_PREFIX}pid{os.getpid()}", name, limits)
             except OSError as exc:
                 self.stop()
                 raise SandboxError(f"local sandbox: cannot make the prompt's cgroup: {exc}") from exc
@@ -371,9 +377,11 @@ class LocalSandbox(SandboxBackend):
             server, self._server = self._server, None
         if server is not None:
             server.close()
-        if self._cgroup is not None:
-            self._cgroup.remove()
-            self._cgroup = None
+        cgroup, self._cgroup = self._cgroup, None
+        if cgroup is not None and self.options.cgroup_parent:
+            cgroup_pool.give_back(cgroup)  # kept for the next prompt only once no process is in it
+        elif cgroup is not None:
+            cgroup.remove()
         root, self._root = self._root, None
         if root is None:
             return
