@@ -27,6 +27,10 @@ process, and prints:
   a start-up slot), ``sandbox_start_s`` (the start itself), ``sandbox_start_blocked_s`` (what the
   prompt's own thread waited for its sandbox).
 
+With ``--floor``, the **floor** of one prompt (``floor.py``: its primitives measured just before and
+just after the run, added up as issue 26 does) and the CPU per prompt over it: the machine's speed
+drifts, and a figure means most next to a floor of the same minutes.
+
 Reading ``smaps_rollup`` of thousands of processes costs CPU of its own (this script's, not the
 tree's): ``--pss_s 0`` turns the memory sampling off.
 """
@@ -46,6 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import floor  # noqa: E402 - the prompt's floor from its primitives (floor.py)
 from throughput import (  # noqa: E402 - the shared pieces of the throughput benchmark
     DOCKER_IMAGE,
     ROOT,
@@ -200,6 +205,8 @@ def main() -> int:
     p.add_argument("--pss_s", type=float, default=1.0, help="PSS sampling interval; 0: off")
     p.add_argument("--extra", action="append", default=[], help="another flag for batch_runner.py")
     p.add_argument("--keep", action="store_true", help="keep the output directory")
+    p.add_argument("--floor", action="store_true",
+                   help="measure the prompt's floor (floor.py) just before and just after the run")  # fmt: skip
     args = p.parse_args()
     tmp, dataset, endpoint = start_benchmark(p, args, "br-scale-")
     per_worker = args.in_flight // args.workers
@@ -215,6 +222,7 @@ def main() -> int:
         dataset, tmp, run_name, endpoint, args.batch_size, args.distribution, args.workers, per_worker,
         args.backend, args.image, *args.extra, *starts,
     )  # fmt: skip
+    floors = [floor.measure(exclude=frozenset({endpoint.proc.pid}))] if args.floor else []
     try:
         endpoint.reset()
         endpoint_cpu0 = endpoint.cpu_s()
@@ -236,6 +244,8 @@ def main() -> int:
         if code != 0:
             tail = log_path.read_text(errors="replace").replace("\r", "\n").splitlines()[-15:]
             print(f"runner exited with {code}:", *tail, sep="\n  ", file=sys.stderr)
+        if args.floor:
+            floors.append(floor.measure(exclude=frozenset({endpoint.proc.pid})))
         records = []
         merged = tmp / run_name / "trajectories.jsonl"
         if merged.exists():
@@ -264,6 +274,18 @@ def main() -> int:
         f"  CPU                {tree_cpu:7.2f} s whole tree, exact = {1000 * tree_cpu / n:.1f} ms/prompt; "
         f"endpoint {endpoint_cpu:.2f} s ({1000 * endpoint_cpu / max(calls, 1):.2f} ms/call, same cores)"
     )
+    if floors:
+        network = not any(
+            e.replace(" ", "") in ("--sandbox_network=False", "--no-sandbox_network") for e in args.extra
+        )
+        each = [f.with_network if network else f.without_network for f in floors]
+        mean = statistics.mean(each)
+        print(
+            f"  floor              {mean:7.1f} ms/prompt {'with' if network else 'without'} the network "
+            f"(before {each[0]:.1f}, after {each[-1]:.1f}; floor.py); CPU / floor {1000 * tree_cpu / n / mean:.2f}"
+        )
+        for when, f in zip(("before", "after"), floors, strict=False):
+            print(f"    {when:<6} {f.line()}")
     cores = os.cpu_count() or 1
     bound = max(ideal, tree_cpu / cores)
     print(
