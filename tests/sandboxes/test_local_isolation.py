@@ -34,19 +34,22 @@ CONNECT_DAEMON = "import socket; socket.socket(socket.AF_UNIX).connect('daemon.s
 def boxes(bwrap_available: None, tmp_path: Path):
     """``boxes(index, **spec_fields_and_limits)``: started bubblewrap sandboxes, stopped at teardown."""
     made: list[LocalSandbox] = []
+    yield sandbox_factory(made, isolation="bwrap", base_dir=str(tmp_path))
+    for box in made:
+        box.stop()
+
+
+def sandbox_factory(made: list[LocalSandbox], **options):
+    """Started sandboxes with these options; spec fields and limits by keyword; each added to ``made``."""
 
     def factory(index: int = 0, **fields) -> LocalSandbox:
         limits = {k: fields.pop(k) for k in list(fields) if k in OPTION_NAMES}
-        box = LocalSandbox(
-            SandboxSpec(RUN, index, **fields), isolation="bwrap", base_dir=str(tmp_path), **limits
-        )
+        box = LocalSandbox(SandboxSpec(RUN, index, **fields), **options, **limits)
         made.append(box)
         box.start()
         return box
 
-    yield factory
-    for box in made:
-        box.stop()
+    return factory
 
 
 @pytest.fixture
@@ -202,14 +205,7 @@ def run_boxes(bwrap_available: None, cgroups: None):
 
     options = LocalSandbox.prepare_run(RUN, {"isolation": "bwrap"}, workers_here=True)
     made: list[LocalSandbox] = []
-
-    def factory(index: int = 0, **limits) -> LocalSandbox:
-        box = LocalSandbox(SandboxSpec(RUN, index), **options, **limits)
-        made.append(box)
-        box.start()
-        return box
-
-    yield factory
+    yield sandbox_factory(made, **options)
     for box in made:
         box.stop()
     LocalSandbox.sweep(options)
