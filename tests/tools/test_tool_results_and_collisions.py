@@ -88,3 +88,31 @@ def test_a_plugin_named_like_a_built_in_is_ignored_and_the_built_in_runs(clash_p
     (rec,) = read_jsonl(tmp_path / "data/r/trajectories.jsonl")
     assert rec["tool_stats"]["terminal"]["success"] == 1  # the built-in ran
     assert "echo_text" not in rec["tool_stats"]  # nothing of the ignored plugins is known
+
+
+def test_a_thread_that_asks_for_the_tools_while_another_loads_them_sees_them_all(monkeypatch):
+    """A worker's first prompts make their first tool calls at once: one thread saw a half-made
+    registry ("Unknown tool 'process'. Available tools: process") while another was loading it."""
+    import threading
+    import time
+
+    from batchrun.prompt.tools import catalog, registry
+
+    def slow_plugins(builtin: set[str]) -> None:
+        time.sleep(0.3)
+        marker = Tool("race_marker", "racetest", "m", {"type": "object", "properties": {}}, lambda c, a: {})
+        registry.add_toolset("racetest", "test", [marker])
+
+    monkeypatch.setattr(catalog, "_BUILTINS_LOADED", False)
+    monkeypatch.setattr(catalog, "_BUILTINS_READY", False)
+    monkeypatch.setattr(catalog, "load_plugins", slow_plugins)
+    seen: dict[str, set[str]] = {}
+    loader = threading.Thread(target=lambda: seen.update(first=set(catalog.all_tools())))
+    try:
+        loader.start()
+        time.sleep(0.1)  # the loader is in the middle of it
+        seen["second"] = set(catalog.all_tools())
+        loader.join()
+    finally:
+        remove_toolsets({"racetest"})
+    assert "race_marker" in seen["first"] and "race_marker" in seen["second"]

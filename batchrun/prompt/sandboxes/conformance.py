@@ -257,7 +257,7 @@ def check_process_tool_keeps_a_background_command_between_commands(target: Targe
     # A command that times out is killed with its children, not the background commands.
     timed_out = sandbox.run(f"sleep {tag + 2} & sleep {tag + 3}", timeout_s=1)
     assert timed_out.timed_out
-    assert call(action="poll", id=waiter["id"])["status"] == "running"
+    assert (polled := call(action="poll", id=waiter["id"]))["status"] == "running", polled
     assert call(action="read", id=waiter["id"])["output"] == "ready\n"
     assert call(action="read", id=waiter["id"])["output"] == ""  # read only once
     listing = target.processes(sandbox)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import threading
 
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.prompt.tools import plugins, registry
@@ -40,21 +41,30 @@ def builtin_module(toolset: str) -> str:
     return f"batchrun.prompt.tools.{toolset}"
 
 
-_BUILTINS_LOADED = False
+_BUILTINS_LOADED = (
+    False  # loading has begun (a plugin's add_toolset, on the loading thread, must not start it again)
+)
+_BUILTINS_READY = False  # loading has ended: other threads see every tool
+_LOADING = threading.RLock()
 
 
 def all_tools() -> dict[str, Tool]:
-    global _BUILTINS_LOADED
+    global _BUILTINS_LOADED, _BUILTINS_READY
     # A flag, not "registry empty": importing one tool module directly must not hide the others.
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        # Importing a toolset's module registers its tools; each built-in toolset NAME is in module
-        # batchrun.prompt.tools.NAME (the one table is registry.TOOLSETS).
-        for toolset in TOOLSETS:
-            importlib.import_module(builtin_module(toolset))
-        # Plugins after the built-ins, in every process alike (parent, forkserver workers, Ray actors),
-        # told the built-ins' tool names, which no plugin may take.
-        load_plugins({t.name for t in _REGISTRY.values() if t.toolset in TOOLSETS})
+    # Threads that come while another loads wait for it: the first tool calls of a worker's prompts
+    # come at once, and one saw a registry half made ("Unknown tool 'process'. Available tools: process").
+    if not _BUILTINS_READY:
+        with _LOADING:
+            if not _BUILTINS_LOADED:
+                _BUILTINS_LOADED = True
+                # Importing a toolset's module registers its tools; each built-in toolset NAME is in
+                # module batchrun.prompt.tools.NAME (the one table is registry.TOOLSETS).
+                for toolset in TOOLSETS:
+                    importlib.import_module(builtin_module(toolset))
+                # Plugins after the built-ins, in every process alike (parent, forkserver workers, Ray
+                # actors), told the built-ins' tool names, which no plugin may take.
+                load_plugins({t.name for t in _REGISTRY.values() if t.toolset in TOOLSETS})
+                _BUILTINS_READY = True
     return dict(registry.ordered_tools())
 
 

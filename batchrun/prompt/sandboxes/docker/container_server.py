@@ -60,7 +60,8 @@ fi
 
 SERVER_PRELUDE = f"""__br_s=
 command -v setsid >/dev/null 2>&1 && __br_s=setsid
-__br_keep='{"=".join(BACKGROUND_ENV)}'
+__br_keep='{"=".join(BACKGROUND_ENV)}' __br_nl='
+'
 __br_run() {{
     if [ "$#" -gt 2 ]; then
         printf "$3" | {EXEC_TAG_VAR}=$1 $__br_s sh -c "$2" &
@@ -85,10 +86,13 @@ __br_sweep() {{
             set -- ${{__br_l##*) }}
             [ "$3" = "$__br_g" ] && [ "$1" != Z ] || continue
             __br_f=${{__br_f%/stat}}
-            tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null | grep -qxF "$__br_keep" && continue
+            # One read decides: read twice, a marked process whose exec ended between the reads
+            # looked unmarked the first time and not empty the second, and was killed.
+            __br_e=$(tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null)
+            case "$__br_nl$__br_e$__br_nl" in *"$__br_nl$__br_keep$__br_nl"*) continue ;; esac
             # An environment that reads empty is a process in the middle of an exec (the process
             # tool's setsid, say): looked at again next round, killed only in the last one.
-            [ "$__br_round" -lt 10 ] && ! tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null | grep -q . && continue
+            [ "$__br_round" -lt 10 ] && [ -z "$__br_e" ] && continue
             kill -9 "${{__br_f#/proc/}}" 2>/dev/null
         done
     done
