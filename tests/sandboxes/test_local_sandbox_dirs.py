@@ -173,3 +173,56 @@ def test_a_killed_runner_s_sandboxes_are_removed_by_the_next_run(tmp_path: Path)
     # multiprocessing's own pymp-* directory of the killed runner stays: it is Python's, not a sandbox
     assert [name for name in temp_entries(tmp_path) if not name.startswith("pymp-")] == []
     assert run_cgroups(killed) == []  # its cgroups went with its directory
+
+
+ORPHAN_CHILD = """
+import json, sys, time
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.local import LocalSandbox
+box = LocalSandbox(SandboxSpec("orphan", 0), isolation="bwrap")  # no run directory: a Ray worker's way
+box.start()
+print(json.dumps([box._root, box._cgroup.dirs if box._cgroup else []]), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.bwrap
+def test_what_a_killed_worker_without_a_run_directory_left_is_removed_by_the_next_run(
+    bwrap_available: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A Ray worker on this machine whose runner was killed died mid-prompt: its sandboxes' directories
+    and cgroups stayed for good (the suite's Ray tests left a few at every run)."""
+    import tempfile
+
+    from batchrun.prompt.sandboxes.base import SandboxSpec
+    from batchrun.prompt.sandboxes.local import LocalSandbox
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        root, cgroups = json.loads(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait()
+    live = LocalSandbox(SandboxSpec("orphan", 1), isolation="bwrap")  # this live process's: it stays
+    live.start()
+    options = {}
+    try:
+        assert os.path.isdir(root) and Path(root).name.startswith(f"br@{child.pid}-")
+        # Its sandbox dies with it (bwrap's --die-with-parent); then nothing of it is left in use.
+        poll(lambda: all(not (Path(d) / "cgroup.procs").read_text().strip() for d in cgroups), want=True)
+        options = LocalSandbox.prepare_run("another", {"isolation": "bwrap"}, workers_here=True)
+        assert not os.path.exists(root)
+        assert not [d for d in cgroups if os.path.exists(d)]
+        assert not [d for d in cgroups if os.path.exists(os.path.dirname(d))]  # its parent cgroup too
+        assert live.run("echo alive", timeout_s=30).output == "alive\n"
+        assert os.path.isdir(live._root)
+    finally:
+        live.stop()
+        LocalSandbox.sweep(options)

@@ -87,6 +87,10 @@ from batchrun.prompt.sandboxes.local.system_view import (
 from batchrun.protocol import PromptJob
 from batchrun.storage import pid_alive
 
+# A sandbox's directory made outside a run directory (see start), and the parent cgroup of such
+# sandboxes (limits.PromptCgroup without a run's parent): both name the process that made them.
+_ORPHAN_DIR = re.compile(r"br@(\d+)-.+-[A-Za-z0-9_]{8}")  # "@": no run name has one (safe_run_name)
+_ORPHAN_CGROUP = re.compile(re.escape(PARENT_PREFIX) + r"pid(\d+)")
 _BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (create file at|bind mount|mkdir) ")
 SLIRP_DNS = "10.0.2.3"  # slirp4netns's DNS forwarder, in its default 10.0.2.0/24
 
@@ -195,6 +199,9 @@ class LocalSandbox(SandboxBackend):
         removes it once the pool has ended (normally, on Ctrl-C or after a worker died mid-prompt).
         What a runner that was killed outright left is removed here, by the next run of the same
         name, once its pid is gone. (Workers on other machines, Ray's, keep their own temp dirs.)
+        So is what a worker without a run directory left when it died mid-prompt (a Ray worker on
+        this machine, whose runner was killed): its sandboxes' directories and its parent cgroup
+        carry its pid (``_ORPHAN_DIR``, ``batch-runner-pid<N>``), and are removed once it is gone.
         """
         if not workers_here:
             return options
@@ -210,8 +217,11 @@ class LocalSandbox(SandboxBackend):
                     shutil.rmtree(entry.path, ignore_errors=True)
                     remove_run_cgroups(entry.name)
                     removed += 1
+                orphan = _ORPHAN_DIR.fullmatch(entry.name)
+                if orphan and entry.is_dir(follow_symlinks=False) and not pid_alive(int(orphan.group(1))):
+                    shutil.rmtree(entry.path, ignore_errors=True)
         for name in run_cgroup_names():  # also those whose directory is gone (another TMPDIR, say)
-            m = leftover.fullmatch(name)
+            m = leftover.fullmatch(name) or _ORPHAN_CGROUP.fullmatch(name)
             if m and not pid_alive(int(m.group(1))):
                 remove_run_cgroups(name)
         if removed:
@@ -269,8 +279,11 @@ class LocalSandbox(SandboxBackend):
             problem = host_cwd_problem(cwd, self.options.cwd_root)
         if problem:
             raise SandboxError(f"local sandbox: {problem}")
+        # Without a run directory (a worker elsewhere, or no run at all) the name carries this process's
+        # pid, so that what a killed worker left can be told from what a live one uses (prepare_run).
+        owner = "br-" if self.options.base_dir else f"br@{os.getpid()}-"
         self._root = tempfile.mkdtemp(
-            prefix=f"br-{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
+            prefix=f"{owner}{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
             dir=self.options.base_dir or runtime_dir(),
         )
         if self.isolation == "none":
