@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bwrap_floor import usable_root  # noqa: E402
+from bwrap_floor import cpu_ms, usable_root  # noqa: E402
 from throughput import Endpoint, become_subreaper, children_cpu_s, reap_descendants  # noqa: E402
 
 from batchrun.prompt.sandboxes.local.limits import (  # noqa: E402
@@ -60,14 +60,6 @@ LOOP_MS = 1.0
 def _self_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
-
-
-def tree_ms(argv: list[str], runs: int, exclude: frozenset[int] = frozenset()) -> float:
-    before = children_cpu_s()
-    for _ in range(runs):
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    reap_descendants(set(exclude))
-    return (children_cpu_s() - before) / runs * 1000
 
 
 def cgroup_ms(runs: int) -> float:
@@ -198,10 +190,10 @@ class Floor:
 def measure(runs: int = 100, exclude: frozenset[int] = frozenset()) -> Floor:
     """Each primitive ``runs`` times (the caller is a child subreaper: bwrap orphans a process);
     ``exclude``: the caller's own children that live on (not waited for)."""
-    bwrap = tree_ms(["bwrap", "--unshare-all", *usable_root(), "/bin/true"], runs, exclude)
+    bwrap = cpu_ms(["bwrap", "--unshare-all", *usable_root(), "/bin/true"], runs, exclude)
     return Floor(
         sandbox=bwrap + cgroup_ms(runs),
-        commands=2 * tree_ms(["bash", "-c", "true"], runs, exclude),
+        commands=2 * cpu_ms(["bash", "-c", "true"], runs, exclude),
         model_calls=3 * chat_ms(runs),
         record=record_ms(runs),
         network=network_ms(max(20, runs // 2), exclude),

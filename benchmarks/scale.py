@@ -62,6 +62,8 @@ from throughput import (  # noqa: E402 - the shared pieces of the throughput ben
     start_benchmark,
 )
 
+from batchrun.config import parse_bool  # noqa: E402
+
 
 def _pss_kb(pid: int) -> int:
     try:
@@ -191,6 +193,17 @@ def percentiles(values: list[float]) -> str:
     )
 
 
+def _network_on(extra: list[str]) -> bool:
+    """Whether the run's prompts get the network: ``--sandbox_network`` among the runner's flags, read
+    as batch_runner.py reads it (on when not given)."""
+    on = True
+    for flag in extra:
+        name, _, value = flag.partition("=")
+        if name == "--sandbox_network":
+            on = parse_bool(value, name) if value else True
+    return on
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=1000)
@@ -275,9 +288,7 @@ def main() -> int:
         f"endpoint {endpoint_cpu:.2f} s ({1000 * endpoint_cpu / max(calls, 1):.2f} ms/call, same cores)"
     )
     if floors:
-        network = not any(
-            e.replace(" ", "") in ("--sandbox_network=False", "--no-sandbox_network") for e in args.extra
-        )
+        network = _network_on(args.extra)
         each = [f.with_network if network else f.without_network for f in floors]
         mean = statistics.mean(each)
         print(

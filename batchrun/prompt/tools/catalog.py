@@ -41,9 +41,8 @@ def builtin_module(toolset: str) -> str:
     return f"batchrun.prompt.tools.{toolset}"
 
 
-_BUILTINS_LOADED = (
-    False  # loading has begun (a plugin's add_toolset, on the loading thread, must not start it again)
-)
+# Loading has begun: a plugin's add_toolset, on the loading thread, must not start it again.
+_BUILTINS_LOADED = False
 _BUILTINS_READY = False  # loading has ended: other threads see every tool
 _LOADING = threading.RLock()
 
@@ -51,8 +50,9 @@ _LOADING = threading.RLock()
 def all_tools() -> dict[str, Tool]:
     global _BUILTINS_LOADED, _BUILTINS_READY
     # A flag, not "registry empty": importing one tool module directly must not hide the others.
-    # Threads that come while another loads wait for it: the first tool calls of a worker's prompts
-    # come at once, and one saw a registry half made ("Unknown tool 'process'. Available tools: process").
+    # Threads that come while another loads wait for it: prompts driven from several threads (the
+    # API, a harness) saw a registry half made ("Unknown tool 'process'. Available tools: process").
+    # A runner's workers load it before their prompts start (worker._warm_up).
     if not _BUILTINS_READY:
         with _LOADING:
             if not _BUILTINS_LOADED:

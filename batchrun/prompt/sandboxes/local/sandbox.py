@@ -281,9 +281,9 @@ class LocalSandbox(SandboxBackend):
             raise SandboxError(f"local sandbox: {problem}")
         # Without a run directory (a worker elsewhere, or no run at all) the name carries this process's
         # pid, so that what a killed worker left can be told from what a live one uses (prepare_run).
-        owner = "br-" if self.options.base_dir else f"br@{os.getpid()}-"
+        lead = "br-" if self.options.base_dir else f"br@{os.getpid()}-"
         self._root = tempfile.mkdtemp(
-            prefix=f"{owner}{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
+            prefix=f"{lead}{safe_run_name(self.spec.run_name)}-{self.spec.prompt_index}-",
             dir=self.options.base_dir or runtime_dir(),
         )
         if self.isolation == "none":
@@ -304,7 +304,8 @@ class LocalSandbox(SandboxBackend):
             try:
                 if self.options.cgroup_parent:  # the run's own, which its sweep removes: kept ones too
                     self._cgroup = cgroup_pool.take(layout, self.options.cgroup_parent, name, limits)
-                    self._hits = self._cgroup.hits()  # this prompt's zero (cumulative counters)
+                    if self._cgroup.uses > 1:  # a kept one: its counters so far are this prompt's zero
+                        self._hits = self._cgroup.hits()
                 else:
                     self._cgroup = PromptCgroup(layout, f"{PARENT_PREFIX}pid{os.getpid()}", name, limits)
             except OSError as exc:
