@@ -218,6 +218,45 @@ def test_idle_connections_expire_before_the_servers_keep_alive_timeout():
         assert srv.connections == 2
 
 
+def _drip_the_head(n, conn, rfile, server):
+    """Connection 1 answers every request at once; any other reads one and drips its head forever."""
+    if n == 1:
+        while server.next_request(rfile) is not None:
+            conn.sendall(answer(200, b"{}"))
+        return
+    server.next_request(rfile)
+    for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 150:  # ~8 s, then the server closes
+        conn.sendall(bytes([byte]))
+        time.sleep(0.05)
+
+
+def test_the_deadline_watchdog_keeps_no_ended_request_and_still_ends_an_earlier_deadline():
+    """Ended requests leave nothing in the watchdog's heap, and a request whose deadline is earlier
+    than a waiting one's wakes the watchdog: its dripped head ends at its own deadline."""
+    with Scripted(_drip_the_head) as srv:
+        client = httpclient.Client()
+        for _ in range(300):
+            client.request("GET", srv.base_url + "/fast", timeout_s=60)
+        assert len(httpclient._WATCHDOG._heap) <= 1  # the last request's entry at most
+
+        late = {}
+
+        def slow(timeout_s):
+            began = time.monotonic()
+            try:
+                httpclient.Client().request("GET", srv.base_url + "/slow", timeout_s=timeout_s)
+            except httpclient.RequestTimeout:
+                late[timeout_s] = time.monotonic() - began
+
+        waiting = threading.Thread(target=slow, args=(4.0,))
+        waiting.start()
+        time.sleep(0.3)  # its deadline is the watchdog's earliest now
+        slow(0.6)
+        assert 0.5 <= late[0.6] < 2.0, late
+        waiting.join()
+        assert 3.9 <= late[4.0] < 6.0, late
+
+
 def _no_idle_check(monkeypatch):
     """Lose the race the idle check usually wins: the server's close arrives after the check."""
     import urllib3.connectionpool
