@@ -20,3 +20,10 @@ for _backend in dict.fromkeys(_backends(SandboxBackend)):
         _backend.prepare_process()
     except Exception:
         pass
+
+# Last: what the forkserver holds now (modules, the probes' results) is moved out of the collector's
+# reach, so a worker's collections neither walk it nor write to its pages (each write copies a page
+# the fork shared).
+import gc  # noqa: E402
+
+gc.freeze()
