@@ -24,7 +24,7 @@ from batchrun.prompt.sandboxes.base import (
     readable,
 )
 from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
-from batchrun.prompt.sandboxes.local.host import command_shell, host_addresses
+from batchrun.prompt.sandboxes.local.host import command_shell, host_addresses, tool_path
 from batchrun.prompt.sandboxes.local.netlink import add_unreachable_routes
 from batchrun.prompt.sandboxes.local.options import CTL_DIR
 from batchrun.prompt.sandboxes.local.process_tree import (
@@ -231,7 +231,7 @@ class CommandServer:
         owner = self._network_owner()
         exit_r, self._slirp_exit = os.pipe()
         ready_r, ready_w = os.pipe()
-        argv = ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
+        argv = [tool_path("slirp4netns"), "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
                 f"--exit-fd={exit_r}", f"--ready-fd={ready_w}", str(self._pid), "tap0"]  # fmt: skip
         if owner is not None:
             argv[-2:-2] = [f"--userns-path=/proc/self/fd/{owner}"]  # unprivileged bwrap's own (see there)
@@ -303,7 +303,7 @@ class CommandServer:
             except OSError:
                 pass  # the usual way, below, says what is wrong if it fails too
         script = "".join(f"route add unreachable {a}/{128 if ':' in a else 32}\n" for a in blocked)
-        argv = ["nsenter", f"--net=/proc/{self._pid}/ns/net", "ip", "-batch", "-"]
+        argv = [tool_path("nsenter"), f"--net=/proc/{self._pid}/ns/net", tool_path("ip"), "-batch", "-"]
         if owner is not None:
             argv[1:1] = [f"--user=/proc/self/fd/{owner}", "--preserve-credentials"]
         try:

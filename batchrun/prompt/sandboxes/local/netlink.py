@@ -90,13 +90,20 @@ def _route_message(seq: int, address: str) -> bytes:
     return struct.pack("=IHHII", 16 + len(body), _RTM_NEWROUTE, flags, seq, 0) + body
 
 
+@functools.lru_cache(maxsize=4)
+def _route_messages(addresses: tuple[str, ...]) -> tuple[bytes, ...]:
+    """The messages for these addresses, numbered from 1: the same at every start on this host."""
+    return tuple(_route_message(seq, address) for seq, address in enumerate(addresses, 1))
+
+
 def add_unreachable_routes(netns_path: str, addresses: list[str]) -> None:
     """``ip route add unreachable <a>/32`` (or /128) for each address, in that namespace."""
+    messages = _route_messages(tuple(addresses))
     sock = socket_in(netns_path)
     with sock:
         sock.bind((0, 0))
-        for seq, address in enumerate(addresses, 1):
-            sock.send(_route_message(seq, address))
+        for seq, (address, message) in enumerate(zip(addresses, messages), 1):
+            sock.send(message)
             reply = sock.recv(65536)
             length, kind, _, got_seq, _ = struct.unpack_from("=IHHII", reply)
             if kind != _NLMSG_ERROR or got_seq != seq:

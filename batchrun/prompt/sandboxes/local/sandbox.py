@@ -55,6 +55,7 @@ from batchrun.prompt.sandboxes.local.host import (
     network_problem,
     sandbox_cwd_problem,
     system_sockets,
+    tool_path,
 )
 from batchrun.prompt.sandboxes.local.limits import (
     PARENT_PREFIX,
@@ -480,7 +481,7 @@ class LocalSandbox(SandboxBackend):
         assert self._root is not None
         disk = str(self.options.disk_mb << 20)
         etc_view = run_etc_view(self.options.base_dir) if self.options.base_dir else None
-        argv = ["bwrap", *NAMESPACES, *system_mounts(etc_view)]
+        argv = [tool_path("bwrap"), *NAMESPACES, *system_mounts(etc_view)]
         for path in system_sockets():
             if not (etc_view and is_within(path, "/etc")):  # the view has no sockets
                 argv += ["--ro-bind", "/dev/null", path]
