@@ -87,8 +87,10 @@ __br_sweep() {{
             [ "$3" = "$__br_g" ] && [ "$1" != Z ] || continue
             __br_f=${{__br_f%/stat}}
             # One read decides: read twice, a marked process whose exec ended between the reads
-            # looked unmarked the first time and not empty the second, and was killed.
-            __br_e=$(tr '\\0' '\\n' < "$__br_f/environ" 2>/dev/null)
+            # looked unmarked the first time and not empty the second, and was killed. The braces:
+            # a process gone since its stat was read fails the redirection itself, whose message
+            # (the shell's, not tr's) went into the command's output before the stderr was moved.
+            __br_e=$({{ tr '\\0' '\\n' < "$__br_f/environ"; }} 2>/dev/null)
             case "$__br_nl$__br_e$__br_nl" in *"$__br_nl$__br_keep$__br_nl"*) continue ;; esac
             # An environment that reads empty is a process in the middle of an exec (the process
             # tool's setsid, say): looked at again next round, killed only in the last one.
