@@ -442,6 +442,78 @@ def test_a_busy_loop_is_held_to_the_cpu_quota(boxes, cgroups: None):
     assert int(throttled["nr_throttled"]) > 0, throttled
 
 
+def test_bound_unix_socket_paths_asked_of_the_kernel_are_those_a_path_reaches():
+    """sock_diag gives the listening and the bound unconnected sockets' paths, exactly (a newline in a
+    name included), without the connected ones /proc/net/unix lists a line each for, and no
+    abstract names; in a network namespace of our own, so only this test's sockets are there."""
+    if shutil.which("unshare") is None:
+        skip_or_fail("unshare is needed")
+    script = r"""
+import json, re, socket, tempfile
+from batchrun.prompt.sandboxes.local import netlink
+d = tempfile.mkdtemp()
+kept = []
+def bound(name, kind=socket.SOCK_STREAM, listen=True):
+    s = socket.socket(socket.AF_UNIX, kind)
+    s.bind(name if name.startswith("\0") else f"{d}/{name}")
+    if listen:
+        s.listen(4)
+    kept.append(s)
+    return s
+listener = bound("listening")
+bound("bound-only", listen=False)
+bound("datagram", socket.SOCK_DGRAM, listen=False)
+bound("seqpacket", socket.SOCK_SEQPACKET)
+bound("new\nline")
+bound("\0abstract-name")
+client = socket.socket(socket.AF_UNIX)
+client.connect(f"{d}/listening")
+accepted = listener.accept()[0]  # connected, and listed under its listener's path by /proc/net/unix
+pairs = [socket.socketpair() for _ in range(50)]
+proc = re.findall(r" (/[^\n]*)", open("/proc/net/unix").read())
+print(json.dumps({"dir": d, "diag": netlink.bound_unix_paths(), "proc": proc}))
+"""
+    done = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    if done.returncode != 0 and "Operation not permitted" in done.stderr:
+        skip_or_fail(f"cannot make a network namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    d = got["dir"]
+    expected = {f"{d}/{n}" for n in ("listening", "bound-only", "datagram", "seqpacket", "new\nline")}
+    assert sorted(got["diag"]) == sorted(expected)  # each once: not the accepted connection again
+    assert set(got["proc"]) - {f"{d}/new"} <= expected  # the file cuts the name at its newline
+    assert got["proc"].count(f"{d}/listening") == 2  # the listener and the connection it accepted
+
+
+def test_system_sockets_are_read_from_proc_where_the_kernel_cannot_say(monkeypatch):
+    """Without unix_diag in the kernel, the masked sockets come from /proc/net/unix, as before."""
+    from batchrun.prompt.sandboxes.local import host
+
+    try:
+        home = Path(tempfile.mkdtemp(prefix="br-sock-", dir="/etc"))
+    except OSError:
+        skip_or_fail("a directory in /etc is needed (root)")
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(home / "daemon.sock"))
+        server.listen(1)
+        assert str(home / "daemon.sock") in host.system_sockets()
+
+        def no_unix_diag() -> list[str]:
+            raise OSError(2, "No such file or directory")
+
+        monkeypatch.setattr(host, "bound_unix_paths", no_unix_diag)
+        monkeypatch.setattr(host, "_diag_works", True)
+        assert str(home / "daemon.sock") in host.system_sockets()
+        assert host._diag_works is False
+    finally:
+        server.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def test_host_addresses_read_from_proc_are_those_ip_lists_secondary_ones_included():
     """The host's addresses are read from /proc at every start (no process); in a network namespace
     of our own with a secondary IPv4 and an IPv6 address, they are exactly what ``ip -o addr`` lists."""

@@ -11,27 +11,39 @@ import re
 import shutil
 import subprocess
 
+from batchrun.prompt.sandboxes.local.netlink import bound_unix_paths
 from batchrun.prompt.sandboxes.local.options import DEFAULT_WORKDIR
 from batchrun.prompt.sandboxes.local.system_view import NAMESPACES, NO_CWD, SYSTEM_DIRS, system_mounts
 
 
 def system_sockets() -> list[str]:
-    """Bound Unix sockets (``/proc/net/unix``) inside the mounted system directories.
+    """Bound Unix sockets inside the mounted system directories.
 
     A read-only bind does not stop ``connect()``. Daemons keep their sockets in /run or /var/run,
     which the sandbox does not see; one in /etc or /usr would be reachable, so it is masked.
-    The file is read at every sandbox start, but the paths are resolved only when the set of bound
-    paths changed since the last start (resolving every path is a syscall or more per socket of the host).
+    The kernel is asked at every sandbox start (``netlink.bound_unix_paths``: only the sockets a
+    path can reach; reading ``/proc/net/unix``, a line per socket of the host, was ~4 % of the
+    machine's CPU at a thousand prompts in flight), or the file is read where the kernel cannot
+    answer; the paths are resolved only when the set of bound paths changed since the last start
+    (resolving every path is a syscall or more per socket of the host).
     """
+    global _diag_works
+    if _diag_works:
+        try:
+            return list(_system_sockets_among(frozenset(bound_unix_paths())))
+        except OSError:
+            _diag_works = False  # no unix_diag in this kernel: the file from now on
     try:
         with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return []
     # The 8th column, when it is a path: unbound and abstract (@name) sockets go with the network
-    # namespace. One regular expression over the file, not a split per line (the file has a line
-    # per socket of the host: hundreds at a thousand prompts in flight).
+    # namespace. One regular expression over the file, not a split per line.
     return list(_system_sockets_among(frozenset(_SOCKET_PATH.findall(text))))
+
+
+_diag_works = True
 
 
 # The path column is the last, and no column before it holds a "/": the rest of a line from its

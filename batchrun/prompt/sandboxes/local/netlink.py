@@ -1,4 +1,5 @@
-"""Unreachable routes in another network namespace, over rtnetlink from this process.
+"""Netlink from this process: unreachable routes in another network namespace (rtnetlink), and the
+host's bound Unix socket paths (sock_diag).
 
 ``nsenter --net=... ip -batch -`` costs two processes per sandbox start (~4 ms of CPU). When
 this process may enter the namespace itself (it has CAP_SYS_ADMIN over it, as root), a short-lived
@@ -102,7 +103,7 @@ def add_unreachable_routes(netns_path: str, addresses: list[str]) -> None:
     sock = socket_in(netns_path)
     with sock:
         sock.bind((0, 0))
-        for seq, (address, message) in enumerate(zip(addresses, messages), 1):
+        for seq, (address, message) in enumerate(zip(addresses, messages, strict=True), 1):
             sock.send(message)
             reply = sock.recv(65536)
             length, kind, _, got_seq, _ = struct.unpack_from("=IHHII", reply)
@@ -111,3 +112,58 @@ def add_unreachable_routes(netns_path: str, addresses: list[str]) -> None:
             (error,) = struct.unpack_from("=i", reply, 16)
             if error not in (0, -17):  # 0: done; EEXIST: there already
                 raise NetlinkError(-error, f"route to {address}: {os.strerror(-error)}")
+
+
+# sock_diag (linux/sock_diag.h, linux/unix_diag.h): the host's Unix sockets, asked of the kernel.
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_DUMP = 0x300
+_NLMSG_DONE = 3
+_UDIAG_SHOW_NAME = 1
+_UNIX_DIAG_NAME = 0
+# Every socket a path can reach: a listening one, or one bound and unconnected (a datagram socket
+# such as /dev/log, or a stream socket bound but not listening yet). A connected socket (an
+# accepted connection carries its listener's path, which is listed with the listener; a connected
+# datagram socket takes datagrams from its peer only) is left out by the kernel before it is
+# formatted: at a thousand prompts in flight nearly all of the host's sockets are connected pairs.
+_TCP_CLOSE, _TCP_LISTEN = 7, 10
+_REACHABLE_STATES = (1 << _TCP_CLOSE) | (1 << _TCP_LISTEN)
+
+
+def bound_unix_paths() -> list[str]:
+    """The paths of the Unix sockets of this network namespace that a ``connect()`` or a datagram may
+    reach (not abstract names): what ``/proc/net/unix`` lists with a path, without reading a line per
+    socket of the host. :class:`OSError` where the kernel has no ``unix_diag``."""
+    request = struct.pack(
+        "=BBHIIIII", socket.AF_UNIX, 0, 0, _REACHABLE_STATES, 0, _UDIAG_SHOW_NAME, 0xFFFFFFFF, 0xFFFFFFFF
+    )
+    header = struct.pack(
+        "=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0
+    )
+    paths: list[str] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG) as sock:
+        sock.settimeout(10)
+        sock.send(header + request)
+        while True:
+            data = sock.recv(1 << 18)
+            if not data:
+                raise NetlinkError("sock_diag: the dump ended without its last message")
+            off = 0
+            while off + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, off)
+                if length < 16:
+                    raise NetlinkError(f"sock_diag: a message of {length} bytes")
+                if kind == _NLMSG_DONE:
+                    return paths
+                if kind == _NLMSG_ERROR:
+                    (error,) = struct.unpack_from("=i", data, off + 16)
+                    raise NetlinkError(-error, f"sock_diag: {os.strerror(-error)}")
+                at, end = off + 16 + 16, off + length  # after the header and the unix_diag_msg
+                while at + 4 <= end:
+                    size, attribute = struct.unpack_from("=HH", data, at)
+                    if size < 4:
+                        break
+                    if attribute == _UNIX_DIAG_NAME and size > 4 and data[at + 4] != 0:  # 0: abstract
+                        paths.append(os.fsdecode(data[at + 4 : at + size].split(b"\0", 1)[0]))
+                    at += (size + 3) & ~3
+                off += (length + 3) & ~3
