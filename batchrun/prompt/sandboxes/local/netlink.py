@@ -128,6 +128,8 @@ _UNIX_DIAG_NAME = 0
 # formatted: at a thousand prompts in flight nearly all of the host's sockets are connected pairs.
 _TCP_CLOSE, _TCP_LISTEN = 7, 10
 _REACHABLE_STATES = (1 << _TCP_CLOSE) | (1 << _TCP_LISTEN)
+_MESSAGE_HEAD = struct.Struct("=IH")
+_ATTRIBUTE_HEAD = struct.Struct("=HH")
 
 
 def bound_unix_paths() -> list[str]:
@@ -140,7 +142,7 @@ def bound_unix_paths() -> list[str]:
     header = struct.pack(
         "=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0
     )
-    paths: list[str] = []
+    names: list[bytes] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(10)
         sock.send(header + request)
@@ -150,20 +152,21 @@ def bound_unix_paths() -> list[str]:
                 raise NetlinkError("sock_diag: the dump ended without its last message")
             off = 0
             while off + 16 <= len(data):
-                length, kind = struct.unpack_from("=IH", data, off)
+                length, kind = _MESSAGE_HEAD.unpack_from(data, off)
                 if length < 16:
                     raise NetlinkError(f"sock_diag: a message of {length} bytes")
                 if kind == _NLMSG_DONE:
-                    return paths
+                    # Decoded as the file system would (undecodable bytes kept as surrogates).
+                    return [name.decode("utf-8", "surrogateescape") for name in names]
                 if kind == _NLMSG_ERROR:
                     (error,) = struct.unpack_from("=i", data, off + 16)
                     raise NetlinkError(-error, f"sock_diag: {os.strerror(-error)}")
                 at, end = off + 16 + 16, off + length  # after the header and the unix_diag_msg
                 while at + 4 <= end:
-                    size, attribute = struct.unpack_from("=HH", data, at)
+                    size, attribute = _ATTRIBUTE_HEAD.unpack_from(data, at)
                     if size < 4:
                         break
                     if attribute == _UNIX_DIAG_NAME and size > 4 and data[at + 4] != 0:  # 0: abstract
-                        paths.append(os.fsdecode(data[at + 4 : at + size].split(b"\0", 1)[0]))
+                        names.append(data[at + 4 : at + size].partition(b"\0")[0])
                     at += (size + 3) & ~3
                 off += (length + 3) & ~3
