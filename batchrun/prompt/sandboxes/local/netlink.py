@@ -68,6 +68,16 @@ def socket_in(netns_path: str) -> socket.socket:
     return got
 
 
+def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
+    """A netlink message: its header (length, type, flags, sequence number, port 0), then ``body``."""
+    return struct.pack("=IHHII", 16 + len(body), kind, flags, seq, 0) + body
+
+
+def _error_of(reply: bytes, at: int) -> int:
+    """The errno an NLMSG_ERROR message at ``at`` carries (0: an acknowledgement)."""
+    return -struct.unpack_from("=i", reply, at + 16)[0]
+
+
 def _route_message(seq: int, address: str) -> bytes:
     addr = ipaddress.ip_address(address)
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
@@ -86,9 +96,7 @@ def _route_message(seq: int, address: str) -> bytes:
         _RTN_UNREACHABLE,
         0,
     )
-    flags = _NLM_F_REQUEST | _NLM_F_ACK | _NLM_F_CREATE | _NLM_F_EXCL
-    body = rtm + rta
-    return struct.pack("=IHHII", 16 + len(body), _RTM_NEWROUTE, flags, seq, 0) + body
+    return _message(_RTM_NEWROUTE, _NLM_F_REQUEST | _NLM_F_ACK | _NLM_F_CREATE | _NLM_F_EXCL, seq, rtm + rta)
 
 
 @functools.lru_cache(maxsize=4)
@@ -109,9 +117,9 @@ def add_unreachable_routes(netns_path: str, addresses: list[str]) -> None:
             length, kind, _, got_seq, _ = struct.unpack_from("=IHHII", reply)
             if kind != _NLMSG_ERROR or got_seq != seq:
                 raise NetlinkError(f"unexpected netlink reply {kind} for {address}")
-            (error,) = struct.unpack_from("=i", reply, 16)
-            if error not in (0, -17):  # 0: done; EEXIST: there already
-                raise NetlinkError(-error, f"route to {address}: {os.strerror(-error)}")
+            error = _error_of(reply, 0)
+            if error not in (0, 17):  # 0: done; EEXIST: there already
+                raise NetlinkError(error, f"route to {address}: {os.strerror(error)}")
 
 
 # sock_diag (linux/sock_diag.h, linux/unix_diag.h): the host's Unix sockets, asked of the kernel.
@@ -139,13 +147,10 @@ def bound_unix_paths() -> list[str]:
     request = struct.pack(
         "=BBHIIIII", socket.AF_UNIX, 0, 0, _REACHABLE_STATES, 0, _UDIAG_SHOW_NAME, 0xFFFFFFFF, 0xFFFFFFFF
     )
-    header = struct.pack(
-        "=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0
-    )
     names: list[bytes] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(10)
-        sock.send(header + request)
+        sock.send(_message(_SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, request))
         while True:
             data = sock.recv(1 << 18)
             if not data:
@@ -159,8 +164,8 @@ def bound_unix_paths() -> list[str]:
                     # Decoded as the file system would (undecodable bytes kept as surrogates).
                     return [name.decode("utf-8", "surrogateescape") for name in names]
                 if kind == _NLMSG_ERROR:
-                    (error,) = struct.unpack_from("=i", data, off + 16)
-                    raise NetlinkError(-error, f"sock_diag: {os.strerror(-error)}")
+                    error = _error_of(data, off)
+                    raise NetlinkError(error, f"sock_diag: {os.strerror(error)}")
                 at, end = off + 16 + 16, off + length  # after the header and the unix_diag_msg
                 while at + 4 <= end:
                     size, attribute = _ATTRIBUTE_HEAD.unpack_from(data, at)
