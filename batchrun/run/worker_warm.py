@@ -2,7 +2,8 @@
 backend: every backend loaded by then prepares what each worker would otherwise do on its own before
 its first sandbox (``SandboxBackend.prepare_process``: for the local backend the bubblewrap probe and
 the scan of /etc), once, so the forked workers inherit it. A failure is left for the workers to meet
-(and report) themselves: multiprocessing skips a preload module that raises, silently.
+(and report) themselves: multiprocessing skips a preload module that raises, silently. Then all
+the forkserver holds is frozen out of the garbage collector's reach (see the end).
 """
 
 from batchrun.prompt.sandboxes.base import SandboxBackend

@@ -22,9 +22,9 @@ def system_sockets() -> list[str]:
     A read-only bind does not stop ``connect()``. Daemons keep their sockets in /run or /var/run,
     which the sandbox does not see; one in /etc or /usr would be reachable, so it is masked.
     The kernel is asked at every sandbox start (``netlink.bound_unix_paths``: only the sockets a
-    path can reach; reading ``/proc/net/unix``, a line per socket of the host, was ~4 % of the
-    machine's CPU at a thousand prompts in flight), or the file is read where the kernel cannot
-    answer; the paths are resolved only when the set of bound paths changed since the last start
+    path can reach; ``/proc/net/unix`` has a line per socket of the host, and its read took 0.77 ms
+    of CPU against the dump's 0.14 at a thousand prompts in flight), or the file is read where the
+    kernel cannot answer; the paths are resolved only when the set of bound paths changed since the last start
     (resolving every path is a syscall or more per socket of the host).
     """
     global _diag_works
