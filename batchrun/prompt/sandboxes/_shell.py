@@ -22,10 +22,11 @@ EXEC_TAG_VAR = (
 _WRAPPER = 'export {var}="$3"; exec 2>&1; sh -c "$1"; rc=$?; printf "%s%s\\n" "$2" "$rc"'
 
 # Kills every process whose environment holds "$1" (BATCH_RUNNER_EXEC=<token>); a few rounds catch forks.
-# environ is NUL-separated, and busybox grep stops a line at NUL: hence tr.
+# environ is NUL-separated, and busybox grep stops a line at NUL: hence tr. The braces: a process gone
+# since the glob fails the redirection itself, before a 2>/dev/null after it would apply.
 KILL_TAGGED_SCRIPT = (
     "for round in 1 2 3; do for e in /proc/[0-9]*/environ; do "
-    'if tr "\\0" "\\n" <"$e" 2>/dev/null | grep -qxF "$1"; then p=${e%/environ}; kill -9 "${p#/proc/}" 2>/dev/null; fi; '
+    'if { tr "\\0" "\\n" <"$e"; } 2>/dev/null | grep -qxF "$1"; then p=${e%/environ}; kill -9 "${p#/proc/}" 2>/dev/null; fi; '
     "done; done; true"
 )
 
