@@ -294,7 +294,9 @@ def test_last_requests_keep_extra_body(client, server):
 
 
 def test_concurrency_counters():
-    with FakeModelServer(latency_s=0.2) as srv:
+    # 1 s: all 20 must overlap, and opening 20 clients' connections on a busy 2-core machine once
+    # took longer than 0.2 s (max_in_flight 19).
+    with FakeModelServer(latency_s=1.0) as srv:
         c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
         barrier = threading.Barrier(20)
 
