@@ -265,17 +265,21 @@ for host in hosts:
 
 
 @pytest.mark.bwrap
-@pytest.mark.parametrize("routes_by", ["netlink", "ip"])
+@pytest.mark.parametrize("routes_by", ["hub", "netlink", "ip"])
 def test_host_services_are_out_of_reach_with_network_on_or_off(boxes, routes_by, monkeypatch):
     """Loopback, the gateway and the host's other addresses: a service on all interfaces (as model
-    servers often are) answers none of them from inside. The routes that close the host's addresses
-    are added over netlink from the worker where it may enter the namespace (root), else by
-    ``nsenter ... ip``; both ways are tried here."""
-    from batchrun.prompt.sandboxes.local import command_server
+    servers often are) answers none of them from inside. As root a prompt's network is a link into
+    the worker's one slirp4netns (``network_hub``, "hub"); else, or with the hub off, a slirp4netns
+    of its own, and the routes that close the host's addresses are added over netlink from the
+    worker where it may enter the namespace (root), else by ``nsenter ... ip``: all three are tried."""
+    from batchrun.prompt.sandboxes.local import command_server, network_hub
     from batchrun.prompt.sandboxes.local.host import host_addresses, network_problem
 
     if network_problem():
         skip_or_fail(network_problem())
+    if routes_by == "hub" and os.geteuid() != 0:
+        pytest.skip("the hub is for root; unprivileged bubblewrap keeps a slirp4netns per prompt")
+    monkeypatch.setattr(network_hub, "ENABLED", routes_by == "hub")
     if routes_by == "ip":
 
         def refuse(*args):
@@ -292,6 +296,8 @@ def test_host_services_are_out_of_reach_with_network_on_or_off(boxes, routes_by,
             pass  # the service does answer on the host
         online, offline = boxes(0, network=True), boxes(1, network=False)
         assert online.network == "slirp4netns" and offline.network == "none"
+        on_hub = online._server.address is not None
+        assert on_hub == (routes_by == "hub") and (online._server._slirp is None) == on_hub
         devices = online.run("tail -n +3 /proc/net/dev | cut -d: -f1", timeout_s=20).output.split()
         assert "lo" in devices and len(devices) >= 2, devices  # an interface to the outside world
         assert "00000000" in online.run("cut -f2 /proc/net/route", timeout_s=20).output  # a default route

@@ -7,6 +7,7 @@ Its parts, each a module of its own:
 - ``system_view``: the namespaces and the read-only system every sandbox sees, the masked /etc view;
 - ``limits``: the prompt's cgroup (or rlimits where the machine offers no cgroups);
 - ``netlink``: the routes that keep the host's own addresses out of reach;
+- ``network_hub``: one slirp4netns per worker, each prompt on a link of its own into it (root);
 - ``command_server``: the resident shell that runs a prompt's commands;
 - ``process_tree``: finding and killing what a sandbox left behind;
 - ``direct_files``: the file tools' reads and writes into the sandbox's tmpfs without a command;

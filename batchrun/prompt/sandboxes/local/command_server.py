@@ -23,6 +23,7 @@ from batchrun.prompt.sandboxes.base import (
     SandboxError,
     readable,
 )
+from batchrun.prompt.sandboxes.local import network_hub
 from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
 from batchrun.prompt.sandboxes.local.host import command_shell, host_addresses, tool_path
 from batchrun.prompt.sandboxes.local.netlink import add_unreachable_routes
@@ -184,6 +185,7 @@ class CommandServer:
         self.files: DirectFiles | None = None  # the namespace's own mounts seen from here, once it is ready
         self._slirp: subprocess.Popen | None = None  # the namespace's user-mode network, if any
         self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
+        self.address: str | None = None  # the namespace's address on its link into the worker's hub, if any
         self.proc = spawn(
             [*launch, *self.argv(CTL_DIR, self._ready)], cwd="/", env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -229,6 +231,16 @@ class CommandServer:
         exit pipe closes: at ``close``, or when this process dies, however it dies.
         """
         owner = self._network_owner()
+        if owner is None and network_hub.ENABLED:  # root: a link into the worker's one slirp4netns
+            hub = network_hub.hub()
+            if hub is not None:
+                try:
+                    self.address = hub.attach(f"/proc/{self._pid}/ns/net", host_addresses())
+                except OSError as exc:
+                    raise SandboxError(
+                        f"local sandbox: cannot connect the sandbox to the worker's network: {exc}"
+                    ) from exc
+                return
         exit_r, self._slirp_exit = os.pipe()
         ready_r, ready_w = os.pipe()
         argv = [tool_path("slirp4netns"), "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",

@@ -78,6 +78,33 @@ def _error_of(reply: bytes, at: int) -> int:
     return -struct.unpack_from("=i", reply, at + 16)[0]
 
 
+def exchange(sock: socket.socket, messages: list[bytes], ignore: tuple[int, ...] = ()) -> list[int]:
+    """Send ``messages`` (numbered 1..n, each asking for an acknowledgement) in one write and read
+    every answer: the errnos in ``ignore`` are returned, any other raises :class:`NetlinkError`."""
+    sock.send(b"".join(messages))
+    pending = {struct.unpack_from("=I", m, 8)[0] for m in messages}
+    ignored: list[int] = []
+    failure: NetlinkError | None = None
+    while pending:
+        reply = sock.recv(65536)
+        off = 0
+        while off + 16 <= len(reply):
+            length, kind, _, seq, _ = struct.unpack_from("=IHHII", reply, off)
+            if length < 16:
+                raise NetlinkError(f"a netlink message of {length} bytes")
+            if kind == _NLMSG_ERROR and seq in pending:
+                pending.discard(seq)
+                error = _error_of(reply, off)
+                if error in ignore:
+                    ignored.append(error)
+                elif error and failure is None:
+                    failure = NetlinkError(error, f"netlink request {seq}: {os.strerror(error)}")
+            off += (length + 3) & ~3
+    if failure is not None:
+        raise failure
+    return ignored
+
+
 def _route_message(seq: int, address: str) -> bytes:
     addr = ipaddress.ip_address(address)
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
