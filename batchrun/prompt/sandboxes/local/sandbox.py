@@ -6,7 +6,8 @@ size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own
 IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
 offers no cgroups, see ``limits``) bounds its processes, memory and CPU; in a run, an emptied one is
 kept for the worker's next prompt (``limits.CgroupPool``). With the network on,
-``slirp4netns`` connects its network namespace to the outside world but not to the host's services.
+``slirp4netns`` connects its network namespace to the outside world but not to the host's services:
+as root one per worker, each prompt on a link of its own into it (``network_hub``), else one per prompt.
 
 One command server runs per prompt (see ``CommandServer``): setting up the namespaces costs more
 CPU than the command itself, so it is paid once per prompt, not per command. Each command still
