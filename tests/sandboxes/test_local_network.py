@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 from helpers import skip_or_fail
+from test_local_isolation import sandbox_factory
 
-from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox, network_hub
 from batchrun.prompt.sandboxes.local.host import network_problem
 
@@ -105,15 +105,10 @@ def outside_host():
 
 @pytest.fixture
 def net_boxes(bwrap_available: None, tmp_path: Path):
+    """``net_boxes(index)``: started bubblewrap sandboxes with the network on, stopped at teardown."""
     made: list[LocalSandbox] = []
-
-    def factory(index: int) -> LocalSandbox:
-        box = LocalSandbox(SandboxSpec(RUN, index, network=True), isolation="bwrap", base_dir=str(tmp_path))
-        made.append(box)
-        box.start()
-        return box
-
-    yield factory
+    factory = sandbox_factory(made, isolation="bwrap", base_dir=str(tmp_path))
+    yield lambda index: factory(index, network=True)
     for box in made:
         box.stop()
 
