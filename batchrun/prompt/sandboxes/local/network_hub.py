@@ -30,7 +30,9 @@ import os
 import socket
 import struct
 import subprocess
+import tempfile
 import threading
+from typing import IO
 
 from batchrun.prompt.sandboxes.local.host import host_addresses, tool_path
 from batchrun.prompt.sandboxes.local.netlink import (
@@ -130,6 +132,7 @@ class NetworkHub:
         self._blocked: set[str] = set()
         self.netns_fd, self._sock = self._make_namespace()
         self._slirp: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None  # what slirp4netns says
         self._exit_w: int | None = None
         try:
             self._start_slirp()
@@ -186,11 +189,14 @@ class NetworkHub:
         argv = [tool_path("slirp4netns"), "--configure", f"--mtu={MTU}", "--disable-host-loopback",
                 "--enable-sandbox", f"--exit-fd={exit_r}", f"--ready-fd={ready_w}", "--netns-type=path",
                 f"/proc/self/fd/{self.netns_fd}", "tap0"]  # fmt: skip
+        # What it says goes to an unlinked file, not a pipe: nobody reads a pipe while the worker
+        # runs, and a full one would stop slirp4netns, and every prompt's network with it.
+        self._log = tempfile.TemporaryFile()
         try:
             # Nothing of the runner's environment (API keys) in a process that parses the prompts' packets.
             self._slirp = subprocess.Popen(
                 argv, pass_fds=(exit_r, ready_w, self.netns_fd), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True,
                 env={"PATH": os.environ.get("PATH", os.defpath)},
             )  # fmt: skip
         finally:
@@ -207,12 +213,13 @@ class NetworkHub:
 
     def _slirp_said(self) -> str:
         slirp = self._slirp
-        if slirp is None or slirp.stderr is None:
+        if slirp is None or self._log is None:
             return "no output"
         if slirp.poll() is None:
             slirp.kill()
             slirp.wait()
-        return slirp.stderr.read().decode(errors="replace").strip()[-300:] or f"exit code {slirp.returncode}"
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace").strip()[-300:] or f"exit code {slirp.returncode}"
 
     def _configure(self) -> None:
         exchange(self._sock, [_isolation_rule(1)])
@@ -282,8 +289,9 @@ class NetworkHub:
             if not wait_exited(slirp, 1.0):
                 slirp.kill()
                 slirp.wait()
-            if slirp.stderr is not None:
-                slirp.stderr.close()
+        log, self._log = self._log, None
+        if log is not None:
+            log.close()
         self._sock.close()
         os.close(self.netns_fd)
 
