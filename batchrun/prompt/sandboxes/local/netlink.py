@@ -134,19 +134,15 @@ def _route_messages(addresses: tuple[str, ...]) -> tuple[bytes, ...]:
 
 def add_unreachable_routes(netns_path: str, addresses: list[str]) -> None:
     """``ip route add unreachable <a>/32`` (or /128) for each address, in that namespace."""
-    messages = _route_messages(tuple(addresses))
-    sock = socket_in(netns_path)
-    with sock:
+    with socket_in(netns_path) as sock:
         sock.bind((0, 0))
-        for seq, (address, message) in enumerate(zip(addresses, messages, strict=True), 1):
-            sock.send(message)
-            reply = sock.recv(65536)
-            length, kind, _, got_seq, _ = struct.unpack_from("=IHHII", reply)
-            if kind != _NLMSG_ERROR or got_seq != seq:
-                raise NetlinkError(f"unexpected netlink reply {kind} for {address}")
-            error = _error_of(reply, 0)
-            if error not in (0, 17):  # 0: done; EEXIST: there already
-                raise NetlinkError(error, f"route to {address}: {os.strerror(error)}")
+        add_unreachable_routes_on(sock, addresses)
+
+
+def add_unreachable_routes_on(sock: socket.socket, addresses: list[str]) -> None:
+    """The same, over a bound rtnetlink socket of that namespace (a route there already is kept)."""
+    if addresses:
+        exchange(sock, list(_route_messages(tuple(addresses))), ignore=(17,))  # EEXIST: there already
 
 
 # sock_diag (linux/sock_diag.h, linux/unix_diag.h): the host's Unix sockets, asked of the kernel.

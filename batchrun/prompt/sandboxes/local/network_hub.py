@@ -34,12 +34,13 @@ import tempfile
 import threading
 from typing import IO
 
+from batchrun.prompt.sandboxes.base import readable
 from batchrun.prompt.sandboxes.local.host import host_addresses, tool_path
 from batchrun.prompt.sandboxes.local.netlink import (
     CLONE_NEWNET,
     NetlinkError,
     _message,
-    _route_messages,
+    add_unreachable_routes_on,
     exchange,
     socket_in,
 )
@@ -75,8 +76,9 @@ def _attr(kind: int, payload: bytes) -> bytes:
 
 
 def _ifinfo(index: int = 0, up: bool = False) -> bytes:
-    flags = _IFF_UP if up else 0
-    return struct.pack("=BxHiII", socket.AF_UNSPEC, 0, index, flags, _IFF_UP if up else 0)
+    """An ifinfomsg; ``up``: IFF_UP set, and the only flag changed."""
+    flag = _IFF_UP if up else 0
+    return struct.pack("=BxHiII", socket.AF_UNSPEC, 0, index, flag, flag)
 
 
 def _veth_message(seq: int, index: int, peer_name: str, peer_index: int, peer_netns_fd: int) -> bytes:
@@ -203,8 +205,6 @@ class NetworkHub:
             os.close(exit_r)
             os.close(ready_w)
         try:
-            from batchrun.prompt.sandboxes.base import readable
-
             ready = readable(ready_r, _READY_TIMEOUT_S) and os.read(ready_r, 1)
         finally:
             os.close(ready_r)
@@ -223,35 +223,28 @@ class NetworkHub:
 
     def _configure(self) -> None:
         exchange(self._sock, [_isolation_rule(1)])
-        self._block_host_addresses()
+        self._block_host_addresses(host_addresses())
 
-    def _block_host_addresses(self) -> None:
+    def _block_host_addresses(self, addresses: list[str]) -> None:
         """Unreachable routes in the hub to every address of the host (bridges come and go: checked at
-        every attach, added when new; one that went away stays unreachable, which costs nothing)."""
-        new = [a for a in host_addresses() if a not in self._blocked and ":" not in a]
-        if new:
-            exchange(self._sock, list(_route_messages(tuple(new))), ignore=(_EEXIST,))
-            self._blocked.update(new)
+        every attach, added when new; one that went away stays unreachable, which costs nothing).
+        IPv4 only: the hub has no IPv6."""
+        new = [a for a in addresses if a not in self._blocked and ":" not in a]
+        add_unreachable_routes_on(self._sock, new)
+        self._blocked.update(new)
 
     def alive(self) -> bool:
         return self._slirp is not None and self._slirp.poll() is None and self._exit_w is not None
 
     def attach(self, netns_path: str, blocked: list[str]) -> str:
         """Give the namespace at ``netns_path`` a link into the hub and its address (returned); with
-        unreachable routes there to ``blocked`` (the host's addresses) as well."""
-        target = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            sock = socket_in(netns_path)
-        except BaseException:
-            os.close(target)
-            raise
-        with sock:
-            os.close(target)
+        unreachable routes to ``blocked`` (the host's addresses) there and in the hub."""
+        with socket_in(netns_path) as sock:
             sock.bind((0, 0))
             sock.settimeout(10)
             for _ in range(8):  # an index or a name still held by a link whose namespace is ending
                 with self._lock:
-                    self._block_host_addresses()
+                    self._block_host_addresses(blocked)
                     n = self._next
                     self._next += 1
                     peer_index = _FIRST_HUB_IFINDEX + n % 1_000_000
@@ -266,18 +259,13 @@ class NetworkHub:
                 break
             else:
                 raise NetlinkError("no free link index in the worker's network hub")
-            messages = [
+            exchange(sock, [
                 _up_message(1, _PROMPT_IFINDEX),
                 _address_message(2, _PROMPT_IFINDEX, address),
                 _route_to(3, GATEWAY, _PROMPT_IFINDEX),
                 _route_to(4, None, _PROMPT_IFINDEX, gateway=GATEWAY),
-            ]
-            if blocked:
-                first = len(messages) + 1
-                messages += [
-                    _renumber(m, seq) for seq, m in enumerate(_route_messages(tuple(blocked)), first)
-                ]
-            exchange(sock, messages, ignore=(_EEXIST,))
+            ], ignore=(_EEXIST,))  # fmt: skip
+            add_unreachable_routes_on(sock, blocked)
         return address
 
     def close(self) -> None:
@@ -294,10 +282,6 @@ class NetworkHub:
             log.close()
         self._sock.close()
         os.close(self.netns_fd)
-
-
-def _renumber(message: bytes, seq: int) -> bytes:
-    return message[:8] + struct.pack("=I", seq) + message[12:]
 
 
 # BATCH_RUNNER_NETWORK_HUB=0: a slirp4netns per prompt everywhere (the tests and benchmarks compare both).
