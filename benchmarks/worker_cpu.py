@@ -34,6 +34,7 @@ from throughput import Endpoint, become_subreaper, reap_descendants  # noqa: E40
 from batchrun.prompt.attempt import WorkerSettings, run_prompt  # noqa: E402
 from batchrun.prompt.llm import LLMClient, LLMConfig  # noqa: E402
 from batchrun.prompt.loop import LoopLimits  # noqa: E402
+from batchrun.prompt.sandboxes.local import network_hub  # noqa: E402
 from batchrun.prompt.sandboxes.local.host import bwrap_problem  # noqa: E402
 from batchrun.prompt.sandboxes.local.sandbox import LocalSandbox  # noqa: E402
 from batchrun.protocol import PromptJob  # noqa: E402
@@ -98,6 +99,7 @@ def main() -> None:
         bad = [o for o in outcomes if o.kind != "trajectory"]
         if bad:
             raise SystemExit(f"{len(bad)} prompt(s) did not end as trajectories: {bad[0]}")
+        network_hub.close_hub()  # the worker's slirp4netns (network_hub) would outlive the round
         reap_descendants(exclude={endpoint.proc.pid})
         return spent / n * 1000
 
