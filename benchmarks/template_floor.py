@@ -1,14 +1,20 @@
-"""What a sandbox made by a template process would cost, beside the local sandbox's bubblewrap line.
+"""What a sandbox made without bubblewrap would cost, beside the local sandbox's bubblewrap line.
 
 Issue 26 sketches a sandbox "made from parts prepared once": a long-lived template process per
 worker that holds the read-only system view and makes each prompt's namespaces itself, instead of
-one ``bwrap`` run per prompt. This measures that design's primitive before anyone builds it:
-``template_floor.c`` (compiled here with ``cc``) prepares the view once and then makes N sandboxes
-with ``clone()``, each with the isolation the bubblewrap line gives (see the C file: namespaces, a
-tmpfs root with the system directories read-only, its own /dev and /proc, size-capped /tmp and
-working directory, the control directory read-only, no capabilities), running ``sh -c true``;
-against it, the local sandbox's own bubblewrap command line (``LocalSandbox._launch_argv``, network
-off) running the same command. CPU of the whole reaped tree per sandbox; rounds alternate.
+one ``bwrap`` run per prompt. This measures that design's primitive before anyone builds it, with
+``template_floor.c`` (compiled here with ``cc``), each sandbox with the isolation the bubblewrap
+line gives (see the C file: namespaces, a tmpfs root with the system directories read-only, its own
+/dev and /proc, size-capped /tmp and working directory, the control directory read-only, no
+capabilities), running ``sh -c true``:
+
+- ``bubblewrap``: the local sandbox's own command line (``LocalSandbox._launch_argv``), one run each;
+- ``launcher``: the same sandbox from a small program of ours run once per sandbox, as bwrap is;
+- ``template``: one process prepares the view once and ``clone()``s every sandbox (with and without
+  a network namespace).
+
+CPU of the whole reaped tree per sandbox (the template's share of its own start included); rounds
+alternate.
 
     sudo python benchmarks/template_floor.py --runs 300 --rounds 3
     sudo python benchmarks/template_floor.py --idle_tasks 3000   # as many tasks as 1,000 prompts in flight
@@ -48,11 +54,15 @@ def bwrap_ms(argv: list[str], runs: int) -> float:
     return (children_cpu_s() - before) / runs * 1000
 
 
+def launcher_ms(binary: str, runs: int, etc: str, ctl: str, root: str) -> float:
+    return bwrap_ms([binary, "launch", "true", etc, ctl, root], runs)
+
+
 def template_ms(binary: str, runs: int, network: bool, etc: str, ctl: str, root: str) -> tuple[float, float]:
     """CPU per sandbox of the whole template tree, and the share of it the sandboxes themselves took."""
     before = children_cpu_s()
     out = subprocess.run(
-        [binary, str(runs), "1" if network else "0", "true", etc, ctl, root],
+        [binary, "template", str(runs), "1" if network else "0", "true", etc, ctl, root],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     reap_descendants(set())
@@ -96,12 +106,13 @@ def main() -> None:
         )
         for r in range(args.rounds):
             b = bwrap_ms(bwrap, args.runs)
+            launched = launcher_ms(binary, args.runs, etc, ctl, root)
             t_net, s_net = template_ms(binary, args.runs, True, etc, ctl, root)
-            t_off, s_off = template_ms(binary, args.runs, False, etc, ctl, root)
+            t_off, _ = template_ms(binary, args.runs, False, etc, ctl, root)
             print(
-                f"  round {r + 1}: bubblewrap line {b:.2f} | template, network namespace {t_net:.2f} "
-                f"(sandboxes {s_net:.2f}), without {t_off:.2f} (sandboxes {s_off:.2f}) | "
-                f"template / bubblewrap {t_net / b:.2f}"
+                f"  round {r + 1}: bubblewrap {b:.2f} | launcher {launched:.2f} ({launched / b:.2f}x) | "
+                f"template {t_net:.2f} ({t_net / b:.2f}x; the sandboxes' own {s_net:.2f}), "
+                f"without a network namespace {t_off:.2f}"
             )
     finally:
         stop.set()
