@@ -38,5 +38,6 @@ def test_the_wheel_holds_every_module_of_the_package_and_no_root_script(tmp_path
         if "__pycache__" not in p.parts
     }
     assert sources - names == set()  # every module, in every folder
+    assert "batchrun/prompt/sandboxes/local/launcher.c" in names  # br-launch, compiled where it runs
     modules = {n for n in names if n.endswith(".py")}
     assert modules == sources  # and no other Python file: not batch_runner.py, not the tests

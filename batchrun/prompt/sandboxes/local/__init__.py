@@ -5,6 +5,7 @@ Its parts, each a module of its own:
 - ``options``: ``LocalOptions`` (the backend's settings) and the names the parts share;
 - ``host``: probes of this machine (bubblewrap, user-mode networking, the host's own addresses);
 - ``system_view``: the namespaces and the read-only system every sandbox sees, the masked /etc view;
+- ``launcher``: br-launch, the sandbox's bubblewrap line run without bwrap, as root (half the CPU);
 - ``limits``: the prompt's cgroup (or rlimits where the machine offers no cgroups);
 - ``netlink``: the routes that keep the host's own addresses out of reach;
 - ``network_hub``: one slirp4netns per worker, each prompt on a link of its own into it (root);

@@ -58,6 +58,7 @@ from batchrun.prompt.sandboxes.local.host import (
     system_sockets,
     tool_path,
 )
+from batchrun.prompt.sandboxes.local.launcher import launcher_path
 from batchrun.prompt.sandboxes.local.limits import (
     PARENT_PREFIX,
     CgroupLayout,
@@ -93,7 +94,7 @@ from batchrun.storage import pid_alive
 # sandboxes (limits.PromptCgroup without a run's parent): both name the process that made them.
 _ORPHAN_DIR = re.compile(r"br@(\d+)-.+-[A-Za-z0-9_]{8}")  # "@": no run name has one (safe_run_name)
 _ORPHAN_CGROUP = re.compile(re.escape(PARENT_PREFIX) + r"pid(\d+)")
-_BWRAP_SETUP_RACE = re.compile(r"\Abwrap: Can't (create file at|bind mount|mkdir) ")
+_BWRAP_SETUP_RACE = re.compile(r"\A(bwrap|br-launch): Can't (create file at|bind mount|mkdir|find source path) ")
 SLIRP_DNS = "10.0.2.3"  # slirp4netns's DNS forwarder, in its default 10.0.2.0/24
 
 
@@ -172,8 +173,9 @@ class LocalSandbox(SandboxBackend):
                 print(
                     f"warning: --sandbox_network is on, but {network_problem()}: the local sandbox has NO network"
                 )
+        made_by = "bubblewrap's line run by br-launch" if launcher_path() else "bubblewrap"
         print(
-            "Local sandbox isolation: bubblewrap (system directories read-only; each prompt sees only its own "
+            f"Local sandbox isolation: {made_by} (system directories read-only; each prompt sees only its own "
             f"working directory and /tmp; own PID, network and IPC namespaces); network: {net}"
         )
         print(
@@ -252,6 +254,7 @@ class LocalSandbox(SandboxBackend):
         """The bubblewrap probe, with the scan of /etc it needs (~30 ms), and the network's tools."""
         if local_isolation_available():
             network_problem()
+            launcher_path()  # built (once per machine) and checked here, not by every worker
 
     # -- one prompt's sandbox
 
@@ -482,7 +485,14 @@ class LocalSandbox(SandboxBackend):
         assert self._root is not None
         disk = str(self.options.disk_mb << 20)
         etc_view = run_etc_view(self.options.base_dir) if self.options.base_dir else None
-        argv = [tool_path("bwrap"), *NAMESPACES, *system_mounts(etc_view)]
+        launch = launcher_path()  # root: the same line run by br-launch, at about half the CPU
+        if launch is not None:
+            newroot = os.path.join(self._root, "newroot")  # the sandbox's root is built on it, inside
+            os.makedirs(newroot, exist_ok=True)
+            argv = [launch, "--newroot", newroot]
+        else:
+            argv = [tool_path("bwrap")]
+        argv += [*NAMESPACES, *system_mounts(etc_view)]
         for path in system_sockets():
             if not (etc_view and is_within(path, "/etc")):  # the view has no sockets
                 argv += ["--ro-bind", "/dev/null", path]

@@ -1,0 +1,104 @@
+"""br-launch: the sandbox's bubblewrap command line run by a small program of ours, as root.
+
+``launcher.c`` takes exactly the bwrap options the local sandbox's line uses (``sandbox.py``,
+``_launch_argv``) with bubblewrap's meaning and makes the same sandbox at about half bubblewrap's
+CPU (``benchmarks/template_floor.py``, figures in ``benchmarks/README.md``): no
+``/proc/self/mountinfo`` parsed at every mount, no ``pivot_root`` walking every task on the
+machine. Compiled once per machine with the system's C compiler into this user's runtime directory
+(0700, see ``system_view``), checked against a real sandbox, then used for every start. Root only:
+without root, bubblewrap's user namespace is what makes the sandbox possible at all. Where there is
+no compiler, the build or its check fails, or ``BATCH_RUNNER_LAUNCHER=0``, the sandbox runs bwrap
+itself, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from batchrun.prompt.sandboxes.local.system_view import _view_cache
+
+SOURCE = Path(__file__).with_name("launcher.c")
+ENABLED = os.environ.get("BATCH_RUNNER_LAUNCHER", "1") != "0"
+problem: str | None = None  # why the launcher is not used (None: used, or not asked for)
+
+
+@functools.cache
+def launcher_path() -> str | None:
+    """The compiled launcher, or None: then bwrap itself makes each sandbox (see the module)."""
+    global problem
+    if not ENABLED or os.geteuid() != 0:
+        return None
+    try:
+        return _build()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _build() -> str:
+    source = SOURCE.read_bytes()
+    cache = _view_cache()
+    if cache is None:
+        raise RuntimeError("no private runtime directory for it")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc)")
+    digest = hashlib.sha256(source + cc.encode()).hexdigest()[:16]
+    path = os.path.join(cache, f"br-launch-{digest}")
+    if os.access(path, os.X_OK):
+        return path
+    fd, tmp = tempfile.mkstemp(prefix=".br-launch-", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, "-O2", "-o", tmp, "-x", "c", str(SOURCE)], capture_output=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.decode(errors='replace').strip()[-300:]}")
+        _check(tmp)
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, path)  # whole or not at all: workers building at once each check their own
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    for entry in os.scandir(cache):  # builds of an older source (a running run keeps its open copy)
+        if entry.name.startswith("br-launch-") and entry.path != path:
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+    return path
+
+
+def _check(binary: str) -> None:
+    """A real sandbox from it: read-only root, no capabilities, its own PID namespace, or no launcher."""
+    with tempfile.TemporaryDirectory(dir=_view_cache()) as where:
+        root = os.path.join(where, "root")
+        os.mkdir(root)
+        script = (
+            "touch /x 2>/dev/null && exit 3; [ $$ = 1 ] || exit 4; "
+            "grep -q '^CapEff:[[:space:]]*0*$' /proc/self/status || exit 5; echo ok"
+        )
+        argv = [binary, "--newroot", root, "--unshare-pid", "--unshare-net", "--die-with-parent", "--as-pid-1",
+                "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr", *_usr_links(), "--proc", "/proc",
+                "--dev", "/dev", "--remount-ro", "/", "--", "/bin/sh", "-c", script]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, timeout=30)
+        if done.returncode != 0 or done.stdout != b"ok\n":
+            said = (done.stderr or done.stdout).decode(errors="replace").strip()[-300:]
+            raise RuntimeError(f"its check failed (exit {done.returncode}): {said}")
+
+
+def _usr_links() -> list[str]:
+    args = []
+    for d in ("/bin", "/lib", "/lib64"):
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    return args
