@@ -81,7 +81,9 @@ def test_br_launch_makes_the_sandbox_bwrap_makes_from_the_same_line(launch, tmp_
     os.makedirs(newroot, exist_ok=True)
     command = ["/bin/sh", "-c", PROBE]
     by_bwrap = subprocess.run(["bwrap", *options, *command], capture_output=True, text=True, timeout=60)
-    by_us = subprocess.run([launch, "--newroot", newroot, *options, *command], capture_output=True, text=True, timeout=60)
+    by_us = subprocess.run(
+        [launch, "--newroot", newroot, *options, *command], capture_output=True, text=True, timeout=60
+    )
     assert by_bwrap.returncode == 0 and by_us.returncode == 0, (by_bwrap.stderr, by_us.stderr)
     theirs, ours = by_bwrap.stdout.splitlines(), by_us.stdout.splitlines()
     cut = next(i for i, line in enumerate(theirs) if re.match(r"^\d+ \d+ ", line))
@@ -108,6 +110,22 @@ def test_br_launch_refuses_what_it_does_not_know_before_making_anything(launch, 
         done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
         assert done.returncode == 1 and said in done.stderr, (said, done.stderr)
     assert os.listdir(newroot) == []
+
+
+def test_destinations_resolve_inside_the_new_root_even_through_an_absolute_symlink(launch, tmp_path: Path):
+    """bubblewrap builds the root after pivoting into it; br-launch builds it chrooted into it: a
+    destination through a symlink of the new root, absolute too, stays inside, never on the host."""
+    name = f"br-launch-test-{os.getpid()}"
+    newroot = str(tmp_path / "root")
+    os.mkdir(newroot)
+    argv = [launch, "--newroot", newroot, "--unshare-pid", "--as-pid-1", "--ro-bind", "/usr", "/usr",
+            "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+            "--proc", "/proc", "--dir", f"/{name}", "--symlink", f"/{name}", "/abs",
+            "--size", "1048576", "--tmpfs", "/abs/sub", "--", "/bin/sh", "-c",
+            f"grep -c ' /{name}/sub ' /proc/self/mountinfo"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "1", (done.stdout, done.stderr)
+    assert not os.path.exists(f"/{name}")  # nothing made on the host
 
 
 def test_a_sandboxs_namespace_ends_with_its_launcher(launch, tmp_path: Path):

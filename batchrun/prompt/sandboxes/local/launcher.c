@@ -10,9 +10,10 @@
 //
 //   br-launch --newroot DIR [bwrap options as below] -- COMMAND...
 //
-// DIR: an empty directory of the host, outside every source, on which the sandbox's root (a tmpfs)
-// is built in the sandbox's own mount namespace. Sources are host paths; destinations are paths in
-// the sandbox. Options, in the order given, as bubblewrap applies them:
+// DIR: an empty directory of the host on which the sandbox's root (a tmpfs) is built, in the
+// sandbox's own mount namespace. Sources are host paths, opened through a descriptor of the host's
+// root; destinations are paths in the sandbox, resolved inside it (this process is chrooted into the
+// new root while it builds it, so a symlink there, relative or absolute, leads nowhere else). Options, in the order given, as bubblewrap applies them:
 //   --unshare-pid --unshare-net --unshare-ipc --unshare-uts --unshare-cgroup-try
 //   --die-with-parent --new-session --as-pid-1 --cap-drop ALL
 //   --ro-bind SRC DEST  --ro-bind-try SRC DEST  --symlink TARGET DEST  --dir DEST
@@ -22,21 +23,21 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <poll.h>
 #include <linux/capability.h>
-#include <net/if.h>
-#include <sys/ioctl.h>
-#include <sys/socket.h>
 #include <linux/mount.h>
 #include <linux/securebits.h>
+#include <net/if.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -57,6 +58,7 @@ static const char *newroot, *chdir_to;
 static char **command;
 static pid_t parent_at_start;
 static int alive_pipe[2];  // the launcher holds the write end while it lives
+static int host_root = -1;  // the host's /, for the sources, while the new root is built
 
 static void fail(const char *fmt, ...) {
     va_list ap;
@@ -75,9 +77,9 @@ static void usage(const char *what) {
     fail("%s (this program takes only the options the local sandbox's command line uses)", what);
 }
 
-// A destination as a path relative to the new root: absolute, no "." or ".." component, and
-// nothing under /dev but /dev itself (its entries are links this program made, some absolute).
-static const char *rel(const char *dest) {
+// A destination, checked: absolute, no "." or ".." component, and nothing under /dev but /dev
+// itself (its entries are devices and links this program made).
+static const char *checked(const char *dest) {
     if (dest[0] != '/') usage("a destination must be an absolute path");
     for (const char *p = dest; *p;) {
         while (*p == '/') p++;
@@ -87,11 +89,25 @@ static const char *rel(const char *dest) {
         p = end;
     }
     if (strncmp(dest, "/dev/", 5) == 0) usage("a destination may not lie under /dev");
-    static char buf[8][PATH_MAX];
-    static int next;
-    char *out = buf[next++ % 8];
-    if (snprintf(out, PATH_MAX, ".%s", strcmp(dest, "/") == 0 ? "" : dest) >= PATH_MAX) usage("path too long");
-    return out;
+    if (strlen(dest) >= PATH_MAX - 64) usage("a destination is too long");
+    return dest;
+}
+
+// A source: a host path, relative to the host's root (this process is chrooted into the new one).
+static const char *host_path(const char *src) {
+    if (src[0] != '/') usage("a source must be an absolute path");
+    while (*src == '/') src++;
+    return *src ? src : ".";
+}
+
+// A copy of the host's tree at src (with what is mounted below it when recursive), mounted at dest.
+static void bind_from_host(const char *src, const char *dest, int recursive) {
+    int tree = syscall(SYS_open_tree, host_root, host_path(src),
+                       OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | (recursive ? AT_RECURSIVE : 0));
+    if (tree < 0) fail("Can't bind mount %s on %s", src, dest);
+    if (syscall(SYS_move_mount, tree, "", AT_FDCWD, dest, MOVE_MOUNT_F_EMPTY_PATH))
+        fail("Can't bind mount %s on %s", src, dest);
+    close(tree);
 }
 
 static void mkdirs(const char *path, mode_t mode) {  // mkdir -p; what exists already is fine
@@ -100,10 +116,10 @@ static void mkdirs(const char *path, mode_t mode) {  // mkdir -p; what exists al
     for (char *p = tmp + 1; *p; p++) {
         if (*p != '/') continue;
         *p = 0;
-        if (mkdir(tmp, 0755) && errno != EEXIST) fail("Can't mkdir %s", tmp + 1);
+        if (mkdir(tmp, 0755) && errno != EEXIST) fail("Can't mkdir %s", tmp);
         *p = '/';
     }
-    if (mkdir(tmp, mode) && errno != EEXIST) fail("Can't mkdir %s", tmp + 1);
+    if (mkdir(tmp, mode) && errno != EEXIST) fail("Can't mkdir %s", tmp);
 }
 
 static void parent_dirs(const char *path) {
@@ -119,12 +135,12 @@ static void parent_dirs(const char *path) {
 static void set_attr(const char *path, unsigned long long set, int recursive) {
     struct mount_attr attr = {.attr_set = set};
     if (syscall(SYS_mount_setattr, AT_FDCWD, path, recursive ? AT_RECURSIVE : 0, &attr, sizeof attr))
-        fail("Can't remount %s", path + 1);
+        fail("Can't remount %s", path);
 }
 
 static void bind_ro(const char *src, const char *dest, int is_try) {
     struct stat st;
-    if (stat(src, &st)) {
+    if (fstatat(host_root, host_path(src), &st, 0)) {
         if (is_try && errno == ENOENT) return;
         fail("Can't find source path %s", src);
     }
@@ -135,9 +151,9 @@ static void bind_ro(const char *src, const char *dest, int is_try) {
         int fd = open(dest, O_CREAT | O_WRONLY | O_NOFOLLOW | O_CLOEXEC, 0444);
         if (fd >= 0) close(fd);
         else if (errno != EEXIST && errno != EROFS && errno != ENXIO && errno != EISDIR && errno != ETXTBSY)
-            fail("Can't create file at %s", dest + 1);
+            fail("Can't create file at %s", dest);
     }
-    if (mount(src, dest, NULL, MS_BIND | MS_REC, NULL)) fail("Can't bind mount %s on %s", src, dest + 1);
+    bind_from_host(src, dest, 1);
     set_attr(dest, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 1);
 }
 
@@ -148,14 +164,14 @@ static void make_dev(const char *dest) {
                                      {"/proc/kcore", "core"}, {"pts/ptmx", "ptmx"}};
     char path[PATH_MAX], src[64];
     mkdirs(dest, 0755);
-    if (mount("tmpfs", dest, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")) fail("Can't mount tmpfs on %s", dest + 1);
+    if (mount("tmpfs", dest, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")) fail("Can't mount tmpfs on %s", dest);
     for (unsigned i = 0; i < sizeof nodes / sizeof *nodes; i++) {
         snprintf(path, sizeof path, "%s/%s", dest, nodes[i]);
         snprintf(src, sizeof src, "/dev/%s", nodes[i]);
         int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0444);
-        if (fd < 0) fail("Can't create file at %s", path + 1);
+        if (fd < 0) fail("Can't create file at %s", path);
         close(fd);
-        if (mount(src, path, NULL, MS_BIND, NULL)) fail("Can't bind mount %s on %s", src, path + 1);
+        bind_from_host(src, path, 0);
         set_attr(path, MOUNT_ATTR_NOSUID, 0);
     }
     snprintf(path, sizeof path, "%s/shm", dest);
@@ -163,10 +179,10 @@ static void make_dev(const char *dest) {
     snprintf(path, sizeof path, "%s/pts", dest);
     mkdirs(path, 0755);
     if (mount("devpts", path, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620"))
-        fail("Can't mount devpts on %s", path + 1);
+        fail("Can't mount devpts on %s", path);
     for (unsigned i = 0; i < sizeof links / sizeof *links; i++) {
         snprintf(path, sizeof path, "%s/%s", dest, links[i][1]);
-        if (symlink(links[i][0], path)) fail("Can't make symlink at %s", path + 1);
+        if (symlink(links[i][0], path)) fail("Can't make symlink at %s", path);
     }
 }
 
@@ -175,11 +191,11 @@ static void make_proc(const char *dest) {
     static const char *covered[] = {"sys", "sysrq-trigger", "irq", "bus"};
     char path[PATH_MAX];
     mkdirs(dest, 0755);
-    if (mount("proc", dest, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)) fail("Can't mount proc on %s", dest + 1);
+    if (mount("proc", dest, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)) fail("Can't mount proc on %s", dest);
     for (unsigned i = 0; i < sizeof covered / sizeof *covered; i++) {
         snprintf(path, sizeof path, "%s/%s", dest, covered[i]);
         if (access(path, F_OK)) continue;
-        if (mount(path, path, NULL, MS_BIND | MS_REC, NULL)) fail("Can't bind mount %s", path + 1);
+        if (mount(path, path, NULL, MS_BIND | MS_REC, NULL)) fail("Can't bind mount %s", path);
         set_attr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC, 1);
     }
 }
@@ -204,7 +220,6 @@ static void drop_everything(void) {
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("Can't set no_new_privs");
 }
 
-
 static void loopback_up(void) {  // as bubblewrap: the new network namespace's lo, up (127.0.0.1, ::1)
     int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     struct ifreq ifr;
@@ -217,8 +232,7 @@ static void loopback_up(void) {  // as bubblewrap: the new network namespace's l
     close(fd);
 }
 
-static int sandbox(void *unused) {
-    (void)unused;
+static int sandbox(void) {
     if (die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL)) fail("Can't set the parent-death signal");
     // The launcher is outside this PID namespace (getppid() says 0): its end of a pipe tells
     // whether it died before the signal was set.
@@ -232,10 +246,11 @@ static int sandbox(void *unused) {
     if (clone_flags & CLONE_NEWNET) loopback_up();
     if (mount(NULL, "/", NULL, MS_SLAVE | MS_REC, NULL)) fail("Can't make / a slave mount");
     if (mount("tmpfs", newroot, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")) fail("Can't mount the new root");
-    if (chdir(newroot)) fail("Can't chdir to the new root");
+    host_root = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (host_root < 0 || chdir(newroot) || chroot(".")) fail("Can't enter the new root to build it");
     for (int i = 0; i < n_ops; i++) {
         const struct op *o = &ops[i];
-        const char *dest = rel(o->dest);
+        const char *dest = o->dest;
         char data[64];
         switch (o->kind) {
         case RO_BIND:
@@ -259,16 +274,18 @@ static int sandbox(void *unused) {
             mkdirs(dest, 0755);
             if (o->size >= 0) snprintf(data, sizeof data, "mode=0755,size=%lld", o->size);
             else snprintf(data, sizeof data, "mode=0755");
-            if (mount("tmpfs", dest, "tmpfs", MS_NOSUID | MS_NODEV, data)) fail("Can't mount tmpfs on %s", o->dest);
+            if (mount("tmpfs", dest, "tmpfs", MS_NOSUID | MS_NODEV, data)) fail("Can't mount tmpfs on %s", dest);
             break;
         case REMOUNT_RO:
             set_attr(dest, MOUNT_ATTR_RDONLY, 0);
             break;
         }
     }
-    // The new root over the old one: nothing of the host's tree is left to reach.
+    // The new root over the host's: nothing of the host's tree is left to reach, not even below it.
+    if (fchdir(host_root) || chroot(".") || chdir(newroot)) fail("Can't return to the host's root");
     if (mount(".", "/", NULL, MS_MOVE, NULL)) fail("Can't move the new root over /");
     if (chroot(".") || chdir("/")) fail("Can't enter the new root");
+    close(host_root);
     if (chdir_to && chdir(chdir_to)) fail("Can't chdir to %s", chdir_to);
     drop_everything();
     if (syscall(SYS_close_range, 3, ~0U, 0)) {
@@ -333,7 +350,7 @@ int main(int argc, char **argv) {
     if (!command || !command[0]) usage("no command after --");
     if (!newroot || newroot[0] != '/') usage("--newroot takes an absolute path");
     if (!as_pid_1 || !(clone_flags & CLONE_NEWPID)) usage("only --unshare-pid --as-pid-1 is supported");
-    for (int i = 0; i < n_ops; i++) rel(ops[i].dest);  // refused before anything is made
+    for (int i = 0; i < n_ops; i++) checked(ops[i].dest);  // refused before anything is made
     if (die_with_parent) {
         if (prctl(PR_SET_PDEATHSIG, SIGKILL)) fail("Can't set the parent-death signal");
         if (getppid() != parent_at_start) _exit(1);  // the parent died before the signal was set
@@ -345,7 +362,7 @@ int main(int argc, char **argv) {
         pid = syscall(SYS_clone, clone_flags | CLONE_NEWNS | SIGCHLD, 0, 0, 0, 0);
     }
     if (pid < 0) fail("Can't create the sandbox's namespaces");
-    if (pid == 0) return sandbox(NULL);
+    if (pid == 0) return sandbox();
     close(alive_pipe[0]);
     // The monitor, as bubblewrap's: it lives as long as the sandbox's PID 1, and exits as it did.
     int status;
