@@ -21,7 +21,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from batchrun.prompt.sandboxes.local.system_view import _view_cache
+from batchrun.prompt.sandboxes.local.system_view import (
+    NAMESPACES,
+    _view_cache,
+    shared_etc_view,
+    system_mounts,
+)
 
 SOURCE = Path(__file__).with_name("launcher.c")
 ENABLED = os.environ.get("BATCH_RUNNER_LAUNCHER", "1") != "0"
@@ -77,7 +82,8 @@ def _build() -> str:
 
 
 def _check(binary: str) -> None:
-    """A real sandbox from it: read-only root, no capabilities, its own PID namespace, or no launcher."""
+    """A real sandbox from it, with the sandbox's own namespaces and system mounts: read-only root,
+    no capabilities, PID 1 of its own PID namespace; or no launcher."""
     with tempfile.TemporaryDirectory(dir=_view_cache()) as where:
         root = os.path.join(where, "root")
         os.mkdir(root)
@@ -85,20 +91,9 @@ def _check(binary: str) -> None:
             "touch /x 2>/dev/null && exit 3; [ $$ = 1 ] || exit 4; "
             "grep -q '^CapEff:[[:space:]]*0*$' /proc/self/status || exit 5; echo ok"
         )
-        argv = [binary, "--newroot", root, "--unshare-pid", "--unshare-net", "--die-with-parent", "--as-pid-1",
-                "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr", *_usr_links(), "--proc", "/proc",
-                "--dev", "/dev", "--remount-ro", "/", "--", "/bin/sh", "-c", script]  # fmt: skip
+        argv = [binary, "--newroot", root, *NAMESPACES, *system_mounts(shared_etc_view()),
+                "--remount-ro", "/", "--", "/bin/sh", "-c", script]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, timeout=30)
         if done.returncode != 0 or done.stdout != b"ok\n":
             said = (done.stderr or done.stdout).decode(errors="replace").strip()[-300:]
             raise RuntimeError(f"its check failed (exit {done.returncode}): {said}")
-
-
-def _usr_links() -> list[str]:
-    args = []
-    for d in ("/bin", "/lib", "/lib64"):
-        if os.path.islink(d):
-            args += ["--symlink", os.readlink(d), d]
-        elif os.path.isdir(d):
-            args += ["--ro-bind", d, d]
-    return args

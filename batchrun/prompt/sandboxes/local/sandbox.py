@@ -94,7 +94,7 @@ from batchrun.storage import pid_alive
 # sandboxes (limits.PromptCgroup without a run's parent): both name the process that made them.
 _ORPHAN_DIR = re.compile(r"br@(\d+)-.+-[A-Za-z0-9_]{8}")  # "@": no run name has one (safe_run_name)
 _ORPHAN_CGROUP = re.compile(re.escape(PARENT_PREFIX) + r"pid(\d+)")
-_BWRAP_SETUP_RACE = re.compile(r"\A(bwrap|br-launch): Can't (create file at|bind mount|mkdir|find source path) ")
+_BWRAP_SETUP_RACE = re.compile(r"\A(bwrap|br-launch): Can't (create file at|bind mount|mkdir) ")
 SLIRP_DNS = "10.0.2.3"  # slirp4netns's DNS forwarder, in its default 10.0.2.0/24
 
 
