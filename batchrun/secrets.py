@@ -111,14 +111,15 @@ class Redactor:
         # Text forms match in any letter case (an upper-cased header, a title-cased log); base64 only
         # exactly, since its letter case is part of the encoding.
         encoded = {f for v in values for f in _base64_forms(v)}
+        texts = _forms(values, encodings=True)
         self._secrets = [
-            p
-            for p in (
-                _pattern(_forms(values, encodings=True), ignore_case=True),
-                _pattern(encoded, ignore_case=False),
-            )
-            if p is not None
+            p for p in (_pattern(texts, ignore_case=True), _pattern(encoded, ignore_case=False)) if p is not None
         ]
+        # finds_secret on an ASCII record (most are) with ASCII secrets: the same answer as the patterns
+        # by plain substring tests, ~20x faster than an IGNORECASE search (see finds_secret).
+        self._ascii_forms: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        if all(f.isascii() for f in texts | encoded):
+            self._ascii_forms = (tuple(sorted({f.lower() for f in texts})), tuple(sorted(encoded)))
         self._scaffolding = _pattern(_forms(scaffold - values, encodings=False), ignore_case=False)
 
     @classmethod
@@ -142,7 +143,19 @@ class Redactor:
         return text
 
     def finds_secret(self, text: str) -> bool:
-        """Whether ``text`` (a sample's serialised record) holds a secret in any of its forms."""
+        """Whether ``text`` (a sample's serialised record) holds a secret in any of its forms.
+
+        Where the text and every form are ASCII, an IGNORECASE match of a form is exactly an ASCII
+        case-insensitive one (the only other characters ``re`` folds together with ASCII letters, such
+        as the Kelvin sign or the long s, are not ASCII), that is a substring of the lower-cased text;
+        the base64 forms are matched exactly. Any other text goes through the patterns."""
+        if self._ascii_forms is not None and text.isascii():
+            folded, exact = self._ascii_forms
+            if folded:
+                lowered = text.lower()
+                if any(f in lowered for f in folded):
+                    return True
+            return any(f in text for f in exact)
         return any(pattern.search(text) for pattern in self._secrets)
 
     def start_note(self) -> str | None:

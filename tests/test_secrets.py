@@ -116,3 +116,46 @@ def test_errors_of_the_model_client_never_carry_the_key():
             assert info.value.error_class == error_class
             said = _everything_said_about(info.value)
             assert key not in said and key[:12] not in said, (error_class, said)
+
+
+def test_finds_secret_answers_as_the_patterns_do_on_every_kind_of_text():
+    """The ASCII fast path (substring tests) gives the patterns' answer: letter case folded for the
+    text forms, not for base64; non-ASCII text (a Kelvin sign that re folds with k) on the patterns."""
+    import base64
+    import random
+
+    key = "sk-Live-9f3KQz7p"
+    redact = Redactor(key, environ={"TOOL_TOKEN": "tok_a1b2c3d4e5"})
+    b64 = base64.b64encode(f"Bearer {key}".encode()).decode()
+    texts = [
+        "",
+        "nothing here",
+        f"the key {key} in plain text",
+        f"upper {key.upper()} and lower {key.lower()}",
+        json.dumps({"v": json.dumps(key)}),
+        "url " + key.replace("-", "%2D"),
+        f"base64 {b64}",
+        f"base64 in the wrong case {b64.swapcase()}",
+        "almost " + key[:-1],
+        "TOK_A1B2C3D4E5 shouted",
+        key.replace("k", "\u212a"),  # KELVIN SIGN: re.IGNORECASE folds it with k
+        key.replace("s", "\u017f"),  # LATIN SMALL LETTER LONG S, folded with s
+        f"non-ASCII around {key} \u00e9",
+        f"a lone surrogate \ud800 and {key}",
+    ]
+    rng = random.Random(7)
+    for _ in range(300):  # the key with random letter cases inside random ASCII
+        mixed = "".join(c.upper() if rng.random() < 0.5 else c.lower() for c in key)
+        cut = rng.randrange(len(mixed) + 1)
+        noise = "".join(rng.choice("abcXYZ019-_ \"\\") for _ in range(rng.randrange(8)))
+        texts.append(noise + (mixed if rng.random() < 0.7 else mixed[:cut]) + noise)
+    assert redact._ascii_forms is not None
+    for text in texts:
+        by_patterns = any(p.search(text) for p in redact._secrets)
+        assert redact.finds_secret(text) is by_patterns, text
+    assert redact.finds_secret(f"x {key.upper()} y") and not redact.finds_secret(b64.swapcase())
+    assert redact.finds_secret(key.replace("k", "\u212a"))  # on the patterns: folded as before
+    # A non-ASCII secret: every text goes through the patterns.
+    other = Redactor(None, environ={}, secrets=("gehe1m-w\u00f6rt-42",))
+    assert other._ascii_forms is None
+    assert other.finds_secret("GEHE1M-W\u00d6RT-42") and not other.finds_secret("gehe1m-wort-42")
