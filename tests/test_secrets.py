@@ -147,7 +147,7 @@ def test_finds_secret_answers_as_the_patterns_do_on_every_kind_of_text():
     for _ in range(300):  # the key with random letter cases inside random ASCII
         mixed = "".join(c.upper() if rng.random() < 0.5 else c.lower() for c in key)
         cut = rng.randrange(len(mixed) + 1)
-        noise = "".join(rng.choice("abcXYZ019-_ \"\\") for _ in range(rng.randrange(8)))
+        noise = "".join(rng.choice('abcXYZ019-_ "\\') for _ in range(rng.randrange(8)))
         texts.append(noise + (mixed if rng.random() < 0.7 else mixed[:cut]) + noise)
     assert redact._ascii_forms is not None
     for text in texts:
