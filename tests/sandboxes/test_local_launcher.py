@@ -161,6 +161,31 @@ def test_batch_runner_launcher_0_gives_bwrap_back(bwrap_available: None, tmp_pat
         launcher.launcher_path.cache_clear()
 
 
+def test_the_start_says_why_br_launch_is_not_used(bwrap_available: None, monkeypatch, capsys):
+    if os.geteuid() != 0:
+        pytest.skip("br-launch is for root only")
+
+    def no_compiler() -> str:
+        raise RuntimeError("no C compiler (cc, gcc)")
+
+    monkeypatch.setattr(launcher, "_build", no_compiler)
+    launcher.launcher_path.cache_clear()
+    try:
+        LocalSandbox.preflight([], {"isolation": "bwrap"}, real_model=False, network=False)
+        line = next(
+            x for x in capsys.readouterr().out.splitlines() if x.startswith("Local sandbox isolation")
+        )
+        assert line.startswith(
+            "Local sandbox isolation: bubblewrap (br-launch not used: RuntimeError: no C compiler (cc, gcc)) ("
+        ), line
+    finally:
+        monkeypatch.undo()
+        launcher.launcher_path.cache_clear()
+    LocalSandbox.preflight([], {"isolation": "bwrap"}, real_model=False, network=False)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Local sandbox isolation"))
+    assert "not used" not in line, line  # built again: no stale reason
+
+
 def test_ci_uses_br_launch_as_root(bwrap_available: None):
     if not IN_CI or os.geteuid() != 0:
         pytest.skip("CI as root only")

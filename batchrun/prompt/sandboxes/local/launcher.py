@@ -23,7 +23,7 @@ from pathlib import Path
 
 from batchrun.prompt.sandboxes.local.system_view import (
     NAMESPACES,
-    _view_cache,
+    private_cache_dir,
     shared_etc_view,
     system_mounts,
 )
@@ -37,6 +37,7 @@ problem: str | None = None  # why the launcher is not used (None: used, or not a
 def launcher_path() -> str | None:
     """The compiled launcher, or None: then bwrap itself makes each sandbox (see the module)."""
     global problem
+    problem = None
     if not ENABLED or os.geteuid() != 0:
         return None
     try:
@@ -48,7 +49,7 @@ def launcher_path() -> str | None:
 
 def _build() -> str:
     source = SOURCE.read_bytes()
-    cache = _view_cache()
+    cache = private_cache_dir()
     if cache is None:
         raise RuntimeError("no private runtime directory for it")
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -66,7 +67,7 @@ def _build() -> str:
         )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.decode(errors='replace').strip()[-300:]}")
-        _check(tmp)
+        _check(tmp, cache)
         os.chmod(tmp, 0o700)
         os.replace(tmp, path)  # whole or not at all: workers building at once each check their own
     finally:
@@ -81,10 +82,10 @@ def _build() -> str:
     return path
 
 
-def _check(binary: str) -> None:
+def _check(binary: str, cache: str) -> None:
     """A real sandbox from it, with the sandbox's own namespaces and system mounts: read-only root,
     no capabilities, PID 1 of its own PID namespace; or no launcher."""
-    with tempfile.TemporaryDirectory(dir=_view_cache()) as where:
+    with tempfile.TemporaryDirectory(dir=cache) as where:
         root = os.path.join(where, "root")
         os.mkdir(root)
         script = (

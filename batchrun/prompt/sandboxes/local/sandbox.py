@@ -42,6 +42,7 @@ from batchrun.prompt.sandboxes.base import (
     parse_options,
     safe_run_name,
 )
+from batchrun.prompt.sandboxes.local import launcher
 from batchrun.prompt.sandboxes.local.command_server import (
     SERVER_READY_TIMEOUT_S,
     CommandServer,
@@ -173,7 +174,12 @@ class LocalSandbox(SandboxBackend):
                 print(
                     f"warning: --sandbox_network is on, but {network_problem()}: the local sandbox has NO network"
                 )
-        made_by = "bubblewrap's line run by br-launch" if launcher_path() else "bubblewrap"
+        if launcher_path():
+            made_by = "bubblewrap's line run by br-launch"
+        else:  # as root, why the faster launcher is not in use (no compiler, its check failed)
+            made_by = (
+                f"bubblewrap (br-launch not used: {launcher.problem})" if launcher.problem else "bubblewrap"
+            )
         print(
             f"Local sandbox isolation: {made_by} (system directories read-only; each prompt sees only its own "
             f"working directory and /tmp; own PID, network and IPC namespaces); network: {net}"

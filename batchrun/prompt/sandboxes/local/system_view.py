@@ -80,10 +80,12 @@ def _memory_dir() -> str | None:
     return None
 
 
-def _view_cache() -> str | None:
-    """This user's directory of /etc views in the runtime directory (kept across runs), or None.
+def private_cache_dir() -> str | None:
+    """This user's private directory in the runtime directory, kept across runs (the /etc views,
+    ``launcher``'s br-launch builds), or None.
 
-    Made 0700; refused when someone else made it (another user could otherwise plant a view)."""
+    Made 0700; refused when someone else made it (another user could otherwise plant a view or a
+    binary)."""
     where = _memory_dir()
     if where is None:
         return None
@@ -125,7 +127,7 @@ def shared_etc_view() -> str | None:
     needs it (a walk and a link per entry of /etc: too costly to repeat per worker and run), then reused by every worker of every run until something in /etc changes (its name is a
     digest of every entry's metadata, see :func:`_etc_scan`). Made under a temporary name and
     renamed, so no sandbox binds a half-made view; None if there is no runtime directory."""
-    cache = _view_cache()
+    cache = private_cache_dir()
     if cache is None:
         return None
     view = os.path.join(cache, f"etc-{_etc_scan()[1]}")
