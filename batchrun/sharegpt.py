@@ -39,7 +39,7 @@ SYSTEM_PREAMBLE_START = SYSTEM_PREAMBLE.split("\n", 1)[0].split(".", 1)[0]  # it
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 _SCRATCHPAD_RE = re.compile(r"<REASONING_SCRATCHPAD>(.*?)</REASONING_SCRATCHPAD>\s*", re.DOTALL)
-_THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+_THINK_RE = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
 
 
 def split_reasoning(content: str | None) -> tuple[str | None, str]:
@@ -48,6 +48,11 @@ def split_reasoning(content: str | None) -> tuple[str | None, str]:
     ``<REASONING_SCRATCHPAD>`` blocks, a leading ``<think>...</think>`` (models served without a
     reasoning parser), or text before a lone ``</think>`` (templates that open the think block in the
     generation prompt, so the reply starts inside it).
+
+    A think block's text and the words after it are kept as the model wrote them, but for the one
+    line break just inside each tag and the one right after ``</think>``: those are the envelope's
+    own (:func:`gpt_value` writes them back), so a reply written as ``<think>\n...\n</think>\n...``
+    comes back from the record byte for byte.
     """
     text = content or ""
     parts: list[str] = []
@@ -56,14 +61,21 @@ def split_reasoning(content: str | None) -> tuple[str | None, str]:
         text = _SCRATCHPAD_RE.sub("", text)
     think = _THINK_RE.match(text)
     if think:
-        parts.append(think.group(1).strip())
-        text = text[think.end() :]
+        parts.append(unwrap_reasoning(think.group(1)))
+        text = text[think.end() :].removeprefix("\n")
     elif "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
         before, text = text.split("</think>", 1)
-        parts.append(before.strip())
-        text = text.lstrip()
-    reasoning = "\n\n".join(p for p in parts if p)
+        parts.append(unwrap_reasoning(before))
+        text = text.removeprefix("\n")
+    reasoning = "\n\n".join(p for p in parts if p.strip())
     return (reasoning or None), text
+
+
+def unwrap_reasoning(inner: str) -> str:
+    """Reasoning without the one line break right after ``<think>`` and right before ``</think>``: those
+    are the envelope's (:func:`gpt_value` writes them), whether the reasoning came inline or in a native
+    field (servers differ in whether they keep them). Every other space and line break stays."""
+    return inner.removeprefix("\n").removesuffix("\n")
 
 
 def canonical_arguments(raw: str) -> str:
@@ -117,8 +129,8 @@ def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, An
     # A turn without reasoning opens with an empty think block, as the reference renders it: every gpt
     # turn has the same shape for a trainer (and the block parses back as no reasoning).
     parts = [f"<think>\n{reasoning}\n</think>" if reasoning else "<think>\n</think>"]
-    if content.strip():
-        parts.append(content.strip())
+    if content:
+        parts.append(content)  # exactly as the model wrote it, its spaces and line breaks too
     parts.extend(_tool_call_block(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
     return "\n".join(parts)
 
@@ -191,12 +203,34 @@ _TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.D
 def parse_gpt_value(value: str) -> tuple[str | None, str, list[dict[str, str]]]:
     """Split a gpt ``value`` into (reasoning, the model's words, ``[{"name", "arguments"}]``).
 
-    ``gpt_value`` writes the calls after the words, so the words end where the first call block starts.
+    A value in :func:`gpt_value`'s shape gives back exactly what it was written from, leading and
+    trailing whitespace included: the reasoning between ``<think>\n`` and ``\n</think>``, the words
+    after the line break that follows, up to the line break before the first call block. Any other
+    value (another tool's records) is read loosely, as :func:`split_reasoning` reads a reply.
     """
-    reasoning, rest = split_reasoning(value)
+    exact = _split_envelope(value)
+    reasoning, rest = exact if exact is not None else split_reasoning(value)
     first = _TOOL_CALL_RE.search(rest)
-    content = rest if first is None else rest[: first.start()]
+    if first is None:
+        return reasoning, rest, []
+    content = rest[: first.start()]
     return reasoning, content.removesuffix("\n"), parse_tool_calls(rest)
+
+
+def _split_envelope(value: str) -> tuple[str | None, str] | None:
+    """(reasoning, what follows) of a value that opens as :func:`gpt_value` writes it, else None."""
+    if value.startswith("<think>\n</think>"):
+        reasoning, rest = None, value[len("<think>\n</think>") :]
+    elif value.startswith("<think>\n"):
+        end = value.find("</think>")
+        if end < 9 or value[end - 1] != "\n":
+            return None
+        reasoning, rest = value[len("<think>\n") : end - 1] or None, value[end + len("</think>") :]
+    else:
+        return None
+    if rest and not rest.startswith("\n"):
+        return None
+    return reasoning, rest[1:]
 
 
 def parse_tool_responses(value: str) -> list[dict[str, Any]]:

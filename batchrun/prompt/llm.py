@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from batchrun.prompt import httpclient
 from batchrun.prompt.jsonbody import RequestEncoder, encode_json
 from batchrun.prompt.limiter import Limiter, LimitTimeout, backoff_s
+from batchrun.sharegpt import unwrap_reasoning
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 # auto: openrouter.ai -> openrouter, api.openai.com -> openai, port 11434 -> ollama, anything else -> local
@@ -252,7 +253,7 @@ def native_reasoning(message: dict[str, Any]) -> str | None:
     for key in ("reasoning_content", "reasoning"):
         value = message.get(key)
         if isinstance(value, str) and value.strip():
-            return value.strip()
+            return unwrap_reasoning(value)  # as the model wrote it; a field of blanks only is no reasoning
     details = message.get("reasoning_details")
     if isinstance(details, list):
         texts, encrypted = [], False
@@ -262,7 +263,7 @@ def native_reasoning(message: dict[str, Any]) -> str | None:
                 if isinstance(text, list):  # summaries may come as a list of parts
                     text = "\n".join(t if isinstance(t, str) else str(t.get("text", "")) for t in text)
                 if isinstance(text, str) and text.strip():
-                    texts.append(text.strip())
+                    texts.append(unwrap_reasoning(text))
                 elif d.get("type") == "reasoning.encrypted" or d.get("data"):
                     encrypted = True
         if texts:

@@ -170,7 +170,7 @@ def ambiguous_markup(messages: list[dict[str, Any]], conversations: list[dict[st
     if len(turns) != len(values):
         return True
     for msg, value in zip(turns, values, strict=True):
-        reasoning, words = msg.get("reasoning") or None, (msg.get("content") or "").strip()
+        reasoning, words = msg.get("reasoning") or None, msg.get("content") or ""
         calls = [
             {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
             for c in msg.get("tool_calls") or []
@@ -183,6 +183,6 @@ def ambiguous_markup(messages: list[dict[str, Any]], conversations: list[dict[st
             parsed = parse_gpt_value(value)
         except (json.JSONDecodeError, KeyError, TypeError):
             return True
-        if parsed != ((reasoning.strip() if reasoning else None), words, calls):
+        if parsed != (reasoning, words, calls):
             return True
     return False

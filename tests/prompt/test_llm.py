@@ -69,8 +69,11 @@ def test_explicit_extra_body_is_sent_as_given():
 # ----------------------------------------------------------------------------- native_reasoning
 
 
-def test_native_reasoning_from_reasoning_content():
-    assert native_reasoning({"reasoning_content": "  deep thought \n"}) == "deep thought"
+def test_native_reasoning_from_reasoning_content_is_kept_as_written():
+    assert native_reasoning({"reasoning_content": "  deep thought \n"}) == "  deep thought "
+    # the one line break inside each tag is the record's <think>\n...\n</think> envelope's own
+    assert native_reasoning({"reasoning_content": "\n\ndeep\n\n"}) == "\ndeep\n"
+    assert native_reasoning({"reasoning_content": " \n\t"}) is None  # blanks only: no reasoning
 
 
 def test_native_reasoning_from_reasoning():
@@ -502,15 +505,27 @@ def test_summary_parts_of_reasoning_details():
 @pytest.mark.parametrize(
     ("content", "reasoning", "rest"),
     [
-        ("<think>\nplan it\n</think>\n\nThe answer.", "plan it", "The answer."),
-        ("plan it\n</think>\n\nThe answer.", "plan it", "The answer."),  # template opened the block
+        # the envelope's own line breaks (inside the tags, one after </think>) go; the rest stays
+        ("<think>\nplan it\n</think>\n\nThe answer.", "plan it", "\nThe answer."),
+        ("plan it\n</think>\n\nThe answer.", "plan it", "\nThe answer."),  # template opened the block
+        ("<think>plan it</think>The answer. ", "plan it", "The answer. "),
+        ("<think>\n\n  plan it\n\n</think>\n", "\n  plan it\n", ""),
         ("No reasoning here.", None, "No reasoning here."),
+        ("  Words with their spaces  \n", None, "  Words with their spaces  \n"),
     ],
 )
 def test_inline_think_is_split_from_the_content(content, reasoning, rest):
-    from batchrun.sharegpt import split_reasoning
+    from batchrun.sharegpt import gpt_value, parse_gpt_value, split_reasoning
 
     assert split_reasoning(content) == (reasoning, rest)
+    assert parse_gpt_value(gpt_value(reasoning, rest, [])) == (reasoning, rest, [])
+
+
+def test_a_reply_in_the_records_shape_is_recorded_byte_for_byte():
+    from batchrun.sharegpt import gpt_value, split_reasoning
+
+    reply = "<think>\nplan it\n</think>\n\nThe answer.\n"
+    assert gpt_value(*split_reasoning(reply), []) == reply
 
 
 # ----------------------------------------------------------------------------- streaming

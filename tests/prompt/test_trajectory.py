@@ -149,6 +149,45 @@ def test_tool_call_text_in_content_is_kept_verbatim_and_flagged_ambiguous():
     assert ambiguous_markup(messages, conv)  # it would parse back as a call never made: discarded
 
 
+def test_the_models_spaces_and_line_breaks_are_kept_in_the_record_and_parse_back():
+    call = _call("call_1", "terminal", '{"command": "ls"}')
+    turns = [  # (reasoning, words, calls) as the endpoint sent them
+        ("  plan\n", "Running it: ", [call]),
+        ("\n", "\n\nlet me look\n", [call]),
+        (None, "\n", [call]),
+        ("done\n\n", "  The answer is 4.\n", []),
+    ]
+    messages = [{"role": "user", "content": "q"}]
+    for reasoning, words, calls in turns:
+        messages.append({"role": "assistant", "content": words, "reasoning": reasoning, "tool_calls": calls})
+        for c in calls:
+            messages.append({"role": "tool", "tool_call_id": c["id"], "name": "terminal", "content": "ok"})
+    conv = to_sharegpt(messages, [])
+    values = [c["value"] for c in conv if c["from"] == "gpt"]
+    assert values[0].startswith("<think>\n  plan\n\n</think>\nRunning it: \n<tool_call>\n")
+    assert values[3] == "<think>\ndone\n\n\n</think>\n  The answer is 4.\n"
+    for (reasoning, words, calls), value in zip(turns, values, strict=True):
+        expected_calls = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+        ]
+        assert parse_gpt_value(value) == (reasoning, words, expected_calls)
+    assert not ambiguous_markup(messages, conv)  # exact words are not a reason to discard a sample
+
+
+def test_values_written_before_the_words_were_kept_exactly_read_as_they_did():
+    # older records (and the reference's): stripped words after "</think>\n"
+    call = '<tool_call>\n{"name": "terminal", "arguments": {"command": "ls"}}\n</tool_call>'
+    assert parse_gpt_value("<think>\nplan\n</think>\nRunning it.\n" + call) == (
+        "plan",
+        "Running it.",
+        [{"name": "terminal", "arguments": '{"command": "ls"}'}],
+    )
+    assert parse_gpt_value("<think>\n</think>\nAll done.") == (None, "All done.", [])
+    # another tool's shape, read loosely
+    assert parse_gpt_value("<think>plan</think>All done.") == ("plan", "All done.", [])
+    assert parse_gpt_value("All done.") == (None, "All done.", [])
+
+
 # ----------------------------------------------------------------------------- build_record and helpers
 
 KNOWN = ["patch", "read_file", "search_files", "terminal", "write_file"]
