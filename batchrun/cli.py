@@ -213,9 +213,11 @@ def run_steps(
     )
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
+    prepared = None
     if preflighted.batches:
         settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp)
         dispatch = Dispatch(config, settings, recorder)
+        recorder.on_kept_line = prepared = finish.PreparedLines(config.report_max_trajectories)
         try:
             dispatch.run(preflighted.batches)
         except KeyboardInterrupt:
@@ -233,6 +235,7 @@ def run_steps(
         exclude_partial=config.exclude_partial,
         samples_per_prompt=config.samples_per_prompt,
         written=kept,
+        prepared=prepared,
     )
     stats = finish.statistics(
         config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts, kept.scores
