@@ -31,4 +31,9 @@ if __name__ != "__mp_main__":
     from batchrun.cli import cli, main, run  # noqa: F401  (main and run: for scripts that call them in-process)
 
 if __name__ == "__main__":
-    cli()
+    from batchrun.entry import skip_final_collection
+
+    try:
+        cli()
+    finally:
+        skip_final_collection()

@@ -10,6 +10,7 @@ load the dataset, open the run directory, filter for resume, plan, preflight, di
 workers, merge, statistics, report. The parent process is the only writer under ``data/<run_name>/``.
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -213,27 +214,39 @@ def run_steps(
     )
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
+    prepared = None
     if preflighted.batches:
         settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp)
         dispatch = Dispatch(config, settings, recorder)
+        recorder.on_kept_line = prepared = finish.PreparedLines(config.report_max_trajectories)
         try:
             dispatch.run(preflighted.batches)
         except KeyboardInterrupt:
             _interrupt_handled()
             interrupted = True
+            dispatch.wait_for_workers()
             print(
                 "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
                 file=sys.stderr,
             )
-    kept = finish.KeptFeed(config, rows, recorder)  # what statistics and the report take from the merge
-    totals = finish.merge(
-        config.run_dir,
-        rows,
-        recorder,
-        exclude_partial=config.exclude_partial,
-        samples_per_prompt=config.samples_per_prompt,
-        written=kept,
-    )
+        except BaseException:  # e.g. an output file cannot be written: the workers are ended first
+            with contextlib.suppress(Exception):
+                dispatch.wait_for_workers()
+            raise
+    try:
+        kept = finish.KeptFeed(config, rows, recorder)  # what statistics and the report take from the merge
+        totals = finish.merge(
+            config.run_dir,
+            rows,
+            recorder,
+            exclude_partial=config.exclude_partial,
+            samples_per_prompt=config.samples_per_prompt,
+            written=kept,
+            prepared=prepared,
+        )
+    finally:  # the workers end and the backend sweeps after them while the merge runs
+        if preflighted.batches:
+            dispatch.wait_for_workers()
     stats = finish.statistics(
         config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts, kept.scores
     )

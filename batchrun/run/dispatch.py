@@ -160,6 +160,8 @@ class Dispatch:
             lambda: (recorder.spend["total_tokens"], recorder.spend["cost_usd"]),
         )
         self.usage_fault_warned = False
+        self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)
+        self._ending_error: BaseException | None = None
         self.watch: EndpointWatch | None = None  # made with the inbox, in run()
         self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 4)
         # --stop_after_passes: row identity -> passing samples so far (earlier runs' included)
@@ -232,11 +234,41 @@ class Dispatch:
             self.wait_for_sandbox_stops(inbox, track)
         finally:
             # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
-            # so ending the workers loses nothing.
-            pool.terminate()
-            inbox.close()
-            backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
+            # so ending the workers loses nothing. Local ones end (and the backend sweeps after them)
+            # while the merge runs: :meth:`wait_for_workers`. The thread is not a daemon, so the
+            # process never exits before it is done.
+            if config.ray_address:  # Ray's actors are ended from this thread, as before
+                self._end_workers(pool, inbox)
+            else:
+                self._ending = threading.Thread(
+                    target=self._end_workers_in_background,
+                    args=(pool, inbox),
+                    name="end-workers",
+                    daemon=False,
+                )
+                self._ending.start()
             self.pbar.close()
+
+    def _end_workers(self, pool: Any, inbox: Inbox) -> None:
+        pool.terminate()
+        inbox.close()
+        backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
+
+    def _end_workers_in_background(self, pool: Any, inbox: Inbox) -> None:
+        try:
+            self._end_workers(pool, inbox)
+        except BaseException as exc:  # raised where the run waits for it (wait_for_workers)
+            self._ending_error = exc
+
+    def wait_for_workers(self) -> None:
+        """Return once :meth:`run`'s workers are ended and the backend's sweep is done (at once when
+        no run started them); what failed there is raised here."""
+        if self._ending is not None:
+            self._ending.join()
+            self._ending = None
+        error, self._ending_error = self._ending_error, None
+        if error is not None:
+            raise error
 
     def _make_pool(self, inbox: Inbox, initargs: tuple[Any, ...]) -> Any:
         config = self.config

@@ -109,7 +109,8 @@ def merge(
     *,
     exclude_partial: bool = False,
     samples_per_prompt: int = 1,
-    written: Callable[[dict[str, Any]], None] | None = None,
+    written: Callable[[dict[str, Any], dict[str, Any] | None], None] | None = None,
+    prepared: PreparedLines | None = None,
 ) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
@@ -119,7 +120,8 @@ def merge(
     the dataset wants (duplicate rows each want theirs); records of samples the dataset does not
     want (rows since removed, sample indices beyond today's count) are all kept. ``written`` gets
     each record as trajectories.jsonl holds it (:class:`KeptFeed`: the scores and the report, which
-    would otherwise read that file again).
+    would otherwise read that file again), with the report's entry for it when ``prepared``
+    (:class:`PreparedLines`) made it from the same line during the dispatch.
     """
     wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
     done_indices: set[int] = set()
@@ -132,7 +134,8 @@ def merge(
     with tmp.open("wb") as fh:
         for _, path in batch_files(run_dir):
             for raw, rec in iter_jsonl_raw(path):
-                if not valid_record(rec):  # torn, or valid JSON of the wrong shape
+                ready = prepared.take(raw) if prepared is not None else None
+                if ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
                     totals.dropped["invalid_lines"] += 1
                     continue
                 key = record_sample(rec)
@@ -152,10 +155,10 @@ def merge(
                     totals.dropped["partial_excluded"] += 1
                     continue
                 totals.add(rec)
-                typed = typed_record(rec)
+                typed = None if ready is not None else typed_record(rec)
                 fh.write(typed_line(raw, typed))
                 if written is not None:
-                    written(rec if typed is None else typed)
+                    written(rec if typed is None else typed, ready.item if ready is not None else None)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
@@ -189,6 +192,47 @@ def typed_line(raw: bytes, typed: dict[str, Any] | None) -> bytes:
     return raw if raw.endswith(b"\n") else raw + b"\n"
 
 
+class Prepared:
+    """What :class:`PreparedLines` worked out from one line: it is a valid record, already in the
+    schema's types (its line is copied as written), and ``item``, its report entry."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: dict[str, Any] | None):
+        self.item = item
+
+
+class PreparedLines:
+    """The merge's work on a kept trajectory's line, done when the line is written (the parent waits
+    for outcomes most of a dispatch) instead of after the last one: the record's checks and its
+    entry in the report's list, which was half of the merge's time. Keyed by the line's bytes, so the
+    merge uses it only for a line exactly as it was written (a line it meets changed, or torn, or
+    never told of, is worked out there as before); the first ``limit`` lines only (the report lists
+    no more), so memory stays bounded."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lines: dict[bytes, Prepared] = {}
+
+    def __call__(self, data: bytes) -> None:
+        if len(self._lines) >= self.limit:
+            return
+        from batchrun.views.report import prepare_trajectory
+
+        try:
+            rec = json.loads(data.decode("utf-8"))  # as the merge parses the line (iter_jsonl_raw)
+            if not isinstance(rec, dict) or not valid_record(rec) or typed_record(rec) is not None:
+                return
+            item = prepare_trajectory(rec)
+        except Exception:  # nothing is lost: the merge works the line out itself (and says what failed)
+            return
+        self._lines[data.rstrip(b"\n")] = Prepared(item)
+
+    def take(self, raw: bytes) -> Prepared | None:
+        """The line's prepared work, once (a second line of the same bytes is worked out anew)."""
+        return self._lines.pop(raw.rstrip(b"\n"), None) if self._lines else None
+
+
 class KeptFeed:
     """What the end of a run derives from each merged record, fed by :func:`merge` as it writes it, so
     trajectories.jsonl is not read back for it: the scores section (kept samples first, the discarded
@@ -204,11 +248,11 @@ class KeptFeed:
         self.report: Any = RunData(run_dir=config.run_dir, max_items=config.report_max_trajectories)
         self._add_trajectory = add_trajectory
 
-    def __call__(self, rec: dict[str, Any]) -> None:
+    def __call__(self, rec: dict[str, Any], item: dict[str, Any] | None = None) -> None:
         self.scores.add(rec, *record_sample(rec))
         if self.report is not None:
             try:
-                self._add_trajectory(self.report, rec)
+                self._add_trajectory(self.report, rec, item)
             except Exception:
                 self.report = None
 

@@ -87,6 +87,9 @@ class Recorder:
         self.echo: Callable[[str], None] = lambda line: print(
             line, file=sys.stderr
         )  # the progress bar's, in a run
+        # Told each kept trajectory's line once it is durable (finish.PreparedLines: the merge's work
+        # on it, done while the dispatch waits for outcomes).
+        self.on_kept_line: Callable[[bytes], None] | None = None
         self._status_written = 0.0
         self._lock_file: Any = None
 
@@ -182,6 +185,8 @@ class Recorder:
             append_jsonl_bytes(self.run_dir / f"batch_{outcome.batch_num}.jsonl", data)
             if self.done_indices is not None:
                 self.done_indices.add(rec["prompt_index"])
+            if self.on_kept_line is not None:
+                self.on_kept_line(data)
         elif kind == DISCARDED:
             self.discards[reason or "unknown"] += 1
             row = {

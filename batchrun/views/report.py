@@ -231,13 +231,26 @@ def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
     data.scored.append((label, index, where, score))
 
 
-def add_trajectory(data: RunData, rec: dict[str, Any]) -> None:
+def _outcome_and_stop(rec: dict[str, Any]) -> tuple[str, str]:
+    outcome = "completed" if rec.get("completed") else "partial" if rec.get("partial") else "incomplete"
+    meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
+    return outcome, str(meta.get("stop_reason") or "not recorded")
+
+
+def prepare_trajectory(rec: dict[str, Any]) -> dict[str, Any]:
+    """A kept record's entry in the browsable list, made from the record alone (see :func:`item_of`):
+    the runner makes it while the dispatch waits for outcomes, and hands it to :func:`add_trajectory`."""
+    outcome, stop = _outcome_and_stop(rec)
+    return item_of(rec, outcome, stop, record_usage(rec))
+
+
+def add_trajectory(data: RunData, rec: dict[str, Any], prepared: dict[str, Any] | None = None) -> None:
+    """Count a kept record, and list it while the list has room. ``prepared``: its
+    :func:`prepare_trajectory`, made earlier from the same record (else it is made here if listed)."""
     add_score(data, rec, "kept")
     data.trajectories += 1
-    outcome = "completed" if rec.get("completed") else "partial" if rec.get("partial") else "incomplete"
+    outcome, stop = _outcome_and_stop(rec)
     data.outcomes[outcome] += 1
-    meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
-    stop = str(meta.get("stop_reason") or "not recorded")
     data.stop_reasons[stop] += 1
     for name, s in (rec.get("tool_stats") or {}).items():
         if isinstance(s, dict):
@@ -256,7 +269,7 @@ def add_trajectory(data: RunData, rec: dict[str, Any]) -> None:
         data.costs.append(usage["cost_usd"])
     data.providers.update(usage["providers"])
     if len(data.items) < data.max_items:
-        data.items.append(browsable(data, rec, outcome, stop, usage))
+        data.items.append(bind_systems(data, prepared or item_of(rec, outcome, stop, usage)))
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -283,6 +296,28 @@ def browsable(
     data: RunData, rec: dict[str, Any], outcome: str, reason: str, usage: dict[str, Any]
 ) -> dict[str, Any]:
     """A record in the compact form the page's script renders (short keys: the page holds hundreds)."""
+    return bind_systems(data, item_of(rec, outcome, reason, usage))
+
+
+def bind_systems(data: RunData, item: dict[str, Any]) -> dict[str, Any]:
+    """``item`` (:func:`item_of`) with each system turn as a reference to the page's one copy of its
+    text: the same preamble recurs in most records, and the page holds it once (numbered in the
+    order the page first meets each)."""
+    turns = [_system_ref(data, turn["v"]) if turn["k"] == "s" else turn for turn in item["t"]]
+    return {**item, "t": turns}
+
+
+def _system_ref(data: RunData, value: str) -> dict[str, Any]:
+    key = data.system_keys.get(value)
+    if key is None:
+        key = data.system_keys[value] = f"s{len(data.systems)}"
+        data.systems[key] = {"v": _cut(value), "tools": _offered_tools(value)}
+    return {"k": "s", "ref": key}
+
+
+def item_of(rec: dict[str, Any], outcome: str, reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    """A record's entry in the browsable list from the record alone, its system turns still holding
+    their text (:func:`bind_systems` makes them references)."""
     conv = rec["conversations"]
     used = {
         n: s.get("count", 0)
@@ -300,19 +335,15 @@ def browsable(
         "tools": used,
         "tf": failures,
         "p": (first_human(conv) or "")[:300],
-        "t": [turn for c in conv if isinstance(c, dict) for turn in [render_turn(data, c)] if turn],
+        "t": [turn for c in conv if isinstance(c, dict) for turn in [render_turn(c)] if turn],
     }
 
 
-def render_turn(data: RunData, c: dict[str, Any]) -> dict[str, Any] | None:
+def render_turn(c: dict[str, Any]) -> dict[str, Any] | None:
     role, value = c.get("from"), c.get("value")
     value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     if role == "system":
-        key = data.system_keys.get(value)
-        if key is None:  # the same preamble recurs in most records: the page holds it once
-            key = data.system_keys[value] = f"s{len(data.systems)}"
-            data.systems[key] = {"v": _cut(value), "tools": _offered_tools(value)}
-        return {"k": "s", "ref": key}
+        return {"k": "s", "v": value}  # made a reference by bind_systems
     if role == "human":
         return {"k": "h", "v": _cut(value)}
     if role == "gpt":

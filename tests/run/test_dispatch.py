@@ -287,3 +287,26 @@ def test_a_killed_worker_fails_only_the_prompts_it_held_and_resume_completes(tmp
         run(server, dataset, out, resume=True, batch_size=4, num_workers=2, prompts_per_worker=2)
     merged = read_jsonl(run_dir / "trajectories.jsonl")
     assert sorted(first_human(r["conversations"]) for r in merged) == sorted(prompts)
+
+
+def test_a_run_returns_with_its_workers_ended_and_none_left_behind(server, tmp_path, monkeypatch):
+    """The workers end, and the backend sweeps after them, while the merge runs: main() still returns
+    only once they are all gone and the sweep is done (here a slow one)."""
+    import multiprocessing
+
+    from batchrun.prompt.sandboxes.local.sandbox import LocalSandbox
+
+    swept = threading.Event()
+    sweep = LocalSandbox.sweep
+
+    def slow_sweep(options):
+        time.sleep(1.0)
+        sweep(options)
+        swept.set()
+
+    monkeypatch.setattr(LocalSandbox, "sweep", staticmethod(slow_sweep))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(6)])
+    run(server, dataset, tmp_path / "data", num_workers=2)
+    assert swept.is_set()
+    assert multiprocessing.active_children() == []
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 6

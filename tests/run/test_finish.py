@@ -12,7 +12,7 @@ from helpers import read_jsonl, run, stats_of, write_jsonl, write_rows
 from batchrun.identity import record_sample
 from batchrun.record import read_score, valid_record
 from batchrun.run import finish
-from batchrun.views.report import collect, render_page
+from batchrun.views.report import RunData, add_trajectory, collect, render_page
 
 GARBAGE_RECORDS = [
     "null",
@@ -142,3 +142,46 @@ def test_scores_and_report_fed_by_the_merge_equal_those_read_back_from_the_files
         scores.add(row["record"], *record_sample(row["record"]))
     assert stats_of(run_dir)["scores"] == json.loads(json.dumps(scores.summary(0)))
     assert (run_dir / "report.html").read_text("utf-8") == render_page(collect(run_dir))
+
+
+def test_report_entries_prepared_during_the_dispatch_are_those_the_merge_would_make(server, tmp_path):
+    """The runner works out each kept line's report entry when it writes the line (finish.PreparedLines)
+    and the merge uses it only for a line exactly as written: the list, its system preambles (numbered
+    in file order) and a line changed since are as reading the files makes them."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing", "two things [calls:2]", "three things"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    lines = (run_dir / "batch_0.jsonl").read_bytes().splitlines(keepends=True)
+    recs = [json.loads(line) for line in lines]
+    recs[1]["conversations"][0]["value"] = "Another preamble."  # two system texts: s0 and s1
+    lines[1] = (json.dumps(recs[1], ensure_ascii=False) + "\n").encode()
+    prepared = finish.PreparedLines(limit=10)
+    for i in (1, 0, 2):  # told in another order than the file's (workers finish in any order)
+        prepared(lines[i].rstrip(b"\n"))
+    changed = dict(recs[2], api_calls=recs[2]["api_calls"] + 7)
+    lines[2] = (json.dumps(changed, ensure_ascii=False) + "\n").encode()  # not as it was written
+
+    fed, read = RunData(run_dir=run_dir, max_items=10), RunData(run_dir=run_dir, max_items=10)
+    for line in lines:
+        rec = json.loads(line)
+        ready = prepared.take(line)
+        assert (ready is None) == (line is lines[2])
+        add_trajectory(fed, rec, ready.item if ready else None)
+        add_trajectory(read, rec)
+    assert fed.items == read.items and fed.systems == read.systems
+    assert [t["ref"] for item in fed.items for t in item["t"] if t["k"] == "s"] == ["s0", "s1", "s0"]
+    assert fed.systems["s1"]["v"] == "Another preamble."
+    assert fed.items[2]["n"] == recs[2]["api_calls"] + 7
+    assert prepared.take(lines[0]) is None  # taken once
+
+
+def test_prepared_lines_stop_at_their_limit(server, tmp_path):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing", "two things"])
+    out = tmp_path / "data"
+    run(server, dataset, out)
+    lines = (out / "run" / "batch_0.jsonl").read_bytes().splitlines()
+    prepared = finish.PreparedLines(limit=1)
+    for line in lines:
+        prepared(line)
+    assert prepared.take(lines[0]) is not None and prepared.take(lines[1]) is None

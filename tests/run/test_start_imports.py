@@ -22,3 +22,19 @@ def test_a_run_without_mcp_or_browser_use_loads_no_asyncio_at_start(code):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_forkserver_is_asked_for_before_the_sandbox_interface_is_imported():
+    """start_for_argv reads the default backend and a built-in's module from the backends' table alone:
+    the interface (base.py) and the entry points' metadata are left to the server and the parent's later
+    imports, so the server starts that much sooner."""
+    probe = (
+        "import sys; import batchrun.run.forkserver as f; asked = []; "
+        "f.start_forkserver = lambda backend=None: asked.append((backend, f._backend_module(backend), "
+        "sorted(m for m in ('batchrun.prompt.sandboxes.base', 'importlib.metadata') if m in sys.modules))); "
+        "f.start_for_argv(['--dataset_file=x.jsonl', '--sandbox=docker']); print(asked)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TERMINAL_ENV", None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[('docker', 'batchrun.prompt.sandboxes.docker.sandbox', [])]"
