@@ -222,8 +222,8 @@ def _split_envelope(value: str) -> tuple[str | None, str] | None:
     if value.startswith("<think>\n</think>"):
         reasoning, rest = None, value[len("<think>\n</think>") :]
     elif value.startswith("<think>\n"):
-        end = value.find("</think>")
-        if end < 9 or value[end - 1] != "\n":
+        end = value.find("</think>")  # the first: reasoning holding one is discarded (ambiguous_markup)
+        if end == -1 or value[end - 1] != "\n":
             return None
         reasoning, rest = value[len("<think>\n") : end - 1] or None, value[end + len("</think>") :]
     else:

@@ -59,7 +59,6 @@ from batchrun.prompt.sandboxes.local.host import (
     system_sockets,
     tool_path,
 )
-from batchrun.prompt.sandboxes.local.launcher import launcher_path
 from batchrun.prompt.sandboxes.local.limits import (
     PARENT_PREFIX,
     CgroupLayout,
@@ -174,12 +173,12 @@ class LocalSandbox(SandboxBackend):
                 print(
                     f"warning: --sandbox_network is on, but {network_problem()}: the local sandbox has NO network"
                 )
-        if launcher_path():
+        if launcher.launcher_path():
             made_by = "bubblewrap's line run by br-launch"
-        else:  # as root, why the faster launcher is not in use (no compiler, its check failed)
-            made_by = (
-                f"bubblewrap (br-launch not used: {launcher.problem})" if launcher.problem else "bubblewrap"
-            )
+        elif launcher.problem:  # as root: why br-launch is not in use (no compiler, its check failed)
+            made_by = f"bubblewrap (br-launch not used: {launcher.problem})"
+        else:
+            made_by = "bubblewrap"
         print(
             f"Local sandbox isolation: {made_by} (system directories read-only; each prompt sees only its own "
             f"working directory and /tmp; own PID, network and IPC namespaces); network: {net}"
@@ -260,7 +259,7 @@ class LocalSandbox(SandboxBackend):
         """The bubblewrap probe, with the scan of /etc it needs (~30 ms), and the network's tools."""
         if local_isolation_available():
             network_problem()
-            launcher_path()  # built (once per machine) and checked here, not by every worker
+            launcher.launcher_path()  # built (once per machine) and checked here, not by every worker
 
     # -- one prompt's sandbox
 
@@ -491,7 +490,7 @@ class LocalSandbox(SandboxBackend):
         assert self._root is not None
         disk = str(self.options.disk_mb << 20)
         etc_view = run_etc_view(self.options.base_dir) if self.options.base_dir else None
-        launch = launcher_path()  # root: the same line run by br-launch, at about half the CPU
+        launch = launcher.launcher_path()  # root: the same line run by br-launch, at about half the CPU
         if launch is not None:
             newroot = os.path.join(self._root, "newroot")  # the sandbox's root is built on it, inside
             os.makedirs(newroot, exist_ok=True)
