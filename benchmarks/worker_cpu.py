@@ -5,6 +5,7 @@ record), several prompts at a time on threads, against the fake endpoint in its 
 
     python benchmarks/worker_cpu.py                      # 200 prompts a round, 5 rounds, network on
     python benchmarks/worker_cpu.py --network 0          # --sandbox_network=False
+    python benchmarks/worker_cpu.py --in_flight 250 --latency 0.5  # many prompts really in flight
     python benchmarks/worker_cpu.py --profile 40         # and the split: the 40 largest steps (yappi)
 
 "own" is this process's CPU (user + system, every thread): what a worker spends itself, without the
@@ -73,12 +74,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--in_flight", type=int, default=8, help="prompts at a time (threads)")
     ap.add_argument("--network", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--latency", type=float, default=0.0, help="the endpoint's seconds a call (0: none)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="then one profiled round: N steps")
     args = ap.parse_args()
     if bwrap_problem():
         raise SystemExit(f"bubblewrap: {bwrap_problem()}")
     become_subreaper()
-    endpoint = Endpoint(0.0)
+    endpoint = Endpoint(args.latency)
     options = LocalSandbox.prepare_run("worker-cpu", {"isolation": "bwrap"}, workers_here=True)
     settings = WorkerSettings(
         run_name="worker-cpu",
@@ -113,7 +115,8 @@ def main() -> None:
         kernel.clear()
         figures = [one_round(args.prompts) for _ in range(args.rounds)]
         print(
-            f"{args.prompts} prompts a round, {args.in_flight} at a time, network {'on' if args.network else 'off'}; "
+            f"{args.prompts} prompts a round, {args.in_flight} at a time, network {'on' if args.network else 'off'}, "
+            f"{args.latency} s a call; "
             f"the worker's own CPU per prompt (ms): {' '.join(f'{f:.2f}' for f in figures)}; "
             f"median {statistics.median(figures):.2f}, of it in the kernel (system time) "
             f"{statistics.median(kernel):.2f}"
