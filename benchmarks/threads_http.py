@@ -14,7 +14,6 @@ wake-ups, a connection per thread) from what its prompts' sandboxes cost: ``work
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from throughput import Endpoint  # noqa: E402
+from worker_cpu import own_cpu_s  # noqa: E402
 
 from batchrun.prompt.llm import LLMClient, LLMConfig  # noqa: E402
 
@@ -30,11 +30,6 @@ MESSAGES = [
     {"role": "system", "content": "You are a careful assistant with a terminal. " * 40},
     {"role": "user", "content": "Task 1: inspect the working directory and write a note. [answer:done]"},
 ]
-
-
-def cpu_s() -> tuple[float, float]:
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return me.ru_utime + me.ru_stime, me.ru_stime
 
 
 def main() -> int:
@@ -53,10 +48,11 @@ def main() -> int:
             calls = max(args.calls, 4 * n)
             figures = []
             for _ in range(args.rounds):
-                c0, s0 = cpu_s()
+                user0, sys0 = own_cpu_s()
                 list(pool.map(lambda _: llm.chat(MESSAGES, []), range(calls)))
-                c1, s1 = cpu_s()
-                figures.append(((c1 - c0) / calls * 1000, (s1 - s0) / calls * 1000))
+                user1, sys1 = own_cpu_s()
+                spent = (user1 - user0) + (sys1 - sys0)
+                figures.append((spent / calls * 1000, (sys1 - sys0) / calls * 1000))
             pool.shutdown()
             print(
                 f"{n} threads, {calls} calls a round at {args.latency} s: ms of CPU a call "
