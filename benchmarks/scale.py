@@ -19,9 +19,12 @@ process, and prints:
   endpoint's own CPU (same cores);
 * the **bound** the run cannot beat (the larger of the ideal and the tree's CPU over the cores) and
   wall / bound, and the same bound with the endpoint's CPU counted (it takes the same cores here,
-  which a remote endpoint does not); the **machine's CPU** (``/proc/stat``, every process: busy and idle core-seconds,
-  busy cores in each second) and when the **last sandbox started** (from the records), with the idle
-  core-seconds before and after it: bound by the CPU until then, by the endpoint after;
+  which a remote endpoint does not), and with the cores the launch and the end of the run leave
+  idle counted as well (what is left is what the dispatch's schedule loses); the **machine's CPU**
+  (``/proc/stat``, every process: busy and idle core-seconds, busy cores in each second) and when the
+  **last sandbox started** (from the records), with the idle core-seconds before and after it: bound
+  by the CPU until then, by the endpoint after; and the **tail** from that start to the exit, with
+  how early the last start would have to come for wall / bound <= 1.25;
 * **peak PSS** of the tree (parent, forkserver, workers, sandboxes, their helpers), sampled every
   ``--pss_s`` from ``/proc/<pid>/smaps_rollup``, and the PSS per prompt in flight at that moment;
 * the **sandbox wait** percentiles from the records' metadata: ``sandbox_start_wait_s`` (queueing for
@@ -243,7 +246,7 @@ def main() -> int:
         cpu0 = children_cpu_s()
         log_path = tmp / "run.log"
         with log_path.open("w") as log:
-            machine = MachineMeter().start()
+            machine = MachineMeter(interval_s=0.1).start()  # fine enough for the launch and the end
             t0 = time.time()
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
             pss = PssMeter(proc.pid, {endpoint.proc.pid}, args.pss_s, endpoint).start()
@@ -312,6 +315,20 @@ def main() -> int:
         f"  bound, endpoint in {shared:7.2f} s = max(ideal, (tree + endpoint CPU) / {cores} cores); wall / bound "
         f"{wall / shared:.2f} whole command, {dispatch / shared:.2f} dispatch"
     )
+    if first and last:
+        # The launch (to the first request) and the end (from the last response) are mostly one
+        # process's work: the cores they leave idle no schedule of the dispatch can use. Counted in,
+        # the bound is what the dispatch itself could reach with the run's launch and end as they are.
+        idle_launch, idle_end = machine.between(t0, first)[1], machine.between(last, t0 + wall)[1]
+        ends = max(ideal, (tree_cpu + endpoint_cpu + idle_launch + idle_end) / cores)
+        print(
+            f"  launch and end     {first - t0:.2f} s and {t0 + wall - last:.2f} s, leaving {idle_launch:.2f} and "
+            f"{idle_end:.2f} core-s idle"
+        )
+        print(
+            f"  bound, ends in     {ends:7.2f} s = max(ideal, (tree + endpoint CPU + that idle) / {cores} cores); "
+            f"wall / bound {wall / ends:.2f}: what the dispatch's schedule loses"
+        )
     busy, idle = machine.between(t0, t0 + wall)
     print(f"  machine CPU        {busy:7.2f} core-s busy, {idle:.2f} idle over the command (every process)")
     ready = [r for r in map(_sandbox_ready_at, metas) if r is not None]
@@ -321,6 +338,13 @@ def main() -> int:
         print(
             f"  last sandbox start {last_ready - t0:7.2f} s after launch (records, to the second): idle "
             f"{before[1]:.2f} core-s before it, {after[1]:.2f} after it"
+        )
+        # Its prompt still makes its later calls after it, whatever the schedule (two of 2 s here), and
+        # the run ends after that: wall / bound <= 1.25 needs the last start this early, with this tail.
+        tail = t0 + wall - last_ready
+        print(
+            f"  tail               {tail:7.2f} s from the last start to the exit: wall <= 1.25 x bound needs "
+            f"the last start by {1.25 * bound - tail:.2f} s ({1.25 * shared - tail:.2f} s with the endpoint in)"
         )
     timeline = " ".join(f"{c:.1f}" for c in machine.per_second(t0))
     print(f"  busy cores/second  {timeline}")
