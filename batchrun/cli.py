@@ -243,6 +243,7 @@ def run_steps(
             samples_per_prompt=config.samples_per_prompt,
             written=kept,
             prepared=prepared,
+            wanted=kept.wanted,
         )
     finally:  # the workers end and the backend sweeps after them while the merge runs
         if preflighted.batches:

@@ -111,6 +111,7 @@ def merge(
     samples_per_prompt: int = 1,
     written: Callable[[dict[str, Any], dict[str, Any] | None], None] | None = None,
     prepared: PreparedLines | None = None,
+    wanted: collections.Counter[tuple[str, int]] | None = None,
 ) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
@@ -121,9 +122,11 @@ def merge(
     want (rows since removed, sample indices beyond today's count) are all kept. ``written`` gets
     each record as trajectories.jsonl holds it (:class:`KeptFeed`: the scores and the report, which
     would otherwise read that file again), with the report's entry for it when ``prepared``
-    (:class:`PreparedLines`) made it from the same line during the dispatch.
+    (:class:`PreparedLines`) made it from the same line during the dispatch. ``wanted``: the dataset's
+    :func:`wanted_samples`, when the caller has them already (:class:`KeptFeed`).
     """
-    wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
+    if wanted is None:
+        wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
     done_indices: set[int] = set()
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
@@ -240,9 +243,10 @@ class KeptFeed:
     only sends the report back to reading the files (where it says what failed): the merge goes on."""
 
     def __init__(self, config: RunConfig, rows: list[Row], recorder: Recorder):
-        self.scores = RunScores(
-            config.distribution, wanted_samples(rows, config.samples_per_prompt, recorder.redact)
-        )
+        # Keyed as the records are (a row's identity redacts secrets only, not the scaffolding), and
+        # worked out once for the merge too.
+        self.wanted = wanted_samples(rows, config.samples_per_prompt, recorder.sample_text)
+        self.scores = RunScores(config.distribution, self.wanted)
         from batchrun.views.report import RunData, add_trajectory
 
         self.report: Any = RunData(run_dir=config.run_dir, max_items=config.report_max_trajectories)
@@ -296,7 +300,7 @@ def statistics(
     run_dir = config.run_dir
     if scores is None:
         scores = kept_scores(
-            run_dir, config.distribution, wanted_samples(rows, config.samples_per_prompt, recorder.redact)
+            run_dir, config.distribution, wanted_samples(rows, config.samples_per_prompt, recorder.sample_text)
         )
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
     invalid = 0

@@ -313,6 +313,19 @@ def test_a_resume_with_other_scoring_settings_is_refused(tmp_path, capsys):
     assert "--scorer=auto" in capsys.readouterr().err
 
 
+def test_scores_count_duplicate_rows_whose_prompt_holds_the_ephemeral_prompt(tmp_path):
+    # The ephemeral system prompt is redacted from side files and logs, but a row's identity (what the
+    # records, the merge and resume key on) redacts secrets only: the scores must key on it the same.
+    ephemeral = "Answer with the number only."
+    twice = {"prompt": f"{ephemeral} Say 42 twice [calls:0] [answer:42]", "answer": 42}
+    dataset = write_rows(tmp_path / "d.jsonl", [twice, twice])
+    out = tmp_path / "data"
+    run(None, dataset, out, ephemeral_system_prompt=ephemeral)
+    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 2
+    scores = stats_of(out / "run")["scores"]
+    assert (scores["scored"], scores["passed"]) == (2, 2)  # each duplicate row is its own sample
+
+
 def test_scores_count_each_wanted_sample_once_duplicates_and_reruns_included(tmp_path):
     twice = {"prompt": "Say 42 twice [calls:0] [answer:42]", "answer": 42}
     wrong = {"prompt": "Say 43 [calls:0] [answer:42]", "answer": 43}
