@@ -300,7 +300,9 @@ def statistics(
     run_dir = config.run_dir
     if scores is None:
         scores = kept_scores(
-            run_dir, config.distribution, wanted_samples(rows, config.samples_per_prompt, recorder.sample_text)
+            run_dir,
+            config.distribution,
+            wanted_samples(rows, config.samples_per_prompt, recorder.sample_text),
         )
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
     invalid = 0
