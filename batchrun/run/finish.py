@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import hashlib
 import json
 import os
 import sys
@@ -207,33 +208,57 @@ class Prepared:
 
 class PreparedLines:
     """The merge's work on a kept trajectory's line, done when the line is written (the parent waits
-    for outcomes most of a dispatch) instead of after the last one: the record's checks and its
-    entry in the report's list, which was half of the merge's time. Keyed by the line's bytes, so the
-    merge uses it only for a line exactly as it was written (a line it meets changed, or torn, or
-    never told of, is worked out there as before); the first ``limit`` lines only (the report lists
-    no more), so memory stays bounded."""
+    for outcomes most of a dispatch) instead of after the last one: the record's checks, and its
+    entry in the report's list, which was half of the merge's time. The first ``limit`` lines get
+    both, held by the line's bytes (the report lists no more); later lines get the checks, held by
+    a digest of their bytes (up to ``MAX_CHECKED``), so memory stays bounded. The merge uses either
+    only for a line exactly as it was written: a line it meets changed, or torn, or never told of,
+    is worked out there as before."""
+
+    MAX_CHECKED = 1_000_000  # ~80 MB of digests; lines beyond are checked by the merge
 
     def __init__(self, limit: int):
         self.limit = limit
         self._lines: dict[bytes, Prepared] = {}
+        self._checked: set[bytes] = set()
 
     def __call__(self, data: bytes) -> None:
-        if len(self._lines) >= self.limit:
+        listed = len(self._lines) < self.limit
+        if not listed and len(self._checked) >= self.MAX_CHECKED:
             return
         from batchrun.views.report import prepare_trajectory
 
+        line = data.rstrip(b"\n")
         try:
-            rec = json.loads(data.decode("utf-8"))  # as the merge parses the line (iter_jsonl_raw)
+            rec = json.loads(line.decode("utf-8"))  # as the merge parses the line (iter_jsonl_raw)
             if not isinstance(rec, dict) or not valid_record(rec) or typed_record(rec) is not None:
                 return
-            item = prepare_trajectory(rec)
+            item = prepare_trajectory(rec) if listed else None
         except Exception:  # nothing is lost: the merge works the line out itself (and says what failed)
             return
-        self._lines[data.rstrip(b"\n")] = Prepared(item)
+        if listed:
+            self._lines[line] = Prepared(item)
+        else:
+            self._checked.add(_digest(line))
 
     def take(self, raw: bytes) -> Prepared | None:
         """The line's prepared work, once (a second line of the same bytes is worked out anew)."""
-        return self._lines.pop(raw.rstrip(b"\n"), None) if self._lines else None
+        line = raw.rstrip(b"\n")
+        ready = self._lines.pop(line, None) if self._lines else None
+        if ready is None and self._checked:
+            digest = _digest(line)
+            if digest in self._checked:
+                self._checked.discard(digest)
+                return _CHECKED
+        return ready
+
+
+_CHECKED = Prepared(None)  # a line checked when written, with no report entry made for it
+
+
+def _digest(line: bytes) -> bytes:
+    """A line's identity for :class:`PreparedLines` (128 bits: two different lines never share one)."""
+    return hashlib.blake2b(line, digest_size=16).digest()
 
 
 class KeptFeed:

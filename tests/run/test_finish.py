@@ -12,6 +12,8 @@ from helpers import read_jsonl, run, stats_of, write_jsonl, write_rows
 from batchrun.identity import record_sample
 from batchrun.record import read_score, valid_record
 from batchrun.run import finish
+from batchrun.run.recorder import Recorder
+from batchrun.secrets import Redactor
 from batchrun.views.report import RunData, add_trajectory, collect, render_page
 
 GARBAGE_RECORDS = [
@@ -176,12 +178,48 @@ def test_report_entries_prepared_during_the_dispatch_are_those_the_merge_would_m
     assert prepared.take(lines[0]) is None  # taken once
 
 
-def test_prepared_lines_stop_at_their_limit(server, tmp_path):
-    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing", "two things"])
+def test_prepared_lines_list_up_to_their_limit_and_check_the_rest(server, tmp_path, monkeypatch):
+    """Past the report's limit a written line is still checked (held by a digest, no report entry);
+    the merge takes that only for the same bytes, once; past MAX_CHECKED nothing is held."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing", "two things", "three things", "four things"])
     out = tmp_path / "data"
     run(server, dataset, out)
     lines = (out / "run" / "batch_0.jsonl").read_bytes().splitlines()
+    monkeypatch.setattr(finish.PreparedLines, "MAX_CHECKED", 2)
     prepared = finish.PreparedLines(limit=1)
     for line in lines:
         prepared(line)
-    assert prepared.take(lines[0]) is not None and prepared.take(lines[1]) is None
+    listed = prepared.take(lines[0])
+    assert listed is not None and listed.item is not None
+    changed = lines[1].replace(b'"api_calls": ', b'"api_calls": 1')  # not the line as written
+    assert changed != lines[1] and prepared.take(changed) is None
+    assert prepared.take(lines[1][:-5]) is None  # torn
+    checked = prepared.take(lines[1] + b"\n")
+    assert checked is not None and checked.item is None
+    assert prepared.take(lines[1]) is None  # taken once
+    assert prepared.take(lines[2]) is not None  # the second line past the limit
+    assert prepared.take(lines[3]) is None  # past MAX_CHECKED: the merge checks it itself
+
+
+def test_the_merge_checks_a_line_not_as_it_was_written_past_the_limit(server, tmp_path):
+    """A line past the report's limit that changed after it was written (here: torn into invalid
+    JSON, and another retyped) is worked out by the merge as if nothing had been prepared."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one thing", "two things", "three things"])
+    out = tmp_path / "data"
+    run(server, dataset, out)
+    run_dir = out / "run"
+    batch = run_dir / "batch_0.jsonl"
+    lines = batch.read_bytes().splitlines(keepends=True)
+    prepared = finish.PreparedLines(limit=1)
+    for line in lines:
+        prepared(line)
+    rec = json.loads(lines[2])
+    rec["metadata"]["row_id"] = None  # not in the schema's types: the merge must retype it
+    lines[1] = lines[1][: len(lines[1]) // 2] + b"\n"
+    lines[2] = (json.dumps(rec) + "\n").encode()
+    batch.write_bytes(b"".join(lines))
+    recorder = Recorder(run_dir, "run", Redactor(None))
+    totals = finish.merge(run_dir, [], recorder, prepared=prepared)
+    assert totals.dropped["invalid_lines"] == 1
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert len(merged) == 2 and merged[1]["metadata"]["row_id"] == ""
