@@ -198,7 +198,8 @@ def typed_line(raw: bytes, typed: dict[str, Any] | None) -> bytes:
 
 class Prepared:
     """What :class:`PreparedLines` worked out from one line: it is a valid record, already in the
-    schema's types (its line is copied as written), and ``item``, its report entry."""
+    schema's types (its line is copied as written), and ``item``, its report entry (None past the
+    report's limit: the merge's report makes one itself if its list still has room)."""
 
     __slots__ = ("item",)
 
