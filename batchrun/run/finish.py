@@ -258,7 +258,7 @@ _CHECKED = Prepared(None)  # a line checked when written, with no report entry m
 
 
 def _digest(line: bytes) -> bytes:
-    """A line's identity for :class:`PreparedLines` (128 bits: two different lines never share one)."""
+    """A line's identity for :class:`PreparedLines` (128 bits of blake2b: no two lines share one in practice)."""
     return hashlib.blake2b(line, digest_size=16).digest()
 
 
