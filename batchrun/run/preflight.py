@@ -45,7 +45,9 @@ def list_models(cfg: LLMConfig) -> None:
     try:
         for attempt in range(2):
             try:
-                body = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=15).json()
+                # At most 15 s, and never longer than the user allows one model call to take.
+                timeout_s = min(15.0, cfg.request_timeout_s)
+                body = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=timeout_s).json()
                 break
             except httpclient.StatusError as exc:
                 if exc.status_code == 401:

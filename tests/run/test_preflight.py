@@ -51,3 +51,25 @@ def test_endpoint_check_refuses_a_rejected_key_and_tolerates_a_missing_models_ro
         list_models(LLMConfig(model="m", base_url=base, api_key="sk-right"))  # 404: no error
     finally:
         server.shutdown()
+
+
+def test_the_models_probe_waits_no_longer_than_the_request_timeout(monkeypatch):
+    """An endpoint that drips its /models answer is given up on after --request_timeout (here 2 s), not
+    after the probe's own 15 s, twice."""
+    from batchrun.config import UsageError
+    from batchrun.prompt import httpclient
+
+    asked: list[float] = []
+
+    def request(self, method, url, **kw):
+        asked.append(kw["timeout_s"])
+        raise httpclient.RequestTimeout(f"{url} sent nothing more mid-answer before the request's deadline")
+
+    monkeypatch.setattr(httpclient.Client, "request", request)
+    with pytest.raises(UsageError, match="cannot reach the endpoint"):
+        list_models(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k", request_timeout_s=2))
+    assert asked == [2, 2]
+    asked.clear()
+    with pytest.raises(UsageError):
+        list_models(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"))
+    assert asked == [15, 15]  # the default request timeout (600 s) leaves the probe's own bound
