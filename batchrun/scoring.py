@@ -828,10 +828,15 @@ class RunScores:
         self.kept_passed = 0
 
     def add(self, rec: dict[str, Any], row_key: str, sample_index: int) -> None:
+        """Count ``rec``'s score unless its (row, sample) is already counted as often as it is wanted."""
         key = (row_key, sample_index)
         if self.counted[key] >= (self.wanted or {}).get(key, 1):
             return
         self.counted[key] += 1
+        self.tally(rec, row_key)
+
+    def tally(self, rec: dict[str, Any], row_key: str) -> None:
+        """Count ``rec``'s score, whatever was counted before (the caller decides how often a sample counts)."""
         score = read_score(rec.get("score"))
         meta = rec.get("metadata") or {}
         self.all.add(score, row_key)
@@ -855,6 +860,29 @@ class RunScores:
         for group, tallies in self.groups.items():
             out[f"by_{group}"] = {k: _short(t.summary()) for k, t in sorted(tallies.items())}
         return out
+
+
+def duplicate_samples(wanted: dict[tuple[str, int], int] | None) -> list[dict[str, Any]]:
+    """The (row, sample)s the dataset wants more than once (identical rows), for statistics.json's
+    ``scores.duplicate_samples``: what a re-scoring of the run, which has no dataset, counts them by."""
+    return [
+        {"row_key": key, "sample_index": index, "wanted": n}
+        for (key, index), n in sorted((wanted or {}).items())
+        if n > 1
+    ]
+
+
+def wanted_from_duplicates(entries: Any) -> dict[tuple[str, int], int]:
+    """The inverse of :func:`duplicate_samples`, read back from a statistics.json (entries of another
+    shape are ignored: each of their samples then counts once)."""
+    wanted: dict[tuple[str, int], int] = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        key, index, n = entry.get("row_key"), entry.get("sample_index"), entry.get("wanted")
+        if isinstance(key, str) and type(index) is int and type(n) is int and index >= 0 and n > 1:
+            wanted[key, index] = n
+    return wanted
 
 
 def _short(summary: dict[str, Any]) -> dict[str, Any]:

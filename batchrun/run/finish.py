@@ -26,7 +26,7 @@ from batchrun.record import normalize_metadata, run_card, valid_outcome_row, val
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
-from batchrun.scoring import RunScores, headline
+from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import reasoning_counts, used_tool_names
 from batchrun.storage import (
@@ -395,7 +395,10 @@ def statistics(
         # Totals over every invocation of this run name: a --resume adds to them, never resets them.
         "run_totals": run_totals(runs),
         "runs": runs,
-        "scores": scores.summary(discards_all.get(SKIPPED_AFTER_PASSES, 0)),
+        "scores": {
+            **scores.summary(discards_all.get(SKIPPED_AFTER_PASSES, 0)),
+            "duplicate_samples": duplicate_samples(scores.wanted),
+        },
         "this_run": {
             "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
             "trajectories": recorder.counts[TRAJECTORY],

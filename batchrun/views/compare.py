@@ -37,22 +37,31 @@ from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl, write_text_atomic
 from batchrun.views.score import run_samples
 
-Key = tuple[str, int]
+# (row key, sample index, copy): the copy tells apart the samples of identical rows (the same row key),
+# in the order the run's files hold them; the k-th copy in one run is paired with the k-th in the other.
+Key = tuple[str, int, int]
 
 
 def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, dict[str, Any]]:
-    """(row key, sample index) -> {passed, value, label, toolsets} of every judged sample of a run."""
+    """(row key, sample index, copy) -> {passed, value, label, toolsets} of every judged sample of a run."""
     override: dict[Key, dict[str, Any]] = {}
     if scores_name:
         path = run_dir / f"scores.{scores_name}.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist (python -m batchrun.views.score writes it)")
+        lines: collections.Counter[tuple[str, int]] = collections.Counter()
+        # Written in run_samples' order: the k-th line of a sample is its k-th copy.
         for line in iter_jsonl(path):
             if isinstance(line, dict) and isinstance(line.get("score"), dict):
-                override[(line["row_key"], int(line["sample_index"]))] = line["score"]
+                sample = (line["row_key"], int(line["sample_index"]))
+                override[(*sample, lines[sample])] = line["score"]
+                lines[sample] += 1
     out = {}
+    copies: collections.Counter[tuple[str, int]] = collections.Counter()
     for rec in run_samples(run_dir):
-        key = record_sample(rec)
+        sample = record_sample(rec)
+        key = (*sample, copies[sample])
+        copies[sample] += 1
         score = read_score(override.get(key) if scores_name else rec.get("score"))
         if not isinstance(score.get("passed"), bool):
             continue

@@ -18,6 +18,7 @@ never rewritten.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -39,14 +40,22 @@ from batchrun.scoring import (
     headline,
     parse_scorers,
     score_sample,
+    wanted_from_duplicates,
 )
 from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl, write_json_atomic, write_text_atomic
 
 
 def run_samples(run_dir: Path) -> list[dict[str, Any]]:
-    """Every sample a run holds a record of: kept trajectories, then discarded ones (each once)."""
-    out, seen = [], set()
+    """Every sample a run holds a record of, kept trajectories first, then discarded ones: each
+    (row, sample) as often as the run's dataset wanted it (two identical rows want two; a sample
+    re-run by --rerun_discarded, whose old discard stays in discarded.jsonl, once), as the run's own
+    scores count them. What the dataset wanted is read from statistics.json's
+    ``scores.duplicate_samples``; without it (a run older than it) each (row, sample) counts once."""
+    section = _read_stats(run_dir).get("scores")
+    wanted = wanted_from_duplicates(section.get("duplicate_samples") if isinstance(section, dict) else None)
+    out: list[dict[str, Any]] = []
+    counted: collections.Counter[tuple[str, int]] = collections.Counter()
     sources = [iter_jsonl(run_dir / "trajectories.jsonl")]
     sources.append(
         row["record"]
@@ -58,8 +67,8 @@ def run_samples(run_dir: Path) -> list[dict[str, Any]]:
             if not valid_record(rec):
                 continue
             key = record_sample(rec)
-            if key not in seen:
-                seen.add(key)
+            if counted[key] < wanted.get(key, 1):
+                counted[key] += 1
                 out.append(rec)
     return out
 
@@ -73,7 +82,7 @@ def rescore(
 
     redact = Redactor(settings.judge.api_key if settings.judge else None)
     lines = []
-    scores = RunScores(distribution)
+    scores = RunScores(distribution)  # run_samples gives each sample as often as the dataset wanted it
     for rec in run_samples(run_dir):
         meta = rec.get("metadata") or {}
         check = check_from_row_fields(meta.get("row_fields"))
@@ -90,7 +99,7 @@ def rescore(
         )
         score = score_sample(rec, judgement)
         row_key, sample_index = record_sample(rec)
-        scores.add({**rec, "score": score}, row_key, sample_index)
+        scores.tally({**rec, "score": score}, row_key)
         line = {
             "row_key": row_key,
             "sample_index": sample_index,

@@ -99,6 +99,38 @@ def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_pat
 
 
 @pytest.mark.browser
+def test_rescore_and_compare_count_duplicate_rows_as_the_run_does(tmp_path, capsys):
+    # Two identical rows want two samples of one (row, sample); a --rerun_discarded leaves the old
+    # discard in discarded.jsonl beside the new one. A re-scoring has no dataset: it must count what the
+    # run's own scores count, as statistics.json's scores.duplicate_samples says.
+    twice = {"prompt": "Say 42 twice [calls:0] [answer:42]", "answer": "42"}
+    wrong = {"prompt": "Say 43 [calls:0] [answer:42]", "answer": "43"}
+    dataset = write_rows(tmp_path / "d.jsonl", [twice, twice, wrong])
+    out = tmp_path / "data"
+    run(None, dataset, out, keep="passed")
+    run(None, dataset, out, keep="passed", resume=True, rerun_discarded=True)
+    a = out / "run"
+    assert len(read_jsonl(a / "trajectories.jsonl")) == 2 and len(read_jsonl(a / "discarded.jsonl")) == 2
+    stats = stats_of(a)
+    assert (stats["scores"]["scored"], stats["scores"]["passed"]) == (3, 2)
+    (dup,) = stats["scores"]["duplicate_samples"]
+    assert (dup["sample_index"], dup["wanted"]) == (0, 2)
+    assert dup["row_key"] == read_jsonl(a / "trajectories.jsonl")[0]["metadata"]["row_key"]
+
+    assert len(score.run_samples(a)) == 3
+    assert score.main([str(a), "--scorer=includes"]) == 0
+    rescored = stats_of(a)["scores"]["rescored"]["includes"]
+    assert (rescored["scored"], rescored["passed"]) == (3, 2)  # as the run's own: not 2 and 2
+    assert len(read_jsonl(a / "scores.includes.jsonl")) == 3
+
+    capsys.readouterr()
+    assert (
+        compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'c.html'}"]) == 0
+    )
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pairs"], r["pass_rate_a"], r["pass_rate_b"]) == (3, 2 / 3, 2 / 3)
+
+
 def test_report_scores_section_in_chromium(browser, tmp_path: Path):
     out = tmp_path / "data"
     run(None, write_rows(tmp_path / "d.jsonl", ROWS), out, samples_per_prompt=2)
