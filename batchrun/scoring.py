@@ -830,23 +830,23 @@ class RunScores:
     def add(self, rec: dict[str, Any], row_key: str, sample_index: int) -> None:
         """Count ``rec``'s score unless its (row, sample) is already counted as often as it is wanted."""
         key = (row_key, sample_index)
-        if self.counted[key] >= (self.wanted or {}).get(key, 1):
+        copy = self.counted[key]
+        if copy >= (self.wanted or {}).get(key, 1):
             return
         self.counted[key] += 1
-        self.tally(rec, row_key)
-
-    def tally(self, rec: dict[str, Any], row_key: str) -> None:
-        """Count ``rec``'s score, whatever was counted before (the caller decides how often a sample counts)."""
+        # Identical rows are rows of their own for pass@k: the n-th copy of each of their samples makes
+        # the n-th row, so two rows of k samples each are not one row of 2k.
+        row = row_key if copy == 0 else f"{row_key}/{copy}"
         score = read_score(rec.get("score"))
         meta = rec.get("metadata") or {}
-        self.all.add(score, row_key)
+        self.all.add(score, row)
         # A row with its own toolsets or tools drew nothing from the distribution (row_* are "" when unset).
         own = bool(meta.get("row_toolsets")) or bool(meta.get("row_tools"))
         dist = OWN_TOOLSETS if own else self.distribution
         mix = "+".join(sorted(rec.get("toolsets_used") or [])) or "none"
         stop = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
         for group, key in (("distribution", dist), ("toolsets", mix), ("stop_reason", stop)):
-            self.groups[group].setdefault(key, ScoreTally()).add(score, row_key)
+            self.groups[group].setdefault(key, ScoreTally()).add(score, row)
 
     def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
         out = self.all.summary()

@@ -15,10 +15,12 @@ from batchrun.run.dataset import load_dataset
 from batchrun.scoring import (
     Judgement,
     Part,
+    RunScores,
     ScoreTally,
     ScoringSettings,
     check_fields,
     combine,
+    duplicate_samples,
     extract_answer,
     final_text,
     normalize,
@@ -27,6 +29,7 @@ from batchrun.scoring import (
     score_sample,
     scorers_for,
     verify_score,
+    wanted_from_duplicates,
     wilson_interval,
 )
 
@@ -268,6 +271,31 @@ def test_tally_summary_by_rows():
     assert s["pass_at_k"]["pass@2"] == pytest.approx((0.5 + 1.0) / 2, abs=1e-6)
     assert s["pass_at_k"]["pass@4"] == pytest.approx(1.0, abs=1e-6)
     assert list(s["pass_at_k"]) == ["pass@1", "pass@2", "pass@4"]
+
+
+def test_identical_rows_count_as_rows_of_their_own_for_pass_at_k():
+    # Rows a, a (identical: one row key) and c, two samples each; a passes every time, c never.
+    wanted = {("a", 0): 2, ("a", 1): 2, ("c", 0): 1, ("c", 1): 1}
+    scores = RunScores("default", wanted)
+    passed, failed = {"value": 1.0, "passed": True}, {"value": 0.0, "passed": False}
+    for key, index, score in [("a", 0, passed), ("a", 1, passed), ("a", 0, passed), ("a", 1, passed)]:
+        scores.add({"score": score}, key, index)
+    scores.add({"score": passed}, "a", 0)  # a third copy the dataset does not want: not counted
+    for index in (0, 1):
+        scores.add({"score": failed}, "c", index)
+    summary = scores.summary()
+    assert (summary["scored"], summary["passed"]) == (6, 4)
+    # Three rows of two samples (not one row of four): pass@1 = pass@2 = 2/3, and no pass@4.
+    assert summary["pass_at_k"] == {"pass@1": pytest.approx(2 / 3), "pass@2": pytest.approx(2 / 3)}
+    # What statistics.json keeps of the wants, and reads back: only the samples wanted more than once.
+    kept = duplicate_samples(wanted)
+    assert kept == [
+        {"row_key": "a", "sample_index": 0, "wanted": 2},
+        {"row_key": "a", "sample_index": 1, "wanted": 2},
+    ]
+    assert wanted_from_duplicates(json.loads(json.dumps(kept))) == {("a", 0): 2, ("a", 1): 2}
+    assert wanted_from_duplicates([{"row_key": "a", "sample_index": "0", "wanted": 2}, 3, None]) == {}
+    assert wanted_from_duplicates({"a": 2}) == {}
 
 
 def test_a_scorer_from_an_installed_entry_point(tmp_path, monkeypatch):

@@ -46,14 +46,19 @@ from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl, write_json_atomic, write_text_atomic
 
 
-def run_samples(run_dir: Path) -> list[dict[str, Any]]:
-    """Every sample a run holds a record of, kept trajectories first, then discarded ones: each
-    (row, sample) as often as the run's dataset wanted it (two identical rows want two; a sample
-    re-run by --rerun_discarded, whose old discard stays in discarded.jsonl, once), as the run's own
-    scores count them. What the dataset wanted is read from statistics.json's
-    ``scores.duplicate_samples``; without it (a run older than it) each (row, sample) counts once."""
+def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
+    """(row key, sample index) -> how many rows of the run's dataset want it, where more than one
+    (identical rows), from statistics.json's ``scores.duplicate_samples``; empty for a run older than it."""
     section = _read_stats(run_dir).get("scores")
-    wanted = wanted_from_duplicates(section.get("duplicate_samples") if isinstance(section, dict) else None)
+    return wanted_from_duplicates(section.get("duplicate_samples") if isinstance(section, dict) else None)
+
+
+def run_samples(run_dir: Path, wanted: dict[tuple[str, int], int] | None = None) -> list[dict[str, Any]]:
+    """Every sample a run holds a record of, kept trajectories first, then discarded ones: each
+    (row, sample) as often as the run's dataset wanted it (``wanted``, by default :func:`run_wanted`;
+    others once: a sample re-run by --rerun_discarded, whose old discard stays in discarded.jsonl,
+    counts once), as the run's own scores count them."""
+    wanted = run_wanted(run_dir) if wanted is None else wanted
     out: list[dict[str, Any]] = []
     counted: collections.Counter[tuple[str, int]] = collections.Counter()
     sources = [iter_jsonl(run_dir / "trajectories.jsonl")]
@@ -82,8 +87,9 @@ def rescore(
 
     redact = Redactor(settings.judge.api_key if settings.judge else None)
     lines = []
-    scores = RunScores(distribution)  # run_samples gives each sample as often as the dataset wanted it
-    for rec in run_samples(run_dir):
+    wanted = run_wanted(run_dir)
+    scores = RunScores(distribution, wanted)
+    for rec in run_samples(run_dir, wanted):
         meta = rec.get("metadata") or {}
         check = check_from_row_fields(meta.get("row_fields"))
         try:
@@ -99,7 +105,7 @@ def rescore(
         )
         score = score_sample(rec, judgement)
         row_key, sample_index = record_sample(rec)
-        scores.tally({**rec, "score": score}, row_key)
+        scores.add({**rec, "score": score}, row_key, sample_index)
         line = {
             "row_key": row_key,
             "sample_index": sample_index,
