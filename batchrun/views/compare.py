@@ -57,11 +57,8 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
                 override[(*sample, lines[sample])] = line["score"]
                 lines[sample] += 1
     out = {}
-    copies: collections.Counter[tuple[str, int]] = collections.Counter()
-    for rec in run_samples(run_dir):
-        sample = record_sample(rec)
-        key = (*sample, copies[sample])
-        copies[sample] += 1
+    for rec, copy in run_samples(run_dir):
+        key = (*record_sample(rec), copy)
         score = read_score(override.get(key) if scores_name else rec.get("score"))
         if not isinstance(score.get("passed"), bool):
             continue

@@ -53,13 +53,16 @@ def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
     return wanted_from_duplicates(section.get("duplicate_samples") if isinstance(section, dict) else None)
 
 
-def run_samples(run_dir: Path, wanted: dict[tuple[str, int], int] | None = None) -> list[dict[str, Any]]:
+def run_samples(
+    run_dir: Path, wanted: dict[tuple[str, int], int] | None = None
+) -> list[tuple[dict[str, Any], int]]:
     """Every sample a run holds a record of, kept trajectories first, then discarded ones: each
     (row, sample) as often as the run's dataset wanted it (``wanted``, by default :func:`run_wanted`;
     others once: a sample re-run by --rerun_discarded, whose old discard stays in discarded.jsonl,
-    counts once), as the run's own scores count them."""
+    counts once), as the run's own scores count them. Each record comes with its copy: 0, or n for
+    the n-th further copy of a (row, sample) that identical rows want."""
     wanted = run_wanted(run_dir) if wanted is None else wanted
-    out: list[dict[str, Any]] = []
+    out: list[tuple[dict[str, Any], int]] = []
     counted: collections.Counter[tuple[str, int]] = collections.Counter()
     sources = [iter_jsonl(run_dir / "trajectories.jsonl")]
     sources.append(
@@ -73,8 +76,8 @@ def run_samples(run_dir: Path, wanted: dict[tuple[str, int], int] | None = None)
                 continue
             key = record_sample(rec)
             if counted[key] < wanted.get(key, 1):
+                out.append((rec, counted[key]))
                 counted[key] += 1
-                out.append(rec)
     return out
 
 
@@ -89,7 +92,7 @@ def rescore(
     lines = []
     wanted = run_wanted(run_dir)
     scores = RunScores(distribution, wanted)
-    for rec in run_samples(run_dir, wanted):
+    for rec, _copy in run_samples(run_dir, wanted):
         meta = rec.get("metadata") or {}
         check = check_from_row_fields(meta.get("row_fields"))
         try:
