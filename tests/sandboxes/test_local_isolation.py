@@ -396,6 +396,30 @@ def test_no_isolation_refuses_a_cwd_outside_cwd_root(tmp_path: Path):
     assert str(root / "a") in json.dumps(record["conversations"])  # the command ran there
 
 
+def test_a_worker_s_first_starts_at_once_all_find_the_cgroups(cgroups):
+    """A worker's first sandbox starts run at once, and each may be the first to look for the cgroups.
+    They probed with one directory name per process: the thread whose mkdir lost found the cgroups
+    "not writable", and its sandbox (or, once that answer was cached, every later one of the worker)
+    ran on rlimits, without its cgroup, and said nothing (193 of 400 such looks in one measurement)."""
+    from batchrun.prompt.sandboxes.local.limits import CgroupLayout, cgroup_layout
+
+    found: list[object] = []
+    for _ in range(20):
+        barrier = threading.Barrier(8)
+
+        def look(barrier: threading.Barrier) -> None:
+            barrier.wait()
+            found.append(cgroup_layout.__wrapped__())  # as a fresh process's first look, uncached
+
+        threads = [threading.Thread(target=look, args=(barrier,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [f for f in found if not isinstance(f, CgroupLayout)] == []
+    assert len(found) == 160
+
+
 @pytest.mark.bwrap
 def test_without_cgroups_rlimits_still_bound_memory_and_disk(
     bwrap_available: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

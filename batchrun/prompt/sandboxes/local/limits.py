@@ -81,7 +81,10 @@ def _inside(mount_root: str, mount_point: str, own: str) -> Path:
 
 
 def _writable(base: Path) -> bool:
-    probe = base / f"{PARENT_PREFIX}probe-{os.getpid()}"
+    # Per thread: a worker's first starts run at once, each computing the cached layout below, and
+    # with one name per process the thread whose mkdir lost found the cgroups unwritable: its
+    # sandbox (or, cached, every later one of the worker) went without cgroups, on rlimits.
+    probe = base / f"{PARENT_PREFIX}probe-{os.getpid()}-{threading.get_ident()}"
     try:
         probe.mkdir()
         probe.rmdir()
