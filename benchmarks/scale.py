@@ -23,8 +23,9 @@ process, and prints:
   idle counted as well (what is left is what the dispatch's schedule loses); the **machine's CPU**
   (``/proc/stat``, every process: busy and idle core-seconds, busy cores in each second) and when the
   **last sandbox started** (from the records), with the idle core-seconds before and after it: bound
-  by the CPU until then, by the endpoint after; and the **tail** from that start to the exit, with
-  how early the last start would have to come for wall / bound <= 1.25;
+  by the CPU until then, by the endpoint after; the **starts in each second** (records, to the
+  second: against ``start_rate.py``'s rate with nothing else running); and the **tail** from that
+  start to the exit, with how early the last start would have to come for wall / bound <= 1.25;
 * **peak PSS** of the tree (parent, forkserver, workers, sandboxes, their helpers), sampled every
   ``--pss_s`` from ``/proc/<pid>/smaps_rollup``, and the PSS per prompt in flight at that moment;
 * the **sandbox wait** percentiles from the records' metadata: ``sandbox_start_wait_s`` (queueing for
@@ -339,6 +340,12 @@ def main() -> int:
             f"  last sandbox start {last_ready - t0:7.2f} s after launch (records, to the second): idle "
             f"{before[1]:.2f} core-s before it, {after[1]:.2f} after it"
         )
+        # How the starts spread over the run (records: to the second), against how fast the machine
+        # starts them doing nothing else (benchmarks/start_rate.py).
+        per_second = [0] * (int(last_ready - t0) + 1)
+        for r in ready:
+            per_second[max(0, int(r - t0))] += 1
+        print(f"  starts / second    {' '.join(str(n) for n in per_second)}")
         # Its prompt still makes its later calls after it, whatever the schedule (two of 2 s here), and
         # the run ends after that: wall / bound <= 1.25 needs the last start this early, with this tail.
         tail = t0 + wall - last_ready
