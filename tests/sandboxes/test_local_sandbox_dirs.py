@@ -169,7 +169,11 @@ def test_a_killed_runner_s_sandboxes_are_removed_by_the_next_run(tmp_path: Path)
     assert proc.returncode == 0, err
     got = read_jsonl(tmp_path / "data" / "dirs" / "trajectories.jsonl")
     # Seen once under heavy load (5 of 6): say which rows ended how, so such a failure explains itself.
-    assert len(got) == len(prompts), (batch_outcomes(tmp_path / "data" / "dirs"), out[-3000:], err[-2000:])
+    assert len(got) == len(prompts), (
+        batch_outcomes(tmp_path / "data" / "dirs"),
+        (out or "")[-3000:],
+        err[-2000:],
+    )
     # multiprocessing's own pymp-* directory of the killed runner stays: it is Python's, not a sandbox
     assert [name for name in temp_entries(tmp_path) if not name.startswith("pymp-")] == []
     assert run_cgroups(killed) == []  # its cgroups went with its directory
