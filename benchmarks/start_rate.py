@@ -41,6 +41,13 @@ from batchrun.prompt.sandboxes.base import SandboxSpec  # noqa: E402
 from batchrun.prompt.sandboxes.local import LocalSandbox, bwrap_problem, network_hub  # noqa: E402
 
 
+def stop_all(boxes: list[LocalSandbox], threads: int) -> None:
+    """Stop ``boxes`` on ``threads`` threads, then this process's network hub (its slirp4netns)."""
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(lambda box: box.stop(), boxes))
+    network_hub.close_hub()
+
+
 def load(count: int, threads: int, network: bool, options: dict) -> None:
     """The prompts' work beside the starts: ``count`` sandboxes started before the go, then, until
     "stop", commands in them (the scale workload's ``echo <slug> && pwd``) from ``threads`` threads."""
@@ -69,9 +76,7 @@ def load(count: int, threads: int, network: bool, options: dict) -> None:
     for w in workers:
         w.join()
     print(json.dumps({"commands_per_s": sum(done) / (time.monotonic() - t0)}), flush=True)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(lambda box: box.stop(), boxes))
-    network_hub.close_hub()
+    stop_all(boxes, 8)
 
 
 def child(first: int, count: int, threads: int, network: bool, options: dict, nice: int = 0) -> None:
@@ -100,9 +105,7 @@ def child(first: int, count: int, threads: int, network: bool, options: dict, ni
         list(pool.map(start, boxes))
     print(json.dumps({"done": time.monotonic(), "took": sorted(took)}), flush=True)
     sys.stdin.readline()
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(lambda box: box.stop(), boxes))
-    network_hub.close_hub()
+    stop_all(boxes, threads)
     print(json.dumps({"stopped": time.monotonic()}), flush=True)
 
 
