@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sandbox_cpu import machine_busy_s  # noqa: E402
 
 from batchrun.prompt.sandboxes.base import SandboxSpec  # noqa: E402
-from batchrun.prompt.sandboxes.local import LocalSandbox, bwrap_problem, network_hub  # noqa: E402
+from batchrun.prompt.sandboxes.local import LocalSandbox, bwrap_problem, launcher, network_hub  # noqa: E402
 
 
 def stop_all(boxes: list[LocalSandbox], threads: int) -> None:
@@ -136,6 +136,9 @@ def main() -> None:
     if bwrap_problem():
         raise SystemExit(f"bubblewrap: {bwrap_problem()}")
     options = LocalSandbox.prepare_run("start-rate", {"isolation": "bwrap"}, workers_here=True)
+    # Built here once, so the children find it; named in the figures: a launcher.c that does not
+    # compile makes every sandbox with bwrap instead, at about twice the CPU (launcher.py).
+    made_by = "br-launch" if launcher.launcher_path() else f"bwrap ({launcher.problem or 'not root'})"
     share = [
         args.sandboxes // args.processes + (i < args.sandboxes % args.processes)
         for i in range(args.processes)
@@ -187,7 +190,8 @@ def main() -> None:
     took = sorted(x for r in results for x in r["took"])
     print(
         f"{n} sandboxes, {args.processes} processes x {args.threads} starts at once, network "
-        f"{'on' if args.network else 'off'}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+        f"{'on' if args.network else 'off'}, made by {made_by}; {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     if load_rate is not None:
         print(
