@@ -177,6 +177,15 @@ def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def _in_unit_range(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= 1
+    )
+
+
 def read_score(score: Any) -> dict[str, Any]:
     """What a record's ``score`` says, with null where there is no verdict: ``value`` and ``passed`` only
     for status passed or failed, ``error`` and ``verify_exit_code`` only when there is one, ``parts`` a
@@ -186,6 +195,10 @@ def read_score(score: Any) -> dict[str, Any]:
     if "status" not in score:
         return dict(score)
     judged = score.get("status") in ("passed", "failed")
+    value, error = score.get("value"), score.get("error") or None
+    if judged and not _in_unit_range(value):  # written by a version that took any number (a verify's 7)
+        judged, error = False, error or f"its score {value!r} is outside 0..1"
+        score = {**score, "status": "error"}
     parts = score.get("parts")
     if isinstance(parts, str):
         try:
@@ -195,9 +208,9 @@ def read_score(score: Any) -> dict[str, Any]:
     code = score.get("verify_exit_code")
     return {
         **score,
-        "value": score.get("value") if judged else None,
+        "value": value if judged else None,
         "passed": score.get("passed") if judged else None,
-        "error": score.get("error") or None,
+        "error": error,
         "verify_exit_code": None if code == NO_VERIFY or not isinstance(code, int) else code,
         "parts": parts if isinstance(parts, list) else [],
     }

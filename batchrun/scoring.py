@@ -28,6 +28,7 @@ The estimators (all with ``math`` alone):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import json
 import math
@@ -255,6 +256,25 @@ def unscored(explanation: str = "no scorer: the row has no answer or verify and 
     return combine([], explanation)
 
 
+def _checked(part: Part) -> Part:
+    """``part``, or its error when its verdict cannot be taken as one: a value outside 0..1 (verify's
+    score line, a user's scorer and the judge alike), or a verdict that contradicts its own value (a
+    check that failed with full credit, or passed with none)."""
+    if part.error is not None or part.value is None:
+        return part
+    why = None
+    if not (math.isfinite(part.value) and 0.0 <= part.value <= 1.0):
+        why = f"its score {part.value:g} is outside 0..1"
+    elif part.passed is False and part.value >= 1.0:
+        why = "it failed with full credit (score 1): no verdict can be read from that"
+    elif part.passed is True and part.value <= 0.0:
+        why = "it passed with no credit (score 0): no verdict can be read from that"
+    if why is None:
+        return part
+    return dataclasses.replace(part, value=None, passed=None, error=f"{why} ({part.explanation})"
+                               if part.explanation else why)  # fmt: skip
+
+
 def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]:
     """The record's ``score`` from the scorers' parts: passed when all pass, value the mean.
 
@@ -280,6 +300,7 @@ def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]
         ]
         or None,
     }
+    parts = [_checked(p) for p in parts]
     broken = [p for p in parts if p.error is not None or p.value is None]
     if broken:
         base["error"] = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)

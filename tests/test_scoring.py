@@ -11,6 +11,7 @@ from helpers import write_rows
 
 from batchrun.prompt.sandboxes.base import ExecResult
 from batchrun.protocol import RowCheck
+from batchrun.record import conform_score, read_score
 from batchrun.run.dataset import load_dataset
 from batchrun.scoring import (
     Judgement,
@@ -25,6 +26,7 @@ from batchrun.scoring import (
     final_text,
     normalize,
     parse_judge_reply,
+    part_from_result,
     pass_at_k,
     score_sample,
     scorers_for,
@@ -209,6 +211,53 @@ def test_verify_partial_credit_exit_code_and_timeout():
     hung = ScriptedSandbox({"pytest -q": ExecResult("", -1, timed_out=True)})
     part = verify_score(hung, check, ScoringSettings(verify_timeout_s=2))
     assert part.value is None and "timed out after 2 s" in part.error
+
+
+@pytest.mark.parametrize(
+    ("output", "code", "value", "passed", "error"),
+    [
+        ('{"score": 0.6}', 1, 0.6, False, None),  # 3 of 5 tests pass: partial credit on a failed check
+        ('{"score": 7}', 0, None, None, "outside 0..1"),
+        ('{"score": -2}', 0, None, None, "outside 0..1"),
+        ('{"score": 1e308}', 0, None, None, "outside 0..1"),
+        ('{"score": 1.0}', 1, None, None, "failed with full credit"),
+        ('{"score": 0}', 0, None, None, "passed with no credit"),
+    ],
+)
+def test_a_verify_score_that_is_no_verdict_is_an_error_never_a_good_sample(
+    output, code, value, passed, error
+):
+    """The score line comes from the sandbox, where the agent's own code runs: a value outside 0..1,
+    or one that contradicts the exit code, must not reach the rewards, a --min_score filter or the
+    mean (a 1e308 overflowed it and crashed every finish)."""
+    box = ScriptedSandbox({"grade": ExecResult(output + "\n", code)})
+    score = score_sample(
+        record_saying("done"),
+        Judgement(check=RowCheck(verify=("grade",)), settings=ScoringSettings(), sandbox=box),
+    )
+    assert (score["value"], score["passed"]) == (value, passed), score
+    assert (error is None and score["error"] is None) or error in score["error"]
+
+
+def test_a_user_scorer_or_judge_outside_0_1_is_an_error():
+    assert "outside 0..1" in combine([part_from_result("mine", 7)])["error"]
+    assert "outside 0..1" in combine([part_from_result("mine", {"value": -0.5, "passed": False})])["error"]
+    assert combine([part_from_result("mine", 0.4)])["value"] == 0.4
+    assert "passed with no credit" in combine([parse_judge_reply('{"score": 0, "passed": true}')])["error"]
+
+
+def test_an_old_record_s_score_outside_0_1_reads_as_an_error_and_never_breaks_the_mean():
+    """Records written before the check: a verify's 1e308 once made the finish raise OverflowError."""
+    old = conform_score({"value": 1e308, "passed": True, "scorer": "verify"})
+    assert old["status"] == "passed" and old["value"] == 1e308  # what such a version wrote
+    read = read_score(old)
+    assert (read["status"], read["value"], read["passed"]) == ("error", None, None)
+    assert "outside 0..1" in read["error"]
+    tally = ScoreTally()
+    for score in (old, old, conform_score({"value": 1.0, "passed": True})):
+        tally.add(read_score(score), "row")
+    summary = tally.summary()
+    assert summary["mean_score"] == 1.0 and summary["scored"] == 1, summary
 
 
 def test_verify_output_is_capped_keeping_its_end():
