@@ -12,6 +12,7 @@ records (resume, merge, statistics, the views). The convention is reversible: pa
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -78,23 +79,53 @@ def unwrap_reasoning(inner: str) -> str:
     return inner.removeprefix("\n").removesuffix("\n")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: a JSON number, but no double holds it (written back: Infinity)
+        raise ValueError(f"{text} is too large for a JSON reader's number")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"the key {key!r} is given twice")
+        obj[key] = value
+    return obj
+
+
+def strict_json(text: str) -> Any:
+    """``text`` as JSON that every reader reads the same way; ValueError otherwise. Python's reader
+    also takes ``NaN``, ``Infinity`` and ``-Infinity`` (no other reader does: written back, they make a
+    line strict readers refuse), a number too large for a double (``1e999``, read as infinity and
+    written back as ``Infinity``), and an object that names a key twice (it keeps the last; which one
+    the model meant is anyone's guess). A model's tool-call arguments are read with this."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_unique_keys)
+
+
 def canonical_arguments(raw: str) -> str:
-    """The arguments string saved in ``tool_calls``: canonical JSON when it parses, else the raw text.
+    """The arguments string saved in ``tool_calls``: canonical JSON when it parses (strictly, see
+    :func:`strict_json`), else the raw text (the sample is then discarded as ``invalid_tool_call``).
 
     No arguments at all (an empty string, as some servers send for a tool without parameters) is ``{}``.
     """
     if not (raw or "").strip():
         return "{}"
     try:
-        return json.dumps(json.loads(raw), ensure_ascii=False)
-    except (json.JSONDecodeError, TypeError):
+        return json.dumps(strict_json(raw), ensure_ascii=False)
+    except (ValueError, TypeError):
         return raw
 
 
 def _tool_call_block(name: str, arguments: str) -> str:
     try:
-        args: Any = json.loads(arguments)
-    except (json.JSONDecodeError, TypeError):
+        args: Any = strict_json(arguments)
+    except (ValueError, TypeError):
         args = arguments  # not JSON: kept verbatim as a string so it still round-trips
     if isinstance(args, str):
         args = arguments  # a JSON string (double-encoded arguments): the raw text, so parsing gives it back

@@ -8,7 +8,6 @@ after the model client's own retries, :class:`batchrun.prompt.sandboxes.SandboxE
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from batchrun.prompt.jsonbody import RequestEncoder
 from batchrun.prompt.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
-from batchrun.sharegpt import canonical_arguments, split_reasoning
+from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_json
 
 MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid before we stop the prompt
 
@@ -200,8 +199,8 @@ def _is_invalid_json(args: str) -> bool:
     if not args.strip():
         return False
     try:
-        return not isinstance(json.loads(args), dict)
-    except json.JSONDecodeError:
+        return not isinstance(strict_json(args), dict)
+    except ValueError:
         return True
 
 

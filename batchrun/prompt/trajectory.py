@@ -16,6 +16,7 @@ from batchrun.record import RECORD_FIELDS, conform_score, is_tool_failure, norma
 from batchrun.sharegpt import (
     gpt_value,
     parse_gpt_value,
+    strict_json,
     system_value,
     tool_response_block,
 )
@@ -124,8 +125,8 @@ def invalid_tool_call(messages: list[dict[str, Any]]) -> bool:
             continue
         for call in msg.get("tool_calls") or []:
             try:
-                args = json.loads(call["function"]["arguments"])
-            except (json.JSONDecodeError, TypeError):
+                args = strict_json(call["function"]["arguments"])
+            except (ValueError, TypeError):
                 return True
             if not isinstance(args, dict):
                 return True

@@ -25,6 +25,7 @@ from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
 from batchrun.prompt.tools.catalog import tools_for_toolsets
 from batchrun.prompt.tools.registry import ToolContext
+from batchrun.prompt.trajectory import invalid_tool_call
 
 TOOLS = tools_for_toolsets(["terminal", "file"])
 
@@ -290,6 +291,29 @@ def test_arguments_that_are_not_json_are_kept_as_sent_and_reported(server: FakeM
     sent_args = result.messages[1]["tool_calls"][0]["function"]["arguments"]
     assert sent_args == '{"command": "ls"'  # the model's words, not repaired
     assert "Invalid JSON in arguments of terminal" in json.loads(result.messages[2]["content"])["error"]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"command": "echo ran", "timeout": NaN}', '{"command": "echo ran", "timeout": 1e999}',
+     '{"command": "echo other", "command": "echo ran"}'],
+)  # fmt: skip
+def test_arguments_only_python_reads_as_json_are_not_run_and_are_kept_as_sent(
+    arguments: str, replies, ctx: ToolContext
+):
+    """NaN, a number no double holds, a key given twice: Python's reader takes them (and would run the
+    command), every strict reader refuses or reads them another way. Saved as sent, never re-encoded
+    (``json.dumps`` would write a bare NaN or Infinity into the training file), and not run."""
+    script = replies(reply(calls=[("a", "terminal", arguments)]), reply("done"))
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    assert result.stop_reason == "final_answer"
+    assert result.messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
+    error = json.loads(result.messages[2]["content"])["error"]
+    assert (
+        error.startswith("Invalid JSON in arguments of terminal: ")
+        and "ran" not in result.messages[2]["content"]
+    )
+    assert invalid_tool_call(result.messages)
 
 
 def test_three_turns_of_only_invalid_calls_stop_the_prompt(server: FakeModelServer, ctx: ToolContext):

@@ -132,7 +132,18 @@ def _assistant(content, reasoning=None, calls=()):
 
 @pytest.mark.parametrize(
     ("arguments", "invalid"),
-    [('{"command": "ls"}', False), ("{}", False), ('{"command": "l', True), ("[1]", True), ('"ls"', True)],
+    [
+        ('{"command": "ls"}', False),
+        ("{}", False),
+        ('{"command": "l', True),
+        ("[1]", True),
+        ('"ls"', True),
+        # What Python's json reads but no strict reader does, or reads two ways: never a good call.
+        ('{"command": "ls", "timeout": NaN}', True),
+        ('{"command": "ls", "timeout": -Infinity}', True),
+        ('{"command": "ls", "timeout": 1e999}', True),
+        ('{"command": "ls", "command": "rm -rf /tmp/x"}', True),
+    ],
 )
 def test_a_call_whose_arguments_are_not_a_json_object_is_invalid(arguments, invalid):
     msgs = [{"role": "user", "content": "q"}, _assistant("", "r", [arguments])]

@@ -26,6 +26,7 @@ from batchrun.prompt.tools.registry import (
     cap_result,
     check_arguments,
 )
+from batchrun.sharegpt import strict_json
 
 
 def toolset_needs(toolset: str) -> str:
@@ -132,9 +133,11 @@ def execute_tool_call(name: str, arguments: str, ctx: ToolContext, offered: set[
             {"error": f"Unknown tool '{name}'. Available tools: {', '.join(sorted(offered)) or 'none'}"}
         )
     try:
-        parsed = json.loads(arguments) if arguments and arguments.strip() else {}
+        parsed = strict_json(arguments) if arguments and arguments.strip() else {}
     except json.JSONDecodeError as exc:
         return json.dumps({"error": f"Invalid JSON in arguments of {name}: {exc.msg} at position {exc.pos}"})
+    except ValueError as exc:  # NaN or Infinity, a key given twice: not run, as the saved sample says
+        return json.dumps({"error": f"Invalid JSON in arguments of {name}: {exc}"})
     try:
         args = check_arguments(tool, parsed)
         result = tool.handler(ctx, args)
