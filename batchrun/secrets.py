@@ -5,7 +5,8 @@
 * **secrets**: the run's API key, tool-provider keys and other secret-looking environment values,
   MCP servers' env and header values. They are replaced wherever they appear in side files, logs and
   messages, in every form they may take there: as written, JSON-escaped (once or twice), URL-quoted,
-  base64-encoded (at any byte alignment, standard and URL-safe alphabets) and in any letter case.
+  base64-encoded (at any byte alignment, standard and URL-safe alphabets, across the line breaks of
+  wrapped output) and in any letter case.
   A sample whose own text holds one is not kept: :meth:`Redactor.finds_secret` tells the recorder,
   which discards it as ``secret_in_output`` (redacted in ``discarded.jsonl``).
 * **scaffolding**: the ephemeral system prompt and the prefill contents. They are not secrets and are
@@ -21,9 +22,11 @@ everywhere. :attr:`Redactor.ignored` names those variables for the start line.
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import os
 import re
+import string
 import urllib.parse
 
 from batchrun.prompt.llm import NO_KEY
@@ -42,6 +45,24 @@ ORDINARY = re.compile(
     re.IGNORECASE,
 )
 REDACTED = "[REDACTED]"
+# A line break between two base64 characters, as written or JSON-escaped once or more (a tool's
+# output is JSON inside a record's string): base64(1) and MIME wrap their output at 76 characters,
+# PEM at 64, so a secret's encoded form may straddle one.
+_B64_BREAK = re.compile(r"(?<=[A-Za-z0-9+/=_-])(?:\\+r\\+n|\\+n|\r\n|\n)(?=[A-Za-z0-9+/_-])")
+# Before that regex (~0.2 ms a record): whether a line of 24 base64 characters or more ends at a line
+# break (plain, or the backslash of an escaped one) anywhere, by a byte translation (~8 us a record).
+# base64(1), MIME, PEM and openssl wrap at 64 or 76; a record's hashes and ids end in a quote.
+_B64_CHARS = (string.ascii_letters + string.digits + "+/=_-").encode()
+_B64_CLASSES = bytes(
+    ord("a") if b in _B64_CHARS else ord("\n") if b in b"\r\n" else b if b == ord("\\") else ord(" ")
+    for b in range(256)
+)
+_B64_LINE = b"a" * 24
+
+
+def _may_wrap_base64(text: str) -> bool:
+    classes = text.encode("utf-8", "surrogatepass").translate(_B64_CLASSES)
+    return _B64_LINE + b"\\" in classes or _B64_LINE + b"\n" in classes
 
 
 def looks_like_secret(value: str) -> bool:
@@ -78,6 +99,23 @@ def _forms(values: set[str], *, encodings: bool) -> set[str]:
     return {f for f in forms if f}
 
 
+def _joined(text: str) -> tuple[str, list[int], list[int]]:
+    """``text`` without the line breaks between base64 characters, and where each of its unbroken
+    pieces starts in it and in ``text``."""
+    pieces, starts, origins = [], [], []
+    done = length = 0
+    for m in _B64_BREAK.finditer(text):
+        pieces.append(text[done : m.start()])
+        starts.append(length)
+        origins.append(done)
+        length += m.start() - done
+        done = m.end()
+    pieces.append(text[done:])
+    starts.append(length)
+    origins.append(done)
+    return "".join(pieces), starts, origins
+
+
 def _pattern(forms: set[str], *, ignore_case: bool) -> re.Pattern[str] | None:
     if not forms:
         return None
@@ -111,6 +149,7 @@ class Redactor:
         # Text forms match in any letter case (an upper-cased header, a title-cased log); base64 only
         # exactly, since its letter case is part of the encoding.
         encoded = {f for v in values for f in _base64_forms(v)}
+        self._encoded = _pattern(encoded, ignore_case=False)
         texts = _forms(values, encodings=True)
         self._secrets = [
             p
@@ -142,7 +181,27 @@ class Redactor:
         """For what a model or a tool said (discarded samples, a row's identity): secrets only."""
         for pattern in self._secrets:
             text = pattern.sub(REDACTED, text)
-        return text
+        return self._redact_wrapped(text)
+
+    def _redact_wrapped(self, text: str) -> str:
+        """The base64 forms that straddle a line break (wrapped output), each replaced from its first
+        character to its last, the line breaks between them included."""
+        if self._encoded is None or not _may_wrap_base64(text):
+            return text
+        joined, starts, origins = _joined(text)
+        found = [(m.start(), m.end()) for m in self._encoded.finditer(joined)]
+        if not found:
+            return text
+
+        def origin(pos: int) -> int:
+            k = bisect.bisect_right(starts, pos) - 1
+            return origins[k] + pos - starts[k]
+
+        out, done = [], 0
+        for a, b in found:
+            out += [text[done : origin(a)], REDACTED]
+            done = origin(b - 1) + 1
+        return "".join(out) + text[done:]
 
     def finds_secret(self, text: str) -> bool:
         """Whether ``text`` (a sample's serialised record) holds a secret in any of its forms.
@@ -157,8 +216,14 @@ class Redactor:
                 lowered = text.lower()
                 if any(f in lowered for f in folded):
                     return True
-            return any(f in text for f in exact)
-        return any(pattern.search(text) for pattern in self._secrets)
+            if any(f in text for f in exact):
+                return True
+        elif any(pattern.search(text) for pattern in self._secrets):
+            return True
+        # Base64 wrapped into lines (what `base64` writes by default): the forms across the breaks.
+        if self._encoded is None or not _may_wrap_base64(text):
+            return False
+        return self._encoded.search(_B64_BREAK.sub("", text)) is not None
 
     def start_note(self) -> str | None:
         """The start line's note on secret-named variables that are not treated as secrets, if any."""

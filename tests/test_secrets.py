@@ -159,3 +159,27 @@ def test_finds_secret_answers_as_the_patterns_do_on_every_kind_of_text():
     other = Redactor(None, environ={}, secrets=("gehe1m-w\u00f6rt-42",))
     assert other._ascii_forms is None
     assert other.finds_secret("GEHE1M-W\u00d6RT-42") and not other.finds_secret("gehe1m-wort-42")
+
+
+def test_wrapped_base64_is_found_and_redacted_across_its_line_breaks():
+    """`base64` wraps at 76 characters by default (MIME too, with CRLF; PEM at 64): a secret's encoded
+    form may straddle a break, in the text as written or JSON-escaped once or twice (a tool's output
+    inside a record). Found at every offset; redacted from its first character to its last."""
+    import base64
+
+    secret = "Zq8xK2mP9vL4wR7tYb3N"
+    redact = Redactor(None, environ={"MY_SERVICE_TOKEN": secret})
+    for lead in range(0, 80):
+        data = ("y" * lead + secret + "\n").encode()
+        for width, eol in ((76, "\n"), (76, "\r\n"), (64, "\n")):
+            flat = base64.b64encode(data).decode()
+            wrapped = eol.join(flat[i : i + width] for i in range(0, len(flat), width)) + eol
+            for text in (wrapped, json.dumps(wrapped), json.dumps(json.dumps(wrapped))):
+                assert redact.finds_secret(text), (lead, width, text)
+            cleaned = redact.sample(wrapped)
+            assert "[REDACTED]" in cleaned
+            rest = "".join(cleaned.replace("[REDACTED]", "\n").split())
+            assert not redact.finds_secret(rest), (lead, cleaned)
+    # Ordinary text with line breaks is no secret, and is left as it is.
+    ordinary = "hello\nworld\n" * 50 + "Zq8x\nK2mP\n"
+    assert not redact.finds_secret(json.dumps(ordinary)) and redact.sample(ordinary) == ordinary

@@ -306,10 +306,14 @@ def test_secrets_and_scaffolding_are_told_apart():
 def test_a_sample_that_holds_a_secret_is_a_discard_redacted_in_discarded_jsonl(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PAYMENT_API_KEY", SECRET)
     encoded = base64.b64encode(f"user:{SECRET}".encode()).decode()
+    half = len(SECRET) // 2
     prompts = [
         f"Store the header Basic {encoded} [calls:2]",
         f"Shout {SECRET.upper()} [calls:1]",
         "Clean one [calls:1]",
+        # base64's own output, wrapped at 76 characters, with the secret's encoded form across a break
+        # (the prompt holds the secret in two halves only).
+        f"[run:printf '%s%s%s' '{'x' * 50}' '{SECRET[:half]}' '{SECRET[half:]}' | base64]",
     ]
     run(None, write_jsonl(tmp_path / "d.jsonl", prompts), tmp_path / "data")
     run_dir = tmp_path / "data" / "run"
@@ -318,11 +322,16 @@ def test_a_sample_that_holds_a_secret_is_a_discard_redacted_in_discarded_jsonl(t
         "Clean one [calls:1]"
     ]
     discards = read_jsonl(run_dir / "discarded.jsonl")
-    assert [d["reason"] for d in discards] == ["secret_in_output"] * 2
+    assert [d["reason"] for d in discards] == ["secret_in_output"] * 3
+    wrapped = base64.encodebytes(f"{'x' * 50}{SECRET}".encode()).decode()
+    assert "\n" in wrapped.strip() and not any(
+        base64.b64encode(SECRET.encode()).decode()[2:-2] in line for line in wrapped.splitlines()
+    )  # no line holds the secret's form: only the joined text does
+    assert all(wrapped.strip() not in json.dumps(d) for d in discards)  # redacted there too
     stats = stats_of(run_dir)
-    assert stats["discarded"]["by_reason"] == {"secret_in_output": 2}
+    assert stats["discarded"]["by_reason"] == {"secret_in_output": 3}
     assert (
-        stats["this_run"]["discarded"] == {"secret_in_output": 2} and stats["this_run"]["trajectories"] == 1
+        stats["this_run"]["discarded"] == {"secret_in_output": 3} and stats["this_run"]["trajectories"] == 1
     )
     assert "secret_in_output" in out
     for path in run_dir.iterdir():
