@@ -350,15 +350,30 @@ def extract_answer(text: str, pattern: str | None = None) -> str:
 
 
 _PUNCT = str.maketrans("", "", string.punctuation)
+# A number inside an answer: its minus sign and decimal point are part of its value, not punctuation
+# ("-1" is not "1", "3.5" is not "35"); its thousands separators are not ("1,000" is "1000").
+_SIGNED_NUMBER_RE = re.compile(r"(?<![\w.])(-?)(\d{1,3}(?:,\d{3})+|\d+)((?:\.\d+)?)(?!\w|\.\d)")
+
+
+def _without_punctuation(text: str) -> str:
+    out, done = [], 0
+    for m in _SIGNED_NUMBER_RE.finditer(text):
+        out += [
+            text[done : m.start()].translate(_PUNCT),
+            m.group(1) + m.group(2).replace(",", "") + m.group(3),
+        ]
+        done = m.end()
+    return "".join(out) + text[done:].translate(_PUNCT)
 
 
 def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS) -> str:
-    """Case folded, punctuation removed, whitespace collapsed (each step switchable: --answer_normalize)."""
+    """Case folded, punctuation removed but for a number's sign and decimal point, whitespace collapsed
+    (each step switchable: --answer_normalize)."""
     steps = set(steps)
     if "case" in steps:
         text = text.casefold()
     if "punctuation" in steps:
-        text = text.translate(_PUNCT)
+        text = _without_punctuation(text)
     if "whitespace" in steps:
         text = " ".join(text.split())
     return text

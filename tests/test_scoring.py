@@ -148,6 +148,12 @@ def test_reasoning_never_decides_the_answer():
         ('```json\n{"b": [1, 2.0], "a": true}\n```', '{"a": true, "b": [1, 2]}', "json", True),
         ('ANSWER: {"a": 1}', '{"a": true}', "json", False),  # true is no number
         ("ANSWER: cat", ["dog", "Cat"], "exact", True),  # a list: any acceptable answer
+        # A number's sign and decimal point are no punctuation; its thousands separators are.
+        ("ANSWER: 1", "-1", "exact", False),
+        ("ANSWER: 35", "3.5", "exact", False),
+        ("ANSWER: -1.", "-1", "exact", True),
+        ("ANSWER: 1,000 apples!", "1000 apples", "exact", True),
+        ("ANSWER: version 1.2.3", "version 123", "exact", True),  # no number: punctuation, as before
     ],
 )
 def test_text_scorers(text, answer, scorer, passed):
