@@ -465,12 +465,17 @@ def histogram(values: list[float], target_bins: int = 20) -> list[tuple[float, f
     width = _nice_step((hi - lo) / target_bins)
     if integral:
         width = max(1, math.ceil(width))
-    start = math.floor(lo / width) * width
-    n = max(1, math.floor((hi - start) / width) + 1)
+    # Bin i is [start + i w, start + (i + 1) w), the last one closed: a top value on a bin's edge (a
+    # score of 1) is in the bin below it, not alone in one of its own. The small slack keeps float
+    # division on the right side of an edge: 0.3 / 0.1 is 2.9999999999999996, 1.0 // 0.1 is 9.0.
+    start = math.floor(lo / width + 1e-9) * width
+    n = max(1, math.ceil((hi - start) / width - 1e-9))
     counts = [0] * n
     for v in values:
-        counts[min(n - 1, int((v - start) // width))] += 1
-    return [(start + i * width, start + (i + 1) * width, c) for i, c in enumerate(counts)]
+        counts[min(n - 1, max(0, math.floor((v - start) / width + 1e-9)))] += 1
+    return [
+        (round(start + i * width, 12), round(start + (i + 1) * width, 12), c) for i, c in enumerate(counts)
+    ]
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -514,7 +519,13 @@ def svg_hbars(rows: list[tuple[str, list[tuple[float, str]], str]], width: int =
     return "".join(out)
 
 
-def svg_histogram(bins: list[tuple[float, float, int]], unit: str, fmt=fmt_compact, width: int = 720) -> str:
+def svg_histogram(
+    bins: list[tuple[float, float, int]],
+    unit: str,
+    fmt=fmt_compact,
+    width: int = 720,
+    counted: str = "prompt",
+) -> str:
     """Vertical bars, one per bin, labelled with the bin's lower bound (every k-th when crowded)."""
     if not bins:
         return ""
@@ -535,7 +546,7 @@ def svg_histogram(bins: list[tuple[float, float, int]], unit: str, fmt=fmt_compa
         x = left + i * slot
         h = plot_h * c / peak
         span = fmt(lo) if single else f"{fmt(lo)}–{fmt(hi)}"
-        title = f"{span} {unit}: {c:,} prompt{'s' if c != 1 else ''}"
+        title = f"{span} {unit}: {c:,} {counted}{'s' if c != 1 else ''}"
         out.append(
             f'<rect class="bar" x="{x + 1:.1f}" y="{height - bottom - h:.1f}" width="{max(slot - 2, 1):.1f}" '
             f'height="{h:.1f}"><title>{esc(title)}</title></rect>'
@@ -871,7 +882,11 @@ def section_scores(d: RunData) -> str:
             f'<details class="failing"><summary><b>{esc(label)}</b> #{i} · {esc(where)} · {esc(verdict)} · '
             f"{esc(why[:200])}{esc(exit_note)}</summary>{body}</details>"
         )
-    hist = svg_histogram(histogram(values, 10), "score", fmt=lambda x: f"{x:g}") if values else ""
+    hist = (
+        svg_histogram(histogram(values, 10), "score", fmt=lambda x: f"{x:g}", counted="sample")
+        if values
+        else ""
+    )
     return (
         '<section id="scores"><h2>Scores</h2><div class="cards">'
         + "".join(cards)

@@ -367,6 +367,11 @@ def test_histogram_bins() -> None:
     assert sum(c for _, _, c in bins) == len(range(0, 10_001, 7))
     assert all(hi - lo == bins[0][1] - bins[0][0] for lo, hi, _ in bins) and len(bins) <= 25
     assert report.histogram([0.5, 0.5]) == [(0.5, 0.5, 2)]
+    # Scores: each value in the bin that starts at or below it (0.3 / 0.1 is 2.9999999999999996 in
+    # floats, 1.0 // 0.1 is 9.0), and a top score of 1 in the last bin, closed, not in one of its own.
+    scores = report.histogram([0.5, 0.5, 1.0, 0.3, 0.7, 0.0], 10)
+    assert [(lo, c) for lo, _, c in scores if c] == [(0.0, 1), (0.3, 1), (0.5, 2), (0.7, 1), (0.9, 1)]
+    assert scores[-1][:2] == (0.9, 1.0) and len(scores) == 10
 
 
 # ----------------------------------------------------------------------------- in headless Chromium
