@@ -92,6 +92,7 @@ def test_binary_output_does_not_crash(sandbox):
         ({}, "missing required argument(s): command"),
         ({"command": 123}, "argument 'command' must be string"),
         ({"command": "true", "timeout": "5"}, "argument 'timeout' must be integer"),
+        ({"command": "true", "timeout": 5.5}, "argument 'timeout' must be integer"),
         ({"command": "true", "timeout": 0}, "timeout must be a positive number"),
         ({"command": "  "}, "command must not be empty"),
         ({"command": "true", "cwd": "/"}, "unknown argument(s): cwd"),
@@ -100,6 +101,11 @@ def test_binary_output_does_not_crash(sandbox):
 )
 def test_bad_arguments_are_errors(sandbox, args, message):
     assert message in call(sandbox, "terminal", **args)["error"]
+
+
+def test_an_integer_written_with_a_decimal_point_is_an_integer(sandbox):
+    """JSON Schema counts 30.0 as an integer (some models write every number so)."""
+    assert call_raw(sandbox, "terminal", '{"command": "echo fine", "timeout": 30.0}')["output"] == "fine\n"
 
 
 def test_unknown_tool_and_invalid_json(sandbox):

@@ -182,6 +182,8 @@ def _fits(value: Any, kind: Any) -> bool:
         return True
     if kind in ("integer", "number") and isinstance(value, bool):
         return False
+    if kind == "integer" and isinstance(value, float):  # JSON Schema: 30.0 is an integer, 30.5 is not
+        return value.is_integer()
     return isinstance(value, py_type)
 
 
@@ -212,6 +214,8 @@ def check_arguments(tool: Tool, args: Any) -> dict[str, Any]:
             raise ToolArgumentError(
                 f"{tool.name}: argument {key!r} must be {shown}, got {type(value).__name__}"
             )
+        if isinstance(value, float) and "integer" in kinds and "number" not in kinds:
+            args = {**args, key: int(value)}  # what the handler counts with
     return args
 
 
