@@ -15,6 +15,7 @@ from typing import Any
 
 from batchrun.identity import prompt_rng  # noqa: F401  (re-exported: scripts import it from here)
 from batchrun.prompt.tools.registry import TOOLSETS
+from batchrun.sharegpt import unique_keys
 
 
 @dataclass(frozen=True)
@@ -210,17 +211,6 @@ def list_distributions() -> dict[str, Distribution]:
     return {**DISTRIBUTIONS, **_FROM_FILE}
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are unique: a distribution (or a toolset) defined twice is an error,
-    not the last definition silently."""
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"{key!r} is defined twice")
-        seen[key] = value
-    return seen
-
-
 def _unique_key_loader(yaml: Any) -> Any:
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
@@ -261,7 +251,8 @@ def load_distribution_file(path: str, known: Collection[str]) -> dict[str, Distr
             raise ValueError(f"{path}: {exc}") from None
     else:
         try:
-            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+            # A distribution (or a toolset) defined twice is an error, not the last definition silently.
+            data = json.loads(text, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
         except ValueError as exc:  # a name defined twice

@@ -90,11 +90,12 @@ def _finite(text: str) -> float:
     return value
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object from its pairs (``object_pairs_hook``), ValueError when it names a key twice."""
     obj: dict[str, Any] = {}
     for key, value in pairs:
         if key in obj:
-            raise ValueError(f"the key {key!r} is given twice")
+            raise ValueError(f"{key!r} is defined twice")
         obj[key] = value
     return obj
 
@@ -105,7 +106,7 @@ def strict_json(text: str) -> Any:
     line strict readers refuse), a number too large for a double (``1e999``, read as infinity and
     written back as ``Infinity``), and an object that names a key twice (it keeps the last; which one
     the model meant is anyone's guess). A model's tool-call arguments are read with this."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_unique_keys)
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=unique_keys)
 
 
 def canonical_arguments(raw: str) -> str:
