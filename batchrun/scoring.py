@@ -279,6 +279,7 @@ def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]
     """The record's ``score`` from the scorers' parts: passed when all pass, value the mean.
 
     Any part that broke (error) makes the whole score null: a broken scorer never decides a sample."""
+    parts = [_checked(p) for p in parts]
     base: dict[str, Any] = {
         "value": None,
         "passed": None,
@@ -300,7 +301,6 @@ def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]
         ]
         or None,
     }
-    parts = [_checked(p) for p in parts]
     broken = [p for p in parts if p.error is not None or p.value is None]
     if broken:
         base["error"] = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)

@@ -246,7 +246,17 @@ def test_a_verify_score_that_is_no_verdict_is_an_error_never_a_good_sample(
 
 
 def test_a_user_scorer_or_judge_outside_0_1_is_an_error():
-    assert "outside 0..1" in combine([part_from_result("mine", 7)])["error"]
+    seven = combine([part_from_result("mine", 7)])
+    assert "outside 0..1" in seven["error"]
+    assert seven["parts"] == [
+        {
+            "scorer": "mine",
+            "value": None,
+            "passed": None,
+            "explanation": "",
+            "error": "its score 7 is outside 0..1",
+        }
+    ]  # the part's own verdict says so too
     assert "outside 0..1" in combine([part_from_result("mine", {"value": -0.5, "passed": False})])["error"]
     assert combine([part_from_result("mine", 0.4)])["value"] == 0.4
     assert "passed with no credit" in combine([parse_judge_reply('{"score": 0, "passed": true}')])["error"]
