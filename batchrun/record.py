@@ -177,7 +177,8 @@ def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def _in_unit_range(value: Any) -> bool:
+def in_unit_range(value: Any) -> bool:
+    """A score value a verdict can have: a finite number from 0 to 1 (not a bool)."""
     return (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
@@ -196,7 +197,7 @@ def read_score(score: Any) -> dict[str, Any]:
         return dict(score)
     judged = score.get("status") in ("passed", "failed")
     value, error = score.get("value"), score.get("error") or None
-    if judged and not _in_unit_range(value):  # written by a version that took any number (a verify's 7)
+    if judged and not in_unit_range(value):  # written by a version that took any number (a verify's 7)
         judged, error = False, error or f"its score {value!r} is outside 0..1"
         score = {**score, "status": "error"}
     parts = score.get("parts")

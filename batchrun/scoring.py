@@ -41,7 +41,7 @@ from typing import Any
 
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.protocol import RowCheck
-from batchrun.record import read_score
+from batchrun.record import in_unit_range, read_score
 
 TEXT_SCORERS = ("exact", "includes", "regex", "numeric", "json")
 SANDBOX_SCORERS = ("verify",)
@@ -263,7 +263,7 @@ def _checked(part: Part) -> Part:
     if part.error is not None or part.value is None:
         return part
     why = None
-    if not (math.isfinite(part.value) and 0.0 <= part.value <= 1.0):
+    if not in_unit_range(part.value):
         why = f"its score {part.value:g} is outside 0..1"
     elif part.passed is False and part.value >= 1.0:
         why = "it failed with full credit (score 1): no verdict can be read from that"
