@@ -689,15 +689,37 @@ class Judgement:
     deadline: float | None = None
 
 
+def end_agent_processes(sandbox: Any, timeout_s: float) -> str | None:
+    """Before a scorer looks into the sandbox: end what the agent left running there (a background
+    process could rewrite the hidden files once written, or what the verify reads, and fake a pass).
+    None once that is done, or when the sandbox cannot (no ``end_processes``: a stand-in, a plugin's
+    backend); else why it could not. SandboxError: the sandbox itself broke."""
+    end = getattr(sandbox, "end_processes", None)
+    if end is None:
+        return None
+    try:
+        return end(timeout_s)
+    except SandboxError:
+        raise
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
     """The ``score`` of one sample by the row's scorers; never raises."""
     names = [n for n in scorers_for(j.check, j.settings) if applies(n, j.check)]
     if not names:
         return unscored()
     parts = []
+    in_sandbox = j.sandbox is not None and any(n not in TEXT_SCORERS and n != "judge" for n in names)
+    ended = end_agent_processes(j.sandbox, j.settings.verify_timeout_s) if in_sandbox else None
     for name in names:
         try:
-            if name in TEXT_SCORERS:
+            if ended is not None and name not in TEXT_SCORERS and name != "judge":
+                parts.append(
+                    Part(name, error=f"the agent's processes could not be ended before judging: {ended}")
+                )
+            elif name in TEXT_SCORERS:
                 parts.append(text_score(name, record, j.check, j.settings))
             elif name == "verify":
                 if j.sandbox is None:

@@ -158,6 +158,7 @@ def run_prompt(
             )
             record = _record(job, settings, result, usage, limits, tools, lifecycle)
             deadline = started + limits.prompt_timeout_s + settings.scoring.verify_timeout_s
+            close_prompt_resources(ctx)  # the agent is done: its browser, MCP servers, ... before judging
             record["score"] = judge_sample(record, job, settings.scoring, sandbox, judge, deadline)
     except LLMError as exc:
         return Outcome.failed(job, exc.error_class, str(exc), usage.as_dict())

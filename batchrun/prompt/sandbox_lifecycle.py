@@ -125,6 +125,12 @@ class BackgroundStart:
         self.wait_started()
         return self.inner.run(command, timeout_s=timeout_s, stdin=stdin)
 
+    def end_processes(self, timeout_s: float) -> str | None:
+        """Before judging (scoring.end_agent_processes): the sandbox's own, when it has one."""
+        self.wait_started()
+        end = getattr(self.inner, "end_processes", None)
+        return None if end is None else end(timeout_s)
+
     # The file tools' direct path (base.DirectFileAccess), when the sandbox has one; else "not this way".
 
     @property

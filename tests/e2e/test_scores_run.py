@@ -45,6 +45,16 @@ PARTIAL_ROW = {
     "verify": "if [ -f b.txt ]; then echo '{\"score\": 1.0}'; elif [ -f a.txt ]; then echo '{\"score\": 0.5}';"
     " else echo '{\"score\": 0}'; fi; [ -f a.txt ] && [ -f b.txt ]",
 }
+# The agent leaves a process behind (marked as the process tool's, in a session of its own, the mark's
+# directory made) that rewrites the hidden test as soon as it appears: it must be gone before that.
+TAMPER_ROW = {
+    "id": "tamper",
+    "prompt": "Leave a helper [run:mkdir -p ${TMPDIR:-/tmp}/.batch-runner-processes; BATCH_RUNNER_BACKGROUND=1"
+    " setsid sh -c 'while :; do grep -q FAILME check.sh 2>/dev/null && echo exit 0 > check.sh; done'"
+    " >/dev/null 2>&1 & echo planted]",
+    "verify": "sleep 0.5; sh check.sh",  # time for the helper to act, were it still there
+    "verify_files": {"check.sh": "echo FAILME; exit 1"},
+}
 ANSWER_ROWS = [
     {"id": "sum-right", "prompt": "What is 19 + 23? [answer:42]", "answer": 42},
     {"id": "sum-wrong", "prompt": "What is 20 + 23? [answer:42]", "answer": 43},
@@ -70,10 +80,16 @@ def _check_hidden_files(run_dir: Path) -> None:
     assert (score["passed"], score["value"], score["verify_exit_code"]) == (True, 1.0, 0), score
     wrong = recs["wrong"]["score"]
     assert (wrong["passed"], wrong["value"], wrong["verify_exit_code"]) == (False, 0.0, 1), wrong
+    tamper = recs["tamper"]["score"]
+    assert (tamper["passed"], tamper["verify_exit_code"], tamper["verify_output"]) == (
+        False,
+        1,
+        "FAILME\n",
+    ), tamper
 
 
 def test_hidden_files_and_verify_on_the_local_backend(tmp_path):
-    dataset = write_rows(tmp_path / "d.jsonl", [HIDDEN_ROW, WRONG_FILE_ROW, PARTIAL_ROW])
+    dataset = write_rows(tmp_path / "d.jsonl", [HIDDEN_ROW, WRONG_FILE_ROW, PARTIAL_ROW, TAMPER_ROW])
     out = tmp_path / "data"
     run(None, dataset, out)
     run_dir = out / "run"
@@ -82,12 +98,14 @@ def test_hidden_files_and_verify_on_the_local_backend(tmp_path):
     assert (partial["passed"], partial["value"]) == (False, 0.5), partial
     assert '{"score": 0.5}' in partial["verify_output"]
     scores = stats_of(run_dir)["scores"]
-    assert (scores["scored"], scores["passed"], scores["pass_rate"]) == (3, 1, round(1 / 3, 6))
+    assert (scores["scored"], scores["passed"], scores["pass_rate"]) == (4, 1, round(1 / 4, 6))
 
 
 @pytest.mark.docker
 def test_hidden_files_and_verify_on_the_docker_backend(tmp_path, docker_test_image):
-    rows = [{**r, "image": docker_test_image, "cwd": "/work"} for r in (HIDDEN_ROW, WRONG_FILE_ROW)]
+    rows = [
+        {**r, "image": docker_test_image, "cwd": "/work"} for r in (HIDDEN_ROW, WRONG_FILE_ROW, TAMPER_ROW)
+    ]
     out = tmp_path / "data"
     run(None, write_rows(tmp_path / "d.jsonl", rows), out, sandbox="docker", default_image=docker_test_image)
     _check_hidden_files(out / "run")

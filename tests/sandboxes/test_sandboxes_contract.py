@@ -37,7 +37,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
         }
         return Target(
             "local", options, absolute_cwd=str(tmp_path / "proj" / "sub"),
-            failing_spec={"cwd": "/proc/cannot/create"}, isolated=False,
+            failing_spec={"cwd": "/proc/cannot/create"}, isolated=False, ends_processes=False,
         )  # fmt: skip
     if kind == "local-bwrap":
         request.getfixturevalue("bwrap_available")

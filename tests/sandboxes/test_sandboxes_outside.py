@@ -52,7 +52,7 @@ def test_the_outside_backend_passes_the_contract_suite(installed: Path, tmp_path
     target = Target(
         "outside", {"output_cap_bytes": CAP, "base_dir": str(tmp_path)},
         absolute_cwd=str(tmp_path / "proj" / "sub"), failing_spec={"cwd": "/proc/cannot/create"},
-        isolated=False,
+        isolated=False, ends_processes=False,
     )  # fmt: skip
     results = run_suite(target)
     failed = [f"{r.name}:\n{r.detail}" for r in results if not r.passed]

@@ -36,6 +36,51 @@ BACKGROUND_ENV = ("BATCH_RUNNER_BACKGROUND", "1")
 BACKGROUND_DIR = ".batch-runner-processes"
 
 
+# Before a sample is judged in its sandbox (verify, a user's scorer), nothing the agent started may
+# still run: a process left in the background could rewrite the hidden verify files once written, or
+# the verify's own output, and fake a pass. A sandbox that can end them has ``end_processes(timeout_s)``:
+# None once they are gone, else why not (SandboxError: the sandbox itself is gone). In a sandbox with a PID namespace of its own, this script
+# does it: it kills every process but PID 1, itself and its ancestors (the sandbox's command server),
+# round after round until none is left alive (a process forking in a loop is caught in the next round;
+# a zombie is dead already). Builtins only, so that it never counts a child of its own. Never run it
+# where the PID namespace is the host's: it would kill every process of the user it runs as.
+END_PROCESSES_SCRIPT = r"""
+keep=" 1 $$ " p=$$
+while [ "$p" -gt 1 ] 2>/dev/null; do
+    IFS= read -r line < "/proc/$p/stat" || break
+    set -- ${line##*) }
+    p=$2 keep="$keep$2 "
+done
+n=0
+while [ "$n" -lt 200 ]; do
+    n=$((n + 1)) live=
+    for f in /proc/[0-9]*/stat; do
+        pid=${f#/proc/} pid=${pid%/stat}
+        case $keep in *" $pid "*) continue ;; esac
+        { IFS= read -r line < "$f"; } 2>/dev/null || continue
+        set -- ${line##*) }
+        [ "$1" = Z ] && continue
+        kill -9 "$pid" 2>/dev/null
+        live=1
+    done
+    [ -n "$live" ] || exit 0
+done
+echo "batch-runner: processes left by the agent were still alive after $n rounds of kill -9"
+exit 1
+"""
+
+
+def end_processes_with_script(sandbox: Any, timeout_s: float) -> str | None:
+    """End what the agent left running with :data:`END_PROCESSES_SCRIPT`, run by ``sandbox.run`` (a
+    sandbox with a PID namespace of its own): None once they are gone, else why not."""
+    res = sandbox.run(END_PROCESSES_SCRIPT, timeout_s=timeout_s)
+    if res.timed_out:
+        return f"ending them took longer than {timeout_s:g} s"
+    if res.exit_code != 0:
+        return res.output.strip()[-200:] or f"exit code {res.exit_code}"
+    return None
+
+
 class SandboxError(RuntimeError):
     """Infrastructure failure: the sandbox could not start, or is gone. Fails the prompt."""
 

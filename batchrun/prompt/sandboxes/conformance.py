@@ -54,6 +54,7 @@ class Target:
     processes: Callable[[Sandbox], str] = host_processes  # where its processes can be listed
     keeps_background: bool = True  # the process tool's commands outlive the command that started them
     reaps_leftovers: bool = False  # what a command leaves running is killed when it ends
+    ends_processes: bool = True  # end_processes ends everything the commands left (not: no isolation)
     run_name: str = field(default_factory=lambda: f"contract-{uuid.uuid4().hex[:8]}")
 
 
@@ -279,6 +280,36 @@ def check_process_tool_keeps_a_background_command_between_commands(target: Targe
         time.sleep(0.2)
     listed = [(p["id"], p["status"]) for p in call(action="list")["processes"]]
     assert listed == [("p1", "exited"), ("p2", "killed")], listed
+
+
+def check_end_processes_ends_what_the_commands_left(target: Target, make: Make) -> None:
+    """Before a sample is judged, nothing its agent started runs on: not what the process tool
+    started, nor a process that marked and detached itself, nor one forking in a loop."""
+    from batchrun.prompt.tools.catalog import execute_tool_call
+    from batchrun.prompt.tools.registry import ToolContext
+
+    if not target.ends_processes:
+        raise Skip("this target cannot end the processes its commands leave")
+    sandbox = make()
+    end = getattr(sandbox, "end_processes", None)
+    assert end is not None, "the backend has no end_processes(timeout_s)"
+    tag = random.randint(100_000, 999_999)
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=30.0, output_cap_bytes=CAP)
+    started = json.loads(
+        execute_tool_call(
+            "process", json.dumps({"action": "start", "command": f"sleep {tag}"}), ctx, {"process"}
+        )
+    )
+    assert started.get("status") == "running" or not target.keeps_background, started
+    detach = "mkdir -p ${TMPDIR:-/tmp}/.batch-runner-processes; BATCH_RUNNER_BACKGROUND=1 setsid sh -c"
+    sandbox.run(f"{detach} 'sleep {tag + 1}' >/dev/null 2>&1 &", timeout_s=20)
+    sandbox.run(f"{detach} 'while :; do sleep {tag + 2} & sleep 1; done' >/dev/null 2>&1 &", timeout_s=20)
+    time.sleep(0.3)
+    assert end(30) is None
+    listing = target.processes(sandbox)
+    assert all(f"sleep {tag + i}" not in listing for i in range(3)), listing
+    assert sandbox.run("echo still usable", timeout_s=20).output == "still usable\n"
+    assert end(30) is None  # nothing left: at once
 
 
 CHECKS: dict[str, Callable[[Target, Make], None]] = {

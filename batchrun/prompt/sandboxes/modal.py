@@ -28,6 +28,7 @@ from batchrun.prompt.sandboxes.base import (
     SandboxSpec,
     SetupError,
     check_option_types,
+    end_processes_with_script,
     parse_options,
 )
 
@@ -142,6 +143,10 @@ class ModalSandbox(SandboxBackend):
         timed_out = time.monotonic() - began >= timeout_s
         exit_code = -1 if timed_out else (proc.poll() if proc.poll() is not None else -1)
         return ExecResult(output=output, exit_code=exit_code, timed_out=timed_out, truncated=truncated)
+
+    def end_processes(self, timeout_s: float) -> str | None:
+        """Before judging: end every process the agent left (the sandbox has a PID namespace of its own)."""
+        return end_processes_with_script(self, timeout_s)
 
     def stop(self) -> None:
         sandbox, self._sandbox = self._sandbox, None

@@ -29,6 +29,7 @@ from batchrun.prompt.sandboxes.base import (
     SandboxSpec,
     SetupError,
     check_option_types,
+    end_processes_with_script,
     parse_options,
     safe_run_name,
 )
@@ -162,6 +163,10 @@ class SingularitySandbox(SandboxBackend):
             [*argv, "sh", "-c", command], stdin=stdin, timeout_s=timeout_s,
             output_cap_bytes=self.options.output_cap_bytes, env=_host_env(),
         )  # fmt: skip
+
+    def end_processes(self, timeout_s: float) -> str | None:
+        """Before judging: end every process the agent left (the instance has a PID namespace of its own)."""
+        return end_processes_with_script(self, timeout_s)
 
     def stop(self) -> None:
         instance, self.instance = self.instance, None

@@ -99,6 +99,29 @@ __br_sweep() {{
         done
     done
 }}
+# What runs here now (docker-init, the boot shell, cat, the sleeper, this server) is all the
+# container has before the agent's first command: __br_end <token>, run before a sample is judged,
+# kills everything else (what the agent left, however it marked or detached it), round after round
+# until nothing of it is left alive, then prints the marker with 0 (1: still alive after 200 rounds).
+__br_base=' '
+for __br_f in /proc/[0-9]*; do __br_base="$__br_base${{__br_f#/proc/}} "; done
+__br_end() {{
+    __br_t=$1 __br_rc=1 __br_n=0
+    while [ "$__br_n" -lt 200 ]; do
+        __br_n=$((__br_n + 1)) __br_live=
+        for __br_f in /proc/[0-9]*/stat; do
+            __br_p=${{__br_f#/proc/}} __br_p=${{__br_p%/stat}}
+            case $__br_base in *" $__br_p "*) continue ;; esac
+            {{ read -r __br_l < "$__br_f"; }} 2>/dev/null || continue
+            set -- ${{__br_l##*) }}
+            [ "$1" = Z ] && continue
+            kill -9 "$__br_p" 2>/dev/null
+            __br_live=1
+        done
+        [ -n "$__br_live" ] || {{ __br_rc=0; break; }}
+    done
+    printf '\\n[batch-runner-exit:%s]=%s\\n' "$__br_t" "$__br_rc"
+}}
 printf '%s\\n' '{READY_LINE}'
 """.encode()
 
@@ -120,6 +143,11 @@ def request(token: str, command: str, stdin: bytes | None) -> bytes:
     if stdin is not None:
         words.append(sh_quote(printf_format(stdin)))
     return b" ".join(words) + b"\n"
+
+
+def end_request(token: str) -> bytes:
+    """The line that ends what the agent left running (``__br_end``), answered with ``token``'s marker."""
+    return b"__br_end " + token.encode() + b"\n"
 
 
 class Channel:

@@ -400,8 +400,25 @@ class DockerSandbox(SandboxBackend):
                 )
             return result
 
-    def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
-        """One request to the server; None when the container ended before its first command did anything."""
+    def end_processes(self, timeout_s: float) -> str | None:
+        """Before judging: end every process the agent left (the server's ``__br_end``)."""
+        with self._lock:
+            if self.container_id is None or self._channel is None:
+                raise SandboxError("docker sandbox is not started")
+            result = self._serve("", timeout_s=timeout_s, stdin=None, end=True)
+        if result is None:
+            raise SandboxError(f"docker container of prompt {self.spec.prompt_index} is gone")
+        if result.timed_out:
+            return f"ending them took longer than {timeout_s:g} s"
+        if result.exit_code != 0:
+            return "processes left by the agent were still alive after 200 rounds of kill -9"
+        return None
+
+    def _serve(
+        self, command: str, *, timeout_s: float, stdin: bytes | None, end: bool = False
+    ) -> ExecResult | None:
+        """One request to the server (``end``: __br_end, not a command); None when the container ended
+        before its first command did anything."""
         channel = self._channel
         assert channel is not None
         gone = f"docker container of prompt {self.spec.prompt_index} is gone"
@@ -419,7 +436,8 @@ class DockerSandbox(SandboxBackend):
         state = "eof"
         if not channel.eof:
             try:
-                channel.send(server.request(token, command, stdin), deadline)
+                line = server.end_request(token) if end else server.request(token, command, stdin)
+                channel.send(line, deadline)
                 state = channel.read_until(feed, deadline)
             except TimeoutError:
                 state = "timeout"  # the request itself did not fit in the time (a huge stdin)

@@ -39,6 +39,7 @@ from batchrun.prompt.sandboxes.base import (
     SandboxFlags,
     SandboxSpec,
     SetupError,
+    end_processes_with_script,
     parse_options,
     safe_run_name,
 )
@@ -348,6 +349,13 @@ class LocalSandbox(SandboxBackend):
                 result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n")
             )
         return result
+
+    def end_processes(self, timeout_s: float) -> str | None:
+        """Before judging: end every process the agent left (its server, PID 1 of the prompt's own PID
+        namespace, stays). Without isolation the agent's processes are the host's: nothing is ended."""
+        if self.isolation == "none":
+            return None
+        return end_processes_with_script(self, timeout_s)
 
     # -- the file tools' direct path (see direct_files): the prompt's working directory and /tmp, from here
 
