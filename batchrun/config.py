@@ -25,6 +25,7 @@ import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from batchrun.prompt.httpclient import url_credentials
 from batchrun.prompt.llm import DIALECTS, MAX_CALL_TOKENS, PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
@@ -33,6 +34,7 @@ from batchrun.prompt.sandboxes import DEFAULT_BACKEND, backend_class
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
+from batchrun.sharegpt import parse_json
 from batchrun.storage import read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
@@ -74,6 +76,28 @@ def parse_bool(value: Any, flag: str) -> bool:
 
 def parse_optional_bool(value: Any, flag: str) -> bool | None:
     return None if value is None else parse_bool(value, flag)
+
+
+def _is_http_url(url: str) -> bool:
+    """An http(s) URL with a host that a request can be sent to (``http://[::1/v1``: no; a port
+    out of range: no); urllib raises ValueError for such a URL wherever it is read later."""
+    if not re.fullmatch(r"https?://\S+", url):
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (ValueError when the port is no number or out of range)
+    except ValueError:
+        return False
+    return bool(parts.hostname)
+
+
+def _shown_url(url: str) -> str:
+    """``url`` as a message may show it: without its user and password (when it can be read at all)."""
+    try:
+        return url_credentials(url)[0]
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        return scheme + sep + rest.rpartition("@")[2] if "@" in rest else url
 
 
 def _show(value: Any) -> str:
@@ -249,7 +273,7 @@ def json_object_flag(value: Any, flag: str) -> dict[str, Any] | None:
         return value
     if isinstance(value, str):
         try:
-            parsed = json.loads(value)
+            parsed = parse_json(value)
         except ValueError:
             parsed = None
         if isinstance(parsed, dict):
@@ -721,9 +745,9 @@ class RunConfig:
                 f"--max_concurrent_requests={self.max_concurrent_requests} is below "
                 f"--num_workers={self.num_workers}; raise it or use fewer workers"
             )
-        if not re.fullmatch(r"https?://\S+", self.base_url):
+        if not _is_http_url(self.base_url):
             raise UsageError(
-                f"--base_url must be an http:// or https:// URL, got {_show(url_credentials(self.base_url)[0])}"
+                f"--base_url must be an http:// or https:// URL, got {_show(_shown_url(self.base_url))}"
             )
         if url_credentials(self.base_url)[1] is not None and self.resolved_api_key:
             raise UsageError(
@@ -772,7 +796,7 @@ class RunConfig:
         wants_judge = "judge" in self.scorer
         if wants_judge and not self.judge_model:
             raise UsageError("--scorer=judge needs --judge_model (and --judge_base_url, else --base_url)")
-        if self.judge_base_url is not None and not re.fullmatch(r"https?://\S+", self.judge_base_url):
+        if self.judge_base_url is not None and not _is_http_url(self.judge_base_url):
             raise UsageError(
                 f"--judge_base_url must be an http:// or https:// URL, got {_show(self.judge_base_url)}"
             )

@@ -7,6 +7,7 @@ most probable toolset is offered alone, so no prompt runs without tools.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 
 from batchrun.identity import prompt_rng  # noqa: F401  (re-exported: scripts import it from here)
 from batchrun.prompt.tools.registry import TOOLSETS
-from batchrun.sharegpt import unique_keys
+from batchrun.sharegpt import parse_json, unique_keys
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,6 @@ def load_distribution_file(path: str, known: Collection[str]) -> dict[str, Distr
     The file maps each name to ``{"description": ..., "probabilities": {toolset: percent}}``, the
     shape of the built-ins. ValueError naming the file, the distribution and the field otherwise.
     """
-    import json
     from pathlib import Path
 
     try:
@@ -252,10 +252,10 @@ def load_distribution_file(path: str, known: Collection[str]) -> dict[str, Distr
     else:
         try:
             # A distribution (or a toolset) defined twice is an error, not the last definition silently.
-            data = json.loads(text, object_pairs_hook=unique_keys)
+            data = parse_json(text, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from None
-        except ValueError as exc:  # a name defined twice
+        except ValueError as exc:  # a name defined twice, a number or nesting too large to read
             raise ValueError(f"{path}: {exc}") from None
     if not isinstance(data, dict) or not data:
         raise ValueError(

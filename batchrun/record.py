@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from batchrun.sharegpt import first_human
+from batchrun.sharegpt import first_human, parse_json
 
 STRING, INT, FLOAT, BOOL = "string", "int64", "float64", "bool"
 
@@ -203,7 +203,7 @@ def read_score(score: Any) -> dict[str, Any]:
     parts = score.get("parts")
     if isinstance(parts, str):
         try:
-            parts = json.loads(parts)
+            parts = parse_json(parts)
         except ValueError:
             parts = []
     code = score.get("verify_exit_code")
@@ -292,7 +292,7 @@ def names_of(value: Any) -> list[str] | None:
         return [str(v) for v in value]
     if isinstance(value, str):
         try:
-            parsed = json.loads(value)
+            parsed = parse_json(value)
         except ValueError:
             return None
         if isinstance(parsed, list):
@@ -304,7 +304,7 @@ def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
     missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
     if isinstance(usage.get("unreported"), str):  # typed already (the recorder types it again): keep it
         try:
-            missing |= {k for k in json.loads(usage["unreported"]) if isinstance(k, str)}
+            missing |= {k for k in parse_json(usage["unreported"]) if isinstance(k, str)}
         except (ValueError, TypeError):
             pass
     unreported = [k for k in USAGE_COUNTS if k in missing]  # one order: typing twice changes nothing
@@ -440,8 +440,8 @@ def sample_index_of(fields: dict[str, Any]) -> int:
 def is_tool_failure(content: str) -> bool:
     """Whether a tool result counts as a failure in ``tool_stats``, by SPEC's rule: non-null ``error`` (also nested in ``content``), ``success: false``, or error-like text."""
     try:
-        data = json.loads(content)
-    except (json.JSONDecodeError, TypeError):
+        data = parse_json(content)
+    except (ValueError, TypeError):
         text = (content or "").strip()
         return not text or text.lower().startswith("error:")
     if isinstance(data, dict):
@@ -547,7 +547,7 @@ def run_tool_names(trajectories: Path) -> list[str]:
     with trajectories.open("rb") as fh:
         for line in fh:
             try:
-                stats = json.loads(line).get("tool_stats")
+                stats = parse_json(line).get("tool_stats")
             except (ValueError, AttributeError):
                 continue
             if isinstance(stats, dict):
@@ -572,7 +572,7 @@ def _run_records(sources: list[tuple[str, str, str]], tool_names: tuple[str, ...
         with open(path, "rb") as fh:
             for line in fh:
                 try:
-                    rec = json.loads(line)
+                    rec = parse_json(line)
                 except ValueError:
                     continue  # a torn line: every reader skips it
                 if isinstance(rec, dict) and isinstance(rec.get("conversations"), list):

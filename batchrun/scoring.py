@@ -42,6 +42,7 @@ from typing import Any
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.protocol import RowCheck
 from batchrun.record import in_unit_range, read_score
+from batchrun.sharegpt import parse_json
 
 TEXT_SCORERS = ("exact", "includes", "regex", "numeric", "json")
 SANDBOX_SCORERS = ("verify",)
@@ -422,7 +423,7 @@ def _json_of(text: str) -> Any:
     candidates = [*reversed(fenced), text]
     for cand in candidates:
         try:
-            return json.loads(cand)
+            return parse_json(cand)
         except ValueError:
             continue
     raise ValueError("the answer is not JSON")
@@ -453,7 +454,7 @@ def text_score(name: str, record: dict[str, Any], check: RowCheck | None, settin
             return Part(name, 0.0, False, f"the answer is not JSON: {shown!r}")
         for want in answers:
             try:
-                want_v = json.loads(want) if isinstance(want, str) else want
+                want_v = parse_json(want) if isinstance(want, str) else want
             except ValueError:
                 want_v = want
             if json_equal(value, want_v):
@@ -502,7 +503,7 @@ def partial_credit(output: str) -> tuple[float | None, str | None]:
     if not lines:
         return None, None
     try:
-        obj = json.loads(lines[-1])
+        obj = parse_json(lines[-1])
     except ValueError:
         return None, None
     if not isinstance(obj, dict):
@@ -639,7 +640,7 @@ def parse_judge_reply(text: str) -> Part:
     """The judge's JSON verdict (the last JSON object in its reply); a bad reply is an error, no verdict."""
     for cand in reversed(re.findall(r"\{.*?\}", text, re.DOTALL)):
         try:
-            obj = json.loads(cand)
+            obj = parse_json(cand)
         except ValueError:
             continue
         if isinstance(obj, dict):
@@ -761,7 +762,7 @@ def keep_problem(score: dict[str, Any], keep: str) -> str | None:
 def check_from_row_fields(text: str | None) -> RowCheck | None:
     """A record's row check, from its ``metadata.row_fields`` (for re-scoring a finished run)."""
     try:
-        obj = json.loads(text or "{}")
+        obj = parse_json(text or "{}")
         check = check_fields(obj if isinstance(obj, dict) else {})
     except ValueError:
         return None

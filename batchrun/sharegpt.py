@@ -100,13 +100,28 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+def parse_json(text: str | bytes, **options: Any) -> Any:
+    """``json.loads`` for text from outside (a dataset line, a saved record, an endpoint's body, a
+    flag's file): ``ValueError`` for whatever it cannot read. ``json.loads`` itself also raises a bare
+    ValueError for an integer of more than 4300 digits (Python's limit on converting one) and a
+    RecursionError for nesting past the interpreter's recursion limit, which is made a ValueError."""
+    try:
+        return json.loads(text, **options)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+    except ValueError as exc:
+        if str(exc).startswith("Exceeds the limit"):  # Python's advice (set_int_max_str_digits) is not ours
+            raise ValueError("a number of more than 4300 digits") from None
+        raise
+
+
 def strict_json(text: str) -> Any:
     """``text`` as JSON that every reader reads the same way; ValueError otherwise. Python's reader
     also takes ``NaN``, ``Infinity`` and ``-Infinity`` (no other reader does: written back, they make a
     line strict readers refuse), a number too large for a double (``1e999``, read as infinity and
     written back as ``Infinity``), and an object that names a key twice (it keeps the last; which one
     the model meant is anyone's guess). A model's tool-call arguments are read with this."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=unique_keys)
+    return parse_json(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=unique_keys)
 
 
 def canonical_arguments(raw: str) -> str:
@@ -144,7 +159,7 @@ def parse_tool_calls(value: str) -> list[dict[str, str]]:
     """Read the ``<tool_call>`` blocks of a gpt value back as ``[{"name", "arguments"}]``."""
     calls = []
     for block in _TOOL_CALL_RE.findall(value):
-        obj = json.loads(block)
+        obj = parse_json(block)
         args = obj["arguments"]
         calls.append(
             {
@@ -169,8 +184,8 @@ def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, An
 
 def tool_response_block(tool_call_id: str, name: str, content: str) -> str:
     try:
-        body: Any = json.loads(content)
-    except (json.JSONDecodeError, TypeError):
+        body: Any = parse_json(content)
+    except (ValueError, TypeError):
         body = content
     payload = {"tool_call_id": tool_call_id, "name": name, "content": body}
     return "<tool_response>\n" + json.dumps(payload, ensure_ascii=False) + "\n</tool_response>"
@@ -272,7 +287,7 @@ def parse_tool_responses(value: str) -> list[dict[str, Any]]:
     """
     out = []
     for block in _TOOL_RESPONSE_RE.findall(value):
-        obj = json.loads(block)
+        obj = parse_json(block)
         body = obj["content"]
         out.append(
             {
@@ -291,7 +306,7 @@ def offered_tools(system_value: str) -> list[dict[str, Any]]:
         return []
     return [
         {"type": "function", "function": {k: v for k, v in f.items() if not (k == "required" and v is None)}}
-        for f in json.loads(found[-1])
+        for f in parse_json(found[-1])
     ]
 
 

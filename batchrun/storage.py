@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from batchrun.sharegpt import parse_json
+
 
 class WriteError(OSError):
     """A run file could not be written (disk full, read-only file system, ...): the run cannot go on.
@@ -67,10 +69,10 @@ def read_json_file(path: str | Path) -> Any:
     """A small JSON file the user named (a flag's file); ValueError saying ``<path>: cannot read`` or
     ``<path>: not valid JSON``, for the caller to prefix with its flag."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return parse_json(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
 
 
@@ -133,8 +135,8 @@ def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
                 continue
             try:
                 # Strict UTF-8 first: json.loads of bytes would let an encoded surrogate through.
-                obj = json.loads(raw.decode("utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                obj = parse_json(raw.decode("utf-8"))
+            except ValueError:
                 yield raw, None
                 continue
             yield raw, obj if isinstance(obj, dict) else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ from batchrun.prompt.trajectory import (
 from batchrun.protocol import Outcome, PromptJob
 from batchrun.record import conform_score, read_score
 from batchrun.scoring import Judgement, ScoringSettings, keep_problem, score_sample
-from batchrun.sharegpt import reasoning_counts
+from batchrun.sharegpt import parse_json, reasoning_counts
 
 
 @dataclass(frozen=True)
@@ -304,7 +303,7 @@ def with_judge_usage(usage: dict[str, Any], judge: dict[str, Any] | None) -> dic
 def _row_of(job: PromptJob) -> dict[str, Any]:
     """The dataset row as a user's scorer sees it: its fields, with its prompt."""
     try:
-        fields = json.loads(job.row_fields or "{}")
+        fields = parse_json(job.row_fields or "{}")
     except ValueError:
         fields = {}
     return {**(fields if isinstance(fields, dict) else {}), "prompt": job.prompt}

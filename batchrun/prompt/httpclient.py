@@ -32,7 +32,6 @@ from __future__ import annotations
 import base64
 import heapq
 import http.client
-import json
 import os
 import socket
 import threading
@@ -46,6 +45,8 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 import urllib3
 from urllib3 import exceptions as u3
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+from batchrun.sharegpt import parse_json
 
 KEEPALIVE_EXPIRY_S = 4.0  # an idle pooled connection is closed after this (below uvicorn's 5 s)
 MAX_CONNECTIONS = 1024  # per origin; a worker has at most one connection per prompt thread
@@ -165,7 +166,7 @@ class Response:
 
     def json(self) -> Any:
         """The body as JSON; ``ValueError`` (``JSONDecodeError``, ``UnicodeDecodeError``) when it is not."""
-        return json.loads(self.read())
+        return parse_json(self.read())
 
     def iter_lines(self) -> Iterator[str]:
         """The body's lines as they arrive, without their ends; a line longer than ``Bounds.line_bytes``
@@ -810,7 +811,7 @@ def _status_error(response: Response) -> StatusError:
     body: Any = text
     if text:
         try:
-            body = json.loads(text)
+            body = parse_json(text)
         except ValueError:
             pass
     location = response.headers.get("location")

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from batchrun.prompt import httpclient
 from batchrun.prompt.jsonbody import RequestEncoder, encode_json
 from batchrun.prompt.limiter import Limiter, LimitTimeout, backoff_s
-from batchrun.sharegpt import unwrap_reasoning
+from batchrun.sharegpt import parse_json, unwrap_reasoning
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 # auto: openrouter.ai -> openrouter, api.openai.com -> openai, port 11434 -> ollama, anything else -> local
@@ -926,7 +926,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             assembled += len(data)
             if max_bytes is not None and assembled > max_bytes:
                 raise httpclient.BadResponse(f"the streamed reply grew past {max_bytes:,} bytes")
-            chunk = json.loads(data)
+            chunk = parse_json(data)
             if not isinstance(chunk, dict):
                 continue
             if chunk.get("error") is not None:

@@ -8,7 +8,6 @@ words are never rewritten to make that so; a sample where it does not hold is di
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -182,7 +181,7 @@ def ambiguous_markup(messages: list[dict[str, Any]], conversations: list[dict[st
             return True
         try:
             parsed = parse_gpt_value(value)
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             return True
         if parsed != (reasoning, words, calls):
             return True

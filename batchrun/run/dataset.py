@@ -23,6 +23,7 @@ from typing import Any
 from batchrun.config import UsageError
 from batchrun.protocol import RowCheck, RowOptions
 from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
+from batchrun.sharegpt import parse_json
 
 MAX_SAMPLES_PER_ROW = 10_000
 
@@ -106,9 +107,11 @@ def _parse_line(
     if not text.strip():
         return None, None
     try:
-        obj = json.loads(text)
+        obj = parse_json(text)
     except json.JSONDecodeError as exc:
         return f"invalid JSON: {exc.msg} at column {exc.colno}", None
+    except ValueError as exc:  # an integer of more than 4300 digits, nesting too deep to read
+        return f"invalid JSON: {exc}", None
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}", None
     prompt = obj.get("prompt")

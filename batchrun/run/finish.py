@@ -28,7 +28,7 @@ from batchrun.run.recorder import Recorder
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
-from batchrun.sharegpt import reasoning_counts, used_tool_names
+from batchrun.sharegpt import parse_json, reasoning_counts, used_tool_names
 from batchrun.storage import (
     batch_files,
     fsync_dir,
@@ -231,7 +231,7 @@ class PreparedLines:
 
         line = data.rstrip(b"\n")
         try:
-            rec = json.loads(line.decode("utf-8"))  # as the merge parses the line (iter_jsonl_raw)
+            rec = parse_json(line.decode("utf-8"))  # as the merge parses the line (iter_jsonl_raw)
             if not isinstance(rec, dict) or not valid_record(rec) or typed_record(rec) is not None:
                 return
             item = prepare_trajectory(rec) if listed else None
@@ -462,7 +462,7 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
     written in a form ``batchrun.run.run_dir`` refuses before a resume gets here.
     """
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
+        old = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
     runs = old.get("runs") if isinstance(old, dict) else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import hashlib
-import json
 import shlex
 import socket
 import sys
@@ -26,6 +25,7 @@ from batchrun.record import valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.secrets import Redactor
+from batchrun.sharegpt import parse_json
 from batchrun.storage import batch_files, iter_jsonl
 
 # Settings that define what the data is; a resume with other values would mix two datasets.
@@ -111,8 +111,8 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The first run's settings; a damaged file stops the resume instead of silently skipping the check."""
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        old = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
         old, problem = None, str(exc)
     else:
         problem = f"a JSON {type(old).__name__}"

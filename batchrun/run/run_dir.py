@@ -15,9 +15,10 @@ when it holds a form no reader handles any more: a ``statistics.json`` without i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from batchrun.sharegpt import parse_json
 
 FORMAT_VERSION = 1  # the run directory's format: raise it when readers can no longer read what was written
 FORMAT_FIELD = "format_version"
@@ -63,6 +64,6 @@ def _unreadable_form(run_dir: Path) -> str | None:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        return parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None  # absent or damaged: the readers of that file say so themselves

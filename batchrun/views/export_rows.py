@@ -5,7 +5,6 @@ the request's errors and result, one record's messages, the samples of the runs,
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any
 from batchrun.record import read_score
 from batchrun.sharegpt import (
     parse_gpt_value,
+    parse_json,
     parse_tool_responses,
     split_system_value,
     tool_call_text,
@@ -75,7 +75,7 @@ def to_openai_messages(conversations: list[dict[str, Any]], *, unsplit: bool = F
     """A record's ShareGPT conversation as OpenAI chat messages (keys that do not apply left out).
 
     ``unsplit``: assistant turns keep their text whole (reasoning markup included), for samples whose
-    markup was ambiguous. Raises ValueError (or KeyError, json.JSONDecodeError) for a conversation
+    markup was ambiguous. Raises ValueError (or KeyError, ValueError) for a conversation
     that does not parse back.
     """
     messages: list[dict[str, Any]] = []
@@ -177,8 +177,8 @@ def _raw_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _arguments_object(arguments: str) -> dict[str, Any] | None:
     try:
-        value = json.loads(arguments)
-    except (json.JSONDecodeError, TypeError):
+        value = parse_json(arguments)
+    except (ValueError, TypeError):
         return None
     return value if isinstance(value, dict) else None
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
-from batchrun.sharegpt import first_human, reasoning_counts
+from batchrun.sharegpt import first_human, parse_json, reasoning_counts
 from batchrun.storage import iter_jsonl, write_text_atomic
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -43,8 +43,8 @@ _TOOLS_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
 
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        obj = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -76,7 +76,7 @@ def _json_list(value: Any) -> list[Any]:
     if not isinstance(value, str):
         return []
     try:
-        parsed = json.loads(value)
+        parsed = parse_json(value)
     except ValueError:
         return []
     return parsed if isinstance(parsed, list) else []
@@ -284,8 +284,8 @@ def _cut(text: str) -> str:
 def _pretty(value: Any) -> str:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
+            value = parse_json(value)
+        except ValueError:
             return value
         if isinstance(value, str):
             return value
@@ -356,8 +356,8 @@ def render_turn(c: dict[str, Any]) -> dict[str, Any] | None:
 def _offered_tools(system: str) -> list[str]:
     m = _TOOLS_RE.search(system)
     try:
-        tools = json.loads(m.group(1)) if m else []
-    except json.JSONDecodeError:
+        tools = parse_json(m.group(1)) if m else []
+    except ValueError:
         return []
     return [t["name"] for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str)]
 
@@ -376,9 +376,9 @@ def _gpt_turn(value: str, structured: Any) -> dict[str, Any]:
     else:
         for block in blocks:
             try:
-                obj = json.loads(block)
+                obj = parse_json(block)
                 calls.append({"n": str(obj.get("name")), "a": _cut(_pretty(obj.get("arguments")))})
-            except (json.JSONDecodeError, AttributeError):
+            except (ValueError, AttributeError):
                 calls.append({"n": "(unparsable call)", "a": _cut(block)})
     return {"k": "g", "th": _cut(think.group(1).strip()) if think else None, "v": _cut(text), "c": calls}
 
@@ -387,8 +387,8 @@ def _tool_turn(value: str) -> dict[str, Any]:
     results = []
     for block in _TOOL_RESPONSE_RE.findall(value):
         try:
-            obj = json.loads(block)
-        except json.JSONDecodeError:
+            obj = parse_json(block)
+        except ValueError:
             results.append({"n": "(unparsable result)", "ok": False, "v": _cut(block)})
             continue
         content = obj.get("content") if isinstance(obj, dict) else obj

@@ -42,7 +42,7 @@ from batchrun.scoring import (
     score_sample,
     wanted_from_duplicates,
 )
-from batchrun.sharegpt import first_human
+from batchrun.sharegpt import first_human, parse_json
 from batchrun.storage import iter_jsonl, write_json_atomic, write_text_atomic
 
 
@@ -96,7 +96,7 @@ def rescore(
         meta = rec.get("metadata") or {}
         check = check_from_row_fields(meta.get("row_fields"))
         try:
-            row = json.loads(meta.get("row_fields") or "{}")
+            row = parse_json(meta.get("row_fields") or "{}")
         except ValueError:
             row = {}
         judgement = Judgement(
@@ -120,7 +120,7 @@ def rescore(
     summary = scores.summary()
     stats_path = run_dir / "statistics.json"
     try:
-        stats = json.loads(stats_path.read_text("utf-8"))
+        stats = parse_json(stats_path.read_text("utf-8"))
     except (OSError, ValueError):
         stats = {}
     section = stats.setdefault("scores", {})
@@ -233,7 +233,7 @@ def _settings(args: argparse.Namespace) -> tuple[ScoringSettings, Any]:
 
 def _read_stats(run_dir: Path) -> dict[str, Any]:
     try:
-        stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+        stats = parse_json((run_dir / "statistics.json").read_text("utf-8"))
     except (OSError, ValueError):
         return {}
     return stats if isinstance(stats, dict) else {}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.run.run_dir import check_run_dir
+from batchrun.sharegpt import parse_json
 from batchrun.storage import pid_alive
 
 STALL_AFTER_S = 60.0
@@ -196,12 +197,12 @@ def read_status(run_dir: Path) -> dict[str, Any]:
     path = run_dir / STATUS_NAME
     for attempt in range(2):
         try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
+            obj = parse_json(path.read_text(encoding="utf-8"))
             if isinstance(obj, dict):
                 return obj
         except FileNotFoundError:
             raise
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        except (OSError, ValueError):
             pass
         if attempt == 0:
             time.sleep(0.2)

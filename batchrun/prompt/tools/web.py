@@ -37,6 +37,7 @@ from batchrun.prompt.tools.registry import (
     register,
     register_toolset_check,
 )
+from batchrun.sharegpt import parse_json
 
 MAX_URLS = 5  # per web_extract call, as in the reference
 MIN_PAGE_CHARS = 2000  # the results budget never cuts a page below this
@@ -438,8 +439,8 @@ def _call_json(cfg: SearchConfig, url: str, *, body: dict | None = None, headers
         headers=hdrs,
     )
     try:
-        return json.loads(page.body.decode(page.charset or "utf-8", errors="replace"))
-    except json.JSONDecodeError:
+        return parse_json(page.body.decode(page.charset or "utf-8", errors="replace"))
+    except ValueError:
         raise FetchError(f"{cfg.provider} answered with something that is not JSON") from None
 
 

@@ -1,0 +1,108 @@
+"""JSON that Python's reader cannot take (an integer of more than 4300 digits: a ValueError that is no
+JSONDecodeError; nesting past the recursion limit: a RecursionError), from every outside source: a
+dataset line, a flag's file, a saved batch line on resume, an endpoint's body, a tool call's arguments.
+Each is a bad input named where it is, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, read_jsonl, run, stats_of, write_jsonl
+
+from batchrun.sharegpt import parse_json, strict_json
+
+DEEP = "[" * 100_000 + "]" * 100_000
+BIG = "1" + "0" * 5000
+
+
+@pytest.mark.parametrize(
+    ("text", "said"), [(DEEP, "nested too deeply"), (BIG, "more than 4300 digits")], ids=["deep", "big"]
+)
+def test_parse_json_refuses_with_a_value_error(text, said):
+    for reader in (parse_json, strict_json):
+        with pytest.raises(ValueError, match=said):
+            reader(text)
+
+
+def test_dataset_lines_too_deep_or_too_long_a_number_are_skipped_naming_the_line(tmp_path, capsys):
+    ds = tmp_path / "d.jsonl"
+    ds.write_text(
+        f'{{"prompt": "deep", "x": {DEEP}}}\n{{"prompt": "big", "x": {BIG}}}\n{DEEP}\n{{"prompt": "fine"}}\n'
+    )
+    out = tmp_path / "data"
+    run(None, ds, out)
+    err = capsys.readouterr().err
+    for line, said in (
+        (1, "JSON nested too deeply"),
+        (2, "a number of more than"),
+        (3, "JSON nested too deeply"),
+    ):
+        assert f"{ds}:{line}: invalid JSON: {said}" in err, err
+    assert [r["conversations"][1]["value"] for r in read_jsonl(out / "run" / "trajectories.jsonl")] == [
+        "fine"
+    ]
+
+
+def test_a_flag_file_too_deep_exits_2_naming_the_flag(tmp_path):
+    ds = write_jsonl(tmp_path / "d.jsonl", ["x"])
+    prefill = tmp_path / "prefill.json"
+    prefill.write_text(DEEP)
+    dist = tmp_path / "dist.json"
+    dist.write_text(f'{{"d": {{"terminal": {BIG}}}}}')
+    for flag, path in (("--prefill_messages_file", prefill), ("--distribution_file", dist)):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={ds}", "--batch_size=1",
+             "--run_name=r", "--model=mock", f"--output_dir={tmp_path / 'data'}", f"{flag}={path}"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "data" / "r").exists()
+
+
+@pytest.mark.parametrize("url", ["http://[::1/v1", "http://host:99999/v1", "http:///v1"])
+def test_a_base_url_urllib_cannot_read_exits_2(tmp_path, url):
+    from batchrun.config import RunConfig, UsageError
+
+    ds = write_jsonl(tmp_path / "d.jsonl", ["x"])
+    with pytest.raises(UsageError, match="--base_url must be an http:// or https:// URL"):
+        RunConfig.from_flags(
+            dataset_file=str(ds),
+            batch_size=1,
+            run_name="r",
+            output_dir=str(tmp_path),
+            model="m",
+            base_url=url,
+        )
+
+
+def test_resume_and_the_views_over_batch_lines_too_deep_or_too_long_a_number(tmp_path):
+    ds = write_jsonl(tmp_path / "d.jsonl", ["a", "b", "c"])
+    out = tmp_path / "data"
+    run(None, ds, out)
+    run_dir = out / "run"
+    with open(run_dir / "batch_0.jsonl", "a") as f:
+        f.write(f'{DEEP}\n{{"x": {BIG}}}\n{{"conversations": {"[" * 3000 + "]" * 3000}}}\n')
+    run(None, ds, out, resume=True)
+    stats = stats_of(run_dir)
+    assert stats["trajectories"] == 3 and stats["dropped_at_merge"]["invalid_lines"] == 3, stats
+    report = subprocess.run(
+        [sys.executable, "-m", "batchrun.views.report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+
+
+def test_tool_call_arguments_too_deep_are_an_invalid_call_not_a_crash():
+    from batchrun.prompt.tools.catalog import execute_tool_call
+    from batchrun.prompt.tools.registry import ToolContext
+
+    ctx = ToolContext(sandbox=None, tool_timeout_s=5.0, output_cap_bytes=4096)
+    for args in (f'{{"command": "echo", "x": {DEEP}}}', f'{{"command": "echo", "timeout": {BIG}}}'):
+        said = json.loads(execute_tool_call("terminal", args, ctx, {"terminal"}))
+        assert said["error"].startswith("Invalid JSON in arguments of terminal"), said
