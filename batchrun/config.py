@@ -760,8 +760,10 @@ class RunConfig:
         check_output_dir(self.output_dir, self.run_name)
         if self.cwd_root is not None and not os.path.isdir(self.cwd_root):
             raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
-        if not Path(self.dataset_file).is_file():
-            raise UsageError(f"--dataset_file: dataset file not found: {self.dataset_file}")
+        dataset = Path(self.dataset_file)
+        if not dataset.is_file():
+            what = "a directory" if dataset.is_dir() else "not a regular file" if dataset.exists() else "not found"
+            raise UsageError(f"--dataset_file {self.dataset_file}: {what} (a JSONL file, one row a line)")
         self.prefill_messages  # noqa: B018  (reads and checks the file now, before anything starts)
 
     def check_machine_bounds(self) -> None:

@@ -350,7 +350,8 @@ def test_lone_surrogate_prompt_is_reported_not_fatal(server, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "dataset file not found"),
+        (None, ": not found"),
+        ("dir", ": a directory"),
         (b"", "no usable rows"),
         (b"\n\n  \n", "no usable rows"),
         (b'{"oops": 1}\nnot json\n', ":1: field 'prompt' is missing"),
@@ -358,7 +359,9 @@ def test_lone_surrogate_prompt_is_reported_not_fatal(server, tmp_path, capsys):
 )
 def test_unusable_dataset_is_a_clear_usage_error(tmp_path, capsys, content, message):
     path = tmp_path / "d.jsonl"
-    if content is not None:
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
         path.write_bytes(content)
     with pytest.raises(SystemExit) as info:
         _main(tmp_path, dataset_file=str(path))

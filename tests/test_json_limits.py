@@ -106,3 +106,18 @@ def test_tool_call_arguments_too_deep_are_an_invalid_call_not_a_crash():
     for args in (f'{{"command": "echo", "x": {DEEP}}}', f'{{"command": "echo", "timeout": {BIG}}}'):
         said = json.loads(execute_tool_call("terminal", args, ctx, {"terminal"}))
         assert said["error"].startswith("Invalid JSON in arguments of terminal"), said
+
+
+def test_a_dataset_line_past_32_mib_is_skipped_unread(tmp_path, capsys):
+    from batchrun.run import dataset
+
+    ds = tmp_path / "d.jsonl"
+    with open(ds, "w") as f:
+        f.write(
+            '{"prompt": "first"}\n{"prompt": "'
+            + "x" * (dataset.MAX_LINE_BYTES + 10)
+            + '"}\n{"prompt": "last"}'
+        )
+    rows, problems = dataset.load_dataset(str(ds))
+    assert [r.prompt for r in rows] == ["first", "last"]
+    assert problems == [f"{ds}:2: longer than 32 MiB (skipped unread)"]

@@ -8,6 +8,7 @@ after the model client's own retries, :class:`batchrun.prompt.sandboxes.SandboxE
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,14 @@ from batchrun.prompt.tools.registry import Tool, ToolContext
 from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_json
 
 MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid before we stop the prompt
+# Bounds on what one prompt's conversation holds in this process (it is held several times over: the
+# messages, the request's bytes, the record, its line): a reply's calls past MAX_CALLS_PER_TURN are not
+# run (each is answered that it was not) and the prompt ends as partial, invalid_tool_calls; once the
+# conversation holds MAX_CONVERSATION_CHARS (no model's context is that large) the calls left are not
+# run either and it ends as partial, context_limit. 3,000 calls of 64 KB output each in one reply made a
+# 198 MB record and took 1.36 GB of this machine's memory before.
+MAX_CALLS_PER_TURN = 128
+MAX_CONVERSATION_CHARS = 32 * 1024 * 1024
 
 
 class PromptTimeout(RuntimeError):
@@ -93,6 +102,7 @@ def run_agent(
     saved: list[dict[str, Any]] = [user]
     result = LoopResult(messages=saved, api_calls=0, completed=False, partial=True, stop_reason="max_turns")
     invalid_streak = 0
+    size = len(prompt)  # characters the conversation holds (beyond the system prompt and prefill)
 
     while result.api_calls < limits.max_turns:
         deadline = deadline_now()
@@ -130,14 +140,24 @@ def run_agent(
             result.completed, result.partial, result.stop_reason = True, False, "final_answer"
             return result
         invalid = 0
-        for call in assistant_saved["tool_calls"]:
+        size += _chars(assistant_saved)
+        bounded: str | None = None  # why the prompt ends after this turn: a bound was reached
+        for i, call in enumerate(assistant_saved["tool_calls"]):
             name, args = call["function"]["name"], call["function"]["arguments"]
             remaining = deadline_now() - time.monotonic()
             if remaining <= 0:
                 raise PromptTimeout(f"prompt exceeded its {limits.prompt_timeout_s:g} s limit")
-            ctx.tool_timeout_s = max(1.0, min(limits.tool_timeout_s, remaining))
-            content = execute_tool_call(name, args, ctx, offered)
-            result.tool_calls += 1
+            if i >= MAX_CALLS_PER_TURN:
+                bounded = "invalid_tool_calls"
+                content = _not_run(f"more than {MAX_CALLS_PER_TURN} tool calls in one reply")
+            elif size >= MAX_CONVERSATION_CHARS:
+                bounded = bounded or "context_limit"
+                content = _not_run(f"the conversation holds more than {MAX_CONVERSATION_CHARS} characters")
+            else:
+                ctx.tool_timeout_s = max(1.0, min(limits.tool_timeout_s, remaining))
+                content = execute_tool_call(name, args, ctx, offered)
+                result.tool_calls += 1
+            size += len(content)
             if name not in offered or _is_invalid_json(args):
                 invalid += 1
             if log:
@@ -149,7 +169,27 @@ def run_agent(
         if invalid_streak >= MAX_INVALID_TURNS:
             result.stop_reason = "invalid_tool_calls"
             return result
+        if bounded is None and size >= MAX_CONVERSATION_CHARS:
+            bounded = "context_limit"
+        if bounded is not None:
+            result.stop_reason = bounded
+            return result
     return result
+
+
+def _chars(message: dict[str, Any]) -> int:
+    """The characters an assistant message holds: its words, reasoning and calls' names and arguments."""
+    calls = message.get("tool_calls") or ()
+    return (
+        len(message.get("content") or "")
+        + len(message.get("reasoning") or "")
+        + sum(len(c["function"]["name"]) + len(c["function"]["arguments"]) for c in calls)
+    )
+
+
+def _not_run(why: str) -> str:
+    """The tool message of a call not run because a bound of the prompt was reached."""
+    return json.dumps({"error": f"Not run: {why}; the prompt ends here."})
 
 
 def _assistant_messages(

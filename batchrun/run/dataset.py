@@ -16,9 +16,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from batchrun.config import UsageError
 from batchrun.protocol import RowCheck, RowOptions
@@ -26,6 +26,10 @@ from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
 from batchrun.sharegpt import parse_json
 
 MAX_SAMPLES_PER_ROW = 10_000
+# A dataset line longer than this is skipped unread: no model's context takes a prompt of that size,
+# and a line is held several times over while it is parsed, checked and sent to the workers (a 500 MB
+# line took 4.6 GB of this machine's memory).
+MAX_LINE_BYTES = 32 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +76,18 @@ def load_dataset(
     toolsets = known_toolsets(catalog)
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"dataset file not found: {path}")
+        what = "a directory" if p.is_dir() else "not a regular file" if p.exists() else "not found"
+        raise UsageError(f"dataset file {path}: {what}")
     rows: list[Row] = []
     problems: list[str] = []
     seen: collections.Counter[str] = collections.Counter()
     with p.open("rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
+        for line_no, raw in enumerate(_lines(fh), start=1):
             if max_samples is not None and len(rows) >= max_samples:
                 break
+            if raw is None:
+                problems.append(f"{path}:{line_no}: longer than {MAX_LINE_BYTES >> 20} MiB (skipped unread)")
+                continue
             problem, row = _parse_line(raw, line_no, seen, catalog, toolsets)
             if problem:
                 problems.append(f"{path}:{line_no}: {problem}")
@@ -89,6 +97,17 @@ def load_dataset(
         detail = f" ({len(problems)} bad line(s); first: {problems[0]})" if problems else ""
         raise UsageError(f"dataset {path} has no usable rows{detail}")
     return rows, problems
+
+
+def _lines(fh: BinaryIO) -> Iterator[bytes | None]:
+    """The file's lines; None for one longer than MAX_LINE_BYTES, whose bytes are read past, not kept."""
+    while raw := fh.readline(MAX_LINE_BYTES + 1):
+        if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield None
 
 
 def _parse_line(

@@ -452,3 +452,40 @@ def test_missing_and_repeated_call_ids_are_made_unique(replies, ctx: ToolContext
     assert [m["tool_call_id"] for m in result.messages[2:5]] == ids
     assert [json.loads(m["content"])["output"].strip() for m in result.messages[2:5]] == ["1", "2", "3"]
     assert [c["id"] for c in script.bodies[1]["messages"][1]["tool_calls"]] == ids  # sent as saved
+
+
+# ----------------------------------------------------------------------------- bounds on what one prompt holds
+
+
+def test_calls_past_the_per_reply_bound_are_not_run_and_the_prompt_ends(replies, ctx: ToolContext):
+    from batchrun.prompt.loop import MAX_CALLS_PER_TURN
+
+    n = MAX_CALLS_PER_TURN + 40
+    calls = [(f"c{i}", "terminal", json.dumps({"command": f"echo {i} >> ran.txt"})) for i in range(n)]
+    script = replies(reply(calls=calls), reply("never asked"))
+    result = agent(client(script.base_url), "do it", ctx)
+    assert (result.stop_reason, result.partial, result.api_calls) == ("invalid_tool_calls", True, 1)
+    tools = [m for m in result.messages if m["role"] == "tool"]
+    assert len(tools) == n  # every call answered: the conversation stays well formed
+    assert all("Not run: more than" in m["content"] for m in tools[MAX_CALLS_PER_TURN:])
+    ran = ctx.sandbox.run("wc -l < ran.txt", timeout_s=10).output.strip()
+    assert ran == str(MAX_CALLS_PER_TURN)
+    assert len(script.bodies) == 1
+
+
+def test_a_conversation_past_its_size_bound_ends_as_a_context_limit(replies, ctx: ToolContext, monkeypatch):
+    from batchrun.prompt import loop
+
+    monkeypatch.setattr(loop, "MAX_CONVERSATION_CHARS", 50_000)
+    big = json.dumps({"command": "head -c 30000 /dev/zero | tr '\\0' x"})
+    script = replies(
+        reply(calls=[("a", "terminal", big)]),
+        reply(calls=[("b", "terminal", big), ("c", "terminal", big), ("d", "terminal", big)]),
+        reply("never asked"),
+    )
+    result = agent(client(script.base_url), "do it", ctx)
+    assert (result.stop_reason, result.partial, result.api_calls) == ("context_limit", True, 2)
+    tools = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert len(tools) == 4 and "Not run" not in tools[0] + tools[1], tools
+    assert all("Not run: the conversation holds more than 50000 characters" in t for t in tools[2:])
+    assert len(script.bodies) == 2
