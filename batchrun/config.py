@@ -762,7 +762,13 @@ class RunConfig:
             raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
         dataset = Path(self.dataset_file)
         if not dataset.is_file():
-            what = "a directory" if dataset.is_dir() else "not a regular file" if dataset.exists() else "not found"
+            what = (
+                "a directory"
+                if dataset.is_dir()
+                else "not a regular file"
+                if dataset.exists()
+                else "not found"
+            )
             raise UsageError(f"--dataset_file {self.dataset_file}: {what} (a JSONL file, one row a line)")
         self.prefill_messages  # noqa: B018  (reads and checks the file now, before anything starts)
 

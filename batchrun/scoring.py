@@ -122,9 +122,19 @@ def _verify_files_field(value: Any) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"field 'verify_files' holds {len(value)} files (at most {MAX_VERIFY_FILES})")
     total = 0
     for path, text in value.items():
-        if not path.strip() or "\0" in path or ".." in path.split("/") or path.endswith("/"):
+        parts = path.split("/")
+        if (
+            not path.strip()
+            or "\0" in path
+            or path.startswith("/")
+            or ".." in parts
+            or parts[-1] in ("", ".")
+            or len(path) > 4095
+            or any(len(part.encode("utf-8")) > 255 for part in parts)
+        ):
             raise ValueError(
-                f"field 'verify_files' has a bad path {path[:60]!r} (a file path without '..' or NUL)"
+                f"field 'verify_files' has a bad path {path[:60]!r} (a file path relative to the working "
+                "directory, without '..' or NUL, naming a file, each name at most 255 bytes)"
             )
         if not isinstance(text, str):
             raise ValueError(

@@ -121,3 +121,24 @@ def test_a_dataset_line_past_32_mib_is_skipped_unread(tmp_path, capsys):
     rows, problems = dataset.load_dataset(str(ds))
     assert [r.prompt for r in rows] == ["first", "last"]
     assert problems == [f"{ds}:2: longer than 32 MiB (skipped unread)"]
+
+
+def test_dataset_lines_are_read_strictly(tmp_path):
+    """A key named twice (which did the user mean?), NaN or Infinity (strict readers of the records,
+    which keep the row's fields, refuse them), a cwd no file system takes: bad lines, named."""
+    from batchrun.run import dataset
+
+    ds = tmp_path / "d.jsonl"
+    long_cwd = "/" + "a" * 300
+    ds.write_text(
+        '{"prompt": "a", "prompt": "b"}\n{"prompt": "c", "x": NaN}\n{"prompt": "d", "x": -Infinity}\n'
+        f'{{"prompt": "e", "cwd": "{long_cwd}"}}\n{{"prompt": "ok"}}\n'
+    )
+    rows, problems = dataset.load_dataset(str(ds))
+    assert [r.prompt for r in rows] == ["ok"]
+    assert problems == [
+        f"{ds}:1: invalid JSON: 'prompt' is defined twice",
+        f"{ds}:2: invalid JSON: NaN is not a JSON number",
+        f"{ds}:3: invalid JSON: -Infinity is not a JSON number",
+        f"{ds}:4: field 'cwd' is too long a path (at most 4095 bytes, each name at most 255)",
+    ]

@@ -74,6 +74,9 @@ def test_bad_check_fields_are_bad_lines_with_file_line_and_field(tmp_path):
         {"prompt": "p7", "verify_files": {"a": "x"}},  # hidden files nothing runs
         {"prompt": "p8", "rubric": ""},
         {"prompt": "p9", "answer": "x" * 70_000},
+        {"prompt": "p10", "verify": "true", "verify_files": {"/etc/cron.d/x": "x"}},  # not under the cwd
+        {"prompt": "p11", "verify": "true", "verify_files": {"t/.": "x"}},  # no file
+        {"prompt": "p12", "verify": "true", "verify_files": {"a" * 300: "x"}},  # no file system takes it
     ]
     path = write_rows(tmp_path / "d.jsonl", rows)
     good, problems = load_dataset(str(path))
@@ -82,7 +85,7 @@ def test_bad_check_fields_are_bad_lines_with_file_line_and_field(tmp_path):
         answer="4", verify=("true",), verify_files=(("t/a.sh", "x"),), rubric="be right"
     )
     fields = ["answer", "answer", "verify", "verify", "verify_files", "verify_files", "verify_files"]
-    fields += ["rubric", "answer"]
+    fields += ["rubric", "answer", "verify_files", "verify_files", "verify_files"]
     assert len(problems) == len(fields)
     for line_no, (problem, field) in enumerate(zip(problems, fields, strict=True), start=2):
         assert problem.startswith(f"{path}:{line_no}: field '{field}'"), problem

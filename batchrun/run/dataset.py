@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from batchrun.config import UsageError
 from batchrun.protocol import RowCheck, RowOptions
 from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
-from batchrun.sharegpt import parse_json
+from batchrun.sharegpt import strict_json
 
 MAX_SAMPLES_PER_ROW = 10_000
 # A dataset line longer than this is skipped unread: no model's context takes a prompt of that size,
@@ -126,7 +126,9 @@ def _parse_line(
     if not text.strip():
         return None, None
     try:
-        obj = parse_json(text)
+        # Strictly: a key named twice (which one the user meant is anyone's guess), NaN or Infinity
+        # (strict readers of the records, which keep the row's fields, refuse them) make a bad line.
+        obj = strict_json(text)
     except json.JSONDecodeError as exc:
         return f"invalid JSON: {exc.msg} at column {exc.colno}", None
     except ValueError as exc:  # an integer of more than 4300 digits, nesting too deep to read
@@ -153,6 +155,10 @@ def _parse_line(
     cwd = obj.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
         return "field 'cwd' must be an absolute path string", None
+    if cwd is not None and (
+        len(cwd.encode("utf-8")) > 4095 or any(len(p.encode("utf-8")) > 255 for p in cwd.split("/"))
+    ):
+        return "field 'cwd' is too long a path (at most 4095 bytes, each name at most 255)", None
     try:
         options = _row_options(obj, catalog, toolsets)
         samples = _positive_int(obj, "samples", MAX_SAMPLES_PER_ROW)
