@@ -78,6 +78,11 @@ def parse_optional_bool(value: Any, flag: str) -> bool | None:
     return None if value is None else parse_bool(value, flag)
 
 
+# Worker processes a run may start on this machine, per CPU core: each is a Python process with its own
+# memory (~40-60 MB) and imports; more prompts in flight come from --prompts_per_worker, not processes.
+WORKERS_PER_CPU = 16
+
+
 def _is_http_url(url: str) -> bool:
     """An http(s) URL with a host that a request can be sent to (``http://[::1/v1``: no; a port
     out of range: no); urllib raises ValueError for such a URL wherever it is read later."""
@@ -740,6 +745,13 @@ class RunConfig:
             backend_class(self.backend)
         except ValueError as exc:
             raise UsageError(f"--sandbox: {exc} (--sandbox or the TERMINAL_ENV variable)") from None
+        most_workers = WORKERS_PER_CPU * (os.cpu_count() or 1)
+        if self.ray_address is None and self.num_workers > most_workers:
+            raise UsageError(
+                f"--num_workers={self.num_workers} is more worker processes than this machine's "
+                f"{os.cpu_count() or 1} CPUs can serve (at most {most_workers}, {WORKERS_PER_CPU} a core); "
+                "for more prompts in flight raise --prompts_per_worker (threads in each worker)"
+            )
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < self.num_workers:
             raise UsageError(
                 f"--max_concurrent_requests={self.max_concurrent_requests} is below "

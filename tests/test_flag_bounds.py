@@ -16,6 +16,7 @@ import pytest
         ("prompt_timeout", "1e11", "--prompt_timeout must be at most 604800"),
         ("max_tokens", "99999999999", "--max_tokens must be at most 10000000"),
         ("max_response_mb", "0", "--max_response_mb must be a number above 0"),
+        ("num_workers", "1000", "--num_workers=1000 is more worker processes than this machine's"),
     ],
 )
 def test_sizes_the_machine_cannot_honour_exit_2_naming_the_flag(tmp_path, flag, value, message):

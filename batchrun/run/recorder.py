@@ -10,6 +10,7 @@ the redactor first.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as dt
 import json
 import math
@@ -91,6 +92,7 @@ class Recorder:
         # on it, done while the dispatch waits for outcomes).
         self.on_kept_line: Callable[[bytes], None] | None = None
         self._status_written = 0.0
+        self._made_dir = False  # lock() made the run directory (unlock removes it when nothing was written)
         self._lock_file: Any = None
 
     @property
@@ -104,6 +106,7 @@ class Recorder:
         import fcntl
 
         try:
+            self._made_dir = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._lock_file = (self.run_dir / LOCK_NAME).open("a+")
         except OSError as exc:  # nothing has started: a usage problem, not a run that stopped
@@ -125,8 +128,15 @@ class Recorder:
 
     def unlock(self) -> None:
         lock, self._lock_file = self._lock_file, None
-        if lock is not None:
-            lock.close()  # closing the descriptor releases the flock
+        if lock is None:
+            return
+        if self._made_dir and {p.name for p in self.run_dir.iterdir()} <= {LOCK_NAME}:
+            # A run refused before it wrote anything (its endpoint or sandbox check failed) leaves no
+            # directory behind; unlinked while still held, so no second runner holds it meanwhile.
+            with contextlib.suppress(OSError):
+                (self.run_dir / LOCK_NAME).unlink()
+                self.run_dir.rmdir()
+        lock.close()  # closing the descriptor releases the flock
 
     def holds_a_run(self) -> bool:
         """Whether the directory holds data; status.json alone is left by a run interrupted before it started."""

@@ -70,3 +70,11 @@ def test_a_run_against_a_refusing_endpoint_exits_2_before_any_prompt(tmp_path, c
     assert code == 2
     assert calls == 1  # the start check only: no prompt sent a doomed request
     assert "HTTP 400" in err and "Invalid model name" in err and KEY not in err
+    assert not (tmp_path / "data" / "run").exists()  # nothing left: not even its lock file
+    # A directory that was there before the refused run stays (with what it held).
+    (tmp_path / "data" / "run").mkdir(parents=True)
+    with Endpoint(400, "Invalid model name passed in model=nope") as ep:
+        assert (
+            exit_code(None, dataset, tmp_path / "data", model="nope", base_url=ep.base_url, api_key=KEY) == 2
+        )
+    assert (tmp_path / "data" / "run").is_dir()
