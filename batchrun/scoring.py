@@ -35,6 +35,7 @@ import math
 import re
 import shlex
 import string
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -491,12 +492,16 @@ def text_score(name: str, record: dict[str, Any], check: RowCheck | None, settin
 # ----------------------------------------------------------------------------- verify, in the sandbox
 
 
-def write_verify_files(sandbox: Any, files: Iterable[tuple[str, str]], timeout_s: float) -> None:
+def write_verify_files(
+    sandbox: Any, files: Iterable[tuple[str, str]], timeout_s: float, deadline: float | None = None
+) -> None:
     """The hidden files, written into the sandbox now (after the agent's last turn); raises on failure."""
     for path, text in files:
         q = shlex.quote(path)
+        if not (left := _time_left(timeout_s, deadline)):
+            raise RuntimeError(OUT_OF_TIME)
         res = sandbox.run(
-            f'mkdir -p -- "$(dirname -- {q})" && cat > {q}', timeout_s=timeout_s, stdin=text.encode("utf-8")
+            f'mkdir -p -- "$(dirname -- {q})" && cat > {q}', timeout_s=left, stdin=text.encode("utf-8")
         )
         if res.exit_code != 0:
             raise RuntimeError(f"could not write verify file {path}: {res.output.strip()[:200]}")
@@ -525,13 +530,24 @@ def partial_credit(output: str) -> tuple[float | None, str | None]:
     return float(score), why
 
 
-def verify_score(sandbox: Any, check: RowCheck | None, settings: ScoringSettings) -> Part:
-    """The row's verify commands in its sandbox, in order, stopping at the first that fails."""
+def _time_left(timeout_s: float, deadline: float | None) -> float:
+    """A command's timeout: ``timeout_s``, or less when the sample's judging ends sooner (0: no time left)."""
+    return timeout_s if deadline is None else max(0.0, min(timeout_s, deadline - time.monotonic()))
+
+
+OUT_OF_TIME = "no time left for verify: the prompt's deadline plus one --verify_timeout has passed"
+
+
+def verify_score(
+    sandbox: Any, check: RowCheck | None, settings: ScoringSettings, deadline: float | None = None
+) -> Part:
+    """The row's verify commands in its sandbox, in order, stopping at the first that fails; each
+    within --verify_timeout, and all of them (hidden files included) by ``deadline``."""
     if check is None or not check.verify:
         return Part("verify", error="the row has no 'verify' command")
     timeout = settings.verify_timeout_s
     try:
-        write_verify_files(sandbox, check.verify_files, timeout)
+        write_verify_files(sandbox, check.verify_files, timeout, deadline)
     except SandboxError:
         raise
     except Exception as exc:
@@ -539,8 +555,10 @@ def verify_score(sandbox: Any, check: RowCheck | None, settings: ScoringSettings
     outputs: list[str] = []
     code = 0
     for command in check.verify:
+        if not (left := _time_left(timeout, deadline)):
+            return Part("verify", error=OUT_OF_TIME, verify_output=cap_output("\n".join(outputs)))
         try:
-            res = sandbox.run(command, timeout_s=timeout)
+            res = sandbox.run(command, timeout_s=left)
         except SandboxError:
             raise  # the sandbox itself broke: the prompt fails (and runs again on resume)
         except Exception as exc:
@@ -723,7 +741,11 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
         return unscored()
     parts = []
     in_sandbox = j.sandbox is not None and any(n not in TEXT_SCORERS and n != "judge" for n in names)
-    ended = end_agent_processes(j.sandbox, j.settings.verify_timeout_s) if in_sandbox else None
+    ended = (
+        end_agent_processes(j.sandbox, _time_left(j.settings.verify_timeout_s, j.deadline) or 1.0)
+        if in_sandbox
+        else None
+    )
     for name in names:
         try:
             if ended is not None and name not in TEXT_SCORERS and name != "judge":
@@ -736,7 +758,7 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
                 if j.sandbox is None:
                     parts.append(Part(name, error="verify needs the prompt's sandbox (not available here)"))
                 else:
-                    parts.append(verify_score(j.sandbox, j.check, j.settings))
+                    parts.append(verify_score(j.sandbox, j.check, j.settings, j.deadline))
             elif name == "judge":
                 parts.append(judge_score(j.judge, j.prompt, record, j.check, j.deadline))
             else:

@@ -222,6 +222,26 @@ def test_verify_partial_credit_exit_code_and_timeout():
     assert part.value is None and "timed out after 2 s" in part.error
 
 
+def test_verify_commands_end_by_the_samples_deadline_each_one_no_longer_than_what_is_left():
+    """--verify_timeout bounds each command; the sample's deadline (its prompt's, plus one
+    --verify_timeout) bounds them all: 32 commands may not take 32 timeouts past it."""
+    import time
+
+    class Slow(ScriptedSandbox):
+        def run(self, command, *, timeout_s, stdin=None):
+            self.timeouts.append(timeout_s)
+            time.sleep(0.3)
+            return super().run(command, timeout_s=timeout_s, stdin=stdin)
+
+    box = Slow({})
+    box.timeouts = []
+    check = RowCheck(verify=tuple(f"step {i}" for i in range(10)))
+    part = verify_score(box, check, ScoringSettings(verify_timeout_s=60), deadline=time.monotonic() + 1.0)
+    assert part.value is None and "no time left for verify" in part.error, part
+    assert len(box.commands) <= 4  # not all ten
+    assert all(t <= 1.0 for t in box.timeouts), box.timeouts
+
+
 @pytest.mark.parametrize(
     ("output", "code", "value", "passed", "error"),
     [
