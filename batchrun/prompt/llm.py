@@ -1015,8 +1015,11 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                 for i, c in enumerate(delta.get("tool_calls") or []):
                     if not isinstance(c, dict):
                         continue
+                    index = c.get("index", i)
+                    if not isinstance(index, int) or isinstance(index, bool):  # "1" would not sort beside 0
+                        raise httpclient.BadResponse(f"a streamed tool call has the index {index!r}")
                     call = calls.setdefault(
-                        c.get("index", i),
+                        index,
                         {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
                     )
                     call["id"] = c.get("id") or call["id"]

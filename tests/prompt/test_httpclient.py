@@ -747,6 +747,15 @@ def test_a_reply_whose_finish_reason_says_the_generation_failed_is_retried_then_
     assert len(srv.requests) == 2
 
 
+def test_a_streamed_tool_call_whose_index_is_not_an_integer_is_a_bad_response():
+    call = {"index": "1", "id": "b", "function": {"name": "terminal", "arguments": "{}"}}
+    events = [_chunk({"tool_calls": [{**call, "index": 0, "id": "a"}]}), _chunk({"tool_calls": [call]})]
+    with Scripted(_sse_server(lambda n: [*events, _chunk({}, "tool_calls")], "chunked")) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=True).chat(USER, [])
+    assert info.value.error_class == "bad_response" and "index '1'" in str(info.value)
+
+
 # ----------------------------------------------------------------------------- proxies
 
 
