@@ -87,6 +87,12 @@ Directives (written anywhere in the prompt text; they combine):
 ``[answers:A|B|...]``    as ``[answer:...]``, the answer chosen by the request's ``seed`` (seed mod
                          the number of answers; the first without a seed): with ``--seed_per_request``
                          the samples of one row answer differently, reproducibly
+``[finish:VALUE]``       the final answer's ``finish_reason`` is VALUE (``content_filter``, ``error``,
+                         ``end_turn``...; ``null`` for none: streamed, no finish chunk before [DONE])
+``[cut_stream:N]``       (server) the first N streamed requests for this prompt text end before their
+                         finish chunk: no finish_reason, no [DONE] (a stream cut short)
+``[plain_body]``         (server) a streamed request is answered with the plain JSON body, as a server
+                         that does not stream does
 =======================  ==========================================================================
 
 Server-side 429/5xx answers also carry ``retry-after-ms: 1``: the ``openai`` SDK ignores
@@ -136,11 +142,11 @@ LAST_REQUESTS_KEPT = 50
 
 _FLAG_RE = re.compile(
     r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request"
-    r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other|truncate_call)\]"
+    r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other|truncate_call|plain_body)\]"
 )
-_VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after):\s*([0-9]+(?:\.[0-9]+)?)\]")
+_VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after|cut_stream):\s*([0-9]+(?:\.[0-9]+)?)\]")
 # Directives with free text (a command, an answer): anything up to the closing bracket.
-_TEXT_RE = re.compile(r"\[(run|answers|answer):([^\]]*)\]")
+_TEXT_RE = re.compile(r"\[(run|answers|answer|finish):([^\]]*)\]")
 _ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern + "|" + _TEXT_RE.pattern)
 
 
@@ -162,14 +168,17 @@ class Directives:
     think_in_reasoning: bool = False
     served_other: bool = False
     truncate_call: bool = False
+    plain_body: bool = False
     error: int | None = None
     retry_after: float | None = None
     flaky: int = 0
     slow: float = 0.0
     calls: int | None = None
+    cut_stream: int = 0
     run: tuple[str, ...] = ()  # [run:CMD]: terminal commands, one turn each
     answer: str | None = None  # [answer:TEXT]
     answers: tuple[str, ...] = ()  # [answers:A|B]: one by the request's seed
+    finish: str | None = None  # [finish:VALUE]: the final answer's finish_reason ("null": none)
 
 
 def parse_directives(prompt: str) -> Directives:
@@ -189,6 +198,9 @@ def parse_directives(prompt: str) -> Directives:
     answers = [text for name, text in texts if name == "answer"]
     if answers:
         values["answer"] = answers[-1]
+    finishes = [text for name, text in texts if name == "finish" and text]
+    if finishes:
+        values["finish"] = finishes[-1]
     choices = [text for name, text in texts if name == "answers"]
     if choices:
         values["answers"] = tuple(a.strip() for a in choices[-1].split("|"))
@@ -462,6 +474,8 @@ class _Script:
                 if self.d.empty_answer:
                     content = ""
                 action, finish = "give the final answer", "stop"
+                if self.d.finish is not None:
+                    finish = None if self.d.finish == "null" else self.d.finish
         reasoning = self.reasoning_text(action)
         if self.d.think_in_reasoning:
             reasoning += " Then </think> appears inside the reasoning."
@@ -772,12 +786,15 @@ class _Handler(BaseHTTPRequestHandler):
             usage["cost"] = round(usage["total_tokens"] * fake.cost_per_token, 10)
             completion["provider"] = "MockProvider"
         fake._count(200, completion["usage"])
-        if body.get("stream"):
+        if body.get("stream") and not d.plain_body:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = b"".join(
-                b"data: " + json.dumps(c).encode() + b"\n\n" for c in stream_chunks(completion, include_usage)
-            )
-            self._send(200, events + b"data: [DONE]\n\n", "text/event-stream")
+            chunks = stream_chunks(completion, include_usage)
+            end = b"data: [DONE]\n\n"
+            if seen < d.cut_stream:  # what came before the finish chunk, then the body ends
+                chunks = [c for c in chunks if c["choices"] and not c["choices"][0]["finish_reason"]]
+                end = b""
+            events = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+            self._send(200, events + end, "text/event-stream")
             return
         self._json(200, completion)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from batchrun.identity import request_seed_base
 from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
-from batchrun.prompt.loop import LoopLimits, PromptTimeout, run_agent
+from batchrun.prompt.loop import REPLY_DISCARDS, LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.metadata import prompt_metadata
 from batchrun.prompt.sandbox_lifecycle import PromptSandbox
 from batchrun.prompt.sandboxes import DEFAULT_BACKEND, SandboxError, SandboxSpec, create_sandbox
@@ -313,6 +313,9 @@ def quality_problem(
     messages: list[dict[str, Any]], record: dict[str, Any], settings: WorkerSettings
 ) -> str | None:
     """The first quality filter a sample fails (its discard reason), or None: no broken sample is saved as good."""
+    stop_reason = record["metadata"].get("stop_reason")
+    if stop_reason in REPLY_DISCARDS:  # no flag keeps it: the last reply was filtered or may be cut short
+        return stop_reason
     if not settings.keep_invalid_tool_calls and invalid_tool_call(messages):
         return "invalid_tool_call"
     # No flag keeps these: a call to a tool that was not offered is never a kept sample, partial or not.

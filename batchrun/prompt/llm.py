@@ -215,6 +215,43 @@ class AssistantTurn:
     )
 
 
+# What a reply's ``finish_reason`` says, by the values real servers send: OpenAI, llama.cpp, vLLM and
+# SGLang, Ollama, TGI, Mistral, LiteLLM and OpenRouter, and the raw provider values some proxies pass
+# through (Anthropic's, Gemini's upper-case ones). Compared lower-cased.
+FINISHED = frozenset(
+    {"stop", "tool_calls", "function_call", "end_turn", "stop_sequence", "tool_use", "eos", "eos_token"}
+)
+CUT_BY_LENGTH = frozenset({"length", "max_tokens", "model_length"})
+FILTERED = frozenset(
+    {
+        "content_filter",
+        "content_filtered",
+        "safety",
+        "recitation",
+        "prohibited_content",
+        "blocklist",
+        "spii",
+        "refusal",
+    }
+)
+GENERATION_FAILED = frozenset({"error", "abort"})  # OpenRouter's upstream failure; vLLM's, SGLang's abort
+
+
+def finish_kind(finish_reason: Any) -> str:
+    """``finished``, ``length``, ``content_filter``, ``error``, or ``unknown``: null, missing, or a value
+    no known server means as an ordinary end (the reply may have been cut short; nothing says it was not)."""
+    reason = finish_reason.lower() if isinstance(finish_reason, str) else None
+    if reason in FINISHED:
+        return "finished"
+    if reason in CUT_BY_LENGTH:
+        return "length"
+    if reason in FILTERED:
+        return "content_filter"
+    if reason in GENERATION_FAILED:
+        return "error"
+    return "unknown"
+
+
 class LLMError(RuntimeError):
     """The endpoint failed after our client's retries; fails the prompt (retried on resume)."""
 
@@ -596,12 +633,29 @@ class LLMClient:
     def _parse_reply(
         self, raw: httpclient.Response, attempt_deadline: float
     ) -> tuple[AssistantTurn, dict[str, Any]]:
-        """The answer's body (a stream assembled into the body a plain call returns) and its turn."""
-        if self.cfg.stream:
+        """The answer's body (a stream assembled into the body a plain call returns) and its turn. A
+        reply whose ``finish_reason`` says the generation failed is a bad response (retried)."""
+        if self.cfg.stream and not _is_json(raw):
             data = _read_stream(raw, attempt_deadline, self._http.bounds.body_bytes)
+        elif self.cfg.stream:
+            # A server or proxy that does not stream answers a streamed request with the plain body:
+            # it is the same reply. SSE mislabelled as JSON is still read as a stream.
+            body = raw.read()
+            try:
+                data = json.loads(body)
+            except ValueError:
+                if not body.lstrip().startswith((b"data:", b":")):
+                    raise
+                data = _read_stream(raw, attempt_deadline, self._http.bounds.body_bytes)
         else:
             data = raw.json()
-        return _parse_payload(data), data
+        turn = _parse_payload(data)
+        if finish_kind(turn.finish_reason) == "error":
+            raise LLMError(
+                "bad_response",
+                f"endpoint ended its reply with finish_reason {turn.finish_reason!r}: the generation failed",
+            )
+        return turn, data
 
     def post_json(
         self,
@@ -762,6 +816,8 @@ class LLMClient:
         if isinstance(exc, LLMError):  # raised while reading the answer (a stream's error event)
             if exc.error_class == "bad_response" and not isinstance(exc, ContextLimitError):
                 return _Retry(exc)
+            if exc.error_class == "connection":  # a stream cut short: a dropped connection mid-answer
+                return _Retry(exc, endpoint_fault=True)
             return exc
         if isinstance(exc, ValueError):  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
             return _Retry(LLMError("bad_response", f"endpoint answered with an invalid response: {exc}"))
@@ -914,6 +970,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
     calls: dict[int, dict[str, Any]] = {}
     out: dict[str, Any] = {}
     finish_reason = None
+    done = False
     try:
         for line in raw.iter_lines():
             if deadline is not None and time.monotonic() > deadline:
@@ -922,6 +979,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                 continue  # comments (": keep-alive"), event names, blank separators
             data = line[5:].strip()
             if data == "[DONE]":
+                done = True
                 break
             assembled += len(data)
             if max_bytes is not None and assembled > max_bytes:
@@ -957,8 +1015,11 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                 for i, c in enumerate(delta.get("tool_calls") or []):
                     if not isinstance(c, dict):
                         continue
+                    index = c.get("index", i)
+                    if not isinstance(index, int) or isinstance(index, bool):  # "1" would not sort beside 0
+                        raise httpclient.BadResponse(f"a streamed tool call has the index {index!r}")
                     call = calls.setdefault(
-                        c.get("index", i),
+                        index,
                         {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
                     )
                     call["id"] = c.get("id") or call["id"]
@@ -968,6 +1029,18 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     call["function"]["arguments"] += args if isinstance(args, str) else _arguments_text(args)
     finally:
         raw.close()
+    # A stream ends with a chunk holding finish_reason, then [DONE] (OpenAI, llama.cpp, vLLM, LiteLLM);
+    # some servers (ik_llama.cpp, older llama.cpp) close after the finish_reason without [DONE]. A
+    # stream with neither was cut (a closed connection, a body ended early): retried like a body cut
+    # short, never kept as an answer. [DONE] without a finish_reason is an end the server chose that
+    # does not say why (no known server sends it; a proxy may, after its upstream failed): the reply
+    # is kept with finish_reason null, which the agent loop does not take as a finished answer.
+    if finish_reason is None and not done:
+        raise LLMError(
+            "connection",
+            f"the streamed reply from {getattr(raw, 'url', 'the endpoint')} ended mid-answer "
+            "(no finish_reason and no [DONE]: the connection closed or the body ended early)",
+        )
     message["content"] = "".join(texts["content"])
     for key in ("reasoning_content", "reasoning"):
         if texts[key]:
@@ -978,6 +1051,12 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
         message["tool_calls"] = [calls[k] for k in sorted(calls)]
     out["choices"] = [{"index": 0, "message": message, "finish_reason": finish_reason}]
     return out
+
+
+def _is_json(raw: Any) -> bool:
+    """Whether an answer says it is a JSON body (``application/json``, any parameters)."""
+    headers = getattr(raw, "headers", None) or {}
+    return headers.get("content-type", "").split(";")[0].strip().lower() == "application/json"
 
 
 def _merge_detail(details: list[dict[str, Any]], d: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchrun.prompt.jsonbody import RequestEncoder
-from batchrun.prompt.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage
+from batchrun.prompt.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage, finish_kind
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
 from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_json
@@ -28,6 +28,12 @@ MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid bef
 # 198 MB record and took 1.36 GB of this machine's memory before.
 MAX_CALLS_PER_TURN = 128
 MAX_CONVERSATION_CHARS = 32 * 1024 * 1024
+
+# How a prompt ends when its last reply is not the model's finished words: the sample is discarded with
+# this reason (batchrun.prompt.attempt), never kept, partial or not. ``content_filter``: the provider's
+# filter stopped or replaced the reply. ``unknown_finish_reason``: a final answer whose finish_reason is
+# null, missing or unknown, so nothing says it was not cut short.
+REPLY_DISCARDS = ("content_filter", "unknown_finish_reason")
 
 
 class PromptTimeout(RuntimeError):
@@ -53,6 +59,7 @@ class LoopResult:
     partial: bool
     stop_reason: (
         str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
+        # | content_filter | unknown_finish_reason (REPLY_DISCARDS)
     )
     tool_calls: int = 0
     served_model: str | None = None  # the last answered response's ``model``, when it named one
@@ -133,10 +140,17 @@ def run_agent(
         )
         saved.append(assistant_saved)
         sent.append(assistant_sent)
-        if turn.finish_reason == "length":
+        finish = finish_kind(turn.finish_reason)
+        if finish == "length":
             result.stop_reason = "truncated"
             return result
+        if finish == "content_filter":  # its calls too may be what the filter left of them: not run
+            result.stop_reason = "content_filter"
+            return result
         if not turn.tool_calls:
+            if finish != "finished":
+                result.stop_reason = "unknown_finish_reason"
+                return result
             result.completed, result.partial, result.stop_reason = True, False, "final_answer"
             return result
         invalid = 0

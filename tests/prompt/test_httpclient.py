@@ -614,6 +614,148 @@ def test_a_gzip_stream_is_decoded_as_it_arrives():
     assert turn.content == respond(body)["choices"][0]["message"]["content"]
 
 
+def _chunk(delta: dict, finish: str | None = None) -> bytes:
+    event = {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+CUT = [
+    _chunk({"role": "assistant", "reasoning_content": "thinking"}),
+    _chunk({"content": "The answer is the sum of"}),
+]
+WHOLE = [*CUT, _chunk({"content": " two numbers."}), _chunk({}, "stop")]
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+
+
+def _sse_server(events_of: Callable[[int], list[bytes]], framing: str) -> Callable:
+    """Each request (the n-th, from 1) answered with ``events_of(n)`` as a stream framed by ``framing``:
+    ``close`` (the body ends when the connection closes) or ``chunked`` (it ends with the last chunk)."""
+    count = {"n": 0}
+
+    def serve(n, conn, rfile, server):
+        while server.next_request(rfile) is not None:
+            count["n"] += 1
+            events = events_of(count["n"])
+            if framing == "close":
+                conn.sendall(SSE_HEAD + b"Connection: close\r\n\r\n" + b"".join(events))
+                return
+            conn.sendall(SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
+            for event in events:
+                conn.sendall(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            conn.sendall(b"0\r\n\r\n")
+
+    return serve
+
+
+@pytest.mark.parametrize("framing", ["close", "chunked"])
+def test_a_stream_cut_before_its_finish_reason_is_retried_and_then_fails_as_a_connection_error(framing):
+    """No finish_reason and no [DONE]: the reply was cut, never an answer. Retried like a body cut short."""
+    with Scripted(_sse_server(lambda n: CUT, framing)) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=True, max_retries=2).chat(USER, [])
+    assert info.value.error_class == "connection"
+    assert "ended mid-answer (no finish_reason and no [DONE]" in str(info.value)
+    assert len(srv.requests) == 3  # 1 try + 2 retries
+
+
+@pytest.mark.parametrize("framing", ["close", "chunked"])
+def test_a_stream_cut_once_is_asked_again_and_the_whole_reply_kept(framing):
+    with Scripted(_sse_server(lambda n: CUT if n == 1 else WHOLE, framing)) as srv:
+        turn = llm(srv.base_url, stream=True, max_retries=1).chat(USER, [])
+    assert (turn.content, turn.finish_reason) == ("The answer is the sum of two numbers.", "stop")
+    assert len(srv.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [
+        [_chunk({}, "stop"), b"data: [DONE]\n\n"],  # OpenAI, llama.cpp, vLLM, LiteLLM
+        [_chunk({}, "stop")],  # ik_llama.cpp, older llama.cpp: no [DONE]
+        [_chunk({}, "stop"), b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n'],  # usage last
+    ],
+)
+@pytest.mark.parametrize("framing", ["close", "chunked"])
+def test_a_stream_that_gave_its_finish_reason_is_whole_with_or_without_done(ending, framing):
+    with Scripted(_sse_server(lambda n: [*CUT, *ending], framing)) as srv:
+        turn = llm(srv.base_url, stream=True).chat(USER, [])
+    assert (turn.content, turn.reasoning, turn.finish_reason) == (
+        "The answer is the sum of",
+        "thinking",
+        "stop",
+    )
+
+
+def test_a_stream_ended_by_done_without_a_finish_reason_is_a_reply_that_does_not_say_it_finished():
+    """[DONE] is an end the server chose: not retried; the turn's finish_reason is None, which the
+    agent loop does not take as a finished answer (tests/prompt/test_loop.py)."""
+    with Scripted(_sse_server(lambda n: [*CUT, b"data: [DONE]\n\n"], "chunked")) as srv:
+        turn = llm(srv.base_url, stream=True, max_retries=2).chat(USER, [])
+    assert (turn.content, turn.finish_reason) == ("The answer is the sum of", None)
+    assert len(srv.requests) == 1
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8"])
+def test_a_plain_json_reply_to_a_streamed_request_is_that_reply(content_type):
+    """A server or proxy that does not stream answers with the chat.completion body: the same answer."""
+    body = completion("done")
+    body["choices"][0]["message"]["reasoning_content"] = "r"
+
+    def serve(n, conn, rfile, server):
+        while server.next_request(rfile) is not None:
+            conn.sendall(answer(200, json.dumps(body).encode(), {"Content-Type": content_type}, chunks=2))
+
+    with Scripted(serve) as srv:
+        turn = llm(srv.base_url, stream=True).chat(USER, [])
+    assert (turn.content, turn.reasoning, turn.finish_reason) == ("done", "r", "stop")
+    assert turn.usage["completion_tokens"] == 2
+    assert json.loads(srv.requests[0].body)["stream"] is True
+
+
+def test_server_sent_events_labelled_as_json_are_still_read_as_a_stream():
+    events = b"".join(WHOLE) + b"data: [DONE]\n\n"
+
+    def serve(n, conn, rfile, server):
+        while server.next_request(rfile) is not None:
+            conn.sendall(answer(200, events, {"Content-Type": "application/json"}))
+
+    with Scripted(serve) as srv:
+        turn = llm(srv.base_url, stream=True).chat(USER, [])
+    assert (turn.content, turn.finish_reason) == ("The answer is the sum of two numbers.", "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("finish", ["error", "abort"])
+def test_a_reply_whose_finish_reason_says_the_generation_failed_is_retried_then_a_bad_response(
+    stream, finish
+):
+    body = completion("The answer is")
+    body["choices"][0]["finish_reason"] = finish
+    events = [
+        _chunk({"role": "assistant", "content": "The answer is"}),
+        _chunk({}, finish),
+        b"data: [DONE]\n\n",
+    ]
+    serve = _sse_server(lambda n: events, "chunked") if stream else keep_answering(json.dumps(body).encode())
+    with Scripted(serve) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=stream, max_retries=1).chat(USER, [])
+    assert info.value.error_class == "bad_response"
+    assert f"finish_reason '{finish}': the generation failed" in str(info.value)
+    assert len(srv.requests) == 2
+
+
+def test_a_streamed_tool_call_whose_index_is_not_an_integer_is_a_bad_response():
+    call = {"index": "1", "id": "b", "function": {"name": "terminal", "arguments": "{}"}}
+    events = [_chunk({"tool_calls": [{**call, "index": 0, "id": "a"}]}), _chunk({"tool_calls": [call]})]
+    with Scripted(_sse_server(lambda n: [*events, _chunk({}, "tool_calls")], "chunked")) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=True).chat(USER, [])
+    assert info.value.error_class == "bad_response" and "index '1'" in str(info.value)
+
+
 # ----------------------------------------------------------------------------- proxies
 
 

@@ -208,6 +208,53 @@ def test_a_truncated_turn_ends_the_prompt_without_running_its_calls(
     )
 
 
+def finished_as(answer: dict, finish: str | None) -> dict:
+    """``answer`` with its finish_reason set to ``finish`` (``"missing"``: no such field at all)."""
+    choice = answer["choices"][0]
+    if finish == "missing":
+        del choice["finish_reason"]
+    else:
+        choice["finish_reason"] = finish
+    return answer
+
+
+@pytest.mark.parametrize("finish", ["content_filter", "SAFETY", "refusal"])
+def test_a_filtered_reply_ends_the_prompt_as_content_filter_without_running_its_calls(
+    finish, replies, ctx: ToolContext
+):
+    script = replies(
+        finished_as(reply("Let me", calls=[("a", "terminal", '{"command": "echo hi"}')]), finish)
+    )
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    assert (result.completed, result.partial, result.stop_reason) == (False, True, "content_filter")
+    assert result.tool_calls == 0 and roles(result.messages) == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("finish", [None, "missing", "", "paused"])
+def test_a_final_answer_that_does_not_say_it_finished_is_not_completed(finish, replies, ctx: ToolContext):
+    """Null, missing or unknown: nothing says the words were not cut short (a proxy may drop the field)."""
+    script = replies(finished_as(reply("The answer is"), finish))
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    assert (result.completed, result.partial, result.stop_reason) == (False, True, "unknown_finish_reason")
+    assert result.messages[-1]["content"] == "The answer is"
+
+
+@pytest.mark.parametrize("finish", ["stop", "STOP", "end_turn", "eos", "stop_sequence"])
+def test_final_answers_ended_as_real_servers_say_are_completed(finish, replies, ctx: ToolContext):
+    script = replies(finished_as(reply("The answer is 4."), finish))
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    assert (result.completed, result.partial, result.stop_reason) == (True, False, "final_answer")
+
+
+def test_a_tool_call_turn_without_a_finish_reason_runs_its_calls_and_goes_on(replies, ctx: ToolContext):
+    """Its calls' arguments are checked as JSON anyway (a cut call is invalid_tool_call): only the
+    final answer needs its finish_reason."""
+    first = finished_as(reply(calls=[("a", "terminal", '{"command": "echo hi"}')]), None)
+    script = replies(first, reply("done"))
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    assert (result.completed, result.stop_reason, result.tool_calls) == (True, "final_answer", 1)
+
+
 def test_an_expired_deadline_raises_before_any_model_call(server: FakeModelServer, ctx: ToolContext):
     with pytest.raises(PromptTimeout, match="prompt exceeded its 0 s limit"):
         agent(client(server.base_url), "hi", ctx, limits=LoopLimits(prompt_timeout_s=0))

@@ -34,6 +34,8 @@ HOSTILE = {
     "Open and forget [unclosed_think] [calls:0]": "ambiguous_markup",
     "Close too early [think_in_reasoning] [calls:0]": "ambiguous_markup",
     "Cut off mid-call [truncate_call]": "invalid_tool_call",
+    "Refused by the filter [finish:content_filter] [calls:0]": "content_filter",
+    "Ends without a reason [finish:null] [calls:0]": "unknown_finish_reason",
 }
 GOOD = ["Answer plainly [calls:0]", "Use the shell once [calls:1]"]
 
@@ -66,7 +68,12 @@ def test_hostile_samples_are_discarded_with_their_reason_and_never_rewritten(tmp
         "invalid_tool_call": 2,
         "empty_answer": 1,
         "ambiguous_markup": 3,
+        "content_filter": 1,
+        "unknown_finish_reason": 1,
     }
+    assert {r["record"]["metadata"]["stop_reason"]: r["record"]["completed"] for r in discarded.values()}[
+        "content_filter"
+    ] is False
 
 
 def test_flags_keep_invalid_calls_and_empty_answers_but_never_ambiguous_markup(tmp_path):
@@ -87,7 +94,7 @@ def test_flags_keep_invalid_calls_and_empty_answers_but_never_ambiguous_markup(t
     )
 
     reasons = {r["reason"] for r in read_jsonl(run_dir / "discarded.jsonl")}
-    assert reasons == {"ambiguous_markup"}
+    assert reasons == {"ambiguous_markup", "content_filter", "unknown_finish_reason"}  # no flag keeps these
 
 
 def test_exclude_partial_leaves_them_in_batch_files_counted_by_stop_reason_and_finished(tmp_path):
@@ -106,6 +113,43 @@ def test_exclude_partial_leaves_them_in_batch_files_counted_by_stop_reason_and_f
     run(dataset, out, resume=True)
     assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 2
     assert len(all_batch_records(run_dir)) == 2
+
+
+def test_streamed_replies_cut_short_fail_and_run_again_on_resume_and_a_plain_body_is_kept(tmp_path, server):
+    """--stream against the fake model: a stream cut before its finish chunk is a failure (never a kept
+    answer) that --resume runs again; a plain JSON body to a streamed request is that answer; a stream
+    ended by [DONE] without a finish_reason is discarded, like a plain reply without one."""
+    prompts = [
+        "Cut once [cut_stream:2] [calls:0]",  # cut on its try and its retry; whole on resume
+        "Plain body [plain_body] [calls:1]",
+        "No finish [finish:null] [calls:0]",
+        "Answer plainly [calls:0]",
+    ]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run_main(server, dataset, out, "s", num_workers=1, stream=True, max_retries=1)
+    run_dir = out / "s"
+    (failed,) = read_jsonl(run_dir / "failed.jsonl")
+    assert (failed["prompt"], failed["error_class"]) == (prompts[0], "connection")
+    assert "no finish_reason and no [DONE]" in failed["error"]
+    discarded = {r["prompt"]: r["reason"] for r in read_jsonl(run_dir / "discarded.jsonl")}
+    assert discarded == {prompts[2]: "unknown_finish_reason"}
+    kept = {r["conversations"][1]["value"]: r for r in read_jsonl(run_dir / "trajectories.jsonl")}
+    assert set(kept) == {prompts[1], prompts[3]}
+    plain = kept[prompts[1]]
+    assert (plain["completed"], plain["metadata"]["stop_reason"], plain["api_calls"]) == (
+        True,
+        "final_answer",
+        2,
+    )
+    assert (
+        "\nFinal answer for 'plain-body'. The last tool result said: " in plain["conversations"][-1]["value"]
+    )
+
+    run_main(server, dataset, out, "s", num_workers=1, stream=True, max_retries=1, resume=True)
+    kept = {r["conversations"][1]["value"]: r for r in read_jsonl(run_dir / "trajectories.jsonl")}
+    assert set(kept) == {prompts[0], prompts[1], prompts[3]}
+    assert kept[prompts[0]]["conversations"][-1]["value"].endswith("Final answer for 'cut-once'.")
 
 
 def test_served_model_is_recorded_beside_the_requested_one(tmp_path):

@@ -148,8 +148,11 @@ def test_a_reply_holding_a_lone_surrogate_is_a_discard_kept_exactly_and_the_run_
     model said it; the other samples are kept and the run's files load."""
     from helpers import ScriptedEndpoint
 
-    odd = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "odd \ud83d reply"}}]}
-    plain = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "a plain reply"}}]}
+    def reply(text: str) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+    odd, plain = reply("odd \ud83d reply"), reply("a plain reply")
 
     def answer(call: dict, calls: list[dict]):
         body = call["body"] or {}
