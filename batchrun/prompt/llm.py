@@ -642,7 +642,7 @@ class LLMClient:
             # it is the same reply. SSE mislabelled as JSON is still read as a stream.
             body = raw.read()
             try:
-                data = json.loads(body)
+                data = parse_json(body)
             except ValueError:
                 if not body.lstrip().startswith((b"data:", b":")):
                     raise
