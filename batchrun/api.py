@@ -136,7 +136,9 @@ class BatchRunner:
             with self._config(resume=resume) as config:
                 return run(config)
         except UsageError as exc:  # what needs more than the arguments (the key, the run directory)
-            print(f"error: {exc}", file=sys.stderr)
+            from batchrun.cli import console_safe
+
+            print(console_safe(f"error: {exc}", self.flags.get("api_key")), file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("\nInterrupted. Continue with run(resume=True).", file=sys.stderr)

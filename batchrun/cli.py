@@ -75,11 +75,18 @@ def main(**flags: Any) -> int:
             return 0
         return run(config)
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(console_safe(f"error: {exc}", flags.get("api_key")), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside the dispatch (preflight, merge): every written file is intact
         print("\nInterrupted. Continue with --resume.", file=sys.stderr)
         return 130
+
+
+def console_safe(message: str, api_key: Any = None) -> str:
+    """A message for the console with the run's secrets replaced: an endpoint's error may quote the key
+    it was sent (a start check refused with "invalid key Bearer sk-..."), and a flag's file or a
+    server's answer may hold any secret of the environment."""
+    return Redactor(api_key if isinstance(api_key, str) else None)(message)
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ from batchrun.prompt.sandboxes import DEFAULT_BACKEND, backend_class
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
+from batchrun.secrets import ORDINARY
 from batchrun.sharegpt import parse_json
 from batchrun.storage import read_json_file
 
@@ -106,9 +107,17 @@ def _shown_url(url: str) -> str:
 
 
 def _show(value: Any) -> str:
-    """A refused value as the message shows it: quoted, and cut so a pasted secret does not print whole."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    """A refused value as the message shows it: quoted when it is a word, a number or a plain path
+    (``four``, ``flase``, ``1e11``); anything else, which may be a key pasted into the wrong flag, only
+    by its length. An http(s) URL shows without its user, password and query."""
+    if isinstance(value, str) and re.match(r"https?://", value):
+        scheme, _, rest = _shown_url(value).partition("://")
+        value = f"{scheme}://{rest.split('?', 1)[0]}" + ("?..." if "?" in rest else "")
+        return repr(value) if len(value) <= 200 else repr(value[:197] + "...")
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= 40 and (ORDINARY.fullmatch(text.strip()) or re.fullmatch(r"[\w.+-]{1,12}", text)):
+        return repr(value)
+    return f"a value of {len(text)} characters (not shown: it may be a secret)"
 
 
 def int_flag(
@@ -758,9 +767,7 @@ class RunConfig:
                 f"--num_workers={self.num_workers}; raise it or use fewer workers"
             )
         if not _is_http_url(self.base_url):
-            raise UsageError(
-                f"--base_url must be an http:// or https:// URL, got {_show(_shown_url(self.base_url))}"
-            )
+            raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")
         if url_credentials(self.base_url)[1] is not None and self.resolved_api_key:
             raise UsageError(
                 "--base_url holds a user and password and an API key is set too: both would be the "

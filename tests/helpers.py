@@ -252,7 +252,13 @@ class ScriptedEndpoint:
                 except ValueError:
                     body = None
                 with lock:
-                    outer.calls.append({"body": body, "check": self.headers.get("X-Batch-Runner-Check")})
+                    outer.calls.append(
+                        {
+                            "body": body,
+                            "check": self.headers.get("X-Batch-Runner-Check"),
+                            "headers": dict(self.headers),
+                        }
+                    )
                     status, reply = answer(outer.calls[-1], outer.calls)
                 self._send(status, reply)
 

@@ -78,3 +78,33 @@ def test_a_run_against_a_refusing_endpoint_exits_2_before_any_prompt(tmp_path, c
             exit_code(None, dataset, tmp_path / "data", model="nope", base_url=ep.base_url, api_key=KEY) == 2
         )
     assert (tmp_path / "data" / "run").is_dir()
+
+
+@pytest.mark.parametrize("key_from", ["flag", "environment"])
+def test_an_endpoint_that_quotes_the_key_in_its_refusal_never_gets_it_printed(
+    tmp_path, capsys, monkeypatch, key_from
+):
+    import base64
+
+    def answer(call: dict, calls: list[dict]):
+        auth = call["headers"].get("Authorization", "")
+        b64 = base64.b64encode(auth.removeprefix("Bearer ").encode()).decode()
+        return 401, {"error": {"message": f"invalid key {auth} (base64 {b64})"}}
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["task"])
+    extra = {"api_key": KEY} if key_from == "flag" else {}
+    if key_from == "environment":
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    with ScriptedEndpoint(answer) as ep:
+        code = exit_code(None, dataset, tmp_path / "data", model="m", base_url=ep.base_url, **extra)
+    out, err = capsys.readouterr()
+    assert code == 2 and "HTTP 401" in err and "invalid key Bearer [REDACTED]" in err, err
+    assert KEY not in out + err and base64.b64encode(KEY.encode()).decode()[:-4] not in out + err
+
+
+@pytest.mark.parametrize("flag", ["base_url", "num_workers", "endpoint_dialect", "budget_usd"])
+def test_a_key_pasted_into_the_wrong_flag_is_not_repeated(tmp_path, capsys, flag):
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["task"])
+    code = exit_code(None, dataset, tmp_path / "data", **{flag: KEY})
+    err = capsys.readouterr().err
+    assert code == 2 and f"--{flag}" in err and KEY not in err and "not shown" in err, err
