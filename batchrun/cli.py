@@ -208,7 +208,7 @@ def run_steps(
     print_plan(rows, plan, config, llm.base_url)
     connect_ray(config, plan.prompts)
     if plan.batches:
-        check_endpoint(llm)
+        check_endpoint(llm, needs_cost=config.budget_usd is not None and not config.is_mock)  # mock: free
     preflighted = preflight_sandboxes(
         plan.batches,
         config.backend,

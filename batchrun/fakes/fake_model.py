@@ -701,7 +701,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(401)
                 return
             try:
-                self._json(200, respond(json.loads(raw.decode("utf-8"))))
+                completion = respond(json.loads(raw.decode("utf-8")))
+                if self.server.fake.cost_per_token > 0:  # priced like every answer (--budget_usd checks it)
+                    usage = completion["usage"]
+                    usage["cost"] = round(usage["total_tokens"] * self.server.fake.cost_per_token, 10)
+                self._json(200, completion)
             except (ValueError, TypeError, AttributeError) as exc:
                 self._error(400, f"Bad start check request: {exc}")
         elif path.removeprefix("/v1") in ("/chat/completions", "/images/generations"):

@@ -13,8 +13,10 @@ endpoint's counts stay within the worst cases (they do for a server that honours
 prompt estimate is UTF-8 bytes / 3, above the ~4 bytes per token of English and code).
 
 A ``--budget_usd`` needs a price: until some answer reported a cost, calls are granted one at a time, so
-the first priced answer teaches the price (the most USD per token seen) before more are in flight; an
-endpoint that reports no cost after its first answer costs nothing by its own account.
+the first priced answer teaches the price (the most USD per token seen) before more are in flight. An
+endpoint whose start-check answer reports no cost stops the run before it starts (batchrun/run/
+preflight.py: the budget could not be kept); one that stops reporting it later costs nothing by its own
+account from then on.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, endpoint_url, request_headers, safe_url
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage, endpoint_url, request_headers, safe_url
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import SetupError
 from batchrun.prompt.tools.mcp import McpConfigError, McpSetup, probe
@@ -25,7 +25,7 @@ REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: thi
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 
 
-def check_endpoint(cfg: LLMConfig) -> None:
+def check_endpoint(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
     ``GET <base_url>/models`` first: a rejected key (401) stops here, and when the endpoint lists its
@@ -33,10 +33,11 @@ def check_endpoint(cfg: LLMConfig) -> None:
     of a few tokens with the run's model, key and dialect fields, through the workers' own model client
     (headers, CA variables, proxies, bounds). Any refusal of it (400, 401, 403, 404, 422: a wrong key
     behind a proxy, a model name the server rejects, a field its dialect does not take) is exit 2 naming
-    the status and the server's own message, so no prompt sends a doomed request.
+    the status and the server's own message, so no prompt sends a doomed request. ``needs_cost``
+    (--budget_usd): the answer must report its cost, or the run could not keep that budget.
     """
     list_models(cfg)
-    check_chat(cfg)
+    check_chat(cfg, needs_cost=needs_cost)
 
 
 def list_models(cfg: LLMConfig) -> None:
@@ -69,8 +70,11 @@ def list_models(cfg: LLMConfig) -> None:
         )
 
 
-def check_chat(cfg: LLMConfig) -> None:
-    """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words."""
+def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
+    """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words.
+    ``needs_cost``: an answer that reports no cost (``usage.cost``: OpenAI, vLLM and llama.cpp report
+    none) is a UsageError too, naming --budget_usd, which the run could not keep: it would spend on
+    with no cost counted."""
     check = dataclasses.replace(
         cfg,
         max_tokens=16,
@@ -83,8 +87,11 @@ def check_chat(cfg: LLMConfig) -> None:
         check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None
     )  # the run warns of odd usage
     shown = safe_url(cfg.base_url)
+    usage = Usage()
     try:
-        client.chat([{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 240)
+        client.chat(
+            [{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 240, usage=usage
+        )
     except LLMError as exc:
         if exc.status in REFUSALS:
             raise UsageError(
@@ -102,6 +109,12 @@ def check_chat(cfg: LLMConfig) -> None:
         raise UsageError(f"the endpoint {shown} failed the start check: {exc}") from None
     finally:
         client.close()
+    if needs_cost and "cost_usd" not in usage.reported:
+        raise UsageError(
+            f"--budget_usd needs each answer's cost, and {shown} reports none (no usage.cost in the start "
+            "check's answer; OpenRouter reports it, OpenAI, vLLM and llama.cpp do not): the run could not "
+            "keep that budget. Bound the spend with --budget_tokens instead"
+        )
 
 
 def probe_mcp_servers(config: Any) -> McpSetup:

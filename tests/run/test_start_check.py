@@ -108,3 +108,29 @@ def test_a_key_pasted_into_the_wrong_flag_is_not_repeated(tmp_path, capsys, flag
     code = exit_code(None, dataset, tmp_path / "data", **{flag: KEY})
     err = capsys.readouterr().err
     assert code == 2 and f"--{flag}" in err and KEY not in err and "not shown" in err, err
+
+
+@pytest.mark.parametrize("priced", [False, True], ids=["no_cost", "cost"])
+def test_a_usd_budget_against_an_endpoint_that_reports_no_cost_exits_2_before_any_prompt(
+    tmp_path, capsys, priced
+):
+    """OpenAI, vLLM and llama.cpp report no usage.cost: a --budget_usd would count nothing and spend on."""
+    import copy
+
+    reply = copy.deepcopy(OK_REPLY)
+    reply.setdefault("usage", {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6})
+    if priced:
+        reply["usage"]["cost"] = 0.00001
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["task"])
+    with ScriptedEndpoint(lambda call, calls: (200, reply)) as ep:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=ep.base_url, api_key=KEY, budget_usd=5,
+            max_tokens=16,
+        )  # fmt: skip
+        sent = [c for c in ep.calls if not c["check"]]
+    err = capsys.readouterr().err
+    if priced:
+        assert code == 0 and sent, err
+    else:
+        assert code == 2 and "--budget_usd needs each answer's cost" in err and "--budget_tokens" in err
+        assert not sent and not (tmp_path / "data" / "run").exists()
