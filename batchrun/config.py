@@ -812,6 +812,13 @@ class RunConfig:
                 f"--container_memory_mb must be at most this machine's memory ({memory_mb} MB), "
                 f"got {self.container_memory_mb}"
             )
+        in_memory = self.container_memory_mb + self.container_disk_mb
+        if "disk_in_memory" in bounds and in_memory > memory_mb:
+            raise UsageError(
+                f"--container_memory_mb + --container_disk_mb ({in_memory} MB) must be at most this machine's "
+                f"memory ({memory_mb} MB): the {self.backend} sandbox's files live in memory, under the same "
+                "limit as its processes"
+            )
         cpus = os.cpu_count() or 1
         if "cpus" in bounds and self.container_cpus > cpus:
             raise UsageError(

@@ -3,6 +3,8 @@ twice, the ephemeral prompt kept out of ps, credentials in --base_url."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 # ----------------------------------------------------------------------------- issue 25: flags that cannot fail later
@@ -17,6 +19,8 @@ import pytest
         ("max_tokens", "99999999999", "--max_tokens must be at most 10000000"),
         ("max_response_mb", "0", "--max_response_mb must be a number above 0"),
         ("num_workers", "1000", "--num_workers=1000 is more worker processes than this machine's"),
+        ("container_cpus", str((os.cpu_count() or 1) + 1), "--container_cpus must be at most this machine's"),
+        ("container_disk_mb", str(1 << 25), "--container_memory_mb + --container_disk_mb"),
     ],
 )
 def test_sizes_the_machine_cannot_honour_exit_2_naming_the_flag(tmp_path, flag, value, message):

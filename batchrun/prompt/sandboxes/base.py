@@ -174,8 +174,9 @@ class SandboxBackend:
     synchronous_stop: ClassVar[bool] = (
         False  # a stop of a few ms: on the prompt's thread, never the stopper's
     )
-    # The per-prompt limits this machine itself must be able to give ("memory", "cpus"): a flag asking
-    # for more than it has stops the run at start. A remote backend's machines are not this one.
+    # The per-prompt limits this machine itself must be able to give ("memory", "cpus"; "disk_in_memory":
+    # the sandbox's files live in RAM under the same memory limit, so memory + disk must fit): a flag
+    # asking for more than it has stops the run at start. A remote backend's machines are not this one.
     host_bounds: ClassVar[tuple[str, ...]] = ()
 
     @classmethod

@@ -107,7 +107,9 @@ class LocalSandbox(SandboxBackend):
     synchronous_start = False
     direct_files = True  # read_direct / write_direct: the file tools reach its tmpfs without a command
     starts_per_cpu = 4  # a start is mostly this machine's CPU (~15-25 ms): more at once only compete
-    host_bounds = ("memory",)  # cpus: a cgroup quota above the machine only never binds
+    # cpus: a quota above the machine's cores never binds, and says a bound the run cannot keep; the
+    # files (tmpfs) are charged to the prompt's memory cgroup with its processes: one limit for both.
+    host_bounds = ("memory", "cpus", "disk_in_memory")
     synchronous_stop = True  # a few ms on the prompt's thread, without messages to the parent
 
     # -- run-level steps (see base.Sandbox)
