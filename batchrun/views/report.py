@@ -989,6 +989,9 @@ def render_page(d: RunData) -> str:
     )
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def write_report(
     run_dir: Path,
     max_trajectories: int = DEFAULT_MAX_TRAJECTORIES,
@@ -1005,6 +1008,9 @@ def write_report(
     page = render_page(collect(run_dir, max_trajectories, kept))
     if redact is not None:
         page = redact(page)
+    # A discarded sample may hold a lone surrogate (a model's broken text, kept escaped in its JSON
+    # line): a page is UTF-8, which cannot carry one; it shows as U+FFFD there (the files keep it).
+    page = _LONE_SURROGATE.sub("\ufffd", page)
     out = run_dir / REPORT_NAME
     write_text_atomic(out, page)
     return out

@@ -462,3 +462,19 @@ def test_filter_box_and_outcome_select(report_page) -> None:
     page.fill("#filter", "no such text anywhere")
     expect(page.locator("#shown")).to_have_text("0 of 7 shown")
     assert visible.count() == 0
+
+
+def test_a_discarded_sample_with_a_lone_surrogate_still_gets_its_page(demo_run: Path, tmp_path: Path) -> None:
+    """A model's broken text (a lone surrogate, kept escaped in the JSON line) cannot be UTF-8: the page
+    shows U+FFFD for it instead of not being written at all."""
+    import shutil
+
+    run_dir = tmp_path / "demo"
+    shutil.copytree(demo_run, run_dir)
+    lines = (run_dir / "discarded.jsonl").read_text("utf-8").splitlines()
+    row = json.loads(lines[0])
+    row["record"]["conversations"][-1]["value"] = "broken \ud83d text"
+    lines.append(json.dumps(row))  # ensure_ascii: the surrogate travels as the escape \ud83d
+    (run_dir / "discarded.jsonl").write_text("\n".join(lines) + "\n", "utf-8")
+    report.write_report(run_dir)
+    assert "broken \ufffd text" in (run_dir / "report.html").read_text("utf-8")
