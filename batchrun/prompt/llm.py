@@ -818,6 +818,10 @@ class LLMClient:
                 return _Retry(exc)
             if exc.error_class == "connection":  # a stream cut short: a dropped connection mid-answer
                 return _Retry(exc, endpoint_fault=True)
+            if exc.error_class == "stream_error" or (exc.status is not None and exc.status >= 500):
+                # An error event mid-answer from the server's side (an upstream that went away): asked
+                # again like a 5xx before the answer began; a 4xx event (the request's fault) is final.
+                return _Retry(exc, endpoint_fault=True)
             return exc
         if isinstance(exc, ValueError):  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
             return _Retry(LLMError("bad_response", f"endpoint answered with an invalid response: {exc}"))

@@ -697,6 +697,29 @@ def test_a_stream_ended_by_done_without_a_finish_reason_is_a_reply_that_does_not
     assert len(srv.requests) == 1
 
 
+@pytest.mark.parametrize(
+    ("event", "tries", "error_class"),
+    [
+        (b'data: {"error": {"message": "upstream went away", "code": 502}}\n\n', 3, "http_502"),
+        (b'data: {"error": {"message": "upstream went away"}}\n\n', 3, "stream_error"),
+        (b'data: {"error": {"message": "bad field", "code": 400}}\n\n', 1, "http_400"),
+    ],
+)
+def test_an_error_event_mid_stream_is_asked_again_when_the_server_failed(event, tries, error_class):
+    """Like a 5xx before the answer began: the server's failure is retried, the request's is final."""
+    with Scripted(_sse_server(lambda n: [*CUT, event], "close")) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=True, max_retries=2).chat(USER, [])
+    assert info.value.error_class == error_class
+    assert len(srv.requests) == tries
+    with Scripted(_sse_server(lambda n: [*CUT, event] if n == 1 else WHOLE, "close")) as srv:
+        if tries == 1:
+            with pytest.raises(LLMError):
+                llm(srv.base_url, stream=True, max_retries=2).chat(USER, [])
+        else:
+            assert llm(srv.base_url, stream=True, max_retries=2).chat(USER, []).finish_reason == "stop"
+
+
 @pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8"])
 def test_a_plain_json_reply_to_a_streamed_request_is_that_reply(content_type):
     """A server or proxy that does not stream answers with the chat.completion body: the same answer."""
