@@ -39,13 +39,14 @@ BACKGROUND_DIR = ".batch-runner-processes"
 # Before a sample is judged in its sandbox (verify, a user's scorer), nothing the agent started may
 # still run: a process left in the background could rewrite the hidden verify files once written, or
 # the verify's own output, and fake a pass. A sandbox that can end them has ``end_processes(timeout_s)``:
-# None once they are gone, else why not (SandboxError: the sandbox itself is gone). In a sandbox with a PID namespace of its own, this script
-# does it: it kills every process but PID 1, itself and its ancestors (the sandbox's command server),
+# None once they are gone, else why not (SandboxError: the sandbox itself is gone). In a sandbox with a
+# PID namespace of its own, this script does it: it kills every process but PID 1, itself, its ancestors
+# (the sandbox's command server) and the PIDs given as its arguments (a server's other processes),
 # round after round until none is left alive (a process forking in a loop is caught in the next round;
 # a zombie is dead already). Builtins only, so that it never counts a child of its own. Never run it
 # where the PID namespace is the host's: it would kill every process of the user it runs as.
 END_PROCESSES_SCRIPT = r"""
-keep=" 1 $$ " p=$$
+keep=" 1 $$ $* " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
     IFS= read -r line < "/proc/$p/stat" || break
     set -- ${line##*) }
@@ -73,7 +74,11 @@ exit 1
 def end_processes_with_script(sandbox: Any, timeout_s: float) -> str | None:
     """End what the agent left running with :data:`END_PROCESSES_SCRIPT`, run by ``sandbox.run`` (a
     sandbox with a PID namespace of its own): None once they are gone, else why not."""
-    res = sandbox.run(END_PROCESSES_SCRIPT, timeout_s=timeout_s)
+    return end_problem(sandbox.run(END_PROCESSES_SCRIPT, timeout_s=timeout_s), timeout_s)
+
+
+def end_problem(res: ExecResult, timeout_s: float) -> str | None:
+    """What :data:`END_PROCESSES_SCRIPT`'s result says: None once the processes are gone, else why not."""
     if res.timed_out:
         return f"ending them took longer than {timeout_s:g} s"
     if res.exit_code != 0:

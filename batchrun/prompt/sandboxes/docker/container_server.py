@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 
 from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner
-from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, CappedBuffer, readable
+from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, END_PROCESSES_SCRIPT, CappedBuffer, readable
 
 READY_LINE = "[batch-runner-ready]"
 
@@ -100,27 +100,14 @@ __br_sweep() {{
     done
 }}
 # What runs here now (docker-init, the boot shell, cat, the sleeper, this server) is all the
-# container has before the agent's first command: __br_end <token>, run before a sample is judged,
-# kills everything else (what the agent left, however it marked or detached it), round after round
-# until nothing of it is left alive, then prints the marker with 0 (1: still alive after 200 rounds).
-__br_base=' '
-for __br_f in /proc/[0-9]*; do __br_base="$__br_base${{__br_f#/proc/}} "; done
+# container has before the agent's first command: __br_end <token> <script>, run before a sample is
+# judged, runs base.END_PROCESSES_SCRIPT sparing these too (cat and the sleeper are no ancestors of
+# it), and prints the marker with its exit code.
+__br_base=
+for __br_f in /proc/[0-9]*; do __br_base="$__br_base ${{__br_f#/proc/}}"; done
 __br_end() {{
-    __br_t=$1 __br_rc=1 __br_n=0
-    while [ "$__br_n" -lt 200 ]; do
-        __br_n=$((__br_n + 1)) __br_live=
-        for __br_f in /proc/[0-9]*/stat; do
-            __br_p=${{__br_f#/proc/}} __br_p=${{__br_p%/stat}}
-            case $__br_base in *" $__br_p "*) continue ;; esac
-            {{ read -r __br_l < "$__br_f"; }} 2>/dev/null || continue
-            set -- ${{__br_l##*) }}
-            [ "$1" = Z ] && continue
-            kill -9 "$__br_p" 2>/dev/null
-            __br_live=1
-        done
-        [ -n "$__br_live" ] || {{ __br_rc=0; break; }}
-    done
-    printf '\\n[batch-runner-exit:%s]=%s\\n' "$__br_t" "$__br_rc"
+    sh -c "$2" br-end $__br_base
+    printf '\\n[batch-runner-exit:%s]=%s\\n' "$1" "$?"
 }}
 printf '%s\\n' '{READY_LINE}'
 """.encode()
@@ -146,8 +133,9 @@ def request(token: str, command: str, stdin: bytes | None) -> bytes:
 
 
 def end_request(token: str) -> bytes:
-    """The line that ends what the agent left running (``__br_end``), answered with ``token``'s marker."""
-    return b"__br_end " + token.encode() + b"\n"
+    """The line that ends what the agent left running (``__br_end`` with base.END_PROCESSES_SCRIPT),
+    answered with ``token``'s marker."""
+    return b"__br_end " + token.encode() + b" " + sh_quote(END_PROCESSES_SCRIPT.encode()) + b"\n"
 
 
 class Channel:

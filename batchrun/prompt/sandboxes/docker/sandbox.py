@@ -53,6 +53,7 @@ from batchrun.prompt.sandboxes.base import (
     SandboxSpec,
     SetupError,
     check_option_types,
+    end_problem,
     parse_options,
     readable,
     safe_run_name,
@@ -408,11 +409,7 @@ class DockerSandbox(SandboxBackend):
             result = self._serve("", timeout_s=timeout_s, stdin=None, end=True)
         if result is None:
             raise SandboxError(f"docker container of prompt {self.spec.prompt_index} is gone")
-        if result.timed_out:
-            return f"ending them took longer than {timeout_s:g} s"
-        if result.exit_code != 0:
-            return "processes left by the agent were still alive after 200 rounds of kill -9"
-        return None
+        return end_problem(result, timeout_s)
 
     def _serve(
         self, command: str, *, timeout_s: float, stdin: bytes | None, end: bool = False
