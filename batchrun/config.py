@@ -28,7 +28,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from batchrun.prompt.httpclient import url_credentials
-from batchrun.prompt.llm import DIALECTS, MAX_CALL_TOKENS, PROVIDER_SORTS, REASONING_EFFORTS, LLMConfig
+from batchrun.prompt.llm import (
+    DIALECTS,
+    MAX_CALL_TOKENS,
+    PROVIDER_SORTS,
+    REASONING_EFFORTS,
+    LLMConfig,
+    safe_url,
+)
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes import DEFAULT_BACKEND, backend_class
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
@@ -36,7 +43,7 @@ from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
 from batchrun.secrets import ORDINARY
 from batchrun.sharegpt import parse_json
-from batchrun.storage import read_json_file
+from batchrun.storage import not_a_file, read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
@@ -97,21 +104,12 @@ def _is_http_url(url: str) -> bool:
     return bool(parts.hostname)
 
 
-def _shown_url(url: str) -> str:
-    """``url`` as a message may show it: without its user and password (when it can be read at all)."""
-    try:
-        return url_credentials(url)[0]
-    except ValueError:
-        scheme, sep, rest = url.partition("://")
-        return scheme + sep + rest.rpartition("@")[2] if "@" in rest else url
-
-
 def _show(value: Any) -> str:
     """A refused value as the message shows it: quoted when it is a word, a number or a plain path
     (``four``, ``flase``, ``1e11``); anything else, which may be a key pasted into the wrong flag, only
     by its length. An http(s) URL shows without its user, password and query."""
     if isinstance(value, str) and re.match(r"https?://", value):
-        scheme, _, rest = _shown_url(value).partition("://")
+        scheme, _, rest = safe_url(value).partition("://")
         value = f"{scheme}://{rest.split('?', 1)[0]}" + ("?..." if "?" in rest else "")
         return repr(value) if len(value) <= 200 else repr(value[:197] + "...")
     text = value if isinstance(value, str) else repr(value)
@@ -781,14 +779,9 @@ class RunConfig:
             raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
         dataset = Path(self.dataset_file)
         if not dataset.is_file():
-            what = (
-                "a directory"
-                if dataset.is_dir()
-                else "not a regular file"
-                if dataset.exists()
-                else "not found"
+            raise UsageError(
+                f"--dataset_file {self.dataset_file}: {not_a_file(dataset)} (a JSONL file, one row a line)"
             )
-            raise UsageError(f"--dataset_file {self.dataset_file}: {what} (a JSONL file, one row a line)")
         self.prefill_messages  # noqa: B018  (reads and checks the file now, before anything starts)
 
     def check_machine_bounds(self) -> None:

@@ -734,13 +734,18 @@ def end_agent_processes(sandbox: Any, timeout_s: float) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _looks_into_sandbox(name: str) -> bool:
+    """Whether a scorer may read the sandbox: verify, and a user's scorer (it gets a SandboxHandle)."""
+    return name not in TEXT_SCORERS and name != "judge"
+
+
 def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
     """The ``score`` of one sample by the row's scorers; never raises."""
     names = [n for n in scorers_for(j.check, j.settings) if applies(n, j.check)]
     if not names:
         return unscored()
     parts = []
-    in_sandbox = j.sandbox is not None and any(n not in TEXT_SCORERS and n != "judge" for n in names)
+    in_sandbox = j.sandbox is not None and any(_looks_into_sandbox(n) for n in names)
     ended = (
         end_agent_processes(j.sandbox, _time_left(j.settings.verify_timeout_s, j.deadline) or 1.0)
         if in_sandbox
@@ -748,7 +753,7 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
     )
     for name in names:
         try:
-            if ended is not None and name not in TEXT_SCORERS and name != "judge":
+            if ended is not None and _looks_into_sandbox(name):
                 parts.append(
                     Part(name, error=f"the agent's processes could not be ended before judging: {ended}")
                 )

@@ -81,6 +81,11 @@ def write_json_atomic(path: Path, obj: Any, redact: Callable[[str], str] | None 
     write_text_atomic(path, redact(text) if redact else text)
 
 
+def not_a_file(path: Path) -> str:
+    """Why ``path``, which is no regular file, cannot be read as one: for messages."""
+    return "a directory" if path.is_dir() else "not a regular file" if path.exists() else "not found"
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` whole (temp file, fsync, rename); raises :class:`WriteError`, leaving no temp file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -63,22 +63,6 @@ def test_a_flag_file_too_deep_exits_2_naming_the_flag(tmp_path):
         assert not (tmp_path / "data" / "r").exists()
 
 
-@pytest.mark.parametrize("url", ["http://[::1/v1", "http://host:99999/v1", "http:///v1"])
-def test_a_base_url_urllib_cannot_read_exits_2(tmp_path, url):
-    from batchrun.config import RunConfig, UsageError
-
-    ds = write_jsonl(tmp_path / "d.jsonl", ["x"])
-    with pytest.raises(UsageError, match="--base_url must be an http:// or https:// URL"):
-        RunConfig.from_flags(
-            dataset_file=str(ds),
-            batch_size=1,
-            run_name="r",
-            output_dir=str(tmp_path),
-            model="m",
-            base_url=url,
-        )
-
-
 def test_resume_and_the_views_over_batch_lines_too_deep_or_too_long_a_number(tmp_path):
     ds = write_jsonl(tmp_path / "d.jsonl", ["a", "b", "c"])
     out = tmp_path / "data"

@@ -506,8 +506,13 @@ def _pool_classes(stats: dict[str, int], lock: threading.Lock) -> dict[str, type
 
 
 def _safe_url(url: str) -> str:
-    """A URL without its user and password, for messages."""
-    parts = urlsplit(url)
+    """A URL without its user and password, for messages; also one urllib cannot read
+    (``http://u:p@[::1/v1``), whose user and password are cut by hand."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        return scheme + sep + rest.rpartition("@")[2] if "@" in rest else url
     if parts.username is None and parts.password is None:
         return url
     netloc = parts.netloc.rpartition("@")[2]

@@ -909,7 +909,7 @@ def _encode(body: dict[str, Any], encoder: RequestEncoder | None = None) -> byte
 
 def safe_url(url: str) -> str:
     """``url`` without a user or password (for every message and the start line)."""
-    return httpclient.url_credentials(url)[0]
+    return httpclient._safe_url(url)
 
 
 def _retry_after_s(exc: httpclient.StatusError) -> float | None:

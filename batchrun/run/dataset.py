@@ -24,6 +24,7 @@ from batchrun.config import UsageError
 from batchrun.protocol import RowCheck, RowOptions
 from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
 from batchrun.sharegpt import strict_json
+from batchrun.storage import not_a_file
 
 MAX_SAMPLES_PER_ROW = 10_000
 # A dataset line longer than this is skipped unread: no model's context takes a prompt of that size,
@@ -76,8 +77,7 @@ def load_dataset(
     toolsets = known_toolsets(catalog)
     p = Path(path)
     if not p.is_file():
-        what = "a directory" if p.is_dir() else "not a regular file" if p.exists() else "not found"
-        raise UsageError(f"dataset file {path}: {what}")
+        raise UsageError(f"dataset file {path}: {not_a_file(p)}")
     rows: list[Row] = []
     problems: list[str] = []
     seen: collections.Counter[str] = collections.Counter()
