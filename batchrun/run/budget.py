@@ -8,7 +8,7 @@ price per token has been seen, ``--budget_usd``). One that does not fit waits fo
 settle (a prompt under way goes before one that has not started, and a prompt starts only when the
 budget also holds what it and the prompts under way are expected to spend: a tight budget finishes
 prompts); one that does not fit even with nothing in flight is refused, and the run's budget is
-reached. So whatever the number of prompts in flight, the run spends at most its budget, as long as the
+reached, as it is when what is left holds no whole prompt as this run's prompts cost. So whatever the number of prompts in flight, the run spends at most its budget, as long as the
 endpoint's counts stay within the worst cases (they do for a server that honours ``max_tokens``; the
 prompt estimate is UTF-8 bytes / 3, above the ~4 bytes per token of English and code).
 
@@ -34,14 +34,17 @@ class Budget:
         """``spent()``: the run's (tokens, USD) so far, as the recorder counts them."""
         self.tokens, self.usd, self._spent = tokens, usd, spent
         self.reserved: dict[tuple[Any, int], int] = {}  # (worker, reservation) -> tokens
-        self.waiting: list[tuple[int, int, Any, int, int]] = []  # (-priority, arrival, worker, rid, tokens)
+        # (-priority, arrival, worker, rid, tokens, prompt, calls its prompt made)
+        self.waiting: list[tuple[int, int, Any, int, int, Any, int]] = []
         self._arrivals = 0
         self.usd_per_token: float | None = None  # the most any answer cost per token; None: none priced yet
         self.answers = 0
         self.exhausted = False  # a call did not fit with nothing in flight: the budget is reached
+        self.why = ""  # when no whole prompt fits any more, what one is expected to cost
         # Prompts with a granted call and no outcome yet: key -> (worker, calls made before the last grant)
         self.under_way: dict[Any, tuple[Any, int]] = {}
         self._done = [0, 0, 0]  # finished prompts, their calls, their tokens: what a prompt costs here
+        self._most_calls = 0  # the most calls a finished prompt made
 
     @property
     def active(self) -> bool:
@@ -55,7 +58,9 @@ class Budget:
         and it are expected to spend (see :meth:`_room_to_start`): a tight budget finishes prompts
         instead of starting many it cannot pay for."""
         self._arrivals += 1
-        heapq.heappush(self.waiting, (-priority, self._arrivals, worker, rid, max(0, tokens), prompt))
+        # A retried first call has made no call, but its prompt is under way: it goes first too.
+        first = max(priority, 1) if prompt is not None and prompt in self.under_way else priority
+        heapq.heappush(self.waiting, (-first, self._arrivals, worker, rid, max(0, tokens), prompt, priority))
         return self._decide()
 
     def prompt_done(self, prompt: Any, calls: int, tokens: int) -> list[Decision]:
@@ -65,6 +70,7 @@ class Budget:
             self._done[0] += 1
             self._done[1] += calls
             self._done[2] += max(0, tokens)
+            self._most_calls = max(self._most_calls, calls)
         return self._decide()
 
     def settle(self, worker: Any, rid: int | None, tokens: int, usd: float) -> list[Decision]:
@@ -89,7 +95,7 @@ class Budget:
 
     def refuse_all(self) -> list[Decision]:
         """The run stops (budget reached): every waiting call is refused."""
-        out = [(w, rid, False) for _, _, w, rid, _, _ in sorted(self.waiting, key=lambda e: e[:2])]
+        out = [(e[2], e[3], False) for e in sorted(self.waiting, key=lambda e: e[:2])]
         self.waiting.clear()
         return out
 
@@ -107,32 +113,48 @@ class Budget:
                 return False
         return True
 
-    def _room_to_start(self, tokens: int) -> bool:
+    def _room_to_start(self, tokens: int) -> bool | None:
         """Whether a new prompt's first call may go: the budget holds it, the rest of this prompt, and
-        what the prompts under way are expected still to spend (calls per prompt and tokens per call as
-        the finished prompts of this run show them; :data:`DEFAULT_CALLS` calls until one finished). With
-        no other prompt under way and nothing in flight, the call alone decides (the spend then ends
-        close to the budget)."""
-        if not self.under_way and not self.reserved:
-            return True
+        what the prompts under way are expected still to spend. True: it starts; False: it waits for
+        prompts under way; None: it never will (the rest of the budget holds no whole prompt).
+
+        Once prompts finished, a prompt is expected to cost what they did on average (calls per prompt,
+        tokens per call), and the budget also keeps the room by which the longest of them went past that
+        average, so the prompt started last can still finish. Until one finished, a prompt is guessed at
+        :data:`DEFAULT_CALLS` calls of this first call's size, and a second prompt starts only while the
+        budget holds twice what it and the prompts under way are guessed to spend (the guess is only a
+        guess); the first one starts alone if its call fits."""
         prompts, calls, spent = self._done
-        per_prompt = calls / prompts if prompts else DEFAULT_CALLS
-        per_call = spent / calls if calls else tokens
+        if not prompts:
+            if not self.under_way and not self.reserved:
+                return True
+            per_prompt, per_call, slack = float(DEFAULT_CALLS), float(tokens), 2.0
+        else:
+            per_prompt, per_call, slack = calls / prompts, max(1.0, spent / calls), 1.0
         still = sum(max(0.0, per_prompt - made - 1) for _, made in self.under_way.values())
-        return self._fits(tokens + int((still + max(0.0, per_prompt - 1)) * per_call))
+        need = slack * (tokens + (still + max(0.0, per_prompt - 1)) * per_call)
+        if prompts:
+            need += max(0.0, self._most_calls - per_prompt) * per_call
+        if self._fits(int(need)):
+            return True
+        if self.under_way or self.reserved:
+            return False
+        self.why = f"the rest holds no whole prompt (~{int(need):,} tokens each, as this run's prompts cost)"
+        return None
 
     def _decide(self) -> list[Decision]:
         out: list[Decision] = []
         while self.waiting and not self.exhausted:
-            neg_priority, _, worker, rid, tokens, prompt = self.waiting[0]
+            _, _, worker, rid, tokens, prompt, made = self.waiting[0]
             starting = prompt is not None and prompt not in self.under_way
-            if self._fits(tokens) and (not starting or self._room_to_start(tokens)):
+            room = self._room_to_start(tokens) if starting and self._fits(tokens) else True
+            if self._fits(tokens) and room:
                 heapq.heappop(self.waiting)
                 self.reserved[(worker, rid)] = tokens
                 if prompt is not None:
-                    self.under_way[prompt] = (worker, -neg_priority)
+                    self.under_way[prompt] = (worker, made)
                 out.append((worker, rid, True))
-            elif not self.reserved and not self._fits(tokens):
+            elif room is None or (not self.reserved and not self._fits(tokens)):
                 self.exhausted = True
             else:
                 break  # calls in flight, or prompts under way, may leave room when they settle

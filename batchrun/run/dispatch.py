@@ -478,8 +478,9 @@ class Dispatch:
         while track.pending:
             skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
         self.pbar.write(
-            f"Budget reached (${rec.spend['cost_usd']:.4f}, {rec.spend['total_tokens']:,} tokens): "
-            "no new prompt starts and prompts in flight stop at their next model call. "
+            f"Budget reached (${rec.spend['cost_usd']:.4f}, {rec.spend['total_tokens']:,} tokens"
+            + (f"; {self.budget.why}" if self.budget.why else "")
+            + "): no new prompt starts and prompts in flight stop at their next model call. "
             "Continue later with --resume (and a larger budget).",
             file=sys.stderr,
         )

@@ -78,6 +78,7 @@ class Recorder:
         # the budget sees spend as it happens; the outcome's usage then adds only the rest.
         self.live_spend: dict[tuple[int, int, int], collections.Counter[str]] = {}
         self.budget_hit = False
+        self.budget_unfinished = 0  # prompts the budget stopped after they had made model calls
         self.total = 0  # prompts handed to the workers in this run
         self.started = time.monotonic()
         self.started_at = _now()
@@ -213,6 +214,8 @@ class Recorder:
             append_jsonl(self.run_dir / "discarded.jsonl", row, sample_text)
         else:
             self.failures[outcome.error_class or "unknown"] += 1
+            if outcome.error_class == "budget" and (outcome.usage or {}).get("calls"):
+                self.budget_unfinished += 1
             self.failure_messages[outcome.error_class or "unknown"][
                 self.redact(str(outcome.error))[:300]
             ] += 1
@@ -286,6 +289,8 @@ class Recorder:
             if self.budget_usd is not None
             else None,
             "stopped_in_flight": self.failures.get("budget", 0),
+            # Of those, the ones stopped after model calls: what they spent gave no sample.
+            "stopped_unfinished": self.budget_unfinished,
         }
 
     def budget_reached(self) -> bool:

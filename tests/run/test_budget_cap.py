@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import ScriptedEndpoint, run, write_jsonl
+from helpers import ScriptedEndpoint, requests, run, write_jsonl
 
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import Usage, credible_usage
@@ -229,3 +229,92 @@ def test_spend_crosses_the_process_boundary_per_call_only_for_a_budget(tmp_path,
     assert (
         stats["this_run"]["budget"]["spent_tokens"] == served["prompt_tokens"] + served["completion_tokens"]
     )
+
+
+def test_until_a_prompt_finished_a_tight_budget_starts_one_prompt_at_a_time():
+    """The guess of 3 calls a prompt is only a guess: before any prompt has finished, a second prompt
+    starts only while the budget holds twice what it and the prompts under way are guessed to spend.
+    Before, 20,000 tokens let three prompts of ~2,200-token calls start at once; they took 4 calls each,
+    and all three were stopped by the budget, unfinished (0 trajectories for 18,000 tokens)."""
+    spent = Spent()
+    budget = Budget(20_000, None, spent)
+    assert budget.request("w", 1, 2200, 0, prompt="a") == [("w", 1, True)]  # alone: it starts
+    assert budget.request("x", 1, 2200, 0, prompt="b") == []  # 2 x (a's 3 calls + b's 3 calls) > 20,000
+    spent.tokens += 2200
+    assert budget.settle("w", 1, 2200, 0.0) == []
+    assert budget.request("w", 2, 2300, 1, prompt="a") == [("w", 2, True)]  # a goes on
+    # A large budget starts many prompts before any finished.
+    big = Budget(1_000_000, None, Spent())
+    granted = [big.request(f"w{i}", 1, 2200, 0, prompt=i) for i in range(200)]
+    # With n under way (each holding its first call, and twice its 2 more guessed) the next starts while
+    # 2,200 x (5n + 6) <= 1,000,000: up to n = 89, so 90 prompts start before any finished.
+    assert sum(1 for g in granted if g) == 90
+
+
+def test_once_prompts_finished_none_starts_that_the_rest_of_the_budget_cannot_finish():
+    """The budget is reached when the rest of it holds no whole prompt (as this run's prompts cost), not
+    when a lone first call no longer fits: a prompt is not started only to be stopped by the budget."""
+    spent = Spent()
+    budget = Budget(20_000, None, spent)
+    spent.tokens = 16_000
+    budget.prompt_done("a", 4, 8000)
+    budget.prompt_done("b", 4, 8000)
+    # 4,000 left: the first call would fit, the prompt (8,000 as a and b cost) would not.
+    assert budget.request("w", 1, 2200, 0, prompt="c") == [("w", 1, False)]
+    assert budget.exhausted
+
+
+def test_prompts_of_uneven_length_leave_room_for_the_longest_one_seen():
+    spent = Spent()
+    budget = Budget(20_000, None, spent)
+    budget.prompt_done("a", 2, 2000)  # 1,000 tokens a call; prompts took 2 and 6 calls (mean 4)
+    budget.prompt_done("b", 6, 6000)
+    spent.tokens = 8000
+    # 12,000 left: c's 4,000 (mean) fits; with d under way (3,000 more expected) c needs its own 4,000
+    # and the 2,000 by which a prompt went past the mean.
+    assert budget.request("w", 1, 1000, 0, prompt="d") == [("w", 1, True)]
+    assert budget.request("x", 1, 1000, 0, prompt="c") == [("x", 1, True)]  # 8,000+1,000+3,000+4,000+2,000
+    assert budget.request("y", 1, 1000, 0, prompt="e") == []
+
+
+def test_a_retried_first_call_of_a_prompt_under_way_is_not_held_behind_prompts_not_started():
+    """A retry of a prompt's first call has made no call yet (priority 0), but its prompt is under way:
+    it must not wait behind a prompt that cannot start until it finishes (they would wait for each other)."""
+    spent = Spent()
+    budget = Budget(20_000, None, spent)
+    assert budget.request("w", 1, 2200, 0, prompt="a") == [("w", 1, True)]
+    assert budget.request("x", 1, 2200, 0, prompt="b") == []  # waits for a
+    assert budget.settle("w", 1, 0, 0.0) == []  # a's first attempt failed (a 5xx): nothing spent
+    assert budget.request("w", 2, 2200, 0, prompt="a") == [("w", 2, True)]  # its retry goes
+
+
+def test_a_tight_budget_finishes_whole_prompts(tmp_path, capsys):
+    """20 prompts of 4 calls, 4 workers, a budget for about two and a half prompts: the run finishes
+    two and stops none it started (before: every prompt started was stopped unfinished)."""
+    per_prompt = _cost_of_one_prompt(tmp_path / "probe")
+    cap = int(per_prompt * 2.5)
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:3]" for i in range(20)])
+        run(server, dataset, tmp_path / "data", num_workers=4, budget_tokens=cap, max_tokens=100)
+        served = server.stats()
+    assert served["prompt_tokens"] + served["completion_tokens"] <= cap
+    run_dir = tmp_path / "data" / "run"
+    finished = (run_dir / "trajectories.jsonl").read_text().splitlines()
+    assert len(finished) == 2
+    failed = [json.loads(line) for line in (run_dir / "failed.jsonl").read_text().splitlines()]
+    started = [f["prompt"] for f in failed if f["usage"]["calls"] or f["usage"]["requests"]]
+    assert started == []  # every prompt the budget stopped had cost nothing
+    budget = json.loads((run_dir / "statistics.json").read_text())["this_run"]["budget"]
+    assert budget["stopped_in_flight"] == 18 and budget["stopped_unfinished"] == 0
+    assert "the rest holds no whole prompt" in capsys.readouterr().err
+    assert sum(requests(server).values()) == 8
+
+
+def _cost_of_one_prompt(out: Path) -> int:
+    out.mkdir()
+    with FakeModelServer() as server:
+        dataset = write_jsonl(out / "d.jsonl", ["Task 0 [calls:3]"])
+        run(server, dataset, out / "data", num_workers=1, max_tokens=100)
+        served = server.stats()
+    assert sum(requests(server).values()) == 4
+    return served["prompt_tokens"] + served["completion_tokens"]
