@@ -53,6 +53,7 @@ from batchrun.secrets import Redactor
 from batchrun.storage import WriteError
 
 EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-only): the run stopped
+EXIT_BUDGET_UNMEASURED = 6  # --budget_usd and an answer with no cost before any price: the run stopped
 
 # ----------------------------------------------------------------------------- the command line
 
@@ -268,6 +269,14 @@ def run_steps(
             file=sys.stderr,
         )
         return EXIT_ENDPOINT_DEAD
+    if preflighted.batches and dispatch.budget.unmeasured:
+        print(
+            "The run stopped: --budget_usd could not be measured (an answer reported no cost). Continue "
+            "with --budget_tokens, or once the endpoint reports costs:\n  "
+            + recorder.redact(resume_command()),
+            file=sys.stderr,
+        )
+        return EXIT_BUDGET_UNMEASURED
     return finish.exit_code(stats, interrupted, config.max_failure_rate)
 
 

@@ -158,6 +158,7 @@ class Spend:
     sample_index: int = 0
     reservation: int | None = None  # the Reserve this call was sent under: freed now
     fault: str | None = None  # what was wrong with the endpoint's usage (then the counts are estimates)
+    priced: bool = True  # the answer reported its cost (usage.cost); False: --budget_usd must estimate it
 
 
 @dataclass(frozen=True)

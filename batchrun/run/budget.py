@@ -15,8 +15,10 @@ prompt estimate is UTF-8 bytes / 3, above the ~4 bytes per token of English and 
 A ``--budget_usd`` needs a price: until some answer reported a cost, calls are granted one at a time, so
 the first priced answer teaches the price (the most USD per token seen) before more are in flight. An
 endpoint whose start-check answer reports no cost stops the run before it starts (batchrun/run/
-preflight.py: the budget could not be kept); one that stops reporting it later costs nothing by its own
-account from then on.
+preflight.py: the budget could not be kept). An answer without a cost later (a provider that does not
+price it, a judge or tool endpoint that reports none) is counted at the most USD per token seen
+(``estimated_usd``), never as free; one before any price was seen cannot be counted at all: the budget
+is then ``unmeasured`` and no further call is granted (the run stops as at its budget, exit code 6).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Budget:
         self.answers = 0
         self.exhausted = False  # a call did not fit with nothing in flight: the budget is reached
         self.why = ""  # when no whole prompt fits any more, what one is expected to cost
+        self.estimated_usd = 0.0  # answers that reported no cost, at the most USD per token seen
+        self.unmeasured = False  # an answer with no cost before any price: --budget_usd cannot be kept
         # Prompts with a granted call and no outcome yet: key -> (worker, calls made before the last grant)
         self.under_way: dict[Any, tuple[Any, int]] = {}
         self._done = [0, 0, 0]  # finished prompts, their calls, their tokens: what a prompt costs here
@@ -73,12 +77,19 @@ class Budget:
             self._most_calls = max(self._most_calls, calls)
         return self._decide()
 
-    def settle(self, worker: Any, rid: int | None, tokens: int, usd: float) -> list[Decision]:
-        """A reserved call is over (its spend is already in ``spent()``): its reservation is freed."""
+    def settle(
+        self, worker: Any, rid: int | None, tokens: int, usd: float, priced: bool = True
+    ) -> list[Decision]:
+        """A reserved call is over (its spend is already in ``spent()``): its reservation is freed.
+        ``priced``: the answer reported its cost; one that did not is estimated, or ends a USD budget."""
         if tokens > 0:
             self.answers += 1
-            # The most USD per token seen; an answer with no cost sets 0 (free by its own account).
-            self.usd_per_token = max(self.usd_per_token or 0.0, max(0.0, usd) / tokens)
+            if priced:  # the most USD per token seen (a cost of 0 is a free model's price)
+                self.usd_per_token = max(self.usd_per_token or 0.0, max(0.0, usd) / tokens)
+            elif self.usd is not None and self.usd_per_token is not None:
+                self.estimated_usd += tokens * self.usd_per_token
+            elif self.usd is not None:
+                self.unmeasured = self.exhausted = True
         if rid is not None:
             self.reserved.pop((worker, rid), None)
         return self._decide()
@@ -101,6 +112,7 @@ class Budget:
 
     def _fits(self, tokens: int) -> bool:
         spent_tokens, spent_usd = self._spent()
+        spent_usd += self.estimated_usd
         in_flight = sum(self.reserved.values())
         if self.tokens is not None and spent_tokens + in_flight + tokens > self.tokens:
             return False

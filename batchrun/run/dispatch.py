@@ -160,6 +160,7 @@ class Dispatch:
             lambda: (recorder.spend["total_tokens"], recorder.spend["cost_usd"]),
         )
         self.usage_fault_warned = False
+        self.unpriced_warned = False  # an answer without a cost was counted at the learned price
         self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)
         self._ending_error: BaseException | None = None
         self.watch: EndpointWatch | None = None  # made with the inbox, in run()
@@ -302,7 +303,9 @@ class Dispatch:
                     f"warning: {usage_warning(self.settings.llm.base_url, message.fault)}", file=sys.stderr
                 )
             tokens = message.prompt_tokens + message.completion_tokens
-            self.grant(inbox, self.budget.settle(pid, message.reservation, tokens, message.cost_usd))
+            decisions = self.budget.settle(pid, message.reservation, tokens, message.cost_usd, message.priced)
+            self.grant(inbox, decisions)
+            self.note_unpriced(message, tokens)
             return self.check_budget(inbox, track)
         elif isinstance(message, Reserve):  # may this call be sent? (the budget as a cap)
             self.grant(
@@ -463,6 +466,19 @@ class Dispatch:
                 file=sys.stderr,
             )
 
+    def note_unpriced(self, message: Spend, tokens: int) -> None:
+        """--budget_usd and an answer without a cost: the summary says so, and a warning once."""
+        rec, budget = self.recorder, self.budget
+        rec.budget_estimated_usd, rec.budget_unmeasured = budget.estimated_usd, budget.unmeasured
+        if message.priced or tokens <= 0 or budget.usd is None or self.unpriced_warned or budget.unmeasured:
+            return
+        self.unpriced_warned = True
+        self.pbar.write(
+            "warning: a model answer reported no cost (usage.cost): --budget_usd counts such answers at the "
+            f"highest price per token seen so far (${budget.usd_per_token * 1e6:.4f} per million tokens)",
+            file=sys.stderr,
+        )
+
     def check_budget(self, inbox: Inbox, track: _Tracking) -> int:
         """Once the run's budget is spent: no new prompt starts (those not handed out yet are settled as
         skipped; returns how many), and prompts in flight stop at their next model call (failed, class
@@ -477,6 +493,15 @@ class Dispatch:
         skipped = 0
         while track.pending:
             skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
+        if self.budget.unmeasured:
+            self.pbar.write(
+                "error: --budget_usd cannot be kept: a model answer reported no cost (usage.cost) before any "
+                "answer showed a price, so what the run spends cannot be counted. No new model call is sent; "
+                "prompts in flight stop at their next call and prompts not started stay unrun. Continue "
+                "with --resume once the endpoint reports costs, or bound the spend with --budget_tokens.",
+                file=sys.stderr,
+            )
+            return skipped
         self.pbar.write(
             f"Budget reached (${rec.spend['cost_usd']:.4f}, {rec.spend['total_tokens']:,} tokens"
             + (f"; {self.budget.why}" if self.budget.why else "")

@@ -79,6 +79,8 @@ class Recorder:
         self.live_spend: dict[tuple[int, int, int], collections.Counter[str]] = {}
         self.budget_hit = False
         self.budget_unfinished = 0  # prompts the budget stopped after they had made model calls
+        self.budget_estimated_usd = 0.0  # --budget_usd: answers without a cost, at the learned price
+        self.budget_unmeasured = False  # --budget_usd: an answer without a cost before any price
         self.total = 0  # prompts handed to the workers in this run
         self.started = time.monotonic()
         self.started_at = _now()
@@ -291,6 +293,8 @@ class Recorder:
             "stopped_in_flight": self.failures.get("budget", 0),
             # Of those, the ones stopped after model calls: what they spent gave no sample.
             "stopped_unfinished": self.budget_unfinished,
+            "estimated_usd": round(self.budget_estimated_usd, 6),  # in no spent_usd: no answer reported it
+            "unmeasured": self.budget_unmeasured,
         }
 
     def budget_reached(self) -> bool:

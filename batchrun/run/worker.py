@@ -232,16 +232,18 @@ def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
             send(Spend(-1, -1, 0, 0, 0.0, reservation=reservation))
         return
     cost = usage.get("cost")
+    priced = isinstance(cost, (int, float)) and not isinstance(cost, bool)  # credible_usage drops bad ones
     send(
         Spend(
             batch_num=job.batch_num,
             prompt_index=job.prompt_index,
             prompt_tokens=_count_of(usage.get("prompt_tokens")),
             completion_tokens=_count_of(usage.get("completion_tokens")),
-            cost_usd=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0,
+            cost_usd=float(cost) if priced else 0.0,
             sample_index=job.sample_index,
             reservation=reservation,
             fault=usage.get("fault") if isinstance(usage.get("fault"), str) else None,
+            priced=priced,
         )
     )
 

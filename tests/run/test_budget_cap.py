@@ -318,3 +318,81 @@ def _cost_of_one_prompt(out: Path) -> int:
         served = server.stats()
     assert sum(requests(server).values()) == 4
     return served["prompt_tokens"] + served["completion_tokens"]
+
+
+def test_an_answer_without_a_cost_is_counted_at_the_price_seen_or_ends_a_usd_budget():
+    """An answer with no usage.cost was free by its own account: a --budget_usd counted nothing for it."""
+    spent = Spent()
+    budget = Budget(None, 1.0, spent)
+    assert budget.request("w", 1, 1000) == [("w", 1, True)]
+    assert budget.request("w", 2, 1000) == []
+    spent.tokens, spent.usd = 1000, 0.25
+    assert budget.settle("w", 1, 1000, 0.25) == [("w", 2, True)]  # $0.00025 a token
+    budget.request("w", 3, 1000)
+    spent.tokens += 1000
+    budget.settle("w", 2, 1000, 0.0, priced=False)  # no cost: counted at $0.00025 a token
+    assert budget.estimated_usd == 0.25 and not budget.unmeasured
+    # 0.25 spent + 0.25 estimated + 0.25 reserved (call 3) + 0.25: the next fits exactly, none after it.
+    assert budget.request("w", 4, 1000) == [("w", 4, True)]
+    assert budget.request("w", 5, 1000) == []
+
+    first = Budget(None, 1.0, Spent())
+    first.request("w", 1, 1000)
+    first.request("w", 2, 1000)
+    # The first answer reports no cost: no price to count it at, the budget cannot be kept.
+    assert first.settle("w", 1, 1000, 0.0, priced=False) == [("w", 2, False)]
+    assert first.unmeasured and first.exhausted
+    assert Budget(1000, None, Spent()).settle("w", None, 10, 0.0, priced=False) == []  # tokens only: fine
+
+
+def _usage_endpoint(priced_answers: int) -> ScriptedEndpoint:
+    """A priced start check, then ``priced_answers`` priced final answers, then answers without a cost
+    (1,010 tokens each, $0.00101 when priced)."""
+
+    def answer(call, calls):
+        usage = {"prompt_tokens": 1000, "completion_tokens": 10, "total_tokens": 1010, "cost": 0.00101}
+        answered = sum(1 for c in calls[:-1] if not c["check"])
+        if not call["check"] and answered >= priced_answers:
+            del usage["cost"]
+        message = {"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2"}
+        return 200, {
+            "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+            "usage": usage,
+        }
+
+    return ScriptedEndpoint(answer, get=(200, {"data": []}))
+
+
+@pytest.mark.parametrize("priced_answers", [1, 0], ids=["priced_first", "unpriced_first"])
+def test_a_usd_budget_counts_answers_without_a_cost_or_stops_when_it_cannot(tmp_path, capsys, priced_answers):
+    """The start check showed a cost, the run's answers then stop reporting it (a provider that does not
+    price, a judge endpoint): before, each counted $0 and all 12 prompts ran past a $0.005 budget."""
+    endpoint = _usage_endpoint(priced_answers)
+    try:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"What is 2+2? ({i})" for i in range(12)])
+        try:
+            run(
+                None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key="sk-test-usd",
+                max_tokens=16, num_workers=1, budget_usd=0.005,
+            )  # fmt: skip
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code)
+        sent = [c for c in endpoint.calls if not c["check"]]
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    run_dir = tmp_path / "data" / "run"
+    budget = json.loads((run_dir / "statistics.json").read_text())["this_run"]["budget"]
+    done = len((run_dir / "trajectories.jsonl").read_text().splitlines())
+    if priced_answers:
+        # $0.00101 spent, then each answer counted at $0.000001 a token: 4 answers, not 12.
+        assert code == 0 and "reported no cost" in err and "--budget_usd" in err, err
+        assert 3 <= len(sent) <= 5 and done == len(sent), (len(sent), done)
+        assert budget["reached"] is True and budget["estimated_usd"] >= 0.00202
+        assert budget["spent_usd"] + budget["estimated_usd"] <= 0.005
+    else:
+        assert code == 6 and "--budget_usd cannot be kept" in err and "--resume" in err, err
+        assert len(sent) == 1 and done <= 1  # one call at a time until a price: nothing after it
+        assert budget["unmeasured"] is True and budget["reached"] is True
