@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,33 @@ def test_cli_usage_errors_exit_2_without_traceback(tmp_path, args, message):
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (
+            f"--container_cpus={(os.cpu_count() or 1) * 32}",
+            f"--container_cpus must be at most this machine's {os.cpu_count() or 1} CPUs",
+        ),
+        (
+            "--container_disk_mb=10000000",
+            "--container_memory_mb + --container_disk_mb (10002048 MB) must be at most",
+        ),
+    ],
+    ids=["cpus", "disk"],
+)
+def test_cli_local_limits_the_machine_cannot_give_exit_2_before_any_run_directory(tmp_path, flag, message):
+    """The local sandbox took --container_cpus=64 on 2 cores (a quota that never binds) and a tmpfs size
+    past the machine's memory (its files are RAM, charged with the processes): both ran, exit 0."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    done = cli(
+        "--dataset_file=p.jsonl", "--batch_size=1", "--run_name=x", "--model=mock", "--sandbox=local", flag,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "data").exists()
 
 

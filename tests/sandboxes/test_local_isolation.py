@@ -197,6 +197,22 @@ def test_writing_beyond_the_disk_cap_fails_with_a_clear_message(boxes):
     )
 
 
+@pytest.mark.bwrap
+def test_files_in_both_tmpfs_are_charged_with_the_processes_under_one_memory_limit(boxes, cgroups: None):
+    """Each tmpfs may hold --container_disk_mb, but their pages are charged to the prompt's memory cgroup
+    (memory + disk, swap included): two full tmpfs never hold memory + 2 x disk (the start's bound on
+    memory + disk against the machine's memory relies on it)."""
+    box = boxes(0, memory_mb=64, disk_mb=256)
+    first = box.run("dd if=/dev/zero of=a bs=1M count=200 2>&1 | tail -1", timeout_s=120)
+    assert first.exit_code == 0 and "200 MiB" in first.output, first.output
+    second = box.run("dd if=/dev/zero of=/tmp/b bs=1M count=200", timeout_s=120)
+    assert "memory limit (64 MiB for processes + 256 MiB for files) was reached" in second.output, (
+        second.output
+    )
+    held = box.run("du -cm a /tmp/b | tail -1", timeout_s=30).output.split()
+    assert int(held[0]) <= 64 + 256, held  # not 400
+
+
 @pytest.fixture
 def run_boxes(bwrap_available: None, cgroups: None):
     """``run_boxes(index, **limits)``: sandboxes of one run, as a worker makes them (the run's own
