@@ -14,7 +14,16 @@ from typing import Any
 
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage, endpoint_url, request_headers, safe_url
+from batchrun.prompt.llm import (
+    LLMClient,
+    LLMConfig,
+    LLMError,
+    Usage,
+    endpoint_url,
+    finish_kind,
+    request_headers,
+    safe_url,
+)
 from batchrun.prompt.sandboxes import backend_class
 from batchrun.prompt.sandboxes.base import SetupError
 from batchrun.prompt.tools.mcp import McpConfigError, McpSetup, probe
@@ -74,7 +83,9 @@ def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
     """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words.
     ``needs_cost``: an answer that reports no cost (``usage.cost``: OpenAI, vLLM and llama.cpp report
     none) is a UsageError too, naming --budget_usd, which the run could not keep: it would spend on
-    with no cost counted."""
+    with no cost counted. So is an answer with no finish_reason (or one no server sends), since every
+    final answer of the run would then be a discard; with --stream a warning only (the check is not
+    streamed, the run's answers may carry one)."""
     check = dataclasses.replace(
         cfg,
         max_tokens=16,
@@ -89,7 +100,7 @@ def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
     shown = safe_url(cfg.base_url)
     usage = Usage()
     try:
-        client.chat(
+        turn = client.chat(
             [{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 240, usage=usage
         )
     except LLMError as exc:
@@ -109,6 +120,15 @@ def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
         raise UsageError(f"the endpoint {shown} failed the start check: {exc}") from None
     finally:
         client.close()
+    if finish_kind(turn.finish_reason) == "unknown":
+        said = "no finish_reason" if turn.finish_reason is None else f"finish_reason {turn.finish_reason!r}"
+        why = (
+            f"the endpoint {shown} answered the start check with {said} (a proxy that drops it?): every final "
+            "answer like it is discarded (unknown_finish_reason), since nothing says it was not cut short"
+        )
+        if not cfg.stream:
+            raise UsageError(f"{why}. No prompt was run")
+        print(f"warning: {why}; the run's streamed answers may carry it", file=sys.stderr)
     if needs_cost and "cost_usd" not in usage.reported:
         raise UsageError(
             f"--budget_usd needs each answer's cost, and {shown} reports none (no usage.cost in the start "

@@ -134,3 +134,23 @@ def test_a_usd_budget_against_an_endpoint_that_reports_no_cost_exits_2_before_an
     else:
         assert code == 2 and "--budget_usd needs each answer's cost" in err and "--budget_tokens" in err
         assert not sent and not (tmp_path / "data" / "run").exists()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_an_endpoint_whose_answers_carry_no_finish_reason_is_refused_before_any_prompt(tmp_path, capsys, stream):
+    """A proxy that drops finish_reason makes every final answer a discard (unknown_finish_reason: it may
+    be cut short): before, the run spent on every prompt and kept none. With --stream the start check
+    (not streamed) cannot tell what the stream will carry: a warning, and the run goes on."""
+    reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "OK"}}]}
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["task"])
+    with ScriptedEndpoint(lambda call, calls: (200, reply)) as ep:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=ep.base_url, api_key=KEY, stream=stream
+        )
+        sent = [c for c in ep.calls if not c["check"]]
+    err = capsys.readouterr().err
+    assert "no finish_reason" in err and KEY not in err, err
+    if stream:
+        assert code == 0 and sent
+    else:
+        assert code == 2 and not sent and not (tmp_path / "data" / "run").exists()
