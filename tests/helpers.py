@@ -217,7 +217,9 @@ def default_sigint() -> None:
 
 # ----------------------------------------------------------------------------- a scripted endpoint
 
-OK_REPLY = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "OK"}}]}  # a chat answer
+OK_REPLY = {
+    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "OK"}}]
+}  # a chat answer
 
 Reply = tuple[int, "dict | bytes"]  # (HTTP status, JSON body: an object, or raw bytes sent as they are)
 

@@ -137,7 +137,9 @@ def test_a_usd_budget_against_an_endpoint_that_reports_no_cost_exits_2_before_an
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_an_endpoint_whose_answers_carry_no_finish_reason_is_refused_before_any_prompt(tmp_path, capsys, stream):
+def test_an_endpoint_whose_answers_carry_no_finish_reason_is_refused_before_any_prompt(
+    tmp_path, capsys, stream
+):
     """A proxy that drops finish_reason makes every final answer a discard (unknown_finish_reason: it may
     be cut short): before, the run spent on every prompt and kept none. With --stream the start check
     (not streamed) cannot tell what the stream will carry: a warning, and the run goes on."""

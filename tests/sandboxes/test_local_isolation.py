@@ -165,7 +165,7 @@ def test_a_fork_bomb_ends_with_a_clear_message_and_others_carry_on(boxes, cgroup
     assert subprocess.run(["true"], timeout=30).returncode == 0  # the host still forks
     running["join"]()
     res = running["result"]
-    assert "[batch-runner: the sandbox's process limit (64) was reached" in res.output, res.output[-500:]
+    assert "[batch-runner: the sandbox's process limit (64, and" in res.output, res.output[-500:]
     assert bomb.run("echo recovered", timeout_s=30).output == "recovered\n"
 
 
@@ -177,7 +177,7 @@ def test_a_memory_hog_is_killed_with_a_clear_message_and_others_carry_on(boxes, 
     running["join"]()
     res = running["result"]
     assert res.exit_code == 137 and str(3 << 30) not in res.output
-    assert "memory limit (64 MiB for processes + 16 MiB for files) was reached" in res.output, res.output
+    assert "memory limit (64 MiB for processes + 16 MiB for files, and" in res.output, res.output
     assert hog.run("echo recovered", timeout_s=30).output == "recovered\n"
 
 
@@ -206,9 +206,7 @@ def test_files_in_both_tmpfs_are_charged_with_the_processes_under_one_memory_lim
     first = box.run("dd if=/dev/zero of=a bs=1M count=200 2>&1 | tail -1", timeout_s=120)
     assert first.exit_code == 0 and "200 MiB" in first.output, first.output
     second = box.run("dd if=/dev/zero of=/tmp/b bs=1M count=200", timeout_s=120)
-    assert "memory limit (64 MiB for processes + 256 MiB for files) was reached" in second.output, (
-        second.output
-    )
+    assert "memory limit (64 MiB for processes + 256 MiB for files, and" in second.output, second.output
     held = box.run("du -cm a /tmp/b | tail -1", timeout_s=30).output.split()
     assert int(held[0]) <= 64 + 256, held  # not 400
 
@@ -234,17 +232,63 @@ def test_a_kept_cgroup_starts_the_next_prompt_at_zero(run_boxes):
     first = run_boxes(0, **limits)
     dirs = list(first._cgroup.dirs)
     res = first.run("b() { b | b & }; b; sleep 3; echo bombed", timeout_s=60)
-    assert "process limit (64) was reached" in res.output, res.output[-500:]
+    assert "process limit (64, and" in res.output, res.output[-500:]
     res = first.run(f"{PY} -c 'b = bytearray(3 << 30)'", timeout_s=120)
-    assert "memory limit (64 MiB for processes + 16 MiB for files) was reached" in res.output, res.output
+    assert "memory limit (64 MiB for processes + 16 MiB for files, and" in res.output, res.output
     first.stop()
     second = run_boxes(1, **limits)
     assert second._cgroup.dirs == dirs  # the same cgroup, made again: none of its counts are this prompt's
     assert second.run("echo clean", timeout_s=30).output == "clean\n"
     res = second.run("b() { b | b & }; b; sleep 3; echo bombed", timeout_s=60)
-    assert "process limit (64) was reached" in res.output, res.output[-500:]  # and its own still count
+    assert "process limit (64, and" in res.output, res.output[-500:]  # and its own still count
     other = run_boxes(2, pids_limit=128)
     assert other._cgroup.dirs != dirs  # other limits, another cgroup
+
+
+@pytest.mark.bwrap
+def test_the_prompts_of_a_run_together_never_take_the_hosts_memory_or_processes(
+    bwrap_available: None, cgroups: None, monkeypatch
+):
+    """Each prompt may hold 512 processes and 512 MiB; a run holds at most what the machine can spare
+    (limits.run_bounds, here made small): before, 64 fork bombs of 512 filled a pid_max of 32,768 and
+    a dozen prompts of 4 GiB could make the kernel's OOM killer pick the runner itself."""
+    from batchrun.prompt.sandboxes.local import limits
+
+    monkeypatch.setattr(limits, "run_bounds", lambda: limits.RunBounds(memory_bytes=160 << 20, pids=48))
+    options = LocalSandbox.prepare_run(RUN, {"isolation": "bwrap"}, workers_here=True)
+    made: list[LocalSandbox] = []
+    try:
+        first, second = (
+            sandbox_factory(made, **options)(i, pids_limit=512, memory_mb=512, disk_mb=16) for i in (0, 1)
+        )
+        # Both at once (what a command leaves running is ended when it returns).
+        # The first prompt holds 25 processes (counted with builtins), the second then finds no room for
+        # its 25 while the first holds them, and room enough once the first is done.
+        count = 'n=0; for f in /proc/[0-9]*/comm; do read -r c < "$f" && [ "$c" = sleep ] && n=$((n+1)); done'
+        spawn = (
+            "mkfifo /tmp/f; exec 9<>/tmp/f; for i in $(seq 25); do sleep 9 & done 2>/dev/null; "
+            f"read -t 4 -u 9; {count} 2>/dev/null; echo count $n"
+        )
+        holding = in_background(first.run, spawn, timeout_s=60)
+        time.sleep(1.5)
+        crowded = second.run("for i in $(seq 25); do sleep 1 & done; echo spawned", timeout_s=60).output
+        holding["join"]()
+        assert "count 25" in holding["result"].output, holding["result"].output
+        assert "48 for all the run's prompts together) was reached" in crowded, crowded
+        alone = second.run("rm -f /tmp/f; " + spawn, timeout_s=60).output
+        assert "count 25" in alone and "was reached" not in alone, alone
+        hold = f"{PY} -c 'b = bytearray(100 << 20); import time; time.sleep(4); print(\"held\", len(b))'"
+        runs = [in_background(box.run, hold, timeout_s=60) for box in (first, second)]
+        outputs = [(r["join"](), r["result"].output)[1] for r in runs]
+        # 100 MiB each is under each prompt's 512, but 200 together is past the run's 160: one is killed.
+        assert sum(f"held {100 << 20}" in out for out in outputs) == 1, outputs
+        assert any("160 MiB for all the run's prompts together) was reached" in out for out in outputs), (
+            outputs
+        )
+    finally:
+        for box in made:
+            box.stop()
+        LocalSandbox.sweep(options)
 
 
 @pytest.mark.bwrap

@@ -150,10 +150,57 @@ def limits_mechanism() -> str:
 
 # The run parents this process made and delegated controllers in (forgotten when it removes one).
 _READY_PARENTS: set[str] = set()
+# What the prompts of a run may hold together, whatever their own limits: the rest of the machine's
+# memory and processes stays the host's (the runner's own workers, the shell a user logs in with). A
+# thousand prompts of 4 GiB each, or of 512 processes each on a kernel whose pid_max is 32,768, would
+# otherwise take all of it: the kernel's OOM killer could pick the runner, and no process could fork.
+HOST_SHARE_KEPT = 0.25  # of the machine's memory and of its processes, at least:
+HOST_MEMORY_KEPT = 1 << 30
+HOST_PIDS_KEPT = 2048
+
+
+@dataclass(frozen=True)
+class RunBounds:
+    memory_bytes: int  # the run's prompts together: processes and their tmpfs files
+    pids: int  # processes and threads of all its prompts at once
+
+
+def _number(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return int(text) if text.isdigit() else None  # "max": no limit
+    except (OSError, ValueError):
+        return None
+
+
+@functools.cache
+def run_bounds() -> RunBounds:
+    """The machine's memory (or this process's cgroup's, when smaller) and processes (the kernel's
+    pid_max and threads-max, or this process's pids limit), less what is kept for the host."""
+    layout = cgroup_layout()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    pids = min(
+        _number("/proc/sys/kernel/pid_max") or 32768, _number("/proc/sys/kernel/threads-max") or 1 << 22
+    )
+    if isinstance(layout, CgroupLayout):
+        memory_base, pids_base = str(layout.bases["memory"]), str(layout.bases["pids"])
+        if layout.version == 1:
+            own_memory = _number(os.path.join(memory_base, "memory.limit_in_bytes"))
+        else:
+            own_memory = _number(os.path.join(memory_base, "memory.max"))
+        own_pids = _number(os.path.join(pids_base, "pids.max"))
+        memory = min(memory, own_memory or memory)
+        pids = min(pids, own_pids or pids)
+    return RunBounds(
+        memory_bytes=max(64 << 20, memory - max(HOST_MEMORY_KEPT, int(memory * HOST_SHARE_KEPT))),
+        pids=max(64, pids - max(HOST_PIDS_KEPT, int(pids * HOST_SHARE_KEPT))),
+    )
 
 
 def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
-    """The run's parent cgroup, made and its controllers delegated: once per process, not per prompt."""
+    """The run's parent cgroup, made, its controllers delegated and the run's bounds (:func:`run_bounds`)
+    written: once per process, not per prompt."""
     if run_dir in _READY_PARENTS:
         return
     try:
@@ -162,6 +209,16 @@ def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
         pass
     if version == 2:
         _write(os.path.join(run_dir, "cgroup.subtree_control"), " ".join(f"+{c}" for c in controllers))
+    bounds = run_bounds()
+    if "pids" in controllers:
+        _write(os.path.join(run_dir, "pids.max"), str(bounds.pids))
+    if "memory" in controllers:
+        if version == 1:
+            _write(os.path.join(run_dir, "memory.limit_in_bytes"), str(bounds.memory_bytes))
+            _try_write(os.path.join(run_dir, "memory.memsw.limit_in_bytes"), str(bounds.memory_bytes))
+        else:
+            _write(os.path.join(run_dir, "memory.max"), str(bounds.memory_bytes))
+            _try_write(os.path.join(run_dir, "memory.swap.max"), "0")
     _READY_PARENTS.add(run_dir)
 
 

@@ -43,7 +43,7 @@ from batchrun.prompt.sandboxes.base import (
     parse_options,
     safe_run_name,
 )
-from batchrun.prompt.sandboxes.local import launcher
+from batchrun.prompt.sandboxes.local import launcher, limits
 from batchrun.prompt.sandboxes.local.command_server import (
     SERVER_READY_TIMEOUT_S,
     CommandServer,
@@ -389,15 +389,18 @@ class LocalSandbox(SandboxBackend):
         if self._cgroup is not None:
             before = self._hits
             pids, oom = self._hits = self._cgroup.hits()
+            # The run's prompts together have a limit too (limits.run_bounds), which a prompt may meet first.
+            run = limits.run_bounds()
             if pids > before[0]:
                 notes.append(
-                    f"[batch-runner: the sandbox's process limit ({opts.pids_limit}) was reached; "
-                    "fork() failed for some processes]"
+                    f"[batch-runner: the sandbox's process limit ({opts.pids_limit}, and {run.pids:,} for all "
+                    "the run's prompts together) was reached; fork() failed for some processes]"
                 )
             if oom > before[1]:
                 notes.append(
                     f"[batch-runner: the sandbox's memory limit ({opts.memory_mb} MiB for processes + "
-                    f"{opts.disk_mb} MiB for files) was reached; the kernel killed {oom - before[1]} process(es)]"
+                    f"{opts.disk_mb} MiB for files, and {run.memory_bytes >> 20:,} MiB for all the run's prompts "
+                    f"together) was reached; the kernel killed {oom - before[1]} process(es)]"
                 )
         server = self._server
         for where in dict.fromkeys((self.workdir, "/tmp")):
