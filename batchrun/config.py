@@ -38,7 +38,7 @@ from batchrun.prompt.llm import (
 )
 from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes import DEFAULT_BACKEND, backend_class
-from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags
+from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags, usable_cpus
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
 from batchrun.secrets import ORDINARY
@@ -752,11 +752,12 @@ class RunConfig:
             backend_class(self.backend)
         except ValueError as exc:
             raise UsageError(f"--sandbox: {exc} (--sandbox or the TERMINAL_ENV variable)") from None
-        most_workers = WORKERS_PER_CPU * (os.cpu_count() or 1)
+        cpus = usable_cpus()
+        most_workers = WORKERS_PER_CPU * cpus
         if self.ray_address is None and self.num_workers > most_workers:
             raise UsageError(
-                f"--num_workers={self.num_workers} is more worker processes than this machine's "
-                f"{os.cpu_count() or 1} CPUs can serve (at most {most_workers}, {WORKERS_PER_CPU} a core); "
+                f"--num_workers={self.num_workers} is more worker processes than the "
+                f"{cpus} CPUs this run may use can serve (at most {most_workers}, {WORKERS_PER_CPU} a core); "
                 "for more prompts in flight raise --prompts_per_worker (threads in each worker)"
             )
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < self.num_workers:
@@ -812,10 +813,11 @@ class RunConfig:
                 f"memory ({memory_mb} MB): the {self.backend} sandbox's files live in memory, under the same "
                 "limit as its processes"
             )
-        cpus = os.cpu_count() or 1
+        cpus = usable_cpus()
         if "cpus" in bounds and self.container_cpus > cpus:
             raise UsageError(
-                f"--container_cpus must be at most this machine's {cpus} CPUs, got {self.container_cpus:g}"
+                f"--container_cpus must be at most the {cpus} CPUs this run may use (its affinity and "
+                f"cgroup quota), got {self.container_cpus:g}"
             )
 
     def check_scoring(self) -> None:

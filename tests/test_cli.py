@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -165,7 +166,7 @@ def test_cli_usage_errors_exit_2_without_traceback(tmp_path, args, message):
     [
         (
             f"--container_cpus={(os.cpu_count() or 1) * 32}",
-            f"--container_cpus must be at most this machine's {os.cpu_count() or 1} CPUs",
+            "--container_cpus must be at most the",
         ),
         (
             "--container_disk_mb=10000000",
@@ -181,6 +182,36 @@ def test_cli_local_limits_the_machine_cannot_give_exit_2_before_any_run_director
     done = cli(
         "--dataset_file=p.jsonl", "--batch_size=1", "--run_name=x", "--model=mock", "--sandbox=local", flag,
         cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.skipif(not shutil.which("taskset"), reason="needs taskset (util-linux)")
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--num_workers=17", "--num_workers=17 is more worker processes than the 1 CPUs this run may use"),
+        ("--container_cpus=2", "--container_cpus must be at most the 1 CPUs this run may use"),
+    ],
+    ids=["workers", "cpus"],
+)
+def test_a_runner_confined_to_one_cpu_plans_by_that_cpu(tmp_path, flag, message):
+    """Under ``taskset -c 0`` (a container's cpuset, a CI runner) the bounds counted the machine's cores
+    (os.cpu_count), so 17 workers or a 2-core quota passed on one usable core."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    args = [
+        "--dataset_file=p.jsonl",
+        "--batch_size=1",
+        "--run_name=x",
+        "--model=mock",
+        "--sandbox=local",
+        flag,
+    ]
+    done = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr

@@ -18,12 +18,12 @@ import pytest
         ("prompt_timeout", "1e11", "--prompt_timeout must be at most 604800"),
         ("max_tokens", "99999999999", "--max_tokens must be at most 10000000"),
         ("max_response_mb", "0", "--max_response_mb must be a number above 0"),
-        ("num_workers", "1000", "--num_workers=1000 is more worker processes than this machine's"),
+        ("num_workers", "1000", "--num_workers=1000 is more worker processes than the"),
         # URLs urllib cannot read (a traceback later, before): as bad as no URL at all.
         ("base_url", "http://[::1/v1", "--base_url must be an http:// or https:// URL"),
         ("base_url", "http://host:99999/v1", "--base_url must be an http:// or https:// URL"),
         ("base_url", "http:///v1", "--base_url must be an http:// or https:// URL"),
-        ("container_cpus", str((os.cpu_count() or 1) + 1), "--container_cpus must be at most this machine's"),
+        ("container_cpus", str((os.cpu_count() or 1) + 1), "--container_cpus must be at most the"),
         ("container_disk_mb", str(1 << 25), "--container_memory_mb + --container_disk_mb"),
     ],
 )

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError, declared
+from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError, declared, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +167,7 @@ def start_slots_per_worker(backend: Any, max_sandbox_starts: int, num_workers: i
     total = max_sandbox_starts
     per_cpu = declared(backend, "starts_per_cpu")
     if per_cpu:
-        total = min(total, per_cpu * (os.cpu_count() or 1))
+        total = min(total, per_cpu * usable_cpus())
     return max(1, total // num_workers)
 
 

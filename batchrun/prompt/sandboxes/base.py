@@ -8,6 +8,8 @@ backend supports every tool without backend-specific file code.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import re
 import select
 import types
@@ -211,6 +213,54 @@ class SandboxBackend:
         """What every process that builds this backend's sandboxes does once, before its first (probes
         of this machine, cached): called in the workers' forkserver before it forks them, so each
         worker inherits it instead of doing it again (batchrun/run/worker_warm.py)."""
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: those its affinity allows (``taskset``, a container's cpuset),
+    and no more than its cgroup's CPU quota (``docker --cpus``, a CI runner's limit), rounded up.
+    ``os.cpu_count()`` counts the machine's, which a runner confined to two of 64 cores must not plan by."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cpus, math.ceil(quota) if quota else cpus))
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """Cores' worth of CPU time this process's cgroup allows per period (v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``), the strictest along its path; None: no quota."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found: list[float] = []
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if names == "":
+            root, files = "/sys/fs/cgroup", ("cpu.max",)
+        elif "cpu" in names.split(","):
+            root, files = f"/sys/fs/cgroup/{names}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            where = os.path.join(root, *parts[:depth])
+            try:
+                if len(files) == 1:
+                    with open(os.path.join(where, files[0])) as f:
+                        quota, period = f.read().split()[:2]
+                else:
+                    with open(os.path.join(where, files[0])) as f:
+                        quota = f.read().strip()
+                    with open(os.path.join(where, files[1])) as f:
+                        period = f.read().strip()
+                if quota not in ("max", "-1") and int(period) > 0:
+                    found.append(int(quota) / int(period))
+            except (OSError, ValueError):
+                continue
+    return min(found) if found else None
 
 
 def declared(sandbox: object, capability: str) -> Any:
