@@ -9,9 +9,11 @@ and that commands cost no ``docker exec`` and write nothing to the engine's logs
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -190,3 +192,61 @@ def test_without_docker_init_the_server_works_and_the_lifetime_still_ends_the_co
         assert wait_until(lambda: not _exists(box.container_id), timeout_s=60)
     finally:
         box.stop()
+
+
+def test_the_containers_of_a_run_together_never_take_the_hosts_memory_or_processes(
+    docker_test_image: str, monkeypatch
+):
+    """Each container may hold 512 MiB and 512 processes; the run's containers together hold at most what
+    the machine can spare (docker_run_share, here made small) through one --cgroup-parent. Before, a few
+    hundred containers could fill the machine's memory or its pid_max (32,768 here: 64 fork bombs)."""
+    from helpers import skip_or_fail
+
+    from batchrun.prompt.sandboxes.docker import engine
+    from batchrun.prompt.sandboxes.docker import sandbox as docker_sandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    problem = engine.run_cgroup_problem()
+    if problem:
+        skip_or_fail(f"no run cgroup for Docker here: {problem}")
+    monkeypatch.setattr(docker_sandbox, "docker_run_share", lambda: (160 << 20, 80))
+    wanted = {"default_image": docker_test_image, "memory_mb": 512, "pids_limit": 512}
+    options = DockerSandbox.prepare_run(RUN, wanted, workers_here=True)
+    name = options["cgroup_parent"].lstrip("/")
+    boxes = [DockerSandbox(SandboxSpec(RUN, i, network=False), **options) for i in range(2)]
+    try:
+        for box in boxes:
+            box.start()
+        for path, _ in engine._run_cgroup_dirs(name):
+            assert {e.name for e in os.scandir(path) if e.is_dir()} >= {b.container_id for b in boxes}
+        # Processes: the first holds 50 while the second tries 50 more (80 for both).
+        hold = "for i in $(seq 50); do sleep 6 & done; sleep 3; echo held $(ls -d /proc/[0-9]* | wc -l)"
+        results: list = []
+        holding = threading.Thread(target=lambda: results.append(boxes[0].run(hold, timeout_s=60)))
+        holding.start()
+        time.sleep(1.5)
+        crowded = boxes[1].run(
+            "for i in $(seq 50); do sleep 1 & done 2>&1 | tail -1; echo done", timeout_s=60
+        )
+        holding.join()
+        assert "held" in results[0].output, results[0].output
+        assert "can't fork" in crowded.output or "Resource temporarily unavailable" in crowded.output, (
+            crowded.output
+        )
+        # Memory: 100 MiB each is under each container's 512, but 200 together is past the run's 160.
+        grow = "dd if=/dev/zero of=/dev/null bs=100M count=300 2>&1 | tail -1"
+        runs: list = []
+        threads = [
+            threading.Thread(target=lambda b=b: runs.append(b.run(grow, timeout_s=120))) for b in boxes
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        finished = [r for r in runs if "300+0 records out" in r.output]
+        assert len(finished) <= 1, [r.output for r in runs]
+    finally:
+        for box in boxes:
+            box.stop()
+        DockerSandbox.sweep(options)
+    assert all(not os.path.exists(path) for path, _ in engine._run_cgroup_dirs(name))

@@ -215,6 +215,36 @@ class SandboxBackend:
         worker inherits it instead of doing it again (batchrun/run/worker_warm.py)."""
 
 
+# What the prompts of a run may hold together, whatever their own limits: the rest of the machine's
+# memory and processes stays the host's (the runner's own workers, the shell a user logs in with). A
+# thousand prompts of 4 GiB each, or of 512 processes each on a kernel whose pid_max is 32,768, would
+# otherwise take all of it: the kernel's OOM killer could pick the runner, and no process could fork.
+HOST_SHARE_KEPT = 0.25  # of the machine's memory and of its processes, at least:
+HOST_MEMORY_KEPT = 1 << 30
+HOST_PIDS_KEPT = 2048
+
+
+def kernel_pids() -> int:
+    """Processes and threads this kernel can have at once: kernel.pid_max and kernel.threads-max."""
+    found = []
+    for name in ("pid_max", "threads-max"):
+        try:
+            with open(f"/proc/sys/kernel/{name}") as f:
+                found.append(int(f.read()))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else 32768
+
+
+def run_share(memory_bytes: int, pids: int) -> tuple[int, int]:
+    """(memory bytes, processes) a run's prompts may hold together out of the machine's ``memory_bytes``
+    and ``pids``: all but a quarter of each, and at least 1 GiB and 2,048 processes, kept for the host."""
+    return (
+        max(64 << 20, memory_bytes - max(HOST_MEMORY_KEPT, int(memory_bytes * HOST_SHARE_KEPT))),
+        max(64, pids - max(HOST_PIDS_KEPT, int(pids * HOST_SHARE_KEPT))),
+    )
+
+
 def usable_cpus() -> int:
     """The CPUs this process may use: those its affinity allows (``taskset``, a container's cpuset),
     and no more than its cgroup's CPU quota (``docker --cpus``, a CI runner's limit), rounded up.

@@ -211,3 +211,112 @@ def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
         time.sleep(0.05)
     log.warning("container %s is still being removed", container_id[:12])
     return False
+
+
+# ----------------------------------------------------------------------------- the run's cgroup
+# The containers of a run go under one cgroup of the engine's (``--cgroup-parent``) that holds them
+# together to what the machine can spare (base.run_share): each container has its own limits, and a
+# few hundred of them could otherwise fill the machine's memory or its pid_max. Made where the engine
+# runs on this machine with the cgroupfs driver (the systemd driver wants a slice, made through
+# systemd) and this process may write the engine's cgroup tree; elsewhere the containers have their
+# own limits only, and the start of the run says so.
+RUN_CGROUP_PREFIX = "batch-runner-docker-"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def run_cgroup_problem() -> str | None:
+    """Why the run's containers cannot be held together here, or None."""
+    try:
+        info = docker_client().info()
+    except DockerException as exc:
+        return f"the engine did not say how it makes cgroups ({exc})"
+    if info.get("CgroupDriver") != "cgroupfs":
+        return f"the engine's cgroup driver is {info.get('CgroupDriver')!r}, not cgroupfs"
+    if any("rootless" in str(o) for o in info.get("SecurityOptions") or []):
+        return "the engine is rootless"
+    host = os.environ.get("DOCKER_HOST", "")
+    if host and not host.startswith("unix://"):
+        return f"the engine is reached over {host.split('://')[0]} (maybe on another machine)"
+    if not os.access(CGROUP_ROOT, os.W_OK) and not os.access(os.path.join(CGROUP_ROOT, "memory"), os.W_OK):
+        return "this process may not write the machine's cgroup tree (not root)"
+    return None
+
+
+def _run_cgroup_dirs(name: str) -> list[tuple[str, str]]:
+    """(directory, controller) of the run's cgroup: v2's one, or v1's memory and pids ones."""
+    if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
+        return [(os.path.join(CGROUP_ROOT, name), "")]
+    return [(os.path.join(CGROUP_ROOT, c, name), c) for c in ("memory", "pids")]
+
+
+def make_run_cgroup(memory_bytes: int, pids: int) -> str:
+    """The run's cgroup, holding its containers to ``memory_bytes`` and ``pids`` together; its name
+    (carrying this process's pid, so that the next run removes it once this process is gone).
+    OSError when the kernel refuses."""
+    name = f"{RUN_CGROUP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    made = []
+    try:
+        for path, controller in _run_cgroup_dirs(name):
+            os.mkdir(path)
+            made.append(path)
+            if controller == "":
+                with open(os.path.join(CGROUP_ROOT, "cgroup.subtree_control"), "w") as f:
+                    f.write("+memory +pids")
+                with open(os.path.join(path, "memory.max"), "w") as f:
+                    f.write(str(memory_bytes))
+                with open(os.path.join(path, "pids.max"), "w") as f:
+                    f.write(str(pids))
+            elif controller == "memory":
+                with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+                    f.write(str(memory_bytes))
+            else:
+                with open(os.path.join(path, "pids.max"), "w") as f:
+                    f.write(str(pids))
+    except OSError:
+        for path in made:
+            _rmdir_cgroup(path)
+        raise
+    return name
+
+
+def remove_run_cgroup(name: str, *, attempts: int = 50) -> bool:
+    """Remove the run's cgroup once the engine has removed its containers' (it does as they go)."""
+    gone = True
+    for path, _ in _run_cgroup_dirs(name):
+        gone = _rmdir_cgroup(path, attempts) and gone
+    return gone
+
+
+def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
+    """rmdir ``path`` and the containers' cgroups left empty in it (an engine that kept them)."""
+    for attempt in range(attempts):
+        try:
+            for entry in os.scandir(path):
+                if entry.is_dir(follow_symlinks=False):
+                    try:
+                        os.rmdir(entry.path)
+                    except OSError:
+                        pass
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if attempt + 1 < attempts:
+                time.sleep(0.05 * (attempt + 1))
+    return False
+
+
+def sweep_run_cgroups() -> int:
+    """Remove the run cgroups of runners that are gone (with no container left in them)."""
+    removed = 0
+    for where in {os.path.dirname(p) for p, _ in _run_cgroup_dirs("x")}:
+        try:
+            entries = list(os.scandir(where))
+        except OSError:
+            continue
+        for entry in entries:
+            pid = entry.name[len(RUN_CGROUP_PREFIX) :].split("-")[0]
+            if entry.name.startswith(RUN_CGROUP_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+                removed += _rmdir_cgroup(entry.path)
+    return removed

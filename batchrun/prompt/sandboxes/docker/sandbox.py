@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import posixpath
 import shlex
 import socket
@@ -54,8 +55,10 @@ from batchrun.prompt.sandboxes.base import (
     SetupError,
     check_option_types,
     end_problem,
+    kernel_pids,
     parse_options,
     readable,
+    run_share,
     safe_run_name,
 )
 from batchrun.prompt.sandboxes.docker.engine import (
@@ -66,9 +69,13 @@ from batchrun.prompt.sandboxes.docker.engine import (
     default_owner,
     docker_client,
     ensure_images,
+    make_run_cgroup,
     remove_owned_containers,
+    remove_run_cgroup,
+    run_cgroup_problem,
     storage_size_supported,
     sweep_containers,
+    sweep_run_cgroups,
     wait_removed,
 )
 from batchrun.protocol import PromptJob
@@ -114,6 +121,7 @@ class DockerOptions:
     # directory, of disk_mb but at most half of memory_mb (see tmpfs_mb); "auto": ask the engine, once
     disk_cap: str = "auto"
     lifetime_s: float = 4200.0  # a container ends itself after this long, whatever the runner does
+    cgroup_parent: str = ""  # the run's cgroup holding its containers together (engine.make_run_cgroup)
 
     def __post_init__(self) -> None:
         positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes")
@@ -122,6 +130,17 @@ class DockerOptions:
             raise ValueError(
                 f"docker sandbox option disk_cap must be one of {', '.join(DISK_CAPS)}, got {self.disk_cap!r}"
             )
+
+
+def docker_run_share() -> tuple[int, int]:
+    """(memory bytes, processes) the run's containers may hold together: the engine's machine's
+    memory (``docker info``) and this kernel's processes, less what is kept for the host."""
+    try:
+        memory = int(docker_client().info().get("MemTotal") or 0)
+    except (DockerException, ValueError, TypeError):
+        memory = 0
+    memory = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return run_share(memory, kernel_pids())
 
 
 # Start-ups in flight are limited in one place, --max_sandbox_starts (the worker's BackgroundStart slots).
@@ -215,14 +234,34 @@ class DockerSandbox(SandboxBackend):
         removed = sweep_containers()
         if removed:
             print(f"Removed {len(removed)} leftover container(s) of runners that are gone (any run name)")
+        if not workers_here:
+            return options
+        problem = run_cgroup_problem()
+        if problem is None:
+            sweep_run_cgroups()
+            memory, pids = docker_run_share()
+            try:
+                name = make_run_cgroup(memory, pids)
+            except OSError as exc:
+                problem = f"the kernel refused it ({exc})"
+            else:
+                print(
+                    f"Docker containers of this run together: at most {memory >> 20:,} MiB and {pids:,} "
+                    "processes (the rest is the machine's)"
+                )
+                return {**options, "cgroup_parent": f"/{name}"}
+        print(f"Docker containers of this run have their own limits only: {problem}")
         return options
 
     @classmethod
     def sweep(cls, options: dict[str, Any]) -> None:
-        """After the pool ended: every container this run started (e.g. of prompts cut short) goes."""
+        """After the pool ended: every container this run started (e.g. of prompts cut short) goes, and
+        the run's cgroup with them."""
         removed = remove_owned_containers(options.get("run_owner") or default_owner())
         if removed:
             print(f"Removed {len(removed)} container(s) left by interrupted prompts", file=sys.stderr)
+        if options.get("cgroup_parent"):
+            remove_run_cgroup(options["cgroup_parent"].lstrip("/"))
 
     # -- one prompt's sandbox
 
@@ -277,6 +316,7 @@ class DockerSandbox(SandboxBackend):
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
             "pids_limit": opts.pids_limit,
+            **({"cgroup_parent": opts.cgroup_parent} if opts.cgroup_parent else {}),
             **self._disk_limit(),
         }
 

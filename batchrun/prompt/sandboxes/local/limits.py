@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchrun.prompt.sandboxes.base import run_share
+
 CONTROLLERS = ("pids", "memory", "cpu")
 CPU_PERIOD_US = 100_000
 PARENT_PREFIX = "batch-runner-"
@@ -150,13 +152,6 @@ def limits_mechanism() -> str:
 
 # The run parents this process made and delegated controllers in (forgotten when it removes one).
 _READY_PARENTS: set[str] = set()
-# What the prompts of a run may hold together, whatever their own limits: the rest of the machine's
-# memory and processes stays the host's (the runner's own workers, the shell a user logs in with). A
-# thousand prompts of 4 GiB each, or of 512 processes each on a kernel whose pid_max is 32,768, would
-# otherwise take all of it: the kernel's OOM killer could pick the runner, and no process could fork.
-HOST_SHARE_KEPT = 0.25  # of the machine's memory and of its processes, at least:
-HOST_MEMORY_KEPT = 1 << 30
-HOST_PIDS_KEPT = 2048
 
 
 @dataclass(frozen=True)
@@ -192,10 +187,8 @@ def run_bounds() -> RunBounds:
         own_pids = _number(os.path.join(pids_base, "pids.max"))
         memory = min(memory, own_memory or memory)
         pids = min(pids, own_pids or pids)
-    return RunBounds(
-        memory_bytes=max(64 << 20, memory - max(HOST_MEMORY_KEPT, int(memory * HOST_SHARE_KEPT))),
-        pids=max(64, pids - max(HOST_PIDS_KEPT, int(pids * HOST_SHARE_KEPT))),
-    )
+    memory, pids = run_share(memory, pids)
+    return RunBounds(memory_bytes=memory, pids=pids)
 
 
 def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
