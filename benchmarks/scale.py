@@ -353,6 +353,31 @@ def main() -> int:
             f"  tail               {tail:7.2f} s from the last start to the exit: wall <= 1.25 x bound needs "
             f"the last start by {1.25 * bound - tail:.2f} s ({1.25 * shared - tail:.2f} s with the endpoint in)"
         )
+    last_sent = stats.get("last_request_at")
+    if last_sent and last:
+        # Whatever the schedule, the run ends one call after its last call was sent, and the work that
+        # must come before each prompt's last call (its start, its commands, its earlier calls and the
+        # endpoint's answers to them) is all done by then. So no schedule of this work ends before
+        # (that work) / cores + one call. Until the last send the machine was busy `busy_before`; part
+        # of it was work that could have come after (what the prompts done by then did after their own
+        # last call: the answer read, the record, the sandbox's stop), estimated per prompt from the
+        # prompts that ended after the last send (their work between it and the last response).
+        busy_before = machine.between(t0, last_sent)[0]
+        busy_after = machine.between(last_sent, last)[0]
+        ended_after = sum(
+            1 for m in metas if dt.datetime.fromisoformat(m["timestamp"]).timestamp() >= int(last_sent)
+        )
+        movable = busy_after / max(ended_after, 1) * (len(metas) - ended_after)
+        floor_s = max(busy_before - movable, 0.0) / cores + args.latency
+        print(
+            f"  schedule floor     {floor_s:7.2f} s = (machine busy {busy_before:.2f} core-s until the last call "
+            f"was sent at {last_sent - t0:.2f} s, less {movable:.2f} that could come after it: {ended_after} "
+            f"prompts ended after it, {busy_after:.2f} core-s) / {cores} cores + one call"
+        )
+        print(
+            f"                     wall / floor {wall / floor_s:.2f} (what the schedule loses), floor / bound "
+            f"{floor_s / bound:.2f} (the work itself: 1.25 needs it below)"
+        )
     timeline = " ".join(f"{c:.1f}" for c in machine.per_second(t0))
     print(f"  busy cores/second  {timeline}")
     if pss.peak_kb:

@@ -8,7 +8,7 @@ Server (standard library only)::
     with FakeModelServer(latency_s=0.1) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x")
         ...
-        server.stats()  # requests, max_in_flight, in_flight, first_request_at, last_response_at,
+        server.stats()  # requests, max_in_flight, in_flight, first_request_at, last_request_at, last_response_at,
                         # status_counts, hangups, tokens, ...
 
     python -m batchrun.fakes.fake_model --port 8000 --latency 0.1   # prints its base_url, serves until killed
@@ -948,6 +948,7 @@ class FakeModelServer:
             self._max_in_flight = self._in_flight
             self._first_request_at: float | None = None  # wall clock (time.time), for other processes
             self._last_response_at: float | None = None
+            self._last_request_at: float | None = None
             self._status_counts: collections.Counter[int] = collections.Counter()
             self._hangups = 0
             self._prompt_tokens = 0
@@ -967,6 +968,7 @@ class FakeModelServer:
                 "max_in_flight": self._max_in_flight,
                 "first_request_at": self._first_request_at,
                 "last_response_at": self._last_response_at,
+                "last_request_at": self._last_request_at,
                 "status_counts": dict(self._status_counts),
                 "hangups": self._hangups,
                 "prompt_tokens": self._prompt_tokens,
@@ -981,6 +983,7 @@ class FakeModelServer:
         with self._lock:
             if self._first_request_at is None:
                 self._first_request_at = now
+            self._last_request_at = now
             self._requests += 1
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
