@@ -154,6 +154,19 @@ class Budget:
         self.why = f"the rest holds no whole prompt (~{int(need):,} tokens each, as this run's prompts cost)"
         return None
 
+    def _no_call_fits(self, tokens: int) -> str:
+        """Why a call does not fit with nothing in flight (a budget below one call's worst case says so)."""
+        spent_tokens, spent_usd = self._spent()
+        if self.tokens is not None and spent_tokens + tokens > self.tokens:
+            return (
+                f"the next model call alone may take ~{tokens:,} tokens (its prompt, estimated, plus its "
+                f"completion limit) and {max(0, self.tokens - spent_tokens):,} are left"
+            )
+        if self.usd is not None and self.usd_per_token is not None:
+            left = max(0.0, self.usd - spent_usd - self.estimated_usd)
+            return f"the next model call alone may cost ~${tokens * self.usd_per_token:.4f} and ${left:.4f} is left"
+        return ""
+
     def _decide(self) -> list[Decision]:
         out: list[Decision] = []
         while self.waiting and not self.exhausted:
@@ -167,6 +180,8 @@ class Budget:
                     self.under_way[prompt] = (worker, made)
                 out.append((worker, rid, True))
             elif room is None or (not self.reserved and not self._fits(tokens)):
+                if room is not None and not self.why:
+                    self.why = self._no_call_fits(tokens)
                 self.exhausted = True
             else:
                 break  # calls in flight, or prompts under way, may leave room when they settle

@@ -503,7 +503,13 @@ class Dispatch:
             )
             return skipped
         self.pbar.write(
-            f"Budget reached (${rec.spend['cost_usd']:.4f}, {rec.spend['total_tokens']:,} tokens"
+            f"Budget reached (${rec.spend['cost_usd']:.4f}"
+            + (
+                f" + ~${self.budget.estimated_usd:.4f} for answers without a cost"
+                if self.budget.estimated_usd
+                else ""
+            )
+            + f", {rec.spend['total_tokens']:,} tokens"
             + (f"; {self.budget.why}" if self.budget.why else "")
             + "): no new prompt starts and prompts in flight stop at their next model call. "
             "Continue later with --resume (and a larger budget).",

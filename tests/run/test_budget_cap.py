@@ -392,7 +392,19 @@ def test_a_usd_budget_counts_answers_without_a_cost_or_stops_when_it_cannot(tmp_
         assert 3 <= len(sent) <= 5 and done == len(sent), (len(sent), done)
         assert budget["reached"] is True and budget["estimated_usd"] >= 0.00202
         assert budget["spent_usd"] + budget["estimated_usd"] <= 0.005
+        # The stop names what was counted for the answers without a cost, not only what they reported.
+        reached = next(line for line in err.splitlines() if line.startswith("Budget reached"))
+        assert f"+ ~${budget['estimated_usd']:.4f} for answers without a cost" in reached, reached
     else:
         assert code == 6 and "--budget_usd cannot be kept" in err and "--resume" in err, err
         assert len(sent) == 1 and done <= 1  # one call at a time until a price: nothing after it
         assert budget["unmeasured"] is True and budget["reached"] is True
+
+
+def test_a_budget_below_one_call_says_why_the_call_does_not_fit():
+    """A --budget_tokens smaller than one call's worst case ran nothing and said only "Budget reached
+    ($0.0000, 0 tokens)": nothing named the call's estimate or what was left."""
+    budget = Budget(2000, None, Spent())
+    assert budget.request("w", 1, 2229, 0, prompt="a") == [("w", 1, False)]
+    assert budget.exhausted
+    assert "~2,229 tokens" in budget.why and "2,000 are left" in budget.why, budget.why

@@ -789,3 +789,32 @@ def test_a_command_killed_at_its_deadline_leaves_no_shell_note(boxes):
     result = box.run("echo partial; sleep 30", timeout_s=1)
     assert result.timed_out and result.output == "partial\n"
     assert box.run("echo next", timeout_s=10).output == "next\n"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_run_bounds_take_the_strictest_limit_along_the_runner_s_cgroup_path(
+    tmp_path, monkeypatch, version
+):
+    """A limited slice or pod above the runner's own, unlimited, cgroup binds its prompts too: before, only
+    the runner's own cgroup was read, so the run's parent allowed three quarters of the machine's memory
+    inside a 2 GiB slice (and the OOM killer could pick the runner, the case the bound is for)."""
+    from batchrun.prompt.sandboxes.local import limits
+
+    memory_file = "memory.limit_in_bytes" if version == 1 else "memory.max"
+    unlimited = "9223372036854771712" if version == 1 else "max"
+    slice_dir = tmp_path / "slice"
+    own = slice_dir / "runner"
+    own.mkdir(parents=True)
+    (slice_dir / memory_file).write_text(str(2 << 30))
+    (slice_dir / "pids.max").write_text("4096")
+    (own / memory_file).write_text(unlimited)
+    (own / "pids.max").write_text("max")
+    layout = limits.CgroupLayout(version, {"memory": own, "pids": own, "cpu": own})
+    monkeypatch.setattr(limits, "cgroup_layout", lambda: layout)
+    limits.run_bounds.cache_clear()
+    try:
+        bounds = limits.run_bounds()
+    finally:
+        limits.run_bounds.cache_clear()
+    assert bounds.memory_bytes == 1 << 30  # 2 GiB less the 1 GiB kept for the host
+    assert bounds.pids == 4096 - 2048

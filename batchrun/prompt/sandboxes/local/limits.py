@@ -169,10 +169,26 @@ def _number(path: str) -> int | None:
         return None
 
 
+def _strictest(base: str, name: str) -> int | None:
+    """The smallest limit ``name`` along ``base`` and its ancestors (a limited slice or pod above an
+    unlimited cgroup binds the run's prompts all the same); None: no limit anywhere."""
+    found: list[int] = []
+    path = base
+    while True:
+        value = _number(os.path.join(path, name))
+        if value is not None:
+            found.append(value)
+        parent = os.path.dirname(path)
+        if parent == path or not os.path.exists(os.path.join(parent, name)):
+            return min(found) if found else None
+        path = parent
+
+
 @functools.cache
 def run_bounds() -> RunBounds:
-    """The machine's memory (or this process's cgroup's, when smaller) and processes (the kernel's
-    pid_max and threads-max, or this process's pids limit), less what is kept for the host."""
+    """The machine's memory (or this process's cgroup's, or an ancestor's, when smaller) and processes (the
+    kernel's pid_max and threads-max, or the pids limit of this process's cgroup or an ancestor), less what
+    is kept for the host."""
     layout = cgroup_layout()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     pids = min(
@@ -180,11 +196,8 @@ def run_bounds() -> RunBounds:
     )
     if isinstance(layout, CgroupLayout):
         memory_base, pids_base = str(layout.bases["memory"]), str(layout.bases["pids"])
-        if layout.version == 1:
-            own_memory = _number(os.path.join(memory_base, "memory.limit_in_bytes"))
-        else:
-            own_memory = _number(os.path.join(memory_base, "memory.max"))
-        own_pids = _number(os.path.join(pids_base, "pids.max"))
+        own_memory = _strictest(memory_base, "memory.limit_in_bytes" if layout.version == 1 else "memory.max")
+        own_pids = _strictest(pids_base, "pids.max")
         memory = min(memory, own_memory or memory)
         pids = min(pids, own_pids or pids)
     memory, pids = run_share(memory, pids)
