@@ -172,14 +172,15 @@ class Budget:
         while self.waiting and not self.exhausted:
             _, _, worker, rid, tokens, prompt, made = self.waiting[0]
             starting = prompt is not None and prompt not in self.under_way
-            room = self._room_to_start(tokens) if starting and self._fits(tokens) else True
-            if self._fits(tokens) and room:
+            fits = self._fits(tokens)  # once: it sums the reservations in flight (a thousand at scale)
+            room = self._room_to_start(tokens) if starting and fits else True
+            if fits and room:
                 heapq.heappop(self.waiting)
                 self.reserved[(worker, rid)] = tokens
                 if prompt is not None:
                     self.under_way[prompt] = (worker, made)
                 out.append((worker, rid, True))
-            elif room is None or (not self.reserved and not self._fits(tokens)):
+            elif room is None or (not self.reserved and not fits):
                 if room is not None and not self.why:
                     self.why = self._no_call_fits(tokens)
                 self.exhausted = True

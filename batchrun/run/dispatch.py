@@ -496,7 +496,8 @@ class Dispatch:
         if self.budget.unmeasured:
             self.pbar.write(
                 "error: --budget_usd cannot be kept: a model answer reported no cost (usage.cost) before any "
-                "answer of this run showed a price (the start check's short answer is not taken as the run's price), so what the run spends cannot be counted. No new model call is sent; "
+                "answer of this run showed a price (the start check's short answer is not taken as the run's "
+                "price), so what the run spends cannot be counted. No new model call is sent; "
                 "prompts in flight stop at their next call and prompts not started stay unrun. Continue "
                 "with --resume once the endpoint reports costs, or bound the spend with --budget_tokens.",
                 file=sys.stderr,
