@@ -219,13 +219,18 @@ def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
     if "pids" in controllers:
         _write(os.path.join(run_dir, "pids.max"), str(bounds.pids))
     if "memory" in controllers:
-        if version == 1:
-            _write(os.path.join(run_dir, "memory.limit_in_bytes"), str(bounds.memory_bytes))
-            _try_write(os.path.join(run_dir, "memory.memsw.limit_in_bytes"), str(bounds.memory_bytes))
-        else:
-            _write(os.path.join(run_dir, "memory.max"), str(bounds.memory_bytes))
-            _try_write(os.path.join(run_dir, "memory.swap.max"), "0")
+        _limit_memory(run_dir, version, bounds.memory_bytes)
     _READY_PARENTS.add(run_dir)
+
+
+def _limit_memory(path: str, version: int, limit: int) -> None:
+    """``limit`` bytes of memory for the cgroup at ``path``, swap included (no swap beyond it)."""
+    if version == 1:
+        _write(os.path.join(path, "memory.limit_in_bytes"), str(limit))
+        _try_write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(limit))
+    else:
+        _write(os.path.join(path, "memory.max"), str(limit))
+        _try_write(os.path.join(path, "memory.swap.max"), "0")
 
 
 class PromptCgroup:
@@ -273,14 +278,8 @@ class PromptCgroup:
         quota = max(1000, int(limits.cpus * CPU_PERIOD_US))
         if controller == "pids":
             _write(os.path.join(path, "pids.max"), str(limits.pids_limit))
-        elif controller == "memory" and self.layout.version == 1:
-            _write(os.path.join(path, "memory.limit_in_bytes"), str(limits.memory_bytes))
-            _try_write(
-                os.path.join(path, "memory.memsw.limit_in_bytes"), str(limits.memory_bytes)
-            )  # no swap either
         elif controller == "memory":
-            _write(os.path.join(path, "memory.max"), str(limits.memory_bytes))
-            _try_write(os.path.join(path, "memory.swap.max"), "0")
+            _limit_memory(path, self.layout.version, limits.memory_bytes)
         elif self.layout.version == 1:
             _write(os.path.join(path, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
             _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
