@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
@@ -224,12 +225,9 @@ RUN_CGROUP_PREFIX = "batch-runner-docker-"
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
-def run_cgroup_problem() -> str | None:
-    """Why the run's containers cannot be held together here, or None."""
-    try:
-        info = docker_client().info()
-    except DockerException as exc:
-        return f"the engine did not say how it makes cgroups ({exc})"
+def run_cgroup_problem(info: dict[str, Any]) -> str | None:
+    """Why the run's containers cannot be held together here, or None; ``info``: the engine's ``docker
+    info``."""
     if info.get("CgroupDriver") != "cgroupfs":
         return f"the engine's cgroup driver is {info.get('CgroupDriver')!r}, not cgroupfs"
     if any("rootless" in str(o) for o in info.get("SecurityOptions") or []):
@@ -254,24 +252,23 @@ def make_run_cgroup(memory_bytes: int, pids: int) -> str:
     (carrying this process's pid, so that the next run removes it once this process is gone).
     OSError when the kernel refuses."""
     name = f"{RUN_CGROUP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    # controller ("": v2's one hierarchy) -> the files that hold its limits
+    files = {
+        "": (("memory.max", memory_bytes), ("pids.max", pids)),
+        "memory": (("memory.limit_in_bytes", memory_bytes),),
+        "pids": (("pids.max", pids),),
+    }
     made = []
     try:
         for path, controller in _run_cgroup_dirs(name):
-            os.mkdir(path)
-            made.append(path)
             if controller == "":
                 with open(os.path.join(CGROUP_ROOT, "cgroup.subtree_control"), "w") as f:
                     f.write("+memory +pids")
-                with open(os.path.join(path, "memory.max"), "w") as f:
-                    f.write(str(memory_bytes))
-                with open(os.path.join(path, "pids.max"), "w") as f:
-                    f.write(str(pids))
-            elif controller == "memory":
-                with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-                    f.write(str(memory_bytes))
-            else:
-                with open(os.path.join(path, "pids.max"), "w") as f:
-                    f.write(str(pids))
+            os.mkdir(path)
+            made.append(path)
+            for file, value in files[controller]:
+                with open(os.path.join(path, file), "w") as f:
+                    f.write(str(value))
     except OSError:
         for path in made:
             _rmdir_cgroup(path)
@@ -279,11 +276,23 @@ def make_run_cgroup(memory_bytes: int, pids: int) -> str:
     return name
 
 
+def _hierarchies() -> list[str]:
+    """Every cgroup hierarchy mounted under CGROUP_ROOT: the engine makes the run's cgroup in each
+    (v1: cpu, blkio, freezer, ... too, not only the memory and pids ones its limits are in)."""
+    if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
+        return [CGROUP_ROOT]
+    try:
+        return [e.path for e in os.scandir(CGROUP_ROOT) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
 def remove_run_cgroup(name: str, *, attempts: int = 50) -> bool:
-    """Remove the run's cgroup once the engine has removed its containers' (it does as they go)."""
+    """Remove the run's cgroup, in every hierarchy, once the engine has removed its containers' (it
+    does as they go)."""
     gone = True
-    for path, _ in _run_cgroup_dirs(name):
-        gone = _rmdir_cgroup(path, attempts) and gone
+    for hierarchy in _hierarchies():
+        gone = _rmdir_cgroup(os.path.join(hierarchy, name), attempts) and gone
     return gone
 
 
@@ -310,7 +319,7 @@ def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
 def sweep_run_cgroups() -> int:
     """Remove the run cgroups of runners that are gone (with no container left in them)."""
     removed = 0
-    for where in {os.path.dirname(p) for p, _ in _run_cgroup_dirs("x")}:
+    for where in _hierarchies():
         try:
             entries = list(os.scandir(where))
         except OSError:

@@ -132,12 +132,12 @@ class DockerOptions:
             )
 
 
-def docker_run_share() -> tuple[int, int]:
+def docker_run_share(info: dict[str, Any]) -> tuple[int, int]:
     """(memory bytes, processes) the run's containers may hold together: the engine's machine's
-    memory (``docker info``) and this kernel's processes, less what is kept for the host."""
+    memory (``info``: its ``docker info``) and this kernel's processes, less what is kept for the host."""
     try:
-        memory = int(docker_client().info().get("MemTotal") or 0)
-    except (DockerException, ValueError, TypeError):
+        memory = int(info.get("MemTotal") or 0)
+    except (ValueError, TypeError):
         memory = 0
     memory = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return run_share(memory, kernel_pids())
@@ -236,10 +236,15 @@ class DockerSandbox(SandboxBackend):
             print(f"Removed {len(removed)} leftover container(s) of runners that are gone (any run name)")
         if not workers_here:
             return options
-        problem = run_cgroup_problem()
+        try:
+            info = docker_client().info()
+        except DockerException as exc:
+            info, problem = {}, f"the engine did not say how it makes cgroups ({exc})"
+        else:
+            problem = run_cgroup_problem(info)
         if problem is None:
             sweep_run_cgroups()
-            memory, pids = docker_run_share()
+            memory, pids = docker_run_share(info)
             try:
                 name = make_run_cgroup(memory, pids)
             except OSError as exc:
