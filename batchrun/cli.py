@@ -209,7 +209,11 @@ def run_steps(
     print_plan(rows, plan, config, llm.base_url)
     connect_ray(config, plan.prompts)
     if plan.batches:
-        check_endpoint(llm, needs_cost=config.budget_usd is not None and not config.is_mock)  # mock: free
+        check = check_endpoint(
+            llm, needs_cost=config.budget_usd is not None and not config.is_mock
+        )  # mock: free
+        if check.calls:  # it cost what any call costs: the run's spend and budget count it
+            recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
     preflighted = preflight_sandboxes(
         plan.batches,
         config.backend,

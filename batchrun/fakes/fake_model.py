@@ -695,8 +695,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.fake.reset_stats()
             self._json(200, {"ok": True})
         elif path.removeprefix("/v1") == "/chat/completions" and self.headers.get("X-Batch-Runner-Check"):
-            # The runner's start check (one minimal chat call): answered like any, but not counted, so
-            # the counters show the run's own calls.
+            # The runner's start check (one minimal chat call): answered like any, but counted apart
+            # (``check_calls``, ``check_tokens``), so the other counters show the prompts' own calls.
             if not self._authorized():
                 self._error(401)
                 return
@@ -705,6 +705,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.server.fake.cost_per_token > 0:  # priced like every answer (--budget_usd checks it)
                     usage = completion["usage"]
                     usage["cost"] = round(usage["total_tokens"] * self.server.fake.cost_per_token, 10)
+                self.server.fake._count_check(completion["usage"]["total_tokens"])
                 self._json(200, completion)
             except (ValueError, TypeError, AttributeError) as exc:
                 self._error(400, f"Bad start check request: {exc}")
@@ -954,6 +955,7 @@ class FakeModelServer:
             self._prompt_tokens = 0
             self._completion_tokens = 0
             self._cost_usd = 0.0
+            self._check_calls = self._check_tokens = 0  # start checks and probes (X-Batch-Runner-Check)
             self._chat_requests = 0
             self._by_prompt: collections.Counter[str] = collections.Counter()
             self._last_requests: collections.deque[dict[str, Any]] = collections.deque(
@@ -974,6 +976,8 @@ class FakeModelServer:
                 "prompt_tokens": self._prompt_tokens,
                 "completion_tokens": self._completion_tokens,
                 "cost_usd": round(self._cost_usd, 10),
+                "check_calls": self._check_calls,
+                "check_tokens": self._check_tokens,
                 "requests_by_prompt": dict(self._by_prompt),
                 "last_requests": list(self._last_requests),
             }
@@ -1001,6 +1005,11 @@ class FakeModelServer:
                 self._prompt_tokens += usage["prompt_tokens"]
                 self._completion_tokens += usage["completion_tokens"]
                 self._cost_usd += usage.get("cost", 0.0)
+
+    def _count_check(self, tokens: int) -> None:
+        with self._lock:
+            self._check_calls += 1
+            self._check_tokens += tokens
 
     def _scheduled_rate_limit(self) -> bool:
         if self.rate_limit_every <= 0:

@@ -526,6 +526,10 @@ class Dispatch:
         line = watch.tick()
         if line:
             self.pbar.write(line, file=sys.stderr)
+        settled = 0
+        for probe in watch.take_spend():  # the probes' answers cost what any call costs
+            self.recorder.add_check_spend(probe.prompt_tokens, probe.completion_tokens, probe.cost_usd)
+            settled += self.check_budget(inbox, track)
         if watch.dead and not self.endpoint_dead:
             self.endpoint_dead = True
             inbox.broadcast(StopStarting())
@@ -533,13 +537,13 @@ class Dispatch:
             skipped = 0
             while track.pending:  # not started: left for --resume
                 skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
-            return skipped
+            return settled + skipped
         if self.endpoint_dead and watch.dead_at is not None and time.monotonic() - watch.dead_at > DRAIN_S:
             # Calls in flight to a hung endpoint would hold the run for --request_timeout: they end now.
             held = {k for keys in track.held.values() for k in keys}
             track.held.clear()
-            return self.fail_lost_prompts(held, -1, track, "endpoint_dead")
-        return 0
+            return settled + self.fail_lost_prompts(held, -1, track, "endpoint_dead")
+        return settled
 
     def format_log(self, message: Log) -> str:
         """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
 
 DEAD_AFTER = 8  # endpoint failures in a row, across the run's prompts, before the run pauses and probes
 PROBE_EVERY_S = 5.0
@@ -26,8 +26,9 @@ DRAIN_S = 30.0  # after the stop: the longest wait for prompts in flight before 
 EXIT_ENDPOINT_DEAD = 5  # (4 is an output file that cannot be written)
 
 
-def probe_once(cfg: LLMConfig) -> bool:
-    """One minimal chat call (the start check's); True when the endpoint answered at all."""
+def probe_once(cfg: LLMConfig, usage: Usage | None = None) -> bool:
+    """One minimal chat call (the start check's); True when the endpoint answered at all. An answer's
+    usage is added to ``usage``: a probe costs what any call costs, and the run counts it."""
     from batchrun.run.preflight import CHECK_HEADER
 
     check = dataclasses.replace(
@@ -38,7 +39,9 @@ def probe_once(cfg: LLMConfig) -> bool:
         check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None
     )  # the run warns of odd usage
     try:
-        client.chat([{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 25)
+        client.chat(
+            [{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 25, usage=usage
+        )
         return True
     except LLMError as exc:
         return exc.status is not None and exc.status < 500  # it answered: it is alive
@@ -54,7 +57,7 @@ class EndpointWatch:
         cfg: LLMConfig,
         grace_s: float,
         pause: Callable[[float], None],
-        probe: Callable[[LLMConfig], bool] = probe_once,
+        probe: Callable[[LLMConfig, Usage], bool] = probe_once,
     ) -> None:
         self.cfg, self.grace_s, self._pause, self._probe = cfg, grace_s, pause, probe
         self.failures = 0  # in a row, since the last answer
@@ -63,6 +66,8 @@ class EndpointWatch:
         self.dead_at: float | None = None
         self._back = threading.Event()
         self._paused_until = 0.0
+        self._spent: list[Usage] = []  # the probes' answered calls, until the dispatch counts them
+        self._spent_lock = threading.Lock()
 
     def report(self, error_class: str | None) -> str | None:
         """A worker's report; returns a line to show when the run starts probing."""
@@ -99,6 +104,12 @@ class EndpointWatch:
         self._renew_pause()
         return None
 
+    def take_spend(self) -> list[Usage]:
+        """The probes' answered calls since the last take (the dispatch adds them to the run's spend)."""
+        with self._spent_lock:
+            spent, self._spent = self._spent, []
+        return spent
+
     def _renew_pause(self) -> None:
         now = time.time()
         if self._paused_until - now < PAUSE_STEP_S / 2:
@@ -107,7 +118,12 @@ class EndpointWatch:
 
     def _probe_loop(self) -> None:
         while self.probing_since is not None and not self._back.is_set():
-            if self._probe(self.cfg):
+            usage = Usage()
+            alive = self._probe(self.cfg, usage)
+            if usage.calls:
+                with self._spent_lock:
+                    self._spent.append(usage)
+            if alive:
                 self._back.set()
                 return
             self._back.wait(PROBE_EVERY_S)

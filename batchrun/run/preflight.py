@@ -34,7 +34,7 @@ REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: thi
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 
 
-def check_endpoint(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
+def check_endpoint(cfg: LLMConfig, *, needs_cost: bool = False) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
     ``GET <base_url>/models`` first: a rejected key (401) stops here, and when the endpoint lists its
@@ -43,10 +43,11 @@ def check_endpoint(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
     (headers, CA variables, proxies, bounds). Any refusal of it (400, 401, 403, 404, 422: a wrong key
     behind a proxy, a model name the server rejects, a field its dialect does not take) is exit 2 naming
     the status and the server's own message, so no prompt sends a doomed request. ``needs_cost``
-    (--budget_usd): the answer must report its cost, or the run could not keep that budget.
+    (--budget_usd): the answer must report its cost, or the run could not keep that budget. Returns what
+    the check spent (its answer's usage, made credible): the run's spend and budget count it.
     """
     list_models(cfg)
-    check_chat(cfg, needs_cost=needs_cost)
+    return check_chat(cfg, needs_cost=needs_cost)
 
 
 def list_models(cfg: LLMConfig) -> None:
@@ -79,13 +80,14 @@ def list_models(cfg: LLMConfig) -> None:
         )
 
 
-def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
+def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> Usage:
     """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words.
     ``needs_cost``: an answer that reports no cost (``usage.cost``: OpenAI, vLLM and llama.cpp report
     none) is a UsageError too, naming --budget_usd, which the run could not keep: it would spend on
     with no cost counted. So is an answer with no finish_reason (or one no server sends), since every
     final answer of the run would then be a discard; with --stream a warning only (the check is not
-    streamed, the run's answers may carry one)."""
+    streamed, the run's answers may carry one). Returns the check's usage (nothing counted when it was
+    rate limited or refused for its context: no answer came)."""
     check = dataclasses.replace(
         cfg,
         max_tokens=16,
@@ -114,9 +116,9 @@ def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
                 f"warning: the start check was rate limited by {shown}; the run starts and waits as it must",
                 file=sys.stderr,
             )
-            return
+            return usage
         if exc.error_class == "context_limit":
-            return  # the server is there and says so: the prompts will tell
+            return usage  # the server is there and says so: the prompts will tell
         raise UsageError(f"the endpoint {shown} failed the start check: {exc}") from None
     finally:
         client.close()
@@ -135,6 +137,7 @@ def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> None:
             "check's answer; OpenRouter reports it, OpenAI, vLLM and llama.cpp do not): the run could not "
             "keep that budget. Bound the spend with --budget_tokens instead"
         )
+    return usage
 
 
 def probe_mcp_servers(config: Any) -> McpSetup:

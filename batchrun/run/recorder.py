@@ -81,6 +81,9 @@ class Recorder:
         self.budget_unfinished = 0  # prompts the budget stopped after they had made model calls
         self.budget_estimated_usd = 0.0  # --budget_usd: answers without a cost, at the learned price
         self.budget_unmeasured = False  # --budget_usd: an answer without a cost before any price
+        # The runner's own model calls (the start check, the dead-endpoint probes): in the spend and the
+        # budget, since they cost what any call costs, and shown apart, since no sample holds them.
+        self.checks: collections.Counter[str] = collections.Counter()
         self.total = 0  # prompts handed to the workers in this run
         self.started = time.monotonic()
         self.started_at = _now()
@@ -274,6 +277,19 @@ class Recorder:
             self.spend[key] += value
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
 
+    def add_check_spend(self, prompt_tokens: int, completion_tokens: int, cost_usd: float) -> None:
+        """A model call of the runner's own (start check, probe): its tokens and cost (credible counts)."""
+        for key, value in (
+            ("prompt_tokens", prompt_tokens),
+            ("completion_tokens", completion_tokens),
+            ("cost_usd", cost_usd),
+        ):
+            if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+                self.spend[key] += value
+                self.checks[key] += value
+        self.checks["calls"] += 1
+        self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
+
     def budget_summary(self) -> dict[str, Any]:
         """The run-wide budget, what this run spent, and by how much it went past the budget (the calls
         already under way when it was reached)."""
@@ -295,6 +311,10 @@ class Recorder:
             "stopped_unfinished": self.budget_unfinished,
             "estimated_usd": round(self.budget_estimated_usd, 6),  # in no spent_usd: no answer reported it
             "unmeasured": self.budget_unmeasured,
+            # Of spent_tokens / spent_usd: the runner's own calls (start check, endpoint probes).
+            "check_calls": self.checks["calls"],
+            "check_tokens": self.checks["prompt_tokens"] + self.checks["completion_tokens"],
+            "check_usd": round(self.checks["cost_usd"], 6),
         }
 
     def budget_reached(self) -> bool:

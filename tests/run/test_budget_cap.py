@@ -143,8 +143,9 @@ def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_j
         assert usage["cost_usd"] == 0.0 and "cost_usd" in json.loads(usage["unreported"])
     spent = stats["this_run"]["budget"]["spent_tokens"]
     assert spent > 0  # the budget counted the estimates, not 0
-    # The live spend of the faulty call sent at once is not counted twice when its outcome comes.
-    assert spent == sum(
+    # The live spend of the faulty call sent at once is not counted twice when its outcome comes (the
+    # start check's answer, estimated too, is counted apart).
+    assert spent - stats["this_run"]["budget"]["check_tokens"] == sum(
         r["metadata"]["usage"]["prompt_tokens"] + r["metadata"]["usage"]["completion_tokens"] for r in records
     )
 
@@ -224,11 +225,14 @@ def test_spend_crosses_the_process_boundary_per_call_only_for_a_budget(tmp_path,
         served = server.stats()
     assert len(seen) == (12 if budget else 0)
     stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
-    assert stats["this_run"]["usage"]["prompt_tokens"] == served["prompt_tokens"]
-    assert stats["this_run"]["usage"]["completion_tokens"] == served["completion_tokens"]
+    billed = (
+        served["prompt_tokens"] + served["completion_tokens"] + served["check_tokens"]
+    )  # the start check's too
     assert (
-        stats["this_run"]["budget"]["spent_tokens"] == served["prompt_tokens"] + served["completion_tokens"]
+        stats["this_run"]["usage"]["prompt_tokens"] + stats["this_run"]["usage"]["completion_tokens"]
+        == billed
     )
+    assert stats["this_run"]["budget"]["spent_tokens"] == billed
 
 
 def test_until_a_prompt_finished_a_tight_budget_starts_one_prompt_at_a_time():
@@ -387,10 +391,12 @@ def test_a_usd_budget_counts_answers_without_a_cost_or_stops_when_it_cannot(tmp_
     budget = json.loads((run_dir / "statistics.json").read_text())["this_run"]["budget"]
     done = len((run_dir / "trajectories.jsonl").read_text().splitlines())
     if priced_answers:
-        # $0.00101 spent, then each answer counted at $0.000001 a token: 4 answers, not 12.
+        # The start check's $0.00101 and the first answer's spent, then each answer counted at $0.000001
+        # a token: 3 answers, not 12.
         assert code == 0 and "reported no cost" in err and "--budget_usd" in err, err
-        assert 3 <= len(sent) <= 5 and done == len(sent), (len(sent), done)
-        assert budget["reached"] is True and budget["estimated_usd"] >= 0.00202
+        assert 2 <= len(sent) <= 4 and done == len(sent), (len(sent), done)
+        assert budget["check_usd"] == 0.00101
+        assert budget["reached"] is True and budget["estimated_usd"] >= 0.00101
         assert budget["spent_usd"] + budget["estimated_usd"] <= 0.005
         # The stop names what was counted for the answers without a cost, not only what they reported.
         reached = next(line for line in err.splitlines() if line.startswith("Budget reached"))
@@ -408,3 +414,19 @@ def test_a_budget_below_one_call_says_why_the_call_does_not_fit():
     assert budget.request("w", 1, 2229, 0, prompt="a") == [("w", 1, False)]
     assert budget.exhausted
     assert "~2,229 tokens" in budget.why and "2,000 are left" in budget.why, budget.why
+
+
+def test_the_start_check_is_spent_and_counted_like_any_call(tmp_path):
+    """The start check is a real chat call the endpoint bills: the run's spend and its budget count it
+    (before, a run's spent_tokens left it out, so what the endpoint billed could pass the budget)."""
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1]" for i in range(3)])
+        run(server, dataset, tmp_path / "data", budget_tokens=10**6, max_tokens=100)
+        served = server.stats()
+    assert served["check_calls"] == 1 and served["check_tokens"] > 0
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    budget = stats["this_run"]["budget"]
+    billed = served["prompt_tokens"] + served["completion_tokens"] + served["check_tokens"]
+    assert budget["spent_tokens"] == billed
+    assert budget["check_calls"] == 1 and budget["check_tokens"] == served["check_tokens"]
+    assert stats["runs"][-1]["prompt_tokens"] + stats["runs"][-1]["completion_tokens"] == billed

@@ -164,9 +164,12 @@ def test_token_budget_stops_prompts_in_flight_at_their_next_call(tmp_path):
         assert budget["reached"] is True
         assert {r["error_class"] for r in failed} <= {"budget"}
         assert budget["stopped_in_flight"] == len(failed)
-        # What the fake server counted is what the run counted.
+        # What the fake server counted is what the run counted (its start check too).
         served = server.stats()
-        assert budget["spent_tokens"] == served["prompt_tokens"] + served["completion_tokens"]
+        assert (
+            budget["spent_tokens"]
+            == served["prompt_tokens"] + served["completion_tokens"] + served["check_tokens"]
+        )
         assert budget["spent_tokens"] <= 20000 and budget["overshoot_tokens"] == 0
         usages = [r["metadata"]["usage"] for r in records] + [r["usage"] for r in failed]
         biggest = max((u["prompt_tokens"] or 0) + (u["completion_tokens"] or 0) for u in usages)

@@ -46,9 +46,40 @@ def test_a_dead_endpoint_stops_the_run_with_its_own_exit_code(tmp_path, capsys):
 
 def test_an_endpoint_that_comes_back_ends_the_pause():
     pauses = []
-    watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg: True)
+    watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg, usage: True)
     lines = [watch.report("http_503") for _ in range(DEAD_AFTER)]
     assert lines[-1] and "paused" in lines[-1] and pauses
     watch._back.wait(5)
     assert watch.tick() == "the endpoint answers again; the run continues"
     assert not watch.dead and watch.failures == 0
+
+
+def test_the_probes_answers_are_counted_in_the_runs_spend(tmp_path):
+    """A probe that gets an answer was billed like any call: the run's spend (and so its budget) counts
+    it with the start check, apart from the samples' own (before, it was in no count)."""
+    reply = {**OK_REPLY, "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+
+    def down_until_probed(call: dict, calls: list[dict]):
+        if sum(1 for c in calls if c["check"]) >= 2 or call["check"]:
+            return 200, reply  # the start check, a probe, and every call after the first probe
+        return 503, {"error": {"message": "upstream connect error"}}
+
+    endpoint = ScriptedEndpoint(down_until_probed)
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(12)])
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key="sk-probe-test",
+            num_workers=1, prompts_per_worker=12, max_retries=0, endpoint_grace=30, budget_tokens=10**6,
+        )  # fmt: skip
+        checks = endpoint.checks()
+    finally:
+        endpoint.close()
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    budget = stats["this_run"]["budget"]
+    assert code == 0 and checks >= 2  # the start check and at least one probe, all answered
+    assert budget["check_calls"] == checks and budget["check_tokens"] == 10 * checks
+    samples = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    kept = sum(
+        r["metadata"]["usage"]["prompt_tokens"] + r["metadata"]["usage"]["completion_tokens"] for r in samples
+    )
+    assert budget["spent_tokens"] >= kept + 10 * checks
