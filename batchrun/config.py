@@ -787,24 +787,26 @@ class RunConfig:
 
     def check_machine_bounds(self) -> None:
         """Sizes this machine cannot honour fail now, naming the flag, not at every sandbox's start."""
+        from batchrun.prompt.sandboxes.local.limits import host_limits  # reads /proc and cgroup files only
+
         try:
-            pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+            # A local sandbox is under the runner's own cgroup (a container's, a CI job's): its limits
+            # bind it too. A container engine's sandboxes are not.
+            memory_bytes, pid_max = host_limits(own_cgroup=self.backend == "local")
+            memory_mb = memory_bytes // (1 << 20)
         except (OSError, ValueError):
-            pid_max = PID_MAX_LIMIT
+            memory_mb, pid_max = 1 << 24, PID_MAX_LIMIT
         if self.container_pids_limit > pid_max:
             raise UsageError(
-                f"--container_pids_limit must be at most this machine's kernel.pid_max ({pid_max}), "
+                f"--container_pids_limit must be at most the processes this machine allows the runner "
+                f"({pid_max}: kernel.pid_max and threads-max, or its cgroup's pids limit), "
                 f"got {self.container_pids_limit}"
             )
-        try:
-            memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
-        except (OSError, ValueError):
-            memory_mb = 1 << 24
         bounds = _host_bounds(self.backend)
         if "memory" in bounds and self.container_memory_mb > memory_mb:
             raise UsageError(
-                f"--container_memory_mb must be at most this machine's memory ({memory_mb} MB), "
-                f"got {self.container_memory_mb}"
+                f"--container_memory_mb must be at most this machine's memory ({memory_mb} MB, or the "
+                f"memory limit of the runner's own cgroup when smaller), got {self.container_memory_mb}"
             )
         in_memory = self.container_memory_mb + self.container_disk_mb
         if "disk_in_memory" in bounds and in_memory > memory_mb:

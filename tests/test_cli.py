@@ -428,3 +428,81 @@ def test_unusable_dataset_is_a_clear_usage_error(tmp_path, capsys, content, mess
     err = capsys.readouterr().err
     assert message in err and str(path) in err
     assert not (tmp_path / "data" / "run").exists()
+
+
+def _cgroup_dir(controller: str) -> Path | None:
+    """This process's own cgroup directory of ``controller`` (v1 hierarchy or v2), when it is writable."""
+    from batchrun.prompt.sandboxes.local import limits
+
+    own, mounts = limits._own_paths(), limits._mounts()
+    for root, point, fstype, opts in mounts:
+        if fstype == "cgroup" and controller in opts and controller in own:
+            return limits._inside(root, point, own[controller])
+    for root, point, fstype, _ in mounts:
+        if fstype == "cgroup2" and "" in own:
+            return limits._inside(root, point, own[""])
+    return None
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (
+            "--container_memory_mb=1024 --container_pids_limit=300",
+            "--container_memory_mb must be at most this machine's memory (768 MB",
+        ),
+        (
+            "--container_pids_limit=500",
+            "--container_pids_limit must be at most the processes this machine allows the runner (400",
+        ),
+    ],
+    ids=["memory", "pids"],
+)
+def test_a_runner_in_a_smaller_cgroup_checks_the_sizes_against_that_cgroup(tmp_path, flag, message):
+    """A runner in a container or a CI job with 768 MB and 400 processes took a 1 GB sandbox and 500
+    processes (checked against the machine's memory and kernel.pid_max), which its cgroup never gives."""
+    import uuid
+
+    made: list[Path] = []  # one per hierarchy (v1: memory and pids apart; v2: one)
+    try:
+        for controller, names, value in (
+            ("memory", ("memory.limit_in_bytes", "memory.max"), str(768 << 20)),
+            ("pids", ("pids.max",), "400"),
+        ):
+            base = _cgroup_dir(controller)
+            if base is None or os.geteuid() != 0:
+                pytest.skip("needs root and a cgroup hierarchy with memory and pids")
+            child = next((c for c in made if c.parent == base), None)
+            if child is None:
+                child = base / f"br-test-{uuid.uuid4().hex[:8]}"
+                try:
+                    child.mkdir()
+                except OSError as exc:
+                    pytest.skip(f"cannot make a cgroup here: {exc}")
+                made.append(child)
+            limit = next((child / n for n in names if (child / n).exists()), None)
+            if limit is None:
+                pytest.skip(f"the {controller} controller is not enabled for {base}'s children")
+            limit.write_text(value)
+        (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+        procs = sorted({str(c / "cgroup.procs") for c in made})
+
+        def enter() -> None:
+            for path in procs:
+                with open(path, "w") as f:
+                    f.write(str(os.getpid()))
+
+        args = ["--dataset_file=p.jsonl", "--batch_size=1", "--run_name=x", "--model=mock", "--sandbox=local"]
+        args += flag.split()
+        done = subprocess.run(
+            [sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+            preexec_fn=enter,
+        )  # fmt: skip
+    finally:
+        for child in made:
+            with open(child / "cgroup.procs") as f:
+                assert not f.read().strip()
+            child.rmdir()
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "data").exists()

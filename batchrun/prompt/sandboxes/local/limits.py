@@ -186,22 +186,40 @@ def _strictest(base: str, name: str) -> int | None:
 
 @functools.cache
 def run_bounds() -> RunBounds:
+    """What the run's prompts may hold together: :func:`host_limits`, less what is kept for the host."""
+    memory, pids = run_share(*host_limits())
+    return RunBounds(memory_bytes=memory, pids=pids)
+
+
+def host_limits(own_cgroup: bool = True) -> tuple[int, int]:
     """The machine's memory (or this process's cgroup's, or an ancestor's, when smaller) and processes (the
-    kernel's pid_max and threads-max, or the pids limit of this process's cgroup or an ancestor), less what
-    is kept for the host."""
-    layout = cgroup_layout()
+    kernel's pid_max and threads-max, or the pids limit of this process's cgroup or an ancestor). Reads
+    only: the flag checks ask it before any cgroup is made. ``own_cgroup=False``: the machine's alone (a
+    container engine's sandboxes are not under this process's cgroup)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     pids = min(
         _number("/proc/sys/kernel/pid_max") or 32768, _number("/proc/sys/kernel/threads-max") or 1 << 22
     )
-    if isinstance(layout, CgroupLayout):
-        memory_base, pids_base = str(layout.bases["memory"]), str(layout.bases["pids"])
-        own_memory = _strictest(memory_base, "memory.limit_in_bytes" if layout.version == 1 else "memory.max")
-        own_pids = _strictest(pids_base, "pids.max")
-        memory = min(memory, own_memory or memory)
-        pids = min(pids, own_pids or pids)
-    memory, pids = run_share(memory, pids)
-    return RunBounds(memory_bytes=memory, pids=pids)
+    if not own_cgroup:
+        return memory, pids
+    own_memory = _own_limit("memory", "memory.limit_in_bytes", "memory.max")
+    own_pids = _own_limit("pids", "pids.max", "pids.max")
+    return min(memory, own_memory or memory), min(pids, own_pids or pids)
+
+
+def _own_limit(controller: str, v1_name: str, v2_name: str) -> int | None:
+    """The strictest ``controller`` limit on this process's own cgroup and its ancestors; None: none."""
+    try:
+        own, mounts = _own_paths(), _mounts()
+    except (OSError, ValueError):
+        return None
+    for root, point, fstype, opts in mounts:
+        if fstype == "cgroup" and controller in opts and controller in own:
+            return _strictest(str(_inside(root, point, own[controller])), v1_name)
+    for root, point, fstype, _ in mounts:
+        if fstype == "cgroup2" and "" in own:
+            return _strictest(str(_inside(root, point, own[""])), v2_name)
+    return None
 
 
 def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
