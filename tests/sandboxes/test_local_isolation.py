@@ -818,3 +818,21 @@ def test_the_run_bounds_take_the_strictest_limit_along_the_runner_s_cgroup_path(
         limits.run_bounds.cache_clear()
     assert bounds.memory_bytes == 1 << 30  # 2 GiB less the 1 GiB kept for the host
     assert bounds.pids == 4096 - 2048
+
+
+@pytest.mark.bwrap
+def test_the_oom_killer_picks_a_sandbox_before_the_runner(boxes):
+    """Memory pressure no cgroup bounds (the rlimit fallback, tmpfs files, a machine full for other
+    reasons) had the kernel's OOM killer pick by size alone: the runner's worker as likely as the
+    prompt's hog. A sandbox's commands now carry the highest score; with CAP_SYS_RESOURCE (root on
+    most machines, not in every container) it is also their floor, which they cannot lower."""
+    from batchrun.prompt.sandboxes.local.process_tree import _can_set_oom_floor
+
+    box = boxes(network=False)
+    assert box.run("cat /proc/self/oom_score_adj", timeout_s=10).output.strip() == "1000"
+    assert box.run("sh -c 'cat /proc/self/oom_score_adj'", timeout_s=10).output.strip() == "1000"
+    with open("/proc/self/oom_score_adj") as f:
+        assert int(f.read()) < 1000  # the runner's own is left as it was
+    lowered = box.run("echo 0 > /proc/self/oom_score_adj; cat /proc/self/oom_score_adj", timeout_s=10).output
+    if _can_set_oom_floor():  # else a command may go back to 0, the host's default, and no lower
+        assert lowered.strip().endswith("1000"), lowered

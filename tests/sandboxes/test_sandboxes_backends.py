@@ -60,6 +60,8 @@ def test_docker_container_has_labels_and_limits_and_is_gone_after_stop(docker_bo
     host = attrs["HostConfig"]
     assert (host["NanoCpus"], host["Memory"], host["PidsLimit"]) == (500_000_000, 300 * 2**20, 64)
     assert host["NetworkMode"] == "none"
+    assert host["OomScoreAdj"] == 1000  # the OOM killer's first pick, before the runner
+    assert box.run("cat /proc/self/oom_score_adj", timeout_s=10).output.strip() == "1000"
     box.stop()
     assert docker_ps(f"batch_runner.run_name={RUN}") == []
 

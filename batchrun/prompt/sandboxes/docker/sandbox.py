@@ -321,6 +321,9 @@ class DockerSandbox(SandboxBackend):
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
             "pids_limit": opts.pids_limit,
+            # The OOM killer's first pick, before the runner or anything else of the host's: memory
+            # pressure no cgroup bounds (an engine without the run's cgroup) ends prompts first.
+            "oom_score_adj": 1000,
             **({"cgroup_parent": opts.cgroup_parent} if opts.cgroup_parent else {}),
             **self._disk_limit(),
         }

@@ -65,6 +65,9 @@ unset SHLVL
 ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 bash_server=$6 nl='
 '
 exec 2>/dev/null
+# The first the kernel's OOM killer picks, before the runner (raising it needs no privilege; lowering
+# it again does): the commands inherit it. Machine-wide memory pressure ends a prompt, not the run.
+echo 1000 > /proc/self/oom_score_adj
 printf '%s\n' "$3"
 while IFS=' ' read -r seq tok has_in long; do
     if [ "$long" = 1 ]; then

@@ -3,6 +3,7 @@ namespace, the processes one sandbox tagged."""
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import select
@@ -147,3 +148,29 @@ def child_of(pid: int) -> int | None:
         except (OSError, IndexError):
             continue
     return None
+
+
+def prefer_for_oom(pid: int | None) -> None:
+    """Make the sandbox's server (and every command it forks after this) the OOM killer's first pick,
+    for good. The server raised its own score already (command_server's script: no privilege needed),
+    but without privilege a command may lower it back to 0. Written here with CAP_SYS_RESOURCE (root),
+    it also sets the floor, which the sandbox's processes cannot go below: memory pressure that no
+    cgroup bounds (the rlimit fallback; tmpfs files) ends prompts, never the runner first."""
+    if pid is None or not _can_set_oom_floor():
+        return
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # it ended already; its next command's start says so
+        pass
+
+
+@functools.cache
+def _can_set_oom_floor() -> bool:
+    """Whether this process has CAP_SYS_RESOURCE (root usually does; a container's root may not)."""
+    try:
+        with open("/proc/self/status") as f:
+            effective = next(line for line in f if line.startswith("CapEff:")).split()[1]
+        return bool(int(effective, 16) >> 24 & 1)  # CAP_SYS_RESOURCE = 24
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False

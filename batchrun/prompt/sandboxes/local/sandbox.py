@@ -79,7 +79,7 @@ from batchrun.prompt.sandboxes.local.options import (
     TAG_VAR,
     LocalOptions,
 )
-from batchrun.prompt.sandboxes.local.process_tree import kill_tagged
+from batchrun.prompt.sandboxes.local.process_tree import kill_tagged, prefer_for_oom
 from batchrun.prompt.sandboxes.local.system_view import (
     HIDDEN_DIRS,
     NAMESPACES,
@@ -459,6 +459,7 @@ class LocalSandbox(SandboxBackend):
                         f"local sandbox: cannot put the prompt into its cgroup: {exc}"
                     ) from exc
             if problem is None:
+                prefer_for_oom(server.pid)
                 home = posixpath.join(self.workdir, self.spec.env.get("HOME", self.workdir))
                 server.files = DirectFiles.open(
                     f"/proc/{server.pid}/root",
