@@ -549,6 +549,18 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
     if line:
         print(line)
     print_failures(run_dir, recorder)
+    budget = tr["budget"]
+    if budget["stopped_unfinished"]:
+        spent = budget["spent_tokens"] or 0
+        lost = budget["unfinished_tokens"]
+        share = f" ({lost / spent:.0%} of this run's {spent:,})" if spent else ""
+        print(
+            f"The budget stopped {budget['stopped_unfinished']} prompt(s) after they had made model calls: "
+            f"{lost:,} tokens{share}"
+            + (f", ${budget['unfinished_usd']:.4f}" if budget["unfinished_usd"] else "")
+            + " gave no sample (a tight budget with prompts longer than the first ones to finish); "
+            "--resume runs them again"
+        )
     d = stats["dropped_at_merge"]
     if any(d.values()):
         print(f"Dropped at merge: {d}")

@@ -79,6 +79,7 @@ class Recorder:
         self.live_spend: dict[tuple[int, int, int], collections.Counter[str]] = {}
         self.budget_hit = False
         self.budget_unfinished = 0  # prompts the budget stopped after they had made model calls
+        self.budget_unfinished_spend: collections.Counter[str] = collections.Counter()  # what those spent
         self.budget_estimated_usd = 0.0  # --budget_usd: answers without a cost, at the learned price
         self.budget_unmeasured = False  # --budget_usd: an answer without a cost before any price
         # The runner's own model calls (the start check, the dead-endpoint probes): in the spend and the
@@ -221,6 +222,14 @@ class Recorder:
             self.failures[outcome.error_class or "unknown"] += 1
             if outcome.error_class == "budget" and (outcome.usage or {}).get("calls"):
                 self.budget_unfinished += 1
+                for key in ("prompt_tokens", "completion_tokens", "cost_usd"):
+                    value = outcome.usage.get(key)
+                    if (
+                        isinstance(value, (int, float))
+                        and not isinstance(value, bool)
+                        and math.isfinite(value)
+                    ):
+                        self.budget_unfinished_spend[key] += value
             self.failure_messages[outcome.error_class or "unknown"][
                 self.redact(str(outcome.error))[:300]
             ] += 1
@@ -309,6 +318,12 @@ class Recorder:
             "stopped_in_flight": self.failures.get("budget", 0),
             # Of those, the ones stopped after model calls: what they spent gave no sample.
             "stopped_unfinished": self.budget_unfinished,
+            # What those had spent: tokens and USD that gave no sample (--resume runs them again).
+            "unfinished_tokens": int(
+                self.budget_unfinished_spend["prompt_tokens"]
+                + self.budget_unfinished_spend["completion_tokens"]
+            ),
+            "unfinished_usd": round(self.budget_unfinished_spend["cost_usd"], 6),
             "estimated_usd": round(self.budget_estimated_usd, 6),  # in no spent_usd: no answer reported it
             "unmeasured": self.budget_unmeasured,
             # Of spent_tokens / spent_usd: the runner's own calls (start check, endpoint probes).

@@ -430,3 +430,23 @@ def test_the_start_check_is_spent_and_counted_like_any_call(tmp_path):
     assert budget["spent_tokens"] == billed
     assert budget["check_calls"] == 1 and budget["check_tokens"] == served["check_tokens"]
     assert stats["runs"][-1]["prompt_tokens"] + stats["runs"][-1]["completion_tokens"] == billed
+
+
+def test_what_prompts_stopped_unfinished_spent_is_counted_and_said(tmp_path, capsys):
+    """Prompts longer than the budget can pay for are stopped after spending: the summary says how much
+    of the run's spend gave no sample (before: only how many prompts, in statistics.json alone)."""
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Long task {i} [calls:10]" for i in range(6)])
+        run(server, dataset, tmp_path / "data", num_workers=1, prompts_per_worker=2, budget_tokens=22_000,
+            max_tokens=100)  # fmt: skip
+    run_dir = tmp_path / "data" / "run"
+    budget = json.loads((run_dir / "statistics.json").read_text())["this_run"]["budget"]
+    failed = [json.loads(line) for line in (run_dir / "failed.jsonl").read_text().splitlines()]
+    started = [f["usage"] for f in failed if f["usage"]["calls"]]
+    assert budget["stopped_unfinished"] == len(started) >= 1
+    assert (
+        budget["unfinished_tokens"] == sum(u["prompt_tokens"] + u["completion_tokens"] for u in started) > 0
+    )
+    out = capsys.readouterr().out
+    assert f"The budget stopped {len(started)} prompt(s) after they had made model calls: " in out
+    assert f"{budget['unfinished_tokens']:,} tokens (" in out and "--resume runs them again" in out
