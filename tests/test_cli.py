@@ -431,47 +431,54 @@ def test_unusable_dataset_is_a_clear_usage_error(tmp_path, capsys, content, mess
 
 
 def _cgroup_dir(controller: str) -> Path | None:
-    """This process's own cgroup directory of ``controller`` (v1 hierarchy or v2), when it is writable."""
-    from batchrun.prompt.sandboxes.local import limits
+    """This process's own cgroup directory of ``controller`` (v1 hierarchy or v2)."""
+    from batchrun.prompt.sandboxes.base import own_cgroup_dir
 
-    own, mounts = limits._own_paths(), limits._mounts()
-    for root, point, fstype, opts in mounts:
-        if fstype == "cgroup" and controller in opts and controller in own:
-            return limits._inside(root, point, own[controller])
-    for root, point, fstype, _ in mounts:
-        if fstype == "cgroup2" and "" in own:
-            return limits._inside(root, point, own[""])
-    return None
+    where = own_cgroup_dir(controller)
+    return Path(where) if where is not None else None
+
+
+CGROUP_LIMITS = {  # controller -> (its limit's file: v1's name, then v2's; the test's value)
+    "memory": (("memory.limit_in_bytes", "memory.max"), str(768 << 20)),
+    "pids": (("pids.max",), "400"),
+    "cpu": (("cpu.cfs_quota_us", "cpu.max"), None),  # one core: written as each version takes it
+}
 
 
 @pytest.mark.parametrize(
-    ("flag", "message"),
+    ("controllers", "flag", "message"),
     [
         (
+            ("memory", "pids"),
             "--container_memory_mb=1024 --container_pids_limit=300",
             "--container_memory_mb must be at most this machine's memory (768 MB",
         ),
         (
+            ("memory", "pids"),
             "--container_pids_limit=500",
             "--container_pids_limit must be at most the processes this machine allows the runner (400",
         ),
+        (("cpu",), "--container_cpus=2", "--container_cpus must be at most the 1 CPUs this run may use"),
     ],
-    ids=["memory", "pids"],
+    ids=["memory", "pids", "cpu"],
 )
-def test_a_runner_in_a_smaller_cgroup_checks_the_sizes_against_that_cgroup(tmp_path, flag, message):
+def test_a_runner_in_a_smaller_cgroup_checks_the_sizes_against_that_cgroup(
+    tmp_path, controllers, flag, message
+):
     """A runner in a container or a CI job with 768 MB and 400 processes took a 1 GB sandbox and 500
-    processes (checked against the machine's memory and kernel.pid_max), which its cgroup never gives."""
+    processes (checked against the machine's memory and kernel.pid_max), which its cgroup never gives;
+    and one held to a core's worth of CPU time plans by that core."""
     import uuid
 
-    made: list[Path] = []  # one per hierarchy (v1: memory and pids apart; v2: one)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make cgroups")
+    made: list[Path] = []  # one per hierarchy (v1: each controller apart; v2: one)
     try:
-        for controller, names, value in (
-            ("memory", ("memory.limit_in_bytes", "memory.max"), str(768 << 20)),
-            ("pids", ("pids.max",), "400"),
-        ):
+        for controller in controllers:
+            names, value = CGROUP_LIMITS[controller]
             base = _cgroup_dir(controller)
-            if base is None or os.geteuid() != 0:
-                pytest.skip("needs root and a cgroup hierarchy with memory and pids")
+            if base is None:
+                pytest.skip(f"no cgroup hierarchy with {controller}")
             child = next((c for c in made if c.parent == base), None)
             if child is None:
                 child = base / f"br-test-{uuid.uuid4().hex[:8]}"
@@ -483,6 +490,10 @@ def test_a_runner_in_a_smaller_cgroup_checks_the_sizes_against_that_cgroup(tmp_p
             limit = next((child / n for n in names if (child / n).exists()), None)
             if limit is None:
                 pytest.skip(f"the {controller} controller is not enabled for {base}'s children")
+            if controller == "cpu":  # one core: a quota of one period
+                value = "100000" if limit.name == "cpu.cfs_quota_us" else "100000 100000"
+                if limit.name == "cpu.cfs_quota_us":
+                    (child / "cpu.cfs_period_us").write_text("100000")
             limit.write_text(value)
         (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
         procs = sorted({str(c / "cgroup.procs") for c in made})

@@ -809,8 +809,12 @@ def test_the_run_bounds_take_the_strictest_limit_along_the_runner_s_cgroup_path(
     (slice_dir / "pids.max").write_text("4096")
     (own / memory_file).write_text(unlimited)
     (own / "pids.max").write_text("max")
-    layout = limits.CgroupLayout(version, {"memory": own, "pids": own, "cpu": own})
-    monkeypatch.setattr(limits, "cgroup_layout", lambda: layout)
+    from batchrun.prompt.sandboxes import base
+
+    def own_dir(controller: str, *, v1: bool = True, v2: bool = True) -> str | None:
+        return str(own) if (v1 if version == 1 else v2) else None
+
+    monkeypatch.setattr(base, "own_cgroup_dir", own_dir)  # the runner's own cgroup, as the kernel shows it
     limits.run_bounds.cache_clear()
     try:
         bounds = limits.run_bounds()

@@ -15,6 +15,7 @@ import select
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import (
     Any,
     ClassVar,
@@ -260,36 +261,113 @@ def usable_cpus() -> int:
 def _cgroup_cpu_quota() -> float | None:
     """Cores' worth of CPU time this process's cgroup allows per period (v2 ``cpu.max``, v1
     ``cpu.cfs_quota_us``), the strictest along its path; None: no quota."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
+    v1 = own_cgroup_dir("cpu", v2=False)
+    where, v2 = (v1, False) if v1 is not None else (own_cgroup_dir("cpu"), True)
+    if where is None:
         return None
     found: list[float] = []
-    for line in lines:
-        _, names, path = line.split(":", 2)
-        if names == "":
-            root, files = "/sys/fs/cgroup", ("cpu.max",)
-        elif "cpu" in names.split(","):
-            root, files = f"/sys/fs/cgroup/{names}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
-        else:
+    for path in cgroup_ancestry(where, "cpu.max" if v2 else "cpu.cfs_quota_us"):
+        try:
+            if v2:
+                with open(os.path.join(path, "cpu.max")) as f:
+                    quota, period = f.read().split()[:2]
+            else:
+                with open(os.path.join(path, "cpu.cfs_quota_us")) as f:
+                    quota = f.read().strip()
+                with open(os.path.join(path, "cpu.cfs_period_us")) as f:
+                    period = f.read().strip()
+            if quota not in ("max", "-1") and int(period) > 0:
+                found.append(int(quota) / int(period))
+        except (OSError, ValueError):
             continue
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            where = os.path.join(root, *parts[:depth])
-            try:
-                if len(files) == 1:
-                    with open(os.path.join(where, files[0])) as f:
-                        quota, period = f.read().split()[:2]
-                else:
-                    with open(os.path.join(where, files[0])) as f:
-                        quota = f.read().strip()
-                    with open(os.path.join(where, files[1])) as f:
-                        period = f.read().strip()
-                if quota not in ("max", "-1") and int(period) > 0:
-                    found.append(int(quota) / int(period))
-            except (OSError, ValueError):
-                continue
+    return min(found) if found else None
+
+
+# -- this process's own cgroups, read only (the local backend's limits make cgroups: local/limits.py)
+
+
+def cgroup_mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(mount root, mount point, fs type, super options) of every cgroup mount."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields_, rest = left.split(), right.split()
+        if len(fields_) >= 5 and len(rest) >= 3 and rest[0] in ("cgroup", "cgroup2"):
+            found.append((fields_[3], fields_[4], rest[0], set(rest[2].split(","))))
+    return found
+
+
+def own_cgroup_paths() -> dict[str, str]:
+    """Hierarchy key ("" for v2, else each controller name) -> this process's cgroup path."""
+    own: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f.read().splitlines():
+            _, names, path = line.split(":", 2)
+            for name in names.split(",") if names else [""]:
+                own[name] = path
+    return own
+
+
+def cgroup_dir_in(mount_root: str, mount_point: str, own: str) -> Path:
+    """This process's cgroup ``own`` as a directory under a mount of its hierarchy."""
+    rel = own[len(mount_root) :] if own.startswith(mount_root) else ""
+    path = Path(mount_point, rel.lstrip("/"))
+    return path if path.is_dir() else Path(mount_point)  # a cgroup namespace shows its root only
+
+
+def own_cgroup_dir(controller: str, *, v1: bool = True, v2: bool = True) -> str | None:
+    """This process's own cgroup directory for ``controller``: its v1 hierarchy's, else cgroup v2's."""
+    try:
+        own, mounts = own_cgroup_paths(), cgroup_mounts()
+    except (OSError, ValueError):
+        return None
+    if v1:
+        for root, point, fstype, opts in mounts:
+            if fstype == "cgroup" and controller in opts and controller in own:
+                return str(cgroup_dir_in(root, point, own[controller]))
+    if v2:
+        for root, point, fstype, _ in mounts:
+            if fstype == "cgroup2" and "" in own:
+                return str(cgroup_dir_in(root, point, own[""]))
+    return None
+
+
+def cgroup_ancestry(path: str, name: str) -> list[str]:
+    """``path`` and its ancestors, up to the last that has the file ``name`` (a limit on a slice or pod
+    above an unlimited cgroup binds all the same)."""
+    out = [path]
+    while True:
+        parent = os.path.dirname(path)
+        if parent == path or not os.path.exists(os.path.join(parent, name)):
+            return out
+        out.append(parent)
+        path = parent
+
+
+def number_in(path: str) -> int | None:
+    """The integer in a one-line file; None for "max" (no limit) or a file that cannot be read."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return int(text) if text.isdigit() else None
+    except (OSError, ValueError):
+        return None
+
+
+def own_cgroup_limit(controller: str, v1_name: str, v2_name: str) -> int | None:
+    """The strictest ``controller`` limit on this process's own cgroup and its ancestors; None: none."""
+    where = own_cgroup_dir(controller, v2=False)
+    name = v1_name
+    if where is None:
+        where, name = own_cgroup_dir(controller, v1=False), v2_name
+    if where is None:
+        return None
+    found = [v for p in cgroup_ancestry(where, name) if (v := number_in(os.path.join(p, name))) is not None]
     return min(found) if found else None
 
 

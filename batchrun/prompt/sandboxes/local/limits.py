@@ -17,7 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchrun.prompt.sandboxes.base import run_share
+from batchrun.prompt.sandboxes.base import (
+    cgroup_dir_in,
+    cgroup_mounts,
+    number_in,
+    own_cgroup_limit,
+    own_cgroup_paths,
+    run_share,
+)
 
 CONTROLLERS = ("pids", "memory", "cpu")
 CPU_PERIOD_US = 100_000
@@ -51,37 +58,6 @@ class CgroupLayout:
     bases: dict[str, Path]  # controller -> this process's own cgroup directory in its hierarchy
 
 
-def _mounts() -> list[tuple[str, str, str, set[str]]]:
-    """(mount root, mount point, fs type, super options) of every cgroup mount."""
-    found = []
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, rest = left.split(), right.split()
-        if len(fields) >= 5 and len(rest) >= 3 and rest[0] in ("cgroup", "cgroup2"):
-            found.append((fields[3], fields[4], rest[0], set(rest[2].split(","))))
-    return found
-
-
-def _own_paths() -> dict[str, str]:
-    """Hierarchy key ("" for v2, else each controller name) -> this process's cgroup path."""
-    own: dict[str, str] = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, names, path = line.split(":", 2)
-        for name in names.split(",") if names else [""]:
-            own[name] = path
-    return own
-
-
-def _inside(mount_root: str, mount_point: str, own: str) -> Path:
-    rel = own[len(mount_root) :] if own.startswith(mount_root) else ""
-    path = Path(mount_point, rel.lstrip("/"))
-    return path if path.is_dir() else Path(mount_point)  # a cgroup namespace shows its root only
-
-
 def _writable(base: Path) -> bool:
     # Per thread: a worker's first starts run at once, each computing the cached layout below, and
     # with one name per process the thread whose mkdir lost found the cgroups unwritable: its
@@ -99,21 +75,21 @@ def _writable(base: Path) -> bool:
 def cgroup_layout() -> CgroupLayout | str:
     """Where this process may make cgroups with every controller we need, or why it may not."""
     try:
-        own, mounts = _own_paths(), _mounts()
+        own, mounts = own_cgroup_paths(), cgroup_mounts()
     except (OSError, ValueError) as exc:
         return f"cannot read this process's cgroups: {exc}"
     v1: dict[str, Path] = {}
     for root, point, fstype, opts in mounts:
         for controller in CONTROLLERS:
             if fstype == "cgroup" and controller in opts and controller in own:
-                v1.setdefault(controller, _inside(root, point, own[controller]))
+                v1.setdefault(controller, cgroup_dir_in(root, point, own[controller]))
     if len(v1) == len(CONTROLLERS):
         if all(_writable(b) for b in v1.values()):
             return CgroupLayout(1, v1)
         return "the cgroup v1 hierarchies are not writable (not root, or no delegation)"
     for root, point, fstype, _ in mounts:
         if fstype == "cgroup2" and "" in own:
-            base = _v2_base(_inside(root, point, own[""]), Path(point))
+            base = _v2_base(cgroup_dir_in(root, point, own[""]), Path(point))
             if isinstance(base, Path):
                 return CgroupLayout(2, dict.fromkeys(CONTROLLERS, base))
             return base
@@ -160,30 +136,6 @@ class RunBounds:
     pids: int  # processes and threads of all its prompts at once
 
 
-def _number(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-        return int(text) if text.isdigit() else None  # "max": no limit
-    except (OSError, ValueError):
-        return None
-
-
-def _strictest(base: str, name: str) -> int | None:
-    """The smallest limit ``name`` along ``base`` and its ancestors (a limited slice or pod above an
-    unlimited cgroup binds the run's prompts all the same); None: no limit anywhere."""
-    found: list[int] = []
-    path = base
-    while True:
-        value = _number(os.path.join(path, name))
-        if value is not None:
-            found.append(value)
-        parent = os.path.dirname(path)
-        if parent == path or not os.path.exists(os.path.join(parent, name)):
-            return min(found) if found else None
-        path = parent
-
-
 @functools.cache
 def run_bounds() -> RunBounds:
     """What the run's prompts may hold together: :func:`host_limits`, less what is kept for the host."""
@@ -198,28 +150,13 @@ def host_limits(own_cgroup: bool = True) -> tuple[int, int]:
     container engine's sandboxes are not under this process's cgroup)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     pids = min(
-        _number("/proc/sys/kernel/pid_max") or 32768, _number("/proc/sys/kernel/threads-max") or 1 << 22
+        number_in("/proc/sys/kernel/pid_max") or 32768, number_in("/proc/sys/kernel/threads-max") or 1 << 22
     )
     if not own_cgroup:
         return memory, pids
-    own_memory = _own_limit("memory", "memory.limit_in_bytes", "memory.max")
-    own_pids = _own_limit("pids", "pids.max", "pids.max")
+    own_memory = own_cgroup_limit("memory", "memory.limit_in_bytes", "memory.max")
+    own_pids = own_cgroup_limit("pids", "pids.max", "pids.max")
     return min(memory, own_memory or memory), min(pids, own_pids or pids)
-
-
-def _own_limit(controller: str, v1_name: str, v2_name: str) -> int | None:
-    """The strictest ``controller`` limit on this process's own cgroup and its ancestors; None: none."""
-    try:
-        own, mounts = _own_paths(), _mounts()
-    except (OSError, ValueError):
-        return None
-    for root, point, fstype, opts in mounts:
-        if fstype == "cgroup" and controller in opts and controller in own:
-            return _strictest(str(_inside(root, point, own[controller])), v1_name)
-    for root, point, fstype, _ in mounts:
-        if fstype == "cgroup2" and "" in own:
-            return _strictest(str(_inside(root, point, own[""])), v2_name)
-    return None
 
 
 def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
