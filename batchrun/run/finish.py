@@ -47,6 +47,8 @@ class MergeTotals:
         self.dropped: collections.Counter[str] = collections.Counter()
         # (row identity, sample index) -> records in batch files
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
+        # the same records by (row identity, sample index, prompt index): which of identical rows wrote them
+        self.finished_at: collections.Counter[tuple[str, int, int]] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
@@ -146,6 +148,7 @@ def merge(
                 totals.finished[key] += 1
                 if isinstance(rec.get("prompt_index"), int):
                     done_indices.add(rec["prompt_index"])
+                    totals.finished_at[(*key, rec["prompt_index"])] += 1
                 if used_tool_names(rec) - known:
                     totals.dropped["unknown_tool"] += 1
                     unknown.append(rec)
@@ -509,8 +512,9 @@ def count_remaining(
 ) -> int:
     """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
     done = collections.Counter(totals.finished)
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded)
-    return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt))
+    at = collections.Counter(totals.finished_at)
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
+    return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt, at))
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: Any = None) -> None:
