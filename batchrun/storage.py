@@ -86,9 +86,22 @@ def not_a_file(path: Path) -> str:
     return "a directory" if path.is_dir() else "not a regular file" if path.exists() else "not found"
 
 
+def temp_path(path: Path) -> Path:
+    """The temp file a write of ``path`` by this process goes through (``.<name>.<pid>.tmp``, beside it)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def discard_temp(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` whole (temp file, fsync, rename); raises :class:`WriteError`, leaving no temp file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Replace ``path`` whole (temp file, fsync, rename); raises :class:`WriteError`, leaving no temp file
+    (nor when Ctrl-C or SIGTERM interrupts it)."""
+    tmp = temp_path(path)
     try:
         with tmp.open("w", encoding="utf-8") as fh:
             fh.write(text)
@@ -97,11 +110,36 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
+        discard_temp(tmp)
+        raise WriteError(path, exc) from exc
+    except BaseException:
+        discard_temp(tmp)
+        raise
+
+
+_TEMP_NAME = re.compile(r"\..+\.(\d+)\.tmp")
+
+
+def remove_stale_temp_files(directory: Path) -> list[str]:
+    """Remove the temp files (``.<name>.<pid>.tmp``) that writers killed outright (SIGKILL, power loss)
+    left in ``directory``: a merge's is a whole copy of trajectories.jsonl. A file whose pid is alive
+    may be a write in progress (a view writing report.html) and stays. Returns the names removed."""
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_NAME.fullmatch(entry.name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
         try:
-            tmp.unlink(missing_ok=True)
+            if entry.is_file() and not entry.is_symlink():
+                entry.unlink()
+                removed.append(entry.name)
         except OSError:
             pass
-        raise WriteError(path, exc) from exc
+    return removed
 
 
 def write_text_in_place(path: Path, text: str) -> None:

@@ -24,6 +24,7 @@ from batchrun.storage import (
     iter_jsonl_raw,
     pid_alive,
     read_json_file,
+    remove_stale_temp_files,
     write_json_atomic,
     write_text_atomic,
     write_text_in_place,
@@ -157,6 +158,40 @@ def test_a_failed_atomic_write_raises_write_error_and_leaves_no_temp_file(tmp_pa
         write_text_atomic(path, "{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]
     assert (path / "keep").read_text("utf-8") == "inside"
+
+
+def test_an_interrupted_atomic_write_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Ctrl-C or SIGTERM (KeyboardInterrupt) in the middle of a state file's write: the old file stays whole
+    and no ``.<name>.<pid>.tmp`` is left behind."""
+    path = tmp_path / "statistics.json"
+    path.write_text("old", "utf-8")
+
+    def interrupted(fd: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_text_atomic(path, "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["statistics.json"]
+    assert path.read_text("utf-8") == "old"
+
+
+def test_temp_files_of_dead_writers_are_removed_and_those_of_live_ones_kept(tmp_path: Path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(dead.stdout)
+    assert not pid_alive(pid)
+    stale = [f".trajectories.jsonl.{pid}.tmp", f".statistics.json.{pid}.tmp"]
+    for name in stale:
+        (tmp_path / name).write_text("left by a killed runner", "utf-8")
+    live = tmp_path / f".report.html.{os.getpid()}.tmp"  # a write in progress
+    live.write_text("x", "utf-8")
+    other = [".lock", "batch_0.jsonl", ".notes.tmp", f"x.{pid}.tmp"]  # not a temp file of ours
+    for name in other:
+        (tmp_path / name).write_text("keep", "utf-8")
+    assert sorted(remove_stale_temp_files(tmp_path)) == sorted(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, *other])
 
 
 def test_json_atomic_is_indented_utf8_and_redacted(tmp_path: Path):

@@ -31,9 +31,11 @@ from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json, reasoning_counts, used_tool_names
 from batchrun.storage import (
     batch_files,
+    discard_temp,
     fsync_dir,
     iter_jsonl,
     iter_jsonl_raw,
+    temp_path,
     write_json_atomic,
     write_text_atomic,
 )
@@ -47,6 +49,8 @@ class MergeTotals:
         self.dropped: collections.Counter[str] = collections.Counter()
         # (row identity, sample index) -> records in batch files
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
+        # the same records by (row identity, sample index, prompt index): which of identical rows wrote them
+        self.finished_at: collections.Counter[tuple[str, int, int]] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
@@ -134,38 +138,43 @@ def merge(
     totals = MergeTotals(known_tool_names())
     unknown: list[dict[str, Any]] = []  # records that call a tool outside the known set
     out = run_dir / "trajectories.jsonl"
-    tmp = out.with_name(f".trajectories.jsonl.{os.getpid()}.tmp")
-    with tmp.open("wb") as fh:
-        for _, path in batch_files(run_dir):
-            for raw, rec in iter_jsonl_raw(path):
-                ready = prepared.take(raw) if prepared is not None else None
-                if ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
-                    totals.dropped["invalid_lines"] += 1
-                    continue
-                key = record_sample(rec)
-                totals.finished[key] += 1
-                if isinstance(rec.get("prompt_index"), int):
-                    done_indices.add(rec["prompt_index"])
-                if used_tool_names(rec) - known:
-                    totals.dropped["unknown_tool"] += 1
-                    unknown.append(rec)
-                    continue
-                if key in wanted and kept[key] >= wanted[key]:
-                    totals.dropped["duplicate"] += 1
-                    continue
-                kept[key] += 1
-                totals.by_stop_reason[_stop_reason(rec)] += 1
-                if exclude_partial and rec.get("partial"):
-                    totals.dropped["partial_excluded"] += 1
-                    continue
-                totals.add(rec)
-                typed = None if ready is not None else typed_record(rec)
-                fh.write(typed_line(raw, typed))
-                if written is not None:
-                    written(rec if typed is None else typed, ready.item if ready is not None else None)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
+    tmp = temp_path(out)
+    try:
+        with tmp.open("wb") as fh:
+            for _, path in batch_files(run_dir):
+                for raw, rec in iter_jsonl_raw(path):
+                    ready = prepared.take(raw) if prepared is not None else None
+                    if ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
+                        totals.dropped["invalid_lines"] += 1
+                        continue
+                    key = record_sample(rec)
+                    totals.finished[key] += 1
+                    if isinstance(rec.get("prompt_index"), int):
+                        done_indices.add(rec["prompt_index"])
+                        totals.finished_at[(*key, rec["prompt_index"])] += 1
+                    if used_tool_names(rec) - known:
+                        totals.dropped["unknown_tool"] += 1
+                        unknown.append(rec)
+                        continue
+                    if key in wanted and kept[key] >= wanted[key]:
+                        totals.dropped["duplicate"] += 1
+                        continue
+                    kept[key] += 1
+                    totals.by_stop_reason[_stop_reason(rec)] += 1
+                    if exclude_partial and rec.get("partial"):
+                        totals.dropped["partial_excluded"] += 1
+                        continue
+                    totals.add(rec)
+                    typed = None if ready is not None else typed_record(rec)
+                    fh.write(typed_line(raw, typed))
+                    if written is not None:
+                        written(rec if typed is None else typed, ready.item if ready is not None else None)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:  # a failed or interrupted merge (Ctrl-C, SIGTERM) leaves no copy of the data behind
+        discard_temp(tmp)
+        raise
     fsync_dir(run_dir)
     set_aside_unknown_tools(run_dir, unknown, recorder)
     # The dataset card: load_dataset(run_dir) reads trajectories.jsonl with the record schema, typed
@@ -509,8 +518,9 @@ def count_remaining(
 ) -> int:
     """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
     done = collections.Counter(totals.finished)
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded)
-    return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt))
+    at = collections.Counter(totals.finished_at)
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
+    return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt, at))
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: Any = None) -> None:

@@ -34,6 +34,7 @@ from batchrun.storage import (
     append_jsonl_bytes,
     batch_files,
     iter_jsonl,
+    remove_stale_temp_files,
     write_json_atomic,
     write_text_in_place,
 )
@@ -132,6 +133,9 @@ class Recorder:
         self._lock_file.truncate()
         self._lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         self._lock_file.flush()  # the lock itself dies with the process: nothing to clean up after a crash
+        # But the temp files of a runner killed outright while it replaced a file are: a merge's is a whole
+        # copy of trajectories.jsonl, and each crash at that moment would leave one more.
+        remove_stale_temp_files(self.run_dir)
 
     def unlock(self) -> None:
         lock, self._lock_file = self._lock_file, None

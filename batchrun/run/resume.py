@@ -182,15 +182,35 @@ def wanted_samples(
 
 
 def unfinished(
-    rows: list[Row], done: collections.Counter[tuple[str, int]], redact: Redactor, samples_per_prompt: int = 1
+    rows: list[Row],
+    done: collections.Counter[tuple[str, int]],
+    redact: Redactor,
+    samples_per_prompt: int = 1,
+    done_at: collections.Counter[tuple[str, int, int]] | None = None,
 ) -> list[Sample]:
     """The samples left once each finished outcome has taken one sample of its (identity, sample index):
-    duplicate rows count, each wanting its own samples."""
+    duplicate rows count, each wanting its own samples.
+
+    ``done_at`` (identity, sample index, prompt index) -> finished outcomes of ``done`` written by that
+    dataset line: identical rows are not interchangeable (their occurrence seeds the toolset draw and the
+    request seed, and records carry their ``prompt_index``), so a row whose own line finished takes that
+    outcome first, and the one whose sample is missing is the one left to run. The rest (a dataset whose
+    lines moved since) are matched by content, in dataset order."""
     done = collections.Counter(done)
-    left: list[Sample] = []
-    for row in rows:
-        key = RowIdentity.of_row(row, redact).key
+    at = collections.Counter(done_at or ())
+    keyed = [(row, RowIdentity.of_row(row, redact).key) for row in rows]
+    own: set[tuple[int, int]] = set()  # (row index, sample index) finished by the row's own line
+    for row, key in keyed:
         for s in range(samples_of(row, samples_per_prompt)):
+            if at[key, s, row.index] > 0 and done[key, s] > 0:
+                at[key, s, row.index] -= 1
+                done[key, s] -= 1
+                own.add((row.index, s))
+    left: list[Sample] = []
+    for row, key in keyed:
+        for s in range(samples_of(row, samples_per_prompt)):
+            if (row.index, s) in own:
+                continue
             if done[key, s] > 0:
                 done[key, s] -= 1
             else:
@@ -203,33 +223,53 @@ def all_samples(rows: list[Row], samples_per_prompt: int) -> list[Sample]:
     return [(row, s) for row in rows for s in range(samples_of(row, samples_per_prompt))]
 
 
-def scan_finished(run_dir: Path, *, rerun_discarded: bool) -> collections.Counter[tuple[str, int]]:
+def scan_finished(
+    run_dir: Path, *, rerun_discarded: bool, at: collections.Counter[tuple[str, int, int]] | None = None
+) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
-    re-run). Lines of the wrong shape are skipped, as torn lines are."""
+    re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
+    by (identity, sample index, prompt index), for :func:`unfinished`."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec):
-                done[record_sample(rec)] += 1
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded)
+                key = record_sample(rec)
+                done[key] += 1
+                if at is not None and _is_index(rec.get("prompt_index")):
+                    at[(*key, rec["prompt_index"])] += 1
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
     return done
 
 
-def add_discards(run_dir: Path, done: collections.Counter[tuple[str, int]], *, rerun_discarded: bool) -> None:
+def add_discards(
+    run_dir: Path,
+    done: collections.Counter[tuple[str, int]],
+    *,
+    rerun_discarded: bool,
+    at: collections.Counter[tuple[str, int, int]] | None = None,
+) -> None:
     """Discarded samples count as finished unless --rerun_discarded (they cost money to redo)."""
     discards = run_dir / "discarded.jsonl"
     if discards.exists() and not rerun_discarded:
         for rec in iter_jsonl(discards):
             if valid_outcome_row(rec, "reason"):
-                done[outcome_sample(rec)] += 1
+                key = outcome_sample(rec)
+                done[key] += 1
+                if at is not None and _is_index(rec.get("prompt_index")):
+                    at[(*key, rec["prompt_index"])] += 1
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resume_filter(
     rows: list[Row], run_dir: Path, redact: Redactor, *, rerun_discarded: bool, samples_per_prompt: int = 1
 ) -> list[Sample]:
     """The samples with no finished outcome yet, counting duplicates per (identity, sample index)."""
-    done = scan_finished(run_dir, rerun_discarded=rerun_discarded)
-    todo = unfinished(rows, done, redact, samples_per_prompt)
+    at: collections.Counter[tuple[str, int, int]] = collections.Counter()
+    done = scan_finished(run_dir, rerun_discarded=rerun_discarded, at=at)
+    todo = unfinished(rows, done, redact, samples_per_prompt, at)
     total = sum(samples_of(r, samples_per_prompt) for r in rows)
     unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed
     print(f"Resume: {total - len(todo)} {unit} already finished, {len(todo)} to run")

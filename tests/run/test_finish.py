@@ -224,3 +224,39 @@ def test_the_merge_checks_a_line_not_as_it_was_written_past_the_limit(server, tm
     assert totals.dropped["invalid_lines"] == 1
     merged = read_jsonl(run_dir / "trajectories.jsonl")
     assert len(merged) == 2 and merged[1]["metadata"]["row_id"] == ""
+
+
+def test_no_copy_of_the_data_is_left_by_an_interrupted_or_killed_merge(server, tmp_path, monkeypatch):
+    """A merge interrupted (Ctrl-C, SIGTERM) removes its temp file; one a runner killed outright (SIGKILL)
+    left, a whole copy of trajectories.jsonl, is removed by the next run of the name."""
+    import subprocess
+    import sys
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one task", "two task"])
+    out = tmp_path / "data"
+    run(server, dataset, out)
+    run_dir = out / "run"
+    merged = (run_dir / "trajectories.jsonl").read_bytes()
+    names = sorted(p.name for p in run_dir.iterdir())
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = run_dir / f".trajectories.jsonl.{int(dead.stdout)}.tmp"
+    stale.write_bytes(merged[: len(merged) // 2])
+    run(server, dataset, out, resume=True)
+    assert sorted(p.name for p in run_dir.iterdir()) == names
+
+    def interrupted(fd: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    recorder = Recorder(run_dir, "run", Redactor(None))
+    try:
+        finish.merge(run_dir, [], recorder)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the merge was not interrupted")
+    assert sorted(p.name for p in run_dir.iterdir()) == names
+    assert (run_dir / "trajectories.jsonl").read_bytes() == merged

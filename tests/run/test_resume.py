@@ -272,6 +272,31 @@ def test_same_instruction_in_n_repositories_resume_runs_the_lost_row_not_its_twi
     assert sorted(r["metadata"]["cwd"] for r in merged) == sorted(map(str, repos))
 
 
+def test_identical_rows_resume_runs_the_copy_whose_sample_is_missing(server, tmp_path):
+    """Identical rows differ in their occurrence (the request seed, the toolset draw) and prompt_index:
+    when the second copy finished and the first did not (the first failed, or the run was killed while
+    it was in flight), a resume runs the first copy, not the second one again."""
+    rows = [{"prompt": "Dup row [answers:A|B|C|D|E|F|G]", "answer": "A"}] * 2
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    kw = dict(seed_per_request=True, num_workers=1)
+    run(server, dataset, out, **kw)
+    reference = sorted(
+        (r["prompt_index"], r["conversations"][-1]["value"])
+        for r in read_jsonl(run_dir / "trajectories.jsonl")
+    )
+    assert [i for i, _ in reference] == [0, 1] and reference[0][1] != reference[1][1]
+    batch = run_dir / "batch_0.jsonl"
+    batch.write_text(
+        "".join(json.dumps(r) + "\n" for r in read_jsonl(batch) if r["prompt_index"] == 1), "utf-8"
+    )
+    run(server, dataset, out, resume=True, **kw)
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted((r["prompt_index"], r["conversations"][-1]["value"]) for r in merged) == reference
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 @pytest.mark.docker
 def test_same_instruction_in_two_images_resume_runs_exactly_the_failed_row(
     server, tmp_path, docker_test_image, capsys
