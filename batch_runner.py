@@ -18,6 +18,17 @@ From Python, as scripts written for the reference do (``main(...)`` returns the 
 
 import sys
 
+if __name__ == "__main__":
+    import signal
+
+    def _stopped_early(signum, frame):
+        """Ctrl-C or SIGTERM before the command line takes them over (batchrun/cli.py): nothing is written
+        yet, and the run ends as interrupted (130), not killed by the signal."""
+        raise SystemExit(130)
+
+    signal.signal(signal.SIGTERM, _stopped_early)
+    signal.signal(signal.SIGINT, _stopped_early)
+
 # A run's worker forkserver starts before the imports below (batchrun/run/forkserver.py).
 if __name__ == "__main__":
     from batchrun.run.forkserver import start_for_argv
@@ -33,6 +44,7 @@ if __name__ != "__mp_main__":
 if __name__ == "__main__":
     from batchrun.entry import skip_final_collection
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again: the CLI's
     try:
         cli()
     finally:

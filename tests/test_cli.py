@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -516,4 +517,36 @@ def test_a_runner_in_a_smaller_cgroup_checks_the_sizes_against_that_cgroup(
             child.rmdir()
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_command_is_still_importing_ends_it_as_interrupted(tmp_path, sig):
+    """SIGTERM or Ctrl-C in the first ~0.15 s (the imports and the forkserver's start, before the command
+    line's own handler) killed the runner by the signal (143, or -2) instead of the 130 the README
+    promises at any moment. The import of the forkserver's module is held here until the signal comes."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    shim = f"""
+import runpy, sys, time
+class Hold:
+    def find_spec(self, name, path, target=None):
+        if name == "batchrun.run.forkserver":
+            print("importing", flush=True)
+            time.sleep(60)
+        return None
+sys.meta_path.insert(0, Hold())
+sys.argv = [{SCRIPT!r}, "--dataset_file=p.jsonl", "--batch_size=1", "--run_name=x", "--model=mock"]
+runpy.run_path({SCRIPT!r}, run_name="__main__")
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", shim], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "importing\n"
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, proc.stderr.read()
     assert not (tmp_path / "data").exists()
