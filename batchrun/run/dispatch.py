@@ -526,10 +526,10 @@ class Dispatch:
         line = watch.tick()
         if line:
             self.pbar.write(line, file=sys.stderr)
-        settled = 0
-        for probe in watch.take_spend():  # the probes' answers cost what any call costs
+        spent = watch.take_spend()
+        for probe in spent:  # the probes' answers cost what any call costs
             self.recorder.add_check_spend(probe.prompt_tokens, probe.completion_tokens, probe.cost_usd)
-            settled += self.check_budget(inbox, track)
+        settled = self.check_budget(inbox, track) if spent else 0
         if watch.dead and not self.endpoint_dead:
             self.endpoint_dead = True
             inbox.broadcast(StopStarting())
