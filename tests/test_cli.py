@@ -435,8 +435,8 @@ def _cgroup_dir(controller: str) -> Path | None:
     """This process's own cgroup directory of ``controller`` (v1 hierarchy or v2)."""
     from batchrun.prompt.sandboxes.base import own_cgroup_dir
 
-    where = own_cgroup_dir(controller)
-    return Path(where) if where is not None else None
+    own = own_cgroup_dir(controller)
+    return Path(own[0]) if own is not None else None
 
 
 CGROUP_LIMITS = {  # controller -> (its limit's file: v1's name, then v2's; the test's value)

@@ -811,8 +811,8 @@ def test_the_run_bounds_take_the_strictest_limit_along_the_runner_s_cgroup_path(
     (own / "pids.max").write_text("max")
     from batchrun.prompt.sandboxes import base
 
-    def own_dir(controller: str, *, v1: bool = True, v2: bool = True) -> str | None:
-        return str(own) if (v1 if version == 1 else v2) else None
+    def own_dir(controller: str) -> tuple[str, int]:
+        return str(own), version
 
     monkeypatch.setattr(base, "own_cgroup_dir", own_dir)  # the runner's own cgroup, as the kernel shows it
     limits.run_bounds.cache_clear()

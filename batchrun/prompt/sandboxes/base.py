@@ -261,10 +261,10 @@ def usable_cpus() -> int:
 def _cgroup_cpu_quota() -> float | None:
     """Cores' worth of CPU time this process's cgroup allows per period (v2 ``cpu.max``, v1
     ``cpu.cfs_quota_us``), the strictest along its path; None: no quota."""
-    v1 = own_cgroup_dir("cpu", v2=False)
-    where, v2 = (v1, False) if v1 is not None else (own_cgroup_dir("cpu"), True)
-    if where is None:
+    own = own_cgroup_dir("cpu")
+    if own is None:
         return None
+    where, v2 = own[0], own[1] == 2
     found: list[float] = []
     for path in cgroup_ancestry(where, "cpu.max" if v2 else "cpu.cfs_quota_us"):
         try:
@@ -320,20 +320,19 @@ def cgroup_dir_in(mount_root: str, mount_point: str, own: str) -> Path:
     return path if path.is_dir() else Path(mount_point)  # a cgroup namespace shows its root only
 
 
-def own_cgroup_dir(controller: str, *, v1: bool = True, v2: bool = True) -> str | None:
-    """This process's own cgroup directory for ``controller``: its v1 hierarchy's, else cgroup v2's."""
+def own_cgroup_dir(controller: str) -> tuple[str, int] | None:
+    """This process's own cgroup directory for ``controller`` and its cgroup version: its v1 hierarchy's,
+    else cgroup v2's; None: neither."""
     try:
         own, mounts = own_cgroup_paths(), cgroup_mounts()
     except (OSError, ValueError):
         return None
-    if v1:
-        for root, point, fstype, opts in mounts:
-            if fstype == "cgroup" and controller in opts and controller in own:
-                return str(cgroup_dir_in(root, point, own[controller]))
-    if v2:
-        for root, point, fstype, _ in mounts:
-            if fstype == "cgroup2" and "" in own:
-                return str(cgroup_dir_in(root, point, own[""]))
+    for root, point, fstype, opts in mounts:
+        if fstype == "cgroup" and controller in opts and controller in own:
+            return str(cgroup_dir_in(root, point, own[controller])), 1
+    for root, point, fstype, _ in mounts:
+        if fstype == "cgroup2" and "" in own:
+            return str(cgroup_dir_in(root, point, own[""])), 2
     return None
 
 
@@ -361,12 +360,10 @@ def number_in(path: str) -> int | None:
 
 def own_cgroup_limit(controller: str, v1_name: str, v2_name: str) -> int | None:
     """The strictest ``controller`` limit on this process's own cgroup and its ancestors; None: none."""
-    where = own_cgroup_dir(controller, v2=False)
-    name = v1_name
-    if where is None:
-        where, name = own_cgroup_dir(controller, v1=False), v2_name
-    if where is None:
+    own = own_cgroup_dir(controller)
+    if own is None:
         return None
+    where, name = own[0], v1_name if own[1] == 1 else v2_name
     found = [v for p in cgroup_ancestry(where, name) if (v := number_in(os.path.join(p, name))) is not None]
     return min(found) if found else None
 
