@@ -395,7 +395,11 @@ def acceptable(answer: Any) -> list[Any]:
     return list(answer) if isinstance(answer, (list, tuple)) else [answer]
 
 
-_NUMBER_RE = re.compile(r"[-+]?(?:\d[\d,_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+# A number: commas only as thousands separators (groups of three digits), so "3,4" is two numbers (a
+# list, or a decimal comma), never 34.
+_NUMBER_RE = re.compile(
+    r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+)
 
 
 _FRACTION_END_RE = re.compile(r"([-+]?\d+)\s*/\s*(\d+)\s*\.?\s*$")

@@ -175,6 +175,13 @@ def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reas
     ("text", "answer", "scorer", "passed"),
     [
         ("ANSWER: 1,234.5", 1234.5, "numeric", True),
+        ("ANSWER: 12,345,678", 12345678, "numeric", True),
+        # Commas that are no thousands separators do not join numbers: a list, a decimal comma.
+        ("ANSWER: 3,4", 34, "numeric", False),
+        ("ANSWER: 1,2,3", 123, "numeric", False),
+        ("ANSWER: 3,5", 35, "numeric", False),
+        ("ANSWER: 1,2345", 12345, "numeric", False),
+        ("ANSWER: 1,000, as counted", 1000, "numeric", True),
         ("ANSWER: 0.333", "1/3", "numeric", False),  # outside the default tolerance
         ("ANSWER: 3/4", 0.75, "numeric", True),
         ("ANSWER: 3 / 4.", 0.75, "numeric", True),
