@@ -256,6 +256,7 @@ def run_steps(
             written=kept,
             prepared=prepared,
             wanted=kept.wanted,
+            excluded=kept.excluded,
         )
     finally:  # the workers end and the backend sweeps after them while the merge runs
         if preflighted.batches:

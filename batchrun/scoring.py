@@ -395,7 +395,11 @@ def acceptable(answer: Any) -> list[Any]:
     return list(answer) if isinstance(answer, (list, tuple)) else [answer]
 
 
-_NUMBER_RE = re.compile(r"[-+]?(?:\d[\d,_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+# A number: commas only as thousands separators (groups of three digits), so "3,4" is two numbers (a
+# list, or a decimal comma), never 34.
+_NUMBER_RE = re.compile(
+    r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+)
 
 
 _FRACTION_END_RE = re.compile(r"([-+]?\d+)\s*/\s*(\d+)\s*\.?\s*$")
@@ -739,11 +743,34 @@ def _looks_into_sandbox(name: str) -> bool:
     return name not in TEXT_SCORERS and name != "judge"
 
 
+# How a prompt ended when its last reply is no finished answer the text scorers and the judge could
+# read (batchrun.prompt.loop's stop reasons but final_answer): cut by the length limit ("ANSWER: 4" may
+# have been "ANSWER: 42"), stopped by a limit while calling tools, replaced by the provider's filter.
+# Such an answer fails; one whose finish_reason is unknown (cut or not, nothing says) gets no verdict.
+NO_VERDICT_STOP_REASONS = ("unknown_finish_reason",)
+
+
+def unfinished_answer(record: dict[str, Any]) -> str | None:
+    """The stop reason of a sample whose last reply is not a finished final answer (None: it is one,
+    or the record does not say: a record of a version before stop reasons)."""
+    meta = record.get("metadata")
+    reason = meta.get("stop_reason") if isinstance(meta, dict) else None
+    return reason if isinstance(reason, str) and reason != "final_answer" else None
+
+
+def _unfinished_part(name: str, reason: str) -> Part:
+    why = f"no finished final answer to judge: the sample stopped at {reason}"
+    if reason in NO_VERDICT_STOP_REASONS:
+        return Part(name, error=why + " (it may be cut short)")
+    return Part(name, 0.0, False, why)
+
+
 def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
     """The ``score`` of one sample by the row's scorers; never raises."""
     names = [n for n in scorers_for(j.check, j.settings) if applies(n, j.check)]
     if not names:
         return unscored()
+    unfinished = unfinished_answer(record)
     parts = []
     in_sandbox = j.sandbox is not None and any(_looks_into_sandbox(n) for n in names)
     ended = (
@@ -757,6 +784,8 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
                 parts.append(
                     Part(name, error=f"the agent's processes could not be ended before judging: {ended}")
                 )
+            elif unfinished is not None and (name in TEXT_SCORERS or name == "judge"):
+                parts.append(_unfinished_part(name, unfinished))  # the judge is not even asked
             elif name in TEXT_SCORERS:
                 parts.append(text_score(name, record, j.check, j.settings))
             elif name == "verify":

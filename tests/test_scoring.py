@@ -138,9 +138,50 @@ def test_reasoning_never_decides_the_answer():
 
 
 @pytest.mark.parametrize(
+    ("stop_reason", "status"),
+    [
+        ("final_answer", "passed"),
+        ("truncated", "failed"),  # finish_reason length: "ANSWER: 4" may have been "ANSWER: 42"
+        ("max_turns", "failed"),  # the last turn called tools: its words are no final answer
+        ("context_limit", "failed"),
+        ("prompt_budget", "failed"),
+        ("content_filter", "failed"),
+        ("unknown_finish_reason", "error"),  # nothing says whether it was cut: no verdict
+    ],
+)
+@pytest.mark.parametrize("scorer", ["exact", "numeric", "includes", "judge"])
+def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reason, status, scorer):
+    class Judge:  # would pass anything: it must not be asked about an unfinished answer
+        calls = 0
+
+        def chat(self, *a, **kw):
+            Judge.calls += 1
+            return type("T", (), {"content": '{"score": 1, "passed": true}'})()
+
+    rec = record_saying("Let me write it out.\nANSWER: 4")
+    rec["metadata"] = {"stop_reason": stop_reason}
+    check = RowCheck(answer="4")
+    score = conform_score(
+        score_sample(rec, Judgement(check=check, settings=ScoringSettings(scorers=(scorer,)), judge=Judge()))
+    )
+    assert score["status"] == status, score
+    assert score["passed"] is (status == "passed")
+    if status != "passed":
+        assert stop_reason in (score["explanation"] + score["error"])
+        assert Judge.calls == 0
+
+
+@pytest.mark.parametrize(
     ("text", "answer", "scorer", "passed"),
     [
         ("ANSWER: 1,234.5", 1234.5, "numeric", True),
+        ("ANSWER: 12,345,678", 12345678, "numeric", True),
+        # Commas that are no thousands separators do not join numbers: a list, a decimal comma.
+        ("ANSWER: 3,4", 34, "numeric", False),
+        ("ANSWER: 1,2,3", 123, "numeric", False),
+        ("ANSWER: 3,5", 35, "numeric", False),
+        ("ANSWER: 1,2345", 12345, "numeric", False),
+        ("ANSWER: 1,000, as counted", 1000, "numeric", True),
         ("ANSWER: 0.333", "1/3", "numeric", False),  # outside the default tolerance
         ("ANSWER: 3/4", 0.75, "numeric", True),
         ("ANSWER: 3 / 4.", 0.75, "numeric", True),

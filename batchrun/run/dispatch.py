@@ -81,8 +81,9 @@ class _Tracking:
     stops: collections.Counter[Any] = field(default_factory=collections.Counter)  # pid -> stops not done yet
 
 
-def passing_samples(run_dir: Any) -> collections.Counter[str]:
-    """Row identity -> passing samples in the run's batch files (a resume's --stop_after_passes counts them)."""
+def passing_samples(run_dir: Any, exclude_partial: bool = False) -> collections.Counter[str]:
+    """Row identity -> passing samples in the run's batch files (a resume's --stop_after_passes counts them);
+    with ``exclude_partial`` the partial ones are not counted: the merge leaves them out of trajectories.jsonl."""
     from batchrun.record import valid_record
     from batchrun.storage import batch_files, iter_jsonl
 
@@ -90,6 +91,8 @@ def passing_samples(run_dir: Any) -> collections.Counter[str]:
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec) and read_score(rec.get("score")).get("passed") is True:
+                if exclude_partial and rec.get("partial"):
+                    continue
                 passes[RowIdentity.of_record(rec).key] += 1
     return passes
 
@@ -167,7 +170,9 @@ class Dispatch:
         self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 4)
         # --stop_after_passes: row identity -> passing samples so far (earlier runs' included)
         self.passes: collections.Counter[str] = (
-            passing_samples(config.run_dir) if config.stop_after_passes else collections.Counter()
+            passing_samples(config.run_dir, config.exclude_partial)
+            if config.stop_after_passes
+            else collections.Counter()
         )
 
     def run(self, batches: list[list[PromptJob]]) -> None:
@@ -417,6 +422,8 @@ class Dispatch:
         if (message.prompt_index, message.sample_index) not in track.outstanding.get(message.batch_num, ()):
             return
         score = read_score((message.record or {}).get("score"))
+        if self.config.exclude_partial and (message.record or {}).get("partial"):
+            return  # never in trajectories.jsonl: no kept pass
         if message.kind == "trajectory" and score.get("passed") is True:
             self.passes[message.identity.redacted(self.recorder.sample_text).key] += 1
 

@@ -117,6 +117,7 @@ def merge(
     written: Callable[[dict[str, Any], dict[str, Any] | None], None] | None = None,
     prepared: PreparedLines | None = None,
     wanted: collections.Counter[tuple[str, int]] | None = None,
+    excluded: Callable[[dict[str, Any]], None] | None = None,
 ) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
@@ -128,7 +129,9 @@ def merge(
     each record as trajectories.jsonl holds it (:class:`KeptFeed`: the scores and the report, which
     would otherwise read that file again), with the report's entry for it when ``prepared``
     (:class:`PreparedLines`) made it from the same line during the dispatch. ``wanted``: the dataset's
-    :func:`wanted_samples`, when the caller has them already (:class:`KeptFeed`).
+    :func:`wanted_samples`, when the caller has them already (:class:`KeptFeed`). ``excluded`` gets
+    each partial record ``exclude_partial`` leaves out (:meth:`KeptFeed.excluded`: a sample left out of
+    the training file is still a judged sample of the evaluation).
     """
     if wanted is None:
         wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
@@ -163,6 +166,8 @@ def merge(
                     totals.by_stop_reason[_stop_reason(rec)] += 1
                     if exclude_partial and rec.get("partial"):
                         totals.dropped["partial_excluded"] += 1
+                        if excluded is not None:
+                            excluded(typed_record(rec) or rec)
                         continue
                     totals.add(rec)
                     typed = None if ready is not None else typed_record(rec)
@@ -294,6 +299,12 @@ class KeptFeed:
                 self._add_trajectory(self.report, rec, item)
             except Exception:
                 self.report = None
+
+    def excluded(self, rec: dict[str, Any]) -> None:
+        """A partial sample --exclude_partial leaves out of trajectories.jsonl (and so out of the report's
+        trajectories): its score still counts, or the pass rate would leave out the samples that ran
+        out of turns, tokens or context, most of them failures."""
+        self.scores.add(rec, *record_sample(rec))
 
 
 def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], recorder: Recorder) -> None:

@@ -43,7 +43,7 @@ from batchrun.scoring import (
     wanted_from_duplicates,
 )
 from batchrun.sharegpt import first_human, parse_json
-from batchrun.storage import iter_jsonl, write_json_atomic, write_text_atomic
+from batchrun.storage import batch_files, iter_jsonl, write_json_atomic, write_text_atomic
 
 
 def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
@@ -56,7 +56,8 @@ def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
 def run_samples(
     run_dir: Path, wanted: dict[tuple[str, int], int] | None = None
 ) -> list[tuple[dict[str, Any], int]]:
-    """Every sample a run holds a record of, kept trajectories first, then discarded ones: each
+    """Every sample a run holds a record of, kept trajectories first, then discarded ones, then partial
+    ones ``--exclude_partial`` left in the batch files only: each
     (row, sample) as often as the run's dataset wanted it (``wanted``, by default :func:`run_wanted`;
     others once: a sample re-run by --rerun_discarded, whose old discard stays in discarded.jsonl,
     counts once), as the run's own scores count them. Each record comes with its copy: 0, or n for
@@ -69,6 +70,13 @@ def run_samples(
         row["record"]
         for row in iter_jsonl(run_dir / "discarded.jsonl")
         if valid_outcome_row(row, "reason") and isinstance(row.get("record"), dict)
+    )
+    # Partial samples --exclude_partial left in the batch files only: judged samples all the same.
+    sources.append(
+        rec
+        for _, path in batch_files(run_dir)
+        for rec in iter_jsonl(path)
+        if isinstance(rec, dict) and rec.get("partial") is True
     )
     for source in sources:
         for rec in source:

@@ -197,6 +197,23 @@ def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp
     assert collections.Counter(server.stats()["requests_by_prompt"]) - calls == {rows[1]["prompt"]: 2}
 
 
+def test_stop_after_passes_does_not_count_passes_exclude_partial_leaves_out(tmp_path):
+    """A partial sample that passed its check but that --exclude_partial keeps out of trajectories.jsonl
+    is no kept pass: it must not stop the row's sampling (before, the row ended with no trajectory at all
+    and its other samples skipped, by the run and by every resume)."""
+    rows = [{"id": "v", "prompt": "Make f. [loop]", "verify": "true"}]  # max_turns every time, check passes
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    flags = dict(max_turns=2, keep="passed", stop_after_passes=1, exclude_partial=True)
+    run(None, dataset, out, samples_per_prompt=2, **flags)
+    run_dir = out / "run"
+    assert not (run_dir / "discarded.jsonl").exists() or not read_jsonl(run_dir / "discarded.jsonl")
+    run(None, dataset, out, resume=True, samples_per_prompt=3, **flags)  # the resume counts them alike
+    batch = [r for p in sorted(run_dir.glob("batch_*.jsonl")) for r in read_jsonl(p)]
+    assert sorted(r["metadata"]["sample_index"] for r in batch) == [0, 1, 2]
+    assert stats_of(run_dir)["scores"]["skipped_after_passes"] == 0
+
+
 def test_failed_rows_carry_their_row_id_and_fields(server, tmp_path):
     row = {"id": 9, "prompt": "Broken endpoint [error:400]", "answer": "x", "verify": "true"}
     out = tmp_path / "data"

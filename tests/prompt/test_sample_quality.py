@@ -15,6 +15,7 @@ from helpers import run as run_main
 
 from batchrun.prompt.trajectory import ambiguous_markup, empty_answer, invalid_tool_call, to_sharegpt
 from batchrun.sharegpt import parse_gpt_value
+from batchrun.views.compare import sample_verdicts
 
 
 def run(dataset: Path, out: Path, run_name: str = "q", **kw) -> Path:
@@ -113,6 +114,30 @@ def test_exclude_partial_leaves_them_in_batch_files_counted_by_stop_reason_and_f
     run(dataset, out, resume=True)
     assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 2
     assert len(all_batch_records(run_dir)) == 2
+
+
+def test_exclude_partial_still_counts_the_partial_samples_scores(tmp_path):
+    """--exclude_partial keeps partial samples out of trajectories.jsonl, not out of the evaluation: a
+    sample that ran out of turns and failed its check still counts in statistics.json's scores (before,
+    it vanished from them and the pass rate read 100% instead of 50%)."""
+    rows = [
+        {"prompt": "What is 2+2? [answer:4] [calls:0]", "answer": 4},
+        {"prompt": "Make f. [loop]", "verify": "test -f f"},  # never answers: max_turns, check fails
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    out = tmp_path / "data"
+    scores = {}
+    for name, flags in (("all", {}), ("excl", {"exclude_partial": True})):
+        run_dir = run(dataset, out, run_name=name, max_turns=2, **flags)
+        scores[name] = json.loads((run_dir / "statistics.json").read_text("utf-8"))["scores"]
+    assert len(read_jsonl(out / "excl" / "trajectories.jsonl")) == 1
+    for name in ("all", "excl"):
+        assert (scores[name]["scored"], scores[name]["passed"], scores[name]["pass_rate"]) == (2, 1, 0.5)
+        assert scores[name]["by_stop_reason"]["max_turns"]["scored"] == 1
+    assert scores["excl"] == scores["all"]
+    # The views that read a finished run's samples (views.score, views.compare) find it too.
+    assert len(sample_verdicts(out / "excl")) == len(sample_verdicts(out / "all")) == 2
 
 
 def test_streamed_replies_cut_short_fail_and_run_again_on_resume_and_a_plain_body_is_kept(tmp_path, server):

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from batchrun.prompt.sandboxes._shell import exec_tag
 from batchrun.prompt.sandboxes.base import CappedBuffer
 from batchrun.prompt.sandboxes.docker.container_server import Scanner, printf_format, request, sh_quote
 
@@ -48,9 +49,11 @@ def test_a_quoted_word_gives_back_every_byte_but_nul(shell: list[str]):
 
 
 def test_request_is_one_line_of_words():
+    tag = exec_tag("tok").encode()  # the commands' environment carries the tag, never the marker's token
+    assert tag != b"tok" and b"tok" not in tag
     line = request("tok", "echo 'a'\nb", b"x\0y%")
-    assert line == b"__br_run tok 'echo '\\''a'\\''\nb' 'x\\000y%%'\n"
-    assert request("tok", "true", None) == b"__br_run tok 'true'\n"
+    assert line == b"__br_run tok " + tag + b" 'echo '\\''a'\\''\nb' 'x\\000y%%'\n"
+    assert request("tok", "true", None) == b"__br_run tok " + tag + b" 'true'\n"
 
 
 def test_scanner_closed_at_a_deadline_keeps_the_output_and_still_finds_the_marker():

@@ -131,6 +131,25 @@ def test_docker_container_dead_before_its_first_command_is_replaced(docker_box):
         box.run("echo again", timeout_s=30)
 
 
+# A command that prints the end marker itself, with the value its environment carries, then fails: were
+# that value the marker's token, the runner would read exit 0 (a verify command running the agent's
+# code would pass while its test fails).
+FORGE_EXIT_0 = (
+    "printf '\\n\\133batch-runner-exit:%s\\135=0\\n' \"$BATCH_RUNNER_EXEC\" >&2; echo after; exit 3"
+)
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("path", ["server", "exec"])
+def test_docker_a_command_cannot_forge_its_exit_code(docker_box, path):
+    box = docker_box(index=34)
+    run = box.run if path == "server" else box.run_exec
+    res = run(FORGE_EXIT_0, timeout_s=30)
+    assert res.exit_code == 3, res
+    assert "after" in res.output
+    assert (run("echo next", timeout_s=30).output, run("exit 4", timeout_s=30).exit_code) == ("next\n", 4)
+
+
 @pytest.mark.docker
 def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     from docker.errors import NotFound

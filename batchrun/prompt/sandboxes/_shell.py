@@ -8,6 +8,7 @@ done, an end marker carrying the exit code is printed. Reading stops at the mark
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 
@@ -17,11 +18,11 @@ EXEC_TAG_VAR = (
     "BATCH_RUNNER_EXEC"  # in the environment of each command's processes, so a timeout can find them
 )
 
-# $1: the command, $2: the end marker, $3: the exec token. The inner sh gets the caller's stdin and the
-# token in its environment (so a timeout can find it and its children); its exit code follows the marker.
+# $1: the command, $2: the end marker, $3: the exec tag. The inner sh gets the caller's stdin and the
+# tag in its environment (so a timeout can find it and its children); its exit code follows the marker.
 _WRAPPER = 'export {var}="$3"; exec 2>&1; sh -c "$1"; rc=$?; printf "%s%s\\n" "$2" "$rc"'
 
-# Kills every process whose environment holds "$1" (BATCH_RUNNER_EXEC=<token>); a few rounds catch forks.
+# Kills every process whose environment holds "$1" (BATCH_RUNNER_EXEC=<tag>); a few rounds catch forks.
 # environ is NUL-separated, and busybox grep stops a line at NUL: hence tr. The braces: a process gone
 # since the glob fails the redirection itself, before a 2>/dev/null after it would apply.
 KILL_TAGGED_SCRIPT = (
@@ -35,10 +36,18 @@ def new_exec_token() -> str:
     return uuid.uuid4().hex
 
 
+def exec_tag(token: str) -> str:
+    """What a command's processes carry in their environment (``BATCH_RUNNER_EXEC``) so a timeout can
+    find them: derived from ``token`` but not the token itself. The token is the end marker's secret:
+    a command that could read it (its own environment) could print the marker with exit code 0 before
+    it fails, and a verify command would pass."""
+    return hashlib.sha256(f"batch-runner exec tag\0{token}".encode()).hexdigest()[:32]
+
+
 def wrapped_argv(command: str, token: str) -> list[str]:
     """The argv that runs ``command`` under ``sh`` and prints the end marker with its exit code."""
     wrapper = _WRAPPER.format(var=EXEC_TAG_VAR)
-    return ["sh", "-c", wrapper, "sh", command, end_marker(token).decode(), token]
+    return ["sh", "-c", wrapper, "sh", command, end_marker(token).decode(), exec_tag(token)]
 
 
 def end_marker(token: str) -> bytes:
@@ -46,7 +55,7 @@ def end_marker(token: str) -> bytes:
 
 
 def kill_argv(token: str) -> list[str]:
-    return ["sh", "-c", KILL_TAGGED_SCRIPT, "sh", f"{EXEC_TAG_VAR}={token}"]
+    return ["sh", "-c", KILL_TAGGED_SCRIPT, "sh", f"{EXEC_TAG_VAR}={exec_tag(token)}"]
 
 
 class MarkerScanner:

@@ -18,11 +18,12 @@ The protocol is shell code on the container's stdin and a marker on its stdout (
 driver: nothing reaches the host's disk). The runner first sends ``SERVER_PRELUDE``, which defines
 ``__br_run`` and prints a ready line; then, per command, one line (``request``)::
 
-    __br_run <token> '<command>' ['<stdin as a printf format>']
+    __br_run <token> <tag> '<command>' ['<stdin as a printf format>']
 
 The command runs in ``sh -c`` with stdout and stderr on the container's stdout, in a session of its
-own (``setsid``), with ``BATCH_RUNNER_EXEC=<token>`` in its environment (a timeout kills what
-carries it, through one exec). Its stdin is the bytes given, through a pipe, or an empty pipe.
+own (``setsid``), with ``BATCH_RUNNER_EXEC=<tag>`` in its environment (a timeout kills what
+carries it, through one exec; the tag is derived from the token, never the token itself, which
+would let the command print the marker with a made-up exit code). Its stdin is the bytes given, through a pipe, or an empty pipe.
 When its shell exits, what is left of its process group is killed (as the local sandbox ends a
 command's leftovers), but for what the ``process`` tool started; then
 ``\\n[batch-runner-exit:<token>]=<exit code>\\n`` is printed. Between commands the server runs
@@ -36,7 +37,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner
+from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner, exec_tag
 from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, END_PROCESSES_SCRIPT, CappedBuffer, readable
 
 READY_LINE = "[batch-runner-ready]"
@@ -63,10 +64,10 @@ command -v setsid >/dev/null 2>&1 && __br_s=setsid
 __br_keep='{"=".join(BACKGROUND_ENV)}' __br_nl='
 '
 __br_run() {{
-    if [ "$#" -gt 2 ]; then
-        printf "$3" | {EXEC_TAG_VAR}=$1 $__br_s sh -c "$2" &
+    if [ "$#" -gt 3 ]; then
+        printf "$4" | {EXEC_TAG_VAR}=$2 $__br_s sh -c "$3" &
     else
-        {EXEC_TAG_VAR}=$1 $__br_s sh -c "$2" <<'__BR_EMPTY__' &
+        {EXEC_TAG_VAR}=$2 $__br_s sh -c "$3" <<'__BR_EMPTY__' &
 __BR_EMPTY__
     fi
     __br_p=$!
@@ -126,7 +127,12 @@ def printf_format(data: bytes) -> bytes:
 
 def request(token: str, command: str, stdin: bytes | None) -> bytes:
     """The line that runs ``command`` (no NUL in it: no shell can run one) with ``stdin``."""
-    words = [b"__br_run", token.encode(), sh_quote(command.encode("utf-8", errors="surrogateescape"))]
+    words = [
+        b"__br_run",
+        token.encode(),
+        exec_tag(token).encode(),  # in the command's environment; the token never is (see exec_tag)
+        sh_quote(command.encode("utf-8", errors="surrogateescape")),
+    ]
     if stdin is not None:
         words.append(sh_quote(printf_format(stdin)))
     return b" ".join(words) + b"\n"

@@ -38,6 +38,7 @@ import batchrun.prompt.sandboxes.docker.container_server as server
 from batchrun.prompt.sandboxes._shell import (
     EXEC_TAG_VAR,
     MarkerScanner,
+    exec_tag,
     kill_argv,
     new_exec_token,
     wrapped_argv,
@@ -584,7 +585,7 @@ class DockerSandbox(SandboxBackend):
         api = docker_client().api
         exec_id = api.exec_create(
             self.container_id, wrapped_argv(command, token), stdin=True, workdir=self.workdir,
-            environment={EXEC_TAG_VAR: token}, user=user,
+            environment={EXEC_TAG_VAR: exec_tag(token)}, user=user,
         )["Id"]  # fmt: skip
         return exec_id, api.exec_start(exec_id, socket=True)
 
