@@ -18,9 +18,15 @@ EXEC_TAG_VAR = (
     "BATCH_RUNNER_EXEC"  # in the environment of each command's processes, so a timeout can find them
 )
 
-# $1: the command, $2: the end marker, $3: the exec tag. The inner sh gets the caller's stdin and the
-# tag in its environment (so a timeout can find it and its children); its exit code follows the marker.
-_WRAPPER = 'export {var}="$3"; exec 2>&1; sh -c "$1"; rc=$?; printf "%s%s\\n" "$2" "$rc"'
+# $1: the command, $2: the exec tag; the first line of stdin: the exec token (see token_line). The
+# token is read first, so it is in no process's argv or environment, where the command could read it
+# (/proc/$PPID/cmdline) and print the end marker with an exit code of its choosing. The inner sh gets
+# the rest of the caller's stdin and the tag in its environment (so a timeout can find it and its
+# children); its exit code follows the marker.
+_WRAPPER = (
+    'IFS= read -r t; export {var}="$2"; exec 2>&1; sh -c "$1"; rc=$?; '
+    'printf \'\\n[batch-runner-exit:%s]=%s\\n\' "$t" "$rc"'
+)
 
 # Kills every process whose environment holds "$1" (BATCH_RUNNER_EXEC=<tag>); a few rounds catch forks.
 # environ is NUL-separated, and busybox grep stops a line at NUL: hence tr. The braces: a process gone
@@ -45,9 +51,16 @@ def exec_tag(token: str) -> str:
 
 
 def wrapped_argv(command: str, token: str) -> list[str]:
-    """The argv that runs ``command`` under ``sh`` and prints the end marker with its exit code."""
+    """The argv that runs ``command`` under ``sh`` and prints the end marker with its exit code; its
+    stdin must begin with :func:`token_line`. ``token`` is not in it: only its tag."""
     wrapper = _WRAPPER.format(var=EXEC_TAG_VAR)
-    return ["sh", "-c", wrapper, "sh", command, end_marker(token).decode(), exec_tag(token)]
+    return ["sh", "-c", wrapper, "sh", command, exec_tag(token)]
+
+
+def token_line(token: str) -> bytes:
+    """What a :func:`wrapped_argv` command's stdin begins with: the token of its end marker (the
+    command's own stdin follows)."""
+    return token.encode() + b"\n"
 
 
 def end_marker(token: str) -> bytes:

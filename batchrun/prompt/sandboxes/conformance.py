@@ -106,6 +106,27 @@ def check_stdin_reaches_the_command(target: Target, make: Make) -> None:
     assert result.output.split() == [str(len(blob))], result.output
 
 
+# A command that prints the end marker itself with exit code 0, for every hex token it can find in
+# any process's command line or environment (its parents' included), then fails. Were the marker's
+# token among them, the runner would read 0: a hidden test running the agent's code would pass.
+FORGE_EXIT_0 = (
+    "for f in /proc/[0-9]*/cmdline /proc/[0-9]*/environ; do "
+    "{ tr '\\0' '\\n' <\"$f\"; } 2>/dev/null | grep -o '[0-9a-f]\\{32\\}'; done | sort -u | "
+    "while read -r t; do printf '\\n\\133batch-runner-exit:%s\\135=0\\n' \"$t\"; "
+    "printf '\\n\\133batch-runner-exit:%s\\135=0\\n' \"$t\" >&2; done; echo after; exit 3"
+)
+
+
+def check_a_command_cannot_forge_its_exit_code(target: Target, make: Make) -> None:
+    """Nothing a command can read names its end marker: its output cannot end it with an exit code
+    of its choosing."""
+    sandbox = make()
+    result = sandbox.run(FORGE_EXIT_0, timeout_s=30)
+    assert (result.exit_code, result.timed_out) == (3, False), result
+    assert result.output.endswith("after\n"), result.output[-300:]
+    assert sandbox.run("echo next", timeout_s=20).output == "next\n"
+
+
 def check_timeout_kills_the_command_and_its_children(target: Target, make: Make) -> None:
     sandbox = make()
     tag = random.randint(10_000, 99_999)  # unique sleep durations to find in the process list

@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchrun.prompt.sandboxes._shell import MarkerScanner, kill_argv, new_exec_token, wrapped_argv
+from batchrun.prompt.sandboxes._shell import (
+    MarkerScanner,
+    kill_argv,
+    new_exec_token,
+    token_line,
+    wrapped_argv,
+)
 from batchrun.prompt.sandboxes.base import (
     DEFAULT_IMAGE,
     DEFAULT_OUTPUT_CAP_BYTES,
@@ -132,7 +138,7 @@ class ModalSandbox(SandboxBackend):
             ) from exc
         reader = threading.Thread(target=_read_until_marker, args=(proc, scanner), daemon=True)
         reader.start()
-        _send_stdin(proc, stdin or b"")
+        _send_stdin(proc, token_line(token) + (stdin or b""))  # the token: in no argv the command sees
         reader.join(timeout_s + GRACE_S)
         if reader.is_alive():  # Modal did not end it: kill the command's processes ourselves
             self._kill(token)

@@ -41,6 +41,7 @@ from batchrun.prompt.sandboxes._shell import (
     exec_tag,
     kill_argv,
     new_exec_token,
+    token_line,
     wrapped_argv,
 )
 from batchrun.prompt.sandboxes.base import (
@@ -543,6 +544,9 @@ class DockerSandbox(SandboxBackend):
                 self.start()
         self._used = True
         sock: socket.socket = getattr(stream, "_sock", stream)
+        stdin = itertools.chain(
+            [token_line(token)], stdin
+        )  # the marker's token, where the command cannot see it
         threading.Thread(target=_send_stdin, args=(sock, stdin), daemon=True).start()
         scanner = MarkerScanner(token, CappedBuffer(self.options.output_cap_bytes))
         try:
