@@ -140,7 +140,9 @@ def _row(
         row_fields=meta["row_fields"],
         usage=meta["usage"],
         toolsets_used=[str(t) for t in record.get("toolsets_used") or []],
-        discard_reason=discard_reason,
+        # "" for a kept sample, not null: a file of kept samples only would give the column the null
+        # type, and datasets then cannot read it together with one holding reasons (in either order).
+        discard_reason=discard_reason or "",
         **typed_score_columns(record),
     )
     return row
@@ -473,7 +475,7 @@ reasoning `{opts.reasoning}`).
 - Columns: {COLUMNS_TEXT[fmt]}; `run_name`, `prompt_index`, `sample_index`, `stop_reason`, `completed`,
   `partial`, `model` (as requested), `served_model` (as the endpoint answered; `""` when it named none),
   `row_id` and `row_fields` (the dataset row's `id`, `""` when none, and its other fields as JSON text),
-  `usage` (what the sample spent), `toolsets_used`, `discard_reason` (null unless the sample was set aside
+  `usage` (what the sample spent), `toolsets_used`, `discard_reason` (`""` unless the sample was set aside
   by a quality filter and exported on request).
   `score_status` (passed, failed, unscored or error), `score_value` and `score_passed` (a verdict only
   where the status is passed or failed; 0.0 and false otherwise), `scorer`: the sample's score.

@@ -132,13 +132,31 @@ def test_partial_and_discarded_are_chosen_by_flags(run_dir, tmp_path):
     assert without.skipped["partial"] == 1
     assert not any(r["partial"] for r in rows(tmp_path / "a"))
     everything = export.export_run(run_dir, "openai", tmp_path / "b", include_discarded=True)
-    discarded = [r for r in rows(tmp_path / "b") if r["discard_reason"] is not None]
+    discarded = [r for r in rows(tmp_path / "b") if r["discard_reason"]]
     assert [(r["messages"][0]["content"], r["discard_reason"]) for r in discarded] == [
         ("Quick reply [no_reasoning] [calls:0]", "no_reasoning")
     ]
     assert sum(everything.rows.values()) == len(PROMPTS)
     for msg in discarded[0]["messages"]:
         check_openai_message(msg)
+
+
+@pytest.mark.parametrize("fmt", ["openai", "sharegpt", "messages"])
+def test_an_export_with_discarded_samples_and_one_without_load_together_in_either_order(
+    run_dir, tmp_path, fmt
+):
+    """discard_reason is a string in every row ("" for a kept sample): a file of kept samples only does
+    not give the column the null type, which datasets could not then read with a file holding reasons."""
+    export.export_run(run_dir, fmt, tmp_path / "kept")
+    export.export_run(run_dir, fmt, tmp_path / "all", include_discarded=True)
+    kept, every = sorted((tmp_path / "kept").glob("*.jsonl")), sorted((tmp_path / "all").glob("*.jsonl"))
+    assert {r["discard_reason"] for r in rows(tmp_path / "kept")} == {""}
+    for i, files in enumerate((kept + every, every + kept)):
+        loaded = datasets.load_dataset(
+            "json", data_files=[str(f) for f in files], split="train", cache_dir=str(tmp_path / f"c{i}")
+        )
+        assert loaded.num_rows == 2 * len(PROMPTS) - 1  # the discarded sample in one of them
+        assert sorted(r for r in loaded["discard_reason"] if r) == ["no_reasoning"]
 
 
 def test_split_is_deterministic_by_seed_and_each_format_loads_with_datasets(run_dir, tmp_path):

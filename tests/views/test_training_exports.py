@@ -205,7 +205,7 @@ def test_discarded_samples_come_out_split_correctly(run_dir, tmp_path):
     assert set(discards) == {"ambiguous_markup", "invalid_tool_call"}
     rows = _export(run_dir, "messages", tmp_path / "all", "--include_discarded")
     by_reason = {r["discard_reason"]: r for r in rows}
-    assert set(by_reason) == {None, "ambiguous_markup", "invalid_tool_call"} and len(rows) == 6
+    assert set(by_reason) == {"", "ambiguous_markup", "invalid_tool_call"} and len(rows) == 6
     ambiguous = by_reason["ambiguous_markup"]["messages"]
     gpt = [t["value"] for t in discards["ambiguous_markup"]["record"]["conversations"] if t["from"] == "gpt"]
     # The last turn's text as written, reasoning markup and the literal <tool_call> words included.
