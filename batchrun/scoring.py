@@ -391,6 +391,48 @@ def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS) -> str:
     return text
 
 
+# Scripts written without spaces between words (Thai, Lao, Myanmar, Khmer, Hangul, kana, CJK): there a
+# wanted answer may touch the letters around it ("答案是北京" includes "北京").
+_UNSPACED = (
+    (0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1100, 0x11FF), (0x1780, 0x17FF), (0x2E80, 0x9FFF),
+    (0xA960, 0xA97F), (0xAC00, 0xD7FF), (0xF900, 0xFAFF), (0xFF00, 0xFFEF), (0x20000, 0x3FFFF),
+)  # fmt: skip
+
+
+def _unspaced(ch: str) -> bool:
+    return any(lo <= ord(ch) <= hi for lo, hi in _UNSPACED)
+
+
+def _joined(a: str, b: str) -> bool:
+    """Whether ``a`` next to ``b`` is inside one word or number (so a match ending between them is part
+    of a longer one: 4 in 42, cat in category)."""
+    if a.isdigit() and b.isdigit():
+        return True
+    return a.isalpha() and b.isalpha() and not (_unspaced(a) or _unspaced(b))
+
+
+def includes_whole(text: str, want: str) -> bool:
+    """``want`` occurs in ``text`` as a whole: not as part of a longer word or number (after normalize:
+    "4" is not in "42", "-4", "0.4" or "4.5"; "cat" not in "category"; "北京" is in "答案是北京")."""
+    if not want:
+        return True
+    at = text.find(want)
+    while at >= 0:
+        end = at + len(want)
+        before, after = text[at - 1] if at else "", text[end] if end < len(text) else ""
+        left_ok = not (before and _joined(before, want[0]))
+        if left_ok and want[0].isdigit() and before:
+            # a sign of this number, or its decimal point with digits before it
+            left_ok = before not in "+-" and not (before == "." and at >= 2 and text[at - 2].isdigit())
+        right_ok = not (after and _joined(want[-1], after))
+        if right_ok and want[-1].isdigit() and after == "." and end + 1 < len(text):
+            right_ok = not text[end + 1].isdigit()  # a decimal part follows
+        if left_ok and right_ok:
+            return True
+        at = text.find(want, at + 1)
+    return False
+
+
 def acceptable(answer: Any) -> list[Any]:
     return list(answer) if isinstance(answer, (list, tuple)) else [answer]
 
@@ -486,7 +528,9 @@ def text_score(name: str, record: dict[str, Any], check: RowCheck | None, settin
     norm_got = normalize(got, settings.normalize)
     for want in answers:
         norm_want = normalize(str(want), settings.normalize)
-        if (name == "exact" and norm_got == norm_want) or (name == "includes" and norm_want in norm_got):
+        if (name == "exact" and norm_got == norm_want) or (
+            name == "includes" and includes_whole(norm_got, norm_want)
+        ):
             return Part(
                 name, 1.0, True, f"{shown!r} {'is' if name == 'exact' else 'includes'} {str(want)[:80]!r}"
             )

@@ -187,6 +187,16 @@ def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reas
         ("ANSWER: 3 / 4.", 0.75, "numeric", True),
         ("ANSWER: no number", 3, "numeric", False),
         ("the answer is blue and green", "green", "includes", True),
+        # includes: the wanted answer as a whole, never part of a longer number or word
+        ("ANSWER: 42", 4, "includes", False),
+        ("ANSWER: -4", 4, "includes", False),
+        ("ANSWER: 0.4", 4, "includes", False),
+        ("ANSWER: 4.5 apples", 4, "includes", False),
+        ("ANSWER: it is a category", "cat", "includes", False),
+        ("ANSWER: x=4, y=5", 4, "includes", True),
+        ("ANSWER: 4 and 42", 42, "includes", True),
+        ("ANSWER: 答案是北京", "北京", "includes", True),  # no spaces between words: any place
+        ("ANSWER: the year 2024", 202, "includes", False),
         ("ANSWER: ab123", r"^ab\d+$", "regex", True),
         ("ANSWER: abc", r"^ab\d+$", "regex", False),
         ('```json\n{"b": [1, 2.0], "a": true}\n```', '{"a": true, "b": [1, 2]}', "json", True),
