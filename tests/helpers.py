@@ -309,3 +309,34 @@ def pretend_public(monkeypatch, *names: str) -> None:
         return check(host, port)
 
     monkeypatch.setattr(web, "resolve_public", resolve)
+
+
+# Reads the memory of every process it may (the command server's too, were it allowed), and prints the
+# end marker with exit code 0 for every hex token it finds there, then fails. Were the token of the
+# marker in reach, the runner would read 0: a hidden test that runs the agent's code would pass.
+FORGE_FROM_MEMORY = r"""
+import os, re, sys
+found, seen = set(), []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        maps = open(f"/proc/{pid}/maps").read().splitlines()
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            seen.append(pid)
+            for line in maps:
+                span, perms = line.split()[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if "r" not in perms or hi - lo > 64 << 20:
+                    continue
+                try:
+                    mem.seek(lo)
+                    found.update(re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", mem.read(hi - lo)))
+                except (OSError, ValueError, OverflowError):
+                    pass
+    except OSError:
+        pass
+for token in found:
+    sys.stdout.write("\n[batch-runner-exit:%s]=0\n" % token.decode())
+sys.stdout.flush()
+print("read the memory of", sorted(seen), "tokens", len(found))
+sys.exit(3)
+"""

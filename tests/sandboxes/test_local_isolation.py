@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import read_jsonl, skip_or_fail
+from helpers import FORGE_FROM_MEMORY, read_jsonl, skip_or_fail
 
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.sandboxes.base import SandboxSpec
@@ -840,3 +840,49 @@ def test_the_oom_killer_picks_a_sandbox_before_the_runner(boxes):
     lowered = box.run("echo 0 > /proc/self/oom_score_adj; cat /proc/self/oom_score_adj", timeout_s=10).output
     if _can_set_oom_floor():  # else a command may go back to 0, the host's default, and no lower
         assert lowered.strip().endswith("1000"), lowered
+
+
+# ---------------------------------------------------------------------------- what a command reports
+
+
+@pytest.mark.bwrap
+def test_a_command_cannot_forge_its_exit_code_from_the_command_servers_memory(boxes):
+    """The command server (PID 1) holds the end marker's token; it runs from a copy of its shell that
+    no one in the sandbox may read, which makes it non-dumpable: no command may read its memory or
+    reopen its descriptors (/proc/1/mem, /proc/1/fd), so none can print the marker itself."""
+    box = boxes()
+    for _ in range(2):  # the sh server, then the bash one it becomes once the process tool is used
+        res = box.run(f"{PY} -c {shlex.quote(FORGE_FROM_MEMORY)}", timeout_s=60)
+        assert (res.exit_code, res.timed_out) == (3, False), res
+        assert "read the memory of" in res.output and "'1'" not in res.output.split("read the memory of")[-1]
+        assert box.run("cat /proc/1/fd/0 </dev/null; echo $?", timeout_s=30).output.strip().endswith("1")
+        box.run("mkdir -p ${TMPDIR:-/tmp}/.batch-runner-processes", timeout_s=30)
+
+
+WITHOUT_PTRACE = r"""
+import sys, tempfile
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.local import LocalSandbox
+box = LocalSandbox(SandboxSpec("noptrace", 0, network=True), isolation="bwrap", base_dir=tempfile.mkdtemp())
+box.start()
+try:
+    ok = box.write_direct(box.workdir + "/f.txt", b"direct", make_parents=False)
+    print(box._own_shells, ok, box.run("cat f.txt; echo; echo done", timeout_s=30).output.split())
+finally:
+    box.stop()
+"""
+
+
+@pytest.mark.bwrap
+def test_a_root_runner_without_cap_sys_ptrace_runs_the_server_from_the_readable_shells(bwrap_available):
+    """Root without CAP_SYS_PTRACE (a container's default) could not reach a non-dumpable server (its
+    /proc/<pid>/root, its namespaces): the server runs from the system's shells there, and works."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run without CAP_SYS_PTRACE")
+    done = subprocess.run(
+        [setpriv, "--bounding-set=-sys_ptrace", sys.executable, "-c", WITHOUT_PTRACE],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "['direct',", "'done']"], done.stdout

@@ -30,7 +30,7 @@ PROBE = r"""
 grep -E '^(CapInh|CapPrm|CapEff|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status
 echo "pid $$ ppid-visible $(cut -d' ' -f4 /proc/self/stat) sid-is-pid1 $(ps -o sid= -p 1 2>/dev/null || cut -d' ' -f6 /proc/1/stat)"
 echo "uid $(id -u) gid $(id -g) host $(hostname)"
-ls -la --time-style=+ / /dev /dev/pts | sed -E 's/ +/ /g'
+ls -la --time-style=+ / /dev /dev/pts | sed -E 's/ +/ /g; / proc$/ s/^([^ ]+) [0-9]+ /\1 N /'  # /proc's link count: the host's processes
 ls -d /dev/shm /tmp /workspace /var/tmp /.batch-runner
 cat /proc/net/if_inet6 2>/dev/null | awk '{print "inet6", $6}'
 awk '$2 == "00000000" && $1 == "lo" {print "lo route"}' /proc/net/route

@@ -17,12 +17,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import FORGE_FROM_MEMORY
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 
 CHILD = r"""
-import json, os, sys
+import json, os, shlex, sys
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
 from batchrun.prompt.sandboxes.local.host import host_addresses, network_problem
@@ -34,9 +35,15 @@ try:
     env = open(f"/proc/{slirp.pid}/environ", "rb").read().split(b"\0") if slirp else []
     routes = box.run("cat /proc/net/route /proc/net/ipv6_route", timeout_s=30).output
     who = box.run("id -u", timeout_s=30).output.strip()
+    forged = box.run("/usr/bin/python3 -c " + shlex.quote(sys.argv[2]), timeout_s=60)
+    wrote = box.write_direct(box.workdir + "/direct.txt", b"direct", make_parents=False)
     print(json.dumps({
         "network": box.network, "routes": routes, "uid": who, "hosts": host_addresses(),
         "secret_in_slirp_env": any(b"sk-nonroot-secret" in e for e in env),
+        "forged_exit": forged.exit_code, "forged_output": forged.output[-300:],
+        "oom_score_adj": box.run("cat /proc/self/oom_score_adj", timeout_s=30).output.strip(),
+        "direct": wrote and box.read_direct(box.workdir + "/direct.txt", 100) == b"direct"
+        and box.run("cat direct.txt", timeout_s=30).output == "direct",
     }))
 finally:
     box.stop()
@@ -90,7 +97,7 @@ def test_a_non_root_sandbox_gets_the_network_with_the_hosts_addresses_closed(bwr
     if python is None:  # neither this interpreter nor the system's is readable by other users here
         pytest.skip("no Python interpreter that nobody can run imports the package here")
     done = subprocess.run(
-        [python, "-c", CHILD, str(base)],
+        [python, "-c", CHILD, str(base), FORGE_FROM_MEMORY],
         env=env, preexec_fn=_as_nobody, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -103,3 +110,7 @@ def test_a_non_root_sandbox_gets_the_network_with_the_hosts_addresses_closed(bwr
             hexed = "".join(f"{int(part):02X}" for part in reversed(address.split(".")))
             assert f"*\t{hexed}\t" in seen["routes"], (address, seen["routes"])
     assert seen["secret_in_slirp_env"] is False
+    # No command reads the command server's memory (the end marker's token) as an unprivileged user
+    # either, and the server, non-dumpable, still gets its OOM score and the direct file access.
+    assert seen["forged_exit"] == 3, seen["forged_output"]
+    assert seen["oom_score_adj"] == "1000" and seen["direct"] is True

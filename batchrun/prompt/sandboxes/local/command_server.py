@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import logging
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ from batchrun.prompt.sandboxes.local.process_tree import (
     wait_exited,
 )
 
+log = logging.getLogger(__name__)
 SERVER_READY_TIMEOUT_S = 20.0
 SERVER_STOP_TIMEOUT_S = 2.0
 NS_GET_USERNS = 0xB701  # ioctl(2) on a namespace: the user namespace that owns it (linux/nsfs.h)
@@ -62,7 +66,7 @@ TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report
 _SERVER_SCRIPT = r"""
 [ "$$" = 1 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
 unset SHLVL
-ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 bash_server=$6 nl='
+ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 bash_server=$6 server_bash=${7:-$2} nl='
 '
 exec 2>/dev/null
 # The first the kernel's OOM killer picks, before the runner (raising it needs no privilege; lowering
@@ -84,7 +88,7 @@ while IFS=' ' read -r seq tok has_in long; do
     # command killed at its deadline to its own stderr (/dev/null), not into the command's 2>&1.
     (exec "$sh" -c "$cmd" < "$in" 2>&1)
     rc=$?
-    [ -d "$keep_dir" ] && exec "$sh" --noprofile --norc -c "$bash_server" br-server "$1" "$2" "" "$4" "$5" "$tok" "$rc"
+    [ -d "$keep_dir" ] && exec "$server_bash" --noprofile --norc -c "$bash_server" br-server "$1" "$2" "" "$4" "$5" "$tok" "$rc"
     # Repeat until every other process is a zombie, so that a child forked during a round, or
     # killed but not yet gone, is dead before the marker. Zombies (orphans now ours) also answer
     # kill(-1) until the shell reaps them, so they do not count; builtins only: a fork would count.
@@ -167,19 +171,90 @@ def _server_shell() -> str:
     return shutil.which("sh") or command_shell()
 
 
+# The command server holds each command's token, the secret of its end marker: a process that could
+# read the server's memory (/proc/1/mem) or reopen its pipes (/proc/1/fd) could print the marker with
+# an exit code of its choosing, and a hidden test that runs the agent's code would pass. Linux lets a
+# process of the same user do both unless the target is non-dumpable, which a shell cannot ask for;
+# but a program that its own user may not read runs non-dumpable (execve). So the server runs from
+# copies of sh and bash that no one may read, only execute (mode 0111), hard-linked into each
+# prompt's control directory. The runner keeps its own access to the server (its /proc/<pid>/root and
+# namespaces) as long as it holds CAP_SYS_PTRACE over the server's user namespace: as the owner of
+# unprivileged bubblewrap's namespace, or as root with that capability. Elsewhere (root without it, in
+# a container, or a setuid bubblewrap) the server runs from the shells themselves, as before.
+SERVER_SHELL_NAMES = ("sh", "bash")  # the copies' names, in the control directory
+
+
+def _can_reach_non_dumpable() -> bool:
+    if os.geteuid() != 0:
+        try:
+            return not os.stat(tool_path("bwrap")).st_mode & 0o4000  # setuid bwrap owns the namespace
+        except (OSError, RuntimeError):
+            return False
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return bool(int(caps.split()[1], 16) >> 19 & 1)  # CAP_SYS_PTRACE
+    except (OSError, StopIteration, ValueError):
+        return False
+
+
+_shell_copies: dict[str, str | None] = {}
+_shell_copies_lock = threading.Lock()
+
+
+def server_shells(directory: str) -> str | None:
+    """A directory under ``directory`` with the execute-only copies of sh and bash (see above), made
+    once per process and directory; None where the runner could not reach such a server, or the copy
+    failed. The name matches the sandboxes' own (``br@<pid>-``), so a sweep removes it with them."""
+    with _shell_copies_lock:
+        if directory in _shell_copies:
+            return _shell_copies[directory]
+        made = None
+        if _can_reach_non_dumpable():
+            try:
+                made = tempfile.mkdtemp(prefix=f"br@{os.getpid()}-shells-", dir=directory)
+                for name, source in zip(SERVER_SHELL_NAMES, (_server_shell(), command_shell()), strict=True):
+                    target = os.path.join(made, name)
+                    shutil.copyfile(source, target)
+                    os.chmod(target, 0o111)
+            except OSError as exc:
+                log.warning("the command servers run from readable shells (%s): %s", directory, exc)
+                if made is not None:
+                    shutil.rmtree(made, ignore_errors=True)
+                made = None
+        _shell_copies[directory] = made
+        return made
+
+
 class CommandServer:
     """One prompt's bubblewrap namespace with a shell that runs its commands one by one."""
 
     @staticmethod
-    def argv(ctl: str, ready: str) -> list[str]:
-        """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests."""
+    def argv(ctl: str, ready: str, own_shells: bool = False) -> list[str]:
+        """The server's own command line (after bwrap's): it prints ``ready`` once it reads requests.
+        ``own_shells``: ``ctl`` holds the execute-only shells (:func:`server_shells`) it runs from."""
         keep_env = "=".join(BACKGROUND_ENV)
+        shell, bash = (
+            (os.path.join(ctl, "sh"), os.path.join(ctl, "bash")) if own_shells else (_server_shell(), "")
+        )
+        lead: list[str] = []
+        if own_shells and os.geteuid() != 0:
+            # Non-dumpable, its /proc files are root's, out of its own reach: the OOM score first.
+            lead = [_server_shell(), "-c", 'echo 1000 > /proc/self/oom_score_adj; exec "$@"', "br-oom"]
         return [
-            _server_shell(), "-c", _SERVER_SCRIPT, "br-server", ctl, command_shell(), ready, BACKGROUND_DIR, keep_env,
-            _BASH_SERVER_SCRIPT,
+            *lead, shell, "-c", _SERVER_SCRIPT, "br-server", ctl, command_shell(), ready, BACKGROUND_DIR, keep_env,
+            _BASH_SERVER_SCRIPT, bash,
         ]  # fmt: skip
 
-    def __init__(self, launch: list[str], *, ctl: str, env: dict[str, str], output_cap_bytes: int):
+    def __init__(
+        self,
+        launch: list[str],
+        *,
+        ctl: str,
+        env: dict[str, str],
+        output_cap_bytes: int,
+        own_shells: bool = False,
+    ):
         self.ctl = ctl
         self.output_cap_bytes = output_cap_bytes
         self._ready = f"[batch-runner-ready:{new_exec_token()}]"
@@ -190,7 +265,7 @@ class CommandServer:
         self._slirp_exit: int | None = None  # closing this pipe end ends slirp4netns (so does our death)
         self.address: str | None = None  # the namespace's address on its link into the worker's hub, if any
         self.proc = spawn(
-            [*launch, *self.argv(CTL_DIR, self._ready)], cwd="/", env=env, stdin=subprocess.PIPE,
+            [*launch, *self.argv(CTL_DIR, self._ready, own_shells)], cwd="/", env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._out = self.proc.stdout.fileno()

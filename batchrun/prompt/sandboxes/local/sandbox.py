@@ -19,6 +19,7 @@ in the background is spared (see ``command_server``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import posixpath
 import re
@@ -46,7 +47,9 @@ from batchrun.prompt.sandboxes.base import (
 from batchrun.prompt.sandboxes.local import launcher, limits
 from batchrun.prompt.sandboxes.local.command_server import (
     SERVER_READY_TIMEOUT_S,
+    SERVER_SHELL_NAMES,
     CommandServer,
+    server_shells,
 )
 from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
 from batchrun.prompt.sandboxes.local.host import (
@@ -93,6 +96,7 @@ from batchrun.storage import pid_alive
 
 # A sandbox's directory made outside a run directory (see start), and the parent cgroup of such
 # sandboxes (limits.PromptCgroup without a run's parent): both name the process that made them.
+log = logging.getLogger(__name__)
 _ORPHAN_DIR = re.compile(r"br@(\d+)-.+-[A-Za-z0-9_]{8}")  # "@": no run name has one (safe_run_name)
 _ORPHAN_CGROUP = re.compile(re.escape(PARENT_PREFIX) + r"pid(\d+)")
 _BWRAP_SETUP_RACE = re.compile(r"\A(bwrap|br-launch): Can't (create file at|bind mount|mkdir) ")
@@ -281,6 +285,7 @@ class LocalSandbox(SandboxBackend):
         self._cgroup: PromptCgroup | None = None
         self._hits = (0, 0)  # the cgroup's (pids.max hits, OOM kills) after the last command
         self._lock = threading.Lock()  # one command at a time per prompt
+        self._own_shells = False  # the command server runs from execute-only shells (server_shells)
 
     def start(self) -> None:
         if self.isolation == "bwrap" and bwrap_problem():
@@ -311,6 +316,7 @@ class LocalSandbox(SandboxBackend):
         self.workdir = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
         os.mkdir(os.path.join(self._root, "ctl"))
         open(os.path.join(self._root, "ctl", "empty"), "wb").close()
+        self._own_shells = self._link_server_shells()
         layout = cgroup_layout()
         if isinstance(layout, CgroupLayout):
             name, limits = os.path.basename(self._root), self.options.limits
@@ -435,11 +441,30 @@ class LocalSandbox(SandboxBackend):
         env[TAG_VAR] = self._tag
         return env
 
+    def _link_server_shells(self) -> bool:
+        """The execute-only shells the command server runs from, in this prompt's control directory
+        (``command_server.server_shells``: no command may read the server's memory); False where
+        there are none, and the server runs from the system's shells."""
+        assert self._root is not None
+        shells = server_shells(os.path.dirname(self._root))
+        if shells is None:
+            return False
+        try:
+            for name in SERVER_SHELL_NAMES:
+                os.link(os.path.join(shells, name), os.path.join(self._root, "ctl", name))
+        except OSError as exc:
+            log.warning(
+                "the command server of prompt %s runs from readable shells: %s", self.spec.prompt_index, exc
+            )
+            return False
+        return True
+
     def _start_server(self) -> CommandServer:
         assert self._root is not None
         for attempt in range(3):
             server = CommandServer(self._launch_argv(), ctl=os.path.join(self._root, "ctl"), env=self._env(),
-                                    output_cap_bytes=self.options.output_cap_bytes)  # fmt: skip
+                                    output_cap_bytes=self.options.output_cap_bytes,
+                                    own_shells=self._own_shells)  # fmt: skip
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None and self._cgroup is None:
                 try:
