@@ -586,6 +586,15 @@ def _time_left(timeout_s: float, deadline: float | None) -> float:
 OUT_OF_TIME = "no time left for verify: the prompt's deadline plus one --verify_timeout has passed"
 
 
+def run_judged(sandbox: Any, command: str, timeout_s: float) -> Any:
+    """Run a command whose exit code judges the sample (a verify command, a scorer's): through the
+    sandbox's ``run_judged`` when it has one (Docker, Modal: the exit code their engine reports, not
+    the one after the end marker, which a command that read the marker's token could print itself),
+    else its ``run`` (the local sandbox's command server keeps the token out of every command's reach)."""
+    run = getattr(sandbox, "run_judged", None) or sandbox.run
+    return run(command, timeout_s=timeout_s)
+
+
 def verify_score(
     sandbox: Any, check: RowCheck | None, settings: ScoringSettings, deadline: float | None = None
 ) -> Part:
@@ -606,7 +615,7 @@ def verify_score(
         if not (left := _time_left(timeout, deadline)):
             return Part("verify", error=OUT_OF_TIME, verify_output=cap_output("\n".join(outputs)))
         try:
-            res = sandbox.run(command, timeout_s=left)
+            res = run_judged(sandbox, command, left)
         except SandboxError:
             raise  # the sandbox itself broke: the prompt fails (and runs again on resume)
         except Exception as exc:
@@ -643,7 +652,7 @@ class SandboxHandle:
         self._timeout_s = timeout_s
 
     def run(self, command: str, timeout_s: float | None = None) -> tuple[int, str]:
-        res = self._sandbox.run(command, timeout_s=timeout_s or self._timeout_s)
+        res = run_judged(self._sandbox, command, timeout_s or self._timeout_s)
         return res.exit_code, res.output
 
     def read_file(self, path: str) -> str:

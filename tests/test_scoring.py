@@ -17,6 +17,7 @@ from batchrun.scoring import (
     Judgement,
     Part,
     RunScores,
+    SandboxHandle,
     ScoreTally,
     ScoringSettings,
     check_fields,
@@ -271,6 +272,25 @@ def test_verify_partial_credit_exit_code_and_timeout():
     hung = ScriptedSandbox({"pytest -q": ExecResult("", -1, timed_out=True)})
     part = verify_score(hung, check, ScoringSettings(verify_timeout_s=2))
     assert part.value is None and "timed out after 2 s" in part.error
+
+
+class JudgedSandbox(ScriptedSandbox):
+    """Its ``run`` reads the exit code after the end marker, which the command printed itself (0); its
+    ``run_judged``, the one the engine saw (3)."""
+
+    def run_judged(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        self.commands.append(("judged: " + command, stdin))
+        return ExecResult("forged\n", 3)
+
+
+def test_verify_and_a_scorers_commands_take_the_exit_code_from_run_judged_where_the_sandbox_has_it():
+    check = RowCheck(verify=("sh test.sh",), verify_files=(("test.sh", "exit 1"),))
+    box = JudgedSandbox({})
+    part = verify_score(box, check, ScoringSettings())
+    assert (part.passed, part.verify_exit_code) == (False, 3)
+    # The hidden file is written by run (nothing judged by its exit code alone), the verify by run_judged.
+    assert [c for c, _ in box.commands] == [box.commands[0][0], "judged: sh test.sh"]
+    assert SandboxHandle(box, 10).run("sh test.sh") == (3, "forged\n")
 
 
 def test_verify_commands_end_by_the_samples_deadline_each_one_no_longer_than_what_is_left():

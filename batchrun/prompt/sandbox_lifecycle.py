@@ -124,6 +124,13 @@ class BackgroundStart:
         self.wait_started()
         return self.inner.run(command, timeout_s=timeout_s, stdin=stdin)
 
+    def run_judged(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """A command whose exit code judges the sample (scoring.run_judged): the sandbox's own way, when
+        it has one."""
+        self.wait_started()
+        run = getattr(self.inner, "run_judged", None) or self.inner.run
+        return run(command, timeout_s=timeout_s, stdin=stdin)
+
     def end_processes(self, timeout_s: float) -> str | None:
         """Before judging (scoring.end_agent_processes): the sandbox's own, when it has one."""
         self.wait_started()

@@ -22,10 +22,11 @@ EXEC_TAG_VAR = (
 # token is read first, so it is in no process's argv or environment, where the command could read it
 # (/proc/$PPID/cmdline) and print the end marker with an exit code of its choosing. The inner sh gets
 # the rest of the caller's stdin and the tag in its environment (so a timeout can find it and its
-# children); its exit code follows the marker.
+# children); its exit code follows the marker, and is the wrapper's own (what the engine reports:
+# see run_judged in the backends).
 _WRAPPER = (
     'IFS= read -r t; export {var}="$2"; exec 2>&1; sh -c "$1"; rc=$?; '
-    'printf \'\\n[batch-runner-exit:%s]=%s\\n\' "$t" "$rc"'
+    'printf \'\\n[batch-runner-exit:%s]=%s\\n\' "$t" "$rc"; exit "$rc"'
 )
 
 # Kills every process whose environment holds "$1" (BATCH_RUNNER_EXEC=<tag>); a few rounds catch forks.

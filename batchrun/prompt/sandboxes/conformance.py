@@ -127,6 +127,31 @@ def check_a_command_cannot_forge_its_exit_code(target: Target, make: Make) -> No
     assert sandbox.run("echo next", timeout_s=20).output == "next\n"
 
 
+# The same from memory, with a shell's tools only (busybox is enough): every hex token in the writable
+# memory of every process it may read (/proc/<pid>/mem), the marker printed with exit code 0 for each.
+FORGE_FROM_MEMORY_SH = (
+    "for m in /proc/[0-9]*/maps; do p=${m%/maps}; "
+    "grep ' rw-p ' \"$m\" 2>/dev/null | cut -d' ' -f1 | while IFS=- read -r lo hi; do "
+    "lo=$((0x$lo)) hi=$((0x$hi)); [ $((hi - lo)) -le 16777216 ] || continue; "
+    'dd if="$p/mem" bs=4096 skip=$((lo / 4096)) count=$(((hi - lo) / 4096)) 2>/dev/null; done; done | '
+    "tr -c '0-9a-f' '\\n' | grep -xE '[0-9a-f]{32}' | sort -u | "
+    "while read -r t; do printf '\\n\\133batch-runner-exit:%s\\135=0\\n' \"$t\"; done; echo after; exit 3"
+)
+
+
+def check_a_judged_command_cannot_forge_its_exit_code(target: Target, make: Make) -> None:
+    """A command that judges a sample (verify; ``run_judged`` where the sandbox has it) reports its
+    real exit code, even when it reads every process's memory it may for the end marker's token."""
+    if not target.isolated:
+        raise Skip("without isolation the commands run beside the runner, as its user")
+    sandbox = make()
+    run = getattr(sandbox, "run_judged", None) or sandbox.run
+    for script in (FORGE_EXIT_0, FORGE_FROM_MEMORY_SH):
+        result = run(script, timeout_s=60)
+        assert (result.exit_code, result.timed_out) == (3, False), result
+    assert run("echo next; exit 4", timeout_s=20).exit_code == 4
+
+
 def check_timeout_kills_the_command_and_its_children(target: Target, make: Make) -> None:
     sandbox = make()
     tag = random.randint(10_000, 99_999)  # unique sleep durations to find in the process list

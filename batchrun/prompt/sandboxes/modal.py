@@ -121,6 +121,17 @@ class ModalSandbox(SandboxBackend):
             raise SandboxError(f"modal sandbox: cannot create cwd {self.workdir!r} (exit {exit_code})")
 
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        return self._run(command, timeout_s=timeout_s, stdin=stdin)
+
+    def run_judged(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """A command whose exit code judges the sample (verify, a scorer's): the exit code Modal reports
+        for its process, not the one after the end marker (a command that reads the marker's token
+        from its wrapper's memory can print it)."""
+        return self._run(command, timeout_s=timeout_s, stdin=stdin, judged=True)
+
+    def _run(
+        self, command: str, *, timeout_s: float, stdin: bytes | None, judged: bool = False
+    ) -> ExecResult:
         if self._sandbox is None:
             raise SandboxError("modal sandbox is not started")
         token, began = new_exec_token(), time.monotonic()
@@ -144,6 +155,12 @@ class ModalSandbox(SandboxBackend):
             self._kill(token)
             reader.join(GRACE_S)
         output, truncated = scanner.buf.result()
+        if scanner.done and judged:
+            code = _process_exit(proc, began + timeout_s)
+            if code is None:  # a marker it printed itself, then ran on
+                self._kill(token)
+                return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
+            return ExecResult(output=output, exit_code=code, truncated=truncated)
         if scanner.done:
             return ExecResult(output=output, exit_code=scanner.exit_code, truncated=truncated)
         timed_out = time.monotonic() - began >= timeout_s
@@ -168,6 +185,17 @@ class ModalSandbox(SandboxBackend):
             self._sandbox.exec(*kill_argv(token), timeout=30, text=False).wait()
         except Exception as exc:
             raise SandboxError(f"modal sandbox of prompt {self.spec.prompt_index} is gone: {exc}") from exc
+
+
+def _process_exit(proc: Any, deadline: float) -> int | None:
+    """The exit code Modal reports for ``proc`` once it ends; None if it still runs at ``deadline``."""
+    while True:
+        code = proc.poll()
+        if code is not None:
+            return code
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
 
 
 def _read_until_marker(proc: Any, scanner: MarkerScanner) -> None:

@@ -514,7 +514,17 @@ class DockerSandbox(SandboxBackend):
         """Run ``command`` through one ``docker exec`` (as the runner did before the command server)."""
         return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""])
 
-    def _run(self, command: str, *, timeout_s: float, stdin: Iterable[bytes], user: str = "") -> ExecResult:
+    def run_judged(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """A command whose exit code judges the sample (verify, a scorer's): through one ``docker exec``,
+        with the exit code the engine saw its shell end with. Not the server's end marker: a command
+        that reads the marker's token from the server's memory (same user, no Yama) can print it."""
+        if "\0" in command:
+            return ExecResult(output=NUL_IN_COMMAND, exit_code=2)
+        return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""], judged=True)
+
+    def _run(
+        self, command: str, *, timeout_s: float, stdin: Iterable[bytes], user: str = "", judged: bool = False
+    ) -> ExecResult:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
         token = new_exec_token()
@@ -544,23 +554,29 @@ class DockerSandbox(SandboxBackend):
                 self.start()
         self._used = True
         sock: socket.socket = getattr(stream, "_sock", stream)
-        stdin = itertools.chain(
-            [token_line(token)], stdin
-        )  # the marker's token, where the command cannot see it
+        stdin = itertools.chain([token_line(token)], stdin)  # the marker's token: in no argv, no environment
         threading.Thread(target=_send_stdin, args=(sock, stdin), daemon=True).start()
         scanner = MarkerScanner(token, CappedBuffer(self.options.output_cap_bytes))
+        deadline = time.monotonic() + timeout_s
+        exit_code: int | None = None
         try:
-            finished = _read_frames(sock, scanner, time.monotonic() + timeout_s)
+            finished = _read_frames(sock, scanner, deadline)
+            exit_code = scanner.exit_code if scanner.done else None
+            if finished and judged:
+                # The stream stays open (what comes after the marker is read and dropped) until the
+                # engine says how the command's shell ended: closed, its next write would kill it.
+                exit_code = self._judged_exit_code(exec_id, sock, deadline)
         except OSError as exc:
             raise SandboxError(f"docker exec stream of prompt {self.spec.prompt_index} broke: {exc}") from exc
         finally:
             stream.close()
             sock.close()
         output, truncated = scanner.buf.result()
-        if not finished:
+        if finished and not judged and exit_code is None:
+            exit_code = self._exit_code(exec_id)
+        if not finished or exit_code is None:  # judged: a marker it printed itself, then ran on
             self._kill_command(token)
             return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
-        exit_code = scanner.exit_code if scanner.done else self._exit_code(exec_id)
         return ExecResult(output=output, exit_code=exit_code, truncated=truncated)
 
     def stop(self) -> None:
@@ -612,6 +628,25 @@ class DockerSandbox(SandboxBackend):
         except DockerException as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
         return -1
+
+    def _judged_exit_code(self, exec_id: str, sock: socket.socket, deadline: float) -> int | None:
+        """The exit code the engine saw the exec's shell end with, reading (and dropping) its output
+        meanwhile; None if it still runs at ``deadline``."""
+        open_ = True
+        try:
+            while True:
+                info = docker_client().api.exec_inspect(exec_id)
+                if not info.get("Running"):
+                    return int(info.get("ExitCode") or 0)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if open_ and readable(sock, min(left, 0.01)):
+                    open_ = bool(sock.recv(65536))
+                elif not open_:
+                    time.sleep(min(left, 0.01))
+        except DockerException as exc:
+            raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
 
 def tmpfs_size_mb(disk_mb: int, memory_mb: int) -> int:
