@@ -150,6 +150,9 @@ class Sandbox(Protocol):
 
     A backend's class implements this for one prompt and subclasses :class:`SandboxBackend` for the
     run: its declared capabilities and its run-level steps, so the orchestrator names no backend.
+    Optional: ``end_processes(timeout_s)`` (see ``END_PROCESSES_SCRIPT``) and ``run_judged`` (``run``'s
+    signature), for the commands whose exit code judges a sample (verify, a scorer's), where ``run``
+    reads an exit code that a command could print itself (an end marker whose token it can read).
     """
 
     spec: SandboxSpec
