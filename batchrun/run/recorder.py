@@ -47,6 +47,22 @@ def _now() -> str:
     return dt.datetime.now().isoformat(timespec="seconds")
 
 
+SPEND_KEYS = ("prompt_tokens", "completion_tokens", "cost_usd")
+
+
+def credible(value: Any) -> float:
+    """A count of tokens or dollars as the spend adds it: a finite number of at least 0, else 0 (a NaN,
+    an infinity, a negative count or a bool from an endpoint would void the budget's arithmetic)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        return 0
+    return value
+
+
 class Recorder:
     """Writes a run's files and keeps its counters; the only code that writes under the run directory."""
 
@@ -226,14 +242,8 @@ class Recorder:
             self.failures[outcome.error_class or "unknown"] += 1
             if outcome.error_class == "budget" and (outcome.usage or {}).get("calls"):
                 self.budget_unfinished += 1
-                for key in ("prompt_tokens", "completion_tokens", "cost_usd"):
-                    value = outcome.usage.get(key)
-                    if (
-                        isinstance(value, (int, float))
-                        and not isinstance(value, bool)
-                        and math.isfinite(value)
-                    ):
-                        self.budget_unfinished_spend[key] += value
+                for key in SPEND_KEYS:
+                    self.budget_unfinished_spend[key] += credible(outcome.usage.get(key))
             self.failure_messages[outcome.error_class or "unknown"][
                 self.redact(str(outcome.error))[:300]
             ] += 1
@@ -282,24 +292,17 @@ class Recorder:
         live = self.live_spend.setdefault(
             (spend.batch_num, spend.prompt_index, spend.sample_index), collections.Counter()
         )
-        for key in ("prompt_tokens", "completion_tokens", "cost_usd"):
-            value = getattr(spend, key)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                continue  # the worker sends only credible counts; a NaN would void the budget
+        for key in SPEND_KEYS:
+            value = credible(getattr(spend, key))  # the worker sends only these; a NaN would void the budget
             live[key] += value
             self.spend[key] += value
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
 
     def add_check_spend(self, prompt_tokens: int, completion_tokens: int, cost_usd: float) -> None:
         """A model call of the runner's own (start check, probe): its tokens and cost (credible counts)."""
-        for key, value in (
-            ("prompt_tokens", prompt_tokens),
-            ("completion_tokens", completion_tokens),
-            ("cost_usd", cost_usd),
-        ):
-            if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
-                self.spend[key] += value
-                self.checks[key] += value
+        for key, value in zip(SPEND_KEYS, (prompt_tokens, completion_tokens, cost_usd), strict=True):
+            self.spend[key] += credible(value)
+            self.checks[key] += credible(value)
         self.checks["calls"] += 1
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
 
