@@ -33,12 +33,13 @@ container's files (``rm -rf /``) still gets its answer.
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable
 
 from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner, exec_tag
-from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, END_PROCESSES_SCRIPT, CappedBuffer, readable
+from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, CappedBuffer, readable
 
 READY_LINE = "[batch-runner-ready]"
 
@@ -101,17 +102,14 @@ __br_sweep() {{
     done
 }}
 # What runs here now (docker-init, the boot shell, cat, the sleeper, this server) is all the
-# container has before the agent's first command: __br_end <token> <script>, run before a sample is
-# judged, runs base.END_PROCESSES_SCRIPT sparing these too (cat and the sleeper are no ancestors of
-# it), and prints the marker with its exit code.
+# container has before the agent's first command: the runner spares these when it ends what the agent
+# left before a sample is judged (DockerSandbox.end_processes).
 __br_base=
 for __br_f in /proc/[0-9]*; do __br_base="$__br_base ${{__br_f#/proc/}}"; done
-__br_end() {{
-    sh -c "$2" br-end $__br_base
-    printf '\\n[batch-runner-exit:%s]=%s\\n' "$1" "$?"
-}}
+printf '[batch-runner-base]%s\\n' "$__br_base"
 printf '%s\\n' '{READY_LINE}'
 """.encode()
+BASE_LINE = re.compile(rb"\[batch-runner-base\]((?: [0-9]+)*)\n")
 
 
 def sh_quote(data: bytes) -> bytes:
@@ -136,12 +134,6 @@ def request(token: str, command: str, stdin: bytes | None) -> bytes:
     if stdin is not None:
         words.append(sh_quote(printf_format(stdin)))
     return b" ".join(words) + b"\n"
-
-
-def end_request(token: str) -> bytes:
-    """The line that ends what the agent left running (``__br_end`` with base.END_PROCESSES_SCRIPT),
-    answered with ``token``'s marker."""
-    return b"__br_end " + token.encode() + b" " + sh_quote(END_PROCESSES_SCRIPT.encode()) + b"\n"
 
 
 class Channel:

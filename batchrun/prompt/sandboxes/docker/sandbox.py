@@ -47,6 +47,7 @@ from batchrun.prompt.sandboxes._shell import (
 from batchrun.prompt.sandboxes.base import (
     DEFAULT_IMAGE,
     DEFAULT_OUTPUT_CAP_BYTES,
+    END_PROCESSES_SCRIPT,
     CappedBuffer,
     ExecResult,
     Preflight,
@@ -282,6 +283,7 @@ class DockerSandbox(SandboxBackend):
         self._used = False  # whether a command ran in the current container
         self._channel: server.Channel | None = None  # the attach stream: the server's stdin and stdout
         self._broken: str | None = None  # why the current container's server cannot take commands
+        self._base_pids: list[int] = []  # the container's processes before the agent's first command
         self._serving = False  # whether the current container's server answered (it ends at our EOF)
         self._lock = threading.Lock()  # one command at a time: they share the stream
 
@@ -384,10 +386,12 @@ class DockerSandbox(SandboxBackend):
             return want in seen or len(seen) > 65536
 
         state = self._channel.read_until(feed, deadline)
-        if want not in seen:
+        base = server.BASE_LINE.search(seen)
+        if want not in seen or base is None:
             said = seen.decode(errors="replace").strip()[-300:]
             why = "no answer in time" if state == "timeout" else f"it ended ({said or 'no output'})"
             raise SandboxError(f"the command server of prompt {self.spec.prompt_index} did not start: {why}")
+        self._base_pids = [int(pid) for pid in base.group(1).split()]
 
     def _disk_limit(self) -> dict[str, object]:
         if self.disk_cap == "storage-opt":
@@ -452,20 +456,19 @@ class DockerSandbox(SandboxBackend):
             return result
 
     def end_processes(self, timeout_s: float) -> str | None:
-        """Before judging: end every process the agent left (the server's ``__br_end``)."""
+        """Before judging: end every process the agent left, with base.END_PROCESSES_SCRIPT sparing what
+        ran before the agent's first command (the server's own processes), in a ``run_judged`` exec:
+        its exit code is the engine's, not an end marker that a process of the agent, still alive
+        then, could print after reading its token from the server's memory."""
         with self._lock:
             if self.container_id is None or self._channel is None:
                 raise SandboxError("docker sandbox is not started")
-            result = self._serve("", timeout_s=timeout_s, stdin=None, end=True)
-        if result is None:
-            raise SandboxError(f"docker container of prompt {self.spec.prompt_index} is gone")
+            spared = " ".join(str(pid) for pid in self._base_pids)
+            result = self.run_judged(f"set -- {spared}\n{END_PROCESSES_SCRIPT}", timeout_s=timeout_s)
         return end_problem(result, timeout_s)
 
-    def _serve(
-        self, command: str, *, timeout_s: float, stdin: bytes | None, end: bool = False
-    ) -> ExecResult | None:
-        """One request to the server (``end``: __br_end, not a command); None when the container ended
-        before its first command did anything."""
+    def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
+        """One request to the server; None when the container ended before its first command did anything."""
         channel = self._channel
         assert channel is not None
         gone = f"docker container of prompt {self.spec.prompt_index} is gone"
@@ -483,8 +486,7 @@ class DockerSandbox(SandboxBackend):
         state = "eof"
         if not channel.eof:
             try:
-                line = server.end_request(token) if end else server.request(token, command, stdin)
-                channel.send(line, deadline)
+                channel.send(server.request(token, command, stdin), deadline)
                 state = channel.read_until(feed, deadline)
             except TimeoutError:
                 state = "timeout"  # the request itself did not fit in the time (a huge stdin)
