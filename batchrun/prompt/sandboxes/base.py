@@ -75,9 +75,12 @@ exit 1
 
 
 def end_processes_with_script(sandbox: Any, timeout_s: float) -> str | None:
-    """End what the agent left running with :data:`END_PROCESSES_SCRIPT`, run by ``sandbox.run`` (a
-    sandbox with a PID namespace of its own): None once they are gone, else why not."""
-    return end_problem(sandbox.run(END_PROCESSES_SCRIPT, timeout_s=timeout_s), timeout_s)
+    """End what the agent left running with :data:`END_PROCESSES_SCRIPT`, run by ``sandbox.run_judged``
+    where it has one, else ``sandbox.run`` (a sandbox with a PID namespace of its own): None once they
+    are gone, else why not. Judged: a process of the agent, alive until the script kills it, could
+    otherwise print the script's end marker itself."""
+    run = getattr(sandbox, "run_judged", None) or sandbox.run
+    return end_problem(run(END_PROCESSES_SCRIPT, timeout_s=timeout_s), timeout_s)
 
 
 def end_problem(res: ExecResult, timeout_s: float) -> str | None:
