@@ -11,10 +11,11 @@ from helpers import run, write_rows
 
 from batchrun.views import export
 
-# The fake model answers 42 to each row; run "exact" judges with exact, run "includes" with includes.
+# The fake model answers 42 to each row (and 4 beside it to row four); run "exact" judges with exact,
+# run "includes" with includes.
 ROWS = [
     {"id": "right", "prompt": "Say 42 [calls:1] [answer:42]", "answer": "42"},  # passes in both runs
-    {"id": "four", "prompt": "Say 4 [calls:1] [answer:42]", "answer": "4"},  # fails, then passes
+    {"id": "four", "prompt": "Say 4 [calls:1] [answer:42, 4]", "answer": "4"},  # fails, then passes
     {"id": "seven", "prompt": "Say 7 [calls:1] [answer:42]", "answer": "7"},  # fails in both
     {"id": "free", "prompt": "Say hi [calls:1]"},  # never judged
 ]
