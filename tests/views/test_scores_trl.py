@@ -41,7 +41,7 @@ def tokenizer():
 
 
 ROWS = [
-    {"id": "four", "prompt": "Say 4 [calls:1] [answer:42]", "answer": "4"},
+    {"id": "four", "prompt": "Say 4 [calls:1] [answer:42, 4]", "answer": "4"},  # includes passes, exact fails
     {"id": "right", "prompt": "Say 42 [calls:1] [answer:42]", "answer": "42"},
 ]
 

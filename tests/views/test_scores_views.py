@@ -15,8 +15,8 @@ from batchrun.views import compare, score
 ROWS = [
     # The fake model answers 42 to each; the rows expect different things.
     {"id": "exact-42", "prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"},
-    {"id": "four", "prompt": "Say 4 [calls:0] [answer:42]", "answer": "4"},  # includes passes, exact fails
-    {"id": "two", "prompt": "Say 2 [calls:0] [answer:42]", "answer": "2"},  # the same
+    {"id": "four", "prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"},  # includes passes, exact fails
+    {"id": "two", "prompt": "Say 2 [calls:0] [answer:42, 2]", "answer": "2"},  # the same
     {"id": "seven", "prompt": "Say 7 [calls:0] [answer:42]", "answer": "7"},  # fails either way
     {
         "id": "file",
