@@ -10,6 +10,7 @@ is ever echoed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -130,7 +131,8 @@ def int_flag(
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
         elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            number = int(value)
+            with contextlib.suppress(ValueError):  # more than 4300 digits: Python's int() refuses them
+                number = int(value)
         kind = "a positive integer" if low == 1 else f"an integer{_range(low, high)}"
         if number is None:
             raise UsageError(f"--{flag} must be {kind}, got {_show(value)}")

@@ -95,3 +95,19 @@ def test_base_url_credentials_with_a_key_exit_2_and_are_never_printed(tmp_path):
     assert "hunter2pw" not in str(info.value) and "Basic auth" in str(info.value)
     config = RunConfig.from_flags(**base, base_url="http://user:hunter2pw@127.0.0.1:9/v1")
     assert "hunter2pw" in config.secret_texts()
+
+
+# ----------------------------------------------------------------------------- audit b2: a careless user's flags
+
+
+@pytest.mark.parametrize("flag", ["batch_size", "seed", "max_turns", "budget_tokens"])
+def test_an_integer_of_more_than_4300_digits_exits_2_naming_the_flag(tmp_path, flag):
+    """Python's int() refuses such a string with a plain ValueError: it was a traceback (exit 1)."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    with pytest.raises(UsageError) as info:
+        RunConfig.from_flags(**{**base, flag: "9" * 5000})
+    assert f"--{flag} must be" in str(info.value)
