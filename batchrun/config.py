@@ -668,7 +668,7 @@ class RunConfig:
         help="numeric: passes when |got - want| <= tolerance x max(1, |want|).",
     )
     verify_timeout: float = _flag(
-        float_flag(0, low_open=True),
+        float_flag(0, MAX_DURATION_S, low_open=True),
         60.0,
         group="scores",
         help="Seconds per verify command (a timeout leaves the sample unscored).",

@@ -111,3 +111,16 @@ def test_an_integer_of_more_than_4300_digits_exits_2_naming_the_flag(tmp_path, f
     with pytest.raises(UsageError) as info:
         RunConfig.from_flags(**{**base, flag: "9" * 5000})
     assert f"--{flag} must be" in str(info.value)
+
+
+def test_verify_timeout_past_a_week_exits_2(tmp_path):
+    """1e300 passed, then every verify sample was a scorer error (OverflowError in the worker)."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    for value in ("1e300", "99999999999999999999999"):
+        with pytest.raises(UsageError, match="--verify_timeout must be at most 604800"):
+            RunConfig.from_flags(**base, verify_timeout=value)
+    assert RunConfig.from_flags(**base, verify_timeout="604800").verify_timeout == 604800.0
