@@ -767,6 +767,17 @@ class RunConfig:
                 f"--max_concurrent_requests={self.max_concurrent_requests} is below "
                 f"--num_workers={self.num_workers}; raise it or use fewer workers"
             )
+        if self.budget_tokens is not None and self.call_max_tokens >= self.budget_tokens:
+            # A call's worst case (its prompt and this completion) could never fit: every prompt would fail.
+            given = (
+                f"--max_tokens={self.max_tokens}"
+                if self.max_tokens is not None
+                else "the derived --max_tokens"
+            )
+            raise UsageError(
+                f"--budget_tokens={self.budget_tokens} cannot hold one model call: {given} lets each call's "
+                f"completion alone take {self.call_max_tokens} tokens; raise --budget_tokens or lower --max_tokens"
+            )
         if not _is_http_url(self.base_url):
             raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")
         if url_credentials(self.base_url)[1] is not None and self.resolved_api_key:

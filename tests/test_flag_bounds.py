@@ -124,3 +124,21 @@ def test_verify_timeout_past_a_week_exits_2(tmp_path):
         with pytest.raises(UsageError, match="--verify_timeout must be at most 604800"):
             RunConfig.from_flags(**base, verify_timeout=value)
     assert RunConfig.from_flags(**base, verify_timeout="604800").verify_timeout == 604800.0
+
+
+def test_max_tokens_no_token_budget_can_hold_exits_2(tmp_path):
+    """Every call's worst case past the whole budget: the start check ran, then every prompt failed
+    (class budget) and the run exited 0 without a sample."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    for max_tokens in (5000, 1000):
+        with pytest.raises(UsageError) as info:
+            RunConfig.from_flags(**base, max_tokens=max_tokens, budget_tokens=1000)
+        assert "--max_tokens" in str(info.value) and "--budget_tokens" in str(info.value)
+    with pytest.raises(UsageError) as info:  # no --max_tokens: a budget's calls get 64 at the least
+        RunConfig.from_flags(**base, budget_tokens=50)
+    assert "--max_tokens" in str(info.value) and "--budget_tokens" in str(info.value)
+    assert RunConfig.from_flags(**base, max_tokens=100, budget_tokens=1000).call_max_tokens == 100
