@@ -149,6 +149,12 @@ def _parse_line(
             "field 'prompt' holds an unpaired surrogate escape (\\ud800-\\udfff), not valid Unicode text",
             None,
         )
+    unencodable = _unencodable_field(obj)
+    if unencodable is not None:  # UTF-8 cannot carry it: no record could hold the row (cwd: the load raised)
+        return (
+            f"field {unencodable!r} holds an unpaired surrogate escape (\\ud800-\\udfff), not valid Unicode text",
+            None,
+        )
     image = obj.get("image") or obj.get("docker_image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
         return "field 'image'/'docker_image' must be a non-empty string", None
@@ -180,6 +186,26 @@ def _parse_line(
     )
     seen[prompt] += 1
     return None, row
+
+
+def _unencodable_field(obj: dict[str, Any]) -> str | None:
+    """The first field whose name or value, at any depth, holds a lone surrogate (a ``\\ud800`` escape),
+    which UTF-8 cannot carry; None when every text can be written. Walked without recursion: the line
+    may be nested as deep as Python's reader goes."""
+    for key, value in obj.items():
+        stack: list[Any] = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return key
+            elif isinstance(item, dict):
+                stack += [*item.keys(), *item.values()]
+            elif isinstance(item, list):
+                stack += item
+    return None
 
 
 def _row_check(obj: dict[str, Any]) -> RowCheck | None:

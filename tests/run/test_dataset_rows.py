@@ -1,0 +1,34 @@
+"""A hostile dataset author's rows (audit b2): each bad one is a bad line naming the file, the line and
+the field, and the other rows load; never a traceback that stops the whole run."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchrun.run.dataset import load_dataset
+
+
+def _load(tmp_path, lines: list[str]):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(line + "\n" for line in [*lines, '{"prompt": "fine"}']), encoding="ascii")
+    rows, problems = load_dataset(str(path))
+    return path, rows, problems
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"prompt": "p", "cwd": "/tmp/\\ud800"}', "cwd"),  # was a UnicodeEncodeError: the whole run died
+        ('{"prompt": "p", "image": "py\\ud800"}', "image"),
+        ('{"prompt": "p", "id": "x\\udfff"}', "id"),
+        ('{"prompt": "p", "notes": ["ok", {"deep": "x\\ud800"}]}', "notes"),
+        ('{"prompt": "p", "\\ud800": 1}', "\\ud800"),
+    ],
+)
+def test_a_lone_surrogate_in_any_field_is_a_bad_line_naming_the_field(tmp_path, line, field):
+    """Such text cannot be UTF-8: the row ran (model calls spent) and then every sample was discarded as
+    unencodable_text, or, in a cwd, the dataset's load raised and the run exited 1."""
+    path, rows, problems = _load(tmp_path, [line])
+    assert [r.prompt for r in rows] == ["fine"]
+    assert len(problems) == 1 and problems[0].startswith(f"{path}:1: field ")
+    assert "surrogate" in problems[0] and f"field '{field}'" in problems[0]  # escaped, as written
