@@ -48,6 +48,7 @@ from batchrun.storage import not_a_file, read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
+MAX_TURNS = 100_000  # --max_turns and a row's own max_turns
 MAX_DURATION_S = 7 * 24 * 3600.0  # a timeout longer than a week is a typo (1e11 s would overflow a timer)
 PID_MAX_LIMIT = 4_194_304  # the kernel's own highest pid_max
 DERIVED_MAX_TOKENS = 4096  # the per-call completion limit a budget run gets when --max_tokens is not set
@@ -342,7 +343,7 @@ class RunConfig:
         help="Any OpenAI-compatible endpoint (OpenRouter, OpenAI, vLLM, SGLang, llama.cpp, Ollama).",
     )
     max_turns: int = _flag(
-        int_flag(1, 100_000),
+        int_flag(1, MAX_TURNS),
         10,
         group="reference",
         help="Most model calls (tool-calling iterations) per prompt.",

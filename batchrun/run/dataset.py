@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from batchrun.config import UsageError
+from batchrun.config import MAX_TURNS, UsageError
 from batchrun.protocol import RowCheck, RowOptions
 from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
 from batchrun.sharegpt import strict_json
@@ -243,7 +243,7 @@ def _row_options(obj: dict[str, Any], catalog: Mapping[str, tuple[str, ...]], kn
                 "field 'system' holds an unpaired surrogate escape, not valid Unicode text"
             ) from None
     return RowOptions(
-        toolsets=toolsets, tools=tools, system=system, max_turns=_positive_int(obj, "max_turns")
+        toolsets=toolsets, tools=tools, system=system, max_turns=_positive_int(obj, "max_turns", MAX_TURNS)
     )
 
 

@@ -32,3 +32,12 @@ def test_a_lone_surrogate_in_any_field_is_a_bad_line_naming_the_field(tmp_path, 
     assert [r.prompt for r in rows] == ["fine"]
     assert len(problems) == 1 and problems[0].startswith(f"{path}:1: field ")
     assert "surrogate" in problems[0] and f"field '{field}'" in problems[0]  # escaped, as written
+
+
+def test_a_row_max_turns_past_the_flags_bound_is_a_bad_line(tmp_path):
+    """10**30 was taken: its record's metadata.row_max_turns then overflowed int64 (load_runs failed)."""
+    path, rows, problems = _load(tmp_path, ['{"prompt": "p", "max_turns": 1000000000000000000000000000000}'])
+    assert [r.prompt for r in rows] == ["fine"]
+    assert problems == [
+        f"{path}:1: field 'max_turns' must be a positive integer (at most 100000), got 1" + "0" * 30
+    ]
