@@ -155,9 +155,15 @@ def _parse_line(
             f"field {unencodable!r} holds an unpaired surrogate escape (\\ud800-\\udfff), not valid Unicode text",
             None,
         )
-    image = obj.get("image") or obj.get("docker_image")
-    if image is not None and (not isinstance(image, str) or not image.strip()):
+    images = [obj[f] for f in ("image", "docker_image") if obj.get(f) is not None]
+    if any(not isinstance(i, str) or not i.strip() for i in images):
         return "field 'image'/'docker_image' must be a non-empty string", None
+    if len(set(images)) > 1:
+        return (
+            f"field 'image'/'docker_image': two different images ({images[0][:60]!r}, {images[1][:60]!r}); give one",
+            None,
+        )
+    image = images[0] if images else None
     cwd = obj.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
         return "field 'cwd' must be an absolute path string", None

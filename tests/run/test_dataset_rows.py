@@ -3,6 +3,8 @@ the field, and the other rows load; never a traceback that stops the whole run."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from batchrun.run.dataset import load_dataset
@@ -41,3 +43,34 @@ def test_a_row_max_turns_past_the_flags_bound_is_a_bad_line(tmp_path):
     assert problems == [
         f"{path}:1: field 'max_turns' must be a positive integer (at most 100000), got 1" + "0" * 30
     ]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"image": 0},
+        {"image": False},
+        {"image": []},
+        {"docker_image": {}},
+        {"image": "", "docker_image": "python:3"},
+        {"image": "python:3", "docker_image": 5},
+        {"image": "python:3", "docker_image": "alpine"},
+    ],
+)
+def test_an_image_of_the_wrong_type_or_two_images_is_a_bad_line(tmp_path, fields):
+    """A falsy image (0, false, [], "") was silently no image: the row ran in --default_image; and of two
+    different images one was silently dropped."""
+    path, rows, problems = _load(tmp_path, [json.dumps({"prompt": "p", **fields})])
+    assert [r.prompt for r in rows] == ["fine"]
+    assert len(problems) == 1 and problems[0].startswith(f"{path}:1: field 'image'")
+
+
+def test_image_and_docker_image_naming_the_same_image_is_that_image(tmp_path):
+    _, rows, problems = _load(
+        tmp_path,
+        [
+            '{"prompt": "p", "image": "python:3", "docker_image": "python:3"}',
+            '{"prompt": "q", "docker_image": "alpine", "image": null}',
+        ],
+    )
+    assert problems == [] and [r.image for r in rows] == ["python:3", "alpine", None]
