@@ -138,7 +138,8 @@ def run(config: RunConfig) -> int:
         if config.is_mock:
             from batchrun.fakes.fake_model import FakeModelServer
 
-            fake = FakeModelServer().start()
+            # Free: its answers say they cost nothing, so a --budget_usd dry run can count them.
+            fake = FakeModelServer(free=config.budget_usd is not None).start()
         recorder = Recorder(
             config.run_dir,
             config.run_name,

@@ -10,6 +10,7 @@ is ever echoed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -47,6 +48,7 @@ from batchrun.storage import not_a_file, read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
+MAX_TURNS = 100_000  # --max_turns and a row's own max_turns
 MAX_DURATION_S = 7 * 24 * 3600.0  # a timeout longer than a week is a typo (1e11 s would overflow a timer)
 PID_MAX_LIMIT = 4_194_304  # the kernel's own highest pid_max
 DERIVED_MAX_TOKENS = 4096  # the per-call completion limit a budget run gets when --max_tokens is not set
@@ -130,7 +132,8 @@ def int_flag(
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
         elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            number = int(value)
+            with contextlib.suppress(ValueError):  # more than 4300 digits: Python's int() refuses them
+                number = int(value)
         kind = "a positive integer" if low == 1 else f"an integer{_range(low, high)}"
         if number is None:
             raise UsageError(f"--{flag} must be {kind}, got {_show(value)}")
@@ -340,7 +343,7 @@ class RunConfig:
         help="Any OpenAI-compatible endpoint (OpenRouter, OpenAI, vLLM, SGLang, llama.cpp, Ollama).",
     )
     max_turns: int = _flag(
-        int_flag(1, 100_000),
+        int_flag(1, MAX_TURNS),
         10,
         group="reference",
         help="Most model calls (tool-calling iterations) per prompt.",
@@ -666,7 +669,7 @@ class RunConfig:
         help="numeric: passes when |got - want| <= tolerance x max(1, |want|).",
     )
     verify_timeout: float = _flag(
-        float_flag(0, low_open=True),
+        float_flag(0, MAX_DURATION_S, low_open=True),
         60.0,
         group="scores",
         help="Seconds per verify command (a timeout leaves the sample unscored).",
@@ -764,6 +767,17 @@ class RunConfig:
             raise UsageError(
                 f"--max_concurrent_requests={self.max_concurrent_requests} is below "
                 f"--num_workers={self.num_workers}; raise it or use fewer workers"
+            )
+        if self.budget_tokens is not None and self.call_max_tokens >= self.budget_tokens:
+            # A call's worst case (its prompt and this completion) could never fit: every prompt would fail.
+            given = (
+                f"--max_tokens={self.max_tokens}"
+                if self.max_tokens is not None
+                else "the derived --max_tokens"
+            )
+            raise UsageError(
+                f"--budget_tokens={self.budget_tokens} cannot hold one model call: {given} lets each call's "
+                f"completion alone take {self.call_max_tokens} tokens; raise --budget_tokens or lower --max_tokens"
             )
         if not _is_http_url(self.base_url):
             raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")

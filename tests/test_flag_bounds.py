@@ -95,3 +95,50 @@ def test_base_url_credentials_with_a_key_exit_2_and_are_never_printed(tmp_path):
     assert "hunter2pw" not in str(info.value) and "Basic auth" in str(info.value)
     config = RunConfig.from_flags(**base, base_url="http://user:hunter2pw@127.0.0.1:9/v1")
     assert "hunter2pw" in config.secret_texts()
+
+
+# ----------------------------------------------------------------------------- audit b2: a careless user's flags
+
+
+@pytest.mark.parametrize("flag", ["batch_size", "seed", "max_turns", "budget_tokens"])
+def test_an_integer_of_more_than_4300_digits_exits_2_naming_the_flag(tmp_path, flag):
+    """Python's int() refuses such a string with a plain ValueError: it was a traceback (exit 1)."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    with pytest.raises(UsageError) as info:
+        RunConfig.from_flags(**{**base, flag: "9" * 5000})
+    assert f"--{flag} must be" in str(info.value)
+
+
+def test_verify_timeout_past_a_week_exits_2(tmp_path):
+    """1e300 passed, then every verify sample was a scorer error (OverflowError in the worker)."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    for value in ("1e300", "99999999999999999999999"):
+        with pytest.raises(UsageError, match="--verify_timeout must be at most 604800"):
+            RunConfig.from_flags(**base, verify_timeout=value)
+    assert RunConfig.from_flags(**base, verify_timeout="604800").verify_timeout == 604800.0
+
+
+def test_max_tokens_no_token_budget_can_hold_exits_2(tmp_path):
+    """Every call's worst case past the whole budget: the start check ran, then every prompt failed
+    (class budget) and the run exited 0 without a sample."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    for max_tokens in (5000, 1000):
+        with pytest.raises(UsageError) as info:
+            RunConfig.from_flags(**base, max_tokens=max_tokens, budget_tokens=1000)
+        assert "--max_tokens" in str(info.value) and "--budget_tokens" in str(info.value)
+    with pytest.raises(UsageError) as info:  # no --max_tokens: a budget's calls get 64 at the least
+        RunConfig.from_flags(**base, budget_tokens=50)
+    assert "--max_tokens" in str(info.value) and "--budget_tokens" in str(info.value)
+    assert RunConfig.from_flags(**base, max_tokens=100, budget_tokens=1000).call_max_tokens == 100

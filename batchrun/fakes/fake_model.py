@@ -702,8 +702,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             try:
                 completion = respond(json.loads(raw.decode("utf-8")))
-                if self.server.fake.cost_per_token > 0:  # priced like every answer (--budget_usd checks it)
-                    usage = completion["usage"]
+                if self.server.fake.cost_per_token > 0 or self.server.fake.free:  # priced like every answer
+                    usage = completion["usage"]  # (--budget_usd checks it)
                     usage["cost"] = round(usage["total_tokens"] * self.server.fake.cost_per_token, 10)
                 self.server.fake._count_check(completion["usage"]["total_tokens"])
                 self._json(200, completion)
@@ -790,6 +790,8 @@ class _Handler(BaseHTTPRequestHandler):
             usage = completion["usage"]
             usage["cost"] = round(usage["total_tokens"] * fake.cost_per_token, 10)
             completion["provider"] = "MockProvider"
+        elif fake.free:
+            completion["usage"]["cost"] = 0.0
         fake._count(200, completion["usage"])
         if body.get("stream") and not d.plain_body:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -873,11 +875,14 @@ class FakeModelServer:
         cost_per_token: float = 0.0,
         rate_limit_every: int = 0,
         ssl_context: Any = None,
+        free: bool = False,
     ):
         """``cost_per_token`` > 0: answers carry OpenRouter-style ``usage.cost`` and ``provider``;
+        ``free``: answers carry ``usage.cost`` 0 (``--model=mock`` under ``--budget_usd``: a free dry run);
         ``rate_limit_every`` = N > 0: every Nth chat request answers 429 (retry-after-ms: 50);
         ``ssl_context`` (a server-side ``ssl.SSLContext``): serve HTTPS (``base_url`` says https)."""
         self.cost_per_token = float(cost_per_token)
+        self.free = free
         self.rate_limit_every = int(rate_limit_every)
         self.latency_s = float(latency_s)
         self.host = host

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from batchrun.config import UsageError
+from batchrun.config import MAX_TURNS, UsageError
 from batchrun.protocol import RowCheck, RowOptions
 from batchrun.record import ROW_RUN_FIELDS, row_fields_text, row_id_text
 from batchrun.sharegpt import strict_json
@@ -149,9 +149,21 @@ def _parse_line(
             "field 'prompt' holds an unpaired surrogate escape (\\ud800-\\udfff), not valid Unicode text",
             None,
         )
-    image = obj.get("image") or obj.get("docker_image")
-    if image is not None and (not isinstance(image, str) or not image.strip()):
+    unencodable = _unencodable_field(obj)
+    if unencodable is not None:  # UTF-8 cannot carry it: no record could hold the row (cwd: the load raised)
+        return (
+            f"field {unencodable!r} holds an unpaired surrogate escape (\\ud800-\\udfff), not valid Unicode text",
+            None,
+        )
+    images = [obj[f] for f in ("image", "docker_image") if obj.get(f) is not None]
+    if any(not isinstance(i, str) or not i.strip() for i in images):
         return "field 'image'/'docker_image' must be a non-empty string", None
+    if len(set(images)) > 1:
+        return (
+            f"field 'image'/'docker_image': two different images ({images[0][:60]!r}, {images[1][:60]!r}); give one",
+            None,
+        )
+    image = images[0] if images else None
     cwd = obj.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
         return "field 'cwd' must be an absolute path string", None
@@ -180,6 +192,26 @@ def _parse_line(
     )
     seen[prompt] += 1
     return None, row
+
+
+def _unencodable_field(obj: dict[str, Any]) -> str | None:
+    """The first field whose name or value, at any depth, holds a lone surrogate (a ``\\ud800`` escape),
+    which UTF-8 cannot carry; None when every text can be written. Walked without recursion: the line
+    may be nested as deep as Python's reader goes."""
+    for key, value in obj.items():
+        stack: list[Any] = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return key
+            elif isinstance(item, dict):
+                stack += [*item.keys(), *item.values()]
+            elif isinstance(item, list):
+                stack += item
+    return None
 
 
 def _row_check(obj: dict[str, Any]) -> RowCheck | None:
@@ -217,7 +249,7 @@ def _row_options(obj: dict[str, Any], catalog: Mapping[str, tuple[str, ...]], kn
                 "field 'system' holds an unpaired surrogate escape, not valid Unicode text"
             ) from None
     return RowOptions(
-        toolsets=toolsets, tools=tools, system=system, max_turns=_positive_int(obj, "max_turns")
+        toolsets=toolsets, tools=tools, system=system, max_turns=_positive_int(obj, "max_turns", MAX_TURNS)
     )
 
 

@@ -139,3 +139,16 @@ def test_budget_stops_starting_prompts_and_resume_runs_the_rest(
     assert collections.Counter(first_human(r["conversations"]) for r in records) == collections.Counter(
         BUDGETED
     )
+
+
+def test_a_usd_budget_with_the_mock_model_is_a_free_dry_run(tmp_path, capsys):
+    """--model=mock is free (README, Budgets): its answers reported no cost, so a dry run of a --budget_usd
+    configuration made one model call, stopped every prompt (class budget) and exited 6."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one [calls:1]", "two [calls:1]", "three [calls:1]"])
+    out = tmp_path / "data"
+    run(None, dataset, out, budget_usd=0.01)  # raises SystemExit on a non-zero exit
+    assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 3
+    assert not (out / "run" / "failed.jsonl").exists()
+    budget = read_json(out / "run" / "statistics.json")["this_run"]["budget"]
+    assert budget["spent_usd"] == 0 and budget["unmeasured"] is False and budget["reached"] is False
+    assert "reported no cost" not in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""A hostile dataset author's rows (audit b2): each bad one is a bad line naming the file, the line and
+the field, and the other rows load; never a traceback that stops the whole run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchrun.run.dataset import load_dataset
+
+
+def _load(tmp_path, lines: list[str]):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(line + "\n" for line in [*lines, '{"prompt": "fine"}']), encoding="ascii")
+    rows, problems = load_dataset(str(path))
+    return path, rows, problems
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"prompt": "p", "cwd": "/tmp/\\ud800"}', "cwd"),  # was a UnicodeEncodeError: the whole run died
+        ('{"prompt": "p", "image": "py\\ud800"}', "image"),
+        ('{"prompt": "p", "id": "x\\udfff"}', "id"),
+        ('{"prompt": "p", "notes": ["ok", {"deep": "x\\ud800"}]}', "notes"),
+        ('{"prompt": "p", "\\ud800": 1}', "\\ud800"),
+    ],
+)
+def test_a_lone_surrogate_in_any_field_is_a_bad_line_naming_the_field(tmp_path, line, field):
+    """Such text cannot be UTF-8: the row ran (model calls spent) and then every sample was discarded as
+    unencodable_text, or, in a cwd, the dataset's load raised and the run exited 1."""
+    path, rows, problems = _load(tmp_path, [line])
+    assert [r.prompt for r in rows] == ["fine"]
+    assert len(problems) == 1 and problems[0].startswith(f"{path}:1: field ")
+    assert "surrogate" in problems[0] and f"field '{field}'" in problems[0]  # escaped, as written
+
+
+def test_a_row_max_turns_past_the_flags_bound_is_a_bad_line(tmp_path):
+    """10**30 was taken: its record's metadata.row_max_turns then overflowed int64 (load_runs failed)."""
+    path, rows, problems = _load(tmp_path, ['{"prompt": "p", "max_turns": 1000000000000000000000000000000}'])
+    assert [r.prompt for r in rows] == ["fine"]
+    assert problems == [
+        f"{path}:1: field 'max_turns' must be a positive integer (at most 100000), got 1" + "0" * 30
+    ]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"image": 0},
+        {"image": False},
+        {"image": []},
+        {"docker_image": {}},
+        {"image": "", "docker_image": "python:3"},
+        {"image": "python:3", "docker_image": 5},
+        {"image": "python:3", "docker_image": "alpine"},
+    ],
+)
+def test_an_image_of_the_wrong_type_or_two_images_is_a_bad_line(tmp_path, fields):
+    """A falsy image (0, false, [], "") was silently no image: the row ran in --default_image; and of two
+    different images one was silently dropped."""
+    path, rows, problems = _load(tmp_path, [json.dumps({"prompt": "p", **fields})])
+    assert [r.prompt for r in rows] == ["fine"]
+    assert len(problems) == 1 and problems[0].startswith(f"{path}:1: field 'image'")
+
+
+def test_image_and_docker_image_naming_the_same_image_is_that_image(tmp_path):
+    _, rows, problems = _load(
+        tmp_path,
+        [
+            '{"prompt": "p", "image": "python:3", "docker_image": "python:3"}',
+            '{"prompt": "q", "docker_image": "alpine", "image": null}',
+        ],
+    )
+    assert problems == [] and [r.image for r in rows] == ["python:3", "alpine", None]
