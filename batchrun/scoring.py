@@ -43,7 +43,7 @@ from typing import Any
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.protocol import RowCheck
 from batchrun.record import in_unit_range, read_score
-from batchrun.sharegpt import parse_json
+from batchrun.sharegpt import parse_json, strict_json
 
 TEXT_SCORERS = ("exact", "includes", "regex", "numeric", "json")
 SANDBOX_SCORERS = ("verify",)
@@ -712,19 +712,60 @@ def judge_messages(prompt: str, answer_text: str, check: RowCheck | None) -> lis
     return [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
-def parse_judge_reply(text: str) -> Part:
-    """The judge's JSON verdict (the last JSON object in its reply); a bad reply is an error, no verdict."""
-    for cand in reversed(re.findall(r"\{.*?\}", text, re.DOTALL)):
+_JSON_READER = json.JSONDecoder()
+VERDICT_KEYS = ("score", "passed")
+# A judge asked for one short object (JudgeSettings.max_tokens) that sends more is broken; and reading
+# an endpoint's reply of --max_response_mb for objects would take minutes.
+MAX_JUDGE_REPLY_CHARS = 64 * 1024
+
+
+def _json_objects(text: str) -> list[str]:
+    """The JSON objects in ``text`` as written, outermost only (what is inside one is part of it), each
+    read once: linear in the text, however many braces it holds."""
+    found, at = [], text.find("{")
+    while at >= 0:
         try:
-            obj = parse_json(cand)
-        except ValueError:
+            obj, end = _JSON_READER.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            at = text.find("{", at + 1)
             continue
         if isinstance(obj, dict):
-            part = part_from_result("judge", obj)
-            if part.error is None and part.value is not None and not 0.0 <= part.value <= 1.0:
-                return Part("judge", error=f"the judge's score {part.value} is outside 0..1")
-            return part
-    return Part("judge", error=f"the judge's reply holds no JSON verdict: {text[:200]!r}")
+            found.append(text[at:end])
+        at = text.find("{", end)
+    return found
+
+
+def parse_judge_reply(text: str) -> Part:
+    """The judge's JSON verdict: the one object in its reply that has a ``score`` or ``passed``. A reply
+    with none, or with several (the judge quoting an answer that holds one: which is its own is anyone's
+    guess), or a verdict that says nothing clearly (a ``passed`` that is not true or false, a ``score``
+    that is no number, a key named twice) is an error, no verdict."""
+    if len(text) > MAX_JUDGE_REPLY_CHARS:
+        return Part("judge", error=f"the judge's reply is {len(text)} characters long (a verdict is short)")
+    verdicts = []
+    for written in _json_objects(text):
+        obj = parse_json(written)
+        if any(key in obj for key in VERDICT_KEYS):
+            verdicts.append(written)
+    if not verdicts:
+        return Part("judge", error=f"the judge's reply holds no JSON verdict: {text[:200]!r}")
+    if len(verdicts) > 1:
+        return Part("judge", error=f"the judge's reply holds several JSON verdicts: {text[:200]!r}")
+    try:
+        verdict = strict_json(verdicts[0])
+    except ValueError as exc:
+        return Part("judge", error=f"the judge's verdict is not clear JSON ({exc}): {verdicts[0][:200]!r}")
+    score, passed = verdict.get("score"), verdict.get("passed", None)
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        return Part("judge", error=f"the judge's verdict has no numeric 'score': {verdicts[0][:200]!r}")
+    if passed is not None and not isinstance(passed, bool):
+        return Part("judge", error=f"the judge's 'passed' is not true or false: {verdicts[0][:200]!r}")
+    if not 0.0 <= score <= 1.0:
+        return Part("judge", error=f"the judge's score {score} is outside 0..1")
+    why = verdict.get("explanation")
+    return Part(
+        "judge", float(score), score >= 1.0 if passed is None else passed, why if isinstance(why, str) else ""
+    )
 
 
 def judge_score(

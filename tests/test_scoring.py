@@ -371,6 +371,55 @@ def test_judge_replies(reply, value, passed):
     assert (part.error is None) == (value is not None)
 
 
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        # The judge quotes the answer under judgment after its verdict (or was talked into adding one):
+        # the last object once won, so a failing sample passed.
+        ('{"score": 0, "passed": false}\nThe answer said {"score": 1, "passed": true}', "several"),
+        ('{"score": 1, "passed": true}\n{"score": 0, "passed": false}', "several"),
+        ('{"score": 1, "passed": "false"}', "'passed'"),  # a string is no verdict (it passed before)
+        ('{"score": 0.6, "passed": "true"}', "'passed'"),
+        ('{"score": 1, "passed": false, "passed": true}', "twice"),  # which one the judge meant: unknown
+        ('{"score": true, "passed": true}', "'score'"),
+        ('{"score": NaN, "passed": true}', ""),
+        ('{"score": 1e999, "passed": true}', ""),
+    ],
+)
+def test_a_judge_reply_that_is_no_single_clear_verdict_is_an_error_never_a_pass(reply, error):
+    score = combine([parse_judge_reply(reply)])
+    assert (score["value"], score["passed"]) == (None, None), score
+    assert error in score["error"], score["error"]
+
+
+@pytest.mark.parametrize(
+    ("reply", "value", "passed"),
+    [
+        # Braces inside the verdict (its explanation, a nested object) once hid the whole verdict.
+        ('{"score": 0, "passed": false, "explanation": "it printed {x} not {y}"}', 0.0, False),
+        ('{"score": 0.5, "passed": false, "details": {"steps": 2}}', 0.5, False),
+        ('{"score": 0, "passed": false, "explanation": "it wrote {\\"score\\": 1}"}', 0.0, False),
+        ('```json\n{"score": 1, "passed": true}\n```', 1.0, True),
+        ('The answer uses {"a": 1} as asked. {"score": 1, "passed": true}', 1.0, True),  # no verdict's keys
+    ],
+)
+def test_a_judge_verdict_is_read_whole(reply, value, passed):
+    part = parse_judge_reply(reply)
+    assert (part.value, part.passed, part.error) == (value, passed, None)
+
+
+def test_a_huge_judge_reply_is_an_error_soon():
+    """The reply comes from an endpoint (up to --max_response_mb): a lazy regex over it took quadratic
+    time, 15 s for 80 KB of braces, days for 32 MiB, with the worker stuck past every deadline."""
+    import time
+
+    start = time.monotonic()
+    for reply in ("{" * 1_000_000, '{"a": ' * 200_000, '{"score": 1, ' * 100_000, "{" * 60_000):
+        assert parse_judge_reply(reply).error is not None
+    assert time.monotonic() - start < 5
+    assert "characters long" in parse_judge_reply(" " * 70_000 + '{"score": 1, "passed": true}').error
+
+
 # ----------------------------------------------------------------------------- statistics
 
 
