@@ -549,8 +549,12 @@ def write_verify_files(
         q = shlex.quote(path)
         if not (left := _time_left(timeout_s, deadline)):
             raise RuntimeError(OUT_OF_TIME)
+        # Whatever the agent left at the path goes first: a link (to /dev/null, say) would take the text
+        # and leave the verify to run something else.
         res = sandbox.run(
-            f'mkdir -p -- "$(dirname -- {q})" && cat > {q}', timeout_s=left, stdin=text.encode("utf-8")
+            f'mkdir -p -- "$(dirname -- {q})" && rm -f -- {q} && cat > {q}',
+            timeout_s=left,
+            stdin=text.encode("utf-8"),
         )
         if res.exit_code != 0:
             raise RuntimeError(f"could not write verify file {path}: {res.output.strip()[:200]}")
