@@ -36,6 +36,8 @@ import math
 import re
 import shlex
 import string
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -487,8 +489,34 @@ def _json_of(text: str) -> Any:
     raise ValueError("the answer is not JSON")
 
 
-def text_score(name: str, record: dict[str, Any], check: RowCheck | None, settings: ScoringSettings) -> Part:
-    """One text scorer on the final answer (reasoning removed); an error when the row has no answer."""
+# re.search in a child of its own: the row's pattern (trusted) on the model's answer (not) may backtrack
+# for ages, and a search cannot be stopped in the worker's thread.
+_SEARCH = (
+    "import json, re, sys; p, t = json.load(sys.stdin); sys.stdout.write('1' if re.search(p, t) else '0')"
+)
+
+
+def bounded_search(pattern: str, text: str, timeout_s: float) -> bool:
+    """Whether ``pattern`` is found in ``text``; subprocess.TimeoutExpired after ``timeout_s``."""
+    res = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _SEARCH],
+        input=json.dumps([pattern, text]).encode("ascii"),
+        capture_output=True,
+        timeout=timeout_s,
+        check=True,
+    )
+    return res.stdout == b"1"
+
+
+def text_score(
+    name: str,
+    record: dict[str, Any],
+    check: RowCheck | None,
+    settings: ScoringSettings,
+    deadline: float | None = None,
+) -> Part:
+    """One text scorer on the final answer (reasoning removed); an error when the row has no answer.
+    ``regex`` ends by ``deadline`` (and within --verify_timeout)."""
     if check is None or check.answer is None:
         return Part(name, error="the row has no 'answer'")
     got = extract_answer(final_text(record), settings.answer_pattern)
@@ -521,10 +549,21 @@ def text_score(name: str, record: dict[str, Any], check: RowCheck | None, settin
     if name == "regex":
         for want in answers:
             try:
-                if re.search(str(want), got):
-                    return Part(name, 1.0, True, f"{shown!r} matches /{want}/")
+                re.compile(str(want))
             except re.error as exc:
                 return Part(name, error=f"the row's answer is not a valid regex: {exc}")
+            if not (left := _time_left(settings.verify_timeout_s, deadline)):
+                return Part(
+                    name,
+                    error="no time left for regex: the prompt's deadline plus one --verify_timeout has passed",
+                )
+            try:
+                if bounded_search(str(want), got, left):
+                    return Part(name, 1.0, True, f"{shown!r} matches /{want}/")
+            except subprocess.TimeoutExpired:
+                return Part(
+                    name, error=f"the row's regex /{want}/ took longer than {left:.3g} s on the answer"
+                )
         return Part(name, 0.0, False, f"{shown!r} matches none of the patterns")
     norm_got = normalize(got, settings.normalize)
     for want in answers:
@@ -886,7 +925,7 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
             elif unfinished is not None and (name in TEXT_SCORERS or name == "judge"):
                 parts.append(_unfinished_part(name, unfinished))  # the judge is not even asked
             elif name in TEXT_SCORERS:
-                parts.append(text_score(name, record, j.check, j.settings))
+                parts.append(text_score(name, record, j.check, j.settings, j.deadline))
             elif name == "verify":
                 if j.sandbox is None:
                     parts.append(Part(name, error="verify needs the prompt's sandbox (not available here)"))

@@ -225,6 +225,27 @@ def test_numeric_tolerance_is_relative_above_one():
     assert judged("ANSWER: 0.0005", 0, "numeric", numeric_tolerance=1e-3)["passed"] is True
 
 
+@pytest.mark.timeout(30)
+def test_a_row_regex_that_backtracks_on_the_answer_ends_by_the_samples_deadline():
+    """The answer is the model's: on a row's pattern that backtracks (``(a+)+$``) a long one made the
+    search run for ages, holding the worker past every deadline."""
+    import time
+
+    start = time.monotonic()
+    score = score_sample(
+        record_saying("ANSWER: " + "a" * 64 + "!"),
+        Judgement(
+            check=RowCheck(answer=["^(a+)+$", "b"]),
+            settings=ScoringSettings(scorers=("regex",), verify_timeout_s=60),
+            deadline=time.monotonic() + 1.0,
+        ),
+    )
+    assert score["passed"] is None and "took longer than" in score["error"], score
+    assert time.monotonic() - start < 5
+    assert judged("ANSWER: " + "a" * 64, "^(a+)+$", "regex")["passed"] is True  # it still matches
+    assert judged("ANSWER: a\udc80\0b", "a.\0b", "regex")["passed"] is True  # any text goes through
+
+
 def test_a_broken_scorer_is_null_with_its_error_never_a_failure():
     bad_regex = judged("ANSWER: x", "(unclosed", "regex")
     assert bad_regex["passed"] is None and bad_regex["value"] is None
