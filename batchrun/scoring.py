@@ -829,7 +829,7 @@ def judge_score(
         return Part("judge", error="the row has neither 'answer' nor 'rubric' to judge against")
     if judge is None:
         return Part("judge", error="no judge model (--judge_model)")
-    from batchrun.prompt.llm import Usage
+    from batchrun.prompt.llm import Usage, finish_kind
 
     usage = Usage()
     try:
@@ -839,7 +839,11 @@ def judge_score(
     except Exception as exc:
         part = Part("judge", error=f"{type(exc).__name__}: {exc}")
     else:
-        part = parse_judge_reply(turn.content or "")
+        if finish_kind(turn.finish_reason) != "finished":  # cut by its length limit, or nothing says
+            why = f"the judge's reply did not finish (finish_reason {turn.finish_reason!r})"
+            part = Part("judge", error=why)
+        else:  # a judge that reasons in its words: the drafts there are not its verdict
+            part = parse_judge_reply(_THINK_RE.sub("", turn.content or ""))
     part.judge_usage = usage.as_dict()
     return part
 

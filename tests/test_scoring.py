@@ -10,6 +10,7 @@ import re
 import pytest
 from helpers import write_rows
 
+from batchrun.prompt.llm import AssistantTurn
 from batchrun.prompt.sandboxes.base import ExecResult
 from batchrun.protocol import RowCheck
 from batchrun.record import conform_score, read_score
@@ -158,7 +159,7 @@ def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reas
 
         def chat(self, *a, **kw):
             Judge.calls += 1
-            return type("T", (), {"content": '{"score": 1, "passed": true}'})()
+            return AssistantTurn('{"score": 1, "passed": true}', None, [], "stop", {})
 
     rec = record_saying("Let me write it out.\nANSWER: 4")
     rec["metadata"] = {"stop_reason": stop_reason}
@@ -429,6 +430,46 @@ def test_a_judge_reply_that_is_no_single_clear_verdict_is_an_error_never_a_pass(
 def test_a_judge_verdict_is_read_whole(reply, value, passed):
     part = parse_judge_reply(reply)
     assert (part.value, part.passed, part.error) == (value, passed, None)
+
+
+class ScriptedJudge:
+    """A judge client whose reply is given (the real one, over HTTP, is in test_scores_run.py)."""
+
+    def __init__(self, content: str, finish_reason: str | None = "stop"):
+        self.turn = AssistantTurn(content, None, [], finish_reason, {})
+
+    def chat(self, messages, tools, *, deadline, usage):
+        return self.turn
+
+
+@pytest.mark.parametrize(
+    ("content", "finish_reason", "status"),
+    [
+        ('{"score": 1, "passed": true}\nOn second thought, the answer is wrong: {"score', "length", "error"),
+        ('{"score": 1, "passed": true}', None, "error"),  # nothing says it was not cut
+        ('{"score": 1, "passed": true}', "content_filter", "error"),
+        ('{"score": 1, "passed": true}', "stop", "passed"),
+        # A judge that reasons in its content: its drafts are not its verdict.
+        (
+            '<think>Is it {"score": 1, "passed": true}? No.</think>\n{"score": 0, "passed": false}',
+            "stop",
+            "failed",
+        ),
+    ],
+)
+def test_a_judge_reply_is_a_verdict_only_when_the_judge_finished_it(content, finish_reason, status):
+    check = RowCheck(answer="4")
+    score = conform_score(
+        score_sample(
+            record_saying("ANSWER: 5"),
+            Judgement(
+                check=check,
+                settings=ScoringSettings(scorers=("judge",)),
+                judge=ScriptedJudge(content, finish_reason),
+            ),
+        )
+    )
+    assert score["status"] == status, score
 
 
 def test_the_judge_sees_the_answer_as_data_it_cannot_close():
