@@ -329,8 +329,32 @@ def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]
 # ----------------------------------------------------------------------------- the final answer
 
 
-_THINK_RE = re.compile(r"<think>.*?</think>|<REASONING_SCRATCHPAD>.*?</REASONING_SCRATCHPAD>", re.DOTALL)
-_TOOL_CALL_RE = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+_REASONING_TAGS = (("<think>", "</think>"), ("<REASONING_SCRATCHPAD>", "</REASONING_SCRATCHPAD>"))
+_TOOL_CALL_TAGS = (("<tool_call>", "</tool_call>"),)
+
+
+def _without_spans(text: str, tags: tuple[tuple[str, str], ...]) -> str:
+    """``text`` without each span from an opening tag to the first closing one after it (as a lazy regex
+    ``<a>.*?</a>|<b>.*?</b>`` removes them), in linear time: an opening tag never closed ends its kind
+    (the regex tried every later one to the end of the text: quadratic on an answer of many)."""
+    out, at, tags = [], 0, list(tags)
+    while tags:
+        spans = []
+        for tag in list(tags):
+            start = text.find(tag[0], at)
+            end = -1 if start < 0 else text.find(tag[1], start + len(tag[0]))
+            if end < 0:
+                tags.remove(tag)
+            else:
+                spans.append((start, end + len(tag[1])))
+        if not spans:
+            break
+        start, end = min(spans, key=lambda span: span[0])  # the first of equals: the first tag's
+        out.append(text[at:start])
+        at = end
+    return "".join(out) + text[at:]
+
+
 _BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _ANSWER_LINE_RE = re.compile(r"(?im)^\s*(?:final\s+)?answer\s*[:=]\s*(.+?)\s*$")
 
@@ -339,8 +363,8 @@ def final_text(record: dict[str, Any]) -> str:
     """The last gpt turn's words, reasoning and tool-call markup removed ("" when there is none)."""
     for turn in reversed(record.get("conversations") or []):
         if turn.get("from") == "gpt":
-            text = _THINK_RE.sub("", turn.get("value") or "")
-            return _TOOL_CALL_RE.sub("", text).strip()
+            text = _without_spans(turn.get("value") or "", _REASONING_TAGS)
+            return _without_spans(text, _TOOL_CALL_TAGS).strip()
     return ""
 
 
@@ -447,12 +471,13 @@ _NUMBER_RE = re.compile(
 )
 
 
-_FRACTION_END_RE = re.compile(r"([-+]?\d+)\s*/\s*(\d+)\s*\.?\s*$")
+# Not from inside a run of digits: a search from each of them scanned the run to its end (quadratic).
+_FRACTION_END_RE = re.compile(r"([-+]?(?<!\d)\d+)\s*/\s*(\d+)$")
 
 
 def parse_number(text: str) -> float | None:
     """The last number in ``text`` (thousands separators allowed; a fraction a/b at the end too), or None."""
-    frac = _FRACTION_END_RE.search(text)
+    frac = _FRACTION_END_RE.search(text.rstrip().removesuffix(".").rstrip())
     if frac:
         num, den = int(frac.group(1)), int(frac.group(2))
         return num / den if den else None
@@ -843,7 +868,7 @@ def judge_score(
             why = f"the judge's reply did not finish (finish_reason {turn.finish_reason!r})"
             part = Part("judge", error=why)
         else:  # a judge that reasons in its words: the drafts there are not its verdict
-            part = parse_judge_reply(_THINK_RE.sub("", turn.content or ""))
+            part = parse_judge_reply(_without_spans(turn.content or "", _REASONING_TAGS))
     part.judge_usage = usage.as_dict()
     return part
 

@@ -247,6 +247,21 @@ def test_a_row_regex_that_backtracks_on_the_answer_ends_by_the_samples_deadline(
     assert judged("ANSWER: a\udc80\0b", "a.\0b", "regex")["passed"] is True  # any text goes through
 
 
+@pytest.mark.parametrize("scorer", ["exact", "numeric"])
+def test_a_hostile_answer_is_read_in_linear_time(scorer):
+    """Markup that never closes, or a long run of digits, made the answer's lazy regexes try every start
+    to the end: quadratic, about a minute for a 100 KB answer, with the worker past its deadline."""
+    import time
+
+    start = time.monotonic()
+    for text in ("<think>" * 30_000, "<tool_call>" * 20_000, "1" * 60_000 + "x", "1/1" + " " * 30_000 + "x"):
+        judged(text, 4, scorer)
+    assert time.monotonic() - start < 3
+    # What they read is unchanged.
+    assert judged("<think>3</think>4 <tool_call>5</tool_call>", 4, scorer)["passed"] is True
+    assert judged("ANSWER: 8/2", 4, "numeric")["passed"] is True
+
+
 def test_a_broken_scorer_is_null_with_its_error_never_a_failure():
     bad_regex = judged("ANSWER: x", "(unclosed", "regex")
     assert bad_regex["passed"] is None and bad_regex["value"] is None
