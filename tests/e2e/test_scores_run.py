@@ -55,6 +55,14 @@ TAMPER_ROW = {
     "verify": "sleep 0.5; sh check.sh",  # time for the helper to act, were it still there
     "verify_files": {"check.sh": "echo FAILME; exit 1"},
 }
+# The agent plants the hidden test's path as a link to /dev/null: the hidden test was written into it, and
+# the verify then ran an empty script (exit 0) in its place.
+LINK_ROW = {
+    "id": "link",
+    "prompt": "Do nothing useful [run:mkdir -p tests && ln -s /dev/null tests/check.sh && echo planted]",
+    "verify": "sh tests/check.sh",
+    "verify_files": {"tests/check.sh": "echo never; exit 1"},
+}
 ANSWER_ROWS = [
     {"id": "sum-right", "prompt": "What is 19 + 23? [answer:42]", "answer": 42},
     {"id": "sum-wrong", "prompt": "What is 20 + 23? [answer:42]", "answer": 43},
@@ -86,10 +94,14 @@ def _check_hidden_files(run_dir: Path) -> None:
         1,
         "FAILME\n",
     ), tamper
+    link = recs["link"]["score"]
+    assert (link["passed"], link["verify_exit_code"], link["verify_output"]) == (False, 1, "never\n"), link
 
 
 def test_hidden_files_and_verify_on_the_local_backend(tmp_path):
-    dataset = write_rows(tmp_path / "d.jsonl", [HIDDEN_ROW, WRONG_FILE_ROW, PARTIAL_ROW, TAMPER_ROW])
+    dataset = write_rows(
+        tmp_path / "d.jsonl", [HIDDEN_ROW, WRONG_FILE_ROW, PARTIAL_ROW, TAMPER_ROW, LINK_ROW]
+    )
     out = tmp_path / "data"
     run(None, dataset, out)
     run_dir = out / "run"
@@ -98,13 +110,14 @@ def test_hidden_files_and_verify_on_the_local_backend(tmp_path):
     assert (partial["passed"], partial["value"]) == (False, 0.5), partial
     assert '{"score": 0.5}' in partial["verify_output"]
     scores = stats_of(run_dir)["scores"]
-    assert (scores["scored"], scores["passed"], scores["pass_rate"]) == (4, 1, round(1 / 4, 6))
+    assert (scores["scored"], scores["passed"], scores["pass_rate"]) == (5, 1, round(1 / 5, 6))
 
 
 @pytest.mark.docker
 def test_hidden_files_and_verify_on_the_docker_backend(tmp_path, docker_test_image):
     rows = [
-        {**r, "image": docker_test_image, "cwd": "/work"} for r in (HIDDEN_ROW, WRONG_FILE_ROW, TAMPER_ROW)
+        {**r, "image": docker_test_image, "cwd": "/work"}
+        for r in (HIDDEN_ROW, WRONG_FILE_ROW, TAMPER_ROW, LINK_ROW)
     ]
     out = tmp_path / "data"
     run(None, write_rows(tmp_path / "d.jsonl", rows), out, sandbox="docker", default_image=docker_test_image)
