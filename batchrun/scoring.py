@@ -359,6 +359,22 @@ _BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _ANSWER_LINE_RE = re.compile(r"(?im)^\s*(?:final\s+)?answer\s*[:=]\s*(.+?)\s*$")
 
 
+def ambiguous_final(record: dict[str, Any]) -> str | None:
+    """Why the last gpt turn's reasoning markup cannot be told apart from its words (a ``</think>`` the
+    model wrote inside its reasoning ends the span early, and the rest of the reasoning would be read
+    as its answer), or None. Such a sample is discarded (ambiguous_markup); its verdict must not count."""
+    for turn in reversed(record.get("conversations") or []):
+        if turn.get("from") == "gpt":
+            value = turn.get("value") or ""
+            for opening, closing in _REASONING_TAGS:
+                if value.count(opening) > 1 or value.count(closing) > 1:
+                    return f"{value.count(opening)} {opening} and {value.count(closing)} {closing}"
+                if value.count(closing) and not value.count(opening):
+                    return f"a {closing} with no {opening}"
+            return None
+    return None
+
+
 def final_text(record: dict[str, Any]) -> str:
     """The last gpt turn's words, reasoning and tool-call markup removed ("" when there is none)."""
     for turn in reversed(record.get("conversations") or []):
@@ -962,6 +978,10 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
                 )
             elif unfinished is not None and (name in TEXT_SCORERS or name == "judge"):
                 parts.append(_unfinished_part(name, unfinished))  # the judge is not even asked
+            elif (name in TEXT_SCORERS or name == "judge") and (markup := ambiguous_final(record)):
+                parts.append(
+                    Part(name, error=f"the final answer cannot be told from its reasoning: {markup}")
+                )
             elif name in TEXT_SCORERS:
                 parts.append(text_score(name, record, j.check, j.settings, j.deadline))
             elif name == "verify":

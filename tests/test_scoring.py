@@ -243,7 +243,7 @@ def test_a_row_regex_that_backtracks_on_the_answer_ends_by_the_samples_deadline(
         ),
     )
     assert score["passed"] is None and "took longer than" in score["error"], score
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # the 1 s deadline, not hours (a hang guard, not a speed claim)
     assert judged("ANSWER: " + "a" * 64, "^(a+)+$", "regex")["passed"] is True  # it still matches
     assert judged("ANSWER: a\udc80\0b", "a.\0b", "regex")["passed"] is True  # any text goes through
 
@@ -257,9 +257,11 @@ def test_a_hostile_answer_is_read_in_linear_time(scorer):
     start = time.monotonic()
     for text in ("<think>" * 30_000, "<tool_call>" * 20_000, "1" * 60_000 + "x", "1/1" + " " * 30_000 + "x"):
         judged(text, 4, scorer)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 30  # a hang guard, not a speed claim: the old code took minutes
     # What they read is unchanged.
-    assert judged("<think>3</think>4 <tool_call>5</tool_call>", 4, scorer)["passed"] is True
+    assert judged("4 <tool_call>5</tool_call>", 4, scorer)["passed"] is True
+    # A second <think> span in the words is ambiguous markup: no verdict (the sample is discarded).
+    assert judged("<think>3</think>4", 4, scorer)["passed"] is None
     assert judged("ANSWER: 8/2", 4, "numeric")["passed"] is True
 
 
@@ -532,7 +534,7 @@ def test_a_huge_judge_reply_is_an_error_soon():
     start = time.monotonic()
     for reply in ("{" * 1_000_000, '{"a": ' * 200_000, '{"score": 1, ' * 100_000, "{" * 60_000):
         assert parse_judge_reply(reply).error is not None
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # a hang guard, not a speed claim: the old code took hours
     assert "characters long" in parse_judge_reply(" " * 70_000 + '{"score": 1, "passed": true}').error
 
 
@@ -622,3 +624,22 @@ def test_a_scorer_from_an_installed_entry_point(tmp_path, monkeypatch):
     assert (score["passed"], score["value"], score["explanation"]) == (True, 1.0, "short: short enough")
     with pytest.raises(ValueError, match="unknown scorer 'long'"):
         parse_scorers("long")
+
+
+@pytest.mark.parametrize("scorer", ["numeric", "includes", "exact"])
+def test_an_answer_whose_reasoning_markup_is_ambiguous_gets_no_verdict(scorer):
+    """A </think> the model wrote inside its reasoning closed it early: what followed of the reasoning
+    ("4 it is") was read as the answer and passed. The sample is discarded as ambiguous_markup; its
+    verdict must not count either."""
+    value = "<think>\nIs it 4? Writing </think> closes it. 4 it is\n</think>\n4"
+    rec = {"conversations": [{"from": "gpt", "value": value}], "metadata": {"stop_reason": "final_answer"}}
+    score = score_sample(
+        rec, Judgement(check=RowCheck(answer="4"), settings=ScoringSettings(scorers=(scorer,)))
+    )
+    assert score["passed"] is None and "cannot be told from its reasoning" in score["error"], score
+    clean = {"conversations": [{"from": "gpt", "value": "<think>\nIt is 4.\n</think>\n4"}],
+             "metadata": {"stop_reason": "final_answer"}}  # fmt: skip
+    score = score_sample(
+        clean, Judgement(check=RowCheck(answer="4"), settings=ScoringSettings(scorers=(scorer,)))
+    )
+    assert score["passed"] is True
