@@ -663,7 +663,7 @@ class RunConfig:
         help="For exact/includes: any of case, whitespace, punctuation, or none.",
     )
     numeric_tolerance: float = _flag(
-        float_flag(0),
+        float_flag(0, 1),  # more passes answers off by more than the answer itself: a typo
         1e-6,
         group="scores",
         help="numeric: passes when |got - want| <= tolerance x max(1, |want|).",

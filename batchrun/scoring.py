@@ -88,11 +88,15 @@ def _answer_field(value: Any) -> Any:
             raise ValueError("field 'answer' must be a finite number")
         return value
     if isinstance(value, str):
+        if not value.strip():  # includes would find it in any answer, exact in none worth the name
+            raise ValueError("field 'answer' is empty")
         _check_text("answer", value, MAX_ANSWER_CHARS)
         return value
     if isinstance(value, list):
         if not value or not all(isinstance(v, str) for v in value):
             raise ValueError("field 'answer' as a list must hold one or more strings (acceptable answers)")
+        if not all(v.strip() for v in value):
+            raise ValueError("field 'answer' holds an empty acceptable answer")
         _check_text("answer", "".join(value), MAX_ANSWER_CHARS)
         return tuple(value)
     raise ValueError(

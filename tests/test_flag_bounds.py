@@ -126,6 +126,19 @@ def test_verify_timeout_past_a_week_exits_2(tmp_path):
     assert RunConfig.from_flags(**base, verify_timeout="604800").verify_timeout == 604800.0
 
 
+def test_numeric_tolerance_above_1_exits_2(tmp_path):
+    """1e300 was taken, and every numeric answer passed."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    for value in ("1e300", "1.5"):
+        with pytest.raises(UsageError, match="--numeric_tolerance must be a number from 0 to 1"):
+            RunConfig.from_flags(**base, numeric_tolerance=value)
+    assert RunConfig.from_flags(**base, numeric_tolerance="0.01").numeric_tolerance == 0.01
+
+
 def test_max_tokens_no_token_budget_can_hold_exits_2(tmp_path):
     """Every call's worst case past the whole budget: the start check ran, then every prompt failed
     (class budget) and the run exited 0 without a sample."""

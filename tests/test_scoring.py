@@ -643,3 +643,10 @@ def test_an_answer_whose_reasoning_markup_is_ambiguous_gets_no_verdict(scorer):
         clean, Judgement(check=RowCheck(answer="4"), settings=ScoringSettings(scorers=(scorer,)))
     )
     assert score["passed"] is True
+
+
+@pytest.mark.parametrize("answer", ["", "   ", ["4", ""]])
+def test_an_empty_answer_is_a_bad_line(answer):
+    """includes would find an empty answer in every reply: every sample would pass."""
+    with pytest.raises(ValueError, match="empty"):
+        check_fields({"prompt": "p", "answer": answer})
