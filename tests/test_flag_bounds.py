@@ -113,30 +113,25 @@ def test_an_integer_of_more_than_4300_digits_exits_2_naming_the_flag(tmp_path, f
     assert f"--{flag} must be" in str(info.value)
 
 
-def test_verify_timeout_past_a_week_exits_2(tmp_path):
-    """1e300 passed, then every verify sample was a scorer error (OverflowError in the worker)."""
+@pytest.mark.parametrize(
+    "flag, bad, said, good",
+    [
+        # 1e300 passed, then every verify sample was a scorer error (OverflowError in the worker).
+        ("verify_timeout", ("1e300", "99999999999999999999999"), "at most 604800", ("604800", 604800.0)),
+        # 1e300 was taken, and every numeric answer passed.
+        ("numeric_tolerance", ("1e300", "1.5"), "a number from 0 to 1", ("0.01", 0.01)),
+    ],
+)
+def test_a_scoring_flag_past_its_bound_exits_2(tmp_path, flag, bad, said, good):
     from batchrun.config import RunConfig, UsageError
 
     ds = tmp_path / "d.jsonl"
     ds.write_text('{"prompt": "x"}\n')
     base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
-    for value in ("1e300", "99999999999999999999999"):
-        with pytest.raises(UsageError, match="--verify_timeout must be at most 604800"):
-            RunConfig.from_flags(**base, verify_timeout=value)
-    assert RunConfig.from_flags(**base, verify_timeout="604800").verify_timeout == 604800.0
-
-
-def test_numeric_tolerance_above_1_exits_2(tmp_path):
-    """1e300 was taken, and every numeric answer passed."""
-    from batchrun.config import RunConfig, UsageError
-
-    ds = tmp_path / "d.jsonl"
-    ds.write_text('{"prompt": "x"}\n')
-    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
-    for value in ("1e300", "1.5"):
-        with pytest.raises(UsageError, match="--numeric_tolerance must be a number from 0 to 1"):
-            RunConfig.from_flags(**base, numeric_tolerance=value)
-    assert RunConfig.from_flags(**base, numeric_tolerance="0.01").numeric_tolerance == 0.01
+    for value in bad:
+        with pytest.raises(UsageError, match=f"--{flag} must be {said}"):
+            RunConfig.from_flags(**base, **{flag: value})
+    assert getattr(RunConfig.from_flags(**base, **{flag: good[0]}), flag) == good[1]
 
 
 def test_max_tokens_no_token_budget_can_hold_exits_2(tmp_path):
