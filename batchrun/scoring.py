@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import SandboxError
+from batchrun.prompt.sandboxes.base import SandboxError, judged_run
 from batchrun.protocol import RowCheck
 from batchrun.record import in_unit_range, read_score
 from batchrun.sharegpt import parse_json, strict_json
@@ -680,8 +680,7 @@ def run_judged(sandbox: Any, command: str, timeout_s: float) -> Any:
     sandbox's ``run_judged`` when it has one (Docker, Modal: the exit code their engine reports, not
     the one after the end marker, which a command that read the marker's token could print itself),
     else its ``run`` (the local sandbox's command server keeps the token out of every command's reach)."""
-    run = getattr(sandbox, "run_judged", None) or sandbox.run
-    return run(command, timeout_s=timeout_s)
+    return judged_run(sandbox)(command, timeout_s=timeout_s)
 
 
 def verify_score(

@@ -25,7 +25,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchrun.prompt.sandboxes.base import ExecResult, Sandbox, SandboxError, declared, usable_cpus
+from batchrun.prompt.sandboxes.base import (
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    declared,
+    judged_run,
+    usable_cpus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +135,7 @@ class BackgroundStart:
         """A command whose exit code judges the sample (scoring.run_judged): the sandbox's own way, when
         it has one."""
         self.wait_started()
-        run = getattr(self.inner, "run_judged", None) or self.inner.run
-        return run(command, timeout_s=timeout_s, stdin=stdin)
+        return judged_run(self.inner)(command, timeout_s=timeout_s, stdin=stdin)
 
     def end_processes(self, timeout_s: float) -> str | None:
         """Before judging (scoring.end_agent_processes): the sandbox's own, when it has one."""

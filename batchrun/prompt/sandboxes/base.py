@@ -79,8 +79,13 @@ def end_processes_with_script(sandbox: Any, timeout_s: float) -> str | None:
     where it has one, else ``sandbox.run`` (a sandbox with a PID namespace of its own): None once they
     are gone, else why not. Judged: a process of the agent, alive until the script kills it, could
     otherwise print the script's end marker itself."""
-    run = getattr(sandbox, "run_judged", None) or sandbox.run
-    return end_problem(run(END_PROCESSES_SCRIPT, timeout_s=timeout_s), timeout_s)
+    return end_problem(judged_run(sandbox)(END_PROCESSES_SCRIPT, timeout_s=timeout_s), timeout_s)
+
+
+def judged_run(sandbox: Any) -> Any:
+    """How to run a command whose exit code judges a sample: the sandbox's ``run_judged`` when it has
+    one (its exit code from where no command can print it), else its ``run``."""
+    return getattr(sandbox, "run_judged", None) or sandbox.run
 
 
 def end_problem(res: ExecResult, timeout_s: float) -> str | None:
