@@ -192,6 +192,8 @@ def run_steps(
             recorder.sample_text,
             rerun_discarded=config.rerun_discarded,
             samples_per_prompt=config.samples_per_prompt,
+            force=config.force_resume,
+            dataset_file=config.dataset_file,
         )
         if config.resume
         else all_samples(rows, config.samples_per_prompt)

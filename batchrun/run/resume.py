@@ -22,8 +22,10 @@ from typing import Any
 from batchrun.config import RunConfig, UsageError
 from batchrun.identity import RowIdentity, outcome_sample, record_sample
 from batchrun.record import valid_outcome_row, valid_record
+from batchrun.protocol import RowCheck
 from batchrun.run.dataset import Row
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
+from batchrun.scoring import check_from_row_fields
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json
 from batchrun.storage import batch_files, iter_jsonl
@@ -224,11 +226,16 @@ def all_samples(rows: list[Row], samples_per_prompt: int) -> list[Sample]:
 
 
 def scan_finished(
-    run_dir: Path, *, rerun_discarded: bool, at: collections.Counter[tuple[str, int, int]] | None = None
+    run_dir: Path,
+    *,
+    rerun_discarded: bool,
+    at: collections.Counter[tuple[str, int, int]] | None = None,
+    checks: dict[str, set[str]] | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
-    by (identity, sample index, prompt index), for :func:`unfinished`."""
+    by (identity, sample index, prompt index), for :func:`unfinished`; ``checks`` each row identity's
+    ``row_fields`` texts its finished outcomes were judged with, for :func:`changed_checks`."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
@@ -237,8 +244,16 @@ def scan_finished(
                 done[key] += 1
                 if at is not None and _is_index(rec.get("prompt_index")):
                     at[(*key, rec["prompt_index"])] += 1
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
+                if checks is not None:
+                    _add_check(checks, key[0], rec.get("metadata"))
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks)
     return done
+
+
+def _add_check(checks: dict[str, set[str]], key: str, fields: Any) -> None:
+    """Notes the ``row_fields`` an outcome was judged with; records older than the field hold none."""
+    if isinstance(fields, dict) and isinstance(fields.get("row_fields"), str):
+        checks.setdefault(key, set()).add(fields["row_fields"])
 
 
 def add_discards(
@@ -247,6 +262,7 @@ def add_discards(
     *,
     rerun_discarded: bool,
     at: collections.Counter[tuple[str, int, int]] | None = None,
+    checks: dict[str, set[str]] | None = None,
 ) -> None:
     """Discarded samples count as finished unless --rerun_discarded (they cost money to redo)."""
     discards = run_dir / "discarded.jsonl"
@@ -257,6 +273,45 @@ def add_discards(
                 done[key] += 1
                 if at is not None and _is_index(rec.get("prompt_index")):
                     at[(*key, rec["prompt_index"])] += 1
+                if checks is not None:
+                    _add_check(checks, key[0], rec)
+
+
+CHECK_FIELDS = ("answer", "verify", "verify_files", "rubric")
+
+
+def changed_checks(rows: list[Row], checks: dict[str, set[str]], redact: Redactor) -> list[tuple[Row, str]]:
+    """The rows whose finished samples were judged against another ``answer``, ``verify``,
+    ``verify_files`` or ``rubric`` than the row holds now (the check is not part of a row's identity:
+    a resume would keep those samples' scores, judged against the old values). Each with the fields
+    that differ. Identical rows with different checks are each matched to any of them."""
+    memo: dict[str, RowCheck | None] = {}
+
+    def check_of(text: str | None) -> RowCheck | None:
+        text = text or "{}"
+        if text not in memo:
+            memo[text] = check_from_row_fields(text)
+        return memo[text]
+
+    now: dict[str, list[tuple[Row, RowCheck | None]]] = collections.defaultdict(list)
+    for row in rows:
+        key = RowIdentity.of_row(row, redact).key
+        if key in checks:
+            now[key].append((row, check_of(redact(row.row_fields) if row.row_fields else None)))
+    changed: list[tuple[Row, str]] = []
+    for key, current in now.items():
+        wanted = {c for _, c in current}
+        stale = [c for c in map(check_of, checks[key]) if c not in wanted]
+        if not stale:
+            continue
+        for row, check in current:
+            fields = [f for f in CHECK_FIELDS if any(_field(c, f) != _field(check, f) for c in stale)]
+            changed.append((row, ", ".join(fields)))
+    return sorted(changed, key=lambda rc: rc[0].index)
+
+
+def _field(check: RowCheck | None, name: str) -> Any:
+    return getattr(check, name) if check is not None else getattr(RowCheck(), name)
 
 
 def _is_index(value: Any) -> bool:
@@ -264,11 +319,38 @@ def _is_index(value: Any) -> bool:
 
 
 def resume_filter(
-    rows: list[Row], run_dir: Path, redact: Redactor, *, rerun_discarded: bool, samples_per_prompt: int = 1
+    rows: list[Row],
+    run_dir: Path,
+    redact: Redactor,
+    *,
+    rerun_discarded: bool,
+    samples_per_prompt: int = 1,
+    force: bool = False,
+    dataset_file: str = "the dataset",
 ) -> list[Sample]:
-    """The samples with no finished outcome yet, counting duplicates per (identity, sample index)."""
+    """The samples with no finished outcome yet, counting duplicates per (identity, sample index).
+
+    A row whose finished samples were judged against another check (answer, verify, ...) stops the
+    resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
     at: collections.Counter[tuple[str, int, int]] = collections.Counter()
-    done = scan_finished(run_dir, rerun_discarded=rerun_discarded, at=at)
+    checks: dict[str, set[str]] = {}
+    done = scan_finished(run_dir, rerun_discarded=rerun_discarded, at=at, checks=checks)
+    changed = changed_checks(rows, checks, redact)
+    if changed:
+        shown = "; ".join(f"line {row.index + 1}: {fields}" for row, fields in changed[:5])
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        what = (
+            f"{len(changed)} row(s) of {dataset_file} changed how their samples are judged since those "
+            f"samples were scored ({shown}{more}): their scores judge the old values"
+        )
+        if not force:
+            raise UsageError(
+                f"--resume: {what}. Restore the old values, or start a new --run_name to score every "
+                "sample against the new ones, or add --force_resume to keep the old scores (then re-score "
+                f"the run's text scorers with: python -m batchrun.views.score {shlex.quote(str(run_dir))} "
+                "--scorer=...)"
+            )
+        print(f"warning: {what}; kept as they are (--force_resume)", file=sys.stderr)
     todo = unfinished(rows, done, redact, samples_per_prompt, at)
     total = sum(samples_of(r, samples_per_prompt) for r in rows)
     unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed

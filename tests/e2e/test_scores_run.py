@@ -180,6 +180,38 @@ def test_keep_passed_discards_failed_checks_and_resume_never_reruns_them(server,
     assert server.stats()["requests"] == before  # a failed check is an outcome, not a failure
 
 
+def test_a_resume_after_a_row_s_check_changed_stops_before_any_call_unless_forced(
+    server, tmp_path, capsys
+):
+    """The check is not part of a row's identity: a resume after the user fixed a wrong answer would
+    keep the samples judged against the old one, looking right (or wrong) by a check no row holds."""
+    rows = [*ANSWER_ROWS, {"id": "new", "prompt": "Say hi"}]
+    out = tmp_path / "data"
+    run(server, write_rows(tmp_path / "d.jsonl", rows[:3]), out)
+    fixed = [dict(r) for r in rows]
+    fixed[1]["answer"] = 43 - 1  # the wrong answer fixed: its sample was judged "failed" against 43
+    fixed[2]["rubric"] = "Any spelling of Paris"
+    dataset = write_rows(tmp_path / "d.jsonl", fixed)
+    before = server.stats()["requests"]
+    capsys.readouterr()
+    assert exit_code(server, dataset, out, resume=True) == 2
+    err = capsys.readouterr().err
+    assert "2 row(s)" in err and "line 2: answer" in err and "line 3: rubric" in err, err
+    assert "--force_resume" in err and "batchrun.views.score" in err
+    assert server.stats()["requests"] == before  # stopped before the new row's calls
+    run(server, dataset, out, resume=True, force_resume=True)  # forced: the old scores stay, the new row runs
+    assert "kept as they are (--force_resume)" in capsys.readouterr().err
+    recs = _by_id(out / "run" / "trajectories.jsonl")
+    assert sorted(recs) == ["city", "new", "sum-right", "sum-wrong"]
+    assert recs["sum-wrong"]["score"]["status"] == "failed"
+    # Identical rows with different answers are each matched to one of them; rows not yet run, any check.
+    twins = [{"prompt": "Twice [answer:1]", "answer": a} for a in (1, 2)]
+    twin_set = write_rows(tmp_path / "t.jsonl", twins)
+    run(server, twin_set, out, run_name="twins")
+    run(server, write_rows(tmp_path / "t.jsonl", twins[::-1]), out, run_name="twins", resume=True)
+    assert exit_code(server, write_rows(tmp_path / "t.jsonl", [twins[0], twins[0]]), out, run_name="twins", resume=True) == 2  # fmt: skip
+
+
 def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp_path):
     rows = [
         {"id": "easy", "prompt": "Easy one [answer:1] [calls:0]", "answer": 1},
