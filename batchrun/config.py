@@ -131,7 +131,7 @@ def int_flag(
         number: int | None = None
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
-        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):  # ASCII digits only
             with contextlib.suppress(ValueError):  # more than 4300 digits: Python's int() refuses them
                 number = int(value)
         kind = "a positive integer" if low == 1 else f"an integer{_range(low, high)}"
@@ -146,6 +146,9 @@ def int_flag(
     return parse
 
 
+_DECIMAL = re.compile(r"\s*[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
+
+
 def float_flag(
     low: float | None = None, high: float | None = None, low_open: bool = False, optional: bool = False
 ) -> Callable[[Any, str], Any]:
@@ -157,11 +160,9 @@ def float_flag(
         number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                number = None
+        elif isinstance(value, str) and _DECIMAL.fullmatch(value):
+            # Python's float() also reads other scripts' digits, "1_000" and "infinity": a typo here.
+            number = float(value)
         if number is None or not math.isfinite(number):
             raise UsageError(f"--{flag} must be a number{_range(low, high, low_open)}, got {_show(value)}")
         too_low = low is not None and (number <= low if low_open else number < low)
@@ -789,6 +790,7 @@ class RunConfig:
         self.check_machine_bounds()
         self.ephemeral_prompt  # noqa: B018  (reads and checks the file now)
         self.check_scoring()
+        self.check_flags_that_apply()
         check_output_dir(self.output_dir, self.run_name)
         if self.cwd_root is not None and not os.path.isdir(self.cwd_root):
             raise UsageError(f"--cwd_root {self.cwd_root}: not a directory")
@@ -847,6 +849,36 @@ class RunConfig:
             )
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.judge_api_key_env):
             raise UsageError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+
+    def check_flags_that_apply(self) -> None:
+        """A flag that does nothing with the others given is refused: it was meant to do something
+        (a forgotten --resume, --scorer=judge or --local_isolation=none), and the run would not."""
+        for name in ("force_resume", "rerun_discarded"):
+            if getattr(self, name) and not self.resume:
+                raise UsageError(f"--{name} applies only with --resume, which is not given")
+        if "judge" not in self.scorer:
+            given = [n for n in ("judge_model", "judge_base_url") if getattr(self, n) is not None]
+            given += ["judge_api_key_env"] if self.judge_api_key_env != "JUDGE_API_KEY" else []
+            if given:
+                raise UsageError(
+                    f"--{given[0]} applies only with the judge scorer (--scorer=judge, or judge among the "
+                    f"scorers), and --scorer is {','.join(self.scorer) or 'not given (the rows decide: verify, numeric or exact)'}"
+                )
+        if self.cwd_root is not None:
+            from batchrun.prompt.sandboxes.local import local_isolation_available
+
+            if self.backend != "local":
+                raise UsageError(
+                    f"--cwd_root applies only to the local sandbox without isolation; the sandbox is {self.backend}"
+                )
+            if self.local_isolation == "bwrap" or (
+                self.local_isolation == "auto" and local_isolation_available()
+            ):
+                raise UsageError(
+                    f"--cwd_root applies only with --local_isolation=none (rows' cwd are host directories "
+                    f"then); with --local_isolation={self.local_isolation} each sandbox is isolated by "
+                    "bubblewrap and a row's cwd is a directory inside it"
+                )
 
     @property
     def judge_api_key(self) -> str | None:

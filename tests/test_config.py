@@ -86,6 +86,17 @@ BAD_FLAGS = [
     (["--base_url=localhost:8000"], "--base_url must be an http"),
     (["stray"], "unexpected argument"),
     (["--max_turns=3", "--max_turns=4"], "--max_turns is given more than once"),
+    (["--max_turns=\uff13"], "--max_turns must be a positive integer"),  # a full-width digit
+    (["--temperature=\u0661"], "--temperature must be a number"),  # an Arabic-Indic digit
+    (["--budget_usd=1_000"], "--budget_usd must be a number"),
+    # A flag that does nothing with the others given: what it was meant for would not happen.
+    (["--force_resume"], "--force_resume applies only with --resume"),
+    (["--rerun_discarded"], "--rerun_discarded applies only with --resume"),
+    (["--judge_model=j"], "--judge_model applies only with the judge scorer"),
+    (["--judge_base_url=http://127.0.0.1:9", "--scorer=exact"], "--judge_base_url applies only with the judge"),
+    (["--judge_api_key_env=MY_JUDGE_KEY"], "--judge_api_key_env applies only with the judge scorer"),
+    (["--cwd_root=/tmp", "--local_isolation=bwrap"], "--cwd_root applies only with --local_isolation=none"),
+    (["--cwd_root=/tmp", "--sandbox=singularity"], "--cwd_root applies only to the local sandbox"),
 ]
 
 
