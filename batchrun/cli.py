@@ -370,10 +370,33 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     problem = check_run_dir(config.run_dir) if config.resume else None
     if problem:
         raise UsageError(f"--resume: {problem}")
+    if config.resume and not recorder.holds_a_run():
+        print(
+            f"warning: --resume: {no_run_here(config.run_dir)}; starting it from the first prompt",
+            file=sys.stderr,
+        )
     manifest_path = config.run_dir / "run_manifest.json"
     if manifest_path.exists():
         manifest = check_manifest(read_manifest(manifest_path), manifest, force=config.force_resume)
     return manifest
+
+
+def no_run_here(run_dir: Path) -> str:
+    """What --resume found at ``run_dir`` (no run), with the runs beside it whose name is close:
+    "run or continue" scripts pass --resume every time, but a mistyped name starts a second run."""
+    import difflib
+
+    try:
+        others = [
+            d.name
+            for d in run_dir.parent.iterdir()
+            if d.name != run_dir.name and (d / "run_manifest.json").is_file()
+        ]
+    except OSError:
+        others = []
+    close = difflib.get_close_matches(run_dir.name, others, n=3, cutoff=0.6)
+    near = f" (runs with a close name there: {', '.join(sorted(close))})" if close else ""
+    return f"{run_dir} holds no run yet{near}"
 
 
 def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> ToolSettings:

@@ -93,7 +93,10 @@ BAD_FLAGS = [
     (["--force_resume"], "--force_resume applies only with --resume"),
     (["--rerun_discarded"], "--rerun_discarded applies only with --resume"),
     (["--judge_model=j"], "--judge_model applies only with the judge scorer"),
-    (["--judge_base_url=http://127.0.0.1:9", "--scorer=exact"], "--judge_base_url applies only with the judge"),
+    (
+        ["--judge_base_url=http://127.0.0.1:9", "--scorer=exact"],
+        "--judge_base_url applies only with the judge",
+    ),
     (["--judge_api_key_env=MY_JUDGE_KEY"], "--judge_api_key_env applies only with the judge scorer"),
     (["--cwd_root=/tmp", "--local_isolation=bwrap"], "--cwd_root applies only with --local_isolation=none"),
     (["--cwd_root=/tmp", "--sandbox=singularity"], "--cwd_root applies only to the local sandbox"),

@@ -21,8 +21,8 @@ from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.identity import RowIdentity, outcome_sample, record_sample
-from batchrun.record import valid_outcome_row, valid_record
 from batchrun.protocol import RowCheck
+from batchrun.record import valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.scoring import check_from_row_fields

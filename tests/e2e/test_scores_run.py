@@ -180,9 +180,7 @@ def test_keep_passed_discards_failed_checks_and_resume_never_reruns_them(server,
     assert server.stats()["requests"] == before  # a failed check is an outcome, not a failure
 
 
-def test_a_resume_after_a_row_s_check_changed_stops_before_any_call_unless_forced(
-    server, tmp_path, capsys
-):
+def test_a_resume_after_a_row_s_check_changed_stops_before_any_call_unless_forced(server, tmp_path, capsys):
     """The check is not part of a row's identity: a resume after the user fixed a wrong answer would
     keep the samples judged against the old one, looking right (or wrong) by a check no row holds."""
     rows = [*ANSWER_ROWS, {"id": "new", "prompt": "Say hi"}]

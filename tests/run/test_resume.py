@@ -451,3 +451,19 @@ def test_a_damaged_manifest_stops_the_resume_with_exit_2(server, tmp_path, capsy
     capsys.readouterr()
     assert exit_code(server, dataset, out, resume=True) == 2
     assert "the resume cannot check its settings" in capsys.readouterr().err
+
+
+def test_resume_of_a_name_that_holds_no_run_says_so_and_names_close_runs(server, tmp_path, capsys):
+    """Scripts pass --resume every time ("run or continue"): a mistyped name is not refused, but said,
+    with the runs of a close name, before a second run pays for the same prompts."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one", "two"])
+    out = tmp_path / "data"
+    run(server, dataset, out, run_name="my_run")
+    capsys.readouterr()
+    run(server, dataset, out, run_name="my_rnu", resume=True)
+    err = capsys.readouterr().err
+    assert f"--resume: {out / 'my_rnu'} holds no run yet (runs with a close name there: my_run)" in err, err
+    run(server, dataset, out, run_name="my_rnu", resume=True)  # now it holds one: nothing said
+    assert "holds no run" not in capsys.readouterr().err
+    run(server, dataset, out, run_name="other", resume=True)
+    assert "holds no run yet; starting it" in capsys.readouterr().err
