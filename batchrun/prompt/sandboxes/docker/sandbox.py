@@ -102,6 +102,9 @@ DEFAULT_WORKDIR = "/workspace"
 LIFETIME_MARGIN_S = 600.0  # a container ends itself after 2 x --prompt_timeout + this
 READY_TIMEOUT_S = 60.0  # from the container's start to its command server's first answer
 KILL_WAIT_S = 10.0  # after a timed-out command was killed, how long its server has to report it
+KILLED_SHELL_WAIT_S = (
+    1.0  # an exec whose shell was killed (no end marker): how long the engine has to say how it ended
+)
 SELF_END_WAIT_S = 10.0  # at stop, how long a container may take to end and go once its stream is closed
 NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell can run"
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
@@ -567,15 +570,16 @@ class DockerSandbox(SandboxBackend):
             if finished and judged:
                 # The stream stays open (what comes after the marker is read and dropped) until the
                 # engine says how the command's shell ended: closed, its next write would kill it.
-                exit_code = self._judged_exit_code(exec_id, sock, deadline)
+                exit_code = self._engine_exit_code(exec_id, deadline, sock)
         except OSError as exc:
             raise SandboxError(f"docker exec stream of prompt {self.spec.prompt_index} broke: {exc}") from exc
         finally:
             stream.close()
             sock.close()
         output, truncated = scanner.buf.result()
-        if finished and not judged and exit_code is None:
-            exit_code = self._exit_code(exec_id)
+        if finished and not judged and exit_code is None:  # a killed shell printed no marker: the engine's
+            code = self._engine_exit_code(exec_id, time.monotonic() + KILLED_SHELL_WAIT_S)
+            exit_code = -1 if code is None else code
         if not finished or exit_code is None:  # judged: a marker it printed itself, then ran on
             self._kill_command(token)
             return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
@@ -619,22 +623,13 @@ class DockerSandbox(SandboxBackend):
         except DockerException as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
-    def _exit_code(self, exec_id: str) -> int:
-        """Exit code from the engine, for commands that ended without printing the marker (killed shell)."""
-        try:
-            for _ in range(50):
-                info = docker_client().api.exec_inspect(exec_id)
-                if not info.get("Running"):
-                    return int(info.get("ExitCode") or 0)
-                time.sleep(0.02)
-        except DockerException as exc:
-            raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
-        return -1
-
-    def _judged_exit_code(self, exec_id: str, sock: socket.socket, deadline: float) -> int | None:
-        """The exit code the engine saw the exec's shell end with, reading (and dropping) its output
-        meanwhile; None if it still runs at ``deadline``."""
-        open_ = True
+    def _engine_exit_code(
+        self, exec_id: str, deadline: float, sock: socket.socket | None = None
+    ) -> int | None:
+        """The exit code the engine saw the exec's shell end with; None if it still runs at ``deadline``.
+        With ``sock`` (a judged command's stream, kept open so its next write does not kill it) what
+        still comes is read and dropped meanwhile."""
+        open_ = sock is not None
         try:
             while True:
                 info = docker_client().api.exec_inspect(exec_id)
@@ -643,10 +638,11 @@ class DockerSandbox(SandboxBackend):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                if open_ and readable(sock, min(left, 0.01)):
-                    open_ = bool(sock.recv(65536))
-                elif not open_:
-                    time.sleep(min(left, 0.01))
+                if open_ and sock is not None:
+                    if readable(sock, min(left, 0.01)):
+                        open_ = bool(sock.recv(65536))
+                else:
+                    time.sleep(min(left, 0.02))
         except DockerException as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
