@@ -63,3 +63,45 @@ print(host.bwrap_problem.cache_info().currsize, system_view._etc_scan.cache_info
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "1", "False"]
+
+
+def _session_members(sid: int) -> list[str]:
+    """The processes of session ``sid`` still there (their comm), zombies included."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
+        if int(fields[3]) == sid:
+            found.append(stat.split(" (", 1)[1].rsplit(")", 1)[0])
+    return found
+
+
+@pytest.mark.parametrize("flags", [["--container_memory_mb=16777216"], []], ids=["refused", "run"])
+def test_nothing_the_runner_started_outlives_it(tmp_path, flags):
+    """The forkserver (still importing its preload when a bad flag ends the run) and multiprocessing's
+    resource tracker ended on their own, after the runner had exited: a job's cgroup or a container
+    that waits for its last process saw them, orphaned, for up to a few tenths of a second."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "hi"}\n')
+    args = ["--dataset_file=d.jsonl", "--batch_size=1", "--run_name=r", "--model=mock", "--num_workers=1"]
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "batch_runner.py"), *args, *flags],
+            cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == (2 if flags else 0), err
+        assert _session_members(proc.pid) == []
+        subprocess.run(["rm", "-rf", str(tmp_path / "data")], check=True)
