@@ -107,7 +107,10 @@ class BatchRunner:
                 f"prefill_messages must be a list of {{role, content}} messages, got {prefill_messages!r}"
             )
         self.prefill_messages = prefill_messages
-        with self._config(resume=False) as config:  # every check now, before anything starts
+        # Every check now, before anything starts; as a resume when a flag given is one of a resume's
+        # (resume is run()'s argument here, so --force_resume alone is not a flag that does nothing).
+        resuming = bool(self.flags.get("force_resume") or self.flags.get("rerun_discarded"))
+        with self._config(resume=resuming) as config:
             self.config = config
 
     @contextmanager

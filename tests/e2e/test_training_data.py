@@ -432,6 +432,9 @@ def test_batch_runner_arguments_are_checked_before_anything_starts(tmp_path, mon
         reasoning_config={"effort": "none"},
     )
     assert off.config.reasoning_disabled
+    # resume is run()'s argument: a resume's own flags given to the constructor are not flags that do nothing
+    forced = batch_runner.BatchRunner(dataset_file="p.jsonl", batch_size=1, run_name="f", model="mock", force_resume=True)  # fmt: skip
+    assert forced.config.force_resume
     # main(...) from Python returns the exit code instead of exiting.
     assert batch_runner.main(dataset_file="p.jsonl", batch_size=0, run_name="bad", model="mock") == 2
     assert "batch_size" in capsys.readouterr().err
