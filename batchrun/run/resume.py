@@ -200,6 +200,13 @@ def unfinished(
     lines moved since) are matched by content, in dataset order."""
     done = collections.Counter(done)
     at = collections.Counter(done_at or ())
+    # A dataset line gives each of its samples one outcome: more at one (identity, sample index, line) are
+    # that sample redone (discarded again under --rerun_discarded; a record the merge set aside, which
+    # stays in its batch file too). Counted once, or they would stand for an identical row's sample.
+    for (key, s, line), n in list(at.items()):
+        if n > 1:
+            done[key, s] -= n - 1
+            at[key, s, line] = 1
     keyed = [(row, RowIdentity.of_row(row, redact).key) for row in rows]
     own: set[tuple[int, int]] = set()  # (row index, sample index) finished by the row's own line
     for row, key in keyed:
