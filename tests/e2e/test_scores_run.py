@@ -257,6 +257,25 @@ def test_stop_after_passes_does_not_count_passes_exclude_partial_leaves_out(tmp_
     assert stats_of(run_dir)["scores"]["skipped_after_passes"] == 0
 
 
+def test_stop_after_passes_does_not_count_a_pass_the_recorder_discards(server, tmp_path, monkeypatch):
+    """A sample that passed its check but whose text holds a secret is discarded (secret_in_output), never
+    kept: no kept pass. The run counted it all the same and skipped the row's other samples, while a resume
+    (which counts the passes in the batch files) ran them: a run stopped after the first sample and resumed
+    gave other data than one that was not stopped."""
+    monkeypatch.setenv("DATASET_SECRET", "ds.secret.value.777")
+    rows = [{"id": "s", "prompt": "Keep ds.secret.value.777 [answer:1] [calls:0]", "answer": 1}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    flags = dict(stop_after_passes=1, num_workers=1)
+    run(server, dataset, out, run_name="whole", samples_per_prompt=3, **flags)
+    run(server, dataset, out, run_name="split", samples_per_prompt=1, **flags)
+    run(server, dataset, out, run_name="split", samples_per_prompt=3, resume=True, **flags)
+    for name in ("whole", "split"):
+        reasons = collections.Counter(d["reason"] for d in read_jsonl(out / name / "discarded.jsonl"))
+        assert reasons == {"secret_in_output": 3}, name
+        assert stats_of(out / name)["scores"]["skipped_after_passes"] == 0
+
+
 def test_failed_rows_carry_their_row_id_and_fields(server, tmp_path):
     row = {"id": 9, "prompt": "Broken endpoint [error:400]", "answer": "x", "verify": "true"}
     out = tmp_path / "data"
