@@ -424,7 +424,7 @@ class Dispatch:
         score = read_score((message.record or {}).get("score"))
         if self.config.exclude_partial and (message.record or {}).get("partial"):
             return  # never in trajectories.jsonl: no kept pass
-        if message.kind == "trajectory" and score.get("passed") is True:
+        if score.get("passed") is True and self.recorder.keeps(message):  # a discard is no kept pass
             self.passes[message.identity.redacted(self.recorder.sample_text).key] += 1
 
     def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:

@@ -190,29 +190,15 @@ class Recorder:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.spend[key] += value - live.get(key, 0)  # what add_live_spend has not counted yet
         self.spend["total_tokens"] = self.spend["prompt_tokens"] + self.spend["completion_tokens"]
-        # The row's identity travels with every outcome, so resume and merge can tell apart rows with
-        # the same text and another image, cwd or settings of its own, and which sample this is.
-        # Computed from the text as saved records hold it (secrets redacted, nothing else).
         sample_text = self.sample_text
-        saved = outcome.identity.redacted(sample_text)
-        identity = {**saved.fields(), "row_key": saved.key, "sample_index": outcome.sample_index}
+        identity = self._add_identity(outcome)
         # Discards and failures name their dataset row too (its id and fields: answer, verify, ...).
         row_of = {"row_id": outcome.row_id, "row_fields": outcome.row_fields}
-        if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
-            # Typed again with the identity in: no column of a record is null (batchrun.record).
-            outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
         data = b""
         if kind == TRAJECTORY:
-            line = json.dumps(outcome.record or {}, ensure_ascii=False)
-            if self._holds_secret(line):
-                kind, reason = DISCARDED, "secret_in_output"
-            else:
-                try:
-                    data = line.encode("utf-8")
-                except UnicodeEncodeError:
-                    # A lone surrogate in what the model said: valid JSON only as an escape, which
-                    # Arrow-based loaders (datasets) refuse; kept exactly, as a discard.
-                    kind, reason = DISCARDED, "unencodable_text"
+            data, unkept = self._trajectory_line(outcome)
+            if unkept is not None:
+                kind, reason = DISCARDED, unkept
         self.counts[kind] += 1
         if self.batch_outcomes is not None:
             _count_outcome(self.batch_outcomes, outcome.batch_num, kind, reason)
@@ -264,6 +250,38 @@ class Recorder:
                 self.echo(
                     self.redact(f"[{outcome.prompt_index}] failed: {outcome.error_class}: {outcome.error}")
                 )
+
+    def keeps(self, outcome: Outcome) -> bool:
+        """Whether :meth:`record` keeps this outcome as a trajectory (it is one, its text holds no secret and
+        UTF-8 carries it): --stop_after_passes counts kept passes only, as a resume finds them."""
+        if outcome.kind != TRAJECTORY:
+            return False
+        self._add_identity(outcome)
+        return self._trajectory_line(outcome)[1] is None
+
+    def _add_identity(self, outcome: Outcome) -> dict[str, Any]:
+        """The fields that name the outcome's row and sample, put in its record's metadata too."""
+        # The row's identity travels with every outcome, so resume and merge can tell apart rows with
+        # the same text and another image, cwd or settings of its own, and which sample this is.
+        # Computed from the text as saved records hold it (secrets redacted, nothing else).
+        saved = outcome.identity.redacted(self.sample_text)
+        identity = {**saved.fields(), "row_key": saved.key, "sample_index": outcome.sample_index}
+        if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
+            # Typed again with the identity in: no column of a record is null (batchrun.record).
+            outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
+        return identity
+
+    def _trajectory_line(self, outcome: Outcome) -> tuple[bytes, str | None]:
+        """A trajectory's line as its batch file holds it, or why it is a discard instead."""
+        line = json.dumps(outcome.record or {}, ensure_ascii=False)
+        if self._holds_secret(line):
+            return b"", "secret_in_output"
+        try:
+            return line.encode("utf-8"), None
+        except UnicodeEncodeError:
+            # A lone surrogate in what the model said: valid JSON only as an escape, which
+            # Arrow-based loaders (datasets) refuse; kept exactly, as a discard.
+            return b"", "unencodable_text"
 
     def set_aside(self, rec: dict[str, Any], reason: str) -> None:
         """A record found unfit at merge, written to discarded.jsonl with its reason (it stays in its

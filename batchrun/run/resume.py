@@ -164,6 +164,8 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
 
 
 Sample = tuple[Row, int]  # a dataset row and one of its sample indices: one job
+# Row identity -> the ``row_fields`` texts its finished outcomes were judged with -> the lines that wrote them.
+Checks = dict[str, dict[str, set[int]]]
 
 
 def samples_of(row: Row, samples_per_prompt: int) -> int:
@@ -200,6 +202,13 @@ def unfinished(
     lines moved since) are matched by content, in dataset order."""
     done = collections.Counter(done)
     at = collections.Counter(done_at or ())
+    # A dataset line gives each of its samples one outcome: more at one (identity, sample index, line) are
+    # that sample redone (discarded again under --rerun_discarded; a record the merge set aside, which
+    # stays in its batch file too). Counted once, or they would stand for an identical row's sample.
+    for (key, s, line), n in list(at.items()):
+        if n > 1:
+            done[key, s] -= n - 1
+            at[key, s, line] = 1
     keyed = [(row, RowIdentity.of_row(row, redact).key) for row in rows]
     own: set[tuple[int, int]] = set()  # (row index, sample index) finished by the row's own line
     for row, key in keyed:
@@ -230,12 +239,13 @@ def scan_finished(
     *,
     rerun_discarded: bool,
     at: collections.Counter[tuple[str, int, int]] | None = None,
-    checks: dict[str, set[str]] | None = None,
+    checks: Checks | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
     by (identity, sample index, prompt index), for :func:`unfinished`; ``checks`` each row identity's
-    ``row_fields`` texts its finished outcomes were judged with, for :func:`changed_checks`."""
+    ``row_fields`` texts its finished outcomes were judged with, and the dataset lines (prompt indices)
+    that wrote them, for :func:`changed_checks`."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
@@ -245,15 +255,17 @@ def scan_finished(
                 if at is not None and _is_index(rec.get("prompt_index")):
                     at[(*key, rec["prompt_index"])] += 1
                 if checks is not None:
-                    _add_check(checks, key[0], rec.get("metadata"))
+                    _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
     add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks)
     return done
 
 
-def _add_check(checks: dict[str, set[str]], key: str, fields: Any) -> None:
-    """Notes the ``row_fields`` an outcome was judged with; records older than the field hold none."""
+def _add_check(checks: Checks, key: str, fields: Any, prompt_index: Any) -> None:
+    """Notes the ``row_fields`` an outcome was judged with, and its line; records older than the field hold none."""
     if isinstance(fields, dict) and isinstance(fields.get("row_fields"), str):
-        checks.setdefault(key, set()).add(fields["row_fields"])
+        lines = checks.setdefault(key, {}).setdefault(fields["row_fields"], set())
+        if _is_index(prompt_index):
+            lines.add(prompt_index)
 
 
 def add_discards(
@@ -262,7 +274,7 @@ def add_discards(
     *,
     rerun_discarded: bool,
     at: collections.Counter[tuple[str, int, int]] | None = None,
-    checks: dict[str, set[str]] | None = None,
+    checks: Checks | None = None,
 ) -> None:
     """Discarded samples count as finished unless --rerun_discarded (they cost money to redo)."""
     discards = run_dir / "discarded.jsonl"
@@ -274,17 +286,18 @@ def add_discards(
                 if at is not None and _is_index(rec.get("prompt_index")):
                     at[(*key, rec["prompt_index"])] += 1
                 if checks is not None:
-                    _add_check(checks, key[0], rec)
+                    _add_check(checks, key[0], rec, rec.get("prompt_index"))
 
 
 CHECK_FIELDS = ("answer", "verify", "verify_files", "rubric")
 
 
-def changed_checks(rows: list[Row], checks: dict[str, set[str]], redact: Redactor) -> list[tuple[Row, str]]:
+def changed_checks(rows: list[Row], checks: Checks, redact: Redactor) -> list[tuple[Row, str]]:
     """The rows whose finished samples were judged against another ``answer``, ``verify``,
     ``verify_files`` or ``rubric`` than the row holds now (the check is not part of a row's identity:
     a resume would keep those samples' scores, judged against the old values). Each with the fields
-    that differ. Identical rows with different checks are each matched to any of them."""
+    that differ. Identical rows with different checks are each matched to any of them, as long as
+    each check is held by as many of them as there are lines among them that were judged with it."""
     memo: dict[str, RowCheck | None] = {}
 
     def check_of(text: str | None) -> RowCheck | None:
@@ -300,13 +313,19 @@ def changed_checks(rows: list[Row], checks: dict[str, set[str]], redact: Redacto
             now[key].append((row, check_of(redact(row.row_fields) if row.row_fields else None)))
     changed: list[tuple[Row, str]] = []
     for key, current in now.items():
-        wanted = {c for _, c in current}
-        stale = [c for c in map(check_of, checks[key]) if c not in wanted]
+        wanted = collections.Counter(c for _, c in current)
+        here = {row.index for row, _ in current}  # the lines that hold this row now
+        judged: dict[RowCheck | None, set[int]] = collections.defaultdict(set)
+        for text, lines in checks[key].items():
+            judged[check_of(text)] |= lines & here
+        # A check no row holds now, or held by fewer rows than the lines that were judged with it.
+        stale = [c for c, lines in judged.items() if wanted[c] < max(1, len(lines))]
         if not stale:
             continue
         for row, check in current:
             fields = [f for f in CHECK_FIELDS if any(_field(c, f) != _field(check, f) for c in stale)]
-            changed.append((row, ", ".join(fields)))
+            if fields:
+                changed.append((row, ", ".join(fields)))
     return sorted(changed, key=lambda rc: rc[0].index)
 
 
@@ -333,7 +352,7 @@ def resume_filter(
     A row whose finished samples were judged against another check (answer, verify, ...) stops the
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
     at: collections.Counter[tuple[str, int, int]] = collections.Counter()
-    checks: dict[str, set[str]] = {}
+    checks: Checks = {}
     done = scan_finished(run_dir, rerun_discarded=rerun_discarded, at=at, checks=checks)
     changed = changed_checks(rows, checks, redact)
     if changed:

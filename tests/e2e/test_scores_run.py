@@ -210,6 +210,26 @@ def test_a_resume_after_a_row_s_check_changed_stops_before_any_call_unless_force
     assert exit_code(server, write_rows(tmp_path / "t.jsonl", [twins[0], twins[0]]), out, run_name="twins", resume=True) == 2  # fmt: skip
 
 
+def test_a_resume_after_one_of_two_identical_rows_changed_its_check_stops_too(server, tmp_path, capsys):
+    """Two identical rows, both scored against answer 1; then the second one's answer is fixed to 2. Its
+    sample was judged against 1, which the first row still holds: the check by the set of answers saw
+    nothing stale and the resume kept two samples judged against 1 for rows that hold 1 and 2. Reordered
+    rows (each answer still held by as many rows as were scored against it) resume as before."""
+    twins = [{"prompt": "Twice [answer:1]", "answer": 1}] * 2
+    out = tmp_path / "data"
+    run(server, write_rows(tmp_path / "t.jsonl", twins), out)
+    fixed = write_rows(tmp_path / "t.jsonl", [twins[0], {**twins[1], "answer": 2}])
+    before = server.stats()["requests"]
+    capsys.readouterr()
+    assert exit_code(server, fixed, out, resume=True) == 2
+    err = capsys.readouterr().err
+    assert "1 row(s)" in err and "line 2: answer" in err, err
+    assert server.stats()["requests"] == before
+    # Rows added after the scored ones, identical with another answer, are new rows: nothing stale.
+    more = write_rows(tmp_path / "t.jsonl", [*twins, {**twins[0], "answer": 2}])
+    run(server, more, out, resume=True)
+
+
 def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp_path):
     rows = [
         {"id": "easy", "prompt": "Easy one [answer:1] [calls:0]", "answer": 1},
@@ -255,6 +275,25 @@ def test_stop_after_passes_does_not_count_passes_exclude_partial_leaves_out(tmp_
     batch = [r for p in sorted(run_dir.glob("batch_*.jsonl")) for r in read_jsonl(p)]
     assert sorted(r["metadata"]["sample_index"] for r in batch) == [0, 1, 2]
     assert stats_of(run_dir)["scores"]["skipped_after_passes"] == 0
+
+
+def test_stop_after_passes_does_not_count_a_pass_the_recorder_discards(server, tmp_path, monkeypatch):
+    """A sample that passed its check but whose text holds a secret is discarded (secret_in_output), never
+    kept: no kept pass. The run counted it all the same and skipped the row's other samples, while a resume
+    (which counts the passes in the batch files) ran them: a run stopped after the first sample and resumed
+    gave other data than one that was not stopped."""
+    monkeypatch.setenv("DATASET_SECRET", "ds.secret.value.777")
+    rows = [{"id": "s", "prompt": "Keep ds.secret.value.777 [answer:1] [calls:0]", "answer": 1}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    flags = dict(stop_after_passes=1, num_workers=1)
+    run(server, dataset, out, run_name="whole", samples_per_prompt=3, **flags)
+    run(server, dataset, out, run_name="split", samples_per_prompt=1, **flags)
+    run(server, dataset, out, run_name="split", samples_per_prompt=3, resume=True, **flags)
+    for name in ("whole", "split"):
+        reasons = collections.Counter(d["reason"] for d in read_jsonl(out / name / "discarded.jsonl"))
+        assert reasons == {"secret_in_output": 3}, name
+        assert stats_of(out / name)["scores"]["skipped_after_passes"] == 0
 
 
 def test_failed_rows_carry_their_row_id_and_fields(server, tmp_path):

@@ -297,6 +297,26 @@ def test_identical_rows_resume_runs_the_copy_whose_sample_is_missing(server, tmp
     assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
+def test_a_sample_redone_by_rerun_discarded_does_not_stand_for_its_identical_twin(server, tmp_path, capsys):
+    """--rerun_discarded runs a discarded sample again and, discarded again, it has two lines in
+    discarded.jsonl: both are outcomes of one dataset line's one sample. Counted as two, they made the
+    identical row's sample, which never ran, finished: a resume never ran it (0 to run)."""
+    twin = "terse twin [no_reasoning]"
+    dataset = write_jsonl(tmp_path / "d.jsonl", [twin, twin])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, max_samples=1)  # the first copy only: discarded (no reasoning)
+    run(server, dataset, out, max_samples=1, resume=True, rerun_discarded=True)  # discarded again
+    assert [d["prompt_index"] for d in read_jsonl(run_dir / "discarded.jsonl")] == [0, 0]
+    before = requests(server)
+    capsys.readouterr()
+    run(server, dataset, out, resume=True)
+    assert "1 prompt(s) already finished, 1 to run" in capsys.readouterr().out
+    assert requests(server) - before == {twin: 3}  # the second copy runs (three model calls)
+    assert sorted(d["prompt_index"] for d in read_jsonl(run_dir / "discarded.jsonl")) == [0, 0, 1]
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 @pytest.mark.docker
 def test_same_instruction_in_two_images_resume_runs_exactly_the_failed_row(
     server, tmp_path, docker_test_image, capsys
