@@ -408,6 +408,11 @@ def extract_answer(text: str, pattern: str | None = None) -> str:
     return text.strip()
 
 
+# Minus signs models write besides "-": U+2212 (the typeset minus), small and fullwidth hyphen-minus.
+# Read as anything else, "\u22125" is 5: the opposite of the answer given.
+MINUS_SIGNS = "\u2212\ufe63\uff0d"
+_TO_ASCII_MINUS = str.maketrans(dict.fromkeys(MINUS_SIGNS, "-"))
+
 _PUNCT = str.maketrans("", "", string.punctuation)
 # A number inside an answer: its minus sign and decimal point are part of its value, not punctuation
 # ("-1" is not "1", "3.5" is not "35"); its thousands separators are not ("1,000" is "1000").
@@ -470,7 +475,9 @@ def includes_whole(text: str, want: str) -> bool:
         left_ok = not (before and _joined(before, want[0]))
         if left_ok and want[0].isdigit() and before:
             # a sign of this number, or its decimal point with digits before it
-            left_ok = before not in "+-" and not (before == "." and at >= 2 and text[at - 2].isdigit())
+            left_ok = before not in "+-" + MINUS_SIGNS and not (
+                before == "." and at >= 2 and text[at - 2].isdigit()
+            )
         right_ok = not (after and _joined(want[-1], after))
         if right_ok and want[-1].isdigit() and after == "." and end + 1 < len(text):
             right_ok = not text[end + 1].isdigit()  # a decimal part follows
@@ -497,6 +504,7 @@ _FRACTION_END_RE = re.compile(r"([-+]?(?<!\d)\d+)\s*/\s*(\d+)$")
 
 def parse_number(text: str) -> float | None:
     """The last number in ``text`` (thousands separators allowed; a fraction a/b at the end too), or None."""
+    text = text.translate(_TO_ASCII_MINUS)
     frac = _FRACTION_END_RE.search(text.rstrip().removesuffix(".").rstrip())
     if frac:
         num, den = int(frac.group(1)), int(frac.group(2))

@@ -221,6 +221,23 @@ def test_text_scorers(text, answer, scorer, passed):
     assert score["scorer"] == scorer and score["error"] is None
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        ("ANSWER: \u22125", 5, "numeric", False),
+        ("ANSWER: \u22125", -5, "numeric", True),
+        ("ANSWER: \u22121/2", 0.5, "numeric", False),
+        ("ANSWER: \u22121/2", -0.5, "numeric", True),
+        ("ANSWER: \uff0d3", 3, "numeric", False),  # a fullwidth hyphen-minus
+        ("ANSWER: \u22124", 4, "includes", False),
+    ],
+)
+def test_a_unicode_minus_sign_is_a_minus_sign(text, answer, scorer, passed):
+    """Models often write U+2212 (\u2212) for minus: numeric read "\u22125" as 5, and includes found 4 in
+    "\u22124", so the opposite of the right answer passed."""
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
 def test_numeric_tolerance_is_relative_above_one():
     assert judged("ANSWER: 1000.4", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is True
     assert judged("ANSWER: 1002", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is False
