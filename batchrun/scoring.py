@@ -519,10 +519,13 @@ def parse_number(text: str) -> float | None:
 
 
 def json_equal(a: Any, b: Any) -> bool:
-    """Semantic JSON equality: objects by keys, 1 == 1.0, but true is no number."""
+    """Semantic JSON equality: objects by keys, 1 == 1.0, but true is no number. An integer is exact (a
+    relative tolerance made 1000000001 equal to 1000000000); only two fractions may differ by rounding."""
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    if (isinstance(a, int) and isinstance(b, (int, float))) or (isinstance(b, int) and isinstance(a, float)):
+        return a == b  # Python compares an int and a float exactly
+    if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)

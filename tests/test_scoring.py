@@ -238,6 +238,20 @@ def test_a_unicode_minus_sign_is_a_minus_sign(text, answer, scorer, passed):
     assert judged(text, answer, scorer)["passed"] is passed
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # Integers are exact: a tolerance made an id or a count one off equal (1e-9 of 10^9 is 1).
+        ('ANSWER: {"id": 1000000001}', '{"id": 1000000000}', False),
+        ("ANSWER: 12345678901234567891", "12345678901234567890", False),
+        ('ANSWER: {"id": 1000000000.0}', '{"id": 1000000000}', True),  # 1 vs 1.0 still ignored
+        ("ANSWER: [0.30000000000000004]", "[0.3]", True),  # a float's rounding still ignored
+    ],
+)
+def test_json_integers_are_compared_exactly(text, answer, passed):
+    assert judged(text, answer, "json")["passed"] is passed
+
+
 def test_numeric_tolerance_is_relative_above_one():
     assert judged("ANSWER: 1000.4", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is True
     assert judged("ANSWER: 1002", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is False
