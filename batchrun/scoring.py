@@ -535,11 +535,13 @@ def json_equal(a: Any, b: Any) -> bool:
 
 
 def _json_of(text: str) -> Any:
+    """The answer's JSON value, read strictly: an object that names a key twice says two things (which
+    one the model meant is anyone's guess), and NaN or 1e999 is no JSON value."""
     fenced = re.findall(r"```(?:json)?\s*(.*?)```", text, re.DOTALL)
     candidates = [*reversed(fenced), text]
     for cand in candidates:
         try:
-            return parse_json(cand)
+            return strict_json(cand)
         except ValueError:
             continue
     raise ValueError("the answer is not JSON")

@@ -252,6 +252,20 @@ def test_json_integers_are_compared_exactly(text, answer, passed):
     assert judged(text, answer, "json")["passed"] is passed
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # An object that names a key twice: which value the model meant is anyone's guess (Python's
+        # reader keeps the last, others the first); NaN is no JSON a strict reader takes.
+        ('ANSWER: {"a": 1, "a": 2}', '{"a": 2}', False),
+        ('ANSWER: {"a": 2, "a": 1}', '{"a": 2}', False),
+        ("ANSWER: [NaN]", "[1]", False),
+    ],
+)
+def test_json_answers_pass_only_when_they_say_the_value_unambiguously(text, answer, passed):
+    assert judged(text, answer, "json")["passed"] is passed
+
+
 def test_numeric_tolerance_is_relative_above_one():
     assert judged("ANSWER: 1000.4", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is True
     assert judged("ANSWER: 1002", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is False
