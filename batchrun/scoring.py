@@ -297,7 +297,9 @@ def _checked(part: Part) -> Part:
 def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]:
     """The record's ``score`` from the scorers' parts: passed when all pass, value the mean.
 
-    Any part that broke (error) makes the whole score null: a broken scorer never decides a sample."""
+    A part that broke (error) makes the whole score null: a broken scorer never decides a sample. But
+    one that failed does, whatever the others did: the sample failed (its value the mean of the parts
+    that gave one), or a broken scorer beside it would leave a known failure out of the pass rate."""
     parts = [_checked(p) for p in parts]
     base: dict[str, Any] = {
         "value": None,
@@ -322,7 +324,14 @@ def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]
     }
     broken = [p for p in parts if p.error is not None or p.value is None]
     if broken:
-        base["error"] = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)
+        errors = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)
+        judged = [p for p in parts if p.error is None and p.value is not None]
+        if not any(p.passed is False for p in judged):
+            base["error"] = errors
+            return base
+        base["value"] = float(sum(p.value for p in judged if p.value is not None) / len(judged))
+        base["passed"] = False
+        base["explanation"] = f"{base['explanation']} (no verdict from {errors})"
         return base
     if parts:
         base["value"] = float(sum(p.value for p in parts if p.value is not None) / len(parts))

@@ -320,6 +320,22 @@ def test_a_broken_scorer_is_null_with_its_error_never_a_failure():
     assert combine([Part("exact", 1.0, True), Part("verify", 0.5, False)])["value"] == 0.75
 
 
+def test_a_broken_scorer_never_hides_another_scorers_failure():
+    """A sample passes when all its scorers pass: one that failed decides it, whatever another did. The
+    failure was made a scorer error, left out of the pass rate's denominator (--scorer=exact,verify: a
+    wrong answer whose verify timed out raised the pass rate)."""
+    score = combine([Part("exact", 0.0, False, "41 is not 42"), Part("verify", error="timed out")])
+    assert (score["passed"], score["value"], score["error"]) == (False, 0.0, None), score
+    assert "41 is not 42" in score["explanation"] and "verify: timed out" in score["explanation"]
+    assert conform_score(score)["status"] == "failed"
+    tally = ScoreTally()
+    tally.add(read_score(conform_score(score)))
+    assert (tally.scored, tally.passes, tally.errors) == (1, 0, 0)
+    # Its value is the mean of the verdicts there are (partial credit kept), never of a missing one.
+    partial = combine([Part("verify", 0.5, False, "half"), Part("judge", error="no verdict")])
+    assert (partial["passed"], partial["value"]) == (False, 0.5), partial
+
+
 def test_a_row_the_scorer_cannot_judge_is_unscored():
     score = score_sample(
         record_saying("hi"), Judgement(check=None, settings=ScoringSettings(scorers=("exact",)))
