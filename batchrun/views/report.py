@@ -173,8 +173,8 @@ class RunData:
     failed_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     systems: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     system_keys: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Judged samples (kept and discarded): (row label, sample index, where it went, its score)
-    scored: list[tuple[str, int, str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    # Judged samples (kept and discarded): (row label, sample index, where it went, its score, row key)
+    scored: list[tuple[str, int, str, dict[str, Any], str]] = dataclasses.field(default_factory=list)
     # (row key, sample index) -> how many rows want it, as statistics.json's scores count them (None:
     # from its scores.duplicate_samples); and how often each is in ``scored`` already.
     wanted: dict[tuple[str, int], int] | None = None
@@ -259,7 +259,7 @@ def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
     human = next((t.get("value", "") for t in rec.get("conversations") or [] if t.get("from") == "human"), "")
     label = str(meta.get("row_id") or "") or " ".join(str(human).split())[:60]
     index = meta.get("sample_index") if isinstance(meta.get("sample_index"), int) else 0
-    data.scored.append((label, index, where, score))
+    data.scored.append((label, index, where, score, "" if key is None else key[0]))
 
 
 def _outcome_and_stop(rec: dict[str, Any]) -> tuple[str, str]:
@@ -854,8 +854,10 @@ def section_scores(d: RunData) -> str:
     """Pass rate and pass@k (from statistics.json), a per-row table, the score histogram, and the
     failing samples with their verify output, one click away."""
     judged = [
-        (label, i, where, sc) for label, i, where, sc in d.scored if sc.get("scorer") not in (None, "none")
+        (label, i, where, sc) for label, i, where, sc, _ in d.scored if sc.get("scorer") not in (None, "none")
     ]
+    # Per row by its identity, not its label: rows may share an id, or their prompts' first 60 characters.
+    row_keys = [key for _, _, _, sc, key in d.scored if sc.get("scorer") not in (None, "none")]
     if not judged:
         return ""
     scores = (d.statistics or {}).get("scores") or {}
@@ -883,16 +885,22 @@ def section_scores(d: RunData) -> str:
             f"{scores.get('scorer_errors', 0):,} scorer errors",
         )
     )
-    per_row: dict[str, list[Any]] = {}
-    for label, _, _, sc in judged:
-        entry = per_row.setdefault(label, [0, 0, []])
+    per_row: dict[tuple[str, str], list[Any]] = {}
+    for (label, _, _, sc), key in zip(judged, row_keys, strict=True):
+        entry = per_row.setdefault((label, key), [0, 0, []])
         entry[0] += 1
         entry[1] += sc.get("passed") is True
         if isinstance(sc.get("value"), (int, float)):
             entry[2].append(float(sc["value"]))
+    shared = collections.Counter(label for label, _ in per_row)
     rows = [
-        (label, n, passes, f"{sum(vals) / len(vals):.3f}" if vals else "–")
-        for label, (n, passes, vals) in sorted(per_row.items())[: d.max_items]
+        (
+            f"{label} · row {key[:8]}" if shared[label] > 1 else label,
+            n,
+            passes,
+            f"{sum(vals) / len(vals):.3f}" if vals else "–",
+        )
+        for (label, key), (n, passes, vals) in sorted(per_row.items())[: d.max_items]
     ]
     rows_note = (
         f'<p class="note">The first {d.max_items:,} of {len(per_row):,} rows; all are counted above.</p>'

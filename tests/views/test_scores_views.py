@@ -167,6 +167,33 @@ def test_the_report_judges_the_samples_statistics_json_counts(tmp_path, flags):
     assert _report_scores(a) == (3, 1, 2)  # and as the view writes it again
 
 
+def test_the_reports_per_row_table_never_merges_two_rows(tmp_path):
+    """Rows were grouped by their label (the row's id, else its prompt's first 60 characters): two
+    rows that share a long preamble (or an id) made one line, a row that always fails hidden in one
+    that always passes as "2 samples, 1 pass"."""
+    preamble = "Answer the question below and end with a line ANSWER: <the answer>. "
+    rows = [
+        {"prompt": preamble + "Say 42 [calls:0] [answer:42]", "answer": "42"},
+        {"prompt": preamble + "Say 43 [calls:0] [answer:42]", "answer": "43"},
+        {"id": "same", "prompt": "Say 4 [calls:0] [answer:4]", "answer": "4"},
+        {"id": "same", "prompt": "Say 5 [calls:0] [answer:4]", "answer": "5"},
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    page = (out / "run" / "report.html").read_text("utf-8")
+    table = page[page.index('<table class="scores"') :]
+    table = table[: table.index("</table>")]
+    cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.DOTALL)]
+    lines = [cells[i : i + 4] for i in range(0, len(cells), 4)]
+    assert sorted((n, passes) for _, n, passes, _ in lines) == [
+        ("1", "0"),
+        ("1", "0"),
+        ("1", "1"),
+        ("1", "1"),
+    ]
+    assert len({label for label, *_ in lines}) == 4, lines  # each line says which row it is
+
+
 def test_report_scores_section_in_chromium(browser, tmp_path: Path):
     out = tmp_path / "data"
     run(None, write_rows(tmp_path / "d.jsonl", ROWS), out, samples_per_prompt=2)
