@@ -507,8 +507,9 @@ _NUMBER_RE = re.compile(
 )
 
 
-# Not from inside a run of digits: a search from each of them scanned the run to its end (quadratic).
-_FRACTION_END_RE = re.compile(r"([-+]?(?<!\d)\d+)\s*/\s*(\d+)$")
+# Not from inside a run of digits: a search from each of them scanned the run to its end (quadratic);
+# nor from a decimal part ("1.5/3" is 0.5, not 5/3).
+_FRACTION_END_RE = re.compile(r"([-+]?(?<![\d.])\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)$")
 
 
 def parse_number(text: str) -> float | None:
@@ -516,8 +517,10 @@ def parse_number(text: str) -> float | None:
     text = text.translate(_TO_ASCII_MINUS)
     frac = _FRACTION_END_RE.search(text.rstrip().removesuffix(".").rstrip())
     if frac:
-        num, den = int(frac.group(1)), int(frac.group(2))
-        return num / den if den else None
+        num, den = frac.group(1), frac.group(2)
+        if "." in num or "." in den:
+            return float(num) / float(den) if float(den) else None
+        return int(num) / int(den) if int(den) else None
     found = _NUMBER_RE.findall(text)
     if not found:
         return None

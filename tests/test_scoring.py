@@ -266,6 +266,20 @@ def test_json_answers_pass_only_when_they_say_the_value_unambiguously(text, answ
     assert judged(text, answer, "json")["passed"] is passed
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # A fraction's decimal numerator or denominator is part of it: "1.5/3" was read as 5/3.
+        ("ANSWER: 1.5/3", 0.5, True),
+        ("ANSWER: 1.5/3", "5/3", False),
+        ("ANSWER: 3/1.5", 2, True),
+        ("ANSWER: -2.5/5", -0.5, True),
+    ],
+)
+def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
+    assert judged(text, answer, "numeric")["passed"] is passed
+
+
 def test_numeric_tolerance_is_relative_above_one():
     assert judged("ANSWER: 1000.4", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is True
     assert judged("ANSWER: 1002", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is False
