@@ -297,7 +297,9 @@ def _checked(part: Part) -> Part:
 def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]:
     """The record's ``score`` from the scorers' parts: passed when all pass, value the mean.
 
-    Any part that broke (error) makes the whole score null: a broken scorer never decides a sample."""
+    A part that broke (error) makes the whole score null: a broken scorer never decides a sample. But
+    one that failed does, whatever the others did: the sample failed (its value the mean of the parts
+    that gave one), or a broken scorer beside it would leave a known failure out of the pass rate."""
     parts = [_checked(p) for p in parts]
     base: dict[str, Any] = {
         "value": None,
@@ -322,7 +324,14 @@ def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]
     }
     broken = [p for p in parts if p.error is not None or p.value is None]
     if broken:
-        base["error"] = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)
+        errors = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)
+        judged = [p for p in parts if p.error is None and p.value is not None]
+        if not any(p.passed is False for p in judged):
+            base["error"] = errors
+            return base
+        base["value"] = float(sum(p.value for p in judged if p.value is not None) / len(judged))
+        base["passed"] = False
+        base["explanation"] = f"{base['explanation']} (no verdict from {errors})"
         return base
     if parts:
         base["value"] = float(sum(p.value for p in parts if p.value is not None) / len(parts))
@@ -408,6 +417,11 @@ def extract_answer(text: str, pattern: str | None = None) -> str:
     return text.strip()
 
 
+# Minus signs models write besides "-": U+2212 (the typeset minus), small and fullwidth hyphen-minus.
+# Read as anything else, "\u22125" is 5: the opposite of the answer given.
+MINUS_SIGNS = "\u2212\ufe63\uff0d"
+_TO_ASCII_MINUS = str.maketrans(dict.fromkeys(MINUS_SIGNS, "-"))
+
 _PUNCT = str.maketrans("", "", string.punctuation)
 # A number inside an answer: its minus sign and decimal point are part of its value, not punctuation
 # ("-1" is not "1", "3.5" is not "35"); its thousands separators are not ("1,000" is "1000").
@@ -470,7 +484,9 @@ def includes_whole(text: str, want: str) -> bool:
         left_ok = not (before and _joined(before, want[0]))
         if left_ok and want[0].isdigit() and before:
             # a sign of this number, or its decimal point with digits before it
-            left_ok = before not in "+-" and not (before == "." and at >= 2 and text[at - 2].isdigit())
+            left_ok = before not in "+-" + MINUS_SIGNS and not (
+                before == "." and at >= 2 and text[at - 2].isdigit()
+            )
         right_ok = not (after and _joined(want[-1], after))
         if right_ok and want[-1].isdigit() and after == "." and end + 1 < len(text):
             right_ok = not text[end + 1].isdigit()  # a decimal part follows
@@ -491,16 +507,20 @@ _NUMBER_RE = re.compile(
 )
 
 
-# Not from inside a run of digits: a search from each of them scanned the run to its end (quadratic).
-_FRACTION_END_RE = re.compile(r"([-+]?(?<!\d)\d+)\s*/\s*(\d+)$")
+# Not from inside a run of digits: a search from each of them scanned the run to its end (quadratic);
+# nor from a decimal part ("1.5/3" is 0.5, not 5/3).
+_FRACTION_END_RE = re.compile(r"([-+]?(?<![\d.])\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)$")
 
 
 def parse_number(text: str) -> float | None:
     """The last number in ``text`` (thousands separators allowed; a fraction a/b at the end too), or None."""
+    text = text.translate(_TO_ASCII_MINUS)
     frac = _FRACTION_END_RE.search(text.rstrip().removesuffix(".").rstrip())
     if frac:
-        num, den = int(frac.group(1)), int(frac.group(2))
-        return num / den if den else None
+        num, den = frac.group(1), frac.group(2)
+        if "." in num or "." in den:
+            return float(num) / float(den) if float(den) else None
+        return int(num) / int(den) if int(den) else None
     found = _NUMBER_RE.findall(text)
     if not found:
         return None
@@ -511,10 +531,13 @@ def parse_number(text: str) -> float | None:
 
 
 def json_equal(a: Any, b: Any) -> bool:
-    """Semantic JSON equality: objects by keys, 1 == 1.0, but true is no number."""
+    """Semantic JSON equality: objects by keys, 1 == 1.0, but true is no number. An integer is exact (a
+    relative tolerance made 1000000001 equal to 1000000000); only two fractions may differ by rounding."""
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    if (isinstance(a, int) and isinstance(b, (int, float))) or (isinstance(b, int) and isinstance(a, float)):
+        return a == b  # Python compares an int and a float exactly
+    if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
@@ -524,11 +547,13 @@ def json_equal(a: Any, b: Any) -> bool:
 
 
 def _json_of(text: str) -> Any:
+    """The answer's JSON value, read strictly: an object that names a key twice says two things (which
+    one the model meant is anyone's guess), and NaN or 1e999 is no JSON value."""
     fenced = re.findall(r"```(?:json)?\s*(.*?)```", text, re.DOTALL)
     candidates = [*reversed(fenced), text]
     for cand in candidates:
         try:
-            return parse_json(cand)
+            return strict_json(cand)
         except ValueError:
             continue
     raise ValueError("the answer is not JSON")

@@ -221,6 +221,65 @@ def test_text_scorers(text, answer, scorer, passed):
     assert score["scorer"] == scorer and score["error"] is None
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        ("ANSWER: \u22125", 5, "numeric", False),
+        ("ANSWER: \u22125", -5, "numeric", True),
+        ("ANSWER: \u22121/2", 0.5, "numeric", False),
+        ("ANSWER: \u22121/2", -0.5, "numeric", True),
+        ("ANSWER: \uff0d3", 3, "numeric", False),  # a fullwidth hyphen-minus
+        ("ANSWER: \u22124", 4, "includes", False),
+    ],
+)
+def test_a_unicode_minus_sign_is_a_minus_sign(text, answer, scorer, passed):
+    """Models often write U+2212 (\u2212) for minus: numeric read "\u22125" as 5, and includes found 4 in
+    "\u22124", so the opposite of the right answer passed."""
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # Integers are exact: a tolerance made an id or a count one off equal (1e-9 of 10^9 is 1).
+        ('ANSWER: {"id": 1000000001}', '{"id": 1000000000}', False),
+        ("ANSWER: 12345678901234567891", "12345678901234567890", False),
+        ('ANSWER: {"id": 1000000000.0}', '{"id": 1000000000}', True),  # 1 vs 1.0 still ignored
+        ("ANSWER: [0.30000000000000004]", "[0.3]", True),  # a float's rounding still ignored
+    ],
+)
+def test_json_integers_are_compared_exactly(text, answer, passed):
+    assert judged(text, answer, "json")["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # An object that names a key twice: which value the model meant is anyone's guess (Python's
+        # reader keeps the last, others the first); NaN is no JSON a strict reader takes.
+        ('ANSWER: {"a": 1, "a": 2}', '{"a": 2}', False),
+        ('ANSWER: {"a": 2, "a": 1}', '{"a": 2}', False),
+        ("ANSWER: [NaN]", "[1]", False),
+    ],
+)
+def test_json_answers_pass_only_when_they_say_the_value_unambiguously(text, answer, passed):
+    assert judged(text, answer, "json")["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # A fraction's decimal numerator or denominator is part of it: "1.5/3" was read as 5/3.
+        ("ANSWER: 1.5/3", 0.5, True),
+        ("ANSWER: 1.5/3", "5/3", False),
+        ("ANSWER: 3/1.5", 2, True),
+        ("ANSWER: -2.5/5", -0.5, True),
+    ],
+)
+def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
+    assert judged(text, answer, "numeric")["passed"] is passed
+
+
 def test_numeric_tolerance_is_relative_above_one():
     assert judged("ANSWER: 1000.4", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is True
     assert judged("ANSWER: 1002", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is False
@@ -273,6 +332,22 @@ def test_a_broken_scorer_is_null_with_its_error_never_a_failure():
     both = combine([Part("exact", 1.0, True, "ok"), Part("judge", error="timed out")])
     assert both["passed"] is None and both["value"] is None and "judge: timed out" in both["error"]
     assert combine([Part("exact", 1.0, True), Part("verify", 0.5, False)])["value"] == 0.75
+
+
+def test_a_broken_scorer_never_hides_another_scorers_failure():
+    """A sample passes when all its scorers pass: one that failed decides it, whatever another did. The
+    failure was made a scorer error, left out of the pass rate's denominator (--scorer=exact,verify: a
+    wrong answer whose verify timed out raised the pass rate)."""
+    score = combine([Part("exact", 0.0, False, "41 is not 42"), Part("verify", error="timed out")])
+    assert (score["passed"], score["value"], score["error"]) == (False, 0.0, None), score
+    assert "41 is not 42" in score["explanation"] and "verify: timed out" in score["explanation"]
+    assert conform_score(score)["status"] == "failed"
+    tally = ScoreTally()
+    tally.add(read_score(conform_score(score)))
+    assert (tally.scored, tally.passes, tally.errors) == (1, 0, 0)
+    # Its value is the mean of the verdicts there are (partial credit kept), never of a missing one.
+    partial = combine([Part("verify", 0.5, False, "half"), Part("judge", error="no verdict")])
+    assert (partial["passed"], partial["value"]) == (False, 0.5), partial
 
 
 def test_a_row_the_scorer_cannot_judge_is_unscored():

@@ -289,7 +289,9 @@ class KeptFeed:
         self.scores = RunScores(config.distribution, self.wanted)
         from batchrun.views.report import RunData, add_trajectory
 
-        self.report: Any = RunData(run_dir=config.run_dir, max_items=config.report_max_trajectories)
+        self.report: Any = RunData(
+            run_dir=config.run_dir, max_items=config.report_max_trajectories, wanted=self.wanted
+        )
         self._add_trajectory = add_trajectory
 
     def __call__(self, rec: dict[str, Any], item: dict[str, Any] | None = None) -> None:
@@ -303,8 +305,15 @@ class KeptFeed:
     def excluded(self, rec: dict[str, Any]) -> None:
         """A partial sample --exclude_partial leaves out of trajectories.jsonl (and so out of the report's
         trajectories): its score still counts, or the pass rate would leave out the samples that ran
-        out of turns, tokens or context, most of them failures."""
+        out of turns, tokens or context, most of them failures), in the report's scores too."""
         self.scores.add(rec, *record_sample(rec))
+        if self.report is not None:
+            from batchrun.views.report import EXCLUDED_PARTIAL, add_score
+
+            try:
+                add_score(self.report, rec, EXCLUDED_PARTIAL)
+            except Exception:
+                self.report = None
 
 
 def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], recorder: Recorder) -> None:

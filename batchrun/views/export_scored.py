@@ -8,7 +8,9 @@ GRPO-style trainers).
 Samples are grouped by their row's identity and the tools they were offered (a pair or a group
 shares one prompt: the same messages up to the user's, and the same ``tools``), across every run
 named, so two models' runs over one dataset pair up too. Kept trajectories and the samples a failed
-check discarded (``--keep=passed``) are read; other discards only with ``--include_discarded``.
+check discarded (``--keep=passed``) are read; other discards only with ``--include_discarded``. Each
+(row, sample) of a run counts once (per identical row), as statistics.json counts it: an old discard
+that ``--rerun_discarded`` ran again is not a second sample.
 
 * ``preference``: ``prompt`` (the messages up to and including the user's), ``chosen`` and
   ``rejected`` (the rest of a passing and of a failing sample: assistant turns with their
@@ -26,10 +28,11 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import RowIdentity
+from batchrun.identity import RowIdentity, record_sample
 from batchrun.record import features_yaml
 from batchrun.sharegpt import first_human, offered_tools
 from batchrun.views.export_rows import (
@@ -44,6 +47,7 @@ from batchrun.views.export_rows import (
     split_of,
     to_openai_messages,
 )
+from batchrun.views.score import run_wanted
 
 SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samples, not broken ones
 
@@ -90,6 +94,14 @@ def _sample_ok(reason: str | None, include_discarded: bool) -> bool:
     return reason is None or reason in SCORING_DISCARDS or include_discarded
 
 
+def _judged_samples(
+    run_dirs: list[Path], skipped: collections.Counter[str]
+) -> Iterator[tuple[Path, dict[str, Any], str | None, str]]:
+    for run_dir in run_dirs:
+        for record, reason, run_name in _all_samples([run_dir], True, skipped):
+            yield run_dir, record, reason, run_name
+
+
 def export_scored(
     run_dirs: list[Path],
     fmt: str,
@@ -102,7 +114,11 @@ def export_scored(
     """Write ``train.jsonl`` (and ``test.jsonl``) of ``preference`` or ``rewards`` rows, and the card."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
     skipped = result.skipped
-    for record, reason, run_name in _all_samples(run_dirs, True, skipped):
+    # Each (row, sample) of a run as often as its dataset wants it (identical rows), as statistics.json
+    # counts them: kept first; an old discard that --rerun_discarded ran again is not a second sample.
+    wanted = {run_dir: run_wanted(run_dir) for run_dir in run_dirs}
+    counted: collections.Counter[tuple[Path, str, int]] = collections.Counter()
+    for run_dir, record, reason, run_name in _judged_samples(run_dirs, skipped):
         if not _sample_ok(reason, include_discarded):
             skipped[f"discarded ({reason})"] += 1
             continue
@@ -113,6 +129,15 @@ def export_scored(
         if cols["score_passed"] is None or cols["score_value"] is None:
             skipped["not judged"] += 1
             continue
+        try:
+            sample = (run_dir, *record_sample(record))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            skipped[f"unparsable ({type(exc).__name__})"] += 1
+            continue
+        if counted[sample] >= wanted[run_dir].get(sample[1:], 1):
+            skipped["discarded sample run again (--rerun_discarded)"] += 1
+            continue
+        counted[sample] += 1
         try:
             system = next((t["value"] for t in record["conversations"] if t.get("from") == "system"), "")
             tools = json.dumps(offered_tools(system), ensure_ascii=False)

@@ -23,10 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from batchrun.identity import record_sample
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
+from batchrun.scoring import wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts
-from batchrun.storage import iter_jsonl, write_text_atomic
+from batchrun.storage import batch_files, iter_jsonl, write_text_atomic
 
 DEFAULT_MAX_TRAJECTORIES = 500
 MAX_TEXT_CHARS = 20_000  # one turn's text in the browsable list; the JSONL files hold it whole
@@ -171,8 +173,12 @@ class RunData:
     failed_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     systems: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     system_keys: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Judged samples (kept and discarded): (row label, sample index, where it went, its score)
-    scored: list[tuple[str, int, str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    # Judged samples (kept and discarded): (row label, sample index, where it went, its score, row key)
+    scored: list[tuple[str, int, str, dict[str, Any], str]] = dataclasses.field(default_factory=list)
+    # (row key, sample index) -> how many rows want it, as statistics.json's scores count them (None:
+    # from its scores.duplicate_samples); and how often each is in ``scored`` already.
+    wanted: dict[tuple[str, int], int] | None = None
+    counted: collections.Counter[tuple[str, int]] = dataclasses.field(default_factory=collections.Counter)
 
 
 def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunData | None = None) -> RunData:
@@ -184,6 +190,11 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
     data.manifest = read_json(run_dir / "run_manifest.json")
     data.statistics = read_json(run_dir / "statistics.json")
     data.status = read_json(run_dir / "status.json")
+    if data.wanted is None:
+        section = (data.statistics or {}).get("scores")
+        data.wanted = wanted_from_duplicates(
+            section.get("duplicate_samples") if isinstance(section, dict) else None
+        )
     if kept is None:
         sources, data.merged = trajectory_sources(run_dir)
         for path in sources:
@@ -192,6 +203,13 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
                     data.invalid_lines += 1
                 else:
                     add_trajectory(data, rec)
+        dropped = (data.statistics or {}).get("dropped_at_merge")
+        if data.merged and isinstance(dropped, dict) and dropped.get("partial_excluded"):
+            # The partial samples --exclude_partial left in the batch files only: judged all the same.
+            for _, path in batch_files(run_dir):
+                for rec in iter_jsonl(path):
+                    if valid_record(rec) and rec.get("partial") is True:
+                        add_score(data, rec, EXCLUDED_PARTIAL)
     for row in iter_jsonl(run_dir / "discarded.jsonl"):
         if not valid_outcome_row(row, "reason"):
             data.invalid_lines += 1
@@ -219,16 +237,29 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
     return data
 
 
+EXCLUDED_PARTIAL = "excluded: partial (--exclude_partial)"
+
+
 def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
-    """A sample's score for the scores section (a record of a version before scores has none)."""
+    """A sample's score for the scores section (a record of a version before scores has none), unless
+    its (row, sample) is there as often as the dataset wants it: the samples of statistics.json's
+    scores (kept first; an old discard that --rerun_discarded ran again is not counted beside it)."""
     if not isinstance(rec.get("score"), dict):
         return
+    try:
+        key = record_sample(rec)
+    except Exception:  # a discarded record of another shape: listed, as before
+        key = None
+    if key is not None:
+        if data.counted[key] >= (data.wanted or {}).get(key, 1):
+            return
+        data.counted[key] += 1
     score = read_score(rec["score"])
     meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
     human = next((t.get("value", "") for t in rec.get("conversations") or [] if t.get("from") == "human"), "")
     label = str(meta.get("row_id") or "") or " ".join(str(human).split())[:60]
     index = meta.get("sample_index") if isinstance(meta.get("sample_index"), int) else 0
-    data.scored.append((label, index, where, score))
+    data.scored.append((label, index, where, score, "" if key is None else key[0]))
 
 
 def _outcome_and_stop(rec: dict[str, Any]) -> tuple[str, str]:
@@ -823,8 +854,10 @@ def section_scores(d: RunData) -> str:
     """Pass rate and pass@k (from statistics.json), a per-row table, the score histogram, and the
     failing samples with their verify output, one click away."""
     judged = [
-        (label, i, where, sc) for label, i, where, sc in d.scored if sc.get("scorer") not in (None, "none")
+        (label, i, where, sc) for label, i, where, sc, _ in d.scored if sc.get("scorer") not in (None, "none")
     ]
+    # Per row by its identity, not its label: rows may share an id, or their prompts' first 60 characters.
+    row_keys = [key for _, _, _, sc, key in d.scored if sc.get("scorer") not in (None, "none")]
     if not judged:
         return ""
     scores = (d.statistics or {}).get("scores") or {}
@@ -852,16 +885,22 @@ def section_scores(d: RunData) -> str:
             f"{scores.get('scorer_errors', 0):,} scorer errors",
         )
     )
-    per_row: dict[str, list[Any]] = {}
-    for label, _, _, sc in judged:
-        entry = per_row.setdefault(label, [0, 0, []])
+    per_row: dict[tuple[str, str], list[Any]] = {}
+    for (label, _, _, sc), key in zip(judged, row_keys, strict=True):
+        entry = per_row.setdefault((label, key), [0, 0, []])
         entry[0] += 1
         entry[1] += sc.get("passed") is True
         if isinstance(sc.get("value"), (int, float)):
             entry[2].append(float(sc["value"]))
+    shared = collections.Counter(label for label, _ in per_row)
     rows = [
-        (label, n, passes, f"{sum(vals) / len(vals):.3f}" if vals else "–")
-        for label, (n, passes, vals) in sorted(per_row.items())[: d.max_items]
+        (
+            f"{label} · row {key[:8]}" if shared[label] > 1 else label,
+            n,
+            passes,
+            f"{sum(vals) / len(vals):.3f}" if vals else "–",
+        )
+        for (label, key), (n, passes, vals) in sorted(per_row.items())[: d.max_items]
     ]
     rows_note = (
         f'<p class="note">The first {d.max_items:,} of {len(per_row):,} rows; all are counted above.</p>'

@@ -93,3 +93,18 @@ def test_preference_without_any_pair_is_a_clear_error(two_runs, tmp_path, capsys
     exact, _ = two_runs
     assert export.main([str(exact), "--format=preference", f"--out={tmp_path / 'none'}"]) == 2
     assert "no row has both a passing and a failing sample" in capsys.readouterr().err
+
+
+def test_a_sample_rerun_by_rerun_discarded_is_one_completion_of_its_group(tmp_path):
+    """--rerun_discarded leaves the old discard in discarded.jsonl beside the new run of its sample (the
+    same seed: here the same failing answer). statistics.json counts the sample once; the rewards group
+    held it twice, a duplicate completion weighing twice in a trainer's group."""
+    rows = [{"id": "r", "prompt": "Say [calls:0] [answers:42|41]", "answer": "42"}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    flags = dict(keep="passed", samples_per_prompt=2, seed_per_request=True)
+    run(None, dataset, out, **flags)
+    run(None, dataset, out, resume=True, rerun_discarded=True, **flags)
+    export.main([str(out / "run"), "--format=rewards", f"--out={tmp_path / 'groups'}"])
+    (group,) = [json.loads(line) for line in (tmp_path / "groups" / "train.jsonl").read_text().splitlines()]
+    assert sorted((c["sample_index"], c["passed"]) for c in group["completions"]) == [(0, True), (1, False)]

@@ -4,13 +4,14 @@ the report's scores section in a real Chromium."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from helpers import read_jsonl, run, stats_of, write_rows
 
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
-from batchrun.views import compare, score
+from batchrun.views import compare, report, score
 
 ROWS = [
     # The fake model answers 42 to each; the rows expect different things.
@@ -129,6 +130,68 @@ def test_rescore_and_compare_count_duplicate_rows_as_the_run_does(tmp_path, caps
     )
     r = json.loads(capsys.readouterr().out)
     assert (r["pairs"], r["pass_rate_a"], r["pass_rate_b"]) == (3, 2 / 3, 2 / 3)
+
+
+def _report_scores(run_dir: Path) -> tuple[int, int, int]:
+    """The report's scores section as read: samples and passes summed over its per-row table, and the
+    failing samples it lists."""
+    page = (run_dir / "report.html").read_text("utf-8")
+    section = page[page.index('<section id="scores">') :]
+    table = section[section.index('<table class="scores"') : section.index("</table>")]
+    cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.DOTALL)]
+    rows = [cells[i : i + 4] for i in range(0, len(cells), 4)]
+    failing = int(re.search(r"Failing samples \((\d+)\)", section).group(1))
+    return sum(int(r[1]) for r in rows), sum(int(r[2]) for r in rows), failing
+
+
+@pytest.mark.parametrize("flags", [{"exclude_partial": True}, {"keep": "passed", "exclude_partial": True}])
+def test_the_report_judges_the_samples_statistics_json_counts(tmp_path, flags):
+    """The report's per-row table and failing list are the samples of the pass rate above them: each
+    (row, sample) once (an old discard that --rerun_discarded ran again was listed beside its new run),
+    and the partial samples --exclude_partial leaves out of trajectories.jsonl (a row that always ran
+    out of turns was missing from the table, its failures from the list)."""
+    rows = [
+        {"id": "right", "prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"},
+        {"id": "wrong", "prompt": "Say 43 [calls:0] [answer:42]", "answer": "43"},
+        {"id": "loop", "prompt": "Loop [loop]", "answer": "1"},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    run(None, dataset, out, max_turns=3, **flags)
+    run(None, dataset, out, max_turns=3, resume=True, rerun_discarded=True, **flags)
+    a = out / "run"
+    scores = stats_of(a)["scores"]
+    assert (scores["scored"], scores["passed"], scores["scorer_errors"]) == (3, 1, 0)
+    assert _report_scores(a) == (3, 1, 2)  # as the runner wrote it
+    assert report.main([str(a)]) == 0
+    assert _report_scores(a) == (3, 1, 2)  # and as the view writes it again
+
+
+def test_the_reports_per_row_table_never_merges_two_rows(tmp_path):
+    """Rows were grouped by their label (the row's id, else its prompt's first 60 characters): two
+    rows that share a long preamble (or an id) made one line, a row that always fails hidden in one
+    that always passes as "2 samples, 1 pass"."""
+    preamble = "Answer the question below and end with a line ANSWER: <the answer>. "
+    rows = [
+        {"prompt": preamble + "Say 42 [calls:0] [answer:42]", "answer": "42"},
+        {"prompt": preamble + "Say 43 [calls:0] [answer:42]", "answer": "43"},
+        {"id": "same", "prompt": "Say 4 [calls:0] [answer:4]", "answer": "4"},
+        {"id": "same", "prompt": "Say 5 [calls:0] [answer:4]", "answer": "5"},
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    page = (out / "run" / "report.html").read_text("utf-8")
+    table = page[page.index('<table class="scores"') :]
+    table = table[: table.index("</table>")]
+    cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.DOTALL)]
+    lines = [cells[i : i + 4] for i in range(0, len(cells), 4)]
+    assert sorted((n, passes) for _, n, passes, _ in lines) == [
+        ("1", "0"),
+        ("1", "0"),
+        ("1", "1"),
+        ("1", "1"),
+    ]
+    assert len({label for label, *_ in lines}) == 4, lines  # each line says which row it is
 
 
 def test_report_scores_section_in_chromium(browser, tmp_path: Path):
