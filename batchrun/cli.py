@@ -375,6 +375,9 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
             f"warning: --resume: {no_run_here(config.run_dir)}; starting it from the first prompt",
             file=sys.stderr,
         )
+    # Read before this invocation writes its own: an earlier one killed (kill -9, a lost machine) left
+    # its spend there only (finish.lost_runs).
+    recorder.earlier_status = finish.read_status(config.run_dir)
     manifest_path = config.run_dir / "run_manifest.json"
     if manifest_path.exists():
         manifest = check_manifest(read_manifest(manifest_path), manifest, force=config.force_resume)

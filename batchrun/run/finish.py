@@ -11,6 +11,7 @@ import collections
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -372,7 +373,8 @@ def statistics(
             scores.add(rec["record"], *record_sample(rec["record"]))
     failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
     this_run = this_run_totals(recorder)
-    runs = [*earlier_runs(run_dir / "statistics.json"), this_run]
+    earlier = earlier_runs(run_dir / "statistics.json")
+    runs = [*earlier, *lost_runs(recorder.earlier_status, earlier), this_run]
     summary = totals.summary()
     # Lines skipped for their shape (or torn) in discarded.jsonl and failed.jsonl, beside the batch files'.
     summary["invalid_lines_skipped"] = {
@@ -498,6 +500,52 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
     if not isinstance(runs, list):
         return []
     return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
+
+
+def read_status(run_dir: Path) -> dict[str, Any] | None:
+    """status.json as an earlier invocation left it; None when there is none or it cannot be read."""
+    try:
+        status = parse_json((run_dir / "status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``runs`` entry of an invocation that wrote no statistics.json (killed, or stopped by a full
+    disk): what its last status.json said it had spent (refreshed every few seconds while it ran: the
+    last seconds' calls may be missing, so ``ended`` says the figures are a lower bound). Without it a
+    resume after a kill -9 left that invocation's cost out of ``run_totals``."""
+    if not status or not isinstance(status.get("started_at"), str):
+        return []
+    if any(r.get("started_at") == status["started_at"] for r in earlier):
+        return []  # it wrote its statistics: counted there
+
+    def number(key: str) -> float:
+        value = status.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return max(0.0, float(value)) if ok else 0.0
+
+    try:
+        duration = (
+            dt.datetime.fromisoformat(status["updated_at"]) - dt.datetime.fromisoformat(status["started_at"])
+        ).total_seconds()
+    except (KeyError, TypeError, ValueError):
+        duration = 0.0
+    return [
+        {
+            "started_at": status["started_at"],
+            "completed_at": status.get("updated_at") if isinstance(status.get("updated_at"), str) else None,
+            "duration_s": round(max(0.0, duration), 2),
+            "attempted": int(number("done") + number("failed") + number("discarded")),
+            "trajectories": int(number("done")),
+            "requests": int(number("api_calls")),
+            "prompt_tokens": int(number("prompt_tokens")),
+            "completion_tokens": int(number("completion_tokens")),
+            "cost_usd": round(number("cost_usd"), 8),
+            "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
+        }
+    ]
 
 
 def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -105,6 +105,7 @@ class Recorder:
         self.total = 0  # prompts handed to the workers in this run
         self.started = time.monotonic()
         self.started_at = _now()
+        self.earlier_status: dict[str, Any] | None = None  # status.json as an earlier invocation left it
         self.last_event_at: str | None = None
         self.done_indices: set[int] | None = None
         # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)

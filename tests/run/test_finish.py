@@ -264,3 +264,55 @@ def test_no_copy_of_the_data_is_left_by_an_interrupted_or_killed_merge(server, t
         raise AssertionError("the merge was not interrupted")
     assert sorted(p.name for p in run_dir.iterdir()) == names
     assert (run_dir / "trajectories.jsonl").read_bytes() == merged
+
+
+def test_the_spend_of_an_invocation_killed_before_its_statistics_stays_in_the_run_totals(tmp_path):
+    """kill -9 (or a lost machine) leaves no statistics.json for that invocation: the resume's
+    run_totals left out what it had spent. Its last status.json says it, as a lower bound."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [slow:0.3]" for i in range(8)])
+    out = tmp_path / "data"
+    args = [
+        sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=run", f"--output_dir={out}", "--model=mock", "--distribution=terminal_only",
+        "--num_workers=1", "--prompts_per_worker=2", "--max_failure_rate=1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    status_path = out / "run" / "status.json"
+    try:
+        deadline = time.monotonic() + 120
+        status: dict = {}
+        while time.monotonic() < deadline and not status.get("api_calls"):
+            time.sleep(0.05)
+            try:
+                status = json.loads(status_path.read_text("utf-8"))
+            except (OSError, ValueError):
+                status = {}
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    status = json.loads(status_path.read_text("utf-8"))  # the last one it wrote
+    assert status["state"] == "running" and status["api_calls"] > 0
+    assert not (out / "run" / "statistics.json").exists()
+    resumed = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    stats = stats_of(out / "run")
+    killed, resume = stats["runs"]
+    assert killed["started_at"] == status["started_at"] and "last status: running" in killed["ended"]
+    assert killed["requests"] == status["api_calls"]
+    assert killed["prompt_tokens"] == status["prompt_tokens"] > 0
+    assert "ended" not in resume
+    assert stats["run_totals"]["runs"] == 2
+    assert stats["run_totals"]["requests"] == killed["requests"] + resume["requests"]
+    # A third invocation with nothing left counts the killed one once, from statistics.json now.
+    subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=120, check=True)
+    assert [r["started_at"] for r in stats_of(out / "run")["runs"][:2]] == [
+        killed["started_at"],
+        resume["started_at"],
+    ]
+    assert stats_of(out / "run")["run_totals"]["runs"] == 3
