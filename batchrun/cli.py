@@ -194,6 +194,8 @@ def run_steps(
             samples_per_prompt=config.samples_per_prompt,
             force=config.force_resume,
             dataset_file=config.dataset_file,
+            stop_after_passes=config.stop_after_passes,
+            exclude_partial=config.exclude_partial,
         )
         if config.resume
         else all_samples(rows, config.samples_per_prompt)

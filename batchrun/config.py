@@ -684,7 +684,7 @@ class RunConfig:
     stop_after_passes: int | None = _flag(
         int_flag(1, optional=True),
         group="scores",
-        help="Once a row has this many passing samples, its samples not yet started are not run (recorded as skipped_after_passes; not run by --resume either).",
+        help="Once a row has this many passing samples, its samples not yet started are not run (recorded as skipped_after_passes; not run by --resume either, unless it raises this: then while the row has fewer passes).",
     )
     judge_model: str | None = _flag(
         text_flag(), group="scores", help="Model id of the judge (--scorer=judge)."

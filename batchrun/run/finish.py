@@ -334,6 +334,27 @@ def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], record
         recorder.set_aside(rec, "unknown_tool")
 
 
+MERGE_SET_ASIDE = ("unknown_tool",)  # discards the merge writes of records that stay in their batch files
+
+
+def superseded_discards(path: Path, finished_at: collections.Counter[tuple[str, int, int]]) -> set[int]:
+    """The discarded.jsonl rows (their positions among its non-blank lines) that no longer stand for their
+    sample: one dataset line's sample ran again (--rerun_discarded, or a resume that raised
+    --stop_after_passes) and then was kept (a batch file holds it at that line) or discarded again (a
+    later row). Counted as they are, a sample discarded and then kept showed in the discards too."""
+    last: dict[tuple[str, int, int], int] = {}
+    rows: list[tuple[int, tuple[str, int, int], bool]] = []
+    for n, rec in enumerate(iter_jsonl(path)):
+        index = rec.get("prompt_index") if isinstance(rec, dict) else None
+        if valid_outcome_row(rec, "reason") and isinstance(index, int) and not isinstance(index, bool):
+            key = (*outcome_sample(rec), rec["prompt_index"])
+            last[key] = n
+            rows.append((n, key, rec["reason"] in MERGE_SET_ASIDE))
+    return {
+        n for n, key, set_aside in rows if last[key] != n or (not set_aside and finished_at.get(key, 0) > 0)
+    }
+
+
 def _stop_reason(rec: dict[str, Any]) -> str:
     reason = (rec.get("metadata") or {}).get("stop_reason")
     return reason if isinstance(reason, str) else "unknown"
@@ -362,9 +383,12 @@ def statistics(
         )
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
     invalid = 0
-    for rec in iter_jsonl(run_dir / "discarded.jsonl"):
+    stale = superseded_discards(run_dir / "discarded.jsonl", totals.finished_at)
+    for n, rec in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
         if not valid_outcome_row(rec, "reason"):
             invalid += 1
+            continue
+        if n in stale:
             continue
         discards_all[rec["reason"]] += 1
         w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))

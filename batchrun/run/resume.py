@@ -16,13 +16,14 @@ import hashlib
 import shlex
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.identity import RowIdentity, outcome_sample, record_sample
-from batchrun.protocol import RowCheck
-from batchrun.record import valid_outcome_row, valid_record
+from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
+from batchrun.record import read_score, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.scoring import check_from_row_fields
@@ -240,13 +241,20 @@ def scan_finished(
     rerun_discarded: bool,
     at: collections.Counter[tuple[str, int, int]] | None = None,
     checks: Checks | None = None,
+    stop_after_passes: int | None = None,
+    exclude_partial: bool = False,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
     by (identity, sample index, prompt index), for :func:`unfinished`; ``checks`` each row identity's
     ``row_fields`` texts its finished outcomes were judged with, and the dataset lines (prompt indices)
-    that wrote them, for :func:`changed_checks`."""
+    that wrote them, for :func:`changed_checks`.
+
+    With ``stop_after_passes`` (K) a sample skipped after its row's passes (``skipped_after_passes``) is
+    finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
+    smaller K skipped it); ``exclude_partial``: partial passes are not kept ones."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
+    passes: collections.Counter[str] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec):
@@ -256,7 +264,16 @@ def scan_finished(
                     at[(*key, rec["prompt_index"])] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks)
+                if stop_after_passes and read_score(rec.get("score")).get("passed") is True:
+                    if not (exclude_partial and rec.get("partial")):
+                        passes[key[0]] += 1
+
+    def still_skipped(row: dict[str, Any]) -> bool:
+        if row["reason"] != SKIPPED_AFTER_PASSES or not stop_after_passes:
+            return True
+        return passes[outcome_sample(row)[0]] >= stop_after_passes
+
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=still_skipped)
     return done
 
 
@@ -275,12 +292,14 @@ def add_discards(
     rerun_discarded: bool,
     at: collections.Counter[tuple[str, int, int]] | None = None,
     checks: Checks | None = None,
+    counts: Callable[[dict[str, Any]], bool] | None = None,
 ) -> None:
-    """Discarded samples count as finished unless --rerun_discarded (they cost money to redo)."""
+    """Discarded samples count as finished unless --rerun_discarded (they cost money to redo); ``counts``
+    may leave some out (a discard row -> whether it finishes its sample)."""
     discards = run_dir / "discarded.jsonl"
     if discards.exists() and not rerun_discarded:
         for rec in iter_jsonl(discards):
-            if valid_outcome_row(rec, "reason"):
+            if valid_outcome_row(rec, "reason") and (counts is None or counts(rec)):
                 key = outcome_sample(rec)
                 done[key] += 1
                 if at is not None and _is_index(rec.get("prompt_index")):
@@ -346,6 +365,8 @@ def resume_filter(
     samples_per_prompt: int = 1,
     force: bool = False,
     dataset_file: str = "the dataset",
+    stop_after_passes: int | None = None,
+    exclude_partial: bool = False,
 ) -> list[Sample]:
     """The samples with no finished outcome yet, counting duplicates per (identity, sample index).
 
@@ -353,7 +374,14 @@ def resume_filter(
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
     at: collections.Counter[tuple[str, int, int]] = collections.Counter()
     checks: Checks = {}
-    done = scan_finished(run_dir, rerun_discarded=rerun_discarded, at=at, checks=checks)
+    done = scan_finished(
+        run_dir,
+        rerun_discarded=rerun_discarded,
+        at=at,
+        checks=checks,
+        stop_after_passes=stop_after_passes,
+        exclude_partial=exclude_partial,
+    )
     changed = changed_checks(rows, checks, redact)
     if changed:
         shown = "; ".join(f"line {row.index + 1}: {fields}" for row, fields in changed[:5])

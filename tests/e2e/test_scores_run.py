@@ -260,6 +260,52 @@ def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp
     assert collections.Counter(server.stats()["requests_by_prompt"]) - calls == {rows[1]["prompt"]: 2}
 
 
+def test_a_resume_that_raises_stop_after_passes_runs_the_samples_the_smaller_one_skipped(server, tmp_path):
+    """The skips were finished for resume whatever K the resume gave: --stop_after_passes=2 after 1 did
+    nothing. Now a skipped sample runs while its row has fewer than K kept passes, and the statistics
+    count each sample once (its skip line, once run again, no longer counts)."""
+    rows = [{"id": "easy", "prompt": "Easy one [answer:1] [calls:0]", "answer": 1}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out, run_dir = tmp_path / "data", tmp_path / "data" / "run"
+    one_at_a_time = dict(samples_per_prompt=4, num_workers=1, prompts_per_worker=1)
+    run(server, dataset, out, stop_after_passes=1, **one_at_a_time)
+    assert server.stats()["requests"] == 1
+    run(server, dataset, out, resume=True, **one_at_a_time)  # without the flag: skips stay skipped
+    assert server.stats()["requests"] == 1
+    run(server, dataset, out, resume=True, stop_after_passes=2, **one_at_a_time)
+    assert server.stats()["requests"] == 2  # one more sample: the row has its 2 passes
+    stats = stats_of(run_dir)
+    assert stats["trajectories"] == 2 and stats["remaining_for_resume"] == 0
+    assert stats["scores"]["skipped_after_passes"] == 2 and stats["discarded"]["by_reason"] == {
+        "skipped_after_passes": 2
+    }
+    assert (stats["scores"]["scored"], stats["scores"]["passed"]) == (2, 2)
+    run(server, dataset, out, resume=True, stop_after_passes=4, **one_at_a_time)
+    assert server.stats()["requests"] == 4
+    stats = stats_of(run_dir)
+    assert stats["trajectories"] == 4 and stats["discarded"]["total"] == 0
+    assert stats["scores"]["skipped_after_passes"] == 0
+
+
+def test_a_discard_run_again_counts_once_in_the_statistics(server, tmp_path):
+    """--rerun_discarded appends the sample's new outcome; its old discard line stays in discarded.jsonl
+    (append-only) and was counted beside it: a sample discarded twice was two discards."""
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "terse [no_reasoning]"}, {"prompt": "fine"}])
+    out, run_dir = tmp_path / "data", tmp_path / "data" / "run"
+    run(server, dataset, out)
+    run(server, dataset, out, resume=True, rerun_discarded=True)
+    assert len(read_jsonl(run_dir / "discarded.jsonl")) == 2
+    stats = stats_of(run_dir)
+    assert stats["discarded"] == {"total": 1, "by_reason": {"no_reasoning": 1}}
+    last = read_jsonl(run_dir / "discarded.jsonl")[-1]["record"]["conversations"]
+    turns = sum(t["from"] == "gpt" for t in last)
+    assert turns > 0 and stats["reasoning"]["turns_without_reasoning"] == turns  # counted once too
+    # Kept when it runs again: no discard left.
+    run(server, dataset, out, resume=True, rerun_discarded=True, keep_no_reasoning=True, force_resume=True)
+    stats = stats_of(run_dir)
+    assert stats["discarded"]["total"] == 0 and stats["trajectories"] == 2
+
+
 def test_stop_after_passes_does_not_count_passes_exclude_partial_leaves_out(tmp_path):
     """A partial sample that passed its check but that --exclude_partial keeps out of trajectories.jsonl
     is no kept pass: it must not stop the row's sampling (before, the row ended with no trajectory at all
