@@ -502,31 +502,41 @@ def acceptable(answer: Any) -> list[Any]:
 
 # A number: commas only as thousands separators (groups of three digits), so "3,4" is two numbers (a
 # list, or a decimal comma), never 34.
-_NUMBER_RE = re.compile(
-    r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# The numbers an answer may end with, left to right: a mixed number ("3 1/2"), a fraction ("1/2", "1.5/3")
+# or a number (thousands separators in groups of three, "_" between digits, an exponent). The last one
+# found is the answer: a fraction read as its two numbers was its denominator ("1/2 cup" passed for 2),
+# a mixed number as its fraction ("3 1/2" passed for 0.5).
+_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_NUMBER_TOKEN_RE = re.compile(
+    r"(?P<mixed>(?P<msign>[-+]?)(?P<whole>\d+)[ \t]+(?P<mnum>\d+)[ \t]*/[ \t]*(?P<mden>\d+)(?![\d.]))"
+    r"|(?P<frac>(?P<num>[-+]?\d+(?:\.\d+)?)\s*/\s*(?P<den>\d+(?:\.\d+)?))"
+    rf"|(?P<number>{_NUMBER})"
 )
-
-
-# Not from inside a run of digits: a search from each of them scanned the run to its end (quadratic);
-# nor from a decimal part ("1.5/3" is 0.5, not 5/3).
-_FRACTION_END_RE = re.compile(r"([-+]?(?<![\d.])\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)$")
+_DIGITS_FLOAT_HOLDS = 300  # longer digit runs in a fraction are read as floats, not as exact integers
 
 
 def parse_number(text: str) -> float | None:
-    """The last number in ``text`` (thousands separators allowed; a fraction a/b at the end too), or None."""
-    text = text.translate(_TO_ASCII_MINUS)
-    frac = _FRACTION_END_RE.search(text.rstrip().removesuffix(".").rstrip())
-    if frac:
-        num, den = frac.group(1), frac.group(2)
-        if "." in num or "." in den:
-            return float(num) / float(den) if float(den) else None
-        return int(num) / int(den) if int(den) else None
-    found = _NUMBER_RE.findall(text)
-    if not found:
+    """The last number in ``text``: a number, a fraction a/b or a mixed number w a/b (a proper fraction
+    after a whole number); None when there is none."""
+    last = None
+    for match in _NUMBER_TOKEN_RE.finditer(text.translate(_TO_ASCII_MINUS)):
+        last = match
+    if last is None:
         return None
     try:
-        return float(found[-1].replace(",", "").replace("_", ""))
-    except ValueError:
+        if last["mixed"]:
+            whole, num, den = (float(last[g]) for g in ("whole", "mnum", "mden"))
+            if 0 < num < den:  # a proper fraction after a whole number
+                value = whole + num / den
+                return -value if last["msign"] == "-" else value
+            return num / den if den else None  # "3 4/2": its fraction, as any fraction
+        if last["frac"]:
+            num_t, den_t = last["num"], last["den"]
+            if "." in num_t or "." in den_t or max(len(num_t), len(den_t)) > _DIGITS_FLOAT_HOLDS:
+                return float(num_t) / float(den_t) if float(den_t) else None
+            return int(num_t) / int(den_t) if int(den_t) else None
+        return float(last["number"].replace(",", "").replace("_", ""))
+    except (ValueError, OverflowError, ZeroDivisionError):
         return None
 
 

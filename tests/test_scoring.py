@@ -274,6 +274,15 @@ def test_json_answers_pass_only_when_they_say_the_value_unambiguously(text, answ
         ("ANSWER: 1.5/3", "5/3", False),
         ("ANSWER: 3/1.5", 2, True),
         ("ANSWER: -2.5/5", -0.5, True),
+        # A mixed number is its whole: "3 1/2" was read as 1/2 and passed for 0.5.
+        ("ANSWER: 3 1/2", 0.5, False),
+        ("ANSWER: 3 1/2", 3.5, True),
+        ("ANSWER: -3 1/2 cups.", -3.5, True),
+        ("ANSWER: 3 4/2", 2, True),  # not a proper fraction: no mixed number, the fraction alone
+        # A fraction followed by words is the fraction: "1/2 cup" was read as its denominator, 2.
+        ("ANSWER: 1/2 cup", 2, False),
+        ("ANSWER: 1/2 cup", 0.5, True),
+        ("ANSWER: 3/4 of them, i.e. 15", 15, True),
     ],
 )
 def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
