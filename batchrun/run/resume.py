@@ -51,6 +51,7 @@ MANIFEST_KEYS = (
     "temperature",
     "top_p",
     "seed_per_request",
+    "max_tokens",  # the flag (a budget's derived cap is not): another cap cuts other replies short
     # How samples are judged and which are kept: a resume with others would mix two kinds of scores.
     "scorer",
     "answer_pattern",
@@ -58,6 +59,7 @@ MANIFEST_KEYS = (
     "numeric_tolerance",
     "keep",
     "judge_model",
+    "verify_timeout",  # a verify that ran out of time leaves its sample unscored
 )
 
 # What a manifest written before a key existed stands for: the value that run used. A resume with
@@ -72,6 +74,8 @@ MANIFEST_DEFAULTS: dict[str, Any] = {
     "numeric_tolerance": 1e-6,
     "keep": "all",
     "judge_model": None,
+    "max_tokens": None,
+    "verify_timeout": 60.0,
 }
 
 
@@ -101,6 +105,8 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "numeric_tolerance": config.numeric_tolerance,
         "keep": config.keep,
         "judge_model": config.judge_model,
+        "max_tokens": config.max_tokens,
+        "verify_timeout": config.verify_timeout,
         "samples_per_prompt": config.samples_per_prompt,  # informational: more samples on resume is fine
         # Informational: the image of rows that name none (each record's sandbox_image says what ran).
         "default_image": config.default_image,
@@ -427,6 +433,8 @@ def _flag(name: str, value: Any) -> str:
         return f"--{flag}=<the original, sha256 {value[:12]}...>" if value else f"(no --{flag})"
     if isinstance(value, bool):
         return f"--{name}" if value else f"--{name}=False"
+    if value is None:  # not given (--max_tokens=None is no value a flag takes)
+        return f"(no --{name})"
     if isinstance(value, list):  # --scorer, --answer_normalize: comma-separated
         return f"--{name}={shlex.quote(','.join(map(str, value)) or ('none' if name == 'answer_normalize' else 'auto'))}"
     return f"--{name}={shlex.quote(str(value))}"

@@ -474,6 +474,12 @@ def test_a_resume_with_other_scoring_settings_is_refused(tmp_path, capsys):
     assert "keep: 'all' -> 'passed'" in err and "--keep=all" in err
     assert exit_code(None, dataset, out, resume=True, scorer="includes") == 2
     assert "--scorer=auto" in capsys.readouterr().err
+    # A verify that runs out of time is unscored; another cap cuts other replies short: both define the data.
+    assert exit_code(None, dataset, out, resume=True, verify_timeout=5) == 2
+    assert "verify_timeout: 60.0 -> 5.0" in capsys.readouterr().err
+    assert exit_code(None, dataset, out, resume=True, max_tokens=100) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens: None -> 100" in err and "(no --max_tokens)" in err and "=None" not in err
 
 
 def test_scores_count_duplicate_rows_whose_prompt_holds_the_ephemeral_prompt(tmp_path):
