@@ -353,7 +353,7 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
 
 def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
     """The dataset's good rows; bad lines are reported by number (the first 20) and counted."""
-    rows, problems = load_dataset(config.dataset_file, config.max_samples)
+    rows, problems = load_dataset(config.dataset_file, config.max_samples, scorers=config.scorer)
     for msg in problems[:20]:
         print(f"warning: skipped {msg}", file=sys.stderr)
     if len(problems) > 20:

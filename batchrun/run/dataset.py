@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -66,12 +67,16 @@ def known_toolsets(catalog: Mapping[str, tuple[str, ...]]) -> set[str]:
 
 
 def load_dataset(
-    path: str, max_samples: int | None = None, catalog: Mapping[str, tuple[str, ...]] | None = None
+    path: str,
+    max_samples: int | None = None,
+    catalog: Mapping[str, tuple[str, ...]] | None = None,
+    scorers: tuple[str, ...] = (),
 ) -> tuple[list[Row], list[str]]:
     """Read the JSONL dataset. Bad lines are reported by number and skipped; no usable row is an error.
 
     ``catalog``: tool name -> the toolsets that offer it (default: :func:`tool_catalog`), against which
-    rows' ``toolsets`` and ``tools`` are checked.
+    rows' ``toolsets`` and ``tools`` are checked. ``scorers`` (--scorer): a row's ``answer`` that the
+    named scorer could never pass (no valid regex, no number) is a bad line.
     """
     catalog = tool_catalog() if catalog is None else catalog
     toolsets = known_toolsets(catalog)
@@ -89,6 +94,8 @@ def load_dataset(
                 problems.append(f"{path}:{line_no}: longer than {MAX_LINE_BYTES >> 20} MiB (skipped unread)")
                 continue
             problem, row = _parse_line(raw, line_no, seen, catalog, toolsets)
+            if row and not problem:
+                problem = _answer_problem(row.check, scorers)
             if problem:
                 problems.append(f"{path}:{line_no}: {problem}")
             elif row:
@@ -97,6 +104,24 @@ def load_dataset(
         detail = f" ({len(problems)} bad line(s); first: {problems[0]})" if problems else ""
         raise UsageError(f"dataset {path} has no usable rows{detail}")
     return rows, problems
+
+
+def _answer_problem(check: RowCheck | None, scorers: tuple[str, ...]) -> str | None:
+    """Why the row's ``answer`` cannot be judged by a scorer --scorer names for every row: every sample
+    would be a scorer error (a pattern that does not compile) or a failure (no number to compare)."""
+    if check is None or check.answer is None:
+        return None
+    from batchrun.scoring import acceptable, parse_number
+
+    for want in acceptable(check.answer):
+        if "regex" in scorers:
+            try:
+                re.compile(str(want))
+            except re.error as exc:
+                return f"field 'answer' is not a valid regex for --scorer=regex ({exc}): {str(want)[:80]!r}"
+        if "numeric" in scorers and not isinstance(want, (int, float)) and parse_number(str(want)) is None:
+            return f"field 'answer' holds no number for --scorer=numeric: {str(want)[:80]!r}"
+    return None
 
 
 def _lines(fh: BinaryIO) -> Iterator[bytes | None]:

@@ -74,3 +74,27 @@ def test_image_and_docker_image_naming_the_same_image_is_that_image(tmp_path):
         ],
     )
     assert problems == [] and [r.image for r in rows] == ["python:3", "alpine", None]
+
+
+def test_an_answer_the_scorer_named_for_every_row_cannot_judge_is_a_bad_line(tmp_path):
+    """With --scorer=regex a row's answer that is no valid pattern made every sample a scorer error (and a
+    list's bad pattern showed only when no earlier one matched); with --scorer=numeric an answer without
+    a number failed every sample, the model's right answer included. Both are the dataset's mistake."""
+    lines = [
+        '{"prompt": "a", "answer": "(unclosed"}',
+        '{"prompt": "b", "answer": ["ok", "[z-a]"]}',
+        '{"prompt": "c", "answer": "Paris"}',
+        '{"prompt": "d", "answer": "3 1/2"}',
+        '{"prompt": "e", "answer": 7}',
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), "utf-8")
+    rows, problems = load_dataset(str(path), scorers=("regex",))
+    assert [r.prompt for r in rows] == ["c", "d", "e"]
+    assert problems[0].startswith(f"{path}:1: field 'answer' is not a valid regex for --scorer=regex")
+    assert problems[1].startswith(f"{path}:2: field 'answer' is not a valid regex") and "[z-a]" in problems[1]
+    rows, problems = load_dataset(str(path), scorers=("numeric", "exact"))
+    assert [r.prompt for r in rows] == ["d", "e"]
+    assert [p.split(": field")[0] for p in problems] == [f"{path}:{n}" for n in (1, 2, 3)]
+    assert "holds no number for --scorer=numeric: 'Paris'" in problems[2]
+    assert len(load_dataset(str(path))[0]) == 5  # the rows decide their scorer: nothing to refuse
