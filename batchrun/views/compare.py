@@ -112,10 +112,19 @@ def compare_runs(
     }
     result["only_in_a"] = len(set(a) - set(b))
     result["only_in_b"] = len(set(b) - set(a))
-    result["flipped_to_fail"] = sorted({a[k]["label"] for k in keys if a[k]["passed"] and not b[k]["passed"]})
-    result["flipped_to_pass"] = sorted({a[k]["label"] for k in keys if b[k]["passed"] and not a[k]["passed"]})
+    result["flipped_to_fail"] = _flipped(a, [k for k in keys if a[k]["passed"] and not b[k]["passed"]])
+    result["flipped_to_pass"] = _flipped(a, [k for k in keys if b[k]["passed"] and not a[k]["passed"]])
     result["run_a"], result["run_b"] = str(run_a), str(run_b)
     return result
+
+
+def _flipped(verdicts: dict[Key, dict[str, Any]], keys: list[Key]) -> list[str]:
+    """The rows of ``keys`` (a row's samples count once), by label: rows that share a label (an id, or
+    the start of their prompt) are told apart by the start of their row key, never merged into one."""
+    labels = {k[0]: verdicts[k]["label"] for k in verdicts}
+    shared = collections.Counter(labels.values())
+    rows = {k[0] for k in keys}
+    return sorted(f"{labels[r]} · row {r[:8]}" if shared[labels[r]] > 1 else labels[r] for r in rows)
 
 
 def _pct(x: float | None) -> str:

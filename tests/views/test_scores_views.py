@@ -99,6 +99,35 @@ def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_pat
     assert compare.main([str(a), str(b), "--scores=nope", f"--out={tmp_path / 'y.html'}"]) == 2
 
 
+def _flip_run(tmp_path: Path, rows: list[dict]) -> Path:
+    """A run judged with exact (its own scores) and re-scored with includes: rows whose answer is
+    "42, N" fail the first and pass the second, so they flip to pass in B."""
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    assert score.main([str(out / "run"), "--scorer=includes"]) == 0
+    return out / "run"
+
+
+def test_compare_lists_each_flipped_row_even_when_rows_share_a_label(tmp_path, capsys):
+    # The flipped rows were a set of labels (the row's id, else its prompt's start): two different
+    # rows with one id were one entry, "flipped to pass (1)" for two rows that flipped.
+    rows = [
+        {"id": "same", "prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"},
+        {"id": "same", "prompt": "Say 2 [calls:0] [answer:42, 2]", "answer": "2"},
+        {"id": "other", "prompt": "Say 7 [calls:0] [answer:42, 7]", "answer": "7"},
+    ]
+    a = _flip_run(tmp_path, rows)
+    capsys.readouterr()
+    page = tmp_path / "c.html"
+    assert compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={page}"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["passed_only_in_b"] == 3
+    assert len(r["flipped_to_pass"]) == 3, r["flipped_to_pass"]
+    assert len(set(r["flipped_to_pass"])) == 3  # each entry says which row it is
+    assert "other" in r["flipped_to_pass"] and all("same" in n for n in r["flipped_to_pass"] if n != "other")
+    assert "Failed in A, passed in B (3)" in page.read_text("utf-8")
+
+
 @pytest.mark.browser
 def test_rescore_and_compare_count_duplicate_rows_as_the_run_does(tmp_path, capsys):
     # Two identical rows want two samples of one (row, sample); a --rerun_discarded leaves the old
