@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from helpers import read_jsonl, run, stats_of, write_rows
 
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
 from batchrun.views import compare, report, score
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ROWS = [
     # The fake model answers 42 to each; the rows expect different things.
@@ -126,6 +130,37 @@ def test_compare_lists_each_flipped_row_even_when_rows_share_a_label(tmp_path, c
     assert len(set(r["flipped_to_pass"])) == 3  # each entry says which row it is
     assert "other" in r["flipped_to_pass"] and all("same" in n for n in r["flipped_to_pass"] if n != "other")
     assert "Failed in A, passed in B (3)" in page.read_text("utf-8")
+
+
+def test_compare_prints_no_terminal_escape_from_a_row(tmp_path):
+    # A dataset row's id (or prompt) is printed in the flipped-rows lines: its escape sequences
+    # reached the terminal as they were (clear the screen, set the window title, hide text).
+    hostile = "\x1b]0;PWNED\x07evil\x1b[2J\x1b[8m\x9b31m"
+    rows = [
+        {"id": hostile, "prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"},
+        {"prompt": "Say 2 \x1b[31mred [calls:0] [answer:42, 2]", "answer": "2"},
+    ]
+    a = _flip_run(tmp_path, rows)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchrun.views.compare",
+            str(a),
+            str(a),
+            "--scores_b=includes",
+            f"--out={tmp_path / 'c.html'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    flipped = next(line for line in done.stdout.splitlines() if "flipped to pass" in line)
+    assert "(2)" in flipped and "evil" in flipped and "red" in flipped
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", done.stdout), repr(done.stdout)
+    assert "\\x1b" in flipped  # shown, not obeyed
 
 
 @pytest.mark.browser
