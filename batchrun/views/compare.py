@@ -35,7 +35,7 @@ from batchrun.record import read_score
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
 from batchrun.sharegpt import first_human
-from batchrun.storage import iter_jsonl, write_text_atomic
+from batchrun.storage import WriteError, iter_jsonl, write_text_atomic
 from batchrun.views.score import run_samples
 
 # (row key, sample index, copy): the copy tells apart the samples of identical rows (the same row key),
@@ -240,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no sample is judged in both runs (same rows? scores on?)", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else text_report(result))
-    write_text_atomic(args.out, html_report(result))
+    try:
+        write_text_atomic(args.out, html_report(result))
+    except WriteError as exc:  # --out in a missing folder, a directory, a read-only place
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not args.json:
         print(f"Wrote {args.out}")
     return 0

@@ -28,7 +28,7 @@ from batchrun.record import is_tool_failure, read_score, valid_outcome_row, vali
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts
-from batchrun.storage import batch_files, iter_jsonl, write_text_atomic
+from batchrun.storage import WriteError, batch_files, iter_jsonl, write_text_atomic
 
 DEFAULT_MAX_TRAJECTORIES = 500
 MAX_TEXT_CHARS = 20_000  # one turn's text in the browsable list; the JSONL files hold it whole
@@ -1223,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         path = write_report(args.run_dir, args.max_trajectories)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, WriteError) as exc:  # no run directory; report.html cannot be written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(path)

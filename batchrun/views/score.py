@@ -43,7 +43,7 @@ from batchrun.scoring import (
     wanted_from_duplicates,
 )
 from batchrun.sharegpt import first_human, parse_json
-from batchrun.storage import batch_files, iter_jsonl, write_json_atomic, write_text_atomic
+from batchrun.storage import WriteError, batch_files, iter_jsonl, write_json_atomic, write_text_atomic
 
 
 def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
-    summary = rescore(args.run_dir, settings, name, judge, stats.get("distribution", ""))
+    try:
+        summary = rescore(args.run_dir, settings, name, judge, stats.get("distribution", ""))
+    except WriteError as exc:  # a read-only run directory, a full disk
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(headline(summary) or "Scores: no sample could be judged by these scorers")
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:

@@ -219,6 +219,16 @@ def test_cli_on_a_missing_directory(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no run directory" in done.stderr
 
 
+def test_cli_when_the_report_cannot_be_written(tmp_path: Path) -> None:
+    # A run directory the page cannot be written into (a read-only mount, a full disk; here a
+    # directory in report.html's place) ended in a WriteError traceback: one line naming the file.
+    (tmp_path / "report.html").mkdir()
+    done = cli(str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: cannot write ") and str(tmp_path / "report.html") in done.stderr
+
+
 def test_cost_reported_by_the_endpoint(tmp_path: Path) -> None:
     """Against an endpoint that prices its answers, the report sums the records' metadata.usage.cost_usd."""
     from batchrun.fakes.fake_model import FakeModelServer

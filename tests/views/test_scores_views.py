@@ -163,6 +163,21 @@ def test_compare_prints_no_terminal_escape_from_a_row(tmp_path):
     assert "\\x1b" in flipped  # shown, not obeyed
 
 
+def test_score_and_compare_when_their_output_cannot_be_written(tmp_path, capsys):
+    # scores.NAME.jsonl or compare's --out that cannot be written (a read-only run directory, a
+    # missing folder, a directory in its place) ended in a WriteError traceback: one line naming it.
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    (a / "scores.numeric.jsonl").mkdir()
+    capsys.readouterr()
+    assert score.main([str(a), "--scorer=numeric"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write ") and str(a / "scores.numeric.jsonl") in err
+    for out in (tmp_path / "missing" / "c.html", tmp_path):
+        assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot write ") and str(out) in err
+
+
 @pytest.mark.browser
 def test_rescore_and_compare_count_duplicate_rows_as_the_run_does(tmp_path, capsys):
     # Two identical rows want two samples of one (row, sample); a --rerun_discarded leaves the old
