@@ -29,6 +29,7 @@ from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts
 from batchrun.storage import WriteError, batch_files, iter_jsonl, write_text_atomic
+from batchrun.views.status import local_alive
 
 DEFAULT_MAX_TRAJECTORIES = 500
 MAX_TEXT_CHARS = 20_000  # one turn's text in the browsable list; the JSONL files hold it whole
@@ -989,7 +990,15 @@ def render_page(d: RunData) -> str:
     generated = dt.datetime.now().isoformat(timespec="seconds")
     banner = ""
     state = (d.status or {}).get("state")
-    if state == "running":
+    if (
+        state == "running" and local_alive(d.status or {}) is False
+    ):  # killed outright: status.json says running
+        banner = (
+            f'<p class="banner">The run stopped without finishing: status.json says running, but its process '
+            f"{esc(d.status.get('pid'))} is gone (killed or crashed); numbers are what it recorded. "
+            "Continue it with <code>--resume</code>.</p>"
+        )
+    elif state == "running":
         banner = '<p class="banner">The run was still running when this report was written; numbers are a snapshot.</p>'
     if not d.merged:
         banner += '<p class="banner">Read from the batch files (not merged yet): records the final merge drops (unknown tools, duplicates) are included.</p>'

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html.parser
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -356,6 +357,28 @@ def test_unmerged_run_reads_batch_files(tmp_path: Path) -> None:
     page = parse(run_dir / "report.html")
     assert number(page.stats["trajectories"]) == 2
     assert "not merged yet" in text and "still running" in text and "1 torn or invalid line(s)" in text
+
+
+def test_a_crashed_run_is_not_reported_as_running(tmp_path: Path) -> None:
+    # A run killed outright (kill -9, a lost terminal) leaves status.json saying "running": the
+    # page said it "was still running" with numbers a snapshot, though its process was long gone.
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tmp_path / "crashed"
+    run_dir.mkdir()
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(synthetic_record(0)) + "\n")
+    status = {"state": "running", "pid": dead.pid, "host": socket.gethostname()}
+    (run_dir / "status.json").write_text(json.dumps(status))
+    text = report.write_report(run_dir).read_text()
+    assert "still running" not in text
+    assert f"process {dead.pid} is gone" in text and "--resume" in text
+    # Alive, or on another host (the pid means nothing here), it is still said to be running.
+    (run_dir / "status.json").write_text(json.dumps({**status, "pid": os.getpid()}))
+    assert "still running" in report.write_report(run_dir).read_text()
+    (run_dir / "status.json").write_text(json.dumps({**status, "host": "elsewhere"}))
+    assert "still running" in report.write_report(run_dir).read_text()
 
 
 def test_empty_run_directory(tmp_path: Path) -> None:
