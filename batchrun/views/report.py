@@ -614,7 +614,7 @@ def table(rows: list[tuple[Any, ...]], head: tuple[str, ...], cls: str = "") -> 
 def section_outcomes(d: RunData) -> str:
     stats = d.statistics or {}
     dropped = stats.get("dropped_at_merge") if d.merged else None
-    dropped = {k: v for k, v in (dropped or {}).items() if isinstance(v, int)}
+    dropped = {k: v for k, v in dropped.items() if isinstance(v, int)} if isinstance(dropped, dict) else {}
     rows: list[tuple[str, str, int, str]] = []
     for outcome, cls in (("completed", "ok"), ("partial", "warn"), ("incomplete", "muted")):
         if d.outcomes[outcome]:
@@ -861,29 +861,37 @@ def section_scores(d: RunData) -> str:
     row_keys = [key for _, _, _, sc, key in d.scored if sc.get("scorer") not in (None, "none")]
     if not judged:
         return ""
-    scores = (d.statistics or {}).get("scores") or {}
+    # The figures statistics.json holds; one it cannot read (a section of another shape) is left out.
+    scores = (d.statistics or {}).get("scores")
+    scores = scores if isinstance(scores, dict) else {}
     cards = []
-    if scores.get("pass_rate") is not None:
-        lo, hi = scores["pass_rate_95ci"]
-        cards.append(
-            stat(
-                "pass_rate",
-                f"{scores['pass_rate']:.1%}",
-                "pass rate",
-                f"95% CI {lo:.1%}–{hi:.1%} · n={scores['scored']:,}",
-            )
-        )
-    for k, v in (scores.get("pass_at_k") or {}).items():
-        if v is not None:
+    rate, ci, n = (
+        _number(scores.get("pass_rate")),
+        scores.get("pass_rate_95ci"),
+        _number(scores.get("scored")),
+    )
+    if (
+        rate is not None
+        and n is not None
+        and isinstance(ci, list)
+        and len(ci) == 2
+        and None not in map(_number, ci)
+    ):
+        lo, hi = ci
+        cards.append(stat("pass_rate", f"{rate:.1%}", "pass rate", f"95% CI {lo:.1%}–{hi:.1%} · n={n:,}"))
+    pass_at_k = scores.get("pass_at_k")
+    for k, v in pass_at_k.items() if isinstance(pass_at_k, dict) else ():
+        if _number(v) is not None:
             cards.append(stat(k, f"{v:.3f}", k, "unbiased estimator"))
-    if scores.get("mean_score") is not None:
+    if _number(scores.get("mean_score")) is not None:
         cards.append(stat("mean_score", f"{scores['mean_score']:.3f}", "mean score"))
+    errors = _number(scores.get("scorer_errors")) or 0
     cards.append(
         stat(
             "unscored",
-            fmt_int(scores.get("unscored", 0) + scores.get("scorer_errors", 0)),
+            fmt_int((_number(scores.get("unscored")) or 0) + errors),
             "not judged",
-            f"{scores.get('scorer_errors', 0):,} scorer errors",
+            f"{fmt_int(errors)} scorer errors",
         )
     )
     per_row: dict[tuple[str, str], list[Any]] = {}

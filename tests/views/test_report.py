@@ -381,6 +381,32 @@ def test_a_crashed_run_is_not_reported_as_running(tmp_path: Path) -> None:
     assert "still running" in report.write_report(run_dir).read_text()
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"scores": ["not", "a", "section"], "dropped_at_merge": [1, 2]},
+        {"scores": {"pass_rate": 0.5, "pass_rate_95ci": None, "scored": None, "unscored": None,
+                    "pass_at_k": ["x"], "mean_score": "high"}},
+    ],
+)  # fmt: skip
+def test_a_statistics_json_of_another_shape_still_gets_its_page(tmp_path: Path, damage: dict) -> None:
+    # statistics.json with sections of another shape (hand-edited, another tool's, damaged) ended
+    # in a traceback (AttributeError, TypeError): the page is made from the run's records, the
+    # figures it cannot read are left out.
+    from helpers import run, write_rows
+
+    rows = [{"prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"}]
+    run(None, write_rows(tmp_path / "d.jsonl", rows), tmp_path / "data")
+    run_dir = tmp_path / "data" / "run"
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    (run_dir / "statistics.json").write_text(json.dumps({**stats, **damage}))
+    done = cli(str(run_dir))
+    assert done.returncode == 0, done.stderr
+    page = parse(run_dir / "report.html")
+    assert number(page.stats["trajectories"]) == 1
+    assert "pass_rate" not in page.stats  # not read from a section it cannot read
+
+
 def test_empty_run_directory(tmp_path: Path) -> None:
     page = parse(report.write_report(tmp_path))
     assert number(page.stats["trajectories"]) == 0
