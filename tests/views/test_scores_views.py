@@ -178,6 +178,22 @@ def test_score_and_compare_when_their_output_cannot_be_written(tmp_path, capsys)
         assert err.startswith("error: cannot write ") and str(out) in err
 
 
+@pytest.mark.parametrize(
+    "damaged", ['{"runs": [{"duration_s": 1.0}], "scores": {"pass', '{"scores": [1]}', "[]"]
+)
+def test_score_never_overwrites_a_statistics_json_it_cannot_read(tmp_path, capsys, damaged):
+    # A statistics.json that does not parse (torn, hand-edited) was replaced by one holding only the
+    # new scores: the run's totals and runs history were gone. Or it raised (a scores section of
+    # another shape). The file is left as it is, and the error names it.
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    (a / "statistics.json").write_text(damaged)
+    capsys.readouterr()
+    assert score.main([str(a), "--scorer=numeric"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(a / "statistics.json") in err
+    assert (a / "statistics.json").read_text() == damaged
+
+
 @pytest.mark.browser
 def test_rescore_and_compare_count_duplicate_rows_as_the_run_does(tmp_path, capsys):
     # Two identical rows want two samples of one (row, sample); a --rerun_discarded leaves the old
