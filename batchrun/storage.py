@@ -200,7 +200,7 @@ def pid_alive(pid: Any) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a pid beyond any this host can have
         return False
     except PermissionError:
         return True  # exists, owned by someone else

@@ -25,6 +25,7 @@ import argparse
 import collections
 import html
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from batchrun.record import read_score
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
 from batchrun.sharegpt import first_human
-from batchrun.storage import iter_jsonl, write_text_atomic
+from batchrun.storage import WriteError, iter_jsonl, write_text_atomic
 from batchrun.views.score import run_samples
 
 # (row key, sample index, copy): the copy tells apart the samples of identical rows (the same row key),
@@ -112,10 +113,27 @@ def compare_runs(
     }
     result["only_in_a"] = len(set(a) - set(b))
     result["only_in_b"] = len(set(b) - set(a))
-    result["flipped_to_fail"] = sorted({a[k]["label"] for k in keys if a[k]["passed"] and not b[k]["passed"]})
-    result["flipped_to_pass"] = sorted({a[k]["label"] for k in keys if b[k]["passed"] and not a[k]["passed"]})
+    result["flipped_to_fail"] = _flipped(a, [k for k in keys if a[k]["passed"] and not b[k]["passed"]])
+    result["flipped_to_pass"] = _flipped(a, [k for k in keys if b[k]["passed"] and not a[k]["passed"]])
     result["run_a"], result["run_b"] = str(run_a), str(run_b)
     return result
+
+
+def _flipped(verdicts: dict[Key, dict[str, Any]], keys: list[Key]) -> list[str]:
+    """The rows of ``keys`` (a row's samples count once), by label: rows that share a label (an id, or
+    the start of their prompt) are told apart by the start of their row key, never merged into one."""
+    labels = {k[0]: verdicts[k]["label"] for k in verdicts}
+    shared = collections.Counter(labels.values())
+    rows = {k[0] for k in keys}
+    return sorted(f"{labels[r]} · row {r[:8]}" if shared[labels[r]] > 1 else labels[r] for r in rows)
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable(line: str) -> str:
+    """A line for the terminal: control characters (a row's escape sequences) shown as \\xNN, not obeyed."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
 
 
 def _pct(x: float | None) -> str:
@@ -145,7 +163,7 @@ def text_report(r: dict[str, Any]) -> str:
     lines.append(
         f"rows that flipped to pass in B ({len(r['flipped_to_pass'])}): {', '.join(r['flipped_to_pass'][:20])}"
     )
-    return "\n".join(lines)
+    return "\n".join(_printable(line) for line in lines)
 
 
 def html_report(r: dict[str, Any]) -> str:
@@ -222,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no sample is judged in both runs (same rows? scores on?)", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else text_report(result))
-    write_text_atomic(args.out, html_report(result))
+    try:
+        write_text_atomic(args.out, html_report(result))
+    except WriteError as exc:  # --out in a missing folder, a directory, a read-only place
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not args.json:
         print(f"Wrote {args.out}")
     return 0

@@ -366,13 +366,18 @@ def _check_request(
         raise ExportError("a run directory is named twice: its samples would be exported twice")
     if opts.fmt == "parquet":
         _require_pyarrow()
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; name a directory (created; must be empty)")
     if out.exists() and any(out.iterdir()) and not overwrite:
         # An upload sends the whole directory: files left from another export would be published too.
         raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")
 
 
 def _prepare_out(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, a read-only place
+        raise ExportError(f"cannot make the output directory {out}: {exc.strerror or exc}") from exc
     for split in SPLITS:  # a previous export's split file must not outlive this one
         for ext in ("jsonl", "parquet"):
             (out / f"{split}.{ext}").unlink(missing_ok=True)

@@ -28,7 +28,8 @@ from batchrun.record import is_tool_failure, read_score, valid_outcome_row, vali
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts
-from batchrun.storage import batch_files, iter_jsonl, write_text_atomic
+from batchrun.storage import WriteError, batch_files, iter_jsonl, write_text_atomic
+from batchrun.views.status import local_alive
 
 DEFAULT_MAX_TRAJECTORIES = 500
 MAX_TEXT_CHARS = 20_000  # one turn's text in the browsable list; the JSONL files hold it whole
@@ -613,7 +614,7 @@ def table(rows: list[tuple[Any, ...]], head: tuple[str, ...], cls: str = "") -> 
 def section_outcomes(d: RunData) -> str:
     stats = d.statistics or {}
     dropped = stats.get("dropped_at_merge") if d.merged else None
-    dropped = {k: v for k, v in (dropped or {}).items() if isinstance(v, int)}
+    dropped = {k: v for k, v in dropped.items() if isinstance(v, int)} if isinstance(dropped, dict) else {}
     rows: list[tuple[str, str, int, str]] = []
     for outcome, cls in (("completed", "ok"), ("partial", "warn"), ("incomplete", "muted")):
         if d.outcomes[outcome]:
@@ -860,29 +861,37 @@ def section_scores(d: RunData) -> str:
     row_keys = [key for _, _, _, sc, key in d.scored if sc.get("scorer") not in (None, "none")]
     if not judged:
         return ""
-    scores = (d.statistics or {}).get("scores") or {}
+    # The figures statistics.json holds; one it cannot read (a section of another shape) is left out.
+    scores = (d.statistics or {}).get("scores")
+    scores = scores if isinstance(scores, dict) else {}
     cards = []
-    if scores.get("pass_rate") is not None:
-        lo, hi = scores["pass_rate_95ci"]
-        cards.append(
-            stat(
-                "pass_rate",
-                f"{scores['pass_rate']:.1%}",
-                "pass rate",
-                f"95% CI {lo:.1%}–{hi:.1%} · n={scores['scored']:,}",
-            )
-        )
-    for k, v in (scores.get("pass_at_k") or {}).items():
-        if v is not None:
+    rate, ci, n = (
+        _number(scores.get("pass_rate")),
+        scores.get("pass_rate_95ci"),
+        _number(scores.get("scored")),
+    )
+    if (
+        rate is not None
+        and n is not None
+        and isinstance(ci, list)
+        and len(ci) == 2
+        and None not in map(_number, ci)
+    ):
+        lo, hi = ci
+        cards.append(stat("pass_rate", f"{rate:.1%}", "pass rate", f"95% CI {lo:.1%}–{hi:.1%} · n={n:,}"))
+    pass_at_k = scores.get("pass_at_k")
+    for k, v in pass_at_k.items() if isinstance(pass_at_k, dict) else ():
+        if _number(v) is not None:
             cards.append(stat(k, f"{v:.3f}", k, "unbiased estimator"))
-    if scores.get("mean_score") is not None:
+    if _number(scores.get("mean_score")) is not None:
         cards.append(stat("mean_score", f"{scores['mean_score']:.3f}", "mean score"))
+    errors = _number(scores.get("scorer_errors")) or 0
     cards.append(
         stat(
             "unscored",
-            fmt_int(scores.get("unscored", 0) + scores.get("scorer_errors", 0)),
+            fmt_int((_number(scores.get("unscored")) or 0) + errors),
             "not judged",
-            f"{scores.get('scorer_errors', 0):,} scorer errors",
+            f"{fmt_int(errors)} scorer errors",
         )
     )
     per_row: dict[tuple[str, str], list[Any]] = {}
@@ -989,7 +998,15 @@ def render_page(d: RunData) -> str:
     generated = dt.datetime.now().isoformat(timespec="seconds")
     banner = ""
     state = (d.status or {}).get("state")
-    if state == "running":
+    if (
+        state == "running" and local_alive(d.status or {}) is False
+    ):  # killed outright: status.json says running
+        banner = (
+            f'<p class="banner">The run stopped without finishing: status.json says running, but its process '
+            f"{esc(d.status.get('pid'))} is gone (killed or crashed); numbers are what it recorded. "
+            "Continue it with <code>--resume</code>.</p>"
+        )
+    elif state == "running":
         banner = '<p class="banner">The run was still running when this report was written; numbers are a snapshot.</p>'
     if not d.merged:
         banner += '<p class="banner">Read from the batch files (not merged yet): records the final merge drops (unknown tools, duplicates) are included.</p>'
@@ -1223,7 +1240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         path = write_report(args.run_dir, args.max_trajectories)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, WriteError) as exc:  # no run directory; report.html cannot be written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(path)

@@ -43,7 +43,7 @@ from batchrun.scoring import (
     wanted_from_duplicates,
 )
 from batchrun.sharegpt import first_human, parse_json
-from batchrun.storage import batch_files, iter_jsonl, write_json_atomic, write_text_atomic
+from batchrun.storage import WriteError, batch_files, iter_jsonl, write_json_atomic, write_text_atomic
 
 
 def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
@@ -97,6 +97,8 @@ def rescore(
     from batchrun.secrets import Redactor
 
     redact = Redactor(settings.judge.api_key if settings.judge else None)
+    stats_path = run_dir / "statistics.json"
+    stats = _stats_to_update(stats_path)  # before any write: one it cannot read is never replaced
     lines = []
     wanted = run_wanted(run_dir)
     scores = RunScores(distribution, wanted)
@@ -126,11 +128,6 @@ def rescore(
         lines.append(json.dumps(line, ensure_ascii=False) + "\n")
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
     summary = scores.summary()
-    stats_path = run_dir / "statistics.json"
-    try:
-        stats = parse_json(stats_path.read_text("utf-8"))
-    except (OSError, ValueError):
-        stats = {}
     section = stats.setdefault("scores", {})
     section.setdefault("rescored", {})[name] = {
         **summary,
@@ -140,6 +137,28 @@ def rescore(
     }
     write_json_atomic(stats_path, stats, redact)
     return summary
+
+
+def _stats_to_update(path: Path) -> dict[str, Any]:
+    """The run's statistics.json, to add a re-scoring to: {} when there is none. ValueError when it
+    cannot be read (torn, edited): rewritten, it would lose the run's totals and runs history."""
+    try:
+        text = path.read_text("utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        stats = parse_json(text)
+    except ValueError:
+        stats = None
+    scores = stats.get("scores", {}) if isinstance(stats, dict) else None
+    if not isinstance(scores, dict) or not isinstance(scores.get("rescored", {}), dict):
+        raise ValueError(
+            f"{path} is not a statistics.json this batch-runner can read (torn, or edited): left as it "
+            "is, nothing re-scored"
+        )
+    return stats
 
 
 def judge_client(settings: JudgeSettings) -> Any:
@@ -194,7 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
-    summary = rescore(args.run_dir, settings, name, judge, stats.get("distribution", ""))
+    try:
+        summary = rescore(args.run_dir, settings, name, judge, stats.get("distribution", ""))
+    except (
+        WriteError,
+        ValueError,
+    ) as exc:  # a read-only run directory, a full disk; a damaged statistics.json
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(headline(summary) or "Scores: no sample could be judged by these scorers")
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:

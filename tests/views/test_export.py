@@ -230,6 +230,23 @@ def test_cli_refuses_a_non_empty_output_and_skips_malformed_lines(run_dir, tmp_p
     assert done.returncode == 2 and "no trajectories.jsonl" in done.stderr
 
 
+@pytest.mark.parametrize("fmt", ["openai", "rewards"])
+def test_cli_on_an_output_that_is_a_file_or_cannot_be_made(run_dir, tmp_path, fmt):
+    # --out naming a file, or a folder that cannot be made (its parent is a file), ended in a
+    # NotADirectoryError traceback (exit 1): one line naming the path, exit 2, as for a bad request.
+    a_file = tmp_path / "export.jsonl"
+    a_file.write_text("keep me\n")
+    for out in (a_file, a_file / "sub"):
+        done = subprocess.run(
+            [sys.executable, "-m", "batchrun.views.export", str(run_dir), f"--format={fmt}", f"--out={out}"],
+            capture_output=True, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and done.stderr.startswith("error: ")
+        assert str(out) in done.stderr
+    assert a_file.read_text() == "keep me\n"
+
+
 def test_parquet_without_pyarrow_is_a_clear_error(run_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
     assert export.main([str(run_dir), "--format=parquet", f"--out={tmp_path / 'out'}"]) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html.parser
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -219,6 +220,16 @@ def test_cli_on_a_missing_directory(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no run directory" in done.stderr
 
 
+def test_cli_when_the_report_cannot_be_written(tmp_path: Path) -> None:
+    # A run directory the page cannot be written into (a read-only mount, a full disk; here a
+    # directory in report.html's place) ended in a WriteError traceback: one line naming the file.
+    (tmp_path / "report.html").mkdir()
+    done = cli(str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: cannot write ") and str(tmp_path / "report.html") in done.stderr
+
+
 def test_cost_reported_by_the_endpoint(tmp_path: Path) -> None:
     """Against an endpoint that prices its answers, the report sums the records' metadata.usage.cost_usd."""
     from batchrun.fakes.fake_model import FakeModelServer
@@ -346,6 +357,54 @@ def test_unmerged_run_reads_batch_files(tmp_path: Path) -> None:
     page = parse(run_dir / "report.html")
     assert number(page.stats["trajectories"]) == 2
     assert "not merged yet" in text and "still running" in text and "1 torn or invalid line(s)" in text
+
+
+def test_a_crashed_run_is_not_reported_as_running(tmp_path: Path) -> None:
+    # A run killed outright (kill -9, a lost terminal) leaves status.json saying "running": the
+    # page said it "was still running" with numbers a snapshot, though its process was long gone.
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tmp_path / "crashed"
+    run_dir.mkdir()
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(synthetic_record(0)) + "\n")
+    status = {"state": "running", "pid": dead.pid, "host": socket.gethostname()}
+    (run_dir / "status.json").write_text(json.dumps(status))
+    text = report.write_report(run_dir).read_text()
+    assert "still running" not in text
+    assert f"process {dead.pid} is gone" in text and "--resume" in text
+    # Alive, or on another host (the pid means nothing here), it is still said to be running.
+    (run_dir / "status.json").write_text(json.dumps({**status, "pid": os.getpid()}))
+    assert "still running" in report.write_report(run_dir).read_text()
+    (run_dir / "status.json").write_text(json.dumps({**status, "host": "elsewhere"}))
+    assert "still running" in report.write_report(run_dir).read_text()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"scores": ["not", "a", "section"], "dropped_at_merge": [1, 2]},
+        {"scores": {"pass_rate": 0.5, "pass_rate_95ci": None, "scored": None, "unscored": None,
+                    "pass_at_k": ["x"], "mean_score": "high"}},
+    ],
+)  # fmt: skip
+def test_a_statistics_json_of_another_shape_still_gets_its_page(tmp_path: Path, damage: dict) -> None:
+    # statistics.json with sections of another shape (hand-edited, another tool's, damaged) ended
+    # in a traceback (AttributeError, TypeError): the page is made from the run's records, the
+    # figures it cannot read are left out.
+    from helpers import run, write_rows
+
+    rows = [{"prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"}]
+    run(None, write_rows(tmp_path / "d.jsonl", rows), tmp_path / "data")
+    run_dir = tmp_path / "data" / "run"
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    (run_dir / "statistics.json").write_text(json.dumps({**stats, **damage}))
+    done = cli(str(run_dir))
+    assert done.returncode == 0, done.stderr
+    page = parse(run_dir / "report.html")
+    assert number(page.stats["trajectories"]) == 1
+    assert "pass_rate" not in page.stats  # not read from a section it cannot read
 
 
 def test_empty_run_directory(tmp_path: Path) -> None:

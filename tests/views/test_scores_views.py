@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from helpers import read_jsonl, run, stats_of, write_rows
 
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
 from batchrun.views import compare, report, score
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ROWS = [
     # The fake model answers 42 to each; the rows expect different things.
@@ -97,6 +101,97 @@ def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_pat
     assert again["pairs"] == 4  # the file row has no includes verdict
     assert again["flipped_to_pass"] == ["four", "two"]
     assert compare.main([str(a), str(b), "--scores=nope", f"--out={tmp_path / 'y.html'}"]) == 2
+
+
+def _flip_run(tmp_path: Path, rows: list[dict]) -> Path:
+    """A run judged with exact (its own scores) and re-scored with includes: rows whose answer is
+    "42, N" fail the first and pass the second, so they flip to pass in B."""
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    assert score.main([str(out / "run"), "--scorer=includes"]) == 0
+    return out / "run"
+
+
+def test_compare_lists_each_flipped_row_even_when_rows_share_a_label(tmp_path, capsys):
+    # The flipped rows were a set of labels (the row's id, else its prompt's start): two different
+    # rows with one id were one entry, "flipped to pass (1)" for two rows that flipped.
+    rows = [
+        {"id": "same", "prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"},
+        {"id": "same", "prompt": "Say 2 [calls:0] [answer:42, 2]", "answer": "2"},
+        {"id": "other", "prompt": "Say 7 [calls:0] [answer:42, 7]", "answer": "7"},
+    ]
+    a = _flip_run(tmp_path, rows)
+    capsys.readouterr()
+    page = tmp_path / "c.html"
+    assert compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={page}"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["passed_only_in_b"] == 3
+    assert len(r["flipped_to_pass"]) == 3, r["flipped_to_pass"]
+    assert len(set(r["flipped_to_pass"])) == 3  # each entry says which row it is
+    assert "other" in r["flipped_to_pass"] and all("same" in n for n in r["flipped_to_pass"] if n != "other")
+    assert "Failed in A, passed in B (3)" in page.read_text("utf-8")
+
+
+def test_compare_prints_no_terminal_escape_from_a_row(tmp_path):
+    # A dataset row's id (or prompt) is printed in the flipped-rows lines: its escape sequences
+    # reached the terminal as they were (clear the screen, set the window title, hide text).
+    hostile = "\x1b]0;PWNED\x07evil\x1b[2J\x1b[8m\x9b31m"
+    rows = [
+        {"id": hostile, "prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"},
+        {"prompt": "Say 2 \x1b[31mred [calls:0] [answer:42, 2]", "answer": "2"},
+    ]
+    a = _flip_run(tmp_path, rows)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchrun.views.compare",
+            str(a),
+            str(a),
+            "--scores_b=includes",
+            f"--out={tmp_path / 'c.html'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    flipped = next(line for line in done.stdout.splitlines() if "flipped to pass" in line)
+    assert "(2)" in flipped and "evil" in flipped and "red" in flipped
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", done.stdout), repr(done.stdout)
+    assert "\\x1b" in flipped  # shown, not obeyed
+
+
+def test_score_and_compare_when_their_output_cannot_be_written(tmp_path, capsys):
+    # scores.NAME.jsonl or compare's --out that cannot be written (a read-only run directory, a
+    # missing folder, a directory in its place) ended in a WriteError traceback: one line naming it.
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    (a / "scores.numeric.jsonl").mkdir()
+    capsys.readouterr()
+    assert score.main([str(a), "--scorer=numeric"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write ") and str(a / "scores.numeric.jsonl") in err
+    for out in (tmp_path / "missing" / "c.html", tmp_path):
+        assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot write ") and str(out) in err
+
+
+@pytest.mark.parametrize(
+    "damaged", ['{"runs": [{"duration_s": 1.0}], "scores": {"pass', '{"scores": [1]}', "[]"]
+)
+def test_score_never_overwrites_a_statistics_json_it_cannot_read(tmp_path, capsys, damaged):
+    # A statistics.json that does not parse (torn, hand-edited) was replaced by one holding only the
+    # new scores: the run's totals and runs history were gone. Or it raised (a scores section of
+    # another shape). The file is left as it is, and the error names it.
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    (a / "statistics.json").write_text(damaged)
+    capsys.readouterr()
+    assert score.main([str(a), "--scorer=numeric"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(a / "statistics.json") in err
+    assert (a / "statistics.json").read_text() == damaged
 
 
 @pytest.mark.browser

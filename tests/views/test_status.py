@@ -219,6 +219,16 @@ def test_cli_without_a_status_file(tmp_path: Path) -> None:
     assert done.returncode == 2 and "not a JSON object" in done.stderr
 
 
+def test_cli_on_a_pid_no_process_can_have(tmp_path: Path) -> None:
+    # A damaged (or hand-written) status.json whose pid is beyond any pid of this host ended in an
+    # OverflowError traceback from os.kill; no such process lives: the run is not running.
+    write_status(tmp_path, running(pid=10**30, host=socket.gethostname()))
+    done = cli(str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "WARNING: not running" in done.stdout
+    assert json.loads(cli(str(tmp_path), "--json").stdout)["checks"]["pid_alive"] is False
+
+
 def test_budget_skips_reached_flag_and_rate_limit_pauses() -> None:
     budget = {"usd": 50.0, "tokens": None, "spent_usd": 49.5, "spent_tokens": 10, "reached": True}
     got = lines(st.format_status(running(skipped_budget=66, budget=budget, rate_limit_pauses=3), NOW))
