@@ -49,7 +49,7 @@ from batchrun.run.resume import (
     resume_filter,
 )
 from batchrun.run.run_dir import check_run_dir
-from batchrun.secrets import Redactor
+from batchrun.secrets import Redactor, terminal_safe
 from batchrun.storage import WriteError
 
 EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-only): the run stopped
@@ -87,7 +87,7 @@ def console_safe(message: str, api_key: Any = None) -> str:
     """A message for the console with the run's secrets replaced: an endpoint's error may quote the key
     it was sent (a start check refused with "invalid key Bearer sk-..."), and a flag's file or a
     server's answer may hold any secret of the environment."""
-    return Redactor(api_key if isinstance(api_key, str) else None)(message)
+    return terminal_safe(Redactor(api_key if isinstance(api_key, str) else None)(message))
 
 
 def cli(argv: list[str] | None = None) -> None:

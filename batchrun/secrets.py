@@ -45,6 +45,18 @@ ORDINARY = re.compile(
     re.IGNORECASE,
 )
 REDACTED = "[REDACTED]"
+
+# Control characters but the line break and the tab: what an endpoint's error, a model id it lists or a
+# row's id could hold to drive the terminal (ESC sequences that set its title, clear it, hide text).
+_TERMINAL_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` for the console: control characters shown as ``\\xNN``, not obeyed (line breaks and tabs
+    kept). Only for what is printed: the files keep the text as it was."""
+    return _TERMINAL_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 # A line break between two base64 characters, as written or JSON-escaped once or more (a tool's
 # output is JSON inside a record's string): base64(1) and MIME wrap their output at 76 characters,
 # PEM at 64, so a secret's encoded form may straddle one.

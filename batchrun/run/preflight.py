@@ -161,7 +161,7 @@ def warn_unlisted_model(model: str, listed: list[str]) -> bool:
     """Print one warning when ``listed`` (the endpoint's /models) is not empty and lacks ``model``."""
     if not listed or model in listed:
         return False
-    shown = ", ".join(listed[:5]) + (f" (and {len(listed) - 5} more)" if len(listed) > 5 else "")
+    shown = ", ".join(map(repr, listed[:5])) + (f" (and {len(listed) - 5} more)" if len(listed) > 5 else "")
     print(
         f"warning: the endpoint does not list the requested model {model!r}; it lists {shown}. "
         "Records keep the requested name in metadata.model and the one that answered in metadata.served_model",

@@ -27,7 +27,7 @@ from batchrun.identity import RowIdentity
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import normalize_metadata, sample_index_of, valid_record
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
-from batchrun.secrets import Redactor
+from batchrun.secrets import Redactor, terminal_safe
 from batchrun.storage import (
     WriteError,
     append_jsonl,
@@ -232,7 +232,7 @@ class Recorder:
                 for key in SPEND_KEYS:
                     self.budget_unfinished_spend[key] += credible(outcome.usage.get(key))
             self.failure_messages[outcome.error_class or "unknown"][
-                self.redact(str(outcome.error))[:300]
+                terminal_safe(self.redact(str(outcome.error))[:300])  # for the console's summary
             ] += 1
             row = {
                 "prompt": outcome.prompt,
@@ -248,8 +248,12 @@ class Recorder:
             }
             append_jsonl(self.run_dir / "failed.jsonl", row, sample_text)
             if self.verbose:
-                self.echo(
-                    self.redact(f"[{outcome.prompt_index}] failed: {outcome.error_class}: {outcome.error}")
+                self.echo(  # the endpoint's words: its control characters shown, not obeyed
+                    terminal_safe(
+                        self.redact(
+                            f"[{outcome.prompt_index}] failed: {outcome.error_class}: {outcome.error}"
+                        )
+                    )
                 )
 
     def keeps(self, outcome: Outcome) -> bool:

@@ -25,7 +25,6 @@ import argparse
 import collections
 import html
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from batchrun.identity import record_sample
 from batchrun.record import read_score
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import mcnemar_exact, paired_bootstrap
+from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import first_human
 from batchrun.storage import WriteError, iter_jsonl, write_text_atomic
 from batchrun.views.score import run_samples
@@ -128,14 +128,6 @@ def _flipped(verdicts: dict[Key, dict[str, Any]], keys: list[Key]) -> list[str]:
     return sorted(f"{labels[r]} · row {r[:8]}" if shared[labels[r]] > 1 else labels[r] for r in rows)
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def _printable(line: str) -> str:
-    """A line for the terminal: control characters (a row's escape sequences) shown as \\xNN, not obeyed."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
-
-
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:.1%}"
 
@@ -163,7 +155,7 @@ def text_report(r: dict[str, Any]) -> str:
     lines.append(
         f"rows that flipped to pass in B ({len(r['flipped_to_pass'])}): {', '.join(r['flipped_to_pass'][:20])}"
     )
-    return "\n".join(_printable(line) for line in lines)
+    return terminal_safe("\n".join(lines))
 
 
 def html_report(r: dict[str, Any]) -> str:

@@ -7,6 +7,8 @@ the status and the server's message, before any prompt's request, and never prin
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import OK_REPLY, ScriptedEndpoint, exit_code, write_jsonl
 
@@ -156,3 +158,32 @@ def test_an_endpoint_whose_answers_carry_no_finish_reason_is_refused_before_any_
         assert code == 0 and sent
     else:
         assert code == 2 and not sent and not (tmp_path / "data" / "run").exists()
+
+
+ESCAPES = "\x1b]0;PWNED\x07\x1b[2J\x1b[31mred\x9b"  # set the title, clear the screen, colour; a C1 CSI
+
+
+def test_an_endpoints_control_characters_never_reach_the_terminal(tmp_path, capsys):
+    """A hostile endpoint's error text (and the model ids it lists) reached the console as it was, in
+    the start check's error, the --verbose failure lines and the closing summary: its ESC sequences
+    set the terminal's title, cleared it, hid text. They are shown as \\xNN now; failed.jsonl keeps them."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["p1"])
+    models = (200, {"object": "list", "data": [{"id": f"evil{ESCAPES}"}]})
+
+    def refused(call, calls):
+        return 400, {"error": {"message": f"no {ESCAPES}"}}
+
+    def fails_prompts(call, calls):
+        return (200, OK_REPLY) if call["check"] else (500, {"error": {"message": f"boom {ESCAPES}"}})
+
+    with ScriptedEndpoint(refused, get=models) as ep:
+        assert exit_code(None, dataset, tmp_path / "data", model="m", base_url=ep.base_url) == 2
+    with ScriptedEndpoint(fails_prompts, get=models) as ep:
+        run = dict(model="m", base_url=ep.base_url, api_key="k", verbose=True, max_retries=0, run_name="r2")
+        assert exit_code(None, dataset, tmp_path / "data", **run) == 0
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "\x07" not in out + err and "\x9b" not in out + err
+    assert (out + err).count("boom \\x1b]0;PWNED\\x07") == 2, out + err  # the verbose line, the summary
+    assert "no \\x1b]0;PWNED" in err and "evil\\x1b]0;PWNED" in err
+    (failed,) = [json.loads(line) for line in (tmp_path / "data" / "r2" / "failed.jsonl").open()]
+    assert ESCAPES in failed["error"]  # the file keeps what the endpoint said
