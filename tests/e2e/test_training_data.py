@@ -343,6 +343,43 @@ def test_a_sample_that_holds_a_secret_is_a_discard_redacted_in_discarded_jsonl(t
 # ----------------------------------------------------------------------------- no bad sample is kept
 
 
+def test_every_call_of_a_turn_has_its_own_id_when_the_endpoint_repeats_or_omits_them(tmp_path):
+    """An endpoint that gives two calls of a turn the same id (``call_2``) and the third none: the
+    runner's own id for the repeated one (``call_<position>``) was that same ``call_2``, so two tool
+    results answered one id and the exported messages could not say which result is which call's."""
+    from batchrun.views.export import export_run
+
+    def answer(call: dict, calls: list[dict]):
+        messages = (call["body"] or {}).get("messages", [])
+        if not any(m.get("role") == "tool" for m in messages):
+            ids = ["call_2", "call_2", None]
+            tool_calls = [
+                {
+                    "id": i,
+                    "type": "function",
+                    "function": {"name": "terminal", "arguments": json.dumps({"command": c})},
+                }
+                for i, c in zip(ids, ["echo a", "echo b", "echo c"], strict=True)
+            ]
+            msg = {"role": "assistant", "content": "", "reasoning_content": "Run.", "tool_calls": tool_calls}
+            return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls"}]}
+        msg = {"role": "assistant", "content": "Done.", "reasoning_content": "Finished."}
+        return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(None, write_jsonl(tmp_path / "d.jsonl", ["Run three"]), tmp_path / "data", model="m",
+            base_url=endpoint.base_url, api_key="sk-scripted-test", num_workers=1)  # fmt: skip
+    export_run(tmp_path / "data" / "run", "openai", tmp_path / "out")
+    (row,) = read_jsonl(tmp_path / "out" / "train.jsonl")
+    (calling,) = [m for m in row["messages"] if m.get("tool_calls")]
+    ids = [c["id"] for c in calling["tool_calls"]]
+    assert len(set(ids)) == 3, ids
+    # Each result answers its own call, in order: the output of echo b is the result of the second id.
+    results = [m for m in row["messages"] if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == ids
+    assert [json.loads(m["content"])["output"].strip() for m in results] == ["a", "b", "c"]
+
+
 def test_tool_results_are_exported_as_the_text_the_model_saw(tmp_path):
     """A tool error that names what the model sent (an unknown argument, here with a non-ASCII name)
     reaches the model as JSON with ``\\u00e9`` escapes. The record rendered the result's JSON again
