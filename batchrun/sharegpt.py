@@ -187,6 +187,10 @@ def tool_response_block(tool_call_id: str, name: str, content: str) -> str:
         body: Any = parse_json(content)
     except (ValueError, TypeError):
         body = content
+    # A result is held as a JSON value only where that value reads back as the very text the model saw
+    # (parse_tool_responses gives it back); else as that text (\u escapes, other spacing, a JSON string).
+    if isinstance(body, str) or json.dumps(body, ensure_ascii=False) != content:
+        body = content
     payload = {"tool_call_id": tool_call_id, "name": name, "content": body}
     return "<tool_response>\n" + json.dumps(payload, ensure_ascii=False) + "\n</tool_response>"
 

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from batchrun.sharegpt import canonical_arguments, gpt_value, parse_tool_calls, split_reasoning
+from batchrun.sharegpt import (
+    canonical_arguments,
+    gpt_value,
+    parse_tool_calls,
+    parse_tool_responses,
+    split_reasoning,
+    tool_response_block,
+)
 
 
 def _call(call_id: str, name: str, arguments: str) -> dict:
@@ -104,3 +111,19 @@ def test_parse_tool_calls_round_trip_json_string_arguments(raw):
     args = canonical_arguments(raw)
     value = gpt_value(None, "", [_call("call_1", "terminal", args)])
     assert parse_tool_calls(value) == [{"name": "terminal", "arguments": args}]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"output": "é", "exit_code": 0}',  # as the tools write their results: kept as a JSON value
+        '{"error": "r\\u00e9pertoire"}',  # an error written with \u escapes
+        '{"a":1}',  # other spacing
+        '"quoted"',  # a JSON string: its quotes are part of the text
+        "1.0e3",
+        "plain text",
+    ],
+)
+def test_a_tool_result_reads_back_as_the_text_the_model_saw(content):
+    block = tool_response_block("call_1", "terminal", content)
+    assert parse_tool_responses(block) == [{"tool_call_id": "call_1", "name": "terminal", "content": content}]

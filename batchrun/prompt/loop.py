@@ -225,7 +225,9 @@ def _assistant_messages(
     calls = []
     seen_ids: set[str] = set()
     for i, c in enumerate(turn.tool_calls):
-        call_id = c.id if c.id and c.id not in seen_ids else f"call_{i + 1}"
+        call_id, n = c.id, i + 1
+        while not call_id or call_id in seen_ids:  # missing or repeated: the first free call_<n>
+            call_id, n = f"call_{n}", n + 1
         seen_ids.add(call_id)
         calls.append(
             {

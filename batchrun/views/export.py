@@ -69,7 +69,6 @@ from batchrun.sharegpt import (
     offered_tools,
 )
 from batchrun.views.export_rows import (
-    _MESSAGE,
     _PARQUET_MESSAGE,
     CARD_NAME,
     SPLITS,
@@ -432,7 +431,8 @@ _COMMON = {
     "scorer": "string",
 }
 FEATURES: dict[str, dict[str, Any]] = {
-    "openai": {"messages": [_MESSAGE], **_COMMON},
+    # raw_arguments: the calls of an invalid_tool_call discard carry it in the openai rows too.
+    "openai": {"messages": [_PARQUET_MESSAGE], **_COMMON},
     "parquet": {"messages": [_PARQUET_MESSAGE], **_COMMON},
     "sharegpt": {"conversations": [{"from": "string", "value": "string"}], **_COMMON},
 }

@@ -5,9 +5,10 @@ GRPO-style trainers).
     python -m batchrun.views.export data/<run> [data/<other_run> ...] --format=preference --out=DIR
     python -m batchrun.views.export data/<run> --format=rewards --out=DIR
 
-Samples are grouped by their row's identity and the tools they were offered (a pair or a group
-shares one prompt: the same messages up to the user's, and the same ``tools``), across every run
-named, so two models' runs over one dataset pair up too. Kept trajectories and the samples a failed
+Samples are grouped by their row's identity, the tools they were offered and the check they were
+judged against (a pair or a group shares one prompt: the same messages up to the user's, the same
+``tools``, and scores given by the same ``answer``, ``verify``, ``verify_files`` and ``rubric``), across
+every run named, so two models' runs over one dataset pair up too. Kept trajectories and the samples a failed
 check discarded (``--keep=passed``) are read; other discards only with ``--include_discarded``. Each
 (row, sample) of a run counts once (per identical row), as statistics.json counts it: an old discard
 that ``--rerun_discarded`` ran again is not a second sample.
@@ -34,6 +35,7 @@ from typing import Any
 
 from batchrun.identity import RowIdentity, record_sample
 from batchrun.record import features_yaml
+from batchrun.scoring import check_from_row_fields
 from batchrun.sharegpt import first_human, offered_tools
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
@@ -112,7 +114,7 @@ def export_scored(
     seed: int,
 ) -> ExportResult:
     """Write ``train.jsonl`` (and ``test.jsonl``) of ``preference`` or ``rewards`` rows, and the card."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
+    groups: dict[tuple[str, str, Any], list[dict[str, Any]]] = collections.defaultdict(list)
     skipped = result.skipped
     # Each (row, sample) of a run as often as its dataset wants it (identical rows), as statistics.json
     # counts them: kept first; an old discard that --rerun_discarded ran again is not a second sample.
@@ -146,7 +148,10 @@ def export_scored(
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
         meta = record.get("metadata") or {}
-        groups[(RowIdentity.of_record(record).key, tools)].append(
+        # The check is not part of the row's identity: samples judged against another answer (a key
+        # fixed between runs) are not comparable, so they never share a pair or a group.
+        check = check_from_row_fields(meta.get("row_fields"))
+        groups[(RowIdentity.of_record(record).key, tools, check)].append(
             {
                 "prompt": prompt,
                 "completion": completion,
@@ -250,10 +255,10 @@ def card(run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: fl
     lines += ["tags:", "- tool-use", "- agent-trajectories", f"- {fmt}", "---", "", ""]
     what = {
         "preference": "`prompt` / `chosen` / `rejected` conversational messages (TRL's preference layout): "
-        "a passing and a failing sample of the same row, offered the same `tools`",
+        "a passing and a failing sample of the same row, offered the same `tools` and judged by the same check",
         "rewards": "`prompt`, `completions` (per sample: `messages`, `reward`, `passed`, `sample_index`) and "
         "`rewards` (the scores as one list), "
-        "one line per row and tool list (GRPO-style groups)",
+        "one line per row, tool list and check (GRPO-style groups)",
     }[fmt]
     counts = ", ".join(f"{s}: {result.rows[s]}" for s in result.files) or "none"
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"

@@ -13,7 +13,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-from helpers import read_jsonl, run, stats_of, write_jsonl, write_rows
+from helpers import ScriptedEndpoint, read_jsonl, run, stats_of, write_jsonl, write_rows
 
 import batch_runner
 from batchrun.config import UsageError
@@ -341,6 +341,72 @@ def test_a_sample_that_holds_a_secret_is_a_discard_redacted_in_discarded_jsonl(t
 
 
 # ----------------------------------------------------------------------------- no bad sample is kept
+
+
+def test_every_call_of_a_turn_has_its_own_id_when_the_endpoint_repeats_or_omits_them(tmp_path):
+    """An endpoint that gives two calls of a turn the same id (``call_2``) and the third none: the
+    runner's own id for the repeated one (``call_<position>``) was that same ``call_2``, so two tool
+    results answered one id and the exported messages could not say which result is which call's."""
+    from batchrun.views.export import export_run
+
+    def answer(call: dict, calls: list[dict]):
+        messages = (call["body"] or {}).get("messages", [])
+        if not any(m.get("role") == "tool" for m in messages):
+            ids = ["call_2", "call_2", None]
+            tool_calls = [
+                {
+                    "id": i,
+                    "type": "function",
+                    "function": {"name": "terminal", "arguments": json.dumps({"command": c})},
+                }
+                for i, c in zip(ids, ["echo a", "echo b", "echo c"], strict=True)
+            ]
+            msg = {"role": "assistant", "content": "", "reasoning_content": "Run.", "tool_calls": tool_calls}
+            return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls"}]}
+        msg = {"role": "assistant", "content": "Done.", "reasoning_content": "Finished."}
+        return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(None, write_jsonl(tmp_path / "d.jsonl", ["Run three"]), tmp_path / "data", model="m",
+            base_url=endpoint.base_url, api_key="sk-scripted-test", num_workers=1)  # fmt: skip
+    export_run(tmp_path / "data" / "run", "openai", tmp_path / "out")
+    (row,) = read_jsonl(tmp_path / "out" / "train.jsonl")
+    (calling,) = [m for m in row["messages"] if m.get("tool_calls")]
+    ids = [c["id"] for c in calling["tool_calls"]]
+    assert len(set(ids)) == 3, ids
+    # Each result answers its own call, in order: the output of echo b is the result of the second id.
+    results = [m for m in row["messages"] if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == ids
+    assert [json.loads(m["content"])["output"].strip() for m in results] == ["a", "b", "c"]
+
+
+def test_tool_results_are_exported_as_the_text_the_model_saw(tmp_path):
+    """A tool error that names what the model sent (an unknown argument, here with a non-ASCII name)
+    reaches the model as JSON with ``\\u00e9`` escapes. The record rendered the result's JSON again
+    (``é``), so the saved and exported tool message was not the text the model was given."""
+    from batchrun.views.export import export_run
+
+    seen: list[str] = []
+
+    def answer(call: dict, calls: list[dict]):
+        messages = (call["body"] or {}).get("messages", [])
+        results = [m["content"] for m in messages if m.get("role") == "tool"]
+        if not results:
+            args = json.dumps({"command": "ls", "répertoire": "/tmp"}, ensure_ascii=False)
+            call_ = {"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": args}}
+            msg = {"role": "assistant", "content": "", "reasoning_content": "Look.", "tool_calls": [call_]}
+            return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls"}]}
+        seen[:] = results
+        msg = {"role": "assistant", "content": "Done.", "reasoning_content": "Finished."}
+        return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(None, write_jsonl(tmp_path / "d.jsonl", ["Look around"]), tmp_path / "data", model="m",
+            base_url=endpoint.base_url, api_key="sk-scripted-test", num_workers=1)  # fmt: skip
+    assert len(seen) == 1 and "\\u00e9" in seen[0]  # the escaped text the tool's answer was
+    export_run(tmp_path / "data" / "run", "openai", tmp_path / "out")
+    (row,) = read_jsonl(tmp_path / "out" / "train.jsonl")
+    assert [m["content"] for m in row["messages"] if m["role"] == "tool"] == seen
 
 
 def test_a_call_to_a_tool_not_offered_is_never_kept():

@@ -108,3 +108,24 @@ def test_a_sample_rerun_by_rerun_discarded_is_one_completion_of_its_group(tmp_pa
     export.main([str(out / "run"), "--format=rewards", f"--out={tmp_path / 'groups'}"])
     (group,) = [json.loads(line) for line in (tmp_path / "groups" / "train.jsonl").read_text().splitlines()]
     assert sorted((c["sample_index"], c["passed"]) for c in group["completions"]) == [(0, True), (1, False)]
+
+
+def test_samples_judged_against_different_checks_are_never_grouped(tmp_path):
+    """Two runs of one prompt whose datasets give it different answers (a wrong answer key fixed
+    between the runs): the same reply (42) passes in one run and fails in the other. The check is
+    not part of a row's identity, but samples judged against different checks are not comparable:
+    paired, they make a preference pair of two identical answers, one chosen and one rejected, and a
+    rewards group that scores the same answer 1 and 0."""
+    out = tmp_path / "data"
+    for name, answer in (("old_key", "7"), ("new_key", "42")):
+        rows = [{"id": "q", "prompt": "Say 42 [calls:1] [answer:42]", "answer": answer}]
+        run(None, write_rows(tmp_path / f"{name}.jsonl", rows), out, run_name=name)
+    dirs = [str(out / "old_key"), str(out / "new_key")]
+    # No row has a passing and a failing sample judged alike: no pair at all.
+    assert export.main([*dirs, "--format=preference", f"--out={tmp_path / 'p'}"]) == 2
+    assert export.main([*dirs, "--format=rewards", f"--out={tmp_path / 'r'}"]) == 0
+    groups = _load(tmp_path / "r", tmp_path)
+    assert sorted((g["rewards"], g["run_names"]) for g in groups) == [
+        ([0.0], ["old_key"]),
+        ([1.0], ["new_key"]),
+    ]

@@ -224,6 +224,16 @@ def test_discarded_samples_come_out_split_correctly(run_dir, tmp_path):
         json.loads(raw[0]["raw_arguments"])
 
 
+def test_an_openai_export_with_raw_arguments_loads_by_its_card(run_dir, tmp_path):
+    """An invalid_tool_call discard's call carries raw_arguments in the openai rows too; the card's
+    features did not declare it, so load_dataset(<export dir>) refused the whole export."""
+    _export(run_dir, "openai", tmp_path / "o", "--include_discarded")
+    loaded = datasets.load_dataset(str(tmp_path / "o"), split="train", cache_dir=str(tmp_path / "c"))
+    calls = [c for row in loaded for m in row["messages"] for c in m["tool_calls"] or []]
+    raw = [c["raw_arguments"] for c in calls if c["raw_arguments"] is not None]
+    assert len(raw) == 1 and raw[0] == next(c["function"]["arguments"] for c in calls if c["raw_arguments"])
+
+
 def _run_copy(run_dir: Path, dest: Path, edit=None) -> Path:
     dest.mkdir(parents=True)
     records = read_jsonl(run_dir / "trajectories.jsonl")
