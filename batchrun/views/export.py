@@ -356,6 +356,8 @@ def _check_request(
         )
     if opts.stop_reasons is not None and opts.exclude_stop_reasons is not None:
         raise ExportError("--stop_reasons and --exclude_stop_reasons exclude each other: name one")
+    if opts.min_score is not None and not 0 <= opts.min_score <= 1:  # nan too: it left nothing out
+        raise ExportError(f"--min_score must be a score from 0 to 1, got {opts.min_score!r}")
     if not 0 <= test_fraction < 1:
         raise ExportError(f"--test_fraction must be at least 0 and below 1, got {test_fraction!r}")
     for one in run_dirs:

@@ -270,3 +270,13 @@ def test_records_that_do_not_parse_back_are_left_out_and_counted(run_dir, tmp_pa
     loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "out" / "train.parquet"))["train"]
     assert len(loaded) == len(records) - 2
     assert first["prompt_index"] not in loaded["prompt_index"]
+
+
+@pytest.mark.parametrize("value", ["nan", "1.5", "-0.1"])
+def test_a_min_score_outside_the_scores_range_is_refused(run_dir, tmp_path, capsys, value):
+    """--min_score=nan left nothing out (every comparison with nan is false) and 1.5 everything, silently."""
+    assert (
+        export.main([str(run_dir), "--format=openai", f"--out={tmp_path / 'o'}", f"--min_score={value}"]) == 2
+    )
+    assert "--min_score must be a score from 0 to 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
