@@ -43,6 +43,7 @@ from batchrun.views.export_rows import (
     SPLITS,
     ExportError,
     ExportResult,
+    NothingToExport,
     _all_samples,
     _full_message,
     score_columns,
@@ -184,7 +185,7 @@ def export_scored(
             fh.close()
     result.files = {s: result.files[s] for s in SPLITS if s in result.files}
     if not result.files:
-        raise ExportError(
+        raise NothingToExport(
             f"no {fmt} rows: "
             + (
                 "no row has both a passing and a failing sample"

@@ -90,8 +90,9 @@ def test_rewards_groups_each_rows_samples_with_their_scores(two_runs, tmp_path):
 
 
 def test_preference_without_any_pair_is_a_clear_error(two_runs, tmp_path, capsys):
+    # Nothing to write, as any export with every sample left out: exit 1 (2 is a bad request).
     exact, _ = two_runs
-    assert export.main([str(exact), "--format=preference", f"--out={tmp_path / 'none'}"]) == 2
+    assert export.main([str(exact), "--format=preference", f"--out={tmp_path / 'none'}"]) == 1
     assert "no row has both a passing and a failing sample" in capsys.readouterr().err
 
 
