@@ -41,7 +41,6 @@ from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
     CARD_NAME,
     SPLITS,
-    ExportError,
     ExportResult,
     NothingToExport,
     _all_samples,

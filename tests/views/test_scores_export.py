@@ -123,7 +123,7 @@ def test_samples_judged_against_different_checks_are_never_grouped(tmp_path):
         run(None, write_rows(tmp_path / f"{name}.jsonl", rows), out, run_name=name)
     dirs = [str(out / "old_key"), str(out / "new_key")]
     # No row has a passing and a failing sample judged alike: no pair at all.
-    assert export.main([*dirs, "--format=preference", f"--out={tmp_path / 'p'}"]) == 2
+    assert export.main([*dirs, "--format=preference", f"--out={tmp_path / 'p'}"]) == 1  # nothing to write
     assert export.main([*dirs, "--format=rewards", f"--out={tmp_path / 'r'}"]) == 0
     groups = _load(tmp_path / "r", tmp_path)
     assert sorted((g["rewards"], g["run_names"]) for g in groups) == [
