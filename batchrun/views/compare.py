@@ -53,8 +53,15 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
         lines: collections.Counter[tuple[str, int]] = collections.Counter()
         # Written in run_samples' order: the k-th line of a sample is its k-th copy.
         for line in iter_jsonl(path):
-            if isinstance(line, dict) and isinstance(line.get("score"), dict):
-                sample = (line["row_key"], int(line["sample_index"]))
+            index = line.get("sample_index") if isinstance(line, dict) else None
+            if (
+                isinstance(line, dict)
+                and isinstance(line.get("score"), dict)
+                and isinstance(line.get("row_key"), str)
+                and isinstance(index, int)
+                and not isinstance(index, bool)
+            ):  # a line of another shape (edited, torn) is skipped, as torn lines are everywhere
+                sample = (line["row_key"], index)
                 override[(*sample, lines[sample])] = line["score"]
                 lines[sample] += 1
     out = {}

@@ -315,3 +315,19 @@ def test_report_scores_section_in_chromium(browser, tmp_path: Path):
     assert shot.stat().st_size > 10_000
     assert errors == []
     page.close()
+
+
+def test_compare_skips_a_re_scoring_line_of_another_shape(tmp_path, capsys):
+    # A scores.NAME.jsonl line without row_key or sample_index (edited, torn mid-way) ended in a KeyError
+    # traceback; it is skipped, as torn lines are everywhere.
+    rows = [{"id": "r", "prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}]
+    a = _flip_run(tmp_path, rows)
+    path = a / "scores.includes.jsonl"
+    path.write_text(
+        '{"score": {"passed": true}}\n{"row_key": "x", "sample_index": "0", "score": {}}\n' + path.read_text()
+    )
+    capsys.readouterr()
+    assert (
+        compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'c.html'}"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["passed_only_in_b"] == 1
