@@ -187,7 +187,14 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
 
 def local_alive(status: dict[str, Any]) -> bool | None:
     """Whether the run's process lives, when it ran on this host; None when that cannot be told."""
-    if status.get("host") not in (None, socket.gethostname()) or status.get("pid") is None:
+    pid = status.get("pid")
+    if (
+        status.get("host") not in (None, socket.gethostname())
+        or isinstance(pid, bool)
+        or not isinstance(pid, int)
+    ):
+        return None  # another host's, or no pid a process can have (a damaged file): cannot be told
+    if pid <= 0:
         return None
     return pid_alive(status.get("pid"))
 

@@ -240,3 +240,13 @@ def test_budget_skips_reached_flag_and_rate_limit_pauses() -> None:
 def test_stall_before_the_first_event_counts_from_the_start() -> None:
     assert "stalled" not in st.format_status(running(started_at=NOW - 30, last_event_at=None), NOW)
     assert "no event for 2m 00s" in st.format_status(running(started_at=NOW - 120, last_event_at=None), NOW)
+
+
+def test_cli_on_a_pid_that_is_no_number_cannot_tell(tmp_path: Path) -> None:
+    # A pid of another type (a list, text) said "process [1] is gone": nothing can be told of it.
+    for pid in ([1], "123", True, 0):
+        write_status(tmp_path, running(pid=pid, host=socket.gethostname()))
+        done = cli(str(tmp_path), "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["checks"]["pid_alive"] is None, pid
+        assert "WARNING: not running" not in cli(str(tmp_path)).stdout
