@@ -14,7 +14,7 @@ def test_endpoint_check_warns_once_when_models_does_not_list_the_requested_name(
     with FakeModelServer(latency_s=0) as srv:
         check_endpoint(LLMConfig(model="Qwen/Qwen3-8B", base_url=srv.base_url, api_key="sk-local"))
         err = capsys.readouterr().err
-        assert err.count("warning:") == 1 and "'Qwen/Qwen3-8B'" in err and "it lists mock" in err
+        assert err.count("warning:") == 1 and "'Qwen/Qwen3-8B'" in err and "it lists 'mock'" in err
         check_endpoint(LLMConfig(model="mock", base_url=srv.base_url, api_key="sk-local"))
         assert "warning" not in capsys.readouterr().err
     assert warn_unlisted_model("x", []) is False  # no list: nothing to say
