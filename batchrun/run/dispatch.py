@@ -55,6 +55,7 @@ from batchrun.run.budget import Budget, Decision
 from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
+from batchrun.secrets import terminal_safe
 
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
@@ -553,7 +554,8 @@ class Dispatch:
         return settled
 
     def format_log(self, message: Log) -> str:
-        """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part."""
+        """A tool call preview: redacted first, then cut to --log_prefix_chars, so no secret shows in part;
+        its control characters (the model's arguments, a command's output) shown as ``\\xNN``, not obeyed."""
         n = self.config.log_prefix_chars
         redact = self.recorder.redact
 
@@ -561,7 +563,9 @@ class Dispatch:
             text = redact(text)
             return text if len(text) <= n else text[:n] + "..."
 
-        return f"[{message.prompt_index}] {message.tool}({cut(message.args)}) -> {cut(message.result)}"
+        return terminal_safe(
+            f"[{message.prompt_index}] {message.tool}({cut(message.args)}) -> {cut(message.result)}"
+        )
 
     def fail_lost_prompts(
         self, keys: set[Key], pid: Any, track: _Tracking, error_class: str = "worker_died"

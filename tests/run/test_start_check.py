@@ -187,3 +187,44 @@ def test_an_endpoints_control_characters_never_reach_the_terminal(tmp_path, caps
     assert "no \\x1b]0;PWNED" in err and "evil\\x1b]0;PWNED" in err
     (failed,) = [json.loads(line) for line in (tmp_path / "data" / "r2" / "failed.jsonl").open()]
     assert ESCAPES in failed["error"]  # the file keeps what the endpoint said
+
+
+def test_a_models_tool_calls_and_their_output_never_reach_the_terminal_as_control_characters(
+    tmp_path, capsys
+):
+    """--verbose previews each tool call: its arguments are the model's words, its result a command's
+    output. JSON keeps the C1 controls (CSI U+009B: ESC [ in one character) raw in both, and the
+    previews reached the console as they were: a hostile model could clear the screen, hide text."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["p1"])
+    # The command's output holds a C1 CSI (UTF-8) then "2J"; its arguments hold one raw (JSON allows it).
+    command = "printf 'A\\302\\2332JB' # \x9b8m"
+    calls = [{"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": json.dumps({"command": command}, ensure_ascii=False)}}]  # fmt: skip
+    tool_turn = {
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {"role": "assistant", "content": "", "tool_calls": calls},
+            }
+        ]
+    }
+
+    def answer(call, seen):
+        if call["check"] or any(m.get("role") == "tool" for m in call["body"]["messages"]):
+            return 200, OK_REPLY
+        return 200, tool_turn
+
+    with ScriptedEndpoint(answer) as ep:
+        run = dict(
+            model="m",
+            base_url=ep.base_url,
+            api_key="k",
+            verbose=True,
+            max_retries=0,
+            num_workers=1,
+            keep_no_reasoning=True,
+        )
+        assert exit_code(None, dataset, tmp_path / "data", **run) == 0
+    err = capsys.readouterr().err
+    assert "terminal(" in err and "A\\x9b2JB" in err and "# \\x9b8m" in err  # shown, not obeyed
+    assert "\x9b" not in err
