@@ -156,6 +156,53 @@ def test_a_prompt_sees_the_system_but_no_host_data(
         shutil.rmtree(host_tmp, ignore_errors=True)
 
 
+# The kernel's keyrings by syscall (add_key, request_key, keyctl READ), through ctypes: python3 in the
+# sandbox; prints "added" or "refused <errno>", then what it reads back ("found <data>" or "none").
+KEYRING = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+nr = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219), "riscv64": (217, 218, 219)}[__import__("os").uname().machine]
+desc, data = sys.argv[1].encode(), sys.argv[2].encode()
+if data:
+    got = libc.syscall(nr[0], b"user", desc, data, len(data), -4)  # KEY_SPEC_USER_KEYRING
+    print("added" if got > 0 else f"refused {ctypes.get_errno()}")
+key = libc.syscall(nr[1], b"user", desc, None, 0)
+buf = ctypes.create_string_buffer(256)
+n = libc.syscall(nr[2], 11, ctypes.c_long(key), buf, 256) if key > 0 else -1  # KEYCTL_READ
+print(f"found {buf.raw[:n].decode()}" if n > 0 else "none")
+"""
+
+
+def _keyring(box: LocalSandbox, desc: str, data: str = "") -> str:
+    box.run(f"cat > /tmp/keyring.py <<'EOF'\n{KEYRING}\nEOF", timeout_s=20)
+    return box.run(f"{PY} /tmp/keyring.py {desc} '{data}'", timeout_s=20).output
+
+
+@pytest.mark.bwrap
+def test_the_kernel_keyrings_of_the_runner_s_user_are_out_of_reach(boxes):
+    """The sandbox runs as the runner's user: the user's keyring (@u) is that user's on the host. A prompt
+    put a key in it that another prompt, and the host, read (and that outlived both), and could read
+    the keys the user's other programs keep there. The keyring calls fail, as on a kernel without keys."""
+    if not os.path.exists(PY):
+        skip_or_fail(f"no {PY} for the keyring calls")
+    desc = f"br-audit-{uuid.uuid4().hex[:8]}"
+    try:
+        said = _keyring(boxes(0), desc, "secret-of-prompt-0")
+        assert said.startswith("refused") and "none" in said, said
+        assert _keyring(boxes(1), desc) == "none\n"
+        assert (
+            subprocess.run([sys.executable, "-c", KEYRING, desc, ""], capture_output=True, text=True).stdout
+            == "none\n"
+        )
+    finally:  # a failed run leaves no key on the host: invalidated (KEYCTL_INVALIDATE) from here
+        cleanup = KEYRING.split("desc, data =")[0] + (
+            "key = libc.syscall(nr[1], b'user', sys.argv[1].encode(), None, 0)\n"
+            "key > 0 and libc.syscall(nr[2], 21, ctypes.c_long(key))\n"
+        )
+        subprocess.run([sys.executable, "-c", cleanup, desc], capture_output=True)
+
+
 # ---------------------------------------------------------------------------- what a prompt may use up
 @pytest.mark.bwrap
 def test_a_fork_bomb_ends_with_a_clear_message_and_others_carry_on(boxes, cgroups: None):

@@ -254,6 +254,7 @@ class CommandServer:
         env: dict[str, str],
         output_cap_bytes: int,
         own_shells: bool = False,
+        pass_fds: tuple[int, ...] = (),
     ):
         self.ctl = ctl
         self.output_cap_bytes = output_cap_bytes
@@ -266,7 +267,7 @@ class CommandServer:
         self.address: str | None = None  # the namespace's address on its link into the worker's hub, if any
         self.proc = spawn(
             [*launch, *self.argv(CTL_DIR, self._ready, own_shells)], cwd="/", env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
         )  # fmt: skip
         self._out = self.proc.stdout.fileno()
         os.set_blocking(self._out, False)

@@ -18,13 +18,16 @@
 //   --die-with-parent --new-session --as-pid-1 --cap-drop ALL
 //   --ro-bind SRC DEST  --ro-bind-try SRC DEST  --symlink TARGET DEST  --dir DEST
 //   --dev DEST  --proc DEST  --size BYTES --tmpfs DEST  --remount-ro DEST  --chdir DIR
+//   --seccomp FD (a classic BPF program, struct sock_filter[], read from FD; loaded last before exec)
 // Errors at set-up are printed as "br-launch: Can't <what>: <why>" (exit 1), as bubblewrap's are.
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/capability.h>
+#include <linux/filter.h>
 #include <linux/mount.h>
+#include <linux/seccomp.h>
 #include <linux/securebits.h>
 #include <net/if.h>
 #include <poll.h>
@@ -56,6 +59,8 @@ static int n_ops;
 static int clone_flags, die_with_parent, new_session, as_pid_1, cap_drop;
 static const char *newroot, *chdir_to;
 static char **command;
+static struct sock_filter seccomp_prog[MAX_OPS];
+static unsigned short seccomp_len;  // 0: no --seccomp
 static pid_t parent_at_start;
 static int alive_pipe[2];  // the launcher holds the write end while it lives
 static int host_root = -1;  // the host's /, for the sources, while the new root is built
@@ -291,6 +296,10 @@ static int sandbox(void) {
     if (syscall(SYS_close_range, 3, ~0U, 0)) {
         for (int fd = 3; fd < 65536; fd++) close(fd);
     }
+    if (seccomp_len) {  // last, as bubblewrap: nothing of the set-up runs under it
+        struct sock_fprog fprog = {.len = seccomp_len, .filter = seccomp_prog};
+        if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("Can't load the seccomp filter");
+    }
     execvp(command[0], command);
     fail("Can't execute %s", command[0]);
     return 1;
@@ -304,6 +313,26 @@ static const char *need(char **argv, int *i, int argc) {
 static void add(enum kind kind, const char *src, const char *dest, long long size) {
     if (n_ops == MAX_OPS) usage("too many options");
     ops[n_ops++] = (struct op){kind, src, dest, size};
+}
+
+static void load_seccomp(const char *arg) {  // the whole program, read now; the descriptor closed
+    char *end;
+    errno = 0;
+    long fd = strtol(arg, &end, 10);
+    if (errno || *end || fd < 0 || fd > INT_MAX || seccomp_len) usage("--seccomp takes one descriptor");
+    size_t got = 0;
+    char *buf = (char *)seccomp_prog;
+    for (;;) {
+        ssize_t n = read((int)fd, buf + got, sizeof seccomp_prog - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) fail("Can't read the seccomp filter");
+        if (n == 0) break;
+        got += (size_t)n;
+        if (got == sizeof seccomp_prog) usage("the seccomp filter is too long");
+    }
+    close((int)fd);
+    if (got == 0 || got % sizeof seccomp_prog[0]) usage("the seccomp filter is not a whole program");
+    seccomp_len = (unsigned short)(got / sizeof seccomp_prog[0]);
 }
 
 int main(int argc, char **argv) {
@@ -342,6 +371,7 @@ int main(int argc, char **argv) {
             add(TMPFS, NULL, need(argv, &i, argc), size);
             size = -1;
         } else if (!strcmp(a, "--chdir")) chdir_to = need(argv, &i, argc);
+        else if (!strcmp(a, "--seccomp")) load_seccomp(need(argv, &i, argc));
         else {
             errno = 0;
             fail("unknown option %s (this program takes only the options the local sandbox's command line uses)", a);

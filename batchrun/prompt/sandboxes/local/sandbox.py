@@ -83,6 +83,7 @@ from batchrun.prompt.sandboxes.local.options import (
     LocalOptions,
 )
 from batchrun.prompt.sandboxes.local.process_tree import kill_tagged, prefer_for_oom
+from batchrun.prompt.sandboxes.local.seccomp import keyring_filter_fd
 from batchrun.prompt.sandboxes.local.system_view import (
     HIDDEN_DIRS,
     NAMESPACES,
@@ -462,9 +463,15 @@ class LocalSandbox(SandboxBackend):
     def _start_server(self) -> CommandServer:
         assert self._root is not None
         for attempt in range(3):
-            server = CommandServer(self._launch_argv(), ctl=os.path.join(self._root, "ctl"), env=self._env(),
-                                    output_cap_bytes=self.options.output_cap_bytes,
-                                    own_shells=self._own_shells)  # fmt: skip
+            # No kernel keyrings (the runner's user's, see seccomp): the filter on a descriptor of its own.
+            argv, seccomp = self._launch_argv(), keyring_filter_fd()
+            argv[-3:-3] = ["--seccomp", str(seccomp)]  # before "--chdir DIR --"
+            try:
+                server = CommandServer(argv, ctl=os.path.join(self._root, "ctl"), env=self._env(),
+                                        output_cap_bytes=self.options.output_cap_bytes,
+                                        own_shells=self._own_shells, pass_fds=(seccomp,))  # fmt: skip
+            finally:
+                os.close(seccomp)
             problem = server.wait_ready(SERVER_READY_TIMEOUT_S)
             if problem is None and self._cgroup is None:
                 try:
