@@ -465,7 +465,7 @@ class LocalSandbox(SandboxBackend):
         for attempt in range(3):
             # No kernel keyrings (the runner's user's, see seccomp): the filter on a descriptor of its own.
             argv, seccomp = self._launch_argv(), keyring_filter_fd()
-            argv[-3:-3] = ["--seccomp", str(seccomp)]  # before "--chdir DIR --"
+            argv[-1:-1] = ["--seccomp", str(seccomp)]  # with the options, before the command's "--"
             try:
                 server = CommandServer(argv, ctl=os.path.join(self._root, "ctl"), env=self._env(),
                                         output_cap_bytes=self.options.output_cap_bytes,
