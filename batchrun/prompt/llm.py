@@ -461,6 +461,7 @@ def record_usage(usage: Usage | None, resp: Any) -> None:
     usage.add(clean, getattr(resp, "provider", None))
 
 
+ERROR_TEXT_CHARS = 1000  # of an endpoint's error message: it goes into every failed record and the log
 RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
 
 
@@ -1014,7 +1015,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                 msg = err.get("message") if isinstance(err, dict) else str(err)
                 code = err.get("code") if isinstance(err, dict) else None
                 status = code if isinstance(code, int) else None
-                text = f"HTTP {status or 'stream'}: {msg}"
+                text = f"HTTP {status or 'stream'}: {str(msg)[:ERROR_TEXT_CHARS]}"
                 if is_context_limit(status, chunk, text):
                     raise ContextLimitError("context_limit", text, status)
                 raise LLMError(f"http_{status}" if status else "stream_error", text, status)
@@ -1130,7 +1131,7 @@ def _error_message(exc: httpclient.StatusError) -> str:
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and err.get("message"):
-            return f"HTTP {exc.status_code}: {err['message']}"
+            return f"HTTP {exc.status_code}: {str(err['message'])[:ERROR_TEXT_CHARS]}"
     return f"HTTP {exc.status_code}: {exc.message}"
 
 

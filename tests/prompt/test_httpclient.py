@@ -779,6 +779,28 @@ def test_a_streamed_tool_call_whose_index_is_not_an_integer_is_a_bad_response():
     assert info.value.error_class == "bad_response" and "index '1'" in str(info.value)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_endpoints_error_message_is_cut_before_it_reaches_the_records(stream):
+    """A 400 (or a streamed error event) whose message is a megabyte: that message became the
+    LLMError's text whole, so every failed prompt wrote a megabyte (4 MiB with a stream's line bound)
+    to failed.jsonl and ran the secret filter over it: an endpoint could fill the disk."""
+    error = {"error": {"message": "no. " * 250_000, "code": 400}}
+    if stream:
+        serve = _sse_server(lambda n: [b"data: " + json.dumps(error).encode() + b"\n\n"], "chunked")
+    else:
+
+        def serve(n, conn, rfile, server):
+            while server.next_request(rfile) is not None:
+                conn.sendall(answer(400, json.dumps(error).encode(), {"Content-Type": "application/json"}))
+
+    with Scripted(serve) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=stream).chat(USER, [])
+    assert info.value.error_class == "http_400"
+    assert str(info.value).startswith("HTTP 400: no. no. ")
+    assert len(str(info.value)) < 2000
+
+
 def _shaped(message: dict) -> dict:
     return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
 
