@@ -214,9 +214,9 @@ def run_steps(
     print_plan(rows, plan, config, llm.base_url)
     connect_ray(config, plan.prompts)
     if plan.batches:
-        check = check_endpoint(
-            llm, needs_cost=config.budget_usd is not None and not config.is_mock
-        )  # mock: free
+        # A USD cap needs each answer's cost (mock: free); without one it would count $0 and never stop.
+        priced = [f"--{f}" for f in ("budget_usd", "max_prompt_usd") if getattr(config, f) is not None]
+        check = check_endpoint(llm, needs_cost=priced[0] if priced and not config.is_mock else None)
         if check.calls:  # it cost what any call costs: the run's spend and budget count it
             recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
     preflighted = preflight_sandboxes(

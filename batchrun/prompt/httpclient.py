@@ -274,9 +274,15 @@ class Response:
         if self._decoder is not None or raw.headers.get("content-length") is None and not raw.chunked:
             _discard(raw)
             return
-        _set_read_timeout(raw, DRAIN_S)
+        # DRAIN_S bounds the whole drain, not each read: a server dripping a byte a second after
+        # [DONE] would otherwise hold the prompt for DRAIN_BYTES seconds, past every deadline.
+        end = min(time.monotonic() + DRAIN_S, self._deadline)
         total = 0
         while total <= DRAIN_BYTES:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            _set_read_timeout(raw, left)
             data = raw.read1(READ_SIZE, decode_content=False)
             if not data:
                 return

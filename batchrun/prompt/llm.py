@@ -461,6 +461,7 @@ def record_usage(usage: Usage | None, resp: Any) -> None:
     usage.add(clean, getattr(resp, "provider", None))
 
 
+ERROR_TEXT_CHARS = 1000  # of an endpoint's error message: it goes into every failed record and the log
 RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
 
 
@@ -935,18 +936,24 @@ def _retry_after_s(exc: httpclient.StatusError) -> float | None:
 def _parse_payload(data: Any) -> AssistantTurn:
     """A chat.completion JSON body → AssistantTurn (reasoning from any of the native fields)."""
     choices = data.get("choices") if isinstance(data, dict) else None
-    if not choices or not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not isinstance(choices[0], dict)
+        or not isinstance(choices[0].get("message"), dict)
+    ):
         raise LLMError("bad_response", f"endpoint answered without choices: {str(data)[:200]!r}")
     choice = choices[0]
     message = choice["message"]
+    raw_calls = [c for c in _shaped(message.get("tool_calls"), list, "tool_calls") if isinstance(c, dict)]
+    functions = [_shaped(c.get("function"), dict, "a tool call's function") for c in raw_calls]
     calls = [
         ToolCall(
             id=str(c.get("id") or f"call_{i}"),
-            name=str((c.get("function") or {}).get("name") or ""),
-            arguments=_arguments_text((c.get("function") or {}).get("arguments")),
+            name=str(fn.get("name") or ""),
+            arguments=_arguments_text(fn.get("arguments")),
         )
-        for i, c in enumerate(message.get("tool_calls") or [])
-        if isinstance(c, dict)
+        for i, (c, fn) in enumerate(zip(raw_calls, functions, strict=True))
     ]
     return AssistantTurn(
         content=_content_text(message.get("content")),
@@ -956,6 +963,18 @@ def _parse_payload(data: Any) -> AssistantTurn:
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
     )
+
+
+def _shaped(value: Any, kind: type, what: str) -> Any:
+    """``value``, or an empty ``kind`` when it is empty or missing; of another type (a number where a
+    list belongs) the answer is a bad response, not a TypeError that fails the prompt as a bug."""
+    if not value:
+        return kind()
+    if not isinstance(value, kind):
+        raise httpclient.BadResponse(
+            f"the answer holds {what} of the wrong type ({type(value).__name__}, not {kind.__name__})"
+        )
+    return value
 
 
 def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None = None) -> dict[str, Any]:
@@ -996,7 +1015,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                 msg = err.get("message") if isinstance(err, dict) else str(err)
                 code = err.get("code") if isinstance(err, dict) else None
                 status = code if isinstance(code, int) else None
-                text = f"HTTP {status or 'stream'}: {msg}"
+                text = f"HTTP {status or 'stream'}: {str(msg)[:ERROR_TEXT_CHARS]}"
                 if is_context_limit(status, chunk, text):
                     raise ContextLimitError("context_limit", text, status)
                 raise LLMError(f"http_{status}" if status else "stream_error", text, status)
@@ -1005,18 +1024,18 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     out[key] = chunk[key]
             if isinstance(chunk.get("usage"), dict):
                 out["usage"] = chunk["usage"]
-            for choice in chunk.get("choices") or []:
+            for choice in _shaped(chunk.get("choices"), list, "choices"):
                 if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                     continue
                 finish_reason = choice.get("finish_reason") or finish_reason
-                delta = choice.get("delta") or {}
+                delta = _shaped(choice.get("delta"), dict, "delta")
                 for key, parts in texts.items():
                     if isinstance(delta.get(key), str):
                         parts.append(delta[key])
-                for d in delta.get("reasoning_details") or []:
+                for d in _shaped(delta.get("reasoning_details"), list, "reasoning_details"):
                     if isinstance(d, dict):
                         _merge_detail(details, d)
-                for i, c in enumerate(delta.get("tool_calls") or []):
+                for i, c in enumerate(_shaped(delta.get("tool_calls"), list, "tool_calls")):
                     if not isinstance(c, dict):
                         continue
                     index = c.get("index", i)
@@ -1027,8 +1046,8 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                         {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
                     )
                     call["id"] = c.get("id") or call["id"]
-                    fn = c.get("function") or {}
-                    call["function"]["name"] += fn.get("name") or ""
+                    fn = _shaped(c.get("function"), dict, "a tool call's function")
+                    call["function"]["name"] += _shaped(fn.get("name"), str, "a tool call's name")
                     args = fn.get("arguments")
                     call["function"]["arguments"] += args if isinstance(args, str) else _arguments_text(args)
     finally:
@@ -1112,7 +1131,7 @@ def _error_message(exc: httpclient.StatusError) -> str:
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and err.get("message"):
-            return f"HTTP {exc.status_code}: {err['message']}"
+            return f"HTTP {exc.status_code}: {str(err['message'])[:ERROR_TEXT_CHARS]}"
     return f"HTTP {exc.status_code}: {exc.message}"
 
 

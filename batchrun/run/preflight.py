@@ -34,7 +34,7 @@ REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: thi
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 
 
-def check_endpoint(cfg: LLMConfig, *, needs_cost: bool = False) -> Usage:
+def check_endpoint(cfg: LLMConfig, *, needs_cost: str | None = None) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
     ``GET <base_url>/models`` first: a rejected key (401) stops here, and when the endpoint lists its
@@ -43,7 +43,8 @@ def check_endpoint(cfg: LLMConfig, *, needs_cost: bool = False) -> Usage:
     (headers, CA variables, proxies, bounds). Any refusal of it (400, 401, 403, 404, 422: a wrong key
     behind a proxy, a model name the server rejects, a field its dialect does not take) is exit 2 naming
     the status and the server's own message, so no prompt sends a doomed request. ``needs_cost``
-    (--budget_usd): the answer must report its cost, or the run could not keep that budget. Returns what
+    (the flag: --budget_usd, --max_prompt_usd): the answer must report its cost, or the run could not
+    keep that cap. Returns what
     the check spent (its answer's usage, made credible): the run's spend and budget count it.
     """
     list_models(cfg)
@@ -80,10 +81,10 @@ def list_models(cfg: LLMConfig) -> None:
         )
 
 
-def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> Usage:
+def check_chat(cfg: LLMConfig, *, needs_cost: str | None = None) -> Usage:
     """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words.
     ``needs_cost``: an answer that reports no cost (``usage.cost``: OpenAI, vLLM and llama.cpp report
-    none) is a UsageError too, naming --budget_usd, which the run could not keep: it would spend on
+    none) is a UsageError too, naming that flag (--budget_usd, --max_prompt_usd), which the run could not keep: it would spend on
     with no cost counted. So is an answer with no finish_reason (or one no server sends), since every
     final answer of the run would then be a discard; with --stream a warning only (the check is not
     streamed, the run's answers may carry one). Returns the check's usage (nothing counted when it was
@@ -132,10 +133,11 @@ def check_chat(cfg: LLMConfig, *, needs_cost: bool = False) -> Usage:
             raise UsageError(f"{why}. No prompt was run")
         print(f"warning: {why}; the run's streamed answers may carry it", file=sys.stderr)
     if needs_cost and "cost_usd" not in usage.reported:
+        instead = "--max_prompt_tokens" if needs_cost == "--max_prompt_usd" else "--budget_tokens"
         raise UsageError(
-            f"--budget_usd needs each answer's cost, and {shown} reports none (no usage.cost in the start "
+            f"{needs_cost} needs each answer's cost, and {shown} reports none (no usage.cost in the start "
             "check's answer; OpenRouter reports it, OpenAI, vLLM and llama.cpp do not): the run could not "
-            "keep that budget. Bound the spend with --budget_tokens instead"
+            f"keep that budget. Bound the spend with {instead} instead"
         )
     return usage
 

@@ -141,6 +141,18 @@ class Hostile:
                 conn.sendall(bytes([byte]))
                 time.sleep(0.5)
 
+    def _done_then_drip(self, conn):
+        """A whole streamed reply, then (chunked) a comment line every 0.3 s for 30 s."""
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+        events = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
+        conn.sendall(b"%x\r\n%s\r\n" % (len(events), events))
+        for _ in range(100):
+            conn.sendall(b"2\r\n:\n\r\n")
+            time.sleep(0.3)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -225,3 +237,16 @@ def test_headers_dripped_a_byte_at_a_time_end_at_the_deadline():
         server.close()
     assert result["error_class"] == "timeout", result
     assert result["elapsed_s"] < 3 + 3, result
+
+
+def test_bytes_dripped_after_a_finished_stream_do_not_hold_the_prompt():
+    """After [DONE] the rest of the body is drained to keep the connection, but only for a moment:
+    the drain's timeout was per read, so a comment every 0.3 s held the prompt for all 30 s of the
+    drip (and DRAIN_BYTES reads of it at most), past --request_timeout and the prompt's deadline."""
+    server = Hostile("done_then_drip")
+    try:
+        result = run_client(server, stream=True, request_timeout=3, prompt_timeout=5)
+    finally:
+        server.close()
+    assert result["error_class"] is None and result["content"] == "hi", result
+    assert result["elapsed_s"] < 3 + 1, result

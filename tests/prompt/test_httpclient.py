@@ -779,6 +779,73 @@ def test_a_streamed_tool_call_whose_index_is_not_an_integer_is_a_bad_response():
     assert info.value.error_class == "bad_response" and "index '1'" in str(info.value)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_endpoints_error_message_is_cut_before_it_reaches_the_records(stream):
+    """A 400 (or a streamed error event) whose message is a megabyte: that message became the
+    LLMError's text whole, so every failed prompt wrote a megabyte (4 MiB with a stream's line bound)
+    to failed.jsonl and ran the secret filter over it: an endpoint could fill the disk."""
+    error = {"error": {"message": "no. " * 250_000, "code": 400}}
+    if stream:
+        serve = _sse_server(lambda n: [b"data: " + json.dumps(error).encode() + b"\n\n"], "chunked")
+    else:
+
+        def serve(n, conn, rfile, server):
+            while server.next_request(rfile) is not None:
+                conn.sendall(answer(400, json.dumps(error).encode(), {"Content-Type": "application/json"}))
+
+    with Scripted(serve) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=stream).chat(USER, [])
+    assert info.value.error_class == "http_400"
+    assert str(info.value).startswith("HTTP 400: no. no. ")
+    assert len(str(info.value)) < 2000
+
+
+def _shaped(message: dict) -> dict:
+    return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+
+def _event(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+# Valid JSON of the wrong shape where a list or an object belongs. Each one was a TypeError,
+# AttributeError or KeyError out of the parser: the prompt failed as the runner's own bug ("internal"),
+# never retried, and past the start check, which catches LLMError only.
+WRONG_SHAPES = {
+    "choices a number": json.dumps({"choices": 5}),
+    "choices an object": json.dumps({"choices": {"a": 1}}),
+    "tool_calls a number": json.dumps(_shaped({"content": "x", "tool_calls": 5})),
+    "function a string": json.dumps(_shaped({"content": "", "tool_calls": [{"id": "a", "function": "f"}]})),
+}
+WRONG_STREAMS = {
+    "choices a number": _event({"choices": 7}),
+    "delta a string": _event({"choices": [{"index": 0, "delta": "abc", "finish_reason": "stop"}]}),
+    "tool_calls a number": _chunk({"tool_calls": 5}, "stop"),
+    "function a string": _chunk({"tool_calls": [{"index": 0, "function": "f"}]}, "stop"),
+    "name a number": _chunk({"tool_calls": [{"index": 0, "function": {"name": 5}}]}, "stop"),
+    "reasoning_details a number": _chunk({"reasoning_details": 5}, "stop"),
+}
+
+
+@pytest.mark.parametrize("body", WRONG_SHAPES.values(), ids=WRONG_SHAPES.keys())
+def test_a_reply_of_the_wrong_shape_is_a_bad_response(body):
+    with Scripted(keep_answering(body.encode())) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, max_retries=1).chat(USER, [])
+    assert info.value.error_class == "bad_response", info.value
+    assert len(srv.requests) == 2  # retried like any bad response
+
+
+@pytest.mark.parametrize("event", WRONG_STREAMS.values(), ids=WRONG_STREAMS.keys())
+def test_a_stream_of_the_wrong_shape_is_a_bad_response(event):
+    with Scripted(_sse_server(lambda n: [event, b"data: [DONE]\n\n"], "chunked")) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=True, max_retries=1).chat(USER, [])
+    assert info.value.error_class == "bad_response", info.value
+    assert len(srv.requests) == 2
+
+
 # ----------------------------------------------------------------------------- proxies
 
 

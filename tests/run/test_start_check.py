@@ -112,6 +112,27 @@ def test_a_key_pasted_into_the_wrong_flag_is_not_repeated(tmp_path, capsys, flag
     assert code == 2 and f"--{flag}" in err and KEY not in err and "not shown" in err, err
 
 
+def test_a_per_prompt_usd_cap_against_an_endpoint_that_reports_no_cost_exits_2_before_any_prompt(
+    tmp_path, capsys
+):
+    """--max_prompt_usd compares the prompt's reported cost: against an endpoint that reports none it
+    stayed at $0, so the cap never ended a prompt, and every prompt spent up to its turns uncapped."""
+    import copy
+
+    reply = copy.deepcopy(OK_REPLY)
+    reply["usage"] = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["task"])
+    with ScriptedEndpoint(lambda call, calls: (200, reply)) as ep:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=ep.base_url, api_key=KEY,
+            max_prompt_usd=0.01,
+        )  # fmt: skip
+        sent = [c for c in ep.calls if not c["check"]]
+    err = capsys.readouterr().err
+    assert code == 2 and "--max_prompt_usd needs each answer's cost" in err and "--max_prompt_tokens" in err
+    assert not sent and not (tmp_path / "data" / "run").exists()
+
+
 @pytest.mark.parametrize("priced", [False, True], ids=["no_cost", "cost"])
 def test_a_usd_budget_against_an_endpoint_that_reports_no_cost_exits_2_before_any_prompt(
     tmp_path, capsys, priced
