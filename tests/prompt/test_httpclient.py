@@ -535,6 +535,46 @@ def test_a_307_is_followed_with_the_same_body_and_other_redirects_are_errors():
     assert "redirected to https://elsewhere.example/v1" in str(info.value)
 
 
+def test_a_307_that_leaves_the_origin_does_not_carry_the_api_key():
+    """A hostile endpoint redirecting to a host of its choosing must not get the key sent there; a
+    redirect within the origin keeps it (the same server)."""
+
+    def elsewhere(n, conn, rfile, server):
+        while server.next_request(rfile) is not None:
+            conn.sendall(answer(200, json.dumps(completion("elsewhere")).encode()))
+
+    with Scripted(elsewhere) as other:
+        for location in (
+            f"http://127.0.0.1:{other.port}/v1/chat/completions",  # another port: another origin
+            f"http://localhost:{other.port}/v1/chat/completions",
+            f"//127.0.0.1:{other.port}/v1/chat/completions",
+            f"http://user:pw@127.0.0.1:{other.port}/v1/chat/completions",
+        ):
+
+            def serve(n, conn, rfile, server, location=location):
+                while server.next_request(rfile) is not None:
+                    conn.sendall(answer(307, b"", {"Location": location}))
+
+            with Scripted(serve) as srv:
+                assert llm(srv.base_url, api_key="sk-must-stay-home").chat(USER, []).content == "elsewhere"
+            assert srv.requests[0].headers["authorization"] == "Bearer sk-must-stay-home"
+            assert "authorization" not in other.requests[-1].headers, location
+            assert "sk-must-stay-home" not in other.requests[-1].line + str(other.requests[-1].headers)
+
+    def within(n, conn, rfile, server):
+        while (req := server.next_request(rfile)) is not None:
+            moved = req.target == "/v2/chat/completions"
+            conn.sendall(
+                answer(200, json.dumps(completion("home")).encode())
+                if moved
+                else answer(307, b"", {"Location": "/v2/chat/completions"})
+            )
+
+    with Scripted(within) as srv:
+        assert llm(srv.base_url, api_key="sk-home").chat(USER, []).content == "home"
+    assert [r.headers.get("authorization") for r in srv.requests] == ["Bearer sk-home"] * 2
+
+
 # ----------------------------------------------------------------------------- streaming
 
 
