@@ -28,12 +28,14 @@ import dataclasses
 import hashlib
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
-from batchrun.record import identity_options, optional_text, sample_index_of
+from batchrun.record import identity_options, optional_text, sample_index_of, valid_outcome_row
 from batchrun.sharegpt import first_human
+from batchrun.storage import iter_jsonl
 
 
 @dataclass(frozen=True)
@@ -240,3 +242,24 @@ def request_seed_base(run_seed: int, job: DatasetSample) -> int:
         sort_keys=True,
     )
     return int.from_bytes(hashlib.sha256(payload.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+
+
+MERGE_SET_ASIDE = ("unknown_tool",)  # discards the merge writes of records that stay in their batch files
+
+
+def superseded_discards(path: Path, finished_at: Mapping[tuple[str, int, int], int]) -> set[int]:
+    """The discarded.jsonl rows (their positions among its non-blank lines) that no longer stand for their
+    sample: one dataset line's sample ran again (--rerun_discarded, or a resume that raised
+    --stop_after_passes) and then was kept (a batch file holds it at that line) or discarded again (a
+    later row). Counted as they are, a sample discarded and then kept showed in the discards too."""
+    last: dict[tuple[str, int, int], int] = {}
+    rows: list[tuple[int, tuple[str, int, int], bool]] = []
+    for n, rec in enumerate(iter_jsonl(path)):
+        index = rec.get("prompt_index") if isinstance(rec, dict) else None
+        if valid_outcome_row(rec, "reason") and isinstance(index, int) and not isinstance(index, bool):
+            key = (*outcome_sample(rec), rec["prompt_index"])
+            last[key] = n
+            rows.append((n, key, rec["reason"] in MERGE_SET_ASIDE))
+    return {
+        n for n, key, set_aside in rows if last[key] != n or (not set_aside and finished_at.get(key, 0) > 0)
+    }

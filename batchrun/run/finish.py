@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig
-from batchrun.identity import outcome_sample, record_sample
+from batchrun.identity import outcome_sample, record_sample, superseded_discards
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
@@ -309,10 +309,11 @@ class KeptFeed:
         out of turns, tokens or context, most of them failures), in the report's scores too."""
         self.scores.add(rec, *record_sample(rec))
         if self.report is not None:
-            from batchrun.views.report import EXCLUDED_PARTIAL, add_score
+            from batchrun.views.report import EXCLUDED_PARTIAL, add_score, note_kept
 
             try:
                 add_score(self.report, rec, EXCLUDED_PARTIAL)
+                note_kept(self.report, rec)
             except Exception:
                 self.report = None
 
@@ -332,27 +333,6 @@ def set_aside_unknown_tools(run_dir: Path, records: list[dict[str, Any]], record
             there[key] -= 1
             continue
         recorder.set_aside(rec, "unknown_tool")
-
-
-MERGE_SET_ASIDE = ("unknown_tool",)  # discards the merge writes of records that stay in their batch files
-
-
-def superseded_discards(path: Path, finished_at: collections.Counter[tuple[str, int, int]]) -> set[int]:
-    """The discarded.jsonl rows (their positions among its non-blank lines) that no longer stand for their
-    sample: one dataset line's sample ran again (--rerun_discarded, or a resume that raised
-    --stop_after_passes) and then was kept (a batch file holds it at that line) or discarded again (a
-    later row). Counted as they are, a sample discarded and then kept showed in the discards too."""
-    last: dict[tuple[str, int, int], int] = {}
-    rows: list[tuple[int, tuple[str, int, int], bool]] = []
-    for n, rec in enumerate(iter_jsonl(path)):
-        index = rec.get("prompt_index") if isinstance(rec, dict) else None
-        if valid_outcome_row(rec, "reason") and isinstance(index, int) and not isinstance(index, bool):
-            key = (*outcome_sample(rec), rec["prompt_index"])
-            last[key] = n
-            rows.append((n, key, rec["reason"] in MERGE_SET_ASIDE))
-    return {
-        n for n, key, set_aside in rows if last[key] != n or (not set_aside and finished_at.get(key, 0) > 0)
-    }
 
 
 def _stop_reason(rec: dict[str, Any]) -> str:

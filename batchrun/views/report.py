@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import record_sample
+from batchrun.identity import record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import wanted_from_duplicates
@@ -180,6 +180,11 @@ class RunData:
     # from its scores.duplicate_samples); and how often each is in ``scored`` already.
     wanted: dict[tuple[str, int], int] | None = None
     counted: collections.Counter[tuple[str, int]] = dataclasses.field(default_factory=collections.Counter)
+    # (row key, sample index, dataset line) of every kept record seen: a discard of that sample at that
+    # line is superseded (it ran again and was kept), as statistics.json counts it
+    kept_at: collections.Counter[tuple[str, int, int]] = dataclasses.field(
+        default_factory=collections.Counter
+    )
 
 
 def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunData | None = None) -> RunData:
@@ -211,13 +216,21 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
                 for rec in iter_jsonl(path):
                     if valid_record(rec) and rec.get("partial") is True:
                         add_score(data, rec, EXCLUDED_PARTIAL)
-    for row in iter_jsonl(run_dir / "discarded.jsonl"):
+                        note_kept(data, rec)
+    # A sample discarded and run again (--rerun_discarded, a raised --stop_after_passes) counts by its
+    # latest outcome, as statistics.json counts it; what every attempt spent counts all the same.
+    stale = superseded_discards(run_dir / "discarded.jsonl", data.kept_at)
+    for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
         if not valid_outcome_row(row, "reason"):
             data.invalid_lines += 1
             continue
         reason = str(row.get("reason") or "unknown")
-        data.discarded[reason] += 1
         rec = row.get("record")
+        if n in stale:
+            if isinstance(rec, dict):
+                data.discarded_spend.add(record_usage(rec))
+            continue
+        data.discarded[reason] += 1
         if isinstance(rec, dict):
             add_score(data, rec, f"discarded: {reason}")
             data.discarded_spend.add(record_usage(rec))
@@ -276,10 +289,22 @@ def prepare_trajectory(rec: dict[str, Any]) -> dict[str, Any]:
     return item_of(rec, outcome, stop, record_usage(rec))
 
 
+def note_kept(data: RunData, rec: dict[str, Any]) -> None:
+    """A record in the batch files (kept, or partial and left out by --exclude_partial): a discard of
+    its sample at its line ran again before it, and no longer counts."""
+    index = rec.get("prompt_index")
+    if isinstance(index, int) and not isinstance(index, bool):
+        try:
+            data.kept_at[(*record_sample(rec), index)] += 1
+        except Exception:  # a record of another shape: no line to match a discard to
+            pass
+
+
 def add_trajectory(data: RunData, rec: dict[str, Any], prepared: dict[str, Any] | None = None) -> None:
     """Count a kept record, and list it while the list has room. ``prepared``: its
     :func:`prepare_trajectory`, made earlier from the same record (else it is made here if listed)."""
     add_score(data, rec, "kept")
+    note_kept(data, rec)
     data.trajectories += 1
     outcome, stop = _outcome_and_stop(rec)
     data.outcomes[outcome] += 1

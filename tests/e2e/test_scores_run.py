@@ -19,6 +19,7 @@ from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_rows
 
 from batchrun.identity import outcome_sample, record_sample
 from batchrun.record import load_runs, read_score
+from batchrun.views.report import collect
 
 SECRET = "HIDDEN-TEST-7f3a"
 
@@ -297,6 +298,7 @@ def test_a_discard_run_again_counts_once_in_the_statistics(server, tmp_path):
     assert len(read_jsonl(run_dir / "discarded.jsonl")) == 2
     stats = stats_of(run_dir)
     assert stats["discarded"] == {"total": 1, "by_reason": {"no_reasoning": 1}}
+    assert collect(run_dir).discarded == {"no_reasoning": 1}  # the report counts it once too
     last = read_jsonl(run_dir / "discarded.jsonl")[-1]["record"]["conversations"]
     turns = sum(t["from"] == "gpt" for t in last)
     assert turns > 0 and stats["reasoning"]["turns_without_reasoning"] == turns  # counted once too
@@ -304,6 +306,7 @@ def test_a_discard_run_again_counts_once_in_the_statistics(server, tmp_path):
     run(server, dataset, out, resume=True, rerun_discarded=True, keep_no_reasoning=True, force_resume=True)
     stats = stats_of(run_dir)
     assert stats["discarded"]["total"] == 0 and stats["trajectories"] == 2
+    assert collect(run_dir).discarded == {}
 
 
 def test_stop_after_passes_does_not_count_passes_exclude_partial_leaves_out(tmp_path):
