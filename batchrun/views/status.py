@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch is not None and args.watch <= 0:
         parser.error("--watch needs a positive number of seconds")
     problem = check_run_dir(args.run_dir)
+    if args.run_dir.exists() and not args.run_dir.is_dir():
+        problem = f"{args.run_dir} is a file; name a run's directory (data/<run_name>)"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

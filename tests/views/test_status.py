@@ -250,3 +250,10 @@ def test_cli_on_a_pid_that_is_no_number_cannot_tell(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["checks"]["pid_alive"] is None, pid
         assert "WARNING: not running" not in cli(str(tmp_path)).stdout
+
+
+def test_cli_on_a_file_says_it_is_a_file(tmp_path: Path) -> None:
+    # A file named instead of the run's directory was reported as "<file>/status.json is not a JSON object".
+    (tmp_path / "afile").write_text("x")
+    done = cli(str(tmp_path / "afile"))
+    assert done.returncode == 2 and "afile is a file; name a run's directory" in done.stderr, done.stderr
