@@ -14,6 +14,7 @@ import pytest
 from helpers import pretend_public
 
 from batchrun.fakes.fake_services import FakeWebServer, Page, _html
+from batchrun.prompt.sandboxes.local.host import host_addresses
 from batchrun.prompt.tools import browser
 from batchrun.prompt.tools.browser import HOST, format_snapshot
 from batchrun.prompt.tools.catalog import available_toolsets
@@ -360,6 +361,51 @@ def test_the_browser_connects_to_the_address_that_was_checked(
         ("/site/ws.html", host),
         ("/site/ws", host),
     ]
+
+
+def test_webrtc_sends_no_udp_to_the_hosts_addresses(site_and_secret, monkeypatch, tool_ctx, call_tool):
+    """WebRTC's STUN and TURN go beside the context's proxy (UDP, from Chromium itself): a page naming
+    the host's loopback (or any other address of it) as its ICE server would reach the services there
+    with packets of its making. Chromium must keep WebRTC to what the proxy carries: no UDP at all."""
+    site, _ = site_and_secret
+    listeners = []
+    for address in ("127.0.0.1", *host_addresses()):
+        if ":" in address:
+            continue
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind((address, 0))
+        udp.settimeout(0.2)
+        listeners.append(udp)
+    servers = ", ".join(
+        f"{{urls: 'stun:{u.getsockname()[0]}:{u.getsockname()[1]}'}}, "
+        f"{{urls: 'turn:{u.getsockname()[0]}:{u.getsockname()[1]}', username: 'u', credential: 'c'}}"
+        for u in listeners
+    )
+    site.pages["/rtc.html"] = _html(
+        "RTC page",
+        "<main><p>RTC-PAGE</p><script>"
+        f"const pc = new RTCPeerConnection({{iceServers: [{servers}]}});"
+        "pc.createDataChannel('x'); pc.createOffer().then((o) => pc.setLocalDescription(o));"
+        "</script></main>",
+    )
+    pretend_public(monkeypatch, "localhost")
+    out = call_tool(
+        tool_ctx(PRIVATE_OFF), "browser_navigate", url=f"http://localhost:{site.port}/site/rtc.html"
+    )
+    assert out["success"] is True and "RTC-PAGE" in out["snapshot"]
+    got = []
+    deadline = time.monotonic() + 3
+    try:
+        while time.monotonic() < deadline:
+            for udp in listeners:
+                try:
+                    got.append((udp.getsockname(), udp.recvfrom(2048)[1]))
+                except TimeoutError:
+                    pass
+    finally:
+        for udp in listeners:
+            udp.close()
+    assert got == []
 
 
 def test_unreachable_hosts_are_reported_as_chromium_would(monkeypatch, tool_ctx, call_tool):

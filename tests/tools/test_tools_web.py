@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import shutil
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from helpers import pretend_public
+from helpers import pretend_public, skip_or_fail
 
 from batchrun.fakes.fake_services import FakeWebServer, Page
 from batchrun.prompt.tools import web
@@ -430,6 +434,59 @@ def test_the_connection_goes_to_the_address_that_was_checked(own_site, monkeypat
     page = call_tool(tool_ctx(PRIVATE_OFF), "web_extract", urls=[url])["results"][0]
     assert page["error"] is None and "ALPHA-FACT" in page["content"]
     assert own_site.requests[-1]["headers"]["host"] == f"rebind.example.com:{own_site.port}"
+
+
+HOST_SERVICE = r"""
+import http.server, json, sys, threading
+from batchrun.prompt.tools import web
+hits = []
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        hits.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(b"HOST-SERVICE")
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), Handler)  # every address of this host
+threading.Thread(target=server.serve_forever, daemon=True).start()
+port = server.server_address[1]
+out = {}
+for ip in sys.argv[1:]:
+    url = f"http://{ip}:{port}/secret" if ":" not in ip else f"http://[{ip}]:{port}/secret"
+    try:
+        out[ip] = web.fetch_url(url, max_bytes=1000, timeout_s=5, public_only=True).body.decode()
+    except web.FetchError as exc:
+        out[ip] = str(exc)
+print(json.dumps({"results": out, "hits": hits}))
+"""
+
+
+def test_the_hosts_own_public_address_is_refused():
+    """A machine whose interface has a public address (a bare-metal or VPS host) answers on it with
+    every service listening on 0.0.0.0: the web tools run on the host, so that address is the host's
+    own services, as loopback is. In a network namespace of our own whose interface has a public
+    address (11.22.33.44, and an IPv6 one): neither is fetched, nor the IPv4-mapped form."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        skip_or_fail("unshare and ip are needed")
+    setup = (
+        "ip link set lo up && ip link add br-v0 type veth peer name br-v1 && ip link set br-v0 up"
+        " && ip link set br-v1 up && ip addr add 11.22.33.44/24 dev br-v0"
+        ' && ip -6 addr add 2a01:4f8::44/64 dev br-v0 nodad && exec "$0" -c "$@"'
+    )
+    addresses = ["11.22.33.44", "2a01:4f8::44", "::ffff:11.22.33.44"]
+    done = subprocess.run(
+        ["unshare", "-n", "sh", "-c", setup, sys.executable, HOST_SERVICE, *addresses],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    if done.returncode != 0 and "Operation not permitted" in done.stderr:
+        skip_or_fail(f"cannot make a network namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    for ip in addresses:
+        assert got["results"][ip].endswith("; refused"), got
+    assert got["hits"] == []
 
 
 def test_search_providers_on_private_addresses_still_work(fake_web, tool_ctx, call_tool):

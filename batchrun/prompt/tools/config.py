@@ -477,7 +477,8 @@ BROWSER_FLAGS = (
     "--no-first-run",
     "--disable-dev-shm-usage",
     # WebRTC's UDP bypasses the per-context proxy that checks addresses (browser.py): no UDP then.
-    "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
+    # (The switch that maps to the webrtc.ip_handling_policy pref; "--force-webrtc-..." is no switch.)
+    "--webrtc-ip-handling-policy=disable_non_proxied_udp",
 )
 
 

@@ -9,8 +9,9 @@ limit and turns HTML into markdown with BeautifulSoup + markdownify, keeping the
 web_extract runs on the host, not in the prompt's sandbox, so unless WEB_ALLOW_PRIVATE_ADDRESSES
 is set it only reaches public addresses: each connection (the first URL and every redirect hop)
 resolves the host, refuses it if ANY of its addresses is loopback, private, link-local, multicast,
-reserved or unspecified (``resolve_public``), and then connects to one of the addresses it checked,
-so a DNS answer that changes between check and connect (rebinding) cannot slip through. The
+reserved or unspecified, or one of this machine's own (``resolve_public``), and then connects to
+one of the addresses it checked, so a DNS answer that changes between check and connect
+(rebinding) cannot slip through. The
 search providers' base URLs are the operator's configuration and are fetched unchecked.
 """
 
@@ -125,9 +126,20 @@ def resolve_public(host: str, port: int) -> list[tuple[Any, ...]]:
             ip = ipaddress.ip_address(raw.split("%", 1)[0])
         except ValueError:
             raise PrivateAddressError(host, raw) from None
-        if is_private_address(ip):
+        if is_private_address(ip) or is_own_address(ip):
             raise PrivateAddressError(host, raw)
     return infos
+
+
+def is_own_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``ip`` (without a %scope) (or the IPv4 address an IPv4-mapped one carries) is one of this machine's own
+    addresses, public ones included: a host with a public address on an interface answers there with
+    every service listening on 0.0.0.0, as on loopback. Read at each check (interfaces come and go)."""
+    from batchrun.prompt.sandboxes.local.host import host_addresses  # only when a URL is checked
+
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip) in host_addresses()
 
 
 def _connect_checked(url: str, host: str, port: int, timeout: Any, source: Any) -> socket.socket:
