@@ -9,6 +9,8 @@ too, never through host paths.
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 
 import pytest
 from helpers import TOOL_CAP as CAP
@@ -202,6 +204,25 @@ def test_patch_errors(sandbox):
     assert "is a directory" in call(sandbox, "patch", path="adir", old_string="a", new_string="b")["error"]
     assert "must not be empty" in call(sandbox, "patch", path="f.txt", old_string="", new_string="b")["error"]
     assert "identical" in call(sandbox, "patch", path="f.txt", old_string="same", new_string="same")["error"]
+
+
+def test_patch_stays_within_the_tool_timeout_over_a_slow_fifo(sandbox):
+    """patch reads a file by commands chunk by chunk when the direct path does not take it (a FIFO):
+    a background writer giving a byte a second kept each command short and the whole read going
+    for as many seconds as the FIFO first claimed bytes. All its commands share one timeout."""
+    from batchrun.prompt.tools.catalog import execute_tool_call, tools_for_toolsets
+    from batchrun.prompt.tools.registry import ToolContext
+
+    sh(sandbox, "mkfifo slow")
+    feed = "printf '%030d' 0 > slow; i=0; while [ $i -lt 30 ]; do sleep 1; printf 0 > slow; i=$((i+1)); done"
+    assert call(sandbox, "process", action="start", command=feed)["status"] == "running"
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=3.0, output_cap_bytes=CAP)
+    offered = {t.name for t in tools_for_toolsets(["terminal", "file"])}
+    args = {"path": "slow", "old_string": "0", "new_string": "1", "replace_all": True}
+    start = time.monotonic()
+    result = json.loads(execute_tool_call("patch", json.dumps(args), ctx, offered))
+    assert time.monotonic() - start < 8, result
+    assert "timed out" in result["error"]
 
 
 # ----------------------------------------------------------------------------- search_files

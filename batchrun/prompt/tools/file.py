@@ -15,6 +15,7 @@ import difflib
 import posixpath
 import re
 import shlex
+import time
 from typing import Any
 
 from batchrun.prompt.sandboxes.base import DirectFileAccess, ExecResult, declared
@@ -74,8 +75,14 @@ _CHECK_ERRORS = {
 }
 
 
-def _run(ctx: ToolContext, command: str, stdin: bytes | None = None) -> ExecResult:
-    return ctx.sandbox.run(command, timeout_s=ctx.tool_timeout_s, stdin=stdin)
+def _run(
+    ctx: ToolContext, command: str, stdin: bytes | None = None, deadline: float | None = None
+) -> ExecResult:
+    """``command`` within the tool's timeout, or what is left of it until ``deadline`` (monotonic)."""
+    timeout_s = ctx.tool_timeout_s if deadline is None else deadline - time.monotonic()
+    if timeout_s <= 0:
+        return ExecResult(output="", exit_code=-1, timed_out=True)
+    return ctx.sandbox.run(command, timeout_s=timeout_s, stdin=stdin)
 
 
 def _direct(ctx: ToolContext) -> DirectFileAccess | None:
@@ -203,7 +210,9 @@ def _read_result(content: str, total: int, last: int, offset: int) -> dict[str, 
 # ----------------------------------------------------------------------------- write_file
 
 
-def _write_bytes(ctx: ToolContext, path: str, data: bytes, *, make_parents: bool) -> dict[str, Any] | int:
+def _write_bytes(
+    ctx: ToolContext, path: str, data: bytes, *, make_parents: bool, deadline: float | None = None
+) -> dict[str, Any] | int:
     """Write ``data`` to ``path`` over stdin; the size the sandbox reports, or an error dict."""
     direct = _direct(ctx)
     if direct is not None and direct.write_direct(path, data, make_parents=make_parents):
@@ -222,7 +231,7 @@ def _write_bytes(ctx: ToolContext, path: str, data: bytes, *, make_parents: bool
     )
     # cat exits non-zero when a write fails (a full disk, a quota), so "ok" means every byte was
     # written: no `wc` afterwards, which would cost a process on every call.
-    res = _run(ctx, command, stdin=data)
+    res = _run(ctx, command, stdin=data, deadline=deadline)
     head, _ = _header(res.output)
     if head[:2] == ["err", "is_dir"]:
         return {"error": f"{path} is a directory; give the path of a file inside it"}
@@ -253,14 +262,21 @@ def _chunk_bytes(ctx: ToolContext) -> int:
     return size
 
 
-def read_bytes(ctx: ToolContext, path: str, max_bytes: int = MAX_PATCH_BYTES) -> bytes | dict[str, Any]:
-    """The exact bytes of a file in the sandbox, read as base64 in output-sized chunks; or an error dict."""
+def read_bytes(
+    ctx: ToolContext, path: str, max_bytes: int = MAX_PATCH_BYTES, deadline: float | None = None
+) -> bytes | dict[str, Any]:
+    """The exact bytes of a file in the sandbox, read as base64 in output-sized chunks; or an error dict.
+
+    All the chunks' commands together stay within the tool's timeout (or ``deadline``): a FIFO fed a
+    byte at a time by a background process kept each one short but the whole read endless."""
+    if deadline is None:
+        deadline = time.monotonic() + ctx.tool_timeout_s
     direct = _direct(ctx)
     data = direct.read_direct(path, max_bytes) if direct is not None else None
     if data is not None:
         return data
     quoted = shell_path(path)
-    res = _run(ctx, f'f={quoted}; {_check_file()}echo "{_MARK} ok $(wc -c < "$f")"')
+    res = _run(ctx, f'f={quoted}; {_check_file()}echo "{_MARK} ok $(wc -c < "$f")"', deadline=deadline)
     head, _ = _header(res.output)
     if head[:1] == ["err"]:
         return {"error": _CHECK_ERRORS[head[1]].format(path=path, size="?")}
@@ -273,7 +289,13 @@ def read_bytes(ctx: ToolContext, path: str, max_bytes: int = MAX_PATCH_BYTES) ->
     got, chunk = 0, _chunk_bytes(ctx)
     while got < size:
         # dd's skip counts blocks; chunk sizes are powers of two so halving keeps offsets aligned.
-        res = _run(ctx, f"dd if={quoted} bs={chunk} skip={got // chunk} count=1 2>/dev/null | base64")
+        res = _run(
+            ctx,
+            f"dd if={quoted} bs={chunk} skip={got // chunk} count=1 2>/dev/null | base64",
+            deadline=deadline,
+        )
+        if res.timed_out:
+            return _failure("read", res)
         if res.truncated and chunk > 512:
             chunk //= 2
             continue
@@ -296,7 +318,8 @@ def patch(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         raise ToolArgumentError("old_string must not be empty; use write_file to create or overwrite a file")
     if old == new:
         raise ToolArgumentError("old_string and new_string are identical; nothing to change")
-    data = read_bytes(ctx, path)
+    deadline = time.monotonic() + ctx.tool_timeout_s  # reading and writing back, together
+    data = read_bytes(ctx, path, deadline=deadline)
     if isinstance(data, dict):
         return data
     # Work on bytes so that a file with invalid UTF-8 elsewhere keeps those bytes exactly.
@@ -313,7 +336,7 @@ def patch(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
             "it unique, or set replace_all=true to replace every occurrence."
         }
     patched = data.replace(old_b, new_b)
-    written = _write_bytes(ctx, path, patched, make_parents=False)
+    written = _write_bytes(ctx, path, patched, make_parents=False, deadline=deadline)
     if isinstance(written, dict):
         return written
     return {"replacements": count, "path": path, "diff": _diff(data, patched, path)}
