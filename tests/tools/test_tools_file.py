@@ -225,6 +225,15 @@ def test_patch_stays_within_the_tool_timeout_over_a_slow_fifo(sandbox):
     assert "timed out" in result["error"]
 
 
+def test_patch_refuses_a_result_beyond_its_limit_before_making_it(sandbox):
+    """replace_all multiplies: 4 MB of "a", each made 100 bytes, was 400 MB built in the worker
+    (1.5 GB at its peak) and written back; a longer new_string could exhaust the worker's memory."""
+    sh(sandbox, "head -c 4000000 /dev/zero | tr '\\0' a > many")
+    args = {"path": "many", "old_string": "a", "new_string": "b" * 100, "replace_all": True}
+    assert "limit" in call(sandbox, "patch", **args)["error"]
+    assert sh(sandbox, "wc -c < many").strip() == "4000000"
+
+
 # ----------------------------------------------------------------------------- search_files
 
 

@@ -335,6 +335,13 @@ def patch(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
             "error": f"old_string found {count} times in {path}. Include more surrounding lines to make "
             "it unique, or set replace_all=true to replace every occurrence."
         }
+    # The result is checked before it is made: 4 MB of "a" with replace_all to 100 bytes each
+    # took 1.5 GB of the worker's memory, and a longer new_string any amount.
+    size = len(data) + count * (len(new_b) - len(old_b))
+    if size > MAX_PATCH_BYTES:
+        return {
+            "error": f"the patched {path} would be {size} bytes, more than this tool's limit ({MAX_PATCH_BYTES})"
+        }
     patched = data.replace(old_b, new_b)
     written = _write_bytes(ctx, path, patched, make_parents=False, deadline=deadline)
     if isinstance(written, dict):
