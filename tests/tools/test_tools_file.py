@@ -234,6 +234,29 @@ def test_patch_refuses_a_result_beyond_its_limit_before_making_it(sandbox):
     assert sh(sandbox, "wc -c < many").strip() == "4000000"
 
 
+def test_patch_diff_of_many_changes_takes_no_minutes(sandbox):
+    """The diff is made in the worker, with no timeout: difflib's time grows with the square of the
+    lines it compares, and replace_all changing every other one of 30,000 lines took half a minute
+    (200,000: many minutes). Only the changed stretch is compared, with the file's line numbers."""
+    sh(sandbox, 'awk \'BEGIN { for (i = 0; i < 30000; i++) print i, (i % 2 ? "z" : "x") }\' > alt')
+    start = time.monotonic()
+    result = call(sandbox, "patch", path="alt", old_string="x", new_string="y", replace_all=True)
+    assert time.monotonic() - start < 10
+    assert result["replacements"] == 15000
+    assert result["diff"].startswith("--- a/alt\n+++ b/alt\n@@ -1,") and "-2 x\n+2 y\n" in result["diff"]
+    sh(sandbox, 'awk \'BEGIN { for (i = 1; i <= 20000; i++) print (i == 15000 ? "old" : "same") }\' > deep')
+    diff = call(sandbox, "patch", path="deep", old_string="old", new_string="new")["diff"]
+    assert diff.split("\n")[2:-1] == [
+        "@@ -14998,5 +14998,5 @@",
+        " same",
+        " same",
+        "-old",
+        "+new",
+        " same",
+        " same",
+    ]
+
+
 # ----------------------------------------------------------------------------- search_files
 
 

@@ -24,6 +24,7 @@ from batchrun.prompt.tools.registry import Tool, ToolArgumentError, ToolContext,
 MAX_LINE_CHARS = 2000  # longer lines are cut in read_file, with a note
 MAX_PATCH_BYTES = 8 * 1024 * 1024  # patch reads the whole file through the capped output, chunk by chunk
 MAX_DIFF_CHARS = 4000
+MAX_DIFF_LINES = 2000  # lines difflib compares at most (its time grows with their square)
 MAX_MATCH_CHARS = 400  # longest search match line shown
 MAX_SEARCH_LIMIT = 1000
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in this many leading bytes marks a file as binary
@@ -350,17 +351,45 @@ def patch(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _diff(before: bytes, after: bytes, path: str) -> str:
+    """A unified diff of the change, of at most MAX_DIFF_CHARS.
+
+    difflib's time grows with the square of the lines it compares: a replace_all changing every
+    other line of 200,000 kept the worker's CPU for many minutes, past any timeout. So only the
+    lines between the first and the last change are given to it (line numbers shifted back), and
+    of those at most MAX_DIFF_LINES, more than the shown diff can hold."""
+    a = before.decode("utf-8", errors="replace").splitlines(keepends=True)
+    b = after.decode("utf-8", errors="replace").splitlines(keepends=True)
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    start = max(head - 2, 0)  # the two lines of context difflib would show (n=2)
+    a_end, b_end = min(len(a) - tail + 2, len(a)), min(len(b) - tail + 2, len(b))
+    cut = max(a_end, b_end) - start > MAX_DIFF_LINES
+    if cut:
+        a_end, b_end = min(a_end, start + MAX_DIFF_LINES), min(b_end, start + MAX_DIFF_LINES)
     lines = difflib.unified_diff(
-        before.decode("utf-8", errors="replace").splitlines(keepends=True),
-        after.decode("utf-8", errors="replace").splitlines(keepends=True),
-        fromfile=f"a/{path}",
-        tofile=f"b/{path}",
-        n=2,
+        a[start:a_end], b[start:b_end], fromfile=f"a/{path}", tofile=f"b/{path}", n=2
     )
-    text = "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    text = "".join(_shift_hunk(line, start) if line.endswith("\n") else line + "\n" for line in lines)
+    if cut:
+        text += f"[diff cut: only {MAX_DIFF_LINES} lines from the first change were compared]\n"
     if len(text) > MAX_DIFF_CHARS:
         text = text[:MAX_DIFF_CHARS] + f"\n[diff truncated: {len(text)} chars]"
     return text
+
+
+_HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@\n")
+
+
+def _shift_hunk(line: str, by: int) -> str:
+    """A hunk header of a diff of lines from ``by`` on, numbered as in the whole file."""
+    m = _HUNK.fullmatch(line)
+    if not m or not by:
+        return line
+    return f"@@ -{int(m[1]) + by}{m[2] or ''} +{int(m[3]) + by}{m[4] or ''} @@\n"
 
 
 # ----------------------------------------------------------------------------- search_files
