@@ -177,15 +177,18 @@ def read_file(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _numbered(data: bytes, offset: int, limit: int, width: int, budget: int) -> dict[str, Any]:
-    """What ``_READ_AWK`` prints for ``data``, byte for byte, done here (the direct path)."""
-    lines = data.split(b"\n")
-    if lines[-1] == b"":  # the newline that ends the last line does not start another
-        lines.pop()
-    total = len(lines)
+    """What ``_READ_AWK`` prints for ``data``, byte for byte, done here (the direct path).
+
+    Only the lines shown are cut out of ``data``: splitting all of it made an object per line, some
+    300 MB of the worker's memory for a 16 MB file of short lines."""
+    total = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
     shown: list[bytes] = []
     used = last = 0
+    pos = _line_start(data, offset)
     for number in range(offset, min(total, offset + limit - 1) + 1):
-        line, note = lines[number - 1], b""
+        end = data.find(b"\n", pos)
+        end = len(data) if end < 0 else end
+        line, note, pos = data[pos:end], b"", end + 1
         if len(line) > width:
             note = b" [line truncated: %d bytes, first %d shown]" % (len(line), width)
             line = line[:width]
@@ -196,6 +199,23 @@ def _numbered(data: bytes, offset: int, limit: int, width: int, budget: int) -> 
         used += len(out) + 1
         last = number
     return _read_result(b"\n".join(shown).decode("utf-8", errors="replace"), total, last, offset)
+
+
+def _line_start(data: bytes, number: int) -> int:
+    """Where line ``number`` (1-based) of ``data`` starts; len(data) past its end. Newlines are
+    counted a block at a time, then found one by one in the last block."""
+    pos, before, block = 0, number - 1, 1 << 16
+    while before:
+        count = data.count(b"\n", pos, pos + block)
+        if count < before and pos + block < len(data):
+            pos, before = pos + block, before - count
+            continue
+        while before:
+            found = data.find(b"\n", pos)
+            if found < 0:
+                return len(data)
+            pos, before = found + 1, before - 1
+    return pos
 
 
 def _read_result(content: str, total: int, last: int, offset: int) -> dict[str, Any]:
