@@ -3,6 +3,7 @@ and the run-level rules: no silent run without isolation, and --cwd_root when th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -20,7 +21,7 @@ import pytest
 from helpers import FORGE_FROM_MEMORY, read_jsonl, skip_or_fail
 
 from batchrun.fakes.fake_model import FakeModelServer
-from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.base import ExecResult, SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
 
 RUN = f"isolation-{uuid.uuid4().hex[:8]}"
@@ -352,6 +353,36 @@ def test_a_cgroup_that_still_holds_a_process_is_never_kept(run_boxes):
     finally:
         lingering.kill()
         lingering.wait()
+
+
+@pytest.mark.bwrap
+def test_a_timeout_s_sweep_never_blocks_on_what_the_prompt_put_in_its_tmp(boxes):
+    """After each command the sandbox's server, and after a timeout the worker from the host, spare
+    what the process tool started, reading its pid files in the sandbox's /tmp. A FIFO planted there
+    as a pid file blocked both: the server's sweep until the command timed out (and the sandbox's
+    files were lost with the server), the worker's open() for good, so a timed-out command (a file
+    tool's too: read_file of a FIFO) never returned."""
+    from batchrun.prompt.sandboxes.base import BACKGROUND_DIR
+
+    box = boxes()
+    where = f"/tmp/{BACKGROUND_DIR}"
+
+    def bounded(command: str, timeout_s: float):
+        """Whether ``command`` hung the worker 10 s past its timeout, and its result."""
+        running = in_background(box.run, command, timeout_s=timeout_s)
+        running["join"](timeout=timeout_s + 10)
+        hung = "result" not in running
+        while "result" not in running:  # open the FIFO's other end: the worker's open() returns
+            with contextlib.suppress(OSError):
+                os.close(os.open(f"/proc/{box._server.pid}/root{where}/p1/pid", os.O_WRONLY | os.O_NONBLOCK))
+            running["join"](timeout=1)
+        return hung, running["result"]
+
+    plant = f"mkdir -p {where}/p1 {where}/p2 && mkfifo {where}/p1/pid && ln -s /etc/hostname {where}/p2/pid"
+    assert bounded(plant, 5) == (False, ExecResult("", 0))
+    hung, result = bounded("sleep 30", 1)
+    assert not hung and result.timed_out
+    assert box.run(f"ls {where}/p1", timeout_s=10).output == "pid\n"  # the same sandbox, still
 
 
 # ---------------------------------------------------------------------------- what a prompt may reach

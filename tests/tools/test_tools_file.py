@@ -9,6 +9,8 @@ too, never through host paths.
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 
 import pytest
 from helpers import TOOL_CAP as CAP
@@ -202,6 +204,57 @@ def test_patch_errors(sandbox):
     assert "is a directory" in call(sandbox, "patch", path="adir", old_string="a", new_string="b")["error"]
     assert "must not be empty" in call(sandbox, "patch", path="f.txt", old_string="", new_string="b")["error"]
     assert "identical" in call(sandbox, "patch", path="f.txt", old_string="same", new_string="same")["error"]
+
+
+def test_patch_stays_within_the_tool_timeout_over_a_slow_fifo(sandbox):
+    """patch reads a file by commands chunk by chunk when the direct path does not take it (a FIFO):
+    a background writer giving a byte a second kept each command short and the whole read going
+    for as many seconds as the FIFO first claimed bytes. All its commands share one timeout."""
+    from batchrun.prompt.tools.catalog import execute_tool_call, tools_for_toolsets
+    from batchrun.prompt.tools.registry import ToolContext
+
+    sh(sandbox, "mkfifo slow")
+    feed = "printf '%030d' 0 > slow; i=0; while [ $i -lt 30 ]; do sleep 1; printf 0 > slow; i=$((i+1)); done"
+    assert call(sandbox, "process", action="start", command=feed)["status"] == "running"
+    ctx = ToolContext(sandbox=sandbox, tool_timeout_s=3.0, output_cap_bytes=CAP)
+    offered = {t.name for t in tools_for_toolsets(["terminal", "file"])}
+    args = {"path": "slow", "old_string": "0", "new_string": "1", "replace_all": True}
+    start = time.monotonic()
+    result = json.loads(execute_tool_call("patch", json.dumps(args), ctx, offered))
+    assert time.monotonic() - start < 8, result
+    assert "timed out" in result["error"]
+
+
+def test_patch_refuses_a_result_beyond_its_limit_before_making_it(sandbox):
+    """replace_all multiplies: 4 MB of "a", each made 100 bytes, was 400 MB built in the worker
+    (1.5 GB at its peak) and written back; a longer new_string could exhaust the worker's memory."""
+    sh(sandbox, "head -c 4000000 /dev/zero | tr '\\0' a > many")
+    args = {"path": "many", "old_string": "a", "new_string": "b" * 100, "replace_all": True}
+    assert "limit" in call(sandbox, "patch", **args)["error"]
+    assert sh(sandbox, "wc -c < many").strip() == "4000000"
+
+
+def test_patch_diff_of_many_changes_takes_no_minutes(sandbox):
+    """The diff is made in the worker, with no timeout: difflib's time grows with the square of the
+    lines it compares, and replace_all changing every other one of 30,000 lines took half a minute
+    (200,000: many minutes). Only the changed stretch is compared, with the file's line numbers."""
+    sh(sandbox, 'awk \'BEGIN { for (i = 0; i < 30000; i++) print i, (i % 2 ? "z" : "x") }\' > alt')
+    start = time.monotonic()
+    result = call(sandbox, "patch", path="alt", old_string="x", new_string="y", replace_all=True)
+    assert time.monotonic() - start < 10
+    assert result["replacements"] == 15000
+    assert result["diff"].startswith("--- a/alt\n+++ b/alt\n@@ -1,") and "-2 x\n+2 y\n" in result["diff"]
+    sh(sandbox, 'awk \'BEGIN { for (i = 1; i <= 20000; i++) print (i == 15000 ? "old" : "same") }\' > deep')
+    diff = call(sandbox, "patch", path="deep", old_string="old", new_string="new")["diff"]
+    assert diff.split("\n")[2:-1] == [
+        "@@ -14998,5 +14998,5 @@",
+        " same",
+        " same",
+        "-old",
+        "+new",
+        " same",
+        " same",
+    ]
 
 
 # ----------------------------------------------------------------------------- search_files

@@ -15,6 +15,7 @@ import difflib
 import posixpath
 import re
 import shlex
+import time
 from typing import Any
 
 from batchrun.prompt.sandboxes.base import DirectFileAccess, ExecResult, declared
@@ -23,6 +24,7 @@ from batchrun.prompt.tools.registry import Tool, ToolArgumentError, ToolContext,
 MAX_LINE_CHARS = 2000  # longer lines are cut in read_file, with a note
 MAX_PATCH_BYTES = 8 * 1024 * 1024  # patch reads the whole file through the capped output, chunk by chunk
 MAX_DIFF_CHARS = 4000
+MAX_DIFF_LINES = 2000  # lines difflib compares at most (its time grows with their square)
 MAX_MATCH_CHARS = 400  # longest search match line shown
 MAX_SEARCH_LIMIT = 1000
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in this many leading bytes marks a file as binary
@@ -74,8 +76,14 @@ _CHECK_ERRORS = {
 }
 
 
-def _run(ctx: ToolContext, command: str, stdin: bytes | None = None) -> ExecResult:
-    return ctx.sandbox.run(command, timeout_s=ctx.tool_timeout_s, stdin=stdin)
+def _run(
+    ctx: ToolContext, command: str, stdin: bytes | None = None, deadline: float | None = None
+) -> ExecResult:
+    """``command`` within the tool's timeout, or what is left of it until ``deadline`` (monotonic)."""
+    timeout_s = ctx.tool_timeout_s if deadline is None else deadline - time.monotonic()
+    if timeout_s <= 0:
+        return ExecResult(output="", exit_code=-1, timed_out=True)
+    return ctx.sandbox.run(command, timeout_s=timeout_s, stdin=stdin)
 
 
 def _direct(ctx: ToolContext) -> DirectFileAccess | None:
@@ -169,15 +177,18 @@ def read_file(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _numbered(data: bytes, offset: int, limit: int, width: int, budget: int) -> dict[str, Any]:
-    """What ``_READ_AWK`` prints for ``data``, byte for byte, done here (the direct path)."""
-    lines = data.split(b"\n")
-    if lines[-1] == b"":  # the newline that ends the last line does not start another
-        lines.pop()
-    total = len(lines)
+    """What ``_READ_AWK`` prints for ``data``, byte for byte, done here (the direct path).
+
+    Only the lines shown are cut out of ``data``: splitting all of it made an object per line, some
+    300 MB of the worker's memory for a 16 MB file of short lines."""
+    total = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
     shown: list[bytes] = []
     used = last = 0
+    pos = _line_start(data, offset)
     for number in range(offset, min(total, offset + limit - 1) + 1):
-        line, note = lines[number - 1], b""
+        end = data.find(b"\n", pos)
+        end = len(data) if end < 0 else end
+        line, note, pos = data[pos:end], b"", end + 1
         if len(line) > width:
             note = b" [line truncated: %d bytes, first %d shown]" % (len(line), width)
             line = line[:width]
@@ -188,6 +199,23 @@ def _numbered(data: bytes, offset: int, limit: int, width: int, budget: int) -> 
         used += len(out) + 1
         last = number
     return _read_result(b"\n".join(shown).decode("utf-8", errors="replace"), total, last, offset)
+
+
+def _line_start(data: bytes, number: int) -> int:
+    """Where line ``number`` (1-based) of ``data`` starts; len(data) past its end. Newlines are
+    counted a block at a time, then found one by one in the last block."""
+    pos, before, block = 0, number - 1, 1 << 16
+    while before:
+        count = data.count(b"\n", pos, pos + block)
+        if count < before and pos + block < len(data):
+            pos, before = pos + block, before - count
+            continue
+        while before:
+            found = data.find(b"\n", pos)
+            if found < 0:
+                return len(data)
+            pos, before = found + 1, before - 1
+    return pos
 
 
 def _read_result(content: str, total: int, last: int, offset: int) -> dict[str, Any]:
@@ -203,7 +231,9 @@ def _read_result(content: str, total: int, last: int, offset: int) -> dict[str, 
 # ----------------------------------------------------------------------------- write_file
 
 
-def _write_bytes(ctx: ToolContext, path: str, data: bytes, *, make_parents: bool) -> dict[str, Any] | int:
+def _write_bytes(
+    ctx: ToolContext, path: str, data: bytes, *, make_parents: bool, deadline: float | None = None
+) -> dict[str, Any] | int:
     """Write ``data`` to ``path`` over stdin; the size the sandbox reports, or an error dict."""
     direct = _direct(ctx)
     if direct is not None and direct.write_direct(path, data, make_parents=make_parents):
@@ -222,7 +252,7 @@ def _write_bytes(ctx: ToolContext, path: str, data: bytes, *, make_parents: bool
     )
     # cat exits non-zero when a write fails (a full disk, a quota), so "ok" means every byte was
     # written: no `wc` afterwards, which would cost a process on every call.
-    res = _run(ctx, command, stdin=data)
+    res = _run(ctx, command, stdin=data, deadline=deadline)
     head, _ = _header(res.output)
     if head[:2] == ["err", "is_dir"]:
         return {"error": f"{path} is a directory; give the path of a file inside it"}
@@ -253,14 +283,21 @@ def _chunk_bytes(ctx: ToolContext) -> int:
     return size
 
 
-def read_bytes(ctx: ToolContext, path: str, max_bytes: int = MAX_PATCH_BYTES) -> bytes | dict[str, Any]:
-    """The exact bytes of a file in the sandbox, read as base64 in output-sized chunks; or an error dict."""
+def read_bytes(
+    ctx: ToolContext, path: str, max_bytes: int = MAX_PATCH_BYTES, deadline: float | None = None
+) -> bytes | dict[str, Any]:
+    """The exact bytes of a file in the sandbox, read as base64 in output-sized chunks; or an error dict.
+
+    All the chunks' commands together stay within the tool's timeout (or ``deadline``): a FIFO fed a
+    byte at a time by a background process kept each one short but the whole read endless."""
+    if deadline is None:
+        deadline = time.monotonic() + ctx.tool_timeout_s
     direct = _direct(ctx)
     data = direct.read_direct(path, max_bytes) if direct is not None else None
     if data is not None:
         return data
     quoted = shell_path(path)
-    res = _run(ctx, f'f={quoted}; {_check_file()}echo "{_MARK} ok $(wc -c < "$f")"')
+    res = _run(ctx, f'f={quoted}; {_check_file()}echo "{_MARK} ok $(wc -c < "$f")"', deadline=deadline)
     head, _ = _header(res.output)
     if head[:1] == ["err"]:
         return {"error": _CHECK_ERRORS[head[1]].format(path=path, size="?")}
@@ -273,7 +310,13 @@ def read_bytes(ctx: ToolContext, path: str, max_bytes: int = MAX_PATCH_BYTES) ->
     got, chunk = 0, _chunk_bytes(ctx)
     while got < size:
         # dd's skip counts blocks; chunk sizes are powers of two so halving keeps offsets aligned.
-        res = _run(ctx, f"dd if={quoted} bs={chunk} skip={got // chunk} count=1 2>/dev/null | base64")
+        res = _run(
+            ctx,
+            f"dd if={quoted} bs={chunk} skip={got // chunk} count=1 2>/dev/null | base64",
+            deadline=deadline,
+        )
+        if res.timed_out:
+            return _failure("read", res)
         if res.truncated and chunk > 512:
             chunk //= 2
             continue
@@ -296,7 +339,8 @@ def patch(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         raise ToolArgumentError("old_string must not be empty; use write_file to create or overwrite a file")
     if old == new:
         raise ToolArgumentError("old_string and new_string are identical; nothing to change")
-    data = read_bytes(ctx, path)
+    deadline = time.monotonic() + ctx.tool_timeout_s  # reading and writing back, together
+    data = read_bytes(ctx, path, deadline=deadline)
     if isinstance(data, dict):
         return data
     # Work on bytes so that a file with invalid UTF-8 elsewhere keeps those bytes exactly.
@@ -312,25 +356,60 @@ def patch(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
             "error": f"old_string found {count} times in {path}. Include more surrounding lines to make "
             "it unique, or set replace_all=true to replace every occurrence."
         }
+    # The result is checked before it is made: 4 MB of "a" with replace_all to 100 bytes each
+    # took 1.5 GB of the worker's memory, and a longer new_string any amount.
+    size = len(data) + count * (len(new_b) - len(old_b))
+    if size > MAX_PATCH_BYTES:
+        return {
+            "error": f"the patched {path} would be {size} bytes, more than this tool's limit ({MAX_PATCH_BYTES})"
+        }
     patched = data.replace(old_b, new_b)
-    written = _write_bytes(ctx, path, patched, make_parents=False)
+    written = _write_bytes(ctx, path, patched, make_parents=False, deadline=deadline)
     if isinstance(written, dict):
         return written
     return {"replacements": count, "path": path, "diff": _diff(data, patched, path)}
 
 
 def _diff(before: bytes, after: bytes, path: str) -> str:
+    """A unified diff of the change, of at most MAX_DIFF_CHARS.
+
+    difflib's time grows with the square of the lines it compares: a replace_all changing every
+    other line of 200,000 kept the worker's CPU for many minutes, past any timeout. So only the
+    lines between the first and the last change are given to it (line numbers shifted back), and
+    of those at most MAX_DIFF_LINES, more than the shown diff can hold."""
+    a = before.decode("utf-8", errors="replace").splitlines(keepends=True)
+    b = after.decode("utf-8", errors="replace").splitlines(keepends=True)
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    start = max(head - 2, 0)  # the two lines of context difflib would show (n=2)
+    a_end, b_end = min(len(a) - tail + 2, len(a)), min(len(b) - tail + 2, len(b))
+    cut = max(a_end, b_end) - start > MAX_DIFF_LINES
+    if cut:
+        a_end, b_end = min(a_end, start + MAX_DIFF_LINES), min(b_end, start + MAX_DIFF_LINES)
     lines = difflib.unified_diff(
-        before.decode("utf-8", errors="replace").splitlines(keepends=True),
-        after.decode("utf-8", errors="replace").splitlines(keepends=True),
-        fromfile=f"a/{path}",
-        tofile=f"b/{path}",
-        n=2,
+        a[start:a_end], b[start:b_end], fromfile=f"a/{path}", tofile=f"b/{path}", n=2
     )
-    text = "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    text = "".join(_shift_hunk(line, start) if line.endswith("\n") else line + "\n" for line in lines)
+    if cut:
+        text += f"[diff cut: only {MAX_DIFF_LINES} lines from the first change were compared]\n"
     if len(text) > MAX_DIFF_CHARS:
         text = text[:MAX_DIFF_CHARS] + f"\n[diff truncated: {len(text)} chars]"
     return text
+
+
+_HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@\n")
+
+
+def _shift_hunk(line: str, by: int) -> str:
+    """A hunk header of a diff of lines from ``by`` on, numbered as in the whole file."""
+    m = _HUNK.fullmatch(line)
+    if not m or not by:
+        return line
+    return f"@@ -{int(m[1]) + by}{m[2] or ''} +{int(m[3]) + by}{m[4] or ''} @@\n"
 
 
 # ----------------------------------------------------------------------------- search_files

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import itertools
 import logging
 import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -27,7 +29,7 @@ from batchrun.prompt.sandboxes.base import (
     readable,
 )
 from batchrun.prompt.sandboxes.local import network_hub
-from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
+from batchrun.prompt.sandboxes.local.direct_files import DirectFiles, openat2, openat2_available
 from batchrun.prompt.sandboxes.local.host import command_shell, host_addresses, tool_path
 from batchrun.prompt.sandboxes.local.netlink import add_unreachable_routes
 from batchrun.prompt.sandboxes.local.options import CTL_DIR
@@ -131,7 +133,7 @@ kept() {
 sweep() {
     local round p f x st left unsure
     declare -A sessions=()
-    for f in "$keep_dir"/p*/pid; do { read -r x < "$f" && sessions[$x]=1; } 2>/dev/null; done
+    for f in "$keep_dir"/p*/pid; do { [ -f "$f" ] && read -r x < "$f" && sessions[$x]=1; } 2>/dev/null; done  # no FIFO
     for ((round = 0; round < 1000; round++)); do
         left=0 unsure=0
         for p in /proc/[0-9]*; do
@@ -224,6 +226,25 @@ def server_shells(directory: str) -> str | None:
                 made = None
         _shell_copies[directory] = made
         return made
+
+
+_MAX_BACKGROUND_ENTRIES = 1000  # the process tool starts no more (tools.terminal._MAX_PROCESSES)
+
+
+def _small_int(dir_fd: int, path: str, confined: bool) -> int | None:
+    """The number in a small regular file of the sandbox's (``path`` under ``dir_fd``), or None;
+    never blocks (a FIFO, a device) nor, when ``confined``, leaves the directory."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY
+    try:
+        fd = openat2(dir_fd, path, flags) if confined else os.open(path, flags | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        return int(os.read(fd, 64).strip()) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 class CommandServer:
@@ -504,17 +525,36 @@ class CommandServer:
             time.sleep(0.01)
 
     def _background_sessions(self, ns: str) -> set[int] | None:
-        """Host session ids of what the process tool started, or None when it was never used here."""
+        """Host session ids of what the process tool started, or None when it was never used here.
+
+        The directory is in the sandbox's /tmp, where its commands may have put anything: a FIFO
+        named ``pid`` blocked this process's open() for good, a symlink led to the host's files.
+        So each file is looked up inside the sandbox's root where openat2 exists, opened without
+        blocking or following a last symlink, and read only when it is a small regular file."""
         where = f"/proc/{self._pid}/root/tmp/{BACKGROUND_DIR}"  # the sandbox's own /tmp, seen from the host
-        if not os.path.isdir(where):
+        confined = openat2_available()
+        try:
+            if confined:
+                root = os.open(f"/proc/{self._pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    dir_fd = openat2(root, f"/tmp/{BACKGROUND_DIR}", os.O_RDONLY | os.O_DIRECTORY)
+                finally:
+                    os.close(root)
+            else:
+                dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
             return None
         started = set()
-        for entry in os.scandir(where):
-            try:
-                with open(os.path.join(entry.path, "pid")) as f:
-                    started.add(int(f.read().strip()))
-            except (OSError, ValueError):
-                continue
+        try:
+            with os.scandir(dir_fd) as entries:
+                for entry in itertools.islice(entries, _MAX_BACKGROUND_ENTRIES):
+                    pid = _small_int(dir_fd, f"{entry.name}/pid", confined)
+                    if pid is not None:
+                        started.add(pid)
+        except OSError:
+            pass
+        finally:
+            os.close(dir_fd)
         return {m.session for m in namespace_members(ns).values() if m.ns_pid in started}
 
     def _namespace(self) -> str | None:
