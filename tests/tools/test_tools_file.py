@@ -296,6 +296,18 @@ def test_search_no_match_and_errors(tree):
     assert "Path not found: nowhere" in call(tree, "search_files", pattern="x", path="nowhere")["error"]
 
 
+def test_search_in_a_directory_named_like_an_operator_of_find(tree):
+    # find read a path "(" or "!" as the start of its expression: the search failed or found nothing.
+    sh(tree, "for d in '(' '!' ')' ','; do mkdir -p \"$d\" && echo foo > \"$d/x.txt\"; done")
+    for d in ("(", "!", ")", ","):
+        assert call(tree, "search_files", pattern="foo", path=d)["matches"] == [
+            {"path": f"./{d}/x.txt", "line": 1, "text": "foo"}
+        ], d
+        assert call(tree, "search_files", pattern="*.txt", target="files", path=d)["matches"] == [
+            f"./{d}/x.txt"
+        ]
+
+
 def test_search_files_by_name(tree):
     assert call(tree, "search_files", pattern="*.py", target="files") == {
         "matches": ["a.py", "sub/c.py"],

@@ -37,12 +37,13 @@ _MARK = "@@BR"  # first/last line of a command's own reports; file data never st
 
 
 def shell_path(path: str) -> str:
-    """Quote ``path`` for sh: ``~`` means $HOME, and a leading ``-`` cannot become an option."""
+    """Quote ``path`` for sh: ``~`` means $HOME, and a leading ``-`` cannot become an option, nor a
+    directory named ``(``, ``)``, ``!`` or ``,`` a part of ``find``'s expression."""
     if path == "~":
         return '"$HOME"'
     if path.startswith("~/"):
         return '"$HOME"/' + shlex.quote(path[2:])
-    if path.startswith("-"):
+    if path.startswith("-") or path in ("(", ")", "!", ","):
         path = "./" + path
     return shlex.quote(path)
 
