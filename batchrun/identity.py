@@ -244,6 +244,11 @@ def request_seed_base(run_seed: int, job: DatasetSample) -> int:
     return int.from_bytes(hashlib.sha256(payload.encode("utf-8", "surrogatepass")).digest()[:8], "big")
 
 
+def is_index(value: Any) -> bool:
+    """Whether ``value`` is a dataset line's index as records and outcome rows hold it (an int, no bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 MERGE_SET_ASIDE = ("unknown_tool",)  # discards the merge writes of records that stay in their batch files
 
 
@@ -255,8 +260,7 @@ def superseded_discards(path: Path, finished_at: Mapping[tuple[str, int, int], i
     last: dict[tuple[str, int, int], int] = {}
     rows: list[tuple[int, tuple[str, int, int], bool]] = []
     for n, rec in enumerate(iter_jsonl(path)):
-        index = rec.get("prompt_index") if isinstance(rec, dict) else None
-        if valid_outcome_row(rec, "reason") and isinstance(index, int) and not isinstance(index, bool):
+        if valid_outcome_row(rec, "reason") and is_index(rec.get("prompt_index")):
             key = (*outcome_sample(rec), rec["prompt_index"])
             last[key] = n
             rows.append((n, key, rec["reason"] in MERGE_SET_ASIDE))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import RunConfig, UsageError
-from batchrun.identity import RowIdentity, outcome_sample, record_sample
+from batchrun.identity import RowIdentity, is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import read_score, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
@@ -266,7 +266,7 @@ def scan_finished(
             if valid_record(rec):
                 key = record_sample(rec)
                 done[key] += 1
-                if at is not None and _is_index(rec.get("prompt_index")):
+                if at is not None and is_index(rec.get("prompt_index")):
                     at[(*key, rec["prompt_index"])] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
@@ -287,7 +287,7 @@ def _add_check(checks: Checks, key: str, fields: Any, prompt_index: Any) -> None
     """Notes the ``row_fields`` an outcome was judged with, and its line; records older than the field hold none."""
     if isinstance(fields, dict) and isinstance(fields.get("row_fields"), str):
         lines = checks.setdefault(key, {}).setdefault(fields["row_fields"], set())
-        if _is_index(prompt_index):
+        if is_index(prompt_index):
             lines.add(prompt_index)
 
 
@@ -308,7 +308,7 @@ def add_discards(
             if valid_outcome_row(rec, "reason") and (counts is None or counts(rec)):
                 key = outcome_sample(rec)
                 done[key] += 1
-                if at is not None and _is_index(rec.get("prompt_index")):
+                if at is not None and is_index(rec.get("prompt_index")):
                     at[(*key, rec["prompt_index"])] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec, rec.get("prompt_index"))
@@ -356,10 +356,6 @@ def changed_checks(rows: list[Row], checks: Checks, redact: Redactor) -> list[tu
 
 def _field(check: RowCheck | None, name: str) -> Any:
     return getattr(check, name) if check is not None else getattr(RowCheck(), name)
-
-
-def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resume_filter(

@@ -62,6 +62,7 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchrun.identity import is_index
 from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata
 from batchrun.run.run_dir import check_run_dir
 from batchrun.sharegpt import (
@@ -127,7 +128,7 @@ def _row(
     index = record.get("prompt_index")
     row.update(
         run_name=run_name,
-        prompt_index=index if isinstance(index, int) and not isinstance(index, bool) else None,
+        prompt_index=index if is_index(index) else None,
         sample_index=meta["sample_index"],
         stop_reason=meta["stop_reason"],
         completed=bool(record.get("completed")),
