@@ -50,7 +50,7 @@ from batchrun.run.resume import (
 )
 from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import Redactor, terminal_safe
-from batchrun.storage import WriteError
+from batchrun.storage import WriteError, read_json_object
 
 EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-only): the run stopped
 EXIT_BUDGET_UNMEASURED = 6  # --budget_usd and an answer with no cost before any price: the run stopped
@@ -379,7 +379,7 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
         )
     # Read before this invocation writes its own: an earlier one killed (kill -9, a lost machine) left
     # its spend there only (finish.lost_runs).
-    recorder.earlier_status = finish.read_status(config.run_dir)
+    recorder.earlier_status = read_json_object(config.run_dir / "status.json")
     manifest_path = config.run_dir / "run_manifest.json"
     if manifest_path.exists():
         manifest = check_manifest(read_manifest(manifest_path), manifest, force=config.force_resume)

@@ -76,6 +76,16 @@ def read_json_file(path: str | Path) -> Any:
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
 
 
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object file the runner wrote (status.json, statistics.json, the manifest); None when it is
+    absent, unreadable, damaged or holds no object: its readers say so themselves."""
+    try:
+        obj = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def write_json_atomic(path: Path, obj: Any, redact: Callable[[str], str] | None = None) -> None:
     text = json.dumps(obj, indent=2, ensure_ascii=False)
     write_text_atomic(path, redact(text) if redact else text)

@@ -11,7 +11,6 @@ import collections
 import datetime as dt
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder
+from batchrun.run.recorder import Recorder, credible
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
@@ -506,15 +505,6 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
     return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
 
 
-def read_status(run_dir: Path) -> dict[str, Any] | None:
-    """status.json as an earlier invocation left it; None when there is none or it cannot be read."""
-    try:
-        status = parse_json((run_dir / "status.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return status if isinstance(status, dict) else None
-
-
 def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``runs`` entry of an invocation that wrote no statistics.json (killed, or stopped by a full
     disk): what its last status.json said it had spent (refreshed every few seconds while it ran: the
@@ -526,9 +516,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
         return []  # it wrote its statistics: counted there
 
     def number(key: str) -> float:
-        value = status.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return max(0.0, float(value)) if ok else 0.0
+        return float(credible(status.get(key)))  # a damaged or hand-edited file counts nothing
 
     try:
         duration = (

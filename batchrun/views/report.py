@@ -28,7 +28,7 @@ from batchrun.record import is_tool_failure, read_score, valid_outcome_row, vali
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts
-from batchrun.storage import WriteError, batch_files, iter_jsonl, write_text_atomic
+from batchrun.storage import WriteError, batch_files, iter_jsonl, read_json_object, write_text_atomic
 from batchrun.views.status import local_alive
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -42,14 +42,6 @@ _TOOLS_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        obj = parse_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def trajectory_sources(run_dir: Path) -> tuple[list[Path], bool]:
@@ -193,9 +185,9 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
     only the other files are read."""
     data = kept if kept is not None else RunData(run_dir=run_dir, max_items=max_items)
     max_items = data.max_items
-    data.manifest = read_json(run_dir / "run_manifest.json")
-    data.statistics = read_json(run_dir / "statistics.json")
-    data.status = read_json(run_dir / "status.json")
+    data.manifest = read_json_object(run_dir / "run_manifest.json")
+    data.statistics = read_json_object(run_dir / "statistics.json")
+    data.status = read_json_object(run_dir / "status.json")
     if data.wanted is None:
         section = (data.statistics or {}).get("scores")
         data.wanted = wanted_from_duplicates(
