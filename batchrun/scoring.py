@@ -322,20 +322,16 @@ def combine(parts: list[Part], explanation: str | None = None) -> dict[str, Any]
         ]
         or None,
     }
-    broken = [p for p in parts if p.error is not None or p.value is None]
-    if broken:
-        errors = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in broken)
-        judged = [p for p in parts if p.error is None and p.value is not None]
+    judged = [p for p in parts if p.error is None and p.value is not None]
+    if len(judged) < len(parts):
+        errors = "; ".join(f"{p.scorer}: {p.error or 'no value'}" for p in parts if p not in judged)
         if not any(p.passed is False for p in judged):
             base["error"] = errors
             return base
-        base["value"] = float(sum(p.value for p in judged if p.value is not None) / len(judged))
-        base["passed"] = False
         base["explanation"] = f"{base['explanation']} (no verdict from {errors})"
-        return base
-    if parts:
-        base["value"] = float(sum(p.value for p in parts if p.value is not None) / len(parts))
-        base["passed"] = all(bool(p.passed) for p in parts)
+    if judged:
+        base["value"] = float(sum(p.value for p in judged if p.value is not None) / len(judged))
+        base["passed"] = all(bool(p.passed) for p in judged)
     return base
 
 
@@ -710,14 +706,6 @@ def _time_left(timeout_s: float, deadline: float | None) -> float:
 OUT_OF_TIME = "no time left for verify: the prompt's deadline plus one --verify_timeout has passed"
 
 
-def run_judged(sandbox: Any, command: str, timeout_s: float) -> Any:
-    """Run a command whose exit code judges the sample (a verify command, a scorer's): through the
-    sandbox's ``run_judged`` when it has one (Docker, Modal: the exit code their engine reports, not
-    the one after the end marker, which a command that read the marker's token could print itself),
-    else its ``run`` (the local sandbox's command server keeps the token out of every command's reach)."""
-    return judged_run(sandbox)(command, timeout_s=timeout_s)
-
-
 def verify_score(
     sandbox: Any, check: RowCheck | None, settings: ScoringSettings, deadline: float | None = None
 ) -> Part:
@@ -738,7 +726,7 @@ def verify_score(
         if not (left := _time_left(timeout, deadline)):
             return Part("verify", error=OUT_OF_TIME, verify_output=cap_output("\n".join(outputs)))
         try:
-            res = run_judged(sandbox, command, left)
+            res = judged_run(sandbox)(command, timeout_s=left)  # its exit code from no end marker
         except SandboxError:
             raise  # the sandbox itself broke: the prompt fails (and runs again on resume)
         except Exception as exc:
@@ -775,7 +763,7 @@ class SandboxHandle:
         self._timeout_s = timeout_s
 
     def run(self, command: str, timeout_s: float | None = None) -> tuple[int, str]:
-        res = run_judged(self._sandbox, command, timeout_s or self._timeout_s)
+        res = judged_run(self._sandbox)(command, timeout_s=timeout_s or self._timeout_s)
         return res.exit_code, res.output
 
     def read_file(self, path: str) -> str:

@@ -132,7 +132,7 @@ class BackgroundStart:
         return self.inner.run(command, timeout_s=timeout_s, stdin=stdin)
 
     def run_judged(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
-        """A command whose exit code judges the sample (scoring.run_judged): the sandbox's own way, when
+        """A command whose exit code judges the sample (base.judged_run): the sandbox's own way, when
         it has one."""
         self.wait_started()
         return judged_run(self.inner)(command, timeout_s=timeout_s, stdin=stdin)
