@@ -308,11 +308,10 @@ class KeptFeed:
         out of turns, tokens or context, most of them failures), in the report's scores too."""
         self.scores.add(rec, *record_sample(rec))
         if self.report is not None:
-            from batchrun.views.report import EXCLUDED_PARTIAL, add_score, note_kept
+            from batchrun.views.report import add_excluded
 
             try:
-                add_score(self.report, rec, EXCLUDED_PARTIAL)
-                note_kept(self.report, rec)
+                add_excluded(self.report, rec)
             except Exception:
                 self.report = None
 

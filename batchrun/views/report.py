@@ -207,8 +207,7 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
             for _, path in batch_files(run_dir):
                 for rec in iter_jsonl(path):
                     if valid_record(rec) and rec.get("partial") is True:
-                        add_score(data, rec, EXCLUDED_PARTIAL)
-                        note_kept(data, rec)
+                        add_excluded(data, rec)
     # A sample discarded and run again (--rerun_discarded, a raised --stop_after_passes) counts by its
     # latest outcome, as statistics.json counts it; what every attempt spent counts all the same.
     stale = superseded_discards(run_dir / "discarded.jsonl", data.kept_at)
@@ -290,6 +289,12 @@ def note_kept(data: RunData, rec: dict[str, Any]) -> None:
             data.kept_at[(*record_sample(rec), index)] += 1
         except Exception:  # a record of another shape: no line to match a discard to
             pass
+
+
+def add_excluded(data: RunData, rec: dict[str, Any]) -> None:
+    """A partial sample --exclude_partial left in the batch files only: judged all the same."""
+    add_score(data, rec, EXCLUDED_PARTIAL)
+    note_kept(data, rec)
 
 
 def add_trajectory(data: RunData, rec: dict[str, Any], prepared: dict[str, Any] | None = None) -> None:
