@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchrun.identity import is_index, record_sample, superseded_discards
 from batchrun.record import read_score
 from batchrun.sharegpt import (
     parse_gpt_value,
@@ -260,17 +261,28 @@ def split_of(prompt: str, seed: int, test_fraction: float) -> str:
 def _samples(
     run_dir: Path, include_discarded: bool, skipped: Counter[str]
 ) -> Iterator[tuple[dict[str, Any], str | None]]:
-    """(record, discard reason or None), streamed; malformed lines are counted in ``skipped``."""
+    """(record, discard reason or None), streamed; malformed lines are counted in ``skipped``. A discard
+    that no longer stands for its sample (run again and kept, or discarded again: ``superseded_discards``,
+    as statistics.json counts them) is left out: with it, one sample was exported twice."""
+    kept_at: Counter[tuple[str, int, int]] = Counter()
     for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
         if rec is None:
             skipped["malformed lines"] += 1
-        else:
-            yield rec, None
+            continue
+        if include_discarded and is_index(rec.get("prompt_index")):
+            try:
+                kept_at[(*record_sample(rec), rec["prompt_index"])] += 1
+            except (KeyError, TypeError, ValueError, AttributeError):
+                pass  # a record of another shape: no line to match a discard to
+        yield rec, None
     if not include_discarded:
         return
-    for row in iter_jsonl(run_dir / "discarded.jsonl"):
+    stale = superseded_discards(run_dir / "discarded.jsonl", kept_at)
+    for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
         if row is None:
             skipped["malformed lines"] += 1
+        elif n in stale:
+            skipped["discarded sample run again"] += 1
         elif not isinstance(row.get("record"), dict):
             skipped["discarded without a record"] += 1
         else:

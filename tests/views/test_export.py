@@ -280,3 +280,26 @@ def test_a_min_score_outside_the_scores_range_is_refused(run_dir, tmp_path, caps
     )
     assert "--min_score must be a score from 0 to 1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_discarded_sample_run_again_is_exported_once(tmp_path):
+    """--rerun_discarded runs a discarded sample again; its old line stays in discarded.jsonl (append-only).
+    An export with --include_discarded gave the sample twice (its old discard beside its new outcome),
+    where statistics.json counts it once: training data with a duplicated sample."""
+    from helpers import run
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["terse [no_reasoning]", "fine"])
+    out = tmp_path / "data"
+    run(None, dataset, out)
+    run(None, dataset, out, resume=True, rerun_discarded=True)  # discarded again
+    run(None, dataset, out, resume=True, rerun_discarded=True, keep_no_reasoning=True, force_resume=True)
+    assert len(read_jsonl(out / "run" / "discarded.jsonl")) == 2  # both old discards stay
+    result = export.export_run(out / "run", "openai", tmp_path / "o", include_discarded=True)
+    exported = rows(tmp_path / "o")
+    assert sorted(
+        r["messages"][0 if r["messages"][0]["role"] == "user" else 1]["content"] for r in exported
+    ) == [
+        "fine",
+        "terse [no_reasoning]",
+    ]
+    assert result.skipped["discarded sample run again"] == 2
