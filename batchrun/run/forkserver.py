@@ -65,43 +65,56 @@ def start_forkserver(backend: str | None = None) -> None:
     atexit.register(stop_forkserver)
 
 
-def stop_forkserver(wait_s: float = 2.0) -> None:
+def stop_forkserver(wait_s: float = 5.0) -> None:
     """End the forkserver and multiprocessing's resource tracker and reap them, at the runner's exit.
 
-    Left to themselves they end once they read the end of their "alive" pipe: the forkserver does not
-    read it while it still imports its preload (~0.3 s after a run that stopped at its flags), and both
-    were still there, orphaned, after the runner had exited. Their workers have ended by then; one that
-    has not (an interrupted run's) is not theirs to end: SIGTERM reaches only the server, and each wait
-    is bounded (the tracker's pipe stays open while such a worker holds it)."""
+    Left to themselves they end once they read the end of their "alive" pipe, and they were still there,
+    orphaned, after the runner had exited: the forkserver reads it only once its preload is done (~0.3 s
+    after a run that stopped at its flags). So the pipe is closed and each is waited for (at most
+    ``wait_s``): the forkserver then ends its preload, the backend's probes (a bubblewrap run) reaped,
+    rather than leave them orphaned as a signal would. Only one still there after that gets SIGTERM.
+    Their workers have ended by then; one that has not (an interrupted run's) is not theirs to end, and
+    each wait is bounded (the tracker's pipe stays open while such a worker holds it)."""
     from multiprocessing import forkserver, resource_tracker
 
     server = forkserver._forkserver  # the modules' own instances: no public handle to their pids
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        _close_and_reap(server, "_forkserver_alive_fd", "_forkserver_pid", wait_s)
+    if getattr(server, "_forkserver_pid", None) is not None:
+        _close_and_reap(server, "_forkserver_alive_fd", "_forkserver_pid", wait_s, then_term=True)
     tracker = resource_tracker._resource_tracker
     if getattr(tracker, "_pid", None) is not None:
         _close_and_reap(tracker, "_fd", "_pid", wait_s)
 
 
-def _close_and_reap(owner: object, fd_name: str, pid_name: str, wait_s: float) -> None:
-    """Close ``owner``'s alive pipe and wait (at most ``wait_s``) for its process to end."""
-    import time
-
+def _close_and_reap(
+    owner: object, fd_name: str, pid_name: str, wait_s: float, then_term: bool = False
+) -> None:
+    """Close ``owner``'s alive pipe and wait (at most ``wait_s``) for its process to end; ``then_term``:
+    one still running then gets SIGTERM (and a second's wait)."""
     fd, pid = getattr(owner, fd_name, None), getattr(owner, pid_name)
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)
         setattr(owner, fd_name, None)
+    if not _reaped(pid, wait_s) and then_term:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        _reaped(pid, 1.0)
+    setattr(owner, pid_name, None)
+
+
+def _reaped(pid: int, wait_s: float) -> bool:
+    """Whether child ``pid`` ended (and is reaped now) within ``wait_s``."""
+    import time
+
     deadline = time.monotonic() + wait_s
     try:
-        while os.waitpid(pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.005)
     except ChildProcessError:  # reaped already
         pass
-    setattr(owner, pid_name, None)
+    return True
 
 
 def _backend_module(backend: str) -> str:
