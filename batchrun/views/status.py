@@ -17,6 +17,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import re
 import socket
 import sys
 import time
@@ -24,10 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.run.run_dir import check_run_dir
+from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import parse_json
 from batchrun.storage import pid_alive
 
 STALL_AFTER_S = 60.0
+# What json.dumps(ensure_ascii=False) leaves raw and a terminal may obey (DEL, the C1 controls: \x9b is
+# a CSI), and the two line separators some readers split a line at: written as \uXXXX, the same JSON.
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029]")
 STATUS_NAME = "status.json"
 
 
@@ -221,9 +226,11 @@ def show(run_dir: Path, as_json: bool) -> dict[str, Any]:
     now = time.time()
     alive = local_alive(status)
     if as_json:
-        print(json.dumps({**status, "checks": checks(status, now, alive)}, ensure_ascii=False), flush=True)
+        text = json.dumps({**status, "checks": checks(status, now, alive)}, ensure_ascii=False)
+        print(_JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text), flush=True)
     else:
-        print(format_status(status, now, alive), flush=True)
+        # The run's name and its error (an endpoint's text) are the file's: shown, never obeyed.
+        print(terminal_safe(format_status(status, now, alive)), flush=True)
     return status
 
 

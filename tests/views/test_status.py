@@ -257,3 +257,17 @@ def test_cli_on_a_file_says_it_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     done = cli(str(tmp_path / "afile"))
     assert done.returncode == 2 and "afile is a file; name a run's directory" in done.stderr, done.stderr
+
+
+def test_cli_never_hands_the_file_s_control_characters_to_the_terminal(tmp_path: Path) -> None:
+    # The run's name and its error (an endpoint's text, kept as it came) reached the terminal raw: an
+    # ESC or a C1 CSI (\x9b) set its title or cleared it. Shown as \xNN; the JSON output stays JSON.
+    hostile = "boom \x1b]0;TITLE\x07\x1b[2J \x9b31m \u2028 end"
+    write_status(tmp_path, running(state="failed", run_name="r\x1b[2Jx", error=hostile, pid=None))
+    done = cli(str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert not any(c in done.stdout for c in "\x1b\x07\x9b"), repr(done.stdout)
+    assert "Run r\\x1b[2Jx: failed" in done.stdout and "FAILED: boom \\x1b]0;TITLE\\x07" in done.stdout
+    done = cli(str(tmp_path), "--json")
+    assert not any(c in done.stdout for c in "\x1b\x07\x9b\u2028"), repr(done.stdout)
+    assert json.loads(done.stdout)["error"] == hostile
