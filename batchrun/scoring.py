@@ -499,15 +499,22 @@ def acceptable(answer: Any) -> list[Any]:
 # A number: commas only as thousands separators (groups of three digits), so "3,4" is two numbers (a
 # list, or a decimal comma), never 34.
 # The numbers an answer may end with, left to right: a mixed number ("3 1/2"), a fraction ("1/2", "1.5/3")
-# or a number (thousands separators in groups of three, "_" between digits, an exponent). The last one
-# found is the answer: a fraction read as its two numbers was its denominator ("1/2 cup" passed for 2),
-# a mixed number as its fraction ("3 1/2" passed for 0.5).
-_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# or a number (thousands separators in groups of three: commas, or the no-break and thin spaces of typeset
+# text, so "1\u202f234" is 1234 where its last group was read, 234; "_" between digits; an exponent).
+# The last one found is the answer: a fraction read as its two numbers was its denominator ("1/2 cup"
+# passed for 2), a mixed number as its fraction ("3 1/2" passed for 0.5). A plain space does not group:
+# "1 234" may be two numbers.
+_NUMBER = (
+    r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?"
+    r"|\d{1,3}(?:[\u00a0\u2009\u202f]\d{3})+(?![\u00a0\u2009\u202f]?\d)(?:\.\d+)?"
+    r"|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+)
 _NUMBER_TOKEN_RE = re.compile(
     r"(?P<mixed>(?P<msign>[-+]?)(?P<whole>\d+)[ \t]+(?P<mnum>\d+)[ \t]*/[ \t]*(?P<mden>\d+)(?![\d.]))"
     r"|(?P<frac>(?P<num>[-+]?\d+(?:\.\d+)?)\s*/\s*(?P<den>\d+(?:\.\d+)?))"
     rf"|(?P<number>{_NUMBER})"
 )
+_GROUP_MARKS = str.maketrans(dict.fromkeys(",_\u00a0\u2009\u202f"))
 _DIGITS_FLOAT_HOLDS = 300  # longer digit runs in a fraction are read as floats, not as exact integers
 
 
@@ -531,7 +538,7 @@ def parse_number(text: str) -> float | None:
             if "." in num_t or "." in den_t or max(len(num_t), len(den_t)) > _DIGITS_FLOAT_HOLDS:
                 return float(num_t) / float(den_t) if float(den_t) else None
             return int(num_t) / int(den_t) if int(den_t) else None
-        return float(last["number"].replace(",", "").replace("_", ""))
+        return float(last["number"].translate(_GROUP_MARKS))
     except (ValueError, OverflowError, ZeroDivisionError):
         return None
 

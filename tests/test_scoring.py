@@ -283,6 +283,13 @@ def test_json_answers_pass_only_when_they_say_the_value_unambiguously(text, answ
         ("ANSWER: 1/2 cup", 2, False),
         ("ANSWER: 1/2 cup", 0.5, True),
         ("ANSWER: 3/4 of them, i.e. 15", 15, True),
+        # The no-break and thin spaces of typeset text group thousands: "1\u202f234" was read as 234.
+        ("ANSWER: 1\u202f234", 1234, True),
+        ("ANSWER: 1\u202f234", 234, False),
+        ("ANSWER: 1\u00a0234\u00a0567.5 m", 1234567.5, True),
+        ("ANSWER: \u221212\u2009345", -12345, True),
+        ("ANSWER: 1\u202f2345", 2345, True),  # no group of three: two numbers, the last one
+        ("ANSWER: 1 234", 234, True),  # a plain space groups nothing: two numbers
     ],
 )
 def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
