@@ -159,6 +159,7 @@ class Spend:
     reservation: int | None = None  # the Reserve this call was sent under: freed now
     fault: str | None = None  # what was wrong with the endpoint's usage (then the counts are estimates)
     priced: bool = True  # the answer reported its cost (usage.cost); False: --budget_usd must estimate it
+    unanswered_tokens: int = 0  # a failed attempt that may have been billed: its estimated tokens
 
 
 @dataclass(frozen=True)

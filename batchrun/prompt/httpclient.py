@@ -72,11 +72,22 @@ class Bounds:
 
 
 class HTTPError(Exception):
-    """Base of what this client raises. Its text never holds a request header or the request body."""
+    """Base of what this client raises. Its text never holds a request header or the request body.
+
+    ``sent``: False when the request cannot have reached the server (no connection was made, or it
+    was never written); True when it may have, so the server may have run, and billed, it."""
+
+    sent = True
+
+    def unsent(self) -> HTTPError:
+        self.sent = False
+        return self
 
 
 class InvalidRequest(HTTPError, ValueError):
     """The request cannot be sent as given (a header with a line break, a bad URL, no such proxy kind)."""
+
+    sent = False
 
 
 class RequestTimeout(HTTPError):
@@ -89,6 +100,8 @@ class TransportError(HTTPError):
 
 class ConnectError(TransportError):
     """The connection (or its TLS handshake, or the proxy tunnel) could not be made."""
+
+    sent = False
 
 
 class ConnectionDropped(TransportError):
@@ -146,6 +159,11 @@ class Response:
 
     def __repr__(self) -> str:
         return f"<Response {self.status} from {self.url}>"
+
+    @property
+    def received(self) -> int:
+        """Bytes of the body read so far (decoded)."""
+        return self._received
 
     def read(self, limit: int | None = None) -> bytes:
         """The whole (decoded) body; ``limit``: cut there instead of failing (error answers)."""
@@ -686,7 +704,7 @@ class Client:
         where = f"{display} through the proxy {proxy}" if proxy else display
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RequestTimeout(f"no time left for a request to {display}")
+            raise RequestTimeout(f"no time left for a request to {display}").unsent()
         wait = min(left, timeout_s)
         idempotent = method in ("GET", "HEAD", "OPTIONS")
         _this_thread.opened, _this_thread.deadline, _this_thread.watched = False, deadline, None
@@ -799,7 +817,7 @@ def _send_error(exc: BaseException, where: str, wait: float) -> HTTPError:
     if isinstance(exc, (u3.NewConnectionError, u3.SSLError, u3.NameResolutionError, u3.ProxyError)):
         return ConnectError(f"cannot connect to {where}: {_reason(exc)}")
     if isinstance(exc, u3.ConnectTimeoutError):
-        return RequestTimeout(f"connecting to {where} timed out after {wait:.1f} s")
+        return RequestTimeout(f"connecting to {where} timed out after {wait:.1f} s").unsent()
     if isinstance(exc, (u3.ReadTimeoutError, TimeoutError)):
         return RequestTimeout(f"no answer from {where} within {wait:.1f} s")
     if isinstance(exc, u3.LocationParseError):

@@ -385,6 +385,9 @@ class Usage:
         self.requests = 0  # requests sent, failed attempts included
         self.calls = self.prompt_tokens = self.completion_tokens = self.reasoning_tokens = 0  # answered calls
         self.estimated_calls = 0  # answered calls whose usage the endpoint did not report credibly
+        # Estimated tokens of attempts that got no usable answer but may have been billed (a stream cut
+        # or timed out mid-answer, a broken 200): the budgets count them; no call's counts hold them.
+        self.unanswered_tokens = 0
         self.cost_usd = 0.0
         self.retries = self.rate_limited = 0
         self.providers: list[str] = []
@@ -417,6 +420,10 @@ class Usage:
         with self._lock:
             self.requests += 1
 
+    def add_unanswered(self, tokens: int) -> None:
+        with self._lock:
+            self.unanswered_tokens += max(0, tokens)
+
     def note_retry(self, rate_limited: bool) -> None:
         with self._lock:
             self.retries += 1
@@ -441,6 +448,7 @@ class Usage:
             "rate_limited": self.rate_limited,
             "providers": list(self.providers) or None,
             "estimated_calls": self.estimated_calls,
+            "unanswered_tokens": self.unanswered_tokens,
         }
 
 
@@ -650,6 +658,8 @@ class LLMClient:
                 data = _read_stream(raw, attempt_deadline, self._http.bounds.body_bytes)
         else:
             data = raw.json()
+        if isinstance(data, dict):
+            _note_partial(raw, None, data.get("usage"))
         turn = _parse_payload(data)
         if finish_kind(turn.finish_reason) == "error":
             raise LLMError(
@@ -721,11 +731,15 @@ class LLMClient:
                     if self.stop is not None and self.stop.is_set():  # set while this call waited
                         raise BudgetStop()
                     turn, data, answered = self._attempt(
-                        url, payload, parse, deadline, usage, prompt_estimate, stream
+                        url, payload, parse, deadline, usage, prompt_estimate, stream, completion_limit
                     )
                     if self.on_failure is not None:
                         self.on_failure(None)
                     return turn, data
+                except (_Retry, LLMError) as exc:
+                    if getattr(exc, "unanswered_tokens", 0):
+                        answered = {"unanswered_tokens": exc.unanswered_tokens}
+                    raise
                 finally:
                     self.limiter.release()
             except _Retry as retry:
@@ -773,6 +787,7 @@ class LLMClient:
         usage: Usage | None,
         prompt_estimate: int,
         stream: bool,
+        completion_limit: int | None = None,
     ) -> tuple[AssistantTurn, dict[str, Any], dict[str, Any]]:
         """One request, bounded whole by --request_timeout and the prompt's deadline; raises :class:`_Retry`
         for what may pass on another try, :class:`LLMError` for what will not."""
@@ -781,6 +796,7 @@ class LLMClient:
         attempt_deadline = min(deadline, time.monotonic() + self.cfg.request_timeout_s)
         if usage is not None:
             usage.note_request()
+        raw = None
         try:
             raw = self._http.request(
                 "POST",
@@ -792,7 +808,12 @@ class LLMClient:
             )
             turn, data = parse(raw, attempt_deadline)
         except (httpclient.HTTPError, ValueError, LLMError) as exc:
-            raise self._attempt_error(exc, deadline) from None
+            error = self._attempt_error(exc, deadline)
+            # Failed, but perhaps billed: the budgets count it (see unanswered_tokens).
+            error.unanswered_tokens = unanswered_tokens(exc, raw, prompt_estimate, completion_limit)
+            if usage is not None:
+                usage.add_unanswered(error.unanswered_tokens)
+            raise error from None
         clean = self._account(turn, data, usage, prompt_estimate)
         return turn, data, clean
 
@@ -977,6 +998,44 @@ def _shaped(value: Any, kind: type, what: str) -> Any:
     return value
 
 
+def _note_partial(raw: Any, generated: int | None, usage: Any) -> None:
+    """What an answer had said when it was read: the characters generated (a stream's) and its usage,
+    for :func:`unanswered_tokens` should the answer then be refused or break."""
+    try:
+        if generated is not None:
+            raw.partial_chars = generated
+        if isinstance(usage, dict):
+            raw.partial_usage = usage
+    except AttributeError:  # an answer object that takes no attributes (a test's): nothing known
+        pass
+
+
+def unanswered_tokens(
+    exc: BaseException, raw: Any, prompt_estimate: int, completion_limit: int | None
+) -> int:
+    """The tokens a failed attempt may have been billed for: 0 when its request cannot have reached
+    the endpoint or the endpoint refused it (a status of 300 or more: an error, a 429, a redirect);
+    otherwise (a stream cut or timed out mid-answer, a 200 whose body broke or was refused, no answer
+    before the timeout) the usage the answer reported, when it did, else the request's estimated
+    tokens plus what had arrived of the answer (its characters, or its bytes when not streamed), or,
+    when nothing had, the completion limit (``--max_tokens``) when one is set: the endpoint may still
+    have been generating it."""
+    if not getattr(exc, "sent", True) or isinstance(exc, httpclient.StatusError):
+        return 0
+    if isinstance(exc, LLMError) and exc.status is not None and exc.status < 500:
+        return 0  # a stream's 4xx error event: the request's fault, refused
+    chars = getattr(raw, "partial_chars", None)
+    got = chars if chars is not None else (raw.received if isinstance(raw, httpclient.Response) else 0)
+    completion = -(-got // ESTIMATE_BYTES_PER_TOKEN) if got else (completion_limit or 0)
+    if completion_limit:
+        completion = min(completion, completion_limit)
+    reported = getattr(raw, "partial_usage", None)
+    if isinstance(reported, dict):
+        clean, _ = credible_usage(reported, prompt_estimate, completion)
+        return clean["prompt_tokens"] + clean["completion_tokens"]
+    return prompt_estimate + completion
+
+
 def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None = None) -> dict[str, Any]:
     """Server-sent chat.completion.chunk events -> the chat.completion body a non-streaming call returns.
 
@@ -994,6 +1053,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
     out: dict[str, Any] = {}
     finish_reason = None
     done = False
+    generated = 0  # characters of the reply so far: what a stream cut short had cost (see unanswered_tokens)
     try:
         for line in raw.iter_lines():
             if deadline is not None and time.monotonic() > deadline:
@@ -1032,6 +1092,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                 for key, parts in texts.items():
                     if isinstance(delta.get(key), str):
                         parts.append(delta[key])
+                        generated += len(delta[key])
                 for d in _shaped(delta.get("reasoning_details"), list, "reasoning_details"):
                     if isinstance(d, dict):
                         _merge_detail(details, d)
@@ -1047,11 +1108,15 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     )
                     call["id"] = c.get("id") or call["id"]
                     fn = _shaped(c.get("function"), dict, "a tool call's function")
-                    call["function"]["name"] += _shaped(fn.get("name"), str, "a tool call's name")
+                    name = _shaped(fn.get("name"), str, "a tool call's name")
                     args = fn.get("arguments")
-                    call["function"]["arguments"] += args if isinstance(args, str) else _arguments_text(args)
+                    args = args if isinstance(args, str) else _arguments_text(args)
+                    call["function"]["name"] += name
+                    call["function"]["arguments"] += args
+                    generated += len(name) + len(args)
     finally:
         raw.close()
+        _note_partial(raw, generated, out.get("usage"))
     # A stream ends with a chunk holding finish_reason, then [DONE] (OpenAI, llama.cpp, vLLM, LiteLLM);
     # some servers (ik_llama.cpp, older llama.cpp) close after the finish_reason without [DONE]. A
     # stream with neither was cut (a closed connection, a body ended early): retried like a body cut

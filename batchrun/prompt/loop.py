@@ -262,6 +262,7 @@ def _is_invalid_json(args: str) -> bool:
 
 def over_budget(usage: Usage, limits: LoopLimits) -> bool:
     """The per-prompt cap: a runaway prompt ends as partial instead of spending on."""
-    if limits.max_prompt_tokens is not None and usage.total_tokens >= limits.max_prompt_tokens:
+    spent = usage.total_tokens + usage.unanswered_tokens  # failed attempts that may have been billed too
+    if limits.max_prompt_tokens is not None and spent >= limits.max_prompt_tokens:
         return True
     return limits.max_prompt_usd is not None and usage.cost_usd >= limits.max_prompt_usd

@@ -19,6 +19,12 @@ preflight.py: the budget could not be kept). An answer without a cost later (a p
 price it, a judge or tool endpoint that reports none) is counted at the most USD per token seen
 (``estimated_usd``), never as free; one before any price was seen cannot be counted at all: the budget
 is then ``unmeasured`` and no further call is granted (the run stops as at its budget, exit code 6).
+
+An attempt that failed after its request may have reached the endpoint (a stream cut or timed out
+mid-answer, a 200 whose body broke) may still have been billed: it is counted too, as the runner's
+estimate (``unanswered_tokens``, batchrun/prompt/llm.py), in the tokens spent and, at the most USD per
+token seen (once one is), in ``estimated_usd``. Not counting it let an endpoint that breaks its
+answers spend (max_retries + 1) times the budget.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Budget:
         self.exhausted = False  # a call did not fit with nothing in flight: the budget is reached
         self.why = ""  # when no whole prompt fits any more, what one is expected to cost
         self.estimated_usd = 0.0  # answers that reported no cost, at the most USD per token seen
+        self.unpriced_unanswered = 0  # failed attempts' tokens before any price: priced once one is seen
         self.unmeasured = False  # an answer with no cost before any price: --budget_usd cannot be kept
         # Prompts with a granted call and no outcome yet: key -> (worker, calls made before the last grant)
         self.under_way: dict[Any, tuple[Any, int]] = {}
@@ -78,14 +85,24 @@ class Budget:
         return self._decide()
 
     def settle(
-        self, worker: Any, rid: int | None, tokens: int, usd: float, priced: bool = True
+        self, worker: Any, rid: int | None, tokens: int, usd: float, priced: bool = True, unanswered: int = 0
     ) -> list[Decision]:
         """A reserved call is over (its spend is already in ``spent()``): its reservation is freed.
-        ``priced``: the answer reported its cost; one that did not is estimated, or ends a USD budget."""
+        ``priced``: the answer reported its cost; one that did not is estimated, or ends a USD budget.
+        ``unanswered``: the estimated tokens of a failed attempt that may have been billed (in
+        ``spent()``'s tokens too): in USD at the price seen, or once one is seen."""
+        if unanswered > 0 and self.usd is not None:
+            if self.usd_per_token is None:
+                self.unpriced_unanswered += unanswered
+            else:
+                self.estimated_usd += unanswered * self.usd_per_token
         if tokens > 0:
             self.answers += 1
             if priced:  # the most USD per token seen (a cost of 0 is a free model's price)
                 self.usd_per_token = max(self.usd_per_token or 0.0, max(0.0, usd) / tokens)
+                if self.unpriced_unanswered and self.usd is not None:
+                    self.estimated_usd += self.unpriced_unanswered * self.usd_per_token
+                    self.unpriced_unanswered = 0
             elif self.usd is not None and self.usd_per_token is not None:
                 self.estimated_usd += tokens * self.usd_per_token
             elif self.usd is not None:

@@ -161,7 +161,10 @@ class Dispatch:
         self.budget = Budget(
             config.budget_tokens,
             config.budget_usd,
-            lambda: (recorder.spend["total_tokens"], recorder.spend["cost_usd"]),
+            lambda: (
+                recorder.spend["total_tokens"] + recorder.spend["unanswered_tokens"],
+                recorder.spend["cost_usd"],
+            ),
         )
         self.usage_fault_warned = False
         self.unpriced_warned = False  # an answer without a cost was counted at the learned price
@@ -309,7 +312,9 @@ class Dispatch:
                     f"warning: {usage_warning(self.settings.llm.base_url, message.fault)}", file=sys.stderr
                 )
             tokens = message.prompt_tokens + message.completion_tokens
-            decisions = self.budget.settle(pid, message.reservation, tokens, message.cost_usd, message.priced)
+            decisions = self.budget.settle(
+                pid, message.reservation, tokens, message.cost_usd, message.priced, message.unanswered_tokens
+            )
             self.grant(inbox, decisions)
             self.note_unpriced(message, tokens)
             return self.check_budget(inbox, track)
@@ -519,6 +524,11 @@ class Dispatch:
                 else ""
             )
             + f", {rec.spend['total_tokens']:,} tokens"
+            + (
+                f" + ~{rec.spend['unanswered_tokens']:,} of attempts that failed mid-answer"
+                if rec.spend["unanswered_tokens"]
+                else ""
+            )
             + (f"; {self.budget.why}" if self.budget.why else "")
             + "): no new prompt starts and prompts in flight stop at their next model call. "
             "Continue later with --resume (and a larger budget).",

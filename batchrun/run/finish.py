@@ -469,7 +469,10 @@ def kept_scores(
     return scores
 
 
-RUN_TOTAL_KEYS = ("attempted", "trajectories", "requests", "prompt_tokens", "completion_tokens", "cost_usd")
+# unanswered_tokens: failed attempts that may have been billed, the runner's estimate (in no total_tokens).
+RUN_TOTAL_KEYS = (
+    "attempted", "trajectories", "requests", "prompt_tokens", "completion_tokens", "cost_usd", "unanswered_tokens"
+)  # fmt: skip
 
 
 def this_run_totals(recorder: Recorder) -> dict[str, Any]:
@@ -485,6 +488,7 @@ def this_run_totals(recorder: Recorder) -> dict[str, Any]:
         "prompt_tokens": int(spend["prompt_tokens"]),
         "completion_tokens": int(spend["completion_tokens"]),
         "cost_usd": round(float(spend["cost_usd"]), 8),
+        "unanswered_tokens": int(spend["unanswered_tokens"]),
     }
 
 
@@ -534,6 +538,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
             "prompt_tokens": int(number("prompt_tokens")),
             "completion_tokens": int(number("completion_tokens")),
             "cost_usd": round(number("cost_usd"), 8),
+            "unanswered_tokens": int(number("unanswered_tokens")),
             "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
         }
     ]

@@ -229,7 +229,7 @@ class Recorder:
             self.failures[outcome.error_class or "unknown"] += 1
             if outcome.error_class == "budget" and (outcome.usage or {}).get("calls"):
                 self.budget_unfinished += 1
-                for key in SPEND_KEYS:
+                for key in (*SPEND_KEYS, "unanswered_tokens"):
                     self.budget_unfinished_spend[key] += credible(outcome.usage.get(key))
             self.failure_messages[outcome.error_class or "unknown"][
                 terminal_safe(self.redact(str(outcome.error))[:300])  # for the console's summary
@@ -315,7 +315,7 @@ class Recorder:
         live = self.live_spend.setdefault(
             (spend.batch_num, spend.prompt_index, spend.sample_index), collections.Counter()
         )
-        for key in SPEND_KEYS:
+        for key in (*SPEND_KEYS, "unanswered_tokens"):
             value = credible(getattr(spend, key))  # the worker sends only these; a NaN would void the budget
             live[key] += value
             self.spend[key] += value
@@ -333,13 +333,17 @@ class Recorder:
         """The run-wide budget, what this run spent, and by how much it went past the budget (the calls
         already under way when it was reached)."""
         tokens, usd = self.spend["total_tokens"], self.spend["cost_usd"]
+        unanswered = int(self.spend["unanswered_tokens"])
         return {
             "tokens": self.budget_tokens,
             "usd": self.budget_usd,
             "spent_tokens": tokens,
             "spent_usd": round(usd, 6),
+            # Failed attempts that may have been billed (a stream cut mid-answer): the runner's estimate,
+            # counted against --budget_tokens beside spent_tokens, and in estimated_usd.
+            "unanswered_tokens": unanswered,
             "reached": self.budget_hit,
-            "overshoot_tokens": max(0, tokens - self.budget_tokens)
+            "overshoot_tokens": max(0, tokens + unanswered - self.budget_tokens)
             if self.budget_tokens is not None
             else None,
             "overshoot_usd": round(max(0.0, usd - self.budget_usd), 6)
@@ -352,9 +356,11 @@ class Recorder:
             "unfinished_tokens": int(
                 self.budget_unfinished_spend["prompt_tokens"]
                 + self.budget_unfinished_spend["completion_tokens"]
+                + self.budget_unfinished_spend["unanswered_tokens"]
             ),
             "unfinished_usd": round(self.budget_unfinished_spend["cost_usd"], 6),
-            "estimated_usd": round(self.budget_estimated_usd, 6),  # in no spent_usd: no answer reported it
+            # In no spent_usd: answers that reported no cost and unanswered_tokens, at the price seen.
+            "estimated_usd": round(self.budget_estimated_usd, 6),
             "unmeasured": self.budget_unmeasured,
             # Of spent_tokens / spent_usd: the runner's own calls (start check, endpoint probes).
             "check_calls": self.checks["calls"],
@@ -365,7 +371,8 @@ class Recorder:
     def budget_reached(self) -> bool:
         """Whether this run has spent its --budget_usd or --budget_tokens (checked after each outcome)."""
         return (self.budget_usd is not None and self.spend["cost_usd"] >= self.budget_usd) or (
-            self.budget_tokens is not None and self.spend["total_tokens"] >= self.budget_tokens
+            self.budget_tokens is not None
+            and self.spend["total_tokens"] + self.spend["unanswered_tokens"] >= self.budget_tokens
         )
 
     @property
@@ -439,6 +446,7 @@ class Recorder:
             "prompt_tokens": self.spend["prompt_tokens"],
             "completion_tokens": self.spend["completion_tokens"],
             "cost_usd": round(self.spend["cost_usd"], 6),
+            "unanswered_tokens": int(self.spend["unanswered_tokens"]),
             "tokens_per_min": round(self.spend["total_tokens"] / elapsed * 60, 1) if elapsed > 0 else 0.0,
             "rate_per_min": round(rate, 2),
             "eta_s": round(left / rate * 60, 1) if rate > 0 and left > 0 else None,

@@ -244,6 +244,7 @@ def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
             reservation=reservation,
             fault=usage.get("fault") if isinstance(usage.get("fault"), str) else None,
             priced=priced,
+            unanswered_tokens=_count_of(usage.get("unanswered_tokens")),
         )
     )
 

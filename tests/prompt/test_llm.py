@@ -628,3 +628,65 @@ def test_an_error_event_mid_stream_is_classified_like_an_http_error():
     with pytest.raises(LLMError) as info:
         _read_stream(raw)
     assert info.value.error_class == "http_502"
+
+
+# ----------------------------------------------------------------------------- attempts that may be billed
+
+
+class _Gate:
+    """The run's budget as a call sees it: grants everything, keeps what each attempt settled with."""
+
+    def __init__(self):
+        self.settled = []
+
+    def reserve(self, tokens, deadline, priority=0):
+        return len(self.settled), 0.0
+
+    def settle(self, ticket, usage):
+        self.settled.append(usage)
+
+
+@pytest.mark.parametrize(
+    ("text", "kw", "billed"),
+    [
+        ("[cut_stream:1] [calls:0]", {"stream": True, "max_retries": 1}, True),  # ended before its end
+        ("[garbage] [calls:0]", {}, True),  # a 200 whose body is no JSON
+        ("[hangup] [calls:0]", {}, True),  # closed after the request reached it
+        ("[slow:3] [calls:0]", {"request_timeout_s": 0.5}, True),  # no answer yet: perhaps generating
+        ("[error:500] [calls:0]", {}, False),  # refused with a status: not run
+        ("[error:429] [calls:0]", {"max_rate_limit_retries": 0}, False),
+    ],
+)
+def test_a_failed_attempt_that_may_have_been_billed_counts_its_estimate(server, text, kw, billed):
+    """Before, a failed attempt counted nothing: an endpoint that breaks its answers (billed all the
+    same) spent past --budget_tokens by a factor of the retries."""
+    from batchrun.prompt.llm import Usage
+
+    usage, gate = Usage(), _Gate()
+    client = _client(server, **kw)
+    client.gate = gate
+    try:
+        client.chat(_user(text), [], usage=usage, max_tokens=50)
+    except LLMError:
+        pass
+    failed = [s for s in gate.settled if not (s or {}).get("completion_tokens")]
+    assert failed, gate.settled
+    if billed:
+        # The request's estimate (its bytes / 3) at least; the completion limit at most beyond it.
+        assert usage.unanswered_tokens >= 20 and failed[0] == {"unanswered_tokens": usage.unanswered_tokens}
+        if "slow" in text:
+            assert usage.unanswered_tokens >= 50  # nothing arrived: the completion limit counts
+    else:
+        assert usage.unanswered_tokens == 0 and all(not s for s in failed)
+    assert usage.as_dict()["unanswered_tokens"] == usage.unanswered_tokens
+
+
+def test_an_endpoint_that_cannot_be_reached_bills_nothing():
+    from batchrun.prompt.llm import Usage
+
+    usage = Usage()
+    with pytest.raises(LLMError):
+        LLMClient(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k", max_retries=0)).chat(
+            _user("hi"), [], usage=usage
+        )
+    assert usage.requests == 1 and usage.unanswered_tokens == 0

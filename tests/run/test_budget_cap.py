@@ -450,3 +450,49 @@ def test_what_prompts_stopped_unfinished_spent_is_counted_and_said(tmp_path, cap
     out = capsys.readouterr().out
     assert f"The budget stopped {len(started)} prompt(s) after they had made model calls: " in out
     assert f"{budget['unfinished_tokens']:,} tokens (" in out and "--resume runs them again" in out
+
+
+def test_attempts_that_broke_mid_answer_count_against_the_budget(tmp_path):
+    """A stream cut before its end was billed by the endpoint but counted by nobody: retried, each
+    such attempt spent past --budget_tokens (here the endpoint billed 23,402 tokens on a 12,000 cap). Now each counts
+    as the runner's estimate of its request and of what had arrived of its answer."""
+    cap = 12_000
+    with FakeModelServer(latency_s=0.05) as server:
+        prompts = [f"Task {i} [calls:1] [cut_stream:2]" for i in range(40)]
+        dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+        run(
+            server,
+            dataset,
+            tmp_path / "data",
+            num_workers=2,
+            prompts_per_worker=5,
+            budget_tokens=cap,
+            max_tokens=100,
+            batch_size=10,
+            stream=True,
+            max_retries=2,
+        )
+        served = server.stats()
+    billed = served["prompt_tokens"] + served["completion_tokens"]  # cut attempts included
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    budget = stats["this_run"]["budget"]
+    assert budget["reached"] is True
+    assert billed <= cap, (billed, budget)
+    assert budget["unanswered_tokens"] > 0
+    assert budget["spent_tokens"] + budget["unanswered_tokens"] >= billed - served["check_tokens"]
+    assert stats["this_run"]["usage"]["unanswered_tokens"] == budget["unanswered_tokens"]
+    assert stats["run_totals"]["unanswered_tokens"] == budget["unanswered_tokens"]
+
+
+def test_a_failed_attempt_s_tokens_before_any_price_are_priced_once_one_is_seen():
+    spent = Spent()
+    budget = Budget(None, 1.0, spent)
+    assert budget.request("w", 1, 1000) == [("w", 1, True)]
+    budget.settle("w", 1, 0, 0.0, priced=False, unanswered=800)  # broke mid-answer: no price yet
+    assert budget.estimated_usd == 0.0 and not budget.unmeasured  # held, not a reason to stop
+    assert budget.request("w", 2, 1000) == [("w", 2, True)]
+    spent.tokens, spent.usd = 1000, 0.001
+    budget.settle("w", 2, 1000, 0.001)  # $1e-6 a token
+    assert budget.estimated_usd == pytest.approx(800e-6)
+    budget.settle("w", None, 0, 0.0, priced=False, unanswered=500)
+    assert budget.estimated_usd == pytest.approx(1300e-6)
