@@ -456,6 +456,7 @@ class Recorder:
                 "tokens": self.budget_tokens,
                 "spent_usd": round(self.spend["cost_usd"], 6),
                 "spent_tokens": self.spend["total_tokens"],
+                "unanswered_tokens": int(self.spend["unanswered_tokens"]),
                 "reached": self.budget_hit,
             },
             "last_event_at": self.last_event_at,

@@ -156,6 +156,9 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
     prompt_t, completion_t = _num(status.get("prompt_tokens")), _num(status.get("completion_tokens"))
     spend = [fmt_usd(_num(status.get("cost_usd")))]
     spend.append(f"{fmt_count(prompt_t)} prompt + {fmt_count(completion_t)} completion tokens")
+    unanswered = _num(status.get("unanswered_tokens"))
+    if unanswered:  # attempts that failed mid-answer, perhaps billed: the budgets count them
+        spend[-1] += f" + ~{fmt_count(unanswered)} of failed attempts"
     spend.append(
         f"{fmt_count(_num(status.get('api_calls')))} model calls · {fmt_count(_num(status.get('tool_calls')))} tool calls"
     )
@@ -165,6 +168,8 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
     limits = []
     for limit_key, spent_key, fmt in (("usd", "spent_usd", fmt_usd), ("tokens", "spent_tokens", fmt_count)):
         limit, spent = _num(budget.get(limit_key)), _num(budget.get(spent_key))
+        if limit_key == "tokens" and spent is not None:
+            spent += _num(budget.get("unanswered_tokens")) or 0  # as --budget_tokens counts them
         if limit is not None:
             share = f" ({spent / limit:.0%})" if spent is not None and limit > 0 else ""
             hit = budget.get("reached") is True or (spent is not None and spent >= limit)

@@ -99,6 +99,14 @@ def test_budget_reached_and_token_budget() -> None:
     assert "Budget" not in lines(st.format_status(running(budget=no_budget), NOW))
 
 
+def test_failed_attempts_tokens_are_shown_and_counted_against_the_token_budget() -> None:
+    budget = {"tokens": 1_000_000, "spent_tokens": 600_000, "unanswered_tokens": 200_000}
+    got = lines(st.format_status(running(budget=budget, unanswered_tokens=200_000), NOW))
+    assert got["Budget"] == "Budget: 800k of 1M (80%)", got["Budget"]
+    assert "+ ~200k of failed attempts" in got["Spend"]
+    assert "failed attempts" not in lines(st.format_status(running(), NOW))["Spend"]
+
+
 def test_finished_and_sparse_dicts() -> None:
     got = lines(
         st.format_status(running(state="finished", done=9900, failed=50, discarded=50, eta_s=None), NOW)
