@@ -485,6 +485,23 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+MAX_INFORMATIONAL = 20  # interim answers (102 Processing, 103 Early Hints) skipped before the final one
+
+
+class _FinalResponse(http.client.HTTPResponse):
+    """http.client's response, past every interim answer: http.client skips only ``100 Continue``,
+    so a ``103 Early Hints`` (a CDN's, a proxy's) was read as the answer itself, with no body, and
+    the call failed as a bad response. At most :data:`MAX_INFORMATIONAL` of them (then: not HTTP)."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        for _ in range(MAX_INFORMATIONAL):
+            version, status, reason = super()._read_status()
+            if not 102 <= status < 200:  # 100 is http.client's own to skip; 101 switches protocols
+                return version, status, reason
+            http.client.parse_headers(self.fp)  # the interim answer's headers (bounded there)
+        raise http.client.BadStatusLine(f"more than {MAX_INFORMATIONAL} interim (1xx) answers")
+
+
 class _Counting:
     """Mixed into the pools: counts connections opened, and closes one idle too long before reuse."""
 
@@ -509,6 +526,7 @@ class _Counting:
 
     def _new_conn(self) -> Any:
         conn = super()._new_conn()  # type: ignore[misc]
+        conn.response_class = _FinalResponse
         original = conn.connect
 
         def connect() -> None:

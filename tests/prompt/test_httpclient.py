@@ -1091,3 +1091,35 @@ def test_the_workers_forkserver_and_chat_path_import_no_openai_sdk():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("interim", [1, 3])
+def test_interim_answers_before_the_answer_are_skipped(interim):
+    """A 103 Early Hints (a CDN's or a proxy's) was read as the answer: no body, a bad_response every
+    try. Interim answers are skipped, each with its headers, on a connection then kept alive."""
+
+    def serve(n, conn, rfile, server):
+        while server.next_request(rfile) is not None:
+            hints = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n" * interim
+            conn.sendall(
+                hints
+                + b"HTTP/1.1 102 Processing\r\n\r\n"
+                + answer(200, json.dumps(completion("ok")).encode())
+            )
+
+    with Scripted(serve) as srv:
+        client = llm(srv.base_url, max_retries=0)
+        assert client.chat(USER, []).content == "ok"
+        assert client.chat(USER, []).content == "ok"
+        assert srv.connections == 1
+
+
+def test_endless_interim_answers_are_no_answer():
+    def serve(n, conn, rfile, server):
+        server.next_request(rfile)
+        conn.sendall(b"HTTP/1.1 103 Early Hints\r\n\r\n" * 1000)
+
+    with Scripted(serve) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, max_retries=0).chat(USER, [])
+        assert info.value.error_class == "connection" and "did not answer with HTTP" in str(info.value)
