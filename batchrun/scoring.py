@@ -510,6 +510,8 @@ _NUMBER = (
     r"|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 )
 _NUMBER_TOKEN_RE = re.compile(
+    # A time or a ratio (12:30, 3:4, 1:2.5): no one number. Its last part passed for the answer (12:30 for 30).
+    r"(?P<clock>\d+(?:\.\d+)?(?::\d+(?:\.\d+)?)+(?![\d.]))|"
     r"(?P<mixed>(?P<msign>[-+]?)(?P<whole>\d+)[ \t]+(?P<mnum>\d+)[ \t]*/[ \t]*(?P<mden>\d+)(?![\d.]))"
     r"|(?P<frac>(?P<num>[-+]?\d+(?:\.\d+)?)\s*/\s*(?P<den>\d+(?:\.\d+)?))"
     rf"|(?P<number>{_NUMBER})"
@@ -524,7 +526,7 @@ def parse_number(text: str) -> float | None:
     last = None
     for match in _NUMBER_TOKEN_RE.finditer(text.translate(_TO_ASCII_MINUS)):
         last = match
-    if last is None:
+    if last is None or last["clock"]:
         return None
     try:
         if last["mixed"]:

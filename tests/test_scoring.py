@@ -290,6 +290,10 @@ def test_json_answers_pass_only_when_they_say_the_value_unambiguously(text, answ
         ("ANSWER: \u221212\u2009345", -12345, True),
         ("ANSWER: 1\u202f2345", 2345, True),  # no group of three: two numbers, the last one
         ("ANSWER: 1 234", 234, True),  # a plain space groups nothing: two numbers
+        # A time or a ratio is no one number: its last part passed for the answer.
+        ("ANSWER: 12:30", 30, False),
+        ("ANSWER: 3:4.5", 4.5, False),
+        ("At 12:30 there were 45 of them.", 45, True),
     ],
 )
 def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
