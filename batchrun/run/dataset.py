@@ -28,6 +28,7 @@ from batchrun.sharegpt import strict_json
 from batchrun.storage import not_a_file
 
 MAX_SAMPLES_PER_ROW = 10_000
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 control characters
 # A dataset line longer than this is skipped unread: no model's context takes a prompt of that size,
 # and a line is held several times over while it is parsed, checked and sent to the workers (a 500 MB
 # line took 4.6 GB of this machine's memory).
@@ -203,6 +204,15 @@ def _parse_line(
             None,
         )
     image = images[0] if images else None
+    if image is not None and (_CONTROL.search(image) or len(image.encode("utf-8")) > 4095):
+        # No image reference or path holds one; printed as it is (the Docker preflight lists the
+        # images), a row's escape sequences reached the terminal, and a 100,000-character one padded
+        # every line of that list to its width.
+        return (
+            f"field 'image'/'docker_image' must be an image name or path (no control characters, at most "
+            f"4095 bytes), got {image[:60]!r}",
+            None,
+        )
     cwd = obj.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
         return "field 'cwd' must be an absolute path string", None

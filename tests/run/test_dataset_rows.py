@@ -55,11 +55,17 @@ def test_a_row_max_turns_past_the_flags_bound_is_a_bad_line(tmp_path):
         {"image": "", "docker_image": "python:3"},
         {"image": "python:3", "docker_image": 5},
         {"image": "python:3", "docker_image": "alpine"},
+        {"image": "alpine\u0000x"},
+        {"image": "\u001b]0;pwned\u0007alpine"},
+        {"docker_image": "alpine\nx"},
+        {"image": "alpine\u009b2J"},
+        {"image": "a" * 4096},
     ],
 )
 def test_an_image_of_the_wrong_type_or_two_images_is_a_bad_line(tmp_path, fields):
     """A falsy image (0, false, [], "") was silently no image: the row ran in --default_image; and of two
-    different images one was silently dropped."""
+    different images one was silently dropped. Control characters reached the terminal as they were
+    (the Docker preflight prints each image), and a 100,000-character image padded that list to its width."""
     path, rows, problems = _load(tmp_path, [json.dumps({"prompt": "p", **fields})])
     assert [r.prompt for r in rows] == ["fine"]
     assert len(problems) == 1 and problems[0].startswith(f"{path}:1: field 'image'")
