@@ -356,9 +356,9 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
     rows, problems = load_dataset(config.dataset_file, config.max_samples, scorers=config.scorer)
     for msg in problems[:20]:
         print(f"warning: skipped {msg}", file=sys.stderr)
-    if len(problems) > 20:
-        print(f"warning: ... and {len(problems) - 20} more bad lines", file=sys.stderr)
-    recorder.counts["bad_lines"] = len(problems)
+    if problems.total > 20:
+        print(f"warning: ... and {problems.total - 20} more bad lines", file=sys.stderr)
+    recorder.counts["bad_lines"] = problems.total
     return rows
 
 

@@ -28,10 +28,25 @@ from batchrun.sharegpt import strict_json
 from batchrun.storage import not_a_file
 
 MAX_SAMPLES_PER_ROW = 10_000
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 control characters
 # A dataset line longer than this is skipped unread: no model's context takes a prompt of that size,
 # and a line is held several times over while it is parsed, checked and sent to the workers (a 500 MB
 # line took 4.6 GB of this machine's memory).
 MAX_LINE_BYTES = 32 * 1024 * 1024
+# Bad lines past this many are counted, not listed: a file of millions of them ("x" a line) held a message
+# for each (10 MB of such lines took 700 MB of this machine's memory; 100 MB would take 7 GB).
+MAX_BAD_LINES_LISTED = 1000
+
+
+class BadLines(list[str]):
+    """The messages of the first MAX_BAD_LINES_LISTED bad lines (``file:line: reason``); ``total`` counts them all."""
+
+    total: int = 0
+
+    def add(self, message: str) -> None:
+        self.total += 1
+        if len(self) < MAX_BAD_LINES_LISTED:
+            self.append(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +86,7 @@ def load_dataset(
     max_samples: int | None = None,
     catalog: Mapping[str, tuple[str, ...]] | None = None,
     scorers: tuple[str, ...] = (),
-) -> tuple[list[Row], list[str]]:
+) -> tuple[list[Row], BadLines]:
     """Read the JSONL dataset. Bad lines are reported by number and skipped; no usable row is an error.
 
     ``catalog``: tool name -> the toolsets that offer it (default: :func:`tool_catalog`), against which
@@ -84,24 +99,24 @@ def load_dataset(
     if not p.is_file():
         raise UsageError(f"dataset file {path}: {not_a_file(p)}")
     rows: list[Row] = []
-    problems: list[str] = []
+    problems = BadLines()
     seen: collections.Counter[str] = collections.Counter()
     with p.open("rb") as fh:
         for line_no, raw in enumerate(_lines(fh), start=1):
             if max_samples is not None and len(rows) >= max_samples:
                 break
             if raw is None:
-                problems.append(f"{path}:{line_no}: longer than {MAX_LINE_BYTES >> 20} MiB (skipped unread)")
+                problems.add(f"{path}:{line_no}: longer than {MAX_LINE_BYTES >> 20} MiB (skipped unread)")
                 continue
             problem, row = _parse_line(raw, line_no, seen, catalog, toolsets)
             if row and not problem:
                 problem = _answer_problem(row.check, scorers)
             if problem:
-                problems.append(f"{path}:{line_no}: {problem}")
+                problems.add(f"{path}:{line_no}: {problem}")
             elif row:
                 rows.append(row)
     if not rows:
-        detail = f" ({len(problems)} bad line(s); first: {problems[0]})" if problems else ""
+        detail = f" ({problems.total} bad line(s); first: {problems[0]})" if problems else ""
         raise UsageError(f"dataset {path} has no usable rows{detail}")
     return rows, problems
 
@@ -189,6 +204,15 @@ def _parse_line(
             None,
         )
     image = images[0] if images else None
+    if image is not None and (_CONTROL.search(image) or len(image.encode("utf-8")) > 4095):
+        # No image reference or path holds one; printed as it is (the Docker preflight lists the
+        # images), a row's escape sequences reached the terminal, and a 100,000-character one padded
+        # every line of that list to its width.
+        return (
+            f"field 'image'/'docker_image' must be an image name or path (no control characters, at most "
+            f"4095 bytes), got {image[:60]!r}",
+            None,
+        )
     cwd = obj.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
         return "field 'cwd' must be an absolute path string", None

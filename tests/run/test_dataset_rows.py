@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from batchrun.run.dataset import load_dataset
+from batchrun.run.dataset import MAX_BAD_LINES_LISTED, load_dataset
 
 
 def _load(tmp_path, lines: list[str]):
@@ -55,11 +55,17 @@ def test_a_row_max_turns_past_the_flags_bound_is_a_bad_line(tmp_path):
         {"image": "", "docker_image": "python:3"},
         {"image": "python:3", "docker_image": 5},
         {"image": "python:3", "docker_image": "alpine"},
+        {"image": "alpine\u0000x"},
+        {"image": "\u001b]0;pwned\u0007alpine"},
+        {"docker_image": "alpine\nx"},
+        {"image": "alpine\u009b2J"},
+        {"image": "a" * 4096},
     ],
 )
 def test_an_image_of_the_wrong_type_or_two_images_is_a_bad_line(tmp_path, fields):
     """A falsy image (0, false, [], "") was silently no image: the row ran in --default_image; and of two
-    different images one was silently dropped."""
+    different images one was silently dropped. Control characters reached the terminal as they were
+    (the Docker preflight prints each image), and a 100,000-character image padded that list to its width."""
     path, rows, problems = _load(tmp_path, [json.dumps({"prompt": "p", **fields})])
     assert [r.prompt for r in rows] == ["fine"]
     assert len(problems) == 1 and problems[0].startswith(f"{path}:1: field 'image'")
@@ -98,3 +104,14 @@ def test_an_answer_the_scorer_named_for_every_row_cannot_judge_is_a_bad_line(tmp
     assert [p.split(": field")[0] for p in problems] == [f"{path}:{n}" for n in (1, 2, 3)]
     assert "holds no number for --scorer=numeric: 'Paris'" in problems[2]
     assert len(load_dataset(str(path))[0]) == 5  # the rows decide their scorer: nothing to refuse
+
+
+def test_bad_lines_past_the_listed_ones_are_counted_not_held(tmp_path):
+    """A message was held for every bad line: 10 MB of "x" lines (5 million) took 700 MB of memory."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + "x\n" * (MAX_BAD_LINES_LISTED + 500), "utf-8")
+    rows, problems = load_dataset(str(path))
+    assert [r.prompt for r in rows] == ["fine"]
+    assert len(problems) == MAX_BAD_LINES_LISTED and problems.total == MAX_BAD_LINES_LISTED + 500
+    assert problems[0].startswith(f"{path}:2: invalid JSON")
+    assert problems[-1].startswith(f"{path}:{MAX_BAD_LINES_LISTED + 1}: invalid JSON")

@@ -581,6 +581,25 @@ def test_without_cgroups_rlimits_still_bound_memory_and_disk(
         box.stop()
 
 
+@pytest.mark.parametrize(
+    ("cwd", "why"),
+    [
+        ("//", "would replace a directory the sandbox needs"),
+        ("//proc", "would replace a directory the sandbox needs"),
+        ("//dev/x", "would replace a directory the sandbox needs"),
+        ("//etc/x", "read-only system directory /etc"),
+        ("///usr/../usr/lib", "read-only system directory /usr"),
+    ],
+)
+def test_a_cwd_with_a_leading_double_slash_is_checked_as_the_path_it_names(cwd, why):
+    """normpath keeps a leading '//' (Linux reads it as '/'): '//proc' passed the check, and the prompt ran
+    with a tmpfs over the sandbox's /proc ('//dev': no /dev/null); '//etc/x' failed after a paid model call."""
+    from batchrun.prompt.sandboxes.local.host import sandbox_cwd_problem, sandbox_workdir
+
+    assert why in (sandbox_cwd_problem(cwd) or "")
+    assert sandbox_workdir("//srv//app/") == "/srv/app" and sandbox_workdir("") == "/workspace"
+
+
 def test_a_cwd_the_sandbox_cannot_have_fails_its_row_without_a_model_call(
     bwrap_available: None, tmp_path: Path
 ):

@@ -854,3 +854,17 @@ def test_bwrap_timeout_kill_never_reaches_host_processes(bwrap_box):
         bystander.kill()
         bystander.wait()
     assert bwrap_box.run("echo next", timeout_s=20).output == "next\n"  # a new namespace
+
+
+@pytest.mark.parametrize("cwd", ["/workspace/..", "/.", "//", "///"])
+def test_a_docker_cwd_naming_the_root_is_refused_before_the_engine_is_asked(cwd):
+    """'/workspace/..', '/.' and '//' were not '/' to the check, so each prompt's start asked the engine
+    five times for a tmpfs at '/' ("destination can't be '/'"), after its first model call."""
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    box = DockerSandbox(SandboxSpec("r", 0, cwd=cwd), disk_cap="tmpfs")
+    assert box.workdir == "/"
+    with pytest.raises(SandboxError, match="cannot be /"):
+        box.create_kwargs("")
+    assert DockerSandbox(SandboxSpec("r", 0, cwd="//srv/./app/")).workdir == "/srv/app"
+    assert DockerSandbox(SandboxSpec("r", 0)).workdir == "/workspace"

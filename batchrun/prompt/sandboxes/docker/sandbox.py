@@ -280,7 +280,10 @@ class DockerSandbox(SandboxBackend):
         self.spec = spec
         self.options = parse_options(DockerOptions, "docker", options)
         self.image = spec.image or self.options.default_image
-        self.workdir = posixpath.join(DEFAULT_WORKDIR, spec.cwd) if spec.cwd else DEFAULT_WORKDIR
+        # Normal, with one leading '/' (normpath keeps '//'): '/workspace/..', '/.' and '//' are '/', which
+        # the tmpfs disk cap refuses at once, rather than the engine five times after a model call.
+        workdir = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, spec.cwd or ""))
+        self.workdir = "/" + workdir.lstrip("/")
         self.isolation = "docker"
         self.container_id: str | None = None
         self._used = False  # whether a command ran in the current container

@@ -163,9 +163,18 @@ def is_within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
+def sandbox_workdir(cwd: str) -> str:
+    """``cwd`` as the absolute, normal path inside the sandbox it names (``DEFAULT_WORKDIR`` for "").
+
+    ``posixpath.normpath`` keeps a leading ``//`` (POSIX leaves its meaning to the system); Linux reads
+    it as ``/``, so it is one ``/`` here: ``//proc`` is ``/proc``."""
+    path = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+    return "/" + path.lstrip("/")
+
+
 def sandbox_cwd_problem(cwd: str) -> str | None:
     """Why ``cwd`` (a path inside the sandbox) cannot be a bubblewrap sandbox's working directory."""
-    path = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+    path = sandbox_workdir(cwd)
     if path in NO_CWD or any(is_within(path, d) for d in NO_CWD[1:]):
         return f"cwd {cwd!r} would replace a directory the sandbox needs (/, /dev, /proc, /sys)"
     for d in SYSTEM_DIRS:

@@ -60,6 +60,7 @@ from batchrun.prompt.sandboxes.local.host import (
     local_isolation_available,
     network_problem,
     sandbox_cwd_problem,
+    sandbox_workdir,
     system_sockets,
     tool_path,
 )
@@ -76,7 +77,6 @@ from batchrun.prompt.sandboxes.local.limits import (
 )
 from batchrun.prompt.sandboxes.local.options import (
     CTL_DIR,
-    DEFAULT_WORKDIR,
     PASSED_ENV,
     RUN_DIR_PREFIX,
     TAG_VAR,
@@ -314,7 +314,7 @@ class LocalSandbox(SandboxBackend):
                 raise SandboxError(f"local sandbox: cannot create cwd {cwd!r}: {exc}") from exc
             return
         # Inside bubblewrap the cwd is a path in the sandbox, its own size-capped tmpfs.
-        self.workdir = posixpath.normpath(posixpath.join(DEFAULT_WORKDIR, cwd))
+        self.workdir = sandbox_workdir(cwd)
         os.mkdir(os.path.join(self._root, "ctl"))
         open(os.path.join(self._root, "ctl", "empty"), "wb").close()
         self._own_shells = self._link_server_shells()
