@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import docker_ps, wait_until
@@ -868,3 +869,28 @@ def test_a_docker_cwd_naming_the_root_is_refused_before_the_engine_is_asked(cwd)
         box.create_kwargs("")
     assert DockerSandbox(SandboxSpec("r", 0, cwd="//srv/./app/")).workdir == "/srv/app"
     assert DockerSandbox(SandboxSpec("r", 0)).workdir == "/workspace"
+
+
+@pytest.mark.parametrize("image", ["/", ".", "/etc", "/dev/null"])
+def test_a_row_may_not_make_a_host_directory_or_device_the_container(
+    fake_apptainer: Path, tmp_path: Path, image: str
+):
+    """A row's image is untrusted: "/" was run as a sandbox directory, the host's whole file system
+    (the runner's keys too) as the prompt's container. Refused at preflight, before any model call,
+    and at start; an image file and remote images stay allowed, and --default_image may be a directory."""
+    from batchrun.prompt.sandboxes.singularity import SingularitySandbox
+
+    jobs = [SimpleNamespace(prompt_index=0, image=image), SimpleNamespace(prompt_index=1, image="alpine:3")]
+    sif = tmp_path / "tool.sif"
+    sif.write_bytes(b"SIF")
+    jobs.append(SimpleNamespace(prompt_index=2, image=str(sif)))
+    found = SingularitySandbox.preflight(jobs, {}, real_model=True, network=True)
+    assert set(found.failed) == {0} and repr(image) in found.failed[0]
+    box = SingularitySandbox(SandboxSpec(RUN, 0, image=image), base_dir=str(tmp_path))
+    with pytest.raises(SandboxError, match="a row may not make one the container|no regular file"):
+        box.start()
+    box.stop()
+    assert not (fake_apptainer / "argv.log").exists() or not apptainer_calls(fake_apptainer)
+    own = SingularitySandbox(SandboxSpec(RUN, 1), default_image=str(tmp_path), base_dir=str(tmp_path))
+    own.start()  # the user's own --default_image directory
+    own.stop()

@@ -85,6 +85,24 @@ def image_ref(image: str) -> str:
     return image if os.path.exists(image) else f"docker://{image}"
 
 
+def row_image_problem(image: str) -> str | None:
+    """Why a dataset row may not name ``image`` (None: it may). A row is untrusted: a host directory
+    it names would be the container's root (``"/"``: every file of the host, the runner's keys
+    included, inside the prompt's sandbox). Such a sandbox directory is the user's to give, with
+    --default_image; a row may name an image file (``.sif``) or a remote image."""
+    ref = image_ref(image)
+    if "://" in ref or ref.startswith("docker-daemon:") or not os.path.exists(ref):
+        return None
+    if os.path.isdir(ref):
+        return (
+            f"image {image!r} is a directory of this host: a row may not make one the container "
+            "(a sandbox directory is given with --default_image); name an image file (.sif) or a remote image"
+        )
+    if not os.path.isfile(ref):
+        return f"image {image!r} is no regular file (a device, a FIFO or a socket of this host)"
+    return None
+
+
 class SingularitySandbox(SandboxBackend):
     """One ``apptainer instance`` per prompt; stop() stops it and removes the private overlay."""
 
@@ -110,7 +128,18 @@ class SingularitySandbox(SandboxBackend):
             print(f"Singularity/Apptainer CLI: {find_executable(options.get('executable', ''))}")
         except Exception as exc:
             raise SetupError(f"--sandbox=singularity: {exc}") from None
-        return Preflight(isolation="singularity")
+        failed = {}
+        for job in jobs:
+            image = getattr(job, "image", None)
+            problem = row_image_problem(image) if image else None
+            if problem:
+                failed[job.prompt_index] = problem
+        if failed:
+            print(
+                f"warning: {len(failed)} prompt(s) will fail without a model call: their row's image is a "
+                "host directory or no regular file"
+            )
+        return Preflight(isolation="singularity", failed=failed)
 
     # -- one prompt's sandbox
 
@@ -125,6 +154,9 @@ class SingularitySandbox(SandboxBackend):
         self._exe = ""
 
     def start(self) -> None:
+        problem = row_image_problem(self.spec.image) if self.spec.image else None
+        if problem:
+            raise SandboxError(f"singularity sandbox: {problem}")
         self._exe = find_executable(self.options.executable)
         safe_run = safe_run_name(self.spec.run_name)
         self._root = tempfile.mkdtemp(
