@@ -496,3 +496,41 @@ def test_a_failed_attempt_s_tokens_before_any_price_are_priced_once_one_is_seen(
     assert budget.estimated_usd == pytest.approx(800e-6)
     budget.settle("w", None, 0, 0.0, priced=False, unanswered=500)
     assert budget.estimated_usd == pytest.approx(1300e-6)
+
+
+def test_a_judge_s_attempts_that_broke_mid_answer_stay_in_the_spend(tmp_path):
+    """The judge's failed attempts were counted as they happened, then taken out of the spend again when
+    the sample's outcome came (the score's judge_usage has no unanswered_tokens): against an endpoint
+    whose judge answers broke, a 20,000-token budget was billed 20,230."""
+
+    def answer(call, calls):
+        if call["check"] or call["body"]["model"] != "judge-model":
+            message = {"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2"}
+            usage = {"prompt_tokens": 1000, "completion_tokens": 10}
+            return 200, {
+                "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+                "usage": usage,
+            }
+        return 200, b'{"choices": [{"index": 0, "message": {"content": "{\\"score\\": 1'  # cut short
+
+    endpoint = ScriptedEndpoint(answer, get=(200, {"data": []}))
+    try:
+        dataset = tmp_path / "d.jsonl"
+        dataset.write_text(
+            "".join(json.dumps({"prompt": f"2+2? ({i})", "answer": "4"}) + "\n" for i in range(2))
+        )
+        run(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key="sk-test-judge",
+            max_tokens=50, num_workers=1, max_retries=1, budget_tokens=10**6, scorer="judge",
+            judge_model="judge-model",
+        )  # fmt: skip
+        judged = [c for c in endpoint.calls if c["body"]["model"] == "judge-model"]
+    finally:
+        endpoint.close()
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    budget = stats["this_run"]["budget"]
+    assert len(judged) == 4  # 2 samples, each judged twice (one retry), every answer broken
+    # Each broken attempt counts at least its request's estimate (bytes / 3) and the judge's 512-token limit
+    # is not reached by the few bytes that arrived.
+    assert budget["unanswered_tokens"] >= sum(len(json.dumps(c["body"])) // 3 for c in judged) > 0
+    assert stats["this_run"]["usage"]["unanswered_tokens"] == budget["unanswered_tokens"]
