@@ -534,3 +534,25 @@ def test_a_judge_s_attempts_that_broke_mid_answer_stay_in_the_spend(tmp_path):
     # is not reached by the few bytes that arrived.
     assert budget["unanswered_tokens"] >= sum(len(json.dumps(c["body"])) // 3 for c in judged) > 0
     assert stats["this_run"]["usage"]["unanswered_tokens"] == budget["unanswered_tokens"]
+
+
+def test_a_usd_budget_learns_each_model_s_price_before_its_calls_go_in_parallel():
+    """A judge (or a tool's model) dearer than the run's model was reserved at the run's model's price:
+    every prompt's judge call went at once, and a judge 100 times dearer billed $0.16 on a $0.05 budget.
+    A model not priced yet goes one call at a time, as the run's first call does."""
+    spent = Spent()
+    budget = Budget(None, 1.0, spent)
+    assert budget.request("w", 1, 1000, model="agent") == [("w", 1, True)]
+    spent.tokens, spent.usd = 1000, 0.001
+    budget.settle("w", 1, 1000, 0.001)  # the agent's model: $0.000001 a token
+    assert budget.request("w", 2, 1000, 1, model="agent") == [("w", 2, True)]
+    assert budget.request("w", 3, 1000, 1, model="judge") == [("w", 3, True)]  # its first call
+    assert budget.request("x", 1, 1000, 1, model="judge") == []  # waits for the judge's price
+    assert budget.request("x", 2, 1000, 1, model="agent") == []  # behind it, in order
+    spent.tokens, spent.usd = 2000, 0.101
+    assert budget.settle("w", 3, 1000, 0.1) == [("x", 1, True), ("x", 2, True)]  # $0.0001 a token now
+    assert budget.usd_per_token == pytest.approx(1e-4)
+    # Reserved at the judge's price: 0.101 spent + 3 x 1,000 in flight x $0.0001 = $0.401.
+    for rid in range(3, 10):
+        budget.request("x", rid, 1000, 1, model="judge")
+    assert len(budget.reserved) == 8 and len(budget.waiting) == 2  # $0.101 + 8 x $0.1 <= $1 < + 9 x
