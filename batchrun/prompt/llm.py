@@ -361,6 +361,15 @@ def credible_usage(
             if usage:
                 faults.append(f"{key} {problem}")
     details = usage.get("completion_tokens_details")
+    reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    if not faults:
+        # Reasoning counted apart from completion_tokens (xAI's way: total_tokens holds it, or a reasoning
+        # count above the completion's) is billed too: it is added to the completion, which the budgets count.
+        apart = reasoning if _is_count(reasoning) and reasoning > clean["completion_tokens"] else 0
+        total = usage.get("total_tokens")
+        if _is_count(total):
+            apart = max(apart, int(total) - clean["prompt_tokens"] - clean["completion_tokens"])
+        clean["completion_tokens"] += int(apart)
     if isinstance(details, dict) and _count_problem(details.get("reasoning_tokens"), MAX_CALL_TOKENS) is None:
         clean["completion_tokens_details"] = {
             "reasoning_tokens": min(int(details["reasoning_tokens"]), clean["completion_tokens"])

@@ -556,3 +556,21 @@ def test_a_usd_budget_learns_each_model_s_price_before_its_calls_go_in_parallel(
     for rid in range(3, 10):
         budget.request("x", rid, 1000, 1, model="judge")
     assert len(budget.reserved) == 8 and len(budget.waiting) == 2  # $0.101 + 8 x $0.1 <= $1 < + 9 x
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        # xAI's way: completion_tokens without the reasoning, total_tokens with it.
+        {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 1620,
+         "completion_tokens_details": {"reasoning_tokens": 1500}},
+        {"prompt_tokens": 100, "completion_tokens": 20, "completion_tokens_details": {"reasoning_tokens": 1500}},
+    ],
+)  # fmt: skip
+def test_reasoning_counted_apart_from_the_completion_is_counted(usage):
+    """An endpoint that counts reasoning apart from completion_tokens bills it all the same: the budgets
+    counted 20 completion tokens of 1,520 (a 40,000-token budget was billed 71,784)."""
+    clean, why = credible_usage(usage, 999, 999)
+    assert why is None and "estimated" not in clean
+    assert clean["completion_tokens"] == 1520 and clean["total_tokens"] == 1620
+    assert clean["completion_tokens_details"]["reasoning_tokens"] == 1500
