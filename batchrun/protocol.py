@@ -172,6 +172,7 @@ class Reserve:
     prompt: tuple[int, int, int] | None = (
         None  # (batch, prompt index, sample index); None: not a prompt's call
     )
+    model: str | None = None  # the model asked (a judge's, a tool's): --budget_usd learns each one's price
 
 
 @dataclass(frozen=True)

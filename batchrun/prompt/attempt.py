@@ -158,7 +158,9 @@ def run_prompt(
             record = _record(job, settings, result, usage, limits, tools, lifecycle)
             deadline = started + limits.prompt_timeout_s + settings.scoring.verify_timeout_s
             close_prompt_resources(ctx)  # the agent is done: its browser, MCP servers, ... before judging
-            record["score"] = judge_sample(record, job, settings.scoring, sandbox, judge, deadline)
+            record["score"], judge_usage = judge_sample(
+                record, job, settings.scoring, sandbox, judge, deadline
+            )
     except LLMError as exc:
         return Outcome.failed(job, exc.error_class, str(exc), usage.as_dict())
     except SandboxError as exc:
@@ -169,7 +171,7 @@ def run_prompt(
         return Outcome.failed(job, "internal", f"{type(exc).__name__}: {exc}", usage.as_dict())
     # The sandbox's timings and the duration as they are now that it stopped (judging included).
     record["metadata"].update(lifecycle.timings, duration_s=round(time.monotonic() - started, 3))
-    spent = with_judge_usage(usage.as_dict(), record["score"]["judge_usage"])
+    spent = with_judge_usage(usage.as_dict(), judge_usage)
     reason = quality_problem(result.messages, record, settings)
     if reason is not None:
         return Outcome.discarded(job, reason, record, spent)
@@ -273,9 +275,11 @@ def judge_sample(
     sandbox: Any,
     judge: LLMClient | None,
     deadline: float,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The sample's ``score``, judged while the sandbox still holds what the agent made: the row's verify
-    commands and hidden files (written only now, so the model never saw them), text scorers, the judge."""
+    commands and hidden files (written only now, so the model never saw them), text scorers, the judge;
+    and the judge's whole usage (the score's ``judge_usage`` keeps only some of its counts, not the
+    ``unanswered_tokens`` the run's spend and budget count, see :func:`with_judge_usage`)."""
     judgement = Judgement(
         check=job.check,
         settings=scoring,
@@ -285,12 +289,15 @@ def judge_sample(
         prompt=job.prompt,
         deadline=deadline,
     )
-    return conform_score(score_sample(record, judgement))
+    score = score_sample(record, judgement)
+    return conform_score(score), score.get("judge_usage")
 
 
 def with_judge_usage(usage: dict[str, Any], judge: dict[str, Any] | None) -> dict[str, Any]:
     """What the sample cost the run (the outcome's usage: budget, statistics): the agent's calls plus the
-    judge's. The record keeps them apart (metadata.usage, score.judge_usage)."""
+    judge's, all its counts (its failed attempts' ``unanswered_tokens`` too: the parent counted them as
+    they happened, and an outcome without them took them back out of the spend). The record keeps them
+    apart (metadata.usage, score.judge_usage)."""
     if not judge:
         return usage
     total = dict(usage)

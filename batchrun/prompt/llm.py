@@ -361,6 +361,15 @@ def credible_usage(
             if usage:
                 faults.append(f"{key} {problem}")
     details = usage.get("completion_tokens_details")
+    reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    if not faults:
+        # Reasoning counted apart from completion_tokens (xAI's way: total_tokens holds it, or a reasoning
+        # count above the completion's) is billed too: it is added to the completion, which the budgets count.
+        apart = reasoning if _is_count(reasoning) and reasoning > clean["completion_tokens"] else 0
+        total = usage.get("total_tokens")
+        if _is_count(total):
+            apart = max(apart, int(total) - clean["prompt_tokens"] - clean["completion_tokens"])
+        clean["completion_tokens"] += int(apart)
     if isinstance(details, dict) and _count_problem(details.get("reasoning_tokens"), MAX_CALL_TOKENS) is None:
         clean["completion_tokens_details"] = {
             "reasoning_tokens": min(int(details["reasoning_tokens"]), clean["completion_tokens"])
@@ -505,10 +514,13 @@ def request_headers(api_key: str | None, base_url: str | None = None) -> dict[st
 class SpendGate(Protocol):
     """The run's budget as a model call sees it (the worker asks the parent, see batchrun/run/budget.py)."""
 
-    def reserve(self, tokens: int, deadline: float, priority: int = 0) -> tuple[Any, float]:
+    def reserve(
+        self, tokens: int, deadline: float, priority: int = 0, model: str | None = None
+    ) -> tuple[Any, float]:
         """Wait until a call that may spend ``tokens`` fits the budget; returns a ticket and the seconds
         waited (they do not count against the prompt's deadline). :class:`BudgetStop` when it never will.
-        ``priority``: the calls its prompt has made (a prompt under way goes first)."""
+        ``priority``: the calls its prompt has made (a prompt under way goes first). ``model``: the model
+        asked (a judge's or a tool's may cost more per token than the run's)."""
 
     def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
         """The call is over: what it spent (None: no answer), in place of its reservation."""
@@ -604,7 +616,16 @@ class LLMClient:
             return turn, data
 
         limit = max_tokens or self.cfg.max_tokens
-        turn, _ = self._call(self._url, payload, parse, deadline, usage, limit, stream=self.cfg.stream)
+        turn, _ = self._call(
+            self._url,
+            payload,
+            parse,
+            deadline,
+            usage,
+            limit,
+            stream=self.cfg.stream,
+            model=model or self.cfg.model,
+        )
         return turn
 
     def _request_body(
@@ -695,6 +716,7 @@ class LLMClient:
             usage,
             worst_tokens,
             stream=False,
+            model=body.get("model") if isinstance(body.get("model"), str) else None,
         )
         return data
 
@@ -708,6 +730,7 @@ class LLMClient:
         completion_limit: int | None,
         *,
         stream: bool,
+        model: str | None = None,
     ) -> tuple[AssistantTurn, dict[str, Any]]:
         deadline = deadline if deadline is not None else time.monotonic() + 10 * self.cfg.request_timeout_s
         prompt_estimate = estimate_tokens(payload)
@@ -718,7 +741,8 @@ class LLMClient:
                 raise BudgetStop()
             ticket = None
             if self.gate is not None:
-                ticket, waited = self.gate.reserve(worst, deadline, usage.calls if usage is not None else 0)
+                priority = usage.calls if usage is not None else 0
+                ticket, waited = self.gate.reserve(worst, deadline, priority, model)
                 deadline += waited  # waiting for the budget is not the prompt's time
             answered: dict[str, Any] | None = None
             try:

@@ -13,7 +13,11 @@ endpoint's counts stay within the worst cases (they do for a server that honours
 prompt estimate is UTF-8 bytes / 3, above the ~4 bytes per token of English and code).
 
 A ``--budget_usd`` needs a price: until some answer reported a cost, calls are granted one at a time, so
-the first priced answer teaches the price (the most USD per token seen) before more are in flight. An
+the first priced answer teaches the price (the most USD per token seen) before more are in flight. So
+does each other model the run asks (a judge's, a tool's: it may cost far more per token than the run's):
+until one of its answers reported a cost, its calls go one at a time, and calls in flight are reserved at
+the most USD per token any model cost. Reserved at the run's model's price, a judge 100 times dearer
+billed $0.16 on a $0.05 budget. An
 endpoint whose start-check answer reports no cost stops the run before it starts (batchrun/run/
 preflight.py: the budget could not be kept). An answer without a cost later (a provider that does not
 price it, a judge or tool endpoint that reports none) is counted at the most USD per token seen
@@ -42,8 +46,10 @@ class Budget:
         """``spent()``: the run's (tokens, USD) so far, as the recorder counts them."""
         self.tokens, self.usd, self._spent = tokens, usd, spent
         self.reserved: dict[tuple[Any, int], int] = {}  # (worker, reservation) -> tokens
-        # (-priority, arrival, worker, rid, tokens, prompt, calls its prompt made)
-        self.waiting: list[tuple[int, int, Any, int, int, Any, int]] = []
+        # (-priority, arrival, worker, rid, tokens, prompt, calls its prompt made, model)
+        self.waiting: list[tuple[int, int, Any, int, int, Any, int, Any]] = []
+        self.models: dict[tuple[Any, int], Any] = {}  # (worker, reservation) -> the model it asks
+        self.priced_models: set[Any] = set()  # models an answer of which reported a cost
         self._arrivals = 0
         self.usd_per_token: float | None = None  # the most any answer cost per token; None: none priced yet
         self.answers = 0
@@ -62,16 +68,18 @@ class Budget:
         return self.tokens is not None or self.usd is not None
 
     def request(
-        self, worker: Any, rid: int, tokens: int, priority: int = 0, prompt: Any = None
+        self, worker: Any, rid: int, tokens: int, priority: int = 0, prompt: Any = None, model: Any = None
     ) -> list[Decision]:
-        """``priority``: the calls its prompt has made already. A prompt under way goes before one that
+        """``model``: the model the call asks (see :meth:`_fits`). ``priority``: the calls its prompt has made already. A prompt under way goes before one that
         has not started, and a prompt starts only when the budget also holds what the prompts under way
         and it are expected to spend (see :meth:`_room_to_start`): a tight budget finishes prompts
         instead of starting many it cannot pay for."""
         self._arrivals += 1
         # A retried first call has made no call, but its prompt is under way: it goes first too.
         first = max(priority, 1) if prompt is not None and prompt in self.under_way else priority
-        heapq.heappush(self.waiting, (-first, self._arrivals, worker, rid, max(0, tokens), prompt, priority))
+        heapq.heappush(
+            self.waiting, (-first, self._arrivals, worker, rid, max(0, tokens), prompt, priority, model)
+        )
         return self._decide()
 
     def prompt_done(self, prompt: Any, calls: int, tokens: int) -> list[Decision]:
@@ -100,6 +108,8 @@ class Budget:
             self.answers += 1
             if priced:  # the most USD per token seen (a cost of 0 is a free model's price)
                 self.usd_per_token = max(self.usd_per_token or 0.0, max(0.0, usd) / tokens)
+                if rid is not None and (worker, rid) in self.models:
+                    self.priced_models.add(self.models[(worker, rid)])
                 if self.unpriced_unanswered and self.usd is not None:
                     self.estimated_usd += self.unpriced_unanswered * self.usd_per_token
                     self.unpriced_unanswered = 0
@@ -109,12 +119,14 @@ class Budget:
                 self.unmeasured = self.exhausted = True
         if rid is not None:
             self.reserved.pop((worker, rid), None)
+            self.models.pop((worker, rid), None)
         return self._decide()
 
     def drop(self, worker: Any) -> list[Decision]:
         """A worker is gone: its reservations and requests with it."""
         for key in [k for k in self.reserved if k[0] == worker]:
             del self.reserved[key]
+            self.models.pop(key, None)
         for key in [k for k, (w, _) in self.under_way.items() if w == worker]:
             del self.under_way[key]
         self.waiting = [w for w in self.waiting if w[2] != worker]
@@ -127,7 +139,7 @@ class Budget:
         self.waiting.clear()
         return out
 
-    def _fits(self, tokens: int) -> bool:
+    def _fits(self, tokens: int, model: Any = None) -> bool:
         spent_tokens, spent_usd = self._spent()
         spent_usd += self.estimated_usd
         in_flight = sum(self.reserved.values())
@@ -140,9 +152,11 @@ class Budget:
                 return not self.reserved  # no answer yet: one call at a time until one shows the price
             if spent_usd + (in_flight + tokens) * self.usd_per_token > self.usd:
                 return False
+            if model not in self.priced_models:  # a model not priced yet: one call at a time until it is
+                return all(m in self.priced_models for m in self.models.values())
         return True
 
-    def _room_to_start(self, tokens: int) -> bool | None:
+    def _room_to_start(self, tokens: int, model: Any = None) -> bool | None:
         """Whether a new prompt's first call may go: the budget holds it, the rest of this prompt, and
         what the prompts under way are expected still to spend. True: it starts; False: it waits for
         prompts under way; None: it never will (the rest of the budget holds no whole prompt).
@@ -164,7 +178,7 @@ class Budget:
         need = slack * (tokens + (still + max(0.0, per_prompt - 1)) * per_call)
         if prompts:
             need += max(0.0, self._most_calls - per_prompt) * per_call
-        if self._fits(int(need)):
+        if self._fits(int(need), model):
             return True
         if self.under_way or self.reserved:
             return False
@@ -187,13 +201,14 @@ class Budget:
     def _decide(self) -> list[Decision]:
         out: list[Decision] = []
         while self.waiting and not self.exhausted:
-            _, _, worker, rid, tokens, prompt, made = self.waiting[0]
+            _, _, worker, rid, tokens, prompt, made, model = self.waiting[0]
             starting = prompt is not None and prompt not in self.under_way
-            fits = self._fits(tokens)  # once: it sums the reservations in flight (a thousand at scale)
-            room = self._room_to_start(tokens) if starting and fits else True
+            fits = self._fits(tokens, model)  # once: it sums the reservations in flight (a thousand at scale)
+            room = self._room_to_start(tokens, model) if starting and fits else True
             if fits and room:
                 heapq.heappop(self.waiting)
                 self.reserved[(worker, rid)] = tokens
+                self.models[(worker, rid)] = model
                 if prompt is not None:
                     self.under_way[prompt] = (worker, made)
                 out.append((worker, rid, True))

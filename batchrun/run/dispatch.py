@@ -320,7 +320,10 @@ class Dispatch:
             return self.check_budget(inbox, track)
         elif isinstance(message, Reserve):  # may this call be sent? (the budget as a cap)
             self.grant(
-                inbox, self.budget.request(pid, message.rid, message.tokens, message.priority, message.prompt)
+                inbox,
+                self.budget.request(
+                    pid, message.rid, message.tokens, message.priority, message.prompt, message.model
+                ),
             )
             return self.check_budget(inbox, track)
         elif isinstance(message, EndpointHealth):

@@ -72,7 +72,9 @@ class ParentGate:
         self._next = 0
         self._waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
 
-    def reserve(self, tokens: int, deadline: float, priority: int = 0) -> tuple[Any, float]:
+    def reserve(
+        self, tokens: int, deadline: float, priority: int = 0, model: str | None = None
+    ) -> tuple[Any, float]:
         from batchrun.prompt.llm import BudgetStop, LLMError
 
         with self._lock:
@@ -84,7 +86,11 @@ class ParentGate:
         job = _current_job()
         send(
             Reserve(
-                rid, tokens, priority, (job.batch_num, job.prompt_index, job.sample_index) if job else None
+                rid,
+                tokens,
+                priority,
+                (job.batch_num, job.prompt_index, job.sample_index) if job else None,
+                model,
             )
         )
         # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.

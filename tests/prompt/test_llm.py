@@ -639,7 +639,7 @@ class _Gate:
     def __init__(self):
         self.settled = []
 
-    def reserve(self, tokens, deadline, priority=0):
+    def reserve(self, tokens, deadline, priority=0, model=None):
         return len(self.settled), 0.0
 
     def settle(self, ticket, usage):

@@ -496,3 +496,81 @@ def test_a_failed_attempt_s_tokens_before_any_price_are_priced_once_one_is_seen(
     assert budget.estimated_usd == pytest.approx(800e-6)
     budget.settle("w", None, 0, 0.0, priced=False, unanswered=500)
     assert budget.estimated_usd == pytest.approx(1300e-6)
+
+
+def test_a_judge_s_attempts_that_broke_mid_answer_stay_in_the_spend(tmp_path):
+    """The judge's failed attempts were counted as they happened, then taken out of the spend again when
+    the sample's outcome came (the score's judge_usage has no unanswered_tokens): against an endpoint
+    whose judge answers broke, a 20,000-token budget was billed 20,230."""
+
+    def answer(call, calls):
+        if call["check"] or call["body"]["model"] != "judge-model":
+            message = {"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2"}
+            usage = {"prompt_tokens": 1000, "completion_tokens": 10}
+            return 200, {
+                "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+                "usage": usage,
+            }
+        return 200, b'{"choices": [{"index": 0, "message": {"content": "{\\"score\\": 1'  # cut short
+
+    endpoint = ScriptedEndpoint(answer, get=(200, {"data": []}))
+    try:
+        dataset = tmp_path / "d.jsonl"
+        dataset.write_text(
+            "".join(json.dumps({"prompt": f"2+2? ({i})", "answer": "4"}) + "\n" for i in range(2))
+        )
+        run(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key="sk-test-judge",
+            max_tokens=50, num_workers=1, max_retries=1, budget_tokens=10**6, scorer="judge",
+            judge_model="judge-model",
+        )  # fmt: skip
+        judged = [c for c in endpoint.calls if c["body"]["model"] == "judge-model"]
+    finally:
+        endpoint.close()
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    budget = stats["this_run"]["budget"]
+    assert len(judged) == 4  # 2 samples, each judged twice (one retry), every answer broken
+    # Each broken attempt counts at least its request's estimate (bytes / 3) and the judge's 512-token limit
+    # is not reached by the few bytes that arrived.
+    assert budget["unanswered_tokens"] >= sum(len(json.dumps(c["body"])) // 3 for c in judged) > 0
+    assert stats["this_run"]["usage"]["unanswered_tokens"] == budget["unanswered_tokens"]
+
+
+def test_a_usd_budget_learns_each_model_s_price_before_its_calls_go_in_parallel():
+    """A judge (or a tool's model) dearer than the run's model was reserved at the run's model's price:
+    every prompt's judge call went at once, and a judge 100 times dearer billed $0.16 on a $0.05 budget.
+    A model not priced yet goes one call at a time, as the run's first call does."""
+    spent = Spent()
+    budget = Budget(None, 1.0, spent)
+    assert budget.request("w", 1, 1000, model="agent") == [("w", 1, True)]
+    spent.tokens, spent.usd = 1000, 0.001
+    budget.settle("w", 1, 1000, 0.001)  # the agent's model: $0.000001 a token
+    assert budget.request("w", 2, 1000, 1, model="agent") == [("w", 2, True)]
+    assert budget.request("w", 3, 1000, 1, model="judge") == [("w", 3, True)]  # its first call
+    assert budget.request("x", 1, 1000, 1, model="judge") == []  # waits for the judge's price
+    assert budget.request("x", 2, 1000, 1, model="agent") == []  # behind it, in order
+    spent.tokens, spent.usd = 2000, 0.101
+    assert budget.settle("w", 3, 1000, 0.1) == [("x", 1, True), ("x", 2, True)]  # $0.0001 a token now
+    assert budget.usd_per_token == pytest.approx(1e-4)
+    # Reserved at the judge's price: 0.101 spent + 3 x 1,000 in flight x $0.0001 = $0.401.
+    for rid in range(3, 10):
+        budget.request("x", rid, 1000, 1, model="judge")
+    assert len(budget.reserved) == 8 and len(budget.waiting) == 2  # $0.101 + 8 x $0.1 <= $1 < + 9 x
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        # xAI's way: completion_tokens without the reasoning, total_tokens with it.
+        {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 1620,
+         "completion_tokens_details": {"reasoning_tokens": 1500}},
+        {"prompt_tokens": 100, "completion_tokens": 20, "completion_tokens_details": {"reasoning_tokens": 1500}},
+    ],
+)  # fmt: skip
+def test_reasoning_counted_apart_from_the_completion_is_counted(usage):
+    """An endpoint that counts reasoning apart from completion_tokens bills it all the same: the budgets
+    counted 20 completion tokens of 1,520 (a 40,000-token budget was billed 71,784)."""
+    clean, why = credible_usage(usage, 999, 999)
+    assert why is None and "estimated" not in clean
+    assert clean["completion_tokens"] == 1520 and clean["total_tokens"] == 1620
+    assert clean["completion_tokens_details"]["reasoning_tokens"] == 1500

@@ -88,7 +88,7 @@ def test_the_tools_model_calls_go_through_the_runs_client(tools_llm, tool_ctx, c
         def __init__(self):
             self.reserved, self.settled = [], []
 
-        def reserve(self, tokens, deadline, priority=0):
+        def reserve(self, tokens, deadline, priority=0, model=None):
             self.reserved.append(tokens)
             return len(self.reserved), 0.0
 
