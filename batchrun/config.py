@@ -849,6 +849,22 @@ class RunConfig:
             )
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.judge_api_key_env):
             raise UsageError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+        var = self.judge_api_key_env
+        if wants_judge and var != "JUDGE_API_KEY" and not os.environ.get(var):
+            raise UsageError(
+                f"--judge_api_key_env={var}: the environment variable {var} is not set or is empty"
+            )
+        url = self.judge_base_url  # None: the run's endpoint and key, which the run's own check covers
+        if (
+            wants_judge
+            and url
+            and not self.judge_api_key
+            and ("openrouter.ai" in url or "api.openai.com" in url)
+        ):
+            raise UsageError(
+                f"no API key for the judge at --judge_base_url={safe_url(url)}: set {var} "
+                "(the variable --judge_api_key_env names)"
+            )
 
     def check_flags_that_apply(self) -> None:
         """A flag that does nothing with the others given is refused: it was meant to do something
