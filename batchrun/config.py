@@ -895,6 +895,21 @@ class RunConfig:
                     f"then); with --local_isolation={self.local_isolation} each sandbox is isolated by "
                     "bubblewrap and a row's cwd is a directory inside it"
                 )
+        # A sandbox flag the backend takes nothing from: its options are the same with the flag's default.
+        options_from, flags = backend_class(self.backend).options_from, self.sandbox_flags()
+        for name, field in _SANDBOX_FLAG_FIELDS.items():
+            default = RunConfig.__dataclass_fields__[name].default
+            if getattr(self, name) == default:
+                continue
+            try:
+                ignored = options_from(dataclasses.replace(flags, **{field: default})) == options_from(flags)
+            except ValueError:  # options the backend refuses: sandbox_options() names them
+                ignored = False
+            if ignored:
+                raise UsageError(
+                    f"--{name} does nothing with --sandbox={self.backend}: that backend takes no such "
+                    "setting; leave it out or choose a --sandbox that uses it"
+                )
 
     @property
     def judge_api_key(self) -> str | None:
@@ -1088,7 +1103,18 @@ class RunConfig:
         """The backend's options from the sandbox flags, checked now by building (not starting) one sandbox."""
         from batchrun.prompt.sandboxes import SandboxSpec, backend_class, create_sandbox
 
-        flags = SandboxFlags(
+        try:
+            options = {
+                **backend_class(self.backend).options_from(self.sandbox_flags()),
+                **(self.sandbox_settings or {}),
+            }
+            create_sandbox(self.backend, SandboxSpec(run_name=self.run_name, prompt_index=-1), options)
+        except ValueError as exc:
+            raise UsageError(f"--sandbox={self.backend}: {exc}") from None
+        return options
+
+    def sandbox_flags(self) -> SandboxFlags:
+        return SandboxFlags(
             default_image=self.default_image,
             local_isolation=self.local_isolation,
             cpus=self.container_cpus,
@@ -1099,12 +1125,6 @@ class RunConfig:
             network=self.sandbox_network,
             cwd_root=os.path.realpath(self.cwd_root) if self.cwd_root else None,
         )
-        try:
-            options = {**backend_class(self.backend).options_from(flags), **(self.sandbox_settings or {})}
-            create_sandbox(self.backend, SandboxSpec(run_name=self.run_name, prompt_index=-1), options)
-        except ValueError as exc:
-            raise UsageError(f"--sandbox={self.backend}: {exc}") from None
-        return options
 
     def secret_hashes(self) -> dict[str, str | None]:
         """Digests of the ephemeral system prompt and the prefill, for the manifest: never their text."""
@@ -1134,6 +1154,17 @@ class RunConfig:
         texts = [self.ephemeral_prompt or ""]
         texts += [m["content"] for m in self.prefill_messages if isinstance(m.get("content"), str)]
         return [t for t in texts if t]
+
+
+# The sandbox flags, as SandboxFlags names them (a backend's options_from takes those that apply to it).
+_SANDBOX_FLAG_FIELDS = {
+    "default_image": "default_image",
+    "local_isolation": "local_isolation",
+    "container_cpus": "cpus",
+    "container_memory_mb": "memory_mb",
+    "container_pids_limit": "pids_limit",
+    "container_disk_mb": "disk_mb",
+}
 
 
 def _sha256(text: str) -> str:

@@ -109,6 +109,20 @@ BAD_FLAGS = [
     ),
     (["--cwd_root=/tmp", "--local_isolation=bwrap"], "--cwd_root applies only with --local_isolation=none"),
     (["--cwd_root=/tmp", "--sandbox=singularity"], "--cwd_root applies only to the local sandbox"),
+    # A sandbox flag the backend never reads: the limit or isolation asked for was not what ran.
+    (["--local_isolation=none", "--sandbox=docker"], "--local_isolation does nothing with --sandbox=docker"),
+    (
+        ["--default_image=ubuntu:22.04", "--sandbox=local"],
+        "--default_image does nothing with --sandbox=local",
+    ),
+    (
+        ["--container_memory_mb=512", "--sandbox=singularity"],
+        "--container_memory_mb does nothing with --sandbox=singularity",
+    ),
+    (
+        ["--container_pids_limit=64", "--sandbox=modal"],
+        "--container_pids_limit does nothing with --sandbox=modal",
+    ),
 ]
 
 
