@@ -960,12 +960,17 @@ class RunConfig:
             raise UsageError(f"the ephemeral system prompt is given twice ({' and '.join(given)}): give one")
         if self.ephemeral_system_prompt_file:
             try:
-                return Path(self.ephemeral_system_prompt_file).read_text(encoding="utf-8") or None
+                text = Path(self.ephemeral_system_prompt_file).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise UsageError(
                     f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: cannot read: "
                     f"{getattr(exc, 'strerror', None) or exc}"
                 ) from None
+            if not text.strip():  # a redirect that failed, a wrong file: the run would go without the prompt
+                raise UsageError(
+                    f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: the file is empty"
+                )
+            return text
         return self.ephemeral_system_prompt or os.environ.get(EPHEMERAL_PROMPT_ENV) or None
 
     @property
