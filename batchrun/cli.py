@@ -38,7 +38,13 @@ from batchrun.run.dispatch import Dispatch
 from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD
 from batchrun.run.forkserver import start_forkserver
 from batchrun.run.plan import make_plan, print_plan
-from batchrun.run.preflight import check_endpoint, preflight_sandboxes, probe_mcp_servers
+from batchrun.run.preflight import (
+    check_endpoint,
+    preflight_sandboxes,
+    prepare_sandboxes,
+    probe_mcp_servers,
+    will_call_the_model,
+)
 from batchrun.run.recorder import Recorder
 from batchrun.run.resume import (
     all_samples,
@@ -213,21 +219,23 @@ def run_steps(
     recorder.counts.update({f"toolset_missing:{t}": n for t, n in plan.missing.items()})
     print_plan(rows, plan, config, llm.base_url)
     connect_ray(config, plan.prompts)
-    if plan.batches:
+    # The backend's checks come before the start check: a sandbox that cannot work here costs no token.
+    preflighted = preflight_sandboxes(
+        plan.batches,
+        config.backend,
+        sandbox_options,
+        real_model=not config.is_mock,
+        network=config.sandbox_network,
+        dataset=config.dataset_file,
+    )
+    if will_call_the_model(preflighted.batches):
         # A USD cap needs each answer's cost (mock: free); without one it would count $0 and never stop.
         priced = [f"--{f}" for f in ("budget_usd", "max_prompt_usd") if getattr(config, f) is not None]
         check = check_endpoint(llm, needs_cost=priced[0] if priced and not config.is_mock else None)
         if check.calls:  # it cost what any call costs: the run's spend and budget count it
             recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
-    preflighted = preflight_sandboxes(
-        plan.batches,
-        config.backend,
-        sandbox_options,
-        run_name=config.run_name,
-        real_model=not config.is_mock,
-        network=config.sandbox_network,
-        workers_here=not config.ray_address,
-        dataset=config.dataset_file,
+    preflighted = prepare_sandboxes(
+        preflighted, config.backend, run_name=config.run_name, workers_here=not config.ray_address
     )
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False

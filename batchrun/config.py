@@ -849,6 +849,22 @@ class RunConfig:
             )
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.judge_api_key_env):
             raise UsageError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+        var = self.judge_api_key_env
+        if wants_judge and var != "JUDGE_API_KEY" and not os.environ.get(var):
+            raise UsageError(
+                f"--judge_api_key_env={var}: the environment variable {var} is not set or is empty"
+            )
+        url = self.judge_base_url  # None: the run's endpoint and key, which the run's own check covers
+        if (
+            wants_judge
+            and url
+            and not self.judge_api_key
+            and ("openrouter.ai" in url or "api.openai.com" in url)
+        ):
+            raise UsageError(
+                f"no API key for the judge at --judge_base_url={safe_url(url)}: set {var} "
+                "(the variable --judge_api_key_env names)"
+            )
 
     def check_flags_that_apply(self) -> None:
         """A flag that does nothing with the others given is refused: it was meant to do something
@@ -878,6 +894,21 @@ class RunConfig:
                     f"--cwd_root applies only with --local_isolation=none (rows' cwd are host directories "
                     f"then); with --local_isolation={self.local_isolation} each sandbox is isolated by "
                     "bubblewrap and a row's cwd is a directory inside it"
+                )
+        # A sandbox flag the backend takes nothing from: its options are the same with the flag's default.
+        options_from, flags = backend_class(self.backend).options_from, self.sandbox_flags()
+        for name, field in _SANDBOX_FLAG_FIELDS.items():
+            default = RunConfig.__dataclass_fields__[name].default
+            if getattr(self, name) == default:
+                continue
+            try:
+                ignored = options_from(dataclasses.replace(flags, **{field: default})) == options_from(flags)
+            except ValueError:  # options the backend refuses: sandbox_options() names them
+                ignored = False
+            if ignored:
+                raise UsageError(
+                    f"--{name} does nothing with --sandbox={self.backend}: that backend takes no such "
+                    "setting; leave it out or choose a --sandbox that uses it"
                 )
 
     @property
@@ -929,12 +960,17 @@ class RunConfig:
             raise UsageError(f"the ephemeral system prompt is given twice ({' and '.join(given)}): give one")
         if self.ephemeral_system_prompt_file:
             try:
-                return Path(self.ephemeral_system_prompt_file).read_text(encoding="utf-8") or None
+                text = Path(self.ephemeral_system_prompt_file).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise UsageError(
                     f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: cannot read: "
                     f"{getattr(exc, 'strerror', None) or exc}"
                 ) from None
+            if not text.strip():  # a redirect that failed, a wrong file: the run would go without the prompt
+                raise UsageError(
+                    f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: the file is empty"
+                )
+            return text
         return self.ephemeral_system_prompt or os.environ.get(EPHEMERAL_PROMPT_ENV) or None
 
     @property
@@ -1072,7 +1108,18 @@ class RunConfig:
         """The backend's options from the sandbox flags, checked now by building (not starting) one sandbox."""
         from batchrun.prompt.sandboxes import SandboxSpec, backend_class, create_sandbox
 
-        flags = SandboxFlags(
+        try:
+            options = {
+                **backend_class(self.backend).options_from(self.sandbox_flags()),
+                **(self.sandbox_settings or {}),
+            }
+            create_sandbox(self.backend, SandboxSpec(run_name=self.run_name, prompt_index=-1), options)
+        except ValueError as exc:
+            raise UsageError(f"--sandbox={self.backend}: {exc}") from None
+        return options
+
+    def sandbox_flags(self) -> SandboxFlags:
+        return SandboxFlags(
             default_image=self.default_image,
             local_isolation=self.local_isolation,
             cpus=self.container_cpus,
@@ -1083,12 +1130,6 @@ class RunConfig:
             network=self.sandbox_network,
             cwd_root=os.path.realpath(self.cwd_root) if self.cwd_root else None,
         )
-        try:
-            options = {**backend_class(self.backend).options_from(flags), **(self.sandbox_settings or {})}
-            create_sandbox(self.backend, SandboxSpec(run_name=self.run_name, prompt_index=-1), options)
-        except ValueError as exc:
-            raise UsageError(f"--sandbox={self.backend}: {exc}") from None
-        return options
 
     def secret_hashes(self) -> dict[str, str | None]:
         """Digests of the ephemeral system prompt and the prefill, for the manifest: never their text."""
@@ -1118,6 +1159,17 @@ class RunConfig:
         texts = [self.ephemeral_prompt or ""]
         texts += [m["content"] for m in self.prefill_messages if isinstance(m.get("content"), str)]
         return [t for t in texts if t]
+
+
+# The sandbox flags, as SandboxFlags names them (a backend's options_from takes those that apply to it).
+_SANDBOX_FLAG_FIELDS = {
+    "default_image": "default_image",
+    "local_isolation": "local_isolation",
+    "container_cpus": "cpus",
+    "container_memory_mb": "memory_mb",
+    "container_pids_limit": "pids_limit",
+    "container_disk_mb": "disk_mb",
+}
 
 
 def _sha256(text: str) -> str:

@@ -7,6 +7,7 @@ most probable toolset is offered alone, so no prompt runs without tools.
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 from collections.abc import Collection, Mapping
@@ -198,12 +199,14 @@ _FROM_FILE: dict[str, Distribution] = {}
 
 
 def get_distribution(name: str) -> Distribution:
-    """The distribution called `name`; ValueError listing the valid names otherwise."""
+    """The distribution called `name`; ValueError naming the close ones (a typo) and listing the valid names otherwise."""
     found = DISTRIBUTIONS.get(name) or _FROM_FILE.get(name)
     if found is None:
-        raise ValueError(
-            f"unknown toolset distribution {name!r}; valid names: {', '.join(list_distributions())}"
-        )
+        names = list(list_distributions())
+        by_lower = {n.lower(): n for n in names}
+        close = [by_lower[c] for c in difflib.get_close_matches(str(name).lower(), by_lower, n=3, cutoff=0.6)]
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        raise ValueError(f"unknown toolset distribution {name!r}{hint}; valid names: {', '.join(names)}")
     return found
 
 

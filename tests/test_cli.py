@@ -275,6 +275,13 @@ def test_unknown_distribution_lists_the_valid_ones(tmp_path, capsys):
         assert name in err
 
 
+@pytest.mark.parametrize(("typo", "meant"), [("terminal_onyl", "terminal_only"), ("Default", "default")])
+def test_a_mistyped_distribution_names_the_close_one_first(tmp_path, capsys, typo, meant):
+    """The message listed all 17 names and left the reader to spot the one meant."""
+    err = _usage_error(tmp_path, capsys, distribution=typo)
+    assert f"unknown toolset distribution {typo!r} (did you mean {meant!r}" in err
+
+
 def test_a_distribution_with_no_available_toolset_is_refused_before_any_request(
     tmp_path, capsys, clean_tool_env, server
 ):

@@ -98,8 +98,31 @@ BAD_FLAGS = [
         "--judge_base_url applies only with the judge",
     ),
     (["--judge_api_key_env=MY_JUDGE_KEY"], "--judge_api_key_env applies only with the judge scorer"),
+    # The judge's key, named but not there: every judged sample was unscored after its tokens were spent.
+    (
+        ["--scorer=judge", "--judge_model=j", "--judge_api_key_env=MY_JUDGE_API_KEY"],
+        "--judge_api_key_env=MY_JUDGE_API_KEY: the environment variable MY_JUDGE_API_KEY is not set",
+    ),
+    (
+        ["--scorer=judge", "--judge_model=j", "--judge_base_url=https://openrouter.ai/api/v1"],
+        "no API key for the judge at --judge_base_url=https://openrouter.ai/api/v1: set JUDGE_API_KEY",
+    ),
     (["--cwd_root=/tmp", "--local_isolation=bwrap"], "--cwd_root applies only with --local_isolation=none"),
     (["--cwd_root=/tmp", "--sandbox=singularity"], "--cwd_root applies only to the local sandbox"),
+    # A sandbox flag the backend never reads: the limit or isolation asked for was not what ran.
+    (["--local_isolation=none", "--sandbox=docker"], "--local_isolation does nothing with --sandbox=docker"),
+    (
+        ["--default_image=ubuntu:22.04", "--sandbox=local"],
+        "--default_image does nothing with --sandbox=local",
+    ),
+    (
+        ["--container_memory_mb=512", "--sandbox=singularity"],
+        "--container_memory_mb does nothing with --sandbox=singularity",
+    ),
+    (
+        ["--container_pids_limit=64", "--sandbox=modal"],
+        "--container_pids_limit does nothing with --sandbox=modal",
+    ),
 ]
 
 

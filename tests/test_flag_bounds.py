@@ -84,6 +84,20 @@ def test_the_ephemeral_prompt_from_a_file_or_the_environment(tmp_path, monkeypat
     assert RunConfig.from_flags(**base).ephemeral_prompt == "from the environment"
 
 
+@pytest.mark.parametrize("content", ["", " \n\t\n"])
+def test_an_empty_ephemeral_prompt_file_exits_2(tmp_path, content):
+    """An empty file (a redirect that failed) ran the whole dataset without the system prompt."""
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    empty = tmp_path / "system.txt"
+    empty.write_text(content)
+    base = dict(dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock")
+    with pytest.raises(UsageError, match=f"--ephemeral_system_prompt_file {empty}: the file is empty"):
+        RunConfig.from_flags(**base, ephemeral_system_prompt_file=str(empty))
+
+
 def test_base_url_credentials_with_a_key_exit_2_and_are_never_printed(tmp_path):
     from batchrun.config import RunConfig, UsageError
 

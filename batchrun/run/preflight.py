@@ -188,23 +188,19 @@ def preflight_sandboxes(
     backend: str,
     options: dict[str, Any],
     *,
-    run_name: str,
     real_model: bool,
     network: bool,
-    workers_here: bool,
     dataset: str,
 ) -> Preflighted:
-    """The backend's preflight and run preparation; prompts it cannot run fail without a model call."""
-    cls = backend_class(backend)
+    """The backend's preflight, before the start check (a backend that cannot work here costs no token);
+    prompts it cannot run fail without a model call. :func:`prepare_sandboxes` follows the start check."""
     try:
-        found = cls.preflight(
+        found = backend_class(backend).preflight(
             [j for b in batches for j in b], options, real_model=real_model, network=network, dataset=dataset
         )
-        options = found.options if found.options is not None else options
-        if batches:
-            options = cls.prepare_run(run_name, options, workers_here=workers_here)
     except SetupError as exc:
         raise UsageError(str(exc)) from None
+    options = found.options if found.options is not None else options
     if found.failed:
         batches = [
             [
@@ -218,3 +214,23 @@ def preflight_sandboxes(
     return Preflighted(
         batches=batches, isolation=found.isolation, sandbox_options=options, sandbox_facts=found.facts
     )
+
+
+def will_call_the_model(batches: list[list[PromptJob]]) -> bool:
+    """Whether any job is left that calls the model (preflight fails the others without a call)."""
+    return any(j.fail_reason is None for batch in batches for j in batch)
+
+
+def prepare_sandboxes(
+    preflighted: Preflighted, backend: str, *, run_name: str, workers_here: bool
+) -> Preflighted:
+    """The backend's run preparation (its run directory, a sweep of what dead runs left), once the run starts."""
+    if not preflighted.batches:
+        return preflighted
+    try:
+        options = backend_class(backend).prepare_run(
+            run_name, preflighted.sandbox_options, workers_here=workers_here
+        )
+    except SetupError as exc:
+        raise UsageError(str(exc)) from None
+    return dataclasses.replace(preflighted, sandbox_options=options)

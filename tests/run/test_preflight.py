@@ -73,3 +73,37 @@ def test_the_models_probe_waits_no_longer_than_the_request_timeout(monkeypatch):
     with pytest.raises(UsageError):
         list_models(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"))
     assert asked == [15, 15]  # the default request timeout (600 s) leaves the probe's own bound
+
+
+# ----------------------------------------------------------------------------- audit: the backend before the start check
+
+
+@pytest.mark.parametrize("case", ["no_bwrap", "cwd_outside_root"])
+def test_a_sandbox_that_cannot_work_here_exits_2_before_the_start_check(
+    tmp_path, capsys, monkeypatch, server, case
+):
+    """The backend's preflight ran after the start check (one billed chat call), so a local sandbox
+    without bubblewrap, a row's cwd outside --cwd_root, Docker not running or no Apptainer cost a
+    model call before exit 2."""
+    import json
+
+    from helpers import exit_code, write_jsonl
+
+    if case == "no_bwrap":
+        from batchrun.prompt.sandboxes.local import host, sandbox
+
+        for module in (host, sandbox):  # the probe, and the sandbox's own reference to it
+            monkeypatch.setattr(module, "bwrap_problem", lambda: "bubblewrap is not installed")
+        dataset, kw, said = write_jsonl(tmp_path / "d.jsonl", ["x"]), {}, "cannot isolate commands"
+    else:
+        root = tmp_path / "root"
+        root.mkdir()
+        dataset = tmp_path / "d.jsonl"
+        dataset.write_text(json.dumps({"prompt": "x", "cwd": "/etc"}) + "\n")
+        kw, said = {"local_isolation": "none", "cwd_root": str(root)}, "may not use"
+    code = exit_code(server, dataset, tmp_path / "data", sandbox="local", **kw)
+    assert code == 2
+    assert said in capsys.readouterr().err
+    stats = server.stats()
+    assert stats["check_calls"] == 0 and stats["requests"] == 0
+    assert not (tmp_path / "data" / "run").exists()
