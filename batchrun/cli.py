@@ -45,7 +45,7 @@ from batchrun.run.preflight import (
     probe_mcp_servers,
     will_call_the_model,
 )
-from batchrun.run.recorder import Recorder
+from batchrun.run.recorder import Recorder, earlier_spend
 from batchrun.run.resume import (
     all_samples,
     build_manifest,
@@ -388,10 +388,39 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     # Read before this invocation writes its own: an earlier one killed (kill -9, a lost machine) left
     # its spend there only (finish.lost_runs).
     recorder.earlier_status = read_json_object(config.run_dir / "status.json")
+    if config.resume:  # a run's budget holds all its invocations: what the earlier ones spent counts
+        recorder.earlier_tokens, recorder.earlier_usd = earlier_spend(config.run_dir, recorder.earlier_status)
+        problem = spent_budget(config, recorder.earlier_tokens, recorder.earlier_usd)
+        if problem:
+            raise UsageError(
+                f"--resume: the earlier invocations of this run spent its budget: {problem}. A run's budget "
+                "holds all its invocations; give a larger one to go on"
+            )
     manifest_path = config.run_dir / "run_manifest.json"
     if manifest_path.exists():
         manifest = check_manifest(read_manifest(manifest_path), manifest, force=config.force_resume)
     return manifest
+
+
+def spent_budget(config: RunConfig, tokens: int, usd: float) -> str | None:
+    """Why the rest of the budget, after ``tokens`` and ``usd`` spent, holds no model call (None: it may):
+    a call's worst case is at least its completion limit, and at the price the earlier calls paid."""
+    limit = config.call_max_tokens or 0
+    if config.budget_tokens is not None and config.budget_tokens - tokens < max(1, limit):
+        left = max(0, config.budget_tokens - tokens)
+        return (
+            f"--budget_tokens={config.budget_tokens} (they spent {tokens:,} tokens; the {left:,} left hold no "
+            f"call's completion limit of {limit:,})"
+        )
+    if config.budget_usd is not None:
+        price = usd / tokens if tokens else 0.0
+        if config.budget_usd - usd <= limit * price:
+            return (
+                f"--budget_usd={config.budget_usd:g} (they spent ${usd:.4f}; the ${max(0.0, config.budget_usd - usd):.4f} "
+                f"left hold no call's completion limit of {limit:,} tokens at the ${price * 1e6:.4f} a million "
+                "tokens they paid)"
+            )
+    return None
 
 
 def no_run_here(run_dir: Path) -> str:

@@ -162,8 +162,10 @@ class Dispatch:
             config.budget_tokens,
             config.budget_usd,
             lambda: (
-                recorder.spend["total_tokens"] + recorder.spend["unanswered_tokens"],
-                recorder.spend["cost_usd"],
+                recorder.spend["total_tokens"]
+                + recorder.spend["unanswered_tokens"]
+                + recorder.earlier_tokens,
+                recorder.spend["cost_usd"] + recorder.earlier_usd,
             ),
         )
         self.usage_fault_warned = False
@@ -519,6 +521,11 @@ class Dispatch:
                 file=sys.stderr,
             )
             return skipped
+        earlier = (
+            f"; earlier invocations ${rec.earlier_usd:.4f}, {rec.earlier_tokens:,} tokens"
+            if rec.earlier_tokens or rec.earlier_usd
+            else ""
+        )
         self.pbar.write(
             f"Budget reached (${rec.spend['cost_usd']:.4f}"
             + (
@@ -532,6 +539,7 @@ class Dispatch:
                 if rec.spend["unanswered_tokens"]
                 else ""
             )
+            + earlier
             + (f"; {self.budget.why}" if self.budget.why else "")
             + "): no new prompt starts and prompts in flight stop at their next model call. "
             "Continue later with --resume (and a larger budget).",

@@ -24,7 +24,7 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder, credible
+from batchrun.run.recorder import Recorder, earlier_runs, lost_runs
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
@@ -490,58 +490,6 @@ def this_run_totals(recorder: Recorder) -> dict[str, Any]:
         "cost_usd": round(float(spend["cost_usd"]), 8),
         "unanswered_tokens": int(spend["unanswered_tokens"]),
     }
-
-
-def earlier_runs(path: Path) -> list[dict[str, Any]]:
-    """The ``runs`` history of the statistics.json an earlier invocation wrote (one entry per invocation).
-
-    An unreadable one gives none (its numbers cannot be trusted to add up); one without the history was
-    written in a form ``batchrun.run.run_dir`` refuses before a resume gets here.
-    """
-    try:
-        old = parse_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    runs = old.get("runs") if isinstance(old, dict) else None
-    if not isinstance(runs, list):
-        return []
-    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
-
-
-def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``runs`` entry of an invocation that wrote no statistics.json (killed, or stopped by a full
-    disk): what its last status.json said it had spent (refreshed every few seconds while it ran: the
-    last seconds' calls may be missing, so ``ended`` says the figures are a lower bound). Without it a
-    resume after a kill -9 left that invocation's cost out of ``run_totals``."""
-    if not status or not isinstance(status.get("started_at"), str):
-        return []
-    if any(r.get("started_at") == status["started_at"] for r in earlier):
-        return []  # it wrote its statistics: counted there
-
-    def number(key: str) -> float:
-        return float(credible(status.get(key)))  # a damaged or hand-edited file counts nothing
-
-    try:
-        duration = (
-            dt.datetime.fromisoformat(status["updated_at"]) - dt.datetime.fromisoformat(status["started_at"])
-        ).total_seconds()
-    except (KeyError, TypeError, ValueError):
-        duration = 0.0
-    return [
-        {
-            "started_at": status["started_at"],
-            "completed_at": status.get("updated_at") if isinstance(status.get("updated_at"), str) else None,
-            "duration_s": round(max(0.0, duration), 2),
-            "attempted": int(number("done") + number("failed") + number("discarded")),
-            "trajectories": int(number("done")),
-            "requests": int(number("api_calls")),
-            "prompt_tokens": int(number("prompt_tokens")),
-            "completion_tokens": int(number("completion_tokens")),
-            "cost_usd": round(number("cost_usd"), 8),
-            "unanswered_tokens": int(number("unanswered_tokens")),
-            "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
-        }
-    ]
 
 
 def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:

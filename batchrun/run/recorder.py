@@ -28,6 +28,7 @@ from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import normalize_metadata, sample_index_of, valid_record
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.secrets import Redactor, terminal_safe
+from batchrun.sharegpt import parse_json
 from batchrun.storage import (
     WriteError,
     append_jsonl,
@@ -98,6 +99,8 @@ class Recorder:
         self.budget_unfinished = 0  # prompts the budget stopped after they had made model calls
         self.budget_unfinished_spend: collections.Counter[str] = collections.Counter()  # what those spent
         self.budget_estimated_usd = 0.0  # --budget_usd: answers without a cost, at the learned price
+        # What this run's earlier invocations spent (a --resume's): the budget holds them all.
+        self.earlier_tokens, self.earlier_usd = 0, 0.0
         self.budget_unmeasured = False  # --budget_usd: an answer without a cost before any price
         # The runner's own model calls (the start check, the dead-endpoint probes): in the spend and the
         # budget, since they cost what any call costs, and shown apart, since no sample holds them.
@@ -334,6 +337,8 @@ class Recorder:
         already under way when it was reached)."""
         tokens, usd = self.spend["total_tokens"], self.spend["cost_usd"]
         unanswered = int(self.spend["unanswered_tokens"])
+        all_tokens = tokens + unanswered + self.earlier_tokens
+        all_usd = usd + self.earlier_usd
         return {
             "tokens": self.budget_tokens,
             "usd": self.budget_usd,
@@ -343,10 +348,13 @@ class Recorder:
             # counted against --budget_tokens beside spent_tokens, and in estimated_usd.
             "unanswered_tokens": unanswered,
             "reached": self.budget_hit,
-            "overshoot_tokens": max(0, tokens + unanswered - self.budget_tokens)
+            # What the earlier invocations of this run spent (a --resume's): the budget holds them too.
+            "earlier_tokens": self.earlier_tokens,
+            "earlier_usd": round(self.earlier_usd, 6),
+            "overshoot_tokens": max(0, all_tokens - self.budget_tokens)
             if self.budget_tokens is not None
             else None,
-            "overshoot_usd": round(max(0.0, usd - self.budget_usd), 6)
+            "overshoot_usd": round(max(0.0, all_usd - self.budget_usd), 6)
             if self.budget_usd is not None
             else None,
             "stopped_in_flight": self.failures.get("budget", 0),
@@ -370,9 +378,12 @@ class Recorder:
 
     def budget_reached(self) -> bool:
         """Whether this run has spent its --budget_usd or --budget_tokens (checked after each outcome)."""
-        return (self.budget_usd is not None and self.spend["cost_usd"] >= self.budget_usd) or (
+        return (
+            self.budget_usd is not None and self.spend["cost_usd"] + self.earlier_usd >= self.budget_usd
+        ) or (
             self.budget_tokens is not None
-            and self.spend["total_tokens"] + self.spend["unanswered_tokens"] >= self.budget_tokens
+            and self.spend["total_tokens"] + self.spend["unanswered_tokens"] + self.earlier_tokens
+            >= self.budget_tokens
         )
 
     @property
@@ -457,6 +468,8 @@ class Recorder:
                 "spent_usd": round(self.spend["cost_usd"], 6),
                 "spent_tokens": self.spend["total_tokens"],
                 "unanswered_tokens": int(self.spend["unanswered_tokens"]),
+                "earlier_tokens": self.earlier_tokens,
+                "earlier_usd": round(self.earlier_usd, 6),
                 "reached": self.budget_hit,
             },
             "last_event_at": self.last_event_at,
@@ -513,3 +526,69 @@ def batch_stats(outcomes: dict[int, collections.Counter[str]]) -> dict[str, dict
         }
         for num, c in sorted(outcomes.items())
     }
+
+
+def earlier_runs(path: Path) -> list[dict[str, Any]]:
+    """The ``runs`` history of the statistics.json an earlier invocation wrote (one entry per invocation).
+
+    An unreadable one gives none (its numbers cannot be trusted to add up); one without the history was
+    written in a form ``batchrun.run.run_dir`` refuses before a resume gets here.
+    """
+    try:
+        old = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    runs = old.get("runs") if isinstance(old, dict) else None
+    if not isinstance(runs, list):
+        return []
+    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
+
+
+def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``runs`` entry of an invocation that wrote no statistics.json (killed, or stopped by a full
+    disk): what its last status.json said it had spent (refreshed every few seconds while it ran: the
+    last seconds' calls may be missing, so ``ended`` says the figures are a lower bound). Without it a
+    resume after a kill -9 left that invocation's cost out of ``run_totals``."""
+    if not status or not isinstance(status.get("started_at"), str):
+        return []
+    if any(r.get("started_at") == status["started_at"] for r in earlier):
+        return []  # it wrote its statistics: counted there
+
+    def number(key: str) -> float:
+        return float(credible(status.get(key)))  # a damaged or hand-edited file counts nothing
+
+    try:
+        duration = (
+            dt.datetime.fromisoformat(status["updated_at"]) - dt.datetime.fromisoformat(status["started_at"])
+        ).total_seconds()
+    except (KeyError, TypeError, ValueError):
+        duration = 0.0
+    return [
+        {
+            "started_at": status["started_at"],
+            "completed_at": status.get("updated_at") if isinstance(status.get("updated_at"), str) else None,
+            "duration_s": round(max(0.0, duration), 2),
+            "attempted": int(number("done") + number("failed") + number("discarded")),
+            "trajectories": int(number("done")),
+            "requests": int(number("api_calls")),
+            "prompt_tokens": int(number("prompt_tokens")),
+            "completion_tokens": int(number("completion_tokens")),
+            "cost_usd": round(number("cost_usd"), 8),
+            "unanswered_tokens": int(number("unanswered_tokens")),
+            "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
+        }
+    ]
+
+
+def earlier_spend(run_dir: Path, status: dict[str, Any] | None) -> tuple[int, float]:
+    """What the earlier invocations of this run spent, as their ``runs`` entries say (those that wrote
+    statistics.json, and one killed before it could, from its last status.json): tokens (answered and
+    failed attempts that may have been billed) and USD. A run's budget holds all its invocations."""
+    runs = earlier_runs(run_dir / "statistics.json")
+    runs += lost_runs(status, runs)
+    tokens = sum(
+        int(credible(r.get(k)))
+        for r in runs
+        for k in ("prompt_tokens", "completion_tokens", "unanswered_tokens")
+    )
+    return tokens, float(sum(credible(r.get("cost_usd")) for r in runs))

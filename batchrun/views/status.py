@@ -168,8 +168,9 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
     limits = []
     for limit_key, spent_key, fmt in (("usd", "spent_usd", fmt_usd), ("tokens", "spent_tokens", fmt_count)):
         limit, spent = _num(budget.get(limit_key)), _num(budget.get(spent_key))
-        if limit_key == "tokens" and spent is not None:
-            spent += _num(budget.get("unanswered_tokens")) or 0  # as --budget_tokens counts them
+        if spent is not None:  # as the budget counts: failed attempts and earlier invocations too
+            extra = ("unanswered_tokens", "earlier_tokens") if limit_key == "tokens" else ("earlier_usd",)
+            spent += sum(_num(budget.get(k)) or 0 for k in extra)
         if limit is not None:
             share = f" ({spent / limit:.0%})" if spent is not None and limit > 0 else ""
             hit = budget.get("reached") is True or (spent is not None and spent >= limit)

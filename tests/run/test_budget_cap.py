@@ -574,3 +574,53 @@ def test_reasoning_counted_apart_from_the_completion_is_counted(usage):
     assert why is None and "estimated" not in clean
     assert clean["completion_tokens"] == 1520 and clean["total_tokens"] == 1620
     assert clean["completion_tokens_details"]["reasoning_tokens"] == 1500
+
+
+def test_a_run_s_budget_holds_all_its_invocations(tmp_path):
+    """--resume with the same budget spent a second budget (the budget counted one invocation's spend):
+    the earlier invocations' spend counts, so the same budget again spends (nearly) nothing more, and a
+    larger one lets the run spend only the difference."""
+    cap = 6_000
+    out = tmp_path / "data"
+    with FakeModelServer(latency_s=0.02) as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1]" for i in range(30)])
+
+        def billed() -> int:
+            stats = server.stats()
+            return stats["prompt_tokens"] + stats["completion_tokens"] + stats["check_tokens"]
+
+        run(server, dataset, out, num_workers=1, budget_tokens=cap, max_tokens=100)
+        first = billed()
+        assert first <= cap
+        stats = json.loads((out / "run" / "statistics.json").read_text())
+        assert stats["this_run"]["budget"]["reached"] is True and stats["remaining_for_resume"] > 0
+        run(server, dataset, out, num_workers=1, budget_tokens=cap, max_tokens=100, resume=True)
+        assert billed() <= cap + 100  # at most the start check past it (before: a second budget)
+        second = billed()
+        run(server, dataset, out, num_workers=1, budget_tokens=3 * cap, max_tokens=100, resume=True)
+        third = billed()
+    assert third <= 3 * cap, (first, second, third)
+    assert third - second > cap  # the larger budget's room was used
+    stats = json.loads((out / "run" / "statistics.json").read_text())
+    assert stats["this_run"]["budget"]["earlier_tokens"] == second
+    totals = stats["run_totals"]
+    assert totals["prompt_tokens"] + totals["completion_tokens"] + totals["unanswered_tokens"] == third
+
+
+def test_a_spent_budget_refuses_the_resume_before_any_call(tmp_path, capsys):
+    out = tmp_path / "data"
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:0]" for i in range(20)])
+        run(server, dataset, out, num_workers=1, budget_tokens=4_000, max_tokens=100)
+        spent = server.stats()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:  # a smaller budget than was spent: nothing is left
+            run(server, dataset, out, num_workers=1, budget_tokens=1_000, max_tokens=100, resume=True)
+        assert server.stats()["requests"] == spent["requests"]  # not even the start check
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "--resume: the earlier invocations of this run spent its budget: --budget_tokens=1000 (they spent"
+        in err
+    )
+    assert "give a larger one to go on" in err
