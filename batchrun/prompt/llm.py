@@ -265,6 +265,11 @@ class ContextLimitError(LLMError):
     """The conversation no longer fits the model's context: the prompt ends as partial."""
 
 
+class PromptCapReached(LLMError):
+    """The prompt's own cap (--max_prompt_tokens, --max_prompt_usd) was spent while one call was retried:
+    no further attempt. The agent loop ends the prompt as partial (``prompt_budget``) when it has turns."""
+
+
 class BudgetStop(LLMError):
     """The run's budget is spent: a prompt in flight stops at its next model call (failed, class ``budget``)."""
 
@@ -397,6 +402,10 @@ class Usage:
         # Estimated tokens of attempts that got no usable answer but may have been billed (a stream cut
         # or timed out mid-answer, a broken 200): the budgets count them; no call's counts hold them.
         self.unanswered_tokens = 0
+        # The prompt's own caps (--max_prompt_tokens, --max_prompt_usd), held also between the retries
+        # of one call: set by the agent loop.
+        self.cap_tokens: int | None = None
+        self.cap_usd: float | None = None
         self.cost_usd = 0.0
         self.retries = self.rate_limited = 0
         self.providers: list[str] = []
@@ -432,6 +441,17 @@ class Usage:
     def add_unanswered(self, tokens: int) -> None:
         with self._lock:
             self.unanswered_tokens += max(0, tokens)
+
+    def over_cap(self, price: float = 0.0) -> bool:
+        """Whether the prompt spent its caps: its answered tokens and its failed attempts' estimate;
+        in USD, the costs reported plus the failed attempts' tokens at the higher of the price its
+        answers paid and ``price`` (USD per token the client's answers showed)."""
+        with self._lock:
+            tokens = self.prompt_tokens + self.completion_tokens
+            if self.cap_tokens is not None and tokens + self.unanswered_tokens >= self.cap_tokens:
+                return True
+            price = max(price, self.cost_usd / tokens if tokens else 0.0)
+            return self.cap_usd is not None and self.cost_usd + self.unanswered_tokens * price >= self.cap_usd
 
     def note_retry(self, rate_limited: bool) -> None:
         with self._lock:
@@ -567,6 +587,9 @@ class LLMClient:
         self._extra_body = cfg.request_extra_body()
         self._warned: set[str] = set()
         self._warn_lock = threading.Lock()
+        self.usd_per_token = (
+            0.0  # the most an answer of this client cost per token (its failed attempts' price)
+        )
 
     def _warn_once(self, key: str, text: str) -> None:
         with self._warn_lock:
@@ -798,6 +821,12 @@ class LLMClient:
                         error.status,
                     )
                 raise error
+            if usage is not None and usage.over_cap(self.usd_per_token):  # broken attempts were billed too
+                raise PromptCapReached(
+                    "prompt_budget",
+                    f"{error} (not retried: the prompt's --max_prompt_tokens or --max_prompt_usd is spent)",
+                    error.status,
+                )
             if usage is not None:
                 usage.note_retry(rate_limited=False)
             time.sleep(wait)
@@ -888,6 +917,9 @@ class LLMClient:
                 self._warn_once("usage", usage_warning(self.cfg.base_url, fault))
         if usage is not None:
             usage.add(clean, provider)
+        cost, tokens = clean.get("cost"), clean["prompt_tokens"] + clean["completion_tokens"]
+        if isinstance(cost, float) and tokens > 0:
+            self.usd_per_token = max(self.usd_per_token, cost / tokens)
         if self.on_usage is not None and self.gate is None:
             self.on_usage(clean)
         return clean

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchrun.prompt.jsonbody import RequestEncoder
-from batchrun.prompt.llm import AssistantTurn, ContextLimitError, LLMClient, LLMError, Usage, finish_kind
+from batchrun.prompt.llm import (
+    AssistantTurn,
+    ContextLimitError,
+    LLMClient,
+    LLMError,
+    PromptCapReached,
+    Usage,
+    finish_kind,
+)
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
 from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_json
@@ -116,7 +124,7 @@ def run_agent(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise PromptTimeout(f"prompt exceeded its {limits.prompt_timeout_s:g} s limit")
-        if over_budget(usage, limits):
+        if over_budget(usage, limits, getattr(llm, "usd_per_token", 0.0)):
             result.stop_reason = "prompt_budget"
             return result
         try:
@@ -126,6 +134,11 @@ def run_agent(
             if result.api_calls == 0:
                 raise
             result.stop_reason = "context_limit"
+            return result
+        except PromptCapReached:
+            if result.api_calls == 0:  # no turn to keep: failed (class prompt_budget), --resume runs it
+                raise
+            result.stop_reason = "prompt_budget"
             return result
         except LLMError as exc:
             if time.monotonic() >= deadline_now():
@@ -260,9 +273,8 @@ def _is_invalid_json(args: str) -> bool:
         return True
 
 
-def over_budget(usage: Usage, limits: LoopLimits) -> bool:
-    """The per-prompt cap: a runaway prompt ends as partial instead of spending on."""
-    spent = usage.total_tokens + usage.unanswered_tokens  # failed attempts that may have been billed too
-    if limits.max_prompt_tokens is not None and spent >= limits.max_prompt_tokens:
-        return True
-    return limits.max_prompt_usd is not None and usage.cost_usd >= limits.max_prompt_usd
+def over_budget(usage: Usage, limits: LoopLimits, price: float = 0.0) -> bool:
+    """The per-prompt cap: a runaway prompt ends as partial instead of spending on. The caps go on the
+    prompt's usage, which the model client also checks between the retries of one call."""
+    usage.cap_tokens, usage.cap_usd = limits.max_prompt_tokens, limits.max_prompt_usd
+    return usage.over_cap(price)

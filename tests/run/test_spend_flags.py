@@ -91,6 +91,22 @@ def test_per_prompt_cap_ends_a_long_prompt_as_partial(priced_server, tmp_path, f
         assert rec["completed"] is True and rec["metadata"]["stop_reason"] == "final_answer"
 
 
+@pytest.mark.parametrize(("flag", "cap"), [("max_prompt_tokens", 3000), ("max_prompt_usd", 0.003)])
+def test_per_prompt_cap_holds_between_the_retries_of_one_call(priced_server, tmp_path, flag, cap):
+    """The cap was checked between model calls only: the retries of one call whose streams broke
+    mid-answer (billed all the same) went on past it, ~2.5x the cap. Now no retry once it is spent."""
+    first = "Answered, then broken [calls:1]"
+    broken = "Broken from the start [cut_stream:5] [calls:0]"
+    dataset = write_jsonl(tmp_path / "d.jsonl", [first, broken])
+    out = tmp_path / "data"
+    run(priced_server, dataset, out, num_workers=1, stream=True, max_retries=5, **{flag: cap})
+    served = priced_server.stats()["requests_by_prompt"]
+    assert served[broken] < 4, served  # before: 6, every try and retry
+    (failed,) = read_jsonl(out / "run" / "failed.jsonl")
+    assert failed["error_class"] == "prompt_budget" and "not retried" in failed["error"]
+    assert failed["usage"]["unanswered_tokens"] > 0
+
+
 # ----------------------------------------------------------------------------- run-wide budgets
 
 BUDGETED = [f"Budgeted task number {i} [slow:0.3] [calls:0]" for i in range(12)]  # ~1.4k tokens each
