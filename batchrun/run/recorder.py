@@ -354,7 +354,8 @@ class Recorder:
             "overshoot_tokens": max(0, all_tokens - self.budget_tokens)
             if self.budget_tokens is not None
             else None,
-            "overshoot_usd": round(max(0.0, all_usd - self.budget_usd), 6)
+            # By the budget's count: answers without a cost and failed attempts at the price seen too.
+            "overshoot_usd": round(max(0.0, all_usd + self.budget_estimated_usd - self.budget_usd), 6)
             if self.budget_usd is not None
             else None,
             "stopped_in_flight": self.failures.get("budget", 0),
