@@ -353,6 +353,11 @@ def credible_usage(
     and the result is marked ``estimated``; such a cost is dropped. Returns it and the endpoint's fault
     in words (None: nothing was wrong)."""
     usage = raw if isinstance(raw, dict) else {}
+    # The images API (and OpenAI's Responses API) name the counts input_tokens / output_tokens: an image
+    # call's were read as missing, so a budget counted its prompt estimate alone (some 30 tokens).
+    aliases = {"prompt_tokens": "input_tokens", "completion_tokens": "output_tokens"}
+    if any(k not in usage and v in usage for k, v in aliases.items()):
+        usage = {**usage, **{k: usage[v] for k, v in aliases.items() if k not in usage and v in usage}}
     clean: dict[str, Any] = {}
     faults = []
     if not usage:

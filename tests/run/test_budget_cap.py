@@ -94,6 +94,16 @@ def test_credible_usage_is_kept_exactly():
     assert clean["cost"] == 0.002 and "estimated" not in clean
 
 
+def test_the_images_api_s_input_and_output_tokens_are_its_counts():
+    """An image call's usage names them input_tokens / output_tokens (OpenAI's images API): read as
+    missing, a budget counted the request's estimate alone (some 30 tokens for an image of thousands)."""
+    usage = {"input_tokens": 50, "output_tokens": 4160, "total_tokens": 4210}
+    clean, why = credible_usage(usage, 30, 0)
+    assert why is None and (clean["prompt_tokens"], clean["completion_tokens"]) == (50, 4160)
+    clean, _ = credible_usage({"prompt_tokens": 7, "completion_tokens": 3, "input_tokens": 99}, 1, 1)
+    assert (clean["prompt_tokens"], clean["completion_tokens"]) == (7, 3)  # the chat names win
+
+
 def odd_usage(usage_text: str) -> ScriptedEndpoint:
     """Every answer is a final one (with reasoning) whose usage is ``usage_text`` (not always valid JSON)."""
     body = (
