@@ -85,3 +85,28 @@ def test_agent_loop_with_image_gen(tool_ctx, run_tool_loop):
     tool = next(m for m in messages if m["role"] == "tool")
     result = json.loads(tool["content"])
     assert tool["name"] == "image_generate" and Path(result["image"]).is_file()
+
+
+def test_an_image_call_reserves_an_image_s_output_tokens(tools_llm, tool_ctx, call_tool):
+    """With a run-wide budget every attempt reserves its worst case: an image call reserved its prompt's
+    size alone (no completion), so images in flight could pass the budget by an image's tokens each."""
+    from batchrun.prompt.llm import LLMClient, LLMConfig
+    from batchrun.prompt.tools.image_gen import IMAGE_WORST_TOKENS
+
+    reserved = []
+
+    class Gate:
+        def reserve(self, tokens, deadline, priority=0, model=None):
+            reserved.append((tokens, model))
+            return len(reserved), 0.0
+
+        def settle(self, ticket, usage):
+            pass
+
+    ctx = tool_ctx(ENV)
+    ctx.llm = LLMClient(LLMConfig(model="mock", base_url=tools_llm.base_url, api_key="sk-run-key"))
+    ctx.llm.gate = Gate()
+    out = call_tool(ctx, "image_generate", prompt="a lighthouse at dusk", aspect_ratio="square")
+    assert out["success"] is True
+    ((tokens, model),) = reserved
+    assert tokens >= IMAGE_WORST_TOKENS and model == "mock-image"

@@ -19,7 +19,8 @@ def sha12(data: bytes) -> str:
 
 
 def last_image_request(server) -> dict:
-    return [r for r in server.stats()["last_requests"] if isinstance(r["messages"][-1]["content"], list)][-1]
+    chats = [r for r in server.stats()["last_requests"] if r.get("messages")]  # not an image generation's
+    return [r for r in chats if isinstance(r["messages"][-1]["content"], list)][-1]
 
 
 @pytest.fixture

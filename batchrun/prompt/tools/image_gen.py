@@ -57,6 +57,12 @@ def save_image(base_dir: str, subdir: str, stem: str, data: bytes, mime: str) ->
     return path
 
 
+# What an image call may spend beyond its prompt, reserved with a run-wide budget: output tokens (OpenAI
+# counts an image as tokens: 6,240 for gpt-image-1's largest size at high quality), rounded up. It was 0,
+# so image calls in flight were reserved at their prompt's size alone.
+IMAGE_WORST_TOKENS = 8192
+
+
 def prompt_stem(ctx: ToolContext) -> str:
     spec = getattr(ctx.sandbox, "spec", None)
     index = getattr(spec, "prompt_index", None)
@@ -88,7 +94,11 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     client = model_client(ctx, cfg.endpoint.base_url, cfg.endpoint.api_key)
     try:
         resp = client.post_json(
-            "images/generations", kwargs, deadline=time.monotonic() + timeout_s, usage=ctx.usage
+            "images/generations",
+            kwargs,
+            deadline=time.monotonic() + timeout_s,
+            usage=ctx.usage,
+            worst_tokens=IMAGE_WORST_TOKENS,
         )
     except LLMError as exc:
         return {"error": f"image generation failed: {exc}"}
