@@ -4,6 +4,8 @@ bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes;
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shlex
@@ -12,6 +14,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
@@ -177,6 +180,64 @@ def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
     assert result[docker_test_image] is None
     assert "pull failed" in result["does-not-exist-br:never"]
     assert messages == ["pulling does-not-exist-br:never ...", "pull of does-not-exist-br:never failed"]
+
+
+def _image_for_another_platform(base: str, name: str, arch: str, *, runnable: bool) -> str:
+    """``base`` saved, labelled as built for linux/``arch`` and loaded as ``name``; unless ``runnable``,
+    its busybox is marked a binary of that machine too (ELF e_machine), which this engine cannot run."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    client = docker_client()
+    saved = tarfile.open(fileobj=io.BytesIO(b"".join(client.images.get(base).save())))
+    files = {m.name: saved.extractfile(m).read() for m in saved.getmembers() if m.isfile()}
+    manifest = json.loads(files["manifest.json"])[0]
+    config = json.loads(files.pop(manifest["Config"]))
+    config["architecture"] = arch
+    if not runnable:
+        layer, out = manifest["Layers"][-1], io.BytesIO()
+        with (
+            tarfile.open(fileobj=io.BytesIO(files[layer])) as src,
+            tarfile.open(fileobj=out, mode="w") as dst,
+        ):
+            for member in src.getmembers():
+                data = src.extractfile(member).read() if member.isfile() else b""
+                if member.name.lstrip("./") == "bin/busybox":
+                    data = data[:18] + {"riscv64": 243, "amd64": 62}[arch].to_bytes(2, "little") + data[20:]
+                dst.addfile(member, io.BytesIO(data) if member.isfile() else None)
+        files[layer] = out.getvalue()
+        config["rootfs"]["diff_ids"][-1] = "sha256:" + hashlib.sha256(files[layer]).hexdigest()
+    data = json.dumps(config).encode()
+    manifest["Config"] = hashlib.sha256(data).hexdigest() + ".json"
+    files[manifest["Config"]], manifest["RepoTags"] = data, [name]
+    files["manifest.json"] = json.dumps([manifest]).encode()
+    files.pop("repositories", None)
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as archive:
+        for path, content in files.items():
+            info = tarfile.TarInfo(path)
+            info.size = len(content)
+            archive.addfile(info, io.BytesIO(content))
+    client.images.load(out.getvalue())
+    return name
+
+
+@pytest.mark.docker
+def test_an_image_of_another_platform_is_ready_only_if_the_engine_runs_it(docker_test_image: str):
+    """Else each of its prompts paid a model call and five starts ("exec format error"), on every resume."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client, ensure_images
+
+    arch = "amd64" if docker_client().version().get("Arch") == "riscv64" else "riscv64"
+    tag = uuid.uuid4().hex[:8]
+    runs = _image_for_another_platform(docker_test_image, f"br-test-{arch}-runs:{tag}", arch, runnable=True)
+    cannot = _image_for_another_platform(docker_test_image, f"br-test-{arch}:{tag}", arch, runnable=False)
+    try:
+        result = ensure_images([runs, cannot], progress=lambda _: None)
+        assert result[runs] is None  # the label alone: the engine runs it (as with an emulator)
+        assert f"built for linux/{arch}" in result[cannot] and "exec format error" in result[cannot]
+        assert docker_ps("batch_runner.run_name=platform-probe") == []
+    finally:
+        for image in (runs, cannot):
+            docker_client().images.remove(image, force=True)
 
 
 @pytest.mark.docker
