@@ -149,6 +149,28 @@ def test_docker_a_command_cannot_forge_its_exit_code(docker_box, path):
     assert (run("echo next", timeout_s=30).output, run("exit 4", timeout_s=30).exit_code) == ("next\n", 4)
 
 
+# Shell code written into the command server's stdin pipe (root may reopen /proc/<pid>/fd/0): from
+# then on the server answers 0 to every request and runs nothing.
+REWRITE_THE_SERVER = r"""for p in /proc/[0-9]*; do
+    [ "$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null)" = "sh -s " ] && server=${p#/proc/}
+done
+printf '%s\n' '__br_run() { printf "\n[batch-runner-exit:%s]=0\n" "$1"; }' > "/proc/$server/fd/0"
+mkdir -p tests && echo 'echo the agent wrote this' > tests/hidden.sh"""
+
+
+@pytest.mark.docker
+def test_docker_hidden_files_are_written_by_an_exec_whatever_the_agent_did_to_the_server(docker_box):
+    """Written through the server, they were not written at all: the verify ran the agent's own file."""
+    from batchrun.scoring import write_verify_files
+
+    box = docker_box(index=35)
+    box.run(REWRITE_THE_SERVER, timeout_s=30)
+    assert box.run("echo hello; exit 3", timeout_s=30) == box.run("true", timeout_s=30)  # rewritten
+    assert box.end_processes(30) is None
+    write_verify_files(box, [("tests/hidden.sh", "echo the hidden test\n")], 30)
+    assert box.run_judged("sh tests/hidden.sh", timeout_s=30).output == "the hidden test\n"
+
+
 @pytest.mark.docker
 def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     from docker.errors import NotFound
