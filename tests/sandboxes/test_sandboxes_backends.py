@@ -149,13 +149,18 @@ def test_docker_a_command_cannot_forge_its_exit_code(docker_box, path):
     assert (run("echo next", timeout_s=30).output, run("exit 4", timeout_s=30).exit_code) == ("next\n", 4)
 
 
-# Shell code written into the command server's stdin pipe (root may reopen /proc/<pid>/fd/0): from
-# then on the server answers 0 to every request and runs nothing.
-REWRITE_THE_SERVER = r"""for p in /proc/[0-9]*; do
-    [ "$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null)" = "sh -s " ] && server=${p#/proc/}
+def rewrite_the_server(code: str) -> str:
+    """A command writing shell ``code`` into the command server's stdin pipe (root may reopen
+    /proc/<pid>/fd/0): the server runs it after this command, itself."""
+    return rf"""for p in /proc/[0-9]*; do
+    [ "$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null)" = "sh -s " ] && server=${{p#/proc/}}
 done
-printf '%s\n' '__br_run() { printf "\n[batch-runner-exit:%s]=0\n" "$1"; }' > "/proc/$server/fd/0"
+printf '%s\n' {shlex.quote(code)} > "/proc/$server/fd/0"
 mkdir -p tests && echo 'echo the agent wrote this' > tests/hidden.sh"""
+
+
+# From then on the server answers 0 to every request and runs nothing.
+ANSWER_0 = '__br_run() { printf "\\n[batch-runner-exit:%s]=0\\n" "$1"; }'
 
 
 @pytest.mark.docker
@@ -164,11 +169,26 @@ def test_docker_hidden_files_are_written_by_an_exec_whatever_the_agent_did_to_th
     from batchrun.scoring import write_verify_files
 
     box = docker_box(index=35)
-    box.run(REWRITE_THE_SERVER, timeout_s=30)
+    box.run(rewrite_the_server(ANSWER_0), timeout_s=30)
     assert box.run("echo hello; exit 3", timeout_s=30) == box.run("true", timeout_s=30)  # rewritten
     assert box.end_processes(30) is None
     write_verify_files(box, [("tests/hidden.sh", "echo the hidden test\n")], 30)
     assert box.run_judged("sh tests/hidden.sh", timeout_s=30).output == "the hidden test\n"
+
+
+@pytest.mark.docker
+def test_docker_a_loop_written_into_the_server_does_not_rewrite_the_hidden_files(docker_box):
+    """Builtins run by the server itself (a base process, spared), no process to kill: it is stopped."""
+    from batchrun.scoring import write_verify_files
+
+    box = docker_box(index=36)
+    loop = "while :; do echo exit > tests/hidden.sh; done 2>/dev/null"
+    box.run(rewrite_the_server(loop), timeout_s=30)
+    assert box.end_processes(30) is None
+    write_verify_files(box, [("tests/hidden.sh", "echo the hidden test; exit 1\n")], 30)
+    time.sleep(0.2)
+    res = box.run_judged("sh tests/hidden.sh", timeout_s=30)
+    assert (res.output, res.exit_code) == ("the hidden test\n", 1)
 
 
 @pytest.mark.docker
