@@ -668,14 +668,18 @@ def text_score(
 def write_verify_files(
     sandbox: Any, files: Iterable[tuple[str, str]], timeout_s: float, deadline: float | None = None
 ) -> None:
-    """The hidden files, written into the sandbox now (after the agent's last turn); raises on failure."""
+    """The hidden files, written into the sandbox now (after the agent's last turn); raises on failure.
+
+    Through ``judged_run``, as the verify commands: a command server the agent's code rewrote (on
+    Docker, shell code written into its stdin pipe) would answer 0 and write nothing, and the verify
+    would run the agent's own "hidden" files."""
     for path, text in files:
         q = shlex.quote(path)
         if not (left := _time_left(timeout_s, deadline)):
             raise RuntimeError(OUT_OF_TIME)
         # Whatever the agent left at the path goes first: a link (to /dev/null, say) would take the text
         # and leave the verify to run something else.
-        res = sandbox.run(
+        res = judged_run(sandbox)(
             f'mkdir -p -- "$(dirname -- {q})" && rm -f -- {q} && cat > {q}',
             timeout_s=left,
             stdin=text.encode("utf-8"),

@@ -416,7 +416,7 @@ class JudgedSandbox(ScriptedSandbox):
 
     def run_judged(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         self.commands.append(("judged: " + command, stdin))
-        return ExecResult("forged\n", 3)
+        return ExecResult("", 0) if stdin is not None else ExecResult("forged\n", 3)  # a hidden file's write
 
 
 def test_verify_and_a_scorers_commands_take_the_exit_code_from_run_judged_where_the_sandbox_has_it():
@@ -424,8 +424,10 @@ def test_verify_and_a_scorers_commands_take_the_exit_code_from_run_judged_where_
     box = JudgedSandbox({})
     part = verify_score(box, check, ScoringSettings())
     assert (part.passed, part.verify_exit_code) == (False, 3)
-    # The hidden file is written by run (nothing judged by its exit code alone), the verify by run_judged.
-    assert [c for c, _ in box.commands] == [box.commands[0][0], "judged: sh test.sh"]
+    # The hidden file is written by run_judged too: a server the agent rewrote could answer 0 to a
+    # write it never did (tests/sandboxes: test_docker_hidden_files_are_written_by_an_exec_...).
+    assert [(c.startswith("judged: "), s) for c, s in box.commands] == [(True, b"exit 1"), (True, None)]
+    assert box.commands[1][0] == "judged: sh test.sh"
     assert SandboxHandle(box, 10).run("sh test.sh") == (3, "forged\n")
 
 

@@ -4,6 +4,8 @@ bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes;
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shlex
@@ -12,6 +14,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
@@ -146,6 +149,48 @@ def test_docker_a_command_cannot_forge_its_exit_code(docker_box, path):
     assert (run("echo next", timeout_s=30).output, run("exit 4", timeout_s=30).exit_code) == ("next\n", 4)
 
 
+def rewrite_the_server(code: str) -> str:
+    """A command writing shell ``code`` into the command server's stdin pipe (root may reopen
+    /proc/<pid>/fd/0): the server runs it after this command, itself."""
+    return rf"""for p in /proc/[0-9]*; do
+    [ "$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null)" = "sh -s " ] && server=${{p#/proc/}}
+done
+printf '%s\n' {shlex.quote(code)} > "/proc/$server/fd/0"
+mkdir -p tests && echo 'echo the agent wrote this' > tests/hidden.sh"""
+
+
+# From then on the server answers 0 to every request and runs nothing.
+ANSWER_0 = '__br_run() { printf "\\n[batch-runner-exit:%s]=0\\n" "$1"; }'
+
+
+@pytest.mark.docker
+def test_docker_hidden_files_are_written_by_an_exec_whatever_the_agent_did_to_the_server(docker_box):
+    """Written through the server, they were not written at all: the verify ran the agent's own file."""
+    from batchrun.scoring import write_verify_files
+
+    box = docker_box(index=35)
+    box.run(rewrite_the_server(ANSWER_0), timeout_s=30)
+    assert box.run("echo hello; exit 3", timeout_s=30) == box.run("true", timeout_s=30)  # rewritten
+    assert box.end_processes(30) is None
+    write_verify_files(box, [("tests/hidden.sh", "echo the hidden test\n")], 30)
+    assert box.run_judged("sh tests/hidden.sh", timeout_s=30).output == "the hidden test\n"
+
+
+@pytest.mark.docker
+def test_docker_a_loop_written_into_the_server_does_not_rewrite_the_hidden_files(docker_box):
+    """Builtins run by the server itself (a base process, spared), no process to kill: it is stopped."""
+    from batchrun.scoring import write_verify_files
+
+    box = docker_box(index=36)
+    loop = "while :; do echo exit > tests/hidden.sh; done 2>/dev/null"
+    box.run(rewrite_the_server(loop), timeout_s=30)
+    assert box.end_processes(30) is None
+    write_verify_files(box, [("tests/hidden.sh", "echo the hidden test; exit 1\n")], 30)
+    time.sleep(0.2)
+    res = box.run_judged("sh tests/hidden.sh", timeout_s=30)
+    assert (res.output, res.exit_code) == ("the hidden test\n", 1)
+
+
 @pytest.mark.docker
 def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     from docker.errors import NotFound
@@ -177,6 +222,64 @@ def test_ensure_images_reports_ready_and_missing(docker_test_image: str):
     assert result[docker_test_image] is None
     assert "pull failed" in result["does-not-exist-br:never"]
     assert messages == ["pulling does-not-exist-br:never ...", "pull of does-not-exist-br:never failed"]
+
+
+def _image_for_another_platform(base: str, name: str, arch: str, *, runnable: bool) -> str:
+    """``base`` saved, labelled as built for linux/``arch`` and loaded as ``name``; unless ``runnable``,
+    its busybox is marked a binary of that machine too (ELF e_machine), which this engine cannot run."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    client = docker_client()
+    saved = tarfile.open(fileobj=io.BytesIO(b"".join(client.images.get(base).save())))
+    files = {m.name: saved.extractfile(m).read() for m in saved.getmembers() if m.isfile()}
+    manifest = json.loads(files["manifest.json"])[0]
+    config = json.loads(files.pop(manifest["Config"]))
+    config["architecture"] = arch
+    if not runnable:
+        layer, out = manifest["Layers"][-1], io.BytesIO()
+        with (
+            tarfile.open(fileobj=io.BytesIO(files[layer])) as src,
+            tarfile.open(fileobj=out, mode="w") as dst,
+        ):
+            for member in src.getmembers():
+                data = src.extractfile(member).read() if member.isfile() else b""
+                if member.name.lstrip("./") == "bin/busybox":
+                    data = data[:18] + {"riscv64": 243, "amd64": 62}[arch].to_bytes(2, "little") + data[20:]
+                dst.addfile(member, io.BytesIO(data) if member.isfile() else None)
+        files[layer] = out.getvalue()
+        config["rootfs"]["diff_ids"][-1] = "sha256:" + hashlib.sha256(files[layer]).hexdigest()
+    data = json.dumps(config).encode()
+    manifest["Config"] = hashlib.sha256(data).hexdigest() + ".json"
+    files[manifest["Config"]], manifest["RepoTags"] = data, [name]
+    files["manifest.json"] = json.dumps([manifest]).encode()
+    files.pop("repositories", None)
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as archive:
+        for path, content in files.items():
+            info = tarfile.TarInfo(path)
+            info.size = len(content)
+            archive.addfile(info, io.BytesIO(content))
+    client.images.load(out.getvalue())
+    return name
+
+
+@pytest.mark.docker
+def test_an_image_of_another_platform_is_ready_only_if_the_engine_runs_it(docker_test_image: str):
+    """Else each of its prompts paid a model call and five starts ("exec format error"), on every resume."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client, ensure_images
+
+    arch = "amd64" if docker_client().version().get("Arch") == "riscv64" else "riscv64"
+    tag = uuid.uuid4().hex[:8]
+    runs = _image_for_another_platform(docker_test_image, f"br-test-{arch}-runs:{tag}", arch, runnable=True)
+    cannot = _image_for_another_platform(docker_test_image, f"br-test-{arch}:{tag}", arch, runnable=False)
+    try:
+        result = ensure_images([runs, cannot], progress=lambda _: None)
+        assert result[runs] is None  # the label alone: the engine runs it (as with an emulator)
+        assert f"built for linux/{arch}" in result[cannot] and "exec format error" in result[cannot]
+        assert docker_ps("batch_runner.run_name=platform-probe") == []
+    finally:
+        for image in (runs, cannot):
+            docker_client().images.remove(image, force=True)
 
 
 @pytest.mark.docker

@@ -103,13 +103,14 @@ __br_sweep() {{
 }}
 # What runs here now (docker-init, the boot shell, cat, the sleeper, this server) is all the
 # container has before the agent's first command: the runner spares these when it ends what the agent
-# left before a sample is judged (DockerSandbox.end_processes).
+# left before a sample is judged (DockerSandbox.end_processes), but for this server, which they
+# stop: the agent may have written shell code into its stdin pipe. First on the line: this server.
 __br_base=
 for __br_f in /proc/[0-9]*; do __br_base="$__br_base ${{__br_f#/proc/}}"; done
-printf '[batch-runner-base]%s\\n' "$__br_base"
+printf '[batch-runner-base]%s:%s\\n' "$$" "$__br_base"
 printf '%s\\n' '{READY_LINE}'
 """.encode()
-BASE_LINE = re.compile(rb"\[batch-runner-base\]((?: [0-9]+)*)\n")
+BASE_LINE = re.compile(rb"\[batch-runner-base\]([0-9]+):((?: [0-9]+)*)\n")
 
 
 def sh_quote(data: bytes) -> bytes:

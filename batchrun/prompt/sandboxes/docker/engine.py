@@ -85,31 +85,72 @@ def process_start_ticks(pid: int) -> str:
 def ensure_images(
     images: list[str], *, max_concurrent: int = 4, progress: Callable[[str], None] = print
 ) -> dict[str, str | None]:
-    """Make each distinct image present, pulling missing ones once; image -> None if ready, else the error."""
+    """Make each distinct image present, pulling missing ones once; image -> None if ready, else the error.
+
+    An image built for another platform than the engine's is ready only if the engine runs it anyway
+    (an emulator registered with binfmt_misc): otherwise each of its prompts would pay a model call
+    and five container starts, on every --resume, before "exec format error".
+    """
     client = docker_client()
+    try:
+        version = client.version()
+    except DockerException:
+        version = {}
+    engine = (str(version.get("Os") or ""), str(version.get("Arch") or ""))
 
     def ensure(image: str) -> str | None:
         try:
-            client.images.get(image)
-            return None
+            attrs = client.images.get(image).attrs
         except ImageNotFound:
-            pass
+            attrs = None
         except DockerException as exc:
             return f"cannot inspect image: {exc}"
-        progress(f"pulling {image} ...")
-        try:
-            client.images.pull(image)
-        except DockerException as exc:
-            progress(f"pull of {image} failed")
-            return f"not present locally and the pull failed: {getattr(exc, 'explanation', None) or exc}"
-        progress(f"pulled {image}")
-        return None
+        if attrs is None:
+            progress(f"pulling {image} ...")
+            try:
+                client.images.pull(image)
+                attrs = client.images.get(image).attrs
+            except DockerException as exc:
+                progress(f"pull of {image} failed")
+                return f"not present locally and the pull failed: {getattr(exc, 'explanation', None) or exc}"
+            progress(f"pulled {image}")
+        return _platform_problem(image, attrs, engine)
 
     unique = list(dict.fromkeys(image for image in images if image))
     if not unique:
         return {}
     with ThreadPoolExecutor(max_workers=max(1, min(max_concurrent, len(unique)))) as pool:
         return dict(zip(unique, pool.map(ensure, unique), strict=True))
+
+
+def _platform_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> str | None:
+    """None when the engine can run ``image`` (``attrs``: its inspection; ``engine``: its os and arch):
+    built for its platform, or a container of it that runs ``sh -c :`` says so; else why not."""
+    platform = (str(attrs.get("Os") or ""), str(attrs.get("Architecture") or ""))
+    if platform == engine or "" in platform or "" in engine:
+        return None
+    built, here = "/".join(platform), "/".join(engine)
+    client = docker_client()
+    try:
+        container = client.containers.create(
+            image, entrypoint=["sh", "-c", ":"], command=[], network_mode="none",
+            labels={LABEL_RUN: "platform-probe", LABEL_OWNER: default_owner()},
+        )  # fmt: skip
+    except DockerException as exc:
+        return f"built for {built}, not this engine's {here}, and no container of it could be made: {exc}"
+    try:
+        container.start()
+        code = container.wait(timeout=60).get("StatusCode")
+        if code != 0:
+            logs = container.logs(tail=5).decode(errors="replace").strip()
+            said = f"sh exited {code}" + (f" ({logs[-300:]})" if logs else "")
+        else:
+            said = ""
+    except Exception as exc:  # the engine's start error ("exec format error"), or the wait's timeout
+        said = str(getattr(exc, "explanation", None) or exc)
+    finally:
+        _remove(container)
+    return f"built for {built}, and this engine ({here}) cannot run it: {said}" if said else None
 
 
 def _owner_alive(owner: str) -> bool | None:

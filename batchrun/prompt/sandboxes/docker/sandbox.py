@@ -290,6 +290,8 @@ class DockerSandbox(SandboxBackend):
         self._channel: server.Channel | None = None  # the attach stream: the server's stdin and stdout
         self._broken: str | None = None  # why the current container's server cannot take commands
         self._base_pids: list[int] = []  # the container's processes before the agent's first command
+        self._server_pid = 0  # the command server's, among them
+        self._server_stopped = False  # by end_processes: the next command continues it first
         self._serving = False  # whether the current container's server answered (it ends at our EOF)
         self._lock = threading.Lock()  # one command at a time: they share the stream
 
@@ -378,6 +380,7 @@ class DockerSandbox(SandboxBackend):
                 raise
         self._used = False
         self._broken = None
+        self._server_stopped = False
 
     def _start_server(self) -> None:
         """Send the server its functions and wait for its ready line (the container runs, its sh works)."""
@@ -397,7 +400,8 @@ class DockerSandbox(SandboxBackend):
             said = seen.decode(errors="replace").strip()[-300:]
             why = "no answer in time" if state == "timeout" else f"it ended ({said or 'no output'})"
             raise SandboxError(f"the command server of prompt {self.spec.prompt_index} did not start: {why}")
-        self._base_pids = [int(pid) for pid in base.group(1).split()]
+        self._server_pid = int(base.group(1))
+        self._base_pids = [int(pid) for pid in base.group(2).split()]
 
     def _disk_limit(self) -> dict[str, object]:
         if self.disk_cap == "storage-opt":
@@ -447,6 +451,9 @@ class DockerSandbox(SandboxBackend):
                 raise SandboxError("docker sandbox is not started")
             if "\0" in command:  # a shell's command line is a C string
                 return ExecResult(output=NUL_IN_COMMAND, exit_code=2)
+            if self._server_stopped:
+                self._server_stopped = False
+                self._run(f"kill -CONT {self._server_pid}", timeout_s=timeout_s, stdin=[b""])
             result = self._serve(command, timeout_s=timeout_s, stdin=stdin)
             if result is None:
                 # The container was gone before the first command did anything: nothing of the
@@ -465,12 +472,20 @@ class DockerSandbox(SandboxBackend):
         """Before judging: end every process the agent left, with base.END_PROCESSES_SCRIPT sparing what
         ran before the agent's first command (the server's own processes), in a ``run_judged`` exec:
         its exit code is the engine's, not an end marker that a process of the agent, still alive
-        then, could print after reading its token from the server's memory."""
+        then, could print after reading its token from the server's memory.
+
+        The server itself is stopped (SIGSTOP), not spared: a command running as root may have written
+        shell code into its stdin pipe (/proc/<pid>/fd/0), a loop of builtins (no process to kill)
+        that rewrites the hidden files as they are written. What judges a sample goes through
+        ``run_judged``; a later ``run`` continues the server first."""
         with self._lock:
             if self.container_id is None or self._channel is None:
                 raise SandboxError("docker sandbox is not started")
             spared = " ".join(str(pid) for pid in self._base_pids)
-            result = self.run_judged(f"set -- {spared}\n{END_PROCESSES_SCRIPT}", timeout_s=timeout_s)
+            self._server_stopped = True
+            result = self.run_judged(
+                f"kill -STOP {self._server_pid}\nset -- {spared}\n{END_PROCESSES_SCRIPT}", timeout_s=timeout_s
+            )
         return end_problem(result, timeout_s)
 
     def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
