@@ -45,7 +45,7 @@ from batchrun.run.preflight import (
     probe_mcp_servers,
     will_call_the_model,
 )
-from batchrun.run.recorder import Recorder, earlier_spend
+from batchrun.run.recorder import Recorder, earlier_runs, earlier_spend, lost_runs
 from batchrun.run.resume import (
     all_samples,
     build_manifest,
@@ -388,6 +388,8 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     # Read before this invocation writes its own: an earlier one killed (kill -9, a lost machine) left
     # its spend there only (finish.lost_runs).
     recorder.earlier_status = read_json_object(config.run_dir / "status.json")
+    # Carried in this invocation's status.json: killed in turn, it must not drop them from the books.
+    recorder.lost_runs = lost_runs(recorder.earlier_status, earlier_runs(config.run_dir / "statistics.json"))
     if config.resume:  # a run's budget holds all its invocations: what the earlier ones spent counts
         recorder.earlier_tokens, recorder.earlier_usd = earlier_spend(config.run_dir, recorder.earlier_status)
         problem = spent_budget(config, recorder.earlier_tokens, recorder.earlier_usd)

@@ -109,6 +109,9 @@ class Recorder:
         self.started = time.monotonic()
         self.started_at = _now()
         self.earlier_status: dict[str, Any] | None = None  # status.json as an earlier invocation left it
+        # The runs entries of earlier invocations that wrote no statistics.json (lost_runs), carried in
+        # this one's status.json until an invocation writes them there: a second kill would drop them.
+        self.lost_runs: list[dict[str, Any]] = []
         self.last_event_at: str | None = None
         self.done_indices: set[int] | None = None
         # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
@@ -475,6 +478,7 @@ class Recorder:
             },
             "last_event_at": self.last_event_at,
             "error": self.redact(error) if error else None,  # why a run in state "failed" stopped
+            "lost_runs": self.lost_runs,  # earlier invocations killed before their statistics.json
         }
         try:
             write_json_atomic(self.run_dir / "status.json", status, self.redact)
@@ -546,14 +550,23 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
 
 
 def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``runs`` entry of an invocation that wrote no statistics.json (killed, or stopped by a full
-    disk): what its last status.json said it had spent (refreshed every few seconds while it ran: the
-    last seconds' calls may be missing, so ``ended`` says the figures are a lower bound). Without it a
-    resume after a kill -9 left that invocation's cost out of ``run_totals``."""
+    """The ``runs`` entries of invocations that wrote no statistics.json (killed, or stopped by a full
+    disk): what the last status.json said the one that wrote it had spent (refreshed every few seconds
+    while it ran: the last seconds' calls may be missing, so ``ended`` says the figures are a lower
+    bound), after the entries that status.json carries of earlier such invocations (``lost_runs``: a
+    resume killed in turn overwrote the first one's status.json, and its spend left the run's books and
+    budget). Without them a resume after a kill -9 left those invocations' cost out of ``run_totals``."""
     if not status or not isinstance(status.get("started_at"), str):
         return []
-    if any(r.get("started_at") == status["started_at"] for r in earlier):
-        return []  # it wrote its statistics: counted there
+    seen = {r.get("started_at") for r in earlier}
+    carried = []
+    for run in status.get("lost_runs") if isinstance(status.get("lost_runs"), list) else []:
+        if isinstance(run, dict) and isinstance(run.get("duration_s"), (int, float)):
+            if run.get("started_at") not in seen:  # not written to statistics.json since
+                seen.add(run.get("started_at"))
+                carried.append(run)
+    if status["started_at"] in seen:
+        return carried  # it wrote its statistics: counted there
 
     def number(key: str) -> float:
         return float(credible(status.get(key)))  # a damaged or hand-edited file counts nothing
@@ -565,6 +578,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
     except (KeyError, TypeError, ValueError):
         duration = 0.0
     return [
+        *carried,
         {
             "started_at": status["started_at"],
             "completed_at": status.get("updated_at") if isinstance(status.get("updated_at"), str) else None,
@@ -577,7 +591,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
             "cost_usd": round(number("cost_usd"), 8),
             "unanswered_tokens": int(number("unanswered_tokens")),
             "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
-        }
+        },
     ]
 
 

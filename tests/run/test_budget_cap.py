@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -624,3 +625,37 @@ def test_a_spent_budget_refuses_the_resume_before_any_call(tmp_path, capsys):
         in err
     )
     assert "give a larger one to go on" in err
+
+
+def _killed_before_statistics(run_dir: Path) -> None:
+    """The run directory as a kill -9 after the invocation's last status.json, before its statistics.json,
+    leaves it (the statistics.json of the invocation before is gone too: it wrote none). Returns in the
+    next second: an invocation is known by the second it started (``started_at``)."""
+    time.sleep(1.01 - time.time() % 1)
+    (run_dir / "statistics.json").unlink()
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(json.dumps({**status, "state": "running"}))
+
+
+def test_an_invocation_killed_twice_in_a_row_keeps_both_in_the_books_and_the_budget(tmp_path):
+    """A resume of a killed invocation overwrote the status.json that alone held the killed one's spend;
+    killed in turn, the next resume counted only the second: the first one's tokens left run_totals and
+    earlier_tokens (a resume of a run killed twice got its first invocation's spend back as budget)."""
+    out = tmp_path / "data"
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1]" for i in range(6)])
+        run(server, dataset, out, num_workers=1, budget_tokens=10**6, max_tokens=100)
+        billed = server.stats()["prompt_tokens"] + server.stats()["completion_tokens"]
+        billed += server.stats()["check_tokens"]
+        _killed_before_statistics(out / "run")  # the first invocation: killed
+        run(server, dataset, out, num_workers=1, budget_tokens=10**6, max_tokens=100, resume=True)
+        assert json.loads((out / "run" / "status.json").read_text())["budget"]["earlier_tokens"] == billed
+        _killed_before_statistics(out / "run")  # the resume: killed in turn
+        run(server, dataset, out, num_workers=1, budget_tokens=10**6, max_tokens=100, resume=True)
+        assert server.stats()["prompt_tokens"] + server.stats()["completion_tokens"] <= billed
+    stats = json.loads((out / "run" / "statistics.json").read_text())
+    assert stats["this_run"]["budget"]["earlier_tokens"] == billed  # before: 0, the second one's
+    totals = stats["run_totals"]
+    assert totals["runs"] == 3
+    assert totals["prompt_tokens"] + totals["completion_tokens"] + totals["unanswered_tokens"] == billed
+    assert [r.get("ended", "")[:18] for r in stats["runs"]] == ["without statistics"] * 2 + [""]
