@@ -546,7 +546,13 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
     runs = old.get("runs") if isinstance(old, dict) else None
     if not isinstance(runs, list):
         return []
-    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
+    return [_finite(r) for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
+
+
+def _finite(run: dict[str, Any]) -> dict[str, Any]:
+    """A ``runs`` entry as statistics.json may hold it again: a number Python's reader took that no file
+    may hold (``Infinity``, ``NaN``, ``1e999`` in a hand-edited one) is null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in run.items()}
 
 
 def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -564,7 +570,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
         if isinstance(run, dict) and isinstance(run.get("duration_s"), (int, float)):
             if run.get("started_at") not in seen:  # not written to statistics.json since
                 seen.add(run.get("started_at"))
-                carried.append(run)
+                carried.append(_finite(run))
     if status["started_at"] in seen:
         return carried  # it wrote its statistics: counted there
 
