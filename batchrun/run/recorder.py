@@ -613,3 +613,46 @@ def earlier_spend(run_dir: Path, status: dict[str, Any] | None) -> tuple[int, fl
         for k in ("prompt_tokens", "completion_tokens", "unanswered_tokens")
     )
     return tokens, float(sum(credible(r.get("cost_usd")) for r in runs))
+
+
+def damaged_books(run_dir: Path) -> str | None:
+    """Why what the earlier invocations of this run spent cannot be read (None: it can): a statistics.json
+    or status.json that is not a JSON object, a ``runs`` history that is no list, or a spend in one (an
+    entry's, or that of the invocation status.json speaks of) missing, not a number, negative or infinite.
+    The runner replaces both files whole, so this is a hand edit or a damaged disk; read as before, that
+    spend counted as nothing (and a --resume got it back as budget)."""
+    for name, history in (("statistics.json", "runs"), ("status.json", "lost_runs")):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        try:
+            data = parse_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return f"{path} cannot be read ({exc})"
+        if not isinstance(data, dict):
+            return f"{path} holds no JSON object"
+        runs = data.get(history, [] if name == "status.json" else None)  # lost_runs: none before a kill
+        if not isinstance(runs, list):
+            return f"{path}: {history} is not a list"
+        entries = [(f"{history}[{n}]", run, True) for n, run in enumerate(runs)]
+        if name == "status.json":
+            entries.append(("its invocation's spend", data, False))
+        for where, entry, is_entry in entries:
+            problem = _spend_problem(entry, is_entry)
+            if problem:
+                return f"{path}: {where}: {problem}"
+    return None
+
+
+def _spend_problem(entry: Any, is_entry: bool) -> str | None:
+    """What is wrong with a ``runs`` entry's (or status.json's) spend, as :func:`damaged_books` says it."""
+    if not isinstance(entry, dict):
+        return "not an object"
+    if not isinstance(entry.get("started_at"), str):
+        return "started_at is not a time"
+    for key in (*SPEND_KEYS, "unanswered_tokens", *(("duration_s",) if is_entry else ())):
+        # unanswered_tokens: absent from files written before failed attempts were counted
+        value = entry.get(key, 0) if key == "unanswered_tokens" else entry.get(key)
+        if isinstance(value, bool) or credible(value) != value:
+            return f"{key} is {json.dumps(value)[:40]}, not a count"
+    return None

@@ -659,3 +659,56 @@ def test_an_invocation_killed_twice_in_a_row_keeps_both_in_the_books_and_the_bud
     assert totals["runs"] == 3
     assert totals["prompt_tokens"] + totals["completion_tokens"] + totals["unanswered_tokens"] == billed
     assert [r.get("ended", "")[:18] for r in stats["runs"]] == ["without statistics"] * 2 + [""]
+
+
+def _first_run(key: str, value: object):
+    """A damage to statistics.json: the first ``runs`` entry's ``key`` set to ``value``."""
+
+    def damage(text: str) -> str:
+        stats = json.loads(text)
+        stats["runs"][0][key] = value
+        return json.dumps(stats)  # an infinity as Infinity, which Python's reader takes
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "named"),
+    [
+        ("statistics.json", lambda text: text[: len(text) // 2], "cannot be read"),
+        ("statistics.json", lambda text: json.dumps({**json.loads(text), "runs": {}}), "runs is not a list"),
+        ("statistics.json", _first_run("prompt_tokens", -5000), "prompt_tokens is -5000"),
+        ("statistics.json", _first_run("cost_usd", "0.5"), 'cost_usd is "0.5"'),
+        ("statistics.json", _first_run("completion_tokens", math.inf), "completion_tokens is Infinity"),
+        ("statistics.json", _first_run("duration_s", None), "duration_s is null"),
+        ("status.json", lambda text: text[:100], "cannot be read"),
+        ("status.json", lambda text: text.replace('"prompt_tokens": ', '"prompt_tokens": 1e999, "x": ', 1),
+         "prompt_tokens is Infinity"),
+    ],
+)  # fmt: skip
+def test_a_damaged_record_of_the_earlier_spend_refuses_a_resume_under_a_budget(
+    tmp_path, capsys, name, damage, named
+):
+    """A statistics.json or status.json damaged by hand or by a disk (truncated, a spend negative, not a
+    number, infinite) counted as nothing: a --resume with the same --budget_tokens got the earlier spend
+    back as budget (6,796 billed on a 6,000 cap). It stops before any call, naming the file; without a
+    budget the run goes on with a warning."""
+    out = tmp_path / "data"
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1]" for i in range(30)])
+        run(server, dataset, out, num_workers=1, budget_tokens=6_000, max_tokens=100)
+        if name == "status.json":  # a killed invocation: its spend is in its last status.json only
+            (out / "run" / "statistics.json").unlink()
+        path = out / "run" / name
+        path.write_text(damage(path.read_text()))
+        spent = server.stats()["requests"]
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            run(server, dataset, out, num_workers=1, budget_tokens=6_000, max_tokens=100, resume=True)
+        assert exit_info.value.code == 2
+        assert server.stats()["requests"] == spent  # not even the start check
+        err = capsys.readouterr().err
+        assert f"--resume: {path}" in err and named in err
+        assert "what the earlier invocations of this run spent cannot be read" in err
+        run(server, dataset, out, num_workers=1, max_tokens=100, resume=True)  # no budget: goes on
+        assert f"warning: --resume: {path}" in capsys.readouterr().err
