@@ -250,6 +250,7 @@ def run_steps(
             _interrupt_handled()
             interrupted = True
             dispatch.wait_for_workers()
+            dispatch.count_unsettled()  # calls in flight, ended unanswered: perhaps billed
             print(
                 "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
                 file=sys.stderr,

@@ -712,3 +712,45 @@ def test_a_damaged_record_of_the_earlier_spend_refuses_a_resume_under_a_budget(
         assert "what the earlier invocations of this run spent cannot be read" in err
         run(server, dataset, out, num_workers=1, max_tokens=100, resume=True)  # no budget: goes on
         assert f"warning: --resume: {path}" in capsys.readouterr().err
+
+
+def test_calls_in_flight_at_an_interrupt_are_counted_as_perhaps_billed(tmp_path):
+    """Ctrl-C or SIGTERM ends the workers with calls in flight: the endpoint bills them, but no answer
+    reports their spend. They were in no count: statistics.json said 41,143 tokens for 54,427 billed, and
+    a resume got the rest back as budget. Each is counted as an attempt with no answer (its reservation)."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = tmp_path / "data"
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1] [slow:3]" for i in range(8)])
+        args = [
+            sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=4",
+            "--run_name=run", f"--output_dir={out}", "--model=fake-model", f"--base_url={server.base_url}",
+            "--api_key=sk-local-test", "--distribution=terminal_only", "--num_workers=1",
+            "--prompts_per_worker=4", "--budget_tokens=1000000", "--max_tokens=100",
+        ]  # fmt: skip
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and server.stats()["in_flight"] < 4:
+                time.sleep(0.05)
+            assert server.stats()["in_flight"] == 4  # the four prompts' first calls
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 130
+        finally:
+            proc.kill()
+        while server.stats()["in_flight"] and time.monotonic() < deadline + 10:
+            time.sleep(0.05)  # the endpoint answers (and bills) them all the same
+        stats = server.stats()
+    billed = stats["prompt_tokens"] + stats["completion_tokens"] + stats["check_tokens"]
+    budget = json.loads((out / "run" / "statistics.json").read_text())["this_run"]["budget"]
+    assert budget["spent_tokens"] == stats["check_tokens"]  # no answer came back before the interrupt
+    assert budget["spent_tokens"] + budget["unanswered_tokens"] >= billed  # before: 31 of 6,667
+    assert (
+        json.loads((out / "run" / "status.json").read_text())["unanswered_tokens"]
+        == budget["unanswered_tokens"]
+    )
