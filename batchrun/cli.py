@@ -45,7 +45,7 @@ from batchrun.run.preflight import (
     probe_mcp_servers,
     will_call_the_model,
 )
-from batchrun.run.recorder import Recorder, earlier_spend
+from batchrun.run.recorder import Recorder, damaged_books, earlier_runs, earlier_spend, lost_runs
 from batchrun.run.resume import (
     all_samples,
     build_manifest,
@@ -250,6 +250,7 @@ def run_steps(
             _interrupt_handled()
             interrupted = True
             dispatch.wait_for_workers()
+            dispatch.count_unsettled()  # calls in flight, ended unanswered: perhaps billed
             print(
                 "\nInterrupted: stopped scheduling, workers ended. Finished prompts are saved.",
                 file=sys.stderr,
@@ -388,6 +389,18 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     # Read before this invocation writes its own: an earlier one killed (kill -9, a lost machine) left
     # its spend there only (finish.lost_runs).
     recorder.earlier_status = read_json_object(config.run_dir / "status.json")
+    # Carried in this invocation's status.json: killed in turn, it must not drop them from the books.
+    recorder.lost_runs = lost_runs(recorder.earlier_status, earlier_runs(config.run_dir / "statistics.json"))
+    damaged = damaged_books(config.run_dir) if config.resume else None
+    if damaged and (config.budget_tokens is not None or config.budget_usd is not None):
+        # Counted as nothing, that spend would be budget again: only the user knows what it was.
+        raise UsageError(
+            f"--resume: {damaged}: what the earlier invocations of this run spent cannot be read, and the "
+            "run's budget holds them. Restore the file, remove it to count what it held as nothing, or "
+            "start a new --run_name"
+        )
+    if damaged:
+        print(f"warning: --resume: {damaged}; run_totals leave out what it held", file=sys.stderr)
     if config.resume:  # a run's budget holds all its invocations: what the earlier ones spent counts
         recorder.earlier_tokens, recorder.earlier_usd = earlier_spend(config.run_dir, recorder.earlier_status)
         problem = spent_budget(config, recorder.earlier_tokens, recorder.earlier_usd)

@@ -228,6 +228,7 @@ class Dispatch:
                     remaining -= self.watch_endpoint(inbox, track)
                     continue
                 if isinstance(event, WorkerExit):
+                    self.grant(inbox, [d for d in self.count_unsettled(event.pid) if d[0] != event.pid])
                     self.grant(inbox, self.budget.drop(event.pid))
                     track.stops.pop(event.pid, None)  # what it was stopping is the backend's sweep's now
                     track.free.pop(event.pid, None)
@@ -260,6 +261,19 @@ class Dispatch:
                 )
                 self._ending.start()
             self.pbar.close()
+
+    def count_unsettled(self, worker: Any = None) -> list[Decision]:
+        """The calls granted to ``worker`` (None: to every worker, at an interrupt) whose spend will never
+        be reported: it died or was ended with them in flight. Sent, they may have been billed, so each is
+        counted as a failed attempt with no answer is (unanswered_tokens), at its reservation: its request's
+        estimate plus its completion limit. Before, they were in no spend: a Ctrl-C or a dead worker left
+        them out of the books, and a resume got them back as budget."""
+        decisions: list[Decision] = []
+        for (owner, rid), tokens in list(self.budget.reserved.items()):
+            if worker is None or owner == worker:
+                self.recorder.spend["unanswered_tokens"] += tokens
+                decisions += self.budget.settle(owner, rid, 0, 0.0, unanswered=tokens)
+        return decisions
 
     def _end_workers(self, pool: Any, inbox: Inbox) -> None:
         pool.terminate()

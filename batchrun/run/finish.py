@@ -24,7 +24,7 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder, earlier_runs, lost_runs
+from batchrun.run.recorder import Recorder, credible, earlier_runs, lost_runs
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
@@ -416,7 +416,8 @@ def statistics(
         "total_batches": len(batch_files(run_dir)),  # batch files of every run of this run name
         "batch_size": config.batch_size,
         "completed_at": dt.datetime.now().isoformat(timespec="seconds"),
-        "duration_seconds": round(sum(r["duration_s"] for r in runs), 2),  # every run of this run name
+        # every run of this run name (credible: a hand-edited Infinity would make it one)
+        "duration_seconds": round(sum(credible(r["duration_s"]) for r in runs), 2),
         "tool_statistics": reference_tool_statistics(summary["tool_stats"]),
         "reasoning_statistics": {
             "total_assistant_turns": with_r + without_r,
@@ -494,7 +495,7 @@ def this_run_totals(recorder: Recorder) -> dict[str, Any]:
 
 def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
     def total(key: str) -> float:
-        return sum(r.get(key) or 0 for r in runs if isinstance(r.get(key) or 0, (int, float)))
+        return sum(credible(r.get(key)) for r in runs)  # a damaged file's entry: no NaN, no infinity
 
     totals: dict[str, Any] = {"runs": len(runs), "duration_s": round(total("duration_s"), 2)}
     for key in RUN_TOTAL_KEYS:

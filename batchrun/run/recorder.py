@@ -109,6 +109,9 @@ class Recorder:
         self.started = time.monotonic()
         self.started_at = _now()
         self.earlier_status: dict[str, Any] | None = None  # status.json as an earlier invocation left it
+        # The runs entries of earlier invocations that wrote no statistics.json (lost_runs), carried in
+        # this one's status.json until an invocation writes them there: a second kill would drop them.
+        self.lost_runs: list[dict[str, Any]] = []
         self.last_event_at: str | None = None
         self.done_indices: set[int] | None = None
         # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
@@ -475,6 +478,7 @@ class Recorder:
             },
             "last_event_at": self.last_event_at,
             "error": self.redact(error) if error else None,  # why a run in state "failed" stopped
+            "lost_runs": self.lost_runs,  # earlier invocations killed before their statistics.json
         }
         try:
             write_json_atomic(self.run_dir / "status.json", status, self.redact)
@@ -542,18 +546,33 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
     runs = old.get("runs") if isinstance(old, dict) else None
     if not isinstance(runs, list):
         return []
-    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
+    return [_finite(r) for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
+
+
+def _finite(run: dict[str, Any]) -> dict[str, Any]:
+    """A ``runs`` entry as statistics.json may hold it again: a number Python's reader took that no file
+    may hold (``Infinity``, ``NaN``, ``1e999`` in a hand-edited one) is null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in run.items()}
 
 
 def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``runs`` entry of an invocation that wrote no statistics.json (killed, or stopped by a full
-    disk): what its last status.json said it had spent (refreshed every few seconds while it ran: the
-    last seconds' calls may be missing, so ``ended`` says the figures are a lower bound). Without it a
-    resume after a kill -9 left that invocation's cost out of ``run_totals``."""
+    """The ``runs`` entries of invocations that wrote no statistics.json (killed, or stopped by a full
+    disk): what the last status.json said the one that wrote it had spent (refreshed every few seconds
+    while it ran: the last seconds' calls may be missing, so ``ended`` says the figures are a lower
+    bound), after the entries that status.json carries of earlier such invocations (``lost_runs``: a
+    resume killed in turn overwrote the first one's status.json, and its spend left the run's books and
+    budget). Without them a resume after a kill -9 left those invocations' cost out of ``run_totals``."""
     if not status or not isinstance(status.get("started_at"), str):
         return []
-    if any(r.get("started_at") == status["started_at"] for r in earlier):
-        return []  # it wrote its statistics: counted there
+    seen = {r.get("started_at") for r in earlier}
+    carried = []
+    for run in status.get("lost_runs") if isinstance(status.get("lost_runs"), list) else []:
+        if isinstance(run, dict) and isinstance(run.get("duration_s"), (int, float)):
+            if run.get("started_at") not in seen:  # not written to statistics.json since
+                seen.add(run.get("started_at"))
+                carried.append(_finite(run))
+    if status["started_at"] in seen:
+        return carried  # it wrote its statistics: counted there
 
     def number(key: str) -> float:
         return float(credible(status.get(key)))  # a damaged or hand-edited file counts nothing
@@ -565,6 +584,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
     except (KeyError, TypeError, ValueError):
         duration = 0.0
     return [
+        *carried,
         {
             "started_at": status["started_at"],
             "completed_at": status.get("updated_at") if isinstance(status.get("updated_at"), str) else None,
@@ -577,7 +597,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
             "cost_usd": round(number("cost_usd"), 8),
             "unanswered_tokens": int(number("unanswered_tokens")),
             "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
-        }
+        },
     ]
 
 
@@ -593,3 +613,46 @@ def earlier_spend(run_dir: Path, status: dict[str, Any] | None) -> tuple[int, fl
         for k in ("prompt_tokens", "completion_tokens", "unanswered_tokens")
     )
     return tokens, float(sum(credible(r.get("cost_usd")) for r in runs))
+
+
+def damaged_books(run_dir: Path) -> str | None:
+    """Why what the earlier invocations of this run spent cannot be read (None: it can): a statistics.json
+    or status.json that is not a JSON object, a ``runs`` history that is no list, or a spend in one (an
+    entry's, or that of the invocation status.json speaks of) missing, not a number, negative or infinite.
+    The runner replaces both files whole, so this is a hand edit or a damaged disk; read as before, that
+    spend counted as nothing (and a --resume got it back as budget)."""
+    for name, history in (("statistics.json", "runs"), ("status.json", "lost_runs")):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        try:
+            data = parse_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return f"{path} cannot be read ({exc})"
+        if not isinstance(data, dict):
+            return f"{path} holds no JSON object"
+        runs = data.get(history, [] if name == "status.json" else None)  # lost_runs: none before a kill
+        if not isinstance(runs, list):
+            return f"{path}: {history} is not a list"
+        entries = [(f"{history}[{n}]", run, True) for n, run in enumerate(runs)]
+        if name == "status.json":
+            entries.append(("its invocation's spend", data, False))
+        for where, entry, is_entry in entries:
+            problem = _spend_problem(entry, is_entry)
+            if problem:
+                return f"{path}: {where}: {problem}"
+    return None
+
+
+def _spend_problem(entry: Any, is_entry: bool) -> str | None:
+    """What is wrong with a ``runs`` entry's (or status.json's) spend, as :func:`damaged_books` says it."""
+    if not isinstance(entry, dict):
+        return "not an object"
+    if not isinstance(entry.get("started_at"), str):
+        return "started_at is not a time"
+    for key in (*SPEND_KEYS, "unanswered_tokens", *(("duration_s",) if is_entry else ())):
+        # unanswered_tokens: absent from files written before failed attempts were counted
+        value = entry.get(key, 0) if key == "unanswered_tokens" else entry.get(key)
+        if isinstance(value, bool) or credible(value) != value:
+            return f"{key} is {json.dumps(value)[:40]}, not a count"
+    return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -634,3 +635,132 @@ def test_a_spent_budget_refuses_the_resume_before_any_call(tmp_path, capsys):
         in err
     )
     assert "give a larger one to go on" in err
+
+
+def _killed_before_statistics(run_dir: Path) -> None:
+    """The run directory as a kill -9 after the invocation's last status.json, before its statistics.json,
+    leaves it (the statistics.json of the invocation before is gone too: it wrote none). Returns in the
+    next second: an invocation is known by the second it started (``started_at``)."""
+    time.sleep(1.01 - time.time() % 1)
+    (run_dir / "statistics.json").unlink()
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(json.dumps({**status, "state": "running"}))
+
+
+def test_an_invocation_killed_twice_in_a_row_keeps_both_in_the_books_and_the_budget(tmp_path):
+    """A resume of a killed invocation overwrote the status.json that alone held the killed one's spend;
+    killed in turn, the next resume counted only the second: the first one's tokens left run_totals and
+    earlier_tokens (a resume of a run killed twice got its first invocation's spend back as budget)."""
+    out = tmp_path / "data"
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1]" for i in range(6)])
+        run(server, dataset, out, num_workers=1, budget_tokens=10**6, max_tokens=100)
+        billed = server.stats()["prompt_tokens"] + server.stats()["completion_tokens"]
+        billed += server.stats()["check_tokens"]
+        _killed_before_statistics(out / "run")  # the first invocation: killed
+        run(server, dataset, out, num_workers=1, budget_tokens=10**6, max_tokens=100, resume=True)
+        assert json.loads((out / "run" / "status.json").read_text())["budget"]["earlier_tokens"] == billed
+        _killed_before_statistics(out / "run")  # the resume: killed in turn
+        run(server, dataset, out, num_workers=1, budget_tokens=10**6, max_tokens=100, resume=True)
+        assert server.stats()["prompt_tokens"] + server.stats()["completion_tokens"] <= billed
+    stats = json.loads((out / "run" / "statistics.json").read_text())
+    assert stats["this_run"]["budget"]["earlier_tokens"] == billed  # before: 0, the second one's
+    totals = stats["run_totals"]
+    assert totals["runs"] == 3
+    assert totals["prompt_tokens"] + totals["completion_tokens"] + totals["unanswered_tokens"] == billed
+    assert [r.get("ended", "")[:18] for r in stats["runs"]] == ["without statistics"] * 2 + [""]
+
+
+def _first_run(key: str, value: object):
+    """A damage to statistics.json: the first ``runs`` entry's ``key`` set to ``value``."""
+
+    def damage(text: str) -> str:
+        stats = json.loads(text)
+        stats["runs"][0][key] = value
+        return json.dumps(stats)  # an infinity as Infinity, which Python's reader takes
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "named"),
+    [
+        ("statistics.json", lambda text: text[: len(text) // 2], "cannot be read"),
+        ("statistics.json", lambda text: json.dumps({**json.loads(text), "runs": {}}), "runs is not a list"),
+        ("statistics.json", _first_run("prompt_tokens", -5000), "prompt_tokens is -5000"),
+        ("statistics.json", _first_run("cost_usd", "0.5"), 'cost_usd is "0.5"'),
+        ("statistics.json", _first_run("completion_tokens", math.inf), "completion_tokens is Infinity"),
+        ("statistics.json", _first_run("duration_s", None), "duration_s is null"),
+        ("status.json", lambda text: text[:100], "cannot be read"),
+        ("status.json", lambda text: text.replace('"prompt_tokens": ', '"prompt_tokens": 1e999, "x": ', 1),
+         "prompt_tokens is Infinity"),
+    ],
+)  # fmt: skip
+def test_a_damaged_record_of_the_earlier_spend_refuses_a_resume_under_a_budget(
+    tmp_path, capsys, name, damage, named
+):
+    """A statistics.json or status.json damaged by hand or by a disk (truncated, a spend negative, not a
+    number, infinite) counted as nothing: a --resume with the same --budget_tokens got the earlier spend
+    back as budget (6,796 billed on a 6,000 cap). It stops before any call, naming the file; without a
+    budget the run goes on with a warning."""
+    out = tmp_path / "data"
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1]" for i in range(30)])
+        run(server, dataset, out, num_workers=1, budget_tokens=6_000, max_tokens=100)
+        if name == "status.json":  # a killed invocation: its spend is in its last status.json only
+            (out / "run" / "statistics.json").unlink()
+        path = out / "run" / name
+        path.write_text(damage(path.read_text()))
+        spent = server.stats()["requests"]
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            run(server, dataset, out, num_workers=1, budget_tokens=6_000, max_tokens=100, resume=True)
+        assert exit_info.value.code == 2
+        assert server.stats()["requests"] == spent  # not even the start check
+        err = capsys.readouterr().err
+        assert f"--resume: {path}" in err and named in err
+        assert "what the earlier invocations of this run spent cannot be read" in err
+        run(server, dataset, out, num_workers=1, max_tokens=100, resume=True)  # no budget: goes on
+        assert f"warning: --resume: {path}" in capsys.readouterr().err
+
+
+def test_calls_in_flight_at_an_interrupt_are_counted_as_perhaps_billed(tmp_path):
+    """Ctrl-C or SIGTERM ends the workers with calls in flight: the endpoint bills them, but no answer
+    reports their spend. They were in no count: statistics.json said 41,143 tokens for 54,427 billed, and
+    a resume got the rest back as budget. Each is counted as an attempt with no answer (its reservation)."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = tmp_path / "data"
+    with FakeModelServer() as server:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1] [slow:3]" for i in range(8)])
+        args = [
+            sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=4",
+            "--run_name=run", f"--output_dir={out}", "--model=fake-model", f"--base_url={server.base_url}",
+            "--api_key=sk-local-test", "--distribution=terminal_only", "--num_workers=1",
+            "--prompts_per_worker=4", "--budget_tokens=1000000", "--max_tokens=100",
+        ]  # fmt: skip
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and server.stats()["in_flight"] < 4:
+                time.sleep(0.05)
+            assert server.stats()["in_flight"] == 4  # the four prompts' first calls
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 130
+        finally:
+            proc.kill()
+        while server.stats()["in_flight"] and time.monotonic() < deadline + 10:
+            time.sleep(0.05)  # the endpoint answers (and bills) them all the same
+        stats = server.stats()
+    billed = stats["prompt_tokens"] + stats["completion_tokens"] + stats["check_tokens"]
+    budget = json.loads((out / "run" / "statistics.json").read_text())["this_run"]["budget"]
+    assert budget["spent_tokens"] == stats["check_tokens"]  # no answer came back before the interrupt
+    assert budget["spent_tokens"] + budget["unanswered_tokens"] >= billed  # before: 31 of 6,667
+    assert (
+        json.loads((out / "run" / "status.json").read_text())["unanswered_tokens"]
+        == budget["unanswered_tokens"]
+    )

@@ -8,6 +8,7 @@ import os
 import re
 import time
 
+import pytest
 from helpers import read_jsonl, run, stats_of, write_jsonl, write_rows
 
 from batchrun.identity import record_sample
@@ -112,6 +113,23 @@ def test_resume_with_nothing_to_do_keeps_the_run_totals_and_zeroes_this_run(tmp_
     rs = second["reasoning_statistics"]
     assert rs["total_assistant_turns"] == rs["turns_with_reasoning"] + rs["turns_without_reasoning"] == 6
     assert rs["coverage"] == 1.0
+
+
+def test_a_resume_over_a_hand_edited_infinity_in_the_runs_history_writes_its_statistics(tmp_path):
+    """Python's reader takes Infinity (and 1e999) in a hand-edited statistics.json: run_totals summed it
+    and the end of the resume failed with OverflowError (cannot convert float infinity to integer), after
+    its calls, with no statistics.json written; an infinite duration_s would be written as Infinity."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["One [calls:1]", "Two [calls:0]"])
+    run_dir = _mock_run(dataset, tmp_path / "data")
+    path = run_dir / "statistics.json"
+    text = path.read_text("utf-8")
+    text = re.sub(r'("runs": \[\s*\{[^}]*?"duration_s": )[\d.]+', r"\g<1>Infinity", text)
+    path.write_text(re.sub(r'("runs": \[\s*\{[^}]*?"prompt_tokens": )\d+', r"\g<1>1e999", text), "utf-8")
+    _mock_run(dataset, tmp_path / "data", resume=True)
+    stats = json.loads(path.read_text("utf-8"), parse_constant=lambda name: pytest.fail(name))
+    assert stats["run_totals"]["runs"] == 2
+    assert stats["run_totals"]["prompt_tokens"] == 0  # counted as nothing: the resume warns of it
+    assert stats["duration_seconds"] == stats["run_totals"]["duration_s"] < 1e6
 
 
 def test_scores_and_report_fed_by_the_merge_equal_those_read_back_from_the_files(server, tmp_path):
