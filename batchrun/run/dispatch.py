@@ -168,6 +168,7 @@ class Dispatch:
                 recorder.spend["cost_usd"] + recorder.earlier_usd,
             ),
         )
+        recorder.reserved_tokens = lambda: sum(self.budget.reserved.values())
         self.usage_fault_warned = False
         self.unpriced_warned = False  # an answer without a cost was counted at the learned price
         self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)

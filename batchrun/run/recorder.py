@@ -112,6 +112,9 @@ class Recorder:
         # The runs entries of earlier invocations that wrote no statistics.json (lost_runs), carried in
         # this one's status.json until an invocation writes them there: a second kill would drop them.
         self.lost_runs: list[dict[str, Any]] = []
+        # Tokens the run's budget has reserved for calls in flight (the dispatch's): in status.json, so
+        # that a kill -9 with calls in flight leaves them in the books (lost_runs), as perhaps billed.
+        self.reserved_tokens: Callable[[], int] = lambda: 0
         self.last_event_at: str | None = None
         self.done_indices: set[int] | None = None
         # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
@@ -479,6 +482,7 @@ class Recorder:
             "last_event_at": self.last_event_at,
             "error": self.redact(error) if error else None,  # why a run in state "failed" stopped
             "lost_runs": self.lost_runs,  # earlier invocations killed before their statistics.json
+            "reserved_tokens": self.reserved_tokens() if state == "running" else 0,  # calls in flight
         }
         try:
             write_json_atomic(self.run_dir / "status.json", status, self.redact)
@@ -595,7 +599,9 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
             "prompt_tokens": int(number("prompt_tokens")),
             "completion_tokens": int(number("completion_tokens")),
             "cost_usd": round(number("cost_usd"), 8),
-            "unanswered_tokens": int(number("unanswered_tokens")),
+            # Its calls in flight when it last wrote status.json, at their reservations (a budget run's):
+            # a kill does not stop the endpoint billing them.
+            "unanswered_tokens": int(number("unanswered_tokens") + number("reserved_tokens")),
             "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
         },
     ]

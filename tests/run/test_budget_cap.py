@@ -764,3 +764,23 @@ def test_calls_in_flight_at_an_interrupt_are_counted_as_perhaps_billed(tmp_path)
         json.loads((out / "run" / "status.json").read_text())["unanswered_tokens"]
         == budget["unanswered_tokens"]
     )
+
+
+def test_calls_in_flight_at_a_kill_count_from_the_last_status(tmp_path):
+    """A kill -9 with calls in flight: the endpoint bills them, and the killed invocation's books (its last
+    status.json) held only what had been answered. status.json now holds the budget's reservations for
+    calls in flight, and a resume counts them as perhaps billed (unanswered_tokens) in the killed one's
+    runs entry, the budget's earlier_tokens with it."""
+    from batchrun.run.recorder import Recorder, lost_runs
+    from batchrun.secrets import Redactor
+
+    recorder = Recorder(tmp_path / "run", "run", Redactor(None))
+    recorder.run_dir.mkdir()
+    recorder.reserved_tokens = lambda: 4321
+    recorder.write_status("running", force=True)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["reserved_tokens"] == 4321
+    (entry,) = lost_runs(status, [])
+    assert entry["unanswered_tokens"] == 4321 + status["unanswered_tokens"]
+    recorder.write_status("finished", force=True)  # a run that ended has nothing in flight
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["reserved_tokens"] == 0
