@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import time
 import zipfile
 from collections.abc import Callable
@@ -78,6 +79,15 @@ def run(server: FakeModelServer | None, dataset: Path, out: Path, run_name: str 
     code = batch_runner.main(**args)
     if code:
         raise SystemExit(code)
+
+
+def runner_argv(dataset: Path, out: Path, server: FakeModelServer, *flags: str) -> list[str]:
+    """``python batch_runner.py`` as a process, against ``server``, run name ``run`` under ``out``, one worker."""
+    return [
+        sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--run_name=run",
+        f"--output_dir={out}", "--model=fake-model", f"--base_url={server.base_url}", "--api_key=sk-local-test",
+        "--distribution=terminal_only", "--num_workers=1", *flags,
+    ]  # fmt: skip
 
 
 def by_prompt(records: list[dict]) -> dict[str, list[dict]]:

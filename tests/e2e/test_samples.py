@@ -9,12 +9,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_jsonl, write_rows
+from helpers import ROOT, exit_code, read_jsonl, run, runner_argv, stats_of, write_jsonl, write_rows
 
 from batchrun.config import RunConfig, UsageError
 from batchrun.distributions import get_distribution, prompt_rng, sample_toolsets_from_distribution
@@ -172,12 +171,10 @@ def test_a_killed_run_resumes_with_each_sample_exactly_once(tmp_path):
     out = tmp_path / "data"
     run_dir = out / "run"
     with FakeModelServer() as server:
-        args = [
-            sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
-            "--run_name=run", f"--output_dir={out}", "--model=fake-model", f"--base_url={server.base_url}",
-            "--api_key=sk-local-test", "--distribution=terminal_only", "--num_workers=1",
-            "--prompts_per_worker=2", "--samples_per_prompt=3", "--max_failure_rate=1",
-        ]  # fmt: skip
+        args = runner_argv(
+            dataset, out, server, "--batch_size=2", "--prompts_per_worker=2", "--samples_per_prompt=3",
+            "--max_failure_rate=1",
+        )  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

@@ -161,24 +161,22 @@ def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_j
     )
 
 
+def _capped_run(server, tmp_path, prompts: list[str], cap: int, per_worker: int, **flags) -> dict:
+    """A run of ``prompts`` on two workers under --budget_tokens=``cap``; the endpoint's counters after it."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    run(
+        server, dataset, tmp_path / "data", num_workers=2, prompts_per_worker=per_worker, budget_tokens=cap,
+        max_tokens=100, batch_size=10, **flags,
+    )  # fmt: skip
+    return server.stats()
+
+
 def test_many_prompts_in_flight_spend_at_most_the_budget(tmp_path):
     """40 prompts in flight at once, 3 calls each, ~2,000 tokens a call: without reservations the run
     overshot by up to one call per prompt in flight (~80,000 tokens past a 20,000 cap)."""
     cap = 20_000
     with FakeModelServer(latency_s=0.2) as server:
-        prompts = [f"Task {i} [calls:2]" for i in range(60)]
-        dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
-        run(
-            server,
-            dataset,
-            tmp_path / "data",
-            num_workers=2,
-            prompts_per_worker=20,
-            budget_tokens=cap,
-            max_tokens=100,
-            batch_size=10,
-        )
-        served = server.stats()
+        served = _capped_run(server, tmp_path, [f"Task {i} [calls:2]" for i in range(60)], cap, 20)
     spent_at_server = served["prompt_tokens"] + served["completion_tokens"]
     assert spent_at_server <= cap  # what the endpoint itself counted
     assert spent_at_server >= cap * 0.7  # and the cap was used, not refused early
@@ -464,26 +462,13 @@ def test_what_prompts_stopped_unfinished_spent_is_counted_and_said(tmp_path, cap
 
 
 def test_attempts_that_broke_mid_answer_count_against_the_budget(tmp_path):
-    """A stream cut before its end was billed by the endpoint but counted by nobody: retried, each
-    such attempt spent past --budget_tokens (here the endpoint billed 23,402 tokens on a 12,000 cap). Now each counts
-    as the runner's estimate of its request and of what had arrived of its answer."""
+    """A stream cut before its end was billed by the endpoint but counted by nobody: retried, each such
+    attempt spent past --budget_tokens (here the endpoint billed 23,402 tokens on a 12,000 cap). Now each
+    counts as the runner's estimate of its request and of what had arrived of its answer."""
     cap = 12_000
     with FakeModelServer(latency_s=0.05) as server:
         prompts = [f"Task {i} [calls:1] [cut_stream:2]" for i in range(40)]
-        dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
-        run(
-            server,
-            dataset,
-            tmp_path / "data",
-            num_workers=2,
-            prompts_per_worker=5,
-            budget_tokens=cap,
-            max_tokens=100,
-            batch_size=10,
-            stream=True,
-            max_retries=2,
-        )
-        served = server.stats()
+        served = _capped_run(server, tmp_path, prompts, cap, 5, stream=True, max_retries=2)
     billed = served["prompt_tokens"] + served["completion_tokens"]  # cut attempts included
     stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
     budget = stats["this_run"]["budget"]
@@ -730,19 +715,16 @@ def test_calls_in_flight_at_an_interrupt_are_counted_as_perhaps_billed(tmp_path)
     a resume got the rest back as budget. Each is counted as an attempt with no answer (its reservation)."""
     import signal
     import subprocess
-    import sys
 
-    from helpers import ROOT
+    from helpers import runner_argv
 
     out = tmp_path / "data"
     with FakeModelServer() as server:
         dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:1] [slow:3]" for i in range(8)])
-        args = [
-            sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=4",
-            "--run_name=run", f"--output_dir={out}", "--model=fake-model", f"--base_url={server.base_url}",
-            "--api_key=sk-local-test", "--distribution=terminal_only", "--num_workers=1",
-            "--prompts_per_worker=4", "--budget_tokens=1000000", "--max_tokens=100",
-        ]  # fmt: skip
+        args = runner_argv(
+            dataset, out, server, "--batch_size=4", "--prompts_per_worker=4", "--budget_tokens=1000000",
+            "--max_tokens=100",
+        )  # fmt: skip
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60
