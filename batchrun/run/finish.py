@@ -481,6 +481,7 @@ def this_run_totals(recorder: Recorder) -> dict[str, Any]:
     spend = recorder.spend
     return {
         "started_at": recorder.started_at,
+        "invocation": recorder.invocation,
         "completed_at": dt.datetime.now().isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - recorder.started, 2),
         "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],

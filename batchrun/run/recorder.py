@@ -108,6 +108,9 @@ class Recorder:
         self.total = 0  # prompts handed to the workers in this run
         self.started = time.monotonic()
         self.started_at = _now()
+        # Which invocation this is, in its runs entry and its status.json: started_at is to the second,
+        # and two invocations started in one second were one entry in the books.
+        self.invocation = os.urandom(6).hex()
         self.earlier_status: dict[str, Any] | None = None  # status.json as an earlier invocation left it
         # The runs entries of earlier invocations that wrote no statistics.json (lost_runs), carried in
         # this one's status.json until an invocation writes them there: a second kill would drop them.
@@ -451,6 +454,7 @@ class Recorder:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started_at": self.started_at,
+            "invocation": self.invocation,
             "updated_at": _now(),
             "state": state,
             "total": self.total,
@@ -568,14 +572,14 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
     budget). Without them a resume after a kill -9 left those invocations' cost out of ``run_totals``."""
     if not status or not isinstance(status.get("started_at"), str):
         return []
-    seen = {r.get("started_at") for r in earlier}
+    seen = {_invocation(r) for r in earlier}
     carried = []
     for run in status.get("lost_runs") if isinstance(status.get("lost_runs"), list) else []:
         if isinstance(run, dict) and isinstance(run.get("duration_s"), (int, float)):
-            if run.get("started_at") not in seen:  # not written to statistics.json since
-                seen.add(run.get("started_at"))
+            if _invocation(run) not in seen:  # not written to statistics.json since
+                seen.add(_invocation(run))
                 carried.append(_finite(run))
-    if status["started_at"] in seen:
+    if _invocation(status) in seen:
         return carried  # it wrote its statistics: counted there
 
     def number(key: str) -> float:
@@ -591,6 +595,7 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
         *carried,
         {
             "started_at": status["started_at"],
+            **({"invocation": status["invocation"]} if isinstance(status.get("invocation"), str) else {}),
             "completed_at": status.get("updated_at") if isinstance(status.get("updated_at"), str) else None,
             "duration_s": round(max(0.0, duration), 2),
             "attempted": int(number("done") + number("failed") + number("discarded")),
@@ -605,6 +610,13 @@ def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> l
             "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
         },
     ]
+
+
+def _invocation(entry: dict[str, Any]) -> Any:
+    """Which invocation a runs entry or a status.json is of: its ``invocation`` id, or, in files written
+    before there was one, the second it started."""
+    value = entry.get("invocation")
+    return ("invocation", value) if isinstance(value, str) else ("started_at", entry.get("started_at"))
 
 
 def earlier_spend(run_dir: Path, status: dict[str, Any] | None) -> tuple[int, float]:

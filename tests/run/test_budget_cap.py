@@ -766,3 +766,26 @@ def test_calls_in_flight_at_a_kill_count_from_the_last_status(tmp_path):
     assert entry["unanswered_tokens"] == 4321 + status["unanswered_tokens"]
     recorder.write_status("finished", force=True)  # a run that ended has nothing in flight
     assert json.loads((tmp_path / "run" / "status.json").read_text())["reserved_tokens"] == 0
+
+
+def test_two_invocations_started_in_one_second_are_two_entries_in_the_books():
+    """A runs entry was matched to a killed invocation's status.json by the second it started: a resume
+    started in the same second as the invocation before it (a script that resumes at once) was taken
+    for it, and its spend left the books and the budget. Each invocation has an id now; files written
+    before it are still matched by the second."""
+    from batchrun.run.recorder import lost_runs
+
+    finished = {
+        "started_at": "2026-12-05T20:00:00",
+        "invocation": "aaaa",
+        "duration_s": 1.0,
+        "prompt_tokens": 5,
+    }
+    killed = {"started_at": "2026-12-05T20:00:00", "invocation": "bbbb", "updated_at": "2026-12-05T20:00:00",
+              "state": "running", "prompt_tokens": 700, "completion_tokens": 0, "cost_usd": 0.0}  # fmt: skip
+    (entry,) = lost_runs(killed, [finished])
+    assert entry["invocation"] == "bbbb" and entry["prompt_tokens"] == 700
+    assert lost_runs({**killed, "invocation": "aaaa"}, [finished]) == []  # it wrote its statistics
+    old_killed = {k: v for k, v in killed.items() if k != "invocation"}
+    old_finished = {k: v for k, v in finished.items() if k != "invocation"}
+    assert lost_runs(old_killed, [old_finished]) == []  # older files: by the second, as before
