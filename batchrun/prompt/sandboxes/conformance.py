@@ -358,6 +358,39 @@ def check_end_processes_ends_what_the_commands_left(target: Target, make: Make) 
     assert end(30) is None  # nothing left: at once
 
 
+# A process whose first thread exits while another runs on: its /proc entry says Z (a zombie), yet its
+# thread rewrites the hidden test as soon as it appears. Python's: a busybox image has no compiler.
+FIRST_THREAD_EXITS = (
+    "mkdir -p ${TMPDIR:-/tmp}/.batch-runner-processes; BATCH_RUNNER_BACKGROUND=1 setsid python3 -c '"
+    "import ctypes, threading, time\n"
+    "def rewrite():\n"
+    "    while True:\n"
+    '        open("check.sh", "w").write("exit 0\\n")\n'
+    "        time.sleep(0.01)\n"
+    "threading.Thread(target=rewrite).start()\n"
+    "time.sleep(0.2)\n"
+    "ctypes.CDLL(None).pthread_exit(None)' >/dev/null 2>&1 & sleep 0.5; "
+    "grep -q '^State:.*Z' /proc/$!/status && grep -q '^Threads:.*2' /proc/$!/status && echo planted"
+)
+
+
+def check_end_processes_ends_a_process_whose_first_thread_exited(target: Target, make: Make) -> None:
+    """A thread group whose first thread has exited reads as a zombie, but its other threads run on:
+    end_processes ends them too (they rewrote the hidden test after it, and the verify passed)."""
+    if not target.ends_processes:
+        raise Skip("this target cannot end the processes its commands leave")
+    sandbox = make()
+    if sandbox.run("command -v python3", timeout_s=20).exit_code != 0:
+        raise Skip("no python3 in the sandbox to make such a process with")
+    planted = sandbox.run(FIRST_THREAD_EXITS, timeout_s=30)
+    assert planted.output == "planted\n", planted
+    assert sandbox.end_processes(30) is None  # type: ignore[attr-defined]
+    sandbox.run("echo 'echo the hidden test; exit 1' > check.sh", timeout_s=20)
+    time.sleep(0.3)
+    res = sandbox.run("sh check.sh", timeout_s=20)
+    assert (res.output, res.exit_code) == ("the hidden test\n", 1), res
+
+
 CHECKS: dict[str, Callable[[Target, Make], None]] = {
     name.removeprefix("check_"): check
     for name, check in sorted(globals().items())

@@ -140,8 +140,8 @@ sweep() {
             p=${p#/proc/}
             case $p in 1 | $$) continue ;; esac
             { IFS= read -r st < "/proc/$p/stat"; } 2>/dev/null || continue  # gone meanwhile
-            set -- ${st##*) }  # state ppid pgrp session ...
-            [ "$1" = Z ] && continue
+            set -- ${st##*) }  # state ppid pgrp session ... num_threads (${18})
+            [ "$1" = Z ] && [ "${18}" -le 1 ] && continue  # Z with threads: only its first has exited
             kept "$p" "$4" 2>/dev/null
             case $?:$round in
                 0:*) continue ;;
