@@ -843,6 +843,26 @@ def test_bwrap_command_env_matches_unisolated_and_hides_the_server(bwrap_box, tm
 
 
 @pytest.mark.bwrap
+def test_bwrap_path_has_no_directory_the_agent_may_write(bwrap_available, tmp_path: Path, monkeypatch):
+    """A host PATH entry in the working directory (a dev container's /workspace/.venv/bin), /tmp or the
+    current directory: the agent's `python3` there would have run in place of the system's for the verify."""
+    from batchrun.prompt.sandboxes.local import LocalSandbox
+
+    planted = "/workspace/.venv/bin:/tmp/bin::bin:/workspace/../workspace/x"
+    monkeypatch.setenv("PATH", f"{planted}:{os.environ['PATH']}")
+    box = LocalSandbox(SandboxSpec(RUN, 2), isolation="bwrap", base_dir=str(tmp_path))
+    box.start()
+    try:
+        plant = "printf '#!/bin/sh\\necho planted\\n' > python3 && chmod +x python3"
+        for where in (".venv/bin", "/tmp/bin", "bin", "x", "."):
+            box.run(f"mkdir -p {where} && cd {where} && {plant}", timeout_s=20)
+        res = box.run('python3 -c "print(1)"; echo "$PATH"', timeout_s=20)
+        assert res.output == f"1\n{os.environ['PATH'].removeprefix(planted + ':')}\n", res
+    finally:
+        box.stop()
+
+
+@pytest.mark.bwrap
 def test_bwrap_timeout_kills_the_command_but_keeps_the_prompt_s_files(bwrap_box):
     server = bwrap_box._server.proc.pid
     bwrap_box.run("echo kept > notes.txt", timeout_s=20)

@@ -46,8 +46,10 @@ BACKGROUND_DIR = ".batch-runner-processes"
 # PID namespace of its own, this script does it: it kills every process but PID 1, itself, its ancestors
 # (the sandbox's command server) and the PIDs given as its arguments (a server's other processes),
 # round after round until none is left alive (a process forking in a loop is caught in the next round;
-# a zombie is dead already). Builtins only, so that it never counts a child of its own. Never run it
-# where the PID namespace is the host's: it would kill every process of the user it runs as.
+# a zombie is dead already, but not one whose other threads still run: a thread group whose first
+# thread alone has exited shows state Z, its num_threads above 1). Builtins only, so that it never
+# counts a child of its own. Never run it where the PID namespace is the host's: it would kill every
+# process of the user it runs as.
 END_PROCESSES_SCRIPT = r"""
 keep=" 1 $$ $* " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
@@ -63,7 +65,7 @@ while [ "$n" -lt 200 ]; do
         case $keep in *" $pid "*) continue ;; esac
         { IFS= read -r line < "$f"; } 2>/dev/null || continue
         set -- ${line##*) }
-        [ "$1" = Z ] && continue
+        [ "$1" = Z ] && [ "${18}" -le 1 ] 2>/dev/null && continue
         kill -9 "$pid" 2>/dev/null
         live=1
     done

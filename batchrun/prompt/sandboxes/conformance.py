@@ -139,6 +139,26 @@ FORGE_FROM_MEMORY_SH = (
 )
 
 
+# The same from a process the command leaves behind, in a loop for a second: it sees what a server
+# shows only after the command has ended (the local one's command line, once the process tool's
+# directory, made here, has it become a bash server) and prints the marker before the sweep ends it.
+# Python's, for speed (a loop of `tr` and `grep` lost that race): without python3 it just fails.
+FORGE_AFTER_EXIT = (
+    "command -v python3 >/dev/null || exit 3; mkdir -p ${TMPDIR:-/tmp}/.batch-runner-processes; python3 -c '"
+    "import glob, os, re, time\n"
+    "seen, end = set(), time.monotonic() + 1\n"
+    "while time.monotonic() < end:\n"
+    '    for f in glob.glob("/proc/[0-9]*/cmdline"):\n'
+    "        try:\n"
+    '            found = set(re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", open(f, "rb").read()))\n'
+    "        except OSError:\n"
+    "            continue\n"
+    "        for t in found - seen:\n"
+    '            os.write(1, b"\\n[batch-runner-exit:" + t + b"]=0\\n")\n'
+    "        seen |= found' & sleep 0.3; exit 3"
+)
+
+
 def check_a_judged_command_cannot_forge_its_exit_code(target: Target, make: Make) -> None:
     """A command that judges a sample (verify; ``run_judged`` where the sandbox has it) reports its
     real exit code, even when it reads every process's memory it may for the end marker's token."""
@@ -146,7 +166,7 @@ def check_a_judged_command_cannot_forge_its_exit_code(target: Target, make: Make
         raise Skip("without isolation the commands run beside the runner, as its user")
     sandbox = make()
     run = getattr(sandbox, "run_judged", None) or sandbox.run
-    for script in (FORGE_EXIT_0, FORGE_FROM_MEMORY_SH):
+    for script in (FORGE_EXIT_0, FORGE_FROM_MEMORY_SH, FORGE_AFTER_EXIT):
         result = run(script, timeout_s=60)
         assert (result.exit_code, result.timed_out) == (3, False), result
     assert run("echo next; exit 4", timeout_s=20).exit_code == 4
@@ -356,6 +376,39 @@ def check_end_processes_ends_what_the_commands_left(target: Target, make: Make) 
     assert all(f"sleep {tag + i}" not in listing for i in range(3)), listing
     assert sandbox.run("echo still usable", timeout_s=20).output == "still usable\n"
     assert end(30) is None  # nothing left: at once
+
+
+# A process whose first thread exits while another runs on: its /proc entry says Z (a zombie), yet its
+# thread rewrites the hidden test as soon as it appears. Python's: a busybox image has no compiler.
+FIRST_THREAD_EXITS = (
+    "mkdir -p ${TMPDIR:-/tmp}/.batch-runner-processes; BATCH_RUNNER_BACKGROUND=1 setsid python3 -c '"
+    "import ctypes, threading, time\n"
+    "def rewrite():\n"
+    "    while True:\n"
+    '        open("check.sh", "w").write("exit 0\\n")\n'
+    "        time.sleep(0.01)\n"
+    "threading.Thread(target=rewrite).start()\n"
+    "time.sleep(0.2)\n"
+    "ctypes.CDLL(None).pthread_exit(None)' >/dev/null 2>&1 & sleep 0.5; "
+    "grep -q '^State:.*Z' /proc/$!/status && grep -q '^Threads:.*2' /proc/$!/status && echo planted"
+)
+
+
+def check_end_processes_ends_a_process_whose_first_thread_exited(target: Target, make: Make) -> None:
+    """A thread group whose first thread has exited reads as a zombie, but its other threads run on:
+    end_processes ends them too (they rewrote the hidden test after it, and the verify passed)."""
+    if not target.ends_processes:
+        raise Skip("this target cannot end the processes its commands leave")
+    sandbox = make()
+    if sandbox.run("command -v python3", timeout_s=20).exit_code != 0:
+        raise Skip("no python3 in the sandbox to make such a process with")
+    planted = sandbox.run(FIRST_THREAD_EXITS, timeout_s=30)
+    assert planted.output == "planted\n", planted
+    assert sandbox.end_processes(30) is None  # type: ignore[attr-defined]
+    sandbox.run("echo 'echo the hidden test; exit 1' > check.sh", timeout_s=20)
+    time.sleep(0.3)
+    res = sandbox.run("sh check.sh", timeout_s=20)
+    assert (res.output, res.exit_code) == ("the hidden test\n", 1), res
 
 
 CHECKS: dict[str, Callable[[Target, Make], None]] = {

@@ -64,7 +64,7 @@ TIMEOUT_KILL_WAIT_S = 5.0  # after a timeout, how long the server gets to report
 # exists), the sweep must spare the sessions it started and the processes marked with
 # BACKGROUND_ENV (children inherit the mark), reading NUL-separated environments, which only bash
 # can: the sh server then becomes the bash one (`exec`, still PID 1: _BASH_SERVER_SCRIPT, handed the
-# command's token and exit code) for the rest of the prompt.
+# command's token and exit code in its environment) for the rest of the prompt.
 _SERVER_SCRIPT = r"""
 [ "$$" = 1 ] || { echo "batch-runner: the command server is not in its own PID namespace" >&2; exit 97; }
 unset SHLVL
@@ -90,7 +90,9 @@ while IFS=' ' read -r seq tok has_in long; do
     # command killed at its deadline to its own stderr (/dev/null), not into the command's 2>&1.
     (exec "$sh" -c "$cmd" < "$in" 2>&1)
     rc=$?
-    [ -d "$keep_dir" ] && exec "$server_bash" --noprofile --norc -c "$bash_server" br-server "$1" "$2" "" "$4" "$5" "$tok" "$rc"
+    # The token in its environment, not its arguments: anyone may read /proc/1/cmdline (a process the
+    # command left could print the marker before the sweep), no command the server's own environment.
+    [ -d "$keep_dir" ] && br_tok=$tok br_rc=$rc exec "$server_bash" --noprofile --norc -c "$bash_server" br-server "$1" "$2" "" "$4" "$5"
     # Repeat until every other process is a zombie, so that a child forked during a round, or
     # killed but not yet gone, is dead before the marker. Zombies (orphans now ours) also answer
     # kill(-1) until the shell reaps them, so they do not count; builtins only: a fork would count.
@@ -111,7 +113,8 @@ done
 LONG_COMMAND_BYTES = 1024  # from here on the sh server reads a command with `cat` (~1 ms), not `read`
 
 # The bash server the sh server becomes once the process tool has been used (see above); given a
-# token and an exit code ($6, $7), it first finishes that command (the sweep, the marker).
+# token and an exit code (br_tok, br_rc in its environment), it first finishes that command (the sweep,
+# the marker).
 _BASH_SERVER_SCRIPT = r"""
 unset SHLVL
 ctl=$1 sh=$2 keep_dir=${TMPDIR:-/tmp}/$4 keep_env=$5
@@ -140,8 +143,8 @@ sweep() {
             p=${p#/proc/}
             case $p in 1 | $$) continue ;; esac
             { IFS= read -r st < "/proc/$p/stat"; } 2>/dev/null || continue  # gone meanwhile
-            set -- ${st##*) }  # state ppid pgrp session ...
-            [ "$1" = Z ] && continue
+            set -- ${st##*) }  # state ppid pgrp session ... num_threads (${18})
+            [ "$1" = Z ] && [ "${18}" -le 1 ] && continue  # Z with threads: only its first has exited
             kept "$p" "$4" 2>/dev/null
             case $?:$round in
                 0:*) continue ;;
@@ -152,7 +155,9 @@ sweep() {
         [ "$left$unsure" = 00 ] && return
     done
 }
-[ -z "$6" ] || { sweep; printf '\n[batch-runner-exit:%s]=%s\n' "$6" "$7"; }
+tok=${br_tok-} rc=${br_rc-}
+unset br_tok br_rc  # not in the commands' environment
+[ -z "$tok" ] || { sweep; printf '\n[batch-runner-exit:%s]=%s\n' "$tok" "$rc"; }
 while IFS=' ' read -r seq tok has_in long; do
     cmd=
     IFS= read -r -d '' cmd < "$ctl/$seq.cmd"

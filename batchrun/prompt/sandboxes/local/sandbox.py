@@ -436,11 +436,27 @@ class LocalSandbox(SandboxBackend):
     def _env(self) -> dict[str, str]:
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
         env.setdefault("PATH", os.defpath)
+        if self.isolation == "bwrap":
+            env["PATH"] = self._sandbox_path(env["PATH"])
         tmp = "/tmp" if self.isolation == "bwrap" else os.path.join(self._root or "", "tmp")
         env.update(HOME=self.workdir, TMPDIR=tmp)
         env.update(self.spec.env)
         env[TAG_VAR] = self._tag
         return env
+
+    def _sandbox_path(self, path: str) -> str:
+        """The runner's PATH without what the sandbox's commands may write in: a directory in its working
+        directory or /tmp (a host's ``/workspace/.venv/bin`` under the default ``/workspace``), an
+        empty or relative entry (the current directory). There the agent's ``python3`` or ``sh`` would
+        stand in for the system's when the verify runs, whatever its hidden test says."""
+        writable = (self.workdir, "/tmp", "/var/tmp")
+        kept = [
+            d
+            for d in path.split(":")
+            if d.startswith("/")
+            and not any(is_within(posixpath.normpath("/" + d.lstrip("/")), w) for w in writable)
+        ]
+        return ":".join(kept) or os.defpath
 
     def _link_server_shells(self) -> bool:
         """The execute-only shells the command server runs from, in this prompt's control directory
