@@ -86,7 +86,8 @@ __br_sweep() {{
         for __br_f in /proc/[0-9]*/stat; do
             {{ read -r __br_l < "$__br_f"; }} 2>/dev/null || continue
             set -- ${{__br_l##*) }}
-            [ "$3" = "$__br_g" ] && [ "$1" != Z ] || continue
+            # A zombie is dead already, but not one whose other threads run on (${{18}}: num_threads).
+            [ "$3" = "$__br_g" ] && {{ [ "$1" != Z ] || [ "${{18}}" -gt 1 ]; }} || continue
             __br_f=${{__br_f%/stat}}
             # One read decides: read twice, a marked process whose exec ended between the reads
             # looked unmarked the first time and not empty the second, and was killed. The braces:
