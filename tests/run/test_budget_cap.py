@@ -789,3 +789,16 @@ def test_two_invocations_started_in_one_second_are_two_entries_in_the_books():
     old_killed = {k: v for k, v in killed.items() if k != "invocation"}
     old_finished = {k: v for k, v in finished.items() if k != "invocation"}
     assert lost_runs(old_killed, [old_finished]) == []  # older files: by the second, as before
+
+
+def test_the_overshoot_in_usd_is_counted_as_the_budget_counts():
+    """overshoot_usd left out estimated_usd (answers without a cost, failed attempts at the price seen),
+    which the budget itself counts: a run past its budget by those said it was within it."""
+    from batchrun.run.recorder import Recorder
+    from batchrun.secrets import Redactor
+
+    recorder = Recorder(Path("unused"), "run", Redactor(None), budget_usd=1.0)
+    recorder.spend["cost_usd"] = 0.9
+    recorder.budget_estimated_usd = 0.3
+    recorder.earlier_usd = 0.1
+    assert recorder.budget_summary()["overshoot_usd"] == pytest.approx(0.3)
