@@ -960,26 +960,97 @@ WITHOUT_PTRACE = r"""
 import sys, tempfile
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox
+from batchrun.prompt.sandboxes.local.system_view import user_namespace_args
 box = LocalSandbox(SandboxSpec("noptrace", 0, network=True), isolation="bwrap", base_dir=tempfile.mkdtemp())
 box.start()
 try:
     ok = box.write_direct(box.workdir + "/f.txt", b"direct", make_parents=False)
-    print(box._own_shells, ok, box.run("cat f.txt; echo; echo done", timeout_s=30).output.split())
+    own = box._own_shells == bool(user_namespace_args())
+    print(own, ok, box.run("cat f.txt; echo; echo done", timeout_s=30).output.split())
+finally:
+    box.stop()
+"""
+
+
+def _without_ptrace(script: str, *args: str) -> subprocess.CompletedProcess:
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run without CAP_SYS_PTRACE")
+    return subprocess.run(
+        [setpriv, "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace", sys.executable, "-c", script, *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+
+
+@pytest.mark.bwrap
+def test_a_root_runner_without_cap_sys_ptrace_still_reaches_its_server(bwrap_available):
+    """Root without CAP_SYS_PTRACE (a container's default) cannot reach a non-dumpable server in its
+    own user namespace (its /proc/<pid>/root, its namespaces): the sandbox gets a user namespace of
+    its own, whose owner may, and the server runs from the execute-only shells; where bwrap cannot
+    make one, from the system's shells. Either way it works, files and network included."""
+    done = _without_ptrace(WITHOUT_PTRACE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True", "['direct',", "'done']"], done.stdout
+
+
+# The agent's last command takes the command server over in each way a command of the server's own
+# user and capabilities could: a request line written into its stdin pipe that names a command file
+# of the agent's (a loop that reads the requests after it and answers each with exit code 0), the
+# path of the shell it runs commands with rewritten in its memory (/proc/1/mem), ptrace.
+TAKE_OVER_POKE = r"""
+import re
+maps = open("/proc/1/maps").read().splitlines()
+with open("/proc/1/mem", "r+b", buffering=0) as mem:
+    for line in maps:
+        span, perms = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if "rw" in perms:
+            mem.seek(lo)
+            for m in re.finditer(rb"sh=/[^\0]{6,}\0", mem.read(hi - lo)):
+                mem.seek(lo + m.start())
+                mem.write(b"sh=/tmp/e\0")
+"""
+TAKE_OVER_LOOP = r"""while IFS=' ' read -r seq tok rest; do printf '\n[batch-runner-exit:%s]=0\n' "$tok"; done < /proc/1/fd/0"""
+TAKE_OVER = r"""
+import json, shlex, sys, tempfile
+from batchrun.prompt.sandboxes.base import SandboxSpec
+from batchrun.prompt.sandboxes.local import LocalSandbox
+from batchrun.scoring import judged_run, write_verify_files
+py, forge, poke, loop = sys.argv[1:5]
+attach = "import ctypes; ctypes.CDLL(None).ptrace(16, 1, 0, 0) == 0 and print('attached')"
+agent = (
+    f"printf '%s\n' {shlex.quote(loop)} > /tmp/evil.cmd; printf '#!/bin/sh\nexit 0\n' > /tmp/e; chmod +x /tmp/e; "
+    f"printf '../tmp/evil 0 0 1\n' > /proc/1/fd/0; {py} -c {shlex.quote(poke)}; {py} -c {shlex.quote(attach)}; exit 0"
+)
+box = LocalSandbox(SandboxSpec("takeover", 0, network=False), isolation="bwrap", base_dir=tempfile.mkdtemp())
+box.start()
+try:
+    took = box.run(agent, timeout_s=60)
+    ended = box.end_processes(30)
+    write_verify_files(box, [("/tmp/check.sh", "echo checked; exit 1\n")], 30)
+    verify = judged_run(box)("sh /tmp/check.sh", timeout_s=30)
+    forged = judged_run(box)(f"{py} -c {shlex.quote(forge)}", timeout_s=60)
+    print(json.dumps({"agent": took.output, "ended": ended, "verify": [verify.exit_code, verify.output],
+                      "forged": forged.exit_code}))
 finally:
     box.stop()
 """
 
 
 @pytest.mark.bwrap
-def test_a_root_runner_without_cap_sys_ptrace_runs_the_server_from_the_readable_shells(bwrap_available):
-    """Root without CAP_SYS_PTRACE (a container's default) could not reach a non-dumpable server (its
-    /proc/<pid>/root, its namespaces): the server runs from the system's shells there, and works."""
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("needs root and setpriv to run without CAP_SYS_PTRACE")
-    done = subprocess.run(
-        [setpriv, "--bounding-set=-sys_ptrace", sys.executable, "-c", WITHOUT_PTRACE],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+def test_a_root_runner_without_cap_sys_ptrace_keeps_its_server_out_of_the_commands_reach(bwrap_available):
+    """Without CAP_SYS_PTRACE the server ran from readable shells in the runner's user namespace: the
+    agent's command reopened its stdin pipe (/proc/1/fd/0) with a request of its own, and end_processes,
+    the hidden file's write and the failing verify then all answered exit 0 without running (writing
+    the server's memory or ptracing it did as much). In a user namespace of its own it is out of reach."""
+    userns = _without_ptrace("import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)",
+                             "bwrap", "--unshare-user", "--uid", "0", "--gid", "0", "--ro-bind", "/", "/", "true")  # fmt: skip
+    if userns.returncode != 0:
+        pytest.skip(f"bwrap cannot make a user namespace here: {userns.stderr.strip()[-200:]}")
+    done = _without_ptrace(TAKE_OVER, PY, FORGE_FROM_MEMORY, TAKE_OVER_POKE, TAKE_OVER_LOOP)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["False", "True", "['direct',", "'done']"], done.stdout
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "attached" not in seen["agent"], seen
+    assert seen["ended"] is None, seen
+    assert seen["verify"] == [1, "checked\n"], seen
+    assert seen["forged"] == 3, seen

@@ -41,6 +41,7 @@ from batchrun.prompt.sandboxes.local.process_tree import (
     spawn,
     wait_exited,
 )
+from batchrun.prompt.sandboxes.local.system_view import root_without_ptrace, user_namespace_args
 
 log = logging.getLogger(__name__)
 SERVER_READY_TIMEOUT_S = 20.0
@@ -186,8 +187,9 @@ def _server_shell() -> str:
 # copies of sh and bash that no one may read, only execute (mode 0111), hard-linked into each
 # prompt's control directory. The runner keeps its own access to the server (its /proc/<pid>/root and
 # namespaces) as long as it holds CAP_SYS_PTRACE over the server's user namespace: as the owner of
-# unprivileged bubblewrap's namespace, or as root with that capability. Elsewhere (root without it, in
-# a container, or a setuid bubblewrap) the server runs from the shells themselves, as before.
+# unprivileged bubblewrap's namespace, as root with that capability, or as root without it (in a
+# container) as the owner of a user namespace made for the sandbox (system_view.user_namespace_args).
+# Elsewhere (no such namespace, or a setuid bubblewrap) the server runs from the shells themselves.
 SERVER_SHELL_NAMES = ("sh", "bash")  # the copies' names, in the control directory
 
 
@@ -197,12 +199,7 @@ def _can_reach_non_dumpable() -> bool:
             return not os.stat(tool_path("bwrap")).st_mode & 0o4000  # setuid bwrap owns the namespace
         except (OSError, RuntimeError):
             return False
-    try:
-        with open("/proc/self/status") as f:
-            caps = next(line for line in f if line.startswith("CapEff:"))
-        return bool(int(caps.split()[1], 16) >> 19 & 1)  # CAP_SYS_PTRACE
-    except (OSError, StopIteration, ValueError):
-        return False
+    return not root_without_ptrace() or bool(user_namespace_args())  # the namespace's owner (see there)
 
 
 _shell_copies: dict[str, str | None] = {}

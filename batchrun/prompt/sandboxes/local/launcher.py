@@ -26,6 +26,7 @@ from batchrun.prompt.sandboxes.local.system_view import (
     private_cache_dir,
     shared_etc_view,
     system_mounts,
+    user_namespace_args,
 )
 
 SOURCE = Path(__file__).with_name("launcher.c")
@@ -39,6 +40,11 @@ def launcher_path() -> str | None:
     global problem
     problem = None
     if not ENABLED or os.geteuid() != 0:
+        return None
+    if user_namespace_args():
+        problem = (
+            "root without CAP_SYS_PTRACE: the sandbox gets a user namespace, which br-launch does not make"
+        )
         return None
     try:
         return _build()

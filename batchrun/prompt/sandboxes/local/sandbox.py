@@ -91,6 +91,7 @@ from batchrun.prompt.sandboxes.local.system_view import (
     run_files_lock,
     runtime_dir,
     system_mounts,
+    user_namespace_args,
 )
 from batchrun.protocol import PromptJob
 from batchrun.storage import pid_alive
@@ -559,7 +560,7 @@ class LocalSandbox(SandboxBackend):
             argv = [launch, "--newroot", newroot]
         else:
             argv = [tool_path("bwrap")]
-        argv += [*NAMESPACES, *system_mounts(etc_view)]
+        argv += [*NAMESPACES, *user_namespace_args(), *system_mounts(etc_view)]
         for path in system_sockets():
             if not (etc_view and is_within(path, "/etc")):  # the view has no sockets
                 argv += ["--ro-bind", "/dev/null", path]

@@ -8,6 +8,7 @@ import hashlib
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -19,6 +20,41 @@ NAMESPACES = (
     "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
     "--die-with-parent", "--new-session", "--as-pid-1", *(("--cap-drop", "ALL") if os.geteuid() == 0 else ()),
 )  # fmt: skip
+
+
+def root_without_ptrace() -> bool:
+    """Whether this process is root without ``CAP_SYS_PTRACE`` in its effective set (a container's default)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return not int(caps.split()[1], 16) >> 19 & 1
+    except (OSError, StopIteration, ValueError):
+        return False
+
+
+@functools.cache
+def user_namespace_args() -> tuple[str, ...]:
+    """bwrap's options for a user namespace of the sandbox's own (root mapped to root), for root
+    without CAP_SYS_PTRACE; else none. Such a runner cannot reach a non-dumpable command server
+    (command_server.server_shells) in its own user namespace, so the server ran from readable shells
+    there: any command could reopen its stdin pipe (/proc/1/fd/0), write its memory or ptrace it, and
+    every later command, the verify included, answered exit 0 without running. As the owner of the
+    sandbox's user namespace the runner holds every capability in it, CAP_SYS_PTRACE included; the
+    commands hold none. Probed once: none where bwrap cannot make one (the server as before)."""
+    if not root_without_ptrace() or shutil.which("bwrap") is None:
+        return ()
+    args = ("--unshare-user", "--uid", "0", "--gid", "0")
+    try:
+        done = subprocess.run(
+            ["bwrap", *args, "--ro-bind", "/", "/", "true"], capture_output=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return args if done.returncode == 0 else ()
+
+
 # The system, read-only: what commands need to run. Nothing else of the host is mounted.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 # Empty and read-only inside: plain directories of the sandbox's own root (bwrap's root is a fresh
