@@ -1054,3 +1054,20 @@ def test_a_root_runner_without_cap_sys_ptrace_keeps_its_server_out_of_the_comman
     assert seen["ended"] is None, seen
     assert seen["verify"] == [1, "checked\n"], seen
     assert seen["forged"] == 3, seen
+
+
+@pytest.mark.bwrap
+def test_the_start_warns_when_the_command_server_is_in_its_commands_reach(
+    bwrap_available, monkeypatch, capsys
+):
+    """Where the runner cannot reach a non-dumpable server (root without CAP_SYS_PTRACE and no user
+    namespace, a setuid bubblewrap), any command could take the server over: the start says so."""
+    from batchrun.prompt.sandboxes.local import sandbox as local_sandbox
+
+    LocalSandbox.preflight([], {"isolation": "bwrap"}, real_model=False, network=False)
+    assert "command server is in its commands' reach" not in capsys.readouterr().out
+    monkeypatch.setattr(local_sandbox, "can_reach_non_dumpable", lambda: False)
+    LocalSandbox.preflight([], {"isolation": "bwrap"}, real_model=False, network=False)
+    said = capsys.readouterr().out
+    assert "warning: the local sandbox's command server is in its commands' reach" in said, said
+    assert "do not train on this run's scores" in said

@@ -193,7 +193,9 @@ def _server_shell() -> str:
 SERVER_SHELL_NAMES = ("sh", "bash")  # the copies' names, in the control directory
 
 
-def _can_reach_non_dumpable() -> bool:
+def can_reach_non_dumpable() -> bool:
+    """Whether the runner can reach a non-dumpable command server (see above): else any command
+    could take the server over, and judging in this sandbox cannot be trusted."""
     if os.geteuid() != 0:
         try:
             return not os.stat(tool_path("bwrap")).st_mode & 0o4000  # setuid bwrap owns the namespace
@@ -214,7 +216,7 @@ def server_shells(directory: str) -> str | None:
         if directory in _shell_copies:
             return _shell_copies[directory]
         made = None
-        if _can_reach_non_dumpable():
+        if can_reach_non_dumpable():
             try:
                 made = tempfile.mkdtemp(prefix=f"br@{os.getpid()}-shells-", dir=directory)
                 for name, source in zip(SERVER_SHELL_NAMES, (_server_shell(), command_shell()), strict=True):

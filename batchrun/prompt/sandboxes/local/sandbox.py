@@ -49,6 +49,7 @@ from batchrun.prompt.sandboxes.local.command_server import (
     SERVER_READY_TIMEOUT_S,
     SERVER_SHELL_NAMES,
     CommandServer,
+    can_reach_non_dumpable,
     server_shells,
 )
 from batchrun.prompt.sandboxes.local.direct_files import DirectFiles
@@ -192,6 +193,13 @@ class LocalSandbox(SandboxBackend):
             f"Local sandbox isolation: {made_by} (system directories read-only; each prompt sees only its own "
             f"working directory and /tmp; own PID, network and IPC namespaces); network: {net}"
         )
+        if not can_reach_non_dumpable():
+            why = "a setuid bubblewrap" if os.geteuid() else "root without CAP_SYS_PTRACE, no user namespace"
+            print(
+                f"warning: the local sandbox's command server is in its commands' reach ({why}): any "
+                "command can take it over, and a failing verify then reports exit code 0 without running; "
+                "do not train on this run's scores (give the runner CAP_SYS_PTRACE, or run it as another user)"
+            )
         print(
             f"Per-prompt limits: {options.get('cpus')} CPU, {options.get('memory_mb')} MiB memory + "
             f"{options.get('disk_mb')} MiB per tmpfs (working directory, /tmp), {options.get('pids_limit')} "
