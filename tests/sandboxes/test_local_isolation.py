@@ -1038,6 +1038,7 @@ finally:
 
 
 @pytest.mark.bwrap
+@pytest.mark.slow  # ~1 min: two sandboxes started without br-launch, one attack each
 def test_a_root_runner_without_cap_sys_ptrace_keeps_its_server_out_of_the_commands_reach(bwrap_available):
     """Without CAP_SYS_PTRACE the server ran from readable shells in the runner's user namespace: the
     agent's command reopened its stdin pipe (/proc/1/fd/0) with a request of its own, and end_processes,
