@@ -45,7 +45,7 @@ from batchrun.run.preflight import (
     probe_mcp_servers,
     will_call_the_model,
 )
-from batchrun.run.recorder import Recorder, damaged_books, earlier_runs, earlier_spend, lost_runs
+from batchrun.run.recorder import Recorder, damaged_books, earlier_runs, lost_runs, spend_of
 from batchrun.run.resume import (
     all_samples,
     build_manifest,
@@ -386,11 +386,11 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
             f"warning: --resume: {no_run_here(config.run_dir)}; starting it from the first prompt",
             file=sys.stderr,
         )
-    # Read before this invocation writes its own: an earlier one killed (kill -9, a lost machine) left
-    # its spend there only (finish.lost_runs).
-    recorder.earlier_status = read_json_object(config.run_dir / "status.json")
-    # Carried in this invocation's status.json: killed in turn, it must not drop them from the books.
-    recorder.lost_runs = lost_runs(recorder.earlier_status, earlier_runs(config.run_dir / "statistics.json"))
+    # The invocations killed before their statistics.json (kill -9, a lost machine) left their spend in
+    # status.json only: read before this invocation writes its own, and carried in it (killed in turn, it
+    # must not drop them from the books), then written to statistics.json at the end.
+    earlier = earlier_runs(config.run_dir / "statistics.json")
+    recorder.lost_runs = lost_runs(read_json_object(config.run_dir / "status.json"), earlier)
     damaged = damaged_books(config.run_dir) if config.resume else None
     if damaged and (config.budget_tokens is not None or config.budget_usd is not None):
         # Counted as nothing, that spend would be budget again: only the user knows what it was.
@@ -402,7 +402,7 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     if damaged:
         print(f"warning: --resume: {damaged}; run_totals leave out what it held", file=sys.stderr)
     if config.resume:  # a run's budget holds all its invocations: what the earlier ones spent counts
-        recorder.earlier_tokens, recorder.earlier_usd = earlier_spend(config.run_dir, recorder.earlier_status)
+        recorder.earlier_tokens, recorder.earlier_usd = spend_of([*earlier, *recorder.lost_runs])
         problem = spent_budget(config, recorder.earlier_tokens, recorder.earlier_usd)
         if problem:
             raise UsageError(

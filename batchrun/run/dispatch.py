@@ -161,12 +161,7 @@ class Dispatch:
         self.budget = Budget(
             config.budget_tokens,
             config.budget_usd,
-            lambda: (
-                recorder.spend["total_tokens"]
-                + recorder.spend["unanswered_tokens"]
-                + recorder.earlier_tokens,
-                recorder.spend["cost_usd"] + recorder.earlier_usd,
-            ),
+            recorder.budget_spent,
         )
         recorder.reserved_tokens = lambda: sum(self.budget.reserved.values())
         self.usage_fault_warned = False

@@ -24,7 +24,7 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder, credible, earlier_runs, lost_runs
+from batchrun.run.recorder import Recorder, credible, earlier_runs
 from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
 from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
@@ -376,7 +376,7 @@ def statistics(
     failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
     this_run = this_run_totals(recorder)
     earlier = earlier_runs(run_dir / "statistics.json")
-    runs = [*earlier, *lost_runs(recorder.earlier_status, earlier), this_run]
+    runs = [*earlier, *recorder.lost_runs, this_run]  # lost_runs: read at the start, from the same files
     summary = totals.summary()
     # Lines skipped for their shape (or torn) in discarded.jsonl and failed.jsonl, beside the batch files'.
     summary["invalid_lines_skipped"] = {

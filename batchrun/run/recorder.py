@@ -111,7 +111,6 @@ class Recorder:
         # Which invocation this is, in its runs entry and its status.json: started_at is to the second,
         # and two invocations started in one second were one entry in the books.
         self.invocation = os.urandom(6).hex()
-        self.earlier_status: dict[str, Any] | None = None  # status.json as an earlier invocation left it
         # The runs entries of earlier invocations that wrote no statistics.json (lost_runs), carried in
         # this one's status.json until an invocation writes them there: a second kill would drop them.
         self.lost_runs: list[dict[str, Any]] = []
@@ -346,8 +345,7 @@ class Recorder:
         already under way when it was reached)."""
         tokens, usd = self.spend["total_tokens"], self.spend["cost_usd"]
         unanswered = int(self.spend["unanswered_tokens"])
-        all_tokens = tokens + unanswered + self.earlier_tokens
-        all_usd = usd + self.earlier_usd
+        all_tokens, all_usd = self.budget_spent()
         return {
             "tokens": self.budget_tokens,
             "usd": self.budget_usd,
@@ -386,14 +384,17 @@ class Recorder:
             "check_usd": round(self.checks["cost_usd"], 6),
         }
 
+    def budget_spent(self) -> tuple[int, float]:
+        """What the run's budget holds spent (tokens, USD): answered calls, failed attempts that may have
+        been billed, and the earlier invocations' spend (a --resume's)."""
+        tokens = self.spend["total_tokens"] + self.spend["unanswered_tokens"] + self.earlier_tokens
+        return tokens, self.spend["cost_usd"] + self.earlier_usd
+
     def budget_reached(self) -> bool:
         """Whether this run has spent its --budget_usd or --budget_tokens (checked after each outcome)."""
-        return (
-            self.budget_usd is not None and self.spend["cost_usd"] + self.earlier_usd >= self.budget_usd
-        ) or (
-            self.budget_tokens is not None
-            and self.spend["total_tokens"] + self.spend["unanswered_tokens"] + self.earlier_tokens
-            >= self.budget_tokens
+        tokens, usd = self.budget_spent()
+        return (self.budget_usd is not None and usd >= self.budget_usd) or (
+            self.budget_tokens is not None and tokens >= self.budget_tokens
         )
 
     @property
@@ -619,12 +620,9 @@ def _invocation(entry: dict[str, Any]) -> Any:
     return ("invocation", value) if isinstance(value, str) else ("started_at", entry.get("started_at"))
 
 
-def earlier_spend(run_dir: Path, status: dict[str, Any] | None) -> tuple[int, float]:
-    """What the earlier invocations of this run spent, as their ``runs`` entries say (those that wrote
-    statistics.json, and one killed before it could, from its last status.json): tokens (answered and
-    failed attempts that may have been billed) and USD. A run's budget holds all its invocations."""
-    runs = earlier_runs(run_dir / "statistics.json")
-    runs += lost_runs(status, runs)
+def spend_of(runs: list[dict[str, Any]]) -> tuple[int, float]:
+    """What the invocations of these ``runs`` entries spent: tokens (answered, and failed attempts that
+    may have been billed) and USD. A run's budget holds all its invocations."""
     tokens = sum(
         int(credible(r.get(k)))
         for r in runs
