@@ -249,6 +249,19 @@ def is_index(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def kept_line(record: dict[str, Any]) -> tuple[str, int, int] | None:
+    """(row identity, sample index, dataset line) of a kept record, the key :func:`superseded_discards`
+    matches a discard of the same sample at the same line by; None for a record of another shape (no
+    line to match a discard to)."""
+    index = record.get("prompt_index")
+    if not is_index(index):
+        return None
+    try:
+        return (*record_sample(record), index)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
 MERGE_SET_ASIDE = ("unknown_tool",)  # discards the merge writes of records that stay in their batch files
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import is_index, record_sample, superseded_discards
+from batchrun.identity import kept_line, superseded_discards
 from batchrun.record import read_score
 from batchrun.sharegpt import (
     parse_gpt_value,
@@ -269,11 +269,8 @@ def _samples(
         if rec is None:
             skipped["malformed lines"] += 1
             continue
-        if include_discarded and is_index(rec.get("prompt_index")):
-            try:
-                kept_at[(*record_sample(rec), rec["prompt_index"])] += 1
-            except (KeyError, TypeError, ValueError, AttributeError):
-                pass  # a record of another shape: no line to match a discard to
+        if include_discarded and (line := kept_line(rec)) is not None:
+            kept_at[line] += 1
         yield rec, None
     if not include_discarded:
         return

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import is_index, record_sample, superseded_discards
+from batchrun.identity import kept_line, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import wanted_from_duplicates
@@ -283,12 +283,9 @@ def prepare_trajectory(rec: dict[str, Any]) -> dict[str, Any]:
 def note_kept(data: RunData, rec: dict[str, Any]) -> None:
     """A record in the batch files (kept, or partial and left out by --exclude_partial): a discard of
     its sample at its line ran again before it, and no longer counts."""
-    index = rec.get("prompt_index")
-    if is_index(index):
-        try:
-            data.kept_at[(*record_sample(rec), index)] += 1
-        except Exception:  # a record of another shape: no line to match a discard to
-            pass
+    line = kept_line(rec)
+    if line is not None:
+        data.kept_at[line] += 1
 
 
 def add_excluded(data: RunData, rec: dict[str, Any]) -> None:
