@@ -49,6 +49,7 @@ from batchrun.storage import not_a_file, read_json_file
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
 MAX_TURNS = 100_000  # --max_turns and a row's own max_turns
+MIN_CPUS = 0.01  # --container_cpus: Docker refuses less; the local cgroup's quota cannot go below it
 MAX_DURATION_S = 7 * 24 * 3600.0  # a timeout longer than a week is a typo (1e11 s would overflow a timer)
 PID_MAX_LIMIT = 4_194_304  # the kernel's own highest pid_max
 DERIVED_MAX_TOKENS = 4096  # the per-call completion limit a budget run gets when --max_tokens is not set
@@ -457,7 +458,11 @@ class RunConfig:
         help="Local backend: auto (bubblewrap when it works), bwrap (required) or none.",
     )
     container_cpus: float = _flag(
-        float_flag(0, 1024, low_open=True), 1.0, group="sandbox", help="CPUs of one prompt's sandbox."
+        # 0.01: the least Docker takes, and a 1 ms quota a 100 ms period (the local cgroup's least)
+        float_flag(MIN_CPUS, 1024),
+        1.0,
+        group="sandbox",
+        help="CPUs of one prompt's sandbox (0.01 to the CPUs this run may use).",
     )
     container_memory_mb: int = _flag(
         int_flag(16, 1 << 24), 2048, group="sandbox", help="Memory of one prompt's sandbox, MiB."
@@ -790,6 +795,7 @@ class RunConfig:
         self.check_machine_bounds()
         self.ephemeral_prompt  # noqa: B018  (reads and checks the file now)
         self.check_scoring()
+        self.check_rates()
         self.check_flags_that_apply()
         check_output_dir(self.output_dir, self.run_name)
         if self.cwd_root is not None and not os.path.isdir(self.cwd_root):
@@ -864,6 +870,22 @@ class RunConfig:
             raise UsageError(
                 f"no API key for the judge at --judge_base_url={safe_url(url)}: set {var} "
                 "(the variable --judge_api_key_env names)"
+            )
+
+    def check_rates(self) -> None:
+        """A request rate under which no prompt could finish: each worker gets its share of --max_rpm
+        and spaces its requests evenly, so one request every 60 x workers / max_rpm seconds; a prompt
+        slower than that between two calls runs into --prompt_timeout before its second call (every
+        prompt failed, the first calls paid for, with --max_rpm=1e-300)."""
+        if self.max_rpm is None:
+            return
+        spacing = 60.0 * self.num_workers / self.max_rpm
+        if spacing >= self.prompt_timeout:
+            raise UsageError(
+                f"--max_rpm={self.max_rpm:g} with --num_workers={self.num_workers} lets each worker send one "
+                f"request every {spacing:,.4g} s, not less than --prompt_timeout={self.prompt_timeout:g}: "
+                "no prompt could make two model calls before its deadline; raise --max_rpm (at least "
+                f"{60.0 * self.num_workers / self.prompt_timeout:.3g}) or lower --num_workers"
             )
 
     def check_flags_that_apply(self) -> None:

@@ -164,3 +164,46 @@ def test_max_tokens_no_token_budget_can_hold_exits_2(tmp_path):
         RunConfig.from_flags(**base, budget_tokens=50)
     assert "--max_tokens" in str(info.value) and "--budget_tokens" in str(info.value)
     assert RunConfig.from_flags(**base, max_tokens=100, budget_tokens=1000).call_max_tokens == 100
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # The local cgroup's quota cannot go below 1 ms a 100 ms period: 0.0001 silently became 0.01 (100
+        # times what was asked); Docker refuses it at every container start.
+        ({"container_cpus": "0.0001"}, "--container_cpus must be a number from 0.01 to 1024, got 0.0001"),
+        # One request per worker every 1.2e302 s: every prompt failed at its second call, its first paid.
+        ({"max_rpm": "1e-300"}, "--max_rpm=1e-300 with --num_workers=4 lets each worker send one request"),
+        (
+            {"max_rpm": "0.1", "num_workers": "2", "prompt_timeout": "1200"},
+            "not less than --prompt_timeout=1200",
+        ),
+    ],
+)
+def test_sizes_and_rates_no_prompt_could_work_with_exit_2_naming_the_flag(tmp_path, flags, message):
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    with pytest.raises(UsageError) as info:
+        RunConfig.from_flags(
+            dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock", **flags
+        )
+    assert message in str(info.value)
+
+
+def test_the_least_cpus_and_a_slow_rate_that_still_works_are_taken(tmp_path):
+    from batchrun.config import RunConfig
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    config = RunConfig.from_flags(
+        dataset_file=str(ds),
+        batch_size=1,
+        run_name="r",
+        output_dir=str(tmp_path),
+        model="mock",
+        container_cpus="0.01",
+        max_rpm="1",  # 4 workers: one request every 240 s each, under the 1,800 s prompt timeout
+    )
+    assert (config.container_cpus, config.max_rpm) == (0.01, 1.0)
