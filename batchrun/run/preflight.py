@@ -34,7 +34,7 @@ REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: thi
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 
 
-def check_endpoint(cfg: LLMConfig, *, needs_cost: str | None = None) -> Usage:
+def check_endpoint(cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint") -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
     ``GET <base_url>/models`` first: a rejected key (401) stops here, and when the endpoint lists its
@@ -45,13 +45,14 @@ def check_endpoint(cfg: LLMConfig, *, needs_cost: str | None = None) -> Usage:
     the status and the server's own message, so no prompt sends a doomed request. ``needs_cost``
     (the flag: --budget_usd, --max_prompt_usd): the answer must report its cost, or the run could not
     keep that cap. Returns what
-    the check spent (its answer's usage, made credible): the run's spend and budget count it.
+    the check spent (its answer's usage, made credible): the run's spend and budget count it. ``who``:
+    how the messages name the endpoint (the judge's has its own check).
     """
-    list_models(cfg)
-    return check_chat(cfg, needs_cost=needs_cost)
+    list_models(cfg, who=who)
+    return check_chat(cfg, needs_cost=needs_cost, who=who)
 
 
-def list_models(cfg: LLMConfig) -> None:
+def list_models(cfg: LLMConfig, *, who: str = "the endpoint") -> None:
     client = httpclient.Client(request_headers(cfg.api_key, cfg.base_url))
     shown = safe_url(cfg.base_url)
     try:
@@ -63,9 +64,7 @@ def list_models(cfg: LLMConfig) -> None:
                 break
             except httpclient.StatusError as exc:
                 if exc.status_code == 401:
-                    raise UsageError(
-                        f"the endpoint {shown} rejected the API key (HTTP {exc.status_code})"
-                    ) from None
+                    raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None
                 return  # some servers have no /models; the start check's chat call tells
             except (httpclient.TransportError, httpclient.RequestTimeout, httpclient.InvalidRequest) as exc:
                 if attempt:
@@ -77,11 +76,13 @@ def list_models(cfg: LLMConfig) -> None:
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list):
         warn_unlisted_model(
-            cfg.model, [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            cfg.model,
+            [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)],
+            who=who,
         )
 
 
-def check_chat(cfg: LLMConfig, *, needs_cost: str | None = None) -> Usage:
+def check_chat(cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint") -> Usage:
     """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words.
     ``needs_cost``: an answer that reports no cost (``usage.cost``: OpenAI, vLLM and llama.cpp report
     none) is a UsageError too, naming that flag (--budget_usd, --max_prompt_usd), which the run could not keep: it would spend on
@@ -109,24 +110,24 @@ def check_chat(cfg: LLMConfig, *, needs_cost: str | None = None) -> Usage:
     except LLMError as exc:
         if exc.status in REFUSALS:
             raise UsageError(
-                f"the endpoint {shown} refused the start check (one minimal chat call with model {cfg.model!r}): "
+                f"{who} {shown} refused the start check (one minimal chat call with model {cfg.model!r}): "
                 f"{exc}"
             ) from None
         if exc.status == 429:
             print(
-                f"warning: the start check was rate limited by {shown}; the run starts and waits as it must",
+                f"warning: the start check was rate limited by {who} {shown}; the run starts and waits as it must",
                 file=sys.stderr,
             )
             return usage
         if exc.error_class == "context_limit":
             return usage  # the server is there and says so: the prompts will tell
-        raise UsageError(f"the endpoint {shown} failed the start check: {exc}") from None
+        raise UsageError(f"{who} {shown} failed the start check: {exc}") from None
     finally:
         client.close()
     if finish_kind(turn.finish_reason) == "unknown":
         said = "no finish_reason" if turn.finish_reason is None else f"finish_reason {turn.finish_reason!r}"
         why = (
-            f"the endpoint {shown} answered the start check with {said} (a proxy that drops it?): every final "
+            f"{who} {shown} answered the start check with {said} (a proxy that drops it?): every final "
             "answer like it is discarded (unknown_finish_reason), since nothing says it was not cut short"
         )
         if not cfg.stream:
@@ -159,13 +160,13 @@ def probe_mcp_servers(config: Any) -> McpSetup:
     return setup
 
 
-def warn_unlisted_model(model: str, listed: list[str]) -> bool:
+def warn_unlisted_model(model: str, listed: list[str], *, who: str = "the endpoint") -> bool:
     """Print one warning when ``listed`` (the endpoint's /models) is not empty and lacks ``model``."""
     if not listed or model in listed:
         return False
     shown = ", ".join(map(repr, listed[:5])) + (f" (and {len(listed) - 5} more)" if len(listed) > 5 else "")
     print(
-        f"warning: the endpoint does not list the requested model {model!r}; it lists {shown}. "
+        f"warning: {who} does not list the requested model {model!r}; it lists {shown}. "
         "Records keep the requested name in metadata.model and the one that answered in metadata.served_model",
         file=sys.stderr,
     )

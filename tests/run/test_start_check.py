@@ -249,3 +249,33 @@ def test_a_models_tool_calls_and_their_output_never_reach_the_terminal_as_contro
     err = capsys.readouterr().err
     assert "terminal(" in err and "A\\x9b2JB" in err and "# \\x9b8m" in err  # shown, not obeyed
     assert "\x9b" not in err
+
+
+@pytest.mark.parametrize("where", ["own_endpoint", "run_endpoint"])
+def test_a_judge_that_cannot_answer_exits_2_before_any_prompt(tmp_path, capsys, monkeypatch, where):
+    """--judge_model with a typo (or a key, or an endpoint, that refuses it): the run spent on every prompt
+    and every sample came back unscored (`score.status: error`), since only the run's own model had a
+    start check. The judge has its own now, on its own endpoint or the run's."""
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-456")
+
+    def answer(call: dict, calls: list[dict]):
+        if call["body"]["model"] == "judge-nope":
+            return 404, {"error": {"message": "The model `judge-nope` does not exist"}}
+        return 200, OK_REPLY
+
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps({"prompt": "task", "rubric": "r"}) + "\n")
+    with ScriptedEndpoint(answer) as run_ep, ScriptedEndpoint(answer) as judge_ep:
+        judge_url = judge_ep.base_url if where == "own_endpoint" else run_ep.base_url
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=run_ep.base_url, api_key=KEY,
+            scorer="judge", judge_model="judge-nope", judge_base_url=judge_url,
+        )  # fmt: skip
+        sent = [c for c in run_ep.calls + judge_ep.calls if not c["check"]]
+        checks = [c["body"]["model"] for c in run_ep.calls + judge_ep.calls if c["check"]]
+    err = capsys.readouterr().err
+    assert code == 2 and not sent, err
+    assert checks == ["m", "judge-nope"]
+    assert "the judge's endpoint" in err and "HTTP 404" in err and "judge-nope" in err
+    assert "sk-judge-secret-456" not in err and KEY not in err
+    assert not (tmp_path / "data" / "run").exists()
