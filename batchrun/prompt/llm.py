@@ -513,7 +513,7 @@ USER_AGENT = "batch-runner/0.1 (OpenAI-compatible client)"
 def endpoint_url(base_url: str, path: str) -> str:
     """``<base_url>/<path>``, the base's path prefix kept (``https://openrouter.ai/api/v1``), without
     the base's user and password (they go in a header, see :func:`request_headers`)."""
-    parts = urlsplit(safe_url(base_url))
+    parts = urlsplit(httpclient._safe_url(base_url))  # its query kept: it may carry the key (?api_key=)
     return parts._replace(path=parts.path.rstrip("/") + "/" + path).geturl()
 
 
@@ -991,8 +991,20 @@ def _encode(body: dict[str, Any], encoder: RequestEncoder | None = None) -> byte
 
 
 def safe_url(url: str) -> str:
-    """``url`` without a user or password (for every message and the start line)."""
-    return httpclient._safe_url(url)
+    """``url`` without a user or password, the values of its query's credentials (``?api_key=``,
+    ``&token=``) shown as ``[REDACTED]`` (for every message and the start line)."""
+    from batchrun.secrets import REDACTED, SECRET_PARAM  # batchrun.secrets imports this module
+
+    shown = httpclient._safe_url(url)
+    base, sep, query = shown.partition("?")
+    if not sep:
+        return shown
+    query, hash_, fragment = query.partition("#")
+    pairs = [
+        f"{p.partition('=')[0]}={REDACTED}" if SECRET_PARAM.search(p.partition("=")[0]) and "=" in p else p
+        for p in query.split("&")
+    ]
+    return f"{base}?{'&'.join(pairs)}{hash_}{fragment}"
 
 
 def _retry_after_s(exc: httpclient.StatusError) -> float | None:
