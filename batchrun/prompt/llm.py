@@ -592,6 +592,9 @@ class LLMClient:
         self._extra_body = cfg.request_extra_body()
         self._warned: set[str] = set()
         self._warn_lock = threading.Lock()
+        self._credentials: Any = (
+            None  # a Redactor of this client's key and URL credentials, made on its first error
+        )
         self.usd_per_token = (
             0.0  # the most an answer of this client cost per token (its failed attempts' price)
         )
@@ -748,7 +751,25 @@ class LLMClient:
         )
         return data
 
-    def _call(
+    def _call(self, *args: Any, **kwargs: Any) -> tuple[AssistantTurn, dict[str, Any]]:
+        """:meth:`_call_retrying`, its error's text without this client's own credentials: an endpoint
+        refusing them may quote them ("invalid key Bearer vk-..."), and a tool's error (vision, moa,
+        image_gen) goes to the run's model, another endpoint, in the conversation."""
+        try:
+            return self._call_retrying(*args, **kwargs)
+        except LLMError as exc:
+            exc.args = (self._without_credentials(str(exc)),)
+            raise
+
+    def _without_credentials(self, text: str) -> str:
+        if self._credentials is None:
+            from batchrun.secrets import Redactor, url_secrets  # batchrun.secrets imports this module
+
+            secrets = tuple(url_secrets(self.cfg.base_url))
+            self._credentials = Redactor(self.cfg.api_key, environ={}, secrets=secrets)
+        return self._credentials(text)
+
+    def _call_retrying(
         self,
         url: str,
         payload: bytes,
