@@ -592,9 +592,8 @@ class LLMClient:
         self._extra_body = cfg.request_extra_body()
         self._warned: set[str] = set()
         self._warn_lock = threading.Lock()
-        self._credentials: Any = (
-            None  # a Redactor of this client's key and URL credentials, made on its first error
-        )
+        # A Redactor of this client's key and URL credentials, made on its first error.
+        self._credentials: Any = None
         self.usd_per_token = (
             0.0  # the most an answer of this client cost per token (its failed attempts' price)
         )
