@@ -135,13 +135,14 @@ class BatchRunner:
         """Run (or, with ``resume``, continue) the batch; returns the exit code."""
         from batchrun.cli import run
 
+        config = None
         try:
             with self._config(resume=resume) as config:
                 return run(config)
         except UsageError as exc:  # what needs more than the arguments (the key, the run directory)
             from batchrun.cli import console_safe
 
-            print(console_safe(f"error: {exc}", self.flags.get("api_key")), file=sys.stderr)
+            print(console_safe(f"error: {exc}", self.flags, config), file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("\nInterrupted. Continue with run(resume=True).", file=sys.stderr)

@@ -55,7 +55,7 @@ from batchrun.run.resume import (
     resume_filter,
 )
 from batchrun.run.run_dir import check_run_dir
-from batchrun.secrets import Redactor, terminal_safe
+from batchrun.secrets import Redactor, terminal_safe, url_secrets
 from batchrun.storage import WriteError, read_json_object
 
 EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-only): the run stopped
@@ -74,6 +74,7 @@ def main(**flags: Any) -> int:
     4 an output file cannot be written, 5 the endpoint died (resume when it is back), 130 interrupted
     (called from Python, main returns the code instead of exiting).
     """
+    config = None
     try:
         config = RunConfig.from_flags(**flags)
         if config.list_distributions:
@@ -82,18 +83,29 @@ def main(**flags: Any) -> int:
             return 0
         return run(config)
     except UsageError as exc:
-        print(console_safe(f"error: {exc}", flags.get("api_key")), file=sys.stderr)
+        print(console_safe(f"error: {exc}", flags, config), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside the dispatch (preflight, merge): every written file is intact
         print("\nInterrupted. Continue with --resume.", file=sys.stderr)
         return 130
 
 
-def console_safe(message: str, api_key: Any = None) -> str:
+def console_safe(message: str, flags: dict[str, Any], config: RunConfig | None = None) -> str:
     """A message for the console with the run's secrets replaced: an endpoint's error may quote the key
-    it was sent (a start check refused with "invalid key Bearer sk-..."), and a flag's file or a
-    server's answer may hold any secret of the environment."""
-    return terminal_safe(Redactor(api_key if isinstance(api_key, str) else None)(message))
+    it was sent (a start check refused with "invalid key Bearer sk-..."), or the password of --base_url
+    in the Basic auth header, and a flag's file or a server's answer may hold any secret of the
+    environment. ``config``: the run's, when the flags made one (its redactor knows every secret);
+    else the key and the URLs' credentials among ``flags``."""
+    redact = None
+    if config is not None:
+        with contextlib.suppress(UsageError):  # a secret the config cannot read (a bad --mcp_config)
+            redact = Redactor.for_config(config)
+    if redact is None:
+        api_key = flags.get("api_key")
+        urls = [flags.get(name) for name in ("base_url", "judge_base_url")]
+        secrets = tuple(s for url in urls if isinstance(url, str) for s in url_secrets(url))
+        redact = Redactor(api_key if isinstance(api_key, str) else None, secrets=secrets)
+    return terminal_safe(redact(message))
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -346,6 +358,13 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
             "the OPENROUTER_API_KEY or OPENAI_API_KEY environment variable is safer",
             file=sys.stderr,
         )
+    for flag in ("base_url", "judge_base_url"):
+        if url_secrets(getattr(config, flag) or ""):
+            print(
+                f"warning: --{flag} holds a credential (a password, or a key in its query), visible to other "
+                "users of this machine (ps, /proc); it is redacted from every output",
+                file=sys.stderr,
+            )
     if config.ephemeral_system_prompt:
         print(
             "warning: --ephemeral_system_prompt is visible to other users of this machine (ps, /proc) for "

@@ -42,7 +42,7 @@ from batchrun.prompt.sandboxes import DEFAULT_BACKEND, backend_class
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags, usable_cpus
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
-from batchrun.secrets import ORDINARY
+from batchrun.secrets import ORDINARY, url_secrets
 from batchrun.sharegpt import parse_json
 from batchrun.storage import not_a_file, read_json_file
 
@@ -1164,14 +1164,12 @@ class RunConfig:
         }
 
     def secret_texts(self) -> list[str]:
-        """Secrets besides the key and the environment: the --base_url password, MCP servers' env and
-        header values (batchrun.secrets)."""
-        texts = []
-        creds = url_credentials(self.base_url)[1]
-        texts += [creds[1]] if creds and len(creds[1]) >= 4 else []  # the --base_url password
-        texts += [
-            v for server in self.mcp_servers for v in server.secrets() if v
-        ]  # MCP env and header values
+        """Secrets besides the key and the environment: the credentials of --base_url and
+        --judge_base_url (a password, a ?api_key=), MCP servers' env and header values and their URLs'
+        credentials (batchrun.secrets)."""
+        texts = [*url_secrets(self.base_url), *url_secrets(self.judge_base_url or "")]
+        for server in self.mcp_servers:  # MCP env and header values
+            texts += [v for v in server.secrets() if v] + url_secrets(server.url or "")
         texts += [self.judge_api_key or ""] if self.judge_model else []  # the judge's key, like the main one
         return [t for t in texts if t]
 

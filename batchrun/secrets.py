@@ -3,7 +3,10 @@
 :class:`Redactor` knows two kinds of text:
 
 * **secrets**: the run's API key, tool-provider keys and other secret-looking environment values,
-  MCP servers' env and header values. They are replaced wherever they appear in side files, logs and
+  MCP servers' env and header values, and the credentials a URL carries (:func:`url_secrets`: its
+  password, its query's keys and tokens) in the flags and in the environment (proxies, tools' URLs).
+  A secret written as an ``Authorization`` value (``Bearer <token>``, ``Basic <base64>``) counts with
+  its credential alone too: a server that refuses it quotes the token, not the header. They are replaced wherever they appear in side files, logs and
   messages, in every form they may take there: as written, JSON-escaped (once or twice), URL-quoted,
   base64-encoded (at any byte alignment, standard and URL-safe alphabets, across the line breaks of
   wrapped output) and in any letter case.
@@ -45,6 +48,12 @@ ORDINARY = re.compile(
     re.IGNORECASE,
 )
 REDACTED = "[REDACTED]"
+# Query parameters whose values are credentials: ?api_key=, ?key=, ?access_token=, ?sig= (a signed URL)...
+SECRET_PARAM = re.compile(r"key|token|secret|pass|auth|sig|cred", re.IGNORECASE)
+# A URL in an environment value (a proxy, a tool's endpoint, a database): any scheme.
+_URL_VALUE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
+# An Authorization-style value: the scheme, then the credential.
+_AUTH_VALUE = re.compile(r"(bearer|basic|token|bot|apikey|api-key|key|digest)\s+(\S+)", re.IGNORECASE)
 
 # Control characters but the line break and the tab: what an endpoint's error, a model id it lists or a
 # row's id could hold to drive the terminal (ESC sequences that set its title, clear it, hide text).
@@ -81,6 +90,39 @@ def looks_like_secret(value: str) -> bool:
     """Whether an environment value is a credential rather than an ordinary setting."""
     value = value.strip()
     return len(value) >= MIN_SECRET_CHARS and ORDINARY.fullmatch(value) is None
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials ``url`` carries: its password (``https://user:PASSWORD@host``) and the values of
+    its query parameters named like credentials (``?api_key=KEY``, ``&token=``), URL-unquoted. A model
+    client sends them to the endpoint, which may quote them back; a message may show the URL."""
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        password = parts.password
+    except ValueError:  # a URL urllib cannot read (a bad port, a bracket): its userinfo by hand
+        userinfo = url.partition("://")[2].rpartition("@")[0]
+        password = userinfo.partition(":")[2] or None if userinfo else None
+        parts = None
+    found = [urllib.parse.unquote(password)] if password else []
+    query = parts.query if parts is not None else url.partition("?")[2].partition("#")[0]
+    found += [v for k, v in urllib.parse.parse_qsl(query, keep_blank_values=False) if SECRET_PARAM.search(k)]
+    return [v for v in found if v]
+
+
+def _credentials(value: str) -> list[str]:
+    """The credential inside an Authorization-style value (``Bearer <token>``; ``Basic <base64>``: the
+    password it encodes), besides the value itself."""
+    m = _AUTH_VALUE.fullmatch(value.strip())
+    if m is None:
+        return []
+    found = [m.group(2)]
+    if m.group(1).lower() == "basic":
+        try:
+            user_pass = base64.b64decode(m.group(2), validate=True).decode("utf-8")
+        except ValueError:  # not base64, or not UTF-8: the token as it is
+            return found
+        found += [user_pass, user_pass.partition(":")[2]]
+    return [v for v in found if v]
 
 
 def _base64_forms(value: str) -> set[str]:
@@ -152,11 +194,22 @@ class Redactor:
         env = os.environ if environ is None else environ
         named = {k: v for k, v in env.items() if SECRET_NAME.search(k) and v}
         values = {v for v in named.values() if looks_like_secret(v)}
+        # A URL anywhere in the environment (HTTPS_PROXY=http://user:pw@..., VISION_BASE_URL=...?key=):
+        # its credentials, when they look like secrets (a word of a password would redact that word).
+        values |= {
+            c
+            for v in env.values()
+            if _URL_VALUE.match(v or "")
+            for c in url_secrets(v)
+            if looks_like_secret(c)
+        }
         # Variables that look like secrets by name but hold a word or a number: not patterns (said at start).
         self.ignored = sorted(k for k, v in named.items() if not looks_like_secret(v))
         if api_key and api_key != NO_KEY and len(api_key) >= 6:  # "x" for a local server is no secret
             values.add(api_key)
         values |= {v for v in secrets if isinstance(v, str) and len(v.strip()) >= MIN_SECRET_CHARS}
+        # "Bearer <token>" given as a header value or a variable: the token alone is a secret too.
+        values |= {c for v in list(values) for c in _credentials(v) if len(c.strip()) >= MIN_SECRET_CHARS}
         scaffold = {v for v in scaffolding if isinstance(v, str) and len(v.strip()) >= MIN_SCAFFOLD_CHARS}
         # Text forms match in any letter case (an upper-cased header, a title-cased log); base64 only
         # exactly, since its letter case is part of the encoding.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import read_jsonl, run, write_jsonl
 
 from batchrun.secrets import Redactor
@@ -87,8 +88,6 @@ def _everything_said_about(exc: BaseException) -> str:
 def test_errors_of_the_model_client_never_carry_the_key():
     """Every way a model call fails over HTTP: the key is in no error's text, repr, attributes or traceback."""
     import socket
-
-    import pytest
 
     from batchrun.fakes.fake_model import FakeModelServer
     from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError
@@ -183,3 +182,133 @@ def test_wrapped_base64_is_found_and_redacted_across_its_line_breaks():
     # Ordinary text with line breaks is no secret, and is left as it is.
     ordinary = "hello\nworld\n" * 50 + "Zq8x\nK2mP\n"
     assert not redact.finds_secret(json.dumps(ordinary)) and redact.sample(ordinary) == ordinary
+
+
+# ----------------------------------------------------------------------------- audit: credentials in URLs and headers
+
+URL_KEY = "qk-Query0Key-1122334455"  # ?api_key= of --base_url
+JUDGE_PASSWORD = "pw-Judge0Pass-99001122"  # the password of --judge_base_url (sent as Basic auth)
+BASE_PASSWORD = "pw-Base0Pass-55667788"  # the password of --base_url
+
+
+def _run_texts(run_dir, captured) -> dict[str, str]:
+    texts = {p.name: p.read_text("utf-8") for p in run_dir.iterdir() if p.is_file()}
+    texts["stdout"], texts["stderr"] = captured.out, captured.err
+    return texts
+
+
+def _leaks(texts: dict[str, str], *secrets: str) -> list[tuple[str, str]]:
+    """Where a secret shows, as written, URL-quoted or inside a Basic auth header."""
+    import base64
+    import re
+    import urllib.parse
+
+    found = []
+    for name, text in texts.items():
+        basic = [
+            base64.b64decode(m + "==").decode("utf-8", "replace")
+            for m in re.findall(r"Basic ([\w+/]+)", text)
+        ]
+        for secret in secrets:
+            if any(secret in t for t in (text, urllib.parse.unquote(text), *basic)):
+                found.append((name, secret))
+    return found
+
+
+def test_a_key_in_the_query_of_base_url_is_a_secret(server, tmp_path, capsys):
+    """--base_url=https://host/v1?api_key=KEY (Azure-style and key-in-URL gateways): the key was shown on
+    the start line and in the resume command, written to failed.jsonl and report.html when the endpoint
+    quoted the URL, and a reply quoting it was kept as a good sample in trajectories.jsonl."""
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl",
+        ["quote it [calls:0] [quote_auth]", "refused [error:401] [quote_auth]", "fine [calls:0]"],
+    )
+    out = tmp_path / "data"
+    run(server, dataset, out, base_url=f"{server.base_url}?api_key={URL_KEY}", api_key="", verbose=True)
+    run_dir = out / "run"
+    # The endpoint did get (and quote) it: the run used the URL as given.
+    assert server.stats()["requests"] >= 3
+    (discard,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert discard["reason"] == "secret_in_output" and "[REDACTED]" in json.dumps(discard)
+    kept = read_jsonl(run_dir / "trajectories.jsonl")
+    assert [r["conversations"][1]["value"] for r in kept] == ["fine [calls:0]"]
+    (failed,) = read_jsonl(run_dir / "failed.jsonl")
+    assert "api_key=[REDACTED]" in failed["error"]
+    texts = _run_texts(run_dir, capsys.readouterr())
+    assert "api_key=[REDACTED]" in texts["stdout"]  # the start line
+    assert _leaks(texts, URL_KEY) == []
+
+
+def test_the_judge_urls_password_and_query_key_never_reach_a_kept_sample(
+    server, tmp_path, monkeypatch, capsys
+):
+    """--judge_base_url=http://user:PASSWORD@host/v1?key=KEY and no judge key: the judge is called with Basic
+    auth. A judge that quotes its request's credentials put both into the kept record's score (the
+    trajectory was kept, in trajectories.jsonl) and into report.html."""
+    monkeypatch.delenv("JUDGE_API_KEY", raising=False)
+    judge_url = server.base_url.replace("http://", f"http://judge:{JUDGE_PASSWORD}@") + f"?key={URL_KEY}"
+    rows = [
+        {"prompt": "Grade me [calls:0] [quote_auth]", "rubric": "r"},
+        {"prompt": "plain [calls:0]", "rubric": "r"},
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    out = tmp_path / "data"
+    run(server, dataset, out, api_key="", scorer="judge", judge_model="judge-model", judge_base_url=judge_url)
+    run_dir = out / "run"
+    assert any(r["model"] == "judge-model" for r in server.stats()["last_requests"])
+    (discard,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert discard["reason"] == "secret_in_output"
+    kept = read_jsonl(run_dir / "trajectories.jsonl")
+    assert [r["conversations"][1]["value"] for r in kept] == ["plain [calls:0]"]
+    assert _leaks(_run_texts(run_dir, capsys.readouterr()), JUDGE_PASSWORD, URL_KEY) == []
+
+
+def test_an_endpoint_quoting_basic_auth_at_the_start_check_never_shows_the_password(tmp_path, capsys):
+    """--base_url=http://user:PASSWORD@host/v1 (no key: Basic auth) to an endpoint that refuses the start
+    check quoting the header it got: the console printed the password's base64 (console_safe knew the
+    key and the environment only, not the URL's credentials)."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["hi"])
+    with FakeModelServer(api_key="another-key", quote_auth=True) as refusing:
+        url = refusing.base_url.replace("http://", f"http://user:{BASE_PASSWORD}@")
+        with pytest.raises(SystemExit) as info:
+            run(refusing, dataset, tmp_path / "data", base_url=url, api_key="")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "refused the start check" in err and "auth=Basic " in err  # the endpoint did quote the header
+    assert _leaks({"stderr": err}, BASE_PASSWORD) == []
+
+
+def test_credentials_inside_headers_and_environment_urls_are_secrets():
+    """An MCP header 'Authorization: Bearer TOKEN' was a secret only as the whole value: a server that
+    quotes the token alone ('invalid token TOKEN') was not redacted, nor a sample holding it discarded.
+    A URL in the environment (a proxy's, a tool's endpoint) carries its own credentials."""
+    import base64
+
+    token = "tok-Mcp0Token-44556677"
+    basic = base64.b64encode(b"svc:pw-Header0Pass-123").decode()
+    redact = Redactor(None, environ={}, secrets=(f"Bearer {token}", f"Basic {basic}"))
+    for text in (f"invalid token {token}", "password pw-Header0Pass-123 refused"):
+        assert redact.finds_secret(text) and "Header0Pass" not in redact(text) and token not in redact(text)
+    env = {
+        "HTTPS_PROXY": "http://me:pw-Proxy0Pass-42@proxy:3128",
+        "VISION_BASE_URL": "https://vision.example/v1?model=gpt-4o-mini&access_token=at-Vision0Token-77",
+        "NOTE_URL": "https://docs.example/page?lang=en&page=12345678",  # no credential in it
+    }
+    redact = Redactor(None, environ=env)
+    assert redact("proxy said pw-Proxy0Pass-42, vision said at-Vision0Token-77") == (
+        "proxy said [REDACTED], vision said [REDACTED]"
+    )
+    assert not redact.finds_secret("gpt-4o-mini on page 12345678 in en")
+
+
+def test_safe_url_hides_the_credentials_of_a_query_but_requests_keep_them():
+    from batchrun.prompt.llm import endpoint_url, safe_url
+
+    url = f"https://u:pw@host/v1?api-version=2024-06-01&api_key={URL_KEY}&sig=abc#frag"
+    assert safe_url(url) == "https://host/v1?api-version=2024-06-01&api_key=[REDACTED]&sig=[REDACTED]#frag"
+    assert endpoint_url(url, "chat/completions") == (
+        f"https://host/v1/chat/completions?api-version=2024-06-01&api_key={URL_KEY}&sig=abc#frag"
+    )

@@ -64,6 +64,9 @@ Directives (written anywhere in the prompt text; they combine):
 ``[truncate]``           every response is partial content with ``finish_reason: "length"``, no calls
 ``[error:CODE]``         (server) every request answers HTTP CODE (400, 401, 404, 429, 500, any 4xx/5xx)
                          with an OpenAI-style ``{"error": {message, type, code}}`` body
+``[quote_auth]``         (server) the error message (with ``[error:CODE]``), else every reply's words,
+                         begin with the request's ``Authorization`` header and path (``auth=... url=...``),
+                         as a hostile or careless endpoint may quote the credentials it got
 ``[quote_request]``      (server) with ``[error:CODE]``: the error message quotes the request's
                          ``messages`` as JSON, as some endpoints do on a 400 (system prompt included)
 ``[retry_after:S]``      (server) with ``[error:429]``: ask for S seconds (``retry-after-ms``) instead of 1 ms
@@ -141,7 +144,7 @@ LAST_REQUESTS_KEPT = 50
 # ---------------------------------------------------------------------------------------------
 
 _FLAG_RE = re.compile(
-    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request"
+    r"\[(no_reasoning|scratchpad|reasoning_details|hallucinate|bad_json|garbage|hangup|loop|truncate|quote_request|quote_auth"
     r"|empty_answer|literal_tool_call|unclosed_think|think_in_reasoning|served_other|truncate_call|plain_body)\]"
 )
 _VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after|cut_stream):\s*([0-9]+(?:\.[0-9]+)?)\]")
@@ -162,6 +165,7 @@ class Directives:
     loop: bool = False
     truncate: bool = False
     quote_request: bool = False
+    quote_auth: bool = False
     empty_answer: bool = False
     literal_tool_call: bool = False
     unclosed_think: bool = False
@@ -671,6 +675,15 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.server.fake.api_key
         return key is None or self.headers.get("Authorization", "") == f"Bearer {key}"
 
+    def _unauthorized(self) -> None:
+        """401; with ``quote_auth`` its message quotes the credentials it got, as some proxies do."""
+        quoted = f": {self._credentials_seen()}" if self.server.fake.quote_auth else ""
+        self._error(401, f"{_ERROR_KINDS[401][2]}{quoted}" if quoted else None)
+
+    def _credentials_seen(self) -> str:
+        """What an endpoint that quotes its request's credentials says ([quote_auth], ``quote_auth``)."""
+        return f"auth={self.headers.get('Authorization', '')} url={self.path}"
+
     # -- routes ----------------------------------------------------------------------------
 
     def do_GET(self) -> None:  # noqa: N802
@@ -678,8 +691,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/stats":
             self._json(200, self.server.fake.stats())
         elif path in ("/v1/models", "/models"):
-            if not self._authorized():
-                self._error(401)
+            if not self._authorized() and not self.server.fake.quote_auth:  # such a gateway lists to anyone
+                self._unauthorized()
                 return
             model = {"id": MOCK_MODEL, "object": "model", "created": 0, "owned_by": "fake_model"}
             self._json(200, {"object": "list", "data": [model]})
@@ -698,7 +711,7 @@ class _Handler(BaseHTTPRequestHandler):
             # The runner's start check (one minimal chat call): answered like any, but counted apart
             # (``check_calls``, ``check_tokens``), so the other counters show the prompts' own calls.
             if not self._authorized():
-                self._error(401)
+                self._unauthorized()
                 return
             try:
                 completion = respond(json.loads(raw.decode("utf-8")))
@@ -726,7 +739,7 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(fake.latency_s)
         if not self._authorized():
             fake._count(401)
-            self._error(401)
+            self._unauthorized()
             return
         try:
             body = json.loads(raw.decode("utf-8"))
@@ -762,6 +775,8 @@ class _Handler(BaseHTTPRequestHandler):
             message = f"Scripted error {d.error} (mock directive [error:{d.error}])"
             if d.quote_request:
                 message = f"Invalid request: {json.dumps(messages)}"
+            if d.quote_auth:
+                message = f"{self._credentials_seen()} {message}"
             if d.error == 429 and d.retry_after is not None:
                 ms = str(int(d.retry_after * 1000))
                 self._json(429, error_body(429, message), {"retry-after-ms": ms})
@@ -786,6 +801,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         completion = respond(body)
         completion["created"] = int(time.time())
+        if d.quote_auth:
+            message = completion["choices"][0]["message"]
+            message["content"] = f"{self._credentials_seen()}\n{message.get('content') or ''}"
         if fake.cost_per_token > 0:
             usage = completion["usage"]
             usage["cost"] = round(usage["total_tokens"] * fake.cost_per_token, 10)
@@ -815,7 +833,7 @@ class _Handler(BaseHTTPRequestHandler):
         fake = self.server.fake
         if not self._authorized():
             fake._count(401)
-            self._error(401)
+            self._unauthorized()
             return
         try:
             body = json.loads(raw.decode("utf-8"))
@@ -876,11 +894,15 @@ class FakeModelServer:
         rate_limit_every: int = 0,
         ssl_context: Any = None,
         free: bool = False,
+        quote_auth: bool = False,
     ):
         """``cost_per_token`` > 0: answers carry OpenRouter-style ``usage.cost`` and ``provider``;
         ``free``: answers carry ``usage.cost`` 0 (``--model=mock`` under ``--budget_usd``: a free dry run);
         ``rate_limit_every`` = N > 0: every Nth chat request answers 429 (retry-after-ms: 50);
-        ``ssl_context`` (a server-side ``ssl.SSLContext``): serve HTTPS (``base_url`` says https)."""
+        ``ssl_context`` (a server-side ``ssl.SSLContext``): serve HTTPS (``base_url`` says https);
+        ``quote_auth``: a chat request without the right ``api_key`` is refused (401) quoting the
+        Authorization header it got, as some gateways do; the model listing then answers anyone."""
+        self.quote_auth = quote_auth
         self.cost_per_token = float(cost_per_token)
         self.free = free
         self.rate_limit_every = int(rate_limit_every)

@@ -513,7 +513,7 @@ USER_AGENT = "batch-runner/0.1 (OpenAI-compatible client)"
 def endpoint_url(base_url: str, path: str) -> str:
     """``<base_url>/<path>``, the base's path prefix kept (``https://openrouter.ai/api/v1``), without
     the base's user and password (they go in a header, see :func:`request_headers`)."""
-    parts = urlsplit(safe_url(base_url))
+    parts = urlsplit(httpclient._safe_url(base_url))  # its query kept: it may carry the key (?api_key=)
     return parts._replace(path=parts.path.rstrip("/") + "/" + path).geturl()
 
 
@@ -592,6 +592,8 @@ class LLMClient:
         self._extra_body = cfg.request_extra_body()
         self._warned: set[str] = set()
         self._warn_lock = threading.Lock()
+        # A Redactor of this client's key and URL credentials, made on its first error.
+        self._credentials: Any = None
         self.usd_per_token = (
             0.0  # the most an answer of this client cost per token (its failed attempts' price)
         )
@@ -748,7 +750,25 @@ class LLMClient:
         )
         return data
 
-    def _call(
+    def _call(self, *args: Any, **kwargs: Any) -> tuple[AssistantTurn, dict[str, Any]]:
+        """:meth:`_call_retrying`, its error's text without this client's own credentials: an endpoint
+        refusing them may quote them ("invalid key Bearer vk-..."), and a tool's error (vision, moa,
+        image_gen) goes to the run's model, another endpoint, in the conversation."""
+        try:
+            return self._call_retrying(*args, **kwargs)
+        except LLMError as exc:
+            exc.args = (self._without_credentials(str(exc)),)
+            raise
+
+    def _without_credentials(self, text: str) -> str:
+        if self._credentials is None:
+            from batchrun.secrets import Redactor, url_secrets  # batchrun.secrets imports this module
+
+            secrets = tuple(url_secrets(self.cfg.base_url))
+            self._credentials = Redactor(self.cfg.api_key, environ={}, secrets=secrets)
+        return self._credentials(text)
+
+    def _call_retrying(
         self,
         url: str,
         payload: bytes,
@@ -991,8 +1011,20 @@ def _encode(body: dict[str, Any], encoder: RequestEncoder | None = None) -> byte
 
 
 def safe_url(url: str) -> str:
-    """``url`` without a user or password (for every message and the start line)."""
-    return httpclient._safe_url(url)
+    """``url`` without a user or password, the values of its query's credentials (``?api_key=``,
+    ``&token=``) shown as ``[REDACTED]`` (for every message and the start line)."""
+    from batchrun.secrets import REDACTED, SECRET_PARAM  # batchrun.secrets imports this module
+
+    shown = httpclient._safe_url(url)
+    base, sep, query = shown.partition("?")
+    if not sep:
+        return shown
+    query, hash_, fragment = query.partition("#")
+    pairs = [
+        f"{p.partition('=')[0]}={REDACTED}" if SECRET_PARAM.search(p.partition("=")[0]) and "=" in p else p
+        for p in query.split("&")
+    ]
+    return f"{base}?{'&'.join(pairs)}{hash_}{fragment}"
 
 
 def _retry_after_s(exc: httpclient.StatusError) -> float | None:

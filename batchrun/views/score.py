@@ -93,10 +93,14 @@ def rescore(
     run_dir: Path, settings: ScoringSettings, name: str, judge: Any = None, distribution: str = ""
 ) -> dict[str, Any]:
     """Score every sample of the run again; write ``scores.<name>.jsonl`` and refresh statistics.json.
-    What is written is redacted of the judge's key (an endpoint's error may quote it)."""
-    from batchrun.secrets import Redactor
+    What is written is redacted of the judge's key and its URL's credentials (an endpoint's error may
+    quote them)."""
+    from batchrun.secrets import Redactor, url_secrets
 
-    redact = Redactor(settings.judge.api_key if settings.judge else None)
+    judge_url = settings.judge.base_url if settings.judge else ""
+    redact = Redactor(
+        settings.judge.api_key if settings.judge else None, secrets=tuple(url_secrets(judge_url))
+    )
     stats_path = run_dir / "statistics.json"
     stats = _stats_to_update(stats_path)  # before any write: one it cannot read is never replaced
     lines = []

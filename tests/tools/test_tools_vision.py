@@ -133,3 +133,14 @@ def test_agent_loop_with_vision(fake_web, tool_ctx, run_tool_loop):
     tool = next(m for m in messages if m["role"] == "tool")
     assert tool["name"] == "vision_analyze"
     assert "image/png 8x6" in json.loads(tool["content"])["analysis"]
+
+
+def test_an_endpoint_quoting_the_vision_key_never_shows_it_to_the_model(tools_llm, tool_ctx, call_tool):
+    """The vision endpoint's 401 quoting the key it got went into the tool's result, which the run's model,
+    another endpoint, reads in the next request: the vision provider's key was sent to it."""
+    key, token = "vk-Vision0Key-31415926", "at-Vision0Token-2718"
+    ctx = tool_ctx({"VISION_BASE_URL": f"{tools_llm.base_url}?access_token={token}", "VISION_API_KEY": key})
+    png = "data:image/png;base64," + base64.b64encode(make_png(2, 2, BLUE)).decode()
+    out = call_tool(ctx, "vision_analyze", image_url=png, question="x [error:401] [quote_auth]")
+    assert "HTTP 401" in out["error"] and "auth=Bearer [REDACTED]" in out["error"]  # it was quoted
+    assert key not in out["error"] and token not in out["error"]

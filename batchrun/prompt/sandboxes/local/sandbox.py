@@ -163,7 +163,8 @@ class LocalSandbox(SandboxBackend):
             print(
                 f"warning: the local sandbox has NO isolation ({problem or '--local_isolation=none'}): commands "
                 "run on this machine as this user, in a private directory, or in a row's cwd under --cwd_root "
-                f"({options.get('cwd_root')})"
+                f"({options.get('cwd_root')}); they can read this user's files and the runner's environment "
+                "(/proc/<pid>/environ: the API key), and the model sees what they print"
             )
             bad = [
                 (j, why) for j in jobs if j.cwd and (why := host_cwd_problem(j.cwd, options.get("cwd_root")))
