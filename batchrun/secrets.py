@@ -48,8 +48,13 @@ ORDINARY = re.compile(
     re.IGNORECASE,
 )
 REDACTED = "[REDACTED]"
-# Query parameters whose values are credentials: ?api_key=, ?key=, ?access_token=, ?sig= (a signed URL)...
-SECRET_PARAM = re.compile(r"key|token|secret|pass|auth|sig|cred", re.IGNORECASE)
+# Query parameters whose values are credentials, by how their names end: ?api_key=, ?key=, ?apiKey=,
+# ?access_token=, ?client_secret=, ?password=, ?sig=, ?X-Amz-Signature=, ?X-Goog-Credential=; not
+# ?keyword=, ?passage=, ?author= or ?signal= (a search's words are no secret).
+SECRET_PARAM = re.compile(
+    r"(?:key|token|secret|pass|passwd|password|pwd|auth|authorization|sig|signature|credentials?)$",
+    re.IGNORECASE,
+)
 # A URL in an environment value (a proxy, a tool's endpoint, a database): any scheme.
 _URL_VALUE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 # An Authorization-style value: the scheme, then the credential.

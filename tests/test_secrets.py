@@ -312,3 +312,18 @@ def test_safe_url_hides_the_credentials_of_a_query_but_requests_keep_them():
     assert endpoint_url(url, "chat/completions") == (
         f"https://host/v1/chat/completions?api-version=2024-06-01&api_key={URL_KEY}&sig=abc#frag"
     )
+
+
+def test_query_parameters_that_only_contain_a_credential_word_are_no_secrets():
+    """?keyword=, ?passage=, ?author=, ?signal= hold search words, not credentials: a sample quoting them
+    must not be discarded as secret_in_output."""
+    from batchrun.secrets import url_secrets
+
+    assert (
+        url_secrets("https://h/?keyword=abcdefgh123&passage=zzzzzzzz99&author=x12345678&signal=1234567x")
+        == []
+    )
+    assert url_secrets("https://h/?apiKey=abcd1234efgh&X-Amz-Signature=abc123def456") == [
+        "abcd1234efgh",
+        "abc123def456",
+    ]
