@@ -107,3 +107,24 @@ def test_a_sandbox_that_cannot_work_here_exits_2_before_the_start_check(
     stats = server.stats()
     assert stats["check_calls"] == 0 and stats["requests"] == 0
     assert not (tmp_path / "data" / "run").exists()
+
+
+def test_rows_whose_cwd_a_bubblewrap_sandbox_cannot_have_are_named_by_line(tmp_path, capsys, server):
+    """The start's warning counted them ("2 prompt(s) name a cwd ...") without saying which: the user had
+    to search the dataset for them. It names their lines, as a bad line is named."""
+    import json
+
+    from helpers import run
+
+    from batchrun.prompt.sandboxes.local import local_isolation_available
+
+    if not local_isolation_available():
+        pytest.skip("needs bubblewrap")
+    dataset = tmp_path / "d.jsonl"
+    rows = [{"prompt": "ok [calls:0]"}, {"prompt": "x", "cwd": "/proc"}, {"prompt": "y", "cwd": "/usr/lib"}]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run(server, dataset, tmp_path / "data", sandbox="local", local_isolation="bwrap")
+    out = capsys.readouterr()
+    warning = next(line for line in (out.out + out.err).splitlines() if "name a cwd" in line)
+    assert f"{dataset}:2: cwd '/proc' would replace" in warning, warning
+    assert f"{dataset}:3: cwd '/usr/lib' lies in the read-only system directory" in warning, warning

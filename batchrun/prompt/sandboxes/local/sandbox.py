@@ -95,6 +95,7 @@ from batchrun.prompt.sandboxes.local.system_view import (
     user_namespace_args,
 )
 from batchrun.protocol import PromptJob
+from batchrun.secrets import terminal_safe
 from batchrun.storage import pid_alive
 
 # A sandbox's directory made outside a run directory (see start), and the parent cgroup of such
@@ -212,8 +213,13 @@ class LocalSandbox(SandboxBackend):
             if j.cwd and (why := sandbox_cwd_problem(j.cwd))
         }
         if failed:
+            # prompt_index is the row's 0-based line in the dataset: name the first lines, as bad lines are
+            shown = sorted(failed.items())[:5]
+            lines = "; ".join(f"{dataset}:{i + 1}: {why.removeprefix('local sandbox: ')}" for i, why in shown)
+            more = f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""
             print(
-                f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a model call"
+                f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a "
+                f"model call: {terminal_safe(lines)}{more}"
             )
         return Preflight(isolation="bwrap", failed=failed)
 
