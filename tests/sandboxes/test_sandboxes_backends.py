@@ -623,6 +623,60 @@ def test_host_services_through_the_bridge_gateway(docker_box, host_service: int,
         assert "eth0" not in box.run("ip -o addr", timeout_s=30).output  # loopback alone: no route anywhere
 
 
+@pytest.mark.docker
+@pytest.mark.parametrize("net_raw", [False, True], ids=["default", "net_raw-kept"])
+def test_docker_containers_have_no_raw_sockets_and_still_reach_the_network(docker_box, host_service, net_raw):
+    """With Docker's CAP_NET_RAW, root in a container forged ARP replies on the bridge (the host's entry
+    for another container's address took the sender's MAC: its traffic went to the sender)."""
+    gateway = bridge_gateway()
+    box = docker_box(index=47, options={"net_raw": True} if net_raw else None)
+    res = box.run(f"arping -c 1 -w 2 -I eth0 {gateway}", timeout_s=30)  # a packet socket
+    if net_raw:
+        assert res.exit_code == 0, res
+    else:
+        assert (res.exit_code, "socket: Operation not permitted" in res.output) == (1, True), res
+    fetch = f'printf "GET / HTTP/1.0\\r\\n\\r\\n" | nc -w 5 {gateway} {host_service}'
+    assert "host-secret-service" in box.run(fetch, timeout_s=30).output
+
+
+# ping GATEWAY: one ICMP echo through a ping socket (SOCK_DGRAM, IPPROTO_ICMP), as iputils ping sends
+# it without CAP_NET_RAW: exit 0 once the reply came.
+PING = r"""
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/ip_icmp.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+int main(int argc, char **argv) {
+    int s = socket(AF_INET, SOCK_DGRAM, IPPROTO_ICMP);
+    if (s < 0) { perror("socket"); return 2; }
+    struct timeval tv = {3, 0};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    struct sockaddr_in to = {.sin_family = AF_INET};
+    inet_pton(AF_INET, argv[1], &to.sin_addr);
+    struct icmphdr echo = {.type = ICMP_ECHO, .un.echo.sequence = htons(1)};
+    if (sendto(s, &echo, sizeof echo, 0, (struct sockaddr *)&to, sizeof to) < 0) { perror("sendto"); return 3; }
+    unsigned char reply[1500];
+    if (recv(s, reply, sizeof reply, 0) < (long)sizeof echo || reply[0] != ICMP_ECHOREPLY) { perror("recv"); return 4; }
+    puts("echo reply");
+    return 0;
+}
+"""
+
+
+@pytest.mark.docker
+def test_docker_ping_sockets_work_without_net_raw(docker_box, tmp_path: Path):
+    """What iputils ping needs (Debian's, Ubuntu's): the engine opens ping sockets to every group.
+    busybox's ping (Alpine's) opens a raw socket only: it fails, "permission denied (are you root?)"."""
+    ping = static_program(tmp_path, PING)
+    gateway = bridge_gateway()
+    box = docker_box(index=48)
+    assert box.run_exec("cat > /ping && chmod 755 /ping", timeout_s=60, stdin=ping).exit_code == 0
+    assert box.run(f"/ping {gateway}", timeout_s=30).output == "echo reply\n"
+    assert "permission denied" in box.run(f"ping -c 1 -W 2 {gateway}", timeout_s=30).output
+
+
 def _inspect(container_id: str) -> dict:
     from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 

@@ -130,6 +130,10 @@ class DockerOptions:
     disk_cap: str = "auto"
     lifetime_s: float = 4200.0  # a container ends itself after this long, whatever the runner does
     cgroup_parent: str = ""  # the run's cgroup holding its containers together (engine.make_run_cgroup)
+    # Keep Docker's CAP_NET_RAW: raw and packet sockets, with which root in a container forges ARP
+    # replies on the bridge and takes other prompts' traffic. ICMP needs none (the engine opens
+    # ping sockets to every group: iputils ping works); busybox's ping (Alpine's) does.
+    net_raw: bool = False
 
     def __post_init__(self) -> None:
         positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes")
@@ -336,6 +340,7 @@ class DockerSandbox(SandboxBackend):
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
             "pids_limit": opts.pids_limit,
+            **({} if opts.net_raw else {"cap_drop": ["NET_RAW"]}),
             # The OOM killer's first pick, before the runner or anything else of the host's: memory
             # pressure no cgroup bounds (an engine without the run's cgroup) ends prompts first.
             "oom_score_adj": 1000,
