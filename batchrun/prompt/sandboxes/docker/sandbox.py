@@ -67,6 +67,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
     LABEL_OWNER,
     LABEL_RUN,
+    NOT_PULLED,
     check_engine,
     default_owner,
     docker_client,
@@ -193,7 +194,8 @@ class DockerSandbox(SandboxBackend):
         network: bool,
         dataset: str = "the dataset",
     ) -> Preflight:
-        """The engine answers; every image is present or pulled once, up front (never inside a worker)."""
+        """The engine answers; every image is present, or pulled once up front (never inside a worker)
+        once the endpoint's start check passed (``after_check``): a wrong key is found before the pulls."""
         try:
             version = check_engine()
         except Exception as exc:
@@ -203,42 +205,21 @@ class DockerSandbox(SandboxBackend):
         wanted = sorted({j.image or default for j in jobs})
         if not wanted:
             return Preflight(isolation="docker")
-        print(f"Checking {len(wanted)} image(s); missing ones are pulled once")
-        status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"))
-        width = max(len(i) for i in wanted)
-        for image in wanted:
-            state = "ready" if status[image] is None else f"NOT AVAILABLE: {status[image]}"
-            print(f"  {image:<{width}}  {state}")
-        failed = {
-            j.prompt_index: f"image {(j.image or default)!r} not available: {status[j.image or default]}"
-            for j in jobs
-            if status[j.image or default] is not None
-        }
-        if failed:
-            print(
-                f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
-                "missing; --resume runs them once it exists"
-            )
-        cap = options.get("disk_cap", "auto")
-        if cap == "auto":
-            usable = next((i for i in wanted if status[i] is None), None)
-            cap = "storage-opt" if usable is not None and storage_size_supported(usable) else "tmpfs"
-        mb = options.get("disk_mb", 4096)
-        if cap == "storage-opt":
-            in_force = f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
-        else:
-            in_force = (
-                f"tmpfs {tmpfs_size_mb(mb, options.get('memory_mb', 2048))} MiB at the working directory (the "
-                "engine cannot cap a container's layer; a tmpfs lives in the container's memory: at most half "
-                "of --container_memory_mb)"
-            )
-        print(f"Docker disk cap per container: {in_force}")
-        return Preflight(
-            isolation="docker",
-            failed=failed,
-            options={**options, "disk_cap": cap},
-            facts={"sandbox_disk_cap": in_force},
+        print(
+            f"Checking {len(wanted)} image(s); missing ones are pulled once, after the endpoint's start check"
         )
+        status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"), pull=False)
+        missing = [image for image in wanted if status[image] == NOT_PULLED]
+        found = _image_states(jobs, default, status)
+        if not missing:
+            return _with_disk_cap(found, options, status)
+
+        def pull() -> Preflight:
+            print(f"Pulling {len(missing)} missing image(s)")
+            pulled = ensure_images(missing, max_concurrent=4, progress=lambda m: print(f"  {m}"))
+            return _with_disk_cap(_image_states(jobs, default, pulled), options, {**status, **pulled})
+
+        return Preflight(isolation="docker", failed=found.failed, after_check=pull)
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
@@ -727,6 +708,49 @@ class DockerSandbox(SandboxBackend):
                     time.sleep(min(left, 0.02))
         except DockerException as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
+
+
+def _image_states(jobs: Sequence[PromptJob], default: str, status: dict[str, str | None]) -> Preflight:
+    """Print each image's state (``status``: ensure_images'); the jobs whose image is not available fail."""
+    width = max(len(i) for i in status)
+    for image, why in status.items():
+        state = "ready" if why is None else "missing" if why == NOT_PULLED else f"NOT AVAILABLE: {why}"
+        print(f"  {image:<{width}}  {state}")
+    failed = {
+        j.prompt_index: f"image {(j.image or default)!r} not available: {status[j.image or default]}"
+        for j in jobs
+        if status.get(j.image or default) not in (None, NOT_PULLED)
+    }
+    if failed:
+        print(
+            f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
+            "missing; --resume runs them once it exists"
+        )
+    return Preflight(isolation="docker", failed=failed)
+
+
+def _with_disk_cap(found: Preflight, options: dict[str, Any], status: dict[str, str | None]) -> Preflight:
+    """``found`` with the disk cap in force ("auto": asked of the engine with a ready image of ``status``)."""
+    cap = options.get("disk_cap", "auto")
+    if cap == "auto":
+        usable = next((i for i in sorted(status) if status[i] is None), None)
+        cap = "storage-opt" if usable is not None and storage_size_supported(usable) else "tmpfs"
+    mb = options.get("disk_mb", 4096)
+    if cap == "storage-opt":
+        in_force = f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
+    else:
+        in_force = (
+            f"tmpfs {tmpfs_size_mb(mb, options.get('memory_mb', 2048))} MiB at the working directory (the "
+            "engine cannot cap a container's layer; a tmpfs lives in the container's memory: at most half "
+            "of --container_memory_mb)"
+        )
+    print(f"Docker disk cap per container: {in_force}")
+    return Preflight(
+        isolation="docker",
+        failed=found.failed,
+        options={**options, "disk_cap": cap},
+        facts={"sandbox_disk_cap": in_force},
+    )
 
 
 def tmpfs_size_mb(disk_mb: int, memory_mb: int) -> int:
