@@ -40,6 +40,7 @@ from batchrun.run.forkserver import start_forkserver
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import (
     check_endpoint,
+    finish_sandbox_preflight,
     preflight_sandboxes,
     prepare_sandboxes,
     probe_mcp_servers,
@@ -258,6 +259,8 @@ def run_steps(
             check = check_endpoint(judge, needs_cost=needs_cost, who="the judge's endpoint")
             if check.calls:
                 recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
+    # The backend's slow steps (Docker's pulls) after the start check: a wrong key costs seconds, not them.
+    preflighted = finish_sandbox_preflight(preflighted)
     preflighted = prepare_sandboxes(
         preflighted, config.backend, run_name=config.run_name, workers_here=not config.ray_address
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from batchrun.config import UsageError
@@ -25,7 +26,7 @@ from batchrun.prompt.llm import (
     safe_url,
 )
 from batchrun.prompt.sandboxes import backend_class
-from batchrun.prompt.sandboxes.base import SetupError
+from batchrun.prompt.sandboxes.base import Preflight, SetupError
 from batchrun.prompt.tools.mcp import McpConfigError, McpSetup, probe
 from batchrun.protocol import PromptJob
 from batchrun.secrets import Redactor
@@ -182,6 +183,7 @@ class Preflighted:
     isolation: str
     sandbox_options: dict[str, Any]
     sandbox_facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    after_check: Callable[[], Preflight] | None = None  # the backend's slow rest: finish_sandbox_preflight
 
 
 def preflight_sandboxes(
@@ -194,14 +196,32 @@ def preflight_sandboxes(
     dataset: str,
 ) -> Preflighted:
     """The backend's preflight, before the start check (a backend that cannot work here costs no token);
-    prompts it cannot run fail without a model call. :func:`prepare_sandboxes` follows the start check."""
+    prompts it cannot run fail without a model call. Its slow rest (image pulls) waits for
+    :func:`finish_sandbox_preflight`, after the start check; :func:`prepare_sandboxes` follows."""
     try:
         found = backend_class(backend).preflight(
             [j for b in batches for j in b], options, real_model=real_model, network=network, dataset=dataset
         )
     except SetupError as exc:
         raise UsageError(str(exc)) from None
-    options = found.options if found.options is not None else options
+    return _found(Preflighted(batches=batches, isolation=found.isolation, sandbox_options=options), found)
+
+
+def finish_sandbox_preflight(preflighted: Preflighted) -> Preflighted:
+    """The backend's slow preflight steps (Docker's image pulls), once the start check passed: a wrong
+    key or model exits 2 in seconds, not after minutes of pulls."""
+    if preflighted.after_check is None:
+        return preflighted
+    try:
+        found = preflighted.after_check()
+    except SetupError as exc:
+        raise UsageError(str(exc)) from None
+    return _found(dataclasses.replace(preflighted, after_check=None), found)
+
+
+def _found(preflighted: Preflighted, found: Preflight) -> Preflighted:
+    """``preflighted`` with what a backend's preflight (or its rest) found laid over it."""
+    batches = preflighted.batches
     if found.failed:
         batches = [
             [
@@ -212,8 +232,13 @@ def preflight_sandboxes(
             ]
             for batch in batches
         ]
-    return Preflighted(
-        batches=batches, isolation=found.isolation, sandbox_options=options, sandbox_facts=found.facts
+    return dataclasses.replace(
+        preflighted,
+        batches=batches,
+        isolation=found.isolation,
+        sandbox_options=found.options if found.options is not None else preflighted.sandbox_options,
+        sandbox_facts={**preflighted.sandbox_facts, **found.facts},
+        after_check=found.after_check,
     )
 
 

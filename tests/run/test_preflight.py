@@ -128,3 +128,90 @@ def test_rows_whose_cwd_a_bubblewrap_sandbox_cannot_have_are_named_by_line(tmp_p
     warning = next(line for line in (out.out + out.err).splitlines() if "name a cwd" in line)
     assert f"{dataset}:2: cwd '/proc' would replace" in warning, warning
     assert f"{dataset}:3: cwd '/usr/lib' lies in the read-only system directory" in warning, warning
+
+
+# ----------------------------------------------------------------------------- audit: Docker's pulls after the start check
+
+
+class Registry:
+    """A "registry" on a loopback port that records each connection: ``hang`` keeps it open unanswered
+    (a pull would wait on it for minutes), else it closes it (the pull fails at once)."""
+
+    def __init__(self, *, hang: bool):
+        import socket
+        import threading
+
+        self.connected: list[float] = []  # time.monotonic() of each connection
+        self._held: list = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._hang = hang
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import time
+
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connected.append(time.monotonic())
+            self._held.append(conn) if self._hang else conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+        for conn in self._held:
+            conn.close()
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("status", [401, 200])
+def test_docker_pulls_come_after_the_start_check(tmp_path, capsys, docker_test_image, status):
+    """Docker's preflight pulled every missing image before the start check: a wrong key was found only
+    after the pulls (here 25 s on a registry that never answers). Now the image's presence is
+    checked first, the pull follows a start check that passed, and a refused one exits 2 without it."""
+    import json
+    import time
+
+    from docker.errors import ImageNotFound
+    from helpers import ScriptedEndpoint, exit_code
+
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    checked: list[float] = []
+
+    def answer(call: dict, calls: list[dict]):
+        checked.append(time.monotonic())
+        if status == 200:
+            return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "OK"}}]}
+        return 401, {"error": {"message": "Incorrect API key provided", "code": "401"}}
+
+    registry = Registry(hang=status == 401)
+    image = f"{registry.address}/br-audit/never:1"
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(
+        json.dumps({"prompt": "a", "image": image}) + "\n" + json.dumps({"prompt": "b"}) + "\n"
+    )
+    try:
+        with ScriptedEndpoint(answer) as ep:
+            t0 = time.monotonic()
+            code = exit_code(
+                None, dataset, tmp_path / "data", model="m", base_url=ep.base_url, api_key="sk-wrong",
+                sandbox="docker", default_image=docker_test_image,
+            )  # fmt: skip
+            took = time.monotonic() - t0
+    finally:
+        registry.close()
+    out, err = capsys.readouterr()
+    if status == 401:
+        assert (registry.connected, "pulling" in out, len(checked)) == ([], False, 1), f"{took:.1f} s"
+        assert code == 2 and "HTTP 401" in err and "Incorrect API key" in err
+    else:
+        assert registry.connected and checked and checked[0] < registry.connected[0]
+        assert f"pull of {image} failed" in out
+    assert f"{image}  missing" in out
+    if status == 200:
+        assert "1 prompt(s) will fail without a model call" in out
+    with pytest.raises(ImageNotFound):
+        docker_client().images.get(image)

@@ -140,13 +140,19 @@ from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 box = DockerSandbox(SandboxSpec(sys.argv[1], 1), default_image=sys.argv[2])
 box.start()
 print(box.container_id, flush=True)
+if sys.argv[3] == "judging":  # the container's processes stopped, for a verify that takes an hour
+    box.run("sleep 2000 &", timeout_s=60)
+    assert box.end_processes(60) is None
+    box.run_judged("sleep 3000", timeout_s=3600)
 box.run("sleep 3000", timeout_s=3600)
 """
 
 
-def test_container_ends_when_its_runner_dies_in_the_middle_of_a_command(docker_test_image: str):
+@pytest.mark.parametrize("during", ["command", "judging"])
+def test_container_ends_when_its_runner_dies_in_the_middle_of_a_command(docker_test_image: str, during: str):
+    """Also while a sample is judged, when every process but the judge's is stopped (end_processes)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, RUN, docker_test_image], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, RUN, docker_test_image, during], stdout=subprocess.PIPE, text=True
     )
     container_id = ""
     try:

@@ -191,6 +191,123 @@ def test_docker_a_loop_written_into_the_server_does_not_rewrite_the_hidden_files
     assert (res.output, res.exit_code) == ("the hidden test\n", 1)
 
 
+# Each base process's pid and the state of each of its threads ("T" stopped, "Z" dead), as a judged
+# command sees them: $@, the base pids.
+STATES = r"""for p in "$@"; do s=$p:; for t in /proc/$p/task/[0-9]*/stat; do
+    read -r l < "$t" && set -- ${l##*) } && s=$s$1; done; echo "$s"; done"""
+
+
+@pytest.mark.docker
+def test_docker_every_process_the_runner_spares_is_stopped_while_a_sample_is_judged(docker_box):
+    """docker-init, the boot shell, cat, the sleeper: root may take any of them over (ptrace), and its
+    code, not a process of the agent's, ran on while the sample was judged. Only the server was stopped."""
+    box = docker_box(index=37)
+    base = " ".join(str(p) for p in box._base_pids)
+    assert len(box._base_pids) >= 5 and 1 in box._base_pids
+    box.run("sleep 1000 & setsid sleep 1000 & echo started", timeout_s=30)
+    assert box.end_processes(30) is None
+    res = box.run_judged(f"set -- {base}\n{STATES}", timeout_s=30)
+    states = dict(line.split(":") for line in res.output.split())
+    assert states == {str(p): "T" for p in box._base_pids}, res.output
+    assert box.run_judged("ps -o args | grep -c '^sleep 1000$'", timeout_s=30).output == "0\n"  # killed
+    # The next command continues them: the sandbox works as before, and ends itself at stop.
+    assert box.run("echo alive", timeout_s=30).output == "alive\n"
+    res = box.run_judged(f"set -- {base}\n{STATES}", timeout_s=30)
+    assert all(s != "T" for s in dict(line.split(":") for line in res.output.split()).values()), res.output
+    assert box.end_processes(30) is None  # again: as before, stopped
+    assert box.run_judged("read -r l < /proc/1/stat; set -- ${l##*) }; echo $1", timeout_s=30).output == "T\n"
+
+
+INJECTOR = r"""
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ptrace.h>
+#include <sys/user.h>
+#include <sys/wait.h>
+/* inject PID CMD: PID, taken over with ptrace, becomes sh -c CMD (execve in place: the same pid). */
+static void poke(pid_t p, unsigned long at, const void *buf, size_t n) {
+    for (size_t i = 0; i < n; i += 8) {
+        unsigned long w = 0;
+        memcpy(&w, (const char *)buf + i, n - i < 8 ? n - i : 8);
+        if (ptrace(PTRACE_POKEDATA, p, at + i, w) < 0) exit(3);
+    }
+}
+int main(int argc, char **argv) {
+    pid_t p = atoi(argv[1]);
+    struct user_regs_struct r;
+    if (argc != 3 || ptrace(PTRACE_ATTACH, p, 0, 0) < 0) return 2;
+    waitpid(p, 0, __WALL);
+    ptrace(PTRACE_GETREGS, p, 0, &r);
+    unsigned long at = (r.rsp - 8192) & ~15UL;
+    char text[4096] = "/bin/sh\0\0\0\0\0\0\0\0\0sh\0\0\0\0\0\0-c";
+    size_t n = 32 + strlen(argv[2]) + 1;
+    if (n > sizeof text) return 4;
+    strcpy(text + 32, argv[2]);
+    n = (n + 7) & ~7UL;
+    unsigned long args[4] = {at + 16, at + 24, at + 32, 0};
+    unsigned char code[8] = {0x0f, 0x05, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc}; /* syscall */
+    poke(p, at, text, n);
+    poke(p, at + n, args, sizeof args);
+    poke(p, r.rip, code, sizeof code);
+    r.rax = 59; r.rdi = at; r.rsi = at + n; r.rdx = 0; r.orig_rax = -1; /* execve, no restart */
+    ptrace(PTRACE_SETREGS, p, 0, &r);
+    return ptrace(PTRACE_DETACH, p, 0, 0) < 0 ? 5 : 0;
+}
+"""
+
+
+def static_program(directory: Path, source: str) -> bytes:
+    """``source`` (C) built into a static x86-64 program, to be run in the busybox test image; skips
+    the test where this machine cannot build one."""
+    if os.uname().machine != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc and x86-64")
+    src = directory / "program.c"
+    src.write_text(source)
+    done = subprocess.run(["gcc", "-static", "-O2", "-o", src.with_suffix(""), src], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"no static C library for gcc: {done.stderr.decode()[-200:]}")
+    return src.with_suffix("").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def injector(tmp_path_factory) -> bytes:
+    """A program that takes a process over with ptrace (Docker's seccomp allows it)."""
+    return static_program(tmp_path_factory.mktemp("injector"), INJECTOR)
+
+
+# The base process taken over, by what a command finds in /proc (docker-init, the boot shell: its only
+# child, the sleeper's sleep).
+TARGETS = {
+    "docker-init": "1",
+    "boot shell": r"$(for f in /proc/[0-9]*/stat; do read -r l < $f; set -- ${l##*) }; [ $2 = 1 ] && echo ${f#/proc/} && break; done)",
+    "sleeper": """$(ps -o pid,args | awk '$2 == "sleep" {print $1}')""",
+}
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_docker_code_injected_into_a_base_process_cannot_rewrite_the_hidden_files(
+    docker_box, injector, target
+):
+    """A command running as root takes over a process the runner spared (ptrace), which then rewrites
+    the hidden test in a loop of builtins: the hidden test (exit 1) passed, printing nothing."""
+    from batchrun.scoring import write_verify_files
+
+    box = docker_box(index=38, options={"lifetime_s": 4200.0})
+    assert box.run_exec("cat > /inject && chmod 755 /inject", timeout_s=60, stdin=injector).exit_code == 0
+    loop = 'while :; do echo "echo faked; exit 0" > tests/hidden.sh; done 2>/dev/null'
+    res = box.run(f"mkdir -p tests && /inject {TARGETS[target]} {shlex.quote(loop)}", timeout_s=30)
+    assert res.exit_code == 0, res
+    assert wait_until(
+        lambda: box.run("cat tests/hidden.sh", timeout_s=30).output == "echo faked; exit 0\n", 10
+    )
+    assert box.end_processes(30) is None
+    write_verify_files(box, [("tests/hidden.sh", "echo the hidden test; exit 1\n")], 30)
+    time.sleep(0.2)
+    res = box.run_judged("sh tests/hidden.sh", timeout_s=30)
+    assert (res.output, res.exit_code) == ("the hidden test\n", 1)
+
+
 @pytest.mark.docker
 def test_docker_rm_rf_root_leaves_host_intact(docker_box, tmp_path: Path):
     from docker.errors import NotFound
@@ -504,6 +621,60 @@ def test_host_services_through_the_bridge_gateway(docker_box, host_service: int,
     else:
         assert "Network is unreachable" in res.output and "host-secret-service" not in res.output
         assert "eth0" not in box.run("ip -o addr", timeout_s=30).output  # loopback alone: no route anywhere
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("net_raw", [False, True], ids=["default", "net_raw-kept"])
+def test_docker_containers_have_no_raw_sockets_and_still_reach_the_network(docker_box, host_service, net_raw):
+    """With Docker's CAP_NET_RAW, root in a container forged ARP replies on the bridge (the host's entry
+    for another container's address took the sender's MAC: its traffic went to the sender)."""
+    gateway = bridge_gateway()
+    box = docker_box(index=47, options={"net_raw": True} if net_raw else None)
+    res = box.run(f"arping -c 1 -w 2 -I eth0 {gateway}", timeout_s=30)  # a packet socket
+    if net_raw:
+        assert res.exit_code == 0, res
+    else:
+        assert (res.exit_code, "socket: Operation not permitted" in res.output) == (1, True), res
+    fetch = f'printf "GET / HTTP/1.0\\r\\n\\r\\n" | nc -w 5 {gateway} {host_service}'
+    assert "host-secret-service" in box.run(fetch, timeout_s=30).output
+
+
+# ping GATEWAY: one ICMP echo through a ping socket (SOCK_DGRAM, IPPROTO_ICMP), as iputils ping sends
+# it without CAP_NET_RAW: exit 0 once the reply came.
+PING = r"""
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/ip_icmp.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+int main(int argc, char **argv) {
+    int s = socket(AF_INET, SOCK_DGRAM, IPPROTO_ICMP);
+    if (s < 0) { perror("socket"); return 2; }
+    struct timeval tv = {3, 0};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    struct sockaddr_in to = {.sin_family = AF_INET};
+    inet_pton(AF_INET, argv[1], &to.sin_addr);
+    struct icmphdr echo = {.type = ICMP_ECHO, .un.echo.sequence = htons(1)};
+    if (sendto(s, &echo, sizeof echo, 0, (struct sockaddr *)&to, sizeof to) < 0) { perror("sendto"); return 3; }
+    unsigned char reply[1500];
+    if (recv(s, reply, sizeof reply, 0) < (long)sizeof echo || reply[0] != ICMP_ECHOREPLY) { perror("recv"); return 4; }
+    puts("echo reply");
+    return 0;
+}
+"""
+
+
+@pytest.mark.docker
+def test_docker_ping_sockets_work_without_net_raw(docker_box, tmp_path: Path):
+    """What iputils ping needs (Debian's, Ubuntu's): the engine opens ping sockets to every group.
+    busybox's ping (Alpine's) opens a raw socket only: it fails, "permission denied (are you root?)"."""
+    ping = static_program(tmp_path, PING)
+    gateway = bridge_gateway()
+    box = docker_box(index=48)
+    assert box.run_exec("cat > /ping && chmod 755 /ping", timeout_s=60, stdin=ping).exit_code == 0
+    assert box.run(f"/ping {gateway}", timeout_s=30).output == "echo reply\n"
+    assert "permission denied" in box.run(f"ping -c 1 -W 2 {gateway}", timeout_s=30).output
 
 
 def _inspect(container_id: str) -> dict:

@@ -13,7 +13,7 @@ import os
 import re
 import select
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import (
@@ -130,6 +130,9 @@ class Preflight:
     failed: dict[int, str] = field(default_factory=dict)  # prompt index -> why it fails without a model call
     options: dict[str, Any] | None = None  # the options the run goes on with, when preflight settled one
     facts: dict[str, Any] = field(default_factory=dict)  # what statistics.json should say of the sandboxes
+    # The slow rest (image pulls), run after the endpoint's start check, so that a wrong key or model
+    # is found in seconds, not after the pulls; what it finds is laid over this one.
+    after_check: Callable[[], Preflight] | None = None
 
 
 @dataclass(frozen=True)

@@ -103,15 +103,74 @@ __br_sweep() {{
     done
 }}
 # What runs here now (docker-init, the boot shell, cat, the sleeper, this server) is all the
-# container has before the agent's first command: the runner spares these when it ends what the agent
-# left before a sample is judged (DockerSandbox.end_processes), but for this server, which they
-# stop: the agent may have written shell code into its stdin pipe. First on the line: this server.
+# container has before the agent's first command: the runner stops these, and kills everything else,
+# before a sample is judged (DockerSandbox.end_processes, FREEZE_SCRIPT). First on the line: this server.
 __br_base=
 for __br_f in /proc/[0-9]*; do __br_base="$__br_base ${{__br_f#/proc/}}"; done
 printf '[batch-runner-base]%s:%s\\n' "$$" "$__br_base"
 printf '%s\\n' '{READY_LINE}'
 """.encode()
 BASE_LINE = re.compile(rb"\[batch-runner-base\]([0-9]+):((?: [0-9]+)*)\n")
+
+# Before a sample is judged (DockerSandbox.end_processes), $@: the base processes above. A command
+# running as root may have taken over any of them (ptrace, or /proc/<pid>/mem: same user, no Yama,
+# Docker's seccomp allows both), docker-init and the boot shell as well as this server, and its code
+# would then rewrite the hidden files while they are judged. So none of them may run while a sample
+# is judged: every one is stopped (SIGSTOP; PID 1, which nothing inside may stop, by the runner from
+# the host) and everything else is killed, round after round, until a round finds nothing alive but
+# stopped base processes (each thread stopped, or dead) and this script with its ancestors: a
+# process of the agent still alive may continue one, or a taken-over one may fork, before it is
+# killed. A base pid the agent got reused is stopped, not killed: harmless either way. Exit 3: all is
+# done but PID 1 runs (a process of the agent continued it before it died): the runner stops it
+# again and runs this once more. Builtins only, as END_PROCESSES_SCRIPT.
+FREEZE_SCRIPT = r"""
+spared=" $* " mine=" $$ " p=$$
+while [ "$p" -gt 1 ] 2>/dev/null; do
+    IFS= read -r line < "/proc/$p/stat" || break
+    set -- ${line##*) }
+    p=$2 mine="$mine$2 "
+done
+n=0
+while [ "$n" -lt 200 ]; do
+    n=$((n + 1)) busy= init=
+    for f in /proc/[0-9]*/stat; do
+        pid=${f#/proc/} pid=${pid%/stat}
+        case "$mine$spared" in *" $pid "*) continue ;; esac
+        { IFS= read -r line < "$f"; } 2>/dev/null || continue
+        set -- ${line##*) }
+        [ "$1" = Z ] && [ "${18}" -le 1 ] 2>/dev/null && continue
+        kill -9 "$pid" 2>/dev/null
+        busy=1
+    done
+    for pid in $spared; do
+        case $mine in *" $pid "*) continue ;; esac
+        for f in /proc/"$pid"/task/[0-9]*/stat; do
+            { IFS= read -r line < "$f"; } 2>/dev/null || continue
+            set -- ${line##*) }
+            case $1 in T | Z | X) continue ;; esac
+            if [ "$pid" = 1 ]; then init=1; else busy=1; kill -STOP "$pid" 2>/dev/null; fi
+            break
+        done
+    done
+    [ -n "$busy$init" ] || exit 0
+done
+[ -z "$busy" ] && echo "batch-runner: PID 1 runs again" && exit 3
+echo "batch-runner: processes left by the agent were still alive after $n rounds"
+exit 1
+"""
+
+INIT_RUNS = 3  # FREEZE_SCRIPT's exit code when only PID 1 is not stopped
+
+# The runner's hold on stopped base processes while a sample is judged ($@: their pids), started
+# once FREEZE_SCRIPT found nothing else alive (so no process of the agent ever saw it): it reads
+# its stdin, the runner's exec stream, and at its end continues them all, PID 1 included (SIGCONT
+# reaches a namespace's init from inside). The runner ends the stream when judging is done; the
+# kernel does when the runner dies, even by SIGKILL: the container's cat then reads the end of its
+# own stream and the container ends itself, as it does when nothing is stopped.
+THAW_AT_EOF_SCRIPT = r"""while read -r _; do :; done
+for pid in "$@"; do kill -CONT "$pid" 2>/dev/null; done
+exit 0
+"""
 
 
 def sh_quote(data: bytes) -> bytes:

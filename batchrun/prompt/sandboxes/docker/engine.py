@@ -82,10 +82,14 @@ def process_start_ticks(pid: int) -> str:
         return ""
 
 
+NOT_PULLED = "not present locally, not pulled yet"  # ensure_images(pull=False): an image to pull later
+
+
 def ensure_images(
-    images: list[str], *, max_concurrent: int = 4, progress: Callable[[str], None] = print
+    images: list[str], *, max_concurrent: int = 4, progress: Callable[[str], None] = print, pull: bool = True
 ) -> dict[str, str | None]:
-    """Make each distinct image present, pulling missing ones once; image -> None if ready, else the error.
+    """Make each distinct image present, pulling missing ones once; image -> None if ready, else the error
+    (without ``pull``, a missing one is ``NOT_PULLED``: no registry is asked).
 
     An image built for another platform than the engine's is ready only if the engine runs it anyway
     (an emulator registered with binfmt_misc): otherwise each of its prompts would pay a model call
@@ -105,6 +109,8 @@ def ensure_images(
             attrs = None
         except DockerException as exc:
             return f"cannot inspect image: {exc}"
+        if attrs is None and not pull:
+            return NOT_PULLED
         if attrs is None:
             progress(f"pulling {image} ...")
             try:

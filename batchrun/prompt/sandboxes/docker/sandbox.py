@@ -47,7 +47,6 @@ from batchrun.prompt.sandboxes._shell import (
 from batchrun.prompt.sandboxes.base import (
     DEFAULT_IMAGE,
     DEFAULT_OUTPUT_CAP_BYTES,
-    END_PROCESSES_SCRIPT,
     CappedBuffer,
     ExecResult,
     Preflight,
@@ -68,6 +67,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
     LABEL_OWNER,
     LABEL_RUN,
+    NOT_PULLED,
     check_engine,
     default_owner,
     docker_client,
@@ -110,6 +110,9 @@ NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell 
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 START_ATTEMPTS = 5  # containers tried per start before the prompt fails
 START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
+FREEZE_ATTEMPTS = (
+    5  # end_processes: PID 1 stopped from the host, then the rest, while a process of the agent continues it
+)
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,10 @@ class DockerOptions:
     disk_cap: str = "auto"
     lifetime_s: float = 4200.0  # a container ends itself after this long, whatever the runner does
     cgroup_parent: str = ""  # the run's cgroup holding its containers together (engine.make_run_cgroup)
+    # Keep Docker's CAP_NET_RAW: raw and packet sockets, with which root in a container forges ARP
+    # replies on the bridge and takes other prompts' traffic. ICMP needs none (the engine opens
+    # ping sockets to every group: iputils ping works); busybox's ping (Alpine's) does.
+    net_raw: bool = False
 
     def __post_init__(self) -> None:
         positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes")
@@ -187,7 +194,8 @@ class DockerSandbox(SandboxBackend):
         network: bool,
         dataset: str = "the dataset",
     ) -> Preflight:
-        """The engine answers; every image is present or pulled once, up front (never inside a worker)."""
+        """The engine answers; every image is present, or pulled once up front (never inside a worker)
+        once the endpoint's start check passed (``after_check``): a wrong key is found before the pulls."""
         try:
             version = check_engine()
         except Exception as exc:
@@ -197,42 +205,21 @@ class DockerSandbox(SandboxBackend):
         wanted = sorted({j.image or default for j in jobs})
         if not wanted:
             return Preflight(isolation="docker")
-        print(f"Checking {len(wanted)} image(s); missing ones are pulled once")
-        status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"))
-        width = max(len(i) for i in wanted)
-        for image in wanted:
-            state = "ready" if status[image] is None else f"NOT AVAILABLE: {status[image]}"
-            print(f"  {image:<{width}}  {state}")
-        failed = {
-            j.prompt_index: f"image {(j.image or default)!r} not available: {status[j.image or default]}"
-            for j in jobs
-            if status[j.image or default] is not None
-        }
-        if failed:
-            print(
-                f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
-                "missing; --resume runs them once it exists"
-            )
-        cap = options.get("disk_cap", "auto")
-        if cap == "auto":
-            usable = next((i for i in wanted if status[i] is None), None)
-            cap = "storage-opt" if usable is not None and storage_size_supported(usable) else "tmpfs"
-        mb = options.get("disk_mb", 4096)
-        if cap == "storage-opt":
-            in_force = f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
-        else:
-            in_force = (
-                f"tmpfs {tmpfs_size_mb(mb, options.get('memory_mb', 2048))} MiB at the working directory (the "
-                "engine cannot cap a container's layer; a tmpfs lives in the container's memory: at most half "
-                "of --container_memory_mb)"
-            )
-        print(f"Docker disk cap per container: {in_force}")
-        return Preflight(
-            isolation="docker",
-            failed=failed,
-            options={**options, "disk_cap": cap},
-            facts={"sandbox_disk_cap": in_force},
+        print(
+            f"Checking {len(wanted)} image(s); missing ones are pulled once, after the endpoint's start check"
         )
+        status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"), pull=False)
+        missing = [image for image in wanted if status[image] == NOT_PULLED]
+        found = _image_states(jobs, default, status)
+        if not missing:
+            return _with_disk_cap(found, options, status)
+
+        def pull() -> Preflight:
+            print(f"Pulling {len(missing)} missing image(s)")
+            pulled = ensure_images(missing, max_concurrent=4, progress=lambda m: print(f"  {m}"))
+            return _with_disk_cap(_image_states(jobs, default, pulled), options, {**status, **pulled})
+
+        return Preflight(isolation="docker", failed=found.failed, after_check=pull)
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
@@ -291,7 +278,8 @@ class DockerSandbox(SandboxBackend):
         self._broken: str | None = None  # why the current container's server cannot take commands
         self._base_pids: list[int] = []  # the container's processes before the agent's first command
         self._server_pid = 0  # the command server's, among them
-        self._server_stopped = False  # by end_processes: the next command continues it first
+        self._frozen = False  # base processes stopped by end_processes: the next command continues them
+        self._hold: Any = None  # the exec stream whose end continues them (see end_processes)
         self._serving = False  # whether the current container's server answered (it ends at our EOF)
         self._lock = threading.Lock()  # one command at a time: they share the stream
 
@@ -333,6 +321,7 @@ class DockerSandbox(SandboxBackend):
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
             "pids_limit": opts.pids_limit,
+            **({} if opts.net_raw else {"cap_drop": ["NET_RAW"]}),
             # The OOM killer's first pick, before the runner or anything else of the host's: memory
             # pressure no cgroup bounds (an engine without the run's cgroup) ends prompts first.
             "oom_score_adj": 1000,
@@ -380,7 +369,8 @@ class DockerSandbox(SandboxBackend):
                 raise
         self._used = False
         self._broken = None
-        self._server_stopped = False
+        self._frozen = False
+        self._hold = None
 
     def _start_server(self) -> None:
         """Send the server its functions and wait for its ready line (the container runs, its sh works)."""
@@ -451,9 +441,8 @@ class DockerSandbox(SandboxBackend):
                 raise SandboxError("docker sandbox is not started")
             if "\0" in command:  # a shell's command line is a C string
                 return ExecResult(output=NUL_IN_COMMAND, exit_code=2)
-            if self._server_stopped:
-                self._server_stopped = False
-                self._run(f"kill -CONT {self._server_pid}", timeout_s=timeout_s, stdin=[b""])
+            if self._frozen:
+                self._thaw()
             result = self._serve(command, timeout_s=timeout_s, stdin=stdin)
             if result is None:
                 # The container was gone before the first command did anything: nothing of the
@@ -469,24 +458,73 @@ class DockerSandbox(SandboxBackend):
             return result
 
     def end_processes(self, timeout_s: float) -> str | None:
-        """Before judging: end every process the agent left, with base.END_PROCESSES_SCRIPT sparing what
-        ran before the agent's first command (the server's own processes), in a ``run_judged`` exec:
-        its exit code is the engine's, not an end marker that a process of the agent, still alive
-        then, could print after reading its token from the server's memory.
+        """Before judging: end every process the agent left and stop (SIGSTOP) every one it did not
+        (``container_server.FREEZE_SCRIPT``), in ``run_judged`` execs: their exit code is the
+        engine's, not an end marker that a process of the agent, still alive then, could print after
+        reading its token from the server's memory.
 
-        The server itself is stopped (SIGSTOP), not spared: a command running as root may have written
-        shell code into its stdin pipe (/proc/<pid>/fd/0), a loop of builtins (no process to kill)
-        that rewrites the hidden files as they are written. What judges a sample goes through
-        ``run_judged``; a later ``run`` continues the server first."""
+        The container's own processes (docker-init, the boot shell, cat, the sleeper, the server) are
+        stopped, not spared: a command running as root may have taken any of them over (``ptrace``,
+        or shell code written into the server's stdin pipe), and its code, a loop with no process
+        of its own, would rewrite the hidden files as they are written. PID 1 is stopped from the
+        host (nothing in its namespace may). An exec holds them stopped while the sample is judged
+        (``THAW_AT_EOF_SCRIPT``); a later ``run`` or ``stop``, or the runner's death, continues them."""
         with self._lock:
             if self.container_id is None or self._channel is None:
                 raise SandboxError("docker sandbox is not started")
+            if self._frozen:
+                self._thaw()  # a second call: its hold would be killed as a process of the agent's
             spared = " ".join(str(pid) for pid in self._base_pids)
-            self._server_stopped = True
-            result = self.run_judged(
-                f"kill -STOP {self._server_pid}\nset -- {spared}\n{END_PROCESSES_SCRIPT}", timeout_s=timeout_s
-            )
-        return end_problem(result, timeout_s)
+            deadline = time.monotonic() + timeout_s
+            self._frozen = True  # from here on: a later run continues them first, stop ends them
+            for _ in range(FREEZE_ATTEMPTS):
+                self._signal_init("SIGSTOP")
+                result = self.run_judged(
+                    f"set -- {spared}\n{server.FREEZE_SCRIPT}",
+                    timeout_s=max(deadline - time.monotonic(), 0.001),
+                )
+                if result.exit_code != server.INIT_RUNS or result.timed_out:
+                    break
+            problem = end_problem(result, timeout_s)
+            if problem is None:
+                self._hold = self._hold_stopped(spared)
+        return problem
+
+    def _signal_init(self, signal: str) -> None:
+        """Send ``signal`` to the container's PID 1 from the host (the engine's kill: the one way to stop it)."""
+        try:
+            docker_client().api.kill(self.container_id, signal)
+        except DockerException as exc:
+            raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
+
+    def _hold_stopped(self, spared: str) -> Any:
+        """The exec that continues the stopped base processes when its stream ends (THAW_AT_EOF_SCRIPT)."""
+        try:
+            api = docker_client().api
+            exec_id = api.exec_create(
+                self.container_id, ["sh", "-c", server.THAW_AT_EOF_SCRIPT, "sh", *spared.split()], stdin=True
+            )["Id"]
+            return api.exec_start(exec_id, socket=True)
+        except DockerException as exc:
+            raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
+
+    def _thaw(self) -> None:
+        """Continue the base processes end_processes stopped: end the hold's stream, wait for its exec
+        to have continued them, and continue PID 1 from the host too."""
+        hold, self._hold = self._hold, None
+        self._frozen = False
+        if hold is not None:
+            sock: socket.socket = getattr(hold, "_sock", hold)
+            try:
+                sock.shutdown(socket.SHUT_WR)
+                deadline = time.monotonic() + KILL_WAIT_S
+                while (left := deadline - time.monotonic()) > 0 and readable(sock, left) and sock.recv(65536):
+                    pass
+            except OSError:
+                pass
+            finally:
+                _close_stream(hold)
+        self._signal_init("SIGCONT")
 
     def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
         """One request to the server; None when the container ended before its first command did anything."""
@@ -607,6 +645,13 @@ class DockerSandbox(SandboxBackend):
         container_id, self.container_id = self.container_id, None
         channel, self._channel = self._channel, None
         serving, self._serving = self._serving, False
+        hold, self._hold = self._hold, None
+        if self._frozen:
+            self._frozen = False
+            if hold is None:  # stopped, and nothing to continue them: its cat would never see the end
+                serving = False
+            else:
+                _close_stream(hold)  # the end of its stream continues them, and cat reads the end of the next
         if channel is not None:
             channel.close()  # EOF for the server: a container that runs ends itself now
         # One call that returns once the engine removed it (no kill from here, no 409 to poll out).
@@ -665,6 +710,49 @@ class DockerSandbox(SandboxBackend):
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
 
+def _image_states(jobs: Sequence[PromptJob], default: str, status: dict[str, str | None]) -> Preflight:
+    """Print each image's state (``status``: ensure_images'); the jobs whose image is not available fail."""
+    width = max(len(i) for i in status)
+    for image, why in status.items():
+        state = "ready" if why is None else "missing" if why == NOT_PULLED else f"NOT AVAILABLE: {why}"
+        print(f"  {image:<{width}}  {state}")
+    failed = {
+        j.prompt_index: f"image {(j.image or default)!r} not available: {status[j.image or default]}"
+        for j in jobs
+        if status.get(j.image or default) not in (None, NOT_PULLED)
+    }
+    if failed:
+        print(
+            f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
+            "missing; --resume runs them once it exists"
+        )
+    return Preflight(isolation="docker", failed=failed)
+
+
+def _with_disk_cap(found: Preflight, options: dict[str, Any], status: dict[str, str | None]) -> Preflight:
+    """``found`` with the disk cap in force ("auto": asked of the engine with a ready image of ``status``)."""
+    cap = options.get("disk_cap", "auto")
+    if cap == "auto":
+        usable = next((i for i in sorted(status) if status[i] is None), None)
+        cap = "storage-opt" if usable is not None and storage_size_supported(usable) else "tmpfs"
+    mb = options.get("disk_mb", 4096)
+    if cap == "storage-opt":
+        in_force = f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
+    else:
+        in_force = (
+            f"tmpfs {tmpfs_size_mb(mb, options.get('memory_mb', 2048))} MiB at the working directory (the "
+            "engine cannot cap a container's layer; a tmpfs lives in the container's memory: at most half "
+            "of --container_memory_mb)"
+        )
+    print(f"Docker disk cap per container: {in_force}")
+    return Preflight(
+        isolation="docker",
+        failed=found.failed,
+        options={**options, "disk_cap": cap},
+        facts={"sandbox_disk_cap": in_force},
+    )
+
+
 def tmpfs_size_mb(disk_mb: int, memory_mb: int) -> int:
     """The size of a tmpfs disk cap: ``disk_mb``, but at most half the container's memory limit."""
     return max(1, min(disk_mb, memory_mb // 2))
@@ -681,6 +769,17 @@ def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
         sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin (a broken-off tar then fails)
     except OSError:
         pass
+
+
+def _close_stream(stream: Any) -> None:
+    """Close an exec or attach stream: its connection ends, whatever else still refers to its socket."""
+    sock: socket.socket = getattr(stream, "_sock", stream)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+    stream.close()
 
 
 def _removed_by_itself(container_id: str) -> bool:
