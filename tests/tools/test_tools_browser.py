@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import struct
 import threading
@@ -422,3 +424,131 @@ def test_shutdown_and_restart(fake_web, tool_ctx, call_tool):
     browser.shutdown_browser()  # idempotent
     out = call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))
     assert out["success"] is True  # a new loop and Chromium start on demand
+
+
+# ----------------------------------------------------------------------------- hostile pages: the host's share
+
+
+def chromium_processes(kind: str) -> dict[int, int]:
+    """pid -> resident MB of this process's Chromium processes of ``--type=kind``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if f"--type={kind}".encode() in args and b"--enable-automation" not in args:
+            rss = re.search(r"VmRSS:\s+(\d+)", status)
+            found[int(entry.name)] = int(rss.group(1)) // 1024 if rss else 0
+    return found
+
+
+def test_a_console_flood_is_cut_off_and_spares_other_prompts(fake_web, tool_ctx, call_tool):
+    """Every console message crosses Chromium, Playwright's driver and the worker's one browser loop:
+    a page logging in a loop held every other prompt's browser calls past their timeout, and its own
+    context's close, for as long as it ran. Such a page is closed."""
+    fake_web.pages["/flood.html"] = _html(
+        "Flood",
+        "<main><p>FLOOD</p><script>"
+        "const src = URL.createObjectURL(new Blob([`setInterval(() => { for (let i = 0; i < 2000; i++) "
+        "console.log('w' + i) }, 1)`]));"
+        "new Worker(src); setInterval(() => { for (let i = 0; i < 2000; i++) console.log('x' + i) }, 1);"
+        "</script></main>",
+    )
+    flooding, other = tool_ctx(), tool_ctx()
+    flooding.tool_timeout_s = other.tool_timeout_s = 10
+    try:
+        out = call_tool(flooding, "browser_navigate", url=fake_web.url("/flood.html"))
+        for _ in range(3):
+            started = time.monotonic()
+            assert call_tool(other, "browser_navigate", url=fake_web.url("/"))["title"] == "Fake Site Home"
+            assert time.monotonic() - started < 3
+            time.sleep(1)
+        told = json.dumps(out)
+        assert "more than 500 console messages or errors in a second" in told and "flood.html" in told
+        assert "browser_navigate first" in call_tool(flooding, "browser_snapshot")["error"]
+        assert len(call_tool(other, "browser_console")["console_messages"]) < 50
+        started = time.monotonic()
+        close_prompt_resources(flooding)
+        assert time.monotonic() - started < 3
+    finally:
+        browser.shutdown_browser()  # with the old code, the flood would slow every later test
+
+
+def test_pages_cannot_open_tabs_without_end(fake_web, tool_ctx, call_tool):
+    """Playwright turns Chromium's popup blocker off: a page calling window.open in a loop opened tabs
+    (7 MB each in the browser process) for as long as the prompt ran."""
+    fake_web.pages["/popups.html"] = _html(
+        "Popups",
+        "<main><p>POPUPS</p><script>"
+        "setInterval(() => window.open('/site/popups.html?' + Math.random()), 5);</script></main>",
+    )
+    ctx = tool_ctx()
+    assert call_tool(ctx, "browser_navigate", url=fake_web.url("/popups.html"))["title"] == "Popups"
+    for _ in range(6):
+        call_tool(ctx, "browser_snapshot")
+        time.sleep(0.5)
+    context = ctx.resources["browser"].context
+    assert len(context.pages) <= 10  # browser.MAX_PAGES
+    # a link to a new tab, clicked, still opens it (test_links_back_and_new_tabs)
+
+
+@pytest.mark.slow
+def test_a_page_s_memory_is_capped_and_a_crashed_tab_is_replaced(fake_web, tool_ctx, call_tool):
+    """Chromium runs with --no-sandbox, so none of its own limits apply: a page allocating in a loop
+    took 4 GB in 10 s and would have taken the host's memory. And a tab whose renderer died answered
+    every later call with "Page crashed" until the prompt ended."""
+    fake_web.pages["/buffers.html"] = _html(
+        "Buffers",
+        "<main><p>BUFFERS</p><script>window.keep = []; setInterval(() => { const a = new Uint8Array(64 << 20);"
+        " a.fill(1); keep.push(a); }, 20);</script></main>",
+    )
+    fake_web.pages["/heap.html"] = _html(
+        "Heap",
+        "<main><p>HEAP</p><script>window.keep = []; setInterval(() => keep.push(new Array(4 << 20).fill(0)"
+        ".map((_, i) => i + 0.5)), 20);</script></main>",
+    )
+    browser.shutdown_browser()  # Chromium starts again under this test's limit
+    ctx = tool_ctx({"BROWSER_MEMORY_MB": "1024"})
+    before = set(chromium_processes("renderer"))
+    try:
+        assert call_tool(ctx, "browser_navigate", url=fake_web.url("/buffers.html"))["title"] == "Buffers"
+        peak, failed = 0, False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not failed:
+            ours = {p: mb for p, mb in chromium_processes("renderer").items() if p not in before}
+            peak = max([peak, *ours.values()])
+            if peak > 2000:  # the test's own watchdog, for the old code: this host's memory is shared
+                for pid in ours:
+                    os.kill(pid, signal.SIGKILL)
+                break
+            errors = call_tool(ctx, "browser_console").get("js_errors", [])
+            failed = any("allocation failed" in e for e in errors)
+            time.sleep(0.3)
+        assert failed and peak < 1100
+        # A page past the limit in V8's heap takes its renderer down: the prompt goes on in a new tab.
+        call_tool(ctx, "browser_navigate", url=fake_web.url("/heap.html"))
+        deadline = time.monotonic() + 30
+        while "out of memory?" not in (error := call_tool(ctx, "browser_snapshot").get("error", "")):
+            assert time.monotonic() < deadline, error  # a call under way meanwhile: "Target crashed"
+            time.sleep(0.5)
+        assert error.endswith(
+            "crashed (out of memory? each browser process may use 1024 MB); navigate to a page again"
+        )
+        out = call_tool(ctx, "browser_navigate", url=fake_web.url("/"))
+        assert out["title"] == "Fake Site Home"
+    finally:
+        close_prompt_resources(ctx)
+        browser.shutdown_browser()
+
+
+def test_browser_memory_setting(clean_tool_env):
+    from batchrun.prompt.tools.config import browser_config
+
+    assert browser_config().memory_mb == 2048
+    assert browser_config(ToolSettings(tool_env={"BROWSER_MEMORY_MB": "4096"})).memory_mb == 4096
+    with pytest.raises(ValueError, match="BROWSER_MEMORY_MB must be at least 1024"):
+        browser_config(ToolSettings(tool_env={"BROWSER_MEMORY_MB": "512"}))

@@ -25,6 +25,11 @@ if any address is not public, and connects to an address it checked. Every hop o
 WebSockets (tunnelled with CONNECT) and a name whose DNS answer changes after the first check
 (rebinding) all meet that check. WebRTC's UDP, which would pass beside the proxy, is turned off
 (``BROWSER_FLAGS``).
+
+The host's share. Every Chromium process starts under RLIMIT_DATA (``BROWSER_MEMORY_MB``): a page
+allocating without end gets allocation failures or a crashed tab, which the session replaces. The
+popup blocker stays on and a prompt keeps at most ``MAX_PAGES`` tabs. A page writing more than
+``CONSOLE_FLOOD_PER_S`` console messages a second is closed: they all cross the one browser loop.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ import concurrent.futures
 import json
 import os
 import re
+import shlex
+import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -64,6 +72,12 @@ RESOURCE_KEY = "browser"
 SCREENSHOTS_DIR = "screenshots"
 MAX_IMAGES = 100
 MAX_CONSOLE = 200  # messages kept per prompt
+MAX_PAGES = 10  # open tabs per prompt: a tab opened beyond them is closed at once
+# Every console message and uncaught error of a page crosses Chromium, Playwright's driver and this
+# process's browser loop, which all prompts of the worker share: a page logging in a loop would hold
+# every other prompt's browser calls up (and its own context's close). A page past this many in one
+# second is closed.
+CONSOLE_FLOOD_PER_S = 500
 MAX_EVAL_CHARS = 8000
 FULL_SNAPSHOT_FACTOR = 4  # full=true shows this many times the default snapshot size
 _INTERACTIVE = (
@@ -133,14 +147,15 @@ class BrowserHost:
             future.cancel()
             raise BrowserToolError(f"the browser action did not finish within {timeout_s:g} s") from None
 
-    def submit(self, make: Callable[[], Awaitable[Any]]) -> None:
+    def submit(self, make: Callable[[], Awaitable[Any]]) -> concurrent.futures.Future | None:
         """Schedule ``make()`` on the loop without waiting (for cleanup from any thread)."""
         import asyncio
 
         with self._lock:
             loop = self._loop if self._pid == os.getpid() else None
         if loop is not None and not loop.is_closed():
-            asyncio.run_coroutine_threadsafe(_call(make), loop)
+            return asyncio.run_coroutine_threadsafe(_call(make), loop)
+        return None
 
     # -- Chromium --------------------------------------------------------------------------
 
@@ -157,9 +172,16 @@ class BrowserHost:
                 from playwright.async_api import async_playwright
 
                 self._playwright = await async_playwright().start()
-            self._browser = await self._playwright.chromium.launch(
-                executable_path=cfg.executable, headless=True, args=list(BROWSER_FLAGS), timeout=60_000
-            )
+            with tempfile.TemporaryDirectory(prefix="batch-runner-chromium-") as tmp:
+                # Playwright's own flags turn Chromium's popup blocker off: a page calling
+                # window.open in a loop opened a tab every 200 ms (7 MB each, without end).
+                self._browser = await self._playwright.chromium.launch(
+                    executable_path=_limited_launcher(tmp, cfg),
+                    headless=True,
+                    args=list(BROWSER_FLAGS),
+                    ignore_default_args=["--disable-popup-blocking"],
+                    timeout=60_000,
+                )
             self.launches += 1
             return self._browser
 
@@ -196,6 +218,18 @@ async def _call(make: Callable[[], Awaitable[Any]]) -> Any:
     return await make()
 
 
+def _limited_launcher(directory: str, cfg: BrowserConfig) -> str:
+    """A launcher in ``directory`` that starts ``cfg.executable`` under RLIMIT_DATA of ``cfg.memory_mb``:
+    every process Chromium forks inherits it (see ``BROWSER_MEMORY_MB``). Only needed until exec."""
+    path = os.path.join(directory, "chromium")
+    with open(path, "w") as f:
+        f.write(
+            f'#!/bin/sh\nulimit -d {cfg.memory_mb * 1024} || exit 1\nexec {shlex.quote(cfg.executable)} "$@"\n'
+        )
+    os.chmod(path, 0o700)
+    return path
+
+
 HOST = BrowserHost()
 _EXIT_HOOKS_PID: int | None = None
 
@@ -226,6 +260,13 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"^\w+\.\w+: ", "", line)[:400]
 
 
+async def _close_page(page: Any) -> None:
+    try:
+        await page.close(run_before_unload=False)
+    except Exception:  # closed already, or the browser went away
+        pass
+
+
 async def _error_page_committed(page: Any) -> None:
     """After a failed navigation Chromium still commits its error page; page.goto has already
     raised by then, and a navigation started before that commit would be interrupted by it."""
@@ -253,6 +294,9 @@ class BrowserSession:
         self.screenshots = 0
         self._lock: asyncio.Lock | None = None
         self._listened: list[Any] = []  # pages whose console we already follow
+        self.closed_pages: list[str] = []  # pages the session closed, and why (told in the next result)
+        self._too_many_told = False
+        self._crashed: list[Any] = []  # pages whose renderer died
         self.guard: AddressGuard | None = None if cfg.allow_private else AddressGuard()
         self._proxy: EgressProxy | None = None
 
@@ -279,10 +323,21 @@ class BrowserSession:
                 await self.context.route("**/*", self._route)
             self.context.set_default_timeout(self.cfg.action_timeout_s * 1000)
             self.context.set_default_navigation_timeout(self.cfg.nav_timeout_s * 1000)
-            self.context.on("page", self._adopt)
+            self.context.on("page", self._on_new_page)
             self._adopt(await self.context.new_page())
             if lost and not navigating:
                 raise BrowserToolError("the browser crashed and was restarted; navigate to the page again")
+        if self.page is not None and self.page in self._crashed:
+            # A crashed tab answers nothing again ("Target crashed"): the prompt goes on in a new one.
+            crashed, self.page = self.page, None
+            self._crashed.remove(crashed)
+            await _close_page(crashed)
+            self._adopt(await self.context.new_page())
+            if not navigating:
+                raise BrowserToolError(
+                    f"the page {crashed.url[:200]} crashed (out of memory? each browser process may use "
+                    f"{self.cfg.memory_mb} MB); navigate to a page again"
+                )
         if self.page is None or self.page.is_closed():
             pages = [p for p in self.context.pages if not p.is_closed()]
             if not pages:
@@ -293,14 +348,53 @@ class BrowserSession:
             raise BrowserToolError("no page is open yet: call browser_navigate first")
         return self.page
 
+    def _on_new_page(self, page: Any) -> None:
+        """A tab the page opened (window.open, a link to a new tab): followed, up to MAX_PAGES open."""
+        context = self.context
+        if context is not None and sum(not p.is_closed() for p in context.pages) > MAX_PAGES:
+            if not self._too_many_told:
+                self._too_many_told = True
+                self.closed_pages.append(f"{page.url[:200]}: closed, {MAX_PAGES} tabs are open already")
+            import asyncio
+
+            asyncio.ensure_future(_close_page(page))
+            return
+        self._adopt(page)
+
     def _adopt(self, page: Any) -> None:
         """Make ``page`` current (a link opening a new tab moves the session there) and listen to it."""
         self.page = page
         if any(seen is page for seen in self._listened):
             return  # new_page() also fires the context's "page" event
         self._listened.append(page)
-        page.on("console", lambda msg: self.console.append({"type": msg.type, "text": msg.text[:2000]}))
-        page.on("pageerror", lambda err: self.errors.append(str(err)[:2000]))
+        window = [0.0, 0]  # this page's messages: start of the current second, how many in it
+
+        def flooding() -> bool:
+            now = time.monotonic()
+            if now - window[0] >= 1:
+                window[0], window[1] = now, 0
+            window[1] += 1
+            if window[1] == CONSOLE_FLOOD_PER_S + 1:
+                self.closed_pages.append(
+                    f"{page.url[:200]}: closed, it wrote more than {CONSOLE_FLOOD_PER_S} console messages "
+                    "or errors in a second"
+                )
+                import asyncio
+
+                asyncio.ensure_future(_close_page(page))
+            return window[1] > CONSOLE_FLOOD_PER_S
+
+        def on_console(msg: Any) -> None:
+            if not flooding():
+                self.console.append({"type": msg.type, "text": msg.text[:2000]})
+
+        def on_error(err: Any) -> None:
+            if not flooding():
+                self.errors.append(str(err)[:2000])
+
+        page.on("console", on_console)
+        page.on("pageerror", on_error)
+        page.on("crash", lambda crashed: self._crashed.append(crashed))
 
     async def _route(self, route: Any) -> None:
         """Every request of the context: abort other schemes and non-public addresses."""
@@ -333,7 +427,16 @@ class BrowserSession:
             if self.closed:
                 raise BrowserToolError("the browser session of this prompt is closed")
             mark = self.guard.events if self.guard is not None else 0
-            out = await op()
+            try:
+                out = await op()
+            except Exception as exc:
+                if self.closed_pages:
+                    closed, self.closed_pages = self.closed_pages, []
+                    message = str(exc) if isinstance(exc, BrowserToolError) else _first_line(exc)
+                    raise BrowserToolError(f"{message} (page {'; '.join(closed[:5])})") from None
+                raise
+            if self.closed_pages and isinstance(out, dict):
+                out["closed_pages"], self.closed_pages = self.closed_pages[:5], []
             refused = self.guard.since(mark, self.guard.refused) if self.guard is not None else []
             if refused and isinstance(out, dict):
                 blocked = [f"{what} ({ip})" for what, ip in refused]
@@ -363,13 +466,12 @@ class BrowserSession:
         self.closed = True
         if self.context is None:
             return
-        if wait and not self.host.in_loop_thread():
-            try:
-                self.host.call(self.aclose, timeout_s=15)
+        future = self.host.submit(self.aclose)
+        if wait and future is not None and not self.host.in_loop_thread():
+            try:  # not cancelled when slow: the context is closed all the same, later
+                future.result(timeout=15)
             except Exception:
                 pass
-        else:
-            self.host.submit(self.aclose)
 
     # -- helpers ---------------------------------------------------------------------------
 

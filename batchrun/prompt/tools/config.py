@@ -48,7 +48,8 @@ moa (``mixture_of_agents``)
 browser (offered when Playwright is installed and a Chromium binary is found)
     ``BROWSER_EXECUTABLE`` (default: /usr/bin/chromium, else chromium or chromium-browser on PATH),
     ``BROWSER_ENABLED`` (1; 0 turns the toolset off), ``BROWSER_NAV_TIMEOUT_S`` (30),
-    ``BROWSER_ACTION_TIMEOUT_S`` (10), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000), ``BROWSER_VIEWPORT`` (1280x800).
+    ``BROWSER_ACTION_TIMEOUT_S`` (10), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000), ``BROWSER_VIEWPORT`` (1280x800),
+    ``BROWSER_MEMORY_MB`` (2048: the data size, RLIMIT_DATA, each Chromium process may reach; at least 1024).
     ``WEB_ALLOW_PRIVATE_ADDRESSES`` (see web) applies to the browser too.
 
 An endpoint's API key defaults to the run's key only while its base URL is the run's: a key is
@@ -128,6 +129,7 @@ TOOL_ENV_VARS = (
     "BROWSER_ACTION_TIMEOUT_S",
     "BROWSER_SNAPSHOT_MAX_CHARS",
     "BROWSER_VIEWPORT",
+    "BROWSER_MEMORY_MB",
 )
 SECRET_ENV_VARS = ("VISION_API_KEY", "IMAGE_GEN_API_KEY", "MOA_API_KEY", *_PROVIDER_KEY_VARS.values())
 
@@ -482,6 +484,13 @@ BROWSER_FLAGS = (
 )
 
 
+# Chromium has no memory limit of its own (its sandbox's rlimits do not apply with --no-sandbox):
+# a page allocating in a loop reached 4 GB in 10 s. Each process (browser, renderer, GPU, ...) is
+# started under this RLIMIT_DATA, so a page past it gets allocation failures or a crashed tab.
+BROWSER_MEMORY_MB = 2048
+MIN_BROWSER_MEMORY_MB = 1024
+
+
 @dataclass(frozen=True)
 class BrowserConfig:
     executable: str  # the Chromium binary Playwright launches
@@ -490,6 +499,7 @@ class BrowserConfig:
     snapshot_max_chars: int  # default snapshot size; full=true allows four times as much
     viewport: tuple[int, int]  # width, height in CSS pixels
     allow_private: bool = False  # WEB_ALLOW_PRIVATE_ADDRESSES: let pages reach private addresses
+    memory_mb: int = 2048  # RLIMIT_DATA of every Chromium process (a page's renderer above all)
 
 
 def find_chromium(env: Mapping[str, str]) -> str | None:
@@ -538,6 +548,10 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
     w, _, h = raw_vp.partition("x")
     if not (w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
         raise ToolConfigError(f"BROWSER_VIEWPORT must look like 1280x800, got {raw_vp!r}")
+    memory_mb = _number(env, "BROWSER_MEMORY_MB", BROWSER_MEMORY_MB, integer=True)
+    if memory_mb < MIN_BROWSER_MEMORY_MB:
+        # A renderer maps about 650 MB of it for an empty page; below this Chromium cannot start pages.
+        raise ToolConfigError(f"BROWSER_MEMORY_MB must be at least {MIN_BROWSER_MEMORY_MB}, got {memory_mb}")
     return BrowserConfig(
         executable=executable,
         nav_timeout_s=_number(env, "BROWSER_NAV_TIMEOUT_S", 30.0),
@@ -545,4 +559,5 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
         snapshot_max_chars=_number(env, "BROWSER_SNAPSHOT_MAX_CHARS", 8000, integer=True),
         viewport=(int(w), int(h)),
         allow_private=allow_private_addresses(env),
+        memory_mb=memory_mb,
     )
