@@ -552,3 +552,51 @@ def test_browser_memory_setting(clean_tool_env):
     assert browser_config(ToolSettings(tool_env={"BROWSER_MEMORY_MB": "4096"})).memory_mb == 4096
     with pytest.raises(ValueError, match="BROWSER_MEMORY_MB must be at least 1024"):
         browser_config(ToolSettings(tool_env={"BROWSER_MEMORY_MB": "512"}))
+
+
+def chromium_descendants() -> list[tuple[int, bytes]]:
+    """(pid, environ) of this process's descendants that run Chromium."""
+    parents, found = {}, []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    for pid in parents:
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, os.getpid()):
+            ancestor = parents.get(ancestor)
+        if ancestor != os.getpid():
+            continue
+        try:
+            if "chrom" in os.readlink(f"/proc/{pid}/exe"):
+                found.append((pid, Path(f"/proc/{pid}/environ").read_bytes()))
+        except OSError:
+            continue
+    return found
+
+
+def test_chromium_runs_without_the_workers_secrets_in_its_environment(
+    fake_web, tool_ctx, call_tool, monkeypatch
+):
+    """Chromium renders hostile pages on the host with --no-sandbox, and it was started with the worker's
+    whole environment: the run's API key and every tool key were in /proc/<chromium>/environ, for any
+    code a page got to run there. It keeps only what it needs (paths, locale, time zone, proxies)."""
+    from batchrun.prompt.tools.browser import browser_environment, shutdown_browser
+
+    secret = "sk-or-v1-chromium-must-not-see-4242"
+    monkeypatch.setenv("OPENROUTER_API_KEY", secret)
+    monkeypatch.setenv("SOME_SERVICE_TOKEN", secret)
+    monkeypatch.setenv("https_proxy", "")  # a proxy variable is kept (pages may need it)
+    shutdown_browser()  # the next call launches Chromium with this environment
+    assert call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))["success"] is True
+    environs = [environ for _, environ in chromium_descendants()]
+    assert len(environs) >= 2, "no Chromium processes found"  # the browser and its renderer at least
+    assert all(secret.encode() not in e for e in environs)
+    assert any(
+        b"PATH=" in e for e in environs
+    )  # the browser process (the others rewrite their title over it)
+    kept = browser_environment({"PATH": "/bin", "OPENAI_API_KEY": "k", "HTTPS_PROXY": "p", "LC_ALL": "C"})
+    assert kept == {"PATH": "/bin", "HTTPS_PROXY": "p", "LC_ALL": "C"}

@@ -180,6 +180,7 @@ class BrowserHost:
                     headless=True,
                     args=list(BROWSER_FLAGS),
                     ignore_default_args=["--disable-popup-blocking"],
+                    env=browser_environment(),
                     timeout=60_000,
                 )
             self.launches += 1
@@ -216,6 +217,21 @@ class BrowserHost:
 
 async def _call(make: Callable[[], Awaitable[Any]]) -> Any:
     return await make()
+
+
+# What Chromium keeps of the worker's environment: where things are, the locale, the time zone and
+# the proxies it needs to reach pages. Not the rest (API keys above all): it renders hostile pages on
+# the host, with --no-sandbox, and a page that got code to run in it would read its own environment.
+_BROWSER_ENV = re.compile(
+    r"(PATH|HOME|USER|LOGNAME|SHELL|TMPDIR|LANG|LANGUAGE|LC_[A-Z]+|TZ|XDG_[A-Z_]+|FONTCONFIG_[A-Z_]+"
+    r"|[A-Za-z]+_proxy|[A-Z]+_PROXY|SSL_CERT_FILE|SSL_CERT_DIR)"
+)
+
+
+def browser_environment(environ: Any = None) -> dict[str, str]:
+    """The environment Chromium is started with: the worker's, but for anything not in _BROWSER_ENV."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if _BROWSER_ENV.fullmatch(k)}
 
 
 def _limited_launcher(directory: str, cfg: BrowserConfig) -> str:
