@@ -69,7 +69,7 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint") -> None:
                 return  # some servers have no /models; the start check's chat call tells
             except (httpclient.TransportError, httpclient.RequestTimeout, httpclient.InvalidRequest) as exc:
                 if attempt:
-                    raise UsageError(f"cannot reach the endpoint {shown}: {exc}") from None
+                    raise UsageError(f"cannot reach {who} {shown}: {exc}") from None
             except (ValueError, httpclient.HTTPError):  # not JSON, or too large: the chat call tells
                 return
     finally:
