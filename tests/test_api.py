@@ -1,0 +1,75 @@
+"""The reference's Python API (batchrun/api.py) called the ways scripts, notebooks and services call it:
+an unguarded script, a thread that is not the main one, a running event loop, twice in one process.
+Real runs against the in-package fake model (``model="mock"``) in the real local sandbox."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from helpers import ROOT, read_jsonl, write_jsonl
+
+import batch_runner
+
+pytestmark = pytest.mark.usefixtures("bwrap_available")
+
+
+def runner(run_name: str, **kw) -> batch_runner.BatchRunner:
+    args = {"distribution": "terminal_only", "model": "mock", "num_workers": 1, **kw}
+    return batch_runner.BatchRunner(dataset_file="p.jsonl", batch_size=2, run_name=run_name, **args)
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    """Scripts written for the reference (whose workers forked) call BatchRunner(...).run() at the top
+    level; a worker process must not run the script again (it failed every prompt as pool_broken)."""
+    write_jsonl(tmp_path / "p.jsonl", ["One [calls:1]", "Two [calls:1]", "Three [calls:1]"])
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os
+            with open("runs.log", "a") as f:
+                f.write(f"{os.getpid()}\\n")
+            from batch_runner import BatchRunner
+            code = BatchRunner(dataset_file="p.jsonl", batch_size=2, run_name="top", model="mock",
+                               num_workers=2, distribution="terminal_only").run()
+            print("exit code", code)
+            """
+        ),
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert "exit code 0" in done.stdout, done.stderr[-3000:]
+    assert len((tmp_path / "runs.log").read_text().split()) == 1  # the script ran once, in this process
+    assert "Traceback" not in done.stderr
+    assert len(read_jsonl(tmp_path / "data" / "top" / "trajectories.jsonl")) == 3
+
+
+def test_run_from_a_thread_that_is_not_the_main_one(tmp_path, monkeypatch):
+    """A service runs it on a worker thread, where no signal handler can be installed."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", ["One [calls:1]", "Two [calls:1]"])
+    result: dict = {}
+
+    def go() -> None:
+        try:
+            result["code"] = runner("threaded").run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = exc
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    thread.join(120)
+    assert result == {"code": 0}
+    assert len(read_jsonl(tmp_path / "data" / "threaded" / "trajectories.jsonl")) == 2
