@@ -14,6 +14,7 @@ import pytest
 from helpers import ROOT, read_jsonl, write_jsonl
 
 import batch_runner
+from batchrun.config import UsageError
 
 pytestmark = pytest.mark.usefixtures("bwrap_available")
 
@@ -108,3 +109,68 @@ def test_runs_one_after_another_leave_the_process_as_they_found_it(tmp_path, mon
     assert same.run() == 0 and same.run(resume=True) == 0
     assert process_state() == before
     assert len(read_jsonl(tmp_path / "data" / "again" / "trajectories.jsonl")) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # a value that was silently read as another: each names the argument now
+        ({"providers_allowed": ["anthropic", None]}, "providers_allowed must be a list of names"),
+        ({"reasoning_config": {"enabled": "maybe"}}, "reasoning_config: 'enabled' must be true or false"),
+        ({"reasoning_config": {"effort": "hihg"}}, "reasoning_config: 'effort' must be one of"),
+        # the same setting twice: one silently won
+        ({"max_iterations": 3, "max_turns": 5}, "max_iterations and max_turns"),
+        (
+            {"reasoning_config": {"effort": "none"}, "reasoning_effort": "high"},
+            "reasoning_config and reasoning_effort",
+        ),  # fmt: skip
+        (
+            {"prefill_messages": [], "prefill_messages_file": "missing.json"},
+            "prefill_messages and prefill_messages_file",
+        ),  # fmt: skip
+        # a malformed prefill: named as the argument (not a temporary file), never a TypeError
+        (
+            {"prefill_messages": [{"role": "user", "content": b"bytes"}]},
+            "prefill_messages: message 0 must be",
+        ),
+        ({"prefill_messages": ["hello"]}, "prefill_messages: message 0 must be"),
+        (
+            {"prefill_messages": [{"role": "user", "content": "x", "tags": {"a"}}]},
+            "prefill_messages: Object of type set",
+        ),  # fmt: skip
+        # the command line's listing skips every check of a run: a run started unchecked, then a traceback
+        (
+            {"list_distributions": True, "distribution": "zzz"},
+            "list_distributions is the command line's listing",
+        ),  # fmt: skip
+    ],
+)
+def test_a_bad_argument_is_refused_naming_it_before_anything_starts(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", ["x"])
+    with pytest.raises(UsageError) as caught:
+        runner("bad", **args)
+    assert message in str(caught.value)
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "value"),
+    [
+        ({"reasoning_config": {"enabled": 0}}, "reasoning_disabled", True),  # ignored before: model default
+        ({"reasoning_config": {"enabled": "false"}}, "reasoning_disabled", True),
+        ({"reasoning_config": {"enabled": True, "effort": "low"}}, "reasoning_effort", "low"),
+        (
+            {"providers_allowed": ["anthropic,openai"]},
+            "providers_allowed",
+            ("anthropic", "openai"),
+        ),  # as --flag=a,b
+        ({"providers_order": ("openai", "anthropic")}, "providers_order", ("openai", "anthropic")),
+        ({"max_turns": 4}, "max_turns", 4),  # the command line's name, max_iterations at its default
+        ({"num_workers": "2"}, "num_workers", 2),  # as the command line reads it
+    ],
+)
+def test_an_argument_means_what_the_command_lines_flag_means(tmp_path, monkeypatch, args, field, value):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", ["x"])
+    assert getattr(runner("ok", **args).config, field) == value
