@@ -16,7 +16,7 @@ from helpers import ROOT, read_jsonl, write_jsonl
 import batch_runner
 from batchrun.config import UsageError
 
-pytestmark = pytest.mark.usefixtures("bwrap_available")
+RUNS = pytest.mark.usefixtures("bwrap_available")  # a real run in the local sandbox
 
 
 def runner(run_name: str, **kw) -> batch_runner.BatchRunner:
@@ -24,6 +24,7 @@ def runner(run_name: str, **kw) -> batch_runner.BatchRunner:
     return batch_runner.BatchRunner(dataset_file="p.jsonl", batch_size=2, run_name=run_name, **args)
 
 
+@RUNS
 def test_a_script_without_a_main_guard_runs_once(tmp_path):
     """Scripts written for the reference (whose workers forked) call BatchRunner(...).run() at the top
     level; a worker process must not run the script again (it failed every prompt as pool_broken)."""
@@ -57,6 +58,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
     assert len(read_jsonl(tmp_path / "data" / "top" / "trajectories.jsonl")) == 3
 
 
+@RUNS
 def test_run_from_a_thread_that_is_not_the_main_one(tmp_path, monkeypatch):
     """A service runs it on a worker thread, where no signal handler can be installed."""
     monkeypatch.chdir(tmp_path)
@@ -95,6 +97,7 @@ def process_state() -> dict:
     }
 
 
+@RUNS
 def test_runs_one_after_another_leave_the_process_as_they_found_it(tmp_path, monkeypatch):
     """A notebook or a service runs many in one process: each run's threads, sockets and handlers end with it
     (before, every run left 3 threads and 4 open sockets: the inbox's accept thread, the start check's
@@ -174,3 +177,17 @@ def test_an_argument_means_what_the_command_lines_flag_means(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "p.jsonl", ["x"])
     assert getattr(runner("ok", **args).config, field) == value
+
+
+@pytest.mark.parametrize("name", ["nope", "", None, 123])
+def test_toolset_distributions_answer_a_bad_name_as_the_reference(name, capsys):
+    """None for get_distribution, False for validate_distribution (an AttributeError traceback for None
+    or a number before), ValueError for sampling, a printed line for print_distribution_info."""
+    import toolset_distributions as td
+
+    assert td.get_distribution(name) is None
+    assert td.validate_distribution(name) is False
+    with pytest.raises(ValueError):
+        td.sample_toolsets_from_distribution(name)
+    td.print_distribution_info(name)
+    assert capsys.readouterr().out == f"Unknown distribution: {name}\n"
