@@ -114,6 +114,22 @@ def test_runs_one_after_another_leave_the_process_as_they_found_it(tmp_path, mon
     assert len(read_jsonl(tmp_path / "data" / "again" / "trajectories.jsonl")) == 2
 
 
+@RUNS
+def test_an_environment_changed_between_runs_reaches_the_second_runs_workers(tmp_path, monkeypatch):
+    """The workers fork from a server started at the first run: they kept its environment (TZ, a proxy,
+    DOCKER_HOST) while the parent's checks read the new one."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", ["Show [run:echo zone=$TZ.]"])
+    seen = []
+    for name, zone in (("before", "UTC"), ("after", "Asia/Tokyo")):
+        monkeypatch.setenv("TZ", zone)
+        assert runner(name).run() == 0
+        (record,) = read_jsonl(tmp_path / "data" / name / "trajectories.jsonl")
+        tool = next(turn["value"] for turn in record["conversations"] if turn["from"] == "tool")
+        seen.append(tool.split("zone=")[1].split(".")[0])
+    assert seen == ["UTC", "Asia/Tokyo"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -55,16 +55,27 @@ def use_bytecode_cache() -> None:
         sys.dont_write_bytecode = False
 
 
+_server_environ: dict[str, str] | None = None  # the environment the running forkserver was started with
+
+
 def start_forkserver(backend: str | None = None) -> None:
     """Start the worker pool's forkserver now, preloading ``backend``'s module too (a no-op when it runs).
 
     The pool made later uses the same server. If nothing is dispatched, the server exits with this process.
+    A server started under another environment is replaced: its workers would have that one (a
+    second run in one process, after ``os.environ["TZ"]`` or ``HTTPS_PROXY`` changed, ran with the
+    first run's values while the parent's checks used the new ones).
     """
     from multiprocessing import forkserver
 
+    global _server_environ
+    environ = dict(os.environ)
+    if _server_environ is not None and environ != _server_environ:
+        stop_forkserver()
     extra = [_backend_module(backend)] if backend else []
     forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *filter(None, extra), WARM_MODULE])
     forkserver.ensure_running()
+    _server_environ = environ
     atexit.unregister(stop_forkserver)  # once, however often the run asks for the server
     atexit.register(stop_forkserver)
 
