@@ -207,3 +207,47 @@ def test_toolset_distributions_answer_a_bad_name_as_the_reference(name, capsys):
         td.sample_toolsets_from_distribution(name)
     td.print_distribution_info(name)
     assert capsys.readouterr().out == f"Unknown distribution: {name}\n"
+
+
+@RUNS
+def test_ctrl_c_during_run_returns_130_and_a_resume_in_the_same_process_finishes_exactly_once(tmp_path):
+    """Ctrl-C in the caller's thread mid-run: finished prompts kept, run() returns 130, and
+    run(resume=True) on the same object completes every prompt once."""
+    write_jsonl(tmp_path / "p.jsonl", [f"Prompt {i} [slow:0.5] [calls:1]" for i in range(8)])
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, threading, time
+            from pathlib import Path
+            from batch_runner import BatchRunner
+
+            def interrupt():
+                while not any(p.stat().st_size for p in Path("data/ci").glob("batch_*.jsonl")):
+                    time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGINT)
+
+            if __name__ == "__main__":
+                runner = BatchRunner(dataset_file="p.jsonl", batch_size=4, run_name="ci", model="mock",
+                                     num_workers=1, distribution="terminal_only")
+                threading.Thread(target=interrupt, daemon=True).start()
+                print("first", runner.run(), flush=True)
+                print("second", runner.run(resume=True), flush=True)
+            """
+        ),
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    codes = [line for line in done.stdout.splitlines() if line.startswith(("first ", "second "))]
+    assert codes == ["first 130", "second 0"], done.stderr[-3000:]
+    records = read_jsonl(tmp_path / "data" / "ci" / "trajectories.jsonl")
+    prompts = sorted(turn["value"] for r in records for turn in r["conversations"] if turn["from"] == "human")
+    assert prompts == sorted(f"Prompt {i} [slow:0.5] [calls:1]" for i in range(8))
+    assert "Traceback" not in done.stderr
