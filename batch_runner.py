@@ -35,8 +35,8 @@ if __name__ == "__main__":
 
     start_for_argv(sys.argv[1:])
 
-# multiprocessing runs this file again in every worker it starts, as __mp_main__: a worker needs
-# nothing of the command line, and skipping its imports keeps them out of the forkserver too.
+# The run's workers never run this file again (batchrun/run/forkserver.py: skip_callers_main); another
+# multiprocessing process would, as __mp_main__: it needs nothing of the command line's imports.
 if __name__ != "__mp_main__":
     from batchrun.api import BatchRunner  # noqa: F401  (the reference's Python API)
     from batchrun.cli import cli, main, run  # noqa: F401  (main and run: for scripts that call them in-process)

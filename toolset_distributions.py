@@ -42,10 +42,10 @@ def get_distribution(name: str) -> Distribution | None:
 def validate_distribution(distribution: str | Distribution) -> bool:
     """Whether a distribution name is valid (the reference's check). A :class:`Distribution` is checked
     whole instead and raises ValueError naming what is wrong (batchrun.distributions.validate_distribution)."""
-    if isinstance(distribution, str):
-        return distribution in list_distributions()
-    _impl.validate_distribution(distribution)
-    return True
+    if isinstance(distribution, Distribution):
+        _impl.validate_distribution(distribution)
+        return True
+    return distribution in list_distributions()  # None, a number: False, as in the reference
 
 
 def sample_toolsets_from_distribution(name: str, rng: random.Random | None = None, **kwargs) -> list[str]:

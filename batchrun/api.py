@@ -25,29 +25,58 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from batchrun.config import RunConfig, UsageError
+from batchrun.config import REASONING_EFFORTS, RunConfig, UsageError, _show, check_prefill, parse_bool
 
 # The reference's argument -> this runner's flag, where the names differ.
 RENAMED = {"max_iterations": "max_turns"}
+DEFAULT_MAX_ITERATIONS = 10
 EFFORTS_OFF = ("none",)
 
 
 def reasoning_flags(reasoning_config: dict[str, Any] | None) -> dict[str, Any]:
     """The reference's ``reasoning_config`` as the flags that send it: ``{"effort": "none"}`` or
-    ``{"enabled": False}`` -> --reasoning_disabled; ``{"enabled": True, "effort": E}`` -> --reasoning_effort=E."""
+    ``{"enabled": False}`` -> --reasoning_disabled; ``{"enabled": True, "effort": E}`` -> --reasoning_effort=E.
+    ``enabled`` is read as the command line reads a boolean (``0``, ``"false"``: off), never ignored."""
     if reasoning_config is None:
         return {}
     if not isinstance(reasoning_config, dict):
         raise UsageError(
-            f"reasoning_config must be a dict such as {{'effort': 'low'}}, got {reasoning_config!r}"
+            f"reasoning_config must be a dict such as {{'effort': 'low'}}, got {_show(reasoning_config)}"
         )
-    unknown = sorted(set(reasoning_config) - {"enabled", "effort"})
+    unknown = sorted(set(reasoning_config) - {"enabled", "effort"}, key=str)
     if unknown:
-        raise UsageError(f"reasoning_config: unknown key {unknown[0]!r} (known: enabled, effort)")
-    effort = reasoning_config.get("effort")
-    if reasoning_config.get("enabled") is False or effort in EFFORTS_OFF:
+        raise UsageError(f"reasoning_config: unknown key {_show(unknown[0])} (known: enabled, effort)")
+    enabled, effort = reasoning_config.get("enabled"), reasoning_config.get("effort")
+    if enabled is not None:
+        try:
+            enabled = parse_bool(enabled, "reasoning_config")
+        except UsageError:
+            raise UsageError(
+                f"reasoning_config: 'enabled' must be true or false, got {_show(enabled)}"
+            ) from None
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise UsageError(
+            f"reasoning_config: 'effort' must be one of {', '.join(REASONING_EFFORTS)}, got {_show(effort)}"
+        )
+    if enabled is False or effort in EFFORTS_OFF:
         return {"reasoning_disabled": True}
     return {"reasoning_effort": effort} if effort is not None else {}
+
+
+def given_twice(
+    max_iterations: Any, reasoning_config: Any, prefill_messages: Any, flags: dict[str, Any]
+) -> None:
+    """A reference argument and the command line's flag for the same setting, both given: one would
+    silently win (``max_iterations=3, max_turns=5`` ran 5 turns), so the run does not start."""
+    pairs = [
+        ("max_iterations", max_iterations not in (None, DEFAULT_MAX_ITERATIONS), ("max_turns",)),
+        ("reasoning_config", reasoning_config is not None, ("reasoning_effort", "reasoning_disabled")),
+        ("prefill_messages", prefill_messages is not None, ("prefill_messages_file",)),
+    ]
+    for name, given, flag_names in pairs:
+        also = [f for f in flag_names if f in flags]
+        if given and also:
+            raise UsageError(f"{name} and {also[0]} both give the same setting; give one")
 
 
 class BatchRunner:
@@ -97,21 +126,31 @@ class BatchRunner:
             "max_tokens": max_tokens,
             "max_samples": max_samples,
         }
-        self.flags = {RENAMED.get(k, k): v for k, v in given.items() if v is not None}
-        self.flags.update(reasoning_flags(reasoning_config))
         if "resume" in flags:
             raise UsageError("resume is an argument of run(), not of BatchRunner(...)")
+        given_twice(max_iterations, reasoning_config, prefill_messages, flags)
+        if "max_turns" in flags:  # the command line's name, max_iterations left at its default
+            given.pop("max_iterations")
+        self.flags = {RENAMED.get(k, k): v for k, v in given.items() if v is not None}
+        self.flags.update(reasoning_flags(reasoning_config))
         self.flags.update(flags)
         if prefill_messages is not None and not isinstance(prefill_messages, list):
             raise UsageError(
-                f"prefill_messages must be a list of {{role, content}} messages, got {prefill_messages!r}"
+                f"prefill_messages must be a list of {{role, content}} messages, got {_show(prefill_messages)}"
             )
+        if prefill_messages is not None:
+            check_prefill(prefill_messages, "prefill_messages")
         self.prefill_messages = prefill_messages
         # Every check now, before anything starts; as a resume when a flag given is one of a resume's
         # (resume is run()'s argument here, so --force_resume alone is not a flag that does nothing).
         resuming = bool(self.flags.get("force_resume") or self.flags.get("rerun_discarded"))
         with self._config(resume=resuming) as config:
             self.config = config
+        if config.list_distributions:  # the command line's listing, which skips every check of a run
+            raise UsageError(
+                "list_distributions is the command line's listing, not a run: from Python use "
+                "toolset_distributions.list_distributions() or print_distribution_info(name)"
+            )
 
     @contextmanager
     def _config(self, *, resume: bool) -> Iterator[RunConfig]:
@@ -122,7 +161,10 @@ class BatchRunner:
             if self.prefill_messages:
                 fd, path = tempfile.mkstemp(prefix="batch-runner-prefill-", suffix=".json")
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    json.dump(self.prefill_messages, fh, ensure_ascii=False)
+                    try:  # ASCII escapes: any str, a lone surrogate too, reads back as it was given
+                        json.dump(self.prefill_messages, fh)
+                    except (TypeError, ValueError) as exc:  # a value JSON cannot hold (bytes, a set)
+                        raise UsageError(f"prefill_messages: {exc}") from None
                 flags["prefill_messages_file"] = path
             config = RunConfig.from_flags(**flags)
             config.prefill_messages  # noqa: B018  (read now: the file goes when this block ends)

@@ -148,7 +148,10 @@ def run(config: RunConfig) -> int:
     SIGTERM at any moment (preflight and the dataset load too) ends the run like Ctrl-C. The fake
     model (``--model=mock``) lives as long as the run.
     """
-    previous_term = signal.signal(signal.SIGTERM, _interrupt)
+    # Only the main thread may install a handler: called from another (a service's worker thread), the
+    # run goes on without one, and SIGTERM keeps whatever the process does with it.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous_term = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     try:
         sandbox_options = check_before_start(config)
@@ -190,7 +193,8 @@ def run(config: RunConfig) -> int:
         _interrupt_handled()  # before the default SIGTERM action is back: no re-sent signal may kill us
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
         sys.unraisablehook = previous_hook
 
 

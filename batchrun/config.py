@@ -220,7 +220,11 @@ def list_flag(value: Any, flag: str) -> tuple[str, ...]:
     if value is None or value == "":
         return ()
     if isinstance(value, (list, tuple)):
-        items = [str(v).strip() for v in value]
+        if not all(isinstance(v, str) for v in value):
+            # str() would send ``None`` or ``1`` as a provider's name
+            bad = next(v for v in value if not isinstance(v, str))
+            raise UsageError(f"--{flag} must be a list of names (text), got an item {_show(bad)}")
+        items = [v.strip() for item in value for v in item.split(",")]  # ["a,b"] is --flag=a,b
     elif isinstance(value, str):
         items = [v.strip() for v in value.split(",")]
     else:
@@ -1227,8 +1231,13 @@ def load_prefill(path: str | None) -> tuple[dict[str, Any], ...]:
         data = read_json_file(path)
     except ValueError as exc:
         raise UsageError(f"{flag} {exc}") from None
+    return check_prefill(data, f"{flag} {path}")
+
+
+def check_prefill(data: Any, where: str) -> tuple[dict[str, Any], ...]:
+    """Prefill messages (a file's, or the Python API's ``prefill_messages``) checked; UsageError naming ``where``."""
     if not isinstance(data, list):
-        raise UsageError(f"{flag} {path}: expected a JSON array of {{role, content}} messages")
+        raise UsageError(f"{where}: expected a JSON array of {{role, content}} messages")
     for i, msg in enumerate(data):
         if (
             not isinstance(msg, dict)
@@ -1236,7 +1245,7 @@ def load_prefill(path: str | None) -> tuple[dict[str, Any], ...]:
             or not isinstance(msg.get("content"), str)
         ):
             raise UsageError(
-                f'{flag} {path}: message {i} must be {{"role": system|user|assistant, "content": string}}'
+                f'{where}: message {i} must be {{"role": system|user|assistant, "content": string}}'
             )
     return tuple(data)
 

@@ -30,6 +30,7 @@ messages name the host, the port and what went wrong.
 from __future__ import annotations
 
 import base64
+import contextlib
 import heapq
 import http.client
 import os
@@ -528,12 +529,15 @@ class _Counting:
         conn = super()._new_conn()  # type: ignore[misc]
         conn.response_class = _FinalResponse
         original = conn.connect
+        # Not ``self``: a connection that held its pool would keep it alive from urllib3's finalizer
+        # (which holds the pool's queue of connections), so the pool's connections were never closed.
+        lock, stats = self.lock, self.stats
 
         def connect() -> None:
             original()
             _this_thread.opened = True
-            with self.lock:
-                self.stats["opened"] += 1
+            with lock:
+                stats["opened"] += 1
 
         conn.connect = connect
         return conn
@@ -695,11 +699,17 @@ class Client:
         raise TransportError(f"more than {MAX_REDIRECTS} redirects from {_safe_url(url)}")
 
     def close(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection (urllib3 2's ``PoolManager.clear`` only forgets its pools)."""
         with self._lock:
             managers, self._managers, self._pools = self._managers, {}, {}
         for manager in managers.values():
+            pools = []
+            for key in manager.pools.keys():
+                with contextlib.suppress(KeyError):
+                    pools.append(manager.pools[key])
             manager.clear()
+            for pool in pools:
+                pool.close()
 
     def _send(
         self,

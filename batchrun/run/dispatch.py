@@ -53,6 +53,7 @@ from batchrun.record import read_score
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
 from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
+from batchrun.run.forkserver import WORKER_PROCESS_NAME, skip_callers_main
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
 from batchrun.secrets import terminal_safe
@@ -117,7 +118,10 @@ class WorkerProcesses:
         threading.Thread(target=self._maintain, name="worker-maintenance", daemon=True).start()
 
     def _start(self) -> Any:
-        proc = self._ctx.Process(target=worker.serve, args=self._initargs, daemon=True)
+        skip_callers_main()
+        proc = self._ctx.Process(
+            target=worker.serve, args=self._initargs, daemon=True, name=WORKER_PROCESS_NAME
+        )
         proc.start()
         return proc
 

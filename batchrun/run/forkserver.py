@@ -21,6 +21,10 @@ import sys
 FORKSERVER_PRELOAD = ["batchrun.run.worker_preload"]
 WARM_MODULE = "batchrun.run.worker_warm"  # last: the backend, imported by then, prepares the workers' probes
 
+# The name of a worker process (multiprocessing's, not the OS's): such a process does not run the caller's
+# main module again (see skip_callers_main).
+WORKER_PROCESS_NAME = "batch-runner-worker"
+
 # Arguments with which the command runs no local worker: help, listings, a Ray cluster.
 _NO_WORKERS = ("-h", "--help", "-help", "--list_distributions", "--ray_address")
 
@@ -51,18 +55,56 @@ def use_bytecode_cache() -> None:
         sys.dont_write_bytecode = False
 
 
+_server_environ: dict[str, str] | None = None  # the environment the running forkserver was started with
+
+
 def start_forkserver(backend: str | None = None) -> None:
     """Start the worker pool's forkserver now, preloading ``backend``'s module too (a no-op when it runs).
 
     The pool made later uses the same server. If nothing is dispatched, the server exits with this process.
+    A server started under another environment is replaced: its workers would have that one (a
+    second run in one process, after ``os.environ["TZ"]`` or ``HTTPS_PROXY`` changed, ran with the
+    first run's values while the parent's checks used the new ones).
     """
     from multiprocessing import forkserver
 
+    global _server_environ
+    environ = dict(os.environ)
+    if _server_environ is not None and environ != _server_environ:
+        stop_forkserver()
     extra = [_backend_module(backend)] if backend else []
     forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *filter(None, extra), WARM_MODULE])
     forkserver.ensure_running()
+    _server_environ = environ
     atexit.unregister(stop_forkserver)  # once, however often the run asks for the server
     atexit.register(stop_forkserver)
+
+
+def skip_callers_main() -> None:
+    """Make the worker processes start without running the caller's ``__main__`` again.
+
+    A process from the forkserver (as from spawn) first runs the script that started the run, as
+    ``__mp_main__``, before its target. A worker needs nothing of it: its target and arguments are the
+    package's. A script written for the reference's Python API (which forked its workers: nothing
+    ran again) has no ``if __name__ == "__main__":`` guard, so every worker started the run again and
+    died of it (multiprocessing's "bootstrapping phase" error): a 6-prompt run failed every prompt as
+    ``pool_broken`` after 118 worker starts and 26 s. A guarded script still cost every worker its imports.
+    Only processes named :data:`WORKER_PROCESS_NAME` are changed; installed once, idempotent."""
+    from multiprocessing import spawn
+
+    if getattr(spawn.get_preparation_data, "skips_callers_main", False):
+        return
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name: str) -> dict:
+        data = original(name)
+        if name == WORKER_PROCESS_NAME:
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+
+    get_preparation_data.skips_callers_main = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
 
 
 def stop_forkserver(wait_s: float = 5.0) -> None:

@@ -5,6 +5,7 @@ See :mod:`batchrun.protocol` for the messages. Workers connect with :func:`conne
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -43,7 +44,8 @@ class Inbox:
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[Any, threading.Lock]] = {}
         self._by_pid: dict[Any, tuple[Any, threading.Lock]] = {}  # a worker's id -> its connection
-        threading.Thread(target=self._accept, name="inbox-accept", daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept, name="inbox-accept", daemon=True)
+        self._accepting.start()
 
     def _accept(self) -> None:
         while True:
@@ -116,8 +118,15 @@ class Inbox:
         return True
 
     def close(self) -> None:
+        """Stop accepting workers. Closing a listening socket does not wake a thread blocked in its
+        accept(): shut it down first, so the accepting thread ends too (one was left per run before)."""
         self._closed = True
+        sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        self._accepting.join(5)
 
 
 def connect_to_inbox(address: Any, authkey: bytes) -> Any:

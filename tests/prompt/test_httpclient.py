@@ -201,6 +201,23 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_without_a_retry()
         assert client._http.stats["resent"] == 0 and srv.connections == 2
 
 
+def test_close_closes_the_pooled_connections():
+    """A run's start checks each make a client and close it: a connection they left open (urllib3 2
+    only forgets the pools, and the pool could never be collected) was two open sockets per run."""
+    closed = threading.Event()
+
+    def serve(n, conn, rfile, server):
+        while server.next_request(rfile) is not None:
+            conn.sendall(answer(200, b"{}"))
+        closed.set()  # the client closed its end
+
+    with Scripted(serve) as srv:
+        client = httpclient.Client()
+        client.request("GET", srv.base_url + "/x")
+        client.close()
+        assert closed.wait(5)
+
+
 def test_idle_connections_expire_before_the_servers_keep_alive_timeout():
     """``Keep-Alive: timeout=1.5``: dropped after 0.5 s idle, a second before the server would."""
 

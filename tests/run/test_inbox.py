@@ -205,6 +205,14 @@ def test_a_closed_inbox_takes_no_new_worker(inbox):
         connect_to_inbox(address, authkey)
 
 
+def test_a_closed_inbox_ends_its_accepting_thread():
+    """One inbox a run: a thread left blocked in accept() by each was one more per run of a long process."""
+    before = {t for t in threading.enumerate() if t.name == "inbox-accept"}
+    for box in (Inbox(), Inbox(host="127.0.0.1")):
+        box.close()
+    assert {t for t in threading.enumerate() if t.name == "inbox-accept"} == before
+
+
 def test_remote_ids_are_unique_while_connected_and_free_again_after(tmp_path):
     box = Inbox(host="127.0.0.1")
     address, authkey = box.address
