@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,6 +66,15 @@ def _interpreter_for_nobody(env: dict[str, str]) -> str | None:
             continue
         if probe.returncode == 0:
             return python
+        # The local backend needs the standard library alone, so that the system's Python runs it here:
+        # an import of a third-party module on its path (urllib3, through batchrun.secrets) turned this
+        # test into a skip without a word.
+        missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", probe.stderr.decode())
+        if missing and not missing.group(1).startswith("batchrun"):
+            raise AssertionError(
+                f"the local sandbox's modules import {missing.group(1)!r}, which {python} lacks: "
+                f"{probe.stderr.decode()[-500:]}"
+            )
     return None
 
 

@@ -95,7 +95,6 @@ from batchrun.prompt.sandboxes.local.system_view import (
     user_namespace_args,
 )
 from batchrun.protocol import PromptJob
-from batchrun.secrets import terminal_safe
 from batchrun.storage import pid_alive
 
 # A sandbox's directory made outside a run directory (see start), and the parent cgroup of such
@@ -219,7 +218,7 @@ class LocalSandbox(SandboxBackend):
             more = f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""
             print(
                 f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a "
-                f"model call: {terminal_safe(lines)}{more}"
+                f"model call: {lines}{more}"  # each names its cwd with repr(): control characters escaped
             )
         return Preflight(isolation="bwrap", failed=failed)
 
