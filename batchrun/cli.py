@@ -30,7 +30,7 @@ from batchrun.distributions import format_distributions
 from batchrun.prompt.attempt import RunTools, WorkerSettings
 from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.tools.catalog import known_tool_names
-from batchrun.prompt.tools.config import ToolSettings, run_tool_settings
+from batchrun.prompt.tools.config import ToolSettings, browser_config, run_tool_settings
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.run import finish
 from batchrun.run.dataset import Row, load_dataset
@@ -235,6 +235,10 @@ def run_steps(
     recorder.counts.update({f"toolset:{t}": n for t, n in plan.offered.items()})
     recorder.counts.update({f"toolset_missing:{t}": n for t, n in plan.missing.items()})
     print_plan(rows, plan, config, llm.base_url)
+    if plan.offered.get("browser") and (browser := browser_config(tools_run)) is not None:
+        from batchrun.prompt.tools.browser_cgroup import describe
+
+        print(describe(browser))
     connect_ray(config, plan.prompts)
     # The backend's checks come before the start check: a sandbox that cannot work here costs no token.
     preflighted = preflight_sandboxes(
@@ -493,9 +497,20 @@ def no_run_here(run_dir: Path) -> str:
 
 
 def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> ToolSettings:
-    """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings."""
+    """What tools beyond terminal/file need: the run's endpoint (vision, moa), run_dir (images), settings;
+    with workers on this machine, the parent cgroup of their browsers (what dead runs left of theirs goes)."""
+    browsers = ""
+    if not config.ray_address:
+        from batchrun.prompt.tools import browser_cgroup
+
+        browser_cgroup.sweep_orphans()
+        browsers = browser_cgroup.run_parent()
     return run_tool_settings(
-        base_url=base_url, api_key=api_key, model=config.model, run_dir=str(Path(config.run_dir).resolve())
+        base_url=base_url,
+        api_key=api_key,
+        model=config.model,
+        run_dir=str(Path(config.run_dir).resolve()),
+        browser_cgroup=browsers,
     )
 
 

@@ -279,6 +279,11 @@ class Dispatch:
         pool.terminate()
         inbox.close()
         backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
+        browsers = self.settings.tool_settings.browser_cgroup
+        if browsers:  # the workers' Chromiums' cgroups, with whatever a killed worker's left in them
+            from batchrun.prompt.sandboxes.local.limits import remove_run_cgroups
+
+            remove_run_cgroups(browsers)
 
     def _end_workers_in_background(self, pool: Any, inbox: Inbox) -> None:
         try:

@@ -27,8 +27,10 @@ WebSockets (tunnelled with CONNECT) and a name whose DNS answer changes after th
 (``BROWSER_FLAGS``).
 
 The host's share. Every Chromium process starts under RLIMIT_DATA (``BROWSER_MEMORY_MB``): a page
-allocating without end gets allocation failures or a crashed tab, which the session replaces. The
-popup blocker stays on and a prompt keeps at most ``MAX_PAGES`` tabs. A page writing more than
+allocating without end gets allocation failures or a crashed tab, which the session replaces. Where
+cgroups can be made, the worker's whole Chromium runs in one of its own (``browser_cgroup``), with a
+memory limit on all its processes (``BROWSER_TREE_MEMORY_MB``) and a CPU quota (``BROWSER_CPUS``).
+The popup blocker stays on and a prompt keeps at most ``MAX_PAGES`` tabs. A page writing more than
 ``CONSOLE_FLOOD_PER_S`` console messages a second is closed: they all cross the one browser loop.
 """
 
@@ -38,6 +40,7 @@ import atexit
 import collections
 import concurrent.futures
 import json
+import logging
 import os
 import re
 import shlex
@@ -45,11 +48,13 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # asyncio is imported where the browser runs: every run imports this module
     import asyncio
+
+    from batchrun.prompt.sandboxes.local.limits import PromptCgroup
 
 from batchrun.prompt.tools.browser_egress import (
     FAILED_HEADER,
@@ -68,6 +73,7 @@ from batchrun.prompt.tools.registry import (
     register_toolset_check,
 )
 
+log = logging.getLogger(__name__)
 RESOURCE_KEY = "browser"
 SCREENSHOTS_DIR = "screenshots"
 MAX_IMAGES = 100
@@ -110,6 +116,10 @@ class BrowserHost:
         self._browser: Any = None
         self._launching: asyncio.Lock | None = None
         self.launches = 0  # how many times Chromium was started in this process (tests read it)
+        # Chromium's cgroup (browser_cgroup.py), made at its first start; None: not made (yet), or
+        # ``cgroup_problem`` says why it cannot be (then RLIMIT_DATA alone bounds it).
+        self.cgroup: PromptCgroup | None = None
+        self.cgroup_problem: str | None = None
 
     # -- the loop thread -------------------------------------------------------------------
 
@@ -127,6 +137,8 @@ class BrowserHost:
                 )
                 thread = threading.Thread(target=loop.run_forever, name="browser-loop", daemon=True)
                 thread.start()
+                if self._pid != os.getpid():  # a forked child: the cgroup is its parent's browser's
+                    self.cgroup = self.cgroup_problem = None
                 self._loop, self._thread, self._pid = loop, thread, os.getpid()
                 self._playwright = self._browser = self._launching = None
                 _register_exit_hooks()
@@ -172,11 +184,12 @@ class BrowserHost:
                 from playwright.async_api import async_playwright
 
                 self._playwright = await async_playwright().start()
+            procs = self._chromium_cgroup(cfg)
             with tempfile.TemporaryDirectory(prefix="batch-runner-chromium-") as tmp:
                 # Playwright's own flags turn Chromium's popup blocker off: a page calling
                 # window.open in a loop opened a tab every 200 ms (7 MB each, without end).
                 self._browser = await self._playwright.chromium.launch(
-                    executable_path=_limited_launcher(tmp, cfg),
+                    executable_path=_limited_launcher(tmp, cfg, procs),
                     headless=True,
                     args=list(BROWSER_FLAGS),
                     ignore_default_args=["--disable-popup-blocking"],
@@ -186,8 +199,25 @@ class BrowserHost:
             self.launches += 1
             return self._browser
 
+    def _chromium_cgroup(self, cfg: BrowserConfig) -> list[str]:
+        """The ``cgroup.procs`` files the launcher moves Chromium into (none: no cgroup here). Made at the
+        first start; at a restart, what the last Chromium left in it (a crashed browser's renderers) is
+        ended first."""
+        from batchrun.prompt.tools import browser_cgroup
+
+        if self.cgroup is None and self.cgroup_problem is None:
+            made = browser_cgroup.make(cfg.cgroup_parent, cfg)
+            if isinstance(made, str):
+                self.cgroup_problem = made
+                log.warning("browser: no cgroup for Chromium (%s): RLIMIT_DATA alone bounds it", made)
+            else:
+                self.cgroup = made
+        elif self.cgroup is not None:
+            self.cgroup.kill()
+        return [os.path.join(d, "cgroup.procs") for d in self.cgroup.dirs] if self.cgroup else []
+
     def shutdown(self) -> None:
-        """Close Chromium and Playwright and stop the loop thread. Idempotent."""
+        """Close Chromium and Playwright and stop the loop thread; remove Chromium's cgroup. Idempotent."""
         with self._lock:
             loop, thread = self._loop, self._thread
             if loop is None or self._pid != os.getpid():
@@ -213,6 +243,11 @@ class BrowserHost:
         if thread is not None:
             thread.join(timeout=5)
         loop.close()
+        cgroup, self.cgroup, self.cgroup_problem = self.cgroup, None, None
+        if cgroup is not None:  # what a close that failed or timed out left is ended with it
+            from batchrun.prompt.tools.browser_cgroup import release
+
+            release(cgroup)
 
 
 async def _call(make: Callable[[], Awaitable[Any]]) -> Any:
@@ -234,13 +269,17 @@ def browser_environment(environ: Any = None) -> dict[str, str]:
     return {k: v for k, v in env.items() if _BROWSER_ENV.fullmatch(k)}
 
 
-def _limited_launcher(directory: str, cfg: BrowserConfig) -> str:
-    """A launcher in ``directory`` that starts ``cfg.executable`` under RLIMIT_DATA of ``cfg.memory_mb``:
-    every process Chromium forks inherits it (see ``BROWSER_MEMORY_MB``). Only needed until exec."""
+def _limited_launcher(directory: str, cfg: BrowserConfig, procs: Sequence[str] = ()) -> str:
+    """A launcher in ``directory`` that moves itself into the cgroup whose ``cgroup.procs`` files are
+    ``procs`` and starts ``cfg.executable`` under RLIMIT_DATA of ``cfg.memory_mb``: every process Chromium
+    forks is born in the cgroup and inherits the limit (see ``BROWSER_MEMORY_MB``). Only needed until
+    exec (the shell becomes Chromium: no process of its own is left)."""
     path = os.path.join(directory, "chromium")
+    enter = "".join(f"echo $$ > {shlex.quote(p)} || exit 1\n" for p in procs)
     with open(path, "w") as f:
         f.write(
-            f'#!/bin/sh\nulimit -d {cfg.memory_mb * 1024} || exit 1\nexec {shlex.quote(cfg.executable)} "$@"\n'
+            f"#!/bin/sh\n{enter}ulimit -d {cfg.memory_mb * 1024} || exit 1\n"
+            f'exec {shlex.quote(cfg.executable)} "$@"\n'
         )
     os.chmod(path, 0o700)
     return path
@@ -350,9 +389,12 @@ class BrowserSession:
             await _close_page(crashed)
             self._adopt(await self.context.new_page())
             if not navigating:
+                tree = (
+                    f", this worker's browser {self.cfg.tree_memory_mb} MB in all" if self.host.cgroup else ""
+                )
                 raise BrowserToolError(
                     f"the page {crashed.url[:200]} crashed (out of memory? each browser process may use "
-                    f"{self.cfg.memory_mb} MB); navigate to a page again"
+                    f"{self.cfg.memory_mb} MB{tree}); navigate to a page again"
                 )
         if self.page is None or self.page.is_closed():
             pages = [p for p in self.context.pages if not p.is_closed()]

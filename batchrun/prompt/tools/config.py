@@ -50,6 +50,17 @@ browser (offered when Playwright is installed and a Chromium binary is found)
     ``BROWSER_ENABLED`` (1; 0 turns the toolset off), ``BROWSER_NAV_TIMEOUT_S`` (30),
     ``BROWSER_ACTION_TIMEOUT_S`` (10), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000), ``BROWSER_VIEWPORT`` (1280x800),
     ``BROWSER_MEMORY_MB`` (2048: the data size, RLIMIT_DATA, each Chromium process may reach; at least 1024).
+    Where this process may make cgroups (root, or a delegated v2 subtree: the local sandbox's
+    ``limits.cgroup_layout``), each worker's Chromium (every process of it, up to 16 prompts' pages) runs
+    in a cgroup of its own: ``BROWSER_CPUS`` (1: cores' worth of CPU time a second; at least 0.1) and
+    ``BROWSER_TREE_MEMORY_MB`` (4096: its processes' memory together; at least 1024). A renderer past
+    it is killed there by the kernel's OOM killer, never the runner, and the prompt's tab is replaced.
+    The browsers of all the run's workers together get at most half this machine's memory (or the
+    runner's cgroup's) and half the CPUs the run may use (at least one); a setting above that is
+    lowered to it. Measured here: one Chromium with 16 prompts held 1.0 GB on small pages and 2.8 GB
+    on pages of 3,000 paragraphs and 200,000 script objects (about 500 threads); opening 16 at once
+    took 4.5 s of two cores' time, 11 s within one core; a page spinning in 4 Web Workers took 2 cores.
+    Without cgroups only the RLIMIT_DATA above applies, no CPU limit, and the run's start says so.
     ``WEB_ALLOW_PRIVATE_ADDRESSES`` (see web) applies to the browser too.
 
 An endpoint's API key defaults to the run's key only while its base URL is the run's: a key is
@@ -130,6 +141,8 @@ TOOL_ENV_VARS = (
     "BROWSER_SNAPSHOT_MAX_CHARS",
     "BROWSER_VIEWPORT",
     "BROWSER_MEMORY_MB",
+    "BROWSER_CPUS",
+    "BROWSER_TREE_MEMORY_MB",
 )
 SECRET_ENV_VARS = ("VISION_API_KEY", "IMAGE_GEN_API_KEY", "MOA_API_KEY", *_PROVIDER_KEY_VARS.values())
 
@@ -150,6 +163,9 @@ class ToolSettings:
     llm_api_key: str | None = None  # the run's API key: never written to results
     llm_model: str | None = None  # the run's model (--model)
     run_dir: str | None = None  # the run's output directory
+    # The parent cgroup of the workers' browsers (browser_cgroup.run_parent), made by the first worker that
+    # starts Chromium and removed by the run's end; "": each worker's own, removed when its browser stops.
+    browser_cgroup: str = ""
     # Overrides of the variables below; the runner passes tool_env_snapshot() taken in the parent,
     # so workers see the same settings whatever their own environment.
     tool_env: Mapping[str, str] = field(default_factory=dict)
@@ -172,7 +188,9 @@ def tool_env_snapshot(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {name: env[name] for name in TOOL_ENV_VARS if env.get(name)}
 
 
-def run_tool_settings(*, base_url: str, api_key: str | None, model: str, run_dir: str) -> ToolSettings:
+def run_tool_settings(
+    *, base_url: str, api_key: str | None, model: str, run_dir: str, browser_cgroup: str = ""
+) -> ToolSettings:
     """A run's tool settings: its endpoint (vision, moa), its directory (images), the tool variables."""
     return ToolSettings(
         llm_base_url=base_url,
@@ -180,6 +198,7 @@ def run_tool_settings(*, base_url: str, api_key: str | None, model: str, run_dir
         llm_model=model,
         run_dir=run_dir,
         tool_env=tool_env_snapshot(),
+        browser_cgroup=browser_cgroup,
     )
 
 
@@ -489,6 +508,11 @@ BROWSER_FLAGS = (
 # started under this RLIMIT_DATA, so a page past it gets allocation failures or a crashed tab.
 BROWSER_MEMORY_MB = 2048
 MIN_BROWSER_MEMORY_MB = 1024
+# A worker's whole Chromium (browser_cgroup.py): that RLIMIT_DATA is per process, and a page spreading over
+# renderers (cross-site frames, or 16 prompts' pages) multiplied it; and nothing bounded its CPU.
+BROWSER_CPUS = 1.0
+MIN_BROWSER_CPUS = 0.1  # a page's load takes ~0.5 s of CPU: below this, tens of seconds
+BROWSER_TREE_MEMORY_MB = 4096
 
 
 @dataclass(frozen=True)
@@ -500,6 +524,11 @@ class BrowserConfig:
     viewport: tuple[int, int]  # width, height in CSS pixels
     allow_private: bool = False  # WEB_ALLOW_PRIVATE_ADDRESSES: let pages reach private addresses
     memory_mb: int = 2048  # RLIMIT_DATA of every Chromium process (a page's renderer above all)
+    cpus: float = BROWSER_CPUS  # CPU quota of the worker's Chromium, all its processes (cgroup)
+    tree_memory_mb: int = (
+        BROWSER_TREE_MEMORY_MB  # memory of the worker's Chromium, all its processes (cgroup)
+    )
+    cgroup_parent: str = ""  # ToolSettings.browser_cgroup: the parent of the run's browsers' cgroups
 
 
 def find_chromium(env: Mapping[str, str]) -> str | None:
@@ -552,6 +581,16 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
     if memory_mb < MIN_BROWSER_MEMORY_MB:
         # A renderer maps about 650 MB of it for an empty page; below this Chromium cannot start pages.
         raise ToolConfigError(f"BROWSER_MEMORY_MB must be at least {MIN_BROWSER_MEMORY_MB}, got {memory_mb}")
+    tree_memory_mb = _number(env, "BROWSER_TREE_MEMORY_MB", BROWSER_TREE_MEMORY_MB, integer=True)
+    if tree_memory_mb < MIN_BROWSER_MEMORY_MB:
+        raise ToolConfigError(
+            f"BROWSER_TREE_MEMORY_MB must be at least {MIN_BROWSER_MEMORY_MB}, got {tree_memory_mb}"
+        )
+    cpus = _number(env, "BROWSER_CPUS", BROWSER_CPUS)
+    if not cpus >= MIN_BROWSER_CPUS or cpus == float("inf"):
+        raise ToolConfigError(
+            f"BROWSER_CPUS must be a number of cores from {MIN_BROWSER_CPUS:g}, got {cpus:g}"
+        )
     return BrowserConfig(
         executable=executable,
         nav_timeout_s=_number(env, "BROWSER_NAV_TIMEOUT_S", 30.0),
@@ -560,4 +599,7 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
         viewport=(int(w), int(h)),
         allow_private=allow_private_addresses(env),
         memory_mb=memory_mb,
+        cpus=cpus,
+        tree_memory_mb=tree_memory_mb,
+        cgroup_parent=run.browser_cgroup,
     )

@@ -134,6 +134,7 @@ _READY_PARENTS: set[str] = set()
 class RunBounds:
     memory_bytes: int  # the run's prompts together: processes and their tmpfs files
     pids: int  # processes and threads of all its prompts at once
+    cpus: float | None = None  # CPU time per wall second of them all, in cores; None: no quota
 
 
 @functools.cache
@@ -159,9 +160,11 @@ def host_limits(own_cgroup: bool = True) -> tuple[int, int]:
     return min(memory, own_memory or memory), min(pids, own_pids or pids)
 
 
-def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
-    """The run's parent cgroup, made, its controllers delegated and the run's bounds (:func:`run_bounds`)
-    written: once per process, not per prompt."""
+def _ready_parent(
+    run_dir: str, controllers: list[str], version: int, bounds: RunBounds | None = None
+) -> None:
+    """The run's parent cgroup, made, its controllers delegated and the run's bounds (``bounds``, else
+    :func:`run_bounds`) written: once per process, not per prompt."""
     if run_dir in _READY_PARENTS:
         return
     try:
@@ -170,11 +173,13 @@ def _ready_parent(run_dir: str, controllers: list[str], version: int) -> None:
         pass
     if version == 2:
         _write(os.path.join(run_dir, "cgroup.subtree_control"), " ".join(f"+{c}" for c in controllers))
-    bounds = run_bounds()
+    bounds = bounds or run_bounds()
     if "pids" in controllers:
         _write(os.path.join(run_dir, "pids.max"), str(bounds.pids))
     if "memory" in controllers:
         _limit_memory(run_dir, version, bounds.memory_bytes)
+    if "cpu" in controllers and bounds.cpus is not None:
+        _limit_cpu(run_dir, version, bounds.cpus)
     _READY_PARENTS.add(run_dir)
 
 
@@ -188,13 +193,26 @@ def _limit_memory(path: str, version: int, limit: int) -> None:
         _try_write(os.path.join(path, "memory.swap.max"), "0")
 
 
+def _limit_cpu(path: str, version: int, cpus: float) -> None:
+    """``cpus`` cores' worth of CPU time per wall second for the cgroup at ``path``."""
+    quota = max(1000, int(cpus * CPU_PERIOD_US))
+    if version == 1:
+        _write(os.path.join(path, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+        _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+    else:
+        _write(os.path.join(path, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+
+
 class PromptCgroup:
     """One prompt's cgroup in every hierarchy; ``remove`` is safe to call twice.
 
     Plain string paths and unbuffered writes: at a thousand prompts in flight this runs ~30 times a
-    second on the workers' threads, and pathlib's objects cost more than the writes themselves."""
+    second on the workers' threads, and pathlib's objects cost more than the writes themselves.
+    ``bounds``: the parent's, when it is not a run of prompts (the browsers', tools/browser_cgroup.py)."""
 
-    def __init__(self, layout: CgroupLayout, parent: str, name: str, limits: Limits):
+    def __init__(
+        self, layout: CgroupLayout, parent: str, name: str, limits: Limits, bounds: RunBounds | None = None
+    ):
         self.layout = layout
         self.key = _pool_key(layout, parent, limits)
         self.uses = 1  # prompts it has held (see CgroupPool)
@@ -209,12 +227,12 @@ class PromptCgroup:
             for base, controllers in by_base.items():
                 run_dir = os.path.join(base, parent)
                 path = os.path.join(run_dir, name)
-                _ready_parent(run_dir, controllers, layout.version)
+                _ready_parent(run_dir, controllers, layout.version, bounds)
                 try:
                     os.mkdir(path)
                 except FileNotFoundError:  # another thread removed the parent, empty for a moment
                     _READY_PARENTS.discard(run_dir)
-                    _ready_parent(run_dir, controllers, layout.version)
+                    _ready_parent(run_dir, controllers, layout.version, bounds)
                     os.mkdir(path)
                 self.dirs.append(path)
                 for controller in controllers:
@@ -230,16 +248,12 @@ class PromptCgroup:
             raise
 
     def _limit(self, path: str, controller: str, limits: Limits) -> None:
-        quota = max(1000, int(limits.cpus * CPU_PERIOD_US))
         if controller == "pids":
             _write(os.path.join(path, "pids.max"), str(limits.pids_limit))
         elif controller == "memory":
             _limit_memory(path, self.layout.version, limits.memory_bytes)
-        elif self.layout.version == 1:
-            _write(os.path.join(path, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
-            _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
         else:
-            _write(os.path.join(path, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+            _limit_cpu(path, self.layout.version, limits.cpus)
 
     def enter(self, *pids: int) -> None:
         """Move running processes into the cgroups (OSError if the kernel refuses): their later children
@@ -258,6 +272,13 @@ class PromptCgroup:
             except OSError:
                 return False
         return bool(self.dirs)
+
+    def kill(self) -> bool:
+        """SIGKILL every process in it, in any hierarchy; True once none is left (zombies included)."""
+        for d in self.dirs:
+            for pid in _procs(Path(d)):
+                _try_kill(pid)
+        return self.empty()
 
     def hits(self) -> tuple[int, int]:
         """(times a fork failed at pids.max, processes the OOM killer ended) so far."""
