@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, read_jsonl, write_jsonl
@@ -25,6 +26,18 @@ def runner(run_name: str, **kw) -> batch_runner.BatchRunner:
 
 
 @RUNS
+def run_script(script: Path) -> subprocess.CompletedProcess:
+    """``script`` run by this interpreter in its own directory, with this checkout's package."""
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
 def test_a_script_without_a_main_guard_runs_once(tmp_path):
     """Scripts written for the reference (whose workers forked) call BatchRunner(...).run() at the top
     level; a worker process must not run the script again (it failed every prompt as pool_broken)."""
@@ -44,14 +57,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
         ),
         encoding="utf-8",
     )
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_script(script)
     assert "exit code 0" in done.stdout, done.stderr[-3000:]
     assert len((tmp_path / "runs.log").read_text().split()) == 1  # the script ran once, in this process
     assert "Traceback" not in done.stderr
@@ -237,14 +243,7 @@ def test_ctrl_c_during_run_returns_130_and_a_resume_in_the_same_process_finishes
         ),
         encoding="utf-8",
     )
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_script(script)
     codes = [line for line in done.stdout.splitlines() if line.startswith(("first ", "second "))]
     assert codes == ["first 130", "second 0"], done.stderr[-3000:]
     records = read_jsonl(tmp_path / "data" / "ci" / "trajectories.jsonl")
