@@ -276,7 +276,8 @@ def run_steps(
     interrupted = False
     prepared = None
     if preflighted.batches:
-        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp)
+        secrets = tuple(sorted(getattr(recorder.redact, "values", ())))
+        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp, secrets)
         dispatch = Dispatch(config, settings, recorder)
         recorder.on_kept_line = prepared = finish.PreparedLines(config.report_max_trajectories)
         try:
@@ -531,8 +532,11 @@ def worker_settings(
     sandbox_options: dict[str, Any],
     tools_run: ToolSettings,
     mcp: McpSetup | None = None,
+    secret_values: tuple[str, ...] = (),
 ) -> WorkerSettings:
-    """What every worker gets, once: the prompt side's settings, derived from the config and preflight."""
+    """What every worker gets, once: the prompt side's settings, derived from the config and preflight;
+    ``secret_values``: the run's secrets (the recorder's Redactor's), which no tool result may carry
+    on to the model."""
     return WorkerSettings(
         run_name=config.run_name,
         llm=llm,
@@ -557,6 +561,7 @@ def worker_settings(
         budget_gate=config.budget_tokens is not None or config.budget_usd is not None,
         scoring=config.scoring_settings(),
         judge_llm=judge_llm_config(config, llm),
+        secret_values=secret_values,
     )
 
 

@@ -218,6 +218,7 @@ class Redactor:
         scaffold = {v for v in scaffolding if isinstance(v, str) and len(v.strip()) >= MIN_SCAFFOLD_CHARS}
         # Text forms match in any letter case (an upper-cased header, a title-cased log); base64 only
         # exactly, since its letter case is part of the encoding.
+        self.values = frozenset(values)  # the secret values themselves (a worker's gate: same set)
         encoded = {f for v in values for f in _base64_forms(v)}
         self._encoded = _pattern(encoded, ignore_case=False)
         texts = _forms(values, encodings=True)

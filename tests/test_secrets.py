@@ -327,3 +327,29 @@ def test_query_parameters_that_only_contain_a_credential_word_are_no_secrets():
         "abcd1234efgh",
         "abc123def456",
     ]
+
+
+def test_a_tool_result_holding_a_secret_is_never_sent_on_to_the_model(server, tmp_path, monkeypatch):
+    """A tool result with a secret of the run in it (here a command reading the runner's environment, as
+    --local_isolation=none allows; elsewhere a tool's key quoted in its error, an MCP server's token) went
+    to the model's endpoint in the next request, and the sample was discarded only when it was recorded.
+    The prompt now ends at that result: no request carries it, and the sample is the same discard."""
+    token = "svc-Token-2f9a7c31e5b8"
+    monkeypatch.setenv("BRTEST_SERVICE_TOKEN", token)
+    cmd = r"grep -a -h -o -m1 'BRTEST_SERVICE_TOKEN=.\{22\}' /proc/*/environ 2>/dev/null | head -1"
+    dataset = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"leak [run:{cmd}] [run:echo after]"}, {"prompt": "fine [calls:0]"}]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "data"
+    run(server, dataset, out, local_isolation="none", distribution="terminal_only")
+    run_dir = out / "run"
+    (discard,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert discard["reason"] == "secret_in_output"
+    assert discard["record"]["metadata"]["stop_reason"] == "secret_in_output"
+    assert "[REDACTED]" in json.dumps(discard) and token not in json.dumps(discard)
+    assert discard["record"]["api_calls"] == 1  # the result was not sent back: no second call
+    requests = server.stats()["last_requests"]
+    assert requests and all(token not in json.dumps(r) for r in requests)
+    assert [r["conversations"][1]["value"] for r in read_jsonl(run_dir / "trajectories.jsonl")] == [
+        "fine [calls:0]"
+    ]

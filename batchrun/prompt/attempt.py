@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -107,6 +108,9 @@ class WorkerSettings:
     # How samples are judged (--scorer, --keep, ...); the judge model's client settings (--judge_model).
     scoring: ScoringSettings = field(default_factory=ScoringSettings)
     judge_llm: LLMConfig | None = None
+    # The run's secret values (the parent's Redactor's): a tool result holding one ends its prompt before
+    # it is sent on to the model (the loop's holds_secret).
+    secret_values: tuple[str, ...] = ()
 
 
 def run_prompt(
@@ -154,6 +158,7 @@ def run_prompt(
                 request_seed=None
                 if settings.request_seed is None
                 else request_seed_base(settings.request_seed, job),
+                holds_secret=secret_finder(settings.secret_values),
             )
             record = _record(job, settings, result, usage, limits, tools, lifecycle)
             deadline = started + limits.prompt_timeout_s + settings.scoring.verify_timeout_s
@@ -305,6 +310,18 @@ def with_judge_usage(usage: dict[str, Any], judge: dict[str, Any] | None) -> dic
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             total[key] = (total.get(key) or 0) + value
     return total
+
+
+@functools.lru_cache(maxsize=4)
+def secret_finder(values: tuple[str, ...]) -> Callable[[str], bool] | None:
+    """Whether a text holds one of ``values`` in any form the recorder finds (None: no secrets); made once
+    a worker (a Redactor compiles its patterns), from the parent's values alone, so that what it finds the
+    recorder finds too."""
+    if not values:
+        return None
+    from batchrun.secrets import Redactor
+
+    return Redactor(None, environ={}, secrets=values).finds_secret
 
 
 def _row_of(job: PromptJob) -> dict[str, Any]:

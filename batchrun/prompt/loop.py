@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,9 @@ MAX_CONVERSATION_CHARS = 32 * 1024 * 1024
 # this reason (batchrun.prompt.attempt), never kept, partial or not. ``content_filter``: the provider's
 # filter stopped or replaced the reply. ``unknown_finish_reason``: a final answer whose finish_reason is
 # null, missing or unknown, so nothing says it was not cut short.
-REPLY_DISCARDS = ("content_filter", "unknown_finish_reason")
+# Stop reasons whose sample no flag keeps: the last reply was filtered or may be cut short, or a tool
+# result held a secret of the run (it was not sent on to the model; the sample is a discard).
+REPLY_DISCARDS = ("content_filter", "unknown_finish_reason", "secret_in_output")
 
 
 class PromptTimeout(RuntimeError):
@@ -67,7 +70,7 @@ class LoopResult:
     partial: bool
     stop_reason: (
         str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
-        # | content_filter | unknown_finish_reason (REPLY_DISCARDS)
+        # | content_filter | unknown_finish_reason | secret_in_output (REPLY_DISCARDS)
     )
     tool_calls: int = 0
     served_model: str | None = None  # the last answered response's ``model``, when it named one
@@ -86,13 +89,17 @@ def run_agent(
     log=None,
     system_prompt: str | None = None,
     request_seed: int | None = None,
+    holds_secret: Callable[[str], bool] | None = None,
 ) -> LoopResult:
     """Run one prompt to a final answer or a limit. ``usage`` collects tokens and cost as calls happen,
     so a prompt that fails half-way still accounts for what it spent.
 
     ``system_prompt`` (the row's own, saved by the caller in the record) and the ephemeral one (never
     saved) reach the model as one system message, the row's first. ``request_seed``: each model call
-    sends a seed derived from it and the turn number (None: no seed is sent)."""
+    sends a seed derived from it and the turn number (None: no seed is sent). ``holds_secret``: a tool
+    result it finds a secret of the run in ends the prompt there (``secret_in_output``): the secret is
+    never sent on to the model (a tool's key quoted in its error, an MCP server's token, a command's
+    output), and the sample is a discard, as the recorder would make it."""
     # A run-wide pause for another prompt's 429 moves this prompt's deadline (the limiter credits it).
     limiter = getattr(llm, "limiter", None)
     credited_at_start = limiter.credited_s() if limiter is not None else 0.0
@@ -192,6 +199,9 @@ def run_agent(
             tool_msg = {"role": "tool", "tool_call_id": call["id"], "name": name, "content": content}
             saved.append(tool_msg)
             sent.append(tool_msg)
+            if holds_secret is not None and holds_secret(content):
+                result.stop_reason = "secret_in_output"
+                return result
         invalid_streak = invalid_streak + 1 if invalid == len(assistant_saved["tool_calls"]) else 0
         if invalid_streak >= MAX_INVALID_TURNS:
             result.stop_reason = "invalid_tool_calls"
