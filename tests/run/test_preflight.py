@@ -215,3 +215,23 @@ def test_docker_pulls_come_after_the_start_check(tmp_path, capsys, docker_test_i
         assert "1 prompt(s) will fail without a model call" in out
     with pytest.raises(ImageNotFound):
         docker_client().images.get(image)
+
+
+def test_modal_without_credentials_exits_2_before_the_start_check(tmp_path, capsys, monkeypatch, server):
+    """The real Modal SDK with no token (no `modal token new`, no MODAL_TOKEN_ID): the preflight only
+    checked that the SDK imports, so every prompt made its first model call and then failed at its
+    sandbox's start. The app's lookup is now made once before the run."""
+    from helpers import exit_code, write_jsonl
+
+    modal = pytest.importorskip("modal")
+    for name in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    if modal.config.config.get("token_id"):
+        pytest.skip("this machine has Modal credentials")
+    code = exit_code(server, write_jsonl(tmp_path / "d.jsonl", ["x"]), tmp_path / "data", sandbox="modal")
+    err = capsys.readouterr().err
+    assert code == 2 and "--sandbox=modal: cannot use Modal (AuthError" in err, err
+    assert "modal token new" in err
+    stats = server.stats()
+    assert stats["check_calls"] == 0 and stats["requests"] == 0
+    assert not (tmp_path / "data" / "run").exists()

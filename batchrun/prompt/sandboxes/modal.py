@@ -6,6 +6,7 @@ without it (``pip install 'batch-runner[modal]'`` and ``modal token new`` to use
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import posixpath
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKDIR = "/workspace"
 KEEPALIVE = ("sh", "-c", "while :; do sleep 3600; done")
 STDIN_CHUNK_BYTES = 64 * 1024  # the SDK buffers stdin writes in memory until drain(); keep each batch small
+PREFLIGHT_S = 60.0  # the app's lookup before the run: Modal answers it in about a second
 GRACE_S = 5.0  # past the command's timeout, how long to wait for Modal to end it before killing it ourselves
 
 
@@ -81,11 +83,31 @@ class ModalSandbox(SandboxBackend):
         dataset: str = "the dataset",
     ) -> Preflight:
         try:
-            import modal  # noqa: F401
+            import modal
         except ImportError:
             raise SetupError(
                 "--sandbox=modal needs the modal SDK: pip install 'batch-runner[modal]'"
             ) from None
+        if jobs:
+            # The app every sandbox is made in, looked up once now: without credentials (no `modal token
+            # new`, no MODAL_TOKEN_ID) or without a way to Modal, every prompt made its first model call
+            # and then failed at its sandbox's start.
+            app_name = options.get("app_name", ModalOptions.app_name)
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="modal-preflight")
+            try:
+                pool.submit(modal.App.lookup, app_name, create_if_missing=True).result(PREFLIGHT_S)
+            except concurrent.futures.TimeoutError:
+                raise SetupError(
+                    f"--sandbox=modal: Modal did not answer within {PREFLIGHT_S:g} s (looking up the app "
+                    f"{app_name!r}); is this machine able to reach it?"
+                ) from None
+            except Exception as exc:  # the SDK's AuthError, a connection error: what Modal said
+                raise SetupError(
+                    f"--sandbox=modal: cannot use Modal ({type(exc).__name__}: {str(exc)[:300]}); its "
+                    "credentials come from `modal token new` or MODAL_TOKEN_ID and MODAL_TOKEN_SECRET"
+                ) from None
+            finally:
+                pool.shutdown(wait=False)
         return Preflight(isolation="modal")
 
     # -- one prompt's sandbox
