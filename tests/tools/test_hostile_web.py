@@ -1,0 +1,206 @@
+"""A hostile web server against the tools that fetch URLs a model chose (web_extract, vision_analyze):
+every case ends as the URL's own error, within the tool's deadline and in bounded memory.
+
+The server is real (loopback, written here, passing the address check as a public host); the tool
+runs in its own process, so that a case that would hang ends with the test and the peak memory
+(``VmHWM``) is the tool's alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 2.0  # WEB_TIMEOUT_S of these runs
+RSS_LIMIT_MB = 150  # the tool's process: Python, the package and bs4 (~60 MB) + a 5 MB page's worth
+
+# Runs web_extract on the URLs given, the server standing for a public host, and prints the result
+# with the time it took and the process's peak memory.
+CLIENT = r"""
+import json, socket, sys, time
+from batchrun.prompt.tools import web
+from batchrun.prompt.tools.catalog import execute_tool_call, known_tool_names
+from batchrun.prompt.tools.config import ToolSettings
+from batchrun.prompt.tools.registry import ToolContext
+
+def resolve(host, port):  # "public.test" stands for a public host; it is this loopback server
+    if host == "public.test":
+        return socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
+    raise web.PrivateAddressError(host, "?")
+web.resolve_public = resolve
+env = json.loads(sys.argv[1])
+tool_timeout = float(sys.argv[2])
+ctx = ToolContext(sandbox=None, tool_timeout_s=tool_timeout, settings=ToolSettings(tool_env=env))
+t0 = time.monotonic()
+out = json.loads(execute_tool_call("web_extract", json.dumps({"urls": sys.argv[3:]}), ctx, set(known_tool_names())))
+out["elapsed_s"] = time.monotonic() - t0
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+out["maxrss_mb"] = int(hwm[0].split()[1]) / 1024
+print(json.dumps(out))
+"""
+
+GOOD_PAGE = b"<html><head><title>Good</title></head><body><main><p>GOOD-FACT</p></main></body></html>"
+
+
+class HostileSite:
+    """A loopback web server: the first segment of a request's path names how it answers."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, mode: str) -> str:
+        return f"http://public.test:{self.port}/{mode}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            rfile = conn.makefile("rb")
+            mode = rfile.readline().split()[1].decode().strip("/").split("/")[0]
+            while rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass
+            getattr(self, f"_{mode}")(conn)
+        except OSError:  # the client went: the case is over
+            pass
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _good(conn: socket.socket) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n" % len(GOOD_PAGE)
+            + GOOD_PAGE
+        )
+
+    @staticmethod
+    def _header_drip(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        while True:  # one byte of a header line every 0.2 s: each read is quick, the headers never end
+            conn.sendall(b"x")
+            time.sleep(0.2)
+
+    @staticmethod
+    def _continue_flood(conn: socket.socket) -> None:
+        while True:  # http.client skips 100 Continue answers in a loop of its own
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 1000)
+
+    @staticmethod
+    def _trailer_flood(conn: socket.socket) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n"
+        )
+        while True:  # trailer lines after the last chunk, read inside one read1() call
+            conn.sendall(b"X-Trailer: y\r\n" * 5000)
+
+    @staticmethod
+    def _redirect_endless_body(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: /good\r\n\r\n")
+        block = b"x" * (1 << 20)
+        for _ in range(512):  # a redirect's body without a length: 512 MiB (endless would do, but take the
+            conn.sendall(block)  # machine running this test without the fix)
+
+    @staticmethod
+    def _garbage(conn: socket.socket) -> None:
+        conn.sendall(b"<html><body>no status line, no headers</body></html>\n" * 20)
+
+    @staticmethod
+    def _many_headers(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 200 + b"\r\nhello")
+
+    @staticmethod
+    def _chunk_cut(conn: socket.socket) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n100\r\nhello"
+        )
+
+    @staticmethod
+    def _length_lie(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\nhello")
+
+
+@pytest.fixture(scope="module")
+def site():
+    server = HostileSite()
+    yield server
+    server.close()
+
+
+def extract(urls: list[str], tool_timeout_s: float = 60.0, env: dict | None = None) -> dict:
+    """web_extract of ``urls`` in a process of its own (killed, and the test failed, past 60 s)."""
+    run_env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    tool_env = {"WEB_TIMEOUT_S": str(TIMEOUT_S), "WEB_ALLOW_PRIVATE_ADDRESSES": "0", **(env or {})}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", CLIENT, json.dumps(tool_env), str(tool_timeout_s), *urls],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=run_env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"web_extract of {urls} still running after 60 s (WEB_TIMEOUT_S={TIMEOUT_S})")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["header_drip", "continue_flood", "trailer_flood"])
+def test_a_page_that_never_finishes_its_headers_or_trailers_ends_at_the_deadline(site, mode):
+    # Socket timeouts bound each read alone: each of these ran until the server stopped (over 20 s
+    # against a 2 s WEB_TIMEOUT_S, the 100 Continue and trailer floods on a whole core).
+    out = extract([site.url(mode), site.url("good")])
+    bad, good = out["results"]
+    assert bad["error"] == f"{site.url(mode)} took longer than {TIMEOUT_S:g} s"
+    assert "GOOD-FACT" in good["content"]
+    assert out["elapsed_s"] < TIMEOUT_S + 1.5
+
+
+def test_the_body_of_a_redirect_is_not_read_into_memory(site):
+    # urllib read a redirect's body to its end before following it: 2.5 GB in 4 s of an endless one.
+    # (On the old code this one holds ~512 MiB, then follows the redirect.)
+    out = extract([site.url("redirect_endless_body")])
+    (page,) = out["results"]
+    assert page["error"] is None and "GOOD-FACT" in page["content"]
+    assert page["final_url"] == site.url("good")
+    assert out["maxrss_mb"] < RSS_LIMIT_MB
+    assert out["elapsed_s"] < TIMEOUT_S
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("garbage", "BadStatusLine"),
+        ("many_headers", "got more than 100 headers"),
+        ("chunk_cut", "IncompleteRead"),
+        ("length_lie", "was cut: 5 of the 100000 bytes its Content-Length gives"),
+    ],
+)
+def test_a_malformed_answer_is_that_urls_error_and_the_others_are_returned(site, mode, error):
+    # http.client's errors are not OSErrors: they failed the whole call, losing the good page's text;
+    # a body cut before its Content-Length came back as the whole page.
+    out = extract([site.url(mode), site.url("good")])
+    bad, good = out["results"]
+    assert error in bad["error"] and site.url(mode) in bad["error"]
+    assert not bad["content"]
+    assert "GOOD-FACT" in good["content"] and good["error"] is None
+    assert "error" not in out
