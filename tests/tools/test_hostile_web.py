@@ -49,6 +49,24 @@ print(json.dumps(out))
 """
 
 GOOD_PAGE = b"<html><head><title>Good</title></head><body><main><p>GOOD-FACT</p></main></body></html>"
+PUNYCODE_BODY = b"a" * 150_000 + b"-" + b"b" * 150_000
+# Pages served whole, with a length, under /page/<name>: (Content-Type, body).
+PAGES = {
+    # 250,000 tags in 2 MB: 12 s of CPU and 350 MB to convert in the worker (5 MB of them: 30 s, 860 MB)
+    "dense_tags": ("text/html", b"<html><body>" + b"<p>w</p>" * 250_000),
+    # one tag with 1.2 million attributes: 1 GB within 3 s
+    "attributes": ("text/html", b"<html><body><div " + b"a=1 " * 1_200_000 + b">x</div>"),
+    # Python's punycode decoder is quadratic: 300 kB took 6 s, 5 MB would take half an hour
+    "punycode": ("text/plain; charset=punycode", PUNYCODE_BODY),
+    "idna": ("text/plain; charset=idna", b"IDNA-TEXT " + b"a." * 100),  # raised UnicodeError
+    "undefined": ("text/plain; charset=undefined", b"UNDEFINED-TEXT"),  # raised UnicodeError
+    # utf-7 makes a lone surrogate of "+2AA-": text no record can carry (the sample was discarded)
+    "utf7_meta": (
+        "text/html",
+        b'<html><head><meta charset="utf-7"><title>T</title></head><body><p>UTF7-TEXT +2AA-</p></body></html>',
+    ),
+    "utf7_header": ("text/plain; charset=utf-7", b"UTF7-TEXT +2AA-"),
+}
 
 
 class HostileSite:
@@ -76,10 +94,10 @@ class HostileSite:
     def _serve(self, conn: socket.socket) -> None:
         try:
             rfile = conn.makefile("rb")
-            mode = rfile.readline().split()[1].decode().strip("/").split("/")[0]
+            mode, *args = rfile.readline().split()[1].decode().strip("/").split("/")
             while rfile.readline() not in (b"\r\n", b"\n", b""):
                 pass
-            getattr(self, f"_{mode}")(conn)
+            getattr(self, f"_{mode}")(conn, *args)
         except OSError:  # the client went: the case is over
             pass
         finally:
@@ -91,6 +109,14 @@ class HostileSite:
             b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n" % len(GOOD_PAGE)
             + GOOD_PAGE
         )
+
+    @staticmethod
+    def _page(conn: socket.socket, name: str) -> None:
+        kind, body = PAGES[name]
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n" % (kind.encode(), len(body))
+        )
+        conn.sendall(body)
 
     @staticmethod
     def _header_drip(conn: socket.socket) -> None:
@@ -204,3 +230,42 @@ def test_a_malformed_answer_is_that_urls_error_and_the_others_are_returned(site,
     assert not bad["content"]
     assert "GOOD-FACT" in good["content"] and good["error"] is None
     assert "error" not in out
+
+
+def test_converting_a_page_of_dense_tags_ends_at_the_deadline_outside_the_worker(site):
+    # The conversion ran in the worker's thread, uncounted by any timeout, holding the GIL its other
+    # prompts need: this page took 12 s of CPU and 350 MB there.
+    out = extract([site.url("page/dense_tags"), site.url("good")])
+    bad, good = out["results"]
+    assert bad["error"] == (
+        f"could not convert {site.url('page/dense_tags')} to text: "
+        f"turning the page into text took longer than {TIMEOUT_S:g} s"
+    )
+    assert "GOOD-FACT" in good["content"]
+    assert out["elapsed_s"] < 2 * TIMEOUT_S + 1.5  # the fetch and the conversion each within WEB_TIMEOUT_S
+    assert out["maxrss_mb"] < RSS_LIMIT_MB
+
+
+def test_converting_a_page_is_refused_memory_past_its_bound(site):
+    from batchrun.prompt.tools.html_text import HTML_MEMORY_MB
+
+    out = extract([site.url("page/attributes")], env={"WEB_TIMEOUT_S": "30"})
+    (page,) = out["results"]
+    assert page["error"].endswith(f"turning the page into text needs more than {HTML_MEMORY_MB} MB")
+    assert out["maxrss_mb"] < RSS_LIMIT_MB  # was 1 GB
+
+
+@pytest.mark.parametrize("name", ["punycode", "idna", "undefined", "utf7_header"])
+def test_a_charset_browsers_do_not_know_is_read_as_utf8(site, name):
+    out = extract([site.url(f"page/{name}"), site.url("good")], env={"WEB_TIMEOUT_S": "30"})
+    page, good = out["results"]
+    assert page["error"] is None and "GOOD-FACT" in good["content"]
+    assert page["content"] == PAGES[name][1].decode("utf-8")[: len(page["content"])]
+    assert len(page["content"]) >= min(len(PAGES[name][1]), 2000)
+    assert out["elapsed_s"] < 5
+
+
+def test_a_utf7_meta_declaration_makes_no_lone_surrogate(site):
+    out = extract([site.url("page/utf7_meta")])
+    (page,) = out["results"]
+    assert page["content"] == "UTF7-TEXT +2AA-"  # as UTF-8; utf-7 read it as "\ud800"

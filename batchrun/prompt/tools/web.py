@@ -4,7 +4,8 @@ Providers speak their own HTTP APIs (Tavily, Brave, SearXNG JSON, Exa, Firecrawl
 where is read from the environment (batchrun/prompt/tools/config.py), so tests point them at a local fake.
 web_extract fetches each URL with the standard library under a time, size and content-type
 limit and turns HTML into markdown with BeautifulSoup + markdownify, keeping the main content
-(``<main>``, ``<article>``) and dropping scripts, navigation and footers.
+(``<main>``, ``<article>``) and dropping scripts, navigation and footers: in a child process bounded
+in time and memory, and reading only the charsets browsers know (batchrun/prompt/tools/html_text.py).
 
 web_extract runs on the host, not in the prompt's sandbox, so unless WEB_ALLOW_PRIVATE_ADDRESSES
 is set it only reaches public addresses: each connection (the first URL and every redirect hop)
@@ -21,7 +22,6 @@ import contextvars
 import http.client
 import ipaddress
 import json
-import re
 import socket
 import threading
 import time
@@ -33,6 +33,12 @@ from email.message import Message
 from typing import Any
 
 from batchrun.prompt.tools.config import SearchConfig, ToolSettings, extract_config, search_config
+from batchrun.prompt.tools.html_text import (  # noqa: F401 (html_to_markdown: where it was)
+    ConversionError,
+    convert_html,
+    decode_text,
+    html_to_markdown,
+)
 from batchrun.prompt.tools.registry import (
     Tool,
     ToolArgumentError,
@@ -429,60 +435,6 @@ def _error_detail(exc: urllib.error.HTTPError) -> str:
 
 # ----------------------------------------------------------------------------- HTML -> markdown
 
-_DROP_TAGS = ["script", "style", "noscript", "template", "svg", "canvas", "iframe", "object", "embed", "head"]
-_CHROME_SELECTOR = (
-    "nav, aside, footer, [role=navigation], [role=banner], [role=contentinfo], [role=complementary], "
-    '[hidden], [aria-hidden=true], [style*="display:none"], [style*="display: none"]'
-)
-
-
-def html_to_markdown(body: bytes | str, base_url: str, charset: str | None = None) -> tuple[str, str]:
-    """(title, markdown of the page's main content). Links and images become absolute URLs."""
-    from bs4 import BeautifulSoup
-    from markdownify import MarkdownConverter
-
-    if isinstance(body, bytes):
-        soup = BeautifulSoup(body, "html.parser", from_encoding=charset)
-    else:
-        soup = BeautifulSoup(body, "html.parser")
-    title = " ".join(soup.title.get_text().split()) if soup.title else ""
-    for tag in soup(_DROP_TAGS):
-        tag.decompose()
-    body_tag = soup.body or soup
-    root = soup.find("main") or soup.find(attrs={"role": "main"}) or soup.find("article") or body_tag
-    for tag in root.select(_CHROME_SELECTOR):
-        tag.decompose()
-    if root is body_tag:
-        for header in root.find_all("header", recursive=False):
-            if not header.find(["h1", "h2"]):
-                header.decompose()
-    for a in root.find_all("a", href=True):
-        href = a["href"].strip()
-        if href.lower().startswith("javascript:"):
-            del a["href"]
-        else:
-            a["href"] = urllib.parse.urljoin(base_url, href)
-    for img in root.find_all("img"):
-        src = (img.get("src") or "").strip()
-        if not src or src.startswith("data:"):
-            img.replace_with(img.get("alt") or "")
-        else:
-            img["src"] = urllib.parse.urljoin(base_url, src)
-    converter = MarkdownConverter(
-        heading_style="ATX", bullets="-", escape_underscores=False, escape_misc=False
-    )
-    text = converter.convert_soup(root)
-    text = re.sub(r"[ \t]+\n", "\n", text)
-    text = re.sub(r"\n{3,}", "\n\n", text).strip()
-    return title, text
-
-
-def _decode(body: bytes, charset: str | None) -> str:
-    try:
-        return body.decode(charset or "utf-8", errors="replace")
-    except LookupError:
-        return body.decode("utf-8", errors="replace")
-
 
 def _looks_like_html(body: bytes) -> bool:
     head = body[:1024].lstrip().lower()
@@ -513,13 +465,16 @@ def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any
         return entry
     kind = page.content_type
     if kind.startswith(_HTML_TYPES) or (not kind and _looks_like_html(page.body)):
-        try:
-            title, text = html_to_markdown(page.body, page.url, page.charset)
-        except Exception as exc:  # a page the parser chokes on fails alone, not the whole call
-            entry["error"] = f"could not convert {url} to text: {type(exc).__name__}: {exc}"
+        try:  # in a child process, within the page's time and memory (see html_text.py)
+            title, text, length = convert_html(
+                page.body, page.url, page.charset, budget_chars, min(cfg.timeout_s, ctx.tool_timeout_s)
+            )
+        except ConversionError as exc:  # a page the parser chokes on fails alone, not the whole call
+            entry["error"] = f"could not convert {url} to text: {exc}"
             return entry
     elif kind.startswith(_TEXT_TYPES) or not kind:
-        title, text = "", _decode(page.body, page.charset)
+        text = decode_text(page.body, page.charset)
+        title, length = "", len(text)
         if not kind and "\x00" in text[:4096]:
             entry["error"] = f"{url} sent binary data without a content type; web_extract reads text pages"
             return entry
@@ -533,11 +488,9 @@ def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any
         entry["final_url"] = page.url
     entry["title"] = title
     entry["content_type"] = kind or "unknown"
-    if len(text) > budget_chars:
-        entry["content"] = text[:budget_chars]
-        entry["truncated"] = f"content cut at {budget_chars} of {len(text)} characters"
-    else:
-        entry["content"] = text
+    entry["content"] = text[:budget_chars]
+    if length > budget_chars:
+        entry["truncated"] = f"content cut at {budget_chars} of {length} characters"
     if not text.strip():
         entry["note"] = "the page has no text content (it may be built by JavaScript; try the browser)"
     return entry
@@ -578,7 +531,7 @@ def _call_json(cfg: SearchConfig, url: str, *, body: dict | None = None, headers
         headers=hdrs,
     )
     try:
-        return parse_json(page.body.decode(page.charset or "utf-8", errors="replace"))
+        return parse_json(decode_text(page.body, page.charset))
     except ValueError:
         raise FetchError(f"{cfg.provider} answered with something that is not JSON") from None
 
