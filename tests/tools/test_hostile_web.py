@@ -80,6 +80,9 @@ class HostileSite:
     def url(self, mode: str) -> str:
         return f"http://public.test:{self.port}/{mode}"
 
+    def local_url(self, mode: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{mode}"
+
     def close(self) -> None:
         self.sock.close()
 
@@ -145,6 +148,16 @@ class HostileSite:
         block = b"x" * (1 << 20)
         for _ in range(512):  # a redirect's body without a length: 512 MiB (endless would do, but take the
             conn.sendall(block)  # machine running this test without the fix)
+
+    @staticmethod
+    def _slow_png(conn: socket.socket) -> None:
+        from batchrun.fakes.fake_services import make_png
+
+        png = make_png(2, 2, (0, 200, 0))
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: %d\r\n\r\n" % len(png))
+        for i in range(0, len(png), 8):  # a whole image in 2.5 s
+            conn.sendall(png[i : i + 8])
+            time.sleep(2.5 / (len(png) / 8))
 
     @staticmethod
     def _garbage(conn: socket.socket) -> None:
@@ -269,3 +282,35 @@ def test_a_utf7_meta_declaration_makes_no_lone_surrogate(site):
     out = extract([site.url("page/utf7_meta")])
     (page,) = out["results"]
     assert page["content"] == "UTF7-TEXT +2AA-"  # as UTF-8; utf-7 read it as "\ud800"
+
+
+def test_five_slow_urls_take_the_calls_time_limit_not_five_times_it(site):
+    # Each URL had WEB_TIMEOUT_S of its own: five dripping pages held a call with a 3 s limit for 10 s
+    # (at the defaults, five times 30 s against the prompt's remaining time).
+    out = extract([site.url("header_drip")] * 5, tool_timeout_s=3.0)
+    errors = [r["error"] for r in out["results"]]
+    assert errors[0] == f"{site.url('header_drip')} took longer than {TIMEOUT_S:g} s"
+    assert errors[-1] == f"{site.url('header_drip')} not read: the call's time limit of 3 s was reached"
+    assert out["elapsed_s"] < 3.0 + 1.0
+
+
+def test_vision_fetch_and_model_share_the_tools_time_limit(site, tool_ctx, call_tool):
+    from helpers import ScriptedEndpoint
+
+    def slow_model(call, calls):
+        time.sleep(10)
+        return 200, {
+            "choices": [{"message": {"role": "assistant", "content": "late"}, "finish_reason": "stop"}]
+        }
+
+    with ScriptedEndpoint(slow_model) as model:
+        ctx = tool_ctx(
+            {"VISION_BASE_URL": model.base_url, "WEB_ALLOW_PRIVATE_ADDRESSES": "1", "WEB_TIMEOUT_S": "10"}
+        )
+        ctx.tool_timeout_s = 4.0
+        t0 = time.monotonic()
+        out = call_tool(ctx, "vision_analyze", image_url=site.local_url("slow_png"), question="What is it?")
+        elapsed = time.monotonic() - t0
+    # The image took 2.5 s, then the model had all 4 s again: 6.5 s for a 4 s call.
+    assert "the vision model failed" in out["error"]
+    assert elapsed < 4.0 + 0.8

@@ -444,15 +444,23 @@ def _looks_like_html(body: bytes) -> bool:
 # ----------------------------------------------------------------------------- web_extract
 
 
-def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any]:
+def _extract_one(url: str, budget_chars: int, ctx: ToolContext, deadline: float) -> dict[str, Any]:
+    """One URL's entry, its fetch and its conversion each within WEB_TIMEOUT_S and all by ``deadline``."""
     cfg = extract_config(ctx.settings)
     entry: dict[str, Any] = {"url": url, "title": "", "content": "", "error": None}
+
+    def time_left() -> float:
+        left = min(cfg.timeout_s, deadline - time.monotonic())
+        if left <= 0:
+            raise FetchError(f"{url} not read: the call's time limit of {ctx.tool_timeout_s:g} s was reached")
+        return left
+
     try:
         url = check_http_url(url)
         page = fetch_url(
             url,
             max_bytes=cfg.max_bytes,
-            timeout_s=min(cfg.timeout_s, ctx.tool_timeout_s),
+            timeout_s=time_left(),
             user_agent=cfg.user_agent,
             headers={"Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"},
             public_only=not cfg.allow_private,
@@ -466,11 +474,12 @@ def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any
     kind = page.content_type
     if kind.startswith(_HTML_TYPES) or (not kind and _looks_like_html(page.body)):
         try:  # in a child process, within the page's time and memory (see html_text.py)
-            title, text, length = convert_html(
-                page.body, page.url, page.charset, budget_chars, min(cfg.timeout_s, ctx.tool_timeout_s)
-            )
+            title, text, length = convert_html(page.body, page.url, page.charset, budget_chars, time_left())
         except ConversionError as exc:  # a page the parser chokes on fails alone, not the whole call
             entry["error"] = f"could not convert {url} to text: {exc}"
+            return entry
+        except FetchError as exc:
+            entry["error"] = str(exc)
             return entry
     elif kind.startswith(_TEXT_TYPES) or not kind:
         text = decode_text(page.body, page.charset)
@@ -507,7 +516,10 @@ def web_extract(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     cfg = extract_config(ctx.settings)
     share = max(MIN_PAGE_CHARS, (ctx.output_cap_bytes - 1024) // len(urls))
     budget = min(cfg.max_chars, share)
-    results = [_extract_one(u, budget, ctx) for u in urls]
+    # The call's limit holds for all its URLs together: each got WEB_TIMEOUT_S of its own, so five
+    # slow ones took five times the tool's timeout, past the prompt's deadline.
+    deadline = time.monotonic() + ctx.tool_timeout_s
+    results = [_extract_one(u, budget, ctx, deadline) for u in urls]
     out: dict[str, Any] = {"results": results}
     if all(r["error"] for r in results):
         out["error"] = "; ".join(r["error"] for r in results)
