@@ -83,6 +83,7 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     if out_dir is None:
         return {"error": "image generation has nowhere to save images (the runner gave no run_dir)"}
     timeout_s = min(cfg.timeout_s, ctx.tool_timeout_s)
+    deadline = time.monotonic() + ctx.tool_timeout_s  # the generation and the download together
     kwargs: dict[str, Any] = {
         "model": cfg.endpoint.model,
         "prompt": prompt,
@@ -114,8 +115,13 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
             return {"error": "the image endpoint returned invalid base64"}
     elif isinstance(item.get("url"), str) and item["url"]:
         source_url = item["url"]
+        left = min(timeout_s, deadline - time.monotonic())
+        if left <= 0:
+            return {
+                "error": f"the generated image could not be downloaded: no time left of {ctx.tool_timeout_s:g} s"
+            }
         try:
-            data = fetch_url(source_url, max_bytes=cfg.max_bytes, timeout_s=timeout_s).body
+            data = fetch_url(source_url, max_bytes=cfg.max_bytes, timeout_s=left).body
         except FetchError as exc:
             return {"error": f"the generated image could not be downloaded: {exc}"}
     else:

@@ -146,11 +146,17 @@ def vision_analyze(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     cfg = vision_config(ctx.settings)
     if cfg is None:
         return {"error": "vision is not configured (no vision model or endpoint)"}
+    # The fetch and the model's answer share the tool's timeout: each had all of it, so a slow image
+    # and a slow model together held the call (and the prompt) for twice as long.
+    deadline = time.monotonic() + ctx.tool_timeout_s
     try:
         data, mime, label = load_image(ctx, args["image_url"], cfg.max_image_bytes)
-        answer = ask_about_image(
-            cfg, question, data, mime, min(cfg.timeout_s, ctx.tool_timeout_s), ctx.usage, ctx=ctx
-        )
+        left = min(cfg.timeout_s, deadline - time.monotonic())
+        if left <= 0:
+            raise VisionError(
+                f"the image took the whole time limit of {ctx.tool_timeout_s:g} s; not analysed"
+            )
+        answer = ask_about_image(cfg, question, data, mime, left, ctx.usage, ctx=ctx)
     except VisionError as exc:
         return {"error": str(exc)}
     return {

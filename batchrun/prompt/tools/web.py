@@ -4,7 +4,8 @@ Providers speak their own HTTP APIs (Tavily, Brave, SearXNG JSON, Exa, Firecrawl
 where is read from the environment (batchrun/prompt/tools/config.py), so tests point them at a local fake.
 web_extract fetches each URL with the standard library under a time, size and content-type
 limit and turns HTML into markdown with BeautifulSoup + markdownify, keeping the main content
-(``<main>``, ``<article>``) and dropping scripts, navigation and footers.
+(``<main>``, ``<article>``) and dropping scripts, navigation and footers: in a child process bounded
+in time and memory, and reading only the charsets browsers know (batchrun/prompt/tools/html_text.py).
 
 web_extract runs on the host, not in the prompt's sandbox, so unless WEB_ALLOW_PRIVATE_ADDRESSES
 is set it only reaches public addresses: each connection (the first URL and every redirect hop)
@@ -17,11 +18,12 @@ search providers' base URLs are the operator's configuration and are fetched unc
 
 from __future__ import annotations
 
+import contextvars
 import http.client
 import ipaddress
 import json
-import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -31,6 +33,12 @@ from email.message import Message
 from typing import Any
 
 from batchrun.prompt.tools.config import SearchConfig, ToolSettings, extract_config, search_config
+from batchrun.prompt.tools.html_text import (  # noqa: F401 (html_to_markdown: where it was)
+    ConversionError,
+    convert_html,
+    decode_text,
+    html_to_markdown,
+)
 from batchrun.prompt.tools.registry import (
     Tool,
     ToolArgumentError,
@@ -142,30 +150,99 @@ def is_own_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return str(ip) in host_addresses()
 
 
-def _connect_checked(url: str, host: str, port: int, timeout: Any, source: Any) -> socket.socket:
-    """A TCP connection to ``host`` through ``resolve_public`` (AddressRefused naming ``url``)."""
+class _Deadline:
+    """One fetch's whole deadline, held whatever http.client is doing. Socket timeouts bound each read
+    alone: a server dripping a header byte a second, sending ``100 Continue`` responses or chunked
+    trailers without end, kept a fetch going for as long as it liked. At the deadline every connection
+    the fetch opened is shut down, which ends any read or loop there with end-of-file. A duplicate of
+    each socket is kept for that: the same connection under TLS or after urllib closed its hop's socket,
+    and a descriptor of our own, never one another thread reused."""
+
+    def __init__(self, timeout_s: float):
+        self.at = time.monotonic() + timeout_s
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def watch(self, sock: socket.socket) -> None:
+        dup = sock.dup()
+        with self._lock:
+            self._sockets.append(dup)
+            if self.expired:
+                _shut(dup)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
+
+
+def _shut(sock: socket.socket) -> None:
     try:
-        infos = resolve_public(host, port)
-    except PrivateAddressError as exc:
-        raise AddressRefused(url, exc.ip) from None
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+# The deadline of the fetch this thread is making (fetch_url sets it; its connections read it).
+_DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar("fetch_deadline", default=None)
+
+
+def _connect(url: str, host: str, port: int, timeout: Any, source: Any, check: bool) -> socket.socket:
+    """A TCP connection to ``host``, through ``resolve_public`` when ``check`` (AddressRefused naming
+    ``url``), each attempt within the fetch's deadline and the connection watched by it."""
+    if check:
+        try:
+            infos = resolve_public(host, port)
+        except PrivateAddressError as exc:
+            raise AddressRefused(url, exc.ip) from None
+    else:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    deadline = _DEADLINE.get()
     error: OSError | None = None
     for family, kind, proto, _, sockaddr in infos:
+        limit = None if timeout is socket._GLOBAL_DEFAULT_TIMEOUT else timeout  # type: ignore[attr-defined]
+        if deadline is not None:
+            left = deadline.remaining()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            limit = left if limit is None else min(limit, left)
         sock = socket.socket(family, kind, proto)
         try:
-            if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:  # type: ignore[attr-defined]
-                sock.settimeout(timeout)
+            if limit is not None:
+                sock.settimeout(limit)
             if source:
                 sock.bind(source)
             sock.connect(sockaddr)
-            return sock
         except OSError as exc:
             sock.close()
             error = exc
+            continue
+        if deadline is not None:
+            deadline.watch(sock)
+        return sock
     raise error or OSError(f"could not connect to {host}")
 
 
-def _checked_connection(conn_class: type[http.client.HTTPConnection], req: urllib.request.Request):
-    """What ``do_open`` calls to make its connection: one that only reaches public addresses."""
+def _checked_connection(
+    conn_class: type[http.client.HTTPConnection], req: urllib.request.Request, public_only: bool
+):
+    """What ``do_open`` calls to make its connection: one within the fetch's deadline, and with
+    ``public_only`` one that only reaches public addresses."""
     url = req.full_url
     target = urllib.parse.urlsplit(url)
     host = target.hostname or ""
@@ -176,7 +253,7 @@ def _checked_connection(conn_class: type[http.client.HTTPConnection], req: urlli
         through_proxy = bool(req._tunnel_host) or req.selector.lower().startswith(  # type: ignore[attr-defined]
             ("http://", "https://")
         )
-        if through_proxy:
+        if through_proxy and public_only:
             # An operator's proxy (http_proxy...) resolves the name itself: check it here, best
             # effort (a name only the proxy can resolve is left to the proxy).
             try:
@@ -185,24 +262,32 @@ def _checked_connection(conn_class: type[http.client.HTTPConnection], req: urlli
                 raise AddressRefused(url, exc.ip) from None
             except OSError:
                 pass
-        else:
-            conn._create_connection = lambda address, timeout, source=None: _connect_checked(  # type: ignore[attr-defined]
-                url, address[0], address[1], timeout, source
-            )
+        check = public_only and not through_proxy  # the proxy's own address is the operator's
+        conn._create_connection = lambda address, timeout, source=None: _connect(  # type: ignore[attr-defined]
+            url, address[0], address[1], timeout, source, check
+        )
         return conn
 
     return make
 
 
 class _CheckedHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, public_only: bool):
+        super().__init__()
+        self.public_only = public_only
+
     def http_open(self, req: urllib.request.Request) -> Any:
-        return self.do_open(_checked_connection(http.client.HTTPConnection, req), req)
+        return self.do_open(_checked_connection(http.client.HTTPConnection, req, self.public_only), req)
 
 
 class _CheckedHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, public_only: bool):
+        super().__init__()
+        self.public_only = public_only
+
     def https_open(self, req: urllib.request.Request) -> Any:
         return self.do_open(
-            _checked_connection(http.client.HTTPSConnection, req),
+            _checked_connection(http.client.HTTPSConnection, req, self.public_only),
             req,
             context=self._context,  # type: ignore[attr-defined]
         )
@@ -214,12 +299,24 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
         if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
             raise FetchError(f"redirect to a non-http(s) URL refused: {newurl}")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            # urllib then reads the redirect's body to its end, into memory, with no bound: a 302
+            # whose body never ends took 2.5 GB in 4 s. Closed here, that read finds nothing.
+            fp.close()
+        return new
 
 
-_OPENER = urllib.request.build_opener(_Redirects())
-# Every connection it makes, redirect hops included, goes through resolve_public.
-_PUBLIC_OPENER = urllib.request.build_opener(_CheckedHTTPHandler(), _CheckedHTTPSHandler(), _Redirects())
+def _opener(public_only: bool) -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(
+        _CheckedHTTPHandler(public_only), _CheckedHTTPSHandler(public_only), _Redirects()
+    )
+
+
+# Every connection they make, redirect hops included, keeps the fetch's deadline; the public one's go
+# through resolve_public.
+_OPENER = _opener(public_only=False)
+_PUBLIC_OPENER = _opener(public_only=True)
 
 
 def check_http_url(url: str) -> str:
@@ -243,13 +340,43 @@ def fetch_url(
     headers: dict[str, str] | None = None,
     public_only: bool = False,
 ) -> Fetched:
-    """Fetch ``url`` (http/https only), giving up past ``timeout_s`` or ``max_bytes``.
+    """Fetch ``url`` (http/https only), giving up past ``timeout_s`` (the whole fetch: connections,
+    redirects, headers and body) or ``max_bytes``.
 
     ``accept``: media-type prefixes allowed (others raise FetchError before the body is read).
     ``public_only``: refuse (AddressRefused) a URL or redirect hop whose host resolves to a
     non-public address, and connect only to the addresses checked. For URLs a model chose.
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = _Deadline(timeout_s)
+    token = _DEADLINE.set(deadline)
+    try:
+        return _fetch(
+            url, deadline, max_bytes, timeout_s, user_agent, accept, method, data, headers, public_only
+        )
+    except (http.client.HTTPException, TimeoutError, OSError) as exc:
+        if deadline.expired:
+            raise FetchError(f"{url} took longer than {timeout_s:g} s") from None
+        # A malformed answer (a status line that is not HTTP, too many or too long header lines,
+        # a chunked body cut short): http.client's errors are not OSErrors, and escaped the caller.
+        shown = str(exc)[:200] or type(exc).__name__
+        raise FetchError(f"could not fetch {url}: {type(exc).__name__}: {shown!r}") from None
+    finally:
+        _DEADLINE.reset(token)
+        deadline.close()
+
+
+def _fetch(
+    url: str,
+    deadline: _Deadline,
+    max_bytes: int,
+    timeout_s: float,
+    user_agent: str,
+    accept: tuple[str, ...] | None,
+    method: str,
+    data: bytes | None,
+    headers: dict[str, str] | None,
+    public_only: bool,
+) -> Fetched:
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("User-Agent", user_agent)
     for key, value in (headers or {}).items():
@@ -260,9 +387,9 @@ def fetch_url(
         detail = _error_detail(exc)
         raise FetchError(f"HTTP {exc.code} {exc.reason} from {url}{detail}") from None
     except urllib.error.URLError as exc:
+        if deadline.expired:
+            raise FetchError(f"{url} took longer than {timeout_s:g} s") from None
         raise FetchError(f"could not fetch {url}: {exc.reason}") from None
-    except (TimeoutError, OSError) as exc:
-        raise FetchError(f"could not fetch {url}: {exc or type(exc).__name__}") from None
     with resp:
         msg: Message = resp.headers
         content_type = (msg.get_content_type() if msg.get("Content-Type") else "").lower()
@@ -276,8 +403,6 @@ def fetch_url(
         got = 0
         try:
             while True:
-                if time.monotonic() > deadline:
-                    raise FetchError(f"{url} took longer than {timeout_s:g} s")
                 chunk = resp.read1(65536)
                 if not chunk:
                     break
@@ -288,7 +413,15 @@ def fetch_url(
                     )
                 chunks.append(chunk)
         except (TimeoutError, OSError) as exc:
+            if deadline.expired:
+                raise
             raise FetchError(f"reading {url} failed: {exc or type(exc).__name__}") from None
+        if deadline.expired:  # the shut connection read as the body's end
+            raise FetchError(f"{url} took longer than {timeout_s:g} s")
+        if resp.length:  # what Content-Length promised and the connection's end did not bring
+            raise FetchError(
+                f"{url} was cut: {got} of the {got + resp.length} bytes its Content-Length gives"
+            )
         return Fetched(resp.geturl(), resp.status, content_type, charset, b"".join(chunks))
 
 
@@ -302,60 +435,6 @@ def _error_detail(exc: urllib.error.HTTPError) -> str:
 
 # ----------------------------------------------------------------------------- HTML -> markdown
 
-_DROP_TAGS = ["script", "style", "noscript", "template", "svg", "canvas", "iframe", "object", "embed", "head"]
-_CHROME_SELECTOR = (
-    "nav, aside, footer, [role=navigation], [role=banner], [role=contentinfo], [role=complementary], "
-    '[hidden], [aria-hidden=true], [style*="display:none"], [style*="display: none"]'
-)
-
-
-def html_to_markdown(body: bytes | str, base_url: str, charset: str | None = None) -> tuple[str, str]:
-    """(title, markdown of the page's main content). Links and images become absolute URLs."""
-    from bs4 import BeautifulSoup
-    from markdownify import MarkdownConverter
-
-    if isinstance(body, bytes):
-        soup = BeautifulSoup(body, "html.parser", from_encoding=charset)
-    else:
-        soup = BeautifulSoup(body, "html.parser")
-    title = " ".join(soup.title.get_text().split()) if soup.title else ""
-    for tag in soup(_DROP_TAGS):
-        tag.decompose()
-    body_tag = soup.body or soup
-    root = soup.find("main") or soup.find(attrs={"role": "main"}) or soup.find("article") or body_tag
-    for tag in root.select(_CHROME_SELECTOR):
-        tag.decompose()
-    if root is body_tag:
-        for header in root.find_all("header", recursive=False):
-            if not header.find(["h1", "h2"]):
-                header.decompose()
-    for a in root.find_all("a", href=True):
-        href = a["href"].strip()
-        if href.lower().startswith("javascript:"):
-            del a["href"]
-        else:
-            a["href"] = urllib.parse.urljoin(base_url, href)
-    for img in root.find_all("img"):
-        src = (img.get("src") or "").strip()
-        if not src or src.startswith("data:"):
-            img.replace_with(img.get("alt") or "")
-        else:
-            img["src"] = urllib.parse.urljoin(base_url, src)
-    converter = MarkdownConverter(
-        heading_style="ATX", bullets="-", escape_underscores=False, escape_misc=False
-    )
-    text = converter.convert_soup(root)
-    text = re.sub(r"[ \t]+\n", "\n", text)
-    text = re.sub(r"\n{3,}", "\n\n", text).strip()
-    return title, text
-
-
-def _decode(body: bytes, charset: str | None) -> str:
-    try:
-        return body.decode(charset or "utf-8", errors="replace")
-    except LookupError:
-        return body.decode("utf-8", errors="replace")
-
 
 def _looks_like_html(body: bytes) -> bool:
     head = body[:1024].lstrip().lower()
@@ -365,15 +444,23 @@ def _looks_like_html(body: bytes) -> bool:
 # ----------------------------------------------------------------------------- web_extract
 
 
-def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any]:
+def _extract_one(url: str, budget_chars: int, ctx: ToolContext, deadline: float) -> dict[str, Any]:
+    """One URL's entry, its fetch and its conversion each within WEB_TIMEOUT_S and all by ``deadline``."""
     cfg = extract_config(ctx.settings)
     entry: dict[str, Any] = {"url": url, "title": "", "content": "", "error": None}
+
+    def time_left() -> float:
+        left = min(cfg.timeout_s, deadline - time.monotonic())
+        if left <= 0:
+            raise FetchError(f"{url} not read: the call's time limit of {ctx.tool_timeout_s:g} s was reached")
+        return left
+
     try:
         url = check_http_url(url)
         page = fetch_url(
             url,
             max_bytes=cfg.max_bytes,
-            timeout_s=min(cfg.timeout_s, ctx.tool_timeout_s),
+            timeout_s=time_left(),
             user_agent=cfg.user_agent,
             headers={"Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"},
             public_only=not cfg.allow_private,
@@ -386,13 +473,17 @@ def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any
         return entry
     kind = page.content_type
     if kind.startswith(_HTML_TYPES) or (not kind and _looks_like_html(page.body)):
-        try:
-            title, text = html_to_markdown(page.body, page.url, page.charset)
-        except Exception as exc:  # a page the parser chokes on fails alone, not the whole call
-            entry["error"] = f"could not convert {url} to text: {type(exc).__name__}: {exc}"
+        try:  # in a child process, within the page's time and memory (see html_text.py)
+            title, text, length = convert_html(page.body, page.url, page.charset, budget_chars, time_left())
+        except ConversionError as exc:  # a page the parser chokes on fails alone, not the whole call
+            entry["error"] = f"could not convert {url} to text: {exc}"
+            return entry
+        except FetchError as exc:
+            entry["error"] = str(exc)
             return entry
     elif kind.startswith(_TEXT_TYPES) or not kind:
-        title, text = "", _decode(page.body, page.charset)
+        text = decode_text(page.body, page.charset)
+        title, length = "", len(text)
         if not kind and "\x00" in text[:4096]:
             entry["error"] = f"{url} sent binary data without a content type; web_extract reads text pages"
             return entry
@@ -406,11 +497,9 @@ def _extract_one(url: str, budget_chars: int, ctx: ToolContext) -> dict[str, Any
         entry["final_url"] = page.url
     entry["title"] = title
     entry["content_type"] = kind or "unknown"
-    if len(text) > budget_chars:
-        entry["content"] = text[:budget_chars]
-        entry["truncated"] = f"content cut at {budget_chars} of {len(text)} characters"
-    else:
-        entry["content"] = text
+    entry["content"] = text[:budget_chars]
+    if length > budget_chars:
+        entry["truncated"] = f"content cut at {budget_chars} of {length} characters"
     if not text.strip():
         entry["note"] = "the page has no text content (it may be built by JavaScript; try the browser)"
     return entry
@@ -427,7 +516,10 @@ def web_extract(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     cfg = extract_config(ctx.settings)
     share = max(MIN_PAGE_CHARS, (ctx.output_cap_bytes - 1024) // len(urls))
     budget = min(cfg.max_chars, share)
-    results = [_extract_one(u, budget, ctx) for u in urls]
+    # The call's limit holds for all its URLs together: each got WEB_TIMEOUT_S of its own, so five
+    # slow ones took five times the tool's timeout, past the prompt's deadline.
+    deadline = time.monotonic() + ctx.tool_timeout_s
+    results = [_extract_one(u, budget, ctx, deadline) for u in urls]
     out: dict[str, Any] = {"results": results}
     if all(r["error"] for r in results):
         out["error"] = "; ".join(r["error"] for r in results)
@@ -451,7 +543,7 @@ def _call_json(cfg: SearchConfig, url: str, *, body: dict | None = None, headers
         headers=hdrs,
     )
     try:
-        return parse_json(page.body.decode(page.charset or "utf-8", errors="replace"))
+        return parse_json(decode_text(page.body, page.charset))
     except ValueError:
         raise FetchError(f"{cfg.provider} answered with something that is not JSON") from None
 
