@@ -206,19 +206,23 @@ def test_a_secret_inside_a_prompt_is_redacted_in_every_file(server, tmp_path, mo
     dataset = write_jsonl(tmp_path / "d.jsonl", [SECRET_PROMPT, f"{PROMPT_SECRET} [no_reasoning]"])
     out = tmp_path / "data"
     run(server, dataset, out)
-    # the model saw it (it is the user's own prompt), wrote it to a file and read it back
-    assert server.stats()["requests_by_prompt"][SECRET_PROMPT] == 3
+    # the model saw it (it is the user's own prompt) and wrote it to a file; the tool result that read it
+    # back held it, so the prompt ended there (a secret is never sent on in a tool result)
+    assert server.stats()["requests_by_prompt"][SECRET_PROMPT] == 2
     files = [p for p in (out / "run").rglob("*") if p.is_file()]
     assert {"trajectories.jsonl", "discarded.jsonl"} <= {p.name for p in files}
     for path in files:
         assert PROMPT_SECRET.encode() not in path.read_bytes(), path.name
     assert read_jsonl(out / "run" / "trajectories.jsonl") == []
-    discards = {d["reason"]: d for d in read_jsonl(out / "run" / "discarded.jsonl")}
-    assert set(discards) == {"secret_in_output", "no_reasoning"}
-    rec = discards["secret_in_output"]["record"]
-    assert first_human(rec["conversations"]) == SECRET_PROMPT.replace(PROMPT_SECRET, "[REDACTED]")
+    # Both end at the tool result that holds the secret (the second before its missing reasoning counts).
+    discards = {
+        first_human(d["record"]["conversations"]): d for d in read_jsonl(out / "run" / "discarded.jsonl")
+    }
+    redacted = SECRET_PROMPT.replace(PROMPT_SECRET, "[REDACTED]")
+    assert set(discards) == {redacted, "[REDACTED] [no_reasoning]"}
+    assert {d["reason"] for d in discards.values()} == {"secret_in_output"}
     stats = json.loads((out / "run" / "statistics.json").read_text("utf-8"))
-    assert stats["discarded"]["by_reason"]["secret_in_output"] == 1
+    assert stats["discarded"]["by_reason"] == {"secret_in_output": 2}
 
 
 def test_resume_recognises_a_prompt_whose_secret_was_redacted(server, tmp_path, monkeypatch):
