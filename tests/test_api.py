@@ -4,12 +4,12 @@ Real runs against the in-package fake model (``model="mock"``) in the real local
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,6 @@ def runner(run_name: str, **kw) -> batch_runner.BatchRunner:
     return batch_runner.BatchRunner(dataset_file="p.jsonl", batch_size=2, run_name=run_name, **args)
 
 
-@RUNS
 def run_script(script: Path) -> subprocess.CompletedProcess:
     """``script`` run by this interpreter in its own directory, with this checkout's package."""
     return subprocess.run(
@@ -39,6 +38,7 @@ def run_script(script: Path) -> subprocess.CompletedProcess:
     )
 
 
+@RUNS
 def test_a_script_without_a_main_guard_runs_once(tmp_path):
     """Scripts written for the reference (whose workers forked) call BatchRunner(...).run() at the top
     level; a worker process must not run the script again (it failed every prompt as pool_broken)."""
@@ -85,57 +85,64 @@ def test_run_from_a_thread_that_is_not_the_main_one(tmp_path, monkeypatch):
     assert len(read_jsonl(tmp_path / "data" / "threaded" / "trajectories.jsonl")) == 2
 
 
-def process_state() -> dict:
-    """What a run may not leave changed in the calling process (garbage collected first: a socket in a
-    reference cycle is closed at the next collection, which a full test suite's state may delay)."""
-    import gc
-    import signal
+# Run in a process of its own: in the test suite's, other tests' servers and threads open and close
+# descriptors meanwhile (the fresh-clone CI once counted 60 against 59).
+PROCESS_STATE_SCRIPT = """
+import gc, json, os, signal, sys, threading, time
+from batch_runner import BatchRunner
 
-    gc.collect()
+def runner(name):
+    return BatchRunner(dataset_file="p.jsonl", batch_size=2, run_name=name, distribution="terminal_only",
+                       model="mock", num_workers=1)
 
+def state():
+    gc.collect()  # a socket in a reference cycle is closed at the next collection
     umask = os.umask(0o022)
     os.umask(umask)
+    fds = {}
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            fds[n] = os.readlink(f"/proc/self/fd/{n}")
+        except OSError:  # the listing's own descriptor
+            continue
     return {
         "threads": sorted(t.name for t in threading.enumerate()),
-        "fds": len(os.listdir("/proc/self/fd")),
-        "sigint": signal.getsignal(signal.SIGINT),
-        "sigterm": signal.getsignal(signal.SIGTERM),
+        "fds": fds,
+        "sigint": repr(signal.getsignal(signal.SIGINT)),
+        "sigterm": repr(signal.getsignal(signal.SIGTERM)),
         "environ": dict(os.environ),
         "cwd": os.getcwd(),
         "umask": umask,
-        "streams": (sys.stdout, sys.stderr),
-        "hooks": (sys.unraisablehook, sys.excepthook, threading.excepthook),
+        "streams": [id(sys.stdout), id(sys.stderr)],
+        "hooks": [repr(h) for h in (sys.unraisablehook, sys.excepthook, threading.excepthook)],
     }
 
-
-def _fd_targets() -> dict[str, str]:
-    """What each open descriptor of this process is (said when a run left one open)."""
-    targets = {}
-    for n in os.listdir("/proc/self/fd"):
-        try:
-            targets[n] = os.readlink(f"/proc/self/fd/{n}")
-        except OSError:  # the listing's own descriptor, closed by now
-            continue
-    return targets
+assert runner("first").run() == 0  # the process-wide parts start once (the forkserver, tqdm's monitor)
+before = state()
+same = runner("again")
+for name in ("second", "third"):
+    assert runner(name).run() == 0
+assert same.run() == 0 and same.run(resume=True) == 0
+deadline = time.monotonic() + 5  # what a run ends in another thread (a worker's connection) settles
+while (after := state()) != before and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("STATE " + json.dumps({"before": before, "after": after}))
+"""
 
 
 @RUNS
-def test_runs_one_after_another_leave_the_process_as_they_found_it(tmp_path, monkeypatch):
+def test_runs_one_after_another_leave_the_process_as_they_found_it(tmp_path):
     """A notebook or a service runs many in one process: each run's threads, sockets and handlers end with it
     (before, every run left 3 threads and 4 open sockets: the inbox's accept thread, the start check's
     connections and the fake model's threads serving them)."""
-    monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "p.jsonl", ["One [calls:1]", "Two [calls:1]"])
-    assert runner("first").run() == 0  # the process-wide parts start once (the forkserver, tqdm's monitor)
-    before = process_state()
-    same = runner("again")
-    for name in ("second", "third"):
-        assert runner(name).run() == 0
-    assert same.run() == 0 and same.run(resume=True) == 0
-    deadline = time.monotonic() + 5  # what a run ends in other threads (a worker's connection) settles
-    while (after := process_state()) != before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert after == before, _fd_targets()
+    script = tmp_path / "runs.py"
+    script.write_text(PROCESS_STATE_SCRIPT, encoding="utf-8")
+    done = run_script(script)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("STATE ")), None)
+    assert line is not None, done.stderr[-3000:]
+    seen = json.loads(line.removeprefix("STATE "))
+    assert seen["after"] == seen["before"]
     assert len(read_jsonl(tmp_path / "data" / "again" / "trajectories.jsonl")) == 2
 
 
