@@ -81,19 +81,20 @@ def check_address(value: Any) -> str:
     return address
 
 
-def connect(address: str, num_workers: int) -> str:
-    """Join the cluster (or start a local one for ``local``) unless Ray is already up; returns a summary."""
+def connect(address: str, num_workers: int, entrypoint: str | None = None) -> str:
+    """Join the cluster (or start a local one for ``local``) unless Ray is already up; returns a summary.
+    ``entrypoint``: this command as the cluster shows it (its job table, dashboard), keys left out."""
     global _owned
     ray = import_ray()
     if not ray.is_initialized():
         quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
         try:
             if address == "local":
-                with _outlive_the_cluster():
+                with _outlive_the_cluster(), _shown_as(entrypoint):
                     ray.init(address="local", num_cpus=num_workers, include_dashboard=False, **quiet)
             else:
                 probe(address)  # an address where no cluster answers keeps ray.init retrying for many minutes
-                with _outlive_the_cluster():
+                with _outlive_the_cluster(), _shown_as(entrypoint):
                     ray.init(address=address, **quiet)
         except RaySetupError:
             raise
@@ -128,6 +129,26 @@ def _outlive_the_cluster():
     finally:
         if saved is None:
             os.environ.pop(GCS_RECONNECT_ENV, None)
+
+
+@contextlib.contextmanager
+def _shown_as(entrypoint: str | None):
+    """ray.init records the driver's command line, /proc/self/cmdline, as its job's entrypoint, kept in the
+    cluster's job table and shown by ``ray list jobs`` and the dashboard: --api_key=... among it. This
+    command line is given instead (Ray has no setting for it: its helper is replaced for the call)."""
+    try:
+        from ray._private import utils
+    except ImportError:
+        utils = None
+    original = getattr(utils, "get_entrypoint_name", None)
+    if entrypoint is None or original is None:
+        yield
+        return
+    utils.get_entrypoint_name = lambda: entrypoint
+    try:
+        yield
+    finally:
+        utils.get_entrypoint_name = original
 
 
 def _target(address: str) -> tuple[str, int] | None:
@@ -234,12 +255,14 @@ class RayPool:
         processes: int,
         initializer: Callable[..., None],
         initargs: tuple[Any, ...],
+        settings: Any,
     ):
+        """``settings``: the run's worker settings, for the sweep; not in ``initargs`` (Ray keeps those)."""
         connect(address, processes)
         self._ray = import_ray()
         from ray.util.multiprocessing import Pool
 
-        self._settings = initargs[0]
+        self._settings = settings
         try:
             # Each actor runs the initializer when it starts: it connects to the inbox and from then
             # on runs what the parent sends it. The Pool's own task queue is never used.

@@ -11,6 +11,7 @@ without it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import json
 import os
@@ -146,9 +147,9 @@ def ray_head(ray_env, tmp_path_factory):
 
 
 @pytest.fixture
-def doomed_head(ray_env, tmp_path_factory):
-    """A Ray head of the test's own, for a test that kills it."""
-    yield from start_head(tmp_path_factory.mktemp("doomed-ray"))
+def own_head(ray_env, tmp_path_factory):
+    """A Ray head of the test's own: one it kills, or one whose memory holds only what its run sent."""
+    yield from start_head(tmp_path_factory.mktemp("own-ray"))
 
 
 def start_head(temp_dir: Path):
@@ -275,6 +276,27 @@ def test_a_ray_address_of_another_server_is_refused_at_start(tmp_path):
     assert code == 2, err[-2000:]
     assert "answers, but not as a Ray cluster" in err and "the dashboard's (8265)" in err
     assert took < 30
+
+
+def test_the_command_shown_to_the_ray_cluster_holds_no_key(monkeypatch):
+    from batchrun.cli import shown_command
+    from batchrun.secrets import Redactor
+
+    argv = ["batch_runner.py", "--run_name=r", f"--api_key={API_KEY}", "--api_key", API_KEY]
+    argv += [
+        "--ephemeral_system_prompt",
+        "be terse",
+        "--base_url=http://u:pa55-w0rd-xyz@h/v1",
+        "--num_workers=2",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    shown = shown_command(Redactor(API_KEY, secrets=["pa55-w0rd-xyz"]))
+    assert API_KEY not in shown and "pa55-w0rd-xyz" not in shown and "be terse" not in shown
+    assert (
+        "--run_name=r" in shown
+        and "--num_workers=2" in shown
+        and "--ephemeral_system_prompt=<not shown>" in shown
+    )
 
 
 def test_tcp_inbox_tells_apart_workers_with_the_same_pid_on_two_machines():
@@ -545,7 +567,7 @@ def raylet_pid(root: int) -> int | None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_cluster_dying_mid_run_ends_the_run_with_its_outcomes_and_the_resume_command(
-    doomed_head, ray_env, server, tmp_path
+    own_head, ray_env, server, tmp_path
 ):
     """The head's raylet is killed mid-run (``ray start --block`` then stops the GCS too): the cluster is gone.
     Ray used to end the runner itself 60 s later (exit 1, from a thread of its own) while it waited on the
@@ -558,7 +580,7 @@ def test_the_cluster_dying_mid_run_ends_the_run_with_its_outcomes_and_the_resume
         sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
         "--run_name=doomed", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
         "--distribution=terminal_only", "--num_workers=2", "--prompts_per_worker=2", "--max_failure_rate=1",
-        f"--ray_address={doomed_head.address}",
+        f"--ray_address={own_head.address}",
     ]  # fmt: skip
     env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY}
     log = tmp_path / "cli.log"
@@ -566,7 +588,7 @@ def test_the_cluster_dying_mid_run_ends_the_run_with_its_outcomes_and_the_resume
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         assert wait_for(lambda: outcomes_written(out / "doomed"), 90, 0.1), log.read_text()[-3000:]
-        raylet = raylet_pid(doomed_head.proc.pid)
+        raylet = raylet_pid(own_head.proc.pid)
         assert raylet, "the head has no raylet"
         os.kill(raylet, signal.SIGKILL)
         code = proc.wait(timeout=150)
@@ -587,3 +609,72 @@ def test_the_cluster_dying_mid_run_ends_the_run_with_its_outcomes_and_the_resume
     assert sorted(done + [f["prompt"] for f in failed]) == sorted(prompts)  # each prompt once
     assert stats["this_run"]["attempted"] == len(prompts)
     assert sum(stats["this_run"]["failed"].values()) == len(failed)
+
+
+def memory_holds(pid: int, needle: bytes) -> int:
+    """How many times ``needle`` is in the readable memory of process ``pid``."""
+    hits = 0
+    try:
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+            for line in maps:
+                span, perms = line.split()[:2]
+                start, end = (int(x, 16) for x in span.split("-"))
+                if "r" not in perms or end - start > 1 << 31:
+                    continue
+                try:
+                    mem.seek(start)
+                    hits += mem.read(end - start).count(needle)
+                except OSError:
+                    continue
+    except PermissionError:
+        skip_or_fail("reading a Ray process's memory needs ptrace rights over it")
+    return hits
+
+
+def head_child(root: int, binary: bytes) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _ppid(int(entry.name)) == root:
+            with contextlib.suppress(OSError):
+                if binary in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    return int(entry.name)
+    pytest.fail(f"the head has no {binary.decode()}")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_keys_stay_out_of_the_ray_cluster_state(own_head, ray_env, server, tmp_path):
+    """The worker settings (the API key, the tools' keys) were the Ray actors' arguments: the GCS kept them
+    (29 copies of the key, 12 of a TAVILY_API_KEY; in Redis too where the GCS is persisted), and the job's
+    entrypoint, shown by ``ray list jobs`` and the dashboard, was the command line, --api_key=... included.
+    Now the settings reach each worker over its inbox connection and the entrypoint is the redacted command."""
+    tool_key = "tvly-ray-test-tool-key-0123456789"
+    ephemeral = "EPHEMERAL-ray-test-do-not-keep-4321"
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"Secret-keeping job {i}" for i in range(3)])
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=keys", f"--output_dir={tmp_path / 'out'}", "--model=fake", f"--base_url={server.base_url}",
+        "--distribution=terminal_only", "--num_workers=1", f"--ray_address={own_head.address}",
+        f"--ephemeral_system_prompt={ephemeral}",
+    ]  # fmt: skip
+    # The key in the environment: Ray's node reporter sends every process's command line to the GCS.
+    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY, "TAVILY_API_KEY": tool_key}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(read_jsonl(tmp_path / "out" / "keys" / "trajectories.jsonl")) == 3
+    gcs = head_child(own_head.proc.pid, b"gcs_server")
+    raylet = head_child(own_head.proc.pid, b"raylet/raylet")
+    for pid in (gcs, raylet):
+        assert memory_holds(pid, API_KEY.encode()) == 0
+        assert memory_holds(pid, tool_key.encode()) == 0
+
+    import ray
+    from ray._private.worker import global_worker
+
+    ray.init(address=own_head.address, logging_level="WARNING")
+    try:
+        entrypoints = [job.entrypoint for job in global_worker.gcs_client.get_all_job_info().values()]
+    finally:
+        ray.shutdown()
+    ours = [e for e in entrypoints if "--run_name=keys" in e]
+    assert ours, entrypoints
+    assert ephemeral not in ours[0] and "--ephemeral_system_prompt=<not shown>" in ours[0]
