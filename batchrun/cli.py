@@ -13,10 +13,12 @@ workers, merge, statistics, report. The parent process is the only writer under 
 import contextlib
 import dataclasses
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +241,7 @@ def run_steps(
         from batchrun.prompt.tools.browser_cgroup import describe
 
         print(describe(browser))
-    connect_ray(config, plan.prompts)
+    connect_ray(config, plan.prompts, recorder.redact)
     # The backend's checks come before the start check: a sandbox that cannot work here costs no token.
     preflighted = preflight_sandboxes(
         plan.batches,
@@ -366,7 +368,8 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
     """What needs more than the flags themselves, before anything is written: the key, Ray, the backend options."""
     if config.api_key:
         print(
-            "warning: --api_key is visible to other users of this machine (ps, /proc); "
+            "warning: --api_key is visible to other users of this machine (ps, /proc; on a Ray node, the "
+            "dashboard's list of processes too); "
             "the OPENROUTER_API_KEY or OPENAI_API_KEY environment variable is safer",
             file=sys.stderr,
         )
@@ -515,15 +518,36 @@ def tool_settings(config: RunConfig, base_url: str, api_key: str | None) -> Tool
     )
 
 
-def connect_ray(config: RunConfig, prompts: int) -> None:
+def connect_ray(config: RunConfig, prompts: int, redact: Callable[[str], str]) -> None:
     if not (config.ray_address and prompts):
         return
     from batchrun.run.ray_pool import RaySetupError, check_address, connect
 
     try:
-        print(connect(check_address(config.ray_address), config.num_workers))
+        print(connect(check_address(config.ray_address), config.num_workers, shown_command(redact)))
     except RaySetupError as exc:
         raise UsageError(f"--ray_address: {exc}") from None
+
+
+def shown_command(redact: Callable[[str], str]) -> str:
+    """This command line as others may see it (a Ray cluster's job table): without --api_key and the
+    ephemeral system prompt's text, every other secret redacted."""
+    args, skip_next = [], False
+    for arg in sys.argv[1:]:
+        if skip_next:
+            skip_next = False
+            continue
+        name, eq, _ = arg.partition("=")
+        name = name.replace("-", "_")
+        if name == "__api_key":
+            skip_next = not eq  # "--api_key KEY" is two arguments
+            continue
+        if name == "__ephemeral_system_prompt":
+            skip_next = not eq
+            args.append("--ephemeral_system_prompt=<not shown>")
+            continue
+        args.append(shlex.quote(arg))
+    return redact(" ".join(["python", shlex.quote(sys.argv[0]), *args]))
 
 
 def worker_settings(

@@ -189,7 +189,9 @@ class Dispatch:
         if config.ray_address:  # workers on any node of a Ray cluster: they report over TCP
             from batchrun.run.ray_pool import inbox_endpoint
 
-            inbox = Inbox(*inbox_endpoint())
+            inbox = Inbox(
+                *inbox_endpoint(), hello=self.settings
+            )  # the settings: not in Ray's actor arguments
         else:
             inbox = Inbox()
         rec.total = sum(len(b) for b in batches)
@@ -307,7 +309,15 @@ class Dispatch:
             from batchrun.run.ray_pool import RayPool, RaySetupError
 
             try:
-                return RayPool(config.ray_address, config.num_workers, worker.init_worker, initargs)
+                # The settings (keys among them) reach each actor over its inbox connection, as the
+                # inbox's hello: Ray keeps actor arguments in its cluster state, readable by any of its users.
+                return RayPool(
+                    config.ray_address,
+                    config.num_workers,
+                    worker.init_worker,
+                    (None, *initargs[1:]),
+                    self.settings,
+                )
             except RaySetupError as exc:
                 inbox.close()
                 raise UsageError(str(exc)) from None

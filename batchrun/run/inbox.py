@@ -27,8 +27,11 @@ class Inbox:
     free one) and tells workers to connect to ``host``; the authkey keeps other clients out.
     """
 
-    def __init__(self, host: str | None = None, port: int = 0) -> None:
+    def __init__(self, host: str | None = None, port: int = 0, hello: Any = None) -> None:
+        """``hello``: sent to each worker as the first message, right after it introduces itself (the
+        settings of workers whose start-up arguments others can read: Ray's)."""
         authkey = os.urandom(16)
+        self._hello = hello
         self.remote = host is not None
         if self.remote:
             family, bind = ("AF_INET6", "::") if ":" in host else ("AF_INET", "0.0.0.0")
@@ -60,7 +63,8 @@ class Inbox:
                 tcp_keepalive(conn.fileno())  # a machine that vanishes ends its connection too
             with self._lock:
                 self.open_connections += 1
-                self._conns[id(conn)] = (conn, threading.Lock())
+                if self._hello is None:  # else once the hello is sent: no other message may come first
+                    self._conns[id(conn)] = (conn, threading.Lock())
             threading.Thread(target=self._read, args=(conn,), name="inbox-read", daemon=True).start()
 
     def _read(self, conn: Any) -> None:
@@ -69,6 +73,10 @@ class Inbox:
             pid = conn.recv()  # a worker's first message is its pid
             if self.remote:  # two machines may run workers with the same pid
                 pid = self._unique_id(pid)
+            if self._hello is not None:
+                conn.send(self._hello)
+                with self._lock:
+                    self._conns[id(conn)] = (conn, threading.Lock())
             with self._lock:
                 self._by_pid[pid] = self._conns[id(conn)]
             while True:

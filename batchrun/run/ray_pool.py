@@ -21,9 +21,11 @@ the actors of a driver that is gone).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +38,15 @@ INSTALL_HINT = "pip install 'batch-runner[ray]'"
 INBOX_HOST_ENV = "BATCH_RUNNER_INBOX_HOST"
 INBOX_PORT_ENV = "BATCH_RUNNER_INBOX_PORT"
 CLEANUP_TIMEOUT_S = 30.0
+PROBE_TIMEOUT_S = 10.0  # the cluster's address must answer this fast at start
+# Ray ends a driver whose cluster (its GCS) has not answered for this long, 60 s by default, from a thread
+# of its own, whatever the driver is doing: a runner whose cluster died would die too, before merging what it
+# recorded. Set for ray.init only (it is read there), so nothing the runner starts inherits it.
+GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+GCS_RECONNECT_S = 10 * 365 * 86400
+# A gRPC server (Ray's GCS, the Ray Client server) answers the HTTP/2 client preface with a SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4
 _ADDRESS = re.compile(r"(ray://)?(\[[0-9a-fA-F:.]+\]|[\w.\-]+):(\d{1,5})")
 _AUTH_HINT = (
     "; a cluster with token authentication also needs RAY_AUTH_MODE=token and its token "
@@ -70,17 +81,23 @@ def check_address(value: Any) -> str:
     return address
 
 
-def connect(address: str, num_workers: int) -> str:
-    """Join the cluster (or start a local one for ``local``) unless Ray is already up; returns a summary."""
+def connect(address: str, num_workers: int, entrypoint: str | None = None) -> str:
+    """Join the cluster (or start a local one for ``local``) unless Ray is already up; returns a summary.
+    ``entrypoint``: this command as the cluster shows it (its job table, dashboard), keys left out."""
     global _owned
     ray = import_ray()
     if not ray.is_initialized():
         quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
         try:
             if address == "local":
-                ray.init(address="local", num_cpus=num_workers, include_dashboard=False, **quiet)
+                with _outlive_the_cluster(), _shown_as(entrypoint):
+                    ray.init(address="local", num_cpus=num_workers, include_dashboard=False, **quiet)
             else:
-                ray.init(address=address, **quiet)
+                probe(address)  # an address where no cluster answers keeps ray.init retrying for many minutes
+                with _outlive_the_cluster(), _shown_as(entrypoint):
+                    ray.init(address=address, **quiet)
+        except RaySetupError:
+            raise
         except Exception as exc:
             raise RaySetupError(
                 f"cannot connect to the Ray cluster at {address}: {type(exc).__name__}: {exc}"
@@ -98,6 +115,120 @@ def connect(address: str, num_workers: int) -> str:
         f"Ray {ray.__version__} cluster ({address}): {nodes} node(s), {cpus} CPU(s); "
         f"{num_workers} workers spread over the nodes, reporting to this process over TCP"
     )
+
+
+@contextlib.contextmanager
+def _outlive_the_cluster():
+    """ray.init with Ray's limit on a cluster that stopped answering lifted for this driver (unless the user set
+    it): the run then ends its own way (its workers' connections close, their prompts fail, --resume runs them)."""
+    saved = os.environ.get(GCS_RECONNECT_ENV)
+    if saved is None:
+        os.environ[GCS_RECONNECT_ENV] = str(GCS_RECONNECT_S)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(GCS_RECONNECT_ENV, None)
+
+
+@contextlib.contextmanager
+def _shown_as(entrypoint: str | None):
+    """ray.init records the driver's command line, /proc/self/cmdline, as its job's entrypoint, kept in the
+    cluster's job table and shown by ``ray list jobs`` and the dashboard: --api_key=... among it. This
+    command line is given instead (Ray has no setting for it: its helper is replaced for the call)."""
+    try:
+        from ray._private import utils
+    except ImportError:
+        utils = None
+    original = getattr(utils, "get_entrypoint_name", None)
+    if entrypoint is None or original is None:
+        yield
+        return
+    utils.get_entrypoint_name = lambda: entrypoint
+    try:
+        yield
+    finally:
+        utils.get_entrypoint_name = original
+
+
+def _target(address: str) -> tuple[str, int] | None:
+    """The host and port ray.init would connect to (``auto``: RAY_ADDRESS, or the cluster this machine
+    started last); None when that cannot be told (then ray.init says what is wrong)."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "").strip() or "auto"
+    m = _ADDRESS.fullmatch(address)
+    if m and not m.group(1):  # host:port: where Ray connects (localhost is the node's own IP to it)
+        with contextlib.suppress(Exception):
+            from ray._private import services
+
+            address = services.canonicalize_bootstrap_address(address) or address
+    elif not m:
+        try:
+            from ray._private import services
+
+            address = services.canonicalize_bootstrap_address(address) or ""
+        except Exception:
+            return None
+    m = _ADDRESS.fullmatch(address)
+    return (m.group(2).strip("[]"), int(m.group(3))) if m else None
+
+
+def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Refuse an address where no Ray cluster answers, in seconds: ray.init itself retries for many minutes
+    (a closed port, a machine that is down) or forever (a port of another server, e.g. the dashboard's)."""
+    target = _target(address)
+    if target is None:
+        return
+    host, port = target
+    where = f"{host}:{port}" + ("" if f"{host}:{port}" in address else f" (from --ray_address={address})")
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except TimeoutError:
+        raise RaySetupError(
+            f"the Ray cluster at {where} does not answer (no connection in {timeout_s:g} s)"
+        ) from None
+    except OSError as exc:
+        raise RaySetupError(
+            f"no Ray cluster at {where}: {exc.strerror or exc} (the head's port is the --port of "
+            "`ray start --head`, 6379 by default; ray://host:10001 from outside the cluster)"
+        ) from None
+    with sock:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return  # the cluster speaks TLS: the connection is all this check can see
+        try:
+            sock.settimeout(timeout_s)
+            sock.sendall(_H2_PREFACE)
+            head = b""
+            while len(head) < 9:
+                chunk = sock.recv(9 - len(head))
+                if not chunk:
+                    break
+                head += chunk
+        except OSError:
+            head = b""
+    if len(head) < 9 or head[3] != _H2_SETTINGS:
+        raise RaySetupError(
+            f"{where} answers, but not as a Ray cluster (a gRPC server): give the head's port, the --port of "
+            "`ray start --head` (6379 by default), not e.g. the dashboard's (8265); ray://host:10001 from "
+            "outside the cluster"
+        )
+
+
+def answers() -> bool:
+    """Whether the cluster this process joined still takes connections (a dead one would block Ray's calls)."""
+    ray = import_ray()
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:
+        return True  # Ray Client, or an older Ray: no way to tell, the calls are bounded anyway
+    m = _ADDRESS.fullmatch(str(address))
+    if not m:
+        return True
+    try:
+        socket.create_connection((m.group(2).strip("[]"), int(m.group(3))), timeout=3).close()
+    except OSError:
+        return False
+    return True
 
 
 def inbox_endpoint() -> tuple[str, int]:
@@ -124,12 +255,14 @@ class RayPool:
         processes: int,
         initializer: Callable[..., None],
         initargs: tuple[Any, ...],
+        settings: Any,
     ):
+        """``settings``: the run's worker settings, for the sweep; not in ``initargs`` (Ray keeps those)."""
         connect(address, processes)
         self._ray = import_ray()
         from ray.util.multiprocessing import Pool
 
-        self._settings = initargs[0]
+        self._settings = settings
         try:
             # Each actor runs the initializer when it starts: it connects to the inbox and from then
             # on runs what the parent sends it. The Pool's own task queue is never used.
@@ -148,12 +281,23 @@ class RayPool:
             ) from None
 
     def terminate(self) -> None:
-        """End every actor now (like ``multiprocessing.Pool.terminate``), remove their containers, leave Ray."""
+        """End every actor now (like ``multiprocessing.Pool.terminate``), remove their containers, leave Ray.
+
+        A cluster that went away mid-run: Ray's calls to it block for as long as it is gone (and a call
+        left blocked makes Ray's own shutdown hang), so the sweep is skipped; ray.kill and leaving do not wait.
+        """
         try:
             self._pool.terminate()
         except Exception:
             pass
-        self._sweep_nodes()
+        if answers():
+            self._sweep_nodes()
+        else:
+            print(
+                "warning: the Ray cluster does not answer any more, so what the run's sandboxes left on its nodes "
+                "(containers of --sandbox=docker) was not removed",
+                file=sys.stderr,
+            )
         shutdown()
 
     # -- sandboxes left on the nodes

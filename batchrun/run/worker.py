@@ -133,9 +133,13 @@ _state: WorkerState | None = None  # this process's worker state; set by init_wo
 
 
 def init_worker(
-    settings: WorkerSettings, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
+    settings: WorkerSettings | None, inbox: tuple[Any, bytes], slots: int, start_slots: int, parent_pid: int
 ) -> None:
-    """Once per worker process: client, registry and thread pool, so no prompt pays for them."""
+    """Once per worker process: client, registry and thread pool, so no prompt pays for them.
+
+    ``settings`` None (Ray): they are the first message the parent sends on the inbox connection. Ray keeps
+    an actor's arguments in its cluster state (the GCS, and Redis where it is persisted), and the settings
+    hold the API key and the tools' keys."""
     global _state
     address, authkey = inbox
     remote = isinstance(address, tuple)  # a TCP inbox (Ray): the runner may be on another machine
@@ -145,9 +149,13 @@ def init_worker(
         signal.signal(signal.SIGTERM, lambda signum, frame: _exit(128 + signum))
     except ValueError:  # not the main thread (a Ray actor): the actor's own end applies
         pass
+    conn = None
+    if settings is None:
+        conn = connect_to_inbox(address, authkey)
+        settings = conn.recv()
     install_run_tools(settings.tools)  # MCP tools; the same known tools as the parent, or no worker
     _warm_up(settings)
-    conn = connect_to_inbox(address, authkey)
+    conn = conn or connect_to_inbox(address, authkey)
     stop = threading.Event()
     gate = ParentGate() if settings.budget_gate else None
     _state = WorkerState(

@@ -11,6 +11,8 @@ without it.
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -141,8 +143,17 @@ def ray_env():
 @pytest.fixture(scope="module")
 def ray_head(ray_env, tmp_path_factory):
     """A Ray head node on this machine (2 CPUs, no dashboard), stopped by SIGTERM to the process we started."""
+    yield from start_head(tmp_path_factory.mktemp("ray"))
+
+
+@pytest.fixture
+def own_head(ray_env, tmp_path_factory):
+    """A Ray head of the test's own: one it kills, or one whose memory holds only what its run sent."""
+    yield from start_head(tmp_path_factory.mktemp("own-ray"))
+
+
+def start_head(temp_dir: Path):
     port = free_port()
-    temp_dir = tmp_path_factory.mktemp("ray")
     log_path = temp_dir / "head.log"
     cmd = [
         sys.executable,
@@ -215,6 +226,77 @@ def test_a_malformed_ray_address_is_refused_at_start(address, tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "d.jsonl", ["hello"])
     assert exit_code_with_ray_address(dataset, tmp_path / "out", address) == 2
     assert "--ray_address must be auto, local, ray://host:port or host:port" in capsys.readouterr().err
+
+
+def cli_refusal(tmp_path: Path, address: str) -> tuple[int, str, float]:
+    """``python batch_runner.py --ray_address=<address>`` (a process of its own: Ray is imported there, not
+    here): its exit code, stderr and seconds; no endpoint is reached (nothing listens at its URL)."""
+    if importlib.util.find_spec("ray") is None:
+        skip_or_fail("needs Ray: pip install 'batch-runner[ray]'")
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["hello"])
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=1",
+        "--run_name=r", f"--output_dir={tmp_path / 'out'}", "--model=fake", "--base_url=http://127.0.0.1:9/v1",
+        "--distribution=terminal_only", "--num_workers=1", f"--ray_address={address}",
+    ]  # fmt: skip
+    env = {**os.environ, "OPENAI_API_KEY": API_KEY, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    t = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"--ray_address={address}: no exit in 60 s (ray.init retrying an address where no cluster is)"
+        )
+    return done.returncode, done.stderr, time.monotonic() - t
+
+
+def test_a_ray_address_where_nothing_listens_exits_2_at_once(tmp_path):
+    """A closed port kept ray.init retrying for 14 minutes (20 tries of ~41 s), printing Ray's warnings."""
+    code, err, took = cli_refusal(tmp_path, f"127.0.0.1:{free_port()}")
+    assert code == 2, err[-2000:]
+    assert "--ray_address: no Ray cluster at " in err and "Connection refused" in err
+    assert "6379 by default" in err  # says which port is the right one
+    assert took < 30
+    assert not list((tmp_path / "out" / "r").glob("batch_*.jsonl"))
+
+
+def test_a_ray_address_of_another_server_is_refused_at_start(tmp_path):
+    """A port of a server that is not Ray's (the dashboard's 8265 given for the head's 6379): ray.init
+    waited forever for it to answer as a Ray cluster."""
+    import http.server
+
+    httpd = http.server.ThreadingHTTPServer(("", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        code, err, took = cli_refusal(tmp_path, f"127.0.0.1:{httpd.server_address[1]}")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert code == 2, err[-2000:]
+    assert "answers, but not as a Ray cluster" in err and "the dashboard's (8265)" in err
+    assert took < 30
+
+
+def test_the_command_shown_to_the_ray_cluster_holds_no_key(monkeypatch):
+    from batchrun.cli import shown_command
+    from batchrun.secrets import Redactor
+
+    argv = ["batch_runner.py", "--run_name=r", f"--api_key={API_KEY}", "--api_key", API_KEY]
+    argv += [
+        "--ephemeral_system_prompt",
+        "be terse",
+        "--base_url=http://u:pa55-w0rd-xyz@h/v1",
+        "--num_workers=2",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    shown = shown_command(Redactor(API_KEY, secrets=["pa55-w0rd-xyz"]))
+    assert API_KEY not in shown and "pa55-w0rd-xyz" not in shown and "be terse" not in shown
+    assert (
+        "--run_name=r" in shown
+        and "--num_workers=2" in shown
+        and "--ephemeral_system_prompt=<not shown>" in shown
+    )
 
 
 def test_tcp_inbox_tells_apart_workers_with_the_same_pid_on_two_machines():
@@ -468,3 +550,131 @@ def test_containers_left_on_the_nodes_are_removed(ray_head, docker_test_image):
         for c in left:
             c.remove(force=True)
     assert not left
+
+
+def raylet_pid(root: int) -> int | None:
+    """The raylet of the head node ``root`` (one of its children)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _ppid(int(entry.name)) == root:
+            try:
+                if b"raylet/raylet" in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    return int(entry.name)
+            except OSError:
+                pass
+    return None
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_cluster_dying_mid_run_ends_the_run_with_its_outcomes_and_the_resume_command(
+    own_head, ray_env, server, tmp_path
+):
+    """The head's raylet is killed mid-run (``ray start --block`` then stops the GCS too): the cluster is gone.
+    Ray used to end the runner itself 60 s later (exit 1, from a thread of its own) while it waited on the
+    sweep's ray.nodes(): no trajectories.jsonl, no statistics, status.json saying "running", no resume
+    command. Now the run ends as one whose workers died: every prompt is a trajectory or a failure, once."""
+    prompts = [f"Doomed job {i} [slow:1]" for i in range(10)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=doomed", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
+        "--distribution=terminal_only", "--num_workers=2", "--prompts_per_worker=2", "--max_failure_rate=1",
+        f"--ray_address={own_head.address}",
+    ]  # fmt: skip
+    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY}
+    log = tmp_path / "cli.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        assert wait_for(lambda: outcomes_written(out / "doomed"), 90, 0.1), log.read_text()[-3000:]
+        raylet = raylet_pid(own_head.proc.pid)
+        assert raylet, "the head has no raylet"
+        os.kill(raylet, signal.SIGKILL)
+        code = proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    printed = log.read_text()
+    run_dir = out / "doomed"
+    assert code == 0, printed[-3000:]  # --max_failure_rate=1: the failures are the run's outcomes, said below
+    assert "Failed to connect to GCS" not in printed
+    assert "continue with:" in printed and "--resume" in printed
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert failed and {f["error_class"] for f in failed} <= {"worker_died", "pool_broken"}
+    done = [first_human(r["conversations"]) for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert sorted(done + [f["prompt"] for f in failed]) == sorted(prompts)  # each prompt once
+    assert stats["this_run"]["attempted"] == len(prompts)
+    assert sum(stats["this_run"]["failed"].values()) == len(failed)
+
+
+def memory_holds(pid: int, needle: bytes) -> int:
+    """How many times ``needle`` is in the readable memory of process ``pid``."""
+    hits = 0
+    try:
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+            for line in maps:
+                span, perms = line.split()[:2]
+                start, end = (int(x, 16) for x in span.split("-"))
+                if "r" not in perms or end - start > 1 << 31:
+                    continue
+                try:
+                    mem.seek(start)
+                    hits += mem.read(end - start).count(needle)
+                except OSError:
+                    continue
+    except PermissionError:
+        skip_or_fail("reading a Ray process's memory needs ptrace rights over it")
+    return hits
+
+
+def head_child(root: int, binary: bytes) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _ppid(int(entry.name)) == root:
+            with contextlib.suppress(OSError):
+                if binary in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    return int(entry.name)
+    pytest.fail(f"the head has no {binary.decode()}")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_keys_stay_out_of_the_ray_cluster_state(own_head, ray_env, server, tmp_path):
+    """The worker settings (the API key, the tools' keys) were the Ray actors' arguments: the GCS kept them
+    (29 copies of the key, 12 of a TAVILY_API_KEY; in Redis too where the GCS is persisted), and the job's
+    entrypoint, shown by ``ray list jobs`` and the dashboard, was the command line, --api_key=... included.
+    Now the settings reach each worker over its inbox connection and the entrypoint is the redacted command."""
+    tool_key = "tvly-ray-test-tool-key-0123456789"
+    ephemeral = "EPHEMERAL-ray-test-do-not-keep-4321"
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"Secret-keeping job {i}" for i in range(3)])
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=keys", f"--output_dir={tmp_path / 'out'}", "--model=fake", f"--base_url={server.base_url}",
+        "--distribution=terminal_only", "--num_workers=1", f"--ray_address={own_head.address}",
+        f"--ephemeral_system_prompt={ephemeral}",
+    ]  # fmt: skip
+    # The key in the environment: Ray's node reporter sends every process's command line to the GCS.
+    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY, "TAVILY_API_KEY": tool_key}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(read_jsonl(tmp_path / "out" / "keys" / "trajectories.jsonl")) == 3
+    gcs = head_child(own_head.proc.pid, b"gcs_server")
+    raylet = head_child(own_head.proc.pid, b"raylet/raylet")
+    for pid in (gcs, raylet):
+        assert memory_holds(pid, API_KEY.encode()) == 0
+        assert memory_holds(pid, tool_key.encode()) == 0
+
+    import ray
+    from ray._private.worker import global_worker
+
+    ray.init(address=own_head.address, logging_level="WARNING")
+    try:
+        entrypoints = [job.entrypoint for job in global_worker.gcs_client.get_all_job_info().values()]
+    finally:
+        ray.shutdown()
+    ours = [e for e in entrypoints if "--run_name=keys" in e]
+    assert ours, entrypoints
+    assert ephemeral not in ours[0] and "--ephemeral_system_prompt=<not shown>" in ours[0]
