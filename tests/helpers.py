@@ -7,8 +7,10 @@ import collections
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from collections.abc import Callable
@@ -350,3 +352,27 @@ sys.stdout.flush()
 print("read the memory of", sorted(seen), "tokens", len(found))
 sys.exit(3)
 """
+
+
+class RawServer:
+    """A loopback TCP server with no HTTP library in the way: each connection goes to ``self._serve``
+    on a thread of its own (a subclass answers as a hostile server would)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError

@@ -13,12 +13,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
 
 import pytest
+from helpers import RawServer
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MB = 4  # --max_response_mb for these runs
@@ -51,22 +51,13 @@ def _gzip_bomb() -> bytes:
     return b"".join(comp.compress(block) for _ in range(256)) + comp.flush()
 
 
-class Hostile:
+class Hostile(RawServer):
     """A loopback server that answers every request the way ``mode`` says, until the client goes."""
 
     def __init__(self, mode: str):
         self.mode = mode
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -152,9 +143,6 @@ class Hostile:
         for _ in range(100):
             conn.sendall(b"2\r\n:\n\r\n")
             time.sleep(0.3)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def run_client(

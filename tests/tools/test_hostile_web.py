@@ -13,11 +13,11 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers import RawServer
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 2.0  # WEB_TIMEOUT_S of these runs
@@ -69,30 +69,14 @@ PAGES = {
 }
 
 
-class HostileSite:
+class HostileSite(RawServer):
     """A loopback web server: the first segment of a request's path names how it answers."""
-
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
 
     def url(self, mode: str) -> str:
         return f"http://public.test:{self.port}/{mode}"
 
     def local_url(self, mode: str) -> str:
         return f"http://127.0.0.1:{self.port}/{mode}"
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
