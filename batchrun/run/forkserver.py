@@ -74,10 +74,36 @@ def start_forkserver(backend: str | None = None) -> None:
         stop_forkserver()
     extra = [_backend_module(backend)] if backend else []
     forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, *filter(None, extra), WARM_MODULE])
-    forkserver.ensure_running()
+    # Python 3.11's forkserver imports its preload with its own default path (the working directory,
+    # PYTHONPATH, site-packages), not this process's: a run of a checkout's batch_runner.py from another
+    # directory, beside an installed copy of the package, had workers running the installed copy's code.
+    # This copy goes first on its PYTHONPATH, for its start only (worker_preload puts the variable back).
+    os.environ[PYTHONPATH_WAS] = os.environ.get("PYTHONPATH", UNSET)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))
+    try:
+        forkserver.ensure_running()
+    finally:
+        _restore_pythonpath()
     _server_environ = environ
     atexit.unregister(stop_forkserver)  # once, however often the run asks for the server
     atexit.register(stop_forkserver)
+
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds batchrun/
+PYTHONPATH_WAS = "BATCH_RUNNER_PYTHONPATH_WAS"  # PYTHONPATH before the forkserver's start
+UNSET = "\x01unset"  # PYTHONPATH was not set (an empty value is a value; a variable holds no NUL)
+
+
+def _restore_pythonpath() -> None:
+    """PYTHONPATH as it was before :func:`start_forkserver` put this copy first (in the parent after the
+    server's start, and in the server itself once its first preload module runs: its workers inherit it)."""
+    was = os.environ.pop(PYTHONPATH_WAS, None)
+    if was is None:
+        return
+    if was == UNSET:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = was
 
 
 def skip_callers_main() -> None:

@@ -10,8 +10,9 @@ worker's forkserver ~0.75 s of CPU. The plugin entry points are scanned here, on
 
 import importlib
 
-from batchrun.run.forkserver import use_bytecode_cache
+from batchrun.run.forkserver import _restore_pythonpath, use_bytecode_cache
 
+_restore_pythonpath()  # the workers' environment is the parent's (see start_forkserver)
 use_bytecode_cache()  # first: the forkserver's own imports below, as the parent's (see there)
 
 import batchrun.run.worker  # noqa: E402, F401

@@ -38,3 +38,28 @@ def test_the_forkserver_is_asked_for_before_the_sandbox_interface_is_imported():
     env.pop("TERMINAL_ENV", None)
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[('docker', 'batchrun.prompt.sandboxes.docker.sandbox', [])]"
+
+
+def test_workers_run_this_copy_of_the_package_when_another_is_on_the_path(tmp_path):
+    """Python 3.11's forkserver imports its preload with its own default path (the working directory,
+    PYTHONPATH, site-packages), not the parent's: a checkout's batch_runner.py run from another directory,
+    beside another copy of the package (an installed one, another checkout), had its workers run that
+    copy's code. Here the other copy is a stub that marks its import and has no worker: every prompt failed."""
+    other = tmp_path / "other" / "batchrun"
+    (other / "run").mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    marker = tmp_path / "other_copy_imported"
+    (other / "run" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "p.jsonl").write_text('{"prompt": "one [calls:0]"}\n{"prompt": "two [calls:0]"}\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "other")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "batch_runner.py"), "--dataset_file=p.jsonl", "--batch_size=2",
+         "--run_name=r", "--model=mock", "--distribution=terminal_only", "--num_workers=1",
+         "--local_isolation=none"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not marker.exists()
+    assert (work / "data" / "r" / "trajectories.jsonl").read_text().count("\n") == 2
