@@ -104,10 +104,9 @@ def console_safe(message: str, flags: dict[str, Any], config: RunConfig | None =
         with contextlib.suppress(UsageError):  # a secret the config cannot read (a bad --mcp_config)
             redact = Redactor.for_config(config)
     if redact is None:
-        api_key = flags.get("api_key")
-        urls = [flags.get(name) for name in ("base_url", "judge_base_url")]
-        secrets = tuple(s for url in urls if isinstance(url, str) for s in url_secrets(url))
-        redact = Redactor(api_key if isinstance(api_key, str) else None, secrets=secrets)
+        redact = Redactor.for_endpoint(
+            flags.get("api_key"), flags.get("base_url"), flags.get("judge_base_url")
+        )
     return terminal_safe(redact(message))
 
 

@@ -239,6 +239,14 @@ class Redactor:
             scaffolding=tuple(config.scaffolding_texts()),  # type: ignore[attr-defined]
         )
 
+    @classmethod
+    def for_endpoint(cls, api_key: object, *urls: object, environ: dict[str, str] | None = None) -> Redactor:
+        """A key and the credentials its endpoints' URLs carry (:func:`url_secrets`), with the
+        environment's secrets (``environ``: {} for none), for what comes before or beside a run's own
+        redactor: a refused start, a client's errors, a re-scoring."""
+        secrets = tuple(s for url in urls if isinstance(url, str) for s in url_secrets(url))
+        return cls(api_key if isinstance(api_key, str) else None, environ, secrets=secrets)
+
     def __call__(self, text: str) -> str:
         """For side files, logs and messages: secrets and scaffolding replaced."""
         text = self.sample(text)

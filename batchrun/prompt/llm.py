@@ -762,10 +762,9 @@ class LLMClient:
 
     def _without_credentials(self, text: str) -> str:
         if self._credentials is None:
-            from batchrun.secrets import Redactor, url_secrets  # batchrun.secrets imports this module
+            from batchrun.secrets import Redactor  # batchrun.secrets imports this module
 
-            secrets = tuple(url_secrets(self.cfg.base_url))
-            self._credentials = Redactor(self.cfg.api_key, environ={}, secrets=secrets)
+            self._credentials = Redactor.for_endpoint(self.cfg.api_key, self.cfg.base_url, environ={})
         return self._credentials(text)
 
     def _call_retrying(

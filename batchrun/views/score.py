@@ -95,12 +95,10 @@ def rescore(
     """Score every sample of the run again; write ``scores.<name>.jsonl`` and refresh statistics.json.
     What is written is redacted of the judge's key and its URL's credentials (an endpoint's error may
     quote them)."""
-    from batchrun.secrets import Redactor, url_secrets
+    from batchrun.secrets import Redactor
 
-    judge_url = settings.judge.base_url if settings.judge else ""
-    redact = Redactor(
-        settings.judge.api_key if settings.judge else None, secrets=tuple(url_secrets(judge_url))
-    )
+    judge = settings.judge
+    redact = Redactor.for_endpoint(judge.api_key, judge.base_url) if judge else Redactor(None)
     stats_path = run_dir / "statistics.json"
     stats = _stats_to_update(stats_path)  # before any write: one it cannot read is never replaced
     lines = []
