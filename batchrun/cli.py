@@ -56,6 +56,7 @@ from batchrun.run.resume import (
     read_manifest,
     resume_command,
     resume_filter,
+    without_api_key,
 )
 from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import Redactor, terminal_safe, url_secrets
@@ -532,17 +533,13 @@ def shown_command(redact: Callable[[str], str]) -> str:
     """This command line as others may see it (a Ray cluster's job table): without --api_key and the
     ephemeral system prompt's text, every other secret redacted."""
     args, skip_next = [], False
-    for arg in sys.argv[1:]:
+    for arg in without_api_key():
         if skip_next:
             skip_next = False
             continue
         name, eq, _ = arg.partition("=")
-        name = name.replace("-", "_")
-        if name == "__api_key":
-            skip_next = not eq  # "--api_key KEY" is two arguments
-            continue
-        if name == "__ephemeral_system_prompt":
-            skip_next = not eq
+        if name.startswith("--") and name[2:].replace("-", "_") == "ephemeral_system_prompt":
+            skip_next = not eq  # "--ephemeral_system_prompt TEXT" is two arguments
             args.append("--ephemeral_system_prompt=<not shown>")
             continue
         args.append(shlex.quote(arg))

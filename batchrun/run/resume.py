@@ -409,17 +409,24 @@ def resume_filter(
 
 def resume_command(argv: list[str] | None = None) -> str:
     """The command that continues this run; the API key is left out (it comes from the environment)."""
+    args = [shlex.quote(a) for a in without_api_key(argv) if not a.startswith("--resume")]
+    return " ".join(["python", "batch_runner.py", *args, "--resume"])
+
+
+def without_api_key(argv: list[str] | None = None) -> list[str]:
+    """The command line's arguments (``argv``, else this process's) without --api_key and its value,
+    for a command shown to others: the key comes from the environment."""
     args, skip_next = [], False
     for arg in sys.argv[1:] if argv is None else argv:
         if skip_next:
             skip_next = False
             continue
-        if arg in ("--api_key", "--api-key"):
-            skip_next = True  # "--api_key KEY" is two arguments
+        name, eq, _ = arg.partition("=")
+        if name.startswith("--") and name[2:].replace("-", "_") == "api_key":  # as parse_argv reads it
+            skip_next = not eq  # "--api_key KEY" is two arguments
             continue
-        if not arg.startswith(("--resume", "--api_key=", "--api-key=")):
-            args.append(shlex.quote(arg))
-    return " ".join(["python", "batch_runner.py", *args, "--resume"])
+        args.append(arg)
+    return args
 
 
 def _flag(name: str, value: Any) -> str:
