@@ -255,9 +255,7 @@ def run_steps(
         # A USD cap needs each answer's cost (mock: free); without one it would count $0 and never stop.
         priced = [f"--{f}" for f in ("budget_usd", "max_prompt_usd") if getattr(config, f) is not None]
         needs_cost = priced[0] if priced and not config.is_mock else None
-        check = check_endpoint(llm, needs_cost=needs_cost)
-        if check.calls:  # it cost what any call costs: the run's spend and budget count it
-            recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
+        checks = [(llm, "the endpoint")]
         judge = judge_llm_config(config, llm)
         if judge is not None and (judge.base_url, judge.model, judge.api_key) != (
             llm.base_url,
@@ -266,8 +264,10 @@ def run_steps(
         ):
             # A judge that cannot answer (a wrong model name, key or endpoint) would leave every sample of
             # the paid run unscored: its own start check, before any prompt.
-            check = check_endpoint(judge, needs_cost=needs_cost, who="the judge's endpoint")
-            if check.calls:
+            checks.append((judge, "the judge's endpoint"))
+        for endpoint, who in checks:
+            check = check_endpoint(endpoint, needs_cost=needs_cost, who=who)
+            if check.calls:  # it cost what any call costs: the run's spend and budget count it
                 recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
     # The backend's slow steps (Docker's pulls) after the start check: a wrong key costs seconds, not them.
     preflighted = finish_sandbox_preflight(preflighted)
