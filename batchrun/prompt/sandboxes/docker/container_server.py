@@ -37,6 +37,7 @@ import re
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner, exec_tag
 from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, CappedBuffer, readable
@@ -261,12 +262,18 @@ class Channel:
             self.eof = True
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self.stream.close()
+        close_stream(self.stream)
+
+
+def close_stream(stream: Any) -> None:
+    """Close an exec or attach stream: its connection ends, whatever else still refers to its socket."""
+    sock: socket.socket = getattr(stream, "_sock", stream)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+    stream.close()
 
 
 class Scanner(MarkerScanner):

@@ -523,7 +523,7 @@ class DockerSandbox(SandboxBackend):
             except OSError:
                 pass
             finally:
-                _close_stream(hold)
+                server.close_stream(hold)
         self._signal_init("SIGCONT")
 
     def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
@@ -651,7 +651,9 @@ class DockerSandbox(SandboxBackend):
             if hold is None:  # stopped, and nothing to continue them: its cat would never see the end
                 serving = False
             else:
-                _close_stream(hold)  # the end of its stream continues them, and cat reads the end of the next
+                server.close_stream(
+                    hold
+                )  # the end of its stream continues them, and cat reads the end of the next
         if channel is not None:
             channel.close()  # EOF for the server: a container that runs ends itself now
         # One call that returns once the engine removed it (no kill from here, no 409 to poll out).
@@ -769,17 +771,6 @@ def _send_stdin(sock: socket.socket, chunks: Iterable[bytes]) -> None:
         sock.shutdown(socket.SHUT_WR)  # EOF for the command's stdin (a broken-off tar then fails)
     except OSError:
         pass
-
-
-def _close_stream(stream: Any) -> None:
-    """Close an exec or attach stream: its connection ends, whatever else still refers to its socket."""
-    sock: socket.socket = getattr(stream, "_sock", stream)
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-    stream.close()
 
 
 def _removed_by_itself(container_id: str) -> bool:
