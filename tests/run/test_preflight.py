@@ -4,6 +4,7 @@ list is a warning, a rejected key a clear error without the key in it, a missing
 from __future__ import annotations
 
 import pytest
+from helpers import RawServer
 
 from batchrun.fakes.fake_model import FakeModelServer
 from batchrun.prompt.llm import LLMConfig
@@ -133,34 +134,25 @@ def test_rows_whose_cwd_a_bubblewrap_sandbox_cannot_have_are_named_by_line(tmp_p
 # ----------------------------------------------------------------------------- audit: Docker's pulls after the start check
 
 
-class Registry:
+class Registry(RawServer):
     """A "registry" on a loopback port that records each connection: ``hang`` keeps it open unanswered
     (a pull would wait on it for minutes), else it closes it (the pull fails at once)."""
 
     def __init__(self, *, hang: bool):
-        import socket
-        import threading
-
         self.connected: list[float] = []  # time.monotonic() of each connection
         self._held: list = []
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
         self._hang = hang
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
+        self.address = f"127.0.0.1:{self.port}"
 
-    def _serve(self) -> None:
+    def _serve(self, conn) -> None:  # noqa: ANN001
         import time
 
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connected.append(time.monotonic())
-            self._held.append(conn) if self._hang else conn.close()
+        self.connected.append(time.monotonic())
+        self._held.append(conn) if self._hang else conn.close()
 
     def close(self) -> None:
-        self._sock.close()
+        super().close()
         for conn in self._held:
             conn.close()
 
