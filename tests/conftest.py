@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,64 @@ def bwrap_available() -> None:
     problem = bwrap_problem()
     if problem:
         skip_or_fail(problem)
+
+
+# ============================================================================ sandboxes: the network
+# A TCP service that answers each connection with a line naming the peer, run by the system's python3.
+OUTSIDE_SERVER = r"""
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(16)
+print("listening", flush=True)
+while True:
+    c, peer = s.accept()
+    c.sendall(b"hello from outside, you are " + peer[0].encode() + b"\n")
+    c.close()
+"""
+OUTSIDE_PORT = 8471
+
+
+@pytest.fixture
+def outside_host():
+    """(address, port) of a TCP service in a network namespace of its own, routed from the host: not one
+    of the host's addresses, so a sandbox's slirp4netns reaches it as it would a host on the internet."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        skip_or_fail("an outside host needs root, ip and unshare")
+    from batchrun.prompt.sandboxes.local.host import network_problem
+
+    if network_problem():
+        skip_or_fail(network_problem())
+    server = subprocess.Popen(
+        ["unshare", "--net", "/usr/bin/python3", "-c", OUTSIDE_SERVER, str(OUTSIDE_PORT)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout.readline().strip() == "listening"
+    n = os.getpid() % 200 + 20
+    link = f"brt{os.getpid() % 100000}"
+    host_ip, far_ip = f"10.251.{n}.1", f"10.251.{n}.2"
+    far = ["nsenter", "-t", str(server.pid), "-n", "ip"]
+    steps = [
+        ["ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(server.pid)],
+        ["ip", "addr", "add", f"{host_ip}/30", "dev", link],
+        ["ip", "link", "set", link, "up"],
+        [*far, "addr", "add", f"{far_ip}/30", "dev", "eth0"],
+        [*far, "link", "set", "eth0", "up"],
+        [*far, "link", "set", "lo", "up"],
+        [*far, "route", "add", "default", "via", host_ip],
+    ]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                skip_or_fail(f"cannot make an outside host here: {' '.join(step)}: {done.stderr.strip()}")
+        yield far_ip, OUTSIDE_PORT
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        subprocess.run(["ip", "link", "del", link], capture_output=True)  # gone with the namespace anyway
 
 
 # ============================================================================ sandboxes: fakes

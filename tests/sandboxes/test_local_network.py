@@ -2,9 +2,9 @@
 addresses, and, as root, each prompt is on a link of its own into the worker's one slirp4netns
 (``network_hub``) without reaching another prompt of the same worker.
 
-The "outside host" is a network namespace of the test's own, on a veth link from the host (a
-process started with ``unshare --net`` holds it and answers on TCP): its address is not one of the
-host's, so slirp4netns reaches it as it would a host on the internet, which this machine cannot.
+The "outside host" is conftest's ``outside_host``: a network namespace of the test's own, on a veth
+link from the host, whose address is not one of the host's, so slirp4netns reaches it as it would a
+host on the internet, which this machine cannot.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import shlex
-import shutil
-import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -29,18 +26,6 @@ from batchrun.prompt.sandboxes.local.host import network_problem
 
 RUN = f"network-{uuid.uuid4().hex[:8]}"
 PY = "/usr/bin/python3"  # the system's: the sandbox sees /usr, not this test's virtualenv
-SERVER = r"""
-import socket, sys
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[1])))
-s.listen(16)
-print("listening", flush=True)
-while True:
-    c, peer = s.accept()
-    c.sendall(b"hello from outside, you are " + peer[0].encode() + b"\n")
-    c.close()
-"""
 CONNECT = r"""
 import socket, sys
 s = socket.socket()
@@ -64,43 +49,6 @@ try:
 except OSError as e:
     print("nobody came:", e)
 """
-PORT = 8471
-
-
-@pytest.fixture
-def outside_host():
-    """(address, port) of a TCP service in a network namespace of its own, routed from the host."""
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
-        skip_or_fail("an outside host needs root, ip and unshare")
-    if network_problem():
-        skip_or_fail(network_problem())
-    server = subprocess.Popen(
-        ["unshare", "--net", PY, "-c", SERVER, str(PORT)], stdout=subprocess.PIPE, text=True
-    )
-    assert server.stdout.readline().strip() == "listening"
-    n = os.getpid() % 200 + 20
-    link = f"brt{os.getpid() % 100000}"
-    host_ip, far_ip = f"10.251.{n}.1", f"10.251.{n}.2"
-    far = ["nsenter", "-t", str(server.pid), "-n", "ip"]
-    steps = [
-        ["ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(server.pid)],
-        ["ip", "addr", "add", f"{host_ip}/30", "dev", link],
-        ["ip", "link", "set", link, "up"],
-        [*far, "addr", "add", f"{far_ip}/30", "dev", "eth0"],
-        [*far, "link", "set", "eth0", "up"],
-        [*far, "link", "set", "lo", "up"],
-        [*far, "route", "add", "default", "via", host_ip],
-    ]
-    try:
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                skip_or_fail(f"cannot make an outside host here: {' '.join(step)}: {done.stderr.strip()}")
-        yield far_ip, PORT
-    finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait()
-        subprocess.run(["ip", "link", "del", link], capture_output=True)  # gone with the namespace anyway
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import ipaddress
 import json
 import os
 import shlex
@@ -16,13 +17,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import docker_ps, wait_until
+from helpers import docker_ps, skip_or_fail, wait_until
 
 from batchrun.prompt.sandboxes import BACKENDS, create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
@@ -607,36 +609,198 @@ def bridge_gateway() -> str:
     return gateway
 
 
+def container_gateway(box) -> str:
+    """The container's default gateway, as its routing table says."""
+    routes = box.run("ip route", timeout_s=30).output.split()
+    return routes[routes.index("default") + 2]
+
+
+def hub_or_skip() -> None:
+    from batchrun.prompt.sandboxes.docker.sandbox import network_hub_problem
+
+    if network_hub_problem():
+        skip_or_fail(f"containers cannot be put on the network hub here: {network_hub_problem()}")
+
+
+FETCH = 'printf "GET / HTTP/1.0\\r\\n\\r\\n" | nc -w 5 {host} {port}; echo "nc-exit=$?"'
+
+
 @pytest.mark.docker
-@pytest.mark.parametrize("network", [False, True], ids=["network-off", "network-on"])
-def test_host_services_through_the_bridge_gateway(docker_box, host_service: int, network: bool):
-    """Off: nothing of the host answers. On: the host's services on 0.0.0.0 do (what the README says)."""
-    gateway = bridge_gateway()
-    box = docker_box(index=43, network=network)
+@pytest.mark.parametrize("network", ["off", "hub", "bridge"])
+def test_host_services_are_out_of_reach_of_a_container(docker_box, host_service, outside_host, network):
+    """A host service on 0.0.0.0 answers no container on the network hub (the default), through its
+    gateway, the bridge's address or any other address of the host, while the outside world does and
+    DNS is the hub's. Off: loopback alone. On Docker's bridge (``network_hub`` off, the fallback where
+    the runner cannot use the hub): the host's services answer through the bridge (what README says)."""
+    from batchrun.prompt.sandboxes.local.host import host_addresses
+    from batchrun.prompt.sandboxes.local.network_hub import PROMPT_NET
+
+    if network == "hub":
+        hub_or_skip()
+    options = {"network_hub": False} if network == "bridge" else None
+    box = docker_box(index=43, network=network != "off", options=options)
     # busybox nc, not wget: the static busybox's wget crashes on any URL.
-    fetch = f'printf "GET / HTTP/1.0\\r\\n\\r\\n" | nc -w 5 {gateway} {host_service}; echo "nc-exit=$?"'
-    res = box.run(fetch, timeout_s=30)
-    if network:
-        assert res.output.startswith("HTTP/1.0 200") and "host-secret-service" in res.output
-    else:
+    if network == "off":
+        res = box.run(FETCH.format(host=bridge_gateway(), port=host_service), timeout_s=30)
         assert "Network is unreachable" in res.output and "host-secret-service" not in res.output
         assert "eth0" not in box.run("ip -o addr", timeout_s=30).output  # loopback alone: no route anywhere
+        return
+    reached = box.run(FETCH.format(host=outside_host[0], port=outside_host[1]), timeout_s=30).output
+    assert reached.startswith("hello from outside"), reached  # the network works
+    if network == "bridge":
+        res = box.run(FETCH.format(host=bridge_gateway(), port=host_service), timeout_s=30)
+        assert "host-secret-service" in res.output and box.network_address is None
+        return
+    assert box.network_address is not None and ipaddress.ip_address(box.network_address) in PROMPT_NET
+    gateway = container_gateway(box)
+    assert gateway == "10.0.2.2"
+    assert box.run("cat /etc/resolv.conf", timeout_s=30).output == "nameserver 10.0.2.3\n"  # slirp's DNS
+    hosts = [bridge_gateway(), *(a for a in host_addresses() if ":" not in a)]
+    for host in dict.fromkeys(hosts):
+        with socket.create_connection((host, host_service), timeout=5):
+            pass  # it answers on the host
+    for host in dict.fromkeys([gateway, *hosts]):  # the gateway: slirp4netns's, not the host's loopback
+        res = box.run(FETCH.format(host=host, port=host_service), timeout_s=30)
+        assert "host-secret-service" not in res.output and "nc-exit=1" in res.output, (host, res)
+
+
+@pytest.mark.docker
+def test_the_run_says_how_its_containers_are_networked(docker_engine, monkeypatch, capsys):
+    """Once, at the run's start: the hub where this machine allows it; else the bridge, with why and
+    what that lets a container reach (README's fallback); the network off or a network of the user's
+    own: as asked, nothing said."""
+    from batchrun.prompt.sandboxes.docker import sandbox as docker_sandbox
+    from batchrun.prompt.sandboxes.docker.engine import engine_processes_problem
+    from batchrun.prompt.sandboxes.local import network_hub
+
+    hub_or_skip()
+    bridge = {"network_mode": "bridge", "default_image": "x"}
+    assert docker_sandbox._network_in_force(bridge, workers_here=True) == bridge
+    said = capsys.readouterr().out
+    assert said.startswith(
+        "Docker network: each container on a link of its own into its worker's slirp4netns"
+    )
+    for options in ({"network_mode": "none"}, {"network_mode": "my-net"}, {**bridge, "network_hub": False}):
+        assert docker_sandbox._network_in_force(options, workers_here=True) == options
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(network_hub, "ENABLED", False)
+    assert docker_sandbox._network_in_force(bridge, workers_here=True) == {**bridge, "network_hub": False}
+    said = capsys.readouterr().out
+    assert said.startswith("warning: Docker containers with the network on sit on Docker's default bridge "
+                           "(BATCH_RUNNER_NETWORK_HUB=0): they reach every host service listening on 0.0.0.0")  # fmt: skip
+    monkeypatch.setenv("DOCKER_HOST", "tcp://192.0.2.200:2375")
+    assert engine_processes_problem({}) == "the engine is reached over tcp (maybe on another machine)"
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    assert "cannot be asked who serves it" in (engine_processes_problem({}) or "")
+
+
+# udp listen PORT SECONDS: print each datagram that comes to PORT within SECONDS.
+# udp send DST PORT TEXT: one datagram, from an ordinary socket.
+# udp forge DST PORT SRC...: a datagram "forged from SRC" to DST:PORT from each SRC, through a raw
+# socket (IP_HDRINCL: the kernel sends the source it is given); exit 0 once every one was sent.
+UDP = r"""
+#include <arpa/inet.h>
+#include <netinet/ip.h>
+#include <netinet/udp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+int main(int argc, char **argv) {
+    struct sockaddr_in at = {.sin_family = AF_INET, .sin_port = htons(atoi(argv[3 - (argv[1][0] == 'l')]))};
+    if (argv[1][0] == 'l') {
+        int s = socket(AF_INET, SOCK_DGRAM, 0);
+        if (s < 0 || bind(s, (struct sockaddr *)&at, sizeof at) < 0) { perror("bind"); return 2; }
+        time_t end = time(NULL) + atoi(argv[3]);
+        struct timeval tv = {1, 0};
+        setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        char buf[200];
+        while (time(NULL) < end) {
+            long n = recv(s, buf, sizeof buf - 1, 0);
+            if (n > 0) { buf[n] = 0; printf("%s", buf); fflush(stdout); }
+        }
+        return 0;
+    }
+    inet_pton(AF_INET, argv[2], &at.sin_addr);
+    if (argv[1][0] == 's') {
+        int s = socket(AF_INET, SOCK_DGRAM, 0);
+        return sendto(s, argv[4], strlen(argv[4]), 0, (struct sockaddr *)&at, sizeof at) < 0;
+    }
+    int s = socket(AF_INET, SOCK_RAW, IPPROTO_RAW);
+    if (s < 0) { perror("socket"); return 2; }
+    int failed = 0;
+    for (int i = 4; i < argc; i++) {
+        unsigned char packet[96] = {0};
+        struct iphdr *ip = (struct iphdr *)packet;
+        struct udphdr *udp = (struct udphdr *)(packet + 20);
+        int len = snprintf((char *)packet + 28, 64, "forged from %s\n", argv[i]);
+        ip->version = 4; ip->ihl = 5; ip->ttl = 64; ip->protocol = IPPROTO_UDP;
+        ip->tot_len = htons(28 + len); ip->saddr = inet_addr(argv[i]); ip->daddr = at.sin_addr.s_addr;
+        udp->source = htons(4242); udp->dest = at.sin_port; udp->len = htons(8 + len);
+        if (sendto(s, packet, 28 + len, 0, (struct sockaddr *)&at, sizeof at) < 0) { perror(argv[i]); failed = 1; }
+    }
+    return failed;
+}
+"""
 
 
 @pytest.mark.docker
 @pytest.mark.parametrize("net_raw", [False, True], ids=["default", "net_raw-kept"])
-def test_docker_containers_have_no_raw_sockets_and_still_reach_the_network(docker_box, host_service, net_raw):
+def test_containers_on_the_hub_do_not_reach_each_other(docker_box, tmp_path: Path, net_raw: bool):
+    """B listens on TCP and UDP on all its addresses; A cannot connect to it, and with CAP_NET_RAW
+    (``net_raw``) no datagram A sends with its own or a forged source (B's, the gateway's, the host's,
+    an outside one) reaches it: each link is a point-to-point pair, the hub forwards nothing from one
+    prompt to another and drops what did not come from the link's own address. B's listeners do take
+    B's own connection and datagram afterwards. On the bridge all of it went through."""
+    from batchrun.prompt.sandboxes.local.host import host_addresses
+
+    hub_or_skip()
+    udp = static_program(tmp_path, UDP) if net_raw else b""
+    options = {"net_raw": True} if net_raw else None
+    a, b = docker_box(index=51, options=options), docker_box(index=52, options=options)
+    mine, theirs = a.network_address, b.network_address
+    assert mine and theirs and mine != theirs
+    listen = f"(timeout 12 nc -l -p 9000 >/tmp/tcp 2>&1 &); sleep 8; echo own-tcp | nc -w 2 {theirs} 9000"
+    if net_raw:
+        for box in (a, b):
+            assert box.run_exec("cat > /udp && chmod 755 /udp", timeout_s=60, stdin=udp).exit_code == 0
+        listen = f"(/udp listen 9001 12 >/tmp/udp &); {listen}; /udp send {theirs} 9001 own-udp"
+    out: dict = {}
+    thread = threading.Thread(
+        target=lambda: out.update(b=b.run(f"{listen}; sleep 4; cat /tmp/tcp /tmp/udp", timeout_s=60).output)
+    )
+    thread.start()
+    try:
+        time.sleep(2)  # B's listeners are up
+        said = a.run(f"echo from-a | nc -w 3 {theirs} 9000; echo nc-exit=$?", timeout_s=30).output
+        assert "nc-exit=1" in said, said
+        if net_raw:
+            sources = [mine, theirs, "10.0.2.2", "10.0.2.3", "198.18.255.254", "203.0.113.9"]
+            sources += [h for h in host_addresses() if ":" not in h]
+            res = a.run(f"/udp forge {theirs} 9001 {' '.join(sources)}", timeout_s=30)
+            assert res.exit_code == 0, res  # every datagram left A
+    finally:
+        thread.join()
+    assert "from-a" not in out["b"] and "forged" not in out["b"], out["b"]
+    assert "own-tcp" in out["b"] and ("own-udp" in out["b"]) == net_raw, out["b"]
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("net_raw", [False, True], ids=["default", "net_raw-kept"])
+def test_docker_containers_have_no_raw_sockets_and_still_reach_the_network(docker_box, outside_host, net_raw):
     """With Docker's CAP_NET_RAW, root in a container forged ARP replies on the bridge (the host's entry
     for another container's address took the sender's MAC: its traffic went to the sender)."""
-    gateway = bridge_gateway()
     box = docker_box(index=47, options={"net_raw": True} if net_raw else None)
+    gateway = container_gateway(box)
     res = box.run(f"arping -c 1 -w 2 -I eth0 {gateway}", timeout_s=30)  # a packet socket
     if net_raw:
         assert res.exit_code == 0, res
     else:
         assert (res.exit_code, "socket: Operation not permitted" in res.output) == (1, True), res
-    fetch = f'printf "GET / HTTP/1.0\\r\\n\\r\\n" | nc -w 5 {gateway} {host_service}'
-    assert "host-secret-service" in box.run(fetch, timeout_s=30).output
+    fetch = f"nc -w 5 {outside_host[0]} {outside_host[1]} </dev/null"
+    assert box.run(fetch, timeout_s=30).output.startswith("hello from outside")
 
 
 # ping GATEWAY: one ICMP echo through a ping socket (SOCK_DGRAM, IPPROTO_ICMP), as iputils ping sends
@@ -670,8 +834,8 @@ def test_docker_ping_sockets_work_without_net_raw(docker_box, tmp_path: Path):
     """What iputils ping needs (Debian's, Ubuntu's): the engine opens ping sockets to every group.
     busybox's ping (Alpine's) opens a raw socket only: it fails, "permission denied (are you root?)"."""
     ping = static_program(tmp_path, PING)
-    gateway = bridge_gateway()
     box = docker_box(index=48)
+    gateway = container_gateway(box)
     assert box.run_exec("cat > /ping && chmod 755 /ping", timeout_s=60, stdin=ping).exit_code == 0
     assert box.run(f"/ping {gateway}", timeout_s=30).output == "echo reply\n"
     assert "permission denied" in box.run(f"ping -c 1 -W 2 {gateway}", timeout_s=30).output

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -284,6 +285,31 @@ def run_cgroup_problem(info: dict[str, Any]) -> str | None:
         return f"the engine is reached over {host.split('://')[0]} (maybe on another machine)"
     if not os.access(CGROUP_ROOT, os.W_OK) and not os.access(os.path.join(CGROUP_ROOT, "memory"), os.W_OK):
         return "this process may not write the machine's cgroup tree (not root)"
+    return None
+
+
+def engine_processes_problem(info: dict[str, Any]) -> str | None:
+    """Why the engine's containers' processes may not be in this process's PID namespace (``docker
+    inspect``'s ``State.Pid`` one of ours), or None: the engine answers on a Unix socket, from a
+    ``dockerd`` this process sees (the socket's peer). ``info``: the engine's ``docker info``."""
+    host = os.environ.get("DOCKER_HOST", "")
+    if host and not host.startswith("unix://"):
+        return f"the engine is reached over {host.split('://')[0]} (maybe on another machine)"
+    if any("rootless" in str(o) for o in info.get("SecurityOptions") or []):
+        return "the engine is rootless (its containers' processes are in a PID namespace of its own)"
+    path = host[len("unix://") :] if host else "/var/run/docker.sock"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(path)
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        name = os.path.basename(os.readlink(f"/proc/{pid}/exe")) if pid > 0 else ""
+    except OSError as exc:
+        return f"the engine's socket {path} cannot be asked who serves it ({exc})"
+    if pid <= 0:  # the kernel gives 0 for a peer outside this PID namespace
+        return "the engine runs in another PID namespace (a runner in a container, say)"
+    if not name.startswith("dockerd"):
+        return f"the engine's socket is served by {name!r}, not by a dockerd of this machine"
     return None
 
 

@@ -14,6 +14,7 @@ The run-level helpers live in ``engine``: ``check_engine``,
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -71,6 +72,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     check_engine,
     default_owner,
     docker_client,
+    engine_processes_problem,
     ensure_images,
     make_run_cgroup,
     remove_owned_containers,
@@ -108,6 +110,8 @@ KILLED_SHELL_WAIT_S = (
 SELF_END_WAIT_S = 10.0  # at stop, how long a container may take to end and go once its stream is closed
 NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell can run"
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
+# slirp4netns's DNS server, network_hub.DNS (that module is imported only when a container uses the hub)
+HUB_DNS = "10.0.2.3"
 START_ATTEMPTS = 5  # containers tried per start before the prompt fails
 START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
 FREEZE_ATTEMPTS = (
@@ -135,6 +139,11 @@ class DockerOptions:
     # replies on the bridge and takes other prompts' traffic. ICMP needs none (the engine opens
     # ping sockets to every group: iputils ping works); busybox's ping (Alpine's) does.
     net_raw: bool = False
+    # With the network on and network_mode "bridge": the container is made with network_mode "none"
+    # and gets a link of its own into its worker's one slirp4netns (the local backend's network_hub)
+    # before its first command: the outside world, not the host's own addresses, not another prompt.
+    # Where this process cannot do that (network_hub_problem), Docker's bridge as asked.
+    network_hub: bool = True
 
     def __post_init__(self) -> None:
         positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes")
@@ -159,6 +168,33 @@ def docker_run_share(info: dict[str, Any]) -> tuple[int, int]:
 # Start-ups in flight are limited in one place, --max_sandbox_starts (the worker's BackgroundStart slots).
 _storage_opt_ok: dict[str, bool] = {}  # "answer" -> whether the engine takes storage_opt (disk_cap="auto")
 _empty_dirs: set[tuple[str, str]] = set()  # (image, dir): nothing to copy into a tmpfs at dir
+
+
+def network_hub_problem() -> str | None:
+    """Why containers cannot get a link into this process's network hub instead of Docker's bridge,
+    or None: the hub is for root, needs slirp4netns, and the container's network namespace is
+    reached through ``/proc/<State.Pid>``, so the engine's processes must be in this PID namespace."""
+    from batchrun.prompt.sandboxes.local import network_hub
+
+    if not network_hub.ENABLED:
+        return "BATCH_RUNNER_NETWORK_HUB=0"
+    return _hub_host_problem()
+
+
+@functools.cache
+def _hub_host_problem() -> str | None:
+    from batchrun.prompt.sandboxes.local.host import network_problem
+
+    if os.geteuid() != 0:
+        return "the runner is not root"
+    problem = network_problem()
+    if problem is not None:
+        return problem
+    try:
+        info = docker_client().info()
+    except (DockerException, SandboxError) as exc:
+        return f"the engine did not say what it is ({exc})"
+    return engine_processes_problem(info)
 
 
 class DockerSandbox(SandboxBackend):
@@ -227,6 +263,7 @@ class DockerSandbox(SandboxBackend):
         removed = sweep_containers()
         if removed:
             print(f"Removed {len(removed)} leftover container(s) of runners that are gone (any run name)")
+        options = _network_in_force(options, workers_here)
         if not workers_here:
             return options
         try:
@@ -282,6 +319,7 @@ class DockerSandbox(SandboxBackend):
         self._hold: Any = None  # the exec stream whose end continues them (see end_processes)
         self._serving = False  # whether the current container's server answered (it ends at our EOF)
         self._lock = threading.Lock()  # one command at a time: they share the stream
+        self.network_address: str | None = None  # the container's address on its link into the hub, if any
 
     @property
     def disk_cap(self) -> str:
@@ -298,9 +336,20 @@ class DockerSandbox(SandboxBackend):
         memory limit would get every later command OOM-killed; half of it leaves room to work."""
         return tmpfs_size_mb(self.options.disk_mb, self.options.memory_mb)
 
+    def uses_network_hub(self) -> bool:
+        """Whether the container gets a link into the worker's network hub (see ``DockerOptions.network_hub``)."""
+        opts = self.options
+        return (
+            self.spec.network
+            and opts.network_hub
+            and opts.network_mode == "bridge"
+            and network_hub_problem() is None
+        )
+
     def create_kwargs(self, name: str) -> dict[str, Any]:
         """The arguments of ``containers.create`` (after the image) for this prompt's container."""
         opts, spec = self.options, self.spec
+        hub = self.uses_network_hub()
         labels = {LABEL_RUN: spec.run_name, LABEL_INDEX: str(spec.prompt_index)}
         labels[LABEL_OWNER] = opts.run_owner or default_owner()
         return {
@@ -316,7 +365,10 @@ class DockerSandbox(SandboxBackend):
             "working_dir": self.workdir,  # created by Docker when the image lacks it
             "environment": dict(spec.env),
             "init": opts.init,
-            "network_mode": opts.network_mode if spec.network else "none",
+            # On the hub: no network of the engine's (loopback only) until the link is made; the
+            # engine writes the container's resolv.conf for the hub's DNS (slirp4netns's 10.0.2.3).
+            "network_mode": opts.network_mode if spec.network and not hub else "none",
+            **({"dns": [HUB_DNS]} if hub else {}),
             "nano_cpus": int(opts.cpus * 1e9),
             "mem_limit": f"{opts.memory_mb}m",
             "memswap_limit": f"{opts.memory_mb}m",
@@ -333,6 +385,7 @@ class DockerSandbox(SandboxBackend):
         spec = self.spec
         safe_run = safe_run_name(spec.run_name)
         kwargs = self.create_kwargs("")
+        hub = self._network_hub() if "dns" in kwargs else None  # set for the hub alone (create_kwargs)
         # An engine under heavy load sometimes fails a start it would do a moment later (runc's
         # "error reopening /dev/null inside container", an exec before the container runs). Nothing
         # of the prompt ran yet, so a fresh container is a safe retry.
@@ -344,6 +397,8 @@ class DockerSandbox(SandboxBackend):
                 # Attached before the start, so the container never runs without a holder.
                 self._channel = server.Channel(_attach(container.id))
                 container.start()
+                if hub is not None:
+                    self._connect_network(hub, container.id)
                 self._start_server()
                 self._serving = True
                 break
@@ -371,6 +426,46 @@ class DockerSandbox(SandboxBackend):
         self._broken = None
         self._frozen = False
         self._hold = None
+
+    @staticmethod
+    def _network_hub() -> Any:
+        """This worker's network hub (made at its first use); SandboxError where it cannot be made."""
+        from batchrun.prompt.sandboxes.local import network_hub
+
+        hub = network_hub.hub()
+        if hub is None:
+            raise SandboxError(
+                f"docker sandbox: the worker's network hub cannot be made: {network_hub.hub_problem}"
+            )
+        return hub
+
+    def _connect_network(self, hub: Any, container_id: str) -> None:
+        """Give the container's network namespace (its PID 1's, seen from here) a link into ``hub``,
+        with the host's addresses unreachable, as a local sandbox's; before its first command."""
+        from batchrun.prompt.sandboxes.local.host import host_addresses
+
+        gone = f"the container of prompt {self.spec.prompt_index} cannot be connected to the worker's network"
+        try:
+            pid = int(docker_client().api.inspect_container(container_id)["State"]["Pid"] or 0)
+        except DockerException as exc:
+            raise SandboxError(f"{gone}: {exc}") from exc
+        if pid <= 0:
+            raise SandboxError(f"{gone}: it is not running")
+        try:
+            netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SandboxError(f"{gone}: {exc}") from exc
+        try:
+            # The engine's PID must be one of this namespace's and still the container's: its cgroup
+            # path names the container (read once the namespace was opened, so that is its namespace).
+            with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+                if container_id not in f.read():
+                    raise SandboxError(f"{gone}: process {pid} here is not the container's")
+            self.network_address = hub.attach(f"/proc/self/fd/{netns}", host_addresses())
+        except OSError as exc:
+            raise SandboxError(f"{gone}: {exc}") from exc
+        finally:
+            os.close(netns)
 
     def _start_server(self) -> None:
         """Send the server its functions and wait for its ready line (the container runs, its sh works)."""
@@ -643,6 +738,7 @@ class DockerSandbox(SandboxBackend):
 
     def stop(self) -> None:
         container_id, self.container_id = self.container_id, None
+        self.network_address = None  # the link ends with the container's network namespace
         channel, self._channel = self._channel, None
         serving, self._serving = self._serving, False
         hold, self._hold = self._hold, None
@@ -710,6 +806,41 @@ class DockerSandbox(SandboxBackend):
                     time.sleep(min(left, 0.02))
         except DockerException as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
+
+
+def _network_in_force(options: dict[str, Any], workers_here: bool) -> dict[str, Any]:
+    """Say once how containers with the network on are connected; ``options`` without the hub where
+    this machine cannot give one (Docker's bridge then, as README's Docker network paragraph says)."""
+    if options.get("network_mode", "bridge") != "bridge" or not options.get("network_hub", True):
+        return options  # the network off, or a Docker network of the user's own: as asked
+    if not workers_here:
+        print(
+            "Docker network: each worker's containers get a link into its own slirp4netns where its "
+            "machine allows it (root, the engine's processes visible, slirp4netns), else Docker's default "
+            "bridge, which reaches the host's services on 0.0.0.0 and the other containers"
+        )
+        return options
+    problem = network_hub_problem()
+    if problem is None:
+        from batchrun.prompt.sandboxes.local.network_hub import NetworkHub
+
+        try:  # a namespace and a slirp4netns of its own can be made here (~10 ms)
+            NetworkHub().close()
+        except OSError as exc:
+            problem = f"no network hub here: {exc}"
+    if problem is None:
+        print(
+            "Docker network: each container on a link of its own into its worker's slirp4netns: the "
+            "outside world, not the host's own addresses (services on 0.0.0.0 included), not another "
+            "prompt's container"
+        )
+        return options
+    print(
+        f"warning: Docker containers with the network on sit on Docker's default bridge ({problem}): "
+        "they reach every host service listening on 0.0.0.0 or on the bridge's address, and the other "
+        "containers on it; for untrusted prompts bind host services to 127.0.0.1 or pass --sandbox_network=False"
+    )
+    return {**options, "network_hub": False}
 
 
 def _image_states(jobs: Sequence[PromptJob], default: str, status: dict[str, str | None]) -> Preflight:
