@@ -81,10 +81,14 @@ def own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+HUB = {"on": True}  # --network_hub: containers on "bridge" get a link into the worker's slirp4netns instead
+
+
 def sandbox_options(network: str) -> dict:
     return {
         "default_image": IMAGE,
         "network_mode": network,
+        "network_hub": HUB["on"],
         "disk_cap": "tmpfs",  # what the runner uses on engines that cannot cap a layer (most)
         "lifetime_s": 600.0,
     }
@@ -230,13 +234,19 @@ def main() -> int:
     parser.add_argument("--containers", type=int, default=40, help="containers per loop")
     parser.add_argument("--clients", type=int, default=4, help="threads creating containers at once")
     parser.add_argument("--network", default="none", help="network mode: none (network off) or bridge")
+    parser.add_argument(
+        "--network_hub", default="on", choices=("on", "off"),
+        help="with --network bridge: each container on a link into this process's slirp4netns (the "
+        "runner's default where it may use one) or on Docker's bridge itself",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="engine and runner loops, taking turns")
     parser.add_argument("--commands", type=int, default=100, help="commands for the per-command figures")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: cli, commands")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    HUB["on"] = args.network_hub == "on"
     run = f"rate-{uuid.uuid4().hex[:6]}"
-    print(f"Docker engine {docker_client().version().get('Version')}, image {IMAGE}, network {args.network}, "
+    print(f"Docker engine {docker_client().version().get('Version')}, image {IMAGE}, network {args.network} (hub {args.network_hub}), "
           f"{args.containers} containers over {args.clients} clients, load {os.getloadavg()[0]:.2f}")  # fmt: skip
     # One warm-up container each way: the first create pays for caches the others do not.
     runner_rate(2, 1, run, args.network)
