@@ -5,7 +5,9 @@ requests on its stdin and answers on its stdout, both held by this process throu
 stream: a command costs no API call and no ``docker exec`` (only a timeout's kill does). When the
 process holding the stream dies (even by SIGKILL) the kernel closes it, the engine closes stdin,
 and the container ends and removes itself, even in the middle of a command. ``lifetime_s`` bounds
-it anyway.
+it anyway. With the network on, where the runner may, the container is on no network of the
+engine's but on a link of its own into its worker's slirp4netns (the local backend's ``network_hub``):
+not Docker's bridge, through which it reached the host's services and the other containers.
 
 The run-level helpers live in ``engine``: ``check_engine``,
 ``ensure_images`` and ``storage_size_supported`` (preflight), ``sweep_containers`` and
