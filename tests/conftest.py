@@ -84,6 +84,21 @@ OUTSIDE_PORT = 8471
 def outside_host():
     """(address, port) of a TCP service in a network namespace of its own, routed from the host: not one
     of the host's addresses, so a sandbox's slirp4netns reaches it as it would a host on the internet."""
+    n = os.getpid() % 200 + 20
+    yield from _far_host(f"brt{os.getpid() % 100000}", f"10.251.{n}.1", f"10.251.{n}.2")
+
+
+@pytest.fixture
+def metadata_host():
+    """(address, port) of a TCP service at 169.254.169.254, where clouds serve their instance metadata
+    and credentials, made as ``outside_host`` (the host reaches it; the host's own side of its link is
+    a link-local address, which is no address a sandbox is kept from as the host's)."""
+    yield from _far_host(f"brm{os.getpid() % 100000}", "169.254.169.253", "169.254.169.254")
+
+
+def _far_host(link: str, host_ip: str, far_ip: str):
+    """A TCP service at ``far_ip`` in a network namespace of its own, on a veth link ``link`` from the
+    host (whose end is ``host_ip``, the two in one /30)."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
         skip_or_fail("an outside host needs root, ip and unshare")
     from batchrun.prompt.sandboxes.local.host import network_problem
@@ -96,9 +111,6 @@ def outside_host():
         text=True,
     )
     assert server.stdout.readline().strip() == "listening"
-    n = os.getpid() % 200 + 20
-    link = f"brt{os.getpid() % 100000}"
-    host_ip, far_ip = f"10.251.{n}.1", f"10.251.{n}.2"
     far = ["nsenter", "-t", str(server.pid), "-n", "ip"]
     steps = [
         ["ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(server.pid)],

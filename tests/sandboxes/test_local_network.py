@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import shlex
+import socket
 import threading
 import time
 import uuid
@@ -79,6 +80,20 @@ def test_a_prompt_reaches_a_host_outside(net_boxes, outside_host, network, monke
         assert box._server._slirp is None  # no process of its own for the network
     else:
         assert box._server.address is None and box._server._slirp is not None
+
+
+@pytest.mark.bwrap
+@pytest.mark.parametrize("network", ["hub", "own slirp4netns"])
+def test_the_cloud_metadata_address_is_out_of_reach(net_boxes, metadata_host, network, monkeypatch):
+    """169.254.169.254 (a cloud's instance metadata and credentials) answers the host, and the outside
+    world answers the sandbox, but no command in it reaches that address: slirp4netns would connect
+    to it from the host's own sockets."""
+    monkeypatch.setattr(network_hub, "ENABLED", network == "hub")
+    host, port = metadata_host
+    with socket.create_connection((host, port), timeout=5) as conn:
+        assert conn.recv(200).startswith(b"hello from outside")  # the host reaches it
+    said = connect(net_boxes(0), host, port)
+    assert said.startswith("unreachable"), said
 
 
 @pytest.mark.bwrap

@@ -119,6 +119,11 @@ def test_a_non_root_sandbox_gets_the_network_with_the_hosts_addresses_closed(bwr
         if ":" not in address:
             hexed = "".join(f"{int(part):02X}" for part in reversed(address.split(".")))
             assert f"*\t{hexed}\t" in seen["routes"], (address, seen["routes"])
+    # and so is the link-local range, where clouds serve their metadata (169.254.0.0/16, host.NEVER_REACHED)
+    link_local = [
+        line.split("\t") for line in seen["routes"].splitlines() if line.startswith("*\t0000FEA9\t")
+    ]
+    assert link_local and link_local[0][7] == "0000FFFF", seen["routes"]
     assert seen["secret_in_slirp_env"] is False
     # No command reads the command server's memory (the end marker's token) as an unprivileged user
     # either, and the server, non-dumpable, still gets its OOM score and the direct file access.

@@ -627,9 +627,12 @@ FETCH = 'printf "GET / HTTP/1.0\\r\\n\\r\\n" | nc -w 5 {host} {port}; echo "nc-e
 
 @pytest.mark.docker
 @pytest.mark.parametrize("network", ["off", "hub", "bridge"])
-def test_host_services_are_out_of_reach_of_a_container(docker_box, host_service, outside_host, network):
+def test_host_services_are_out_of_reach_of_a_container(
+    docker_box, host_service, outside_host, metadata_host, network
+):
     """A host service on 0.0.0.0 answers no container on the network hub (the default), through its
-    gateway, the bridge's address or any other address of the host, while the outside world does and
+    gateway, the bridge's address or any other address of the host, nor does a cloud's metadata address
+    (169.254.169.254), while the outside world does and
     DNS is the hub's. Off: loopback alone. On Docker's bridge (``network_hub`` off, the fallback where
     the runner cannot use the hub): the host's services answer through the bridge (what README says)."""
     from batchrun.prompt.sandboxes.local.host import host_addresses
@@ -662,6 +665,11 @@ def test_host_services_are_out_of_reach_of_a_container(docker_box, host_service,
     for host in dict.fromkeys([gateway, *hosts]):  # the gateway: slirp4netns's, not the host's loopback
         res = box.run(FETCH.format(host=host, port=host_service), timeout_s=30)
         assert "host-secret-service" not in res.output and "nc-exit=1" in res.output, (host, res)
+    # Nor the link-local range where clouds serve their metadata and credentials (the host reaches it).
+    with socket.create_connection(metadata_host, timeout=5):
+        pass
+    res = box.run(FETCH.format(host=metadata_host[0], port=metadata_host[1]), timeout_s=30)
+    assert "hello from outside" not in res.output and "nc-exit=1" in res.output, res
 
 
 @pytest.mark.docker

@@ -444,7 +444,7 @@ class DockerSandbox(SandboxBackend):
     def _connect_network(self, hub: Any, container_id: str) -> None:
         """Give the container's network namespace (its PID 1's, seen from here) a link into ``hub``,
         with the host's addresses unreachable, as a local sandbox's; before its first command."""
-        from batchrun.prompt.sandboxes.local.host import host_addresses
+        from batchrun.prompt.sandboxes.local.host import blocked_addresses
 
         gone = f"the container of prompt {self.spec.prompt_index} cannot be connected to the worker's network"
         try:
@@ -463,7 +463,7 @@ class DockerSandbox(SandboxBackend):
             with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
                 if container_id not in f.read():
                     raise SandboxError(f"{gone}: process {pid} here is not the container's")
-            self.network_address = hub.attach(f"/proc/self/fd/{netns}", host_addresses())
+            self.network_address = hub.attach(f"/proc/self/fd/{netns}", blocked_addresses())
         except OSError as exc:
             raise SandboxError(f"{gone}: {exc}") from exc
         finally:

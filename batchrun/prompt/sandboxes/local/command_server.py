@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import ipaddress
 import itertools
 import logging
 import os
@@ -30,7 +31,7 @@ from batchrun.prompt.sandboxes.base import (
 )
 from batchrun.prompt.sandboxes.local import network_hub
 from batchrun.prompt.sandboxes.local.direct_files import DirectFiles, openat2, openat2_available
-from batchrun.prompt.sandboxes.local.host import command_shell, host_addresses, tool_path
+from batchrun.prompt.sandboxes.local.host import blocked_addresses, command_shell, tool_path
 from batchrun.prompt.sandboxes.local.netlink import add_unreachable_routes
 from batchrun.prompt.sandboxes.local.options import CTL_DIR
 from batchrun.prompt.sandboxes.local.process_tree import (
@@ -339,7 +340,7 @@ class CommandServer:
             hub = network_hub.hub()
             if hub is not None:
                 try:
-                    self.address = hub.attach(f"/proc/{self._pid}/ns/net", host_addresses())
+                    self.address = hub.attach(f"/proc/{self._pid}/ns/net", blocked_addresses())
                 except OSError as exc:
                     raise SandboxError(
                         f"local sandbox: cannot connect the sandbox to the worker's network: {exc}"
@@ -406,19 +407,18 @@ class CommandServer:
 
     def _block_host_addresses(self, owner: int | None) -> None:
         """Through slirp4netns, the host's other addresses (a bridge's, say) would reach services that
-        listen on all interfaces, a model server included: make them unreachable inside. The
+        listen on all interfaces, a model server included, and the link-local range a cloud's metadata
+        service (``host.NEVER_REACHED``): make them unreachable inside. The
         namespace's own copy of the host's address stays local (the local table comes first).
         ``owner``: the descriptor :meth:`_network_owner` gave (the caller closes it)."""
-        blocked = host_addresses()
-        if not blocked:
-            return
+        blocked = blocked_addresses()
         if owner is None:  # this process may enter the namespace (as root): no nsenter and ip processes
             try:
                 add_unreachable_routes(f"/proc/{self._pid}/ns/net", blocked)
                 return
             except OSError:
                 pass  # the usual way, below, says what is wrong if it fails too
-        script = "".join(f"route add unreachable {a}/{128 if ':' in a else 32}\n" for a in blocked)
+        script = "".join(f"route add unreachable {ipaddress.ip_network(a)}\n" for a in blocked)
         argv = [tool_path("nsenter"), f"--net=/proc/{self._pid}/ns/net", tool_path("ip"), "-batch", "-"]
         if owner is not None:
             argv[1:1] = [f"--user=/proc/self/fd/{owner}", "--preserve-credentials"]

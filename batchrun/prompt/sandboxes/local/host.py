@@ -85,6 +85,19 @@ def network_problem() -> str | None:
     return None
 
 
+# Networks no sandbox reaches, beside the host's own addresses: IPv4's link-local range, where clouds
+# serve their instance metadata and credentials (169.254.169.254 on AWS, GCP and Azure, 169.254.170.2
+# for ECS tasks). slirp4netns makes a sandbox's connections from the host's own sockets, so without
+# this a command reached them as the host does (and took the machine's cloud role, say).
+NEVER_REACHED = ("169.254.0.0/16",)
+
+
+def blocked_addresses() -> list[str]:
+    """What a sandbox's network must not reach: the host's own addresses and ``NEVER_REACHED``
+    (unreachable routes in its network namespace, and in its worker's hub)."""
+    return [*host_addresses(), *NEVER_REACHED]
+
+
 def host_addresses() -> list[str]:
     """The host's own addresses but loopback and link-local, looked up at each start (bridges come and
     go): read from ``/proc`` (no process per start), or from

@@ -106,15 +106,16 @@ def exchange(sock: socket.socket, messages: list[bytes], ignore: tuple[int, ...]
 
 
 def _route_message(seq: int, address: str) -> bytes:
-    addr = ipaddress.ip_address(address)
-    family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
-    dst = addr.packed
+    """``ip route add unreachable <address>``: an address (/32 or /128) or a network (``a.b.c.d/n``)."""
+    net = ipaddress.ip_network(address)
+    family = socket.AF_INET6 if net.version == 6 else socket.AF_INET
+    dst = net.network_address.packed
     rta = struct.pack("=HH", 4 + len(dst), _RTA_DST) + dst
     rta += b"\0" * (-len(rta) % 4)
     rtm = struct.pack(
         "=BBBBBBBBI",
         family,
-        len(dst) * 8,
+        net.prefixlen,
         0,
         0,
         _RT_TABLE_MAIN,
@@ -133,7 +134,8 @@ def _route_messages(addresses: tuple[str, ...]) -> tuple[bytes, ...]:
 
 
 def add_unreachable_routes(netns_path: str, addresses: list[str]) -> None:
-    """``ip route add unreachable <a>/32`` (or /128) for each address, in that namespace."""
+    """``ip route add unreachable <a>/32`` (or /128, or the network's own prefix) for each address, in
+    that namespace."""
     with socket_in(netns_path) as sock:
         sock.bind((0, 0))
         add_unreachable_routes_on(sock, addresses)

@@ -10,7 +10,8 @@ the hub, made by netlink from this process (no process per prompt), with an addr
 
 What a prompt can reach is what it could reach before: the outside world, through slirp4netns
 (``--disable-host-loopback``: its gateway does not lead to the host's 127.0.0.1); not the host's
-other addresses (unreachable routes, in the hub for all and in the prompt's own namespace); and not
+other addresses, nor the link-local range of a cloud's metadata service (unreachable routes, in the
+hub for all and in the prompt's own namespace); and not
 another prompt of the same hub: the hub forwards nothing from one prompt's address to another's (a
 routing rule that prohibits it), and it drops a packet whose source is not the address of the link
 it came in on (strict reverse-path filtering; a prompt has no capability to forge one anyway). Each
@@ -35,7 +36,7 @@ import threading
 from typing import IO
 
 from batchrun.prompt.sandboxes.base import readable
-from batchrun.prompt.sandboxes.local.host import host_addresses, tool_path
+from batchrun.prompt.sandboxes.local.host import blocked_addresses, tool_path
 from batchrun.prompt.sandboxes.local.netlink import (
     CLONE_NEWNET,
     NetlinkError,
@@ -223,12 +224,12 @@ class NetworkHub:
 
     def _configure(self) -> None:
         exchange(self._sock, [_isolation_rule(1)])
-        self._block_host_addresses(host_addresses())
+        self._block_host_addresses(blocked_addresses())
 
     def _block_host_addresses(self, addresses: list[str]) -> None:
-        """Unreachable routes in the hub to every address of the host (bridges come and go: checked at
-        every attach, added when new; one that went away stays unreachable, which costs nothing).
-        IPv4 only: the hub has no IPv6."""
+        """Unreachable routes in the hub to every address of the host and to ``host.NEVER_REACHED``
+        (bridges come and go: checked at every attach, added when new; one that went away stays
+        unreachable, which costs nothing). IPv4 only: the hub has no IPv6."""
         new = [a for a in addresses if a not in self._blocked and ":" not in a]
         add_unreachable_routes_on(self._sock, new)
         self._blocked.update(new)
