@@ -805,7 +805,8 @@ def test_browser_share_settings(clean_tool_env):
     assert (cfg.cpus, cfg.tree_memory_mb) == (0.5, 8192)
     for name, value, says in (
         ("BROWSER_CPUS", "0.05", "BROWSER_CPUS must be a number of cores from 0.1"),
-        ("BROWSER_CPUS", "nan", "BROWSER_CPUS must be a number of cores from 0.1"),
+        ("BROWSER_CPUS", "nan", "BROWSER_CPUS must be a finite number"),
+        ("BROWSER_CPUS", "inf", "BROWSER_CPUS must be a finite number"),
         ("BROWSER_CPUS", "lots", "BROWSER_CPUS must be a number"),
         ("BROWSER_TREE_MEMORY_MB", "512", "BROWSER_TREE_MEMORY_MB must be at least 1024"),
         ("BROWSER_TREE_MEMORY_MB", "1.5", "BROWSER_TREE_MEMORY_MB must be an integer"),

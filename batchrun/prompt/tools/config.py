@@ -73,6 +73,7 @@ never sent to a host it was not given for.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import threading
@@ -219,6 +220,10 @@ def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool 
     except ValueError:
         kind = "an integer" if integer else "a number"
         raise ToolConfigError(f"{name} must be {kind}, got {raw!r}") from None
+    if not math.isfinite(value):
+        # float() reads "nan", "inf" and "1e999": a timeout of nan failed every fetch with a ValueError
+        # from the socket layer, one of inf killed the deadline's timer thread.
+        raise ToolConfigError(f"{name} must be a finite number, got {raw!r}")
     if value <= 0 and not name.endswith("TEMPERATURE"):
         raise ToolConfigError(f"{name} must be positive, got {raw!r}")
     if value < 0:
@@ -590,7 +595,7 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
             f"BROWSER_TREE_MEMORY_MB must be at least {MIN_BROWSER_MEMORY_MB}, got {tree_memory_mb}"
         )
     cpus = _number(env, "BROWSER_CPUS", BROWSER_CPUS)
-    if not cpus >= MIN_BROWSER_CPUS or cpus == float("inf"):
+    if cpus < MIN_BROWSER_CPUS:
         raise ToolConfigError(
             f"BROWSER_CPUS must be a number of cores from {MIN_BROWSER_CPUS:g}, got {cpus:g}"
         )

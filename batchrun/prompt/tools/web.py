@@ -626,6 +626,9 @@ def _redact(text: str, secret: str | None) -> str:
 
 
 def _web_configured(settings: ToolSettings) -> bool:
+    # web_extract's settings (vision_analyze's fetches read them too) are checked at start as well: a bad
+    # WEB_EXTRACT_MAX_BYTES let the run start and failed every web_extract call.
+    extract_config(settings)
     return search_config(settings) is not None
 
 
