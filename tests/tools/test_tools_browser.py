@@ -230,6 +230,10 @@ def test_browser_configuration(clean_tool_env, tmp_path):
         available_toolsets(ToolSettings(tool_env={"BROWSER_EXECUTABLE": str(tmp_path / "nothing")}))
     with pytest.raises(ValueError, match="BROWSER_VIEWPORT"):
         available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "wide"}))
+    # A screenshot at 20000x20000 never came within 20 s; at 8192x8192 it took 1.4 s.
+    with pytest.raises(ValueError, match="BROWSER_VIEWPORT .*at most 8192, got '20000x20000'"):
+        available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "20000x20000"}))
+    assert "browser" in available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "8192x8192"}))
 
 
 def test_agent_loop_drives_the_browser(fake_web, tool_ctx, run_tool_loop):
