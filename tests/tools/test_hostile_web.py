@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -298,3 +299,81 @@ def test_vision_fetch_and_model_share_the_tools_time_limit(site, tool_ctx, call_
     # The image took 2.5 s, then the model had all 4 s again: 6.5 s for a 4 s call.
     assert "the vision model failed" in out["error"]
     assert elapsed < 4.0 + 0.8
+
+
+# ----------------------------------------------------------------------------- a DNS server that never answers
+
+# web_extract of the URLs given, in a network and mount namespace of its own whose only DNS server (this
+# script's, on its loopback) takes every query and answers none. Prints the result, the time it took and
+# the number of queries the server saw.
+DNS_CLIENT = r"""
+import json, socket, sys, threading, time
+from batchrun.prompt.tools.catalog import execute_tool_call, known_tool_names
+from batchrun.prompt.tools.config import ToolSettings
+from batchrun.prompt.tools.registry import ToolContext
+
+dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+dns.bind(("127.0.0.1", 53))
+queries = []
+threading.Thread(target=lambda: [queries.append(dns.recv(4096)) for _ in iter(int, 1)], daemon=True).start()
+env = json.loads(sys.argv[1])
+ctx = ToolContext(sandbox=None, tool_timeout_s=60.0, settings=ToolSettings(tool_env=env))
+t0 = time.monotonic()
+out = json.loads(execute_tool_call("web_extract", json.dumps({"urls": sys.argv[2:]}), ctx, set(known_tool_names())))
+out["elapsed_s"] = time.monotonic() - t0
+out["queries"] = len(queries)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("private", ["0", "1"])
+def test_a_name_whose_dns_never_answers_ends_at_the_deadline(tmp_path, private):
+    # getaddrinfo ran outside the fetch's deadline: with glibc's timeout of 5 s, tried twice, a 2 s fetch
+    # took 10 s (with "options timeout:30 attempts:5" in resolv.conf, minutes).
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        from helpers import skip_or_fail
+
+        skip_or_fail("needs root, unshare and ip for a namespace with its own resolv.conf")
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\noptions timeout:5 attempts:2\n")
+    tool_env = {"WEB_TIMEOUT_S": str(TIMEOUT_S), "WEB_ALLOW_PRIVATE_ADDRESSES": private}
+    script = (
+        f"ip link set lo up && mount --bind {resolv} /etc/resolv.conf && "
+        f'exec "$0" -c "$1" "$2" http://never-answers.test/ http://never-answers.test/b'
+    )
+    proc = subprocess.run(
+        ["unshare", "--net", "--mount", "sh", "-c", script, sys.executable, DNS_CLIENT, json.dumps(tool_env)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, second = out["results"]
+    assert out["queries"] > 0  # the name was asked of the silent server, not answered from elsewhere
+    assert first["error"].startswith(f"http://never-answers.test/ took longer than {TIMEOUT_S:g} s")
+    assert second["error"].startswith(f"http://never-answers.test/b took longer than {TIMEOUT_S:g} s")
+    assert out["elapsed_s"] < 2 * TIMEOUT_S + 1.0
+
+
+@pytest.mark.parametrize("public_only", [True, False])
+def test_a_slow_resolver_is_held_to_the_fetchs_deadline(monkeypatch, public_only):
+    """The same without root: getaddrinfo itself made slow (8 s) for one name."""
+    from batchrun.prompt.tools import web
+
+    real = socket.getaddrinfo
+
+    def slow(host, *args, **kwargs):
+        if host == "slow-dns.test":
+            time.sleep(8)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    t0 = time.monotonic()
+    with pytest.raises(web.FetchError) as caught:
+        web.fetch_url("http://slow-dns.test/", max_bytes=1000, timeout_s=1.0, public_only=public_only)
+    assert time.monotonic() - t0 < 1.5
+    assert str(caught.value) == "http://slow-dns.test/ took longer than 1 s (resolving slow-dns.test)"

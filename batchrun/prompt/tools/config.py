@@ -21,7 +21,7 @@ web (``web_search`` needs a provider; ``web_extract`` fetches pages itself)
                              no key). ``SEARXNG_URL``: the SearXNG instance (JSON format enabled).
     ``WEB_SEARCH_MAX_RESULTS`` (5), ``WEB_TIMEOUT_S`` (30), ``WEB_EXTRACT_MAX_BYTES`` (5000000),
     ``WEB_EXTRACT_MAX_CHARS`` (20000, per page), ``WEB_USER_AGENT``. ``WEB_TIMEOUT_S`` bounds each
-                             fetch as a whole (connections, redirects, headers, body), and apart
+                             fetch as a whole (DNS, connections, redirects, headers, body), and apart
                              from it web_extract's conversion of a page to text (a child process,
                              512 MB at most: html_text.HTML_MEMORY_MB).
     ``WEB_ALLOW_PRIVATE_ADDRESSES`` (0): web_extract and the browser run on this host, not in the

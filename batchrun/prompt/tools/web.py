@@ -125,7 +125,7 @@ def resolve_public(host: str, port: int) -> list[tuple[Any, ...]]:
     """``socket.getaddrinfo`` results (TCP) for ``host``, after checking EVERY address: raises
     PrivateAddressError if any is not public (OSError when the name does not resolve). Connect
     to these very addresses, not to the name, so a second DNS answer cannot differ."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos = _getaddrinfo(host, port)
     if not infos:
         raise OSError(f"{host} has no address")
     for info in infos:
@@ -159,11 +159,13 @@ class _Deadline:
     and a descriptor of our own, never one another thread reused."""
 
     def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
         self.at = time.monotonic() + timeout_s
         self.expired = False
+        self.during = ""  # what the fetch was doing when it expired, where that is worth saying
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer = threading.Timer(timeout_s, self.expire)
         self._timer.daemon = True
         self._timer.start()
 
@@ -177,8 +179,14 @@ class _Deadline:
             if self.expired:
                 _shut(dup)
 
-    def _expire(self) -> None:
+    def message(self, url: str) -> str:
+        """The fetch's error once it expired."""
+        during = f" ({self.during})" if self.during else ""
+        return f"{url} took longer than {self.timeout_s:g} s{during}"
+
+    def expire(self, during: str = "") -> None:
         with self._lock:
+            self.during = self.during or during  # the timer may have fired first, while resolving
             self.expired = True
             for sock in self._sockets:
                 _shut(sock)
@@ -202,6 +210,33 @@ def _shut(sock: socket.socket) -> None:
 _DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar("fetch_deadline", default=None)
 
 
+def _getaddrinfo(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo`` (TCP) within the deadline of the fetch this thread is making, if any.
+    getaddrinfo cannot be interrupted, and a name whose DNS server never answers held a 2 s fetch for
+    10 s (glibc's 5 s timeout, twice; resolv.conf may make it minutes): it runs on a thread of its own,
+    waited for only until the deadline, then left to glibc's timeout to end."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    got: list[Any] = []
+    done = threading.Event()
+
+    def resolve() -> None:
+        try:
+            got.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to the fetch's thread
+            got.append(exc)
+        done.set()
+
+    threading.Thread(target=resolve, name="fetch-resolve", daemon=True).start()
+    if not done.wait(max(0.0, deadline.remaining())):
+        deadline.expire(during=f"resolving {host}")
+        raise TimeoutError(f"resolving {host} timed out")
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]
+
+
 def _connect(url: str, host: str, port: int, timeout: Any, source: Any, check: bool) -> socket.socket:
     """A TCP connection to ``host``, through ``resolve_public`` when ``check`` (AddressRefused naming
     ``url``), each attempt within the fetch's deadline and the connection watched by it."""
@@ -211,7 +246,7 @@ def _connect(url: str, host: str, port: int, timeout: Any, source: Any, check: b
         except PrivateAddressError as exc:
             raise AddressRefused(url, exc.ip) from None
     else:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = _getaddrinfo(host, port)
     deadline = _DEADLINE.get()
     error: OSError | None = None
     for family, kind, proto, _, sockaddr in infos:
@@ -340,7 +375,7 @@ def fetch_url(
     headers: dict[str, str] | None = None,
     public_only: bool = False,
 ) -> Fetched:
-    """Fetch ``url`` (http/https only), giving up past ``timeout_s`` (the whole fetch: connections,
+    """Fetch ``url`` (http/https only), giving up past ``timeout_s`` (the whole fetch: DNS, connections,
     redirects, headers and body) or ``max_bytes``.
 
     ``accept``: media-type prefixes allowed (others raise FetchError before the body is read).
@@ -355,7 +390,7 @@ def fetch_url(
         )
     except (http.client.HTTPException, TimeoutError, OSError) as exc:
         if deadline.expired:
-            raise FetchError(f"{url} took longer than {timeout_s:g} s") from None
+            raise FetchError(deadline.message(url)) from None
         # A malformed answer (a status line that is not HTTP, too many or too long header lines,
         # a chunked body cut short): http.client's errors are not OSErrors, and escaped the caller.
         shown = str(exc)[:200] or type(exc).__name__
@@ -388,7 +423,7 @@ def _fetch(
         raise FetchError(f"HTTP {exc.code} {exc.reason} from {url}{detail}") from None
     except urllib.error.URLError as exc:
         if deadline.expired:
-            raise FetchError(f"{url} took longer than {timeout_s:g} s") from None
+            raise FetchError(deadline.message(url)) from None
         raise FetchError(f"could not fetch {url}: {exc.reason}") from None
     with resp:
         msg: Message = resp.headers
@@ -417,7 +452,7 @@ def _fetch(
                 raise
             raise FetchError(f"reading {url} failed: {exc or type(exc).__name__}") from None
         if deadline.expired:  # the shut connection read as the body's end
-            raise FetchError(f"{url} took longer than {timeout_s:g} s")
+            raise FetchError(deadline.message(url))
         if resp.length:  # what Content-Length promised and the connection's end did not bring
             raise FetchError(
                 f"{url} was cut: {got} of the {got + resp.length} bytes its Content-Length gives"
