@@ -24,8 +24,9 @@ web (``web_search`` needs a provider; ``web_extract`` fetches pages itself)
                              fetch as a whole (DNS, connections, redirects, headers, body), and apart
                              from it web_extract's conversion of a page to text (a child process,
                              512 MB at most: html_text.HTML_MEMORY_MB).
-    ``WEB_ALLOW_PRIVATE_ADDRESSES`` (0): web_extract and the browser run on this host, not in the
-                             prompt's sandbox, so by default they refuse URLs whose host resolves to
+    ``WEB_ALLOW_PRIVATE_ADDRESSES`` (0): web_extract, vision_analyze, image_generate's download (but
+                             for its endpoint's own origin) and the browser run on this host, not in
+                             the prompt's sandbox, so by default they refuse URLs whose host resolves to
                              a loopback, private, link-local, multicast, reserved or unspecified
                              address (127.0.0.1, 10.x, 169.254.169.254, ::1, ...), on every redirect
                              hop and for every browser request. 1 lets the model reach them (a

@@ -2,6 +2,10 @@
 
 The image (returned by the endpoint as base64 or as a URL) is saved under the run directory,
 ``<run_dir>/images/``, and the result names that file: base64 never reaches a trajectory.
+
+A URL is fetched here, on the host, so it gets the web tools' address check (web.py): unless
+WEB_ALLOW_PRIVATE_ADDRESSES is set, it (and every redirect hop) must resolve to public addresses, except
+on the images endpoint's own origin (a local server handing back its own files), which the operator chose.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from batchrun.prompt.llm import LLMError
 from batchrun.prompt.tools.config import (
     ASPECT_RATIOS,
+    allow_private_addresses,
     image_gen_config,
     model_client,
 )
@@ -29,7 +34,7 @@ from batchrun.prompt.tools.registry import (
     register_toolset_check,
 )
 from batchrun.prompt.tools.vision import sniff_image
-from batchrun.prompt.tools.web import FetchError, fetch_url
+from batchrun.prompt.tools.web import AddressRefused, FetchError, fetch_url
 
 IMAGES_DIR = "images"
 _EXTENSIONS = {
@@ -121,7 +126,17 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
                 "error": f"the generated image could not be downloaded: no time left of {ctx.tool_timeout_s:g} s"
             }
         try:
-            data = fetch_url(source_url, max_bytes=cfg.max_bytes, timeout_s=left).body
+            # The URL is the endpoint's answer: one answering http://169.254.169.254/... (or a URL of its own
+            # that redirects there) had this host fetch it, and the model read 200 characters of the reply.
+            data = fetch_url(
+                source_url,
+                max_bytes=cfg.max_bytes,
+                timeout_s=left,
+                public_only=not allow_private_addresses(ctx.settings.env()),
+                trusted_origin=cfg.endpoint.base_url,
+            ).body
+        except AddressRefused as exc:
+            return {"error": f"image_generate: {exc}"}
         except FetchError as exc:
             return {"error": f"the generated image could not be downloaded: {exc}"}
     else:

@@ -208,6 +208,22 @@ def _shut(sock: socket.socket) -> None:
 
 # The deadline of the fetch this thread is making (fetch_url sets it; its connections read it).
 _DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar("fetch_deadline", default=None)
+# The origin that fetch's address check spares (fetch_url's ``trusted_origin``), as origin() gives it.
+_TRUSTED_ORIGIN: contextvars.ContextVar[tuple[str, str, int] | None] = contextvars.ContextVar(
+    "fetch_trusted_origin", default=None
+)
+
+
+def origin(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL, the port made explicit; None for anything else."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts.scheme, parts.hostname.lower(), port or (443 if parts.scheme == "https" else 80)
 
 
 def _getaddrinfo(host: str, port: int) -> list[tuple[Any, ...]]:
@@ -282,6 +298,8 @@ def _checked_connection(
     target = urllib.parse.urlsplit(url)
     host = target.hostname or ""
     port = target.port or (443 if target.scheme == "https" else 80)
+    trusted = _TRUSTED_ORIGIN.get()
+    public_only = public_only and (trusted is None or origin(url) != trusted)
 
     def make(netloc: str, **kwargs: Any) -> http.client.HTTPConnection:
         conn = conn_class(netloc, **kwargs)
@@ -374,6 +392,7 @@ def fetch_url(
     data: bytes | None = None,
     headers: dict[str, str] | None = None,
     public_only: bool = False,
+    trusted_origin: str | None = None,
 ) -> Fetched:
     """Fetch ``url`` (http/https only), giving up past ``timeout_s`` (the whole fetch: DNS, connections,
     redirects, headers and body) or ``max_bytes``.
@@ -381,9 +400,13 @@ def fetch_url(
     ``accept``: media-type prefixes allowed (others raise FetchError before the body is read).
     ``public_only``: refuse (AddressRefused) a URL or redirect hop whose host resolves to a
     non-public address, and connect only to the addresses checked. For URLs a model chose.
+    ``trusted_origin``: with ``public_only``, a URL (the first or a redirect hop) on the origin of this
+    URL (scheme, host, port) is not checked: an endpoint the operator configured, whose other URLs it
+    may hand back (an images endpoint's files). Every hop elsewhere still is.
     """
     deadline = _Deadline(timeout_s)
     token = _DEADLINE.set(deadline)
+    trust = _TRUSTED_ORIGIN.set(origin(trusted_origin) if trusted_origin else None)
     try:
         return _fetch(
             url, deadline, max_bytes, timeout_s, user_agent, accept, method, data, headers, public_only
@@ -396,6 +419,7 @@ def fetch_url(
         shown = str(exc)[:200] or type(exc).__name__
         raise FetchError(f"could not fetch {url}: {type(exc).__name__}: {shown!r}") from None
     finally:
+        _TRUSTED_ORIGIN.reset(trust)
         _DEADLINE.reset(token)
         deadline.close()
 
