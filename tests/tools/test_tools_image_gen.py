@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from dataclasses import replace
@@ -206,3 +207,38 @@ def test_the_endpoints_own_urls_and_allowed_private_addresses_are_fetched(hosts,
     ctx = tool_ctx(image_env(endpoint, WEB_ALLOW_PRIVATE_ADDRESSES="1"))
     out = call_tool(ctx, "image_generate", prompt="a cat")
     assert out["success"] is True and out["url"] == endpoint.answer and internal.hits == ["/elsewhere.png"]
+
+
+def test_an_image_url_that_is_not_http_is_not_opened(hosts, tool_ctx, call_tool):
+    # urllib's opener read file: URLs (the tool then failed on an AttributeError) and connected ftp: ones
+    # to any port, past the address check: a loopback service got "USER anonymous"
+    from helpers import RawServer
+
+    class Listener(RawServer):
+        seen: list[bytes] = []
+
+        def _serve(self, conn):
+            self.seen.append(b"connected")
+            conn.close()
+
+    listener = Listener()
+    endpoint, _ = hosts
+    try:
+        for url in (f"ftp://127.0.0.1:{listener.port}/x.png", "file:///etc/hostname"):
+            endpoint.answer = url
+            out = call_tool(tool_ctx(image_env(endpoint)), "image_generate", prompt="a cat")
+            assert out == {
+                "error": f"the generated image could not be downloaded: could not fetch {url}: not an http(s) URL"
+            }
+        assert listener.seen == []
+    finally:
+        listener.close()
+
+
+def test_an_image_given_as_a_data_url_is_saved(hosts, tool_ctx, call_tool):
+    endpoint, _ = hosts
+    png = make_png(3, 2, (1, 2, 3))
+    endpoint.answer = "data:image/png;base64," + base64.b64encode(png).decode()
+    out = call_tool(tool_ctx(image_env(endpoint)), "image_generate", prompt="a cat")
+    assert out["success"] is True and Path(out["image"]).read_bytes() == png and "url" not in out
+    assert endpoint.hits == []

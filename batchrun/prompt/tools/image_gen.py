@@ -113,13 +113,20 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         return {"error": "the image endpoint returned no image"}
     item = items[0]
     source_url = None
-    if isinstance(item.get("b64_json"), str) and item["b64_json"]:
+    b64 = item.get("b64_json")
+    url = item.get("url")
+    if isinstance(url, str) and url.startswith("data:") and not (isinstance(b64, str) and b64):
+        # An image inline as a data: URL (urllib's data handler read it, then fetch_url failed on it)
+        header, _, b64 = url.partition(",")
+        if not header.endswith(";base64"):
+            return {"error": "the image endpoint returned a data: URL that is not base64"}
+    if isinstance(b64, str) and b64:
         try:
-            data = base64.b64decode(item["b64_json"])
+            data = base64.b64decode(b64)
         except (binascii.Error, ValueError):
             return {"error": "the image endpoint returned invalid base64"}
-    elif isinstance(item.get("url"), str) and item["url"]:
-        source_url = item["url"]
+    elif isinstance(url, str) and url:
+        source_url = url
         left = min(timeout_s, deadline - time.monotonic())
         if left <= 0:
             return {
@@ -154,7 +161,7 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         "size": cfg.sizes[aspect],
         "aspect_ratio": aspect,
     }
-    if source_url and not source_url.startswith("data:"):
+    if source_url:
         result["url"] = source_url
     if isinstance(item.get("revised_prompt"), str) and item["revised_prompt"]:
         result["revised_prompt"] = item["revised_prompt"]

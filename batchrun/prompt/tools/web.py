@@ -404,6 +404,10 @@ def fetch_url(
     URL (scheme, host, port) is not checked: an endpoint the operator configured, whose other URLs it
     may hand back (an images endpoint's files). Every hop elsewhere still is.
     """
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        # urllib's opener also reads file:, ftp: and data: URLs, none of them through the address check:
+        # an ftp:// URL an images endpoint answered connected to a loopback port and sent "USER anonymous".
+        raise FetchError(f"could not fetch {url}: not an http(s) URL")
     deadline = _Deadline(timeout_s)
     token = _DEADLINE.set(deadline)
     trust = _TRUSTED_ORIGIN.set(origin(trusted_origin) if trusted_origin else None)
