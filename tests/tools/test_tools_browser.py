@@ -234,6 +234,10 @@ def test_browser_configuration(clean_tool_env, tmp_path):
     with pytest.raises(ValueError, match="BROWSER_VIEWPORT .*at most 8192, got '20000x20000'"):
         available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "20000x20000"}))
     assert "browser" in available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "8192x8192"}))
+    # Node turns a timer past 2**31 - 1 ms into 1 ms: every navigation failed at once.
+    for name in ("BROWSER_NAV_TIMEOUT_S", "BROWSER_ACTION_TIMEOUT_S"):
+        with pytest.raises(ValueError, match=f"^{name} must be at most 86400, got '3000000'$"):
+            available_toolsets(ToolSettings(tool_env={name: "3000000"}))
 
 
 def test_agent_loop_drives_the_browser(fake_web, tool_ctx, run_tool_loop):

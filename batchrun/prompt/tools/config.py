@@ -52,7 +52,7 @@ moa (``mixture_of_agents``)
 browser (offered when Playwright is installed and a Chromium binary is found)
     ``BROWSER_EXECUTABLE`` (default: /usr/bin/chromium, else chromium or chromium-browser on PATH),
     ``BROWSER_ENABLED`` (1; 0 turns the toolset off), ``BROWSER_NAV_TIMEOUT_S`` (30),
-    ``BROWSER_ACTION_TIMEOUT_S`` (10), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000),
+    ``BROWSER_ACTION_TIMEOUT_S`` (10; these two at most 86400), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000),
     ``BROWSER_VIEWPORT`` (1280x800; each side at most 8192),
     ``BROWSER_MEMORY_MB`` (2048: the data size, RLIMIT_DATA, each Chromium process may reach; at least 1024).
     Where this process may make cgroups (root, or a delegated v2 subtree: the local sandbox's
@@ -213,7 +213,9 @@ def _get(env: Mapping[str, str], name: str) -> str | None:
     return value.strip() if value and value.strip() else None
 
 
-def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool = False) -> Any:
+def _number(
+    env: Mapping[str, str], name: str, default: float, *, integer: bool = False, maximum: float | None = None
+) -> Any:
     raw = _get(env, name)
     if raw is None:
         return default
@@ -230,6 +232,8 @@ def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool 
         raise ToolConfigError(f"{name} must be positive, got {raw!r}")
     if value < 0:
         raise ToolConfigError(f"{name} must not be negative, got {raw!r}")
+    if maximum is not None and value > maximum:
+        raise ToolConfigError(f"{name} must be at most {maximum:g}, got {raw!r}")
     return value
 
 
@@ -525,6 +529,9 @@ MIN_BROWSER_CPUS = 0.1  # a page's load takes ~0.5 s of CPU: below this, tens of
 BROWSER_TREE_MEMORY_MB = 4096
 # Measured: a screenshot took 1.4 s at 8192x8192; at 20000x20000 it never came within 20 s.
 MAX_VIEWPORT_SIDE = 8192
+# Playwright's timers are Node's: past 2**31 - 1 ms (24.8 days) Node sets them to 1 ms, and with
+# BROWSER_NAV_TIMEOUT_S=3000000 every navigation failed at once ("Timeout 3000000000ms exceeded").
+MAX_BROWSER_TIMEOUT_S = 86400
 
 
 @dataclass(frozen=True)
@@ -609,8 +616,8 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
         )
     return BrowserConfig(
         executable=executable,
-        nav_timeout_s=_number(env, "BROWSER_NAV_TIMEOUT_S", 30.0),
-        action_timeout_s=_number(env, "BROWSER_ACTION_TIMEOUT_S", 10.0),
+        nav_timeout_s=_number(env, "BROWSER_NAV_TIMEOUT_S", 30.0, maximum=MAX_BROWSER_TIMEOUT_S),
+        action_timeout_s=_number(env, "BROWSER_ACTION_TIMEOUT_S", 10.0, maximum=MAX_BROWSER_TIMEOUT_S),
         snapshot_max_chars=_number(env, "BROWSER_SNAPSHOT_MAX_CHARS", 8000, integer=True),
         viewport=(int(w), int(h)),
         allow_private=allow_private_addresses(env),
