@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ TIMEOUT_S = 2.0  # WEB_TIMEOUT_S of these runs
 RSS_LIMIT_MB = 150  # the tool's process: Python, the package and bs4 (~60 MB) + a 5 MB page's worth
 
 # Runs web_extract on the URLs given, the server standing for a public host, and prints the result
-# with the time it took and the process's peak memory.
+# with the time it took, the CPU time it used and the process's peak memory.
 CLIENT = r"""
 import json, socket, sys, time
 from batchrun.prompt.tools import web
@@ -40,9 +41,10 @@ web.resolve_public = resolve
 env = json.loads(sys.argv[1])
 tool_timeout = float(sys.argv[2])
 ctx = ToolContext(sandbox=None, tool_timeout_s=tool_timeout, settings=ToolSettings(tool_env=env))
-t0 = time.monotonic()
+t0, cpu0 = time.monotonic(), time.process_time()
 out = json.loads(execute_tool_call("web_extract", json.dumps({"urls": sys.argv[3:]}), ctx, set(known_tool_names())))
 out["elapsed_s"] = time.monotonic() - t0
+out["cpu_s"] = time.process_time() - cpu0
 hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
 out["maxrss_mb"] = int(hwm[0].split()[1]) / 1024
 print(json.dumps(out))
@@ -127,6 +129,22 @@ class HostileSite(RawServer):
             conn.sendall(b"X-Trailer: y\r\n" * 5000)
 
     @staticmethod
+    def _interim_and_trailers(conn: socket.socket) -> None:  # within the bounds: read as any page
+        conn.sendall(
+            b"HTTP/1.1 100 Continue\r\n\r\n" * 3
+            + b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"6;name=value\r\nPOLITE\r\n5\r\n-TEXT\r\n0\r\n"
+            + b"X-Checksum: 1\r\n" * 50
+            + b"\r\n"
+        )
+
+    @staticmethod
+    def _extension_flood(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:  # a byte of body after each 60 kB of chunk extensions: max_bytes is far away
+            conn.sendall((b"1;" + b"e" * 60_000 + b"\r\nx\r\n") * 20)
+
+    @staticmethod
     def _redirect_endless_body(conn: socket.socket) -> None:
         conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: /good\r\n\r\n")
         block = b"x" * (1 << 20)
@@ -187,15 +205,38 @@ def extract(urls: list[str], tool_timeout_s: float = 60.0, env: dict | None = No
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mode", ["header_drip", "continue_flood", "trailer_flood"])
-def test_a_page_that_never_finishes_its_headers_or_trailers_ends_at_the_deadline(site, mode):
-    # Socket timeouts bound each read alone: each of these ran until the server stopped (over 20 s
-    # against a 2 s WEB_TIMEOUT_S, the 100 Continue and trailer floods on a whole core).
-    out = extract([site.url(mode), site.url("good")])
+def test_a_page_that_never_finishes_its_headers_ends_at_the_deadline(site):
+    # Socket timeouts bound each read alone: this ran until the server stopped (over 20 s against a
+    # 2 s WEB_TIMEOUT_S).
+    out = extract([site.url("header_drip"), site.url("good")])
     bad, good = out["results"]
-    assert bad["error"] == f"{site.url(mode)} took longer than {TIMEOUT_S:g} s"
+    assert bad["error"] == f"{site.url('header_drip')} took longer than {TIMEOUT_S:g} s"
     assert "GOOD-FACT" in good["content"]
     assert out["elapsed_s"] < TIMEOUT_S + 1.5
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("continue_flood", "more than 10 interim (100 Continue) responses"),
+        ("trailer_flood", "more than 100 trailer lines after a chunked body"),
+        ("extension_flood", "more than 65536 bytes of chunk extensions"),
+    ],
+)
+def test_an_endless_part_of_an_answer_ends_that_url_at_once(site, mode, error):
+    # Ended by the deadline alone, each of these kept the worker's core busy until then: 1.6-1.8 s of
+    # CPU in a 2 s fetch (a whole core for WEB_TIMEOUT_S, 30 s by default, each URL).
+    out = extract([site.url(mode), site.url("good")])
+    bad, good = out["results"]
+    assert bad["error"] == f"could not fetch {site.url(mode)}: EndlessResponse: {error!r}"
+    assert "GOOD-FACT" in good["content"]
+    assert out["elapsed_s"] < 1.0 and out["cpu_s"] < 0.5
+
+
+def test_a_few_interim_responses_trailers_and_extensions_are_read_past(site):
+    out = extract([site.url("interim_and_trailers")])
+    (page,) = out["results"]
+    assert page["error"] is None and page["content"] == "POLITE-TEXT"
 
 
 def test_the_body_of_a_redirect_is_not_read_into_memory(site):
@@ -298,3 +339,81 @@ def test_vision_fetch_and_model_share_the_tools_time_limit(site, tool_ctx, call_
     # The image took 2.5 s, then the model had all 4 s again: 6.5 s for a 4 s call.
     assert "the vision model failed" in out["error"]
     assert elapsed < 4.0 + 0.8
+
+
+# ----------------------------------------------------------------------------- a DNS server that never answers
+
+# web_extract of the URLs given, in a network and mount namespace of its own whose only DNS server (this
+# script's, on its loopback) takes every query and answers none. Prints the result, the time it took and
+# the number of queries the server saw.
+DNS_CLIENT = r"""
+import json, socket, sys, threading, time
+from batchrun.prompt.tools.catalog import execute_tool_call, known_tool_names
+from batchrun.prompt.tools.config import ToolSettings
+from batchrun.prompt.tools.registry import ToolContext
+
+dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+dns.bind(("127.0.0.1", 53))
+queries = []
+threading.Thread(target=lambda: [queries.append(dns.recv(4096)) for _ in iter(int, 1)], daemon=True).start()
+env = json.loads(sys.argv[1])
+ctx = ToolContext(sandbox=None, tool_timeout_s=60.0, settings=ToolSettings(tool_env=env))
+t0 = time.monotonic()
+out = json.loads(execute_tool_call("web_extract", json.dumps({"urls": sys.argv[2:]}), ctx, set(known_tool_names())))
+out["elapsed_s"] = time.monotonic() - t0
+out["queries"] = len(queries)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("private", ["0", "1"])
+def test_a_name_whose_dns_never_answers_ends_at_the_deadline(tmp_path, private):
+    # getaddrinfo ran outside the fetch's deadline: with glibc's timeout of 5 s, tried twice, a 2 s fetch
+    # took 10 s (with "options timeout:30 attempts:5" in resolv.conf, minutes).
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        from helpers import skip_or_fail
+
+        skip_or_fail("needs root, unshare and ip for a namespace with its own resolv.conf")
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\noptions timeout:5 attempts:2\n")
+    tool_env = {"WEB_TIMEOUT_S": str(TIMEOUT_S), "WEB_ALLOW_PRIVATE_ADDRESSES": private}
+    script = (
+        f"ip link set lo up && mount --bind {resolv} /etc/resolv.conf && "
+        f'exec "$0" -c "$1" "$2" http://never-answers.test/ http://never-answers.test/b'
+    )
+    proc = subprocess.run(
+        ["unshare", "--net", "--mount", "sh", "-c", script, sys.executable, DNS_CLIENT, json.dumps(tool_env)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, second = out["results"]
+    assert out["queries"] > 0  # the name was asked of the silent server, not answered from elsewhere
+    assert first["error"].startswith(f"http://never-answers.test/ took longer than {TIMEOUT_S:g} s")
+    assert second["error"].startswith(f"http://never-answers.test/b took longer than {TIMEOUT_S:g} s")
+    assert out["elapsed_s"] < 2 * TIMEOUT_S + 1.0
+
+
+@pytest.mark.parametrize("public_only", [True, False])
+def test_a_slow_resolver_is_held_to_the_fetchs_deadline(monkeypatch, public_only):
+    """The same without root: getaddrinfo itself made slow (8 s) for one name."""
+    from batchrun.prompt.tools import web
+
+    real = socket.getaddrinfo
+
+    def slow(host, *args, **kwargs):
+        if host == "slow-dns.test":
+            time.sleep(8)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    t0 = time.monotonic()
+    with pytest.raises(web.FetchError) as caught:
+        web.fetch_url("http://slow-dns.test/", max_bytes=1000, timeout_s=1.0, public_only=public_only)
+    assert time.monotonic() - t0 < 1.5
+    assert str(caught.value) == "http://slow-dns.test/ took longer than 1 s (resolving slow-dns.test)"

@@ -230,6 +230,14 @@ def test_browser_configuration(clean_tool_env, tmp_path):
         available_toolsets(ToolSettings(tool_env={"BROWSER_EXECUTABLE": str(tmp_path / "nothing")}))
     with pytest.raises(ValueError, match="BROWSER_VIEWPORT"):
         available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "wide"}))
+    # A screenshot at 20000x20000 never came within 20 s; at 8192x8192 it took 1.4 s.
+    with pytest.raises(ValueError, match="BROWSER_VIEWPORT .*at most 8192, got '20000x20000'"):
+        available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "20000x20000"}))
+    assert "browser" in available_toolsets(ToolSettings(tool_env={"BROWSER_VIEWPORT": "8192x8192"}))
+    # Node turns a timer past 2**31 - 1 ms into 1 ms: every navigation failed at once.
+    for name in ("BROWSER_NAV_TIMEOUT_S", "BROWSER_ACTION_TIMEOUT_S"):
+        with pytest.raises(ValueError, match=f"^{name} must be at most 86400, got '3000000'$"):
+            available_toolsets(ToolSettings(tool_env={name: "3000000"}))
 
 
 def test_agent_loop_drives_the_browser(fake_web, tool_ctx, run_tool_loop):
@@ -805,7 +813,8 @@ def test_browser_share_settings(clean_tool_env):
     assert (cfg.cpus, cfg.tree_memory_mb) == (0.5, 8192)
     for name, value, says in (
         ("BROWSER_CPUS", "0.05", "BROWSER_CPUS must be a number of cores from 0.1"),
-        ("BROWSER_CPUS", "nan", "BROWSER_CPUS must be a number of cores from 0.1"),
+        ("BROWSER_CPUS", "nan", "BROWSER_CPUS must be a finite number"),
+        ("BROWSER_CPUS", "inf", "BROWSER_CPUS must be a finite number"),
         ("BROWSER_CPUS", "lots", "BROWSER_CPUS must be a number"),
         ("BROWSER_TREE_MEMORY_MB", "512", "BROWSER_TREE_MEMORY_MB must be at least 1024"),
         ("BROWSER_TREE_MEMORY_MB", "1.5", "BROWSER_TREE_MEMORY_MB must be an integer"),

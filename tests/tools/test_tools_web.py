@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -159,11 +160,51 @@ def test_self_hosted_firecrawl_needs_no_key(clean_tool_env):
         ({"WEB_SEARCH_PROVIDER": "searxng"}, "SEARXNG_URL"),
         ({"BRAVE_API_KEY": "k", "WEB_TIMEOUT_S": "soon"}, "WEB_TIMEOUT_S"),
         ({"SEARXNG_URL": "ftp://x"}, "SEARXNG_URL"),
+        ({"BRAVE_API_KEY": "k", "WEB_EXTRACT_MAX_BYTES": "lots"}, "WEB_EXTRACT_MAX_BYTES"),
+        ({"WEB_EXTRACT_MAX_CHARS": "0"}, "WEB_EXTRACT_MAX_CHARS"),
     ],
 )
 def test_bad_settings_fail_at_start_naming_the_variable(clean_tool_env, env, named):
     with pytest.raises(ToolConfigError, match=named):
         available_toolsets(ToolSettings(tool_env=env))
+
+
+# Every setting read as a float, with the toolset's config that reads it.
+FLOAT_SETTINGS = [
+    ("WEB_TIMEOUT_S", "web"),
+    ("VISION_TIMEOUT_S", "vision"),
+    ("IMAGE_GEN_TIMEOUT_S", "image_gen"),
+    ("MOA_TIMEOUT_S", "moa"),
+    ("MOA_REFERENCE_TEMPERATURE", "moa"),
+    ("MOA_AGGREGATOR_TEMPERATURE", "moa"),
+    ("BROWSER_NAV_TIMEOUT_S", "browser"),
+    ("BROWSER_ACTION_TIMEOUT_S", "browser"),
+    ("BROWSER_CPUS", "browser"),
+]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999", "NaN"])
+@pytest.mark.parametrize(("name", "toolset"), FLOAT_SETTINGS)
+def test_non_finite_numbers_are_refused_naming_the_variable(clean_tool_env, name, toolset, value):
+    """float() reads "nan" and "inf": WEB_TIMEOUT_S=nan was taken, and every fetch then failed on a
+    ValueError from the socket layer (inf: the deadline's timer thread died), the run going on."""
+    from batchrun.prompt.tools import config
+
+    env = {"IMAGE_GEN_MODEL": "m", "SEARXNG_URL": "http://search.invalid", name: value}
+    run = ToolSettings(llm_base_url="http://llm.invalid/v1", llm_model="m", tool_env=env)
+    read = {
+        "web": lambda: (config.search_config(run), config.extract_config(run)),
+        "vision": lambda: config.vision_config(run),
+        "image_gen": lambda: config.image_gen_config(run),
+        "moa": lambda: config.moa_config(run),
+        "browser": lambda: config.browser_config(run),
+    }[toolset]
+    if toolset == "browser" and config.browser_config(replace(run, tool_env={})) is None:
+        pytest.skip("no Chromium or Playwright here: browser settings are not read")
+    with pytest.raises(ToolConfigError, match=f"^{name} must be a finite number, got '{value}'$"):
+        read()
+    with pytest.raises(ToolConfigError, match=name):
+        available_toolsets(run)
 
 
 # ----------------------------------------------------------------------------- web_extract

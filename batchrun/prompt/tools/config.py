@@ -21,11 +21,12 @@ web (``web_search`` needs a provider; ``web_extract`` fetches pages itself)
                              no key). ``SEARXNG_URL``: the SearXNG instance (JSON format enabled).
     ``WEB_SEARCH_MAX_RESULTS`` (5), ``WEB_TIMEOUT_S`` (30), ``WEB_EXTRACT_MAX_BYTES`` (5000000),
     ``WEB_EXTRACT_MAX_CHARS`` (20000, per page), ``WEB_USER_AGENT``. ``WEB_TIMEOUT_S`` bounds each
-                             fetch as a whole (connections, redirects, headers, body), and apart
+                             fetch as a whole (DNS, connections, redirects, headers, body), and apart
                              from it web_extract's conversion of a page to text (a child process,
                              512 MB at most: html_text.HTML_MEMORY_MB).
-    ``WEB_ALLOW_PRIVATE_ADDRESSES`` (0): web_extract and the browser run on this host, not in the
-                             prompt's sandbox, so by default they refuse URLs whose host resolves to
+    ``WEB_ALLOW_PRIVATE_ADDRESSES`` (0): web_extract, vision_analyze, image_generate's download (but
+                             for its endpoint's own origin) and the browser run on this host, not in
+                             the prompt's sandbox, so by default they refuse URLs whose host resolves to
                              a loopback, private, link-local, multicast, reserved or unspecified
                              address (127.0.0.1, 10.x, 169.254.169.254, ::1, ...), on every redirect
                              hop and for every browser request. 1 lets the model reach them (a
@@ -51,7 +52,8 @@ moa (``mixture_of_agents``)
 browser (offered when Playwright is installed and a Chromium binary is found)
     ``BROWSER_EXECUTABLE`` (default: /usr/bin/chromium, else chromium or chromium-browser on PATH),
     ``BROWSER_ENABLED`` (1; 0 turns the toolset off), ``BROWSER_NAV_TIMEOUT_S`` (30),
-    ``BROWSER_ACTION_TIMEOUT_S`` (10), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000), ``BROWSER_VIEWPORT`` (1280x800),
+    ``BROWSER_ACTION_TIMEOUT_S`` (10; these two at most 86400), ``BROWSER_SNAPSHOT_MAX_CHARS`` (8000),
+    ``BROWSER_VIEWPORT`` (1280x800; each side at most 8192),
     ``BROWSER_MEMORY_MB`` (2048: the data size, RLIMIT_DATA, each Chromium process may reach; at least 1024).
     Where this process may make cgroups (root, or a delegated v2 subtree: the local sandbox's
     ``limits.cgroup_layout``), each worker's Chromium (every process of it, up to 16 prompts' pages) runs
@@ -73,6 +75,7 @@ never sent to a host it was not given for.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import threading
@@ -210,7 +213,9 @@ def _get(env: Mapping[str, str], name: str) -> str | None:
     return value.strip() if value and value.strip() else None
 
 
-def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool = False) -> Any:
+def _number(
+    env: Mapping[str, str], name: str, default: float, *, integer: bool = False, maximum: float | None = None
+) -> Any:
     raw = _get(env, name)
     if raw is None:
         return default
@@ -219,10 +224,16 @@ def _number(env: Mapping[str, str], name: str, default: float, *, integer: bool 
     except ValueError:
         kind = "an integer" if integer else "a number"
         raise ToolConfigError(f"{name} must be {kind}, got {raw!r}") from None
+    if not math.isfinite(value):
+        # float() reads "nan", "inf" and "1e999": a timeout of nan failed every fetch with a ValueError
+        # from the socket layer, one of inf killed the deadline's timer thread.
+        raise ToolConfigError(f"{name} must be a finite number, got {raw!r}")
     if value <= 0 and not name.endswith("TEMPERATURE"):
         raise ToolConfigError(f"{name} must be positive, got {raw!r}")
     if value < 0:
         raise ToolConfigError(f"{name} must not be negative, got {raw!r}")
+    if maximum is not None and value > maximum:
+        raise ToolConfigError(f"{name} must be at most {maximum:g}, got {raw!r}")
     return value
 
 
@@ -516,6 +527,11 @@ MIN_BROWSER_MEMORY_MB = 1024
 BROWSER_CPUS = 1.0
 MIN_BROWSER_CPUS = 0.1  # a page's load takes ~0.5 s of CPU: below this, tens of seconds
 BROWSER_TREE_MEMORY_MB = 4096
+# Measured: a screenshot took 1.4 s at 8192x8192; at 20000x20000 it never came within 20 s.
+MAX_VIEWPORT_SIDE = 8192
+# Playwright's timers are Node's: past 2**31 - 1 ms (24.8 days) Node sets them to 1 ms, and with
+# BROWSER_NAV_TIMEOUT_S=3000000 every navigation failed at once ("Timeout 3000000000ms exceeded").
+MAX_BROWSER_TIMEOUT_S = 86400
 
 
 @dataclass(frozen=True)
@@ -578,8 +594,12 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
         return None
     raw_vp = _get(env, "BROWSER_VIEWPORT") or "1280x800"
     w, _, h = raw_vp.partition("x")
-    if not (w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
-        raise ToolConfigError(f"BROWSER_VIEWPORT must look like 1280x800, got {raw_vp!r}")
+    if not (
+        w.isdigit() and h.isdigit() and 0 < int(w) <= MAX_VIEWPORT_SIDE and 0 < int(h) <= MAX_VIEWPORT_SIDE
+    ):
+        raise ToolConfigError(
+            f"BROWSER_VIEWPORT must look like 1280x800, each side at most {MAX_VIEWPORT_SIDE}, got {raw_vp!r}"
+        )
     memory_mb = _number(env, "BROWSER_MEMORY_MB", BROWSER_MEMORY_MB, integer=True)
     if memory_mb < MIN_BROWSER_MEMORY_MB:
         # A renderer maps about 650 MB of it for an empty page; below this Chromium cannot start pages.
@@ -590,14 +610,14 @@ def browser_config(run: ToolSettings = NO_SETTINGS) -> BrowserConfig | None:
             f"BROWSER_TREE_MEMORY_MB must be at least {MIN_BROWSER_MEMORY_MB}, got {tree_memory_mb}"
         )
     cpus = _number(env, "BROWSER_CPUS", BROWSER_CPUS)
-    if not cpus >= MIN_BROWSER_CPUS or cpus == float("inf"):
+    if cpus < MIN_BROWSER_CPUS:
         raise ToolConfigError(
             f"BROWSER_CPUS must be a number of cores from {MIN_BROWSER_CPUS:g}, got {cpus:g}"
         )
     return BrowserConfig(
         executable=executable,
-        nav_timeout_s=_number(env, "BROWSER_NAV_TIMEOUT_S", 30.0),
-        action_timeout_s=_number(env, "BROWSER_ACTION_TIMEOUT_S", 10.0),
+        nav_timeout_s=_number(env, "BROWSER_NAV_TIMEOUT_S", 30.0, maximum=MAX_BROWSER_TIMEOUT_S),
+        action_timeout_s=_number(env, "BROWSER_ACTION_TIMEOUT_S", 10.0, maximum=MAX_BROWSER_TIMEOUT_S),
         snapshot_max_chars=_number(env, "BROWSER_SNAPSHOT_MAX_CHARS", 8000, integer=True),
         viewport=(int(w), int(h)),
         allow_private=allow_private_addresses(env),

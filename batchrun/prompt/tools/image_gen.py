@@ -2,6 +2,10 @@
 
 The image (returned by the endpoint as base64 or as a URL) is saved under the run directory,
 ``<run_dir>/images/``, and the result names that file: base64 never reaches a trajectory.
+
+A URL is fetched here, on the host, so it gets the web tools' address check (web.py): unless
+WEB_ALLOW_PRIVATE_ADDRESSES is set, it (and every redirect hop) must resolve to public addresses, except
+on the images endpoint's own origin (a local server handing back its own files), which the operator chose.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from batchrun.prompt.llm import LLMError
 from batchrun.prompt.tools.config import (
     ASPECT_RATIOS,
+    allow_private_addresses,
     image_gen_config,
     model_client,
 )
@@ -29,7 +34,7 @@ from batchrun.prompt.tools.registry import (
     register_toolset_check,
 )
 from batchrun.prompt.tools.vision import sniff_image
-from batchrun.prompt.tools.web import FetchError, fetch_url
+from batchrun.prompt.tools.web import AddressRefused, FetchError, fetch_url
 
 IMAGES_DIR = "images"
 _EXTENSIONS = {
@@ -108,20 +113,37 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         return {"error": "the image endpoint returned no image"}
     item = items[0]
     source_url = None
-    if isinstance(item.get("b64_json"), str) and item["b64_json"]:
+    b64 = item.get("b64_json")
+    url = item.get("url")
+    if isinstance(url, str) and url.startswith("data:") and not (isinstance(b64, str) and b64):
+        # An image inline as a data: URL (urllib's data handler read it, then fetch_url failed on it)
+        header, _, b64 = url.partition(",")
+        if not header.endswith(";base64"):
+            return {"error": "the image endpoint returned a data: URL that is not base64"}
+    if isinstance(b64, str) and b64:
         try:
-            data = base64.b64decode(item["b64_json"])
+            data = base64.b64decode(b64)
         except (binascii.Error, ValueError):
             return {"error": "the image endpoint returned invalid base64"}
-    elif isinstance(item.get("url"), str) and item["url"]:
-        source_url = item["url"]
+    elif isinstance(url, str) and url:
+        source_url = url
         left = min(timeout_s, deadline - time.monotonic())
         if left <= 0:
             return {
                 "error": f"the generated image could not be downloaded: no time left of {ctx.tool_timeout_s:g} s"
             }
         try:
-            data = fetch_url(source_url, max_bytes=cfg.max_bytes, timeout_s=left).body
+            # The URL is the endpoint's answer: one answering http://169.254.169.254/... (or a URL of its own
+            # that redirects there) had this host fetch it, and the model read 200 characters of the reply.
+            data = fetch_url(
+                source_url,
+                max_bytes=cfg.max_bytes,
+                timeout_s=left,
+                public_only=not allow_private_addresses(ctx.settings.env()),
+                trusted_origin=cfg.endpoint.base_url,
+            ).body
+        except AddressRefused as exc:
+            return {"error": f"image_generate: {exc}"}
         except FetchError as exc:
             return {"error": f"the generated image could not be downloaded: {exc}"}
     else:
@@ -139,7 +161,7 @@ def image_generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         "size": cfg.sizes[aspect],
         "aspect_ratio": aspect,
     }
-    if source_url and not source_url.startswith("data:"):
+    if source_url:
         result["url"] = source_url
     if isinstance(item.get("revised_prompt"), str) and item["revised_prompt"]:
         result["revised_prompt"] = item["revised_prompt"]

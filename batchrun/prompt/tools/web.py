@@ -125,7 +125,7 @@ def resolve_public(host: str, port: int) -> list[tuple[Any, ...]]:
     """``socket.getaddrinfo`` results (TCP) for ``host``, after checking EVERY address: raises
     PrivateAddressError if any is not public (OSError when the name does not resolve). Connect
     to these very addresses, not to the name, so a second DNS answer cannot differ."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos = _getaddrinfo(host, port)
     if not infos:
         raise OSError(f"{host} has no address")
     for info in infos:
@@ -159,11 +159,13 @@ class _Deadline:
     and a descriptor of our own, never one another thread reused."""
 
     def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
         self.at = time.monotonic() + timeout_s
         self.expired = False
+        self.during = ""  # what the fetch was doing when it expired, where that is worth saying
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer = threading.Timer(timeout_s, self.expire)
         self._timer.daemon = True
         self._timer.start()
 
@@ -177,8 +179,14 @@ class _Deadline:
             if self.expired:
                 _shut(dup)
 
-    def _expire(self) -> None:
+    def message(self, url: str) -> str:
+        """The fetch's error once it expired."""
+        during = f" ({self.during})" if self.during else ""
+        return f"{url} took longer than {self.timeout_s:g} s{during}"
+
+    def expire(self, during: str = "") -> None:
         with self._lock:
+            self.during = self.during or during  # the timer may have fired first, while resolving
             self.expired = True
             for sock in self._sockets:
                 _shut(sock)
@@ -200,6 +208,100 @@ def _shut(sock: socket.socket) -> None:
 
 # The deadline of the fetch this thread is making (fetch_url sets it; its connections read it).
 _DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar("fetch_deadline", default=None)
+# The origin that fetch's address check spares (fetch_url's ``trusted_origin``), as origin() gives it.
+_TRUSTED_ORIGIN: contextvars.ContextVar[tuple[str, str, int] | None] = contextvars.ContextVar(
+    "fetch_trusted_origin", default=None
+)
+
+
+def origin(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL, the port made explicit; None for anything else."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts.scheme, parts.hostname.lower(), port or (443 if parts.scheme == "https" else 80)
+
+
+# An answer's parts that http.client reads in loops bounded by the deadline alone: a server sending
+# "100 Continue", trailer lines or chunk extensions (64 kB of them before each byte of the body) without
+# end kept a core busy (1.6-1.8 s of CPU in a 2 s fetch, 30 s at the default WEB_TIMEOUT_S). urllib
+# sends no "Expect: 100-continue", so any interim answer is unasked for; and extensions have no use here.
+MAX_INTERIM_RESPONSES = 10
+MAX_TRAILER_LINES = 100  # as many as http.client takes header lines
+MAX_CHUNK_EXTENSION_BYTES = 65536  # in all the chunk size lines of a body
+
+
+class EndlessResponse(http.client.HTTPException):
+    """An answer with more interim responses or trailer lines than a fetch reads."""
+
+
+class _BoundedResponse(http.client.HTTPResponse):
+    """http.client's response with its two unbounded loops bounded in count (``EndlessResponse``)."""
+
+    _interim = 0
+    _extension_bytes = 0
+
+    def _read_status(self) -> tuple[str, int, str]:  # begin() calls it once per response, interim ones too
+        version, status, reason = super()._read_status()  # type: ignore[misc]
+        if status == http.client.CONTINUE:
+            self._interim += 1
+            if self._interim > MAX_INTERIM_RESPONSES:
+                raise EndlessResponse(f"more than {MAX_INTERIM_RESPONSES} interim (100 Continue) responses")
+        return version, status, reason
+
+    def _read_next_chunk_size(self) -> int:  # http.client's, counting the extensions' bytes
+        line = self.fp.readline(http.client._MAXLINE + 1)  # type: ignore[attr-defined]
+        if len(line) > http.client._MAXLINE:  # type: ignore[attr-defined]
+            raise http.client.LineTooLong("chunk size")
+        line, _, extension = line.partition(b";")
+        self._extension_bytes += len(extension)
+        if self._extension_bytes > MAX_CHUNK_EXTENSION_BYTES:
+            raise EndlessResponse(f"more than {MAX_CHUNK_EXTENSION_BYTES} bytes of chunk extensions")
+        try:
+            return int(line, 16)
+        except ValueError:
+            self._close_conn()  # type: ignore[attr-defined]
+            raise
+
+    def _read_and_discard_trailer(self) -> None:  # http.client's, with a count
+        for _ in range(MAX_TRAILER_LINES + 1):
+            line = self.fp.readline(http.client._MAXLINE + 1)  # type: ignore[attr-defined]
+            if len(line) > http.client._MAXLINE:  # type: ignore[attr-defined]
+                raise http.client.LineTooLong("trailer line")
+            if line in (b"\r\n", b"\n", b""):
+                return
+        raise EndlessResponse(f"more than {MAX_TRAILER_LINES} trailer lines after a chunked body")
+
+
+def _getaddrinfo(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo`` (TCP) within the deadline of the fetch this thread is making, if any.
+    getaddrinfo cannot be interrupted, and a name whose DNS server never answers held a 2 s fetch for
+    10 s (glibc's 5 s timeout, twice; resolv.conf may make it minutes): it runs on a thread of its own,
+    waited for only until the deadline, then left to glibc's timeout to end."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    got: list[Any] = []
+    done = threading.Event()
+
+    def resolve() -> None:
+        try:
+            got.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to the fetch's thread
+            got.append(exc)
+        done.set()
+
+    threading.Thread(target=resolve, name="fetch-resolve", daemon=True).start()
+    if not done.wait(max(0.0, deadline.remaining())):
+        deadline.expire(during=f"resolving {host}")
+        raise TimeoutError(f"resolving {host} timed out")
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]
 
 
 def _connect(url: str, host: str, port: int, timeout: Any, source: Any, check: bool) -> socket.socket:
@@ -211,7 +313,7 @@ def _connect(url: str, host: str, port: int, timeout: Any, source: Any, check: b
         except PrivateAddressError as exc:
             raise AddressRefused(url, exc.ip) from None
     else:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = _getaddrinfo(host, port)
     deadline = _DEADLINE.get()
     error: OSError | None = None
     for family, kind, proto, _, sockaddr in infos:
@@ -247,9 +349,12 @@ def _checked_connection(
     target = urllib.parse.urlsplit(url)
     host = target.hostname or ""
     port = target.port or (443 if target.scheme == "https" else 80)
+    trusted = _TRUSTED_ORIGIN.get()
+    public_only = public_only and (trusted is None or origin(url) != trusted)
 
     def make(netloc: str, **kwargs: Any) -> http.client.HTTPConnection:
         conn = conn_class(netloc, **kwargs)
+        conn.response_class = _BoundedResponse
         through_proxy = bool(req._tunnel_host) or req.selector.lower().startswith(  # type: ignore[attr-defined]
             ("http://", "https://")
         )
@@ -339,28 +444,38 @@ def fetch_url(
     data: bytes | None = None,
     headers: dict[str, str] | None = None,
     public_only: bool = False,
+    trusted_origin: str | None = None,
 ) -> Fetched:
-    """Fetch ``url`` (http/https only), giving up past ``timeout_s`` (the whole fetch: connections,
+    """Fetch ``url`` (http/https only), giving up past ``timeout_s`` (the whole fetch: DNS, connections,
     redirects, headers and body) or ``max_bytes``.
 
     ``accept``: media-type prefixes allowed (others raise FetchError before the body is read).
     ``public_only``: refuse (AddressRefused) a URL or redirect hop whose host resolves to a
     non-public address, and connect only to the addresses checked. For URLs a model chose.
+    ``trusted_origin``: with ``public_only``, a URL (the first or a redirect hop) on the origin of this
+    URL (scheme, host, port) is not checked: an endpoint the operator configured, whose other URLs it
+    may hand back (an images endpoint's files). Every hop elsewhere still is.
     """
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        # urllib's opener also reads file:, ftp: and data: URLs, none of them through the address check:
+        # an ftp:// URL an images endpoint answered connected to a loopback port and sent "USER anonymous".
+        raise FetchError(f"could not fetch {url}: not an http(s) URL")
     deadline = _Deadline(timeout_s)
     token = _DEADLINE.set(deadline)
+    trust = _TRUSTED_ORIGIN.set(origin(trusted_origin) if trusted_origin else None)
     try:
         return _fetch(
             url, deadline, max_bytes, timeout_s, user_agent, accept, method, data, headers, public_only
         )
     except (http.client.HTTPException, TimeoutError, OSError) as exc:
         if deadline.expired:
-            raise FetchError(f"{url} took longer than {timeout_s:g} s") from None
+            raise FetchError(deadline.message(url)) from None
         # A malformed answer (a status line that is not HTTP, too many or too long header lines,
         # a chunked body cut short): http.client's errors are not OSErrors, and escaped the caller.
         shown = str(exc)[:200] or type(exc).__name__
         raise FetchError(f"could not fetch {url}: {type(exc).__name__}: {shown!r}") from None
     finally:
+        _TRUSTED_ORIGIN.reset(trust)
         _DEADLINE.reset(token)
         deadline.close()
 
@@ -388,7 +503,7 @@ def _fetch(
         raise FetchError(f"HTTP {exc.code} {exc.reason} from {url}{detail}") from None
     except urllib.error.URLError as exc:
         if deadline.expired:
-            raise FetchError(f"{url} took longer than {timeout_s:g} s") from None
+            raise FetchError(deadline.message(url)) from None
         raise FetchError(f"could not fetch {url}: {exc.reason}") from None
     with resp:
         msg: Message = resp.headers
@@ -417,7 +532,7 @@ def _fetch(
                 raise
             raise FetchError(f"reading {url} failed: {exc or type(exc).__name__}") from None
         if deadline.expired:  # the shut connection read as the body's end
-            raise FetchError(f"{url} took longer than {timeout_s:g} s")
+            raise FetchError(deadline.message(url))
         if resp.length:  # what Content-Length promised and the connection's end did not bring
             raise FetchError(
                 f"{url} was cut: {got} of the {got + resp.length} bytes its Content-Length gives"
@@ -626,6 +741,9 @@ def _redact(text: str, secret: str | None) -> str:
 
 
 def _web_configured(settings: ToolSettings) -> bool:
+    # web_extract's settings (vision_analyze's fetches read them too) are checked at start as well: a bad
+    # WEB_EXTRACT_MAX_BYTES let the run start and failed every web_extract call.
+    extract_config(settings)
     return search_config(settings) is not None
 
 
