@@ -230,7 +230,8 @@ def test_an_endless_part_of_an_answer_ends_that_url_at_once(site, mode, error):
     bad, good = out["results"]
     assert bad["error"] == f"could not fetch {site.url(mode)}: EndlessResponse: {error!r}"
     assert "GOOD-FACT" in good["content"]
-    assert out["elapsed_s"] < 1.0 and out["cpu_s"] < 0.5
+    # Before the deadline, on a fraction of a core (the deadline alone: ~2 s and 1.6-1.8 s of CPU).
+    assert out["elapsed_s"] < TIMEOUT_S and out["cpu_s"] < 0.5
 
 
 def test_a_few_interim_responses_trailers_and_extensions_are_read_past(site):
@@ -415,5 +416,5 @@ def test_a_slow_resolver_is_held_to_the_fetchs_deadline(monkeypatch, public_only
     t0 = time.monotonic()
     with pytest.raises(web.FetchError) as caught:
         web.fetch_url("http://slow-dns.test/", max_bytes=1000, timeout_s=1.0, public_only=public_only)
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 4.0  # the resolver's 8 s not waited for (a margin for a loaded machine)
     assert str(caught.value) == "http://slow-dns.test/ took longer than 1 s (resolving slow-dns.test)"
