@@ -802,7 +802,7 @@ def test_pages_allocating_across_renderers_are_killed_inside_the_browser_s_cgrou
     settings = {"BROWSER_MEMORY_MB": "1024", "BROWSER_TREE_MEMORY_MB": "1024"}
     prompts = [tool_ctx(settings), tool_ctx(settings)]
     # The snapshot, not the title: the title is read after it, when a renderer may be killed already.
-    for prompt, page in zip(prompts, ("FRAMES", "GRAB")):
+    for prompt, page in zip(prompts, ("FRAMES", "GRAB"), strict=True):
         out = call_tool(prompt, "browser_navigate", url=fake_web.url(f"/{page.lower()}.html"))
         assert f"paragraph [@e3]: {page}" in out["snapshot"], out
     peak, crashed = 0, []
