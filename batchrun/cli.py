@@ -239,8 +239,11 @@ def run_steps(
     print_plan(rows, plan, config, llm.base_url)
     if plan.offered.get("browser") and (browser := browser_config(tools_run)) is not None:
         from batchrun.prompt.tools.browser_cgroup import describe
+        from batchrun.prompt.tools.browser_sandbox import plan as browser_sandbox
 
         print(describe(browser))
+        sandbox = browser_sandbox()
+        print(sandbox.describe(), file=sys.stdout if sandbox.sandbox else sys.stderr)
     connect_ray(config, plan.prompts, recorder.redact)
     # The backend's checks come before the start check: a sandbox that cannot work here costs no token.
     preflighted = preflight_sandboxes(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -506,7 +508,7 @@ def test_pages_cannot_open_tabs_without_end(fake_web, tool_ctx, call_tool):
 
 @pytest.mark.slow
 def test_a_page_s_memory_is_capped_and_a_crashed_tab_is_replaced(fake_web, tool_ctx, call_tool):
-    """Chromium runs with --no-sandbox, so none of its own limits apply: a page allocating in a loop
+    """Chromium sets no memory limit of its own (with its sandbox or without): a page allocating in a loop
     took 4 GB in 10 s and would have taken the host's memory. And a tab whose renderer died answered
     every later call with "Page crashed" until the prompt ended."""
     fake_web.pages["/buffers.html"] = _html(
@@ -591,7 +593,7 @@ def chromium_descendants() -> list[tuple[int, bytes]]:
 def test_chromium_runs_without_the_workers_secrets_in_its_environment(
     fake_web, tool_ctx, call_tool, monkeypatch
 ):
-    """Chromium renders hostile pages on the host with --no-sandbox, and it was started with the worker's
+    """Chromium renders hostile pages on the host, and it was started with the worker's
     whole environment: the run's API key and every tool key were in /proc/<chromium>/environ, for any
     code a page got to run there. It keeps only what it needs (paths, locale, time zone, proxies)."""
     from batchrun.prompt.tools.browser import browser_environment, shutdown_browser
@@ -610,6 +612,117 @@ def test_chromium_runs_without_the_workers_secrets_in_its_environment(
     )  # the browser process (the others rewrite their title over it)
     kept = browser_environment({"PATH": "/bin", "OPENAI_API_KEY": "k", "HTTPS_PROXY": "p", "LC_ALL": "C"})
     assert kept == {"PATH": "/bin", "HTTPS_PROXY": "p", "LC_ALL": "C"}
+
+
+# ----------------------------------------------------------------------------- Chromium's own sandbox
+
+
+def process_state(pid: int) -> dict[str, str]:
+    """The fields of /proc/<pid>/status, the Chromium process type and its namespaces."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    state = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    m = re.search(r"--type=(\S+)", cmdline)
+    state["type"], state["cmdline"] = (m.group(1) if m else "browser"), cmdline
+    for ns in ("user", "pid", "net"):
+        state[ns] = os.readlink(f"/proc/{pid}/ns/{ns}")
+    return state
+
+
+@pytest.fixture
+def chromium_sandbox():
+    """Chromium's sandbox can be on here (browser_sandbox.plan); each test starts and ends without a
+    Chromium."""
+    from batchrun.prompt.tools.browser_sandbox import plan
+
+    if not plan().sandbox:
+        from helpers import skip_or_fail
+
+        skip_or_fail(f"Chromium's sandbox cannot be on here: {plan().problem}")
+    browser.shutdown_browser()
+    yield
+    browser.shutdown_browser()
+
+
+def test_renderers_run_in_chromium_s_sandbox(chromium_sandbox, fake_web, tool_ctx, call_tool):
+    """Chromium ran with --no-sandbox: its renderers, which run the pages the model picks, had no seccomp
+    filter (Seccomp: 0) and the host's user, PID and network namespaces. Code a page got to run in one
+    (gdb in a real renderer, as root) read a root-only file and connected to a service on 127.0.0.1 past
+    the egress proxy. Its sandbox is on: every renderer is under seccomp-bpf, with no_new_privs, in
+    namespaces of its own (no network: only the browser process reaches the proxy), and the tools work."""
+    ctx = tool_ctx()
+    snap = call_tool(ctx, "browser_navigate", url=fake_web.url("/form.html"))["snapshot"]
+    assert call_tool(ctx, "browser_click", ref=ref_of(snap, "button", "Show more"))["success"] is True
+    assert "MORE-TEXT revealed." in call_tool(ctx, "browser_snapshot")["snapshot"]
+    shot = call_tool(ctx, "browser_vision", question="What is on the page?")
+    assert shot["success"] is True and Path(shot["screenshot_path"]).stat().st_size > 1000
+    states = [process_state(pid) for pid, _ in chromium_descendants()]
+    assert not any("--no-sandbox" in s["cmdline"] for s in states)
+    renderers = [s for s in states if s["type"] == "renderer"]
+    assert renderers, [s["type"] for s in states]
+    host = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("user", "pid", "net")}
+    for state in renderers:
+        assert (state["Seccomp"], state["NoNewPrivs"]) == ("2", "1")
+        assert all(state[ns] != host[ns] for ns in host), state
+
+
+def test_a_root_worker_s_chromium_runs_as_nobody(chromium_sandbox, fake_web, tool_ctx, call_tool):
+    """Chromium refuses its sandbox as root; with --no-sandbox every process of it ran as root, the browser
+    process and its network service with every capability (CapEff 000001fffeffffff): whatever took one over
+    could read /proc/<worker>/environ (the run's API keys), any file, and write anywhere. A root worker
+    starts it as nobody (BROWSER_UID), without capabilities, groups or the right to gain privileges."""
+    from batchrun.prompt.tools.config import BROWSER_GID, BROWSER_UID
+
+    if os.geteuid() != 0:
+        pytest.skip("the worker is not root: Chromium keeps the worker's user")
+    assert call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))["success"] is True
+    states = [process_state(pid) for pid, _ in chromium_descendants()]
+    assert len(states) >= 3  # the browser, a zygote, a renderer at least
+    host_user = os.readlink("/proc/self/ns/user")
+    for state in states:
+        assert state["Uid"].split() == [str(BROWSER_UID)] * 4, state["type"]
+        assert state["Gid"].split() == [str(BROWSER_GID)] * 4 and state["Groups"].strip() == ""
+        assert state["NoNewPrivs"] == "1"
+        if state["user"] == host_user:  # the sandbox's zygote holds capabilities in its own namespace only
+            assert int(state["CapEff"], 16) == int(state["CapPrm"], 16) == int(state["CapBnd"], 16) == 0
+
+
+def test_without_user_namespaces_chromium_runs_unsandboxed_and_the_run_says_so(
+    fake_web, tool_ctx, call_tool, monkeypatch, caplog
+):
+    """Where user namespaces are refused (a root-run Docker container's seccomp profile, a kernel or
+    AppArmor policy) Chromium's sandbox cannot start: the browser still works, without it (a root worker's
+    Chromium still as nobody), and the run's start and the worker's log say so, with why."""
+    from batchrun.prompt.tools import browser_sandbox
+
+    fake = Path(tempfile.mkdtemp())  # not under tmp_path: nobody must be able to run it
+    fake.chmod(0o755)
+    (fake / "unshare").write_text(
+        "#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n"
+    )
+    (fake / "unshare").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    browser.shutdown_browser()
+    browser_sandbox.plan.cache_clear()
+    try:
+        plan = browser_sandbox.plan()
+        assert not plan.sandbox and "Operation not permitted" in plan.problem
+        assert plan.describe().startswith(
+            "warning: Browser sandbox: OFF (no user namespaces here (unshare: unshare failed: Operation not "
+            "permitted)): Chromium runs as "
+        )
+        with caplog.at_level("WARNING", logger="batchrun.prompt.tools.browser"):
+            out = call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))
+        assert out["title"] == "Fake Site Home"
+        assert any("Browser sandbox: OFF (no user namespaces" in r.getMessage() for r in caplog.records)
+        states = [process_state(pid) for pid, _ in chromium_descendants()]
+        assert any(s["type"] == "browser" and "--no-sandbox" in s["cmdline"] for s in states)
+        if os.geteuid() == 0:
+            assert plan.user == (65534, 65534) and all(s["Uid"].split()[0] == "65534" for s in states)
+    finally:
+        browser.shutdown_browser()
+        browser_sandbox.plan.cache_clear()
+        shutil.rmtree(fake)
 
 
 # ----------------------------------------------------------------------------- the worker's Chromium in a cgroup
@@ -696,8 +809,10 @@ def test_pages_allocating_across_renderers_are_killed_inside_the_browser_s_cgrou
     fake_web.pages["/frames.html"] = _html("Frames", f"<main><p>FRAMES</p>{grab}{frame}</main>")
     settings = {"BROWSER_MEMORY_MB": "1024", "BROWSER_TREE_MEMORY_MB": "1024"}
     prompts = [tool_ctx(settings), tool_ctx(settings)]
-    assert call_tool(prompts[0], "browser_navigate", url=fake_web.url("/frames.html"))["title"] == "Frames"
-    assert call_tool(prompts[1], "browser_navigate", url=fake_web.url("/grab.html"))["title"] == "Grab"
+    # The snapshot, not the title: the title is read after it, when a renderer may be killed already.
+    for prompt, page in zip(prompts, ("FRAMES", "GRAB"), strict=True):
+        out = call_tool(prompt, "browser_navigate", url=fake_web.url(f"/{page.lower()}.html"))
+        assert f"paragraph [@e3]: {page}" in out["snapshot"], out
     peak, crashed = 0, []
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline and not crashed:

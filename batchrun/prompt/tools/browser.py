@@ -26,6 +26,10 @@ WebSockets (tunnelled with CONNECT) and a name whose DNS answer changes after th
 (rebinding) all meet that check. WebRTC's UDP, which would pass beside the proxy, is turned off
 (``BROWSER_FLAGS``).
 
+Chromium's own sandbox. Renderers run in Chromium's sandbox (user, PID and network namespaces of their
+own, seccomp-bpf); a root worker starts Chromium as nobody, which that sandbox needs. Where user
+namespaces are refused it runs without, and the run's start and the log say so (``browser_sandbox``).
+
 The host's share. Every Chromium process starts under RLIMIT_DATA (``BROWSER_MEMORY_MB``): a page
 allocating without end gets allocation failures or a crashed tab, which the session replaces. Where
 cgroups can be made, the worker's whole Chromium runs in one of its own (``browser_cgroup``), with a
@@ -55,6 +59,7 @@ if TYPE_CHECKING:  # asyncio is imported where the browser runs: every run impor
     import asyncio
 
     from batchrun.prompt.sandboxes.local.limits import PromptCgroup
+    from batchrun.prompt.tools.browser_sandbox import SandboxPlan
 
 from batchrun.prompt.tools.browser_egress import (
     FAILED_HEADER,
@@ -120,6 +125,9 @@ class BrowserHost:
         # ``cgroup_problem`` says why it cannot be (then RLIMIT_DATA alone bounds it).
         self.cgroup: PromptCgroup | None = None
         self.cgroup_problem: str | None = None
+        self.sandbox: SandboxPlan | None = (
+            None  # how Chromium starts (browser_sandbox.plan), at its first start
+        )
 
     # -- the loop thread -------------------------------------------------------------------
 
@@ -185,19 +193,32 @@ class BrowserHost:
 
                 self._playwright = await async_playwright().start()
             procs = self._chromium_cgroup(cfg)
+            sandbox = self._sandbox_plan()
             with tempfile.TemporaryDirectory(prefix="batch-runner-chromium-") as tmp:
                 # Playwright's own flags turn Chromium's popup blocker off: a page calling
                 # window.open in a loop opened a tab every 200 ms (7 MB each, without end).
                 self._browser = await self._playwright.chromium.launch(
-                    executable_path=_limited_launcher(tmp, cfg, procs),
+                    executable_path=_limited_launcher(tmp, cfg, procs, sandbox.user),
                     headless=True,
-                    args=list(BROWSER_FLAGS),
+                    args=[*BROWSER_FLAGS, *(() if sandbox.sandbox else ("--no-sandbox",))],
+                    chromium_sandbox=sandbox.sandbox,
                     ignore_default_args=["--disable-popup-blocking"],
                     env=browser_environment(),
                     timeout=60_000,
                 )
             self.launches += 1
             return self._browser
+
+    def _sandbox_plan(self) -> SandboxPlan:
+        """How Chromium starts here (browser_sandbox.py); said in the log, once per process, when its
+        sandbox cannot be on."""
+        from batchrun.prompt.tools.browser_sandbox import plan
+
+        if self.sandbox is None:
+            self.sandbox = plan()
+            if not self.sandbox.sandbox:
+                log.warning("%s", self.sandbox.describe().removeprefix("warning: "))
+        return self.sandbox
 
     def _chromium_cgroup(self, cfg: BrowserConfig) -> list[str]:
         """The ``cgroup.procs`` files the launcher moves Chromium into (none: no cgroup here). Made at the
@@ -243,7 +264,7 @@ class BrowserHost:
         if thread is not None:
             thread.join(timeout=5)
         loop.close()
-        cgroup, self.cgroup, self.cgroup_problem = self.cgroup, None, None
+        cgroup, self.cgroup, self.cgroup_problem, self.sandbox = self.cgroup, None, None, None
         if cgroup is not None:  # what a close that failed or timed out left is ended with it
             from batchrun.prompt.tools.browser_cgroup import release
 
@@ -256,7 +277,8 @@ async def _call(make: Callable[[], Awaitable[Any]]) -> Any:
 
 # What Chromium keeps of the worker's environment: where things are, the locale, the time zone and
 # the proxies it needs to reach pages. Not the rest (API keys above all): it renders hostile pages on
-# the host, with --no-sandbox, and a page that got code to run in it would read its own environment.
+# the host, and code a page got to run in it (its browser process, or any process where its sandbox
+# cannot be on: browser_sandbox.py) would read its own environment.
 _BROWSER_ENV = re.compile(
     r"(PATH|HOME|USER|LOGNAME|SHELL|TMPDIR|LANG|LANGUAGE|LC_[A-Z]+|TZ|XDG_[A-Z_]+|FONTCONFIG_[A-Z_]+"
     r"|[A-Za-z]+_proxy|[A-Z]+_PROXY|SSL_CERT_FILE|SSL_CERT_DIR)"
@@ -269,17 +291,33 @@ def browser_environment(environ: Any = None) -> dict[str, str]:
     return {k: v for k, v in env.items() if _BROWSER_ENV.fullmatch(k)}
 
 
-def _limited_launcher(directory: str, cfg: BrowserConfig, procs: Sequence[str] = ()) -> str:
+def _limited_launcher(
+    directory: str, cfg: BrowserConfig, procs: Sequence[str] = (), user: tuple[int, int] | None = None
+) -> str:
     """A launcher in ``directory`` that moves itself into the cgroup whose ``cgroup.procs`` files are
     ``procs`` and starts ``cfg.executable`` under RLIMIT_DATA of ``cfg.memory_mb``: every process Chromium
-    forks is born in the cgroup and inherits the limit (see ``BROWSER_MEMORY_MB``). Only needed until
-    exec (the shell becomes Chromium: no process of its own is left)."""
+    forks is born in the cgroup and inherits the limit (see ``BROWSER_MEMORY_MB``). With ``user`` (a root
+    worker, browser_sandbox.py) it gives Playwright's profile directory to that uid and gid, makes it
+    Chromium's home and temporary directory (root's are not its), and execs Chromium through setpriv as
+    them. Only needed until exec (the shell becomes Chromium: no process of its own is left)."""
+    from batchrun.prompt.tools.browser_sandbox import drop_command
+
     path = os.path.join(directory, "chromium")
     enter = "".join(f"echo $$ > {shlex.quote(p)} || exit 1\n" for p in procs)
+    drop = ""
+    if user is not None:
+        enter += (
+            'profile=\nfor a in "$@"; do case "$a" in --user-data-dir=*) profile="${a#--user-data-dir=}";; esac; done\n'
+            '[ -n "$profile" ] || { echo "no --user-data-dir to give to the browser\'s user" >&2; exit 1; }\n'
+            f'chown {user[0]}:{user[1]} "$profile" || exit 1\n'
+            'export HOME="$profile" TMPDIR="$profile"\n'
+            "unset XDG_CONFIG_HOME XDG_CACHE_HOME XDG_DATA_HOME XDG_STATE_HOME XDG_RUNTIME_DIR\n"
+        )
+        drop = " ".join(shlex.quote(a) for a in drop_command(user)) + " "
     with open(path, "w") as f:
         f.write(
             f"#!/bin/sh\n{enter}ulimit -d {cfg.memory_mb * 1024} || exit 1\n"
-            f'exec {shlex.quote(cfg.executable)} "$@"\n'
+            f'exec {drop}{shlex.quote(cfg.executable)} "$@"\n'
         )
     os.chmod(path, 0o700)
     return path

@@ -503,8 +503,8 @@ def moa_config(run: ToolSettings = NO_SETTINGS) -> MoaConfig | None:
 
 # ----------------------------------------------------------------------------- browser
 
+# Chromium's own sandbox is on where it can be (browser_sandbox.py): "--no-sandbox" is added only where not.
 BROWSER_FLAGS = (
-    "--no-sandbox",
     "--disable-gpu",
     "--disable-background-networking",
     "--disable-component-update",
@@ -517,7 +517,13 @@ BROWSER_FLAGS = (
 )
 
 
-# Chromium has no memory limit of its own (its sandbox's rlimits do not apply with --no-sandbox):
+# A root worker starts Chromium as this user and group (nobody:nogroup; browser_sandbox.py): Chromium
+# refuses its sandbox as root, and without it a renderer ran as root on the host.
+BROWSER_UID = 65534
+BROWSER_GID = 65534
+
+
+# Chromium has no memory limit of its own (its sandbox sets none on renderers here, RLIMIT_AS unlimited):
 # a page allocating in a loop reached 4 GB in 10 s. Each process (browser, renderer, GPU, ...) is
 # started under this RLIMIT_DATA, so a page past it gets allocation failures or a crashed tab.
 BROWSER_MEMORY_MB = 2048
