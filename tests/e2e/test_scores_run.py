@@ -64,6 +64,32 @@ LINK_ROW = {
     "verify": "sh tests/check.sh",
     "verify_files": {"tests/check.sh": "echo never; exit 1"},
 }
+# Correct samples whose verify commands (or the agent) orphan processes. On Docker these went to PID 1,
+# stopped while a sample is judged: their zombies filled the pids limit (512), so a later command
+# could not fork (the sample failed), and a test waiting for the daemon it stopped to be gone timed out
+# (no verdict). The local backend, whose PID 1 reaps them, passed all three.
+LEAVE_300 = (
+    "setsid sh -c 'for i in $(seq 300); do sleep 1000 & done; echo made > out.txt; wait' >/dev/null 2>&1 & "
+    "until test -s out.txt; do sleep 0.1; done; echo left"
+)
+ORPHAN_ROWS = [
+    {
+        "id": "leftovers",
+        "prompt": f"Write made into out.txt, leave workers running [run:{LEAVE_300}]",
+        "verify": "grep -qx made out.txt && for i in $(seq 300); do sleep 1 & done; wait",
+    },
+    {
+        "id": "orphans",
+        "prompt": "Write made into out.txt [run:echo made > out.txt]",
+        "verify": ["for i in $(seq 300); do (sleep 0 &); done"] * 2 + ["grep -qx made out.txt"],
+    },
+    {
+        "id": "daemon",
+        "prompt": "Write made into out.txt [run:echo made > out.txt]",
+        "verify": "sh -c 'sleep 1000 & echo $! > d.pid'; p=$(cat d.pid); kill $p; "
+        "while kill -0 $p 2>/dev/null; do sleep 0.1; done; grep -qx made out.txt",
+    },
+]
 ANSWER_ROWS = [
     {"id": "sum-right", "prompt": "What is 19 + 23? [answer:42]", "answer": 42},
     {"id": "sum-wrong", "prompt": "What is 20 + 23? [answer:42]", "answer": 43},
@@ -97,11 +123,14 @@ def _check_hidden_files(run_dir: Path) -> None:
     ), tamper
     link = recs["link"]["score"]
     assert (link["passed"], link["verify_exit_code"], link["verify_output"]) == (False, 1, "never\n"), link
+    for row in ORPHAN_ROWS:
+        score = recs[row["id"]]["score"]
+        assert (score["status"], score["verify_exit_code"]) == ("passed", 0), (row["id"], score)
 
 
 def test_hidden_files_and_verify_on_the_local_backend(tmp_path):
     dataset = write_rows(
-        tmp_path / "d.jsonl", [HIDDEN_ROW, WRONG_FILE_ROW, PARTIAL_ROW, TAMPER_ROW, LINK_ROW]
+        tmp_path / "d.jsonl", [HIDDEN_ROW, WRONG_FILE_ROW, PARTIAL_ROW, TAMPER_ROW, LINK_ROW, *ORPHAN_ROWS]
     )
     out = tmp_path / "data"
     run(None, dataset, out)
@@ -111,17 +140,20 @@ def test_hidden_files_and_verify_on_the_local_backend(tmp_path):
     assert (partial["passed"], partial["value"]) == (False, 0.5), partial
     assert '{"score": 0.5}' in partial["verify_output"]
     scores = stats_of(run_dir)["scores"]
-    assert (scores["scored"], scores["passed"], scores["pass_rate"]) == (5, 1, round(1 / 5, 6))
+    assert (scores["scored"], scores["passed"], scores["pass_rate"]) == (8, 4, round(4 / 8, 6))
 
 
 @pytest.mark.docker
 def test_hidden_files_and_verify_on_the_docker_backend(tmp_path, docker_test_image):
     rows = [
         {**r, "image": docker_test_image, "cwd": "/work"}
-        for r in (HIDDEN_ROW, WRONG_FILE_ROW, TAMPER_ROW, LINK_ROW)
+        for r in (HIDDEN_ROW, WRONG_FILE_ROW, TAMPER_ROW, LINK_ROW, *ORPHAN_ROWS)
     ]
     out = tmp_path / "data"
-    run(None, write_rows(tmp_path / "d.jsonl", rows), out, sandbox="docker", default_image=docker_test_image)
+    run(
+        None, write_rows(tmp_path / "d.jsonl", rows), out, sandbox="docker", default_image=docker_test_image,
+        verify_timeout=20,
+    )  # fmt: skip
     _check_hidden_files(out / "run")
 
 

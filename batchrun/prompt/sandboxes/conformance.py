@@ -411,6 +411,42 @@ def check_end_processes_ends_a_process_whose_first_thread_exited(target: Target,
     assert (res.output, res.exit_code) == ("the hidden test\n", 1), res
 
 
+# Judged commands whose processes orphan others (a shell's `(cmd &)`, a test that starts a daemon):
+# each many, after the agent left many processes that end_processes killed. An init reaps what
+# is orphaned to it; one stopped while the sample is judged did not: the zombies filled the pids
+# limit (512) and a later command could not fork, and a test that stopped its daemon saw it alive.
+AGENT_LEAVES = "for i in $(seq 300); do sleep 1000 & done; echo > left; wait"
+ORPHANS = "for i in $(seq 300); do (sleep 0 &); done; echo made"
+DAEMON_STOPPED = (
+    "sh -c 'sleep 1000 & echo $! > daemon.pid'; p=$(cat daemon.pid); kill $p; i=0; "
+    "while kill -0 $p 2>/dev/null; do i=$((i + 1)); [ $i -lt 100 ] || exit 1; sleep 0.05; done; echo stopped"
+)
+ZOMBIES = (
+    "n=0; for f in /proc/[0-9]*/stat; do { read -r l < $f; } 2>/dev/null || continue; "
+    'set -- ${l##*) }; [ "$1" = Z ] && n=$((n + 1)); done; echo $n'
+)
+
+
+def check_judged_commands_do_not_fill_the_sandbox_with_zombies(target: Target, make: Make) -> None:
+    """What the agent left (killed before judging) and what the judged commands orphan is reaped
+    while the sample is judged, as between the agent's commands."""
+    if not target.ends_processes:
+        raise Skip("this target cannot end the processes its commands leave")
+    sandbox = make()
+    detach = "mkdir -p ${TMPDIR:-/tmp}/.batch-runner-processes; BATCH_RUNNER_BACKGROUND=1 setsid sh -c"
+    left = f"{detach} '{AGENT_LEAVES}' >/dev/null 2>&1 & while [ ! -s left ]; do sleep 0.1; done"
+    assert sandbox.run(left, timeout_s=30).exit_code == 0
+    assert sandbox.end_processes(60) is None  # type: ignore[attr-defined]
+    run = getattr(sandbox, "run_judged", None) or sandbox.run
+    for _ in range(3):
+        res = run(ORPHANS, timeout_s=60)
+        assert (res.output, res.exit_code) == ("made\n", 0), res
+    res = run(DAEMON_STOPPED, timeout_s=60)
+    assert (res.output, res.exit_code) == ("stopped\n", 0), res
+    zombies = run(ZOMBIES, timeout_s=20).output
+    assert int(zombies) <= 5, zombies  # one still running when its command ended may be left
+
+
 CHECKS: dict[str, Callable[[Target, Make], None]] = {
     name.removeprefix("check_"): check
     for name, check in sorted(globals().items())

@@ -123,7 +123,9 @@ BASE_LINE = re.compile(rb"\[batch-runner-base\]([0-9]+):((?: [0-9]+)*)\n")
 # process of the agent still alive may continue one, or a taken-over one may fork, before it is
 # killed. A base pid the agent got reused is stopped, not killed: harmless either way. Exit 3: all is
 # done but PID 1 runs (a process of the agent continued it before it died): the runner stops it
-# again and runs this once more. Builtins only, as END_PROCESSES_SCRIPT.
+# again and runs this once more. Exit 4: all is done, but PID 1 has zombie children to reap (what
+# was killed here had been orphaned to it): the runner continues PID 1 until they are reaped, then
+# stops it and runs this once more. Builtins only, as END_PROCESSES_SCRIPT.
 FREEZE_SCRIPT = r"""
 spared=" $* " mine=" $$ " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
@@ -153,7 +155,13 @@ while [ "$n" -lt 200 ]; do
             break
         done
     done
-    [ -n "$busy$init" ] || exit 0
+    [ -n "$busy$init" ] && continue
+    for f in /proc/[0-9]*/stat; do
+        { IFS= read -r line < "$f"; } 2>/dev/null || continue
+        set -- ${line##*) }
+        [ "$1" = Z ] && [ "$2" = 1 ] && exit 4
+    done
+    exit 0
 done
 [ -z "$busy" ] && echo "batch-runner: PID 1 runs again" && exit 3
 echo "batch-runner: processes left by the agent were still alive after $n rounds"
@@ -161,6 +169,39 @@ exit 1
 """
 
 INIT_RUNS = 3  # FREEZE_SCRIPT's exit code when only PID 1 is not stopped
+INIT_ZOMBIES = 4  # FREEZE_SCRIPT's exit code when all is done but PID 1 has zombie children
+
+# While PID 1 is continued for a moment (FREEZE_SCRIPT's exit 4): wait until it has reaped its zombie
+# children, at most $1 rounds (~1 ms each); builtins only (no fork while the pids limit may be full).
+# The processes the agent left were killed, but their zombies, orphaned to a stopped PID 1, held
+# their pids while the sample was judged: 400 left by the agent made a verify's fork fail.
+REAPED_SCRIPT = r"""n=0 rounds=$1
+while [ "$n" -lt "$rounds" ]; do
+    n=$((n + 1))
+    for f in /proc/[0-9]*/stat; do
+        { IFS= read -r line < "$f"; } 2>/dev/null || continue
+        set -- ${line##*) }
+        [ "$1" = Z ] && [ "$2" = 1 ] && continue 2
+    done
+    exit 0
+done
+exit 1
+"""
+
+# The first process of a judged exec ($@: the command's argv), with docker-init on: the engine's own
+# docker-init (tini, mounted read-only at this path) as a child subreaper (-s), which reaps what the
+# command orphans. Else the orphans go to PID 1, which is stopped while a sample is judged: their
+# zombies stayed until the pids limit was full (300 orphans of one verify command made 300 zombies:
+# the next one could not fork), and a test that waits for a daemon it stopped to be gone
+# (`kill -0`) saw it alive until it gave up. Without the file (another engine), the command as before.
+SUBREAPER = "/sbin/docker-init"
+SUBREAPED_SCRIPT = f'[ -x {SUBREAPER} ] && exec {SUBREAPER} -s -- "$@"; exec "$@"'
+
+
+def subreaped_argv(argv: list[str]) -> list[str]:
+    """``argv`` run under the engine's docker-init as a child subreaper, where the container has it."""
+    return ["sh", "-c", SUBREAPED_SCRIPT, "sh", *argv]
+
 
 # The runner's hold on stopped base processes while a sample is judged ($@: their pids), started
 # once FREEZE_SCRIPT found nothing else alive (so no process of the agent ever saw it): it reads

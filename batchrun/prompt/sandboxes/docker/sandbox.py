@@ -119,6 +119,8 @@ START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
 FREEZE_ATTEMPTS = (
     5  # end_processes: PID 1 stopped from the host, then the rest, while a process of the agent continues it
 )
+REAP_ROUNDS = 500  # end_processes: how often REAPED_SCRIPT looks whether PID 1 reaped what was killed
+REAP_WAIT_S = 5.0  # and how long it may take at most
 
 
 @dataclass(frozen=True)
@@ -574,14 +576,27 @@ class DockerSandbox(SandboxBackend):
             spared = " ".join(str(pid) for pid in self._base_pids)
             deadline = time.monotonic() + timeout_s
             self._frozen = True  # from here on: a later run continues them first, stop ends them
-            for _ in range(FREEZE_ATTEMPTS):
+            reaped = False  # PID 1 continued once to reap what was killed: a working init reaps it all
+            for _ in range(FREEZE_ATTEMPTS + 1):
                 self._signal_init("SIGSTOP")
                 result = self.run_judged(
                     f"set -- {spared}\n{server.FREEZE_SCRIPT}",
                     timeout_s=max(deadline - time.monotonic(), 0.001),
                 )
-                if result.exit_code != server.INIT_RUNS or result.timed_out:
+                if result.timed_out or result.exit_code not in (server.INIT_RUNS, server.INIT_ZOMBIES):
                     break
+                if result.exit_code == server.INIT_ZOMBIES:
+                    if reaped:  # an init that does not reap (taken over): its zombies stay, all else is done
+                        result = ExecResult(output=result.output, exit_code=0)
+                        break
+                    # Before any hidden file is written, PID 1 may run as it did until now: what it
+                    # starts meanwhile, the next round kills, and it is stopped again.
+                    reaped = True
+                    self._signal_init("SIGCONT")
+                    self.run_judged(
+                        f"set -- {REAP_ROUNDS}\n{server.REAPED_SCRIPT}",
+                        timeout_s=max(min(deadline - time.monotonic(), REAP_WAIT_S), 0.001),
+                    )
             problem = end_problem(result, timeout_s)
             if problem is None:
                 self._hold = self._hold_stopped(spared)
@@ -688,7 +703,7 @@ class DockerSandbox(SandboxBackend):
         token = new_exec_token()
         for attempt in (1, 2):
             try:
-                exec_id, stream = self._exec(command, token, user)
+                exec_id, stream = self._exec(command, token, user, judged=judged)
                 break
             except DockerException as exc:
                 # A container dead before its first command (a start the engine botched under load;
@@ -770,10 +785,13 @@ class DockerSandbox(SandboxBackend):
             except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
                 log.warning("could not remove container %s: %s", container_id[:12], exc)
 
-    def _exec(self, command: str, token: str, user: str = "") -> tuple[str, object]:
+    def _exec(self, command: str, token: str, user: str = "", judged: bool = False) -> tuple[str, object]:
         api = docker_client().api
+        argv = wrapped_argv(command, token)
+        if judged and self.options.init:  # its orphans reaped while PID 1 is stopped (end_processes)
+            argv = server.subreaped_argv(argv)
         exec_id = api.exec_create(
-            self.container_id, wrapped_argv(command, token), stdin=True, workdir=self.workdir,
+            self.container_id, argv, stdin=True, workdir=self.workdir,
             environment={EXEC_TAG_VAR: exec_tag(token)}, user=user,
         )["Id"]  # fmt: skip
         return exec_id, api.exec_start(exec_id, socket=True)
