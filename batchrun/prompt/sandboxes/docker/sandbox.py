@@ -949,8 +949,8 @@ def _with_disk_cap(found: Preflight, options: dict[str, Any], status: dict[str, 
         if problem is None:
             in_force = (
                 f"{tmpfs}; the rest of its files (writable layer, volumes) watched: a container whose files "
-                f"there pass {mb} MiB is stopped and its prompt fails (what it writes between two looks, "
-                "about 0.2 s apart, lands before that)"
+                f"there pass {mb} MiB is stopped and its prompt fails (what it writes before the watch sees "
+                "it, a few hundred MiB at a fast disk's speed, lands first)"
             )
         else:
             in_force = f"{tmpfs}; the rest of its files (/tmp, /root, /usr, volumes) NOT capped: {problem}"
