@@ -534,6 +534,130 @@ def test_tmpfs_disk_cap_stays_below_the_memory_limit_so_a_full_disk_leaves_the_c
     assert box.run("echo still working", timeout_s=30).output == "still working\n"
 
 
+class _DiskGrowth:
+    """The peak growth of the Docker engine's filesystem while it is sampled (every 10 ms, in a thread)."""
+
+    def __init__(self, path: str = "/var/lib/docker") -> None:
+        self.path, self.peak, self._stop = path, 0, threading.Event()
+        self._base = shutil.disk_usage(path).used
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, shutil.disk_usage(self.path).used - self._base)
+            time.sleep(0.01)
+
+    def __enter__(self) -> _DiskGrowth:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# What a container may write between two looks of the disk watch, and its kill: ~0.1 s at the
+# speed of the page cache (~2 GB/s here; 240 MiB seen past a 64 MiB cap).
+WATCH_OVERSHOOT_MB = 600
+
+
+@pytest.mark.docker
+def test_tmpfs_disk_cap_stops_a_container_that_writes_past_it_outside_the_working_directory(docker_box):
+    """Outside its tmpfs working directory a container wrote to the engine's disk, usually the host's
+    root filesystem, without bound (1,500 MiB to /tmp past a 32 MiB cap). Now the runner watches its
+    writable layer: past the cap the container is stopped, its prompt fails saying why, and the host's
+    disk took at most the cap and one look's overshoot. A container under the cap is left alone."""
+    options = {"disk_cap": "tmpfs", "disk_mb": 32}
+    under, over = docker_box(index=46, options=options), docker_box(index=47, options=options)
+    res = under.run("dd if=/dev/zero of=/root/keep bs=1M count=16 2>&1; sleep 1; echo ok", timeout_s=30)
+    assert res.output.endswith("ok\n")
+    with _DiskGrowth() as growth, pytest.raises(SandboxError, match="past the disk cap of 32 MiB") as caught:
+        over.run("dd if=/dev/zero of=/tmp/big bs=1M count=1500; echo dd-exit=$?", timeout_s=120)
+    assert "--container_disk_mb" in str(caught.value) and "the runner stopped it" in str(caught.value)
+    assert growth.peak < (32 + WATCH_OVERSHOOT_MB) << 20
+    with pytest.raises(SandboxError, match="past the disk cap"):  # its later commands say it too
+        over.run("echo more", timeout_s=10)
+    with pytest.raises(SandboxError, match="past the disk cap"):
+        over.run_judged("echo verify", timeout_s=10)
+    time.sleep(0.5)  # a few looks of the watch later
+    assert under.run("wc -c < /root/keep", timeout_s=10).output == f"{16 << 20}\n"
+
+
+@pytest.mark.docker
+def test_tmpfs_disk_cap_holds_an_anonymous_volume_of_the_image_too(docker_box, docker_test_image):
+    """A directory the image declares a VOLUME is an anonymous volume on the engine's disk, which the
+    tmpfs cap did not hold (the image's VOLUME /data took 300 MiB past a 32 MiB cap)."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    seed = docker_client().containers.create(docker_test_image, ["true"])
+    image = f"batch-runner-test-volume:{uuid.uuid4().hex[:8]}"
+    seed.commit(*image.split(":"), changes=["VOLUME /data"])
+    seed.remove()
+    try:
+        box = docker_box(index=48, image=image, options={"disk_cap": "tmpfs", "disk_mb": 32})
+        with pytest.raises(SandboxError, match="past the disk cap of 32 MiB"):
+            box.run("dd if=/dev/zero of=/data/big bs=1M count=300; sleep 2; echo dd-exit=$?", timeout_s=60)
+        box.stop()
+    finally:
+        docker_client().images.remove(image, force=True)
+
+
+@pytest.mark.docker
+def test_disk_cap_in_force_says_what_is_capped(docker_test_image, capsys):
+    """The start line and statistics.json's sandbox_disk_cap said only "tmpfs ... at the working
+    directory": now they say whether the rest of a container's files are watched, and warn when not."""
+    from batchrun.prompt.sandboxes.base import Preflight
+    from batchrun.prompt.sandboxes.docker.sandbox import _with_disk_cap
+
+    options = {"disk_cap": "tmpfs", "disk_mb": 64, "memory_mb": 256}
+    watched = _with_disk_cap(Preflight("docker"), options, {docker_test_image: None})
+    fact = watched.facts["sandbox_disk_cap"]
+    assert watched.options["disk_watch"] is (os.geteuid() == 0)
+    if os.geteuid() == 0:  # root on the engine's machine: the layer can be read
+        assert "tmpfs 64 MiB at the working directory" in fact and "watched" in fact and "pass 64 MiB" in fact
+    off = _with_disk_cap(Preflight("docker"), {**options, "disk_watch": False}, {docker_test_image: None})
+    assert off.options["disk_watch"] is False and "NOT capped" in off.facts["sandbox_disk_cap"]
+    assert "warning: what a prompt writes outside its working directory" in capsys.readouterr().out
+
+
+@pytest.mark.docker
+def test_a_disk_watch_asked_for_and_impossible_fails_the_start_and_leaves_no_container(
+    docker_test_image, monkeypatch
+):
+    from batchrun.prompt.sandboxes.docker import sandbox as docker_sandbox
+
+    monkeypatch.setattr(docker_sandbox, "layer_paths", lambda attrs: ["/nonexistent/layer/diff"])
+    box = docker_sandbox.DockerSandbox(
+        SandboxSpec(RUN, 49), default_image=docker_test_image, disk_cap="tmpfs", disk_watch=True
+    )
+    with pytest.raises(SandboxError, match="cannot be watched"):
+        box.start()
+    box.stop()
+    assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=49") == []
+
+
+def test_layer_bytes_counts_blocks_each_file_at_least_one_and_hard_links_once(tmp_path: Path):
+    from batchrun.prompt.sandboxes.docker.disk_watch import MIN_ENTRY_BYTES, layer_bytes
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "data").write_bytes(os.urandom(1 << 20))
+    os.link(tmp_path / "d" / "data", tmp_path / "link")
+    with open(tmp_path / "sparse", "wb") as f:
+        f.truncate(1 << 30)  # a GiB that takes no block
+    for i in range(100):
+        (tmp_path / "d" / f"empty{i}").touch()
+    expected = (
+        sum(
+            max(os.lstat(p).st_blocks * 512, MIN_ENTRY_BYTES)
+            for p in [tmp_path / "d", tmp_path / "d" / "data", tmp_path / "sparse"]
+        )
+        + 100 * MIN_ENTRY_BYTES
+    )
+    assert layer_bytes([str(tmp_path)]) == expected
+    assert (1 << 20) + 100 * MIN_ENTRY_BYTES < expected < (1 << 20) + 110 * MIN_ENTRY_BYTES + (1 << 16)
+    assert layer_bytes([str(tmp_path / "gone")]) == 0
+
+
 @pytest.mark.docker
 def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker_box, docker_test_image):
     from batchrun.prompt.sandboxes.docker.sandbox import docker_client

@@ -210,6 +210,48 @@ def storage_size_supported(image: str) -> bool:
     return True
 
 
+def layer_paths(attrs: dict[str, Any]) -> list[str]:
+    """Where a container's files that no cap of the engine holds are on the engine's disk (``attrs``:
+    its inspection): its writable layer (overlay2's ``UpperDir``), then its volumes; [] without a layer."""
+    upper = ((attrs.get("GraphDriver") or {}).get("Data") or {}).get("UpperDir")
+    if not upper:
+        return []
+    volumes = [
+        m["Source"] for m in attrs.get("Mounts") or [] if m.get("Type") == "volume" and m.get("Source")
+    ]
+    return [upper, *volumes]
+
+
+def layer_watch_problem(image: str) -> str | None:
+    """Why this process cannot watch the writable layer of a container of ``image`` (see
+    ``disk_watch``), or None. Asked by creating (never starting) a container and reading its layer."""
+    client = docker_client()
+    try:
+        container = client.containers.create(
+            image, command=["true"], labels={LABEL_RUN: "layer-probe", LABEL_OWNER: default_owner()}
+        )
+    except DockerException as exc:
+        return f"no container could be made to look at ({exc})"
+    try:
+        paths = layer_paths(container.attrs)
+        if not paths:
+            driver = (container.attrs.get("GraphDriver") or {}).get("Name")
+            return f"the engine's storage driver ({driver}) names no writable layer"
+        try:
+            os.scandir(paths[0]).close()
+            os.statvfs(paths[0])
+        except OSError as exc:
+            why = (
+                "not root"
+                if os.geteuid() != 0
+                else "the engine is not on this machine, or in another mount namespace"
+            )
+            return f"its writable layer cannot be read here ({why}: {exc})"
+        return None
+    finally:
+        _remove(container)
+
+
 def remove_owned_containers(owner: str, *, passes: int = 5, pause_s: float = 0.5) -> list[str]:
     """Remove every container this owner (see ``default_owner``) started, e.g. on Ctrl-C; returns their names.
 

@@ -66,6 +66,7 @@ from batchrun.prompt.sandboxes.base import (
     run_share,
     safe_run_name,
 )
+from batchrun.prompt.sandboxes.docker.disk_watch import disk_watch
 from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
     LABEL_OWNER,
@@ -76,6 +77,8 @@ from batchrun.prompt.sandboxes.docker.engine import (
     docker_client,
     engine_processes_problem,
     ensure_images,
+    layer_paths,
+    layer_watch_problem,
     make_run_cgroup,
     remove_owned_containers,
     remove_run_cgroup,
@@ -137,6 +140,10 @@ class DockerOptions:
     # "storage-opt": the engine caps the whole writable layer; "tmpfs": a tmpfs at the working
     # directory, of disk_mb but at most half of memory_mb (see tmpfs_mb); "auto": ask the engine, once
     disk_cap: str = "auto"
+    # With the tmpfs cap: whether the rest of the container's files (its writable layer, its anonymous
+    # volumes) are watched, and the container stopped once they pass disk_mb (see disk_watch). True: a
+    # container whose layer this process cannot read fails to start; None: watched where it can be.
+    disk_watch: bool | None = None
     lifetime_s: float = 4200.0  # a container ends itself after this long, whatever the runner does
     cgroup_parent: str = ""  # the run's cgroup holding its containers together (engine.make_run_cgroup)
     # Keep Docker's CAP_NET_RAW: raw and packet sockets, with which root in a container forges ARP
@@ -317,6 +324,7 @@ class DockerSandbox(SandboxBackend):
         self._used = False  # whether a command ran in the current container
         self._channel: server.Channel | None = None  # the attach stream: the server's stdin and stdout
         self._broken: str | None = None  # why the current container's server cannot take commands
+        self._over_cap: str | None = None  # why the disk watch stopped the current container
         self._base_pids: list[int] = []  # the container's processes before the agent's first command
         self._server_pid = 0  # the command server's, among them
         self._frozen = False  # base processes stopped by end_processes: the next command continues them
@@ -420,8 +428,10 @@ class DockerSandbox(SandboxBackend):
                     ) from exc
                 log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
             time.sleep(START_RETRY_PAUSE_S * attempt)
+        self._over_cap = None
         if "tmpfs" in kwargs:
             try:
+                self._watch_layer()
                 self._fill_workdir()
             except BaseException:
                 self.stop()
@@ -499,6 +509,47 @@ class DockerSandbox(SandboxBackend):
             raise SandboxError("the disk cap is a tmpfs at the working directory, which cannot be /")
         # exec: prompts build and run programs there
         return {"tmpfs": {self.workdir: f"size={self.tmpfs_mb}m,exec"}}
+
+    def _watch_layer(self) -> None:
+        """With the tmpfs cap: watch the rest of the container's files (``disk_watch``), so that past
+        ``disk_mb`` it is stopped; SandboxError where that was asked for (``disk_watch``) and cannot be."""
+        if self.options.disk_watch is False:
+            return
+        container_id = self.container_id
+        assert container_id is not None
+        cannot = f"the disk cap of the container of prompt {self.spec.prompt_index} cannot be watched"
+        try:
+            paths = layer_paths(docker_client().api.inspect_container(container_id))
+            if not paths:
+                raise OSError("the engine names no writable layer of it (its storage driver is not overlay2)")
+            disk_watch().add(
+                container_id, paths, self.options.disk_mb << 20, self._disk_cap_passed(container_id)
+            )
+        except (DockerException, OSError) as exc:
+            if self.options.disk_watch:
+                raise SandboxError(f"{cannot}: {exc}") from exc
+            log.info("%s: %s", cannot, exc)
+
+    def _disk_cap_passed(self, container_id: str) -> Any:
+        """What the disk watch calls when the container's files pass the cap: it is stopped (killed), and
+        the prompt fails as a sandbox error that says so."""
+
+        def over(size: int) -> None:
+            if self.container_id != container_id:
+                return  # stopped meanwhile
+            self._over_cap = self._broken = (
+                f"its files outside the working directory took {size / 2**20:,.0f} MiB, past the disk cap "
+                f"of {self.options.disk_mb:,} MiB (--container_disk_mb): the runner stopped it"
+            )
+            log.warning("container of prompt %s: %s", self.spec.prompt_index, self._over_cap)
+            try:
+                docker_client().api.kill(container_id)
+            except NotFound:
+                pass
+            except (DockerException, SandboxError) as exc:
+                log.warning("could not stop container %s: %s", container_id[:12], exc)
+
+        return over
 
     def _fill_workdir(self) -> None:
         """Copy what the image holds at the working directory into the tmpfs that hides it there."""
@@ -664,8 +715,10 @@ class DockerSandbox(SandboxBackend):
             except OSError:
                 state = "eof"
         if state == "eof":
-            if not self._used and scanner.buf.total == 0:
+            if self._over_cap is None and not self._used and scanner.buf.total == 0:
                 return None
+            if self._over_cap is not None:
+                raise SandboxError(f"{gone}: {self._over_cap}; what the prompt had in it is lost")
             self._broken = "it ended during a command"
             raise SandboxError(
                 f"{gone}: it ended during a command (killed from inside, out of memory, or removed); "
@@ -700,6 +753,10 @@ class DockerSandbox(SandboxBackend):
     ) -> ExecResult:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
+        if self._over_cap is not None:
+            raise SandboxError(
+                f"docker container of prompt {self.spec.prompt_index} is gone: {self._over_cap}"
+            )
         token = new_exec_token()
         for attempt in (1, 2):
             try:
@@ -755,6 +812,8 @@ class DockerSandbox(SandboxBackend):
 
     def stop(self) -> None:
         container_id, self.container_id = self.container_id, None
+        if container_id is not None:
+            disk_watch().remove(container_id)
         self.network_address = None  # the link ends with the container's network namespace
         channel, self._channel = self._channel, None
         serving, self._serving = self._serving, False
@@ -885,23 +944,45 @@ def _image_states(jobs: Sequence[PromptJob], default: str, status: dict[str, str
 def _with_disk_cap(found: Preflight, options: dict[str, Any], status: dict[str, str | None]) -> Preflight:
     """``found`` with the disk cap in force ("auto": asked of the engine with a ready image of ``status``)."""
     cap = options.get("disk_cap", "auto")
+    usable = next((i for i in sorted(status) if status[i] is None), None)
     if cap == "auto":
-        usable = next((i for i in sorted(status) if status[i] is None), None)
         cap = "storage-opt" if usable is not None and storage_size_supported(usable) else "tmpfs"
     mb = options.get("disk_mb", 4096)
+    watch: dict[str, Any] = {}
     if cap == "storage-opt":
         in_force = f"storage-opt {mb} MiB (the engine caps each container's writable layer)"
     else:
-        in_force = (
+        tmpfs = (
             f"tmpfs {tmpfs_size_mb(mb, options.get('memory_mb', 2048))} MiB at the working directory (the "
             "engine cannot cap a container's layer; a tmpfs lives in the container's memory: at most half "
             "of --container_memory_mb)"
         )
+        if options.get("disk_watch") is False:
+            problem: str | None = "the docker option disk_watch is off"
+        elif usable is None:
+            problem = "no image is ready to make a container of"
+        else:
+            problem = layer_watch_problem(usable)
+        watch = {"disk_watch": problem is None}
+        if problem is None:
+            in_force = (
+                f"{tmpfs}; the rest of its files (writable layer, volumes) watched: a container whose files "
+                f"there pass {mb} MiB is stopped and its prompt fails (what it writes before the watch sees "
+                "it, a few hundred MiB at a fast disk's speed, lands first)"
+            )
+        else:
+            in_force = f"{tmpfs}; the rest of its files (/tmp, /root, /usr, volumes) NOT capped: {problem}"
     print(f"Docker disk cap per container: {in_force}")
+    if not watch.get("disk_watch", True):
+        print(
+            "warning: what a prompt writes outside its working directory can fill the Docker engine's disk "
+            "(often the host's root filesystem); run as root on the engine's machine, or give the engine an "
+            "xfs data-root mounted with pquota"
+        )
     return Preflight(
         isolation="docker",
         failed=found.failed,
-        options={**options, "disk_cap": cap},
+        options={**options, "disk_cap": cap, **watch},
         facts={"sandbox_disk_cap": in_force},
     )
 
