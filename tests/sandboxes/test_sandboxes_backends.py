@@ -401,6 +401,81 @@ def test_an_image_of_another_platform_is_ready_only_if_the_engine_runs_it(docker
             docker_client().images.remove(image, force=True)
 
 
+def _image_without_sh() -> str:
+    """An image of one file and no sh, as FROM scratch with one static binary (or distroless) makes."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    name, data, out = f"br-test-no-sh:{uuid.uuid4().hex[:8]}", b"#!/bin/true\n", io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as archive:
+        info = tarfile.TarInfo("hello")
+        info.size, info.mode = len(data), 0o755
+        archive.addfile(info, io.BytesIO(data))
+    docker_client().api.import_image_from_data(
+        out.getvalue(), repository=name.split(":")[0], tag=name.split(":")[1]
+    )
+    return name
+
+
+@pytest.mark.docker
+def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnable_one_is_probed_once(
+    tmp_path, monkeypatch, capsys, server, docker_test_image
+):
+    """An image without sh passed preflight as "ready": each of its prompts paid its first model call,
+    then five container starts, and failed naming neither sh nor the image ("... cannot be connected
+    to the worker's network: it is not running"). Now a container of each image runs sh -c : before
+    any prompt, once per image ID on this machine."""
+    from helpers import exit_code, read_jsonl, requests, write_rows
+
+    from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    client = docker_client()
+
+    def probed(since: float) -> list[str]:
+        """The images of the probe containers this process made since ``since`` (the engine's events)."""
+        labels = ["batch_runner.run_name=image-probe", f"batch_runner.owner={default_owner()}"]
+        events = client.events(
+            since=since, until=time.time(), decode=True,
+            filters={"type": "container", "event": "create", "label": labels},
+        )  # fmt: skip
+        return sorted(e["Actor"]["Attributes"]["image"] for e in events)
+
+    bad = _image_without_sh()
+    rows = [
+        {"prompt": "on scratch 1", "image": bad},
+        {"prompt": "on scratch 2", "image": bad},
+        {"prompt": "on busybox"},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    try:
+        for run_name in ("first", "second"):
+            started = time.time()
+            code = exit_code(
+                server, dataset, tmp_path / "data", run_name=run_name, sandbox="docker",
+                default_image=docker_test_image, num_workers=1,
+            )  # fmt: skip
+            out = capsys.readouterr().out
+            assert code != 2, out
+            failed = {r["prompt"]: r for r in read_jsonl(tmp_path / "data" / run_name / "failed.jsonl")}
+            assert sorted(failed) == ["on scratch 1", "on scratch 2"]
+            for record in failed.values():
+                assert (
+                    f"image '{bad}' not available: has no sh: the runner's command server needs sh"
+                    in record["error"]
+                ), record
+            done = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
+            assert [r["conversations"][1]["value"] for r in done] == ["on busybox"]
+            # What the image's state says is its verdict before the first token of any of its prompts.
+            assert set(requests(server)) == {"on busybox"}
+            # The busybox image ran the probe in the first run: its ID is kept, and the second run asks
+            # nothing of it; an image that failed is tried again (it may be fixed since).
+            assert probed(started) == sorted([bad, docker_test_image] if run_name == "first" else [bad])
+        cache = json.loads((tmp_path / "cache" / "batch-runner" / "docker-images-runnable.json").read_text())
+        assert list(cache["runnable"]) == [client.images.get(docker_test_image).id]
+    finally:
+        client.images.remove(bad, force=True)
+
+
 @pytest.mark.docker
 def test_sweep_removes_containers_of_dead_owners_of_any_run_and_nothing_else(docker_box, docker_test_image):
     from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client, sweep_containers

@@ -253,7 +253,8 @@ class DockerSandbox(SandboxBackend):
         if not wanted:
             return Preflight(isolation="docker")
         print(
-            f"Checking {len(wanted)} image(s); missing ones are pulled once, after the endpoint's start check"
+            f"Checking {len(wanted)} image(s) (a container of each new one runs sh -c :); missing ones are "
+            "pulled once, after the endpoint's start check"
         )
         status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"), pull=False)
         missing = [image for image in wanted if status[image] == NOT_PULLED]
@@ -936,7 +937,7 @@ def _image_states(jobs: Sequence[PromptJob], default: str, status: dict[str, str
     if failed:
         print(
             f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
-            "missing; --resume runs them once it exists"
+            "missing or cannot run here; --resume runs them once it can"
         )
     return Preflight(isolation="docker", failed=failed)
 
