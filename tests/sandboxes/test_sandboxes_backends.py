@@ -477,6 +477,28 @@ def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnab
 
 
 @pytest.mark.docker
+@pytest.mark.parametrize("network", [True, False])
+@pytest.mark.parametrize("init", [True, False])
+def test_a_container_whose_sh_cannot_run_fails_its_start_once_naming_the_image(network, init, docker_engine):
+    """Its start was tried five times and said "it is not running" (with the network hub) or quoted
+    docker-init's words without the image; now the engine's State and what it printed say why, naming
+    the image, and a container that cannot run its sh is not started again."""
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, docker_client
+
+    bad = _image_without_sh()
+    box = DockerSandbox(SandboxSpec(RUN, 60, network=network), default_image=bad, init=init)
+    try:
+        with pytest.raises(SandboxError) as raised:
+            box.start()
+        said = str(raised.value)
+        assert "did not start (1 attempt)" in said
+        assert f"image '{bad}' has no sh: the runner's command server needs sh and cat" in said
+    finally:
+        box.stop()
+        docker_client().images.remove(bad, force=True)
+
+
+@pytest.mark.docker
 def test_sweep_removes_containers_of_dead_owners_of_any_run_and_nothing_else(docker_box, docker_test_image):
     from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client, sweep_containers
 
