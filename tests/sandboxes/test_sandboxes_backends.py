@@ -477,6 +477,38 @@ def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnab
 
 
 @pytest.mark.docker
+def test_an_image_whose_sh_has_no_sleep_is_not_available(docker_engine, tmp_path, monkeypatch):
+    """dash and cat with their libc, no coreutils: the boot script's sleeper (the lifetime bound) failed at
+    once and killed the boot shell, so every start ended with "it ended (no output)" after five tries."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client, ensure_images
+
+    dash, cat = shutil.which("dash"), shutil.which("cat")
+    if not dash or not cat:
+        pytest.skip("needs dash")
+    libs = subprocess.run(["ldd", dash, cat], capture_output=True, text=True).stdout.split()
+    files = {
+        "bin/sh": dash,
+        "bin/cat": cat,
+        **{p.lstrip("/"): p for p in libs if p.startswith("/") and not p.endswith(":")},
+    }
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", dereference=True) as archive:
+        for name, path in files.items():
+            archive.add(path, arcname=name)
+    name = f"br-test-no-sleep:{uuid.uuid4().hex[:8]}"
+    docker_client().api.import_image_from_data(
+        out.getvalue(), repository=name.split(":")[0], tag=name.split(":")[1], changes=["ENV PATH=/bin"]
+    )
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        assert ensure_images([name], progress=lambda _: None, pull=False) == {
+            name: "has no sleep: the runner's containers need it to bound their lifetime, and end at once without it"
+        }
+    finally:
+        docker_client().images.remove(name, force=True)
+
+
+@pytest.mark.docker
 @pytest.mark.parametrize("network", [True, False])
 @pytest.mark.parametrize("init", [True, False])
 def test_a_container_whose_sh_cannot_run_fails_its_start_once_naming_the_image(network, init, docker_engine):

@@ -88,6 +88,12 @@ NOT_PULLED = "not present locally, not pulled yet"  # ensure_images(pull=False):
 # Why an image whose containers cannot run the command server (container_server.BOOT_SCRIPT is the
 # entrypoint ``sh -c``) is not available: distroless, or FROM scratch with one static binary.
 NO_SH = "has no sh: the runner's command server needs sh and cat"
+# What a container of each image runs before any prompt: the entrypoint's sh, and the sleep that bounds
+# the container's life (BOOT_SCRIPT's sleeper: without it, the boot shell is killed at once, and the
+# container with it). cat and setsid the server does without.
+PROBE_SCRIPT = "command -v sleep >/dev/null 2>&1 || exit 3"
+NO_SLEEP_EXIT = 3
+NO_SLEEP = "has no sleep: the runner's containers need it to bound their lifetime, and end at once without it"
 # The images of this engine's platform that ran the probe once, by image ID: an ID names the image's
 # content, so one that ran once always does (runnable_cache_path; only passes are kept).
 RUNNABLE_CACHE = "docker-images-runnable.json"
@@ -100,7 +106,7 @@ def ensure_images(
     """Make each distinct image present, pulling missing ones once, and runnable here; image -> None if
     ready, else the error (without ``pull``, a missing one is ``NOT_PULLED``: no registry is asked).
 
-    Runnable: a container of it runs ``sh -c :`` (the command server is an ``sh``), once per image ID
+    Runnable: a container of it runs ``PROBE_SCRIPT`` (the command server is an ``sh``), once per image ID
     on this machine (``runnable_cache_path``). Else each of its prompts would pay a model call and
     five container starts, on every --resume, before failing with a message naming neither sh nor
     the image. An image built for another platform than the engine's is probed on every run (an
@@ -164,8 +170,8 @@ def _platform(attrs: dict[str, Any]) -> tuple[str, str]:
 
 
 def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> str | None:
-    """None when a container of ``image`` (``attrs``: its inspection) runs ``sh -c :`` on this engine
-    (``engine``: its os and arch); else why not: no sh, or built for a platform the engine cannot run."""
+    """None when a container of ``image`` (``attrs``: its inspection) runs ``PROBE_SCRIPT`` on this engine
+    (``engine``: its os and arch); else why not: no sh or sleep, or built for a platform the engine cannot run."""
     platform = _platform(attrs)
     foreign = platform != engine and "" not in platform and "" not in engine
     built, here = "/".join(platform), "/".join(engine)
@@ -173,7 +179,7 @@ def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> 
     client = docker_client()
     try:
         container = client.containers.create(
-            image, entrypoint=["sh", "-c", ":"], command=[], network_mode="none",
+            image, entrypoint=["sh", "-c", PROBE_SCRIPT], command=[], network_mode="none",
             labels={LABEL_RUN: "image-probe", LABEL_OWNER: default_owner()},
         )  # fmt: skip
     except DockerException as exc:
@@ -195,12 +201,14 @@ def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> 
         _remove(container)
     if not said:
         return None
+    if code == NO_SLEEP_EXIT:
+        return NO_SLEEP
     if cannot:
         return f"{cannot}: {said}"
     if code == 127 or sh_not_found(said):
         cut = said.find('exec: "sh"')  # runc's words after its own ("failed to create shim task: ...")
         return f"{NO_SH} ({said[cut:].removesuffix(': unknown') if cut >= 0 else said})"
-    return f"a container of it cannot run sh -c : ({said})"
+    return f"a container of it cannot run sh ({said})"
 
 
 def sh_not_found(said: str) -> bool:
@@ -219,7 +227,7 @@ def runnable_cache_path() -> Path:
 def _read_runnable() -> dict[str, float]:
     """The cache's image IDs (with when they last passed); {} when it is absent or damaged."""
     obj = read_json_object(runnable_cache_path())
-    ids = obj.get("runnable") if obj else None
+    ids = obj.get("runnable") if obj and obj.get("probe") == PROBE_SCRIPT else None
     if not isinstance(ids, dict):
         return {}
     return {k: v for k, v in ids.items() if isinstance(k, str) and isinstance(v, int | float)}
@@ -233,7 +241,7 @@ def _remember_runnable(image_ids: list[str]) -> None:
     kept = dict(sorted(ids.items(), key=lambda kv: kv[1])[-RUNNABLE_CACHE_MAX:])
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({"runnable": kept}))
+        write_text_atomic(path, json.dumps({"probe": PROBE_SCRIPT, "runnable": kept}))
     except OSError as exc:
         log.info("could not keep the runnable images in %s: %s", path, exc)
 

@@ -255,7 +255,7 @@ class DockerSandbox(SandboxBackend):
         if not wanted:
             return Preflight(isolation="docker")
         print(
-            f"Checking {len(wanted)} image(s) (a container of each new one runs sh -c :); missing ones are "
+            f"Checking {len(wanted)} image(s) (a container of each new one runs sh once); missing ones are "
             "pulled once, after the endpoint's start check"
         )
         status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"), pull=False)
