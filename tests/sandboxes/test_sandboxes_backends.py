@@ -385,7 +385,7 @@ def _image_for_another_platform(base: str, name: str, arch: str, *, runnable: bo
 @pytest.mark.docker
 def test_an_image_of_another_platform_is_ready_only_if_the_engine_runs_it(docker_test_image: str):
     """Else each of its prompts paid a model call and five starts ("exec format error"), on every resume."""
-    from batchrun.prompt.sandboxes.docker.sandbox import docker_client, ensure_images
+    from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client, ensure_images
 
     arch = "amd64" if docker_client().version().get("Arch") == "riscv64" else "riscv64"
     tag = uuid.uuid4().hex[:8]
@@ -395,7 +395,7 @@ def test_an_image_of_another_platform_is_ready_only_if_the_engine_runs_it(docker
         result = ensure_images([runs, cannot], progress=lambda _: None)
         assert result[runs] is None  # the label alone: the engine runs it (as with an emulator)
         assert f"built for linux/{arch}" in result[cannot] and "exec format error" in result[cannot]
-        assert docker_ps("batch_runner.run_name=platform-probe") == []
+        assert docker_ps("batch_runner.run_name=image-probe", f"batch_runner.owner={default_owner()}") == []
     finally:
         for image in (runs, cannot):
             docker_client().images.remove(image, force=True)

@@ -97,6 +97,8 @@ NO_SLEEP = "has no sleep: the runner's containers need it to bound their lifetim
 # The images of this engine's platform that ran the probe once, by image ID: an ID names the image's
 # content, so one that ran once always does (runnable_cache_path; only passes are kept).
 RUNNABLE_CACHE = "docker-images-runnable.json"
+# A probe that failed for another reason (an engine error, a timeout, sh exiting oddly): tried once more.
+PROBE_BROKE = "a container of it could not run sh"
 RUNNABLE_CACHE_MAX = 4096  # entries kept, the newest
 
 
@@ -150,7 +152,10 @@ def ensure_images(
             lock = probing.setdefault(image_id, threading.Lock())
         with lock:
             if image_id not in verdicts:
-                verdicts[image_id] = _run_problem(image, attrs, engine)
+                verdict = _run_problem(image, attrs, engine)
+                if verdict is not None and verdict.startswith(PROBE_BROKE):  # not the image's fault, maybe
+                    verdict = _run_problem(image, attrs, engine)
+                verdicts[image_id] = verdict
                 if verdicts[image_id] is None and native and attrs.get("Id"):
                     passed.append(image_id)
             return verdicts[image_id]
@@ -185,7 +190,7 @@ def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> 
     except DockerException as exc:
         if foreign:
             return f"built for {built}, not this engine's {here}, and no container of it could be made: {exc}"
-        return f"no container of it could be made: {getattr(exc, 'explanation', None) or exc}"
+        return f"{PROBE_BROKE} (no container of it could be made: {getattr(exc, 'explanation', None) or exc})"
     try:
         container.start()
         code = container.wait(timeout=60).get("StatusCode")
@@ -208,7 +213,7 @@ def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> 
     if code == 127 or sh_not_found(said):
         cut = said.find('exec: "sh"')  # runc's words after its own ("failed to create shim task: ...")
         return f"{NO_SH} ({said[cut:].removesuffix(': unknown') if cut >= 0 else said})"
-    return f"a container of it cannot run sh ({said})"
+    return f"{PROBE_BROKE} ({said})"
 
 
 def sh_not_found(said: str) -> bool:
