@@ -385,7 +385,7 @@ def _image_for_another_platform(base: str, name: str, arch: str, *, runnable: bo
 @pytest.mark.docker
 def test_an_image_of_another_platform_is_ready_only_if_the_engine_runs_it(docker_test_image: str):
     """Else each of its prompts paid a model call and five starts ("exec format error"), on every resume."""
-    from batchrun.prompt.sandboxes.docker.sandbox import docker_client, ensure_images
+    from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client, ensure_images
 
     arch = "amd64" if docker_client().version().get("Arch") == "riscv64" else "riscv64"
     tag = uuid.uuid4().hex[:8]
@@ -395,10 +395,139 @@ def test_an_image_of_another_platform_is_ready_only_if_the_engine_runs_it(docker
         result = ensure_images([runs, cannot], progress=lambda _: None)
         assert result[runs] is None  # the label alone: the engine runs it (as with an emulator)
         assert f"built for linux/{arch}" in result[cannot] and "exec format error" in result[cannot]
-        assert docker_ps("batch_runner.run_name=platform-probe") == []
+        assert docker_ps("batch_runner.run_name=image-probe", f"batch_runner.owner={default_owner()}") == []
     finally:
         for image in (runs, cannot):
             docker_client().images.remove(image, force=True)
+
+
+def _image_without_sh() -> str:
+    """An image of one file and no sh, as FROM scratch with one static binary (or distroless) makes."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    name, data, out = f"br-test-no-sh:{uuid.uuid4().hex[:8]}", b"#!/bin/true\n", io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as archive:
+        info = tarfile.TarInfo("hello")
+        info.size, info.mode = len(data), 0o755
+        archive.addfile(info, io.BytesIO(data))
+    docker_client().api.import_image_from_data(
+        out.getvalue(), repository=name.split(":")[0], tag=name.split(":")[1]
+    )
+    return name
+
+
+@pytest.mark.docker
+def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnable_one_is_probed_once(
+    tmp_path, monkeypatch, capsys, server, docker_test_image
+):
+    """An image without sh passed preflight as "ready": each of its prompts paid its first model call,
+    then five container starts, and failed naming neither sh nor the image ("... cannot be connected
+    to the worker's network: it is not running"). Now a container of each image runs sh -c : before
+    any prompt, once per image ID on this machine."""
+    from helpers import exit_code, read_jsonl, requests, write_rows
+
+    from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    client = docker_client()
+
+    def probed(since: float) -> list[str]:
+        """The images of the probe containers this process made since ``since`` (the engine's events)."""
+        labels = ["batch_runner.run_name=image-probe", f"batch_runner.owner={default_owner()}"]
+        events = client.events(
+            since=since, until=time.time(), decode=True,
+            filters={"type": "container", "event": "create", "label": labels},
+        )  # fmt: skip
+        return sorted(e["Actor"]["Attributes"]["image"] for e in events)
+
+    bad = _image_without_sh()
+    rows = [
+        {"prompt": "on scratch 1", "image": bad},
+        {"prompt": "on scratch 2", "image": bad},
+        {"prompt": "on busybox"},
+    ]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    try:
+        for run_name in ("first", "second"):
+            started = time.time()
+            code = exit_code(
+                server, dataset, tmp_path / "data", run_name=run_name, sandbox="docker",
+                default_image=docker_test_image, num_workers=1,
+            )  # fmt: skip
+            out = capsys.readouterr().out
+            assert code != 2, out
+            failed = {r["prompt"]: r for r in read_jsonl(tmp_path / "data" / run_name / "failed.jsonl")}
+            assert sorted(failed) == ["on scratch 1", "on scratch 2"]
+            for record in failed.values():
+                assert (
+                    f"image '{bad}' not available: has no sh: the runner's command server needs sh"
+                    in record["error"]
+                ), record
+            done = read_jsonl(tmp_path / "data" / run_name / "trajectories.jsonl")
+            assert [r["conversations"][1]["value"] for r in done] == ["on busybox"]
+            # What the image's state says is its verdict before the first token of any of its prompts.
+            assert set(requests(server)) == {"on busybox"}
+            # The busybox image ran the probe in the first run: its ID is kept, and the second run asks
+            # nothing of it; an image that failed is tried again (it may be fixed since).
+            assert probed(started) == sorted([bad, docker_test_image] if run_name == "first" else [bad])
+        cache = json.loads((tmp_path / "cache" / "batch-runner" / "docker-images-runnable.json").read_text())
+        assert list(cache["runnable"]) == [client.images.get(docker_test_image).id]
+    finally:
+        client.images.remove(bad, force=True)
+
+
+@pytest.mark.docker
+def test_an_image_whose_sh_has_no_sleep_is_not_available(docker_engine, tmp_path, monkeypatch):
+    """dash and cat with their libc, no coreutils: the boot script's sleeper (the lifetime bound) failed at
+    once and killed the boot shell, so every start ended with "it ended (no output)" after five tries."""
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client, ensure_images
+
+    dash, cat = shutil.which("dash"), shutil.which("cat")
+    if not dash or not cat:
+        pytest.skip("needs dash")
+    libs = subprocess.run(["ldd", dash, cat], capture_output=True, text=True).stdout.split()
+    files = {
+        "bin/sh": dash,
+        "bin/cat": cat,
+        **{p.lstrip("/"): p for p in libs if p.startswith("/") and not p.endswith(":")},
+    }
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", dereference=True) as archive:
+        for name, path in files.items():
+            archive.add(path, arcname=name)
+    name = f"br-test-no-sleep:{uuid.uuid4().hex[:8]}"
+    docker_client().api.import_image_from_data(
+        out.getvalue(), repository=name.split(":")[0], tag=name.split(":")[1], changes=["ENV PATH=/bin"]
+    )
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        assert ensure_images([name], progress=lambda _: None, pull=False) == {
+            name: "has no sleep: the runner's containers need it to bound their lifetime, and end at once without it"
+        }
+    finally:
+        docker_client().images.remove(name, force=True)
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("network", [True, False])
+@pytest.mark.parametrize("init", [True, False])
+def test_a_container_whose_sh_cannot_run_fails_its_start_once_naming_the_image(network, init, docker_engine):
+    """Its start was tried five times and said "it is not running" (with the network hub) or quoted
+    docker-init's words without the image; now the engine's State and what it printed say why, naming
+    the image, and a container that cannot run its sh is not started again."""
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, docker_client
+
+    bad = _image_without_sh()
+    box = DockerSandbox(SandboxSpec(RUN, 60, network=network), default_image=bad, init=init)
+    try:
+        with pytest.raises(SandboxError) as raised:
+            box.start()
+        said = str(raised.value)
+        assert "did not start (1 attempt)" in said
+        assert f"image '{bad}' has no sh: the runner's command server needs sh and cat" in said
+    finally:
+        box.stop()
+        docker_client().images.remove(bad, force=True)
 
 
 @pytest.mark.docker

@@ -7,6 +7,7 @@ runner from a dead one's, even after the pid was reused.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from batchrun.prompt.sandboxes.base import SandboxError
-from batchrun.storage import pid_alive
+from batchrun.storage import pid_alive, read_json_object, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +85,34 @@ def process_start_ticks(pid: int) -> str:
 
 
 NOT_PULLED = "not present locally, not pulled yet"  # ensure_images(pull=False): an image to pull later
+# Why an image whose containers cannot run the command server (container_server.BOOT_SCRIPT is the
+# entrypoint ``sh -c``) is not available: distroless, or FROM scratch with one static binary.
+NO_SH = "has no sh: the runner's command server needs sh and cat"
+# What a container of each image runs before any prompt: the entrypoint's sh, and the sleep that bounds
+# the container's life (BOOT_SCRIPT's sleeper: without it, the boot shell is killed at once, and the
+# container with it). cat and setsid the server does without.
+PROBE_SCRIPT = "command -v sleep >/dev/null 2>&1 || exit 3"
+NO_SLEEP_EXIT = 3
+NO_SLEEP = "has no sleep: the runner's containers need it to bound their lifetime, and end at once without it"
+# The images of this engine's platform that ran the probe once, by image ID: an ID names the image's
+# content, so one that ran once always does (runnable_cache_path; only passes are kept).
+RUNNABLE_CACHE = "docker-images-runnable.json"
+# A probe that failed for another reason (an engine error, a timeout, sh exiting oddly): tried once more.
+PROBE_BROKE = "a container of it could not run sh"
+RUNNABLE_CACHE_MAX = 4096  # entries kept, the newest
 
 
 def ensure_images(
     images: list[str], *, max_concurrent: int = 4, progress: Callable[[str], None] = print, pull: bool = True
 ) -> dict[str, str | None]:
-    """Make each distinct image present, pulling missing ones once; image -> None if ready, else the error
-    (without ``pull``, a missing one is ``NOT_PULLED``: no registry is asked).
+    """Make each distinct image present, pulling missing ones once, and runnable here; image -> None if
+    ready, else the error (without ``pull``, a missing one is ``NOT_PULLED``: no registry is asked).
 
-    An image built for another platform than the engine's is ready only if the engine runs it anyway
-    (an emulator registered with binfmt_misc): otherwise each of its prompts would pay a model call
-    and five container starts, on every --resume, before "exec format error".
+    Runnable: a container of it runs ``PROBE_SCRIPT`` (the command server is an ``sh``), once per image ID
+    on this machine (``runnable_cache_path``). Else each of its prompts would pay a model call and
+    five container starts, on every --resume, before failing with a message naming neither sh nor
+    the image. An image built for another platform than the engine's is probed on every run (an
+    emulator registered with binfmt_misc may come and go).
     """
     client = docker_client()
     try:
@@ -102,6 +120,11 @@ def ensure_images(
     except DockerException:
         version = {}
     engine = (str(version.get("Os") or ""), str(version.get("Arch") or ""))
+    known = _read_runnable()
+    passed: list[str] = []
+    verdicts: dict[str, str | None] = {}  # image ID -> its probe's verdict: one probe per ID (tags share it)
+    probing: dict[str, threading.Lock] = {}
+    guard = threading.Lock()
 
     def ensure(image: str) -> str | None:
         try:
@@ -121,30 +144,53 @@ def ensure_images(
                 progress(f"pull of {image} failed")
                 return f"not present locally and the pull failed: {getattr(exc, 'explanation', None) or exc}"
             progress(f"pulled {image}")
-        return _platform_problem(image, attrs, engine)
+        image_id = str(attrs.get("Id") or image)
+        native = _platform(attrs) == engine
+        if native and image_id in known:
+            return None
+        with guard:
+            lock = probing.setdefault(image_id, threading.Lock())
+        with lock:
+            if image_id not in verdicts:
+                verdict = _run_problem(image, attrs, engine)
+                if verdict is not None and verdict.startswith(PROBE_BROKE):  # not the image's fault, maybe
+                    verdict = _run_problem(image, attrs, engine)
+                verdicts[image_id] = verdict
+                if verdicts[image_id] is None and native and attrs.get("Id"):
+                    passed.append(image_id)
+            return verdicts[image_id]
 
     unique = list(dict.fromkeys(image for image in images if image))
     if not unique:
         return {}
     with ThreadPoolExecutor(max_workers=max(1, min(max_concurrent, len(unique)))) as pool:
-        return dict(zip(unique, pool.map(ensure, unique), strict=True))
+        status = dict(zip(unique, pool.map(ensure, unique), strict=True))
+    if passed:
+        _remember_runnable(passed)
+    return status
 
 
-def _platform_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> str | None:
-    """None when the engine can run ``image`` (``attrs``: its inspection; ``engine``: its os and arch):
-    built for its platform, or a container of it that runs ``sh -c :`` says so; else why not."""
-    platform = (str(attrs.get("Os") or ""), str(attrs.get("Architecture") or ""))
-    if platform == engine or "" in platform or "" in engine:
-        return None
+def _platform(attrs: dict[str, Any]) -> tuple[str, str]:
+    return (str(attrs.get("Os") or ""), str(attrs.get("Architecture") or ""))
+
+
+def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> str | None:
+    """None when a container of ``image`` (``attrs``: its inspection) runs ``PROBE_SCRIPT`` on this engine
+    (``engine``: its os and arch); else why not: no sh or sleep, or built for a platform the engine cannot run."""
+    platform = _platform(attrs)
+    foreign = platform != engine and "" not in platform and "" not in engine
     built, here = "/".join(platform), "/".join(engine)
+    cannot = f"built for {built}, and this engine ({here}) cannot run it" if foreign else ""
     client = docker_client()
     try:
         container = client.containers.create(
-            image, entrypoint=["sh", "-c", ":"], command=[], network_mode="none",
-            labels={LABEL_RUN: "platform-probe", LABEL_OWNER: default_owner()},
+            image, entrypoint=["sh", "-c", PROBE_SCRIPT], command=[], network_mode="none",
+            labels={LABEL_RUN: "image-probe", LABEL_OWNER: default_owner()},
         )  # fmt: skip
     except DockerException as exc:
-        return f"built for {built}, not this engine's {here}, and no container of it could be made: {exc}"
+        if foreign:
+            return f"built for {built}, not this engine's {here}, and no container of it could be made: {exc}"
+        return f"{PROBE_BROKE} (no container of it could be made: {getattr(exc, 'explanation', None) or exc})"
     try:
         container.start()
         code = container.wait(timeout=60).get("StatusCode")
@@ -153,11 +199,56 @@ def _platform_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]
             said = f"sh exited {code}" + (f" ({logs[-300:]})" if logs else "")
         else:
             said = ""
-    except Exception as exc:  # the engine's start error ("exec format error"), or the wait's timeout
+    except Exception as exc:  # the engine's start error ("exec format error", no sh), or the wait's timeout
         said = str(getattr(exc, "explanation", None) or exc)
+        code = None
     finally:
         _remove(container)
-    return f"built for {built}, and this engine ({here}) cannot run it: {said}" if said else None
+    if not said:
+        return None
+    if code == NO_SLEEP_EXIT:
+        return NO_SLEEP
+    if cannot:
+        return f"{cannot}: {said}"
+    if code == 127 or sh_not_found(said):
+        cut = said.find('exec: "sh"')  # runc's words after its own ("failed to create shim task: ...")
+        return f"{NO_SH} ({said[cut:].removesuffix(': unknown') if cut >= 0 else said})"
+    return f"{PROBE_BROKE} ({said})"
+
+
+def sh_not_found(said: str) -> bool:
+    """Whether the engine's words (runc's, or docker-init's in the container's output) say that a
+    container has no ``sh`` to run."""
+    return 'exec: "sh": executable file not found' in said or "exec sh failed: No such file" in said
+
+
+def runnable_cache_path() -> Path:
+    """Where the IDs of the images that ran the probe are kept: ``$XDG_CACHE_HOME/batch-runner`` (``~/.cache``),
+    where the runner keeps its other caches (bytecode, the tests' llama-server)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base, "batch-runner", RUNNABLE_CACHE)
+
+
+def _read_runnable() -> dict[str, float]:
+    """The cache's image IDs (with when they last passed); {} when it is absent or damaged."""
+    obj = read_json_object(runnable_cache_path())
+    ids = obj.get("runnable") if obj and obj.get("probe") == PROBE_SCRIPT else None
+    if not isinstance(ids, dict):
+        return {}
+    return {k: v for k, v in ids.items() if isinstance(k, str) and isinstance(v, int | float)}
+
+
+def _remember_runnable(image_ids: list[str]) -> None:
+    """Add ``image_ids`` to the cache (read again: another run may have added some), replaced whole;
+    a cache that cannot be written only costs the next run its probes."""
+    path = runnable_cache_path()
+    ids = {**_read_runnable(), **dict.fromkeys(image_ids, round(time.time()))}
+    kept = dict(sorted(ids.items(), key=lambda kv: kv[1])[-RUNNABLE_CACHE_MAX:])
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"probe": PROBE_SCRIPT, "runnable": kept}))
+    except OSError as exc:
+        log.info("could not keep the runnable images in %s: %s", path, exc)
 
 
 def _owner_alive(owner: str) -> bool | None:

@@ -71,6 +71,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
     LABEL_OWNER,
     LABEL_RUN,
+    NO_SH,
     NOT_PULLED,
     check_engine,
     default_owner,
@@ -83,6 +84,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     remove_owned_containers,
     remove_run_cgroup,
     run_cgroup_problem,
+    sh_not_found,
     storage_size_supported,
     sweep_containers,
     sweep_run_cgroups,
@@ -253,7 +255,8 @@ class DockerSandbox(SandboxBackend):
         if not wanted:
             return Preflight(isolation="docker")
         print(
-            f"Checking {len(wanted)} image(s); missing ones are pulled once, after the endpoint's start check"
+            f"Checking {len(wanted)} image(s) (a container of each new one runs sh once); missing ones are "
+            "pulled once, after the endpoint's start check"
         )
         status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"), pull=False)
         missing = [image for image in wanted if status[image] == NOT_PULLED]
@@ -420,11 +423,12 @@ class DockerSandbox(SandboxBackend):
                     f"docker image {self.image!r} is not available locally: {exc.explanation}"
                 ) from exc
             except (DockerException, OSError, SandboxError) as exc:
+                ended, final = self._why_it_ended(exc)
                 self.stop()
-                if attempt == START_ATTEMPTS:
+                if final or attempt == START_ATTEMPTS:
                     raise SandboxError(
                         f"docker container for prompt {spec.prompt_index} did not start "
-                        f"({attempt} attempts): {exc}"
+                        f"({attempt} attempt{'s' if attempt > 1 else ''}): {ended or exc}"
                     ) from exc
                 log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
             time.sleep(START_RETRY_PAUSE_S * attempt)
@@ -440,6 +444,54 @@ class DockerSandbox(SandboxBackend):
         self._broken = None
         self._frozen = False
         self._hold = None
+
+    def _why_it_ended(self, exc: Exception) -> tuple[str | None, bool]:
+        """After a failed start attempt (``exc``): why, when the container ended by itself or could not
+        run its ``sh`` (the engine's State, what it printed), naming the image, or None; and whether
+        another attempt would end the same (its sh missing or not executable: exit code 127 or 126).
+        Without this, such an image cost five attempts and said "it is not running"."""
+        said = str(getattr(exc, "explanation", None) or exc)
+        if isinstance(exc, APIError) and sh_not_found(said):  # runc's (no docker-init): no sh in the image
+            cut = said.find('exec: "sh"')
+            return f"image {self.image!r} {NO_SH} ({said[cut:].removesuffix(': unknown')})", True
+        container_id, channel = self.container_id, self._channel
+        if container_id is None or channel is None:
+            return None, False
+        try:
+            state = docker_client().api.inspect_container(container_id).get("State") or {}
+        except NotFound:
+            state = {"Status": "removed"}  # it ended, and removed itself (auto_remove)
+        except DockerException:
+            return None, False
+        if state.get("Running") or state.get("Status") not in ("exited", "dead", "removing", "removed"):
+            return None, False  # running, or never started (the start's own error says why)
+        printed = bytearray()  # what it wrote before its end: docker-init's "exec sh failed: ..."
+
+        def feed(data: bytes) -> bool:
+            printed.extend(data)
+            return len(printed) > 4096
+
+        channel.read_until(feed, time.monotonic() + 2.0)
+        # Else what the start's step that found it gone had read of it ("it ended (...)").
+        out = printed.decode(errors="replace").strip()[-300:] or said
+        code = state.get("ExitCode")
+        how = ", ".join(
+            filter(None, [
+                f"exit code {code}" if state["Status"] != "removed" else "",
+                "OOM killed" if state.get("OOMKilled") else "",
+                str(state.get("Error") or ""),
+                out,
+            ])
+        )  # fmt: skip
+        if sh_not_found(out):
+            return f"image {self.image!r} {NO_SH}: its container ended at once ({how})", True
+        final = code in (126, 127) and state["Status"] != "removed"
+        cannot = ": its sh cannot be run" if final else ""
+        return (
+            f"the container of image {self.image!r} ended by itself before its command server answered"
+            f"{f' ({how})' if how else ''}{cannot}",
+            final,
+        )
 
     @staticmethod
     def _network_hub() -> Any:
@@ -936,7 +988,7 @@ def _image_states(jobs: Sequence[PromptJob], default: str, status: dict[str, str
     if failed:
         print(
             f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
-            "missing; --resume runs them once it exists"
+            "missing or cannot run here; --resume runs them once it can"
         )
     return Preflight(isolation="docker", failed=failed)
 
