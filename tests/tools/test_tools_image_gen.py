@@ -75,8 +75,12 @@ def test_offered_only_with_an_image_model(clean_tool_env):
     assert "image_gen" not in available_toolsets(run)
     assert "image_gen" in available_toolsets(replace(run, tool_env=ENV))
     assert "image_gen" not in available_toolsets(ToolSettings(tool_env=ENV))  # no endpoint at all
-    with pytest.raises(ToolConfigError, match="IMAGE_GEN_SIZES"):
-        available_toolsets(replace(run, tool_env={**ENV, "IMAGE_GEN_SIZES": "square=big"}))
+    for sizes in ("square=big", "square=0x0", "portrait=1024x0", "landscape=99999x1024"):
+        with pytest.raises(ToolConfigError, match="IMAGE_GEN_SIZES"):
+            available_toolsets(replace(run, tool_env={**ENV, "IMAGE_GEN_SIZES": sizes}))
+    assert "image_gen" in available_toolsets(
+        replace(run, tool_env={**ENV, "IMAGE_GEN_SIZES": "square=16384x1"})
+    )
     with pytest.raises(ToolConfigError, match="IMAGE_GEN_RESPONSE_FORMAT"):
         available_toolsets(replace(run, tool_env={**ENV, "IMAGE_GEN_RESPONSE_FORMAT": "png"}))
 

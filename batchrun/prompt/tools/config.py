@@ -105,6 +105,9 @@ _PROVIDER_URL_VARS = {
 }
 ASPECT_RATIOS = ("landscape", "square", "portrait")
 DEFAULT_IMAGE_SIZES = {"landscape": "1536x1024", "square": "1024x1024", "portrait": "1024x1536"}
+# A side of 0 (`square=0x0`) or past what any image endpoint makes was sent with every image_generate
+# call, each refused by the endpoint after the model had paid for the call: refused at start instead.
+MAX_IMAGE_SIDE = 16384
 BROWSER_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")
 
 
@@ -429,9 +432,12 @@ def _sizes(env: Mapping[str, str]) -> dict[str, str]:
     for item in raw.split(","):
         name, _, size = item.strip().partition("=")
         w, _, h = size.strip().partition("x")
-        if name.strip() not in ASPECT_RATIOS or not (w.isdigit() and h.isdigit()):
+        if name.strip() not in ASPECT_RATIOS or not (
+            w.isdigit() and h.isdigit() and 0 < int(w) <= MAX_IMAGE_SIDE and 0 < int(h) <= MAX_IMAGE_SIDE
+        ):
             raise ToolConfigError(
-                f"IMAGE_GEN_SIZES must look like 'landscape=1536x1024,square=1024x1024', got {raw!r}"
+                f"IMAGE_GEN_SIZES must look like 'landscape=1536x1024,square=1024x1024', each side from 1 to "
+                f"{MAX_IMAGE_SIDE}, got {raw!r}"
             )
         sizes[name.strip()] = size.strip()
     return sizes
