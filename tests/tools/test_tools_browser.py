@@ -816,9 +816,10 @@ def test_a_root_worker_s_chromium_cannot_see_another_worker_s(
     isolated_chromium, fake_web, tool_ctx, call_tool, tmp_path
 ):
     """Every worker's Chromium runs as the same nobody, and there is no Yama here: from one browser
-    process (as a page that broke out of a renderer) gdb attached to another worker's Chromium and its
-    /proc/<pid>/environ was open to read. Each Chromium has a PID namespace (and /proc) of its own: no
-    other worker's process is there to see or trace."""
+    process (as a page that broke out of a renderer) gdb attached to another worker's Chromium, its
+    /proc/<pid>/environ was open to read, and so was its profile (the pages' cache, cookies, storage).
+    Each Chromium has a PID namespace (and /proc) of its own: no other worker's process is there to see
+    or trace; and a temporary directory that holds its own profile only."""
     import subprocess
     import sys
 
@@ -839,6 +840,14 @@ def test_a_root_worker_s_chromium_cannot_see_another_worker_s(
         assert other.stdout.readline().strip() == "up"
         theirs = [p for p, _ in chromium_descendants() if p != pid and is_chromium_browser(p)]
         assert len(theirs) == 1, "the other worker's Chromium is not running"
+        mine, their_profile = (profile_of(p) for p in (pid, theirs[0]))
+        assert os.path.dirname(mine) == os.path.dirname(their_profile) and os.path.isdir(their_profile)
+        seen = as_browser(
+            pid,
+            f"import os\nfor p in {[mine, their_profile]!r}: print(os.access(p, os.R_OK))\n"
+            f"print(os.listdir({os.path.dirname(mine)!r}))",
+        )
+        assert seen.splitlines() == ["True", "False", str([os.path.basename(mine)])]
         said = as_browser(
             pid,
             f"""
@@ -855,6 +864,11 @@ print(os.readlink("/proc/self/ns/pid"))
     finally:
         other.kill()
         other.wait()
+
+
+def profile_of(pid: int) -> str:
+    """The --user-data-dir of Chromium's browser process ``pid``."""
+    return re.search(r"--user-data-dir=(\S+)", process_state(pid)["cmdline"]).group(1)
 
 
 def is_chromium_browser(pid: int) -> bool:

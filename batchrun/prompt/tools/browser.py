@@ -321,8 +321,8 @@ def _limited_launcher(
     worker, browser_sandbox.py) it gives Playwright's profile directory to that uid and gid, makes it
     Chromium's home and temporary directory (root's are not its), and execs Chromium through setpriv as
     them. With ``netns`` (a root worker's, browser_sandbox.make_netns) Chromium starts in that network
-    namespace and in a PID namespace of its own (browser_sandbox.isolate_command: the shell becomes the
-    unshare whose child is Chromium). Only needed until exec (the shell becomes Chromium or that
+    namespace and in PID and mount namespaces of its own (browser_sandbox.isolate_command: the shell
+    becomes the unshare whose child is Chromium). Only needed until exec (the shell becomes Chromium or that
     unshare: no process of its own is left)."""
     from batchrun.prompt.tools.browser_sandbox import drop_command, isolate_command
 
@@ -339,7 +339,7 @@ def _limited_launcher(
         )
         drop = " ".join(shlex.quote(a) for a in drop_command(user)) + " "
     if netns is not None:
-        drop = " ".join(shlex.quote(a) for a in isolate_command(netns)) + " " + drop
+        drop = " ".join(shlex.quote(a) for a in isolate_command(netns)) + ' "$profile" ' + drop
     with open(path, "w") as f:
         f.write(
             f"#!/bin/sh\n{enter}ulimit -d {cfg.memory_mb * 1024} || exit 1\n"

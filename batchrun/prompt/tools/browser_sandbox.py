@@ -17,8 +17,10 @@ addresses) past the egress proxy, and, as the same nobody as every other worker'
 here, attached gdb to another worker's browser and read its pages. A root worker therefore starts the
 whole of Chromium (:func:`isolate_command`, in the launcher) in a network namespace it made
 (:func:`make_netns`) that holds only its loopback, on which the worker listens for each prompt's egress
-proxy (:func:`listen_in`): no other address, no route, no DNS (Chromium asks the proxy for names); and
-in a PID namespace of its own, with its own /proc, where no other process is to be seen.
+proxy (:func:`listen_in`): no other address, no route, no DNS (Chromium asks the proxy for names); in
+a PID namespace of its own, with its own /proc, where no other process is to be seen; and in a mount
+namespace of its own where the temporary directory holds its own profile only: every worker's profile
+(its pages' cache, cookies and storage) belongs to the same nobody.
 
 The sandbox needs user namespaces for that user: a root-run Docker container's default seccomp profile,
 a kernel or AppArmor policy, may refuse them. :func:`plan` tries one, once per process; where that is
@@ -183,11 +185,28 @@ def listen_in(netns_fd: int) -> socket.socket:
     return _in_netns(netns_fd, make)
 
 
+# Run by the isolate_command's shell, as root in Chromium's new mount namespace (private: nothing is seen
+# outside it), with the profile directory and then the command: the directory that holds the profile (the
+# temporary directory, where every worker's Chromium has its profile, all owned by the same nobody) is
+# covered by an empty tmpfs, and the profile alone is put back on it (bound from the shell's working
+# directory, which is the profile underneath).
+_HIDE_OTHER_PROFILES = (
+    "profile=$1; shift; parent=${profile%/*}\n"
+    'if [ -n "$parent" ]; then\n'
+    '  cd "$profile" && mount -t tmpfs -o size=64k,mode=755,nosuid,nodev,noexec tmpfs "$parent" &&\n'
+    '    mkdir "$profile" && mount --no-canonicalize --bind . "$profile" && cd / || exit 1\n'
+    "fi\n"
+    'exec "$@"\n'
+)
+
+
 def isolate_command(netns_path: str) -> list[str]:
-    """What the launcher execs Chromium through to enter the network namespace at ``netns_path`` and
-    a PID namespace (and /proc) of its own. unshare stays as the process Playwright started, Chromium its
-    child (PID 1 there): killed with it (--kill-child), and ending every process of the namespace when
-    it ends; the pipe Playwright talks on (fds 3 and 4) passes through."""
+    """What the launcher execs Chromium through, followed by Chromium's profile directory and then the rest
+    of the command: to enter the network namespace at ``netns_path``, and a PID namespace (with its own
+    /proc) and a mount namespace (where no other worker's profile is to be seen) of its own. unshare stays
+    as the process Playwright started, Chromium its child (PID 1 there): killed with it (--kill-child), and
+    ending every process of the namespace when it ends; the pipe Playwright talks on (fds 3 and 4) passes
+    through."""
     nsenter = shutil.which("nsenter") or "nsenter"
     unshare = shutil.which("unshare") or "unshare"
     return [
@@ -200,6 +219,10 @@ def isolate_command(netns_path: str) -> list[str]:
         "--kill-child",
         "--mount-proc",
         "--",
+        "/bin/sh",
+        "-c",
+        _HIDE_OTHER_PROFILES,
+        "sh",
     ]
 
 
@@ -226,20 +249,23 @@ def plan() -> SandboxPlan:
     problem = _probe(drop)
     if problem is not None:
         return SandboxPlan(sandbox=False, user=user, problem=problem)
-    isolation_problem = _isolation_probe(drop)
+    isolation_problem = _isolation_probe(drop, user)
     return SandboxPlan(
         sandbox=True, user=user, isolated=isolation_problem is None, isolation_problem=isolation_problem
     )
 
 
-def _isolation_probe(drop: list[str]) -> str | None:
+def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
     """None if the launcher can start Chromium through isolate_command here, else why not."""
     try:
         fd = make_netns()
     except OSError as exc:
         return f"cannot make a network namespace: {exc}"
+    profile = tempfile.mkdtemp()  # where Playwright makes Chromium's profile (the launcher gives it to user)
     try:
-        said = _run([*isolate_command(f"/proc/{os.getpid()}/fd/{fd}"), *drop, "true"])
+        os.chown(profile, *user)
+        said = _run([*isolate_command(f"/proc/{os.getpid()}/fd/{fd}"), profile, *drop, "test", "-w", profile])
     finally:
         os.close(fd)
+        os.rmdir(profile)
     return None if said is None else f"cannot enter namespaces of its own: {said}"
