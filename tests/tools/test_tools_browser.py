@@ -866,6 +866,40 @@ print(os.readlink("/proc/self/ns/pid"))
         other.wait()
 
 
+def test_where_chromium_cannot_have_namespaces_of_its_own_the_run_says_so(
+    chromium_sandbox, fake_web, tool_ctx, call_tool, monkeypatch, caplog
+):
+    """A root worker that cannot make a network namespace (a container without CAP_SYS_ADMIN) starts
+    Chromium as before, in the host's namespaces, and the run's start and the worker's log say why."""
+    from batchrun.prompt.tools import browser_sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("the worker is not root: Chromium keeps the worker's namespaces")
+
+    def refused() -> int:
+        raise OSError(1, "unshare: Operation not permitted")
+
+    monkeypatch.setattr(browser_sandbox, "make_netns", refused)
+    browser_sandbox.plan.cache_clear()
+    try:
+        plan = browser_sandbox.plan()
+        assert plan.sandbox and not plan.isolated
+        assert plan.describe().endswith(
+            "its browser process in the host's network and PID namespaces (cannot make a network namespace: "
+            "[Errno 1] unshare: Operation not permitted)"
+        )
+        assert plan.describe().startswith("warning: ")
+        with caplog.at_level("WARNING", logger="batchrun.prompt.tools.browser"):
+            assert (
+                call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))["title"] == "Fake Site Home"
+            )
+        assert any("host's network and PID namespaces" in r.getMessage() for r in caplog.records)
+        assert os.readlink(f"/proc/{browser_process()}/ns/net") == os.readlink("/proc/self/ns/net")
+    finally:
+        browser.shutdown_browser()
+        browser_sandbox.plan.cache_clear()
+
+
 def profile_of(pid: int) -> str:
     """The --user-data-dir of Chromium's browser process ``pid``."""
     return re.search(r"--user-data-dir=(\S+)", process_state(pid)["cmdline"]).group(1)

@@ -261,11 +261,19 @@ def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
         fd = make_netns()
     except OSError as exc:
         return f"cannot make a network namespace: {exc}"
-    profile = tempfile.mkdtemp()  # where Playwright makes Chromium's profile (the launcher gives it to user)
     try:
-        os.chown(profile, *user)
-        said = _run([*isolate_command(f"/proc/{os.getpid()}/fd/{fd}"), profile, *drop, "test", "-w", profile])
+        profile = (
+            tempfile.mkdtemp()
+        )  # where Playwright makes Chromium's profile (the launcher gives it to user)
+        try:
+            os.chown(profile, *user)
+            said = _run(
+                [*isolate_command(f"/proc/{os.getpid()}/fd/{fd}"), profile, *drop, "test", "-w", profile]
+            )
+        finally:
+            os.rmdir(profile)
+    except OSError as exc:
+        said = str(exc)
     finally:
         os.close(fd)
-        os.rmdir(profile)
     return None if said is None else f"cannot enter namespaces of its own: {said}"
