@@ -243,7 +243,8 @@ def run_steps(
 
         print(describe(browser))
         sandbox = browser_sandbox()
-        print(sandbox.describe(), file=sys.stdout if sandbox.sandbox else sys.stderr)
+        said = sandbox.describe()
+        print(said, file=sys.stderr if said.startswith("warning:") else sys.stdout)
     connect_ray(config, plan.prompts, recorder.redact)
     # The backend's checks come before the start check: a sandbox that cannot work here costs no token.
     preflighted = preflight_sandboxes(

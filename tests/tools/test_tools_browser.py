@@ -725,6 +725,197 @@ def test_without_user_namespaces_chromium_runs_unsandboxed_and_the_run_says_so(
         shutil.rmtree(fake)
 
 
+@pytest.fixture
+def isolated_chromium(chromium_sandbox):
+    """A root worker whose Chromium can be put in namespaces of its own (browser_sandbox.plan)."""
+    from batchrun.prompt.tools.browser_sandbox import plan
+
+    if os.geteuid() != 0:
+        pytest.skip("the worker is not root: Chromium keeps the worker's namespaces")
+    if plan().isolation_problem:
+        from helpers import skip_or_fail
+
+        skip_or_fail(f"Chromium cannot have namespaces of its own here: {plan().isolation_problem}")
+
+
+def browser_process() -> int:
+    """The pid of this worker's Chromium browser process."""
+    pids = [pid for pid, _ in chromium_descendants() if is_chromium_browser(pid)]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def as_browser(pid: int, code: str) -> str:
+    """What Python ``code`` prints, run with the credentials and the network, PID and mount namespaces of
+    Chromium's browser process ``pid``: what a page that broke out of a renderer into it could do."""
+    import subprocess
+
+    argv = ["nsenter", "-t", str(pid), "-n", "-p", "-m", "--", "setpriv", "--reuid=65534", "--regid=65534",
+            "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "/usr/bin/python3",
+            "-c", code]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+CONNECT = """
+import socket, sys
+for host in sys.argv[1:]:
+    try:
+        socket.create_connection((host, {port}), 2).close()
+        print(host, "connected")
+    except OSError as exc:
+        print(host, exc.errno)
+"""
+
+
+def test_a_root_worker_s_chromium_reaches_only_the_egress_proxy(
+    isolated_chromium, fake_web, site_and_secret, tool_ctx, call_tool, monkeypatch
+):
+    """The browser process and its network service ran as nobody in the host's network namespace: a page
+    that broke out of a renderer into it connected to a service on 127.0.0.1 and on the host's other
+    addresses (the Docker bridge) past the egress proxy. Chromium now has a network namespace of its own
+    with only its loopback, where the prompts' egress proxies listen: no route, no other address; the
+    tools still work through the proxy, and a private address is refused as before."""
+    _, secret = site_and_secret
+    pretend_public(monkeypatch, "localhost")
+    ctx = tool_ctx(PRIVATE_OFF)
+    snap = call_tool(ctx, "browser_navigate", url=f"http://localhost:{fake_web.port}/site/form.html")[
+        "snapshot"
+    ]
+    assert call_tool(ctx, "browser_click", ref=ref_of(snap, "button", "Show more"))["success"] is True
+    assert "MORE-TEXT revealed." in call_tool(ctx, "browser_snapshot")["snapshot"]
+    shot = call_tool(ctx, "browser_vision", question="What is on the page?")
+    assert shot["success"] is True and Path(shot["screenshot_path"]).stat().st_size > 1000
+    url = secret.url("/")
+    assert call_tool(ctx, "browser_navigate", url=url) == {
+        "error": f"browser_navigate: {url} resolves to a private address (127.0.0.1); refused"
+    }
+    pid = browser_process()
+    assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    assert browser.HOST.sandbox.describe().endswith(
+        "the whole of it in network and PID namespaces where it reaches only the egress proxy"
+    )
+    routes = Path(f"/proc/{pid}/net/route").read_text().splitlines()[1:]  # its namespace's IPv4 routes
+    links = [line.split(":")[0].strip() for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]]
+    assert routes == [] and links == ["lo"]
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        others = [a for a in host_addresses() if ":" not in a][:2]
+        said = as_browser(
+            pid, CONNECT.format(port=port).replace("sys.argv[1:]", repr(["127.0.0.1", *others]))
+        )
+        assert "connected" not in said, said
+        assert said.count("\n") == 1 + len(others)
+    assert secret.requests == []
+
+
+def test_a_root_worker_s_chromium_cannot_see_another_worker_s(
+    isolated_chromium, fake_web, tool_ctx, call_tool, tmp_path
+):
+    """Every worker's Chromium runs as the same nobody, and there is no Yama here: from one browser
+    process (as a page that broke out of a renderer) gdb attached to another worker's Chromium, its
+    /proc/<pid>/environ was open to read, and so was its profile (the pages' cache, cookies, storage).
+    Each Chromium has a PID namespace (and /proc) of its own: no other worker's process is there to see
+    or trace; and a temporary directory that holds its own profile only."""
+    import subprocess
+    import sys
+
+    assert call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))["success"] is True
+    pid = browser_process()
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import time\n"
+        "from batchrun.prompt.tools.browser import HOST\n"
+        "from batchrun.prompt.tools.config import browser_config\n"
+        "HOST.call(lambda: HOST.browser(browser_config()), 60)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    other = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    try:
+        assert other.stdout.readline().strip() == "up"
+        theirs = [p for p, _ in chromium_descendants() if p != pid and is_chromium_browser(p)]
+        assert len(theirs) == 1, "the other worker's Chromium is not running"
+        mine, their_profile = (profile_of(p) for p in (pid, theirs[0]))
+        assert os.path.dirname(mine) == os.path.dirname(their_profile) and os.path.isdir(their_profile)
+        seen = as_browser(
+            pid,
+            f"import os\nfor p in {[mine, their_profile]!r}: print(os.access(p, os.R_OK))\n"
+            f"print(os.listdir({os.path.dirname(mine)!r}))",
+        )
+        assert seen.splitlines() == ["True", "False", str([os.path.basename(mine)])]
+        said = as_browser(
+            pid,
+            f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for p in {theirs!r}:
+    print(p, os.path.exists(f"/proc/{{p}}"), libc.ptrace(16, p, 0, 0), ctypes.get_errno())  # PTRACE_ATTACH
+print(os.readlink("/proc/self/ns/pid"))
+""",
+        )
+        lines = said.splitlines()
+        assert lines[-1] != os.readlink("/proc/self/ns/pid")
+        assert lines[:-1] == [f"{p} False -1 3" for p in theirs]  # ESRCH: no such process
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_where_chromium_cannot_have_namespaces_of_its_own_the_run_says_so(
+    chromium_sandbox, fake_web, tool_ctx, call_tool, monkeypatch, caplog
+):
+    """A root worker that cannot make a network namespace (a container without CAP_SYS_ADMIN) starts
+    Chromium as before, in the host's namespaces, and the run's start and the worker's log say why."""
+    from batchrun.prompt.tools import browser_sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("the worker is not root: Chromium keeps the worker's namespaces")
+
+    def refused() -> int:
+        raise OSError(1, "unshare: Operation not permitted")
+
+    monkeypatch.setattr(browser_sandbox, "make_netns", refused)
+    browser_sandbox.plan.cache_clear()
+    try:
+        plan = browser_sandbox.plan()
+        assert plan.sandbox and not plan.isolated
+        assert plan.describe().endswith(
+            "its browser process in the host's network and PID namespaces (cannot make a network namespace: "
+            "[Errno 1] unshare: Operation not permitted)"
+        )
+        assert plan.describe().startswith("warning: ")
+        with caplog.at_level("WARNING", logger="batchrun.prompt.tools.browser"):
+            assert (
+                call_tool(tool_ctx(), "browser_navigate", url=fake_web.url("/"))["title"] == "Fake Site Home"
+            )
+        assert any("host's network and PID namespaces" in r.getMessage() for r in caplog.records)
+        assert os.readlink(f"/proc/{browser_process()}/ns/net") == os.readlink("/proc/self/ns/net")
+    finally:
+        browser.shutdown_browser()
+        browser_sandbox.plan.cache_clear()
+
+
+def profile_of(pid: int) -> str:
+    """The --user-data-dir of Chromium's browser process ``pid``."""
+    return re.search(r"--user-data-dir=(\S+)", process_state(pid)["cmdline"]).group(1)
+
+
+def is_chromium_browser(pid: int) -> bool:
+    """Whether ``pid`` is a Chromium browser process (False if it is none, or gone)."""
+    try:
+        return (
+            os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "chromium"
+            and process_state(pid)["type"] == "browser"
+        )
+    except OSError:
+        return False
+
+
 # ----------------------------------------------------------------------------- the worker's Chromium in a cgroup
 
 
@@ -848,7 +1039,8 @@ def test_chromium_runs_in_its_cgroup_which_goes_with_the_browser(
         members |= {int(p) for p in Path(d, "cgroup.procs").read_text().split()}
     chromium = {pid for pid, _ in chromium_descendants()}
     assert len(chromium) >= 2 and chromium <= members
-    assert all("chrom" in os.readlink(f"/proc/{pid}/exe") for pid in members)  # no sh is left
+    # no sh is left (a root worker's unshare waits for Chromium, browser_sandbox.isolate_command)
+    assert all(re.search(r"chrom|/unshare$", os.readlink(f"/proc/{pid}/exe")) for pid in members)
     mine = f"batch-runner-browser@{os.getpid()}"
     assert mine in run_cgroup_names()
     browser.shutdown_browser()

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # asyncio is imported where the browser runs: every run imports this module
     import asyncio
+    import socket
 
     from batchrun.prompt.sandboxes.local.limits import PromptCgroup
     from batchrun.prompt.tools.browser_sandbox import SandboxPlan
@@ -128,6 +129,9 @@ class BrowserHost:
         self.sandbox: SandboxPlan | None = (
             None  # how Chromium starts (browser_sandbox.plan), at its first start
         )
+        # Chromium's network namespace (browser_sandbox.make_netns; None: the host's), made at its first
+        # start; the prompts' egress proxies listen in it
+        self.netns_fd: int | None = None
 
     # -- the loop thread -------------------------------------------------------------------
 
@@ -147,6 +151,9 @@ class BrowserHost:
                 thread.start()
                 if self._pid != os.getpid():  # a forked child: the cgroup is its parent's browser's
                     self.cgroup = self.cgroup_problem = None
+                    if self.netns_fd is not None:  # and so is the network namespace: its copy goes
+                        os.close(self.netns_fd)
+                        self.netns_fd = None
                 self._loop, self._thread, self._pid = loop, thread, os.getpid()
                 self._playwright = self._browser = self._launching = None
                 _register_exit_hooks()
@@ -194,11 +201,18 @@ class BrowserHost:
                 self._playwright = await async_playwright().start()
             procs = self._chromium_cgroup(cfg)
             sandbox = self._sandbox_plan()
+            netns = None
+            if sandbox.isolated:
+                if self.netns_fd is None:
+                    from batchrun.prompt.tools.browser_sandbox import make_netns
+
+                    self.netns_fd = make_netns()
+                netns = f"/proc/{os.getpid()}/fd/{self.netns_fd}"
             with tempfile.TemporaryDirectory(prefix="batch-runner-chromium-") as tmp:
                 # Playwright's own flags turn Chromium's popup blocker off: a page calling
                 # window.open in a loop opened a tab every 200 ms (7 MB each, without end).
                 self._browser = await self._playwright.chromium.launch(
-                    executable_path=_limited_launcher(tmp, cfg, procs, sandbox.user),
+                    executable_path=_limited_launcher(tmp, cfg, procs, sandbox.user, netns),
                     headless=True,
                     args=[*BROWSER_FLAGS, *(() if sandbox.sandbox else ("--no-sandbox",))],
                     chromium_sandbox=sandbox.sandbox,
@@ -216,7 +230,7 @@ class BrowserHost:
 
         if self.sandbox is None:
             self.sandbox = plan()
-            if not self.sandbox.sandbox:
+            if not self.sandbox.sandbox or self.sandbox.isolation_problem:
                 log.warning("%s", self.sandbox.describe().removeprefix("warning: "))
         return self.sandbox
 
@@ -265,6 +279,9 @@ class BrowserHost:
             thread.join(timeout=5)
         loop.close()
         cgroup, self.cgroup, self.cgroup_problem, self.sandbox = self.cgroup, None, None, None
+        netns_fd, self.netns_fd = self.netns_fd, None
+        if netns_fd is not None:  # the namespace ends with the last of Chromium's processes
+            os.close(netns_fd)
         if cgroup is not None:  # what a close that failed or timed out left is ended with it
             from batchrun.prompt.tools.browser_cgroup import release
 
@@ -292,15 +309,22 @@ def browser_environment(environ: Any = None) -> dict[str, str]:
 
 
 def _limited_launcher(
-    directory: str, cfg: BrowserConfig, procs: Sequence[str] = (), user: tuple[int, int] | None = None
+    directory: str,
+    cfg: BrowserConfig,
+    procs: Sequence[str] = (),
+    user: tuple[int, int] | None = None,
+    netns: str | None = None,
 ) -> str:
     """A launcher in ``directory`` that moves itself into the cgroup whose ``cgroup.procs`` files are
     ``procs`` and starts ``cfg.executable`` under RLIMIT_DATA of ``cfg.memory_mb``: every process Chromium
     forks is born in the cgroup and inherits the limit (see ``BROWSER_MEMORY_MB``). With ``user`` (a root
     worker, browser_sandbox.py) it gives Playwright's profile directory to that uid and gid, makes it
     Chromium's home and temporary directory (root's are not its), and execs Chromium through setpriv as
-    them. Only needed until exec (the shell becomes Chromium: no process of its own is left)."""
-    from batchrun.prompt.tools.browser_sandbox import drop_command
+    them. With ``netns`` (a root worker's, browser_sandbox.make_netns) Chromium starts in that network
+    namespace and in PID and mount namespaces of its own (browser_sandbox.isolate_command: the shell
+    becomes the unshare whose child is Chromium). Only needed until exec (the shell becomes Chromium or that
+    unshare: no process of its own is left)."""
+    from batchrun.prompt.tools.browser_sandbox import drop_command, isolate_command
 
     path = os.path.join(directory, "chromium")
     enter = "".join(f"echo $$ > {shlex.quote(p)} || exit 1\n" for p in procs)
@@ -314,6 +338,8 @@ def _limited_launcher(
             "unset XDG_CONFIG_HOME XDG_CACHE_HOME XDG_DATA_HOME XDG_STATE_HOME XDG_RUNTIME_DIR\n"
         )
         drop = " ".join(shlex.quote(a) for a in drop_command(user)) + " "
+    if netns is not None:
+        drop = " ".join(shlex.quote(a) for a in isolate_command(netns)) + ' "$profile" ' + drop
     with open(path, "w") as f:
         f.write(
             f"#!/bin/sh\n{enter}ulimit -d {cfg.memory_mb * 1024} || exit 1\n"
@@ -391,6 +417,7 @@ class BrowserSession:
         self._too_many_told = False
         self._crashed: list[Any] = []  # pages whose renderer died
         self.guard: AddressGuard | None = None if cfg.allow_private else AddressGuard()
+        self._routed = self.guard is not None  # the context's requests are checked (context.route)
         self._proxy: EgressProxy | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -403,16 +430,20 @@ class BrowserSession:
             browser = await self.host.browser(self.cfg)
             w, h = self.cfg.viewport
             options: dict[str, Any] = {}
+            if self.guard is None and self.host.netns_fd is not None:
+                # Chromium has no network but the way to the proxy: it carries the context's requests,
+                # private addresses allowed (WEB_ALLOW_PRIVATE_ADDRESSES)
+                self.guard = AddressGuard(allow_private=True)
             if self.guard is not None:
                 if self._proxy is None:
                     self._proxy = EgressProxy(self.guard)
-                    await self._proxy.start()
+                    await self._proxy.start(self._proxy_socket())
                 # Playwright adds "<-loopback>": loopback addresses go through the proxy too.
                 options["proxy"] = {"server": self._proxy.url}
             self.context = await browser.new_context(
                 viewport={"width": w, "height": h}, accept_downloads=False, service_workers="block", **options
             )
-            if self.guard is not None:
+            if self._routed:
                 await self.context.route("**/*", self._route)
             self.context.set_default_timeout(self.cfg.action_timeout_s * 1000)
             self.context.set_default_navigation_timeout(self.cfg.nav_timeout_s * 1000)
@@ -443,6 +474,14 @@ class BrowserSession:
         if not navigating and self.page.url in ("", "about:blank"):
             raise BrowserToolError("no page is open yet: call browser_navigate first")
         return self.page
+
+    def _proxy_socket(self) -> socket.socket | None:
+        """Where the egress proxy listens: on 127.0.0.1 in Chromium's network namespace (None: the host's)."""
+        if self.host.netns_fd is None:
+            return None
+        from batchrun.prompt.tools.browser_sandbox import listen_in
+
+        return listen_in(self.host.netns_fd)
 
     def _on_new_page(self, page: Any) -> None:
         """A tab the page opened (window.open, a link to a new tab): followed, up to MAX_PAGES open."""

@@ -10,6 +10,7 @@ checked, so redirect hops, WebSockets and DNS rebinding meet the same check (see
 from __future__ import annotations
 
 import collections
+import socket
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,14 @@ def refusal_message(tool: str, url: str, ip: str, via: str | None = None) -> str
     return f"{tool}: {url} resolves to a private address ({ip}); refused"
 
 
+def _resolve_any(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo`` (TCP) for ``host``, whatever its addresses (WEB_ALLOW_PRIVATE_ADDRESSES)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"{host} has no address")
+    return infos
+
+
 def _host_port(url: str) -> tuple[str, int] | None:
     parts = urllib.parse.urlsplit(url)
     try:
@@ -49,7 +58,10 @@ def _host_port(url: str) -> tuple[str, int] | None:
 class AddressGuard:
     """One prompt's address checks (on the browser loop) and the requests it refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, allow_private: bool = False) -> None:
+        # WEB_ALLOW_PRIVATE_ADDRESSES: nothing refused; the proxy still carries the context's requests
+        # where Chromium has no network but the way to it (browser_sandbox.py)
+        self.allow_private = allow_private
         # (number, url or host:port, address or net::ERR_... code), the latest MAX_LOGGED of each
         self.refused: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=MAX_LOGGED)
         self.failed: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=MAX_LOGGED)
@@ -75,6 +87,8 @@ class AddressGuard:
         import asyncio
 
         loop = asyncio.get_running_loop()
+        if self.allow_private:
+            return await loop.run_in_executor(None, _resolve_any, host, port)
         return await loop.run_in_executor(None, web.resolve_public, host, port)
 
     async def private_ip(self, url: str) -> str | None:
@@ -83,6 +97,8 @@ class AddressGuard:
         are kept a little while; the proxy checks every connection regardless."""
         import asyncio
 
+        if self.allow_private:
+            return None
         where = _host_port(url)
         if where is None:
             return ""
@@ -122,10 +138,15 @@ class EgressProxy:
         assert self.server is not None
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on 127.0.0.1, or on ``sock`` (listening on 127.0.0.1 in Chromium's own network
+        namespace, browser_sandbox.listen_in)."""
         import asyncio
 
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=_PROXY_HEAD_LIMIT)
+        if sock is not None:
+            self.server = await asyncio.start_server(self._serve, sock=sock, limit=_PROXY_HEAD_LIMIT)
+        else:
+            self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=_PROXY_HEAD_LIMIT)
 
     async def close(self) -> None:
         server, self.server = self.server, None

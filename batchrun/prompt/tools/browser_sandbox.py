@@ -8,8 +8,19 @@ the GPU process) in user, PID and network namespaces of their own under a seccom
 
 Chromium refuses its sandbox as root, so a root worker starts it as ``BROWSER_UID``:``BROWSER_GID``
 (nobody), without capabilities or supplementary groups and with no_new_privs (``setpriv``, in the
-launcher): then even the browser process, which keeps the host's network namespace to reach the egress
-proxy, holds nothing of root's. A worker that is not root keeps its own user.
+launcher): then even the browser process holds nothing of root's. A worker that is not root keeps its
+own user.
+
+The browser process and its network service stayed in the host's network and PID namespaces: a page
+that broke out of a renderer into them connected to any service on 127.0.0.1 (and the host's other
+addresses) past the egress proxy, and, as the same nobody as every other worker's Chromium with no Yama
+here, attached gdb to another worker's browser and read its pages. A root worker therefore starts the
+whole of Chromium (:func:`isolate_command`, in the launcher) in a network namespace it made
+(:func:`make_netns`) that holds only its loopback, on which the worker listens for each prompt's egress
+proxy (:func:`listen_in`): no other address, no route, no DNS (Chromium asks the proxy for names); in
+a PID namespace of its own, with its own /proc, where no other process is to be seen; and in a mount
+namespace of its own where the temporary directory holds its own profile only: every worker's profile
+(its pages' cache, cookies and storage) belongs to the same nobody.
 
 The sandbox needs user namespaces for that user: a root-run Docker container's default seccomp profile,
 a kernel or AppArmor policy, may refuse them. :func:`plan` tries one, once per process; where that is
@@ -19,12 +30,17 @@ still if it cannot change user, and the run's start and the worker's log say why
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from batchrun.prompt.tools.config import BROWSER_GID, BROWSER_UID
 
@@ -36,15 +52,30 @@ class SandboxPlan:
     sandbox: bool  # Chromium's own sandbox on (no --no-sandbox)
     user: tuple[int, int] | None  # (uid, gid) the launcher switches to; None: the worker's own
     problem: str | None = None  # why the sandbox is off (None when it is on)
+    # A root worker's Chromium, all of it, in network and PID namespaces of its own (isolate_command);
+    # ``isolation_problem`` says why not where it could not be
+    isolated: bool = False
+    isolation_problem: str | None = None
 
     def describe(self) -> str:
         """One line for the start of a run."""
         who = f"uid {self.user[0]}" if self.user else f"the runner's uid {os.geteuid()}"
         if self.sandbox:
-            return (
+            line = (
                 f"Browser sandbox: Chromium runs as {who}, its renderers in user, PID and network namespaces "
                 "of their own under seccomp-bpf"
             )
+            if self.isolated:
+                return (
+                    line
+                    + "; the whole of it in network and PID namespaces where it reaches only the egress proxy"
+                )
+            if self.isolation_problem:
+                return (
+                    f"warning: {line}; its browser process in the host's network and PID namespaces "
+                    f"({self.isolation_problem})"
+                )
+            return line
         return (
             f"warning: Browser sandbox: OFF ({self.problem}): Chromium runs as {who} with --no-sandbox, "
             "a page that exploits its renderer runs there with that user's access to this host"
@@ -88,6 +119,113 @@ def drop_command(user: tuple[int, int]) -> list[str]:
     ]
 
 
+_T = TypeVar("_T")
+_CLONE_NEWNET = 0x40000000  # netlink.CLONE_NEWNET (that module is loaded only when a namespace is made)
+
+
+def _in_netns(netns_fd: int | None, make: Callable[[], _T]) -> _T:
+    """``make()`` on a thread of its own in the network namespace ``netns_fd`` (None: a new one, which
+    then holds ``make``'s result's sockets), as network_hub.py does; the thread ends after."""
+    got: list[object] = []
+
+    def run() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if (
+                libc.unshare(_CLONE_NEWNET) if netns_fd is None else libc.setns(netns_fd, _CLONE_NEWNET)
+            ) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"{'unshare' if netns_fd is None else 'setns'}: {os.strerror(err)}")
+            got.append(make())
+        except BaseException as exc:  # handed to the caller
+            got.append(exc)
+
+    thread = threading.Thread(target=run, name="browser-netns", daemon=True)
+    thread.start()
+    thread.join()
+    if not got or isinstance(got[0], BaseException):
+        raise got[0] if got and isinstance(got[0], OSError) else OSError(str(got[0] if got else "no result"))
+    return got[0]  # type: ignore[return-value]
+
+
+def make_netns() -> int:
+    """A descriptor of a new network namespace with only its loopback, up (root only): Chromium's."""
+    from batchrun.prompt.sandboxes.local.netlink import exchange
+    from batchrun.prompt.sandboxes.local.network_hub import _up_message
+
+    def make() -> int:
+        fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 0) as sock:
+                sock.bind((0, 0))
+                sock.settimeout(10)
+                exchange(sock, [_up_message(1, 1)])  # lo
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    return _in_netns(None, make)
+
+
+def listen_in(netns_fd: int) -> socket.socket:
+    """A socket listening on 127.0.0.1 (a free port) inside the network namespace ``netns_fd``."""
+
+    def make() -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return _in_netns(netns_fd, make)
+
+
+# Run by the isolate_command's shell, as root in Chromium's new mount namespace (private: nothing is seen
+# outside it), with the profile directory and then the command: the directory that holds the profile (the
+# temporary directory, where every worker's Chromium has its profile, all owned by the same nobody) is
+# covered by an empty tmpfs, and the profile alone is put back on it (bound from the shell's working
+# directory, which is the profile underneath).
+_HIDE_OTHER_PROFILES = (
+    "profile=$1; shift; parent=${profile%/*}\n"
+    'if [ -n "$parent" ]; then\n'
+    '  cd "$profile" && mount -t tmpfs -o size=64k,mode=755,nosuid,nodev,noexec tmpfs "$parent" &&\n'
+    '    mkdir "$profile" && mount --no-canonicalize --bind . "$profile" && cd / || exit 1\n'
+    "fi\n"
+    'exec "$@"\n'
+)
+
+
+def isolate_command(netns_path: str) -> list[str]:
+    """What the launcher execs Chromium through, followed by Chromium's profile directory and then the rest
+    of the command: to enter the network namespace at ``netns_path``, and a PID namespace (with its own
+    /proc) and a mount namespace (where no other worker's profile is to be seen) of its own. unshare stays
+    as the process Playwright started, Chromium its child (PID 1 there): killed with it (--kill-child), and
+    ending every process of the namespace when it ends; the pipe Playwright talks on (fds 3 and 4) passes
+    through."""
+    nsenter = shutil.which("nsenter") or "nsenter"
+    unshare = shutil.which("unshare") or "unshare"
+    return [
+        nsenter,
+        f"--net={netns_path}",
+        "--",
+        unshare,
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--",
+        "/bin/sh",
+        "-c",
+        _HIDE_OTHER_PROFILES,
+        "sh",
+    ]
+
+
 @functools.lru_cache(maxsize=1)
 def plan() -> SandboxPlan:
     """How Chromium starts here (tried once per process; the answer does not change within a run)."""
@@ -109,4 +247,33 @@ def plan() -> SandboxPlan:
             sandbox=False, user=None, problem=f"uid {user[0]} cannot enter the temporary directory {tmp}"
         )
     problem = _probe(drop)
-    return SandboxPlan(sandbox=problem is None, user=user, problem=problem)
+    if problem is not None:
+        return SandboxPlan(sandbox=False, user=user, problem=problem)
+    isolation_problem = _isolation_probe(drop, user)
+    return SandboxPlan(
+        sandbox=True, user=user, isolated=isolation_problem is None, isolation_problem=isolation_problem
+    )
+
+
+def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
+    """None if the launcher can start Chromium through isolate_command here, else why not."""
+    try:
+        fd = make_netns()
+    except OSError as exc:
+        return f"cannot make a network namespace: {exc}"
+    try:
+        profile = (
+            tempfile.mkdtemp()
+        )  # where Playwright makes Chromium's profile (the launcher gives it to user)
+        try:
+            os.chown(profile, *user)
+            said = _run(
+                [*isolate_command(f"/proc/{os.getpid()}/fd/{fd}"), profile, *drop, "test", "-w", profile]
+            )
+        finally:
+            os.rmdir(profile)
+    except OSError as exc:
+        said = str(exc)
+    finally:
+        os.close(fd)
+    return None if said is None else f"cannot enter namespaces of its own: {said}"
