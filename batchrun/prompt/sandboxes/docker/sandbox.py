@@ -66,6 +66,7 @@ from batchrun.prompt.sandboxes.base import (
     run_share,
     safe_run_name,
 )
+from batchrun.prompt.sandboxes.docker import frozen_guard
 from batchrun.prompt.sandboxes.docker.disk_watch import disk_watch
 from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
@@ -679,6 +680,9 @@ class DockerSandbox(SandboxBackend):
             spared = " ".join(str(pid) for pid in self._base_pids)
             deadline = time.monotonic() + timeout_s
             self._frozen = True  # from here on: a later run continues them first, stop ends them
+            # Stopped, its cat reads no end of the stream: should this process die before the hold
+            # below exists, the guard removes it.
+            frozen_guard.hold(self.container_id)
             reaped = False  # PID 1 continued once to reap what was killed: a working init reaps it all
             for _ in range(FREEZE_ATTEMPTS + 1):
                 self._signal_init("SIGSTOP")
@@ -740,6 +744,8 @@ class DockerSandbox(SandboxBackend):
             finally:
                 server.close_stream(hold)
         self._signal_init("SIGCONT")
+        if self.container_id is not None:
+            frozen_guard.release(self.container_id)
 
     def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
         """One request to the server; None when the container ended before its first command did anything."""
@@ -882,6 +888,7 @@ class DockerSandbox(SandboxBackend):
             channel.close()  # EOF for the server: a container that runs ends itself now
         # One call that returns once the engine removed it (no kill from here, no 409 to poll out).
         if container_id is not None and serving and _removed_by_itself(container_id):
+            frozen_guard.release(container_id)
             return
         if container_id is not None:
             try:
@@ -895,6 +902,7 @@ class DockerSandbox(SandboxBackend):
                     log.warning("could not remove container %s: %s", container_id[:12], exc)
             except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
                 log.warning("could not remove container %s: %s", container_id[:12], exc)
+            frozen_guard.release(container_id)
 
     def _exec(self, command: str, token: str, user: str = "", judged: bool = False) -> tuple[str, object]:
         api = docker_client().api
