@@ -713,6 +713,19 @@ def test_tmpfs_disk_cap_stops_a_container_that_writes_past_it_outside_the_workin
 
 
 @pytest.mark.docker
+def test_tmpfs_disk_cap_stopping_a_container_while_it_is_judged_fails_the_prompt_saying_so(docker_box):
+    """A verify command past the cap: the watch killed the container and the sample was judged
+    failed, "verify: exit 137", as if its answer were wrong; now the prompt fails naming the cap, as
+    for the agent's commands, and runs again on resume."""
+    box = docker_box(index=49, options={"disk_cap": "tmpfs", "disk_mb": 32})
+    assert box.end_processes(30) is None
+    with pytest.raises(SandboxError, match="past the disk cap of 32 MiB"):
+        box.run_judged(
+            "dd if=/dev/zero of=/tmp/big bs=1M count=400 2>/dev/null; sleep 5; exit 0", timeout_s=60
+        )
+
+
+@pytest.mark.docker
 def test_tmpfs_disk_cap_holds_an_anonymous_volume_of_the_image_too(docker_box, docker_test_image):
     """A directory the image declares a VOLUME is an anonymous volume on the engine's disk, which the
     tmpfs cap did not hold (the image's VOLUME /data took 300 MiB past a 32 MiB cap)."""

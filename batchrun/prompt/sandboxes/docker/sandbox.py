@@ -859,6 +859,10 @@ class DockerSandbox(SandboxBackend):
         finally:
             stream.close()
             sock.close()
+        if self._over_cap is not None:  # the disk watch killed it meanwhile: no verdict, what it said
+            raise SandboxError(
+                f"docker container of prompt {self.spec.prompt_index} is gone: {self._over_cap}"
+            )
         output, truncated = scanner.buf.result()
         if finished and not judged and exit_code is None:  # a killed shell printed no marker: the engine's
             code = self._engine_exit_code(exec_id, time.monotonic() + KILLED_SHELL_WAIT_S)
