@@ -531,6 +531,42 @@ def test_a_container_whose_sh_cannot_run_fails_its_start_once_naming_the_image(n
 
 
 @pytest.mark.docker
+def test_a_start_that_finds_no_sh_in_an_image_that_ran_sh_is_tried_again(
+    docker_test_image, monkeypatch, tmp_path
+):
+    """Under load the engine now and then starts a container whose docker-init says "exec sh failed: No
+    such file or directory" although its image has sh (two runs at once, fresh images: 3 to 11 of a
+    run's 30 prompts). Such a start was final and its prompt failed; an image that ran the start's
+    probe is tried again (the engine's fault played here by one container of an image without sh)."""
+    from docker.models.containers import ContainerCollection
+
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, docker_client, ensure_images
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ensure_images([docker_test_image], progress=lambda _: None, pull=False) == {
+        docker_test_image: None
+    }
+    bad = _image_without_sh()
+    real_create, images = ContainerCollection.create, []
+
+    def create(self, image, *args, **kwargs):
+        if kwargs.get("labels", {}).get("batch_runner.prompt_index") == "61":  # the prompt's containers
+            images.append(image)
+            image = bad if len(images) == 1 else image
+        return real_create(self, image, *args, **kwargs)
+
+    monkeypatch.setattr(ContainerCollection, "create", create)
+    box = DockerSandbox(SandboxSpec(RUN, 61, network=False), default_image=docker_test_image)
+    try:
+        box.start()
+        assert box.run("echo ok", timeout_s=30).output == "ok\n"
+        assert images == [docker_test_image, docker_test_image]
+    finally:
+        box.stop()
+        docker_client().images.remove(bad, force=True)
+
+
+@pytest.mark.docker
 def test_sweep_removes_containers_of_dead_owners_of_any_run_and_nothing_else(docker_box, docker_test_image):
     from batchrun.prompt.sandboxes.docker.sandbox import default_owner, docker_client, sweep_containers
 

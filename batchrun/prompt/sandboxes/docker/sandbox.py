@@ -74,6 +74,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_RUN,
     NO_SH,
     NOT_PULLED,
+    _read_runnable,
     check_engine,
     default_owner,
     docker_client,
@@ -122,6 +123,7 @@ DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 HUB_DNS = "10.0.2.3"
 START_ATTEMPTS = 5  # containers tried per start before the prompt fails
 START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
+_served_images: set[str] = set()  # images a container of which served commands in this process
 FREEZE_ATTEMPTS = (
     5  # end_processes: PID 1 stopped from the host, then the rest, while a process of the agent continues it
 )
@@ -417,6 +419,7 @@ class DockerSandbox(SandboxBackend):
                     self._connect_network(hub, container.id)
                 self._start_server()
                 self._serving = True
+                _served_images.add(self.image)
                 break
             except ImageNotFound as exc:
                 self.stop()
@@ -425,6 +428,8 @@ class DockerSandbox(SandboxBackend):
                 ) from exc
             except (DockerException, OSError, SandboxError) as exc:
                 ended, final = self._why_it_ended(exc)
+                if final and self._image_ran_sh():
+                    final = False  # a fault of the engine's, not the image's: tried again
                 self.stop()
                 if final or attempt == START_ATTEMPTS:
                     raise SandboxError(
@@ -445,6 +450,20 @@ class DockerSandbox(SandboxBackend):
         self._broken = None
         self._frozen = False
         self._hold = None
+
+    def _image_ran_sh(self) -> bool:
+        """Whether a container of this image ran its sh on this engine: its ID passed the start's probe
+        (the runnable cache) or one served commands in this process. Under load (two runs starting
+        containers at once, fresh images) the engine now and then starts one whose docker-init says
+        "exec sh failed: No such file or directory" (exit code 127) although its image has sh: up to 11
+        of a run's 30 prompts failed so, their start not tried again."""
+        if self.image in _served_images:
+            return True
+        try:
+            image_id = docker_client().images.get(self.image).id
+        except DockerException:
+            return False
+        return image_id in _read_runnable()
 
     def _why_it_ended(self, exc: Exception) -> tuple[str | None, bool]:
         """After a failed start attempt (``exc``): why, when the container ended by itself or could not
