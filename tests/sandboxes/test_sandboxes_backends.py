@@ -476,6 +476,23 @@ def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnab
         client.images.remove(bad, force=True)
 
 
+def test_the_runnable_cache_write_removes_what_killed_writers_left(tmp_path, monkeypatch):
+    """A runner killed while it wrote the cache of runnable images left its temp file there (a whole
+    copy, up to ~300 KiB) for good: 11 of them after 80 kills of two writers. The next write removes
+    those of dead writers; the cache itself was never damaged (replaced whole)."""
+    from batchrun.prompt.sandboxes.docker import engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "batch-runner"
+    folder.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (folder / f".docker-images-runnable.json.{dead.pid}.tmp").write_text('{"probe": "')
+    engine._remember_runnable(["sha256:" + "a" * 64])
+    assert sorted(p.name for p in folder.iterdir()) == ["docker-images-runnable.json"]
+    assert list(engine._read_runnable()) == ["sha256:" + "a" * 64]
+
+
 @pytest.mark.docker
 def test_an_image_whose_sh_has_no_sleep_is_not_available(docker_engine, tmp_path, monkeypatch):
     """dash and cat with their libc, no coreutils: the boot script's sleeper (the lifetime bound) failed at
