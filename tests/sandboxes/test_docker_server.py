@@ -144,13 +144,19 @@ if sys.argv[3] == "judging":  # the container's processes stopped, for a verify 
     box.run("sleep 2000 &", timeout_s=60)
     assert box.end_processes(60) is None
     box.run_judged("sleep 3000", timeout_s=3600)
+if sys.argv[3] == "freezing":  # killed after its processes were stopped, before anything holds them
+    import os
+    box.run("sleep 2000 &", timeout_s=60)
+    DockerSandbox._hold_stopped = lambda self, spared: os.kill(os.getpid(), 9)
+    box.end_processes(60)
 box.run("sleep 3000", timeout_s=3600)
 """
 
 
-@pytest.mark.parametrize("during", ["command", "judging"])
+@pytest.mark.parametrize("during", ["command", "judging", "freezing"])
 def test_container_ends_when_its_runner_dies_in_the_middle_of_a_command(docker_test_image: str, during: str):
-    """Also while a sample is judged, when every process but the judge's is stopped (end_processes)."""
+    """Also while a sample is judged, when every process but the judge's is stopped (end_processes),
+    and while they are being stopped, before an exec holds them (its end would continue them)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, RUN, docker_test_image, during], stdout=subprocess.PIPE, text=True
     )
@@ -158,9 +164,12 @@ def test_container_ends_when_its_runner_dies_in_the_middle_of_a_command(docker_t
     try:
         container_id = proc.stdout.readline().strip()
         assert container_id
-        assert wait_until(lambda: "sleep 3000" in _top(container_id), timeout_s=60)
-        proc.kill()  # SIGKILL: no finally, no stop(); the command has an hour to go
-        proc.wait()
+        if during == "freezing":
+            proc.wait(timeout=120)  # it killed itself, its container's processes stopped
+        else:
+            assert wait_until(lambda: "sleep 3000" in _top(container_id), timeout_s=60)
+            proc.kill()  # SIGKILL: no finally, no stop(); the command has an hour to go
+            proc.wait()
         assert wait_until(lambda: not _exists(container_id), timeout_s=60)  # ended and removed itself
         assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=1") == []
     finally:

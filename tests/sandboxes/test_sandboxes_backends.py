@@ -476,6 +476,23 @@ def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnab
         client.images.remove(bad, force=True)
 
 
+def test_the_runnable_cache_write_removes_what_killed_writers_left(tmp_path, monkeypatch):
+    """A runner killed while it wrote the cache of runnable images left its temp file there (a whole
+    copy, up to ~300 KiB) for good: 11 of them after 80 kills of two writers. The next write removes
+    those of dead writers; the cache itself was never damaged (replaced whole)."""
+    from batchrun.prompt.sandboxes.docker import engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "batch-runner"
+    folder.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (folder / f".docker-images-runnable.json.{dead.pid}.tmp").write_text('{"probe": "')
+    engine._remember_runnable(["sha256:" + "a" * 64])
+    assert sorted(p.name for p in folder.iterdir()) == ["docker-images-runnable.json"]
+    assert list(engine._read_runnable()) == ["sha256:" + "a" * 64]
+
+
 @pytest.mark.docker
 def test_an_image_whose_sh_has_no_sleep_is_not_available(docker_engine, tmp_path, monkeypatch):
     """dash and cat with their libc, no coreutils: the boot script's sleeper (the lifetime bound) failed at
@@ -525,6 +542,42 @@ def test_a_container_whose_sh_cannot_run_fails_its_start_once_naming_the_image(n
         said = str(raised.value)
         assert "did not start (1 attempt)" in said
         assert f"image '{bad}' has no sh: the runner's command server needs sh and cat" in said
+    finally:
+        box.stop()
+        docker_client().images.remove(bad, force=True)
+
+
+@pytest.mark.docker
+def test_a_start_that_finds_no_sh_in_an_image_that_ran_sh_is_tried_again(
+    docker_test_image, monkeypatch, tmp_path
+):
+    """Under load the engine now and then starts a container whose docker-init says "exec sh failed: No
+    such file or directory" although its image has sh (two runs at once, fresh images: 3 to 11 of a
+    run's 30 prompts). Such a start was final and its prompt failed; an image that ran the start's
+    probe is tried again (the engine's fault played here by one container of an image without sh)."""
+    from docker.models.containers import ContainerCollection
+
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, docker_client, ensure_images
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ensure_images([docker_test_image], progress=lambda _: None, pull=False) == {
+        docker_test_image: None
+    }
+    bad = _image_without_sh()
+    real_create, images = ContainerCollection.create, []
+
+    def create(self, image, *args, **kwargs):
+        if kwargs.get("labels", {}).get("batch_runner.prompt_index") == "61":  # the prompt's containers
+            images.append(image)
+            image = bad if len(images) == 1 else image
+        return real_create(self, image, *args, **kwargs)
+
+    monkeypatch.setattr(ContainerCollection, "create", create)
+    box = DockerSandbox(SandboxSpec(RUN, 61, network=False), default_image=docker_test_image)
+    try:
+        box.start()
+        assert box.run("echo ok", timeout_s=30).output == "ok\n"
+        assert images == [docker_test_image, docker_test_image]
     finally:
         box.stop()
         docker_client().images.remove(bad, force=True)
@@ -710,6 +763,19 @@ def test_tmpfs_disk_cap_stops_a_container_that_writes_past_it_outside_the_workin
         over.run_judged("echo verify", timeout_s=10)
     time.sleep(0.5)  # a few looks of the watch later
     assert under.run("wc -c < /root/keep", timeout_s=10).output == f"{16 << 20}\n"
+
+
+@pytest.mark.docker
+def test_tmpfs_disk_cap_stopping_a_container_while_it_is_judged_fails_the_prompt_saying_so(docker_box):
+    """A verify command past the cap: the watch killed the container and the sample was judged
+    failed, "verify: exit 137", as if its answer were wrong; now the prompt fails naming the cap, as
+    for the agent's commands, and runs again on resume."""
+    box = docker_box(index=49, options={"disk_cap": "tmpfs", "disk_mb": 32})
+    assert box.end_processes(30) is None
+    with pytest.raises(SandboxError, match="past the disk cap of 32 MiB"):
+        box.run_judged(
+            "dd if=/dev/zero of=/tmp/big bs=1M count=400 2>/dev/null; sleep 5; exit 0", timeout_s=60
+        )
 
 
 @pytest.mark.docker

@@ -23,7 +23,7 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
 from batchrun.prompt.sandboxes.base import SandboxError
-from batchrun.storage import pid_alive, read_json_object, write_text_atomic
+from batchrun.storage import pid_alive, read_json_object, remove_stale_temp_files, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +246,7 @@ def _remember_runnable(image_ids: list[str]) -> None:
     kept = dict(sorted(ids.items(), key=lambda kv: kv[1])[-RUNNABLE_CACHE_MAX:])
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        remove_stale_temp_files(path.parent)  # a copy of the cache (~300 KiB) per runner killed writing it
         write_text_atomic(path, json.dumps({"probe": PROBE_SCRIPT, "runnable": kept}))
     except OSError as exc:
         log.info("could not keep the runnable images in %s: %s", path, exc)

@@ -66,6 +66,7 @@ from batchrun.prompt.sandboxes.base import (
     run_share,
     safe_run_name,
 )
+from batchrun.prompt.sandboxes.docker import frozen_guard
 from batchrun.prompt.sandboxes.docker.disk_watch import disk_watch
 from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_INDEX,
@@ -73,6 +74,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_RUN,
     NO_SH,
     NOT_PULLED,
+    _read_runnable,
     check_engine,
     default_owner,
     docker_client,
@@ -121,6 +123,7 @@ DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 HUB_DNS = "10.0.2.3"
 START_ATTEMPTS = 5  # containers tried per start before the prompt fails
 START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
+_served_images: set[str] = set()  # images a container of which served commands in this process
 FREEZE_ATTEMPTS = (
     5  # end_processes: PID 1 stopped from the host, then the rest, while a process of the agent continues it
 )
@@ -416,6 +419,7 @@ class DockerSandbox(SandboxBackend):
                     self._connect_network(hub, container.id)
                 self._start_server()
                 self._serving = True
+                _served_images.add(self.image)
                 break
             except ImageNotFound as exc:
                 self.stop()
@@ -424,6 +428,8 @@ class DockerSandbox(SandboxBackend):
                 ) from exc
             except (DockerException, OSError, SandboxError) as exc:
                 ended, final = self._why_it_ended(exc)
+                if final and self._image_ran_sh():
+                    final = False  # a fault of the engine's, not the image's: tried again
                 self.stop()
                 if final or attempt == START_ATTEMPTS:
                     raise SandboxError(
@@ -444,6 +450,20 @@ class DockerSandbox(SandboxBackend):
         self._broken = None
         self._frozen = False
         self._hold = None
+
+    def _image_ran_sh(self) -> bool:
+        """Whether a container of this image ran its sh on this engine: its ID passed the start's probe
+        (the runnable cache) or one served commands in this process. Under load (two runs starting
+        containers at once, fresh images) the engine now and then starts one whose docker-init says
+        "exec sh failed: No such file or directory" (exit code 127) although its image has sh: up to 11
+        of a run's 30 prompts failed so, their start not tried again."""
+        if self.image in _served_images:
+            return True
+        try:
+            image_id = docker_client().images.get(self.image).id
+        except DockerException:
+            return False
+        return image_id in _read_runnable()
 
     def _why_it_ended(self, exc: Exception) -> tuple[str | None, bool]:
         """After a failed start attempt (``exc``): why, when the container ended by itself or could not
@@ -679,6 +699,9 @@ class DockerSandbox(SandboxBackend):
             spared = " ".join(str(pid) for pid in self._base_pids)
             deadline = time.monotonic() + timeout_s
             self._frozen = True  # from here on: a later run continues them first, stop ends them
+            # Stopped, its cat reads no end of the stream: should this process die before the hold
+            # below exists, the guard removes it.
+            frozen_guard.hold(self.container_id)
             reaped = False  # PID 1 continued once to reap what was killed: a working init reaps it all
             for _ in range(FREEZE_ATTEMPTS + 1):
                 self._signal_init("SIGSTOP")
@@ -740,6 +763,8 @@ class DockerSandbox(SandboxBackend):
             finally:
                 server.close_stream(hold)
         self._signal_init("SIGCONT")
+        if self.container_id is not None:
+            frozen_guard.release(self.container_id)
 
     def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
         """One request to the server; None when the container ended before its first command did anything."""
@@ -853,6 +878,10 @@ class DockerSandbox(SandboxBackend):
         finally:
             stream.close()
             sock.close()
+        if self._over_cap is not None:  # the disk watch killed it meanwhile: no verdict, what it said
+            raise SandboxError(
+                f"docker container of prompt {self.spec.prompt_index} is gone: {self._over_cap}"
+            )
         output, truncated = scanner.buf.result()
         if finished and not judged and exit_code is None:  # a killed shell printed no marker: the engine's
             code = self._engine_exit_code(exec_id, time.monotonic() + KILLED_SHELL_WAIT_S)
@@ -882,6 +911,7 @@ class DockerSandbox(SandboxBackend):
             channel.close()  # EOF for the server: a container that runs ends itself now
         # One call that returns once the engine removed it (no kill from here, no 409 to poll out).
         if container_id is not None and serving and _removed_by_itself(container_id):
+            frozen_guard.release(container_id)
             return
         if container_id is not None:
             try:
@@ -895,6 +925,7 @@ class DockerSandbox(SandboxBackend):
                     log.warning("could not remove container %s: %s", container_id[:12], exc)
             except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
                 log.warning("could not remove container %s: %s", container_id[:12], exc)
+            frozen_guard.release(container_id)
 
     def _exec(self, command: str, token: str, user: str = "", judged: bool = False) -> tuple[str, object]:
         api = docker_client().api
