@@ -30,17 +30,13 @@ still if it cannot change user, and the run's start and the worker's log say why
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from batchrun.prompt.tools.config import BROWSER_GID, BROWSER_UID
 
@@ -119,44 +115,15 @@ def drop_command(user: tuple[int, int]) -> list[str]:
     ]
 
 
-_T = TypeVar("_T")
-_CLONE_NEWNET = 0x40000000  # netlink.CLONE_NEWNET (that module is loaded only when a namespace is made)
-
-
-def _in_netns(netns_fd: int | None, make: Callable[[], _T]) -> _T:
-    """``make()`` on a thread of its own in the network namespace ``netns_fd`` (None: a new one, which
-    then holds ``make``'s result's sockets), as network_hub.py does; the thread ends after."""
-    got: list[object] = []
-
-    def run() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if (
-                libc.unshare(_CLONE_NEWNET) if netns_fd is None else libc.setns(netns_fd, _CLONE_NEWNET)
-            ) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"{'unshare' if netns_fd is None else 'setns'}: {os.strerror(err)}")
-            got.append(make())
-        except BaseException as exc:  # handed to the caller
-            got.append(exc)
-
-    thread = threading.Thread(target=run, name="browser-netns", daemon=True)
-    thread.start()
-    thread.join()
-    if not got or isinstance(got[0], BaseException):
-        raise got[0] if got and isinstance(got[0], OSError) else OSError(str(got[0] if got else "no result"))
-    return got[0]  # type: ignore[return-value]
-
-
 def make_netns() -> int:
     """A descriptor of a new network namespace with only its loopback, up (root only): Chromium's."""
-    from batchrun.prompt.sandboxes.local.netlink import exchange
+    from batchrun.prompt.sandboxes.local.netlink import exchange, in_namespace, netlink_socket
     from batchrun.prompt.sandboxes.local.network_hub import _up_message
 
     def make() -> int:
         fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 0) as sock:
+            with netlink_socket() as sock:
                 sock.bind((0, 0))
                 sock.settimeout(10)
                 exchange(sock, [_up_message(1, 1)])  # lo
@@ -165,11 +132,12 @@ def make_netns() -> int:
             raise
         return fd
 
-    return _in_netns(None, make)
+    return in_namespace(None, make)
 
 
 def listen_in(netns_fd: int) -> socket.socket:
     """A socket listening on 127.0.0.1 (a free port) inside the network namespace ``netns_fd``."""
+    from batchrun.prompt.sandboxes.local.netlink import in_namespace
 
     def make() -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -182,7 +150,7 @@ def listen_in(netns_fd: int) -> socket.socket:
             raise
         return sock
 
-    return _in_netns(netns_fd, make)
+    return in_namespace(netns_fd, make)
 
 
 # Run by the isolate_command's shell, as root in Chromium's new mount namespace (private: nothing is seen

@@ -4,8 +4,9 @@ host's bound Unix socket paths (sock_diag).
 ``nsenter --net=... ip -batch -`` costs two processes per sandbox start (~4 ms of CPU). When
 this process may enter the namespace itself (it has CAP_SYS_ADMIN over it, as root), a short-lived
 thread enters it only to open a netlink socket there (a socket belongs to the namespace it was
-made in), leaves again, and the routes are added over that socket. ``setns`` of a network
-namespace moves only the calling thread, and that thread ends right after, whatever happens.
+made in) and ends, and the routes are added over that socket. ``setns`` of a network namespace
+moves only the calling thread, and that thread ends right after, whatever happens
+(:func:`in_namespace`, which the network hub and the browser's namespace use too).
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 CLONE_NEWNET = 0x40000000
+_T = TypeVar("_T")
 _RTM_NEWROUTE = 24
 _NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_EXCL, _NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
 _NLMSG_ERROR = 2
@@ -37,25 +41,28 @@ def _setns():
     return fn
 
 
-def socket_in(netns_path: str) -> socket.socket:
-    """An rtnetlink socket inside the network namespace at ``netns_path`` (a /proc/<pid>/ns/net link)."""
-    result: list[socket.socket | BaseException] = []
+def in_namespace(netns: int | str | None, make: Callable[[], _T]) -> _T:
+    """``make()`` on a short-lived thread of its own inside a network namespace: ``netns``'s (a descriptor,
+    or a path such as /proc/<pid>/ns/net), or a new one the thread makes (None). What ``make`` opens there
+    (a socket, the new namespace's own descriptor) belongs to that namespace; the thread ends after.
+    Errors come back as OSError (:class:`NetlinkError` for anything not one)."""
+    result: list[Any] = []
 
     def enter() -> None:
         try:
-            own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            target = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _setns()(target, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise NetlinkError(err, f"setns: {os.strerror(err)}")
+            if netns is None:
+                failed, call = ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0, "unshare"
+            else:
+                target = netns if isinstance(netns, int) else os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    result.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 0))
+                    failed, call = _setns()(target, CLONE_NEWNET) != 0, "setns"
                 finally:
-                    _setns()(own, CLONE_NEWNET)  # and should that fail, this thread ends now anyway
-            finally:
-                os.close(own)
-                os.close(target)
+                    if target is not netns:
+                        os.close(target)
+            if failed:
+                err = ctypes.get_errno()
+                raise NetlinkError(err, f"{call}: {os.strerror(err)}")
+            result.append(make())
         except BaseException as exc:  # handed to the caller
             result.append(exc)
 
@@ -66,6 +73,16 @@ def socket_in(netns_path: str) -> socket.socket:
     if isinstance(got, BaseException):
         raise got if isinstance(got, OSError) else NetlinkError(str(got))
     return got
+
+
+def socket_in(netns_path: str) -> socket.socket:
+    """An rtnetlink socket inside the network namespace at ``netns_path`` (a /proc/<pid>/ns/net link)."""
+    return in_namespace(netns_path, netlink_socket)
+
+
+def netlink_socket() -> socket.socket:
+    """An rtnetlink socket, in this thread's network namespace."""
+    return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 0)
 
 
 def _message(kind: int, flags: int, seq: int, body: bytes) -> bytes:

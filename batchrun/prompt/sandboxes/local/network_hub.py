@@ -25,7 +25,6 @@ netlink routes); unprivileged bubblewrap keeps one slirp4netns per prompt (``com
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import os
 import socket
@@ -38,11 +37,12 @@ from typing import IO
 from batchrun.prompt.sandboxes.base import readable
 from batchrun.prompt.sandboxes.local.host import blocked_addresses, tool_path
 from batchrun.prompt.sandboxes.local.netlink import (
-    CLONE_NEWNET,
     NetlinkError,
     _message,
     add_unreachable_routes_on,
     exchange,
+    in_namespace,
+    netlink_socket,
     socket_in,
 )
 from batchrun.prompt.sandboxes.local.process_tree import wait_exited
@@ -147,41 +147,31 @@ class NetworkHub:
     @staticmethod
     def _make_namespace() -> tuple[int, socket.socket]:
         """A new network namespace (its descriptor holds it) and an rtnetlink socket in it."""
-        made: list[object] = []
 
-        def enter() -> None:
+        def make() -> tuple[int, socket.socket]:
+            fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise NetlinkError(err, f"unshare: {os.strerror(err)}")
-                made.append(os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
-                made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 0))
-                # Forwarding, with strict reverse-path filtering and proxy ARP (the prompts ask their
-                # link for 10.0.2.2; slirp4netns asks tap0 for a prompt's address) on every link; no
-                # IPv6 on the hub's side (slirp4netns is not asked for any).
-                for path, value in (
-                    ("ipv4/conf/all/rp_filter", "1"), ("ipv4/conf/default/rp_filter", "1"),
-                    ("ipv4/conf/default/proxy_arp", "1"), ("ipv6/conf/default/disable_ipv6", "1"),
-                    ("ipv6/conf/all/disable_ipv6", "1"), ("ipv4/ip_forward", "1"),
-                ):  # fmt: skip
-                    with open(f"/proc/sys/net/{path}", "w", encoding="ascii") as f:
-                        f.write(value)
-            except BaseException as exc:
-                made.append(exc)
+                sock = netlink_socket()
+                try:
+                    # Forwarding, with strict reverse-path filtering and proxy ARP (the prompts ask their
+                    # link for 10.0.2.2; slirp4netns asks tap0 for a prompt's address) on every link; no
+                    # IPv6 on the hub's side (slirp4netns is not asked for any).
+                    for path, value in (
+                        ("ipv4/conf/all/rp_filter", "1"), ("ipv4/conf/default/rp_filter", "1"),
+                        ("ipv4/conf/default/proxy_arp", "1"), ("ipv6/conf/default/disable_ipv6", "1"),
+                        ("ipv6/conf/all/disable_ipv6", "1"), ("ipv4/ip_forward", "1"),
+                    ):  # fmt: skip
+                        with open(f"/proc/sys/net/{path}", "w", encoding="ascii") as f:
+                            f.write(value)
+                except BaseException:
+                    sock.close()
+                    raise
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd, sock
 
-        thread = threading.Thread(target=enter, name="netns-hub-make", daemon=True)
-        thread.start()
-        thread.join()
-        failure = next((m for m in made if isinstance(m, BaseException)), None)
-        if failure is not None or len(made) != 2:
-            for m in made:
-                if isinstance(m, int):
-                    os.close(m)
-                elif isinstance(m, socket.socket):
-                    m.close()
-            raise failure if isinstance(failure, OSError) else NetlinkError(str(failure))
-        fd, sock = made
-        assert isinstance(fd, int) and isinstance(sock, socket.socket)
+        fd, sock = in_namespace(None, make)
         sock.bind((0, 0))
         sock.settimeout(10)
         return fd, sock
