@@ -126,7 +126,20 @@ BASE_LINE = re.compile(rb"\[batch-runner-base\]([0-9]+):((?: [0-9]+)*)\n")
 # again and runs this once more. Exit 4: all is done, but PID 1 has zombie children to reap (what
 # was killed here had been orphaned to it): the runner continues PID 1 until they are reaped, then
 # stops it and runs this once more. Builtins only, as END_PROCESSES_SCRIPT.
-FREEZE_SCRIPT = r"""
+# Whether PID 1 has zombie children (status 0): what was killed here, orphaned to it. A function of its
+# own (its `set --` leaves the script's arguments alone), for FREEZE_SCRIPT and REAPED_SCRIPT.
+INIT_HAS_ZOMBIES = r"""init_has_zombies() {
+    for f in /proc/[0-9]*/stat; do
+        { IFS= read -r line < "$f"; } 2>/dev/null || continue
+        set -- ${line##*) }
+        [ "$1" = Z ] && [ "$2" = 1 ] && return 0
+    done
+    return 1
+}
+"""
+FREEZE_SCRIPT = (
+    INIT_HAS_ZOMBIES
+    + r"""
 spared=" $* " mine=" $$ " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
     IFS= read -r line < "/proc/$p/stat" || break
@@ -156,17 +169,14 @@ while [ "$n" -lt 200 ]; do
         done
     done
     [ -n "$busy$init" ] && continue
-    for f in /proc/[0-9]*/stat; do
-        { IFS= read -r line < "$f"; } 2>/dev/null || continue
-        set -- ${line##*) }
-        [ "$1" = Z ] && [ "$2" = 1 ] && exit 4
-    done
+    init_has_zombies && exit 4
     exit 0
 done
 [ -z "$busy" ] && echo "batch-runner: PID 1 runs again" && exit 3
 echo "batch-runner: processes left by the agent were still alive after $n rounds"
 exit 1
 """
+)
 
 INIT_RUNS = 3  # FREEZE_SCRIPT's exit code when only PID 1 is not stopped
 INIT_ZOMBIES = 4  # FREEZE_SCRIPT's exit code when all is done but PID 1 has zombie children
@@ -175,18 +185,16 @@ INIT_ZOMBIES = 4  # FREEZE_SCRIPT's exit code when all is done but PID 1 has zom
 # children, at most $1 rounds (~1 ms each); builtins only (no fork while the pids limit may be full).
 # The processes the agent left were killed, but their zombies, orphaned to a stopped PID 1, held
 # their pids while the sample was judged: 400 left by the agent made a verify's fork fail.
-REAPED_SCRIPT = r"""n=0 rounds=$1
+REAPED_SCRIPT = (
+    INIT_HAS_ZOMBIES
+    + r"""n=0 rounds=$1
 while [ "$n" -lt "$rounds" ]; do
     n=$((n + 1))
-    for f in /proc/[0-9]*/stat; do
-        { IFS= read -r line < "$f"; } 2>/dev/null || continue
-        set -- ${line##*) }
-        [ "$1" = Z ] && [ "$2" = 1 ] && continue 2
-    done
-    exit 0
+    init_has_zombies || exit 0
 done
 exit 1
 """
+)
 
 # The first process of a judged exec ($@: the command's argv), with docker-init on: the engine's own
 # docker-init (tini, mounted read-only at this path) as a child subreaper (-s), which reaps what the
