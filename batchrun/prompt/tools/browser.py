@@ -126,9 +126,8 @@ class BrowserHost:
         # ``cgroup_problem`` says why it cannot be (then RLIMIT_DATA alone bounds it).
         self.cgroup: PromptCgroup | None = None
         self.cgroup_problem: str | None = None
-        self.sandbox: SandboxPlan | None = (
-            None  # how Chromium starts (browser_sandbox.plan), at its first start
-        )
+        # How Chromium starts (browser_sandbox.plan), at its first start.
+        self.sandbox: SandboxPlan | None = None
         # Chromium's network namespace (browser_sandbox.make_netns; None: the host's), made at its first
         # start; the prompts' egress proxies listen in it
         self.netns_fd: int | None = None

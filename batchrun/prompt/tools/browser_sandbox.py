@@ -230,9 +230,8 @@ def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
     except OSError as exc:
         return f"cannot make a network namespace: {exc}"
     try:
-        profile = (
-            tempfile.mkdtemp()
-        )  # where Playwright makes Chromium's profile (the launcher gives it to user)
+        # Where Playwright makes Chromium's profile (the launcher gives it to user).
+        profile = tempfile.mkdtemp()
         try:
             os.chown(profile, *user)
             said = _run(

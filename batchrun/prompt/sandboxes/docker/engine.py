@@ -216,9 +216,15 @@ def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> 
     if cannot:
         return f"{cannot}: {said}"
     if code == 127 or sh_not_found(said):
-        cut = said.find('exec: "sh"')  # runc's words after its own ("failed to create shim task: ...")
-        return f"{NO_SH} ({said[cut:].removesuffix(': unknown') if cut >= 0 else said})"
+        return f"{NO_SH} ({sh_words(said)})"
     return f"{PROBE_BROKE} ({said})"
+
+
+def sh_words(said: str) -> str:
+    """What the engine said of a missing ``sh``: runc's words without its own before them ("failed to
+    create shim task: ..."), else all of it."""
+    cut = said.find('exec: "sh"')
+    return said[cut:].removesuffix(": unknown") if cut >= 0 else said
 
 
 def sh_not_found(said: str) -> bool:

@@ -87,6 +87,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     remove_run_cgroup,
     run_cgroup_problem,
     sh_not_found,
+    sh_words,
     storage_size_supported,
     sweep_containers,
     sweep_run_cgroups,
@@ -472,8 +473,7 @@ class DockerSandbox(SandboxBackend):
         Without this, such an image cost five attempts and said "it is not running"."""
         said = str(getattr(exc, "explanation", None) or exc)
         if isinstance(exc, APIError) and sh_not_found(said):  # runc's (no docker-init): no sh in the image
-            cut = said.find('exec: "sh"')
-            return f"image {self.image!r} {NO_SH} ({said[cut:].removesuffix(': unknown')})", True
+            return f"image {self.image!r} {NO_SH} ({sh_words(said)})", True
         container_id, channel = self.container_id, self._channel
         if container_id is None or channel is None:
             return None, False
@@ -601,6 +601,13 @@ class DockerSandbox(SandboxBackend):
             if self.options.disk_watch:
                 raise SandboxError(f"{cannot}: {exc}") from exc
             log.info("%s: %s", cannot, exc)
+
+    def _raise_if_over_cap(self) -> None:
+        """SandboxError when the disk watch stopped the container (``_disk_cap_passed``), saying so."""
+        if self._over_cap is not None:
+            raise SandboxError(
+                f"docker container of prompt {self.spec.prompt_index} is gone: {self._over_cap}"
+            )
 
     def _disk_cap_passed(self, container_id: str) -> Any:
         """What the disk watch calls when the container's files pass the cap: it is stopped (killed), and
@@ -830,10 +837,7 @@ class DockerSandbox(SandboxBackend):
     ) -> ExecResult:
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
-        if self._over_cap is not None:
-            raise SandboxError(
-                f"docker container of prompt {self.spec.prompt_index} is gone: {self._over_cap}"
-            )
+        self._raise_if_over_cap()
         token = new_exec_token()
         for attempt in (1, 2):
             try:
@@ -878,10 +882,7 @@ class DockerSandbox(SandboxBackend):
         finally:
             stream.close()
             sock.close()
-        if self._over_cap is not None:  # the disk watch killed it meanwhile: no verdict, what it said
-            raise SandboxError(
-                f"docker container of prompt {self.spec.prompt_index} is gone: {self._over_cap}"
-            )
+        self._raise_if_over_cap()  # the disk watch killed it meanwhile: no verdict, what it said
         output, truncated = scanner.buf.result()
         if finished and not judged and exit_code is None:  # a killed shell printed no marker: the engine's
             code = self._engine_exit_code(exec_id, time.monotonic() + KILLED_SHELL_WAIT_S)
@@ -904,9 +905,8 @@ class DockerSandbox(SandboxBackend):
             if hold is None:  # stopped, and nothing to continue them: its cat would never see the end
                 serving = False
             else:
-                server.close_stream(
-                    hold
-                )  # the end of its stream continues them, and cat reads the end of the next
+                # The end of its stream continues them, and cat reads the end of the next.
+                server.close_stream(hold)
         if channel is not None:
             channel.close()  # EOF for the server: a container that runs ends itself now
         # One call that returns once the engine removed it (no kill from here, no 409 to poll out).
