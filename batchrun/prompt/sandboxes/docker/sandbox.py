@@ -405,6 +405,7 @@ class DockerSandbox(SandboxBackend):
         safe_run = safe_run_name(spec.run_name)
         kwargs = self.create_kwargs("")
         hub = self._network_hub() if "dns" in kwargs else None  # set for the hub alone (create_kwargs)
+        attrs: dict[str, Any] | None = None  # the started container's inspection, where one was needed
         # An engine under heavy load sometimes fails a start it would do a moment later (runc's
         # "error reopening /dev/null inside container", an exec before the container runs). Nothing
         # of the prompt ran yet, so a fresh container is a safe retry.
@@ -417,7 +418,7 @@ class DockerSandbox(SandboxBackend):
                 self._channel = server.Channel(_attach(container.id))
                 container.start()
                 if hub is not None:
-                    self._connect_network(hub, container.id)
+                    attrs = self._connect_network(hub, container.id)
                 self._start_server()
                 self._serving = True
                 _served_images.add(self.image)
@@ -442,7 +443,7 @@ class DockerSandbox(SandboxBackend):
         self._over_cap = None
         if "tmpfs" in kwargs:
             try:
-                self._watch_layer()
+                self._watch_layer(attrs)
                 self._fill_workdir()
             except BaseException:
                 self.stop()
@@ -525,14 +526,16 @@ class DockerSandbox(SandboxBackend):
             )
         return hub
 
-    def _connect_network(self, hub: Any, container_id: str) -> None:
+    def _connect_network(self, hub: Any, container_id: str) -> dict[str, Any]:
         """Give the container's network namespace (its PID 1's, seen from here) a link into ``hub``,
-        with the host's addresses unreachable, as a local sandbox's; before its first command."""
+        with the host's addresses unreachable, as a local sandbox's; before its first command. Returns
+        the container's inspection (``_watch_layer`` needs no second one)."""
         from batchrun.prompt.sandboxes.local.host import blocked_addresses
 
         gone = f"the container of prompt {self.spec.prompt_index} cannot be connected to the worker's network"
         try:
-            pid = int(docker_client().api.inspect_container(container_id)["State"]["Pid"] or 0)
+            attrs = docker_client().api.inspect_container(container_id)
+            pid = int(attrs["State"]["Pid"] or 0)
         except DockerException as exc:
             raise SandboxError(f"{gone}: {exc}") from exc
         if pid <= 0:
@@ -552,6 +555,7 @@ class DockerSandbox(SandboxBackend):
             raise SandboxError(f"{gone}: {exc}") from exc
         finally:
             os.close(netns)
+        return attrs
 
     def _start_server(self) -> None:
         """Send the server its functions and wait for its ready line (the container runs, its sh works)."""
@@ -582,16 +586,17 @@ class DockerSandbox(SandboxBackend):
         # exec: prompts build and run programs there
         return {"tmpfs": {self.workdir: f"size={self.tmpfs_mb}m,exec"}}
 
-    def _watch_layer(self) -> None:
+    def _watch_layer(self, attrs: dict[str, Any] | None = None) -> None:
         """With the tmpfs cap: watch the rest of the container's files (``disk_watch``), so that past
-        ``disk_mb`` it is stopped; SandboxError where that was asked for (``disk_watch``) and cannot be."""
+        ``disk_mb`` it is stopped; SandboxError where that was asked for (``disk_watch``) and cannot be.
+        ``attrs``: the started container's inspection, when the start made one (else asked here)."""
         if self.options.disk_watch is False:
             return
         container_id = self.container_id
         assert container_id is not None
         cannot = f"the disk cap of the container of prompt {self.spec.prompt_index} cannot be watched"
         try:
-            paths = layer_paths(docker_client().api.inspect_container(container_id))
+            paths = layer_paths(attrs or docker_client().api.inspect_container(container_id))
             if not paths:
                 raise OSError("the engine names no writable layer of it (its storage driver is not overlay2)")
             disk_watch().add(
