@@ -477,6 +477,65 @@ def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnab
         client.images.remove(bad, force=True)
 
 
+@pytest.mark.docker
+def test_a_default_image_without_sh_stops_the_run_before_any_token_and_a_rows_fails_its_lines(
+    tmp_path, monkeypatch, capsys, server, docker_test_image
+):
+    """--default_image naming an image without sh was listed "NOT AVAILABLE" and every prompt on it failed
+    without a model call, after the start check's call, the run going on (exit 3 past
+    --max_failure_rate); a flag the user typed now stops the run (exit 2) before the start check, naming
+    the flag, the image and why. The same image named by a row fails only that row's prompts, and the
+    start's warning names its line and field."""
+    from helpers import exit_code, read_jsonl, requests, write_rows
+
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    bad = _image_without_sh()
+    try:
+        dataset = write_rows(
+            tmp_path / "d.jsonl", [{"prompt": "on the default 1"}, {"prompt": "on the default 2"}]
+        )
+        code = exit_code(
+            server, dataset, tmp_path / "data", run_name="bad-default", sandbox="docker", default_image=bad,
+            num_workers=1,
+        )  # fmt: skip
+        said = capsys.readouterr()
+        assert code == 2, said
+        assert f"--default_image '{bad}' cannot be used: has no sh: the runner's command server needs sh" in (
+            said.err
+        )
+        assert server.stats()["check_calls"] == 0 and not requests(server)
+        assert not (tmp_path / "data" / "bad-default" / "failed.jsonl").exists()
+        # One that is not here and whose pull fails (after the start check: a wrong key costs no pull).
+        code = exit_code(
+            server, dataset, tmp_path / "data", run_name="gone-default", sandbox="docker",
+            default_image="does-not-exist-br:never", num_workers=1,
+        )  # fmt: skip
+        said = capsys.readouterr()
+        assert code == 2, said
+        assert (
+            "--default_image 'does-not-exist-br:never' cannot be used: not present locally and the pull"
+            in (said.err)
+        )
+        assert server.stats()["check_calls"] == 1 and not requests(server)
+
+        rows = [{"prompt": "on busybox"}, {"prompt": "on scratch", "docker_image": bad}]
+        dataset = write_rows(tmp_path / "rows.jsonl", rows)
+        code = exit_code(
+            server, dataset, tmp_path / "data", run_name="bad-row", sandbox="docker",
+            default_image=docker_test_image, num_workers=1,
+        )  # fmt: skip
+        out = capsys.readouterr().out
+        assert code != 2, out
+        assert f"{dataset}:2: field 'image'/'docker_image': image '{bad}' not available: has no sh" in out
+        failed = read_jsonl(tmp_path / "data" / "bad-row" / "failed.jsonl")
+        assert [f["prompt"] for f in failed] == ["on scratch"]
+        assert set(requests(server)) == {"on busybox"}
+    finally:
+        docker_client().images.remove(bad, force=True)
+
+
 def test_the_runnable_cache_write_removes_what_killed_writers_left(tmp_path, monkeypatch):
     """A runner killed while it wrote the cache of runnable images left its temp file there (a whole
     copy, up to ~300 KiB) for good: 11 of them after 80 kills of two writers. The next write removes
