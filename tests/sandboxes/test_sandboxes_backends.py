@@ -1104,6 +1104,43 @@ def test_the_run_says_how_its_containers_are_networked(docker_engine, monkeypatc
     assert "cannot be asked who serves it" in (engine_processes_problem({}) or "")
 
 
+@pytest.mark.docker
+def test_statistics_and_the_report_say_the_containers_network(
+    server, docker_test_image, tmp_path, monkeypatch, capsys
+):
+    """Whether a run's containers were on the worker's hub, on Docker's bridge (the fallback, with a
+    warning at the start) or off was said only on the start line and in the log; statistics.json's
+    sandbox_network and the report's settings now say it, as the containers had it (the hub's DNS
+    10.0.2.3 in the container's resolv.conf, the bridge's not)."""
+    from helpers import read_jsonl, run, stats_of, write_rows
+
+    from batchrun.prompt.sandboxes.docker.sandbox import network_kind
+    from batchrun.prompt.sandboxes.local import network_hub
+
+    hub_or_skip()
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "[run:cat /etc/resolv.conf]"}])
+
+    def network_of(run_name: str, **kw) -> tuple[str, str]:
+        run(server, dataset, tmp_path / "data", run_name, sandbox="docker", default_image=docker_test_image,
+            num_workers=1, **kw)  # fmt: skip
+        capsys.readouterr()
+        run_dir = tmp_path / "data" / run_name
+        (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+        said = stats_of(run_dir)["sandbox_network"]
+        assert f"<td>sandbox_network</td><td>{said}</td>" in (run_dir / "report.html").read_text()
+        return said, record["conversations"][3]["value"]
+
+    said, resolv = network_of("hub")
+    assert said == "hub" and "nameserver 10.0.2.3" in resolv
+    assert network_of("off", sandbox_network=False)[0] == "off"
+    monkeypatch.setattr(network_hub, "ENABLED", False)  # BATCH_RUNNER_NETWORK_HUB=0: the bridge
+    said, resolv = network_of("bridge")
+    assert said == "bridge" and "nameserver" in resolv and "10.0.2.3" not in resolv
+    bridge = {"network_mode": "bridge"}
+    assert network_kind(bridge, workers_here=False) == "per_node"  # Ray: each node decides
+    assert network_kind({"network_mode": "my-net"}, workers_here=True) == "docker:my-net"
+
+
 # udp listen PORT SECONDS: print each datagram that comes to PORT within SECONDS.
 # udp send DST PORT TEXT: one datagram, from an ordinary socket.
 # udp forge DST PORT SRC...: a datagram "forged from SRC" to DST:PORT from each SRC, through a raw

@@ -309,6 +309,11 @@ class DockerSandbox(SandboxBackend):
         return options
 
     @classmethod
+    def run_facts(cls, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        """``sandbox_network``: what the containers' network is, as ``prepare_run`` settled it."""
+        return {"sandbox_network": network_kind(options, workers_here)}
+
+    @classmethod
     def sweep(cls, options: dict[str, Any]) -> None:
         """After the pool ended: every container this run started (e.g. of prompts cut short) goes, and
         the run's cgroup with them."""
@@ -975,6 +980,21 @@ class DockerSandbox(SandboxBackend):
                     time.sleep(min(left, 0.02))
         except DockerException as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
+
+
+def network_kind(options: dict[str, Any], workers_here: bool) -> str:
+    """What the network of containers made with ``options`` (as ``prepare_run`` returned them) is, in a word:
+    "off" (--sandbox_network=False), "hub" (a link into the worker's slirp4netns), "bridge" (Docker's
+    default bridge), "per_node" (Ray: each worker's machine decides between the two), or
+    "docker:<network_mode>" (a network of the user's own)."""
+    mode = options.get("network_mode", "bridge")
+    if mode == "none":
+        return "off"
+    if mode != "bridge":
+        return f"docker:{mode}"
+    if not options.get("network_hub", True):
+        return "bridge"
+    return "hub" if workers_here else "per_node"
 
 
 def _network_in_force(options: dict[str, Any], workers_here: bool) -> dict[str, Any]:
