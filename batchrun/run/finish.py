@@ -398,6 +398,9 @@ def statistics(
         "sandbox": config.backend,
         "default_image": config.default_image,  # for rows that name no image (container backends)
         "isolation": isolation,
+        # How the prompts' commands reach the network, as the backend said (None: it did not say, or
+        # nothing ran): "off", "hub", "bridge", "slirp4netns", "host", ... (README, Sandboxes).
+        "sandbox_network": None,
         **(sandbox_facts or {}),
         "dataset_prompts": len(rows),
         "samples_per_prompt": config.samples_per_prompt,

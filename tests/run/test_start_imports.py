@@ -63,3 +63,33 @@ def test_workers_run_this_copy_of_the_package_when_another_is_on_the_path(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert not marker.exists()
     assert (work / "data" / "r" / "trajectories.jsonl").read_text().count("\n") == 2
+
+
+def test_the_runners_caches_are_in_one_directory_found_before_any_module_is_compiled(tmp_path):
+    """The cache directory was computed twice (the bytecode's in run/forkserver.py, the runnable Docker
+    images' in the prompt side's engine.py); now once, in the package's __init__, which the forkserver's
+    module loads before the bytecode prefix is set, and which imports nothing else of the package."""
+    probe = (
+        "import sys; import batchrun.run.forkserver as f; "
+        "before = sorted(m for m in sys.modules if m.startswith('batchrun')); f.use_bytecode_cache(); "
+        "from batchrun import cache_dir; from batchrun.prompt.sandboxes.docker.engine import runnable_cache_path; "
+        "print([before, cache_dir(), sys.pycache_prefix, str(runnable_cache_path())])"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "XDG_CACHE_HOME": str(tmp_path),
+    }
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    cache = str(tmp_path / "batch-runner")
+    assert out.stdout.strip() == str(
+        [
+            ["batchrun", "batchrun.run", "batchrun.run.forkserver"],
+            cache,
+            f"{cache}/pycache",
+            f"{cache}/docker-images-runnable.json",
+        ]
+    )
+    assert any((tmp_path / "batch-runner" / "pycache").rglob("engine*.pyc"))

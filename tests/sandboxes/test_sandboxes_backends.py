@@ -477,6 +477,65 @@ def test_an_image_without_sh_fails_its_prompts_without_a_model_call_and_a_runnab
         client.images.remove(bad, force=True)
 
 
+@pytest.mark.docker
+def test_a_default_image_without_sh_stops_the_run_before_any_token_and_a_rows_fails_its_lines(
+    tmp_path, monkeypatch, capsys, server, docker_test_image
+):
+    """--default_image naming an image without sh was listed "NOT AVAILABLE" and every prompt on it failed
+    without a model call, after the start check's call, the run going on (exit 3 past
+    --max_failure_rate); a flag the user typed now stops the run (exit 2) before the start check, naming
+    the flag, the image and why. The same image named by a row fails only that row's prompts, and the
+    start's warning names its line and field."""
+    from helpers import exit_code, read_jsonl, requests, write_rows
+
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    bad = _image_without_sh()
+    try:
+        dataset = write_rows(
+            tmp_path / "d.jsonl", [{"prompt": "on the default 1"}, {"prompt": "on the default 2"}]
+        )
+        code = exit_code(
+            server, dataset, tmp_path / "data", run_name="bad-default", sandbox="docker", default_image=bad,
+            num_workers=1,
+        )  # fmt: skip
+        said = capsys.readouterr()
+        assert code == 2, said
+        assert f"--default_image '{bad}' cannot be used: has no sh: the runner's command server needs sh" in (
+            said.err
+        )
+        assert server.stats()["check_calls"] == 0 and not requests(server)
+        assert not (tmp_path / "data" / "bad-default" / "failed.jsonl").exists()
+        # One that is not here and whose pull fails (after the start check: a wrong key costs no pull).
+        code = exit_code(
+            server, dataset, tmp_path / "data", run_name="gone-default", sandbox="docker",
+            default_image="does-not-exist-br:never", num_workers=1,
+        )  # fmt: skip
+        said = capsys.readouterr()
+        assert code == 2, said
+        assert (
+            "--default_image 'does-not-exist-br:never' cannot be used: not present locally and the pull"
+            in (said.err)
+        )
+        assert server.stats()["check_calls"] == 1 and not requests(server)
+
+        rows = [{"prompt": "on busybox"}, {"prompt": "on scratch", "docker_image": bad}]
+        dataset = write_rows(tmp_path / "rows.jsonl", rows)
+        code = exit_code(
+            server, dataset, tmp_path / "data", run_name="bad-row", sandbox="docker",
+            default_image=docker_test_image, num_workers=1,
+        )  # fmt: skip
+        out = capsys.readouterr().out
+        assert code != 2, out
+        assert f"{dataset}:2: field 'image'/'docker_image': image '{bad}' not available: has no sh" in out
+        failed = read_jsonl(tmp_path / "data" / "bad-row" / "failed.jsonl")
+        assert [f["prompt"] for f in failed] == ["on scratch"]
+        assert set(requests(server)) == {"on busybox"}
+    finally:
+        docker_client().images.remove(bad, force=True)
+
+
 def test_the_runnable_cache_write_removes_what_killed_writers_left(tmp_path, monkeypatch):
     """A runner killed while it wrote the cache of runnable images left its temp file there (a whole
     copy, up to ~300 KiB) for good: 11 of them after 80 kills of two writers. The next write removes
@@ -1043,6 +1102,43 @@ def test_the_run_says_how_its_containers_are_networked(docker_engine, monkeypatc
     assert engine_processes_problem({}) == "the engine is reached over tcp (maybe on another machine)"
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
     assert "cannot be asked who serves it" in (engine_processes_problem({}) or "")
+
+
+@pytest.mark.docker
+def test_statistics_and_the_report_say_the_containers_network(
+    server, docker_test_image, tmp_path, monkeypatch, capsys
+):
+    """Whether a run's containers were on the worker's hub, on Docker's bridge (the fallback, with a
+    warning at the start) or off was said only on the start line and in the log; statistics.json's
+    sandbox_network and the report's settings now say it, as the containers had it (the hub's DNS
+    10.0.2.3 in the container's resolv.conf, the bridge's not)."""
+    from helpers import read_jsonl, run, stats_of, write_rows
+
+    from batchrun.prompt.sandboxes.docker.sandbox import network_kind
+    from batchrun.prompt.sandboxes.local import network_hub
+
+    hub_or_skip()
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "[run:cat /etc/resolv.conf]"}])
+
+    def network_of(run_name: str, **kw) -> tuple[str, str]:
+        run(server, dataset, tmp_path / "data", run_name, sandbox="docker", default_image=docker_test_image,
+            num_workers=1, **kw)  # fmt: skip
+        capsys.readouterr()
+        run_dir = tmp_path / "data" / run_name
+        (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+        said = stats_of(run_dir)["sandbox_network"]
+        assert f"<td>sandbox_network</td><td>{said}</td>" in (run_dir / "report.html").read_text()
+        return said, record["conversations"][3]["value"]
+
+    said, resolv = network_of("hub")
+    assert said == "hub" and "nameserver 10.0.2.3" in resolv
+    assert network_of("off", sandbox_network=False)[0] == "off"
+    monkeypatch.setattr(network_hub, "ENABLED", False)  # BATCH_RUNNER_NETWORK_HUB=0: the bridge
+    said, resolv = network_of("bridge")
+    assert said == "bridge" and "nameserver" in resolv and "10.0.2.3" not in resolv
+    bridge = {"network_mode": "bridge"}
+    assert network_kind(bridge, workers_here=False) == "per_node"  # Ray: each node decides
+    assert network_kind({"network_mode": "my-net"}, workers_here=True) == "docker:my-net"
 
 
 # udp listen PORT SECONDS: print each datagram that comes to PORT within SECONDS.

@@ -71,6 +71,25 @@ def test_configuration(clean_tool_env):
         available_toolsets(replace(run, tool_env={"MOA_REFERENCE_TEMPERATURE": "hot"}))
 
 
+@pytest.mark.parametrize("name", ["MOA_REFERENCE_TEMPERATURE", "MOA_AGGREGATOR_TEMPERATURE"])
+def test_a_temperature_over_2_stops_the_run_at_start_naming_the_variable(
+    clean_tool_env, server, tmp_path, monkeypatch, capsys, name
+):
+    """A moa temperature of 50 was taken and sent with each of the tool's model calls, which an endpoint
+    that keeps --temperature's range (0 to 2: OpenAI, OpenRouter) refuses, each time after the agent's
+    model paid for its turn. Bounded as --temperature is: exit 2 at start, before any model call."""
+    from helpers import exit_code, requests, write_rows
+
+    run = ToolSettings(llm_base_url="http://x/v1", llm_model="m")
+    for ok in ("0", "2"):
+        assert getattr(moa_config(replace(run, tool_env={name: ok})), name[4:].lower()) == float(ok)
+    monkeypatch.setenv(name, "50")
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "think [calls:1]", "toolsets": ["moa"]}])
+    assert exit_code(server, dataset, tmp_path / "data", sandbox="local", local_isolation="none") == 2
+    assert f"{name} must be at most 2, got '50'" in capsys.readouterr().err
+    assert server.stats()["check_calls"] == 0 and not requests(server)
+
+
 def test_agent_loop_with_moa(tool_ctx, run_tool_loop):
     messages = run_tool_loop(tool_ctx(), "What is the 10th prime?", ["moa"])
     tool = next(m for m in messages if m["role"] == "tool")

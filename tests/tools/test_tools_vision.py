@@ -53,7 +53,9 @@ def test_image_url_on_the_hosts_private_network_is_refused(fake_web, tools_llm, 
     before = len(tools_llm.stats()["last_requests"])
     ctx = tool_ctx({"WEB_ALLOW_PRIVATE_ADDRESSES": "0"})
     out = call_tool(ctx, "vision_analyze", image_url=fake_web.url("/img/red.png"), question="What colour?")
-    assert "private address" in out["error"]
+    # Named as the other tools' refusals are (web_extract:, image_generate:, browser_navigate:).
+    url = fake_web.url("/img/red.png")
+    assert out["error"] == f"vision_analyze: {url} resolves to a private address (127.0.0.1); refused"
     assert len(tools_llm.stats()["last_requests"]) == before  # no model call either
 
 

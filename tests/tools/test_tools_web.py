@@ -408,6 +408,31 @@ def test_every_resolved_address_is_checked(monkeypatch):
     assert web.resolve_public("public.example.com", 80) == answers[:1]
 
 
+def test_the_browsers_egress_resolves_as_the_web_tools_do(monkeypatch):
+    """The egress proxy had its own copy of the resolution the web tools make where nothing is refused
+    (WEB_ALLOW_PRIVATE_ADDRESSES=1); now both take web.resolve_any, and resolve_public is it plus the
+    address check: a private answer passes the one, is refused by the other, and no answer is an OSError."""
+    import asyncio
+
+    from batchrun.prompt.tools.browser_egress import AddressGuard
+
+    answers = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.5", 80))]
+    asked: list[str] = []
+    monkeypatch.setattr(web.socket, "getaddrinfo", lambda host, *a, **k: asked.append(host) or answers)
+    assert asyncio.run(AddressGuard(allow_private=True).resolve("intranet.example", 80)) == answers
+    with pytest.raises(web.PrivateAddressError):
+        asyncio.run(AddressGuard().resolve("intranet.example", 80))
+    assert asked == ["intranet.example"] * 2
+    resolved = []
+    monkeypatch.setattr(web, "resolve_any", lambda host, port: resolved.append(host) or answers)
+    assert asyncio.run(AddressGuard(allow_private=True).resolve("one.example", 80)) == answers
+    assert resolved == ["one.example"]
+    monkeypatch.undo()
+    monkeypatch.setattr(web.socket, "getaddrinfo", lambda *a, **k: [])
+    with pytest.raises(OSError, match="has no address"):
+        web.resolve_any("nowhere.example", 80)
+
+
 @pytest.mark.parametrize(
     ("address", "private"),
     [

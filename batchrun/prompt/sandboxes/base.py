@@ -222,6 +222,12 @@ class SandboxBackend:
         return options
 
     @classmethod
+    def run_facts(cls, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        """What statistics.json says of the run's sandboxes as ``prepare_run`` settled them (``options``:
+        what it returned), beside what preflight found (``Preflight.facts``)."""
+        return {}
+
+    @classmethod
     def sweep(cls, options: dict[str, Any]) -> None:
         """Once the workers are gone: remove whatever the run's sandboxes left (idempotent)."""
 

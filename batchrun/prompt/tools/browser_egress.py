@@ -36,14 +36,6 @@ def refusal_message(tool: str, url: str, ip: str, via: str | None = None) -> str
     return f"{tool}: {url} resolves to a private address ({ip}); refused"
 
 
-def _resolve_any(host: str, port: int) -> list[tuple[Any, ...]]:
-    """``socket.getaddrinfo`` (TCP) for ``host``, whatever its addresses (WEB_ALLOW_PRIVATE_ADDRESSES)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    if not infos:
-        raise OSError(f"{host} has no address")
-    return infos
-
-
 def _host_port(url: str) -> tuple[str, int] | None:
     parts = urllib.parse.urlsplit(url)
     try:
@@ -83,13 +75,12 @@ class AddressGuard:
         return [(what, why) for n, what, why in log if n > mark]
 
     async def resolve(self, host: str, port: int) -> list[tuple[Any, ...]]:
-        """``web.resolve_public`` off the loop: PrivateAddressError, OSError, or the addresses."""
+        """``web.resolve_public`` off the loop (``web.resolve_any`` where nothing is refused):
+        PrivateAddressError, OSError, or the addresses."""
         import asyncio
 
-        loop = asyncio.get_running_loop()
-        if self.allow_private:
-            return await loop.run_in_executor(None, _resolve_any, host, port)
-        return await loop.run_in_executor(None, web.resolve_public, host, port)
+        resolve = web.resolve_any if self.allow_private else web.resolve_public
+        return await asyncio.get_running_loop().run_in_executor(None, resolve, host, port)
 
     async def private_ip(self, url: str) -> str | None:
         """The non-public address ``url``'s host resolves to, "" for an unparsable URL, else None

@@ -46,8 +46,8 @@ image_gen (``image_generate``; offered only when ``IMAGE_GEN_MODEL`` is set: a c
 moa (``mixture_of_agents``)
     ``MOA_REFERENCE_MODELS`` (comma-separated; default: the run's model), ``MOA_AGGREGATOR_MODEL``
     (default: the run's model), ``MOA_BASE_URL`` / ``MOA_API_KEY`` (default: the run's endpoint),
-    ``MOA_REFERENCE_TEMPERATURE`` (0.6), ``MOA_AGGREGATOR_TEMPERATURE`` (0.4), ``MOA_MAX_TOKENS``
-    (unset), ``MOA_MIN_SUCCESSFUL`` (1), ``MOA_TIMEOUT_S`` (300).
+    ``MOA_REFERENCE_TEMPERATURE`` (0.6), ``MOA_AGGREGATOR_TEMPERATURE`` (0.4; these two from 0 to 2),
+    ``MOA_MAX_TOKENS`` (unset), ``MOA_MIN_SUCCESSFUL`` (1), ``MOA_TIMEOUT_S`` (300).
 
 browser (offered when Playwright is installed and a Chromium binary is found)
     ``BROWSER_EXECUTABLE`` (default: /usr/bin/chromium, else chromium or chromium-browser on PATH),
@@ -108,6 +108,9 @@ DEFAULT_IMAGE_SIZES = {"landscape": "1536x1024", "square": "1024x1024", "portrai
 # A side of 0 (`square=0x0`) or past what any image endpoint makes was sent with every image_generate
 # call, each refused by the endpoint after the model had paid for the call: refused at start instead.
 MAX_IMAGE_SIDE = 16384
+# The moa toolset's temperatures, bounded as --temperature is (OpenAI's and OpenRouter's range): one of 50
+# was sent with each of its model calls, which such an endpoint refuses (400), after the model paid for its turn.
+MAX_TEMPERATURE = 2.0
 BROWSER_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")
 
 
@@ -499,8 +502,8 @@ def moa_config(run: ToolSettings = NO_SETTINGS) -> MoaConfig | None:
         api_key=where[1],
         reference_models=refs,
         aggregator_model=aggregator,
-        reference_temperature=_number(env, "MOA_REFERENCE_TEMPERATURE", 0.6),
-        aggregator_temperature=_number(env, "MOA_AGGREGATOR_TEMPERATURE", 0.4),
+        reference_temperature=_number(env, "MOA_REFERENCE_TEMPERATURE", 0.6, maximum=MAX_TEMPERATURE),
+        aggregator_temperature=_number(env, "MOA_AGGREGATOR_TEMPERATURE", 0.4, maximum=MAX_TEMPERATURE),
         max_tokens=_optional_int(env, "MOA_MAX_TOKENS"),
         min_successful=min_ok,
         timeout_s=_number(env, "MOA_TIMEOUT_S", 300.0),

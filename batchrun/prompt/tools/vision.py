@@ -29,7 +29,7 @@ from batchrun.prompt.tools.registry import (
     register,
     register_toolset_check,
 )
-from batchrun.prompt.tools.web import FetchError, fetch_url
+from batchrun.prompt.tools.web import AddressRefused, FetchError, fetch_url
 
 _MAGIC = (
     (b"\x89PNG\r\n\x1a\n", "image/png"),
@@ -72,6 +72,8 @@ def load_image(ctx: ToolContext, source: str, max_bytes: int) -> tuple[bytes, st
                 # The URL is the model's choice: the host's private network is off limits (see web.py).
                 public_only=not allow_private_addresses(ctx.settings.env()),
             )
+        except AddressRefused as exc:  # named as web_extract's, image_generate's and the browser's are
+            raise VisionError(f"vision_analyze: {exc}") from None
         except FetchError as exc:
             raise VisionError(str(exc)) from None
         data, label = page.body, source

@@ -121,13 +121,21 @@ def is_private_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> boo
     )
 
 
-def resolve_public(host: str, port: int) -> list[tuple[Any, ...]]:
-    """``socket.getaddrinfo`` results (TCP) for ``host``, after checking EVERY address: raises
-    PrivateAddressError if any is not public (OSError when the name does not resolve). Connect
-    to these very addresses, not to the name, so a second DNS answer cannot differ."""
+def resolve_any(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo`` results (TCP) for ``host``, whatever its addresses, within the fetch's
+    deadline if this thread is making one (OSError when the name does not resolve): what a fetch, or the
+    browser's egress proxy, connects to where nothing is refused (WEB_ALLOW_PRIVATE_ADDRESSES)."""
     infos = _getaddrinfo(host, port)
     if not infos:
         raise OSError(f"{host} has no address")
+    return infos
+
+
+def resolve_public(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``resolve_any``, after checking EVERY address: raises PrivateAddressError if any is not public
+    (OSError when the name does not resolve). Connect to these very addresses, not to the name, so a
+    second DNS answer cannot differ."""
+    infos = resolve_any(host, port)
     for info in infos:
         raw = str(info[4][0])
         try:
@@ -313,7 +321,7 @@ def _connect(url: str, host: str, port: int, timeout: Any, source: Any, check: b
         except PrivateAddressError as exc:
             raise AddressRefused(url, exc.ip) from None
     else:
-        infos = _getaddrinfo(host, port)
+        infos = resolve_any(host, port)
     deadline = _DEADLINE.get()
     error: OSError | None = None
     for family, kind, proto, _, sockaddr in infos:

@@ -22,6 +22,7 @@ from typing import Any
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 
+from batchrun import cache_dir
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.storage import pid_alive, read_json_object, remove_stale_temp_files, write_text_atomic
 
@@ -234,10 +235,9 @@ def sh_not_found(said: str) -> bool:
 
 
 def runnable_cache_path() -> Path:
-    """Where the IDs of the images that ran the probe are kept: ``$XDG_CACHE_HOME/batch-runner`` (``~/.cache``),
-    where the runner keeps its other caches (bytecode, the tests' llama-server)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base, "batch-runner", RUNNABLE_CACHE)
+    """Where the IDs of the images that ran the probe are kept: the runner's cache directory
+    (``batchrun.cache_dir``: ``$XDG_CACHE_HOME/batch-runner``), beside its other caches."""
+    return Path(cache_dir(), RUNNABLE_CACHE)
 
 
 def _read_runnable() -> dict[str, float]:

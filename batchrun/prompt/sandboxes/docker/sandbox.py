@@ -264,14 +264,16 @@ class DockerSandbox(SandboxBackend):
         )
         status = ensure_images(wanted, max_concurrent=4, progress=lambda m: print(f"  {m}"), pull=False)
         missing = [image for image in wanted if status[image] == NOT_PULLED]
-        found = _image_states(jobs, default, status)
+        found = _image_states(jobs, default, status, dataset)
         if not missing:
             return _with_disk_cap(found, options, status)
 
         def pull() -> Preflight:
             print(f"Pulling {len(missing)} missing image(s)")
             pulled = ensure_images(missing, max_concurrent=4, progress=lambda m: print(f"  {m}"))
-            return _with_disk_cap(_image_states(jobs, default, pulled), options, {**status, **pulled})
+            return _with_disk_cap(
+                _image_states(jobs, default, pulled, dataset), options, {**status, **pulled}
+            )
 
         return Preflight(isolation="docker", failed=found.failed, after_check=pull)
 
@@ -305,6 +307,11 @@ class DockerSandbox(SandboxBackend):
                 return {**options, "cgroup_parent": f"/{name}"}
         print(f"Docker containers of this run have their own limits only: {problem}")
         return options
+
+    @classmethod
+    def run_facts(cls, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
+        """``sandbox_network``: what the containers' network is, as ``prepare_run`` settled it."""
+        return {"sandbox_network": network_kind(options, workers_here)}
 
     @classmethod
     def sweep(cls, options: dict[str, Any]) -> None:
@@ -975,6 +982,21 @@ class DockerSandbox(SandboxBackend):
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
 
+def network_kind(options: dict[str, Any], workers_here: bool) -> str:
+    """What the network of containers made with ``options`` (as ``prepare_run`` returned them) is, in a word:
+    "off" (--sandbox_network=False), "hub" (a link into the worker's slirp4netns), "bridge" (Docker's
+    default bridge), "per_node" (Ray: each worker's machine decides between the two), or
+    "docker:<network_mode>" (a network of the user's own)."""
+    mode = options.get("network_mode", "bridge")
+    if mode == "none":
+        return "off"
+    if mode != "bridge":
+        return f"docker:{mode}"
+    if not options.get("network_hub", True):
+        return "bridge"
+    return "hub" if workers_here else "per_node"
+
+
 def _network_in_force(options: dict[str, Any], workers_here: bool) -> dict[str, Any]:
     """Say once how containers with the network on are connected; ``options`` without the hub where
     this machine cannot give one (Docker's bridge then, as README's Docker network paragraph says)."""
@@ -1010,21 +1032,30 @@ def _network_in_force(options: dict[str, Any], workers_here: bool) -> dict[str, 
     return {**options, "network_hub": False}
 
 
-def _image_states(jobs: Sequence[PromptJob], default: str, status: dict[str, str | None]) -> Preflight:
-    """Print each image's state (``status``: ensure_images'); the jobs whose image is not available fail."""
+def _image_states(
+    jobs: Sequence[PromptJob], default: str, status: dict[str, str | None], dataset: str
+) -> Preflight:
+    """Print each image's state (``status``: ensure_images'); the jobs whose image is not available fail.
+    A --default_image that is not is a SetupError (exit 2): a flag the user typed, not a row's field."""
     width = max(len(i) for i in status)
     for image, why in status.items():
         state = "ready" if why is None else "missing" if why == NOT_PULLED else f"NOT AVAILABLE: {why}"
         print(f"  {image:<{width}}  {state}")
+    if status.get(default) not in (None, NOT_PULLED) and any(not j.image for j in jobs):
+        raise SetupError(f"--default_image {default!r} cannot be used: {status[default]}. No prompt was run")
     failed = {
-        j.prompt_index: f"image {(j.image or default)!r} not available: {status[j.image or default]}"
+        j.prompt_index: f"image {j.image!r} not available: {status[j.image]}"
         for j in jobs
-        if status.get(j.image or default) not in (None, NOT_PULLED)
+        if j.image and status.get(j.image) not in (None, NOT_PULLED)
     }
     if failed:
+        # prompt_index is the row's 0-based line in the dataset: name the first lines, as bad lines are
+        shown = sorted(failed.items())[:5]
+        lines = "; ".join(f"{dataset}:{i + 1}: field 'image'/'docker_image': {why}" for i, why in shown)
+        more = f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""
         print(
             f"warning: {len(failed)} prompt(s) will fail without a model call because their image is "
-            "missing or cannot run here; --resume runs them once it can"
+            f"missing or cannot run here; --resume runs them once it can: {lines}{more}"
         )
     return Preflight(isolation="docker", failed=failed)
 

@@ -175,12 +175,13 @@ class LocalSandbox(SandboxBackend):
                 raise SetupError(
                     f"{len(bad)} dataset row(s) name a cwd the local sandbox may not use: {lines}{more}"
                 )
-            return Preflight(isolation="none")
-        net = "off"
+            # Commands on this machine, in its network namespace: --sandbox_network=False cannot hold them.
+            return Preflight(isolation="none", facts={"sandbox_network": "host"})
+        net, kind = "off", "off"
         if network:
-            net = "outside world through slirp4netns; not the host's own services"
+            net, kind = "outside world through slirp4netns; not the host's own services", "slirp4netns"
             if network_problem():
-                net = "OFF"
+                net, kind = "OFF", "off"
                 print(
                     f"warning: --sandbox_network is on, but {network_problem()}: the local sandbox has NO network"
                 )
@@ -220,7 +221,7 @@ class LocalSandbox(SandboxBackend):
                 f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a "
                 f"model call: {lines}{more}"  # each names its cwd with repr(): control characters escaped
             )
-        return Preflight(isolation="bwrap", failed=failed)
+        return Preflight(isolation="bwrap", failed=failed, facts={"sandbox_network": kind})
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
