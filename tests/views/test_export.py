@@ -303,3 +303,40 @@ def test_a_discarded_sample_run_again_is_exported_once(tmp_path):
         "terse [no_reasoning]",
     ]
     assert result.skipped["discarded sample run again"] == 2
+
+
+def test_a_rows_system_prompt_that_mentions_tools_markup_does_not_cost_the_sample_its_tools(tmp_path):
+    """A row's own system prompt comes before the preamble's ``<tools>`` list in the system entry. One that
+    writes ``<tools>`` and a line break without closing it made the exporter read its tool list from there
+    up to the preamble's ``</tools>``: not JSON, so the kept sample was left out of every format as
+    "unparsable"; the report read a ``<tools>`` block of the row's own as the tools offered."""
+    from helpers import run, write_rows
+
+    from batchrun.views.report import _offered_tools
+
+    systems = {
+        "open": "Tools you know:\n<tools>\nnone listed here",
+        "block": 'Use <tools>\n[{"name": "fake_tool"}]\n</tools> wisely.',
+    }
+    dataset = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": f"{k} [calls:1]", "system": v} for k, v in systems.items()]
+    )
+    run(None, dataset, tmp_path / "data")
+    records = {
+        first_human(r["conversations"]): r
+        for r in read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    }
+    assert len(records) == 2
+    for fmt in ("openai", "messages"):
+        result = export.export_run(tmp_path / "data" / "run", fmt, tmp_path / fmt)
+        assert not result.skipped
+        exported = rows(tmp_path / fmt)
+        assert len(exported) == 2
+        for row in exported:
+            prompt = next(m["content"] for m in row["messages"] if m["role"] == "user")
+            assert row["messages"][0] == {"role": "system", "content": systems[prompt.split()[0]]}
+            tools = row["tools"] if fmt == "messages" else json.loads(row["tools"])
+            assert [t["function"]["name"] for t in tools] == records[prompt]["metadata"]["tools_offered"]
+    for record in records.values():
+        offered = record["metadata"]["tools_offered"]
+        assert _offered_tools(record["conversations"][0]["value"]) == offered
