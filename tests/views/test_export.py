@@ -340,3 +340,38 @@ def test_a_rows_system_prompt_that_mentions_tools_markup_does_not_cost_the_sampl
     for record in records.values():
         offered = record["metadata"]["tools_offered"]
         assert _offered_tools(record["conversations"][0]["value"]) == offered
+
+
+def test_the_export_names_the_discarded_and_failed_samples_it_leaves_out(tmp_path, capsys):
+    """An export without --include_discarded said "Not exported: none" (card and summary) for a run whose
+    discarded.jsonl held samples set aside by the filters and whose failed.jsonl held a sample with no
+    outcome: a trainer reading the card could not tell the dataset was missing them, nor why."""
+    from helpers import run
+
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl",
+        ["fine [calls:1]", "terse [no_reasoning]", "nothing said [empty_answer]", "broken [error:500]"],
+    )
+    out = tmp_path / "data"
+    run(None, dataset, out)
+    run(None, dataset, out, resume=True)  # the failing sample fails again: two attempts, one sample
+    assert len(read_jsonl(out / "run" / "failed.jsonl")) == 2
+    want = {
+        "discarded (no_reasoning)": 1,
+        "discarded (empty_answer)": 1,
+        "failed (no outcome yet; --resume runs it again)": 1,
+    }
+    assert export.main([str(out / "run"), "--format=openai", f"--out={tmp_path / 'o'}"]) == 0
+    assert (
+        "not exported: 1 discarded (empty_answer), 1 discarded (no_reasoning), 1 failed"
+        in capsys.readouterr().out
+    )
+    card = (tmp_path / "o" / "README.md").read_text("utf-8")
+    assert (
+        "- Not exported: 1 discarded (empty_answer), 1 discarded (no_reasoning), 1 failed (no outcome" in card
+    )
+    assert len(rows(tmp_path / "o")) == 1
+    everything = export.export_run(out / "run", "openai", tmp_path / "all", include_discarded=True)
+    assert everything.skipped == {"failed (no outcome yet; --resume runs it again)": 1}
+    assert sum(everything.rows.values()) == 3
+    assert export.export_run(out / "run", "sharegpt", tmp_path / "s").skipped == want
