@@ -26,6 +26,11 @@ def first_human(conversations: list[dict[str, Any]]) -> str | None:
     return None
 
 
+# What a gpt turn's think block holds when the provider sent its reasoning encrypted only: a marker of the
+# runner's (the record shows the turn reasoned, and coverage counts it), not words of the model's. The
+# exporter gives trainers no reasoning for such a turn, never this text as the model's thinking.
+ENCRYPTED_REASONING = "[reasoning encrypted by the provider]"
+
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
     "as JSON schemas, between the <tools> and </tools> tags below. Call a function only when it "

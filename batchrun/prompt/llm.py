@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from batchrun.prompt import httpclient
 from batchrun.prompt.jsonbody import RequestEncoder, encode_json
 from batchrun.prompt.limiter import Limiter, LimitTimeout, backoff_s
-from batchrun.sharegpt import parse_json, unwrap_reasoning
+from batchrun.sharegpt import ENCRYPTED_REASONING, parse_json, unwrap_reasoning
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 # auto: openrouter.ai -> openrouter, api.openai.com -> openai, port 11434 -> ollama, anything else -> local
@@ -279,9 +279,6 @@ class BudgetStop(LLMError):
             "the run is stopping (its budget was reached, or its endpoint died) before this model call; "
             "--resume runs it again",
         )
-
-
-ENCRYPTED_REASONING = "[reasoning encrypted by the provider]"
 
 
 def native_reasoning(message: dict[str, Any]) -> str | None:

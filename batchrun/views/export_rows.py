@@ -14,6 +14,7 @@ from typing import Any
 from batchrun.identity import is_index, kept_line, outcome_sample, superseded_discards
 from batchrun.record import read_score, valid_outcome_row
 from batchrun.sharegpt import (
+    ENCRYPTED_REASONING,
     parse_gpt_value,
     parse_json,
     parse_tool_responses,
@@ -122,6 +123,8 @@ def _structured_calls(turn: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _assistant_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
     reasoning, content, parsed = parse_gpt_value(value)
+    if reasoning == ENCRYPTED_REASONING:  # the runner's marker: the model's reasoning is not known
+        reasoning = None
     calls = _structured_calls(turn)
     # The structured list carries the ids; the text must hold exactly the same calls, or one of the two is wrong.
     if [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls] != parsed:

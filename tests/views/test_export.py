@@ -375,3 +375,55 @@ def test_the_export_names_the_discarded_and_failed_samples_it_leaves_out(tmp_pat
     assert everything.skipped == {"failed (no outcome yet; --resume runs it again)": 1}
     assert sum(everything.rows.values()) == 3
     assert export.export_run(out / "run", "sharegpt", tmp_path / "s").skipped == want
+
+
+def test_reasoning_the_provider_sent_encrypted_only_is_not_exported_as_the_models_thinking(tmp_path):
+    """A provider that sends its reasoning only encrypted (OpenRouter's ``reasoning_details`` of type
+    ``reasoning.encrypted``) leaves the record's think blocks holding the runner's marker. The exporter
+    gave that marker to trainers as the model's own reasoning: ``reasoning_content`` of every assistant
+    turn, or ``<think>`` text in ``content`` with --reasoning=think, which a model trained on learns to say."""
+    from helpers import ScriptedEndpoint, run
+
+    from batchrun.sharegpt import ENCRYPTED_REASONING
+
+    encrypted = [{"type": "reasoning.encrypted", "data": "gAAAAB-opaque==", "id": "rs_1", "index": 0}]
+
+    def answer(call: dict, calls: list[dict]):
+        if call["check"]:
+            return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "OK"}}]}
+        if not any(m.get("role") == "tool" for m in call["body"]["messages"]):
+            tc = [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'},
+                }
+            ]
+            msg = {"role": "assistant", "content": "", "reasoning_details": encrypted, "tool_calls": tc}
+            return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls"}]}
+        msg = {"role": "assistant", "content": "It printed hi.", "reasoning_details": encrypted}
+        return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(None, write_jsonl(tmp_path / "d.jsonl", ["Say hi"]), tmp_path / "data", model="m",
+            base_url=endpoint.base_url, api_key="sk-scripted-test", num_workers=1)  # fmt: skip
+    (record,) = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert ENCRYPTED_REASONING in record["conversations"][-1]["value"]  # the record's marker, as documented
+    for fmt, mode in [
+        ("openai", "field"),
+        ("messages", "think"),
+        ("prompt_completion", "field"),
+        ("parquet", "think"),
+    ]:
+        export.export_run(tmp_path / "data" / "run", fmt, tmp_path / f"{fmt}-{mode}", reasoning=mode)
+        if fmt == "parquet":
+            (row,) = datasets.load_dataset(
+                "parquet", data_files=str(tmp_path / f"{fmt}-{mode}" / "train.parquet")
+            )["train"]
+        else:
+            (row,) = rows(tmp_path / f"{fmt}-{mode}")
+        messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
+        assistant = [m for m in messages if m["role"] == "assistant"]
+        assert [m["content"] for m in assistant] == [None, "It printed hi."], fmt
+        assert not any(m.get("reasoning_content") for m in assistant), fmt
+        assert "encrypted" not in json.dumps(messages), fmt
