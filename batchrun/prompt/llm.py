@@ -221,6 +221,9 @@ class AssistantTurn:
 FINISHED = frozenset(
     {"stop", "tool_calls", "function_call", "end_turn", "stop_sequence", "tool_use", "eos", "eos_token"}
 )
+# Finished to call tools: a reply that ends so but carries no call lost its calls on the way (a proxy, a
+# stream whose call parts were not the shape read); its words are no final answer.
+CALLED_TOOLS = frozenset({"tool_calls", "function_call", "tool_use"})
 CUT_BY_LENGTH = frozenset({"length", "max_tokens", "model_length"})
 FILTERED = frozenset(
     {
