@@ -26,6 +26,11 @@ def first_human(conversations: list[dict[str, Any]]) -> str | None:
     return None
 
 
+# What a gpt turn's think block holds when the provider sent its reasoning encrypted only: a marker of the
+# runner's (the record shows the turn reasoned, and coverage counts it), not words of the model's. The
+# exporter gives trainers no reasoning for such a turn, never this text as the model's thinking.
+ENCRYPTED_REASONING = "[reasoning encrypted by the provider]"
+
 SYSTEM_PREAMBLE = (
     "You are an assistant that can call functions. The functions you may call are described, "
     "as JSON schemas, between the <tools> and </tools> tags below. Call a function only when it "
@@ -247,7 +252,6 @@ def used_tool_names(record: dict[str, Any]) -> set[str]:
 # ----------------------------------------------------------------------------- reading a record back
 # The inverses of the renderers above, for readers of saved records (the exporter).
 
-_TOOLS_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
 _TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
 
 
@@ -303,14 +307,29 @@ def parse_tool_responses(value: str) -> list[dict[str, Any]]:
     return out
 
 
+def tools_text(system_value: str) -> str | None:
+    """The JSON text of the tool list in a system entry's preamble, or None when it has none.
+
+    The preamble comes last, and JSON text holds no raw line break: the last ``<tools>`` and a line
+    break are the preamble's, whatever a row's own system prompt before it says (``<tools>`` never
+    closed, or a ``<tools>`` block of its own), and the first line break and ``</tools>`` after it close them.
+    """
+    start = system_value.rfind("<tools>\n")
+    if start == -1:
+        return None
+    start += len("<tools>\n")
+    end = system_value.find("\n</tools>", start)
+    return None if end == -1 else system_value[start:end]
+
+
 def offered_tools(system_value: str) -> list[dict[str, Any]]:
     """The tools a system entry offered, as OpenAI tool schemas (``{"type": "function", "function": ...}``)."""
-    found = _TOOLS_RE.findall(system_value)  # the last block: a row's own system prompt comes first
-    if not found:
+    found = tools_text(system_value)
+    if found is None:
         return []
     return [
         {"type": "function", "function": {k: v for k, v in f.items() if not (k == "required" and v is None)}}
-        for f in parse_json(found[-1])
+        for f in parse_json(found)
     ]
 
 

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from batchrun.prompt import httpclient
 from batchrun.prompt.jsonbody import RequestEncoder, encode_json
 from batchrun.prompt.limiter import Limiter, LimitTimeout, backoff_s
-from batchrun.sharegpt import parse_json, unwrap_reasoning
+from batchrun.sharegpt import ENCRYPTED_REASONING, parse_json, unwrap_reasoning
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 # auto: openrouter.ai -> openrouter, api.openai.com -> openai, port 11434 -> ollama, anything else -> local
@@ -221,6 +221,9 @@ class AssistantTurn:
 FINISHED = frozenset(
     {"stop", "tool_calls", "function_call", "end_turn", "stop_sequence", "tool_use", "eos", "eos_token"}
 )
+# Finished to call tools: a reply that ends so but carries no call lost its calls on the way (a proxy, a
+# stream whose call parts were not the shape read); its words are no final answer.
+CALLED_TOOLS = frozenset({"tool_calls", "function_call", "tool_use"})
 CUT_BY_LENGTH = frozenset({"length", "max_tokens", "model_length"})
 FILTERED = frozenset(
     {
@@ -279,9 +282,6 @@ class BudgetStop(LLMError):
             "the run is stopping (its budget was reached, or its endpoint died) before this model call; "
             "--resume runs it again",
         )
-
-
-ENCRYPTED_REASONING = "[reasoning encrypted by the provider]"
 
 
 def native_reasoning(message: dict[str, Any]) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from batchrun.prompt.jsonbody import RequestEncoder
 from batchrun.prompt.llm import (
+    CALLED_TOOLS,
     AssistantTurn,
     ContextLimitError,
     LLMClient,
@@ -41,10 +42,12 @@ MAX_CONVERSATION_CHARS = 32 * 1024 * 1024
 # How a prompt ends when its last reply is not the model's finished words: the sample is discarded with
 # this reason (batchrun.prompt.attempt), never kept, partial or not. ``content_filter``: the provider's
 # filter stopped or replaced the reply. ``unknown_finish_reason``: a final answer whose finish_reason is
-# null, missing or unknown, so nothing says it was not cut short.
+# null, missing or unknown, so nothing says it was not cut short. ``missing_tool_calls``: a reply whose
+# finish_reason says it stopped to call tools, with no call in it: the calls were lost, the words are
+# only what preceded them.
 # Stop reasons whose sample no flag keeps: the last reply was filtered or may be cut short, or a tool
 # result held a secret of the run (it was not sent on to the model; the sample is a discard).
-REPLY_DISCARDS = ("content_filter", "unknown_finish_reason", "secret_in_output")
+REPLY_DISCARDS = ("content_filter", "unknown_finish_reason", "missing_tool_calls", "secret_in_output")
 
 
 class PromptTimeout(RuntimeError):
@@ -70,7 +73,7 @@ class LoopResult:
     partial: bool
     stop_reason: (
         str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
-        # | content_filter | unknown_finish_reason | secret_in_output (REPLY_DISCARDS)
+        # | content_filter | unknown_finish_reason | missing_tool_calls | secret_in_output (REPLY_DISCARDS)
     )
     tool_calls: int = 0
     served_model: str | None = None  # the last answered response's ``model``, when it named one
@@ -170,6 +173,9 @@ def run_agent(
         if not turn.tool_calls:
             if finish != "finished":
                 result.stop_reason = "unknown_finish_reason"
+                return result
+            if str(turn.finish_reason).lower() in CALLED_TOOLS:
+                result.stop_reason = "missing_tool_calls"
                 return result
             result.completed, result.partial, result.stop_reason = True, False, "final_answer"
             return result

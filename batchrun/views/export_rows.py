@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import kept_line, superseded_discards
-from batchrun.record import read_score
+from batchrun.identity import is_index, kept_line, outcome_sample, superseded_discards
+from batchrun.record import read_score, valid_outcome_row
 from batchrun.sharegpt import (
+    ENCRYPTED_REASONING,
     parse_gpt_value,
     parse_json,
     parse_tool_responses,
@@ -122,6 +123,8 @@ def _structured_calls(turn: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _assistant_message(turn: dict[str, Any], value: str) -> dict[str, Any]:
     reasoning, content, parsed = parse_gpt_value(value)
+    if reasoning == ENCRYPTED_REASONING:  # the runner's marker: the model's reasoning is not known
+        reasoning = None
     calls = _structured_calls(turn)
     # The structured list carries the ids; the text must hold exactly the same calls, or one of the two is wrong.
     if [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls] != parsed:
@@ -261,29 +264,46 @@ def split_of(prompt: str, seed: int, test_fraction: float) -> str:
 def _samples(
     run_dir: Path, include_discarded: bool, skipped: Counter[str]
 ) -> Iterator[tuple[dict[str, Any], str | None]]:
-    """(record, discard reason or None), streamed; malformed lines are counted in ``skipped``. A discard
-    that no longer stands for its sample (run again and kept, or discarded again: ``superseded_discards``,
-    as statistics.json counts them) is left out: with it, one sample was exported twice."""
+    """(record, discard reason or None), streamed; what is not exported is counted in ``skipped``: malformed
+    lines, the discards by reason (when they are not exported), and the samples that failed and have
+    no outcome yet. A discard that no longer stands for its sample (run again and kept, or discarded
+    again: ``superseded_discards``, as statistics.json counts them) is left out: with it, one sample
+    was exported twice."""
     kept_at: Counter[tuple[str, int, int]] = Counter()
     for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
         if rec is None:
             skipped["malformed lines"] += 1
             continue
-        if include_discarded and (line := kept_line(rec)) is not None:
+        if (line := kept_line(rec)) is not None:
             kept_at[line] += 1
         yield rec, None
-    if not include_discarded:
-        return
     stale = superseded_discards(run_dir / "discarded.jsonl", kept_at)
+    discarded_at: set[tuple[str, int, int]] = set()
     for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
         if row is None:
             skipped["malformed lines"] += 1
-        elif n in stale:
-            skipped["discarded sample run again"] += 1
+            continue
+        if valid_outcome_row(row, "reason") and is_index(row.get("prompt_index")):
+            discarded_at.add((*outcome_sample(row), row["prompt_index"]))
+        if n in stale:
+            if include_discarded:
+                skipped["discarded sample run again"] += 1
+        elif not include_discarded:  # set aside by a quality filter: named, as the run's statistics name it
+            skipped[f"discarded ({row.get('reason') or 'unknown'})"] += 1
         elif not isinstance(row.get("record"), dict):
             skipped["discarded without a record"] += 1
         else:
             yield row["record"], str(row.get("reason") or "unknown")
+    # A failure is an attempt, not a sample: per (row, sample), the dataset lines whose attempts failed
+    # beyond the lines that have an outcome (a resume of a reordered dataset finishes it at another line).
+    failed: dict[tuple[str, int], set[int]] = {}
+    for row in iter_jsonl(run_dir / "failed.jsonl"):
+        if valid_outcome_row(row, "error_class") and is_index(row.get("prompt_index")):
+            failed.setdefault(outcome_sample(row), set()).add(row["prompt_index"])
+    finished = Counter((key, index) for key, index, _line in {*kept_at, *discarded_at})
+    unfinished = sum(max(0, len(lines) - finished[sample]) for sample, lines in failed.items())
+    if unfinished:
+        skipped["failed (no outcome yet; --resume runs it again)"] += unfinished
 
 
 def _all_samples(

@@ -27,7 +27,7 @@ from batchrun.identity import kept_line, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import wanted_from_duplicates
-from batchrun.sharegpt import first_human, parse_json, reasoning_counts
+from batchrun.sharegpt import first_human, parse_json, reasoning_counts, tools_text
 from batchrun.storage import WriteError, batch_files, iter_jsonl, read_json_object, write_text_atomic
 from batchrun.views.status import local_alive
 
@@ -38,7 +38,6 @@ REPORT_NAME = "report.html"
 _THINK_RE = re.compile(r"^<think>\n?(.*?)\n?</think>\n?", re.DOTALL)
 _TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>\n?", re.DOTALL)
 _TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
-_TOOLS_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -405,9 +404,9 @@ def render_turn(c: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _offered_tools(system: str) -> list[str]:
-    m = _TOOLS_RE.search(system)
+    found = tools_text(system)
     try:
-        tools = parse_json(m.group(1)) if m else []
+        tools = parse_json(found) if found is not None else []
     except ValueError:
         return []
     return [t["name"] for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str)]

@@ -239,3 +239,26 @@ def test_empty_answer_means_the_final_turn_has_no_words():
 def test_markup_that_would_not_parse_back_as_written_is_ambiguous(content, reasoning, ambiguous):
     msgs = [{"role": "user", "content": "q"}, _assistant(content, reasoning)]
     assert ambiguous_markup(msgs, to_sharegpt(msgs, [])) is ambiguous
+
+
+@pytest.mark.parametrize("finish", ["tool_calls", "tool_use", "function_call"])
+def test_a_reply_that_says_it_called_tools_but_carries_none_is_never_a_final_answer(tmp_path, finish):
+    """A reply whose finish_reason says it stopped to call tools, without a single call (a proxy that lost
+    them, a stream whose call parts were not read): its words ("Let me look first.") were kept as the
+    sample's completed final answer (stop_reason final_answer, completed), exported and scored as one."""
+    prompt = f"Look, then answer [finish:{finish}] [calls:0]"
+    run_dir = run(write_jsonl(tmp_path / "d.jsonl", [prompt, "Answer plainly [calls:0]"]), tmp_path / "data")
+    kept = read_jsonl(run_dir / "trajectories.jsonl")
+    assert [r["conversations"][1]["value"] for r in kept] == ["Answer plainly [calls:0]"]
+    (discard,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert (discard["prompt"], discard["reason"]) == (prompt, "missing_tool_calls")
+    assert discard["record"]["completed"] is False
+    assert discard["record"]["metadata"]["stop_reason"] == "missing_tool_calls"
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert stats["discarded"]["by_reason"] == {"missing_tool_calls": 1}
+    # No flag keeps it, as none keeps a reply whose end is unknown.
+    run_dir = run(
+        write_jsonl(tmp_path / "e.jsonl", [prompt]), tmp_path / "data", "k",
+        keep_invalid_tool_calls=True, keep_empty_answers=True, keep_no_reasoning=True,
+    )  # fmt: skip
+    assert read_jsonl(run_dir / "trajectories.jsonl") == []

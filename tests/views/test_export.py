@@ -303,3 +303,127 @@ def test_a_discarded_sample_run_again_is_exported_once(tmp_path):
         "terse [no_reasoning]",
     ]
     assert result.skipped["discarded sample run again"] == 2
+
+
+def test_a_rows_system_prompt_that_mentions_tools_markup_does_not_cost_the_sample_its_tools(tmp_path):
+    """A row's own system prompt comes before the preamble's ``<tools>`` list in the system entry. One that
+    writes ``<tools>`` and a line break without closing it made the exporter read its tool list from there
+    up to the preamble's ``</tools>``: not JSON, so the kept sample was left out of every format as
+    "unparsable"; the report read a ``<tools>`` block of the row's own as the tools offered."""
+    from helpers import run, write_rows
+
+    from batchrun.views.report import _offered_tools
+
+    systems = {
+        "open": "Tools you know:\n<tools>\nnone listed here",
+        "block": 'Use <tools>\n[{"name": "fake_tool"}]\n</tools> wisely.',
+    }
+    dataset = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": f"{k} [calls:1]", "system": v} for k, v in systems.items()]
+    )
+    run(None, dataset, tmp_path / "data")
+    records = {
+        first_human(r["conversations"]): r
+        for r in read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    }
+    assert len(records) == 2
+    for fmt in ("openai", "messages"):
+        result = export.export_run(tmp_path / "data" / "run", fmt, tmp_path / fmt)
+        assert not result.skipped
+        exported = rows(tmp_path / fmt)
+        assert len(exported) == 2
+        for row in exported:
+            prompt = next(m["content"] for m in row["messages"] if m["role"] == "user")
+            assert row["messages"][0] == {"role": "system", "content": systems[prompt.split()[0]]}
+            tools = row["tools"] if fmt == "messages" else json.loads(row["tools"])
+            assert [t["function"]["name"] for t in tools] == records[prompt]["metadata"]["tools_offered"]
+    for record in records.values():
+        offered = record["metadata"]["tools_offered"]
+        assert _offered_tools(record["conversations"][0]["value"]) == offered
+
+
+def test_the_export_names_the_discarded_and_failed_samples_it_leaves_out(tmp_path, capsys):
+    """An export without --include_discarded said "Not exported: none" (card and summary) for a run whose
+    discarded.jsonl held samples set aside by the filters and whose failed.jsonl held a sample with no
+    outcome: a trainer reading the card could not tell the dataset was missing them, nor why."""
+    from helpers import run
+
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl",
+        ["fine [calls:1]", "terse [no_reasoning]", "nothing said [empty_answer]", "broken [error:500]"],
+    )
+    out = tmp_path / "data"
+    run(None, dataset, out)
+    run(None, dataset, out, resume=True)  # the failing sample fails again: two attempts, one sample
+    assert len(read_jsonl(out / "run" / "failed.jsonl")) == 2
+    want = {
+        "discarded (no_reasoning)": 1,
+        "discarded (empty_answer)": 1,
+        "failed (no outcome yet; --resume runs it again)": 1,
+    }
+    assert export.main([str(out / "run"), "--format=openai", f"--out={tmp_path / 'o'}"]) == 0
+    assert (
+        "not exported: 1 discarded (empty_answer), 1 discarded (no_reasoning), 1 failed"
+        in capsys.readouterr().out
+    )
+    card = (tmp_path / "o" / "README.md").read_text("utf-8")
+    assert (
+        "- Not exported: 1 discarded (empty_answer), 1 discarded (no_reasoning), 1 failed (no outcome" in card
+    )
+    assert len(rows(tmp_path / "o")) == 1
+    everything = export.export_run(out / "run", "openai", tmp_path / "all", include_discarded=True)
+    assert everything.skipped == {"failed (no outcome yet; --resume runs it again)": 1}
+    assert sum(everything.rows.values()) == 3
+    assert export.export_run(out / "run", "sharegpt", tmp_path / "s").skipped == want
+
+
+def test_reasoning_the_provider_sent_encrypted_only_is_not_exported_as_the_models_thinking(tmp_path):
+    """A provider that sends its reasoning only encrypted (OpenRouter's ``reasoning_details`` of type
+    ``reasoning.encrypted``) leaves the record's think blocks holding the runner's marker. The exporter
+    gave that marker to trainers as the model's own reasoning: ``reasoning_content`` of every assistant
+    turn, or ``<think>`` text in ``content`` with --reasoning=think, which a model trained on learns to say."""
+    from helpers import ScriptedEndpoint, run
+
+    from batchrun.sharegpt import ENCRYPTED_REASONING
+
+    encrypted = [{"type": "reasoning.encrypted", "data": "gAAAAB-opaque==", "id": "rs_1", "index": 0}]
+
+    def answer(call: dict, calls: list[dict]):
+        if call["check"]:
+            return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "OK"}}]}
+        if not any(m.get("role") == "tool" for m in call["body"]["messages"]):
+            tc = [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'},
+                }
+            ]
+            msg = {"role": "assistant", "content": "", "reasoning_details": encrypted, "tool_calls": tc}
+            return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls"}]}
+        msg = {"role": "assistant", "content": "It printed hi.", "reasoning_details": encrypted}
+        return 200, {"choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(None, write_jsonl(tmp_path / "d.jsonl", ["Say hi"]), tmp_path / "data", model="m",
+            base_url=endpoint.base_url, api_key="sk-scripted-test", num_workers=1)  # fmt: skip
+    (record,) = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    assert ENCRYPTED_REASONING in record["conversations"][-1]["value"]  # the record's marker, as documented
+    for fmt, mode in [
+        ("openai", "field"),
+        ("messages", "think"),
+        ("prompt_completion", "field"),
+        ("parquet", "think"),
+    ]:
+        export.export_run(tmp_path / "data" / "run", fmt, tmp_path / f"{fmt}-{mode}", reasoning=mode)
+        if fmt == "parquet":
+            (row,) = datasets.load_dataset(
+                "parquet", data_files=str(tmp_path / f"{fmt}-{mode}" / "train.parquet")
+            )["train"]
+        else:
+            (row,) = rows(tmp_path / f"{fmt}-{mode}")
+        messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
+        assistant = [m for m in messages if m["role"] == "assistant"]
+        assert [m["content"] for m in assistant] == [None, "It printed hi."], fmt
+        assert not any(m.get("reasoning_content") for m in assistant), fmt
+        assert "encrypted" not in json.dumps(messages), fmt
