@@ -30,7 +30,7 @@ the preamble, is exported as the first (``system``) message.
 ``<think>...</think>``, for templates that ignore ``reasoning_content``), ``drop``.
 
 What is exported by default: every kept sample, partial ones included, except those whose stop reason
-is a model fault (``invalid_tool_calls``); ``--stop_reasons`` keeps only the reasons named,
+is a model fault (``invalid_tool_calls``) or whose last reply the length limit cut (``truncated``); ``--stop_reasons`` keeps only the reasons named,
 ``--exclude_stop_reasons`` leaves out those named instead of the default. ``--include_discarded`` adds the
 samples in ``discarded.jsonl`` with their ``discard_reason``: an ``ambiguous_markup`` sample's assistant
 turns carry their text unsplit (reasoning and words are not cut where the markup is ambiguous), an
@@ -91,8 +91,10 @@ from batchrun.views.export_rows import (
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
 TEMPLATE_FORMATS = ("messages", "prompt_completion")  # arguments as objects, tools as a list
 REASONING_MODES = ("field", "think", "drop")
-# Stop reasons that are the model's fault: a sample that stopped so is not exported unless asked.
-MODEL_FAULT_STOP_REASONS = frozenset({"invalid_tool_calls"})
+# Stop reasons whose kept sample is not exported unless asked: a model's fault (``invalid_tool_calls``), or
+# a last reply cut by the length limit (``truncated``): a trainer's chat template closes that reply with its
+# end-of-turn token, so the model would learn to stop mid-sentence (it was exported by default before).
+DEFAULT_EXCLUDED_STOP_REASONS = frozenset({"invalid_tool_calls", "truncated"})
 # Formats that group a row's samples by their scores (batchrun.views.export_scored): JSONL only.
 SCORED_FORMATS = ("preference", "rewards")
 PARQUET_ROWS_PER_GROUP = 1000
@@ -162,8 +164,8 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
     if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
         return None if reason in opts.stop_reasons else f"stop_reason {reason}"
     excluded = opts.exclude_stop_reasons
-    if excluded is None:  # the default leaves out the model's faults among the kept samples
-        excluded = MODEL_FAULT_STOP_REASONS if discard_reason is None else frozenset()
+    if excluded is None:  # the default leaves out the model's faults and cut replies among the kept samples
+        excluded = DEFAULT_EXCLUDED_STOP_REASONS if discard_reason is None else frozenset()
     if reason in excluded:
         return f"stop_reason {reason}"
     return None
@@ -539,7 +541,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--exclude_stop_reasons",
         type=_names,
         default=None,
-        help="leave out samples that stopped for these reasons; default: invalid_tool_calls (kept samples)",
+        help="leave out samples that stopped for these reasons; default: invalid_tool_calls,truncated (kept samples)",
     )
     parser.add_argument(
         "--include_discarded",

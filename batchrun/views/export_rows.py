@@ -44,7 +44,7 @@ class ExportOptions:
     include_partial: bool = True
     include_discarded: bool = False
     stop_reasons: frozenset[str] | None = None  # only these (None: every one not excluded)
-    exclude_stop_reasons: frozenset[str] | None = None  # None: MODEL_FAULT_STOP_REASONS for kept samples
+    exclude_stop_reasons: frozenset[str] | None = None  # None: DEFAULT_EXCLUDED_STOP_REASONS for kept samples
     dedup: bool = False
     only_passed: bool = False  # --only_passed: samples whose check passed
     min_score: float | None = None  # --min_score: samples scored at least this

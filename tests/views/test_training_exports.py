@@ -270,6 +270,23 @@ def test_stop_reason_filters_leave_out_model_faults_by_default(run_dir, tmp_path
     )
 
 
+def test_a_reply_cut_by_the_length_limit_is_not_exported_for_training_by_default(run_dir, tmp_path):
+    """A truncated sample's last reply stops mid-sentence; a trainer's chat template closes it with the
+    end-of-turn token, so the model learns to stop there. It was exported by default with only a
+    stop_reason column to tell (3 of 6 exported samples of a 16-row run were partial, 2 of them cut)."""
+
+    def cut(records):
+        records[1]["metadata"]["stop_reason"] = "truncated"
+        records[1]["partial"], records[1]["completed"] = True, False
+
+    cut_run = _run_copy(run_dir, tmp_path / "runs" / "cut", cut)
+    rows = _export(cut_run, "messages", tmp_path / "a")
+    assert len(rows) == 3 and "truncated" not in {r["stop_reason"] for r in rows}
+    assert "1 stop_reason truncated" in (tmp_path / "a" / "README.md").read_text("utf-8")
+    asked = _export(cut_run, "messages", tmp_path / "b", "--exclude_stop_reasons=invalid_tool_calls")
+    assert [r["stop_reason"] for r in asked].count("truncated") == 1
+
+
 def test_dedup_removes_byte_identical_samples_within_and_across_runs(run_dir, tmp_path):
     twin = _run_copy(run_dir, tmp_path / "runs" / "twin", lambda recs: recs.append(recs[0]))
     assert len(_export([run_dir, twin], "openai", tmp_path / "all")) == 9
