@@ -224,13 +224,14 @@ class BrowserHost:
 
     def _sandbox_plan(self) -> SandboxPlan:
         """How Chromium starts here (browser_sandbox.py); said in the log, once per process, when its
-        sandbox cannot be on."""
+        sandbox cannot be on or it reads the host's files."""
         from batchrun.prompt.tools.browser_sandbox import plan
 
         if self.sandbox is None:
             self.sandbox = plan()
-            if not self.sandbox.sandbox or self.sandbox.isolation_problem:
-                log.warning("%s", self.sandbox.describe().removeprefix("warning: "))
+            said = self.sandbox.describe()
+            if said.startswith("warning: "):
+                log.warning("%s", said.removeprefix("warning: "))
         return self.sandbox
 
     def _chromium_cgroup(self, cfg: BrowserConfig) -> list[str]:
@@ -320,8 +321,8 @@ def _limited_launcher(
     worker, browser_sandbox.py) it gives Playwright's profile directory to that uid and gid, makes it
     Chromium's home and temporary directory (root's are not its), and execs Chromium through setpriv as
     them. With ``netns`` (a root worker's, browser_sandbox.make_netns) Chromium starts in that network
-    namespace and in PID and mount namespaces of its own (browser_sandbox.isolate_command: the shell
-    becomes the unshare whose child is Chromium). Only needed until exec (the shell becomes Chromium or that
+    namespace and in PID and mount namespaces of its own, on a root of its own (browser_sandbox.isolate_command:
+    the shell becomes the unshare whose child is Chromium). Only needed until exec (the shell becomes Chromium or that
     unshare: no process of its own is left)."""
     from batchrun.prompt.tools.browser_sandbox import drop_command, isolate_command
 
@@ -337,12 +338,14 @@ def _limited_launcher(
             "unset XDG_CONFIG_HOME XDG_CACHE_HOME XDG_DATA_HOME XDG_STATE_HOME XDG_RUNTIME_DIR\n"
         )
         drop = " ".join(shlex.quote(a) for a in drop_command(user)) + " "
-    if netns is not None:
-        drop = " ".join(shlex.quote(a) for a in isolate_command(netns)) + ' "$profile" ' + drop
+    executable = cfg.executable
+    if netns is not None:  # on a root of its own, where the executable is at its real path
+        executable = os.path.realpath(executable)
+        drop = " ".join(shlex.quote(a) for a in isolate_command(netns, executable)) + ' "$profile" ' + drop
     with open(path, "w") as f:
         f.write(
             f"#!/bin/sh\n{enter}ulimit -d {cfg.memory_mb * 1024} || exit 1\n"
-            f'exec {drop}{shlex.quote(cfg.executable)} "$@"\n'
+            f'exec {drop}{shlex.quote(executable)} "$@"\n'
         )
     os.chmod(path, 0o700)
     return path

@@ -19,8 +19,13 @@ whole of Chromium (:func:`isolate_command`, in the launcher) in a network namesp
 (:func:`make_netns`) that holds only its loopback, on which the worker listens for each prompt's egress
 proxy (:func:`listen_in`): no other address, no route, no DNS (Chromium asks the proxy for names); in
 a PID namespace of its own, with its own /proc, where no other process is to be seen; and in a mount
-namespace of its own where the temporary directory holds its own profile only: every worker's profile
-(its pages' cache, cookies and storage) belongs to the same nobody.
+namespace of its own, on a root of its own (:func:`new_root_script`): the system's directories read-only, a
+minimal /dev, and its own profile alone in the temporary directory (every worker's profile, its pages'
+cache, cookies and storage, belongs to the same nobody). The browser, GPU and network processes are
+outside the renderers' seccomp filter, and as nobody on the host's root one a page took over read the
+dataset (its rows' expected answers), the run's directory (every prompt's trajectories) and the source
+trees, all world-readable. A worker that is not root cannot make these namespaces: its Chromium reads
+what its user may read, and the run's start says so.
 
 The sandbox needs user namespaces for that user: a root-run Docker container's default seccomp profile,
 a kernel or AppArmor policy, may refuse them. :func:`plan` tries one, once per process; where that is
@@ -32,12 +37,14 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
 
+from batchrun.prompt.sandboxes.local.system_view import SYSTEM_DIRS
 from batchrun.prompt.tools.config import BROWSER_GID, BROWSER_UID
 
 
@@ -65,13 +72,18 @@ class SandboxPlan:
                 return (
                     line
                     + "; the whole of it in network and PID namespaces where it reaches only the egress proxy"
+                    + ", on a root of its own that holds only the system's directories and its profile"
                 )
+            # Its browser, GPU and network processes are outside the renderers' seccomp filter.
+            files = f"reads every file {who} may read (the dataset, the run's directory)"
             if self.isolation_problem:
                 return (
-                    f"warning: {line}; its browser process in the host's network and PID namespaces "
-                    f"({self.isolation_problem})"
+                    f"warning: {line}; its browser process in the host's network and PID namespaces, and "
+                    f"{files} ({self.isolation_problem})"
                 )
-            return line
+            return (
+                f"warning: {line}; its browser process {files}: only a root runner gives it a root of its own"
+            )
         return (
             f"warning: Browser sandbox: OFF ({self.problem}): Chromium runs as {who} with --no-sandbox, "
             "a page that exploits its renderer runs there with that user's access to this host"
@@ -153,25 +165,65 @@ def listen_in(netns_fd: int) -> socket.socket:
     return in_namespace(netns_fd, make)
 
 
-# Run by the isolate_command's shell, as root in Chromium's new mount namespace (private: nothing is seen
-# outside it), with the profile directory and then the command: the directory that holds the profile (the
-# temporary directory, where every worker's Chromium has its profile, all owned by the same nobody) is
-# covered by an empty tmpfs, and the profile alone is put back on it (bound from the shell's working
-# directory, which is the profile underneath).
-_HIDE_OTHER_PROFILES = (
-    "profile=$1; shift; parent=${profile%/*}\n"
-    'if [ -n "$parent" ]; then\n'
-    '  cd "$profile" && mount -t tmpfs -o size=64k,mode=755,nosuid,nodev,noexec tmpfs "$parent" &&\n'
-    '    mkdir "$profile" && mount --no-canonicalize --bind . "$profile" && cd / || exit 1\n'
-    "fi\n"
-    'exec "$@"\n'
-)
+# What of the host's files Chromium's root holds, read-only (everything else is absent): the system
+# directories the local sandbox shows a prompt's commands (its /usr, libraries, /etc), and fontconfig's
+# cache of the system's fonts (without it every launch scans them again).
+CHROMIUM_SYSTEM_DIRS = (*SYSTEM_DIRS, "/var/cache/fontconfig")
+CHROMIUM_DEVICES = ("null", "zero", "random", "urandom")  # its /dev: the devices anyone may use
 
 
-def isolate_command(netns_path: str) -> list[str]:
-    """What the launcher execs Chromium through, followed by Chromium's profile directory and then the rest
-    of the command: to enter the network namespace at ``netns_path``, and a PID namespace (with its own
-    /proc) and a mount namespace (where no other worker's profile is to be seen) of its own. unshare stays
+def new_root_script(executable: str) -> str:
+    """The script isolate_command's shell runs, as root in Chromium's new mount namespace (private: nothing
+    is seen outside it), with the profile directory and then the command.
+
+    Chromium's browser process and its GPU, network and utility processes are outside the renderers'
+    seccomp sandbox: as nobody on the host's root, one a page took over read every world-readable file
+    (the dataset with its rows' expected answers, the run's directory with every prompt's trajectories,
+    source trees, homes), connected to Unix sockets anyone may use, wrote to /var/tmp and /dev/shm. So
+    it gets a root of its own: a small tmpfs mounted over the profile's path (the shell's working
+    directory keeps the profile underneath) that holds CHROMIUM_SYSTEM_DIRS read-only, the directory of
+    ``executable`` (symbolic links resolved: a Chromium in /opt, or Playwright's own in a home directory)
+    where none of them holds it, CHROMIUM_DEVICES in /dev, the PID namespace's /proc, and the profile
+    alone, at its path (no other worker's profile beside it); pivot_root makes it the root and the
+    host's is detached. One command per mount, and one mkdir and one ln for all (~25 ms in all)."""
+    q = shlex.quote
+    real = os.path.dirname(os.path.realpath(executable))
+    wanted = CHROMIUM_SYSTEM_DIRS
+    if not any(real == d or real.startswith(d + "/") for d in wanted):
+        wanted = (*wanted, real)
+    links = [(os.readlink(d), d) for d in wanted if os.path.islink(d)]
+    dirs = [d for d in wanted if not os.path.islink(d) and os.path.isdir(d)]
+    lines = [
+        "set -e",
+        "profile=$1; shift; root=$profile",
+        'cd "$profile"',
+        'mount -t tmpfs -o size=1m,mode=755,nosuid,nodev,noexec br-chromium-root "$root"',
+        'mkdir -p "$root$profile" "$root/proc" "$root/dev/shm"' + "".join(f' "$root"{q(d)}' for d in dirs),
+    ]
+    # merged /usr: /bin -> usr/bin, ... one ln for those named as their target in /
+    together = [t for t, d in links if os.path.dirname(d) == "/" and os.path.basename(t) == d[1:]]
+    if together:
+        lines.append("ln -s " + " ".join(map(q, together)) + ' "$root"')
+    lines += [f'ln -s {q(t)} "$root"{q(d)}' for t, d in links if t not in together]
+    lines.append("; ".join(f': > "$root/dev/{n}"' for n in CHROMIUM_DEVICES))
+    lines += [f'mount --no-canonicalize --bind -o ro {q(d)} "$root"{q(d)}' for d in dirs]
+    lines += [
+        'mount --no-canonicalize --bind . "$root$profile"',
+        'mount -t proc -o nosuid,nodev,noexec proc "$root/proc"',
+        *(f'mount --no-canonicalize --bind /dev/{n} "$root/dev/{n}"' for n in CHROMIUM_DEVICES),
+        'cd "$root"',
+        "PATH=/usr/sbin:/sbin:$PATH pivot_root . .",
+        "umount -l .",
+        "cd /",
+        'exec "$@"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def isolate_command(netns_path: str, executable: str) -> list[str]:
+    """What the launcher execs Chromium (``executable``) through, followed by Chromium's profile directory
+    and then the rest of the command: to enter the network namespace at ``netns_path``, and a PID
+    namespace (with its own /proc) and a mount namespace (on a root of its own, new_root_script) of its own. unshare stays
     as the process Playwright started, Chromium its child (PID 1 there): killed with it (--kill-child), and
     ending every process of the namespace when it ends; the pipe Playwright talks on (fds 3 and 4) passes
     through."""
@@ -189,7 +241,7 @@ def isolate_command(netns_path: str) -> list[str]:
         "--",
         "/bin/sh",
         "-c",
-        _HIDE_OTHER_PROFILES,
+        new_root_script(executable),
         "sh",
     ]
 
@@ -231,14 +283,18 @@ def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
         return f"cannot make a network namespace: {exc}"
     try:
         # Where Playwright makes Chromium's profile (the launcher gives it to user).
-        profile = tempfile.mkdtemp()
+        profile, other = tempfile.mkdtemp(), tempfile.mkdtemp()
         try:
             os.chown(profile, *user)
+            # As Chromium, on its root: its profile and /dev/null are there, another profile beside it not.
+            check = 'test -w "$1" && test -w /dev/null && ! test -e "$2"'
             said = _run(
-                [*isolate_command(f"/proc/{os.getpid()}/fd/{fd}"), profile, *drop, "test", "-w", profile]
-            )
+                [*isolate_command(f"/proc/{os.getpid()}/fd/{fd}", "/bin/sh"), profile,
+                 *drop, "/bin/sh", "-c", check, "sh", profile, other]
+            )  # fmt: skip
         finally:
             os.rmdir(profile)
+            os.rmdir(other)
     except OSError as exc:
         said = str(exc)
     finally:
