@@ -992,6 +992,35 @@ for path in ("/dev/shm/x", "/x", "/usr/x", "/etc/x", "/tmp/x"):
     assert lines[1:] == [f"[{os.path.basename(profile)!r}] True []"]
 
 
+def test_a_chromium_outside_the_system_directories_starts_on_its_root(
+    isolated_chromium, fake_web, tool_ctx, call_tool
+):
+    """BROWSER_EXECUTABLE may name a Chromium outside /usr (in /opt, or Playwright's own in a home
+    directory), through a symbolic link: the directory that really holds it is put on Chromium's root,
+    read-only, and nothing beside it."""
+    from batchrun.prompt.tools.config import browser_config
+
+    place = Path(tempfile.mkdtemp(prefix="br-chromium-", dir="/var/tmp"))
+    try:
+        place.chmod(0o755)
+        (place / "chrome").mkdir(mode=0o755)
+        real = place / "chrome" / "chrome"
+        real.write_text(f'#!/bin/sh\nexec {os.path.realpath(browser_config().executable)} "$@"\n')
+        real.chmod(0o755)
+        (place / "link").symlink_to(real)
+        (place / "beside.txt").write_text("NOT-FOR-CHROMIUM")
+        (place / "beside.txt").chmod(0o644)
+        browser.shutdown_browser()  # the next call launches this Chromium
+        ctx = tool_ctx({"BROWSER_EXECUTABLE": str(place / "link")})
+        assert call_tool(ctx, "browser_navigate", url=fake_web.url("/"))["title"] == "Fake Site Home"
+        paths = [str(real), str(place / "beside.txt"), str(place / "link")]
+        seen = as_browser(browser_process(), f"import os\nprint([os.path.exists(p) for p in {paths!r}])")
+        assert seen.strip() == "[True, False, False]"
+    finally:
+        browser.shutdown_browser()
+        shutil.rmtree(place)
+
+
 def test_where_chromium_cannot_have_namespaces_of_its_own_the_run_says_so(
     chromium_sandbox, fake_web, tool_ctx, call_tool, monkeypatch, caplog
 ):
