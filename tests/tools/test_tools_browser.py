@@ -977,7 +977,8 @@ def test_a_root_worker_s_chromium_reads_no_file_of_the_run_or_the_host(
 import os
 print(sorted(os.listdir("/")))
 print(os.listdir(os.path.dirname({profile!r})), os.access({profile!r}, os.W_OK), os.listdir("/dev/shm"))
-for path in ({os.path.realpath(browser.browser_config().executable)!r}, "/etc/fonts/fonts.conf", "/dev/urandom", "/proc/self/status"):
+for path in ({os.path.realpath(browser.browser_config().executable)!r}, "/etc/fonts/fonts.conf",
+             "/dev/urandom", "/proc/self/status"):
     open(path, "rb").close()
 for path in ("/dev/shm/x", "/x", "/usr/x", "/etc/x", "/tmp/x"):
     try:

@@ -321,9 +321,9 @@ def _limited_launcher(
     worker, browser_sandbox.py) it gives Playwright's profile directory to that uid and gid, makes it
     Chromium's home and temporary directory (root's are not its), and execs Chromium through setpriv as
     them. With ``netns`` (a root worker's, browser_sandbox.make_netns) Chromium starts in that network
-    namespace and in PID and mount namespaces of its own, on a root of its own (browser_sandbox.isolate_command:
-    the shell becomes the unshare whose child is Chromium). Only needed until exec (the shell becomes Chromium or that
-    unshare: no process of its own is left)."""
+    namespace and in PID and mount namespaces of its own, on a root of its own
+    (browser_sandbox.isolate_command: the shell becomes the unshare whose child is Chromium). Only needed
+    until exec (the shell becomes Chromium or that unshare: no process of its own is left)."""
     from batchrun.prompt.tools.browser_sandbox import drop_command, isolate_command
 
     path = os.path.join(directory, "chromium")

@@ -19,9 +19,9 @@ whole of Chromium (:func:`isolate_command`, in the launcher) in a network namesp
 (:func:`make_netns`) that holds only its loopback, on which the worker listens for each prompt's egress
 proxy (:func:`listen_in`): no other address, no route, no DNS (Chromium asks the proxy for names); in
 a PID namespace of its own, with its own /proc, where no other process is to be seen; and in a mount
-namespace of its own, on a root of its own (:func:`new_root_script`): the system's directories read-only, a
-minimal /dev, and its own profile alone in the temporary directory (every worker's profile, its pages'
-cache, cookies and storage, belongs to the same nobody). The browser, GPU and network processes are
+namespace of its own, on a root of its own (:func:`new_root_script`): the system's directories
+read-only, a minimal /dev, and its own profile alone in the temporary directory (every worker's profile,
+its pages' cache, cookies and storage, belongs to the same nobody). The browser, GPU and network processes are
 outside the renderers' seccomp filter, and as nobody on the host's root one a page took over read the
 dataset (its rows' expected answers), the run's directory (every prompt's trajectories) and the source
 trees, all world-readable. A worker that is not root cannot make these namespaces: its Chromium reads
@@ -185,7 +185,7 @@ def new_root_script(executable: str) -> str:
     ``executable`` (symbolic links resolved: a Chromium in /opt, or Playwright's own in a home directory)
     where none of them holds it, CHROMIUM_DEVICES in /dev, the PID namespace's /proc, and the profile
     alone, at its path (no other worker's profile beside it); pivot_root makes it the root and the
-    host's is detached. One command per mount, and one mkdir and one ln for all (~25 ms in all)."""
+    host's is detached. One command per mount, one mkdir and one ln for all: ~20 ms a launch."""
     q = shlex.quote
     real = os.path.dirname(os.path.realpath(executable))
     wanted = CHROMIUM_SYSTEM_DIRS
@@ -223,10 +223,10 @@ def new_root_script(executable: str) -> str:
 def isolate_command(netns_path: str, executable: str) -> list[str]:
     """What the launcher execs Chromium (``executable``) through, followed by Chromium's profile directory
     and then the rest of the command: to enter the network namespace at ``netns_path``, and a PID
-    namespace (with its own /proc) and a mount namespace (on a root of its own, new_root_script) of its own. unshare stays
-    as the process Playwright started, Chromium its child (PID 1 there): killed with it (--kill-child), and
-    ending every process of the namespace when it ends; the pipe Playwright talks on (fds 3 and 4) passes
-    through."""
+    namespace (with its own /proc) and a mount namespace (on a root of its own, new_root_script) of its
+    own. unshare stays as the process Playwright started, Chromium its child (PID 1 there): killed with it
+    (--kill-child), and ending every process of the namespace when it ends; the pipe Playwright talks on
+    (fds 3 and 4) passes through."""
     nsenter = shutil.which("nsenter") or "nsenter"
     unshare = shutil.which("unshare") or "unshare"
     return [
