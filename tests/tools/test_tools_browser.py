@@ -726,20 +726,25 @@ def test_without_user_namespaces_chromium_runs_unsandboxed_and_the_run_says_so(
 
 
 def test_where_chromium_reads_the_host_s_files_the_run_says_so():
-    """A worker that is not root cannot give Chromium a root of its own: its browser process, outside the
-    renderers' seccomp filter, reads every file the runner's user may (the dataset with its expected
-    answers, the run's directory). The run's start said nothing of it; now it warns, as where a root
-    worker cannot make the namespaces."""
+    """A worker that is not root whose Chromium cannot have a root of its own (util-linux before 2.38 has
+    no --map-user): its browser process, outside the renderers' seccomp filter, reads every file the
+    runner's user may (the dataset with its expected answers, the run's directory, its home). The run's
+    start said nothing of it; now it warns, with why, as where a root worker cannot make the namespaces."""
     from batchrun.prompt.tools.browser_sandbox import SandboxPlan
 
-    said = SandboxPlan(sandbox=True, user=None).describe()
+    why = "cannot have a root of its own: unshare: unrecognized option '--map-user=1000'"
+    said = SandboxPlan(sandbox=True, user=None, isolation_problem=why).describe()
     assert said == (
         f"warning: Browser sandbox: Chromium runs as the runner's uid {os.geteuid()}, its renderers in user, "
-        "PID and network namespaces of their own under seccomp-bpf; its browser process reads every file "
-        f"the runner's uid {os.geteuid()} may read (the dataset, the run's directory): only a root runner "
-        "gives it a root of its own"
+        "PID and network namespaces of their own under seccomp-bpf; its browser process in the host's "
+        f"network and PID namespaces, and reads every file the runner's uid {os.geteuid()} may read (the "
+        f"dataset, the run's directory) ({why})"
     )
-    assert not SandboxPlan(sandbox=True, user=(65534, 65534), isolated=True).describe().startswith("warning")
+    for fine in (
+        SandboxPlan(sandbox=True, user=None, own_root=True),
+        SandboxPlan(True, (65534, 65534), isolated=True),
+    ):
+        assert not fine.describe().startswith("warning")
 
 
 @pytest.fixture
@@ -991,6 +996,93 @@ for path in ("/dev/shm/x", "/x", "/usr/x", "/etc/x", "/tmp/x"):
     assert set(eval(lines[0])) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "var",
                                     "dev", "proc", profile.split("/")[1]}  # fmt: skip
     assert lines[1:] == [f"[{os.path.basename(profile)!r}] True []"]
+
+
+NOT_ROOT_WORKER = """
+import json, sys, time
+from batchrun.fakes.fake_services import FakeWebServer
+from batchrun.prompt.tools.browser import HOST, shutdown_browser
+from batchrun.prompt.tools.browser_sandbox import plan
+from batchrun.prompt.tools.catalog import execute_tool_call, known_tool_names
+from batchrun.prompt.tools.config import ToolSettings
+from batchrun.prompt.tools.registry import ToolContext
+
+with FakeWebServer() as web:
+    settings = ToolSettings(run_dir=sys.argv[1], tool_env={"WEB_ALLOW_PRIVATE_ADDRESSES": "1"})
+    ctx = ToolContext(sandbox=None, tool_timeout_s=60.0, settings=settings)
+    url = json.dumps({"url": web.url("/form.html")})
+    out = json.loads(execute_tool_call("browser_navigate", url, ctx, set(known_tool_names())))
+    print(json.dumps({"said": plan().describe(), "title": out.get("title"), "error": out.get("error")}))
+    sys.stdout.flush()
+    time.sleep(60)
+"""
+
+# As root: a private mount namespace where nobody may run this interpreter (pyenv's lives in /root, 0700),
+# then the command as nobody.
+AS_NOBODY = """set -e
+hold=$1; shift; n=0
+for prefix in "$@"; do
+  [ "$prefix" != -- ] || break
+  n=$((n + 1)); mkdir "$hold/$n"; mount --bind "$prefix" "$hold/$n"
+done
+[ "$n" = 0 ] || mount -t tmpfs -o mode=755 br-test-root /root
+n=0
+while [ "$1" != -- ]; do n=$((n + 1)); mkdir -p "$1"; mount --bind "$hold/$n" "$1"; shift; done; shift
+exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "$@"
+"""
+
+
+def test_a_chromium_of_a_worker_that_is_not_root_reads_none_of_its_user_s_files(tmp_path, run_setup):
+    """A worker that is not root ran Chromium as its own user on the host's root: a page that took over its
+    browser process read every file of that user (its home: keys, the dataset, the run's directory, all
+    0600 here). It has the same root of its own as a root worker's, in user, mount and PID namespaces
+    (its network stays the host's), and the run's start says so; the tools still work."""
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("the test starts its worker as nobody")
+    top, _ = run_setup
+    private = top / "home/.ssh/id_ed25519"
+    private.parent.mkdir(mode=0o700)
+    private.write_text("PRIVATE-KEY")
+    for path in (private.parent, private, top / "project/eval.jsonl", top / "project/data/run/batch_0.jsonl"):
+        os.chown(path, 65534, 65534)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (tmp_path / "run").mkdir(mode=0o777)
+    (tmp_path / "run").chmod(0o777)
+    prefixes = [p for p in dict.fromkeys((sys.prefix, sys.base_prefix)) if p.startswith("/root/")]
+    worker = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", AS_NOBODY, "sh", str(hold),
+         *prefixes, "--", sys.executable, "-c", NOT_ROOT_WORKER, str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HOME": "/nonexistent", "PYTHONPATH": str(Path(browser.__file__).parents[3])},
+    )  # fmt: skip
+    try:
+        line = worker.stdout.readline()
+        if not line:
+            from helpers import skip_or_fail
+
+            skip_or_fail(f"cannot start a browser as nobody here: {worker.stderr.read()[-500:]}")
+        said = json.loads(line)
+        assert (said["title"], said["error"]) == ("Search form", None)
+        pid = browser_process()
+        hidden = [str(private), str(top / "project/eval.jsonl"), str(top / "project/data/run/batch_0.jsonl"),
+                  str(top / "service.sock"), "/home", "/var/tmp"]  # fmt: skip
+        seen = as_browser(pid, SEES.replace("sys.argv[1:]", repr(hidden))).splitlines()
+        assert seen == [f"{path} No such file or directory" for path in hidden]
+        assert said["said"].endswith(
+            "the whole of it in PID and mount namespaces of its own, on a root of its own that holds only the "
+            "system's directories and its profile (its network is the host's: only a root runner gives it "
+            "one where it reaches only the egress proxy)"
+        )
+        assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+        assert process_state(pid)["Uid"].split() == ["65534"] * 4
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_a_chromium_outside_the_system_directories_starts_on_its_root(

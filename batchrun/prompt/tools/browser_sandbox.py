@@ -24,8 +24,10 @@ read-only, a minimal /dev, and its own profile alone in the temporary directory 
 its pages' cache, cookies and storage, belongs to the same nobody). The browser, GPU and network processes are
 outside the renderers' seccomp filter, and as nobody on the host's root one a page took over read the
 dataset (its rows' expected answers), the run's directory (every prompt's trajectories) and the source
-trees, all world-readable. A worker that is not root cannot make these namespaces: its Chromium reads
-what its user may read, and the run's start says so.
+trees, all world-readable. A worker that is not root cannot make the network namespace (it could not
+listen inside it), but puts its Chromium on the same root of its own all the same, in user, mount and
+PID namespaces (:func:`own_root_command`): else it read every file of the runner's user, its home too.
+Where that cannot be, the run's start says so.
 
 The sandbox needs user namespaces for that user: a root-run Docker container's default seccomp profile,
 a kernel or AppArmor policy, may refuse them. :func:`plan` tries one, once per process; where that is
@@ -59,6 +61,9 @@ class SandboxPlan:
     # ``isolation_problem`` says why not where it could not be
     isolated: bool = False
     isolation_problem: str | None = None
+    # A worker that is not root: Chromium, all of it, on a root of its own all the same, in user, mount and
+    # PID namespaces of its own (own_root_command); ``isolation_problem`` says why not where it could not be
+    own_root: bool = False
 
     def describe(self) -> str:
         """One line for the start of a run."""
@@ -74,15 +79,17 @@ class SandboxPlan:
                     + "; the whole of it in network and PID namespaces where it reaches only the egress proxy"
                     + ", on a root of its own that holds only the system's directories and its profile"
                 )
-            # Its browser, GPU and network processes are outside the renderers' seccomp filter.
-            files = f"reads every file {who} may read (the dataset, the run's directory)"
-            if self.isolation_problem:
+            if self.own_root:
                 return (
-                    f"warning: {line}; its browser process in the host's network and PID namespaces, and "
-                    f"{files} ({self.isolation_problem})"
+                    line + "; the whole of it in PID and mount namespaces of its own, on a root of its own "
+                    "that holds only the system's directories and its profile (its network is the host's: "
+                    "only a root runner gives it one where it reaches only the egress proxy)"
                 )
+            # Its browser, GPU and network processes are outside the renderers' seccomp filter.
+            why = f" ({self.isolation_problem})" if self.isolation_problem else ""
             return (
-                f"warning: {line}; its browser process {files}: only a root runner gives it a root of its own"
+                f"warning: {line}; its browser process in the host's network and PID namespaces, and reads "
+                f"every file {who} may read (the dataset, the run's directory){why}"
             )
         return (
             f"warning: Browser sandbox: OFF ({self.problem}): Chromium runs as {who} with --no-sandbox, "
@@ -246,12 +253,35 @@ def isolate_command(netns_path: str, executable: str) -> list[str]:
     ]
 
 
+def own_root_command(executable: str) -> tuple[list[str], list[str]]:
+    """For a worker that is not root: what the launcher execs Chromium (``executable``) through, in two
+    parts, Chromium's profile directory between them. unshare makes a user namespace where the worker is
+    root (its own uid outside), and mount and PID namespaces it owns, where new_root_script builds the same
+    root as a root worker's Chromium gets (as with isolate_command, unshare stays Chromium's parent and
+    ends it); then a second user namespace maps the worker's uid back: Chromium refuses its sandbox as
+    root. The network stays the host's: the worker could not listen for the egress proxy inside another.
+    Needs util-linux 2.38 (--map-user)."""
+    unshare = shutil.which("unshare") or "unshare"
+    outer = [unshare, "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child",
+             "--mount-proc", "--", "/bin/sh", "-c", new_root_script(executable), "sh"]  # fmt: skip
+    return outer, [unshare, "--user", f"--map-user={os.geteuid()}", f"--map-group={os.getegid()}", "--"]
+
+
 @functools.lru_cache(maxsize=1)
 def plan() -> SandboxPlan:
     """How Chromium starts here (tried once per process; the answer does not change within a run)."""
     if os.geteuid() != 0:
         problem = _probe([])
-        return SandboxPlan(sandbox=problem is None, user=None, problem=problem)
+        if problem is not None:
+            return SandboxPlan(sandbox=False, user=None, problem=problem)
+        outer, inner = own_root_command("/bin/sh")
+        said = _root_check(outer, inner)
+        return SandboxPlan(
+            sandbox=True,
+            user=None,
+            own_root=said is None,
+            isolation_problem=None if said is None else f"cannot have a root of its own: {said}",
+        )
     user = (BROWSER_UID, BROWSER_GID)
     if shutil.which("setpriv") is None:
         return SandboxPlan(
@@ -282,21 +312,26 @@ def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
     except OSError as exc:
         return f"cannot make a network namespace: {exc}"
     try:
-        # Where Playwright makes Chromium's profile (the launcher gives it to user).
+        said = _root_check(isolate_command(f"/proc/{os.getpid()}/fd/{fd}", "/bin/sh"), drop, user)
+    finally:
+        os.close(fd)
+    return None if said is None else f"cannot enter namespaces of its own: {said}"
+
+
+def _root_check(outer: list[str], inner: list[str], user: tuple[int, int] | None = None) -> str | None:
+    """None if ``outer`` + a profile directory + ``inner`` starts a command as Chromium would be started, on
+    its root, where its profile (given to ``user``, as the launcher does) and /dev/null are, and another
+    profile beside it not; else what it said."""
+    try:
+        # Where Playwright makes Chromium's profile.
         profile, other = tempfile.mkdtemp(), tempfile.mkdtemp()
         try:
-            os.chown(profile, *user)
-            # As Chromium, on its root: its profile and /dev/null are there, another profile beside it not.
+            if user is not None:
+                os.chown(profile, *user)
             check = 'test -w "$1" && test -w /dev/null && ! test -e "$2"'
-            said = _run(
-                [*isolate_command(f"/proc/{os.getpid()}/fd/{fd}", "/bin/sh"), profile,
-                 *drop, "/bin/sh", "-c", check, "sh", profile, other]
-            )  # fmt: skip
+            return _run([*outer, profile, *inner, "/bin/sh", "-c", check, "sh", profile, other])
         finally:
             os.rmdir(profile)
             os.rmdir(other)
     except OSError as exc:
-        said = str(exc)
-    finally:
-        os.close(fd)
-    return None if said is None else f"cannot enter namespaces of its own: {said}"
+        return str(exc)
