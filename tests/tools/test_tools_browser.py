@@ -725,6 +725,28 @@ def test_without_user_namespaces_chromium_runs_unsandboxed_and_the_run_says_so(
         shutil.rmtree(fake)
 
 
+def test_where_chromium_reads_the_host_s_files_the_run_says_so():
+    """A worker that is not root whose Chromium cannot have a root of its own (util-linux before 2.38 has
+    no --map-user): its browser process, outside the renderers' seccomp filter, reads every file the
+    runner's user may (the dataset with its expected answers, the run's directory, its home). The run's
+    start said nothing of it; now it warns, with why, as where a root worker cannot make the namespaces."""
+    from batchrun.prompt.tools.browser_sandbox import SandboxPlan
+
+    why = "cannot have a root of its own: unshare: unrecognized option '--map-user=1000'"
+    said = SandboxPlan(sandbox=True, user=None, isolation_problem=why).describe()
+    assert said == (
+        f"warning: Browser sandbox: Chromium runs as the runner's uid {os.geteuid()}, its renderers in user, "
+        "PID and network namespaces of their own under seccomp-bpf; its browser process in the host's "
+        f"network and PID namespaces, and reads every file the runner's uid {os.geteuid()} may read (the "
+        f"dataset, the run's directory) ({why})"
+    )
+    for fine in (
+        SandboxPlan(sandbox=True, user=None, own_root=True),
+        SandboxPlan(True, (65534, 65534), isolated=True),
+    ):
+        assert not fine.describe().startswith("warning")
+
+
 @pytest.fixture
 def isolated_chromium(chromium_sandbox):
     """A root worker whose Chromium can be put in namespaces of its own (browser_sandbox.plan)."""
@@ -794,7 +816,8 @@ def test_a_root_worker_s_chromium_reaches_only_the_egress_proxy(
     pid = browser_process()
     assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
     assert browser.HOST.sandbox.describe().endswith(
-        "the whole of it in network and PID namespaces where it reaches only the egress proxy"
+        "the whole of it in network and PID namespaces where it reaches only the egress proxy, on a root of "
+        "its own that holds only the system's directories and its profile"
     )
     routes = Path(f"/proc/{pid}/net/route").read_text().splitlines()[1:]  # its namespace's IPv4 routes
     links = [line.split(":")[0].strip() for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]]
@@ -866,6 +889,231 @@ print(os.readlink("/proc/self/ns/pid"))
         other.wait()
 
 
+@pytest.fixture
+def run_setup(tmp_path):
+    """A run as users leave one, outside the temporary directory and world-readable (the default umask):
+    ``project/`` with the dataset (its rows' expected answers) and ``data/<run>/`` (a batch file with
+    another prompt's trajectory), a home with the runner's cache, a Unix socket anyone may connect to;
+    and another prompt's local sandbox in the run's sandbox directory. Removed afterwards."""
+    from batchrun.prompt.sandboxes.base import SandboxSpec
+    from batchrun.prompt.sandboxes.local import LocalSandbox
+
+    top = Path(tempfile.mkdtemp(prefix="br-chromefs-", dir="/var/tmp"))
+    top.chmod(0o755)
+    files = {
+        "project/eval.jsonl": '{"prompt": "What is 6 * 7?", "answer": "HIDDEN-ANSWER-42"}\n',
+        "project/data/run/batch_0.jsonl": '{"conversations": "OTHER-PROMPT-TRAJECTORY"}\n',
+        "project/data/run/checkpoint.json": '{"completed_prompts": [0]}\n',
+        "home/.cache/batch-runner/docker-images-runnable.json": '{"runnable": {}}\n',
+    }
+    for name, text in files.items():
+        path = top / name
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        path.write_text(text)
+        path.chmod(0o644)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(top / "service.sock"))
+    sock.listen()
+    (top / "service.sock").chmod(0o777)
+    sandboxes = tempfile.mkdtemp(prefix="batch-runner-run-", dir="/var/tmp")  # as prepare_run makes it
+    other = LocalSandbox(SandboxSpec(run_name="run", prompt_index=1), base_dir=sandboxes)
+    other.start()
+    try:
+        assert other.run("echo OTHER-PROMPT-FILE > notes.txt", timeout_s=30).exit_code == 0
+        yield top, other
+    finally:
+        other.stop()
+        sock.close()
+        shutil.rmtree(top)
+        shutil.rmtree(sandboxes, ignore_errors=True)
+
+
+SEES = """
+import os, socket, sys
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path):
+            print(path, "listed", len(os.listdir(path)))
+        elif path.endswith(".sock"):
+            socket.socket(socket.AF_UNIX).connect(path)
+            print(path, "connected")
+        else:
+            print(path, "read", open(path).read(40))
+    except OSError as exc:
+        print(path, os.strerror(exc.errno))
+"""
+
+
+def test_a_root_worker_s_chromium_reads_no_file_of_the_run_or_the_host(
+    isolated_chromium, fake_web, tool_ctx, call_tool, run_setup
+):
+    """Chromium's browser, GPU and network processes are outside the renderers' seccomp filter, and ran as
+    nobody on the host's root: one a page took over read the dataset (its rows' expected answers), the
+    run's directory (other prompts' trajectories), the runner's cache, the source tree, and connected to
+    Unix sockets anyone may use; it wrote to /var/tmp and /dev/shm. It has a root of its own: the
+    system's directories read-only, a minimal /dev, its /proc and its profile; the rest is absent. The
+    tools still work, fonts and all."""
+    top, other = run_setup
+    ctx = tool_ctx()
+    snap = call_tool(ctx, "browser_navigate", url=fake_web.url("/form.html"))["snapshot"]
+    assert call_tool(ctx, "browser_click", ref=ref_of(snap, "button", "Show more"))["success"] is True
+    assert "MORE-TEXT revealed." in call_tool(ctx, "browser_snapshot")["snapshot"]
+    pid = browser_process()
+    source = Path(browser.__file__).resolve()
+    hidden = [
+        str(top / "project/eval.jsonl"),
+        str(top / "project/data/run"),
+        str(top / "project/data/run/batch_0.jsonl"),
+        str(top / "home/.cache/batch-runner"),
+        str(top / "service.sock"),
+        str(source),  # the runner's source tree
+        str(Path(source.parents[3], "data/eval.jsonl")),  # the checkout's dataset with answers
+        other._root,  # another prompt's sandbox (its directory 0700 already)
+        "/home",
+        "/root",
+        "/run",
+        "/var/tmp",
+        "/sys",
+    ]
+    seen = as_browser(pid, SEES.replace("sys.argv[1:]", repr(hidden))).splitlines()
+    assert seen == [f"{path} No such file or directory" for path in hidden]
+    profile = profile_of(pid)
+    check = f"""
+import os
+print(sorted(os.listdir("/")))
+print(os.listdir(os.path.dirname({profile!r})), os.access({profile!r}, os.W_OK), os.listdir("/dev/shm"))
+for path in ({os.path.realpath(browser.browser_config().executable)!r}, "/etc/fonts/fonts.conf",
+             "/dev/urandom", "/proc/self/status"):
+    open(path, "rb").close()
+for path in ("/dev/shm/x", "/x", "/usr/x", "/etc/x", "/tmp/x"):
+    try:
+        open(path, "w")
+        print(path, "written")
+    except OSError as exc:
+        pass
+"""
+    lines = as_browser(pid, check).splitlines()
+    assert set(eval(lines[0])) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "var",
+                                    "dev", "proc", profile.split("/")[1]}  # fmt: skip
+    assert lines[1:] == [f"[{os.path.basename(profile)!r}] True []"]
+
+
+NOT_ROOT_WORKER = """
+import json, sys, time
+from batchrun.fakes.fake_services import FakeWebServer
+from batchrun.prompt.tools.browser import HOST, shutdown_browser
+from batchrun.prompt.tools.browser_sandbox import plan
+from batchrun.prompt.tools.catalog import execute_tool_call, known_tool_names
+from batchrun.prompt.tools.config import ToolSettings
+from batchrun.prompt.tools.registry import ToolContext
+
+with FakeWebServer() as web:
+    settings = ToolSettings(run_dir=sys.argv[1], tool_env={"WEB_ALLOW_PRIVATE_ADDRESSES": "1"})
+    ctx = ToolContext(sandbox=None, tool_timeout_s=60.0, settings=settings)
+    url = json.dumps({"url": web.url("/form.html")})
+    out = json.loads(execute_tool_call("browser_navigate", url, ctx, set(known_tool_names())))
+    print(json.dumps({"said": plan().describe(), "title": out.get("title"), "error": out.get("error")}))
+    sys.stdout.flush()
+    time.sleep(60)
+"""
+
+# As root: a private mount namespace where nobody may run this interpreter (pyenv's lives in /root, 0700),
+# then the command as nobody.
+AS_NOBODY = """set -e
+hold=$1; shift; n=0
+for prefix in "$@"; do
+  [ "$prefix" != -- ] || break
+  n=$((n + 1)); mkdir "$hold/$n"; mount --bind "$prefix" "$hold/$n"
+done
+[ "$n" = 0 ] || mount -t tmpfs -o mode=755 br-test-root /root
+n=0
+while [ "$1" != -- ]; do n=$((n + 1)); mkdir -p "$1"; mount --bind "$hold/$n" "$1"; shift; done; shift
+exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "$@"
+"""
+
+
+def test_a_chromium_of_a_worker_that_is_not_root_reads_none_of_its_user_s_files(tmp_path, run_setup):
+    """A worker that is not root ran Chromium as its own user on the host's root: a page that took over its
+    browser process read every file of that user (its home: keys, the dataset, the run's directory, all
+    0600 here). It has the same root of its own as a root worker's, in user, mount and PID namespaces
+    (its network stays the host's), and the run's start says so; the tools still work."""
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("the test starts its worker as nobody")
+    top, _ = run_setup
+    private = top / "home/.ssh/id_ed25519"
+    private.parent.mkdir(mode=0o700)
+    private.write_text("PRIVATE-KEY")
+    for path in (private.parent, private, top / "project/eval.jsonl", top / "project/data/run/batch_0.jsonl"):
+        os.chown(path, 65534, 65534)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (tmp_path / "run").mkdir(mode=0o777)
+    (tmp_path / "run").chmod(0o777)
+    prefixes = [p for p in dict.fromkeys((sys.prefix, sys.base_prefix)) if p.startswith("/root/")]
+    worker = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", AS_NOBODY, "sh", str(hold),
+         *prefixes, "--", sys.executable, "-c", NOT_ROOT_WORKER, str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HOME": "/nonexistent", "PYTHONPATH": str(Path(browser.__file__).parents[3])},
+    )  # fmt: skip
+    try:
+        line = worker.stdout.readline()
+        if not line:
+            from helpers import skip_or_fail
+
+            skip_or_fail(f"cannot start a browser as nobody here: {worker.stderr.read()[-500:]}")
+        said = json.loads(line)
+        assert (said["title"], said["error"]) == ("Search form", None)
+        pid = browser_process()
+        hidden = [str(private), str(top / "project/eval.jsonl"), str(top / "project/data/run/batch_0.jsonl"),
+                  str(top / "service.sock"), "/home", "/var/tmp"]  # fmt: skip
+        seen = as_browser(pid, SEES.replace("sys.argv[1:]", repr(hidden))).splitlines()
+        assert seen == [f"{path} No such file or directory" for path in hidden]
+        assert said["said"].endswith(
+            "the whole of it in PID and mount namespaces of its own, on a root of its own that holds only the "
+            "system's directories and its profile (its network is the host's: only a root runner gives it "
+            "one where it reaches only the egress proxy)"
+        )
+        assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+        assert process_state(pid)["Uid"].split() == ["65534"] * 4
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_chromium_outside_the_system_directories_starts_on_its_root(
+    isolated_chromium, fake_web, tool_ctx, call_tool
+):
+    """BROWSER_EXECUTABLE may name a Chromium outside /usr (in /opt, or Playwright's own in a home
+    directory), through a symbolic link: the directory that really holds it is put on Chromium's root,
+    read-only, and nothing beside it."""
+    from batchrun.prompt.tools.config import browser_config
+
+    place = Path(tempfile.mkdtemp(prefix="br-chromium-", dir="/var/tmp"))
+    try:
+        place.chmod(0o755)
+        (place / "chrome").mkdir(mode=0o755)
+        real = place / "chrome" / "chrome"
+        real.write_text(f'#!/bin/sh\nexec {os.path.realpath(browser_config().executable)} "$@"\n')
+        real.chmod(0o755)
+        (place / "link").symlink_to(real)
+        (place / "beside.txt").write_text("NOT-FOR-CHROMIUM")
+        (place / "beside.txt").chmod(0o644)
+        browser.shutdown_browser()  # the next call launches this Chromium
+        ctx = tool_ctx({"BROWSER_EXECUTABLE": str(place / "link")})
+        assert call_tool(ctx, "browser_navigate", url=fake_web.url("/"))["title"] == "Fake Site Home"
+        paths = [str(real), str(place / "beside.txt"), str(place / "link")]
+        seen = as_browser(browser_process(), f"import os\nprint([os.path.exists(p) for p in {paths!r}])")
+        assert seen.strip() == "[True, False, False]"
+    finally:
+        browser.shutdown_browser()
+        shutil.rmtree(place)
+
+
 def test_where_chromium_cannot_have_namespaces_of_its_own_the_run_says_so(
     chromium_sandbox, fake_web, tool_ctx, call_tool, monkeypatch, caplog
 ):
@@ -885,8 +1133,9 @@ def test_where_chromium_cannot_have_namespaces_of_its_own_the_run_says_so(
         plan = browser_sandbox.plan()
         assert plan.sandbox and not plan.isolated
         assert plan.describe().endswith(
-            "its browser process in the host's network and PID namespaces (cannot make a network namespace: "
-            "[Errno 1] unshare: Operation not permitted)"
+            "its browser process in the host's network and PID namespaces, and reads every file uid 65534 may "
+            "read (the dataset, the run's directory) (cannot make a network namespace: [Errno 1] unshare: "
+            "Operation not permitted)"
         )
         assert plan.describe().startswith("warning: ")
         with caplog.at_level("WARNING", logger="batchrun.prompt.tools.browser"):

@@ -211,7 +211,7 @@ class BrowserHost:
                 # Playwright's own flags turn Chromium's popup blocker off: a page calling
                 # window.open in a loop opened a tab every 200 ms (7 MB each, without end).
                 self._browser = await self._playwright.chromium.launch(
-                    executable_path=_limited_launcher(tmp, cfg, procs, sandbox.user, netns),
+                    executable_path=_limited_launcher(tmp, cfg, procs, sandbox.user, netns, sandbox.own_root),
                     headless=True,
                     args=[*BROWSER_FLAGS, *(() if sandbox.sandbox else ("--no-sandbox",))],
                     chromium_sandbox=sandbox.sandbox,
@@ -224,13 +224,14 @@ class BrowserHost:
 
     def _sandbox_plan(self) -> SandboxPlan:
         """How Chromium starts here (browser_sandbox.py); said in the log, once per process, when its
-        sandbox cannot be on."""
+        sandbox cannot be on or it reads the host's files."""
         from batchrun.prompt.tools.browser_sandbox import plan
 
         if self.sandbox is None:
             self.sandbox = plan()
-            if not self.sandbox.sandbox or self.sandbox.isolation_problem:
-                log.warning("%s", self.sandbox.describe().removeprefix("warning: "))
+            said = self.sandbox.describe()
+            if said.startswith("warning: "):
+                log.warning("%s", said.removeprefix("warning: "))
         return self.sandbox
 
     def _chromium_cgroup(self, cfg: BrowserConfig) -> list[str]:
@@ -313,6 +314,7 @@ def _limited_launcher(
     procs: Sequence[str] = (),
     user: tuple[int, int] | None = None,
     netns: str | None = None,
+    own_root: bool = False,
 ) -> str:
     """A launcher in ``directory`` that moves itself into the cgroup whose ``cgroup.procs`` files are
     ``procs`` and starts ``cfg.executable`` under RLIMIT_DATA of ``cfg.memory_mb``: every process Chromium
@@ -320,29 +322,40 @@ def _limited_launcher(
     worker, browser_sandbox.py) it gives Playwright's profile directory to that uid and gid, makes it
     Chromium's home and temporary directory (root's are not its), and execs Chromium through setpriv as
     them. With ``netns`` (a root worker's, browser_sandbox.make_netns) Chromium starts in that network
-    namespace and in PID and mount namespaces of its own (browser_sandbox.isolate_command: the shell
-    becomes the unshare whose child is Chromium). Only needed until exec (the shell becomes Chromium or that
-    unshare: no process of its own is left)."""
-    from batchrun.prompt.tools.browser_sandbox import drop_command, isolate_command
+    namespace and in PID and mount namespaces of its own, on a root of its own
+    (browser_sandbox.isolate_command: the shell becomes the unshare whose child is Chromium); with
+    ``own_root`` (a worker that is not root) on that root too, in user, mount and PID namespaces
+    (browser_sandbox.own_root_command), with the profile as home and temporary directory. Only needed
+    until exec (the shell becomes Chromium or that unshare: no process of its own is left)."""
+    from batchrun.prompt.tools.browser_sandbox import drop_command, isolate_command, own_root_command
 
     path = os.path.join(directory, "chromium")
     enter = "".join(f"echo $$ > {shlex.quote(p)} || exit 1\n" for p in procs)
     drop = ""
-    if user is not None:
+    # Chromium's home and temporary directory: its profile (root's are not nobody's; the worker's are not on
+    # its root of its own)
+    if user is not None or own_root:
         enter += (
             'profile=\nfor a in "$@"; do case "$a" in --user-data-dir=*) profile="${a#--user-data-dir=}";; esac; done\n'
             '[ -n "$profile" ] || { echo "no --user-data-dir to give to the browser\'s user" >&2; exit 1; }\n'
-            f'chown {user[0]}:{user[1]} "$profile" || exit 1\n'
-            'export HOME="$profile" TMPDIR="$profile"\n'
+            + (f'chown {user[0]}:{user[1]} "$profile" || exit 1\n' if user is not None else "")
+            + 'export HOME="$profile" TMPDIR="$profile"\n'
             "unset XDG_CONFIG_HOME XDG_CACHE_HOME XDG_DATA_HOME XDG_STATE_HOME XDG_RUNTIME_DIR\n"
         )
-        drop = " ".join(shlex.quote(a) for a in drop_command(user)) + " "
-    if netns is not None:
-        drop = " ".join(shlex.quote(a) for a in isolate_command(netns)) + ' "$profile" ' + drop
+    if user is not None:
+        drop = shlex.join(drop_command(user)) + " "
+    executable = cfg.executable
+    if netns is not None:  # on a root of its own, where the executable is at its real path
+        executable = os.path.realpath(executable)
+        drop = shlex.join(isolate_command(netns, executable)) + ' "$profile" ' + drop
+    elif own_root:
+        executable = os.path.realpath(executable)
+        outer, inner = own_root_command(executable)
+        drop = shlex.join(outer) + ' "$profile" ' + shlex.join(inner) + " "
     with open(path, "w") as f:
         f.write(
             f"#!/bin/sh\n{enter}ulimit -d {cfg.memory_mb * 1024} || exit 1\n"
-            f'exec {drop}{shlex.quote(cfg.executable)} "$@"\n'
+            f'exec {drop}{shlex.quote(executable)} "$@"\n'
         )
     os.chmod(path, 0o700)
     return path

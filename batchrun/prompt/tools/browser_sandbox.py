@@ -19,8 +19,15 @@ whole of Chromium (:func:`isolate_command`, in the launcher) in a network namesp
 (:func:`make_netns`) that holds only its loopback, on which the worker listens for each prompt's egress
 proxy (:func:`listen_in`): no other address, no route, no DNS (Chromium asks the proxy for names); in
 a PID namespace of its own, with its own /proc, where no other process is to be seen; and in a mount
-namespace of its own where the temporary directory holds its own profile only: every worker's profile
-(its pages' cache, cookies and storage) belongs to the same nobody.
+namespace of its own, on a root of its own (:func:`new_root_script`): the system's directories
+read-only, a minimal /dev, and its own profile alone in the temporary directory (every worker's profile,
+its pages' cache, cookies and storage, belongs to the same nobody). The browser, GPU and network processes are
+outside the renderers' seccomp filter, and as nobody on the host's root one a page took over read the
+dataset (its rows' expected answers), the run's directory (every prompt's trajectories) and the source
+trees, all world-readable. A worker that is not root cannot make the network namespace (it could not
+listen inside it), but puts its Chromium on the same root of its own all the same, in user, mount and
+PID namespaces (:func:`own_root_command`): else it read every file of the runner's user, its home too.
+Where that cannot be, the run's start says so.
 
 The sandbox needs user namespaces for that user: a root-run Docker container's default seccomp profile,
 a kernel or AppArmor policy, may refuse them. :func:`plan` tries one, once per process; where that is
@@ -32,12 +39,14 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
 
+from batchrun.prompt.sandboxes.local.system_view import SYSTEM_DIRS
 from batchrun.prompt.tools.config import BROWSER_GID, BROWSER_UID
 
 
@@ -52,6 +61,9 @@ class SandboxPlan:
     # ``isolation_problem`` says why not where it could not be
     isolated: bool = False
     isolation_problem: str | None = None
+    # A worker that is not root: Chromium, all of it, on a root of its own all the same, in user, mount and
+    # PID namespaces of its own (own_root_command); ``isolation_problem`` says why not where it could not be
+    own_root: bool = False
 
     def describe(self) -> str:
         """One line for the start of a run."""
@@ -65,13 +77,20 @@ class SandboxPlan:
                 return (
                     line
                     + "; the whole of it in network and PID namespaces where it reaches only the egress proxy"
+                    + ", on a root of its own that holds only the system's directories and its profile"
                 )
-            if self.isolation_problem:
+            if self.own_root:
                 return (
-                    f"warning: {line}; its browser process in the host's network and PID namespaces "
-                    f"({self.isolation_problem})"
+                    line + "; the whole of it in PID and mount namespaces of its own, on a root of its own "
+                    "that holds only the system's directories and its profile (its network is the host's: "
+                    "only a root runner gives it one where it reaches only the egress proxy)"
                 )
-            return line
+            # Its browser, GPU and network processes are outside the renderers' seccomp filter.
+            why = f" ({self.isolation_problem})" if self.isolation_problem else ""
+            return (
+                f"warning: {line}; its browser process in the host's network and PID namespaces, and reads "
+                f"every file {who} may read (the dataset, the run's directory){why}"
+            )
         return (
             f"warning: Browser sandbox: OFF ({self.problem}): Chromium runs as {who} with --no-sandbox, "
             "a page that exploits its renderer runs there with that user's access to this host"
@@ -153,28 +172,68 @@ def listen_in(netns_fd: int) -> socket.socket:
     return in_namespace(netns_fd, make)
 
 
-# Run by the isolate_command's shell, as root in Chromium's new mount namespace (private: nothing is seen
-# outside it), with the profile directory and then the command: the directory that holds the profile (the
-# temporary directory, where every worker's Chromium has its profile, all owned by the same nobody) is
-# covered by an empty tmpfs, and the profile alone is put back on it (bound from the shell's working
-# directory, which is the profile underneath).
-_HIDE_OTHER_PROFILES = (
-    "profile=$1; shift; parent=${profile%/*}\n"
-    'if [ -n "$parent" ]; then\n'
-    '  cd "$profile" && mount -t tmpfs -o size=64k,mode=755,nosuid,nodev,noexec tmpfs "$parent" &&\n'
-    '    mkdir "$profile" && mount --no-canonicalize --bind . "$profile" && cd / || exit 1\n'
-    "fi\n"
-    'exec "$@"\n'
-)
+# What of the host's files Chromium's root holds, read-only (everything else is absent): the system
+# directories the local sandbox shows a prompt's commands (its /usr, libraries, /etc), and fontconfig's
+# cache of the system's fonts (without it every launch scans them again).
+CHROMIUM_SYSTEM_DIRS = (*SYSTEM_DIRS, "/var/cache/fontconfig")
+CHROMIUM_DEVICES = ("null", "zero", "random", "urandom")  # its /dev: the devices anyone may use
 
 
-def isolate_command(netns_path: str) -> list[str]:
-    """What the launcher execs Chromium through, followed by Chromium's profile directory and then the rest
-    of the command: to enter the network namespace at ``netns_path``, and a PID namespace (with its own
-    /proc) and a mount namespace (where no other worker's profile is to be seen) of its own. unshare stays
-    as the process Playwright started, Chromium its child (PID 1 there): killed with it (--kill-child), and
-    ending every process of the namespace when it ends; the pipe Playwright talks on (fds 3 and 4) passes
-    through."""
+def new_root_script(executable: str) -> str:
+    """The script isolate_command's shell runs, as root in Chromium's new mount namespace (private: nothing
+    is seen outside it), with the profile directory and then the command.
+
+    Chromium's browser process and its GPU, network and utility processes are outside the renderers'
+    seccomp sandbox: as nobody on the host's root, one a page took over read every world-readable file
+    (the dataset with its rows' expected answers, the run's directory with every prompt's trajectories,
+    source trees, homes), connected to Unix sockets anyone may use, wrote to /var/tmp and /dev/shm. So
+    it gets a root of its own: a small tmpfs mounted over the profile's path (the shell's working
+    directory keeps the profile underneath) that holds CHROMIUM_SYSTEM_DIRS read-only, the directory of
+    ``executable`` (symbolic links resolved: a Chromium in /opt, or Playwright's own in a home directory)
+    where none of them holds it, CHROMIUM_DEVICES in /dev, the PID namespace's /proc, and the profile
+    alone, at its path (no other worker's profile beside it); pivot_root makes it the root and the
+    host's is detached. One command per mount, one mkdir and one ln for all: ~20 ms a launch."""
+    q = shlex.quote
+    real = os.path.dirname(os.path.realpath(executable))
+    wanted = CHROMIUM_SYSTEM_DIRS
+    if not any(real == d or real.startswith(d + "/") for d in wanted):
+        wanted = (*wanted, real)
+    links = [(os.readlink(d), d) for d in wanted if os.path.islink(d)]
+    dirs = [d for d in wanted if not os.path.islink(d) and os.path.isdir(d)]
+    lines = [
+        "set -e",
+        "profile=$1; shift; root=$profile",
+        'cd "$profile"',
+        'mount -t tmpfs -o size=1m,mode=755,nosuid,nodev,noexec br-chromium-root "$root"',
+        'mkdir -p "$root$profile" "$root/proc" "$root/dev/shm"' + "".join(f' "$root"{q(d)}' for d in dirs),
+    ]
+    # merged /usr: /bin -> usr/bin, ... one ln for those named as their target in /
+    together = [t for t, d in links if os.path.dirname(d) == "/" and os.path.basename(t) == d[1:]]
+    if together:
+        lines.append("ln -s " + " ".join(map(q, together)) + ' "$root"')
+    lines += [f'ln -s {q(t)} "$root"{q(d)}' for t, d in links if t not in together]
+    lines.append("; ".join(f': > "$root/dev/{n}"' for n in CHROMIUM_DEVICES))
+    lines += [f'mount --no-canonicalize --bind -o ro {q(d)} "$root"{q(d)}' for d in dirs]
+    lines += [
+        'mount --no-canonicalize --bind . "$root$profile"',
+        'mount -t proc -o nosuid,nodev,noexec proc "$root/proc"',
+        *(f'mount --no-canonicalize --bind /dev/{n} "$root/dev/{n}"' for n in CHROMIUM_DEVICES),
+        'cd "$root"',
+        "PATH=/usr/sbin:/sbin:$PATH pivot_root . .",
+        "umount -l .",
+        "cd /",
+        'exec "$@"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def isolate_command(netns_path: str, executable: str) -> list[str]:
+    """What the launcher execs Chromium (``executable``) through, followed by Chromium's profile directory
+    and then the rest of the command: to enter the network namespace at ``netns_path``, and a PID
+    namespace (with its own /proc) and a mount namespace (on a root of its own, new_root_script) of its
+    own. unshare stays as the process Playwright started, Chromium its child (PID 1 there): killed with it
+    (--kill-child), and ending every process of the namespace when it ends; the pipe Playwright talks on
+    (fds 3 and 4) passes through."""
     nsenter = shutil.which("nsenter") or "nsenter"
     unshare = shutil.which("unshare") or "unshare"
     return [
@@ -189,9 +248,23 @@ def isolate_command(netns_path: str) -> list[str]:
         "--",
         "/bin/sh",
         "-c",
-        _HIDE_OTHER_PROFILES,
+        new_root_script(executable),
         "sh",
     ]
+
+
+def own_root_command(executable: str) -> tuple[list[str], list[str]]:
+    """For a worker that is not root: what the launcher execs Chromium (``executable``) through, in two
+    parts, Chromium's profile directory between them. unshare makes a user namespace where the worker is
+    root (its own uid outside), and mount and PID namespaces it owns, where new_root_script builds the same
+    root as a root worker's Chromium gets (as with isolate_command, unshare stays Chromium's parent and
+    ends it); then a second user namespace maps the worker's uid back: Chromium refuses its sandbox as
+    root. The network stays the host's: the worker could not listen for the egress proxy inside another.
+    Needs util-linux 2.38 (--map-user)."""
+    unshare = shutil.which("unshare") or "unshare"
+    outer = [unshare, "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child",
+             "--mount-proc", "--", "/bin/sh", "-c", new_root_script(executable), "sh"]  # fmt: skip
+    return outer, [unshare, "--user", f"--map-user={os.geteuid()}", f"--map-group={os.getegid()}", "--"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,7 +272,16 @@ def plan() -> SandboxPlan:
     """How Chromium starts here (tried once per process; the answer does not change within a run)."""
     if os.geteuid() != 0:
         problem = _probe([])
-        return SandboxPlan(sandbox=problem is None, user=None, problem=problem)
+        if problem is not None:
+            return SandboxPlan(sandbox=False, user=None, problem=problem)
+        outer, inner = own_root_command("/bin/sh")
+        said = _root_check(outer, inner)
+        return SandboxPlan(
+            sandbox=True,
+            user=None,
+            own_root=said is None,
+            isolation_problem=None if said is None else f"cannot have a root of its own: {said}",
+        )
     user = (BROWSER_UID, BROWSER_GID)
     if shutil.which("setpriv") is None:
         return SandboxPlan(
@@ -230,17 +312,26 @@ def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
     except OSError as exc:
         return f"cannot make a network namespace: {exc}"
     try:
-        # Where Playwright makes Chromium's profile (the launcher gives it to user).
-        profile = tempfile.mkdtemp()
-        try:
-            os.chown(profile, *user)
-            said = _run(
-                [*isolate_command(f"/proc/{os.getpid()}/fd/{fd}"), profile, *drop, "test", "-w", profile]
-            )
-        finally:
-            os.rmdir(profile)
-    except OSError as exc:
-        said = str(exc)
+        said = _root_check(isolate_command(f"/proc/{os.getpid()}/fd/{fd}", "/bin/sh"), drop, user)
     finally:
         os.close(fd)
     return None if said is None else f"cannot enter namespaces of its own: {said}"
+
+
+def _root_check(outer: list[str], inner: list[str], user: tuple[int, int] | None = None) -> str | None:
+    """None if ``outer`` + a profile directory + ``inner`` starts a command as Chromium would be started, on
+    its root, where its profile (given to ``user``, as the launcher does) and /dev/null are, and another
+    profile beside it not; else what it said."""
+    try:
+        # Where Playwright makes Chromium's profile.
+        profile, other = tempfile.mkdtemp(), tempfile.mkdtemp()
+        try:
+            if user is not None:
+                os.chown(profile, *user)
+            check = 'test -w "$1" && test -w /dev/null && ! test -e "$2"'
+            return _run([*outer, profile, *inner, "/bin/sh", "-c", check, "sh", profile, other])
+        finally:
+            os.rmdir(profile)
+            os.rmdir(other)
+    except OSError as exc:
+        return str(exc)
