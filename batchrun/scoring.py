@@ -520,12 +520,96 @@ _GROUP_MARKS = str.maketrans(dict.fromkeys(",_\u00a0\u2009\u202f"))
 _DIGITS_FLOAT_HOLDS = 300  # longer digit runs in a fraction are read as floats, not as exact integers
 
 
+# LaTeX a model writes for a number (MATH-style answers): ``\frac{1}{2}`` (``\dfrac``, ``\tfrac``,
+# ``\frac12``) is the fraction 1/2, ``6.02 \times 10^{23}`` is 6.02e23, ``2^{10}`` is 1024, ``1{,}000`` and
+# ``1\,000`` are 1000. Read as plain text each was its last number: ``\frac{1}{2}`` passed for 2,
+# ``-\frac{1}{2}`` for 2, ``2^{10}`` for 10, ``6.02 \times 10^{23}`` for 23, ``1{,}000`` for 0.
+_NUM_ARG = r"\{\s*([-+]?)\s*(\d+(?:\.\d+)?)\s*\}"
+_LATEX_FRAC_RE = re.compile(rf"(-\s*)?\\[dt]?frac\s*(?:{_NUM_ARG}\s*{_NUM_ARG}|(\d)\s*(\d)(?![\d.]))")
+_POWER_ARG = r"\s*\^\s*(?:\{\s*([-+]?\d+)\s*\}|(\d+)(?![\d.]))"
+_SCIENTIFIC_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\u00d7|\u00b7)\s*10" + _POWER_ARG)
+_POWER_RE = re.compile(r"(?<![\w.^])(\d+(?:\.\d+)?)" + _POWER_ARG)
+_LATEX_GROUPING_RE = re.compile(r"(?<=\d)(\{,\}|\\[,!])(?=\d{3}(?!\d))")
+# A number right after a root is its argument (2 in \sqrt2, \sqrt[3]{8}); one inside a group that opens a
+# root's argument, or a fraction's part beside something that is no number (2 in \frac{\pi}{2} or
+# \frac{\sqrt{3}}{2}), is part of an expression, not its value.
+_ROOT_RE = re.compile(r"\\sqrt\s*(?:\[[^\]{}]*\])?\s*$")
+_FRACTION_PART_RE = re.compile(r"\\[dt]?frac\s*(?:\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}\s*)?$")
+_GROUPS_LOOKED_AT = 16  # enclosing groups: deeper nesting around the number is an expression anyway
+# What right after a number makes it a factor of an expression: 2\pi, 2\sqrt{3}, 2^x.
+_FACTOR_AFTER_RE = re.compile(r"\s*(?:\\pi(?![a-zA-Z])|\u03c0|\\sqrt(?![a-zA-Z])|\u221a|\^)")
+
+
+def _latex_numbers(text: str) -> str:
+    """``text`` with the LaTeX forms of numbers above written as plain ones (a power too large for a
+    float stays as it was: an expression, no number)."""
+
+    def frac(m: re.Match[str]) -> str:
+        if m[6] is not None:  # \frac12
+            return f" {'-' if m[1] else ''}{m[6]}/{m[7]}"
+        negative = (bool(m[1]) + (m[2] == "-") + (m[4] == "-")) % 2
+        return f" {'-' if negative else ''}{m[3]}/{m[5]}"  # " ": 3\frac{1}{2} is the mixed 3 1/2
+
+    def power(m: re.Match[str], scientific: bool = False) -> str:
+        exponent = m[2] or m[3]
+        if len(exponent) > 5:
+            return m[0]
+        try:  # a x 10^n as the float literal aen: no rounding of its own
+            value = float(f"{m[1]}e{exponent}") if scientific else float(m[1]) ** int(exponent)
+        except (OverflowError, ZeroDivisionError):
+            return m[0]
+        return repr(value) if math.isfinite(value) else m[0]
+
+    text = _LATEX_GROUPING_RE.sub(lambda m: "," if m[1] == "{,}" else "\u2009", text)
+    text = _LATEX_FRAC_RE.sub(frac, text)
+    text = _SCIENTIFIC_RE.sub(lambda m: power(m, scientific=True), text)
+    return _POWER_RE.sub(power, text)
+
+
+def _in_expression(text: str, start: int) -> bool:
+    """Whether the number at ``start`` is a root's argument or a part of a fraction that is no number
+    (one scan back over the groups that enclose it)."""
+    if _ROOT_RE.search(text, max(0, start - 40), start):
+        return True
+    depth, groups = 0, 0
+    for i in range(start - 1, -1, -1):
+        ch = text[i]
+        if ch == "}":
+            depth += 1
+        elif ch == "{" and depth:
+            depth -= 1
+        elif ch == "{":
+            groups += 1
+            window = max(0, i - 200)
+            if (
+                groups > _GROUPS_LOOKED_AT
+                or _ROOT_RE.search(text, window, i)
+                or _FRACTION_PART_RE.search(text, window, i)
+            ):
+                return True
+    return False
+
+
+def _last_number(text: str) -> re.Match[str] | None:
+    """The last number of ``text`` that is the answer's value, or None: an exponent or an index is
+    passed over (the 2 of ``5 m^2``, the 1 of ``x_1``); a number that is part of an expression (a root's,
+    a factor of pi or of a root, a power's base, in a fraction of something else) means there is none."""
+    matches = list(_NUMBER_TOKEN_RE.finditer(text))
+    for match in reversed(matches):
+        before = text[max(0, match.start() - 8) : match.start()].rstrip(" {")
+        if before.endswith(("^", "_")):
+            continue
+        if _FACTOR_AFTER_RE.match(text, match.end()) or _in_expression(text, match.start()):
+            return None
+        return match
+    return None
+
+
 def parse_number(text: str) -> float | None:
     """The last number in ``text``: a number, a fraction a/b or a mixed number w a/b (a proper fraction
-    after a whole number); None when there is none."""
-    last = None
-    for match in _NUMBER_TOKEN_RE.finditer(text.translate(_TO_ASCII_MINUS)):
-        last = match
+    after a whole number), LaTeX's forms of them too; None when there is none, or when the last one is
+    part of an expression (a root, a factor of pi)."""
+    last = _last_number(_latex_numbers(text.translate(_TO_ASCII_MINUS)))
     if last is None or last["clock"]:
         return None
     try:

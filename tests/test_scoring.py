@@ -300,6 +300,41 @@ def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
     assert judged(text, answer, "numeric")["passed"] is passed
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # LaTeX's fractions are fractions: \frac{1}{2} was read as its denominator and passed for 2 (and
+        # failed 0.5); -\frac{1}{2} passed for 2, its sign lost.
+        (r"\boxed{\frac{1}{2}}", 2, False),
+        (r"\boxed{\frac{1}{2}}", 0.5, True),
+        (r"\boxed{-\frac{1}{2}}", 2, False),
+        (r"\boxed{-\dfrac{3}{4}}", -0.75, True),
+        (r"\boxed{\frac12}", 0.5, True),
+        (r"\boxed{3\frac{1}{2}}", 3.5, True),
+        # Powers and scientific notation are their values: 2^{10} passed for 10, 6.02 x 10^23 for 23.
+        (r"\boxed{2^{10}}", 10, False),
+        (r"\boxed{2^{10}}", 1024, True),
+        (r"$6.02 \times 10^{23}$", 23, False),
+        (r"$6.02 \times 10^{23}$", 6.02e23, True),
+        ("ANSWER: 5 m^2", 5, True),  # a unit's exponent is not the number
+        # LaTeX's thousands separators: 1{,}000 was read as 000, and passed for 0.
+        (r"\boxed{1{,}000}", 0, False),
+        (r"\boxed{1{,}000}", 1000, True),
+        (r"\boxed{1\,000}", 1000, True),
+        # An expression is no number: its last number passed (\sqrt{2} for 2, \frac{\pi}{2} for 2).
+        (r"\boxed{\sqrt{2}}", 2, False),
+        (r"\boxed{2\sqrt{2}}", 2, False),
+        (r"\boxed{\frac{\sqrt{3}}{2}}", 2, False),
+        (r"\boxed{\frac{\pi}{2}}", 2, False),
+        (r"\boxed{2\pi}", 2, False),
+        (r"\boxed{e^{2}}", 2, False),
+        (r"\textbf{Answer:} 42", 42, True),  # markup around a number still reads it
+    ],
+)
+def test_numeric_reads_latex_numbers_as_their_values(text, answer, passed):
+    assert judged(text, answer, "numeric")["passed"] is passed
+
+
 def test_numeric_tolerance_is_relative_above_one():
     assert judged("ANSWER: 1000.4", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is True
     assert judged("ANSWER: 1002", 1000, "numeric", numeric_tolerance=1e-3)["passed"] is False
