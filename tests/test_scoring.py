@@ -782,3 +782,22 @@ def test_an_empty_answer_is_a_bad_line(answer):
     """includes would find an empty answer in every reply: every sample would pass."""
     with pytest.raises(ValueError, match="empty"):
         check_fields({"prompt": "p", "answer": answer})
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # Punctuation removed from an answer that is all punctuation left nothing: includes found it in
+        # every reply, and exact took any reply of punctuation (or an empty one) for it.
+        ("I do not know.", "?", "includes", False),
+        ("ANSWER: -", "+", "exact", False),
+        ("ANSWER: -", "+", "includes", False),
+        ("", "?", "exact", False),
+        ("ANSWER: +", "+", "exact", True),
+        ("The operator is +.", "+", "includes", True),
+        ("ANSWER: ...", ["...", "etc"], "exact", True),
+        ("ANSWER: Paris!", ["?", "paris"], "exact", True),  # the other answers keep the normalisation
+    ],
+)
+def test_an_answer_of_punctuation_only_is_compared_with_its_punctuation(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
