@@ -1365,6 +1365,12 @@ def headline(scores: dict[str, Any]) -> str | None:
         parts.append(f"{scores['unscored']} unscored")
     if scores.get("scorer_errors"):
         parts.append(f"{scores['scorer_errors']} scorer errors")
+    pending = scores.get("samples_pending")
+    if isinstance(pending, int) and pending > 0:
+        parts.append(
+            f"{pending} samples without an outcome (failed or not run: in none of these figures; "
+            "--resume runs them)"
+        )
     if scores.get("skipped_after_passes"):
         parts.append(
             f"{scores['skipped_after_passes']} samples skipped after passes (rows stopped early: "
