@@ -424,15 +424,34 @@ _PUNCT = str.maketrans("", "", string.punctuation)
 _SIGNED_NUMBER_RE = re.compile(r"(?<![\w.])(-?)(\d{1,3}(?:,\d{3})+|\d+)((?:\.\d+)?)(?!\w|\.\d)")
 
 
+_PUNCT_RUN_RE = re.compile(f"[{re.escape(string.punctuation)}]+")
+
+
+def _gap_without_punctuation(text: str, lo: int, hi: int) -> str:
+    """``text[lo:hi]`` (text between numbers) without punctuation; a run of it between two digits is a
+    space, so they stay two numbers: removed, "1/2" was "12" (and passed for it), "10-20" "1020"."""
+    out, at = [], lo
+    for run in _PUNCT_RUN_RE.finditer(text, lo, hi):
+        between_digits = (
+            run.start() > 0
+            and text[run.start() - 1].isdigit()
+            and run.end() < len(text)
+            and text[run.end()].isdigit()
+        )
+        out += [text[at : run.start()], " " if between_digits else ""]
+        at = run.end()
+    return "".join(out) + text[at:hi]
+
+
 def _without_punctuation(text: str) -> str:
     out, done = [], 0
     for m in _SIGNED_NUMBER_RE.finditer(text):
         out += [
-            text[done : m.start()].translate(_PUNCT),
+            _gap_without_punctuation(text, done, m.start()),
             m.group(1) + m.group(2).replace(",", "") + m.group(3),
         ]
         done = m.end()
-    return "".join(out) + text[done:].translate(_PUNCT)
+    return "".join(out) + _gap_without_punctuation(text, done, len(text))
 
 
 def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS) -> str:

@@ -211,7 +211,7 @@ def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reas
         ("ANSWER: 35", "3.5", "exact", False),
         ("ANSWER: -1.", "-1", "exact", True),
         ("ANSWER: 1,000 apples!", "1000 apples", "exact", True),
-        ("ANSWER: version 1.2.3", "version 123", "exact", True),  # no number: punctuation, as before
+        ("ANSWER: version 1.2.3", "version 123", "exact", False),  # dots between digits separate them
     ],
 )
 def test_text_scorers(text, answer, scorer, passed):
@@ -800,4 +800,25 @@ def test_an_empty_answer_is_a_bad_line(answer):
     ],
 )
 def test_an_answer_of_punctuation_only_is_compared_with_its_punctuation(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # Punctuation between two digits separates two numbers: removed, the answer "1/2" (a string:
+        # exact by default) was "12" and passed for 12; "10-20" for 1020, "3:4" for 34, "1.2.3" for 123.
+        ("ANSWER: 12", "1/2", None, False),
+        ("ANSWER: 1020", "10-20", None, False),
+        ("ANSWER: 34", "3:4", None, False),
+        ("ANSWER: 123", "1.2.3", None, False),
+        ("The result is 12 apples.", "1/2", "includes", False),
+        ("ANSWER: 1/2", "1/2", None, True),
+        ("ANSWER: 10-20", "10-20", None, True),
+        ("ANSWER: 2024/01/05", "2024-01-05", None, True),  # which mark separates them is still ignored
+        ("ANSWER: 1,000", "1000", None, True),  # a thousands separator still joins
+        ("ANSWER: U.S.A.", "USA", None, True),  # and punctuation between letters still goes
+    ],
+)
+def test_punctuation_between_digits_keeps_them_two_numbers(text, answer, scorer, passed):
     assert judged(text, answer, scorer)["passed"] is passed
