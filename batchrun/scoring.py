@@ -1276,7 +1276,8 @@ OWN_TOOLSETS = "(row's own toolsets)"
 
 class RunScores:
     """The ``scores`` section of statistics.json, built one record at a time: overall, per
-    distribution, per toolset mix, per stop reason.
+    distribution, per toolset mix, per stop reason, per scorer (a run's rows may be judged by several,
+    and a --force_resume with another --scorer mixes them: the figures above say by which).
 
     Each (row, sample) counts as often as the dataset wants it (``wanted``: two identical rows want
     two; a sample re-run by --rerun_discarded is counted once, kept before discarded); without
@@ -1291,6 +1292,7 @@ class RunScores:
             "distribution": {},
             "toolsets": {},
             "stop_reason": {},
+            "scorer": {},
         }
         self.kept_passed = 0
 
@@ -1312,7 +1314,9 @@ class RunScores:
         dist = OWN_TOOLSETS if own else self.distribution
         mix = "+".join(sorted(rec.get("toolsets_used") or [])) or "none"
         stop = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
-        for group, key in (("distribution", dist), ("toolsets", mix), ("stop_reason", stop)):
+        scorer = score.get("scorer") if isinstance(score.get("scorer"), str) else "none"
+        groups = (("distribution", dist), ("toolsets", mix), ("stop_reason", stop), ("scorer", scorer))
+        for group, key in groups:
             self.groups[group].setdefault(key, ScoreTally()).add(score, row)
 
     def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:

@@ -822,3 +822,20 @@ def test_an_answer_of_punctuation_only_is_compared_with_its_punctuation(text, an
 )
 def test_punctuation_between_digits_keeps_them_two_numbers(text, answer, scorer, passed):
     assert judged(text, answer, scorer)["passed"] is passed
+
+
+def test_scores_say_which_scorer_judged_how_many_samples():
+    """A --force_resume with another --scorer (or rows judged by different defaults) mixes scorers in
+    one pass rate; the scores section did not say by which: 10 samples by numeric and 10 by regex read
+    as 20 of one kind."""
+    scores = RunScores("default")
+    for i in range(4):
+        scores.add({"score": {"value": float(i < 3), "passed": i < 3, "scorer": "numeric"}}, f"n{i}", 0)
+        scores.add({"score": {"value": 0.0, "passed": False, "scorer": "regex"}}, f"r{i}", 0)
+    scores.add({"score": {"value": None, "passed": None, "scorer": "none"}}, "u", 0)
+    by = scores.summary()["by_scorer"]
+    assert {k: (v["scored"], v["passed"], v["unscored"]) for k, v in by.items()} == {
+        "none": (0, 0, 1),
+        "numeric": (4, 3, 0),
+        "regex": (4, 0, 0),
+    }
