@@ -364,7 +364,25 @@ def _without_spans(text: str, tags: tuple[tuple[str, str], ...]) -> str:
     return "".join(out) + text[at:]
 
 
-_BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_BOXED_TOKENS_RE = re.compile(r"\\boxed\{|[{}]")
+
+
+def _last_boxed(text: str) -> str | None:
+    """What the last ``\\boxed{...}`` holds (the last to start), its braces balanced at any depth, in one
+    pass; None when there is none. A pattern for one level of nesting missed ``\\boxed{\\frac{\\sqrt{3}}{2}}``
+    (a right answer failed: the whole text was read instead)."""
+    opened: list[tuple[int, bool]] = []  # where each open brace's content starts, and whether it is a box's
+    last: tuple[int, int] | None = None
+    for token in _BOXED_TOKENS_RE.finditer(text):
+        if token[0] != "}":
+            opened.append((token.end(), token[0] != "{"))
+        elif opened:
+            start, boxed = opened.pop()
+            if boxed and (last is None or start > last[0]):
+                last = (start, token.start())
+    return None if last is None else text[last[0] : last[1]]
+
+
 _ANSWER_LINE_RE = re.compile(r"(?im)^\s*(?:final\s+)?answer\s*[:=]\s*(.+?)\s*$")
 
 
@@ -404,9 +422,9 @@ def extract_answer(text: str, pattern: str | None = None) -> str:
             return ""
         last = matches[-1]
         return (last.group(1) if last.re.groups else last.group(0)) or ""
-    boxed = _BOXED_RE.findall(text)
-    if boxed:
-        return boxed[-1].strip()
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
     lines = _ANSWER_LINE_RE.findall(text)
     if lines:
         return lines[-1].strip()

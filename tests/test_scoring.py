@@ -839,3 +839,17 @@ def test_scores_say_which_scorer_judged_how_many_samples():
         "numeric": (4, 3, 0),
         "regex": (4, 0, 0),
     }
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer"),
+    [
+        (r"The height is $\boxed{\frac{\sqrt{3}}{2}}$.", r"\frac{\sqrt{3}}{2}", "exact"),
+        (r"So $x = \boxed{\left\{1, \frac{1}{2}\right\}}$", r"\left\{1, \frac{1}{2}\right\}", "exact"),
+    ],
+)
+def test_a_boxed_answer_nested_two_levels_deep_is_read_whole(text, answer, scorer):
+    """The pattern for \\boxed{...} allowed one level of braces inside: a deeper answer was not found,
+    the whole text was read instead, and the right answer failed."""
+    assert extract_answer(text) == re.search(r"\\boxed\{(.*)\}", text)[1]
+    assert judged(text, answer, scorer)["passed"] is True
