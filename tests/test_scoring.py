@@ -853,3 +853,22 @@ def test_a_boxed_answer_nested_two_levels_deep_is_read_whole(text, answer, score
     the whole text was read instead, and the right answer failed."""
     assert extract_answer(text) == re.search(r"\\boxed\{(.*)\}", text)[1]
     assert judged(text, answer, scorer)["passed"] is True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scorer", ["exact", "numeric"])
+def test_an_answer_of_blank_lines_or_spaces_is_read_in_linear_time(scorer):
+    """The ANSWER line's pattern, run over the whole text, tried every start in a run of blank lines (or
+    of spaces after the label) to its end: an answer of 100,000 spaces held a real run's sample 34 s
+    with --prompt_timeout=10 --verify_timeout=5 (hours for a megabyte), past every deadline."""
+    import time
+
+    start = time.monotonic()
+    for text in ("ANSWER: 4" + " " * 200_000 + ".", "\n" * 100_000 + "4", "ANSWER:\n" * 50_000):
+        judged(text, 4, scorer)
+    assert time.monotonic() - start < 30  # a hang guard, not a speed claim: the old code took minutes
+    # What they read is unchanged: the last label's line, or the line under a label alone on its own.
+    assert extract_answer("ANSWER: 3\nANSWER: 4  \nmore") == "4"
+    assert extract_answer("Final answer:\n\n  42\nok") == "42"
+    assert extract_answer("answer = 5\nANSWER:") == "5"
+    assert extract_answer("ANSWER:") == "ANSWER:"
