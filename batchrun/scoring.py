@@ -555,9 +555,11 @@ def acceptable(answer: Any) -> list[Any]:
 # The last one found is the answer: a fraction read as its two numbers was its denominator ("1/2 cup"
 # passed for 2), a mixed number as its fraction ("3 1/2" passed for 0.5). A plain space does not group:
 # "1 234" may be two numbers.
+# At most 12 groups of three (10^39): a run of them that ends badly ("1,000,000,...,1") was read again
+# from each of its digits to its end, quadratic (80 KB of it took 15 s, past the sample's deadline).
 _NUMBER = (
-    r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?"
-    r"|\d{1,3}(?:[\u00a0\u2009\u202f]\d{3})+(?![\u00a0\u2009\u202f]?\d)(?:\.\d+)?"
+    r"[-+]?(?:\d{1,3}(?:,\d{3}){1,12}(?!,?\d)(?:\.\d+)?"
+    r"|\d{1,3}(?:[\u00a0\u2009\u202f]\d{3}){1,12}(?![\u00a0\u2009\u202f]?\d)(?:\.\d+)?"
     r"|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 )
 _NUMBER_TOKEN_RE = re.compile(

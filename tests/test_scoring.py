@@ -872,3 +872,17 @@ def test_an_answer_of_blank_lines_or_spaces_is_read_in_linear_time(scorer):
     assert extract_answer("Final answer:\n\n  42\nok") == "42"
     assert extract_answer("answer = 5\nANSWER:") == "5"
     assert extract_answer("ANSWER:") == "ANSWER:"
+
+
+@pytest.mark.timeout(60)
+def test_a_long_run_of_thousands_groups_is_read_in_linear_time():
+    """A run of thousands groups that ends badly ("1,000,000,...,1") was read again from each of its
+    digits to its end: 80 KB of it took 15 s in numeric, past the sample's deadline."""
+    import time
+
+    start = time.monotonic()
+    for sep in (",", "\u202f"):
+        judged("ANSWER: 1" + f"{sep}000" * 20_000 + f"{sep}1", 4, "numeric")
+    assert time.monotonic() - start < 20  # a hang guard, not a speed claim: the old code took 30 s
+    assert judged("ANSWER: 12,345,678.5", 12345678.5, "numeric")["passed"] is True
+    assert judged("ANSWER: 1" + ",000" * 12, 1e36, "numeric")["passed"] is True  # 12 groups: still one number
