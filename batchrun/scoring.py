@@ -364,8 +364,42 @@ def _without_spans(text: str, tags: tuple[tuple[str, str], ...]) -> str:
     return "".join(out) + text[at:]
 
 
-_BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
-_ANSWER_LINE_RE = re.compile(r"(?im)^\s*(?:final\s+)?answer\s*[:=]\s*(.+?)\s*$")
+_BOXED_TOKENS_RE = re.compile(r"\\boxed\{|[{}]")
+
+
+def _last_boxed(text: str) -> str | None:
+    """What the last ``\\boxed{...}`` holds (the last to start), its braces balanced at any depth, in one
+    pass; None when there is none. A pattern for one level of nesting missed ``\\boxed{\\frac{\\sqrt{3}}{2}}``
+    (a right answer failed: the whole text was read instead)."""
+    opened: list[tuple[int, bool]] = []  # where each open brace's content starts, and whether it is a box's
+    last: tuple[int, int] | None = None
+    for token in _BOXED_TOKENS_RE.finditer(text):
+        if token[0] != "}":
+            opened.append((token.end(), token[0] != "{"))
+        elif opened:
+            start, boxed = opened.pop()
+            if boxed and (last is None or start > last[0]):
+                last = (start, token.start())
+    return None if last is None else text[last[0] : last[1]]
+
+
+_ANSWER_LABEL_RE = re.compile(r"(?:final\s+)?answer\s*[:=]", re.IGNORECASE)
+
+
+def _last_answer_line(text: str) -> str | None:
+    """What the last ``ANSWER: ...`` line says (a label alone on its line: the next line that says
+    something), or None. Line by line, in linear time: one pattern over the whole text
+    (``^\\s*...(.+?)\\s*$``) tried every start in a run of blank lines, or of spaces after the label,
+    to its end: 35 s for an answer of 100,000 spaces, hours for a megabyte, past every deadline."""
+    found, below = None, ""  # below: the first line under this one that says something
+    for line in reversed(text.split("\n")):
+        line = line.strip()
+        label = _ANSWER_LABEL_RE.match(line)
+        if found is None and label is not None:
+            # the answer after the label, or on a line of its own under it
+            found = line[label.end() :].lstrip() or below or None
+        below = line or below
+    return found
 
 
 def ambiguous_final(record: dict[str, Any]) -> str | None:
@@ -404,13 +438,11 @@ def extract_answer(text: str, pattern: str | None = None) -> str:
             return ""
         last = matches[-1]
         return (last.group(1) if last.re.groups else last.group(0)) or ""
-    boxed = _BOXED_RE.findall(text)
-    if boxed:
-        return boxed[-1].strip()
-    lines = _ANSWER_LINE_RE.findall(text)
-    if lines:
-        return lines[-1].strip()
-    return text.strip()
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    line = _last_answer_line(text)
+    return text.strip() if line is None else line
 
 
 # Minus signs models write besides "-": U+2212 (the typeset minus), small and fullwidth hyphen-minus.
@@ -424,15 +456,34 @@ _PUNCT = str.maketrans("", "", string.punctuation)
 _SIGNED_NUMBER_RE = re.compile(r"(?<![\w.])(-?)(\d{1,3}(?:,\d{3})+|\d+)((?:\.\d+)?)(?!\w|\.\d)")
 
 
+_PUNCT_RUN_RE = re.compile(f"[{re.escape(string.punctuation)}]+")
+
+
+def _gap_without_punctuation(text: str, lo: int, hi: int) -> str:
+    """``text[lo:hi]`` (text between numbers) without punctuation; a run of it between two digits is a
+    space, so they stay two numbers: removed, "1/2" was "12" (and passed for it), "10-20" "1020"."""
+    out, at = [], lo
+    for run in _PUNCT_RUN_RE.finditer(text, lo, hi):
+        between_digits = (
+            run.start() > 0
+            and text[run.start() - 1].isdigit()
+            and run.end() < len(text)
+            and text[run.end()].isdigit()
+        )
+        out += [text[at : run.start()], " " if between_digits else ""]
+        at = run.end()
+    return "".join(out) + text[at:hi]
+
+
 def _without_punctuation(text: str) -> str:
     out, done = [], 0
     for m in _SIGNED_NUMBER_RE.finditer(text):
         out += [
-            text[done : m.start()].translate(_PUNCT),
+            _gap_without_punctuation(text, done, m.start()),
             m.group(1) + m.group(2).replace(",", "") + m.group(3),
         ]
         done = m.end()
-    return "".join(out) + text[done:].translate(_PUNCT)
+    return "".join(out) + _gap_without_punctuation(text, done, len(text))
 
 
 def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS) -> str:
@@ -504,9 +555,11 @@ def acceptable(answer: Any) -> list[Any]:
 # The last one found is the answer: a fraction read as its two numbers was its denominator ("1/2 cup"
 # passed for 2), a mixed number as its fraction ("3 1/2" passed for 0.5). A plain space does not group:
 # "1 234" may be two numbers.
+# At most 12 groups of three (10^39): a run of them that ends badly ("1,000,000,...,1") was read again
+# from each of its digits to its end, quadratic (80 KB of it took 15 s, past the sample's deadline).
 _NUMBER = (
-    r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!,?\d)(?:\.\d+)?"
-    r"|\d{1,3}(?:[\u00a0\u2009\u202f]\d{3})+(?![\u00a0\u2009\u202f]?\d)(?:\.\d+)?"
+    r"[-+]?(?:\d{1,3}(?:,\d{3}){1,12}(?!,?\d)(?:\.\d+)?"
+    r"|\d{1,3}(?:[\u00a0\u2009\u202f]\d{3}){1,12}(?![\u00a0\u2009\u202f]?\d)(?:\.\d+)?"
     r"|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 )
 _NUMBER_TOKEN_RE = re.compile(
@@ -520,12 +573,96 @@ _GROUP_MARKS = str.maketrans(dict.fromkeys(",_\u00a0\u2009\u202f"))
 _DIGITS_FLOAT_HOLDS = 300  # longer digit runs in a fraction are read as floats, not as exact integers
 
 
+# LaTeX a model writes for a number (MATH-style answers): ``\frac{1}{2}`` (``\dfrac``, ``\tfrac``,
+# ``\frac12``) is the fraction 1/2, ``6.02 \times 10^{23}`` is 6.02e23, ``2^{10}`` is 1024, ``1{,}000`` and
+# ``1\,000`` are 1000. Read as plain text each was its last number: ``\frac{1}{2}`` passed for 2,
+# ``-\frac{1}{2}`` for 2, ``2^{10}`` for 10, ``6.02 \times 10^{23}`` for 23, ``1{,}000`` for 0.
+_NUM_ARG = r"\{\s*([-+]?)\s*(\d+(?:\.\d+)?)\s*\}"
+_LATEX_FRAC_RE = re.compile(rf"(-\s*)?\\[dt]?frac\s*(?:{_NUM_ARG}\s*{_NUM_ARG}|(\d)\s*(\d)(?![\d.]))")
+_POWER_ARG = r"\s*\^\s*(?:\{\s*([-+]?\d+)\s*\}|(\d+)(?![\d.]))"
+_SCIENTIFIC_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\u00d7|\u00b7)\s*10" + _POWER_ARG)
+_POWER_RE = re.compile(r"(?<![\w.^])(\d+(?:\.\d+)?)" + _POWER_ARG)
+_LATEX_GROUPING_RE = re.compile(r"(?<=\d)(\{,\}|\\[,!])(?=\d{3}(?!\d))")
+# A number right after a root is its argument (2 in \sqrt2, \sqrt[3]{8}); one inside a group that opens a
+# root's argument, or a fraction's part beside something that is no number (2 in \frac{\pi}{2} or
+# \frac{\sqrt{3}}{2}), is part of an expression, not its value.
+_ROOT_RE = re.compile(r"\\sqrt\s*(?:\[[^\]{}]*\])?\s*$")
+_FRACTION_PART_RE = re.compile(r"\\[dt]?frac\s*(?:\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}\s*)?$")
+_GROUPS_LOOKED_AT = 16  # enclosing groups: deeper nesting around the number is an expression anyway
+# What right after a number makes it a factor of an expression: 2\pi, 2\sqrt{3}, 2^x.
+_FACTOR_AFTER_RE = re.compile(r"\s*(?:\\pi(?![a-zA-Z])|\u03c0|\\sqrt(?![a-zA-Z])|\u221a|\^)")
+
+
+def _latex_numbers(text: str) -> str:
+    """``text`` with the LaTeX forms of numbers above written as plain ones (a power too large for a
+    float stays as it was: an expression, no number)."""
+
+    def frac(m: re.Match[str]) -> str:
+        if m[6] is not None:  # \frac12
+            return f" {'-' if m[1] else ''}{m[6]}/{m[7]}"
+        negative = (bool(m[1]) + (m[2] == "-") + (m[4] == "-")) % 2
+        return f" {'-' if negative else ''}{m[3]}/{m[5]}"  # " ": 3\frac{1}{2} is the mixed 3 1/2
+
+    def power(m: re.Match[str], scientific: bool = False) -> str:
+        exponent = m[2] or m[3]
+        if len(exponent) > 5:
+            return m[0]
+        try:  # a x 10^n as the float literal aen: no rounding of its own
+            value = float(f"{m[1]}e{exponent}") if scientific else float(m[1]) ** int(exponent)
+        except (OverflowError, ZeroDivisionError):
+            return m[0]
+        return repr(value) if math.isfinite(value) else m[0]
+
+    text = _LATEX_GROUPING_RE.sub(lambda m: "," if m[1] == "{,}" else "\u2009", text)
+    text = _LATEX_FRAC_RE.sub(frac, text)
+    text = _SCIENTIFIC_RE.sub(lambda m: power(m, scientific=True), text)
+    return _POWER_RE.sub(power, text)
+
+
+def _in_expression(text: str, start: int) -> bool:
+    """Whether the number at ``start`` is a root's argument or a part of a fraction that is no number
+    (one scan back over the groups that enclose it)."""
+    if _ROOT_RE.search(text, max(0, start - 40), start):
+        return True
+    depth, groups = 0, 0
+    for i in range(start - 1, -1, -1):
+        ch = text[i]
+        if ch == "}":
+            depth += 1
+        elif ch == "{" and depth:
+            depth -= 1
+        elif ch == "{":
+            groups += 1
+            window = max(0, i - 200)
+            if (
+                groups > _GROUPS_LOOKED_AT
+                or _ROOT_RE.search(text, window, i)
+                or _FRACTION_PART_RE.search(text, window, i)
+            ):
+                return True
+    return False
+
+
+def _last_number(text: str) -> re.Match[str] | None:
+    """The last number of ``text`` that is the answer's value, or None: an exponent or an index is
+    passed over (the 2 of ``5 m^2``, the 1 of ``x_1``); a number that is part of an expression (a root's,
+    a factor of pi or of a root, a power's base, in a fraction of something else) means there is none."""
+    matches = list(_NUMBER_TOKEN_RE.finditer(text))
+    for match in reversed(matches):
+        before = text[max(0, match.start() - 8) : match.start()].rstrip(" {")
+        if before.endswith(("^", "_")):
+            continue
+        if _FACTOR_AFTER_RE.match(text, match.end()) or _in_expression(text, match.start()):
+            return None
+        return match
+    return None
+
+
 def parse_number(text: str) -> float | None:
     """The last number in ``text``: a number, a fraction a/b or a mixed number w a/b (a proper fraction
-    after a whole number); None when there is none."""
-    last = None
-    for match in _NUMBER_TOKEN_RE.finditer(text.translate(_TO_ASCII_MINUS)):
-        last = match
+    after a whole number), LaTeX's forms of them too; None when there is none, or when the last one is
+    part of an expression (a root, a factor of pi)."""
+    last = _last_number(_latex_numbers(text.translate(_TO_ASCII_MINUS)))
     if last is None or last["clock"]:
         return None
     try:
@@ -650,9 +787,13 @@ def text_score(
                     name, error=f"the row's regex /{want}/ took longer than {left:.3g} s on the answer"
                 )
         return Part(name, 0.0, False, f"{shown!r} matches none of the patterns")
-    norm_got = normalize(got, settings.normalize)
     for want in answers:
-        norm_want = normalize(str(want), settings.normalize)
+        steps = settings.normalize
+        if not normalize(str(want), steps):
+            # An answer that is all punctuation ("+", "?", "..."): removing it left nothing, and nothing
+            # is in every reply (includes passed them all) and is any reply of punctuation ("-" for "+").
+            steps = tuple(step for step in steps if step != "punctuation")
+        norm_got, norm_want = normalize(got, steps), normalize(str(want), steps)
         if (name == "exact" and norm_got == norm_want) or (
             name == "includes" and includes_whole(norm_got, norm_want)
         ):
@@ -1169,7 +1310,8 @@ OWN_TOOLSETS = "(row's own toolsets)"
 
 class RunScores:
     """The ``scores`` section of statistics.json, built one record at a time: overall, per
-    distribution, per toolset mix, per stop reason.
+    distribution, per toolset mix, per stop reason, per scorer (a run's rows may be judged by several,
+    and a --force_resume with another --scorer mixes them: the figures above say by which).
 
     Each (row, sample) counts as often as the dataset wants it (``wanted``: two identical rows want
     two; a sample re-run by --rerun_discarded is counted once, kept before discarded); without
@@ -1184,6 +1326,7 @@ class RunScores:
             "distribution": {},
             "toolsets": {},
             "stop_reason": {},
+            "scorer": {},
         }
         self.kept_passed = 0
 
@@ -1205,7 +1348,9 @@ class RunScores:
         dist = OWN_TOOLSETS if own else self.distribution
         mix = "+".join(sorted(rec.get("toolsets_used") or [])) or "none"
         stop = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
-        for group, key in (("distribution", dist), ("toolsets", mix), ("stop_reason", stop)):
+        scorer = score.get("scorer") if isinstance(score.get("scorer"), str) else "none"
+        groups = (("distribution", dist), ("toolsets", mix), ("stop_reason", stop), ("scorer", scorer))
+        for group, key in groups:
             self.groups[group].setdefault(key, ScoreTally()).add(score, row)
 
     def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
@@ -1277,6 +1422,12 @@ def headline(scores: dict[str, Any]) -> str | None:
         parts.append(f"{scores['unscored']} unscored")
     if scores.get("scorer_errors"):
         parts.append(f"{scores['scorer_errors']} scorer errors")
+    pending = scores.get("samples_pending")
+    if isinstance(pending, int) and pending > 0:
+        parts.append(
+            f"{pending} samples without an outcome (failed or not run: in none of these figures; "
+            "--resume runs them)"
+        )
     if scores.get("skipped_after_passes"):
         parts.append(
             f"{scores['skipped_after_passes']} samples skipped after passes (rows stopped early: "

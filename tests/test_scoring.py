@@ -211,7 +211,7 @@ def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reas
         ("ANSWER: 35", "3.5", "exact", False),
         ("ANSWER: -1.", "-1", "exact", True),
         ("ANSWER: 1,000 apples!", "1000 apples", "exact", True),
-        ("ANSWER: version 1.2.3", "version 123", "exact", True),  # no number: punctuation, as before
+        ("ANSWER: version 1.2.3", "version 123", "exact", False),  # dots between digits separate them
     ],
 )
 def test_text_scorers(text, answer, scorer, passed):
@@ -297,6 +297,41 @@ def test_json_answers_pass_only_when_they_say_the_value_unambiguously(text, answ
     ],
 )
 def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
+    assert judged(text, answer, "numeric")["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # LaTeX's fractions are fractions: \frac{1}{2} was read as its denominator and passed for 2 (and
+        # failed 0.5); -\frac{1}{2} passed for 2, its sign lost.
+        (r"\boxed{\frac{1}{2}}", 2, False),
+        (r"\boxed{\frac{1}{2}}", 0.5, True),
+        (r"\boxed{-\frac{1}{2}}", 2, False),
+        (r"\boxed{-\dfrac{3}{4}}", -0.75, True),
+        (r"\boxed{\frac12}", 0.5, True),
+        (r"\boxed{3\frac{1}{2}}", 3.5, True),
+        # Powers and scientific notation are their values: 2^{10} passed for 10, 6.02 x 10^23 for 23.
+        (r"\boxed{2^{10}}", 10, False),
+        (r"\boxed{2^{10}}", 1024, True),
+        (r"$6.02 \times 10^{23}$", 23, False),
+        (r"$6.02 \times 10^{23}$", 6.02e23, True),
+        ("ANSWER: 5 m^2", 5, True),  # a unit's exponent is not the number
+        # LaTeX's thousands separators: 1{,}000 was read as 000, and passed for 0.
+        (r"\boxed{1{,}000}", 0, False),
+        (r"\boxed{1{,}000}", 1000, True),
+        (r"\boxed{1\,000}", 1000, True),
+        # An expression is no number: its last number passed (\sqrt{2} for 2, \frac{\pi}{2} for 2).
+        (r"\boxed{\sqrt{2}}", 2, False),
+        (r"\boxed{2\sqrt{2}}", 2, False),
+        (r"\boxed{\frac{\sqrt{3}}{2}}", 2, False),
+        (r"\boxed{\frac{\pi}{2}}", 2, False),
+        (r"\boxed{2\pi}", 2, False),
+        (r"\boxed{e^{2}}", 2, False),
+        (r"\textbf{Answer:} 42", 42, True),  # markup around a number still reads it
+    ],
+)
+def test_numeric_reads_latex_numbers_as_their_values(text, answer, passed):
     assert judged(text, answer, "numeric")["passed"] is passed
 
 
@@ -747,3 +782,107 @@ def test_an_empty_answer_is_a_bad_line(answer):
     """includes would find an empty answer in every reply: every sample would pass."""
     with pytest.raises(ValueError, match="empty"):
         check_fields({"prompt": "p", "answer": answer})
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # Punctuation removed from an answer that is all punctuation left nothing: includes found it in
+        # every reply, and exact took any reply of punctuation (or an empty one) for it.
+        ("I do not know.", "?", "includes", False),
+        ("ANSWER: -", "+", "exact", False),
+        ("ANSWER: -", "+", "includes", False),
+        ("", "?", "exact", False),
+        ("ANSWER: +", "+", "exact", True),
+        ("The operator is +.", "+", "includes", True),
+        ("ANSWER: ...", ["...", "etc"], "exact", True),
+        ("ANSWER: Paris!", ["?", "paris"], "exact", True),  # the other answers keep the normalisation
+    ],
+)
+def test_an_answer_of_punctuation_only_is_compared_with_its_punctuation(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # Punctuation between two digits separates two numbers: removed, the answer "1/2" (a string:
+        # exact by default) was "12" and passed for 12; "10-20" for 1020, "3:4" for 34, "1.2.3" for 123.
+        ("ANSWER: 12", "1/2", None, False),
+        ("ANSWER: 1020", "10-20", None, False),
+        ("ANSWER: 34", "3:4", None, False),
+        ("ANSWER: 123", "1.2.3", None, False),
+        ("The result is 12 apples.", "1/2", "includes", False),
+        ("ANSWER: 1/2", "1/2", None, True),
+        ("ANSWER: 10-20", "10-20", None, True),
+        ("ANSWER: 2024/01/05", "2024-01-05", None, True),  # which mark separates them is still ignored
+        ("ANSWER: 1,000", "1000", None, True),  # a thousands separator still joins
+        ("ANSWER: U.S.A.", "USA", None, True),  # and punctuation between letters still goes
+    ],
+)
+def test_punctuation_between_digits_keeps_them_two_numbers(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
+def test_scores_say_which_scorer_judged_how_many_samples():
+    """A --force_resume with another --scorer (or rows judged by different defaults) mixes scorers in
+    one pass rate; the scores section did not say by which: 10 samples by numeric and 10 by regex read
+    as 20 of one kind."""
+    scores = RunScores("default")
+    for i in range(4):
+        scores.add({"score": {"value": float(i < 3), "passed": i < 3, "scorer": "numeric"}}, f"n{i}", 0)
+        scores.add({"score": {"value": 0.0, "passed": False, "scorer": "regex"}}, f"r{i}", 0)
+    scores.add({"score": {"value": None, "passed": None, "scorer": "none"}}, "u", 0)
+    by = scores.summary()["by_scorer"]
+    assert {k: (v["scored"], v["passed"], v["unscored"]) for k, v in by.items()} == {
+        "none": (0, 0, 1),
+        "numeric": (4, 3, 0),
+        "regex": (4, 0, 0),
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer"),
+    [
+        (r"The height is $\boxed{\frac{\sqrt{3}}{2}}$.", r"\frac{\sqrt{3}}{2}", "exact"),
+        (r"So $x = \boxed{\left\{1, \frac{1}{2}\right\}}$", r"\left\{1, \frac{1}{2}\right\}", "exact"),
+    ],
+)
+def test_a_boxed_answer_nested_two_levels_deep_is_read_whole(text, answer, scorer):
+    """The pattern for \\boxed{...} allowed one level of braces inside: a deeper answer was not found,
+    the whole text was read instead, and the right answer failed."""
+    assert extract_answer(text) == re.search(r"\\boxed\{(.*)\}", text)[1]
+    assert judged(text, answer, scorer)["passed"] is True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scorer", ["exact", "numeric"])
+def test_an_answer_of_blank_lines_or_spaces_is_read_in_linear_time(scorer):
+    """The ANSWER line's pattern, run over the whole text, tried every start in a run of blank lines (or
+    of spaces after the label) to its end: an answer of 100,000 spaces held a real run's sample 34 s
+    with --prompt_timeout=10 --verify_timeout=5 (hours for a megabyte), past every deadline."""
+    import time
+
+    start = time.monotonic()
+    for text in ("ANSWER: 4" + " " * 200_000 + ".", "\n" * 100_000 + "4", "ANSWER:\n" * 50_000):
+        judged(text, 4, scorer)
+    assert time.monotonic() - start < 30  # a hang guard, not a speed claim: the old code took minutes
+    # What they read is unchanged: the last label's line, or the line under a label alone on its own.
+    assert extract_answer("ANSWER: 3\nANSWER: 4  \nmore") == "4"
+    assert extract_answer("Final answer:\n\n  42\nok") == "42"
+    assert extract_answer("answer = 5\nANSWER:") == "5"
+    assert extract_answer("ANSWER:") == "ANSWER:"
+
+
+@pytest.mark.timeout(60)
+def test_a_long_run_of_thousands_groups_is_read_in_linear_time():
+    """A run of thousands groups that ends badly ("1,000,000,...,1") was read again from each of its
+    digits to its end: 80 KB of it took 15 s in numeric, past the sample's deadline."""
+    import time
+
+    start = time.monotonic()
+    for sep in (",", "\u202f"):
+        judged("ANSWER: 1" + f"{sep}000" * 20_000 + f"{sep}1", 4, "numeric")
+    assert time.monotonic() - start < 20  # a hang guard, not a speed claim: the old code took 30 s
+    assert judged("ANSWER: 12,345,678.5", 12345678.5, "numeric")["passed"] is True
+    assert judged("ANSWER: 1" + ",000" * 12, 1e36, "numeric")["passed"] is True  # 12 groups: still one number

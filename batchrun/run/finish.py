@@ -391,6 +391,10 @@ def statistics(
         "coverage": round(with_r / (with_r + without_r), 4) if with_r + without_r else None,
         "coverage_of_kept_trajectories": summary["reasoning"]["coverage"],
     }
+    # Samples (a row of N samples counts N) a --resume would run.
+    remaining = count_remaining(
+        run_dir, rows, totals, recorder, config.rerun_discarded, config.samples_per_prompt
+    )
     stats = {
         "run_name": config.run_name,
         "model": config.model,
@@ -410,10 +414,7 @@ def statistics(
         **summary,
         "discarded": {"total": sum(discards_all.values()), "by_reason": dict(discards_all)},
         "failed_attempts": {"total": sum(failures_all.values()), "by_class": failures_all},
-        # Samples (a row of N samples counts N) a --resume would run.
-        "remaining_for_resume": count_remaining(
-            run_dir, rows, totals, recorder, config.rerun_discarded, config.samples_per_prompt
-        ),
+        "remaining_for_resume": remaining,
         # The reference runner's names and shapes, beside ours, so scripts written for it read this file.
         "total_prompts": len(rows),
         "total_batches": len(batch_files(run_dir)),  # batch files of every run of this run name
@@ -434,6 +435,9 @@ def statistics(
         "runs": runs,
         "scores": {
             **scores.summary(discards_all.get(SKIPPED_AFTER_PASSES, 0)),
+            # Samples with no outcome yet (failed attempts, samples not run: a prompt that timed out
+            # every time) are in no figure above: the pass rate is over the samples judged.
+            "samples_pending": remaining,
             "duplicate_samples": duplicate_samples(scores.wanted),
         },
         "this_run": {

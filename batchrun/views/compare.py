@@ -4,7 +4,10 @@
     python -m batchrun.views.compare data/<runA> data/<runB> --out=ab.html --json
 
 Samples are paired by row identity (prompt text, image, cwd, the row's own settings) and sample
-index; only pairs judged in both runs (passed true or false) count. Printed and written as HTML:
+index; only pairs judged in both runs (passed true or false) and against the same check (the row's
+``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) count. A pair
+judged against another check in B (an answer key fixed between the runs) says nothing about the
+model: it is left out and counted (``judged_differently``), its rows listed. Printed and written as HTML:
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
   95% interval (the pairs resampled with replacement, ``--bootstrap`` times, seeded: the same inputs
@@ -32,7 +35,7 @@ from typing import Any
 from batchrun.identity import record_sample
 from batchrun.record import read_score
 from batchrun.run.run_dir import check_run_dir
-from batchrun.scoring import mcnemar_exact, paired_bootstrap
+from batchrun.scoring import check_from_row_fields, mcnemar_exact, paired_bootstrap
 from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import first_human
 from batchrun.storage import WriteError, iter_jsonl, write_text_atomic
@@ -44,7 +47,8 @@ Key = tuple[str, int, int]
 
 
 def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, dict[str, Any]]:
-    """(row key, sample index, copy) -> {passed, value, label, toolsets} of every judged sample of a run."""
+    """(row key, sample index, copy) -> {passed, value, label, toolsets, check} of every judged sample
+    of a run."""
     override: dict[Key, dict[str, Any]] = {}
     if scores_name:
         path = run_dir / f"scores.{scores_name}.jsonl"
@@ -77,6 +81,7 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
             "value": score.get("value"),
             "label": meta.get("row_id") or prompt[:80],
             "toolsets": "+".join(sorted(rec.get("toolsets_used") or [])) or "none",
+            "check": check_from_row_fields(meta.get("row_fields")),
         }
     return out
 
@@ -109,7 +114,10 @@ def compare_runs(
     bootstrap: int = 10_000,
 ) -> dict[str, Any]:
     a, b = sample_verdicts(run_a, scores_a), sample_verdicts(run_b, scores_b)
-    keys = sorted(set(a) & set(b))
+    both = sorted(set(a) & set(b))
+    # The check is not part of a row's identity: B's samples may be judged against another answer.
+    keys = [k for k in both if a[k]["check"] == b[k]["check"]]
+    other_check = [k for k in both if a[k]["check"] != b[k]["check"]]
     result = compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in keys], bootstrap)
     by_mix: dict[str, list[Key]] = collections.defaultdict(list)
     for k in keys:
@@ -120,6 +128,8 @@ def compare_runs(
     }
     result["only_in_a"] = len(set(a) - set(b))
     result["only_in_b"] = len(set(b) - set(a))
+    result["judged_differently"] = len(other_check)
+    result["judged_differently_rows"] = _flipped(a, other_check)
     result["flipped_to_fail"] = _flipped(a, [k for k in keys if a[k]["passed"] and not b[k]["passed"]])
     result["flipped_to_pass"] = _flipped(a, [k for k in keys if b[k]["passed"] and not a[k]["passed"]])
     result["run_a"], result["run_b"] = str(run_a), str(run_b)
@@ -133,6 +143,17 @@ def _flipped(verdicts: dict[Key, dict[str, Any]], keys: list[Key]) -> list[str]:
     shared = collections.Counter(labels.values())
     rows = {k[0] for k in keys}
     return sorted(f"{labels[r]} · row {r[:8]}" if shared[labels[r]] > 1 else labels[r] for r in rows)
+
+
+def _judged_differently(r: dict[str, Any]) -> list[str]:
+    """The line about pairs left out for another check in B (none when there are none)."""
+    if not r["judged_differently"]:
+        return []
+    rows = r["judged_differently_rows"]
+    return [
+        f"left out: {r['judged_differently']} pairs judged against another check in B (answer, verify, "
+        f"verify_files or rubric changed), in {len(rows)} rows: {', '.join(rows[:20])}"
+    ]
 
 
 def _pct(x: float | None) -> str:
@@ -151,6 +172,7 @@ def text_report(r: dict[str, Any]) -> str:
         f"A: {r['run_a']}",
         f"B: {r['run_b']}",
         f"{r['pairs']} paired samples (only in A: {r['only_in_a']}, only in B: {r['only_in_b']})",
+        *_judged_differently(r),
         f"pass rate A {_pct(r['pass_rate_a'])}, B {_pct(r['pass_rate_b'])}; B - A {_diff(r)}",
         f"McNemar exact p = {r['mcnemar_p']:.4g} (passed only in A: {r['passed_only_in_a']}, only in B: {r['passed_only_in_b']})",
     ]
@@ -194,7 +216,8 @@ def html_report(r: dict[str, Any]) -> str:
         "td,th{border-bottom:1px solid #e3e6eb;padding:4px 10px;text-align:left}</style></head><body>"
         f"<h1>Run comparison</h1><p>A: <code>{esc(r['run_a'])}</code><br>B: <code>{esc(r['run_b'])}</code></p>"
         f'<p id="headline">{r["pairs"]} paired samples · B - A {esc(_diff(r))} · McNemar exact p = {r["mcnemar_p"]:.4g}</p>'
-        f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{flips}</body></html>"
+        + "".join(f'<p class="warning">{esc(line)}</p>' for line in _judged_differently(r))
+        + f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{flips}</body></html>"
     )
 
 

@@ -904,12 +904,14 @@ def section_scores(d: RunData) -> str:
     if _number(scores.get("mean_score")) is not None:
         cards.append(stat("mean_score", f"{scores['mean_score']:.3f}", "mean score"))
     errors = _number(scores.get("scorer_errors")) or 0
+    pending = _number(scores.get("samples_pending")) or 0
     cards.append(
         stat(
             "unscored",
             fmt_int((_number(scores.get("unscored")) or 0) + errors),
             "not judged",
-            f"{fmt_int(errors)} scorer errors",
+            f"{fmt_int(errors)} scorer errors"
+            + (f" · {fmt_int(pending)} samples without an outcome (failed or not run)" if pending else ""),
         )
     )
     per_row: dict[tuple[str, str], list[Any]] = {}

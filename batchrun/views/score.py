@@ -223,7 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:  # a read-only run directory, a full disk; a damaged statistics.json
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(headline(summary) or "Scores: no sample could be judged by these scorers")
+    # The run's samples without an outcome are no more judged by a re-scoring than by the run.
+    section = stats.get("scores")
+    pending = section.get("samples_pending") if isinstance(section, dict) else None
+    print(
+        headline({**summary, "samples_pending": pending})
+        or "Scores: no sample could be judged by these scorers"
+    )
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:
         print(f"The run's own scores: pass rate {old:.1%}; re-scored ({name}): {summary['pass_rate']:.1%}")

@@ -542,3 +542,27 @@ def test_scores_count_each_wanted_sample_once_duplicates_and_reruns_included(tmp
     assert len(read_jsonl(out / "run" / "discarded.jsonl")) == 2  # the failed check ran again
     scores = stats_of(out / "run")["scores"]
     assert (scores["scored"], scores["passed"]) == (3, 2)  # and still counts once
+
+
+def test_samples_without_an_outcome_are_named_beside_the_pass_rate(server, tmp_path, capsys):
+    """A sample that failed (a prompt that timed out, an endpoint's refusal) has no score: the pass rate
+    is over the samples judged. The scores section, its headline and the report said nothing of them
+    ("pass rate 100.0% of 3 scored" for a run of 5 samples, 2 of them failed)."""
+    rows = [{"id": f"ok{i}", "prompt": f"Say 42 [calls:0] [answer:42] {i}", "answer": 42} for i in range(3)]
+    rows += [
+        {"id": "slow", "prompt": "Say 42 [calls:0] [answer:42] [slow:6]", "answer": 42},
+        {"id": "refused", "prompt": "Say 42 [error:400]", "answer": 42},
+    ]
+    out = tmp_path / "data"
+    run(server, write_rows(tmp_path / "d.jsonl", rows), out, prompt_timeout=2)
+    stats = stats_of(out / "run")
+    assert stats["failed_attempts"]["by_class"] == {"prompt_timeout": 1, "http_400": 1}, stats[
+        "failed_attempts"
+    ]
+    assert (stats["scores"]["scored"], stats["scores"]["pass_rate"]) == (3, 1.0)
+    assert stats["scores"]["samples_pending"] == 2 == stats["remaining_for_resume"]
+    printed = capsys.readouterr().out
+    assert "Scores: pass rate 100.0% of 3 scored" in printed
+    assert "2 samples without an outcome (failed or not run: in none of these figures" in printed
+    page = (out / "run" / "report.html").read_text("utf-8")
+    assert "2 samples without an outcome (failed or not run)" in page

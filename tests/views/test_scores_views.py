@@ -331,3 +331,29 @@ def test_compare_skips_a_re_scoring_line_of_another_shape(tmp_path, capsys):
         compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'c.html'}"]) == 0
     )
     assert json.loads(capsys.readouterr().out)["passed_only_in_b"] == 1
+
+
+def test_compare_leaves_out_pairs_judged_against_another_check(tmp_path, capsys):
+    """A row's check is not part of its identity: two runs of the same model, the same replies, where B's
+    dataset fixed the answer of four rows, were compared as a regression (pass rate 100% -> 33%,
+    McNemar p = 0.125, four rows "flipped to fail"). Such pairs say nothing of the model: left out,
+    counted and listed."""
+    rows_a = [
+        {"id": f"r{i}", "prompt": f"Say {40 + i} [calls:0] [answer:{40 + i}]", "answer": 40 + i}
+        for i in range(6)
+    ]
+    rows_b = [dict(row, answer=row["answer"] + 1) if i < 4 else row for i, row in enumerate(rows_a)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "a.jsonl", rows_a), out, run_name="a")
+    run(None, write_rows(tmp_path / "b.jsonl", rows_b), out, run_name="b")
+    assert stats_of(out / "a")["scores"]["passed"] == 6 and stats_of(out / "b")["scores"]["passed"] == 2
+    page = tmp_path / "c.html"
+    capsys.readouterr()
+    assert compare.main([str(out / "a"), str(out / "b"), "--json", f"--out={page}", "--bootstrap=500"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pairs"], r["pass_rate_a"], r["pass_rate_b"]) == (2, 1.0, 1.0)
+    assert r["flipped_to_fail"] == [] and r["mcnemar_p"] == 1.0
+    assert r["judged_differently"] == 4 and r["judged_differently_rows"] == ["r0", "r1", "r2", "r3"]
+    assert "left out: 4 pairs judged against another check in B" in page.read_text("utf-8")
+    assert compare.main([str(out / "a"), str(out / "b"), f"--out={page}", "--bootstrap=500"]) == 0
+    assert "left out: 4 pairs judged against another check in B" in capsys.readouterr().out
