@@ -457,6 +457,10 @@ _SIGNED_NUMBER_RE = re.compile(r"(?<![\w.])(-?)(\d{1,3}(?:,\d{3})+|\d+)((?:\.\d+
 
 
 _PUNCT_RUN_RE = re.compile(f"[{re.escape(string.punctuation)}]+")
+# Symbols that end a word as part of its name (C++, C#, F#, A+): kept after a letter, or "C" passed for the
+# answer "C++" under exact (and "C++ is best" included the answer "C"); the sentence's own punctuation
+# after them ("C++.") goes as any other.
+_WORD_SYMBOLS_RE = re.compile(r"[+#]*")
 
 
 def _gap_without_punctuation(text: str, lo: int, hi: int) -> str:
@@ -470,7 +474,10 @@ def _gap_without_punctuation(text: str, lo: int, hi: int) -> str:
             and run.end() < len(text)
             and text[run.end()].isdigit()
         )
-        out += [text[at : run.start()], " " if between_digits else ""]
+        kept = ""
+        if not between_digits and run.start() > 0 and text[run.start() - 1].isalpha():
+            kept = _WORD_SYMBOLS_RE.match(run[0])[0]  # type: ignore[index]
+        out += [text[at : run.start()], " " if between_digits else kept]
         at = run.end()
     return "".join(out) + text[at:hi]
 
@@ -515,6 +522,8 @@ def _joined(a: str, b: str) -> bool:
     """Whether ``a`` next to ``b`` is inside one word or number (so a match ending between them is part
     of a longer one: 4 in 42, cat in category)."""
     if a.isdigit() and b.isdigit():
+        return True
+    if (a.isalpha() or a in "+#") and b in "+#":  # C in C++, C#: a word's own symbols (_WORD_SYMBOLS_RE)
         return True
     return a.isalpha() and b.isalpha() and not (_unspaced(a) or _unspaced(b))
 

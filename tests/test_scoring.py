@@ -824,6 +824,26 @@ def test_punctuation_between_digits_keeps_them_two_numbers(text, answer, scorer,
     assert judged(text, answer, scorer)["passed"] is passed
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # A word's own symbols are part of it: removed as punctuation, "C" passed for the answer "C++"
+        # (and "C#", "A+" for "A"), and "C++ is best" included the answer "C".
+        ("ANSWER: C", "C++", None, False),
+        ("ANSWER: C", "C#", None, False),
+        ("ANSWER: A", "A+", None, False),
+        ("I'd pick C++ here.", "C", "includes", False),
+        ("ANSWER: C++.", "C++", None, True),  # the sentence's own full stop still goes
+        ("ANSWER: c++", "C++", None, True),
+        ("C, not C++, is the answer", "C", "includes", True),
+        ("I'd pick C++ here.", "C++", "includes", True),
+        ("ANSWER: 5+", "5", None, True),  # after a digit a plus is no name's: as before
+    ],
+)
+def test_a_words_own_symbols_are_kept(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
 def test_scores_say_which_scorer_judged_how_many_samples():
     """A --force_resume with another --scorer (or rows judged by different defaults) mixes scorers in
     one pass rate; the scores section did not say by which: 10 samples by numeric and 10 by regex read
