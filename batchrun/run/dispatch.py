@@ -52,12 +52,14 @@ from batchrun.protocol import (
 from batchrun.record import read_score
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
-from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
+from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch, probe_once
 from batchrun.run.forkserver import WORKER_PROCESS_NAME, skip_callers_main
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
 from batchrun.secrets import terminal_safe
 
+GROUP_COMMIT_S = 0.005  # grants wait at most this long for others to share their journal's fsync
+PROBE = "endpoint-probe"  # the worker id of the dead-endpoint probes' reservations (the parent's own calls)
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
 
@@ -168,6 +170,10 @@ class Dispatch:
             recorder.budget_spent,
         )
         recorder.reserved_tokens = lambda: sum(self.budget.reserved.values())
+        self.journal = recorder.journal  # None without a budget: no call waits for a grant then
+        self._unsent: list[tuple[Any, int]] = []  # grants written to the journal, sent once it is synced
+        self._unsent_since = 0.0
+        self.probe_gate = ProbeGate()
         self.usage_fault_warned = False
         self.unpriced_warned = False  # an answer without a cost was counted at the learned price
         self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)
@@ -201,8 +207,13 @@ class Dispatch:
             pending=collections.deque(j for b in batches for j in b),
         )
         remaining = rec.total
+        self.probe_gate.inbox = inbox
         self.watch = EndpointWatch(
-            self.settings.llm, config.endpoint_grace, lambda until: inbox.broadcast(PauseAll(until))
+            self.settings.llm,
+            config.endpoint_grace,
+            lambda until: inbox.broadcast(PauseAll(until)),
+            # With a budget a probe is a call like any: reserved, journaled and counted (see ProbeGate).
+            probe=self.probe_gate.probe if self.budget.active else probe_once,
         )
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
@@ -228,6 +239,7 @@ class Dispatch:
                         )
                     rec.write_status("running")
                     remaining -= self.watch_endpoint(inbox, track)
+                    self.commit(inbox)
                     continue
                 if isinstance(event, WorkerExit):
                     self.grant(inbox, [d for d in self.count_unsettled(event.pid) if d[0] != event.pid])
@@ -245,9 +257,15 @@ class Dispatch:
                     remaining -= settled
                     exits_without_progress = 0 if settled else exits_without_progress
                 remaining -= self.watch_endpoint(inbox, track)
+                if self._unsent and (
+                    inbox.events.empty() or time.monotonic() - self._unsent_since > GROUP_COMMIT_S
+                ):
+                    self.commit(inbox)  # the grants of this moment: one fsync, then sent
                 rec.write_status("running")
+            self.commit(inbox)
             self.wait_for_sandbox_stops(inbox, track)
         finally:
+            self.probe_gate.closed.set()
             # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
             # so ending the workers loses nothing. Local ones end (and the backend sweeps after them)
             # while the merge runs: :meth:`wait_for_workers`. The thread is not a daemon, so the
@@ -274,6 +292,8 @@ class Dispatch:
         for (owner, rid), tokens in list(self.budget.reserved.items()):
             if worker is None or owner == worker:
                 self.recorder.spend["unanswered_tokens"] += tokens
+                if self.journal is not None:
+                    self.journal.settle(owner, rid, unanswered_tokens=tokens)
                 decisions += self.budget.settle(owner, rid, 0, 0.0, unanswered=tokens)
         return decisions
 
@@ -335,8 +355,22 @@ class Dispatch:
         elif isinstance(message, (StopQueued, StopDone)):
             self.count_stop(message, pid, track.stops)
         elif isinstance(message, Spend):  # a call of a prompt in flight: the budget counts it at once
-            if message.prompt_index >= 0:
+            if pid == PROBE:  # the runner's own call (a dead-endpoint probe): no prompt holds it
+                if message.prompt_tokens + message.completion_tokens:
+                    rec = self.recorder
+                    rec.add_check_spend(message.prompt_tokens, message.completion_tokens, message.cost_usd)
+                self.recorder.spend["unanswered_tokens"] += message.unanswered_tokens
+            elif message.prompt_index >= 0:
                 self.recorder.add_live_spend(message)
+            if self.journal is not None and message.reservation is not None:
+                self.journal.settle(
+                    pid,
+                    message.reservation,
+                    message.prompt_tokens,
+                    message.completion_tokens,
+                    message.cost_usd,
+                    message.unanswered_tokens,
+                )
             if message.fault and not self.usage_fault_warned:
                 self.usage_fault_warned = True
                 self.pbar.write(
@@ -391,9 +425,34 @@ class Dispatch:
             return settled + skipped + self.check_budget(inbox, track)
         return 0
 
-    @staticmethod
-    def grant(inbox: Inbox, decisions: list[Decision]) -> None:
+    def grant(self, inbox: Inbox, decisions: list[Decision]) -> None:
+        """The budget's answers: a refusal goes at once; a grant is written to the spend journal and sent
+        by :meth:`commit`, once the journal holds it durably (a kill -9 after the send must not lose it
+        from the books: the endpoint bills the call)."""
         for pid, rid, ok in decisions:
+            if not ok or self.journal is None:
+                self._send_grant(inbox, pid, rid, ok)
+                continue
+            tokens = self.budget.reserved.get((pid, rid), 0)
+            price = self.budget.usd_per_token
+            self.journal.grant(pid, rid, tokens, tokens * price if price is not None else None)
+            if not self._unsent:
+                self._unsent_since = time.monotonic()
+            self._unsent.append((pid, rid))
+
+    def commit(self, inbox: Inbox) -> None:
+        """Make the journal's grants durable (one fsync for all of them), then send them."""
+        if not self._unsent:
+            return
+        self.journal.sync()
+        unsent, self._unsent = self._unsent, []
+        for pid, rid in unsent:
+            self._send_grant(inbox, pid, rid, True)
+
+    def _send_grant(self, inbox: Inbox, pid: Any, rid: int, ok: bool) -> None:
+        if pid == PROBE:
+            self.probe_gate.answer(rid, ok)
+        else:
             inbox.send(pid, Grant(rid, ok))
 
     def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> int:
@@ -637,3 +696,59 @@ class Dispatch:
         track.free.clear()
         keys = {(b, *i) for b, indices in track.outstanding.items() for i in indices}
         return self.fail_lost_prompts(keys, -1, track, "pool_broken")
+
+
+class ProbeGate:
+    """The run's budget for the dead-endpoint probes (the parent's own calls, made on the watch's thread):
+    each probe asks the dispatch loop for its worst case through the inbox's queue, as a worker's call
+    does, and is sent only when granted (and journaled); what it spent is reported the same way. Before,
+    probes were sent whatever was left of the budget, and counted only once answered."""
+
+    def __init__(self) -> None:
+        self.inbox: Inbox | None = None
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
+        self.closed = threading.Event()  # the dispatch loop is over: nothing answers a reservation any more
+
+    def probe(self, cfg: Any, usage: Any) -> bool:
+        """:func:`~batchrun.run.endpoint_watch.probe_once` under the budget; its spend goes through
+        :meth:`settle` (not ``usage``, which the watch would count a second time)."""
+        return probe_once(cfg, None, gate=self)
+
+    def reserve(
+        self, tokens: int, deadline: float, priority: int = 0, model: str | None = None
+    ) -> tuple[Any, float]:
+        from batchrun.prompt.llm import BudgetStop
+
+        with self._lock:
+            self._next += 1
+            rid = self._next
+            event, answer = threading.Event(), []
+            self._waiting[rid] = (event, answer)
+        start = time.monotonic()
+        # Ahead of every prompt's call: the run waits on it.
+        self._put(Reserve(rid, tokens, priority=1 << 30, prompt=None, model=model))
+        while not event.wait(0.5):
+            if self.closed.is_set():
+                raise BudgetStop()
+        if not answer[0]:
+            raise BudgetStop()
+        return rid, time.monotonic() - start
+
+    def answer(self, rid: int, ok: bool) -> None:
+        with self._lock:
+            entry = self._waiting.pop(rid, None)
+        if entry is not None:
+            entry[1].append(ok)
+            entry[0].set()
+
+    def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
+        from batchrun.run.worker import spend_of_usage
+
+        if ticket is not None:
+            self._put(spend_of_usage(usage or {}, -1, -1, 0, ticket))
+
+    def _put(self, message: Any) -> None:
+        if self.inbox is not None:
+            self.inbox.events.put(Received(PROBE, message))
