@@ -640,6 +640,8 @@ def _with_journal(
                     max(float(credible(entry.get("unanswered_usd"))), books["unanswered_usd"]), 8
                 ),
                 "requests": max(int(credible(entry.get("requests"))), int(books["requests"])),
+                "ended": f"{str(entry.get('ended') or 'without statistics').split(';')[0]}; from the spend "
+                "journal: calls in flight at their reservations",
             }
     return out
 
