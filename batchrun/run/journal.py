@@ -148,11 +148,13 @@ def read_journal(run_dir: Path) -> dict[str, dict[str, Any]]:
     """What each invocation in the run's spend journal spent, at most: invocation id -> ``started_at``,
     ``prompt_tokens``, ``completion_tokens``, ``cost_usd`` (settled calls), ``unanswered_tokens``
     (settled failed attempts, and every grant never settled at its reservation), ``unanswered_usd`` (those
-    grants at the price they were reserved at), ``requests`` (grants). A torn or unreadable line is skipped:
+    grants at the price they were reserved at), ``unpriced_tokens`` (the tokens of those reserved before
+    any price was seen: :func:`batchrun.run.recorder.lost_runs` prices them at the most per token the run's
+    answers cost), ``requests`` (grants). A torn or unreadable line is skipped:
     a grant is sent only once its line is whole and synced, so a torn one was never sent."""
     path = Path(run_dir) / JOURNAL_NAME
     books: dict[str, dict[str, Any]] = {}
-    grants: dict[str, dict[int, tuple[int, float]]] = collections.defaultdict(dict)
+    grants: dict[str, dict[int, tuple[int, float | None]]] = collections.defaultdict(dict)
     try:
         fh = path.open("rb")
     except OSError:
@@ -168,14 +170,15 @@ def read_journal(run_dir: Path) -> dict[str, dict[str, Any]]:
             inv = line["invocation"]
             entry = books.setdefault(
                 inv,
-                {"started_at": None, **dict.fromkeys(TOKEN_KEYS, 0), "cost_usd": 0.0, "unanswered_usd": 0.0,
+                {"started_at": None, **dict.fromkeys(TOKEN_KEYS, 0), "cost_usd": 0.0, "unanswered_usd": 0.0, "unpriced_tokens": 0,
                  "requests": 0},
             )  # fmt: skip
             if isinstance(line.get("started_at"), str):
                 entry["started_at"] = line["started_at"]
             elif _count(line.get("grant")) is not None:
                 entry["requests"] += 1
-                grants[inv][line["grant"]] = (_count(line.get("tokens")) or 0, _usd(line.get("usd")))
+                usd = _usd(line["usd"]) if "usd" in line else None  # none: no price seen when it was granted
+                grants[inv][line["grant"]] = (_count(line.get("tokens")) or 0, usd)
             elif _count(line.get("settle")) is not None and line["settle"] in grants[inv]:
                 del grants[inv][line["settle"]]
                 for key in TOKEN_KEYS:
@@ -183,7 +186,8 @@ def read_journal(run_dir: Path) -> dict[str, dict[str, Any]]:
                 entry["cost_usd"] += _usd(line.get("cost_usd"))
     for inv, unsettled in grants.items():  # perhaps billed: at their reservations
         books[inv]["unanswered_tokens"] += sum(t for t, _ in unsettled.values())
-        books[inv]["unanswered_usd"] += sum(u for _, u in unsettled.values())
+        books[inv]["unanswered_usd"] += sum(u for _, u in unsettled.values() if u is not None)
+        books[inv]["unpriced_tokens"] += sum(t for t, u in unsettled.values() if u is None)
     return books
 
 

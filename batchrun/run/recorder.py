@@ -604,11 +604,21 @@ def _with_journal(
     written = {_invocation(r) for r in earlier}
     index = {_invocation(r): n for n, r in enumerate(entries)}
     out = list(entries)
+    # Calls in flight before any answer showed a price: at the most per token the run's answers cost.
+    price = max(
+        (
+            credible(r.get("cost_usd")) / tokens
+            for r in [*earlier, *entries, *journal.values()]
+            if (tokens := credible(r.get("prompt_tokens")) + credible(r.get("completion_tokens"))) > 0
+        ),
+        default=0.0,
+    )
     for inv, books in journal.items():
         key = ("invocation", inv)
         if key in written:
             continue  # its statistics.json entry counts it (a kill before the journal's removal)
         spent = {k: int(books[k]) for k in ("prompt_tokens", "completion_tokens", "unanswered_tokens")}
+        books = {**books, "unanswered_usd": books["unanswered_usd"] + books.get("unpriced_tokens", 0) * price}
         if key not in index:
             if not isinstance(books.get("started_at"), str):
                 continue

@@ -178,3 +178,41 @@ def server_check_tokens(server: FakeModelServer, tmp_path) -> int:
     dataset.write_text(json.dumps({"prompt": "task [error:400]", "toolsets": []}) + "\n")
     run(server, dataset, tmp_path / "check", max_retries=0)
     return server.stats()["check_tokens"]
+
+
+def test_a_kill_9_before_any_price_keeps_the_call_in_flight_in_the_usd_books(tmp_path):
+    """--budget_usd: the runner is killed while its first call (the only one: none goes beside it until an
+    answer shows a price) is held. The books counted its tokens at most, never its dollars, so each such
+    kill gave a resume one call's cost back as budget (earlier_usd $0.00031, the start check, for $0.01684
+    billed). The journal's grant, never settled, is priced at the most per token the run's answers cost
+    (the start check's here)."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i} [calls:0] [slow:3]" for i in range(2)])
+    per_token = 1e-5
+    with FakeModelServer(cost_per_token=per_token) as server:
+        args = runner_argv(
+            dataset, tmp_path / "data", server, "--batch_size=2", "--budget_usd=1.0", "--max_tokens=100"
+        )
+        proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and server.stats()["in_flight"] < 1:
+                time.sleep(0.02)
+            assert server.stats()["in_flight"] == 1
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while server.stats()["in_flight"] and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+        stats = server.stats()
+        billed_usd = stats["cost_usd"] + stats["check_tokens"] * per_token
+        assert stats["cost_usd"] > 0  # the held call was answered, and billed
+        run(server, dataset, tmp_path / "data", num_workers=1, max_tokens=100, budget_usd=1.0, resume=True,
+            batch_size=2)  # fmt: skip
+    budget = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["this_run"]["budget"]
+    assert budget["earlier_usd"] >= billed_usd * 0.999  # before: the start check's cost only
