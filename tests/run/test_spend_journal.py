@@ -216,5 +216,8 @@ def test_a_kill_9_before_any_price_keeps_the_call_in_flight_in_the_usd_books(tmp
         assert stats["cost_usd"] > 0  # the held call was answered, and billed
         run(server, dataset, tmp_path / "data", num_workers=1, max_tokens=100, budget_usd=1.0, resume=True,
             batch_size=2)  # fmt: skip
-    budget = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())["this_run"]["budget"]
-    assert budget["earlier_usd"] >= billed_usd * 0.999  # before: the start check's cost only
+    stats = json.loads((tmp_path / "data" / "run" / "statistics.json").read_text())
+    assert stats["this_run"]["budget"]["earlier_usd"] >= billed_usd * 0.999  # before: the start check's only
+    killed = stats["runs"][0]
+    assert killed["cost_usd"] + killed["unanswered_usd"] >= billed_usd * 0.999
+    assert stats["run_totals"]["unanswered_usd"] == killed["unanswered_usd"]
