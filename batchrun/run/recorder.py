@@ -620,8 +620,8 @@ def _with_journal(
         spent = {k: int(books[k]) for k in ("prompt_tokens", "completion_tokens", "unanswered_tokens")}
         books = {**books, "unanswered_usd": books["unanswered_usd"] + books.get("unpriced_tokens", 0) * price}
         if key not in index:
-            if not isinstance(books.get("started_at"), str):
-                continue
+            if not isinstance(books.get("started_at"), str) or not books["requests"]:
+                continue  # no call granted: an invocation refused at start spent nothing
             out.append(
                 {
                     "started_at": books["started_at"],

@@ -94,6 +94,9 @@ def test_the_journal_counts_a_grant_never_settled_at_its_reservation(tmp_path):
     second.grant("start-check", 1, 40, None)
     second.sync()
     second.close()
+    refused = SpendJournal(run_dir, "cccc", "2026-12-06T04:02:00")
+    refused.open()  # an invocation refused at start (a changed setting): no call, no runs entry
+    refused.close()
     books = read_journal(run_dir)
     assert books["aaaa"]["prompt_tokens"] == 200 and books["aaaa"]["completion_tokens"] == 30
     assert books["aaaa"]["unanswered_tokens"] == 700 and books["aaaa"]["requests"] == 2
