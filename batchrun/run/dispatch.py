@@ -262,6 +262,7 @@ class Dispatch:
                 ):
                     self.commit(inbox)  # the grants of this moment: one fsync, then sent
                 rec.write_status("running")
+            self.probe_gate.closed.set()  # no probe is sent any more (one granted now is refused)
             self.commit(inbox)
             self.wait_for_sandbox_stops(inbox, track)
         finally:
@@ -451,6 +452,11 @@ class Dispatch:
 
     def _send_grant(self, inbox: Inbox, pid: Any, rid: int, ok: bool) -> None:
         if pid == PROBE:
+            if ok and self.probe_gate.closed.is_set():  # the run is over: not sent after all
+                ok = False
+                self.budget.settle(PROBE, rid, 0, 0.0)
+                if self.journal is not None:
+                    self.journal.settle(PROBE, rid)
             self.probe_gate.answer(rid, ok)
         else:
             inbox.send(pid, Grant(rid, ok))
@@ -556,13 +562,19 @@ class Dispatch:
         out: wait for the last of those before the workers are ended, so none outlives the run. What a
         worker that dies or hangs leaves is for the backend's sweep."""
         deadline = time.monotonic() + STOPS_DRAIN_S
-        while track.stops and inbox.open_connections and time.monotonic() < deadline:
+        # A probe sent before the last outcome came is awaited too: its answer is billed, and counted here.
+        while (
+            (track.stops and inbox.open_connections) or any(k[0] == PROBE for k in self.budget.reserved)
+        ) and time.monotonic() < deadline:
             try:
                 event = inbox.events.get(timeout=0.5)
             except queue.Empty:
                 continue
             if isinstance(event, WorkerExit):
                 track.stops.pop(event.pid, None)
+            elif event.pid == PROBE:
+                self.handle(event, track, inbox)
+                self.commit(inbox)
             elif isinstance(event.message, (StopQueued, StopDone)):
                 self.count_stop(event.message, event.pid, track.stops)
         if track.stops and inbox.open_connections:
