@@ -710,17 +710,15 @@ class Dispatch:
         return self.fail_lost_prompts(keys, -1, track, "pool_broken")
 
 
-class ProbeGate:
+class ProbeGate(worker.ParentGate):
     """The run's budget for the dead-endpoint probes (the parent's own calls, made on the watch's thread):
     each probe asks the dispatch loop for its worst case through the inbox's queue, as a worker's call
     does, and is sent only when granted (and journaled); what it spent is reported the same way. Before,
     probes were sent whatever was left of the budget, and counted only once answered."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.inbox: Inbox | None = None
-        self._lock = threading.Lock()
-        self._next = 0
-        self._waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
         self.closed = threading.Event()  # the dispatch loop is over: nothing answers a reservation any more
 
     def probe(self, cfg: Any, usage: Any) -> bool:
@@ -728,38 +726,23 @@ class ProbeGate:
         :meth:`settle` (not ``usage``, which the watch would count a second time)."""
         return probe_once(cfg, None, gate=self)
 
-    def reserve(
-        self, tokens: int, deadline: float, priority: int = 0, model: str | None = None
-    ) -> tuple[Any, float]:
+    def _ask(self, rid: int, tokens: int, priority: int, model: str | None) -> None:
+        self._put(Reserve(rid, tokens, priority=1 << 30, prompt=None, model=model))  # before any prompt's
+
+    def _wait(self, event: threading.Event, seconds: float) -> bool:
         from batchrun.prompt.llm import BudgetStop
 
-        with self._lock:
-            self._next += 1
-            rid = self._next
-            event, answer = threading.Event(), []
-            self._waiting[rid] = (event, answer)
-        start = time.monotonic()
-        # Ahead of every prompt's call: the run waits on it.
-        self._put(Reserve(rid, tokens, priority=1 << 30, prompt=None, model=model))
         while not event.wait(0.5):
             if self.closed.is_set():
                 raise BudgetStop()
-        if not answer[0]:
-            raise BudgetStop()
-        return rid, time.monotonic() - start
+        return True
 
     def answer(self, rid: int, ok: bool) -> None:
-        with self._lock:
-            entry = self._waiting.pop(rid, None)
-        if entry is not None:
-            entry[1].append(ok)
-            entry[0].set()
+        self.granted(Grant(rid, ok))
 
     def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
-        from batchrun.run.worker import spend_of_usage
-
         if ticket is not None:
-            self._put(spend_of_usage(usage or {}, -1, -1, 0, ticket))
+            self._put(worker.spend_of_usage(usage or {}, -1, -1, 0, ticket))
 
     def _put(self, message: Any) -> None:
         if self.inbox is not None:

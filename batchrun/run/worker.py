@@ -83,6 +83,19 @@ class ParentGate:
             event, answer = threading.Event(), []
             self._waiting[rid] = (event, answer)
         start = time.monotonic()
+        self._ask(rid, tokens, priority, model)
+        # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
+        if not self._wait(event, max(1.0, deadline - start) + 3600.0):
+            with self._lock:
+                self._waiting.pop(rid, None)
+            self.settle(rid, None)
+            raise LLMError("timeout", "the run's budget did not answer a reservation")
+        if not answer[0]:
+            raise BudgetStop()
+        return rid, time.monotonic() - start
+
+    def _ask(self, rid: int, tokens: int, priority: int, model: str | None) -> None:
+        """Send the parent the :class:`Reserve` of a call of this thread's prompt."""
         job = _current_job()
         send(
             Reserve(
@@ -93,15 +106,9 @@ class ParentGate:
                 model,
             )
         )
-        # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
-        if not event.wait(timeout=max(1.0, deadline - start) + 3600.0):
-            with self._lock:
-                self._waiting.pop(rid, None)
-            self.settle(rid, None)
-            raise LLMError("timeout", "the run's budget did not answer a reservation")
-        if not answer[0]:
-            raise BudgetStop()
-        return rid, time.monotonic() - start
+
+    def _wait(self, event: threading.Event, seconds: float) -> bool:
+        return event.wait(timeout=seconds)
 
     def granted(self, message: Grant) -> None:
         with self._lock:

@@ -20,6 +20,28 @@ def _served(server: FakeModelServer) -> int:
     return stats["prompt_tokens"] + stats["completion_tokens"] + stats["check_tokens"]
 
 
+def _kill_while_held(args: list[str], server: FakeModelServer, held: int) -> None:
+    """Run the runner as a process and kill it (SIGKILL) once the endpoint holds ``held`` of its calls;
+    return once the endpoint has answered (and billed) them all the same."""
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and server.stats()["in_flight"] < held:
+            time.sleep(0.02)
+        assert server.stats()["in_flight"] == held
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the runner started, if any outlived it
+        except ProcessLookupError:
+            pass
+    while server.stats()["in_flight"] and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+
+
 def test_a_kill_9_with_calls_in_flight_then_resume_stays_within_the_budget(tmp_path):
     """The runner is killed (SIGKILL) while the endpoint holds four calls it will bill, a moment after it
     granted them: status.json, refreshed every 2 s, did not hold them yet, and before the journal the
@@ -36,24 +58,7 @@ def test_a_kill_9_with_calls_in_flight_then_resume_stays_within_the_budget(tmp_p
             dataset, tmp_path / "data", server, "--batch_size=4", "--prompts_per_worker=4",
             f"--budget_tokens={budget}", "--max_tokens=100", "--max_failure_rate=1.0",
         )  # fmt: skip
-        proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and server.stats()["in_flight"] < 4:
-                time.sleep(0.02)
-            assert server.stats()["in_flight"] == 4  # the four prompts' first calls, held 2 s
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        finally:
-            with_group = proc.pid
-            try:
-                os.killpg(with_group, signal.SIGKILL)  # what the runner started, if any outlived it
-            except ProcessLookupError:
-                pass
-        while server.stats()["in_flight"] and time.monotonic() < deadline + 10:
-            time.sleep(0.05)  # the endpoint answers (and bills) them all the same
+        _kill_while_held(args, server, 4)  # the four prompts' first calls, held 2 s
         killed_billed = _served(server)
         assert killed_billed > 4 * 1_000
         run(
@@ -197,23 +202,7 @@ def test_a_kill_9_before_any_price_keeps_the_call_in_flight_in_the_usd_books(tmp
         args = runner_argv(
             dataset, tmp_path / "data", server, "--batch_size=2", "--budget_usd=1.0", "--max_tokens=100"
         )
-        proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and server.stats()["in_flight"] < 1:
-                time.sleep(0.02)
-            assert server.stats()["in_flight"] == 1
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        while server.stats()["in_flight"] and time.monotonic() < deadline + 10:
-            time.sleep(0.05)
+        _kill_while_held(args, server, 1)
         stats = server.stats()
         billed_usd = stats["cost_usd"] + stats["check_tokens"] * per_token
         assert stats["cost_usd"] > 0  # the held call was answered, and billed
