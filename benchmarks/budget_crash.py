@@ -9,8 +9,9 @@ process, ``--latency`` seconds a call; prompts of 4 calls, ``terminal_only``) an
 ``--kills`` rounds, kills the runner with SIGKILL after a random 2-5 s; the rounds after run until the
 runner exits by itself (exit 2 once the books say the budget is spent). Printed per round: the exit
 code and the tokens served so far; at the end the tokens the endpoint served (prompts, completions,
-start checks and probes) against the cap, and what ``statistics.json``'s ``run_totals`` say was spent
-(tokens answered plus ``unanswered_tokens``). Before the spend journal (batchrun/run/journal.py) each
+start checks and probes) against the cap, and what the books say was spent, as a resume reads them
+(``statistics.json``'s ``runs`` and the invocations killed since: tokens answered plus
+``unanswered_tokens``). Before the spend journal (batchrun/run/journal.py) each
 kill lost the calls of its last seconds from the books, and the resumes spent them again.
 """
 
@@ -86,26 +87,19 @@ def main() -> int:
                 break
         time.sleep(args.latency + 1)  # calls in flight at the last kill are answered (billed) all the same
         total = served(server)
-        stats_path = tmp / "out" / "crash" / "statistics.json"
-        books = None
-        if stats_path.exists():
-            totals = json.loads(stats_path.read_text())["run_totals"]
-            books = totals["prompt_tokens"] + totals["completion_tokens"] + totals.get("unanswered_tokens", 0)
+        from batchrun.run.journal import read_journal
+        from batchrun.run.recorder import earlier_runs, lost_runs, spend_of
+        from batchrun.storage import read_json_object
+
+        # The books as a resume reads them: statistics.json's runs, and the invocations killed since.
+        run_dir = tmp / "out" / "crash"
+        earlier = earlier_runs(run_dir / "statistics.json")
+        lost = lost_runs(read_json_object(run_dir / "status.json"), earlier, read_journal(run_dir))
+        books = spend_of([*earlier, *lost])[0]
         print(
             f"  cap {args.budget_tokens:,} tokens; the endpoint served {total:,} ({total / args.budget_tokens:.2f}x)"
         )
-        if books is None:
-            from batchrun.run.journal import read_journal
-            from batchrun.run.recorder import lost_runs, spend_of
-
-            run_dir = tmp / "out" / "crash"
-            status = json.loads((run_dir / "status.json").read_text())
-            books = spend_of(lost_runs(status, [], read_journal(run_dir)))[0]
-            print(
-                f"  no statistics.json (the last resume was refused: spent); the books, as a resume reads them: {books:,}"
-            )
-        else:
-            print(f"  the books (run_totals): {books:,} tokens")
+        print(f"  the books (every invocation's runs entry, as a resume reads them): {books:,} tokens")
         print(f"  books >= served: {books >= total}; served <= cap: {total <= args.budget_tokens}")
         return 0
     finally:
