@@ -245,9 +245,10 @@ class CheckGate:
         spent_tokens, spent_usd = rec.budget_spent()
         if rec.budget_tokens is not None and spent_tokens + tokens > rec.budget_tokens:
             raise UsageError(
-                f"--budget_tokens={rec.budget_tokens}: the {max(0, rec.budget_tokens - spent_tokens):,} tokens "
-                f"left (of which this run's invocations spent {spent_tokens:,}) cannot hold the start check's "
-                f"~{tokens:,} (its request, estimated, plus its 16-token answer); no call was sent"
+                f"--budget_tokens={rec.budget_tokens}: this run's invocations spent {spent_tokens:,} tokens, and "
+                f"the {max(0, rec.budget_tokens - spent_tokens):,} left cannot hold the start check's "
+                f"~{tokens:,} (its request, estimated, plus its 16-token answer); no call was sent. A run's "
+                "budget holds all its invocations; give a larger one to go on"
             )
         if rec.budget_usd is not None and spent_usd >= rec.budget_usd:
             raise UsageError(
