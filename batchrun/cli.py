@@ -35,10 +35,12 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.prompt.tools.config import ToolSettings, browser_config, run_tool_settings
 from batchrun.prompt.tools.mcp import McpSetup
 from batchrun.run import finish
+from batchrun.run.budget import CheckGate
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
 from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD
 from batchrun.run.forkserver import start_forkserver
+from batchrun.run.journal import SpendJournal, read_journal, remove_journal
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import (
     check_endpoint,
@@ -210,6 +212,10 @@ def run_steps(
 ) -> int:
     """The steps of a run, in order, once its dataset is read; the run directory is locked by the caller."""
     manifest = open_run_dir(config, recorder)
+    if config.budget_tokens is not None or config.budget_usd is not None:
+        # Each call the budget lets go is journaled before it is sent (batchrun/run/journal.py).
+        recorder.journal = SpendJournal(config.run_dir, recorder.invocation, recorder.started_at)
+        recorder.journal.open()
     todo = (
         resume_filter(
             rows,
@@ -269,9 +275,11 @@ def run_steps(
             # A judge that cannot answer (a wrong model name, key or endpoint) would leave every sample of
             # the paid run unscored: its own start check, before any prompt.
             checks.append((judge, "the judge's endpoint"))
+        # Under a budget the check is a call like any: sent only when it fits, journaled, counted.
+        gate = CheckGate(recorder) if recorder.journal is not None else None
         for endpoint, who in checks:
-            check = check_endpoint(endpoint, needs_cost=needs_cost, who=who)
-            if check.calls:  # it cost what any call costs: the run's spend and budget count it
+            check = check_endpoint(endpoint, needs_cost=needs_cost, who=who, gate=gate)
+            if check.calls and gate is None:  # it cost what any call costs: the run's spend counts it
                 recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
     # The backend's slow steps (Docker's pulls) after the start check: a wrong key costs seconds, not them.
     preflighted = finish_sandbox_preflight(preflighted)
@@ -321,6 +329,8 @@ def run_steps(
         config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts, kept.scores
     )
     recorder.write_status("interrupted" if interrupted else "finished", force=True)
+    # statistics.json's runs hold every invocation's spend now, the journal's lost ones with them.
+    remove_journal(config.run_dir, recorder.journal)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
     finish.print_summary(config.run_dir, stats, recorder)
     if preflighted.batches and dispatch.endpoint_dead:
@@ -440,7 +450,9 @@ def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:
     # status.json only: read before this invocation writes its own, and carried in it (killed in turn, it
     # must not drop them from the books), then written to statistics.json at the end.
     earlier = earlier_runs(config.run_dir / "statistics.json")
-    recorder.lost_runs = lost_runs(read_json_object(config.run_dir / "status.json"), earlier)
+    recorder.lost_runs = lost_runs(
+        read_json_object(config.run_dir / "status.json"), earlier, read_journal(config.run_dir)
+    )
     damaged = damaged_books(config.run_dir) if config.resume else None
     if damaged and (config.budget_tokens is not None or config.budget_usd is not None):
         # Counted as nothing, that spend would be budget again: only the user knows what it was.

@@ -221,3 +221,59 @@ class Budget:
         if self.exhausted:
             out += self.refuse_all()
         return out
+
+
+class CheckGate:
+    """The budget for the start checks, made before the dispatch (and its :class:`Budget`) exists: a check
+    is sent only when the rest of the run's budget holds its worst case (its request's estimate plus the
+    16 tokens it asks for), after the journal holds its grant; what it spent is counted as the runner's
+    own call. Before, a check was sent whatever was left, and a kill -9 before the first status.json
+    lost its spend from the books. ``recorder``: the run's :class:`~batchrun.run.recorder.Recorder`."""
+
+    WORKER = "start-check"
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self._next = 0
+
+    def reserve(
+        self, tokens: int, deadline: float, priority: int = 0, model: str | None = None
+    ) -> tuple[Any, float]:
+        from batchrun.config import UsageError
+
+        rec = self.recorder
+        spent_tokens, spent_usd = rec.budget_spent()
+        if rec.budget_tokens is not None and spent_tokens + tokens > rec.budget_tokens:
+            raise UsageError(
+                f"--budget_tokens={rec.budget_tokens}: this run's invocations spent {spent_tokens:,} tokens, and "
+                f"the {max(0, rec.budget_tokens - spent_tokens):,} left cannot hold the start check's "
+                f"~{tokens:,} (its request, estimated, plus its 16-token answer); no call was sent. A run's "
+                "budget holds all its invocations; give a larger one to go on"
+            )
+        if rec.budget_usd is not None and spent_usd >= rec.budget_usd:
+            raise UsageError(
+                f"--budget_usd={rec.budget_usd:g}: this run's invocations spent ${spent_usd:.4f}; no call was sent"
+            )
+        self._next += 1
+        if rec.journal is not None:
+            rec.journal.grant(self.WORKER, self._next, tokens, None)
+            rec.journal.sync()
+        return self._next, 0.0
+
+    def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
+        from batchrun.run.worker import spend_of_usage
+
+        spend = spend_of_usage(usage or {}, -1, -1, 0, ticket)
+        rec = self.recorder
+        if spend.prompt_tokens + spend.completion_tokens:
+            rec.add_check_spend(spend.prompt_tokens, spend.completion_tokens, spend.cost_usd)
+        rec.spend["unanswered_tokens"] += spend.unanswered_tokens
+        if rec.journal is not None:
+            rec.journal.settle(
+                self.WORKER,
+                ticket,
+                spend.prompt_tokens,
+                spend.completion_tokens,
+                spend.cost_usd,
+                spend.unanswered_tokens,
+            )

@@ -52,12 +52,14 @@ from batchrun.protocol import (
 from batchrun.record import read_score
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
-from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch
+from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch, probe_once
 from batchrun.run.forkserver import WORKER_PROCESS_NAME, skip_callers_main
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
 from batchrun.secrets import terminal_safe
 
+GROUP_COMMIT_S = 0.005  # grants wait at most this long for others to share their journal's fsync
+PROBE = "endpoint-probe"  # the worker id of the dead-endpoint probes' reservations (the parent's own calls)
 POOL_DEAD_AFTER_S = 20.0  # no live worker for this long: the pool is broken (e.g. its forkserver was killed)
 STOPS_DRAIN_S = 120.0  # after the last outcome: longest wait for the workers' background sandbox stops
 
@@ -168,6 +170,10 @@ class Dispatch:
             recorder.budget_spent,
         )
         recorder.reserved_tokens = lambda: sum(self.budget.reserved.values())
+        self.journal = recorder.journal  # None without a budget: no call waits for a grant then
+        self._unsent: list[tuple[Any, int]] = []  # grants written to the journal, sent once it is synced
+        self._unsent_since = 0.0
+        self.probe_gate = ProbeGate()
         self.usage_fault_warned = False
         self.unpriced_warned = False  # an answer without a cost was counted at the learned price
         self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)
@@ -201,8 +207,13 @@ class Dispatch:
             pending=collections.deque(j for b in batches for j in b),
         )
         remaining = rec.total
+        self.probe_gate.inbox = inbox
         self.watch = EndpointWatch(
-            self.settings.llm, config.endpoint_grace, lambda until: inbox.broadcast(PauseAll(until))
+            self.settings.llm,
+            config.endpoint_grace,
+            lambda until: inbox.broadcast(PauseAll(until)),
+            # With a budget a probe is a call like any: reserved, journaled and counted (see ProbeGate).
+            probe=self.probe_gate.probe if self.budget.active else probe_once,
         )
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
@@ -228,6 +239,7 @@ class Dispatch:
                         )
                     rec.write_status("running")
                     remaining -= self.watch_endpoint(inbox, track)
+                    self.commit(inbox)
                     continue
                 if isinstance(event, WorkerExit):
                     self.grant(inbox, [d for d in self.count_unsettled(event.pid) if d[0] != event.pid])
@@ -245,9 +257,16 @@ class Dispatch:
                     remaining -= settled
                     exits_without_progress = 0 if settled else exits_without_progress
                 remaining -= self.watch_endpoint(inbox, track)
+                if self._unsent and (
+                    inbox.events.empty() or time.monotonic() - self._unsent_since > GROUP_COMMIT_S
+                ):
+                    self.commit(inbox)  # the grants of this moment: one fsync, then sent
                 rec.write_status("running")
+            self.probe_gate.closed.set()  # no probe is sent any more (one granted now is refused)
+            self.commit(inbox)
             self.wait_for_sandbox_stops(inbox, track)
         finally:
+            self.probe_gate.closed.set()
             # Every outcome is in, and every sandbox stop the workers ran after sending one is done,
             # so ending the workers loses nothing. Local ones end (and the backend sweeps after them)
             # while the merge runs: :meth:`wait_for_workers`. The thread is not a daemon, so the
@@ -274,6 +293,8 @@ class Dispatch:
         for (owner, rid), tokens in list(self.budget.reserved.items()):
             if worker is None or owner == worker:
                 self.recorder.spend["unanswered_tokens"] += tokens
+                if self.journal is not None:
+                    self.journal.settle(owner, rid, unanswered_tokens=tokens)
                 decisions += self.budget.settle(owner, rid, 0, 0.0, unanswered=tokens)
         return decisions
 
@@ -335,8 +356,22 @@ class Dispatch:
         elif isinstance(message, (StopQueued, StopDone)):
             self.count_stop(message, pid, track.stops)
         elif isinstance(message, Spend):  # a call of a prompt in flight: the budget counts it at once
-            if message.prompt_index >= 0:
+            if pid == PROBE:  # the runner's own call (a dead-endpoint probe): no prompt holds it
+                if message.prompt_tokens + message.completion_tokens:
+                    rec = self.recorder
+                    rec.add_check_spend(message.prompt_tokens, message.completion_tokens, message.cost_usd)
+                self.recorder.spend["unanswered_tokens"] += message.unanswered_tokens
+            elif message.prompt_index >= 0:
                 self.recorder.add_live_spend(message)
+            if self.journal is not None and message.reservation is not None:
+                self.journal.settle(
+                    pid,
+                    message.reservation,
+                    message.prompt_tokens,
+                    message.completion_tokens,
+                    message.cost_usd,
+                    message.unanswered_tokens,
+                )
             if message.fault and not self.usage_fault_warned:
                 self.usage_fault_warned = True
                 self.pbar.write(
@@ -391,9 +426,39 @@ class Dispatch:
             return settled + skipped + self.check_budget(inbox, track)
         return 0
 
-    @staticmethod
-    def grant(inbox: Inbox, decisions: list[Decision]) -> None:
+    def grant(self, inbox: Inbox, decisions: list[Decision]) -> None:
+        """The budget's answers: a refusal goes at once; a grant is written to the spend journal and sent
+        by :meth:`commit`, once the journal holds it durably (a kill -9 after the send must not lose it
+        from the books: the endpoint bills the call)."""
         for pid, rid, ok in decisions:
+            if not ok or self.journal is None:
+                self._send_grant(inbox, pid, rid, ok)
+                continue
+            tokens = self.budget.reserved.get((pid, rid), 0)
+            price = self.budget.usd_per_token
+            self.journal.grant(pid, rid, tokens, tokens * price if price is not None else None)
+            if not self._unsent:
+                self._unsent_since = time.monotonic()
+            self._unsent.append((pid, rid))
+
+    def commit(self, inbox: Inbox) -> None:
+        """Make the journal's grants durable (one fsync for all of them), then send them."""
+        if not self._unsent:
+            return
+        self.journal.sync()
+        unsent, self._unsent = self._unsent, []
+        for pid, rid in unsent:
+            self._send_grant(inbox, pid, rid, True)
+
+    def _send_grant(self, inbox: Inbox, pid: Any, rid: int, ok: bool) -> None:
+        if pid == PROBE:
+            if ok and self.probe_gate.closed.is_set():  # the run is over: not sent after all
+                ok = False
+                self.budget.settle(PROBE, rid, 0, 0.0)
+                if self.journal is not None:
+                    self.journal.settle(PROBE, rid)
+            self.probe_gate.answer(rid, ok)
+        else:
             inbox.send(pid, Grant(rid, ok))
 
     def hand_out(self, pid: Any, track: _Tracking, inbox: Inbox) -> int:
@@ -497,13 +562,19 @@ class Dispatch:
         out: wait for the last of those before the workers are ended, so none outlives the run. What a
         worker that dies or hangs leaves is for the backend's sweep."""
         deadline = time.monotonic() + STOPS_DRAIN_S
-        while track.stops and inbox.open_connections and time.monotonic() < deadline:
+        # A probe sent before the last outcome came is awaited too: its answer is billed, and counted here.
+        while (
+            (track.stops and inbox.open_connections) or any(k[0] == PROBE for k in self.budget.reserved)
+        ) and time.monotonic() < deadline:
             try:
                 event = inbox.events.get(timeout=0.5)
             except queue.Empty:
                 continue
             if isinstance(event, WorkerExit):
                 track.stops.pop(event.pid, None)
+            elif event.pid == PROBE:
+                self.handle(event, track, inbox)
+                self.commit(inbox)
             elif isinstance(event.message, (StopQueued, StopDone)):
                 self.count_stop(event.message, event.pid, track.stops)
         if track.stops and inbox.open_connections:
@@ -637,3 +708,42 @@ class Dispatch:
         track.free.clear()
         keys = {(b, *i) for b, indices in track.outstanding.items() for i in indices}
         return self.fail_lost_prompts(keys, -1, track, "pool_broken")
+
+
+class ProbeGate(worker.ParentGate):
+    """The run's budget for the dead-endpoint probes (the parent's own calls, made on the watch's thread):
+    each probe asks the dispatch loop for its worst case through the inbox's queue, as a worker's call
+    does, and is sent only when granted (and journaled); what it spent is reported the same way. Before,
+    probes were sent whatever was left of the budget, and counted only once answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inbox: Inbox | None = None
+        self.closed = threading.Event()  # the dispatch loop is over: nothing answers a reservation any more
+
+    def probe(self, cfg: Any, usage: Any) -> bool:
+        """:func:`~batchrun.run.endpoint_watch.probe_once` under the budget; its spend goes through
+        :meth:`settle` (not ``usage``, which the watch would count a second time)."""
+        return probe_once(cfg, None, gate=self)
+
+    def _ask(self, rid: int, tokens: int, priority: int, model: str | None) -> None:
+        self._put(Reserve(rid, tokens, priority=1 << 30, prompt=None, model=model))  # before any prompt's
+
+    def _wait(self, event: threading.Event, seconds: float) -> bool:
+        from batchrun.prompt.llm import BudgetStop
+
+        while not event.wait(0.5):
+            if self.closed.is_set():
+                raise BudgetStop()
+        return True
+
+    def answer(self, rid: int, ok: bool) -> None:
+        self.granted(Grant(rid, ok))
+
+    def settle(self, ticket: Any, usage: dict[str, Any] | None) -> None:
+        if ticket is not None:
+            self._put(worker.spend_of_usage(usage or {}, -1, -1, 0, ticket))
+
+    def _put(self, message: Any) -> None:
+        if self.inbox is not None:
+            self.inbox.events.put(Received(PROBE, message))

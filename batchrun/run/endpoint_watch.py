@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, SpendGate, Usage
 
 DEAD_AFTER = 8  # endpoint failures in a row, across the run's prompts, before the run pauses and probes
 PROBE_EVERY_S = 5.0
@@ -26,9 +26,10 @@ DRAIN_S = 30.0  # after the stop: the longest wait for prompts in flight before 
 EXIT_ENDPOINT_DEAD = 5  # (4 is an output file that cannot be written)
 
 
-def probe_once(cfg: LLMConfig, usage: Usage | None = None) -> bool:
+def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | None = None) -> bool:
     """One minimal chat call (the start check's); True when the endpoint answered at all. An answer's
-    usage is added to ``usage``: a probe costs what any call costs, and the run counts it."""
+    usage is added to ``usage``: a probe costs what any call costs, and the run counts it. ``gate``: the
+    run's budget (batchrun/run/dispatch.py's ProbeGate), asked first; a probe it refuses is not sent."""
     from batchrun.run.preflight import CHECK_HEADER
 
     check = dataclasses.replace(
@@ -36,7 +37,7 @@ def probe_once(cfg: LLMConfig, usage: Usage | None = None) -> bool:
         request_timeout_s=min(cfg.request_timeout_s, 20.0),
     )  # fmt: skip
     client = LLMClient(
-        check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None
+        check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None, gate=gate
     )  # the run warns of odd usage
     try:
         client.chat(

@@ -509,6 +509,8 @@ def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in RUN_TOTAL_KEYS:
         totals[key] = round(total(key), 8) if key == "cost_usd" else int(total(key))
     totals["total_tokens"] = totals["prompt_tokens"] + totals["completion_tokens"]
+    # Killed invocations' calls in flight, in USD (their spend journal's): the USD books beside cost_usd.
+    totals["unanswered_usd"] = round(total("unanswered_usd"), 8)
     return totals
 
 

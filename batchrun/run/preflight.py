@@ -19,6 +19,7 @@ from batchrun.prompt.llm import (
     LLMClient,
     LLMConfig,
     LLMError,
+    SpendGate,
     Usage,
     endpoint_url,
     finish_kind,
@@ -35,7 +36,9 @@ REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: thi
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 
 
-def check_endpoint(cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint") -> Usage:
+def check_endpoint(
+    cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint", gate: SpendGate | None = None
+) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
     ``GET <base_url>/models`` first: a rejected key (401) stops here, and when the endpoint lists its
@@ -47,10 +50,11 @@ def check_endpoint(cfg: LLMConfig, *, needs_cost: str | None = None, who: str = 
     (the flag: --budget_usd, --max_prompt_usd): the answer must report its cost, or the run could not
     keep that cap. Returns what
     the check spent (its answer's usage, made credible): the run's spend and budget count it. ``who``:
-    how the messages name the endpoint (the judge's has its own check).
+    how the messages name the endpoint (the judge's has its own check). ``gate``: the run's budget
+    (batchrun/run/budget.py's CheckGate), asked before the call is sent; it counts what the call spent.
     """
     list_models(cfg, who=who)
-    return check_chat(cfg, needs_cost=needs_cost, who=who)
+    return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate)
 
 
 def list_models(cfg: LLMConfig, *, who: str = "the endpoint") -> None:
@@ -83,7 +87,9 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint") -> None:
         )
 
 
-def check_chat(cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint") -> Usage:
+def check_chat(
+    cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint", gate: SpendGate | None = None
+) -> Usage:
     """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words.
     ``needs_cost``: an answer that reports no cost (``usage.cost``: OpenAI, vLLM and llama.cpp report
     none) is a UsageError too, naming that flag (--budget_usd, --max_prompt_usd), which the run could not keep: it would spend on
@@ -100,7 +106,7 @@ def check_chat(cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the
         request_timeout_s=min(cfg.request_timeout_s, 120.0),
     )
     client = LLMClient(
-        check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None
+        check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None, gate=gate
     )  # the run warns of odd usage
     shown = safe_url(cfg.base_url)
     usage = Usage()

@@ -26,6 +26,7 @@ from batchrun.config import UsageError
 from batchrun.identity import RowIdentity
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import normalize_metadata, sample_index_of, valid_record
+from batchrun.run.journal import JOURNAL_NAME, SpendJournal
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.secrets import Redactor, terminal_safe
 from batchrun.sharegpt import parse_json
@@ -117,6 +118,8 @@ class Recorder:
         # Tokens the run's budget has reserved for calls in flight (the dispatch's): in status.json, so
         # that a kill -9 with calls in flight leaves them in the books (lost_runs), as perhaps billed.
         self.reserved_tokens: Callable[[], int] = lambda: 0
+        # A budget run's spend journal (batchrun/run/journal.py): each grant durable before it is sent.
+        self.journal: SpendJournal | None = None
         self.last_event_at: str | None = None
         self.done_indices: set[int] | None = None
         # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
@@ -169,17 +172,23 @@ class Recorder:
         lock, self._lock_file = self._lock_file, None
         if lock is None:
             return
-        if self._made_dir and {p.name for p in self.run_dir.iterdir()} <= {LOCK_NAME}:
+        if self.journal is not None:
+            self.journal.close()
+        if self._made_dir and {p.name for p in self.run_dir.iterdir()} <= {LOCK_NAME, JOURNAL_NAME}:
             # A run refused before it wrote anything (its endpoint or sandbox check failed) leaves no
             # directory behind; unlinked while still held, so no second runner holds it meanwhile.
             with contextlib.suppress(OSError):
+                # The journal holds at most its start check's grant: the run was refused, and a new
+                # one of this name starts afresh.
+                (self.run_dir / JOURNAL_NAME).unlink(missing_ok=True)
                 (self.run_dir / LOCK_NAME).unlink()
                 self.run_dir.rmdir()
         lock.close()  # closing the descriptor releases the flock
 
     def holds_a_run(self) -> bool:
-        """Whether the directory holds data; status.json alone is left by a run interrupted before it started."""
-        return any(p.name not in (LOCK_NAME, "status.json") for p in self.run_dir.iterdir())
+        """Whether the directory holds data; status.json (and a spend journal) alone are left by a run
+        interrupted before it started."""
+        return any(p.name not in (LOCK_NAME, "status.json", JOURNAL_NAME) for p in self.run_dir.iterdir())
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         write_json_atomic(self.run_dir / "run_manifest.json", manifest, self.redact)
@@ -564,13 +573,91 @@ def _finite(run: dict[str, Any]) -> dict[str, Any]:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in run.items()}
 
 
-def lost_runs(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def lost_runs(
+    status: dict[str, Any] | None,
+    earlier: list[dict[str, Any]],
+    journal: dict[str, dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """The ``runs`` entries of invocations that wrote no statistics.json (killed, or stopped by a full
     disk): what the last status.json said the one that wrote it had spent (refreshed every few seconds
     while it ran: the last seconds' calls may be missing, so ``ended`` says the figures are a lower
     bound), after the entries that status.json carries of earlier such invocations (``lost_runs``: a
     resume killed in turn overwrote the first one's status.json, and its spend left the run's books and
-    budget). Without them a resume after a kill -9 left those invocations' cost out of ``run_totals``."""
+    budget). Without them a resume after a kill -9 left those invocations' cost out of ``run_totals``.
+
+    ``journal`` (:func:`batchrun.run.journal.read_journal`): what a budget run's spend journal says each
+    invocation spent at most. It holds every call granted, up to the instant of the kill, where status.json
+    misses the last seconds (a run killed once spent 45,342 tokens on a 30,000 cap): an invocation's
+    tokens are the journal's where they are more, and one killed before its first status.json is there
+    only."""
+    entries = _lost_by_status(status, earlier)
+    if journal:
+        entries = _with_journal(entries, earlier, journal)
+    return entries
+
+
+def _with_journal(
+    entries: list[dict[str, Any]], earlier: list[dict[str, Any]], journal: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``entries`` with each invocation's spend raised to its journal's, and the journal's invocations that
+    neither statistics.json nor status.json holds added."""
+    written = {_invocation(r) for r in earlier}
+    index = {_invocation(r): n for n, r in enumerate(entries)}
+    out = list(entries)
+    # Calls in flight before any answer showed a price: at the most per token the run's answers cost.
+    price = max(
+        (
+            credible(r.get("cost_usd")) / tokens
+            for r in [*earlier, *entries, *journal.values()]
+            if (tokens := credible(r.get("prompt_tokens")) + credible(r.get("completion_tokens"))) > 0
+        ),
+        default=0.0,
+    )
+    for inv, books in journal.items():
+        key = ("invocation", inv)
+        if key in written:
+            continue  # its statistics.json entry counts it (a kill before the journal's removal)
+        spent = {k: int(books[k]) for k in ("prompt_tokens", "completion_tokens", "unanswered_tokens")}
+        books = {**books, "unanswered_usd": books["unanswered_usd"] + books.get("unpriced_tokens", 0) * price}
+        if key not in index:
+            if not isinstance(books.get("started_at"), str) or not books["requests"]:
+                continue  # no call granted: an invocation refused at start spent nothing
+            out.append(
+                {
+                    "started_at": books["started_at"],
+                    "invocation": inv,
+                    "completed_at": None,
+                    "duration_s": 0.0,
+                    "attempted": 0,
+                    "trajectories": 0,
+                    "requests": int(books["requests"]),
+                    **spent,
+                    "cost_usd": round(books["cost_usd"], 8),
+                    "unanswered_usd": round(books["unanswered_usd"], 8),
+                    "ended": "without statistics or status (from the spend journal); calls in flight at "
+                    "their reservations",
+                }
+            )
+            continue
+        entry = out[index[key]]
+        known = sum(int(credible(entry.get(k))) for k in spent)
+        if sum(spent.values()) >= known:  # the journal's count (less only if it was damaged)
+            out[index[key]] = {
+                **entry,
+                **spent,
+                "cost_usd": round(max(float(credible(entry.get("cost_usd"))), books["cost_usd"]), 8),
+                "unanswered_usd": round(
+                    max(float(credible(entry.get("unanswered_usd"))), books["unanswered_usd"]), 8
+                ),
+                "requests": max(int(credible(entry.get("requests"))), int(books["requests"])),
+                "ended": f"{str(entry.get('ended') or 'without statistics').split(';')[0]}; from the spend "
+                "journal: calls in flight at their reservations",
+            }
+    return out
+
+
+def _lost_by_status(status: dict[str, Any] | None, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`lost_runs` as status.json alone tells them."""
     if not status or not isinstance(status.get("started_at"), str):
         return []
     seen = {_invocation(r) for r in earlier}
@@ -628,7 +715,10 @@ def spend_of(runs: list[dict[str, Any]]) -> tuple[int, float]:
         for r in runs
         for k in ("prompt_tokens", "completion_tokens", "unanswered_tokens")
     )
-    return tokens, float(sum(credible(r.get("cost_usd")) for r in runs))
+    # unanswered_usd: a killed invocation's calls in flight, at the price they were reserved at (its journal's)
+    return tokens, float(
+        sum(credible(r.get("cost_usd")) + credible(r.get("unanswered_usd", 0)) for r in runs)
+    )
 
 
 def damaged_books(run_dir: Path) -> str | None:

@@ -83,6 +83,19 @@ class ParentGate:
             event, answer = threading.Event(), []
             self._waiting[rid] = (event, answer)
         start = time.monotonic()
+        self._ask(rid, tokens, priority, model)
+        # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
+        if not self._wait(event, max(1.0, deadline - start) + 3600.0):
+            with self._lock:
+                self._waiting.pop(rid, None)
+            self.settle(rid, None)
+            raise LLMError("timeout", "the run's budget did not answer a reservation")
+        if not answer[0]:
+            raise BudgetStop()
+        return rid, time.monotonic() - start
+
+    def _ask(self, rid: int, tokens: int, priority: int, model: str | None) -> None:
+        """Send the parent the :class:`Reserve` of a call of this thread's prompt."""
         job = _current_job()
         send(
             Reserve(
@@ -93,15 +106,9 @@ class ParentGate:
                 model,
             )
         )
-        # Waiting for the budget is not the prompt's time; a bound still: a parent that never answers.
-        if not event.wait(timeout=max(1.0, deadline - start) + 3600.0):
-            with self._lock:
-                self._waiting.pop(rid, None)
-            self.settle(rid, None)
-            raise LLMError("timeout", "the run's budget did not answer a reservation")
-        if not answer[0]:
-            raise BudgetStop()
-        return rid, time.monotonic() - start
+
+    def _wait(self, event: threading.Event, seconds: float) -> bool:
+        return event.wait(timeout=seconds)
 
     def granted(self, message: Grant) -> None:
         with self._lock:
@@ -245,21 +252,26 @@ def report_spend(usage: dict[str, Any], reservation: int | None = None) -> None:
         if reservation is not None:  # a call outside a prompt (none today): still free its reservation
             send(Spend(-1, -1, 0, 0, 0.0, reservation=reservation))
         return
+    send(spend_of_usage(usage, job.batch_num, job.prompt_index, job.sample_index, reservation))
+
+
+def spend_of_usage(
+    usage: dict[str, Any], batch_num: int, prompt_index: int, sample_index: int, reservation: int | None
+) -> Spend:
+    """A model call's usage (as a :class:`~batchrun.prompt.llm.SpendGate` is told it) as the parent counts it."""
     cost = usage.get("cost")
     priced = isinstance(cost, (int, float)) and not isinstance(cost, bool)  # credible_usage drops bad ones
-    send(
-        Spend(
-            batch_num=job.batch_num,
-            prompt_index=job.prompt_index,
-            prompt_tokens=_count_of(usage.get("prompt_tokens")),
-            completion_tokens=_count_of(usage.get("completion_tokens")),
-            cost_usd=float(cost) if priced else 0.0,
-            sample_index=job.sample_index,
-            reservation=reservation,
-            fault=usage.get("fault") if isinstance(usage.get("fault"), str) else None,
-            priced=priced,
-            unanswered_tokens=_count_of(usage.get("unanswered_tokens")),
-        )
+    return Spend(
+        batch_num=batch_num,
+        prompt_index=prompt_index,
+        prompt_tokens=_count_of(usage.get("prompt_tokens")),
+        completion_tokens=_count_of(usage.get("completion_tokens")),
+        cost_usd=float(cost) if priced else 0.0,
+        sample_index=sample_index,
+        reservation=reservation,
+        fault=usage.get("fault") if isinstance(usage.get("fault"), str) else None,
+        priced=priced,
+        unanswered_tokens=_count_of(usage.get("unanswered_tokens")),
     )
 
 
