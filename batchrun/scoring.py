@@ -364,6 +364,22 @@ def _without_spans(text: str, tags: tuple[tuple[str, str], ...]) -> str:
     return "".join(out) + text[at:]
 
 
+def _last_match(pattern: str, text: str) -> str:
+    """--answer_pattern's last match in ``text``: its group 1 when it has groups ("" for none)."""
+    matches = list(re.finditer(pattern, text, re.DOTALL))
+    if not matches:
+        return ""
+    last = matches[-1]
+    return (last.group(1) if last.re.groups else last.group(0)) or ""
+
+
+# _last_match in a child of its own (extract_answer with a timeout): the same lines, as the child runs them.
+_EXTRACT = (
+    "import json, re, sys; p, t = json.load(sys.stdin); m = list(re.finditer(p, t, re.DOTALL)); "
+    "sys.stdout.write(json.dumps('' if not m else (m[-1].group(1) if m[-1].re.groups else m[-1].group(0)) or ''))"
+)
+
+
 _BOXED_TOKENS_RE = re.compile(r"\\boxed\{|[{}]")
 
 
@@ -427,17 +443,25 @@ def final_text(record: dict[str, Any]) -> str:
     return ""
 
 
-def extract_answer(text: str, pattern: str | None = None) -> str:
+def extract_answer(text: str, pattern: str | None = None, timeout_s: float | None = None) -> str:
     """The answer inside a final text.
 
-    With ``pattern`` (--answer_pattern): its last match, group 1 when it has groups. Without: the last
-    ``\\boxed{...}``, else the last ``ANSWER: ...`` line, else the whole text."""
+    With ``pattern`` (--answer_pattern): its last match, group 1 when it has groups; with ``timeout_s``
+    too, found in a child of its own that is ended after that long (subprocess.TimeoutExpired), as the
+    regex scorer's search is: the user's pattern on the model's text may backtrack for ages
+    (``(.+?)\\s*$`` over 100,000 spaces: 35 s in the worker's thread, past the prompt's deadline).
+    Without: the last ``\\boxed{...}``, else the last ``ANSWER: ...`` line, else the whole text."""
+    if pattern and timeout_s is not None:
+        res = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _EXTRACT],
+            input=json.dumps([pattern, text]).encode("ascii"),
+            capture_output=True,
+            timeout=timeout_s,
+            check=True,
+        )
+        return str(json.loads(res.stdout))
     if pattern:
-        matches = list(re.finditer(pattern, text, re.DOTALL))
-        if not matches:
-            return ""
-        last = matches[-1]
-        return (last.group(1) if last.re.groups else last.group(0)) or ""
+        return _last_match(pattern, text)
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -750,7 +774,21 @@ def text_score(
     ``regex`` ends by ``deadline`` (and within --verify_timeout)."""
     if check is None or check.answer is None:
         return Part(name, error="the row has no 'answer'")
-    got = extract_answer(final_text(record), settings.answer_pattern)
+    timeout_s = None
+    if settings.answer_pattern:
+        if not (timeout_s := _time_left(settings.verify_timeout_s, deadline)):
+            return Part(
+                name,
+                error="no time left for --answer_pattern: the prompt's deadline plus one --verify_timeout has passed",
+            )
+    try:
+        got = extract_answer(final_text(record), settings.answer_pattern, timeout_s)
+    except subprocess.TimeoutExpired:
+        return Part(name, error=f"--answer_pattern took longer than {timeout_s:.3g} s on the final answer")
+    except subprocess.CalledProcessError as exc:  # the child died (memory): no verdict
+        return Part(
+            name, error=f"--answer_pattern could not be matched: {exc.stderr.decode(errors='replace')[-300:]}"
+        )
     shown = got if len(got) <= 200 else got[:200] + "..."
     answers = acceptable(check.answer)
     if name == "numeric":

@@ -906,3 +906,14 @@ def test_a_long_run_of_thousands_groups_is_read_in_linear_time():
     assert time.monotonic() - start < 20  # a hang guard, not a speed claim: the old code took 30 s
     assert judged("ANSWER: 12,345,678.5", 12345678.5, "numeric")["passed"] is True
     assert judged("ANSWER: 1" + ",000" * 12, 1e36, "numeric")["passed"] is True  # 12 groups: still one number
+
+
+def test_an_answer_pattern_that_backtracks_on_the_models_text_ends_within_the_verify_timeout():
+    """--answer_pattern ran in the worker's thread, where nothing can stop it: the pattern
+    ``ANSWER: (.+?)\\s*$`` over an answer followed by 100,000 spaces and a letter takes ~35 s, past the
+    prompt's deadline. It runs in a child of its own now, ended after --verify_timeout: no verdict."""
+    text = "ANSWER: 4" + " " * 100_000 + "x"
+    part = judged(text, "4", "exact", answer_pattern=r"ANSWER: (.+?)\s*$", verify_timeout_s=1.0)
+    assert part["passed"] is None and "--answer_pattern took longer than 1 s" in part["error"]
+    assert judged("so ANSWER: 4 ", "4", "exact", answer_pattern=r"ANSWER: (.+?)\s*$")["passed"] is True
+    assert judged("ANSWER: 5", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is False
