@@ -452,14 +452,7 @@ def extract_answer(text: str, pattern: str | None = None, timeout_s: float | Non
     (``(.+?)\\s*$`` over 100,000 spaces: 35 s in the worker's thread, past the prompt's deadline).
     Without: the last ``\\boxed{...}``, else the last ``ANSWER: ...`` line, else the whole text."""
     if pattern and timeout_s is not None:
-        res = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _EXTRACT],
-            input=json.dumps([pattern, text]).encode("ascii"),
-            capture_output=True,
-            timeout=timeout_s,
-            check=True,
-        )
-        return str(json.loads(res.stdout))
+        return str(json.loads(_re_in_child(_EXTRACT, pattern, text, timeout_s)))
     if pattern:
         return _last_match(pattern, text)
     boxed = _last_boxed(text)
@@ -753,14 +746,19 @@ _SEARCH = (
 
 def bounded_search(pattern: str, text: str, timeout_s: float) -> bool:
     """Whether ``pattern`` is found in ``text``; subprocess.TimeoutExpired after ``timeout_s``."""
-    res = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", _SEARCH],
+    return _re_in_child(_SEARCH, pattern, text, timeout_s) == b"1"
+
+
+def _re_in_child(script: str, pattern: str, text: str, timeout_s: float) -> bytes:
+    """What ``script`` (_SEARCH, _EXTRACT) writes, given ``[pattern, text]``, in a child ended after
+    ``timeout_s`` (subprocess.TimeoutExpired; CalledProcessError when it failed)."""
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script],
         input=json.dumps([pattern, text]).encode("ascii"),
         capture_output=True,
         timeout=timeout_s,
         check=True,
-    )
-    return res.stdout == b"1"
+    ).stdout
 
 
 def text_score(
