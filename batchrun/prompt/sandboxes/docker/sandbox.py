@@ -124,6 +124,7 @@ DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 HUB_DNS = "10.0.2.3"
 START_ATTEMPTS = 5  # containers tried per start before the prompt fails
 START_RETRY_PAUSE_S = 0.1  # times the attempt number, between attempts
+ENDED_RECORD_WAIT_S = 1.0  # at most, for the engine to record the end of a container whose process is gone
 _served_images: set[str] = set()  # images a container of which served commands in this process
 FREEZE_ATTEMPTS = (
     5  # end_processes: PID 1 stopped from the host, then the rest, while a process of the agent continues it
@@ -485,12 +486,28 @@ class DockerSandbox(SandboxBackend):
         container_id, channel = self.container_id, self._channel
         if container_id is None or channel is None:
             return None, False
-        try:
-            state = docker_client().api.inspect_container(container_id).get("State") or {}
-        except NotFound:
-            state = {"Status": "removed"}  # it ended, and removed itself (auto_remove)
-        except DockerException:
-            return None, False
+        # The engine records a container's end a moment after its process is gone: a hub's link that found
+        # no /proc/<pid>/ns/net inspected it still "running" and tried a no-sh image again (1 in 3 starts
+        # with the hub and docker-init). Where its PID 1 is seen from here and gone, wait for the record.
+        settle = time.monotonic() + ENDED_RECORD_WAIT_S
+        while True:
+            try:
+                state = docker_client().api.inspect_container(container_id).get("State") or {}
+            except NotFound:
+                state = {"Status": "removed"}  # it ended, and removed itself (auto_remove)
+            except DockerException:
+                return None, False
+            pid = state.get("Pid")
+            gone = (
+                bool(state.get("Running"))
+                and self.uses_network_hub()  # the engine is in this PID namespace (network_hub_problem)
+                and isinstance(pid, int)
+                and pid > 0
+                and not os.path.exists(f"/proc/{pid}/ns/net")  # gone, or a zombie its shim has not reaped
+            )
+            if not gone or time.monotonic() >= settle:
+                break
+            time.sleep(0.02)
         if state.get("Running") or state.get("Status") not in ("exited", "dead", "removing", "removed"):
             return None, False  # running, or never started (the start's own error says why)
         printed = bytearray()  # what it wrote before its end: docker-init's "exec sh failed: ..."
