@@ -1029,7 +1029,9 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.run_name
+        # "~" as check_output_dir reads it: the shell leaves it in --output_dir=~/runs, and the run wrote
+        # to a directory named "~" in the current one (which a later "rm -rf ~" would take for home).
+        return Path(self.output_dir).expanduser() / self.run_name
 
     @functools.cached_property
     def mcp_servers(self) -> tuple[Any, ...]:

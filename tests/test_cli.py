@@ -143,6 +143,23 @@ def test_cli_mock_model_needs_no_key_and_no_network(tmp_path, monkeypatch):
     assert sorted(first_human(r["conversations"]) for r in records) == ["mock one", "mock two [scratchpad]"]
 
 
+def test_an_output_dir_under_tilde_is_the_home_directory_the_check_approved(tmp_path, monkeypatch):
+    # The shell leaves "~" in --output_dir=~/runs; the check read it as $HOME/runs, and the run then wrote
+    # to ./~/runs/<run_name>, a directory named "~" that "rm -rf ~" would take for the home directory.
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    (work / "p.jsonl").write_text('{"prompt": "mock one"}\n')
+    done = cli(
+        "--dataset_file=p.jsonl", "--batch_size=1", "--run_name=m", "--model=mock",
+        "--num_workers=1", "--output_dir=~/runs", cwd=work,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(read_jsonl(home / "runs" / "m" / "trajectories.jsonl")) == 1
+    assert not (work / "~").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
