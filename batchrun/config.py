@@ -876,11 +876,15 @@ class RunConfig:
                 "(the variable --judge_api_key_env names)"
             )
 
-    def check_rates(self) -> None:
+    def check_rates(self, prompts: int | None = None) -> None:
         """A request rate under which no prompt could finish: each worker gets its share of --max_rpm
         and spaces its requests evenly, so one request every 60 x workers / max_rpm seconds; a prompt
         slower than that between two calls runs into --prompt_timeout before its second call (every
-        prompt failed, the first calls paid for, with --max_rpm=1e-300)."""
+        prompt failed, the first calls paid for, with --max_rpm=1e-300).
+
+        ``prompts`` (the samples to run, once the plan knows them): a worker's prompts in flight share
+        its turns, which are taken in order, so a prompt's second call waits for the first calls of all
+        the others: one request every that many times the spacing."""
         if self.max_rpm is None:
             return
         spacing = 60.0 * self.num_workers / self.max_rpm
@@ -890,6 +894,18 @@ class RunConfig:
                 f"request every {spacing:,.4g} s, not less than --prompt_timeout={self.prompt_timeout:g}: "
                 "no prompt could make two model calls before its deadline; raise --max_rpm (at least "
                 f"{60.0 * self.num_workers / self.prompt_timeout:.3g}) or lower --num_workers"
+            )
+        in_flight = min(self.prompts_per_worker, -(-(prompts or 1) // self.num_workers))
+        if in_flight * spacing >= self.prompt_timeout:
+            fits = math.ceil(self.prompt_timeout / spacing) - 1  # the most whose turns come round in time
+            raise UsageError(
+                f"--max_rpm={self.max_rpm:g} with --num_workers={self.num_workers} lets each worker send one "
+                f"request every {spacing:,.4g} s, shared by the {in_flight} prompts in flight in it "
+                f"(--prompts_per_worker={self.prompts_per_worker}): each prompt's next request comes "
+                f"{in_flight * spacing:,.4g} s after its first, not less than --prompt_timeout="
+                f"{self.prompt_timeout:g}: no prompt could make two model calls before its deadline, and "
+                f"every first call would be paid for nothing; lower --prompts_per_worker (to at most {fits}) "
+                "or raise --max_rpm"
             )
 
     def check_flags_that_apply(self) -> None:
