@@ -841,11 +841,28 @@ class RunConfig:
                 f"memory ({memory_mb} MB): the {self.backend} sandbox's files live in memory, under the same "
                 "limit as its processes"
             )
+        self.check_open_files()
         cpus = usable_cpus()
         if "cpus" in bounds and self.container_cpus > cpus:
             raise UsageError(
                 f"--container_cpus must be at most the {cpus} CPUs this run may use (its affinity and "
                 f"cgroup quota), got {self.container_cpus:g}"
+            )
+
+    def check_open_files(self) -> None:
+        """The files each worker's prompts in flight hold at once must fit this machine's hard limit
+        (``ulimit -Hn``; each process raises its soft limit itself): past it, prompts failed mid-run
+        with "Too many open files", each after a paid model call."""
+        from batchrun.run import open_files
+
+        hard = open_files.hard_limit()
+        need = open_files.needed(self.prompts_per_worker)
+        if self.ray_address is None and hard is not None and need > hard:
+            most = max(1, (hard - open_files.BASE) // open_files.PER_PROMPT)
+            raise UsageError(
+                f"--prompts_per_worker={self.prompts_per_worker} needs about {need} open files in each worker "
+                f"process, more than this machine lets the runner open ({hard}: ulimit -Hn); lower "
+                f"--prompts_per_worker (to at most {most}; --num_workers adds processes) or raise the hard limit"
             )
 
     def check_scoring(self) -> None:
