@@ -58,6 +58,7 @@ from batchrun.run.resume import (
     read_manifest,
     resume_command,
     resume_filter,
+    samples_of,
     without_api_key,
 )
 from batchrun.run.run_dir import check_run_dir
@@ -431,6 +432,7 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
     if problems.total > 20:
         print(f"warning: ... and {problems.total - 20} more bad lines", file=sys.stderr)
     recorder.counts["bad_lines"] = problems.total
+    config.check_samples(sum(samples_of(row, config.samples_per_prompt) for row in rows), len(rows))
     return rows
 
 
