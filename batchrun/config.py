@@ -44,7 +44,7 @@ from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
 from batchrun.secrets import ORDINARY, url_secrets
 from batchrun.sharegpt import parse_json
-from batchrun.storage import not_a_file, read_json_file
+from batchrun.storage import not_a_file, read_flag_file, read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
@@ -1042,12 +1042,9 @@ class RunConfig:
             raise UsageError(f"the ephemeral system prompt is given twice ({' and '.join(given)}): give one")
         if self.ephemeral_system_prompt_file:
             try:
-                text = Path(self.ephemeral_system_prompt_file).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UsageError(
-                    f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: cannot read: "
-                    f"{getattr(exc, 'strerror', None) or exc}"
-                ) from None
+                text = read_flag_file(self.ephemeral_system_prompt_file)
+            except ValueError as exc:
+                raise UsageError(f"--ephemeral_system_prompt_file {exc}") from None
             if not text.strip():  # a redirect that failed, a wrong file: the run would go without the prompt
                 raise UsageError(
                     f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: the file is empty"
