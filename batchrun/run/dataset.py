@@ -112,6 +112,13 @@ def load_dataset(
             if raw is None:
                 problems.add(f"{path}:{line_no}: longer than {MAX_LINE_BYTES >> 20} MiB (skipped unread)")
                 continue
+            if line_no == 1 and raw.lstrip(b"\xef\xbb\xbf").strip() == b"[":
+                # A JSON array written one element a line ("[", '{...},' ..., '{...}', "]"): every line but
+                # the last element's was a bad line, and that one row ran as if it were the dataset.
+                raise UsageError(
+                    f"--dataset_file {path}: line 1 opens a JSON array: the file is one JSON document, not "
+                    f"JSON Lines (one object a line); convert it, e.g. jq -c '.[]' {path} > rows.jsonl"
+                )
             problem, row = _parse_line(raw, line_no, seen, catalog, toolsets)
             if row and not problem:
                 problem = _answer_problem(row.check, scorers)
