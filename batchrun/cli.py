@@ -34,7 +34,7 @@ from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.prompt.tools.config import ToolSettings, browser_config, run_tool_settings
 from batchrun.prompt.tools.mcp import McpSetup
-from batchrun.run import finish
+from batchrun.run import finish, open_files
 from batchrun.run.budget import CheckGate
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
@@ -58,6 +58,7 @@ from batchrun.run.resume import (
     read_manifest,
     resume_command,
     resume_filter,
+    samples_of,
     without_api_key,
 )
 from batchrun.run.run_dir import check_run_dir
@@ -380,6 +381,9 @@ def mark_interrupted(recorder: Recorder) -> None:
 
 def check_before_start(config: RunConfig) -> dict[str, Any]:
     """What needs more than the flags themselves, before anything is written: the key, Ray, the backend options."""
+    # The parent holds a connection per worker, the run's files and, for mock, the fake model's connections.
+    in_flight = config.num_workers * (config.prompts_per_worker if config.is_mock else 1)
+    open_files.raise_soft_limit(open_files.needed(in_flight))
     if config.api_key:
         print(
             "warning: --api_key is visible to other users of this machine (ps, /proc; on a Ray node, the "
@@ -428,6 +432,7 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
     if problems.total > 20:
         print(f"warning: ... and {problems.total - 20} more bad lines", file=sys.stderr)
     recorder.counts["bad_lines"] = problems.total
+    config.check_samples(sum(samples_of(row, config.samples_per_prompt) for row in rows), len(rows))
     return rows
 
 

@@ -44,11 +44,14 @@ from batchrun.prompt.sandboxes.local import ISOLATION_MODES
 from batchrun.scoring import NORMALIZE_STEPS
 from batchrun.secrets import ORDINARY, url_secrets
 from batchrun.sharegpt import parse_json
-from batchrun.storage import not_a_file, read_json_file
+from batchrun.storage import not_a_file, read_flag_file, read_json_file
 
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
 MAX_TURNS = 100_000  # --max_turns and a row's own max_turns
+SAMPLE_BYTES = (
+    1024  # memory one planned sample may take in the parent (measured ~450 bytes: the job, its batch)
+)
 MIN_CPUS = 0.01  # --container_cpus: Docker refuses less; the local cgroup's quota cannot go below it
 MAX_DURATION_S = 7 * 24 * 3600.0  # a timeout longer than a week is a typo (1e11 s would overflow a timer)
 PID_MAX_LIMIT = 4_194_304  # the kernel's own highest pid_max
@@ -841,11 +844,48 @@ class RunConfig:
                 f"memory ({memory_mb} MB): the {self.backend} sandbox's files live in memory, under the same "
                 "limit as its processes"
             )
+        self.check_open_files()
         cpus = usable_cpus()
         if "cpus" in bounds and self.container_cpus > cpus:
             raise UsageError(
                 f"--container_cpus must be at most the {cpus} CPUs this run may use (its affinity and "
                 f"cgroup quota), got {self.container_cpus:g}"
+            )
+
+    def check_open_files(self) -> None:
+        """The files each worker's prompts in flight hold at once must fit this machine's hard limit
+        (``ulimit -Hn``; each process raises its soft limit itself): past it, prompts failed mid-run
+        with "Too many open files", each after a paid model call."""
+        from batchrun.run import open_files
+
+        hard = open_files.hard_limit()
+        need = open_files.needed(self.prompts_per_worker)
+        if self.ray_address is None and hard is not None and need > hard:
+            most = max(1, (hard - open_files.BASE) // open_files.PER_PROMPT)
+            raise UsageError(
+                f"--prompts_per_worker={self.prompts_per_worker} needs about {need} open files in each worker "
+                f"process, more than this machine lets the runner open ({hard}: ulimit -Hn); lower "
+                f"--prompts_per_worker (to at most {most}; --num_workers adds processes) or raise the hard limit"
+            )
+
+    def check_samples(self, samples: int, rows: int) -> None:
+        """The run's samples (rows x --samples_per_prompt, or a row's own ``samples``) must fit in this
+        machine's memory while they are planned: each is held as a job from the plan on (measured: about
+        450 bytes; 1,000,000 of them took 520 MB and 14 s before the start check), so a typo such as
+        --samples_per_prompt=1000 on a large dataset filled the machine before the first token."""
+        from batchrun.prompt.sandboxes.local.limits import host_limits
+
+        try:
+            memory = host_limits(own_cgroup=True)[0]
+        except (OSError, ValueError):
+            return
+        most = memory // 2 // SAMPLE_BYTES
+        if samples > most:
+            raise UsageError(
+                f"--samples_per_prompt={self.samples_per_prompt} over the dataset's {rows:,} rows (with the rows' "
+                f"own 'samples') makes {samples:,} samples, more than this machine's memory ({memory >> 20:,} MB) "
+                f"can plan (at most {most:,}, about {SAMPLE_BYTES} bytes each): lower --samples_per_prompt, or "
+                "run the dataset in parts (--max_samples, or split the file)"
             )
 
     def check_scoring(self) -> None:
@@ -876,11 +916,15 @@ class RunConfig:
                 "(the variable --judge_api_key_env names)"
             )
 
-    def check_rates(self) -> None:
+    def check_rates(self, prompts: int | None = None) -> None:
         """A request rate under which no prompt could finish: each worker gets its share of --max_rpm
         and spaces its requests evenly, so one request every 60 x workers / max_rpm seconds; a prompt
         slower than that between two calls runs into --prompt_timeout before its second call (every
-        prompt failed, the first calls paid for, with --max_rpm=1e-300)."""
+        prompt failed, the first calls paid for, with --max_rpm=1e-300).
+
+        ``prompts`` (the samples to run, once the plan knows them): a worker's prompts in flight share
+        its turns, which are taken in order, so a prompt's second call waits for the first calls of all
+        the others: one request every that many times the spacing."""
         if self.max_rpm is None:
             return
         spacing = 60.0 * self.num_workers / self.max_rpm
@@ -890,6 +934,18 @@ class RunConfig:
                 f"request every {spacing:,.4g} s, not less than --prompt_timeout={self.prompt_timeout:g}: "
                 "no prompt could make two model calls before its deadline; raise --max_rpm (at least "
                 f"{60.0 * self.num_workers / self.prompt_timeout:.3g}) or lower --num_workers"
+            )
+        in_flight = min(self.prompts_per_worker, -(-(prompts or 1) // self.num_workers))
+        if in_flight * spacing >= self.prompt_timeout:
+            fits = math.ceil(self.prompt_timeout / spacing) - 1  # the most whose turns come round in time
+            raise UsageError(
+                f"--max_rpm={self.max_rpm:g} with --num_workers={self.num_workers} lets each worker send one "
+                f"request every {spacing:,.4g} s, shared by the {in_flight} prompts in flight in it "
+                f"(--prompts_per_worker={self.prompts_per_worker}): each prompt's next request comes "
+                f"{in_flight * spacing:,.4g} s after its first, not less than --prompt_timeout="
+                f"{self.prompt_timeout:g}: no prompt could make two model calls before its deadline, and "
+                f"every first call would be paid for nothing; lower --prompts_per_worker (to at most {fits}) "
+                "or raise --max_rpm"
             )
 
     def check_flags_that_apply(self) -> None:
@@ -986,12 +1042,9 @@ class RunConfig:
             raise UsageError(f"the ephemeral system prompt is given twice ({' and '.join(given)}): give one")
         if self.ephemeral_system_prompt_file:
             try:
-                text = Path(self.ephemeral_system_prompt_file).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UsageError(
-                    f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: cannot read: "
-                    f"{getattr(exc, 'strerror', None) or exc}"
-                ) from None
+                text = read_flag_file(self.ephemeral_system_prompt_file)
+            except ValueError as exc:
+                raise UsageError(f"--ephemeral_system_prompt_file {exc}") from None
             if not text.strip():  # a redirect that failed, a wrong file: the run would go without the prompt
                 raise UsageError(
                     f"--ephemeral_system_prompt_file {self.ephemeral_system_prompt_file}: the file is empty"
@@ -1029,7 +1082,9 @@ class RunConfig:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.run_name
+        # "~" as check_output_dir reads it: the shell leaves it in --output_dir=~/runs, and the run wrote
+        # to a directory named "~" in the current one (which a later "rm -rf ~" would take for home).
+        return Path(self.output_dir).expanduser() / self.run_name
 
     @functools.cached_property
     def mcp_servers(self) -> tuple[Any, ...]:

@@ -235,10 +235,9 @@ def load_distribution_file(path: str, known: Collection[str]) -> dict[str, Distr
     """
     from pathlib import Path
 
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    from batchrun.storage import read_flag_file
+
+    text = read_flag_file(path)  # ValueError naming the path
     if Path(path).suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml

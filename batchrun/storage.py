@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,13 +66,58 @@ def append_jsonl_bytes(path: Path, data: bytes) -> None:
         raise WriteError(path, exc) from exc
 
 
+# The most a file a flag names (a config, a prompt) may hold: as much as a dataset line.
+FLAG_FILE_MAX_BYTES = 32 * 1024 * 1024
+
+
+def read_flag_bytes(path: str | Path) -> bytes:
+    """The bytes of a file a flag names (--prefill_messages_file, --mcp_config, ...): a regular file of at
+    most :data:`FLAG_FILE_MAX_BYTES`. ValueError saying ``<path>: cannot read: ...`` otherwise, for the
+    caller to prefix with its flag: a FIFO no one writes to hung the run before it started, and
+    ``/dev/zero`` filled the machine's memory until the kernel killed the runner (and others)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open does not wait
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise ValueError(f"{path}: cannot read: Is a directory") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(
+                f"{path}: cannot read: not a regular file (a pipe or a device is not read)"
+            ) from None
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(FLAG_FILE_MAX_BYTES + 1)  # a /proc file says it holds 0 bytes: read, bounded
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if max(info.st_size, len(data)) > FLAG_FILE_MAX_BYTES:
+        raise ValueError(f"{path}: cannot read: larger than {FLAG_FILE_MAX_BYTES >> 20} MiB")
+    return data
+
+
+def _text(data: bytes) -> str:
+    """UTF-8 text with its newlines as ``open()`` reads them (the readers before read it so)."""
+    return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_flag_file(path: str | Path) -> str:
+    """The text of a file a flag names (see :func:`read_flag_bytes`); ValueError naming the path."""
+    data = read_flag_bytes(path)
+    try:
+        return _text(data)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from None
+
+
 def read_json_file(path: str | Path) -> Any:
     """A small JSON file the user named (a flag's file); ValueError saying ``<path>: cannot read`` or
     ``<path>: not valid JSON``, for the caller to prefix with its flag."""
+    data = read_flag_bytes(path)
     try:
-        return parse_json(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        return parse_json(_text(data))
     except ValueError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
 

@@ -143,6 +143,63 @@ def test_cli_mock_model_needs_no_key_and_no_network(tmp_path, monkeypatch):
     assert sorted(first_human(r["conversations"]) for r in records) == ["mock one", "mock two [scratchpad]"]
 
 
+def test_an_output_dir_under_tilde_is_the_home_directory_the_check_approved(tmp_path, monkeypatch):
+    # The shell leaves "~" in --output_dir=~/runs; the check read it as $HOME/runs, and the run then wrote
+    # to ./~/runs/<run_name>, a directory named "~" that "rm -rf ~" would take for the home directory.
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    (work / "p.jsonl").write_text('{"prompt": "mock one"}\n')
+    done = cli(
+        "--dataset_file=p.jsonl", "--batch_size=1", "--run_name=m", "--model=mock",
+        "--num_workers=1", "--output_dir=~/runs", cwd=work,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(read_jsonl(home / "runs" / "m" / "trajectories.jsonl")) == 1
+    assert not (work / "~").exists()
+
+
+def _nofile(soft: int, hard: int | None = None):
+    """A preexec_fn giving the child ``ulimit -Sn soft`` (and ``-Hn hard``)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE,
+            (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard),
+        )
+
+    return limit
+
+
+def _run_many(tmp_path: Path, n: int, preexec) -> subprocess.CompletedProcess:
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "task {i} [slow:1]"}}\n' for i in range(n)))
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--dataset_file=p.jsonl", f"--batch_size={n}", "--run_name=m", "--model=mock",
+         "--distribution=terminal_only", "--num_workers=1", f"--prompts_per_worker={n}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=preexec,
+    )  # fmt: skip
+
+
+def test_a_low_soft_open_files_limit_is_raised_for_the_prompts_in_flight(tmp_path):
+    # Under a soft limit of 1,024 (most systems' default; the hard one 20,000), 66 of 300 prompts in
+    # flight failed mid-run with "Too many open files", each after a paid model call. Here 256 and 80.
+    done = _run_many(tmp_path, 80, _nofile(256))
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = read_jsonl(tmp_path / "data" / "m" / "trajectories.jsonl")
+    assert len(records) == 80
+    assert read_jsonl(tmp_path / "data" / "m" / "failed.jsonl") == []
+
+
+def test_prompts_in_flight_past_the_hard_open_files_limit_exit_2_naming_the_flag(tmp_path):
+    done = _run_many(tmp_path, 80, _nofile(256, 256))
+    assert done.returncode == 2
+    assert "--prompts_per_worker=80 needs about" in done.stderr
+    assert "ulimit -Hn" in done.stderr and "(to at most 24;" in done.stderr
+    assert not (tmp_path / "data" / "m").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -207,3 +207,44 @@ def test_the_least_cpus_and_a_slow_rate_that_still_works_are_taken(tmp_path):
         max_rpm="1",  # 4 workers: one request every 240 s each, under the 1,800 s prompt timeout
     )
     assert (config.container_cpus, config.max_rpm) == (0.01, 1.0)
+
+
+FILE_FLAGS = ["prefill_messages_file", "mcp_config", "distribution_file", "ephemeral_system_prompt_file"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", FILE_FLAGS)
+@pytest.mark.parametrize("kind", ["fifo", "huge"])
+def test_a_flag_file_that_is_a_pipe_or_huge_exits_2_unread(tmp_path, flag, kind):
+    # A FIFO no one writes to hung the run before it started (open() waits for a writer), and /dev/zero
+    # (not read here) filled the machine's memory until the kernel killed the runner and others. Only a
+    # regular file of at most 32 MiB is read.
+    from batchrun.config import RunConfig, UsageError
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "x"}\n')
+    path = tmp_path / "file.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with path.open("wb") as fh:  # sparse: no disk taken
+            fh.truncate((32 << 20) + 1)
+    flags = {flag: str(path)}
+    if flag == "distribution_file":
+        flags["distribution"] = "terminal_only"
+    with pytest.raises(UsageError) as info:
+        RunConfig.from_flags(
+            dataset_file=str(ds), batch_size=1, run_name="r", output_dir=str(tmp_path), model="mock", **flags
+        )
+    said = "not a regular file (a pipe or a device is not read)" if kind == "fifo" else "larger than 32 MiB"
+    assert str(info.value) == f"--{flag} {path}: cannot read: {said}"
+
+
+def test_a_flag_file_is_read_as_text_with_its_newlines_as_before(tmp_path):
+    from batchrun.storage import read_flag_file
+
+    path = tmp_path / "p.txt"
+    path.write_bytes("line one\r\nline two\rthree\n\u00e9".encode())
+    assert read_flag_file(path) == "line one\nline two\nthree\n\u00e9"
+    with pytest.raises(ValueError, match="Is a directory"):
+        read_flag_file(tmp_path)

@@ -101,13 +101,24 @@ def load_dataset(
     rows: list[Row] = []
     problems = BadLines()
     seen: collections.Counter[str] = collections.Counter()
-    with p.open("rb") as fh:
-        for line_no, raw in enumerate(_lines(fh), start=1):
+    try:
+        fh = p.open("rb")
+    except OSError as exc:  # a file this user may not read (chmod 000): a traceback and exit 1 before
+        raise UsageError(f"--dataset_file {path}: cannot read: {exc.strerror or exc}") from None
+    with fh:
+        for line_no, raw in enumerate(_read_lines(fh, path), start=1):
             if max_samples is not None and len(rows) >= max_samples:
                 break
             if raw is None:
                 problems.add(f"{path}:{line_no}: longer than {MAX_LINE_BYTES >> 20} MiB (skipped unread)")
                 continue
+            if line_no == 1 and raw.lstrip(b"\xef\xbb\xbf").strip() == b"[":
+                # A JSON array written one element a line ("[", '{...},' ..., '{...}', "]"): every line but
+                # the last element's was a bad line, and that one row ran as if it were the dataset.
+                raise UsageError(
+                    f"--dataset_file {path}: line 1 opens a JSON array: the file is one JSON document, not "
+                    f"JSON Lines (one object a line); convert it, e.g. jq -c '.[]' {path} > rows.jsonl"
+                )
             problem, row = _parse_line(raw, line_no, seen, catalog, toolsets)
             if row and not problem:
                 problem = _answer_problem(row.check, scorers)
@@ -137,6 +148,19 @@ def _answer_problem(check: RowCheck | None, scorers: tuple[str, ...]) -> str | N
         if "numeric" in scorers and not isinstance(want, (int, float)) and parse_number(str(want)) is None:
             return f"field 'answer' holds no number for --scorer=numeric: {str(want)[:80]!r}"
     return None
+
+
+def _read_lines(fh: BinaryIO, path: str) -> Iterator[bytes | None]:
+    """:func:`_lines`, a read error (EIO, a file on a lost network mount) a UsageError naming the file."""
+    read = 0
+    try:
+        for raw in _lines(fh):
+            read += 1
+            yield raw
+    except OSError as exc:
+        raise UsageError(
+            f"--dataset_file {path}: cannot read line {read + 1}: {exc.strerror or exc}"
+        ) from None
 
 
 def _lines(fh: BinaryIO) -> Iterator[bytes | None]:

@@ -54,6 +54,8 @@ def make_plan(
             f"no toolset of distribution {config.distribution!r} is available here, so its prompts "
             f"would run without tools. Missing: {needs}. Configure one, or choose another --distribution"
         )
+    # The prompts in flight share each worker's --max_rpm turns: now that their number is known.
+    config.check_rates(prompts=len(samples))
     plan = Plan(batches=[])
     unavailable_rows = 0
     # Sample-major: a run stopped half-way (budget, Ctrl-C) has its first samples of every row.

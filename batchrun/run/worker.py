@@ -42,6 +42,7 @@ from batchrun.protocol import (
     StopQueued,
     StopStarting,
 )
+from batchrun.run import open_files
 from batchrun.run.forkserver import FORKSERVER_PRELOAD, start_forkserver  # noqa: F401 - re-exported
 from batchrun.run.inbox import connect_to_inbox
 from batchrun.storage import pid_alive
@@ -148,6 +149,9 @@ def init_worker(
     an actor's arguments in its cluster state (the GCS, and Redis where it is persisted), and the settings
     hold the API key and the tools' keys."""
     global _state
+    open_files.raise_soft_limit(
+        open_files.needed(slots)
+    )  # the forkserver's soft limit, 1,024 on most systems
     address, authkey = inbox
     remote = isinstance(address, tuple)  # a TCP inbox (Ray): the runner may be on another machine
     _die_with_parent(None if remote else parent_pid)

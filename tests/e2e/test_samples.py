@@ -356,3 +356,26 @@ def test_one_row_many_samples_fill_one_batch_each_sample_once(server, tmp_path):
     assert sorted(r["metadata"]["sample_index"] for r in records) == [0, 1, 2, 3, 4]
     checkpoint = json.loads((run_dir / "checkpoint.json").read_text("utf-8"))
     assert (checkpoint["batches"], checkpoint["completed_prompts"]) == ([0], [0])
+
+
+def test_more_samples_than_the_machine_can_plan_exit_2_before_any_request(
+    server, tmp_path, monkeypatch, capsys
+):
+    # --samples_per_prompt=10000 over 100 rows: 1,000,000 jobs planned before the start check (520 MB, 14 s);
+    # under a 400 MB memory cgroup the runner was OOM-killed there, and a larger dataset fills any machine.
+    # Here each sample is made to weigh the machine's whole memory, so that any planned sample is too many.
+    import batchrun.config as config_mod
+    from batchrun.prompt.sandboxes.local.limits import host_limits
+
+    monkeypatch.setattr(config_mod, "SAMPLE_BYTES", host_limits(own_cgroup=True)[0], raising=False)
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "one"}, {"prompt": "two", "samples": 3}])
+    with pytest.raises(SystemExit) as info:
+        run(server, dataset, tmp_path / "data", samples_per_prompt=2)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "--samples_per_prompt=2 over the dataset's 2 rows (with the rows' own 'samples') makes 5 samples"
+        in err
+    )
+    assert server.stats()["requests"] == 0
+    assert not (tmp_path / "data" / "run").exists()

@@ -115,3 +115,49 @@ def test_bad_lines_past_the_listed_ones_are_counted_not_held(tmp_path):
     assert len(problems) == MAX_BAD_LINES_LISTED and problems.total == MAX_BAD_LINES_LISTED + 500
     assert problems[0].startswith(f"{path}:2: invalid JSON")
     assert problems[-1].startswith(f"{path}:{MAX_BAD_LINES_LISTED + 1}: invalid JSON")
+
+
+def test_a_dataset_that_cannot_be_read_exits_2_naming_the_flag(tmp_path, monkeypatch, capsys):
+    # Reading /proc/self/mem fails with EIO, as a file on a lost network mount does; a chmod 000 file
+    # (run by its non-owner) fails to open. Both were a traceback and exit 1 before any model call.
+    import batch_runner
+
+    base = dict(batch_size=1, run_name="r", output_dir=str(tmp_path / "out"), model="mock")
+    assert batch_runner.main(dataset_file="/proc/self/mem", **base) == 2
+    assert (
+        "error: --dataset_file /proc/self/mem: cannot read line 1: Input/output error"
+        in capsys.readouterr().err
+    )
+
+    from pathlib import Path
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    real_open = Path.open
+
+    def refuse(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    assert batch_runner.main(dataset_file=str(path), **base) == 2
+    assert f"error: --dataset_file {path}: cannot read: Permission denied" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "r").exists()
+
+
+@pytest.mark.parametrize("opening", ["[", "\ufeff[\r", "  [  "])
+def test_a_json_array_file_is_refused_not_run_as_its_last_element(tmp_path, opening):
+    # json.dump(rows, f) with one element a line: lines 2..N-1 end in ',' (bad lines), the last element's
+    # line is a good row: the run went on with 1 of the N rows (exit 0) and N-1 warnings.
+    from batchrun.config import UsageError
+
+    path = tmp_path / "d.json"
+    elements = [json.dumps({"prompt": f"p{i}"}) for i in range(5)]
+    path.write_text(opening + "\n" + ",\n".join(elements) + "\n]\n", encoding="utf-8")
+    with pytest.raises(UsageError, match=r"line 1 opens a JSON array: .* not JSON Lines"):
+        load_dataset(str(path))
+    # An array on one line is one bad line like any other (the file's other rows still load).
+    path.write_text('["p"]\n{"prompt": "fine"}\n', encoding="utf-8")
+    rows, problems = load_dataset(str(path))
+    assert [r.prompt for r in rows] == ["fine"] and problems.total == 1

@@ -64,6 +64,29 @@ def test_max_rpm_spaces_the_requests(server, tmp_path):
     assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 6
 
 
+def test_max_rpm_shared_by_more_prompts_in_flight_than_it_serves_exits_2_before_any_request(
+    server, tmp_path, capsys
+):
+    # One worker's 6.5 requests a minute (one every 9.2 s) shared by its 16 prompts in flight: each
+    # prompt's second call came 148 s after its first, past --prompt_timeout=20. Before, the run started:
+    # the start check and 2 first calls paid, then 16 of 16 prompts failed (exit 3), on every --resume too.
+    prompts = [f"Task {i}" for i in range(16)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    flags = dict(num_workers=1, max_rpm=6.5, prompt_timeout=20, batch_size=16)
+    with pytest.raises(SystemExit) as info:
+        run(server, dataset, tmp_path / "data", **flags)
+    assert info.value.code == 2
+    assert "lower --prompts_per_worker (to at most 2)" in capsys.readouterr().err
+    assert server.stats()["requests"] == 0
+    assert not (tmp_path / "data" / "run").exists()
+    # Fewer prompts than that in flight (a small dataset, or the suggested --prompts_per_worker) can work.
+    from batchrun.config import RunConfig
+
+    common = dict(dataset_file=str(dataset), run_name="run", output_dir=str(tmp_path / "data"), model="mock")
+    RunConfig.from_flags(**common, **flags, prompts_per_worker=2).check_rates(prompts=16)
+    RunConfig.from_flags(**common, **flags).check_rates(prompts=2)
+
+
 # ----------------------------------------------------------------------------- per-prompt caps
 
 LONG = "A long task [calls:12]"  # 13 model calls, ~22k tokens, ~$0.022 if left alone
