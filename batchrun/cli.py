@@ -139,6 +139,13 @@ def cli(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     code = main(**flags)
+    ray_pool = sys.modules.get("batchrun.run.ray_pool")
+    if ray_pool is not None and ray_pool.left_hanging():
+        # Ray's threads still wait on a GCS that hangs: the interpreter's exit would wait with them, or
+        # crash in Ray's teardown (SIGSEGV, after the run's files were written). Everything is written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code:
         raise SystemExit(code)
 

@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,9 @@ INSTALL_HINT = "pip install 'batch-runner[ray]'"
 INBOX_HOST_ENV = "BATCH_RUNNER_INBOX_HOST"
 INBOX_PORT_ENV = "BATCH_RUNNER_INBOX_PORT"
 CLEANUP_TIMEOUT_S = 30.0
+# A call to the cluster's GCS at the end of the run (its node list, leaving it) must answer this fast: a GCS that
+# hangs (stopped, swapping, partitioned) accepts connections and never answers, and Ray waits for it forever.
+GCS_ANSWER_TIMEOUT_S = 15.0
 PROBE_TIMEOUT_S = 10.0  # the cluster's address must answer this fast at start
 # Ray ends a driver whose cluster (its GCS) has not answered for this long, 60 s by default, from a thread
 # of its own, whatever the driver is doing: a runner whose cluster died would die too, before merging what it
@@ -54,6 +58,7 @@ _AUTH_HINT = (
 )
 
 _owned = False  # whether this process started (or connected) Ray itself, and so shuts it down
+_hung = False  # the cluster's GCS stopped answering: no Ray call is made any more, leaving it included
 
 
 class RaySetupError(RuntimeError):
@@ -215,20 +220,47 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 
 
 def answers() -> bool:
-    """Whether the cluster this process joined still takes connections (a dead one would block Ray's calls)."""
+    """Whether the cluster this process joined still answers (a dead or hung one would block Ray's calls):
+    its GCS takes a connection, and gives its node list within GCS_ANSWER_TIMEOUT_S."""
+    global _hung
     ray = import_ray()
+    if _hung:
+        return False
     try:
         address = ray.get_runtime_context().gcs_address
     except Exception:
-        return True  # Ray Client, or an older Ray: no way to tell, the calls are bounded anyway
-    m = _ADDRESS.fullmatch(str(address))
-    if not m:
-        return True
-    try:
-        socket.create_connection((m.group(2).strip("[]"), int(m.group(3))), timeout=3).close()
-    except OSError:
-        return False
-    return True
+        address = None  # Ray Client, or an older Ray: the node list alone tells
+    m = _ADDRESS.fullmatch(str(address)) if address else None
+    if m:
+        try:
+            socket.create_connection((m.group(2).strip("[]"), int(m.group(3))), timeout=3).close()
+        except OSError:
+            return False
+    # A stopped GCS still takes connections (the kernel accepts them): only an answer tells it is alive.
+    ended, nodes = bounded(ray.nodes, GCS_ANSWER_TIMEOUT_S)
+    _hung = not ended
+    return nodes is not None
+
+
+def bounded(call: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
+    """``call()`` on a thread of its own, waited for at most ``timeout_s``: (whether it ended, its result; None
+    if it raised). Ray's calls to a GCS that hangs never return and cannot be cancelled: the thread is left
+    behind (a daemon)."""
+    result: list[Any] = [None]
+
+    def target() -> None:
+        with contextlib.suppress(Exception):
+            result[0] = call()
+
+    thread = threading.Thread(target=target, name="ray-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive(), result[0]
+
+
+def left_hanging() -> bool:
+    """Whether this process gave up on a cluster whose GCS hangs (Ray's calls to it still wait)."""
+    return _hung
 
 
 def inbox_endpoint() -> tuple[str, int]:
@@ -239,11 +271,20 @@ def inbox_endpoint() -> tuple[str, int]:
 
 
 def shutdown() -> None:
-    """Leave the cluster (and stop a local one) if this process joined it; Ray started by the caller stays."""
+    """Leave the cluster (and stop a local one) if this process joined it; Ray started by the caller stays.
+
+    A cluster whose GCS hangs: leaving it would hang as well (Ray's shutdown waits on the GCS), and so would
+    Ray's own shutdown at the interpreter's exit; both are skipped and the process leaves it by exiting.
+    """
     global _owned
-    if _owned:
-        _owned = False
-        import_ray().shutdown()
+    if not _owned:
+        return
+    _owned = False
+    ray = import_ray()
+    if _hung or not bounded(ray.shutdown, GCS_ANSWER_TIMEOUT_S)[0]:
+        import atexit
+
+        atexit.unregister(ray.shutdown)  # else the exit waits on the GCS forever
 
 
 class RayPool:
@@ -283,19 +324,19 @@ class RayPool:
     def terminate(self) -> None:
         """End every actor now (like ``multiprocessing.Pool.terminate``), remove their containers, leave Ray.
 
-        A cluster that went away mid-run: Ray's calls to it block for as long as it is gone (and a call
-        left blocked makes Ray's own shutdown hang), so the sweep is skipped; ray.kill and leaving do not wait.
+        A cluster that went away or hangs mid-run: Ray's calls to it block for as long as it does (and a call
+        left blocked makes Ray's own shutdown hang), so the sweep is skipped; each call here is bounded.
         """
-        try:
-            self._pool.terminate()
-        except Exception:
-            pass
-        if answers():
-            self._sweep_nodes()
-        else:
+        global _hung
+        bounded(self._pool.terminate, GCS_ANSWER_TIMEOUT_S)
+        answering = answers()
+        if answering and not bounded(self._sweep_nodes, CLEANUP_TIMEOUT_S + GCS_ANSWER_TIMEOUT_S)[0]:
+            _hung, answering = True, False
+        if not answering:
             print(
-                "warning: the Ray cluster does not answer any more, so what the run's sandboxes left on its nodes "
-                "(containers of --sandbox=docker) was not removed",
+                "warning: the Ray cluster does not answer any more"
+                + (f" (its GCS gave no answer in {GCS_ANSWER_TIMEOUT_S:g} s)" if _hung else "")
+                + ", so what the run's sandboxes left on its nodes (containers of --sandbox=docker) was not removed",
                 file=sys.stderr,
             )
         shutdown()

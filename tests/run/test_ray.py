@@ -678,3 +678,50 @@ def test_keys_stay_out_of_the_ray_cluster_state(own_head, ray_env, server, tmp_p
     ours = [e for e in entrypoints if "--run_name=keys" in e]
     assert ours, entrypoints
     assert ephemeral not in ours[0] and "--ephemeral_system_prompt=<not shown>" in ours[0]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_gcs_that_hangs_does_not_hang_the_run(own_head, ray_env, server, tmp_path):
+    """The head's GCS is SIGSTOPped mid-run: it still takes connections but never answers. The workers go on
+    (they report over TCP), but the runner then waited forever in the sweep's ray.nodes() (200 s and counting,
+    all 16 outcomes written, no trajectories.jsonl, status.json "running"); and Ray's shutdown, at the end or at
+    the interpreter's exit, hangs on it too. Now each call to the cluster at the end is bounded: the run says
+    why the nodes were not swept, merges, and exits."""
+    prompts = [f"Frozen-GCS job {i} [slow:1]" for i in range(8)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=frozen", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
+        "--distribution=terminal_only", "--num_workers=2", "--prompts_per_worker=2",
+        f"--ray_address={own_head.address}",
+    ]  # fmt: skip
+    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY}
+    log = tmp_path / "cli.log"
+    gcs = head_child(own_head.proc.pid, b"gcs_server")
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        assert wait_for(lambda: outcomes_written(out / "frozen"), 90, 0.1), log.read_text()[-3000:]
+        os.kill(gcs, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run hangs on a GCS that does not answer:\n{log.read_text()[-3000:]}")
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.kill(gcs, signal.SIGCONT)  # the fixture's own stop needs it
+    printed = log.read_text()
+    run_dir = out / "frozen"
+    assert code == 0, printed[-3000:]  # every prompt ran: the workers never needed the GCS
+    assert "its GCS gave no answer" in printed
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    done = [first_human(r["conversations"]) for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert sorted(done) == sorted(prompts)
+    assert not pool_actor_pids(own_head.proc.pid)  # they ended when their inbox connections closed
+    print(f"ended {took:.1f} s after the GCS stopped")
