@@ -352,6 +352,11 @@ class Dispatch:
             except RaySetupError as exc:
                 inbox.close()
                 raise UsageError(str(exc)) from None
+            except (
+                BaseException
+            ):  # Ctrl-C while the actors start: one that starts later finds no inbox and ends
+                inbox.close()
+                raise
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         worker.start_forkserver(self.settings.sandbox_backend)  # started already: then a no-op

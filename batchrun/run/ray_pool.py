@@ -42,6 +42,9 @@ CLEANUP_TIMEOUT_S = 30.0
 # A call to the cluster's GCS at the end of the run (its node list, leaving it) must answer this fast: a GCS that
 # hangs (stopped, swapping, partitioned) accepts connections and never answers, and Ray waits for it forever.
 GCS_ANSWER_TIMEOUT_S = 15.0
+# The workers must all be up this fast (Ray waits for them forever: a GCS that hangs, a node that never takes one).
+START_TIMEOUT_ENV = "BATCH_RUNNER_RAY_START_TIMEOUT_S"
+START_TIMEOUT_S = 300.0
 PROBE_TIMEOUT_S = 10.0  # the cluster's address must answer this fast at start
 # Ray ends a driver whose cluster (its GCS) has not answered for this long, 60 s by default, from a thread
 # of its own, whatever the driver is doing: a runner whose cluster died would die too, before merging what it
@@ -109,8 +112,16 @@ def connect(address: str, num_workers: int, entrypoint: str | None = None) -> st
                 f"{'' if address == 'local' else _AUTH_HINT}"
             ) from None
         _owned = True
-    cpus = int(ray.cluster_resources().get("CPU", 0))
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    global _hung
+    ended, seen = bounded(lambda: (ray.cluster_resources(), ray.nodes()), GCS_ANSWER_TIMEOUT_S)
+    if not ended or seen is None:
+        _hung = not ended
+        shutdown()
+        raise RaySetupError(
+            f"the Ray cluster at {address} does not answer (its GCS gave no answer in {GCS_ANSWER_TIMEOUT_S:g} s)"
+        )
+    cpus = int(seen[0].get("CPU", 0))
+    nodes = sum(1 for n in seen[1] if n.get("Alive"))
     if cpus < num_workers:
         raise RaySetupError(
             f"--num_workers={num_workers} is more than the {cpus} CPU(s) of the Ray cluster at {address} "
@@ -242,7 +253,9 @@ def answers() -> bool:
     return nodes is not None
 
 
-def bounded(call: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
+def bounded(
+    call: Callable[[], Any], timeout_s: float, on_interrupt: Callable[[], None] | None = None
+) -> tuple[bool, Any]:
     """``call()`` on a thread of its own, waited for at most ``timeout_s``: (whether it ended, its result; None
     if it raised). Ray's calls to a GCS that hangs never return and cannot be cancelled: the thread is left
     behind (a daemon)."""
@@ -254,8 +267,21 @@ def bounded(call: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
 
     thread = threading.Thread(target=target, name="ray-call", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    try:
+        thread.join(timeout_s)
+    except KeyboardInterrupt:
+        if on_interrupt is not None:
+            on_interrupt()
+        raise
     return not thread.is_alive(), result[0]
+
+
+def _attempt(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, or the exception it raised."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as exc:
+        return exc
 
 
 def left_hanging() -> bool:
@@ -304,22 +330,39 @@ class RayPool:
         from ray.util.multiprocessing import Pool
 
         self._settings = settings
-        try:
-            # Each actor runs the initializer when it starts: it connects to the inbox and from then
-            # on runs what the parent sends it. The Pool's own task queue is never used.
-            self._pool = Pool(
+        inbox = initargs[1][0]
+        timeout_s = float(os.environ.get(START_TIMEOUT_ENV) or START_TIMEOUT_S)
+        # Each actor runs the initializer when it starts: it connects to the inbox and from then
+        # on runs what the parent sends it. The Pool's own task queue is never used. Ray waits for the
+        # actors without a limit (and a Ctrl-C meanwhile must be taken): a thread of its own.
+        ended, made = bounded(
+            lambda: _attempt(
+                Pool,
                 processes,
                 initializer=initializer,
                 initargs=initargs,
                 ray_remote_args={"scheduling_strategy": "SPREAD"},
+            ),
+            timeout_s,
+            on_interrupt=shutdown,  # leaving the cluster ends the actors it started
+        )
+        if not ended:
+            why = (
+                "the cluster does not answer (its GCS gave no answer)"
+                if not answers()
+                else "the cluster did not start them (no room on its nodes, or their start hangs)"
             )
-        except Exception as exc:
             shutdown()
-            inbox = initargs[1][0]
             raise RaySetupError(
-                f"the Ray workers could not start: {_short(exc)}. Every node needs this package (and its "
+                f"the Ray workers did not start within {timeout_s:g} s ({START_TIMEOUT_ENV}): {why}"
+            )
+        if isinstance(made, BaseException):
+            shutdown()
+            raise RaySetupError(
+                f"the Ray workers could not start: {_short(made)}. Every node needs this package (and its "
                 f"dependencies) installed and must reach this process's inbox at {inbox[0]}:{inbox[1]}"
             ) from None
+        self._pool = made
 
     def terminate(self) -> None:
         """End every actor now (like ``multiprocessing.Pool.terminate``), remove their containers, leave Ray.

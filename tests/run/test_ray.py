@@ -729,3 +729,55 @@ def test_a_gcs_that_hangs_does_not_hang_the_run(own_head, ray_env, server, tmp_p
     assert sorted(done) == sorted(prompts)
     assert not pool_actor_pids(own_head.proc.pid)  # they ended when their inbox connections closed
     print(f"ended {took:.1f} s after the GCS stopped")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_gcs_that_hangs_while_the_workers_start_stops_the_run_and_resume_finishes_it(
+    own_head, ray_env, server, tmp_path
+):
+    """The GCS is SIGSTOPped as the runner joins the cluster: Ray's Pool waited for its actors forever (150 s
+    and counting, in Pool._start_actor_pool's ray.get), or the join's ray.cluster_resources() did. Now the start has a limit: the run says the cluster
+    does not answer and exits 2 (or, the GCS stopped a moment earlier, the join's own calls to it have one);
+    once the GCS is back, --resume runs every prompt once."""
+    prompts = [f"Early-frozen job {i}" for i in range(4)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=early", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
+        "--distribution=terminal_only", "--num_workers=2", f"--ray_address={own_head.address}",
+    ]  # fmt: skip
+    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY, "BATCH_RUNNER_RAY_START_TIMEOUT_S": "10"}
+    log = tmp_path / "cli.log"
+    gcs = head_child(own_head.proc.pid, b"gcs_server")
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        assert wait_for(lambda: "cluster (" in log.read_text() or proc.poll() is not None, 90, 0.01)
+        os.kill(gcs, signal.SIGSTOP)
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the workers' start waits forever on a GCS that hangs:\n{log.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.kill(gcs, signal.SIGCONT)
+    printed = log.read_text()
+    assert code == 2, printed[-3000:]
+    # Where the GCS stopped decides which step says so: joining the cluster, or the workers' start.
+    assert "does not answer (its GCS gave no answer" in printed
+
+    done = subprocess.run(
+        [*cmd, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = out / "early"
+    in_batches = [
+        first_human(r["conversations"]) for p in run_dir.glob("batch_*.jsonl") for r in read_jsonl(p)
+    ]
+    assert sorted(in_batches) == sorted(prompts)  # each once
+    merged = [first_human(r["conversations"]) for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert sorted(merged) == sorted(prompts)
