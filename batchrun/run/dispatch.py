@@ -309,7 +309,10 @@ class Dispatch:
         return decisions
 
     def _end_workers(self, pool: Any, inbox: Inbox) -> None:
-        pool.terminate()
+        if self.config.ray_address:
+            pool.terminate(cluster_lost=self.workers_lost)
+        else:
+            pool.terminate()
         inbox.close()
         backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
         browsers = self.settings.tool_settings.browser_cgroup

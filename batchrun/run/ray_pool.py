@@ -364,7 +364,7 @@ class RayPool:
             ) from None
         self._pool = made
 
-    def terminate(self) -> None:
+    def terminate(self, cluster_lost: bool = False) -> None:
         """End every actor now (like ``multiprocessing.Pool.terminate``), remove their containers, leave Ray.
 
         A cluster that went away or hangs mid-run: Ray's calls to it block for as long as it does (and a call
@@ -372,13 +372,23 @@ class RayPool:
         """
         global _hung
         bounded(self._pool.terminate, GCS_ANSWER_TIMEOUT_S)
-        answering = answers()
+        if cluster_lost:
+            # Every worker died: the cluster went away, and a head restarted at its address since makes Ray's
+            # next call to it abort this process (a C++ check: "WrongClusterID"), before the run is merged.
+            _hung = True
+        answering = not _hung and answers()
         if answering and not bounded(self._sweep_nodes, CLEANUP_TIMEOUT_S + GCS_ANSWER_TIMEOUT_S)[0]:
             _hung, answering = True, False
         if not answering:
             print(
                 "warning: the Ray cluster does not answer any more"
-                + (f" (its GCS gave no answer in {GCS_ANSWER_TIMEOUT_S:g} s)" if _hung else "")
+                + (
+                    " (every worker died with it)"
+                    if cluster_lost
+                    else f" (its GCS gave no answer in {GCS_ANSWER_TIMEOUT_S:g} s)"
+                    if _hung
+                    else ""
+                )
                 + ", so what the run's sandboxes left on its nodes (containers of --sandbox=docker) was not removed",
                 file=sys.stderr,
             )

@@ -152,8 +152,8 @@ def own_head(ray_env, tmp_path_factory):
     yield from start_head(tmp_path_factory.mktemp("own-ray"))
 
 
-def start_head(temp_dir: Path):
-    port = free_port()
+def start_head(temp_dir: Path, port: int | None = None):
+    port = port or free_port()
     log_path = temp_dir / "head.log"
     cmd = [
         sys.executable,
@@ -781,3 +781,68 @@ def test_a_gcs_that_hangs_while_the_workers_start_stops_the_run_and_resume_finis
     assert sorted(in_batches) == sorted(prompts)  # each once
     merged = [first_human(r["conversations"]) for r in read_jsonl(run_dir / "trajectories.jsonl")]
     assert sorted(merged) == sorted(prompts)
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descending from it."""
+    parents = {int(e.name): _ppid(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sorted(tree)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_head_restarted_at_the_same_address_mid_run(own_head, ray_env, server, tmp_path, tmp_path_factory):
+    """The whole head is SIGKILLed mid-run and a new one started on its port: the runner's sweep asked the new
+    GCS for its nodes, and Ray aborted the process on a C++ check ("WrongClusterID"): exit 1, a stack dump,
+    no merge of that invocation, no resume command. Now a run whose workers all died makes no call to the
+    cluster any more: exit 7 with the resume command, and --resume on the new head runs the rest once."""
+    prompts = [f"Restarted-head job {i} [slow:1]" for i in range(12)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        "--run_name=restarted", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
+        "--distribution=terminal_only", "--num_workers=2", "--prompts_per_worker=2",
+        f"--ray_address={own_head.address}",
+    ]  # fmt: skip
+    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY}
+    log = tmp_path / "cli.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    new_head = None
+    try:
+        assert wait_for(lambda: outcomes_written(out / "restarted"), 90, 0.1), log.read_text()[-3000:]
+        for pid in process_tree(own_head.proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        own_head.proc.wait(10)
+        port = int(own_head.address.rsplit(":", 1)[1])
+        new_head = start_head(tmp_path_factory.mktemp("restarted-ray"), port)
+        head = next(new_head)
+        code = proc.wait(timeout=150)
+        printed = log.read_text()
+        assert code == 7, printed[-3000:]
+        assert "WrongClusterID" not in printed
+        assert "continue with:" in printed
+        run_dir = out / "restarted"
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+
+        done = subprocess.run(
+            [*cmd[:-1], f"--ray_address={head.address}", "--resume"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        kept = [first_human(r["conversations"]) for p in run_dir.glob("batch_*.jsonl") for r in read_jsonl(p)]
+        assert sorted(kept) == sorted(prompts)  # each once
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if new_head is not None:
+            with contextlib.suppress(StopIteration):
+                next(new_head)
