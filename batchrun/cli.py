@@ -67,6 +67,7 @@ from batchrun.storage import WriteError, read_json_object
 
 EXIT_CANNOT_WRITE = 4  # an output file could not be written (disk full, read-only): the run stopped
 EXIT_BUDGET_UNMEASURED = 6  # --budget_usd and an answer with no cost before any price: the run stopped
+EXIT_WORKERS_LOST = 7  # the workers are gone (the Ray cluster died, the pool broke): the run stopped
 
 # ----------------------------------------------------------------------------- the command line
 
@@ -78,7 +79,8 @@ def main(**flags: Any) -> int:
     Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
     statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
-    4 an output file cannot be written, 5 the endpoint died (resume when it is back), 130 interrupted
+    4 an output file cannot be written, 5 the endpoint died (resume when it is back), 6 --budget_usd cannot
+    be measured, 7 the workers are gone (a Ray cluster that died; resume when it is back), 130 interrupted
     (called from Python, main returns the code instead of exiting).
     """
     config = None
@@ -140,6 +142,13 @@ def cli(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     code = main(**flags)
+    ray_pool = sys.modules.get("batchrun.run.ray_pool")
+    if ray_pool is not None and ray_pool.left_hanging():
+        # Ray's threads still wait on a GCS that hangs: the interpreter's exit would wait with them, or
+        # crash in Ray's teardown (SIGSEGV, after the run's files were written). Everything is written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code:
         raise SystemExit(code)
 
@@ -349,6 +358,16 @@ def run_steps(
             file=sys.stderr,
         )
         return EXIT_BUDGET_UNMEASURED
+    if preflighted.batches and dispatch.workers_lost and not interrupted:
+        where = "the Ray cluster's workers are gone" if config.ray_address else "the worker pool broke"
+        print(
+            f"The run stopped: {where}; their prompts are in failed.jsonl. When "
+            + ("the cluster is back" if config.ray_address else "the cause is fixed")
+            + ", continue with:\n  "
+            + recorder.redact(resume_command()),
+            file=sys.stderr,
+        )
+        return EXIT_WORKERS_LOST
     return finish.exit_code(stats, interrupted, config.max_failure_rate)
 
 

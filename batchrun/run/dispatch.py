@@ -179,7 +179,11 @@ class Dispatch:
         self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)
         self._ending_error: BaseException | None = None
         self.watch: EndpointWatch | None = None  # made with the inbox, in run()
-        self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 4)
+        self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 5)
+        # The run lost its workers (exit code 7): the pool broke, or on Ray every actor died (the cluster
+        # went away) with prompts of theirs unfinished. Not a few failed prompts: the run could not go on.
+        self.workers_lost = False
+        self._live: set[Any] = set()  # workers heard from and not gone
         # --stop_after_passes: row identity -> passing samples so far (earlier runs' included)
         self.passes: collections.Counter[str] = (
             passing_samples(config.run_dir, config.exclude_partial)
@@ -242,17 +246,23 @@ class Dispatch:
                     self.commit(inbox)
                     continue
                 if isinstance(event, WorkerExit):
+                    self._live.discard(event.pid)
                     self.grant(inbox, [d for d in self.count_unsettled(event.pid) if d[0] != event.pid])
                     self.grant(inbox, self.budget.drop(event.pid))
                     track.stops.pop(event.pid, None)  # what it was stopping is the backend's sweep's now
                     track.free.pop(event.pid, None)
-                    remaining -= self.fail_lost_prompts(track.held.pop(event.pid, set()), event.pid, track)
+                    lost = self.fail_lost_prompts(track.held.pop(event.pid, set()), event.pid, track)
+                    remaining -= lost
+                    if lost and config.ray_address and not self._live:
+                        self.workers_lost = True  # dead actors are not replaced: none is left to run a prompt
                     exits_without_progress += 1
                     if exits_without_progress > 2 * config.num_workers + 2:
                         # Workers die as fast as the pool replaces them (e.g. at start-up): stop, don't spin.
                         print("error: worker processes keep dying; giving up on this run", file=sys.stderr)
                         remaining -= self.fail_all_outstanding(track)
                 else:
+                    if event.pid != PROBE:
+                        self._live.add(event.pid)
                     settled = self.handle(event, track, inbox)
                     remaining -= settled
                     exits_without_progress = 0 if settled else exits_without_progress
@@ -299,7 +309,10 @@ class Dispatch:
         return decisions
 
     def _end_workers(self, pool: Any, inbox: Inbox) -> None:
-        pool.terminate()
+        if self.config.ray_address:
+            pool.terminate(cluster_lost=self.workers_lost)
+        else:
+            pool.terminate()
         inbox.close()
         backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
         browsers = self.settings.tool_settings.browser_cgroup
@@ -342,6 +355,11 @@ class Dispatch:
             except RaySetupError as exc:
                 inbox.close()
                 raise UsageError(str(exc)) from None
+            except (
+                BaseException
+            ):  # Ctrl-C while the actors start: one that starts later finds no inbox and ends
+                inbox.close()
+                raise
         # forkserver: workers fork from a clean, single-threaded server that has already imported
         # the heavy modules, so each worker starts in milliseconds and inherits no parent threads.
         worker.start_forkserver(self.settings.sandbox_backend)  # started already: then a no-op
@@ -703,6 +721,7 @@ class Dispatch:
 
     def fail_all_outstanding(self, track: _Tracking) -> int:
         """The pool cannot start workers any more: every unfinished prompt fails (re-run on resume)."""
+        self.workers_lost = True
         track.pending.clear()
         track.held.clear()
         track.free.clear()

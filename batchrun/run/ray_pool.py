@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,12 @@ INSTALL_HINT = "pip install 'batch-runner[ray]'"
 INBOX_HOST_ENV = "BATCH_RUNNER_INBOX_HOST"
 INBOX_PORT_ENV = "BATCH_RUNNER_INBOX_PORT"
 CLEANUP_TIMEOUT_S = 30.0
+# A call to the cluster's GCS at the end of the run (its node list, leaving it) must answer this fast: a GCS that
+# hangs (stopped, swapping, partitioned) accepts connections and never answers, and Ray waits for it forever.
+GCS_ANSWER_TIMEOUT_S = 15.0
+# The workers must all be up this fast (Ray waits for them forever: a GCS that hangs, a node that never takes one).
+START_TIMEOUT_ENV = "BATCH_RUNNER_RAY_START_TIMEOUT_S"
+START_TIMEOUT_S = 300.0
 PROBE_TIMEOUT_S = 10.0  # the cluster's address must answer this fast at start
 # Ray ends a driver whose cluster (its GCS) has not answered for this long, 60 s by default, from a thread
 # of its own, whatever the driver is doing: a runner whose cluster died would die too, before merging what it
@@ -54,6 +61,7 @@ _AUTH_HINT = (
 )
 
 _owned = False  # whether this process started (or connected) Ray itself, and so shuts it down
+_hung = False  # the cluster's GCS stopped answering: no Ray call is made any more, leaving it included
 
 
 class RaySetupError(RuntimeError):
@@ -104,8 +112,16 @@ def connect(address: str, num_workers: int, entrypoint: str | None = None) -> st
                 f"{'' if address == 'local' else _AUTH_HINT}"
             ) from None
         _owned = True
-    cpus = int(ray.cluster_resources().get("CPU", 0))
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    global _hung
+    ended, seen = bounded(lambda: (ray.cluster_resources(), ray.nodes()), GCS_ANSWER_TIMEOUT_S)
+    if not ended or seen is None:
+        _hung = not ended
+        shutdown()
+        raise RaySetupError(
+            f"the Ray cluster at {address} does not answer (its GCS gave no answer in {GCS_ANSWER_TIMEOUT_S:g} s)"
+        )
+    cpus = int(seen[0].get("CPU", 0))
+    nodes = sum(1 for n in seen[1] if n.get("Alive"))
     if cpus < num_workers:
         raise RaySetupError(
             f"--num_workers={num_workers} is more than the {cpus} CPU(s) of the Ray cluster at {address} "
@@ -215,20 +231,62 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 
 
 def answers() -> bool:
-    """Whether the cluster this process joined still takes connections (a dead one would block Ray's calls)."""
+    """Whether the cluster this process joined still answers (a dead or hung one would block Ray's calls):
+    its GCS takes a connection, and gives its node list within GCS_ANSWER_TIMEOUT_S."""
+    global _hung
     ray = import_ray()
+    if _hung:
+        return False
     try:
         address = ray.get_runtime_context().gcs_address
     except Exception:
-        return True  # Ray Client, or an older Ray: no way to tell, the calls are bounded anyway
-    m = _ADDRESS.fullmatch(str(address))
-    if not m:
-        return True
+        address = None  # Ray Client, or an older Ray: the node list alone tells
+    m = _ADDRESS.fullmatch(str(address)) if address else None
+    if m:
+        try:
+            socket.create_connection((m.group(2).strip("[]"), int(m.group(3))), timeout=3).close()
+        except OSError:
+            return False
+    # A stopped GCS still takes connections (the kernel accepts them): only an answer tells it is alive.
+    ended, nodes = bounded(ray.nodes, GCS_ANSWER_TIMEOUT_S)
+    _hung = not ended
+    return nodes is not None
+
+
+def bounded(
+    call: Callable[[], Any], timeout_s: float, on_interrupt: Callable[[], None] | None = None
+) -> tuple[bool, Any]:
+    """``call()`` on a thread of its own, waited for at most ``timeout_s``: (whether it ended, its result; None
+    if it raised). Ray's calls to a GCS that hangs never return and cannot be cancelled: the thread is left
+    behind (a daemon)."""
+    result: list[Any] = [None]
+
+    def target() -> None:
+        with contextlib.suppress(Exception):
+            result[0] = call()
+
+    thread = threading.Thread(target=target, name="ray-call", daemon=True)
+    thread.start()
     try:
-        socket.create_connection((m.group(2).strip("[]"), int(m.group(3))), timeout=3).close()
-    except OSError:
-        return False
-    return True
+        thread.join(timeout_s)
+    except KeyboardInterrupt:
+        if on_interrupt is not None:
+            on_interrupt()
+        raise
+    return not thread.is_alive(), result[0]
+
+
+def _attempt(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, or the exception it raised."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as exc:
+        return exc
+
+
+def left_hanging() -> bool:
+    """Whether this process gave up on a cluster whose GCS hangs (Ray's calls to it still wait)."""
+    return _hung
 
 
 def inbox_endpoint() -> tuple[str, int]:
@@ -239,11 +297,20 @@ def inbox_endpoint() -> tuple[str, int]:
 
 
 def shutdown() -> None:
-    """Leave the cluster (and stop a local one) if this process joined it; Ray started by the caller stays."""
+    """Leave the cluster (and stop a local one) if this process joined it; Ray started by the caller stays.
+
+    A cluster whose GCS hangs: leaving it would hang as well (Ray's shutdown waits on the GCS), and so would
+    Ray's own shutdown at the interpreter's exit; both are skipped and the process leaves it by exiting.
+    """
     global _owned
-    if _owned:
-        _owned = False
-        import_ray().shutdown()
+    if not _owned:
+        return
+    _owned = False
+    ray = import_ray()
+    if _hung or not bounded(ray.shutdown, GCS_ANSWER_TIMEOUT_S)[0]:
+        import atexit
+
+        atexit.unregister(ray.shutdown)  # else the exit waits on the GCS forever
 
 
 class RayPool:
@@ -263,39 +330,66 @@ class RayPool:
         from ray.util.multiprocessing import Pool
 
         self._settings = settings
-        try:
-            # Each actor runs the initializer when it starts: it connects to the inbox and from then
-            # on runs what the parent sends it. The Pool's own task queue is never used.
-            self._pool = Pool(
+        inbox = initargs[1][0]
+        timeout_s = float(os.environ.get(START_TIMEOUT_ENV) or START_TIMEOUT_S)
+        # Each actor runs the initializer when it starts: it connects to the inbox and from then
+        # on runs what the parent sends it. The Pool's own task queue is never used. Ray waits for the
+        # actors without a limit (and a Ctrl-C meanwhile must be taken): a thread of its own.
+        ended, made = bounded(
+            lambda: _attempt(
+                Pool,
                 processes,
                 initializer=initializer,
                 initargs=initargs,
                 ray_remote_args={"scheduling_strategy": "SPREAD"},
+            ),
+            timeout_s,
+            on_interrupt=shutdown,  # leaving the cluster ends the actors it started
+        )
+        if not ended:
+            why = (
+                "the cluster does not answer (its GCS gave no answer)"
+                if not answers()
+                else "the cluster did not start them (no room on its nodes, or their start hangs)"
             )
-        except Exception as exc:
             shutdown()
-            inbox = initargs[1][0]
             raise RaySetupError(
-                f"the Ray workers could not start: {_short(exc)}. Every node needs this package (and its "
+                f"the Ray workers did not start within {timeout_s:g} s ({START_TIMEOUT_ENV}): {why}"
+            )
+        if isinstance(made, BaseException):
+            shutdown()
+            raise RaySetupError(
+                f"the Ray workers could not start: {_short(made)}. Every node needs this package (and its "
                 f"dependencies) installed and must reach this process's inbox at {inbox[0]}:{inbox[1]}"
             ) from None
+        self._pool = made
 
-    def terminate(self) -> None:
+    def terminate(self, cluster_lost: bool = False) -> None:
         """End every actor now (like ``multiprocessing.Pool.terminate``), remove their containers, leave Ray.
 
-        A cluster that went away mid-run: Ray's calls to it block for as long as it is gone (and a call
-        left blocked makes Ray's own shutdown hang), so the sweep is skipped; ray.kill and leaving do not wait.
+        A cluster that went away or hangs mid-run: Ray's calls to it block for as long as it does (and a call
+        left blocked makes Ray's own shutdown hang), so the sweep is skipped; each call here is bounded.
         """
-        try:
-            self._pool.terminate()
-        except Exception:
-            pass
-        if answers():
-            self._sweep_nodes()
-        else:
+        global _hung
+        bounded(self._pool.terminate, GCS_ANSWER_TIMEOUT_S)
+        if cluster_lost:
+            # Every worker died: the cluster went away, and a head restarted at its address since makes Ray's
+            # next call to it abort this process (a C++ check: "WrongClusterID"), before the run is merged.
+            _hung = True
+        answering = not _hung and answers()
+        if answering and not bounded(self._sweep_nodes, CLEANUP_TIMEOUT_S + GCS_ANSWER_TIMEOUT_S)[0]:
+            _hung, answering = True, False
+        if not answering:
             print(
-                "warning: the Ray cluster does not answer any more, so what the run's sandboxes left on its nodes "
-                "(containers of --sandbox=docker) was not removed",
+                "warning: the Ray cluster does not answer any more"
+                + (
+                    " (every worker died with it)"
+                    if cluster_lost
+                    else f" (its GCS gave no answer in {GCS_ANSWER_TIMEOUT_S:g} s)"
+                    if _hung
+                    else ""
+                )
+                + ", so what the run's sandboxes left on its nodes (containers of --sandbox=docker) was not removed",
                 file=sys.stderr,
             )
         shutdown()
