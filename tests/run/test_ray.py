@@ -564,6 +564,19 @@ def raylet_pid(root: int) -> int | None:
     return None
 
 
+def cli_on_head(tmp_path, server, ray_env, address, run_name, prompts, *flags, env=None):
+    """The runner's command line on the cluster at ``address`` (2 workers, the fake model, terminal_only,
+    ``flags``) for a dataset of ``prompts``: (command, environment, its log's path, the output directory)."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
+        f"--run_name={run_name}", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
+        "--distribution=terminal_only", "--num_workers=2", *flags, f"--ray_address={address}",
+    ]  # fmt: skip
+    return cmd, {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY, **(env or {})}, tmp_path / "cli.log", out
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_cluster_dying_mid_run_ends_the_run_with_its_outcomes_and_the_resume_command(
@@ -574,16 +587,16 @@ def test_the_cluster_dying_mid_run_ends_the_run_with_its_outcomes_and_the_resume
     sweep's ray.nodes(): no trajectories.jsonl, no statistics, status.json saying "running", no resume
     command. Now the run ends as one whose workers died: every prompt is a trajectory or a failure, once."""
     prompts = [f"Doomed job {i} [slow:1]" for i in range(10)]
-    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
-        "--run_name=doomed", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
-        "--distribution=terminal_only", "--num_workers=2", "--prompts_per_worker=2", "--max_failure_rate=1",
-        f"--ray_address={own_head.address}",
-    ]  # fmt: skip
-    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY}
-    log = tmp_path / "cli.log"
+    cmd, env, log, out = cli_on_head(
+        tmp_path,
+        server,
+        ray_env,
+        own_head.address,
+        "doomed",
+        prompts,
+        "--prompts_per_worker=2",
+        "--max_failure_rate=1",
+    )
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
@@ -693,16 +706,9 @@ def test_a_gcs_that_hangs_does_not_hang_the_run(own_head, ray_env, server, tmp_p
     the interpreter's exit, hangs on it too. Now each call to the cluster at the end is bounded: the run says
     why the nodes were not swept, merges, and exits."""
     prompts = [f"Frozen-GCS job {i} [slow:1]" for i in range(8)]
-    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
-        "--run_name=frozen", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
-        "--distribution=terminal_only", "--num_workers=2", "--prompts_per_worker=2",
-        f"--ray_address={own_head.address}",
-    ]  # fmt: skip
-    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY}
-    log = tmp_path / "cli.log"
+    cmd, env, log, out = cli_on_head(
+        tmp_path, server, ray_env, own_head.address, "frozen", prompts, "--prompts_per_worker=2"
+    )
     gcs = head_child(own_head.proc.pid, b"gcs_server")
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -741,15 +747,15 @@ def test_a_gcs_that_hangs_while_the_workers_start_stops_the_run_and_resume_finis
     does not answer and exits 2 (or, the GCS stopped a moment earlier, the join's own calls to it have one);
     once the GCS is back, --resume runs every prompt once."""
     prompts = [f"Early-frozen job {i}" for i in range(4)]
-    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
-        "--run_name=early", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
-        "--distribution=terminal_only", "--num_workers=2", f"--ray_address={own_head.address}",
-    ]  # fmt: skip
-    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY, "BATCH_RUNNER_RAY_START_TIMEOUT_S": "10"}
-    log = tmp_path / "cli.log"
+    cmd, env, log, out = cli_on_head(
+        tmp_path,
+        server,
+        ray_env,
+        own_head.address,
+        "early",
+        prompts,
+        env={"BATCH_RUNNER_RAY_START_TIMEOUT_S": "10"},
+    )
     gcs = head_child(own_head.proc.pid, b"gcs_server")
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -802,16 +808,9 @@ def test_a_head_restarted_at_the_same_address_mid_run(own_head, ray_env, server,
     no merge of that invocation, no resume command. Now a run whose workers all died makes no call to the
     cluster any more: exit 7 with the resume command, and --resume on the new head runs the rest once."""
     prompts = [f"Restarted-head job {i} [slow:1]" for i in range(12)]
-    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=2",
-        "--run_name=restarted", f"--output_dir={out}", "--model=fake", f"--base_url={server.base_url}",
-        "--distribution=terminal_only", "--num_workers=2", "--prompts_per_worker=2",
-        f"--ray_address={own_head.address}",
-    ]  # fmt: skip
-    env = {**os.environ, **ray_env, "OPENAI_API_KEY": API_KEY}
-    log = tmp_path / "cli.log"
+    cmd, env, log, out = cli_on_head(
+        tmp_path, server, ray_env, own_head.address, "restarted", prompts, "--prompts_per_worker=2"
+    )
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
     new_head = None
