@@ -49,9 +49,8 @@ from batchrun.storage import not_a_file, read_flag_file, read_json_file
 DEFAULT_MODEL = "anthropic/claude-sonnet-4.6"
 MAX_COUNT = 100_000_000  # prompts, samples, batch sizes: more than any run holds
 MAX_TURNS = 100_000  # --max_turns and a row's own max_turns
-SAMPLE_BYTES = (
-    1024  # memory one planned sample may take in the parent (measured ~450 bytes: the job, its batch)
-)
+# Memory one planned sample may take in the parent (measured ~450 bytes: the job, its batch).
+SAMPLE_BYTES = 1024
 MIN_CPUS = 0.01  # --container_cpus: Docker refuses less; the local cgroup's quota cannot go below it
 MAX_DURATION_S = 7 * 24 * 3600.0  # a timeout longer than a week is a typo (1e11 s would overflow a timer)
 PID_MAX_LIMIT = 4_194_304  # the kernel's own highest pid_max
