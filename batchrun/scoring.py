@@ -399,6 +399,27 @@ def _last_boxed(text: str) -> str | None:
     return None if last is None else text[last[0] : last[1]]
 
 
+# LaTeX's text commands around a whole boxed answer (\\boxed{\\text{Paris}}): the words are the answer; kept,
+# the right answer "Paris" failed exact.
+_TEXT_WRAPPER_RE = re.compile(
+    r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mbox|operatorname)\s*\{"
+)
+
+
+def _unwrapped_text(answer: str) -> str:
+    """``answer`` without a text command that wraps all of it (its braces balanced), else as it is."""
+    while (m := _TEXT_WRAPPER_RE.match(answer)) and answer.endswith("}"):
+        depth = 0
+        for i in range(m.end() - 1, len(answer)):
+            depth += {"{": 1, "}": -1}.get(answer[i], 0)
+            if depth == 0:
+                break
+        if i != len(answer) - 1:  # its group closes before the end: \text{a} + \text{b}
+            return answer
+        answer = answer[m.end() : -1].strip()
+    return answer
+
+
 _ANSWER_LABEL_RE = re.compile(r"(?:final\s+)?answer\s*[:=]", re.IGNORECASE)
 
 
@@ -457,7 +478,7 @@ def extract_answer(text: str, pattern: str | None = None, timeout_s: float | Non
         return _last_match(pattern, text)
     boxed = _last_boxed(text)
     if boxed is not None:
-        return boxed.strip()
+        return _unwrapped_text(boxed.strip())
     line = _last_answer_line(text)
     return text.strip() if line is None else line
 

@@ -917,3 +917,18 @@ def test_an_answer_pattern_that_backtracks_on_the_models_text_ends_within_the_ve
     assert part["passed"] is None and "--answer_pattern took longer than 1 s" in part["error"]
     assert judged("so ANSWER: 4 ", "4", "exact", answer_pattern=r"ANSWER: (.+?)\s*$")["passed"] is True
     assert judged("ANSWER: 5", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is False
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # A text command around the whole boxed answer was kept: the right answer "Paris" failed exact.
+        (r"The capital is \boxed{\text{Paris}}.", "Paris", True),
+        (r"\boxed{\textbf{\text{ Paris }}}", "Paris", True),
+        (r"\boxed{\mathrm{Lyon}}", "Paris", False),
+        (r"\boxed{\text{(A)}}", "(A)", True),
+        (r"\boxed{\text{a} + \text{b}}", "a + b", False),  # not one wrapper around all of it: as written
+    ],
+)
+def test_a_text_command_around_a_boxed_answer_is_not_part_of_it(text, answer, passed):
+    assert judged(text, answer, "exact")["passed"] is passed
