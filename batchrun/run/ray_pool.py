@@ -114,7 +114,7 @@ def connect(address: str, num_workers: int, entrypoint: str | None = None) -> st
         _owned = True
     global _hung
     ended, seen = bounded(lambda: (ray.cluster_resources(), ray.nodes()), GCS_ANSWER_TIMEOUT_S)
-    if not ended or seen is None:
+    if not ended or isinstance(seen, BaseException):
         _hung = not ended
         shutdown()
         raise RaySetupError(
@@ -250,20 +250,22 @@ def answers() -> bool:
     # A stopped GCS still takes connections (the kernel accepts them): only an answer tells it is alive.
     ended, nodes = bounded(ray.nodes, GCS_ANSWER_TIMEOUT_S)
     _hung = not ended
-    return nodes is not None
+    return not isinstance(nodes, BaseException)
 
 
 def bounded(
     call: Callable[[], Any], timeout_s: float, on_interrupt: Callable[[], None] | None = None
 ) -> tuple[bool, Any]:
-    """``call()`` on a thread of its own, waited for at most ``timeout_s``: (whether it ended, its result; None
-    if it raised). Ray's calls to a GCS that hangs never return and cannot be cancelled: the thread is left
-    behind (a daemon)."""
+    """``call()`` on a thread of its own, waited for at most ``timeout_s``: (whether it ended, its result, or
+    the exception it raised; None while it runs). Ray's calls to a GCS that hangs never return and cannot be
+    cancelled: the thread is left behind (a daemon)."""
     result: list[Any] = [None]
 
     def target() -> None:
-        with contextlib.suppress(Exception):
+        try:
             result[0] = call()
+        except Exception as exc:
+            result[0] = exc
 
     thread = threading.Thread(target=target, name="ray-call", daemon=True)
     thread.start()
@@ -274,14 +276,6 @@ def bounded(
             on_interrupt()
         raise
     return not thread.is_alive(), result[0]
-
-
-def _attempt(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)``, or the exception it raised."""
-    try:
-        return call(*args, **kwargs)
-    except Exception as exc:
-        return exc
 
 
 def left_hanging() -> bool:
@@ -336,8 +330,7 @@ class RayPool:
         # on runs what the parent sends it. The Pool's own task queue is never used. Ray waits for the
         # actors without a limit (and a Ctrl-C meanwhile must be taken): a thread of its own.
         ended, made = bounded(
-            lambda: _attempt(
-                Pool,
+            lambda: Pool(
                 processes,
                 initializer=initializer,
                 initargs=initargs,
