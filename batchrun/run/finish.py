@@ -25,7 +25,16 @@ from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTOR
 from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder, credible, earlier_runs
-from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
+from batchrun.run.resume import (
+    Place,
+    add_discards,
+    place_of,
+    resume_command,
+    row_fields_of,
+    samples_of,
+    unfinished,
+    wanted_samples,
+)
 from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json, reasoning_counts, used_tool_names
@@ -51,6 +60,8 @@ class MergeTotals:
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
         # the same records by (row identity, sample index, prompt index): which of identical rows wrote them
         self.finished_at: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
+        self.finished_where: collections.Counter[Place] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
@@ -155,6 +166,9 @@ def merge(
                     if isinstance(rec.get("prompt_index"), int):
                         done_indices.add(rec["prompt_index"])
                         totals.finished_at[(*key, rec["prompt_index"])] += 1
+                        totals.finished_where[
+                            place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))
+                        ] += 1
                     if used_tool_names(rec) - known:
                         totals.dropped["unknown_tool"] += 1
                         unknown.append(rec)
@@ -541,7 +555,7 @@ def count_remaining(
 ) -> int:
     """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
     done = collections.Counter(totals.finished)
-    at = collections.Counter(totals.finished_at)
+    at = collections.Counter(totals.finished_where)
     add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
     return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt, at))
 

@@ -301,6 +301,61 @@ def test_identical_rows_resume_runs_the_copy_whose_sample_is_missing(server, tmp
     assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
+@pytest.mark.parametrize("edit", ["row_removed_above", "reordered"])
+def test_rows_of_one_prompt_that_moved_each_keep_their_own_sample(server, tmp_path, edit):
+    """Rows with one prompt but their own ``id`` / ``answer`` (one question of several sets) are one
+    identity; resume matched their outcomes to rows by line, then by content. After a row above them
+    was removed (every line moved up one), each row took its upper neighbour's outcome: q0 ran a second
+    time and q2 never ran (trajectories.jsonl: q0 twice, q2 missing; 2 paid samples of the wrong row).
+    Reordered, the same: the sample of the row that did not finish was never run."""
+    q = "What is 2+2? [answers:3|4|5|6|7]"
+    rows = [{"prompt": q, "id": f"q{i}", "answer": str(3 + i)} for i in range(4)]
+    first = [{"prompt": "intro [calls:0]", "id": "x"}, *rows]
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    if edit == "row_removed_above":
+        run(server, write_rows(tmp_path / "d0.jsonl", first), out, max_samples=3)  # x, q0, q1
+        edited = rows
+    else:
+        run(server, write_rows(tmp_path / "d0.jsonl", rows), out, max_samples=2)  # q0, q1
+        edited = rows[::-1]
+    before = requests(server)[q]
+    run(server, write_rows(tmp_path / "d1.jsonl", edited), out, resume=True)
+    assert requests(server)[q] - before == 2 * 3  # q2 and q3, three model calls each
+    ids = collections.Counter(
+        r["metadata"]["row_id"]
+        for r in read_jsonl(run_dir / "trajectories.jsonl")
+        if first_human(r["conversations"]) == q
+    )
+    assert ids == {"q0": 1, "q1": 1, "q2": 1, "q3": 1}
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+    before = requests(server)[q]
+    run(server, write_rows(tmp_path / "d1.jsonl", edited), out, resume=True)
+    assert requests(server)[q] == before  # two lines' outcomes at one line number are not one sample redone
+
+
+def test_a_record_the_merge_set_aside_does_not_stand_for_its_identical_twin(server, tmp_path):
+    """A record calling a tool no longer known stays in its batch file and is set aside in discarded.jsonl:
+    one outcome of one line, counted once, so its identical twin's sample still runs. The set-aside row
+    names the row's fields as every discard does (read from its record where it was written without)."""
+    twin = "twin row [calls:1]"
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": twin, "id": 7}] * 2)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, max_samples=1)
+    (rec,) = read_jsonl(run_dir / "batch_0.jsonl")
+    rec["conversations"][2]["tool_calls"][0]["function"]["name"] = "gone_plugin_tool"
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(rec) + "\n", "utf-8")
+    run(server, dataset, out, max_samples=1, resume=True)  # the merge sets it aside
+    (aside,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert (aside["reason"], aside["row_id"], aside["row_fields"]) == ("unknown_tool", "7", '{"id": 7}')
+    before = requests(server)[twin]
+    run(server, dataset, out, resume=True)
+    assert requests(server)[twin] - before == 2  # the second copy ran
+    assert sorted(r["prompt_index"] for r in read_jsonl(run_dir / "trajectories.jsonl")) == [1]
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 def test_a_sample_redone_by_rerun_discarded_does_not_stand_for_its_identical_twin(server, tmp_path, capsys):
     """--rerun_discarded runs a discarded sample again and, discarded again, it has two lines in
     discarded.jsonl: both are outcomes of one dataset line's one sample. Counted as two, they made the
