@@ -334,6 +334,29 @@ def test_rows_of_one_prompt_that_moved_each_keep_their_own_sample(server, tmp_pa
     assert requests(server)[q] == before  # two lines' outcomes at one line number are not one sample redone
 
 
+def test_merge_keeps_the_sample_of_the_row_still_there_not_its_edited_twins(server, tmp_path):
+    """Two rows of one prompt (ids 1 and 2), both finished; the user then edits row 2's prompt. The
+    dataset wants one sample of the old prompt: the merge kept the first record in file order, row 2's
+    (it finished first), and dropped row 1's: trajectories.jsonl held row 2 twice (old and new prompt)
+    and row 1 not at all, its score left out of the pass rate."""
+    p = "What is 2+2? [answers:4]"
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_rows(tmp_path / "d0.jsonl", [{"prompt": p, "id": 2, "answer": "4"}]), out)
+    both = [{"prompt": p, "id": 1, "answer": "4"}, {"prompt": p, "id": 2, "answer": "4"}]
+    run(server, write_rows(tmp_path / "d1.jsonl", both), out, resume=True)  # row 1 runs, after row 2
+    edited = [both[0], {"prompt": "What is 3+3? [answers:6]", "id": 2, "answer": "6"}]
+    run(server, write_rows(tmp_path / "d2.jsonl", edited), out, resume=True)
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted((first_human(r["conversations"]), r["metadata"]["row_id"]) for r in merged) == [
+        (p, "1"),
+        ("What is 3+3? [answers:6]", "2"),
+    ]
+    stats = stats_of(run_dir)
+    assert stats["dropped_at_merge"]["duplicate"] == 1
+    assert stats["remaining_for_resume"] == 0
+
+
 def test_a_record_the_merge_set_aside_does_not_stand_for_its_identical_twin(server, tmp_path):
     """A record calling a tool no longer known stays in its batch file and is set aside in discarded.jsonl:
     one outcome of one line, counted once, so its identical twin's sample still runs. The set-aside row
