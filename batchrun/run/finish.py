@@ -65,6 +65,9 @@ class MergeTotals:
         # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
         self.finished_where: collections.Counter[Place] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
+        # Kept records of samples the dataset no longer wants (a row since removed or edited, a sample
+        # index past today's count, rows past --max_samples): kept as they are, and said.
+        self.not_in_dataset = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
         # Every valid finished record in the batch files by how it ended, the excluded partial ones included.
@@ -111,6 +114,7 @@ class MergeTotals:
                 for k in ("invalid_lines", "unknown_tool", "duplicate", "partial_excluded")
             },
             "trajectories_by_stop_reason": dict(self.by_stop_reason),
+            "trajectories_not_in_dataset": self.not_in_dataset,
             "tool_stats": tools,
             "reasoning": {
                 "turns_with_reasoning": self.with_reasoning,
@@ -239,6 +243,8 @@ def merge(
                         if preference:
                             held.append((preference, n, offset, ready))
                             continue
+                    elif not (exclude_partial and rec.get("partial")):
+                        totals.not_in_dataset += 1
                     keep(fh, raw, rec, key, ready)
             for _, n, offset, ready in sorted(held, key=lambda h: h[:3]):
                 raw, rec = read_line_at(files[n][1], offset)
@@ -673,6 +679,12 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
     d = stats["dropped_at_merge"]
     if any(d.values()):
         print(f"Dropped at merge: {d}")
+    if stats.get("trajectories_not_in_dataset"):
+        print(
+            f"Kept as they are: {stats['trajectories_not_in_dataset']} of the trajectories are of rows or sample "
+            "indices the dataset no longer has (rows removed or edited since they ran, fewer samples, "
+            "--max_samples); statistics.json: trajectories_not_in_dataset"
+        )
     if stats["remaining_for_resume"]:
         print(
             f"{stats['remaining_for_resume']} {'prompt' if stats['dataset_samples'] == stats['dataset_prompts'] else 'sample'}(s) remain; continue with:\n  {recorder.redact(resume_command())}"

@@ -357,6 +357,37 @@ def test_merge_keeps_the_sample_of_the_row_still_there_not_its_edited_twins(serv
     assert stats["remaining_for_resume"] == 0
 
 
+def test_trajectories_of_rows_the_dataset_no_longer_has_are_kept_and_said(server, tmp_path, capsys):
+    """A row's prompt edited, then --samples_per_prompt lowered: the old prompt's sample and the second
+    samples stay in trajectories.jsonl as they are (7, then 13 records for a dataset of 6 rows), and
+    nothing said so: statistics.json's trajectories equalled neither dataset_prompts nor dataset_samples."""
+    rows = [f"row {i} [calls:0]" for i in range(6)]
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_jsonl(tmp_path / "d0.jsonl", rows), out)
+    rows[2] = "row 2 edited [calls:0]"
+    edited = write_jsonl(tmp_path / "d1.jsonl", rows)
+    capsys.readouterr()
+    run(server, edited, out, resume=True)
+    stats = stats_of(run_dir)
+    assert (stats["trajectories"], stats["dataset_samples"], stats["trajectories_not_in_dataset"]) == (
+        7,
+        6,
+        1,
+    )
+    assert "Kept as they are: 1 of the trajectories" in capsys.readouterr().out
+    run(server, edited, out, resume=True, samples_per_prompt=2)
+    run(server, edited, out, resume=True, samples_per_prompt=1)
+    stats = stats_of(run_dir)
+    assert (stats["trajectories"], stats["dataset_samples"], stats["trajectories_not_in_dataset"]) == (
+        13,
+        6,
+        7,
+    )
+    run(server, edited, out, resume=True, samples_per_prompt=1, exclude_partial=True)
+    assert stats_of(run_dir)["trajectories_not_in_dataset"] == 7  # none is partial
+
+
 def test_a_record_the_merge_set_aside_does_not_stand_for_its_identical_twin(server, tmp_path):
     """A record calling a tool no longer known stays in its batch file and is set aside in discarded.jsonl:
     one outcome of one line, counted once, so its identical twin's sample still runs. The set-aside row
