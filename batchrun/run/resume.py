@@ -146,7 +146,11 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
         if not force:
-            original = " ".join(_flag(k, old.get(k)) for k in changed)
+            # The probabilities follow the name (a built-in's): the flag that restores the name restores them.
+            shown = [
+                k for k in changed if not (k == "distribution_probabilities" and "distribution" in changed)
+            ]
+            original = " ".join(_flag(k, old.get(k)) for k in shown)
             raise UsageError(
                 f"--resume with settings that differ from the first run ({detail}) would mix two datasets; "
                 f"resume with the original settings ({original}), or add --force_resume to mix them deliberately"
@@ -496,8 +500,18 @@ def without_api_key(argv: list[str] | None = None) -> list[str]:
     return args
 
 
+# Manifest settings that no flag gives: what restores them.
+DERIVED = {
+    "distribution_probabilities": "(the distribution's probabilities of the first run: its --distribution_file as it was)",
+    "known_tools": "(the tools installed for the first run: the same plugins and --mcp_config)",
+}
+
+
 def _flag(name: str, value: Any) -> str:
-    """A manifest setting as the command-line flag that reproduces it."""
+    """A manifest setting as the command-line flag that reproduces it (a setting no flag gives, the words
+    that say what does: a suggested --distribution_probabilities=... was refused as an unknown flag)."""
+    if name in DERIVED:
+        return DERIVED[name]
     if name.endswith("_sha256"):  # the text itself is a secret and is not stored
         flag = {"prefill_sha256": "prefill_messages_file"}.get(name, name.removesuffix("_sha256"))
         return f"--{flag}=<the original, sha256 {value[:12]}...>" if value else f"(no --{flag})"

@@ -600,3 +600,26 @@ def test_resume_of_a_name_that_holds_no_run_says_so_and_names_close_runs(server,
     assert "holds no run" not in capsys.readouterr().err
     run(server, dataset, out, run_name="other", resume=True)
     assert "holds no run yet; starting it" in capsys.readouterr().err
+
+
+def test_the_refusal_of_changed_settings_suggests_only_flags_that_exist(server, tmp_path, capsys):
+    """The refusal named a flag for every changed setting, derived ones too: --distribution_probabilities=
+    '{...}' (no such flag: pasted back, exit 2 "unknown flag") beside --distribution, or alone when a
+    --distribution_file's numbers were edited."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one [calls:0]"])
+    dists = tmp_path / "dists.json"
+    dists.write_text(json.dumps({"mine": {"probabilities": {"terminal": 50}}}), "utf-8")
+    out = tmp_path / "data"
+    run(server, dataset, out, distribution="mine", distribution_file=str(dists))
+    for kw in ({"distribution": "terminal_only"}, {"distribution": "mine", "distribution_file": str(dists)}):
+        if "distribution_file" in kw:
+            dists.write_text(json.dumps({"mine": {"probabilities": {"terminal": 90}}}), "utf-8")
+        capsys.readouterr()
+        assert exit_code(server, dataset, out, resume=True, **kw) == 2
+        err = capsys.readouterr().err
+        original = err.split("resume with the original settings (", 1)[1]
+        assert "--distribution_probabilities" not in original
+        if "distribution_file" in kw:
+            assert "--distribution_file as it was" in original
+        else:
+            assert original.startswith("--distribution=mine)")
