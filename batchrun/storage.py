@@ -228,17 +228,36 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
 
 def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
     """Stream a JSONL file as (line bytes, parsed object or None when torn/invalid)."""
+    for _, raw, obj in iter_jsonl_at(path):
+        yield raw, obj
+
+
+def iter_jsonl_at(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | None]]:
+    """:func:`iter_jsonl_raw` with each line's byte offset in the file (:func:`read_line_at` reads it again)."""
+    offset = 0
     with path.open("rb") as fh:
         for raw in fh:
+            at, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
-            try:
-                # Strict UTF-8 first: json.loads of bytes would let an encoded surrogate through.
-                obj = parse_json(raw.decode("utf-8"))
-            except ValueError:
-                yield raw, None
-                continue
-            yield raw, obj if isinstance(obj, dict) else None
+            yield at, raw, _parse_line(raw)
+
+
+def read_line_at(path: Path, offset: int) -> tuple[bytes, dict[str, Any] | None]:
+    """The line of a JSONL file at ``offset`` (from :func:`iter_jsonl_at`), and its object as there."""
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        raw = fh.readline()
+    return raw, _parse_line(raw)
+
+
+def _parse_line(raw: bytes) -> dict[str, Any] | None:
+    try:
+        # Strict UTF-8 first: json.loads of bytes would let an encoded surrogate through.
+        obj = parse_json(raw.decode("utf-8"))
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def batch_files(run_dir: Path) -> list[tuple[int, Path]]:

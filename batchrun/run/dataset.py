@@ -181,8 +181,10 @@ def _parse_line(
     catalog: Mapping[str, tuple[str, ...]],
     toolsets: set[str],
 ) -> tuple[str | None, Row | None]:
-    if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte order mark is harmless; accept it
+    if raw.startswith(b"\xef\xbb\xbf"):
+        # A UTF-8 byte order mark is harmless; accept it on any line: ``cat a.jsonl b.jsonl`` puts the mark
+        # of a file written on Windows at the start of a later line, which was a bad line (invalid JSON).
+        raw = raw[3:]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -16,16 +16,26 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from batchrun.config import RunConfig
-from batchrun.identity import outcome_sample, record_sample, superseded_discards
+from batchrun.identity import RowIdentity, outcome_sample, record_sample, superseded_discards
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder, credible, earlier_runs
-from batchrun.run.resume import add_discards, resume_command, samples_of, unfinished, wanted_samples
+from batchrun.run.resume import (
+    Place,
+    add_discards,
+    fields_digest,
+    place_of,
+    resume_command,
+    row_fields_of,
+    samples_of,
+    unfinished,
+    wanted_samples,
+)
 from batchrun.scoring import RunScores, duplicate_samples, headline
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json, reasoning_counts, used_tool_names
@@ -34,7 +44,8 @@ from batchrun.storage import (
     discard_temp,
     fsync_dir,
     iter_jsonl,
-    iter_jsonl_raw,
+    iter_jsonl_at,
+    read_line_at,
     temp_path,
     write_json_atomic,
     write_text_atomic,
@@ -51,7 +62,12 @@ class MergeTotals:
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
         # the same records by (row identity, sample index, prompt index): which of identical rows wrote them
         self.finished_at: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
+        self.finished_where: collections.Counter[Place] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
+        # Kept records of samples the dataset no longer wants (a row since removed or edited, a sample
+        # index past today's count, rows past --max_samples): kept as they are, and said.
+        self.not_in_dataset = 0
         self.with_reasoning = self.without_reasoning = 0
         self.usage: collections.Counter[str] = collections.Counter()
         # Every valid finished record in the batch files by how it ended, the excluded partial ones included.
@@ -98,6 +114,7 @@ class MergeTotals:
                 for k in ("invalid_lines", "unknown_tool", "duplicate", "partial_excluded")
             },
             "trajectories_by_stop_reason": dict(self.by_stop_reason),
+            "trajectories_not_in_dataset": self.not_in_dataset,
             "tool_stats": tools,
             "reasoning": {
                 "turns_with_reasoning": self.with_reasoning,
@@ -105,6 +122,39 @@ class MergeTotals:
                 "coverage": round(self.with_reasoning / turns, 4) if turns else None,
             },
         }
+
+
+class RowPlaces:
+    """Where the dataset's rows are now, for the merge: which record of a sample it wants to keep first."""
+
+    def __init__(self, rows: list[Row], samples_per_prompt: int, redact: Redactor):
+        self.places: set[Place] = set()
+        self.fields: set[tuple[str, int, str | None]] = set()
+        self.lines: set[tuple[str, int, int]] = set()
+        for row in rows:
+            key = RowIdentity.of_row(row, redact).key
+            fields = fields_digest(redact(row.row_fields or "{}"))
+            for s in range(samples_of(row, samples_per_prompt)):
+                self.places.add((key, s, row.index, fields))
+                self.fields.add((key, s, fields))
+                self.lines.add((key, s, row.index))
+        self.taken: set[Place] = set()
+
+    def preference(self, place: Place | None) -> int:
+        """0: a record a row wrote at its line as it is now (the first of its place), kept as it comes;
+        else how far it is from one, as resume matches outcomes to rows (resume.unfinished): 1 its row's
+        fields at another line, 2 its row's line with other fields, 3 neither, 4 its place taken already."""
+        if place is None:
+            return 3
+        if place in self.places:
+            if place in self.taken:
+                return 4
+            self.taken.add(place)
+            return 0
+        key, s, line, fields = place
+        if (key, s, fields) in self.fields:
+            return 1
+        return 2 if (key, s, line) in self.lines else 3
 
 
 def merge(
@@ -124,7 +174,9 @@ def merge(
 
     One pass: each kept line is copied as written (already redacted) and counted for the
     statistics, so memory stays flat and each record is parsed once. One record is kept per sample
-    the dataset wants (duplicate rows each want theirs); records of samples the dataset does not
+    the dataset wants (duplicate rows each want theirs): first the records each row wrote at its line
+    with its fields as they are now, then the others (the rows moved or were edited since; held back,
+    read again at the end) as :class:`RowPlaces` prefers them; records of samples the dataset does not
     want (rows since removed, sample indices beyond today's count) are all kept. ``written`` gets
     each record as trajectories.jsonl holds it (:class:`KeptFeed`: the scores and the report, which
     would otherwise read that file again), with the report's entry for it when ``prepared``
@@ -135,45 +187,75 @@ def merge(
     """
     if wanted is None:
         wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
+    places = RowPlaces(rows, samples_per_prompt, recorder.sample_text)
     done_indices: set[int] = set()
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
     unknown: list[dict[str, Any]] = []  # records that call a tool outside the known set
+    # Records of a sample the dataset wants that no row's own line and fields wrote (the rows moved or were
+    # edited since; a sample redone), held back until every record written by a row as it is now has its
+    # place: (preference, file, byte offset, the line's prepared work). Kept first in file order, one of a
+    # removed twin took the place of the row that is still there (the removed one's id, answer and score).
+    held: list[tuple[int, int, int, Prepared | None]] = []
     out = run_dir / "trajectories.jsonl"
     tmp = temp_path(out)
+
+    def keep(
+        fh: BinaryIO, raw: bytes, rec: dict[str, Any], key: tuple[str, int], ready: Prepared | None
+    ) -> None:
+        kept[key] += 1
+        totals.by_stop_reason[_stop_reason(rec)] += 1
+        if exclude_partial and rec.get("partial"):
+            totals.dropped["partial_excluded"] += 1
+            if excluded is not None:
+                excluded(typed_record(rec) or rec)
+            return
+        totals.add(rec)
+        typed = None if ready is not None else typed_record(rec)
+        fh.write(typed_line(raw, typed))
+        if written is not None:
+            written(rec if typed is None else typed, ready.item if ready is not None else None)
+
     try:
         with tmp.open("wb") as fh:
-            for _, path in batch_files(run_dir):
-                for raw, rec in iter_jsonl_raw(path):
+            files = batch_files(run_dir)
+            for n, (_, path) in enumerate(files):
+                for offset, raw, rec in iter_jsonl_at(path):
                     ready = prepared.take(raw) if prepared is not None else None
                     if ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
                         totals.dropped["invalid_lines"] += 1
                         continue
                     key = record_sample(rec)
                     totals.finished[key] += 1
+                    place = None
                     if isinstance(rec.get("prompt_index"), int):
                         done_indices.add(rec["prompt_index"])
                         totals.finished_at[(*key, rec["prompt_index"])] += 1
+                        place = place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))
+                        totals.finished_where[place] += 1
                     if used_tool_names(rec) - known:
                         totals.dropped["unknown_tool"] += 1
                         unknown.append(rec)
                         continue
-                    if key in wanted and kept[key] >= wanted[key]:
-                        totals.dropped["duplicate"] += 1
-                        continue
-                    kept[key] += 1
-                    totals.by_stop_reason[_stop_reason(rec)] += 1
-                    if exclude_partial and rec.get("partial"):
-                        totals.dropped["partial_excluded"] += 1
-                        if excluded is not None:
-                            excluded(typed_record(rec) or rec)
-                        continue
-                    totals.add(rec)
-                    typed = None if ready is not None else typed_record(rec)
-                    fh.write(typed_line(raw, typed))
-                    if written is not None:
-                        written(rec if typed is None else typed, ready.item if ready is not None else None)
+                    if key in wanted:
+                        preference = places.preference(place)
+                        if preference:
+                            held.append((preference, n, offset, ready))
+                            continue
+                    elif not (exclude_partial and rec.get("partial")):
+                        totals.not_in_dataset += 1
+                    keep(fh, raw, rec, key, ready)
+            for _, n, offset, ready in sorted(held, key=lambda h: h[:3]):
+                raw, rec = read_line_at(files[n][1], offset)
+                if rec is None:  # changed under us: not this merge's to judge
+                    totals.dropped["invalid_lines"] += 1
+                    continue
+                key = record_sample(rec)
+                if kept[key] >= wanted[key]:
+                    totals.dropped["duplicate"] += 1
+                    continue
+                keep(fh, raw, rec, key, ready)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
@@ -541,7 +623,7 @@ def count_remaining(
 ) -> int:
     """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
     done = collections.Counter(totals.finished)
-    at = collections.Counter(totals.finished_at)
+    at = collections.Counter(totals.finished_where)
     add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
     return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt, at))
 
@@ -597,6 +679,12 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
     d = stats["dropped_at_merge"]
     if any(d.values()):
         print(f"Dropped at merge: {d}")
+    if stats.get("trajectories_not_in_dataset"):
+        print(
+            f"Kept as they are: {stats['trajectories_not_in_dataset']} of the trajectories are of rows or sample "
+            "indices the dataset no longer has (rows removed or edited since they ran, fewer samples, "
+            "--max_samples); statistics.json: trajectories_not_in_dataset"
+        )
     if stats["remaining_for_resume"]:
         print(
             f"{stats['remaining_for_resume']} {'prompt' if stats['dataset_samples'] == stats['dataset_prompts'] else 'sample'}(s) remain; continue with:\n  {recorder.redact(resume_command())}"

@@ -317,6 +317,9 @@ class Recorder:
             "prompt": identity.text,
             **identity.fields(),
             "row_key": identity.key,
+            # As every discard names its row (its id and fields): resume tells rows of one prompt apart by them.
+            "row_id": meta.get("row_id") or None,
+            "row_fields": meta.get("row_fields") if isinstance(meta.get("row_fields"), str) else None,
             "sample_index": sample_index_of(meta),
             "prompt_index": rec.get("prompt_index"),
             "batch_num": meta.get("batch_num"),

@@ -146,7 +146,11 @@ def check_manifest(old: dict[str, Any], new: dict[str, Any], *, force: bool) -> 
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
         if not force:
-            original = " ".join(_flag(k, old.get(k)) for k in changed)
+            # The probabilities follow the name (a built-in's): the flag that restores the name restores them.
+            shown = [
+                k for k in changed if not (k == "distribution_probabilities" and "distribution" in changed)
+            ]
+            original = " ".join(_flag(k, old.get(k)) for k in shown)
             raise UsageError(
                 f"--resume with settings that differ from the first run ({detail}) would mix two datasets; "
                 f"resume with the original settings ({original}), or add --force_resume to mix them deliberately"
@@ -192,47 +196,96 @@ def wanted_samples(
     return wanted
 
 
+# A finished outcome's place: (identity, sample index, dataset line, digest of the ``row_fields`` it was
+# written with, None when it holds none), as :func:`unfinished` matches outcomes to rows by it.
+Place = tuple[str, int, int, str | None]
+
+
+def fields_digest(fields: Any) -> str | None:
+    """A row's ``row_fields`` text (id, answer, ...) as :data:`Place` holds it; None for no text."""
+    if not isinstance(fields, str):
+        return None
+    return hashlib.blake2b(fields.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def place_of(sample: tuple[str, int], line: int, fields: Any) -> Place:
+    """The :data:`Place` of a finished outcome of ``sample`` written by dataset line ``line``."""
+    return (*sample, line, fields_digest(fields))
+
+
 def unfinished(
     rows: list[Row],
     done: collections.Counter[tuple[str, int]],
     redact: Redactor,
     samples_per_prompt: int = 1,
-    done_at: collections.Counter[tuple[str, int, int]] | None = None,
+    done_at: collections.Counter[Place] | None = None,
 ) -> list[Sample]:
     """The samples left once each finished outcome has taken one sample of its (identity, sample index):
     duplicate rows count, each wanting its own samples.
 
-    ``done_at`` (identity, sample index, prompt index) -> finished outcomes of ``done`` written by that
-    dataset line: identical rows are not interchangeable (their occurrence seeds the toolset draw and the
-    request seed, and records carry their ``prompt_index``), so a row whose own line finished takes that
-    outcome first, and the one whose sample is missing is the one left to run. The rest (a dataset whose
-    lines moved since) are matched by content, in dataset order."""
+    ``done_at`` (:data:`Place`) -> finished outcomes of ``done`` by the dataset line that wrote them and
+    that row's other fields (``row_fields``): identical rows are not interchangeable (their occurrence
+    seeds the toolset draw and the request seed, records carry their ``prompt_index``, and rows with one
+    prompt may carry another ``id`` or ``answer``), so each row takes, in this order of preference, the
+    outcome of its own line written with its own fields; one written with its fields at another line (the
+    rows moved: a row removed or added above, the file reordered); one of its own line (its fields were
+    edited); then any left, by content in dataset order. The sample left to run is the one no outcome is
+    of: matched by line alone, a row removed above made each twin take its neighbour's outcome, and the
+    neighbour ran a second time while the twin whose outcome was taken never ran."""
     done = collections.Counter(done)
-    at = collections.Counter(done_at or ())
-    # A dataset line gives each of its samples one outcome: more at one (identity, sample index, line) are
-    # that sample redone (discarded again under --rerun_discarded; a record the merge set aside, which
-    # stays in its batch file too). Counted once, or they would stand for an identical row's sample.
-    for (key, s, line), n in list(at.items()):
-        if n > 1:
-            done[key, s] -= n - 1
-            at[key, s, line] = 1
-    keyed = [(row, RowIdentity.of_row(row, redact).key) for row in rows]
-    own: set[tuple[int, int]] = set()  # (row index, sample index) finished by the row's own line
-    for row, key in keyed:
-        for s in range(samples_of(row, samples_per_prompt)):
-            if at[key, s, row.index] > 0 and done[key, s] > 0:
-                at[key, s, row.index] -= 1
-                done[key, s] -= 1
-                own.add((row.index, s))
+    # A dataset line gives each of its samples one outcome: more at one place are that sample redone
+    # (discarded again under --rerun_discarded; a record the merge set aside, which stays in its batch
+    # file too). Counted once, or they would stand for an identical row's sample. Outcomes of one line
+    # written with other fields are other rows' (the line held another row before the rows moved).
+    places: collections.Counter[Place] = collections.Counter()
+    lines_of: dict[tuple[str, int, str], list[int]] = collections.defaultdict(list)
+    fields_at: dict[tuple[str, int, int], list[str | None]] = collections.defaultdict(list)
+    for place, n in sorted((done_at or {}).items(), key=lambda item: (item[0][2], item[0][3] or "")):
+        key, s, line, fields = place
+        done[key, s] -= n - 1
+        places[place] = 1
+        fields_at[key, s, line].append(fields)
+        if fields is not None:
+            lines_of[key, s, fields].append(line)
+    wants = [
+        (row, s, key, fields_digest(redact(row.row_fields or "{}")))
+        for row, key in ((row, RowIdentity.of_row(row, redact).key) for row in rows)
+        for s in range(samples_of(row, samples_per_prompt))
+    ]
+    taken: set[tuple[int, int]] = set()  # (row index, sample index) that an outcome stands for
+
+    def take(row: Row, s: int, place: Place) -> None:
+        places[place] -= 1
+        done[place[0], s] -= 1
+        taken.add((row.index, s))
+
+    for row, s, key, fields in wants:  # its own line, written with its own fields
+        if places[key, s, row.index, fields] > 0 and done[key, s] > 0:
+            take(row, s, (key, s, row.index, fields))
+    for row, s, key, fields in wants:  # its own fields, at a line it moved from
+        if (row.index, s) in taken or fields is None or done[key, s] <= 0:
+            continue
+        lines = lines_of.get((key, s, fields), [])
+        while lines and places[key, s, lines[-1], fields] <= 0:
+            lines.pop()  # taken already
+        if lines:
+            take(row, s, (key, s, lines.pop(), fields))
+    for row, s, key, _ in wants:  # its own line, its fields since edited
+        if (row.index, s) in taken or done[key, s] <= 0:
+            continue
+        held = fields_at.get((key, s, row.index), [])
+        while held and places[key, s, row.index, held[-1]] <= 0:
+            held.pop()
+        if held:
+            take(row, s, (key, s, row.index, held.pop()))
     left: list[Sample] = []
-    for row, key in keyed:
-        for s in range(samples_of(row, samples_per_prompt)):
-            if (row.index, s) in own:
-                continue
-            if done[key, s] > 0:
-                done[key, s] -= 1
-            else:
-                left.append((row, s))
+    for row, s, key, _ in wants:  # the rest by content, in dataset order
+        if (row.index, s) in taken:
+            continue
+        if done[key, s] > 0:
+            done[key, s] -= 1
+        else:
+            left.append((row, s))
     return left
 
 
@@ -245,7 +298,7 @@ def scan_finished(
     run_dir: Path,
     *,
     rerun_discarded: bool,
-    at: collections.Counter[tuple[str, int, int]] | None = None,
+    at: collections.Counter[Place] | None = None,
     checks: Checks | None = None,
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
@@ -267,7 +320,7 @@ def scan_finished(
                 key = record_sample(rec)
                 done[key] += 1
                 if at is not None and is_index(rec.get("prompt_index")):
-                    at[(*key, rec["prompt_index"])] += 1
+                    at[place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
                 if stop_after_passes and read_score(rec.get("score")).get("passed") is True:
@@ -283,6 +336,24 @@ def scan_finished(
     return done
 
 
+def row_fields_of(fields: Any) -> Any:
+    """The ``row_fields`` text a record's metadata or an outcome row holds (None: none, or another shape)."""
+    return fields.get("row_fields") if isinstance(fields, dict) else None
+
+
+def outcome_row_fields(row: dict[str, Any]) -> Any:
+    """The ``row_fields`` a discarded.jsonl row was written with: its own, else its record's (a record the
+    merge set aside, ``unknown_tool``, was written without them, and stays in its batch file: both are one
+    outcome of one place)."""
+    fields = row.get("row_fields")
+    record = row.get("record")
+    return (
+        fields
+        if isinstance(fields, str) or not isinstance(record, dict)
+        else row_fields_of(record.get("metadata"))
+    )
+
+
 def _add_check(checks: Checks, key: str, fields: Any, prompt_index: Any) -> None:
     """Notes the ``row_fields`` an outcome was judged with, and its line; records older than the field hold none."""
     if isinstance(fields, dict) and isinstance(fields.get("row_fields"), str):
@@ -296,7 +367,7 @@ def add_discards(
     done: collections.Counter[tuple[str, int]],
     *,
     rerun_discarded: bool,
-    at: collections.Counter[tuple[str, int, int]] | None = None,
+    at: collections.Counter[Place] | None = None,
     checks: Checks | None = None,
     counts: Callable[[dict[str, Any]], bool] | None = None,
 ) -> None:
@@ -309,7 +380,7 @@ def add_discards(
                 key = outcome_sample(rec)
                 done[key] += 1
                 if at is not None and is_index(rec.get("prompt_index")):
-                    at[(*key, rec["prompt_index"])] += 1
+                    at[place_of(key, rec["prompt_index"], outcome_row_fields(rec))] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec, rec.get("prompt_index"))
 
@@ -374,7 +445,7 @@ def resume_filter(
 
     A row whose finished samples were judged against another check (answer, verify, ...) stops the
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
-    at: collections.Counter[tuple[str, int, int]] = collections.Counter()
+    at: collections.Counter[Place] = collections.Counter()
     checks: Checks = {}
     done = scan_finished(
         run_dir,
@@ -429,8 +500,18 @@ def without_api_key(argv: list[str] | None = None) -> list[str]:
     return args
 
 
+# Manifest settings that no flag gives: what restores them.
+DERIVED = {
+    "distribution_probabilities": "(the distribution's probabilities of the first run: its --distribution_file as it was)",
+    "known_tools": "(the tools installed for the first run: the same plugins and --mcp_config)",
+}
+
+
 def _flag(name: str, value: Any) -> str:
-    """A manifest setting as the command-line flag that reproduces it."""
+    """A manifest setting as the command-line flag that reproduces it (a setting no flag gives, the words
+    that say what does: a suggested --distribution_probabilities=... was refused as an unknown flag)."""
+    if name in DERIVED:
+        return DERIVED[name]
     if name.endswith("_sha256"):  # the text itself is a secret and is not stored
         flag = {"prefill_sha256": "prefill_messages_file"}.get(name, name.removesuffix("_sha256"))
         return f"--{flag}=<the original, sha256 {value[:12]}...>" if value else f"(no --{flag})"

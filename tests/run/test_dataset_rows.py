@@ -161,3 +161,18 @@ def test_a_json_array_file_is_refused_not_run_as_its_last_element(tmp_path, open
     path.write_text('["p"]\n{"prompt": "fine"}\n', encoding="utf-8")
     rows, problems = load_dataset(str(path))
     assert [r.prompt for r in rows] == ["fine"] and problems.total == 1
+
+
+def test_a_byte_order_mark_on_a_later_line_is_read_as_on_the_first(tmp_path):
+    """``cat a.jsonl b.jsonl`` with b.jsonl written on Windows (a BOM, CRLF line ends) puts a BOM at the
+    start of a later line: that line was a bad line ("invalid JSON: Expecting value at column 1") and its
+    row never ran, where the same mark on line 1 was accepted. Blank and whitespace-only lines are
+    skipped silently, and a last line without a newline is read."""
+    bom = b"\xef\xbb\xbf"
+    a = bom + b'{"prompt": "a1"}\r\n{"prompt": "a2"}\r\n'
+    b = bom + b'{"prompt": "b1"}\r\n\r\n  \t \r\n' + bom + b"\r\n" + b'{"prompt": "b2"}'
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(a + b)
+    rows, problems = load_dataset(str(path))
+    assert list(problems) == [] and problems.total == 0
+    assert [(r.index, r.prompt) for r in rows] == [(0, "a1"), (1, "a2"), (2, "b1"), (6, "b2")]

@@ -301,6 +301,115 @@ def test_identical_rows_resume_runs_the_copy_whose_sample_is_missing(server, tmp
     assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
+@pytest.mark.parametrize("edit", ["row_removed_above", "reordered"])
+def test_rows_of_one_prompt_that_moved_each_keep_their_own_sample(server, tmp_path, edit):
+    """Rows with one prompt but their own ``id`` / ``answer`` (one question of several sets) are one
+    identity; resume matched their outcomes to rows by line, then by content. After a row above them
+    was removed (every line moved up one), each row took its upper neighbour's outcome: q0 ran a second
+    time and q2 never ran (trajectories.jsonl: q0 twice, q2 missing; 2 paid samples of the wrong row).
+    Reordered, the same: the sample of the row that did not finish was never run."""
+    q = "What is 2+2? [answers:3|4|5|6|7]"
+    rows = [{"prompt": q, "id": f"q{i}", "answer": str(3 + i)} for i in range(4)]
+    first = [{"prompt": "intro [calls:0]", "id": "x"}, *rows]
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    if edit == "row_removed_above":
+        run(server, write_rows(tmp_path / "d0.jsonl", first), out, max_samples=3)  # x, q0, q1
+        edited = rows
+    else:
+        run(server, write_rows(tmp_path / "d0.jsonl", rows), out, max_samples=2)  # q0, q1
+        edited = rows[::-1]
+    before = requests(server)[q]
+    run(server, write_rows(tmp_path / "d1.jsonl", edited), out, resume=True)
+    assert requests(server)[q] - before == 2 * 3  # q2 and q3, three model calls each
+    ids = collections.Counter(
+        r["metadata"]["row_id"]
+        for r in read_jsonl(run_dir / "trajectories.jsonl")
+        if first_human(r["conversations"]) == q
+    )
+    assert ids == {"q0": 1, "q1": 1, "q2": 1, "q3": 1}
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+    before = requests(server)[q]
+    run(server, write_rows(tmp_path / "d1.jsonl", edited), out, resume=True)
+    assert requests(server)[q] == before  # two lines' outcomes at one line number are not one sample redone
+
+
+def test_merge_keeps_the_sample_of_the_row_still_there_not_its_edited_twins(server, tmp_path):
+    """Two rows of one prompt (ids 1 and 2), both finished; the user then edits row 2's prompt. The
+    dataset wants one sample of the old prompt: the merge kept the first record in file order, row 2's
+    (it finished first), and dropped row 1's: trajectories.jsonl held row 2 twice (old and new prompt)
+    and row 1 not at all, its score left out of the pass rate."""
+    p = "What is 2+2? [answers:4]"
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_rows(tmp_path / "d0.jsonl", [{"prompt": p, "id": 2, "answer": "4"}]), out)
+    both = [{"prompt": p, "id": 1, "answer": "4"}, {"prompt": p, "id": 2, "answer": "4"}]
+    run(server, write_rows(tmp_path / "d1.jsonl", both), out, resume=True)  # row 1 runs, after row 2
+    edited = [both[0], {"prompt": "What is 3+3? [answers:6]", "id": 2, "answer": "6"}]
+    run(server, write_rows(tmp_path / "d2.jsonl", edited), out, resume=True)
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted((first_human(r["conversations"]), r["metadata"]["row_id"]) for r in merged) == [
+        (p, "1"),
+        ("What is 3+3? [answers:6]", "2"),
+    ]
+    stats = stats_of(run_dir)
+    assert stats["dropped_at_merge"]["duplicate"] == 1
+    assert stats["remaining_for_resume"] == 0
+
+
+def test_trajectories_of_rows_the_dataset_no_longer_has_are_kept_and_said(server, tmp_path, capsys):
+    """A row's prompt edited, then --samples_per_prompt lowered: the old prompt's sample and the second
+    samples stay in trajectories.jsonl as they are (7, then 13 records for a dataset of 6 rows), and
+    nothing said so: statistics.json's trajectories equalled neither dataset_prompts nor dataset_samples."""
+    rows = [f"row {i} [calls:0]" for i in range(6)]
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_jsonl(tmp_path / "d0.jsonl", rows), out)
+    rows[2] = "row 2 edited [calls:0]"
+    edited = write_jsonl(tmp_path / "d1.jsonl", rows)
+    capsys.readouterr()
+    run(server, edited, out, resume=True)
+    stats = stats_of(run_dir)
+    assert (stats["trajectories"], stats["dataset_samples"], stats["trajectories_not_in_dataset"]) == (
+        7,
+        6,
+        1,
+    )
+    assert "Kept as they are: 1 of the trajectories" in capsys.readouterr().out
+    run(server, edited, out, resume=True, samples_per_prompt=2)
+    run(server, edited, out, resume=True, samples_per_prompt=1)
+    stats = stats_of(run_dir)
+    assert (stats["trajectories"], stats["dataset_samples"], stats["trajectories_not_in_dataset"]) == (
+        13,
+        6,
+        7,
+    )
+    run(server, edited, out, resume=True, samples_per_prompt=1, exclude_partial=True)
+    assert stats_of(run_dir)["trajectories_not_in_dataset"] == 7  # none is partial
+
+
+def test_a_record_the_merge_set_aside_does_not_stand_for_its_identical_twin(server, tmp_path):
+    """A record calling a tool no longer known stays in its batch file and is set aside in discarded.jsonl:
+    one outcome of one line, counted once, so its identical twin's sample still runs. The set-aside row
+    names the row's fields as every discard does (read from its record where it was written without)."""
+    twin = "twin row [calls:1]"
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": twin, "id": 7}] * 2)
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, max_samples=1)
+    (rec,) = read_jsonl(run_dir / "batch_0.jsonl")
+    rec["conversations"][2]["tool_calls"][0]["function"]["name"] = "gone_plugin_tool"
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(rec) + "\n", "utf-8")
+    run(server, dataset, out, max_samples=1, resume=True)  # the merge sets it aside
+    (aside,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert (aside["reason"], aside["row_id"], aside["row_fields"]) == ("unknown_tool", "7", '{"id": 7}')
+    before = requests(server)[twin]
+    run(server, dataset, out, resume=True)
+    assert requests(server)[twin] - before == 2  # the second copy ran
+    assert sorted(r["prompt_index"] for r in read_jsonl(run_dir / "trajectories.jsonl")) == [1]
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 def test_a_sample_redone_by_rerun_discarded_does_not_stand_for_its_identical_twin(server, tmp_path, capsys):
     """--rerun_discarded runs a discarded sample again and, discarded again, it has two lines in
     discarded.jsonl: both are outcomes of one dataset line's one sample. Counted as two, they made the
@@ -491,3 +600,26 @@ def test_resume_of_a_name_that_holds_no_run_says_so_and_names_close_runs(server,
     assert "holds no run" not in capsys.readouterr().err
     run(server, dataset, out, run_name="other", resume=True)
     assert "holds no run yet; starting it" in capsys.readouterr().err
+
+
+def test_the_refusal_of_changed_settings_suggests_only_flags_that_exist(server, tmp_path, capsys):
+    """The refusal named a flag for every changed setting, derived ones too: --distribution_probabilities=
+    '{...}' (no such flag: pasted back, exit 2 "unknown flag") beside --distribution, or alone when a
+    --distribution_file's numbers were edited."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["one [calls:0]"])
+    dists = tmp_path / "dists.json"
+    dists.write_text(json.dumps({"mine": {"probabilities": {"terminal": 50}}}), "utf-8")
+    out = tmp_path / "data"
+    run(server, dataset, out, distribution="mine", distribution_file=str(dists))
+    for kw in ({"distribution": "terminal_only"}, {"distribution": "mine", "distribution_file": str(dists)}):
+        if "distribution_file" in kw:
+            dists.write_text(json.dumps({"mine": {"probabilities": {"terminal": 90}}}), "utf-8")
+        capsys.readouterr()
+        assert exit_code(server, dataset, out, resume=True, **kw) == 2
+        err = capsys.readouterr().err
+        original = err.split("resume with the original settings (", 1)[1]
+        assert "--distribution_probabilities" not in original
+        if "distribution_file" in kw:
+            assert "--distribution_file as it was" in original
+        else:
+            assert original.startswith("--distribution=mine)")
