@@ -101,6 +101,7 @@ def load_dataset(
     rows: list[Row] = []
     problems = BadLines()
     seen: collections.Counter[str] = collections.Counter()
+    first = True  # no line but blank ones yet
     try:
         fh = p.open("rb")
     except OSError as exc:  # a file this user may not read (chmod 000): a traceback and exit 1 before
@@ -112,13 +113,15 @@ def load_dataset(
             if raw is None:
                 problems.add(f"{path}:{line_no}: longer than {MAX_LINE_BYTES >> 20} MiB (skipped unread)")
                 continue
-            if line_no == 1 and raw.lstrip(b"\xef\xbb\xbf").strip() == b"[":
+            text = raw.lstrip(b"\xef\xbb\xbf").strip()
+            if first and text == b"[":
                 # A JSON array written one element a line ("[", '{...},' ..., '{...}', "]"): every line but
                 # the last element's was a bad line, and that one row ran as if it were the dataset.
                 raise UsageError(
-                    f"--dataset_file {path}: line 1 opens a JSON array: the file is one JSON document, not "
+                    f"--dataset_file {path}: line {line_no} opens a JSON array: the file is one JSON document, not "
                     f"JSON Lines (one object a line); convert it, e.g. jq -c '.[]' {path} > rows.jsonl"
                 )
+            first = first and not text
             problem, row = _parse_line(raw, line_no, seen, catalog, toolsets)
             if row and not problem:
                 problem = _answer_problem(row.check, scorers)

@@ -146,7 +146,7 @@ def test_a_dataset_that_cannot_be_read_exits_2_naming_the_flag(tmp_path, monkeyp
     assert not (tmp_path / "out" / "r").exists()
 
 
-@pytest.mark.parametrize("opening", ["[", "\ufeff[\r", "  [  "])
+@pytest.mark.parametrize("opening", ["[", "\ufeff[\r", "  [  ", "\n \r\n["])
 def test_a_json_array_file_is_refused_not_run_as_its_last_element(tmp_path, opening):
     # json.dump(rows, f) with one element a line: lines 2..N-1 end in ',' (bad lines), the last element's
     # line is a good row: the run went on with 1 of the N rows (exit 0) and N-1 warnings.
@@ -155,7 +155,8 @@ def test_a_json_array_file_is_refused_not_run_as_its_last_element(tmp_path, open
     path = tmp_path / "d.json"
     elements = [json.dumps({"prompt": f"p{i}"}) for i in range(5)]
     path.write_text(opening + "\n" + ",\n".join(elements) + "\n]\n", encoding="utf-8")
-    with pytest.raises(UsageError, match=r"line 1 opens a JSON array: .* not JSON Lines"):
+    line = 1 + opening.count("\n")  # blank lines before it are no rows: the array's line is named
+    with pytest.raises(UsageError, match=rf"line {line} opens a JSON array: .* not JSON Lines"):
         load_dataset(str(path))
     # An array on one line is one bad line like any other (the file's other rows still load).
     path.write_text('["p"]\n{"prompt": "fine"}\n', encoding="utf-8")
