@@ -855,6 +855,30 @@ def test_every_run_shares_one_etc_view_in_a_directory_only_this_user_can_use(
     assert own is not None and Path(own).parent == first
 
 
+def test_the_rlimit_fallback_says_memory_is_per_process_and_the_run_records_it(monkeypatch, tmp_path):
+    """Without cgroups (a user who is not root, without delegation: the usual case) the start said
+    "Per-prompt limits: 1.0 CPU, 2048 MiB memory + 4096 MiB per tmpfs ..., 512 processes; enforced by
+    rlimits: RLIMIT_AS per process, ..." while 6 processes of 200 MiB each ran in one prompt's sandbox
+    of 256 MiB (measured as uid 1001), and statistics.json did not say how the limits were held. The
+    line now says what RLIMIT_AS does not bound, and statistics.json records it (sandbox_limits)."""
+    from helpers import run, stats_of, write_jsonl
+
+    from batchrun.prompt.sandboxes.local import limits as _limits
+    from batchrun.prompt.sandboxes.local import local_isolation_available
+
+    monkeypatch.setattr(_limits, "cgroup_layout", lambda: "the cgroup v2 tree is not writable (not root)")
+    said = _limits.limits_mechanism()
+    assert said.startswith(
+        "rlimits: RLIMIT_AS per process (not the prompt's processes together, nor its tmpfs files), "
+    )
+    assert said.endswith(", no CPU limit (the cgroup v2 tree is not writable (not root))")
+    monkeypatch.undo()
+    if not local_isolation_available():
+        pytest.skip("needs bubblewrap")
+    run(None, write_jsonl(tmp_path / "d.jsonl", ["x"]), tmp_path / "data", sandbox="local")
+    assert stats_of(tmp_path / "data" / "run")["sandbox_limits"] == _limits.limits_mechanism()
+
+
 def test_the_rlimit_fallback_sets_memory_and_processes_on_the_running_server(monkeypatch):
     """Without cgroups the limits go onto the server process (its commands inherit them), soft and
     hard alike; for a user other than root the process count too (a shell's ``ulimit -u`` did that

@@ -227,7 +227,11 @@ class LocalSandbox(SandboxBackend):
                 f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a "
                 f"model call: {lines}{more}"  # each names its cwd with repr(): control characters escaped
             )
-        return Preflight(isolation="bwrap", failed=failed, facts={"sandbox_network": kind})
+        return Preflight(
+            isolation="bwrap",
+            failed=failed,
+            facts={"sandbox_network": kind, "sandbox_limits": limits_mechanism()},
+        )
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
