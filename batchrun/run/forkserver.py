@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import sys
+from stat import S_ISDIR, S_ISVTX
 
 from batchrun import cache_dir  # the package's own module, imported already: nothing more is compiled
 
@@ -43,7 +44,9 @@ def use_bytecode_cache() -> None:
     CPU in the parent and as much in the forkserver, before the first request. Called by the parent
     at the top of the command line and by the forkserver before its preload (both find the same
     directory). A prefix the user chose (``PYTHONPYCACHEPREFIX``) is left alone, as is a directory
-    that cannot be made or written."""
+    that cannot be made or written, and so is one another user could write into: the interpreter runs
+    whatever bytecode it finds there whose header matches the source's size and time, so a cache under a
+    shared ``HOME`` or ``XDG_CACHE_HOME`` (``/tmp/.cache``) would run another user's code as this one."""
     if not sys.dont_write_bytecode or sys.pycache_prefix:
         return
     cache = bytecode_cache_dir()
@@ -51,9 +54,32 @@ def use_bytecode_cache() -> None:
         os.makedirs(cache, mode=0o700, exist_ok=True)
     except OSError:
         return
-    if os.access(cache, os.W_OK | os.X_OK):
+    if os.access(cache, os.W_OK | os.X_OK) and only_mine(cache):
         sys.pycache_prefix = cache
         sys.dont_write_bytecode = False
+
+
+def only_mine(path: str) -> bool:
+    """Whether no other user (root aside) can change what ``path``, a directory, holds: it and every
+    directory above it belong to this user or root, and none that another may write into (group or
+    other) lets them rename what it holds (only a sticky one, like ``/tmp``, does not: an entry of it
+    is then renamed only by its owner, and the one below it is checked as well)."""
+    me = os.geteuid()
+    path = os.path.abspath(path)
+    first = True
+    while True:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        if not S_ISDIR(st.st_mode) or st.st_uid not in (me, 0):
+            return False
+        if st.st_mode & 0o022 and (first or not st.st_mode & S_ISVTX):
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path, first = parent, False
 
 
 _server_environ: dict[str, str] | None = None  # the environment the running forkserver was started with

@@ -146,7 +146,9 @@ class Recorder:
 
         try:
             self._made_dir = not self.run_dir.exists()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            # Its owner's alone (whatever the umask): every prompt's trajectory, the rows' answers and
+            # the run's settings were readable by any user of the machine (0755 under umask 022).
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._lock_file = (self.run_dir / LOCK_NAME).open("a+")
         except OSError as exc:  # nothing has started: a usage problem, not a run that stopped
             raise UsageError(

@@ -39,6 +39,25 @@ def test_a_second_runner_on_the_same_run_directory_is_refused(server, tmp_path, 
     assert len(read_jsonl(run_dir / "trajectories.jsonl")) == 1
 
 
+def test_a_new_run_directory_is_its_owners_alone_whatever_the_umask(tmp_path):
+    """Under the usual umask 022 the run directory was 0755 and its files 0644: any user of the
+    machine read every prompt's trajectory (and the rows' expected answers). A directory the user
+    made beforehand keeps the mode they gave it."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["private [calls:0]"])
+    old = os.umask(0o022)
+    try:
+        run(None, dataset, tmp_path / "data")
+        shared = tmp_path / "data" / "shared"
+        shared.mkdir(mode=0o750)
+        run(None, dataset, tmp_path / "data", run_name="shared")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "data" / "run").stat().st_mode & 0o777 == 0o700
+    assert len(read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")) == 1
+    assert (tmp_path / "data").stat().st_mode & 0o777 == 0o755  # the parent, as the umask says
+    assert shared.stat().st_mode & 0o777 == 0o750
+
+
 @contextlib.contextmanager
 def small_tmpfs(path: Path, size: str):
     """A real file system that fills up (root only); unmounted afterwards."""

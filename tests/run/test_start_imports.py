@@ -93,3 +93,36 @@ def test_the_runners_caches_are_in_one_directory_found_before_any_module_is_comp
         ]
     )
     assert any((tmp_path / "batch-runner" / "pycache").rglob("engine*.pyc"))
+
+
+def test_a_bytecode_cache_another_user_could_write_into_is_not_used(tmp_path):
+    """The interpreter runs whatever bytecode it finds in the cache whose header matches the source's
+    size and time: with HOME or XDG_CACHE_HOME in a directory others may write into (HOME=/tmp in a
+    CI job), another user planted a .pyc of batchrun/cli.py there and the next run executed it as the
+    runner's user (reproduced with two users). Such a cache is now left unused; a private one below a
+    sticky shared directory (like /tmp) is still used."""
+    probe = (
+        "import sys; import batchrun.run.forkserver as f; f.use_bytecode_cache(); print(sys.pycache_prefix)"
+    )
+
+    def prefix_with(cache_home: Path) -> str:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+        env["XDG_CACHE_HOME"] = str(cache_home)
+        env.pop("PYTHONPYCACHEPREFIX", None)
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may rename or replace what it holds
+    assert prefix_with(shared) == "None"
+    (shared / "batch-runner").chmod(0o700)  # made by the runner above: its own, but its parent is not
+    assert prefix_with(shared) == "None"
+    planted = shared / "planted"  # the cache itself writable by others
+    (planted / "batch-runner" / "pycache").mkdir(parents=True)
+    (planted / "batch-runner" / "pycache").chmod(0o777)
+    shared.chmod(0o1777)  # sticky, like /tmp: only an entry's owner may rename it
+    assert prefix_with(planted) == "None"
+    sticky = shared / "mine"  # a private cache below a sticky shared directory is used
+    assert prefix_with(sticky) == f"{sticky}/batch-runner/pycache"

@@ -129,3 +129,36 @@ def test_a_non_root_sandbox_gets_the_network_with_the_hosts_addresses_closed(bwr
     # either, and the server, non-dumpable, still gets its OOM score and the direct file access.
     assert seen["forged_exit"] == 3, seen["forged_output"]
     assert seen["oom_score_adj"] == "1000" and seen["direct"] is True
+
+
+# A user who is not root and may make no user namespaces (what AppArmor's
+# apparmor_restrict_unprivileged_userns, unprivileged_userns_clone=0 or max_user_namespaces=0 do): a
+# user namespace whose max_user_namespaces allows only the one inside it, where this runs as uid 1000.
+NO_USERNS = 'echo 1 > /proc/sys/user/max_user_namespaces && exec unshare --user --map-user=1000 --map-group=1000 -- "$@"'
+
+
+@pytest.mark.bwrap
+def test_a_user_who_may_make_no_user_namespaces_is_told_so_not_to_install_bubblewrap(
+    bwrap_available, tmp_path
+):
+    """bubblewrap was installed, but this user could not make the user namespace it needs without root:
+    the run exited 2 telling them to "Install bubblewrap (Debian: apt-get install bubblewrap)". It now
+    says that this user may not make user namespaces, and that letting them (or root) is the fix."""
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text('{"prompt": "hello"}\n')
+    tmp_path.chmod(0o777)
+    argv = [
+        "unshare", "--user", "--map-root-user", "--", "/bin/sh", "-c", NO_USERNS, "sh",
+        sys.executable, str(REPO / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=1",
+        "--run_name=r", f"--output_dir={tmp_path}", "--model=fake-model", "--base_url=http://127.0.0.1:9/v1",
+        "--api_key=sk-test", "--distribution=terminal_only", "--num_workers=1",
+    ]  # fmt: skip
+    env = {"PATH": os.environ.get("PATH", os.defpath), "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+    setup = subprocess.run([*argv[:8], "true"], env=env, capture_output=True, text=True, timeout=60)
+    if setup.returncode != 0:
+        pytest.skip(f"cannot make the nested user namespaces here: {setup.stderr.strip()[-300:]}")
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "this user may not make user namespaces (unshare --user: " in done.stderr, done.stderr[-2000:]
+    assert "Let this user make user namespaces (above), run as root, use --sandbox=docker" in done.stderr
+    assert "Install bubblewrap" not in done.stderr

@@ -1315,6 +1315,50 @@ def test_check_engine_fails_clearly_without_an_engine(monkeypatch: pytest.Monkey
         engine.check_engine()
 
 
+def test_check_engine_says_when_the_socket_is_not_open_to_this_user(tmp_path: Path):
+    """An engine whose socket this user may not open (not in the ``docker`` group, the usual case of a
+    new user) was reported as absent: "Start dockerd", to a user whose dockerd was running. Checked
+    against a real listening socket of mode 0600, from a child that is not its owner."""
+    import socket as socketlib
+
+    listener = socketlib.socket(socketlib.AF_UNIX)
+    path = tmp_path / "engine.sock"
+    listener.bind(str(path))
+    listener.listen()
+    path.chmod(0o600)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nobody when the test runs as root, else the socket is closed to its owner too
+        try:
+            os.close(read_end)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            else:
+                path.chmod(0)
+            import batchrun.prompt.sandboxes.docker.engine as engine
+
+            engine._clients.clear()
+            os.environ["DOCKER_HOST"] = f"unix://{path}"
+            try:
+                engine.check_engine()
+                said = "reached"
+            except SandboxError as exc:
+                said = str(exc)
+            os.write(write_end, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    listener.close()
+    assert "Start dockerd" not in said
+    assert f"socket {path} is not open to this user" in said and "usermod -aG" in said, said
+    assert said.endswith("or choose --sandbox=local"), said
+
+
 @pytest.mark.docker
 def test_docker_overhead_per_prompt(docker_test_image: str):
     """Prints the create+start+remove time of one prompt's container (run with -s); asserts nothing on time."""

@@ -741,10 +741,16 @@ def test_where_chromium_reads_the_host_s_files_the_run_says_so():
         f"dataset, the run's directory) ({why})"
     )
     for fine in (
-        SandboxPlan(sandbox=True, user=None, own_root=True),
+        SandboxPlan(sandbox=True, user=None, own_root=True, isolated=True),
         SandboxPlan(True, (65534, 65534), isolated=True),
     ):
         assert not fine.describe().startswith("warning")
+    # on its root of its own, but in the host's network: a page that broke out reaches its 127.0.0.1
+    why = "cannot have a network namespace of its own: nsenter: reassociate to namespace 'ns/net' failed"
+    said = SandboxPlan(sandbox=True, user=None, own_root=True, isolation_problem=why).describe()
+    assert said.startswith("warning: Browser sandbox: ")
+    assert said.endswith(f"on a root of its own that holds only the system's directories and its profile; "
+                         f"its network is the host's ({why})")  # fmt: skip
 
 
 @pytest.fixture
@@ -1035,8 +1041,13 @@ exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "$@"
 def test_a_chromium_of_a_worker_that_is_not_root_reads_none_of_its_user_s_files(tmp_path, run_setup):
     """A worker that is not root ran Chromium as its own user on the host's root: a page that took over its
     browser process read every file of that user (its home: keys, the dataset, the run's directory, all
-    0600 here). It has the same root of its own as a root worker's, in user, mount and PID namespaces
-    (its network stays the host's), and the run's start says so; the tools still work."""
+    0600 here). It has the same root of its own as a root worker's, in user, mount and PID namespaces,
+    and the run's start says so; the tools still work.
+
+    Its network was the host's: from its browser process a page connected to a service on 127.0.0.1 and
+    on the host's other addresses past the egress proxy. It now has a network namespace of its own with
+    only its loopback, where a keeper process (browser_sandbox.UserNetns) makes the proxies' sockets:
+    no route, no other address, as a root worker's."""
     import subprocess
     import sys
 
@@ -1074,12 +1085,25 @@ def test_a_chromium_of_a_worker_that_is_not_root_reads_none_of_its_user_s_files(
         seen = as_browser(pid, SEES.replace("sys.argv[1:]", repr(hidden))).splitlines()
         assert seen == [f"{path} No such file or directory" for path in hidden]
         assert said["said"].endswith(
-            "the whole of it in PID and mount namespaces of its own, on a root of its own that holds only the "
-            "system's directories and its profile (its network is the host's: only a root runner gives it "
-            "one where it reaches only the egress proxy)"
+            "the whole of it in network and PID namespaces where it reaches only the egress proxy, on a root "
+            "of its own that holds only the system's directories and its profile"
         )
         assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
         assert process_state(pid)["Uid"].split() == ["65534"] * 4
+        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        routes = Path(f"/proc/{pid}/net/route").read_text().splitlines()[1:]
+        links = [
+            line.split(":")[0].strip() for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+        ]
+        assert routes == [] and links == ["lo"]
+        with socket.socket() as listener:
+            listener.bind(("0.0.0.0", 0))
+            listener.listen()
+            others = [a for a in host_addresses() if ":" not in a][:2]
+            connect = CONNECT.format(port=listener.getsockname()[1])
+            said = as_browser(pid, connect.replace("sys.argv[1:]", repr(["127.0.0.1", *others])))
+            assert "connected" not in said, said
+            assert said.count("\n") == 1 + len(others)
     finally:
         worker.kill()
         worker.wait()

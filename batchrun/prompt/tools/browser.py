@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # asyncio is imported where the browser runs: every run impor
     import socket
 
     from batchrun.prompt.sandboxes.local.limits import PromptCgroup
-    from batchrun.prompt.tools.browser_sandbox import SandboxPlan
+    from batchrun.prompt.tools.browser_sandbox import SandboxPlan, UserNetns
 
 from batchrun.prompt.tools.browser_egress import (
     FAILED_HEADER,
@@ -131,6 +131,13 @@ class BrowserHost:
         # Chromium's network namespace (browser_sandbox.make_netns; None: the host's), made at its first
         # start; the prompts' egress proxies listen in it
         self.netns_fd: int | None = None
+        # A worker that is not root: the same, kept by a process that lives in it (browser_sandbox.UserNetns)
+        self.user_netns: UserNetns | None = None
+
+    @property
+    def has_own_network(self) -> bool:
+        """Whether Chromium's network is a namespace of its own, where it reaches only the egress proxy."""
+        return self.netns_fd is not None or self.user_netns is not None
 
     # -- the loop thread -------------------------------------------------------------------
 
@@ -153,6 +160,7 @@ class BrowserHost:
                     if self.netns_fd is not None:  # and so is the network namespace: its copy goes
                         os.close(self.netns_fd)
                         self.netns_fd = None
+                    self.user_netns = None  # the parent's: its keeper is not this process's to end
                 self._loop, self._thread, self._pid = loop, thread, os.getpid()
                 self._playwright = self._browser = self._launching = None
                 _register_exit_hooks()
@@ -200,8 +208,14 @@ class BrowserHost:
                 self._playwright = await async_playwright().start()
             procs = self._chromium_cgroup(cfg)
             sandbox = self._sandbox_plan()
-            netns = None
-            if sandbox.isolated:
+            netns = user_netns = None
+            if sandbox.isolated and sandbox.own_root:  # not root: in a namespace a keeper holds
+                if self.user_netns is None:
+                    from batchrun.prompt.tools.browser_sandbox import UserNetns
+
+                    self.user_netns = UserNetns()
+                user_netns = self.user_netns.paths
+            elif sandbox.isolated:
                 if self.netns_fd is None:
                     from batchrun.prompt.tools.browser_sandbox import make_netns
 
@@ -211,7 +225,9 @@ class BrowserHost:
                 # Playwright's own flags turn Chromium's popup blocker off: a page calling
                 # window.open in a loop opened a tab every 200 ms (7 MB each, without end).
                 self._browser = await self._playwright.chromium.launch(
-                    executable_path=_limited_launcher(tmp, cfg, procs, sandbox.user, netns, sandbox.own_root),
+                    executable_path=_limited_launcher(
+                        tmp, cfg, procs, sandbox.user, netns, sandbox.own_root, user_netns
+                    ),
                     headless=True,
                     args=[*BROWSER_FLAGS, *(() if sandbox.sandbox else ("--no-sandbox",))],
                     chromium_sandbox=sandbox.sandbox,
@@ -282,6 +298,9 @@ class BrowserHost:
         netns_fd, self.netns_fd = self.netns_fd, None
         if netns_fd is not None:  # the namespace ends with the last of Chromium's processes
             os.close(netns_fd)
+        user_netns, self.user_netns = self.user_netns, None
+        if user_netns is not None:
+            user_netns.close()
         if cgroup is not None:  # what a close that failed or timed out left is ended with it
             from batchrun.prompt.tools.browser_cgroup import release
 
@@ -315,6 +334,7 @@ def _limited_launcher(
     user: tuple[int, int] | None = None,
     netns: str | None = None,
     own_root: bool = False,
+    user_netns: tuple[str, str] | None = None,
 ) -> str:
     """A launcher in ``directory`` that moves itself into the cgroup whose ``cgroup.procs`` files are
     ``procs`` and starts ``cfg.executable`` under RLIMIT_DATA of ``cfg.memory_mb``: every process Chromium
@@ -325,7 +345,8 @@ def _limited_launcher(
     namespace and in PID and mount namespaces of its own, on a root of its own
     (browser_sandbox.isolate_command: the shell becomes the unshare whose child is Chromium); with
     ``own_root`` (a worker that is not root) on that root too, in user, mount and PID namespaces
-    (browser_sandbox.own_root_command), with the profile as home and temporary directory. Only needed
+    (browser_sandbox.own_root_command), with the profile as home and temporary directory, and with
+    ``user_netns`` (the paths of a browser_sandbox.UserNetns's namespaces) in that network. Only needed
     until exec (the shell becomes Chromium or that unshare: no process of its own is left)."""
     from batchrun.prompt.tools.browser_sandbox import drop_command, isolate_command, own_root_command
 
@@ -350,7 +371,7 @@ def _limited_launcher(
         drop = shlex.join(isolate_command(netns, executable)) + ' "$profile" ' + drop
     elif own_root:
         executable = os.path.realpath(executable)
-        outer, inner = own_root_command(executable)
+        outer, inner = own_root_command(executable, user_netns)
         drop = shlex.join(outer) + ' "$profile" ' + shlex.join(inner) + " "
     with open(path, "w") as f:
         f.write(
@@ -442,7 +463,7 @@ class BrowserSession:
             browser = await self.host.browser(self.cfg)
             w, h = self.cfg.viewport
             options: dict[str, Any] = {}
-            if self.guard is None and self.host.netns_fd is not None:
+            if self.guard is None and self.host.has_own_network:
                 # Chromium has no network but the way to the proxy: it carries the context's requests,
                 # private addresses allowed (WEB_ALLOW_PRIVATE_ADDRESSES)
                 self.guard = AddressGuard(allow_private=True)
@@ -489,6 +510,8 @@ class BrowserSession:
 
     def _proxy_socket(self) -> socket.socket | None:
         """Where the egress proxy listens: on 127.0.0.1 in Chromium's network namespace (None: the host's)."""
+        if self.host.user_netns is not None:
+            return self.host.user_netns.listen()
         if self.host.netns_fd is None:
             return None
         from batchrun.prompt.tools.browser_sandbox import listen_in

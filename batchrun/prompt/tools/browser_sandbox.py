@@ -57,8 +57,8 @@ class SandboxPlan:
     sandbox: bool  # Chromium's own sandbox on (no --no-sandbox)
     user: tuple[int, int] | None  # (uid, gid) the launcher switches to; None: the worker's own
     problem: str | None = None  # why the sandbox is off (None when it is on)
-    # A root worker's Chromium, all of it, in network and PID namespaces of its own (isolate_command);
-    # ``isolation_problem`` says why not where it could not be
+    # Chromium, all of it, in network and PID namespaces of its own (a root worker's: isolate_command;
+    # another's: own_root_command in a UserNetns); ``isolation_problem`` says why not where it could not be
     isolated: bool = False
     isolation_problem: str | None = None
     # A worker that is not root: Chromium, all of it, on a root of its own all the same, in user, mount and
@@ -80,11 +80,14 @@ class SandboxPlan:
                     + ", on a root of its own that holds only the system's directories and its profile"
                 )
             if self.own_root:
-                return (
+                said = (
                     line + "; the whole of it in PID and mount namespaces of its own, on a root of its own "
-                    "that holds only the system's directories and its profile (its network is the host's: "
-                    "only a root runner gives it one where it reaches only the egress proxy)"
+                    "that holds only the system's directories and its profile"
                 )
+                if not self.isolation_problem:
+                    return said
+                # A page that broke out of a renderer reaches the host's 127.0.0.1 past the egress proxy.
+                return f"warning: {said}; its network is the host's ({self.isolation_problem})"
             # Its browser, GPU and network processes are outside the renderers' seccomp filter.
             why = f" ({self.isolation_problem})" if self.isolation_problem else ""
             return (
@@ -253,18 +256,117 @@ def isolate_command(netns_path: str, executable: str) -> list[str]:
     ]
 
 
-def own_root_command(executable: str) -> tuple[list[str], list[str]]:
+def own_root_command(executable: str, netns: tuple[str, str] | None = None) -> tuple[list[str], list[str]]:
     """For a worker that is not root: what the launcher execs Chromium (``executable``) through, in two
     parts, Chromium's profile directory between them. unshare makes a user namespace where the worker is
     root (its own uid outside), and mount and PID namespaces it owns, where new_root_script builds the same
     root as a root worker's Chromium gets (as with isolate_command, unshare stays Chromium's parent and
     ends it); then a second user namespace maps the worker's uid back: Chromium refuses its sandbox as
-    root. The network stays the host's: the worker could not listen for the egress proxy inside another.
-    Needs util-linux 2.38 (--map-user)."""
+    root. With ``netns`` (the paths of a UserNetns's user and network namespaces) all that starts in them
+    first: Chromium's network is then that loopback alone, where the worker's UserNetns makes the egress
+    proxies' sockets. Needs util-linux 2.38 (--map-user)."""
     unshare = shutil.which("unshare") or "unshare"
     outer = [unshare, "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child",
              "--mount-proc", "--", "/bin/sh", "-c", new_root_script(executable), "sh"]  # fmt: skip
+    if netns is not None:
+        # --preserve-credentials: the keeper's user namespace denies setgroups (it maps one uid), and the
+        # worker's uid is root there already
+        nsenter = shutil.which("nsenter") or "nsenter"
+        outer = [nsenter, "--preserve-credentials", f"--user={netns[0]}", f"--net={netns[1]}", "--", *outer]
     return outer, [unshare, "--user", f"--map-user={os.geteuid()}", f"--map-group={os.getegid()}", "--"]
+
+
+# The keeper of a UserNetns: started by unshare in a new user and network namespace (stdlib only, run
+# with -I -S), it sets the loopback up, says so, then answers each byte on its control socket with a
+# socket listening on 127.0.0.1 (a free port) there, and ends when the worker closes its end.
+_NETNS_KEEPER = """
+import fcntl, socket, struct, sys
+ctl = socket.socket(fileno=int(sys.argv[1]))
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", 0x1 | 0x8 | 0x40))  # SIOCSIFFLAGS: up, running
+ctl.sendall(b"r")
+while ctl.recv(1):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        socket.send_fds(ctl, [b"s"], [listener.fileno()])
+"""
+
+
+class UserNetns:
+    """For a worker that is not root, a network namespace with only its loopback for its Chromium: the
+    counterpart of make_netns + listen_in. The worker cannot enter a namespace (setns needs
+    CAP_SYS_ADMIN where it is), so a small keeper process that lives in it (in a user namespace of its
+    own, the worker's uid as root) makes the sockets the prompts' egress proxies listen on and passes
+    them out; the worker accepts and serves them from the host's network as before, and Chromium,
+    started in the keeper's namespaces (own_root_command), reaches nothing else. Close with ``close``:
+    the keeper also ends when the worker does (its control socket closes)."""
+
+    def __init__(self) -> None:
+        import sys
+        import threading
+
+        unshare = shutil.which("unshare") or "unshare"
+        ctl, theirs = socket.socketpair()
+        self._proc: subprocess.Popen | None = None
+        self._ctl = ctl
+        self._lock = threading.Lock()
+        self.fds: list[int] = []
+        try:
+            argv = [unshare, "--user", "--map-root-user", "--net", "--",
+                    sys.executable or "python3", "-I", "-S", "-c", _NETNS_KEEPER, str(theirs.fileno())]  # fmt: skip
+            self._proc = subprocess.Popen(
+                argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, env={"PATH": os.defpath},
+            )  # fmt: skip
+            theirs.close()
+            ctl.settimeout(10)
+            if ctl.recv(1) != b"r":
+                self._proc.wait(timeout=10)
+                said = self._proc.stderr.read().decode(errors="replace").strip().splitlines()
+                raise OSError(f"its keeper ended: {(said or ['no word'])[-1][:200]}")
+            self.fds = [
+                os.open(f"/proc/{self._proc.pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
+                for ns in ("user", "net")
+            ]
+        except BaseException:
+            theirs.close()
+            self.close()
+            raise
+
+    @property
+    def paths(self) -> tuple[str, str]:
+        """Its user and network namespaces, as paths any process of this user may enter them by."""
+        return (f"/proc/{os.getpid()}/fd/{self.fds[0]}", f"/proc/{os.getpid()}/fd/{self.fds[1]}")
+
+    def listen(self) -> socket.socket:
+        """A new socket listening on 127.0.0.1 (a free port) in the namespace, non-blocking."""
+        with self._lock:
+            try:
+                self._ctl.sendall(b"l")
+                _, fds, _, _ = socket.recv_fds(self._ctl, 1, 1, socket.MSG_CMSG_CLOEXEC)
+            except OSError as exc:
+                raise OSError(f"the browser's network namespace cannot listen: {exc}") from None
+        if not fds:
+            raise OSError("the browser's network namespace cannot listen: its keeper ended")
+        sock = socket.socket(fileno=fds[0])
+        sock.setblocking(False)
+        return sock
+
+    def close(self) -> None:
+        """End the keeper (the namespace ends with the last of Chromium's processes). Idempotent."""
+        self._ctl.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
 
 
 @functools.lru_cache(maxsize=1)
@@ -276,11 +378,17 @@ def plan() -> SandboxPlan:
             return SandboxPlan(sandbox=False, user=None, problem=problem)
         outer, inner = own_root_command("/bin/sh")
         said = _root_check(outer, inner)
+        if said is not None:
+            return SandboxPlan(
+                sandbox=True, user=None, isolation_problem=f"cannot have a root of its own: {said}"
+            )
+        network_problem = _user_netns_probe()
         return SandboxPlan(
             sandbox=True,
             user=None,
-            own_root=said is None,
-            isolation_problem=None if said is None else f"cannot have a root of its own: {said}",
+            own_root=True,
+            isolated=network_problem is None,
+            isolation_problem=network_problem,
         )
     user = (BROWSER_UID, BROWSER_GID)
     if shutil.which("setpriv") is None:
@@ -316,6 +424,27 @@ def _isolation_probe(drop: list[str], user: tuple[int, int]) -> str | None:
     finally:
         os.close(fd)
     return None if said is None else f"cannot enter namespaces of its own: {said}"
+
+
+def _user_netns_probe() -> str | None:
+    """None if a worker that is not root can start Chromium in a UserNetns here (on its root of its
+    own), its loopback there up and a socket listening on it; else why not."""
+    try:
+        netns = UserNetns()
+    except OSError as exc:
+        return f"cannot make a network namespace: {exc}"
+    try:
+        netns.listen().close()
+        outer, inner = own_root_command("/bin/sh", netns.paths)
+        said = _root_check(outer, inner)
+        if said is None:  # and there only the loopback is up
+            check = ["/bin/sh", "-c", "grep -q '^ *lo:' /proc/net/dev && [ $(wc -l < /proc/net/dev) = 3 ]"]
+            said = _run([*outer[: outer.index("--") + 1], *check])
+    except OSError as exc:
+        said = str(exc)
+    finally:
+        netns.close()
+    return None if said is None else f"cannot have a network namespace of its own: {said}"
 
 
 def _root_check(outer: list[str], inner: list[str], user: tuple[int, int] | None = None) -> str | None:

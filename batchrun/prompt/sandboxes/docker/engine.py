@@ -67,7 +67,36 @@ def check_engine() -> str:
 
 
 def _unreachable(exc: Exception) -> str:
-    return f"Docker engine not reachable: {exc}. Start dockerd (or Docker Desktop) or choose --sandbox=local"
+    said = f"Docker engine not reachable: {exc}."
+    denied = _socket_denied(exc)
+    if denied:
+        return f"{said} {denied}, or choose --sandbox=local"
+    return f"{said} Start dockerd (or Docker Desktop) or choose --sandbox=local"
+
+
+def _socket_denied(exc: BaseException) -> str | None:
+    """The hint for an engine that runs but whose Unix socket this user may not open (not in its group):
+    "Start dockerd" sent a user who is not in the ``docker`` group to a daemon that was running."""
+    seen: BaseException | None = exc
+    denied = "Permission denied" in str(exc)
+    while seen is not None and not denied:
+        denied = isinstance(seen, PermissionError) or any(isinstance(a, PermissionError) for a in seen.args)
+        seen = seen.__cause__ or seen.__context__
+    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if not denied or not host.startswith("unix://"):
+        return None
+    path = host.removeprefix("unix://")
+    try:
+        import grp
+
+        group = grp.getgrgid(os.stat(path).st_gid).gr_name
+    except (OSError, KeyError):
+        group = "docker"
+    return (
+        f"The engine's socket {path} is not open to this user (uid {os.geteuid()}): add the user to its "
+        f"group '{group}' (`sudo usermod -aG {group} $USER`, then log in again), use a rootless engine "
+        f"(DOCKER_HOST)"
+    )
 
 
 def default_owner() -> str:

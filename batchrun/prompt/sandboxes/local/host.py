@@ -70,8 +70,48 @@ def bwrap_problem() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap could not be run: {exc}"
     if done.returncode != 0:
-        return f"bubblewrap does not work here: {done.stderr.decode(errors='replace').strip()}"
+        said = f"bubblewrap does not work here: {done.stderr.decode(errors='replace').strip()}"
+        refused = userns_refused()
+        return f"{said}; {refused}" if refused else said
     return None
+
+
+# The settings that refuse a user who is not root user namespaces, which bubblewrap needs then: each
+# file, the value that refuses, and how to allow them.
+_USERNS_SETTINGS = (
+    ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1",
+     "kernel.apparmor_restrict_unprivileged_userns=1: an AppArmor profile for bwrap must allow them, or set it to 0"),
+    ("/proc/sys/kernel/unprivileged_userns_clone", "0", "kernel.unprivileged_userns_clone=0: set it to 1"),
+    ("/proc/sys/user/max_user_namespaces", "0", "user.max_user_namespaces=0: set it above 0"),
+)  # fmt: skip
+
+
+@functools.cache
+def userns_refused() -> str | None:
+    """Why this user, not root, may not make user namespaces (what unprivileged bubblewrap needs), or None
+    when it may (or is root: bubblewrap needs none then)."""
+    if os.geteuid() == 0:
+        return None
+    unshare = shutil.which("unshare")
+    try:
+        done = (
+            subprocess.run([unshare, "--user", "true"], capture_output=True, timeout=20) if unshare else None
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is not None and done.returncode == 0:
+        return None
+    last = done.stderr.decode(errors="replace").strip().splitlines() if done is not None else []
+    said = f" (unshare --user: {last[-1][:200]})" if last else ""
+    for path, refusing, fix in _USERNS_SETTINGS:
+        try:
+            with open(path) as f:
+                if f.read().strip() == refusing:
+                    return f"this user may not make user namespaces{said}: {fix}"
+        except OSError:
+            continue
+    # no unshare to try with, and no setting that refuses them: nothing to tell
+    return f"this user may not make user namespaces{said}" if done is not None else None
 
 
 @functools.cache

@@ -123,7 +123,12 @@ def limits_mechanism() -> str:
     proc = (
         "process count not limited (RLIMIT_NPROC does not bind root)" if os.geteuid() == 0 else "RLIMIT_NPROC"
     )
-    return f"rlimits: RLIMIT_AS per process, {proc}, no CPU limit ({layout})"
+    # "2048 MiB memory" read as the prompt's: each of its processes may have that much, and its tmpfs
+    # files count against nothing
+    return (
+        f"rlimits: RLIMIT_AS per process (not the prompt's processes together, nor its tmpfs files), {proc}, "
+        f"no CPU limit ({layout})"
+    )
 
 
 # The run parents this process made and delegated controllers in (forgotten when it removes one).

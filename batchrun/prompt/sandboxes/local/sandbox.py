@@ -64,6 +64,7 @@ from batchrun.prompt.sandboxes.local.host import (
     sandbox_workdir,
     system_sockets,
     tool_path,
+    userns_refused,
 )
 from batchrun.prompt.sandboxes.local.limits import (
     PARENT_PREFIX,
@@ -148,9 +149,14 @@ class LocalSandbox(SandboxBackend):
         isolation = options.get("isolation", "auto")
         problem = bwrap_problem() if isolation != "none" else None
         if problem and (isolation == "bwrap" or real_model):
+            if shutil.which("bwrap") is None:
+                fix = "Install bubblewrap (Debian: apt-get install bubblewrap)"
+            elif userns_refused():  # installed: "install bubblewrap" sent such a user nowhere
+                fix = "Let this user make user namespaces (above), run as root"
+            else:
+                fix = "Make bubblewrap work here (its error above)"
             raise SetupError(
-                f"the local sandbox cannot isolate commands: {problem}. Install bubblewrap "
-                "(Debian: apt-get install bubblewrap), use --sandbox=docker, or pass "
+                f"the local sandbox cannot isolate commands: {problem}. {fix}, use --sandbox=docker, or pass "
                 "--local_isolation=none to run the model's commands on this machine without isolation, on purpose"
             )
         with_image = sum(1 for j in jobs if j.image)
@@ -221,7 +227,11 @@ class LocalSandbox(SandboxBackend):
                 f"warning: {len(failed)} prompt(s) name a cwd the sandbox cannot have; they fail without a "
                 f"model call: {lines}{more}"  # each names its cwd with repr(): control characters escaped
             )
-        return Preflight(isolation="bwrap", failed=failed, facts={"sandbox_network": kind})
+        return Preflight(
+            isolation="bwrap",
+            failed=failed,
+            facts={"sandbox_network": kind, "sandbox_limits": limits_mechanism()},
+        )
 
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
