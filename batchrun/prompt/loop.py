@@ -27,7 +27,7 @@ from batchrun.prompt.llm import (
 )
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
-from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_json
+from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_arguments
 
 MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid before we stop the prompt
 # Bounds on what one prompt's conversation holds in this process (it is held several times over: the
@@ -284,7 +284,7 @@ def _is_invalid_json(args: str) -> bool:
     if not args.strip():
         return False
     try:
-        return not isinstance(strict_json(args), dict)
+        return not isinstance(strict_arguments(args), dict)
     except ValueError:
         return True
 

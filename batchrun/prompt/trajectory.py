@@ -15,7 +15,7 @@ from batchrun.record import RECORD_FIELDS, conform_score, is_tool_failure, norma
 from batchrun.sharegpt import (
     gpt_value,
     parse_gpt_value,
-    strict_json,
+    strict_arguments,
     system_value,
     tool_response_block,
 )
@@ -124,7 +124,7 @@ def invalid_tool_call(messages: list[dict[str, Any]]) -> bool:
             continue
         for call in msg.get("tool_calls") or []:
             try:
-                args = strict_json(call["function"]["arguments"])
+                args = strict_arguments(call["function"]["arguments"])
             except (ValueError, TypeError):
                 return True
             if not isinstance(args, dict):
