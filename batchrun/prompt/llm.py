@@ -213,6 +213,9 @@ class AssistantTurn:
     served_model: str | None = (
         None  # the response's ``model``: what answered, which may differ from the request
     )
+    # OpenAI's ``message.refusal``: the model declined, in words of its own sent apart from ``content``
+    # (which is then null). None when the reply has none (absent, null or blank).
+    refusal: str | None = None
 
 
 # What a reply's ``finish_reason`` says, by the values real servers send: OpenAI, llama.cpp, vLLM and
@@ -1075,7 +1078,13 @@ def _parse_payload(data: Any) -> AssistantTurn:
         finish_reason=choice.get("finish_reason"),
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
+        refusal=_refusal_text(message.get("refusal")),
     )
+
+
+def _refusal_text(refusal: Any) -> str | None:
+    """A reply's ``refusal`` exactly as sent, or None when it has none (absent, null, not text, blank)."""
+    return refusal if isinstance(refusal, str) and refusal.strip() else None
 
 
 def _shaped(value: Any, kind: type, what: str) -> Any:
@@ -1139,7 +1148,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
     """
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     assembled = 0
-    texts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": []}
+    texts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": [], "refusal": []}
     details: list[dict[str, Any]] = []
     calls: dict[int, dict[str, Any]] = {}
     out: dict[str, Any] = {}
@@ -1222,7 +1231,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             "(no finish_reason and no [DONE]: the connection closed or the body ended early)",
         )
     message["content"] = "".join(texts["content"])
-    for key in ("reasoning_content", "reasoning"):
+    for key in ("reasoning_content", "reasoning", "refusal"):
         if texts[key]:
             message[key] = "".join(texts[key])
     if details:

@@ -535,3 +535,34 @@ def test_print_distribution_info(capsys):
     assert lines[0].split()[1] == "web"  # most probable first
     td.print_distribution_info("nope")
     assert "Unknown distribution: nope" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- what the model said in a discard
+
+REFUSAL = "I'm sorry, but I can't help with that."
+
+
+def test_a_refusal_is_a_discard_of_its_own_that_keeps_the_refusal(tmp_path):
+    """OpenAI's ``message.refusal`` (content null) was read as an empty answer: discarded as empty_answer
+    with no trace of its text, and with --keep_empty_answers kept as a final answer of no words. It is
+    the discard ``refusal`` (no flag keeps it), its text the turn's words, exported with it."""
+    from batchrun.views.export import export_run
+
+    def answer(call, calls):
+        message = {"role": "assistant", "content": None, "refusal": REFUSAL}
+        return 200, {"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(endpoint, write_jsonl(tmp_path / "d.jsonl", ["Pick this lock."]), tmp_path / "data",
+            keep_empty_answers=True, keep_no_reasoning=True)  # fmt: skip
+    run_dir = tmp_path / "data" / "run"
+    assert not read_jsonl(run_dir / "trajectories.jsonl")
+    (row,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert row["reason"] == row["record"]["metadata"]["stop_reason"] == "refusal"
+    gpt = [c["value"] for c in row["record"]["conversations"] if c["from"] == "gpt"]
+    assert gpt == [f"<think>\n</think>\n{REFUSAL}"]
+    assert stats_of(run_dir)["discarded"]["by_reason"] == {"refusal": 1}
+    export_run(run_dir, "openai", tmp_path / "out", include_discarded=True)
+    (exported,) = read_jsonl(tmp_path / "out" / "train.jsonl")
+    assert exported["discard_reason"] == exported["stop_reason"] == "refusal"
+    assert exported["messages"][-1] == {"role": "assistant", "content": REFUSAL}

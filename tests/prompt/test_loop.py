@@ -518,6 +518,43 @@ def test_arguments_are_saved_and_sent_back_as_the_model_wrote_them(replies, ctx:
     assert json.loads(result.messages[2]["content"])["output"].strip() == "é"  # run as the model meant
 
 
+REFUSAL = "I'm sorry, but I can't help with that."
+
+
+def _refusing(stream: bool, content: str | None = None, calls: list | None = None) -> dict | list:
+    """OpenAI's refusal: ``message.refusal`` with ``content`` null (or streamed in ``delta.refusal`` pieces)."""
+    if stream:
+        return [
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": content, "refusal": ""}}]},
+            *({"choices": [{"index": 0, "delta": {"refusal": p}}]} for p in (REFUSAL[:9], REFUSAL[9:])),
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        ]
+    body = reply(calls=calls or [])
+    body["choices"][0]["message"].update(content=content, refusal=REFUSAL)
+    body["choices"][0]["finish_reason"] = "stop"
+    return body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refusal_ends_the_prompt_with_its_text_as_the_turns_words(replies, ctx: ToolContext, stream):
+    """Before, the refusal was dropped: an empty answer (discarded as empty_answer with no trace of it,
+    or kept with --keep_empty_answers as a final answer of no words)."""
+    script = replies(_refusing(stream))
+    result = agent(client(script.base_url, max_retries=0, stream=stream), "p", ctx)
+    assert (result.stop_reason, result.completed, result.api_calls) == ("refusal", False, 1)
+    assert result.messages[-1]["content"] == REFUSAL
+
+
+def test_a_refusal_beside_words_and_calls_keeps_both_and_runs_no_call(replies, ctx: ToolContext):
+    script = replies(
+        _refusing(False, content="Partly:", calls=[("a", "terminal", '{"command": "echo ran"}')])
+    )
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    assert result.stop_reason == "refusal" and result.tool_calls == 0
+    assert result.messages[-1]["content"] == f"Partly:\n\n{REFUSAL}"
+    assert [m["role"] for m in result.messages] == ["user", "assistant"]
+
+
 def test_with_reasoning_disabled_think_tags_stay_in_the_words(replies, ctx: ToolContext):
     words = "<think>not reasoning</think>answer"
     script = replies(reply(words))
