@@ -72,3 +72,34 @@ def test_a_stream_with_both_reasoning_fields_is_not_doubled():
     ]
     parsed = _parse_payload(_read_stream(Lines(lines)))
     assert parsed.reasoning == "step one, step two" and parsed.content == "Done."
+
+
+# Mistral's reasoning models answer with content parts: thinking (its reasoning) and text (its words).
+MISTRAL_THINKING = "The user greets me;\nreply in kind."
+
+
+def test_mistral_thinking_parts_are_reasoning_and_text_parts_words():
+    """The thinking parts were dropped: the reasoning was in no record (a no_reasoning discard, or a kept
+    sample without it under --keep_no_reasoning)."""
+    content = [
+        {"type": "thinking", "thinking": [{"type": "text", "text": MISTRAL_THINKING}]},
+        {"type": "text", "text": "Hello!"},
+    ]
+    parsed = _parse_payload(
+        {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": content}}]}
+    )
+    assert (parsed.reasoning, parsed.content) == (MISTRAL_THINKING, "Hello!")
+
+
+def test_mistral_thinking_parts_streamed_are_reasoning_too():
+    """Streamed, a delta whose content is a list of parts was dropped whole: the words too."""
+    deltas = [
+        {"role": "assistant", "content": ""},
+        *({"content": [{"type": "thinking", "thinking": [{"type": "text", "text": t}]}]} for t in ("The user ", MISTRAL_THINKING[9:])),
+        {"content": [{"type": "text", "text": "Hel"}]},
+        {"content": "lo!"},
+    ]  # fmt: skip
+    lines = [f"data: {json.dumps({'choices': [{'index': 0, 'delta': d}]})}" for d in deltas]
+    lines += ['data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}', "data: [DONE]"]
+    parsed = _parse_payload(_read_stream(Lines(lines)))
+    assert (parsed.reasoning, parsed.content) == (MISTRAL_THINKING, "Hello!")
