@@ -77,6 +77,41 @@ def split_reasoning(content: str | None) -> tuple[str | None, str]:
     return (reasoning or None), text
 
 
+_LEADING_BLOCKS = (
+    re.compile(r"<REASONING_SCRATCHPAD>(.*?)</REASONING_SCRATCHPAD>", re.DOTALL),
+    re.compile(r"<think>(.*?)</think>", re.DOTALL),
+)
+
+
+def split_leading_reasoning(content: str | None) -> tuple[str | None, str]:
+    """The worker's reading of reasoning a reply wrote inline, so that its record gives back what the
+    model wrote: one ``<REASONING_SCRATCHPAD>`` or ``<think>`` block at the very start of the reply, or
+    the text before a lone ``</think>`` (templates that open the think block in the generation prompt).
+    Its text and the words after it are kept as written but for the one line break just inside each tag
+    and the one after the block, which are the envelope's (:func:`gpt_value` writes them back).
+
+    Nothing else is moved: a block after a space or words, a second block, stays in the words as the
+    model wrote it (the sample is then ``ambiguous_markup``). :func:`split_reasoning` instead reads any
+    text loosely, scratchpads anywhere, for records other tools wrote; the worker's reading of
+    ``Let me check.<REASONING_SCRATCHPAD>..</REASONING_SCRATCHPAD>\nDone.`` with it saved the words
+    ``Let me check.Done.``, which the model never wrote.
+    """
+    text = content or ""
+    for block in _LEADING_BLOCKS:
+        found = block.match(text)
+        if found:
+            return _reasoning_or_none(found.group(1)), text[found.end() :].removeprefix("\n")
+    if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
+        before, rest = text.split("</think>", 1)
+        return _reasoning_or_none(before), rest.removeprefix("\n")
+    return None, text
+
+
+def _reasoning_or_none(inner: str) -> str | None:
+    reasoning = unwrap_reasoning(inner)
+    return reasoning if reasoning.strip() else None
+
+
 def unwrap_reasoning(inner: str) -> str:
     """Reasoning without the one line break right after ``<think>`` and right before ``</think>``: those
     are the envelope's (:func:`gpt_value` writes them), whether the reasoning came inline or in a native

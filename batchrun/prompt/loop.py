@@ -27,7 +27,7 @@ from batchrun.prompt.llm import (
 )
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
-from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_arguments
+from batchrun.sharegpt import canonical_arguments, split_leading_reasoning, strict_arguments
 
 MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid before we stop the prompt
 # Bounds on what one prompt's conversation holds in this process (it is held several times over: the
@@ -252,11 +252,13 @@ def _assistant_messages(
     """The saved form (reasoning split out, canonical arguments) and the form sent back to the model.
 
     Words are read as reasoning only where the endpoint sent no reasoning field and reasoning is not
-    disabled, and only a leading block (``<think>...</think>``, or words before a lone ``</think>``
-    when the template opened the block). Anywhere else a tag stays in the words, where the
-    ``ambiguous_markup`` filter finds it: a stray ``</think>`` never turns words into reasoning."""
+    disabled, and only a block at the reply's very start (``<think>...</think>`` or
+    ``<REASONING_SCRATCHPAD>...</REASONING_SCRATCHPAD>``, or words before a lone ``</think>`` when the
+    template opened the block). Anywhere else a tag stays in the words, where the ``ambiguous_markup``
+    filter finds it: a stray ``</think>`` never turns words into reasoning, nor are words rejoined
+    around a scratchpad taken out of their middle."""
     if turn.reasoning is None and not reasoning_disabled:
-        scratch_reasoning, content = split_reasoning(turn.content)
+        scratch_reasoning, content = split_leading_reasoning(turn.content)
     else:
         scratch_reasoning, content = None, turn.content or ""
     if turn.refusal is not None:  # the model's words, sent in their own field: the discard shows them
