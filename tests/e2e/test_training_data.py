@@ -566,3 +566,30 @@ def test_a_refusal_is_a_discard_of_its_own_that_keeps_the_refusal(tmp_path):
     (exported,) = read_jsonl(tmp_path / "out" / "train.jsonl")
     assert exported["discard_reason"] == exported["stop_reason"] == "refusal"
     assert exported["messages"][-1] == {"role": "assistant", "content": REFUSAL}
+
+
+# Characters JSON keeps raw in a string that str.splitlines() takes for line ends, beside others a model may
+# write (NUL, a CRLF, an escape sequence, a BOM, an astral character).
+ODD_WORDS = "One\u2028two\u2029three\x85four\x00five\r\nsix\x1b[0m\ufeff\U0001f30d\n"
+
+
+def test_words_with_line_separators_stay_one_line_for_every_reader(tmp_path):
+    """U+2028, U+2029 and U+0085 were written raw: valid JSON, but a reader splitting lines with
+    str.splitlines() (as many training scripts do) got three torn lines for one record. They are written
+    escaped now, the same value: every reader gets the words exactly, datasets too."""
+    from batchrun.views.export import export_run
+
+    def answer(call, calls):
+        message = {"role": "assistant", "content": ODD_WORDS, "reasoning_content": "why"}
+        return 200, {"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(endpoint, write_jsonl(tmp_path / "d.jsonl", ["Say odd things."]), tmp_path / "data")
+    run_dir = tmp_path / "data" / "run"
+    export_run(run_dir, "openai", tmp_path / "out")
+    (kept,) = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text("utf-8").splitlines()]
+    assert kept["conversations"][-1]["value"] == f"<think>\nwhy\n</think>\n{ODD_WORDS}"
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text("utf-8").splitlines()]
+    assert row["messages"][-1]["content"] == ODD_WORDS
+    (record,) = datasets.load_dataset("json", data_files=str(run_dir / "trajectories.jsonl"), split="train")
+    assert record["conversations"][-1]["value"] == f"<think>\nwhy\n</think>\n{ODD_WORDS}"
