@@ -265,6 +265,7 @@ def test_ordinary_values_of_secret_named_variables_and_echoed_prefill_leave_samp
 
 
 SECRET = "s3cr3t-Value-42xyz"
+ESCAPED = "".join(f"\\u{ord(c):04X}" if i % 3 == 0 else c for i, c in enumerate(SECRET))  # \u0073 for s, ...
 
 
 @pytest.mark.parametrize(
@@ -277,6 +278,10 @@ SECRET = "s3cr3t-Value-42xyz"
         base64.b64encode(f"xy{SECRET}tail".encode()).decode(),
         base64.urlsafe_b64encode(f"a{SECRET}".encode()).decode(),
         json.dumps(json.dumps(SECRET)),
+        # Some of its characters as JSON \u escapes (a model's arguments are kept as it wrote them), and
+        # that text JSON-escaped once more (as a record's line holds it).
+        ESCAPED,
+        json.dumps(ESCAPED)[1:-1],
     ],
 )
 def test_every_form_of_a_secret_is_found_and_redacted(form):
@@ -593,3 +598,28 @@ def test_words_with_line_separators_stay_one_line_for_every_reader(tmp_path):
     assert row["messages"][-1]["content"] == ODD_WORDS
     (record,) = datasets.load_dataset("json", data_files=str(run_dir / "trajectories.jsonl"), split="train")
     assert record["conversations"][-1]["value"] == f"<think>\nwhy\n</think>\n{ODD_WORDS}"
+
+
+def test_a_secret_the_model_writes_in_escapes_in_its_arguments_is_a_discard(tmp_path, monkeypatch):
+    """A call's arguments are kept as the model wrote them; \\u escapes of the run's secret in them are the
+    secret to any reader of the arguments: the sample is a discard, redacted in discarded.jsonl."""
+    monkeypatch.setenv("PAYMENT_API_KEY", SECRET)
+    arguments = '{"command": "true # ' + ESCAPED + '"}'
+
+    def answer(call, calls):
+        turns = sum(1 for m in (call["body"] or {}).get("messages", []) if m.get("role") == "assistant")
+        if call["check"] or turns:
+            message = {"role": "assistant", "content": "Done.", "reasoning_content": "why"}
+            return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+        message = {"role": "assistant", "content": "", "reasoning_content": "why",
+                   "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": arguments}}]}  # fmt: skip
+        return 200, {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}]}
+
+    assert json.loads(arguments)["command"] == f"true # {SECRET}" and SECRET not in arguments
+    with ScriptedEndpoint(answer) as endpoint:
+        run(endpoint, write_jsonl(tmp_path / "d.jsonl", ["Run it."]), tmp_path / "data")
+    run_dir = tmp_path / "data" / "run"
+    assert not read_jsonl(run_dir / "trajectories.jsonl")
+    assert [d["reason"] for d in read_jsonl(run_dir / "discarded.jsonl")] == ["secret_in_output"]
+    text = (run_dir / "discarded.jsonl").read_text("utf-8")
+    assert ESCAPED not in text and json.dumps(ESCAPED)[1:-1] not in text and SECRET not in text
