@@ -47,7 +47,8 @@ RECORD_FIELDS = (
     "score",
 )
 
-# One structured call of a gpt turn; arguments as a JSON string (always a JSON object's text).
+# One structured call of a gpt turn; arguments as a JSON string (a JSON object's text in a kept sample,
+# as the model wrote it).
 TOOL_CALL: dict[str, Any] = {"id": STRING, "type": STRING, "function": {"name": STRING, "arguments": STRING}}
 
 # One ShareGPT entry. ``tool_calls`` is on every entry: the calls of a gpt turn, else an empty list.

@@ -77,6 +77,41 @@ def split_reasoning(content: str | None) -> tuple[str | None, str]:
     return (reasoning or None), text
 
 
+_LEADING_BLOCKS = (
+    re.compile(r"<REASONING_SCRATCHPAD>(.*?)</REASONING_SCRATCHPAD>", re.DOTALL),
+    re.compile(r"<think>(.*?)</think>", re.DOTALL),
+)
+
+
+def split_leading_reasoning(content: str | None) -> tuple[str | None, str]:
+    """The worker's reading of reasoning a reply wrote inline, so that its record gives back what the
+    model wrote: one ``<REASONING_SCRATCHPAD>`` or ``<think>`` block at the very start of the reply, or
+    the text before a lone ``</think>`` (templates that open the think block in the generation prompt).
+    Its text and the words after it are kept as written but for the one line break just inside each tag
+    and the one after the block, which are the envelope's (:func:`gpt_value` writes them back).
+
+    Nothing else is moved: a block after a space or words, a second block, stays in the words as the
+    model wrote it (the sample is then ``ambiguous_markup``). :func:`split_reasoning` instead reads any
+    text loosely, scratchpads anywhere, for records other tools wrote; the worker's reading of
+    ``Let me check.<REASONING_SCRATCHPAD>..</REASONING_SCRATCHPAD>\nDone.`` with it saved the words
+    ``Let me check.Done.``, which the model never wrote.
+    """
+    text = content or ""
+    for block in _LEADING_BLOCKS:
+        found = block.match(text)
+        if found:
+            return _reasoning_or_none(found.group(1)), text[found.end() :].removeprefix("\n")
+    if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
+        before, rest = text.split("</think>", 1)
+        return _reasoning_or_none(before), rest.removeprefix("\n")
+    return None, text
+
+
+def _reasoning_or_none(inner: str) -> str | None:
+    reasoning = unwrap_reasoning(inner)
+    return reasoning if reasoning.strip() else None
+
+
 def unwrap_reasoning(inner: str) -> str:
     """Reasoning without the one line break right after ``<think>`` and right before ``</think>``: those
     are the envelope's (:func:`gpt_value` writes them), whether the reasoning came inline or in a native
@@ -125,34 +160,66 @@ def strict_json(text: str) -> Any:
     also takes ``NaN``, ``Infinity`` and ``-Infinity`` (no other reader does: written back, they make a
     line strict readers refuse), a number too large for a double (``1e999``, read as infinity and
     written back as ``Infinity``), and an object that names a key twice (it keeps the last; which one
-    the model meant is anyone's guess). A model's tool-call arguments are read with this."""
+    the model meant is anyone's guess). A model's tool-call arguments are read with this
+    (:func:`strict_arguments`)."""
     return parse_json(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=unique_keys)
 
 
-def canonical_arguments(raw: str) -> str:
-    """The arguments string saved in ``tool_calls``: canonical JSON when it parses (strictly, see
-    :func:`strict_json`), else the raw text (the sample is then discarded as ``invalid_tool_call``).
+def strict_arguments(text: str) -> Any:
+    """A call's arguments as :func:`strict_json` reads them; ValueError too when they escape a lone
+    surrogate (``"\\ud800"``): Python's reader takes it, but strict readers refuse it or read another
+    character, and it is text UTF-8 cannot carry (a record's reader, an export, a tool's command)."""
+    value = strict_json(text)
+    # A lone surrogate in the text itself (sent escaped in the endpoint's body) is the recorder's to find
+    # (unencodable_text); one escaped in the arguments' own JSON shows only once they are read.
+    if "\\u" in text and _encodes(text) and not _encodes(json.dumps(value, ensure_ascii=False)):
+        raise ValueError("a lone surrogate escape (\\ud800-\\udfff) is not text")
+    return value
 
-    No arguments at all (an empty string, as some servers send for a tool without parameters) is ``{}``.
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def canonical_arguments(raw: str) -> str:
+    """The arguments string saved in ``tool_calls`` and sent back to the model: the model's own text, byte
+    for byte (its spacing, escapes, number forms, key order, and any space or line break around the
+    object), whether or not it parses (a call whose arguments are not a JSON object, see
+    :func:`strict_json`, makes the sample an ``invalid_tool_call`` discard).
+
+    No arguments at all (an empty or blank string, as some servers send for a tool without parameters)
+    is ``{}``.
     """
     if not (raw or "").strip():
         return "{}"
+    return raw
+
+
+# What a <tool_call> block holds before its arguments: the block is this, the arguments, then "}".
+_BLOCK_HEAD = '{{"name": {name}, "arguments": '
+
+
+def _embeds_verbatim(arguments: str) -> bool:
+    """Whether a call's arguments go into its block as they are: JSON every reader reads the same way
+    (strictly, see :func:`strict_json`) and not a JSON string (double-encoded arguments go in as a
+    string holding their text, so a reader of the block gets that text back, not its decoding)."""
     try:
-        return json.dumps(strict_json(raw), ensure_ascii=False)
+        return not isinstance(strict_json(arguments), str)
     except (ValueError, TypeError):
-        return raw
+        return False
 
 
 def _tool_call_block(name: str, arguments: str) -> str:
-    try:
-        args: Any = strict_json(arguments)
-    except (ValueError, TypeError):
-        args = arguments  # not JSON: kept verbatim as a string so it still round-trips
-    if isinstance(args, str):
-        args = arguments  # a JSON string (double-encoded arguments): the raw text, so parsing gives it back
-    return (
-        "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
-    )
+    # The arguments are the model's text, embedded as written when they are JSON (the block is then one
+    # JSON object whose "arguments" any JSON reader reads as the model's object); other text, as a JSON
+    # string of it. parse_tool_calls gives the text back either way.
+    head = _BLOCK_HEAD.format(name=json.dumps(name, ensure_ascii=False))
+    text = arguments if _embeds_verbatim(arguments) else json.dumps(arguments, ensure_ascii=False)
+    return "<tool_call>\n" + head + text + "}\n</tool_call>"
 
 
 def tool_call_text(name: str, arguments: str) -> str:
@@ -161,18 +228,28 @@ def tool_call_text(name: str, arguments: str) -> str:
 
 
 def parse_tool_calls(value: str) -> list[dict[str, str]]:
-    """Read the ``<tool_call>`` blocks of a gpt value back as ``[{"name", "arguments"}]``."""
+    """Read the ``<tool_call>`` blocks of a gpt value back as ``[{"name", "arguments"}]``: each call's
+    arguments as the text its block was written from (the model's own, byte for byte)."""
     calls = []
     for block in _TOOL_CALL_RE.findall(value):
         obj = parse_json(block)
-        args = obj["arguments"]
-        calls.append(
-            {
-                "name": obj["name"],
-                "arguments": _json_text(args),
-            }
-        )
+        calls.append({"name": obj["name"], "arguments": _block_arguments(block, obj)})
     return calls
+
+
+def _block_arguments(block: str, obj: dict[str, Any]) -> str:
+    """The arguments text of a block that :func:`_tool_call_block` wrote (between its head and its last
+    ``}``); for any other block (written by another tool: other keys, other spacing), the JSON text of
+    its "arguments" value."""
+    args = obj["arguments"]
+    if not isinstance(obj["name"], str) or isinstance(args, str):
+        return _json_text(args)
+    head = _BLOCK_HEAD.format(name=json.dumps(obj["name"], ensure_ascii=False))
+    if block.startswith(head) and block.endswith("}"):
+        text = block[len(head) : -1]
+        if _embeds_verbatim(text):  # then it is the whole "arguments" value: no other key follows it
+            return text
+    return _json_text(args)
 
 
 def gpt_value(reasoning: str | None, content: str, tool_calls: list[dict[str, Any]]) -> str:

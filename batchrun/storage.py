@@ -31,6 +31,24 @@ class WriteError(OSError):
         return f"cannot write {self.path}: {self.strerror}"
 
 
+# Characters JSON leaves raw inside a string that Python's str.splitlines() (and other line readers,
+# some editors) take for line ends: a record holding one (a model may write U+2028, or U+0085 from text
+# decoded the wrong way) split into two torn lines for such a reader. They are written escaped: the same
+# JSON value, on one line for every reader. (JSON escapes every other control character itself.)
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def json_line(obj: Any) -> str:
+    """``obj`` as one line of JSON text (UTF-8 characters as they are, but the ones some readers take for
+    line ends, escaped); no line end."""
+    text = json.dumps(obj, ensure_ascii=False)
+    # Looked for first: translate() with a table of strings costs ~20x the dumps itself (9 ms against
+    # 0.4 ms for a 200 KB record), three searches ~2 us.
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+        return text.translate(_LINE_BREAKS)
+    return text
+
+
 def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) -> None:
     """Append one record durably: a torn last line is closed first, then write + flush + fsync.
 
@@ -38,7 +56,7 @@ def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) 
     closed by the next append like any torn line, so the lines before it stay intact.
     """
     try:
-        data = redact(json.dumps(obj, ensure_ascii=False)).encode("utf-8")
+        data = redact(json_line(obj)).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate (a model may send one): escaped, the text is kept exactly
         data = redact(json.dumps(obj)).encode("utf-8")
     append_jsonl_bytes(path, data)

@@ -101,9 +101,45 @@ def test_parse_tool_calls_round_trip(raw):
     ]
 
 
-def test_canonical_arguments_normalises_json_and_keeps_other_text():
-    assert canonical_arguments('{"b":1,"a":"é"}') == '{"b": 1, "a": "é"}'
+VERBATIM_ARGUMENTS = [
+    '{"n": 1e2}',  # was saved (and sent back to the model) as {"n": 100.0}
+    '{"a":1}',  # was {"a": 1}
+    '{"s": "\\u00e9"}',  # was {"s": "é"}
+    '{"b": 1, "a": 2}',  # key order
+    '{\n  "command": "ls",\n  "timeout": 5\n}',  # pretty-printed
+    ' {"command": "ls"}\n',  # a space and a line break around the object: the model's, kept
+    '{"x": "</tool_call> and \\n</tool_call>"}',
+    '{"big": 123456789012345678901234567890, "f": 0.10000000000000000001}',
+    '{"u": "\u2028 \\u2028 \\ud83c\\udf0d"}',
+]
+
+
+@pytest.mark.parametrize("raw", VERBATIM_ARGUMENTS)
+def test_arguments_are_saved_and_written_into_the_block_as_the_model_wrote_them(raw):
+    assert canonical_arguments(raw) == raw
+    value = gpt_value("why", "words", [_call("call_1", "terminal", raw)])
+    block = value.split("\n", 4)[-1]
+    assert block == '<tool_call>\n{"name": "terminal", "arguments": ' + raw + "}\n</tool_call>"
+    # A JSON reader of the block reads the model's object; the runner's reader gives its text back.
+    inner = block.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    assert json.loads(inner) == {"name": "terminal", "arguments": json.loads(raw)}
+    assert parse_tool_calls(value) == [{"name": "terminal", "arguments": raw}]
+
+
+def test_no_arguments_are_an_empty_object_and_other_text_is_kept():
+    assert canonical_arguments("") == canonical_arguments(" \n") == "{}"
     assert canonical_arguments("{oops") == "{oops"
+    assert canonical_arguments("[1,2]") == "[1,2]"
+
+
+def test_blocks_written_by_earlier_versions_read_back_as_their_tool_calls():
+    # Canonical arguments, and a block re-encoded from them; another writer's block (other key order).
+    old = '<think>\n</think>\n<tool_call>\n{"name": "t", "arguments": {"n": 100.0, "s": "é"}}\n</tool_call>'
+    assert parse_tool_calls(old) == [{"name": "t", "arguments": '{"n": 100.0, "s": "é"}'}]
+    other = '<tool_call>\n{"arguments": {"a":1}, "name": "t"}\n</tool_call>'
+    assert parse_tool_calls(other) == [{"name": "t", "arguments": '{"a": 1}'}]
+    extra = '<tool_call>\n{"name": "t", "arguments": {"a":1}, "id": "x"}\n</tool_call>'
+    assert parse_tool_calls(extra) == [{"name": "t", "arguments": '{"a": 1}'}]
 
 
 @pytest.mark.parametrize("raw", ['"ls -la"', json.dumps(json.dumps({"command": "ls"}))])

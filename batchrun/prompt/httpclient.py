@@ -187,13 +187,24 @@ class Response:
         """The body as JSON; ``ValueError`` (``JSONDecodeError``, ``UnicodeDecodeError``) when it is not."""
         return parse_json(self.read())
 
+    def _line_text(self, line: bytes | bytearray) -> str:
+        """A streamed line as text; :class:`BadResponse` when it is not UTF-8, as a body that is not is
+        (:meth:`json`): replacing its bytes with U+FFFD would keep text the model never wrote."""
+        try:
+            return line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self._drop()
+            raise BadResponse(
+                f"{self.url} sent a streamed line that is not UTF-8 (byte {exc.start})"
+            ) from None
+
     def iter_lines(self) -> Iterator[str]:
         """The body's lines as they arrive, without their ends; a line longer than ``Bounds.line_bytes``
         is :class:`BadResponse`. The unfinished line is kept in one buffer and searched only where new
         bytes came, so a line without a newline costs linear time, not quadratic."""
         if self._content is not None:
             for line in self._content.splitlines():
-                yield line.decode("utf-8", "replace")
+                yield self._line_text(line)
             return
         buf = bytearray()
         max_line = self._bounds.line_bytes
@@ -205,7 +216,7 @@ class Response:
                 nl = _line_end(buf, max(cut, start - 1))
                 if nl < 0:
                     break
-                yield buf[cut:nl].rstrip(b"\r").decode("utf-8", "replace")
+                yield self._line_text(buf[cut:nl].rstrip(b"\r"))
                 cut = nl + 1
                 start = cut
             if cut:

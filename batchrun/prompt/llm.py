@@ -213,6 +213,9 @@ class AssistantTurn:
     served_model: str | None = (
         None  # the response's ``model``: what answered, which may differ from the request
     )
+    # OpenAI's ``message.refusal``: the model declined, in words of its own sent apart from ``content``
+    # (which is then null). None when the reply has none (absent, null or blank).
+    refusal: str | None = None
 
 
 # What a reply's ``finish_reason`` says, by the values real servers send: OpenAI, llama.cpp, vLLM and
@@ -1068,14 +1071,24 @@ def _parse_payload(data: Any) -> AssistantTurn:
         )
         for i, (c, fn) in enumerate(zip(raw_calls, functions, strict=True))
     ]
+    content, thinking = _content_parts(message.get("content"))
+    reasoning = native_reasoning(message)
+    if reasoning is None and thinking.strip():  # Mistral's thinking parts: its reasoning, not words
+        reasoning = unwrap_reasoning(thinking)
     return AssistantTurn(
-        content=_content_text(message.get("content")),
-        reasoning=native_reasoning(message),
+        content=content,
+        reasoning=reasoning,
         tool_calls=calls,
         finish_reason=choice.get("finish_reason"),
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
+        refusal=_refusal_text(message.get("refusal")),
     )
+
+
+def _refusal_text(refusal: Any) -> str | None:
+    """A reply's ``refusal`` exactly as sent, or None when it has none (absent, null, not text, blank)."""
+    return refusal if isinstance(refusal, str) and refusal.strip() else None
 
 
 def _shaped(value: Any, kind: type, what: str) -> Any:
@@ -1139,7 +1152,8 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
     """
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     assembled = 0
-    texts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": []}
+    texts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": [], "refusal": []}
+    thinking: list[str] = []  # Mistral's thinking content parts
     details: list[dict[str, Any]] = []
     calls: dict[int, dict[str, Any]] = {}
     out: dict[str, Any] = {}
@@ -1185,6 +1199,11 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     if isinstance(delta.get(key), str):
                         parts.append(delta[key])
                         generated += len(delta[key])
+                if isinstance(delta.get("content"), list):  # content parts: words and thinking
+                    words, thought = _content_parts(delta["content"])
+                    texts["content"].append(words)
+                    thinking.append(thought)
+                    generated += len(words) + len(thought)
                 for d in _shaped(delta.get("reasoning_details"), list, "reasoning_details"):
                     if isinstance(d, dict):
                         _merge_detail(details, d)
@@ -1222,7 +1241,10 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             "(no finish_reason and no [DONE]: the connection closed or the body ended early)",
         )
     message["content"] = "".join(texts["content"])
-    for key in ("reasoning_content", "reasoning"):
+    if any(thinking):  # as a plain reply carries them, so that both are read by one parser
+        thought = {"type": "thinking", "thinking": [{"type": "text", "text": "".join(thinking)}]}
+        message["content"] = [thought, {"type": "text", "text": message["content"]}]
+    for key in ("reasoning_content", "reasoning", "refusal"):
         if texts[key]:
             message[key] = "".join(texts[key])
     if details:
@@ -1257,14 +1279,32 @@ def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _content_text(content: Any) -> str:
-    """Message content as text: a string, or the text parts of a list of content parts."""
+def _content_parts(content: Any) -> tuple[str, str]:
+    """Message content as (words, thinking): a string is words; a list of content parts gives the words of
+    its text parts and the reasoning of its thinking parts (Mistral's reasoning models answer
+    ``[{"type": "thinking", "thinking": [{"type": "text", "text": ...}]}, {"type": "text", "text": ...}]``),
+    each joined as sent. Before, the thinking parts were dropped: the model's reasoning was in no record."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
+        return content, ""
+    if not isinstance(content, list):
+        return "", ""
+    words, thinking = [], []
+    for p in content:
+        if not isinstance(p, dict):
+            continue
+        if p.get("type") == "thinking":
+            thinking.append(_part_text(p.get("thinking")))
+        elif isinstance(p.get("text"), str):
+            words.append(p["text"])
+    return "".join(words), "".join(thinking)
+
+
+def _part_text(value: Any) -> str:
+    """A thinking part's text: a string, or the text of its list of text parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(v["text"] for v in value if isinstance(v, dict) and isinstance(v.get("text"), str))
     return ""
 
 

@@ -27,7 +27,7 @@ from batchrun.prompt.llm import (
 )
 from batchrun.prompt.tools.catalog import execute_tool_call
 from batchrun.prompt.tools.registry import Tool, ToolContext
-from batchrun.sharegpt import canonical_arguments, split_reasoning, strict_json
+from batchrun.sharegpt import canonical_arguments, split_leading_reasoning, strict_arguments
 
 MAX_INVALID_TURNS = 3  # consecutive turns whose every tool call was invalid before we stop the prompt
 # Bounds on what one prompt's conversation holds in this process (it is held several times over: the
@@ -44,10 +44,17 @@ MAX_CONVERSATION_CHARS = 32 * 1024 * 1024
 # filter stopped or replaced the reply. ``unknown_finish_reason``: a final answer whose finish_reason is
 # null, missing or unknown, so nothing says it was not cut short. ``missing_tool_calls``: a reply whose
 # finish_reason says it stopped to call tools, with no call in it: the calls were lost, the words are
-# only what preceded them.
-# Stop reasons whose sample no flag keeps: the last reply was filtered or may be cut short, or a tool
-# result held a secret of the run (it was not sent on to the model; the sample is a discard).
-REPLY_DISCARDS = ("content_filter", "unknown_finish_reason", "missing_tool_calls", "secret_in_output")
+# only what preceded them. ``refusal``: the reply carries a refusal (OpenAI's ``message.refusal``, words
+# the model sent apart from its content): kept as the turn's words in the discard, never as an answer.
+# Stop reasons whose sample no flag keeps: the last reply was filtered, refused or may be cut short, or a
+# tool result held a secret of the run (it was not sent on to the model; the sample is a discard).
+REPLY_DISCARDS = (
+    "content_filter",
+    "unknown_finish_reason",
+    "missing_tool_calls",
+    "secret_in_output",
+    "refusal",
+)
 
 
 class PromptTimeout(RuntimeError):
@@ -73,7 +80,8 @@ class LoopResult:
     partial: bool
     stop_reason: (
         str  # final_answer | max_turns | truncated | context_limit | invalid_tool_calls | prompt_budget
-        # | content_filter | unknown_finish_reason | missing_tool_calls | secret_in_output (REPLY_DISCARDS)
+        # | content_filter | unknown_finish_reason | missing_tool_calls | secret_in_output | refusal
+        # (REPLY_DISCARDS)
     )
     tool_calls: int = 0
     served_model: str | None = None  # the last answered response's ``model``, when it named one
@@ -164,6 +172,9 @@ def run_agent(
         saved.append(assistant_saved)
         sent.append(assistant_sent)
         finish = finish_kind(turn.finish_reason)
+        if turn.refusal is not None:  # whatever its finish_reason: its calls, if any, are not run
+            result.stop_reason = "refusal"
+            return result
         if finish == "length":
             result.stop_reason = "truncated"
             return result
@@ -241,13 +252,17 @@ def _assistant_messages(
     """The saved form (reasoning split out, canonical arguments) and the form sent back to the model.
 
     Words are read as reasoning only where the endpoint sent no reasoning field and reasoning is not
-    disabled, and only a leading block (``<think>...</think>``, or words before a lone ``</think>``
-    when the template opened the block). Anywhere else a tag stays in the words, where the
-    ``ambiguous_markup`` filter finds it: a stray ``</think>`` never turns words into reasoning."""
+    disabled, and only a block at the reply's very start (``<think>...</think>`` or
+    ``<REASONING_SCRATCHPAD>...</REASONING_SCRATCHPAD>``, or words before a lone ``</think>`` when the
+    template opened the block). Anywhere else a tag stays in the words, where the ``ambiguous_markup``
+    filter finds it: a stray ``</think>`` never turns words into reasoning, nor are words rejoined
+    around a scratchpad taken out of their middle."""
     if turn.reasoning is None and not reasoning_disabled:
-        scratch_reasoning, content = split_reasoning(turn.content)
+        scratch_reasoning, content = split_leading_reasoning(turn.content)
     else:
         scratch_reasoning, content = None, turn.content or ""
+    if turn.refusal is not None:  # the model's words, sent in their own field: the discard shows them
+        content = f"{content}\n\n{turn.refusal}" if content else turn.refusal
     reasoning = turn.reasoning or scratch_reasoning
     if turn.reasoning and scratch_reasoning:
         reasoning = f"{turn.reasoning}\n\n{scratch_reasoning}"
@@ -284,7 +299,7 @@ def _is_invalid_json(args: str) -> bool:
     if not args.strip():
         return False
     try:
-        return not isinstance(strict_json(args), dict)
+        return not isinstance(strict_arguments(args), dict)
     except ValueError:
         return True
 

@@ -15,7 +15,7 @@ from batchrun.record import RECORD_FIELDS, conform_score, is_tool_failure, norma
 from batchrun.sharegpt import (
     gpt_value,
     parse_gpt_value,
-    strict_json,
+    strict_arguments,
     system_value,
     tool_response_block,
 )
@@ -124,7 +124,7 @@ def invalid_tool_call(messages: list[dict[str, Any]]) -> bool:
             continue
         for call in msg.get("tool_calls") or []:
             try:
-                args = strict_json(call["function"]["arguments"])
+                args = strict_arguments(call["function"]["arguments"])
             except (ValueError, TypeError):
                 return True
             if not isinstance(args, dict):
@@ -162,8 +162,8 @@ def ambiguous_markup(messages: list[dict[str, Any]], conversations: list[dict[st
     """Whether some gpt value does not parse back to exactly its turn's reasoning, words and calls.
 
     Beyond this module's own parser, markup a looser reader would misread counts too: ``<think>`` or
-    ``</think>`` in the words or ``</think>`` in the reasoning, and a ``<tool_call>...</tool_call>``
-    span in the words or the reasoning.
+    ``</think>`` in the words or ``</think>`` in the reasoning, a ``<REASONING_SCRATCHPAD>`` tag in the
+    words, and a ``<tool_call>...</tool_call>`` span in the words or the reasoning.
     """
     turns = [m for m in messages if m.get("role") == "assistant"]
     values = [c["value"] for c in conversations if c.get("from") == "gpt"]
@@ -176,6 +176,8 @@ def ambiguous_markup(messages: list[dict[str, Any]], conversations: list[dict[st
             for c in msg.get("tool_calls") or []
         ]
         if "<think>" in words or "</think>" in words or (reasoning and "</think>" in reasoning):
+            return True
+        if "REASONING_SCRATCHPAD>" in words:  # loose readers (and the text scorers) take it for reasoning
             return True
         if _LOOSE_CALL_RE.search(words) or (reasoning and _LOOSE_CALL_RE.search(reasoning)):
             return True

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import hashlib
-import json
 import os
 import sys
 import time
@@ -45,6 +44,7 @@ from batchrun.storage import (
     fsync_dir,
     iter_jsonl,
     iter_jsonl_at,
+    json_line,
     read_line_at,
     temp_path,
     write_json_atomic,
@@ -288,7 +288,7 @@ def typed_record(rec: dict[str, Any]) -> dict[str, Any] | None:
 def typed_line(raw: bytes, typed: dict[str, Any] | None) -> bytes:
     """The line trajectories.jsonl holds for a batch file's line ``raw`` (see :func:`typed_record`)."""
     if typed is not None:
-        return (json.dumps(typed, ensure_ascii=False) + "\n").encode("utf-8")
+        return (json_line(typed) + "\n").encode("utf-8")
     return raw if raw.endswith(b"\n") else raw + b"\n"
 
 

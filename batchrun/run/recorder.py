@@ -36,6 +36,7 @@ from batchrun.storage import (
     append_jsonl_bytes,
     batch_files,
     iter_jsonl,
+    json_line,
     remove_stale_temp_files,
     write_json_atomic,
     write_text_in_place,
@@ -300,7 +301,7 @@ class Recorder:
 
     def _trajectory_line(self, outcome: Outcome) -> tuple[bytes, str | None]:
         """A trajectory's line as its batch file holds it, or why it is a discard instead."""
-        line = json.dumps(outcome.record or {}, ensure_ascii=False)
+        line = json_line(outcome.record or {})
         if self._holds_secret(line):
             return b"", "secret_in_output"
         try:

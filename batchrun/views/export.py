@@ -69,6 +69,7 @@ from batchrun.sharegpt import (
     first_human,
     offered_tools,
 )
+from batchrun.storage import json_line
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
     CARD_NAME,
@@ -208,7 +209,7 @@ class _JsonlWriter:
         self._fh = path.open("w", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._fh.write(json_line(row) + "\n")
 
     def close(self) -> None:
         self._fh.close()

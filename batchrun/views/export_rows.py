@@ -16,9 +16,9 @@ from batchrun.record import read_score, valid_outcome_row
 from batchrun.sharegpt import (
     ENCRYPTED_REASONING,
     parse_gpt_value,
-    parse_json,
     parse_tool_responses,
     split_system_value,
+    strict_arguments,
     tool_call_text,
 )
 from batchrun.storage import iter_jsonl
@@ -180,8 +180,8 @@ def _raw_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _arguments_object(arguments: str) -> dict[str, Any] | None:
-    try:
-        value = parse_json(arguments)
+    try:  # strictly, as the runner read them: NaN or a lone surrogate escape would break the export's file
+        value = strict_arguments(arguments)
     except (ValueError, TypeError):
         return None
     return value if isinstance(value, dict) else None

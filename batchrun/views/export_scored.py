@@ -37,6 +37,7 @@ from batchrun.identity import RowIdentity, record_sample
 from batchrun.record import features_yaml
 from batchrun.scoring import check_from_row_fields
 from batchrun.sharegpt import first_human, offered_tools
+from batchrun.storage import json_line
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
     CARD_NAME,
@@ -177,7 +178,7 @@ def export_scored(
                 if split not in handles:
                     handles[split] = (out / f"{split}.jsonl").open("w", encoding="utf-8")
                     result.files[split] = out / f"{split}.jsonl"
-                handles[split].write(json.dumps(row, ensure_ascii=False) + "\n")
+                handles[split].write(json_line(row) + "\n")
                 result.rows[split] += 1
     finally:
         for fh in handles.values():

@@ -66,6 +66,21 @@ def overflow(tmp_path_factory):
     server.stop()
 
 
+# Arguments as the model writes them, in forms a re-encoding changes (\u00e9 -> é, the spacing), within
+# what the server's grammar for the terminal tool's schema lets it write (an integer timeout: no 1e1).
+MODEL_ARGUMENTS = '{"command" :"echo \\u00e9","timeout":30}'
+
+
+@pytest.fixture(scope="session")
+def verbatim(tmp_path_factory):
+    """One call whose arguments the model writes in its own form, then an answer."""
+    server = _server(
+        tmp_path_factory, "verbatim", Script(calls=[("terminal", MODEL_ARGUMENTS)], answer="Ran.")
+    )
+    yield server
+    server.stop()
+
+
 def _run(server: LlamaServer, tmp_path: Path, prompts: list[str], run_name: str = "run", **kw) -> Path:
     dataset = write_jsonl(tmp_path / f"{run_name}.jsonl", prompts)
     args = dict(
@@ -181,3 +196,19 @@ def test_streaming_and_plain_calls_give_the_same_records(hermes, thinker, tmp_pa
         for key in ("prompt_tokens", "completion_tokens"):
             assert streamed["metadata"]["usage"][key] == plain["metadata"]["usage"][key] > 0
         assert streamed["metadata"]["served_model"] == SERVED
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_calls_arguments_are_kept_as_the_model_wrote_them(verbatim, tmp_path, stream):
+    """llama-server passes the model's arguments text on as written; the record keeps it byte for byte
+    (before, it held {"command": "echo é", "timeout": 30}), in tool_calls and in the <tool_call> block."""
+    run_dir = _run(verbatim, tmp_path, ["Run it."], keep_no_reasoning=True, stream=stream)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    first, _ = _gpt(record)
+    assert [c["function"]["arguments"] for c in first["tool_calls"]] == [MODEL_ARGUMENTS]
+    assert first["value"].endswith(
+        f'<tool_call>\n{{"name": "terminal", "arguments": {MODEL_ARGUMENTS}}}\n</tool_call>'
+    )
+    assert parse_tool_calls(first["value"]) == [{"name": "terminal", "arguments": MODEL_ARGUMENTS}]
+    (tool,) = [c for c in record["conversations"] if c["from"] == "tool"]
+    assert "é" in tool["value"]  # the command ran as the model meant it

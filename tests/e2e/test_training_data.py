@@ -265,6 +265,7 @@ def test_ordinary_values_of_secret_named_variables_and_echoed_prefill_leave_samp
 
 
 SECRET = "s3cr3t-Value-42xyz"
+ESCAPED = "".join(f"\\u{ord(c):04X}" if i % 3 == 0 else c for i, c in enumerate(SECRET))  # \u0073 for s, ...
 
 
 @pytest.mark.parametrize(
@@ -277,6 +278,10 @@ SECRET = "s3cr3t-Value-42xyz"
         base64.b64encode(f"xy{SECRET}tail".encode()).decode(),
         base64.urlsafe_b64encode(f"a{SECRET}".encode()).decode(),
         json.dumps(json.dumps(SECRET)),
+        # Some of its characters as JSON \u escapes (a model's arguments are kept as it wrote them), and
+        # that text JSON-escaped once more (as a record's line holds it).
+        ESCAPED,
+        json.dumps(ESCAPED)[1:-1],
     ],
 )
 def test_every_form_of_a_secret_is_found_and_redacted(form):
@@ -535,3 +540,86 @@ def test_print_distribution_info(capsys):
     assert lines[0].split()[1] == "web"  # most probable first
     td.print_distribution_info("nope")
     assert "Unknown distribution: nope" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- what the model said in a discard
+
+REFUSAL = "I'm sorry, but I can't help with that."
+
+
+def test_a_refusal_is_a_discard_of_its_own_that_keeps_the_refusal(tmp_path):
+    """OpenAI's ``message.refusal`` (content null) was read as an empty answer: discarded as empty_answer
+    with no trace of its text, and with --keep_empty_answers kept as a final answer of no words. It is
+    the discard ``refusal`` (no flag keeps it), its text the turn's words, exported with it."""
+    from batchrun.views.export import export_run
+
+    def answer(call, calls):
+        message = {"role": "assistant", "content": None, "refusal": REFUSAL}
+        return 200, {"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(endpoint, write_jsonl(tmp_path / "d.jsonl", ["Pick this lock."]), tmp_path / "data",
+            keep_empty_answers=True, keep_no_reasoning=True)  # fmt: skip
+    run_dir = tmp_path / "data" / "run"
+    assert not read_jsonl(run_dir / "trajectories.jsonl")
+    (row,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert row["reason"] == row["record"]["metadata"]["stop_reason"] == "refusal"
+    gpt = [c["value"] for c in row["record"]["conversations"] if c["from"] == "gpt"]
+    assert gpt == [f"<think>\n</think>\n{REFUSAL}"]
+    assert stats_of(run_dir)["discarded"]["by_reason"] == {"refusal": 1}
+    export_run(run_dir, "openai", tmp_path / "out", include_discarded=True)
+    (exported,) = read_jsonl(tmp_path / "out" / "train.jsonl")
+    assert exported["discard_reason"] == exported["stop_reason"] == "refusal"
+    assert exported["messages"][-1] == {"role": "assistant", "content": REFUSAL}
+
+
+# Characters JSON keeps raw in a string that str.splitlines() takes for line ends, beside others a model may
+# write (NUL, a CRLF, an escape sequence, a BOM, an astral character).
+ODD_WORDS = "One\u2028two\u2029three\x85four\x00five\r\nsix\x1b[0m\ufeff\U0001f30d\n"
+
+
+def test_words_with_line_separators_stay_one_line_for_every_reader(tmp_path):
+    """U+2028, U+2029 and U+0085 were written raw: valid JSON, but a reader splitting lines with
+    str.splitlines() (as many training scripts do) got three torn lines for one record. They are written
+    escaped now, the same value: every reader gets the words exactly, datasets too."""
+    from batchrun.views.export import export_run
+
+    def answer(call, calls):
+        message = {"role": "assistant", "content": ODD_WORDS, "reasoning_content": "why"}
+        return 200, {"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+
+    with ScriptedEndpoint(answer) as endpoint:
+        run(endpoint, write_jsonl(tmp_path / "d.jsonl", ["Say odd things."]), tmp_path / "data")
+    run_dir = tmp_path / "data" / "run"
+    export_run(run_dir, "openai", tmp_path / "out")
+    (kept,) = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text("utf-8").splitlines()]
+    assert kept["conversations"][-1]["value"] == f"<think>\nwhy\n</think>\n{ODD_WORDS}"
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text("utf-8").splitlines()]
+    assert row["messages"][-1]["content"] == ODD_WORDS
+    (record,) = datasets.load_dataset("json", data_files=str(run_dir / "trajectories.jsonl"), split="train")
+    assert record["conversations"][-1]["value"] == f"<think>\nwhy\n</think>\n{ODD_WORDS}"
+
+
+def test_a_secret_the_model_writes_in_escapes_in_its_arguments_is_a_discard(tmp_path, monkeypatch):
+    """A call's arguments are kept as the model wrote them; \\u escapes of the run's secret in them are the
+    secret to any reader of the arguments: the sample is a discard, redacted in discarded.jsonl."""
+    monkeypatch.setenv("PAYMENT_API_KEY", SECRET)
+    arguments = '{"command": "true # ' + ESCAPED + '"}'
+
+    def answer(call, calls):
+        turns = sum(1 for m in (call["body"] or {}).get("messages", []) if m.get("role") == "assistant")
+        if call["check"] or turns:
+            message = {"role": "assistant", "content": "Done.", "reasoning_content": "why"}
+            return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+        message = {"role": "assistant", "content": "", "reasoning_content": "why",
+                   "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": arguments}}]}  # fmt: skip
+        return 200, {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}]}
+
+    assert json.loads(arguments)["command"] == f"true # {SECRET}" and SECRET not in arguments
+    with ScriptedEndpoint(answer) as endpoint:
+        run(endpoint, write_jsonl(tmp_path / "d.jsonl", ["Run it."]), tmp_path / "data")
+    run_dir = tmp_path / "data" / "run"
+    assert not read_jsonl(run_dir / "trajectories.jsonl")
+    assert [d["reason"] for d in read_jsonl(run_dir / "discarded.jsonl")] == ["secret_in_output"]
+    text = (run_dir / "discarded.jsonl").read_text("utf-8")
+    assert ESCAPED not in text and json.dumps(ESCAPED)[1:-1] not in text and SECRET not in text

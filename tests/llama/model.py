@@ -93,7 +93,10 @@ def chat_template(thinking: bool) -> str:
     return _TEMPLATE.replace("THINK_HISTORY", history).replace("THINK_OFF", off)
 
 
-def tool_call_text(name: str, arguments: dict) -> str:
+def tool_call_text(name: str, arguments: dict | str) -> str:
+    """A Hermes call; ``arguments`` as a dict (JSON-encoded here) or as the exact text the model writes."""
+    if isinstance(arguments, str):
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
@@ -101,7 +104,9 @@ def tool_call_text(name: str, arguments: dict) -> str:
 class Script:
     """What the model says: ``calls`` on the first turn, ``answer`` once a tool result is in the prompt."""
 
-    calls: list[tuple[str, dict]] = field(default_factory=lambda: [("terminal", {"command": "echo hello"})])
+    calls: list[tuple[str, dict | str]] = field(
+        default_factory=lambda: [("terminal", {"command": "echo hello"})]
+    )
     answer: str = "The command printed hello."
     thinking: bool = False  # a reasoning model (template honours enable_thinking; replies start with <think>)
     think_call: str = "The user wants a command run; I will call the terminal tool."

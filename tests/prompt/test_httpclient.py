@@ -1140,3 +1140,17 @@ def test_endless_interim_answers_are_no_answer():
         with pytest.raises(LLMError) as info:
             llm(srv.base_url, max_retries=0).chat(USER, [])
         assert info.value.error_class == "connection" and "did not answer with HTTP" in str(info.value)
+
+
+@pytest.mark.parametrize("framing", ["close", "chunked"])
+def test_a_streamed_line_that_is_not_utf8_is_a_bad_response_as_a_plain_body_is(framing):
+    """Bytes no UTF-8 text holds were replaced by U+FFFD in a stream and kept as the model's words (a plain
+    body with the same bytes was a bad_response): retried, then a failure, never altered text."""
+    broken = [_chunk({"role": "assistant", "content": "caf\u00e9 "}), b'data: {"choices": [{"index": 0, "delta": {"content": "\xff\xfe"}}]}\n\n', _chunk({}, "stop")]  # fmt: skip
+    with Scripted(_sse_server(lambda n: broken if n == 1 else WHOLE, framing)) as srv:
+        turn = llm(srv.base_url, stream=True, max_retries=1).chat(USER, [])
+    assert turn.content == "The answer is the sum of two numbers." and len(srv.requests) == 2
+    with Scripted(_sse_server(lambda n: broken, framing)) as srv:
+        with pytest.raises(LLMError) as info:
+            llm(srv.base_url, stream=True, max_retries=0).chat(USER, [])
+    assert info.value.error_class == "bad_response" and "not UTF-8" in str(info.value)

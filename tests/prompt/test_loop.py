@@ -103,9 +103,15 @@ class Replies:
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 item = outer.replies.pop(0)
                 status, body = item if isinstance(item, tuple) else (200, item)
-                data = json.dumps(body).encode()
+                kind = "application/json"
+                if isinstance(body, list):  # chat.completion.chunk events: a stream
+                    kind = "text/event-stream"
+                    data = "".join(f"data: {json.dumps(c)}\n\n" for c in [*body, "[DONE]"]).encode()
+                    data = data.replace(b'data: "[DONE]"', b"data: [DONE]")
+                else:
+                    data = json.dumps(body).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -343,7 +349,7 @@ def test_arguments_that_are_not_json_are_kept_as_sent_and_reported(server: FakeM
 @pytest.mark.parametrize(
     "arguments",
     ['{"command": "echo ran", "timeout": NaN}', '{"command": "echo ran", "timeout": 1e999}',
-     '{"command": "echo other", "command": "echo ran"}'],
+     '{"command": "echo other", "command": "echo ran"}', '{"command": "echo ran \\udc80"}'],
 )  # fmt: skip
 def test_arguments_only_python_reads_as_json_are_not_run_and_are_kept_as_sent(
     arguments: str, replies, ctx: ToolContext
@@ -479,8 +485,74 @@ def test_a_leading_think_block_becomes_reasoning_and_goes_back_as_written(replie
     result = agent(client(script.base_url, max_retries=0), "p", ctx)
     saved = result.messages[1]
     assert (saved["reasoning"], saved["content"]) == ("check the file", "Let me look.")
-    assert saved["tool_calls"][0]["function"]["arguments"] == '{"command": "true"}'  # canonical JSON
+    assert saved["tool_calls"][0]["function"]["arguments"] == '{"command":  "true"}'  # as written
     assert script.bodies[1]["messages"][1]["content"] == words
+
+
+# Number forms, escapes, spacing and key order a re-encoding would change: 1e2 became 100.0, \u00e9 é.
+MODEL_ARGUMENTS = '{"command":"echo \\u00e9" ,\n "timeout":1e2}'
+
+
+def _streamed(args: str) -> list[dict]:
+    """A reply calling terminal with ``args`` cut into pieces, as chat.completion.chunk events."""
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "terminal", "arguments": ""}}
+    pieces = [args[i : i + 7] for i in range(0, len(args), 7)]
+    return [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}}]},
+        *(
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": p}}]}}]}
+            for p in pieces
+        ),  # fmt: skip
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_arguments_are_saved_and_sent_back_as_the_model_wrote_them(replies, ctx: ToolContext, stream):
+    first = _streamed(MODEL_ARGUMENTS) if stream else reply(calls=[("c1", "terminal", MODEL_ARGUMENTS)])
+    script = replies(first, reply("done"))
+    result = agent(client(script.base_url, max_retries=0, stream=stream), "p", ctx)
+    assert result.messages[1]["tool_calls"][0]["function"]["arguments"] == MODEL_ARGUMENTS
+    sent_back = script.bodies[1]["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert sent_back == MODEL_ARGUMENTS
+    assert json.loads(result.messages[2]["content"])["output"].strip() == "é"  # run as the model meant
+
+
+REFUSAL = "I'm sorry, but I can't help with that."
+
+
+def _refusing(stream: bool, content: str | None = None, calls: list | None = None) -> dict | list:
+    """OpenAI's refusal: ``message.refusal`` with ``content`` null (or streamed in ``delta.refusal`` pieces)."""
+    if stream:
+        return [
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": content, "refusal": ""}}]},
+            *({"choices": [{"index": 0, "delta": {"refusal": p}}]} for p in (REFUSAL[:9], REFUSAL[9:])),
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        ]
+    body = reply(calls=calls or [])
+    body["choices"][0]["message"].update(content=content, refusal=REFUSAL)
+    body["choices"][0]["finish_reason"] = "stop"
+    return body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refusal_ends_the_prompt_with_its_text_as_the_turns_words(replies, ctx: ToolContext, stream):
+    """Before, the refusal was dropped: an empty answer (discarded as empty_answer with no trace of it,
+    or kept with --keep_empty_answers as a final answer of no words)."""
+    script = replies(_refusing(stream))
+    result = agent(client(script.base_url, max_retries=0, stream=stream), "p", ctx)
+    assert (result.stop_reason, result.completed, result.api_calls) == ("refusal", False, 1)
+    assert result.messages[-1]["content"] == REFUSAL
+
+
+def test_a_refusal_beside_words_and_calls_keeps_both_and_runs_no_call(replies, ctx: ToolContext):
+    script = replies(
+        _refusing(False, content="Partly:", calls=[("a", "terminal", '{"command": "echo ran"}')])
+    )
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    assert result.stop_reason == "refusal" and result.tool_calls == 0
+    assert result.messages[-1]["content"] == f"Partly:\n\n{REFUSAL}"
+    assert [m["role"] for m in result.messages] == ["user", "assistant"]
 
 
 def test_with_reasoning_disabled_think_tags_stay_in_the_words(replies, ctx: ToolContext):

@@ -212,6 +212,9 @@ def _assistant(content, reasoning=None, calls=()):
         ('{"command": "ls", "timeout": -Infinity}', True),
         ('{"command": "ls", "timeout": 1e999}', True),
         ('{"command": "ls", "command": "rm -rf /tmp/x"}', True),
+        # A lone surrogate escape: text no UTF-8 reader of the record carries once the arguments are read.
+        ('{"command": "echo \\ud800"}', True),
+        ('{"command": "echo \\ud83c\\udf0d \\u00e9"}', False),  # a pair, and an ordinary escape
     ],
 )
 def test_a_call_whose_arguments_are_not_a_json_object_is_invalid(arguments, invalid):

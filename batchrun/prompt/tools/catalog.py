@@ -26,7 +26,7 @@ from batchrun.prompt.tools.registry import (
     cap_result,
     check_arguments,
 )
-from batchrun.sharegpt import strict_json
+from batchrun.sharegpt import strict_arguments
 
 
 def toolset_needs(toolset: str) -> str:
@@ -133,7 +133,7 @@ def execute_tool_call(name: str, arguments: str, ctx: ToolContext, offered: set[
             {"error": f"Unknown tool '{name}'. Available tools: {', '.join(sorted(offered)) or 'none'}"}
         )
     try:
-        parsed = strict_json(arguments) if arguments and arguments.strip() else {}
+        parsed = strict_arguments(arguments) if arguments and arguments.strip() else {}
     except json.JSONDecodeError as exc:
         return json.dumps({"error": f"Invalid JSON in arguments of {name}: {exc.msg} at position {exc.pos}"})
     except ValueError as exc:  # NaN or Infinity, a key given twice: not run, as the saved sample says
