@@ -39,6 +39,7 @@ import string
 import subprocess
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,7 @@ MAX_COMMAND_CHARS = 64 * 1024
 MAX_VERIFY_FILES = 200
 MAX_VERIFY_FILES_BYTES = 4 * 1024 * 1024
 MAX_RUBRIC_CHARS = 64 * 1024
+_LARGEST_FLOAT = int(sys.float_info.max)
 VERIFY_OUTPUT_CHARS = 4096  # what a record keeps of the verify output: its end (where tests say why)
 
 
@@ -84,24 +86,34 @@ def _answer_field(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("field 'answer' must be a string, a number or a list of strings, got a boolean")
     if isinstance(value, (int, float)):
+        # An integer past a double (10**400: JSON has no limit) raised OverflowError here, a traceback
+        # that ended the run (exit 1) instead of a bad line; numeric could never have compared it anyway.
+        if isinstance(value, int) and abs(value) > _LARGEST_FLOAT:
+            raise ValueError("field 'answer' is a number too large to compare (over 1.8e308)")
         if not math.isfinite(value):
             raise ValueError("field 'answer' must be a finite number")
         return value
     if isinstance(value, str):
-        if not value.strip():  # includes would find it in any answer, exact in none worth the name
+        if _blank(value):  # includes would find it in any answer, exact in none worth the name
             raise ValueError("field 'answer' is empty")
         _check_text("answer", value, MAX_ANSWER_CHARS)
         return value
     if isinstance(value, list):
         if not value or not all(isinstance(v, str) for v in value):
             raise ValueError("field 'answer' as a list must hold one or more strings (acceptable answers)")
-        if not all(v.strip() for v in value):
+        if any(_blank(v) for v in value):
             raise ValueError("field 'answer' holds an empty acceptable answer")
         _check_text("answer", "".join(value), MAX_ANSWER_CHARS)
         return tuple(value)
     raise ValueError(
         f"field 'answer' must be a string, a number or a list of strings, got {type(value).__name__}"
     )
+
+
+def _blank(text: str) -> bool:
+    """Whether ``text`` shows nothing: only spaces, control and format characters (a zero-width space, a
+    byte-order mark). Such an answer passed no reply a model would write: every sample of its row failed."""
+    return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") for ch in text)
 
 
 def _verify_field(value: Any) -> tuple[str, ...]:
@@ -707,8 +719,14 @@ def _last_number(text: str) -> re.Match[str] | None:
 
 def parse_number(text: str) -> float | None:
     """The last number in ``text``: a number, a fraction a/b or a mixed number w a/b (a proper fraction
-    after a whole number), LaTeX's forms of them too; None when there is none, or when the last one is
-    part of an expression (a root, a factor of pi)."""
+    after a whole number), LaTeX's forms of them too; None when there is none, when the last one is
+    part of an expression (a root, a factor of pi), or when no double holds it (``1e999``: read as
+    infinity, a row's answer of it was within any tolerance of every number, and every reply passed)."""
+    value = _number_value(text)
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _number_value(text: str) -> float | None:
     last = _last_number(_latex_numbers(text.translate(_TO_ASCII_MINUS)))
     if last is None or last["clock"]:
         return None
@@ -811,11 +829,15 @@ def text_score(
     shown = got if len(got) <= 200 else got[:200] + "..."
     answers = acceptable(check.answer)
     if name == "numeric":
+        wants = [want if isinstance(want, (int, float)) else parse_number(str(want)) for want in answers]
+        if all(want_n is None for want_n in wants):
+            # The dataset's fault, not the model's: a run makes such a row a bad line (--scorer=numeric);
+            # a re-scoring, or a run whose rows choose other scorers, gets here. No verdict, not a failure.
+            return Part(name, error=f"the row's answer {str(check.answer)[:80]!r} holds no number to compare")
         value = parse_number(got)
         if value is None:
             return Part(name, 0.0, False, f"no number in the answer {shown!r}")
-        for want in answers:
-            want_n = want if isinstance(want, (int, float)) else parse_number(str(want))
+        for want_n in wants:
             if want_n is not None and abs(value - want_n) <= settings.numeric_tolerance * max(
                 1.0, abs(want_n)
             ):

@@ -777,11 +777,42 @@ def test_an_answer_whose_reasoning_markup_is_ambiguous_gets_no_verdict(scorer):
     assert score["passed"] is True
 
 
-@pytest.mark.parametrize("answer", ["", "   ", ["4", ""]])
+@pytest.mark.parametrize("answer", ["", "   ", ["4", ""], "\u200b", "\ufeff \u200b", ["4", "\u2060"]])
 def test_an_empty_answer_is_a_bad_line(answer):
-    """includes would find an empty answer in every reply: every sample would pass."""
+    """includes would find an empty answer in every reply: every sample would pass. One of only
+    zero-width or format characters shows nothing: no reply passed it, and its row blamed the model."""
     with pytest.raises(ValueError, match="empty"):
         check_fields({"prompt": "p", "answer": answer})
+
+
+def test_an_answer_no_double_holds_is_a_bad_line_never_a_crash(tmp_path):
+    """An integer answer of 400 digits (JSON has no limit) raised OverflowError while the dataset was read:
+    a traceback, exit 1, no run. It is a bad line, named by file, line and field."""
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": 4}, {"prompt": "p", "answer": int("1" * 400)}]
+    )
+    good, problems = load_dataset(str(path))
+    assert [r.prompt for r in good] == ["ok"]
+    assert list(problems) == [f"{path}:2: field 'answer' is a number too large to compare (over 1.8e308)"]
+
+
+@pytest.mark.parametrize("answer", ["1e999", "-1e999", "nan", "inf", ["1e999", "also not a number"]])
+def test_a_numeric_answer_no_reply_can_match_is_the_datasets_fault_never_a_pass(tmp_path, answer):
+    """ "1e999" was read as infinity, within any tolerance of every number: every reply passed (7 for
+    1e999, 12 for -1e999: a run of 6 wrong answers scored 100%). Such a row is a bad line under
+    --scorer=numeric; a re-scoring (no dataset read) gets a scorer error, not a failure of the model."""
+    score = judged("ANSWER: 7", answer, "numeric")
+    assert score["passed"] is None and "holds no number" in score["error"], score
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": "4"}, {"prompt": "p", "answer": answer}]
+    )
+    good, problems = load_dataset(str(path), scorers=("numeric",))
+    assert [r.prompt for r in good] == ["ok"]
+    assert problems[0].startswith(f"{path}:2: field 'answer' holds no number for --scorer=numeric"), problems[
+        0
+    ]
+    # A reply of such a number is no number either: it fails, it never matches.
+    assert judged("ANSWER: 1e999", "5", "numeric")["passed"] is False
 
 
 @pytest.mark.parametrize(
