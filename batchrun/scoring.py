@@ -706,15 +706,72 @@ def _last_number(text: str) -> re.Match[str] | None:
     """The last number of ``text`` that is the answer's value, or None: an exponent or an index is
     passed over (the 2 of ``5 m^2``, the 1 of ``x_1``); a number that is part of an expression (a root's,
     a factor of pi or of a root, a power's base, in a fraction of something else) means there is none."""
-    matches = list(_NUMBER_TOKEN_RE.finditer(text))
-    for match in reversed(matches):
+    return _last_two_numbers(text)[0]
+
+
+def _last_two_numbers(text: str) -> tuple[re.Match[str] | None, re.Match[str] | None]:
+    """:func:`_last_number`, and the number written before it (an exponent or an index passed over)."""
+    found: list[re.Match[str]] = []
+    for match in reversed(list(_NUMBER_TOKEN_RE.finditer(text))):
         before = text[max(0, match.start() - 8) : match.start()].rstrip(" {")
         if before.endswith(("^", "_")):
             continue
-        if _FACTOR_AFTER_RE.match(text, match.end()) or _in_expression(text, match.start()):
-            return None
-        return match
-    return None
+        if not found and (_FACTOR_AFTER_RE.match(text, match.end()) or _in_expression(text, match.start())):
+            return None, None
+        found.append(match)
+        if len(found) == 2:
+            break
+    return (found[0] if found else None), (found[1] if len(found) > 1 else None)
+
+
+# How an answer offers several numbers instead of one (a hedge: "4 or 5", "between 4 and 6", "5 ± 1"),
+# read from what stands between its last two numbers. Read as its last number, each passed for that one:
+# a model that hedged was rewarded whenever the right answer came last.
+# Words that make any two numbers of one sentence alternatives, whatever else stands between them.
+_HEDGE_WORDS_RE = re.compile(
+    r"\b(?:or|either|nor|not|versus)\b|±|∓|\\pm(?![a-zA-Z])|\\mp(?![a-zA-Z])|\+/-", re.I
+)
+# Connectors that make two numbers a range, a list or an expression when little else stands between them
+# ("4-5", "4 to 5", "4, 5", "2 + 3", "3 × 4", "4 m to 5 m", "x = 4, y = 5").
+_CONNECTOR_RE = re.compile(
+    r"[,;&~+*\u00d7\u00b7\u2013\u2014-]|\\(?:times|cdot|ldots|dots)(?![a-zA-Z])|\b(?:to|and|through|vs)\b",
+    re.I,
+)
+_SENTENCE_BREAK_RE = re.compile(r"[.!?](?:\s|$)|\n")  # "Is it 4 or 5? It is 5." commits to 5
+_GAP_WORD_RE = re.compile(r"\\[a-zA-Z]+|[^\W\d_]+")
+
+
+def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str | None:
+    """The numbers an answer offers when ``last`` is one of several (quoted from ``text``), or None."""
+    if before is None:
+        return None
+    gap = text[before.end() : last.start()]
+    signed = not gap and last[0][0] in "+-"  # "4-5", "2+3": the last one's sign joins them
+    if _SENTENCE_BREAK_RE.search(gap) or not (gap.strip() or signed):
+        return None  # "... 4 or 5? It is 5.", "1 234" (a plain space: two numbers, the last one)
+    words = [w for w in _GAP_WORD_RE.findall(gap) if not _CONNECTOR_RE.fullmatch(w)]
+    joined = bool(_CONNECTOR_RE.search(gap)) and len(words) <= 1  # at most a unit or a variable besides
+    if not (signed or joined or _HEDGE_WORDS_RE.search(gap)):
+        return None
+    quoted = " ".join(text[before.start() : last.end()].split())
+    return quoted if len(quoted) <= 80 else quoted[:77] + "..."
+
+
+def read_number(text: str) -> tuple[float | None, str | None]:
+    """:func:`parse_number` of an answer, and the numbers it offers when that one is one of several
+    (``"4 or 5"``, ``"between 4 and 6"``, ``"5 ± 1"``: a hedge, no one answer); None when it names one."""
+    value = parse_number(text)
+    if value is None:
+        return None, None
+    plain = _latex_numbers(text.translate(_TO_ASCII_MINUS))
+    last, before = _last_two_numbers(plain)
+    return value, None if last is None else _hedge(plain, last, before)
+
+
+def wanted_number(text: str) -> float | None:
+    """The number a row's answer text names, or None: no number, or several ("4 or 5" wants no one)."""
+    value, offered = read_number(text)
+    return None if offered is not None else value
 
 
 def parse_number(text: str) -> float | None:
@@ -829,14 +886,18 @@ def text_score(
     shown = got if len(got) <= 200 else got[:200] + "..."
     answers = acceptable(check.answer)
     if name == "numeric":
-        wants = [want if isinstance(want, (int, float)) else parse_number(str(want)) for want in answers]
+        wants = [want if isinstance(want, (int, float)) else wanted_number(str(want)) for want in answers]
         if all(want_n is None for want_n in wants):
             # The dataset's fault, not the model's: a run makes such a row a bad line (--scorer=numeric);
             # a re-scoring, or a run whose rows choose other scorers, gets here. No verdict, not a failure.
-            return Part(name, error=f"the row's answer {str(check.answer)[:80]!r} holds no number to compare")
-        value = parse_number(got)
+            return Part(
+                name, error=f"the row's answer {str(check.answer)[:80]!r} holds no one number to compare"
+            )
+        value, offered = read_number(got)
         if value is None:
             return Part(name, 0.0, False, f"no number in the answer {shown!r}")
+        if offered is not None:  # read as its last number, "4 or 5" passed for 5: hedging paid
+            return Part(name, 0.0, False, f"the answer offers several numbers ({offered!r}), not one")
         for want_n in wants:
             if want_n is not None and abs(value - want_n) <= settings.numeric_tolerance * max(
                 1.0, abs(want_n)

@@ -199,6 +199,11 @@ def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reas
         ("ANSWER: it is a category", "cat", "includes", False),
         ("ANSWER: x=4, y=5", 4, "includes", True),
         ("ANSWER: 4 and 42", 42, "includes", True),
+        # includes checks the answer is said, not that nothing else is (README): a reply listing every
+        # option passes it; exact and numeric are the scorers for a question with options.
+        ("ANSWER: A, B, C or D", "B", "includes", True),
+        ("ANSWER: A, B, C or D", "B", "exact", False),
+        ("ANSWER: 4 or 5", "5", "exact", False),
         ("ANSWER: 答案是北京", "北京", "includes", True),  # no spaces between words: any place
         ("ANSWER: the year 2024", 202, "includes", False),
         ("ANSWER: ab123", r"^ab\d+$", "regex", True),
@@ -333,6 +338,64 @@ def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
 )
 def test_numeric_reads_latex_numbers_as_their_values(text, answer, passed):
     assert judged(text, answer, "numeric")["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # An answer that offers several numbers is a hedge, not an answer: read as its last number, each
+        # of these passed for it (a model that hedged was paid whenever the right one came last).
+        ("ANSWER: 4 or 5", 5, False),
+        ("The answer is either 4 or 5.", 5, False),
+        ("ANSWER: 4, 5 or 6", 6, False),
+        ("ANSWER: between 4 and 6", 6, False),
+        ("ANSWER: 4 to 6", 6, False),
+        ("ANSWER: 4-6", 6, False),
+        ("ANSWER: 4-6", -6, False),  # read as 4 and -6 it passed for -6
+        ("ANSWER: 4\u20136", 6, False),
+        ("ANSWER: 5 \u00b1 1", 1, False),
+        (r"\boxed{5 \pm 1}", 1, False),
+        (r"\boxed{4 \text{ or } 5}", 5, False),
+        ("ANSWER: x = 4 or x = 5", 5, False),
+        ("ANSWER: 4 apples or 5 apples", 5, False),
+        ("ANSWER: 4 (or maybe 5)", 5, False),
+        ("ANSWER: 4, not 5", 5, False),
+        ("ANSWER: 2 + 3", 3, False),  # an expression's last operand is not its value
+        ("ANSWER: 3,4", 4, False),  # a list, or a decimal comma: no one number
+        # A final answer that names one number still passes, whatever numbers the working before it holds.
+        ("The answer is 4.", 4, True),
+        ("x = 4", 4, True),
+        ("4 apples", 4, True),
+        ("After 2 steps we get 4", 4, True),
+        ("ANSWER: 4", 4, True),
+        (r"\boxed{4}", 4, True),
+        ("2 + 2 = 4", 4, True),
+        ("5 - 1 = 4", 4, True),
+        ("Is it 4 or 5? It is 5.", 5, True),  # a new sentence commits to one
+        ("First 4, then 1 more.\nANSWER: 5", 5, True),
+        ("16 - 3 - 4 = 9 eggs, sold at $2 each: 9 * 2 = $18 a day.\n#### 18", 18, True),
+        ("ANSWER: 1 234", 234, True),  # a plain space groups nothing: two numbers, the last (as before)
+    ],
+)
+def test_an_answer_that_offers_several_numbers_fails_numeric(text, answer, passed):
+    score = judged(text, answer, "numeric")
+    assert score["passed"] is passed, score
+    if not passed:
+        assert "offers several numbers" in score["explanation"], score
+
+
+def test_a_row_answer_that_offers_several_numbers_is_a_bad_line_for_numeric(tmp_path):
+    """A row's "4 or 5" was read as 5 (and "4" failed): acceptable answers are a list."""
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": ["4", "5"]}, {"prompt": "p", "answer": "4 or 5"}]
+    )
+    good, problems = load_dataset(str(path), scorers=("numeric",))
+    assert [r.prompt for r in good] == ["ok"]
+    assert problems[0].startswith(f"{path}:2: field 'answer' names several numbers for --scorer=numeric"), (
+        problems
+    )
+    assert judged("ANSWER: 5", "4 or 5", "numeric")["error"] is not None  # a re-scoring: no verdict
+    assert judged("ANSWER: 5", ["4", "5"], "numeric")["passed"] is True
 
 
 def test_numeric_tolerance_is_relative_above_one():
@@ -802,7 +865,7 @@ def test_a_numeric_answer_no_reply_can_match_is_the_datasets_fault_never_a_pass(
     1e999, 12 for -1e999: a run of 6 wrong answers scored 100%). Such a row is a bad line under
     --scorer=numeric; a re-scoring (no dataset read) gets a scorer error, not a failure of the model."""
     score = judged("ANSWER: 7", answer, "numeric")
-    assert score["passed"] is None and "holds no number" in score["error"], score
+    assert score["passed"] is None and "holds no one number" in score["error"], score
     path = write_rows(
         tmp_path / "d.jsonl", [{"prompt": "ok", "answer": "4"}, {"prompt": "p", "answer": answer}]
     )

@@ -137,7 +137,7 @@ def _answer_problem(check: RowCheck | None, scorers: tuple[str, ...]) -> str | N
     would be a scorer error (a pattern that does not compile) or a failure (no number to compare)."""
     if check is None or check.answer is None:
         return None
-    from batchrun.scoring import acceptable, parse_number
+    from batchrun.scoring import acceptable, parse_number, read_number
 
     for want in acceptable(check.answer):
         if "regex" in scorers:
@@ -147,6 +147,11 @@ def _answer_problem(check: RowCheck | None, scorers: tuple[str, ...]) -> str | N
                 return f"field 'answer' is not a valid regex for --scorer=regex ({exc}): {str(want)[:80]!r}"
         if "numeric" in scorers and not isinstance(want, (int, float)) and parse_number(str(want)) is None:
             return f"field 'answer' holds no number for --scorer=numeric: {str(want)[:80]!r}"
+        if "numeric" in scorers and not isinstance(want, (int, float)) and read_number(str(want))[1]:
+            return (
+                f"field 'answer' names several numbers for --scorer=numeric ({read_number(str(want))[1]!r}; "
+                f"acceptable answers are a JSON list): {str(want)[:80]!r}"
+            )
     return None
 
 
