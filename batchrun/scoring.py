@@ -1553,6 +1553,30 @@ def _short(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in keep}
 
 
+PLANNED_PARTS = ("scored", "unscored", "scorer_errors", "samples_pending")
+
+
+def planned_figures(scores: dict[str, Any]) -> dict[str, Any]:
+    """The conservative figure beside the pass rate, for statistics.json's ``scores``: the passes over
+    every sample planned (``samples_planned``: scored, unscored, scorer errors and samples without an
+    outcome; those skipped after passes are not planned), each sample not judged counted as not passed.
+    The pass rate is over the samples judged only: a run whose other half failed showed 100% alone."""
+    parts = [scores.get(key, 0) for key in PLANNED_PARTS]
+    passed = scores.get("passed", 0)
+    if not all(type(n) is int and n >= 0 for n in (*parts, passed)):
+        return {"samples_planned": None, "pass_rate_of_planned": None}
+    planned = sum(parts)
+    return {
+        "samples_planned": planned,
+        "pass_rate_of_planned": round(passed / planned, 6) if planned else None,
+    }
+
+
+def with_planned(scores: dict[str, Any]) -> dict[str, Any]:
+    """``scores`` with :func:`planned_figures` beside its pass rate."""
+    return {**scores, **planned_figures(scores)}
+
+
 def headline(scores: dict[str, Any]) -> str | None:
     """The closing summary's line about scores (None when nothing was judged)."""
     n = scores.get("scored", 0)
@@ -1562,6 +1586,12 @@ def headline(scores: dict[str, Any]) -> str | None:
     if n:
         lo, hi = scores["pass_rate_95ci"]
         parts.append(f"pass rate {scores['pass_rate']:.1%} of {n} scored (95% CI {lo:.1%}-{hi:.1%})")
+        planned = planned_figures(scores)
+        if planned["samples_planned"] and planned["samples_planned"] != n:
+            parts.append(
+                f"{scores.get('passed', 0)} passed of {planned['samples_planned']} samples planned "
+                f"({planned['pass_rate_of_planned']:.1%}: those not judged count as not passed)"
+            )
         ks = ", ".join(f"{k} {v:.3f}" for k, v in scores["pass_at_k"].items() if v is not None)
         if ks:
             parts.append(ks)
@@ -1574,8 +1604,8 @@ def headline(scores: dict[str, Any]) -> str | None:
     pending = scores.get("samples_pending")
     if isinstance(pending, int) and pending > 0:
         parts.append(
-            f"{pending} samples without an outcome (failed or not run: in none of these figures; "
-            "--resume runs them)"
+            f"{pending} samples without an outcome (failed or not run: in none of these figures but "
+            "the samples planned; --resume runs them)"
         )
     if scores.get("skipped_after_passes"):
         parts.append(

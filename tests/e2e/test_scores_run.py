@@ -20,6 +20,7 @@ from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_rows
 from batchrun.identity import outcome_sample, record_sample
 from batchrun.record import load_runs, read_score
 from batchrun.views.report import collect
+from batchrun.views.score import main as score_main
 
 SECRET = "HIDDEN-TEST-7f3a"
 
@@ -566,3 +567,15 @@ def test_samples_without_an_outcome_are_named_beside_the_pass_rate(server, tmp_p
     assert "2 samples without an outcome (failed or not run: in none of these figures" in printed
     page = (out / "run" / "report.html").read_text("utf-8")
     assert "2 samples without an outcome (failed or not run)" in page
+    # Beside the 100%, never apart from it: the passes over every sample planned, the failed ones
+    # counted as not passed (statistics.json, the closing line, the report, a re-scoring).
+    assert (stats["scores"]["samples_planned"], stats["scores"]["pass_rate_of_planned"]) == (5, 0.6)
+    assert (
+        "Scores: pass rate 100.0% of 3 scored (95% CI 43.9%-100.0%); 3 passed of 5 samples planned (60.0%"
+        in printed
+    )
+    assert 'data-stat="pass_rate_of_planned">60.0%<' in page
+    assert score_main([str(out / "run"), "--scorer=numeric", "--name=again"]) == 0
+    assert "3 passed of 5 samples planned (60.0%" in capsys.readouterr().out
+    again = stats_of(out / "run")["scores"]["rescored"]["again"]
+    assert (again["samples_pending"], again["samples_planned"], again["pass_rate_of_planned"]) == (2, 5, 0.6)
