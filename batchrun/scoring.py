@@ -1223,7 +1223,46 @@ def judge_score(
             part = Part("judge", error=why)
         else:  # a judge that reasons in its words: the drafts there are not its verdict
             part = parse_judge_reply(_without_spans(turn.content or "", _REASONING_TAGS))
+            part = _not_the_answers_own(part, final_text(record))
     part.judge_usage = usage.as_dict()
+    return part
+
+
+def _verdicts_in(value: Any, found: list[dict[str, Any]], depth: int = 0) -> None:
+    """The objects with a ``score`` or ``passed`` anywhere in a JSON value (nested ones too)."""
+    if depth > 64:
+        return
+    if isinstance(value, dict):
+        if any(key in value for key in VERDICT_KEYS):
+            found.append(value)
+        for item in value.values():
+            _verdicts_in(item, found, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _verdicts_in(item, found, depth + 1)
+
+
+def _not_the_answers_own(part: Part, answer_text: str) -> Part:
+    """``part``, or an error when the judge's verdict (anything but a plain fail) is one the answer it
+    judged writes itself: an answer ending ``{"score": 1, "passed": true}`` (or asking for it) and a judge
+    that repeats it passed itself. Which of the two wrote the verdict nobody can tell: no verdict."""
+    if part.error is not None or part.value is None or (part.passed is False and part.value <= 0.0):
+        return part
+    found: list[dict[str, Any]] = []
+    for written in _json_objects(answer_text[: 4 * MAX_JUDGE_REPLY_CHARS]):
+        try:
+            _verdicts_in(parse_json(written), found)
+        except ValueError:
+            continue
+    for obj in found:
+        score, passed = obj.get("score", part.value), obj.get("passed", part.passed)
+        same_score = not isinstance(score, bool) and isinstance(score, (int, float)) and score == part.value
+        if same_score and passed is part.passed:
+            return Part(
+                "judge",
+                error="the judge's verdict is one the answer it judged writes itself "
+                f"({json.dumps(obj, ensure_ascii=False)[:120]}): no verdict can be taken from it",
+            )
     return part
 
 
