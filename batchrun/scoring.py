@@ -737,7 +737,7 @@ _CONNECTOR_RE = re.compile(
     r"[,;&~+*\u00d7\u00b7\u2013\u2014-]|\\(?:times|cdot|ldots|dots)(?![a-zA-Z])|\b(?:to|and|through|vs)\b",
     re.I,
 )
-_SENTENCE_BREAK_RE = re.compile(r"[.!?](?:\s|$)|\n")  # "Is it 4 or 5? It is 5." commits to 5
+_SENTENCE_BREAK_RE = re.compile(r"[.!?](?:\s|$)")  # "Is it 4 or 5? It is 5." commits to 5
 _GAP_WORD_RE = re.compile(r"\\[a-zA-Z]+|[^\W\d_]+")
 
 

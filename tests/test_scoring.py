@@ -362,6 +362,7 @@ def test_numeric_reads_latex_numbers_as_their_values(text, answer, passed):
         ("ANSWER: 4, not 5", 5, False),
         ("ANSWER: 2 + 3", 3, False),  # an expression's last operand is not its value
         ("ANSWER: 3,4", 4, False),  # a list, or a decimal comma: no one number
+        ("It is 4\nor 5", 5, False),  # a line break alone commits to nothing
         # A final answer that names one number still passes, whatever numbers the working before it holds.
         ("The answer is 4.", 4, True),
         ("x = 4", 4, True),
