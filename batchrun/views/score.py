@@ -138,6 +138,10 @@ def rescore(
         **summary,
         "scorers": list(settings.scorers),
         "answer_pattern": settings.answer_pattern,
+        # What views.compare checks two sides' judging by, beside each sample's scorer.
+        "answer_normalize": list(settings.normalize),
+        "numeric_tolerance": settings.numeric_tolerance,
+        "judge_model": settings.judge.model if settings.judge else None,
         "file": f"scores.{name}.jsonl",
     }
     write_json_atomic(stats_path, stats, redact)
