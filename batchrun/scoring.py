@@ -739,13 +739,29 @@ _CONNECTOR_RE = re.compile(
 )
 _SENTENCE_BREAK_RE = re.compile(r"[.!?](?:\s|$)")  # "Is it 4 or 5? It is 5." commits to 5
 _GAP_WORD_RE = re.compile(r"\\[a-zA-Z]+|[^\W\d_]+")
+# Arrows lead to a result ("2 + 2 -> 4"), as "=" does: no range's dash, no bound's ">".
+_ARROW_RE = re.compile(
+    r"-+>|=+>|\u2192|\u21d2|\u27f9|\\(?:to|rightarrow|Rightarrow|longrightarrow|Longrightarrow|implies)(?![a-zA-Z])"
+)
+_TAG_RE = re.compile(r"</?[A-Za-z][\w:-]*(?:\s[^<>]*)?>")  # <answer>4</answer>: markup, no "<" or ">"
+# What right before the last number bounds, negates or doubles it instead of naming it: "x < 4", "x \neq 4",
+# "at least 4", "not 4", "x = \pm 2". Read as the number, each passed for it.
+_BOUND_BEFORE_RE = re.compile(
+    r"(?:[\u2260\u2264\u2265\u2266\u2267<>]=?|\u00b1|\u2213|\+/-"
+    r"|\\(?:neq|ne|leq|le|geq|ge|lt|gt|leqslant|geqslant|pm|mp)(?![a-zA-Z])"
+    r"|\b(?:not|isn't|(?:less|more|greater|fewer|other)\s+than|at\s+(?:least|most)|up\s+to)\b)[\s${(]*$",
+    re.I,
+)
+_BOUND_AFTER_RE = re.compile(
+    r"[\s$})]*(?:[\u2260\u2264\u2265<>]|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z]))"
+)
 
 
 def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str | None:
     """The numbers an answer offers when ``last`` is one of several (quoted from ``text``), or None."""
     if before is None:
         return None
-    gap = text[before.end() : last.start()]
+    gap = _ARROW_RE.sub(" = ", text[before.end() : last.start()])
     signed = not gap and last[0][0] in "+-"  # "4-5", "2+3": the last one's sign joins them
     if _SENTENCE_BREAK_RE.search(gap) or not (gap.strip() or signed):
         return None  # "... 4 or 5? It is 5.", "1 234" (a plain space: two numbers, the last one)
@@ -757,15 +773,34 @@ def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str 
     return quoted if len(quoted) <= 80 else quoted[:77] + "..."
 
 
+def _bound(text: str, last: re.Match[str]) -> str | None:
+    """What bounds, negates or doubles ``last`` instead of naming it (quoted from ``text``), or None."""
+    start = max(0, last.start() - 60)
+    window = _ARROW_RE.sub(" = ", _TAG_RE.sub("", text[start : last.start()]))
+    breaks = list(_SENTENCE_BREAK_RE.finditer(window))
+    window = window[breaks[-1].end() :] if breaks else window  # this sentence's only
+    after = _TAG_RE.sub("", text[last.end() : last.end() + 60])
+    if not (_BOUND_BEFORE_RE.search(window) or _BOUND_AFTER_RE.match(after)):
+        return None
+    return " ".join((window[-30:] + last[0] + after[:12]).split())
+
+
 def read_number(text: str) -> tuple[float | None, str | None]:
-    """:func:`parse_number` of an answer, and the numbers it offers when that one is one of several
-    (``"4 or 5"``, ``"between 4 and 6"``, ``"5 ± 1"``: a hedge, no one answer); None when it names one."""
+    """:func:`parse_number` of an answer, and why that number is not the answer's one value (None when
+    it is): the answer offers several (``"4 or 5"``, ``"between 4 and 6"``, ``"5 ± 1"``: a hedge), or
+    bounds or negates it (``"x < 4"``, ``"at least 4"``, ``"not 4"``, ``"\\pm 2"``)."""
     value = parse_number(text)
     if value is None:
         return None, None
     plain = _latex_numbers(text.translate(_TO_ASCII_MINUS))
     last, before = _last_two_numbers(plain)
-    return value, None if last is None else _hedge(plain, last, before)
+    if last is None:
+        return value, None
+    if offered := _hedge(plain, last, before):
+        return value, f"offers several numbers ({offered!r}), not one"
+    if bounded := _bound(plain, last):
+        return value, f"bounds, negates or doubles its number ({bounded!r}) instead of naming it"
+    return value, None
 
 
 def wanted_number(text: str) -> float | None:
@@ -893,11 +928,11 @@ def text_score(
             return Part(
                 name, error=f"the row's answer {str(check.answer)[:80]!r} holds no one number to compare"
             )
-        value, offered = read_number(got)
+        value, problem = read_number(got)
         if value is None:
             return Part(name, 0.0, False, f"no number in the answer {shown!r}")
-        if offered is not None:  # read as its last number, "4 or 5" passed for 5: hedging paid
-            return Part(name, 0.0, False, f"the answer offers several numbers ({offered!r}), not one")
+        if problem is not None:  # read as its last number, "4 or 5" and "x < 4" passed for it: hedging paid
+            return Part(name, 0.0, False, f"the answer {problem}")
         for want_n in wants:
             if want_n is not None and abs(value - want_n) <= settings.numeric_tolerance * max(
                 1.0, abs(want_n)

@@ -147,10 +147,10 @@ def _answer_problem(check: RowCheck | None, scorers: tuple[str, ...]) -> str | N
                 return f"field 'answer' is not a valid regex for --scorer=regex ({exc}): {str(want)[:80]!r}"
         if "numeric" in scorers and not isinstance(want, (int, float)) and parse_number(str(want)) is None:
             return f"field 'answer' holds no number for --scorer=numeric: {str(want)[:80]!r}"
-        if "numeric" in scorers and not isinstance(want, (int, float)) and read_number(str(want))[1]:
+        if "numeric" in scorers and not isinstance(want, (int, float)) and (why := read_number(str(want))[1]):
             return (
-                f"field 'answer' names several numbers for --scorer=numeric ({read_number(str(want))[1]!r}; "
-                f"acceptable answers are a JSON list): {str(want)[:80]!r}"
+                f"field 'answer' {why}, for --scorer=numeric (acceptable answers are a JSON list): "
+                f"{str(want)[:80]!r}"
             )
     return None
 
