@@ -398,17 +398,30 @@ _BOXED_TOKENS_RE = re.compile(r"\\boxed\{|[{}]")
 def _last_boxed(text: str) -> str | None:
     """What the last ``\\boxed{...}`` holds (the last to start), its braces balanced at any depth, in one
     pass; None when there is none. A pattern for one level of nesting missed ``\\boxed{\\frac{\\sqrt{3}}{2}}``
-    (a right answer failed: the whole text was read instead)."""
+    (a right answer failed: the whole text was read instead).
+
+    Two boxes the text offers as alternatives (``\\boxed{4} or \\boxed{5}``, ``\\boxed{4}, \\boxed{5}``) are one
+    answer that offers both, ``4 or 5``: read as the last box alone, each passed for it."""
     opened: list[tuple[int, bool]] = []  # where each open brace's content starts, and whether it is a box's
-    last: tuple[int, int] | None = None
+    boxes: list[tuple[int, int]] = []  # (content start, content end) of each box
     for token in _BOXED_TOKENS_RE.finditer(text):
         if token[0] != "}":
             opened.append((token.end(), token[0] != "{"))
         elif opened:
             start, boxed = opened.pop()
-            if boxed and (last is None or start > last[0]):
-                last = (start, token.start())
-    return None if last is None else text[last[0] : last[1]]
+            if boxed:
+                boxes.append((start, token.start()))
+    if not boxes:
+        return None
+    last = max(boxes)
+    box_start = last[0] - len("\\boxed{")
+    before = [box for box in boxes if box[1] < box_start]
+    if before:
+        prev = max(before, key=lambda box: box[1])
+        gap = text[prev[1] + 1 : box_start].replace("$", "")
+        if _offering_gap(gap):
+            return f"{_unwrapped_text(text[prev[0] : prev[1]].strip())}{gap}{text[last[0] : last[1]]}"
+    return text[last[0] : last[1]]
 
 
 # LaTeX's text commands around a whole boxed answer (\\boxed{\\text{Paris}}): the words are the answer; kept,
@@ -757,17 +770,24 @@ _BOUND_AFTER_RE = re.compile(
 )
 
 
+def _offering_gap(gap: str) -> bool:
+    """Whether what stands between two answers (two numbers, two boxes) offers them as alternatives."""
+    gap = _ARROW_RE.sub(" = ", gap)
+    if _SENTENCE_BREAK_RE.search(gap):
+        return False
+    words = [w for w in _GAP_WORD_RE.findall(gap) if not _CONNECTOR_RE.fullmatch(w)]
+    joined = bool(_CONNECTOR_RE.search(gap)) and len(words) <= 1  # at most a unit or a variable besides
+    return joined or not gap.strip() or bool(_HEDGE_WORDS_RE.search(gap))
+
+
 def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str | None:
     """The numbers an answer offers when ``last`` is one of several (quoted from ``text``), or None."""
     if before is None:
         return None
-    gap = _ARROW_RE.sub(" = ", text[before.end() : last.start()])
+    gap = text[before.end() : last.start()]
     signed = not gap and last[0][0] in "+-"  # "4-5", "2+3": the last one's sign joins them
-    if _SENTENCE_BREAK_RE.search(gap) or not (gap.strip() or signed):
-        return None  # "... 4 or 5? It is 5.", "1 234" (a plain space: two numbers, the last one)
-    words = [w for w in _GAP_WORD_RE.findall(gap) if not _CONNECTOR_RE.fullmatch(w)]
-    joined = bool(_CONNECTOR_RE.search(gap)) and len(words) <= 1  # at most a unit or a variable besides
-    if not (signed or joined or _HEDGE_WORDS_RE.search(gap)):
+    # "1 234": a plain space between two numbers offers nothing (two numbers, the last one, as documented)
+    if not (signed or (gap.strip() and _offering_gap(gap))):
         return None
     quoted = " ".join(text[before.start() : last.end()].split())
     return quoted if len(quoted) <= 80 else quoted[:77] + "..."

@@ -402,6 +402,25 @@ def test_an_answer_that_offers_several_numbers_fails_numeric(text, answer, passe
         assert "offers several numbers" in score["explanation"] or "bounds, negates" in score["explanation"]
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # Two boxes offered as alternatives are one answer offering both: the last box alone passed.
+        (r"The answer is $\boxed{4}$ or $\boxed{5}$.", 5, "numeric", False),
+        (r"The answer is $\boxed{4}$ or $\boxed{5}$.", "5", "exact", False),
+        (r"\boxed{Paris} or \boxed{Lyon}", "Lyon", "exact", False),
+        (r"\boxed{4}, \boxed{5}", "5", "exact", False),
+        (r"\boxed{4}, \boxed{5}", "4, 5", "exact", True),  # both, where both are wanted
+        # Boxes in sentences of their own, or labelled parts, are not offered as alternatives: the last.
+        (r"First $\boxed{3}$. Then the total is $\boxed{5}$.", 5, "numeric", True),
+        (r"(a) \boxed{3} (b) \boxed{5}", 5, "numeric", True),
+        (r"\boxed{\boxed{5}}", 5, "numeric", True),
+    ],
+)
+def test_boxes_offered_as_alternatives_are_one_answer_offering_both(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
 def test_a_row_answer_that_offers_several_numbers_is_a_bad_line_for_numeric(tmp_path):
     """A row's "4 or 5" was read as 5 (and "4" failed): acceptable answers are a list."""
     path = write_rows(
