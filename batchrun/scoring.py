@@ -888,6 +888,20 @@ def _json_of(text: str) -> Any:
     raise ValueError("the answer is not JSON")
 
 
+# Texts as unlike as can be: a regex found in each of them (and in the empty one) is found in any answer.
+_PROBE_TEXTS = ("", "x", "0", " ", "\n", "-", "\u00e9", "\u4e2d", "Ab 12")
+
+
+def passes_any_text(pattern: str) -> bool:
+    """Whether a row's regex is found in any text at all: ``Paris|``, ``.*``, ``x?``, ``(?:Paris)?``
+    (each passed every reply, every sample of its row). ``^$`` is not (it wants an empty answer). The
+    texts are a few characters long: no pattern backtracks for long on them."""
+    try:
+        return all(re.search(pattern, text) is not None for text in _PROBE_TEXTS)
+    except re.error:
+        return False
+
+
 # re.search in a child of its own: the row's pattern (trusted) on the model's answer (not) may backtrack
 # for ages, and a search cannot be stopped in the worker's thread.
 _SEARCH = (
@@ -978,6 +992,10 @@ def text_score(
                 re.compile(str(want))
             except re.error as exc:
                 return Part(name, error=f"the row's answer is not a valid regex: {exc}")
+            if passes_any_text(str(want)):  # "Paris|", ".*", "x?": found in any reply
+                return Part(
+                    name, error=f"the row's regex /{want}/ is found in any text: it passes every answer"
+                )
             if not (left := _time_left(settings.verify_timeout_s, deadline)):
                 return Part(
                     name,

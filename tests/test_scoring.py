@@ -421,6 +421,29 @@ def test_boxes_offered_as_alternatives_are_one_answer_offering_both(text, answer
     assert judged(text, answer, scorer)["passed"] is passed
 
 
+@pytest.mark.parametrize("pattern", [".*", "Paris|", "x?", "^", "(?:Paris)?", ["Paris", "|Lyon"]])
+def test_a_row_regex_found_in_any_text_is_bad_input_never_a_pass(tmp_path, pattern):
+    """A row's regex that matches the empty text ("Paris|", ".*") was found in every reply: "I have no
+    idea" passed. A bad line under --scorer=regex; where no dataset is read, a scorer error."""
+    score = judged("ANSWER: I have no idea", pattern, "regex")
+    assert score["passed"] is None and "found in any text" in score["error"], score
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": "^Paris$"}, {"prompt": "p", "answer": pattern}]
+    )
+    good, problems = load_dataset(str(path), scorers=("regex",))
+    assert [r.prompt for r in good] == ["ok"]
+    assert problems[0].startswith(f"{path}:2: field 'answer' is a regex found in any text"), problems
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern", "passed"),
+    [("ANSWER: Paris", "^$", False), ("", "^$", True), ("ANSWER: Paris", "^Paris$", True)],
+)
+def test_a_row_regex_found_only_in_some_texts_still_judges(text, pattern, passed):
+    """^$ matches the empty text but not every text: it judges (an answer that should be empty)."""
+    assert judged(text, pattern, "regex")["passed"] is passed
+
+
 def test_a_row_answer_that_offers_several_numbers_is_a_bad_line_for_numeric(tmp_path):
     """A row's "4 or 5" was read as 5 (and "4" failed): acceptable answers are a list."""
     path = write_rows(
