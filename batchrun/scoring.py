@@ -744,14 +744,14 @@ def _last_two_numbers(text: str) -> tuple[re.Match[str] | None, re.Match[str] | 
 _HEDGE_WORDS_RE = re.compile(
     r"\b(?:or|either|nor|not|versus)\b|±|∓|\\pm(?![a-zA-Z])|\\mp(?![a-zA-Z])|\+/-", re.I
 )
-# Connectors that make two numbers a range, a list or an expression when little else stands between them
-# ("4-5", "4 to 5", "4, 5", "2 + 3", "3 × 4", "4 m to 5 m", "x = 4, y = 5").
-_CONNECTOR_RE = re.compile(
-    r"[,;&~+*\u00d7\u00b7\u2013\u2014-]|\\(?:times|cdot|ldots|dots)(?![a-zA-Z])|\b(?:to|and|through|vs)\b",
-    re.I,
-)
+# Connectors that make two numbers a range, a list or an expression when nothing else stands between them
+# but a unit after the first and a variable before the second ("4-5", "4 to 5", "4, 5", "2 + 3", "3 × 4",
+# "4 m to 5", "3 dogs and 4", "x = 4, y = 5"); "3+1 and got 4" is a sentence, not a list.
+_CONNECTOR = r"(?:[,;&~+*\u00d7\u00b7\u2013\u2014-]|\b(?:to|and|through|vs)\b)"
+_JOINED_RE = re.compile(rf"\s*(?:[^\W\d_]+\s*)?(?:{_CONNECTOR}\s*)+(?:[^\W\d_]\s*=\s*)?", re.I)
+_LATEX_CONNECTORS = {"times": "*", "cdot": "*", "ldots": ",", "dots": ",", "cdots": ","}
+_LATEX_COMMAND_RE = re.compile(r"\\([a-zA-Z]+)|[${}()]")
 _SENTENCE_BREAK_RE = re.compile(r"[.!?](?:\s|$)")  # "Is it 4 or 5? It is 5." commits to 5
-_GAP_WORD_RE = re.compile(r"\\[a-zA-Z]+|[^\W\d_]+")
 # Arrows lead to a result ("2 + 2 -> 4"), as "=" does: no range's dash, no bound's ">".
 _ARROW_RE = re.compile(
     r"-+>|=+>|\u2192|\u21d2|\u27f9|\\(?:to|rightarrow|Rightarrow|longrightarrow|Longrightarrow|implies)(?![a-zA-Z])"
@@ -760,13 +760,13 @@ _TAG_RE = re.compile(r"</?[A-Za-z][\w:-]*(?:\s[^<>]*)?>")  # <answer>4</answer>:
 # What right before the last number bounds, negates or doubles it instead of naming it: "x < 4", "x \neq 4",
 # "at least 4", "not 4", "x = \pm 2". Read as the number, each passed for it.
 _BOUND_BEFORE_RE = re.compile(
-    r"(?:[\u2260\u2264\u2265\u2266\u2267<>]=?|\u00b1|\u2213|\+/-"
+    r"(?:(?:[\u2260\u2264\u2265\u2266\u2267]|(?<![<>])[<>])=?|\u00b1|\u2213|\+/-"  # not GSM8K's <<4+4=8>>8
     r"|\\(?:neq|ne|leq|le|geq|ge|lt|gt|leqslant|geqslant|pm|mp)(?![a-zA-Z])"
     r"|\b(?:not|isn't|(?:less|more|greater|fewer|other)\s+than|at\s+(?:least|most)|up\s+to)\b)[\s${(]*$",
     re.I,
 )
 _BOUND_AFTER_RE = re.compile(
-    r"[\s$})]*(?:[\u2260\u2264\u2265<>]|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z]))"
+    r"[\s$})]*(?:[\u2260\u2264\u2265]|[<>](?![<>])|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z]))"
 )
 
 
@@ -775,9 +775,11 @@ def _offering_gap(gap: str) -> bool:
     gap = _ARROW_RE.sub(" = ", gap)
     if _SENTENCE_BREAK_RE.search(gap):
         return False
-    words = [w for w in _GAP_WORD_RE.findall(gap) if not _CONNECTOR_RE.fullmatch(w)]
-    joined = bool(_CONNECTOR_RE.search(gap)) and len(words) <= 1  # at most a unit or a variable besides
-    return joined or not gap.strip() or bool(_HEDGE_WORDS_RE.search(gap))
+    if _HEDGE_WORDS_RE.search(gap):
+        return True
+    # LaTeX's operators as their signs, its other commands and grouping as nothing (\text{ to }: to)
+    plain = _LATEX_COMMAND_RE.sub(lambda m: _LATEX_CONNECTORS.get(m[1] or "", " "), gap)
+    return not plain.strip() or _JOINED_RE.fullmatch(plain) is not None
 
 
 def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str | None:

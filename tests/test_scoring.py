@@ -389,6 +389,10 @@ def test_numeric_reads_latex_numbers_as_their_values(text, answer, passed):
         ("16 - 3 - 4 = 9 eggs, sold at $2 each: 9 * 2 = $18 a day.\n#### 18", 18, True),
         ("ANSWER: 1 234", 234, True),  # a plain space groups nothing: two numbers, the last (as before)
         ("2 + 2 -> 4", 4, True),  # an arrow leads to the result, as "=" does
+        ("I computed 3+1 and got 4", 4, True),  # a sentence between them, not a list
+        ("She sold <<48+24=72>>72 clips.", 72, True),  # GSM8K's calculator marks bound nothing
+        ("6 apples, 7 pears, total 13", 13, True),
+        ("ANSWER: 3 dogs and 4 cats", 4, False),  # a list with its units
         ("2 + 2 => 4", 4, True),
         ("<answer>4</answer>", 4, True),  # markup's brackets bound nothing
         ("ANSWER: about 4", 4, True),  # an approximation names its number (the tolerance decides)
