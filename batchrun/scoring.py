@@ -1297,10 +1297,25 @@ def judge_score(
             why = f"the judge's reply did not finish (finish_reason {turn.finish_reason!r})"
             part = Part("judge", error=why)
         else:  # a judge that reasons in its words: the drafts there are not its verdict
-            part = parse_judge_reply(_without_spans(turn.content or "", _REASONING_TAGS))
-            part = _not_the_answers_own(part, final_text(record))
+            words = _judge_words(turn.content or "")
+            part = (
+                Part("judge", error="the judge's reply opens its reasoning and never closes it: no verdict")
+                if words is None
+                else _not_the_answers_own(parse_judge_reply(words), final_text(record))
+            )
     part.judge_usage = usage.as_dict()
     return part
+
+
+def _judge_words(content: str) -> str | None:
+    """The judge's reply without its reasoning. A reply whose template opened ``<think>`` holds only the
+    closing tag: what comes before it is reasoning (read, its draft verdict made two, or was the one).
+    None when reasoning is opened and never closed (a draft verdict there passed the sample)."""
+    for opening, closing in _REASONING_TAGS:
+        if closing in content and opening not in content:
+            content = content.partition(closing)[2]
+    words = _without_spans(content, _REASONING_TAGS)
+    return None if any(opening in words for opening, _ in _REASONING_TAGS) else words
 
 
 def _verdicts_in(value: Any, found: list[dict[str, Any]], depth: int = 0) -> None:

@@ -751,6 +751,21 @@ class ScriptedJudge:
             "stop",
             "failed",
         ),
+        # Reasoning it never closed is no verdict: its draft passed the sample.
+        ('<think>A first guess: {"score": 1, "passed": true}. Let me check the units', "stop", "error"),
+        ('{"score": 0, "passed": false}<think>or {"score": 1, "passed": true}?', "stop", "error"),
+        # A judge whose template opened <think> (its reply has only the closing tag): what comes before it
+        # is its reasoning, not a second verdict.
+        (
+            'Draft {"score": 0, "passed": false}, no: the units match.\n</think>\n{"score": 1, "passed": true}',
+            "stop",
+            "passed",
+        ),
+        (
+            'Draft {"score": 1, "passed": true}? The units differ.\n</think>\n{"score": 0, "passed": false}',
+            "stop",
+            "failed",
+        ),
     ],
 )
 def test_a_judge_reply_is_a_verdict_only_when_the_judge_finished_it(content, finish_reason, status):
