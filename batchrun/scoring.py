@@ -39,6 +39,7 @@ import string
 import subprocess
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,7 @@ MAX_COMMAND_CHARS = 64 * 1024
 MAX_VERIFY_FILES = 200
 MAX_VERIFY_FILES_BYTES = 4 * 1024 * 1024
 MAX_RUBRIC_CHARS = 64 * 1024
+_LARGEST_FLOAT = int(sys.float_info.max)
 VERIFY_OUTPUT_CHARS = 4096  # what a record keeps of the verify output: its end (where tests say why)
 
 
@@ -84,24 +86,34 @@ def _answer_field(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("field 'answer' must be a string, a number or a list of strings, got a boolean")
     if isinstance(value, (int, float)):
+        # An integer past a double (10**400: JSON has no limit) raised OverflowError here, a traceback
+        # that ended the run (exit 1) instead of a bad line; numeric could never have compared it anyway.
+        if isinstance(value, int) and abs(value) > _LARGEST_FLOAT:
+            raise ValueError("field 'answer' is a number too large to compare (over 1.8e308)")
         if not math.isfinite(value):
             raise ValueError("field 'answer' must be a finite number")
         return value
     if isinstance(value, str):
-        if not value.strip():  # includes would find it in any answer, exact in none worth the name
+        if _blank(value):  # includes would find it in any answer, exact in none worth the name
             raise ValueError("field 'answer' is empty")
         _check_text("answer", value, MAX_ANSWER_CHARS)
         return value
     if isinstance(value, list):
         if not value or not all(isinstance(v, str) for v in value):
             raise ValueError("field 'answer' as a list must hold one or more strings (acceptable answers)")
-        if not all(v.strip() for v in value):
+        if any(_blank(v) for v in value):
             raise ValueError("field 'answer' holds an empty acceptable answer")
         _check_text("answer", "".join(value), MAX_ANSWER_CHARS)
         return tuple(value)
     raise ValueError(
         f"field 'answer' must be a string, a number or a list of strings, got {type(value).__name__}"
     )
+
+
+def _blank(text: str) -> bool:
+    """Whether ``text`` shows nothing: only spaces, control and format characters (a zero-width space, a
+    byte-order mark). Such an answer passed no reply a model would write: every sample of its row failed."""
+    return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") for ch in text)
 
 
 def _verify_field(value: Any) -> tuple[str, ...]:
@@ -386,17 +398,30 @@ _BOXED_TOKENS_RE = re.compile(r"\\boxed\{|[{}]")
 def _last_boxed(text: str) -> str | None:
     """What the last ``\\boxed{...}`` holds (the last to start), its braces balanced at any depth, in one
     pass; None when there is none. A pattern for one level of nesting missed ``\\boxed{\\frac{\\sqrt{3}}{2}}``
-    (a right answer failed: the whole text was read instead)."""
+    (a right answer failed: the whole text was read instead).
+
+    Two boxes the text offers as alternatives (``\\boxed{4} or \\boxed{5}``, ``\\boxed{4}, \\boxed{5}``) are one
+    answer that offers both, ``4 or 5``: read as the last box alone, each passed for it."""
     opened: list[tuple[int, bool]] = []  # where each open brace's content starts, and whether it is a box's
-    last: tuple[int, int] | None = None
+    boxes: list[tuple[int, int]] = []  # (content start, content end) of each box
     for token in _BOXED_TOKENS_RE.finditer(text):
         if token[0] != "}":
             opened.append((token.end(), token[0] != "{"))
         elif opened:
             start, boxed = opened.pop()
-            if boxed and (last is None or start > last[0]):
-                last = (start, token.start())
-    return None if last is None else text[last[0] : last[1]]
+            if boxed:
+                boxes.append((start, token.start()))
+    if not boxes:
+        return None
+    last = max(boxes)
+    box_start = last[0] - len("\\boxed{")
+    before = [box for box in boxes if box[1] < box_start]
+    if before:
+        prev = max(before, key=lambda box: box[1])
+        gap = text[prev[1] + 1 : box_start].replace("$", "")
+        if _offering_gap(gap):
+            return f"{_unwrapped_text(text[prev[0] : prev[1]].strip())}{gap}{text[last[0] : last[1]]}"
+    return text[last[0] : last[1]]
 
 
 # LaTeX's text commands around a whole boxed answer (\\boxed{\\text{Paris}}): the words are the answer; kept,
@@ -694,21 +719,128 @@ def _last_number(text: str) -> re.Match[str] | None:
     """The last number of ``text`` that is the answer's value, or None: an exponent or an index is
     passed over (the 2 of ``5 m^2``, the 1 of ``x_1``); a number that is part of an expression (a root's,
     a factor of pi or of a root, a power's base, in a fraction of something else) means there is none."""
-    matches = list(_NUMBER_TOKEN_RE.finditer(text))
-    for match in reversed(matches):
+    return _last_two_numbers(text)[0]
+
+
+def _last_two_numbers(text: str) -> tuple[re.Match[str] | None, re.Match[str] | None]:
+    """:func:`_last_number`, and the number written before it (an exponent or an index passed over)."""
+    found: list[re.Match[str]] = []
+    for match in reversed(list(_NUMBER_TOKEN_RE.finditer(text))):
         before = text[max(0, match.start() - 8) : match.start()].rstrip(" {")
         if before.endswith(("^", "_")):
             continue
-        if _FACTOR_AFTER_RE.match(text, match.end()) or _in_expression(text, match.start()):
-            return None
-        return match
-    return None
+        if not found and (_FACTOR_AFTER_RE.match(text, match.end()) or _in_expression(text, match.start())):
+            return None, None
+        found.append(match)
+        if len(found) == 2:
+            break
+    return (found[0] if found else None), (found[1] if len(found) > 1 else None)
+
+
+# How an answer offers several numbers instead of one (a hedge: "4 or 5", "between 4 and 6", "5 ± 1"),
+# read from what stands between its last two numbers. Read as its last number, each passed for that one:
+# a model that hedged was rewarded whenever the right answer came last.
+# Words that make any two numbers of one sentence alternatives, whatever else stands between them.
+_HEDGE_WORDS_RE = re.compile(
+    r"\b(?:or|either|nor|not|versus)\b|±|∓|\\pm(?![a-zA-Z])|\\mp(?![a-zA-Z])|\+/-", re.I
+)
+# Connectors that make two numbers a range, a list or an expression when nothing else stands between them
+# but a unit after the first and a variable before the second ("4-5", "4 to 5", "4, 5", "2 + 3", "3 × 4",
+# "4 m to 5", "3 dogs and 4", "x = 4, y = 5"); "3+1 and got 4" is a sentence, not a list.
+_CONNECTOR = r"(?:[,;&~+*\u00d7\u00b7\u2013\u2014-]|\b(?:to|and|through|vs)\b)"
+_JOINED_RE = re.compile(rf"\s*(?:[^\W\d_]+\s*)?(?:{_CONNECTOR}\s*)+(?:[^\W\d_]\s*=\s*)?", re.I)
+_LATEX_CONNECTORS = {"times": "*", "cdot": "*", "ldots": ",", "dots": ",", "cdots": ","}
+_LATEX_COMMAND_RE = re.compile(r"\\([a-zA-Z]+)|[${}()]")
+_SENTENCE_BREAK_RE = re.compile(r"[.!?](?:\s|$)")  # "Is it 4 or 5? It is 5." commits to 5
+# Arrows lead to a result ("2 + 2 -> 4"), as "=" does: no range's dash, no bound's ">".
+_ARROW_RE = re.compile(
+    r"-+>|=+>|\u2192|\u21d2|\u27f9|\\(?:to|rightarrow|Rightarrow|longrightarrow|Longrightarrow|implies)(?![a-zA-Z])"
+)
+_TAG_RE = re.compile(r"</?[A-Za-z][\w:-]*(?:\s[^<>]*)?>")  # <answer>4</answer>: markup, no "<" or ">"
+# What right before the last number bounds, negates or doubles it instead of naming it: "x < 4", "x \neq 4",
+# "at least 4", "not 4", "x = \pm 2". Read as the number, each passed for it.
+_BOUND_BEFORE_RE = re.compile(
+    r"(?:(?:[\u2260\u2264\u2265\u2266\u2267]|(?<![<>])[<>])=?|\u00b1|\u2213|\+/-"  # not GSM8K's <<4+4=8>>8
+    r"|\\(?:neq|ne|leq|le|geq|ge|lt|gt|leqslant|geqslant|pm|mp)(?![a-zA-Z])"
+    r"|\b(?:not|isn't|(?:less|more|greater|fewer|other)\s+than|at\s+(?:least|most)|up\s+to)\b)[\s${(]*$",
+    re.I,
+)
+_BOUND_AFTER_RE = re.compile(
+    r"[\s$})]*(?:[\u2260\u2264\u2265]|[<>](?![<>])|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z]))"
+)
+
+
+def _offering_gap(gap: str) -> bool:
+    """Whether what stands between two answers (two numbers, two boxes) offers them as alternatives."""
+    gap = _ARROW_RE.sub(" = ", gap)
+    if _SENTENCE_BREAK_RE.search(gap):
+        return False
+    if _HEDGE_WORDS_RE.search(gap):
+        return True
+    # LaTeX's operators as their signs, its other commands and grouping as nothing (\text{ to }: to)
+    plain = _LATEX_COMMAND_RE.sub(lambda m: _LATEX_CONNECTORS.get(m[1] or "", " "), gap)
+    return not plain.strip() or _JOINED_RE.fullmatch(plain) is not None
+
+
+def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str | None:
+    """The numbers an answer offers when ``last`` is one of several (quoted from ``text``), or None."""
+    if before is None:
+        return None
+    gap = text[before.end() : last.start()]
+    signed = not gap and last[0][0] in "+-"  # "4-5", "2+3": the last one's sign joins them
+    # "1 234": a plain space between two numbers offers nothing (two numbers, the last one, as documented)
+    if not (signed or (gap.strip() and _offering_gap(gap))):
+        return None
+    quoted = " ".join(text[before.start() : last.end()].split())
+    return quoted if len(quoted) <= 80 else quoted[:77] + "..."
+
+
+def _bound(text: str, last: re.Match[str]) -> str | None:
+    """What bounds, negates or doubles ``last`` instead of naming it (quoted from ``text``), or None."""
+    start = max(0, last.start() - 60)
+    window = _ARROW_RE.sub(" = ", _TAG_RE.sub("", text[start : last.start()]))
+    breaks = list(_SENTENCE_BREAK_RE.finditer(window))
+    window = window[breaks[-1].end() :] if breaks else window  # this sentence's only
+    after = _TAG_RE.sub("", text[last.end() : last.end() + 60])
+    if not (_BOUND_BEFORE_RE.search(window) or _BOUND_AFTER_RE.match(after)):
+        return None
+    return " ".join((window[-30:] + last[0] + after[:12]).split())
+
+
+def read_number(text: str) -> tuple[float | None, str | None]:
+    """:func:`parse_number` of an answer, and why that number is not the answer's one value (None when
+    it is): the answer offers several (``"4 or 5"``, ``"between 4 and 6"``, ``"5 ± 1"``: a hedge), or
+    bounds or negates it (``"x < 4"``, ``"at least 4"``, ``"not 4"``, ``"\\pm 2"``)."""
+    value = parse_number(text)
+    if value is None:
+        return None, None
+    plain = _latex_numbers(text.translate(_TO_ASCII_MINUS))
+    last, before = _last_two_numbers(plain)
+    if last is None:
+        return value, None
+    if offered := _hedge(plain, last, before):
+        return value, f"offers several numbers ({offered!r}), not one"
+    if bounded := _bound(plain, last):
+        return value, f"bounds, negates or doubles its number ({bounded!r}) instead of naming it"
+    return value, None
+
+
+def wanted_number(text: str) -> float | None:
+    """The number a row's answer text names, or None: no number, or several ("4 or 5" wants no one)."""
+    value, offered = read_number(text)
+    return None if offered is not None else value
 
 
 def parse_number(text: str) -> float | None:
     """The last number in ``text``: a number, a fraction a/b or a mixed number w a/b (a proper fraction
-    after a whole number), LaTeX's forms of them too; None when there is none, or when the last one is
-    part of an expression (a root, a factor of pi)."""
+    after a whole number), LaTeX's forms of them too; None when there is none, when the last one is
+    part of an expression (a root, a factor of pi), or when no double holds it (``1e999``: read as
+    infinity, a row's answer of it was within any tolerance of every number, and every reply passed)."""
+    value = _number_value(text)
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _number_value(text: str) -> float | None:
     last = _last_number(_latex_numbers(text.translate(_TO_ASCII_MINUS)))
     if last is None or last["clock"]:
         return None
@@ -756,6 +888,20 @@ def _json_of(text: str) -> Any:
         except ValueError:
             continue
     raise ValueError("the answer is not JSON")
+
+
+# Texts as unlike as can be: a regex found in each of them (and in the empty one) is found in any answer.
+_PROBE_TEXTS = ("", "x", "0", " ", "\n", "-", "\u00e9", "\u4e2d", "Ab 12")
+
+
+def passes_any_text(pattern: str) -> bool:
+    """Whether a row's regex is found in any text at all: ``Paris|``, ``.*``, ``x?``, ``(?:Paris)?``
+    (each passed every reply, every sample of its row). ``^$`` is not (it wants an empty answer). The
+    texts are a few characters long: no pattern backtracks for long on them."""
+    try:
+        return all(re.search(pattern, text) is not None for text in _PROBE_TEXTS)
+    except re.error:
+        return False
 
 
 # re.search in a child of its own: the row's pattern (trusted) on the model's answer (not) may backtrack
@@ -811,11 +957,19 @@ def text_score(
     shown = got if len(got) <= 200 else got[:200] + "..."
     answers = acceptable(check.answer)
     if name == "numeric":
-        value = parse_number(got)
+        wants = [want if isinstance(want, (int, float)) else wanted_number(str(want)) for want in answers]
+        if all(want_n is None for want_n in wants):
+            # The dataset's fault, not the model's: a run makes such a row a bad line (--scorer=numeric);
+            # a re-scoring, or a run whose rows choose other scorers, gets here. No verdict, not a failure.
+            return Part(
+                name, error=f"the row's answer {str(check.answer)[:80]!r} holds no one number to compare"
+            )
+        value, problem = read_number(got)
         if value is None:
             return Part(name, 0.0, False, f"no number in the answer {shown!r}")
-        for want in answers:
-            want_n = want if isinstance(want, (int, float)) else parse_number(str(want))
+        if problem is not None:  # read as its last number, "4 or 5" and "x < 4" passed for it: hedging paid
+            return Part(name, 0.0, False, f"the answer {problem}")
+        for want_n in wants:
             if want_n is not None and abs(value - want_n) <= settings.numeric_tolerance * max(
                 1.0, abs(want_n)
             ):
@@ -840,6 +994,10 @@ def text_score(
                 re.compile(str(want))
             except re.error as exc:
                 return Part(name, error=f"the row's answer is not a valid regex: {exc}")
+            if passes_any_text(str(want)):  # "Paris|", ".*", "x?": found in any reply
+                return Part(
+                    name, error=f"the row's regex /{want}/ is found in any text: it passes every answer"
+                )
             if not (left := _time_left(settings.verify_timeout_s, deadline)):
                 return Part(
                     name,
@@ -1139,8 +1297,62 @@ def judge_score(
             why = f"the judge's reply did not finish (finish_reason {turn.finish_reason!r})"
             part = Part("judge", error=why)
         else:  # a judge that reasons in its words: the drafts there are not its verdict
-            part = parse_judge_reply(_without_spans(turn.content or "", _REASONING_TAGS))
+            words = _judge_words(turn.content or "")
+            part = (
+                Part("judge", error="the judge's reply opens its reasoning and never closes it: no verdict")
+                if words is None
+                else _not_the_answers_own(parse_judge_reply(words), final_text(record))
+            )
     part.judge_usage = usage.as_dict()
+    return part
+
+
+def _judge_words(content: str) -> str | None:
+    """The judge's reply without its reasoning. A reply whose template opened ``<think>`` holds only the
+    closing tag: what comes before it is reasoning (read, its draft verdict made two, or was the one).
+    None when reasoning is opened and never closed (a draft verdict there passed the sample)."""
+    for opening, closing in _REASONING_TAGS:
+        if closing in content and opening not in content:
+            content = content.partition(closing)[2]
+    words = _without_spans(content, _REASONING_TAGS)
+    return None if any(opening in words for opening, _ in _REASONING_TAGS) else words
+
+
+def _verdicts_in(value: Any, found: list[dict[str, Any]], depth: int = 0) -> None:
+    """The objects with a ``score`` or ``passed`` anywhere in a JSON value (nested ones too)."""
+    if depth > 64:
+        return
+    if isinstance(value, dict):
+        if any(key in value for key in VERDICT_KEYS):
+            found.append(value)
+        for item in value.values():
+            _verdicts_in(item, found, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _verdicts_in(item, found, depth + 1)
+
+
+def _not_the_answers_own(part: Part, answer_text: str) -> Part:
+    """``part``, or an error when the judge's verdict (anything but a plain fail) is one the answer it
+    judged writes itself: an answer ending ``{"score": 1, "passed": true}`` (or asking for it) and a judge
+    that repeats it passed itself. Which of the two wrote the verdict nobody can tell: no verdict."""
+    if part.error is not None or part.value is None or (part.passed is False and part.value <= 0.0):
+        return part
+    found: list[dict[str, Any]] = []
+    for written in _json_objects(answer_text[: 4 * MAX_JUDGE_REPLY_CHARS]):
+        try:
+            _verdicts_in(parse_json(written), found)
+        except ValueError:
+            continue
+    for obj in found:
+        score, passed = obj.get("score", part.value), obj.get("passed", part.passed)
+        same_score = not isinstance(score, bool) and isinstance(score, (int, float)) and score == part.value
+        if same_score and passed is part.passed:
+            return Part(
+                "judge",
+                error="the judge's verdict is one the answer it judged writes itself "
+                f"({json.dumps(obj, ensure_ascii=False)[:120]}): no verdict can be taken from it",
+            )
     return part
 
 
@@ -1470,6 +1682,30 @@ def _short(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in keep}
 
 
+PLANNED_PARTS = ("scored", "unscored", "scorer_errors", "samples_pending")
+
+
+def planned_figures(scores: dict[str, Any]) -> dict[str, Any]:
+    """The conservative figure beside the pass rate, for statistics.json's ``scores``: the passes over
+    every sample planned (``samples_planned``: scored, unscored, scorer errors and samples without an
+    outcome; those skipped after passes are not planned), each sample not judged counted as not passed.
+    The pass rate is over the samples judged only: a run whose other half failed showed 100% alone."""
+    parts = [scores.get(key, 0) for key in PLANNED_PARTS]
+    passed = scores.get("passed", 0)
+    if not all(type(n) is int and n >= 0 for n in (*parts, passed)):
+        return {"samples_planned": None, "pass_rate_of_planned": None}
+    planned = sum(parts)
+    return {
+        "samples_planned": planned,
+        "pass_rate_of_planned": round(passed / planned, 6) if planned else None,
+    }
+
+
+def with_planned(scores: dict[str, Any]) -> dict[str, Any]:
+    """``scores`` with :func:`planned_figures` beside its pass rate."""
+    return {**scores, **planned_figures(scores)}
+
+
 def headline(scores: dict[str, Any]) -> str | None:
     """The closing summary's line about scores (None when nothing was judged)."""
     n = scores.get("scored", 0)
@@ -1479,6 +1715,12 @@ def headline(scores: dict[str, Any]) -> str | None:
     if n:
         lo, hi = scores["pass_rate_95ci"]
         parts.append(f"pass rate {scores['pass_rate']:.1%} of {n} scored (95% CI {lo:.1%}-{hi:.1%})")
+        planned = planned_figures(scores)
+        if planned["samples_planned"] and planned["samples_planned"] != n:
+            parts.append(
+                f"{scores.get('passed', 0)} passed of {planned['samples_planned']} samples planned "
+                f"({planned['pass_rate_of_planned']:.1%}: those not judged count as not passed)"
+            )
         ks = ", ".join(f"{k} {v:.3f}" for k, v in scores["pass_at_k"].items() if v is not None)
         if ks:
             parts.append(ks)
@@ -1491,8 +1733,8 @@ def headline(scores: dict[str, Any]) -> str | None:
     pending = scores.get("samples_pending")
     if isinstance(pending, int) and pending > 0:
         parts.append(
-            f"{pending} samples without an outcome (failed or not run: in none of these figures; "
-            "--resume runs them)"
+            f"{pending} samples without an outcome (failed or not run: in none of these figures but "
+            "the samples planned; --resume runs them)"
         )
     if scores.get("skipped_after_passes"):
         parts.append(

@@ -199,6 +199,11 @@ def test_an_answer_the_model_did_not_finish_never_passes_a_text_scorer(stop_reas
         ("ANSWER: it is a category", "cat", "includes", False),
         ("ANSWER: x=4, y=5", 4, "includes", True),
         ("ANSWER: 4 and 42", 42, "includes", True),
+        # includes checks the answer is said, not that nothing else is (README): a reply listing every
+        # option passes it; exact and numeric are the scorers for a question with options.
+        ("ANSWER: A, B, C or D", "B", "includes", True),
+        ("ANSWER: A, B, C or D", "B", "exact", False),
+        ("ANSWER: 4 or 5", "5", "exact", False),
         ("ANSWER: 答案是北京", "北京", "includes", True),  # no spaces between words: any place
         ("ANSWER: the year 2024", 202, "includes", False),
         ("ANSWER: ab123", r"^ab\d+$", "regex", True),
@@ -333,6 +338,128 @@ def test_a_fraction_with_decimals_is_read_whole(text, answer, passed):
 )
 def test_numeric_reads_latex_numbers_as_their_values(text, answer, passed):
     assert judged(text, answer, "numeric")["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # An answer that offers several numbers is a hedge, not an answer: read as its last number, each
+        # of these passed for it (a model that hedged was paid whenever the right one came last).
+        ("ANSWER: 4 or 5", 5, False),
+        ("The answer is either 4 or 5.", 5, False),
+        ("ANSWER: 4, 5 or 6", 6, False),
+        ("ANSWER: between 4 and 6", 6, False),
+        ("ANSWER: 4 to 6", 6, False),
+        ("ANSWER: 4-6", 6, False),
+        ("ANSWER: 4-6", -6, False),  # read as 4 and -6 it passed for -6
+        ("ANSWER: 4\u20136", 6, False),
+        ("ANSWER: 5 \u00b1 1", 1, False),
+        (r"\boxed{5 \pm 1}", 1, False),
+        (r"\boxed{4 \text{ or } 5}", 5, False),
+        ("ANSWER: x = 4 or x = 5", 5, False),
+        ("ANSWER: 4 apples or 5 apples", 5, False),
+        ("ANSWER: 4 (or maybe 5)", 5, False),
+        ("ANSWER: 4, not 5", 5, False),
+        ("ANSWER: 2 + 3", 3, False),  # an expression's last operand is not its value
+        ("ANSWER: 3,4", 4, False),  # a list, or a decimal comma: no one number
+        # A bound, a negation or a sign of both ways is no value: each passed for its number.
+        ("ANSWER: x < 4", 4, False),
+        ("ANSWER: 4 < x", 4, False),
+        ("ANSWER: x >= 4", 4, False),
+        ("ANSWER: x \u2260 4", 4, False),
+        (r"\boxed{x \neq 4}", 4, False),
+        (r"\boxed{x \le 4}", 4, False),
+        ("ANSWER: at least 4", 4, False),
+        ("ANSWER: more than 4 apples", 4, False),
+        ("ANSWER: not 4", 4, False),
+        ("ANSWER: x = \u00b12", 2, False),
+        (r"\boxed{\pm 2}", 2, False),
+        ("It is 4\nor 5", 5, False),  # a line break alone commits to nothing
+        # A final answer that names one number still passes, whatever numbers the working before it holds.
+        ("The answer is 4.", 4, True),
+        ("x = 4", 4, True),
+        ("4 apples", 4, True),
+        ("After 2 steps we get 4", 4, True),
+        ("ANSWER: 4", 4, True),
+        (r"\boxed{4}", 4, True),
+        ("2 + 2 = 4", 4, True),
+        ("5 - 1 = 4", 4, True),
+        ("Is it 4 or 5? It is 5.", 5, True),  # a new sentence commits to one
+        ("First 4, then 1 more.\nANSWER: 5", 5, True),
+        ("16 - 3 - 4 = 9 eggs, sold at $2 each: 9 * 2 = $18 a day.\n#### 18", 18, True),
+        ("ANSWER: 1 234", 234, True),  # a plain space groups nothing: two numbers, the last (as before)
+        ("2 + 2 -> 4", 4, True),  # an arrow leads to the result, as "=" does
+        ("I computed 3+1 and got 4", 4, True),  # a sentence between them, not a list
+        ("She sold <<48+24=72>>72 clips.", 72, True),  # GSM8K's calculator marks bound nothing
+        ("6 apples, 7 pears, total 13", 13, True),
+        ("ANSWER: 3 dogs and 4 cats", 4, False),  # a list with its units
+        ("2 + 2 => 4", 4, True),
+        ("<answer>4</answer>", 4, True),  # markup's brackets bound nothing
+        ("ANSWER: about 4", 4, True),  # an approximation names its number (the tolerance decides)
+        ("x \u2265 0, so x = 4", 4, True),
+    ],
+)
+def test_an_answer_that_offers_several_numbers_fails_numeric(text, answer, passed):
+    score = judged(text, answer, "numeric")
+    assert score["passed"] is passed, score
+    if not passed:
+        assert "offers several numbers" in score["explanation"] or "bounds, negates" in score["explanation"]
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # Two boxes offered as alternatives are one answer offering both: the last box alone passed.
+        (r"The answer is $\boxed{4}$ or $\boxed{5}$.", 5, "numeric", False),
+        (r"The answer is $\boxed{4}$ or $\boxed{5}$.", "5", "exact", False),
+        (r"\boxed{Paris} or \boxed{Lyon}", "Lyon", "exact", False),
+        (r"\boxed{4}, \boxed{5}", "5", "exact", False),
+        (r"\boxed{4}, \boxed{5}", "4, 5", "exact", True),  # both, where both are wanted
+        # Boxes in sentences of their own, or labelled parts, are not offered as alternatives: the last.
+        (r"First $\boxed{3}$. Then the total is $\boxed{5}$.", 5, "numeric", True),
+        (r"(a) \boxed{3} (b) \boxed{5}", 5, "numeric", True),
+        (r"\boxed{\boxed{5}}", 5, "numeric", True),
+    ],
+)
+def test_boxes_offered_as_alternatives_are_one_answer_offering_both(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
+@pytest.mark.parametrize("pattern", [".*", "Paris|", "x?", "^", "(?:Paris)?", ["Paris", "|Lyon"]])
+def test_a_row_regex_found_in_any_text_is_bad_input_never_a_pass(tmp_path, pattern):
+    """A row's regex that matches the empty text ("Paris|", ".*") was found in every reply: "I have no
+    idea" passed. A bad line under --scorer=regex; where no dataset is read, a scorer error."""
+    score = judged("ANSWER: I have no idea", pattern, "regex")
+    assert score["passed"] is None and "found in any text" in score["error"], score
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": "^Paris$"}, {"prompt": "p", "answer": pattern}]
+    )
+    good, problems = load_dataset(str(path), scorers=("regex",))
+    assert [r.prompt for r in good] == ["ok"]
+    assert problems[0].startswith(f"{path}:2: field 'answer' is a regex found in any text"), problems
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern", "passed"),
+    [("ANSWER: Paris", "^$", False), ("", "^$", True), ("ANSWER: Paris", "^Paris$", True)],
+)
+def test_a_row_regex_found_only_in_some_texts_still_judges(text, pattern, passed):
+    """^$ matches the empty text but not every text: it judges (an answer that should be empty)."""
+    assert judged(text, pattern, "regex")["passed"] is passed
+
+
+def test_a_row_answer_that_offers_several_numbers_is_a_bad_line_for_numeric(tmp_path):
+    """A row's "4 or 5" was read as 5 (and "4" failed): acceptable answers are a list."""
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": ["4", "5"]}, {"prompt": "p", "answer": "4 or 5"}]
+    )
+    good, problems = load_dataset(str(path), scorers=("numeric",))
+    assert [r.prompt for r in good] == ["ok"]
+    assert problems[0].startswith(
+        f"{path}:2: field 'answer' offers several numbers ('4 or 5'), not one, for --scorer=numeric"
+    ), problems
+    assert judged("ANSWER: 5", "4 or 5", "numeric")["error"] is not None  # a re-scoring: no verdict
+    assert judged("ANSWER: 5", ["4", "5"], "numeric")["passed"] is True
 
 
 def test_numeric_tolerance_is_relative_above_one():
@@ -624,6 +751,21 @@ class ScriptedJudge:
             "stop",
             "failed",
         ),
+        # Reasoning it never closed is no verdict: its draft passed the sample.
+        ('<think>A first guess: {"score": 1, "passed": true}. Let me check the units', "stop", "error"),
+        ('{"score": 0, "passed": false}<think>or {"score": 1, "passed": true}?', "stop", "error"),
+        # A judge whose template opened <think> (its reply has only the closing tag): what comes before it
+        # is its reasoning, not a second verdict.
+        (
+            'Draft {"score": 0, "passed": false}, no: the units match.\n</think>\n{"score": 1, "passed": true}',
+            "stop",
+            "passed",
+        ),
+        (
+            'Draft {"score": 1, "passed": true}? The units differ.\n</think>\n{"score": 0, "passed": false}',
+            "stop",
+            "failed",
+        ),
     ],
 )
 def test_a_judge_reply_is_a_verdict_only_when_the_judge_finished_it(content, finish_reason, status):
@@ -777,11 +919,42 @@ def test_an_answer_whose_reasoning_markup_is_ambiguous_gets_no_verdict(scorer):
     assert score["passed"] is True
 
 
-@pytest.mark.parametrize("answer", ["", "   ", ["4", ""]])
+@pytest.mark.parametrize("answer", ["", "   ", ["4", ""], "\u200b", "\ufeff \u200b", ["4", "\u2060"]])
 def test_an_empty_answer_is_a_bad_line(answer):
-    """includes would find an empty answer in every reply: every sample would pass."""
+    """includes would find an empty answer in every reply: every sample would pass. One of only
+    zero-width or format characters shows nothing: no reply passed it, and its row blamed the model."""
     with pytest.raises(ValueError, match="empty"):
         check_fields({"prompt": "p", "answer": answer})
+
+
+def test_an_answer_no_double_holds_is_a_bad_line_never_a_crash(tmp_path):
+    """An integer answer of 400 digits (JSON has no limit) raised OverflowError while the dataset was read:
+    a traceback, exit 1, no run. It is a bad line, named by file, line and field."""
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": 4}, {"prompt": "p", "answer": int("1" * 400)}]
+    )
+    good, problems = load_dataset(str(path))
+    assert [r.prompt for r in good] == ["ok"]
+    assert list(problems) == [f"{path}:2: field 'answer' is a number too large to compare (over 1.8e308)"]
+
+
+@pytest.mark.parametrize("answer", ["1e999", "-1e999", "nan", "inf", ["1e999", "also not a number"]])
+def test_a_numeric_answer_no_reply_can_match_is_the_datasets_fault_never_a_pass(tmp_path, answer):
+    """ "1e999" was read as infinity, within any tolerance of every number: every reply passed (7 for
+    1e999, 12 for -1e999: a run of 6 wrong answers scored 100%). Such a row is a bad line under
+    --scorer=numeric; a re-scoring (no dataset read) gets a scorer error, not a failure of the model."""
+    score = judged("ANSWER: 7", answer, "numeric")
+    assert score["passed"] is None and "holds no one number" in score["error"], score
+    path = write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": "4"}, {"prompt": "p", "answer": answer}]
+    )
+    good, problems = load_dataset(str(path), scorers=("numeric",))
+    assert [r.prompt for r in good] == ["ok"]
+    assert problems[0].startswith(f"{path}:2: field 'answer' holds no number for --scorer=numeric"), problems[
+        0
+    ]
+    # A reply of such a number is no number either: it fails, it never matches.
+    assert judged("ANSWER: 1e999", "5", "numeric")["passed"] is False
 
 
 @pytest.mark.parametrize(

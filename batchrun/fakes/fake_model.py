@@ -90,6 +90,8 @@ Directives (written anywhere in the prompt text; they combine):
 ``[answers:A|B|...]``    as ``[answer:...]``, the answer chosen by the request's ``seed`` (seed mod
                          the number of answers; the first without a seed): with ``--seed_per_request``
                          the samples of one row answer differently, reproducibly
+``[verdict:TEXT]``       a judge's request (its system message begins "You grade"): the reply's words
+                         are TEXT alone (the agent's own requests are answered as usual)
 ``[finish:VALUE]``       the final answer's ``finish_reason`` is VALUE (``content_filter``, ``error``,
                          ``end_turn``...; ``null`` for none: streamed, no finish chunk before [DONE])
 ``[cut_stream:N]``       (server) the first N streamed requests for this prompt text end before their
@@ -149,7 +151,7 @@ _FLAG_RE = re.compile(
 )
 _VALUE_RE = re.compile(r"\[(error|flaky|slow|calls|retry_after|cut_stream):\s*([0-9]+(?:\.[0-9]+)?)\]")
 # Directives with free text (a command, an answer): anything up to the closing bracket.
-_TEXT_RE = re.compile(r"\[(run|answers|answer|finish):([^\]]*)\]")
+_TEXT_RE = re.compile(r"\[(run|answers|answer|finish|verdict):([^\]]*)\]")
 _ANY_DIRECTIVE_RE = re.compile(_FLAG_RE.pattern + "|" + _VALUE_RE.pattern + "|" + _TEXT_RE.pattern)
 
 
@@ -183,6 +185,7 @@ class Directives:
     answer: str | None = None  # [answer:TEXT]
     answers: tuple[str, ...] = ()  # [answers:A|B]: one by the request's seed
     finish: str | None = None  # [finish:VALUE]: the final answer's finish_reason ("null": none)
+    verdict: str | None = None  # [verdict:TEXT]: a judge's reply
 
 
 def parse_directives(prompt: str) -> Directives:
@@ -202,6 +205,9 @@ def parse_directives(prompt: str) -> Directives:
     answers = [text for name, text in texts if name == "answer"]
     if answers:
         values["answer"] = answers[-1]
+    verdicts = [text for name, text in texts if name == "verdict"]
+    if verdicts:
+        values["verdict"] = verdicts[-1]
     finishes = [text for name, text in texts if name == "finish" and text]
     if finishes:
         values["finish"] = finishes[-1]
@@ -433,6 +439,13 @@ class _Script:
 
     # -- the answer ------------------------------------------------------------------------
 
+    def judging(self) -> bool:
+        """Whether this is a judge's request (batchrun.scoring.JUDGE_SYSTEM), not the agent's."""
+        return any(
+            m.get("role") == "system" and _text_of(m.get("content")).startswith("You grade")
+            for m in self.messages
+        )
+
     def reasoning_text(self, action: str) -> str:
         return f'The user asks: "{self.short_prompt}". Turn {self.turn}: I will {action}.'
 
@@ -477,6 +490,8 @@ class _Script:
                     content += f"\nANSWER: {self.d.answers[pick]}"
                 if self.d.empty_answer:
                     content = ""
+                if self.d.verdict is not None and self.judging():
+                    content = self.d.verdict
                 action, finish = "give the final answer", "stop"
                 if self.d.finish is not None:
                     finish = None if self.d.finish == "null" else self.d.finish

@@ -140,7 +140,7 @@ def _answer_problem(check: RowCheck | None, scorers: tuple[str, ...]) -> str | N
     would be a scorer error (a pattern that does not compile) or a failure (no number to compare)."""
     if check is None or check.answer is None:
         return None
-    from batchrun.scoring import acceptable, parse_number
+    from batchrun.scoring import acceptable, parse_number, passes_any_text, read_number
 
     for want in acceptable(check.answer):
         if "regex" in scorers:
@@ -148,8 +148,18 @@ def _answer_problem(check: RowCheck | None, scorers: tuple[str, ...]) -> str | N
                 re.compile(str(want))
             except re.error as exc:
                 return f"field 'answer' is not a valid regex for --scorer=regex ({exc}): {str(want)[:80]!r}"
+            if passes_any_text(str(want)):
+                return (
+                    "field 'answer' is a regex found in any text, so it passes every answer, "
+                    f"for --scorer=regex: {str(want)[:80]!r}"
+                )
         if "numeric" in scorers and not isinstance(want, (int, float)) and parse_number(str(want)) is None:
             return f"field 'answer' holds no number for --scorer=numeric: {str(want)[:80]!r}"
+        if "numeric" in scorers and not isinstance(want, (int, float)) and (why := read_number(str(want))[1]):
+            return (
+                f"field 'answer' {why}, for --scorer=numeric (acceptable answers are a JSON list): "
+                f"{str(want)[:80]!r}"
+            )
     return None
 
 

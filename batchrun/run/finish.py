@@ -35,7 +35,7 @@ from batchrun.run.resume import (
     unfinished,
     wanted_samples,
 )
-from batchrun.scoring import RunScores, duplicate_samples, headline
+from batchrun.scoring import RunScores, duplicate_samples, headline, with_planned
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json, reasoning_counts, used_tool_names
 from batchrun.storage import (
@@ -515,13 +515,15 @@ def statistics(
         # Totals over every invocation of this run name: a --resume adds to them, never resets them.
         "run_totals": run_totals(runs),
         "runs": runs,
-        "scores": {
-            **scores.summary(discards_all.get(SKIPPED_AFTER_PASSES, 0)),
-            # Samples with no outcome yet (failed attempts, samples not run: a prompt that timed out
-            # every time) are in no figure above: the pass rate is over the samples judged.
-            "samples_pending": remaining,
-            "duplicate_samples": duplicate_samples(scores.wanted),
-        },
+        "scores": with_planned(
+            {
+                **scores.summary(discards_all.get(SKIPPED_AFTER_PASSES, 0)),
+                # Samples with no outcome yet (failed attempts, samples not run: a prompt that timed out
+                # every time) are in no figure above: the pass rate is over the samples judged.
+                "samples_pending": remaining,
+                "duplicate_samples": duplicate_samples(scores.wanted),
+            }
+        ),
         "this_run": {
             "attempted": recorder.counts[TRAJECTORY] + recorder.counts[DISCARDED] + recorder.counts[FAILED],
             "trajectories": recorder.counts[TRAJECTORY],

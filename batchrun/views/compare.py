@@ -5,9 +5,13 @@
 
 Samples are paired by row identity (prompt text, image, cwd, the row's own settings) and sample
 index; only pairs judged in both runs (passed true or false) and against the same check (the row's
-``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) count. A pair
-judged against another check in B (an answer key fixed between the runs) says nothing about the
-model: it is left out and counted (``judged_differently``), its rows listed. Printed and written as HTML:
+``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) by the same
+scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``--numeric_tolerance``,
+``--judge_model``, where the scorers use them) count. A pair judged against another check in B (an
+answer key fixed between the runs), or by another scorer (``exact`` in A, ``includes`` in B), says
+nothing about the model: it is left out and counted (``judged_differently``), its rows listed. Two
+sides of one run (its own scores and a re-scoring) are two ways of judging the same samples: there
+the scorers may differ. Printed and written as HTML:
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
   95% interval (the pairs resampled with replacement, ``--bootstrap`` times, seeded: the same inputs
@@ -34,11 +38,12 @@ from typing import Any
 
 from batchrun.identity import record_sample
 from batchrun.record import read_score
+from batchrun.run.resume import MANIFEST_DEFAULTS
 from batchrun.run.run_dir import check_run_dir
-from batchrun.scoring import check_from_row_fields, mcnemar_exact, paired_bootstrap
+from batchrun.scoring import TEXT_SCORERS, check_from_row_fields, mcnemar_exact, paired_bootstrap
 from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import first_human
-from batchrun.storage import WriteError, iter_jsonl, write_text_atomic
+from batchrun.storage import WriteError, iter_jsonl, read_json_object, write_text_atomic
 from batchrun.views.score import run_samples
 
 # (row key, sample index, copy): the copy tells apart the samples of identical rows (the same row key),
@@ -79,11 +84,51 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
         out[key] = {
             "passed": score["passed"],
             "value": score.get("value"),
+            "scorer": score.get("scorer"),
             "label": meta.get("row_id") or prompt[:80],
             "toolsets": "+".join(sorted(rec.get("toolsets_used") or [])) or "none",
             "check": check_from_row_fields(meta.get("row_fields")),
         }
     return out
+
+
+# The settings of the scorers that use them: judged with others, two runs' verdicts on one answer differ.
+JUDGING_SETTINGS = {
+    "answer_pattern": TEXT_SCORERS,
+    "answer_normalize": ("exact", "includes"),
+    "numeric_tolerance": ("numeric",),
+    "judge_model": ("judge",),
+}
+
+
+def judging_settings(run_dir: Path, scores_name: str | None = None) -> dict[str, Any]:
+    """How one side's samples were judged, beside each sample's scorer: the run's settings
+    (run_manifest.json), or a re-scoring's (statistics.json ``scores.rescored.NAME``). A setting the
+    files do not record (a re-scoring older than it) is left out: it is compared with nothing."""
+    if scores_name:
+        stats = read_json_object(run_dir / "statistics.json") or {}
+        section = stats.get("scores") if isinstance(stats.get("scores"), dict) else {}
+        rescored = section.get("rescored") if isinstance(section.get("rescored"), dict) else {}
+        entry = rescored.get(scores_name) if isinstance(rescored.get(scores_name), dict) else {}
+        return {k: entry[k] for k in JUDGING_SETTINGS if k in entry}
+    manifest = read_json_object(run_dir / "run_manifest.json")
+    if manifest is None:
+        return {}
+    return {k: manifest.get(k, MANIFEST_DEFAULTS.get(k)) for k in JUDGING_SETTINGS}
+
+
+def _judged_alike(
+    scorer_a: Any, scorer_b: Any, settings_a: dict[str, Any], settings_b: dict[str, Any]
+) -> bool:
+    """Whether two verdicts on a pair come from the same scorers with the same settings."""
+    if scorer_a != scorer_b:
+        return False
+    names = str(scorer_a or "").split(",")
+    return all(
+        settings_a[k] == settings_b[k]
+        for k, users in JUDGING_SETTINGS.items()
+        if k in settings_a and k in settings_b and any(n in users for n in names)
+    )
 
 
 def compare_pairs(pairs: list[tuple[bool, bool]], bootstrap: int = 10_000, seed: int = 0) -> dict[str, Any]:
@@ -115,9 +160,19 @@ def compare_runs(
 ) -> dict[str, Any]:
     a, b = sample_verdicts(run_a, scores_a), sample_verdicts(run_b, scores_b)
     both = sorted(set(a) & set(b))
-    # The check is not part of a row's identity: B's samples may be judged against another answer.
-    keys = [k for k in both if a[k]["check"] == b[k]["check"]]
-    other_check = [k for k in both if a[k]["check"] != b[k]["check"]]
+    # The check is not part of a row's identity: B's samples may be judged against another answer. Nor
+    # is the scorer: judged by includes in B and exact in A, the same answer passed in B only (8 of 8
+    # pairs, McNemar p = 0.008, for one model). Within one run, judging differently is the point.
+    one_run = run_a.resolve() == run_b.resolve()
+    settings_a, settings_b = judging_settings(run_a, scores_a), judging_settings(run_b, scores_b)
+
+    def alike(k: Key) -> bool:
+        return a[k]["check"] == b[k]["check"] and (
+            one_run or _judged_alike(a[k]["scorer"], b[k]["scorer"], settings_a, settings_b)
+        )
+
+    keys = [k for k in both if alike(k)]
+    other_check = [k for k in both if not alike(k)]
     result = compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in keys], bootstrap)
     by_mix: dict[str, list[Key]] = collections.defaultdict(list)
     for k in keys:
@@ -152,7 +207,8 @@ def _judged_differently(r: dict[str, Any]) -> list[str]:
     rows = r["judged_differently_rows"]
     return [
         f"left out: {r['judged_differently']} pairs judged against another check in B (answer, verify, "
-        f"verify_files or rubric changed), in {len(rows)} rows: {', '.join(rows[:20])}"
+        f"verify_files or rubric changed, or another scorer or its settings), in {len(rows)} rows: "
+        f"{', '.join(rows[:20])}"
     ]
 
 
@@ -259,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not result["pairs"]:
-        print("error: no sample is judged in both runs (same rows? scores on?)", file=sys.stderr)
+        why = "\n".join(_judged_differently(result)) or "same rows? scores on?"
+        print(f"error: no sample is judged alike in both runs ({why})", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else text_report(result))
     try:

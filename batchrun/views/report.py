@@ -26,7 +26,7 @@ from typing import Any
 from batchrun.identity import kept_line, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
-from batchrun.scoring import wanted_from_duplicates
+from batchrun.scoring import planned_figures, wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts, tools_text
 from batchrun.storage import WriteError, batch_files, iter_jsonl, read_json_object, write_text_atomic
 from batchrun.views.status import local_alive
@@ -897,6 +897,19 @@ def section_scores(d: RunData) -> str:
     ):
         lo, hi = ci
         cards.append(stat("pass_rate", f"{rate:.1%}", "pass rate", f"95% CI {lo:.1%}–{hi:.1%} · n={n:,}"))
+        # Beside it, never alone: the passes over every sample planned (a run whose other half failed
+        # showed a pass rate of 100% and nothing lower). Computed here too, for a run older than the figure.
+        planned = planned_figures(scores)
+        if planned["samples_planned"] and planned["samples_planned"] != n:
+            cards.append(
+                stat(
+                    "pass_rate_of_planned",
+                    f"{planned['pass_rate_of_planned']:.1%}",
+                    "passed of all planned",
+                    f"{fmt_int(scores.get('passed', 0))} of {fmt_int(planned['samples_planned'])} samples: "
+                    "those not judged count as not passed",
+                )
+            )
     pass_at_k = scores.get("pass_at_k")
     for k, v in pass_at_k.items() if isinstance(pass_at_k, dict) else ():
         if _number(v) is not None:

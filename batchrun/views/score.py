@@ -41,6 +41,7 @@ from batchrun.scoring import (
     parse_scorers,
     score_sample,
     wanted_from_duplicates,
+    with_planned,
 )
 from batchrun.sharegpt import first_human, parse_json
 from batchrun.storage import WriteError, batch_files, iter_jsonl, write_json_atomic, write_text_atomic
@@ -129,12 +130,18 @@ def rescore(
         }
         lines.append(json.dumps(line, ensure_ascii=False) + "\n")
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
-    summary = scores.summary()
     section = stats.setdefault("scores", {})
+    # The run's samples without an outcome are no more judged by a re-scoring than by the run.
+    pending = section.get("samples_pending")
+    summary = with_planned({**scores.summary(), "samples_pending": pending if type(pending) is int else 0})
     section.setdefault("rescored", {})[name] = {
         **summary,
         "scorers": list(settings.scorers),
         "answer_pattern": settings.answer_pattern,
+        # What views.compare checks two sides' judging by, beside each sample's scorer.
+        "answer_normalize": list(settings.normalize),
+        "numeric_tolerance": settings.numeric_tolerance,
+        "judge_model": settings.judge.model if settings.judge else None,
         "file": f"scores.{name}.jsonl",
     }
     write_json_atomic(stats_path, stats, redact)
@@ -223,13 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:  # a read-only run directory, a full disk; a damaged statistics.json
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # The run's samples without an outcome are no more judged by a re-scoring than by the run.
-    section = stats.get("scores")
-    pending = section.get("samples_pending") if isinstance(section, dict) else None
-    print(
-        headline({**summary, "samples_pending": pending})
-        or "Scores: no sample could be judged by these scorers"
-    )
+    print(headline(summary) or "Scores: no sample could be judged by these scorers")
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:
         print(f"The run's own scores: pass rate {old:.1%}; re-scored ({name}): {summary['pass_rate']:.1%}")

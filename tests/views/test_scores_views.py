@@ -83,23 +83,32 @@ def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_pat
     capsys.readouterr()
     assert compare.main([str(a), str(b), f"--out={page}", "--json", "--bootstrap=500"]) == 0
     r = json.loads(capsys.readouterr().out)
-    # Rows four and two flip from fail (exact) to pass (includes); the file row: verify fails in
-    # both (in B includes does not apply to it, so its verdict is verify's).
-    assert r["pairs"] == 5
-    assert r["flipped_to_pass"] == ["four", "two"] and r["flipped_to_fail"] == []
-    assert (r["passed_only_in_a"], r["passed_only_in_b"]) == (0, 2)
-    assert r["mcnemar_p"] == pytest.approx(0.5)
-    assert r["difference"] == pytest.approx(0.4)
-    assert set(r["by_toolsets"]) == {"file+terminal"}
-    text = page.read_text("utf-8")
-    assert "Failed in A, passed in B (2)" in text and "<li>four</li>" in text
+    # One model, two scorers: exact in A and includes in B judge the same replies differently (rows
+    # four and two "flipped to pass", B - A +40%): that says nothing of the model. Those pairs are left
+    # out; the file row (verify in both: includes does not apply to it) is the one pair.
+    assert (r["pairs"], r["judged_differently"]) == (1, 4)
+    assert r["judged_differently_rows"] == ["exact-42", "four", "seven", "two"]
+    assert r["flipped_to_pass"] == [] and r["flipped_to_fail"] == [] and r["difference"] == 0
+    assert "another scorer or its settings" in page.read_text("utf-8")
+    # A re-scored with B's scorer pairs with B: the same replies, the same verdicts.
+    assert (
+        compare.main([str(a), str(b), "--scores_a=includes", "--json", f"--out={page}", "--bootstrap=500"])
+        == 0
+    )
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pairs"], r["judged_differently"], r["difference"]) == (4, 0, 0)
+    assert (r["pass_rate_a"], r["pass_rate_b"]) == (0.75, 0.75)
     # A's own scores against its re-scoring with includes: the same flips, without another run.
     assert (
         compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'x.html'}"]) == 0
     )
     again = json.loads(capsys.readouterr().out)
     assert again["pairs"] == 4  # the file row has no includes verdict
-    assert again["flipped_to_pass"] == ["four", "two"]
+    assert again["flipped_to_pass"] == ["four", "two"]  # Rows four and two: fail (exact), pass (includes)
+    assert (again["passed_only_in_a"], again["passed_only_in_b"]) == (0, 2)
+    assert again["difference"] == pytest.approx(0.5)
+    text = (tmp_path / "x.html").read_text("utf-8")
+    assert "Failed in A, passed in B (2)" in text and "<li>four</li>" in text
     assert compare.main([str(a), str(b), "--scores=nope", f"--out={tmp_path / 'y.html'}"]) == 2
 
 
@@ -331,6 +340,32 @@ def test_compare_skips_a_re_scoring_line_of_another_shape(tmp_path, capsys):
         compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'c.html'}"]) == 0
     )
     assert json.loads(capsys.readouterr().out)["passed_only_in_b"] == 1
+
+
+def test_compare_leaves_out_pairs_two_runs_judged_with_other_settings(tmp_path, capsys):
+    """Two runs of one model, one dataset: numeric with --numeric_tolerance=0.1 in B passed 40.05 for
+    40 where A's default failed it; compared, B "improved" on every row. Left out, as another scorer."""
+    rows = [
+        {"id": f"r{i}", "prompt": f"Say {40 + i}.05 [calls:0] [answer:{40 + i}.05]", "answer": 40 + i}
+        for i in range(4)
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, run_name="a", scorer="numeric")
+    run(
+        None,
+        write_rows(tmp_path / "d.jsonl", rows),
+        out,
+        run_name="b",
+        scorer="numeric",
+        numeric_tolerance=0.1,
+    )
+    assert stats_of(out / "a")["scores"]["passed"] == 0 and stats_of(out / "b")["scores"]["passed"] == 4
+    page = tmp_path / "c.html"
+    capsys.readouterr()
+    assert compare.main([str(out / "a"), str(out / "b"), "--json", f"--out={page}"]) == 1
+    assert "no sample is judged alike in both runs (left out: 4 pairs" in capsys.readouterr().err
+    assert compare.main([str(out / "a"), str(out / "a"), "--json", f"--out={page}", "--bootstrap=500"]) == 0
+    assert json.loads(capsys.readouterr().out)["pairs"] == 4  # one run, one way of judging: all pairs
 
 
 def test_compare_leaves_out_pairs_judged_against_another_check(tmp_path, capsys):
