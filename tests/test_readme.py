@@ -110,3 +110,12 @@ def test_every_state_key_is_named(run_dir, name, depth):
     state = json.loads((run_dir / name).read_text("utf-8"))
     missing = sorted(k for k in keys(state, depth) if not re.search(rf"`[^`]*\b{re.escape(k)}\b", README))
     assert not missing, f"{name}: {missing}"
+
+
+@pytest.mark.parametrize("name", ["trajectories.jsonl", "discarded.jsonl", "failed.jsonl"])
+def test_every_record_key_is_named(run_dir, name):
+    rows = [json.loads(line) for line in (run_dir / name).read_text("utf-8").splitlines()]
+    assert rows
+    names = set().union(*(keys(row, 4) for row in rows))
+    missing = sorted(k for k in names if not re.search(rf"`[^`]*\b{re.escape(k)}\b", README))
+    assert not missing, f"{name}: {missing}"
