@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +121,13 @@ def test_every_record_key_is_named(run_dir, name):
     names = set().union(*(keys(row, 4) for row in rows))
     missing = sorted(k for k in names if not re.search(rf"`[^`]*\b{re.escape(k)}\b", README))
     assert not missing, f"{name}: {missing}"
+
+
+def test_the_help_names_the_export_command_and_the_run_files():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "batch_runner.py"), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    assert "batch_runner.py export" in done.stdout  # the README's Exporting for training
+    for name in ("discarded.jsonl", "failed.jsonl", "status.json", "run_manifest.json", "report.html"):
+        assert name in done.stdout, name
