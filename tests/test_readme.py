@@ -131,3 +131,14 @@ def test_the_help_names_the_export_command_and_the_run_files():
     assert "batch_runner.py export" in done.stdout  # the README's Exporting for training
     for name in ("discarded.jsonl", "failed.jsonl", "status.json", "run_manifest.json", "report.html"):
         assert name in done.stdout, name
+
+
+@pytest.mark.parametrize("fmt", ["messages", "openai", "prompt_completion", "sharegpt", "rewards"])
+def test_every_export_column_is_named(run_dir, tmp_path, fmt):
+    assert (
+        export.main([str(run_dir), f"--format={fmt}", f"--out={tmp_path / fmt}", "--include_discarded"]) == 0
+    )
+    rows = [json.loads(line) for f in (tmp_path / fmt).glob("*.jsonl") for line in f.open()]
+    names = set().union(*(set(row) for row in rows))
+    missing = sorted(k for k in names if not re.search(rf"`[^`]*\b{re.escape(k)}\b", README))
+    assert not missing, f"{fmt}: {missing}"
