@@ -76,8 +76,10 @@ EXIT_WORKERS_LOST = 7  # the workers are gone (the Ray cluster died, the pool br
 def main(**flags: Any) -> int:
     """Run a tool-using agent over every prompt of a JSONL dataset, each prompt in its own sandbox.
 
-    Output goes to <output_dir>/<run_name>/: batch_N.jsonl, checkpoint.json, trajectories.jsonl,
-    statistics.json. Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
+    Output goes to <output_dir>/<run_name>/: trajectories.jsonl, batch_N.jsonl, discarded.jsonl,
+    failed.jsonl, checkpoint.json, statistics.json, status.json, run_manifest.json, report.html.
+    `python batch_runner.py export <run_dir> --format=... --out=DIR` exports a run for trainers
+    (`export --help`). Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
     4 an output file cannot be written, 5 the endpoint died (resume when it is back), 6 --budget_usd cannot
     be measured, 7 the workers are gone (a Ray cluster that died; resume when it is back), 130 interrupted

@@ -531,7 +531,7 @@ class RunConfig:
         float_flag(0, 1),
         0.5,
         group="output",
-        help="Exit 3 when more than this share (0 to 1) of the run's prompts failed.",
+        help="Exit 3 when more than this share (0 to 1) of the prompts this invocation attempted failed (the budget's stops do not count).",
     )
     keep_no_reasoning: bool = _flag(
         parse_bool, False, group="output", help="Keep samples with no reasoning instead of discarding them."

@@ -110,8 +110,9 @@ METADATA: dict[str, Any] = {
 
 TOOL_STAT: dict[str, Any] = {"count": INT, "success": INT, "failure": INT}
 
-# score: how the sample was judged (batchrun.scoring). In every record: an unjudged sample has
-# value/passed null and scorer "none"; a scorer that broke has value/passed null and its error.
+# score: how the sample was judged (batchrun.scoring). In every record, typed: an unjudged sample has
+# status "unscored" and scorer "none"; a scorer that broke has status "error" and its error (value 0.0 and
+# passed false for both; read_score gives them back as None).
 SCORE_PART: dict[str, Any] = {
     "scorer": STRING,
     "value": FLOAT,

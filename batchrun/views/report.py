@@ -1259,14 +1259,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")
     parser.add_argument(
-        "--max-trajectories",
+        "--max_trajectories",
+        "--max-trajectories",  # its first spelling; every other flag of the runner and the views has "_"
         type=int,
         default=DEFAULT_MAX_TRAJECTORIES,
         help=f"conversations to include in the browsable list (default {DEFAULT_MAX_TRAJECTORIES}); all are counted",
     )
     args = parser.parse_args(argv)
     if args.max_trajectories < 0:
-        parser.error("--max-trajectories must be 0 or more")
+        parser.error("--max_trajectories must be 0 or more")
     problem = check_run_dir(args.run_dir)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

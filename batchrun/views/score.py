@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")
     parser.add_argument(
-        "--scorer", required=True, help="exact, includes, regex, numeric, json, judge (comma-separated)"
+        "--scorer",
+        required=True,
+        help="exact, includes, regex, numeric, json, judge, or your own module:function or entry point "
+        "(called with sandbox None), comma-separated; not verify: the sandbox is gone",
     )
     parser.add_argument("--name", help="label of the new scores (default: the scorers' names)")
     parser.add_argument("--answer_pattern", help="regex extracting the answer (group 1, last match)")

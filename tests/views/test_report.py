@@ -203,9 +203,11 @@ def test_discarded_samples_are_listed_with_their_reason(demo_run: Path) -> None:
     assert sorted(it["o"] for it in items if it["o"] != "discarded") == ["completed"] * 4 + ["partial"]
 
 
-def test_cli_writes_on_demand_atomically(demo_run: Path) -> None:
+# --max_trajectories: spelt like every other flag of the runner and the views (which the README shows).
+@pytest.mark.parametrize("flag", ["--max-trajectories", "--max_trajectories"])
+def test_cli_writes_on_demand_atomically(demo_run: Path, flag: str) -> None:
     (demo_run / "report.html").unlink()
-    done = cli(str(demo_run), "--max-trajectories", "2")
+    done = cli(str(demo_run), flag, "2")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(demo_run / "report.html")
     assert not [p.name for p in demo_run.iterdir() if p.name.endswith(".tmp")]
