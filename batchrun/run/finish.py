@@ -661,7 +661,8 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
         print(
             f"Reasoning coverage: {r['coverage']:.1%} of {r['turns_with_reasoning'] + r['turns_without_reasoning']} assistant turns"
         )
-    print(f"Discarded (all runs): {stats['discarded']['total']} {stats['discarded']['by_reason'] or ''}")
+    by_reason = stats["discarded"]["by_reason"]
+    print(f"Discarded (all runs): {stats['discarded']['total']}" + (f" {by_reason}" if by_reason else ""))
     line = headline(stats.get("scores") or {})
     if line:
         print(line)
