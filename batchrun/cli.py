@@ -340,37 +340,47 @@ def run_steps(
     stats = finish.statistics(
         config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts, kept.scores
     )
-    recorder.write_status("interrupted" if interrupted else "finished", force=True)
+    stop = _stopped_early(config, recorder, dispatch if preflighted.batches else None, interrupted)
+    code = stop[0] if stop else finish.exit_code(stats, interrupted, config.max_failure_rate, say=False)
+    # "finished" after a stop too (exit 3, 5, 6, 7: the run's files are complete): exit_code tells them apart
+    recorder.write_status("interrupted" if interrupted else "finished", force=True, exit_code=code)
     # statistics.json's runs hold every invocation's spend now, the journal's lost ones with them.
     remove_journal(config.run_dir, recorder.journal)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
     finish.print_summary(config.run_dir, stats, recorder)
-    if preflighted.batches and dispatch.endpoint_dead:
-        print(
+    if stop:
+        print(stop[1], file=sys.stderr)
+        return stop[0]
+    return finish.exit_code(stats, interrupted, config.max_failure_rate)
+
+
+def _stopped_early(
+    config: RunConfig, recorder: Recorder, dispatch: Dispatch | None, interrupted: bool
+) -> tuple[int, str] | None:
+    """The exit code and the message of a run the dispatch stopped before its prompts ran out (the
+    endpoint dead, a budget that cannot be measured, the workers lost), or None."""
+    if dispatch is None:
+        return None
+    if dispatch.endpoint_dead:
+        return EXIT_ENDPOINT_DEAD, (
             "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "
-            + recorder.redact(resume_command()),
-            file=sys.stderr,
+            + recorder.redact(resume_command())
         )
-        return EXIT_ENDPOINT_DEAD
-    if preflighted.batches and dispatch.budget.unmeasured:
-        print(
+    if dispatch.budget.unmeasured:
+        return EXIT_BUDGET_UNMEASURED, (
             "The run stopped: --budget_usd could not be measured (an answer reported no cost). Continue "
             "with --budget_tokens, or once the endpoint reports costs:\n  "
-            + recorder.redact(resume_command()),
-            file=sys.stderr,
+            + recorder.redact(resume_command())
         )
-        return EXIT_BUDGET_UNMEASURED
-    if preflighted.batches and dispatch.workers_lost and not interrupted:
+    if dispatch.workers_lost and not interrupted:
         where = "the Ray cluster's workers are gone" if config.ray_address else "the worker pool broke"
-        print(
+        return EXIT_WORKERS_LOST, (
             f"The run stopped: {where}; their prompts are in failed.jsonl. When "
             + ("the cluster is back" if config.ray_address else "the cause is fixed")
             + ", continue with:\n  "
-            + recorder.redact(resume_command()),
-            file=sys.stderr,
+            + recorder.redact(resume_command())
         )
-        return EXIT_WORKERS_LOST
-    return finish.exit_code(stats, interrupted, config.max_failure_rate)
+    return None
 
 
 # ----------------------------------------------------------------------------- the steps
@@ -385,7 +395,7 @@ def stop_cannot_write(recorder: Recorder, exc: WriteError) -> int:
         file=sys.stderr,
     )
     try:
-        recorder.write_status("failed", force=True, error=str(exc))
+        recorder.write_status("failed", force=True, error=str(exc), exit_code=EXIT_CANNOT_WRITE)
     except WriteError as status_exc:
         print(f"error: status.json could not say so either: {status_exc}", file=sys.stderr)
     return EXIT_CANNOT_WRITE
@@ -395,7 +405,7 @@ def mark_interrupted(recorder: Recorder) -> None:
     if not recorder.locked:  # the run directory is not ours (yet): write nothing there
         return
     try:
-        recorder.write_status("interrupted", force=True)
+        recorder.write_status("interrupted", force=True, exit_code=130)
     except WriteError as exc:
         print(f"warning: {exc}", file=sys.stderr)
 

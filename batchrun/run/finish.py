@@ -711,13 +711,16 @@ def print_failures(run_dir: Path, recorder: Recorder) -> None:
         )
 
 
-def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float) -> int:
+def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float, say: bool = True) -> int:
+    """0, 3 (more prompts of this invocation failed than --max_failure_rate allows; said when ``say``) or 130."""
     if interrupted:
         return 130
     tr = stats["this_run"]
     # Prompts the budget stopped were stopped on purpose; they are not failures of the run.
     failed = sum(n for cls, n in tr["failed"].items() if cls != "budget")
     if tr["attempted"] and failed / tr["attempted"] > max_failure_rate:
+        if not say:
+            return 3
         print(
             f"error: {failed} of {tr['attempted']} prompts failed (more than --max_failure_rate={max_failure_rate})",
             file=sys.stderr,

@@ -455,8 +455,11 @@ class Recorder:
         }
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
 
-    def write_status(self, state: str, force: bool = False, error: str | None = None) -> None:
-        """status.json for a second terminal (python -m batchrun.views.status data/<run>), every few seconds."""
+    def write_status(
+        self, state: str, force: bool = False, error: str | None = None, exit_code: int | None = None
+    ) -> None:
+        """status.json for a second terminal (python -m batchrun.views.status data/<run>), every few seconds;
+        ``exit_code``: the invocation's, once it is known (None while it runs)."""
         now = time.monotonic()
         if not force and now - self._status_written < STATUS_EVERY_S:
             return
@@ -501,6 +504,7 @@ class Recorder:
             },
             "last_event_at": self.last_event_at,
             "error": self.redact(error) if error else None,  # why a run in state "failed" stopped
+            "exit_code": exit_code,  # the invocation's (README: Exit codes); None while it runs
             "lost_runs": self.lost_runs,  # earlier invocations killed before their statistics.json
             "reserved_tokens": self.reserved_tokens() if state == "running" else 0,  # calls in flight
         }

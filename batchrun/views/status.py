@@ -113,7 +113,11 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
     c = checks(status, now, alive)
     state = str(status.get("state") or "unknown")
     started = to_epoch(status.get("started_at"))
-    head = [f"Run {status.get('run_name') or '?'}: {state}"]
+    code = status.get("exit_code")
+    shown = (
+        f"{state} (exit code {code})" if type(code) is int and code != 0 else state
+    )  # a stop, not a finish
+    head = [f"Run {status.get('run_name') or '?'}: {shown}"]
     if status.get("pid") is not None:
         head.append(f"pid {status['pid']}" + (f" on {status['host']}" if status.get("host") else ""))
     if started is not None:

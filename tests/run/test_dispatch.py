@@ -93,6 +93,7 @@ def test_too_many_failures_exit_3_and_say_so(server, tmp_path, capsys):
     failed = read_jsonl(out / "run" / "failed.jsonl")
     assert sorted(r["error_class"] for r in failed) == ["http_500", "http_502"]
     assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 1  # what finished is kept
+    assert json.loads((out / "run" / "status.json").read_text())["exit_code"] == 3
 
 
 def test_failure_rate_at_the_threshold_exits_zero(server, tmp_path):

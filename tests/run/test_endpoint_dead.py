@@ -42,6 +42,9 @@ def test_a_dead_endpoint_stops_the_run_with_its_own_exit_code(tmp_path, capsys):
     stats = json.loads((run_dir / "statistics.json").read_text())
     assert stats["remaining_for_resume"] == 40  # nothing lost: every prompt is left for --resume
     assert len(failed) < 40
+    # status.json said "finished" as after a whole run: its exit code tells the stop apart
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["exit_code"]) == ("finished", EXIT_ENDPOINT_DEAD)
 
 
 def test_an_endpoint_that_comes_back_ends_the_pause():

@@ -112,6 +112,11 @@ def test_finished_and_sparse_dicts() -> None:
         st.format_status(running(state="finished", done=9900, failed=50, discarded=50, eta_s=None), NOW)
     )
     assert "(100.0%)" in got["Progress"] and got["Rate"].endswith("ETA done")
+    # A stop (the endpoint dead: exit 5) leaves state "finished" too; its exit code says it was a stop
+    stopped = st.format_status(running(state="finished", exit_code=5, eta_s=None), NOW).splitlines()[0]
+    assert stopped.startswith("Run ") and ": finished (exit code 5)" in stopped
+    done = st.format_status(running(state="finished", exit_code=0, eta_s=None), NOW).splitlines()[0]
+    assert "exit code" not in done
     # Early in a run, or from an older runner: missing fields print as dashes, never raise.
     sparse = st.format_status({"state": "running"}, NOW)
     assert sparse.splitlines()[0] == "Run ?: running"
