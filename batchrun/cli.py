@@ -288,7 +288,11 @@ def run_steps(
         # Under a budget the check is a call like any: sent only when it fits, journaled, counted.
         gate = CheckGate(recorder) if recorder.journal is not None else None
         for endpoint, who in checks:
-            check = check_endpoint(endpoint, needs_cost=needs_cost, who=who, gate=gate)
+            # A server still loading its model (llama.cpp answers 503 meanwhile) is waited for, as a run
+            # waits for an endpoint that died to come back.
+            check = check_endpoint(
+                endpoint, needs_cost=needs_cost, who=who, gate=gate, grace_s=config.endpoint_grace
+            )
             if check.calls and gate is None:  # it cost what any call costs: the run's spend counts it
                 recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
     # The backend's slow steps (Docker's pulls) after the start check: a wrong key costs seconds, not them.

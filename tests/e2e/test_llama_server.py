@@ -13,6 +13,7 @@ cached); .ci/run builds it and exports LLAMA_SERVER. Locally the tests skip with
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,13 @@ REQUESTED = "local-model"
 PARALLEL = [("terminal", {"command": "echo hello"}), ("terminal", {"command": "echo world"})]
 
 
-def _server(tmp_path_factory, name: str, script: Script):
+def _server(tmp_path_factory, name: str, script: Script, **kw):
     binary = find_binary()
     if binary is None:
         skip_or_fail("no llama-server binary: run tests/llama/build_server.sh (or set LLAMA_SERVER)")
     d = tmp_path_factory.mktemp(name)
     model = write_model(d / f"{name}.gguf", script)
-    server = LlamaServer(binary, model, d / "server.log", alias=SERVED).start()
+    server = LlamaServer(binary, model, d / "server.log", alias=SERVED, **kw).start()
     return server
 
 
@@ -181,3 +182,28 @@ def test_streaming_and_plain_calls_give_the_same_records(hermes, thinker, tmp_pa
         for key in ("prompt_tokens", "completion_tokens"):
             assert streamed["metadata"]["usage"][key] == plain["metadata"]["usage"][key] > 0
         assert streamed["metadata"]["served_model"] == SERVED
+
+
+def test_a_run_started_while_the_server_loads_its_model_waits_for_it(tmp_path_factory, tmp_path, capsys):
+    """llama-server answers every request with 503 "Loading model" until its weights are loaded (here 8 s
+    longer than they take). The start check asks again for up to --endpoint_grace; before, a run started
+    beside a loading server exited 2 in 0.6 s. A grace shorter than the load still exits 2, naming why."""
+    if shutil.which("strace") is None:
+        skip_or_fail("strace is needed to hold the server's model load")
+    server = _server(tmp_path_factory, "loading", Script(), load_delay_s=8)
+    try:
+        dataset = write_jsonl(tmp_path / "early.jsonl", ["Run echo hello."])
+        early = batch_runner.main(
+            dataset_file=str(dataset), batch_size=1, run_name="early", model=REQUESTED,
+            base_url=server.base_url, output_dir=str(tmp_path / "out"), distribution="terminal_only",
+            endpoint_grace=1,
+        )  # fmt: skip
+        err = capsys.readouterr().err
+        assert early == 2 and "HTTP 503: Loading model" in err and "--endpoint_grace" in err
+        run_dir = _run(server, tmp_path, ["Run echo hello."], keep_no_reasoning=True, endpoint_grace=60)
+    finally:
+        server.stop()
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["completed"] and record["api_calls"] == 2
+    assert record["metadata"]["served_model"] == SERVED
+    assert "not ready (GET /models: HTTP 503: Loading model)" in capsys.readouterr().err
