@@ -218,6 +218,7 @@ class Dispatch:
             lambda until: inbox.broadcast(PauseAll(until)),
             # With a budget a probe is a call like any: reserved, journaled and counted (see ProbeGate).
             probe=self.probe_gate.probe if self.budget.active else probe_once,
+            lift=lambda until: inbox.broadcast(PauseAll(until, lift=True)),
         )
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)

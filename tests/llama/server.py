@@ -66,7 +66,7 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout_s: float = 300.0) -> LlamaServer:  # it loads in well under a second when idle
-        self.port = _free_port()
+        self.port = self.port or _free_port()  # started again after stop(): on the same port
         cmd = [
             str(self.binary),
             "--model", str(self.model),
@@ -85,7 +85,7 @@ class LlamaServer:
                 "strace", "-f", "-o", "/dev/null", "-P", str(self.model), "-e", "trace=openat",
                 "-e", f"inject=openat:delay_exit={delay_us}:when=1", *cmd,
             ]  # fmt: skip
-        self._log = self.log_path.open("wb")
+        self._log = self.log_path.open("ab")
         self._proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
