@@ -131,11 +131,22 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
         client.close()
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list):
-        warn_unlisted_model(
-            cfg.model,
-            [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)],
-            who=who,
-        )
+        warn_unlisted_model(cfg.model, listed_names(data), who=who)
+
+
+def listed_names(data: list) -> list[str]:
+    """The model names a ``/models`` answer's ``data`` serves: each entry's ``id``, then its ``aliases``
+    (llama-server started with ``--alias a,b`` lists one of them as the id and both as aliases, and
+    answers to either: a run asking for the other was warned that the model was not listed)."""
+    names: list[str] = []
+    for entry in data:
+        if not isinstance(entry, dict):
+            continue
+        aliases = entry.get("aliases") if isinstance(entry.get("aliases"), list) else []
+        for name in (entry.get("id"), *aliases):
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    return names
 
 
 def check_chat(

@@ -256,3 +256,28 @@ def test_a_server_restarted_mid_run_loses_no_prompt_and_the_run_goes_on_once_it_
     assert not (run_dir / "failed.jsonl").exists() or not read_jsonl(run_dir / "failed.jsonl")
     (back,) = answered_again  # the run did pause: the endpoint was down when the second calls came
     assert ended - back < 5.0, f"the run went on {ended - back:.1f} s after the endpoint answered again"
+
+
+def test_a_model_asked_by_one_of_the_servers_aliases_is_not_warned_of(tmp_path_factory, tmp_path, capsys):
+    """llama-server --alias a,b answers to both names and lists one as the model's id, both as its
+    aliases: a run asking for the other one was warned that the endpoint does not list it."""
+    import urllib.request
+
+    binary = find_binary()
+    if binary is None:
+        skip_or_fail("no llama-server binary: run tests/llama/build_server.sh (or set LLAMA_SERVER)")
+    d = tmp_path_factory.mktemp("aliases")
+    model = write_model(d / "aliases.gguf", Script())
+    names = ["zz-second-name", SERVED]
+    server = LlamaServer(binary, model, d / "server.log", alias=",".join(names), slots=1).start()
+    try:
+        with urllib.request.urlopen(f"{server.base_url}/models", timeout=10) as resp:
+            (entry,) = json.load(resp)["data"]
+        asked = next(n for n in names if n != entry["id"])  # the name the server does not list as the id
+        assert asked in entry["aliases"]
+        run_dir = _run(server, tmp_path, ["Run echo hello."], keep_no_reasoning=True, model=asked)
+    finally:
+        server.stop()
+    assert "does not list the requested model" not in capsys.readouterr().err
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["completed"] and record["metadata"]["model"] == asked
