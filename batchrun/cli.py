@@ -346,8 +346,9 @@ def run_steps(
     # statistics.json's runs hold every invocation's spend now, the journal's lost ones with them.
     remove_journal(config.run_dir, recorder.journal)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
-    finish.print_summary(config.run_dir, stats, recorder)
-    if preflighted.batches and dispatch.endpoint_dead:
+    endpoint_dead = bool(preflighted.batches) and dispatch.endpoint_dead
+    finish.print_summary(config.run_dir, stats, recorder, endpoint_dead=endpoint_dead)
+    if endpoint_dead:
         print(
             "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "
             + recorder.redact(resume_command()),

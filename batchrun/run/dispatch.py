@@ -681,6 +681,9 @@ class Dispatch:
         if watch.dead and not self.endpoint_dead:
             self.endpoint_dead = True
             inbox.broadcast(StopStarting())
+            # Prompts held by the watch's pause then stop at their next call at once, not when it runs out
+            # (up to 15 s later: a run whose llama-server died ended 12 s after it said so).
+            watch.lift_pause()
             self.grant(inbox, self.budget.refuse_all())
             skipped = 0
             while track.pending:  # not started: left for --resume

@@ -99,9 +99,7 @@ class EndpointWatch:
             self.probing_since, self.failures = None, 0
             # The pause is renewed PAUSE_STEP_S at a time: ended now, not 7.5-15 s later (a restarted
             # llama-server's run stood idle 14 s after it answered again).
-            if self._lift is not None and self._paused_until:
-                self._lift(self._paused_until)
-            self._paused_until = 0.0
+            self.lift_pause()
             return "the endpoint answers again; the run continues"
         if time.monotonic() - self.probing_since > self.grace_s:
             self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
@@ -111,6 +109,12 @@ class EndpointWatch:
             )
         self._renew_pause()
         return None
+
+    def lift_pause(self) -> None:
+        """End the run-wide pause this watch holds, now (the endpoint is back, or the run stops)."""
+        if self._lift is not None and self._paused_until:
+            self._lift(self._paused_until)
+        self._paused_until = 0.0
 
     def take_spend(self) -> list[Usage]:
         """The probes' answered calls since the last take (the dispatch adds them to the run's spend)."""

@@ -281,3 +281,53 @@ def test_a_model_asked_by_one_of_the_servers_aliases_is_not_warned_of(tmp_path_f
     assert "does not list the requested model" not in capsys.readouterr().err
     (record,) = read_jsonl(run_dir / "trajectories.jsonl")
     assert record["completed"] and record["metadata"]["model"] == asked
+
+
+def test_a_server_that_stays_down_ends_the_run_at_once_and_names_the_endpoint(
+    tmp_path_factory, tmp_path, monkeypatch, capsys
+):
+    """The server is stopped while four prompts run their tool and not started again: after
+    --endpoint_grace the run stops (exit 5) and the prompts held by its pause end then, not when the
+    pause runs out (12 s later before); the summary names the dead endpoint, not a budget the run had not."""
+    from batchrun.run import endpoint_watch
+
+    script = Script(calls=[("terminal", {"command": "sleep 2; echo slept"})], answer="Done.")
+    server = _server(tmp_path_factory, "stays-down", script)
+    declared_dead: list[float] = []
+    tick = endpoint_watch.EndpointWatch.tick
+
+    def timed_tick(self):
+        line = tick(self)
+        if line and "did not come back" in line:
+            declared_dead.append(time.monotonic())
+        return line
+
+    monkeypatch.setattr(endpoint_watch.EndpointWatch, "tick", timed_tick)
+
+    def kill():  # the start check and the four first calls answered: the prompts are in their `sleep 2`
+        until = time.monotonic() + 120
+        while server.log_tail(400).count("prompt eval time") < 5 and time.monotonic() < until:
+            time.sleep(0.05)
+        server.stop()
+
+    chaos = threading.Thread(target=kill, daemon=True)
+    chaos.start()
+    dataset = write_jsonl(tmp_path / "down.jsonl", [f"Sleep, then answer ({i})." for i in range(4)])
+    try:
+        code = batch_runner.main(
+            dataset_file=str(dataset), batch_size=4, run_name="down", model=REQUESTED,
+            base_url=server.base_url, output_dir=str(tmp_path / "out"), num_workers=1,
+            distribution="terminal_only", max_failure_rate=1.0, endpoint_grace=2,
+        )  # fmt: skip
+        ended = time.monotonic()
+    finally:
+        chaos.join()
+        server.stop()
+    out = capsys.readouterr()
+    assert code == 5
+    (dead,) = declared_dead
+    assert ended - dead < 6.0, f"the run ended {ended - dead:.1f} s after the endpoint was declared dead"
+    assert "The budget stopped" not in out.out and "tight budget" not in out.out
+    assert "The run's stop for its dead endpoint ended 4 prompt(s)" in out.out
+    failed = read_jsonl(tmp_path / "out" / "down" / "failed.jsonl")
+    assert len(failed) == 4  # each in flight once, for --resume
