@@ -112,6 +112,16 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
                 body = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=timeout_s).json()
                 break
             except httpclient.StatusError as exc:
+                if (
+                    exc.status_code == 401
+                    and not cfg.api_key
+                    and not httpclient.url_credentials(cfg.base_url)[1]
+                ):
+                    # Not "rejected the API key": none was sent (llama-server --api-key wants one).
+                    raise UsageError(
+                        f"{who} {shown} wants an API key (HTTP 401) and none was given: pass --api_key or "
+                        "set OPENROUTER_API_KEY or OPENAI_API_KEY"
+                    ) from None
                 if exc.status_code == 401:
                     raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None
                 if (

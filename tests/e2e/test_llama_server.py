@@ -331,3 +331,35 @@ def test_a_server_that_stays_down_ends_the_run_at_once_and_names_the_endpoint(
     assert "The run's stop for its dead endpoint ended 4 prompt(s)" in out.out
     failed = read_jsonl(tmp_path / "out" / "down" / "failed.jsonl")
     assert len(failed) == 4  # each in flight once, for --resume
+
+
+def test_a_server_with_an_api_key_stops_a_run_without_it_at_start_and_never_sees_it_written(
+    tmp_path_factory, tmp_path, capsys, monkeypatch
+):
+    """llama-server --api-key: no key, or a wrong one, exits 2 before any model call, saying which; the
+    right one runs, and the key is in no file of the run."""
+    key = "sk-llama-server-key-5f0c2a9e"
+    for env in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    server = _server(tmp_path_factory, "keyed", Script(), extra_args=("--api-key", key))
+    dataset = write_jsonl(tmp_path / "keyed.jsonl", ["Run echo hello."])
+    args = dict(
+        dataset_file=str(dataset), batch_size=1, model=REQUESTED, base_url=server.base_url,
+        output_dir=str(tmp_path / "out"), distribution="terminal_only",
+    )  # fmt: skip
+    try:
+        assert batch_runner.main(run_name="none", **args) == 2
+        err = capsys.readouterr().err
+        assert "wants an API key (HTTP 401) and none was given" in err and "--api_key" in err
+        assert batch_runner.main(run_name="wrong", api_key="sk-not-the-key-123456", **args) == 2
+        err = capsys.readouterr().err
+        assert "rejected the API key (HTTP 401)" in err and "sk-not-the-key" not in err
+        monkeypatch.setenv("OPENAI_API_KEY", key)
+        run_dir = _run(server, tmp_path, ["Run echo hello."], run_name="right", keep_no_reasoning=True)
+    finally:
+        server.stop()
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert record["completed"]
+    assert not (tmp_path / "out" / "none").exists() and not (tmp_path / "out" / "wrong").exists()
+    written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert written and not [p for p in written if key.encode() in p.read_bytes()]

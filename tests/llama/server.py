@@ -55,9 +55,11 @@ class LlamaServer:
         ctx_per_slot: int = 8192,
         slots: int = 2,
         load_delay_s: float = 0.0,
+        extra_args: tuple[str, ...] = (),
     ):
         self.binary, self.model, self.log_path, self.alias = binary, model, log, alias
         self.ctx_per_slot, self.slots, self.load_delay_s = ctx_per_slot, slots, load_delay_s
+        self.extra_args = extra_args  # more llama-server flags (--api-key ...)
         self.port = 0
         self._proc: subprocess.Popen | None = None
 
@@ -78,6 +80,7 @@ class LlamaServer:
             "--parallel", str(self.slots),
             "--threads", "1",
             "--seed", "1",
+            *self.extra_args,
         ]  # fmt: skip
         if self.load_delay_s:
             delay_us = int(self.load_delay_s * 1e6)
