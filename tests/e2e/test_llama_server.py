@@ -363,3 +363,29 @@ def test_a_server_with_an_api_key_stops_a_run_without_it_at_start_and_never_sees
     assert not (tmp_path / "out" / "none").exists() and not (tmp_path / "out" / "wrong").exists()
     written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert written and not [p for p in written if key.encode() in p.read_bytes()]
+
+
+def test_more_requests_in_flight_than_the_servers_http_threads_do_not_wait_out_its_keep_alive(hermes):
+    """llama-server (cpp-httplib) holds one of its few HTTP threads on each idle keep-alive connection
+    for its 5 s keep-alive timeout, and reads no request of another connection meanwhile. Sixteen
+    prompts' two calls each, through one worker's model client: 10.7 s before (a 16-prompt run against a
+    one-slot server took 20.3 s and a prompt timed out), well under a second once the client asks
+    llama-server to close each connection after its answer."""
+    client = LLMClient(LLMConfig(model=REQUESTED, base_url=hermes.base_url, max_tokens=1))
+    started = time.monotonic()
+
+    def prompt(n: int) -> None:
+        for _ in range(2):
+            client.chat([{"role": "user", "content": f"prompt {n}"}], [])
+            time.sleep(0.1)  # its tool runs
+
+    threads = [threading.Thread(target=prompt, args=(n,)) for n in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        client.close()
+    took = time.monotonic() - started
+    assert took < 3.0, f"32 calls took {took:.1f} s"
