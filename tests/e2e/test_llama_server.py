@@ -211,26 +211,32 @@ def test_a_run_started_while_the_server_loads_its_model_waits_for_it(tmp_path_fa
     assert "not ready (GET /models: HTTP 503: Loading model)" in capsys.readouterr().err
 
 
+def _when_the_watch_says(monkeypatch, words: str) -> list[float]:
+    """The times (time.monotonic) at which the run's endpoint watch printed a line holding ``words``."""
+    from batchrun.run import endpoint_watch
+
+    times: list[float] = []
+    tick = endpoint_watch.EndpointWatch.tick
+
+    def timed_tick(self):
+        line = tick(self)
+        if line and words in line:
+            times.append(time.monotonic())
+        return line
+
+    monkeypatch.setattr(endpoint_watch.EndpointWatch, "tick", timed_tick)
+    return times
+
+
 def test_a_server_restarted_mid_run_loses_no_prompt_and_the_run_goes_on_once_it_answers(
     tmp_path_factory, tmp_path, monkeypatch
 ):
     """The server is stopped while six prompts run their tool, and started again on its port 4.5 s
     later: their next calls are refused, the run pauses and probes, and once a probe is answered the
     pause ends at once. Before, it stood 7.5-15 s longer (renewed 15 s at a time): 14 s idle measured."""
-    from batchrun.run import endpoint_watch
-
     script = Script(calls=[("terminal", {"command": "sleep 3; echo slept"})], answer="Done.")
     server = _server(tmp_path_factory, "restarted", script)
-    answered_again: list[float] = []
-    tick = endpoint_watch.EndpointWatch.tick
-
-    def timed_tick(self):
-        line = tick(self)
-        if line and "answers again" in line:
-            answered_again.append(time.monotonic())
-        return line
-
-    monkeypatch.setattr(endpoint_watch.EndpointWatch, "tick", timed_tick)
+    answered_again = _when_the_watch_says(monkeypatch, "answers again")
 
     def restart():
         # The start check and the six first calls answered: the prompts are in their `sleep 3`.
@@ -289,20 +295,9 @@ def test_a_server_that_stays_down_ends_the_run_at_once_and_names_the_endpoint(
     """The server is stopped while four prompts run their tool and not started again: after
     --endpoint_grace the run stops (exit 5) and the prompts held by its pause end then, not when the
     pause runs out (12 s later before); the summary names the dead endpoint, not a budget the run had not."""
-    from batchrun.run import endpoint_watch
-
     script = Script(calls=[("terminal", {"command": "sleep 2; echo slept"})], answer="Done.")
     server = _server(tmp_path_factory, "stays-down", script)
-    declared_dead: list[float] = []
-    tick = endpoint_watch.EndpointWatch.tick
-
-    def timed_tick(self):
-        line = tick(self)
-        if line and "did not come back" in line:
-            declared_dead.append(time.monotonic())
-        return line
-
-    monkeypatch.setattr(endpoint_watch.EndpointWatch, "tick", timed_tick)
+    declared_dead = _when_the_watch_says(monkeypatch, "did not come back")
 
     def kill():  # the start check and the four first calls answered: the prompts are in their `sleep 2`
         until = time.monotonic() + 120
