@@ -290,7 +290,11 @@ def run_steps(
         # Under a budget the check is a call like any: sent only when it fits, journaled, counted.
         gate = CheckGate(recorder) if recorder.journal is not None else None
         for endpoint, who in checks:
-            check = check_endpoint(endpoint, needs_cost=needs_cost, who=who, gate=gate)
+            # A server still loading its model (llama.cpp answers 503 meanwhile) is waited for, as a run
+            # waits for an endpoint that died to come back.
+            check = check_endpoint(
+                endpoint, needs_cost=needs_cost, who=who, gate=gate, grace_s=config.endpoint_grace
+            )
             if check.calls and gate is None:  # it cost what any call costs: the run's spend counts it
                 recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
     # The backend's slow steps (Docker's pulls) after the start check: a wrong key costs seconds, not them.
@@ -347,7 +351,9 @@ def run_steps(
     # statistics.json's runs hold every invocation's spend now, the journal's lost ones with them.
     remove_journal(config.run_dir, recorder.journal)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
-    finish.print_summary(config.run_dir, stats, recorder)
+    finish.print_summary(
+        config.run_dir, stats, recorder, endpoint_dead=stop is not None and stop[0] == EXIT_ENDPOINT_DEAD
+    )
     if stop:
         print(stop[1], file=sys.stderr)
         return stop[0]

@@ -205,9 +205,11 @@ class StopDone:
 
 @dataclass(frozen=True)
 class PauseAll:
-    """Back off from the endpoint until ``until`` (epoch seconds), as one worker was told to."""
+    """Back off from the endpoint until ``until`` (epoch seconds), as one worker was told to. ``lift``:
+    the pause up to ``until`` is over now (the dead-endpoint watch's, once the endpoint answers again)."""
 
     until: float
+    lift: bool = False
 
 
 @dataclass(frozen=True)

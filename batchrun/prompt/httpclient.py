@@ -12,7 +12,9 @@ bodies, TLS, proxies); this module adds what an endpoint nobody here controls ma
   byte at a time keeps a request past it (:class:`RequestTimeout`);
 * **keep-alive**: connections are pooled per :class:`Client` (one per worker process, shared by its
   threads); one idle for more than :data:`KEEPALIVE_EXPIRY_S` is closed before reuse, so a server's own
-  idle timeout (uvicorn's 5 s) does not race a request;
+  idle timeout (uvicorn's 5 s) does not race a request. llama-server (``Server: llama.cpp``) is asked to
+  close each connection after its answer instead (:data:`CLOSE_SERVERS`): it holds an HTTP thread on
+  each idle one, and the requests of other connections wait;
 * **no silent resend of a POST**: urllib3 retries nothing here. A connection that ends before an
   answer raises :class:`ConnectionDropped`; the model client counts it as a retry (limiter, back-off,
   ``--max_retries``), because the server may have run, and billed, the call. A GET is sent again once;
@@ -57,6 +59,8 @@ MAX_ERROR_BODY = 1 << 20  # an error answer's body is read up to this (its messa
 DRAIN_BYTES = 1 << 20  # after the caller stopped reading ([DONE]): the rest read to keep the connection
 DRAIN_S = 1.0
 ACCEPT_ENCODING = "gzip, deflate"
+# Servers (their ``Server`` header, lower-case prefix) asked to close each connection after its answer.
+CLOSE_SERVERS = ("llama.cpp",)
 
 
 @dataclass(frozen=True)
@@ -665,6 +669,7 @@ class Client:
         self._pools: dict[tuple[str, str, int], Any] = {}  # direct origins' pools
         self._pid = os.getpid()
         self._ssl: Any = None
+        self._close_origins: set[tuple] = set()  # servers asked to close each connection (see request)
 
     def __repr__(self) -> str:
         return f"<httpclient.Client, {self.stats['opened']} connections opened>"
@@ -694,7 +699,15 @@ class Client:
             deadline = time.monotonic() + timeout_s
         all_headers = {**self.headers, **headers} if headers else dict(self.headers)
         for _ in range(MAX_REDIRECTS + 1):
+            if _origin(url) in self._close_origins:
+                all_headers["Connection"] = "close"
             response = self._send(method, url, body, all_headers, timeout_s, deadline)
+            if response.headers.get("server", "").lower().startswith(CLOSE_SERVERS):
+                # llama-server (cpp-httplib) holds one of its few HTTP threads on each idle keep-alive
+                # connection for its 5 s keep-alive timeout: with more requests in flight than it has
+                # threads, the rest sat unread while it idled (one slot, 16 prompts: 20.3 s and a prompt
+                # timed out; 8.1 s asking it to close). A local connection costs ~0.1 ms to open again.
+                self._close_origins.add(_origin(url))
             if response.status in (307, 308) and response.headers.get("location"):
                 response.read(limit=MAX_ERROR_BODY)
                 new = urljoin(url, response.headers["location"])

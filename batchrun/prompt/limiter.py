@@ -112,6 +112,12 @@ class Limiter:
         with self._lock:
             self._paused_until = max(self._paused_until, min(until, time.time() + MAX_PAUSE_S))
 
+    def lift(self, until: float) -> None:
+        """End now a pause relayed up to ``until``, unless a longer one (a later 429's) came since."""
+        with self._lock:
+            if self._paused_until <= min(until, time.time() + MAX_PAUSE_S):
+                self._paused_until = min(self._paused_until, time.time())
+
     @staticmethod
     def _sleep(seconds: float, deadline: float) -> None:
         if time.monotonic() + seconds > deadline:

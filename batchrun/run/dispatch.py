@@ -218,6 +218,7 @@ class Dispatch:
             lambda until: inbox.broadcast(PauseAll(until)),
             # With a budget a probe is a call like any: reserved, journaled and counted (see ProbeGate).
             probe=self.probe_gate.probe if self.budget.active else probe_once,
+            lift=lambda until: inbox.broadcast(PauseAll(until, lift=True)),
         )
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
@@ -680,6 +681,9 @@ class Dispatch:
         if watch.dead and not self.endpoint_dead:
             self.endpoint_dead = True
             inbox.broadcast(StopStarting())
+            # Prompts held by the watch's pause then stop at their next call at once, not when it runs out
+            # (up to 15 s later: a run whose llama-server died ended 12 s after it said so).
+            watch.lift_pause()
             self.grant(inbox, self.budget.refuse_all())
             skipped = 0
             while track.pending:  # not started: left for --resume

@@ -59,8 +59,10 @@ class EndpointWatch:
         grace_s: float,
         pause: Callable[[float], None],
         probe: Callable[[LLMConfig, Usage], bool] = probe_once,
+        lift: Callable[[float], None] | None = None,
     ) -> None:
-        self.cfg, self.grace_s, self._pause, self._probe = cfg, grace_s, pause, probe
+        """``pause(until)``: hold every request of the run until then; ``lift(until)``: that pause is over."""
+        self.cfg, self.grace_s, self._pause, self._probe, self._lift = cfg, grace_s, pause, probe, lift
         self.failures = 0  # in a row, since the last answer
         self.probing_since: float | None = None
         self.dead = False
@@ -95,6 +97,9 @@ class EndpointWatch:
             return None
         if self._back.is_set():
             self.probing_since, self.failures = None, 0
+            # The pause is renewed PAUSE_STEP_S at a time: ended now, not 7.5-15 s later (a restarted
+            # llama-server's run stood idle 14 s after it answered again).
+            self.lift_pause()
             return "the endpoint answers again; the run continues"
         if time.monotonic() - self.probing_since > self.grace_s:
             self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
@@ -104,6 +109,12 @@ class EndpointWatch:
             )
         self._renew_pause()
         return None
+
+    def lift_pause(self) -> None:
+        """End the run-wide pause this watch holds, now (the endpoint is back, or the run stops)."""
+        if self._lift is not None and self._paused_until:
+            self._lift(self._paused_until)
+        self._paused_until = 0.0
 
     def take_spend(self) -> list[Usage]:
         """The probes' answered calls since the last take (the dispatch adds them to the run's spend)."""

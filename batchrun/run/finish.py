@@ -642,7 +642,11 @@ def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: A
         print(redact(f"warning: report.html not written: {exc}"), file=sys.stderr)
 
 
-def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> None:
+def print_summary(
+    run_dir: Path, stats: dict[str, Any], recorder: Recorder, *, endpoint_dead: bool = False
+) -> None:
+    """The closing summary on the console. ``endpoint_dead``: the run stopped because its endpoint died
+    (the prompts it stopped in flight are failed with class ``budget``, as a budget's are)."""
     print("\n" + "=" * 72)
     print(
         f"Run {stats['run_name']}: {stats['trajectories']} trajectories in {run_dir / 'trajectories.jsonl'}"
@@ -672,12 +676,17 @@ def print_summary(run_dir: Path, stats: dict[str, Any], recorder: Recorder) -> N
         spent = budget["spent_tokens"] or 0
         lost = budget["unfinished_tokens"]
         share = f" ({lost / spent:.0%} of this run's {spent:,})" if spent else ""
+        # A dead endpoint stops prompts in flight the same way (class budget): said as what it is.
+        why = (
+            ("The budget stopped", " (a tight budget with prompts longer than the first ones to finish)")
+            if budget["reached"] or not endpoint_dead
+            else ("The run's stop for its dead endpoint ended", "")
+        )
         print(
-            f"The budget stopped {budget['stopped_unfinished']} prompt(s) after they had made model calls: "
+            f"{why[0]} {budget['stopped_unfinished']} prompt(s) after they had made model calls: "
             f"{lost:,} tokens{share}"
             + (f", ${budget['unfinished_usd']:.4f}" if budget["unfinished_usd"] else "")
-            + " gave no sample (a tight budget with prompts longer than the first ones to finish); "
-            "--resume runs them again"
+            + f" gave no sample{why[1]}; --resume runs them again"
         )
     d = stats["dropped_at_merge"]
     if any(d.values()):

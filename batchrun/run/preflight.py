@@ -21,6 +21,8 @@ from batchrun.prompt.llm import (
     LLMError,
     SpendGate,
     Usage,
+    _error_message,
+    _retry_after_s,
     endpoint_url,
     finish_kind,
     request_headers,
@@ -34,10 +36,48 @@ from batchrun.secrets import Redactor
 
 REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: this run cannot work
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
+UNAVAILABLE = 503  # "there, not ready yet": llama.cpp's answer to every request while it loads its model
+UNAVAILABLE_POLL_S = 2.0  # how often the start check asks again an endpoint that answers 503
+
+
+class Unavailable:
+    """The start check's patience with an endpoint that answers 503 (llama-server's ``Loading model``,
+    for as long as its weights take to load): it is there and will answer, so the check asks again
+    every :data:`UNAVAILABLE_POLL_S` (or its Retry-After) for up to ``grace_s`` seconds, the
+    ``--endpoint_grace`` a run gives an endpoint to come back, shared by ``/models`` and the chat call.
+    Before, the check gave up after two tries half a second apart: a run started beside a llama-server
+    still loading its model exited 2 in 0.6 s."""
+
+    def __init__(self, grace_s: float, who: str, shown: str) -> None:
+        self.until = time.monotonic() + grace_s
+        self.grace_s, self.who, self.shown = grace_s, who, shown
+        self.waited = False
+
+    def wait(self, message: str, retry_after_s: float | None = None) -> bool:
+        """Wait before asking again; False when the grace is spent (the caller gives up)."""
+        left = self.until - time.monotonic()
+        if left <= 0:
+            return False
+        if not self.waited:
+            self.waited = True
+            print(
+                f"warning: {self.who} {self.shown} is not ready ({message}), as a server loading its model "
+                f"answers; the start check asks again for up to {self.grace_s:g} s (--endpoint_grace)",
+                file=sys.stderr,
+                flush=True,
+            )
+        pause = retry_after_s if retry_after_s is not None and retry_after_s > 0 else UNAVAILABLE_POLL_S
+        time.sleep(min(left, pause, 30.0))
+        return True
 
 
 def check_endpoint(
-    cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint", gate: SpendGate | None = None
+    cfg: LLMConfig,
+    *,
+    needs_cost: str | None = None,
+    who: str = "the endpoint",
+    gate: SpendGate | None = None,
+    grace_s: float = 0.0,
 ) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
@@ -52,43 +92,80 @@ def check_endpoint(
     the check spent (its answer's usage, made credible): the run's spend and budget count it. ``who``:
     how the messages name the endpoint (the judge's has its own check). ``gate``: the run's budget
     (batchrun/run/budget.py's CheckGate), asked before the call is sent; it counts what the call spent.
+    ``grace_s``: how long an endpoint that answers 503 (still loading its model) is waited for
+    (:class:`Unavailable`).
     """
-    list_models(cfg, who=who)
-    return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate)
+    unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url))
+    list_models(cfg, who=who, unavailable=unavailable)
+    return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate, unavailable=unavailable)
 
 
-def list_models(cfg: LLMConfig, *, who: str = "the endpoint") -> None:
+def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unavailable | None = None) -> None:
     client = httpclient.Client(request_headers(cfg.api_key, cfg.base_url))
     shown = safe_url(cfg.base_url)
     try:
-        for attempt in range(2):
+        attempt = 0
+        while attempt < 2:
             try:
                 # At most 15 s, and never longer than the user allows one model call to take.
                 timeout_s = min(15.0, cfg.request_timeout_s)
                 body = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=timeout_s).json()
                 break
             except httpclient.StatusError as exc:
+                if (
+                    exc.status_code == 401
+                    and not cfg.api_key
+                    and not httpclient.url_credentials(cfg.base_url)[1]
+                ):
+                    # Not "rejected the API key": none was sent (llama-server --api-key wants one).
+                    raise UsageError(
+                        f"{who} {shown} wants an API key (HTTP 401) and none was given: pass --api_key or "
+                        "set OPENROUTER_API_KEY or OPENAI_API_KEY"
+                    ) from None
                 if exc.status_code == 401:
                     raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None
+                if (
+                    exc.status_code == UNAVAILABLE
+                    and unavailable is not None
+                    and unavailable.wait(f"GET /models: {_error_message(exc)}", _retry_after_s(exc))
+                ):
+                    continue  # the key and the model's name are checked once it is ready
                 return  # some servers have no /models; the start check's chat call tells
             except (httpclient.TransportError, httpclient.RequestTimeout, httpclient.InvalidRequest) as exc:
                 if attempt:
                     raise UsageError(f"cannot reach {who} {shown}: {exc}") from None
+                attempt += 1
             except (ValueError, httpclient.HTTPError):  # not JSON, or too large: the chat call tells
                 return
     finally:
         client.close()
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list):
-        warn_unlisted_model(
-            cfg.model,
-            [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)],
-            who=who,
-        )
+        warn_unlisted_model(cfg.model, listed_names(data), who=who)
+
+
+def listed_names(data: list) -> list[str]:
+    """The model names a ``/models`` answer's ``data`` serves: each entry's ``id``, then its ``aliases``
+    (llama-server started with ``--alias a,b`` lists one of them as the id and both as aliases, and
+    answers to either: a run asking for the other was warned that the model was not listed)."""
+    names: list[str] = []
+    for entry in data:
+        if not isinstance(entry, dict):
+            continue
+        aliases = entry.get("aliases") if isinstance(entry.get("aliases"), list) else []
+        for name in (entry.get("id"), *aliases):
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    return names
 
 
 def check_chat(
-    cfg: LLMConfig, *, needs_cost: str | None = None, who: str = "the endpoint", gate: SpendGate | None = None
+    cfg: LLMConfig,
+    *,
+    needs_cost: str | None = None,
+    who: str = "the endpoint",
+    gate: SpendGate | None = None,
+    unavailable: Unavailable | None = None,
 ) -> Usage:
     """The start check: one minimal chat call; a refusal is a UsageError (exit 2) with the server's words.
     ``needs_cost``: an answer that reports no cost (``usage.cost``: OpenAI, vLLM and llama.cpp report
@@ -96,7 +173,8 @@ def check_chat(
     with no cost counted. So is an answer with no finish_reason (or one no server sends), since every
     final answer of the run would then be a discard; with --stream a warning only (the check is not
     streamed, the run's answers may carry one). Returns the check's usage (nothing counted when it was
-    rate limited or refused for its context: no answer came)."""
+    rate limited or refused for its context: no answer came). ``unavailable``: an endpoint that answers
+    503 is asked again while it lasts (:class:`Unavailable`)."""
     check = dataclasses.replace(
         cfg,
         max_tokens=16,
@@ -111,9 +189,18 @@ def check_chat(
     shown = safe_url(cfg.base_url)
     usage = Usage()
     try:
-        turn = client.chat(
-            [{"role": "user", "content": "Reply with OK."}], [], deadline=time.monotonic() + 240, usage=usage
-        )
+        while True:
+            try:
+                turn = client.chat(
+                    [{"role": "user", "content": "Reply with OK."}],
+                    [],
+                    deadline=time.monotonic() + 240,
+                    usage=usage,
+                )
+                break
+            except LLMError as exc:
+                if exc.status != UNAVAILABLE or unavailable is None or not unavailable.wait(str(exc)):
+                    raise
     except LLMError as exc:
         if exc.status in REFUSALS:
             raise UsageError(

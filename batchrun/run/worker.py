@@ -340,6 +340,8 @@ def _listen_to_parent() -> None:
             _exit(1)  # the parent is gone: nobody would write our results
         if isinstance(message, PromptJob):
             state.threads.submit(_run_one, message)
+        elif isinstance(message, PauseAll) and message.lift:
+            state.llm.limiter.lift(message.until)
         elif isinstance(message, PauseAll):
             state.llm.limiter.pause_until(message.until)
         elif isinstance(message, StopStarting):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -38,13 +39,27 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """One llama-server process serving one model; ``slots`` parallel slots of ``ctx_per_slot`` tokens."""
+    """One llama-server process serving one model; ``slots`` parallel slots of ``ctx_per_slot`` tokens.
+
+    ``load_delay_s``: the server takes that much longer to load its model (strace holds its opening of
+    the model file), answering every request meanwhile with 503 ``Loading model``, as it does while a
+    large model loads; :meth:`start` then returns as soon as it answers that."""
 
     def __init__(
-        self, binary: Path, model: Path, log: Path, *, alias: str, ctx_per_slot: int = 8192, slots: int = 2
+        self,
+        binary: Path,
+        model: Path,
+        log: Path,
+        *,
+        alias: str,
+        ctx_per_slot: int = 8192,
+        slots: int = 2,
+        load_delay_s: float = 0.0,
+        extra_args: tuple[str, ...] = (),
     ):
         self.binary, self.model, self.log_path, self.alias = binary, model, log, alias
-        self.ctx_per_slot, self.slots = ctx_per_slot, slots
+        self.ctx_per_slot, self.slots, self.load_delay_s = ctx_per_slot, slots, load_delay_s
+        self.extra_args = extra_args  # more llama-server flags (--api-key ...)
         self.port = 0
         self._proc: subprocess.Popen | None = None
 
@@ -53,7 +68,7 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout_s: float = 300.0) -> LlamaServer:  # it loads in well under a second when idle
-        self.port = _free_port()
+        self.port = self.port or _free_port()  # started again after stop(): on the same port
         cmd = [
             str(self.binary),
             "--model", str(self.model),
@@ -65,10 +80,17 @@ class LlamaServer:
             "--parallel", str(self.slots),
             "--threads", "1",
             "--seed", "1",
+            *self.extra_args,
         ]  # fmt: skip
-        self._log = self.log_path.open("wb")
+        if self.load_delay_s:
+            delay_us = int(self.load_delay_s * 1e6)
+            cmd = [
+                "strace", "-f", "-o", "/dev/null", "-P", str(self.model), "-e", "trace=openat",
+                "-e", f"inject=openat:delay_exit={delay_us}:when=1", *cmd,
+            ]  # fmt: skip
+        self._log = self.log_path.open("ab")
         self._proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -78,6 +100,9 @@ class LlamaServer:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as resp:
                     if json.load(resp).get("status") == "ok":
                         return self
+            except urllib.error.HTTPError as exc:
+                if exc.code == 503 and self.load_delay_s:  # listening, loading its model
+                    return self
             except (urllib.error.URLError, OSError, ValueError):
                 pass
             time.sleep(0.2)
@@ -94,10 +119,11 @@ class LlamaServer:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.terminate()
+        # Its own process group (strace and the server under it, when delayed): both end.
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         self._log.close()
