@@ -1061,7 +1061,11 @@ def _parse_payload(data: Any) -> AssistantTurn:
         raise LLMError("bad_response", f"endpoint answered without choices: {str(data)[:200]!r}")
     choice = choices[0]
     message = choice["message"]
-    raw_calls = [c for c in _shaped(message.get("tool_calls"), list, "tool_calls") if isinstance(c, dict)]
+    # A call that is not an object (a bare name, a number) is a bad response: dropped, the reply's other
+    # calls or its words were kept as though the model had not called it.
+    raw_calls = [
+        _shaped(c, dict, "a tool call") for c in _shaped(message.get("tool_calls"), list, "tool_calls")
+    ]
     functions = [_shaped(c.get("function"), dict, "a tool call's function") for c in raw_calls]
     calls = [
         ToolCall(
@@ -1208,8 +1212,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     if isinstance(d, dict):
                         _merge_detail(details, d)
                 for i, c in enumerate(_shaped(delta.get("tool_calls"), list, "tool_calls")):
-                    if not isinstance(c, dict):
-                        continue
+                    c = _shaped(c, dict, "a tool call")  # not skipped: a call dropped is a call not seen
                     index = c.get("index", i)
                     if not isinstance(index, int) or isinstance(index, bool):  # "1" would not sort beside 0
                         raise httpclient.BadResponse(f"a streamed tool call has the index {index!r}")

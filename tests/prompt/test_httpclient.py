@@ -874,6 +874,10 @@ WRONG_SHAPES = {
     "choices an object": json.dumps({"choices": {"a": 1}}),
     "tool_calls a number": json.dumps(_shaped({"content": "x", "tool_calls": 5})),
     "function a string": json.dumps(_shaped({"content": "", "tool_calls": [{"id": "a", "function": "f"}]})),
+    # A call that is not an object was dropped: its reply, whose finish_reason said stop, was kept as
+    # a completed sample with no call in it.
+    "a tool call a string": json.dumps(_shaped({"content": "Done.", "tool_calls": ["terminal"]})),
+    "a tool call a number": json.dumps(_shaped({"content": "Done.", "tool_calls": [{"id": "a"}, 7]})),
 }
 WRONG_STREAMS = {
     "choices a number": _event({"choices": 7}),
@@ -881,6 +885,7 @@ WRONG_STREAMS = {
     "tool_calls a number": _chunk({"tool_calls": 5}, "stop"),
     "function a string": _chunk({"tool_calls": [{"index": 0, "function": "f"}]}, "stop"),
     "name a number": _chunk({"tool_calls": [{"index": 0, "function": {"name": 5}}]}, "stop"),
+    "a tool call a string": _chunk({"tool_calls": ["terminal"]}, "stop"),
     "reasoning_details a number": _chunk({"reasoning_details": 5}, "stop"),
 }
 
