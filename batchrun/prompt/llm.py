@@ -320,6 +320,11 @@ def native_reasoning(message: dict[str, Any]) -> str | None:
 
 MAX_CALL_TOKENS = 10_000_000  # more tokens than any model's context in one call: an absurd count
 MAX_CALL_USD = 1000.0  # more than any one call costs: an absurd cost
+# More tool calls than one reply can hold: each costs a model ~10 tokens at the least, so 20,000 is more
+# than any model's longest output. The agent loop runs a reply's first 128 and answers the rest that they
+# were not run, keeping them in the record; a million calls (a 3 MB body of ``{}`` items) took a worker
+# to 2.3 GB and wrote a 341 MB line. Past this bound the answer is a bad response.
+MAX_TOOL_CALLS_PER_REPLY = 20_000
 ESTIMATE_BYTES_PER_TOKEN = 3  # the runner's own count: UTF-8 bytes / 3, rounded up (an over-estimate)
 
 
@@ -1064,7 +1069,8 @@ def _parse_payload(data: Any) -> AssistantTurn:
     # A call that is not an object (a bare name, a number) is a bad response: dropped, the reply's other
     # calls or its words were kept as though the model had not called it.
     raw_calls = [
-        _shaped(c, dict, "a tool call") for c in _shaped(message.get("tool_calls"), list, "tool_calls")
+        _shaped(c, dict, "a tool call")
+        for c in _many_calls(_shaped(message.get("tool_calls"), list, "tool_calls"))
     ]
     functions = [_shaped(c.get("function"), dict, "a tool call's function") for c in raw_calls]
     calls = [
@@ -1087,6 +1093,19 @@ def _parse_payload(data: Any) -> AssistantTurn:
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
         refusal=_refusal_text(message.get("refusal")),
+    )
+
+
+def _many_calls(calls: list[Any]) -> list[Any]:
+    """``calls``, unless there are more than any model can write in one reply: a bad response."""
+    if len(calls) > MAX_TOOL_CALLS_PER_REPLY:
+        raise _too_many_calls(f"{len(calls):,}")
+    return calls
+
+
+def _too_many_calls(count: str) -> httpclient.BadResponse:
+    return httpclient.BadResponse(
+        f"the answer holds {count} tool calls, more than any model's reply can ({MAX_TOOL_CALLS_PER_REPLY:,})"
     )
 
 
@@ -1216,6 +1235,8 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     index = c.get("index", i)
                     if not isinstance(index, int) or isinstance(index, bool):  # "1" would not sort beside 0
                         raise httpclient.BadResponse(f"a streamed tool call has the index {index!r}")
+                    if index not in calls and len(calls) >= MAX_TOOL_CALLS_PER_REPLY:
+                        raise _too_many_calls("more")
                     call = calls.setdefault(
                         index,
                         {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
