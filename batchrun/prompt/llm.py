@@ -1237,17 +1237,16 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                         raise httpclient.BadResponse(f"a streamed tool call has the index {index!r}")
                     if index not in calls and len(calls) >= MAX_TOOL_CALLS_PER_REPLY:
                         raise _too_many_calls("more")
-                    call = calls.setdefault(
-                        index,
-                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-                    )
+                    # The name's and the arguments' pieces, joined at the end: appended to a string one
+                    # at a time, each piece copied all before it (a 512 KB argument in 128,000 pieces, 8 s).
+                    call = calls.setdefault(index, {"id": None, "type": "function", "function": ([], [])})
                     call["id"] = c.get("id") or call["id"]
                     fn = _shaped(c.get("function"), dict, "a tool call's function")
                     name = _shaped(fn.get("name"), str, "a tool call's name")
                     args = fn.get("arguments")
                     args = args if isinstance(args, str) else _arguments_text(args)
-                    call["function"]["name"] += name
-                    call["function"]["arguments"] += args
+                    call["function"][0].append(name)
+                    call["function"][1].append(args)
                     generated += len(name) + len(args)
     finally:
         raw.close()
@@ -1272,9 +1271,13 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
         if texts[key]:
             message[key] = "".join(texts[key])
     if details:
-        message["reasoning_details"] = details
+        message["reasoning_details"] = _joined_details(details)
     if calls:
-        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+        message["tool_calls"] = [
+            {**calls[k], "function": {"name": "".join(name), "arguments": "".join(args)}}
+            for k in sorted(calls)
+            for name, args in [calls[k]["function"]]
+        ]
     out["choices"] = [{"index": 0, "message": message, "finish_reason": finish_reason}]
     return out
 
@@ -1285,15 +1288,27 @@ def _is_json(raw: Any) -> bool:
     return headers.get("content-type", "").split(";")[0].strip().lower() == "application/json"
 
 
+class _Pieces(list):
+    """A streamed text's pieces, joined once the stream ends (:func:`_joined_details`): appended to a string
+    one at a time, each piece copied all before it (reasoning in 128,000 pieces took 7 s)."""
+
+
 def _merge_detail(details: list[dict[str, Any]], d: dict[str, Any]) -> None:
     """A streamed reasoning_details part extends the previous one of the same index and type."""
     last = details[-1] if details else None
     if last is not None and last.get("type") == d.get("type") and last.get("index") == d.get("index"):
         for key in ("text", "summary", "data"):
             if isinstance(d.get(key), str):
-                last[key] = (last.get(key) or "") + d[key]
+                if not isinstance(last.get(key), _Pieces):
+                    last[key] = _Pieces([last[key]] if isinstance(last.get(key), str) else [])
+                last[key].append(d[key])
         return
     details.append(dict(d))
+
+
+def _joined_details(details: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The streamed reasoning_details with their pieces joined."""
+    return [{k: "".join(v) if isinstance(v, _Pieces) else v for k, v in d.items()} for d in details]
 
 
 def _arguments_text(arguments: Any) -> str:
