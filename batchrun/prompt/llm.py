@@ -320,6 +320,11 @@ def native_reasoning(message: dict[str, Any]) -> str | None:
 
 MAX_CALL_TOKENS = 10_000_000  # more tokens than any model's context in one call: an absurd count
 MAX_CALL_USD = 1000.0  # more than any one call costs: an absurd cost
+# More tool calls than one reply can hold: each costs a model ~10 tokens at the least, so 20,000 is more
+# than any model's longest output. The agent loop runs a reply's first 128 and answers the rest that they
+# were not run, keeping them in the record; a million calls (a 3 MB body of ``{}`` items) took a worker
+# to 2.3 GB and wrote a 341 MB line. Past this bound the answer is a bad response.
+MAX_TOOL_CALLS_PER_REPLY = 20_000
 ESTIMATE_BYTES_PER_TOKEN = 3  # the runner's own count: UTF-8 bytes / 3, rounded up (an over-estimate)
 
 
@@ -1061,7 +1066,12 @@ def _parse_payload(data: Any) -> AssistantTurn:
         raise LLMError("bad_response", f"endpoint answered without choices: {str(data)[:200]!r}")
     choice = choices[0]
     message = choice["message"]
-    raw_calls = [c for c in _shaped(message.get("tool_calls"), list, "tool_calls") if isinstance(c, dict)]
+    # A call that is not an object (a bare name, a number) is a bad response: dropped, the reply's other
+    # calls or its words were kept as though the model had not called it.
+    raw_calls = [
+        _shaped(c, dict, "a tool call")
+        for c in _many_calls(_shaped(message.get("tool_calls"), list, "tool_calls"))
+    ]
     functions = [_shaped(c.get("function"), dict, "a tool call's function") for c in raw_calls]
     calls = [
         ToolCall(
@@ -1083,6 +1093,19 @@ def _parse_payload(data: Any) -> AssistantTurn:
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
         refusal=_refusal_text(message.get("refusal")),
+    )
+
+
+def _many_calls(calls: list[Any]) -> list[Any]:
+    """``calls``, unless there are more than any model can write in one reply: a bad response."""
+    if len(calls) > MAX_TOOL_CALLS_PER_REPLY:
+        raise _too_many_calls(f"{len(calls):,}")
+    return calls
+
+
+def _too_many_calls(count: str) -> httpclient.BadResponse:
+    return httpclient.BadResponse(
+        f"the answer holds {count} tool calls, more than any model's reply can ({MAX_TOOL_CALLS_PER_REPLY:,})"
     )
 
 
@@ -1208,22 +1231,22 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     if isinstance(d, dict):
                         _merge_detail(details, d)
                 for i, c in enumerate(_shaped(delta.get("tool_calls"), list, "tool_calls")):
-                    if not isinstance(c, dict):
-                        continue
+                    c = _shaped(c, dict, "a tool call")  # not skipped: a call dropped is a call not seen
                     index = c.get("index", i)
                     if not isinstance(index, int) or isinstance(index, bool):  # "1" would not sort beside 0
                         raise httpclient.BadResponse(f"a streamed tool call has the index {index!r}")
-                    call = calls.setdefault(
-                        index,
-                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-                    )
+                    if index not in calls and len(calls) >= MAX_TOOL_CALLS_PER_REPLY:
+                        raise _too_many_calls("more")
+                    # The name's and the arguments' pieces, joined at the end: appended to a string one
+                    # at a time, each piece copied all before it (a 512 KB argument in 128,000 pieces, 8 s).
+                    call = calls.setdefault(index, {"id": None, "type": "function", "function": ([], [])})
                     call["id"] = c.get("id") or call["id"]
                     fn = _shaped(c.get("function"), dict, "a tool call's function")
                     name = _shaped(fn.get("name"), str, "a tool call's name")
                     args = fn.get("arguments")
                     args = args if isinstance(args, str) else _arguments_text(args)
-                    call["function"]["name"] += name
-                    call["function"]["arguments"] += args
+                    call["function"][0].append(name)
+                    call["function"][1].append(args)
                     generated += len(name) + len(args)
     finally:
         raw.close()
@@ -1248,9 +1271,13 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
         if texts[key]:
             message[key] = "".join(texts[key])
     if details:
-        message["reasoning_details"] = details
+        message["reasoning_details"] = _joined_details(details)
     if calls:
-        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+        message["tool_calls"] = [
+            {**calls[k], "function": {"name": "".join(name), "arguments": "".join(args)}}
+            for k in sorted(calls)
+            for name, args in [calls[k]["function"]]
+        ]
     out["choices"] = [{"index": 0, "message": message, "finish_reason": finish_reason}]
     return out
 
@@ -1261,15 +1288,27 @@ def _is_json(raw: Any) -> bool:
     return headers.get("content-type", "").split(";")[0].strip().lower() == "application/json"
 
 
+class _Pieces(list):
+    """A streamed text's pieces, joined once the stream ends (:func:`_joined_details`): appended to a string
+    one at a time, each piece copied all before it (reasoning in 128,000 pieces took 7 s)."""
+
+
 def _merge_detail(details: list[dict[str, Any]], d: dict[str, Any]) -> None:
     """A streamed reasoning_details part extends the previous one of the same index and type."""
     last = details[-1] if details else None
     if last is not None and last.get("type") == d.get("type") and last.get("index") == d.get("index"):
         for key in ("text", "summary", "data"):
             if isinstance(d.get(key), str):
-                last[key] = (last.get(key) or "") + d[key]
+                if not isinstance(last.get(key), _Pieces):
+                    last[key] = _Pieces([last[key]] if isinstance(last.get(key), str) else [])
+                last[key].append(d[key])
         return
     details.append(dict(d))
+
+
+def _joined_details(details: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The streamed reasoning_details with their pieces joined."""
+    return [{k: "".join(v) if isinstance(v, _Pieces) else v for k, v in d.items()} for d in details]
 
 
 def _arguments_text(arguments: Any) -> str:

@@ -34,8 +34,14 @@ def to_sharegpt(
     conv: list[dict[str, Any]] = [
         {"from": "system", "value": system_value(tool_schemas, system), "tool_calls": []}
     ]
+    # The blocks of the tool results since the last other message, joined once into their entry: appended
+    # one at a time, each result copied the whole entry so far (10,000 results of one reply took 38 s).
+    blocks: list[str] = []
     for msg in messages:
         role = msg["role"]
+        if role != "tool" and blocks:
+            conv.append({"from": "tool", "value": "\n".join(blocks), "tool_calls": []})
+            blocks = []
         if role == "user":
             conv.append({"from": "human", "value": msg["content"], "tool_calls": []})
         elif role == "assistant":
@@ -58,11 +64,9 @@ def to_sharegpt(
                 ]
             conv.append(entry)
         elif role == "tool":
-            block = tool_response_block(msg["tool_call_id"], msg.get("name", ""), msg["content"])
-            if conv[-1]["from"] == "tool":
-                conv[-1]["value"] += "\n" + block
-            else:
-                conv.append({"from": "tool", "value": block, "tool_calls": []})
+            blocks.append(tool_response_block(msg["tool_call_id"], msg.get("name", ""), msg["content"]))
+    if blocks:
+        conv.append({"from": "tool", "value": "\n".join(blocks), "tool_calls": []})
     return conv
 
 

@@ -33,6 +33,9 @@ from batchrun.views.status import local_alive
 
 DEFAULT_MAX_TRAJECTORIES = 500
 MAX_TEXT_CHARS = 20_000  # one turn's text in the browsable list; the JSONL files hold it whole
+# A tool's name in the browsable list: a model's hallucinated name can be a whole reply long (tens of MB),
+# and the list shows it three times (the sample's tools, the call, the result), each uncut before.
+MAX_NAME_CHARS = 200
 REPORT_NAME = "report.html"
 
 _THINK_RE = re.compile(r"^<think>\n?(.*?)\n?</think>\n?", re.DOTALL)
@@ -331,6 +334,13 @@ def _cut(text: str) -> str:
     return text[:MAX_TEXT_CHARS] + f"\n… [{len(text) - MAX_TEXT_CHARS:,} more characters in the JSONL file]"
 
 
+def _name(name: Any) -> str:
+    text = str(name)
+    if len(text) <= MAX_NAME_CHARS:
+        return text
+    return text[:MAX_NAME_CHARS] + f"… [{len(text):,} characters]"
+
+
 def _pretty(value: Any) -> str:
     if isinstance(value, str):
         try:
@@ -370,7 +380,7 @@ def item_of(rec: dict[str, Any], outcome: str, reason: str, usage: dict[str, Any
     their text (:func:`bind_systems` makes them references)."""
     conv = rec["conversations"]
     used = {
-        n: s.get("count", 0)
+        _name(n): s.get("count", 0)
         for n, s in (rec.get("tool_stats") or {}).items()
         if isinstance(s, dict) and s.get("count")
     }
@@ -422,12 +432,12 @@ def _gpt_turn(value: str, structured: Any) -> dict[str, Any]:
         for call in structured:
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict):
-                calls.append({"n": str(fn.get("name")), "a": _cut(_pretty(fn.get("arguments", "")))})
+                calls.append({"n": _name(fn.get("name")), "a": _cut(_pretty(fn.get("arguments", "")))})
     else:
         for block in blocks:
             try:
                 obj = parse_json(block)
-                calls.append({"n": str(obj.get("name")), "a": _cut(_pretty(obj.get("arguments")))})
+                calls.append({"n": _name(obj.get("name")), "a": _cut(_pretty(obj.get("arguments")))})
             except (ValueError, AttributeError):
                 calls.append({"n": "(unparsable call)", "a": _cut(block)})
     return {"k": "g", "th": _cut(think.group(1).strip()) if think else None, "v": _cut(text), "c": calls}
@@ -445,7 +455,7 @@ def _tool_turn(value: str) -> dict[str, Any]:
         raw = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
         name = obj.get("name") if isinstance(obj, dict) else None
         results.append(
-            {"n": str(name or "tool"), "ok": not is_tool_failure(raw), "v": _cut(_pretty(content))}
+            {"n": _name(name or "tool"), "ok": not is_tool_failure(raw), "v": _cut(_pretty(content))}
         )
     if not results:
         results.append({"n": "tool", "ok": not is_tool_failure(value), "v": _cut(value)})

@@ -23,7 +23,14 @@ from helpers import skip_or_fail
 
 from batchrun.fakes.fake_model import FakeModelServer, respond, stream_chunks
 from batchrun.prompt import httpclient
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage, _retry_after_s
+from batchrun.prompt.llm import (
+    MAX_TOOL_CALLS_PER_REPLY,
+    LLMClient,
+    LLMConfig,
+    LLMError,
+    Usage,
+    _retry_after_s,
+)
 
 USER = [{"role": "user", "content": "say hi [calls:0]"}]
 
@@ -874,13 +881,26 @@ WRONG_SHAPES = {
     "choices an object": json.dumps({"choices": {"a": 1}}),
     "tool_calls a number": json.dumps(_shaped({"content": "x", "tool_calls": 5})),
     "function a string": json.dumps(_shaped({"content": "", "tool_calls": [{"id": "a", "function": "f"}]})),
+    # A call that is not an object was dropped: its reply, whose finish_reason said stop, was kept as
+    # a completed sample with no call in it.
+    "a tool call a string": json.dumps(_shaped({"content": "Done.", "tool_calls": ["terminal"]})),
+    "a tool call a number": json.dumps(_shaped({"content": "Done.", "tool_calls": [{"id": "a"}, 7]})),
 }
+# More calls than any model's reply can hold (a body of 20,001 empty objects is 60 KB): each call became
+# a saved call and a "not run" answer, so a million of them took a worker to 2.3 GB and a 341 MB line.
+WRONG_SHAPES["more calls than any reply holds"] = json.dumps(
+    _shaped({"content": "", "tool_calls": [{}] * (MAX_TOOL_CALLS_PER_REPLY + 1)})
+)
 WRONG_STREAMS = {
     "choices a number": _event({"choices": 7}),
     "delta a string": _event({"choices": [{"index": 0, "delta": "abc", "finish_reason": "stop"}]}),
     "tool_calls a number": _chunk({"tool_calls": 5}, "stop"),
     "function a string": _chunk({"tool_calls": [{"index": 0, "function": "f"}]}, "stop"),
     "name a number": _chunk({"tool_calls": [{"index": 0, "function": {"name": 5}}]}, "stop"),
+    "a tool call a string": _chunk({"tool_calls": ["terminal"]}, "stop"),
+    "more calls than any reply holds": _chunk(
+        {"tool_calls": [{"index": i} for i in range(MAX_TOOL_CALLS_PER_REPLY + 1)]}, "tool_calls"
+    ),
     "reasoning_details a number": _chunk({"reasoning_details": 5}, "stop"),
 }
 
@@ -892,6 +912,24 @@ def test_a_reply_of_the_wrong_shape_is_a_bad_response(body):
             llm(srv.base_url, max_retries=1).chat(USER, [])
     assert info.value.error_class == "bad_response", info.value
     assert len(srv.requests) == 2  # retried like any bad response
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_reply_of_as_many_calls_as_a_reply_can_hold_is_read(stream):
+    calls = [
+        {"id": f"c{i}", "function": {"name": "terminal", "arguments": "{}"}}
+        for i in range(MAX_TOOL_CALLS_PER_REPLY)
+    ]
+    if stream:
+        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+        server = _sse_server(
+            lambda n: [_chunk({"tool_calls": deltas}, "tool_calls"), b"data: [DONE]\n\n"], "chunked"
+        )
+    else:
+        server = keep_answering(json.dumps(_shaped({"content": "", "tool_calls": calls})).encode())
+    with Scripted(server) as srv:
+        turn = llm(srv.base_url, stream=stream, max_retries=0).chat(USER, [])
+    assert [c.id for c in turn.tool_calls] == [f"c{i}" for i in range(MAX_TOOL_CALLS_PER_REPLY)]
 
 
 @pytest.mark.parametrize("event", WRONG_STREAMS.values(), ids=WRONG_STREAMS.keys())

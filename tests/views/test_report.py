@@ -349,6 +349,35 @@ def test_large_run_streams_and_caps_the_list(tmp_path: Path) -> None:
     }
 
 
+def test_a_hallucinated_tool_name_of_megabytes_is_cut_in_the_list(tmp_path: Path) -> None:
+    # A model's made-up tool name may be as long as a whole reply. The list showed it whole three times
+    # (the sample's tools, the call, the result): a 20 MB name made a 63 MB report.html.
+    name = "t" * 1_000_000
+    rec = synthetic_record(0, 0)
+    gpt, tool = rec["conversations"][2], rec["conversations"][3]
+    gpt["tool_calls"][0]["function"]["name"] = name
+    gpt["value"] = gpt["value"].replace('"terminal"', json.dumps(name))
+    tool["value"] = tool["value"].replace('"terminal"', json.dumps(name))
+    rec["tool_stats"] = {
+        "terminal": {"count": 0, "success": 0, "failure": 0},
+        name: rec["tool_stats"]["terminal"],
+    }
+    rec["tool_error_counts"] = {"terminal": 0, name: 1}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    row = {"prompt": "prompt number 0 ", "row_key": "k", "sample_index": 0, "prompt_index": 0, "batch_num": 0}
+    row.update(reason="unknown_tool", timestamp="2026-01-01T00:00:00", record=rec)
+    (run_dir / "discarded.jsonl").write_text(json.dumps(row) + "\n")
+    report.write_report(run_dir)
+    assert (run_dir / "report.html").stat().st_size < 200_000
+    (item,) = payload(parse(run_dir / "report.html"))["items"]
+    shown = f"{'t' * report.MAX_NAME_CHARS}… [1,000,000 characters]"
+    assert item["o"] == "discarded" and item["r"] == "unknown_tool"
+    assert item["tools"] == {shown: 1}
+    assert [c["n"] for t in item["t"] if t["k"] == "g" for c in t["c"]] == [shown]
+    assert [r["n"] for t in item["t"] if t["k"] == "t" for r in t["r"]] == [shown]
+
+
 def test_unmerged_run_reads_batch_files(tmp_path: Path) -> None:
     run_dir = tmp_path / "live"
     run_dir.mkdir()
