@@ -631,11 +631,12 @@ def test_an_error_event_mid_stream_is_classified_like_an_http_error():
 
 
 @pytest.mark.parametrize("field", ["arguments", "reasoning_details"])
-def test_a_long_stream_of_small_pieces_is_assembled_in_linear_time(field):
+def test_a_long_stream_of_small_pieces_is_assembled_whole(field):
     # A stream of about 32 MiB (--max_response_mb) of 4-character pieces of one call's arguments, or of
     # OpenRouter's reasoning_details: each piece appended to the string so far copied all of it, 75 s of
     # one core in a process of its own (8 s here, where the allocator is warmer; 128,000 pieces, a 512 KB
-    # argument: 7.5 s), all of it against the prompt's deadline. Joined once: under 2 s.
+    # argument: 7.5 s), all of it against the prompt's deadline. Joined once: ~1.7 s (benchmarks/README.md;
+    # speed is measured there, not asserted here).
     import json
 
     from batchrun.prompt.llm import _read_stream
@@ -653,16 +654,13 @@ def test_a_long_stream_of_small_pieces_is_assembled_in_linear_time(field):
         first = {"reasoning_details": [{"type": "reasoning.text", "index": 0, "text": ""}]}
         piece = {"reasoning_details": [{"type": "reasoning.text", "index": 0, "text": "abcd"}]}
     lines = [chunk(first)] + [chunk(piece)] * n + [chunk({}, "stop"), "data: [DONE]"]
-    started = time.perf_counter()
     message = _read_stream(_Lines(lines))["choices"][0]["message"]
-    elapsed = time.perf_counter() - started
     if field == "arguments":
         assert message["tool_calls"] == [
             {"id": "c1", "type": "function", "function": {"name": "write_file", "arguments": "abcd" * n}}
         ]
     else:
         assert message["reasoning_details"] == [{"type": "reasoning.text", "index": 0, "text": "abcd" * n}]
-    assert elapsed < 5, f"{elapsed:.1f} s to assemble {n} pieces"
 
 
 # ----------------------------------------------------------------------------- attempts that may be billed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 from batchrun.prompt.trajectory import ambiguous_markup, build_record, to_sharegpt
 from batchrun.record import RECORD_FIELDS
@@ -87,10 +86,11 @@ def test_to_sharegpt_roles_and_merged_tool_results():
     ]
 
 
-def test_the_results_of_a_reply_of_thousands_of_calls_are_joined_in_linear_time():
+def test_the_results_of_a_reply_of_thousands_of_calls_are_all_in_one_tool_entry():
     # A reply of 10,000 calls (128 run, with 60 KB of output each; the rest answered that they were not
     # run): appending each result to the entry copied all the results before it, 38 s of one core for
-    # this record, spent after the prompt's deadline was last checked.
+    # this record, spent after the prompt's deadline was last checked; joined once: 0.21 s
+    # (benchmarks/README.md; speed is measured there, not asserted here).
     n, run = 10_000, 128
     calls = [
         {"id": f"c{i}", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}
@@ -106,13 +106,10 @@ def test_the_results_of_a_reply_of_thousands_of_calls_are_joined_in_linear_time(
             {"role": "tool", "tool_call_id": f"c{i}", "name": "terminal", "content": json.dumps(content)}
         )
     messages.append({"role": "assistant", "content": "done", "reasoning": "r"})
-    started = time.perf_counter()
     conv = to_sharegpt(messages, [])
-    elapsed = time.perf_counter() - started
     assert [c["from"] for c in conv] == ["system", "human", "gpt", "tool", "gpt"]
     responses = parse_tool_responses(conv[3]["value"])
     assert [r["tool_call_id"] for r in responses] == [f"c{i}" for i in range(n)]
-    assert elapsed < 8, f"{elapsed:.1f} s to render {n} tool results"
 
 
 def test_to_sharegpt_system_lists_exactly_the_schemas():
