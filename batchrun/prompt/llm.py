@@ -1075,7 +1075,7 @@ def _parse_payload(data: Any) -> AssistantTurn:
     functions = [_shaped(c.get("function"), dict, "a tool call's function") for c in raw_calls]
     calls = [
         ToolCall(
-            id=str(c.get("id") or f"call_{i}"),
+            id=_call_id(c.get("id")) or f"call_{i}",
             name=str(fn.get("name") or ""),
             arguments=_arguments_text(fn.get("arguments")),
         )
@@ -1093,6 +1093,20 @@ def _parse_payload(data: Any) -> AssistantTurn:
         usage=data.get("usage") if isinstance(data.get("usage"), dict) else {},
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
         refusal=_refusal_text(message.get("refusal")),
+    )
+
+
+def _call_id(value: Any) -> str | None:
+    """A call's ``id`` as text: a string as sent, an integer as its digits; None when it has none. Any
+    other type is a bad response: ``str()`` of an object, ``"{'a': 1}"``, was kept in the sample as its id."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise httpclient.BadResponse(
+        f"the answer holds a tool call's id of the wrong type ({type(value).__name__}, not str)"
     )
 
 

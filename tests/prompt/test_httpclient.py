@@ -885,6 +885,10 @@ WRONG_SHAPES = {
     # a completed sample with no call in it.
     "a tool call a string": json.dumps(_shaped({"content": "Done.", "tool_calls": ["terminal"]})),
     "a tool call a number": json.dumps(_shaped({"content": "Done.", "tool_calls": [{"id": "a"}, 7]})),
+    # An id of another type was kept as Python's str() of it ("{'a': 1}") in the sample.
+    "a call's id an object": json.dumps(
+        _shaped({"content": "", "tool_calls": [{"id": {"a": 1}, "function": {"name": "terminal"}}]})
+    ),
 }
 # More calls than any model's reply can hold (a body of 20,001 empty objects is 60 KB): each call became
 # a saved call and a "not run" answer, so a million of them took a worker to 2.3 GB and a 341 MB line.
@@ -898,6 +902,9 @@ WRONG_STREAMS = {
     "function a string": _chunk({"tool_calls": [{"index": 0, "function": "f"}]}, "stop"),
     "name a number": _chunk({"tool_calls": [{"index": 0, "function": {"name": 5}}]}, "stop"),
     "a tool call a string": _chunk({"tool_calls": ["terminal"]}, "stop"),
+    "a call's id a list": _chunk(
+        {"tool_calls": [{"index": 0, "id": [1], "function": {"name": "terminal"}}]}, "tool_calls"
+    ),
     "more calls than any reply holds": _chunk(
         {"tool_calls": [{"index": i} for i in range(MAX_TOOL_CALLS_PER_REPLY + 1)]}, "tool_calls"
     ),
@@ -912,6 +919,21 @@ def test_a_reply_of_the_wrong_shape_is_a_bad_response(body):
             llm(srv.base_url, max_retries=1).chat(USER, [])
     assert info.value.error_class == "bad_response", info.value
     assert len(srv.requests) == 2  # retried like any bad response
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_calls_integer_id_is_kept_as_its_digits(stream):
+    calls = [{"id": 7, "function": {"name": "terminal", "arguments": "{}"}}]
+    if stream:
+        server = _sse_server(
+            lambda n: [_chunk({"tool_calls": [{"index": 0, **calls[0]}]}, "tool_calls"), b"data: [DONE]\n\n"],
+            "chunked",
+        )
+    else:
+        server = keep_answering(json.dumps(_shaped({"content": "", "tool_calls": calls})).encode())
+    with Scripted(server) as srv:
+        turn = llm(srv.base_url, stream=stream, max_retries=0).chat(USER, [])
+    assert [c.id for c in turn.tool_calls] == ["7"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
