@@ -264,6 +264,9 @@ def test_ctrl_c_during_run_returns_130_and_a_resume_in_the_same_process_finishes
                 os.kill(os.getpid(), signal.SIGINT)
 
             if __name__ == "__main__":
+                # Ctrl-C as in a terminal: a test run started in the background (`cmd &` without job
+                # control) inherits SIGINT ignored, and the signal then never reached the run.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 runner = BatchRunner(dataset_file="p.jsonl", batch_size=4, run_name="ci", model="mock",
                                      num_workers=1, distribution="terminal_only")
                 threading.Thread(target=interrupt, daemon=True).start()
