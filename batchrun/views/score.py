@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import sys
@@ -44,7 +43,14 @@ from batchrun.scoring import (
     with_planned,
 )
 from batchrun.sharegpt import first_human, parse_json
-from batchrun.storage import WriteError, batch_files, iter_jsonl, write_json_atomic, write_text_atomic
+from batchrun.storage import (
+    WriteError,
+    batch_files,
+    iter_jsonl,
+    json_line,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
@@ -128,7 +134,7 @@ def rescore(
             "row_id": meta.get("row_id"),
             "score": score,
         }
-        lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+        lines.append(json_line(line) + "\n")
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
     section = stats.setdefault("scores", {})
     # The run's samples without an outcome are no more judged by a re-scoring than by the run.
