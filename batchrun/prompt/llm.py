@@ -1034,7 +1034,7 @@ def safe_url(url: str) -> str:
     return f"{base}?{'&'.join(pairs)}{hash_}{fragment}"
 
 
-def _retry_after_s(exc: httpclient.StatusError) -> float | None:
+def retry_after_s(exc: httpclient.StatusError) -> float | None:
     """Retry-After (seconds or HTTP date) or retry-after-ms, when the provider sent one."""
     headers = getattr(exc.response, "headers", None) or {}
     try:
@@ -1364,19 +1364,19 @@ def _part_text(value: Any) -> str:
 def _status_error(exc: httpclient.StatusError) -> Exception:
     """An error answer: a 429 waits out the run-wide pause, a context limit ends the prompt as
     partial, a retryable status (:data:`RETRYABLE_STATUS`) is tried again, any other fails the call."""
-    message = _error_message(exc)
+    message = error_message(exc)
     status = exc.status_code
     if status == 429:
-        return _Retry(LLMError("http_429", message, status), _retry_after_s(exc), rate_limited=True)
+        return _Retry(LLMError("http_429", message, status), retry_after_s(exc), rate_limited=True)
     if is_context_limit(status, exc.body, message):
         return ContextLimitError("context_limit", message, status)
     error = LLMError(f"http_{status}", message, status)
     if status not in RETRYABLE_STATUS:
         return error
-    return _Retry(error, _retry_after_s(exc), endpoint_fault=status >= 500)
+    return _Retry(error, retry_after_s(exc), endpoint_fault=status >= 500)
 
 
-def _error_message(exc: httpclient.StatusError) -> str:
+def error_message(exc: httpclient.StatusError) -> str:
     body = exc.body
     if isinstance(body, dict):
         err = body.get("error", body)

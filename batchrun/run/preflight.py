@@ -21,11 +21,11 @@ from batchrun.prompt.llm import (
     LLMError,
     SpendGate,
     Usage,
-    _error_message,
-    _retry_after_s,
     endpoint_url,
+    error_message,
     finish_kind,
     request_headers,
+    retry_after_s,
     safe_url,
 )
 from batchrun.prompt.sandboxes import backend_class
@@ -127,7 +127,7 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
                 if (
                     exc.status_code == UNAVAILABLE
                     and unavailable is not None
-                    and unavailable.wait(f"GET /models: {_error_message(exc)}", _retry_after_s(exc))
+                    and unavailable.wait(f"GET /models: {error_message(exc)}", retry_after_s(exc))
                 ):
                     continue  # the key and the model's name are checked once it is ready
                 return  # some servers have no /models; the start check's chat call tells

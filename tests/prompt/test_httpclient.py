@@ -29,7 +29,7 @@ from batchrun.prompt.llm import (
     LLMConfig,
     LLMError,
     Usage,
-    _retry_after_s,
+    retry_after_s,
 )
 
 USER = [{"role": "user", "content": "say hi [calls:0]"}]
@@ -492,7 +492,7 @@ def test_retry_after_is_read_from_the_answers_headers(headers, expected):
         with pytest.raises(httpclient.StatusError) as info:
             httpclient.Client().request("POST", srv.base_url + "/chat/completions", body=b"{}")
     assert info.value.status_code == 429 and info.value.body == {"error": {"message": "x"}}
-    assert _retry_after_s(info.value) == expected
+    assert retry_after_s(info.value) == expected
 
 
 def test_retry_after_as_an_http_date():
@@ -507,7 +507,7 @@ def test_retry_after_as_an_http_date():
     with Scripted(serve) as srv:
         with pytest.raises(httpclient.StatusError) as info:
             httpclient.Client().request("GET", srv.base_url + "/x")
-    assert 25 < _retry_after_s(info.value) <= 31
+    assert 25 < retry_after_s(info.value) <= 31
     assert info.value.body == "upstream down"
 
 
