@@ -720,22 +720,27 @@ def print_failures(run_dir: Path, recorder: Recorder) -> None:
         )
 
 
-def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float, say: bool = True) -> int:
-    """0, 3 (more prompts of this invocation failed than --max_failure_rate allows; said when ``say``) or 130."""
+EXIT_FAILURE_RATE = 3  # more prompts of this invocation failed than --max_failure_rate allows
+
+
+def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float) -> int:
+    """0, :data:`EXIT_FAILURE_RATE` or 130 (interrupted)."""
     if interrupted:
         return 130
+    failed, attempted = _failed_of_attempted(stats)
+    return EXIT_FAILURE_RATE if attempted and failed / attempted > max_failure_rate else 0
+
+
+def failure_rate_message(stats: dict[str, Any], max_failure_rate: float) -> str:
+    """What exit 3 says: how many of this invocation's prompts failed, against the flag's rate."""
+    failed, attempted = _failed_of_attempted(stats)
+    return f"error: {failed} of {attempted} prompts failed (more than --max_failure_rate={max_failure_rate})"
+
+
+def _failed_of_attempted(stats: dict[str, Any]) -> tuple[int, int]:
     tr = stats["this_run"]
     # Prompts the budget stopped were stopped on purpose; they are not failures of the run.
-    failed = sum(n for cls, n in tr["failed"].items() if cls != "budget")
-    if tr["attempted"] and failed / tr["attempted"] > max_failure_rate:
-        if not say:
-            return 3
-        print(
-            f"error: {failed} of {tr['attempted']} prompts failed (more than --max_failure_rate={max_failure_rate})",
-            file=sys.stderr,
-        )
-        return 3
-    return 0
+    return sum(n for cls, n in tr["failed"].items() if cls != "budget"), tr["attempted"]
 
 
 def _count_field(path: Path, field: str) -> tuple[dict[str, int], int]:
