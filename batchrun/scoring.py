@@ -755,16 +755,19 @@ _HEDGE_IDIOM_RE = re.compile(
     re.I,
 )
 # A clause that commits to the number ending it: after a hedge word in the working, "so", "therefore",
-# "thus", "hence", GSM8K's "####", or "the answer is" opening a clause (after a comma, "and", "but"): "9 is
-# not prime, the answer is 11", "3 boxes are not enough, so she needs 4" (each failed as a hedge). "4 or
-# so", and "4, or the answer is 5" (the clause is the alternative) commit to nothing.
+# "thus", "hence", GSM8K's "####", or "the answer is" ("the total is", "leaving", "which gives") opening a
+# clause (after a comma, "and", "but"): "9 is not prime, the answer is 11", "3 boxes are not enough, so she
+# needs 4" (each failed as a hedge). "4 or so", and "4, or the answer is 5" (the clause is the alternative)
+# commit to nothing.
 _COMMIT_RE = re.compile(
     r"(?<!\bor )\b(?:so|therefore|thus|hence)\b|####"
-    r"|(?:[,;:\u2014]|\b(?:and|but)\b)\s*(?:the\s+|my\s+|our\s+)?(?:final\s+)?(?:answer|result)\s*(?:is\b|=|:)",
+    r"|(?:[,;:\u2014]|\b(?:and|but)\b)\s*(?:(?:the|my|our)\s+)?(?:final\s+)?"
+    r"(?:(?:answer|result|total)\s*(?:is\b|=|:)|(?:leaving|giving|which\s+(?:is|gives|leaves|makes))\b)",
     re.I,
 )
-# A condition between the hedge word and the clause keeps the clause an alternative: "4, or if we round
-# up, the answer is 5".
+# A condition between the hedge word and the clause keeps the clause an alternative ("4, or if we round
+# up, the answer is 5"), as nothing between them does ("4, or maybe, so 5").
+_WORD_RE = re.compile(r"[^\W_]")
 _CONDITION_RE = re.compile(r"\b(?:if|when|unless|assuming|depending|otherwise|alternatively)\b", re.I)
 # Connectors that make two numbers a range, a list or an expression when nothing else stands between them
 # but a unit after the first and a variable before the second ("4-5", "4 to 5", "4, 5", "2 + 3", "3 × 4",
@@ -834,7 +837,9 @@ def _offering_gap(gap: str) -> bool:
     if hedge_words:
         after = gap[hedge_words[-1].end() :]
         commits = list(_COMMIT_RE.finditer(after))
-        return not commits or _CONDITION_RE.search(after, 0, commits[-1].start()) is not None
+        # the hedge word's own clause says something ("not prime") and sets no condition ("or if ...")
+        said = bool(commits) and _WORD_RE.search(after, 0, commits[-1].start()) is not None
+        return not said or _CONDITION_RE.search(after, 0, commits[-1].start()) is not None
     # LaTeX's operators as their signs, its other commands and grouping as nothing (\text{ to }: to)
     plain = _LATEX_COMMAND_RE.sub(lambda m: _LATEX_CONNECTORS.get(m[1] or "", " "), gap)
     return not plain.strip() or _JOINED_RE.fullmatch(plain) is not None

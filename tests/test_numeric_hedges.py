@@ -128,6 +128,8 @@ COMMITTED = [
     ("Tickets cost $5 for 12 or younger and $8 otherwise, so the family pays $26.", 26),
     ("The value was adjusted from 3.5 to 4.2.", 4.2),
     ("The price of the shirt rose sharply from $40 to $50.", 50),
+    ("Note that 12 is not the total; the total is 15.", 15),
+    ("After 3 days the tank is not full, leaving 40 liters to fill.", 40),
 ]
 
 # (final reply, the row's answer): each offers several numbers or bounds one; fails whichever is wanted.
@@ -204,6 +206,8 @@ HEDGES = [
     ("It's 20% or 25%.", 25),
     ("It increased, taking from 4 to 5 hours.", 5),
     ("It does not add up to 45.", 45),
+    ("It is 4, or the total is 5.", 5),
+    ("It is 4, or maybe, giving 5.", 5),
 ]
 
 
