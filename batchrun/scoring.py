@@ -794,7 +794,8 @@ _BOUND_BEFORE_RE = re.compile(
 # (each failed as a bound); after a modal or a negation it bounds again ("it can add up to 40").
 _REACHED_UP_TO_RE = re.compile(
     r"(?<!\bcan )(?<!\bcould )(?<!\bmay )(?<!\bmight )(?<!\bwill )(?<!\bwould )(?<!\bnot )(?<!n't )"
-    r"\b(?:(?:round|add|sum|total|tall(?:y|ie)|climb|jump)(?:s|ed|led|ing)?|came|comes|went|rose)\s+up\s+to[\s${(]*$",
+    r"\b(?:(?:round|add|sum|total|climb|jump)(?:s|ed|led|med|ing|ming)?|tall(?:y|ies|ied)|came|comes|went|rose)"
+    r"\s+up\s+to[\s${(]*$",
     re.I,
 )
 _BOUND_AFTER_RE = re.compile(

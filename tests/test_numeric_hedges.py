@@ -102,6 +102,7 @@ COMMITTED = [
     ("The trip takes 2 hours 30 minutes, which is 150 minutes.", 150),
     ("The costs add up to $45.", 45),
     ("Together they sum up to 100.", 100),
+    ("The bills tallied up to $45.", 45),
     ("About 4 hours.", 4),  # an approximation names its number: the tolerance decides
     ("It is approximately 3.14.", 3.14),
     ("Janet has 16 - 3 - 4 = 9 eggs left and earns 9 * $2 = $18.\n\nThe answer is $18.", 18),
