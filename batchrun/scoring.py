@@ -740,10 +740,35 @@ def _last_two_numbers(text: str) -> tuple[re.Match[str] | None, re.Match[str] | 
 # How an answer offers several numbers instead of one (a hedge: "4 or 5", "between 4 and 6", "5 ± 1"),
 # read from what stands between its last two numbers. Read as its last number, each passed for that one:
 # a model that hedged was rewarded whenever the right answer came last.
-# Words that make any two numbers of one sentence alternatives, whatever else stands between them.
+# Words that make any two numbers of one sentence alternatives, whatever else stands between them
+# ("4 or 5", "4, maybe 5"), unless a clause that commits follows them (below).
 _HEDGE_WORDS_RE = re.compile(
-    r"\b(?:or|either|nor|not|versus)\b|±|∓|\\pm(?![a-zA-Z])|\\mp(?![a-zA-Z])|\+/-", re.I
+    r"\b(?:or|either|nor|not|versus|maybe|perhaps|possibly|probably|might)\b"
+    r"|±|∓|\\pm(?![a-zA-Z])|\\mp(?![a-zA-Z])|\+/-",
+    re.I,
 )
+# Hedge words that bound one number or say nothing of it, no alternative: "groups of 4 or more pay $10",
+# "whether 2 or 3, either way the answer is 5" (each failed as a hedge).
+_HEDGE_IDIOM_RE = re.compile(
+    r"\bor\s+(?:more|less|fewer|greater|higher|lower|above|below|over|under|older|younger)\b"
+    r"|\b(?:either|any)\s+way\b|\bin\s+either\s+case\b",
+    re.I,
+)
+# A clause that commits to the number ending it: after a hedge word in the working, "so", "therefore",
+# "thus", "hence", GSM8K's "####", or "the answer is" ("the total is", "leaving", "which gives") opening a
+# clause (after a comma, "and", "but"): "9 is not prime, the answer is 11", "3 boxes are not enough, so she
+# needs 4" (each failed as a hedge). "4 or so", and "4, or the answer is 5" (the clause is the alternative)
+# commit to nothing.
+_COMMIT_RE = re.compile(
+    r"(?<!\bor )\b(?:so|therefore|thus|hence)\b|####"
+    r"|(?:[,;:\u2014]|\b(?:and|but)\b)\s*(?:(?:the|my|our)\s+)?(?:final\s+)?"
+    r"(?:(?:answer|result|total)\s*(?:is\b|=|:)|(?:leaving|giving|which\s+(?:is|gives|leaves|makes))\b)",
+    re.I,
+)
+# A condition between the hedge word and the clause keeps the clause an alternative ("4, or if we round
+# up, the answer is 5"), as nothing between them does ("4, or maybe, so 5").
+_WORD_RE = re.compile(r"[^\W_]")
+_CONDITION_RE = re.compile(r"\b(?:if|when|unless|assuming|depending|otherwise|alternatively)\b", re.I)
 # Connectors that make two numbers a range, a list or an expression when nothing else stands between them
 # but a unit after the first and a variable before the second ("4-5", "4 to 5", "4, 5", "2 + 3", "3 × 4",
 # "4 m to 5", "3 dogs and 4", "x = 4, y = 5"); "3+1 and got 4" is a sentence, not a list.
@@ -765,31 +790,98 @@ _BOUND_BEFORE_RE = re.compile(
     r"|\b(?:not|isn't|(?:less|more|greater|fewer|other)\s+than|at\s+(?:least|most)|up\s+to)\b)[\s${(]*$",
     re.I,
 )
-_BOUND_AFTER_RE = re.compile(
-    r"[\s$})]*(?:[\u2260\u2264\u2265]|[<>](?![<>])|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z]))"
+# "up to" after a verb that reaches its number names it: "the costs add up to $45", "we round up to 16"
+# (each failed as a bound); after a modal or a negation it bounds again ("it can add up to 40").
+_REACHED_UP_TO_RE = re.compile(
+    r"(?<!\bcan )(?<!\bcould )(?<!\bmay )(?<!\bmight )(?<!\bwill )(?<!\bwould )(?<!\bnot )(?<!n't )"
+    r"\b(?:(?:round|add|sum|total|climb|jump)(?:s|ed|led|med|ing|ming)?|tall(?:y|ies|ied)|came|comes|went|rose)"
+    r"\s+up\s+to[\s${(]*$",
+    re.I,
 )
+_BOUND_AFTER_RE = re.compile(
+    r"[\s$})]*(?:[\u2260\u2264\u2265]|[<>](?![<>])|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z])"
+    r"|or\s+(?:more|less|fewer|greater|higher|lower|above|below|over|under)\b|at\s+(?:least|most)\b)",  # "5 or more"
+    re.I,
+)
+# What makes two numbers joined as a range or a list one statement instead, read from around them:
+# a change "from X to Y" (Y the result: "the temperature dropped from 10 to -5"), a list whose last item is
+# a clause's ("I had 5 apples, ate 3, 2 left"), a date ("March 3, 2024"), a condition ("since x > 0, x = 2").
+# A change's verb stands in the clause of its "from", at most three words before it ("rose sharply from");
+# "it takes from 4 to 5 hours" and "it increased, taking from 4 to 5 hours" are ranges.
+_CHANGE_FROM_RE = re.compile(
+    r"\b(?:chang|increas|decreas|drop|fell|fall|rose|rise|risen|went|goes|gone|grew|grow|climb|jump|moved"
+    r"|shr[iau]nk|reduc|rais|lower|declin|doubl|tripl|halv|slid|sank|sunk|cut|dipped|plummet|soar|surg"
+    r"|tumbl|improv|upgrad|downgrad|adjust|updat|switch|shift)\w*(?:[ \t]+[^\W\d_]+){0,3}[ \t]+from[\s$]*$",
+    re.I,
+)
+_TO_GAP_RE = re.compile(r"[\s$]*(?:[^\W\d_]+[\s$]*)?to[\s$]*", re.I)  # "10 to", "8 m to"
+_LIST_GAP_RE = re.compile(r"\s*[,;]\s*")
+_CLAUSE_AFTER_RE = re.compile(
+    r"[ \t]*(?:[^\W\d_]+[ \t]+)?(?:left|remain(?:s|ed|ing)?|in[ \t]+(?:total|all)|altogether|overall)\b", re.I
+)
+_MONTH_BEFORE_RE = re.compile(r"\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+$", re.I)
+_YEAR_RE = re.compile(r"\d{4}\.?")  # "2024." ends its sentence
+_COMPARED_BEFORE_RE = re.compile(r"(?:[<>\u2264\u2265]=?|\\(?:leq|le|geq|ge|lt|gt)(?![a-zA-Z]))\s*$")
+_CONDITION_GAP_RE = re.compile(r"\s*,\s*[^\W\d_]\s*=\s*")
+_UNIT_SYMBOL_RE = re.compile(r"\s*([%\u00b0])")
 
 
 def _offering_gap(gap: str) -> bool:
-    """Whether what stands between two answers (two numbers, two boxes) offers them as alternatives."""
+    """Whether what stands between two answers (two numbers, two boxes) offers them as alternatives:
+    a hedge word (``or``, ``either``, ``not``, ``maybe``, ``±``, ...) in the same sentence that no clause
+    after it commits past, or a range's, list's or operator's connector alone (a unit and a variable aside)."""
     gap = _ARROW_RE.sub(" = ", gap)
     if _SENTENCE_BREAK_RE.search(gap):
         return False
-    if _HEDGE_WORDS_RE.search(gap):
-        return True
+    gap = _HEDGE_IDIOM_RE.sub(" ", gap)
+    hedge_words = list(_HEDGE_WORDS_RE.finditer(gap))
+    if hedge_words:
+        after = gap[hedge_words[-1].end() :]
+        commits = list(_COMMIT_RE.finditer(after))
+        # the hedge word's own clause says something ("not prime") and sets no condition ("or if ...")
+        said = bool(commits) and _WORD_RE.search(after, 0, commits[-1].start()) is not None
+        return not said or _CONDITION_RE.search(after, 0, commits[-1].start()) is not None
     # LaTeX's operators as their signs, its other commands and grouping as nothing (\text{ to }: to)
     plain = _LATEX_COMMAND_RE.sub(lambda m: _LATEX_CONNECTORS.get(m[1] or "", " "), gap)
     return not plain.strip() or _JOINED_RE.fullmatch(plain) is not None
 
 
+def _one_statement(text: str, before: re.Match[str], last: re.Match[str], gap: str) -> bool:
+    """Whether two numbers joined as a range or a list are one statement instead (see _CHANGE_FROM_RE);
+    never when a hedge word stands between them."""
+    if _HEDGE_WORDS_RE.search(gap):
+        return False
+    start = max(0, before.start() - 80)
+    lead = text[start : before.start()]
+    breaks = list(_SENTENCE_BREAK_RE.finditer(lead))
+    lead = lead[breaks[-1].end() :] if breaks else lead  # this sentence's only
+    if _TO_GAP_RE.fullmatch(gap):
+        return _CHANGE_FROM_RE.search(lead) is not None
+    if _LIST_GAP_RE.fullmatch(gap):
+        return _CLAUSE_AFTER_RE.match(text, last.end()) is not None or (
+            _MONTH_BEFORE_RE.search(lead) is not None and _YEAR_RE.fullmatch(last[0]) is not None
+        )
+    return _CONDITION_GAP_RE.fullmatch(gap) is not None and _COMPARED_BEFORE_RE.search(lead) is not None
+
+
 def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str | None:
-    """The numbers an answer offers when ``last`` is one of several (quoted from ``text``), or None."""
+    """The numbers an answer offers when ``last`` is one of several (quoted from ``text``), or None.
+
+    What counts as a hedge: within one sentence, the last number and the one before it joined by a hedge
+    word (``4 or 5``, ``either 4 or 5``, ``4, maybe 5``, ``5 ± 1``, ``4, not 5``) that no clause after it
+    commits past (``9 is not prime, so the answer is 11`` commits), or by a range's, list's or operator's
+    connector alone (``4-5``, ``4 to 5 hours``, ``between 4% and 5%``, ``4, 5``, ``2 + 3``), unless the two
+    are one statement: a change ``from 10 to -5`` after a verb of change, a list whose last item a clause
+    takes (``ate 3, 2 left``), a date (``March 3, 2024``), a condition (``since x > 0, x = 2``)."""
     if before is None:
         return None
     gap = text[before.end() : last.start()]
+    unit = _UNIT_SYMBOL_RE.match(gap)
+    if unit and text.startswith(unit[1], last.end()):  # "4% to 5%": the range's unit, after each end
+        gap = gap[unit.end() :]
     signed = not gap and last[0][0] in "+-"  # "4-5", "2+3": the last one's sign joins them
     # "1 234": a plain space between two numbers offers nothing (two numbers, the last one, as documented)
-    if not (signed or (gap.strip() and _offering_gap(gap))):
+    if not (signed or (gap.strip() and _offering_gap(gap) and not _one_statement(text, before, last, gap))):
         return None
     quoted = " ".join(text[before.start() : last.end()].split())
     return quoted if len(quoted) <= 80 else quoted[:77] + "..."
@@ -802,7 +894,8 @@ def _bound(text: str, last: re.Match[str]) -> str | None:
     breaks = list(_SENTENCE_BREAK_RE.finditer(window))
     window = window[breaks[-1].end() :] if breaks else window  # this sentence's only
     after = _TAG_RE.sub("", text[last.end() : last.end() + 60])
-    if not (_BOUND_BEFORE_RE.search(window) or _BOUND_AFTER_RE.match(after)):
+    bounded_before = _BOUND_BEFORE_RE.search(window) is not None and not _REACHED_UP_TO_RE.search(window)
+    if not (bounded_before or _BOUND_AFTER_RE.match(after)):
         return None
     return " ".join((window[-30:] + last[0] + after[:12]).split())
 
