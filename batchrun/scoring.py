@@ -1875,13 +1875,56 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def paired_bootstrap(diffs: list[float], reps: int = 10_000, seed: int = 0) -> tuple[float, float] | None:
-    """The 95% percentile interval of the mean of paired differences, resampling the pairs (seeded)."""
+def sign_flip_p(totals: list[int]) -> float:
+    """Two-sided p-value of a sum of per-row totals (each row's B - A passes over its pairs) under the
+    null that A and B are alike: every row's total as likely negated, independently of the other rows
+    (a randomisation test by row, valid however a row's pairs are correlated). With one pair a row it is
+    McNemar's exact test. Exact (the sums' distribution, row by row: under a second) up to 2e7 steps; beyond,
+    the normal approximation, which many rows make good."""
+    sizes = [abs(t) for t in totals if t]
+    observed = abs(sum(totals))
+    if not sizes or observed == 0:
+        return 1.0
+    span = sum(sizes)
+    if len(sizes) * span > 20_000_000:
+        # Continuity: the sums lie 2 * gcd apart, half of that is the correction.
+        z = (observed - math.gcd(*sizes)) / math.sqrt(sum(t * t for t in sizes))
+        return min(1.0, math.erfc(max(0.0, z) / math.sqrt(2)))
+    # The rows whose sign is +: the sum is 2 * (their sizes) - span. dist[s]: P(their sizes add to s).
+    dist = [1.0] + [0.0] * span
+    for size in sizes:
+        dist = [(a + b) * 0.5 for a, b in zip(dist, [0.0] * size + dist[:-size], strict=True)]
+    # |2s - span| >= observed: s <= (span - observed) / 2 or s >= (span + observed) / 2; symmetric.
+    tail = sum(dist[: (span - observed) // 2 + 1])
+    return min(1.0, 2 * tail)
+
+
+def paired_bootstrap(
+    diffs: list[float], reps: int = 10_000, seed: int = 0, rows: list[Any] | None = None
+) -> tuple[float, float] | None:
+    """The 95% percentile interval of the mean of paired differences (seeded), resampling whole rows
+    with all their pairs when ``rows`` names each pair's row (a row's pairs are alike: resampled one by
+    one, 20 rows of 10 pairs passed for 200 independent ones); without it, or with one pair a row, the
+    pairs."""
     import random
 
     if not diffs:
         return None
     rng = random.Random(seed)
-    n = len(diffs)
-    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
+    if rows is None or len(set(rows)) == len(rows):
+        n = len(diffs)
+        means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
+    else:
+        grouped: dict[Any, list[float]] = {}
+        for row, d in zip(rows, diffs, strict=True):
+            grouped.setdefault(row, [0.0, 0])
+            grouped[row][0] += d
+            grouped[row][1] += 1
+        sums = list(grouped.values())
+        g = len(sums)
+        means = []
+        for _ in range(reps):
+            picked = rng.choices(sums, k=g)
+            means.append(sum(t for t, _ in picked) / sum(k for _, k in picked))
+        means.sort()
     return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
