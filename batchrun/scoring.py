@@ -1904,27 +1904,35 @@ def paired_bootstrap(
 ) -> tuple[float, float] | None:
     """The 95% percentile interval of the mean of paired differences (seeded), resampling whole rows
     with all their pairs when ``rows`` names each pair's row (a row's pairs are alike: resampled one by
-    one, 20 rows of 10 pairs passed for 200 independent ones); without it, or with one pair a row, the
-    pairs."""
+    one, 20 rows of 10 pairs passed for 200 independent ones); without it, with one pair a row, or with
+    a single row (nothing to resample but it), the pairs.
+
+    Resampling few rows spreads less than the rows do (by sqrt((G - 1) / G)) and the normal quantile is
+    too small for G - 1 degrees of freedom: the row interval's sides are widened about the mean by
+    ``t / z * sqrt(G / (G - 1))`` (with 6 rows it covered 86% of simulated nulls, not 95%)."""
     import random
 
     if not diffs:
         return None
     rng = random.Random(seed)
-    if rows is None or len(set(rows)) == len(rows):
+    if rows is None or len(set(rows)) in (1, len(rows)):
         n = len(diffs)
         means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
-    else:
-        grouped: dict[Any, list[float]] = {}
-        for row, d in zip(rows, diffs, strict=True):
-            grouped.setdefault(row, [0.0, 0])
-            grouped[row][0] += d
-            grouped[row][1] += 1
-        sums = list(grouped.values())
-        g = len(sums)
-        means = []
-        for _ in range(reps):
-            picked = rng.choices(sums, k=g)
-            means.append(sum(t for t, _ in picked) / sum(k for _, k in picked))
-        means.sort()
-    return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+        return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+    grouped: dict[Any, list[float]] = {}
+    for row, d in zip(rows, diffs, strict=True):
+        grouped.setdefault(row, [0.0, 0])
+        grouped[row][0] += d
+        grouped[row][1] += 1
+    sums = list(grouped.values())
+    g = len(sums)
+    means = []
+    for _ in range(reps):
+        picked = rng.choices(sums, k=g)
+        means.append(sum(t for t, _ in picked) / sum(k for _, k in picked))
+    means.sort()
+    lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+    mean = sum(diffs) / len(diffs)
+    widen = t975(g - 1) / Z95 * math.sqrt(g / (g - 1))
+    low, high = min(diffs), max(diffs)  # a mean of differences stays within them
+    return max(low, mean - (mean - lo) * widen), min(high, mean + (hi - mean) * widen)

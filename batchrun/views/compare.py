@@ -15,9 +15,9 @@ the scorers may differ. Printed and written as HTML:
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
   95% interval (the rows resampled with replacement, each with all its pairs, ``--bootstrap`` times,
-  seeded: the same inputs give the same interval);
+  seeded: the same inputs give the same interval; widened for few rows, see ``paired_bootstrap``);
 * a p-value that asks whether the two runs differ beyond chance (``p_value``, the test in
-  ``p_value_test``): with one pair a row, McNemar's exact test on the discordant pairs (b: passed in A
+  ``p_value_test``): with one pair a row (or a single row), McNemar's exact test on the discordant pairs (b: passed in A
   only, c: passed in B only; two-sided binomial p-value with p = 1/2); with several pairs in a row
   (``--samples_per_prompt``), whose pairs are alike (a row B solves and A does not flips all of them),
   McNemar's test takes them for independent and finds noise significant (10 rows of 10 pairs, no
@@ -160,7 +160,8 @@ def compare_pairs(
     for row, (x, y) in zip(rows, pairs, strict=True):
         totals[row] += int(y) - int(x)
     mcnemar = mcnemar_exact(only_a, only_b)
-    one_pair_a_row = len(totals) == n
+    # One pair a row, or a single row (the pairs then say how B does on that row): McNemar's test holds.
+    one_pair_a_row = len(totals) in (1, n)
     return {
         "pairs": n,
         "rows": len(totals),
