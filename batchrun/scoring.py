@@ -1619,7 +1619,7 @@ class ScoreTally:
     passes: int = 0
     values: list[float] = field(default_factory=list)
     rows: dict[str, list[int]] = field(default_factory=dict)  # row key -> [samples judged, passes]
-    # cluster (a row's identity) -> [samples judged, passes, values, sum of values]: the standard errors'
+    # For the standard errors: cluster (a row's identity) -> [samples judged, passes, values, their sum]
     clusters: dict[str, list[float]] = field(default_factory=dict)
 
     def add(
