@@ -23,6 +23,30 @@ The estimators (all with ``math`` alone):
 * mean score with its standard error (sample standard deviation / sqrt(n));
 * pass@k per row by the unbiased estimator ``1 - C(n - c, k) / C(n, k)`` (n samples of the row,
   c of them passing), averaged over the rows that have at least k scored samples.
+
+Several samples of one row (``--samples_per_prompt``) are not independent draws: a row the model cannot
+solve fails all of them. Taken for independent, 20 rows of 10 samples made 200 draws, and the Wilson
+interval above covered the true rate in 54% of simulated runs, not 95% (rows' pass probabilities drawn
+from Beta(0.5, 0.5): some rows nearly always solved, some nearly never). So when two or more rows are
+judged and a row has more than one scored sample, the figures are clustered by row (a row's identity:
+identical rows are one cluster):
+
+* the standard errors are cluster-robust over rows (Liang-Zeger with the G / (G - 1) correction, G rows):
+  ``var = G / (G - 1) * sum over rows of (sum of (x - mean) over its samples)^2 / n^2``; never below the
+  unclustered one, since a row's samples are independent draws given the row, so their correlation is not
+  negative and a smaller figure is noise (E. Miller, "Adding Error Bars to Evals", 2024);
+* the interval is Wilson's with the effective sample size of Korn and Graubard (1998): ``n / deff``
+  (design effect ``deff`` = clustered variance / unclustered), times ``(z / t)^2`` with Student's t at
+  G - 1 degrees of freedom (few rows, few degrees of freedom: wider). Wilson's form keeps it inside [0, 1]
+  and sensible at p = 0 or 1, where a cluster bootstrap would give [0, 0]; there the data cannot show
+  the design effect, so the worst is taken, every row's samples alike (``n_eff = n^2 / sum n_row^2``,
+  the number of rows when they have as many samples each). Simulated, it covers 97% in the case above,
+  94-97% from 3 to 50 rows of 4 to 20 samples, 90% when the rows' rates are most skewed (Beta(0.1, 0.9):
+  most rows never solved, a few nearly always, and 20 rows often show none of those few).
+
+With one scored sample a row (or a single row), every figure is the unclustered one above.
+``pass_rate_interval`` says which was computed (``wilson`` or ``wilson_clustered_by_row``),
+``stderr_clusters`` over how many rows, ``pass_rate_design_effect`` by how much.
 """
 
 from __future__ import annotations
@@ -1594,15 +1618,79 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def wilson_interval(passes: int, n: int, z: float = 1.959964) -> tuple[float, float] | None:
-    """The Wilson score interval of a proportion (95% by default); None without samples."""
-    if n == 0:
+Z95 = 1.959964
+
+
+def wilson_interval(passes: float, n: float, z: float = Z95) -> tuple[float, float] | None:
+    """The Wilson score interval of a proportion (95% by default); None without samples. ``n`` may be
+    an effective sample size (not a whole number), ``passes`` then ``p * n``."""
+    if n <= 0:
         return None
     p = passes / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    half = z * math.sqrt(max(0.0, p * (1 - p)) / n + z * z / (4 * n * n)) / denom
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def t975(df: int) -> float:
+    """Student's t quantile for a two-sided 95% interval at ``df`` degrees of freedom: exact for 1 and 2,
+    else the Cornish-Fisher expansion about the normal quantile (within 0.004 at df = 3, less above)."""
+    if df < 1:
+        raise ValueError("t needs at least one degree of freedom")
+    if df <= 2:
+        return (12.706205, 4.302653)[df - 1]
+    z, v = Z95, float(df)
+    return (
+        z
+        + (z**3 + z) / (4 * v)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+        + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4)
+    )
+
+
+def clustered_variance(groups: list[tuple[int, float]], mean: float) -> float | None:
+    """The cluster-robust variance of a mean over samples grouped by row: ``groups`` holds each row's
+    (samples, sum of its values); None with fewer than two rows (nothing to tell rows apart by)."""
+    g = len(groups)
+    n = sum(k for k, _ in groups)
+    if g < 2 or n == 0:
+        return None
+    return g / (g - 1) * sum((total - k * mean) ** 2 for k, total in groups) / (n * n)
+
+
+def clustered_rate(groups: list[tuple[int, int]]) -> dict[str, Any]:
+    """A pass rate's standard error and 95% interval from each row's (samples, passes): clustered by
+    row when two or more rows are judged and one has several samples (see the module's docstring),
+    else the unclustered ``sqrt(p (1 - p) / n)`` and Wilson interval, as for independent samples."""
+    n = sum(k for k, _ in groups)
+    passes = sum(c for _, c in groups)
+    if n == 0:
+        return {"stderr": None, "interval": None, "method": None, "clusters": None, "design_effect": None}
+    p = passes / n
+    naive = p * (1 - p) / n
+    crv = clustered_variance(groups, p) if any(k > 1 for k, _ in groups) else None
+    if crv is None:
+        return {
+            "stderr": math.sqrt(naive),
+            "interval": wilson_interval(passes, n),
+            "method": "wilson",
+            "clusters": None,
+            "design_effect": None,
+        }
+    var = max(naive, crv)
+    # At p = 0 or 1 the rows cannot show their design effect: the worst, each row's samples alike.
+    fewest = n * n / sum(k * k for k, _ in groups)
+    n_eff = fewest if naive == 0 else max(fewest, n * naive / var)
+    df_adjusted = n_eff * (Z95 / t975(len(groups) - 1)) ** 2
+    return {
+        "stderr": math.sqrt(var),
+        "interval": wilson_interval(p * df_adjusted, df_adjusted),
+        "method": "wilson_clustered_by_row",
+        "clusters": len(groups),
+        "design_effect": n / n_eff,
+    }
 
 
 def ks_for(max_n: int) -> list[int]:
@@ -1624,8 +1712,14 @@ class ScoreTally:
     passes: int = 0
     values: list[float] = field(default_factory=list)
     rows: dict[str, list[int]] = field(default_factory=dict)  # row key -> [samples judged, passes]
+    # For the standard errors: cluster (a row's identity) -> [samples judged, passes, values, their sum]
+    clusters: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, score: dict[str, Any] | None, row_key: str | None = None) -> None:
+    def add(
+        self, score: dict[str, Any] | None, row_key: str | None = None, cluster: str | None = None
+    ) -> None:
+        """Count one sample's score; ``row_key`` is its row for pass@k, ``cluster`` (default the row
+        key) the rows whose samples are alike for the standard errors: identical rows are one cluster."""
         score = score or {}
         if score.get("error"):
             self.errors += 1
@@ -1636,23 +1730,38 @@ class ScoreTally:
             return
         self.scored += 1
         self.passes += passed
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        has_value = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if has_value:
             self.values.append(float(value))
         if row_key is not None:
             entry = self.rows.setdefault(row_key, [0, 0])
             entry[0] += 1
             entry[1] += passed
+        # A sample without a row is a cluster of its own (a key no row key can be).
+        group = self.clusters.setdefault(cluster or row_key or f"\0{self.scored}", [0, 0, 0, 0.0])
+        group[0] += 1
+        group[1] += passed
+        if has_value:
+            group[2] += 1
+            group[3] += float(value)
 
     def summary(self) -> dict[str, Any]:
         n = self.scored
         rate = self.passes / n if n else None
-        interval = wilson_interval(self.passes, n)
+        figures = clustered_rate([(int(g[0]), int(g[1])) for g in self.clusters.values()])
+        interval = figures["interval"]
         mean = sum(self.values) / len(self.values) if self.values else None
         sd = (
             math.sqrt(sum((v - mean) ** 2 for v in self.values) / (len(self.values) - 1))
             if mean is not None and len(self.values) > 1
             else None
         )
+        mean_se = None if sd is None else sd / math.sqrt(len(self.values))
+        valued = [(int(g[2]), g[3]) for g in self.clusters.values() if g[2]]
+        if mean_se is not None and any(k > 1 for k, _ in valued):
+            crv = clustered_variance(valued, mean)
+            if crv is not None:
+                mean_se = math.sqrt(max(mean_se * mean_se, crv))
         max_n = max((r[0] for r in self.rows.values()), default=0)
         pass_k = {}
         for k in ks_for(max_n):
@@ -1665,10 +1774,15 @@ class ScoreTally:
             "passed": self.passes,
             "failed": n - self.passes,
             "pass_rate": None if rate is None else round(rate, 6),
-            "pass_rate_stderr": None if rate is None else round(math.sqrt(rate * (1 - rate) / n), 6),
+            "pass_rate_stderr": None if rate is None else round(figures["stderr"], 6),
             "pass_rate_95ci": None if interval is None else [round(interval[0], 6), round(interval[1], 6)],
+            "pass_rate_interval": figures["method"],
+            "pass_rate_design_effect": None
+            if figures["design_effect"] is None
+            else round(figures["design_effect"], 6),
+            "stderr_clusters": figures["clusters"],
             "mean_score": None if mean is None else round(mean, 6),
-            "mean_score_stderr": None if sd is None else round(sd / math.sqrt(len(self.values)), 6),
+            "mean_score_stderr": None if mean_se is None else round(mean_se, 6),
             "rows_scored": len(self.rows),
             "pass_at_k": pass_k,
         }
@@ -1713,7 +1827,7 @@ class RunScores:
         row = row_key if copy == 0 else f"{row_key}/{copy}"
         score = read_score(rec.get("score"))
         meta = rec.get("metadata") or {}
-        self.all.add(score, row)
+        self.all.add(score, row, row_key)
         # A row with its own toolsets or tools drew nothing from the distribution (row_* are "" when unset).
         own = bool(meta.get("row_toolsets")) or bool(meta.get("row_tools"))
         dist = OWN_TOOLSETS if own else self.distribution
@@ -1722,7 +1836,7 @@ class RunScores:
         scorer = score.get("scorer") if isinstance(score.get("scorer"), str) else "none"
         groups = (("distribution", dist), ("toolsets", mix), ("stop_reason", stop), ("scorer", scorer))
         for group, key in groups:
-            self.groups[group].setdefault(key, ScoreTally()).add(score, row)
+            self.groups[group].setdefault(key, ScoreTally()).add(score, row, row_key)
 
     def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
         out = self.all.summary()
@@ -1769,6 +1883,8 @@ def _short(summary: dict[str, Any]) -> dict[str, Any]:
         "passed",
         "pass_rate",
         "pass_rate_95ci",
+        "pass_rate_interval",
+        "stderr_clusters",
         "mean_score",
         "pass_at_k",
     )
@@ -1807,7 +1923,9 @@ def headline(scores: dict[str, Any]) -> str | None:
     parts = []
     if n:
         lo, hi = scores["pass_rate_95ci"]
-        parts.append(f"pass rate {scores['pass_rate']:.1%} of {n} scored (95% CI {lo:.1%}-{hi:.1%})")
+        clusters = scores.get("stderr_clusters")
+        by_rows = f", clustered by {clusters} rows" if type(clusters) is int and clusters > 0 else ""
+        parts.append(f"pass rate {scores['pass_rate']:.1%} of {n} scored (95% CI {lo:.1%}-{hi:.1%}{by_rows})")
         planned = planned_figures(scores)
         if planned["samples_planned"] and planned["samples_planned"] != n:
             parts.append(
@@ -1850,13 +1968,64 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def paired_bootstrap(diffs: list[float], reps: int = 10_000, seed: int = 0) -> tuple[float, float] | None:
-    """The 95% percentile interval of the mean of paired differences, resampling the pairs (seeded)."""
+def sign_flip_p(totals: list[int]) -> float:
+    """Two-sided p-value of a sum of per-row totals (each row's B - A passes over its pairs) under the
+    null that A and B are alike: every row's total as likely negated, independently of the other rows
+    (a randomisation test by row, valid however a row's pairs are correlated). With one pair a row it is
+    McNemar's exact test. Exact (the sums' distribution, row by row: under a second) up to 2e7 steps; beyond,
+    the normal approximation, which many rows make good."""
+    sizes = [abs(t) for t in totals if t]
+    observed = abs(sum(totals))
+    if not sizes or observed == 0:
+        return 1.0
+    span = sum(sizes)
+    if len(sizes) * span > 20_000_000:
+        # Continuity: the sums lie 2 * gcd apart, half of that is the correction.
+        z = (observed - math.gcd(*sizes)) / math.sqrt(sum(t * t for t in sizes))
+        return min(1.0, math.erfc(max(0.0, z) / math.sqrt(2)))
+    # The rows whose sign is +: the sum is 2 * (their sizes) - span. dist[s]: P(their sizes add to s).
+    dist = [1.0] + [0.0] * span
+    for size in sizes:
+        dist = [(a + b) * 0.5 for a, b in zip(dist, [0.0] * size + dist[:-size], strict=True)]
+    # |2s - span| >= observed: s <= (span - observed) / 2 or s >= (span + observed) / 2; symmetric.
+    tail = sum(dist[: (span - observed) // 2 + 1])
+    return min(1.0, 2 * tail)
+
+
+def paired_bootstrap(
+    diffs: list[float], reps: int = 10_000, seed: int = 0, rows: list[Any] | None = None
+) -> tuple[float, float] | None:
+    """The 95% percentile interval of the mean of paired differences (seeded), resampling whole rows
+    with all their pairs when ``rows`` names each pair's row (a row's pairs are alike: resampled one by
+    one, 20 rows of 10 pairs passed for 200 independent ones); without it, with one pair a row, or with
+    a single row (nothing to resample but it), the pairs.
+
+    Resampling few rows spreads less than the rows do (by sqrt((G - 1) / G)) and the normal quantile is
+    too small for G - 1 degrees of freedom: the row interval's sides are widened about the mean by
+    ``t / z * sqrt(G / (G - 1))`` (with 6 rows it covered 86% of simulated nulls, not 95%)."""
     import random
 
     if not diffs:
         return None
     rng = random.Random(seed)
-    n = len(diffs)
-    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
-    return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+    if rows is None or len(set(rows)) in (1, len(rows)):
+        n = len(diffs)
+        means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
+        return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+    grouped: dict[Any, list[float]] = {}
+    for row, d in zip(rows, diffs, strict=True):
+        grouped.setdefault(row, [0.0, 0])
+        grouped[row][0] += d
+        grouped[row][1] += 1
+    sums = list(grouped.values())
+    g = len(sums)
+    means = []
+    for _ in range(reps):
+        picked = rng.choices(sums, k=g)
+        means.append(sum(t for t, _ in picked) / sum(k for _, k in picked))
+    means.sort()
+    lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+    mean = sum(diffs) / len(diffs)
+    widen = t975(g - 1) / Z95 * math.sqrt(g / (g - 1))
+    low, high = min(diffs), max(diffs)  # a mean of differences stays within them
+    return max(low, mean - (mean - lo) * widen), min(high, mean + (hi - mean) * widen)

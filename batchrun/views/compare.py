@@ -14,10 +14,16 @@ sides of one run (its own scores and a re-scoring) are two ways of judging the s
 the scorers may differ. Printed and written as HTML:
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
-  95% interval (the pairs resampled with replacement, ``--bootstrap`` times, seeded: the same inputs
-  give the same interval);
-* McNemar's exact test on the discordant pairs (b: passed in A only, c: passed in B only; two-sided
-  binomial p-value with p = 1/2), which asks whether the two runs differ beyond chance;
+  95% interval (the rows resampled with replacement, each with all its pairs, ``--bootstrap`` times,
+  seeded: the same inputs give the same interval; widened for few rows, see ``paired_bootstrap``);
+* a p-value that asks whether the two runs differ beyond chance (``p_value``, the test in
+  ``p_value_test``): with one pair a row (or a single row), McNemar's exact test on the discordant pairs (b: passed in A
+  only, c: passed in B only; two-sided binomial p-value with p = 1/2); with several pairs in a row
+  (``--samples_per_prompt``), whose pairs are alike (a row B solves and A does not flips all of them),
+  McNemar's test takes them for independent and finds noise significant (10 rows of 10 pairs, no
+  difference between the models: p < 0.05 in 37% of simulated comparisons), so the p-value is a sign-flip
+  randomisation test by row: each row's total B - A as likely negated (McNemar's exact test again when
+  each row has one pair). ``mcnemar_p`` stays McNemar's figure over the pairs;
 * the same per toolset mix (A's toolsets of the pair);
 * the rows that flipped each way (passed in A and failed in B, and the reverse).
 
@@ -40,7 +46,13 @@ from batchrun.identity import record_sample
 from batchrun.record import read_score
 from batchrun.run.resume import MANIFEST_DEFAULTS
 from batchrun.run.run_dir import check_run_dir
-from batchrun.scoring import TEXT_SCORERS, check_from_row_fields, mcnemar_exact, paired_bootstrap
+from batchrun.scoring import (
+    TEXT_SCORERS,
+    check_from_row_fields,
+    mcnemar_exact,
+    paired_bootstrap,
+    sign_flip_p,
+)
 from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import first_human
 from batchrun.storage import WriteError, iter_jsonl, read_json_object, write_text_atomic
@@ -131,23 +143,37 @@ def _judged_alike(
     )
 
 
-def compare_pairs(pairs: list[tuple[bool, bool]], bootstrap: int = 10_000, seed: int = 0) -> dict[str, Any]:
-    """The figures for paired verdicts (A, B): pass rates, their difference with its interval, McNemar."""
+def compare_pairs(
+    pairs: list[tuple[bool, bool]], bootstrap: int = 10_000, seed: int = 0, rows: list[Any] | None = None
+) -> dict[str, Any]:
+    """The figures for paired verdicts (A, B): pass rates, their difference with its interval and
+    p-value. ``rows`` names each pair's row (default: a row each): a row's pairs are resampled and
+    tested together."""
     n = len(pairs)
+    rows = list(range(n)) if rows is None else rows
     a = sum(x for x, _ in pairs)
     b_pass = sum(y for _, y in pairs)
     only_a = sum(1 for x, y in pairs if x and not y)
     only_b = sum(1 for x, y in pairs if y and not x)
-    interval = paired_bootstrap([float(y) - float(x) for x, y in pairs], bootstrap, seed)
+    interval = paired_bootstrap([float(y) - float(x) for x, y in pairs], bootstrap, seed, rows)
+    totals: dict[Any, int] = collections.defaultdict(int)
+    for row, (x, y) in zip(rows, pairs, strict=True):
+        totals[row] += int(y) - int(x)
+    mcnemar = mcnemar_exact(only_a, only_b)
+    # One pair a row, or a single row (the pairs then say how B does on that row): McNemar's test holds.
+    one_pair_a_row = len(totals) in (1, n)
     return {
         "pairs": n,
+        "rows": len(totals),
         "pass_rate_a": a / n if n else None,
         "pass_rate_b": b_pass / n if n else None,
         "difference": (b_pass - a) / n if n else None,
         "difference_95ci": None if interval is None else [interval[0], interval[1]],
         "passed_only_in_a": only_a,
         "passed_only_in_b": only_b,
-        "mcnemar_p": mcnemar_exact(only_a, only_b),
+        "mcnemar_p": mcnemar,
+        "p_value": mcnemar if one_pair_a_row else sign_flip_p(list(totals.values())),
+        "p_value_test": "mcnemar_exact" if one_pair_a_row else "sign_flip_by_row",
     }
 
 
@@ -173,12 +199,15 @@ def compare_runs(
 
     keys = [k for k in both if alike(k)]
     other_check = [k for k in both if not alike(k)]
-    result = compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in keys], bootstrap)
+    # A row's identity is its cluster: its samples, and those of identical rows, are alike.
+    result = compare_pairs(
+        [(a[k]["passed"], b[k]["passed"]) for k in keys], bootstrap, rows=[k[0] for k in keys]
+    )
     by_mix: dict[str, list[Key]] = collections.defaultdict(list)
     for k in keys:
         by_mix[a[k]["toolsets"]].append(k)
     result["by_toolsets"] = {
-        mix: compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in ks], bootstrap)
+        mix: compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in ks], bootstrap, rows=[k[0] for k in ks])
         for mix, ks in sorted(by_mix.items())
     }
     result["only_in_a"] = len(set(a) - set(b))
@@ -223,17 +252,36 @@ def _diff(r: dict[str, Any]) -> str:
     return f"{r['difference']:+.1%} (95% CI {lo:+.1%} to {hi:+.1%})"
 
 
+TEST_NAMES = {"mcnemar_exact": "McNemar exact", "sign_flip_by_row": "sign-flip test by row"}
+
+
+def _test(r: dict[str, Any]) -> str:
+    """The p-value with the test that gave it."""
+    return f"{TEST_NAMES.get(r['p_value_test'], r['p_value_test'])} p = {r['p_value']:.4g}"
+
+
+def _why_test(r: dict[str, Any]) -> str:
+    """Why the p-value is not McNemar's (empty when it is)."""
+    if r["p_value_test"] == "mcnemar_exact":
+        return ""
+    return (
+        f"{r['rows']} rows of several pairs: each row's pairs resampled and tested together (McNemar's "
+        f"test, which takes the pairs for independent, would say p = {r['mcnemar_p']:.4g})"
+    )
+
+
 def text_report(r: dict[str, Any]) -> str:
     lines = [
         f"A: {r['run_a']}",
         f"B: {r['run_b']}",
-        f"{r['pairs']} paired samples (only in A: {r['only_in_a']}, only in B: {r['only_in_b']})",
+        f"{r['pairs']} paired samples in {r['rows']} rows (only in A: {r['only_in_a']}, only in B: {r['only_in_b']})",
         *_judged_differently(r),
         f"pass rate A {_pct(r['pass_rate_a'])}, B {_pct(r['pass_rate_b'])}; B - A {_diff(r)}",
-        f"McNemar exact p = {r['mcnemar_p']:.4g} (passed only in A: {r['passed_only_in_a']}, only in B: {r['passed_only_in_b']})",
+        f"{_test(r)} (passed only in A: {r['passed_only_in_a']}, only in B: {r['passed_only_in_b']})",
+        *([_why_test(r)] if _why_test(r) else []),
     ]
     for mix, m in r["by_toolsets"].items():
-        lines.append(f"  {mix}: {m['pairs']} pairs, B - A {_diff(m)}, p = {m['mcnemar_p']:.4g}")
+        lines.append(f"  {mix}: {m['pairs']} pairs, B - A {_diff(m)}, {_test(m)}")
     lines.append(
         f"rows that flipped to fail in B ({len(r['flipped_to_fail'])}): {', '.join(r['flipped_to_fail'][:20])}"
     )
@@ -253,11 +301,12 @@ def html_report(r: dict[str, Any]) -> str:
             _pct(m["pass_rate_a"]),
             _pct(m["pass_rate_b"]),
             _diff(m),
-            f"{m['mcnemar_p']:.4g}",
+            f"{m['p_value']:.4g}",
+            TEST_NAMES.get(m["p_value_test"], m["p_value_test"]),
         ]
         return "<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in cells) + "</tr>"
 
-    head = "".join(f"<th>{h}</th>" for h in ("", "pairs", "pass rate A", "pass rate B", "B - A", "McNemar p"))
+    head = "".join(f"<th>{h}</th>" for h in ("", "pairs", "pass rate A", "pass rate B", "B - A", "p", "test"))
     rows = row("all", r) + "".join(row(mix, m) for mix, m in r["by_toolsets"].items())
     flips = "".join(
         f"<h2>{esc(title)} ({len(names)})</h2><ul>" + "".join(f"<li>{esc(n)}</li>" for n in names) + "</ul>"
@@ -271,7 +320,9 @@ def html_report(r: dict[str, Any]) -> str:
         "<style>body{font:14px system-ui,sans-serif;margin:24px;color:#1d2330}table{border-collapse:collapse}"
         "td,th{border-bottom:1px solid #e3e6eb;padding:4px 10px;text-align:left}</style></head><body>"
         f"<h1>Run comparison</h1><p>A: <code>{esc(r['run_a'])}</code><br>B: <code>{esc(r['run_b'])}</code></p>"
-        f'<p id="headline">{r["pairs"]} paired samples · B - A {esc(_diff(r))} · McNemar exact p = {r["mcnemar_p"]:.4g}</p>'
+        f'<p id="headline">{r["pairs"]} paired samples in {r["rows"]} rows · B - A {esc(_diff(r))} · '
+        f"{esc(_test(r))}</p>"
+        + (f'<p id="test">{esc(_why_test(r))}</p>' if _why_test(r) else "")
         + "".join(f'<p class="warning">{esc(line)}</p>' for line in _judged_differently(r))
         + f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{flips}</body></html>"
     )

@@ -906,7 +906,12 @@ def section_scores(d: RunData) -> str:
         and None not in map(_number, ci)
     ):
         lo, hi = ci
-        cards.append(stat("pass_rate", f"{rate:.1%}", "pass rate", f"95% CI {lo:.1%}–{hi:.1%} · n={n:,}"))
+        # Several samples a row are not independent draws: statistics.json's interval is then clustered by row.
+        clusters = scores.get("stderr_clusters")
+        by_rows = f" · clustered by {clusters:,} rows" if type(clusters) is int and clusters > 0 else ""
+        cards.append(
+            stat("pass_rate", f"{rate:.1%}", "pass rate", f"95% CI {lo:.1%}–{hi:.1%} · n={n:,}{by_rows}")
+        )
         # Beside it, never alone: the passes over every sample planned (a run whose other half failed
         # showed a pass rate of 100% and nothing lower). Computed here too, for a run older than the figure.
         planned = planned_figures(scores)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_rows
 
 from batchrun.identity import outcome_sample, record_sample
 from batchrun.record import load_runs, read_score
+from batchrun.scoring import wilson_interval
+from batchrun.views.compare import main as compare_main
 from batchrun.views.report import collect
 from batchrun.views.score import main as score_main
 
@@ -616,3 +619,45 @@ def test_samples_without_an_outcome_are_named_beside_the_pass_rate(server, tmp_p
     assert "3 passed of 5 samples planned (60.0%" in capsys.readouterr().out
     again = stats_of(out / "run")["scores"]["rescored"]["again"]
     assert (again["samples_pending"], again["samples_planned"], again["pass_rate_of_planned"]) == (2, 5, 0.6)
+
+
+def test_several_samples_a_row_are_clustered_by_row_in_the_statistics_the_report_and_compare(
+    tmp_path, capsys
+):
+    """Rows of 4 samples each, two rows always right, two always wrong, two mixed by the request's seed:
+    the samples of a row are alike. The run's interval took its 24 samples for 24 independent draws
+    (Wilson over 24), and compare's McNemar test took its pairs for independent: both by row now."""
+    rows = [
+        {"id": f"right{i}", "prompt": f"Say 42 [calls:0] [answer:42] {i}", "answer": 42} for i in range(2)
+    ]
+    rows += [
+        {"id": f"wrong{i}", "prompt": f"Say 42 [calls:0] [answer:7] {i}", "answer": 42} for i in range(2)
+    ]
+    rows += [
+        {"id": f"mixed{i}", "prompt": f"Say 42 [calls:0] [answers:42|7] {i}", "answer": 42} for i in range(2)
+    ]
+    dataset, out = write_rows(tmp_path / "d.jsonl", rows), tmp_path / "data"
+    flags = dict(samples_per_prompt=4, seed_per_request=True)
+    run(None, dataset, out, run_name="a", seed=1, **flags)
+    printed = capsys.readouterr().out
+    scores = stats_of(out / "a")["scores"]
+    assert scores["scored"] == 24 and scores["stderr_clusters"] == 6
+    assert scores["pass_rate_interval"] == "wilson_clustered_by_row"
+    p, n = scores["pass_rate"], scores["scored"]
+    assert scores["pass_rate_stderr"] > 1.5 * math.sqrt(p * (1 - p) / n)
+    lo, hi = scores["pass_rate_95ci"]
+    naive_lo, naive_hi = wilson_interval(scores["passed"], n)
+    assert hi - lo > 1.5 * (naive_hi - naive_lo)
+    assert scores["by_distribution"]["terminal_only"]["pass_rate_95ci"] == [lo, hi]
+    assert scores["by_distribution"]["terminal_only"]["pass_rate_interval"] == "wilson_clustered_by_row"
+    assert f"(95% CI {lo:.1%}-{hi:.1%}, clustered by 6 rows)" in printed
+    assert "clustered by 6 rows" in (out / "a" / "report.html").read_text("utf-8")
+    # Compared with a run of another seed: the rows, each with its 4 pairs, are resampled and tested.
+    run(None, dataset, out, run_name="b", seed=2, **flags)
+    capsys.readouterr()
+    assert compare_main([str(out / "a"), str(out / "b"), "--json", f"--out={tmp_path / 'c.html'}"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["pairs"], result["rows"], result["p_value_test"]) == (24, 6, "sign_flip_by_row")
+    assert compare_main([str(out / "a"), str(out / "b"), f"--out={tmp_path / 'c.html'}"]) == 0
+    assert f"sign-flip test by row p = {result['p_value']:.4g}" in capsys.readouterr().out
+    assert "sign-flip test by row" in (tmp_path / "c.html").read_text("utf-8")

@@ -3,7 +3,9 @@ the report's scores section in a real Chromium."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import re
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import read_jsonl, run, stats_of, write_rows
 
-from batchrun.scoring import mcnemar_exact, paired_bootstrap
+from batchrun.scoring import mcnemar_exact, paired_bootstrap, sign_flip_p
 from batchrun.views import compare, report, score
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +59,92 @@ def test_compare_pairs_figures():
     assert r["difference_95ci"][0] < -0.4 < r["difference_95ci"][1] <= 0.0
     assert (r["passed_only_in_a"], r["passed_only_in_b"]) == (5, 1)
     assert r["mcnemar_p"] == pytest.approx(0.21875)
+
+
+def test_sign_flip_by_row_is_mcnemar_with_one_pair_a_row_and_exact_otherwise():
+    for b, c in ((1, 5), (0, 10), (3, 3), (7, 2), (20, 35)):
+        assert sign_flip_p([-1] * b + [1] * c + [0] * 4) == pytest.approx(mcnemar_exact(b, c), rel=1e-12)
+    rng = random.Random(3)
+    for _ in range(100):  # against every sign assignment
+        totals = [rng.randint(-4, 4) for _ in range(rng.randint(1, 9))]
+        signs = list(itertools.product((1, -1), repeat=len(totals)))
+        extreme = sum(
+            abs(sum(s * t for s, t in zip(sign, totals, strict=True))) >= abs(sum(totals)) for sign in signs
+        )
+        assert sign_flip_p(totals) == pytest.approx(extreme / len(signs), abs=1e-12)
+    # Beyond the exact computation's size (3000 rows of 10 pairs), the normal approximation: rows of
+    # +-10 alike are McNemar's test on rows.
+    assert sign_flip_p([10] * 1550 + [-10] * 1450) == pytest.approx(mcnemar_exact(1450, 1550), rel=0.002)
+
+
+def _simulated_comparison(
+    rng: random.Random, rows: int, samples: int
+) -> tuple[list[tuple[bool, bool]], list[int]]:
+    """Two models equally good over the rows, not row by row: each row has two pass probabilities
+    (Beta(0.5, 0.5)), given to A and B in random order; ``samples`` pairs a row."""
+    pairs, keys = [], []
+    for row in range(rows):
+        q1, q2 = rng.betavariate(0.5, 0.5), rng.betavariate(0.5, 0.5)
+        qa, qb = (q1, q2) if rng.random() < 0.5 else (q2, q1)
+        for _ in range(samples):
+            pairs.append((rng.random() < qa, rng.random() < qb))
+            keys.append(row)
+    return pairs, keys
+
+
+def test_compare_tests_rows_not_pairs_when_rows_have_several_samples():
+    """10 rows of 10 pairs, no difference between the models: McNemar over the 100 pairs said p < 0.05
+    in 37% of the comparisons (73 of 200), and the bootstrap over pairs left out the true difference (0)
+    in 36%; by row, the sign-flip test said p < 0.05 in 2.5% and the bootstrap left it out in 4%."""
+    rng = random.Random(7)
+    runs, mcnemar, by_row, pair_cover, row_cover = 200, 0, 0, 0, 0
+    for _ in range(runs):
+        pairs, rows = _simulated_comparison(rng, 10, 10)
+        naive = compare.compare_pairs(pairs, bootstrap=200)
+        r = compare.compare_pairs(pairs, bootstrap=200, rows=rows)
+        assert naive["mcnemar_p"] == r["mcnemar_p"] and r["p_value_test"] == "sign_flip_by_row"
+        mcnemar += r["mcnemar_p"] < 0.05
+        by_row += r["p_value"] < 0.05
+        pair_cover += naive["difference_95ci"][0] <= 0 <= naive["difference_95ci"][1]
+        row_cover += r["difference_95ci"][0] <= 0 <= r["difference_95ci"][1]
+    assert mcnemar / runs > 0.25
+    assert by_row / runs <= 0.08
+    assert pair_cover / runs < 0.75
+    assert row_cover / runs >= 0.92
+    assert (r["pairs"], r["rows"]) == (100, 10)
+    # Printed and written with the test that gave the p-value, and McNemar's beside it as not valid.
+    r.update(by_toolsets={}, only_in_a=0, only_in_b=0, judged_differently=0, run_a="a", run_b="b")
+    r.update(flipped_to_fail=[], flipped_to_pass=[])
+    text, page = compare.text_report(r), compare.html_report(r)
+    assert f"sign-flip test by row p = {r['p_value']:.4g}" in text and "100 paired samples in 10 rows" in text
+    assert "takes the pairs for independent" in text
+    assert "sign-flip test by row" in page and "McNemar exact p" not in page
+
+
+def test_compare_interval_by_row_holds_with_few_rows():
+    """5 rows of 20 pairs: resampled as they are, 5 rows spread less than rows do, and the percentile
+    interval missed the true difference (0) in 18% of simulated nulls; widened for 4 degrees of freedom,
+    6.5%. A single row has nothing to resample but its pairs: McNemar's test and the pairs' interval."""
+    rng = random.Random(11)
+    runs, cover = 200, 0
+    for _ in range(runs):
+        pairs, rows = _simulated_comparison(rng, 5, 20)
+        lo, hi = compare.compare_pairs(pairs, bootstrap=400, rows=rows)["difference_95ci"]
+        cover += lo <= 0 <= hi
+    assert cover / runs >= 0.9
+    pairs = [(False, True)] * 6 + [(True, True)] * 4
+    one_row = compare.compare_pairs(pairs, bootstrap=2000, rows=["r"] * 10)
+    assert one_row == {**compare.compare_pairs(pairs, bootstrap=2000), "rows": 1}
+    assert one_row["p_value_test"] == "mcnemar_exact" and one_row["difference_95ci"][0] > 0
+
+
+def test_compare_with_one_pair_a_row_is_unchanged():
+    pairs = [(True, True)] * 2 + [(True, False)] * 5 + [(False, True)] * 1 + [(False, False)] * 2
+    by_pair = compare.compare_pairs(pairs, bootstrap=2000)
+    by_row = compare.compare_pairs(pairs, bootstrap=2000, rows=[f"r{i}" for i in range(10)])
+    assert by_pair == by_row
+    assert by_row["p_value"] == by_row["mcnemar_p"] == pytest.approx(0.21875)
+    assert by_row["p_value_test"] == "mcnemar_exact" and by_row["rows"] == 10
 
 
 def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_path, capsys):
