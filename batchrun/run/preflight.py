@@ -8,6 +8,7 @@ own prompts, without a model call. The backend's own steps live on its class (se
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -38,15 +39,25 @@ REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: thi
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 UNAVAILABLE = 503  # "there, not ready yet": llama.cpp's answer to every request while it loads its model
 UNAVAILABLE_POLL_S = 2.0  # how often the start check asks again an endpoint that answers 503
+# How a 503 says "loading": llama-server's {"error": {"message": "Loading model", "type":
+# "unavailable_error"}}, a Hugging Face endpoint's "Model ... is currently loading". Any other 503 (a
+# proxy whose upstream is gone) is a failed start check at once, not --endpoint_grace later.
+LOADING = re.compile(r"\bloading\b", re.IGNORECASE)
+
+
+def says_loading(text: str) -> bool:
+    """Whether a 503's message says the server is loading its model (it will answer once loaded)."""
+    return LOADING.search(text) is not None
 
 
 class Unavailable:
-    """The start check's patience with an endpoint that answers 503 (llama-server's ``Loading model``,
-    for as long as its weights take to load): it is there and will answer, so the check asks again
-    every :data:`UNAVAILABLE_POLL_S` (or its Retry-After) for up to ``grace_s`` seconds, the
-    ``--endpoint_grace`` a run gives an endpoint to come back, shared by ``/models`` and the chat call.
-    Before, the check gave up after two tries half a second apart: a run started beside a llama-server
-    still loading its model exited 2 in 0.6 s."""
+    """The start check's patience with an endpoint that answers 503 saying it is loading its model
+    (llama-server's ``Loading model``, for as long as its weights take to load, :func:`says_loading`):
+    it is there and will answer, so the check asks again every :data:`UNAVAILABLE_POLL_S` (or its
+    Retry-After) for up to ``grace_s`` seconds, the ``--endpoint_grace`` a run gives an endpoint to come
+    back, shared by ``/models`` and the chat call. Before, the check gave up after two tries half a
+    second apart: a run started beside a llama-server still loading its model exited 2 in 0.6 s. A 503
+    that does not say so is not waited for (every 503 was: a dead proxy's took 120 s to exit 2)."""
 
     def __init__(self, grace_s: float, who: str, shown: str) -> None:
         self.until = time.monotonic() + grace_s
@@ -124,10 +135,12 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
                     ) from None
                 if exc.status_code == 401:
                     raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None
+                message = error_message(exc)
                 if (
                     exc.status_code == UNAVAILABLE
                     and unavailable is not None
-                    and unavailable.wait(f"GET /models: {error_message(exc)}", retry_after_s(exc))
+                    and says_loading(f"{message} {_error_text(exc.body)}")
+                    and unavailable.wait(f"GET /models: {message}", retry_after_s(exc))
                 ):
                     continue  # the key and the model's name are checked once it is ready
                 return  # some servers have no /models; the start check's chat call tells
@@ -142,6 +155,13 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list):
         warn_unlisted_model(cfg.model, listed_names(data), who=who)
+
+
+def _error_text(body: Any) -> str:
+    """An error body's ``error`` when it is text (Hugging Face: ``{"error": "Model ... is currently
+    loading"}``), which :func:`error_message` does not show."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return err[:200] if isinstance(err, str) else ""
 
 
 def listed_names(data: list) -> list[str]:
@@ -199,7 +219,12 @@ def check_chat(
                 )
                 break
             except LLMError as exc:
-                if exc.status != UNAVAILABLE or unavailable is None or not unavailable.wait(str(exc)):
+                if (
+                    exc.status != UNAVAILABLE
+                    or unavailable is None
+                    or not says_loading(str(exc))
+                    or not unavailable.wait(str(exc))
+                ):
                     raise
     except LLMError as exc:
         if exc.status in REFUSALS:
