@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
@@ -89,6 +90,7 @@ def check_endpoint(
     who: str = "the endpoint",
     gate: SpendGate | None = None,
     grace_s: float = 0.0,
+    on_slots: Callable[[int], None] | None = None,
 ) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
@@ -104,14 +106,23 @@ def check_endpoint(
     how the messages name the endpoint (the judge's has its own check). ``gate``: the run's budget
     (batchrun/run/budget.py's CheckGate), asked before the call is sent; it counts what the call spent.
     ``grace_s``: how long an endpoint that answers 503 (still loading its model) is waited for
-    (:class:`Unavailable`).
+    (:class:`Unavailable`). ``on_slots``: told how many requests the endpoint serves at once, when it
+    is a llama-server (:func:`server_slots`).
     """
     unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url))
-    list_models(cfg, who=who, unavailable=unavailable)
+    list_models(cfg, who=who, unavailable=unavailable, on_slots=on_slots)
     return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate, unavailable=unavailable)
 
 
-def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unavailable | None = None) -> None:
+def list_models(
+    cfg: LLMConfig,
+    *,
+    who: str = "the endpoint",
+    unavailable: Unavailable | None = None,
+    on_slots: Callable[[int], None] | None = None,
+) -> None:
+    """``GET <base_url>/models``: a rejected key stops here; a model it does not list is warned of.
+    ``on_slots``: when the answer says it comes from llama.cpp, told its slots (:func:`server_slots`)."""
     client = httpclient.Client(request_headers(cfg.api_key, cfg.base_url))
     shown = safe_url(cfg.base_url)
     try:
@@ -120,7 +131,12 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
             try:
                 # At most 15 s, and never longer than the user allows one model call to take.
                 timeout_s = min(15.0, cfg.request_timeout_s)
-                body = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=timeout_s).json()
+                answer = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=timeout_s)
+                body = answer.json()
+                if on_slots is not None and answer.headers.get("server", "").lower().startswith("llama.cpp"):
+                    slots = server_slots(client, cfg.base_url, timeout_s)
+                    if slots is not None:
+                        on_slots(slots)
                 break
             except httpclient.StatusError as exc:
                 if (
@@ -155,6 +171,21 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list):
         warn_unlisted_model(cfg.model, listed_names(data), who=who)
+
+
+def server_slots(client: httpclient.Client, base_url: str, timeout_s: float) -> int | None:
+    """llama-server's parallel slots (``--parallel``): ``total_slots`` of its ``/props``, served beside
+    ``/v1`` (at the base's root). None when it does not say (an older build, a proxy in front)."""
+    parts = urlsplit(endpoint_url(base_url, "props"))
+    path = parts.path
+    if path.endswith("/v1/props"):  # /props is not under /v1 (404 there)
+        path = path[: -len("/v1/props")] + "/props"
+    try:
+        body = client.request("GET", parts._replace(path=path).geturl(), timeout_s=timeout_s).json()
+    except (httpclient.HTTPError, ValueError):
+        return None
+    slots = body.get("total_slots") if isinstance(body, dict) else None
+    return slots if type(slots) is int and slots > 0 else None
 
 
 def _error_text(body: Any) -> str:
