@@ -708,6 +708,13 @@ def request_limit(config: RunConfig, prompts: int, slots: int | None, base_url: 
         f"at most {share * workers} of the {in_flight} prompts in flight send one ({share} per worker; "
         "--max_concurrent_requests sets another limit); the others wait their turn, and that wait does not "
         "count against --prompt_timeout"
+        + (
+            f"; with {workers} workers, each sending one at least, {share * workers - slots} wait in the "
+            "server's own queue, where it counts: fewer --num_workers with more --prompts_per_worker keep "
+            "them in the run's"
+            if share * workers > slots + 1
+            else ""
+        )
     )
     return RequestLimit(share, workers, "llama.cpp total_slots", slots)
 

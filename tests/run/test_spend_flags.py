@@ -97,6 +97,8 @@ def test_against_a_llama_server_requests_in_flight_follow_its_slots(
             "endpoint_slots": slots,
         }
         assert f"serves {slots} request" in said and "does not count against --prompt_timeout" in said
+        # More workers than the slots and one: the surplus waits in the server's queue, and is told so.
+        assert ("fewer --num_workers" in said) == (per_worker * workers > slots + 1)
 
 
 def test_max_rpm_spaces_the_requests(server, tmp_path):
