@@ -795,15 +795,15 @@ class LLMClient:
             if self.stop is not None and self.stop.is_set():
                 raise BudgetStop()
             ticket = None
+            priority = usage.calls if usage is not None else 0  # a prompt under way goes first
             if self.gate is not None:
-                priority = usage.calls if usage is not None else 0
                 ticket, waited = self.gate.reserve(worst, deadline, priority, model)
                 deadline += waited  # waiting for the budget is not the prompt's time
             answered: dict[str, Any] | None = None
             try:
                 try:
                     # A run-wide pause (another prompt's 429) does not count against this prompt's time.
-                    deadline += self.limiter.acquire(deadline)
+                    deadline += self.limiter.acquire(deadline, priority)
                 except LimitTimeout as exc:
                     raise LLMError("timeout", str(exc)) from exc
                 try:

@@ -182,6 +182,32 @@ def test_request_slots_go_to_the_longest_waiter() -> None:
         lim.release()  # more releases than slots
 
 
+def test_a_prompt_under_way_gets_a_request_slot_before_first_calls() -> None:
+    """A freed slot goes to the call of the prompt that has made the most calls, first come first
+    served among equals: prompts finish one after another, not all at the end of the run (20 prompts
+    on one slot: the first record came after 1.6-2.0 s instead of 8.5-9.1 s, the mean prompt lasted
+    8-10 s instead of 12-13 s, the run as long)."""
+    lim = Limiter(max_concurrent=1)
+    lim.acquire(time.monotonic() + 5)
+    order: list[str] = []
+
+    def request(name: str, calls_made: int) -> None:
+        lim.acquire(time.monotonic() + 60, calls_made)
+        order.append(name)
+        time.sleep(0.02)
+        lim.release()
+
+    threads = []
+    for name, calls_made in (("first-a", 0), ("first-b", 0), ("third-call", 2), ("second-call", 1)):
+        threads.append(threading.Thread(target=request, args=(name, calls_made)))
+        threads[-1].start()
+        time.sleep(0.05)
+    lim.release()
+    for t in threads:
+        t.join(10)
+    assert order == ["third-call", "second-call", "first-a", "first-b"]
+
+
 # ----------------------------------------------------------------------------- the run-wide 429 pause
 
 
