@@ -315,9 +315,7 @@ def run_steps(
     if preflighted.batches:
         secrets = tuple(sorted(getattr(recorder.redact, "values", ())))
         limit = request_limit(config, plan.prompts, slots[0] if slots else None, llm.base_url)
-        settings = worker_settings(
-            config, llm, preflighted.sandbox_options, tools_run, mcp, secrets, limit.per_worker
-        )
+        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp, secrets, limit)
         dispatch = Dispatch(config, settings, recorder)
         recorder.on_kept_line = prepared = finish.PreparedLines(config.report_max_trajectories)
         try:
@@ -621,48 +619,7 @@ def shown_command(redact: Callable[[str], str]) -> str:
     return redact(" ".join(["python", shlex.quote(sys.argv[0]), *args]))
 
 
-def worker_settings(
-    config: RunConfig,
-    llm: Any,
-    sandbox_options: dict[str, Any],
-    tools_run: ToolSettings,
-    mcp: McpSetup | None = None,
-    secret_values: tuple[str, ...] = (),
-    requests_per_worker: int | None = None,
-) -> WorkerSettings:
-    """What every worker gets, once: the prompt side's settings, derived from the config and preflight;
-    ``secret_values``: the run's secrets (the recorder's Redactor's), which no tool result may carry
-    on to the model. ``requests_per_worker``: each worker's requests in flight (:func:`request_limit`;
-    None: --max_concurrent_requests's share, or none)."""
-    return WorkerSettings(
-        run_name=config.run_name,
-        llm=llm,
-        limits=config.loop_limits(),
-        rpm_per_worker=None if config.max_rpm is None else config.max_rpm / config.num_workers,
-        requests_per_worker=requests_per_worker
-        or (
-            None
-            if config.max_concurrent_requests is None
-            else config.max_concurrent_requests // config.num_workers
-        ),
-        sandbox_backend=config.backend,
-        sandbox_options=sandbox_options,
-        sandbox_network=config.sandbox_network,
-        ephemeral_system_prompt=config.ephemeral_prompt,
-        prefill_messages=config.prefill_messages,
-        require_reasoning=not config.keep_no_reasoning,
-        keep_invalid_tool_calls=config.keep_invalid_tool_calls,
-        keep_empty_answers=config.keep_empty_answers,
-        verbose=config.verbose,
-        log_prefix_chars=config.log_prefix_chars,
-        tool_settings=tools_run,
-        tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
-        request_seed=config.seed if config.seed_per_request else None,
-        budget_gate=config.budget_tokens is not None or config.budget_usd is not None,
-        scoring=config.scoring_settings(),
-        judge_llm=judge_llm_config(config, llm),
-        secret_values=secret_values,
-    )
+LLAMA_SLOTS = "llama.cpp total_slots"  # what set a limit read from a llama-server's /props
 
 
 @dataclasses.dataclass(frozen=True)
@@ -716,7 +673,54 @@ def request_limit(config: RunConfig, prompts: int, slots: int | None, base_url: 
             else ""
         )
     )
-    return RequestLimit(share, workers, "llama.cpp total_slots", slots)
+    return RequestLimit(share, workers, LLAMA_SLOTS, slots)
+
+
+def worker_settings(
+    config: RunConfig,
+    llm: Any,
+    sandbox_options: dict[str, Any],
+    tools_run: ToolSettings,
+    mcp: McpSetup | None = None,
+    secret_values: tuple[str, ...] = (),
+    limit: RequestLimit | None = None,
+) -> WorkerSettings:
+    """What every worker gets, once: the prompt side's settings, derived from the config and preflight;
+    ``secret_values``: the run's secrets (the recorder's Redactor's), which no tool result may carry
+    on to the model. ``limit``: the run's requests in flight (:func:`request_limit`; None:
+    --max_concurrent_requests's share, or none)."""
+    by_slots = limit is not None and limit.set_by == LLAMA_SLOTS
+    return WorkerSettings(
+        run_name=config.run_name,
+        llm=llm,
+        limits=config.loop_limits(),
+        rpm_per_worker=None if config.max_rpm is None else config.max_rpm / config.num_workers,
+        requests_per_worker=limit.per_worker
+        if by_slots
+        else (
+            None
+            if config.max_concurrent_requests is None
+            else config.max_concurrent_requests // config.num_workers
+        ),
+        request_slots_endpoint_only=by_slots,
+        sandbox_backend=config.backend,
+        sandbox_options=sandbox_options,
+        sandbox_network=config.sandbox_network,
+        ephemeral_system_prompt=config.ephemeral_prompt,
+        prefill_messages=config.prefill_messages,
+        require_reasoning=not config.keep_no_reasoning,
+        keep_invalid_tool_calls=config.keep_invalid_tool_calls,
+        keep_empty_answers=config.keep_empty_answers,
+        verbose=config.verbose,
+        log_prefix_chars=config.log_prefix_chars,
+        tool_settings=tools_run,
+        tools=RunTools(mcp=mcp, known_tools=tuple(known_tool_names())),
+        request_seed=config.seed if config.seed_per_request else None,
+        budget_gate=config.budget_tokens is not None or config.budget_usd is not None,
+        scoring=config.scoring_settings(),
+        judge_llm=judge_llm_config(config, llm),
+        secret_values=secret_values,
+    )
 
 
 def judge_llm_config(config: RunConfig, llm: Any) -> Any:

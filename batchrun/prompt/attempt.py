@@ -88,6 +88,8 @@ class WorkerSettings:
     sandbox_network: bool = True  # whether the prompt's commands may reach the network
     rpm_per_worker: float | None = None  # this worker's share of --max_rpm
     requests_per_worker: int | None = None  # this worker's share of --max_concurrent_requests
+    # The requests_per_worker are a llama-server's slots (the run's endpoint): no other endpoint's take one.
+    request_slots_endpoint_only: bool = False
     tool_settings: ToolSettings = NO_SETTINGS  # ToolContext.settings: run endpoint, run_dir, tool_env
     output_cap_bytes: int = 64 * 1024
     ephemeral_system_prompt: str | None = None

@@ -89,9 +89,11 @@ class Limiter:
         self.waited_s = 0.0
         self._local = threading.local()  # per prompt thread: its own 429's pause, its credited pause time
 
-    def acquire(self, deadline: float, priority: int = 0) -> float:
+    def acquire(self, deadline: float, priority: int = 0, slotted: bool = True) -> float:
         """Wait for the run-wide pause, a request slot and this worker's rate; ``deadline`` is monotonic,
         ``priority`` the calls the prompt has made (a prompt further under way gets a slot first).
+        ``slotted``: False for a request that takes no slot (another endpoint than the llama-server whose
+        slots they are); :meth:`release` it the same way.
 
         Returns the seconds this thread waited for a pause that another prompt's 429 caused, or for a
         request slot: that time does not count against this prompt's deadline (the caller moves its
@@ -112,7 +114,7 @@ class Limiter:
                 deadline += step
         # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
         # slot would be spent by the time the slot frees, and the requests behind it would go in a burst.
-        if self._slots is not None:
+        if self._slots is not None and slotted:
             asked = time.monotonic()
             remaining = deadline - asked
             # The wait for a slot is credited: with more prompts in flight than the endpoint serves at
@@ -128,7 +130,7 @@ class Limiter:
         try:
             self._take_turn(deadline)
         except BaseException:
-            self.release()
+            self.release(slotted)
             raise
         self.waited_s += time.monotonic() - start
         return credited
@@ -150,8 +152,8 @@ class Limiter:
         """All pause time credited to the calling thread so far (a prompt compares it before and after)."""
         return getattr(self._local, "credited", 0.0)
 
-    def release(self) -> None:
-        if self._slots is not None:
+    def release(self, slotted: bool = True) -> None:
+        if self._slots is not None and slotted:
             self._slots.release()
 
     def pause(self, seconds: float, *, broadcast: bool = True) -> float:
