@@ -795,7 +795,9 @@ class LLMClient:
         prompt_estimate = estimate_tokens(payload)
         worst = prompt_estimate + (completion_limit or 0)
         failures = rate_limited = 0
-        slotted = self.slot_endpoint is None or self.slot_endpoint.rstrip("/") == self.cfg.base_url.rstrip("/")
+        slotted = self.slot_endpoint is None or self.slot_endpoint.rstrip("/") == self.cfg.base_url.rstrip(
+            "/"
+        )
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise BudgetStop()
