@@ -273,6 +273,7 @@ def run_steps(
         network=config.sandbox_network,
         dataset=config.dataset_file,
     )
+    slots: list[int] = []  # llama-server's parallel slots, when the start check found one
     if will_call_the_model(preflighted.batches):
         # A USD cap needs each answer's cost (mock: free); without one it would count $0 and never stop.
         priced = [f"--{f}" for f in ("budget_usd", "max_prompt_usd") if getattr(config, f) is not None]
@@ -293,7 +294,12 @@ def run_steps(
             # A server still loading its model (llama.cpp answers 503 meanwhile) is waited for, as a run
             # waits for an endpoint that died to come back.
             check = check_endpoint(
-                endpoint, needs_cost=needs_cost, who=who, gate=gate, grace_s=config.endpoint_grace
+                endpoint,
+                needs_cost=needs_cost,
+                who=who,
+                gate=gate,
+                grace_s=config.endpoint_grace,
+                on_slots=slots.append if endpoint is llm else None,
             )
             if check.calls and gate is None:  # it cost what any call costs: the run's spend counts it
                 recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)
@@ -305,9 +311,11 @@ def run_steps(
     recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
     prepared = None
+    limit = RequestLimit()
     if preflighted.batches:
         secrets = tuple(sorted(getattr(recorder.redact, "values", ())))
-        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp, secrets)
+        limit = request_limit(config, plan.prompts, slots[0] if slots else None, llm.base_url)
+        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp, secrets, limit)
         dispatch = Dispatch(config, settings, recorder)
         recorder.on_kept_line = prepared = finish.PreparedLines(config.report_max_trajectories)
         try:
@@ -342,7 +350,14 @@ def run_steps(
         if preflighted.batches:
             dispatch.wait_for_workers()
     stats = finish.statistics(
-        config, rows, totals, recorder, preflighted.isolation, preflighted.sandbox_facts, kept.scores
+        config,
+        rows,
+        totals,
+        recorder,
+        preflighted.isolation,
+        preflighted.sandbox_facts,
+        kept.scores,
+        limit.as_dict(),
     )
     stop = _stopped_early(config, recorder, dispatch if preflighted.batches else None, interrupted)
     code = stop[0] if stop else finish.exit_code(stats, interrupted, config.max_failure_rate)
@@ -606,6 +621,63 @@ def shown_command(redact: Callable[[str], str]) -> str:
     return redact(" ".join(["python", shlex.quote(sys.argv[0]), *args]))
 
 
+LLAMA_SLOTS = "llama.cpp total_slots"  # what set a limit read from a llama-server's /props
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimit:
+    """The run's limit on model requests in flight, and what set it (statistics.json's
+    ``requests_in_flight_limit``)."""
+
+    per_worker: int | None = None  # None: no limit
+    workers: int = 1
+    set_by: str | None = None  # "--max_concurrent_requests" or "llama.cpp total_slots"
+    endpoint_slots: int | None = None  # llama-server's --parallel, when it said
+
+    def as_dict(self) -> dict[str, Any] | None:
+        if self.per_worker is None:
+            return None
+        return {
+            "requests": self.per_worker * self.workers,
+            "per_worker": self.per_worker,
+            "set_by": self.set_by,
+            "endpoint_slots": self.endpoint_slots,
+        }
+
+
+def request_limit(config: RunConfig, prompts: int, slots: int | None, base_url: str) -> RequestLimit:
+    """Model requests in flight: --max_concurrent_requests when given; else, against a llama-server
+    with fewer slots than prompts in flight, its slots and one more (split over the workers, rounded
+    up), so that one request waits in the server's queue, ready the moment a slot frees: with exactly
+    its slots, the next request's sending and tokenizing came after each answer (2 slots, 20 prompts:
+    28.2 s against 20.2 s). The other requests wait in the run's own queue, in order, and that wait
+    does not count against the prompt's deadline (batchrun/prompt/limiter.py). Before, they all waited
+    in the server's, where a wait cannot be told from a stall: 20 prompts in flight against a one-slot
+    server all timed out at a --prompt_timeout that a lone prompt meets five times over."""
+    workers = config.num_workers
+    if config.max_concurrent_requests is not None:
+        share = config.max_concurrent_requests // workers
+        return RequestLimit(share, workers, "--max_concurrent_requests", slots)
+    in_flight = min(workers * config.prompts_per_worker, max(prompts, 1))
+    share = None if slots is None else -(-(slots + 1) // workers)
+    if share is None or share * workers >= in_flight:  # the server serves them all at once, near enough
+        return RequestLimit(endpoint_slots=slots)
+    print(
+        f"llama.cpp at {safe_url(base_url)} serves {slots} request{'s' * (slots > 1)} at once (--parallel): "
+        f"at most {share * workers} of the {in_flight} prompts in flight send one ({share} per worker; "
+        "--max_concurrent_requests sets another limit); the others wait their turn, and that wait does not "
+        "count against --prompt_timeout"
+        + (
+            f"; with {workers} workers, each sending one at least, {share * workers - slots} wait in the "
+            "server's own queue, where it counts: fewer --num_workers with more --prompts_per_worker keep "
+            "them in the run's"
+            if share * workers > slots + 1
+            else ""
+        )
+    )
+    return RequestLimit(share, workers, LLAMA_SLOTS, slots)
+
+
 def worker_settings(
     config: RunConfig,
     llm: Any,
@@ -613,18 +685,26 @@ def worker_settings(
     tools_run: ToolSettings,
     mcp: McpSetup | None = None,
     secret_values: tuple[str, ...] = (),
+    limit: RequestLimit | None = None,
 ) -> WorkerSettings:
     """What every worker gets, once: the prompt side's settings, derived from the config and preflight;
     ``secret_values``: the run's secrets (the recorder's Redactor's), which no tool result may carry
-    on to the model."""
+    on to the model. ``limit``: the run's requests in flight (:func:`request_limit`; None:
+    --max_concurrent_requests's share, or none)."""
+    by_slots = limit is not None and limit.set_by == LLAMA_SLOTS
     return WorkerSettings(
         run_name=config.run_name,
         llm=llm,
         limits=config.loop_limits(),
         rpm_per_worker=None if config.max_rpm is None else config.max_rpm / config.num_workers,
-        requests_per_worker=None
-        if config.max_concurrent_requests is None
-        else config.max_concurrent_requests // config.num_workers,
+        requests_per_worker=limit.per_worker
+        if by_slots
+        else (
+            None
+            if config.max_concurrent_requests is None
+            else config.max_concurrent_requests // config.num_workers
+        ),
+        request_slots_endpoint_only=by_slots,
         sandbox_backend=config.backend,
         sandbox_options=sandbox_options,
         sandbox_network=config.sandbox_network,

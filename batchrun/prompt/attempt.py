@@ -88,6 +88,8 @@ class WorkerSettings:
     sandbox_network: bool = True  # whether the prompt's commands may reach the network
     rpm_per_worker: float | None = None  # this worker's share of --max_rpm
     requests_per_worker: int | None = None  # this worker's share of --max_concurrent_requests
+    # The requests_per_worker are a llama-server's slots (the run's endpoint): no other endpoint's take one.
+    request_slots_endpoint_only: bool = False
     tool_settings: ToolSettings = NO_SETTINGS  # ToolContext.settings: run endpoint, run_dir, tool_env
     output_cap_bytes: int = 64 * 1024
     ephemeral_system_prompt: str | None = None
@@ -131,6 +133,8 @@ def run_prompt(
     model's client); its ``score`` goes into the record.
     """
     started = time.monotonic()
+    limiter = getattr(llm, "limiter", None)
+    credited_at_start = limiter.credited_s() if limiter is not None else 0.0
     usage = Usage()
     if job.fail_reason:
         return Outcome.failed(job, "preflight", job.fail_reason, usage.as_dict())
@@ -161,7 +165,11 @@ def run_prompt(
                 holds_secret=secret_finder(settings.secret_values),
             )
             record = _record(job, settings, result, usage, limits, tools, lifecycle)
-            deadline = started + limits.prompt_timeout_s + settings.scoring.verify_timeout_s
+            # The waits the loop's deadline was moved by (a request slot, another prompt's 429) move
+            # the judging's too: without them, every sample of 20 queued on a one-slot llama-server
+            # was scored "no time left for verify" (its verify never ran) although no time was its own.
+            credited = limiter.credited_s() - credited_at_start if limiter is not None else 0.0
+            deadline = started + credited + limits.prompt_timeout_s + settings.scoring.verify_timeout_s
             close_prompt_resources(ctx)  # the agent is done: its browser, MCP servers, ... before judging
             record["score"], judge_usage = judge_sample(
                 record, job, settings.scoring, sandbox, judge, deadline

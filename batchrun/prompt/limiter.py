@@ -5,20 +5,71 @@ Every worker process holds one :class:`Limiter`. The parent splits the run's lim
 together never exceed them, with no round trip per request. When any worker is told to slow down
 (HTTP 429), it pauses itself and reports it to the parent, which relays the pause to every worker:
 the whole run slows down, instead of each worker retrying on its own and stampeding the provider.
+
+Waiting for a request slot is not a prompt's own time either: the slots are the run's own queue, in
+front of an endpoint that can serve only so many (llama-server's ``--parallel`` slots), handed out in
+the order they were asked for. Each holder's request is bounded by ``--request_timeout`` and its own
+prompt's deadline, so the wait is bounded by the requests ahead of it; :data:`MAX_SLOT_WAIT_S` past
+the deadline still ends it, whatever happens.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
 import threading
 import time
 from collections.abc import Callable
 
 MAX_PAUSE_S = 120.0  # cap on one back-off, whatever Retry-After says (a frozen run helps no one)
+MAX_SLOT_WAIT_S = 3600.0  # a request slot waited for past the prompt's deadline at most this long
 
 
 class LimitTimeout(TimeoutError):
     """The deadline passed while waiting for the limiter."""
+
+
+class FairSlots:
+    """A counting semaphore that hands a freed slot to the waiter of the prompt furthest under way
+    (``priority``: the calls its prompt has made), then to the longest waiter. threading's lets a
+    newcomer take a slot that frees before the waiter it woke runs again, and that waiter queues anew at
+    the end: with the wait credited to the prompt, it could be passed over again and again. Prompts under
+    way first, so that they finish one after another instead of all at the end of the run: their
+    sandboxes close and their records are written as they go (20 prompts, one slot: the first was
+    written after 13 of the run's 16 s when the slots went in order of asking). A first call waits at
+    most for the prompts under way, which are the ones in flight, each bounded by its deadline."""
+
+    def __init__(self, size: int):
+        self._size = self._free = size
+        self._lock = threading.Lock()
+        self._queue: list[tuple[int, int, threading.Event]] = []  # a heap: (-priority, arrival, turn)
+        self._arrivals = itertools.count()
+
+    def acquire(self, timeout: float, priority: int = 0) -> bool:
+        with self._lock:
+            if self._free and not self._queue:
+                self._free -= 1
+                return True
+            entry = (-priority, next(self._arrivals), threading.Event())
+            heapq.heappush(self._queue, entry)
+        if entry[2].wait(max(0.0, timeout)):
+            return True
+        with self._lock:
+            if entry[2].is_set():  # handed a slot just as the wait ended: it is this one's
+                return True
+            self._queue.remove(entry)
+            heapq.heapify(self._queue)
+            return False
+
+    def release(self) -> None:
+        with self._lock:
+            if self._queue:
+                heapq.heappop(self._queue)[2].set()  # the slot passes straight to the first waiter
+                return
+            if self._free >= self._size:
+                raise ValueError("FairSlots released too many times")
+            self._free += 1
 
 
 class Limiter:
@@ -30,7 +81,7 @@ class Limiter:
     ):
         """``rpm``: this worker's requests per minute (None: unlimited); ``max_concurrent``: requests at once."""
         self.rpm = rpm
-        self._slots = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
+        self._slots = FairSlots(max_concurrent) if max_concurrent else None
         self._lock = threading.Lock()
         self._next_free = 0.0  # monotonic time at which the next request may start (token spacing)
         self._paused_until = 0.0  # wall-clock time (shared across processes through the parent)
@@ -38,12 +89,15 @@ class Limiter:
         self.waited_s = 0.0
         self._local = threading.local()  # per prompt thread: its own 429's pause, its credited pause time
 
-    def acquire(self, deadline: float) -> float:
-        """Wait for the run-wide pause, a request slot and this worker's rate; ``deadline`` is monotonic.
+    def acquire(self, deadline: float, priority: int = 0, slotted: bool = True) -> float:
+        """Wait for the run-wide pause, a request slot and this worker's rate; ``deadline`` is monotonic,
+        ``priority`` the calls the prompt has made (a prompt further under way gets a slot first).
+        ``slotted``: False for a request that takes no slot (another endpoint than the llama-server whose
+        slots they are); :meth:`release` it the same way.
 
-        Returns the seconds this thread waited for a pause that another prompt's 429 caused: that time
-        does not count against this prompt's deadline (the caller moves its deadline by it; see also
-        :meth:`credited_s`). Waiting out a pause its own 429 caused does count.
+        Returns the seconds this thread waited for a pause that another prompt's 429 caused, or for a
+        request slot: that time does not count against this prompt's deadline (the caller moves its
+        deadline by it; see also :meth:`credited_s`). Waiting out a pause its own 429 caused does count.
         """
         start = time.monotonic()
         credited = 0.0
@@ -58,17 +112,25 @@ class Limiter:
                 time.sleep(step)
                 credited += step
                 deadline += step
-        self._local.credited = self.credited_s() + credited
         # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
         # slot would be spent by the time the slot frees, and the requests behind it would go in a burst.
-        if self._slots is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._slots.acquire(timeout=remaining):
+        if self._slots is not None and slotted:
+            asked = time.monotonic()
+            remaining = deadline - asked
+            # The wait for a slot is credited: with more prompts in flight than the endpoint serves at
+            # once, their requests queue (here, or in the server's own queue without a limit), and
+            # charged to their deadlines every prompt of 20 timed out against a one-slot llama-server.
+            if remaining <= 0 or not self._slots.acquire(remaining + MAX_SLOT_WAIT_S, priority):
+                self._local.credited = self.credited_s() + credited
                 raise LimitTimeout("no request slot before the prompt's deadline")
+            queued = time.monotonic() - asked
+            credited += queued
+            deadline += queued
+        self._local.credited = self.credited_s() + credited
         try:
             self._take_turn(deadline)
         except BaseException:
-            self.release()
+            self.release(slotted)
             raise
         self.waited_s += time.monotonic() - start
         return credited
@@ -90,8 +152,8 @@ class Limiter:
         """All pause time credited to the calling thread so far (a prompt compares it before and after)."""
         return getattr(self._local, "credited", 0.0)
 
-    def release(self) -> None:
-        if self._slots is not None:
+    def release(self, slotted: bool = True) -> None:
+        if self._slots is not None and slotted:
             self._slots.release()
 
     def pause(self, seconds: float, *, broadcast: bool = True) -> float:

@@ -605,6 +605,10 @@ class LLMClient:
         self.usd_per_token = (
             0.0  # the most an answer of this client cost per token (its failed attempts' price)
         )
+        # When set, only requests to this base URL take one of the limiter's request slots: they are
+        # a llama-server's, and a judge's or a tool's model elsewhere is not held back by them. None:
+        # every request takes one (--max_concurrent_requests bounds all of the run's model requests).
+        self.slot_endpoint: str | None = None
 
     def _warn_once(self, key: str, text: str) -> None:
         with self._warn_lock:
@@ -791,19 +795,22 @@ class LLMClient:
         prompt_estimate = estimate_tokens(payload)
         worst = prompt_estimate + (completion_limit or 0)
         failures = rate_limited = 0
+        slotted = self.slot_endpoint is None or self.slot_endpoint.rstrip("/") == self.cfg.base_url.rstrip(
+            "/"
+        )
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise BudgetStop()
             ticket = None
+            priority = usage.calls if usage is not None else 0  # a prompt under way goes first
             if self.gate is not None:
-                priority = usage.calls if usage is not None else 0
                 ticket, waited = self.gate.reserve(worst, deadline, priority, model)
                 deadline += waited  # waiting for the budget is not the prompt's time
             answered: dict[str, Any] | None = None
             try:
                 try:
                     # A run-wide pause (another prompt's 429) does not count against this prompt's time.
-                    deadline += self.limiter.acquire(deadline)
+                    deadline += self.limiter.acquire(deadline, priority, slotted)
                 except LimitTimeout as exc:
                     raise LLMError("timeout", str(exc)) from exc
                 try:
@@ -820,7 +827,7 @@ class LLMClient:
                         answered = {"unanswered_tokens": exc.unanswered_tokens}
                     raise
                 finally:
-                    self.limiter.release()
+                    self.limiter.release(slotted)
             except _Retry as retry:
                 error, retry_after = retry.error, retry.retry_after
                 if self.on_failure is not None and retry.endpoint_fault:
@@ -980,6 +987,7 @@ class LLMClient:
                 client = siblings[key] = LLMClient(
                     cfg, self.limiter, stop=self.stop, on_usage=self.on_usage, gate=self.gate
                 )
+                client.slot_endpoint = self.slot_endpoint
         return client
 
     def close(self) -> None:

@@ -428,8 +428,10 @@ def statistics(
     isolation: str,
     sandbox_facts: dict[str, Any] | None = None,
     scores: RunScores | None = None,
+    request_limit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Statistics over the merged output of every run of this run name, plus this run's counters.
+    ``request_limit``: this run's limit on model requests in flight and what set it (None: none).
 
     ``scores``: the kept samples' scores as the merge fed them (:class:`KeptFeed`); without it they
     are read back from trajectories.jsonl. The discarded samples' are added here."""
@@ -534,6 +536,8 @@ def statistics(
             "skipped_for_budget": recorder.counts["skipped_budget"],
             "budget": recorder.budget_summary(),
             "rate_limit_pauses": recorder.counts["rate_limit_pauses"],
+            # Model requests in flight at most: {requests, per_worker, set_by, endpoint_slots}, or None.
+            "requests_in_flight_limit": request_limit,
             "bad_dataset_lines": recorder.counts["bad_lines"],
             "toolsets_offered": {
                 k.split(":", 1)[1]: v for k, v in recorder.counts.items() if k.startswith("toolset:")

@@ -8,10 +8,12 @@ own prompts, without a model call. The backend's own steps live on its class (se
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
@@ -38,15 +40,25 @@ REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: thi
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 UNAVAILABLE = 503  # "there, not ready yet": llama.cpp's answer to every request while it loads its model
 UNAVAILABLE_POLL_S = 2.0  # how often the start check asks again an endpoint that answers 503
+# How a 503 says "loading": llama-server's {"error": {"message": "Loading model", "type":
+# "unavailable_error"}}, a Hugging Face endpoint's "Model ... is currently loading". Any other 503 (a
+# proxy whose upstream is gone) is a failed start check at once, not --endpoint_grace later.
+LOADING = re.compile(r"\bloading\b", re.IGNORECASE)
+
+
+def says_loading(text: str) -> bool:
+    """Whether a 503's message says the server is loading its model (it will answer once loaded)."""
+    return LOADING.search(text) is not None
 
 
 class Unavailable:
-    """The start check's patience with an endpoint that answers 503 (llama-server's ``Loading model``,
-    for as long as its weights take to load): it is there and will answer, so the check asks again
-    every :data:`UNAVAILABLE_POLL_S` (or its Retry-After) for up to ``grace_s`` seconds, the
-    ``--endpoint_grace`` a run gives an endpoint to come back, shared by ``/models`` and the chat call.
-    Before, the check gave up after two tries half a second apart: a run started beside a llama-server
-    still loading its model exited 2 in 0.6 s."""
+    """The start check's patience with an endpoint that answers 503 saying it is loading its model
+    (llama-server's ``Loading model``, for as long as its weights take to load, :func:`says_loading`):
+    it is there and will answer, so the check asks again every :data:`UNAVAILABLE_POLL_S` (or its
+    Retry-After) for up to ``grace_s`` seconds, the ``--endpoint_grace`` a run gives an endpoint to come
+    back, shared by ``/models`` and the chat call. Before, the check gave up after two tries half a
+    second apart: a run started beside a llama-server still loading its model exited 2 in 0.6 s. A 503
+    that does not say so is not waited for (every 503 was: a dead proxy's took 120 s to exit 2)."""
 
     def __init__(self, grace_s: float, who: str, shown: str) -> None:
         self.until = time.monotonic() + grace_s
@@ -78,6 +90,7 @@ def check_endpoint(
     who: str = "the endpoint",
     gate: SpendGate | None = None,
     grace_s: float = 0.0,
+    on_slots: Callable[[int], None] | None = None,
 ) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
@@ -93,14 +106,23 @@ def check_endpoint(
     how the messages name the endpoint (the judge's has its own check). ``gate``: the run's budget
     (batchrun/run/budget.py's CheckGate), asked before the call is sent; it counts what the call spent.
     ``grace_s``: how long an endpoint that answers 503 (still loading its model) is waited for
-    (:class:`Unavailable`).
+    (:class:`Unavailable`). ``on_slots``: told how many requests the endpoint serves at once, when it
+    is a llama-server (:func:`server_slots`).
     """
     unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url))
-    list_models(cfg, who=who, unavailable=unavailable)
+    list_models(cfg, who=who, unavailable=unavailable, on_slots=on_slots)
     return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate, unavailable=unavailable)
 
 
-def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unavailable | None = None) -> None:
+def list_models(
+    cfg: LLMConfig,
+    *,
+    who: str = "the endpoint",
+    unavailable: Unavailable | None = None,
+    on_slots: Callable[[int], None] | None = None,
+) -> None:
+    """``GET <base_url>/models``: a rejected key stops here; a model it does not list is warned of.
+    ``on_slots``: when the answer says it comes from llama.cpp, told its slots (:func:`server_slots`)."""
     client = httpclient.Client(request_headers(cfg.api_key, cfg.base_url))
     shown = safe_url(cfg.base_url)
     try:
@@ -109,7 +131,12 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
             try:
                 # At most 15 s, and never longer than the user allows one model call to take.
                 timeout_s = min(15.0, cfg.request_timeout_s)
-                body = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=timeout_s).json()
+                answer = client.request("GET", endpoint_url(cfg.base_url, "models"), timeout_s=timeout_s)
+                body = answer.json()
+                if on_slots is not None and answer.headers.get("server", "").lower().startswith("llama.cpp"):
+                    slots = server_slots(client, cfg.base_url, timeout_s)
+                    if slots is not None:
+                        on_slots(slots)
                 break
             except httpclient.StatusError as exc:
                 if (
@@ -124,10 +151,12 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
                     ) from None
                 if exc.status_code == 401:
                     raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None
+                message = error_message(exc)
                 if (
                     exc.status_code == UNAVAILABLE
                     and unavailable is not None
-                    and unavailable.wait(f"GET /models: {error_message(exc)}", retry_after_s(exc))
+                    and says_loading(f"{message} {_error_text(exc.body)}")
+                    and unavailable.wait(f"GET /models: {message}", retry_after_s(exc))
                 ):
                     continue  # the key and the model's name are checked once it is ready
                 return  # some servers have no /models; the start check's chat call tells
@@ -142,6 +171,28 @@ def list_models(cfg: LLMConfig, *, who: str = "the endpoint", unavailable: Unava
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list):
         warn_unlisted_model(cfg.model, listed_names(data), who=who)
+
+
+def server_slots(client: httpclient.Client, base_url: str, timeout_s: float) -> int | None:
+    """llama-server's parallel slots (``--parallel``): ``total_slots`` of its ``/props``, served beside
+    ``/v1`` (at the base's root). None when it does not say (an older build, a proxy in front)."""
+    parts = urlsplit(endpoint_url(base_url, "props"))
+    path = parts.path
+    if path.endswith("/v1/props"):  # /props is not under /v1 (404 there)
+        path = path[: -len("/v1/props")] + "/props"
+    try:
+        body = client.request("GET", parts._replace(path=path).geturl(), timeout_s=timeout_s).json()
+    except (httpclient.HTTPError, ValueError):
+        return None
+    slots = body.get("total_slots") if isinstance(body, dict) else None
+    return slots if type(slots) is int and slots > 0 else None
+
+
+def _error_text(body: Any) -> str:
+    """An error body's ``error`` when it is text (Hugging Face: ``{"error": "Model ... is currently
+    loading"}``), which :func:`error_message` does not show."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return err[:200] if isinstance(err, str) else ""
 
 
 def listed_names(data: list) -> list[str]:
@@ -199,7 +250,12 @@ def check_chat(
                 )
                 break
             except LLMError as exc:
-                if exc.status != UNAVAILABLE or unavailable is None or not unavailable.wait(str(exc)):
+                if (
+                    exc.status != UNAVAILABLE
+                    or unavailable is None
+                    or not says_loading(str(exc))
+                    or not unavailable.wait(str(exc))
+                ):
                     raise
     except LLMError as exc:
         if exc.status in REFUSALS:

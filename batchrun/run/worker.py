@@ -195,11 +195,14 @@ def init_worker(
         ),
         gate=gate,
     )
+    if settings.request_slots_endpoint_only:
+        _state.llm.slot_endpoint = settings.llm.base_url
     if settings.judge_llm is not None:
         # The judge shares the run's limiter, stop and budget; its endpoint's health is not the agent's.
         _state.judge = LLMClient(
             settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_unbudgeted, gate=gate
         )
+        _state.judge.slot_endpoint = _state.llm.slot_endpoint
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import read_jsonl, skip_or_fail, write_jsonl
+from helpers import read_jsonl, skip_or_fail, write_jsonl, write_rows
 from llama.model import Script, write_model  # tests/llama, importable like conftest
 from llama.server import LlamaServer, find_binary
 
@@ -415,3 +415,41 @@ def test_more_requests_in_flight_than_the_servers_http_threads_do_not_wait_out_i
         client.close()
     took = time.monotonic() - started
     assert took < 3.0, f"32 calls took {took:.1f} s"
+
+
+def test_more_prompts_in_flight_than_the_servers_slots_wait_their_turn_without_timing_out(
+    tmp_path_factory, tmp_path, capsys
+):
+    """Twenty prompts in flight against one slot, each call a full prompt evaluation (~0.4 s: no prompt
+    cache), at a --prompt_timeout of 8 s that a lone prompt meets in about 1 s. The requests the slot
+    cannot serve waited in the server's queue, charged to their prompts' deadlines: all 20 timed out
+    (failed.jsonl, a --resume to pay again) while the server was merely busy. Now the run reads the
+    server's slots from its /props, sends that many requests and one more, and the others' wait for
+    their turn does not count against their deadline: every prompt completes. Nor against its judging:
+    each row's verify command runs after the last turn by the prompt's deadline plus --verify_timeout,
+    and every sample was scored "no time left for verify" once the waits were credited to the loop only."""
+    script = Script(calls=[("terminal", {"command": "echo hello"})], answer="Done.")
+    server = _server(tmp_path_factory, "one-slot", script, slots=1, extra_args=("--no-cache-prompt",))
+    prompts = [f"Say hello ({i})." for i in range(20)]
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": p, "verify": "true"} for p in prompts])
+    try:
+        run_dir = _run(
+            server, tmp_path, prompts, batch_size=20, prompts_per_worker=20, prompt_timeout=8,
+            verify_timeout=2, keep_no_reasoning=True, dataset_file=str(rows),
+        )  # fmt: skip
+    finally:
+        server.stop()
+    failed = read_jsonl(run_dir / "failed.jsonl") if (run_dir / "failed.jsonl").exists() else []
+    assert not failed, f"{len(failed)} failed: {failed[0]['error']}"
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["conversations"][1]["value"] for r in records) == sorted(prompts)
+    assert all(r["completed"] for r in records)
+    assert [r["score"]["status"] for r in records] == ["passed"] * 20, records[0]["score"]
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["this_run"]["requests_in_flight_limit"] == {
+        "requests": 2,
+        "per_worker": 2,
+        "set_by": "llama.cpp total_slots",
+        "endpoint_slots": 1,
+    }
+    assert "serves 1 request at once (--parallel): at most 2 of the 20 prompts" in capsys.readouterr().out

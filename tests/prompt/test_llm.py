@@ -723,3 +723,32 @@ def test_an_endpoint_that_cannot_be_reached_bills_nothing():
             _user("hi"), [], usage=usage
         )
     assert usage.requests == 1 and usage.unanswered_tokens == 0
+
+
+def test_a_llama_servers_request_slots_hold_back_no_other_endpoint():
+    """The slots a run reads from a llama-server's /props are that server's: a judge's or a tool's
+    model on another endpoint (a remote judge of a local agent) does not wait for them, nor hold one
+    while the server could take the next request."""
+    import threading
+
+    from batchrun.prompt.limiter import Limiter
+
+    with FakeModelServer(latency_s=0) as llama, FakeModelServer(latency_s=0) as elsewhere:
+        limiter = Limiter(max_concurrent=1)
+        client = LLMClient(LLMConfig(model="mock", base_url=llama.base_url, api_key="k"), limiter)
+        client.slot_endpoint = llama.base_url
+        judge = client.for_endpoint(elsewhere.base_url, "k2")
+        limiter.acquire(time.monotonic() + 5)  # the server's one slot is taken
+        message = [{"role": "user", "content": "Say hi [calls:0]"}]
+        started = time.monotonic()
+        judge.chat(message, [], deadline=time.monotonic() + 10)
+        assert time.monotonic() - started < 2
+        answered: list[object] = []
+        queued = threading.Thread(target=lambda: answered.append(client.chat(message, [])))
+        queued.start()
+        time.sleep(0.3)
+        assert not answered  # the llama-server's own request waits its turn
+        limiter.release()
+        queued.join(10)
+        assert answered
+        client.close(), judge.close()

@@ -76,6 +76,57 @@ def test_the_models_probe_waits_no_longer_than_the_request_timeout(monkeypatch):
     assert asked == [15, 15]  # the default request timeout (600 s) leaves the probe's own bound
 
 
+@pytest.mark.parametrize(
+    ("server", "props", "told"),
+    [
+        ("llama.cpp", {"total_slots": 2, "model_path": "/models/x.gguf"}, [2]),
+        ("llama.cpp", {"total_slots": "2"}, []),  # not a count: nothing said, no limit
+        ("llama.cpp", {"total_slots": 0}, []),
+        ("uvicorn", {"total_slots": 2}, []),  # vLLM, SGLang, a proxy: /props is never asked
+    ],
+)
+def test_a_llama_servers_slots_are_read_from_its_props_and_no_other_server_is_asked(server, props, told):
+    """llama-server says it in its Server header and serves /props beside /v1 (404 under it); any
+    other endpoint gets exactly the requests it got before (/models, then the chat call)."""
+    import http.server
+    import json
+    import threading
+
+    paths: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            paths.append(self.path)
+            body = json.dumps(
+                props if self.path == "/props" else {"object": "list", "data": [{"id": "m"}]}
+            ).encode()
+            self.send_response(200 if self.path in ("/props", "/v1/models") else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def version_string(self):
+            return server
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    slots: list[int] = []
+    try:
+        list_models(
+            LLMConfig(model="m", base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="k"),
+            on_slots=slots.append,
+        )
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert slots == told
+    assert paths == (["/v1/models", "/props"] if server == "llama.cpp" else ["/v1/models"])
+
+
 # ----------------------------------------------------------------------------- audit: the backend before the start check
 
 

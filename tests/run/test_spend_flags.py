@@ -49,6 +49,56 @@ def test_max_concurrent_requests_bounds_requests_in_flight(server, tmp_path):
     records = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
     assert sorted(first_human(r["conversations"]) for r in records) == sorted(prompts)
     assert all(r["completed"] for r in records)
+    # statistics.json says what limited them
+    limit = read_json(tmp_path / "data" / "run" / "statistics.json")["this_run"]["requests_in_flight_limit"]
+    assert limit == {
+        "requests": 2,
+        "per_worker": 1,
+        "set_by": "--max_concurrent_requests",
+        "endpoint_slots": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("slots", "workers", "prompts", "flag", "per_worker"),
+    [
+        (1, 1, 20, None, 2),  # one request at the server, one in its queue; 18 wait here
+        (2, 1, 20, None, 3),
+        (1, 4, 20, None, 1),  # each worker sends one at a time: at least one a worker
+        (3, 2, 20, None, 2),  # rounded up: no slot idles
+        (16, 1, 16, None, None),  # the server serves every prompt in flight: no limit, as before
+        (8, 1, 8, None, None),
+        (1, 1, 1, None, None),  # one prompt to run
+        (None, 1, 20, None, None),  # not a llama-server (or it did not say): as before
+        (1, 1, 20, 4, 4),  # the user's --max_concurrent_requests wins
+    ],
+)
+def test_against_a_llama_server_requests_in_flight_follow_its_slots(
+    slots, workers, prompts, flag, per_worker, capsys, tmp_path
+):
+    from batchrun.cli import request_limit
+    from batchrun.config import RunConfig
+
+    config = RunConfig.from_flags(
+        dataset_file=str(write_jsonl(tmp_path / "d.jsonl", ["hi"])), batch_size=1, run_name="r",
+        num_workers=workers, prompts_per_worker=16,
+        max_concurrent_requests=flag,
+    )  # fmt: skip
+    limit = request_limit(config, prompts, slots, "http://127.0.0.1:8080/v1")
+    assert limit.per_worker == per_worker
+    said = capsys.readouterr().out
+    if per_worker is None:
+        assert limit.as_dict() is None and not said
+    elif flag is None:
+        assert limit.as_dict() == {
+            "requests": per_worker * workers,
+            "per_worker": per_worker,
+            "set_by": "llama.cpp total_slots",
+            "endpoint_slots": slots,
+        }
+        assert f"serves {slots} request" in said and "does not count against --prompt_timeout" in said
+        # More workers than the slots and one: the surplus waits in the server's queue, and is told so.
+        assert ("fewer --num_workers" in said) == (per_worker * workers > slots + 1)
 
 
 def test_max_rpm_spaces_the_requests(server, tmp_path):

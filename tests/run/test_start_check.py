@@ -8,13 +8,14 @@ the status and the server's message, before any prompt's request, and never prin
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from helpers import OK_REPLY, ScriptedEndpoint, exit_code, write_jsonl
 
 from batchrun.config import UsageError
 from batchrun.prompt.llm import LLMConfig
-from batchrun.run.preflight import check_chat
+from batchrun.run.preflight import Unavailable, check_chat
 
 KEY = "sk-start-check-secret-123"
 
@@ -279,3 +280,43 @@ def test_a_judge_that_cannot_answer_exits_2_before_any_prompt(tmp_path, capsys, 
     assert "the judge's endpoint" in err and "HTTP 404" in err and "judge-nope" in err
     assert "sk-judge-secret-456" not in err and KEY not in err
     assert not (tmp_path / "data" / "run").exists()
+
+
+LOADING = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}  # llama-server's
+
+
+def test_a_503_that_does_not_say_loading_fails_the_start_check_at_once(tmp_path, capsys):
+    """Only a server loading its model is waited for (--endpoint_grace): a proxy whose upstream is gone
+    answers 503 too, and a run against it took the whole grace, 120 s, to exit 2 (0.6 s now)."""
+    down = (503, {"error": {"message": "upstream connect error"}})
+    endpoint = ScriptedEndpoint(lambda call, calls: down, get=down)
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["hi"])
+    started = time.monotonic()
+    try:
+        code = exit_code(None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY)
+    finally:
+        endpoint.close()
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 2 and "failed the start check: HTTP 503: upstream connect error" in err
+    assert "not ready" not in err and took < 30, f"exited after {took:.1f} s"
+    assert len(endpoint.calls) == 2  # the start check and its one retry; no prompt
+
+
+def test_a_server_loading_its_model_is_asked_again_until_it_answers(tmp_path, capsys):
+    """llama-server's 503 "Loading model" (on /models and the chat call alike) is waited for."""
+    ready_at = time.monotonic() + 2.5
+
+    def answer(call, calls):
+        return (200, OK_REPLY) if time.monotonic() >= ready_at else (503, LOADING)
+
+    endpoint = ScriptedEndpoint(answer)
+    try:
+        check_chat(
+            LLMConfig(model="m", base_url=endpoint.base_url, api_key=KEY),
+            unavailable=Unavailable(60, "the endpoint", endpoint.base_url),
+        )
+    finally:
+        endpoint.close()
+    assert time.monotonic() >= ready_at and endpoint.calls[-1]["check"]
+    assert "is not ready (HTTP 503: Loading model" in capsys.readouterr().err
