@@ -97,7 +97,11 @@ def argv(
         f"--run_name={RUN}", f"--output_dir={out}", "--model=fake-model", f"--base_url={server.base_url}",
         "--api_key=sk-sweep-test", "--distribution=terminal_only", f"--num_workers={args.workers}",
         "--prompts_per_worker=2", f"--samples_per_prompt={args.samples}", "--max_failure_rate=1.0",
-        f"--local_isolation={args.isolation}",
+        *(
+            [f"--local_isolation={args.isolation}"]
+            if args.isolation != "docker"
+            else ["--sandbox=docker", "--default_image=batch-runner-test:latest"]
+        ),
     ]  # fmt: skip
     return cmd + args.flag + (["--resume"] if resume else [])
 
@@ -424,7 +428,8 @@ def sweep_writes(
     print("   " + ", ".join(f"{n + 1} {step}" for n, step in enumerate(names) if n >= finish_from))
     every = steps if args.writes < 0 else args.writes
     points = sorted({1 + round((steps - 1) * i / max(1, every - 1)) for i in range(every)})
-    points = sorted({*points, *range(finish_from + 1, steps + 1)})  # every step of the finish phase
+    if args.every_finish_step:
+        points = sorted({*points, *range(finish_from + 1, steps + 1)})
     bad = 0
     for n, at in enumerate(points):
         double = args.double_every and n % args.double_every == args.double_every - 1
@@ -474,10 +479,16 @@ def main() -> int:
     ap.add_argument("--at", type=float, action="append", default=[], help="a chosen instant (s); repeatable")
     ap.add_argument("--samples", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--isolation", default="bwrap")
+    ap.add_argument("--isolation", default="bwrap", help="bwrap, none, or docker (the Docker backend)")
     ap.add_argument("--double_every", type=int, default=3, help="every Nth instant kills the resume too")
     ap.add_argument(
         "--flag", action="append", default=[], help="a runner flag to add, e.g. --flag=--keep=passed"
+    )
+    ap.add_argument(
+        "--every_finish_step",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write mode: kill before every step of the finish phase too",
     )
     ap.add_argument("--torn", action="store_true", help="write mode: the kill tears the line being appended")
     ap.add_argument("--keep", help="keep run directories under this path")
