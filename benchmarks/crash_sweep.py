@@ -111,10 +111,13 @@ def argv(
 # every atomic replace of a state file, the merge's, the report's) and kills its whole group just before
 # step CRASH_SWEEP_KILL_AT; at exit it writes the count to CRASH_SWEEP_COUNT_FILE.
 HOOK = """
-import atexit, os, signal
+import atexit, os, re, signal
 
 _at = int(os.environ.get("CRASH_SWEEP_KILL_AT", "0"))
 _torn = os.environ.get("CRASH_SWEEP_TORN") == "1"
+_parent_only = os.environ.get("CRASH_SWEEP_PARENT_ONLY") == "1"
+# Or by name, whatever the timing ("rename status.json@rename statistics.json": the first after that one).
+_before, _, _after = os.environ.get("CRASH_SWEEP_KILL_BEFORE", "").partition("@")
 _log_file = os.environ.get("CRASH_SWEEP_STEPS_FILE")
 _steps = []
 _fsync = os.fsync
@@ -123,7 +126,7 @@ _fsync = os.fsync
 def _name(real, args):
     try:
         target = os.readlink(f"/proc/self/fd/{args[0]}") if real is _fsync else os.fspath(args[1])
-        return os.path.basename(target)
+        return re.sub(r"\\.\\d+\\.tmp$", ".tmp", os.path.basename(target))  # the temp files' pid left out
     except (OSError, IndexError, TypeError):
         return "?"
 
@@ -145,17 +148,20 @@ def _tear(fd):
 def _step(real):
     def step(*args, **kwargs):
         if os.getpid() == os.getpgrp():
-            _steps.append(("fsync " if real is _fsync else "rename ") + _name(real, args))
-            if len(_steps) == _at:
+            name = ("fsync " if real is _fsync else "rename ") + _name(real, args)
+            _steps.append(name)
+            if len(_steps) == _at or name == _before and (not _after or _after in _steps[:-1]):
                 if _torn and real is _fsync and args:
                     _tear(args[0])
+                if _parent_only:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 os.killpg(0, signal.SIGKILL)
         return real(*args, **kwargs)
 
     return step
 
 
-if _at or _log_file:
+if _at or _before or _log_file:
     os.fsync = _step(os.fsync)
     os.replace = _step(os.replace)
 if _log_file:
@@ -378,7 +384,7 @@ def kill_and_resume(
     dataset: Path,
     server: FakeModelServer,
     base: dict,
-    at: int,
+    at: int | str,
     *,
     resume_at: int | None = None,
     torn: bool = False,
@@ -388,13 +394,12 @@ def kill_and_resume(
     before its step ``resume_at`` too, then resume to the end and compare with ``base``: (what happened,
     the divergences)."""
     hook_dir = install_hook(tmp)
-    out = tmp / f"step_{at}"
+    out = tmp / f"step_{re.sub(r'[^a-z0-9]+', '_', str(at))}"
     out.mkdir(exist_ok=True)
     rounds = []
     served_before = served_tokens(server)
-    proc = start(
-        argv(dataset, out, server, args, False), out, env=hooked_env(hook_dir, kill_at=at, torn=int(torn))
-    )
+    kill = {"kill_at": at} if isinstance(at, int) else {"kill_before": at}
+    proc = start(argv(dataset, out, server, args, False), out, env=hooked_env(hook_dir, **kill, torn=int(torn)))
     proc.wait()
     rounds.append(
         f"killed before step {at}" if proc.returncode == -signal.SIGKILL else f"exit {proc.returncode}"
@@ -459,10 +464,13 @@ def spend_problems(run_dir: Path, served: int, strict: bool, args: argparse.Name
     finish phase; no resume killed in turn); otherwise a lower bound without a budget (a killed invocation
     is counted from its last status.json) and an upper bound with one (its journal)."""
     try:
-        totals = json.loads((run_dir / "statistics.json").read_text())["run_totals"]
-        books, unanswered = totals["total_tokens"], totals["unanswered_tokens"]
+        stats = json.loads((run_dir / "statistics.json").read_text())
+        books, unanswered = stats["run_totals"]["total_tokens"], stats["run_totals"]["unanswered_tokens"]
+        invocations = [r.get("invocation") for r in stats["runs"]]
     except (OSError, ValueError, KeyError):
         return ["statistics.json has no run_totals"]
+    if len(set(invocations)) != len(invocations):
+        return [f"an invocation counted twice in runs: {invocations}"]
     budget = any(f.startswith(("--budget_tokens", "--budget_usd")) for f in args.flag)
     if strict and books != served:
         return [f"run_totals.total_tokens {books}, the endpoint served {served}"]
