@@ -399,7 +399,13 @@ def kill_and_resume(
     rounds = []
     served_before = served_tokens(server)
     kill = {"kill_at": at} if isinstance(at, int) else {"kill_before": at}
-    proc = start(argv(dataset, out, server, args, False), out, env=hooked_env(hook_dir, **kill, torn=int(torn)))
+    proc = start(
+        argv(dataset, out, server, args, False),
+        out,
+        env=hooked_env(
+            hook_dir, **kill, torn=int(torn), parent_only=int(getattr(args, "parent_only", False))
+        ),
+    )
     proc.wait()
     rounds.append(
         f"killed before step {at}" if proc.returncode == -signal.SIGKILL else f"exit {proc.returncode}"
@@ -497,6 +503,11 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="write mode: kill before every step of the finish phase too",
+    )
+    ap.add_argument(
+        "--parent_only",
+        action="store_true",
+        help="write mode: kill the parent alone (its workers die with it)",
     )
     ap.add_argument("--torn", action="store_true", help="write mode: the kill tears the line being appended")
     ap.add_argument("--keep", help="keep run directories under this path")
