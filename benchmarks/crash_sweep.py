@@ -1,25 +1,30 @@
 #!/usr/bin/env python3
-"""Kill the whole runner (SIGKILL to its process group) at a sweep of instants, resume, and compare every
-output file with an uninterrupted run's.
+"""Kill the whole runner (SIGKILL to its process group) at a sweep of instants or just before each of its
+durable steps, resume, and compare every output file with an uninterrupted run's.
 
-    python benchmarks/crash_sweep.py --points 40            # 40 kill instants over the whole run
-    python benchmarks/crash_sweep.py --points 40 --samples 2
+    python benchmarks/crash_sweep.py --writes -1            # before every fsync/rename of the parent
+    python benchmarks/crash_sweep.py --writes 30 --samples 2 --flag=--stop_after_passes=1
+    python benchmarks/crash_sweep.py --writes 25 --torn     # the kill tears the line being appended
+    python benchmarks/crash_sweep.py --points 40            # 40 timed instants over the whole run
     python benchmarks/crash_sweep.py --at 1.23 --at 1.31    # chosen instants (seconds after start)
 
-A baseline run (uninterrupted) is timed first, and the instants its files appeared at are printed (the
-first batch line, the merge's temp file, trajectories.jsonl, statistics.json, report.html): the finish
-phase is from the merge's start to the exit. Then for each instant: a fresh run directory, the runner
-started and killed (the whole group) that long after, every third time the resume killed too, halfway
-through its own baseline time, then ``--resume`` until it exits by itself. Its outputs must equal the
-baseline's: the samples in trajectories.jsonl (row identity + sample index → conversations, score,
-completed/partial), each sample's outcome (kept, discarded with its reason, or failed: exactly one, and
-no sample in two files; failed.jsonl grows by one line a failed sample per invocation: failures run
-again on resume), checkpoint.json's completed prompts, statistics.json's counts and scores (spend and
-timings differ: the killed invocations' calls are real calls), status.json finished, report.html there,
-no temp file or lock left. Prints one line per instant and exits non-zero on any divergence.
+Write mode (``--writes``): a ``sitecustomize.py`` on the runner's PYTHONPATH counts the parent's durable
+steps (each ``os.fsync`` and ``os.replace``: every append of an outcome, every state file, the merge, the
+report) and kills the group just before step N (or the first step of a name: :func:`kill_and_resume`),
+for N spread over an uninterrupted run's steps and every step of its finish phase; ``--parent_only``
+kills the parent alone. Timed mode: the baseline's files' instants are printed (the finish phase is from
+the merge's temp file to the exit) and the runner is killed that long after its start.
 
-Against the fake endpoint (batchrun/fakes), run in this process; the sandboxes are local (bubblewrap,
-or ``--isolation none``).
+Each point: a fresh run directory, the run killed, every third time (``--double_every``) the first resume
+killed too, then ``--resume`` until it exits by itself. Its outputs must equal the baseline's: the samples
+in trajectories.jsonl (row identity + sample index -> conversations, score, completed/partial, calls),
+each sample's outcome (kept, discarded with its reason, or failed: exactly one, and no sample in two
+files; failed.jsonl grows by one line a failed sample per invocation: failures run again on resume),
+checkpoint.json's completed prompts, statistics.json but for the invocation's own figures
+(:data:`STATS_OWN`), status.json finished, report.html there, no temp file left; the books' tokens
+against what the endpoint served (:func:`spend_problems`). Prints one line per point and exits non-zero on
+any divergence. Against the fake endpoint (batchrun/fakes), run in this process; sandboxes local
+(bubblewrap, ``--isolation none``) or ``--isolation docker``.
 """
 
 from __future__ import annotations
