@@ -275,6 +275,9 @@ class Dispatch:
                 rec.write_status("running")
             self.probe_gate.closed.set()  # no probe is sent any more (one granted now is refused)
             self.commit(inbox)
+            # Every call is made: status.json says all of it now, not as of its last refresh (up to 2 s
+            # old), so a kill in the finish phase (a long merge) loses none of this invocation's spend.
+            rec.write_status("running", force=True)
             self.wait_for_sandbox_stops(inbox, track)
         finally:
             self.probe_gate.closed.set()

@@ -335,3 +335,36 @@ def test_the_spend_of_an_invocation_killed_before_its_statistics_stays_in_the_ru
         resume["started_at"],
     ]
     assert stats_of(out / "run")["run_totals"]["runs"] == 3
+
+
+def test_an_invocation_killed_in_its_finish_phase_keeps_all_its_spend_in_the_run_totals(server, tmp_path):
+    """Killed (SIGKILL) once its last prompt is settled, while it merges: the invocation has made every
+    call, and the status.json it left must say so. Its last refresh was the periodic one (every 2 s), so
+    the run's books lost up to 2 s of calls, all of them in a run that short: before the fix, 1 request of
+    the 25 the endpoint served was in run_totals (the resume's start check)."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT, runner_argv
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"Task {i}" for i in range(8)])
+    out = tmp_path / "data"
+    argv = runner_argv(dataset, out, server, "--batch_size=4", "--prompts_per_worker=4")
+    killed_in_merge = (
+        "import os, runpy, signal, sys; from batchrun.run import finish; "
+        "finish.merge = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+        f"sys.argv = {argv[1:]!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", killed_in_merge], capture_output=True, text=True, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    served = server.stats()["requests"]
+    assert served >= 8 * 3  # three calls a prompt
+    run(server, dataset, out, resume=True)
+    stats = stats_of(out / "run")
+    killed, resume = stats["runs"]
+    assert "last status: running" in killed["ended"]
+    assert killed["requests"] == served
+    assert stats["run_totals"]["requests"] == server.stats()["requests"] == served + resume["requests"]
+    assert stats["trajectories"] == 8

@@ -1,0 +1,70 @@
+"""kill -9 of the whole runner at chosen durable steps, then --resume: the same outputs as an uninterrupted
+run (benchmarks/crash_sweep.py, whose full sweep kills before every step; this is a few of them).
+
+The runner's parent is killed (its process group, SIGKILL) just before its Nth fsync or rename, or the
+first of a name, counted by a sitecustomize.py the sweep puts on its PYTHONPATH: the same instants every
+time, whatever the machine's load.
+Compared with the uninterrupted run: each sample's one outcome (kept with its conversation and score,
+discarded with its reason, or failed), checkpoint.json's completed prompts, statistics.json (all but
+timings, spend and per-invocation counts), status.json finished, report.html there, no temp file left; and
+the books' tokens against the endpoint's."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+from helpers import ROOT
+
+from batchrun.fakes.fake_model import FakeModelServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.bwrap]
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("crash_sweep", ROOT / "benchmarks" / "crash_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kill_9_before_chosen_durable_steps_then_resume_gives_the_uninterrupted_output(tmp_path):
+    sweep = _sweep()
+    args = argparse.Namespace(samples=2, workers=2, isolation="bwrap", flag=[], keep=None)
+    dataset = tmp_path / "dataset.jsonl"
+    rows = sweep.rows()
+    rows = rows[:4] + rows[8:16]  # answers right and wrong, verify commands, a twin, discards, a failure
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with FakeModelServer(latency_s=0.01) as server:
+        base_out = tmp_path / "base"
+        base_out.mkdir()
+        code, err = sweep.run_to_end(sweep.argv(dataset, base_out, server, args, False), base_out)
+        assert code == 0, err[-2000:]
+        base = sweep.summary(base_out / sweep.RUN)
+        assert len(base["kept"]) > 10 and base["discarded"] and base["failed"]
+        assert base["stats"]["scores"]["scored"] > 0
+
+        # Steps by number where the instant may move with the machine's load (a periodic status.json is
+        # one step more or less), by name where it must not.
+        names = sweep.durable_steps(args, tmp_path, dataset, server)
+        merge = names.index("fsync .trajectories.jsonl.tmp") + 1
+        first_outcome = names.index("fsync batch_0.jsonl") + 1
+        points = [
+            (1, {}),  # before anything was written
+            (first_outcome, {"torn": True}),  # the first outcome's line torn in half
+            ((first_outcome + merge) // 2, {"resume_at": 4}),  # mid-run, and the resume killed at its start
+            ("fsync .trajectories.jsonl.tmp", {"strict_spend": True}),  # every outcome in, the merge written
+            ("rename trajectories.jsonl", {"strict_spend": True}),  # not yet renamed into place
+            ("rename statistics.json", {"strict_spend": True}),
+            (
+                "rename status.json@rename statistics.json",
+                {"strict_spend": True},
+            ),  # statistics written, not status
+            ("rename report.html", {"strict_spend": True}),
+        ]
+        for at, how in points:
+            rounds, problems = sweep.kill_and_resume(args, tmp_path, dataset, server, base, at, **how)
+            assert rounds[0] == f"killed before step {at}", rounds
+            assert not problems, f"{at}: {rounds}: {problems}"
