@@ -559,6 +559,12 @@ class SpendGate(Protocol):
         """The call is over: what it spent (None: no answer), in place of its reservation."""
 
 
+# A judge's call ends a prompt whose agent is done (its sandbox still open for the verify, its record
+# unwritten): it takes the next free request slot before any prompt still under way. Its own Usage made it
+# a first call (priority 0): behind 3 prompts under way taking turns on one slot, it got the slot last.
+JUDGE_SLOT_PRIORITY = 1 << 30
+
+
 class LLMClient:
     """One per worker process: its HTTP client pools keep-alive connections shared by the worker's threads.
 
@@ -609,6 +615,9 @@ class LLMClient:
         # a llama-server's, and a judge's or a tool's model elsewhere is not held back by them. None:
         # every request takes one (--max_concurrent_requests bounds all of the run's model requests).
         self.slot_endpoint: str | None = None
+        # When set, this client's place in the queue for a request slot (the judge's: JUDGE_SLOT_PRIORITY);
+        # None: the calls its prompt has made (``usage.calls``), a prompt further under way first.
+        self.slot_priority: int | None = None
 
     def _warn_once(self, key: str, text: str) -> None:
         with self._warn_lock:
@@ -803,6 +812,7 @@ class LLMClient:
                 raise BudgetStop()
             ticket = None
             priority = usage.calls if usage is not None else 0  # a prompt under way goes first
+            slot_priority = priority if self.slot_priority is None else self.slot_priority
             if self.gate is not None:
                 ticket, waited = self.gate.reserve(worst, deadline, priority, model)
                 deadline += waited  # waiting for the budget is not the prompt's time
@@ -810,7 +820,7 @@ class LLMClient:
             try:
                 try:
                     # A run-wide pause (another prompt's 429) does not count against this prompt's time.
-                    deadline += self.limiter.acquire(deadline, priority, slotted)
+                    deadline += self.limiter.acquire(deadline, slot_priority, slotted)
                 except LimitTimeout as exc:
                     raise LLMError("timeout", str(exc)) from exc
                 try:

@@ -21,7 +21,7 @@ from typing import Any
 
 from batchrun.prompt.attempt import WorkerSettings, install_run_tools, run_prompt
 from batchrun.prompt.limiter import Limiter
-from batchrun.prompt.llm import LLMClient
+from batchrun.prompt.llm import JUDGE_SLOT_PRIORITY, LLMClient
 from batchrun.prompt.sandbox_lifecycle import BackgroundStopper, StartPool
 from batchrun.prompt.sandboxes import create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxSpec
@@ -203,6 +203,7 @@ def init_worker(
             settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_unbudgeted, gate=gate
         )
         _state.judge.slot_endpoint = _state.llm.slot_endpoint
+        _state.judge.slot_priority = JUDGE_SLOT_PRIORITY  # its prompt is done but for it: first in line
     threading.Thread(target=_listen_to_parent, name="parent-listener", daemon=True).start()
     send(Ready(slots))  # only now: every prompt the parent sends can start at once
 

@@ -752,3 +752,45 @@ def test_a_llama_servers_request_slots_hold_back_no_other_endpoint():
         queued.join(10)
         assert answered
         client.close(), judge.close()
+
+
+def test_a_judge_on_the_llama_server_gets_the_next_request_slot_before_prompts_under_way():
+    """The judge's call is the last step of a prompt whose agent is done (its sandbox open for the
+    verify, its record unwritten): it goes before every prompt still under way. Its own Usage made it
+    a first call (priority 0): behind 3 prompts under way taking turns on one slot, it got it last."""
+    import threading
+
+    from batchrun.prompt.limiter import Limiter
+    from batchrun.prompt.llm import JUDGE_SLOT_PRIORITY
+    from batchrun.scoring import RowCheck, judge_score
+
+    with FakeModelServer(latency_s=0) as llama:
+        limiter = Limiter(max_concurrent=1)
+        judge = LLMClient(LLMConfig(model="mock", base_url=llama.base_url, api_key="k"), limiter)
+        judge.slot_priority = JUDGE_SLOT_PRIORITY  # as batchrun/run/worker.py sets it
+        limiter.acquire(time.monotonic() + 5)  # the server's one slot is taken
+        order: list[str] = []
+
+        def under_way(name: str) -> None:
+            limiter.acquire(time.monotonic() + 30, 3)  # a prompt's fourth call
+            order.append(name)
+            time.sleep(0.2)
+            limiter.release()
+
+        threads = [threading.Thread(target=under_way, args=(f"prompt{n}",)) for n in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        record = {"conversations": [{"from": "gpt", "value": "4"}]}
+        judged = threading.Thread(
+            target=lambda: order.append(
+                "judge" if judge_score(judge, "2+2?", record, RowCheck(answer="4"), None) else ""
+            )
+        )
+        judged.start()
+        time.sleep(0.2)
+        limiter.release()
+        for t in [*threads, judged]:
+            t.join(10)
+        assert order[0] == "judge", order
+        judge.close()
