@@ -134,6 +134,8 @@ def run_prompt(
     """
     started = time.monotonic()
     limiter = getattr(llm, "limiter", None)
+    if limiter is not None:
+        limiter.begin_prompt()  # its slot waits credited up to MAX_SLOT_WAIT_S, the judge's included
     credited_at_start = limiter.credited_s() if limiter is not None else 0.0
     usage = Usage()
     if job.fail_reason:

@@ -9,8 +9,9 @@ the whole run slows down, instead of each worker retrying on its own and stamped
 Waiting for a request slot is not a prompt's own time either: the slots are the run's own queue, in
 front of an endpoint that can serve only so many (llama-server's ``--parallel`` slots), handed out in
 the order they were asked for. Each holder's request is bounded by ``--request_timeout`` and its own
-prompt's deadline, so the wait is bounded by the requests ahead of it; :data:`MAX_SLOT_WAIT_S` past
-the deadline still ends it, whatever happens.
+prompt's deadline, so the wait is bounded by the requests ahead of it; a prompt's slot waits are
+credited :data:`MAX_SLOT_WAIT_S` at most in all (:meth:`Limiter.begin_prompt`), so it ends that long past
+its deadline at the latest (other prompts' 429 pauses aside), whatever happens.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 
 MAX_PAUSE_S = 120.0  # cap on one back-off, whatever Retry-After says (a frozen run helps no one)
-MAX_SLOT_WAIT_S = 3600.0  # a request slot waited for past the prompt's deadline at most this long
+MAX_SLOT_WAIT_S = 3600.0  # a prompt's waits for a request slot credited at most this long in all
 
 
 class LimitTimeout(TimeoutError):
@@ -120,10 +121,15 @@ class Limiter:
             # The wait for a slot is credited: with more prompts in flight than the endpoint serves at
             # once, their requests queue (here, or in the server's own queue without a limit), and
             # charged to their deadlines every prompt of 20 timed out against a one-slot llama-server.
-            if remaining <= 0 or not self._slots.acquire(remaining + MAX_SLOT_WAIT_S, priority):
+            # Up to MAX_SLOT_WAIT_S for the whole prompt (begin_prompt): bounded per wait only, each
+            # credited wait moved the deadline the next was bounded from (6 calls, a 0.2 s timeout, a
+            # 0.3 s bound: the prompt lived 2.7 s; an hour a call in a real run).
+            left = getattr(self._local, "slot_credit_left", MAX_SLOT_WAIT_S)
+            if remaining <= 0 or not self._slots.acquire(remaining + left, priority):
                 self._local.credited = self.credited_s() + credited
                 raise LimitTimeout("no request slot before the prompt's deadline")
-            queued = time.monotonic() - asked
+            queued = min(time.monotonic() - asked, left)
+            self._local.slot_credit_left = left - queued
             credited += queued
             deadline += queued
         self._local.credited = self.credited_s() + credited
@@ -147,6 +153,11 @@ class Limiter:
             self._next_free = slot + 60.0 / self.rpm
         if slot > now:
             self._sleep(slot - now, deadline)
+
+    def begin_prompt(self) -> None:
+        """A prompt starts on the calling thread: its waits for a request slot, the judge's included,
+        are credited up to :data:`MAX_SLOT_WAIT_S` in all; past that they count against its deadline."""
+        self._local.slot_credit_left = MAX_SLOT_WAIT_S
 
     def credited_s(self) -> float:
         """All pause time credited to the calling thread so far (a prompt compares it before and after)."""

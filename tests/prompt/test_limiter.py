@@ -154,6 +154,45 @@ def test_a_request_slot_is_waited_for_at_most_an_hour_past_the_deadline(monkeypa
     lim.acquire(time.monotonic() + 5)  # the timed-out wait took no slot
 
 
+def test_a_prompts_slot_waits_end_it_at_most_max_slot_wait_past_its_deadline(monkeypatch) -> None:
+    """Each wait was bounded (MAX_SLOT_WAIT_S past the deadline as it stood), but each credited wait
+    moved the deadline on, so the next call could wait as long again: a prompt of 6 calls, 0.2 s
+    timeout, bound 0.3 s, behind a holder letting go just before each bound, lived 2.7 s (an hour per
+    call of a real run). Now the prompt's slot waits are credited up to MAX_SLOT_WAIT_S in all."""
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 0.3)
+    lim = Limiter(max_concurrent=1)
+    stop = threading.Event()
+
+    def holder() -> None:  # takes every slot it can, holds it 0.45 s (< 0.2 s + 0.3 s)
+        while not stop.is_set():
+            lim.acquire(time.monotonic() + 60, 100)
+            time.sleep(0.45)
+            lim.release()
+
+    lim.acquire(time.monotonic() + 5)
+    threading.Thread(target=holder, daemon=True).start()
+    time.sleep(0.05)
+    lim.release()  # the holder has it
+    lim.begin_prompt()
+    start = time.monotonic()
+    end = start + 0.2  # --prompt_timeout 0.2
+    at_start = lim.credited_s()
+    calls = 0
+    try:
+        for _ in range(6):
+            lim.acquire(end + lim.credited_s() - at_start)  # the loop's deadline_now()
+            calls += 1
+            lim.release()
+            time.sleep(0.01)  # the holder, first in line, takes it back
+    except LimitTimeout:
+        pass
+    finally:
+        stop.set()
+    lived = time.monotonic() - start
+    assert lived < 0.2 + 0.3 + 0.3, (calls, lived)  # its deadline, the bound, a holder's turn of slack
+    assert lim.credited_s() - at_start <= 0.3 + 0.01
+
+
 def test_request_slots_go_to_the_longest_waiter() -> None:
     """A freed slot passes to the request that waited longest, never to one that just came: its wait
     is credited, so a request passed over again and again would hold its prompt (and sandbox) on."""
