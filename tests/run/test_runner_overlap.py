@@ -489,3 +489,46 @@ def test_a_prompts_sandbox_gets_the_network_only_when_something_there_may_use_it
     assert outcome.kind in ("trajectory", "discarded"), outcome.error
     (box,) = scripted.boxes
     assert box.spec.network is expected
+
+
+@pytest.mark.docker
+def test_a_docker_prompt_credited_its_wait_for_a_request_slot_keeps_its_container(
+    server, docker_test_image, monkeypatch
+):
+    """A container ends itself after its lifetime, a backstop should the runner die: 2 x
+    --prompt_timeout and a 600 s margin. A prompt's waits for a request slot (a llama-server's slots,
+    --max_concurrent_requests) are credited to it up to MAX_SLOT_WAIT_S (an hour): a prompt queued that
+    long lost its container under it, its next command failing (prompt_timeout 1 s, margin 2 s, the
+    bound 8 s, a slot held 6 s: the command found the container gone). Shrunk here to seconds."""
+    import batchrun.prompt.limiter as limiter_mod
+    import batchrun.prompt.sandboxes.docker.sandbox as docker_mod
+    from batchrun.prompt.limiter import Limiter
+    from batchrun.prompt.sandboxes.base import SandboxFlags
+
+    monkeypatch.setattr(docker_mod, "LIFETIME_MARGIN_S", 2.0)
+    monkeypatch.setattr(limiter_mod, "MAX_SLOT_WAIT_S", 8.0)
+    options = DockerSandbox.options_from(SandboxFlags(default_image=docker_test_image, prompt_timeout_s=1.0))
+    run_name = f"slotwait-{os.getpid()}"
+    settings = dataclasses.replace(
+        settings_for(server, backend="docker", sandbox_options=options),
+        run_name=run_name,
+        limits=LoopLimits(max_turns=6, prompt_timeout_s=1, tool_timeout_s=20),
+    )
+    limiter = Limiter(max_concurrent=1)
+
+    def other_prompt() -> None:  # once the prompt's first call is in, holds the one slot for 6 s
+        wait_for(lambda: server.stats()["requests"] >= 1, GATE_S, 0.01)
+        limiter.acquire(time.monotonic() + 60, 100)
+        time.sleep(6.0)
+        limiter.release()
+
+    threading.Thread(target=other_prompt, daemon=True).start()
+    outcome = run_prompt(
+        job("list files twice [run:echo one] [run:echo two]"), settings, LLMClient(settings.llm, limiter)
+    )
+    assert docker_ps(f"batch_runner.run_name={run_name}") == []
+    assert outcome.kind == "trajectory", outcome.error
+    tool_results = [m["value"] for m in outcome.record["conversations"] if m["from"] == "tool"]
+    assert (
+        tool_results and "ended" not in json.dumps(tool_results) and "gone" not in json.dumps(tool_results)
+    ), tool_results

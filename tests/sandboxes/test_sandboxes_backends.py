@@ -1600,13 +1600,15 @@ def test_container_disk_mb_must_be_a_positive_int(tmp_path: Path, capsys, value)
 
 
 def test_docker_options_from_the_flags_carry_the_disk_cap_and_a_lifetime_past_the_prompt_timeout():
+    from batchrun.prompt.limiter import MAX_SLOT_WAIT_S
     from batchrun.prompt.sandboxes.base import SandboxFlags
     from batchrun.prompt.sandboxes.docker.sandbox import LIFETIME_MARGIN_S, DockerSandbox
 
     flags = SandboxFlags(default_image="img", network=False, disk_mb=300, prompt_timeout_s=1800.0)
     options = DockerSandbox.options_from(flags)
     assert options["disk_mb"] == 300 and options["network_mode"] == "none"
-    assert options["lifetime_s"] == 2 * 1800.0 + LIFETIME_MARGIN_S
+    # past the prompt's timeout by its credited waits for a request slot too
+    assert options["lifetime_s"] == 2 * 1800.0 + MAX_SLOT_WAIT_S + LIFETIME_MARGIN_S
 
 
 # ---------------------------------------------------------------------------- local: the per-prompt command server

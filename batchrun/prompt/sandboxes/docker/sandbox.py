@@ -37,6 +37,7 @@ from typing import IO, Any
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
+import batchrun.prompt.limiter as limiter
 import batchrun.prompt.sandboxes.docker.container_server as server
 from batchrun.prompt.sandboxes._shell import (
     EXEC_TAG_VAR,
@@ -111,7 +112,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKDIR = "/workspace"
-LIFETIME_MARGIN_S = 600.0  # a container ends itself after 2 x --prompt_timeout + this
+LIFETIME_MARGIN_S = 600.0  # a container ends itself after 2 x --prompt_timeout + MAX_SLOT_WAIT_S + this
 READY_TIMEOUT_S = 60.0  # from the container's start to its command server's first answer
 KILL_WAIT_S = 10.0  # after a timed-out command was killed, how long its server has to report it
 KILLED_SHELL_WAIT_S = (
@@ -234,8 +235,10 @@ class DockerSandbox(SandboxBackend):
             "run_owner": default_owner(),
             "disk_mb": flags.disk_mb,
             # A backstop should the runner's death go unnoticed: a prompt may outlive its timeout
-            # by the run-wide pauses for rate limits, hence the generous margin.
-            "lifetime_s": 2 * flags.prompt_timeout_s + LIFETIME_MARGIN_S,
+            # by the run-wide pauses for rate limits, hence the generous margin, and by its waits for
+            # a request slot, up to MAX_SLOT_WAIT_S (without it, a prompt queued past the margin on a
+            # llama-server's slots found its container gone at its next command, and failed).
+            "lifetime_s": 2 * flags.prompt_timeout_s + limiter.MAX_SLOT_WAIT_S + LIFETIME_MARGIN_S,
         }
 
     @classmethod
