@@ -843,7 +843,12 @@ _LIST_GAP_RE = re.compile(r"\s*[,;]\s*")
 _CLAUSE_AFTER_RE = re.compile(
     r"[ \t]*(?:[^\W\d_]+[ \t]+)?(?:left|remain(?:s|ed|ing)?|in[ \t]+(?:total|all)|altogether|overall)\b", re.I
 )
-_MONTH_BEFORE_RE = re.compile(r"\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+$", re.I)
+# A month's name or abbreviation, not any word it starts ("maybe 1999, 2000", "margin 1500, 2000" are lists).
+_MONTH_BEFORE_RE = re.compile(
+    r"\b(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sep(?:t(?:ember)?)?"
+    r"|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)\.?\s+$",
+    re.I,
+)
 _YEAR_RE = re.compile(r"\d{4}\.?")  # "2024." ends its sentence
 _COMPARED_BEFORE_RE = re.compile(r"(?:[<>\u2264\u2265]=?|\\(?:leq|le|geq|ge|lt|gt)(?![a-zA-Z]))\s*$")
 _CONDITION_GAP_RE = re.compile(r"\s*,\s*[^\W\d_]\s*=\s*")

@@ -98,6 +98,8 @@ COMMITTED = [
     ("4 - 9 = -5", -5),
     ("The balance is \u22125 dollars.", -5),
     ("The meeting is on March 3, 2024.", 2024),
+    ("The meeting is on Sept 3, 2024.", 2024),
+    ("The meeting is on dec 3, 2024.", 2024),
     ("She was born on July 4, 1990, so in 2024 she turns 34.", 34),
     ("The trip takes 2 hours 30 minutes, which is 150 minutes.", 150),
     ("The costs add up to $45.", 45),
@@ -209,6 +211,10 @@ HEDGES = [
     ("It does not add up to 45.", 45),
     ("It is 4, or the total is 5.", 5),
     ("It is 4, or maybe, giving 5.", 5),
+    # a word that starts like a month is no date's month (each passed, read as "May 1999, 2000")
+    ("It was maybe 1999, 2000.", 2000),
+    ("The margin 1500, 2000.", 2000),
+    ("Decimal 1024, 2048", 2048),
 ]
 
 
