@@ -822,6 +822,13 @@ _REACHED_UP_TO_RE = re.compile(
     r"\s+up\s+to[\s${(]*$",
     re.I,
 )
+# A modal or a negation a word or two before that verb bounds it still: "cannot add up to 40", "never
+# add up to 40", "could easily add up to 40" (each passed as naming 40, the lookbehinds above missing them).
+_MODAL_BEFORE_RE = re.compile(
+    r"(?:\b(?:can|cannot|could|may|might|must|shall|should|will|would|not|never|no\s+longer)|n't)"
+    r"(?:[ \t]+[^\W\d_]+){0,2}[ \t]+$",
+    re.I,
+)
 _BOUND_AFTER_RE = re.compile(
     r"[\s$})]*(?:[\u2260\u2264\u2265]|[<>](?![<>])|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z])"
     r"|or\s+(?:more|less|fewer|greater|higher|lower|above|below|over|under)\b|at\s+(?:least|most)\b)",  # "5 or more"
@@ -923,7 +930,10 @@ def _bound(text: str, last: re.Match[str]) -> str | None:
     breaks = list(_SENTENCE_BREAK_RE.finditer(window))
     window = window[breaks[-1].end() :] if breaks else window  # this sentence's only
     after = _TAG_RE.sub("", text[last.end() : last.end() + 60])
-    bounded_before = _BOUND_BEFORE_RE.search(window) is not None and not _REACHED_UP_TO_RE.search(window)
+    reached = _REACHED_UP_TO_RE.search(window)
+    if reached and _MODAL_BEFORE_RE.search(window, 0, reached.start()):
+        reached = None
+    bounded_before = _BOUND_BEFORE_RE.search(window) is not None and reached is None
     if not (bounded_before or _BOUND_AFTER_RE.match(after)):
         return None
     return " ".join((window[-30:] + last[0] + after[:12]).split())

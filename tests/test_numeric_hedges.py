@@ -103,6 +103,8 @@ COMMITTED = [
     ("She was born on July 4, 1990, so in 2024 she turns 34.", 34),
     ("The trip takes 2 hours 30 minutes, which is 150 minutes.", 150),
     ("The costs add up to $45.", 45),
+    ("The costs, which I checked twice, add up to $45.", 45),
+    ("Rounding, we round up to 16.", 16),
     ("Together they sum up to 100.", 100),
     ("The bills tallied up to $45.", 45),
     ("About 4 hours.", 4),  # an approximation names its number: the tolerance decides
@@ -215,6 +217,11 @@ HEDGES = [
     ("It was maybe 1999, 2000.", 2000),
     ("The margin 1500, 2000.", 2000),
     ("Decimal 1024, 2048", 2048),
+    # "up to" after a verb that reaches it, but negated or a possibility (each passed as naming its number)
+    ("The parts cannot add up to 40.", 40),
+    ("The costs never add up to $45.", 45),
+    ("The costs could easily add up to $45.", 45),
+    ("The bill won't ever tally up to $45.", 45),
 ]
 
 
