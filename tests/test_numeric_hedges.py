@@ -242,3 +242,16 @@ def test_a_hedge_fails_numeric_whichever_number_is_wanted(text, answer):
 def test_a_row_answer_of_one_number_is_wanted(text, value):
     assert wanted_number(text) == value
     assert read_number(text) == (value, None)
+
+
+def test_a_long_run_of_dashes_or_equals_is_read_in_linear_time():
+    """The arrow rule ("2 + 2 -> 4") tried "-+>" from every dash of a run without a ">": quadratic, 2.4 s
+    for a 64 KiB reply of dashes between two numbers, about a minute for 300 KB."""
+    import time
+
+    start = time.monotonic()
+    for mark in "-=":
+        assert read_number("5" + mark * 300_000 + "5")[0] is not None
+    assert time.monotonic() - start < 30  # a hang guard, not a speed claim: the old code took minutes
+    assert read_number("2 + 2 --> 4") == (4, None)
+    assert read_number("2 + 2 ==> 4") == (4, None)
