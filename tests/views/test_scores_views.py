@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import re
 import subprocess
@@ -72,6 +73,16 @@ def test_sign_flip_by_row_is_mcnemar_with_one_pair_a_row_and_exact_otherwise():
             abs(sum(s * t for s, t in zip(sign, totals, strict=True))) >= abs(sum(totals)) for sign in signs
         )
         assert sign_flip_p(totals) == pytest.approx(extreme / len(signs), abs=1e-12)
+    # At the exact computation's limit (rows x their totals' sum near 2e7), still exact: rows of one pair
+    # are McNemar's test, and a p-value below the smallest float is 0.
+    rows, minus = 4400, 2150
+    tail = sum(math.comb(rows, j) for j in range(minus + 1))
+    assert sign_flip_p([1] * (rows - minus) + [-1] * minus) == pytest.approx(
+        2 * tail / 2**rows, rel=1e-12, abs=0
+    )
+    # no row or one row of +500 (sums 98,500 or more away from 0): 201 of 2^200 sign choices, each side
+    assert sign_flip_p([500] * 199 + [-500]) == pytest.approx(2 * 201 / 2**200, rel=1e-12, abs=0)
+    assert sign_flip_p([1] * 4000) == 0.0  # 2^-3999, below the smallest float: no NaN, no error
     # Beyond the exact computation's size (3000 rows of 10 pairs), the normal approximation: rows of
     # +-10 alike are McNemar's test on rows.
     assert sign_flip_p([10] * 1550 + [-10] * 1450) == pytest.approx(mcnemar_exact(1450, 1550), rel=0.002)
