@@ -2034,12 +2034,18 @@ def paired_bootstrap(
         grouped.setdefault(row, [0.0, 0])
         grouped[row][0] += d
         grouped[row][1] += 1
-    sums = list(grouped.values())
-    g = len(sums)
+    g = len(grouped)
+    totals = [t for t, _ in grouped.values()]
+    counts = [k for _, k in grouped.values()]
+    rows_at = range(g)
+    # The rows picked by index (the same draws as picking the rows), their totals and counts added in C:
+    # a tuple and two generators a row made 10,000 resamples of 50,000 rows of 2 pairs take 384 s.
+    same = len(set(counts)) == 1  # every row as many pairs: the resample's pairs are g times that
     means = []
     for _ in range(reps):
-        picked = rng.choices(sums, k=g)
-        means.append(sum(t for t, _ in picked) / sum(k for _, k in picked))
+        picked = rng.choices(rows_at, k=g)
+        total = sum(map(totals.__getitem__, picked))
+        means.append(total / (g * counts[0] if same else sum(map(counts.__getitem__, picked))))
     means.sort()
     lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
     mean = sum(diffs) / len(diffs)
