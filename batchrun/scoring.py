@@ -824,10 +824,11 @@ _REACHED_UP_TO_RE = re.compile(
     r"\s+up\s+to[\s${(]*$",
     re.I,
 )
-# A modal or a negation a word or two before that verb bounds it still: "cannot add up to 40", "never
+# A modal, a negation or "probably" a word or two before that verb bounds it still: "cannot add up to 40", "never
 # add up to 40", "could easily add up to 40" (each passed as naming 40, the lookbehinds above missing them).
 _MODAL_BEFORE_RE = re.compile(
-    r"(?:\b(?:can|cannot|could|may|might|must|shall|should|will|would|not|never|no\s+longer)|n't)"
+    r"(?:\b(?:can|cannot|could|may|might|must|shall|should|will|would|not|never|no\s+longer|maybe|perhaps"
+    r"|possibly|probably)|n't)"
     r"(?:[ \t]+[^\W\d_]+){0,2}[ \t]+$",
     re.I,
 )
@@ -849,6 +850,7 @@ _CHANGE_FROM_RE = re.compile(
 )
 _TO_GAP_RE = re.compile(r"[\s$]*(?:[^\W\d_]+[\s$]*)?to[\s$]*", re.I)  # "10 to", "8 m to"
 _LIST_GAP_RE = re.compile(r"\s*[,;]\s*")
+_HEDGE_LEAD_RE = re.compile(r"\b(?:either|maybe|perhaps|possibly|probably|or)[\s$]*$", re.I)
 _CLAUSE_AFTER_RE = re.compile(
     r"[ \t]*(?:[^\W\d_]+[ \t]+)?(?:left|remain(?:s|ed|ing)?|in[ \t]+(?:total|all)|altogether|overall)\b", re.I
 )
@@ -896,6 +898,8 @@ def _one_statement(text: str, before: re.Match[str], last: re.Match[str], gap: s
     if _TO_GAP_RE.fullmatch(gap):
         return _CHANGE_FROM_RE.search(lead) is not None
     if _LIST_GAP_RE.fullmatch(gap):
+        if _HEDGE_LEAD_RE.search(lead):  # "either 4, 5 in total", "maybe 3, 2 left": the list hedged
+            return False
         return _CLAUSE_AFTER_RE.match(text, last.end()) is not None or (
             _MONTH_BEFORE_RE.search(lead) is not None and _YEAR_RE.fullmatch(last[0]) is not None
         )

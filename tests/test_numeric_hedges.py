@@ -222,6 +222,11 @@ HEDGES = [
     ("The costs never add up to $45.", 45),
     ("The costs could easily add up to $45.", 45),
     ("The bill won't ever tally up to $45.", 45),
+    ("They probably add up to 45.", 45),
+    # a hedged list is no list with a clause (each passed, failed before 301e4fb)
+    ("Either 4, 5 in total.", 5),
+    ("Perhaps 4, 5 altogether.", 5),
+    ("She has maybe 3, 2 left.", 2),
 ]
 
 
