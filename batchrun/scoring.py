@@ -2023,7 +2023,8 @@ def paired_bootstrap(
 
     Resampling few rows spreads less than the rows do (by sqrt((G - 1) / G)) and the normal quantile is
     too small for G - 1 degrees of freedom: the row interval's sides are widened about the mean by
-    ``t / z * sqrt(G / (G - 1))`` (with 6 rows it covered 86% of simulated nulls, not 95%)."""
+    ``t / z * sqrt(G / (G - 1))`` (with 6 rows it covered 86% of simulated nulls, not 95%), and never
+    to less than the pairs' own normal interval (``z * sd / sqrt(n)`` each side)."""
     import random
 
     if not diffs:
@@ -2052,7 +2053,16 @@ def paired_bootstrap(
         means.append(total / (g * counts[0] if same else sum(map(counts.__getitem__, picked))))
     means.sort()
     lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
-    mean = sum(diffs) / len(diffs)
+    n = len(diffs)
+    mean = sum(diffs) / n
     widen = t975(g - 1) / Z95 * math.sqrt(g / (g - 1))
+    # Never narrower than the pairs taken for independent (their normal interval): rows whose discordant
+    # pairs cancel out (one +1 and one -1 in a row) resample to a difference of 0 every time, and two runs
+    # with one flip each way read "B - A +0.0% (95% CI +0.0% to +0.0%)", a certainty no data showed.
+    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
+    floor = Z95 * spread / math.sqrt(n)
     low, high = min(diffs), max(diffs)  # a mean of differences stays within them
-    return max(low, mean - (mean - lo) * widen), min(high, mean + (hi - mean) * widen)
+    return (
+        max(low, mean - max((mean - lo) * widen, floor)),
+        min(high, mean + max((hi - mean) * widen, floor)),
+    )

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,11 @@ def test_the_row_bootstrap_resamples_whole_rows_as_drawn():
         )
         lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
         mean, widen = sum(diffs) / len(diffs), t975(g - 1) / 1.959964 * math.sqrt(g / (g - 1))
-        return max(min(diffs), mean - (mean - lo) * widen), min(max(diffs), mean + (hi - mean) * widen)
+        floor = 1.959964 * statistics.stdev(diffs) / math.sqrt(len(diffs))  # the pairs' normal interval
+        return (
+            max(min(diffs), mean - max((mean - lo) * widen, floor)),
+            min(max(diffs), mean + max((hi - mean) * widen, floor)),
+        )
 
     rng = random.Random(5)
     for seed in range(60):
@@ -78,7 +83,21 @@ def test_the_row_bootstrap_resamples_whole_rows_as_drawn():
         rows = [i // 3 for i in range(n)] if seed % 2 else [rng.randint(0, 6) for _ in range(n)]
         if len(set(rows)) in (1, n):
             continue
-        assert paired_bootstrap(diffs, 500, seed, rows) == by_rows(diffs, 500, seed, rows)
+        assert paired_bootstrap(diffs, 500, seed, rows) == pytest.approx(
+            by_rows(diffs, 500, seed, rows), rel=1e-12
+        )
+
+
+def test_the_row_interval_is_never_narrower_than_the_pairs_own():
+    """Two runs of 10 rows of 4 samples that differ in one row only, one flip each way: every resampled
+    row's difference is 0, and the row bootstrap read "B - A +0.0% (95% CI +0.0% to +0.0%)" (data/eval's
+    two README runs). The pairs' own normal interval is the floor: +-1.96 * sd / sqrt(n)."""
+    diffs = [0.0] * 38 + [1.0, -1.0]
+    rows = [i // 4 for i in range(40)]
+    lo, hi = paired_bootstrap(diffs, 2000, 0, rows)
+    half = 1.959964 * statistics.stdev(diffs) / math.sqrt(40)
+    assert (lo, hi) == pytest.approx((-half, half)) and half > 0.06
+    assert paired_bootstrap([0.0] * 40, 2000, 0, rows) == (0.0, 0.0)  # no pair differs: no width
 
 
 def test_compare_pairs_figures():
