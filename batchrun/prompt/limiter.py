@@ -9,9 +9,9 @@ the whole run slows down, instead of each worker retrying on its own and stamped
 Waiting for a request slot is not a prompt's own time either: the slots are the run's own queue, in
 front of an endpoint that can serve only so many (llama-server's ``--parallel`` slots), handed out in
 the order they were asked for. Each holder's request is bounded by ``--request_timeout`` and its own
-prompt's deadline, so the wait is bounded by the requests ahead of it; a prompt's slot waits are
-credited :data:`MAX_SLOT_WAIT_S` at most in all (:meth:`Limiter.begin_prompt`), so it ends that long past
-its deadline at the latest (other prompts' 429 pauses aside), whatever happens.
+prompt's deadline, so the wait is bounded by the requests ahead of it; a prompt's slot waits and its
+waits out of other prompts' 429 pauses are credited :data:`MAX_SLOT_WAIT_S` at most in all
+(:meth:`Limiter.begin_prompt`), so it ends that long past its deadline at the latest, whatever happens.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable
 
 MAX_PAUSE_S = 120.0  # cap on one back-off, whatever Retry-After says (a frozen run helps no one)
-MAX_SLOT_WAIT_S = 3600.0  # a prompt's waits for a request slot credited at most this long in all
+# A prompt's credited waits (for a request slot, and out of other prompts' 429 pauses) at most this
+# long in all: past it, they count against its deadline.
+MAX_SLOT_WAIT_S = 3600.0
 
 
 class LimitTimeout(TimeoutError):
@@ -107,12 +109,22 @@ class Limiter:
             if pause <= 0:
                 break
             step = min(pause, 1.0)
-            if getattr(self._local, "own_until", 0.0) >= self._paused_until:
-                self._sleep(step, deadline)
+            left = getattr(self._local, "slot_credit_left", MAX_SLOT_WAIT_S)
+            if getattr(self._local, "own_until", 0.0) >= self._paused_until or left <= 0:
+                try:
+                    self._sleep(step, deadline)
+                except LimitTimeout:
+                    self._local.credited = self.credited_s() + credited  # as a slot wait's timeout does
+                    raise
             else:
+                # Credited from the same allowance as the slot waits: each pause is at most MAX_PAUSE_S,
+                # but a 429 storm paused every call and retry again, and a prompt credited them all
+                # outlived its deadline (and its Docker container's lifetime) without bound.
+                step = min(step, left)
                 time.sleep(step)
                 credited += step
                 deadline += step
+                self._local.slot_credit_left = left - step
         # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
         # slot would be spent by the time the slot frees, and the requests behind it would go in a burst.
         if self._slots is not None and slotted:
@@ -155,8 +167,9 @@ class Limiter:
             self._sleep(slot - now, deadline)
 
     def begin_prompt(self) -> None:
-        """A prompt starts on the calling thread: its waits for a request slot, the judge's included,
-        are credited up to :data:`MAX_SLOT_WAIT_S` in all; past that they count against its deadline."""
+        """A prompt starts on the calling thread: its waits for a request slot and out of other prompts'
+        429 pauses, the judge's included, are credited up to :data:`MAX_SLOT_WAIT_S` in all; past that
+        they count against its deadline."""
         self._local.slot_credit_left = MAX_SLOT_WAIT_S
 
     def credited_s(self) -> float:

@@ -390,6 +390,28 @@ def test_limiter_credits_a_pause_another_prompt_caused_but_not_its_own():
         limiter.acquire(time.monotonic() + 0.05)
 
 
+def test_other_prompts_pauses_are_credited_from_the_prompts_one_allowance(monkeypatch) -> None:
+    """Other prompts' 429 pauses were credited without a cap (each at most MAX_PAUSE_S, but again at
+    every call and retry): a 429 storm held a prompt past its deadline without bound. They now come out of
+    the same allowance as the slot waits: a 0.2 s prompt under a 2 s pause, allowance 0.3 s, ends by
+    its deadline plus the allowance instead of when the pause does."""
+    from batchrun.prompt.limiter import Limiter, LimitTimeout
+
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 0.3)
+    lim = Limiter()
+    lim.begin_prompt()
+    lim.pause_until(time.time() + 2.0)  # relayed from another worker's 429
+    start = time.monotonic()
+    with pytest.raises(LimitTimeout):
+        lim.acquire(start + 0.2)
+    lived = time.monotonic() - start
+    assert lived < 0.2 + 0.3 + 0.3, lived  # not the pause's 2 s (a sleep past the deadline is not begun)
+    assert lim.credited_s() == pytest.approx(0.3, abs=0.01)
+    lim.begin_prompt()  # the next prompt has its own allowance again; the rest of the pause, past it,
+    assert lim.acquire(time.monotonic() + 5) == pytest.approx(0.3, abs=0.01)  # is its own time (< 5 s)
+    lim.release()
+
+
 def test_rpm_spacing_holds_behind_the_concurrency_limit() -> None:
     """Requests queued for a request slot take their --max_rpm turn only once they hold a slot, so when
     slots free at the same moment the requests behind them still go out spaced, not in a burst."""
