@@ -645,6 +645,14 @@ class RequestLimit:
         }
 
 
+def flag_request_limit(config: RunConfig) -> RequestLimit:
+    """--max_concurrent_requests split evenly over the workers (rounded down), or no limit."""
+    if config.max_concurrent_requests is None:
+        return RequestLimit()
+    share = config.max_concurrent_requests // config.num_workers
+    return RequestLimit(share, config.num_workers, "--max_concurrent_requests")
+
+
 def request_limit(config: RunConfig, prompts: int, slots: int | None, base_url: str) -> RequestLimit:
     """Model requests in flight: --max_concurrent_requests when given; else, against a llama-server
     with fewer slots than prompts in flight, its slots and one more (split over the workers, rounded
@@ -656,8 +664,7 @@ def request_limit(config: RunConfig, prompts: int, slots: int | None, base_url: 
     server all timed out at a --prompt_timeout that a lone prompt meets five times over."""
     workers = config.num_workers
     if config.max_concurrent_requests is not None:
-        share = config.max_concurrent_requests // workers
-        return RequestLimit(share, workers, "--max_concurrent_requests", slots)
+        return dataclasses.replace(flag_request_limit(config), endpoint_slots=slots)
     in_flight = min(workers * config.prompts_per_worker, max(prompts, 1))
     share = None if slots is None else -(-(slots + 1) // workers)
     if share is None or share * workers >= in_flight:  # the server serves them all at once, near enough
@@ -690,21 +697,15 @@ def worker_settings(
     """What every worker gets, once: the prompt side's settings, derived from the config and preflight;
     ``secret_values``: the run's secrets (the recorder's Redactor's), which no tool result may carry
     on to the model. ``limit``: the run's requests in flight (:func:`request_limit`; None:
-    --max_concurrent_requests's share, or none)."""
-    by_slots = limit is not None and limit.set_by == LLAMA_SLOTS
+    :func:`flag_request_limit`)."""
+    limit = flag_request_limit(config) if limit is None else limit
     return WorkerSettings(
         run_name=config.run_name,
         llm=llm,
         limits=config.loop_limits(),
         rpm_per_worker=None if config.max_rpm is None else config.max_rpm / config.num_workers,
-        requests_per_worker=limit.per_worker
-        if by_slots
-        else (
-            None
-            if config.max_concurrent_requests is None
-            else config.max_concurrent_requests // config.num_workers
-        ),
-        request_slots_endpoint_only=by_slots,
+        requests_per_worker=limit.per_worker,
+        request_slots_endpoint_only=limit.set_by == LLAMA_SLOTS,
         sandbox_backend=config.backend,
         sandbox_options=sandbox_options,
         sandbox_network=config.sandbox_network,

@@ -109,7 +109,7 @@ class Limiter:
             if pause <= 0:
                 break
             step = min(pause, 1.0)
-            left = getattr(self._local, "slot_credit_left", MAX_SLOT_WAIT_S)
+            left = self._credit_left()
             if getattr(self._local, "own_until", 0.0) >= self._paused_until or left <= 0:
                 try:
                     self._sleep(step, deadline)
@@ -124,7 +124,7 @@ class Limiter:
                 time.sleep(step)
                 credited += step
                 deadline += step
-                self._local.slot_credit_left = left - step
+                self._local.credit_left = left - step
         # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
         # slot would be spent by the time the slot frees, and the requests behind it would go in a burst.
         if self._slots is not None and slotted:
@@ -136,12 +136,12 @@ class Limiter:
             # Up to MAX_SLOT_WAIT_S for the whole prompt (begin_prompt): bounded per wait only, each
             # credited wait moved the deadline the next was bounded from (6 calls, a 0.2 s timeout, a
             # 0.3 s bound: the prompt lived 2.7 s; an hour a call in a real run).
-            left = getattr(self._local, "slot_credit_left", MAX_SLOT_WAIT_S)
+            left = self._credit_left()
             if remaining <= 0 or not self._slots.acquire(remaining + left, priority):
                 self._local.credited = self.credited_s() + credited
                 raise LimitTimeout("no request slot before the prompt's deadline")
             queued = min(time.monotonic() - asked, left)
-            self._local.slot_credit_left = left - queued
+            self._local.credit_left = left - queued
             credited += queued
             deadline += queued
         self._local.credited = self.credited_s() + credited
@@ -170,7 +170,11 @@ class Limiter:
         """A prompt starts on the calling thread: its waits for a request slot and out of other prompts'
         429 pauses, the judge's included, are credited up to :data:`MAX_SLOT_WAIT_S` in all; past that
         they count against its deadline."""
-        self._local.slot_credit_left = MAX_SLOT_WAIT_S
+        self._local.credit_left = MAX_SLOT_WAIT_S
+
+    def _credit_left(self) -> float:
+        """What is left of the calling prompt's allowance of credited waits (:meth:`begin_prompt`)."""
+        return getattr(self._local, "credit_left", MAX_SLOT_WAIT_S)
 
     def credited_s(self) -> float:
         """All pause time credited to the calling thread so far (a prompt compares it before and after)."""
