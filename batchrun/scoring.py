@@ -1936,6 +1936,13 @@ def with_planned(scores: dict[str, Any]) -> dict[str, Any]:
     return {**scores, **planned_figures(scores)}
 
 
+def interval_clusters(scores: dict[str, Any]) -> int | None:
+    """The rows a scores section's interval is clustered by (``stderr_clusters``), None when it is not
+    (one sample a row, a run older than the figure, a value of another type in a hand-edited file)."""
+    clusters = scores.get("stderr_clusters")
+    return clusters if type(clusters) is int and clusters > 0 else None
+
+
 def headline(scores: dict[str, Any]) -> str | None:
     """The closing summary's line about scores (None when nothing was judged)."""
     n = scores.get("scored", 0)
@@ -1944,8 +1951,8 @@ def headline(scores: dict[str, Any]) -> str | None:
     parts = []
     if n:
         lo, hi = scores["pass_rate_95ci"]
-        clusters = scores.get("stderr_clusters")
-        by_rows = f", clustered by {clusters} rows" if type(clusters) is int and clusters > 0 else ""
+        clusters = interval_clusters(scores)
+        by_rows = f", clustered by {clusters} rows" if clusters else ""
         parts.append(f"pass rate {scores['pass_rate']:.1%} of {n} scored (95% CI {lo:.1%}-{hi:.1%}{by_rows})")
         planned = planned_figures(scores)
         if planned["samples_planned"] and planned["samples_planned"] != n:

@@ -26,7 +26,7 @@ from typing import Any
 from batchrun.identity import kept_line, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
-from batchrun.scoring import planned_figures, wanted_from_duplicates
+from batchrun.scoring import interval_clusters, planned_figures, wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts, tools_text
 from batchrun.storage import WriteError, batch_files, iter_jsonl, read_json_object, write_text_atomic
 from batchrun.views.status import local_alive
@@ -907,8 +907,8 @@ def section_scores(d: RunData) -> str:
     ):
         lo, hi = ci
         # Several samples a row are not independent draws: statistics.json's interval is then clustered by row.
-        clusters = scores.get("stderr_clusters")
-        by_rows = f" · clustered by {clusters:,} rows" if type(clusters) is int and clusters > 0 else ""
+        clusters = interval_clusters(scores)
+        by_rows = f" · clustered by {clusters:,} rows" if clusters else ""
         cards.append(
             stat("pass_rate", f"{rate:.1%}", "pass rate", f"95% CI {lo:.1%}–{hi:.1%} · n={n:,}{by_rows}")
         )
