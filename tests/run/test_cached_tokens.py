@@ -247,6 +247,13 @@ def test_a_run_written_before_the_cache_s_counts_resumes_and_loads_beside_a_new_
     for i, order in enumerate((files, files[::-1])):  # with the schema, either order
         ds = datasets.load_dataset("json", data_files=order, features=schema, split="train", cache_dir=str(tmp_path / f"f{i}"))  # fmt: skip
         assert ds.num_rows == 2
+    # Exported together: one schema, the old sample's cache counts 0.
+    from batchrun.views import export
+
+    assert export.main([str(old), str(new), "--format=parquet", f"--out={tmp_path / 'exp'}"]) == 0
+    exported = datasets.load_dataset(str(tmp_path / "exp"), split="train", cache_dir=str(tmp_path / "e"))
+    got = {r["run_name"]: r["usage"]["cached_tokens"] for r in exported}
+    assert got == {"old": 0, "new": new_rec["metadata"]["usage"]["cached_tokens"]}
     # Plain, the new run first: the old one's usage lacks keys, which the loader fills with null.
     plain = datasets.load_dataset(
         "json", data_files=files[::-1], split="train", cache_dir=str(tmp_path / "p")
