@@ -62,6 +62,11 @@ USAGE: dict[str, Any] = {
     "prompt_tokens": INT,
     "completion_tokens": INT,
     "reasoning_tokens": INT,
+    # Of prompt_tokens: those the endpoint served from its prompt cache (OpenAI, OpenRouter, vLLM, LiteLLM,
+    # llama.cpp: prompt_tokens_details.cached_tokens) and those it wrote to it (OpenRouter's cache_write_tokens,
+    # Anthropic's cache_creation_input_tokens): each turn resends the conversation, so they say its cost.
+    "cached_tokens": INT,
+    "cache_write_tokens": INT,
     "cost_usd": FLOAT,
     "retries": INT,
     "rate_limited": INT,
@@ -69,7 +74,9 @@ USAGE: dict[str, Any] = {
     "estimated_calls": INT,  # answered calls whose usage the endpoint did not report credibly: counted by the runner
     "unreported": STRING,  # JSON text of the list of the counts above no response reported; "[]" when none
 }
-USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd")
+USAGE_COUNTS = (
+    "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cache_write_tokens", "cost_usd"
+)  # fmt: skip
 
 METADATA: dict[str, Any] = {
     "batch_num": INT,
@@ -126,6 +133,8 @@ JUDGE_USAGE: dict[str, Any] = {
     "prompt_tokens": INT,
     "completion_tokens": INT,
     "cost_usd": FLOAT,
+    "cached_tokens": INT,  # as metadata.usage's (0 also when the endpoint did not say)
+    "cache_write_tokens": INT,
 }
 # The record's score is typed in every record, as every column is (a null throughout one run would leave the
 # column untyped there, and plain ``datasets`` fails on whichever run comes second): ``status`` says what

@@ -75,8 +75,9 @@ def situation(
     reported: dict = {"prompt_tokens": 10, "completion_tokens": 5}
     if reasoning_tokens:
         reported["completion_tokens_details"] = {"reasoning_tokens": 3}
-    if cost:
+    if cost:  # OpenRouter: its cost, and its prompt cache's reads and writes
         reported["cost"] = 0.001
+        reported["prompt_tokens_details"] = {"cached_tokens": 6, "cache_write_tokens": 4}
     usage.add(reported, "ProviderA" if providers else None)
     meta = {
         "batch_num": 0,
@@ -200,13 +201,17 @@ def test_unreported_counts_are_zero_and_named_never_null():
     rec = situation(**SITUATIONS["local_plain_endpoint_no_calls"])
     usage = rec["metadata"]["usage"]
     assert usage["reasoning_tokens"] == 0 and usage["cost_usd"] == 0.0 and usage["providers"] == "[]"
-    assert set(json.loads(usage["unreported"])) == {"reasoning_tokens", "cost_usd"}
+    assert set(json.loads(usage["unreported"])) == {
+        "reasoning_tokens", "cached_tokens", "cache_write_tokens", "cost_usd"
+    }  # fmt: skip
+    assert usage["cached_tokens"] == usage["cache_write_tokens"] == 0
     assert usage["prompt_tokens"] == 10 and usage["calls"] == 1
     assert rec["metadata"]["sandbox_stop_background"] is False  # a key of every record, false here
     assert isinstance(rec["metadata"]["duration_s"], float)
     full = situation(**SITUATIONS["docker_openrouter_calls"])["metadata"]["usage"]
     assert full["reasoning_tokens"] == 3 and json.loads(full["providers"]) == ["ProviderA"]
     assert full["cost_usd"] == 0.001 and full["unreported"] == "[]"
+    assert (full["cached_tokens"], full["cache_write_tokens"]) == (6, 4)
 
 
 def test_records_of_every_situation_load_together_with_the_same_features(tmp_path):

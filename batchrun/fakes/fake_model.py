@@ -564,6 +564,16 @@ def respond(request_body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def cache_details(body: dict[str, Any], usage: dict[str, Any]) -> dict[str, int]:
+    """A prompt cache's counts for a request (``--prompt-cache``): the tools and every message but the
+    last were sent before, in this conversation's call before (or, in its first call, by another prompt)."""
+    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    prefix = {"messages": messages[:-1], "tools": body.get("tools")}
+    seen = estimate_tokens(_prompt_token_text(prefix)) if len(messages) > 1 else 0
+    cached = min(seen, usage["prompt_tokens"])
+    return {"cached_tokens": cached, "cache_write_tokens": usage["prompt_tokens"] - cached}
+
+
 def _pieces(text: str, n: int = 3) -> list[str]:
     """``text`` cut into up to ``n`` pieces, so a client must join deltas to get it back."""
     size = max(1, -(-len(text) // n))
@@ -825,6 +835,10 @@ class _Handler(BaseHTTPRequestHandler):
             completion["provider"] = "MockProvider"
         elif fake.free:
             completion["usage"]["cost"] = 0.0
+        if fake.prompt_tokens_details is not None:
+            completion["usage"]["prompt_tokens_details"] = fake.prompt_tokens_details
+        elif fake.prompt_cache:
+            completion["usage"]["prompt_tokens_details"] = cache_details(body, completion["usage"])
         fake._count(200, completion["usage"])
         if body.get("stream") and not d.plain_body:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -910,14 +924,22 @@ class FakeModelServer:
         ssl_context: Any = None,
         free: bool = False,
         quote_auth: bool = False,
+        prompt_cache: bool = False,
+        prompt_tokens_details: Any = None,
     ):
         """``cost_per_token`` > 0: answers carry OpenRouter-style ``usage.cost`` and ``provider``;
         ``free``: answers carry ``usage.cost`` 0 (``--model=mock`` under ``--budget_usd``: a free dry run);
         ``rate_limit_every`` = N > 0: every Nth chat request answers 429 (retry-after-ms: 50);
         ``ssl_context`` (a server-side ``ssl.SSLContext``): serve HTTPS (``base_url`` says https);
         ``quote_auth``: a chat request without the right ``api_key`` is refused (401) quoting the
-        Authorization header it got, as some gateways do; the model listing then answers anyone."""
+        Authorization header it got, as some gateways do; the model listing then answers anyone;
+        ``prompt_cache``: usage says, OpenAI/OpenRouter-style, the prompt tokens served from a prompt cache
+        (``prompt_tokens_details.cached_tokens``: those of every message but the last, which a provider
+        saw in the call before) and written to it (``cache_write_tokens``: the rest);
+        ``prompt_tokens_details``: instead, that value as it is (any JSON: a hostile endpoint's)."""
         self.quote_auth = quote_auth
+        self.prompt_cache = prompt_cache
+        self.prompt_tokens_details = prompt_tokens_details
         self.cost_per_token = float(cost_per_token)
         self.free = free
         self.rate_limit_every = int(rate_limit_every)
@@ -997,6 +1019,7 @@ class FakeModelServer:
             self._prompt_tokens = 0
             self._completion_tokens = 0
             self._cost_usd = 0.0
+            self._cached_tokens = 0  # prompt_tokens_details.cached_tokens reported (whole numbers of them)
             self._check_calls = self._check_tokens = 0  # start checks and probes (X-Batch-Runner-Check)
             self._chat_requests = 0
             self._by_prompt: collections.Counter[str] = collections.Counter()
@@ -1016,6 +1039,7 @@ class FakeModelServer:
                 "status_counts": dict(self._status_counts),
                 "hangups": self._hangups,
                 "prompt_tokens": self._prompt_tokens,
+                "cached_tokens": self._cached_tokens,
                 "completion_tokens": self._completion_tokens,
                 "cost_usd": round(self._cost_usd, 10),
                 "check_calls": self._check_calls,
@@ -1047,6 +1071,10 @@ class FakeModelServer:
                 self._prompt_tokens += usage["prompt_tokens"]
                 self._completion_tokens += usage["completion_tokens"]
                 self._cost_usd += usage.get("cost", 0.0)
+                details = usage.get("prompt_tokens_details")
+                cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                if isinstance(cached, int) and not isinstance(cached, bool):
+                    self._cached_tokens += cached
 
     def _count_check(self, tokens: int) -> None:
         with self._lock:
@@ -1093,6 +1121,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     parser.add_argument("--cost-per-token", type=float, default=0.0, help="report usage.cost (dollars/token)")
     parser.add_argument("--rate-limit-every", type=int, default=0, help="answer 429 to every Nth request")
+    parser.add_argument(
+        "--prompt-cache", action="store_true", help="report prompt_tokens_details.cached_tokens"
+    )
     args = parser.parse_args(argv)
     server = FakeModelServer(
         latency_s=args.latency,
@@ -1102,6 +1133,7 @@ def main(argv: list[str] | None = None) -> None:
         verbose=args.verbose,
         cost_per_token=args.cost_per_token,
         rate_limit_every=args.rate_limit_every,
+        prompt_cache=args.prompt_cache,
     )
     server.start()
     print(server.base_url, flush=True)

@@ -353,13 +353,47 @@ def _count_problem(value: Any, limit: float) -> str | None:
     return None
 
 
+# Where endpoints report the prompt tokens served from their cache, and those written to it, first found
+# first: OpenAI, OpenRouter, vLLM, LiteLLM and llama.cpp's server in ``usage.prompt_tokens_details``;
+# Anthropic-compatible ones (and LiteLLM, passing them through) at the top of ``usage``.
+CACHE_READ_FIELDS = (("prompt_tokens_details", "cached_tokens"), (None, "cache_read_input_tokens"))
+CACHE_WRITE_FIELDS = (("prompt_tokens_details", "cache_write_tokens"), (None, "cache_creation_input_tokens"))
+
+
+def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> dict[str, int]:
+    """The prompt tokens a call read from the endpoint's cache (``cached_tokens``) and wrote to it
+    (``cache_write_tokens``), each where reported credibly: a count that is missing, not a whole number,
+    negative, NaN or absurd is left out (unreported), never estimated (it changes no spend). Neither is
+    more than the prompt's tokens, nor both together. llama.cpp's server also says ``timings.cache_n``
+    (read when its usage does not: servers before it had ``prompt_tokens_details``)."""
+    found: dict[str, int] = {}
+    for name, fields in (("cached_tokens", CACHE_READ_FIELDS), ("cache_write_tokens", CACHE_WRITE_FIELDS)):
+        for parent, key in fields:
+            holder = usage.get(parent) if parent else usage
+            if isinstance(holder, dict) and key in holder:
+                if _count_problem(holder[key], MAX_CALL_TOKENS) is None:
+                    found[name] = int(holder[key])
+                break  # the first place that names it says it: a bad count there is not looked for elsewhere
+    if "cached_tokens" not in found and isinstance(timings, dict):
+        if _count_problem(timings.get("cache_n"), MAX_CALL_TOKENS) is None:
+            found["cached_tokens"] = int(timings["cache_n"])
+    if "cached_tokens" in found:
+        found["cached_tokens"] = min(found["cached_tokens"], prompt_tokens)
+    if "cache_write_tokens" in found:
+        found["cache_write_tokens"] = min(
+            found["cache_write_tokens"], prompt_tokens - found.get("cached_tokens", 0)
+        )
+    return found
+
+
 def credible_usage(
-    raw: Any, prompt_estimate: int, completion_estimate: int
+    raw: Any, prompt_estimate: int, completion_estimate: int, timings: Any = None
 ) -> tuple[dict[str, Any], str | None]:
     """An endpoint's ``usage`` made safe to add: counts that are missing, non-numeric, negative, NaN or
     absurd are replaced by the runner's estimates (:func:`estimate_tokens` of the request and the reply)
-    and the result is marked ``estimated``; such a cost is dropped. Returns it and the endpoint's fault
-    in words (None: nothing was wrong)."""
+    and the result is marked ``estimated``; such a cost is dropped. The cache's counts it reports
+    (:func:`_cache_counts`; ``timings``: llama.cpp's) are kept in ``prompt_tokens_details``. Returns it and
+    the endpoint's fault in words (None: nothing was wrong)."""
     usage = raw if isinstance(raw, dict) else {}
     # The images API (and OpenAI's Responses API) name the counts input_tokens / output_tokens: an image
     # call's were read as missing, so a budget counted its prompt estimate alone (some 30 tokens).
@@ -392,6 +426,9 @@ def credible_usage(
         clean["completion_tokens_details"] = {
             "reasoning_tokens": min(int(details["reasoning_tokens"]), clean["completion_tokens"])
         }
+    cache = _cache_counts(usage, timings, clean["prompt_tokens"])
+    if cache:
+        clean["prompt_tokens_details"] = cache
     if "cost" in usage:
         problem = _count_problem(usage["cost"], MAX_CALL_USD)
         if problem is None:
@@ -411,6 +448,7 @@ class Usage:
         self._lock = threading.Lock()
         self.requests = 0  # requests sent, failed attempts included
         self.calls = self.prompt_tokens = self.completion_tokens = self.reasoning_tokens = 0  # answered calls
+        self.cached_tokens = self.cache_write_tokens = 0  # prompt tokens read from / written to the cache
         self.estimated_calls = 0  # answered calls whose usage the endpoint did not report credibly
         # Estimated tokens of attempts that got no usable answer but may have been billed (a stream cut
         # or timed out mid-answer, a broken 200): the budgets count them; no call's counts hold them.
@@ -440,6 +478,12 @@ class Usage:
             self.prompt_tokens += _int(usage.get("prompt_tokens"))
             self.completion_tokens += _int(usage.get("completion_tokens"))
             self.reasoning_tokens += _int(details.get("reasoning_tokens") if isinstance(details, dict) else 0)
+            cache = usage.get("prompt_tokens_details")
+            for key in ("cached_tokens", "cache_write_tokens"):
+                value = cache.get(key) if isinstance(cache, dict) else None
+                if _is_count(value):
+                    self.reported.add(key)
+                    setattr(self, key, getattr(self, key) + int(value))
             cost = usage.get("cost")
             if _count_problem(cost, MAX_CALL_USD) is None:
                 self.cost_usd += float(cost)
@@ -485,6 +529,8 @@ class Usage:
             "prompt_tokens": self.prompt_tokens if "prompt_tokens" in known else None,
             "completion_tokens": self.completion_tokens if "completion_tokens" in known else None,
             "reasoning_tokens": self.reasoning_tokens if "reasoning_tokens" in known else None,
+            "cached_tokens": self.cached_tokens if "cached_tokens" in known else None,
+            "cache_write_tokens": self.cache_write_tokens if "cache_write_tokens" in known else None,
             "cost_usd": round(self.cost_usd, 8) if "cost_usd" in known else None,
             "retries": self.retries,
             "rate_limited": self.rate_limited,
@@ -957,7 +1003,9 @@ class LLMClient:
         """An answered call's usage, made credible (the runner's estimates where the endpoint's counts
         are not), added to the prompt's tally and reported for the run's budget; returns it."""
         reply = turn.content + (turn.reasoning or "") + "".join(c.name + c.arguments for c in turn.tool_calls)
-        clean, fault = credible_usage(turn.usage, prompt_estimate, estimate_tokens(reply))
+        clean, fault = credible_usage(
+            turn.usage, prompt_estimate, estimate_tokens(reply), data.get("timings")
+        )
         turn.usage = clean
         provider = data.get("provider") if isinstance(data.get("provider"), str) else None
         if fault:
@@ -1245,6 +1293,10 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     out[key] = chunk[key]
             if isinstance(chunk.get("usage"), dict):
                 out["usage"] = chunk["usage"]
+            if isinstance(
+                chunk.get("timings"), dict
+            ):  # llama.cpp's server: its prompt cache's count (cache_n)
+                out["timings"] = chunk["timings"]
             for choice in _shaped(chunk.get("choices"), list, "choices"):
                 if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                     continue

@@ -21,7 +21,7 @@ from batchrun.config import RunConfig
 from batchrun.identity import RowIdentity, outcome_sample, record_sample, superseded_discards
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
-from batchrun.record import normalize_metadata, run_card, valid_outcome_row, valid_record
+from batchrun.record import USAGE_COUNTS, normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder, credible, earlier_runs
 from batchrun.run.resume import (
@@ -87,10 +87,8 @@ class MergeTotals:
         self.partial += bool(rec.get("partial"))
         self.api_calls += rec.get("api_calls", 0) or 0
         usage = (rec.get("metadata") or {}).get("usage") or {}
-        for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost_usd"):
-            value = usage.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.usage[key] += value
+        for key in USAGE_COUNTS:  # records from before a count existed lack it: they add nothing
+            self.usage[key] += credible(usage.get(key))
 
     def summary(self) -> dict[str, Any]:
         tools = {
@@ -107,6 +105,8 @@ class MergeTotals:
                 "prompt_tokens": self.usage["prompt_tokens"],
                 "completion_tokens": self.usage["completion_tokens"],
                 "reasoning_tokens": self.usage["reasoning_tokens"],
+                "cached_tokens": self.usage["cached_tokens"],
+                "cache_write_tokens": self.usage["cache_write_tokens"],
                 "cost_usd": round(self.usage["cost_usd"], 6),
             },
             "dropped_at_merge": {
@@ -532,7 +532,7 @@ def statistics(
             "discarded": dict(recorder.discards),
             "failed": dict(recorder.failures),
             "api_calls": recorder.spend["requests"],
-            "usage": {k: round(v, 8) if isinstance(v, float) else v for k, v in recorder.spend.items()},
+            "usage": this_run_usage(recorder),
             "skipped_for_budget": recorder.counts["skipped_budget"],
             "budget": recorder.budget_summary(),
             "rate_limit_pauses": recorder.counts["rate_limit_pauses"],
@@ -566,8 +566,10 @@ def kept_scores(
 
 
 # unanswered_tokens: failed attempts that may have been billed, the runner's estimate (in no total_tokens).
+# cached_tokens, cache_write_tokens: of prompt_tokens (absent from entries written before they were counted).
 RUN_TOTAL_KEYS = (
-    "attempted", "trajectories", "requests", "prompt_tokens", "completion_tokens", "cost_usd", "unanswered_tokens"
+    "attempted", "trajectories", "requests", "prompt_tokens", "completion_tokens", "cost_usd", "unanswered_tokens",
+    "cached_tokens", "cache_write_tokens",
 )  # fmt: skip
 
 
@@ -586,7 +588,18 @@ def this_run_totals(recorder: Recorder) -> dict[str, Any]:
         "completion_tokens": int(spend["completion_tokens"]),
         "cost_usd": round(float(spend["cost_usd"]), 8),
         "unanswered_tokens": int(spend["unanswered_tokens"]),
+        "cached_tokens": int(spend["cached_tokens"]),
+        "cache_write_tokens": int(spend["cache_write_tokens"]),
     }
+
+
+def this_run_usage(recorder: Recorder) -> dict[str, Any]:
+    """``this_run.usage``: every count this invocation's outcomes and calls added (the cache's 0 when no
+    endpoint said them, so the key is there in every run)."""
+    usage = {k: round(v, 8) if isinstance(v, float) else v for k, v in recorder.spend.items()}
+    for key in ("cached_tokens", "cache_write_tokens"):
+        usage.setdefault(key, 0)
+    return usage
 
 
 def run_totals(runs: list[dict[str, Any]]) -> dict[str, Any]:

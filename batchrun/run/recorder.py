@@ -488,6 +488,8 @@ class Recorder:
             "completion_tokens": self.spend["completion_tokens"],
             "cost_usd": round(self.spend["cost_usd"], 6),
             "unanswered_tokens": int(self.spend["unanswered_tokens"]),
+            "cached_tokens": int(self.spend["cached_tokens"]),  # of prompt_tokens (answered prompts')
+            "cache_write_tokens": int(self.spend["cache_write_tokens"]),
             "tokens_per_min": round(self.spend["total_tokens"] / elapsed * 60, 1) if elapsed > 0 else 0.0,
             "rate_per_min": round(rate, 2),
             "eta_s": round(left / rate * 60, 1) if rate > 0 and left > 0 else None,
@@ -705,6 +707,8 @@ def _lost_by_status(status: dict[str, Any] | None, earlier: list[dict[str, Any]]
             # Its calls in flight when it last wrote status.json, at their reservations (a budget run's):
             # a kill does not stop the endpoint billing them.
             "unanswered_tokens": int(number("unanswered_tokens") + number("reserved_tokens")),
+            "cached_tokens": int(number("cached_tokens")),
+            "cache_write_tokens": int(number("cache_write_tokens")),
             "ended": f"without statistics (last status: {status.get('state')!s}); at least these figures",
         },
     ]

@@ -104,6 +104,7 @@ def record_usage(rec: dict[str, Any]) -> dict[str, Any]:
         "completion_tokens": completion,
         "tokens": None if prompt is None and completion is None else (prompt or 0) + (completion or 0),
         "reasoning_tokens": pick("reasoning_tokens"),
+        "cached_tokens": pick("cached_tokens"),
         "cost_usd": pick("cost_usd"),
         "retries": _number(usage.get("retries")),
         "rate_limited": _number(usage.get("rate_limited")),
@@ -120,6 +121,7 @@ class Spend:
     prompt_tokens: float = 0
     completion_tokens: float = 0
     reasoning_tokens: float = 0
+    cached_tokens: float = 0  # of prompt_tokens: served from the endpoint's prompt cache
     cost_usd: float = 0.0
     retries: float = 0
     rate_limited: float = 0
@@ -131,6 +133,7 @@ class Spend:
             "prompt_tokens",
             "completion_tokens",
             "reasoning_tokens",
+            "cached_tokens",
             "cost_usd",
             "retries",
             "rate_limited",
@@ -765,7 +768,8 @@ def section_usage(d: RunData) -> str:
             "prompt_tokens",
             fmt_int(s.prompt_tokens),
             "prompt tokens",
-            f"in {s.with_tokens:,} of {s.records:,} trajectories",
+            f"in {s.with_tokens:,} of {s.records:,} trajectories"
+            + (f", {fmt_int(s.cached_tokens)} from the endpoint's cache" if s.cached_tokens else ""),
         ),
         stat(
             "completion_tokens",

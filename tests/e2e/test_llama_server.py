@@ -202,6 +202,35 @@ def test_streaming_and_plain_calls_give_the_same_records(hermes, thinker, tmp_pa
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_the_prompt_tokens_the_server_reused_from_its_cache_are_recorded_and_summed(hermes, tmp_path, stream):
+    """llama-server keeps each slot's prompt (``cache_prompt``, its default) and says how much of the next
+    prompt it reused, in ``usage.prompt_tokens_details.cached_tokens`` and ``timings.cache_n``, streamed or
+    not: the turn after the tool results resends the first turn's prompt, which it does not compute again.
+    Before, no record or total said so (a multi-turn run's cost is mostly such resent prompts)."""
+    run_dir = _run(hermes, tmp_path, ["Say hello and world.", "Say it again."], stream=stream,
+                   keep_no_reasoning=True)  # fmt: skip
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert len(records) == 2
+    for rec in records:
+        usage = rec["metadata"]["usage"]
+        assert rec["api_calls"] == 2
+        # The second call's prompt is the first's and its reply and the tool results: most of it reused.
+        assert usage["prompt_tokens"] / 3 < usage["cached_tokens"] < usage["prompt_tokens"]
+        unreported = json.loads(usage["unreported"])
+        assert (
+            "cached_tokens" not in unreported and "cache_write_tokens" in unreported
+        )  # llama.cpp: no writes
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    total = sum(r["metadata"]["usage"]["cached_tokens"] for r in records)
+    assert (
+        stats["usage_in_trajectories"]["cached_tokens"]
+        == stats["this_run"]["usage"]["cached_tokens"]
+        == total
+    )
+    assert stats["run_totals"]["cached_tokens"] == total
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_calls_arguments_are_kept_as_the_model_wrote_them(verbatim, tmp_path, stream):
     """llama-server passes the model's arguments text on as written; the record keeps it byte for byte
     (before, it held {"command": "echo é", "timeout": 30}), in tool_calls and in the <tool_call> block."""
