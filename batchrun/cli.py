@@ -360,7 +360,11 @@ def run_steps(
         limit.as_dict(),
     )
     stop = _stopped_early(config, recorder, dispatch if preflighted.batches else None, interrupted)
-    code = stop[0] if stop else finish.exit_code(stats, interrupted, config.max_failure_rate)
+    # Interrupted is 130 whatever else stopped the run (a Ctrl-C while a dead endpoint's prompts drained
+    # exited 5 with status.json saying "interrupted"); the stop's own message is still printed.
+    code = (
+        stop[0] if stop and not interrupted else finish.exit_code(stats, interrupted, config.max_failure_rate)
+    )
     # "finished" after a stop too (exit 3, 5, 6, 7: the run's files are complete): exit_code tells them apart
     recorder.write_status("interrupted" if interrupted else "finished", force=True, exit_code=code)
     # statistics.json's runs hold every invocation's spend now, the journal's lost ones with them.
@@ -371,7 +375,7 @@ def run_steps(
     )
     if stop:
         print(stop[1], file=sys.stderr)
-        return stop[0]
+        return code
     if code == finish.EXIT_FAILURE_RATE:
         print(finish.failure_rate_message(stats, config.max_failure_rate), file=sys.stderr)
     return code

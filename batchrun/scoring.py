@@ -2026,7 +2026,7 @@ def paired_bootstrap(
     """The 95% percentile interval of the mean of paired differences (seeded), resampling whole rows
     with all their pairs when ``rows`` names each pair's row (a row's pairs are alike: resampled one by
     one, 20 rows of 10 pairs passed for 200 independent ones); without it, with one pair a row, or with
-    a single row (nothing to resample but it), the pairs.
+    a single row (nothing to resample but it), the pairs (each then widened as a row of its own).
 
     Resampling few rows spreads less than the rows do (by sqrt((G - 1) / G)) and the normal quantile is
     too small for G - 1 degrees of freedom: the row interval's sides are widened about the mean by
@@ -2040,7 +2040,13 @@ def paired_bootstrap(
     if rows is None or len(set(rows)) in (1, len(rows)):
         n = len(diffs)
         means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(reps))
-        return means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+        lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
+        if n < 2:
+            return lo, hi
+        # Widened as the rows' interval is, each pair its own row: unwidened, 5 rows of one sample each
+        # covered 86.5% of simulated nulls, 8 rows 92% (two samples a row, widened: 96%).
+        mean, widen = sum(diffs) / n, t975(n - 1) / Z95 * math.sqrt(n / (n - 1))
+        return max(min(diffs), mean - (mean - lo) * widen), min(max(diffs), mean + (hi - mean) * widen)
     grouped: dict[Any, list[float]] = {}
     for row, d in zip(rows, diffs, strict=True):
         grouped.setdefault(row, [0.0, 0])

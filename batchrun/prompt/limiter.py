@@ -16,6 +16,7 @@ waits out of other prompts' 429 pauses are credited :data:`MAX_SLOT_WAIT_S` at m
 
 from __future__ import annotations
 
+import contextvars
 import heapq
 import itertools
 import random
@@ -31,6 +32,28 @@ MAX_SLOT_WAIT_S = 3600.0
 
 class LimitTimeout(TimeoutError):
     """The deadline passed while waiting for the limiter."""
+
+
+class _Allowance:
+    """A prompt's credited waits left (:data:`MAX_SLOT_WAIT_S` at its start), and when the run's pause its
+    own 429 caused ends: one for the prompt, whichever thread its model calls run on (a tool's, such as
+    mixture_of_agents's reference models, on threads of their own that carry the prompt's context)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_SLOT_WAIT_S
+        self.own_until = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, seconds: float) -> float:
+        """Up to ``seconds`` of what is left, taken now (parallel threads never take the same seconds)."""
+        with self._lock:
+            got = max(0.0, min(seconds, self.left))
+            self.left -= got
+            return got
+
+    def give_back(self, seconds: float) -> None:
+        with self._lock:
+            self.left += seconds
 
 
 class FairSlots:
@@ -90,7 +113,11 @@ class Limiter:
         self._paused_until = 0.0  # wall-clock time (shared across processes through the parent)
         self._on_pause = on_pause
         self.waited_s = 0.0
-        self._local = threading.local()  # per prompt thread: its own 429's pause, its credited pause time
+        self._local = threading.local()  # per thread: the pause time credited to its calls' deadlines
+        # The calling prompt's _Allowance (begin_prompt), in its context: a tool's threads copy it.
+        self._prompt: contextvars.ContextVar[_Allowance | None] = contextvars.ContextVar(
+            f"limiter_allowance_{id(self)}", default=None
+        )
 
     def acquire(self, deadline: float, priority: int = 0, slotted: bool = True) -> float:
         """Wait for the run-wide pause, a request slot and this worker's rate; ``deadline`` is monotonic,
@@ -109,22 +136,21 @@ class Limiter:
             if pause <= 0:
                 break
             step = min(pause, 1.0)
-            left = self._credit_left()
-            if getattr(self._local, "own_until", 0.0) >= self._paused_until or left <= 0:
+            allowance = self._allowance()
+            # Credited from the same allowance as the slot waits: each pause is at most MAX_PAUSE_S,
+            # but a 429 storm paused every call and retry again, and a prompt credited them all
+            # outlived its deadline (and its Docker container's lifetime) without bound.
+            got = 0.0 if allowance.own_until >= self._paused_until else allowance.take(step)
+            if got <= 0:
                 try:
                     self._sleep(step, deadline)
                 except LimitTimeout:
                     self._local.credited = self.credited_s() + credited  # as a slot wait's timeout does
                     raise
             else:
-                # Credited from the same allowance as the slot waits: each pause is at most MAX_PAUSE_S,
-                # but a 429 storm paused every call and retry again, and a prompt credited them all
-                # outlived its deadline (and its Docker container's lifetime) without bound.
-                step = min(step, left)
-                time.sleep(step)
-                credited += step
-                deadline += step
-                self._local.credit_left = left - step
+                time.sleep(got)
+                credited += got
+                deadline += got
         # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
         # slot would be spent by the time the slot frees, and the requests behind it would go in a burst.
         if self._slots is not None and slotted:
@@ -136,12 +162,16 @@ class Limiter:
             # Up to MAX_SLOT_WAIT_S for the whole prompt (begin_prompt): bounded per wait only, each
             # credited wait moved the deadline the next was bounded from (6 calls, a 0.2 s timeout, a
             # 0.3 s bound: the prompt lived 2.7 s; an hour a call in a real run).
-            left = self._credit_left()
+            # All that is left is held for this wait, and what it did not use given back after: threads
+            # of one prompt waiting at once (a tool's parallel model calls) never count one allowance twice.
+            allowance = self._allowance()
+            left = allowance.take(allowance.left) if remaining > 0 else 0.0
             if remaining <= 0 or not self._slots.acquire(remaining + left, priority):
+                allowance.give_back(left)
                 self._local.credited = self.credited_s() + credited
                 raise LimitTimeout("no request slot before the prompt's deadline")
             queued = min(time.monotonic() - asked, left)
-            self._local.credit_left = left - queued
+            allowance.give_back(left - queued)
             credited += queued
             deadline += queued
         self._local.credited = self.credited_s() + credited
@@ -170,11 +200,21 @@ class Limiter:
         """A prompt starts on the calling thread: its waits for a request slot and out of other prompts'
         429 pauses, the judge's included, are credited up to :data:`MAX_SLOT_WAIT_S` in all; past that
         they count against its deadline."""
-        self._local.credit_left = MAX_SLOT_WAIT_S
+        self._prompt.set(_Allowance())
 
-    def _credit_left(self) -> float:
+    def _allowance(self) -> _Allowance:
+        """The calling prompt's allowance (:meth:`begin_prompt`): its threads share it. A thread no prompt
+        began on (and whose context no prompt's thread passed on) has one of its own."""
+        allowance = self._prompt.get()
+        if allowance is None:
+            allowance = getattr(self._local, "allowance", None)
+            if allowance is None:
+                allowance = self._local.allowance = _Allowance()
+        return allowance
+
+    def credit_left(self) -> float:
         """What is left of the calling prompt's allowance of credited waits (:meth:`begin_prompt`)."""
-        return getattr(self._local, "credit_left", MAX_SLOT_WAIT_S)
+        return self._allowance().left
 
     def credited_s(self) -> float:
         """All pause time credited to the calling thread so far (a prompt compares it before and after)."""
@@ -188,7 +228,9 @@ class Limiter:
         """Hold every request of this worker (and, through the parent, of the run) for ``seconds``."""
         seconds = max(0.0, min(seconds, MAX_PAUSE_S))
         until = time.time() + seconds
-        self._local.own_until = until  # this thread's own wait for it counts against its deadline
+        # The prompt's own wait for it counts against its deadline, on whichever of its threads it waits
+        # (a tool's reference model got the 429: the agent's next call waits it out uncredited).
+        self._allowance().own_until = until
         with self._lock:
             if until <= self._paused_until:
                 return seconds

@@ -751,13 +751,25 @@ def exit_code(stats: dict[str, Any], interrupted: bool, max_failure_rate: float)
 def failure_rate_message(stats: dict[str, Any], max_failure_rate: float) -> str:
     """What exit 3 says: how many of this invocation's prompts failed, against the flag's rate."""
     failed, attempted = _failed_of_attempted(stats)
-    return f"error: {failed} of {attempted} prompts failed (more than --max_failure_rate={max_failure_rate})"
+    stopped = _budget_stopped(stats)
+    return (
+        f"error: {failed} of {attempted} prompts failed (more than --max_failure_rate={max_failure_rate})"
+        + (f"; {stopped} the budget stopped are not counted" if stopped else "")
+    )
 
 
 def _failed_of_attempted(stats: dict[str, Any]) -> tuple[int, int]:
+    """This invocation's failed prompts and the prompts it attempted, both without those the budget
+    stopped: stopped on purpose, they are neither failures nor prompts that ran to their end. Counted as
+    attempted, they hid the failures: 2 prompts failing (HTTP 500) beside 8 the budget stopped were 2 of 10
+    (exit 0), although every prompt that ended on its own had failed."""
     tr = stats["this_run"]
-    # Prompts the budget stopped were stopped on purpose; they are not failures of the run.
-    return sum(n for cls, n in tr["failed"].items() if cls != "budget"), tr["attempted"]
+    stopped = _budget_stopped(stats)
+    return sum(n for cls, n in tr["failed"].items() if cls != "budget"), tr["attempted"] - stopped
+
+
+def _budget_stopped(stats: dict[str, Any]) -> int:
+    return stats["this_run"]["failed"].get("budget", 0)
 
 
 def _count_field(path: Path, field: str) -> tuple[dict[str, int], int]:

@@ -794,3 +794,49 @@ def test_a_judge_on_the_llama_server_gets_the_next_request_slot_before_prompts_u
             t.join(10)
         assert order[0] == "judge", order
         judge.close()
+
+
+def test_a_retry_after_date_already_past_backs_off_as_without_one():
+    """A server whose clock runs behind ours sends a Retry-After date that is already past here: taken for
+    0 s, a 429 lasting 2 s was retried 31 times in 0.23 s and the call failed (http_429). Such a date says
+    nothing of how long to wait: backed off exponentially, the call is answered after a few requests."""
+    import email.utils
+    import http.server
+    import json
+    import threading
+
+    from helpers import OK_REPLY
+
+    hits = []
+    start = time.monotonic()
+
+    class BehindClock(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            hits.append(time.monotonic())
+            if time.monotonic() - start < 2.0:
+                body = b'{"error": {"message": "rate limited"}}'
+                self.send_response(429)
+                self.send_header("Retry-After", email.utils.formatdate(time.time() - 4, usegmt=True))
+            else:
+                body = json.dumps(OK_REPLY).encode()
+                self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BehindClock)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+        client = LLMClient(LLMConfig(model="m", base_url=base_url, api_key="k"))
+        turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert turn.finish_reason == "stop"
+    assert len(hits) <= 8, f"{len(hits)} requests"

@@ -16,6 +16,7 @@ from helpers import (
     run,
     stats_of,
     write_jsonl,
+    write_rows,
 )
 
 from batchrun.fakes.fake_model import FakeModelServer, find_prompt
@@ -93,6 +94,26 @@ def test_too_many_failures_exit_3_and_say_so(server, tmp_path, capsys):
     failed = read_jsonl(out / "run" / "failed.jsonl")
     assert sorted(r["error_class"] for r in failed) == ["http_500", "http_502"]
     assert len(read_jsonl(out / "run" / "trajectories.jsonl")) == 1  # what finished is kept
+    assert json.loads((out / "run" / "status.json").read_text())["exit_code"] == 3
+
+
+def test_prompts_the_budget_stopped_do_not_dilute_the_failure_rate(server, tmp_path, capsys, clean_tool_env):
+    """2 prompts failing beside 8 that the budget stopped in flight: counted as attempted, the stopped ones
+    made it 2 of 10 failed and the run exited 0, although every prompt that ended on its own had failed
+    (with HTTP 500s as with these rows asking for a toolset the run lacks). They count neither way now:
+    2 of 2, exit 3."""
+    rows = [{"prompt": f"fail {i}", "toolsets": ["web"]} for i in range(2)]  # no search provider here
+    rows += [{"prompt": f"task {i} [calls:6] [slow:0.5]"} for i in range(8)]
+    out = tmp_path / "data"
+    with pytest.raises(SystemExit) as info:
+        run(
+            server, write_rows(tmp_path / "d.jsonl", rows), out, max_failure_rate=0.5, max_retries=0,
+            prompts_per_worker=10, max_tokens=100, budget_tokens=12000, batch_size=10,
+        )  # fmt: skip
+    stats = json.loads((out / "run" / "statistics.json").read_text())
+    assert stats["this_run"]["failed"] == {"preflight": 2, "budget": 8}
+    assert info.value.code == 3
+    assert "2 of 2 prompts failed" in capsys.readouterr().err
     assert json.loads((out / "run" / "status.json").read_text())["exit_code"] == 3
 
 

@@ -5,8 +5,15 @@ prompt failing after its retries."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl
+from helpers import OK_REPLY, ROOT, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl
 
 from batchrun.run.endpoint_watch import DEAD_AFTER, EXIT_ENDPOINT_DEAD, EndpointWatch
 
@@ -86,3 +93,65 @@ def test_the_probes_answers_are_counted_in_the_runs_spend(tmp_path):
         r["metadata"]["usage"]["prompt_tokens"] + r["metadata"]["usage"]["completion_tokens"] for r in samples
     )
     assert budget["spent_tokens"] >= kept + 10 * checks
+
+
+def test_ctrl_c_while_a_dead_endpoints_prompts_drain_exits_130(tmp_path):
+    """Ctrl-C after the endpoint was declared dead, while the prompts in flight drained (up to 30 s): the
+    run exited 5 and status.json said "interrupted" with exit_code 5. Interrupted is 130, as at any other
+    moment (README's exit codes), status.json agreeing; the dead endpoint's message is still printed."""
+
+    class Endpoint(BaseHTTPRequestHandler):
+        checks = 0
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            if self.headers.get("X-Batch-Runner-Check"):
+                Endpoint.checks += 1
+                if Endpoint.checks == 1:  # the start check; probes find it dead
+                    return self._send(200, OK_REPLY)
+            elif b"stall-me" in body:
+                time.sleep(60)  # in flight when the endpoint is declared dead
+            self._send(503, {"error": {"message": "upstream connect error"}})
+
+        def _send(self, status, reply):
+            data = json.dumps(reply).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", ["stall-me 0", "stall-me 1", *(f"task {i}" for i in range(20))]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={dataset}", "--batch_size=5",
+         "--run_name=run", f"--output_dir={tmp_path / 'data'}", "--model=m", "--api_key=sk-x",
+         f"--base_url=http://127.0.0.1:{server.server_address[1]}/v1", "--distribution=terminal_only",
+         "--num_workers=1", "--prompts_per_worker=4", "--max_retries=0", "--endpoint_grace=2"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        for line in proc.stderr:
+            if "did not come back" in line:  # declared dead; the two hanging prompts still in flight
+                time.sleep(1)
+                proc.send_signal(signal.SIGINT)
+                break
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        server.shutdown()
+    assert proc.returncode == 130, err
+    assert "Interrupted" in err and "the endpoint stopped answering" in err and "--resume" in err
+    status = json.loads((tmp_path / "data" / "run" / "status.json").read_text("utf-8"))
+    assert (status["state"], status["exit_code"]) == ("interrupted", 130)

@@ -129,3 +129,57 @@ def test_the_tools_model_calls_go_through_the_runs_client(tools_llm, tool_ctx, c
     limited.llm = run_client
     out = call_tool(limited, "mixture_of_agents", user_prompt="busy [flaky:1]")
     assert limiter._paused_until > 0  # the tool's 429 paused the run's limiter (no SDK retries of its own)
+
+
+def test_the_reference_models_wait_out_of_the_prompts_one_allowance(tool_ctx, call_tool, monkeypatch):
+    """The reference models' calls run on threads of their own, and each of those had a fresh allowance of
+    credited waits (MAX_SLOT_WAIT_S, an hour), the prompt's own untouched: under another prompt's 429
+    pause, a mixture_of_agents call near the deadline held its prompt an hour past it, and the prompt's
+    next call another hour (past its Docker container's lifetime). Allowance 1 s, the references' time
+    0.2 s: the tool took 1.0 s and the prompt then credited 1.0 s more (2.0 s past); now 1.2 s at most."""
+    import time
+
+    from batchrun.prompt import limiter as limiter_module
+    from batchrun.prompt.limiter import Limiter, LimitTimeout
+    from batchrun.prompt.llm import LLMClient, LLMConfig
+
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 1.0)
+    ctx = tool_ctx({"MOA_REFERENCE_MODELS": "ref-a, ref-b, ref-c", "MOA_AGGREGATOR_MODEL": "agg"})
+    limiter = Limiter()
+    ctx.llm = LLMClient(LLMConfig(model="run", base_url=ctx.settings.llm_base_url, api_key="k"), limiter)
+    ctx.tool_timeout_s = 0.4  # the references get half: 0.2 s
+    limiter.begin_prompt()
+    limiter.pause_until(time.time() + 10.0)  # relayed from another prompt's 429
+    start = time.monotonic()
+    out = call_tool(ctx, "mixture_of_agents", user_prompt="A question")
+    assert "only 0 of 3 reference models answered" in out["error"]
+    before = limiter.credited_s()
+    with pytest.raises(LimitTimeout):  # the agent's next call, at its deadline
+        limiter.acquire(time.monotonic() + 0.01)
+    past = time.monotonic() - start - 0.2
+    assert past < 1.0 + 0.3, past  # the one allowance, not one per thread and one more for the prompt
+    assert limiter.credited_s() - before <= 1.0
+
+
+def test_a_429_of_the_prompts_own_tool_is_its_own_wait(monkeypatch):
+    """A pause the prompt's own tool call caused (a reference model's 429, on a thread of its own) is the
+    prompt's own time, as one its agent's call caused: it was credited to the agent's next call (0.3 s
+    of a 0.3 s allowance, the deadline 0.05 s away); now that call fails at its deadline at once."""
+    import contextvars
+    import threading
+    import time
+
+    from batchrun.prompt import limiter as limiter_module
+    from batchrun.prompt.limiter import Limiter, LimitTimeout
+
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 0.3)
+    limiter = Limiter()
+    limiter.begin_prompt()
+    tool_thread = threading.Thread(target=contextvars.copy_context().run, args=(limiter.pause, 5.0))
+    tool_thread.start()
+    tool_thread.join()
+    start = time.monotonic()
+    with pytest.raises(LimitTimeout):
+        limiter.acquire(start + 0.05)
+    assert time.monotonic() - start < 0.1
+    assert limiter.credited_s() == 0.0
