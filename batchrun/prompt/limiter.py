@@ -147,15 +147,15 @@ class Limiter:
         self._local.credited = self.credited_s() + credited
         try:
             self._take_turn(deadline)
-            self._granted()
         except BaseException:
             self.release(slotted)
             raise
         self.waited_s += time.monotonic() - start
         return credited
 
-    def _granted(self) -> None:
-        """The calling prompt's request goes out now: run what :meth:`when_granted` left for it, once."""
+    def granted(self) -> None:
+        """The calling prompt's request, past :meth:`acquire`, goes out now (the client calls it once it
+        knows the run was not stopped meanwhile): run what :meth:`when_granted` left for it, once."""
         begin = getattr(self._local, "on_grant", None)
         if begin is not None:
             self._local.on_grant = None
@@ -183,8 +183,9 @@ class Limiter:
 
     def when_granted(self, begin: Callable[[], None] | None) -> bool:
         """Have ``begin`` run once, when the calling prompt's next request is granted its slot (and its
-        turn under ``rpm``), just before it is sent; None: forget the one left. False, and nothing left,
-        when requests take no slot here (no ``max_concurrent``): the caller begins now, as a grant would.
+        turn under ``rpm``), just before it is sent (:meth:`granted`); None: forget the one left. False,
+        and nothing left, when requests take no slot here (no ``max_concurrent``): the caller begins now,
+        as a grant would.
 
         A prompt's sandbox starts so (attempt.run_prompt): with 1,000 prompts in flight on a
         llama-server's 4 slots, started beside the prompt, ~995 sandboxes sat idle for minutes while their

@@ -656,3 +656,31 @@ def test_a_prompt_whose_deadline_passes_before_its_first_request_slot_creates_no
     limiter.acquire(time.monotonic() + 5)  # a later call on this thread runs nothing left by that prompt
     limiter.release()
     assert box.events == []
+
+
+def test_prompts_queued_for_a_request_slot_when_the_run_stops_start_no_sandbox(server, scripted):
+    """The run stops (a budget reached, Ctrl-C) while prompts wait for the one request slot: each is
+    granted it in turn only to stop before its request; none may start its sandbox on the way out."""
+    from batchrun.prompt.limiter import Limiter
+
+    limiter, stop = Limiter(max_concurrent=1), threading.Event()
+    limiter.acquire(time.monotonic() + 60)  # another prompt holds the slot
+    settings = settings_for(server)
+    outcomes: list = []
+
+    def one(i: int) -> None:
+        client = LLMClient(settings.llm, limiter, stop=stop)
+        outcomes.append(run_prompt(job(f"queued {i} [calls:1]", index=i), settings, client))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: len(scripted.boxes) == 3, GATE_S, 0.01)
+    time.sleep(0.2)  # all three in the slot's queue
+    stop.set()
+    limiter.release()
+    for t in threads:
+        t.join(30)
+    assert sorted(o.error_class for o in outcomes) == ["budget"] * 3
+    assert [b.events for b in scripted.boxes] == [[], [], []]
+    assert server.stats()["requests"] == 0
