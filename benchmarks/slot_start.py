@@ -12,7 +12,8 @@ every prompt in flight at once, the local sandbox), with ``TMPDIR`` set to a dir
 each local sandbox is a ``br-*`` directory there from its start to its stop, counted every 5 ms
 (``--sandbox docker``: the run's containers, by its label, as ``docker ps`` lists them every 0.1 s).
 Prints, per run: the wall time of the command, the CPU of its process tree per prompt, the most
-sandboxes alive at once, and the records written.
+sandboxes alive at once, the records written, and the mean of their ``sandbox_start_blocked_s`` (what
+a prompt's first tool call waited for its sandbox's start).
 """
 
 from __future__ import annotations
@@ -78,14 +79,16 @@ def one_run(
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     traj = out / run_name / "trajectories.jsonl"
-    records = len(traj.read_text().splitlines()) if traj.exists() else 0
+    rows = [json.loads(line) for line in traj.read_text().splitlines()] if traj.exists() else []
+    blocked = [r["metadata"]["sandbox_start_blocked_s"] for r in rows]
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-2000:], file=sys.stderr)
     return {
         "wall_s": wall,
         "cpu_ms_per_prompt": 1000 * cpu / prompts,
         "peak_alive": peak[0],
-        "records": records,
+        "records": len(rows),
+        "blocked_s": sum(blocked) / max(1, len(blocked)),  # its first tool call's wait for the start
     }
 
 
@@ -118,7 +121,8 @@ def main() -> None:
                 r = one_run(tree, server.base_url, dataset, args.prompts, work, name, args.sandbox)
                 print(
                     f"{tree}: wall {r['wall_s']:.1f} s, CPU {r['cpu_ms_per_prompt']:.0f} ms/prompt, "
-                    f"peak sandboxes alive {r['peak_alive']}, records {r['records']}/{args.prompts}",
+                    f"peak sandboxes alive {r['peak_alive']}, records {r['records']}/{args.prompts}, "
+                    f"mean sandbox_start_blocked_s {r['blocked_s']:.3f}",
                     flush=True,
                 )
     finally:
