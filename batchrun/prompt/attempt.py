@@ -148,7 +148,9 @@ def run_prompt(
         box = create_sandbox(
             settings.sandbox_backend, sandbox_spec(job, settings, tools), sandbox_options(settings)
         )
-        lifecycle = PromptSandbox(box, sandbox_starts, stop_in_background)
+        # Its start waits for the first request's slot, when one is to be waited for (Limiter.when_granted).
+        start_when = limiter.when_granted if limiter is not None else None
+        lifecycle = PromptSandbox(box, sandbox_starts, stop_in_background, start_when)
         with lifecycle as sandbox, _tool_context(sandbox, settings, usage, llm) as ctx:
             result = run_agent(
                 llm=llm,
@@ -166,6 +168,8 @@ def run_prompt(
                 else request_seed_base(settings.request_seed, job),
                 holds_secret=secret_finder(settings.secret_values),
             )
+            if limiter is not None:  # the judge's calls do not start it: a verify needing it does
+                limiter.when_granted(None)
             record = _record(job, settings, result, usage, limits, tools, lifecycle)
             # The waits the loop's deadline was moved by (a request slot, another prompt's 429) move
             # the judging's too: without them, every sample of 20 queued on a one-slot llama-server
@@ -184,6 +188,9 @@ def run_prompt(
         return Outcome.failed(job, "prompt_timeout", str(exc), usage.as_dict())
     except Exception as exc:  # a bug must fail one prompt, not the worker and its other prompts
         return Outcome.failed(job, "internal", f"{type(exc).__name__}: {exc}", usage.as_dict())
+    finally:
+        if limiter is not None:  # a start never begun (no slot before the end): left to no later call
+            limiter.when_granted(None)
     # The sandbox's timings and the duration as they are now that it stopped (judging included).
     record["metadata"].update(lifecycle.timings, duration_s=round(time.monotonic() - started, 3))
     spent = with_judge_usage(usage.as_dict(), judge_usage)

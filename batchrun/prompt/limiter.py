@@ -183,6 +183,14 @@ class Limiter:
         self.waited_s += time.monotonic() - start
         return credited
 
+    def granted(self) -> None:
+        """The calling prompt's request, past :meth:`acquire`, goes out now (the client calls it once it
+        knows the run was not stopped meanwhile): run what :meth:`when_granted` left for it, once."""
+        begin = getattr(self._local, "on_grant", None)
+        if begin is not None:
+            self._local.on_grant = None
+            begin()
+
     def _take_turn(self, deadline: float) -> None:
         """Wait for this worker's next turn under ``rpm`` (requests spaced evenly)."""
         if not self.rpm:
@@ -201,6 +209,22 @@ class Limiter:
         429 pauses, the judge's included, are credited up to :data:`MAX_SLOT_WAIT_S` in all; past that
         they count against its deadline."""
         self._prompt.set(_Allowance())
+        self._local.on_grant = None  # a previous prompt's, on this thread, never runs for this one
+
+    def when_granted(self, begin: Callable[[], None] | None) -> bool:
+        """Have ``begin`` run once, when the calling prompt's next request is granted its slot (and its
+        turn under ``rpm``), just before it is sent (:meth:`granted`); None: forget the one left. False,
+        and nothing left, when requests take no slot here (no ``max_concurrent``): the caller begins now,
+        as a grant would.
+
+        A prompt's sandbox starts so (attempt.run_prompt): with 1,000 prompts in flight on a
+        llama-server's 4 slots, started beside the prompt, ~995 sandboxes sat idle for minutes while their
+        prompts' first requests waited for a slot, holding memory, processes and containers, and their
+        starts took CPU from the requests being served."""
+        if begin is not None and self._slots is None:
+            return False
+        self._local.on_grant = begin
+        return begin is not None
 
     def _allowance(self) -> _Allowance:
         """The calling prompt's allowance (:meth:`begin_prompt`): its threads share it. A thread no prompt

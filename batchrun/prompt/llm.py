@@ -872,6 +872,9 @@ class LLMClient:
                 try:
                     if self.stop is not None and self.stop.is_set():  # set while this call waited
                         raise BudgetStop()
+                    # Only now, the run not stopped meanwhile: once stopped, every prompt still queued for
+                    # a slot was granted one in turn only to stop, and would start its sandbox first.
+                    self.limiter.granted()  # (the prompt's sandbox start, on its first request)
                     turn, data, answered = self._attempt(
                         url, payload, parse, deadline, usage, prompt_estimate, stream, completion_limit
                     )

@@ -2,7 +2,8 @@
 
 :class:`BackgroundStart` wraps one prompt's sandbox. Its ``start()`` returns at once; the real start
 runs on a start-up slot (a thread of the worker's :class:`StartPool`, or a thread of its own behind a
-semaphore) while the prompt's first model call is in flight. What needs
+semaphore) while the prompt's first model call is in flight (when requests wait for a slot, it is
+begun once the first one is granted its slot, :meth:`BackgroundStart.defer`). What needs
 the sandbox itself (``run``, ``workdir``, ``isolation``) waits for that start and raises its error if it
 failed. ``stop()`` waits for a start in progress, then stops; a start still queued for its slot is
 skipped, so a prompt that never called a tool may never create a container at all.
@@ -58,6 +59,7 @@ class BackgroundStart:
         self._thread: Any = None  # the start's thread, or its future in a StartPool
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._deferred = False  # begun by whoever was handed defer()'s start, or by the first need
         self.start_wait_s = 0.0
         self.start_s = 0.0
         self._blocked_s = 0.0
@@ -78,6 +80,12 @@ class BackgroundStart:
                 target=self._start, name=f"sandbox-start-{self.spec.prompt_index}", daemon=True
             )
         self._thread.start()
+
+    def defer(self) -> Callable[[], None]:
+        """Leave the start to the caller of the returned function (the prompt's first request, once granted
+        its slot), or to the first use that needs the sandbox, whichever comes first."""
+        self._deferred = True
+        return self.start
 
     def _start(self, queued_at: float | None = None) -> None:
         t0 = time.monotonic() if queued_at is None else queued_at
@@ -101,7 +109,13 @@ class BackgroundStart:
 
     def wait_started(self) -> None:
         """Block until the start has finished; raise :class:`SandboxError` if it failed."""
+        if self._thread is None and self._deferred and self._state != _SKIPPED:
+            self.start()  # needed before its prompt's first request was granted a slot (judging): now
         if self._thread is None:
+            if self._state == _SKIPPED:
+                raise SandboxError(
+                    f"sandbox of prompt {self.spec.prompt_index} was stopped before it started"
+                )
             raise SandboxError(f"sandbox of prompt {self.spec.prompt_index} is not started")
         if not self._done.is_set():
             t0 = time.monotonic()
@@ -258,8 +272,10 @@ class PromptSandbox:
 
     ``starts`` is a :class:`StartPool` or a semaphore bounding start-ups (None: no bound);
     ``stop_in_background`` (e.g. ``BackgroundStopper.submit``), when given, takes the stop off the
-    prompt's path. A backend with ``synchronous_start`` starts on entering, before any model call;
-    one with ``synchronous_stop`` (local: a few ms) always stops here, so its stop costs no messages.
+    prompt's path; ``start_when`` (e.g. ``Limiter.when_granted``), when given, is handed the background
+    start and may run it later (True) rather than on entering (False). A backend with
+    ``synchronous_start`` starts on entering, before any model call; one with ``synchronous_stop``
+    (local: a few ms) always stops here, so its stop costs no messages.
     """
 
     def __init__(
@@ -267,6 +283,7 @@ class PromptSandbox:
         box: Sandbox,
         starts: Any = None,
         stop_in_background: Callable[[Callable[[], None]], None] | None = None,
+        start_when: Callable[[Callable[[], None]], bool] | None = None,
     ):
         self.box = box
         self.image = getattr(box, "image", None) or ""  # the row's or the backend's default
@@ -274,6 +291,7 @@ class PromptSandbox:
         self.sandbox: Any = None  # what the tools use: the box itself, or its BackgroundStart
         self._starts = starts
         self._stop_in_background = stop_in_background
+        self._start_when = start_when
         self.timings: dict[str, Any] = {
             "sandbox_start_wait_s": 0.0,  # waiting for a start-up slot
             "sandbox_start_s": 0.0,  # the backend's start
@@ -303,8 +321,12 @@ class PromptSandbox:
         if self.background:
             # The start runs on a start-up slot while the prompt's first model call is in flight: the
             # prompt pays for it only when its first tool call comes before the start is done.
+            # With ``start_when`` (Limiter.when_granted) the start waits for the prompt's first request to
+            # be granted its slot, when requests are limited: a prompt queued behind the slots holds no
+            # idle sandbox meanwhile, and one that ends before its turn creates none.
             self.sandbox = BackgroundStart(self.box, self._starts)
-            self.sandbox.start()  # returns at once; the first tool call waits for it
+            if self._start_when is None or not self._start_when(self.sandbox.defer()):
+                self.sandbox.start()  # returns at once; the first tool call waits for it
             return
         self.sandbox = self.box
         t0 = time.monotonic()

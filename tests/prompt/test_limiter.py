@@ -247,6 +247,32 @@ def test_a_prompt_under_way_gets_a_request_slot_before_first_calls() -> None:
     assert order == ["third-call", "second-call", "first-a", "first-b"]
 
 
+def test_what_a_prompt_leaves_for_its_first_grant_runs_once_on_its_thread() -> None:
+    """when_granted (a prompt's sandbox start): run once, by the first granted() on the prompt's thread
+    (the client's, once its request got its slot and the run was not stopped); never on another thread,
+    nor once forgotten (None, or the next prompt's begin_prompt); refused (False) when no slot limit
+    applies, so the caller begins at once, as before."""
+    assert Limiter(rpm=600).when_granted(lambda: pytest.fail("no slots: run now by the caller")) is False
+    lim = Limiter(max_concurrent=1)
+    ran: list[str] = []
+    lim.begin_prompt()
+    assert lim.when_granted(lambda: ran.append("start")) is True
+    other = threading.Thread(target=lim.granted)  # another prompt's request
+    other.start()
+    other.join(10)
+    assert ran == []
+    lim.granted()
+    lim.granted()  # its second call: nothing left
+    assert ran == ["start"]
+    lim.when_granted(lambda: ran.append("again"))
+    lim.when_granted(None)
+    lim.granted()
+    lim.when_granted(lambda: ran.append("again"))
+    lim.begin_prompt()
+    lim.granted()
+    assert ran == ["start"]
+
+
 # ----------------------------------------------------------------------------- the run-wide 429 pause
 
 

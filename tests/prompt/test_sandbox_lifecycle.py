@@ -89,3 +89,38 @@ def test_a_background_start_a_prompt_never_needed_is_skipped_and_nothing_is_stop
         pass  # a prompt that never called a tool
     # Either the start was still queued (skipped, nothing to stop) or it ran and was stopped once.
     assert box.events in ([], ["start", "stop"])
+
+
+def test_a_start_left_to_the_first_request_slot_runs_when_handed_or_when_the_sandbox_is_needed():
+    """``start_when`` (Limiter.when_granted) takes the start: nothing starts on entering; the start runs
+    when it is called (the first request's slot), or at the first use that needs the sandbox; a prompt
+    that ends before either creates nothing; False (no slot limit) starts on entering, as before."""
+    handed: list = []
+    box = StandIn(synchronous_start=False)
+    with PromptSandbox(box, StartPool(1), start_when=lambda start: handed.append(start) or True):
+        assert box.events == []
+    assert box.events == [] and len(handed) == 1
+    handed[0]()  # a grant after the prompt ended starts nothing
+    assert box.events == []
+
+    box = StandIn(synchronous_start=False)
+    with PromptSandbox(box, StartPool(1), start_when=lambda start: handed.append(start) or True) as sandbox:
+        handed[-1]()
+        sandbox.wait_started()
+        assert box.events == ["start"]
+    assert box.events == ["start", "stop"]
+
+    box = StandIn(synchronous_start=False, fail_start=True)
+    with pytest.raises(SandboxError, match="no room"):  # needed before any grant (a verify): started now
+        with PromptSandbox(box, StartPool(1), start_when=lambda start: True) as sandbox:
+            sandbox.run("true", timeout_s=5)
+    assert box.events == ["start", "stop"]
+
+    box = StandIn(synchronous_start=False)
+    with PromptSandbox(box, StartPool(1), start_when=lambda start: False) as sandbox:
+        sandbox.wait_started()  # begun on entering: no slot to wait for
+    assert box.events == ["start", "stop"]
+
+    box = StandIn(synchronous_start=True)  # a synchronous start keeps its own: on entering
+    with PromptSandbox(box, StartPool(1), start_when=lambda start: pytest.fail("handed a synchronous start")):
+        assert box.events == ["start"]

@@ -532,3 +532,155 @@ def test_a_docker_prompt_credited_its_wait_for_a_request_slot_keeps_its_containe
     assert (
         tool_results and "ended" not in json.dumps(tool_results) and "gone" not in json.dumps(tool_results)
     ), tool_results
+
+
+# ----------------------------------------------------------------------------- the start waits for the first request slot
+
+
+class AliveCount:
+    """Wraps the runner's ``create_sandbox``: the real sandbox, its start and stop counted, the most
+    started and not yet stopped at once kept."""
+
+    def __init__(self, create) -> None:
+        self._create = create
+        self._lock = threading.Lock()
+        self.alive = self.peak = self.started = 0
+
+    def create(self, name: str, spec: SandboxSpec, options=None):
+        box = self._create(name, spec, options)
+        start, stop = box.start, box.stop
+        began = []
+
+        def counted_start() -> None:
+            with self._lock:
+                self.started += 1
+                self.alive += 1
+                self.peak = max(self.peak, self.alive)
+                began.append(True)
+            start()
+
+        def counted_stop() -> None:
+            try:
+                stop()
+            finally:
+                with self._lock:
+                    if began and began.pop():
+                        self.alive -= 1
+
+        box.start, box.stop = counted_start, counted_stop
+        return box
+
+
+def test_prompts_queued_for_a_request_slot_hold_no_sandbox_until_it_is_granted(server, tmp_path, monkeypatch):
+    """Twelve prompts in flight on one request slot (--max_concurrent_requests, a llama-server's slots),
+    each call 0.15 s on the endpoint, real local sandboxes: each prompt's sandbox started as the prompt
+    began, and all 12 sat alive at once while 11 of their prompts waited for the slot. Now it starts
+    when its prompt's first request is granted the slot (still beside that call): at most the prompts
+    under way hold one. Every prompt still runs its command in its sandbox, and nothing is left."""
+    from batchrun.prompt.limiter import Limiter
+    from batchrun.prompt.sandboxes import create_sandbox
+
+    count = AliveCount(create_sandbox)
+    monkeypatch.setattr(runner_mod, "create_sandbox", count.create)
+    settings = local_settings(server, tmp_path)
+    limiter = Limiter(max_concurrent=1)
+    outcomes: list = []
+
+    def one(i: int) -> None:
+        outcomes.append(
+            run_prompt(
+                job(f"shell {i} [calls:1] [slow:0.15]", index=i), settings, LLMClient(settings.llm, limiter)
+            )
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [o.kind for o in outcomes] == ["trajectory"] * 12, [o.error for o in outcomes]
+    assert all(o.record["tool_stats"]["terminal"]["success"] == 1 for o in outcomes)
+    assert count.started == 12 and count.alive == 0
+    assert count.peak <= 3, f"{count.peak} sandboxes alive at once on one request slot"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("br-")] == []
+
+
+def test_with_a_request_slot_the_start_still_overlaps_the_first_call_and_its_failure_reaches_the_prompt(
+    server, scripted
+):
+    """Begun at the grant, the start runs beside the first call (it can only finish once the endpoint
+    has seen it), and a start that fails still fails the prompt at its first tool call, class sandbox."""
+    from batchrun.prompt.limiter import Limiter
+
+    def start() -> None:
+        if not wait_for(lambda: server.stats()["requests"] >= 1, GATE_S, 0.02):
+            raise SandboxError("the model was not called while the sandbox was starting")
+
+    scripted.on_start = start
+    settings = settings_for(server)
+    outcome = run_prompt(
+        job("overlap [calls:1]"), settings, LLMClient(settings.llm, Limiter(max_concurrent=1))
+    )
+    assert outcome.kind == "trajectory", outcome.error
+    assert scripted.boxes[0].events == ["start", "started", "run", "stop"]
+
+    def fail() -> None:
+        raise SandboxError("image is gone")
+
+    scripted.on_start = fail
+    outcome = run_prompt(job("again [calls:1]"), settings, LLMClient(settings.llm, Limiter(max_concurrent=1)))
+    assert outcome.kind == "failed" and outcome.error_class == "sandbox" and "image is gone" in outcome.error
+    assert scripted.boxes[1].events == ["start", "stop"]
+
+
+def test_a_prompt_whose_deadline_passes_before_its_first_request_slot_creates_no_sandbox(
+    server, scripted, monkeypatch
+):
+    """Its slot held past its deadline and its allowance of credited waits (shrunk to 0.3 s), the prompt
+    fails with a timeout and no sandbox was ever started; its judge, when it has one, starts none either."""
+    import batchrun.prompt.limiter as limiter_mod
+    from batchrun.prompt.limiter import Limiter
+
+    monkeypatch.setattr(limiter_mod, "MAX_SLOT_WAIT_S", 0.3)
+    limiter = Limiter(max_concurrent=1)
+    limiter.acquire(time.monotonic() + 60)  # another prompt holds the one slot throughout
+    settings = dataclasses.replace(
+        settings_for(server), limits=LoopLimits(max_turns=6, prompt_timeout_s=0.3, tool_timeout_s=60)
+    )
+    outcome = run_prompt(job("queued [calls:1]"), settings, LLMClient(settings.llm, limiter))
+    assert outcome.kind == "failed" and outcome.error_class == "prompt_timeout", outcome.error
+    (box,) = scripted.boxes
+    assert box.events == []
+    assert not start_threads_alive()
+    limiter.release()
+    limiter.acquire(time.monotonic() + 5)  # a later call on this thread runs nothing left by that prompt
+    limiter.release()
+    assert box.events == []
+
+
+def test_prompts_queued_for_a_request_slot_when_the_run_stops_start_no_sandbox(server, scripted):
+    """The run stops (a budget reached, Ctrl-C) while prompts wait for the one request slot: each is
+    granted it in turn only to stop before its request; none may start its sandbox on the way out."""
+    from batchrun.prompt.limiter import Limiter
+
+    limiter, stop = Limiter(max_concurrent=1), threading.Event()
+    limiter.acquire(time.monotonic() + 60)  # another prompt holds the slot
+    settings = settings_for(server)
+    outcomes: list = []
+
+    def one(i: int) -> None:
+        client = LLMClient(settings.llm, limiter, stop=stop)
+        outcomes.append(run_prompt(job(f"queued {i} [calls:1]", index=i), settings, client))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: len(scripted.boxes) == 3, GATE_S, 0.01)
+    time.sleep(0.2)  # all three in the slot's queue
+    stop.set()
+    limiter.release()
+    for t in threads:
+        t.join(30)
+    assert sorted(o.error_class for o in outcomes) == ["budget"] * 3
+    assert [b.events for b in scripted.boxes] == [[], [], []]
+    assert server.stats()["requests"] == 0
