@@ -123,6 +123,11 @@ BAD_FLAGS = [
         ["--container_pids_limit=64", "--sandbox=modal"],
         "--container_pids_limit does nothing with --sandbox=modal",
     ),
+    # Modal ends a sandbox after at most 24 hours: a prompt given longer would lose its sandbox under it.
+    (
+        ["--sandbox=modal", "--prompt_timeout=86000"],
+        "--prompt_timeout=86000 is longer than a Modal sandbox can live",
+    ),
 ]
 
 

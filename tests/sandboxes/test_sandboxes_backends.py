@@ -1611,6 +1611,30 @@ def test_docker_options_from_the_flags_carry_the_disk_cap_and_a_lifetime_past_th
     assert options["lifetime_s"] == 2 * 1800.0 + MAX_SLOT_WAIT_S + LIFETIME_MARGIN_S
 
 
+def test_a_modal_sandbox_outlives_its_prompt_as_a_docker_container_does(fake_modal):
+    """Modal's lifetime was fixed at 3600 s whatever --prompt_timeout said: a prompt of 3600 s or more,
+    or one of 1800 s that had waited for a request slot (credited up to MAX_SLOT_WAIT_S), lost its
+    sandbox at its next command. It is now Docker's: 2 x the timeout + MAX_SLOT_WAIT_S + a margin,
+    within Modal's 24 hours."""
+    from batchrun.prompt.sandboxes.base import SandboxFlags
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+    from batchrun.prompt.sandboxes.modal import MODAL_MAX_TIMEOUT_S, ModalSandbox
+
+    for timeout in (30.0, 1800.0, 7200.0, 40_000.0):
+        flags = SandboxFlags(prompt_timeout_s=timeout)
+        options = ModalSandbox.options_from(flags)
+        expected = min(MODAL_MAX_TIMEOUT_S, DockerSandbox.options_from(flags)["lifetime_s"])
+        assert options["timeout_s"] == expected > timeout + 3600
+        box = ModalSandbox(SandboxSpec(RUN, 0), **options)
+        box.start()
+        box.stop()
+        create = dict(fake_modal.calls)["Sandbox.create"]
+        assert create["timeout"] == expected
+        fake_modal.calls.clear()
+    with pytest.raises(ValueError, match="--prompt_timeout=86000 is longer than a Modal sandbox can live"):
+        ModalSandbox.options_from(SandboxFlags(prompt_timeout_s=86000.0))
+
+
 # ---------------------------------------------------------------------------- local: the per-prompt command server
 @pytest.fixture
 def bwrap_box(bwrap_available: None, tmp_path: Path):

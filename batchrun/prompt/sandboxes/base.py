@@ -121,6 +121,15 @@ class SandboxFlags:
     network: bool = True  # whether the prompt's commands may reach the network
     cwd_root: str | None = None  # local without isolation: the host directory every row's cwd must lie in
 
+    def lifetime_s(self, margin_s: float) -> float:
+        """How long a remote or container sandbox may live before it ends itself (Docker) or its service
+        ends it (Modal), a backstop should the runner's death go unnoticed: it must outlive its prompt,
+        which may outlive ``--prompt_timeout`` by the run-wide pauses for rate limits (hence twice it and
+        the margin) and by its credited waits for a request slot, up to ``MAX_SLOT_WAIT_S``."""
+        from batchrun.prompt.limiter import MAX_SLOT_WAIT_S
+
+        return 2 * self.prompt_timeout_s + MAX_SLOT_WAIT_S + margin_s
+
 
 @dataclass(frozen=True)
 class Preflight:

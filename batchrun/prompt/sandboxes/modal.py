@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import batchrun.prompt.limiter as limiter
 from batchrun.prompt.sandboxes._shell import (
     MarkerScanner,
     kill_argv,
@@ -46,12 +47,15 @@ KEEPALIVE = ("sh", "-c", "while :; do sleep 3600; done")
 STDIN_CHUNK_BYTES = 64 * 1024  # the SDK buffers stdin writes in memory until drain(); keep each batch small
 PREFLIGHT_S = 60.0  # the app's lookup before the run: Modal answers it in about a second
 GRACE_S = 5.0  # past the command's timeout, how long to wait for Modal to end it before killing it ourselves
+MODAL_MAX_TIMEOUT_S = 24 * 3600  # the longest lifetime Modal gives a sandbox
+LIFETIME_MARGIN_S = 600.0  # a sandbox's lifetime: 2 x --prompt_timeout + MAX_SLOT_WAIT_S + this (as Docker's)
 
 
 @dataclass(frozen=True)
 class ModalOptions:
     default_image: str = DEFAULT_IMAGE  # registry image for prompts whose record names none
-    timeout_s: int = 3600  # lifetime of one prompt's sandbox; Modal ends it after this
+    # Lifetime of one prompt's sandbox; Modal ends it after this (options_from: from --prompt_timeout).
+    timeout_s: int = 3600
     cpu: float = 1.0  # CPU cores requested per sandbox
     memory_mb: int = 2048  # memory requested per sandbox (MiB)
     output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES  # most bytes of one command's output kept
@@ -70,7 +74,21 @@ class ModalSandbox(SandboxBackend):
 
     @classmethod
     def options_from(cls, flags: SandboxFlags) -> dict[str, Any]:
-        return {"default_image": flags.default_image, "cpu": flags.cpus, "memory_mb": flags.memory_mb}
+        # Fixed at 3600 s, a sandbox ended under a prompt with --prompt_timeout=3600 or more, or under one
+        # of 1800 s that had waited half an hour for a request slot, at its next command.
+        lifetime = flags.lifetime_s(LIFETIME_MARGIN_S)
+        if flags.prompt_timeout_s + limiter.MAX_SLOT_WAIT_S + LIFETIME_MARGIN_S > MODAL_MAX_TIMEOUT_S:
+            raise ValueError(
+                f"--prompt_timeout={flags.prompt_timeout_s:g} is longer than a Modal sandbox can live "
+                f"({MODAL_MAX_TIMEOUT_S} s, less {limiter.MAX_SLOT_WAIT_S + LIFETIME_MARGIN_S:g} s for a "
+                "prompt's waits for request slots and a margin): a prompt would lose its sandbox under it"
+            )
+        return {
+            "default_image": flags.default_image,
+            "cpu": flags.cpus,
+            "memory_mb": flags.memory_mb,
+            "timeout_s": min(MODAL_MAX_TIMEOUT_S, math.ceil(lifetime)),
+        }
 
     @classmethod
     def preflight(

@@ -37,7 +37,6 @@ from typing import IO, Any
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
-import batchrun.prompt.limiter as limiter
 import batchrun.prompt.sandboxes.docker.container_server as server
 from batchrun.prompt.sandboxes._shell import (
     EXEC_TAG_VAR,
@@ -234,11 +233,9 @@ class DockerSandbox(SandboxBackend):
             "network_mode": "bridge" if flags.network else "none",
             "run_owner": default_owner(),
             "disk_mb": flags.disk_mb,
-            # A backstop should the runner's death go unnoticed: a prompt may outlive its timeout
-            # by the run-wide pauses for rate limits, hence the generous margin, and by its waits for
-            # a request slot, up to MAX_SLOT_WAIT_S (without it, a prompt queued past the margin on a
-            # llama-server's slots found its container gone at its next command, and failed).
-            "lifetime_s": 2 * flags.prompt_timeout_s + limiter.MAX_SLOT_WAIT_S + LIFETIME_MARGIN_S,
+            # Without the credited slot waits in it, a prompt queued past the margin on a llama-server's
+            # slots found its container gone at its next command, and failed.
+            "lifetime_s": flags.lifetime_s(LIFETIME_MARGIN_S),
         }
 
     @classmethod
