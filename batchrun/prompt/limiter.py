@@ -236,6 +236,15 @@ class Limiter:
                 allowance = self._local.allowance = _Allowance()
         return allowance
 
+    def credit(self, seconds: float) -> float:
+        """Credit a wait the limiter did not see (for the run's budget) to the calling prompt's deadline,
+        from its one allowance (:meth:`begin_prompt`); returns the seconds credited (what is left of the
+        allowance at most: past it, the wait counts against the prompt's deadline)."""
+        got = self._allowance().take(seconds) if seconds > 0 else 0.0
+        if got:
+            self._local.credited = self.credited_s() + got
+        return got
+
     def credit_left(self) -> float:
         """What is left of the calling prompt's allowance of credited waits (:meth:`begin_prompt`)."""
         return self._allowance().left

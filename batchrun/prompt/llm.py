@@ -861,7 +861,11 @@ class LLMClient:
             slot_priority = priority if self.slot_priority is None else self.slot_priority
             if self.gate is not None:
                 ticket, waited = self.gate.reserve(worst, deadline, priority, model)
-                deadline += waited  # waiting for the budget is not the prompt's time
+                # Waiting for the budget is not the prompt's time: credited to it as a slot wait is, from
+                # the same allowance. Moved for this call alone, the prompt's deadline passed under a long
+                # wait, the call was sent and paid all the same, and the loop then ended the prompt as
+                # timed out, its answer lost; past the allowance, the call is not sent (_attempt).
+                deadline += self.limiter.credit(waited)
             answered: dict[str, Any] | None = None
             try:
                 try:

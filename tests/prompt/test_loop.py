@@ -608,3 +608,49 @@ def test_a_conversation_past_its_size_bound_ends_as_a_context_limit(replies, ctx
     assert len(tools) == 4 and "Not run" not in tools[0] + tools[1], tools
     assert all("Not run: the conversation holds more than 50000 characters" in t for t in tools[2:])
     assert len(script.bodies) == 2
+
+
+class _SlowBudget:
+    """The run's budget as a call sees it, granting each reservation after ``wait_s`` (reservations in
+    flight elsewhere held it); keeps what each was settled with."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s, self.settled = wait_s, []
+
+    def reserve(self, tokens, deadline, priority=0, model=None):
+        time.sleep(self.wait_s)
+        return len(self.settled), self.wait_s
+
+    def settle(self, ticket, usage):
+        self.settled.append(usage)
+
+
+def test_a_wait_for_the_budget_is_credited_to_the_prompt_not_to_its_call_alone(
+    server: FakeModelServer, ctx: ToolContext
+):
+    """Waiting for the run's budget moved the call's deadline but not the prompt's: a prompt whose
+    reservations waited 0.4 s each, under a 0.5 s timeout, had its second call sent and paid after its
+    deadline and then ended timed out, its answers lost. The wait is credited as a slot wait is."""
+    llm = client(server.base_url)
+    llm.gate = _SlowBudget(0.4)
+    llm.limiter.begin_prompt()
+    result = agent(llm, "Take notes on loops", ctx, limits=LoopLimits(max_turns=10, prompt_timeout_s=0.5))
+    assert result.stop_reason == "final_answer" and result.api_calls == 3
+    assert llm.limiter.credited_s() >= 1.2
+
+
+def test_a_wait_for_the_budget_past_the_prompts_allowance_sends_no_call(
+    server: FakeModelServer, ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
+):
+    """Past the prompt's allowance of credited waits, the budget's wait counts against its deadline: a
+    call whose prompt's time ran out meanwhile is not sent (it was, and paid, with nothing to keep)."""
+    from batchrun.prompt import limiter as limiter_module
+
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 0.1)
+    llm = client(server.base_url)
+    llm.gate = _SlowBudget(0.8)
+    llm.limiter.begin_prompt()
+    with pytest.raises(PromptTimeout):
+        agent(llm, "hi", ctx, tools=[], limits=LoopLimits(prompt_timeout_s=0.5))
+    assert server.stats()["requests"] == 0
+    assert llm.gate.settled == [None]  # the reservation was given back, not held
