@@ -1986,14 +1986,38 @@ def headline(scores: dict[str, Any]) -> str | None:
 # ----------------------------------------------------------------------------- comparing two runs
 
 
+# McNemar's tail as exact integers up to this many discordant pairs (C(n, i) built term by term: 30 ms
+# at 20,000); beyond, in floating point from the tail's largest term down (1,500 terms at 100,000).
+MCNEMAR_EXACT_UP_TO = 20_000
+
+
 def mcnemar_exact(b: int, c: int) -> float:
-    """McNemar's exact two-sided p-value: b pairs passed only in A, c only in B (binomial, p = 1/2)."""
+    """McNemar's exact two-sided p-value: b pairs passed only in A, c only in B (binomial, p = 1/2).
+    Exact up to :data:`MCNEMAR_EXACT_UP_TO` discordant pairs; beyond, the same sum to within about
+    3e-15 times the pairs of itself (log-gamma's rounding: 2e-10 at 100,000, 5e-10 at 200,000; four
+    digits are printed), in time that grows with the square root of the pairs. Summed as ``math.comb``
+    of each term, 30,000 discordant pairs took 86 s and 47,600 (100,000 pairs) 240 s."""
     n = b + c
-    if n == 0:
+    if n == 0 or b == c:
         return 1.0
     k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    if n <= MCNEMAR_EXACT_UP_TO:
+        term = tail = 1  # C(n, 0); C(n, i + 1) = C(n, i) * (n - i) / (i + 1), exactly
+        for i in range(k):
+            term = term * (n - i) // (i + 1)
+            tail += term
+        return min(1.0, 2 * tail / 2**n)
+    # P(X <= k), X ~ Bin(n, 1/2), k < n / 2: the terms from k down, relative to C(n, k) / 2^n, until
+    # the rest (each term less than the last by the ratio i / (n - i + 1), below 1) no longer counts.
+    log_top = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) - n * math.log(2)
+    term = total = 1.0
+    for i in range(k, 0, -1):
+        ratio = i / (n - i + 1)
+        term *= ratio
+        total += term
+        if term < total * 1e-18 * (1 - ratio):
+            break
+    return min(1.0, 2 * math.exp(log_top + math.log(total)))
 
 
 def sign_flip_p(totals: list[int]) -> float:
