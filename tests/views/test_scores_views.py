@@ -240,6 +240,29 @@ def test_mcnemar_exact_is_exact_for_few_pairs_and_bounded_for_many(monkeypatch):
     assert not calls
 
 
+def test_the_sign_flip_p_value_keeps_only_the_lower_tail_and_is_the_same():
+    """The sign-flip test's distribution kept only up to the lower tail's top, and only as far as the rows
+    so far reach: the same p-values bit for bit as the whole distribution (2.4x fewer steps at 4,472 rows)."""
+
+    def whole(totals: list[int]) -> float:  # the distribution over every sum, as before
+        sizes = [abs(t) for t in totals if t]
+        observed, span = abs(sum(totals)), sum(abs(t) for t in totals)
+        if not sizes or observed == 0:
+            return 1.0
+        dist = [1.0] + [0.0] * span
+        for size in sizes:
+            dist = [(a + b) * 0.5 for a, b in zip(dist, [0.0] * size + dist[:-size], strict=True)]
+        return min(1.0, 2 * sum(dist[: (span - observed) // 2 + 1]))
+
+    rng = random.Random(8)
+    for _ in range(2000):
+        width = rng.randint(1, 12)
+        totals = [rng.randint(-width, width) + rng.choice((0, 0, 1)) for _ in range(rng.randint(1, 50))]
+        assert sign_flip_p(totals) == whole(totals), totals
+    totals = [1] * 2237 + [-1] * 2235
+    assert sign_flip_p(totals) == whole(totals)
+
+
 def test_rescore_a_finished_run_without_model_calls_then_compare(server, tmp_path, capsys):
     dataset = write_rows(tmp_path / "d.jsonl", ROWS)
     out = tmp_path / "data"
