@@ -51,6 +51,7 @@ from batchrun.scoring import (
     check_from_row_fields,
     mcnemar_exact,
     paired_bootstrap,
+    pairs_stand_alone,
     sign_flip_p,
 )
 from batchrun.secrets import terminal_safe
@@ -160,8 +161,8 @@ def compare_pairs(
     for row, (x, y) in zip(rows, pairs, strict=True):
         totals[row] += int(y) - int(x)
     mcnemar = mcnemar_exact(only_a, only_b)
-    # One pair a row, or a single row (the pairs then say how B does on that row): McNemar's test holds.
-    one_pair_a_row = len(totals) in (1, n)
+    # Pairs that stand alone (one a row, or a single row's), as the bootstrap resampled them: McNemar's test.
+    one_pair_a_row = pairs_stand_alone(len(totals), n)
     return {
         "pairs": n,
         "rows": len(totals),
