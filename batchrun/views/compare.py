@@ -51,6 +51,7 @@ from batchrun.scoring import (
     check_from_row_fields,
     mcnemar_exact,
     paired_bootstrap,
+    pairs_stand_alone,
     sign_flip_p,
 )
 from batchrun.secrets import terminal_safe
@@ -86,20 +87,27 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
                 override[(*sample, lines[sample])] = line["score"]
                 lines[sample] += 1
     out = {}
+    checks: dict[str, Any] = {}  # a row's samples share its fields' text: parsed once
     for rec, copy in run_samples(run_dir):
         key = (*record_sample(rec), copy)
         score = read_score(override.get(key) if scores_name else rec.get("score"))
         if not isinstance(score.get("passed"), bool):
             continue
         meta = rec.get("metadata") or {}
-        prompt = " ".join((first_human(rec["conversations"]) or "").split())
+        fields = meta.get("row_fields")
+        if not isinstance(fields, str):
+            check = check_from_row_fields(fields)
+        elif fields in checks:
+            check = checks[fields]
+        else:
+            check = checks[fields] = check_from_row_fields(fields)
         out[key] = {
             "passed": score["passed"],
             "value": score.get("value"),
             "scorer": score.get("scorer"),
-            "label": meta.get("row_id") or prompt[:80],
+            "label": meta.get("row_id") or " ".join((first_human(rec["conversations"]) or "").split())[:80],
             "toolsets": "+".join(sorted(rec.get("toolsets_used") or [])) or "none",
-            "check": check_from_row_fields(meta.get("row_fields")),
+            "check": check,
         }
     return out
 
@@ -160,8 +168,8 @@ def compare_pairs(
     for row, (x, y) in zip(rows, pairs, strict=True):
         totals[row] += int(y) - int(x)
     mcnemar = mcnemar_exact(only_a, only_b)
-    # One pair a row, or a single row (the pairs then say how B does on that row): McNemar's test holds.
-    one_pair_a_row = len(totals) in (1, n)
+    # Pairs that stand alone (one a row, or a single row's), as the bootstrap resampled them: McNemar's test.
+    one_pair_a_row = pairs_stand_alone(len(totals), n)
     return {
         "pairs": n,
         "rows": len(totals),
@@ -197,36 +205,44 @@ def compare_runs(
             one_run or _judged_alike(a[k]["scorer"], b[k]["scorer"], settings_a, settings_b)
         )
 
-    keys = [k for k in both if alike(k)]
-    other_check = [k for k in both if not alike(k)]
+    keys: list[Key] = []
+    other_check: list[Key] = []
+    for k in both:
+        (keys if alike(k) else other_check).append(k)
     # A row's identity is its cluster: its samples, and those of identical rows, are alike.
-    result = compare_pairs(
-        [(a[k]["passed"], b[k]["passed"]) for k in keys], bootstrap, rows=[k[0] for k in keys]
-    )
-    by_mix: dict[str, list[Key]] = collections.defaultdict(list)
-    for k in keys:
-        by_mix[a[k]["toolsets"]].append(k)
+    pairs = [(a[k]["passed"], b[k]["passed"]) for k in keys]
+    rows = [k[0] for k in keys]
+    result = compare_pairs(pairs, bootstrap, rows=rows)
+    by_mix: dict[str, list[int]] = collections.defaultdict(list)
+    for i, k in enumerate(keys):
+        by_mix[a[k]["toolsets"]].append(i)
     result["by_toolsets"] = {
-        mix: compare_pairs([(a[k]["passed"], b[k]["passed"]) for k in ks], bootstrap, rows=[k[0] for k in ks])
-        for mix, ks in sorted(by_mix.items())
+        mix: compare_pairs([pairs[i] for i in ix], bootstrap, rows=[rows[i] for i in ix])
+        for mix, ix in sorted(by_mix.items())
     }
     result["only_in_a"] = len(set(a) - set(b))
     result["only_in_b"] = len(set(b) - set(a))
     result["judged_differently"] = len(other_check)
-    result["judged_differently_rows"] = _flipped(a, other_check)
-    result["flipped_to_fail"] = _flipped(a, [k for k in keys if a[k]["passed"] and not b[k]["passed"]])
-    result["flipped_to_pass"] = _flipped(a, [k for k in keys if b[k]["passed"] and not a[k]["passed"]])
+    labels = _row_labels(a)
+    result["judged_differently_rows"] = _flipped(labels, other_check)
+    flips = [(k, x) for k, (x, y) in zip(keys, pairs, strict=True) if x != y]
+    result["flipped_to_fail"] = _flipped(labels, [k for k, x in flips if x])
+    result["flipped_to_pass"] = _flipped(labels, [k for k, x in flips if not x])
     result["run_a"], result["run_b"] = str(run_a), str(run_b)
     return result
 
 
-def _flipped(verdicts: dict[Key, dict[str, Any]], keys: list[Key]) -> list[str]:
-    """The rows of ``keys`` (a row's samples count once), by label: rows that share a label (an id, or
-    the start of their prompt) are told apart by the start of their row key, never merged into one."""
+def _row_labels(verdicts: dict[Key, dict[str, Any]]) -> dict[str, str]:
+    """Each row's label (an id, or the start of its prompt), told apart by the start of its row key
+    where rows share one: never merged into one."""
     labels = {k[0]: verdicts[k]["label"] for k in verdicts}
     shared = collections.Counter(labels.values())
-    rows = {k[0] for k in keys}
-    return sorted(f"{labels[r]} · row {r[:8]}" if shared[labels[r]] > 1 else labels[r] for r in rows)
+    return {r: f"{label} · row {r[:8]}" if shared[label] > 1 else label for r, label in labels.items()}
+
+
+def _flipped(labels: dict[str, str], keys: list[Key]) -> list[str]:
+    """The rows of ``keys`` (a row's samples count once) by their :func:`_row_labels` label."""
+    return sorted(labels[r] for r in {k[0] for k in keys})
 
 
 def _judged_differently(r: dict[str, Any]) -> list[str]:
