@@ -2148,6 +2148,22 @@ def _resampled_means(rng: Any, totals: list[float], counts: list[int], reps: int
     return means
 
 
+def _interval_of_alike_differences(diff: float, n: int, units: int) -> tuple[float, float]:
+    """The 95% interval of the mean difference when all ``n`` pairs (in ``units`` rows, or pairs standing
+    alone) differ alike by ``diff``. Every resample then has that mean and the pairs no spread, so the
+    bootstrap read "+100.0% (95% CI +100.0% to +100.0%)" for B passing the 6 pairs A failed in 2 rows,
+    sign-flip p = 0.5, and one pair alone likewise (p = 1); every pair a tie read as a certain 0. The
+    spread is taken as if each outcome the pairs did not show had been seen half a time (Agresti and
+    Min's half a pair in each cell of the paired table: half a pair B wins, half A wins, one tie),
+    widened for few units as the bootstrap's interval is; one unit alone bounds nothing."""
+    if units < 2:
+        return -1.0, 1.0
+    centre = n * diff / (n + 2)
+    variance = (n * diff * diff + 1) / (n + 2) - centre * centre
+    half = t975(units - 1) * math.sqrt(units / (units - 1)) * math.sqrt(variance / (n + 2))
+    return max(-1.0, diff - half), min(1.0, diff + half)
+
+
 def paired_bootstrap(
     diffs: list[float], reps: int = 10_000, seed: int = 0, rows: list[Any] | None = None
 ) -> tuple[float, float] | None:
@@ -2165,6 +2181,8 @@ def paired_bootstrap(
 
     if not diffs:
         return None
+    if len(set(diffs)) == 1:  # every pair alike: nothing for a resample or a spread to show
+        return _interval_of_alike_differences(diffs[0], len(diffs), len(set(rows)) if rows else len(diffs))
     rng = random.Random(seed)
     if rows is None or pairs_stand_alone(len(set(rows)), len(rows)):
         n = len(diffs)

@@ -43,7 +43,9 @@ def test_mcnemar_exact_known_values():
 
 
 def test_paired_bootstrap_interval():
-    assert paired_bootstrap([0.5] * 20) == (0.5, 0.5)  # no spread, no width
+    # No spread in the pairs is no certainty: as if each outcome not seen had been seen half a time.
+    lo, hi = paired_bootstrap([0.5] * 20)
+    assert 0.35 < lo < 0.5 < hi < 0.65 and hi - 0.5 == pytest.approx(0.5 - lo)
     diffs = [1.0] * 30 + [0.0] * 60 + [-1.0] * 10  # mean 0.2
     lo, hi = paired_bootstrap(diffs, 4000, seed=1)
     assert lo < 0.2 < hi
@@ -98,7 +100,9 @@ def test_the_row_interval_is_never_narrower_than_the_pairs_own():
     lo, hi = paired_bootstrap(diffs, 2000, 0, rows)
     half = 1.959964 * statistics.stdev(diffs) / math.sqrt(40)
     assert (lo, hi) == pytest.approx((-half, half)) and half > 0.06
-    assert paired_bootstrap([0.0] * 40, 2000, 0, rows) == (0.0, 0.0)  # no pair differs: no width
+    # No pair differs: a narrow interval about 0, not a certain 0 (test_differences_all_alike_...).
+    lo, hi = paired_bootstrap([0.0] * 40, 2000, 0, rows)
+    assert -0.06 < lo < 0.0 < hi < 0.06
 
 
 def test_compare_pairs_figures():
@@ -221,14 +225,24 @@ def test_compare_interval_with_one_sample_a_row_holds_with_few_rows():
     assert cover / runs >= 0.95
 
 
-@pytest.mark.xfail(strict=True, reason="open: differences all equal and non-zero give a zero-width interval")
-def test_differences_all_alike_do_not_read_as_a_certain_difference():
-    """B passes every pair A fails, in 2 rows of 3 samples: the sign-flip p is 0.5, yet the interval reads
+@pytest.mark.parametrize(
+    ("pairs", "rows", "p_value", "interval"),
+    [
+        ([(False, True)] * 6, [0, 0, 0, 1, 1, 1], 0.5, (-1.0, 1.0)),  # 2 rows: nothing shown
+        ([(False, True)], None, 1.0, (-1.0, 1.0)),  # one pair alone bounds nothing
+        ([(False, True)] * 10, None, 0.001953125, (0.6755, 1.0)),  # 10 of 10: B better, not certainly by 100%
+        ([(True, True)] * 40, [i // 4 for i in range(40)], 1.0, (-0.0568, 0.0568)),  # ties: not a certain 0
+        ([(True, True)] * 1000, None, 1.0, (-0.00196, 0.00196)),
+    ],
+)
+def test_differences_all_alike_do_not_read_as_a_certain_difference(pairs, rows, p_value, interval):
+    """B passes every pair A fails, in 2 rows of 3 samples: the sign-flip p is 0.5, yet the interval read
     "+100.0% (95% CI +100.0% to +100.0%)" (every resample alike, the pairs' spread 0, so no floor either);
-    one pair alone, p = 1, likewise. The interval should not claim what the p-value denies."""
-    r = compare.compare_pairs([(False, True)] * 6, bootstrap=2000, rows=[0, 0, 0, 1, 1, 1])
-    assert r["p_value"] == 0.5
-    assert r["difference_95ci"][0] < 1.0
+    one pair alone, p = 1, likewise; all ties read as a certain 0. The interval now takes the pairs' spread
+    as if each outcome not seen had been seen half a time, widened for few rows as the bootstrap's is."""
+    r = compare.compare_pairs(pairs, bootstrap=2000, rows=rows)
+    assert r["p_value"] == pytest.approx(p_value)
+    assert r["difference_95ci"] == pytest.approx(interval, abs=1e-4)
 
 
 def test_compare_with_one_pair_a_row_is_unchanged():
