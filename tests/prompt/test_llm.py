@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -145,6 +149,33 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+@contextlib.contextmanager
+def _answering(answer: Callable[[], tuple[int, dict[str, str], bytes]]) -> Iterator[str]:
+    """A local HTTP server whose every POST gets ``answer()`` (status, headers, body); yields its base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, headers, body = answer()
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", **headers}.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_chat_reads_native_reasoning_and_tool_calls(server):
     turn = _client(server).chat(_user("list the files"), [TERMINAL])
     assert turn.reasoning and "list the files" in turn.reasoning
@@ -254,35 +285,20 @@ def test_rate_limit_is_retried_with_less_time_left_than_request_timeout(server):
 @pytest.mark.slow
 def test_persistent_429_without_retry_after_backs_off_exponentially():
     """A 429 that never clears (OpenAI's insufficient_quota has no Retry-After) must not be hammered."""
-    import http.server
-    import threading
-
     hits = []
 
-    class Always429(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            hits.append(time.monotonic())
-            body = b'{"error": {"message": "You exceeded your current quota", "code": "insufficient_quota"}}'
-            self.send_response(429)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def always_429():
+        hits.append(time.monotonic())
+        return (
+            429,
+            {},
+            b'{"error": {"message": "You exceeded your current quota", "code": "insufficient_quota"}}',
+        )
 
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Always429)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    with _answering(always_429) as base_url:
         client = LLMClient(LLMConfig(model="m", base_url=base_url, api_key="k", max_retries=3))
         with pytest.raises(LLMError) as info:
             client.chat(_user("quota"), [], deadline=time.monotonic() + 3.0)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
     assert info.value.error_class == "http_429"
     # exponential back-off from 0.5 s (jitter 0.5-1x): at most 4-5 attempts in 3 s
     assert len(hits) <= 5, f"{len(hits)} requests in 3 s"
@@ -447,9 +463,7 @@ def test_other_errors_are_not_context_limits(status, message):
 
 def test_llama_cpp_context_overflow_raises_context_limit():
     """The exact body llama-server sends (type exceed_context_size_error), over HTTP through the SDK."""
-    import http.server
     import json
-    import threading
 
     body = json.dumps(
         {
@@ -463,28 +477,11 @@ def test_llama_cpp_context_overflow_raises_context_limit():
         }
     ).encode()
 
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(400)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        cfg = LLMConfig(model="m", base_url=f"http://127.0.0.1:{httpd.server_port}/v1", max_retries=3)
+    with _answering(lambda: (400, {}, body)) as base_url:
+        cfg = LLMConfig(model="m", base_url=base_url, max_retries=3)
         with pytest.raises(ContextLimitError) as info:
             LLMClient(cfg).chat(_user("hi"), [])
         assert info.value.error_class == "context_limit" and "5566 tokens" in str(info.value)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 # ----------------------------------------------------------------------------- reasoning fields
@@ -801,42 +798,25 @@ def test_a_retry_after_date_already_past_backs_off_as_without_one():
     0 s, a 429 lasting 2 s was retried 31 times in 0.23 s and the call failed (http_429). Such a date says
     nothing of how long to wait: backed off exponentially, the call is answered after a few requests."""
     import email.utils
-    import http.server
     import json
-    import threading
 
     from helpers import OK_REPLY
 
     hits = []
     start = time.monotonic()
 
-    class BehindClock(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            hits.append(time.monotonic())
-            if time.monotonic() - start < 2.0:
-                body = b'{"error": {"message": "rate limited"}}'
-                self.send_response(429)
-                self.send_header("Retry-After", email.utils.formatdate(time.time() - 4, usegmt=True))
-            else:
-                body = json.dumps(OK_REPLY).encode()
-                self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def behind_clock():
+        hits.append(time.monotonic())
+        if time.monotonic() - start < 2.0:
+            return (
+                429,
+                {"Retry-After": email.utils.formatdate(time.time() - 4, usegmt=True)},
+                b'{"error": {"message": "rate limited"}}',
+            )
+        return 200, {}, json.dumps(OK_REPLY).encode()
 
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BehindClock)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    with _answering(behind_clock) as base_url:
         client = LLMClient(LLMConfig(model="m", base_url=base_url, api_key="k"))
         turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
     assert turn.finish_reason == "stop"
     assert len(hits) <= 8, f"{len(hits)} requests"
