@@ -43,6 +43,8 @@ class _Allowance:
         self.left = MAX_SLOT_WAIT_S
         self.own_until = 0.0
         self._lock = threading.Lock()
+        self._waiting = 0  # the prompt's slot waits under way (its threads', at once)
+        self._since = 0.0  # when the stretch of them began (monotonic)
 
     def take(self, seconds: float) -> float:
         """Up to ``seconds`` of what is left, taken now (parallel threads never take the same seconds)."""
@@ -51,9 +53,24 @@ class _Allowance:
             self.left -= got
             return got
 
-    def give_back(self, seconds: float) -> None:
+    def wait_begins(self) -> float:
+        """A slot wait of one of the prompt's threads begins: how long of it may be credited (what is left,
+        less what the waits under way beside it have run so far). Waits that overlap are one stretch of
+        the prompt's time and use the allowance once (:meth:`wait_ends`), not once each."""
         with self._lock:
-            self.left += seconds
+            now = time.monotonic()
+            if self._waiting == 0:
+                self._since = now
+            self._waiting += 1
+            return max(0.0, self.left - (now - self._since))
+
+    def wait_ends(self) -> None:
+        """The slot wait :meth:`wait_begins` began is over: the stretch of overlapping waits, once the
+        last of them ends, is taken from what is left."""
+        with self._lock:
+            self._waiting -= 1
+            if self._waiting == 0:
+                self.left = max(0.0, self.left - (time.monotonic() - self._since))
 
 
 class FairSlots:
@@ -162,16 +179,23 @@ class Limiter:
             # Up to MAX_SLOT_WAIT_S for the whole prompt (begin_prompt): bounded per wait only, each
             # credited wait moved the deadline the next was bounded from (6 calls, a 0.2 s timeout, a
             # 0.3 s bound: the prompt lived 2.7 s; an hour a call in a real run).
-            # All that is left is held for this wait, and what it did not use given back after: threads
-            # of one prompt waiting at once (a tool's parallel model calls) never count one allowance twice.
+            # Threads of one prompt waiting at once (a tool's parallel model calls) use the allowance
+            # once for the stretch they overlap (_Allowance.wait_begins), each credited its own wait:
+            # one holding all that was left for its wait left none to the others, and 2 of 3 reference
+            # models queued 0.6 s behind another prompt's request failed at their 0.3 s deadline.
+            if remaining <= 0:
+                self._local.credited = self.credited_s() + credited
+                raise LimitTimeout("no request slot before the prompt's deadline")
             allowance = self._allowance()
-            left = allowance.take(allowance.left) if remaining > 0 else 0.0
-            if remaining <= 0 or not self._slots.acquire(remaining + left, priority):
-                allowance.give_back(left)
+            left = allowance.wait_begins()
+            try:
+                got = self._slots.acquire(remaining + left, priority)
+            finally:
+                allowance.wait_ends()
+            if not got:
                 self._local.credited = self.credited_s() + credited
                 raise LimitTimeout("no request slot before the prompt's deadline")
             queued = min(time.monotonic() - asked, left)
-            allowance.give_back(left - queued)
             credited += queued
             deadline += queued
         self._local.credited = self.credited_s() + credited

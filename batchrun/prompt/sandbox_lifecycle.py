@@ -69,17 +69,28 @@ class BackgroundStart:
         return round(self._blocked_s, 3)
 
     def start(self) -> None:
-        """Begin the start on a thread and return at once."""
-        with self._lock:
-            if self._thread is not None or self._state == _SKIPPED:
-                return
-            if isinstance(self._slots, StartPool):
-                self._thread = self._slots.submit(self._start, time.monotonic())
-                return
-            self._thread = threading.Thread(
-                target=self._start, name=f"sandbox-start-{self.spec.prompt_index}", daemon=True
-            )
-        self._thread.start()
+        """Begin the start on a thread and return at once; never raises: a start that cannot be begun (no
+        thread to be had, the StartPool shut down) is a failed start, raised to whoever needs the sandbox.
+        Begun by the prompt's first request once granted its slot (:meth:`defer`), it raised from inside
+        the model call, which was never sent, and failed the prompt as ``internal``, a tool-less prompt
+        included; a thread that never ran left ``wait_started`` waiting for ever."""
+        try:
+            with self._lock:
+                if self._thread is not None or self._state == _SKIPPED:
+                    return
+                if isinstance(self._slots, StartPool):
+                    self._thread = self._slots.submit(self._start, time.monotonic())
+                    return
+                self._thread = threading.Thread(
+                    target=self._start, name=f"sandbox-start-{self.spec.prompt_index}", daemon=True
+                )
+            self._thread.start()
+        except Exception as exc:
+            with self._lock:
+                self._thread = self._thread or exc  # begun, as far as the waits for it go: it failed
+                self._state = _SKIPPED  # nothing was created: nothing to stop
+                self._error = exc
+            self._done.set()
 
     def defer(self) -> Callable[[], None]:
         """Leave the start to the caller of the returned function (the prompt's first request, once granted

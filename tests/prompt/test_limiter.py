@@ -459,3 +459,62 @@ def test_rpm_spacing_holds_behind_the_concurrency_limit() -> None:
         t.join(10)
     first, second = sorted(started)
     assert second - first >= 0.1  # spaced by the rate (0.2 s), not both at the moment the slots freed
+
+
+def _parallel_waits(lim: Limiter, n: int, timeout_s: float, hold_s: float) -> dict[int, tuple]:
+    """``n`` threads of one prompt (a tool's parallel model calls: copies of its context) each ask for a
+    slot with ``timeout_s`` to their deadline, while another prompt's request holds the one slot ``hold_s``."""
+    import contextvars
+
+    lim.acquire(time.monotonic() + 60)  # another prompt's request
+    results: dict[int, tuple] = {}
+
+    def call(i: int) -> None:
+        t0 = time.monotonic()
+        try:
+            credited = lim.acquire(time.monotonic() + timeout_s)
+        except LimitTimeout:
+            results[i] = ("timeout", time.monotonic() - t0)
+            return
+        time.sleep(0.05)
+        lim.release()
+        results[i] = ("ok", credited)
+
+    def prompt() -> None:
+        lim.begin_prompt()
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(call, i)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        results[-1] = ("left", lim.credit_left())
+
+    p = threading.Thread(target=prompt)
+    p.start()
+    time.sleep(hold_s)
+    lim.release()
+    p.join(30)
+    return results
+
+
+def test_a_prompts_parallel_slot_waits_are_each_credited() -> None:
+    """Threads of one prompt waiting for a slot at once (mixture_of_agents's reference models): the first
+    held all that was left of the allowance for its wait, the others got none and were charged theirs:
+    3 references queued 0.6 s behind another prompt's request, 0.3 s to their deadline, an hour's
+    allowance: 2 of 3 failed at 0.3 s. Now each is credited its wait."""
+    out = _parallel_waits(Limiter(max_concurrent=1), 3, timeout_s=0.3, hold_s=0.6)
+    assert sorted(out[i][0] for i in range(3)) == ["ok"] * 3, out
+    assert all(out[i][1] >= 0.5 for i in range(3)), out
+    # The waits overlapped: the allowance is used once for the stretch (~0.7 s), not once each (~2 s).
+    assert limiter_module.MAX_SLOT_WAIT_S - out[-1][1] < 1.0, out
+
+
+def test_a_prompts_parallel_slot_waits_use_one_allowance_once(monkeypatch) -> None:
+    """Waits at once share the one allowance: none is credited past what is left of it when the
+    stretch of waits began (allowance 0.2 s, 0.1 s to the deadline: none waits past 0.3 s, the slot held
+    1 s), and the stretch used it up."""
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 0.2)
+    out = _parallel_waits(Limiter(max_concurrent=1), 3, timeout_s=0.1, hold_s=1.0)
+    assert [out[i][0] for i in range(3)] == ["timeout"] * 3, out
+    assert all(out[i][1] < 0.3 + 0.1 for i in range(3)), out
+    assert out[-1][1] == 0.0

@@ -684,3 +684,47 @@ def test_prompts_queued_for_a_request_slot_when_the_run_stops_start_no_sandbox(s
     assert sorted(o.error_class for o in outcomes) == ["budget"] * 3
     assert [b.events for b in scripted.boxes] == [[], [], []]
     assert server.stats()["requests"] == 0
+
+
+@pytest.mark.parametrize("prompt", ["needs a shell [calls:1]", "just answer"])
+def test_a_start_that_cannot_be_begun_at_the_first_grant_fails_cleanly(server, scripted, prompt):
+    """A sandbox start begun by the prompt's first request, once granted its slot, that cannot be begun at
+    all (its StartPool shut down, as at the worker's exit; no thread to be had) raised from inside the
+    model call: the request was never sent and the prompt failed as 'internal' (RuntimeError). Now it is
+    a failed start as any other: the request goes out, and the prompt fails with class 'sandbox' when the
+    sandbox is needed (a tool call, or the sample's judging)."""
+    from batchrun.prompt.limiter import Limiter
+
+    pool = StartPool(1)
+    pool._pool.shutdown()
+    settings = settings_for(server)
+    outcome = run_prompt(
+        job(prompt), settings, LLMClient(settings.llm, Limiter(max_concurrent=1)), sandbox_starts=pool
+    )
+    assert (outcome.kind, outcome.error_class) == ("failed", "sandbox"), outcome.error
+    assert "did not start: RuntimeError: cannot schedule new futures" in outcome.error
+    assert outcome.usage["requests"] == 1
+    (box,) = scripted.boxes
+    assert box.events == []  # nothing was created: nothing to stop
+
+
+def test_a_start_thread_that_cannot_be_created_is_a_failed_start_not_a_hang(monkeypatch):
+    """A start on a thread of its own (a semaphore bounding starts) whose thread could not be created
+    left the start 'begun' but never done: the first need of the sandbox waited for ever."""
+    box = ScriptedSandbox(SandboxSpec(run_name="overlap", prompt_index=0), lambda: None)
+    start = BackgroundStart(box, threading.Semaphore(1))
+
+    def no_thread(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    start.start()
+    monkeypatch.undo()
+    waiter = threading.Thread(target=lambda: pytest.raises(SandboxError, start.wait_started), daemon=True)
+    waiter.start()
+    waiter.join(2)
+    assert not waiter.is_alive()
+    with pytest.raises(SandboxError, match="can't start new thread"):
+        start.wait_started()
+    start.stop()
+    assert box.events == []

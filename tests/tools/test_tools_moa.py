@@ -183,3 +183,32 @@ def test_a_429_of_the_prompts_own_tool_is_its_own_wait(monkeypatch):
         limiter.acquire(start + 0.05)
     assert time.monotonic() - start < 0.1
     assert limiter.credited_s() == 0.0
+
+
+def test_the_reference_models_queued_for_a_slot_are_each_credited_their_wait(tool_ctx, call_tool):
+    """The reference models' calls wait for a request slot at once: the first held the prompt's whole
+    allowance for its wait and the others were charged theirs: 3 references queued 0.6 s behind another
+    prompt's request on a one-slot endpoint, 0.3 s each to their deadline, answered 1 of 3 (the tool
+    failed: 'only 1 of 3 reference models answered'). Now each wait is credited, as one was before."""
+    import threading
+    import time
+
+    from batchrun.prompt.limiter import Limiter
+    from batchrun.prompt.llm import LLMClient, LLMConfig
+
+    ctx = tool_ctx(
+        {
+            "MOA_REFERENCE_MODELS": "ref-a, ref-b, ref-c",
+            "MOA_AGGREGATOR_MODEL": "agg",
+            "MOA_MIN_SUCCESSFUL": "3",
+        }
+    )
+    limiter = Limiter(max_concurrent=1)
+    ctx.llm = LLMClient(LLMConfig(model="run", base_url=ctx.settings.llm_base_url, api_key="k"), limiter)
+    ctx.tool_timeout_s = 0.6  # the references get half: 0.3 s
+    limiter.acquire(time.monotonic() + 60)  # another prompt's request holds the one slot for 0.6 s
+    threading.Timer(0.6, limiter.release).start()
+    limiter.begin_prompt()
+    out = call_tool(ctx, "mixture_of_agents", user_prompt="A question")
+    assert out.get("success") is True, out
+    assert sorted(out["models_used"]["reference_models"]) == ["ref-a", "ref-b", "ref-c"]
