@@ -358,6 +358,8 @@ def _count_problem(value: Any, limit: float) -> str | None:
 # Anthropic-compatible ones (and LiteLLM, passing them through) at the top of ``usage``.
 CACHE_READ_FIELDS = (("prompt_tokens_details", "cached_tokens"), (None, "cache_read_input_tokens"))
 CACHE_WRITE_FIELDS = (("prompt_tokens_details", "cache_write_tokens"), (None, "cache_creation_input_tokens"))
+# Beside Anthropic's input_tokens (which they are not part of), not beside a prompt_tokens (which holds them).
+ANTHROPIC_CACHE_FIELDS = ("cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> dict[str, int]:
@@ -399,7 +401,15 @@ def credible_usage(
     # call's were read as missing, so a budget counted its prompt estimate alone (some 30 tokens).
     aliases = {"prompt_tokens": "input_tokens", "completion_tokens": "output_tokens"}
     if any(k not in usage and v in usage for k, v in aliases.items()):
+        anthropic_prompt = "prompt_tokens" not in usage and "input_tokens" in usage
         usage = {**usage, **{k: usage[v] for k, v in aliases.items() if k not in usage and v in usage}}
+        if anthropic_prompt:
+            # Anthropic's way: input_tokens are the prompt's tokens neither read from its cache nor written
+            # to it, and cache_read_input_tokens / cache_creation_input_tokens the rest of the prompt (each
+            # billed). Taken for the whole prompt, a call resending 2,495 cached tokens counted 12.
+            anthropic = [usage[k] for k in ANTHROPIC_CACHE_FIELDS if _is_count(usage.get(k))]
+            if anthropic and _is_count(usage["input_tokens"]):
+                usage["prompt_tokens"] = int(usage["input_tokens"]) + sum(int(v) for v in anthropic)
     clean: dict[str, Any] = {}
     faults = []
     if not usage:
