@@ -178,6 +178,8 @@ def test_cached_prompt_tokens_are_recorded_per_prompt_and_summed_in_the_statisti
         }
         report = (run_dir / "report.html").read_text("utf-8")
         assert f"{stats['usage_in_trajectories']['cached_tokens']:,} from the endpoint" in report
+        # And those written to the cache (billed above the rest by Anthropic): before, no word of them.
+        assert f"{stats['usage_in_trajectories']['cache_write_tokens']:,} written to it" in report
     # What the endpoint served (its start checks' one-message calls are cached nothing).
     assert (
         sum(r["metadata"]["usage"]["cached_tokens"] for recs in records.values() for r in recs)
