@@ -400,16 +400,18 @@ def credible_usage(
     # The images API (and OpenAI's Responses API) name the counts input_tokens / output_tokens: an image
     # call's were read as missing, so a budget counted its prompt estimate alone (some 30 tokens).
     aliases = {"prompt_tokens": "input_tokens", "completion_tokens": "output_tokens"}
+    anthropic_input = "prompt_tokens" not in usage and "input_tokens" in usage
     if any(k not in usage and v in usage for k, v in aliases.items()):
-        anthropic_prompt = "prompt_tokens" not in usage and "input_tokens" in usage
         usage = {**usage, **{k: usage[v] for k, v in aliases.items() if k not in usage and v in usage}}
-        if anthropic_prompt:
-            # Anthropic's way: input_tokens are the prompt's tokens neither read from its cache nor written
-            # to it, and cache_read_input_tokens / cache_creation_input_tokens the rest of the prompt (each
-            # billed). Taken for the whole prompt, a call resending 2,495 cached tokens counted 12.
-            anthropic = [usage[k] for k in ANTHROPIC_CACHE_FIELDS if _is_count(usage.get(k))]
-            if anthropic and _is_count(usage["input_tokens"]):
-                usage["prompt_tokens"] = int(usage["input_tokens"]) + sum(int(v) for v in anthropic)
+    # Anthropic's way: input_tokens are the prompt's tokens neither read from its cache nor written to it,
+    # and cache_read_input_tokens / cache_creation_input_tokens the rest of the prompt (each billed). Taken
+    # for the whole prompt, a call resending 2,495 cached tokens counted 12. Some gateways pass input_tokens
+    # on as prompt_tokens: below the cache's own counts, a prompt_tokens is taken to be that (one that holds
+    # them, OpenAI's and LiteLLM's way, is never less than their sum).
+    cache_parts = [int(usage[k]) for k in ANTHROPIC_CACHE_FIELDS if _is_count(usage.get(k))]
+    if cache_parts and _is_count(usage.get("prompt_tokens")):
+        if anthropic_input or usage["prompt_tokens"] < sum(cache_parts):
+            usage = {**usage, "prompt_tokens": int(usage["prompt_tokens"]) + sum(cache_parts)}
     clean: dict[str, Any] = {}
     faults = []
     if not usage:
