@@ -405,13 +405,17 @@ def credible_usage(
         usage = {**usage, **{k: usage[v] for k, v in aliases.items() if k not in usage and v in usage}}
     # Anthropic's way: input_tokens are the prompt's tokens neither read from its cache nor written to it,
     # and cache_read_input_tokens / cache_creation_input_tokens the rest of the prompt (each billed). Taken
-    # for the whole prompt, a call resending 2,495 cached tokens counted 12. Some gateways pass input_tokens
-    # on as prompt_tokens: below the cache's own counts, a prompt_tokens is taken to be that (one that holds
-    # them, OpenAI's and LiteLLM's way, is never less than their sum).
+    # for the whole prompt, a call resending 2,495 cached tokens counted 12.
     cache_parts = [int(usage[k]) for k in ANTHROPIC_CACHE_FIELDS if _is_count(usage.get(k))]
     if cache_parts and _is_count(usage.get("prompt_tokens")):
-        if anthropic_input or usage["prompt_tokens"] < sum(cache_parts):
-            usage = {**usage, "prompt_tokens": int(usage["prompt_tokens"]) + sum(cache_parts)}
+        prompt = int(usage["prompt_tokens"])
+        # A prompt_tokens holds them (OpenAI's and LiteLLM's way) and is never less than their sum; one
+        # that is less is a gateway's input_tokens passed on, with the cache reads or without (both are
+        # seen): raised to their sum, which is the prompt's but for its few uncached tokens, either way.
+        usage = {
+            **usage,
+            "prompt_tokens": prompt + sum(cache_parts) if anthropic_input else max(prompt, sum(cache_parts)),
+        }
     clean: dict[str, Any] = {}
     faults = []
     if not usage:

@@ -103,9 +103,12 @@ def test_a_tally_counts_the_cache_of_every_answer_and_names_it_unreported_when_n
         ({"prompt_tokens": 2495, "cache_read_input_tokens": 2495, "cache_creation_input_tokens": 0}, 2495,
          {"cached_tokens": 2495, "cache_write_tokens": 0}),
         # A gateway passing Anthropic's input_tokens on as prompt_tokens, below the cache's counts (as one
-        # chat gateway's Anthropic usage chunk says: 8 prompt tokens, 18,901 read, 1,367 written).
+        # chat gateway's Anthropic usage chunk says: 8 prompt tokens, 18,901 read, 1,367 written), or those
+        # with the reads (another's): raised to the cache's sum, short of the uncached few (8 or 5) alone.
         ({"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 18901}, "cache_read_input_tokens": 18901,
-          "cache_creation_input_tokens": 1367}, 20276, {"cached_tokens": 18901, "cache_write_tokens": 1367}),
+          "cache_creation_input_tokens": 1367}, 20268, {"cached_tokens": 18901, "cache_write_tokens": 1367}),
+        ({"prompt_tokens": 2500, "cache_read_input_tokens": 2495, "cache_creation_input_tokens": 1000}, 3495,
+         {"cached_tokens": 2495, "cache_write_tokens": 1000}),
     ],
 )  # fmt: skip
 def test_anthropic_s_input_tokens_leave_out_the_cached_part_of_the_prompt(usage, prompt, want):
