@@ -22,8 +22,8 @@ each sample's outcome (kept, discarded with its reason, or failed: exactly one, 
 files; failed.jsonl grows by one line a failed sample per invocation: failures run again on resume),
 checkpoint.json's completed prompts, statistics.json but for the invocation's own figures
 (:data:`STATS_OWN`), status.json finished, report.html there, no temp file left; the books' tokens
-against what the endpoint served (:func:`spend_problems`). Prints one line per point and exits non-zero on
-any divergence. Against the fake endpoint (batchrun/fakes), run in this process; sandboxes local
+against what the endpoint served (:func:`spend_problems`), and the prompt tokens it served from its cache
+(:func:`cache_problems`). Prints one line per point and exits non-zero on any divergence. Against the fake endpoint (batchrun/fakes), run in this process; sandboxes local
 (bubblewrap, ``--isolation none``) or ``--isolation docker``.
 """
 
@@ -402,7 +402,7 @@ def kill_and_resume(
     out = tmp / f"step_{re.sub(r'[^a-z0-9]+', '_', str(at))}"
     out.mkdir(exist_ok=True)
     rounds = []
-    served_before = served_tokens(server)
+    served_before, cached_before = served_tokens(server), server.stats()["cached_tokens"]
     kill = {"kill_at": at} if isinstance(at, int) else {"kill_before": at}
     proc = start(
         argv(dataset, out, server, args, False),
@@ -426,6 +426,7 @@ def kill_and_resume(
     problems = [f"exit {code}: {err[-600:]}"] if code != 0 else []
     problems += compare(base, summary(out / RUN)) if (out / RUN).exists() else ["no run directory"]
     problems += spend_problems(out / RUN, served_tokens(server) - served_before, strict_spend, args)
+    problems += cache_problems(out / RUN, server.stats()["cached_tokens"] - cached_before, strict_spend)
     if not args.keep and not problems:
         subprocess.run(["rm", "-rf", str(out)], check=False)
     return rounds, problems
@@ -491,6 +492,19 @@ def spend_problems(run_dir: Path, served: int, strict: bool, args: argparse.Name
     return []
 
 
+def cache_problems(run_dir: Path, served: int, strict: bool) -> list[str]:
+    """run_totals.cached_tokens against the prompt tokens the endpoint said it served from its cache (the
+    fake's prompt_cache): equal when every kill came after the last call, else never more (an invocation
+    killed is counted from its last status.json, which holds the outcomes recorded by then)."""
+    try:
+        books = json.loads((run_dir / "statistics.json").read_text())["run_totals"]["cached_tokens"]
+    except (OSError, ValueError, KeyError):
+        return ["statistics.json has no run_totals.cached_tokens"]
+    if books > served or strict and books != served:
+        return [f"run_totals.cached_tokens {books}, the endpoint served {served} from its cache"]
+    return []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--points", type=int, default=30, help="kill instants, spread over the baseline's time")
@@ -532,7 +546,7 @@ def main() -> int:
     dataset = tmp / "dataset.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows()))
     bad = 0
-    with FakeModelServer(latency_s=0.01) as server:
+    with FakeModelServer(latency_s=0.01, prompt_cache=True) as server:
         base_out = tmp / "base"
         base_out.mkdir(exist_ok=True)
         end, seen, code = watch_baseline(

@@ -574,6 +574,22 @@ def cache_details(body: dict[str, Any], usage: dict[str, Any]) -> dict[str, int]
     return {"cached_tokens": cached, "cache_write_tokens": usage["prompt_tokens"] - cached}
 
 
+def anthropic_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """``usage`` as Anthropic counts it: ``input_tokens`` are the prompt's tokens neither read from the
+    cache nor written to it, ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` the rest."""
+    details = (
+        usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    )
+    read, written = details.get("cached_tokens", 0), details.get("cache_write_tokens", 0)
+    out = {
+        "input_tokens": usage["prompt_tokens"] - read - written,
+        "output_tokens": usage["completion_tokens"],
+        "cache_read_input_tokens": read,
+        "cache_creation_input_tokens": written,
+    }
+    return {**out, **({"cost": usage["cost"]} if "cost" in usage else {})}
+
+
 def _pieces(text: str, n: int = 3) -> list[str]:
     """``text`` cut into up to ``n`` pieces, so a client must join deltas to get it back."""
     size = max(1, -(-len(text) // n))
@@ -840,6 +856,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif fake.prompt_cache:
             completion["usage"]["prompt_tokens_details"] = cache_details(body, completion["usage"])
         fake._count(200, completion["usage"])
+        if fake.anthropic_usage:
+            completion["usage"] = anthropic_usage(completion["usage"])
         if body.get("stream") and not d.plain_body:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             chunks = stream_chunks(completion, include_usage)
@@ -926,6 +944,7 @@ class FakeModelServer:
         quote_auth: bool = False,
         prompt_cache: bool = False,
         prompt_tokens_details: Any = None,
+        anthropic_usage: bool = False,
     ):
         """``cost_per_token`` > 0: answers carry OpenRouter-style ``usage.cost`` and ``provider``;
         ``free``: answers carry ``usage.cost`` 0 (``--model=mock`` under ``--budget_usd``: a free dry run);
@@ -936,7 +955,9 @@ class FakeModelServer:
         ``prompt_cache``: usage says, OpenAI/OpenRouter-style, the prompt tokens served from a prompt cache
         (``prompt_tokens_details.cached_tokens``: those of every message but the last, which a provider
         saw in the call before) and written to it (``cache_write_tokens``: the rest);
-        ``prompt_tokens_details``: instead, that value as it is (any JSON: a hostile endpoint's)."""
+        ``prompt_tokens_details``: instead, that value as it is (any JSON: a hostile endpoint's);
+        ``anthropic_usage``: usage in Anthropic's names and convention (:func:`anthropic_usage`)."""
+        self.anthropic_usage = anthropic_usage
         self.quote_auth = quote_auth
         self.prompt_cache = prompt_cache
         self.prompt_tokens_details = prompt_tokens_details

@@ -358,6 +358,8 @@ def _count_problem(value: Any, limit: float) -> str | None:
 # Anthropic-compatible ones (and LiteLLM, passing them through) at the top of ``usage``.
 CACHE_READ_FIELDS = (("prompt_tokens_details", "cached_tokens"), (None, "cache_read_input_tokens"))
 CACHE_WRITE_FIELDS = (("prompt_tokens_details", "cache_write_tokens"), (None, "cache_creation_input_tokens"))
+# Beside Anthropic's input_tokens (which they are not part of), not beside a prompt_tokens (which holds them).
+ANTHROPIC_CACHE_FIELDS = ("cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> dict[str, int]:
@@ -398,8 +400,22 @@ def credible_usage(
     # The images API (and OpenAI's Responses API) name the counts input_tokens / output_tokens: an image
     # call's were read as missing, so a budget counted its prompt estimate alone (some 30 tokens).
     aliases = {"prompt_tokens": "input_tokens", "completion_tokens": "output_tokens"}
+    anthropic_input = "prompt_tokens" not in usage and "input_tokens" in usage
     if any(k not in usage and v in usage for k, v in aliases.items()):
         usage = {**usage, **{k: usage[v] for k, v in aliases.items() if k not in usage and v in usage}}
+    # Anthropic's way: input_tokens are the prompt's tokens neither read from its cache nor written to it,
+    # and cache_read_input_tokens / cache_creation_input_tokens the rest of the prompt (each billed). Taken
+    # for the whole prompt, a call resending 2,495 cached tokens counted 12.
+    cache_parts = [int(usage[k]) for k in ANTHROPIC_CACHE_FIELDS if _is_count(usage.get(k))]
+    if cache_parts and _is_count(usage.get("prompt_tokens")):
+        prompt = int(usage["prompt_tokens"])
+        # A prompt_tokens holds them (OpenAI's and LiteLLM's way) and is never less than their sum; one
+        # that is less is a gateway's input_tokens passed on, with the cache reads or without (both are
+        # seen): raised to their sum, which is the prompt's but for its few uncached tokens, either way.
+        usage = {
+            **usage,
+            "prompt_tokens": prompt + sum(cache_parts) if anthropic_input else max(prompt, sum(cache_parts)),
+        }
     clean: dict[str, Any] = {}
     faults = []
     if not usage:

@@ -105,6 +105,7 @@ def record_usage(rec: dict[str, Any]) -> dict[str, Any]:
         "tokens": None if prompt is None and completion is None else (prompt or 0) + (completion or 0),
         "reasoning_tokens": pick("reasoning_tokens"),
         "cached_tokens": pick("cached_tokens"),
+        "cache_write_tokens": pick("cache_write_tokens"),
         "cost_usd": pick("cost_usd"),
         "retries": _number(usage.get("retries")),
         "rate_limited": _number(usage.get("rate_limited")),
@@ -122,6 +123,7 @@ class Spend:
     completion_tokens: float = 0
     reasoning_tokens: float = 0
     cached_tokens: float = 0  # of prompt_tokens: served from the endpoint's prompt cache
+    cache_write_tokens: float = 0  # of prompt_tokens: written to it (Anthropic bills them above the rest)
     cost_usd: float = 0.0
     retries: float = 0
     rate_limited: float = 0
@@ -134,6 +136,7 @@ class Spend:
             "completion_tokens",
             "reasoning_tokens",
             "cached_tokens",
+            "cache_write_tokens",
             "cost_usd",
             "retries",
             "rate_limited",
@@ -769,7 +772,8 @@ def section_usage(d: RunData) -> str:
             fmt_int(s.prompt_tokens),
             "prompt tokens",
             f"in {s.with_tokens:,} of {s.records:,} trajectories"
-            + (f", {fmt_int(s.cached_tokens)} from the endpoint's cache" if s.cached_tokens else ""),
+            + (f", {fmt_int(s.cached_tokens)} from the endpoint's cache" if s.cached_tokens else "")
+            + (f", {fmt_int(s.cache_write_tokens)} written to it" if s.cache_write_tokens else ""),
         ),
         stat(
             "completion_tokens",

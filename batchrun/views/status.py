@@ -159,7 +159,15 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
 
     prompt_t, completion_t = _num(status.get("prompt_tokens")), _num(status.get("completion_tokens"))
     spend = [fmt_usd(_num(status.get("cost_usd")))]
-    spend.append(f"{fmt_count(prompt_t)} prompt + {fmt_count(completion_t)} completion tokens")
+    # Of the prompt tokens, those the endpoint served from its prompt cache and wrote to it (billed at other
+    # prices; absent from status.json files written before they were counted, and when no endpoint said).
+    cache = [
+        f"{fmt_count(n)} {label}"
+        for key, label in (("cached_tokens", "cached"), ("cache_write_tokens", "written to the cache"))
+        if (n := _num(status.get(key)))
+    ]
+    prompt_part = f"{fmt_count(prompt_t)} prompt" + (f" ({', '.join(cache)})" if cache else "")
+    spend.append(f"{prompt_part} + {fmt_count(completion_t)} completion tokens")
     unanswered = _num(status.get("unanswered_tokens"))
     if unanswered:  # attempts that failed mid-answer, perhaps billed: the budgets count them
         spend[-1] += f" + ~{fmt_count(unanswered)} of failed attempts"

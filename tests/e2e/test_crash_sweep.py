@@ -7,7 +7,7 @@ time, whatever the machine's load.
 Compared with the uninterrupted run: each sample's one outcome (kept with its conversation and score,
 discarded with its reason, or failed), checkpoint.json's completed prompts, statistics.json (all but
 timings, spend and per-invocation counts), status.json finished, report.html there, no temp file left; and
-the books' tokens against the endpoint's."""
+the books' tokens (and prompt tokens served from its cache) against the endpoint's."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_kill_9_before_chosen_durable_steps_then_resume_gives_the_uninterrupted_
     rows = sweep.rows()
     rows = rows[:4] + rows[8:16]  # answers right and wrong, verify commands, a twin, discards, a failure
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with FakeModelServer(latency_s=0.01) as server:
+    with FakeModelServer(latency_s=0.01, prompt_cache=True) as server:
         base_out = tmp_path / "base"
         base_out.mkdir()
         code, err = sweep.run_to_end(sweep.argv(dataset, base_out, server, args, False), base_out)
@@ -45,6 +45,7 @@ def test_kill_9_before_chosen_durable_steps_then_resume_gives_the_uninterrupted_
         base = sweep.summary(base_out / sweep.RUN)
         assert len(base["kept"]) > 10 and base["discarded"] and base["failed"]
         assert base["stats"]["scores"]["scored"] > 0
+        assert base["stats"]["usage_in_trajectories"]["cached_tokens"] > 0  # compared, and the books' too
 
         # Steps by number where the instant may move with the machine's load (a periodic status.json is
         # one step more or less), by name where it must not.

@@ -87,6 +87,57 @@ def test_a_tally_counts_the_cache_of_every_answer_and_names_it_unreported_when_n
     assert tally.as_dict()["cached_tokens"] == 9 and tally.as_dict()["cache_write_tokens"] is None
 
 
+@pytest.mark.parametrize(
+    ("usage", "prompt", "want"),
+    [
+        # Anthropic's own convention: input_tokens are the part neither read from the cache nor written to it.
+        ({"input_tokens": 12, "cache_read_input_tokens": 2495, "cache_creation_input_tokens": 0}, 2507,
+         {"cached_tokens": 2495, "cache_write_tokens": 0}),
+        ({"input_tokens": 12, "cache_creation_input_tokens": 2495}, 2507, {"cache_write_tokens": 2495}),
+        # A bad count is unreported and adds nothing to the prompt; images' usage (no cache) is as it was.
+        ({"input_tokens": 12, "cache_read_input_tokens": -4, "cache_creation_input_tokens": 30}, 42,
+         {"cache_write_tokens": 30}),
+        ({"input_tokens": 12}, 12, {}),
+        # Beside prompt_tokens (OpenAI's convention, LiteLLM's), the prompt holds them already.
+        ({"prompt_tokens": 2507, "cache_read_input_tokens": 2495}, 2507, {"cached_tokens": 2495}),
+        ({"prompt_tokens": 2495, "cache_read_input_tokens": 2495, "cache_creation_input_tokens": 0}, 2495,
+         {"cached_tokens": 2495, "cache_write_tokens": 0}),
+        # A gateway passing Anthropic's input_tokens on as prompt_tokens, below the cache's counts (as one
+        # chat gateway's Anthropic usage chunk says: 8 prompt tokens, 18,901 read, 1,367 written), or those
+        # with the reads (another's): raised to the cache's sum, short of the uncached few (8 or 5) alone.
+        ({"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 18901}, "cache_read_input_tokens": 18901,
+          "cache_creation_input_tokens": 1367}, 20268, {"cached_tokens": 18901, "cache_write_tokens": 1367}),
+        ({"prompt_tokens": 2500, "cache_read_input_tokens": 2495, "cache_creation_input_tokens": 1000}, 3495,
+         {"cached_tokens": 2495, "cache_write_tokens": 1000}),
+    ],
+)  # fmt: skip
+def test_anthropic_s_input_tokens_leave_out_the_cached_part_of_the_prompt(usage, prompt, want):
+    clean, fault = credible_usage({"output_tokens": 50, **usage}, 1, 1)
+    assert fault is None
+    assert clean["prompt_tokens"] == prompt and clean["total_tokens"] == prompt + 50
+    assert clean.get("prompt_tokens_details", {}) == want
+
+
+def test_an_anthropic_style_endpoint_s_cached_prompts_are_counted_whole(tmp_path):
+    """An endpoint counting as Anthropic does (input_tokens without the cache's tokens, which
+    cache_read_input_tokens and cache_creation_input_tokens say): the record's prompt_tokens are what it
+    served, streamed or not. Before, input_tokens were taken for the whole prompt and the cache's counts cut
+    down to them: every prompt_tokens was 0 (the fake's messages are all cached or written) and the budget
+    counted the replies alone."""
+    with FakeModelServer(prompt_cache=True, anthropic_usage=True) as server:
+        made = _runs(server, tmp_path)
+        served = server.stats()
+    for run_dir in made.values():
+        for rec in read_jsonl(run_dir / "trajectories.jsonl"):
+            usage = rec["metadata"]["usage"]
+            assert usage["cached_tokens"] > 0 and usage["cache_write_tokens"] > 0
+            assert usage["cached_tokens"] + usage["cache_write_tokens"] == usage["prompt_tokens"]
+            assert usage["estimated_calls"] == 0
+    totals = [stats_of(d)["usage_in_trajectories"] for d in made.values()]
+    for key in ("prompt_tokens", "cached_tokens"):
+        assert sum(t[key] for t in totals) == served[key], key
+
+
 def _runs(server: FakeModelServer, tmp_path: Path, **kw) -> dict[bool, Path]:
     dataset = write_jsonl(tmp_path / "d.jsonl", ["Three turns [calls:2]", "Two turns [calls:1]"])
     made = {}
@@ -136,6 +187,8 @@ def test_cached_prompt_tokens_are_recorded_per_prompt_and_summed_in_the_statisti
         }
         report = (run_dir / "report.html").read_text("utf-8")
         assert f"{stats['usage_in_trajectories']['cached_tokens']:,} from the endpoint" in report
+        # And those written to the cache (billed above the rest by Anthropic): before, no word of them.
+        assert f"{stats['usage_in_trajectories']['cache_write_tokens']:,} written to it" in report
     # What the endpoint served (its start checks' one-message calls are cached nothing).
     assert (
         sum(r["metadata"]["usage"]["cached_tokens"] for recs in records.values() for r in recs)

@@ -107,6 +107,22 @@ def test_failed_attempts_tokens_are_shown_and_counted_against_the_token_budget()
     assert "failed attempts" not in lines(st.format_status(running(), NOW))["Spend"]
 
 
+def test_the_prompt_tokens_the_endpoint_s_cache_served_and_took_are_shown() -> None:
+    got = lines(st.format_status(running(cached_tokens=1_100_000, cache_write_tokens=20_000), NOW))
+    assert got["Spend"].startswith(
+        "Spend: $12.35 · 1.23M prompt (1.1M cached, 20,000 written to the cache) + 45,678 completion tokens"
+    ), got["Spend"]
+    only_read = lines(st.format_status(running(cached_tokens=900, cache_write_tokens=0), NOW))["Spend"]
+    assert "1.23M prompt (900 cached) + " in only_read
+    # None said (0), an older runner's file (absent) or a damaged one: the line as it was.
+    for over in (
+        {"cached_tokens": 0, "cache_write_tokens": 0},
+        {},
+        {"cached_tokens": "x", "cache_write_tokens": float("nan")},
+    ):
+        assert "1.23M prompt + 45,678" in lines(st.format_status(running(**over), NOW))["Spend"]
+
+
 def test_finished_and_sparse_dicts() -> None:
     got = lines(
         st.format_status(running(state="finished", done=9900, failed=50, discarded=50, eta_s=None), NOW)
