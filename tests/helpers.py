@@ -58,6 +58,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
 
 
+def lines_written(path: Path) -> int:
+    """The complete lines of a JSONL file a running run is appending to: a reader may see a line's first
+    pages before its last (a write of a record over 4 KiB is not atomic to a concurrent read), and
+    ``read_jsonl`` of a live file failed on a record cut at 8,192 bytes."""
+    try:
+        return sum(1 for line in path.read_bytes().split(b"\n")[:-1] if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
 # ----------------------------------------------------------------------------- a run in-process
 
 

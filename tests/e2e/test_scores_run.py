@@ -16,7 +16,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from helpers import ROOT, exit_code, read_jsonl, run, stats_of, write_rows
+from helpers import ROOT, exit_code, lines_written, read_jsonl, run, stats_of, write_rows
 
 from batchrun.identity import outcome_sample, record_sample
 from batchrun.record import load_runs, read_score
@@ -515,7 +515,7 @@ def test_kill_9_then_resume_gives_each_sample_one_outcome_with_one_score(tmp_pat
 
     def outcomes() -> int:
         files = [*run_dir.glob("batch_*.jsonl"), run_dir / "discarded.jsonl"]
-        return sum(len(read_jsonl(f)) for f in files if f.exists())
+        return sum(lines_written(f) for f in files)
 
     try:
         deadline = time.monotonic() + 120

@@ -17,10 +17,12 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -29,7 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import read_jsonl, skip_or_fail, wait_for, write_jsonl
+from helpers import lines_written, read_jsonl, skip_or_fail, wait_for, write_jsonl
 from helpers import run as run_main
 
 import batch_runner
@@ -107,7 +109,7 @@ def pool_actor_pids(root: int) -> list[int]:
 
 
 def outcomes_written(run_dir: Path) -> int:
-    return sum(len(read_jsonl(p)) for p in run_dir.glob("batch_*.jsonl"))
+    return sum(lines_written(p) for p in run_dir.glob("batch_*.jsonl"))
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -141,18 +143,22 @@ def ray_env():
 
 
 @pytest.fixture(scope="module")
-def ray_head(ray_env, tmp_path_factory):
+def ray_head(ray_env):
     """A Ray head node on this machine (2 CPUs, no dashboard), stopped by SIGTERM to the process we started."""
-    yield from start_head(tmp_path_factory.mktemp("ray"))
+    yield from start_head("ray")
 
 
 @pytest.fixture
-def own_head(ray_env, tmp_path_factory):
+def own_head(ray_env):
     """A Ray head of the test's own: one it kills, or one whose memory holds only what its run sent."""
-    yield from start_head(tmp_path_factory.mktemp("own-ray"))
+    yield from start_head("own-ray")
 
 
-def start_head(temp_dir: Path, port: int | None = None):
+def start_head(name: str, port: int | None = None):
+    # Its own short directory under /tmp, as Ray's default is: its sockets' paths must fit AF_UNIX's 107
+    # bytes, and one under pytest's numbered directories (/tmp/pytest-of-root/pytest-1076/restarted-ray0/
+    # session_<date>_<time>_<pid>/sockets/plasma_store) outgrew them as the counter grew.
+    temp_dir = Path(tempfile.mkdtemp(prefix=f"br-{name}-", dir="/tmp"))
     port = port or free_port()
     log_path = temp_dir / "head.log"
     cmd = [
@@ -176,7 +182,9 @@ def start_head(temp_dir: Path, port: int | None = None):
     started = wait_for(lambda: proc.poll() is not None or "will now block" in log_path.read_text(), 90, 0.2)
     if not started or proc.poll() is not None:
         proc.kill()
-        pytest.fail(f"ray start --head did not come up:\n{log_path.read_text()[-3000:]}")
+        printed = log_path.read_text()[-3000:]
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        pytest.fail(f"ray start --head did not come up:\n{printed}")
     yield SimpleNamespace(address=f"127.0.0.1:{port}", proc=proc)
     import ray
 
@@ -188,6 +196,7 @@ def start_head(temp_dir: Path, port: int | None = None):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -802,7 +811,7 @@ def process_tree(root: int) -> list[int]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_head_restarted_at_the_same_address_mid_run(own_head, ray_env, server, tmp_path, tmp_path_factory):
+def test_a_head_restarted_at_the_same_address_mid_run(own_head, ray_env, server, tmp_path):
     """The whole head is SIGKILLed mid-run and a new one started on its port: the runner's sweep asked the new
     GCS for its nodes, and Ray aborted the process on a C++ check ("WrongClusterID"): exit 1, a stack dump,
     no merge of that invocation, no resume command. Now a run whose workers all died makes no call to the
@@ -821,7 +830,7 @@ def test_a_head_restarted_at_the_same_address_mid_run(own_head, ray_env, server,
                 os.kill(pid, signal.SIGKILL)
         own_head.proc.wait(10)
         port = int(own_head.address.rsplit(":", 1)[1])
-        new_head = start_head(tmp_path_factory.mktemp("restarted-ray"), port)
+        new_head = start_head("restarted-ray", port)
         head = next(new_head)
         code = proc.wait(timeout=150)
         printed = log.read_text()
