@@ -159,14 +159,10 @@ class Limiter:
             # outlived its deadline (and its Docker container's lifetime) without bound.
             got = 0.0 if allowance.own_until >= self._paused_until else allowance.take(step)
             if got <= 0:
-                try:
-                    self._sleep(step, deadline)
-                except LimitTimeout:
-                    self._local.credited = self.credited_s() + credited  # as a slot wait's timeout does
-                    raise
+                self._sleep(step, deadline)
             else:
                 time.sleep(got)
-                credited += got
+                credited += self._credit_thread(got)
                 deadline += got
         # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
         # slot would be spent by the time the slot frees, and the requests behind it would go in a burst.
@@ -183,22 +179,19 @@ class Limiter:
             # once for the stretch they overlap (_Allowance.wait_begins), each credited its own wait:
             # one holding all that was left for its wait left none to the others, and 2 of 3 reference
             # models queued 0.6 s behind another prompt's request failed at their 0.3 s deadline.
-            if remaining <= 0:
-                self._local.credited = self.credited_s() + credited
-                raise LimitTimeout("no request slot before the prompt's deadline")
-            allowance = self._allowance()
-            left = allowance.wait_begins()
-            try:
-                got = self._slots.acquire(remaining + left, priority)
-            finally:
-                allowance.wait_ends()
+            got = False
+            if remaining > 0:
+                allowance = self._allowance()
+                left = allowance.wait_begins()
+                try:
+                    got = self._slots.acquire(remaining + left, priority)
+                finally:
+                    allowance.wait_ends()
             if not got:
-                self._local.credited = self.credited_s() + credited
                 raise LimitTimeout("no request slot before the prompt's deadline")
             queued = min(time.monotonic() - asked, left)
-            credited += queued
+            credited += self._credit_thread(queued)
             deadline += queued
-        self._local.credited = self.credited_s() + credited
         try:
             self._take_turn(deadline)
         except BaseException:
@@ -264,14 +257,17 @@ class Limiter:
         """Credit a wait the limiter did not see (for the run's budget) to the calling prompt's deadline,
         from its one allowance (:meth:`begin_prompt`); returns the seconds credited (what is left of the
         allowance at most: past it, the wait counts against the prompt's deadline)."""
-        got = self._allowance().take(seconds) if seconds > 0 else 0.0
-        if got:
-            self._local.credited = self.credited_s() + got
-        return got
+        return self._credit_thread(self._allowance().take(seconds) if seconds > 0 else 0.0)
 
     def credit_left(self) -> float:
         """What is left of the calling prompt's allowance of credited waits (:meth:`begin_prompt`)."""
         return self._allowance().left
+
+    def _credit_thread(self, seconds: float) -> float:
+        """Add ``seconds`` to the calling thread's credited time (:meth:`credited_s`) as soon as they are
+        credited, whatever ends the wait after; returns them."""
+        self._local.credited = self.credited_s() + seconds
+        return seconds
 
     def credited_s(self) -> float:
         """All pause time credited to the calling thread so far (a prompt compares it before and after)."""
