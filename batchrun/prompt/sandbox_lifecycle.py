@@ -120,7 +120,7 @@ class BackgroundStart:
 
     def wait_started(self) -> None:
         """Block until the start has finished; raise :class:`SandboxError` if it failed."""
-        if self._thread is None and self._deferred and self._state != _SKIPPED:
+        if self._deferred:
             self.start()  # needed before its prompt's first request was granted a slot (judging): now
         if self._thread is None:
             if self._state == _SKIPPED:
