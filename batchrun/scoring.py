@@ -2181,39 +2181,34 @@ def paired_bootstrap(
 
     if not diffs:
         return None
+    n = len(diffs)
     if len(set(diffs)) == 1:  # every pair alike: nothing for a resample or a spread to show
-        return _interval_of_alike_differences(diffs[0], len(diffs), len(set(rows)) if rows else len(diffs))
+        return _interval_of_alike_differences(diffs[0], n, len(set(rows)) if rows else n)
     rng = random.Random(seed)
+    mean = sum(diffs) / n
     if rows is None or pairs_stand_alone(len(set(rows)), len(rows)):
-        n = len(diffs)
-        means = sorted(_resampled_means(rng, diffs, [1] * n, reps))
-        lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
-        if n < 2:
-            return lo, hi
-        # Widened as the rows' interval is, each pair its own row: unwidened, 5 rows of one sample each
-        # covered 86.5% of simulated nulls, 8 rows 92% (two samples a row, widened: 96%).
-        mean, widen = sum(diffs) / n, t975(n - 1) / Z95 * math.sqrt(n / (n - 1))
-        return max(min(diffs), mean - (mean - lo) * widen), min(max(diffs), mean + (hi - mean) * widen)
-    grouped: dict[Any, list[float]] = {}
-    for row, d in zip(rows, diffs, strict=True):
-        grouped.setdefault(row, [0.0, 0])
-        grouped[row][0] += d
-        grouped[row][1] += 1
-    g = len(grouped)
-    totals = [t for t, _ in grouped.values()]
-    counts = [k for _, k in grouped.values()]
+        # Each pair a row of its own, widened as rows are: unwidened, 5 rows of one sample each covered
+        # 86.5% of simulated nulls, 8 rows 92% (two samples a row, widened: 96%).
+        totals, counts, floor = diffs, [1] * n, None
+    else:
+        grouped: dict[Any, list[float]] = {}
+        for row, d in zip(rows, diffs, strict=True):
+            grouped.setdefault(row, [0.0, 0])
+            grouped[row][0] += d
+            grouped[row][1] += 1
+        totals = [t for t, _ in grouped.values()]
+        counts = [k for _, k in grouped.values()]
+        # Never narrower than the pairs taken for independent (their normal interval): rows whose
+        # discordant pairs cancel out (one +1 and one -1 in a row) resample to a difference of 0 every
+        # time, and two runs with one flip each way read "B - A +0.0% (95% CI +0.0% to +0.0%)", a
+        # certainty no data showed.
+        floor = Z95 * math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / math.sqrt(n)
+    g = len(totals)
     means = sorted(_resampled_means(rng, totals, counts, reps))
     lo, hi = means[int(0.025 * (reps - 1))], means[int(math.ceil(0.975 * (reps - 1)))]
-    n = len(diffs)
-    mean = sum(diffs) / n
     widen = t975(g - 1) / Z95 * math.sqrt(g / (g - 1))
-    # Never narrower than the pairs taken for independent (their normal interval): rows whose discordant
-    # pairs cancel out (one +1 and one -1 in a row) resample to a difference of 0 every time, and two runs
-    # with one flip each way read "B - A +0.0% (95% CI +0.0% to +0.0%)", a certainty no data showed.
-    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
-    floor = Z95 * spread / math.sqrt(n)
-    low, high = min(diffs), max(diffs)  # a mean of differences stays within them
-    return (
-        max(low, mean - max((mean - lo) * widen, floor)),
-        min(high, mean + max((hi - mean) * widen, floor)),
-    )
+    below, above = (mean - lo) * widen, (hi - mean) * widen
+    if floor is not None:
+        below, above = max(below, floor), max(above, floor)
+    # A mean of differences stays within them.
+    return max(min(diffs), mean - below), min(max(diffs), mean + above)
