@@ -243,7 +243,8 @@ OK_REPLY = {
     "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "OK"}}]
 }  # a chat answer
 
-Reply = tuple[int, "dict | bytes"]  # (HTTP status, JSON body: an object, or raw bytes sent as they are)
+# (HTTP status, JSON body: an object, or raw bytes sent as they are[, headers to send beside them])
+Reply = "tuple[int, dict | bytes] | tuple[int, dict | bytes, dict[str, str]]"
 
 
 class ScriptedEndpoint:
@@ -283,13 +284,15 @@ class ScriptedEndpoint:
                             "headers": dict(self.headers),
                         }
                     )
-                    status, reply = answer(outer.calls[-1], outer.calls)
-                self._send(status, reply)
+                    status, reply, *headers = answer(outer.calls[-1], outer.calls)
+                self._send(status, reply, *headers)
 
-            def _send(self, status, reply):
+            def _send(self, status, reply, headers=None):
                 data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import http.server
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -149,33 +146,6 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-@contextlib.contextmanager
-def _answering(answer: Callable[[], tuple[int, dict[str, str], bytes]]) -> Iterator[str]:
-    """A local HTTP server whose every POST gets ``answer()`` (status, headers, body); yields its base URL."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            status, headers, body = answer()
-            self.send_response(status)
-            for name, value in {"Content-Type": "application/json", **headers}.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_port}/v1"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 def test_chat_reads_native_reasoning_and_tool_calls(server):
     turn = _client(server).chat(_user("list the files"), [TERMINAL])
     assert turn.reasoning and "list the files" in turn.reasoning
@@ -285,23 +255,17 @@ def test_rate_limit_is_retried_with_less_time_left_than_request_timeout(server):
 @pytest.mark.slow
 def test_persistent_429_without_retry_after_backs_off_exponentially():
     """A 429 that never clears (OpenAI's insufficient_quota has no Retry-After) must not be hammered."""
-    hits = []
+    from helpers import ScriptedEndpoint
 
-    def always_429():
-        hits.append(time.monotonic())
-        return (
-            429,
-            {},
-            b'{"error": {"message": "You exceeded your current quota", "code": "insufficient_quota"}}',
-        )
-
-    with _answering(always_429) as base_url:
-        client = LLMClient(LLMConfig(model="m", base_url=base_url, api_key="k", max_retries=3))
+    quota = {"error": {"message": "You exceeded your current quota", "code": "insufficient_quota"}}
+    with ScriptedEndpoint(lambda call, calls: (429, quota)) as endpoint:
+        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=3))
         with pytest.raises(LLMError) as info:
             client.chat(_user("quota"), [], deadline=time.monotonic() + 3.0)
     assert info.value.error_class == "http_429"
     # exponential back-off from 0.5 s (jitter 0.5-1x): at most 4-5 attempts in 3 s
-    assert len(hits) <= 5, f"{len(hits)} requests in 3 s"
+    hits = len(endpoint.calls)
+    assert hits <= 5, f"{hits} requests in 3 s"
 
 
 def test_provider_pinning_and_data_collection_reach_extra_body():
@@ -477,8 +441,10 @@ def test_llama_cpp_context_overflow_raises_context_limit():
         }
     ).encode()
 
-    with _answering(lambda: (400, {}, body)) as base_url:
-        cfg = LLMConfig(model="m", base_url=base_url, max_retries=3)
+    from helpers import ScriptedEndpoint
+
+    with ScriptedEndpoint(lambda call, calls: (400, body)) as endpoint:
+        cfg = LLMConfig(model="m", base_url=endpoint.base_url, max_retries=3)
         with pytest.raises(ContextLimitError) as info:
             LLMClient(cfg).chat(_user("hi"), [])
         assert info.value.error_class == "context_limit" and "5566 tokens" in str(info.value)
@@ -726,7 +692,6 @@ def test_a_llama_servers_request_slots_hold_back_no_other_endpoint():
     """The slots a run reads from a llama-server's /props are that server's: a judge's or a tool's
     model on another endpoint (a remote judge of a local agent) does not wait for them, nor hold one
     while the server could take the next request."""
-    import threading
 
     from batchrun.prompt.limiter import Limiter
 
@@ -755,7 +720,6 @@ def test_a_judge_on_the_llama_server_gets_the_next_request_slot_before_prompts_u
     """The judge's call is the last step of a prompt whose agent is done (its sandbox open for the
     verify, its record unwritten): it goes before every prompt still under way. Its own Usage made it
     a first call (priority 0): behind 3 prompts under way taking turns on one slot, it got it last."""
-    import threading
 
     from batchrun.prompt.limiter import Limiter
     from batchrun.prompt.llm import JUDGE_SLOT_PRIORITY
@@ -798,25 +762,20 @@ def test_a_retry_after_date_already_past_backs_off_as_without_one():
     0 s, a 429 lasting 2 s was retried 31 times in 0.23 s and the call failed (http_429). Such a date says
     nothing of how long to wait: backed off exponentially, the call is answered after a few requests."""
     import email.utils
-    import json
 
-    from helpers import OK_REPLY
+    from helpers import OK_REPLY, ScriptedEndpoint
 
-    hits = []
     start = time.monotonic()
 
-    def behind_clock():
-        hits.append(time.monotonic())
+    def behind_clock(call, calls):
         if time.monotonic() - start < 2.0:
-            return (
-                429,
-                {"Retry-After": email.utils.formatdate(time.time() - 4, usegmt=True)},
-                b'{"error": {"message": "rate limited"}}',
-            )
-        return 200, {}, json.dumps(OK_REPLY).encode()
+            past = email.utils.formatdate(time.time() - 4, usegmt=True)
+            return 429, {"error": {"message": "rate limited"}}, {"Retry-After": past}
+        return 200, OK_REPLY
 
-    with _answering(behind_clock) as base_url:
-        client = LLMClient(LLMConfig(model="m", base_url=base_url, api_key="k"))
+    with ScriptedEndpoint(behind_clock) as endpoint:
+        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
         turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
     assert turn.finish_reason == "stop"
-    assert len(hits) <= 8, f"{len(hits)} requests"
+    hits = len(endpoint.calls)
+    assert hits <= 8, f"{hits} requests"
