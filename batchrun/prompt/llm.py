@@ -375,7 +375,7 @@ def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> di
             if isinstance(holder, dict) and key in holder:
                 if _count_problem(holder[key], MAX_CALL_TOKENS) is None:
                     found[name] = int(holder[key])
-                break  # the first place that names it says it: a bad count there is not looked for elsewhere
+                break  # the first place in usage that names it says it (timings.cache_n is read after)
     if "cached_tokens" not in found and isinstance(timings, dict):
         if _count_problem(timings.get("cache_n"), MAX_CALL_TOKENS) is None:
             found["cached_tokens"] = int(timings["cache_n"])
@@ -1320,9 +1320,8 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
                     out[key] = chunk[key]
             if isinstance(chunk.get("usage"), dict):
                 out["usage"] = chunk["usage"]
-            if isinstance(
-                chunk.get("timings"), dict
-            ):  # llama.cpp's server: its prompt cache's count (cache_n)
+            # llama.cpp's server: its prompt cache's count (cache_n), the last chunk's.
+            if isinstance(chunk.get("timings"), dict):
                 out["timings"] = chunk["timings"]
             for choice in _shaped(chunk.get("choices"), list, "choices"):
                 if not isinstance(choice, dict) or choice.get("index", 0) != 0:

@@ -28,6 +28,8 @@ from typing import (
     runtime_checkable,
 )
 
+import batchrun.prompt.limiter as limiter
+
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024
 DEFAULT_IMAGE = "python:3.11-slim"  # container backends: the image of rows that name none (--default_image)
 TRUNCATION_NOTE = "\n[output truncated: {dropped} of {total} bytes not shown]"
@@ -126,9 +128,7 @@ class SandboxFlags:
         ends it (Modal), a backstop should the runner's death go unnoticed: it must outlive its prompt,
         which may outlive ``--prompt_timeout`` by the run-wide pauses for rate limits (hence twice it and
         the margin) and by its credited waits for a request slot, up to ``MAX_SLOT_WAIT_S``."""
-        from batchrun.prompt.limiter import MAX_SLOT_WAIT_S
-
-        return 2 * self.prompt_timeout_s + MAX_SLOT_WAIT_S + margin_s
+        return 2 * self.prompt_timeout_s + limiter.MAX_SLOT_WAIT_S + margin_s
 
 
 @dataclass(frozen=True)
