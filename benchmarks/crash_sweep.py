@@ -23,8 +23,9 @@ files; failed.jsonl grows by one line a failed sample per invocation: failures r
 checkpoint.json's completed prompts, statistics.json but for the invocation's own figures
 (:data:`STATS_OWN`), status.json finished, report.html there, no temp file left; the books' tokens
 against what the endpoint served (:func:`spend_problems`), and the prompt tokens it served from its cache
-(:func:`cache_problems`). Prints one line per point and exits non-zero on any divergence. Against the fake endpoint (batchrun/fakes), run in this process; sandboxes local
-(bubblewrap, ``--isolation none``) or ``--isolation docker``.
+(:func:`cache_problems`). Prints one line per point and exits non-zero on any divergence. Against the
+fake endpoint (batchrun/fakes), run in this process; sandboxes local (bubblewrap, ``--isolation none``)
+or ``--isolation docker``.
 """
 
 from __future__ import annotations
