@@ -160,6 +160,8 @@ class Spend:
     fault: str | None = None  # what was wrong with the endpoint's usage (then the counts are estimates)
     priced: bool = True  # the answer reported its cost (usage.cost); False: --budget_usd must estimate it
     unanswered_tokens: int = 0  # a failed attempt that may have been billed: its estimated tokens
+    cached_tokens: int = 0  # of prompt_tokens: read from the endpoint's prompt cache
+    cache_write_tokens: int = 0  # of prompt_tokens: written to it
 
 
 @dataclass(frozen=True)

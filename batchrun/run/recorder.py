@@ -341,7 +341,9 @@ class Recorder:
         live = self.live_spend.setdefault(
             (spend.batch_num, spend.prompt_index, spend.sample_index), collections.Counter()
         )
-        for key in (*SPEND_KEYS, "unanswered_tokens"):
+        # The cache's counts too: status.json's cached_tokens lagged its prompt_tokens by every prompt
+        # in flight, and a killed run's status said none of a long prompt's.
+        for key in (*SPEND_KEYS, "unanswered_tokens", "cached_tokens", "cache_write_tokens"):
             value = credible(getattr(spend, key))  # the worker sends only these; a NaN would void the budget
             live[key] += value
             self.spend[key] += value

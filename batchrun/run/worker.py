@@ -269,6 +269,8 @@ def spend_of_usage(
     """A model call's usage (as a :class:`~batchrun.prompt.llm.SpendGate` is told it) as the parent counts it."""
     cost = usage.get("cost")
     priced = isinstance(cost, (int, float)) and not isinstance(cost, bool)  # credible_usage drops bad ones
+    cache = usage.get("prompt_tokens_details")  # credible_usage's: the cache's counts, when said
+    cache = cache if isinstance(cache, dict) else {}
     return Spend(
         batch_num=batch_num,
         prompt_index=prompt_index,
@@ -280,6 +282,8 @@ def spend_of_usage(
         fault=usage.get("fault") if isinstance(usage.get("fault"), str) else None,
         priced=priced,
         unanswered_tokens=_count_of(usage.get("unanswered_tokens")),
+        cached_tokens=_count_of(cache.get("cached_tokens")),
+        cache_write_tokens=_count_of(cache.get("cache_write_tokens")),
     )
 
 

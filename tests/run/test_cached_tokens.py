@@ -312,3 +312,43 @@ def test_a_run_written_before_the_cache_s_counts_resumes_and_loads_beside_a_new_
         "json", data_files=files[::-1], split="train", cache_dir=str(tmp_path / "p")
     )
     assert plain.num_rows == 2 and plain[1]["metadata"]["usage"]["cached_tokens"] is None
+
+
+def test_the_cache_s_counts_of_prompts_in_flight_are_in_status_as_their_tokens_are(tmp_path):
+    """With a run-wide budget each answered call's spend reaches the parent at once and status.json counts
+    its prompt_tokens; its cached counts waited for the prompt's outcome, so status.json said 0 cached
+    tokens of a long prompt's 9,000 served from the cache (and so did a killed invocation's runs entry,
+    read from it). Now they are counted with the call, and the outcome adds only the rest."""
+    from batchrun.identity import RowIdentity
+    from batchrun.protocol import FAILED, Outcome
+    from batchrun.run.recorder import Recorder
+    from batchrun.run.worker import spend_of_usage
+    from batchrun.secrets import Redactor
+
+    clean, fault = credible_usage(
+        {"prompt_tokens": 10_000, "completion_tokens": 50, "prompt_tokens_details": {"cached_tokens": 9_000}},
+        10,
+        10,
+    )
+    assert fault is None
+    recorder = Recorder(tmp_path / "run", "run", Redactor(None), budget_tokens=10**6)
+    recorder.run_dir.mkdir()
+    recorder.add_live_spend(spend_of_usage(clean, 1, 0, 0, reservation=None))
+    recorder.write_status("running", force=True)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["prompt_tokens"], status["cached_tokens"], status["cache_write_tokens"]) == (
+        10_000,
+        9_000,
+        0,
+    )
+    # The prompt ends after one more call: its outcome carries both, and nothing is counted twice.
+    usage = {"calls": 2, "prompt_tokens": 20_100, "completion_tokens": 90, "cached_tokens": 19_000,
+             "cache_write_tokens": 1_000, "cost_usd": None}  # fmt: skip
+    recorder.record(Outcome(FAILED, 1, 0, RowIdentity("p"), usage, error_class="timeout", error="late"))
+    recorder.write_status("finished", force=True)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["prompt_tokens"], status["cached_tokens"], status["cache_write_tokens"]) == (
+        20_100,
+        19_000,
+        1_000,
+    )
