@@ -236,12 +236,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any] | None]:
-    """Stream a JSONL file; yields None for a torn or invalid line. A missing file yields nothing."""
+# A line that may hold a partial record (``"partial": true`` as any JSON writer spaces it; a model's
+# text cannot make it: its quotes are escaped). Lines without it need not be parsed to be left out.
+PARTIAL_LINE = re.compile(rb'"partial"\s*:\s*true')
+
+
+def iter_jsonl(path: Path, only: re.Pattern[bytes] | None = None) -> Iterator[dict[str, Any] | None]:
+    """Stream a JSONL file; yields None for a torn or invalid line. A missing file yields nothing.
+    ``only``: the lines it finds nothing in are skipped unparsed."""
     if not path.is_file():
         return
-    for _, obj in iter_jsonl_raw(path):
-        yield obj
+    if only is None:
+        for _, obj in iter_jsonl_raw(path):
+            yield obj
+        return
+    with path.open("rb") as fh:
+        for raw in fh:
+            if only.search(raw) is not None:
+                yield _parse_line(raw)
 
 
 def iter_jsonl_raw(path: Path) -> Iterator[tuple[bytes, dict[str, Any] | None]]:

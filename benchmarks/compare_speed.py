@@ -94,7 +94,8 @@ def measure(args: argparse.Namespace, per_row: int) -> None:
 
 
 def write_run(run_dir: Path, verdicts: list, rows: list, mix: list, side: int) -> None:
-    """A run directory of small records: row ``rows[i]``'s sample, judged ``verdicts[i][side]``."""
+    """A run directory of small records: row ``rows[i]``'s sample, judged ``verdicts[i][side]``; the
+    batch file holds them too, as a run's batch files hold every record its merge wrote out."""
     from batchrun.identity import row_key
 
     run_dir.mkdir(parents=True)
@@ -127,6 +128,7 @@ def write_run(run_dir: Path, verdicts: list, rows: list, mix: list, side: int) -
             }
             index[row] += 1
             out.write(json.dumps(rec) + "\n")
+    (run_dir / "batch_0.jsonl").write_bytes((run_dir / "trajectories.jsonl").read_bytes())
 
 
 def command(args: argparse.Namespace, per_row: int, tree: Path) -> None:

@@ -28,7 +28,14 @@ from batchrun.record import is_tool_failure, read_score, valid_outcome_row, vali
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import interval_clusters, planned_figures, wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts, tools_text
-from batchrun.storage import WriteError, batch_files, iter_jsonl, read_json_object, write_text_atomic
+from batchrun.storage import (
+    PARTIAL_LINE,
+    WriteError,
+    batch_files,
+    iter_jsonl,
+    read_json_object,
+    write_text_atomic,
+)
 from batchrun.views.status import local_alive
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -213,7 +220,7 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
         if data.merged and isinstance(dropped, dict) and dropped.get("partial_excluded"):
             # The partial samples --exclude_partial left in the batch files only: judged all the same.
             for _, path in batch_files(run_dir):
-                for rec in iter_jsonl(path):
+                for rec in iter_jsonl(path, PARTIAL_LINE):
                     if valid_record(rec) and rec.get("partial") is True:
                         add_excluded(data, rec)
     # A sample discarded and run again (--rerun_discarded, a raised --stop_after_passes) counts by its

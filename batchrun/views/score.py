@@ -44,6 +44,7 @@ from batchrun.scoring import (
 )
 from batchrun.sharegpt import first_human, parse_json
 from batchrun.storage import (
+    PARTIAL_LINE,
     WriteError,
     batch_files,
     iter_jsonl,
@@ -62,15 +63,15 @@ def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
 
 def run_samples(
     run_dir: Path, wanted: dict[tuple[str, int], int] | None = None
-) -> list[tuple[dict[str, Any], int]]:
+) -> list[tuple[dict[str, Any], tuple[str, int], int]]:
     """Every sample a run holds a record of, kept trajectories first, then discarded ones, then partial
     ones ``--exclude_partial`` left in the batch files only: each
     (row, sample) as often as the run's dataset wanted it (``wanted``, by default :func:`run_wanted`;
     others once: a sample re-run by --rerun_discarded, whose old discard stays in discarded.jsonl,
-    counts once), as the run's own scores count them. Each record comes with its copy: 0, or n for
-    the n-th further copy of a (row, sample) that identical rows want."""
+    counts once), as the run's own scores count them. Each record comes with its (row key, sample
+    index) and its copy: 0, or n for the n-th further copy of a (row, sample) that identical rows want."""
     wanted = run_wanted(run_dir) if wanted is None else wanted
-    out: list[tuple[dict[str, Any], int]] = []
+    out: list[tuple[dict[str, Any], tuple[str, int], int]] = []
     counted: collections.Counter[tuple[str, int]] = collections.Counter()
     sources = [iter_jsonl(run_dir / "trajectories.jsonl")]
     sources.append(
@@ -79,10 +80,12 @@ def run_samples(
         if valid_outcome_row(row, "reason") and isinstance(row.get("record"), dict)
     )
     # Partial samples --exclude_partial left in the batch files only: judged samples all the same.
+    # Only the lines that can be one are parsed: every kept record is in the batch files too, and parsing
+    # them all again was a third of what a view of a 100,000-sample run cost.
     sources.append(
         rec
         for _, path in batch_files(run_dir)
-        for rec in iter_jsonl(path)
+        for rec in iter_jsonl(path, PARTIAL_LINE)
         if isinstance(rec, dict) and rec.get("partial") is True
     )
     for source in sources:
@@ -91,7 +94,7 @@ def run_samples(
                 continue
             key = record_sample(rec)
             if counted[key] < wanted.get(key, 1):
-                out.append((rec, counted[key]))
+                out.append((rec, key, counted[key]))
                 counted[key] += 1
     return out
 
@@ -111,7 +114,7 @@ def rescore(
     lines = []
     wanted = run_wanted(run_dir)
     scores = RunScores(distribution, wanted)
-    for rec, _copy in run_samples(run_dir, wanted):
+    for rec, (row_key, sample_index), _copy in run_samples(run_dir, wanted):
         meta = rec.get("metadata") or {}
         check = check_from_row_fields(meta.get("row_fields"))
         try:
@@ -126,7 +129,6 @@ def rescore(
             prompt=first_human(rec["conversations"]) or "",
         )
         score = score_sample(rec, judgement)
-        row_key, sample_index = record_sample(rec)
         scores.add({**rec, "score": score}, row_key, sample_index)
         line = {
             "row_key": row_key,

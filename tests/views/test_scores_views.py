@@ -776,3 +776,32 @@ def test_compare_leaves_out_pairs_judged_against_another_check(tmp_path, capsys)
     assert "left out: 4 pairs judged against another check in B" in page.read_text("utf-8")
     assert compare.main([str(out / "a"), str(out / "b"), f"--out={page}", "--bootstrap=500"]) == 0
     assert "left out: 4 pairs judged against another check in B" in capsys.readouterr().out
+
+
+def test_a_view_parses_each_record_once_and_takes_its_saved_row_key(tmp_path, monkeypatch):
+    """The views read a run's samples from trajectories.jsonl, and the partial ones --exclude_partial left
+    out from the batch files, which hold every kept record too: each of those was parsed again to be
+    left out (a third of a 100,000-sample compare), and each record's whole identity was made again only
+    to give way to the row key it saves (another third). Now a batch line is parsed only when it can hold
+    a partial record, and a saved key is taken as it is."""
+    import batchrun.identity
+    import batchrun.storage
+
+    rows = [{"prompt": f"Say 42 ({n}) [calls:0] [answer:42]", "answer": "42"} for n in range(3)]
+    rows.append({"prompt": "Loop [calls:3]", "max_turns": 1, "answer": "42"})
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, exclude_partial=True)
+    a = out / "run"
+    assert len(read_jsonl(a / "trajectories.jsonl")) == 3
+    parsed = []
+    real_parse = batchrun.storage._parse_line
+    monkeypatch.setattr(batchrun.storage, "_parse_line", lambda raw: parsed.append(raw) or real_parse(raw))
+
+    def unmade(record):
+        raise AssertionError("the identity of a record that saves its key was made again")
+
+    monkeypatch.setattr(batchrun.identity.RowIdentity, "of_record", unmade)
+    samples = score.run_samples(a)
+    assert sorted(rec["partial"] for rec, _, _ in samples) == [False, False, False, True]
+    assert len(parsed) == 4  # not 3 + 4: the batch file's kept lines are not read again
+    assert [key for _, key, _ in samples] == [score.record_sample(rec) for rec, _, _ in samples]
