@@ -805,3 +805,13 @@ def test_a_view_parses_each_record_once_and_takes_its_saved_row_key(tmp_path, mo
     assert sorted(rec["partial"] for rec, _, _ in samples) == [False, False, False, True]
     assert len(parsed) == 4  # not 3 + 4: the batch file's kept lines are not read again
     assert [key for _, key, _ in samples] == [score.record_sample(rec) for rec, _, _ in samples]
+
+
+@pytest.mark.parametrize("value", ["99", "1000001", "10000000000", "-5"])
+def test_compare_refuses_a_bootstrap_it_could_not_finish_or_would_not_trust(value, capsys):
+    """--bootstrap had no upper limit: a typo's extra zeros (10,000,000,000 resamples) ran for hours before
+    a figure. It is refused at once, exit 2, naming the flag, before any run is read."""
+    with pytest.raises(SystemExit) as stopped:
+        compare.main(["/nonexistent/a", "/nonexistent/b", f"--bootstrap={value}"])
+    assert stopped.value.code == 2
+    assert "--bootstrap must be from 100 to 1,000,000" in capsys.readouterr().err
