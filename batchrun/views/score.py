@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--answer_normalize", default=",".join(NORMALIZE_STEPS), help="case,whitespace,punctuation or none"
     )
-    parser.add_argument("--numeric_tolerance", type=float, default=1e-6)
+    parser.add_argument("--numeric_tolerance", default="1e-6", help="as the run's flag (0 to 1)")
     parser.add_argument("--judge_model")
     parser.add_argument("--judge_base_url")
     parser.add_argument(
@@ -265,6 +265,11 @@ def _settings(args: argparse.Namespace) -> tuple[ScoringSettings, Any]:
             re.compile(args.answer_pattern)
         except re.error as exc:
             raise ValueError(f"--answer_pattern is not a valid regular expression: {exc}") from None
+    from batchrun.config import float_flag
+
+    # As the run's flag reads it: a NaN or a negative tolerance failed every numeric answer, right ones too,
+    # and one above 1 passed answers off by more than the answer itself.
+    tolerance = float_flag(0, 1)(args.numeric_tolerance, "numeric_tolerance")
     steps = () if args.answer_normalize == "none" else tuple(s for s in args.answer_normalize.split(",") if s)
     if any(s not in NORMALIZE_STEPS for s in steps):
         raise ValueError(f"--answer_normalize: some of {', '.join(NORMALIZE_STEPS)}, or none")
@@ -278,7 +283,7 @@ def _settings(args: argparse.Namespace) -> tuple[ScoringSettings, Any]:
     settings = ScoringSettings(
         scorers=scorers,
         answer_pattern=args.answer_pattern,
-        numeric_tolerance=args.numeric_tolerance,
+        numeric_tolerance=tolerance,
         normalize=steps,
         judge=judge_settings,
     )

@@ -815,3 +815,23 @@ def test_compare_refuses_a_bootstrap_it_could_not_finish_or_would_not_trust(valu
         compare.main(["/nonexistent/a", "/nonexistent/b", f"--bootstrap={value}"])
     assert stopped.value.code == 2
     assert "--bootstrap must be from 100 to 1,000,000" in capsys.readouterr().err
+
+
+def test_a_rescoring_reads_numeric_tolerance_as_the_run_does(tmp_path, capsys):
+    """views.score took any float as --numeric_tolerance: NaN or a negative one failed every numeric answer,
+    the right ones too (the run's 1 of 1 passing re-scored as 0 of 1, exit 0), and one above 1 passed
+    answers off by more than the answer. It is read as the run's flag is: 0 to 1, else exit 2 naming it."""
+    out = tmp_path / "data"
+    run(
+        None,
+        write_rows(tmp_path / "d.jsonl", [{"prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"}]),
+        out,
+    )
+    a = out / "run"
+    for value in ("nan", "-1", "2", "inf", "1e-6x"):
+        assert score.main([str(a), "--scorer=numeric", f"--numeric_tolerance={value}"]) == 2, value
+        assert "--numeric_tolerance must be a number from 0 to 1" in capsys.readouterr().err
+    assert not (a / "scores.numeric.jsonl").exists()
+    assert score.main([str(a), "--scorer=numeric", "--numeric_tolerance=0.01"]) == 0
+    rescored = stats_of(a)["scores"]["rescored"]["numeric"]
+    assert (rescored["scored"], rescored["passed"]) == (1, 1)
