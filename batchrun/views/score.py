@@ -107,8 +107,10 @@ def rescore(
     quote them)."""
     from batchrun.secrets import Redactor
 
-    judge = settings.judge
-    redact = Redactor.for_endpoint(judge.api_key, judge.base_url) if judge else Redactor(None)
+    # The judge's settings, not ``judge`` (its client): named alike, the client was shadowed and every
+    # judge re-scoring was a scorer error ("'JudgeSettings' object has no attribute 'chat'").
+    endpoint = settings.judge
+    redact = Redactor.for_endpoint(endpoint.api_key, endpoint.base_url) if endpoint else Redactor(None)
     stats_path = run_dir / "statistics.json"
     stats = _stats_to_update(stats_path)  # before any write: one it cannot read is never replaced
     lines = []

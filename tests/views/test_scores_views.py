@@ -835,3 +835,42 @@ def test_a_rescoring_reads_numeric_tolerance_as_the_run_does(tmp_path, capsys):
     assert score.main([str(a), "--scorer=numeric", "--numeric_tolerance=0.01"]) == 0
     rescored = stats_of(a)["scores"]["rescored"]["numeric"]
     assert (rescored["scored"], rescored["passed"]) == (1, 1)
+
+
+def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
+    """views.score --scorer=judge: every sample was a scorer error and nothing was asked ("'JudgeSettings'
+    object has no attribute 'chat'": a refactor gave the judge's settings where its client belongs), exit
+    0. Now the judge answers: its verdicts, its usage, and its key in no file."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    rows = [
+        {"id": "yes", "prompt": 'Grade me [calls:0] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
+        {
+            "id": "no",
+            "prompt": 'Grade me too [calls:0] [verdict:{"score": 0, "passed": false}]',
+            "rubric": "r",
+        },
+    ]
+    out = tmp_path / "data"
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-4242")
+    with FakeModelServer() as server:
+        run(server, write_rows(tmp_path / "d.jsonl", rows), out)
+        before = server.stats()["requests"]
+        argv = [
+            str(out / "run"),
+            "--scorer=judge",
+            "--judge_model=judge-model",
+            f"--judge_base_url={server.base_url}",
+        ]
+        assert score.main(argv) == 0
+        assert server.stats()["requests"] - before == 2
+    lines = {line["row_id"]: line["score"] for line in read_jsonl(out / "run" / "scores.judge.jsonl")}
+    assert {k: (v["passed"], v["error"]) for k, v in lines.items()} == {
+        "yes": (True, None),
+        "no": (False, None),
+    }
+    assert all(v["judge_usage"]["calls"] == 1 for v in lines.values())
+    rescored = stats_of(out / "run")["scores"]["rescored"]["judge"]
+    assert (rescored["scored"], rescored["passed"]) == (2, 1)
+    for path in (out / "run").iterdir():
+        assert "sk-judge-secret-4242" not in path.read_text("utf-8", "replace"), path
