@@ -96,7 +96,7 @@ def parse_optional_bool(value: Any, flag: str) -> bool | None:
 WORKERS_PER_CPU = 16
 
 
-def _is_http_url(url: str) -> bool:
+def is_http_url(url: str) -> bool:
     """An http(s) URL with a host that a request can be sent to (``http://[::1/v1``: no; a port
     out of range: no); urllib raises ValueError for such a URL wherever it is read later."""
     if not re.fullmatch(r"https?://\S+", url):
@@ -791,7 +791,7 @@ class RunConfig:
                 f"--budget_tokens={self.budget_tokens} cannot hold one model call: {given} lets each call's "
                 f"completion alone take {self.call_max_tokens} tokens; raise --budget_tokens or lower --max_tokens"
             )
-        if not _is_http_url(self.base_url):
+        if not is_http_url(self.base_url):
             raise UsageError(f"--base_url must be an http:// or https:// URL, got {_show(self.base_url)}")
         if url_credentials(self.base_url)[1] is not None and self.resolved_api_key:
             raise UsageError(
@@ -892,7 +892,7 @@ class RunConfig:
         wants_judge = "judge" in self.scorer
         if wants_judge and not self.judge_model:
             raise UsageError("--scorer=judge needs --judge_model (and --judge_base_url, else --base_url)")
-        if self.judge_base_url is not None and not _is_http_url(self.judge_base_url):
+        if self.judge_base_url is not None and not is_http_url(self.judge_base_url):
             raise UsageError(
                 f"--judge_base_url must be an http:// or https:// URL, got {_show(self.judge_base_url)}"
             )

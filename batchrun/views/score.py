@@ -181,18 +181,22 @@ def _stats_to_update(path: Path) -> dict[str, Any]:
 
 
 def judge_client(settings: JudgeSettings) -> Any:
-    """The judge's model client: the runner's own (retries, timeouts, bounds on what it reads)."""
+    """The judge's model client: the runner's own (retries, timeouts, bounds on what it reads), once the
+    judge has passed the run's start check (a UsageError says why not). A judge that cannot answer (a
+    wrong URL, key or model name, a dead server) made every sample a scorer error, each after its
+    retries (3.4 s a sample against a closed port: a day for 25,000), and exit 0."""
     from batchrun.prompt.llm import LLMClient, LLMConfig
+    from batchrun.run.preflight import check_endpoint
 
-    return LLMClient(
-        LLMConfig(
-            model=settings.model,
-            base_url=settings.base_url,
-            api_key=settings.api_key,
-            max_tokens=settings.max_tokens,
-            temperature=0.0,
-        )
+    cfg = LLMConfig(
+        model=settings.model,
+        base_url=settings.base_url,
+        api_key=settings.api_key,
+        max_tokens=settings.max_tokens,
+        temperature=0.0,
     )
+    check_endpoint(cfg, who="the judge's endpoint")
+    return LLMClient(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        settings, judge = _settings(args)
+        settings = _settings(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -233,6 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    judge = None
+    if settings.judge is not None:
+        from batchrun.secrets import Redactor
+
+        try:
+            judge = judge_client(settings.judge)
+        except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
+            redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
+            print(f"error: {redact(str(exc))}", file=sys.stderr)
+            return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
     try:
@@ -251,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace) -> tuple[ScoringSettings, Any]:
+def _settings(args: argparse.Namespace) -> ScoringSettings:
     scorers = parse_scorers(args.scorer)
     if not scorers:
         raise ValueError("--scorer names no scorer")
@@ -267,7 +281,7 @@ def _settings(args: argparse.Namespace) -> tuple[ScoringSettings, Any]:
             re.compile(args.answer_pattern)
         except re.error as exc:
             raise ValueError(f"--answer_pattern is not a valid regular expression: {exc}") from None
-    from batchrun.config import float_flag
+    from batchrun.config import float_flag, is_http_url
 
     # As the run's flag reads it: a NaN or a negative tolerance failed every numeric answer, right ones too,
     # and one above 1 passed answers off by more than the answer itself.
@@ -279,17 +293,18 @@ def _settings(args: argparse.Namespace) -> tuple[ScoringSettings, Any]:
     if "judge" in scorers:
         if not args.judge_model or not args.judge_base_url:
             raise ValueError("--scorer=judge needs --judge_model and --judge_base_url")
+        if not is_http_url(args.judge_base_url):
+            raise ValueError("--judge_base_url must be an http:// or https:// URL with a host")
         judge_settings = JudgeSettings(
             args.judge_model, args.judge_base_url, os.environ.get(args.judge_api_key_env) or None
         )
-    settings = ScoringSettings(
+    return ScoringSettings(
         scorers=scorers,
         answer_pattern=args.answer_pattern,
         numeric_tolerance=tolerance,
         normalize=steps,
         judge=judge_settings,
     )
-    return settings, judge_client(judge_settings) if judge_settings else None
 
 
 def _read_stats(run_dir: Path) -> dict[str, Any]:

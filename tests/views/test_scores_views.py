@@ -855,7 +855,7 @@ def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-4242")
     with FakeModelServer() as server:
         run(server, write_rows(tmp_path / "d.jsonl", rows), out)
-        before = server.stats()["requests"]
+        before = server.stats()
         argv = [
             str(out / "run"),
             "--scorer=judge",
@@ -863,7 +863,9 @@ def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
             f"--judge_base_url={server.base_url}",
         ]
         assert score.main(argv) == 0
-        assert server.stats()["requests"] - before == 2
+        after = server.stats()
+        assert after["requests"] - before["requests"] == 2
+        assert after["check_calls"] - before["check_calls"] == 1  # the run's start check, on the judge
     lines = {line["row_id"]: line["score"] for line in read_jsonl(out / "run" / "scores.judge.jsonl")}
     assert {k: (v["passed"], v["error"]) for k, v in lines.items()} == {
         "yes": (True, None),
@@ -874,3 +876,29 @@ def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
     assert (rescored["scored"], rescored["passed"]) == (2, 1)
     for path in (out / "run").iterdir():
         assert "sk-judge-secret-4242" not in path.read_text("utf-8", "replace"), path
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://127.0.0.1:1/v1", "cannot reach the judge's endpoint http://127.0.0.1:1/v1"),
+        ("localhost:8080", "--judge_base_url must be an http:// or https:// URL"),
+        ("ftp://judge.example/v1", "--judge_base_url must be an http:// or https:// URL"),
+        ("http://user:pw-9137@[::1/v1", "--judge_base_url must be an http:// or https:// URL"),
+    ],
+)
+def test_a_judge_rescoring_that_cannot_reach_its_judge_stops_before_any_sample(tmp_path, capsys, url, said):
+    """A judge URL without a scheme, of another scheme, or a closed port: every sample was a scorer error
+    after its retries (3.4 s a sample against a closed port), the scores file written, exit 0. Now the
+    judge takes the run's start check first: exit 2 saying why, nothing written, no credential shown."""
+    out = tmp_path / "data"
+    run(
+        None,
+        write_rows(tmp_path / "d.jsonl", [{"prompt": "Say 42 [calls:0] [answer:42]", "rubric": "r"}]),
+        out,
+    )
+    assert score.main([str(out / "run"), "--scorer=judge", "--judge_model=j", f"--judge_base_url={url}"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "pw-9137" not in err
+    assert not (out / "run" / "scores.judge.jsonl").exists()
+    assert "rescored" not in stats_of(out / "run")["scores"]
