@@ -82,6 +82,7 @@ def _args(rng: random.Random, name: str) -> dict:
 
 
 def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> tuple[str, dict]:
+    from batchrun.identity import row_key
     from batchrun.prompt.trajectory import build_record
 
     toolsets = rng.choice(TOOLSET_CHOICES)
@@ -105,6 +106,9 @@ def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> 
         "duration_s": round(rng.uniform(5, 120), 3), "sandbox": "docker", "isolation": "docker",
         "sandbox_start_s": 0.4, "sandbox_stop_s": 0.2, "prompt_tokens": rng.randint(2000, 40000),
         "completion_tokens": rng.randint(200, 4000),
+        # As the runner writes them (before, empty: every record read as another row's, held back by the
+        # merge and read a second time, which a real run's records are not).
+        "row_key": row_key(prompt), "row_id": "", "row_fields": "{}",
     }  # fmt: skip
     record = build_record(
         prompt_index=i,

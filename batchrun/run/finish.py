@@ -23,7 +23,7 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import USAGE_COUNTS, normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder, credible, earlier_runs
+from batchrun.run.recorder import Recorder, credible, earlier_runs, scan_batch_outcomes
 from batchrun.run.resume import (
     Place,
     add_discards,
@@ -189,6 +189,7 @@ def merge(
         wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
     places = RowPlaces(rows, samples_per_prompt, recorder.sample_text)
     done_indices: set[int] = set()
+    per_batch: collections.Counter[int] = collections.Counter()  # valid records of each batch file
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
@@ -226,6 +227,7 @@ def merge(
                     if ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
                         totals.dropped["invalid_lines"] += 1
                         continue
+                    per_batch[files[n][0]] += 1
                     key = record_sample(rec)
                     totals.finished[key] += 1
                     place = None
@@ -268,6 +270,8 @@ def merge(
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
+    if recorder.batch_outcomes is None:  # nor for the checkpoint's batch_stats
+        recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch)
     recorder.write_checkpoint()
     return totals
 

@@ -534,11 +534,19 @@ def _count_outcome(
         counter["no_reasoning"] += 1
 
 
-def scan_batch_outcomes(run_dir: Path) -> dict[int, collections.Counter[str]]:
-    """Every outcome of every run of this run name, by batch: batch files, discarded.jsonl, failed.jsonl."""
+def scan_batch_outcomes(
+    run_dir: Path, trajectories: collections.Counter[int] | None = None
+) -> dict[int, collections.Counter[str]]:
+    """Every outcome of every run of this run name, by batch: batch files, discarded.jsonl, failed.jsonl.
+    ``trajectories``: the valid records of each batch file, when a pass over them has counted them (the
+    merge's: a second parse of every record was a third of a resume's merge)."""
     outcomes: dict[int, collections.Counter[str]] = {}
     for num, path in batch_files(run_dir):
-        outcomes.setdefault(num, collections.Counter())
+        counter = outcomes.setdefault(num, collections.Counter())
+        if trajectories is not None:
+            if trajectories[num]:
+                counter[TRAJECTORY] += trajectories[num]
+            continue
         for rec in iter_jsonl(path):
             if valid_record(rec):
                 _count_outcome(outcomes, num, TRAJECTORY, None)

@@ -368,3 +368,31 @@ def test_an_invocation_killed_in_its_finish_phase_keeps_all_its_spend_in_the_run
     assert killed["requests"] == served
     assert stats["run_totals"]["requests"] == server.stats()["requests"] == served + resume["requests"]
     assert stats["trajectories"] == 8
+
+
+def test_a_resume_s_merge_parses_each_batch_line_once(server, tmp_path, monkeypatch):
+    """The merge of a resume (a recorder that has counted nothing yet) parsed every batch line twice: its
+    own pass, then the checkpoint's batch_stats read every batch file again (a third of the merge of
+    20,000 records, benchmarks/large_run.py). The merge's pass counts them now; same checkpoint."""
+    import batchrun.storage
+    from batchrun.run.dataset import load_dataset
+
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", [f"task {n}" for n in range(6)] + ["x [error:400]", "y [no_reasoning]"]
+    )
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=3)
+    run_dir = out / "run"
+    before = json.loads((run_dir / "checkpoint.json").read_text())
+    lines = sum(len(p.read_bytes().splitlines()) for p in run_dir.glob("batch_*.jsonl"))
+    side = sum(len((run_dir / f).read_bytes().splitlines()) for f in ("failed.jsonl", "discarded.jsonl"))
+    parsed = []
+    real_parse = batchrun.storage._parse_line
+    monkeypatch.setattr(batchrun.storage, "_parse_line", lambda raw: parsed.append(raw) or real_parse(raw))
+    rows, _ = load_dataset(str(dataset))
+    finish.merge(run_dir, rows, Recorder(run_dir, "run", Redactor(None)))
+    assert (lines, side) == (6, 2)
+    assert len(parsed) == lines + side  # not 2 x 6 + 2
+    after = json.loads((run_dir / "checkpoint.json").read_text())
+    assert after["batch_stats"] == before["batch_stats"]
+    assert after["completed_prompts"] == before["completed_prompts"]
