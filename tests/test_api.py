@@ -279,3 +279,50 @@ def test_ctrl_c_during_run_returns_130_and_a_resume_in_the_same_process_finishes
     prompts = sorted(turn["value"] for r in records for turn in r["conversations"] if turn["from"] == "human")
     assert prompts == sorted(f"Prompt {i} [slow:0.5] [calls:1]" for i in range(8))
     assert "Traceback" not in done.stderr
+
+
+@RUNS
+def test_the_resume_hint_of_a_run_from_python_is_the_call_not_the_scripts_command_line(tmp_path):
+    """A run started from a script printed its script's arguments as the command to continue with:
+    ``python gen.py --shard=3`` ended with ``python batch_runner.py --shard=3 --resume``, a command that
+    exits 2 (no such flag). From Python the hint is the call with resume=True; the command line's own
+    run still prints its command, without the key."""
+    write_jsonl(tmp_path / "p.jsonl", ["fine", "fails [error:400]"])
+    script = tmp_path / "gen.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            from batch_runner import BatchRunner, cli
+
+            if sys.argv[1] == "--shard=3":
+                BatchRunner("p.jsonl", 2, "api", distribution="terminal_only", model="mock", num_workers=1,
+                            max_failure_rate=1).run()
+            else:
+                sys.argv = ["batch_runner.py", *sys.argv[1:]]
+                cli()
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), "--shard=3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
+    assert hint.startswith("the same call with resume=True") and "shard" not in hint, done.stdout
+    flags = ["--dataset_file=p.jsonl", "--batch_size=2", "--run_name=cli", "--distribution=terminal_only"]
+    flags += ["--model=mock", "--num_workers=1", "--max_failure_rate=1", "--api_key=sk-not-shown-12345"]
+    done = subprocess.run(
+        [sys.executable, str(script), *flags],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
+    assert hint == "python batch_runner.py " + " ".join(flags[:-1]) + " --resume", done.stdout
