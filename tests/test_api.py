@@ -326,3 +326,17 @@ def test_the_resume_hint_of_a_run_from_python_is_the_call_not_the_scripts_comman
     )
     hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
     assert hint == "python batch_runner.py " + " ".join(flags[:-1]) + " --resume", done.stdout
+
+
+@RUNS
+def test_a_script_finds_the_output_under_the_references_attribute_names(tmp_path, monkeypatch):
+    """Scripts written for the reference read their results through ``runner.output_dir``,
+    ``runner.stats_file`` and ``runner.checkpoint_file``; those were AttributeErrors."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", ["one", "two"])
+    r = runner("attrs")
+    assert r.output_dir == Path("data") / "attrs"
+    assert r.run() == 0
+    assert len(read_jsonl(r.output_dir / "trajectories.jsonl")) == 2
+    assert json.loads(r.stats_file.read_text())["total_prompts"] == 2
+    assert json.loads(r.checkpoint_file.read_text())["completed_prompts"] == [0, 1]
