@@ -26,10 +26,10 @@ def runner(run_name: str, **kw) -> batch_runner.BatchRunner:
     return batch_runner.BatchRunner(dataset_file="p.jsonl", batch_size=2, run_name=run_name, **args)
 
 
-def run_script(script: Path) -> subprocess.CompletedProcess:
-    """``script`` run by this interpreter in its own directory, with this checkout's package."""
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``script`` (given ``args``) run by this interpreter in its own directory, with this checkout's package."""
     return subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), *args],
         cwd=script.parent,
         capture_output=True,
         text=True,
@@ -304,26 +304,12 @@ def test_the_resume_hint_of_a_run_from_python_is_the_call_not_the_scripts_comman
             """
         )
     )
-    done = subprocess.run(
-        [sys.executable, str(script), "--shard=3"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_script(script, "--shard=3")
     hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
     assert hint.startswith("the same call with resume=True") and "shard" not in hint, done.stdout
     flags = ["--dataset_file=p.jsonl", "--batch_size=2", "--run_name=cli", "--distribution=terminal_only"]
     flags += ["--model=mock", "--num_workers=1", "--max_failure_rate=1", "--api_key=sk-not-shown-12345"]
-    done = subprocess.run(
-        [sys.executable, str(script), *flags],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_script(script, *flags)
     hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
     assert hint == "python batch_runner.py " + " ".join(flags[:-1]) + " --resume", done.stdout
 
