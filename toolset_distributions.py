@@ -15,11 +15,12 @@ import random
 
 from batchrun import distributions as _impl
 from batchrun.distributions import *  # noqa: F403  (re-exported for scripts that import this module)
-from batchrun.distributions import DISTRIBUTIONS, Distribution, format_distributions, list_distributions
+from batchrun.distributions import DISTRIBUTIONS, Distribution, format_distributions
 
 __all__ = [
     "DISTRIBUTIONS",
     "Distribution",
+    "ReferenceDistribution",
     "get_distribution",
     "list_distributions",
     "print_distribution_info",
@@ -31,12 +32,36 @@ __all__ = [
 prompt_rng = _impl.prompt_rng
 
 
-def get_distribution(name: str) -> Distribution | None:
-    """The distribution called ``name`` (readable as the reference's dict), or None if there is none."""
+class ReferenceDistribution(dict):
+    """A distribution as the reference's dict, ``{"description": ..., "toolsets": {toolset: percent}}``
+    (``in``, iteration, ``.items()``, ``json.dumps`` all work on it), also read as ``.name``,
+    ``.description`` and ``.probabilities``. A copy: changing it changes no run."""
+
+    def __init__(self, dist: Distribution) -> None:
+        super().__init__(description=dist.description, toolsets=dict(dist.probabilities))
+        self.name = dist.name
+
+    @property
+    def description(self) -> str:
+        return self["description"]
+
+    @property
+    def probabilities(self) -> dict[str, int]:
+        return self["toolsets"]
+
+
+def get_distribution(name: str) -> ReferenceDistribution | None:
+    """The distribution called ``name`` as the reference's dict, or None if there is none."""
     try:
-        return _impl.get_distribution(name)
+        return ReferenceDistribution(_impl.get_distribution(name))
     except ValueError:
         return None
+
+
+def list_distributions() -> dict[str, ReferenceDistribution]:
+    """Every distribution by name (the built-ins in their documented order, then a run's file's), each
+    as the reference's dict; a copy."""
+    return {name: ReferenceDistribution(dist) for name, dist in _impl.list_distributions().items()}
 
 
 def validate_distribution(distribution: str | Distribution) -> bool:
@@ -45,7 +70,8 @@ def validate_distribution(distribution: str | Distribution) -> bool:
     if isinstance(distribution, Distribution):
         _impl.validate_distribution(distribution)
         return True
-    return distribution in list_distributions()  # None, a number: False, as in the reference
+    # None, a number: False, as in the reference (which raises TypeError for a dict; False here)
+    return isinstance(distribution, str) and distribution in _impl.list_distributions()
 
 
 def sample_toolsets_from_distribution(name: str, rng: random.Random | None = None, **kwargs) -> list[str]:

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from batchrun.config import REASONING_EFFORTS, RunConfig, UsageError, _show, check_prefill, parse_bool
@@ -151,6 +152,20 @@ class BatchRunner:
                 "list_distributions is the command line's listing, not a run: from Python use "
                 "toolset_distributions.list_distributions() or print_distribution_info(name)"
             )
+
+    # Where the run writes, under the reference's attribute names (scripts read their output from them).
+    @property
+    def output_dir(self) -> Path:
+        """``data/<run_name>`` (``--output_dir``'s parent of run directories, then the run name)."""
+        return self.config.run_dir
+
+    @property
+    def checkpoint_file(self) -> Path:
+        return self.output_dir / "checkpoint.json"
+
+    @property
+    def stats_file(self) -> Path:
+        return self.output_dir / "statistics.json"
 
     @contextmanager
     def _config(self, *, resume: bool) -> Iterator[RunConfig]:

@@ -34,7 +34,7 @@ from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.prompt.tools.config import ToolSettings, browser_config, run_tool_settings
 from batchrun.prompt.tools.mcp import McpSetup
-from batchrun.run import finish, open_files
+from batchrun.run import finish, open_files, resume
 from batchrun.run.budget import CheckGate
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
@@ -143,7 +143,11 @@ def cli(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    code = main(**flags)
+    resume.COMMAND_LINE = argv  # what the resume command repeats (a run from Python has none)
+    try:
+        code = main(**flags)
+    finally:
+        resume.COMMAND_LINE = None
     ray_pool = sys.modules.get("batchrun.run.ray_pool")
     if ray_pool is not None and ray_pool.left_hanging():
         # Ray's threads still wait on a GCS that hangs: the interpreter's exit would wait with them, or

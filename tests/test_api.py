@@ -26,10 +26,10 @@ def runner(run_name: str, **kw) -> batch_runner.BatchRunner:
     return batch_runner.BatchRunner(dataset_file="p.jsonl", batch_size=2, run_name=run_name, **args)
 
 
-def run_script(script: Path) -> subprocess.CompletedProcess:
-    """``script`` run by this interpreter in its own directory, with this checkout's package."""
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``script`` (given ``args``) run by this interpreter in its own directory, with this checkout's package."""
     return subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), *args],
         cwd=script.parent,
         capture_output=True,
         text=True,
@@ -279,3 +279,50 @@ def test_ctrl_c_during_run_returns_130_and_a_resume_in_the_same_process_finishes
     prompts = sorted(turn["value"] for r in records for turn in r["conversations"] if turn["from"] == "human")
     assert prompts == sorted(f"Prompt {i} [slow:0.5] [calls:1]" for i in range(8))
     assert "Traceback" not in done.stderr
+
+
+@RUNS
+def test_the_resume_hint_of_a_run_from_python_is_the_call_not_the_scripts_command_line(tmp_path):
+    """A run started from a script printed its script's arguments as the command to continue with:
+    ``python gen.py --shard=3`` ended with ``python batch_runner.py --shard=3 --resume``, a command that
+    exits 2 (no such flag). From Python the hint is the call with resume=True; the command line's own
+    run still prints its command, without the key."""
+    write_jsonl(tmp_path / "p.jsonl", ["fine", "fails [error:400]"])
+    script = tmp_path / "gen.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            from batch_runner import BatchRunner, cli
+
+            if sys.argv[1] == "--shard=3":
+                BatchRunner("p.jsonl", 2, "api", distribution="terminal_only", model="mock", num_workers=1,
+                            max_failure_rate=1).run()
+            else:
+                sys.argv = ["batch_runner.py", *sys.argv[1:]]
+                cli()
+            """
+        )
+    )
+    done = run_script(script, "--shard=3")
+    hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
+    assert hint.startswith("the same call with resume=True") and "shard" not in hint, done.stdout
+    flags = ["--dataset_file=p.jsonl", "--batch_size=2", "--run_name=cli", "--distribution=terminal_only"]
+    flags += ["--model=mock", "--num_workers=1", "--max_failure_rate=1", "--api_key=sk-not-shown-12345"]
+    done = run_script(script, *flags)
+    hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
+    assert hint == "python batch_runner.py " + " ".join(flags[:-1]) + " --resume", done.stdout
+
+
+@RUNS
+def test_a_script_finds_the_output_under_the_references_attribute_names(tmp_path, monkeypatch):
+    """Scripts written for the reference read their results through ``runner.output_dir``,
+    ``runner.stats_file`` and ``runner.checkpoint_file``; those were AttributeErrors."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", ["one", "two"])
+    r = runner("attrs")
+    assert r.output_dir == Path("data") / "attrs"
+    assert r.run() == 0
+    assert len(read_jsonl(r.output_dir / "trajectories.jsonl")) == 2
+    assert json.loads(r.stats_file.read_text())["total_prompts"] == 2
+    assert json.loads(r.checkpoint_file.read_text())["completed_prompts"] == [0, 1]

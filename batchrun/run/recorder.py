@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.identity import RowIdentity
+from batchrun.identity import RowIdentity, is_index
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
-from batchrun.record import normalize_metadata, sample_index_of, valid_record
+from batchrun.record import normalize_metadata, sample_index_of, valid_outcome_row, valid_record
 from batchrun.run.journal import JOURNAL_NAME, SpendJournal
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.secrets import Redactor, terminal_safe
@@ -122,7 +122,8 @@ class Recorder:
         # A budget run's spend journal (batchrun/run/journal.py): each grant durable before it is sent.
         self.journal: SpendJournal | None = None
         self.last_event_at: str | None = None
-        self.done_indices: set[int] | None = None
+        self.done_indices: set[int] | None = None  # prompt_index of every trajectory in the batch files
+        self.discarded_indices: set[int] | None = None  # and of every discard: finished too, never re-run
         # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
         self.batch_outcomes: dict[int, collections.Counter[str]] | None = None
         self.echo: Callable[[str], None] = lambda line: print(
@@ -236,6 +237,8 @@ class Recorder:
                 self.on_kept_line(data)
         elif kind == DISCARDED:
             self.discards[reason or "unknown"] += 1
+            if self.discarded_indices is not None:
+                self.discarded_indices.add(outcome.prompt_index)
             row = {
                 "prompt": outcome.prompt,
                 **identity,
@@ -445,12 +448,20 @@ class Recorder:
                     for rec in iter_jsonl(path)
                     if valid_record(rec) and isinstance(rec.get("prompt_index"), int)
                 )
+        if self.discarded_indices is None:
+            self.discarded_indices = {
+                row["prompt_index"]
+                for row in iter_jsonl(self.run_dir / "discarded.jsonl")
+                if valid_outcome_row(row, "reason") and is_index(row.get("prompt_index"))
+            }
         if self.batch_outcomes is None:
             self.batch_outcomes = scan_batch_outcomes(self.run_dir)
         state = {
             FORMAT_FIELD: FORMAT_VERSION,  # added to the reference's keys (batchrun.run.run_dir)
             "run_name": self.run_name,
-            "completed_prompts": sorted(self.done_indices),
+            # The finished prompts, as the reference's (which lists its no-reasoning discards): a discard is
+            # finished, a failure is not (--resume runs it again).
+            "completed_prompts": sorted(self.done_indices | self.discarded_indices),
             "batches": [n for n, _ in batch_files(self.run_dir)],
             "batch_stats": batch_stats(self.batch_outcomes),
             "last_updated": _now(),

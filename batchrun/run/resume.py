@@ -478,10 +478,24 @@ def resume_filter(
     return todo
 
 
+# The words of the command line that started this process's run (set by batchrun.cli.cli while it runs);
+# None for a run started from Python (main(...), BatchRunner(...).run()), whose sys.argv is its caller's.
+COMMAND_LINE: list[str] | None = None
+FROM_PYTHON = "the same call with resume=True (BatchRunner(...).run(resume=True), or main(..., resume=True))"
+
+
 def resume_command(argv: list[str] | None = None) -> str:
-    """The command that continues this run; the API key is left out (it comes from the environment)."""
-    args = [shlex.quote(a) for a in without_api_key(argv) if not a.startswith("--resume")]
-    return " ".join(["python", "batch_runner.py", *args, "--resume"])
+    """The command that continues this run; the API key is left out (it comes from the environment).
+
+    A run started from Python gets the call to make instead: its process's arguments are its script's
+    (``python gen.py --shard=3`` was shown as ``python batch_runner.py --shard=3 --resume``)."""
+    if argv is None and COMMAND_LINE is None:
+        return FROM_PYTHON
+    words = COMMAND_LINE if argv is None else argv
+    args = [shlex.quote(a) for a in without_api_key(words) if not a.startswith("--resume")]
+    # The installed command (batch_runner.py is not installed), else the file users know.
+    program = ["batch-runner"] if Path(sys.argv[0]).name == "batch-runner" else ["python", "batch_runner.py"]
+    return " ".join([*program, *args, "--resume"])
 
 
 def without_api_key(argv: list[str] | None = None) -> list[str]:

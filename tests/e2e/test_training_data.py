@@ -530,6 +530,38 @@ def test_toolset_distributions_behave_as_the_references():
         td.sample_toolsets_from_distribution("no_such_thing")
 
 
+def test_toolset_distributions_give_the_references_dicts():
+    """The reference's get_distribution and list_distributions give plain dicts: a script that asks
+    ``"toolsets" in dist``, iterates it, calls ``.items()`` or writes it with ``json.dumps`` got a
+    KeyError 0, an AttributeError or a TypeError from the frozen dataclass they used to return."""
+    import toolset_distributions as td
+
+    research = td.get_distribution("research")
+    assert (
+        isinstance(research, dict)
+        and "toolsets" in research
+        and sorted(research) == ["description", "toolsets"]
+    )
+    assert dict(research.items())["toolsets"] == {
+        "web": 90,
+        "browser": 70,
+        "vision": 50,
+        "moa": 40,
+        "terminal": 10,
+    }
+    assert json.loads(json.dumps(research)) == research
+    table = json.loads(json.dumps(td.list_distributions()))
+    assert list(table) == list(td.DISTRIBUTIONS) and table["terminal_only"]["toolsets"] == {
+        "terminal": 100,
+        "file": 100,
+    }
+    assert (
+        research.name == "research" and research.probabilities["web"] == 90
+    )  # the attribute reading still holds
+    research["toolsets"]["web"] = 0  # a copy, as the run's own table is not the caller's to change
+    assert td.get_distribution("research")["toolsets"]["web"] == 90
+
+
 def test_print_distribution_info(capsys):
     import toolset_distributions as td
 

@@ -72,7 +72,8 @@ def test_valid_json_of_the_wrong_shape_is_skipped_and_counted_everywhere(server,
     }
     assert stats["discarded"]["total"] == 1
     assert stats["failed_attempts"]["by_class"] == {"http_500": 3}
-    assert sorted(json.loads((run_dir / "checkpoint.json").read_text())["completed_prompts"]) == [0, 1]
+    # the finished prompts: both trajectories and the discard, not the failure nor any garbage line
+    assert sorted(json.loads((run_dir / "checkpoint.json").read_text())["completed_prompts"]) == [0, 1, 2]
     # The report reads the batch files when they are newer than the merge: make them so.
     os.utime(run_dir / "batch_0.jsonl", (time.time() + 5, time.time() + 5))
     data = collect(run_dir)

@@ -34,6 +34,26 @@ def _checkpoint(run_dir: Path) -> dict:
     return json.loads((run_dir / "checkpoint.json").read_text("utf-8"))
 
 
+def test_checkpoint_lists_discarded_prompts_as_finished_and_failed_ones_not(server, tmp_path):
+    """checkpoint.json's ``completed_prompts`` holds the finished prompts (SPEC), as the reference's does
+    for a sample it discarded for no reasoning: a discard is finished (--resume does not pay for it again).
+    It listed trajectories only, so a script reading the checkpoint saw 1 of 2 finished prompts and would
+    run the discard again; the failed prompt, which --resume runs again, stays out."""
+    dataset = write_jsonl(
+        tmp_path / "d.jsonl", ["kept task", "thinks not [no_reasoning]", "fails [error:400]"]
+    )
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=2)
+    assert _checkpoint(out / "run")["completed_prompts"] == [0, 1]
+    assert _checkpoint(out / "run")["batch_stats"]["0"]["discarded_no_reasoning"] == 1
+    before = requests(server)
+    run(
+        server, dataset, out, resume=True, batch_size=2
+    )  # a new invocation reads the discard back from its file
+    assert requests(server) - before == {"fails [error:400]": 1}
+    assert _checkpoint(out / "run")["completed_prompts"] == [0, 1]
+
+
 def test_resume_runs_only_missing_prompts_then_nothing(server, tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "d.jsonl", RESUME)
     out = tmp_path / "data"
