@@ -476,9 +476,7 @@ def statistics(
         "coverage_of_kept_trajectories": summary["reasoning"]["coverage"],
     }
     # Samples (a row of N samples counts N) a --resume would run.
-    remaining = count_remaining(
-        run_dir, rows, totals, recorder, config.rerun_discarded, config.samples_per_prompt
-    )
+    remaining = count_remaining(run_dir, rows, totals, recorder, config.samples_per_prompt)
     stats = {
         "run_name": config.run_name,
         "model": config.model,
@@ -637,13 +635,15 @@ def count_remaining(
     rows: list[Row],
     totals: MergeTotals,
     recorder: Recorder,
-    rerun_discarded: bool,
     samples_per_prompt: int = 1,
 ) -> int:
-    """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
+    """Samples a --resume would run: no trajectory and no discard yet. Whether this invocation re-ran
+    discards (--rerun_discarded) does not matter: it ran them, and what they gave is their outcome (a
+    discard again is finished, not pending; counted as pending, the closing summary offered a command
+    that ran them all once more)."""
     done = collections.Counter(totals.finished)
     at = collections.Counter(totals.finished_where)
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
+    add_discards(run_dir, done, rerun_discarded=False, at=at)
     return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt, at))
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.config import RunConfig, UsageError
+from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
 from batchrun.identity import RowIdentity, is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import read_score, valid_outcome_row, valid_record
@@ -479,9 +479,32 @@ def resume_filter(
 
 
 def resume_command(argv: list[str] | None = None) -> str:
-    """The command that continues this run; the API key is left out (it comes from the environment)."""
-    args = [shlex.quote(a) for a in without_api_key(argv) if not a.startswith("--resume")]
+    """The command that continues this run: the remaining samples, as ``remaining_for_resume`` counts
+    them. Without --rerun_discarded (the discards this invocation re-ran have their outcome: kept, it
+    would run every discard once more and pay for them again) and without the API key (it comes from
+    the environment)."""
+    args = [shlex.quote(a) for a in _without(without_api_key(argv), ("resume", "rerun_discarded"))]
     return " ".join(["python", "batch_runner.py", *args, "--resume"])
+
+
+def _without(args: list[str], bool_flags: tuple[str, ...]) -> list[str]:
+    """``args`` without the boolean flags named, in each form the command line takes them (as
+    :func:`batchrun.config.parse_argv` reads them): ``--name``, ``--name=VALUE``, ``--name VALUE``
+    (a true or false word), ``--noname``, dashes for underscores."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        name, eq, _ = arg.partition("=")
+        name = name[2:].replace("-", "_") if name.startswith("--") else ""
+        if name.startswith("no") and name[2:] in bool_flags and not eq:
+            continue
+        if name in bool_flags:
+            if not eq and i < len(args) and args[i].strip().lower() in (*TRUE_WORDS, *FALSE_WORDS):
+                i += 1  # its value, the next argument
+            continue
+        out.append(arg)
+    return out
 
 
 def without_api_key(argv: list[str] | None = None) -> list[str]:
