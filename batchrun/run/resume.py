@@ -352,17 +352,32 @@ def scan_finished(
                     at[place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
-                if stop_after_passes and read_score(rec.get("score")).get("passed") is True:
-                    if not (exclude_partial and rec.get("partial")):
-                        passes[key[0]] += 1
+                if stop_after_passes and kept_pass(rec, exclude_partial):
+                    passes[key[0]] += 1
+    counts = still_skipped(passes, stop_after_passes)
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=counts)
+    return done
 
-    def still_skipped(row: dict[str, Any]) -> bool:
+
+def kept_pass(rec: dict[str, Any], exclude_partial: bool) -> bool:
+    """Whether a batch file's record is a kept pass of its row, as --stop_after_passes counts them
+    (``exclude_partial``: a partial one is not kept)."""
+    return read_score(rec.get("score")).get("passed") is True and not (exclude_partial and rec.get("partial"))
+
+
+def still_skipped(
+    passes: collections.Counter[str], stop_after_passes: int | None
+) -> Callable[[dict[str, Any]], bool]:
+    """A discarded.jsonl row -> whether it finishes its sample: a sample skipped after its row's passes
+    (``skipped_after_passes``) only while its row (``passes``: row identity -> kept passes) has
+    ``stop_after_passes`` of them; a resume that raised it runs the sample."""
+
+    def counts(row: dict[str, Any]) -> bool:
         if row["reason"] != SKIPPED_AFTER_PASSES or not stop_after_passes:
             return True
         return passes[outcome_sample(row)[0]] >= stop_after_passes
 
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=still_skipped)
-    return done
+    return counts
 
 
 def row_fields_of(fields: Any) -> Any:

@@ -349,6 +349,28 @@ def test_a_resume_that_raises_stop_after_passes_runs_the_samples_the_smaller_one
     assert stats["scores"]["skipped_after_passes"] == 0
 
 
+def test_samples_a_raised_stop_after_passes_left_unrun_remain_for_resume(server, tmp_path, capsys):
+    """A resume that raises --stop_after_passes and stops before it runs the samples the smaller K
+    skipped (here its budget is reached at once) leaves them to run, and the next --resume runs them;
+    but the statistics counted each skip as done: remaining_for_resume 0, scores.samples_pending 0, and
+    no resume command in the closing summary."""
+    rows = [{"id": "easy", "prompt": "Easy one [answer:1] [calls:0]", "answer": 1}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out, run_dir = tmp_path / "data", tmp_path / "data" / "run"
+    flags = dict(samples_per_prompt=4, num_workers=1, prompts_per_worker=1)
+    run(server, dataset, out, stop_after_passes=1, **flags)
+    spent = stats_of(run_dir)["run_totals"]["total_tokens"]
+    capsys.readouterr()
+    run(server, dataset, out, resume=True, stop_after_passes=3, budget_tokens=spent + 400, **flags)
+    assert server.stats()["requests"] == 1  # the budget let no sample run
+    stats = stats_of(run_dir)
+    assert (stats["remaining_for_resume"], stats["scores"]["samples_pending"]) == (3, 3)
+    assert "3 sample(s) remain; continue with:" in capsys.readouterr().out
+    run(server, dataset, out, resume=True, stop_after_passes=3, **flags)
+    assert server.stats()["requests"] == 3  # two more samples: the row has its 3 passes
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 def test_a_discard_run_again_counts_once_in_the_statistics(server, tmp_path):
     """--rerun_discarded appends the sample's new outcome; its old discard line stays in discarded.jsonl
     (append-only) and was counted beside it: a sample discarded twice was two discards."""
