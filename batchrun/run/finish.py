@@ -28,10 +28,12 @@ from batchrun.run.resume import (
     Place,
     add_discards,
     fields_digest,
+    kept_pass,
     place_of,
     resume_command,
     row_fields_of,
     samples_of,
+    still_skipped,
     unfinished,
     wanted_samples,
 )
@@ -64,6 +66,8 @@ class MergeTotals:
         self.finished_at: collections.Counter[tuple[str, int, int]] = collections.Counter()
         # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
         self.finished_where: collections.Counter[Place] = collections.Counter()
+        # row identity -> its kept passes (resume.kept_pass), for the samples --stop_after_passes skipped
+        self.passes: collections.Counter[str] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         # Kept records of samples the dataset no longer wants (a row since removed or edited, a sample
         # index past today's count, rows past --max_samples): kept as they are, and said.
@@ -230,6 +234,8 @@ def merge(
                     per_batch[files[n][0]] += 1
                     key = record_sample(rec)
                     totals.finished[key] += 1
+                    if kept_pass(rec, exclude_partial):
+                        totals.passes[key[0]] += 1
                     place = None
                     if isinstance(rec.get("prompt_index"), int):
                         done_indices.add(rec["prompt_index"])
@@ -481,7 +487,7 @@ def statistics(
     }
     # Samples (a row of N samples counts N) a --resume would run.
     remaining = count_remaining(
-        run_dir, rows, totals, recorder, config.rerun_discarded, config.samples_per_prompt
+        run_dir, rows, totals, recorder, config.samples_per_prompt, config.stop_after_passes
     )
     stats = {
         "run_name": config.run_name,
@@ -641,13 +647,19 @@ def count_remaining(
     rows: list[Row],
     totals: MergeTotals,
     recorder: Recorder,
-    rerun_discarded: bool,
     samples_per_prompt: int = 1,
+    stop_after_passes: int | None = None,
 ) -> int:
-    """Samples a --resume would run: no trajectory and (unless re-run) no discard yet."""
+    """Samples a --resume would run: no trajectory and no discard yet; a sample skipped after its row's
+    passes only while the row has ``stop_after_passes`` of them (a resume that raised it and stopped
+    before running them, a budget reached, left them to run: they were counted as done). Whether this invocation re-ran
+    discards (--rerun_discarded) does not matter: it ran them, and what they gave is their outcome (a
+    discard again is finished, not pending; counted as pending, the closing summary offered a command
+    that ran them all once more)."""
     done = collections.Counter(totals.finished)
     at = collections.Counter(totals.finished_where)
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at)
+    counts = still_skipped(totals.passes, stop_after_passes)
+    add_discards(run_dir, done, rerun_discarded=False, at=at, counts=counts)
     return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt, at))
 
 

@@ -11,6 +11,7 @@ values would mix two datasets and is refused unless ``--force_resume``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime as dt
 import hashlib
 import shlex
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.config import RunConfig, UsageError
+from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
 from batchrun.identity import RowIdentity, is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import read_score, valid_outcome_row, valid_record
@@ -221,7 +222,30 @@ def unfinished(
     done_at: collections.Counter[Place] | None = None,
 ) -> list[Sample]:
     """The samples left once each finished outcome has taken one sample of its (identity, sample index):
-    duplicate rows count, each wanting its own samples.
+    duplicate rows count, each wanting its own samples (see :func:`match_outcomes`)."""
+    return match_outcomes(rows, done, redact, samples_per_prompt, done_at).left
+
+
+@dataclasses.dataclass
+class Matched:
+    """What :func:`match_outcomes` found: the samples left to run; for each (row index, sample index) an
+    outcome stands for, the :data:`Place` of that outcome (None when it was taken by content alone, the
+    last resort); and the places of the outcomes no row took, by (identity, sample index)."""
+
+    left: list[Sample]
+    taken: dict[tuple[int, int], Place | None]
+    spare: dict[tuple[str, int], list[Place]]
+
+
+def match_outcomes(
+    rows: list[Row],
+    done: collections.Counter[tuple[str, int]],
+    redact: Redactor,
+    samples_per_prompt: int = 1,
+    done_at: collections.Counter[Place] | None = None,
+) -> Matched:
+    """Each finished outcome takes one sample of its (identity, sample index): duplicate rows count,
+    each wanting its own samples; the samples no outcome is of are left.
 
     ``done_at`` (:data:`Place`) -> finished outcomes of ``done`` by the dataset line that wrote them and
     that row's other fields (``row_fields``): identical rows are not interchangeable (their occurrence
@@ -252,12 +276,12 @@ def unfinished(
         for row, key in ((row, RowIdentity.of_row(row, redact).key) for row in rows)
         for s in range(samples_of(row, samples_per_prompt))
     ]
-    taken: set[tuple[int, int]] = set()  # (row index, sample index) that an outcome stands for
+    taken: dict[tuple[int, int], Place | None] = {}  # (row index, sample index) -> the outcome it took
 
     def take(row: Row, s: int, place: Place) -> None:
         places[place] -= 1
         done[place[0], s] -= 1
-        taken.add((row.index, s))
+        taken[row.index, s] = place
 
     for row, s, key, fields in wants:  # its own line, written with its own fields
         if places[key, s, row.index, fields] > 0 and done[key, s] > 0:
@@ -284,9 +308,14 @@ def unfinished(
             continue
         if done[key, s] > 0:
             done[key, s] -= 1
+            taken[row.index, s] = None
         else:
             left.append((row, s))
-    return left
+    spare: dict[tuple[str, int], list[Place]] = collections.defaultdict(list)
+    for place, n in sorted(places.items(), key=lambda item: (item[0][2], item[0][3] or "")):
+        if n > 0:
+            spare[place[0], place[1]].append(place)
+    return Matched(left, taken, dict(spare))
 
 
 def all_samples(rows: list[Row], samples_per_prompt: int) -> list[Sample]:
@@ -323,17 +352,32 @@ def scan_finished(
                     at[place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
-                if stop_after_passes and read_score(rec.get("score")).get("passed") is True:
-                    if not (exclude_partial and rec.get("partial")):
-                        passes[key[0]] += 1
+                if stop_after_passes and kept_pass(rec, exclude_partial):
+                    passes[key[0]] += 1
+    counts = still_skipped(passes, stop_after_passes)
+    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=counts)
+    return done
 
-    def still_skipped(row: dict[str, Any]) -> bool:
+
+def kept_pass(rec: dict[str, Any], exclude_partial: bool) -> bool:
+    """Whether a batch file's record is a kept pass of its row, as --stop_after_passes counts them
+    (``exclude_partial``: a partial one is not kept)."""
+    return read_score(rec.get("score")).get("passed") is True and not (exclude_partial and rec.get("partial"))
+
+
+def still_skipped(
+    passes: collections.Counter[str], stop_after_passes: int | None
+) -> Callable[[dict[str, Any]], bool]:
+    """A discarded.jsonl row -> whether it finishes its sample: a sample skipped after its row's passes
+    (``skipped_after_passes``) only while its row (``passes``: row identity -> kept passes) has
+    ``stop_after_passes`` of them; a resume that raised it runs the sample."""
+
+    def counts(row: dict[str, Any]) -> bool:
         if row["reason"] != SKIPPED_AFTER_PASSES or not stop_after_passes:
             return True
         return passes[outcome_sample(row)[0]] >= stop_after_passes
 
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=still_skipped)
-    return done
+    return counts
 
 
 def row_fields_of(fields: Any) -> Any:
@@ -388,13 +432,17 @@ def add_discards(
 CHECK_FIELDS = ("answer", "verify", "verify_files", "rubric")
 
 
-def changed_checks(rows: list[Row], checks: Checks, redact: Redactor) -> list[tuple[Row, str]]:
+def changed_checks(
+    rows: list[Row], checks: Checks, redact: Redactor, matched: Matched, samples_per_prompt: int = 1
+) -> list[tuple[Row, str]]:
     """The rows whose finished samples were judged against another ``answer``, ``verify``,
     ``verify_files`` or ``rubric`` than the row holds now (the check is not part of a row's identity:
     a resume would keep those samples' scores, judged against the old values). Each with the fields
-    that differ. Identical rows with different checks are each matched to any of them, as long as
-    each check is held by as many of them as there are lines among them that were judged with it."""
-    memo: dict[str, RowCheck | None] = {}
+    that differ. A row's samples are the outcomes ``matched`` (:func:`match_outcomes`) gave it, as the
+    merge keeps them: an outcome of its line that another row, removed or moved since, wrote with its
+    own check is not the row's (the row still there takes the one it wrote), and an identical row took
+    by content alone is judged by one of the outcomes no row took, its own check's if one has it."""
+    memo: dict[str | None, RowCheck | None] = {}
 
     def check_of(text: str | None) -> RowCheck | None:
         text = text or "{}"
@@ -402,27 +450,34 @@ def changed_checks(rows: list[Row], checks: Checks, redact: Redactor) -> list[tu
             memo[text] = check_from_row_fields(text)
         return memo[text]
 
-    now: dict[str, list[tuple[Row, RowCheck | None]]] = collections.defaultdict(list)
+    # The row_fields text of each outcome's place; an outcome without one (older records) says nothing.
+    texts = {fields_digest(t): t for by_text in checks.values() for t in by_text}
+    spare = {k: list(v) for k, v in matched.spare.items()}
+    changed: list[tuple[Row, str]] = []
     for row in rows:
         key = RowIdentity.of_row(row, redact).key
-        if key in checks:
-            now[key].append((row, check_of(redact(row.row_fields) if row.row_fields else None)))
-    changed: list[tuple[Row, str]] = []
-    for key, current in now.items():
-        wanted = collections.Counter(c for _, c in current)
-        here = {row.index for row, _ in current}  # the lines that hold this row now
-        judged: dict[RowCheck | None, set[int]] = collections.defaultdict(set)
-        for text, lines in checks[key].items():
-            judged[check_of(text)] |= lines & here
-        # A check no row holds now, or held by fewer rows than the lines that were judged with it.
-        stale = [c for c, lines in judged.items() if wanted[c] < max(1, len(lines))]
-        if not stale:
+        if key not in checks:
             continue
-        for row, check in current:
-            fields = [f for f in CHECK_FIELDS if any(_field(c, f) != _field(check, f) for c in stale)]
-            if fields:
-                changed.append((row, ", ".join(fields)))
-    return sorted(changed, key=lambda rc: rc[0].index)
+        now = check_of(redact(row.row_fields) if row.row_fields else None)
+        differ: set[str] = set()
+        for s in range(samples_of(row, samples_per_prompt)):
+            if (row.index, s) not in matched.taken:
+                continue  # not finished: it runs now, against the check it holds
+            place = matched.taken[row.index, s]
+            if place is None:  # taken by content: one of the outcomes no row took
+                known = [p for p in spare.get((key, s), []) if p[3] in texts]
+                same = [p for p in known if check_of(texts[p[3]]) == now]
+                place = (same or known or [None])[0]
+                if place is None:
+                    continue
+                spare[key, s].remove(place)
+            if place[3] not in texts:
+                continue
+            then = check_of(texts[place[3]])
+            differ |= {f for f in CHECK_FIELDS if _field(then, f) != _field(now, f)}
+        if differ:
+            changed.append((row, ", ".join(f for f in CHECK_FIELDS if f in differ)))
+    return changed
 
 
 def _field(check: RowCheck | None, name: str) -> Any:
@@ -455,7 +510,8 @@ def resume_filter(
         stop_after_passes=stop_after_passes,
         exclude_partial=exclude_partial,
     )
-    changed = changed_checks(rows, checks, redact)
+    matched = match_outcomes(rows, done, redact, samples_per_prompt, at)
+    changed = changed_checks(rows, checks, redact, matched, samples_per_prompt)
     if changed:
         shown = "; ".join(f"line {row.index + 1}: {fields}" for row, fields in changed[:5])
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
@@ -471,7 +527,7 @@ def resume_filter(
                 "--scorer=...)"
             )
         print(f"warning: {what}; kept as they are (--force_resume)", file=sys.stderr)
-    todo = unfinished(rows, done, redact, samples_per_prompt, at)
+    todo = matched.left
     total = sum(samples_of(r, samples_per_prompt) for r in rows)
     unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed
     print(f"Resume: {total - len(todo)} {unit} already finished, {len(todo)} to run")
@@ -485,17 +541,40 @@ FROM_PYTHON = "the same call with resume=True (BatchRunner(...).run(resume=True)
 
 
 def resume_command(argv: list[str] | None = None) -> str:
-    """The command that continues this run; the API key is left out (it comes from the environment).
+    """The command that continues this run: the remaining samples, as ``remaining_for_resume`` counts
+    them. Without --rerun_discarded (the discards this invocation re-ran have their outcome: kept, it
+    would run every discard once more and pay for them again) and without the API key (it comes from
+    the environment).
 
     A run started from Python gets the call to make instead: its process's arguments are its script's
     (``python gen.py --shard=3`` was shown as ``python batch_runner.py --shard=3 --resume``)."""
     if argv is None and COMMAND_LINE is None:
         return FROM_PYTHON
     words = COMMAND_LINE if argv is None else argv
-    args = [shlex.quote(a) for a in without_api_key(words) if not a.startswith("--resume")]
+    args = [shlex.quote(a) for a in _without(without_api_key(words), ("resume", "rerun_discarded"))]
     # The installed command (batch_runner.py is not installed), else the file users know.
     program = ["batch-runner"] if Path(sys.argv[0]).name == "batch-runner" else ["python", "batch_runner.py"]
     return " ".join([*program, *args, "--resume"])
+
+
+def _without(args: list[str], bool_flags: tuple[str, ...]) -> list[str]:
+    """``args`` without the boolean flags named, in each form the command line takes them (as
+    :func:`batchrun.config.parse_argv` reads them): ``--name``, ``--name=VALUE``, ``--name VALUE``
+    (a true or false word), ``--noname``, dashes for underscores."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        name, eq, _ = arg.partition("=")
+        name = name[2:].replace("-", "_") if name.startswith("--") else ""
+        if name.startswith("no") and name[2:] in bool_flags and not eq:
+            continue
+        if name in bool_flags:
+            if not eq and i < len(args) and args[i].strip().lower() in (*TRUE_WORDS, *FALSE_WORDS):
+                i += 1  # its value, the next argument
+            continue
+        out.append(arg)
+    return out
 
 
 def without_api_key(argv: list[str] | None = None) -> list[str]:

@@ -267,6 +267,31 @@ def test_a_resume_after_one_of_two_identical_rows_changed_its_check_stops_too(se
     run(server, more, out, resume=True)
 
 
+def test_a_row_removed_above_its_near_twin_is_no_changed_check(server, tmp_path, capsys):
+    """Two rows of one prompt, ids a and b, answers 41 and 42, both scored; then row a is removed. Row b,
+    now at a's line, has its own sample (written with its fields at the line below, which the merge
+    keeps), but the resume was refused ('1 row(s) ... line 2: answer') because a's outcome at that line
+    was judged against 41, which no row holds now; only --force_resume went on."""
+    other = {"prompt": "Say hi"}
+    near = [{"id": i, "prompt": "Twice [answer:42]", "answer": a} for i, a in (("a", 41), ("b", 42))]
+    out = tmp_path / "data"
+    run(server, write_rows(tmp_path / "d.jsonl", [other, *near]), out)
+    before = server.stats()["requests"]
+    capsys.readouterr()
+    run(server, write_rows(tmp_path / "d.jsonl", [other, near[1]]), out, resume=True)
+    assert "2 prompt(s) already finished, 0 to run" in capsys.readouterr().out
+    assert server.stats()["requests"] == before
+    recs = read_jsonl(out / "run" / "trajectories.jsonl")
+    assert sorted((r["metadata"]["row_id"], r["score"]["status"]) for r in recs) == [
+        ("", "unscored"),
+        ("b", "passed"),
+    ]
+    # Its answer edited to one neither sample was judged against: a changed check, still refused.
+    edited = write_rows(tmp_path / "d.jsonl", [other, {**near[1], "answer": 43}])
+    assert exit_code(server, edited, out, resume=True) == 2
+    assert "1 row(s)" in capsys.readouterr().err
+
+
 def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp_path):
     rows = [
         {"id": "easy", "prompt": "Easy one [answer:1] [calls:0]", "answer": 1},
@@ -322,6 +347,28 @@ def test_a_resume_that_raises_stop_after_passes_runs_the_samples_the_smaller_one
     stats = stats_of(run_dir)
     assert stats["trajectories"] == 4 and stats["discarded"]["total"] == 0
     assert stats["scores"]["skipped_after_passes"] == 0
+
+
+def test_samples_a_raised_stop_after_passes_left_unrun_remain_for_resume(server, tmp_path, capsys):
+    """A resume that raises --stop_after_passes and stops before it runs the samples the smaller K
+    skipped (here its budget is reached at once) leaves them to run, and the next --resume runs them;
+    but the statistics counted each skip as done: remaining_for_resume 0, scores.samples_pending 0, and
+    no resume command in the closing summary."""
+    rows = [{"id": "easy", "prompt": "Easy one [answer:1] [calls:0]", "answer": 1}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out, run_dir = tmp_path / "data", tmp_path / "data" / "run"
+    flags = dict(samples_per_prompt=4, num_workers=1, prompts_per_worker=1)
+    run(server, dataset, out, stop_after_passes=1, **flags)
+    spent = stats_of(run_dir)["run_totals"]["total_tokens"]
+    capsys.readouterr()
+    run(server, dataset, out, resume=True, stop_after_passes=3, budget_tokens=spent + 400, **flags)
+    assert server.stats()["requests"] == 1  # the budget let no sample run
+    stats = stats_of(run_dir)
+    assert (stats["remaining_for_resume"], stats["scores"]["samples_pending"]) == (3, 3)
+    assert "3 sample(s) remain; continue with:" in capsys.readouterr().out
+    run(server, dataset, out, resume=True, stop_after_passes=3, **flags)
+    assert server.stats()["requests"] == 3  # two more samples: the row has its 3 passes
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
 def test_a_discard_run_again_counts_once_in_the_statistics(server, tmp_path):

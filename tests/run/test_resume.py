@@ -6,6 +6,7 @@ import collections
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -448,6 +449,36 @@ def test_a_sample_redone_by_rerun_discarded_does_not_stand_for_its_identical_twi
     assert requests(server) - before == {twin: 3}  # the second copy runs (three model calls)
     assert sorted(d["prompt_index"] for d in read_jsonl(run_dir / "discarded.jsonl")) == [0, 0, 1]
     assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
+def test_a_resume_that_reran_its_discards_leaves_none_of_them_pending(server, tmp_path, capsys, monkeypatch):
+    """A --rerun_discarded resume whose samples were discarded again: they have their outcome. They were
+    counted as left to run (remaining_for_resume 1, scores.samples_pending 1, samples_planned 3 of the 2
+    the dataset wants) and the closing summary offered a command, --rerun_discarded still in it, that
+    paid for them once more, and said the same again after it."""
+    terse, fine = "terse [no_reasoning]", "fine"
+    dataset = write_jsonl(tmp_path / "d.jsonl", [terse, fine, "flaky [error:500]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, max_samples=2)
+    argv = [f"--dataset_file={dataset}", "--batch_size=4", "--run_name=run", "--rerun_discarded", "--resume"]
+    monkeypatch.setattr(sys, "argv", ["batch_runner.py", *argv])
+    capsys.readouterr()
+    run(server, dataset, out, max_samples=2, resume=True, rerun_discarded=True)  # discarded again
+    assert "remain; continue with" not in capsys.readouterr().out
+    stats = stats_of(run_dir)
+    assert stats["remaining_for_resume"] == 0
+    assert (stats["scores"]["samples_pending"], stats["scores"]["samples_planned"]) == (0, 2)
+    before = requests(server)
+    run(server, dataset, out, max_samples=2, resume=True)
+    assert requests(server) == before  # nothing was left to run
+    # With a failure left, the command offered runs that alone, not every discard again.
+    run(server, dataset, out, resume=True, rerun_discarded=True)
+    summary = capsys.readouterr().out
+    assert stats_of(run_dir)["remaining_for_resume"] == 1
+    assert "1 prompt(s) remain; continue with:" in summary
+    command = summary.split("continue with:")[1].splitlines()[1]
+    assert "--rerun_discarded" not in command and command.endswith(" --resume")
 
 
 @pytest.mark.docker
