@@ -6,7 +6,6 @@ import collections
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from helpers import (
 )
 
 from batchrun.identity import row_key
+from batchrun.run import resume
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import first_human
 from batchrun.storage import append_jsonl
@@ -462,7 +462,7 @@ def test_a_resume_that_reran_its_discards_leaves_none_of_them_pending(server, tm
     run_dir = out / "run"
     run(server, dataset, out, max_samples=2)
     argv = [f"--dataset_file={dataset}", "--batch_size=4", "--run_name=run", "--rerun_discarded", "--resume"]
-    monkeypatch.setattr(sys, "argv", ["batch_runner.py", *argv])
+    monkeypatch.setattr(resume, "COMMAND_LINE", argv)  # as batchrun.cli.cli sets it for the command line
     capsys.readouterr()
     run(server, dataset, out, max_samples=2, resume=True, rerun_discarded=True)  # discarded again
     assert "remain; continue with" not in capsys.readouterr().out
