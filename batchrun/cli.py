@@ -134,7 +134,9 @@ def cli(argv: list[str] | None = None) -> None:
         from fire import helptext, trace
 
         # Fire's own rendering of main's Args: docstring, on stdout (Fire itself writes help to stderr).
-        print(helptext.HelpText(main, trace=trace.FireTrace(main, name="batch_runner.py")))
+        text = helptext.HelpText(main, trace=trace.FireTrace(main, name="batch_runner.py"))
+        # A list flag's empty default is Python's "()" to Fire: "none", as the README and SPEC say it.
+        print(text.replace("Default: ()", "Default: none"))
         return
     names = RunConfig.flag_names()
     bools = [f.name for f in dataclasses.fields(RunConfig) if f.type in ("bool", "bool | None")]

@@ -196,6 +196,8 @@ def test_help_documents_every_flag_in_groups(tmp_path):
         assert f"--{name}" in shown, name
     for group in ("[reference]", "[sandbox]", "[limits]", "[spend]"):
         assert group in shown
+    # A list flag with no default (--providers_allowed, --scorer) says none, as the README does: not "()".
+    assert "Default: ()" not in shown and "--providers_allowed=PROVIDERS_ALLOWED" in shown
 
 
 # ----------------------------------------------------------------------------- the config itself
