@@ -104,8 +104,8 @@ def rescore(
     quote them)."""
     from batchrun.secrets import Redactor
 
-    judge = settings.judge
-    redact = Redactor.for_endpoint(judge.api_key, judge.base_url) if judge else Redactor(None)
+    endpoint = settings.judge  # the judge's settings; ``judge`` is its client
+    redact = Redactor.for_endpoint(endpoint.api_key, endpoint.base_url) if endpoint else Redactor(None)
     stats_path = run_dir / "statistics.json"
     stats = _stats_to_update(stats_path)  # before any write: one it cannot read is never replaced
     lines = []

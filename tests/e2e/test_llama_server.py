@@ -482,3 +482,51 @@ def test_more_prompts_in_flight_than_the_servers_slots_wait_their_turn_without_t
         "endpoint_slots": 1,
     }
     assert "serves 1 request at once (--parallel): at most 2 of the 20 prompts" in capsys.readouterr().out
+
+
+VERDICT = '{"score": 1, "passed": true, "explanation": "It says the commands ran."}'
+
+
+@pytest.fixture(scope="session")
+def judge(tmp_path_factory):
+    """A judge model: whatever it is asked, one JSON verdict that passes."""
+    server = _server(tmp_path_factory, "judge", Script(words=VERDICT))
+    yield server
+    server.stop()
+
+
+def test_a_finished_run_is_rescored_by_a_judge_model(hermes, judge, tmp_path):
+    """views.score --scorer=judge handed the judge's settings (a JudgeSettings) where its model client
+    belonged: every sample of the re-scoring was a scorer error ("'JudgeSettings' object has no attribute
+    'chat'"), no judge call made, so a run could never be judged afterwards. It gives the verdicts the
+    run's own judge gives, through the same server."""
+    from batchrun.views import score
+
+    rows = [
+        {"id": "ran", "prompt": "Say hello and world.", "answer": "Both commands ran."},
+        {"id": "rubric", "prompt": "Say hi.", "rubric": "Pass a reply that says the commands ran."},
+    ]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=2, keep_no_reasoning=True,
+        scorer="judge", judge_model=REQUESTED, judge_base_url=judge.base_url,
+    )  # fmt: skip
+    own = {(r["metadata"]["row_id"], r["metadata"]["sample_index"]): r["score"] for r in
+           read_jsonl(run_dir / "trajectories.jsonl")}  # fmt: skip
+    assert [s["passed"] for s in own.values()] == [True] * 4, list(own.values())[0]
+    argv = [
+        str(run_dir),
+        "--scorer=judge",
+        f"--judge_model={REQUESTED}",
+        f"--judge_base_url={judge.base_url}",
+    ]
+    assert score.main(argv) == 0
+    again = read_jsonl(run_dir / "scores.judge.jsonl")
+    assert sorted((s["row_id"], s["sample_index"]) for s in again) == sorted(own)
+    for line in again:
+        assert not line["score"]["error"], line["score"]["error"]
+        assert (line["score"]["passed"], line["score"]["value"]) == (True, 1.0)
+        assert line["score"]["explanation"] == "judge: It says the commands ran."
+        assert line["score"]["judge_usage"]["calls"] == 1
+    rescored = json.loads((run_dir / "statistics.json").read_text())["scores"]["rescored"]["judge"]
+    assert (rescored["scored"], rescored["passed"], rescored["scorer_errors"]) == (4, 4, 0)
