@@ -13,6 +13,7 @@ cached); .ci/run builds it and exports LLAMA_SERVER. Locally the tests skip with
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -530,3 +531,34 @@ def test_a_finished_run_is_rescored_by_a_judge_model(hermes, judge, tmp_path):
         assert line["score"]["judge_usage"]["calls"] == 1
     rescored = json.loads((run_dir / "statistics.json").read_text())["scores"]["rescored"]["judge"]
     assert (rescored["scored"], rescored["passed"], rescored["scorer_errors"]) == (4, 4, 0)
+
+
+def test_the_reports_per_row_table_counts_a_scorer_error_as_no_verdict_not_a_failure(hermes, tmp_path):
+    """The report's per-row table counted every judged sample, scorer errors too: a row whose verify
+    command timed out read "2 samples, 0 passes" (a row the model failed, that nothing judged), the
+    table's samples added up to more than the pass rate's, and "Failing samples" listed the errors
+    among the failures. Each row now shows its samples with a verdict and, apart, those without."""
+    rows = [
+        {"id": "pass", "prompt": "Say hello.", "verify": "true"},
+        {"id": "fail", "prompt": "Say hi.", "verify": "false"},
+        {"id": "slow", "prompt": "Say hey.", "verify": "sleep 30"},
+    ]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=2, keep_no_reasoning=True,
+        verify_timeout=1,
+    )  # fmt: skip
+    scores = json.loads((run_dir / "statistics.json").read_text())["scores"]
+    assert (scores["scored"], scores["passed"], scores["scorer_errors"]) == (4, 2, 2)
+    section = (run_dir / "report.html").read_text("utf-8").split('<section id="scores">')[1]
+    table = section[section.index('<table class="scores"') : section.index("</table>")]
+    assert re.findall(r"<th>(.*?)</th>", table) == ["row", "samples", "passes", "no verdict", "mean score"]
+    cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.DOTALL)]
+    by_row = {cells[i]: cells[i + 1 : i + 5] for i in range(0, len(cells), 5)}
+    assert by_row == {
+        "pass": ["2", "2", "0", "1.000"],
+        "fail": ["2", "0", "0", "0.000"],
+        "slow": ["0", "0", "2", "–"],
+    }
+    assert sum(int(n) for n, *_ in by_row.values()) == scores["scored"]
+    assert "<h3>Failing samples (2) and samples without a verdict (2)</h3>" in section
