@@ -562,3 +562,30 @@ def test_the_reports_per_row_table_counts_a_scorer_error_as_no_verdict_not_a_fai
     }
     assert sum(int(n) for n, *_ in by_row.values()) == scores["scored"]
     assert "<h3>Failing samples (2) and samples without a verdict (2)</h3>" in section
+
+
+def test_samples_two_runs_judged_with_other_scorers_are_never_paired_or_grouped(hermes, tmp_path):
+    """One model, one dataset, two runs: includes passes "Both commands ran." for the answer "ran", exact
+    fails it. The preference export paired the two runs' samples, the same reply as chosen (includes)
+    and as rejected (exact): 2 pairs of one text, a trainer taught to prefer a reply over itself; and
+    the rewards export put both runs' samples in one group, rewards 1, 1, 0, 0 for four copies of one
+    reply. views.compare leaves such pairs out (judged_differently); so do the exports now."""
+    from batchrun.views import export
+
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    runs = {}
+    for scorer in ("includes", "exact"):
+        runs[scorer] = _run(
+            hermes, tmp_path, [], run_name=scorer, dataset_file=str(dataset), samples_per_prompt=2,
+            keep_no_reasoning=True, scorer=scorer,
+        )  # fmt: skip
+        verdicts = [r["score"]["passed"] for r in read_jsonl(runs[scorer] / "trajectories.jsonl")]
+        assert verdicts == [scorer == "includes"] * 2
+    both = [str(runs["includes"]), str(runs["exact"])]
+    assert export.main([*both, "--format=preference", f"--out={tmp_path / 'pairs'}"]) == 1
+    assert not (tmp_path / "pairs" / "train.jsonl").exists()
+    assert export.main([*both, "--format=rewards", f"--out={tmp_path / 'groups'}"]) == 0
+    groups = read_jsonl(tmp_path / "groups" / "train.jsonl")
+    assert sorted(g["rewards"] for g in groups) == [[0.0, 0.0], [1.0, 1.0]]
+    for group in groups:
+        assert len({c["run_name"] for c in group["completions"]}) == 1, group["run_names"]
