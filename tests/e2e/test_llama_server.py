@@ -589,3 +589,25 @@ def test_samples_two_runs_judged_with_other_scorers_are_never_paired_or_grouped(
     assert sorted(g["rewards"] for g in groups) == [[0.0, 0.0], [1.0, 1.0]]
     for group in groups:
         assert len({c["run_name"] for c in group["completions"]}) == 1, group["run_names"]
+
+
+def test_a_judge_call_the_budget_stops_fails_the_prompt_and_resume_judges_it(hermes, judge, tmp_path):
+    """The budget fits the agent's calls but not the judge's: the judge's call was not sent (BudgetStop),
+    and the sample was kept as a trajectory with a scorer error whose message said "--resume runs it
+    again", which no resume did (its outcome was recorded): the run's evaluation kept a hole. The
+    prompt now fails (class budget), as a prompt in flight does at its next model call, and a resume
+    with a larger budget runs and judges it."""
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    flags = dict(dataset_file=str(dataset), keep_no_reasoning=True, max_tokens=64)
+    measured = _run(hermes, tmp_path, [], run_name="measure", **flags)
+    agent_tokens = json.loads((measured / "statistics.json").read_text())["this_run"]["usage"]["total_tokens"]
+    judged = dict(flags, scorer="judge", judge_model=REQUESTED, judge_base_url=judge.base_url)
+    # The agent's calls and the start checks fit; the judge's (512 tokens of reply at worst) does not.
+    run_dir = _run(hermes, tmp_path, [], run_name="run", budget_tokens=agent_tokens + 150, **judged)
+    kept = read_jsonl(run_dir / "trajectories.jsonl") if (run_dir / "trajectories.jsonl").exists() else []
+    assert [r["score"]["error"] for r in kept] == []
+    (failed,) = read_jsonl(run_dir / "failed.jsonl")
+    assert failed["error_class"] == "budget"
+    _run(hermes, tmp_path, [], run_name="run", budget_tokens=10 * agent_tokens, resume=True, **judged)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert (record["score"]["status"], record["score"]["judge_usage"]["calls"]) == ("passed", 1)
