@@ -137,9 +137,16 @@ def rescore(
         lines.append(json_line(line) + "\n")
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
     section = stats.setdefault("scores", {})
-    # The run's samples without an outcome are no more judged by a re-scoring than by the run.
+    # The run's samples without an outcome are no more judged by a re-scoring than by the run; nor are
+    # those --stop_after_passes skipped (no record): the re-scoring's figures describe the kept data too.
     pending = section.get("samples_pending")
-    summary = with_planned({**scores.summary(), "samples_pending": pending if type(pending) is int else 0})
+    skipped = section.get("skipped_after_passes")
+    summary = with_planned(
+        {
+            **scores.summary(skipped if type(skipped) is int else 0),
+            "samples_pending": pending if type(pending) is int else 0,
+        }
+    )
     section.setdefault("rescored", {})[name] = {
         **summary,
         "scorers": list(settings.scorers),

@@ -611,3 +611,25 @@ def test_a_judge_call_the_budget_stops_fails_the_prompt_and_resume_judges_it(her
     _run(hermes, tmp_path, [], run_name="run", budget_tokens=10 * agent_tokens, resume=True, **judged)
     (record,) = read_jsonl(run_dir / "trajectories.jsonl")
     assert (record["score"]["status"], record["score"]["judge_usage"]["calls"]) == ("passed", 1)
+
+
+def test_a_rescoring_of_a_run_that_stopped_rows_early_says_so(hermes, tmp_path, capsys):
+    """A --stop_after_passes run's statistics say its figures describe the kept data, not the model
+    (2 samples skipped after the row's pass); its re-scoring by views.score counted the same samples and
+    said nothing of it (skipped_after_passes 0, note null), its pass@k read as the model's."""
+    from batchrun.views import score
+
+    rows = [{"id": "ran", "prompt": "Say hello.", "answer": "ran", "verify": "true"}]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=3, stop_after_passes=1,
+        keep_no_reasoning=True,
+    )  # fmt: skip
+    own = json.loads((run_dir / "statistics.json").read_text())["scores"]
+    assert (own["scored"], own["skipped_after_passes"]) == (1, 2) and own["note"]
+    capsys.readouterr()
+    assert score.main([str(run_dir), "--scorer=includes"]) == 0
+    assert "2 samples skipped after passes" in capsys.readouterr().out
+    again = json.loads((run_dir / "statistics.json").read_text())["scores"]["rescored"]["includes"]
+    assert (again["scored"], again["passed"], again["skipped_after_passes"]) == (1, 1, 2)
+    assert again["note"] == own["note"]
