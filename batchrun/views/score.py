@@ -198,6 +198,22 @@ def judge_client(settings: JudgeSettings) -> Any:
     )
 
 
+def judge_problem(judge: Any) -> str | None:
+    """Why the judge cannot judge (its endpoint unreachable, the key or the model refused), as the run's
+    own start check finds it: without it, each sample's call was tried and retried in turn, and every
+    one recorded as a scorer error (14 samples, 37 s, exit 0, against a judge URL that nobody served)."""
+    if judge is None:
+        return None
+    from batchrun.run.preflight import check_endpoint
+    from batchrun.secrets import Redactor
+
+    try:
+        check_endpoint(judge.cfg, who="the judge's endpoint")
+    except ValueError as exc:  # UsageError: what the check found, naming the endpoint (its URL made safe)
+        return Redactor.for_endpoint(judge.cfg.api_key, judge.cfg.base_url)(str(exc))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m batchrun.views.score", description="Re-score a finished run (no agent calls)."
@@ -235,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_run_dir(args.run_dir)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    problem = judge_problem(judge)
+    if problem:
+        print(f"error: {problem}; nothing re-scored", file=sys.stderr)
         return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)

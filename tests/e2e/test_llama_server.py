@@ -633,3 +633,42 @@ def test_a_rescoring_of_a_run_that_stopped_rows_early_says_so(hermes, tmp_path, 
     again = json.loads((run_dir / "statistics.json").read_text())["scores"]["rescored"]["includes"]
     assert (again["scored"], again["passed"], again["skipped_after_passes"]) == (1, 1, 2)
     assert again["note"] == own["note"]
+
+
+def test_a_rescoring_whose_judge_cannot_answer_stops_at_its_start_check(
+    hermes, tmp_path_factory, tmp_path, capsys, monkeypatch
+):
+    """views.score --scorer=judge made no start check, as the run does: against a judge llama-server
+    that wants a key none was given for, each sample's call was refused in turn, every sample written
+    as a scorer error and the re-scoring reported with exit 0. It now exits 2 before any sample, naming
+    the refusal, and writes nothing; with the key it judges, and the key is in no file."""
+    from batchrun.views import score
+
+    key = "sk-llama-judge-key-91d3c7e2"
+    monkeypatch.delenv("JUDGE_API_KEY", raising=False)
+    judge = _server(tmp_path_factory, "keyed-judge", Script(words=VERDICT), extra_args=("--api-key", key))
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=2, keep_no_reasoning=True
+    )
+    before = (run_dir / "statistics.json").read_text()
+    argv = [
+        str(run_dir),
+        "--scorer=judge",
+        f"--judge_model={REQUESTED}",
+        f"--judge_base_url={judge.base_url}",
+    ]
+    try:
+        capsys.readouterr()
+        assert score.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "the judge's endpoint" in err and "401" in err and "nothing re-scored" in err
+        assert not (run_dir / "scores.judge.jsonl").exists()
+        assert (run_dir / "statistics.json").read_text() == before
+        monkeypatch.setenv("JUDGE_API_KEY", key)
+        assert score.main(argv) == 0
+    finally:
+        judge.stop()
+    lines = read_jsonl(run_dir / "scores.judge.jsonl")
+    assert [line["score"]["passed"] for line in lines] == [True, True]
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
