@@ -997,10 +997,20 @@ def section_scores(d: RunData) -> str:
         if values
         else ""
     )
+    # --stop_after_passes: the console and statistics.json say the figures describe the kept data; the
+    # page showed them bare (a pass@4 of 0.000: only rows that never passed ran 4 samples).
+    skipped = _number(scores.get("skipped_after_passes")) or 0
+    caveat = (
+        f'<p class="note stop-after-passes">{fmt_int(skipped)} samples skipped after passes: '
+        f"{esc(scores['note'])}.</p>"
+        if skipped and isinstance(scores.get("note"), str)
+        else ""
+    )
     return (
         '<section id="scores"><h2>Scores</h2><div class="cards">'
         + "".join(cards)
         + "</div>"
+        + caveat
         + (f"<h3>Score histogram</h3>{hist}" if hist else "")
         + "<h3>Per row</h3>"
         + table(rows, ("row", "samples", "passes", "no verdict", "mean score"), "scores")

@@ -672,3 +672,22 @@ def test_a_rescoring_whose_judge_cannot_answer_stops_at_its_start_check(
     lines = read_jsonl(run_dir / "scores.judge.jsonl")
     assert [line["score"]["passed"] for line in lines] == [True, True]
     assert not [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+
+
+def test_the_report_of_a_run_that_stopped_rows_early_says_its_figures_describe_the_kept_data(
+    hermes, tmp_path
+):
+    """statistics.json and the closing headline say a --stop_after_passes run's pass rate and pass@k
+    describe the kept data, not the model; report.html showed them bare (here pass@1 1.000 over one
+    sample of a row planned three times). It now carries the same caveat with the count skipped."""
+    rows = [{"id": "ran", "prompt": "Say hello.", "verify": "true"}]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=3, stop_after_passes=1,
+        keep_no_reasoning=True,
+    )  # fmt: skip
+    scores = json.loads((run_dir / "statistics.json").read_text())["scores"]
+    assert scores["skipped_after_passes"] == 2 and "describe the kept data" in scores["note"]
+    section = (run_dir / "report.html").read_text("utf-8").split('<section id="scores">')[1]
+    section = section[: section.index("</section>")]
+    assert "2 samples skipped after passes: " in section and "describe the kept data" in section
