@@ -691,3 +691,27 @@ def test_the_report_of_a_run_that_stopped_rows_early_says_its_figures_describe_t
     section = (run_dir / "report.html").read_text("utf-8").split('<section id="scores">')[1]
     section = section[: section.index("</section>")]
     assert "2 samples skipped after passes: " in section and "describe the kept data" in section
+
+
+def test_compare_warns_when_a_run_stopped_rows_early(hermes, tmp_path, capsys):
+    """views.compare paired a --stop_after_passes run's samples with another run's without a word: the
+    samples it ran were chosen by their verdicts (a row stops at its pass), so its pairs are no fair
+    draw of the model's (here 1 pair of 3, the pass). It now says so, in the text, the page and the JSON."""
+    from batchrun.views import compare
+
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "verify": "true"}])
+    flags = dict(dataset_file=str(dataset), samples_per_prompt=3, keep_no_reasoning=True)
+    a = _run(hermes, tmp_path, [], run_name="a", **flags)
+    b = _run(hermes, tmp_path, [], run_name="b", stop_after_passes=1, **flags)
+    page = tmp_path / "ab.html"
+    capsys.readouterr()
+    assert compare.main([str(a), str(b), f"--out={page}"]) == 0
+    out = capsys.readouterr().out
+    assert "1 paired samples in 1 rows (only in A: 2, only in B: 0)" in out
+    assert "warning: --stop_after_passes stopped rows early (B skipped 2 samples" in out
+    assert "stopped rows early (B skipped 2 samples" in page.read_text("utf-8")
+    assert compare.main([str(a), str(b), f"--out={page}", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["skipped_after_passes_a"], figures["skipped_after_passes_b"]) == (0, 2)
+    assert compare.main([str(a), str(a), f"--out={page}"]) == 0
+    assert "stopped rows early" not in capsys.readouterr().out
