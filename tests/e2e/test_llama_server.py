@@ -715,3 +715,22 @@ def test_compare_warns_when_a_run_stopped_rows_early(hermes, tmp_path, capsys):
     assert (figures["skipped_after_passes_a"], figures["skipped_after_passes_b"]) == (0, 2)
     assert compare.main([str(a), str(a), f"--out={page}"]) == 0
     assert "stopped rows early" not in capsys.readouterr().out
+
+
+def test_a_resume_keeps_the_rescorings_statistics_json_holds(hermes, tmp_path):
+    """A re-scoring's figures live in statistics.json's scores.rescored; the next invocation of the run
+    rewrote statistics.json without them: a --resume that ran nothing wiped every re-scoring (the
+    scores files left behind), and a later one that added samples too. They are kept."""
+    from batchrun.views import score
+
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    flags = dict(dataset_file=str(dataset), keep_no_reasoning=True)
+    run_dir = _run(hermes, tmp_path, [], samples_per_prompt=2, **flags)
+    assert score.main([str(run_dir), "--scorer=includes"]) == 0
+    stats = lambda: json.loads((run_dir / "statistics.json").read_text())["scores"]  # noqa: E731
+    entry = stats()["rescored"]["includes"]
+    assert (entry["scored"], entry["passed"], entry["file"]) == (2, 2, "scores.includes.jsonl")
+    _run(hermes, tmp_path, [], samples_per_prompt=2, resume=True, **flags)  # nothing left to run
+    assert stats()["rescored"] == {"includes": entry}
+    _run(hermes, tmp_path, [], samples_per_prompt=3, resume=True, **flags)  # one sample more
+    assert stats()["scored"] == 3 and stats()["rescored"] == {"includes": entry}  # of the 2 it judged
