@@ -1421,13 +1421,15 @@ def judge_score(
         return Part("judge", error="the row has neither 'answer' nor 'rubric' to judge against")
     if judge is None:
         return Part("judge", error="no judge model (--judge_model)")
-    from batchrun.prompt.llm import Usage, finish_kind
+    from batchrun.prompt.llm import BudgetStop, Usage, finish_kind
 
     usage = Usage()
     try:
         turn = judge.chat(
             judge_messages(prompt, final_text(record), check), [], deadline=deadline, usage=usage
         )
+    except BudgetStop:
+        raise  # not sent: no verdict to record, the prompt fails (class budget) and --resume judges it
     except Exception as exc:
         part = Part("judge", error=f"{type(exc).__name__}: {exc}")
     else:
@@ -1592,8 +1594,18 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
         except SandboxError:
             raise  # infrastructure, not a verdict: the prompt fails and a resume runs it again
         except Exception as exc:  # a bug in a scorer voids its verdict, never the sample
+            if _run_stopping(exc):
+                raise  # nor is a judge's call the stopping run did not send: the prompt fails likewise
             parts.append(Part(name, error=f"{type(exc).__name__}: {exc}"))
     return combine(parts)
+
+
+def _run_stopping(exc: BaseException) -> bool:
+    """Whether ``exc`` is the run stopping a model call before it was sent (its budget reached, its
+    endpoint dead): the sample was not judged, and a resume must judge it, not keep it unjudged."""
+    from batchrun.prompt.llm import BudgetStop
+
+    return isinstance(exc, BudgetStop)
 
 
 def applies(name: str, check: RowCheck | None) -> bool:

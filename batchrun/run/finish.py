@@ -23,7 +23,7 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import USAGE_COUNTS, normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder, credible, earlier_runs, scan_batch_outcomes
+from batchrun.run.recorder import Recorder, credible, earlier_rescorings, earlier_runs, scan_batch_outcomes
 from batchrun.run.resume import (
     Place,
     add_discards,
@@ -470,6 +470,9 @@ def statistics(
     failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
     this_run = this_run_totals(recorder)
     earlier = earlier_runs(run_dir / "statistics.json")
+    # The re-scorings views.score added: rewritten without them, a --resume (even one that ran nothing)
+    # wiped every one from statistics.json, their scores files left behind.
+    rescored = earlier_rescorings(run_dir / "statistics.json")
     runs = [*earlier, *recorder.lost_runs, this_run]  # lost_runs: read at the start, from the same files
     summary = totals.summary()
     # Lines skipped for their shape (or torn) in discarded.jsonl and failed.jsonl, beside the batch files'.
@@ -534,6 +537,7 @@ def statistics(
                 # every time) are in no figure above: the pass rate is over the samples judged.
                 "samples_pending": remaining,
                 "duplicate_samples": duplicate_samples(scores.wanted),
+                **({"rescored": rescored} if rescored else {}),
             }
         ),
         "this_run": {

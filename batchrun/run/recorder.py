@@ -600,6 +600,24 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
     return [_finite(r) for r in runs if isinstance(r, dict) and isinstance(r.get("duration_s"), (int, float))]
 
 
+def earlier_rescorings(path: Path) -> dict[str, Any]:
+    """The ``scores.rescored`` entries (``python -m batchrun.views.score``) of the statistics.json an
+    earlier invocation (or a re-scoring) wrote: a later invocation keeps them, as it keeps the files they
+    describe. Each says what it counted (``scored``, ``samples_planned``): a resume that added samples
+    leaves them describing the samples there were."""
+    try:
+        old = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    scores = old.get("scores") if isinstance(old, dict) else None
+    rescored = scores.get("rescored") if isinstance(scores, dict) else None
+    if not isinstance(rescored, dict):
+        return {}
+    return {
+        name: entry for name, entry in rescored.items() if isinstance(name, str) and isinstance(entry, dict)
+    }
+
+
 def _finite(run: dict[str, Any]) -> dict[str, Any]:
     """A ``runs`` entry as statistics.json may hold it again: a number Python's reader took that no file
     may hold (``Infinity``, ``NaN``, ``1e999`` in a hand-edited one) is null."""

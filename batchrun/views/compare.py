@@ -236,7 +236,31 @@ def compare_runs(
     result["flipped_to_fail"] = _flipped(labels, [k for k, x in flips if x])
     result["flipped_to_pass"] = _flipped(labels, [k for k, x in flips if not x])
     result["run_a"], result["run_b"] = str(run_a), str(run_b)
+    result["skipped_after_passes_a"] = skipped_after_passes(run_a)
+    result["skipped_after_passes_b"] = skipped_after_passes(run_b)
     return result
+
+
+def skipped_after_passes(run_dir: Path) -> int:
+    """The samples --stop_after_passes did not run in ``run_dir`` (statistics.json; 0 when it says none)."""
+    stats = read_json_object(run_dir / "statistics.json") or {}
+    section = stats.get("scores") if isinstance(stats.get("scores"), dict) else {}
+    n = section.get("skipped_after_passes")
+    return n if type(n) is int and n > 0 else 0
+
+
+def _stopped_early(r: dict[str, Any]) -> list[str]:
+    """The warning about a run that stopped rows early (none when neither did): which of its samples
+    ran depended on their verdicts, so its pairs are no fair draw of the model's."""
+    sides = [(side, r.get(f"skipped_after_passes_{side.lower()}") or 0) for side in ("A", "B")]
+    stopped = [f"{side} skipped {n} samples" for side, n in sides if n]
+    if not stopped:
+        return []
+    return [
+        f"warning: --stop_after_passes stopped rows early ({'; '.join(stopped)} after their rows' passes): "
+        "which samples ran depended on their verdicts, so the pairs and the difference describe the kept "
+        "data, not the models; compare runs made without it"
+    ]
 
 
 def _row_labels(verdicts: dict[Key, dict[str, Any]]) -> dict[str, str]:
@@ -299,6 +323,7 @@ def text_report(r: dict[str, Any]) -> str:
         f"B: {r['run_b']}",
         f"{r['pairs']} paired samples in {r['rows']} rows (only in A: {r['only_in_a']}, only in B: {r['only_in_b']})",
         *_judged_differently(r),
+        *_stopped_early(r),
         f"pass rate A {_pct(r['pass_rate_a'])}, B {_pct(r['pass_rate_b'])}; B - A {_diff(r)}",
         f"{_test(r)} (passed only in A: {r['passed_only_in_a']}, only in B: {r['passed_only_in_b']})",
         *([_why_test(r)] if _why_test(r) else []),
@@ -346,7 +371,9 @@ def html_report(r: dict[str, Any]) -> str:
         f'<p id="headline">{r["pairs"]} paired samples in {r["rows"]} rows · B - A {esc(_diff(r))} · '
         f"{esc(_test(r))}</p>"
         + (f'<p id="test">{esc(_why_test(r))}</p>' if _why_test(r) else "")
-        + "".join(f'<p class="warning">{esc(line)}</p>' for line in _judged_differently(r))
+        + "".join(
+            f'<p class="warning">{esc(line)}</p>' for line in _judged_differently(r) + _stopped_early(r)
+        )
         + f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{flips}</body></html>"
     )
 

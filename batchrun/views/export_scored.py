@@ -7,18 +7,20 @@ GRPO-style trainers).
 
 Samples are grouped by their row's identity, the tools they were offered and the check they were
 judged against (a pair or a group shares one prompt: the same messages up to the user's, the same
-``tools``, and scores given by the same ``answer``, ``verify``, ``verify_files`` and ``rubric``), across
-every run named, so two models' runs over one dataset pair up too. Kept trajectories and the samples a failed
+``tools``, and scores given by the same ``answer``, ``verify``, ``verify_files`` and ``rubric``, by the
+same scorers with the same settings, as ``views.compare`` pairs them: ``includes`` in one run and
+``exact`` in another pass and fail the same reply), across every run named, so two models' runs over
+one dataset pair up too. Kept trajectories and the samples a failed
 check discarded (``--keep=passed``) are read; other discards only with ``--include_discarded``. Each
 (row, sample) of a run counts once (per identical row), as statistics.json counts it: an old discard
 that ``--rerun_discarded`` ran again is not a second sample.
 
 * ``preference``: ``prompt`` (the messages up to and including the user's), ``chosen`` and
   ``rejected`` (the rest of a passing and of a failing sample: assistant turns with their
-  ``tool_calls``, tool results), ``tools``, the two scores and sample indices. A group's passing and
+  ``tool_calls``, tool results), ``tools``, the two scores, sample indices and run names. A group's passing and
   failing samples are paired in order, so a row with 3 passes and 2 failures gives 2 pairs.
 * ``rewards``: one line per group: ``prompt``, ``completions`` (per judged sample: ``messages``,
-  ``reward`` (its score value), ``passed``, ``sample_index``), ``rewards`` (the values again, as one
+  ``reward`` (its score value), ``passed``, ``sample_index``, ``run_name``), ``rewards`` (the values again, as one
   list), ``tools``.
 
 Messages carry every key (``role``, ``content``, ``reasoning_content``, ``tool_calls``,
@@ -38,6 +40,7 @@ from batchrun.record import features_yaml
 from batchrun.scoring import check_from_row_fields
 from batchrun.sharegpt import first_human, offered_tools
 from batchrun.storage import json_line
+from batchrun.views.compare import JUDGING_SETTINGS, judging_settings
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
     CARD_NAME,
@@ -69,11 +72,19 @@ FEATURES: dict[str, dict[str, Any]] = {
         "row_id": "string",
         "row_fields": "string",
         "run_names": ["string"],
+        "chosen_run_name": "string",
+        "rejected_run_name": "string",
     },
     "rewards": {
         "prompt": [_FULL],
         "completions": [
-            {"messages": [_FULL], "reward": "float64", "passed": "bool", "sample_index": "int64"}
+            {
+                "messages": [_FULL],
+                "reward": "float64",
+                "passed": "bool",
+                "sample_index": "int64",
+                "run_name": "string",
+            }
         ],
         "rewards": ["float64"],
         "tools": "string",
@@ -120,6 +131,7 @@ def export_scored(
     # Each (row, sample) of a run as often as its dataset wants it (identical rows), as statistics.json
     # counts them: kept first; an old discard that --rerun_discarded ran again is not a second sample.
     wanted = {run_dir: run_wanted(run_dir) for run_dir in run_dirs}
+    settings = {run_dir: judging_settings(run_dir) for run_dir in run_dirs}
     counted: collections.Counter[tuple[Path, str, int]] = collections.Counter()
     for run_dir, record, reason, run_name in _judged_samples(run_dirs, skipped):
         if not _sample_ok(reason, include_discarded):
@@ -152,7 +164,8 @@ def export_scored(
         # The check is not part of the row's identity: samples judged against another answer (a key
         # fixed between runs) are not comparable, so they never share a pair or a group.
         check = check_from_row_fields(meta.get("row_fields"))
-        groups[(RowIdentity.of_record(record).key, tools, check)].append(
+        judged_by = _judged_by(cols["scorer"], settings[run_dir])
+        groups[(RowIdentity.of_record(record).key, tools, check, judged_by)].append(
             {
                 "prompt": prompt,
                 "completion": completion,
@@ -198,6 +211,18 @@ def export_scored(
     return result
 
 
+def _judged_by(scorer: str | None, settings: dict[str, Any]) -> tuple[Any, ...]:
+    """The scorers of a sample's verdict and the settings of theirs that decide it (views.compare's
+    ``JUDGING_SETTINGS``, from the run's manifest): two runs judging one reply with others disagree."""
+    names = str(scorer or "").split(",")
+    used = tuple(
+        (k, json.dumps(settings[k], sort_keys=True))
+        for k, users in JUDGING_SETTINGS.items()
+        if k in settings and any(n in users for n in names)
+    )
+    return (scorer, used)
+
+
 def _common(samples: list[dict[str, Any]]) -> dict[str, Any]:
     first = samples[0]
     return {
@@ -224,6 +249,8 @@ def _preference_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "chosen_sample_index": good["sample_index"],
                 "rejected_sample_index": bad["sample_index"],
                 **{k: v for k, v in _common([good, bad]).items() if k != "tools"},
+                "chosen_run_name": good["run_name"],
+                "rejected_run_name": bad["run_name"],
             }
         )
     return rows
@@ -239,6 +266,7 @@ def _rewards_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "reward": s["score"],
                     "passed": s["passed"],
                     "sample_index": s["sample_index"],
+                    "run_name": s["run_name"],
                 }
                 for s in samples
             ],
@@ -256,8 +284,9 @@ def card(run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: fl
     lines += ["tags:", "- tool-use", "- agent-trajectories", f"- {fmt}", "---", "", ""]
     what = {
         "preference": "`prompt` / `chosen` / `rejected` conversational messages (TRL's preference layout): "
-        "a passing and a failing sample of the same row, offered the same `tools` and judged by the same check",
-        "rewards": "`prompt`, `completions` (per sample: `messages`, `reward`, `passed`, `sample_index`) and "
+        "a passing and a failing sample of the same row, offered the same `tools` and judged by the same check "
+        "with the same scorers and settings",
+        "rewards": "`prompt`, `completions` (per sample: `messages`, `reward`, `passed`, `sample_index`, `run_name`) and "
         "`rewards` (the scores as one list), "
         "one line per row, tool list and check (GRPO-style groups)",
     }[fmt]

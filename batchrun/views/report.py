@@ -957,11 +957,15 @@ def section_scores(d: RunData) -> str:
             + (f" · {fmt_int(pending)} samples without an outcome (failed or not run)" if pending else ""),
         )
     )
+    # A row's samples are those with a verdict, as the pass rate counts them; a scorer error is no failure
+    # (4 timed-out verify commands read "4 samples, 0 passes": a row the model failed, that nothing judged).
     per_row: dict[tuple[str, str], list[Any]] = {}
     for (label, _, _, sc), key in zip(judged, row_keys, strict=True):
-        entry = per_row.setdefault((label, key), [0, 0, []])
-        entry[0] += 1
+        entry = per_row.setdefault((label, key), [0, 0, [], 0])
+        verdict = isinstance(sc.get("passed"), bool)
+        entry[0] += verdict
         entry[1] += sc.get("passed") is True
+        entry[3] += not verdict
         if isinstance(sc.get("value"), (int, float)):
             entry[2].append(float(sc["value"]))
     shared = collections.Counter(label for label, _ in per_row)
@@ -970,9 +974,10 @@ def section_scores(d: RunData) -> str:
             f"{label} · row {key[:8]}" if shared[label] > 1 else label,
             n,
             passes,
+            no_verdict,
             f"{sum(vals) / len(vals):.3f}" if vals else "–",
         )
-        for (label, key), (n, passes, vals) in sorted(per_row.items())[: d.max_items]
+        for (label, key), (n, passes, vals, no_verdict) in sorted(per_row.items())[: d.max_items]
     ]
     rows_note = (
         f'<p class="note">The first {d.max_items:,} of {len(per_row):,} rows; all are counted above.</p>'
@@ -980,9 +985,10 @@ def section_scores(d: RunData) -> str:
         else ""
     )
     values = [float(sc["value"]) for _, _, _, sc in judged if isinstance(sc.get("value"), (int, float))]
-    failing = [(label, i, where, sc) for label, i, where, sc in judged if sc.get("passed") is not True]
+    failing = [(label, i, where, sc) for label, i, where, sc in judged if sc.get("passed") is False]
+    unjudged = [(label, i, where, sc) for label, i, where, sc in judged if sc.get("passed") is None]
     items = []
-    for label, i, where, sc in failing[: d.max_items]:
+    for label, i, where, sc in (failing + unjudged)[: d.max_items]:
         verdict = "no verdict" if sc.get("passed") is None else f"score {sc.get('value')}"
         why = sc.get("error") or sc.get("explanation") or ""
         output = sc.get("verify_output")
@@ -998,15 +1004,27 @@ def section_scores(d: RunData) -> str:
         if values
         else ""
     )
+    # --stop_after_passes: the console and statistics.json say the figures describe the kept data; the
+    # page showed them bare (a pass@4 of 0.000: only rows that never passed ran 4 samples).
+    skipped = _number(scores.get("skipped_after_passes")) or 0
+    caveat = (
+        f'<p class="note stop-after-passes">{fmt_int(skipped)} samples skipped after passes: '
+        f"{esc(scores['note'])}.</p>"
+        if skipped and isinstance(scores.get("note"), str)
+        else ""
+    )
     return (
         '<section id="scores"><h2>Scores</h2><div class="cards">'
         + "".join(cards)
         + "</div>"
+        + caveat
         + (f"<h3>Score histogram</h3>{hist}" if hist else "")
         + "<h3>Per row</h3>"
-        + table(rows, ("row", "samples", "passes", "mean score"), "scores")
+        + table(rows, ("row", "samples", "passes", "no verdict", "mean score"), "scores")
         + rows_note
-        + f"<h3>Failing samples ({len(failing):,})</h3>"
+        + f"<h3>Failing samples ({len(failing):,})"
+        + (f" and samples without a verdict ({len(unjudged):,})" if unjudged else "")
+        + "</h3>"
         + ("".join(items) or '<p class="empty">None.</p>')
         + "</section>"
     )

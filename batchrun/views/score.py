@@ -161,9 +161,16 @@ def rescore(
         lines.append(json_line(line) + "\n")
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
     section = stats.setdefault("scores", {})
-    # The run's samples without an outcome are no more judged by a re-scoring than by the run.
+    # The run's samples without an outcome are no more judged by a re-scoring than by the run; nor are
+    # those --stop_after_passes skipped (no record): the re-scoring's figures describe the kept data too.
     pending = section.get("samples_pending")
-    summary = with_planned({**scores.summary(), "samples_pending": pending if type(pending) is int else 0})
+    skipped = section.get("skipped_after_passes")
+    summary = with_planned(
+        {
+            **scores.summary(skipped if type(skipped) is int else 0),
+            "samples_pending": pending if type(pending) is int else 0,
+        }
+    )
     section.setdefault("rescored", {})[name] = {
         **summary,
         "scorers": list(settings.scorers),
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             judge = judge_client(settings.judge)
         except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
             redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
-            print(f"error: {redact(str(exc))}", file=sys.stderr)
+            print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)
             return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)

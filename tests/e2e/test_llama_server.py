@@ -13,6 +13,7 @@ cached); .ci/run builds it and exports LLAMA_SERVER. Locally the tests skip with
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -482,3 +483,254 @@ def test_more_prompts_in_flight_than_the_servers_slots_wait_their_turn_without_t
         "endpoint_slots": 1,
     }
     assert "serves 1 request at once (--parallel): at most 2 of the 20 prompts" in capsys.readouterr().out
+
+
+VERDICT = '{"score": 1, "passed": true, "explanation": "It says the commands ran."}'
+
+
+@pytest.fixture(scope="session")
+def judge(tmp_path_factory):
+    """A judge model: whatever it is asked, one JSON verdict that passes."""
+    server = _server(tmp_path_factory, "judge", Script(words=VERDICT))
+    yield server
+    server.stop()
+
+
+def test_a_finished_run_is_rescored_by_a_judge_model(hermes, judge, tmp_path):
+    """views.score --scorer=judge handed the judge's settings (a JudgeSettings) where its model client
+    belonged: every sample of the re-scoring was a scorer error ("'JudgeSettings' object has no attribute
+    'chat'"), no judge call made, so a run could never be judged afterwards. It gives the verdicts the
+    run's own judge gives, through the same server."""
+    from batchrun.views import score
+
+    rows = [
+        {"id": "ran", "prompt": "Say hello and world.", "answer": "Both commands ran."},
+        {"id": "rubric", "prompt": "Say hi.", "rubric": "Pass a reply that says the commands ran."},
+    ]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=2, keep_no_reasoning=True,
+        scorer="judge", judge_model=REQUESTED, judge_base_url=judge.base_url,
+    )  # fmt: skip
+    own = {(r["metadata"]["row_id"], r["metadata"]["sample_index"]): r["score"] for r in
+           read_jsonl(run_dir / "trajectories.jsonl")}  # fmt: skip
+    assert [s["passed"] for s in own.values()] == [True] * 4, list(own.values())[0]
+    argv = [
+        str(run_dir),
+        "--scorer=judge",
+        f"--judge_model={REQUESTED}",
+        f"--judge_base_url={judge.base_url}",
+    ]
+    assert score.main(argv) == 0
+    again = read_jsonl(run_dir / "scores.judge.jsonl")
+    assert sorted((s["row_id"], s["sample_index"]) for s in again) == sorted(own)
+    for line in again:
+        assert not line["score"]["error"], line["score"]["error"]
+        assert (line["score"]["passed"], line["score"]["value"]) == (True, 1.0)
+        assert line["score"]["explanation"] == "judge: It says the commands ran."
+        assert line["score"]["judge_usage"]["calls"] == 1
+    rescored = json.loads((run_dir / "statistics.json").read_text())["scores"]["rescored"]["judge"]
+    assert (rescored["scored"], rescored["passed"], rescored["scorer_errors"]) == (4, 4, 0)
+
+
+def test_the_reports_per_row_table_counts_a_scorer_error_as_no_verdict_not_a_failure(hermes, tmp_path):
+    """The report's per-row table counted every judged sample, scorer errors too: a row whose verify
+    command timed out read "2 samples, 0 passes" (a row the model failed, that nothing judged), the
+    table's samples added up to more than the pass rate's, and "Failing samples" listed the errors
+    among the failures. Each row now shows its samples with a verdict and, apart, those without."""
+    rows = [
+        {"id": "pass", "prompt": "Say hello.", "verify": "true"},
+        {"id": "fail", "prompt": "Say hi.", "verify": "false"},
+        {"id": "slow", "prompt": "Say hey.", "verify": "sleep 30"},
+    ]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=2, keep_no_reasoning=True,
+        verify_timeout=1,
+    )  # fmt: skip
+    scores = json.loads((run_dir / "statistics.json").read_text())["scores"]
+    assert (scores["scored"], scores["passed"], scores["scorer_errors"]) == (4, 2, 2)
+    section = (run_dir / "report.html").read_text("utf-8").split('<section id="scores">')[1]
+    table = section[section.index('<table class="scores"') : section.index("</table>")]
+    assert re.findall(r"<th>(.*?)</th>", table) == ["row", "samples", "passes", "no verdict", "mean score"]
+    cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.DOTALL)]
+    by_row = {cells[i]: cells[i + 1 : i + 5] for i in range(0, len(cells), 5)}
+    assert by_row == {
+        "pass": ["2", "2", "0", "1.000"],
+        "fail": ["2", "0", "0", "0.000"],
+        "slow": ["0", "0", "2", "–"],
+    }
+    assert sum(int(n) for n, *_ in by_row.values()) == scores["scored"]
+    assert "<h3>Failing samples (2) and samples without a verdict (2)</h3>" in section
+
+
+def test_samples_two_runs_judged_with_other_scorers_are_never_paired_or_grouped(hermes, tmp_path):
+    """One model, one dataset, two runs: includes passes "Both commands ran." for the answer "ran", exact
+    fails it. The preference export paired the two runs' samples, the same reply as chosen (includes)
+    and as rejected (exact): 2 pairs of one text, a trainer taught to prefer a reply over itself; and
+    the rewards export put both runs' samples in one group, rewards 1, 1, 0, 0 for four copies of one
+    reply. views.compare leaves such pairs out (judged_differently); so do the exports now."""
+    from batchrun.views import export
+
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    runs = {}
+    for scorer in ("includes", "exact"):
+        runs[scorer] = _run(
+            hermes, tmp_path, [], run_name=scorer, dataset_file=str(dataset), samples_per_prompt=2,
+            keep_no_reasoning=True, scorer=scorer,
+        )  # fmt: skip
+        verdicts = [r["score"]["passed"] for r in read_jsonl(runs[scorer] / "trajectories.jsonl")]
+        assert verdicts == [scorer == "includes"] * 2
+    both = [str(runs["includes"]), str(runs["exact"])]
+    assert export.main([*both, "--format=preference", f"--out={tmp_path / 'pairs'}"]) == 1
+    assert not (tmp_path / "pairs" / "train.jsonl").exists()
+    assert export.main([*both, "--format=rewards", f"--out={tmp_path / 'groups'}"]) == 0
+    groups = read_jsonl(tmp_path / "groups" / "train.jsonl")
+    assert sorted(g["rewards"] for g in groups) == [[0.0, 0.0], [1.0, 1.0]]
+    for group in groups:
+        assert len({c["run_name"] for c in group["completions"]}) == 1, group["run_names"]
+
+
+def test_a_judge_call_the_budget_stops_fails_the_prompt_and_resume_judges_it(hermes, judge, tmp_path):
+    """The budget fits the agent's calls but not the judge's: the judge's call was not sent (BudgetStop),
+    and the sample was kept as a trajectory with a scorer error whose message said "--resume runs it
+    again", which no resume did (its outcome was recorded): the run's evaluation kept a hole. The
+    prompt now fails (class budget), as a prompt in flight does at its next model call, and a resume
+    with a larger budget runs and judges it."""
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    flags = dict(dataset_file=str(dataset), keep_no_reasoning=True, max_tokens=64)
+    measured = _run(hermes, tmp_path, [], run_name="measure", **flags)
+    agent_tokens = json.loads((measured / "statistics.json").read_text())["this_run"]["usage"]["total_tokens"]
+    judged = dict(flags, scorer="judge", judge_model=REQUESTED, judge_base_url=judge.base_url)
+    # The agent's calls and the start checks fit; the judge's (512 tokens of reply at worst) does not.
+    run_dir = _run(hermes, tmp_path, [], run_name="run", budget_tokens=agent_tokens + 150, **judged)
+    kept = read_jsonl(run_dir / "trajectories.jsonl") if (run_dir / "trajectories.jsonl").exists() else []
+    assert [r["score"]["error"] for r in kept] == []
+    (failed,) = read_jsonl(run_dir / "failed.jsonl")
+    assert failed["error_class"] == "budget"
+    _run(hermes, tmp_path, [], run_name="run", budget_tokens=10 * agent_tokens, resume=True, **judged)
+    (record,) = read_jsonl(run_dir / "trajectories.jsonl")
+    assert (record["score"]["status"], record["score"]["judge_usage"]["calls"]) == ("passed", 1)
+
+
+def test_a_rescoring_of_a_run_that_stopped_rows_early_says_so(hermes, tmp_path, capsys):
+    """A --stop_after_passes run's statistics say its figures describe the kept data, not the model
+    (2 samples skipped after the row's pass); its re-scoring by views.score counted the same samples and
+    said nothing of it (skipped_after_passes 0, note null), its pass@k read as the model's."""
+    from batchrun.views import score
+
+    rows = [{"id": "ran", "prompt": "Say hello.", "answer": "ran", "verify": "true"}]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=3, stop_after_passes=1,
+        keep_no_reasoning=True,
+    )  # fmt: skip
+    own = json.loads((run_dir / "statistics.json").read_text())["scores"]
+    assert (own["scored"], own["skipped_after_passes"]) == (1, 2) and own["note"]
+    capsys.readouterr()
+    assert score.main([str(run_dir), "--scorer=includes"]) == 0
+    assert "2 samples skipped after passes" in capsys.readouterr().out
+    again = json.loads((run_dir / "statistics.json").read_text())["scores"]["rescored"]["includes"]
+    assert (again["scored"], again["passed"], again["skipped_after_passes"]) == (1, 1, 2)
+    assert again["note"] == own["note"]
+
+
+def test_a_rescoring_whose_judge_cannot_answer_stops_at_its_start_check(
+    hermes, tmp_path_factory, tmp_path, capsys, monkeypatch
+):
+    """views.score --scorer=judge made no start check, as the run does: against a judge llama-server
+    that wants a key none was given for, each sample's call was refused in turn, every sample written
+    as a scorer error and the re-scoring reported with exit 0. It now exits 2 before any sample, naming
+    the refusal, and writes nothing; with the key it judges, and the key is in no file."""
+    from batchrun.views import score
+
+    key = "sk-llama-judge-key-91d3c7e2"
+    monkeypatch.delenv("JUDGE_API_KEY", raising=False)
+    judge = _server(tmp_path_factory, "keyed-judge", Script(words=VERDICT), extra_args=("--api-key", key))
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=2, keep_no_reasoning=True
+    )
+    before = (run_dir / "statistics.json").read_text()
+    argv = [
+        str(run_dir),
+        "--scorer=judge",
+        f"--judge_model={REQUESTED}",
+        f"--judge_base_url={judge.base_url}",
+    ]
+    try:
+        capsys.readouterr()
+        assert score.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "the judge's endpoint" in err and "401" in err and "nothing re-scored" in err
+        assert not (run_dir / "scores.judge.jsonl").exists()
+        assert (run_dir / "statistics.json").read_text() == before
+        monkeypatch.setenv("JUDGE_API_KEY", key)
+        assert score.main(argv) == 0
+    finally:
+        judge.stop()
+    lines = read_jsonl(run_dir / "scores.judge.jsonl")
+    assert [line["score"]["passed"] for line in lines] == [True, True]
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+
+
+def test_the_report_of_a_run_that_stopped_rows_early_says_its_figures_describe_the_kept_data(
+    hermes, tmp_path
+):
+    """statistics.json and the closing headline say a --stop_after_passes run's pass rate and pass@k
+    describe the kept data, not the model; report.html showed them bare (here pass@1 1.000 over one
+    sample of a row planned three times). It now carries the same caveat with the count skipped."""
+    rows = [{"id": "ran", "prompt": "Say hello.", "verify": "true"}]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=3, stop_after_passes=1,
+        keep_no_reasoning=True,
+    )  # fmt: skip
+    scores = json.loads((run_dir / "statistics.json").read_text())["scores"]
+    assert scores["skipped_after_passes"] == 2 and "describe the kept data" in scores["note"]
+    section = (run_dir / "report.html").read_text("utf-8").split('<section id="scores">')[1]
+    section = section[: section.index("</section>")]
+    assert "2 samples skipped after passes: " in section and "describe the kept data" in section
+
+
+def test_compare_warns_when_a_run_stopped_rows_early(hermes, tmp_path, capsys):
+    """views.compare paired a --stop_after_passes run's samples with another run's without a word: the
+    samples it ran were chosen by their verdicts (a row stops at its pass), so its pairs are no fair
+    draw of the model's (here 1 pair of 3, the pass). It now says so, in the text, the page and the JSON."""
+    from batchrun.views import compare
+
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "verify": "true"}])
+    flags = dict(dataset_file=str(dataset), samples_per_prompt=3, keep_no_reasoning=True)
+    a = _run(hermes, tmp_path, [], run_name="a", **flags)
+    b = _run(hermes, tmp_path, [], run_name="b", stop_after_passes=1, **flags)
+    page = tmp_path / "ab.html"
+    capsys.readouterr()
+    assert compare.main([str(a), str(b), f"--out={page}"]) == 0
+    out = capsys.readouterr().out
+    assert "1 paired samples in 1 rows (only in A: 2, only in B: 0)" in out
+    assert "warning: --stop_after_passes stopped rows early (B skipped 2 samples" in out
+    assert "stopped rows early (B skipped 2 samples" in page.read_text("utf-8")
+    assert compare.main([str(a), str(b), f"--out={page}", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["skipped_after_passes_a"], figures["skipped_after_passes_b"]) == (0, 2)
+    assert compare.main([str(a), str(a), f"--out={page}"]) == 0
+    assert "stopped rows early" not in capsys.readouterr().out
+
+
+def test_a_resume_keeps_the_rescorings_statistics_json_holds(hermes, tmp_path):
+    """A re-scoring's figures live in statistics.json's scores.rescored; the next invocation of the run
+    rewrote statistics.json without them: a --resume that ran nothing wiped every re-scoring (the
+    scores files left behind), and a later one that added samples too. They are kept."""
+    from batchrun.views import score
+
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "answer": "ran"}])
+    flags = dict(dataset_file=str(dataset), keep_no_reasoning=True)
+    run_dir = _run(hermes, tmp_path, [], samples_per_prompt=2, **flags)
+    assert score.main([str(run_dir), "--scorer=includes"]) == 0
+    stats = lambda: json.loads((run_dir / "statistics.json").read_text())["scores"]  # noqa: E731
+    entry = stats()["rescored"]["includes"]
+    assert (entry["scored"], entry["passed"], entry["file"]) == (2, 2, "scores.includes.jsonl")
+    _run(hermes, tmp_path, [], samples_per_prompt=2, resume=True, **flags)  # nothing left to run
+    assert stats()["rescored"] == {"includes": entry}
+    _run(hermes, tmp_path, [], samples_per_prompt=3, resume=True, **flags)  # one sample more
+    assert stats()["scored"] == 3 and stats()["rescored"] == {"includes": entry}  # of the 2 it judged

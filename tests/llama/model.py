@@ -111,9 +111,12 @@ class Script:
     thinking: bool = False  # a reasoning model (template honours enable_thinking; replies start with <think>)
     think_call: str = "The user wants a command run; I will call the terminal tool."
     think_answer: str = "The tool answered; I can reply now."
+    words: str | None = None  # the first turn says this instead of calling tools (a judge's verdict)
 
     def replies(self) -> dict[str, str]:
-        call = "\n".join(tool_call_text(n, a) for n, a in self.calls)
+        call = (
+            self.words if self.words is not None else "\n".join(tool_call_text(n, a) for n, a in self.calls)
+        )
         out = {"CALL": call, "ANSWER": self.answer}
         if self.thinking:
             out["THINK_CALL"] = f"<think>\n{self.think_call}\n</think>\n\n"

@@ -56,35 +56,72 @@ def test_score_columns_and_filters(two_runs, tmp_path, fmt):
     assert "6 not passed (--only_passed)" in card
 
 
-def test_preference_pairs_a_passing_and_a_failing_sample_of_one_row(two_runs, tmp_path):
-    exact, includes = two_runs
-    # The failing samples of the includes run were discarded (--keep=passed): they are read too.
-    assert export.main([str(exact), str(includes), "--format=preference", f"--out={tmp_path / 'p'}"]) == 0
+@pytest.fixture(scope="module")
+def flip_runs(tmp_path_factory):
+    """Two runs judged alike (exact), whose row fails on sample 0 and passes on sample 1."""
+    tmp = tmp_path_factory.mktemp("flips")
+    rows = [
+        {"id": "flip", "prompt": "Say 42, try 0 [calls:1] [answers:42|41]", "answer": "42"},
+        {"id": "right", "prompt": "Say 7 [calls:1] [answer:7]", "answer": "7"},  # never fails
+    ]
+    dataset = write_rows(tmp / "d.jsonl", rows)
+    out = tmp / "data"
+    flags = dict(samples_per_prompt=2, seed_per_request=True)
+    run(None, dataset, out, run_name="a", **flags)
+    run(None, dataset, out, run_name="b", keep="passed", **flags)
+    return out / "a", out / "b"
+
+
+def test_preference_pairs_a_passing_and_a_failing_sample_of_one_row(flip_runs, tmp_path):
+    a, b = flip_runs
+    # The failing sample of run b was discarded (--keep=passed): it is read too.
+    assert export.main([str(a), str(b), "--format=preference", f"--out={tmp_path / 'p'}"]) == 0
     ds = _load(tmp_path / "p", tmp_path)
-    # Row four: 2 failures (exact) and 2 passes (includes) -> 2 pairs. Row right never fails, row
-    # seven never passes: no pair.
-    assert ds.num_rows == 2 and set(ds["row_id"]) == {"four"}
+    # Row flip: a pass and a failure in each run -> 2 pairs. Row right never fails: no pair.
+    assert ds.num_rows == 2 and set(ds["row_id"]) == {"flip"}
+    sides = []
     for row in ds:
-        assert row["prompt"][-1]["role"] == "user" and row["prompt"][-1]["content"].startswith("Say 4")
+        assert row["prompt"][-1]["role"] == "user" and row["prompt"][-1]["content"].startswith("Say 42")
         assert row["chosen"][0]["role"] == "assistant" and row["rejected"][0]["role"] == "assistant"
         assert (row["chosen_score"], row["rejected_score"]) == (1.0, 0.0)
-        assert row["run_names"] == ["exact", "includes"]
+        assert row["chosen"][-1]["content"] != row["rejected"][-1]["content"]
+        sides.append((row["chosen_run_name"], row["chosen_sample_index"]))
+        sides.append((row["rejected_run_name"], row["rejected_sample_index"]))
+        assert set(row["run_names"]) == {row["chosen_run_name"], row["rejected_run_name"]}
         # Both completions hold the tool call and its result, as the model made them.
         assert row["chosen"][0]["tool_calls"][0]["function"]["name"] == "terminal"
         assert [m["role"] for m in row["chosen"]] == ["assistant", "tool", "assistant"]
         assert json.loads(row["tools"])[0]["function"]["name"] == "terminal"
+    # Each side says which run's sample it is: every sample of the row once.
+    assert sorted(sides) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     # TRL's conversational preference layout: lists of {role, content} messages under these keys.
     assert {"prompt", "chosen", "rejected"} <= set(ds.column_names)
+
+
+def test_preference_never_pairs_samples_two_runs_judged_with_other_scorers(two_runs, tmp_path, capsys):
+    """Row four's reply (42, 4) fails exact and passes includes: the same reply as chosen and rejected,
+    its two verdicts saying nothing of it (views.compare leaves such pairs out too)."""
+    exact, includes = two_runs
+    assert export.main([str(exact), str(includes), "--format=preference", f"--out={tmp_path / 'p'}"]) == 1
+    assert "no row has both a passing and a failing sample" in capsys.readouterr().err
 
 
 def test_rewards_groups_each_rows_samples_with_their_scores(two_runs, tmp_path):
     exact, includes = two_runs
     assert export.main([str(exact), str(includes), "--format=rewards", f"--out={tmp_path / 'r'}"]) == 0
     ds = _load(tmp_path / "r", tmp_path)
-    by_row = {r["row_id"]: r for r in ds}
+    by_row = {}
+    for r in ds:
+        by_row.setdefault(r["row_id"], []).append(r)
     assert set(by_row) == {"right", "four", "seven"}  # "free" was never judged
-    assert sorted(by_row["four"]["rewards"]) == [0.0, 0.0, 1.0, 1.0]
-    assert [c["passed"] for c in by_row["four"]["completions"]].count(True) == 2
+    # One group per run: exact and includes judge row four's one reply differently, never in one group.
+    four = sorted(by_row["four"], key=lambda r: r["run_names"])
+    assert [(g["run_names"], g["rewards"]) for g in four] == [
+        (["exact"], [0.0, 0.0]),
+        (["includes"], [1.0, 1.0]),
+    ]
+    assert [c["run_name"] for c in four[1]["completions"]] == ["includes", "includes"]
+    by_row = {rows[0]["row_id"]: rows[0] for rows in by_row.values()}
     assert all(c["messages"][-1]["role"] == "assistant" for c in by_row["seven"]["completions"])
     assert by_row["right"]["prompt"][-1]["content"].startswith("Say 42")
 

@@ -41,28 +41,24 @@ def tokenizer():
 
 
 ROWS = [
-    {"id": "four", "prompt": "Say 4 [calls:1] [answer:42, 4]", "answer": "4"},  # includes passes, exact fails
-    {"id": "right", "prompt": "Say 42 [calls:1] [answer:42]", "answer": "42"},
+    # Sample 0 answers 41 (fails), sample 1 42 (passes): one pair, judged alike.
+    {"id": "flip", "prompt": "Say 42, try 0 [calls:1] [answers:42|41]", "answer": "42"},
+    {"id": "right", "prompt": "Say 7 [calls:1] [answer:7]", "answer": "7"},
 ]
 
 
 def test_preference_and_rewards_rows_through_trl(tmp_path, tokenizer):
     dataset = write_rows(tmp_path / "d.jsonl", ROWS)
     out = tmp_path / "data"
-    run(None, dataset, out, run_name="exact")
-    run(None, dataset, out, run_name="includes", scorer="includes")
+    run(None, dataset, out, samples_per_prompt=2, seed_per_request=True)
     pref, rewards = tmp_path / "pref", tmp_path / "rewards"
-    assert (
-        export.main([str(out / "exact"), str(out / "includes"), "--format=preference", f"--out={pref}"]) == 0
-    )
-    assert (
-        export.main([str(out / "exact"), str(out / "includes"), "--format=rewards", f"--out={rewards}"]) == 0
-    )
+    assert export.main([str(out / "run"), "--format=preference", f"--out={pref}"]) == 0
+    assert export.main([str(out / "run"), "--format=rewards", f"--out={rewards}"]) == 0
     (row,) = [json.loads(line) for line in (pref / "train.jsonl").read_text("utf-8").splitlines()]
     example = {k: row[k] for k in ("prompt", "chosen", "rejected")}
     assert data_utils.is_conversational(example)
     rendered = data_utils.apply_chat_template(example, tokenizer, tools=json.loads(row["tools"]))
-    assert rendered["prompt"].endswith("<|assistant|>") and "Say 4" in rendered["prompt"]
+    assert rendered["prompt"].endswith("<|assistant|>") and "Say 42" in rendered["prompt"]
     assert "<tool_call>terminal" in rendered["chosen"] and "<tool_response>" in rendered["chosen"]
     # The completions follow the prompt's generation prompt: the model's words, its call, the result.
     assert rendered["rejected"].startswith("Let me use terminal.<tool_call>terminal")

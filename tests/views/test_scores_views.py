@@ -627,7 +627,7 @@ def _report_scores(run_dir: Path) -> tuple[int, int, int]:
     section = page[page.index('<section id="scores">') :]
     table = section[section.index('<table class="scores"') : section.index("</table>")]
     cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.DOTALL)]
-    rows = [cells[i : i + 4] for i in range(0, len(cells), 4)]
+    rows = [cells[i : i + 5] for i in range(0, len(cells), 5)]
     failing = int(re.search(r"Failing samples \((\d+)\)", section).group(1))
     return sum(int(r[1]) for r in rows), sum(int(r[2]) for r in rows), failing
 
@@ -672,8 +672,8 @@ def test_the_reports_per_row_table_never_merges_two_rows(tmp_path):
     table = page[page.index('<table class="scores"') :]
     table = table[: table.index("</table>")]
     cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table, re.DOTALL)]
-    lines = [cells[i : i + 4] for i in range(0, len(cells), 4)]
-    assert sorted((n, passes) for _, n, passes, _ in lines) == [
+    lines = [cells[i : i + 5] for i in range(0, len(cells), 5)]
+    assert sorted((n, passes) for _, n, passes, _, _ in lines) == [
         ("1", "0"),
         ("1", "0"),
         ("1", "1"),
