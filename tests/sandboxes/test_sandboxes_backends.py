@@ -701,6 +701,99 @@ def test_sweep_removes_containers_of_dead_owners_of_any_run_and_nothing_else(doc
         foreign.remove(force=True)
 
 
+class _EngineSocket:
+    """A Unix socket in front of the engine's, for this process's Docker client: ``stop()`` is what a
+    stopped dockerd is to the runner (the socket gone, every stream of it cut), while the real engine
+    goes on for the other test sessions sharing it."""
+
+    def __init__(self, path: Path):
+        host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        self.engine = host.removeprefix("unix://")
+        self.path = str(path)
+        self.links: list[socket.socket] = []
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.path)
+        self.server.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            engine.connect(self.engine)
+            self.links += [client, engine]
+            for a, b in ((client, engine), (engine, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self.server.close()
+        os.unlink(self.path)
+        for link in self.links:
+            try:
+                link.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def engine_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker_engine: str):
+    """This process's Docker client through an ``_EngineSocket`` (the real one back at teardown)."""
+    import docker
+
+    from batchrun.prompt.sandboxes.docker import engine
+
+    front = _EngineSocket(tmp_path / "docker.sock")
+    client = docker.DockerClient(base_url=f"unix://{front.path}", version="auto")
+    monkeypatch.setitem(engine._clients, os.getpid(), client)
+    yield front
+    client.close()
+
+
+@pytest.mark.docker
+def test_an_engine_that_stops_fails_the_prompt_not_the_tool_call_nor_the_runs_end(
+    docker_test_image: str, engine_socket, capsys
+):
+    """dockerd stopped during a run (here: 8 prompts, each in a 30 s command): docker-py lets requests'
+    ConnectionError through, not a DockerException. The terminal call became a tool error for the model,
+    the prompt was counted done (completed, not run again on resume) although its container was gone; a
+    verify's became a score error; and the run's sweep ended the run in a traceback, no statistics."""
+    from helpers import tool_call
+
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, default_owner
+
+    box = DockerSandbox(SandboxSpec(RUN, 50, network=False), default_image=docker_test_image)
+    judged = DockerSandbox(SandboxSpec(RUN, 51, network=False), default_image=docker_test_image)
+    box.start()
+    judged.start()
+    ids = {box.container_id, judged.container_id}
+    try:
+        threading.Timer(1.0, engine_socket.stop).start()
+        with pytest.raises(SandboxError):  # the prompt fails (and runs again on resume)
+            tool_call(box, "terminal", command="sleep 30")
+        with pytest.raises(SandboxError):  # no verdict: the sandbox broke
+            judged.run_judged("true", timeout_s=10)
+        DockerSandbox.sweep({"run_owner": default_owner()})  # the run's end goes on
+        assert "Docker engine did not answer" in capsys.readouterr().err
+        judged.stop()
+    finally:
+        box.stop()
+        judged.stop()
+    # The engine itself ran on: the containers, their streams cut, ended and removed themselves.
+    assert wait_until(lambda: ids.isdisjoint(_container_ids()), timeout_s=60)
+
+
 def _container_ids() -> set[str]:
     """Full ids of every container of the engine, running or not."""
     done = subprocess.run(

@@ -21,6 +21,7 @@ from typing import Any
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from requests.exceptions import RequestException
 
 from batchrun import cache_dir
 from batchrun.prompt.sandboxes.base import SandboxError
@@ -31,6 +32,13 @@ log = logging.getLogger(__name__)
 LABEL_RUN = "batch_runner.run_name"
 LABEL_INDEX = "batch_runner.prompt_index"
 LABEL_OWNER = "batch_runner.owner"
+
+# What a call to the engine raises when it fails: docker-py's errors, and requests' own, which
+# docker-py lets through when the engine's socket is gone or does not answer (dockerd stopped or
+# restarting: ConnectionError; an answer past the client's timeout: ReadTimeout). Caught as
+# DockerException alone, a stopped dockerd's ConnectionError left a command of the agent's as a tool
+# error (the prompt counted done, its container dead) and ended the run in a traceback at its sweep.
+ENGINE_ERRORS = (DockerException, RequestException)
 
 # One client per process: a forked worker must not share its parent's sockets.
 _clients: dict[int, docker.DockerClient] = {}
@@ -52,7 +60,7 @@ def docker_client() -> docker.DockerClient:
         if client is None:
             try:
                 client = docker.from_env(version="auto", max_pool_size=64)
-            except DockerException as exc:
+            except ENGINE_ERRORS as exc:
                 raise SandboxError(_unreachable(exc)) from exc
             _clients[os.getpid()] = client
         return client
@@ -62,7 +70,7 @@ def check_engine() -> str:
     """The engine's server version; ``SandboxError`` with a clear hint when no engine answers."""
     try:
         return str(docker_client().version().get("Version", "unknown"))
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         raise SandboxError(_unreachable(exc)) from exc
 
 
@@ -147,7 +155,7 @@ def ensure_images(
     client = docker_client()
     try:
         version = client.version()
-    except DockerException:
+    except ENGINE_ERRORS:
         version = {}
     engine = (str(version.get("Os") or ""), str(version.get("Arch") or ""))
     known = _read_runnable()
@@ -161,7 +169,7 @@ def ensure_images(
             attrs = client.images.get(image).attrs
         except ImageNotFound:
             attrs = None
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             return f"cannot inspect image: {exc}"
         if attrs is None and not pull:
             return NOT_PULLED
@@ -170,7 +178,7 @@ def ensure_images(
             try:
                 client.images.pull(image)
                 attrs = client.images.get(image).attrs
-            except DockerException as exc:
+            except ENGINE_ERRORS as exc:
                 progress(f"pull of {image} failed")
                 return f"not present locally and the pull failed: {getattr(exc, 'explanation', None) or exc}"
             progress(f"pulled {image}")
@@ -222,7 +230,7 @@ def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> 
             image, entrypoint=["sh", "-c", PROBE_SCRIPT], command=[], network_mode="none",
             labels={LABEL_RUN: "image-probe", LABEL_OWNER: default_owner()},
         )  # fmt: skip
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         if foreign:
             return f"built for {built}, not this engine's {here}, and no container of it could be made: {exc}"
         return f"{PROBE_BROKE} (no container of it could be made: {getattr(exc, 'explanation', None) or exc})"
@@ -336,7 +344,7 @@ def storage_size_supported(image: str) -> bool:
             image, command=["true"], storage_opt={"size": "64m"},
             labels={LABEL_RUN: "storage-probe", LABEL_OWNER: default_owner()},
         )  # fmt: skip
-    except DockerException:
+    except ENGINE_ERRORS:
         return False
     _remove(container)
     return True
@@ -362,7 +370,7 @@ def layer_watch_problem(image: str) -> str | None:
         container = client.containers.create(
             image, command=["true"], labels={LABEL_RUN: "layer-probe", LABEL_OWNER: default_owner()}
         )
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         return f"no container could be made to look at ({exc})"
     try:
         paths = layer_paths(container.attrs)
@@ -415,7 +423,7 @@ def _remove(container) -> list[str]:
             return [container.name] if wait_removed(container.id) else []
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
     return [container.name]
@@ -429,7 +437,7 @@ def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
             docker_client().api.inspect_container(container_id)
         except NotFound:
             return True
-        except DockerException:
+        except ENGINE_ERRORS:
             return False
         time.sleep(0.05)
     log.warning("container %s is still being removed", container_id[:12])
