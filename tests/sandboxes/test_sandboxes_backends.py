@@ -794,6 +794,48 @@ def test_an_engine_that_stops_fails_the_prompt_not_the_tool_call_nor_the_runs_en
     assert wait_until(lambda: ids.isdisjoint(_container_ids()), timeout_s=60)
 
 
+@pytest.mark.docker
+@pytest.mark.parametrize("by", ["its_end", "the_next_runs_start"])
+def test_what_runs_on_in_a_runs_cgroup_is_killed_and_the_run_does_not_wait_for_it(docker_engine, by, capsys):
+    """A dockerd killed (SIGKILL) and started again mid-run lists the run's containers no more, while
+    their shims keep them running (here 4 of 8, until their lifetime: 2 h 10 min); the run's end
+    waited ~61 s for each of cgroup v1's 10 hierarchies (10 minutes) for the cgroup they held, then
+    left it, and the next run's start left it too. A process put in the run's cgroup stands for one."""
+    from batchrun.prompt.sandboxes.docker import engine
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    problem = engine.run_cgroup_problem(engine.docker_client().info())
+    if problem is not None:
+        pytest.skip(problem)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    if by == "its_end":
+        name = engine.make_run_cgroup(1 << 30, 2048)
+    else:  # a killed runner's: the next run's start removes it
+        name = f"{engine.RUN_CGROUP_PREFIX}{dead.pid}-{uuid.uuid4().hex[:8]}"
+        for path, _ in engine._run_cgroup_dirs(name):
+            os.mkdir(path)
+    orphan = subprocess.Popen(["sleep", "600"])
+    try:
+        for path, _ in engine._run_cgroup_dirs(name):
+            Path(path, "cgroup.procs").write_text(str(orphan.pid))
+        if by == "its_end":
+            options = {"run_owner": f"{dead.pid}:1@{socket.gethostname()}", "cgroup_parent": f"/{name}"}
+            ending = threading.Thread(target=DockerSandbox.sweep, args=(options,), daemon=True)
+        else:
+            ending = threading.Thread(target=engine.sweep_run_cgroups, daemon=True)
+        ending.start()
+        ending.join(timeout=20)
+        assert not ending.is_alive()
+        assert orphan.wait(timeout=10) == -9
+        assert not any(os.path.exists(os.path.join(h, name)) for h in engine._hierarchies())
+        if by == "its_end":
+            assert "Killed 1 process(es) of this run's containers" in capsys.readouterr().err
+    finally:
+        orphan.kill()
+        engine.remove_run_cgroup(name, wait_s=10)
+
+
 def _container_ids() -> set[str]:
     """Full ids of every container of the engine, running or not."""
     done = subprocess.run(

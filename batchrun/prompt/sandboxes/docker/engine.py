@@ -7,9 +7,11 @@ runner from a dead one's, even after the pid was reused.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import threading
@@ -542,13 +544,51 @@ def _hierarchies() -> list[str]:
         return []
 
 
-def remove_run_cgroup(name: str, *, attempts: int = 50) -> bool:
+def remove_run_cgroup(name: str, *, wait_s: float = 30.0) -> bool:
     """Remove the run's cgroup, in every hierarchy, once the engine has removed its containers' (it
-    does as they go)."""
-    gone = True
-    for hierarchy in _hierarchies():
-        gone = _rmdir_cgroup(os.path.join(hierarchy, name), attempts) and gone
-    return gone
+    does as they go): within ``wait_s`` for all of them (waited per hierarchy, the run's end took
+    a minute for each of v1's ten while a process stayed in it)."""
+    deadline = time.monotonic() + wait_s
+    left = [os.path.join(hierarchy, name) for hierarchy in _hierarchies()]
+    for attempt in itertools.count(1):
+        left = [path for path in left if not _rmdir_cgroup(path)]
+        if not left or time.monotonic() >= deadline:
+            return not left
+        time.sleep(min(0.05 * attempt, 1.0))
+    return False  # never reached: for the type checker
+
+
+def kill_cgroup_processes(name: str) -> int:
+    """SIGKILL every process left in the run's cgroup ``name`` (every hierarchy, the containers'
+    cgroups in it); how many. Once the engine removed every container of the run, what runs there
+    is a container no engine removes any more: its dockerd was killed (SIGKILL, a crash) and started
+    again, and the new one lists it no more while its shim keeps it running, its stream's end never
+    seen, until its lifetime (hours). It also held the cgroup, so the run's end waited for it."""
+    killed: set[int] = set()
+    for _ in range(20):  # what forks meanwhile is killed by the next round
+        pids = {pid for hierarchy in _hierarchies() for pid in _cgroup_procs(os.path.join(hierarchy, name))}
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+            killed.add(pid)
+        time.sleep(0.05)
+    return len(killed)
+
+
+def _cgroup_procs(path: str) -> set[int]:
+    """The processes in the cgroup at ``path`` and every cgroup below it (0: one of another PID namespace)."""
+    pids: set[int] = set()
+    for directory, _, _ in os.walk(path):
+        try:
+            with open(os.path.join(directory, "cgroup.procs")) as f:
+                pids.update(int(pid) for pid in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return pids - {0}
 
 
 def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
@@ -572,7 +612,8 @@ def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
 
 
 def sweep_run_cgroups() -> int:
-    """Remove the run cgroups of runners that are gone (with no container left in them)."""
+    """Remove the run cgroups of runners that are gone, killing what still runs in them (containers an
+    engine killed and started again no longer knows, see ``kill_cgroup_processes``)."""
     removed = 0
     for where in _hierarchies():
         try:
@@ -582,5 +623,6 @@ def sweep_run_cgroups() -> int:
         for entry in entries:
             pid = entry.name[len(RUN_CGROUP_PREFIX) :].split("-")[0]
             if entry.name.startswith(RUN_CGROUP_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-                removed += _rmdir_cgroup(entry.path)
+                kill_cgroup_processes(entry.name)
+                removed += remove_run_cgroup(entry.name, wait_s=5.0)
     return removed

@@ -81,6 +81,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     docker_client,
     engine_processes_problem,
     ensure_images,
+    kill_cgroup_processes,
     layer_paths,
     layer_watch_problem,
     make_run_cgroup,
@@ -331,7 +332,15 @@ class DockerSandbox(SandboxBackend):
         if removed:
             print(f"Removed {len(removed)} container(s) left by interrupted prompts", file=sys.stderr)
         if options.get("cgroup_parent"):
-            remove_run_cgroup(options["cgroup_parent"].lstrip("/"))
+            name = options["cgroup_parent"].lstrip("/")
+            killed = kill_cgroup_processes(name)
+            if killed:
+                print(
+                    f"Killed {killed} process(es) of this run's containers that the Docker engine no longer "
+                    "knows (its dockerd was killed and started again?)",
+                    file=sys.stderr,
+                )
+            remove_run_cgroup(name)
 
     # -- one prompt's sandbox
 
