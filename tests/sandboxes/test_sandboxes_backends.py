@@ -796,11 +796,15 @@ def test_an_engine_that_stops_fails_the_prompt_not_the_tool_call_nor_the_runs_en
 
 @pytest.mark.docker
 @pytest.mark.parametrize("by", ["its_end", "the_next_runs_start"])
-def test_what_runs_on_in_a_runs_cgroup_is_killed_and_the_run_does_not_wait_for_it(docker_engine, by, capsys):
+def test_what_runs_on_in_a_runs_cgroup_is_killed_and_the_run_does_not_wait_for_it(
+    docker_test_image, by, capsys
+):
     """A dockerd killed (SIGKILL) and started again mid-run lists the run's containers no more, while
     their shims keep them running (here 4 of 8, until their lifetime: 2 h 10 min); the run's end
     waited ~61 s for each of cgroup v1's 10 hierarchies (10 minutes) for the cgroup they held, then
-    left it, and the next run's start left it too. A process put in the run's cgroup stands for one."""
+    left it, and the next run's start left it too. A process put in the run's cgroup stands for one.
+    The next run's start spares a container the engine lists there: a runner it cannot tell alive
+    (another PID namespace) may own it."""
     from batchrun.prompt.sandboxes.docker import engine
     from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 
@@ -816,9 +820,15 @@ def test_what_runs_on_in_a_runs_cgroup_is_killed_and_the_run_does_not_wait_for_i
         for path, _ in engine._run_cgroup_dirs(name):
             os.mkdir(path)
     orphan = subprocess.Popen(["sleep", "600"])
+    known = None
     try:
         for path, _ in engine._run_cgroup_dirs(name):
             Path(path, "cgroup.procs").write_text(str(orphan.pid))
+        if by == "the_next_runs_start":
+            known = engine.docker_client().containers.run(
+                docker_test_image, ["sleep", "600"], cgroup_parent=f"/{name}", detach=True,
+                labels={"batch_runner.run_name": RUN},
+            )  # fmt: skip
         if by == "its_end":
             options = {"run_owner": f"{dead.pid}:1@{socket.gethostname()}", "cgroup_parent": f"/{name}"}
             ending = threading.Thread(target=DockerSandbox.sweep, args=(options,), daemon=True)
@@ -828,11 +838,15 @@ def test_what_runs_on_in_a_runs_cgroup_is_killed_and_the_run_does_not_wait_for_i
         ending.join(timeout=20)
         assert not ending.is_alive()
         assert orphan.wait(timeout=10) == -9
-        assert not any(os.path.exists(os.path.join(h, name)) for h in engine._hierarchies())
-        if by == "its_end":
+        if known is not None:
+            assert container_running(known.id)
+        else:
+            assert not any(os.path.exists(os.path.join(h, name)) for h in engine._hierarchies())
             assert "Killed 1 process(es) of this run's containers" in capsys.readouterr().err
     finally:
         orphan.kill()
+        if known is not None:
+            known.remove(force=True)
         engine.remove_run_cgroup(name, wait_s=10)
 
 

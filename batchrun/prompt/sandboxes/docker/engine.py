@@ -558,15 +558,24 @@ def remove_run_cgroup(name: str, *, wait_s: float = 30.0) -> bool:
     return False  # never reached: for the type checker
 
 
-def kill_cgroup_processes(name: str) -> int:
+def kill_cgroup_processes(name: str, *, spare_known: bool = False) -> int:
     """SIGKILL every process left in the run's cgroup ``name`` (every hierarchy, the containers'
     cgroups in it); how many. Once the engine removed every container of the run, what runs there
     is a container no engine removes any more: its dockerd was killed (SIGKILL, a crash) and started
     again, and the new one lists it no more while its shim keeps it running, its stream's end never
-    seen, until its lifetime (hours). It also held the cgroup, so the run's end waited for it."""
+    seen, until its lifetime (hours). It also held the cgroup, so the run's end waited for it.
+
+    ``spare_known``: not in the cgroups of containers the engine lists (the engine's cgroupfs driver
+    names each by its container's ID): another runner's, whose pid this process cannot tell alive (a
+    PID namespace of its own), are left to the sweep by label. ENGINE_ERRORS when the engine does not
+    answer then."""
+    dirs = {d for hierarchy in _hierarchies() for d in _cgroup_tree(os.path.join(hierarchy, name))}
+    if spare_known and dirs:
+        known = {c["Id"] for c in docker_client().api.containers(all=True, quiet=True)}
+        dirs = {d for d in dirs if os.path.basename(d) not in known}
     killed: set[int] = set()
     for _ in range(20):  # what forks meanwhile is killed by the next round
-        pids = {pid for hierarchy in _hierarchies() for pid in _cgroup_procs(os.path.join(hierarchy, name))}
+        pids = {pid for d in dirs for pid in _cgroup_procs(d)}
         if not pids:
             break
         for pid in pids:
@@ -579,16 +588,18 @@ def kill_cgroup_processes(name: str) -> int:
     return len(killed)
 
 
+def _cgroup_tree(path: str) -> list[str]:
+    """The cgroup at ``path`` and every cgroup below it ([] when there is none)."""
+    return [directory for directory, _, _ in os.walk(path)]
+
+
 def _cgroup_procs(path: str) -> set[int]:
-    """The processes in the cgroup at ``path`` and every cgroup below it (0: one of another PID namespace)."""
-    pids: set[int] = set()
-    for directory, _, _ in os.walk(path):
-        try:
-            with open(os.path.join(directory, "cgroup.procs")) as f:
-                pids.update(int(pid) for pid in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return pids - {0}
+    """The processes in the cgroup at ``path`` (0: one of another PID namespace, left out)."""
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return {int(pid) for pid in f.read().split()} - {0}
+    except (OSError, ValueError):
+        return set()
 
 
 def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
@@ -612,8 +623,8 @@ def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
 
 
 def sweep_run_cgroups() -> int:
-    """Remove the run cgroups of runners that are gone, killing what still runs in them (containers an
-    engine killed and started again no longer knows, see ``kill_cgroup_processes``)."""
+    """Remove the run cgroups of runners that are gone, killing what still runs in them but the
+    containers the engine knows (see ``kill_cgroup_processes``)."""
     removed = 0
     for where in _hierarchies():
         try:
@@ -623,6 +634,9 @@ def sweep_run_cgroups() -> int:
         for entry in entries:
             pid = entry.name[len(RUN_CGROUP_PREFIX) :].split("-")[0]
             if entry.name.startswith(RUN_CGROUP_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-                kill_cgroup_processes(entry.name)
-                removed += remove_run_cgroup(entry.name, wait_s=5.0)
+                try:
+                    killed = kill_cgroup_processes(entry.name, spare_known=True)
+                except ENGINE_ERRORS:
+                    killed = 0
+                removed += remove_run_cgroup(entry.name, wait_s=5.0 if killed else 0.0)
     return removed
