@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import struct
@@ -454,6 +455,7 @@ def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
 # systemd) and this process may write the engine's cgroup tree; elsewhere the containers have their
 # own limits only, and the start of the run says so.
 RUN_CGROUP_PREFIX = "batch-runner-docker-"
+_RUN_CGROUP_NAME = re.compile(rf"{re.escape(RUN_CGROUP_PREFIX)}[0-9]+-[0-9a-f]+")
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -544,10 +546,20 @@ def _hierarchies() -> list[str]:
         return []
 
 
+def is_run_cgroup(name: str) -> bool:
+    """Whether ``name`` is a run cgroup as ``make_run_cgroup`` names them: the only cgroups whose
+    processes are killed and which are removed here. A ``cgroup_parent`` of the user's own (in
+    --sandbox_settings, kept where the run's cannot be made) is neither: "/" killed every process
+    of the machine."""
+    return _RUN_CGROUP_NAME.fullmatch(name) is not None
+
+
 def remove_run_cgroup(name: str, *, wait_s: float = 30.0) -> bool:
     """Remove the run's cgroup, in every hierarchy, once the engine has removed its containers' (it
     does as they go): within ``wait_s`` for all of them (waited per hierarchy, the run's end took
     a minute for each of v1's ten while a process stayed in it)."""
+    if not is_run_cgroup(name):
+        raise ValueError(f"not a run cgroup of the runner's: {name!r}")
     deadline = time.monotonic() + wait_s
     left = [os.path.join(hierarchy, name) for hierarchy in _hierarchies()]
     for attempt in itertools.count(1):
@@ -569,6 +581,8 @@ def kill_cgroup_processes(name: str, *, spare_known: bool = False) -> int:
     names each by its container's ID): another runner's, whose pid this process cannot tell alive (a
     PID namespace of its own), are left to the sweep by label. ENGINE_ERRORS when the engine does not
     answer then."""
+    if not is_run_cgroup(name):
+        raise ValueError(f"not a run cgroup of the runner's: {name!r}")
     dirs = {d for hierarchy in _hierarchies() for d in _cgroup_tree(os.path.join(hierarchy, name))}
     if spare_known and dirs:
         known = {c["Id"] for c in docker_client().api.containers(all=True, quiet=True)}
@@ -633,7 +647,7 @@ def sweep_run_cgroups() -> int:
             continue
         for entry in entries:
             pid = entry.name[len(RUN_CGROUP_PREFIX) :].split("-")[0]
-            if entry.name.startswith(RUN_CGROUP_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+            if is_run_cgroup(entry.name) and not pid_alive(int(pid)):
                 try:
                     killed = kill_cgroup_processes(entry.name, spare_known=True)
                 except ENGINE_ERRORS:

@@ -81,6 +81,7 @@ from batchrun.prompt.sandboxes.docker.engine import (
     docker_client,
     engine_processes_problem,
     ensure_images,
+    is_run_cgroup,
     kill_cgroup_processes,
     layer_paths,
     layer_watch_problem,
@@ -331,8 +332,8 @@ class DockerSandbox(SandboxBackend):
             )
         if removed:
             print(f"Removed {len(removed)} container(s) left by interrupted prompts", file=sys.stderr)
-        if options.get("cgroup_parent"):
-            name = options["cgroup_parent"].lstrip("/")
+        name = str(options.get("cgroup_parent") or "").lstrip("/")
+        if is_run_cgroup(name):  # the run's own (prepare_run), never a cgroup_parent of the user's
             killed = kill_cgroup_processes(name)
             if killed:
                 print(
