@@ -7,7 +7,6 @@ runner from a dead one's, even after the pid was reused.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -549,8 +548,8 @@ def _hierarchies() -> list[str]:
 def is_run_cgroup(name: str) -> bool:
     """Whether ``name`` is a run cgroup as ``make_run_cgroup`` names them: the only cgroups whose
     processes are killed and which are removed here. A ``cgroup_parent`` of the user's own (in
-    --sandbox_settings, kept where the run's cannot be made) is neither: "/" killed every process
-    of the machine."""
+    --sandbox_settings, kept where the run's cannot be made) is neither: for "/" the kill would be
+    every process of the machine's."""
     return _RUN_CGROUP_NAME.fullmatch(name) is not None
 
 
@@ -562,12 +561,13 @@ def remove_run_cgroup(name: str, *, wait_s: float = 30.0) -> bool:
         raise ValueError(f"not a run cgroup of the runner's: {name!r}")
     deadline = time.monotonic() + wait_s
     left = [os.path.join(hierarchy, name) for hierarchy in _hierarchies()]
-    for attempt in itertools.count(1):
+    pause_s = 0.05
+    while True:
         left = [path for path in left if not _rmdir_cgroup(path)]
         if not left or time.monotonic() >= deadline:
             return not left
-        time.sleep(min(0.05 * attempt, 1.0))
-    return False  # never reached: for the type checker
+        time.sleep(pause_s)
+        pause_s = min(pause_s + 0.05, 1.0)
 
 
 def kill_cgroup_processes(name: str, *, spare_known: bool = False) -> int:
