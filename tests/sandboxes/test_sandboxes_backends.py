@@ -701,6 +701,201 @@ def test_sweep_removes_containers_of_dead_owners_of_any_run_and_nothing_else(doc
         foreign.remove(force=True)
 
 
+class _EngineSocket:
+    """A Unix socket in front of the engine's, for this process's Docker client: ``stop()`` is what a
+    stopped dockerd is to the runner (the socket gone, every stream of it cut), while the real engine
+    goes on for the other test sessions sharing it."""
+
+    def __init__(self, path: Path):
+        host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        self.engine = host.removeprefix("unix://")
+        self.path = str(path)
+        self.links: list[socket.socket] = []
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.path)
+        self.server.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            engine.connect(self.engine)
+            self.links += [client, engine]
+            for a, b in ((client, engine), (engine, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self.server.close()
+        os.unlink(self.path)
+        for link in self.links:
+            try:
+                link.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def engine_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker_engine: str):
+    """This process's Docker client through an ``_EngineSocket`` (the real one back at teardown)."""
+    import docker
+
+    from batchrun.prompt.sandboxes.docker import engine
+
+    front = _EngineSocket(tmp_path / "docker.sock")
+    client = docker.DockerClient(base_url=f"unix://{front.path}", version="auto")
+    monkeypatch.setitem(engine._clients, os.getpid(), client)
+    yield front
+    client.close()
+
+
+@pytest.mark.docker
+def test_an_engine_that_stops_fails_the_prompt_not_the_tool_call_nor_the_runs_end(
+    docker_test_image: str, engine_socket, capsys
+):
+    """dockerd stopped during a run (here: 8 prompts, each in a 30 s command): docker-py lets requests'
+    ConnectionError through, not a DockerException. The terminal call became a tool error for the model,
+    the prompt was counted done (completed, not run again on resume) although its container was gone; a
+    verify's became a score error; and the run's sweep ended the run in a traceback, no statistics."""
+    from helpers import tool_call
+
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, default_owner
+
+    box = DockerSandbox(SandboxSpec(RUN, 50, network=False), default_image=docker_test_image)
+    judged = DockerSandbox(SandboxSpec(RUN, 51, network=False), default_image=docker_test_image)
+    box.start()
+    judged.start()
+    ids = {box.container_id, judged.container_id}
+    try:
+        threading.Timer(1.0, engine_socket.stop).start()
+        with pytest.raises(SandboxError):  # the prompt fails (and runs again on resume)
+            tool_call(box, "terminal", command="sleep 30")
+        with pytest.raises(SandboxError):  # no verdict: the sandbox broke
+            judged.run_judged("true", timeout_s=10)
+        DockerSandbox.sweep({"run_owner": default_owner()})  # the run's end goes on
+        assert "Docker engine did not answer" in capsys.readouterr().err
+        judged.stop()
+    finally:
+        box.stop()
+        judged.stop()
+    # The engine itself ran on: the containers, their streams cut, ended and removed themselves.
+    assert wait_until(lambda: ids.isdisjoint(_container_ids()), timeout_s=60)
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("by", ["its_end", "the_next_runs_start"])
+def test_what_runs_on_in_a_runs_cgroup_is_killed_and_the_run_does_not_wait_for_it(
+    docker_test_image, by, capsys
+):
+    """A dockerd killed (SIGKILL) and started again mid-run lists the run's containers no more, while
+    their shims keep them running (here 4 of 8, until their lifetime: 2 h 10 min); the run's end
+    waited ~61 s for each of cgroup v1's 10 hierarchies (10 minutes) for the cgroup they held, then
+    left it, and the next run's start left it too. A process put in the run's cgroup stands for one.
+    The next run's start spares a container the engine lists there: a runner it cannot tell alive
+    (another PID namespace) may own it."""
+    import docker
+
+    from batchrun.prompt.sandboxes.docker import engine
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    problem = engine.run_cgroup_problem(engine.docker_client().info())
+    if problem is not None:
+        pytest.skip(problem)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    if by == "its_end":
+        name = engine.make_run_cgroup(1 << 30, 2048)
+    else:  # a killed runner's: the next run's start removes it
+        name = f"{engine.RUN_CGROUP_PREFIX}{dead.pid}-{uuid.uuid4().hex[:8]}"
+        for path, _ in engine._run_cgroup_dirs(name):
+            os.mkdir(path)
+    orphan = subprocess.Popen(["sleep", "600"])
+    known = None
+    try:
+        for path, _ in engine._run_cgroup_dirs(name):
+            Path(path, "cgroup.procs").write_text(str(orphan.pid))
+        for _ in range(5 if by == "the_next_runs_start" else 0):
+            made = engine.docker_client().containers.create(
+                docker_test_image,
+                ["sleep", "600"],
+                cgroup_parent=f"/{name}",
+                labels={"batch_runner.run_name": RUN},
+            )
+            try:  # a busy engine now and then says an image has no sleep (see the README's docker)
+                made.start()
+                known = made
+                break
+            except docker.errors.APIError:
+                made.remove(force=True)
+                time.sleep(0.5)
+        assert (known is None) == (by == "its_end")
+        if by == "its_end":
+            options = {"run_owner": f"{dead.pid}:1@{socket.gethostname()}", "cgroup_parent": f"/{name}"}
+            ending = threading.Thread(target=DockerSandbox.sweep, args=(options,), daemon=True)
+        else:
+            ending = threading.Thread(target=engine.sweep_run_cgroups, daemon=True)
+        ending.start()
+        ending.join(timeout=20)
+        assert not ending.is_alive()
+        assert orphan.wait(timeout=10) == -9
+        if known is not None:
+            assert container_running(known.id)
+        else:
+            assert not any(os.path.exists(os.path.join(h, name)) for h in engine._hierarchies())
+            assert "Killed 1 process(es) of this run's containers" in capsys.readouterr().err
+    finally:
+        orphan.kill()
+        if known is not None:
+            known.remove(force=True)
+        engine.remove_run_cgroup(name, wait_s=10)
+
+
+@pytest.mark.docker
+def test_a_cgroup_parent_of_the_users_own_is_neither_killed_nor_removed_at_the_runs_end(docker_engine):
+    """--sandbox_settings may name a cgroup_parent of the user's own, kept where the run's cannot be
+    made: the run's end took it for the run's, waited ~61 s per hierarchy for it, and removed what it
+    could of it (its empty cgroups); with the end's kill of what runs in a run's cgroup, "/" would have
+    killed every process of the machine."""
+    from batchrun.prompt.sandboxes.docker import engine
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("making a cgroup needs root")
+    name = f"brtest-users-{uuid.uuid4().hex[:8]}"
+    dirs = [path for path, _ in engine._run_cgroup_dirs(name)]
+    process = subprocess.Popen(["sleep", "600"])
+    try:
+        for path in dirs:
+            os.makedirs(os.path.join(path, "empty"))
+            Path(path, "cgroup.procs").write_text(str(process.pid))
+        options = {"run_owner": f"1:1@{socket.gethostname()}-none", "cgroup_parent": f"/{name}"}
+        ending = threading.Thread(target=DockerSandbox.sweep, args=(options,), daemon=True)
+        ending.start()
+        ending.join(timeout=20)
+        assert not ending.is_alive()
+        assert process.poll() is None
+        assert all(os.path.isdir(os.path.join(path, "empty")) for path in dirs)
+    finally:
+        process.kill()
+        process.wait()
+        for path in dirs:
+            for leftover in (os.path.join(path, "empty"), path):
+                if os.path.isdir(leftover):
+                    os.rmdir(leftover)
+
+
 def _container_ids() -> set[str]:
     """Full ids of every container of the engine, running or not."""
     done = subprocess.run(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import signal
 import socket
 import struct
 import threading
@@ -21,6 +23,7 @@ from typing import Any
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from requests.exceptions import RequestException
 
 from batchrun import cache_dir
 from batchrun.prompt.sandboxes.base import SandboxError
@@ -31,6 +34,13 @@ log = logging.getLogger(__name__)
 LABEL_RUN = "batch_runner.run_name"
 LABEL_INDEX = "batch_runner.prompt_index"
 LABEL_OWNER = "batch_runner.owner"
+
+# What a call to the engine raises when it fails: docker-py's errors, and requests' own, which
+# docker-py lets through when the engine's socket is gone or does not answer (dockerd stopped or
+# restarting: ConnectionError; an answer past the client's timeout: ReadTimeout). Caught as
+# DockerException alone, a stopped dockerd's ConnectionError left a command of the agent's as a tool
+# error (the prompt counted done, its container dead) and ended the run in a traceback at its sweep.
+ENGINE_ERRORS = (DockerException, RequestException)
 
 # One client per process: a forked worker must not share its parent's sockets.
 _clients: dict[int, docker.DockerClient] = {}
@@ -52,7 +62,7 @@ def docker_client() -> docker.DockerClient:
         if client is None:
             try:
                 client = docker.from_env(version="auto", max_pool_size=64)
-            except DockerException as exc:
+            except ENGINE_ERRORS as exc:
                 raise SandboxError(_unreachable(exc)) from exc
             _clients[os.getpid()] = client
         return client
@@ -62,7 +72,7 @@ def check_engine() -> str:
     """The engine's server version; ``SandboxError`` with a clear hint when no engine answers."""
     try:
         return str(docker_client().version().get("Version", "unknown"))
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         raise SandboxError(_unreachable(exc)) from exc
 
 
@@ -147,7 +157,7 @@ def ensure_images(
     client = docker_client()
     try:
         version = client.version()
-    except DockerException:
+    except ENGINE_ERRORS:
         version = {}
     engine = (str(version.get("Os") or ""), str(version.get("Arch") or ""))
     known = _read_runnable()
@@ -161,7 +171,7 @@ def ensure_images(
             attrs = client.images.get(image).attrs
         except ImageNotFound:
             attrs = None
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             return f"cannot inspect image: {exc}"
         if attrs is None and not pull:
             return NOT_PULLED
@@ -170,7 +180,7 @@ def ensure_images(
             try:
                 client.images.pull(image)
                 attrs = client.images.get(image).attrs
-            except DockerException as exc:
+            except ENGINE_ERRORS as exc:
                 progress(f"pull of {image} failed")
                 return f"not present locally and the pull failed: {getattr(exc, 'explanation', None) or exc}"
             progress(f"pulled {image}")
@@ -222,7 +232,7 @@ def _run_problem(image: str, attrs: dict[str, Any], engine: tuple[str, str]) -> 
             image, entrypoint=["sh", "-c", PROBE_SCRIPT], command=[], network_mode="none",
             labels={LABEL_RUN: "image-probe", LABEL_OWNER: default_owner()},
         )  # fmt: skip
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         if foreign:
             return f"built for {built}, not this engine's {here}, and no container of it could be made: {exc}"
         return f"{PROBE_BROKE} (no container of it could be made: {getattr(exc, 'explanation', None) or exc})"
@@ -336,7 +346,7 @@ def storage_size_supported(image: str) -> bool:
             image, command=["true"], storage_opt={"size": "64m"},
             labels={LABEL_RUN: "storage-probe", LABEL_OWNER: default_owner()},
         )  # fmt: skip
-    except DockerException:
+    except ENGINE_ERRORS:
         return False
     _remove(container)
     return True
@@ -362,7 +372,7 @@ def layer_watch_problem(image: str) -> str | None:
         container = client.containers.create(
             image, command=["true"], labels={LABEL_RUN: "layer-probe", LABEL_OWNER: default_owner()}
         )
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         return f"no container could be made to look at ({exc})"
     try:
         paths = layer_paths(container.attrs)
@@ -415,7 +425,7 @@ def _remove(container) -> list[str]:
             return [container.name] if wait_removed(container.id) else []
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
-    except DockerException as exc:
+    except ENGINE_ERRORS as exc:
         log.warning("could not remove container %s: %s", container.name, exc)
         return []
     return [container.name]
@@ -429,7 +439,7 @@ def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
             docker_client().api.inspect_container(container_id)
         except NotFound:
             return True
-        except DockerException:
+        except ENGINE_ERRORS:
             return False
         time.sleep(0.05)
     log.warning("container %s is still being removed", container_id[:12])
@@ -444,6 +454,7 @@ def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
 # systemd) and this process may write the engine's cgroup tree; elsewhere the containers have their
 # own limits only, and the start of the run says so.
 RUN_CGROUP_PREFIX = "batch-runner-docker-"
+_RUN_CGROUP_NAME = re.compile(rf"{re.escape(RUN_CGROUP_PREFIX)}[0-9]+-[0-9a-f]+")
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -534,13 +545,75 @@ def _hierarchies() -> list[str]:
         return []
 
 
-def remove_run_cgroup(name: str, *, attempts: int = 50) -> bool:
+def is_run_cgroup(name: str) -> bool:
+    """Whether ``name`` is a run cgroup as ``make_run_cgroup`` names them: the only cgroups whose
+    processes are killed and which are removed here. A ``cgroup_parent`` of the user's own (in
+    --sandbox_settings, kept where the run's cannot be made) is neither: for "/" the kill would be
+    every process of the machine's."""
+    return _RUN_CGROUP_NAME.fullmatch(name) is not None
+
+
+def remove_run_cgroup(name: str, *, wait_s: float = 30.0) -> bool:
     """Remove the run's cgroup, in every hierarchy, once the engine has removed its containers' (it
-    does as they go)."""
-    gone = True
-    for hierarchy in _hierarchies():
-        gone = _rmdir_cgroup(os.path.join(hierarchy, name), attempts) and gone
-    return gone
+    does as they go): within ``wait_s`` for all of them (waited per hierarchy, the run's end took
+    a minute for each of v1's ten while a process stayed in it)."""
+    if not is_run_cgroup(name):
+        raise ValueError(f"not a run cgroup of the runner's: {name!r}")
+    deadline = time.monotonic() + wait_s
+    left = [os.path.join(hierarchy, name) for hierarchy in _hierarchies()]
+    pause_s = 0.05
+    while True:
+        left = [path for path in left if not _rmdir_cgroup(path)]
+        if not left or time.monotonic() >= deadline:
+            return not left
+        time.sleep(pause_s)
+        pause_s = min(pause_s + 0.05, 1.0)
+
+
+def kill_cgroup_processes(name: str, *, spare_known: bool = False) -> int:
+    """SIGKILL every process left in the run's cgroup ``name`` (every hierarchy, the containers'
+    cgroups in it); how many. Once the engine removed every container of the run, what runs there
+    is a container no engine removes any more: its dockerd was killed (SIGKILL, a crash) and started
+    again, and the new one lists it no more while its shim keeps it running, its stream's end never
+    seen, until its lifetime (hours). It also held the cgroup, so the run's end waited for it.
+
+    ``spare_known``: not in the cgroups of containers the engine lists (the engine's cgroupfs driver
+    names each by its container's ID): another runner's, whose pid this process cannot tell alive (a
+    PID namespace of its own), are left to the sweep by label. ENGINE_ERRORS when the engine does not
+    answer then."""
+    if not is_run_cgroup(name):
+        raise ValueError(f"not a run cgroup of the runner's: {name!r}")
+    dirs = {d for hierarchy in _hierarchies() for d in _cgroup_tree(os.path.join(hierarchy, name))}
+    if spare_known and dirs:
+        known = {c["Id"] for c in docker_client().api.containers(all=True, quiet=True)}
+        dirs = {d for d in dirs if os.path.basename(d) not in known}
+    killed: set[int] = set()
+    for _ in range(20):  # what forks meanwhile is killed by the next round
+        pids = {pid for d in dirs for pid in _cgroup_procs(d)}
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+            killed.add(pid)
+        time.sleep(0.05)
+    return len(killed)
+
+
+def _cgroup_tree(path: str) -> list[str]:
+    """The cgroup at ``path`` and every cgroup below it ([] when there is none)."""
+    return [directory for directory, _, _ in os.walk(path)]
+
+
+def _cgroup_procs(path: str) -> set[int]:
+    """The processes in the cgroup at ``path`` (0: one of another PID namespace, left out)."""
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return {int(pid) for pid in f.read().split()} - {0}
+    except (OSError, ValueError):
+        return set()
 
 
 def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
@@ -564,7 +637,8 @@ def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:
 
 
 def sweep_run_cgroups() -> int:
-    """Remove the run cgroups of runners that are gone (with no container left in them)."""
+    """Remove the run cgroups of runners that are gone, killing what still runs in them but the
+    containers the engine knows (see ``kill_cgroup_processes``)."""
     removed = 0
     for where in _hierarchies():
         try:
@@ -573,6 +647,10 @@ def sweep_run_cgroups() -> int:
             continue
         for entry in entries:
             pid = entry.name[len(RUN_CGROUP_PREFIX) :].split("-")[0]
-            if entry.name.startswith(RUN_CGROUP_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-                removed += _rmdir_cgroup(entry.path)
+            if is_run_cgroup(entry.name) and not pid_alive(int(pid)):
+                try:
+                    killed = kill_cgroup_processes(entry.name, spare_known=True)
+                except ENGINE_ERRORS:
+                    killed = 0
+                removed += remove_run_cgroup(entry.name, wait_s=5.0 if killed else 0.0)
     return removed

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.errors import APIError, ImageNotFound, NotFound
 from docker.types import LogConfig
 
 import batchrun.prompt.sandboxes.docker.container_server as server
@@ -69,6 +69,7 @@ from batchrun.prompt.sandboxes.base import (
 from batchrun.prompt.sandboxes.docker import frozen_guard
 from batchrun.prompt.sandboxes.docker.disk_watch import disk_watch
 from batchrun.prompt.sandboxes.docker.engine import (
+    ENGINE_ERRORS,
     LABEL_INDEX,
     LABEL_OWNER,
     LABEL_RUN,
@@ -80,6 +81,8 @@ from batchrun.prompt.sandboxes.docker.engine import (
     docker_client,
     engine_processes_problem,
     ensure_images,
+    is_run_cgroup,
+    kill_cgroup_processes,
     layer_paths,
     layer_watch_problem,
     make_run_cgroup,
@@ -210,7 +213,7 @@ def _hub_host_problem() -> str | None:
         return problem
     try:
         info = docker_client().info()
-    except (DockerException, SandboxError) as exc:
+    except (*ENGINE_ERRORS, SandboxError) as exc:
         return f"the engine did not say what it is ({exc})"
     return engine_processes_problem(info)
 
@@ -289,7 +292,7 @@ class DockerSandbox(SandboxBackend):
             return options
         try:
             info = docker_client().info()
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             info, problem = {}, f"the engine did not say how it makes cgroups ({exc})"
         else:
             problem = run_cgroup_problem(info)
@@ -318,11 +321,27 @@ class DockerSandbox(SandboxBackend):
     def sweep(cls, options: dict[str, Any]) -> None:
         """After the pool ended: every container this run started (e.g. of prompts cut short) goes, and
         the run's cgroup with them."""
-        removed = remove_owned_containers(options.get("run_owner") or default_owner())
+        try:
+            removed = remove_owned_containers(options.get("run_owner") or default_owner())
+        except (*ENGINE_ERRORS, SandboxError) as exc:  # the engine stopped: the run's end goes on
+            removed = []
+            print(
+                f"warning: this run's containers could not be looked for, the Docker engine did not "
+                f"answer ({exc}); any left are removed by the next run's start",
+                file=sys.stderr,
+            )
         if removed:
             print(f"Removed {len(removed)} container(s) left by interrupted prompts", file=sys.stderr)
-        if options.get("cgroup_parent"):
-            remove_run_cgroup(options["cgroup_parent"].lstrip("/"))
+        name = str(options.get("cgroup_parent") or "").lstrip("/")
+        if is_run_cgroup(name):  # the run's own (prepare_run), never a cgroup_parent of the user's
+            killed = kill_cgroup_processes(name)
+            if killed:
+                print(
+                    f"Killed {killed} process(es) of this run's containers that the Docker engine no longer "
+                    "knows (its dockerd was killed and started again?)",
+                    file=sys.stderr,
+                )
+            remove_run_cgroup(name)
 
     # -- one prompt's sandbox
 
@@ -436,7 +455,7 @@ class DockerSandbox(SandboxBackend):
                 raise SandboxError(
                     f"docker image {self.image!r} is not available locally: {exc.explanation}"
                 ) from exc
-            except (DockerException, OSError, SandboxError) as exc:
+            except (*ENGINE_ERRORS, OSError, SandboxError) as exc:
                 ended, final = self._why_it_ended(exc)
                 if final and self._image_ran_sh():
                     final = False  # a fault of the engine's, not the image's: tried again
@@ -471,7 +490,7 @@ class DockerSandbox(SandboxBackend):
             return True
         try:
             image_id = docker_client().images.get(self.image).id
-        except DockerException:
+        except ENGINE_ERRORS:
             return False
         return image_id in _read_runnable()
 
@@ -495,7 +514,7 @@ class DockerSandbox(SandboxBackend):
                 state = docker_client().api.inspect_container(container_id).get("State") or {}
             except NotFound:
                 state = {"Status": "removed"}  # it ended, and removed itself (auto_remove)
-            except DockerException:
+            except ENGINE_ERRORS:
                 return None, False
             pid = state.get("Pid")
             gone = (
@@ -560,7 +579,7 @@ class DockerSandbox(SandboxBackend):
         try:
             attrs = docker_client().api.inspect_container(container_id)
             pid = int(attrs["State"]["Pid"] or 0)
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             raise SandboxError(f"{gone}: {exc}") from exc
         if pid <= 0:
             raise SandboxError(f"{gone}: it is not running")
@@ -626,7 +645,7 @@ class DockerSandbox(SandboxBackend):
             disk_watch().add(
                 container_id, paths, self.options.disk_mb << 20, self._disk_cap_passed(container_id)
             )
-        except (DockerException, OSError) as exc:
+        except (*ENGINE_ERRORS, OSError) as exc:
             if self.options.disk_watch:
                 raise SandboxError(f"{cannot}: {exc}") from exc
             log.info("%s: %s", cannot, exc)
@@ -654,7 +673,7 @@ class DockerSandbox(SandboxBackend):
                 docker_client().api.kill(container_id)
             except NotFound:
                 pass
-            except (DockerException, SandboxError) as exc:
+            except (*ENGINE_ERRORS, SandboxError) as exc:
                 log.warning("could not stop container %s: %s", container_id[:12], exc)
 
         return over
@@ -673,7 +692,7 @@ class DockerSandbox(SandboxBackend):
                     archive.write(chunk)
             except NotFound:
                 pass
-            except DockerException as exc:
+            except ENGINE_ERRORS as exc:
                 raise SandboxError(f"cannot read {self.workdir} of image {self.image!r}: {exc}") from exc
             archive.seek(0)
             if _only_the_directory(archive):
@@ -768,7 +787,7 @@ class DockerSandbox(SandboxBackend):
         """Send ``signal`` to the container's PID 1 from the host (the engine's kill: the one way to stop it)."""
         try:
             docker_client().api.kill(self.container_id, signal)
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
     def _hold_stopped(self, spared: str) -> Any:
@@ -779,7 +798,7 @@ class DockerSandbox(SandboxBackend):
                 self.container_id, ["sh", "-c", server.THAW_AT_EOF_SCRIPT, "sh", *spared.split()], stdin=True
             )["Id"]
             return api.exec_start(exec_id, socket=True)
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
     def _thaw(self) -> None:
@@ -872,7 +891,7 @@ class DockerSandbox(SandboxBackend):
             try:
                 exec_id, stream = self._exec(command, token, user, judged=judged)
                 break
-            except DockerException as exc:
+            except ENGINE_ERRORS as exc:
                 # A container dead before its first command (a start the engine botched under load;
                 # gone already, as it removes itself) ran nothing of the prompt yet: a new one is safe, once.
                 dead_before_first = (
@@ -952,7 +971,7 @@ class DockerSandbox(SandboxBackend):
                     wait_removed(container_id)
                 else:
                     log.warning("could not remove container %s: %s", container_id[:12], exc)
-            except (DockerException, SandboxError) as exc:  # a later sweep finds it by its labels
+            except (*ENGINE_ERRORS, SandboxError) as exc:  # a later sweep finds it by its labels
                 log.warning("could not remove container %s: %s", container_id[:12], exc)
             frozen_guard.release(container_id)
 
@@ -972,7 +991,7 @@ class DockerSandbox(SandboxBackend):
         try:
             api = docker_client().api
             api.exec_start(api.exec_create(self.container_id, kill_argv(token))["Id"])
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
     def _engine_exit_code(
@@ -995,7 +1014,7 @@ class DockerSandbox(SandboxBackend):
                         open_ = bool(sock.recv(65536))
                 else:
                     time.sleep(min(left, 0.02))
-        except DockerException as exc:
+        except ENGINE_ERRORS as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
 
