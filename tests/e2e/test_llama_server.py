@@ -613,18 +613,23 @@ def test_a_judge_call_the_budget_stops_fails_the_prompt_and_resume_judges_it(her
     assert (record["score"]["status"], record["score"]["judge_usage"]["calls"]) == ("passed", 1)
 
 
+def _stopped_early(hermes, tmp_path, fields: dict | None = None) -> Path:
+    """A run of one row verified by `true`, 3 samples planned, stopped after its first pass (2 skipped)."""
+    rows = [{"id": "ran", "prompt": "Say hello.", "verify": "true", **(fields or {})}]
+    dataset = write_rows(tmp_path / "rows.jsonl", rows)
+    return _run(
+        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=3, stop_after_passes=1,
+        keep_no_reasoning=True,
+    )  # fmt: skip
+
+
 def test_a_rescoring_of_a_run_that_stopped_rows_early_says_so(hermes, tmp_path, capsys):
     """A --stop_after_passes run's statistics say its figures describe the kept data, not the model
     (2 samples skipped after the row's pass); its re-scoring by views.score counted the same samples and
     said nothing of it (skipped_after_passes 0, note null), its pass@k read as the model's."""
     from batchrun.views import score
 
-    rows = [{"id": "ran", "prompt": "Say hello.", "answer": "ran", "verify": "true"}]
-    dataset = write_rows(tmp_path / "rows.jsonl", rows)
-    run_dir = _run(
-        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=3, stop_after_passes=1,
-        keep_no_reasoning=True,
-    )  # fmt: skip
+    run_dir = _stopped_early(hermes, tmp_path, {"answer": "ran"})
     own = json.loads((run_dir / "statistics.json").read_text())["scores"]
     assert (own["scored"], own["skipped_after_passes"]) == (1, 2) and own["note"]
     capsys.readouterr()
@@ -680,12 +685,7 @@ def test_the_report_of_a_run_that_stopped_rows_early_says_its_figures_describe_t
     """statistics.json and the closing headline say a --stop_after_passes run's pass rate and pass@k
     describe the kept data, not the model; report.html showed them bare (here pass@1 1.000 over one
     sample of a row planned three times). It now carries the same caveat with the count skipped."""
-    rows = [{"id": "ran", "prompt": "Say hello.", "verify": "true"}]
-    dataset = write_rows(tmp_path / "rows.jsonl", rows)
-    run_dir = _run(
-        hermes, tmp_path, [], dataset_file=str(dataset), samples_per_prompt=3, stop_after_passes=1,
-        keep_no_reasoning=True,
-    )  # fmt: skip
+    run_dir = _stopped_early(hermes, tmp_path)
     scores = json.loads((run_dir / "statistics.json").read_text())["scores"]
     assert scores["skipped_after_passes"] == 2 and "describe the kept data" in scores["note"]
     section = (run_dir / "report.html").read_text("utf-8").split('<section id="scores">')[1]
