@@ -27,7 +27,7 @@ from batchrun.identity import RowIdentity
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import normalize_metadata, sample_index_of, valid_record
 from batchrun.run.journal import JOURNAL_NAME, SpendJournal
-from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
+from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION, LOCK_NAME
 from batchrun.secrets import Redactor, terminal_safe
 from batchrun.sharegpt import parse_json
 from batchrun.storage import (
@@ -42,7 +42,6 @@ from batchrun.storage import (
     write_text_in_place,
 )
 
-LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
 STATUS_EVERY_S = 2.0  # status.json refresh period during a run
 
 

@@ -15,6 +15,11 @@ when it holds a form no reader handles any more: a ``statistics.json`` without i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,11 @@ from batchrun.sharegpt import parse_json
 FORMAT_VERSION = 1  # the run directory's format: raise it when readers can no longer read what was written
 FORMAT_FIELD = "format_version"
 DECLARING_FILES = ("run_manifest.json", "checkpoint.json")  # the files that carry FORMAT_FIELD
+LOCK_NAME = ".lock"  # held (flock) by the one process writing a run directory: its runner, or views.score
+
+
+class RunDirBusy(Exception):
+    """The run directory's lock is held: a runner (or a re-scoring) is writing it. The message names it."""
 
 
 def declared_version(run_dir: Path) -> Any:
@@ -67,3 +77,62 @@ def _read_json(path: Path) -> Any:
         return parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # absent or damaged: the readers of that file say so themselves
+
+
+def _owner(fd: int) -> str:
+    with contextlib.suppress(OSError):
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip().split("\n")[0]
+        if text:
+            return text
+    return "another process"
+
+
+def runner_working(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock ("pid N on host"), while a runner or a re-scoring works in it;
+    None when nothing does, or it cannot be told (no lock file, one this user cannot open). A probe: the
+    lock file is never created, and never held past this call (a runner starting meanwhile is not refused)."""
+    try:  # non-blocking: a FIFO planted under the name would hang a plain open
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _owner(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # releases the probe's shared lock
+    return None
+
+
+@contextlib.contextmanager
+def holding(run_dir: Path, who: str) -> Iterator[None]:
+    """Hold the run directory's lock as its runner does, for a view that writes into it: a runner cannot
+    start there meanwhile (it exits 2 naming ``who``), and :class:`RunDirBusy` when one works there now.
+    A lock file that cannot be opened (a read-only directory) is not held: the view's own writes fail there."""
+    path = run_dir / LOCK_NAME
+    made = not path.exists()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError:
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirBusy(f"{run_dir} is in use by a running batch_runner ({_owner(fd)})") from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} ({who})\n".encode(), 0)
+        try:
+            yield
+        finally:
+            if made:  # unlinked while still held, as the runner does: no lock file left behind
+                with contextlib.suppress(OSError):
+                    path.unlink()
+    finally:
+        os.close(fd)

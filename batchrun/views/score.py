@@ -27,7 +27,7 @@ from typing import Any
 
 from batchrun.identity import record_sample
 from batchrun.record import valid_outcome_row, valid_record
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import RunDirBusy, check_run_dir, holding
 from batchrun.scoring import (
     NORMALIZE_STEPS,
     SANDBOX_SCORERS,
@@ -232,7 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
     try:
-        summary = rescore(args.run_dir, settings, name, judge, stats.get("distribution", ""))
+        # Held while it reads and writes: a runner finishing meanwhile replaced statistics.json, and this
+        # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone.
+        with holding(args.run_dir, "python -m batchrun.views.score"):
+            summary = rescore(args.run_dir, settings, name, judge, stats.get("distribution", ""))
+    except RunDirBusy as exc:
+        print(
+            f"error: {exc}; re-score when it has ended (its samples are not all there yet)", file=sys.stderr
+        )
+        return 2
     except (
         WriteError,
         ValueError,
