@@ -471,8 +471,16 @@ def _tool_turn(value: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- numbers and charts
 
 
+# Invisible characters that reorder the text after them up to the end of its paragraph (U+202A-U+202E
+# embeddings and overrides, U+2066-U+2069 isolates): a row id holding U+202E showed the report's own words
+# after it in a failing sample's line reversed ("0.0 erocs · tpek · 0#"), and a row's digest in its table
+# cell. Shown as their escapes, as the scorers' explanations show them; the JSONL files keep them.
+_BIDI_CONTROL = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
 def esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    text = _BIDI_CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", str(value))
+    return html.escape(text, quote=True)
 
 
 def fmt_int(n: float) -> str:

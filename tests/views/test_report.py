@@ -4,6 +4,7 @@ streaming with a cap on the listed conversations, the CLI, and the page as headl
 
 from __future__ import annotations
 
+import html
 import html.parser
 import json
 import os
@@ -568,3 +569,37 @@ def test_a_discarded_sample_with_a_lone_surrogate_still_gets_its_page(demo_run: 
     (run_dir / "discarded.jsonl").write_text("\n".join(lines) + "\n", "utf-8")
     report.write_report(run_dir)
     assert "broken \ufffd text" in (run_dir / "report.html").read_text("utf-8")
+
+
+def test_a_row_id_cannot_reverse_the_reports_own_words(tmp_path: Path) -> None:
+    """A row id holding U+202E (right-to-left override) reversed everything after it to the end of its
+    line: a failing sample's "#0 · kept · score 0.0 · exact: ..." read "... :tcaxe · 0.0 erocs · tpek · 0#"
+    in Chromium, and the row's digest in the per-row table read backwards. The page shows such
+    characters as their escapes (the JSONL files keep them)."""
+    rows = [
+        {"id": "\u202eevil", "prompt": "Say 4 [calls:0] [answer:5]", "answer": "4"},
+        {"id": "iso\u2067late\u202bx", "prompt": "Say 2 [calls:0] [answer:3]", "answer": "2"},
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    batch_runner.main(
+        dataset_file=str(dataset),
+        batch_size=2,
+        run_name="rtl",
+        model="mock",
+        output_dir=str(tmp_path / "data"),
+        distribution="terminal_only",
+        num_workers=1,
+        scorer="exact",
+        answer_pattern="ANSWER: (.*)",
+    )
+    run_dir = tmp_path / "data" / "rtl"
+    assert read_jsonl(run_dir / "trajectories.jsonl")[0]["metadata"]["row_id"] in (
+        "\u202eevil",
+        "iso\u2067late\u202bx",
+    )
+    text = report.write_report(run_dir).read_text("utf-8")
+    start = text.index('<script type="application/json" id="report-data">')
+    shown = text[:start]  # the page's own markup; the JSON after it is read by the script, never laid out
+    assert not any(ch in shown for ch in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+    assert "\\u202eevil" in html.unescape(shown) and "iso\\u2067late\\u202bx" in html.unescape(shown)
