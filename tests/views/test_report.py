@@ -603,3 +603,48 @@ def test_a_row_id_cannot_reverse_the_reports_own_words(tmp_path: Path) -> None:
     shown = text[:start]  # the page's own markup; the JSON after it is read by the script, never laid out
     assert not any(ch in shown for ch in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
     assert "\\u202eevil" in html.unescape(shown) and "iso\\u2067late\\u202bx" in html.unescape(shown)
+
+
+def test_a_report_of_the_batch_files_gives_the_pass_rate_of_the_samples_it_lists(tmp_path: Path) -> None:
+    """A run killed (or still going) before its statistics.json: the report reads the batch files, but its
+    pass rate, interval and pass@k came from statistics.json alone. A --resume killed mid-way showed the
+    earlier invocation's figures (measured: 57.1% of n=210 over batch files holding 306 judged samples,
+    174 passed); a first run killed showed none. They are now the records' own, as counted by hand."""
+    rows = [
+        {"id": f"r{i}", "prompt": f"Say {i} [calls:0] [answers:{i}|x]", "answer": str(i)} for i in range(6)
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    args = dict(
+        dataset_file=str(dataset),
+        batch_size=3,
+        run_name="k",
+        model="mock",
+        output_dir=str(tmp_path / "data"),
+        distribution="terminal_only",
+        num_workers=1,
+        scorer="exact",
+        answer_pattern="ANSWER: (.*)",
+        seed_per_request=True,
+    )
+    assert batch_runner.main(**args) == 0
+    run_dir = tmp_path / "data" / "k"
+    first = (run_dir / "statistics.json").read_text("utf-8")
+    assert batch_runner.main(**args, resume=True, samples_per_prompt=3) == 0
+    # As a kill -9 before the resume's merge leaves it: the first invocation's statistics.json and
+    # trajectories.jsonl, the batch files newer.
+    (run_dir / "statistics.json").write_text(first, "utf-8")
+    os.utime(run_dir / "trajectories.jsonl", (1, 1))
+    judged = [
+        r["score"]["passed"]
+        for path in sorted(run_dir.glob("batch_*.jsonl"))
+        for r in read_jsonl(path)
+        if r["score"]["passed"] is not None
+    ]
+    assert len(judged) == 18 and json.loads(first)["scores"]["scored"] == 6
+    page = Page()
+    page.feed(report.write_report(run_dir).read_text("utf-8"))
+    assert page.stats["pass_rate"] == f"{sum(judged) / len(judged):.1%}"
+    text = (run_dir / "report.html").read_text("utf-8")
+    assert f"n={len(judged)}" in text and "pass@2" in page.stats  # 3 samples a row now, 1 before
+    assert "From the samples recorded so far" in text
