@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pwd
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,9 @@ def declared_version(run_dir: Path) -> Any:
 
 def check_run_dir(run_dir: Path) -> str | None:
     """Why this batch-runner cannot read ``run_dir`` (a problem to print, exit 2), or None when it can."""
+    problem = _unreadable(run_dir)
+    if problem:
+        return problem
     version = declared_version(run_dir)
     if version is not None:
         if version == FORMAT_VERSION and not isinstance(version, bool):
@@ -61,6 +65,45 @@ def check_run_dir(run_dir: Path) -> str | None:
         f"{run_dir} was written before run directories had a {FORMAT_FIELD} (this batch-runner reads format "
         f"version {FORMAT_VERSION}), in a form it no longer reads: {form}. Read it with the batch-runner "
         "that wrote it, or start a new run"
+    )
+
+
+def _unreadable(run_dir: Path) -> str | None:
+    """Why this user cannot read the directory or one of its run files (another user's run: the runner
+    makes the directory mode 0700), or None. A view met it as a PermissionError traceback, or as a
+    status.json that "is not a JSON object"."""
+    try:
+        names = os.listdir(run_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # said by each reader in its own words
+    except PermissionError as exc:
+        return _denied(run_dir, exc)
+    for name in sorted(names):
+        if not name.endswith((".json", ".jsonl")) or name.startswith("."):
+            continue
+        try:  # non-blocking: a FIFO planted under a run file's name would hang a plain open
+            os.close(os.open(run_dir / name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except PermissionError as exc:
+            return _denied(run_dir / name, exc)
+        except OSError:
+            continue  # gone meanwhile (a runner replaced it), or not a file: its reader says so
+    return None
+
+
+def _denied(path: Path, exc: OSError) -> str:
+    try:
+        uid = path.lstat().st_uid
+    except OSError:
+        uid = None
+    owner = ""
+    if uid is not None and uid != os.geteuid():
+        try:
+            owner = f", owned by {pwd.getpwuid(uid).pw_name}"
+        except KeyError:
+            owner = f", owned by uid {uid}"
+    return (
+        f"cannot read {path}: {exc.strerror or exc}{owner} (a run directory is its owner's alone: read it "
+        "as that user, or have them give you a copy)"
     )
 
 

@@ -364,15 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.bootstrap < 100:
         parser.error("--bootstrap must be at least 100")
     for run in (args.run_a, args.run_b):
+        problem = check_run_dir(run)  # first: one this user cannot read raised on the check below
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         if not (run / "trajectories.jsonl").is_file():
             print(
                 f"error: {run} holds no trajectories.jsonl (is it a finished run's directory?)",
                 file=sys.stderr,
             )
-            return 2
-        problem = check_run_dir(run)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
             return 2
     try:
         result = compare_runs(

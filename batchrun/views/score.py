@@ -219,15 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    problem = check_run_dir(args.run_dir)  # first: one this user cannot read raised on the check below
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not (args.run_dir / "trajectories.jsonl").is_file():
         print(
             f"error: {args.run_dir} holds no trajectories.jsonl (is it a finished run's directory?)",
             file=sys.stderr,
         )
-        return 2
-    problem = check_run_dir(args.run_dir)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
         return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)

@@ -648,3 +648,70 @@ def test_a_report_of_the_batch_files_gives_the_pass_rate_of_the_samples_it_lists
     text = (run_dir / "report.html").read_text("utf-8")
     assert f"n={len(judged)}" in text and "pass@2" in page.stats  # 3 samples a row now, 1 before
     assert "From the samples recorded so far" in text
+
+
+DROP_DAC = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+
+
+@pytest.mark.parametrize("unreadable", ["directory", "failed.jsonl"])
+def test_every_view_on_a_run_this_user_cannot_read_says_so(tmp_path: Path, unreadable: str) -> None:
+    """Another user's run (the runner makes its directory mode 0700): report, export, score and compare
+    ended in a PermissionError traceback, status said its status.json "is not a JSON object". Each now
+    exits 2 naming what it cannot read. Root reads everything: its file-permission capabilities are
+    dropped for the views' processes."""
+    import shutil
+
+    if os.geteuid() == 0 and not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is needed to read as root without its file-permission override")
+    prefix = DROP_DAC if os.geteuid() == 0 else []
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(
+        json.dumps({"prompt": "Say 4 [calls:0] [answer:4]", "answer": "4"})
+        + "\n"
+        + json.dumps({"prompt": "[error:400] fails"})
+        + "\n"
+    )
+    batch_runner.main(
+        dataset_file=str(dataset),
+        batch_size=2,
+        run_name="theirs",
+        model="mock",
+        output_dir=str(tmp_path / "data"),
+        distribution="terminal_only",
+        num_workers=1,
+        scorer="exact",
+        answer_pattern="ANSWER: (.*)",
+        max_failure_rate=1.0,
+    )
+    run_dir = tmp_path / "data" / "theirs"
+    assert (run_dir / "failed.jsonl").is_file()
+    target = run_dir if unreadable == "directory" else run_dir / "failed.jsonl"
+    target.chmod(0)
+    try:
+        for view in (
+            ["status", str(run_dir)],
+            ["report", str(run_dir)],
+            ["export", str(run_dir), "--format=openai", f"--out={tmp_path / 'out'}"],
+            ["score", str(run_dir), "--scorer=includes"],
+            ["compare", str(run_dir), str(run_dir)],
+        ):
+            done = subprocess.run(
+                [*prefix, sys.executable, "-m", f"batchrun.views.{view[0]}", *view[1:]],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 2, (view, done.stderr)
+            assert "Traceback" not in done.stderr, (view, done.stderr)
+            assert done.stderr.startswith(f"error: cannot read {target}: Permission denied"), (
+                view,
+                done.stderr,
+            )
+    finally:
+        target.chmod(0o700 if unreadable == "directory" else 0o600)
+    assert not (tmp_path / "out").exists()
