@@ -427,3 +427,36 @@ def test_reasoning_the_provider_sent_encrypted_only_is_not_exported_as_the_model
         assert [m["content"] for m in assistant] == [None, "It printed hi."], fmt
         assert not any(m.get("reasoning_content") for m in assistant), fmt
         assert "encrypted" not in json.dumps(messages), fmt
+
+
+@pytest.mark.parametrize("fmt", ["messages", "openai", "prompt_completion", "sharegpt"])
+def test_a_record_s_non_finite_usage_counts_are_exported_as_unreported_not_as_nan(run_dir, tmp_path, fmt):
+    # A record another tool wrote (or a hand edited) with NaN or Infinity in metadata.usage: the export
+    # wrote them as they were, lines that strict JSON readers (JSON.parse, serde, Python with
+    # parse_constant) refuse. Such a count is one no response reported: 0, named in ``unreported``.
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    usage = records[0]["metadata"]["usage"]
+    usage.update(prompt_tokens=float("nan"), cost_usd=float("inf"), completion_tokens=float("-inf"))
+    usage["retries"] = "three"
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), "utf-8")
+    assert "NaN" in (copy / "trajectories.jsonl").read_text("utf-8")
+    export.export_run(copy, fmt, tmp_path / "out")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = [
+        json.loads(line, parse_constant=refuse)
+        for file in sorted((tmp_path / "out").glob("*.jsonl"))
+        for line in file.read_text("utf-8").splitlines()
+    ]
+    assert len(lines) == len(records)
+    first = next(r for r in lines if r["prompt_index"] == records[0]["prompt_index"])
+    assert (first["usage"]["prompt_tokens"], first["usage"]["cost_usd"], first["usage"]["retries"]) == (
+        0,
+        0.0,
+        0,
+    )
+    assert {"prompt_tokens", "completion_tokens", "cost_usd"} <= set(json.loads(first["usage"]["unreported"]))
