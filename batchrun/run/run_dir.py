@@ -149,6 +149,20 @@ def runner_working(run_dir: Path) -> str | None:
     return None
 
 
+def in_use(run_dir: Path, view: str) -> str | None:
+    """Why a view of the finished run (export, compare) cannot read ``run_dir`` now, or None: a runner
+    (a --resume) is adding samples, so trajectories.jsonl is an earlier invocation's while discarded.jsonl
+    and failed.jsonl grow."""
+    owner = runner_working(run_dir)
+    if owner is None or "(python -m batchrun.views." in owner:  # a re-scoring adds its own file only
+        return None
+    return (
+        f"{run_dir} is in use by a running batch_runner ({owner}): its trajectories.jsonl is an earlier "
+        f"invocation's, without the samples it is adding; {view} when it has ended "
+        "(python -m batchrun.views.status shows its progress)"
+    )
+
+
 @contextlib.contextmanager
 def holding(run_dir: Path, who: str) -> Iterator[None]:
     """Hold the run directory's lock as its runner does, for a view that writes into it: a runner cannot

@@ -45,7 +45,7 @@ from typing import Any
 from batchrun.identity import record_sample
 from batchrun.record import read_score
 from batchrun.run.resume import MANIFEST_DEFAULTS
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.scoring import (
     TEXT_SCORERS,
     check_from_row_fields,
@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bootstrap < 100:
         parser.error("--bootstrap must be at least 100")
     for run in (args.run_a, args.run_b):
-        problem = check_run_dir(run)  # first: one this user cannot read raised on the check below
+        # First: one this user cannot read raised on the check below. A run being resumed is half old.
+        problem = check_run_dir(run) or in_use(run, "compare it")
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2

@@ -64,7 +64,7 @@ from typing import Any
 
 from batchrun.identity import is_index
 from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.sharegpt import (
     first_human,
     offered_tools,
@@ -311,6 +311,10 @@ def export_run(
     run_dirs = [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
     out = Path(out)
     for problem in filter(None, map(check_run_dir, run_dirs)):
+        raise ExportError(problem)
+    # A run being resumed: what it has written so far went out as if it were all (a mid-resume export
+    # wrote 15 samples where the run ended with 90), its "not exported" counts from the growing side files.
+    for problem in filter(None, (in_use(d, "export it") for d in run_dirs)):
         raise ExportError(problem)
     _check_request(run_dirs, out, opts, test_fraction, overwrite)
     result = ExportResult(out=out)

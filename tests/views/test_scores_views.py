@@ -616,6 +616,34 @@ def test_score_and_a_runner_never_write_the_run_directory_together(tmp_path, cap
     assert not (a / ".lock").exists() or (a / ".lock").stat().st_size < 200
 
 
+def test_export_and_compare_refuse_a_run_a_runner_is_resuming(tmp_path, capsys):
+    # During a --resume, trajectories.jsonl is the earlier invocation's while discarded.jsonl and
+    # failed.jsonl grow: an export mid-resume wrote 15 samples (exit 0) of a run that ended with 90,
+    # its "not exported" counts from the growing files; compare paired the same half-old samples.
+    from batchrun.views import export
+
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    out = tmp_path / "out"
+    with (a / ".lock").open("a+") as held:  # as a runner holds it (batchrun.run.recorder.Recorder.lock)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        capsys.readouterr()
+        assert export.main([str(a), "--format=messages", f"--out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert "in use by a running batch_runner (pid 4242 on elsewhere)" in err and "export it when" in err
+        assert not out.exists()
+        assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={tmp_path / 'c.html'}"]) == 2
+        assert "compare it when it has ended" in capsys.readouterr().err
+        # A re-scoring holding the lock adds its own file only: no reason to wait for it.
+        held.truncate(0)
+        held.write("pid 4242 on elsewhere (python -m batchrun.views.score)\n")
+        held.flush()
+        assert export.main([str(a), "--format=messages", f"--out={out}"]) == 0
+    assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={tmp_path / 'c.html'}"]) == 0
+
+
 @pytest.mark.parametrize(
     "damaged", ['{"runs": [{"duration_s": 1.0}], "scores": {"pass', '{"scores": [1]}', "[]"]
 )
