@@ -349,6 +349,9 @@ def export_run(
     return result
 
 
+RUN_FILES = ("run_manifest.json", "checkpoint.json", "trajectories.jsonl")  # what says a directory is a run's
+
+
 def _check_request(
     run_dirs: list[Path], out: Path, opts: ExportOptions, test_fraction: float, overwrite: bool
 ) -> None:
@@ -377,6 +380,12 @@ def _check_request(
         _require_pyarrow()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; name a directory (created; must be empty)")
+    if any((out / name).is_file() for name in RUN_FILES):
+        # With --overwrite, the export's card replaced the run's README.md (its record schema, for
+        # load_dataset of the run) and its train.jsonl went in beside the run's files.
+        raise ExportError(
+            f"--out {out} is a run directory: the export would replace its README.md; name another directory"
+        )
     if out.exists() and any(out.iterdir()) and not overwrite:
         # An upload sends the whole directory: files left from another export would be published too.
         raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")

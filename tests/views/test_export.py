@@ -460,3 +460,24 @@ def test_a_record_s_non_finite_usage_counts_are_exported_as_unreported_not_as_na
         0,
     )
     assert {"prompt_tokens", "completion_tokens", "cost_usd"} <= set(json.loads(first["usage"]["unreported"]))
+
+
+def test_an_export_never_goes_into_a_run_directory(run_dir, tmp_path, capsys):
+    # --out naming the run directory itself (or another run's) with --overwrite: the export's dataset card
+    # replaced the run's README.md (the record schema load_dataset reads the run with) and its train.jsonl
+    # went in beside the run's files, so load_dataset of the run loaded the export instead.
+    import shutil
+
+    copy = tmp_path / "r"
+    shutil.copytree(run_dir, copy)
+    card = (copy / "README.md").read_text("utf-8")
+    names = sorted(p.name for p in copy.iterdir())
+    for out in (copy, run_dir):
+        capsys.readouterr()
+        assert export.main([str(copy), "--format=messages", f"--out={out}", "--overwrite"]) == 2
+        assert f"--out {out} is a run directory" in capsys.readouterr().err
+    assert (copy / "README.md").read_text("utf-8") == card
+    assert sorted(p.name for p in copy.iterdir()) == names
+    assert (
+        export.main([str(copy), "--format=messages", f"--out={copy / 'export'}"]) == 0
+    )  # inside: a folder of its own
