@@ -698,7 +698,9 @@ def section_outcomes(d: RunData) -> str:
         ),
     ]
     if isinstance(stats.get("dataset_prompts"), int):
-        left = stats.get("remaining_for_resume")
+        # statistics.json's, as of its merge: read from the batch files, the report outlives it (a resume
+        # killed mid-way said "0 left for --resume", the first invocation's figure, with samples left).
+        left = stats.get("remaining_for_resume") if d.merged else None
         cards.append(
             stat(
                 "dataset_prompts",

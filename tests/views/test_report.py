@@ -648,6 +648,7 @@ def test_a_report_of_the_batch_files_gives_the_pass_rate_of_the_samples_it_lists
     text = (run_dir / "report.html").read_text("utf-8")
     assert f"n={len(judged)}" in text and "pass@2" in page.stats  # 3 samples a row now, 1 before
     assert "From the samples recorded so far" in text
+    assert "left for --resume" not in text  # the first invocation's 0: not said of the resume
 
 
 DROP_DAC = [
