@@ -211,6 +211,7 @@ class Dispatch:
             pending=collections.deque(j for b in batches for j in b),
         )
         remaining = rec.total
+        rec.in_flight = lambda: sum(len(held) for held in track.held.values())  # for status.json
         self.probe_gate.inbox = inbox
         self.watch = EndpointWatch(
             self.settings.llm,

@@ -27,7 +27,7 @@ from batchrun.identity import RowIdentity, is_index
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import normalize_metadata, sample_index_of, valid_outcome_row, valid_record
 from batchrun.run.journal import JOURNAL_NAME, SpendJournal
-from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
+from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION, LOCK_NAME
 from batchrun.secrets import Redactor, terminal_safe
 from batchrun.sharegpt import parse_json
 from batchrun.storage import (
@@ -42,7 +42,6 @@ from batchrun.storage import (
     write_text_in_place,
 )
 
-LOCK_NAME = ".lock"  # held (flock) by the one runner working in a run directory
 STATUS_EVERY_S = 2.0  # status.json refresh period during a run
 
 
@@ -108,6 +107,9 @@ class Recorder:
         # budget, since they cost what any call costs, and shown apart, since no sample holds them.
         self.checks: collections.Counter[str] = collections.Counter()
         self.total = 0  # prompts handed to the workers in this run
+        # The prompts a worker holds now, as the dispatch counts them (None: not counted, every prompt
+        # without an outcome is). status.json said 147 in flight where 2 workers x 2 slots ran 4.
+        self.in_flight: Callable[[], int] | None = None
         self.started = time.monotonic()
         self.started_at = _now()
         # Which invocation this is, in its runs entry and its status.json: started_at is to the second,
@@ -494,7 +496,7 @@ class Recorder:
             "failed": self.counts[FAILED],
             "discarded": self.counts[DISCARDED],
             "skipped_budget": self.counts["skipped_budget"],
-            "in_flight": max(0, left) if state == "running" else 0,
+            "in_flight": (self.in_flight() if self.in_flight else max(0, left)) if state == "running" else 0,
             "api_calls": self.spend["requests"],
             "tool_calls": self.counts["tool_calls"],
             "prompt_tokens": self.spend["prompt_tokens"],

@@ -45,7 +45,7 @@ from typing import Any
 
 from batchrun.record import read_score
 from batchrun.run.resume import MANIFEST_DEFAULTS
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.scoring import (
     TEXT_SCORERS,
     check_from_row_fields,
@@ -402,15 +402,16 @@ def main(argv: list[str] | None = None) -> int:
             f"--bootstrap must be from {MIN_BOOTSTRAP:,} to {MAX_BOOTSTRAP:,}, not {args.bootstrap:,}"
         )
     for run in (args.run_a, args.run_b):
+        # First: one this user cannot read raised on the check below. A run being resumed is half old.
+        problem = check_run_dir(run) or in_use(run, "compare it")
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         if not (run / "trajectories.jsonl").is_file():
             print(
                 f"error: {run} holds no trajectories.jsonl (is it a finished run's directory?)",
                 file=sys.stderr,
             )
-            return 2
-        problem = check_run_dir(run)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
             return 2
     try:
         result = compare_runs(

@@ -64,7 +64,7 @@ from typing import Any
 
 from batchrun.identity import is_index
 from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.sharegpt import (
     first_human,
     offered_tools,
@@ -312,6 +312,10 @@ def export_run(
     out = Path(out)
     for problem in filter(None, map(check_run_dir, run_dirs)):
         raise ExportError(problem)
+    # A run being resumed: what it has written so far went out as if it were all (a mid-resume export
+    # wrote 15 samples where the run ended with 90), its "not exported" counts from the growing side files.
+    for problem in filter(None, (in_use(d, "export it") for d in run_dirs)):
+        raise ExportError(problem)
     _check_request(run_dirs, out, opts, test_fraction, overwrite)
     result = ExportResult(out=out)
     if fmt in SCORED_FORMATS:
@@ -345,6 +349,9 @@ def export_run(
     return result
 
 
+RUN_FILES = ("run_manifest.json", "checkpoint.json", "trajectories.jsonl")  # what says a directory is a run's
+
+
 def _check_request(
     run_dirs: list[Path], out: Path, opts: ExportOptions, test_fraction: float, overwrite: bool
 ) -> None:
@@ -373,6 +380,12 @@ def _check_request(
         _require_pyarrow()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; name a directory (created; must be empty)")
+    if any((out / name).is_file() for name in RUN_FILES):
+        # With --overwrite, the export's card replaced the run's README.md (its record schema, for
+        # load_dataset of the run) and its train.jsonl went in beside the run's files.
+        raise ExportError(
+            f"--out {out} is a run directory: the export would replace its README.md; name another directory"
+        )
     if out.exists() and any(out.iterdir()) and not overwrite:
         # An upload sends the whole directory: files left from another export would be published too.
         raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")

@@ -26,7 +26,7 @@ from typing import Any
 from batchrun.identity import kept_line, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
-from batchrun.scoring import interval_clusters, planned_figures, wanted_from_duplicates
+from batchrun.scoring import RunScores, interval_clusters, planned_figures, wanted_from_duplicates
 from batchrun.sharegpt import first_human, parse_json, reasoning_counts, tools_text
 from batchrun.storage import (
     PARTIAL_LINE,
@@ -187,6 +187,9 @@ class RunData:
     # from its scores.duplicate_samples); and how often each is in ``scored`` already.
     wanted: dict[tuple[str, int], int] | None = None
     counted: collections.Counter[tuple[str, int]] = dataclasses.field(default_factory=collections.Counter)
+    # The same samples' figures (pass rate, interval, pass@k) from the records read, for a report of the
+    # batch files: statistics.json is written at the end, so it is absent or an earlier invocation's.
+    record_scores: RunScores | None = None
     # (row key, sample index, dataset line) of every kept record seen: a discard of that sample at that
     # line is superseded (it ran again and was kept), as statistics.json counts it
     kept_at: collections.Counter[tuple[str, int, int]] = dataclasses.field(
@@ -276,6 +279,10 @@ def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
         data.counted[key] += 1
     score = read_score(rec["score"])
     meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
+    if key is not None:
+        if data.record_scores is None:
+            data.record_scores = RunScores(str((data.manifest or {}).get("distribution") or ""), data.wanted)
+        data.record_scores.add(rec, *key)
     human = next((t.get("value", "") for t in rec.get("conversations") or [] if t.get("from") == "human"), "")
     label = str(meta.get("row_id") or "") or " ".join(str(human).split())[:60]
     index = meta.get("sample_index") if isinstance(meta.get("sample_index"), int) else 0
@@ -478,8 +485,16 @@ def _tool_turn(value: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- numbers and charts
 
 
+# Invisible characters that reorder the text after them up to the end of its paragraph (U+202A-U+202E
+# embeddings and overrides, U+2066-U+2069 isolates): a row id holding U+202E showed the report's own words
+# after it in a failing sample's line reversed ("0.0 erocs · tpek · 0#"), and a row's digest in its table
+# cell. Shown as their escapes, as the scorers' explanations show them; the JSONL files keep them.
+_BIDI_CONTROL = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
 def esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    text = _BIDI_CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", str(value))
+    return html.escape(text, quote=True)
 
 
 def fmt_int(n: float) -> str:
@@ -690,7 +705,9 @@ def section_outcomes(d: RunData) -> str:
         ),
     ]
     if isinstance(stats.get("dataset_prompts"), int):
-        left = stats.get("remaining_for_resume")
+        # statistics.json's, as of its merge: read from the batch files, the report outlives it (a resume
+        # killed mid-way said "0 left for --resume", the first invocation's figure, with samples left).
+        left = stats.get("remaining_for_resume") if d.merged else None
         cards.append(
             stat(
                 "dataset_prompts",
@@ -907,6 +924,15 @@ def section_scores(d: RunData) -> str:
     # The figures statistics.json holds; one it cannot read (a section of another shape) is left out.
     scores = (d.statistics or {}).get("scores")
     scores = scores if isinstance(scores, dict) else {}
+    snapshot = ""
+    if not d.merged and d.record_scores is not None:
+        # Read from the batch files (a run going on, or killed): statistics.json is absent or an earlier
+        # invocation's, whose pass rate and n this page showed beside the samples listed below it.
+        scores = d.record_scores.summary()
+        snapshot = (
+            '<p class="note">From the samples recorded so far (statistics.json is written when the run '
+            "ends): samples without an outcome yet are in none of these figures.</p>"
+        )
     cards = []
     rate, ci, n = (
         _number(scores.get("pass_rate")),
@@ -1018,6 +1044,7 @@ def section_scores(d: RunData) -> str:
         + "".join(cards)
         + "</div>"
         + caveat
+        + snapshot
         + (f"<h3>Score histogram</h3>{hist}" if hist else "")
         + "<h3>Per row</h3>"
         + table(rows, ("row", "samples", "passes", "no verdict", "mean score"), "scores")

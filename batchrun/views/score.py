@@ -28,7 +28,7 @@ from typing import Any
 
 from batchrun.identity import record_sample
 from batchrun.record import valid_outcome_row, valid_record
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import RunDirBusy, check_run_dir, holding
 from batchrun.scoring import (
     NORMALIZE_STEPS,
     SANDBOX_SCORERS,
@@ -262,15 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    problem = check_run_dir(args.run_dir)  # first: one this user cannot read raised on the check below
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not (args.run_dir / "trajectories.jsonl").is_file():
         print(
             f"error: {args.run_dir} holds no trajectories.jsonl (is it a finished run's directory?)",
             file=sys.stderr,
         )
-        return 2
-    problem = check_run_dir(args.run_dir)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
         return 2
     judge = None
     if settings.judge is not None:
@@ -285,9 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
     try:
-        summary = rescore(
-            args.run_dir, settings, name, judge, stats.get("distribution", ""), args.concurrency
+        # Held while it reads and writes: a runner finishing meanwhile replaced statistics.json, and this
+        # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone.
+        with holding(args.run_dir, "python -m batchrun.views.score"):
+            summary = rescore(
+                args.run_dir, settings, name, judge, stats.get("distribution", ""), args.concurrency
+            )
+    except RunDirBusy as exc:
+        print(
+            f"error: {exc}; re-score when it has ended (its samples are not all there yet)", file=sys.stderr
         )
+        return 2
     except (
         WriteError,
         ValueError,

@@ -427,3 +427,57 @@ def test_reasoning_the_provider_sent_encrypted_only_is_not_exported_as_the_model
         assert [m["content"] for m in assistant] == [None, "It printed hi."], fmt
         assert not any(m.get("reasoning_content") for m in assistant), fmt
         assert "encrypted" not in json.dumps(messages), fmt
+
+
+@pytest.mark.parametrize("fmt", ["messages", "openai", "prompt_completion", "sharegpt"])
+def test_a_record_s_non_finite_usage_counts_are_exported_as_unreported_not_as_nan(run_dir, tmp_path, fmt):
+    # A record another tool wrote (or a hand edited) with NaN or Infinity in metadata.usage: the export
+    # wrote them as they were, lines that strict JSON readers (JSON.parse, serde, Python with
+    # parse_constant) refuse. Such a count is one no response reported: 0, named in ``unreported``.
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    usage = records[0]["metadata"]["usage"]
+    usage.update(prompt_tokens=float("nan"), cost_usd=float("inf"), completion_tokens=float("-inf"))
+    usage["retries"] = "three"
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), "utf-8")
+    assert "NaN" in (copy / "trajectories.jsonl").read_text("utf-8")
+    export.export_run(copy, fmt, tmp_path / "out")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = [
+        json.loads(line, parse_constant=refuse)
+        for file in sorted((tmp_path / "out").glob("*.jsonl"))
+        for line in file.read_text("utf-8").splitlines()
+    ]
+    assert len(lines) == len(records)
+    first = next(r for r in lines if r["prompt_index"] == records[0]["prompt_index"])
+    assert (first["usage"]["prompt_tokens"], first["usage"]["cost_usd"], first["usage"]["retries"]) == (
+        0,
+        0.0,
+        0,
+    )
+    assert {"prompt_tokens", "completion_tokens", "cost_usd"} <= set(json.loads(first["usage"]["unreported"]))
+
+
+def test_an_export_never_goes_into_a_run_directory(run_dir, tmp_path, capsys):
+    # --out naming the run directory itself (or another run's) with --overwrite: the export's dataset card
+    # replaced the run's README.md (the record schema load_dataset reads the run with) and its train.jsonl
+    # went in beside the run's files, so load_dataset of the run loaded the export instead.
+    import shutil
+
+    copy = tmp_path / "r"
+    shutil.copytree(run_dir, copy)
+    card = (copy / "README.md").read_text("utf-8")
+    names = sorted(p.name for p in copy.iterdir())
+    for out in (copy, run_dir):
+        capsys.readouterr()
+        assert export.main([str(copy), "--format=messages", f"--out={out}", "--overwrite"]) == 2
+        assert f"--out {out} is a run directory" in capsys.readouterr().err
+    assert (copy / "README.md").read_text("utf-8") == card
+    assert sorted(p.name for p in copy.iterdir()) == names
+    assert (
+        export.main([str(copy), "--format=messages", f"--out={copy / 'export'}"]) == 0
+    )  # inside: a folder of its own

@@ -4,6 +4,7 @@ streaming with a cap on the listed conversations, the CLI, and the page as headl
 
 from __future__ import annotations
 
+import html
 import html.parser
 import json
 import os
@@ -568,3 +569,150 @@ def test_a_discarded_sample_with_a_lone_surrogate_still_gets_its_page(demo_run: 
     (run_dir / "discarded.jsonl").write_text("\n".join(lines) + "\n", "utf-8")
     report.write_report(run_dir)
     assert "broken \ufffd text" in (run_dir / "report.html").read_text("utf-8")
+
+
+def test_a_row_id_cannot_reverse_the_reports_own_words(tmp_path: Path) -> None:
+    """A row id holding U+202E (right-to-left override) reversed everything after it to the end of its
+    line: a failing sample's "#0 · kept · score 0.0 · exact: ..." read "... :tcaxe · 0.0 erocs · tpek · 0#"
+    in Chromium, and the row's digest in the per-row table read backwards. The page shows such
+    characters as their escapes (the JSONL files keep them)."""
+    rows = [
+        {"id": "\u202eevil", "prompt": "Say 4 [calls:0] [answer:5]", "answer": "4"},
+        {"id": "iso\u2067late\u202bx", "prompt": "Say 2 [calls:0] [answer:3]", "answer": "2"},
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    batch_runner.main(
+        dataset_file=str(dataset),
+        batch_size=2,
+        run_name="rtl",
+        model="mock",
+        output_dir=str(tmp_path / "data"),
+        distribution="terminal_only",
+        num_workers=1,
+        scorer="exact",
+        answer_pattern="ANSWER: (.*)",
+    )
+    run_dir = tmp_path / "data" / "rtl"
+    assert read_jsonl(run_dir / "trajectories.jsonl")[0]["metadata"]["row_id"] in (
+        "\u202eevil",
+        "iso\u2067late\u202bx",
+    )
+    text = report.write_report(run_dir).read_text("utf-8")
+    start = text.index('<script type="application/json" id="report-data">')
+    shown = text[:start]  # the page's own markup; the JSON after it is read by the script, never laid out
+    assert not any(ch in shown for ch in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+    assert "\\u202eevil" in html.unescape(shown) and "iso\\u2067late\\u202bx" in html.unescape(shown)
+
+
+def test_a_report_of_the_batch_files_gives_the_pass_rate_of_the_samples_it_lists(tmp_path: Path) -> None:
+    """A run killed (or still going) before its statistics.json: the report reads the batch files, but its
+    pass rate, interval and pass@k came from statistics.json alone. A --resume killed mid-way showed the
+    earlier invocation's figures (measured: 57.1% of n=210 over batch files holding 306 judged samples,
+    174 passed); a first run killed showed none. They are now the records' own, as counted by hand."""
+    rows = [
+        {"id": f"r{i}", "prompt": f"Say {i} [calls:0] [answers:{i}|x]", "answer": str(i)} for i in range(6)
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    args = dict(
+        dataset_file=str(dataset),
+        batch_size=3,
+        run_name="k",
+        model="mock",
+        output_dir=str(tmp_path / "data"),
+        distribution="terminal_only",
+        num_workers=1,
+        scorer="exact",
+        answer_pattern="ANSWER: (.*)",
+        seed_per_request=True,
+    )
+    assert batch_runner.main(**args) == 0
+    run_dir = tmp_path / "data" / "k"
+    first = (run_dir / "statistics.json").read_text("utf-8")
+    assert batch_runner.main(**args, resume=True, samples_per_prompt=3) == 0
+    # As a kill -9 before the resume's merge leaves it: the first invocation's statistics.json and
+    # trajectories.jsonl, the batch files newer.
+    (run_dir / "statistics.json").write_text(first, "utf-8")
+    os.utime(run_dir / "trajectories.jsonl", (1, 1))
+    judged = [
+        r["score"]["passed"]
+        for path in sorted(run_dir.glob("batch_*.jsonl"))
+        for r in read_jsonl(path)
+        if r["score"]["passed"] is not None
+    ]
+    assert len(judged) == 18 and json.loads(first)["scores"]["scored"] == 6
+    page = Page()
+    page.feed(report.write_report(run_dir).read_text("utf-8"))
+    assert page.stats["pass_rate"] == f"{sum(judged) / len(judged):.1%}"
+    text = (run_dir / "report.html").read_text("utf-8")
+    assert f"n={len(judged)}" in text and "pass@2" in page.stats  # 3 samples a row now, 1 before
+    assert "From the samples recorded so far" in text
+    assert "left for --resume" not in text  # the first invocation's 0: not said of the resume
+
+
+DROP_DAC = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+
+
+@pytest.mark.parametrize("unreadable", ["directory", "failed.jsonl"])
+def test_every_view_on_a_run_this_user_cannot_read_says_so(tmp_path: Path, unreadable: str) -> None:
+    """Another user's run (the runner makes its directory mode 0700): report, export, score and compare
+    ended in a PermissionError traceback, status said its status.json "is not a JSON object". Each now
+    exits 2 naming what it cannot read. Root reads everything: its file-permission capabilities are
+    dropped for the views' processes."""
+    import shutil
+
+    if os.geteuid() == 0 and not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is needed to read as root without its file-permission override")
+    prefix = DROP_DAC if os.geteuid() == 0 else []
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(
+        json.dumps({"prompt": "Say 4 [calls:0] [answer:4]", "answer": "4"})
+        + "\n"
+        + json.dumps({"prompt": "[error:400] fails"})
+        + "\n"
+    )
+    batch_runner.main(
+        dataset_file=str(dataset),
+        batch_size=2,
+        run_name="theirs",
+        model="mock",
+        output_dir=str(tmp_path / "data"),
+        distribution="terminal_only",
+        num_workers=1,
+        scorer="exact",
+        answer_pattern="ANSWER: (.*)",
+        max_failure_rate=1.0,
+    )
+    run_dir = tmp_path / "data" / "theirs"
+    assert (run_dir / "failed.jsonl").is_file()
+    target = run_dir if unreadable == "directory" else run_dir / "failed.jsonl"
+    target.chmod(0)
+    try:
+        for view in (
+            ["status", str(run_dir)],
+            ["report", str(run_dir)],
+            ["export", str(run_dir), "--format=openai", f"--out={tmp_path / 'out'}"],
+            ["score", str(run_dir), "--scorer=includes"],
+            ["compare", str(run_dir), str(run_dir)],
+        ):
+            done = subprocess.run(
+                [*prefix, sys.executable, "-m", f"batchrun.views.{view[0]}", *view[1:]],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 2, (view, done.stderr)
+            assert "Traceback" not in done.stderr, (view, done.stderr)
+            assert done.stderr.startswith(f"error: cannot read {target}: Permission denied"), (
+                view,
+                done.stderr,
+            )
+    finally:
+        target.chmod(0o700 if unreadable == "directory" else 0o600)
+    assert not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ the report's scores section in a real Chromium."""
 from __future__ import annotations
 
 import collections
+import fcntl
 import itertools
 import json
 import math
@@ -569,6 +570,78 @@ def test_score_and_compare_when_their_output_cannot_be_written(tmp_path, capsys)
         assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={out}"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cannot write ") and str(out) in err
+
+
+def test_score_and_a_runner_never_write_the_run_directory_together(tmp_path, capsys, monkeypatch):
+    # views.score read statistics.json, scored, then wrote it back with its section added. A --resume
+    # that finished meanwhile (a judge's re-scoring takes minutes) had its statistics.json replaced by
+    # that older copy: measured, a resume adding 120 trajectories left statistics.json saying 120 of 240,
+    # 2 invocations of 3 and 635 requests of 1,295. It now refuses a directory a runner works in, and
+    # holds the directory's lock while it works, so no runner starts there meanwhile.
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    before = (a / "statistics.json").read_text("utf-8")
+    with (a / ".lock").open("a+") as held:  # as a runner holds it (batchrun.run.recorder.Recorder.lock)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        capsys.readouterr()
+        assert score.main([str(a), "--scorer=numeric", "--name=busy"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {a} is in use by a running batch_runner (pid 4242 on elsewhere)")
+        assert "re-score when it has ended" in err
+    assert (a / "statistics.json").read_text("utf-8") == before
+    assert not (a / "scores.busy.jsonl").exists()
+
+    # A runner started while the re-scoring works is refused, naming it; the re-scoring completes.
+    resume = [
+        sys.executable, str(ROOT / "batch_runner.py"), f"--dataset_file={tmp_path / 'd.jsonl'}",
+        "--batch_size=4", "--run_name=run", "--model=mock", f"--output_dir={a.parent}", "--num_workers=2",
+        "--distribution=terminal_only", "--max_failure_rate=1.0", "--resume", "--samples_per_prompt=2",
+    ]  # fmt: skip
+    (tmp_path / "start_a_runner.py").write_text(
+        "import json, subprocess, sys\n"
+        "def score(record, row, sandbox):\n"
+        f"    done = subprocess.run({resume!r}, capture_output=True, text=True, timeout=120)\n"
+        f"    open({str(tmp_path / 'runner.json')!r}, 'w').write(json.dumps([done.returncode, done.stderr]))\n"
+        "    return True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert score.main([str(a), "--scorer=start_a_runner:score", "--name=mine"]) == 0
+    code, err = json.loads((tmp_path / "runner.json").read_text())
+    assert code == 2 and "in use by a running batch_runner" in err and "batchrun.views.score" in err, err
+    stats = stats_of(a)
+    assert stats["scores"]["rescored"]["mine"]["passed"] == 1
+    assert len(stats["runs"]) == 1 and stats["trajectories"] == 1  # no second invocation ran
+    assert not (a / ".lock").exists() or (a / ".lock").stat().st_size < 200
+
+
+def test_export_and_compare_refuse_a_run_a_runner_is_resuming(tmp_path, capsys):
+    # During a --resume, trajectories.jsonl is the earlier invocation's while discarded.jsonl and
+    # failed.jsonl grow: an export mid-resume wrote 15 samples (exit 0) of a run that ended with 90,
+    # its "not exported" counts from the growing files; compare paired the same half-old samples.
+    from batchrun.views import export
+
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    out = tmp_path / "out"
+    with (a / ".lock").open("a+") as held:  # as a runner holds it (batchrun.run.recorder.Recorder.lock)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        capsys.readouterr()
+        assert export.main([str(a), "--format=messages", f"--out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert "in use by a running batch_runner (pid 4242 on elsewhere)" in err and "export it when" in err
+        assert not out.exists()
+        assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={tmp_path / 'c.html'}"]) == 2
+        assert "compare it when it has ended" in capsys.readouterr().err
+        # A re-scoring holding the lock adds its own file only: no reason to wait for it.
+        held.truncate(0)
+        held.write("pid 4242 on elsewhere (python -m batchrun.views.score)\n")
+        held.flush()
+        assert export.main([str(a), "--format=messages", f"--out={out}"]) == 0
+    assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={tmp_path / 'c.html'}"]) == 0
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -300,3 +301,46 @@ def test_cli_never_hands_the_file_s_control_characters_to_the_terminal(tmp_path:
     done = cli(str(tmp_path), "--json")
     assert not any(c in done.stdout for c in "\x1b\x07\x9b\u2028"), repr(done.stdout)
     assert json.loads(done.stdout)["error"] == hostile
+
+
+def test_a_live_run_s_in_flight_is_the_prompts_its_workers_hold(tmp_path: Path) -> None:
+    """status.json's ``in_flight`` was every prompt without an outcome (total - settled): a run of 2
+    workers x 2 slots showed "147 in flight" beside 93 settled of 240. It is the prompts the workers
+    hold, as the status view says, read here from a real run at several moments."""
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"p{i} [slow:1] [calls:1]"}) + "\n" for i in range(10)))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(root / "batch_runner.py"),
+            f"--dataset_file={dataset}",
+            "--batch_size=5",
+            "--run_name=live",
+            f"--output_dir={tmp_path}",
+            "--model=mock",
+            "--distribution=terminal_only",
+            "--num_workers=1",
+            "--prompts_per_worker=2",
+        ],  # fmt: skip
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    seen = []
+    try:
+        while proc.poll() is None:
+            try:
+                status = json.loads((tmp_path / "live" / "status.json").read_text())
+            except (OSError, ValueError):
+                status = None
+            if status and status["state"] == "running":
+                seen.append((status["in_flight"], status["total"] - st.checks(status, 0)["settled"]))
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0
+    assert any(left > 2 for _, left in seen), seen  # moments when more than the slots were unsettled
+    assert all(0 <= n <= 2 for n, _ in seen), seen
+    assert any(n > 0 for n, _ in seen), seen
