@@ -729,3 +729,27 @@ def test_a_moved_near_twin_with_another_id_is_judged_by_the_sample_the_merge_kee
     run(server, write_rows(tmp_path / "d.jsonl", moved), out, resume=True, force_resume=True, **one_at_a_time)
     kept = [r for r in read_jsonl(out / "run" / "trajectories.jsonl") if r["metadata"]["row_id"]]
     assert [(r["metadata"]["row_id"], r["score"]["status"]) for r in kept] == [("a", "failed")]
+
+
+def test_a_row_whose_id_was_edited_keeps_its_own_sample_not_its_twin_s(server, tmp_path, capsys):
+    """Rows r, r (answer 42) and t (answer 41) of one prompt, scored; then the second r is replaced by
+    a new row and t's id edited. The resume matched t to the sample at its line (judged against 41,
+    its answer: nothing changed) but the merge kept the second r's sample instead (r's fields, at
+    another line, came first), dropping t's: trajectories.jsonl held two samples 'passed' against 42
+    and none of the row whose answer is 41. The merge keeps first what the resume matched."""
+    r = {"id": "r", "prompt": "Twice [answer:42]", "answer": 42}
+    t = {"id": "t", "prompt": "Twice [answer:42]", "answer": 41}
+    out = tmp_path / "data"
+    one_at_a_time = dict(num_workers=1, prompts_per_worker=1)
+    run(server, write_rows(tmp_path / "d.jsonl", [r, r, t]), out, **one_at_a_time)
+    capsys.readouterr()
+    edited = write_rows(tmp_path / "d.jsonl", [r, {"prompt": "Say hi"}, {**t, "id": "t2"}])
+    run(server, edited, out, resume=True, **one_at_a_time)
+    assert "2 prompt(s) already finished, 1 to run" in capsys.readouterr().out
+    kept = read_jsonl(out / "run" / "trajectories.jsonl")
+    assert sorted((x["prompt_index"], x["metadata"]["row_id"], x["score"]["status"]) for x in kept) == [
+        (0, "r", "passed"),
+        (1, "", "unscored"),
+        (2, "t", "failed"),
+    ]
+    assert stats_of(out / "run")["dropped_at_merge"]["duplicate"] == 1
