@@ -64,9 +64,15 @@ def list_distributions() -> dict[str, ReferenceDistribution]:
     return {name: ReferenceDistribution(dist) for name, dist in _impl.list_distributions().items()}
 
 
-def validate_distribution(distribution: str | Distribution) -> bool:
-    """Whether a distribution name is valid (the reference's check). A :class:`Distribution` is checked
-    whole instead and raises ValueError naming what is wrong (batchrun.distributions.validate_distribution)."""
+def validate_distribution(distribution: str | Distribution | ReferenceDistribution) -> bool:
+    """Whether a distribution name is valid (the reference's check). A :class:`Distribution`, or what
+    :func:`get_distribution` gave, is checked whole instead and raises ValueError naming what is wrong (batchrun.distributions.validate_distribution)."""
+    if isinstance(distribution, ReferenceDistribution):  # what get_distribution gave, edited or not
+        distribution = Distribution(
+            distribution.name,
+            str(distribution.get("description") or ""),
+            dict(distribution.get("toolsets") or {}),
+        )
     if isinstance(distribution, Distribution):
         _impl.validate_distribution(distribution)
         return True

@@ -29,6 +29,7 @@ from batchrun.run.resume import (
     add_discards,
     fields_digest,
     kept_pass,
+    match_outcomes,
     place_of,
     resume_command,
     row_fields_of,
@@ -161,6 +162,10 @@ class RowPlaces:
         return 2 if (key, s, line) in self.lines else 3
 
 
+# A record held back by the merge: (preference, file, byte offset, its prepared work, its place).
+Held = tuple[int, int, int, "Prepared | None", Place | None]
+
+
 def merge(
     run_dir: Path,
     rows: list[Row],
@@ -180,7 +185,8 @@ def merge(
     statistics, so memory stays flat and each record is parsed once. One record is kept per sample
     the dataset wants (duplicate rows each want theirs): first the records each row wrote at its line
     with its fields as they are now, then the others (the rows moved or were edited since; held back,
-    read again at the end) as :class:`RowPlaces` prefers them; records of samples the dataset does not
+    read again at the end): those resume matched to a row first (:func:`resume_order`), then as
+    :class:`RowPlaces` prefers them; records of samples the dataset does not
     want (rows since removed, sample indices beyond today's count) are all kept. ``written`` gets
     each record as trajectories.jsonl holds it (:class:`KeptFeed`: the scores and the report, which
     would otherwise read that file again), with the report's entry for it when ``prepared``
@@ -202,7 +208,7 @@ def merge(
     # edited since; a sample redone), held back until every record written by a row as it is now has its
     # place: (preference, file, byte offset, the line's prepared work). Kept first in file order, one of a
     # removed twin took the place of the row that is still there (the removed one's id, answer and score).
-    held: list[tuple[int, int, int, Prepared | None]] = []
+    held: list[Held] = []
     out = run_dir / "trajectories.jsonl"
     tmp = temp_path(out)
 
@@ -249,12 +255,16 @@ def merge(
                     if key in wanted:
                         preference = places.preference(place)
                         if preference:
-                            held.append((preference, n, offset, ready))
+                            held.append((preference, n, offset, ready, place))
                             continue
                     elif not (exclude_partial and rec.get("partial")):
                         totals.not_in_dataset += 1
                     keep(fh, raw, rec, key, ready)
-            for _, n, offset, ready in sorted(held, key=lambda h: h[:3]):
+            taken: collections.Counter[Place] = collections.Counter()
+            if held:  # the places a resume matched to rows, less those kept already (preference 0)
+                taken = taken_places(run_dir, rows, totals, recorder, samples_per_prompt)
+                taken.subtract(places.taken)
+            for _, n, offset, ready, _ in resume_order(held, taken):
                 raw, rec = read_line_at(files[n][1], offset)
                 if rec is None:  # changed under us: not this merge's to judge
                     totals.dropped["invalid_lines"] += 1
@@ -280,6 +290,34 @@ def merge(
         recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch)
     recorder.write_checkpoint()
     return totals
+
+
+def taken_places(
+    run_dir: Path, rows: list[Row], totals: MergeTotals, recorder: Recorder, samples_per_prompt: int
+) -> collections.Counter[Place]:
+    """The places of the outcomes a resume matches to the dataset's rows (resume.match_outcomes, over
+    the batch files' records and the discards), each as often as rows took it."""
+    done = collections.Counter(totals.finished)
+    at = collections.Counter(totals.finished_where)
+    add_discards(run_dir, done, rerun_discarded=False, at=at)
+    matched = match_outcomes(rows, done, recorder.sample_text, samples_per_prompt, at)
+    return collections.Counter(place for place in matched.taken.values() if place is not None)
+
+
+def resume_order(held: list[Held], taken: collections.Counter[Place]) -> list[Held]:
+    """The held-back records in the order the merge keeps them: those a resume matched to a row first,
+    then by preference and file order. By preference alone, a row's record at its line with an id since
+    edited came after its removed twin's (the row's fields elsewhere): the merge kept the twin's sample,
+    judged against the twin's answer, while the resume compared the row's check with its own."""
+    first, rest = [], []
+    for h in sorted(held, key=lambda h: h[:3]):
+        place = h[4]
+        if place is not None and taken[place] > 0:
+            taken[place] -= 1
+            first.append(h)
+        else:
+            rest.append(h)
+    return [*first, *rest]
 
 
 def typed_record(rec: dict[str, Any]) -> dict[str, Any] | None:

@@ -440,8 +440,10 @@ def changed_checks(
     a resume would keep those samples' scores, judged against the old values). Each with the fields
     that differ. A row's samples are the outcomes ``matched`` (:func:`match_outcomes`) gave it, as the
     merge keeps them: an outcome of its line that another row, removed or moved since, wrote with its
-    own check is not the row's (the row still there takes the one it wrote), and an identical row took
-    by content alone is judged by one of the outcomes no row took, its own check's if one has it."""
+    own check is not the row's (the row still there takes the one it wrote). Identical rows that took
+    outcomes by content alone get those no row took: if there are as many, one each (its own check's if
+    one has it); if more, each row is judged against every one, since the merge keeps the first in its
+    files."""
     memo: dict[str | None, RowCheck | None] = {}
 
     def check_of(text: str | None) -> RowCheck | None:
@@ -452,32 +454,47 @@ def changed_checks(
 
     # The row_fields text of each outcome's place; an outcome without one (older records) says nothing.
     texts = {fields_digest(t): t for by_text in checks.values() for t in by_text}
-    spare = {k: list(v) for k, v in matched.spare.items()}
-    changed: list[tuple[Row, str]] = []
+    differ: dict[int, set[str]] = collections.defaultdict(set)  # row index -> the check fields that differ
+
+    def compare(row: Row, now: RowCheck | None, place: Place) -> None:
+        then = check_of(texts[place[3]])
+        differ[row.index] |= {f for f in CHECK_FIELDS if _field(then, f) != _field(now, f)}
+
+    by_content: dict[tuple[str, int], list[tuple[Row, RowCheck | None]]] = collections.defaultdict(list)
     for row in rows:
         key = RowIdentity.of_row(row, redact).key
         if key not in checks:
             continue
         now = check_of(redact(row.row_fields) if row.row_fields else None)
-        differ: set[str] = set()
         for s in range(samples_of(row, samples_per_prompt)):
             if (row.index, s) not in matched.taken:
                 continue  # not finished: it runs now, against the check it holds
             place = matched.taken[row.index, s]
             if place is None:  # taken by content: one of the outcomes no row took
-                known = [p for p in spare.get((key, s), []) if p[3] in texts]
-                same = [p for p in known if check_of(texts[p[3]]) == now]
-                place = (same or known or [None])[0]
-                if place is None:
-                    continue
-                spare[key, s].remove(place)
-            if place[3] not in texts:
-                continue
-            then = check_of(texts[place[3]])
-            differ |= {f for f in CHECK_FIELDS if _field(then, f) != _field(now, f)}
-        if differ:
-            changed.append((row, ", ".join(f for f in CHECK_FIELDS if f in differ)))
-    return changed
+                by_content[key, s].append((row, now))
+            elif place[3] in texts:
+                compare(row, now, place)
+    for (key, s), takers in by_content.items():
+        known = [p for p in matched.spare.get((key, s), []) if p[3] in texts]
+        if len(known) > len(takers):
+            # The merge keeps the first of them in its files, which no place tells: each row is judged
+            # against every one it may get (given the one with its own check, a row kept one judged
+            # against another: the first in the files, of a removed near-twin).
+            for row, now in takers:
+                for place in known:
+                    compare(row, now, place)
+            continue
+        for row, now in takers:  # the merge keeps each of them: one each, its own check's if one has it
+            same = [p for p in known if check_of(texts[p[3]]) == now]
+            if same or known:
+                place = (same or known)[0]
+                known.remove(place)
+                compare(row, now, place)
+    return [
+        (row, ", ".join(f for f in CHECK_FIELDS if f in differ[row.index]))
+        for row in rows
+        if differ.get(row.index)
+    ]
 
 
 def _field(check: RowCheck | None, name: str) -> Any:

@@ -708,3 +708,48 @@ def test_several_samples_a_row_are_clustered_by_row_in_the_statistics_the_report
     assert compare_main([str(out / "a"), str(out / "b"), f"--out={tmp_path / 'c.html'}"]) == 0
     assert f"sign-flip test by row p = {result['p_value']:.4g}" in capsys.readouterr().out
     assert "sign-flip test by row" in (tmp_path / "c.html").read_text("utf-8")
+
+
+def test_a_moved_near_twin_with_another_id_is_judged_by_the_sample_the_merge_keeps(server, tmp_path, capsys):
+    """Two rows of one prompt, ids a and b, answers 41 and 42, both scored, one at a time (a's record
+    first); then a is removed, b renamed c and moved below two new rows. No outcome is at c's line or
+    has its fields: it takes one by content, and the merge keeps the first in its files, a's (judged
+    against 41). The check compared c with b's sample instead (42, the same) and the resume went on,
+    keeping a sample scored 'failed' against 41 for a row whose answer is 42."""
+    near = [{"id": i, "prompt": "Twice [answer:42]", "answer": a} for i, a in (("a", 41), ("b", 42))]
+    out = tmp_path / "data"
+    one_at_a_time = dict(num_workers=1, prompts_per_worker=1)
+    run(server, write_rows(tmp_path / "d.jsonl", near), out, **one_at_a_time)
+    moved = [{"prompt": "Say hi"}, {"prompt": "Say bye"}, {**near[1], "id": "c"}]
+    before = server.stats()["requests"]
+    capsys.readouterr()
+    assert exit_code(server, write_rows(tmp_path / "d.jsonl", moved), out, resume=True, **one_at_a_time) == 2
+    assert "1 row(s)" in capsys.readouterr().err and server.stats()["requests"] == before
+    # Forced, the merge keeps a's sample: the check that refused it compared the sample kept.
+    run(server, write_rows(tmp_path / "d.jsonl", moved), out, resume=True, force_resume=True, **one_at_a_time)
+    kept = [r for r in read_jsonl(out / "run" / "trajectories.jsonl") if r["metadata"]["row_id"]]
+    assert [(r["metadata"]["row_id"], r["score"]["status"]) for r in kept] == [("a", "failed")]
+
+
+def test_a_row_whose_id_was_edited_keeps_its_own_sample_not_its_twin_s(server, tmp_path, capsys):
+    """Rows r, r (answer 42) and t (answer 41) of one prompt, scored; then the second r is replaced by
+    a new row and t's id edited. The resume matched t to the sample at its line (judged against 41,
+    its answer: nothing changed) but the merge kept the second r's sample instead (r's fields, at
+    another line, came first), dropping t's: trajectories.jsonl held two samples 'passed' against 42
+    and none of the row whose answer is 41. The merge keeps first what the resume matched."""
+    r = {"id": "r", "prompt": "Twice [answer:42]", "answer": 42}
+    t = {"id": "t", "prompt": "Twice [answer:42]", "answer": 41}
+    out = tmp_path / "data"
+    one_at_a_time = dict(num_workers=1, prompts_per_worker=1)
+    run(server, write_rows(tmp_path / "d.jsonl", [r, r, t]), out, **one_at_a_time)
+    capsys.readouterr()
+    edited = write_rows(tmp_path / "d.jsonl", [r, {"prompt": "Say hi"}, {**t, "id": "t2"}])
+    run(server, edited, out, resume=True, **one_at_a_time)
+    assert "2 prompt(s) already finished, 1 to run" in capsys.readouterr().out
+    kept = read_jsonl(out / "run" / "trajectories.jsonl")
+    assert sorted((x["prompt_index"], x["metadata"]["row_id"], x["score"]["status"]) for x in kept) == [
+        (0, "r", "passed"),
+        (1, "", "unscored"),
+        (2, "t", "failed"),
+    ]
+    assert stats_of(out / "run")["dropped_at_merge"]["duplicate"] == 1

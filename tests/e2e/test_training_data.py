@@ -562,6 +562,21 @@ def test_toolset_distributions_give_the_references_dicts():
     assert td.get_distribution("research")["toolsets"]["web"] == 90
 
 
+def test_validate_distribution_checks_what_get_distribution_gave():
+    """validate_distribution(get_distribution(name)) was True while get_distribution gave the
+    Distribution itself; the dict it gives now made it False (a dict is no name), so a script that
+    checked what it got before using it saw every built-in distribution as invalid. It is checked whole
+    as a Distribution is: True, or ValueError naming what is wrong (the caller's copy edited)."""
+    import toolset_distributions as td
+
+    research = td.get_distribution("research")
+    assert td.validate_distribution(research) is True
+    assert all(td.validate_distribution(d) is True for d in td.list_distributions().values())
+    research["toolsets"]["no_such_toolset"] = 50
+    with pytest.raises(ValueError, match="no_such_toolset"):
+        td.validate_distribution(research)
+
+
 def test_print_distribution_info(capsys):
     import toolset_distributions as td
 

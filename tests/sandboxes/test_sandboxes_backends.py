@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import docker_ps, skip_or_fail, wait_until
+from helpers import ROOT, docker_ps, skip_or_fail, wait_until
 
 from batchrun.prompt.sandboxes import BACKENDS, create_sandbox
 from batchrun.prompt.sandboxes.base import SandboxError, SandboxSpec
@@ -894,6 +894,42 @@ def test_a_cgroup_parent_of_the_users_own_is_neither_killed_nor_removed_at_the_r
             for leftover in (os.path.join(path, "empty"), path):
                 if os.path.isdir(leftover):
                     os.rmdir(leftover)
+
+
+@pytest.mark.docker
+def test_a_run_s_cgroup_outlives_the_start_of_a_runner_in_another_pid_namespace(docker_engine):
+    """A runner in another PID namespace (in a container, sharing the machine's cgroups and engine)
+    judged this live run's cgroup by its pid, a pid of this namespace that it does not have: gone.
+    Its start removed the cgroup while no container was in it (here: 2 of 2 hierarchies), and the
+    engine made it again for the run's next container without the run's memory and pids limits.
+    A dead runner's cgroup of this namespace is still removed."""
+    from batchrun.prompt.sandboxes.docker import engine
+
+    problem = engine.run_cgroup_problem(engine.docker_client().info())
+    if problem is not None:
+        pytest.skip(problem)
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare to start a process in a PID namespace of its own")
+    name = engine.make_run_cgroup(1 << 30, 2048)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    namespace = os.stat("/proc/self/ns/pid").st_ino  # as make_run_cgroup names it, a dead runner of ours
+    gone = f"{engine.RUN_CGROUP_PREFIX}{dead.pid}-{uuid.uuid4().hex[:8]}-{namespace}"
+    for path, _ in engine._run_cgroup_dirs(gone):
+        os.makedirs(path, exist_ok=True)
+    sweep = "from batchrun.prompt.sandboxes.docker import engine; engine.sweep_run_cgroups()"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        other = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", sweep]
+        subprocess.run(other, check=True, timeout=60, cwd=ROOT, env=env)
+        held = [h for h in engine._hierarchies() if os.path.isdir(os.path.join(h, name))]
+        assert len(held) == len(engine._run_cgroup_dirs(name))
+        subprocess.run([sys.executable, "-c", sweep], check=True, timeout=60, cwd=ROOT, env=env)
+        assert not any(os.path.exists(os.path.join(h, gone)) for h in engine._hierarchies())
+        assert all(os.path.isdir(os.path.join(h, name)) for h in held)
+    finally:
+        for leftover in (name, gone):
+            engine.remove_run_cgroup(leftover, wait_s=1)
 
 
 def _container_ids() -> set[str]:

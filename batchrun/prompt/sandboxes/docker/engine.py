@@ -454,7 +454,9 @@ def wait_removed(container_id: str, timeout_s: float = 10.0) -> bool:
 # systemd) and this process may write the engine's cgroup tree; elsewhere the containers have their
 # own limits only, and the start of the run says so.
 RUN_CGROUP_PREFIX = "batch-runner-docker-"
-_RUN_CGROUP_NAME = re.compile(rf"{re.escape(RUN_CGROUP_PREFIX)}[0-9]+-[0-9a-f]+")
+# <prefix><pid>-<random>[-<PID namespace>]: the pid is one of the runner's PID namespace (named since
+# the sweep below judged a runner in another one by a pid of its own and took it for gone).
+_RUN_CGROUP_NAME = re.compile(rf"{re.escape(RUN_CGROUP_PREFIX)}([0-9]+)-[0-9a-f]+(?:-([0-9]+))?")
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -509,7 +511,8 @@ def make_run_cgroup(memory_bytes: int, pids: int) -> str:
     """The run's cgroup, holding its containers to ``memory_bytes`` and ``pids`` together; its name
     (carrying this process's pid, so that the next run removes it once this process is gone).
     OSError when the kernel refuses."""
-    name = f"{RUN_CGROUP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    namespace = pid_namespace()
+    name = f"{RUN_CGROUP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}" + (f"-{namespace}" if namespace else "")
     # controller ("": v2's one hierarchy) -> the files that hold its limits
     files = {
         "": (("memory.max", memory_bytes), ("pids.max", pids)),
@@ -646,11 +649,31 @@ def sweep_run_cgroups() -> int:
         except OSError:
             continue
         for entry in entries:
-            pid = entry.name[len(RUN_CGROUP_PREFIX) :].split("-")[0]
-            if is_run_cgroup(entry.name) and not pid_alive(int(pid)):
+            if _runner_gone(entry.name):
                 try:
                     killed = kill_cgroup_processes(entry.name, spare_known=True)
                 except ENGINE_ERRORS:
                     killed = 0
                 removed += remove_run_cgroup(entry.name, wait_s=5.0 if killed else 0.0)
     return removed
+
+
+def pid_namespace() -> int | None:
+    """This process's PID namespace (its inode), or None when /proc does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _runner_gone(name: str) -> bool:
+    """Whether ``name`` is a run cgroup whose runner is gone. One made in another PID namespace (a
+    runner in a container, sharing the machine's cgroups and engine) is not: its pid is no process of
+    this one's, so a live runner's was taken for gone, and its cgroup, empty between two containers,
+    removed with the run's limits (the engine made it again without them for the next container)."""
+    match = _RUN_CGROUP_NAME.fullmatch(name)
+    if match is None:
+        return False
+    if match[2] is not None and int(match[2]) != pid_namespace():
+        return False
+    return not pid_alive(int(match[1]))
