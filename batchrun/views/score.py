@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import os
 import re
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from batchrun.identity import record_sample
 from batchrun.record import valid_outcome_row, valid_record
@@ -55,6 +56,9 @@ from batchrun.storage import (
 )
 
 DEFAULT_CONCURRENCY, MAX_CONCURRENCY = 8, 256  # --concurrency: judge calls at once
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
@@ -143,12 +147,7 @@ def rescore(
         )
         return score_sample(rec, judgement)
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, concurrency) if judge else 1) as pool:
-        try:
-            verdicts = list(pool.map(judged, samples))
-        except BaseException:  # Ctrl-C: the judge calls not yet sent are not sent
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+    verdicts = in_order(judged, samples, max(1, concurrency) if judge else 1)
     for (rec, (row_key, sample_index), _copy), score in zip(samples, verdicts, strict=True):
         meta = rec.get("metadata") or {}
         scores.add({**rec, "score": score}, row_key, sample_index)
@@ -183,6 +182,47 @@ def rescore(
     }
     write_json_atomic(stats_path, stats, redact)
     return summary
+
+
+def in_order(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
+    """``fn`` of each item, up to ``workers`` at once, in the items' order; the first error is raised once
+    the calls under way are over, and no further one starts. The threads are daemons: a Ctrl-C (or any
+    exception in the caller) returns at once, no further call starts, and the process exits without
+    waiting for the calls under way (a ThreadPoolExecutor's threads are joined at exit: against a judge
+    that hangs, Ctrl-C and a second one left views.score running, each call up to 4 x 600 s)."""
+    if workers <= 1:
+        return [fn(item) for item in items]
+    results: list[Any] = [None] * len(items)
+    errors: list[tuple[int, BaseException]] = []
+    lock = threading.Lock()
+    taken = iter(range(len(items)))
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(taken, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
+                with lock:
+                    errors.append((i, exc))
+                stop.set()
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(min(workers, len(items)))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():  # a join with a timeout: Ctrl-C is taken at once
+                t.join(0.25)
+    finally:
+        stop.set()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return results
 
 
 def _stats_to_update(path: Path) -> dict[str, Any]:
@@ -294,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:  # a read-only run directory, a full disk; a damaged statistics.json
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the judge calls under way are left unanswered: nothing is written
+        print(f"\nInterrupted: nothing re-scored ({name})", file=sys.stderr)
+        return 130
     print(headline(summary) or "Scores: no sample could be judged by these scorers")
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:

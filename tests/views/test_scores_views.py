@@ -12,6 +12,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -937,3 +938,99 @@ def test_a_judge_rescoring_judges_several_samples_at_once_in_their_order(tmp_pat
     assert {line["row_id"]: line["score"]["passed"] for line in lines} == {
         f"r{n}": n % 3 == 0 for n in range(8)
     }
+
+
+class _HangingJudge:
+    """A judge that passes the start check and then never answers a verdict (it holds each call open)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.asked = threading.Semaphore(0)
+        hanging = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer({"data": [{"id": "j"}]})
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"])).decode()
+                if "Reply with OK." not in body:  # a verdict: held open until the test ends
+                    hanging.asked.release()
+                    time.sleep(120)
+                    return
+                message = {"role": "assistant", "content": "OK"}
+                self._answer(
+                    {
+                        "id": "c",
+                        "object": "chat.completion",
+                        "model": "j",
+                        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+                    }
+                )
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_ctrl_c_stops_a_judge_rescoring_whose_judge_hangs(tmp_path, concurrency):
+    """views.score judged in a ThreadPoolExecutor, whose threads the interpreter joins at exit: against a
+    judge that does not answer, Ctrl-C and a second one left it running (still there 65 s later; each call
+    may take 4 x 600 s). Now Ctrl-C ends it at once, exit 130, nothing written."""
+    import signal
+
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(6)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    judge = _HangingJudge()
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "batchrun.views.score",
+                str(out / "run"),
+                "--scorer=judge",
+                "--judge_model=j",
+                f"--judge_base_url={judge.base_url}",
+                f"--concurrency={concurrency}",
+            ],  # fmt: skip
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's Ctrl-C reaches it
+        )
+        try:
+            assert judge.asked.acquire(timeout=60), "no verdict was asked"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=15)
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        judge.close()
+    assert proc.returncode == 130, err
+    assert "Interrupted: nothing re-scored" in err
+    assert not (out / "run" / "scores.judge.jsonl").exists()
