@@ -83,6 +83,14 @@ class Unavailable:
         return True
 
 
+MAIN_KEY_HINT = "pass --api_key or set OPENROUTER_API_KEY or OPENAI_API_KEY"  # the run's own endpoint's key
+
+
+def judge_key_hint(variable: str) -> str:
+    """Where a judge's key comes from (``key_hint``): the variable --judge_api_key_env names."""
+    return f"set {variable} (the variable --judge_api_key_env names)"
+
+
 def check_endpoint(
     cfg: LLMConfig,
     *,
@@ -91,6 +99,7 @@ def check_endpoint(
     gate: SpendGate | None = None,
     grace_s: float = 0.0,
     on_slots: Callable[[int], None] | None = None,
+    key_hint: str = MAIN_KEY_HINT,
 ) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
@@ -107,10 +116,11 @@ def check_endpoint(
     (batchrun/run/budget.py's CheckGate), asked before the call is sent; it counts what the call spent.
     ``grace_s``: how long an endpoint that answers 503 (still loading its model) is waited for
     (:class:`Unavailable`). ``on_slots``: told how many requests the endpoint serves at once, when it
-    is a llama-server (:func:`server_slots`).
+    is a llama-server (:func:`server_slots`). ``key_hint``: where the key comes from, said when the endpoint
+    wants one and none was sent (a judge's is not the run's --api_key).
     """
     unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url))
-    list_models(cfg, who=who, unavailable=unavailable, on_slots=on_slots)
+    list_models(cfg, who=who, unavailable=unavailable, on_slots=on_slots, key_hint=key_hint)
     return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate, unavailable=unavailable)
 
 
@@ -120,6 +130,7 @@ def list_models(
     who: str = "the endpoint",
     unavailable: Unavailable | None = None,
     on_slots: Callable[[int], None] | None = None,
+    key_hint: str = MAIN_KEY_HINT,
 ) -> None:
     """``GET <base_url>/models``: a rejected key stops here; a model it does not list is warned of.
     ``on_slots``: when the answer says it comes from llama.cpp, told its slots (:func:`server_slots`)."""
@@ -146,8 +157,7 @@ def list_models(
                 ):
                     # Not "rejected the API key": none was sent (llama-server --api-key wants one).
                     raise UsageError(
-                        f"{who} {shown} wants an API key (HTTP 401) and none was given: pass --api_key or "
-                        "set OPENROUTER_API_KEY or OPENAI_API_KEY"
+                        f"{who} {shown} wants an API key (HTTP 401) and none was given: {key_hint}"
                     ) from None
                 if exc.status_code == 401:
                     raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None

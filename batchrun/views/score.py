@@ -247,13 +247,14 @@ def _stats_to_update(path: Path) -> dict[str, Any]:
     return stats
 
 
-def judge_client(settings: JudgeSettings) -> Any:
+def judge_client(settings: JudgeSettings, key_variable: str = "JUDGE_API_KEY") -> Any:
     """The judge's model client: the runner's own (retries, timeouts, bounds on what it reads), once the
     judge has passed the run's start check (a UsageError says why not). A judge that cannot answer (a
     wrong URL, key or model name, a dead server) made every sample a scorer error, each after its
-    retries (3.4 s a sample against a closed port: a day for 25,000), and exit 0."""
+    retries (3.4 s a sample against a closed port: a day for 25,000), and exit 0. ``key_variable``: the
+    variable the key is read from (--judge_api_key_env), named when the judge wants a key it was not given."""
     from batchrun.prompt.llm import LLMClient, LLMConfig
-    from batchrun.run.preflight import check_endpoint
+    from batchrun.run.preflight import check_endpoint, judge_key_hint
 
     cfg = LLMConfig(
         model=settings.model,
@@ -262,7 +263,7 @@ def judge_client(settings: JudgeSettings) -> Any:
         max_tokens=settings.max_tokens,
         temperature=0.0,
     )
-    check_endpoint(cfg, who="the judge's endpoint")
+    check_endpoint(cfg, who="the judge's endpoint", key_hint=judge_key_hint(key_variable))
     return LLMClient(cfg)
 
 
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         from batchrun.secrets import Redactor
 
         try:
-            judge = judge_client(settings.judge)
+            judge = judge_client(settings.judge, args.judge_api_key_env)
         except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
             redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
             print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)

@@ -1034,3 +1034,34 @@ def test_ctrl_c_stops_a_judge_rescoring_whose_judge_hangs(tmp_path, concurrency)
     assert proc.returncode == 130, err
     assert "Interrupted: nothing re-scored" in err
     assert not (out / "run" / "scores.judge.jsonl").exists()
+
+
+def test_a_judge_that_wants_a_key_it_was_not_given_names_the_judges_variable(tmp_path, capsys, monkeypatch):
+    """The judge's start check said 'pass --api_key or set OPENROUTER_API_KEY or OPENAI_API_KEY' when its
+    endpoint wanted a key: views.score has no --api_key, and neither variable is read for a judge at its
+    own URL, so following the advice gave the same exit 2. It names --judge_api_key_env's variable."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    monkeypatch.delenv("JUDGE_API_KEY", raising=False)
+    rows = [{"prompt": "Say 42 [calls:0] [answer:42]", "rubric": "r"}]
+    out = tmp_path / "data"
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    run(None, dataset, out)
+    with FakeModelServer(api_key="sk-judge-77") as judge:
+        argv = [str(out / "run"), "--scorer=judge", "--judge_model=j", f"--judge_base_url={judge.base_url}"]
+        assert score.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "wants an API key (HTTP 401) and none was given: set JUDGE_API_KEY" in err
+        assert "--api_key" not in err.replace("--judge_api_key_env", "")
+        with pytest.raises(SystemExit) as stopped:  # the run's own check of its judge says the same
+            run(
+                None,
+                dataset,
+                out,
+                run_name="run2",
+                scorer="judge",
+                judge_model="j",
+                judge_base_url=judge.base_url,
+            )
+        assert stopped.value.code == 2
+        assert "the judge's endpoint" in (err := capsys.readouterr().err) and "set JUDGE_API_KEY" in err
