@@ -264,7 +264,41 @@ def judge_client(settings: JudgeSettings, key_variable: str = "JUDGE_API_KEY") -
         temperature=0.0,
     )
     check_endpoint(cfg, who="the judge's endpoint", key_hint=judge_key_hint(key_variable))
-    return LLMClient(cfg)
+    watch = JudgeWatch(cfg)
+    return LLMClient(cfg, stop=watch.stop, on_failure=watch)
+
+
+class JudgeWatch:
+    """The run's dead-endpoint stop for a re-scoring's judge: after ``DEAD_AFTER`` attempts in a row that
+    failed for the endpoint's reasons (refused, reset, timed out, 5xx), one probe (the start check's
+    call); no answer, and ``stop`` is set: every further judge call raises BudgetStop before it is sent,
+    and the re-scoring ends writing nothing (exit 5). A judge that died mid-way made every remaining
+    sample a scorer error after its retries (36 of 64 samples, 27 s at --concurrency=4; 10,000 would take
+    hours), written as the re-scoring, exit 0."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.stop = threading.Event()
+        self.failures = 0
+        self.probing = False
+        self._lock = threading.Lock()
+
+    def __call__(self, error_class: str | None) -> None:
+        """LLMClient's ``on_failure``: told after each attempt (None: it was answered)."""
+        from batchrun.run.endpoint_watch import DEAD_AFTER, probe_once
+
+        with self._lock:
+            self.failures = 0 if error_class is None else self.failures + 1
+            if self.failures < DEAD_AFTER or self.probing or self.stop.is_set():
+                return
+            self.probing = True
+        alive = probe_once(self.cfg)
+        with self._lock:
+            self.probing = False
+            if alive:
+                self.failures = 0
+            else:
+                self.stop.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
+    from batchrun.prompt.llm import BudgetStop, safe_url
+    from batchrun.run.endpoint_watch import DEAD_AFTER, EXIT_ENDPOINT_DEAD
+
     try:
         summary = rescore(
             args.run_dir, settings, name, judge, stats.get("distribution", ""), args.concurrency
@@ -335,6 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:  # a read-only run directory, a full disk; a damaged statistics.json
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BudgetStop:  # JudgeWatch: the judge stopped answering mid-way
+        shown = safe_url(settings.judge.base_url) if settings.judge else ""
+        print(
+            f"error: the judge's endpoint {shown} stopped answering ({DEAD_AFTER} attempts in a row failed, "
+            "and a probe); nothing re-scored: run it again once the judge is back",
+            file=sys.stderr,
+        )
+        return EXIT_ENDPOINT_DEAD
     except KeyboardInterrupt:  # the judge calls under way are left unanswered: nothing is written
         print(f"\nInterrupted: nothing re-scored ({name})", file=sys.stderr)
         return 130

@@ -1065,3 +1065,41 @@ def test_a_judge_that_wants_a_key_it_was_not_given_names_the_judges_variable(tmp
             )
         assert stopped.value.code == 2
         assert "the judge's endpoint" in (err := capsys.readouterr().err) and "set JUDGE_API_KEY" in err
+
+
+def test_a_judge_that_dies_mid_rescoring_stops_it_and_nothing_is_written(tmp_path, capsys):
+    """A judge that stopped answering mid-way made every remaining sample a scorer error after its retries
+    (36 of 64 samples, 27 s at --concurrency=4; hours for 10,000), written as the re-scoring, exit 0. Now
+    the run's dead-endpoint stop: DEAD_AFTER failed attempts in a row and a probe, then no call is sent,
+    nothing is written, exit 5."""
+    import threading
+
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(64)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    run_dir = out / "run"
+    before = stats_of(run_dir)
+    judge = subprocess.Popen(
+        [sys.executable, "-m", "batchrun.fakes.fake_model", "--latency=0.3"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base_url = judge.stdout.readline().strip()
+        argv = [str(run_dir), "--scorer=judge", "--judge_model=mock", f"--judge_base_url={base_url}"]
+        code: list[int] = []
+        started = time.monotonic()
+        judging = threading.Thread(target=lambda: code.append(score.main([*argv, "--concurrency=4"])))
+        judging.start()
+        time.sleep(1.5)  # the start check and a few verdicts
+    finally:
+        judge.kill()  # the judge dies: its port refuses every further call
+        judge.wait()
+    judging.join(120)
+    err = capsys.readouterr().err
+    assert code == [5], err
+    assert time.monotonic() - started < 20
+    assert "the judge's endpoint" in err and "stopped answering" in err
+    assert not (run_dir / "scores.judge.jsonl").exists()
+    assert stats_of(run_dir) == before
