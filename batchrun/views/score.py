@@ -158,6 +158,9 @@ def rescore(
             "score": score,
         }
         lines.append(json_line(line) + "\n")
+    # Read again now, not kept from the start: a judge's re-scoring takes hours, and a --resume that ended
+    # meanwhile had its statistics.json (its runs entry, its totals) replaced by the copy read before.
+    stats = _stats_to_update(stats_path)
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
     section = stats.setdefault("scores", {})
     # The run's samples without an outcome are no more judged by a re-scoring than by the run; nor are
