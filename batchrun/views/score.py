@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,6 +57,10 @@ from batchrun.storage import (
 )
 
 DEFAULT_CONCURRENCY, MAX_CONCURRENCY = 8, 256  # --concurrency: judge calls at once
+
+# How long a judge that answers 503 while loading, or stopped answering, is waited for: the run's
+# --endpoint_grace default.
+JUDGE_GRACE_S = 120.0
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -266,21 +271,28 @@ def judge_client(settings: JudgeSettings, key_variable: str = "JUDGE_API_KEY") -
         max_tokens=settings.max_tokens,
         temperature=0.0,
     )
-    check_endpoint(cfg, who="the judge's endpoint", key_hint=judge_key_hint(key_variable))
-    watch = JudgeWatch(cfg)
-    return LLMClient(cfg, stop=watch.stop, on_failure=watch)
+    # A judge still loading its model (llama-server answers 503 meanwhile) is waited for, as a run waits:
+    # started beside one, views.score exited 2 at once.
+    check_endpoint(
+        cfg, who="the judge's endpoint", key_hint=judge_key_hint(key_variable), grace_s=JUDGE_GRACE_S
+    )
+    watch = JudgeWatch(cfg, JUDGE_GRACE_S)
+    watch.client = LLMClient(cfg, stop=watch.stop, on_failure=watch)
+    return watch.client
 
 
 class JudgeWatch:
     """The run's dead-endpoint stop for a re-scoring's judge: after ``DEAD_AFTER`` attempts in a row that
-    failed for the endpoint's reasons (refused, reset, timed out, 5xx), one probe (the start check's
-    call); no answer, and ``stop`` is set: every further judge call raises BudgetStop before it is sent,
-    and the re-scoring ends writing nothing (exit 5). A judge that died mid-way made every remaining
-    sample a scorer error after its retries (36 of 64 samples, 27 s at --concurrency=4; 10,000 would take
-    hours), written as the re-scoring, exit 0."""
+    failed for the endpoint's reasons (refused, reset, timed out, 5xx), every judge call is held and the
+    judge probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
+    endpoint; an answer lets the calls go on, none sets ``stop``: every further judge call raises
+    BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). A judge that died
+    mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
+    --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0."""
 
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Any, grace_s: float) -> None:
+        self.cfg, self.grace_s = cfg, grace_s
+        self.client: Any = None  # the judge's client, whose calls are held while the judge is probed
         self.stop = threading.Event()
         self.failures = 0
         self.probing = False
@@ -288,20 +300,29 @@ class JudgeWatch:
 
     def __call__(self, error_class: str | None) -> None:
         """LLMClient's ``on_failure``: told after each attempt (None: it was answered)."""
-        from batchrun.run.endpoint_watch import DEAD_AFTER, probe_once
+        from batchrun.run.endpoint_watch import DEAD_AFTER, PROBE_EVERY_S, probe_once
 
         with self._lock:
             self.failures = 0 if error_class is None else self.failures + 1
             if self.failures < DEAD_AFTER or self.probing or self.stop.is_set():
                 return
             self.probing = True
-        alive = probe_once(self.cfg)
+        until = time.monotonic() + self.grace_s
+        alive = False
+        while not alive and time.monotonic() < until:
+            if self.client is not None:  # the other calls wait instead of failing meanwhile
+                self.client.limiter.pause(PROBE_EVERY_S + 30.0, broadcast=False)
+            alive = probe_once(self.cfg)
+            if not alive:
+                time.sleep(max(0.0, min(PROBE_EVERY_S, until - time.monotonic())))
         with self._lock:
             self.probing = False
             if alive:
                 self.failures = 0
             else:
                 self.stop.set()
+        if self.client is not None:
+            self.client.limiter.lift(time.time() + PROBE_EVERY_S + 30.0)
 
 
 def main(argv: list[str] | None = None) -> int:

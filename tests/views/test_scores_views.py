@@ -1067,12 +1067,15 @@ def test_a_judge_that_wants_a_key_it_was_not_given_names_the_judges_variable(tmp
         assert "the judge's endpoint" in (err := capsys.readouterr().err) and "set JUDGE_API_KEY" in err
 
 
-def test_a_judge_that_dies_mid_rescoring_stops_it_and_nothing_is_written(tmp_path, capsys):
+def test_a_judge_that_dies_mid_rescoring_stops_it_and_nothing_is_written(tmp_path, capsys, monkeypatch):
     """A judge that stopped answering mid-way made every remaining sample a scorer error after its retries
     (36 of 64 samples, 27 s at --concurrency=4; hours for 10,000), written as the re-scoring, exit 0. Now
-    the run's dead-endpoint stop: DEAD_AFTER failed attempts in a row and a probe, then no call is sent,
-    nothing is written, exit 5."""
+    the run's dead-endpoint stop: DEAD_AFTER failed attempts in a row, the calls held and the judge probed
+    for the grace (the run's --endpoint_grace, 120 s; 2 s here), then no call is sent, nothing is written,
+    exit 5."""
     import threading
+
+    monkeypatch.setattr(score, "JUDGE_GRACE_S", 2.0)
 
     rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(64)]
     out = tmp_path / "data"
@@ -1134,3 +1137,51 @@ def test_a_resume_that_ends_while_a_judge_rescores_keeps_its_statistics(tmp_path
     stats = stats_of(run_dir)
     assert len(stats["runs"]) == 2
     assert stats["scores"]["rescored"]["judge"]["scored"] == 8
+
+
+def test_a_judge_that_restarts_mid_rescoring_is_waited_for(tmp_path, capsys, monkeypatch):
+    """The dead-judge stop waits for the judge as a run waits for its endpoint: one restarted within the
+    grace is probed back and the re-scoring goes on to its end (exit 0), the later samples judged."""
+    import socket
+    import threading
+
+    monkeypatch.setattr(score, "JUDGE_GRACE_S", 30.0)
+    verdict = '[verdict:{"score": 1, "passed": true}]'
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0] {verdict}", "rubric": "r"} for n in range(48)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    run_dir = out / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def judge() -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "batchrun.fakes.fake_model", f"--port={port}", "--latency=0.3"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()
+        return proc
+
+    first = judge()
+    argv = [
+        str(run_dir),
+        "--scorer=judge",
+        "--judge_model=mock",
+        f"--judge_base_url=http://127.0.0.1:{port}/v1",
+    ]
+    code: list[int] = []
+    judging = threading.Thread(target=lambda: code.append(score.main([*argv, "--concurrency=4"])))
+    judging.start()
+    time.sleep(1.5)
+    first.kill()
+    first.wait()
+    time.sleep(4)  # dead long enough for DEAD_AFTER failed attempts
+    second = judge()
+    try:
+        judging.join(120)
+    finally:
+        second.kill()
+        second.wait()
+    assert code == [0], capsys.readouterr().err
+    lines = read_jsonl(run_dir / "scores.judge.jsonl")
+    assert len(lines) == 48
+    assert all(line["score"]["passed"] is True for line in lines[-8:])
