@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
             redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
             print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # while the start check waits for a judge loading its model
+            print("\nInterrupted: nothing re-scored", file=sys.stderr)
+            return 130
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
     from batchrun.prompt.llm import BudgetStop, safe_url

@@ -943,11 +943,13 @@ def test_a_judge_rescoring_judges_several_samples_at_once_in_their_order(tmp_pat
 class _HangingJudge:
     """A judge that passes the start check and then never answers a verdict (it holds each call open)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loading_s: float = 0.0, hang: bool = True) -> None:
         import http.server
         import threading
 
         self.asked = threading.Semaphore(0)
+        self.loading_until = time.monotonic() + loading_s
+        self.loading_answers = 0
         hanging = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -962,16 +964,34 @@ class _HangingJudge:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _loading(self) -> bool:
+                if time.monotonic() >= hanging.loading_until:
+                    return False
+                hanging.loading_answers += 1  # as llama-server answers while it loads its model
+                data = json.dumps({"error": {"code": 503, "message": "Loading model"}}).encode()
+                self.send_response(503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return True
+
             def do_GET(self) -> None:
-                self._answer({"data": [{"id": "j"}]})
+                if not self._loading():
+                    self._answer({"data": [{"id": "j"}]})
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"])).decode()
-                if "Reply with OK." not in body:  # a verdict: held open until the test ends
-                    hanging.asked.release()
-                    time.sleep(120)
+                if self._loading():
                     return
-                message = {"role": "assistant", "content": "OK"}
+                content = "OK"
+                if "Reply with OK." not in body:  # a verdict
+                    if hang:  # held open until the test ends
+                        hanging.asked.release()
+                        time.sleep(120)
+                        return
+                    content = '{"score": 1, "passed": true}'
+                message = {"role": "assistant", "content": content}
                 self._answer(
                     {
                         "id": "c",
@@ -1185,3 +1205,22 @@ def test_a_judge_that_restarts_mid_rescoring_is_waited_for(tmp_path, capsys, mon
     lines = read_jsonl(run_dir / "scores.judge.jsonl")
     assert len(lines) == 48
     assert all(line["score"]["passed"] is True for line in lines[-8:])
+
+
+def test_a_judge_rescoring_waits_for_a_judge_loading_its_model(tmp_path, capsys):
+    """The judge's start check gave a judge still loading its model (503 'Loading model') no grace:
+    started beside a llama-server, views.score exited 2 at once, where a run waits --endpoint_grace. It
+    waits as a run does (120 s at most), then judges."""
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(3)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    judge = _HangingJudge(loading_s=2.0, hang=False)
+    try:
+        argv = [str(out / "run"), "--scorer=judge", "--judge_model=j", f"--judge_base_url={judge.base_url}"]
+        assert score.main(argv) == 0, capsys.readouterr().err
+    finally:
+        judge.close()
+    assert judge.loading_answers >= 1
+    assert "is not ready" in capsys.readouterr().err
+    lines = read_jsonl(out / "run" / "scores.judge.jsonl")
+    assert [line["score"]["passed"] for line in lines] == [True, True, True]
