@@ -60,9 +60,13 @@ class Unavailable:
     second apart: a run started beside a llama-server still loading its model exited 2 in 0.6 s. A 503
     that does not say so is not waited for (every 503 was: a dead proxy's took 120 s to exit 2)."""
 
-    def __init__(self, grace_s: float, who: str, shown: str) -> None:
+    def __init__(
+        self, grace_s: float, who: str, shown: str, redact: Callable[[str], str] = lambda text: text
+    ) -> None:
         self.until = time.monotonic() + grace_s
         self.grace_s, self.who, self.shown = grace_s, who, shown
+        # The server's own words are shown: one that quotes the request's key must not show it.
+        self.redact = redact
         self.waited = False
 
     def wait(self, message: str, retry_after_s: float | None = None) -> bool:
@@ -73,7 +77,7 @@ class Unavailable:
         if not self.waited:
             self.waited = True
             print(
-                f"warning: {self.who} {self.shown} is not ready ({message}), as a server loading its model "
+                f"warning: {self.who} {self.shown} is not ready ({self.redact(message)}), as a server loading its model "
                 f"answers; the start check asks again for up to {self.grace_s:g} s (--endpoint_grace)",
                 file=sys.stderr,
                 flush=True,
@@ -119,7 +123,8 @@ def check_endpoint(
     is a llama-server (:func:`server_slots`). ``key_hint``: where the key comes from, said when the endpoint
     wants one and none was sent (a judge's is not the run's --api_key).
     """
-    unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url))
+    redact = Redactor.for_endpoint(cfg.api_key, cfg.base_url)
+    unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url), redact)
     list_models(cfg, who=who, unavailable=unavailable, on_slots=on_slots, key_hint=key_hint)
     return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate, unavailable=unavailable)
 

@@ -968,7 +968,8 @@ class _HangingJudge:
                 if time.monotonic() >= hanging.loading_until:
                     return False
                 hanging.loading_answers += 1  # as llama-server answers while it loads its model
-                data = json.dumps({"error": {"code": 503, "message": "Loading model"}}).encode()
+                said = f"Loading model (request from {self.headers.get('Authorization')})"  # quotes the key
+                data = json.dumps({"error": {"code": 503, "message": said}}).encode()
                 self.send_response(503)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -1207,10 +1208,12 @@ def test_a_judge_that_restarts_mid_rescoring_is_waited_for(tmp_path, capsys, mon
     assert all(line["score"]["passed"] is True for line in lines[-8:])
 
 
-def test_a_judge_rescoring_waits_for_a_judge_loading_its_model(tmp_path, capsys):
+def test_a_judge_rescoring_waits_for_a_judge_loading_its_model(tmp_path, capsys, monkeypatch):
     """The judge's start check gave a judge still loading its model (503 'Loading model') no grace:
     started beside a llama-server, views.score exited 2 at once, where a run waits --endpoint_grace. It
-    waits as a run does (120 s at most), then judges."""
+    waits as a run does (120 s at most), then judges. The warning that it waits quotes the server's words,
+    its key redacted (a server echoing the request's Authorization showed the key on the console)."""
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-loading-5150")
     rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(3)]
     out = tmp_path / "data"
     run(None, write_rows(tmp_path / "d.jsonl", rows), out)
@@ -1221,6 +1224,8 @@ def test_a_judge_rescoring_waits_for_a_judge_loading_its_model(tmp_path, capsys)
     finally:
         judge.close()
     assert judge.loading_answers >= 1
-    assert "is not ready" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not ready" in err and "Loading model (request from Bearer [REDACTED])" in err
+    assert "sk-judge-loading-5150" not in err
     lines = read_jsonl(out / "run" / "scores.judge.jsonl")
     assert [line["score"]["passed"] for line in lines] == [True, True, True]
