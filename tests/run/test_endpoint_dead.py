@@ -39,7 +39,9 @@ def test_a_dead_endpoint_stops_the_run_with_its_own_exit_code(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == EXIT_ENDPOINT_DEAD
     assert "the run is paused and the endpoint probed" in err
-    assert "did not come back within 3 s" in err and "--resume" in err
+    assert (
+        "did not come back within 3 s" in err and "resume=True" in err
+    )  # started from Python: its call, resumed
     assert endpoint.checks() >= 2  # the start check, then at least one probe
     # Without the stop: 40 prompts x 2 tries = 80 doomed requests. With it: about the failures that
     # tripped it, plus what was in flight.
