@@ -43,8 +43,10 @@ from batchrun.run.forkserver import start_forkserver
 from batchrun.run.journal import SpendJournal, read_journal, remove_journal
 from batchrun.run.plan import make_plan, print_plan
 from batchrun.run.preflight import (
+    MAIN_KEY_HINT,
     check_endpoint,
     finish_sandbox_preflight,
+    judge_key_hint,
     preflight_sandboxes,
     prepare_sandboxes,
     probe_mcp_servers,
@@ -306,6 +308,7 @@ def run_steps(
                 gate=gate,
                 grace_s=config.endpoint_grace,
                 on_slots=slots.append if endpoint is llm else None,
+                key_hint=MAIN_KEY_HINT if endpoint is llm else judge_key_hint(config.judge_api_key_env),
             )
             if check.calls and gate is None:  # it cost what any call costs: the run's spend counts it
                 recorder.add_check_spend(check.prompt_tokens, check.completion_tokens, check.cost_usd)

@@ -60,9 +60,13 @@ class Unavailable:
     second apart: a run started beside a llama-server still loading its model exited 2 in 0.6 s. A 503
     that does not say so is not waited for (every 503 was: a dead proxy's took 120 s to exit 2)."""
 
-    def __init__(self, grace_s: float, who: str, shown: str) -> None:
+    def __init__(
+        self, grace_s: float, who: str, shown: str, redact: Callable[[str], str] = lambda text: text
+    ) -> None:
         self.until = time.monotonic() + grace_s
         self.grace_s, self.who, self.shown = grace_s, who, shown
+        # The server's own words are shown: one that quotes the request's key must not show it.
+        self.redact = redact
         self.waited = False
 
     def wait(self, message: str, retry_after_s: float | None = None) -> bool:
@@ -73,7 +77,7 @@ class Unavailable:
         if not self.waited:
             self.waited = True
             print(
-                f"warning: {self.who} {self.shown} is not ready ({message}), as a server loading its model "
+                f"warning: {self.who} {self.shown} is not ready ({self.redact(message)}), as a server loading its model "
                 f"answers; the start check asks again for up to {self.grace_s:g} s (--endpoint_grace)",
                 file=sys.stderr,
                 flush=True,
@@ -81,6 +85,14 @@ class Unavailable:
         pause = retry_after_s if retry_after_s is not None and retry_after_s > 0 else UNAVAILABLE_POLL_S
         time.sleep(min(left, pause, 30.0))
         return True
+
+
+MAIN_KEY_HINT = "pass --api_key or set OPENROUTER_API_KEY or OPENAI_API_KEY"  # the run's own endpoint's key
+
+
+def judge_key_hint(variable: str) -> str:
+    """Where a judge's key comes from (``key_hint``): the variable --judge_api_key_env names."""
+    return f"set {variable} (the variable --judge_api_key_env names)"
 
 
 def check_endpoint(
@@ -91,6 +103,7 @@ def check_endpoint(
     gate: SpendGate | None = None,
     grace_s: float = 0.0,
     on_slots: Callable[[int], None] | None = None,
+    key_hint: str = MAIN_KEY_HINT,
 ) -> Usage:
     """Before any prompt: the endpoint answers, and one minimal real chat call works.
 
@@ -107,10 +120,12 @@ def check_endpoint(
     (batchrun/run/budget.py's CheckGate), asked before the call is sent; it counts what the call spent.
     ``grace_s``: how long an endpoint that answers 503 (still loading its model) is waited for
     (:class:`Unavailable`). ``on_slots``: told how many requests the endpoint serves at once, when it
-    is a llama-server (:func:`server_slots`).
+    is a llama-server (:func:`server_slots`). ``key_hint``: where the key comes from, said when the endpoint
+    wants one and none was sent (a judge's is not the run's --api_key).
     """
-    unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url))
-    list_models(cfg, who=who, unavailable=unavailable, on_slots=on_slots)
+    redact = Redactor.for_endpoint(cfg.api_key, cfg.base_url)
+    unavailable = Unavailable(grace_s, who, safe_url(cfg.base_url), redact)
+    list_models(cfg, who=who, unavailable=unavailable, on_slots=on_slots, key_hint=key_hint)
     return check_chat(cfg, needs_cost=needs_cost, who=who, gate=gate, unavailable=unavailable)
 
 
@@ -120,6 +135,7 @@ def list_models(
     who: str = "the endpoint",
     unavailable: Unavailable | None = None,
     on_slots: Callable[[int], None] | None = None,
+    key_hint: str = MAIN_KEY_HINT,
 ) -> None:
     """``GET <base_url>/models``: a rejected key stops here; a model it does not list is warned of.
     ``on_slots``: when the answer says it comes from llama.cpp, told its slots (:func:`server_slots`)."""
@@ -146,8 +162,7 @@ def list_models(
                 ):
                     # Not "rejected the API key": none was sent (llama-server --api-key wants one).
                     raise UsageError(
-                        f"{who} {shown} wants an API key (HTTP 401) and none was given: pass --api_key or "
-                        "set OPENROUTER_API_KEY or OPENAI_API_KEY"
+                        f"{who} {shown} wants an API key (HTTP 401) and none was given: {key_hint}"
                     ) from None
                 if exc.status_code == 401:
                     raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None

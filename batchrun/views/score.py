@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import os
 import re
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from batchrun.identity import record_sample
 from batchrun.record import valid_outcome_row, valid_record
@@ -55,6 +57,13 @@ from batchrun.storage import (
 )
 
 DEFAULT_CONCURRENCY, MAX_CONCURRENCY = 8, 256  # --concurrency: judge calls at once
+
+# How long a judge that answers 503 while loading, or stopped answering, is waited for: the run's
+# --endpoint_grace default.
+JUDGE_GRACE_S = 120.0
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def run_wanted(run_dir: Path) -> dict[tuple[str, int], int]:
@@ -143,12 +152,7 @@ def rescore(
         )
         return score_sample(rec, judgement)
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, concurrency) if judge else 1) as pool:
-        try:
-            verdicts = list(pool.map(judged, samples))
-        except BaseException:  # Ctrl-C: the judge calls not yet sent are not sent
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+    verdicts = in_order(judged, samples, max(1, concurrency) if judge else 1)
     for (rec, (row_key, sample_index), _copy), score in zip(samples, verdicts, strict=True):
         meta = rec.get("metadata") or {}
         scores.add({**rec, "score": score}, row_key, sample_index)
@@ -159,6 +163,9 @@ def rescore(
             "score": score,
         }
         lines.append(json_line(line) + "\n")
+    # Read again now, not kept from the start: a judge's re-scoring takes hours, and a --resume that ended
+    # meanwhile had its statistics.json (its runs entry, its totals) replaced by the copy read before.
+    stats = _stats_to_update(stats_path)
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
     section = stats.setdefault("scores", {})
     # The run's samples without an outcome are no more judged by a re-scoring than by the run; nor are
@@ -185,6 +192,47 @@ def rescore(
     return summary
 
 
+def in_order(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
+    """``fn`` of each item, up to ``workers`` at once, in the items' order; the first error is raised once
+    the calls under way are over, and no further one starts. The threads are daemons: a Ctrl-C (or any
+    exception in the caller) returns at once, no further call starts, and the process exits without
+    waiting for the calls under way (a ThreadPoolExecutor's threads are joined at exit: against a judge
+    that hangs, Ctrl-C and a second one left views.score running, each call up to 4 x 600 s)."""
+    if workers <= 1:
+        return [fn(item) for item in items]
+    results: list[Any] = [None] * len(items)
+    errors: list[tuple[int, BaseException]] = []
+    lock = threading.Lock()
+    taken = iter(range(len(items)))
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(taken, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
+                with lock:
+                    errors.append((i, exc))
+                stop.set()
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(min(workers, len(items)))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():  # a join with a timeout: Ctrl-C is taken at once
+                t.join(0.25)
+    finally:
+        stop.set()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return results
+
+
 def _stats_to_update(path: Path) -> dict[str, Any]:
     """The run's statistics.json, to add a re-scoring to: {} when there is none. ValueError when it
     cannot be read (torn, edited): rewritten, it would lose the run's totals and runs history."""
@@ -207,13 +255,14 @@ def _stats_to_update(path: Path) -> dict[str, Any]:
     return stats
 
 
-def judge_client(settings: JudgeSettings) -> Any:
+def judge_client(settings: JudgeSettings, key_variable: str = "JUDGE_API_KEY") -> Any:
     """The judge's model client: the runner's own (retries, timeouts, bounds on what it reads), once the
     judge has passed the run's start check (a UsageError says why not). A judge that cannot answer (a
     wrong URL, key or model name, a dead server) made every sample a scorer error, each after its
-    retries (3.4 s a sample against a closed port: a day for 25,000), and exit 0."""
+    retries (3.4 s a sample against a closed port: a day for 25,000), and exit 0. ``key_variable``: the
+    variable the key is read from (--judge_api_key_env), named when the judge wants a key it was not given."""
     from batchrun.prompt.llm import LLMClient, LLMConfig
-    from batchrun.run.preflight import check_endpoint
+    from batchrun.run.preflight import check_endpoint, judge_key_hint
 
     cfg = LLMConfig(
         model=settings.model,
@@ -222,8 +271,58 @@ def judge_client(settings: JudgeSettings) -> Any:
         max_tokens=settings.max_tokens,
         temperature=0.0,
     )
-    check_endpoint(cfg, who="the judge's endpoint")
-    return LLMClient(cfg)
+    # A judge still loading its model (llama-server answers 503 meanwhile) is waited for, as a run waits:
+    # started beside one, views.score exited 2 at once.
+    check_endpoint(
+        cfg, who="the judge's endpoint", key_hint=judge_key_hint(key_variable), grace_s=JUDGE_GRACE_S
+    )
+    watch = JudgeWatch(cfg, JUDGE_GRACE_S)
+    watch.client = LLMClient(cfg, stop=watch.stop, on_failure=watch)
+    return watch.client
+
+
+class JudgeWatch:
+    """The run's dead-endpoint stop for a re-scoring's judge: after ``DEAD_AFTER`` attempts in a row that
+    failed for the endpoint's reasons (refused, reset, timed out, 5xx), every judge call is held and the
+    judge probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
+    endpoint; an answer lets the calls go on, none sets ``stop``: every further judge call raises
+    BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). A judge that died
+    mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
+    --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0."""
+
+    def __init__(self, cfg: Any, grace_s: float) -> None:
+        self.cfg, self.grace_s = cfg, grace_s
+        self.client: Any = None  # the judge's client, whose calls are held while the judge is probed
+        self.stop = threading.Event()
+        self.failures = 0
+        self.probing = False
+        self._lock = threading.Lock()
+
+    def __call__(self, error_class: str | None) -> None:
+        """LLMClient's ``on_failure``: told after each attempt (None: it was answered)."""
+        from batchrun.run.endpoint_watch import DEAD_AFTER, PROBE_EVERY_S, probe_once
+
+        with self._lock:
+            self.failures = 0 if error_class is None else self.failures + 1
+            if self.failures < DEAD_AFTER or self.probing or self.stop.is_set():
+                return
+            self.probing = True
+        until = time.monotonic() + self.grace_s
+        alive = False
+        while not alive and time.monotonic() < until:
+            if self.client is not None:  # the other calls wait instead of failing meanwhile
+                self.client.limiter.pause(PROBE_EVERY_S + 30.0, broadcast=False)
+            alive = probe_once(self.cfg)
+            if not alive:
+                time.sleep(max(0.0, min(PROBE_EVERY_S, until - time.monotonic())))
+        with self._lock:
+            self.probing = False
+            if alive:
+                self.failures = 0
+            else:
+                self.stop.set()
+        if self.client is not None:
+            self.client.limiter.lift(time.time() + PROBE_EVERY_S + 30.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,13 +376,19 @@ def main(argv: list[str] | None = None) -> int:
         from batchrun.secrets import Redactor
 
         try:
-            judge = judge_client(settings.judge)
+            judge = judge_client(settings.judge, args.judge_api_key_env)
         except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
             redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
             print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # while the start check waits for a judge loading its model
+            print("\nInterrupted: nothing re-scored", file=sys.stderr)
+            return 130
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
+    from batchrun.prompt.llm import BudgetStop, safe_url
+    from batchrun.run.endpoint_watch import DEAD_AFTER, EXIT_ENDPOINT_DEAD
+
     try:
         # Held while it reads and writes: a runner finishing meanwhile replaced statistics.json, and this
         # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone.
@@ -302,6 +407,17 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:  # a read-only run directory, a full disk; a damaged statistics.json
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BudgetStop:  # JudgeWatch: the judge stopped answering mid-way
+        shown = safe_url(settings.judge.base_url) if settings.judge else ""
+        print(
+            f"error: the judge's endpoint {shown} stopped answering ({DEAD_AFTER} attempts in a row failed, "
+            "and a probe); nothing re-scored: run it again once the judge is back",
+            file=sys.stderr,
+        )
+        return EXIT_ENDPOINT_DEAD
+    except KeyboardInterrupt:  # the judge calls under way are left unanswered: nothing is written
+        print(f"\nInterrupted: nothing re-scored ({name})", file=sys.stderr)
+        return 130
     print(headline(summary) or "Scores: no sample could be judged by these scorers")
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:

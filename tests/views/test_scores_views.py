@@ -13,6 +13,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1010,3 +1011,294 @@ def test_a_judge_rescoring_judges_several_samples_at_once_in_their_order(tmp_pat
     assert {line["row_id"]: line["score"]["passed"] for line in lines} == {
         f"r{n}": n % 3 == 0 for n in range(8)
     }
+
+
+class _HangingJudge:
+    """A judge that passes the start check and then never answers a verdict (it holds each call open)."""
+
+    def __init__(self, loading_s: float = 0.0, hang: bool = True) -> None:
+        import http.server
+        import threading
+
+        self.asked = threading.Semaphore(0)
+        self.loading_until = time.monotonic() + loading_s
+        self.loading_answers = 0
+        hanging = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _loading(self) -> bool:
+                if time.monotonic() >= hanging.loading_until:
+                    return False
+                hanging.loading_answers += 1  # as llama-server answers while it loads its model
+                said = f"Loading model (request from {self.headers.get('Authorization')})"  # quotes the key
+                data = json.dumps({"error": {"code": 503, "message": said}}).encode()
+                self.send_response(503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return True
+
+            def do_GET(self) -> None:
+                if not self._loading():
+                    self._answer({"data": [{"id": "j"}]})
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"])).decode()
+                if self._loading():
+                    return
+                content = "OK"
+                if "Reply with OK." not in body:  # a verdict
+                    if hang:  # held open until the test ends
+                        hanging.asked.release()
+                        time.sleep(120)
+                        return
+                    content = '{"score": 1, "passed": true}'
+                message = {"role": "assistant", "content": content}
+                self._answer(
+                    {
+                        "id": "c",
+                        "object": "chat.completion",
+                        "model": "j",
+                        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+                    }
+                )
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_ctrl_c_stops_a_judge_rescoring_whose_judge_hangs(tmp_path, concurrency):
+    """views.score judged in a ThreadPoolExecutor, whose threads the interpreter joins at exit: against a
+    judge that does not answer, Ctrl-C and a second one left it running (still there 65 s later; each call
+    may take 4 x 600 s). Now Ctrl-C ends it at once, exit 130, nothing written."""
+    import signal
+
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(6)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    judge = _HangingJudge()
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "batchrun.views.score",
+                str(out / "run"),
+                "--scorer=judge",
+                "--judge_model=j",
+                f"--judge_base_url={judge.base_url}",
+                f"--concurrency={concurrency}",
+            ],  # fmt: skip
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's Ctrl-C reaches it
+        )
+        try:
+            assert judge.asked.acquire(timeout=60), "no verdict was asked"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=15)
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        judge.close()
+    assert proc.returncode == 130, err
+    assert "Interrupted: nothing re-scored" in err
+    assert not (out / "run" / "scores.judge.jsonl").exists()
+
+
+def test_a_judge_that_wants_a_key_it_was_not_given_names_the_judges_variable(tmp_path, capsys, monkeypatch):
+    """The judge's start check said 'pass --api_key or set OPENROUTER_API_KEY or OPENAI_API_KEY' when its
+    endpoint wanted a key: views.score has no --api_key, and neither variable is read for a judge at its
+    own URL, so following the advice gave the same exit 2. It names --judge_api_key_env's variable."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    monkeypatch.delenv("JUDGE_API_KEY", raising=False)
+    rows = [{"prompt": "Say 42 [calls:0] [answer:42]", "rubric": "r"}]
+    out = tmp_path / "data"
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    run(None, dataset, out)
+    with FakeModelServer(api_key="sk-judge-77") as judge:
+        argv = [str(out / "run"), "--scorer=judge", "--judge_model=j", f"--judge_base_url={judge.base_url}"]
+        assert score.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "wants an API key (HTTP 401) and none was given: set JUDGE_API_KEY" in err
+        assert "--api_key" not in err.replace("--judge_api_key_env", "")
+        with pytest.raises(SystemExit) as stopped:  # the run's own check of its judge says the same
+            run(
+                None,
+                dataset,
+                out,
+                run_name="run2",
+                scorer="judge",
+                judge_model="j",
+                judge_base_url=judge.base_url,
+            )
+        assert stopped.value.code == 2
+        assert "the judge's endpoint" in (err := capsys.readouterr().err) and "set JUDGE_API_KEY" in err
+
+
+def test_a_judge_that_dies_mid_rescoring_stops_it_and_nothing_is_written(tmp_path, capsys, monkeypatch):
+    """A judge that stopped answering mid-way made every remaining sample a scorer error after its retries
+    (36 of 64 samples, 27 s at --concurrency=4; hours for 10,000), written as the re-scoring, exit 0. Now
+    the run's dead-endpoint stop: DEAD_AFTER failed attempts in a row, the calls held and the judge probed
+    for the grace (the run's --endpoint_grace, 120 s; 2 s here), then no call is sent, nothing is written,
+    exit 5."""
+    import threading
+
+    monkeypatch.setattr(score, "JUDGE_GRACE_S", 2.0)
+
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(64)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    run_dir = out / "run"
+    before = stats_of(run_dir)
+    judge = subprocess.Popen(
+        [sys.executable, "-m", "batchrun.fakes.fake_model", "--latency=0.3"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base_url = judge.stdout.readline().strip()
+        argv = [str(run_dir), "--scorer=judge", "--judge_model=mock", f"--judge_base_url={base_url}"]
+        code: list[int] = []
+        started = time.monotonic()
+        judging = threading.Thread(target=lambda: code.append(score.main([*argv, "--concurrency=4"])))
+        judging.start()
+        time.sleep(1.5)  # the start check and a few verdicts
+    finally:
+        judge.kill()  # the judge dies: its port refuses every further call
+        judge.wait()
+    judging.join(120)
+    err = capsys.readouterr().err
+    assert code == [5], err
+    assert time.monotonic() - started < 20
+    assert "the judge's endpoint" in err and "stopped answering" in err
+    assert not (run_dir / "scores.judge.jsonl").exists()
+    assert stats_of(run_dir) == before
+
+
+def test_a_resume_that_ends_while_a_judge_rescores_keeps_its_statistics(tmp_path):
+    """views.score read statistics.json before judging and wrote that copy back after: a --resume that
+    ended meanwhile (a judge's re-scoring takes hours) lost its runs entry and totals (2 runs -> 1). It is
+    read again just before the write."""
+    import threading
+
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    verdict = '[verdict:{"score": 1, "passed": true}]'
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0] {verdict}", "rubric": "r"} for n in range(8)]
+    out = tmp_path / "data"
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    run(None, dataset, out)
+    run_dir = out / "run"
+    with FakeModelServer(latency_s=0.4) as judge:
+        argv = [str(run_dir), "--scorer=judge", "--judge_model=mock", f"--judge_base_url={judge.base_url}"]
+        code: list[int] = []
+        judging = threading.Thread(target=lambda: code.append(score.main([*argv, "--concurrency=1"])))
+        judging.start()
+        while judge.stats()["requests"] < 2:  # the start check and the first verdict
+            time.sleep(0.05)
+        run(None, dataset, out, resume=True)  # runs nothing; its statistics.json has a second runs entry
+        assert len(stats_of(run_dir)["runs"]) == 2
+        assert judging.is_alive(), "the re-scoring ended before the resume: the test proves nothing"
+        judging.join(60)
+    assert code == [0]
+    stats = stats_of(run_dir)
+    assert len(stats["runs"]) == 2
+    assert stats["scores"]["rescored"]["judge"]["scored"] == 8
+
+
+def test_a_judge_that_restarts_mid_rescoring_is_waited_for(tmp_path, capsys, monkeypatch):
+    """The dead-judge stop waits for the judge as a run waits for its endpoint: one restarted within the
+    grace is probed back and the re-scoring goes on to its end (exit 0), the later samples judged."""
+    import socket
+    import threading
+
+    monkeypatch.setattr(score, "JUDGE_GRACE_S", 30.0)
+    verdict = '[verdict:{"score": 1, "passed": true}]'
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0] {verdict}", "rubric": "r"} for n in range(48)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    run_dir = out / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def judge() -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "batchrun.fakes.fake_model", f"--port={port}", "--latency=0.3"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()
+        return proc
+
+    first = judge()
+    argv = [
+        str(run_dir),
+        "--scorer=judge",
+        "--judge_model=mock",
+        f"--judge_base_url=http://127.0.0.1:{port}/v1",
+    ]
+    code: list[int] = []
+    judging = threading.Thread(target=lambda: code.append(score.main([*argv, "--concurrency=4"])))
+    judging.start()
+    time.sleep(1.5)
+    first.kill()
+    first.wait()
+    time.sleep(4)  # dead long enough for DEAD_AFTER failed attempts
+    second = judge()
+    try:
+        judging.join(120)
+    finally:
+        second.kill()
+        second.wait()
+    assert code == [0], capsys.readouterr().err
+    lines = read_jsonl(run_dir / "scores.judge.jsonl")
+    assert len(lines) == 48
+    assert all(line["score"]["passed"] is True for line in lines[-8:])
+
+
+def test_a_judge_rescoring_waits_for_a_judge_loading_its_model(tmp_path, capsys, monkeypatch):
+    """The judge's start check gave a judge still loading its model (503 'Loading model') no grace:
+    started beside a llama-server, views.score exited 2 at once, where a run waits --endpoint_grace. It
+    waits as a run does (120 s at most), then judges. The warning that it waits quotes the server's words,
+    its key redacted (a server echoing the request's Authorization showed the key on the console)."""
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-loading-5150")
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(3)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    judge = _HangingJudge(loading_s=2.0, hang=False)
+    try:
+        argv = [str(out / "run"), "--scorer=judge", "--judge_model=j", f"--judge_base_url={judge.base_url}"]
+        assert score.main(argv) == 0, capsys.readouterr().err
+    finally:
+        judge.close()
+    assert judge.loading_answers >= 1
+    err = capsys.readouterr().err
+    assert "is not ready" in err and "Loading model (request from Bearer [REDACTED])" in err
+    assert "sk-judge-loading-5150" not in err
+    lines = read_jsonl(out / "run" / "scores.judge.jsonl")
+    assert [line["score"]["passed"] for line in lines] == [True, True, True]
