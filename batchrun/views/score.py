@@ -164,7 +164,8 @@ def rescore(
         }
         lines.append(json_line(line) + "\n")
     # Read again now, not kept from the start: a judge's re-scoring takes hours, and a --resume that ended
-    # meanwhile had its statistics.json (its runs entry, its totals) replaced by the copy read before.
+    # meanwhile had its statistics.json (its runs entry, its totals) replaced by the copy read before. main()
+    # holds the run's lock, so no runner ends meanwhile there; rescore() called alone (the API) does not.
     stats = _stats_to_update(stats_path)
     write_text_atomic(run_dir / f"scores.{name}.jsonl", redact("".join(lines)))
     section = stats.setdefault("scores", {})
