@@ -59,6 +59,18 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+def _scored_run(tmp_path: Path, rows: list[dict], run_name: str, **flags) -> Path:
+    """A real run of ``rows`` with the fake model, scored by `exact` on its `ANSWER:` line, one worker."""
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    args = dict(
+        dataset_file=str(dataset), batch_size=2, run_name=run_name, model="mock", output_dir=str(tmp_path / "data"),
+        distribution="terminal_only", num_workers=1, scorer="exact", answer_pattern="ANSWER: (.*)",
+    )  # fmt: skip
+    assert batch_runner.main(**{**args, **flags}) == 0
+    return tmp_path / "data" / run_name
+
+
 class Page(html.parser.HTMLParser):
     """Collects the ``data-stat`` numbers, table rows, start tags and script bodies of a page."""
 
@@ -580,20 +592,7 @@ def test_a_row_id_cannot_reverse_the_reports_own_words(tmp_path: Path) -> None:
         {"id": "\u202eevil", "prompt": "Say 4 [calls:0] [answer:5]", "answer": "4"},
         {"id": "iso\u2067late\u202bx", "prompt": "Say 2 [calls:0] [answer:3]", "answer": "2"},
     ]
-    dataset = tmp_path / "d.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
-    batch_runner.main(
-        dataset_file=str(dataset),
-        batch_size=2,
-        run_name="rtl",
-        model="mock",
-        output_dir=str(tmp_path / "data"),
-        distribution="terminal_only",
-        num_workers=1,
-        scorer="exact",
-        answer_pattern="ANSWER: (.*)",
-    )
-    run_dir = tmp_path / "data" / "rtl"
+    run_dir = _scored_run(tmp_path, rows, "rtl")
     assert read_jsonl(run_dir / "trajectories.jsonl")[0]["metadata"]["row_id"] in (
         "\u202eevil",
         "iso\u2067late\u202bx",
@@ -613,24 +612,9 @@ def test_a_report_of_the_batch_files_gives_the_pass_rate_of_the_samples_it_lists
     rows = [
         {"id": f"r{i}", "prompt": f"Say {i} [calls:0] [answers:{i}|x]", "answer": str(i)} for i in range(6)
     ]
-    dataset = tmp_path / "d.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
-    args = dict(
-        dataset_file=str(dataset),
-        batch_size=3,
-        run_name="k",
-        model="mock",
-        output_dir=str(tmp_path / "data"),
-        distribution="terminal_only",
-        num_workers=1,
-        scorer="exact",
-        answer_pattern="ANSWER: (.*)",
-        seed_per_request=True,
-    )
-    assert batch_runner.main(**args) == 0
-    run_dir = tmp_path / "data" / "k"
+    run_dir = _scored_run(tmp_path, rows, "k", batch_size=3, seed_per_request=True)
     first = (run_dir / "statistics.json").read_text("utf-8")
-    assert batch_runner.main(**args, resume=True, samples_per_prompt=3) == 0
+    _scored_run(tmp_path, rows, "k", batch_size=3, seed_per_request=True, resume=True, samples_per_prompt=3)
     # As a kill -9 before the resume's merge leaves it: the first invocation's statistics.json and
     # trajectories.jsonl, the batch files newer.
     (run_dir / "statistics.json").write_text(first, "utf-8")
@@ -669,26 +653,8 @@ def test_every_view_on_a_run_this_user_cannot_read_says_so(tmp_path: Path, unrea
     if os.geteuid() == 0 and not shutil.which("setpriv"):
         pytest.skip("setpriv (util-linux) is needed to read as root without its file-permission override")
     prefix = DROP_DAC if os.geteuid() == 0 else []
-    dataset = tmp_path / "d.jsonl"
-    dataset.write_text(
-        json.dumps({"prompt": "Say 4 [calls:0] [answer:4]", "answer": "4"})
-        + "\n"
-        + json.dumps({"prompt": "[error:400] fails"})
-        + "\n"
-    )
-    batch_runner.main(
-        dataset_file=str(dataset),
-        batch_size=2,
-        run_name="theirs",
-        model="mock",
-        output_dir=str(tmp_path / "data"),
-        distribution="terminal_only",
-        num_workers=1,
-        scorer="exact",
-        answer_pattern="ANSWER: (.*)",
-        max_failure_rate=1.0,
-    )
-    run_dir = tmp_path / "data" / "theirs"
+    rows = [{"prompt": "Say 4 [calls:0] [answer:4]", "answer": "4"}, {"prompt": "[error:400] fails"}]
+    run_dir = _scored_run(tmp_path, rows, "theirs", max_failure_rate=1.0)
     assert (run_dir / "failed.jsonl").is_file()
     target = run_dir if unreadable == "directory" else run_dir / "failed.jsonl"
     target.chmod(0)

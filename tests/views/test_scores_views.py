@@ -4,6 +4,7 @@ the report's scores section in a real Chromium."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import itertools
 import json
@@ -573,6 +574,17 @@ def test_score_and_compare_when_their_output_cannot_be_written(tmp_path, capsys)
         assert err.startswith("error: cannot write ") and str(out) in err
 
 
+@contextlib.contextmanager
+def _held_as_a_runner_holds_it(run_dir: Path):
+    """The run directory's lock, held as a runner holds it (batchrun.run.recorder.Recorder.lock)."""
+    with (run_dir / ".lock").open("a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("pid 4242 on elsewhere\n")
+        held.flush()
+        yield held
+
+
 def test_score_and_a_runner_never_write_the_run_directory_together(tmp_path, capsys, monkeypatch):
     # views.score read statistics.json, scored, then wrote it back with its section added. A --resume
     # that finished meanwhile (a judge's re-scoring takes minutes) had its statistics.json replaced by
@@ -581,11 +593,7 @@ def test_score_and_a_runner_never_write_the_run_directory_together(tmp_path, cap
     # holds the directory's lock while it works, so no runner starts there meanwhile.
     a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
     before = (a / "statistics.json").read_text("utf-8")
-    with (a / ".lock").open("a+") as held:  # as a runner holds it (batchrun.run.recorder.Recorder.lock)
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held.truncate(0)
-        held.write("pid 4242 on elsewhere\n")
-        held.flush()
+    with _held_as_a_runner_holds_it(a):
         capsys.readouterr()
         assert score.main([str(a), "--scorer=numeric", "--name=busy"]) == 2
         err = capsys.readouterr().err
@@ -625,11 +633,7 @@ def test_export_and_compare_refuse_a_run_a_runner_is_resuming(tmp_path, capsys):
 
     a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
     out = tmp_path / "out"
-    with (a / ".lock").open("a+") as held:  # as a runner holds it (batchrun.run.recorder.Recorder.lock)
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held.truncate(0)
-        held.write("pid 4242 on elsewhere\n")
-        held.flush()
+    with _held_as_a_runner_holds_it(a) as held:
         capsys.readouterr()
         assert export.main([str(a), "--format=messages", f"--out={out}"]) == 2
         err = capsys.readouterr().err
