@@ -311,16 +311,11 @@ def names_of(value: Any) -> list[str] | None:
     return None
 
 
-def _usage_number(value: Any) -> bool:
-    """Whether ``value`` can stand in a usage column: a finite number, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
     # A count that is no finite number (NaN, Infinity, text, in a record another tool wrote or a hand
     # edited) is not reported: kept, NaN went out in an export's JSON lines, which strict readers
     # (datasets, pyarrow) refuse whole.
-    usage = {k: v for k, v in usage.items() if USAGE.get(k) not in (INT, FLOAT) or _usage_number(v)}
+    usage = {k: v for k, v in usage.items() if USAGE.get(k) not in (INT, FLOAT) or _number(v) is not None}
     missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
     if isinstance(usage.get("unreported"), str):  # typed already (the recorder types it again): keep it
         try:
