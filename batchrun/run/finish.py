@@ -25,6 +25,7 @@ from batchrun.record import USAGE_COUNTS, normalize_metadata, run_card, valid_ou
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder, credible, earlier_rescorings, earlier_runs, scan_batch_outcomes
 from batchrun.run.resume import (
+    Matched,
     Place,
     add_discards,
     fields_digest,
@@ -35,7 +36,6 @@ from batchrun.run.resume import (
     row_fields_of,
     samples_of,
     still_skipped,
-    unfinished,
     wanted_samples,
 )
 from batchrun.scoring import RunScores, duplicate_samples, headline, with_planned
@@ -147,7 +147,7 @@ class RowPlaces:
 
     def preference(self, place: Place | None) -> int:
         """0: a record a row wrote at its line as it is now (the first of its place), kept as it comes;
-        else how far it is from one, as resume matches outcomes to rows (resume.unfinished): 1 its row's
+        else how far it is from one, as resume matches outcomes to rows (resume.match_outcomes): 1 its row's
         fields at another line, 2 its row's line with other fields, 3 neither, 4 its place taken already."""
         if place is None:
             return 3
@@ -297,11 +297,24 @@ def taken_places(
 ) -> collections.Counter[Place]:
     """The places of the outcomes a resume matches to the dataset's rows (resume.match_outcomes, over
     the batch files' records and the discards), each as often as rows took it."""
+    matched = matched_outcomes(run_dir, rows, totals, recorder, samples_per_prompt)
+    return collections.Counter(place for place in matched.taken.values() if place is not None)
+
+
+def matched_outcomes(
+    run_dir: Path,
+    rows: list[Row],
+    totals: MergeTotals,
+    recorder: Recorder,
+    samples_per_prompt: int,
+    counts: Callable[[dict[str, Any]], bool] | None = None,
+) -> Matched:
+    """resume.match_outcomes over what the merge counted in the batch files and the discards beside them
+    (``counts``: which discarded.jsonl rows finish their sample, as add_discards takes it)."""
     done = collections.Counter(totals.finished)
     at = collections.Counter(totals.finished_where)
-    add_discards(run_dir, done, rerun_discarded=False, at=at)
-    matched = match_outcomes(rows, done, recorder.sample_text, samples_per_prompt, at)
-    return collections.Counter(place for place in matched.taken.values() if place is not None)
+    add_discards(run_dir, done, rerun_discarded=False, at=at, counts=counts)
+    return match_outcomes(rows, done, recorder.sample_text, samples_per_prompt, at)
 
 
 def resume_order(held: list[Held], taken: collections.Counter[Place]) -> list[Held]:
@@ -698,11 +711,8 @@ def count_remaining(
     discards (--rerun_discarded) does not matter: it ran them, and what they gave is their outcome (a
     discard again is finished, not pending; counted as pending, the closing summary offered a command
     that ran them all once more)."""
-    done = collections.Counter(totals.finished)
-    at = collections.Counter(totals.finished_where)
     counts = still_skipped(totals.passes, stop_after_passes)
-    add_discards(run_dir, done, rerun_discarded=False, at=at, counts=counts)
-    return len(unfinished(rows, done, recorder.sample_text, samples_per_prompt, at))
+    return len(matched_outcomes(run_dir, rows, totals, recorder, samples_per_prompt, counts).left)
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: Any = None) -> None:

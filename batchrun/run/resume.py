@@ -198,7 +198,7 @@ def wanted_samples(
 
 
 # A finished outcome's place: (identity, sample index, dataset line, digest of the ``row_fields`` it was
-# written with, None when it holds none), as :func:`unfinished` matches outcomes to rows by it.
+# written with, None when it holds none), as :func:`match_outcomes` matches outcomes to rows by it.
 Place = tuple[str, int, int, str | None]
 
 
@@ -212,18 +212,6 @@ def fields_digest(fields: Any) -> str | None:
 def place_of(sample: tuple[str, int], line: int, fields: Any) -> Place:
     """The :data:`Place` of a finished outcome of ``sample`` written by dataset line ``line``."""
     return (*sample, line, fields_digest(fields))
-
-
-def unfinished(
-    rows: list[Row],
-    done: collections.Counter[tuple[str, int]],
-    redact: Redactor,
-    samples_per_prompt: int = 1,
-    done_at: collections.Counter[Place] | None = None,
-) -> list[Sample]:
-    """The samples left once each finished outcome has taken one sample of its (identity, sample index):
-    duplicate rows count, each wanting its own samples (see :func:`match_outcomes`)."""
-    return match_outcomes(rows, done, redact, samples_per_prompt, done_at).left
 
 
 @dataclasses.dataclass
@@ -334,7 +322,7 @@ def scan_finished(
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
-    by (identity, sample index, prompt index), for :func:`unfinished`; ``checks`` each row identity's
+    by (identity, sample index, prompt index), for :func:`match_outcomes`; ``checks`` each row identity's
     ``row_fields`` texts its finished outcomes were judged with, and the dataset lines (prompt indices)
     that wrote them, for :func:`changed_checks`.
 
