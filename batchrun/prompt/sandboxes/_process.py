@@ -1,4 +1,5 @@
-"""Run one host process with stdin, a deadline and an output cap: shared by the local and singularity backends."""
+"""Host processes: run one with stdin, a deadline and an output cap (the local and singularity backends), and
+read the processes of a cgroup (the local and Docker backends, to end what is left in one)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def kill_process_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def cgroup_procs(path: str | os.PathLike[str]) -> set[int]:
+    """The processes in the cgroup at ``path`` (none when it is gone or unreadable). A 0 (a process of a PID
+    namespace this one cannot see) is left out: signalled, pid 0 is this process's own group."""
+    try:
+        with open(os.path.join(path, "cgroup.procs"), "rb") as f:
+            return {int(pid) for pid in f.read().split()} - {0}
+    except (OSError, ValueError):
+        return set()
 
 
 def exit_code_of(returncode: int) -> int:

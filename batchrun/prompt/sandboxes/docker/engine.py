@@ -26,6 +26,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from requests.exceptions import RequestException
 
 from batchrun import cache_dir
+from batchrun.prompt.sandboxes._process import cgroup_procs
 from batchrun.prompt.sandboxes.base import SandboxError
 from batchrun.storage import pid_alive, read_json_object, remove_stale_temp_files, write_text_atomic
 
@@ -592,7 +593,7 @@ def kill_cgroup_processes(name: str, *, spare_known: bool = False) -> int:
         dirs = {d for d in dirs if os.path.basename(d) not in known}
     killed: set[int] = set()
     for _ in range(20):  # what forks meanwhile is killed by the next round
-        pids = {pid for d in dirs for pid in _cgroup_procs(d)}
+        pids = {pid for d in dirs for pid in cgroup_procs(d)}
         if not pids:
             break
         for pid in pids:
@@ -608,15 +609,6 @@ def kill_cgroup_processes(name: str, *, spare_known: bool = False) -> int:
 def _cgroup_tree(path: str) -> list[str]:
     """The cgroup at ``path`` and every cgroup below it ([] when there is none)."""
     return [directory for directory, _, _ in os.walk(path)]
-
-
-def _cgroup_procs(path: str) -> set[int]:
-    """The processes in the cgroup at ``path`` (0: one of another PID namespace, left out)."""
-    try:
-        with open(os.path.join(path, "cgroup.procs")) as f:
-            return {int(pid) for pid in f.read().split()} - {0}
-    except (OSError, ValueError):
-        return set()
 
 
 def _rmdir_cgroup(path: str, attempts: int = 1) -> bool:

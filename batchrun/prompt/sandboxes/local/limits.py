@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchrun.prompt.sandboxes._process import cgroup_procs
 from batchrun.prompt.sandboxes.base import (
     cgroup_dir_in,
     cgroup_mounts,
@@ -281,7 +282,7 @@ class PromptCgroup:
     def kill(self) -> bool:
         """SIGKILL every process in it, in any hierarchy; True once none is left (zombies included)."""
         for d in self.dirs:
-            for pid in _procs(Path(d)):
+            for pid in cgroup_procs(d):
                 _try_kill(pid)
         return self.empty()
 
@@ -372,7 +373,7 @@ def remove_run_cgroups(parent: str) -> None:
         for child in run_dir.iterdir():
             if child.is_dir():
                 for _attempt in range(50):
-                    for pid in _procs(child):
+                    for pid in cgroup_procs(child):
                         _try_kill(pid)
                     if _try_rmdir(child):
                         break
@@ -392,13 +393,6 @@ def run_cgroup_names() -> list[str]:
         except OSError:
             continue
     return sorted(names)
-
-
-def _procs(cgroup: Path) -> list[int]:
-    try:
-        return [int(line) for line in (cgroup / "cgroup.procs").read_text().split()]
-    except (OSError, ValueError):
-        return []
 
 
 def _try_kill(pid: int) -> None:
