@@ -279,7 +279,7 @@ def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
         data.counted[key] += 1
     score = read_score(rec["score"])
     meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
-    if key is not None:
+    if key is not None and not data.merged:  # merged: statistics.json holds these figures (section_scores)
         if data.record_scores is None:
             data.record_scores = RunScores(str((data.manifest or {}).get("distribution") or ""), data.wanted)
         data.record_scores.add(rec, *key)
