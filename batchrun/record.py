@@ -29,9 +29,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from batchrun.sharegpt import first_human, parse_json
+from batchrun.sharegpt import finite_number, first_human, parse_json
 
 STRING, INT, FLOAT, BOOL = "string", "int64", "float64", "bool"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what an int64 column holds
 
 # The top-level fields of a record, in the order they are written (../shared/SPEC.md).
 RECORD_FIELDS = (
@@ -157,8 +158,7 @@ _UNJUDGED = {"scorer": "none", "explanation": "not judged"}
 
 
 def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
+    return finite_number(value)
 
 
 def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
@@ -190,12 +190,8 @@ def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
 
 def in_unit_range(value: Any) -> bool:
     """A score value a verdict can have: a finite number from 0 to 1 (not a bool)."""
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 <= value <= 1
-    )
+    number = finite_number(value)
+    return number is not None and 0 <= number <= 1
 
 
 def read_score(score: Any) -> dict[str, Any]:
@@ -274,9 +270,12 @@ def conform(value: Any, kind: Any) -> Any:
             return None
         return [conform(v, kind[0]) for v in value]
     if kind == FLOAT and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)  # 0 and 0.0 must not make two types of one column
-    if kind == INT and isinstance(value, float) and value.is_integer():
-        return int(value)
+        return finite_number(value) if isinstance(value, int) else value  # 0 and 0.0: two types of one column
+    if kind == INT and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # An integral float is the int; one no int64 column holds (10**30 in another tool's record) is no
+        # value: kept, it failed the whole file's loading in datasets and pyarrow.
+        whole = int(value) if isinstance(value, float) and value.is_integer() else value
+        return whole if isinstance(whole, float) or INT64_MIN <= whole <= INT64_MAX else None
     return value
 
 
@@ -315,7 +314,12 @@ def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
     # A count that is no finite number (NaN, Infinity, text, in a record another tool wrote or a hand
     # edited) is not reported: kept, NaN went out in an export's JSON lines, which strict readers
     # (datasets, pyarrow) refuse whole.
-    usage = {k: v for k, v in usage.items() if USAGE.get(k) not in (INT, FLOAT) or _number(v) is not None}
+    # An integer no int64 column holds is none either (conform's None).
+    usage = {
+        k: v
+        for k, v in usage.items()
+        if USAGE.get(k) not in (INT, FLOAT) or (_number(v) is not None and conform(v, USAGE[k]) is not None)
+    }
     missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
     if isinstance(usage.get("unreported"), str):  # typed already (the recorder types it again): keep it
         try:
@@ -324,8 +328,11 @@ def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
             pass
     unreported = [k for k in USAGE_COUNTS if k in missing]  # one order: typing twice changes nothing
     providers = usage.get("providers")
-    if not isinstance(providers, str):
-        providers = json.dumps([str(p) for p in providers or []], ensure_ascii=False)
+    if not isinstance(
+        providers, str
+    ):  # a list as the loop counts them; anything else (a 5: another tool's) names none
+        names = providers if isinstance(providers, (list, tuple)) else []
+        providers = json.dumps([str(p) for p in names], ensure_ascii=False)
     typed = {k: (EMPTY[kind] if usage.get(k) is None else usage[k]) for k, kind in USAGE.items()}
     typed["providers"] = providers
     typed["unreported"] = json.dumps(unreported)
@@ -344,6 +351,42 @@ def normalize_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
         if meta[key] is None:
             meta[key] = [] if isinstance(kind, list) else EMPTY.get(kind) if isinstance(kind, str) else None
     return meta
+
+
+_SCALAR_TYPES = {STRING: str, INT: int, FLOAT: float, BOOL: bool}
+# Every ``usage.unreported`` text :func:`_typed_usage` writes: the counts' names in their one order.
+_UNREPORTED_TEXTS = frozenset(
+    json.dumps([k for i, k in enumerate(USAGE_COUNTS) if mask >> i & 1])
+    for mask in range(1 << len(USAGE_COUNTS))
+)
+
+
+def _typed_as(value: Any, kind: Any) -> bool:
+    """Whether ``value`` is exactly of ``kind``'s shape and types, no key missing or extra, no null."""
+    if isinstance(kind, dict):
+        return (
+            type(value) is dict
+            and len(value) == len(kind)
+            and all(key in value and _typed_as(value[key], sub) for key, sub in kind.items())
+        )
+    if isinstance(kind, list):
+        return type(value) is list and all(_typed_as(v, kind[0]) for v in value)
+    scalar = _SCALAR_TYPES.get(kind)
+    if scalar is None:  # the timestamp: ISO text, or null where the record has none
+        return value is None or type(value) is str
+    if scalar is int:
+        return type(value) is int and INT64_MIN <= value <= INT64_MAX
+    return type(value) is scalar and (scalar is not float or math.isfinite(value))
+
+
+def metadata_typed(metadata: Any) -> bool:
+    """Whether ``metadata`` is typed already: True only when :func:`normalize_metadata` would give it back
+    unchanged (every record the recorder writes), so a reader can skip building the typed copy to compare.
+    False says nothing: a record of another tool or version may still be typed (normalize to know)."""
+    if not _typed_as(metadata, METADATA):
+        return False
+    usage = metadata["usage"]
+    return usage["unreported"] in _UNREPORTED_TEXTS
 
 
 def identity_options(fields: dict[str, Any]) -> dict[str, Any]:

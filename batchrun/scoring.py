@@ -71,7 +71,7 @@ from typing import Any
 from batchrun.prompt.sandboxes.base import SandboxError, judged_run
 from batchrun.protocol import RowCheck
 from batchrun.record import in_unit_range, read_score
-from batchrun.sharegpt import parse_json, strict_json
+from batchrun.sharegpt import finite_number, parse_json, strict_json
 
 TEXT_SCORERS = ("exact", "includes", "regex", "numeric", "json")
 SANDBOX_SCORERS = ("verify",)
@@ -1208,7 +1208,7 @@ def partial_credit(output: str) -> tuple[float | None, str | None]:
     if not isinstance(obj, dict):
         return None, None
     score = obj.get("score")
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+    if finite_number(score) is None:
         return None, None
     why = obj.get("explanation") if isinstance(obj.get("explanation"), str) else None
     return float(score), why
@@ -1305,14 +1305,14 @@ def user_score(
 def part_from_result(name: str, result: Any) -> Part:
     if isinstance(result, bool):
         return Part(name, float(result), result, "")
-    if isinstance(result, (int, float)) and math.isfinite(result):
+    if isinstance(result, (int, float)) and finite_number(result) is not None:
         return Part(name, float(result), result >= 1.0, "")
     if isinstance(result, dict):
         value = result.get("value", result.get("score"))
         passed = result.get("passed")
         if isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        if finite_number(value) is None:
             return Part(name, error=f"the scorer returned no numeric value: {str(result)[:200]}")
         if not isinstance(passed, bool):
             passed = value >= 1.0

@@ -123,6 +123,19 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def finite_number(value: Any) -> float | None:
+    """``value`` as a float when it is a number a double holds; None for anything else: a bool, NaN, an
+    infinity, or an integer past 1.8e308 (JSON has no limit: ``math.isfinite`` of one raised
+    OverflowError, and one such count in a saved record ended every resume in a traceback)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e999: a JSON number, but no double holds it (written back: Infinity)

@@ -21,7 +21,14 @@ from batchrun.config import RunConfig
 from batchrun.identity import RowIdentity, outcome_sample, record_sample, superseded_discards
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
-from batchrun.record import USAGE_COUNTS, normalize_metadata, run_card, valid_outcome_row, valid_record
+from batchrun.record import (
+    USAGE_COUNTS,
+    metadata_typed,
+    normalize_metadata,
+    run_card,
+    valid_outcome_row,
+    valid_record,
+)
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import Recorder, credible, earlier_rescorings, earlier_runs, scan_batch_outcomes
 from batchrun.run.resume import (
@@ -339,7 +346,7 @@ def typed_record(rec: dict[str, Any]) -> dict[str, Any] | None:
     never mixes two types in a column; None when it is in them already (its line is copied as
     written). Only metadata is retyped: what the model and the tools said is never touched."""
     meta = rec.get("metadata")
-    if isinstance(meta, dict):
+    if isinstance(meta, dict) and not metadata_typed(meta):
         typed = normalize_metadata(meta)
         if typed != meta:
             return {**rec, "metadata": typed}

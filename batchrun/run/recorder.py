@@ -29,7 +29,7 @@ from batchrun.record import normalize_metadata, sample_index_of, valid_outcome_r
 from batchrun.run.journal import JOURNAL_NAME, SpendJournal
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION, LOCK_NAME
 from batchrun.secrets import Redactor, terminal_safe
-from batchrun.sharegpt import parse_json
+from batchrun.sharegpt import finite_number, parse_json
 from batchrun.storage import (
     WriteError,
     append_jsonl,
@@ -55,12 +55,8 @@ SPEND_KEYS = ("prompt_tokens", "completion_tokens", "cost_usd")
 def credible(value: Any) -> float:
     """A count of tokens or dollars as the spend adds it: a finite number of at least 0, else 0 (a NaN,
     an infinity, a negative count or a bool from an endpoint would void the budget's arithmetic)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    number = finite_number(value)
+    if number is None or number < 0:
         return 0
     return value
 

@@ -27,7 +27,7 @@ from batchrun.identity import kept_line, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import RunScores, interval_clusters, planned_figures, wanted_from_duplicates
-from batchrun.sharegpt import first_human, parse_json, reasoning_counts, tools_text
+from batchrun.sharegpt import finite_number, first_human, parse_json, reasoning_counts, tools_text
 from batchrun.storage import (
     PARTIAL_LINE,
     WriteError,
@@ -70,9 +70,7 @@ def trajectory_sources(run_dir: Path) -> tuple[list[Path], bool]:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return value
+    return value if finite_number(value) is not None else None
 
 
 def _json_list(value: Any) -> list[Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import re
 import socket
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import terminal_safe
-from batchrun.sharegpt import parse_json
+from batchrun.sharegpt import finite_number, parse_json
 from batchrun.storage import pid_alive
 
 STALL_AFTER_S = 60.0
@@ -41,7 +40,7 @@ def to_epoch(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        return float(value) if math.isfinite(value) else None
+        return finite_number(value)
     if isinstance(value, str) and value.strip():
         try:
             return dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00")).timestamp()
@@ -51,9 +50,7 @@ def to_epoch(value: Any) -> float | None:
 
 
 def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return value
+    return value if finite_number(value) is not None else None
 
 
 def fmt_duration(seconds: float | None) -> str:

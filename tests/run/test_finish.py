@@ -134,6 +134,35 @@ def test_a_resume_over_a_hand_edited_infinity_in_the_runs_history_writes_its_sta
     assert stats["duration_seconds"] == stats["run_totals"]["duration_s"] < 1e6
 
 
+def test_a_resume_over_numbers_no_column_holds_in_a_records_metadata_ends_and_loads(tmp_path):
+    """A record another tool wrote (or a hand edited) with a count past a double (10**400), past an int64
+    column (10**30) or ``usage.providers`` of another shape (5) ended every resume in a traceback (exit 1:
+    OverflowError in the spend's sum, TypeError typing the usage), after which nothing could finish the run.
+    Such a count is now not reported (0, named in ``usage.unreported``), as a NaN is."""
+    datasets = pytest.importorskip("datasets")
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["One [calls:1]", "Two [calls:1]", "Three [calls:1]"])
+    out = tmp_path / "data"
+    run_dir = _mock_run(dataset, out, batch_size=3)
+    path = run_dir / "batch_0.jsonl"
+    recs = sorted(read_jsonl(path), key=lambda r: r["prompt_index"])
+    recs[0]["metadata"]["usage"]["prompt_tokens"] = 10**400
+    recs[1]["metadata"]["prompt_tokens"] = 10**30
+    recs[1]["metadata"]["usage"]["completion_tokens"] = -(10**25)
+    recs[2]["metadata"]["usage"]["providers"] = 5
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs), "utf-8")
+    _mock_run(dataset, out, batch_size=3, resume=True)
+    stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+    assert stats["trajectories"] == 3 and stats["this_run"]["api_calls"] == 0
+    kept = read_jsonl(run_dir / "trajectories.jsonl")
+    usage = {r["prompt_index"]: r["metadata"]["usage"] for r in kept}
+    assert usage[0]["prompt_tokens"] == 0 and "prompt_tokens" in json.loads(usage[0]["unreported"])
+    assert usage[1]["completion_tokens"] == 0 and "completion_tokens" in json.loads(usage[1]["unreported"])
+    assert {r["prompt_index"]: r["metadata"]["prompt_tokens"] for r in kept}[1] == 0
+    assert usage[2]["providers"] == "[]"
+    rows = datasets.load_dataset("json", data_files=str(run_dir / "trajectories.jsonl"), split="train")
+    assert rows.num_rows == 3
+
+
 def test_scores_and_report_fed_by_the_merge_equal_those_read_back_from_the_files(server, tmp_path):
     """The merge hands each record it writes to the scores section and the report (finish.KeptFeed), so
     neither reads trajectories.jsonl again: what they make must be what reading the files makes, with
