@@ -326,9 +326,19 @@ def reasoning_counts(conversations: list[dict[str, Any]]) -> tuple[int, int]:
     return sum(1 for c in gpt if _has_reasoning(c.get("value", ""))), len(gpt)
 
 
+_THINK_OPEN_RE = re.compile(r"\s*<think>")
+_NON_SPACE_RE = re.compile(r"\S")
+
+
 def _has_reasoning(value: str) -> bool:
-    found = _THINK_RE.match(value)
-    return found is not None and bool(found.group(1).strip())
+    """Whether ``value`` opens with a closed, non-empty ``<think>`` envelope (what ``_THINK_RE`` matches
+    with something besides white space inside), found without copying the reasoning out: every kept
+    record's every turn is asked, by the merge and the report."""
+    opened = _THINK_OPEN_RE.match(value)
+    if opened is None:
+        return False
+    end = value.find("</think>", opened.end())
+    return end >= 0 and _NON_SPACE_RE.search(value, opened.end(), end) is not None
 
 
 def used_tool_names(record: dict[str, Any]) -> set[str]:

@@ -203,6 +203,19 @@ def step(name: str, output_dir: Path, dataset: Path) -> dict:
         if name == "scan_finished":
             done = scan_finished(config.run_dir, rerun_discarded=False)
             extra["finished"] = sum(done.values())
+        elif name == "merge + statistics + report":  # as a run's end and a resume do it (cli.run_steps)
+            kept = finish.KeptFeed(config, rows, recorder)
+            totals = finish.merge(
+                config.run_dir, rows, recorder, written=kept, wanted=kept.wanted, excluded=kept.excluded
+            )
+            t_merge = time.perf_counter()
+            stats = finish.statistics(config, rows, totals, recorder, "none", scores=kept.scores)
+            t_stats = time.perf_counter()
+            finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
+            extra["merge_s"] = round(t_merge - t0, 2)
+            extra["statistics_s"] = round(t_stats - t_merge, 2)
+            extra["report_s"] = round(time.perf_counter() - t_stats, 2)
+            extra["trajectories"] = stats["trajectories"]
         elif name == "merge + statistics":
             totals = finish.merge(config.run_dir, rows, recorder)
             t_merge = time.perf_counter()
@@ -288,16 +301,17 @@ def main() -> int:
         marker.touch()
     nbytes = sum(p.stat().st_size for p in run_dir.glob("batch_*.jsonl"))
     print(f"{args.records} records, {nbytes / 1e6:.0f} MB in {run_dir}; each step in a fresh process")
-    results = [run_step(name, output_dir, dataset) for name in ("read bytes", "json.loads", "scan_finished", "merge + statistics")]  # fmt: skip
+    steps = ("read bytes", "json.loads", "scan_finished", "merge + statistics", "merge + statistics + report")
+    results = [run_step(name, output_dir, dataset) for name in steps]
     if args.cli:
         results.append(run_cli(output_dir, dataset))
     base = next(r for r in results if r["step"] == "json.loads")
-    print(f"\n{'step':<28}{'wall':>9}{'CPU':>9}{'CPU / json.loads':>18}{'peak RSS':>10}  details")
+    print(f"\n{'step':<30}{'wall':>9}{'CPU':>9}{'CPU / json.loads':>18}{'peak RSS':>10}  details")
     for r in results:
         details = {k: v for k, v in r.items() if k not in ("step", "seconds", "cpu_s", "peak_rss_mb")}
         ratio = r["cpu_s"] / base["cpu_s"] if base["cpu_s"] else float("nan")
         print(
-            f"{r['step']:<28}{r['seconds']:>8.2f}s{r['cpu_s']:>8.2f}s{ratio:>17.2f}x{r['peak_rss_mb']:>7.0f} MB  {details}"
+            f"{r['step']:<30}{r['seconds']:>8.2f}s{r['cpu_s']:>8.2f}s{ratio:>17.2f}x{r['peak_rss_mb']:>7.0f} MB  {details}"
         )
     ok_rss = all(r["peak_rss_mb"] < 200 for r in results)
     ok_time = all(

@@ -171,3 +171,22 @@ def test_stop_after_passes_finds_earlier_passes_of_a_row_holding_scaffolding_tex
         r for r in read_jsonl(out / "run" / "discarded.jsonl") if r["reason"] == "skipped_after_passes"
     ]
     assert sorted(r["sample_index"] for r in skipped) == [1, 2, 3]
+
+
+def test_a_rows_saved_key_is_its_identitys_held_per_redactor_and_never_pickled():
+    """Resume, merge and statistics ask each row's saved key several times: worked out once per
+    redactor and held on the row, it is what RowIdentity.of_row gives, and a pickled or copied row
+    carries no redactor (its secrets) along."""
+    import copy
+
+    secret = "sk-held-secret-0123456789"
+    row = Row(3, f"use {secret} here", "img:1", "/w", 0, options=RowOptions(toolsets=("web", "file")))
+    first, other = Redactor(secret), Redactor(None)
+    assert row.saved_key(first.sample) == RowIdentity.of_row(row, first.sample).key
+    assert row.saved_key(other.sample) == RowIdentity.of_row(row, other.sample).key
+    assert row.saved_key(first.sample) != row.saved_key(other.sample)  # the secret is redacted in one only
+    assert row.saved_key(first.sample) == RowIdentity.of_row(row, first.sample).key
+    for again in (pickle.loads(pickle.dumps(row)), copy.deepcopy(row), copy.copy(row)):
+        assert again == row and hash(again) == hash(row)
+        assert "_saved_key" not in again.__dict__
+    assert secret.encode() not in pickle.dumps(row).replace(secret.encode(), b"", 1)

@@ -163,3 +163,21 @@ def test_parse_tool_calls_round_trip_json_string_arguments(raw):
 def test_a_tool_result_reads_back_as_the_text_the_model_saw(content):
     block = tool_response_block("call_1", "terminal", content)
     assert parse_tool_responses(block) == [{"tool_call_id": "call_1", "name": "terminal", "content": content}]
+
+
+def test_reasoning_is_found_as_the_envelope_pattern_finds_it():
+    """``_has_reasoning`` (every kept turn of every record, twice a merge) finds without copying what
+    ``_THINK_RE`` finds: a leading closed envelope with more than white space inside."""
+    import random
+
+    from batchrun.sharegpt import _THINK_RE, _has_reasoning
+
+    def by_pattern(value: str) -> bool:
+        found = _THINK_RE.match(value)
+        return found is not None and bool(found.group(1).strip())
+
+    rng = random.Random(3)
+    parts = ["<think>", "</think>", " ", "\n", "\u00a0", "\x1c", "\u2003", "a", "x y", "<think", "think>", ""]
+    for _ in range(50_000):
+        value = "".join(rng.choice(parts) for _ in range(rng.randint(0, 7)))
+        assert _has_reasoning(value) == by_pattern(value), repr(value)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.config import RunConfig
-from batchrun.identity import RowIdentity, outcome_sample, record_sample, superseded_discards
+from batchrun.identity import outcome_sample, record_sample, superseded_discards
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import (
@@ -85,9 +85,14 @@ class MergeTotals:
         # Every valid finished record in the batch files by how it ended, the excluded partial ones included.
         self.by_stop_reason: collections.Counter[str] = collections.Counter()
 
-    def add(self, rec: dict[str, Any]) -> None:
+    def add(self, rec: dict[str, Any]) -> tuple[int, int]:
+        """Count a kept record; returns its (gpt turns with reasoning, gpt turns), for the report."""
         self.kept += 1
         for name, s in (rec.get("tool_stats") or {}).items():
+            # A record lists every known tool, most of them never called: nothing to add (valid_record
+            # made every count an int of at least 0).
+            if name in self.tool_stats and not (s.get("count") or s.get("success") or s.get("failure")):
+                continue
             t = self.tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
             t["count"] += s.get("count", 0)
             t["success"] += s.get("success", 0)
@@ -101,6 +106,7 @@ class MergeTotals:
         usage = (rec.get("metadata") or {}).get("usage") or {}
         for key in USAGE_COUNTS:  # records from before a count existed lack it: they add nothing
             self.usage[key] += credible(usage.get(key))
+        return w, n
 
     def summary(self) -> dict[str, Any]:
         tools = {
@@ -144,7 +150,7 @@ class RowPlaces:
         self.fields: set[tuple[str, int, str | None]] = set()
         self.lines: set[tuple[str, int, int]] = set()
         for row in rows:
-            key = RowIdentity.of_row(row, redact).key
+            key = row.saved_key(redact)
             fields = fields_digest(redact(row.row_fields or "{}"))
             for s in range(samples_of(row, samples_per_prompt)):
                 self.places.add((key, s, row.index, fields))
@@ -180,7 +186,7 @@ def merge(
     *,
     exclude_partial: bool = False,
     samples_per_prompt: int = 1,
-    written: Callable[[dict[str, Any], dict[str, Any] | None], None] | None = None,
+    written: Callable[[dict[str, Any], dict[str, Any] | None, tuple[int, int]], None] | None = None,
     prepared: PreparedLines | None = None,
     wanted: collections.Counter[tuple[str, int]] | None = None,
     excluded: Callable[[dict[str, Any]], None] | None = None,
@@ -229,11 +235,11 @@ def merge(
             if excluded is not None:
                 excluded(typed_record(rec) or rec)
             return
-        totals.add(rec)
+        reasoning = totals.add(rec)
         typed = None if ready is not None else typed_record(rec)
         fh.write(typed_line(raw, typed))
         if written is not None:
-            written(rec if typed is None else typed, ready.item if ready is not None else None)
+            written(rec if typed is None else typed, ready.item if ready is not None else None, reasoning)
 
     try:
         with tmp.open("wb") as fh:
@@ -444,11 +450,16 @@ class KeptFeed:
         )
         self._add_trajectory = add_trajectory
 
-    def __call__(self, rec: dict[str, Any], item: dict[str, Any] | None = None) -> None:
+    def __call__(
+        self,
+        rec: dict[str, Any],
+        item: dict[str, Any] | None = None,
+        reasoning: tuple[int, int] | None = None,
+    ) -> None:
         self.scores.add(rec, *record_sample(rec))
         if self.report is not None:
             try:
-                self._add_trajectory(self.report, rec, item)
+                self._add_trajectory(self.report, rec, item, reasoning)
             except Exception:
                 self.report = None
 

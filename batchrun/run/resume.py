@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
-from batchrun.identity import RowIdentity, is_index, outcome_sample, record_sample
+from batchrun.identity import is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import read_score, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
@@ -191,7 +191,7 @@ def wanted_samples(
     """(row identity, sample index) -> how many dataset rows want that sample (duplicate rows each do)."""
     wanted: collections.Counter[tuple[str, int]] = collections.Counter()
     for row in rows:
-        key = RowIdentity.of_row(row, redact).key
+        key = row.saved_key(redact)
         for s in range(samples_of(row, samples_per_prompt)):
             wanted[key, s] += 1
     return wanted
@@ -261,7 +261,7 @@ def match_outcomes(
             lines_of[key, s, fields].append(line)
     wants = [
         (row, s, key, fields_digest(redact(row.row_fields or "{}")))
-        for row, key in ((row, RowIdentity.of_row(row, redact).key) for row in rows)
+        for row, key in ((row, row.saved_key(redact)) for row in rows)
         for s in range(samples_of(row, samples_per_prompt))
     ]
     taken: dict[tuple[int, int], Place | None] = {}  # (row index, sample index) -> the outcome it took
@@ -450,7 +450,7 @@ def changed_checks(
 
     by_content: dict[tuple[str, int], list[tuple[Row, RowCheck | None]]] = collections.defaultdict(list)
     for row in rows:
-        key = RowIdentity.of_row(row, redact).key
+        key = row.saved_key(redact)
         if key not in checks:
             continue
         now = check_of(redact(row.row_fields) if row.row_fields else None)

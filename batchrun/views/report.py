@@ -73,15 +73,27 @@ def _number(value: Any) -> float | None:
     return value if finite_number(value) is not None else None
 
 
+_JSON_LISTS: dict[
+    str, tuple[Any, ...]
+] = {}  # the few short texts every record repeats ("[]", ...), read once
+
+
 def _json_list(value: Any) -> list[Any]:
     """A record's JSON-text list field (``usage.providers``, ``usage.unreported``); [] for anything else."""
     if not isinstance(value, str):
         return []
+    known = _JSON_LISTS.get(value)
+    if known is not None:
+        return list(known)
     try:
         parsed = parse_json(value)
     except ValueError:
         return []
-    return parsed if isinstance(parsed, list) else []
+    if not isinstance(parsed, list):
+        return []
+    if len(value) <= 256 and len(_JSON_LISTS) < 4096:
+        _JSON_LISTS[value] = tuple(parsed)
+    return parsed
 
 
 def record_usage(rec: dict[str, Any]) -> dict[str, Any]:
@@ -314,9 +326,15 @@ def add_excluded(data: RunData, rec: dict[str, Any]) -> None:
     note_kept(data, rec)
 
 
-def add_trajectory(data: RunData, rec: dict[str, Any], prepared: dict[str, Any] | None = None) -> None:
+def add_trajectory(
+    data: RunData,
+    rec: dict[str, Any],
+    prepared: dict[str, Any] | None = None,
+    reasoning: tuple[int, int] | None = None,
+) -> None:
     """Count a kept record, and list it while the list has room. ``prepared``: its
-    :func:`prepare_trajectory`, made earlier from the same record (else it is made here if listed)."""
+    :func:`prepare_trajectory`, made earlier from the same record (else it is made here if listed);
+    ``reasoning``: its ``reasoning_counts``, when the caller has them (the merge counts them too)."""
     add_score(data, rec, "kept")
     note_kept(data, rec)
     data.trajectories += 1
@@ -325,10 +343,14 @@ def add_trajectory(data: RunData, rec: dict[str, Any], prepared: dict[str, Any] 
     data.stop_reasons[stop] += 1
     for name, s in (rec.get("tool_stats") or {}).items():
         if isinstance(s, dict):
+            # Most tools a record lists were never called: a falsy count adds 0, as below.
+            if name in data.tool_stats and not (s.get("count") or s.get("success") or s.get("failure")):
+                continue
             t = data.tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
             for key in t:
-                t[key] += int(_number(s.get(key)) or 0)
-    with_r, gpt_turns = reasoning_counts(rec["conversations"])
+                value = s.get(key)
+                t[key] += value if type(value) is int else int(_number(value) or 0)
+    with_r, gpt_turns = reasoning if reasoning is not None else reasoning_counts(rec["conversations"])
     data.turns_with_reasoning += with_r
     data.turns_without_reasoning += gpt_turns - with_r
     data.turns.append(_number(rec.get("api_calls")) or 0)
