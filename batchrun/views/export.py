@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import is_index
-from batchrun.record import USAGE, conform_score, features_yaml, normalize_metadata
+from batchrun.record import USAGE, conform_score, features_yaml, metadata_typed, normalize_metadata
 from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.sharegpt import (
     first_human,
@@ -127,7 +127,9 @@ def _row(
     else:
         row = {"messages": [_full_message(m) for m in messages]}
     row["tools"] = tools if opts.fmt in TEMPLATE_FORMATS else json.dumps(tools, ensure_ascii=False)
-    meta = normalize_metadata(record.get("metadata") if isinstance(record.get("metadata"), dict) else {})
+    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    if not metadata_typed(meta):  # what the recorder wrote is typed already: read as it is
+        meta = normalize_metadata(meta)
     index = record.get("prompt_index")
     row.update(
         run_name=run_name,
