@@ -372,19 +372,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    judge = None
-    if settings.judge is not None:
-        from batchrun.secrets import Redactor
-
-        try:
-            judge = judge_client(settings.judge, args.judge_api_key_env)
-        except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
-            redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
-            print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:  # while the start check waits for a judge loading its model
-            print("\nInterrupted: nothing re-scored", file=sys.stderr)
-            return 130
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
     from batchrun.prompt.llm import BudgetStop, safe_url
@@ -392,8 +379,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # Held while it reads and writes: a runner finishing meanwhile replaced statistics.json, and this
-        # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone.
+        # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone. Taken
+        # before the judge's start check: a run directory a runner is resuming cost a judge call, then exit 2.
         with holding(args.run_dir, "python -m batchrun.views.score"):
+            judge = None
+            if settings.judge is not None:
+                from batchrun.secrets import Redactor
+
+                try:
+                    judge = judge_client(settings.judge, args.judge_api_key_env)
+                except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
+                    redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
+                    print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)
+                    return 2
+                except KeyboardInterrupt:  # while the start check waits for a judge loading its model
+                    print("\nInterrupted: nothing re-scored", file=sys.stderr)
+                    return 130
             summary = rescore(
                 args.run_dir, settings, name, judge, stats.get("distribution", ""), args.concurrency
             )

@@ -625,6 +625,21 @@ def test_score_and_a_runner_never_write_the_run_directory_together(tmp_path, cap
     assert not (a / ".lock").exists() or (a / ".lock").stat().st_size < 200
 
 
+def test_a_judge_rescoring_of_a_busy_run_directory_asks_the_judge_nothing(tmp_path, capsys):
+    """The judge's start check came before the run directory's lock: re-scoring a run a runner was
+    resuming made one call to the judge (billed by a paid one), then exited 2. The lock comes first."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "rubric": "r"}])
+    with FakeModelServer() as judge, _held_as_a_runner_holds_it(a):
+        capsys.readouterr()
+        argv = [str(a), "--scorer=judge", "--judge_model=j", f"--judge_base_url={judge.base_url}"]
+        assert score.main(argv) == 2
+        assert "is in use by a running batch_runner" in capsys.readouterr().err
+        assert (judge.stats()["requests"], judge.stats()["check_calls"]) == (0, 0)
+    assert not (a / "scores.judge.jsonl").exists()
+
+
 def test_export_and_compare_refuse_a_run_a_runner_is_resuming(tmp_path, capsys):
     # During a --resume, trajectories.jsonl is the earlier invocation's while discarded.jsonl and
     # failed.jsonl grow: an export mid-resume wrote 15 samples (exit 0) of a run that ended with 90,
