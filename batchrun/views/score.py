@@ -283,47 +283,55 @@ def judge_client(settings: JudgeSettings, key_variable: str = "JUDGE_API_KEY") -
 
 
 class JudgeWatch:
-    """The run's dead-endpoint stop for a re-scoring's judge: after ``DEAD_AFTER`` attempts in a row that
-    failed for the endpoint's reasons (refused, reset, timed out, 5xx), every judge call is held and the
-    judge probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
+    """The run's dead-endpoint stop (batchrun.run.endpoint_watch.EndpointWatch, its rule and figures) for a
+    re-scoring's judge: after ``DEAD_AFTER`` attempts in a row that failed for the endpoint's reasons
+    (refused, reset, timed out, 5xx), every judge call is held (the client's limiter paused) and the judge
+    probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
     endpoint; an answer lets the calls go on, none sets ``stop``: every further judge call raises
     BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). A judge that died
     mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
-    --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0."""
+    --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0. What the run's dispatch
+    loop does for its watch (report each attempt, tick while it probes) is done here by the judge's own
+    threads and a ticking thread."""
+
+    TICK_S = 0.25
 
     def __init__(self, cfg: Any, grace_s: float) -> None:
-        self.cfg, self.grace_s = cfg, grace_s
+        from batchrun.run.endpoint_watch import EndpointWatch
+
         self.client: Any = None  # the judge's client, whose calls are held while the judge is probed
         self.stop = threading.Event()
-        self.failures = 0
-        self.probing = False
-        self._lock = threading.Lock()
+        self.watch = EndpointWatch(cfg, grace_s, pause=self._pause, lift=self._lift)
+        self._lock = threading.Lock()  # the watch is the dispatch loop's, one thread's: here several report
 
     def __call__(self, error_class: str | None) -> None:
         """LLMClient's ``on_failure``: told after each attempt (None: it was answered)."""
-        from batchrun.run.endpoint_watch import DEAD_AFTER, PROBE_EVERY_S, probe_once
-
         with self._lock:
-            self.failures = 0 if error_class is None else self.failures + 1
-            if self.failures < DEAD_AFTER or self.probing or self.stop.is_set():
+            if self.stop.is_set():
                 return
-            self.probing = True
-        until = time.monotonic() + self.grace_s
-        alive = False
-        while not alive and time.monotonic() < until:
-            if self.client is not None:  # the other calls wait instead of failing meanwhile
-                self.client.limiter.pause(PROBE_EVERY_S + 30.0, broadcast=False)
-            alive = probe_once(self.cfg)
-            if not alive:
-                time.sleep(max(0.0, min(PROBE_EVERY_S, until - time.monotonic())))
-        with self._lock:
-            self.probing = False
-            if alive:
-                self.failures = 0
-            else:
-                self.stop.set()
+            started = self.watch.report(error_class) is not None  # a line: the watch began probing
+        if started:
+            threading.Thread(target=self._tick, name="judge-probe", daemon=True).start()
+
+    def _tick(self) -> None:
+        while True:
+            time.sleep(self.TICK_S)
+            with self._lock:
+                self.watch.tick()
+                if self.watch.dead:
+                    self.stop.set()  # before the calls are let go: each raises BudgetStop unsent
+                    self.watch.lift_pause()
+                    return
+                if self.watch.probing_since is None:  # it answered: the watch lifted the pause
+                    return
+
+    def _pause(self, until: float) -> None:
         if self.client is not None:
-            self.client.limiter.lift(time.time() + PROBE_EVERY_S + 30.0)
+            self.client.limiter.pause_until(until)
+
+    def _lift(self, until: float) -> None:
+        if self.client is not None:
+            self.client.limiter.lift(until)
 
 
 def main(argv: list[str] | None = None) -> int:
