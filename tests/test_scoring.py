@@ -1183,6 +1183,89 @@ def test_an_answer_pattern_that_backtracks_on_the_models_text_ends_within_the_ve
     assert judged("ANSWER: 5", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is False
 
 
+def test_the_users_patterns_run_in_a_kept_child_not_one_started_per_sample(monkeypatch):
+    """--answer_pattern and the regex scorer started a Python process for each sample (~20 ms: re-scoring
+    10,000 samples took 227 s, 3 s of it scoring). A child now serves one search after another; the
+    verdicts are the same."""
+    import subprocess
+
+    started = []
+    popen = subprocess.Popen
+
+    def counted(*args, **kwargs):
+        started.append(args)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", counted)
+    for n in range(40):
+        said = f"so ANSWER: {n} "
+        assert judged(said, str(n), "exact", answer_pattern=r"ANSWER: (.+?)\s*$")["passed"] is True
+        assert judged(said, "7", "exact", answer_pattern=r"ANSWER: (.+?)\s*$")["passed"] is (n == 7)
+        assert judged(said, f"^{n}$", "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is True
+        assert judged(said, ["^x$", "^y$"], "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is False
+    assert len(started) <= 1, len(started)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scorer", ["answer_pattern", "regex"])
+def test_a_catastrophic_pattern_is_ended_and_the_next_sample_judged(scorer):
+    """``(a+)+$`` on 'a' * 40 + 'b' backtracks for hours: the search's child is killed at its time, the
+    sample gets a scorer error, and the next sample is judged by another child."""
+    import time
+
+    from batchrun import bounded_re
+
+    text = "ANSWER: " + "a" * 40 + "b"
+    start = time.monotonic()
+    if scorer == "answer_pattern":
+        part = judged(text, "4", "exact", answer_pattern=r"ANSWER: ((a+)+$)", verify_timeout_s=1.0)
+        assert "--answer_pattern took longer than 1 s" in part["error"], part
+    else:
+        part = judged(text, r"^(a+)+$", "regex", answer_pattern=r"ANSWER: (\S+)", verify_timeout_s=1.0)
+        assert "took longer than 1 s" in part["error"], part
+    assert part["passed"] is None
+    assert time.monotonic() - start < 10  # 1 s, not hours (a hang guard, not a speed claim)
+    assert all(c.proc.poll() is None for c in bounded_re._children._idle)  # the spinning one is gone
+    assert judged("ANSWER: aaa", r"^(a+)+$", "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is True
+
+
+@pytest.mark.timeout(60)
+def test_a_search_whose_process_was_killed_ends_on_its_own():
+    """A worker (or views.score) killed mid-search left its search's child backtracking on, for hours at
+    100 % of a core: it had no bound but its parent's. Each search now ends itself a second past its time."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import threading, time\n"
+        "from batchrun import scoring\n"
+        "threading.Thread(target=scoring.bounded_search, args=('(a+)+$', 'a' * 40 + 'b', 2.0)).start()\n"
+        "import glob\n"
+        "while not (pids := ' '.join(open(f).read() for f in glob.glob('/proc/self/task/*/children')).split()):\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(0.5)\n"  # the search under way
+        "print(*pids, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        children = [int(pid) for pid in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert children
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}/stat") for pid in children):
+        time.sleep(0.2)
+    left = [pid for pid in children if os.path.exists(f"/proc/{pid}/stat")]
+    for pid in left:  # the old code's: killed here, not left spinning
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the search's child outlived its parent and its time"
+
+
 @pytest.mark.parametrize(
     ("text", "answer", "passed"),
     [
