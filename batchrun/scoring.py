@@ -225,6 +225,24 @@ class JudgeSettings:
     max_tokens: int = 512
 
 
+def judge_endpoint(base_url: str | None) -> str | None:
+    """The judge's base URL as a re-scoring's provenance records it: scheme, host, port and path only (no
+    user, password, query or fragment: they may hold a key), the scheme and host in lower case, no final
+    slash. The model name alone does not tell two judges apart: a llama-server answers to any name."""
+    if not base_url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(base_url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:  # a port that is no number, a bracket left open: nothing of it is shown
+        return None
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme.lower()}://{host}{'' if port is None else f':{port}'}{parts.path.rstrip('/')}"
+
+
 @dataclass(frozen=True)
 class ScoringSettings:
     """How a run judges its samples (from --scorer and the flags beside it); pickled into each worker."""

@@ -1183,6 +1183,18 @@ def test_an_answer_pattern_that_backtracks_on_the_models_text_ends_within_the_ve
     assert judged("ANSWER: 5", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is False
 
 
+def test_a_judges_base_url_is_recorded_without_its_login_or_query():
+    from batchrun.scoring import judge_endpoint
+
+    assert (
+        judge_endpoint("https://u:pw-1@API.Example.com:443/v1/?key=k-2#f") == "https://api.example.com:443/v1"
+    )
+    assert judge_endpoint("http://[::1]:8080/v1") == "http://[::1]:8080/v1"
+    assert judge_endpoint("http://127.0.0.1:8080") == "http://127.0.0.1:8080"
+    assert judge_endpoint("http://user:pw@[::1/v1") is None  # unreadable: nothing of it is shown
+    assert judge_endpoint(None) is None
+
+
 def test_the_users_patterns_run_in_a_kept_child_not_one_started_per_sample(monkeypatch):
     """--answer_pattern and the regex scorer started a Python process for each sample (~20 ms: re-scoring
     10,000 samples took 227 s, 3 s of it scoring). A child now serves one search after another; the

@@ -40,6 +40,7 @@ from batchrun.scoring import (
     ScoringSettings,
     check_from_row_fields,
     headline,
+    judge_endpoint,
     parse_scorers,
     score_sample,
     wanted_from_duplicates,
@@ -187,6 +188,8 @@ def rescore(
         "answer_normalize": list(settings.normalize),
         "numeric_tolerance": settings.numeric_tolerance,
         "judge_model": settings.judge.model if settings.judge else None,
+        # Added: which judge, where one model name is answered by several servers (never a key or login).
+        "judge_base_url": judge_endpoint(settings.judge.base_url) if settings.judge else None,
         "file": f"scores.{name}.jsonl",
     }
     write_json_atomic(stats_path, stats, redact)
