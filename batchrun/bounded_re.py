@@ -124,10 +124,16 @@ class _Children:
         self._lock = threading.Lock()
 
     def take(self) -> _Child:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return _Child()
+        """An idle child still alive (one killed meanwhile, by the OOM killer or a user, gave its search a
+        scorer error), else a new one."""
+        while True:
+            with self._lock:
+                child = self._idle.pop() if self._idle else None
+            if child is None:
+                return _Child()
+            if child.proc.poll() is None:
+                return child
+            child.close()
 
     def give_back(self, child: _Child) -> None:
         with self._lock:

@@ -1241,6 +1241,21 @@ def test_a_catastrophic_pattern_is_ended_and_the_next_sample_judged(scorer):
     assert judged("ANSWER: aaa", r"^(a+)+$", "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is True
 
 
+def test_a_kept_child_that_died_while_idle_is_not_asked():
+    """A kept child killed while idle (the OOM killer, a user's kill) is replaced, not asked: asked, its
+    closed pipe gave the next sample a scorer error."""
+    from batchrun import bounded_re
+
+    assert judged("ANSWER: 4", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+    idle = list(bounded_re._children._idle)
+    assert idle
+    for child in idle:
+        child.proc.kill()
+        child.proc.wait()
+    assert judged("ANSWER: 4", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+    assert judged("ANSWER: 4", "^4$", "regex", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+
+
 @pytest.mark.timeout(60)
 def test_a_search_whose_process_was_killed_ends_on_its_own():
     """A worker (or views.score) killed mid-search left its search's child backtracking on, for hours at
