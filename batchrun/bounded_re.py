@@ -29,7 +29,7 @@ KEEP_IDLE = 8  # idle children kept for the next search (more threads at once st
 # The child: one JSON request a line, [op, pattern, text, timeout_s]; one JSON answer a line,
 # ["ok", result], ["error", message] or ["late", null]. "extract" is scoring._last_match, "search" re.search.
 _CHILD = r"""
-import json, re, signal, sys
+import collections, json, re, signal, sys
 def late(*_):
     raise TimeoutError
 signal.signal(signal.SIGALRM, late)
@@ -40,8 +40,8 @@ for line in sys.stdin:
         if op == "search":
             out = ["ok", re.search(p, t) is not None]
         else:
-            m = list(re.finditer(p, t, re.DOTALL))
-            out = ["ok", "" if not m else (m[-1].group(1) if m[-1].re.groups else m[-1].group(0)) or ""]
+            m = collections.deque(re.finditer(p, t, re.DOTALL), maxlen=1)  # the last only: a list took GBs
+            out = ["ok", "" if not m else (m[0].group(1) if m[0].re.groups else m[0].group(0)) or ""]
         signal.setitimer(signal.ITIMER_REAL, 0)
     except TimeoutError:
         out = ["late", None]

@@ -421,10 +421,10 @@ def _without_spans(text: str, tags: tuple[tuple[str, str], ...]) -> str:
 
 def _last_match(pattern: str, text: str) -> str:
     """--answer_pattern's last match in ``text``: its group 1 when it has groups ("" for none)."""
-    matches = list(re.finditer(pattern, text, re.DOTALL))
-    if not matches:
+    tail = collections.deque(re.finditer(pattern, text, re.DOTALL), maxlen=1)  # a list of all: GBs
+    if not tail:
         return ""
-    last = matches[-1]
+    last = tail[0]
     return (last.group(1) if last.re.groups else last.group(0)) or ""
 
 

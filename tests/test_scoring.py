@@ -1257,6 +1257,21 @@ def test_a_kept_child_that_died_while_idle_is_not_asked():
 
 
 @pytest.mark.timeout(60)
+def test_an_answer_pattern_matching_a_long_answer_everywhere_keeps_only_its_last_match():
+    """--answer_pattern's last match was taken from a list of them all: ``(\\S)`` on an 8 MiB answer of
+    'a a a ...' held 4 million match objects, 634 MB (a 32 MiB reply, which --max_response_mb lets
+    through: GBs, per sample judged at once). Only the last is kept now."""
+    from batchrun import bounded_re
+
+    text = "ANSWER: " + "a " * (2 << 20) + "4"
+    assert judged(text, "4", "exact", answer_pattern=r"(\S+)")["passed"] is True
+    for child in bounded_re._children._idle:
+        status = open(f"/proc/{child.proc.pid}/status").read()
+        peak_kb = int(re.search(r"VmHWM:\s+(\d+)", status)[1])
+        assert peak_kb < 150 * 1024, peak_kb  # the list of 2 million matches: ~320 MB
+
+
+@pytest.mark.timeout(60)
 def test_a_search_whose_process_was_killed_ends_on_its_own():
     """A worker (or views.score) killed mid-search left its search's child backtracking on, for hours at
     100 % of a core: it had no bound but its parent's. Each search now ends itself a second past its time."""
