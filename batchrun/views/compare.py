@@ -7,11 +7,11 @@ Samples are paired by row identity (prompt text, image, cwd, the row's own setti
 index; only pairs judged in both runs (passed true or false) and against the same check (the row's
 ``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) by the same
 scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``--numeric_tolerance``,
-``--judge_model``, and a re-scoring's judge base URL, where the scorers use them) count. A pair judged against another check in B (an
-answer key fixed between the runs), or by another scorer (``exact`` in A, ``includes`` in B), says
-nothing about the model: it is left out and counted (``judged_differently``), its rows listed. Two
-sides of one run (its own scores and a re-scoring) are two ways of judging the same samples: there
-the scorers may differ. Printed and written as HTML:
+``--judge_model`` and a re-scoring's judge base URL, where the scorers use them) count. A pair judged
+against another check in B (an answer key fixed between the runs), or by another scorer (``exact`` in
+A, ``includes`` in B), says nothing about the model: it is left out and counted (``judged_differently``),
+its rows listed. Two sides of one run (its own scores and a re-scoring) are two ways of judging the same
+samples: there the scorers may differ. Printed and written as HTML:
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
   95% interval (the rows resampled with replacement, each with all its pairs, ``--bootstrap`` times,
@@ -125,9 +125,8 @@ JUDGING_SETTINGS = {
     "answer_normalize": ("exact", "includes"),
     "numeric_tolerance": ("numeric",),
     "judge_model": ("judge",),
-    "judge_base_url": (
-        "judge",
-    ),  # a re-scoring's; a run's manifest does not record it: compared with nothing
+    # A re-scoring's (a llama-server answers to any model name); a run's manifest does not record it.
+    "judge_base_url": ("judge",),
 }
 
 
