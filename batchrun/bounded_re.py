@@ -93,9 +93,11 @@ class _Child:
     def _line(self, deadline: float, timeout_s: float) -> bytes:
         """The child's next line, or b"" when it closed its end; TimeoutExpired at ``deadline``."""
         fd, chunks = self.proc.stdout.fileno(), []
+        poll = select.poll()  # not select.select: a worker with many prompts in flight has fds past 1024
+        poll.register(fd, select.POLLIN)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poll.poll(left * 1000):
                 raise subprocess.TimeoutExpired(_COMMAND, timeout_s)
             chunk = os.read(fd, 1 << 16)
             if not chunk:

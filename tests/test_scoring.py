@@ -1271,6 +1271,32 @@ def test_an_answer_pattern_matching_a_long_answer_everywhere_keeps_only_its_last
         assert peak_kb < 150 * 1024, peak_kb  # the list of 2 million matches: ~320 MB
 
 
+def test_a_search_works_where_the_process_holds_more_than_1024_files():
+    """A worker with hundreds of prompts in flight holds more than 1,024 descriptors: the search's pipe
+    is then past what select.select takes (ValueError: filedescriptor out of range)."""
+    import os
+    import resource
+
+    from batchrun import bounded_re
+
+    bounded_re._children.close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert judged("ANSWER: 4", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+        assert judged("ANSWER: 4", "^4$", "regex", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+    finally:
+        for fd in held:
+            os.close(fd)
+        bounded_re._children.close()  # their pipes' numbers are past 1024
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.mark.timeout(60)
 def test_a_search_whose_process_was_killed_ends_on_its_own():
     """A worker (or views.score) killed mid-search left its search's child backtracking on, for hours at
