@@ -53,6 +53,7 @@ from batchrun.storage import (
     batch_files,
     iter_jsonl,
     json_line,
+    read_json_object,
     write_json_atomic,
     write_text_atomic,
 )
@@ -355,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--numeric_tolerance", default="1e-6", help="as the run's flag (0 to 1)")
     parser.add_argument(
+        "--verify_timeout",
+        help="seconds --answer_pattern and the regex scorer may search one sample's answer (default: the "
+        "run's --verify_timeout, from its run_manifest.json)",
+    )
+    parser.add_argument(
         "--concurrency",
         type=int,
         default=DEFAULT_CONCURRENCY,
@@ -455,11 +461,18 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
             re.compile(args.answer_pattern)
         except re.error as exc:
             raise ValueError(f"--answer_pattern is not a valid regular expression: {exc}") from None
-    from batchrun.config import float_flag, is_http_url
+    from batchrun.config import MAX_DURATION_S, float_flag, is_http_url
 
     # As the run's flag reads it: a NaN or a negative tolerance failed every numeric answer, right ones too,
     # and one above 1 passed answers off by more than the answer itself.
     tolerance = float_flag(0, 1)(args.numeric_tolerance, "numeric_tolerance")
+    # The run's own bound unless given: a pattern that backtracks on every answer held each sample the
+    # default 60 s, one after another (a run judged with --verify_timeout=1: 2 samples took 120 s).
+    timeout = args.verify_timeout
+    if timeout is None:
+        manifest = read_json_object(args.run_dir / "run_manifest.json") or {}
+        timeout = manifest.get("verify_timeout", 60.0)
+    verify_timeout = float_flag(0, MAX_DURATION_S, low_open=True)(timeout, "verify_timeout")
     steps = () if args.answer_normalize == "none" else tuple(s for s in args.answer_normalize.split(",") if s)
     if any(s not in NORMALIZE_STEPS for s in steps):
         raise ValueError(f"--answer_normalize: some of {', '.join(NORMALIZE_STEPS)}, or none")
@@ -477,6 +490,7 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
         answer_pattern=args.answer_pattern,
         numeric_tolerance=tolerance,
         normalize=steps,
+        verify_timeout_s=verify_timeout,
         judge=judge_settings,
     )
 

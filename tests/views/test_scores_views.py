@@ -930,6 +930,29 @@ def test_a_rescoring_reads_numeric_tolerance_as_the_run_does(tmp_path, capsys):
     assert (rescored["scored"], rescored["passed"]) == (1, 1)
 
 
+@pytest.mark.timeout(300)
+def test_a_rescorings_pattern_is_bounded_by_the_runs_verify_timeout(tmp_path, capsys):
+    """views.score bounded each --answer_pattern search by 60 s whatever the run's --verify_timeout, one
+    sample after another: a pattern that backtracks on every answer held a run judged with
+    --verify_timeout=1 for 60 s a sample (2 samples: 120 s). It takes the run's bound, or its own
+    --verify_timeout, read as the run's flag."""
+    out = tmp_path / "data"
+    answer = "a" * 40 + "b"
+    rows = [{"id": "r", "prompt": f"Say it [calls:0] [answer:{answer}]", "answer": "x"}]
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, samples_per_prompt=2, verify_timeout=1)
+    argv = [str(out / "run"), "--scorer=exact", "--answer_pattern=((a+)+$)"]
+    for flags, bound in (([], "1 s"), (["--verify_timeout=0.5", "--name=short"], "0.5 s")):
+        started = time.monotonic()
+        assert score.main([*argv, *flags]) == 0, capsys.readouterr().err
+        assert time.monotonic() - started < 30
+        name = "short" if flags else "exact"
+        errors = [line["score"]["error"] for line in read_jsonl(out / "run" / f"scores.{name}.jsonl")]
+        assert errors == [f"exact: --answer_pattern took longer than {bound} on the final answer"] * 2, errors
+    for value in ("0", "nan", "-1"):
+        assert score.main([*argv, f"--verify_timeout={value}"]) == 2
+        assert "--verify_timeout must be a number" in capsys.readouterr().err
+
+
 def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
     """views.score --scorer=judge: every sample was a scorer error and nothing was asked ("'JudgeSettings'
     object has no attribute 'chat'": a refactor gave the judge's settings where its client belongs), exit
