@@ -68,6 +68,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchrun import bounded_re
 from batchrun.prompt.sandboxes.base import SandboxError, judged_run
 from batchrun.protocol import RowCheck
 from batchrun.record import in_unit_range, read_score
@@ -222,6 +223,24 @@ class JudgeSettings:
     base_url: str
     api_key: str | None = None
     max_tokens: int = 512
+
+
+def judge_endpoint(base_url: str | None) -> str | None:
+    """The judge's base URL as a re-scoring's provenance records it: scheme, host, port and path only (no
+    user, password, query or fragment: they may hold a key), the scheme and host in lower case, no final
+    slash. The model name alone does not tell two judges apart: a llama-server answers to any name."""
+    if not base_url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(base_url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:  # a port that is no number, a bracket left open: nothing of it is shown
+        return None
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme.lower()}://{host}{'' if port is None else f':{port}'}{parts.path.rstrip('/')}"
 
 
 @dataclass(frozen=True)
@@ -402,18 +421,11 @@ def _without_spans(text: str, tags: tuple[tuple[str, str], ...]) -> str:
 
 def _last_match(pattern: str, text: str) -> str:
     """--answer_pattern's last match in ``text``: its group 1 when it has groups ("" for none)."""
-    matches = list(re.finditer(pattern, text, re.DOTALL))
-    if not matches:
+    tail = collections.deque(re.finditer(pattern, text, re.DOTALL), maxlen=1)  # a list of all: GBs
+    if not tail:
         return ""
-    last = matches[-1]
+    last = tail[0]
     return (last.group(1) if last.re.groups else last.group(0)) or ""
-
-
-# _last_match in a child of its own (extract_answer with a timeout): the same lines, as the child runs them.
-_EXTRACT = (
-    "import json, re, sys; p, t = json.load(sys.stdin); m = list(re.finditer(p, t, re.DOTALL)); "
-    "sys.stdout.write(json.dumps('' if not m else (m[-1].group(1) if m[-1].re.groups else m[-1].group(0)) or ''))"
-)
 
 
 _BOXED_TOKENS_RE = re.compile(r"\\boxed\{|[{}]")
@@ -517,12 +529,12 @@ def extract_answer(text: str, pattern: str | None = None, timeout_s: float | Non
     """The answer inside a final text.
 
     With ``pattern`` (--answer_pattern): its last match, group 1 when it has groups; with ``timeout_s``
-    too, found in a child of its own that is ended after that long (subprocess.TimeoutExpired), as the
-    regex scorer's search is: the user's pattern on the model's text may backtrack for ages
+    too, found in a child process (batchrun.bounded_re) ended after that long (subprocess.TimeoutExpired),
+    as the regex scorer's search is: the user's pattern on the model's text may backtrack for ages
     (``(.+?)\\s*$`` over 100,000 spaces: 35 s in the worker's thread, past the prompt's deadline).
     Without: the last ``\\boxed{...}``, else the last ``ANSWER: ...`` line, else the whole text."""
     if pattern and timeout_s is not None:
-        return str(json.loads(_re_in_child(_EXTRACT, pattern, text, timeout_s)))
+        return bounded_re.last_match(pattern, text, timeout_s)
     if pattern:
         return _last_match(pattern, text)
     boxed = _last_boxed(text)
@@ -1042,28 +1054,11 @@ def passes_any_text(pattern: str) -> bool:
         return False
 
 
-# re.search in a child of its own: the row's pattern (trusted) on the model's answer (not) may backtrack
-# for ages, and a search cannot be stopped in the worker's thread.
-_SEARCH = (
-    "import json, re, sys; p, t = json.load(sys.stdin); sys.stdout.write('1' if re.search(p, t) else '0')"
-)
-
-
 def bounded_search(pattern: str, text: str, timeout_s: float) -> bool:
-    """Whether ``pattern`` is found in ``text``; subprocess.TimeoutExpired after ``timeout_s``."""
-    return _re_in_child(_SEARCH, pattern, text, timeout_s) == b"1"
-
-
-def _re_in_child(script: str, pattern: str, text: str, timeout_s: float) -> bytes:
-    """What ``script`` (_SEARCH, _EXTRACT) writes, given ``[pattern, text]``, in a child ended after
-    ``timeout_s`` (subprocess.TimeoutExpired; CalledProcessError when it failed)."""
-    return subprocess.run(
-        [sys.executable, "-I", "-S", "-c", script],
-        input=json.dumps([pattern, text]).encode("ascii"),
-        capture_output=True,
-        timeout=timeout_s,
-        check=True,
-    ).stdout
+    """Whether ``pattern`` is found in ``text``; subprocess.TimeoutExpired after ``timeout_s``. In a child
+    process (batchrun.bounded_re): the row's pattern (trusted) on the model's answer (not) may backtrack
+    for ages, and a search cannot be stopped in the worker's thread."""
+    return bounded_re.search(pattern, text, timeout_s)
 
 
 def text_score(

@@ -1183,6 +1183,157 @@ def test_an_answer_pattern_that_backtracks_on_the_models_text_ends_within_the_ve
     assert judged("ANSWER: 5", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is False
 
 
+def test_a_judges_base_url_is_recorded_without_its_login_or_query():
+    from batchrun.scoring import judge_endpoint
+
+    assert (
+        judge_endpoint("https://u:pw-1@API.Example.com:443/v1/?key=k-2#f") == "https://api.example.com:443/v1"
+    )
+    assert judge_endpoint("http://[::1]:8080/v1") == "http://[::1]:8080/v1"
+    assert judge_endpoint("http://127.0.0.1:8080") == "http://127.0.0.1:8080"
+    assert judge_endpoint("http://user:pw@[::1/v1") is None  # unreadable: nothing of it is shown
+    assert judge_endpoint(None) is None
+
+
+def test_the_users_patterns_run_in_a_kept_child_not_one_started_per_sample(monkeypatch):
+    """--answer_pattern and the regex scorer started a Python process for each sample (~20 ms: re-scoring
+    10,000 samples took 227 s, 3 s of it scoring). A child now serves one search after another; the
+    verdicts are the same."""
+    import subprocess
+
+    started = []
+    popen = subprocess.Popen
+
+    def counted(*args, **kwargs):
+        started.append(args)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", counted)
+    for n in range(40):
+        said = f"so ANSWER: {n} "
+        assert judged(said, str(n), "exact", answer_pattern=r"ANSWER: (.+?)\s*$")["passed"] is True
+        assert judged(said, "7", "exact", answer_pattern=r"ANSWER: (.+?)\s*$")["passed"] is (n == 7)
+        assert judged(said, f"^{n}$", "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is True
+        assert judged(said, ["^x$", "^y$"], "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is False
+    assert len(started) <= 1, len(started)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scorer", ["answer_pattern", "regex"])
+def test_a_catastrophic_pattern_is_ended_and_the_next_sample_judged(scorer):
+    """``(a+)+$`` on 'a' * 40 + 'b' backtracks for hours: the search's child is killed at its time, the
+    sample gets a scorer error, and the next sample is judged by another child."""
+    import time
+
+    from batchrun import bounded_re
+
+    text = "ANSWER: " + "a" * 40 + "b"
+    start = time.monotonic()
+    if scorer == "answer_pattern":
+        part = judged(text, "4", "exact", answer_pattern=r"ANSWER: ((a+)+$)", verify_timeout_s=1.0)
+        assert "--answer_pattern took longer than 1 s" in part["error"], part
+    else:
+        part = judged(text, r"^(a+)+$", "regex", answer_pattern=r"ANSWER: (\S+)", verify_timeout_s=1.0)
+        assert "took longer than 1 s" in part["error"], part
+    assert part["passed"] is None
+    assert time.monotonic() - start < 10  # 1 s, not hours (a hang guard, not a speed claim)
+    assert all(c.proc.poll() is None for c in bounded_re._children._idle)  # the spinning one is gone
+    assert judged("ANSWER: aaa", r"^(a+)+$", "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is True
+
+
+def test_a_kept_child_that_died_while_idle_is_not_asked():
+    """A kept child killed while idle (the OOM killer, a user's kill) is replaced, not asked: asked, its
+    closed pipe gave the next sample a scorer error."""
+    from batchrun import bounded_re
+
+    assert judged("ANSWER: 4", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+    idle = list(bounded_re._children._idle)
+    assert idle
+    for child in idle:
+        child.proc.kill()
+        child.proc.wait()
+    assert judged("ANSWER: 4", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+    assert judged("ANSWER: 4", "^4$", "regex", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+
+
+@pytest.mark.timeout(60)
+def test_an_answer_pattern_matching_a_long_answer_everywhere_keeps_only_its_last_match():
+    """--answer_pattern's last match was taken from a list of them all: ``(\\S)`` on an 8 MiB answer of
+    'a a a ...' held 4 million match objects, 634 MB (a 32 MiB reply, which --max_response_mb lets
+    through: GBs, per sample judged at once). Only the last is kept now."""
+    from batchrun import bounded_re
+
+    text = "ANSWER: " + "a " * (2 << 20) + "4"
+    assert judged(text, "4", "exact", answer_pattern=r"(\S+)")["passed"] is True
+    for child in bounded_re._children._idle:
+        status = open(f"/proc/{child.proc.pid}/status").read()
+        peak_kb = int(re.search(r"VmHWM:\s+(\d+)", status)[1])
+        assert peak_kb < 150 * 1024, peak_kb  # the list of 2 million matches: ~320 MB
+
+
+def test_a_search_works_where_the_process_holds_more_than_1024_files():
+    """A worker with hundreds of prompts in flight holds more than 1,024 descriptors: the search's pipe
+    is then past what select.select takes (ValueError: filedescriptor out of range)."""
+    import os
+    import resource
+
+    from batchrun import bounded_re
+
+    bounded_re._children.close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert judged("ANSWER: 4", "4", "exact", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+        assert judged("ANSWER: 4", "^4$", "regex", answer_pattern=r"ANSWER: (\d)")["passed"] is True
+    finally:
+        for fd in held:
+            os.close(fd)
+        bounded_re._children.close()  # their pipes' numbers are past 1024
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(60)
+def test_a_search_whose_process_was_killed_ends_on_its_own():
+    """A worker (or views.score) killed mid-search left its search's child backtracking on, for hours at
+    100 % of a core: it had no bound but its parent's. Each search now ends itself a second past its time."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import threading, time\n"
+        "from batchrun import scoring\n"
+        "threading.Thread(target=scoring.bounded_search, args=('(a+)+$', 'a' * 40 + 'b', 2.0)).start()\n"
+        "import glob\n"
+        "while not (pids := ' '.join(open(f).read() for f in glob.glob('/proc/self/task/*/children')).split()):\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(0.5)\n"  # the search under way
+        "print(*pids, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        children = [int(pid) for pid in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert children
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}/stat") for pid in children):
+        time.sleep(0.2)
+    left = [pid for pid in children if os.path.exists(f"/proc/{pid}/stat")]
+    for pid in left:  # the old code's: killed here, not left spinning
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the search's child outlived its parent and its time"
+
+
 @pytest.mark.parametrize(
     ("text", "answer", "passed"),
     [

@@ -7,11 +7,11 @@ Samples are paired by row identity (prompt text, image, cwd, the row's own setti
 index; only pairs judged in both runs (passed true or false) and against the same check (the row's
 ``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) by the same
 scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``--numeric_tolerance``,
-``--judge_model``, where the scorers use them) count. A pair judged against another check in B (an
-answer key fixed between the runs), or by another scorer (``exact`` in A, ``includes`` in B), says
-nothing about the model: it is left out and counted (``judged_differently``), its rows listed. Two
-sides of one run (its own scores and a re-scoring) are two ways of judging the same samples: there
-the scorers may differ. Printed and written as HTML:
+``--judge_model`` and a re-scoring's judge base URL, where the scorers use them) count. A pair judged
+against another check in B (an answer key fixed between the runs), or by another scorer (``exact`` in
+A, ``includes`` in B), says nothing about the model: it is left out and counted (``judged_differently``),
+its rows listed. Two sides of one run (its own scores and a re-scoring) are two ways of judging the same
+samples: there the scorers may differ. Printed and written as HTML:
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
   95% interval (the rows resampled with replacement, each with all its pairs, ``--bootstrap`` times,
@@ -125,6 +125,8 @@ JUDGING_SETTINGS = {
     "answer_normalize": ("exact", "includes"),
     "numeric_tolerance": ("numeric",),
     "judge_model": ("judge",),
+    # A re-scoring's (a llama-server answers to any model name); a run's manifest does not record it.
+    "judge_base_url": ("judge",),
 }
 
 
@@ -141,7 +143,11 @@ def judging_settings(run_dir: Path, scores_name: str | None = None) -> dict[str,
     manifest = read_json_object(run_dir / "run_manifest.json")
     if manifest is None:
         return {}
-    return {k: manifest.get(k, MANIFEST_DEFAULTS.get(k)) for k in JUDGING_SETTINGS}
+    return {
+        k: manifest.get(k, MANIFEST_DEFAULTS.get(k))
+        for k in JUDGING_SETTINGS
+        if k in manifest or k in MANIFEST_DEFAULTS
+    }
 
 
 def _judged_alike(

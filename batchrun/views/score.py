@@ -40,6 +40,7 @@ from batchrun.scoring import (
     ScoringSettings,
     check_from_row_fields,
     headline,
+    judge_endpoint,
     parse_scorers,
     score_sample,
     wanted_from_duplicates,
@@ -52,6 +53,7 @@ from batchrun.storage import (
     batch_files,
     iter_jsonl,
     json_line,
+    read_json_object,
     write_json_atomic,
     write_text_atomic,
 )
@@ -187,6 +189,8 @@ def rescore(
         "answer_normalize": list(settings.normalize),
         "numeric_tolerance": settings.numeric_tolerance,
         "judge_model": settings.judge.model if settings.judge else None,
+        # Added: which judge, where one model name is answered by several servers (never a key or login).
+        "judge_base_url": judge_endpoint(settings.judge.base_url) if settings.judge else None,
         "file": f"scores.{name}.jsonl",
     }
     write_json_atomic(stats_path, stats, redact)
@@ -283,47 +287,55 @@ def judge_client(settings: JudgeSettings, key_variable: str = "JUDGE_API_KEY") -
 
 
 class JudgeWatch:
-    """The run's dead-endpoint stop for a re-scoring's judge: after ``DEAD_AFTER`` attempts in a row that
-    failed for the endpoint's reasons (refused, reset, timed out, 5xx), every judge call is held and the
-    judge probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
+    """The run's dead-endpoint stop (batchrun.run.endpoint_watch.EndpointWatch, its rule and figures) for a
+    re-scoring's judge: after ``DEAD_AFTER`` attempts in a row that failed for the endpoint's reasons
+    (refused, reset, timed out, 5xx), every judge call is held (the client's limiter paused) and the judge
+    probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
     endpoint; an answer lets the calls go on, none sets ``stop``: every further judge call raises
     BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). A judge that died
     mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
-    --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0."""
+    --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0. What the run's dispatch
+    loop does for its watch (report each attempt, tick while it probes) is done here by the judge's own
+    threads and a ticking thread."""
+
+    TICK_S = 0.25
 
     def __init__(self, cfg: Any, grace_s: float) -> None:
-        self.cfg, self.grace_s = cfg, grace_s
+        from batchrun.run.endpoint_watch import EndpointWatch
+
         self.client: Any = None  # the judge's client, whose calls are held while the judge is probed
         self.stop = threading.Event()
-        self.failures = 0
-        self.probing = False
-        self._lock = threading.Lock()
+        self.watch = EndpointWatch(cfg, grace_s, pause=self._pause, lift=self._lift)
+        self._lock = threading.Lock()  # the watch is the dispatch loop's, one thread's: here several report
 
     def __call__(self, error_class: str | None) -> None:
         """LLMClient's ``on_failure``: told after each attempt (None: it was answered)."""
-        from batchrun.run.endpoint_watch import DEAD_AFTER, PROBE_EVERY_S, probe_once
-
         with self._lock:
-            self.failures = 0 if error_class is None else self.failures + 1
-            if self.failures < DEAD_AFTER or self.probing or self.stop.is_set():
+            if self.stop.is_set():
                 return
-            self.probing = True
-        until = time.monotonic() + self.grace_s
-        alive = False
-        while not alive and time.monotonic() < until:
-            if self.client is not None:  # the other calls wait instead of failing meanwhile
-                self.client.limiter.pause(PROBE_EVERY_S + 30.0, broadcast=False)
-            alive = probe_once(self.cfg)
-            if not alive:
-                time.sleep(max(0.0, min(PROBE_EVERY_S, until - time.monotonic())))
-        with self._lock:
-            self.probing = False
-            if alive:
-                self.failures = 0
-            else:
-                self.stop.set()
+            started = self.watch.report(error_class) is not None  # a line: the watch began probing
+        if started:
+            threading.Thread(target=self._tick, name="judge-probe", daemon=True).start()
+
+    def _tick(self) -> None:
+        while True:
+            time.sleep(self.TICK_S)
+            with self._lock:
+                self.watch.tick()
+                if self.watch.dead:
+                    self.stop.set()  # before the calls are let go: each raises BudgetStop unsent
+                    self.watch.lift_pause()
+                    return
+                if self.watch.probing_since is None:  # it answered: the watch lifted the pause
+                    return
+
+    def _pause(self, until: float) -> None:
         if self.client is not None:
-            self.client.limiter.lift(time.time() + PROBE_EVERY_S + 30.0)
+            self.client.limiter.pause_until(until)
+
+    def _lift(self, until: float) -> None:
+        if self.client is not None:
+            self.client.limiter.lift(until)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         "--answer_normalize", default=",".join(NORMALIZE_STEPS), help="case,whitespace,punctuation or none"
     )
     parser.add_argument("--numeric_tolerance", default="1e-6", help="as the run's flag (0 to 1)")
+    parser.add_argument(
+        "--verify_timeout",
+        help="seconds --answer_pattern and the regex scorer may search one sample's answer (default: the "
+        "run's --verify_timeout, from its run_manifest.json)",
+    )
     parser.add_argument(
         "--concurrency",
         type=int,
@@ -372,19 +389,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    judge = None
-    if settings.judge is not None:
-        from batchrun.secrets import Redactor
-
-        try:
-            judge = judge_client(settings.judge, args.judge_api_key_env)
-        except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
-            redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
-            print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:  # while the start check waits for a judge loading its model
-            print("\nInterrupted: nothing re-scored", file=sys.stderr)
-            return 130
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
     from batchrun.prompt.llm import BudgetStop, safe_url
@@ -392,8 +396,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # Held while it reads and writes: a runner finishing meanwhile replaced statistics.json, and this
-        # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone.
+        # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone. Taken
+        # before the judge's start check: a run directory a runner is resuming cost a judge call, then exit 2.
         with holding(args.run_dir, "python -m batchrun.views.score"):
+            judge = None
+            if settings.judge is not None:
+                from batchrun.secrets import Redactor
+
+                try:
+                    judge = judge_client(settings.judge, args.judge_api_key_env)
+                except ValueError as exc:  # the start check's refusal: nothing judged, nothing written
+                    redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
+                    print(f"error: {redact(str(exc))}; nothing re-scored", file=sys.stderr)
+                    return 2
+                except KeyboardInterrupt:  # while the start check waits for a judge loading its model
+                    print("\nInterrupted: nothing re-scored", file=sys.stderr)
+                    return 130
             summary = rescore(
                 args.run_dir, settings, name, judge, stats.get("distribution", ""), args.concurrency
             )
@@ -443,11 +461,18 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
             re.compile(args.answer_pattern)
         except re.error as exc:
             raise ValueError(f"--answer_pattern is not a valid regular expression: {exc}") from None
-    from batchrun.config import float_flag, is_http_url
+    from batchrun.config import MAX_DURATION_S, float_flag, is_http_url
 
     # As the run's flag reads it: a NaN or a negative tolerance failed every numeric answer, right ones too,
     # and one above 1 passed answers off by more than the answer itself.
     tolerance = float_flag(0, 1)(args.numeric_tolerance, "numeric_tolerance")
+    # The run's own bound unless given: a pattern that backtracks on every answer held each sample the
+    # default 60 s, one after another (a run judged with --verify_timeout=1: 2 samples took 120 s).
+    timeout = args.verify_timeout
+    if timeout is None:
+        manifest = read_json_object(args.run_dir / "run_manifest.json") or {}
+        timeout = manifest.get("verify_timeout", 60.0)
+    verify_timeout = float_flag(0, MAX_DURATION_S, low_open=True)(timeout, "verify_timeout")
     steps = () if args.answer_normalize == "none" else tuple(s for s in args.answer_normalize.split(",") if s)
     if any(s not in NORMALIZE_STEPS for s in steps):
         raise ValueError(f"--answer_normalize: some of {', '.join(NORMALIZE_STEPS)}, or none")
@@ -465,6 +490,7 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
         answer_pattern=args.answer_pattern,
         numeric_tolerance=tolerance,
         normalize=steps,
+        verify_timeout_s=verify_timeout,
         judge=judge_settings,
     )
 

@@ -640,6 +640,57 @@ def test_a_rescoring_of_a_run_that_stopped_rows_early_says_so(hermes, tmp_path, 
     assert again["note"] == own["note"]
 
 
+def test_two_judges_answering_to_one_model_name_are_told_apart_in_the_rescorings(
+    hermes, judge, tmp_path_factory, tmp_path, capsys
+):
+    """A re-scoring said which judge only by its model name, and a llama-server answers to any name: two
+    runs re-scored by two servers, both asked for 'local-model', read as judged alike (views.compare
+    paired them as the two runs' difference). Each re-scoring now records its judge's base URL, without
+    the URL's login or query, and compare leaves such pairs out; by the same judge they are paired."""
+    from batchrun.views import compare, score
+
+    other = _server(tmp_path_factory, "other-judge", Script(words=VERDICT))
+    dataset = write_rows(tmp_path / "rows.jsonl", [{"id": "ran", "prompt": "Say hello.", "rubric": "r"}])
+    runs = [
+        _run(
+            hermes,
+            tmp_path,
+            [],
+            run_name=name,
+            dataset_file=str(dataset),
+            samples_per_prompt=2,
+            keep_no_reasoning=True,
+        )  # fmt: skip
+        for name in ("one", "two")
+    ]
+    login, port = "user:pw-4b1e9@", other.base_url.split(":")[2]
+    judged = [
+        (runs[0], "a", judge.base_url),
+        (runs[1], "a", judge.base_url),
+        (runs[1], "b", f"http://{login}127.0.0.1:{port}?token=qs-77c3"),
+    ]
+    try:
+        for run_dir, name, url in judged:
+            argv = [str(run_dir), "--scorer=judge", f"--judge_model={REQUESTED}", f"--judge_base_url={url}"]
+            assert score.main([*argv, f"--name={name}"]) == 0, capsys.readouterr().err
+    finally:
+        other.stop()
+    rescored = json.loads((runs[1] / "statistics.json").read_text())["scores"]["rescored"]
+    assert rescored["a"]["judge_model"] == rescored["b"]["judge_model"] == REQUESTED
+    assert rescored["a"]["judge_base_url"] == judge.base_url
+    assert rescored["b"]["judge_base_url"] == other.base_url  # the server, not its login or query
+    for path in runs[1].iterdir():
+        text = path.read_text("utf-8", "replace") if path.is_file() else ""
+        assert "pw-4b1e9" not in text and "qs-77c3" not in text, path
+    capsys.readouterr()
+    argv = [str(runs[0]), str(runs[1]), "--scores_a=a", "--json", f"--out={tmp_path / 'c.html'}"]
+    assert compare.main([*argv, "--scores_b=a"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["pairs"], figures["judged_differently"]) == (2, 0), figures
+    assert compare.main([*argv, "--scores_b=b"]) == 1  # no pair left to compare
+    assert "left out: 2 pairs judged against another check" in capsys.readouterr().err
+
+
 def test_a_rescoring_whose_judge_cannot_answer_stops_at_its_start_check(
     hermes, tmp_path_factory, tmp_path, capsys, monkeypatch
 ):

@@ -625,6 +625,21 @@ def test_score_and_a_runner_never_write_the_run_directory_together(tmp_path, cap
     assert not (a / ".lock").exists() or (a / ".lock").stat().st_size < 200
 
 
+def test_a_judge_rescoring_of_a_busy_run_directory_asks_the_judge_nothing(tmp_path, capsys):
+    """The judge's start check came before the run directory's lock: re-scoring a run a runner was
+    resuming made one call to the judge (billed by a paid one), then exited 2. The lock comes first."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "rubric": "r"}])
+    with FakeModelServer() as judge, _held_as_a_runner_holds_it(a):
+        capsys.readouterr()
+        argv = [str(a), "--scorer=judge", "--judge_model=j", f"--judge_base_url={judge.base_url}"]
+        assert score.main(argv) == 2
+        assert "is in use by a running batch_runner" in capsys.readouterr().err
+        assert (judge.stats()["requests"], judge.stats()["check_calls"]) == (0, 0)
+    assert not (a / "scores.judge.jsonl").exists()
+
+
 def test_export_and_compare_refuse_a_run_a_runner_is_resuming(tmp_path, capsys):
     # During a --resume, trajectories.jsonl is the earlier invocation's while discarded.jsonl and
     # failed.jsonl grow: an export mid-resume wrote 15 samples (exit 0) of a run that ended with 90,
@@ -913,6 +928,29 @@ def test_a_rescoring_reads_numeric_tolerance_as_the_run_does(tmp_path, capsys):
     assert score.main([str(a), "--scorer=numeric", "--numeric_tolerance=0.01"]) == 0
     rescored = stats_of(a)["scores"]["rescored"]["numeric"]
     assert (rescored["scored"], rescored["passed"]) == (1, 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_rescorings_pattern_is_bounded_by_the_runs_verify_timeout(tmp_path, capsys):
+    """views.score bounded each --answer_pattern search by 60 s whatever the run's --verify_timeout, one
+    sample after another: a pattern that backtracks on every answer held a run judged with
+    --verify_timeout=1 for 60 s a sample (2 samples: 120 s). It takes the run's bound, or its own
+    --verify_timeout, read as the run's flag."""
+    out = tmp_path / "data"
+    answer = "a" * 40 + "b"
+    rows = [{"id": "r", "prompt": f"Say it [calls:0] [answer:{answer}]", "answer": "x"}]
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, samples_per_prompt=2, verify_timeout=1)
+    argv = [str(out / "run"), "--scorer=exact", "--answer_pattern=((a+)+$)"]
+    for flags, bound in (([], "1 s"), (["--verify_timeout=0.5", "--name=short"], "0.5 s")):
+        started = time.monotonic()
+        assert score.main([*argv, *flags]) == 0, capsys.readouterr().err
+        assert time.monotonic() - started < 30
+        name = "short" if flags else "exact"
+        errors = [line["score"]["error"] for line in read_jsonl(out / "run" / f"scores.{name}.jsonl")]
+        assert errors == [f"exact: --answer_pattern took longer than {bound} on the final answer"] * 2, errors
+    for value in ("0", "nan", "-1"):
+        assert score.main([*argv, f"--verify_timeout={value}"]) == 2
+        assert "--verify_timeout must be a number" in capsys.readouterr().err
 
 
 def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):

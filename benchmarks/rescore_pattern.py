@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""How long ``python -m batchrun.views.score`` takes to re-score a run with the user's regular expressions.
+
+    python benchmarks/rescore_pattern.py                       # 10,000 samples
+    python benchmarks/rescore_pattern.py --samples 2000 --tree /tmp/old-checkout   # another version
+
+Writes a run directory of ``--samples`` small records (one short exchange each, ``ANSWER: 42`` or
+``ANSWER: 41``), then times the whole command in a subprocess, three ways: ``--scorer=exact`` alone (no
+regular expression: the floor), ``--scorer=exact --answer_pattern='ANSWER: (.*)'`` (the pattern is the
+user's, run where a catastrophic one cannot hang the command), and ``--scorer=regex`` against rows whose
+``answer`` is a pattern (the row's, run alike; with the pattern, two searches a sample). CPU time beside wall time: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_run(run_dir: Path, samples: int, answer: str) -> None:
+    """A run directory of ``samples`` records over rows of 4 samples, every third one answering 41."""
+    sys.path.insert(0, str(ROOT))
+    from batchrun.identity import row_key
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "run_manifest.json").write_text(json.dumps({"format_version": 1}))
+    (run_dir / "statistics.json").write_text(json.dumps({"runs": [], "scores": {}}))
+    with open(run_dir / "trajectories.jsonl", "w", encoding="utf-8") as out:
+        for i in range(samples):
+            row = f"r{i // 4}"
+            rec = {
+                "prompt_index": i // 4,
+                "conversations": [
+                    {"from": "system", "value": "You are a helpful assistant."},
+                    {"from": "human", "value": f"Solve task {row}."},
+                    {
+                        "from": "gpt",
+                        "value": f"<think>\nok\n</think>\nSo.\nANSWER: {41 if i % 3 == 0 else 42}",
+                    },
+                ],
+                "metadata": {
+                    "sample_index": i % 4,
+                    "row_id": row,
+                    "row_key": row_key(f"Solve task {row}."),
+                    "row_fields": json.dumps({"answer": answer, "id": row}),
+                },
+                "completed": True,
+                "partial": False,
+                "toolsets_used": ["terminal"],
+                "score": {"status": "passed", "value": 1.0, "passed": True, "scorer": "exact"},
+            }
+            out.write(json.dumps(rec) + "\n")
+
+
+def timed(tree: Path, run_dir: Path, flags: list[str]) -> None:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    w = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "batchrun.views.score", str(run_dir), *flags],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - w
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    said = (done.stdout.splitlines() or [done.stderr.strip()[-200:]])[0]
+    print(f"  {' '.join(flags):62} {wall:8.2f} s wall {cpu:8.2f} s CPU (exit {done.returncode})")
+    print(f"    {said}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=10_000)
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose batchrun is timed")
+    parser.add_argument(
+        "--ways",
+        default="floor,pattern,regex",
+        help="which of floor, pattern, regex to time (comma-separated)",
+    )
+    args = parser.parse_args()
+    ways = args.ways.split(",")
+    tree = args.tree.resolve()
+    print(f"{args.samples} samples, {tree}")
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, patterns = Path(tmp) / "plain", Path(tmp) / "patterns"
+        write_run(plain, args.samples, "42")
+        write_run(patterns, args.samples, r"^4[2-9]$")
+        if "floor" in ways:
+            timed(tree, plain, ["--scorer=exact", "--name=floor"])
+        if "pattern" in ways:
+            timed(tree, plain, ["--scorer=exact", "--answer_pattern=ANSWER: (.*)", "--name=pattern"])
+        if "regex" in ways:
+            timed(tree, patterns, ["--scorer=regex", "--answer_pattern=ANSWER: (.*)", "--name=regex"])
+
+
+if __name__ == "__main__":
+    main()
