@@ -135,7 +135,9 @@ def run_prompt(
     started = time.monotonic()
     limiter = getattr(llm, "limiter", None)
     if limiter is not None:
-        limiter.begin_prompt()  # its slot waits credited up to MAX_SLOT_WAIT_S, the judge's included
+        # Its waits credited (the judge's included) up to MAX_SLOT_WAIT_S once its first request is
+        # granted; before, its wait for that request's slot up to MAX_QUEUE_WAIT_S.
+        limiter.begin_prompt()
     credited_at_start = limiter.credited_s() if limiter is not None else 0.0
     usage = Usage()
     if job.fail_reason:

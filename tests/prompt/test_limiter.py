@@ -169,11 +169,11 @@ def test_a_prompts_slot_waits_end_it_at_most_max_slot_wait_past_its_deadline(mon
             time.sleep(0.45)
             lim.release()
 
-    lim.acquire(time.monotonic() + 5)
+    lim.begin_prompt()
+    lim.acquire(time.monotonic() + 5)  # the prompt's first request: its time (and allowance) starts
     threading.Thread(target=holder, daemon=True).start()
     time.sleep(0.05)
     lim.release()  # the holder has it
-    lim.begin_prompt()
     start = time.monotonic()
     end = start + 0.2  # --prompt_timeout 0.2
     at_start = lim.credited_s()
@@ -482,6 +482,7 @@ def _parallel_waits(lim: Limiter, n: int, timeout_s: float, hold_s: float) -> di
 
     def prompt() -> None:
         lim.begin_prompt()
+        lim._allowance().start()  # its first request was granted before (a tool's calls come after it)
         threads = [threading.Thread(target=contextvars.copy_context().run, args=(call, i)) for i in range(n)]
         for t in threads:
             t.start()
