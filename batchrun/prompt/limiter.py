@@ -344,10 +344,17 @@ class Limiter:
 def backoff_s(
     attempt: int, retry_after_s: float | None = None, base_s: float = 0.5, cap_s: float = MAX_PAUSE_S
 ) -> float:
-    """How long to wait before retry ``attempt`` (1-based): Retry-After when given, else exponential; jittered."""
+    """How long to wait before retry ``attempt`` (1-based): Retry-After when given, else exponential; jittered.
+
+    A Retry-After is a least wait: the first retry goes when asked, and from the second on the wait is at
+    least the exponential back-off of the retry before (``attempt`` - 1). Honoured as it stood, a
+    ``Retry-After: 0`` (or ``retry-after-ms: 1``) said at every 429 had a call asked 31 times in 0.2 s, then
+    failed, while the limit lasted 2 s: each 429 also a run-wide pause relayed to every worker."""
     if retry_after_s is not None and retry_after_s >= 0:
         if retry_after_s >= cap_s:  # asked to wait longer than we ever do: the cap, jittered below it
             return cap_s * random.uniform(0.9, 1.0)
         # Jittered upwards (never earlier than asked), but never past the cap either.
-        return min(cap_s, retry_after_s * random.uniform(1.0, 1.2) + random.uniform(0, 0.01))
+        asked = retry_after_s * random.uniform(1.0, 1.2) + random.uniform(0, 0.01)
+        floor = 0.0 if attempt <= 1 else min(cap_s, base_s * 2 ** (attempt - 2)) * random.uniform(0.5, 1.0)
+        return min(cap_s, max(asked, floor))
     return min(cap_s, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)

@@ -364,8 +364,10 @@ def test_backoff_honours_retry_after_jittered_upward_slightly() -> None:
             waits = [backoff_s(1, retry_after) for _ in range(200)]
             assert all(retry_after <= w <= retry_after * 1.2 + 0.01 for w in waits), retry_after
             assert len(set(waits)) > 100  # jittered: workers told the same Retry-After do not retry in step
-        # the attempt number does not matter when the provider said how long to wait
-        assert 3.0 <= backoff_s(9, 3.0) <= 3.0 * 1.2 + 0.01
+        # a later attempt waits what the provider said, or the exponential back-off when that is longer:
+        # a Retry-After of 0 said at every 429 is no hot loop
+        assert 3.0 <= backoff_s(2, 3.0) <= 3.0 * 1.2 + 0.01
+        assert 32.0 <= backoff_s(9, 0.0) <= 64.0 and backoff_s(9, 100.0) >= 100.0
     finally:
         random.setstate(rng_state)
 

@@ -207,8 +207,8 @@ def test_plain_request_has_no_openrouter_fields(server):
     ],
 )
 def test_endpoint_errors_become_llm_errors_with_a_class(server, prompt, error_class):
-    with pytest.raises(LLMError) as info:
-        _client(server).chat(_user(f"broken endpoint {prompt}"), [TERMINAL])
+    with pytest.raises(LLMError) as info:  # a 429 waited out twice (backed off from the second on)
+        _client(server, max_rate_limit_retries=2).chat(_user(f"broken endpoint {prompt}"), [TERMINAL])
     assert info.value.error_class == error_class
     assert str(info.value)
 
@@ -755,6 +755,29 @@ def test_a_judge_on_the_llama_server_gets_the_next_request_slot_before_prompts_u
             t.join(10)
         assert order[0] == "judge", order
         judge.close()
+
+
+@pytest.mark.parametrize("header", [{"Retry-After": "0"}, {"retry-after-ms": "1"}])
+def test_a_retry_after_of_no_time_said_again_and_again_is_backed_off_from(header):
+    """A numeric Retry-After of 0 (or 1 ms) was honoured at every retry: a 429 lasting 2 s was asked 31
+    times in 0.3 s and the call failed (http_429), each 429 a run-wide pause relayed to every worker. The
+    first retry still goes when asked; from the second on, the wait is at least the exponential back-off,
+    so the call is answered after a few requests."""
+    from helpers import OK_REPLY, ScriptedEndpoint
+
+    start = time.monotonic()
+
+    def busy(call, calls):
+        if time.monotonic() - start < 2.0:
+            return 429, {"error": {"message": "rate limited"}}, header
+        return 200, OK_REPLY
+
+    with ScriptedEndpoint(busy) as endpoint:
+        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
+        turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
+    assert turn.finish_reason == "stop"
+    hits = len(endpoint.calls)
+    assert hits <= 8, f"{hits} requests"
 
 
 def test_a_retry_after_date_already_past_backs_off_as_without_one():
