@@ -440,6 +440,41 @@ def test_other_prompts_pauses_are_credited_from_the_prompts_one_allowance(monkey
     lim.release()
 
 
+def test_a_prompts_parallel_waits_out_of_another_prompts_pause_use_its_allowance_once(monkeypatch) -> None:
+    """Threads of one prompt (mixture_of_agents's reference models) held at once by another prompt's 429
+    pause each took their wait from the prompt's one allowance: the same second charged once a thread.
+    3 calls under a 1 s pause, an allowance of 1.5 s: the third found none left and failed at its
+    deadline (0.2 s) though the prompt had waited 1 s. Now overlapping waits use it once, as slot waits do."""
+    import contextvars
+
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 1.5)
+    lim = Limiter()
+    results: dict[int, str] = {}
+
+    def call(i: int) -> None:
+        try:
+            lim.acquire(time.monotonic() + 0.2)
+            results[i] = "ok"
+        except LimitTimeout:
+            results[i] = "timeout"
+
+    def prompt() -> None:
+        lim.begin_prompt()
+        lim.pause_until(time.time() + 1.0)  # relayed from another prompt's 429
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(call, i)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        results[-1] = lim.credit_left()
+
+    p = threading.Thread(target=prompt)
+    p.start()
+    p.join(30)
+    assert [results[i] for i in range(3)] == ["ok"] * 3, results
+    assert results[-1] == pytest.approx(0.5, abs=0.2), results
+
+
 def test_rpm_spacing_holds_behind_the_concurrency_limit() -> None:
     """Requests queued for a request slot take their --max_rpm turn only once they hold a slot, so when
     slots free at the same moment the requests behind them still go out spaced, not in a burst."""
