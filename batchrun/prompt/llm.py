@@ -1157,8 +1157,14 @@ def _parse_payload(data: Any) -> AssistantTurn:
         or not isinstance(choices[0].get("message"), dict)
     ):
         raise LLMError("bad_response", f"endpoint answered without choices: {str(data)[:200]!r}")
+    # One choice was asked for (no request sends ``n``), and it is the assistant's: a reply of several,
+    # or of another role, does not say which of its texts is the model's turn. Read as its first, such
+    # a reply was kept as a good sample.
+    if len(choices) > 1:
+        raise httpclient.BadResponse(f"the answer holds {len(choices)} choices where one was asked for")
     choice = choices[0]
     message = choice["message"]
+    _assistant_role(message.get("role"))
     # A call that is not an object (a bare name, a number) is a bad response: dropped, the reply's other
     # calls or its words were kept as though the model had not called it.
     raw_calls = [
@@ -1187,6 +1193,13 @@ def _parse_payload(data: Any) -> AssistantTurn:
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
         refusal=_refusal_text(message.get("refusal")),
     )
+
+
+def _assistant_role(role: Any) -> None:
+    """A reply's message is the assistant's: a ``role`` of another name (``user``, ``tool``, ...) is a bad
+    response. None (some servers leave it out) is the assistant's."""
+    if role is not None and not (isinstance(role, str) and role.lower() == "assistant"):
+        raise httpclient.BadResponse(f"the answer's message has the role {str(role)[:40]!r}, not 'assistant'")
 
 
 def _call_id(value: Any) -> str | None:
@@ -1324,10 +1337,16 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             if isinstance(chunk.get("timings"), dict):
                 out["timings"] = chunk["timings"]
             for choice in _shaped(chunk.get("choices"), list, "choices"):
-                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                if not isinstance(choice, dict):
                     continue
+                if choice.get("index", 0) != 0:  # a second choice: see _parse_payload
+                    raise httpclient.BadResponse(
+                        f"the streamed answer holds a choice of index {str(choice.get('index'))[:40]!r} "
+                        "where one was asked for"
+                    )
                 finish_reason = choice.get("finish_reason") or finish_reason
                 delta = _shaped(choice.get("delta"), dict, "delta")
+                _assistant_role(delta.get("role"))
                 for key, parts in texts.items():
                     if isinstance(delta.get(key), str):
                         parts.append(delta[key])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -802,3 +803,57 @@ def test_a_retry_after_date_already_past_backs_off_as_without_one():
     assert turn.finish_reason == "stop"
     hits = len(endpoint.calls)
     assert hits <= 8, f"{hits} requests"
+
+
+def _choice(text: str, index: int = 0, role: str = "assistant") -> dict:
+    return {"index": index, "finish_reason": "stop", "message": {"role": role, "content": text}}
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _delta(text: str, index: int = 0, role: str | None = None, finish: str | None = None) -> dict:
+    delta = {"content": text} | ({"role": role} if role else {})
+    return {"choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+@pytest.mark.parametrize(
+    ("stream", "reply"),
+    [
+        (False, {"choices": [_choice("The answer is 4."), _choice("The answer is 5.", 1)]}),
+        (False, {"choices": [_choice("The answer is 4.", role="user")]}),
+        (False, {"choices": [_choice("The answer is 4.", role="tool")]}),
+        (
+            True,
+            _sse([_delta("The answer is 4.", finish="stop"), _delta("The answer is 5.", 1, finish="stop")]),
+        ),
+        (True, _sse([_delta("The answer is 4.", role="user", finish="stop")])),
+    ],
+    ids=["two_choices", "role_user", "role_tool", "stream_two_choices", "stream_role_user"],
+)
+def test_an_ambiguous_reply_is_a_bad_response_not_its_first_choice(stream, reply):
+    """A reply of several choices (n was never asked for) was read as its first, and a message of another
+    role than the assistant's as the assistant's: kept as a good sample, though nothing says which of the
+    endpoint's answers is the model's turn. Each is a bad response: retried, then a failure that --resume
+    runs again."""
+    from helpers import ScriptedEndpoint
+
+    with ScriptedEndpoint(lambda call, calls: (200, reply)) as endpoint:
+        client = LLMClient(
+            LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=1, stream=stream)
+        )
+        with pytest.raises(LLMError) as info:
+            client.chat(_user("hi"), [], deadline=time.monotonic() + 30.0)
+    assert info.value.error_class == "bad_response", info.value
+    assert len(endpoint.calls) == 2  # retried once, like a 5xx
+
+
+def test_a_reply_of_one_choice_whose_message_names_no_role_is_read():
+    """What real servers send stays an answer: a message without a role, one choice."""
+    from helpers import ScriptedEndpoint
+
+    reply = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "OK"}}]}
+    with ScriptedEndpoint(lambda call, calls: (200, reply)) as endpoint:
+        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
+        assert client.chat(_user("hi"), []).content == "OK"
