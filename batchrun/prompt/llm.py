@@ -365,9 +365,11 @@ ANTHROPIC_CACHE_FIELDS = ("cache_read_input_tokens", "cache_creation_input_token
 def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> dict[str, int]:
     """The prompt tokens a call read from the endpoint's cache (``cached_tokens``) and wrote to it
     (``cache_write_tokens``), each where reported credibly: a count that is missing, not a whole number,
-    negative, NaN or absurd is left out (unreported), never estimated (it changes no spend). Neither is
-    more than the prompt's tokens, nor both together. llama.cpp's server also says ``timings.cache_n``
-    (read when its usage does not: servers before it had ``prompt_tokens_details``)."""
+    negative, NaN or absurd is left out (unreported), never estimated (it changes no spend), and so is one
+    more than the prompt's tokens (the read), or than what the read left of them (the write): the endpoint
+    contradicts itself. (They were clipped to the prompt: a record said 100 of 100 tokens were cached where
+    the endpoint had said 500 of 100.) llama.cpp's server also says ``timings.cache_n`` (read when its
+    usage does not: servers before it had ``prompt_tokens_details``)."""
     found: dict[str, int] = {}
     for name, fields in (("cached_tokens", CACHE_READ_FIELDS), ("cache_write_tokens", CACHE_WRITE_FIELDS)):
         for parent, key in fields:
@@ -379,12 +381,10 @@ def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> di
     if "cached_tokens" not in found and isinstance(timings, dict):
         if _count_problem(timings.get("cache_n"), MAX_CALL_TOKENS) is None:
             found["cached_tokens"] = int(timings["cache_n"])
-    if "cached_tokens" in found:
-        found["cached_tokens"] = min(found["cached_tokens"], prompt_tokens)
-    if "cache_write_tokens" in found:
-        found["cache_write_tokens"] = min(
-            found["cache_write_tokens"], prompt_tokens - found.get("cached_tokens", 0)
-        )
+    if found.get("cached_tokens", 0) > prompt_tokens:
+        del found["cached_tokens"]
+    if found.get("cache_write_tokens", 0) > prompt_tokens - found.get("cached_tokens", 0):
+        del found["cache_write_tokens"]
     return found
 
 

@@ -48,8 +48,11 @@ def _strict(text: str):
         # llama.cpp's timings, when its usage does not say (servers before prompt_tokens_details).
         ({}, {"cache_n": 55, "prompt_n": 45}, {"cached_tokens": 55}),
         ({"prompt_tokens_details": {"cached_tokens": 10}}, {"cache_n": 55}, {"cached_tokens": 10}),
-        # Never more than the prompt, nor both together.
-        ({"prompt_tokens_details": {"cached_tokens": 500, "cache_write_tokens": 9}}, None, {"cached_tokens": 100, "cache_write_tokens": 0}),
+        # Never more than the prompt, nor both together: such a count is left out, not clipped to the prompt
+        # (100 of 100 cached was said of an answer whose endpoint said 500).
+        ({"prompt_tokens_details": {"cached_tokens": 500, "cache_write_tokens": 9}}, None, {"cache_write_tokens": 9}),
+        ({"prompt_tokens_details": {"cached_tokens": 95, "cache_write_tokens": 9}}, None, {"cached_tokens": 95}),
+        ({"prompt_tokens_details": {"cached_tokens": 100, "cache_write_tokens": 0}}, None, {"cached_tokens": 100, "cache_write_tokens": 0}),
         # Hostile: unreported, never a crash, never added.
         ({"prompt_tokens_details": {"cached_tokens": -5}}, None, {}),
         ({"prompt_tokens_details": {"cached_tokens": "80"}}, None, {}),
@@ -216,12 +219,13 @@ def test_the_judge_s_cached_tokens_are_kept_apart_in_its_usage(tmp_path):
     [
         {"cached_tokens": -500, "cache_write_tokens": "9"},
         {"cached_tokens": 10**30},
+        {"cached_tokens": 5_000_000, "cache_write_tokens": 5_000_000},
         {"cached_tokens": 2.5},
         {"cached_tokens": {"nested": [1, 2]}, "cache_write_tokens": [3]},
         "cached",
         [1, 2, 3],
     ],
-    ids=["negative_and_string", "huge", "float", "nested", "string", "list"],
+    ids=["negative_and_string", "huge", "above_the_prompt", "float", "nested", "string", "list"],
 )
 def test_hostile_cache_counts_are_unreported_and_poison_no_total(tmp_path, details):
     with FakeModelServer(prompt_tokens_details=details) as server:
