@@ -214,6 +214,26 @@ def test_the_judge_s_cached_tokens_are_kept_apart_in_its_usage(tmp_path):
     assert this_run["cached_tokens"] == agent["cached_tokens"] + judged["cached_tokens"]
 
 
+def test_the_judge_s_usage_names_what_its_endpoint_did_not_report_as_the_agent_s_does(tmp_path):
+    """score.judge_usage gave a count the judge's endpoint never reported as 0 with nothing to tell it from
+    a reported 0 (a judge that reports no cost read as free), where metadata.usage names such counts in
+    ``unreported``. It now has its own ``unreported``; "[]" for a sample no judge was asked about."""
+    rows = [
+        {"id": "g", "prompt": 'Grade me [calls:1] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
+        {"id": "n", "prompt": "No judge [calls:0]", "answer": "x"},
+    ]
+    with FakeModelServer() as server:  # reports no cost, nor the cache's counts
+        judge = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
+        run(server, write_rows(tmp_path / "d.jsonl", rows[:1]), tmp_path / "data", **judge)
+        run(server, write_rows(tmp_path / "e.jsonl", rows[1:]), tmp_path / "data2")
+    (rec,) = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    agent, judged = json.loads(rec["metadata"]["usage"]["unreported"]), rec["score"]["judge_usage"]
+    assert "cost_usd" in agent and judged["calls"] == 1
+    assert json.loads(judged["unreported"]) == [k for k in agent if k in JUDGE_USAGE], judged
+    (plain,) = read_jsonl(tmp_path / "data2" / "run" / "trajectories.jsonl")
+    assert plain["score"]["judge_usage"]["unreported"] == "[]"
+
+
 @pytest.mark.parametrize(
     "details",
     [
