@@ -758,26 +758,31 @@ def test_a_judge_on_the_llama_server_gets_the_next_request_slot_before_prompts_u
         judge.close()
 
 
-@pytest.mark.parametrize("header", [{"Retry-After": "0"}, {"retry-after-ms": "1"}])
-def test_a_retry_after_of_no_time_said_again_and_again_is_backed_off_from(header):
-    """A numeric Retry-After of 0 (or 1 ms) was honoured at every retry: a 429 lasting 2 s was asked 31
-    times in 0.3 s and the call failed (http_429), each 429 a run-wide pause relayed to every worker. The
-    first retry still goes when asked; from the second on, the wait is at least the exponential back-off,
-    so the call is answered after a few requests."""
+def _requests_until_a_2s_rate_limit_clears(retry_after) -> int:
+    """The requests one call sends to an endpoint that answers 429 for 2 s, with ``retry_after()``'s headers."""
     from helpers import OK_REPLY, ScriptedEndpoint
 
     start = time.monotonic()
 
     def busy(call, calls):
         if time.monotonic() - start < 2.0:
-            return 429, {"error": {"message": "rate limited"}}, header
+            return 429, {"error": {"message": "rate limited"}}, retry_after()
         return 200, OK_REPLY
 
     with ScriptedEndpoint(busy) as endpoint:
         client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
         turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
     assert turn.finish_reason == "stop"
-    hits = len(endpoint.calls)
+    return len(endpoint.calls)
+
+
+@pytest.mark.parametrize("header", [{"Retry-After": "0"}, {"retry-after-ms": "1"}])
+def test_a_retry_after_of_no_time_said_again_and_again_is_backed_off_from(header):
+    """A numeric Retry-After of 0 (or 1 ms) was honoured at every retry: a 429 lasting 2 s was asked 31
+    times in 0.2 s and the call failed (http_429), each 429 a run-wide pause relayed to every worker. The
+    first retry still goes when asked; from the second on, the wait is at least the exponential back-off,
+    so the call is answered after a few requests."""
+    hits = _requests_until_a_2s_rate_limit_clears(lambda: header)
     assert hits <= 8, f"{hits} requests"
 
 
@@ -787,21 +792,10 @@ def test_a_retry_after_date_already_past_backs_off_as_without_one():
     nothing of how long to wait: backed off exponentially, the call is answered after a few requests."""
     import email.utils
 
-    from helpers import OK_REPLY, ScriptedEndpoint
+    def past() -> dict:
+        return {"Retry-After": email.utils.formatdate(time.time() - 4, usegmt=True)}
 
-    start = time.monotonic()
-
-    def behind_clock(call, calls):
-        if time.monotonic() - start < 2.0:
-            past = email.utils.formatdate(time.time() - 4, usegmt=True)
-            return 429, {"error": {"message": "rate limited"}}, {"Retry-After": past}
-        return 200, OK_REPLY
-
-    with ScriptedEndpoint(behind_clock) as endpoint:
-        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
-        turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
-    assert turn.finish_reason == "stop"
-    hits = len(endpoint.calls)
+    hits = _requests_until_a_2s_rate_limit_clears(past)
     assert hits <= 8, f"{hits} requests"
 
 
