@@ -1197,8 +1197,9 @@ def _parse_payload(data: Any) -> AssistantTurn:
 
 def _assistant_role(role: Any) -> None:
     """A reply's message is the assistant's: a ``role`` of another name (``user``, ``tool``, ...) is a bad
-    response. None (some servers leave it out) is the assistant's."""
-    if role is not None and not (isinstance(role, str) and role.lower() == "assistant"):
+    response. None or "" (some servers leave it out, or send it empty after a stream's first chunk) is the
+    assistant's."""
+    if role not in (None, "") and not (isinstance(role, str) and role.lower() == "assistant"):
         raise httpclient.BadResponse(f"the answer's message has the role {str(role)[:40]!r}, not 'assistant'")
 
 

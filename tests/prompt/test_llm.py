@@ -848,6 +848,8 @@ def test_a_reply_of_one_choice_whose_message_names_no_role_is_read():
     from helpers import ScriptedEndpoint
 
     reply = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "OK"}}]}
-    with ScriptedEndpoint(lambda call, calls: (200, reply)) as endpoint:
-        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
-        assert client.chat(_user("hi"), []).content == "OK"
+    streamed = _sse([_delta("O", role="assistant"), _delta("K", role="", finish="stop")])
+    for stream, body in ((False, reply), (True, streamed)):
+        with ScriptedEndpoint(lambda call, calls, body=body: (200, body)) as endpoint:
+            cfg = LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", stream=stream)
+            assert LLMClient(cfg).chat(_user("hi"), []).content == "OK"
