@@ -70,7 +70,7 @@ class Outcome:
     record: dict[str, Any] | None = None  # trajectories and discards
     reason: str | None = None  # discards: which quality filter
     error_class: str | None = None  # failures: what kind of failure
-    error: str | None = None  # failures: the message
+    error: str | None = None  # failures: the message (and a discard without a record: why)
     sample_index: int = 0
     row_id: str | None = None  # the dataset row's ``id`` (failed and discarded rows carry it too)
     row_fields: str | None = None  # the dataset row's other fields, as JSON text
@@ -93,9 +93,14 @@ class Outcome:
 
     @classmethod
     def discarded(
-        cls, job: PromptJob, reason: str, record: dict[str, Any] | None, usage: dict[str, Any]
+        cls,
+        job: PromptJob,
+        reason: str,
+        record: dict[str, Any] | None,
+        usage: dict[str, Any],
+        error: str | None = None,
     ) -> Outcome:
-        return cls(DISCARDED, **_of_job(job), usage=usage, record=record, reason=reason)
+        return cls(DISCARDED, **_of_job(job), usage=usage, record=record, reason=reason, error=error)
 
     @classmethod
     def failed(

@@ -137,7 +137,11 @@ JUDGE_USAGE: dict[str, Any] = {
     "cost_usd": FLOAT,
     "cached_tokens": INT,  # as metadata.usage's (0 also when the endpoint did not say)
     "cache_write_tokens": INT,
+    # As metadata.usage's: JSON text of the list of the counts above that no answer of the judge reported
+    # (each 0 then); "[]" when every one was, or no judge was asked.
+    "unreported": STRING,
 }
+JUDGE_USAGE_COUNTS = tuple(k for k in USAGE_COUNTS if k in JUDGE_USAGE)  # in metadata.usage's order
 # The record's score is typed in every record, as every column is (a null throughout one run would leave the
 # column untyped there, and plain ``datasets`` fails on whichever run comes second): ``status`` says what
 # the other fields mean. Code reads it through :func:`read_score`, which gives the nulls back.
@@ -184,9 +188,26 @@ def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
         "error": error if isinstance(error, str) else "",
         "verify_exit_code": code if isinstance(code, int) and not isinstance(code, bool) else NO_VERIFY,
         "verify_output": sem.get("verify_output") if isinstance(sem.get("verify_output"), str) else "",
-        "judge_usage": {k: usage.get(k) or EMPTY[kind] for k, kind in JUDGE_USAGE.items()},
+        "judge_usage": _typed_judge_usage(usage),
         "parts": json.dumps(parts, ensure_ascii=False),
     }
+
+
+def _typed_judge_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """``score.judge_usage`` typed: a count no answer of the judge reported (None) is 0 and named in
+    ``unreported``, as in metadata.usage (it was 0 alone: an endpoint that reports no cost read as free)."""
+    typed = {k: usage.get(k) or EMPTY[kind] for k, kind in JUDGE_USAGE.items()}
+    missing: set[str] = set()
+    if isinstance(usage.get("unreported"), str):  # typed already: kept
+        try:
+            listed = parse_json(usage["unreported"])
+        except ValueError:
+            listed = []
+        missing = {k for k in listed if isinstance(k, str)} if isinstance(listed, list) else set()
+    elif usage.get("requests"):  # a judge was asked: what it did not say is unknown, not 0
+        missing = {k for k in JUDGE_USAGE_COUNTS if _number(usage.get(k)) is None}
+    typed["unreported"] = json.dumps([k for k in JUDGE_USAGE_COUNTS if k in missing])
+    return typed
 
 
 def in_unit_range(value: Any) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.identity import request_seed_base
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, Usage
+from batchrun.prompt.llm import ContextLimitError, LLMClient, LLMConfig, LLMError, Usage
 from batchrun.prompt.loop import REPLY_DISCARDS, LoopLimits, PromptTimeout, run_agent
 from batchrun.prompt.metadata import prompt_metadata
 from batchrun.prompt.sandbox_lifecycle import PromptSandbox
@@ -135,7 +135,9 @@ def run_prompt(
     started = time.monotonic()
     limiter = getattr(llm, "limiter", None)
     if limiter is not None:
-        limiter.begin_prompt()  # its slot waits credited up to MAX_SLOT_WAIT_S, the judge's included
+        # Its waits credited (the judge's included) up to MAX_SLOT_WAIT_S once its first request is
+        # granted; before, its wait for that request's slot up to MAX_QUEUE_WAIT_S.
+        limiter.begin_prompt()
     credited_at_start = limiter.credited_s() if limiter is not None else 0.0
     usage = Usage()
     if job.fail_reason:
@@ -180,6 +182,10 @@ def run_prompt(
             record["score"], judge_usage = judge_sample(
                 record, job, settings.scoring, sandbox, judge, deadline
             )
+    except ContextLimitError as exc:
+        # Its first turn does not fit the model's context (the loop ends a later overflow as partial): the
+        # same prompt, tools and model overflow again, so it is a discard --resume does not pay for again.
+        return Outcome.discarded(job, "context_limit", None, usage.as_dict(), error=str(exc))
     except LLMError as exc:
         return Outcome.failed(job, exc.error_class, str(exc), usage.as_dict())
     except SandboxError as exc:

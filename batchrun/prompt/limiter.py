@@ -9,9 +9,12 @@ the whole run slows down, instead of each worker retrying on its own and stamped
 Waiting for a request slot is not a prompt's own time either: the slots are the run's own queue, in
 front of an endpoint that can serve only so many (llama-server's ``--parallel`` slots), handed out in
 the order they were asked for. Each holder's request is bounded by ``--request_timeout`` and its own
-prompt's deadline, so the wait is bounded by the requests ahead of it; a prompt's slot waits and its
+prompt's deadline, so the wait is bounded by the requests ahead of it. A prompt's wait for its first
+request slot is no part of its time (it holds no sandbox and has spent nothing yet: its time starts when
+that request is granted), credited up to :data:`MAX_QUEUE_WAIT_S`; from then on its slot waits and its
 waits out of other prompts' 429 pauses are credited :data:`MAX_SLOT_WAIT_S` at most in all
-(:meth:`Limiter.begin_prompt`), so it ends that long past its deadline at the latest, whatever happens.
+(:meth:`Limiter.begin_prompt`), so it ends that long past its deadline at the latest, whatever an
+endpoint does or says of its slots.
 """
 
 from __future__ import annotations
@@ -25,9 +28,13 @@ import time
 from collections.abc import Callable
 
 MAX_PAUSE_S = 120.0  # cap on one back-off, whatever Retry-After says (a frozen run helps no one)
-# A prompt's credited waits (for a request slot, and out of other prompts' 429 pauses) at most this
-# long in all: past it, they count against its deadline.
-MAX_SLOT_WAIT_S = 3600.0
+# A prompt's credited waits once its time started (for a request slot, out of other prompts' 429 pauses,
+# for the budget) at most this long in all: past it, they count against its deadline. It was an hour for every wait: an endpoint posing as a one-slot llama-server that
+# held each request to its deadline kept prompts under way, sandboxes up, an hour past their deadlines.
+MAX_SLOT_WAIT_S = 300.0
+# A prompt's wait for its first request slot (a llama-server's slots, --max_concurrent_requests), before
+# its time starts, at most this long: then it fails (class timeout) without having spent anything.
+MAX_QUEUE_WAIT_S = 3600.0
 
 
 class LimitTimeout(TimeoutError):
@@ -35,22 +42,41 @@ class LimitTimeout(TimeoutError):
 
 
 class _Allowance:
-    """A prompt's credited waits left (:data:`MAX_SLOT_WAIT_S` at its start), and when the run's pause its
-    own 429 caused ends: one for the prompt, whichever thread its model calls run on (a tool's, such as
-    mixture_of_agents's reference models, on threads of their own that carry the prompt's context)."""
+    """A prompt's credited waits left, and when the run's pause its own 429 caused ends: one for the
+    prompt, whichever thread its model calls run on (a tool's, such as mixture_of_agents's reference
+    models, on threads of their own that carry the prompt's context). Two allowances: ``queue_left``
+    (:data:`MAX_QUEUE_WAIT_S`) until the prompt's time starts (:meth:`start`: its first request granted),
+    then ``left`` (``grace_s``)."""
 
-    def __init__(self) -> None:
-        self.left = MAX_SLOT_WAIT_S
+    def __init__(self, grace_s: float | None = None, started: bool = True) -> None:
+        self.left = MAX_SLOT_WAIT_S if grace_s is None else grace_s
+        self.queue_left = MAX_QUEUE_WAIT_S
+        self.started = started
         self.own_until = 0.0
         self._lock = threading.Lock()
         self._waiting = 0  # the prompt's slot waits under way (its threads', at once)
         self._since = 0.0  # when the stretch of them began (monotonic)
+        self._stretch_started = started  # which allowance the stretch of waits takes from
+
+    def start(self) -> None:
+        """The prompt's time starts (its first request was granted): its waits come from ``left`` now."""
+        with self._lock:
+            self.started = True
+
+    def _get(self, started: bool) -> float:
+        return self.left if started else self.queue_left
+
+    def _set(self, started: bool, value: float) -> None:
+        if started:
+            self.left = value
+        else:
+            self.queue_left = value
 
     def take(self, seconds: float) -> float:
         """Up to ``seconds`` of what is left, taken now (parallel threads never take the same seconds)."""
         with self._lock:
-            got = max(0.0, min(seconds, self.left))
-            self.left -= got
+            got = max(0.0, min(seconds, self._get(self.started)))
+            self._set(self.started, self._get(self.started) - got)
             return got
 
     def wait_begins(self) -> float:
@@ -61,8 +87,9 @@ class _Allowance:
             now = time.monotonic()
             if self._waiting == 0:
                 self._since = now
+                self._stretch_started = self.started
             self._waiting += 1
-            return max(0.0, self.left - (now - self._since))
+            return max(0.0, self._get(self._stretch_started) - (now - self._since))
 
     def wait_ends(self) -> None:
         """The slot wait :meth:`wait_begins` began is over: the stretch of overlapping waits, once the
@@ -70,7 +97,8 @@ class _Allowance:
         with self._lock:
             self._waiting -= 1
             if self._waiting == 0:
-                self.left = max(0.0, self.left - (time.monotonic() - self._since))
+                spent = time.monotonic() - self._since
+                self._set(self._stretch_started, max(0.0, self._get(self._stretch_started) - spent))
 
 
 class FairSlots:
@@ -156,12 +184,21 @@ class Limiter:
             allowance = self._allowance()
             # Credited from the same allowance as the slot waits: each pause is at most MAX_PAUSE_S,
             # but a 429 storm paused every call and retry again, and a prompt credited them all
-            # outlived its deadline (and its Docker container's lifetime) without bound.
-            got = 0.0 if allowance.own_until >= self._paused_until else allowance.take(step)
+            # outlived its deadline (and its Docker container's lifetime) without bound. Threads of one
+            # prompt held at once use it once for the stretch they overlap, as slot waits do: each took
+            # its own seconds, and 2 of 3 reference models held by a 1 s pause found a 1.5 s allowance
+            # spent and failed at their deadline.
+            got = 0.0
+            if allowance.own_until < self._paused_until:
+                got = min(step, allowance.wait_begins())
+                try:
+                    if got > 0:
+                        time.sleep(got)
+                finally:
+                    allowance.wait_ends()
             if got <= 0:
                 self._sleep(step, deadline)
             else:
-                time.sleep(got)
                 credited += self._credit_thread(got)
                 deadline += got
         # The request slot first, then the turn under --max_rpm: a turn taken while still waiting for a
@@ -197,6 +234,7 @@ class Limiter:
         except BaseException:
             self.release(slotted)
             raise
+        self._allowance().start()  # its first request granted: the prompt's own time has begun
         self.waited_s += time.monotonic() - start
         return credited
 
@@ -222,10 +260,12 @@ class Limiter:
             self._sleep(slot - now, deadline)
 
     def begin_prompt(self) -> None:
-        """A prompt starts on the calling thread: its waits for a request slot and out of other prompts'
-        429 pauses, the judge's included, are credited up to :data:`MAX_SLOT_WAIT_S` in all; past that
-        they count against its deadline."""
-        self._prompt.set(_Allowance())
+        """A prompt starts on the calling thread. Until its first request is granted (when requests take
+        slots here), its waits are credited up to :data:`MAX_QUEUE_WAIT_S`; from then on its waits for a
+        request slot and out of other prompts' 429 pauses, the judge's included, up to
+        :data:`MAX_SLOT_WAIT_S` in all; past that they count against its deadline."""
+        # Without request slots its sandbox starts beside its first call: its time starts now.
+        self._prompt.set(_Allowance(started=self._slots is None))
         self._local.on_grant = None  # a previous prompt's, on this thread, never runs for this one
 
     def when_granted(self, begin: Callable[[], None] | None) -> bool:
@@ -313,10 +353,17 @@ class Limiter:
 def backoff_s(
     attempt: int, retry_after_s: float | None = None, base_s: float = 0.5, cap_s: float = MAX_PAUSE_S
 ) -> float:
-    """How long to wait before retry ``attempt`` (1-based): Retry-After when given, else exponential; jittered."""
+    """How long to wait before retry ``attempt`` (1-based): Retry-After when given, else exponential; jittered.
+
+    A Retry-After is a least wait: the first retry goes when asked, and from the second on the wait is at
+    least the exponential back-off of the retry before (``attempt`` - 1). Honoured as it stood, a
+    ``Retry-After: 0`` (or ``retry-after-ms: 1``) said at every 429 had a call asked 31 times in 0.2 s, then
+    failed, while the limit lasted 2 s: each 429 also a run-wide pause relayed to every worker."""
     if retry_after_s is not None and retry_after_s >= 0:
         if retry_after_s >= cap_s:  # asked to wait longer than we ever do: the cap, jittered below it
             return cap_s * random.uniform(0.9, 1.0)
         # Jittered upwards (never earlier than asked), but never past the cap either.
-        return min(cap_s, retry_after_s * random.uniform(1.0, 1.2) + random.uniform(0, 0.01))
+        asked = retry_after_s * random.uniform(1.0, 1.2) + random.uniform(0, 0.01)
+        floor = 0.0 if attempt <= 1 else min(cap_s, base_s * 2 ** (attempt - 2)) * random.uniform(0.5, 1.0)
+        return min(cap_s, max(asked, floor))
     return min(cap_s, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)

@@ -365,9 +365,11 @@ ANTHROPIC_CACHE_FIELDS = ("cache_read_input_tokens", "cache_creation_input_token
 def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> dict[str, int]:
     """The prompt tokens a call read from the endpoint's cache (``cached_tokens``) and wrote to it
     (``cache_write_tokens``), each where reported credibly: a count that is missing, not a whole number,
-    negative, NaN or absurd is left out (unreported), never estimated (it changes no spend). Neither is
-    more than the prompt's tokens, nor both together. llama.cpp's server also says ``timings.cache_n``
-    (read when its usage does not: servers before it had ``prompt_tokens_details``)."""
+    negative, NaN or absurd is left out (unreported), never estimated (it changes no spend), and so is one
+    more than the prompt's tokens (the read), or than what the read left of them (the write): the endpoint
+    contradicts itself. (They were clipped to the prompt: a record said 100 of 100 tokens were cached where
+    the endpoint had said 500 of 100.) llama.cpp's server also says ``timings.cache_n`` (read when its
+    usage does not: servers before it had ``prompt_tokens_details``)."""
     found: dict[str, int] = {}
     for name, fields in (("cached_tokens", CACHE_READ_FIELDS), ("cache_write_tokens", CACHE_WRITE_FIELDS)):
         for parent, key in fields:
@@ -379,12 +381,10 @@ def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> di
     if "cached_tokens" not in found and isinstance(timings, dict):
         if _count_problem(timings.get("cache_n"), MAX_CALL_TOKENS) is None:
             found["cached_tokens"] = int(timings["cache_n"])
-    if "cached_tokens" in found:
-        found["cached_tokens"] = min(found["cached_tokens"], prompt_tokens)
-    if "cache_write_tokens" in found:
-        found["cache_write_tokens"] = min(
-            found["cache_write_tokens"], prompt_tokens - found.get("cached_tokens", 0)
-        )
+    if found.get("cached_tokens", 0) > prompt_tokens:
+        del found["cached_tokens"]
+    if found.get("cache_write_tokens", 0) > prompt_tokens - found.get("cached_tokens", 0):
+        del found["cache_write_tokens"]
     return found
 
 
@@ -1157,8 +1157,14 @@ def _parse_payload(data: Any) -> AssistantTurn:
         or not isinstance(choices[0].get("message"), dict)
     ):
         raise LLMError("bad_response", f"endpoint answered without choices: {str(data)[:200]!r}")
+    # One choice was asked for (no request sends ``n``), and it is the assistant's: a reply of several,
+    # or of another role, does not say which of its texts is the model's turn. Read as its first, such
+    # a reply was kept as a good sample.
+    if len(choices) > 1:
+        raise httpclient.BadResponse(f"the answer holds {len(choices)} choices where one was asked for")
     choice = choices[0]
     message = choice["message"]
+    _assistant_role(message.get("role"))
     # A call that is not an object (a bare name, a number) is a bad response: dropped, the reply's other
     # calls or its words were kept as though the model had not called it.
     raw_calls = [
@@ -1187,6 +1193,14 @@ def _parse_payload(data: Any) -> AssistantTurn:
         served_model=data.get("model") if isinstance(data.get("model"), str) and data.get("model") else None,
         refusal=_refusal_text(message.get("refusal")),
     )
+
+
+def _assistant_role(role: Any) -> None:
+    """A reply's message is the assistant's: a ``role`` of another name (``user``, ``tool``, ...) is a bad
+    response. None or "" (some servers leave it out, or send it empty after a stream's first chunk) is the
+    assistant's."""
+    if role not in (None, "") and not (isinstance(role, str) and role.lower() == "assistant"):
+        raise httpclient.BadResponse(f"the answer's message has the role {str(role)[:40]!r}, not 'assistant'")
 
 
 def _call_id(value: Any) -> str | None:
@@ -1324,10 +1338,16 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             if isinstance(chunk.get("timings"), dict):
                 out["timings"] = chunk["timings"]
             for choice in _shaped(chunk.get("choices"), list, "choices"):
-                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                if not isinstance(choice, dict):
                     continue
+                if choice.get("index", 0) != 0:  # a second choice: see _parse_payload
+                    raise httpclient.BadResponse(
+                        f"the streamed answer holds a choice of index {str(choice.get('index'))[:40]!r} "
+                        "where one was asked for"
+                    )
                 finish_reason = choice.get("finish_reason") or finish_reason
                 delta = _shaped(choice.get("delta"), dict, "delta")
+                _assistant_role(delta.get("role"))
                 for key, parts in texts.items():
                     if isinstance(delta.get(key), str):
                         parts.append(delta[key])

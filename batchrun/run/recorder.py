@@ -247,6 +247,8 @@ class Recorder:
                 "timestamp": _now(),
                 "record": outcome.record,
             }
+            if outcome.error is not None:  # a discard without a record says why (context_limit: the endpoint)
+                row["error"] = self.redact(str(outcome.error))
             # The model's words are redacted of secrets only: never of text that resembles the scaffolding.
             append_jsonl(self.run_dir / "discarded.jsonl", row, sample_text)
         else:

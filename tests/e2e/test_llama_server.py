@@ -176,6 +176,26 @@ def test_later_turn_context_overflow_ends_as_partial(overflow, tmp_path, stream)
     assert not (run_dir / "failed.jsonl").exists() or not read_jsonl(run_dir / "failed.jsonl")
 
 
+def test_a_first_turn_context_overflow_is_a_discard_that_resume_does_not_pay_for_again(overflow, tmp_path):
+    """A prompt that does not fit the model's context on its first turn failed (context_limit), and
+    failures run again: every --resume sent it again, to the same refusal (a paid provider's prompt
+    processing each time, and each run counted it failed). It is permanent for that prompt with that
+    model: a discard (context_limit, no record, the endpoint's message in ``error``), which --resume does
+    not run (--rerun_discarded does)."""
+    prompt = "Count to 3000. " + "x" * 9000  # more bytes than the 8k-token slot holds: every byte a token
+    run_dir = _run(overflow, tmp_path, [prompt])
+    (row,) = read_jsonl(run_dir / "discarded.jsonl")
+    assert row["reason"] == "context_limit" and row["record"] is None
+    assert "context" in row["error"].lower(), row["error"]
+    assert not (run_dir / "failed.jsonl").exists() or not read_jsonl(run_dir / "failed.jsonl")
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["remaining_for_resume"] == 0 and stats["discarded"]["by_reason"] == {"context_limit": 1}
+    _run(overflow, tmp_path, [prompt], resume=True)
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["this_run"]["attempted"] == 0 and stats["this_run"]["api_calls"] == 0
+    assert len(read_jsonl(run_dir / "discarded.jsonl")) == 1
+
+
 def _same_ids(conversations: list[dict]) -> str:
     """The conversation as text with llama-server's random tool-call ids replaced by their order."""
     text = json.dumps(conversations)

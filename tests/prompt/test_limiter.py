@@ -169,11 +169,11 @@ def test_a_prompts_slot_waits_end_it_at_most_max_slot_wait_past_its_deadline(mon
             time.sleep(0.45)
             lim.release()
 
-    lim.acquire(time.monotonic() + 5)
+    lim.begin_prompt()
+    lim.acquire(time.monotonic() + 5)  # the prompt's first request: its time (and allowance) starts
     threading.Thread(target=holder, daemon=True).start()
     time.sleep(0.05)
     lim.release()  # the holder has it
-    lim.begin_prompt()
     start = time.monotonic()
     end = start + 0.2  # --prompt_timeout 0.2
     at_start = lim.credited_s()
@@ -364,8 +364,10 @@ def test_backoff_honours_retry_after_jittered_upward_slightly() -> None:
             waits = [backoff_s(1, retry_after) for _ in range(200)]
             assert all(retry_after <= w <= retry_after * 1.2 + 0.01 for w in waits), retry_after
             assert len(set(waits)) > 100  # jittered: workers told the same Retry-After do not retry in step
-        # the attempt number does not matter when the provider said how long to wait
-        assert 3.0 <= backoff_s(9, 3.0) <= 3.0 * 1.2 + 0.01
+        # a later attempt waits what the provider said, or the exponential back-off when that is longer:
+        # a Retry-After of 0 said at every 429 is no hot loop
+        assert 3.0 <= backoff_s(2, 3.0) <= 3.0 * 1.2 + 0.01
+        assert 32.0 <= backoff_s(9, 0.0) <= 64.0 and backoff_s(9, 100.0) >= 100.0
     finally:
         random.setstate(rng_state)
 
@@ -438,6 +440,41 @@ def test_other_prompts_pauses_are_credited_from_the_prompts_one_allowance(monkey
     lim.release()
 
 
+def test_a_prompts_parallel_waits_out_of_another_prompts_pause_use_its_allowance_once(monkeypatch) -> None:
+    """Threads of one prompt (mixture_of_agents's reference models) held at once by another prompt's 429
+    pause each took their wait from the prompt's one allowance: the same second charged once a thread.
+    3 calls under a 1 s pause, an allowance of 1.5 s: the third found none left and failed at its
+    deadline (0.2 s) though the prompt had waited 1 s. Now overlapping waits use it once, as slot waits do."""
+    import contextvars
+
+    monkeypatch.setattr(limiter_module, "MAX_SLOT_WAIT_S", 1.5)
+    lim = Limiter()
+    results: dict[int, str] = {}
+
+    def call(i: int) -> None:
+        try:
+            lim.acquire(time.monotonic() + 0.2)
+            results[i] = "ok"
+        except LimitTimeout:
+            results[i] = "timeout"
+
+    def prompt() -> None:
+        lim.begin_prompt()
+        lim.pause_until(time.time() + 1.0)  # relayed from another prompt's 429
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(call, i)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        results[-1] = lim.credit_left()
+
+    p = threading.Thread(target=prompt)
+    p.start()
+    p.join(30)
+    assert [results[i] for i in range(3)] == ["ok"] * 3, results
+    assert results[-1] == pytest.approx(0.5, abs=0.2), results
+
+
 def test_rpm_spacing_holds_behind_the_concurrency_limit() -> None:
     """Requests queued for a request slot take their --max_rpm turn only once they hold a slot, so when
     slots free at the same moment the requests behind them still go out spaced, not in a burst."""
@@ -482,6 +519,7 @@ def _parallel_waits(lim: Limiter, n: int, timeout_s: float, hold_s: float) -> di
 
     def prompt() -> None:
         lim.begin_prompt()
+        lim._allowance().start()  # its first request was granted before (a tool's calls come after it)
         threads = [threading.Thread(target=contextvars.copy_context().run, args=(call, i)) for i in range(n)]
         for t in threads:
             t.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -207,8 +208,8 @@ def test_plain_request_has_no_openrouter_fields(server):
     ],
 )
 def test_endpoint_errors_become_llm_errors_with_a_class(server, prompt, error_class):
-    with pytest.raises(LLMError) as info:
-        _client(server).chat(_user(f"broken endpoint {prompt}"), [TERMINAL])
+    with pytest.raises(LLMError) as info:  # a 429 waited out twice (backed off from the second on)
+        _client(server, max_rate_limit_retries=2).chat(_user(f"broken endpoint {prompt}"), [TERMINAL])
     assert info.value.error_class == error_class
     assert str(info.value)
 
@@ -757,25 +758,98 @@ def test_a_judge_on_the_llama_server_gets_the_next_request_slot_before_prompts_u
         judge.close()
 
 
+def _requests_until_a_2s_rate_limit_clears(retry_after) -> int:
+    """The requests one call sends to an endpoint that answers 429 for 2 s, with ``retry_after()``'s headers."""
+    from helpers import OK_REPLY, ScriptedEndpoint
+
+    start = time.monotonic()
+
+    def busy(call, calls):
+        if time.monotonic() - start < 2.0:
+            return 429, {"error": {"message": "rate limited"}}, retry_after()
+        return 200, OK_REPLY
+
+    with ScriptedEndpoint(busy) as endpoint:
+        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
+        turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
+    assert turn.finish_reason == "stop"
+    return len(endpoint.calls)
+
+
+@pytest.mark.parametrize("header", [{"Retry-After": "0"}, {"retry-after-ms": "1"}])
+def test_a_retry_after_of_no_time_said_again_and_again_is_backed_off_from(header):
+    """A numeric Retry-After of 0 (or 1 ms) was honoured at every retry: a 429 lasting 2 s was asked 31
+    times in 0.2 s and the call failed (http_429), each 429 a run-wide pause relayed to every worker. The
+    first retry still goes when asked; from the second on, the wait is at least the exponential back-off,
+    so the call is answered after a few requests."""
+    hits = _requests_until_a_2s_rate_limit_clears(lambda: header)
+    assert hits <= 8, f"{hits} requests"
+
+
 def test_a_retry_after_date_already_past_backs_off_as_without_one():
     """A server whose clock runs behind ours sends a Retry-After date that is already past here: taken for
     0 s, a 429 lasting 2 s was retried 31 times in 0.23 s and the call failed (http_429). Such a date says
     nothing of how long to wait: backed off exponentially, the call is answered after a few requests."""
     import email.utils
 
-    from helpers import OK_REPLY, ScriptedEndpoint
+    def past() -> dict:
+        return {"Retry-After": email.utils.formatdate(time.time() - 4, usegmt=True)}
 
-    start = time.monotonic()
-
-    def behind_clock(call, calls):
-        if time.monotonic() - start < 2.0:
-            past = email.utils.formatdate(time.time() - 4, usegmt=True)
-            return 429, {"error": {"message": "rate limited"}}, {"Retry-After": past}
-        return 200, OK_REPLY
-
-    with ScriptedEndpoint(behind_clock) as endpoint:
-        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k"))
-        turn = client.chat(_user("hi"), [], deadline=time.monotonic() + 60.0)
-    assert turn.finish_reason == "stop"
-    hits = len(endpoint.calls)
+    hits = _requests_until_a_2s_rate_limit_clears(past)
     assert hits <= 8, f"{hits} requests"
+
+
+def _choice(text: str, index: int = 0, role: str = "assistant") -> dict:
+    return {"index": index, "finish_reason": "stop", "message": {"role": role, "content": text}}
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _delta(text: str, index: int = 0, role: str | None = None, finish: str | None = None) -> dict:
+    delta = {"content": text} | ({"role": role} if role else {})
+    return {"choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+@pytest.mark.parametrize(
+    ("stream", "reply"),
+    [
+        (False, {"choices": [_choice("The answer is 4."), _choice("The answer is 5.", 1)]}),
+        (False, {"choices": [_choice("The answer is 4.", role="user")]}),
+        (False, {"choices": [_choice("The answer is 4.", role="tool")]}),
+        (
+            True,
+            _sse([_delta("The answer is 4.", finish="stop"), _delta("The answer is 5.", 1, finish="stop")]),
+        ),
+        (True, _sse([_delta("The answer is 4.", role="user", finish="stop")])),
+    ],
+    ids=["two_choices", "role_user", "role_tool", "stream_two_choices", "stream_role_user"],
+)
+def test_an_ambiguous_reply_is_a_bad_response_not_its_first_choice(stream, reply):
+    """A reply of several choices (n was never asked for) was read as its first, and a message of another
+    role than the assistant's as the assistant's: kept as a good sample, though nothing says which of the
+    endpoint's answers is the model's turn. Each is a bad response: retried, then a failure that --resume
+    runs again."""
+    from helpers import ScriptedEndpoint
+
+    with ScriptedEndpoint(lambda call, calls: (200, reply)) as endpoint:
+        client = LLMClient(
+            LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=1, stream=stream)
+        )
+        with pytest.raises(LLMError) as info:
+            client.chat(_user("hi"), [], deadline=time.monotonic() + 30.0)
+    assert info.value.error_class == "bad_response", info.value
+    assert len(endpoint.calls) == 2  # retried once, like a 5xx
+
+
+def test_a_reply_of_one_choice_whose_message_names_no_role_is_read():
+    """What real servers send stays an answer: a message without a role, one choice."""
+    from helpers import ScriptedEndpoint
+
+    reply = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "OK"}}]}
+    streamed = _sse([_delta("O", role="assistant"), _delta("K", role="", finish="stop")])
+    for stream, body in ((False, reply), (True, streamed)):
+        with ScriptedEndpoint(lambda call, calls, body=body: (200, body)) as endpoint:
+            cfg = LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", stream=stream)
+            assert LLMClient(cfg).chat(_user("hi"), []).content == "OK"

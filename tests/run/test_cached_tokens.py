@@ -48,8 +48,11 @@ def _strict(text: str):
         # llama.cpp's timings, when its usage does not say (servers before prompt_tokens_details).
         ({}, {"cache_n": 55, "prompt_n": 45}, {"cached_tokens": 55}),
         ({"prompt_tokens_details": {"cached_tokens": 10}}, {"cache_n": 55}, {"cached_tokens": 10}),
-        # Never more than the prompt, nor both together.
-        ({"prompt_tokens_details": {"cached_tokens": 500, "cache_write_tokens": 9}}, None, {"cached_tokens": 100, "cache_write_tokens": 0}),
+        # Never more than the prompt, nor both together: such a count is left out, not clipped to the prompt
+        # (100 of 100 cached was said of an answer whose endpoint said 500).
+        ({"prompt_tokens_details": {"cached_tokens": 500, "cache_write_tokens": 9}}, None, {"cache_write_tokens": 9}),
+        ({"prompt_tokens_details": {"cached_tokens": 95, "cache_write_tokens": 9}}, None, {"cached_tokens": 95}),
+        ({"prompt_tokens_details": {"cached_tokens": 100, "cache_write_tokens": 0}}, None, {"cached_tokens": 100, "cache_write_tokens": 0}),
         # Hostile: unreported, never a crash, never added.
         ({"prompt_tokens_details": {"cached_tokens": -5}}, None, {}),
         ({"prompt_tokens_details": {"cached_tokens": "80"}}, None, {}),
@@ -211,17 +214,38 @@ def test_the_judge_s_cached_tokens_are_kept_apart_in_its_usage(tmp_path):
     assert this_run["cached_tokens"] == agent["cached_tokens"] + judged["cached_tokens"]
 
 
+def test_the_judge_s_usage_names_what_its_endpoint_did_not_report_as_the_agent_s_does(tmp_path):
+    """score.judge_usage gave a count the judge's endpoint never reported as 0 with nothing to tell it from
+    a reported 0 (a judge that reports no cost read as free), where metadata.usage names such counts in
+    ``unreported``. It now has its own ``unreported``; "[]" for a sample no judge was asked about."""
+    rows = [
+        {"id": "g", "prompt": 'Grade me [calls:1] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
+        {"id": "n", "prompt": "No judge [calls:0]", "answer": "x"},
+    ]
+    with FakeModelServer() as server:  # reports no cost, nor the cache's counts
+        judge = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
+        run(server, write_rows(tmp_path / "d.jsonl", rows[:1]), tmp_path / "data", **judge)
+        run(server, write_rows(tmp_path / "e.jsonl", rows[1:]), tmp_path / "data2")
+    (rec,) = read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")
+    agent, judged = json.loads(rec["metadata"]["usage"]["unreported"]), rec["score"]["judge_usage"]
+    assert "cost_usd" in agent and judged["calls"] == 1
+    assert json.loads(judged["unreported"]) == [k for k in agent if k in JUDGE_USAGE], judged
+    (plain,) = read_jsonl(tmp_path / "data2" / "run" / "trajectories.jsonl")
+    assert plain["score"]["judge_usage"]["unreported"] == "[]"
+
+
 @pytest.mark.parametrize(
     "details",
     [
         {"cached_tokens": -500, "cache_write_tokens": "9"},
         {"cached_tokens": 10**30},
+        {"cached_tokens": 5_000_000, "cache_write_tokens": 5_000_000},
         {"cached_tokens": 2.5},
         {"cached_tokens": {"nested": [1, 2]}, "cache_write_tokens": [3]},
         "cached",
         [1, 2, 3],
     ],
-    ids=["negative_and_string", "huge", "float", "nested", "string", "list"],
+    ids=["negative_and_string", "huge", "above_the_prompt", "float", "nested", "string", "list"],
 )
 def test_hostile_cache_counts_are_unreported_and_poison_no_total(tmp_path, details):
     with FakeModelServer(prompt_tokens_details=details) as server:

@@ -534,6 +534,68 @@ def test_a_docker_prompt_credited_its_wait_for_a_request_slot_keeps_its_containe
     ), tool_results
 
 
+def _slot_held_after_first_call(server: FakeModelServer, limiter, hold_s: float) -> None:
+    """Another prompt's request, once this prompt's first call is in, holds the one slot ``hold_s``: an
+    endpoint posing as a one-slot llama-server (its ``Server`` header, ``/props``) that holds each request."""
+
+    def other_prompt() -> None:
+        wait_for(lambda: server.stats()["requests"] >= 1, GATE_S, 0.01)
+        limiter.acquire(time.monotonic() + 60, 100)
+        time.sleep(hold_s)
+        limiter.release()
+
+    threading.Thread(target=other_prompt, daemon=True).start()
+
+
+def test_a_prompt_under_way_ends_by_its_timeout_plus_a_grace_whatever_the_slots_hold(
+    server, scripted, monkeypatch
+):
+    """Once a prompt's first request was granted (its sandbox up), its waits for a request slot were
+    credited from one allowance of an hour with its wait for that first slot: behind requests an endpoint
+    claiming one llama.cpp slot held to their deadlines, a prompt under way lived its --prompt_timeout
+    plus an hour (a 1 s prompt whose second call queued behind a request held 8 s lived 9.0 s and was
+    kept). Now the wait for the first slot has its own bound (MAX_QUEUE_WAIT_S), and a prompt under way
+    is credited MAX_SLOT_WAIT_S (5 minutes) at most: shrunk here to 1 s, a prompt that queued 3 s for
+    its first slot still runs, and ends 1 s + 1 s after that, failed (prompt_timeout), its first answer
+    spent."""
+    import batchrun.prompt.limiter as limiter_mod
+    from batchrun.prompt.limiter import Limiter
+
+    monkeypatch.setattr(limiter_mod, "MAX_SLOT_WAIT_S", 1.0)
+    settings = dataclasses.replace(
+        settings_for(server), limits=LoopLimits(max_turns=6, prompt_timeout_s=1, tool_timeout_s=20)
+    )
+    limiter = Limiter(max_concurrent=1)
+    limiter.acquire(time.monotonic() + 60)  # another prompt's request holds the slot 3 s
+
+    def release_later() -> None:
+        time.sleep(3.0)
+        limiter.release()
+
+    threading.Thread(target=release_later, daemon=True).start()
+    _slot_held_after_first_call(server, limiter, 8.0)
+    outcome = run_prompt(job("twice [calls:2] [slow:0.2]"), settings, LLMClient(settings.llm, limiter))
+    ended = time.time()
+    assert outcome.kind == "failed" and outcome.error_class == "prompt_timeout", outcome.kind
+    assert outcome.usage["calls"] == 1, outcome.usage  # it ran: its first slot's wait was not its time
+    assert ended - server.stats()["last_response_at"] < 1 + 1 + 0.8
+
+
+def test_a_prompt_is_credited_five_minutes_at_most_once_under_way() -> None:
+    """What is left of a prompt's credited waits once its first request was granted (an hour before:
+    with its wait for its first slot, an hour past its deadline for a prompt under way, its sandbox up)."""
+    from batchrun.prompt.limiter import Limiter
+
+    lim = Limiter(max_concurrent=2)
+    lim.begin_prompt()
+    lim.acquire(time.monotonic() + 5)
+    lim.release()
+    assert lim.credit_left() == 300.0
+    lim = Limiter()  # no request slots: its time starts at once
+    lim.begin_prompt()
+    assert lim.credit_left() == 300.0
+
+
 # ----------------------------------------------------------------------------- the start waits for the first request slot
 
 
@@ -636,12 +698,13 @@ def test_with_a_request_slot_the_start_still_overlaps_the_first_call_and_its_fai
 def test_a_prompt_whose_deadline_passes_before_its_first_request_slot_creates_no_sandbox(
     server, scripted, monkeypatch
 ):
-    """Its slot held past its deadline and its allowance of credited waits (shrunk to 0.3 s), the prompt
-    fails with a timeout and no sandbox was ever started; its judge, when it has one, starts none either."""
+    """Its slot held past its deadline and its allowance of credited waits for its first slot (shrunk to
+    0.3 s), the prompt fails with a timeout and no sandbox was ever started; its judge, when it has one,
+    starts none either."""
     import batchrun.prompt.limiter as limiter_mod
     from batchrun.prompt.limiter import Limiter
 
-    monkeypatch.setattr(limiter_mod, "MAX_SLOT_WAIT_S", 0.3)
+    monkeypatch.setattr(limiter_mod, "MAX_QUEUE_WAIT_S", 0.3)
     limiter = Limiter(max_concurrent=1)
     limiter.acquire(time.monotonic() + 60)  # another prompt holds the one slot throughout
     settings = dataclasses.replace(

@@ -127,7 +127,8 @@ class SandboxFlags:
         """How long a remote or container sandbox may live before it ends itself (Docker) or its service
         ends it (Modal), a backstop should the runner's death go unnoticed: it must outlive its prompt,
         which may outlive ``--prompt_timeout`` by the run-wide pauses for rate limits (hence twice it and
-        the margin) and by its credited waits for a request slot, up to ``MAX_SLOT_WAIT_S``."""
+        the margin) and by its credited waits for a request slot once under way (its sandbox starts with
+        its first request), up to ``MAX_SLOT_WAIT_S``."""
         return 2 * self.prompt_timeout_s + limiter.MAX_SLOT_WAIT_S + margin_s
 
 
