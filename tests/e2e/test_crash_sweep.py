@@ -69,3 +69,38 @@ def test_kill_9_before_chosen_durable_steps_then_resume_gives_the_uninterrupted_
             rounds, problems = sweep.kill_and_resume(args, tmp_path, dataset, server, base, at, **how)
             assert rounds[0] == f"killed before step {at}", rounds
             assert not problems, f"{at}: {rounds}: {problems}"
+
+
+def test_kill_9_after_the_last_outcome_then_a_resume_with_nothing_to_run_sweeps_the_sandboxes_left(tmp_path):
+    """A runner killed once every outcome is in (here just before the last one's fsync: its line is written)
+    leaves its sandboxes' run directory (bash and sh copies, ~1.3 MiB a worker, in /dev/shm: memory) and
+    its parent cgroups. The resume has nothing to run (no failure to retry: samples of rows that already
+    passed are skipped), and it swept nothing before: they stayed until a run of that name had work again.
+    With --samples_per_prompt=3 --stop_after_passes=1, which the sweep above does not use."""
+    sweep = _sweep()
+    args = argparse.Namespace(
+        samples=3,
+        workers=2,
+        isolation="bwrap",
+        flag=["--stop_after_passes=1", "--seed_per_request"],
+        keep=None,
+    )
+    rows = [{"id": f"p{i}", "prompt": f"Sum {i} [answers:41|42|43]", "answer": 42} for i in range(4)]
+    rows.append({"id": "never", "prompt": "Sum never [answers:1|2]", "answer": 42})
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with FakeModelServer(latency_s=0.01) as server:
+        base_out = tmp_path / "base"
+        base_out.mkdir()
+        code, err = sweep.run_to_end(sweep.argv(dataset, base_out, server, args, False), base_out)
+        assert code == 0, err[-2000:]
+        base = sweep.summary(base_out / sweep.RUN)
+        assert not base["failed"] and any(
+            reasons == ["skipped_after_passes"] for reasons in base["discarded"].values()
+        )
+        names = sweep.durable_steps(args, tmp_path, dataset, server)
+        merge = names.index("fsync .trajectories.jsonl.tmp")
+        last_outcome = max(n for n, step in enumerate(names[:merge]) if step.startswith("fsync batch_")) + 1
+        rounds, problems = sweep.kill_and_resume(args, tmp_path, dataset, server, base, last_outcome)
+        assert rounds[0] == f"killed before step {last_outcome}", rounds
+        assert not problems, f"{rounds}: {problems}"
