@@ -358,11 +358,11 @@ STATS_TORN = ("dropped_at_merge", "invalid_lines_skipped")
 OWN = set(STATS_OWN)
 
 
-def stat_view(stats: dict) -> dict:
-    return {k: v for k, v in stats.items() if k not in OWN}
+def stat_view(stats: dict, own: set[str] = OWN) -> dict:
+    return {k: v for k, v in stats.items() if k not in own}
 
 
-def compare(base: dict, got: dict) -> list[str]:
+def compare(base: dict, got: dict, own: set[str] = OWN) -> list[str]:
     problems = []
     for part in ("kept", "discarded", "completed_prompts", "status", "report", "leftovers"):
         if base[part] != got[part]:
@@ -392,7 +392,7 @@ def compare(base: dict, got: dict) -> list[str]:
     for k, v in got["kept"].items():
         if len(v) != len(base["kept"].get(k, [])):
             problems.append(f"kept {k}: {len(v)} records")
-    sb, sg = stat_view(base["stats"]), stat_view(got["stats"])
+    sb, sg = stat_view(base["stats"], own), stat_view(got["stats"], own)
     for field in sb:
         if sb[field] != sg[field]:
             problems.append(
@@ -496,7 +496,8 @@ def kill_and_resume(
     code, err = run_to_end(argv(dataset, out, server, args, (out / RUN).exists()), out, pids=pids)
     rounds.append(f"resume exit {code}")
     problems = [f"exit {code}: {err[-600:]}"] if code != 0 else []
-    problems += compare(base, summary(out / RUN)) if (out / RUN).exists() else ["no run directory"]
+    own = OWN | set(STATS_TORN) if torn else OWN  # the torn line stays, skipped and counted
+    problems += compare(base, summary(out / RUN), own) if (out / RUN).exists() else ["no run directory"]
     problems += [f"left behind: {what}" for what in sandbox_leftovers(pids)]
     problems += spend_problems(out / RUN, served_tokens(server) - served_before, strict_spend, args)
     problems += cache_problems(out / RUN, server.stats()["cached_tokens"] - cached_before, strict_spend)
