@@ -428,3 +428,11 @@ def prepare_sandboxes(
         raise UsageError(str(exc)) from None
     facts = {**preflighted.sandbox_facts, **sandbox.run_facts(options, workers_here=workers_here)}
     return dataclasses.replace(preflighted, sandbox_options=options, sandbox_facts=facts)
+
+
+def sweep_prepared(preflighted: Preflighted, backend: str) -> None:
+    """What :func:`prepare_sandboxes` made for the run (its sandbox directory, its cgroups), removed when the
+    run stops before its workers' end would sweep it: Ctrl-C or SIGTERM while the manifest is written or
+    the workers start, a disk full there."""
+    if preflighted.batches:
+        backend_class(backend).sweep(preflighted.sandbox_options)

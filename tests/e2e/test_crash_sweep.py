@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import signal
 
 import pytest
 from helpers import ROOT
@@ -104,3 +105,32 @@ def test_kill_9_after_the_last_outcome_then_a_resume_with_nothing_to_run_sweeps_
         rounds, problems = sweep.kill_and_resume(args, tmp_path, dataset, server, base, last_outcome)
         assert rounds[0] == f"killed before step {last_outcome}", rounds
         assert not problems, f"{rounds}: {problems}"
+
+
+@pytest.mark.parametrize(
+    ("isolation", "signame"),
+    [("bwrap", "SIGTERM"), ("bwrap", "SIGINT"), pytest.param("docker", "SIGTERM", marks=pytest.mark.docker)],
+)
+def test_a_signal_before_the_workers_start_leaves_no_sandbox_behind(tmp_path, isolation, signame):
+    """SIGTERM or Ctrl-C (SIGINT) while the run writes its manifest, after the backend prepared the run
+    (local: its sandbox directory in /dev/shm; Docker: the run's cgroup, in every hierarchy, with its
+    limits) and before any worker started: the run stopped (exit 130) and nothing swept them, until a
+    later run did. The workers' end sweeps after them; here no worker had started."""
+    sweep = _sweep()
+    args = argparse.Namespace(samples=1, workers=2, isolation=isolation, flag=[], keep=None)
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in sweep.rows()[:4]))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = sweep.hooked_env(
+        sweep.install_hook(tmp_path),
+        kill_before="fsync .run_manifest.json.tmp",
+        signal=int(getattr(signal, signame)),
+        parent_only=1,
+    )
+    with FakeModelServer(latency_s=0.01) as server:
+        proc = sweep.start(sweep.argv(dataset, out, server, args, False), out, env)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err.decode()[-2000:]
+        assert server.stats()["requests"] == 0  # no prompt ran (the start check is counted apart)
+        assert sweep.sandbox_leftovers([proc.pid]) == []
