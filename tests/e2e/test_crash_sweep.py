@@ -65,10 +65,16 @@ def test_kill_9_before_chosen_durable_steps_then_resume_gives_the_uninterrupted_
                 {"strict_spend": True},
             ),  # statistics written, not status
             ("rename report.html", {"strict_spend": True}),
+            # Ctrl-C (SIGINT to the group) mid-run, SIGTERM in the merge: the run stops by itself (exit 130)
+            ((first_outcome + merge) // 2, {"sig": signal.SIGINT}),
+            ("rename trajectories.jsonl", {"sig": signal.SIGTERM, "strict_spend": True}),
         ]
         for at, how in points:
             rounds, problems = sweep.kill_and_resume(args, tmp_path, dataset, server, base, at, **how)
-            assert rounds[0] == f"killed before step {at}", rounds
+            sig = how.get("sig")
+            assert rounds[0] == (
+                f"{sig.name} before step {at}: exit 130" if sig else f"killed before step {at}"
+            ), rounds
             assert not problems, f"{at}: {rounds}: {problems}"
 
 
