@@ -260,8 +260,8 @@ class DockerSandbox(SandboxBackend):
         print(f"Docker engine {version}")
         default = options.get("default_image", DEFAULT_IMAGE)
         wanted = sorted({j.image or default for j in jobs})
-        if not wanted:
-            return Preflight(isolation="docker")
+        if not wanted:  # no container to make (a --resume with nothing left): said, as sandbox_network's None
+            return Preflight(isolation="docker", facts={"sandbox_disk_cap": None})
         print(
             f"Checking {len(wanted)} image(s) (a container of each new one runs sh once); missing ones are "
             "pulled once, after the endpoint's start check"
