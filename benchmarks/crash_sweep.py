@@ -286,9 +286,16 @@ def sandbox_leftovers(pids: list[int]) -> list[str]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The file's records; a torn line (--torn) is skipped, as every reader of the runner's skips it."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+    out = []
+    for line in path.read_text("utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def summary(run_dir: Path) -> dict:
