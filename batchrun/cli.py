@@ -50,6 +50,7 @@ from batchrun.run.preflight import (
     preflight_sandboxes,
     prepare_sandboxes,
     probe_mcp_servers,
+    sweep_prepared,
     will_call_the_model,
 )
 from batchrun.run.recorder import Recorder, damaged_books, earlier_runs, lost_runs, spend_of
@@ -317,15 +318,24 @@ def run_steps(
     preflighted = prepare_sandboxes(
         preflighted, config.backend, run_name=config.run_name, workers_here=not config.ray_address
     )
-    recorder.write_manifest(manifest)  # only once the run can start: a rejected start leaves the name free
     interrupted = False
     prepared = None
     limit = RequestLimit()
+    try:
+        recorder.write_manifest(
+            manifest
+        )  # only once the run can start: a rejected start leaves the name free
+        if preflighted.batches:
+            secrets = tuple(sorted(getattr(recorder.redact, "values", ())))
+            limit = request_limit(config, plan.prompts, slots[0] if slots else None, llm.base_url)
+            settings = worker_settings(
+                config, llm, preflighted.sandbox_options, tools_run, mcp, secrets, limit
+            )
+            dispatch = Dispatch(config, settings, recorder)
+    except BaseException:  # Ctrl-C, SIGTERM, a full disk before any worker: what prepare_run made goes too
+        sweep_prepared(preflighted, config.backend)
+        raise
     if preflighted.batches:
-        secrets = tuple(sorted(getattr(recorder.redact, "values", ())))
-        limit = request_limit(config, plan.prompts, slots[0] if slots else None, llm.base_url)
-        settings = worker_settings(config, llm, preflighted.sandbox_options, tools_run, mcp, secrets, limit)
-        dispatch = Dispatch(config, settings, recorder)
         recorder.on_kept_line = prepared = finish.PreparedLines(config.report_max_trajectories)
         try:
             dispatch.run(preflighted.batches)

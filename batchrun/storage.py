@@ -6,6 +6,7 @@ line stays invalid and every reader skips it), and state files are replaced whol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -50,10 +51,11 @@ def json_line(obj: Any) -> str:
 
 
 def append_jsonl(path: Path, obj: dict[str, Any], redact: Callable[[str], str]) -> None:
-    """Append one record durably: a torn last line is closed first, then write + flush + fsync.
+    """Append one record durably: a torn last line is closed first, then write + fsync.
 
-    A failure (disk full, read-only) raises :class:`WriteError`; a line it left half-written is
-    closed by the next append like any torn line, so the lines before it stay intact.
+    A failure (disk full, read-only) raises :class:`WriteError` and takes back what it wrote (the file is
+    cut to its size before), so the file holds whole lines only, as before; a line torn by a writer
+    killed outright is closed by the next append, so the lines before it stay intact.
     """
     try:
         data = redact(json_line(obj)).encode("utf-8")
@@ -71,17 +73,27 @@ def append_jsonl_bytes(path: Path, data: bytes) -> None:
     """Append one line, already UTF-8, as :func:`append_jsonl` does."""
     data = data.rstrip(b"\n") + b"\n"
     try:
-        with path.open("ab") as fh:
-            if fh.tell() > 0:
-                with path.open("rb") as rd:
-                    rd.seek(-1, os.SEEK_END)
-                    if rd.read(1) != b"\n":
-                        fh.write(b"\n")  # the torn line stays invalid and is skipped by every reader
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as exc:
         raise WriteError(path, exc) from exc
+    size = None
+    try:
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # the torn line stays invalid and is skipped by every reader
+        view = memoryview(data)
+        while view:  # a write stops short when the disk fills; the next one says why
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except OSError as exc:
+        # A half-written line (disk full) would stay in the file, skipped and counted as torn by every
+        # merge from then on, though nothing was killed: the file is cut back to what it held.
+        if size is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+        raise WriteError(path, exc) from exc
+    finally:
+        os.close(fd)
 
 
 # The most a file a flag names (a config, a prompt) may hold: as much as a dataset line.

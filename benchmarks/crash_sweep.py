@@ -5,6 +5,7 @@ durable steps, resume, and compare every output file with an uninterrupted run's
     python benchmarks/crash_sweep.py --writes -1            # before every fsync/rename of the parent
     python benchmarks/crash_sweep.py --writes 30 --samples 2 --flag=--stop_after_passes=1
     python benchmarks/crash_sweep.py --writes 25 --torn     # the kill tears the line being appended
+    python benchmarks/crash_sweep.py --writes 25 --signal TERM --parent_only   # SIGTERM instead, and a clean stop
     python benchmarks/crash_sweep.py --points 40            # 40 timed instants over the whole run
     python benchmarks/crash_sweep.py --at 1.23 --at 1.31    # chosen instants (seconds after start)
 
@@ -21,7 +22,8 @@ in trajectories.jsonl (row identity + sample index -> conversations, score, comp
 each sample's outcome (kept, discarded with its reason, or failed: exactly one, and no sample in two
 files; failed.jsonl grows by one line a failed sample per invocation: failures run again on resume),
 checkpoint.json's completed prompts, statistics.json but for the invocation's own figures
-(:data:`STATS_OWN`), status.json finished, report.html there, no temp file left; the books' tokens
+(:data:`STATS_OWN`), status.json finished, report.html there, no temp file left, nothing of any invocation's
+sandboxes left (:func:`sandbox_leftovers`: directories, cgroups, containers); the books' tokens
 against what the endpoint served (:func:`spend_problems`), and the prompt tokens it served from its cache
 (:func:`cache_problems`). Prints one line per point and exits non-zero on any divergence. Against the
 fake endpoint (batchrun/fakes), run in this process; sandboxes local (bubblewrap, ``--isolation none``)
@@ -122,6 +124,9 @@ import atexit, os, re, signal
 _at = int(os.environ.get("CRASH_SWEEP_KILL_AT", "0"))
 _torn = os.environ.get("CRASH_SWEEP_TORN") == "1"
 _parent_only = os.environ.get("CRASH_SWEEP_PARENT_ONLY") == "1"
+# Another signal than SIGKILL (SIGTERM, SIGINT: a service manager, a Ctrl-C) is sent once, and the step goes on.
+_signal = int(os.environ.get("CRASH_SWEEP_SIGNAL", signal.SIGKILL))
+_sent = []
 # Or by name, whatever the timing ("rename status.json@rename statistics.json": the first after that one).
 _before, _, _after = os.environ.get("CRASH_SWEEP_KILL_BEFORE", "").partition("@")
 _log_file = os.environ.get("CRASH_SWEEP_STEPS_FILE")
@@ -156,7 +161,14 @@ def _step(real):
         if os.getpid() == os.getpgrp():
             name = ("fsync " if real is _fsync else "rename ") + _name(real, args)
             _steps.append(name)
-            if len(_steps) == _at or name == _before and (not _after or _after in _steps[:-1]):
+            hit = len(_steps) == _at or name == _before and (not _after or _after in _steps[:-1])
+            if hit and _signal != signal.SIGKILL and not _sent:
+                _sent.append(name)
+                if _parent_only:
+                    os.kill(os.getpid(), _signal)
+                else:
+                    os.killpg(0, _signal)
+            elif hit and _signal == signal.SIGKILL:
                 if _torn and real is _fsync and args:
                     _tear(args[0])
                 if _parent_only:
@@ -209,9 +221,15 @@ def killed_after(proc: subprocess.Popen, delay_s: float) -> bool:
 
 
 def run_to_end(
-    cmd: list[str], cwd: Path, timeout_s: float = 300, env: dict[str, str] | None = None
+    cmd: list[str],
+    cwd: Path,
+    timeout_s: float = 300,
+    env: dict[str, str] | None = None,
+    pids: list[int] | None = None,
 ) -> tuple[int, str]:
     proc = start(cmd, cwd, env)
+    if pids is not None:
+        pids.append(proc.pid)
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -225,10 +243,59 @@ def run_to_end(
     return proc.returncode, err.decode(errors="replace")
 
 
+def sandbox_leftovers(pids: list[int]) -> list[str]:
+    """What the runners ``pids`` (the kill's and the resumes', all ended) left of their sandboxes: the local
+    backend's run directories and parent cgroups (``batch-runner-<run>-<pid>-*``), Docker's containers
+    (owner label) and run cgroups (``batch-runner-docker-<pid>-*``). The resume's start sweeps those of
+    runners that are gone, whatever it has left to run (README: "What a runner that was killed outright
+    left is removed ... by the next run of the same name")."""
+    from batchrun.prompt.sandboxes.docker.engine import LABEL_OWNER, RUN_CGROUP_PREFIX, _hierarchies
+    from batchrun.prompt.sandboxes.local.limits import run_cgroup_names
+    from batchrun.prompt.sandboxes.local.system_view import runtime_dir
+
+    ours = tuple(f"batch-runner-{RUN}-{pid}-" for pid in pids)
+    docker_ours = tuple(f"{RUN_CGROUP_PREFIX}{pid}-" for pid in pids)
+    left = []
+    for where in dict.fromkeys((runtime_dir(), tempfile.gettempdir())):
+        left += [f"{where}/{name}" for name in os.listdir(where) if name.startswith(ours)]
+    left += [f"cgroup {name}" for name in run_cgroup_names() if name.startswith(ours)]
+    for hierarchy in _hierarchies():
+        try:
+            left += [f"{hierarchy}/{e.name}" for e in os.scandir(hierarchy) if e.name.startswith(docker_ours)]
+        except OSError:
+            continue
+    try:
+        owners = subprocess.run(
+            [
+                "docker",
+                "ps",
+                "-a",
+                "--filter",
+                f"label={LABEL_OWNER}",
+                "--format",
+                f'{{{{.Label "{LABEL_OWNER}"}}}}',
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
+    except OSError:  # no docker command here
+        owners = []
+    left += [f"container of {o}" for o in owners if o.split(":")[0].split("@")[0] in map(str, pids)]
+    return left
+
+
 def read_jsonl(path: Path) -> list[dict]:
+    """The file's records; a torn line (--torn) is skipped, as every reader of the runner's skips it."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+    out = []
+    for line in path.read_text("utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def summary(run_dir: Path) -> dict:
@@ -298,11 +365,11 @@ STATS_TORN = ("dropped_at_merge", "invalid_lines_skipped")
 OWN = set(STATS_OWN)
 
 
-def stat_view(stats: dict) -> dict:
-    return {k: v for k, v in stats.items() if k not in OWN}
+def stat_view(stats: dict, own: set[str] = OWN) -> dict:
+    return {k: v for k, v in stats.items() if k not in own}
 
 
-def compare(base: dict, got: dict) -> list[str]:
+def compare(base: dict, got: dict, own: set[str] = OWN) -> list[str]:
     problems = []
     for part in ("kept", "discarded", "completed_prompts", "status", "report", "leftovers"):
         if base[part] != got[part]:
@@ -332,7 +399,7 @@ def compare(base: dict, got: dict) -> list[str]:
     for k, v in got["kept"].items():
         if len(v) != len(base["kept"].get(k, [])):
             problems.append(f"kept {k}: {len(v)} records")
-    sb, sg = stat_view(base["stats"]), stat_view(got["stats"])
+    sb, sg = stat_view(base["stats"], own), stat_view(got["stats"], own)
     for field in sb:
         if sb[field] != sg[field]:
             problems.append(
@@ -395,37 +462,50 @@ def kill_and_resume(
     resume_at: int | None = None,
     torn: bool = False,
     strict_spend: bool = False,
+    sig: int = signal.SIGKILL,
 ) -> tuple[list[str], list[str]]:
-    """Kill the run just before its step ``at`` (tearing the line it appends: ``torn``), the first resume
-    before its step ``resume_at`` too, then resume to the end and compare with ``base``: (what happened,
-    the divergences)."""
+    """Kill the run just before its step ``at`` (tearing the line it appends: ``torn``; or send it ``sig``,
+    SIGTERM or SIGINT, and let it stop by itself), the first resume before its step ``resume_at`` too, then
+    resume to the end and compare with ``base``: (what happened, the divergences)."""
     hook_dir = install_hook(tmp)
     out = tmp / f"step_{re.sub(r'[^a-z0-9]+', '_', str(at))}"
     out.mkdir(exist_ok=True)
     rounds = []
+    pids: list[int] = []  # every invocation's runner: what their sandboxes left is looked for at the end
     served_before, cached_before = served_tokens(server), server.stats()["cached_tokens"]
     kill = {"kill_at": at} if isinstance(at, int) else {"kill_before": at}
     proc = start(
         argv(dataset, out, server, args, False),
         out,
         env=hooked_env(
-            hook_dir, **kill, torn=int(torn), parent_only=int(getattr(args, "parent_only", False))
+            hook_dir,
+            **kill,
+            torn=int(torn),
+            parent_only=int(getattr(args, "parent_only", False)),
+            signal=int(sig),
         ),
     )
+    pids.append(proc.pid)
     proc.wait()
-    rounds.append(
-        f"killed before step {at}" if proc.returncode == -signal.SIGKILL else f"exit {proc.returncode}"
-    )
+    if sig != signal.SIGKILL:
+        rounds.append(f"{signal.Signals(sig).name} before step {at}: exit {proc.returncode}")
+    else:
+        rounds.append(
+            f"killed before step {at}" if proc.returncode == -signal.SIGKILL else f"exit {proc.returncode}"
+        )
     if resume_at and (out / RUN).exists():
         proc = start(argv(dataset, out, server, args, True), out, env=hooked_env(hook_dir, kill_at=resume_at))
+        pids.append(proc.pid)
         proc.wait()
         ended = proc.returncode != -signal.SIGKILL
         rounds.append("resume ended" if ended else f"resume killed before its step {resume_at}")
         strict_spend = strict_spend and ended
-    code, err = run_to_end(argv(dataset, out, server, args, (out / RUN).exists()), out)
+    code, err = run_to_end(argv(dataset, out, server, args, (out / RUN).exists()), out, pids=pids)
     rounds.append(f"resume exit {code}")
     problems = [f"exit {code}: {err[-600:]}"] if code != 0 else []
-    problems += compare(base, summary(out / RUN)) if (out / RUN).exists() else ["no run directory"]
+    own = OWN | set(STATS_TORN) if torn else OWN  # the torn line stays, skipped and counted
+    problems += compare(base, summary(out / RUN), own) if (out / RUN).exists() else ["no run directory"]
+    problems += [f"left behind: {what}" for what in sandbox_leftovers(pids)]
     problems += spend_problems(out / RUN, served_tokens(server) - served_before, strict_spend, args)
     problems += cache_problems(out / RUN, server.stats()["cached_tokens"] - cached_before, strict_spend)
     if not args.keep and not problems:
@@ -455,6 +535,7 @@ def sweep_writes(
         rounds, problems = kill_and_resume(
             args, tmp, dataset, server, base, at,
             resume_at=1 + (at * 7) % steps if double else None, torn=args.torn, strict_spend=phase == "finish",
+            sig=getattr(signal, f"SIG{args.signal}"),
         )  # fmt: skip
         bad += bool(problems)
         verdict = "OK" if not problems else "DIVERGES"
@@ -530,6 +611,13 @@ def main() -> int:
         help="write mode: kill the parent alone (its workers die with it)",
     )
     ap.add_argument("--torn", action="store_true", help="write mode: the kill tears the line being appended")
+    ap.add_argument(
+        "--signal",
+        default="KILL",
+        choices=("KILL", "TERM", "INT"),
+        help="write mode: send this signal instead of SIGKILL (to the group, or the parent with --parent_only) "
+        "and let the run stop by itself",
+    )
     ap.add_argument("--keep", help="keep run directories under this path")
     ap.add_argument(
         "--writes",

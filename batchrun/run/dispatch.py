@@ -227,7 +227,12 @@ class Dispatch:
             backend_class(self.settings.sandbox_backend), config.max_sandbox_starts, config.num_workers
         )
         initargs = (self.settings, inbox.address, config.prompts_per_worker, start_slots, os.getpid())
-        pool = self._make_pool(inbox, initargs)
+        try:
+            pool = self._make_pool(inbox, initargs)
+        except BaseException:  # Ctrl-C or SIGTERM while the workers start: no worker's end sweeps after them
+            inbox.close()
+            backend_class(self.settings.sandbox_backend).sweep(self.settings.sandbox_options)
+            raise
         try:
             last_alive = time.monotonic()
             exits_without_progress = 0

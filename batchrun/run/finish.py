@@ -49,6 +49,7 @@ from batchrun.scoring import RunScores, duplicate_samples, headline, with_planne
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json, reasoning_counts, used_tool_names
 from batchrun.storage import (
+    WriteError,
     batch_files,
     discard_temp,
     fsync_dir,
@@ -290,10 +291,15 @@ def merge(
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
+        fsync_dir(run_dir)
+    except OSError as exc:  # disk full, read-only: the run's clear stop (exit 4), not a traceback (exit 1)
+        discard_temp(tmp)
+        if isinstance(exc, WriteError) or exc.filename not in (None, str(tmp), str(run_dir)):
+            raise  # a batch file that cannot be opened: no write failed
+        raise WriteError(out, exc) from exc
     except BaseException:  # a failed or interrupted merge (Ctrl-C, SIGTERM) leaves no copy of the data behind
         discard_temp(tmp)
         raise
-    fsync_dir(run_dir)
     set_aside_unknown_tools(run_dir, unknown, recorder)
     # The dataset card: load_dataset(run_dir) reads trajectories.jsonl with the record schema, typed
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).

@@ -415,13 +415,24 @@ def prepare_sandboxes(
     preflighted: Preflighted, backend: str, *, run_name: str, workers_here: bool
 ) -> Preflighted:
     """The backend's run preparation (its run directory, a sweep of what dead runs left), once the run
-    starts, and what statistics.json says of what it settled (e.g. Docker's network)."""
-    if not preflighted.batches:
-        return preflighted
+    starts, and what statistics.json says of what it settled (e.g. Docker's network). A run that starts
+    no sandbox (a ``--resume`` with nothing left to run) still sweeps what a killed runner left."""
     sandbox = backend_class(backend)
+    if not preflighted.batches:
+        if workers_here:
+            sandbox.sweep_dead(run_name)
+        return preflighted
     try:
         options = sandbox.prepare_run(run_name, preflighted.sandbox_options, workers_here=workers_here)
     except SetupError as exc:
         raise UsageError(str(exc)) from None
     facts = {**preflighted.sandbox_facts, **sandbox.run_facts(options, workers_here=workers_here)}
     return dataclasses.replace(preflighted, sandbox_options=options, sandbox_facts=facts)
+
+
+def sweep_prepared(preflighted: Preflighted, backend: str) -> None:
+    """What :func:`prepare_sandboxes` made for the run (its sandbox directory, its cgroups), removed when the
+    run stops before its workers' end would sweep it: Ctrl-C or SIGTERM while the manifest is written or
+    the workers start, a disk full there."""
+    if preflighted.batches:
+        backend_class(backend).sweep(preflighted.sandbox_options)

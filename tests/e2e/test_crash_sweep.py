@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import signal
 
 import pytest
 from helpers import ROOT
@@ -64,8 +65,78 @@ def test_kill_9_before_chosen_durable_steps_then_resume_gives_the_uninterrupted_
                 {"strict_spend": True},
             ),  # statistics written, not status
             ("rename report.html", {"strict_spend": True}),
+            # Ctrl-C (SIGINT to the group) mid-run, SIGTERM in the merge: the run stops by itself (exit 130)
+            ((first_outcome + merge) // 2, {"sig": signal.SIGINT}),
+            ("rename trajectories.jsonl", {"sig": signal.SIGTERM, "strict_spend": True}),
         ]
         for at, how in points:
             rounds, problems = sweep.kill_and_resume(args, tmp_path, dataset, server, base, at, **how)
-            assert rounds[0] == f"killed before step {at}", rounds
+            sig = how.get("sig")
+            assert rounds[0] == (
+                f"{sig.name} before step {at}: exit 130" if sig else f"killed before step {at}"
+            ), rounds
             assert not problems, f"{at}: {rounds}: {problems}"
+
+
+def test_kill_9_after_the_last_outcome_then_a_resume_with_nothing_to_run_sweeps_the_sandboxes_left(tmp_path):
+    """A runner killed once every outcome is in (here just before the last one's fsync: its line is written)
+    leaves its sandboxes' run directory (bash and sh copies, ~1.3 MiB a worker, in /dev/shm: memory) and
+    its parent cgroups. The resume has nothing to run (no failure to retry: samples of rows that already
+    passed are skipped), and it swept nothing before: they stayed until a run of that name had work again.
+    With --samples_per_prompt=3 --stop_after_passes=1, which the sweep above does not use."""
+    sweep = _sweep()
+    args = argparse.Namespace(
+        samples=3,
+        workers=2,
+        isolation="bwrap",
+        flag=["--stop_after_passes=1", "--seed_per_request"],
+        keep=None,
+    )
+    rows = [{"id": f"p{i}", "prompt": f"Sum {i} [answers:41|42|43]", "answer": 42} for i in range(4)]
+    rows.append({"id": "never", "prompt": "Sum never [answers:1|2]", "answer": 42})
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with FakeModelServer(latency_s=0.01) as server:
+        base_out = tmp_path / "base"
+        base_out.mkdir()
+        code, err = sweep.run_to_end(sweep.argv(dataset, base_out, server, args, False), base_out)
+        assert code == 0, err[-2000:]
+        base = sweep.summary(base_out / sweep.RUN)
+        assert not base["failed"] and any(
+            reasons == ["skipped_after_passes"] for reasons in base["discarded"].values()
+        )
+        names = sweep.durable_steps(args, tmp_path, dataset, server)
+        merge = names.index("fsync .trajectories.jsonl.tmp")
+        last_outcome = max(n for n, step in enumerate(names[:merge]) if step.startswith("fsync batch_")) + 1
+        rounds, problems = sweep.kill_and_resume(args, tmp_path, dataset, server, base, last_outcome)
+        assert rounds[0] == f"killed before step {last_outcome}", rounds
+        assert not problems, f"{rounds}: {problems}"
+
+
+@pytest.mark.parametrize(
+    ("isolation", "signame"),
+    [("bwrap", "SIGTERM"), ("bwrap", "SIGINT"), pytest.param("docker", "SIGTERM", marks=pytest.mark.docker)],
+)
+def test_a_signal_before_the_workers_start_leaves_no_sandbox_behind(tmp_path, isolation, signame):
+    """SIGTERM or Ctrl-C (SIGINT) while the run writes its manifest, after the backend prepared the run
+    (local: its sandbox directory in /dev/shm; Docker: the run's cgroup, in every hierarchy, with its
+    limits) and before any worker started: the run stopped (exit 130) and nothing swept them, until a
+    later run did. The workers' end sweeps after them; here no worker had started."""
+    sweep = _sweep()
+    args = argparse.Namespace(samples=1, workers=2, isolation=isolation, flag=[], keep=None)
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in sweep.rows()[:4]))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = sweep.hooked_env(
+        sweep.install_hook(tmp_path),
+        kill_before="fsync .run_manifest.json.tmp",
+        signal=int(getattr(signal, signame)),
+        parent_only=1,
+    )
+    with FakeModelServer(latency_s=0.01) as server:
+        proc = sweep.start(sweep.argv(dataset, out, server, args, False), out, env)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err.decode()[-2000:]
+        assert server.stats()["requests"] == 0  # no prompt ran (the start check is counted apart)
+        assert sweep.sandbox_leftovers([proc.pid]) == []

@@ -94,6 +94,11 @@ def test_disk_full_stops_with_exit_4_and_resume_gives_each_row_once(server, tmp_
             if valid_record(r)
         ]
         assert 0 < len(kept) < 30
+        # The append the disk could not hold took back what it wrote: no half line stays in the file,
+        # to be skipped and counted as torn by every merge from then on (it was: invalid_lines 1).
+        assert all(
+            parse_line(raw) is not None for raw in (run_dir / "batch_0.jsonl").read_bytes().splitlines()
+        )
         first_run = collections.Counter(server.stats()["requests_by_prompt"])
 
         subprocess.run(["mount", "-o", "remount,size=16m", str(out)], check=True)
@@ -103,6 +108,44 @@ def test_disk_full_stops_with_exit_4_and_resume_gives_each_row_once(server, tmp_
         again = collections.Counter(server.stats()["requests_by_prompt"]) - first_run
         assert not {first_human(r["conversations"]) for r in kept} & set(again)  # recorded rows never re-ran
         assert json.loads((run_dir / "status.json").read_text("utf-8"))["state"] == "finished"
+        stats = json.loads((run_dir / "statistics.json").read_text("utf-8"))
+        assert stats["dropped_at_merge"]["invalid_lines"] == 0
+        assert stats["invalid_lines_skipped"]["batch_files"] == 0
+
+
+@pytest.mark.root
+def test_disk_full_during_the_merge_stops_with_exit_4_and_resume_gives_the_merged_file(
+    server, tmp_path, capsys
+):
+    """Every outcome was recorded, and the disk filled up writing trajectories.jsonl's temp copy: the run
+    ended with a traceback and exit 1 (the merge's OSError was no WriteError), not the clear stop every
+    other write failure gets (exit 4, what to do, status.json saying so)."""
+    prompts = [f"row {i:02d} " + "lorem ipsum " * 300 for i in range(12)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    run(server, dataset, tmp_path / "whole", batch_size=50)
+    whole = tmp_path / "whole" / "run"
+    before_merge = [*whole.glob("batch_*.jsonl"), *(whole / n for n in ("run_manifest.json", "status.json"))]
+    before_merge += [whole / "checkpoint.json"] * 2  # and its temp copy while it is replaced
+    pages = sum(-(-f.stat().st_size // 4096) * 4096 for f in before_merge) + 4096  # .lock
+    merged_size = (whole / "trajectories.jsonl").stat().st_size
+    assert merged_size > 64 * 1024  # the half of it the disk holds is more than any state file
+    # Room for every file the run writes before its merge, and for half the merged file.
+    with small_tmpfs(tmp_path / "out", f"{(pages + merged_size // 2) // 1024}k") as out:
+        run_dir = out / "run"
+        assert exit_code(server, dataset, out, batch_size=50) == EXIT_CANNOT_WRITE
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert f"cannot write {run_dir / 'trajectories.jsonl'}: No space left on device" in line
+        assert not [f.name for f in run_dir.iterdir() if f.name.endswith(".tmp")]
+        assert json.loads((run_dir / "status.json").read_text("utf-8"))["state"] == "failed"
+        requests = server.stats()["requests"]
+
+        subprocess.run(["mount", "-o", "remount,size=16m", str(out)], check=True)
+        run(server, dataset, out, resume=True, batch_size=50)
+        assert server.stats()["requests"] == requests  # every outcome was in: nothing ran again
+        merged = read_jsonl(run_dir / "trajectories.jsonl")
+        assert sorted(first_human(r["conversations"]) for r in merged) == sorted(prompts)
 
 
 @pytest.mark.root

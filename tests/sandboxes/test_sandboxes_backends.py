@@ -1130,6 +1130,16 @@ def test_disk_cap_in_force_says_what_is_capped(docker_test_image, capsys):
 
 
 @pytest.mark.docker
+def test_a_run_with_no_container_to_make_still_has_the_disk_cap_field():
+    """A --resume with nothing left to run (after a kill once every outcome was in) wrote a statistics.json
+    without the sandbox_disk_cap key the uninterrupted run's had: null now, as sandbox_network's."""
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    found = DockerSandbox.preflight([], {"disk_cap": "tmpfs", "disk_mb": 64}, real_model=False, network=True)
+    assert found.facts == {"sandbox_disk_cap": None}
+
+
+@pytest.mark.docker
 def test_a_disk_watch_asked_for_and_impossible_fails_the_start_and_leaves_no_container(
     docker_test_image, monkeypatch
 ):

@@ -232,6 +232,12 @@ class SandboxBackend:
         return options
 
     @classmethod
+    def sweep_dead(cls, run_name: str) -> None:
+        """Once per run, in the parent, before any sandbox: remove what runners that are gone left here (a
+        runner killed outright sweeps nothing). ``prepare_run`` of a backend that leaves anything calls
+        it; a run that starts no sandbox (a ``--resume`` with nothing left to run) calls it alone."""
+
+    @classmethod
     def run_facts(cls, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
         """What statistics.json says of the run's sandboxes as ``prepare_run`` settled them (``options``:
         what it returned), beside what preflight found (``Preflight.facts``)."""

@@ -260,8 +260,8 @@ class DockerSandbox(SandboxBackend):
         print(f"Docker engine {version}")
         default = options.get("default_image", DEFAULT_IMAGE)
         wanted = sorted({j.image or default for j in jobs})
-        if not wanted:
-            return Preflight(isolation="docker")
+        if not wanted:  # no container to make (a --resume with nothing left): said, as sandbox_network's None
+            return Preflight(isolation="docker", facts={"sandbox_disk_cap": None})
         print(
             f"Checking {len(wanted)} image(s) (a container of each new one runs sh once); missing ones are "
             "pulled once, after the endpoint's start check"
@@ -284,9 +284,7 @@ class DockerSandbox(SandboxBackend):
     @classmethod
     def prepare_run(cls, run_name: str, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
         """Containers of runners that are gone (of any run name) go, before new ones start."""
-        removed = sweep_containers()
-        if removed:
-            print(f"Removed {len(removed)} leftover container(s) of runners that are gone (any run name)")
+        _remove_dead_containers()
         options = _network_in_force(options, workers_here)
         if not workers_here:
             return options
@@ -311,6 +309,21 @@ class DockerSandbox(SandboxBackend):
                 return {**options, "cgroup_parent": f"/{name}"}
         print(f"Docker containers of this run have their own limits only: {problem}")
         return options
+
+    @classmethod
+    def sweep_dead(cls, run_name: str) -> None:
+        """Containers and run cgroups of runners that are gone (any run name), for a run that starts no
+        container; an engine that does not answer leaves them to the next run's start."""
+        try:
+            _remove_dead_containers()
+        except (*ENGINE_ERRORS, SandboxError) as exc:
+            print(
+                f"warning: containers of runners that are gone could not be looked for, the Docker engine "
+                f"did not answer ({exc}); the next run's start removes them",
+                file=sys.stderr,
+            )
+            return
+        sweep_run_cgroups()
 
     @classmethod
     def run_facts(cls, options: dict[str, Any], *, workers_here: bool) -> dict[str, Any]:
@@ -1031,6 +1044,12 @@ def network_kind(options: dict[str, Any], workers_here: bool) -> str:
     if not options.get("network_hub", True):
         return "bridge"
     return "hub" if workers_here else "per_node"
+
+
+def _remove_dead_containers() -> None:
+    removed = sweep_containers()
+    if removed:
+        print(f"Removed {len(removed)} leftover container(s) of runners that are gone (any run name)")
 
 
 def _network_in_force(options: dict[str, Any], workers_here: bool) -> dict[str, Any]:

@@ -248,6 +248,16 @@ class LocalSandbox(SandboxBackend):
         """
         if not workers_here:
             return options
+        cls.sweep_dead(run_name)
+        prefix = f"{RUN_DIR_PREFIX}{safe_run_name(run_name)}-"
+        base_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=runtime_dir())
+        # The run's parent cgroup is named after the directory, so a sweep finds both.
+        return {**options, "base_dir": base_dir, "cgroup_parent": os.path.basename(base_dir)}
+
+    @classmethod
+    def sweep_dead(cls, run_name: str) -> None:
+        """The sandbox directories and cgroups of runs of this name whose runner is gone, and those of
+        workers without a run directory that are gone (see :meth:`prepare_run`)."""
         prefix = f"{RUN_DIR_PREFIX}{safe_run_name(run_name)}-"
         leftover = re.compile(re.escape(prefix) + r"(\d+)-[A-Za-z0-9_]{8}")
         removed = 0
@@ -269,9 +279,6 @@ class LocalSandbox(SandboxBackend):
                 remove_run_cgroups(name)
         if removed:
             print(f"Removed {removed} sandbox director(ies) left by an earlier run named {run_name}")
-        base_dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=here)
-        # The run's parent cgroup is named after the directory, so a sweep finds both.
-        return {**options, "base_dir": base_dir, "cgroup_parent": os.path.basename(base_dir)}
 
     @classmethod
     def sweep(cls, options: dict[str, Any]) -> None:
