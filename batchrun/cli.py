@@ -322,9 +322,8 @@ def run_steps(
     prepared = None
     limit = RequestLimit()
     try:
-        recorder.write_manifest(
-            manifest
-        )  # only once the run can start: a rejected start leaves the name free
+        # Only once the run can start: a rejected start leaves the name free.
+        recorder.write_manifest(manifest)
         if preflighted.batches:
             secrets = tuple(sorted(getattr(recorder.redact, "values", ())))
             limit = request_limit(config, plan.prompts, slots[0] if slots else None, llm.base_url)

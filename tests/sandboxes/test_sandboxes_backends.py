@@ -1860,12 +1860,13 @@ def test_a_modal_sandbox_outlives_its_prompt_as_a_docker_container_does(fake_mod
     from batchrun.prompt.sandboxes.base import SandboxFlags
     from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
     from batchrun.prompt.sandboxes.modal import MODAL_MAX_TIMEOUT_S, ModalSandbox
+    from batchrun.prompt.limiter import MAX_SLOT_WAIT_S
 
     for timeout in (30.0, 1800.0, 7200.0, 40_000.0):
         flags = SandboxFlags(prompt_timeout_s=timeout)
         options = ModalSandbox.options_from(flags)
         expected = min(MODAL_MAX_TIMEOUT_S, DockerSandbox.options_from(flags)["lifetime_s"])
-        assert options["timeout_s"] == expected > timeout + 3600
+        assert options["timeout_s"] == expected > timeout + MAX_SLOT_WAIT_S
         box = ModalSandbox(SandboxSpec(RUN, 0), **options)
         box.start()
         box.stop()
