@@ -1857,10 +1857,10 @@ def test_a_modal_sandbox_outlives_its_prompt_as_a_docker_container_does(fake_mod
     or one of 1800 s that had waited for a request slot (credited up to MAX_SLOT_WAIT_S), lost its
     sandbox at its next command. It is now Docker's: 2 x the timeout + MAX_SLOT_WAIT_S + a margin,
     within Modal's 24 hours."""
+    from batchrun.prompt.limiter import MAX_SLOT_WAIT_S
     from batchrun.prompt.sandboxes.base import SandboxFlags
     from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
     from batchrun.prompt.sandboxes.modal import MODAL_MAX_TIMEOUT_S, ModalSandbox
-    from batchrun.prompt.limiter import MAX_SLOT_WAIT_S
 
     for timeout in (30.0, 1800.0, 7200.0, 40_000.0):
         flags = SandboxFlags(prompt_timeout_s=timeout)
