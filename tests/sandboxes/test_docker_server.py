@@ -115,6 +115,47 @@ def test_server_killed_during_a_command_fails_the_sandbox_without_hanging(box):
         box.run("echo again", timeout_s=30)
 
 
+@pytest.mark.parametrize("ending", ["kill -9 -1", "kill -9 $PPID"])
+def test_a_first_command_that_ends_its_container_runs_once(docker_test_image: str, ending: str):
+    """A container that ends during its first command is not replaced and the command sent again:
+    it had run (a side effect seen by the host, here a connection). Before, the sandbox took it for a
+    start the engine botched ("ended before its first command"), started a new container and ran the
+    command twice; only a command the server never acknowledged is sent to a fresh container."""
+    import socket
+
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    hits: list[bytes] = []
+
+    def count() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            hits.append(conn.recv(100))
+            conn.close()
+
+    threading.Thread(target=count, daemon=True).start()
+    port = listener.getsockname()[1]
+    # The host's network, so that the command reaches the listener above (the hub would not let it).
+    box = DockerSandbox(SandboxSpec(RUN, 3), default_image=docker_test_image, network_mode="host")
+    box.start()
+    try:
+        first = box.container_id
+        with pytest.raises(SandboxError, match="ended during a command"):
+            box.run(f"echo hit | nc 127.0.0.1 {port}; {ending}; sleep 5", timeout_s=60)
+        time.sleep(0.5)  # a second run's connection, if any, has arrived
+        assert len(hits) == 1 and box.container_id == first
+        with pytest.raises(SandboxError, match="gone"):
+            box.run("echo again", timeout_s=30)
+    finally:
+        box.stop()
+        listener.close()
+    assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=3") == []
+
+
 def test_commands_cost_no_exec_and_write_no_log(box):
     from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 

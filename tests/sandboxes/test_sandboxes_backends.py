@@ -161,8 +161,8 @@ printf '%s\n' {shlex.quote(code)} > "/proc/$server/fd/0"
 mkdir -p tests && echo 'echo the agent wrote this' > tests/hidden.sh"""
 
 
-# From then on the server answers 0 to every request and runs nothing.
-ANSWER_0 = '__br_run() { printf "\\n[batch-runner-exit:%s]=0\\n" "$1"; }'
+# From then on the server acknowledges every request, answers 0 and runs nothing.
+ANSWER_0 = '__br_run() { printf "[batch-runner-run:%s]\\n\\n[batch-runner-exit:%s]=0\\n" "$1" "$1"; }'
 
 
 @pytest.mark.docker

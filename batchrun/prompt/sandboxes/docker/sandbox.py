@@ -722,8 +722,8 @@ class DockerSandbox(SandboxBackend):
                 self._thaw()
             result = self._serve(command, timeout_s=timeout_s, stdin=stdin)
             if result is None:
-                # The container was gone before the first command did anything: nothing of the
-                # prompt ran yet (a start the engine botched under load), so a new one is safe, once.
+                # The container ended before its server acknowledged the first command: nothing of
+                # the prompt ran yet (a start the engine botched under load), so a new one is safe, once.
                 log.info("container of prompt %s ended before its first command", self.spec.prompt_index)
                 self.stop()
                 self.start()
@@ -822,7 +822,8 @@ class DockerSandbox(SandboxBackend):
             frozen_guard.release(self.container_id)
 
     def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
-        """One request to the server; None when the container ended before its first command did anything."""
+        """One request to the server; None when the container ended before its first command was
+        acknowledged (``container_server.Ack``): it never ran."""
         channel = self._channel
         assert channel is not None
         gone = f"docker container of prompt {self.spec.prompt_index} is gone"
@@ -830,11 +831,12 @@ class DockerSandbox(SandboxBackend):
             raise SandboxError(f"{gone}: {self._broken}")
         channel.discard_stray()
         token = new_exec_token()
+        ack = server.Ack(token)
         scanner = server.Scanner(token, CappedBuffer(self.options.output_cap_bytes))
         deadline = time.monotonic() + timeout_s
 
         def feed(data: bytes) -> bool:
-            scanner.feed(data)
+            scanner.feed(ack.after(data))
             return scanner.done
 
         state = "eof"
@@ -847,7 +849,9 @@ class DockerSandbox(SandboxBackend):
             except OSError:
                 state = "eof"
         if state == "eof":
-            if self._over_cap is None and not self._used and scanner.buf.total == 0:
+            # Not acknowledged: the command never ran. Else it may have done anything before the
+            # container ended (its own kill -9 -1 as the prompt's first command): never sent again.
+            if self._over_cap is None and not self._used and not ack.seen:
                 return None
             if self._over_cap is not None:
                 raise SandboxError(f"{gone}: {self._over_cap}; what the prompt had in it is lost")
