@@ -75,6 +75,8 @@ from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_RUN,
     NO_SH,
     NOT_PULLED,
+    PULL_BUDGET_S,
+    PULL_TIMEOUT_S,
     _read_runnable,
     check_engine,
     default_owner,
@@ -165,9 +167,13 @@ class DockerOptions:
     # before its first command: the outside world, not the host's own addresses, not another prompt.
     # Where this process cannot do that (network_hub_problem), Docker's bridge as asked.
     network_hub: bool = True
+    # A missing image's pull, at most (--prompt_timeout), and all of a run's pulls together, at most:
+    # past either, the rows of the image fail without a model call (--resume pulls again).
+    pull_timeout_s: float = PULL_TIMEOUT_S
+    pull_budget_s: float = PULL_BUDGET_S
 
     def __post_init__(self) -> None:
-        positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes")
+        positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes", "pull_timeout_s", "pull_budget_s")
         check_option_types(self, "docker", positive=(*positive, "disk_mb", "lifetime_s"))
         if self.disk_cap not in DISK_CAPS:
             raise ValueError(
@@ -239,6 +245,7 @@ class DockerSandbox(SandboxBackend):
             # Without the credited slot waits in it, a prompt queued past the margin on a llama-server's
             # slots found its container gone at its next command, and failed.
             "lifetime_s": flags.lifetime_s(LIFETIME_MARGIN_S),
+            "pull_timeout_s": flags.prompt_timeout_s,
         }
 
     @classmethod
@@ -274,7 +281,11 @@ class DockerSandbox(SandboxBackend):
 
         def pull() -> Preflight:
             print(f"Pulling {len(missing)} missing image(s)")
-            pulled = ensure_images(missing, max_concurrent=4, progress=lambda m: print(f"  {m}"))
+            pulled = ensure_images(
+                missing, max_concurrent=4, progress=lambda m: print(f"  {m}"),
+                pull_timeout_s=float(options.get("pull_timeout_s", PULL_TIMEOUT_S)),
+                pull_budget_s=float(options.get("pull_budget_s", PULL_BUDGET_S)),
+            )  # fmt: skip
             return _with_disk_cap(
                 _image_states(jobs, default, pulled, dataset), options, {**status, **pulled}
             )
