@@ -122,7 +122,10 @@ KILL_WAIT_S = 10.0  # after a timed-out command was killed, how long its server 
 KILLED_SHELL_WAIT_S = (
     1.0  # an exec whose shell was killed (no end marker): how long the engine has to say how it ended
 )
-SELF_END_WAIT_S = 10.0  # at stop, how long a container may take to end and go once its stream is closed
+# At stop, how long a container may take to end and go once its stream is closed (~0.1-0.2 s here,
+# 8 at once) before the engine removes it by force: a command that stopped its cat (SIGSTOP) left it
+# running, and each such stop took this long (10 s before).
+SELF_END_WAIT_S = 1.0
 NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell can run"
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 # slirp4netns's DNS server, network_hub.DNS (that module is imported only when a container uses the hub)
@@ -876,6 +879,11 @@ class DockerSandbox(SandboxBackend):
             # The output is what came before the deadline (not the shell's "Killed" notes): from
             # here on only the end marker is looked for, so the stream is in step for the next command.
             output, truncated = scanner.close_output()
+            if not ack.seen:
+                # The server never took the request (a command stopped the cat that relays it): no
+                # report of it will come, and the wait for one held the prompt KILL_WAIT_S past its time.
+                self._broken = "its command server did not take a command in time (its input was stopped)"
+                return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
             self._kill_command(token)
             if channel.read_until(feed, time.monotonic() + KILL_WAIT_S) != "done":
                 self._broken = "its command server did not report a timed-out command after it was killed"
