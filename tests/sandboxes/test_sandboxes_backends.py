@@ -1198,6 +1198,39 @@ def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker
         docker_client().images.remove(image, force=True)
 
 
+@pytest.mark.docker
+def test_tmpfs_disk_cap_keeps_the_image_s_working_directory_in_every_container(docker_box, docker_test_image):
+    """The engine here now and then says a directory its image holds is not there: the archive API of a
+    running container (about half of the reads), and the name "root" of an exec's user not in the
+    image's passwd file (3 of 20). The first such read made the worker take the image's working
+    directory for empty for good: 12 of 12 prompts of a run saw none of its files (a kept sample of a
+    model that found no repository). Each container of 12 here must get them."""
+    from batchrun.prompt.sandboxes.docker import sandbox as docker_sandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    files = io.BytesIO()
+    with tarfile.open(fileobj=files, mode="w") as tar:
+        info = tarfile.TarInfo("seed.txt")
+        info.size = len(b"seeded\n")
+        tar.addfile(info, io.BytesIO(b"seeded\n"))
+    seed = docker_client().containers.create(docker_test_image, ["true"])  # never started: no sh needed
+    assert seed.put_archive("/workspace", files.getvalue())
+    image = f"batch-runner-test-seeded:{uuid.uuid4().hex[:8]}"
+    seed.commit(*image.split(":"))
+    seed.remove()
+    try:
+        assert docker_sandbox.ensure_images([image]) == {image: None}  # probed, as a run's start does
+        seen = []
+        for index in range(12):
+            box = docker_box(index=60 + index, image=image, options={"disk_cap": "tmpfs"})
+            seen.append(box.run("cat seed.txt", timeout_s=30).output)
+            box.stop()
+        assert seen == ["seeded\n"] * 12
+        assert (image, "/workspace") not in docker_sandbox._empty_dirs
+    finally:
+        docker_client().images.remove(image, force=True)
+
+
 @pytest.fixture
 def host_service():
     """An HTTP server of the host on every interface (0.0.0.0), on a free port: what containers must not reach."""
