@@ -260,6 +260,48 @@ def test_docker_pulls_come_after_the_start_check(tmp_path, capsys, docker_test_i
         docker_client().images.get(image)
 
 
+@pytest.mark.docker
+def test_docker_pulls_of_a_silent_registry_end_by_the_prompt_timeout_and_once_for_it(
+    tmp_path, capsys, docker_test_image
+):
+    """Before, each pull waited for the engine's own ~25 s on a registry that takes the connection and
+    never answers, 4 at a time: 6 such rows held this run 52 s before any prompt. Now a pull ends by
+    --prompt_timeout, and once one found the registry silent the other images of it fail at once."""
+    import json
+    import time
+
+    from helpers import read_jsonl, run
+
+    registry = Registry(hang=True)
+    images = [f"{registry.address}/br-audit/silent{i}:1" for i in range(6)]
+    rows = [{"prompt": f"row {i}", "image": image, "toolsets": []} for i, image in enumerate(images)]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in [*rows, {"prompt": "good", "toolsets": []}]))
+    try:
+        t0 = time.monotonic()
+        run(
+            None,
+            dataset,
+            tmp_path / "data",
+            sandbox="docker",
+            default_image=docker_test_image,
+            prompt_timeout=4,
+        )
+        took = time.monotonic() - t0
+    finally:
+        registry.close()
+    out = capsys.readouterr().out
+    assert took < 20, f"{took:.1f} s"
+    assert len(registry.connected) <= 4  # the first round's pulls; the rest were not tried
+    failed = {f["prompt"]: f for f in read_jsonl(tmp_path / "data" / "run" / "failed.jsonl")}
+    assert sorted(failed) == [f"row {i}" for i in range(6)]
+    for i, image in enumerate(images):
+        assert failed[f"row {i}"]["error_class"] == "preflight" and image in failed[f"row {i}"]["error"]
+    assert "no answer from the registry within 4 s" in out
+    assert f"its registry {registry.address} gave no answer" in out
+    assert [r["prompt_index"] for r in read_jsonl(tmp_path / "data" / "run" / "trajectories.jsonl")] == [6]
+
+
 def test_modal_without_credentials_exits_2_before_the_start_check(tmp_path, capsys, monkeypatch, server):
     """The real Modal SDK with no token (no `modal token new`, no MODAL_TOKEN_ID): the preflight only
     checked that the SDK imports, so every prompt made its first model call and then failed at its

@@ -115,6 +115,76 @@ def test_server_killed_during_a_command_fails_the_sandbox_without_hanging(box):
         box.run("echo again", timeout_s=30)
 
 
+@pytest.mark.parametrize("ending", ["kill -9 -1", "kill -9 $PPID"])
+def test_a_first_command_that_ends_its_container_runs_once(docker_test_image: str, ending: str):
+    """A container that ends during its first command is not replaced and the command sent again:
+    it had run (a side effect seen by the host, here a connection). Before, the sandbox took it for a
+    start the engine botched ("ended before its first command"), started a new container and ran the
+    command twice; only a command the server never acknowledged is sent to a fresh container."""
+    import socket
+
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    hits: list[bytes] = []
+
+    def count() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            hits.append(conn.recv(100))
+            conn.close()
+
+    threading.Thread(target=count, daemon=True).start()
+    port = listener.getsockname()[1]
+    # The host's network, so that the command reaches the listener above (the hub would not let it).
+    box = DockerSandbox(SandboxSpec(RUN, 3), default_image=docker_test_image, network_mode="host")
+    box.start()
+    try:
+        first = box.container_id
+        with pytest.raises(SandboxError, match="ended during a command"):
+            box.run(f"echo hit | nc 127.0.0.1 {port}; {ending}; sleep 5", timeout_s=60)
+        time.sleep(0.5)  # a second run's connection, if any, has arrived
+        assert len(hits) == 1 and box.container_id == first
+        with pytest.raises(SandboxError, match="gone"):
+            box.run("echo again", timeout_s=30)
+    finally:
+        box.stop()
+        listener.close()
+    assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=3") == []
+
+
+# SIGSTOP to the cat that relays the runner's stream to the server (its argv is "cat" alone).
+STOP_THE_CAT = """for p in /proc/[0-9]*; do
+    [ "$(tr '\\0' ' ' < "$p/cmdline" 2>/dev/null)" = 'cat ' ] && kill -STOP "${p#/proc/}" && echo stopped
+done"""
+
+
+def test_a_stopped_cat_holds_neither_a_command_nor_the_stop(docker_test_image: str):
+    """A command that stops the server's cat: the container no longer sees the end of its stream. Each
+    stop waited 10 s for it to end by itself, and the next command its timeout and 10 s more for a
+    report the server, which never got the command, could not send."""
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    box = DockerSandbox(SandboxSpec(RUN, 4, network=False), default_image=docker_test_image)
+    box.start()
+    try:
+        assert box.run(STOP_THE_CAT, timeout_s=30).output == "stopped\n"
+        t0 = time.monotonic()
+        res = box.run("echo never", timeout_s=2)
+        assert res.timed_out and time.monotonic() - t0 < 4
+        with pytest.raises(SandboxError, match="did not take a command"):
+            box.run("echo again", timeout_s=30)
+    finally:
+        t0 = time.monotonic()
+        box.stop()
+        took = time.monotonic() - t0
+    assert took < 4, f"{took:.1f} s"
+    assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=4") == []
+
+
 def test_commands_cost_no_exec_and_write_no_log(box):
     from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 

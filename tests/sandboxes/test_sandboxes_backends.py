@@ -161,8 +161,8 @@ printf '%s\n' {shlex.quote(code)} > "/proc/$server/fd/0"
 mkdir -p tests && echo 'echo the agent wrote this' > tests/hidden.sh"""
 
 
-# From then on the server answers 0 to every request and runs nothing.
-ANSWER_0 = '__br_run() { printf "\\n[batch-runner-exit:%s]=0\\n" "$1"; }'
+# From then on the server acknowledges every request, answers 0 and runs nothing.
+ANSWER_0 = '__br_run() { printf "[batch-runner-run:%s]\\n\\n[batch-runner-exit:%s]=0\\n" "$1" "$1"; }'
 
 
 @pytest.mark.docker
@@ -1204,6 +1204,39 @@ def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker
         with pytest.raises(SandboxError, match="into its 1 MiB tmpfs failed"):
             docker_box(index=45, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 1})
         assert docker_ps(f"batch_runner.run_name={RUN}", "batch_runner.prompt_index=45") == []
+    finally:
+        docker_client().images.remove(image, force=True)
+
+
+@pytest.mark.docker
+def test_tmpfs_disk_cap_keeps_the_image_s_working_directory_in_every_container(docker_box, docker_test_image):
+    """The engine here now and then says a directory its image holds is not there: the archive API of a
+    running container (about half of the reads), and the name "root" of an exec's user not in the
+    image's passwd file (3 of 20). The first such read made the worker take the image's working
+    directory for empty for good: 12 of 12 prompts of a run saw none of its files (a kept sample of a
+    model that found no repository). Each container of 12 here must get them."""
+    from batchrun.prompt.sandboxes.docker import sandbox as docker_sandbox
+    from batchrun.prompt.sandboxes.docker.sandbox import docker_client
+
+    files = io.BytesIO()
+    with tarfile.open(fileobj=files, mode="w") as tar:
+        info = tarfile.TarInfo("seed.txt")
+        info.size = len(b"seeded\n")
+        tar.addfile(info, io.BytesIO(b"seeded\n"))
+    seed = docker_client().containers.create(docker_test_image, ["true"])  # never started: no sh needed
+    assert seed.put_archive("/workspace", files.getvalue())
+    image = f"batch-runner-test-seeded:{uuid.uuid4().hex[:8]}"
+    seed.commit(*image.split(":"))
+    seed.remove()
+    try:
+        assert docker_sandbox.ensure_images([image]) == {image: None}  # probed, as a run's start does
+        seen = []
+        for index in range(12):
+            box = docker_box(index=60 + index, image=image, options={"disk_cap": "tmpfs"})
+            seen.append(box.run("cat seed.txt", timeout_s=30).output)
+            box.stop()
+        assert seen == ["seeded\n"] * 12
+        assert (image, "/workspace") not in docker_sandbox._empty_dirs
     finally:
         docker_client().images.remove(image, force=True)
 

@@ -20,6 +20,10 @@ driver: nothing reaches the host's disk). The runner first sends ``SERVER_PRELUD
 
     __br_run <token> <tag> '<command>' ['<stdin as a printf format>']
 
+The server first acknowledges it, a line ``[batch-runner-run:<token>]`` (``Ack``),
+before the command starts: a container that ends with no acknowledgement never ran the command,
+and only then may the runner send it to a fresh container (a container that ended during its
+first command, ``kill -9 -1``, would otherwise run it twice).
 The command runs in ``sh -c`` with stdout and stderr on the container's stdout, in a session of its
 own (``setsid``), with ``BATCH_RUNNER_EXEC=<tag>`` in its environment (a timeout kills what
 carries it, through one exec; the tag is derived from the token, never the token itself, which
@@ -66,6 +70,7 @@ command -v setsid >/dev/null 2>&1 && __br_s=setsid
 __br_keep='{"=".join(BACKGROUND_ENV)}' __br_nl='
 '
 __br_run() {{
+    printf '[batch-runner-run:%s]\\n' "$1"
     if [ "$#" -gt 3 ]; then
         printf "$4" | {EXEC_TAG_VAR}=$2 $__br_s sh -c "$3" &
     else
@@ -245,6 +250,31 @@ def request(token: str, command: str, stdin: bytes | None) -> bytes:
     if stdin is not None:
         words.append(sh_quote(printf_format(stdin)))
     return b" ".join(words) + b"\n"
+
+
+class Ack:
+    """Finds the server's acknowledgement of a request (``[batch-runner-run:<token>]``) in its output.
+
+    What comes before it is not the command's (output of a process an earlier command left in a
+    session of its own, between commands) and is dropped, as ``Channel.discard_stray`` drops it.
+    """
+
+    def __init__(self, token: str):
+        self.line = f"[batch-runner-run:{token}]\n".encode()
+        self.seen = False
+        self._held = b""  # the last bytes, which may begin the acknowledgement
+
+    def after(self, data: bytes) -> bytes:
+        """What of ``data`` follows the acknowledgement (all of it once that was seen)."""
+        if self.seen:
+            return data
+        data = self._held + data
+        at = data.find(self.line)
+        if at < 0:
+            self._held = data[-(len(self.line) - 1) :]
+            return b""
+        self.seen, self._held = True, b""
+        return data[at + len(self.line) :]
 
 
 class Channel:

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import docker
+from docker import auth
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.utils import parse_repository_tag
 from requests.exceptions import RequestException
 
 from batchrun import cache_dir
@@ -125,6 +127,8 @@ def process_start_ticks(pid: int) -> str:
         return ""
 
 
+PULL_TIMEOUT_S = 1800.0  # one image's pull, at most (the docker option pull_timeout_s: --prompt_timeout)
+PULL_BUDGET_S = 3600.0  # all of a run's pulls, at most (the docker option pull_budget_s)
 NOT_PULLED = "not present locally, not pulled yet"  # ensure_images(pull=False): an image to pull later
 # Why an image whose containers cannot run the command server (container_server.BOOT_SCRIPT is the
 # entrypoint ``sh -c``) is not available: distroless, or FROM scratch with one static binary.
@@ -144,10 +148,21 @@ RUNNABLE_CACHE_MAX = 4096  # entries kept, the newest
 
 
 def ensure_images(
-    images: list[str], *, max_concurrent: int = 4, progress: Callable[[str], None] = print, pull: bool = True
+    images: list[str],
+    *,
+    max_concurrent: int = 4,
+    progress: Callable[[str], None] = print,
+    pull: bool = True,
+    pull_timeout_s: float = PULL_TIMEOUT_S,
+    pull_budget_s: float = PULL_BUDGET_S,
 ) -> dict[str, str | None]:
     """Make each distinct image present, pulling missing ones once, and runnable here; image -> None if
     ready, else the error (without ``pull``, a missing one is ``NOT_PULLED``: no registry is asked).
+
+    A pull ends after ``pull_timeout_s`` (a prompt's deadline), and every pull by ``pull_budget_s`` from
+    the first: a registry that takes the connection and never answers held the run ~25 s an image,
+    4 at a time, without end over a dataset of such rows. Once one pull found its registry silent (no
+    answer, refused, unreachable), the other images of that registry fail at once, naming it.
 
     Runnable: a container of it runs ``PROBE_SCRIPT`` (the command server is an ``sh``), once per image ID
     on this machine (``runnable_cache_path``). Else each of its prompts would pay a model call and
@@ -162,6 +177,8 @@ def ensure_images(
         version = {}
     engine = (str(version.get("Os") or ""), str(version.get("Arch") or ""))
     known = _read_runnable()
+    budget_end = time.monotonic() + pull_budget_s
+    silent: dict[str, str] = {}  # registry -> why a pull from it found no answer
     passed: list[str] = []
     verdicts: dict[str, str | None] = {}  # image ID -> its probe's verdict: one probe per ID (tags share it)
     probing: dict[str, threading.Lock] = {}
@@ -177,13 +194,36 @@ def ensure_images(
         if attrs is None and not pull:
             return NOT_PULLED
         if attrs is None:
+            registry = registry_of(image)
+            with guard:
+                dead = silent.get(registry)
+            if dead is not None:
+                return f"not present locally, not pulled: its registry {registry} gave no answer this run ({dead})"
+            if time.monotonic() >= budget_end:
+                return (
+                    f"not present locally, not pulled: the pulls took their whole budget of {pull_budget_s:g} s "
+                    "(the docker option pull_budget_s)"
+                )
             progress(f"pulling {image} ...")
-            try:
-                client.images.pull(image)
-                attrs = client.images.get(image).attrs
-            except ENGINE_ERRORS as exc:
+            deadline = time.monotonic() + pull_timeout_s
+            limit = f"{pull_timeout_s:g} s (--prompt_timeout, or the docker option pull_timeout_s)"
+            if budget_end < deadline:
+                deadline, limit = (
+                    budget_end,
+                    f"the pulls' budget of {pull_budget_s:g} s (the docker option pull_budget_s)",
+                )
+            problem, answered = pull_image(image, deadline, limit)
+            if problem is None:
+                try:
+                    attrs = client.images.get(image).attrs
+                except ENGINE_ERRORS as exc:
+                    problem = str(getattr(exc, "explanation", None) or exc)
+            if problem is not None:
+                if not answered:
+                    with guard:
+                        silent.setdefault(registry, f"pull of {image}: {problem}")
                 progress(f"pull of {image} failed")
-                return f"not present locally and the pull failed: {getattr(exc, 'explanation', None) or exc}"
+                return f"not present locally and the pull failed: {problem}"
             progress(f"pulled {image}")
         image_id = str(attrs.get("Id") or image)
         native = _platform(attrs) == engine
@@ -214,6 +254,81 @@ def ensure_images(
     if passed:
         _remember_runnable(passed)
     return status
+
+
+def registry_of(image: str) -> str:
+    """The registry an image reference pulls from (``docker.io`` for Docker Hub's)."""
+    repository, _ = parse_repository_tag(image)
+    try:
+        return auth.resolve_repository_name(repository)[0]
+    except DockerException:  # a reference the engine will refuse itself
+        return repository.split("/", 1)[0]
+
+
+def pull_image(image: str, deadline: float, limit: str = "its time") -> tuple[str | None, bool]:
+    """Pull ``image`` through the engine, ending the request at ``deadline`` (``limit`` says what set
+    it; the engine then gives the pull up); (None, True) once done, else (why not, whether its
+    registry answered at all).
+
+    docker-py's pull has no overall timeout (its own is off for pulls), and the engine waits ~25 s for
+    a registry that never answers (and a slow one's layers without end)."""
+    api = docker_client().api
+    repository, tag = parse_repository_tag(image)
+    headers = {}
+    header = auth.get_config_header(api, registry_of(image))
+    if header:
+        headers["X-Registry-Auth"] = header
+    params = {"fromImage": repository, "tag": tag or "latest"}
+    answered, error, response, cut = False, None, None, None
+    try:
+        # The timeout bounds the wait for the engine's first answer, which comes once the registry's did.
+        response = api._post(
+            api._url("/images/create"), params=params, headers=headers, stream=True,
+            timeout=max(deadline - time.monotonic(), 0.1),
+        )  # fmt: skip
+        api._raise_for_status(response)
+        raw = api._get_raw_response_socket(response)
+        cut = threading.Timer(
+            max(deadline - time.monotonic(), 0.0), _shut, args=(getattr(raw, "_sock", raw),)
+        )
+        cut.daemon = True
+        cut.start()
+        for message in api._stream_helper(response, decode=True):
+            answered = True  # the engine reports progress once the registry answered
+            if isinstance(message, dict) and message.get("error"):
+                error = str(message.get("error"))
+    except Exception as exc:  # the engine's error, the timeout, or the connection ended at the deadline
+        error = str(getattr(exc, "explanation", None) or exc)
+    finally:
+        if cut is not None:
+            cut.cancel()
+        if response is not None:
+            response.close()
+    if time.monotonic() >= deadline:
+        how = "was not done" if answered else "had no answer from the registry"
+        return f"it {how} within {limit}", answered
+    if error is not None:
+        return error, not _no_answer(error)
+    return None, True
+
+
+# The engine's words when a registry gave no answer at all: refused, unreachable, silent.
+NO_ANSWER_SIGNS = (
+    "awaiting headers", "i/o timeout", "connection refused", "no such host", "network is unreachable",
+    "no route to host", "tls handshake timeout", "context deadline exceeded", "connection reset",
+)  # fmt: skip
+
+
+def _no_answer(error: str) -> bool:
+    lowered = error.lower()
+    return any(sign in lowered for sign in NO_ANSWER_SIGNS)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _platform(attrs: dict[str, Any]) -> tuple[str, str]:

@@ -75,6 +75,8 @@ from batchrun.prompt.sandboxes.docker.engine import (
     LABEL_RUN,
     NO_SH,
     NOT_PULLED,
+    PULL_BUDGET_S,
+    PULL_TIMEOUT_S,
     _read_runnable,
     check_engine,
     default_owner,
@@ -120,7 +122,10 @@ KILL_WAIT_S = 10.0  # after a timed-out command was killed, how long its server 
 KILLED_SHELL_WAIT_S = (
     1.0  # an exec whose shell was killed (no end marker): how long the engine has to say how it ended
 )
-SELF_END_WAIT_S = 10.0  # at stop, how long a container may take to end and go once its stream is closed
+# At stop, how long a container may take to end and go once its stream is closed (~0.1-0.2 s here,
+# 8 at once) before the engine removes it by force: a command that stopped its cat (SIGSTOP) left it
+# running, and each such stop took this long (10 s before).
+SELF_END_WAIT_S = 1.0
 NUL_IN_COMMAND = "batch-runner: the command contains a NUL byte, which no shell can run"
 DISK_CAPS = ("auto", "storage-opt", "tmpfs")
 # slirp4netns's DNS server, network_hub.DNS (that module is imported only when a container uses the hub)
@@ -165,9 +170,13 @@ class DockerOptions:
     # before its first command: the outside world, not the host's own addresses, not another prompt.
     # Where this process cannot do that (network_hub_problem), Docker's bridge as asked.
     network_hub: bool = True
+    # A missing image's pull, at most (--prompt_timeout), and all of a run's pulls together, at most:
+    # past either, the rows of the image fail without a model call (--resume pulls again).
+    pull_timeout_s: float = PULL_TIMEOUT_S
+    pull_budget_s: float = PULL_BUDGET_S
 
     def __post_init__(self) -> None:
-        positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes")
+        positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes", "pull_timeout_s", "pull_budget_s")
         check_option_types(self, "docker", positive=(*positive, "disk_mb", "lifetime_s"))
         if self.disk_cap not in DISK_CAPS:
             raise ValueError(
@@ -189,6 +198,13 @@ def docker_run_share(info: dict[str, Any]) -> tuple[int, int]:
 # Start-ups in flight are limited in one place, --max_sandbox_starts (the worker's BackgroundStart slots).
 _storage_opt_ok: dict[str, bool] = {}  # "answer" -> whether the engine takes storage_opt (disk_cap="auto")
 _empty_dirs: set[tuple[str, str]] = set()  # (image, dir): nothing to copy into a tmpfs at dir
+# How often the image's files at a working directory are read while the engine says there are none.
+# The archive API of an engine here now and then sent an archive without a single entry (not even the
+# directory) of a directory the image holds, or said "not found": up to a third of the reads of a
+# created container under load, about half of a running one's (where they were read before). Once
+# taken for empty, the image's directory was never copied into any later container of the worker:
+# 12 of 12 prompts of an image with files there saw an empty directory.
+WORKDIR_READS = 5
 
 
 def network_hub_problem() -> str | None:
@@ -239,6 +255,7 @@ class DockerSandbox(SandboxBackend):
             # Without the credited slot waits in it, a prompt queued past the margin on a llama-server's
             # slots found its container gone at its next command, and failed.
             "lifetime_s": flags.lifetime_s(LIFETIME_MARGIN_S),
+            "pull_timeout_s": flags.prompt_timeout_s,
         }
 
     @classmethod
@@ -274,7 +291,11 @@ class DockerSandbox(SandboxBackend):
 
         def pull() -> Preflight:
             print(f"Pulling {len(missing)} missing image(s)")
-            pulled = ensure_images(missing, max_concurrent=4, progress=lambda m: print(f"  {m}"))
+            pulled = ensure_images(
+                missing, max_concurrent=4, progress=lambda m: print(f"  {m}"),
+                pull_timeout_s=float(options.get("pull_timeout_s", PULL_TIMEOUT_S)),
+                pull_budget_s=float(options.get("pull_budget_s", PULL_BUDGET_S)),
+            )  # fmt: skip
             return _with_disk_cap(
                 _image_states(jobs, default, pulled, dataset), options, {**status, **pulled}
             )
@@ -446,6 +467,9 @@ class DockerSandbox(SandboxBackend):
         kwargs = self.create_kwargs("")
         hub = self._network_hub() if "dns" in kwargs else None  # set for the hub alone (create_kwargs)
         attrs: dict[str, Any] | None = None  # the started container's inspection, where one was needed
+        # With the tmpfs cap: what the image holds at the working directory, read before the start
+        # (an archive of the container's files then is of the image's, not hidden by the tmpfs).
+        seed: WorkdirSeed | None = None if "tmpfs" in kwargs else WorkdirSeed(None)
         # An engine under heavy load sometimes fails a start it would do a moment later (runc's
         # "error reopening /dev/null inside container", an exec before the container runs). Nothing
         # of the prompt ran yet, so a fresh container is a safe retry.
@@ -454,6 +478,8 @@ class DockerSandbox(SandboxBackend):
                 kwargs["name"] = f"br-{safe_run}-{spec.prompt_index}-{uuid.uuid4().hex[:8]}"
                 container = docker_client().containers.create(self.image, **kwargs)
                 self.container_id = container.id  # from here on, stop() removes it whatever happens next
+                if seed is None:
+                    seed = self._read_workdir(container.id)
                 # Attached before the start, so the container never runs without a holder.
                 self._channel = server.Channel(_attach(container.id))
                 container.start()
@@ -465,6 +491,8 @@ class DockerSandbox(SandboxBackend):
                 break
             except ImageNotFound as exc:
                 self.stop()
+                if seed is not None:
+                    seed.close()
                 raise SandboxError(
                     f"docker image {self.image!r} is not available locally: {exc.explanation}"
                 ) from exc
@@ -474,6 +502,8 @@ class DockerSandbox(SandboxBackend):
                     final = False  # a fault of the engine's, not the image's: tried again
                 self.stop()
                 if final or attempt == START_ATTEMPTS:
+                    if seed is not None:
+                        seed.close()
                     raise SandboxError(
                         f"docker container for prompt {spec.prompt_index} did not start "
                         f"({attempt} attempt{'s' if attempt > 1 else ''}): {ended or exc}"
@@ -481,13 +511,15 @@ class DockerSandbox(SandboxBackend):
                 log.info("container start of prompt %s failed, trying again: %s", spec.prompt_index, exc)
             time.sleep(START_RETRY_PAUSE_S * attempt)
         self._over_cap = None
-        if "tmpfs" in kwargs:
-            try:
-                self._watch_layer(attrs)
-                self._fill_workdir()
-            except BaseException:
-                self.stop()
-                raise
+        assert seed is not None  # read at the first attempt's create, or not wanted
+        with seed:
+            if "tmpfs" in kwargs:
+                try:
+                    self._watch_layer(attrs)
+                    self._fill_workdir(seed.archive)
+                except BaseException:
+                    self.stop()
+                    raise
         self._used = False
         self._broken = None
         self._frozen = False
@@ -691,33 +723,54 @@ class DockerSandbox(SandboxBackend):
 
         return over
 
-    def _fill_workdir(self) -> None:
-        """Copy what the image holds at the working directory into the tmpfs that hides it there."""
+    def _read_workdir(self, container_id: str) -> WorkdirSeed:
+        """What the image holds at the working directory, read from its container before its start;
+        None inside when nothing (see ``WORKDIR_READS``)."""
         key = (self.image, self.workdir)
         if key in _empty_dirs:
-            return
-        # The archive API reads the image's files, beneath the tmpfs. The engine locks the container
-        # while it sends them: the whole archive is read (to memory, or disk past 8 MiB) before the exec.
-        with tempfile.SpooledTemporaryFile(max_size=8 * 2**20) as archive:
+            return WorkdirSeed(None)
+        nothing = False  # whether a read found no such directory, or the directory alone
+        for _ in range(WORKDIR_READS):
+            # The whole archive is read (to memory, or disk past 8 MiB) before the exec that unpacks it.
+            archive: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=8 * 2**20)  # noqa: SIM115
             try:
-                chunks, _ = docker_client().api.get_archive(self.container_id, self.workdir)
+                chunks, _ = docker_client().api.get_archive(container_id, self.workdir)
                 for chunk in chunks:
                     archive.write(chunk)
             except NotFound:
-                pass
+                nothing = True
+                archive.close()
+                continue
             except ENGINE_ERRORS as exc:
+                archive.close()
                 raise SandboxError(f"cannot read {self.workdir} of image {self.image!r}: {exc}") from exc
             archive.seek(0)
-            if _only_the_directory(archive):
-                _empty_dirs.add(key)
-                return
-            archive.seek(0)
-            result = self._run(
-                f"tar -xf - -C {shlex.quote(posixpath.dirname(self.workdir))}",
-                timeout_s=600.0,
-                user="root",  # whatever the image's user: owners and modes as the image has them
-                stdin=iter(lambda: archive.read(2**20), b""),
+            members = _members(archive)
+            if members > 1:
+                archive.seek(0)
+                return WorkdirSeed(archive)
+            archive.close()
+            nothing = nothing or members == 1  # none at all: not even the directory, a failed read
+        if not nothing:
+            raise SandboxError(
+                f"the engine sent no archive of {self.workdir} of image {self.image!r} ({WORKDIR_READS} reads)"
             )
+        _empty_dirs.add(key)
+        return WorkdirSeed(None)
+
+    def _fill_workdir(self, archive: IO[bytes] | None) -> None:
+        """Copy what the image holds at the working directory (``archive``) into the tmpfs that hides it there."""
+        if archive is None:
+            return
+        result = self._run(
+            f"tar -xf - -C {shlex.quote(posixpath.dirname(self.workdir))}",
+            timeout_s=600.0,
+            # Whatever the image's user: owners and modes as the image has them. By number: the engine
+            # looked the name "root" up in the image's passwd file through the same view as the archive
+            # API's, and now and then found none (exit 126: 3 of 20 starts).
+            user="0:0",
+            stdin=iter(lambda: archive.read(2**20), b""),
+        )
         if result.exit_code != 0:
             raise SandboxError(
                 f"copying {self.workdir} of image {self.image!r} into its {self.tmpfs_mb} MiB tmpfs "
@@ -735,8 +788,8 @@ class DockerSandbox(SandboxBackend):
                 self._thaw()
             result = self._serve(command, timeout_s=timeout_s, stdin=stdin)
             if result is None:
-                # The container was gone before the first command did anything: nothing of the
-                # prompt ran yet (a start the engine botched under load), so a new one is safe, once.
+                # The container ended before its server acknowledged the first command: nothing of
+                # the prompt ran yet (a start the engine botched under load), so a new one is safe, once.
                 log.info("container of prompt %s ended before its first command", self.spec.prompt_index)
                 self.stop()
                 self.start()
@@ -835,7 +888,8 @@ class DockerSandbox(SandboxBackend):
             frozen_guard.release(self.container_id)
 
     def _serve(self, command: str, *, timeout_s: float, stdin: bytes | None) -> ExecResult | None:
-        """One request to the server; None when the container ended before its first command did anything."""
+        """One request to the server; None when the container ended before its first command was
+        acknowledged (``container_server.Ack``): it never ran."""
         channel = self._channel
         assert channel is not None
         gone = f"docker container of prompt {self.spec.prompt_index} is gone"
@@ -843,11 +897,12 @@ class DockerSandbox(SandboxBackend):
             raise SandboxError(f"{gone}: {self._broken}")
         channel.discard_stray()
         token = new_exec_token()
+        ack = server.Ack(token)
         scanner = server.Scanner(token, CappedBuffer(self.options.output_cap_bytes))
         deadline = time.monotonic() + timeout_s
 
         def feed(data: bytes) -> bool:
-            scanner.feed(data)
+            scanner.feed(ack.after(data))
             return scanner.done
 
         state = "eof"
@@ -860,7 +915,9 @@ class DockerSandbox(SandboxBackend):
             except OSError:
                 state = "eof"
         if state == "eof":
-            if self._over_cap is None and not self._used and scanner.buf.total == 0:
+            # Not acknowledged: the command never ran. Else it may have done anything before the
+            # container ended (its own kill -9 -1 as the prompt's first command): never sent again.
+            if self._over_cap is None and not self._used and not ack.seen:
                 return None
             if self._over_cap is not None:
                 raise SandboxError(f"{gone}: {self._over_cap}; what the prompt had in it is lost")
@@ -874,6 +931,11 @@ class DockerSandbox(SandboxBackend):
             # The output is what came before the deadline (not the shell's "Killed" notes): from
             # here on only the end marker is looked for, so the stream is in step for the next command.
             output, truncated = scanner.close_output()
+            if not ack.seen:
+                # The server never took the request (a command stopped the cat that relays it): no
+                # report of it will come, and the wait for one held the prompt KILL_WAIT_S past its time.
+                self._broken = "its command server did not take a command in time (its input was stopped)"
+                return ExecResult(output=output, exit_code=-1, timed_out=True, truncated=truncated)
             self._kill_command(token)
             if channel.read_until(feed, time.monotonic() + KILL_WAIT_S) != "done":
                 self._broken = "its command server did not report a timed-out command after it was killed"
@@ -1199,15 +1261,34 @@ def _attach(container_id: str) -> object:
     )
 
 
-def _only_the_directory(archive: IO[bytes]) -> bool:
-    """Whether a tar archive (as the engine sends a directory) is empty or holds that directory alone."""
+@dataclass
+class WorkdirSeed:
+    """What an image holds at a container's working directory (a tar archive), or None: nothing."""
+
+    archive: IO[bytes] | None
+
+    def close(self) -> None:
+        if self.archive is not None:
+            self.archive.close()
+
+    def __enter__(self) -> WorkdirSeed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _members(archive: IO[bytes]) -> int:
+    """How many entries a tar archive (as the engine sends a directory) holds, counted up to 2 (a
+    directory holds itself: 0 is no directory at all); 2 when it is not a tar archive that tarfile reads
+    (copied all the same: tar in the container is the judge)."""
     try:
         with tarfile.open(fileobj=archive, mode="r|") as members:
-            return sum(1 for _ in itertools.islice(members, 2)) <= 1
+            return sum(1 for _ in itertools.islice(members, 2))
     except tarfile.ReadError:
-        return archive.tell() == 0  # nothing at all: the image has no such directory
+        return 0 if archive.tell() == 0 else 2  # nothing at all: no directory
     except tarfile.TarError:
-        return False  # copy it anyway: tar in the container is the judge
+        return 2
 
 
 def _read_frames(sock: socket.socket, scanner: MarkerScanner, deadline: float) -> bool:
