@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.config import RunConfig
-from batchrun.identity import RowIdentity, outcome_sample, record_sample, superseded_discards
+from batchrun.identity import Line, RowIdentity, outcome_sample, record_sample, superseded_discards
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import USAGE_COUNTS, normalize_metadata, run_card, valid_outcome_row, valid_record
@@ -31,6 +31,7 @@ from batchrun.run.resume import (
     fields_digest,
     kept_pass,
     match_outcomes,
+    occurrence_in,
     place_of,
     resume_command,
     row_fields_of,
@@ -63,8 +64,9 @@ class MergeTotals:
         self.dropped: collections.Counter[str] = collections.Counter()
         # (row identity, sample index) -> records in batch files
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
-        # the same records by (row identity, sample index, prompt index): which of identical rows wrote them
-        self.finished_at: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        # the same records by (row identity, sample index, prompt index, occurrence): which of identical
+        # rows wrote them (identity.Line)
+        self.finished_at: collections.Counter[Line] = collections.Counter()
         # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
         self.finished_where: collections.Counter[Place] = collections.Counter()
         # row identity -> its kept passes (resume.kept_pass), for the samples --stop_after_passes skipped
@@ -133,30 +135,36 @@ class RowPlaces:
     """Where the dataset's rows are now, for the merge: which record of a sample it wants to keep first."""
 
     def __init__(self, rows: list[Row], samples_per_prompt: int, redact: Redactor):
-        self.places: set[Place] = set()
+        # (identity, sample, line, fields) of each row's sample -> the row's occurrence
+        self.places: dict[tuple[str, int, int, str | None], int] = {}
         self.fields: set[tuple[str, int, str | None]] = set()
         self.lines: set[tuple[str, int, int]] = set()
         for row in rows:
             key = RowIdentity.of_row(row, redact).key
             fields = fields_digest(redact(row.row_fields or "{}"))
             for s in range(samples_of(row, samples_per_prompt)):
-                self.places.add((key, s, row.index, fields))
+                self.places[key, s, row.index, fields] = row.occurrence
                 self.fields.add((key, s, fields))
                 self.lines.add((key, s, row.index))
-        self.taken: set[Place] = set()
+        self.kept_at: set[tuple[str, int, int, str | None]] = set()  # the rows' places kept already
+        self.taken: collections.Counter[Place] = collections.Counter()  # the records kept there
 
     def preference(self, place: Place | None) -> int:
-        """0: a record a row wrote at its line as it is now (the first of its place), kept as it comes;
-        else how far it is from one, as resume matches outcomes to rows (resume.match_outcomes): 1 its row's
-        fields at another line, 2 its row's line with other fields, 3 neither, 4 its place taken already."""
+        """0: a record a row wrote at its line as it is now (with its occurrence, when the record says
+        one; the first of its place), kept as it comes; else how far it is from one, as resume matches
+        outcomes to rows (resume.match_outcomes): 1 its row's fields at another line (or another
+        occurrence: an identical row's, written before the rows moved), 2 its row's line with other
+        fields, 3 neither, 4 its place taken already."""
         if place is None:
             return 3
-        if place in self.places:
-            if place in self.taken:
+        key, s, line, fields, occurrence = place
+        at = (key, s, line, fields)
+        if at in self.places and occurrence in (None, self.places[at]):
+            if at in self.kept_at:
                 return 4
-            self.taken.add(place)
+            self.kept_at.add(at)
+            self.taken[place] += 1
             return 0
-        key, s, line, fields = place
         if (key, s, fields) in self.fields:
             return 1
         return 2 if (key, s, line) in self.lines else 3
@@ -245,8 +253,10 @@ def merge(
                     place = None
                     if isinstance(rec.get("prompt_index"), int):
                         done_indices.add(rec["prompt_index"])
-                        totals.finished_at[(*key, rec["prompt_index"])] += 1
-                        place = place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))
+                        meta = rec.get("metadata")
+                        occurrence = occurrence_in(meta)
+                        totals.finished_at[(*key, rec["prompt_index"], occurrence)] += 1
+                        place = place_of(key, rec["prompt_index"], row_fields_of(meta), occurrence)
                         totals.finished_where[place] += 1
                     if used_tool_names(rec) - known:
                         totals.dropped["unknown_tool"] += 1

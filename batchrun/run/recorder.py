@@ -25,7 +25,13 @@ from typing import Any
 from batchrun.config import UsageError
 from batchrun.identity import RowIdentity, is_index
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
-from batchrun.record import normalize_metadata, sample_index_of, valid_outcome_row, valid_record
+from batchrun.record import (
+    normalize_metadata,
+    occurrence_of,
+    sample_index_of,
+    valid_outcome_row,
+    valid_record,
+)
 from batchrun.run.journal import JOURNAL_NAME, SpendJournal
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION, LOCK_NAME
 from batchrun.secrets import Redactor, terminal_safe
@@ -298,7 +304,13 @@ class Recorder:
         # the same text and another image, cwd or settings of its own, and which sample this is.
         # Computed from the text as saved records hold it (secrets redacted, nothing else).
         saved = outcome.identity.redacted(self.sample_text)
-        identity = {**saved.fields(), "row_key": saved.key, "sample_index": outcome.sample_index}
+        identity = {
+            **saved.fields(),
+            "row_key": saved.key,
+            "sample_index": outcome.sample_index,
+            # Which of identical rows this is (its seeds derive from it): resume matches it after rows moved.
+            "occurrence": outcome.occurrence,
+        }
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
             # Typed again with the identity in: no column of a record is null (batchrun.record).
             outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
@@ -329,6 +341,7 @@ class Recorder:
             "row_id": meta.get("row_id") or None,
             "row_fields": meta.get("row_fields") if isinstance(meta.get("row_fields"), str) else None,
             "sample_index": sample_index_of(meta),
+            "occurrence": occurrence_of(meta),
             "prompt_index": rec.get("prompt_index"),
             "batch_num": meta.get("batch_num"),
             "reason": reason,

@@ -322,6 +322,75 @@ def test_identical_rows_resume_runs_the_copy_whose_sample_is_missing(server, tmp
     assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
+@pytest.mark.parametrize("edit", ["row_removed_above", "row_added_above"])
+def test_identical_rows_that_moved_run_the_copy_that_did_not_finish(server, tmp_path, edit):
+    """Identical rows differ only in their occurrence (their request seeds and toolset draw), which records
+    did not save. One copy finished, the other was in flight when the run was killed; then a row above
+    them was removed (or added): matched by line, the copy that had finished took its twin's place and ran
+    again with its own seeds (the same conversation twice in trajectories.jsonl) while the lost copy never
+    ran. Each record now says its occurrence (metadata.occurrence), so the lost copy is the one that runs:
+    the same final answers as an uninterrupted run of the edited dataset."""
+    dup = {"prompt": "Dup row [answers:A|B|C|D|E|F|G]"}
+    intro = {"prompt": "intro row [calls:0]"}
+    first, edited, lost = {
+        "row_removed_above": ([intro, dup, dup], [dup, dup], 2),  # the first copy finished
+        "row_added_above": ([dup, dup], [intro, dup, dup], 0),  # the second copy finished
+    }[edit]
+    out = tmp_path / "data"
+    kw = dict(seed_per_request=True, num_workers=1)
+    d1 = write_rows(tmp_path / "d1.jsonl", edited)
+    run(server, d1, out, run_name="whole", **kw)
+
+    def twins(run_name: str) -> list[str]:
+        merged = read_jsonl(out / run_name / "trajectories.jsonl")
+        return sorted(
+            r["conversations"][-1]["value"] for r in merged if r["conversations"][1]["value"] == dup["prompt"]
+        )
+
+    whole = twins("whole")
+    assert len(set(whole)) == 2
+    run_dir = out / "run"
+    run(server, write_rows(tmp_path / "d0.jsonl", first), out, **kw)
+    batch = run_dir / "batch_0.jsonl"
+    kept = [r for r in read_jsonl(batch) if r["prompt_index"] != lost]  # as a kill -9 leaves it
+    batch.write_text("".join(json.dumps(r) + "\n" for r in kept), "utf-8")
+    before = requests(server)[dup["prompt"]]
+    run(server, d1, out, resume=True, **kw)
+    assert requests(server)[dup["prompt"]] - before == 3  # one copy's three model calls
+    assert twins("run") == whole
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["metadata"]["occurrence"] for r in merged) == [
+        0,
+        0,
+        1,
+    ]  # the intro row's, then the twins'
+    before = requests(server)[dup["prompt"]]
+    run(server, d1, out, resume=True, **kw)
+    assert requests(server)[dup["prompt"]] == before  # two copies' records at one line are two samples
+    assert twins("run") == whole
+
+
+def test_records_without_their_occurrence_resume_as_before(server, tmp_path):
+    """Records written before metadata.occurrence existed: matched by line, fields and content, as they
+    were (the copy at the finished copy's line is taken for it); none is run twice, none is lost, and the
+    merge writes them with occurrence -1 (not recorded) in trajectories.jsonl."""
+    dup = {"prompt": "old twin [answers:A|B|C]"}
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_rows(tmp_path / "d0.jsonl", [dup, dup]), out, max_samples=1)
+    batch = run_dir / "batch_0.jsonl"
+    (rec,) = read_jsonl(batch)
+    del rec["metadata"]["occurrence"]
+    batch.write_text(json.dumps(rec) + "\n", "utf-8")
+    before = requests(server)[dup["prompt"]]
+    run(server, write_rows(tmp_path / "d0.jsonl", [dup, dup]), out, resume=True)
+    assert requests(server)[dup["prompt"]] - before == 3  # the second copy
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted((r["prompt_index"], r["metadata"]["occurrence"]) for r in merged) == [(0, -1), (1, 1)]
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 @pytest.mark.parametrize("edit", ["row_removed_above", "reordered"])
 def test_rows_of_one_prompt_that_moved_each_keep_their_own_sample(server, tmp_path, edit):
     """Rows with one prompt but their own ``id`` / ``answer`` (one question of several sets) are one
