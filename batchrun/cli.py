@@ -57,6 +57,7 @@ from batchrun.run.resume import (
     all_samples,
     build_manifest,
     check_manifest,
+    discards_to_rerun,
     read_manifest,
     resume_command,
     resume_filter,
@@ -251,6 +252,18 @@ def run_steps(
         if config.resume
         else all_samples(rows, config.samples_per_prompt)
     )
+    if config.resume and config.rerun_discarded:
+        # Which of them are discards run again: a run stopped before it ran them all says which did not.
+        recorder.rerun_planned = discards_to_rerun(
+            rows,
+            config.run_dir,
+            recorder.sample_text,
+            todo,
+            samples_per_prompt=config.samples_per_prompt,
+            stop_after_passes=config.stop_after_passes,
+            exclude_partial=config.exclude_partial,
+        )
+        recorder.rerun_total = len(recorder.rerun_planned)
     if todo and not config.ray_address:
         start_forkserver(
             config.backend

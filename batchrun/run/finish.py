@@ -33,6 +33,7 @@ from batchrun.run.resume import (
     match_outcomes,
     occurrence_in,
     place_of,
+    rerun_command,
     resume_command,
     row_fields_of,
     samples_of,
@@ -609,6 +610,8 @@ def statistics(
             "api_calls": recorder.spend["requests"],
             "usage": this_run_usage(recorder),
             "skipped_for_budget": recorder.counts["skipped_budget"],
+            # --rerun_discarded: the discards it was to run again, kept, discarded again, not run again.
+            "rerun_discarded": recorder.rerun_summary(),
             "budget": recorder.budget_summary(),
             "rate_limit_pauses": recorder.counts["rate_limit_pauses"],
             # Model requests in flight at most: {requests, per_worker, set_by, endpoint_slots}, or None.
@@ -792,11 +795,29 @@ def print_summary(
             "indices the dataset no longer has (rows removed or edited since they ran, fewer samples, "
             "--max_samples); statistics.json: trajectories_not_in_dataset"
         )
+    print_rerun(stats["this_run"].get("rerun_discarded"), recorder)
     if stats["remaining_for_resume"]:
         print(
             f"{stats['remaining_for_resume']} {'prompt' if stats['dataset_samples'] == stats['dataset_prompts'] else 'sample'}(s) remain; continue with:\n  {recorder.redact(resume_command())}"
         )
     print("=" * 72)
+
+
+def print_rerun(rerun: dict[str, int] | None, recorder: Recorder) -> None:
+    """What each command does with the discards a --rerun_discarded resume did not run again (stopped
+    before it reached them, or they failed): the resume command leaves them discarded, and the flag
+    runs every discard again, the ones this run ran again and discarded again too."""
+    if not rerun or not rerun["not_rerun"]:
+        return
+    again = rerun["discarded_again"]
+    print(
+        f"--rerun_discarded: {rerun['not_rerun']} of the {rerun['to_rerun']} discarded sample(s) this run was "
+        "to run again did not run again (stopped, or failed); they keep their discards.\n"
+        f"  {recorder.redact(resume_command())}\n    leaves them discarded (it runs only the samples "
+        "without an outcome);\n"
+        f"  {recorder.redact(rerun_command())}\n    runs them"
+        + (f", and again the {again} this run ran again and discarded again" if again else "")
+    )
 
 
 def print_failures(run_dir: Path, recorder: Recorder) -> None:

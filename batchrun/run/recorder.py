@@ -140,6 +140,11 @@ class Recorder:
         # Told each kept trajectory's line once it is durable (finish.PreparedLines: the merge's work
         # on it, done while the dispatch waits for outcomes).
         self.on_kept_line: Callable[[bytes], None] | None = None
+        # A --rerun_discarded resume: the (prompt index, sample index) of the discards it is to run again and
+        # has not yet (a new trajectory or discard of one is its outcome; a failure leaves its old discard).
+        self.rerun_planned: set[tuple[int, int]] | None = None
+        self.rerun_total = 0
+        self.rerun_counts: collections.Counter[str] = collections.Counter()  # kind -> discards run again
         self._status_written = 0.0
         self._made_dir = False  # lock() made the run directory (unlock removes it when nothing was written)
         self._lock_file: Any = None
@@ -233,6 +238,11 @@ class Recorder:
             if unkept is not None:
                 kind, reason = DISCARDED, unkept
         self.counts[kind] += 1
+        if self.rerun_planned and kind != FAILED:
+            sample = (outcome.prompt_index, outcome.sample_index)
+            if sample in self.rerun_planned:
+                self.rerun_planned.discard(sample)
+                self.rerun_counts[kind] += 1
         if self.batch_outcomes is not None:
             _count_outcome(self.batch_outcomes, outcome.batch_num, kind, reason)
         if kind == TRAJECTORY:
@@ -349,6 +359,19 @@ class Recorder:
             "record": rec,
         }
         append_jsonl(self.run_dir / "discarded.jsonl", row, self.sample_text)
+
+    def rerun_summary(self) -> dict[str, int] | None:
+        """A --rerun_discarded resume's discards: how many it was to run again, how many it ran again and
+        kept or discarded again, how many did not run again (interrupted, failed, the budget); None
+        without the flag."""
+        if self.rerun_planned is None:
+            return None
+        return {
+            "to_rerun": self.rerun_total,
+            "kept": self.rerun_counts[TRAJECTORY],
+            "discarded_again": self.rerun_counts[DISCARDED],
+            "not_rerun": len(self.rerun_planned),
+        }
 
     def _holds_secret(self, line: str) -> bool:
         finds = getattr(self.redact, "finds_secret", None)

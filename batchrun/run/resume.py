@@ -560,6 +560,30 @@ def resume_filter(
     return todo
 
 
+def discards_to_rerun(
+    rows: list[Row],
+    run_dir: Path,
+    redact: Redactor,
+    todo: list[Sample],
+    *,
+    samples_per_prompt: int = 1,
+    stop_after_passes: int | None = None,
+    exclude_partial: bool = False,
+) -> set[tuple[int, int]]:
+    """Of ``todo`` (a --rerun_discarded resume's samples), the (row index, sample index) of those that run
+    again because they were discarded: a resume without the flag would not run them."""
+    at: collections.Counter[Place] = collections.Counter()
+    done = scan_finished(
+        run_dir,
+        rerun_discarded=False,
+        at=at,
+        stop_after_passes=stop_after_passes,
+        exclude_partial=exclude_partial,
+    )
+    left = match_outcomes(rows, done, redact, samples_per_prompt, at).left
+    return {(row.index, s) for row, s in todo} - {(row.index, s) for row, s in left}
+
+
 # The words of the command line that started this process's run (set by batchrun.cli.cli while it runs);
 # None for a run started from Python (main(...), BatchRunner(...).run()), whose sys.argv is its caller's.
 COMMAND_LINE: list[str] | None = None
@@ -581,6 +605,13 @@ def resume_command(argv: list[str] | None = None) -> str:
     # The installed command (batch_runner.py is not installed), else the file users know.
     program = ["batch-runner"] if Path(sys.argv[0]).name == "batch-runner" else ["python", "batch_runner.py"]
     return " ".join([*program, *args, "--resume"])
+
+
+def rerun_command() -> str:
+    """:func:`resume_command` with --rerun_discarded: every discarded sample runs again."""
+    if COMMAND_LINE is None:
+        return "the same call with resume=True and rerun_discarded=True"
+    return f"{resume_command()} --rerun_discarded"
 
 
 def _without(args: list[str], bool_flags: tuple[str, ...]) -> list[str]:

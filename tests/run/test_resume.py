@@ -6,15 +6,21 @@ import collections
 import json
 import os
 import random
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 from helpers import (
+    default_sigint,
     exit_code,
+    lines_written,
     read_jsonl,
     requests,
     run,
+    runner_argv,
     stats_of,
+    wait_for,
     write_jsonl,
     write_rows,
 )
@@ -518,6 +524,49 @@ def test_a_sample_redone_by_rerun_discarded_does_not_stand_for_its_identical_twi
     assert requests(server) - before == {twin: 3}  # the second copy runs (three model calls)
     assert sorted(d["prompt_index"] for d in read_jsonl(run_dir / "discarded.jsonl")) == [0, 0, 1]
     assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
+def test_an_interrupted_rerun_of_discards_says_what_each_command_does_with_those_not_run_again(
+    server, tmp_path
+):
+    """A --rerun_discarded resume interrupted (Ctrl-C) after it ran 2 of its 4 discards again: the 2 it
+    did not reach keep their discards, so the resume command it printed (without the flag, which would
+    pay for the 2 again) runs nothing and leaves them as they are, and --rerun_discarded again runs all
+    4. It exited 130 saying neither: remaining_for_resume 0, no command, nothing in statistics.json.
+    Now it says how many did not run again and what each command does with them."""
+    rows = [f"terse {i} [no_reasoning] [slow:1]" for i in range(4)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*rows, "fine [calls:0]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    argv = runner_argv(
+        dataset, out, server, "--prompts_per_worker=1", "--batch_size=8", "--max_failure_rate=1"
+    )
+    subprocess.run(argv, check=True, capture_output=True)
+    assert lines_written(run_dir / "discarded.jsonl") == 4
+    proc = subprocess.Popen(
+        [*argv, "--resume", "--rerun_discarded"],
+        preexec_fn=default_sigint,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for(lambda: lines_written(run_dir / "discarded.jsonl") >= 6, 60)  # 2 run again, a third under way
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output[-2000:]
+    assert "--rerun_discarded: 2 of the 4 discarded sample(s) this run was to run again did not run" in output
+    said = output.split("--rerun_discarded: 2 of the 4", 1)[1].splitlines()
+    assert said[1].endswith("--resume") and "leaves them discarded" in said[2]
+    assert said[3].endswith("--resume --rerun_discarded")
+    assert "runs them, and again the 2 this run ran again and discarded again" in said[4]
+    stats = stats_of(run_dir)
+    assert stats["this_run"]["rerun_discarded"] == {
+        "to_rerun": 4,
+        "kept": 0,
+        "discarded_again": 2,
+        "not_rerun": 2,
+    }
+    assert stats["remaining_for_resume"] == 0
 
 
 def test_a_resume_that_reran_its_discards_leaves_none_of_them_pending(server, tmp_path, capsys, monkeypatch):
