@@ -252,6 +252,7 @@ def run_steps(
         if config.resume
         else all_samples(rows, config.samples_per_prompt)
     )
+    recorder.track_rows(finish.pending_samples(rows, todo))  # checkpoint.json's completed prompts
     if config.resume and config.rerun_discarded:
         # Which of them are discards run again: a run stopped before it ran them all says which did not.
         recorder.rerun_planned = discards_to_rerun(

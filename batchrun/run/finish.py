@@ -297,8 +297,9 @@ def merge(
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
-    if recorder.batch_outcomes is None:  # nor for the checkpoint's batch_stats
-        recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch)
+    # Nor for the checkpoint's batch_stats, counted again whole: the counts kept during the run count a
+    # discard run again in its old batch too, and a record set aside by this merge as a trajectory.
+    recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch, totals.finished_at)
     recorder.write_checkpoint()
     return totals
 
@@ -550,10 +551,24 @@ def statistics(
         "coverage": round(with_r / (with_r + without_r), 4) if with_r + without_r else None,
         "coverage_of_kept_trajectories": summary["reasoning"]["coverage"],
     }
-    # Samples (a row of N samples counts N) a --resume would run.
-    remaining = count_remaining(
-        run_dir, rows, totals, recorder, config.samples_per_prompt, config.stop_after_passes
+    matched = matched_outcomes(
+        run_dir,
+        rows,
+        totals,
+        recorder,
+        config.samples_per_prompt,
+        still_skipped(totals.passes, config.stop_after_passes),
     )
+    # Samples (a row of N samples counts N) a --resume would run: no trajectory and no discard yet; a sample skipped after its row's
+    # passes only while the row has --stop_after_passes of them (a resume that raised it and stopped before
+    # running them left them to run). Whether this invocation re-ran discards (--rerun_discarded) does not
+    # matter: what they gave is their outcome (counted as pending, the closing summary offered a command
+    # that ran them all once more).
+    remaining = len(matched.left)
+    # checkpoint.json's completed prompts as resume sees them now: the rows whose every sample has an
+    # outcome (a line an edit gave another row lists that row's outcomes, not the old one's).
+    recorder.track_rows(pending_samples(rows, matched.left))
+    recorder.write_checkpoint()
     stats = {
         "run_name": config.run_name,
         "model": config.model,
@@ -710,22 +725,12 @@ def reference_tool_statistics(tool_stats: dict[str, dict[str, Any]]) -> dict[str
     return out
 
 
-def count_remaining(
-    run_dir: Path,
-    rows: list[Row],
-    totals: MergeTotals,
-    recorder: Recorder,
-    samples_per_prompt: int = 1,
-    stop_after_passes: int | None = None,
-) -> int:
-    """Samples a --resume would run: no trajectory and no discard yet; a sample skipped after its row's
-    passes only while the row has ``stop_after_passes`` of them (a resume that raised it and stopped
-    before running them, a budget reached, left them to run: they were counted as done). Whether this invocation re-ran
-    discards (--rerun_discarded) does not matter: it ran them, and what they gave is their outcome (a
-    discard again is finished, not pending; counted as pending, the closing summary offered a command
-    that ran them all once more)."""
-    counts = still_skipped(totals.passes, stop_after_passes)
-    return len(matched_outcomes(run_dir, rows, totals, recorder, samples_per_prompt, counts).left)
+def pending_samples(rows: list[Row], left: list[Any]) -> dict[int, int]:
+    """Each row's index -> how many of its samples have no outcome yet (``left``: resume's ``Sample``\\ s)."""
+    pending = dict.fromkeys((row.index for row in rows), 0)
+    for row, _ in left:
+        pending[row.index] += 1
+    return pending
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: Any = None) -> None:

@@ -61,6 +61,53 @@ def test_checkpoint_lists_discarded_prompts_as_finished_and_failed_ones_not(serv
     assert _checkpoint(out / "run")["completed_prompts"] == [0, 1]
 
 
+def test_checkpoint_counts_a_discard_run_again_once_as_statistics_do(server, tmp_path):
+    """A discard run again by --rerun_discarded and discarded again: batch_stats counted it in both batches
+    (discarded 1 + 1, processed 2 + 1 for 2 samples) where statistics.json counts the sample once (1
+    discard). A record the merge set aside (unknown_tool) counted as its batch's trajectory and discard."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["terse [no_reasoning]", "fine [calls:1]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    run(server, dataset, out, resume=True, rerun_discarded=True)
+    stats = _checkpoint(run_dir)["batch_stats"]
+    assert (stats["0"]["processed"], stats["0"]["discarded"], stats["0"]["discarded_no_reasoning"]) == (
+        1,
+        0,
+        0,
+    )
+    assert (stats["1"]["processed"], stats["1"]["discarded"], stats["1"]["discarded_no_reasoning"]) == (
+        1,
+        1,
+        1,
+    )
+    assert sum(b["discarded"] for b in stats.values()) == stats_of(run_dir)["discarded"]["total"] == 1
+    (rec,) = read_jsonl(run_dir / "batch_0.jsonl")
+    rec["conversations"][2]["tool_calls"][0]["function"]["name"] = "gone_plugin_tool"
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(rec) + "\n", "utf-8")
+    run(server, dataset, out, resume=True)  # the merge sets it aside
+    assert _checkpoint(run_dir)["batch_stats"]["0"] == {
+        "processed": 1,
+        "skipped": 0,
+        "discarded_no_reasoning": 0,
+        "trajectories": 0,
+        "discarded": 1,
+    }
+
+
+def test_checkpoint_lists_the_rows_that_finished_not_the_lines_outcomes_were_written_at(server, tmp_path):
+    """Rows x, y (discarded) and z (fails); x removed: y's discard stands for y, now at line 0, and its old
+    line 1 is z's, which failed again. completed_prompts listed [0, 1]: line 0 for x's record, line 1 for
+    y's discard, so z (which --resume runs again) was listed finished and y was listed for x."""
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_jsonl(tmp_path / "d0.jsonl", ["x [calls:0]", "y [no_reasoning]", "z [error:500]"]), out)
+    assert _checkpoint(run_dir)["completed_prompts"] == [0, 1]
+    run(server, write_jsonl(tmp_path / "d1.jsonl", ["z [error:500]", "y [no_reasoning]"]), out, resume=True)
+    assert _checkpoint(run_dir)["completed_prompts"] == [1]
+    assert stats_of(run_dir)["remaining_for_resume"] == 1
+
+
 def test_resume_runs_only_missing_prompts_then_nothing(server, tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "d.jsonl", RESUME)
     out = tmp_path / "data"
