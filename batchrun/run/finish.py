@@ -23,7 +23,16 @@ from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import USAGE_COUNTS, normalize_metadata, run_card, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder, credible, earlier_rescorings, earlier_runs, scan_batch_outcomes
+from batchrun.run.recorder import (
+    Recorder,
+    count_discard,
+    count_failure,
+    credible,
+    earlier_rescorings,
+    earlier_runs,
+    scan_batch_outcomes,
+    trajectory_outcomes,
+)
 from batchrun.run.resume import (
     Matched,
     Place,
@@ -72,6 +81,8 @@ class MergeTotals:
         self.finished_where: collections.Counter[Place] = collections.Counter()
         # row identity -> its kept passes (resume.kept_pass), for the samples --stop_after_passes skipped
         self.passes: collections.Counter[str] = collections.Counter()
+        # valid records of each batch file (set by the merge), for checkpoint.json's batch_stats
+        self.per_batch: collections.Counter[int] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         # Kept records of samples the dataset no longer wants (a row since removed or edited, a sample
         # index past today's count, rows past --max_samples): kept as they are, and said.
@@ -297,9 +308,9 @@ def merge(
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
-    # Nor for the checkpoint's batch_stats, counted again whole: the counts kept during the run count a
-    # discard run again in its old batch too, and a record set aside by this merge as a trajectory.
-    recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch, totals.finished_at)
+    totals.per_batch = per_batch
+    if recorder.batch_outcomes is None:  # nor for the checkpoint's batch_stats (statistics counts them again)
+        recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch, totals.finished_at)
     recorder.write_checkpoint()
     return totals
 
@@ -519,18 +530,26 @@ def statistics(
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
     invalid = 0
     stale = superseded_discards(run_dir / "discarded.jsonl", totals.finished_at)
+    # checkpoint.json's batch_stats counted again with them, each sample once by its latest outcome: the
+    # counts kept during the run count a discard run again in its old batch too, and a record the merge
+    # set aside as a trajectory as well as a discard.
+    batches = trajectory_outcomes(run_dir, totals.per_batch)
     for n, rec in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
         if not valid_outcome_row(rec, "reason"):
             invalid += 1
             continue
         if n in stale:
             continue
+        count_discard(batches, rec)
         discards_all[rec["reason"]] += 1
         w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
         with_r, without_r = with_r + w, without_r + n - w
         if isinstance(rec.get("record"), dict):  # kept samples first: a sample re-run counts once
             scores.add(rec["record"], *record_sample(rec["record"]))
-    failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
+    failures_all, invalid_failed = _count_field(
+        run_dir / "failed.jsonl", "error_class", lambda row: count_failure(batches, row)
+    )
+    recorder.batch_outcomes = batches
     this_run = this_run_totals(recorder)
     earlier = earlier_runs(run_dir / "statistics.json")
     # The re-scorings views.score added: rewritten without them, a --resume (even one that ran nothing)
@@ -876,13 +895,18 @@ def _budget_stopped(stats: dict[str, Any]) -> int:
     return stats["this_run"]["failed"].get("budget", 0)
 
 
-def _count_field(path: Path, field: str) -> tuple[dict[str, int], int]:
-    """Rows of an outcome file by ``field``, and the number of lines skipped for their shape."""
+def _count_field(
+    path: Path, field: str, each: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[dict[str, int], int]:
+    """Rows of an outcome file by ``field``, and the number of lines skipped for their shape; ``each``
+    is given every row of the right shape."""
     counts: collections.Counter[str] = collections.Counter()
     invalid = 0
     for rec in iter_jsonl(path):
         if valid_outcome_row(rec, field):
             counts[rec[field]] += 1
+            if each is not None:
+                each(rec)
         else:
             invalid += 1
     return dict(counts), invalid

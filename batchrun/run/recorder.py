@@ -592,6 +592,11 @@ class Recorder:
             )
 
 
+def count_failure(outcomes: dict[int, collections.Counter[str]], row: dict[str, Any]) -> None:
+    """A failed.jsonl row in its batch's outcomes (each failed attempt counts)."""
+    _count_outcome(outcomes, row.get("batch_num"), FAILED, None)
+
+
 def _count_outcome(
     outcomes: dict[int, collections.Counter[str]], batch_num: Any, kind: str, reason: str | None
 ) -> None:
@@ -618,7 +623,6 @@ def scan_batch_outcomes(
     batch: ``superseded_discards``) is not counted in its batch, and a record the merge set aside
     (``unknown_tool``, which stays in its batch file) is its batch's discard, not also its trajectory.
     Failures are attempts: each counts (``skipped``)."""
-    outcomes: dict[int, collections.Counter[str]] = {}
     if trajectories is None or finished_at is None:
         trajectories, finished_at = collections.Counter(), collections.Counter()
         for num, path in batch_files(run_dir):
@@ -627,21 +631,36 @@ def scan_batch_outcomes(
                     trajectories[num] += 1
                     if (line := kept_line(rec)) is not None:
                         finished_at[line] += 1
+    outcomes = trajectory_outcomes(run_dir, trajectories)
+    stale = superseded_discards(run_dir / "discarded.jsonl", finished_at)
+    for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
+        if isinstance(row, dict) and n not in stale:
+            count_discard(outcomes, row)
+    for row in iter_jsonl(run_dir / "failed.jsonl"):
+        if isinstance(row, dict):
+            count_failure(outcomes, row)
+    return outcomes
+
+
+def trajectory_outcomes(
+    run_dir: Path, trajectories: collections.Counter[int]
+) -> dict[int, collections.Counter[str]]:
+    """:func:`scan_batch_outcomes`'s start: each batch file's valid records (``trajectories``)."""
+    outcomes: dict[int, collections.Counter[str]] = {}
     for num, _ in batch_files(run_dir):
         counter = outcomes.setdefault(num, collections.Counter())
         if trajectories[num]:
             counter[TRAJECTORY] += trajectories[num]
-    stale = superseded_discards(run_dir / "discarded.jsonl", finished_at)
-    for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
-        if isinstance(row, dict) and n not in stale:
-            _count_outcome(outcomes, row.get("batch_num"), DISCARDED, row.get("reason"))
-            num = row.get("batch_num")
-            if row.get("reason") in MERGE_SET_ASIDE and outcomes.get(num, {}).get(TRAJECTORY, 0) > 0:
-                outcomes[num][TRAJECTORY] -= 1  # its record, still in the batch file: one outcome
-    for row in iter_jsonl(run_dir / "failed.jsonl"):
-        if isinstance(row, dict):
-            _count_outcome(outcomes, row.get("batch_num"), FAILED, None)
     return outcomes
+
+
+def count_discard(outcomes: dict[int, collections.Counter[str]], row: dict[str, Any]) -> None:
+    """A discarded.jsonl row that stands for its sample (not superseded), in its batch's outcomes: a record
+    the merge set aside is its batch's discard, and no longer also its trajectory."""
+    num = row.get("batch_num")
+    _count_outcome(outcomes, num, DISCARDED, row.get("reason"))
+    if row.get("reason") in MERGE_SET_ASIDE and outcomes.get(num, {}).get(TRAJECTORY, 0) > 0:
+        outcomes[num][TRAJECTORY] -= 1  # its record, still in the batch file: one outcome
 
 
 def batch_stats(outcomes: dict[int, collections.Counter[str]]) -> dict[str, dict[str, int]]:
