@@ -334,6 +334,7 @@ def scan_finished(
     checks: Checks | None = None,
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
+    passes: collections.Counter[str] | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
@@ -343,9 +344,11 @@ def scan_finished(
 
     With ``stop_after_passes`` (K) a sample skipped after its row's passes (``skipped_after_passes``) is
     finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
-    smaller K skipped it); ``exclude_partial``: partial passes are not kept ones."""
+    smaller K skipped it); ``exclude_partial``: partial passes are not kept ones. ``passes`` is given
+    each row identity's kept passes."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
-    passes: collections.Counter[str] = collections.Counter()
+    if passes is None:
+        passes = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec):
@@ -521,13 +524,17 @@ def resume_filter(
     dataset_file: str = "the dataset",
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
+    rerun: set[tuple[int, int]] | None = None,
 ) -> list[Sample]:
     """The samples with no finished outcome yet, counting duplicates per (identity, sample index).
+    ``rerun``, with ``rerun_discarded``: given the (row index, sample index) of those that run again
+    because they were discarded (a resume without the flag would not run them).
 
     A row whose finished samples were judged against another check (answer, verify, ...) stops the
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
     at: collections.Counter[Place] = collections.Counter()
     checks: Checks = {}
+    passes: collections.Counter[str] = collections.Counter()
     done = scan_finished(
         run_dir,
         rerun_discarded=rerun_discarded,
@@ -535,6 +542,7 @@ def resume_filter(
         checks=checks,
         stop_after_passes=stop_after_passes,
         exclude_partial=exclude_partial,
+        passes=passes,
     )
     matched = match_outcomes(rows, done, redact, samples_per_prompt, at)
     changed = changed_checks(rows, checks, redact, matched, samples_per_prompt)
@@ -554,34 +562,17 @@ def resume_filter(
             )
         print(f"warning: {what}; kept as they are (--force_resume)", file=sys.stderr)
     todo = matched.left
+    if rerun is not None and rerun_discarded:
+        # The same outcomes with the discards: the samples a resume without the flag would leave.
+        add_discards(
+            run_dir, done, rerun_discarded=False, at=at, counts=still_skipped(passes, stop_after_passes)
+        )
+        left = match_outcomes(rows, done, redact, samples_per_prompt, at).left
+        rerun |= {(row.index, s) for row, s in todo} - {(row.index, s) for row, s in left}
     total = sum(samples_of(r, samples_per_prompt) for r in rows)
     unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed
     print(f"Resume: {total - len(todo)} {unit} already finished, {len(todo)} to run")
     return todo
-
-
-def discards_to_rerun(
-    rows: list[Row],
-    run_dir: Path,
-    redact: Redactor,
-    todo: list[Sample],
-    *,
-    samples_per_prompt: int = 1,
-    stop_after_passes: int | None = None,
-    exclude_partial: bool = False,
-) -> set[tuple[int, int]]:
-    """Of ``todo`` (a --rerun_discarded resume's samples), the (row index, sample index) of those that run
-    again because they were discarded: a resume without the flag would not run them."""
-    at: collections.Counter[Place] = collections.Counter()
-    done = scan_finished(
-        run_dir,
-        rerun_discarded=False,
-        at=at,
-        stop_after_passes=stop_after_passes,
-        exclude_partial=exclude_partial,
-    )
-    left = match_outcomes(rows, done, redact, samples_per_prompt, at).left
-    return {(row.index, s) for row, s in todo} - {(row.index, s) for row, s in left}
 
 
 # The words of the command line that started this process's run (set by batchrun.cli.cli while it runs);
