@@ -274,11 +274,12 @@ def match_outcomes(
         for s in range(samples_of(row, samples_per_prompt))
     ]
     taken: dict[tuple[int, int], Place | None] = {}  # (row index, sample index) -> the outcome it took
+    ordered = sorted(places, key=_place_order)
 
     def stage(of_place: Callable[[Place], Any], of_want: Callable[[Row, int, str, str | None], Any]) -> None:
         """Each row not matched yet takes a place whose ``of_place`` is its ``of_want`` (None: none)."""
         index: dict[Any, list[Place]] = collections.defaultdict(list)
-        for place in sorted(places, key=_place_order):
+        for place in ordered:
             sig = of_place(place)
             if places[place] > 0 and sig is not None:
                 index[sig].append(place)
