@@ -424,6 +424,31 @@ def test_identical_rows_that_moved_run_the_copy_that_did_not_finish(server, tmp_
     assert twins("run") == whole
 
 
+def test_discards_of_identical_rows_at_one_line_are_two_samples(server, tmp_path):
+    """Both copies of a row discarded (no reasoning), the second one's discard lost to a kill, then the row
+    above removed: the resume runs the second copy, whose discard is written at the line the first copy's
+    was. Two samples, each counted (statistics.json, batch_stats, completed_prompts), as in an
+    uninterrupted run of the edited dataset; not one sample discarded twice."""
+    dup = {"prompt": "Dup terse [no_reasoning] [answers:A|B|C|D|E|F|G]"}
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    kw = dict(seed_per_request=True, num_workers=1)
+    run(server, write_rows(tmp_path / "d0.jsonl", [{"prompt": "intro [calls:0]"}, dup, dup]), out, **kw)
+    discards = run_dir / "discarded.jsonl"
+    discards.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(discards) if r["prompt_index"] != 2))
+    edited = write_rows(tmp_path / "d1.jsonl", [dup, dup])
+    run(server, edited, out, resume=True, **kw)
+    assert sorted((d["prompt_index"], d["occurrence"]) for d in read_jsonl(discards)) == [(1, 0), (1, 1)]
+    stats = stats_of(run_dir)
+    assert (stats["discarded"]["total"], stats["remaining_for_resume"]) == (2, 0)
+    checkpoint = _checkpoint(run_dir)
+    assert checkpoint["completed_prompts"] == [0, 1]
+    assert sum(b["discarded"] for b in checkpoint["batch_stats"].values()) == 2
+    before = requests(server)[dup["prompt"]]
+    run(server, edited, out, resume=True, **kw)
+    assert requests(server)[dup["prompt"]] == before
+
+
 def test_records_without_their_occurrence_resume_as_before(server, tmp_path):
     """Records written before metadata.occurrence existed: matched by line, fields and content, as they
     were (the copy at the finished copy's line is taken for it); none is run twice, none is lost, and the
