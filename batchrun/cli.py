@@ -237,6 +237,8 @@ def run_steps(
         # Each call the budget lets go is journaled before it is sent (batchrun/run/journal.py).
         recorder.journal = SpendJournal(config.run_dir, recorder.invocation, recorder.started_at)
         recorder.journal.open()
+    if config.resume and config.rerun_discarded:
+        recorder.rerun_planned = set()
     todo = (
         resume_filter(
             rows,
@@ -248,10 +250,14 @@ def run_steps(
             dataset_file=config.dataset_file,
             stop_after_passes=config.stop_after_passes,
             exclude_partial=config.exclude_partial,
+            # Which of them are discards run again: a run stopped before it ran them all says which did not.
+            rerun=recorder.rerun_planned,
         )
         if config.resume
         else all_samples(rows, config.samples_per_prompt)
     )
+    recorder.track_rows(finish.pending_samples(rows, todo))  # checkpoint.json's completed prompts
+    recorder.rerun_total = len(recorder.rerun_planned or ())
     if todo and not config.ray_address:
         start_forkserver(
             config.backend

@@ -24,6 +24,7 @@ earlier runs resume with the same draws:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from batchrun.record import identity_options, optional_text, sample_index_of, valid_outcome_row
+from batchrun.record import identity_options, occurrence_of, optional_text, sample_index_of, valid_outcome_row
 from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl
 
@@ -258,34 +259,55 @@ def is_index(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def kept_line(record: dict[str, Any]) -> tuple[str, int, int] | None:
-    """(row identity, sample index, dataset line) of a kept record, the key :func:`superseded_discards`
-    matches a discard of the same sample at the same line by; None for a record of another shape (no
-    line to match a discard to)."""
+# A kept record's or a discard's line: (row identity, sample index, dataset line, the row's occurrence
+# among rows of its prompt text, None when the record does not say: written before it was saved).
+Line = tuple[str, int, int, int | None]
+
+
+def kept_line(record: dict[str, Any]) -> Line | None:
+    """The :data:`Line` of a kept record, the key :func:`superseded_discards` matches a discard of the same
+    sample at the same line by; None for a record of another shape (no line to match a discard to)."""
     index = record.get("prompt_index")
     if not is_index(index):
         return None
     try:
-        return (*record_sample(record), index)
+        meta = record.get("metadata")
+        return (*record_sample(record), index, occurrence_of(meta) if isinstance(meta, dict) else None)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
+
+
+def outcome_line(row: dict[str, Any]) -> Line:
+    """The :data:`Line` of a (valid) discarded.jsonl or failed.jsonl row with a ``prompt_index``."""
+    return (*outcome_sample(row), row["prompt_index"], occurrence_of(row))
 
 
 MERGE_SET_ASIDE = ("unknown_tool",)  # discards the merge writes of records that stay in their batch files
 
 
-def superseded_discards(path: Path, finished_at: Mapping[tuple[str, int, int], int]) -> set[int]:
+def superseded_discards(path: Path, finished_at: Mapping[Line, int]) -> set[int]:
     """The discarded.jsonl rows (their positions among its non-blank lines) that no longer stand for their
     sample: one dataset line's sample ran again (--rerun_discarded, or a resume that raised
     --stop_after_passes) and then was kept (a batch file holds it at that line) or discarded again (a
-    later row). Counted as they are, a sample discarded and then kept showed in the discards too."""
-    last: dict[tuple[str, int, int], int] = {}
-    rows: list[tuple[int, tuple[str, int, int], bool]] = []
+    later row). Counted as they are, a sample discarded and then kept showed in the discards too.
+    Identical rows (another occurrence) that wrote at one line after the rows moved are other samples;
+    a row or record that does not say its occurrence (written before it was saved) is taken for any."""
+    last: dict[Line, int] = {}
+    last_at_line: dict[tuple[str, int, int], int] = {}
+    kept_at_line: collections.Counter[tuple[str, int, int]] = collections.Counter()
+    for (key, s, line, _), n in finished_at.items():
+        kept_at_line[key, s, line] += n
+    rows: list[tuple[int, Line, bool]] = []
     for n, rec in enumerate(iter_jsonl(path)):
         if valid_outcome_row(rec, "reason") and is_index(rec.get("prompt_index")):
-            key = (*outcome_sample(rec), rec["prompt_index"])
-            last[key] = n
-            rows.append((n, key, rec["reason"] in MERGE_SET_ASIDE))
-    return {
-        n for n, key, set_aside in rows if last[key] != n or (not set_aside and finished_at.get(key, 0) > 0)
-    }
+            at = outcome_line(rec)
+            last[at] = last_at_line[at[:3]] = n
+            rows.append((n, at, rec["reason"] in MERGE_SET_ASIDE))
+
+    def superseded(n: int, at: Line, set_aside: bool) -> bool:
+        if at[3] is None:
+            return last_at_line[at[:3]] != n or (not set_aside and kept_at_line[at[:3]] > 0)
+        kept = finished_at.get(at, 0) + finished_at.get((*at[:3], None), 0)
+        return last[at] != n or (not set_aside and kept > 0)
+
+    return {n for n, at, set_aside in rows if superseded(n, at, set_aside)}

@@ -74,6 +74,7 @@ class Outcome:
     sample_index: int = 0
     row_id: str | None = None  # the dataset row's ``id`` (failed and discarded rows carry it too)
     row_fields: str | None = None  # the dataset row's other fields, as JSON text
+    occurrence: int = 0  # the job's: how many earlier dataset rows held the same prompt text
 
     @property
     def prompt(self) -> str:
@@ -118,6 +119,7 @@ def _of_job(job: PromptJob) -> dict[str, Any]:
         "sample_index": job.sample_index,
         "row_id": job.row_id,
         "row_fields": job.row_fields,
+        "occurrence": job.occurrence,
     }
 
 

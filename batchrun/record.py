@@ -109,6 +109,9 @@ METADATA: dict[str, Any] = {
     # Records that lack these (other tools', and those from before format 1) or hold null are read as
     # written for a row that asked for nothing of its own: sample_index 0, no row_* settings.
     "sample_index": INT,  # which sample of its row this record is (--samples_per_prompt, ``samples``), from 0
+    # How many earlier dataset rows held the same prompt text when it ran (its toolset draw and request
+    # seeds derive from it): resume tells identical rows apart by it after rows moved. -1: not recorded.
+    "occurrence": INT,
     "row_toolsets": STRING,  # JSON text of the row's own ``toolsets`` (sorted); "": drawn from the distribution
     "row_tools": STRING,  # JSON text of the row's own ``tools`` allowlist (sorted); "": none
     "row_system_sha256": STRING,  # sha256 of the row's own ``system`` prompt; "": the row had none
@@ -369,6 +372,9 @@ def normalize_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
         raw[name] = names_text(raw.get(name))
     raw["usage"] = _typed_usage(raw.get("usage") if isinstance(raw.get("usage"), dict) else {})
     meta = conform(raw, METADATA)
+    meta["occurrence"] = occurrence_of(raw)
+    if meta["occurrence"] is None:
+        meta["occurrence"] = UNKNOWN_OCCURRENCE  # 0 is a row's occurrence: a record without one says so
     for key, kind in METADATA.items():
         if meta[key] is None:
             meta[key] = [] if isinstance(kind, list) else EMPTY.get(kind) if isinstance(kind, str) else None
@@ -448,7 +454,11 @@ def metadata_typed(metadata: Any) -> bool:
     """Whether ``metadata`` is typed already: True only when :func:`normalize_metadata` would give it back
     unchanged (every record the recorder writes), so a reader can skip building the typed copy to compare.
     False says nothing: a record of another tool or version may still be typed (normalize to know)."""
-    return _METADATA_TYPED(metadata) and metadata["usage"]["unreported"] in _UNREPORTED_TEXTS
+    return (
+        _METADATA_TYPED(metadata)
+        and metadata["usage"]["unreported"] in _UNREPORTED_TEXTS
+        and metadata["occurrence"] >= UNKNOWN_OCCURRENCE  # another negative one is made -1
+    )
 
 
 def identity_options(fields: dict[str, Any]) -> dict[str, Any]:
@@ -545,6 +555,16 @@ def row_option_fields(
         else hashlib.sha256(system.encode("utf-8", "surrogatepass")).hexdigest(),
         "row_max_turns": max_turns,
     }
+
+
+UNKNOWN_OCCURRENCE = -1  # metadata.occurrence of a record written before the field existed
+
+
+def occurrence_of(fields: dict[str, Any]) -> int | None:
+    """A record's metadata's (or outcome row's) ``occurrence``: how many earlier dataset rows held its
+    prompt text when it ran; None when it does not say (written before the field existed, or -1)."""
+    value = fields.get("occurrence")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def sample_index_of(fields: dict[str, Any]) -> int:

@@ -108,7 +108,7 @@ def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> 
         "completion_tokens": rng.randint(200, 4000),
         # As the runner writes them (before, empty: every record read as another row's, held back by the
         # merge and read a second time, which a real run's records are not).
-        "row_key": row_key(prompt), "row_id": "", "row_fields": "{}",
+        "row_key": row_key(prompt), "row_id": "", "row_fields": "{}", "occurrence": 0,
     }  # fmt: skip
     record = build_record(
         prompt_index=i,

@@ -43,6 +43,7 @@ def prompt_metadata(
         "row_id": job.row_id,
         "row_fields": job.row_fields,
         "sample_index": job.sample_index,
+        "occurrence": job.occurrence,
         "max_turns": max_turns,
         "tools_offered": [t.name for t in tools],
     }

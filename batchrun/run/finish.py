@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.config import RunConfig
-from batchrun.identity import outcome_sample, record_sample, superseded_discards
+from batchrun.identity import Line, outcome_sample, record_sample, superseded_discards
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import (
@@ -30,7 +30,16 @@ from batchrun.record import (
     valid_record,
 )
 from batchrun.run.dataset import Row
-from batchrun.run.recorder import Recorder, credible, earlier_rescorings, earlier_runs, scan_batch_outcomes
+from batchrun.run.recorder import (
+    Recorder,
+    count_discard,
+    count_failure,
+    credible,
+    earlier_rescorings,
+    earlier_runs,
+    scan_batch_outcomes,
+    trajectory_outcomes,
+)
 from batchrun.run.resume import (
     Matched,
     Place,
@@ -38,7 +47,9 @@ from batchrun.run.resume import (
     fields_digest,
     kept_pass,
     match_outcomes,
+    occurrence_in,
     place_of,
+    rerun_command,
     resume_command,
     row_fields_of,
     samples_of,
@@ -71,12 +82,15 @@ class MergeTotals:
         self.dropped: collections.Counter[str] = collections.Counter()
         # (row identity, sample index) -> records in batch files
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
-        # the same records by (row identity, sample index, prompt index): which of identical rows wrote them
-        self.finished_at: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        # the same records by (row identity, sample index, prompt index, occurrence): which of identical
+        # rows wrote them (identity.Line)
+        self.finished_at: collections.Counter[Line] = collections.Counter()
         # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
         self.finished_where: collections.Counter[Place] = collections.Counter()
         # row identity -> its kept passes (resume.kept_pass), for the samples --stop_after_passes skipped
         self.passes: collections.Counter[str] = collections.Counter()
+        # valid records of each batch file (set by the merge), for checkpoint.json's batch_stats
+        self.per_batch: collections.Counter[int] = collections.Counter()
         self.kept = self.completed = self.partial = self.api_calls = 0
         # Kept records of samples the dataset no longer wants (a row since removed or edited, a sample
         # index past today's count, rows past --max_samples): kept as they are, and said.
@@ -147,30 +161,36 @@ class RowPlaces:
     """Where the dataset's rows are now, for the merge: which record of a sample it wants to keep first."""
 
     def __init__(self, rows: list[Row], samples_per_prompt: int, redact: Redactor):
-        self.places: set[Place] = set()
+        # (identity, sample, line, fields) of each row's sample -> the row's occurrence
+        self.places: dict[tuple[str, int, int, str | None], int] = {}
         self.fields: set[tuple[str, int, str | None]] = set()
         self.lines: set[tuple[str, int, int]] = set()
         for row in rows:
             key = row.saved_key(redact)
             fields = fields_digest(redact(row.row_fields or "{}"))
             for s in range(samples_of(row, samples_per_prompt)):
-                self.places.add((key, s, row.index, fields))
+                self.places[key, s, row.index, fields] = row.occurrence
                 self.fields.add((key, s, fields))
                 self.lines.add((key, s, row.index))
-        self.taken: set[Place] = set()
+        self.kept_at: set[tuple[str, int, int, str | None]] = set()  # the rows' places kept already
+        self.taken: collections.Counter[Place] = collections.Counter()  # the records kept there
 
     def preference(self, place: Place | None) -> int:
-        """0: a record a row wrote at its line as it is now (the first of its place), kept as it comes;
-        else how far it is from one, as resume matches outcomes to rows (resume.match_outcomes): 1 its row's
-        fields at another line, 2 its row's line with other fields, 3 neither, 4 its place taken already."""
+        """0: a record a row wrote at its line as it is now (with its occurrence, when the record says
+        one; the first of its place), kept as it comes; else how far it is from one, as resume matches
+        outcomes to rows (resume.match_outcomes): 1 its row's fields at another line (or another
+        occurrence: an identical row's, written before the rows moved), 2 its row's line with other
+        fields, 3 neither, 4 its place taken already."""
         if place is None:
             return 3
-        if place in self.places:
-            if place in self.taken:
+        key, s, line, fields, occurrence = place
+        at = (key, s, line, fields)
+        if at in self.places and occurrence in (None, self.places[at]):
+            if at in self.kept_at:
                 return 4
-            self.taken.add(place)
+            self.kept_at.add(at)
+            self.taken[place] += 1
             return 0
-        key, s, line, fields = place
         if (key, s, fields) in self.fields:
             return 1
         return 2 if (key, s, line) in self.lines else 3
@@ -259,8 +279,10 @@ def merge(
                     place = None
                     if isinstance(rec.get("prompt_index"), int):
                         done_indices.add(rec["prompt_index"])
-                        totals.finished_at[(*key, rec["prompt_index"])] += 1
-                        place = place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))
+                        meta = rec.get("metadata")
+                        occurrence = occurrence_in(meta)
+                        totals.finished_at[(*key, rec["prompt_index"], occurrence)] += 1
+                        place = place_of(key, rec["prompt_index"], row_fields_of(meta), occurrence)
                         totals.finished_where[place] += 1
                     if used_tool_names(rec) - known:
                         totals.dropped["unknown_tool"] += 1
@@ -305,8 +327,9 @@ def merge(
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
-    if recorder.batch_outcomes is None:  # nor for the checkpoint's batch_stats
-        recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch)
+    totals.per_batch = per_batch
+    if recorder.batch_outcomes is None:  # nor for the checkpoint's batch_stats (statistics counts them again)
+        recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch, totals.finished_at)
     recorder.write_checkpoint()
     return totals
 
@@ -531,18 +554,26 @@ def statistics(
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
     invalid = 0
     stale = superseded_discards(run_dir / "discarded.jsonl", totals.finished_at)
+    # checkpoint.json's batch_stats counted again with them, each sample once by its latest outcome: the
+    # counts kept during the run count a discard run again in its old batch too, and a record the merge
+    # set aside as a trajectory as well as a discard.
+    batches = trajectory_outcomes(run_dir, totals.per_batch)
     for n, rec in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
         if not valid_outcome_row(rec, "reason"):
             invalid += 1
             continue
         if n in stale:
             continue
+        count_discard(batches, rec)
         discards_all[rec["reason"]] += 1
         w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
         with_r, without_r = with_r + w, without_r + n - w
         if isinstance(rec.get("record"), dict):  # kept samples first: a sample re-run counts once
             scores.add(rec["record"], *record_sample(rec["record"]))
-    failures_all, invalid_failed = _count_field(run_dir / "failed.jsonl", "error_class")
+    failures_all, invalid_failed = _count_field(
+        run_dir / "failed.jsonl", "error_class", lambda row: count_failure(batches, row)
+    )
+    recorder.batch_outcomes = batches
     this_run = this_run_totals(recorder)
     earlier = earlier_runs(run_dir / "statistics.json")
     # The re-scorings views.score added: rewritten without them, a --resume (even one that ran nothing)
@@ -563,10 +594,24 @@ def statistics(
         "coverage": round(with_r / (with_r + without_r), 4) if with_r + without_r else None,
         "coverage_of_kept_trajectories": summary["reasoning"]["coverage"],
     }
-    # Samples (a row of N samples counts N) a --resume would run.
-    remaining = count_remaining(
-        run_dir, rows, totals, recorder, config.samples_per_prompt, config.stop_after_passes
+    matched = matched_outcomes(
+        run_dir,
+        rows,
+        totals,
+        recorder,
+        config.samples_per_prompt,
+        still_skipped(totals.passes, config.stop_after_passes),
     )
+    # Samples (a row of N samples counts N) a --resume would run: no trajectory and no discard yet; a sample skipped after its row's
+    # passes only while the row has --stop_after_passes of them (a resume that raised it and stopped before
+    # running them left them to run). Whether this invocation re-ran discards (--rerun_discarded) does not
+    # matter: what they gave is their outcome (counted as pending, the closing summary offered a command
+    # that ran them all once more).
+    remaining = len(matched.left)
+    # checkpoint.json's completed prompts as resume sees them now: the rows whose every sample has an
+    # outcome (a line an edit gave another row lists that row's outcomes, not the old one's).
+    recorder.track_rows(pending_samples(rows, matched.left))
+    recorder.write_checkpoint()
     stats = {
         "run_name": config.run_name,
         "model": config.model,
@@ -623,6 +668,8 @@ def statistics(
             "api_calls": recorder.spend["requests"],
             "usage": this_run_usage(recorder),
             "skipped_for_budget": recorder.counts["skipped_budget"],
+            # --rerun_discarded: the discards it was to run again, kept, discarded again, not run again.
+            "rerun_discarded": recorder.rerun_summary(),
             "budget": recorder.budget_summary(),
             "rate_limit_pauses": recorder.counts["rate_limit_pauses"],
             # Model requests in flight at most: {requests, per_worker, set_by, endpoint_slots}, or None.
@@ -721,22 +768,12 @@ def reference_tool_statistics(tool_stats: dict[str, dict[str, Any]]) -> dict[str
     return out
 
 
-def count_remaining(
-    run_dir: Path,
-    rows: list[Row],
-    totals: MergeTotals,
-    recorder: Recorder,
-    samples_per_prompt: int = 1,
-    stop_after_passes: int | None = None,
-) -> int:
-    """Samples a --resume would run: no trajectory and no discard yet; a sample skipped after its row's
-    passes only while the row has ``stop_after_passes`` of them (a resume that raised it and stopped
-    before running them, a budget reached, left them to run: they were counted as done). Whether this invocation re-ran
-    discards (--rerun_discarded) does not matter: it ran them, and what they gave is their outcome (a
-    discard again is finished, not pending; counted as pending, the closing summary offered a command
-    that ran them all once more)."""
-    counts = still_skipped(totals.passes, stop_after_passes)
-    return len(matched_outcomes(run_dir, rows, totals, recorder, samples_per_prompt, counts).left)
+def pending_samples(rows: list[Row], left: list[Any]) -> dict[int, int]:
+    """Each row's index -> how many of its samples have no outcome yet (``left``: resume's ``Sample``\\ s)."""
+    pending = dict.fromkeys((row.index for row in rows), 0)
+    for row, _ in left:
+        pending[row.index] += 1
+    return pending
 
 
 def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: Any = None) -> None:
@@ -806,11 +843,29 @@ def print_summary(
             "indices the dataset no longer has (rows removed or edited since they ran, fewer samples, "
             "--max_samples); statistics.json: trajectories_not_in_dataset"
         )
+    print_rerun(stats["this_run"].get("rerun_discarded"), recorder)
     if stats["remaining_for_resume"]:
         print(
             f"{stats['remaining_for_resume']} {'prompt' if stats['dataset_samples'] == stats['dataset_prompts'] else 'sample'}(s) remain; continue with:\n  {recorder.redact(resume_command())}"
         )
     print("=" * 72)
+
+
+def print_rerun(rerun: dict[str, int] | None, recorder: Recorder) -> None:
+    """What each command does with the discards a --rerun_discarded resume did not run again (stopped
+    before it reached them, or they failed): the resume command leaves them discarded, and the flag
+    runs every discard again, the ones this run ran again and discarded again too."""
+    if not rerun or not rerun["not_rerun"]:
+        return
+    again = rerun["discarded_again"]
+    print(
+        f"--rerun_discarded: {rerun['not_rerun']} of the {rerun['to_rerun']} discarded sample(s) this run was "
+        "to run again did not run again (stopped, or failed); they keep their discards.\n"
+        f"  {recorder.redact(resume_command())}\n    leaves them discarded (it runs only the samples "
+        "without an outcome);\n"
+        f"  {recorder.redact(rerun_command())}\n    runs them"
+        + (f", and again the {again} this run ran again and discarded again" if again else "")
+    )
 
 
 def print_failures(run_dir: Path, recorder: Recorder) -> None:
@@ -864,13 +919,18 @@ def _budget_stopped(stats: dict[str, Any]) -> int:
     return stats["this_run"]["failed"].get("budget", 0)
 
 
-def _count_field(path: Path, field: str) -> tuple[dict[str, int], int]:
-    """Rows of an outcome file by ``field``, and the number of lines skipped for their shape."""
+def _count_field(
+    path: Path, field: str, each: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[dict[str, int], int]:
+    """Rows of an outcome file by ``field``, and the number of lines skipped for their shape; ``each``
+    is given every row of the right shape."""
     counts: collections.Counter[str] = collections.Counter()
     invalid = 0
     for rec in iter_jsonl(path):
         if valid_outcome_row(rec, field):
             counts[rec[field]] += 1
+            if each is not None:
+                each(rec)
         else:
             invalid += 1
     return dict(counts), invalid

@@ -23,9 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.identity import RowIdentity, is_index
+from batchrun.identity import MERGE_SET_ASIDE, Line, RowIdentity, is_index, kept_line, superseded_discards
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
-from batchrun.record import normalize_metadata, sample_index_of, valid_outcome_row, valid_record
+from batchrun.record import (
+    normalize_metadata,
+    occurrence_of,
+    sample_index_of,
+    valid_outcome_row,
+    valid_record,
+)
 from batchrun.run.journal import JOURNAL_NAME, SpendJournal
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION, LOCK_NAME
 from batchrun.secrets import Redactor, terminal_safe
@@ -124,12 +130,21 @@ class Recorder:
         self.discarded_indices: set[int] | None = None  # and of every discard: finished too, never re-run
         # batch number -> outcomes of its samples, for checkpoint.json's batch_stats (scanned once, then kept)
         self.batch_outcomes: dict[int, collections.Counter[str]] | None = None
+        # The dataset's rows -> their samples without an outcome yet (trajectory or discard), as resume
+        # matches outcomes to rows (None: not told, then completed_prompts lists every outcome's line);
+        # checkpoint.json's completed_prompts are the rows with none left.
+        self.row_pending: dict[int, int] | None = None
         self.echo: Callable[[str], None] = lambda line: print(
             line, file=sys.stderr
         )  # the progress bar's, in a run
         # Told each kept trajectory's line once it is durable (finish.PreparedLines: the merge's work
         # on it, done while the dispatch waits for outcomes).
         self.on_kept_line: Callable[[bytes], None] | None = None
+        # A --rerun_discarded resume: the (prompt index, sample index) of the discards it is to run again and
+        # has not yet (a new trajectory or discard of one is its outcome; a failure leaves its old discard).
+        self.rerun_planned: set[tuple[int, int]] | None = None
+        self.rerun_total = 0
+        self.rerun_counts: collections.Counter[str] = collections.Counter()  # kind -> discards run again
         self._status_written = 0.0
         self._made_dir = False  # lock() made the run directory (unlock removes it when nothing was written)
         self._lock_file: Any = None
@@ -223,6 +238,13 @@ class Recorder:
             if unkept is not None:
                 kind, reason = DISCARDED, unkept
         self.counts[kind] += 1
+        if self.row_pending is not None and kind != FAILED and self.row_pending.get(outcome.prompt_index):
+            self.row_pending[outcome.prompt_index] -= 1
+        if self.rerun_planned and kind != FAILED:
+            sample = (outcome.prompt_index, outcome.sample_index)
+            if sample in self.rerun_planned:
+                self.rerun_planned.discard(sample)
+                self.rerun_counts[kind] += 1
         if self.batch_outcomes is not None:
             _count_outcome(self.batch_outcomes, outcome.batch_num, kind, reason)
         if kind == TRAJECTORY:
@@ -296,7 +318,13 @@ class Recorder:
         # the same text and another image, cwd or settings of its own, and which sample this is.
         # Computed from the text as saved records hold it (secrets redacted, nothing else).
         saved = outcome.identity.redacted(self.sample_text)
-        identity = {**saved.fields(), "row_key": saved.key, "sample_index": outcome.sample_index}
+        identity = {
+            **saved.fields(),
+            "row_key": saved.key,
+            "sample_index": outcome.sample_index,
+            # Which of identical rows this is (its seeds derive from it): resume matches it after rows moved.
+            "occurrence": outcome.occurrence,
+        }
         if isinstance(outcome.record, dict) and isinstance(outcome.record.get("metadata"), dict):
             # Typed again with the identity in: no column of a record is null (batchrun.record).
             outcome.record["metadata"] = normalize_metadata({**outcome.record["metadata"], **identity})
@@ -327,6 +355,7 @@ class Recorder:
             "row_id": meta.get("row_id") or None,
             "row_fields": meta.get("row_fields") if isinstance(meta.get("row_fields"), str) else None,
             "sample_index": sample_index_of(meta),
+            "occurrence": occurrence_of(meta),
             "prompt_index": rec.get("prompt_index"),
             "batch_num": meta.get("batch_num"),
             "reason": reason,
@@ -334,6 +363,19 @@ class Recorder:
             "record": rec,
         }
         append_jsonl(self.run_dir / "discarded.jsonl", row, self.sample_text)
+
+    def rerun_summary(self) -> dict[str, int] | None:
+        """A --rerun_discarded resume's discards: how many it was to run again, how many it ran again and
+        kept or discarded again, how many did not run again (interrupted, failed, the budget); None
+        without the flag."""
+        if self.rerun_planned is None:
+            return None
+        return {
+            "to_rerun": self.rerun_total,
+            "kept": self.rerun_counts[TRAJECTORY],
+            "discarded_again": self.rerun_counts[DISCARDED],
+            "not_rerun": len(self.rerun_planned),
+        }
 
     def _holds_secret(self, line: str) -> bool:
         finds = getattr(self.redact, "finds_secret", None)
@@ -440,7 +482,7 @@ class Recorder:
 
     def write_checkpoint(self) -> None:
         """Resume state after each batch. Informational: --resume trusts the batch files' content."""
-        if self.done_indices is None:
+        if self.row_pending is None and self.done_indices is None:
             self.done_indices = set()
             for _, path in batch_files(self.run_dir):
                 self.done_indices.update(
@@ -448,7 +490,7 @@ class Recorder:
                     for rec in iter_jsonl(path)
                     if valid_record(rec) and isinstance(rec.get("prompt_index"), int)
                 )
-        if self.discarded_indices is None:
+        if self.row_pending is None and self.discarded_indices is None:
             self.discarded_indices = {
                 row["prompt_index"]
                 for row in iter_jsonl(self.run_dir / "discarded.jsonl")
@@ -461,12 +503,26 @@ class Recorder:
             "run_name": self.run_name,
             # The finished prompts, as the reference's (which lists its no-reasoning discards): a discard is
             # finished, a failure is not (--resume runs it again).
-            "completed_prompts": sorted(self.done_indices | self.discarded_indices),
+            "completed_prompts": self.completed_prompts(),
             "batches": [n for n, _ in batch_files(self.run_dir)],
             "batch_stats": batch_stats(self.batch_outcomes),
             "last_updated": _now(),
         }
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
+
+    def track_rows(self, pending: dict[int, int]) -> None:
+        """The dataset's rows (their indices) -> how many of their samples have no outcome yet: those the
+        run is to run (resume's matching, or every sample of a new run)."""
+        self.row_pending = dict(pending)
+
+    def completed_prompts(self) -> list[int]:
+        """checkpoint.json's ``completed_prompts``: the dataset rows whose every sample has an outcome, a
+        trajectory or a discard, as resume matches outcomes to rows (a failure is not one: resume runs
+        it again); without the rows, the lines of every trajectory and discard in the run's files."""
+        if self.row_pending is not None:
+            return sorted(index for index, left in self.row_pending.items() if left <= 0)
+        assert self.done_indices is not None and self.discarded_indices is not None
+        return sorted(self.done_indices | self.discarded_indices)
 
     def write_status(
         self, state: str, force: bool = False, error: str | None = None, exit_code: int | None = None
@@ -534,6 +590,11 @@ class Recorder:
             )
 
 
+def count_failure(outcomes: dict[int, collections.Counter[str]], row: dict[str, Any]) -> None:
+    """A failed.jsonl row in its batch's outcomes (each failed attempt counts)."""
+    _count_outcome(outcomes, row.get("batch_num"), FAILED, None)
+
+
 def _count_outcome(
     outcomes: dict[int, collections.Counter[str]], batch_num: Any, kind: str, reason: str | None
 ) -> None:
@@ -546,26 +607,58 @@ def _count_outcome(
 
 
 def scan_batch_outcomes(
-    run_dir: Path, trajectories: collections.Counter[int] | None = None
+    run_dir: Path,
+    trajectories: collections.Counter[int] | None = None,
+    finished_at: collections.Counter[Line] | None = None,
 ) -> dict[int, collections.Counter[str]]:
     """Every outcome of every run of this run name, by batch: batch files, discarded.jsonl, failed.jsonl.
-    ``trajectories``: the valid records of each batch file, when a pass over them has counted them (the
-    merge's: a second parse of every record was a third of a resume's merge)."""
-    outcomes: dict[int, collections.Counter[str]] = {}
-    for num, path in batch_files(run_dir):
-        counter = outcomes.setdefault(num, collections.Counter())
-        if trajectories is not None:
-            if trajectories[num]:
-                counter[TRAJECTORY] += trajectories[num]
-            continue
-        for rec in iter_jsonl(path):
-            if valid_record(rec):
-                _count_outcome(outcomes, num, TRAJECTORY, None)
-    for name, kind in (("discarded.jsonl", DISCARDED), ("failed.jsonl", FAILED)):
-        for row in iter_jsonl(run_dir / name):
-            if isinstance(row, dict):
-                _count_outcome(outcomes, row.get("batch_num"), kind, row.get("reason"))
+    ``trajectories``: the valid records of each batch file, and ``finished_at`` their :data:`Line`\\ s,
+    when a pass over them has counted them (the merge's: a second parse of every record was a third of
+    a resume's merge).
+
+    Each sample counts once, by its latest outcome, as statistics.json counts it: a discard that no
+    longer stands for its sample (run again by --rerun_discarded, then kept or discarded again in a later
+    batch: ``superseded_discards``) is not counted in its batch, and a record the merge set aside
+    (``unknown_tool``, which stays in its batch file) is its batch's discard, not also its trajectory.
+    Failures are attempts: each counts (``skipped``)."""
+    if trajectories is None or finished_at is None:
+        trajectories, finished_at = collections.Counter(), collections.Counter()
+        for num, path in batch_files(run_dir):
+            for rec in iter_jsonl(path):
+                if valid_record(rec):
+                    trajectories[num] += 1
+                    if (line := kept_line(rec)) is not None:
+                        finished_at[line] += 1
+    outcomes = trajectory_outcomes(run_dir, trajectories)
+    stale = superseded_discards(run_dir / "discarded.jsonl", finished_at)
+    for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
+        if isinstance(row, dict) and n not in stale:
+            count_discard(outcomes, row)
+    for row in iter_jsonl(run_dir / "failed.jsonl"):
+        if isinstance(row, dict):
+            count_failure(outcomes, row)
     return outcomes
+
+
+def trajectory_outcomes(
+    run_dir: Path, trajectories: collections.Counter[int]
+) -> dict[int, collections.Counter[str]]:
+    """:func:`scan_batch_outcomes`'s start: each batch file's valid records (``trajectories``)."""
+    outcomes: dict[int, collections.Counter[str]] = {}
+    for num, _ in batch_files(run_dir):
+        counter = outcomes.setdefault(num, collections.Counter())
+        if trajectories[num]:
+            counter[TRAJECTORY] += trajectories[num]
+    return outcomes
+
+
+def count_discard(outcomes: dict[int, collections.Counter[str]], row: dict[str, Any]) -> None:
+    """A discarded.jsonl row that stands for its sample (not superseded), in its batch's outcomes: a record
+    the merge set aside is its batch's discard, and no longer also its trajectory."""
+    num = row.get("batch_num")
+    _count_outcome(outcomes, num, DISCARDED, row.get("reason"))
+    if row.get("reason") in MERGE_SET_ASIDE and outcomes.get(num, {}).get(TRAJECTORY, 0) > 0:
+        outcomes[num][TRAJECTORY] -= 1  # its record, still in the batch file: one outcome
 
 
 def batch_stats(outcomes: dict[int, collections.Counter[str]]) -> dict[str, dict[str, int]]:

@@ -24,7 +24,7 @@ from typing import Any
 from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
 from batchrun.identity import is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
-from batchrun.record import read_score, valid_outcome_row, valid_record
+from batchrun.record import occurrence_of, read_score, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.scoring import check_from_row_fields
@@ -198,8 +198,10 @@ def wanted_samples(
 
 
 # A finished outcome's place: (identity, sample index, dataset line, digest of the ``row_fields`` it was
-# written with, None when it holds none), as :func:`match_outcomes` matches outcomes to rows by it.
-Place = tuple[str, int, int, str | None]
+# written with (None when it holds none), the row's occurrence among rows of its prompt text when it ran
+# (None when it does not say: written before ``occurrence`` was saved)), as :func:`match_outcomes` matches
+# outcomes to rows by it.
+Place = tuple[str, int, int, str | None, int | None]
 
 
 def fields_digest(fields: Any) -> str | None:
@@ -209,9 +211,13 @@ def fields_digest(fields: Any) -> str | None:
     return hashlib.blake2b(fields.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def place_of(sample: tuple[str, int], line: int, fields: Any) -> Place:
+def place_of(sample: tuple[str, int], line: int, fields: Any, occurrence: int | None = None) -> Place:
     """The :data:`Place` of a finished outcome of ``sample`` written by dataset line ``line``."""
-    return (*sample, line, fields_digest(fields))
+    return (*sample, line, fields_digest(fields), occurrence)
+
+
+def _place_order(place: Place) -> tuple[int, str, int]:
+    return place[2], place[3] or "", -1 if place[4] is None else place[4]
 
 
 @dataclasses.dataclass
@@ -235,61 +241,71 @@ def match_outcomes(
     """Each finished outcome takes one sample of its (identity, sample index): duplicate rows count,
     each wanting its own samples; the samples no outcome is of are left.
 
-    ``done_at`` (:data:`Place`) -> finished outcomes of ``done`` by the dataset line that wrote them and
-    that row's other fields (``row_fields``): identical rows are not interchangeable (their occurrence
-    seeds the toolset draw and the request seed, records carry their ``prompt_index``, and rows with one
-    prompt may carry another ``id`` or ``answer``), so each row takes, in this order of preference, the
-    outcome of its own line written with its own fields; one written with its fields at another line (the
-    rows moved: a row removed or added above, the file reordered); one of its own line (its fields were
-    edited); then any left, by content in dataset order. The sample left to run is the one no outcome is
+    ``done_at`` (:data:`Place`) -> finished outcomes of ``done`` by the dataset line that wrote them, that
+    row's other fields (``row_fields``) and its occurrence: identical rows are not interchangeable (their
+    occurrence seeds the toolset draw and the request seed, records carry their ``prompt_index``, and rows
+    with one prompt may carry another ``id`` or ``answer``), so each row takes, in this order of
+    preference, the outcome written with its own fields and its own occurrence (its own line's first):
+    the one it would write again; then one of its own line written with its own fields; one written with
+    its fields at another line (the rows moved: a row removed or added above, the file reordered); one of
+    its own line (its fields were edited); one of its own occurrence (its fields were edited, and rows
+    moved); then any left, by content in dataset order. The sample left to run is the one no outcome is
     of: matched by line alone, a row removed above made each twin take its neighbour's outcome, and the
-    neighbour ran a second time while the twin whose outcome was taken never ran."""
+    neighbour ran a second time while the twin whose outcome was taken never ran. Outcomes written before
+    the occurrence was saved match by the other stages, as they did."""
     done = collections.Counter(done)
     # A dataset line gives each of its samples one outcome: more at one place are that sample redone
     # (discarded again under --rerun_discarded; a record the merge set aside, which stays in its batch
     # file too). Counted once, or they would stand for an identical row's sample. Outcomes of one line
-    # written with other fields are other rows' (the line held another row before the rows moved).
+    # written with other fields (or another occurrence) are other rows' (the line held another row before
+    # the rows moved); one that does not say its occurrence, at a place where others do, is one of theirs
+    # redone (written before the field existed).
     places: collections.Counter[Place] = collections.Counter()
-    lines_of: dict[tuple[str, int, str], list[int]] = collections.defaultdict(list)
-    fields_at: dict[tuple[str, int, int], list[str | None]] = collections.defaultdict(list)
-    for place, n in sorted((done_at or {}).items(), key=lambda item: (item[0][2], item[0][3] or "")):
-        key, s, line, fields = place
-        done[key, s] -= n - 1
+    for place, n in (done_at or {}).items():
+        done[place[0], place[1]] -= n - 1
         places[place] = 1
-        fields_at[key, s, line].append(fields)
-        if fields is not None:
-            lines_of[key, s, fields].append(line)
+    said = {place[:4] for place in places if place[4] is not None}
+    for place in [p for p in places if p[4] is None and p[:4] in said]:
+        done[place[0], place[1]] -= 1
+        del places[place]
     wants = [
         (row, s, key, fields_digest(redact(row.row_fields or "{}")))
         for row, key in ((row, row.saved_key(redact)) for row in rows)
         for s in range(samples_of(row, samples_per_prompt))
     ]
     taken: dict[tuple[int, int], Place | None] = {}  # (row index, sample index) -> the outcome it took
+    ordered = sorted(places, key=_place_order)
 
-    def take(row: Row, s: int, place: Place) -> None:
-        places[place] -= 1
-        done[place[0], s] -= 1
-        taken[row.index, s] = place
+    def stage(of_place: Callable[[Place], Any], of_want: Callable[[Row, int, str, str | None], Any]) -> None:
+        """Each row not matched yet takes a place whose ``of_place`` is its ``of_want`` (None: none)."""
+        index: dict[Any, list[Place]] = collections.defaultdict(list)
+        for place in ordered:
+            sig = of_place(place)
+            if places[place] > 0 and sig is not None:
+                index[sig].append(place)
+        for row, s, key, fields in wants:
+            if (row.index, s) in taken or done[key, s] <= 0:
+                continue
+            held = index.get(of_want(row, s, key, fields))
+            while held and places[held[-1]] <= 0:
+                held.pop()  # taken already
+            if held:
+                place = held.pop()
+                places[place] -= 1
+                done[key, s] -= 1
+                taken[row.index, s] = place
 
-    for row, s, key, fields in wants:  # its own line, written with its own fields
-        if places[key, s, row.index, fields] > 0 and done[key, s] > 0:
-            take(row, s, (key, s, row.index, fields))
-    for row, s, key, fields in wants:  # its own fields, at a line it moved from
-        if (row.index, s) in taken or fields is None or done[key, s] <= 0:
-            continue
-        lines = lines_of.get((key, s, fields), [])
-        while lines and places[key, s, lines[-1], fields] <= 0:
-            lines.pop()  # taken already
-        if lines:
-            take(row, s, (key, s, lines.pop(), fields))
-    for row, s, key, _ in wants:  # its own line, its fields since edited
-        if (row.index, s) in taken or done[key, s] <= 0:
-            continue
-        held = fields_at.get((key, s, row.index), [])
-        while held and places[key, s, row.index, held[-1]] <= 0:
-            held.pop()
-        if held:
-            take(row, s, (key, s, row.index, held.pop()))
+    def said_occurrence(sig: tuple[Any, ...], place: Place) -> tuple[Any, ...] | None:
+        return sig if place[4] is not None else None
+
+    # Its own fields and occurrence: the outcome it would write again (its own line's first).
+    stage(lambda p: said_occurrence(p, p), lambda r, s, k, f: (k, s, r.index, f, r.occurrence))
+    stage(lambda p: said_occurrence((*p[:2], *p[3:]), p), lambda r, s, k, f: (k, s, f, r.occurrence))
+    stage(lambda p: p[:4], lambda r, s, k, f: (k, s, r.index, f))  # its own line and fields
+    stage(lambda p: (*p[:2], p[3]), lambda r, s, k, f: (k, s, f))  # its fields, at a line it moved from
+    stage(lambda p: p[:3], lambda r, s, k, f: (k, s, r.index))  # its own line, its fields since edited
+    # Its own occurrence, its fields edited and the rows moved.
+    stage(lambda p: said_occurrence((*p[:2], p[4]), p), lambda r, s, k, f: (k, s, r.occurrence))
     left: list[Sample] = []
     for row, s, key, _ in wants:  # the rest by content, in dataset order
         if (row.index, s) in taken:
@@ -300,7 +316,7 @@ def match_outcomes(
         else:
             left.append((row, s))
     spare: dict[tuple[str, int], list[Place]] = collections.defaultdict(list)
-    for place, n in sorted(places.items(), key=lambda item: (item[0][2], item[0][3] or "")):
+    for place, n in sorted(places.items(), key=lambda item: _place_order(item[0])):
         if n > 0:
             spare[place[0], place[1]].append(place)
     return Matched(left, taken, dict(spare))
@@ -319,6 +335,7 @@ def scan_finished(
     checks: Checks | None = None,
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
+    passes: collections.Counter[str] | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
@@ -328,16 +345,19 @@ def scan_finished(
 
     With ``stop_after_passes`` (K) a sample skipped after its row's passes (``skipped_after_passes``) is
     finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
-    smaller K skipped it); ``exclude_partial``: partial passes are not kept ones."""
+    smaller K skipped it); ``exclude_partial``: partial passes are not kept ones. ``passes`` is given
+    each row identity's kept passes."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
-    passes: collections.Counter[str] = collections.Counter()
+    if passes is None:
+        passes = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec):
                 key = record_sample(rec)
                 done[key] += 1
                 if at is not None and is_index(rec.get("prompt_index")):
-                    at[place_of(key, rec["prompt_index"], row_fields_of(rec.get("metadata")))] += 1
+                    meta = rec.get("metadata")
+                    at[place_of(key, rec["prompt_index"], row_fields_of(meta), occurrence_in(meta))] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
                 if stop_after_passes and kept_pass(rec, exclude_partial):
@@ -371,6 +391,11 @@ def still_skipped(
 def row_fields_of(fields: Any) -> Any:
     """The ``row_fields`` text a record's metadata or an outcome row holds (None: none, or another shape)."""
     return fields.get("row_fields") if isinstance(fields, dict) else None
+
+
+def occurrence_in(fields: Any) -> int | None:
+    """The ``occurrence`` a record's metadata or an outcome row holds (None: none, or another shape)."""
+    return occurrence_of(fields) if isinstance(fields, dict) else None
 
 
 def outcome_row_fields(row: dict[str, Any]) -> Any:
@@ -412,7 +437,7 @@ def add_discards(
                 key = outcome_sample(rec)
                 done[key] += 1
                 if at is not None and is_index(rec.get("prompt_index")):
-                    at[place_of(key, rec["prompt_index"], outcome_row_fields(rec))] += 1
+                    at[place_of(key, rec["prompt_index"], outcome_row_fields(rec), occurrence_in(rec))] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec, rec.get("prompt_index"))
 
@@ -500,13 +525,17 @@ def resume_filter(
     dataset_file: str = "the dataset",
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
+    rerun: set[tuple[int, int]] | None = None,
 ) -> list[Sample]:
     """The samples with no finished outcome yet, counting duplicates per (identity, sample index).
+    ``rerun``, with ``rerun_discarded``: given the (row index, sample index) of those that run again
+    because they were discarded (a resume without the flag would not run them).
 
     A row whose finished samples were judged against another check (answer, verify, ...) stops the
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
     at: collections.Counter[Place] = collections.Counter()
     checks: Checks = {}
+    passes: collections.Counter[str] = collections.Counter()
     done = scan_finished(
         run_dir,
         rerun_discarded=rerun_discarded,
@@ -514,6 +543,7 @@ def resume_filter(
         checks=checks,
         stop_after_passes=stop_after_passes,
         exclude_partial=exclude_partial,
+        passes=passes,
     )
     matched = match_outcomes(rows, done, redact, samples_per_prompt, at)
     changed = changed_checks(rows, checks, redact, matched, samples_per_prompt)
@@ -533,6 +563,13 @@ def resume_filter(
             )
         print(f"warning: {what}; kept as they are (--force_resume)", file=sys.stderr)
     todo = matched.left
+    if rerun is not None and rerun_discarded:
+        # The same outcomes with the discards: the samples a resume without the flag would leave.
+        add_discards(
+            run_dir, done, rerun_discarded=False, at=at, counts=still_skipped(passes, stop_after_passes)
+        )
+        left = match_outcomes(rows, done, redact, samples_per_prompt, at).left
+        rerun |= {(row.index, s) for row, s in todo} - {(row.index, s) for row, s in left}
     total = sum(samples_of(r, samples_per_prompt) for r in rows)
     unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed
     print(f"Resume: {total - len(todo)} {unit} already finished, {len(todo)} to run")
@@ -560,6 +597,13 @@ def resume_command(argv: list[str] | None = None) -> str:
     # The installed command (batch_runner.py is not installed), else the file users know.
     program = ["batch-runner"] if Path(sys.argv[0]).name == "batch-runner" else ["python", "batch_runner.py"]
     return " ".join([*program, *args, "--resume"])
+
+
+def rerun_command() -> str:
+    """:func:`resume_command` with --rerun_discarded: every discarded sample runs again."""
+    if COMMAND_LINE is None:
+        return "the same call with resume=True and rerun_discarded=True"
+    return f"{resume_command()} --rerun_discarded"
 
 
 def _without(args: list[str], bool_flags: tuple[str, ...]) -> list[str]:

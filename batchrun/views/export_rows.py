@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import is_index, kept_line, outcome_sample, superseded_discards
+from batchrun.identity import Line, is_index, kept_line, outcome_line, outcome_sample, superseded_discards
 from batchrun.record import read_score, valid_outcome_row
 from batchrun.sharegpt import (
     ENCRYPTED_REASONING,
@@ -269,7 +269,7 @@ def _samples(
     no outcome yet. A discard that no longer stands for its sample (run again and kept, or discarded
     again: ``superseded_discards``, as statistics.json counts them) is left out: with it, one sample
     was exported twice."""
-    kept_at: Counter[tuple[str, int, int]] = Counter()
+    kept_at: Counter[Line] = Counter()
     for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
         if rec is None:
             skipped["malformed lines"] += 1
@@ -278,13 +278,13 @@ def _samples(
             kept_at[line] += 1
         yield rec, None
     stale = superseded_discards(run_dir / "discarded.jsonl", kept_at)
-    discarded_at: set[tuple[str, int, int]] = set()
+    discarded_at: set[Line] = set()
     for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
         if row is None:
             skipped["malformed lines"] += 1
             continue
         if valid_outcome_row(row, "reason") and is_index(row.get("prompt_index")):
-            discarded_at.add((*outcome_sample(row), row["prompt_index"]))
+            discarded_at.add(outcome_line(row))
         if n in stale:
             if include_discarded:
                 skipped["discarded sample run again"] += 1
@@ -300,7 +300,7 @@ def _samples(
     for row in iter_jsonl(run_dir / "failed.jsonl"):
         if valid_outcome_row(row, "error_class") and is_index(row.get("prompt_index")):
             failed.setdefault(outcome_sample(row), set()).add(row["prompt_index"])
-    finished = Counter((key, index) for key, index, _line in {*kept_at, *discarded_at})
+    finished = Counter((key, index) for key, index, *_ in {*kept_at, *discarded_at})
     unfinished = sum(max(0, len(lines) - finished[sample]) for sample, lines in failed.items())
     if unfinished:
         skipped["failed (no outcome yet; --resume runs it again)"] += unfinished

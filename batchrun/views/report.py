@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import kept_line, record_sample, superseded_discards
+from batchrun.identity import Line, kept_line, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import RunScores, interval_clusters, planned_figures, wanted_from_duplicates
@@ -202,9 +202,7 @@ class RunData:
     record_scores: RunScores | None = None
     # (row key, sample index, dataset line) of every kept record seen: a discard of that sample at that
     # line is superseded (it ran again and was kept), as statistics.json counts it
-    kept_at: collections.Counter[tuple[str, int, int]] = dataclasses.field(
-        default_factory=collections.Counter
-    )
+    kept_at: collections.Counter[Line] = dataclasses.field(default_factory=collections.Counter)
 
 
 def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunData | None = None) -> RunData:

@@ -6,15 +6,21 @@ import collections
 import json
 import os
 import random
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 from helpers import (
+    default_sigint,
     exit_code,
+    lines_written,
     read_jsonl,
     requests,
     run,
+    runner_argv,
     stats_of,
+    wait_for,
     write_jsonl,
     write_rows,
 )
@@ -53,6 +59,53 @@ def test_checkpoint_lists_discarded_prompts_as_finished_and_failed_ones_not(serv
     )  # a new invocation reads the discard back from its file
     assert requests(server) - before == {"fails [error:400]": 1}
     assert _checkpoint(out / "run")["completed_prompts"] == [0, 1]
+
+
+def test_checkpoint_counts_a_discard_run_again_once_as_statistics_do(server, tmp_path):
+    """A discard run again by --rerun_discarded and discarded again: batch_stats counted it in both batches
+    (discarded 1 + 1, processed 2 + 1 for 2 samples) where statistics.json counts the sample once (1
+    discard). A record the merge set aside (unknown_tool) counted as its batch's trajectory and discard."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["terse [no_reasoning]", "fine [calls:1]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    run(server, dataset, out, resume=True, rerun_discarded=True)
+    stats = _checkpoint(run_dir)["batch_stats"]
+    assert (stats["0"]["processed"], stats["0"]["discarded"], stats["0"]["discarded_no_reasoning"]) == (
+        1,
+        0,
+        0,
+    )
+    assert (stats["1"]["processed"], stats["1"]["discarded"], stats["1"]["discarded_no_reasoning"]) == (
+        1,
+        1,
+        1,
+    )
+    assert sum(b["discarded"] for b in stats.values()) == stats_of(run_dir)["discarded"]["total"] == 1
+    (rec,) = read_jsonl(run_dir / "batch_0.jsonl")
+    rec["conversations"][2]["tool_calls"][0]["function"]["name"] = "gone_plugin_tool"
+    (run_dir / "batch_0.jsonl").write_text(json.dumps(rec) + "\n", "utf-8")
+    run(server, dataset, out, resume=True)  # the merge sets it aside
+    assert _checkpoint(run_dir)["batch_stats"]["0"] == {
+        "processed": 1,
+        "skipped": 0,
+        "discarded_no_reasoning": 0,
+        "trajectories": 0,
+        "discarded": 1,
+    }
+
+
+def test_checkpoint_lists_the_rows_that_finished_not_the_lines_outcomes_were_written_at(server, tmp_path):
+    """Rows x, y (discarded) and z (fails); x removed: y's discard stands for y, now at line 0, and its old
+    line 1 is z's, which failed again. completed_prompts listed [0, 1]: line 0 for x's record, line 1 for
+    y's discard, so z (which --resume runs again) was listed finished and y was listed for x."""
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_jsonl(tmp_path / "d0.jsonl", ["x [calls:0]", "y [no_reasoning]", "z [error:500]"]), out)
+    assert _checkpoint(run_dir)["completed_prompts"] == [0, 1]
+    run(server, write_jsonl(tmp_path / "d1.jsonl", ["z [error:500]", "y [no_reasoning]"]), out, resume=True)
+    assert _checkpoint(run_dir)["completed_prompts"] == [1]
+    assert stats_of(run_dir)["remaining_for_resume"] == 1
 
 
 def test_resume_runs_only_missing_prompts_then_nothing(server, tmp_path, capsys):
@@ -322,6 +375,100 @@ def test_identical_rows_resume_runs_the_copy_whose_sample_is_missing(server, tmp
     assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
+@pytest.mark.parametrize("edit", ["row_removed_above", "row_added_above"])
+def test_identical_rows_that_moved_run_the_copy_that_did_not_finish(server, tmp_path, edit):
+    """Identical rows differ only in their occurrence (their request seeds and toolset draw), which records
+    did not save. One copy finished, the other was in flight when the run was killed; then a row above
+    them was removed (or added): matched by line, the copy that had finished took its twin's place and ran
+    again with its own seeds (the same conversation twice in trajectories.jsonl) while the lost copy never
+    ran. Each record now says its occurrence (metadata.occurrence), so the lost copy is the one that runs:
+    the same final answers as an uninterrupted run of the edited dataset."""
+    dup = {"prompt": "Dup row [answers:A|B|C|D|E|F|G]"}
+    intro = {"prompt": "intro row [calls:0]"}
+    first, edited, lost = {
+        "row_removed_above": ([intro, dup, dup], [dup, dup], 2),  # the first copy finished
+        "row_added_above": ([dup, dup], [intro, dup, dup], 0),  # the second copy finished
+    }[edit]
+    out = tmp_path / "data"
+    kw = dict(seed_per_request=True, num_workers=1)
+    d1 = write_rows(tmp_path / "d1.jsonl", edited)
+    run(server, d1, out, run_name="whole", **kw)
+
+    def twins(run_name: str) -> list[str]:
+        merged = read_jsonl(out / run_name / "trajectories.jsonl")
+        return sorted(
+            r["conversations"][-1]["value"] for r in merged if r["conversations"][1]["value"] == dup["prompt"]
+        )
+
+    whole = twins("whole")
+    assert len(set(whole)) == 2
+    run_dir = out / "run"
+    run(server, write_rows(tmp_path / "d0.jsonl", first), out, **kw)
+    batch = run_dir / "batch_0.jsonl"
+    kept = [r for r in read_jsonl(batch) if r["prompt_index"] != lost]  # as a kill -9 leaves it
+    batch.write_text("".join(json.dumps(r) + "\n" for r in kept), "utf-8")
+    before = requests(server)[dup["prompt"]]
+    run(server, d1, out, resume=True, **kw)
+    assert requests(server)[dup["prompt"]] - before == 3  # one copy's three model calls
+    assert twins("run") == whole
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["metadata"]["occurrence"] for r in merged) == [
+        0,
+        0,
+        1,
+    ]  # the intro row's, then the twins'
+    before = requests(server)[dup["prompt"]]
+    run(server, d1, out, resume=True, **kw)
+    assert requests(server)[dup["prompt"]] == before  # two copies' records at one line are two samples
+    assert twins("run") == whole
+
+
+def test_discards_of_identical_rows_at_one_line_are_two_samples(server, tmp_path):
+    """Both copies of a row discarded (no reasoning), the second one's discard lost to a kill, then the row
+    above removed: the resume runs the second copy, whose discard is written at the line the first copy's
+    was. Two samples, each counted (statistics.json, batch_stats, completed_prompts), as in an
+    uninterrupted run of the edited dataset; not one sample discarded twice."""
+    dup = {"prompt": "Dup terse [no_reasoning] [answers:A|B|C|D|E|F|G]"}
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    kw = dict(seed_per_request=True, num_workers=1)
+    run(server, write_rows(tmp_path / "d0.jsonl", [{"prompt": "intro [calls:0]"}, dup, dup]), out, **kw)
+    discards = run_dir / "discarded.jsonl"
+    discards.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(discards) if r["prompt_index"] != 2))
+    edited = write_rows(tmp_path / "d1.jsonl", [dup, dup])
+    run(server, edited, out, resume=True, **kw)
+    assert sorted((d["prompt_index"], d["occurrence"]) for d in read_jsonl(discards)) == [(1, 0), (1, 1)]
+    stats = stats_of(run_dir)
+    assert (stats["discarded"]["total"], stats["remaining_for_resume"]) == (2, 0)
+    checkpoint = _checkpoint(run_dir)
+    assert checkpoint["completed_prompts"] == [0, 1]
+    assert sum(b["discarded"] for b in checkpoint["batch_stats"].values()) == 2
+    before = requests(server)[dup["prompt"]]
+    run(server, edited, out, resume=True, **kw)
+    assert requests(server)[dup["prompt"]] == before
+
+
+def test_records_without_their_occurrence_resume_as_before(server, tmp_path):
+    """Records written before metadata.occurrence existed: matched by line, fields and content, as they
+    were (the copy at the finished copy's line is taken for it); none is run twice, none is lost, and the
+    merge writes them with occurrence -1 (not recorded) in trajectories.jsonl."""
+    dup = {"prompt": "old twin [answers:A|B|C]"}
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, write_rows(tmp_path / "d0.jsonl", [dup, dup]), out, max_samples=1)
+    batch = run_dir / "batch_0.jsonl"
+    (rec,) = read_jsonl(batch)
+    del rec["metadata"]["occurrence"]
+    batch.write_text(json.dumps(rec) + "\n", "utf-8")
+    before = requests(server)[dup["prompt"]]
+    run(server, write_rows(tmp_path / "d0.jsonl", [dup, dup]), out, resume=True)
+    assert requests(server)[dup["prompt"]] - before == 3  # the second copy
+    merged = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted((r["prompt_index"], r["metadata"]["occurrence"]) for r in merged) == [(0, -1), (1, 1)]
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 @pytest.mark.parametrize("edit", ["row_removed_above", "reordered"])
 def test_rows_of_one_prompt_that_moved_each_keep_their_own_sample(server, tmp_path, edit):
     """Rows with one prompt but their own ``id`` / ``answer`` (one question of several sets) are one
@@ -449,6 +596,49 @@ def test_a_sample_redone_by_rerun_discarded_does_not_stand_for_its_identical_twi
     assert requests(server) - before == {twin: 3}  # the second copy runs (three model calls)
     assert sorted(d["prompt_index"] for d in read_jsonl(run_dir / "discarded.jsonl")) == [0, 0, 1]
     assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
+def test_an_interrupted_rerun_of_discards_says_what_each_command_does_with_those_not_run_again(
+    server, tmp_path
+):
+    """A --rerun_discarded resume interrupted (Ctrl-C) after it ran 2 of its 4 discards again: the 2 it
+    did not reach keep their discards, so the resume command it printed (without the flag, which would
+    pay for the 2 again) runs nothing and leaves them as they are, and --rerun_discarded again runs all
+    4. It exited 130 saying neither: remaining_for_resume 0, no command, nothing in statistics.json.
+    Now it says how many did not run again and what each command does with them."""
+    rows = [f"terse {i} [no_reasoning] [slow:1]" for i in range(4)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*rows, "fine [calls:0]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    argv = runner_argv(
+        dataset, out, server, "--prompts_per_worker=1", "--batch_size=8", "--max_failure_rate=1"
+    )
+    subprocess.run(argv, check=True, capture_output=True)
+    assert lines_written(run_dir / "discarded.jsonl") == 4
+    proc = subprocess.Popen(
+        [*argv, "--resume", "--rerun_discarded"],
+        preexec_fn=default_sigint,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for(lambda: lines_written(run_dir / "discarded.jsonl") >= 6, 60)  # 2 run again, a third under way
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output[-2000:]
+    assert "--rerun_discarded: 2 of the 4 discarded sample(s) this run was to run again did not run" in output
+    said = output.split("--rerun_discarded: 2 of the 4", 1)[1].splitlines()
+    assert said[1].endswith("--resume") and "leaves them discarded" in said[2]
+    assert said[3].endswith("--resume --rerun_discarded")
+    assert "runs them, and again the 2 this run ran again and discarded again" in said[4]
+    stats = stats_of(run_dir)
+    assert stats["this_run"]["rerun_discarded"] == {
+        "to_rerun": 4,
+        "kept": 0,
+        "discarded_again": 2,
+        "not_rerun": 2,
+    }
+    assert stats["remaining_for_resume"] == 0
 
 
 def test_a_resume_that_reran_its_discards_leaves_none_of_them_pending(server, tmp_path, capsys, monkeypatch):
