@@ -32,6 +32,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_measured(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float, float]:
+    """``argv`` run in ``cwd`` to its end: what it did, its wall time and the CPU of it and its children."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return done, wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
 def simulated(pairs: int, per_row: int, mixes: int, seed: int) -> tuple[list, list, list]:
     """(verdict pairs, each pair's row, each pair's toolset mix)."""
     rng = random.Random(seed)
@@ -137,18 +147,11 @@ def command(args: argparse.Namespace, per_row: int, tree: Path) -> None:
         a, b = Path(tmp) / "a", Path(tmp) / "b"
         write_run(a, verdicts, rows, mix, 0)
         write_run(b, verdicts, rows, mix, 1)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        w = time.perf_counter()
-        done = subprocess.run(
+        done, wall, cpu = run_measured(
             [sys.executable, "-m", "batchrun.views.compare", str(a), str(b), f"--out={Path(tmp) / 'c.html'}"]
             + [f"--bootstrap={args.bootstrap}"],
-            cwd=tree,
-            capture_output=True,
-            text=True,
+            tree,
         )
-        wall = time.perf_counter() - w
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         size = (a / "trajectories.jsonl").stat().st_size / 1e6
         print(
             f"  the command, two runs of {size:.0f} MB: {wall:8.2f} s wall {cpu:8.2f} s CPU (exit {done.returncode})"

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_speed import run_measured  # noqa: E402
 
 
 def write_run(run_dir: Path, samples: int, answer: str) -> None:
@@ -61,17 +60,7 @@ def write_run(run_dir: Path, samples: int, answer: str) -> None:
 
 
 def timed(tree: Path, run_dir: Path, flags: list[str]) -> None:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    w = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "batchrun.views.score", str(run_dir), *flags],
-        cwd=tree,
-        capture_output=True,
-        text=True,
-    )
-    wall = time.perf_counter() - w
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    done, wall, cpu = run_measured([sys.executable, "-m", "batchrun.views.score", str(run_dir), *flags], tree)
     said = (done.stdout.splitlines() or [done.stderr.strip()[-200:]])[0]
     print(f"  {' '.join(flags):62} {wall:8.2f} s wall {cpu:8.2f} s CPU (exit {done.returncode})")
     print(f"    {said}")
