@@ -353,9 +353,8 @@ def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
             pass
     unreported = [k for k in USAGE_COUNTS if k in missing]  # one order: typing twice changes nothing
     providers = usage.get("providers")
-    if not isinstance(
-        providers, str
-    ):  # a list as the loop counts them; anything else (a 5: another tool's) names none
+    if not isinstance(providers, str):
+        # A list as the loop counts them; anything else (a 5, in another tool's record) names none.
         names = providers if isinstance(providers, (list, tuple)) else []
         providers = json.dumps([str(p) for p in names], ensure_ascii=False)
     typed = {k: (EMPTY[kind] if usage.get(k) is None else usage[k]) for k, kind in USAGE.items()}
