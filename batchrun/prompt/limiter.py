@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 MAX_PAUSE_S = 120.0  # cap on one back-off, whatever Retry-After says (a frozen run helps no one)
 # A prompt's credited waits once its time started (for a request slot, out of other prompts' 429 pauses,
-# for the budget) at most this long in all: past it, they count against its deadline. It was an hour for every wait: an endpoint posing as a one-slot llama-server that
-# held each request to its deadline kept prompts under way, sandboxes up, an hour past their deadlines.
+# for the budget) at most this long in all: past it, they count against its deadline. It was an hour for
+# every wait: an endpoint posing as a one-slot llama-server that held each request to its deadline kept
+# prompts under way, sandboxes up, an hour past their deadlines.
 MAX_SLOT_WAIT_S = 300.0
 # A prompt's wait for its first request slot (a llama-server's slots, --max_concurrent_requests), before
 # its time starts, at most this long: then it fails (class timeout) without having spent anything.

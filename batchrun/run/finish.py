@@ -602,9 +602,9 @@ def statistics(
         config.samples_per_prompt,
         still_skipped(totals.passes, config.stop_after_passes),
     )
-    # Samples (a row of N samples counts N) a --resume would run: no trajectory and no discard yet; a sample skipped after its row's
-    # passes only while the row has --stop_after_passes of them (a resume that raised it and stopped before
-    # running them left them to run). Whether this invocation re-ran discards (--rerun_discarded) does not
+    # Samples (a row of N samples counts N) a --resume would run: no trajectory and no discard yet; a
+    # sample skipped after its row's passes only while the row has --stop_after_passes of them (a resume
+    # that raised it and stopped before running them left them to run). Whether this invocation re-ran discards (--rerun_discarded) does not
     # matter: what they gave is their outcome (counted as pending, the closing summary offered a command
     # that ran them all once more).
     remaining = len(matched.left)
