@@ -30,7 +30,7 @@ def test_the_metadata_columns_in_their_order_with_the_token_counts_from_usage():
     result = SimpleNamespace(served_model="served", stop_reason="answered")
     tools = [SimpleNamespace(name="terminal"), SimpleNamespace(name="process")]
     meta = prompt_metadata(
-        job(image="img:1", cwd="/w", row_id="r1", sample_index=2),
+        job(image="img:1", cwd="/w", row_id="r1", sample_index=2, occurrence=2),
         model="asked",
         backend="local",
         result=result,
@@ -43,8 +43,10 @@ def test_the_metadata_columns_in_their_order_with_the_token_counts_from_usage():
     assert list(meta) == [
         "batch_num", "timestamp", "model", "served_model", "stop_reason", "duration_s", "sandbox",
         "isolation", "usage", "toolsets_sampled", "image", "sandbox_image", "cwd", "row_id",
-        "row_fields", "sample_index", "max_turns", "tools_offered", "prompt_tokens", "completion_tokens",
+        "row_fields", "sample_index", "occurrence", "max_turns", "tools_offered", "prompt_tokens",
+        "completion_tokens",
     ]  # fmt: skip
+    assert meta["occurrence"] == 2  # the job's: two earlier rows held its prompt text
     assert (meta["batch_num"], meta["model"], meta["served_model"], meta["sandbox"]) == (
         3,
         "asked",
