@@ -1111,3 +1111,59 @@ def test_the_start_warns_when_the_command_server_is_in_its_commands_reach(
     said = capsys.readouterr().out
     assert "warning: the local sandbox's command server is in its commands' reach" in said, said
     assert "do not train on this run's scores" in said
+
+
+def test_etc_views_no_process_holds_go_once_unused_and_held_ones_stay(tmp_path: Path, monkeypatch):
+    """Each change of /etc made a new machine-wide view (a 3 MB copy in /dev/shm: hard links cannot
+    cross into tmpfs), and a view stayed two days whether or not any run used it: 122 views, 351 MB of
+    memory here. A view no process holds and none asked for in VIEW_KEEP_S goes now; one a worker holds
+    stays however old, and so does one of an earlier version (no lock file) for the two days it had."""
+    import subprocess
+    import sys
+    import time
+
+    from batchrun.prompt.sandboxes.local import system_view as local
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.setattr(local, "_held_views", {}, raising=False)
+    cache = Path(local.private_cache_dir())
+    hour, days = 3600.0, 3 * 86400.0  # past VIEW_KEEP_S; past the two days of a view without a lock
+    old = time.time() - hour
+
+    def view(name: str, lock: bool, age_s: float) -> Path:
+        path = cache / name
+        (path / "ssl").mkdir(parents=True)
+        (path / "hosts").write_text("127.0.0.1 localhost\n")
+        if lock:
+            Path(f"{path}.lock").touch()
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+        return path
+
+    unused = view("etc-unused", lock=True, age_s=hour)
+    held = view("etc-held", lock=True, age_s=hour)
+    legacy = view("etc-legacy", lock=False, age_s=hour)
+    legacy_old = view("etc-legacy-old", lock=False, age_s=days)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+         "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); time.sleep(120)", f"{held}.lock"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        current = local.shared_etc_view()
+        assert current is not None and Path(current).parent == cache and os.path.isdir(current)
+        assert old < Path(current).stat().st_mtime
+        assert not unused.exists() and not Path(f"{unused}.lock").exists()
+        assert held.is_dir() and legacy.is_dir()
+        assert not legacy_old.exists()
+        # This process holds the view it uses: another's prune leaves it, however long it runs.
+        os.utime(current, (old, old))
+        local._prune_views(str(cache), keep=str(held))
+        assert os.path.isdir(current) and not os.path.exists(os.path.join(current, ".lock"))
+    finally:
+        holder.kill()
+        holder.wait()
+    local._prune_views(str(cache), keep=str(current))  # its holder gone: the old view goes
+    assert not held.exists() and not Path(f"{held}.lock").exists()
