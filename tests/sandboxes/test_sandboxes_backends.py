@@ -4,6 +4,7 @@ bubblewrap holding the host read-only; the exact CLI and SDK calls of the fakes;
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import ipaddress
@@ -1181,16 +1182,20 @@ def test_layer_bytes_counts_blocks_each_file_at_least_one_and_hard_links_once(tm
 def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker_box, docker_test_image):
     from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 
-    seed = docker_client().containers.run(
-        docker_test_image,
-        ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && chmod 777 /repo"
-         " && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
-        detach=True,
-    )  # fmt: skip
-    seed.wait()
     image = f"batch-runner-test-repo:{uuid.uuid4().hex[:8]}"
-    seed.commit(*image.split(":"), changes=["USER nobody"])  # copied in as root all the same
-    seed.remove()
+    seed_name = f"br-test-seed-{uuid.uuid4().hex[:8]}"
+    try:  # named, so a start the engine fails (it does here, now and then) leaves no container behind
+        seed = docker_client().containers.run(
+            docker_test_image,
+            ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && chmod 777 /repo"
+             " && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
+            detach=True, name=seed_name,
+        )  # fmt: skip
+        seed.wait()
+        seed.commit(*image.split(":"), changes=["USER nobody"])  # copied in as root all the same
+    finally:
+        with contextlib.suppress(Exception):
+            docker_client().containers.get(seed_name).remove(force=True)
     try:
         box = docker_box(index=42, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 8})
         probe = "cat src/main.py; wc -c < blob; df -k . | tail -1; stat -c '%U %a' . src/main.py; id -u"
