@@ -73,9 +73,8 @@ def _number(value: Any) -> float | None:
     return value if finite_number(value) is not None else None
 
 
-_JSON_LISTS: dict[
-    str, tuple[Any, ...]
-] = {}  # the few short texts every record repeats ("[]", ...), read once
+# The few short JSON list texts every record repeats ("[]", ...), each read once.
+_JSON_LISTS: dict[str, tuple[Any, ...]] = {}
 
 
 def _json_list(value: Any) -> list[Any]:
