@@ -165,15 +165,11 @@ SCORE: dict[str, Any] = {
 _UNJUDGED = {"scorer": "none", "explanation": "not judged"}
 
 
-def _number(value: Any) -> float | None:
-    return finite_number(value)
-
-
 def conform_score(score: dict[str, Any] | None) -> dict[str, Any]:
     """The typed ``score`` of a record from what the scorers said (nulls where they gave no verdict);
     none at all is the unjudged score. A typed score comes back as it is."""
     sem = read_score(score) if isinstance(score, dict) else dict(_UNJUDGED)
-    passed, value, error = sem.get("passed"), _number(sem.get("value")), sem.get("error")
+    passed, value, error = sem.get("passed"), finite_number(sem.get("value")), sem.get("error")
     if isinstance(passed, bool):
         status = "passed" if passed else "failed"
         value = (1.0 if passed else 0.0) if value is None else value
@@ -208,7 +204,7 @@ def _typed_judge_usage(usage: dict[str, Any]) -> dict[str, Any]:
             listed = []
         missing = {k for k in listed if isinstance(k, str)} if isinstance(listed, list) else set()
     elif usage.get("requests"):  # a judge was asked: what it did not say is unknown, not 0
-        missing = {k for k in JUDGE_USAGE_COUNTS if _number(usage.get(k)) is None}
+        missing = {k for k in JUDGE_USAGE_COUNTS if finite_number(usage.get(k)) is None}
     typed["unreported"] = json.dumps([k for k in JUDGE_USAGE_COUNTS if k in missing])
     return typed
 
@@ -343,7 +339,8 @@ def _typed_usage(usage: dict[str, Any]) -> dict[str, Any]:
     usage = {
         k: v
         for k, v in usage.items()
-        if USAGE.get(k) not in (INT, FLOAT) or (_number(v) is not None and conform(v, USAGE[k]) is not None)
+        if USAGE.get(k) not in (INT, FLOAT)
+        or (finite_number(v) is not None and conform(v, USAGE[k]) is not None)
     }
     missing = {k for k in USAGE_COUNTS if usage.get(k) is None}
     if isinstance(usage.get("unreported"), str):  # typed already (the recorder types it again): keep it

@@ -136,6 +136,11 @@ def finite_number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def finite_value(value: Any) -> Any:
+    """``value`` itself (an int stays an int) when :func:`finite_number` reads it as a number; else None."""
+    return value if finite_number(value) is not None else None
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e999: a JSON number, but no double holds it (written back: Infinity)

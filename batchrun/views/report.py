@@ -27,7 +27,13 @@ from batchrun.identity import Line, kept_line, record_sample, superseded_discard
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import RunScores, interval_clusters, planned_figures, wanted_from_duplicates
-from batchrun.sharegpt import finite_number, first_human, parse_json, reasoning_counts, tools_text
+from batchrun.sharegpt import (
+    finite_value,
+    first_human,
+    parse_json,
+    reasoning_counts,
+    tools_text,
+)
 from batchrun.storage import (
     PARTIAL_LINE,
     WriteError,
@@ -69,10 +75,6 @@ def trajectory_sources(run_dir: Path) -> tuple[list[Path], bool]:
     return batches, not batches
 
 
-def _number(value: Any) -> float | None:
-    return value if finite_number(value) is not None else None
-
-
 # The few short JSON list texts every record repeats ("[]", ...), each read once.
 _JSON_LISTS: dict[str, tuple[Any, ...]] = {}
 
@@ -106,8 +108,8 @@ def record_usage(rec: dict[str, Any]) -> dict[str, Any]:
     def pick(key: str) -> float | None:
         if key in unreported:
             return None
-        value = _number(usage.get(key))
-        return value if value is not None else _number(meta.get(key))
+        value = finite_value(usage.get(key))
+        return value if value is not None else finite_value(meta.get(key))
 
     prompt, completion = pick("prompt_tokens"), pick("completion_tokens")
     providers = usage.get("providers")
@@ -123,8 +125,8 @@ def record_usage(rec: dict[str, Any]) -> dict[str, Any]:
         "cached_tokens": pick("cached_tokens"),
         "cache_write_tokens": pick("cache_write_tokens"),
         "cost_usd": pick("cost_usd"),
-        "retries": _number(usage.get("retries")),
-        "rate_limited": _number(usage.get("rate_limited")),
+        "retries": finite_value(usage.get("retries")),
+        "rate_limited": finite_value(usage.get("rate_limited")),
         "providers": [p for p in providers if isinstance(p, str)] if isinstance(providers, list) else [],
     }
 
@@ -346,11 +348,11 @@ def add_trajectory(
             t = data.tool_stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
             for key in t:
                 value = s.get(key)
-                t[key] += value if type(value) is int else int(_number(value) or 0)
+                t[key] += value if type(value) is int else int(finite_value(value) or 0)
     with_r, gpt_turns = reasoning if reasoning is not None else reasoning_counts(rec["conversations"])
     data.turns_with_reasoning += with_r
     data.turns_without_reasoning += gpt_turns - with_r
-    data.turns.append(_number(rec.get("api_calls")) or 0)
+    data.turns.append(finite_value(rec.get("api_calls")) or 0)
     usage = record_usage(rec)
     data.spend.add(usage)
     if usage["tokens"] is not None:
@@ -860,7 +862,7 @@ def section_usage(d: RunData) -> str:
         flat = [
             (k, fmt_usd(v) if k == "cost_usd" else fmt_int(v))
             for k, v in run_usage.items()
-            if _number(v) is not None
+            if finite_value(v) is not None
         ]
         if flat:
             providers += "<h3>Last run, every model call (failed attempts included)</h3>" + table(
@@ -952,16 +954,16 @@ def section_scores(d: RunData) -> str:
         )
     cards = []
     rate, ci, n = (
-        _number(scores.get("pass_rate")),
+        finite_value(scores.get("pass_rate")),
         scores.get("pass_rate_95ci"),
-        _number(scores.get("scored")),
+        finite_value(scores.get("scored")),
     )
     if (
         rate is not None
         and n is not None
         and isinstance(ci, list)
         and len(ci) == 2
-        and None not in map(_number, ci)
+        and None not in map(finite_value, ci)
     ):
         lo, hi = ci
         # Several samples a row are not independent draws: statistics.json's interval is then clustered by row.
@@ -985,16 +987,16 @@ def section_scores(d: RunData) -> str:
             )
     pass_at_k = scores.get("pass_at_k")
     for k, v in pass_at_k.items() if isinstance(pass_at_k, dict) else ():
-        if _number(v) is not None:
+        if finite_value(v) is not None:
             cards.append(stat(k, f"{v:.3f}", k, "unbiased estimator"))
-    if _number(scores.get("mean_score")) is not None:
+    if finite_value(scores.get("mean_score")) is not None:
         cards.append(stat("mean_score", f"{scores['mean_score']:.3f}", "mean score"))
-    errors = _number(scores.get("scorer_errors")) or 0
-    pending = _number(scores.get("samples_pending")) or 0
+    errors = finite_value(scores.get("scorer_errors")) or 0
+    pending = finite_value(scores.get("samples_pending")) or 0
     cards.append(
         stat(
             "unscored",
-            fmt_int((_number(scores.get("unscored")) or 0) + errors),
+            fmt_int((finite_value(scores.get("unscored")) or 0) + errors),
             "not judged",
             f"{fmt_int(errors)} scorer errors"
             + (f" · {fmt_int(pending)} samples without an outcome (failed or not run)" if pending else ""),
@@ -1049,7 +1051,7 @@ def section_scores(d: RunData) -> str:
     )
     # --stop_after_passes: the console and statistics.json say the figures describe the kept data; the
     # page showed them bare (a pass@4 of 0.000: only rows that never passed ran 4 samples).
-    skipped = _number(scores.get("skipped_after_passes")) or 0
+    skipped = finite_value(scores.get("skipped_after_passes")) or 0
     caveat = (
         f'<p class="note stop-after-passes">{fmt_int(skipped)} samples skipped after passes: '
         f"{esc(scores['note'])}.</p>"

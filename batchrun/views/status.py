@@ -25,7 +25,7 @@ from typing import Any
 
 from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import terminal_safe
-from batchrun.sharegpt import finite_number, parse_json
+from batchrun.sharegpt import finite_number, finite_value, parse_json
 from batchrun.storage import pid_alive
 
 STALL_AFTER_S = 60.0
@@ -47,10 +47,6 @@ def to_epoch(value: Any) -> float | None:
         except ValueError:
             return None
     return None
-
-
-def _num(value: Any) -> float | None:
-    return value if finite_number(value) is not None else None
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -86,8 +82,8 @@ def fmt_usd(x: float | None) -> str:
 
 def checks(status: dict[str, Any], now: float, alive: bool | None = None) -> dict[str, Any]:
     """What the raw file does not say: progress, ages, and whether the run looks stalled or dead."""
-    total = _num(status.get("total"))
-    settled = sum(_num(status.get(k)) or 0 for k in ("done", "failed", "discarded", "skipped_budget"))
+    total = finite_value(status.get("total"))
+    settled = sum(finite_value(status.get(k)) or 0 for k in ("done", "failed", "discarded", "skipped_budget"))
     # Before the first prompt settles, quiet time counts from the start: a run stuck there is stalled too.
     last_event = to_epoch(status.get("last_event_at")) or to_epoch(status.get("started_at"))
     updated = to_epoch(status.get("updated_at"))
@@ -123,24 +119,24 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
         head.append(f"updated {fmt_duration(c['updated_age_s'])} ago")
     lines = [" · ".join(head)]
 
-    total = _num(status.get("total"))
+    total = finite_value(status.get("total"))
     pct = f" ({c['progress']:.1%})" if c["progress"] is not None else ""
     progress = f"Progress: {fmt_count(c['settled'])} of {fmt_count(total)} prompts{pct}"
     parts = [
-        f"{fmt_count(_num(status.get(k)) or 0)} {label}"
+        f"{fmt_count(finite_value(status.get(k)) or 0)} {label}"
         for k, label in (("done", "done"), ("discarded", "discarded"), ("failed", "failed"))
     ]
-    if _num(status.get("skipped_budget")):
+    if finite_value(status.get("skipped_budget")):
         parts.append(f"{fmt_count(status['skipped_budget'])} not started (budget)")
-    if _num(status.get("in_flight")) is not None:
+    if finite_value(status.get("in_flight")) is not None:
         parts.append(f"{fmt_count(status['in_flight'])} in flight")
     lines.append(f"{progress} · {' · '.join(parts)}")
 
-    rate, tpm = _num(status.get("rate_per_min")), _num(status.get("tokens_per_min"))
+    rate, tpm = finite_value(status.get("rate_per_min")), finite_value(status.get("tokens_per_min"))
     eta = (
         "done"
         if state == "finished"
-        else fmt_duration(_num(status.get("eta_s")))
+        else fmt_duration(finite_value(status.get("eta_s")))
         if state == "running"
         else "–"
     )
@@ -149,37 +145,40 @@ def format_status(status: dict[str, Any], now: float, alive: bool | None = None)
         f"{fmt_count(tpm) if tpm is not None else '–'} tokens/min · ETA {eta}"
         + (
             f" · {fmt_count(status['rate_limit_pauses'])} rate-limit pauses"
-            if _num(status.get("rate_limit_pauses"))
+            if finite_value(status.get("rate_limit_pauses"))
             else ""
         )
     )
 
-    prompt_t, completion_t = _num(status.get("prompt_tokens")), _num(status.get("completion_tokens"))
-    spend = [fmt_usd(_num(status.get("cost_usd")))]
+    prompt_t, completion_t = (
+        finite_value(status.get("prompt_tokens")),
+        finite_value(status.get("completion_tokens")),
+    )
+    spend = [fmt_usd(finite_value(status.get("cost_usd")))]
     # Of the prompt tokens, those the endpoint served from its prompt cache and wrote to it (billed at other
     # prices; absent from status.json files written before they were counted, and when no endpoint said).
     cache = [
         f"{fmt_count(n)} {label}"
         for key, label in (("cached_tokens", "cached"), ("cache_write_tokens", "written to the cache"))
-        if (n := _num(status.get(key)))
+        if (n := finite_value(status.get(key)))
     ]
     prompt_part = f"{fmt_count(prompt_t)} prompt" + (f" ({', '.join(cache)})" if cache else "")
     spend.append(f"{prompt_part} + {fmt_count(completion_t)} completion tokens")
-    unanswered = _num(status.get("unanswered_tokens"))
+    unanswered = finite_value(status.get("unanswered_tokens"))
     if unanswered:  # attempts that failed mid-answer, perhaps billed: the budgets count them
         spend[-1] += f" + ~{fmt_count(unanswered)} of failed attempts"
     spend.append(
-        f"{fmt_count(_num(status.get('api_calls')))} model calls · {fmt_count(_num(status.get('tool_calls')))} tool calls"
+        f"{fmt_count(finite_value(status.get('api_calls')))} model calls · {fmt_count(finite_value(status.get('tool_calls')))} tool calls"
     )
     lines.append("Spend: " + " · ".join(spend))
 
     budget = status.get("budget") if isinstance(status.get("budget"), dict) else {}
     limits = []
     for limit_key, spent_key, fmt in (("usd", "spent_usd", fmt_usd), ("tokens", "spent_tokens", fmt_count)):
-        limit, spent = _num(budget.get(limit_key)), _num(budget.get(spent_key))
+        limit, spent = finite_value(budget.get(limit_key)), finite_value(budget.get(spent_key))
         if spent is not None:  # as the budget counts: failed attempts and earlier invocations too
             extra = ("unanswered_tokens", "earlier_tokens") if limit_key == "tokens" else ("earlier_usd",)
-            spent += sum(_num(budget.get(k)) or 0 for k in extra)
+            spent += sum(finite_value(budget.get(k)) or 0 for k in extra)
         if limit is not None:
             share = f" ({spent / limit:.0%})" if spent is not None and limit > 0 else ""
             hit = budget.get("reached") is True or (spent is not None and spent >= limit)
