@@ -1982,14 +1982,19 @@ def _short(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in keep}
 
 
-PLANNED_PARTS = ("scored", "unscored", "scorer_errors", "samples_pending")
+# Not "unscored": a sample the scorers have nothing to judge by (its row has no answer, verify or rubric,
+# or none a re-scoring's scorer reads) is outside the evaluation, not one it failed to judge. Counted as
+# not passed, the README's eval run re-scored by includes read "20 passed of 40 samples planned (50.0%)":
+# its 16 verify samples, which includes cannot judge, among the 20 not passed.
+PLANNED_PARTS = ("scored", "scorer_errors", "samples_pending")
 
 
 def planned_figures(scores: dict[str, Any]) -> dict[str, Any]:
     """The conservative figure beside the pass rate, for statistics.json's ``scores``: the passes over
-    every sample planned (``samples_planned``: scored, unscored, scorer errors and samples without an
-    outcome; those skipped after passes are not planned), each sample not judged counted as not passed.
-    The pass rate is over the samples judged only: a run whose other half failed showed 100% alone."""
+    every sample planned (``samples_planned``: scored, scorer errors and samples without an outcome;
+    those skipped after passes are not planned, nor those with nothing to judge them by, ``unscored``),
+    each sample not judged counted as not passed. The pass rate is over the samples judged only: a run
+    whose other half failed showed 100% alone."""
     parts = [scores.get(key, 0) for key in PLANNED_PARTS]
     passed = scores.get("passed", 0)
     if not all(type(n) is int and n >= 0 for n in (*parts, passed)):

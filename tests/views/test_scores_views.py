@@ -977,6 +977,35 @@ def test_a_rescorings_runaway_pattern_is_given_up_after_three_rows_not_tried_on_
     assert "on the answers of 3 rows in a row" in scores[-1]["error"]
 
 
+def test_samples_nothing_can_judge_are_not_counted_as_planned_and_not_passed(tmp_path, capsys):
+    """The conservative figure (passes over every sample planned) counted the unscored samples, those whose
+    row the scorers have nothing to judge by, as not passed: a re-scoring by includes of a run whose rows
+    are half verify ones (the README's eval run) read "1 passed of 4 samples planned (25.0%)", as did the
+    run's own figure with rows that have no check at all. They are outside the evaluation: not planned."""
+    rows = [
+        {"id": "right", "prompt": "Say 42 [calls:0] [answer:42]", "answer": 42},
+        {"id": "wrong", "prompt": "Say 41 [calls:0] [answer:41]", "answer": 42},
+        {"id": "made", "prompt": "Make it [calls:0]", "verify": "true"},
+        {"id": "free", "prompt": "Chat [calls:0]"},  # nothing to judge it by
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    own = stats_of(out / "run")["scores"]
+    assert (own["scored"], own["unscored"], own["passed"]) == (3, 1, 2)
+    assert (own["samples_planned"], own["pass_rate_of_planned"]) == (3, round(2 / 3, 6))
+    capsys.readouterr()
+    assert score.main([str(out / "run"), "--scorer=includes"]) == 0
+    printed = capsys.readouterr().out
+    assert "Scores: pass rate 50.0% of 2 scored" in printed and "samples planned" not in printed, printed
+    again = stats_of(out / "run")["scores"]["rescored"]["includes"]
+    assert (again["scored"], again["unscored"], again["samples_planned"], again["pass_rate_of_planned"]) == (
+        2,
+        2,
+        2,
+        0.5,
+    )
+
+
 def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
     """views.score --scorer=judge: every sample was a scorer error and nothing was asked ("'JudgeSettings'
     object has no attribute 'chat'": a refactor gave the judge's settings where its client belongs), exit
