@@ -62,6 +62,7 @@ import shlex
 import string
 import subprocess
 import sys
+import threading
 import time
 import unicodedata
 from collections.abc import Callable, Iterable
@@ -1061,32 +1062,93 @@ def bounded_search(pattern: str, text: str, timeout_s: float) -> bool:
     return bounded_re.search(pattern, text, timeout_s)
 
 
+# The rows, one after another, whose answers an --answer_pattern may overrun its whole --verify_timeout on
+# (no search of it finishing between them) before it is no longer tried. A pattern that backtracks on an
+# odd answer (100,000 spaces) and finishes on the others is tried on every one (an odd answer costs its
+# timeout, as before); one that runs away on three rows' answers in a row runs away on the answers: each
+# of 1,000 samples then cost its --verify_timeout, one after another (60 s each: 17 hours). Rows, not
+# samples: a row's samples are alike, and one row whose samples all loop the same spaces says nothing of
+# the pattern.
+RUNAWAY_ROWS = 3
+
+
+class RunawayPatterns:
+    """The --answer_pattern searches of one re-scoring (or one worker process) that overran their whole
+    time: once a pattern has run away on :data:`RUNAWAY_ROWS` rows' answers in a row, every later sample
+    is left unscored at once (an error naming the pattern: never passed or failed by this shortcut)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, set[Any]] = {}  # pattern -> the rows it ran away on since it last finished
+        self._given_up: dict[str, str] = {}  # pattern -> why it is no longer tried
+
+    def given_up(self, pattern: str) -> str | None:
+        """Why ``pattern`` is no longer tried (None: it is)."""
+        with self._lock:
+            return self._given_up.get(pattern)
+
+    def ran_away(self, pattern: str, row: Any, timeout_s: float) -> None:
+        """``pattern`` overran its whole ``timeout_s`` on an answer of ``row``."""
+        with self._lock:
+            rows = self._rows.setdefault(pattern, set())
+            rows.add(row)
+            if len(rows) >= RUNAWAY_ROWS and pattern not in self._given_up:
+                shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+                self._given_up[pattern] = (
+                    f"--answer_pattern /{shown}/ ran away (over {timeout_s:g} s, --verify_timeout) on the "
+                    f"answers of {RUNAWAY_ROWS} rows in a row, finishing on none between them: not tried on "
+                    "this one (a pattern that backtracks; fix it and re-score: python -m batchrun.views.score)"
+                )
+
+    def finished(self, pattern: str) -> None:
+        """A search of ``pattern`` ended in time: the rows it ran away on so far were odd answers."""
+        with self._lock:
+            self._rows.pop(pattern, None)
+
+
+def _row_of_record(record: dict[str, Any]) -> Any:
+    """What tells a record's row apart for :class:`RunawayPatterns` (a record of no known row: itself)."""
+    meta = record.get("metadata")
+    key = meta.get("row_key") if isinstance(meta, dict) else None
+    return key if isinstance(key, str) and key else object()
+
+
 def text_score(
     name: str,
     record: dict[str, Any],
     check: RowCheck | None,
     settings: ScoringSettings,
     deadline: float | None = None,
+    runaways: RunawayPatterns | None = None,
 ) -> Part:
     """One text scorer on the final answer (reasoning removed); an error when the row has no answer.
-    ``regex`` ends by ``deadline`` (and within --verify_timeout)."""
+    ``regex`` ends by ``deadline`` (and within --verify_timeout). With ``runaways``, an --answer_pattern
+    that ran away on the answers of several rows in a row is no longer tried (see RUNAWAY_ROWS)."""
     if check is None or check.answer is None:
         return Part(name, error="the row has no 'answer'")
     timeout_s = None
-    if settings.answer_pattern:
+    pattern = settings.answer_pattern
+    if pattern:
+        if runaways is not None and (why := runaways.given_up(pattern)):
+            return Part(name, error=why)
         if not (timeout_s := _time_left(settings.verify_timeout_s, deadline)):
             return Part(
                 name,
                 error="no time left for --answer_pattern: the prompt's deadline plus one --verify_timeout has passed",
             )
     try:
-        got = extract_answer(final_text(record), settings.answer_pattern, timeout_s)
+        got = extract_answer(final_text(record), pattern, timeout_s)
     except subprocess.TimeoutExpired:
+        # Only a search given its whole time says the pattern ran away: one cut short by the deadline may not.
+        if runaways is not None and pattern and timeout_s >= settings.verify_timeout_s:
+            runaways.ran_away(pattern, _row_of_record(record), timeout_s)
         return Part(name, error=f"--answer_pattern took longer than {timeout_s:.3g} s on the final answer")
     except subprocess.CalledProcessError as exc:  # the child died (memory): no verdict
         return Part(
             name, error=f"--answer_pattern could not be matched: {exc.stderr.decode(errors='replace')[-300:]}"
         )
+    if runaways is not None and pattern:
+        runaways.finished(pattern)
     shown = got if len(got) <= 200 else got[:200] + "..."
     answers = acceptable(check.answer)
     if name == "numeric":
@@ -1505,6 +1567,7 @@ class Judgement:
     judge: Any = None  # an LLMClient for the judge model
     prompt: str = ""
     deadline: float | None = None
+    runaways: RunawayPatterns | None = None  # the --answer_pattern searches that ran away so far
 
 
 def end_agent_processes(sandbox: Any, timeout_s: float) -> str | None:
@@ -1576,7 +1639,7 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
                     Part(name, error=f"the final answer cannot be told from its reasoning: {markup}")
                 )
             elif name in TEXT_SCORERS:
-                parts.append(text_score(name, record, j.check, j.settings, j.deadline))
+                parts.append(text_score(name, record, j.check, j.settings, j.deadline, j.runaways))
             elif name == "verify":
                 if j.sandbox is None:
                     parts.append(Part(name, error="verify needs the prompt's sandbox (not available here)"))
@@ -1919,14 +1982,19 @@ def _short(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in keep}
 
 
-PLANNED_PARTS = ("scored", "unscored", "scorer_errors", "samples_pending")
+# Not "unscored": a sample the scorers have nothing to judge by (its row has no answer, verify or rubric,
+# or none a re-scoring's scorer reads) is outside the evaluation, not one it failed to judge. Counted as
+# not passed, the README's eval run re-scored by includes read "20 passed of 40 samples planned (50.0%)":
+# its 16 verify samples, which includes cannot judge, among the 20 not passed.
+PLANNED_PARTS = ("scored", "scorer_errors", "samples_pending")
 
 
 def planned_figures(scores: dict[str, Any]) -> dict[str, Any]:
     """The conservative figure beside the pass rate, for statistics.json's ``scores``: the passes over
-    every sample planned (``samples_planned``: scored, unscored, scorer errors and samples without an
-    outcome; those skipped after passes are not planned), each sample not judged counted as not passed.
-    The pass rate is over the samples judged only: a run whose other half failed showed 100% alone."""
+    every sample planned (``samples_planned``: scored, scorer errors and samples without an outcome;
+    those skipped after passes are not planned, nor those with nothing to judge them by, ``unscored``),
+    each sample not judged counted as not passed. The pass rate is over the samples judged only: a run
+    whose other half failed showed 100% alone."""
     parts = [scores.get(key, 0) for key in PLANNED_PARTS]
     passed = scores.get("passed", 0)
     if not all(type(n) is int and n >= 0 for n in (*parts, passed)):

@@ -9,6 +9,12 @@ Writes a run directory of ``--samples`` small records (one short exchange each, 
 regular expression: the floor), ``--scorer=exact --answer_pattern='ANSWER: (.*)'`` (the pattern is the
 user's, run where a catastrophic one cannot hang the command), and ``--scorer=regex`` against rows whose
 ``answer`` is a pattern (the row's, run alike; with the pattern, two searches a sample). CPU time beside wall time: the machine is shared.
+
+``--ways=runaway`` (not among the default ways: before, it took a --verify_timeout a sample) re-scores
+``--runaway_samples`` samples (200 by default) whose answers end ``ANSWER: 4444...4x`` (30 digits) with
+``--answer_pattern='ANSWER: ((\\d+)+$)'``, which backtracks on every one of them for minutes, at
+``--verify_timeout=1``: each sample took its second, one after another; now the pattern is given up after it
+ran away on three rows' answers in a row (rows of 4 samples: 9 searches), the rest unscored at once.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_speed import run_measured  # noqa: E402
 
 
-def write_run(run_dir: Path, samples: int, answer: str) -> None:
-    """A run directory of ``samples`` records over rows of 4 samples, every third one answering 41."""
+def write_run(run_dir: Path, samples: int, answer: str, said: str | None = None) -> None:
+    """A run directory of ``samples`` records over rows of 4 samples, every third one answering 41 (or
+    each saying ``said``)."""
     sys.path.insert(0, str(ROOT))
     from batchrun.identity import row_key
 
@@ -42,7 +49,8 @@ def write_run(run_dir: Path, samples: int, answer: str) -> None:
                     {"from": "human", "value": f"Solve task {row}."},
                     {
                         "from": "gpt",
-                        "value": f"<think>\nok\n</think>\nSo.\nANSWER: {41 if i % 3 == 0 else 42}",
+                        "value": "<think>\nok\n</think>\nSo.\n"
+                        + (said or f"ANSWER: {41 if i % 3 == 0 else 42}"),
                     },
                 ],
                 "metadata": {
@@ -70,10 +78,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=10_000)
     parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose batchrun is timed")
+    parser.add_argument("--runaway_samples", type=int, default=200, help="the samples of --ways=runaway")
     parser.add_argument(
         "--ways",
         default="floor,pattern,regex",
-        help="which of floor, pattern, regex to time (comma-separated)",
+        help="which of floor, pattern, regex, runaway to time (comma-separated)",
     )
     args = parser.parse_args()
     ways = args.ways.split(",")
@@ -89,6 +98,11 @@ def main() -> None:
             timed(tree, plain, ["--scorer=exact", "--answer_pattern=ANSWER: (.*)", "--name=pattern"])
         if "regex" in ways:
             timed(tree, patterns, ["--scorer=regex", "--answer_pattern=ANSWER: (.*)", "--name=regex"])
+        if "runaway" in ways:
+            runaway = Path(tmp) / "runaway"
+            write_run(runaway, args.runaway_samples, "42", said="ANSWER: " + "4" * 30 + "x")
+            flags = ["--scorer=exact", r"--answer_pattern=ANSWER: ((\d+)+$)", "--verify_timeout=1"]
+            timed(tree, runaway, [*flags, "--name=runaway"])
 
 
 if __name__ == "__main__":

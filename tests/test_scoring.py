@@ -19,6 +19,7 @@ from batchrun.run.dataset import load_dataset
 from batchrun.scoring import (
     Judgement,
     Part,
+    RunawayPatterns,
     RunScores,
     SandboxHandle,
     ScoreTally,
@@ -1239,6 +1240,47 @@ def test_a_catastrophic_pattern_is_ended_and_the_next_sample_judged(scorer):
     assert time.monotonic() - start < 10  # 1 s, not hours (a hang guard, not a speed claim)
     assert all(c.proc.poll() is None for c in bounded_re._children._idle)  # the spinning one is gone
     assert judged("ANSWER: aaa", r"^(a+)+$", "regex", answer_pattern=r"ANSWER: (\S+)")["passed"] is True
+
+
+def test_an_answer_pattern_that_runs_away_on_rows_in_a_row_is_not_tried_on_the_rest():
+    """A catastrophic --answer_pattern cost its whole --verify_timeout on every sample, one after another in
+    views.score (1,000 samples at 60 s: 17 hours). Once it has run away on the answers of RUNAWAY_ROWS (3)
+    rows in a row, no search of it finishing between them, later samples are left unscored at once, naming
+    the pattern, never passed or failed (here a right answer and a wrong one alike). A pattern that
+    finishes between odd answers, one row's samples all alike, or a search the deadline cut short (it may
+    not have run away) are tried as before; another re-scoring tries the pattern afresh."""
+    import time
+
+    pattern, runaway, fine = r"ANSWER: ((a+)+$)", "ANSWER: " + "a" * 40 + "b", "ANSWER: aaa"
+    settings = ScoringSettings(scorers=("exact",), answer_pattern=pattern, verify_timeout_s=0.3)
+
+    def sample(runaways, row: str, text: str, answer: str = "aaa", deadline=None) -> dict:
+        record = {**record_saying(text), "metadata": {"row_key": row}}
+        judgement = Judgement(RowCheck(answer=answer), settings, runaways=runaways, deadline=deadline)
+        return score_sample(record, judgement)
+
+    runaways = RunawayPatterns()
+    seen = [
+        sample(runaways, "r0", runaway),
+        sample(runaways, "r1", fine),  # it finished: r0 was an odd answer
+        sample(runaways, "r2", runaway),
+        sample(runaways, "r2", runaway + "b"),  # the same row's sample: one row, not two
+        sample(runaways, "r3", runaway),
+        sample(runaways, "r4", fine),
+    ]
+    assert [s["passed"] for s in seen] == [None, True, None, None, None, True], seen
+    cut = [sample(runaways, f"c{i}", runaway, deadline=time.monotonic() + 0.1) for i in range(3)]
+    assert all("took longer than" in s["error"] for s in cut), cut  # cut short by the deadline: not counted
+    assert sample(runaways, "r5", fine)["passed"] is True
+    for row in ("r6", "r7", "r8"):
+        assert "took longer than 0.3 s" in sample(runaways, row, runaway)["error"]
+    for answer in ("aaa", "bbb"):  # would pass, would fail: unscored alike
+        left = sample(runaways, "r9", fine, answer)
+        assert (left["passed"], left["value"]) == (None, None), left
+        assert f"--answer_pattern /{pattern}/ ran away (over 0.3 s" in left["error"], left
+        assert "3 rows in a row" in left["error"]
+    assert sample(RunawayPatterns(), "r9", fine)["passed"] is True
+    assert sample(None, "r9", fine)["passed"] is True  # no memory: scored as before
 
 
 def test_a_kept_child_that_died_while_idle_is_not_asked():

@@ -37,7 +37,7 @@ from batchrun.prompt.trajectory import (
 )
 from batchrun.protocol import Outcome, PromptJob
 from batchrun.record import conform_score, read_score
-from batchrun.scoring import Judgement, ScoringSettings, keep_problem, score_sample
+from batchrun.scoring import Judgement, RunawayPatterns, ScoringSettings, keep_problem, score_sample
 from batchrun.sharegpt import parse_json, reasoning_counts
 
 
@@ -296,6 +296,10 @@ def _record(
     )
 
 
+# This worker's --answer_pattern searches that ran away (a worker process serves one run).
+_RUNAWAYS = RunawayPatterns()
+
+
 def judge_sample(
     record: dict[str, Any],
     job: PromptJob,
@@ -316,6 +320,7 @@ def judge_sample(
         judge=judge,
         prompt=job.prompt,
         deadline=deadline,
+        runaways=_RUNAWAYS,
     )
     score = score_sample(record, judgement)
     return conform_score(score), score.get("judge_usage")

@@ -27,7 +27,7 @@ from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import occurrence_of, read_score, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
-from batchrun.scoring import check_from_row_fields
+from batchrun.scoring import check_from_row_fields, judge_endpoint
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json
 from batchrun.storage import batch_files, iter_jsonl
@@ -60,6 +60,8 @@ MANIFEST_KEYS = (
     "numeric_tolerance",
     "keep",
     "judge_model",
+    # Which server judged (judge_endpoint: no login or query): one model name may be answered by several.
+    "judge_base_url",
     "verify_timeout",  # a verify that ran out of time leaves its sample unscored
 )
 
@@ -106,6 +108,7 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         "numeric_tolerance": config.numeric_tolerance,
         "keep": config.keep,
         "judge_model": config.judge_model,
+        "judge_base_url": judge_url(config),
         "max_tokens": config.max_tokens,
         "verify_timeout": config.verify_timeout,
         "samples_per_prompt": config.samples_per_prompt,  # informational: more samples on resume is fine
@@ -664,6 +667,16 @@ def _flag(name: str, value: Any) -> str:
     if isinstance(value, list):  # --scorer, --answer_normalize: comma-separated
         return f"--{name}={shlex.quote(','.join(map(str, value)) or ('none' if name == 'answer_normalize' else 'auto'))}"
     return f"--{name}={shlex.quote(str(value))}"
+
+
+def judge_url(config: RunConfig) -> str | None:
+    """The judge's endpoint as the manifest records it (:func:`batchrun.scoring.judge_endpoint`: no login,
+    query or fragment), as a re-scoring's ``judge_base_url`` does: --judge_base_url, else the run's
+    --base_url; None without a judge, or when the judge is the built-in fake (``--model=mock``, no
+    --judge_base_url: its port is another each run)."""
+    if not config.judge_model or (config.is_mock and config.judge_base_url is None):
+        return None
+    return judge_endpoint(config.judge_base_url or config.base_url)
 
 
 def _file_sha256(path: str) -> str:

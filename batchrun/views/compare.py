@@ -7,7 +7,7 @@ Samples are paired by row identity (prompt text, image, cwd, the row's own setti
 index; only pairs judged in both runs (passed true or false) and against the same check (the row's
 ``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) by the same
 scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``--numeric_tolerance``,
-``--judge_model`` and a re-scoring's judge base URL, where the scorers use them) count. A pair judged
+``--judge_model`` and the judge's base URL, where the scorers use them) count. A pair judged
 against another check in B (an answer key fixed between the runs), or by another scorer (``exact`` in
 A, ``includes`` in B), says nothing about the model: it is left out and counted (``judged_differently``),
 its rows listed. Two sides of one run (its own scores and a re-scoring) are two ways of judging the same
@@ -125,7 +125,8 @@ JUDGING_SETTINGS = {
     "answer_normalize": ("exact", "includes"),
     "numeric_tolerance": ("numeric",),
     "judge_model": ("judge",),
-    # A re-scoring's (a llama-server answers to any model name); a run's manifest does not record it.
+    # Which server judged (a llama-server answers to any model name): a re-scoring's, and a run's manifest
+    # since it records it (an older one does not: compared with nothing).
     "judge_base_url": ("judge",),
 }
 

@@ -36,6 +36,7 @@ from batchrun.scoring import (
     SANDBOX_SCORERS,
     Judgement,
     JudgeSettings,
+    RunawayPatterns,
     RunScores,
     ScoringSettings,
     check_from_row_fields,
@@ -137,6 +138,7 @@ def rescore(
     wanted = run_wanted(run_dir)
     scores = RunScores(distribution, wanted)
     samples = run_samples(run_dir, wanted)
+    runaways = RunawayPatterns()  # an --answer_pattern that runs away on every answer is tried on a few
 
     def judged(sample: tuple[dict[str, Any], tuple[str, int], int]) -> dict[str, Any]:
         rec = sample[0]
@@ -151,6 +153,7 @@ def rescore(
             row=row,
             judge=judge,
             prompt=first_human(rec["conversations"]) or "",
+            runaways=runaways,
         )
         return score_sample(rec, judgement)
 

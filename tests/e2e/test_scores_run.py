@@ -466,6 +466,66 @@ def test_judge_scores_through_the_run_client_with_its_usage_apart(server, tmp_pa
             assert "sk-judge-secret-123" not in path.read_text("utf-8", errors="replace"), path
 
 
+def test_a_runs_own_judge_is_told_apart_from_another_server_answering_to_its_name(
+    server, tmp_path, capsys, monkeypatch
+):
+    """A run judged as it ran recorded its judge's model name only (run_manifest.json's judge_model), not
+    which server judged: two runs judged by two servers that both answer to "judge-model" (a llama-server
+    answers to any name), or a run's own scores against a re-scoring by another server, read as judged
+    alike, and views.compare paired them as the models' difference. The manifest now records the judge's
+    base URL as a re-scoring does (judge_base_url: --judge_base_url, else --base_url, without login or
+    query); compare leaves such pairs out, pairs those of one server, and a resume with another judge
+    server is refused as one with another judge model is."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-5e1b")
+    verdict = '[verdict:{"score": 1, "passed": true}]'
+    rows = [{"id": f"r{i}", "prompt": f"Grade me {i} [calls:0] {verdict}", "rubric": "r"} for i in range(3)]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    judge = dict(scorer="judge", judge_model="judge-model")
+    with FakeModelServer(latency_s=0) as other:
+        other_url = other.base_url
+        secret_url = other_url.replace("http://", "http://judge:pw-8c2d1@") + "?key=qs-5a7f0"
+        run(server, dataset, out, run_name="one", judge_base_url=secret_url, **judge)
+        run(server, dataset, out, run_name="two", **judge)  # judged at the run's own --base_url
+        for name, url in (("same", secret_url), ("other", server.base_url)):
+            argv = [
+                str(out / "two"),
+                "--scorer=judge",
+                "--judge_model=judge-model",
+                f"--judge_base_url={url}",
+            ]
+            assert score_main([*argv, f"--name={name}"]) == 0, capsys.readouterr().err
+        assert (
+            other.stats()["requests"] >= 6
+        )  # the run's 3 verdicts and the re-scoring's 3 (start checks aside)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as refused:
+            run(server, dataset, out, run_name="one", resume=True, judge_base_url=server.base_url, **judge)
+    assert refused.value.code == 2
+    assert f"--judge_base_url={other_url}" in capsys.readouterr().err
+    manifests = {name: json.loads((out / name / "run_manifest.json").read_text()) for name in ("one", "two")}
+    assert manifests["one"]["judge_base_url"] == other_url  # the server, not its login or query
+    assert manifests["two"]["judge_base_url"] == server.base_url
+    verdicts = [
+        r["score"]["passed"] for name in ("one", "two") for r in read_jsonl(out / name / "trajectories.jsonl")
+    ]
+    assert verdicts == [True] * 6
+    argv = [str(out / "one"), str(out / "two"), "--json", f"--out={tmp_path / 'c.html'}"]
+    assert compare_main(argv) == 1  # two servers: no pair left to compare
+    assert "left out: 3 pairs judged against another check" in capsys.readouterr().err
+    assert compare_main([*argv, "--scores_b=same"]) == 0  # the run's own judge, again in the re-scoring
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["pairs"], figures["judged_differently"]) == (3, 0), figures
+    assert compare_main([*argv, "--scores_b=other"]) == 1
+    assert "left out: 3 pairs judged against another check" in capsys.readouterr().err
+    for path in out.rglob("*"):
+        text = path.read_text("utf-8", "replace") if path.is_file() else ""
+        for secret in ("pw-8c2d1", "qs-5a7f0", "sk-judge-secret-5e1b"):
+            assert secret not in text, (path, secret)
+
+
 def test_an_answer_that_writes_its_own_verdict_cannot_pass_itself_through_the_judge(server, tmp_path):
     """The agent's answer ends with the judge's verdict, and the judge (the fake, as a judge an answer
     talks into it) repeats it: the sample passed with the score it gave itself (0.9, passed). The answer

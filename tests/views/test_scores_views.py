@@ -953,6 +953,59 @@ def test_a_rescorings_pattern_is_bounded_by_the_runs_verify_timeout(tmp_path, ca
         assert "--verify_timeout must be a number" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(300)
+def test_a_rescorings_runaway_pattern_is_given_up_after_three_rows_not_tried_on_each(tmp_path, capsys):
+    """A pattern that backtracks on every answer cost each sample its whole --verify_timeout, one after
+    another (1,000 samples at the default 60 s: 17 hours, for a table of timeouts). After it has run away
+    on three rows' answers in a row, the other samples are left unscored at once, the pattern named, and
+    the re-scoring says so; the first three keep their timeouts."""
+    out = tmp_path / "data"
+    rows = [
+        {"id": f"r{i}", "prompt": f"Say it {i} [calls:0] [answer:{'a' * (40 + i)}b]", "answer": "x"}
+        for i in range(8)
+    ]
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, verify_timeout=0.5)
+    assert score.main([str(out / "run"), "--scorer=exact", "--answer_pattern=((a+)+$)"]) == 0
+    assert "8 scorer errors" in capsys.readouterr().out
+    scores = [line["score"] for line in read_jsonl(out / "run" / "scores.exact.jsonl")]
+    assert [s["passed"] for s in scores] == [None] * 8
+    errors = collections.Counter(s["error"].split(" (over")[0] for s in scores)
+    assert errors == {
+        "exact: --answer_pattern took longer than 0.5 s on the final answer": 3,
+        "exact: --answer_pattern /((a+)+$)/ ran away": 5,
+    }, errors
+    assert "on the answers of 3 rows in a row" in scores[-1]["error"]
+
+
+def test_samples_nothing_can_judge_are_not_counted_as_planned_and_not_passed(tmp_path, capsys):
+    """The conservative figure (passes over every sample planned) counted the unscored samples, those whose
+    row the scorers have nothing to judge by, as not passed: a re-scoring by includes of a run whose rows
+    are half verify ones (the README's eval run) read "1 passed of 4 samples planned (25.0%)", as did the
+    run's own figure with rows that have no check at all. They are outside the evaluation: not planned."""
+    rows = [
+        {"id": "right", "prompt": "Say 42 [calls:0] [answer:42]", "answer": 42},
+        {"id": "wrong", "prompt": "Say 41 [calls:0] [answer:41]", "answer": 42},
+        {"id": "made", "prompt": "Make it [calls:0]", "verify": "true"},
+        {"id": "free", "prompt": "Chat [calls:0]"},  # nothing to judge it by
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    own = stats_of(out / "run")["scores"]
+    assert (own["scored"], own["unscored"], own["passed"]) == (3, 1, 2)
+    assert (own["samples_planned"], own["pass_rate_of_planned"]) == (3, round(2 / 3, 6))
+    capsys.readouterr()
+    assert score.main([str(out / "run"), "--scorer=includes"]) == 0
+    printed = capsys.readouterr().out
+    assert "Scores: pass rate 50.0% of 2 scored" in printed and "samples planned" not in printed, printed
+    again = stats_of(out / "run")["scores"]["rescored"]["includes"]
+    assert (again["scored"], again["unscored"], again["samples_planned"], again["pass_rate_of_planned"]) == (
+        2,
+        2,
+        2,
+        0.5,
+    )
+
+
 def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
     """views.score --scorer=judge: every sample was a scorer error and nothing was asked ("'JudgeSettings'
     object has no attribute 'chat'": a refactor gave the judge's settings where its client belongs), exit
