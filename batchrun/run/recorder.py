@@ -374,10 +374,10 @@ class Recorder:
             row["rerun_round"] = self.rerun_round_run
         append_jsonl(self.run_dir / "discarded.jsonl", row, self.sample_text)
 
-    def rerun_summary(self) -> dict[str, int] | None:
-        """A --rerun_discarded resume's discards: how many it was to run again, how many it ran again and
-        kept or discarded again, how many did not run again (interrupted, failed, the budget); None
-        without the flag."""
+    def rerun_summary(self) -> dict[str, Any] | None:
+        """A --rerun_discarded resume's discards: its round, whether it continued it, how many it was to
+        run again, how many it ran again and kept or discarded again, how many did not run again
+        (interrupted, failed, the budget), whether that finished the round; None without the flag."""
         if self.rerun_planned is None:
             return None
         return {
