@@ -4,8 +4,8 @@ Each row runs ``samples`` times (its own field, else ``--samples_per_prompt``); 
 (row identity, sample index). It is finished when a batch file holds a trajectory of it, or (unless
 ``--rerun_discarded``) ``discarded.jsonl`` holds a discard of it. Failures are not finished: they
 run again. ``--rerun_discarded`` runs in rounds (:func:`rerun_round`): an interrupted round continued
-runs only the discards it has not run again yet. Records written before samples existed are sample 0. The
-manifest (``run_manifest.json``) records the settings that define the data; a resume with other
+runs only the discards it has not run again yet. Records written before samples existed are sample 0.
+The manifest (``run_manifest.json``) records the settings that define the data; a resume with other
 values would mix two datasets and is refused unless ``--force_resume``.
 """
 
@@ -341,10 +341,11 @@ def scan_finished(
     in_round: int | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
-    re-run; re-run in the rerun round ``in_round``, those it wrote). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
-    by (identity, sample index, prompt index), for :func:`match_outcomes`; ``checks`` each row identity's
-    ``row_fields`` texts its finished outcomes were judged with, and the dataset lines (prompt indices)
-    that wrote them, for :func:`changed_checks`.
+    re-run; re-run in the rerun round ``in_round``, those it wrote). Lines of the wrong shape are
+    skipped, as torn lines are. ``at`` is given the same outcomes by (identity, sample index, prompt
+    index), for :func:`match_outcomes`; ``checks`` each row identity's ``row_fields`` texts its finished
+    outcomes were judged with, and the dataset lines (prompt indices) that wrote them, for
+    :func:`changed_checks`.
 
     With ``stop_after_passes`` (K) a sample skipped after its row's passes (``skipped_after_passes``) is
     finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
