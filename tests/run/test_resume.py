@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    OK_REPLY,
+    ScriptedEndpoint,
     default_sigint,
     exit_code,
     lines_written,
@@ -715,6 +717,64 @@ def test_discards_of_no_round_are_run_again_by_the_first_round_and_each_finished
         2,
         3,
         3,
+    ]
+
+
+def test_a_discard_whose_rerun_failed_keeps_the_round_open_and_the_round_continued_runs_it_alone(tmp_path):
+    """A failure is no outcome of a rerun round (it says nothing of the sample, and --resume runs
+    failures again): the round whose rerun of one discard failed stays open, and --rerun_discarded
+    continues it, running that one alone, not the discard the round already ran again."""
+    phase = {"fail": None}
+
+    def answer(call: dict, calls: list[dict]):
+        prompt = json.dumps((call["body"] or {}).get("messages", []))
+        if phase["fail"] and phase["fail"] in prompt and not call["check"]:
+            return 400, {"error": {"message": "refused", "type": "invalid_request_error"}}
+        return 200, OK_REPLY  # no reasoning: discarded
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["alpha task", "beta task"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    with ScriptedEndpoint(answer, get=(200, {"data": []})) as endpoint:
+        flags = dict(model="m", base_url=endpoint.base_url, api_key="sk-local-test")
+
+        def ran() -> collections.Counter:
+            """Prompt calls so far, by the row's prompt (the start check left out)."""
+            return collections.Counter(
+                name
+                for c in endpoint.calls
+                if not c["check"]
+                for name in ("alpha", "beta")
+                if name in json.dumps((c["body"] or {}).get("messages", []))
+            )
+
+        run(None, dataset, out, **flags)
+        assert [d["reason"] for d in read_jsonl(run_dir / "discarded.jsonl")] == ["no_reasoning"] * 2
+        phase["fail"] = "beta task"
+        run(None, dataset, out, resume=True, rerun_discarded=True, **flags)
+        rerun = stats_of(run_dir)["this_run"]["rerun_discarded"]
+        assert (rerun["round"], rerun["discarded_again"], rerun["not_rerun"], rerun["finished"]) == (
+            1,
+            1,
+            1,
+            False,
+        )
+        assert _checkpoint(run_dir)["rerun_round"] == {"round": 1, "finished": False}
+        phase["fail"], before = None, ran()
+        run(None, dataset, out, resume=True, rerun_discarded=True, **flags)
+        assert set(ran() - before) == {"beta"}  # alpha's discard the round ran again already
+        rerun = stats_of(run_dir)["this_run"]["rerun_discarded"]
+        assert (rerun["round"], rerun["continued"], rerun["to_rerun"], rerun["finished"]) == (
+            1,
+            True,
+            1,
+            True,
+        )
+    assert [(d["prompt_index"], d.get("rerun_round")) for d in read_jsonl(run_dir / "discarded.jsonl")] == [
+        (0, None),
+        (1, None),
+        (0, 1),
+        (1, 1),
     ]
 
 
