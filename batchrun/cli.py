@@ -58,7 +58,9 @@ from batchrun.run.resume import (
     all_samples,
     build_manifest,
     check_manifest,
+    latest_round,
     read_manifest,
+    rerun_round,
     resume_command,
     resume_filter,
     samples_of,
@@ -237,8 +239,12 @@ def run_steps(
         # Each call the budget lets go is journaled before it is sent (batchrun/run/journal.py).
         recorder.journal = SpendJournal(config.run_dir, recorder.invocation, recorder.started_at)
         recorder.journal.open()
+    in_round, continued = None, False
+    if config.resume:
+        recorder.rerun_round = latest_round(config.run_dir)  # carried on in checkpoint.json
     if config.resume and config.rerun_discarded:
         recorder.rerun_planned = set()
+        in_round, continued = rerun_round(config.run_dir)
     todo = (
         resume_filter(
             rows,
@@ -252,12 +258,15 @@ def run_steps(
             exclude_partial=config.exclude_partial,
             # Which of them are discards run again: a run stopped before it ran them all says which did not.
             rerun=recorder.rerun_planned,
+            in_round=in_round if continued else None,
         )
         if config.resume
         else all_samples(rows, config.samples_per_prompt)
     )
     recorder.track_rows(finish.pending_samples(rows, todo))  # checkpoint.json's completed prompts
     recorder.rerun_total = len(recorder.rerun_planned or ())
+    if in_round is not None:
+        recorder.start_round(in_round, continued)
     if todo and not config.ray_address:
         start_forkserver(
             config.backend
@@ -394,6 +403,7 @@ def run_steps(
     # statistics.json's runs hold every invocation's spend now, the journal's lost ones with them.
     remove_journal(config.run_dir, recorder.journal)
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
+    recorder.end_round()  # last: a kill before it leaves the round to be continued, not started anew
     finish.print_summary(
         config.run_dir, stats, recorder, endpoint_dead=stop is not None and stop[0] == EXIT_ENDPOINT_DEAD
     )

@@ -851,20 +851,20 @@ def print_summary(
     print("=" * 72)
 
 
-def print_rerun(rerun: dict[str, int] | None, recorder: Recorder) -> None:
+def print_rerun(rerun: dict[str, Any] | None, recorder: Recorder) -> None:
     """What each command does with the discards a --rerun_discarded resume did not run again (stopped
     before it reached them, or they failed): the resume command leaves them discarded, and the flag
-    runs every discard again, the ones this run ran again and discarded again too."""
+    continues the round, which stays open: it runs them, not again those the round ran again already."""
     if not rerun or not rerun["not_rerun"]:
         return
-    again = rerun["discarded_again"]
     print(
         f"--rerun_discarded: {rerun['not_rerun']} of the {rerun['to_rerun']} discarded sample(s) this run was "
-        "to run again did not run again (stopped, or failed); they keep their discards.\n"
+        f"to run again (round {rerun['round']}) did not run again (stopped, or failed); they keep their "
+        "discards.\n"
         f"  {recorder.redact(resume_command())}\n    leaves them discarded (it runs only the samples "
         "without an outcome);\n"
-        f"  {recorder.redact(rerun_command())}\n    runs them"
-        + (f", and again the {again} this run ran again and discarded again" if again else "")
+        f"  {recorder.redact(rerun_command())}\n    continues round {rerun['round']}: runs only them, not "
+        "again those the round ran again already"
     )
 
 

@@ -144,6 +144,12 @@ class Recorder:
         # has not yet (a new trajectory or discard of one is its outcome; a failure leaves its old discard).
         self.rerun_planned: set[tuple[int, int]] | None = None
         self.rerun_total = 0
+        # checkpoint.json's rerun_round ({"round": N, "finished": bool}; resume.rerun_round), carried on
+        # by invocations without the flag; ``rerun_round_run``: the round this invocation runs (its discards
+        # say so), ``rerun_continued``: an open one it continues.
+        self.rerun_round: dict[str, Any] | None = None
+        self.rerun_round_run: int | None = None
+        self.rerun_continued = False
         self.rerun_counts: collections.Counter[str] = collections.Counter()  # kind -> discards run again
         self._status_written = 0.0
         self._made_dir = False  # lock() made the run directory (unlock removes it when nothing was written)
@@ -271,6 +277,8 @@ class Recorder:
             }
             if outcome.error is not None:  # a discard without a record says why (context_limit: the endpoint)
                 row["error"] = self.redact(str(outcome.error))
+            if self.rerun_round_run is not None:
+                row["rerun_round"] = self.rerun_round_run
             # The model's words are redacted of secrets only: never of text that resembles the scaffolding.
             append_jsonl(self.run_dir / "discarded.jsonl", row, sample_text)
         else:
@@ -362,20 +370,41 @@ class Recorder:
             "timestamp": _now(),
             "record": rec,
         }
+        if self.rerun_round_run is not None:
+            row["rerun_round"] = self.rerun_round_run
         append_jsonl(self.run_dir / "discarded.jsonl", row, self.sample_text)
 
-    def rerun_summary(self) -> dict[str, int] | None:
-        """A --rerun_discarded resume's discards: how many it was to run again, how many it ran again and
-        kept or discarded again, how many did not run again (interrupted, failed, the budget); None
-        without the flag."""
+    def rerun_summary(self) -> dict[str, Any] | None:
+        """A --rerun_discarded resume's discards: its round, whether it continued it, how many it was to
+        run again, how many it ran again and kept or discarded again, how many did not run again
+        (interrupted, failed, the budget), whether that finished the round; None without the flag."""
         if self.rerun_planned is None:
             return None
         return {
+            "round": self.rerun_round_run,
+            "continued": self.rerun_continued,
             "to_rerun": self.rerun_total,
             "kept": self.rerun_counts[TRAJECTORY],
             "discarded_again": self.rerun_counts[DISCARDED],
             "not_rerun": len(self.rerun_planned),
+            "finished": not self.rerun_planned,
         }
+
+    def start_round(self, number: int, continued: bool) -> None:
+        """This invocation runs rerun round ``number`` (resume.rerun_round); a new one is in
+        checkpoint.json, open, before any of its outcomes: a kill leaves it to be continued."""
+        self.rerun_round_run, self.rerun_continued = number, continued
+        self.rerun_round = {"round": number, "finished": False}
+        if not continued:
+            self.write_checkpoint()
+
+    def end_round(self) -> None:
+        """The invocation's last step: its round is finished when every discard it was to run again has
+        an outcome from it (a failure is none: the sample runs again in the round). Written last, so
+        that a kill before leaves it open, and the same command finishes it instead of starting another."""
+        if self.rerun_round_run is not None and not self.rerun_planned:
+            self.rerun_round = {"round": self.rerun_round_run, "finished": True}
+            self.write_checkpoint()
 
     def _holds_secret(self, line: str) -> bool:
         finds = getattr(self.redact, "finds_secret", None)
@@ -508,6 +537,8 @@ class Recorder:
             "batch_stats": batch_stats(self.batch_outcomes),
             "last_updated": _now(),
         }
+        if self.rerun_round is not None:  # the latest --rerun_discarded round (resume.rerun_round)
+            state["rerun_round"] = self.rerun_round
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
 
     def track_rows(self, pending: dict[int, int]) -> None:

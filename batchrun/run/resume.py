@@ -3,8 +3,9 @@
 Each row runs ``samples`` times (its own field, else ``--samples_per_prompt``); a sample is
 (row identity, sample index). It is finished when a batch file holds a trajectory of it, or (unless
 ``--rerun_discarded``) ``discarded.jsonl`` holds a discard of it. Failures are not finished: they
-run again. Records written before samples existed are sample 0. The
-manifest (``run_manifest.json``) records the settings that define the data; a resume with other
+run again. ``--rerun_discarded`` runs in rounds (:func:`rerun_round`): an interrupted round continued
+runs only the discards it has not run again yet. Records written before samples existed are sample 0.
+The manifest (``run_manifest.json``) records the settings that define the data; a resume with other
 values would mix two datasets and is refused unless ``--force_resume``.
 """
 
@@ -14,6 +15,7 @@ import collections
 import dataclasses
 import datetime as dt
 import hashlib
+import re
 import shlex
 import socket
 import sys
@@ -30,7 +32,7 @@ from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.scoring import check_from_row_fields, judge_endpoint
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json
-from batchrun.storage import batch_files, iter_jsonl
+from batchrun.storage import batch_files, iter_jsonl, read_json_object
 
 # Settings that define what the data is; a resume with other values would mix two datasets.
 MANIFEST_KEYS = (
@@ -339,12 +341,14 @@ def scan_finished(
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
     passes: collections.Counter[str] | None = None,
+    in_round: int | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
-    re-run). Lines of the wrong shape are skipped, as torn lines are. ``at`` is given the same outcomes
-    by (identity, sample index, prompt index), for :func:`match_outcomes`; ``checks`` each row identity's
-    ``row_fields`` texts its finished outcomes were judged with, and the dataset lines (prompt indices)
-    that wrote them, for :func:`changed_checks`.
+    re-run; re-run in the rerun round ``in_round``, those it wrote). Lines of the wrong shape are
+    skipped, as torn lines are. ``at`` is given the same outcomes by (identity, sample index, prompt
+    index), for :func:`match_outcomes`; ``checks`` each row identity's ``row_fields`` texts its finished
+    outcomes were judged with, and the dataset lines (prompt indices) that wrote them, for
+    :func:`changed_checks`.
 
     With ``stop_after_passes`` (K) a sample skipped after its row's passes (``skipped_after_passes``) is
     finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
@@ -366,7 +370,9 @@ def scan_finished(
                 if stop_after_passes and kept_pass(rec, exclude_partial):
                     passes[key[0]] += 1
     counts = still_skipped(passes, stop_after_passes)
-    add_discards(run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=counts)
+    add_discards(
+        run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=counts, in_round=in_round
+    )
     return done
 
 
@@ -430,19 +436,60 @@ def add_discards(
     at: collections.Counter[Place] | None = None,
     checks: Checks | None = None,
     counts: Callable[[dict[str, Any]], bool] | None = None,
+    in_round: int | None = None,
 ) -> None:
-    """Discarded samples count as finished unless --rerun_discarded (they cost money to redo); ``counts``
-    may leave some out (a discard row -> whether it finishes its sample)."""
+    """Discarded samples count as finished unless --rerun_discarded (they cost money to redo); with it,
+    those its rerun round ``in_round`` wrote do (the round ran them again: continued, it does not run
+    them once more). ``counts`` may leave some out (a discard row -> whether it finishes its sample)."""
     discards = run_dir / "discarded.jsonl"
-    if discards.exists() and not rerun_discarded:
+    if discards.exists() and (not rerun_discarded or in_round is not None):
         for rec in iter_jsonl(discards):
-            if valid_outcome_row(rec, "reason") and (counts is None or counts(rec)):
+            if (
+                valid_outcome_row(rec, "reason")
+                and (counts is None or counts(rec))
+                and (not rerun_discarded or round_of(rec) == in_round)
+            ):
                 key = outcome_sample(rec)
                 done[key] += 1
                 if at is not None and is_index(rec.get("prompt_index")):
                     at[place_of(key, rec["prompt_index"], outcome_row_fields(rec), occurrence_in(rec))] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec, rec.get("prompt_index"))
+
+
+# A discarded.jsonl row's field: the --rerun_discarded round that wrote it (absent: written by a run
+# without the flag, or by a version before rounds). checkpoint.json's key of the same name holds the
+# latest round, {"round": N, "finished": bool}.
+ROUND_FIELD = "rerun_round"
+
+
+def round_of(row: dict[str, Any]) -> int | None:
+    """The rerun round a discarded.jsonl row was written in (None: none, or another shape)."""
+    value = row.get(ROUND_FIELD)
+    return value if is_index(value) and value > 0 else None
+
+
+def latest_round(run_dir: Path) -> dict[str, Any] | None:
+    """checkpoint.json's ``rerun_round``: the latest round and whether it finished; None when it holds
+    none (no --rerun_discarded yet, a checkpoint written before rounds, or damaged)."""
+    value = (read_json_object(run_dir / "checkpoint.json") or {}).get(ROUND_FIELD)
+    if not isinstance(value, dict) or not is_index(value.get("round")) or value["round"] < 1:
+        return None
+    return {"round": value["round"], "finished": value.get("finished") is not False}
+
+
+def rerun_round(run_dir: Path) -> tuple[int, bool]:
+    """The round a --rerun_discarded invocation runs, and whether it continues it: the latest round
+    checkpoint.json names, while it is open (started, and not every discard it was to run again has an
+    outcome from it: stopped, killed, or some failed); else a new one, after every round there
+    (checkpoint.json's, or the highest a discard row names, should the checkpoint be lost): it runs
+    every discard again. Discards of no round (older runs, runs without the flag) are run by either."""
+    state = latest_round(run_dir)
+    tagged = iter_jsonl(run_dir / "discarded.jsonl", only=re.compile(rb'"rerun_round"'))
+    latest = max((n for row in tagged if isinstance(row, dict) and (n := round_of(row))), default=0)
+    if state is not None and not state["finished"] and state["round"] >= latest:
+        return state["round"], True
+    return max(latest, state["round"] if state else 0) + 1, False
 
 
 CHECK_FIELDS = ("answer", "verify", "verify_files", "rubric")
@@ -529,10 +576,12 @@ def resume_filter(
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
     rerun: set[tuple[int, int]] | None = None,
+    in_round: int | None = None,
 ) -> list[Sample]:
     """The samples with no finished outcome yet, counting duplicates per (identity, sample index).
     ``rerun``, with ``rerun_discarded``: given the (row index, sample index) of those that run again
-    because they were discarded (a resume without the flag would not run them).
+    because they were discarded (a resume without the flag would not run them). ``in_round``: the rerun
+    round this invocation continues (:func:`rerun_round`): the discards it wrote are finished.
 
     A row whose finished samples were judged against another check (answer, verify, ...) stops the
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
@@ -547,6 +596,7 @@ def resume_filter(
         stop_after_passes=stop_after_passes,
         exclude_partial=exclude_partial,
         passes=passes,
+        in_round=in_round,
     )
     matched = match_outcomes(rows, done, redact, samples_per_prompt, at)
     changed = changed_checks(rows, checks, redact, matched, samples_per_prompt)
@@ -567,9 +617,15 @@ def resume_filter(
         print(f"warning: {what}; kept as they are (--force_resume)", file=sys.stderr)
     todo = matched.left
     if rerun is not None and rerun_discarded:
-        # The same outcomes with the discards: the samples a resume without the flag would leave.
+        # The same outcomes with the discards: the samples a resume without the flag would leave (the
+        # round's own discards are in already).
+        skipped = still_skipped(passes, stop_after_passes)
         add_discards(
-            run_dir, done, rerun_discarded=False, at=at, counts=still_skipped(passes, stop_after_passes)
+            run_dir,
+            done,
+            rerun_discarded=False,
+            at=at,
+            counts=lambda row: skipped(row) and (in_round is None or round_of(row) != in_round),
         )
         left = match_outcomes(rows, done, redact, samples_per_prompt, at).left
         rerun |= {(row.index, s) for row, s in todo} - {(row.index, s) for row, s in left}
@@ -603,7 +659,8 @@ def resume_command(argv: list[str] | None = None) -> str:
 
 
 def rerun_command() -> str:
-    """:func:`resume_command` with --rerun_discarded: every discarded sample runs again."""
+    """:func:`resume_command` with --rerun_discarded: continues the open rerun round (the discards it
+    did not run again yet), else starts a new one (every discard runs again)."""
     if COMMAND_LINE is None:
         return "the same call with resume=True and rerun_discarded=True"
     return f"{resume_command()} --rerun_discarded"

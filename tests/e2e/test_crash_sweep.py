@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 from helpers import ROOT
@@ -140,3 +142,70 @@ def test_a_signal_before_the_workers_start_leaves_no_sandbox_behind(tmp_path, is
         assert proc.returncode == 130, err.decode()[-2000:]
         assert server.stats()["requests"] == 0  # no prompt ran (the start check is counted apart)
         assert sweep.sandbox_leftovers([proc.pid]) == []
+
+
+def test_kill_9_in_a_rerun_round_then_the_same_command_runs_each_discard_again_once(tmp_path):
+    """A --resume --rerun_discarded invocation killed mid-round (its outcomes partly written), then the same
+    command: it ran every discard again, those the killed round had run again a second time (two lines
+    more in discarded.jsonl, paid twice), as nothing said a round was under way. Now the round is in
+    checkpoint.json before its first outcome, each discard it writes says its round, and the same command
+    continues it: the same outputs as the round run uninterrupted, killed before the round was marked,
+    mid-round, in its merge, or just before its last step (the round marked finished)."""
+    sweep = _sweep()
+    args = argparse.Namespace(samples=1, workers=2, isolation="bwrap", flag=[], keep=None)
+    rows = sweep.rows()
+    rows = (
+        rows[:2]
+        + rows[12:16]
+        + [{"id": f"terse-{i}", "prompt": f"Answer tersely {i} [no_reasoning] [slow:0.1]"} for i in range(5)]
+    )
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with FakeModelServer(latency_s=0.01) as server:
+        first = tmp_path / "first"
+        first.mkdir()
+        code, err = sweep.run_to_end(sweep.argv(dataset, first, server, args, False), first)
+        assert code == 0, err[-2000:]
+
+        def copy(name: str) -> tuple[Path, list[str]]:
+            out = tmp_path / name
+            shutil.copytree(first, out)
+            return out, [*sweep.argv(dataset, out, server, args, True), "--rerun_discarded"]
+
+        base_out, cmd = copy("base")
+        code, err = sweep.run_to_end(cmd, base_out)
+        assert code == 0, err[-2000:]
+        base = sweep.summary(base_out / sweep.RUN)
+        # Each discard run again once (the twin-free rows: one sample each), discarded again.
+        assert len(base["discard_lines"]) >= 6 and set(base["discard_lines"].values()) == {2}
+        base_round = json.loads((base_out / sweep.RUN / "checkpoint.json").read_text())["rerun_round"]
+        assert base_round == {"round": 1, "finished": True}
+
+        steps_out, cmd = copy("steps")
+        log = tmp_path / "rerun_steps.txt"
+        sweep.run_to_end(cmd, steps_out, env=sweep.hooked_env(sweep.install_hook(tmp_path), steps_file=log))
+        names = log.read_text().splitlines()
+        discards = [n + 1 for n, step in enumerate(names) if step == "fsync discarded.jsonl"]
+        # The round closed last (the directory's fsync after): a kill after it ended a finished round.
+        assert len(discards) == len(base["discard_lines"]) and names[-2:] == [
+            "rename checkpoint.json",
+            "fsync sweep",
+        ]
+        points = [
+            names.index("rename checkpoint.json") + 1,  # the round not marked open yet
+            discards[2],  # two discards run again, the third's line not yet durable
+            names.index("fsync .trajectories.jsonl.tmp") + 1,  # every outcome in, the merge
+            len(names) - 1,  # everything written but the round's end
+        ]
+        for at in points:
+            out, cmd = copy(f"kill_{at}")
+            proc = sweep.start(cmd, out, env=sweep.hooked_env(sweep.install_hook(tmp_path), kill_at=at))
+            proc.wait()
+            assert proc.returncode == -signal.SIGKILL, at
+            code, err = sweep.run_to_end(cmd, out)
+            assert code == 0, err[-2000:]
+            got = sweep.summary(out / sweep.RUN)
+            assert not sweep.compare(base, got), f"killed before step {at} ({names[at - 1]})"
+            assert got["discard_lines"] == base["discard_lines"], at
+            checkpoint = json.loads((out / sweep.RUN / "checkpoint.json").read_text())
+            assert checkpoint["rerun_round"] == base_round, at

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    OK_REPLY,
+    ScriptedEndpoint,
     default_sigint,
     exit_code,
     lines_written,
@@ -598,6 +600,7 @@ def test_a_sample_redone_by_rerun_discarded_does_not_stand_for_its_identical_twi
     assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
+@pytest.mark.slow
 def test_an_interrupted_rerun_of_discards_says_what_each_command_does_with_those_not_run_again(
     server, tmp_path
 ):
@@ -605,7 +608,8 @@ def test_an_interrupted_rerun_of_discards_says_what_each_command_does_with_those
     did not reach keep their discards, so the resume command it printed (without the flag, which would
     pay for the 2 again) runs nothing and leaves them as they are, and --rerun_discarded again runs all
     4. It exited 130 saying neither: remaining_for_resume 0, no command, nothing in statistics.json.
-    Now it says how many did not run again and what each command does with them."""
+    Now it says how many did not run again and what each command does with them; --rerun_discarded
+    continues the round: the 2 it did not reach run, the 2 it ran again do not (they were paid twice)."""
     rows = [f"terse {i} [no_reasoning] [slow:1]" for i in range(4)]
     dataset = write_jsonl(tmp_path / "d.jsonl", [*rows, "fine [calls:0]"])
     out = tmp_path / "data"
@@ -626,19 +630,152 @@ def test_an_interrupted_rerun_of_discards_says_what_each_command_does_with_those
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, output[-2000:]
-    assert "--rerun_discarded: 2 of the 4 discarded sample(s) this run was to run again did not run" in output
+    assert (
+        "--rerun_discarded: 2 of the 4 discarded sample(s) this run was to run again (round 1) did not run"
+        in output
+    )
     said = output.split("--rerun_discarded: 2 of the 4", 1)[1].splitlines()
     assert said[1].endswith("--resume") and "leaves them discarded" in said[2]
     assert said[3].endswith("--resume --rerun_discarded")
-    assert "runs them, and again the 2 this run ran again and discarded again" in said[4]
+    assert "continues round 1: runs only them, not again those the round ran again already" in said[4]
     stats = stats_of(run_dir)
     assert stats["this_run"]["rerun_discarded"] == {
+        "round": 1,
+        "continued": False,
         "to_rerun": 4,
         "kept": 0,
         "discarded_again": 2,
         "not_rerun": 2,
+        "finished": False,
     }
     assert stats["remaining_for_resume"] == 0
+    assert _checkpoint(run_dir)["rerun_round"] == {"round": 1, "finished": False}
+    # Continued by the same command, the round runs the 2 it did not reach, once each (it ran all 4 again,
+    # 2 of them for the second time in the round: today's files could not tell an interrupted round from
+    # a finished one), and it is finished: a --rerun_discarded after it starts round 2, which runs all 4
+    # again, as a user who wants another try asks.
+    before = requests(server)
+    subprocess.run([*argv, "--resume", "--rerun_discarded"], check=True, capture_output=True)
+    ran = requests(server) - before
+    discards = collections.Counter(d["prompt_index"] for d in read_jsonl(run_dir / "discarded.jsonl"))
+    assert discards == {0: 2, 1: 2, 2: 2, 3: 2}  # each discard run again once in the round
+    assert len(ran) == 2 and set(ran) < set(rows) and len(set(ran.values())) == 1
+    stats = stats_of(run_dir)
+    assert stats["this_run"]["rerun_discarded"] == {
+        "round": 1,
+        "continued": True,
+        "to_rerun": 2,
+        "kept": 0,
+        "discarded_again": 2,
+        "not_rerun": 0,
+        "finished": True,
+    }
+    assert [d.get("rerun_round") for d in read_jsonl(run_dir / "discarded.jsonl")] == [None] * 4 + [1] * 4
+    assert _checkpoint(run_dir)["rerun_round"] == {"round": 1, "finished": True}
+    # A plain resume carries the round on; the next --rerun_discarded starts round 2: every discard.
+    subprocess.run([*argv, "--resume"], check=True, capture_output=True)
+    assert _checkpoint(run_dir)["rerun_round"] == {"round": 1, "finished": True}
+    before = requests(server)
+    subprocess.run([*argv, "--resume", "--rerun_discarded"], check=True, capture_output=True)
+    assert requests(server) - before == {row: ran[next(iter(ran))] for row in rows}
+    assert stats_of(run_dir)["this_run"]["rerun_discarded"]["round"] == 2
+    assert [d.get("rerun_round") for d in read_jsonl(run_dir / "discarded.jsonl")][8:] == [2] * 4
+
+
+def test_discards_of_no_round_are_run_again_by_the_first_round_and_each_finished_round_starts_another(
+    server, tmp_path
+):
+    """Discards written before rounds existed (no rerun_round, a checkpoint without one) are discards of
+    no round: the first --rerun_discarded starts round 1 and runs each again, as before; finished, the
+    next starts round 2 and runs each again once more. A round started with a checkpoint lost or damaged
+    numbers itself after the rounds its discards name."""
+    terse = ["terse a [no_reasoning]", "terse b [no_reasoning]"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*terse, "fine [calls:0]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out)
+    assert "rerun_round" not in _checkpoint(run_dir)
+    for n in (1, 2):
+        before = requests(server)
+        run(server, dataset, out, resume=True, rerun_discarded=True)
+        assert requests(server) - before == {t: 3 for t in terse}  # three model calls each
+        rerun = stats_of(run_dir)["this_run"]["rerun_discarded"]
+        assert (rerun["round"], rerun["continued"], rerun["to_rerun"], rerun["finished"]) == (
+            n,
+            False,
+            2,
+            True,
+        )
+        assert _checkpoint(run_dir)["rerun_round"] == {"round": n, "finished": True}
+    (run_dir / "checkpoint.json").write_text("{damaged", "utf-8")
+    run(server, dataset, out, resume=True, rerun_discarded=True)
+    assert stats_of(run_dir)["this_run"]["rerun_discarded"]["round"] == 3
+    assert [d.get("rerun_round") for d in read_jsonl(run_dir / "discarded.jsonl")] == [None] * 2 + [
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
+
+
+def test_a_discard_whose_rerun_failed_keeps_the_round_open_and_the_round_continued_runs_it_alone(tmp_path):
+    """A failure is no outcome of a rerun round (it says nothing of the sample, and --resume runs
+    failures again): the round whose rerun of one discard failed stays open, and --rerun_discarded
+    continues it, running that one alone, not the discard the round already ran again."""
+    phase = {"fail": None}
+
+    def answer(call: dict, calls: list[dict]):
+        prompt = json.dumps((call["body"] or {}).get("messages", []))
+        if phase["fail"] and phase["fail"] in prompt and not call["check"]:
+            return 400, {"error": {"message": "refused", "type": "invalid_request_error"}}
+        return 200, OK_REPLY  # no reasoning: discarded
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["alpha task", "beta task"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    with ScriptedEndpoint(answer, get=(200, {"data": []})) as endpoint:
+        flags = dict(model="m", base_url=endpoint.base_url, api_key="sk-local-test")
+
+        def ran() -> collections.Counter:
+            """Prompt calls so far, by the row's prompt (the start check left out)."""
+            return collections.Counter(
+                name
+                for c in endpoint.calls
+                if not c["check"]
+                for name in ("alpha", "beta")
+                if name in json.dumps((c["body"] or {}).get("messages", []))
+            )
+
+        run(None, dataset, out, **flags)
+        assert [d["reason"] for d in read_jsonl(run_dir / "discarded.jsonl")] == ["no_reasoning"] * 2
+        phase["fail"] = "beta task"
+        run(None, dataset, out, resume=True, rerun_discarded=True, **flags)
+        rerun = stats_of(run_dir)["this_run"]["rerun_discarded"]
+        assert (rerun["round"], rerun["discarded_again"], rerun["not_rerun"], rerun["finished"]) == (
+            1,
+            1,
+            1,
+            False,
+        )
+        assert _checkpoint(run_dir)["rerun_round"] == {"round": 1, "finished": False}
+        phase["fail"], before = None, ran()
+        run(None, dataset, out, resume=True, rerun_discarded=True, **flags)
+        assert set(ran() - before) == {"beta"}  # alpha's discard the round ran again already
+        rerun = stats_of(run_dir)["this_run"]["rerun_discarded"]
+        assert (rerun["round"], rerun["continued"], rerun["to_rerun"], rerun["finished"]) == (
+            1,
+            True,
+            1,
+            True,
+        )
+    assert [(d["prompt_index"], d.get("rerun_round")) for d in read_jsonl(run_dir / "discarded.jsonl")] == [
+        (0, None),
+        (1, None),
+        (0, 1),
+        (1, 1),
+    ]
 
 
 def test_a_resume_that_reran_its_discards_leaves_none_of_them_pending(server, tmp_path, capsys, monkeypatch):
