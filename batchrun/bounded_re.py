@@ -9,7 +9,10 @@ A child per search cost a Python start, ~20 ms: re-scoring 10,000 samples with `
 227 s, of which 3 s were the scoring. A child here serves one search after another, fed over a pipe, one
 thread at a time; idle ones are kept (up to :data:`KEEP_IDLE`) for the next search; one that overran or
 failed is killed and never used again. Each child also bounds every search itself (an alarm a second
-past its time): one whose parent died mid-search (its pipe then closed) ends instead of running on.
+past its time), and ends within a quarter of a second of its own CPU once its parent is gone: one whose
+parent died mid-search (SIGKILL too) no longer searched on at full CPU for up to the search's whole time
+(the verify timeout, 60 s by default). Not the parent-death signal: that fires when the *thread* that
+started the child ends, and a child is kept for the next search, on any thread.
 """
 
 from __future__ import annotations
@@ -29,10 +32,17 @@ KEEP_IDLE = 8  # idle children kept for the next search (more threads at once st
 # The child: one JSON request a line, [op, pattern, text, timeout_s]; one JSON answer a line,
 # ["ok", result], ["error", message] or ["late", null]. "extract" is scoring._last_match, "search" re.search.
 _CHILD = r"""
-import collections, json, re, signal, sys
+import collections, json, os, re, signal, sys
 def late(*_):
     raise TimeoutError
+def orphaned(*_):
+    if os.getppid() != parent:
+        os._exit(1)
 signal.signal(signal.SIGALRM, late)
+parent = int(sys.argv[1])
+signal.signal(signal.SIGPROF, orphaned)
+signal.setitimer(signal.ITIMER_PROF, 0.25, 0.25)
+orphaned()
 for line in sys.stdin:
     op, p, t, timeout_s = json.loads(line)
     try:
@@ -59,8 +69,9 @@ class _Child:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            _COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-        )
+            [*_COMMAND, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
 
     def ask(self, request: bytes, timeout_s: float) -> Any:
         """The answer to ``request``: subprocess.TimeoutExpired after ``timeout_s``, CalledProcessError

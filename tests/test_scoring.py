@@ -1376,6 +1376,42 @@ def test_a_search_whose_process_was_killed_ends_on_its_own():
     assert not left, "the search's child outlived its parent and its time"
 
 
+@pytest.mark.timeout(60)
+def test_a_search_whose_process_was_killed_ends_before_its_time():
+    """Its own alarm ends a search a second past its time; a search of 300 s whose parent was killed
+    (SIGKILL) went on at 100 % of a core for those 300 s. It now ends once it sees its parent gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import threading, time, glob\n"
+        "from batchrun import scoring\n"
+        "threading.Thread(target=scoring.bounded_search, args=('(a+)+$', 'a' * 60 + 'b', 300.0)).start()\n"
+        "while not (pids := ' '.join(open(f).read() for f in glob.glob('/proc/self/task/*/children')).split()):\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(0.5)\n"  # the search under way
+        "print(*pids, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        children = [int(pid) for pid in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert children
+    deadline = time.monotonic() + 20  # far below the search's 300 s
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}/stat") for pid in children):
+        time.sleep(0.2)
+    left = [pid for pid in children if os.path.exists(f"/proc/{pid}/stat")]
+    for pid in left:  # the old code's: killed here, not left spinning
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the search's child outlived its parent"
+
+
 @pytest.mark.parametrize(
     ("text", "answer", "passed"),
     [

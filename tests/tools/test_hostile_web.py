@@ -418,3 +418,46 @@ def test_a_slow_resolver_is_held_to_the_fetchs_deadline(monkeypatch, public_only
         web.fetch_url("http://slow-dns.test/", max_bytes=1000, timeout_s=1.0, public_only=public_only)
     assert time.monotonic() - t0 < 4.0  # the resolver's 8 s not waited for (a margin for a loaded machine)
     assert str(caught.value) == "http://slow-dns.test/ took longer than 1 s (resolving slow-dns.test)"
+
+
+def test_a_conversion_whose_worker_was_killed_ends_before_its_time():
+    """A worker killed (SIGKILL) mid-conversion left its child converting on at full CPU, for the
+    whole page (12 s of CPU here), with nothing to wait for its answer. It now ends once its parent
+    is gone."""
+    import signal
+
+    code = (
+        "import sys\n"
+        "from batchrun.prompt.tools.html_text import convert_html\n"
+        "convert_html(sys.stdin.buffer.read(), 'http://page/', 'utf-8', 1000, 300)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    runner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env)
+    runner.stdin.write(PAGES["dense_tags"][1])
+    runner.stdin.close()
+    child, deadline = None, time.monotonic() + 60
+    try:
+        while child is None or _cpu_s(child) < 0.5:  # past reading the page: converting it
+            assert runner.poll() is None and time.monotonic() < deadline
+            with open(f"/proc/{runner.pid}/task/{runner.pid}/children") as f:
+                child = next(map(int, f.read().split()), None)
+            time.sleep(0.05)
+    finally:
+        runner.kill()
+        runner.wait()
+    deadline = time.monotonic() + 8  # far below the 11 s of CPU the conversion had left
+    while os.path.exists(f"/proc/{child}/stat") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = os.path.exists(f"/proc/{child}/stat")
+    if left:
+        os.kill(child, signal.SIGKILL)
+    assert not left, "the conversion outlived its worker"
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

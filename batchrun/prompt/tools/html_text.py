@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 import subprocess
 import sys
@@ -149,6 +150,7 @@ def convert_html(
                 json.dumps(sys.path),
                 str(Path(__file__)),
                 str(HTML_MEMORY_MB),
+                str(os.getpid()),
             ],
             input=header.encode() + b"\n" + body,
             capture_output=True,
@@ -168,9 +170,10 @@ def convert_html(
     return out["title"], out["text"], out["length"]
 
 
-def _child(memory_mb: int) -> None:
+def _child(memory_mb: int, parent: int) -> None:
     import resource
 
+    _end_with(parent)
     size = memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (size, size))
     data = sys.stdin.buffer.read()
@@ -188,5 +191,20 @@ def _child(memory_mb: int) -> None:
     sys.stdout.write(json.dumps(out))
 
 
+def _end_with(parent: int) -> None:
+    """End this child within a quarter of a second of its CPU once ``parent`` is gone: a worker killed
+    (SIGKILL too) mid-conversion left it converting on at full CPU, 16 s for a 2.6 MB page here. The
+    same check as batchrun.bounded_re's children: the signal handler runs between the parser's steps."""
+    import signal
+
+    def orphaned(*_: object) -> None:
+        if os.getppid() != parent:
+            os._exit(1)
+
+    signal.signal(signal.SIGPROF, orphaned)
+    signal.setitimer(signal.ITIMER_PROF, 0.25, 0.25)
+    orphaned()
+
+
 if __name__ == "__main__":
-    _child(int(sys.argv[1]))
+    _child(int(sys.argv[1]), int(sys.argv[2]))

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 
+from batchrun.prompt.sandboxes._process import run_reaped
 from batchrun.prompt.sandboxes.local.netlink import bound_unix_paths
 from batchrun.prompt.sandboxes.local.options import DEFAULT_WORKDIR
 from batchrun.prompt.sandboxes.local.system_view import NAMESPACES, NO_CWD, SYSTEM_DIRS, system_mounts
@@ -66,7 +67,7 @@ def bwrap_problem() -> str | None:
         return "bubblewrap is not installed (on Debian: apt-get install bubblewrap)"
     try:
         argv = ["bwrap", *NAMESPACES, *system_mounts(), "--tmpfs", "/tmp", "--remount-ro", "/", "true"]
-        done = subprocess.run(argv, capture_output=True, timeout=20)
+        done = run_reaped(argv, timeout_s=20)  # not subprocess.run: its inner child could outlive us
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap could not be run: {exc}"
     if done.returncode != 0:

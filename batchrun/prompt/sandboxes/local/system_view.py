@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 
+from batchrun.prompt.sandboxes._process import run_reaped
 from batchrun.prompt.sandboxes.local.options import CTL_DIR
 
 # capability, which would let a command remount anything read-write: drop them all.
@@ -48,9 +49,7 @@ def user_namespace_args() -> tuple[str, ...]:
         return ()
     args = ("--unshare-user", "--uid", "0", "--gid", "0")
     try:
-        done = subprocess.run(
-            ["bwrap", *args, "--ro-bind", "/", "/", "true"], capture_output=True, timeout=20
-        )
+        done = run_reaped(["bwrap", *args, "--ro-bind", "/", "/", "true"], timeout_s=20)
     except (OSError, subprocess.TimeoutExpired):
         return ()
     return args if done.returncode == 0 else ()
