@@ -425,3 +425,45 @@ def test_a_resume_s_merge_parses_each_batch_line_once(server, tmp_path, monkeypa
     after = json.loads((run_dir / "checkpoint.json").read_text())
     assert after["batch_stats"] == before["batch_stats"]
     assert after["completed_prompts"] == before["completed_prompts"]
+
+
+def test_checkpoint_batch_stats_and_statistics_count_outcome_rows_by_one_rule(server, tmp_path):
+    """checkpoint.json's batch_stats and statistics.json counted discarded.jsonl and failed.jsonl rows
+    apart, by two rules: the merge's count (what a resume's checkpoint says until its statistics, and
+    what it keeps when killed there) took any dict row, statistics only rows of an outcome's shape. A
+    row with a batch number but no reason, or no error class (a hand edit, another tool's line) was
+    in the one and not in the other. One count now, shared by both."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT, runner_argv
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {n}" for n in range(4)] + ["y [no_reasoning]"])
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=3)
+    run_dir = out / "run"
+    with (run_dir / "discarded.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write('{"batch_num": 0, "prompt": "p", "reason": 5}\n{"batch_num": 1, "prompt_index": 4}\n')
+    with (run_dir / "failed.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write('{"batch_num": 0, "prompt": "p", "error_class": null}\n')
+    argv = runner_argv(dataset, out, server, "--batch_size=3", "--resume")
+    killed_in_statistics = (
+        "import os, runpy, signal, sys; from batchrun.run import finish; "
+        "finish.statistics = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+        f"sys.argv = {argv[1:]!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", killed_in_statistics], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    at_merge = json.loads((run_dir / "checkpoint.json").read_text())["batch_stats"]
+    run(server, dataset, out, batch_size=3, resume=True)
+    stats = stats_of(run_dir)
+    batch_stats = json.loads((run_dir / "checkpoint.json").read_text())["batch_stats"]
+    assert at_merge == batch_stats
+    assert sum(b["discarded"] for b in batch_stats.values()) == stats["discarded"]["total"] == 1
+    assert sum(b["skipped"] for b in batch_stats.values()) == stats["failed_attempts"]["total"] == 0
+    assert stats["invalid_lines_skipped"]["discarded.jsonl"] == 2
+    assert stats["invalid_lines_skipped"]["failed.jsonl"] == 1
