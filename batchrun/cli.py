@@ -55,6 +55,7 @@ from batchrun.run.preflight import (
 )
 from batchrun.run.recorder import Recorder, damaged_books, earlier_runs, lost_runs, spend_of
 from batchrun.run.resume import (
+    CheckedFiles,
     all_samples,
     build_manifest,
     check_manifest,
@@ -239,6 +240,7 @@ def run_steps(
         recorder.journal.open()
     if config.resume and config.rerun_discarded:
         recorder.rerun_planned = set()
+    checked = CheckedFiles()  # the batch files the resume's scan read, for the merge: checked once
     todo = (
         resume_filter(
             rows,
@@ -252,6 +254,7 @@ def run_steps(
             exclude_partial=config.exclude_partial,
             # Which of them are discards run again: a run stopped before it ran them all says which did not.
             rerun=recorder.rerun_planned,
+            checked=checked,
         )
         if config.resume
         else all_samples(rows, config.samples_per_prompt)
@@ -369,6 +372,7 @@ def run_steps(
             prepared=prepared,
             wanted=kept.wanted,
             excluded=kept.excluded,
+            checked=checked,
         )
     finally:  # the workers end and the backend sweeps after them while the merge runs
         if preflighted.batches:

@@ -39,6 +39,7 @@ from batchrun.run.recorder import (
     earlier_runs,
 )
 from batchrun.run.resume import (
+    CheckedFiles,
     Matched,
     Place,
     add_discards,
@@ -212,6 +213,7 @@ def merge(
     prepared: PreparedLines | None = None,
     wanted: collections.Counter[tuple[str, int]] | None = None,
     excluded: Callable[[dict[str, Any]], None] | None = None,
+    checked: CheckedFiles | None = None,
 ) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
@@ -228,7 +230,9 @@ def merge(
     (:class:`PreparedLines`) made it from the same line during the dispatch. ``wanted``: the dataset's
     :func:`wanted_samples`, when the caller has them already (:class:`KeptFeed`). ``excluded`` gets
     each partial record ``exclude_partial`` leaves out (:meth:`KeptFeed.excluded`: a sample left out of
-    the training file is still a judged sample of the evaluation).
+    the training file is still a judged sample of the evaluation). ``checked``: the batch files a resume's
+    scan read (:class:`CheckedFiles`): a line of one still as the scan read it is valid unless the scan
+    found it not, and is not checked again.
     """
     if wanted is None:
         wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
@@ -267,9 +271,14 @@ def merge(
         with tmp.open("wb") as fh:
             files = batch_files(run_dir)
             for n, (_, path) in enumerate(files):
+                invalid = checked.invalid_lines(path) if checked is not None else None
                 for offset, raw, rec in iter_jsonl_at(path):
                     ready = prepared.take(raw) if prepared is not None else None
-                    if ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
+                    if invalid is not None:  # read by the scan, not changed since
+                        if offset in invalid:
+                            totals.dropped["invalid_lines"] += 1
+                            continue
+                    elif ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
                         totals.dropped["invalid_lines"] += 1
                         continue
                     per_batch[files[n][0]] += 1
