@@ -53,7 +53,7 @@ from batchrun.run.preflight import (
     sweep_prepared,
     will_call_the_model,
 )
-from batchrun.run.recorder import Recorder, damaged_books, earlier_runs, lost_runs, spend_of
+from batchrun.run.recorder import Recorder, count_outcomes, damaged_books, earlier_runs, lost_runs, spend_of
 from batchrun.run.resume import (
     CheckedFiles,
     all_samples,
@@ -260,6 +260,11 @@ def run_steps(
         else all_samples(rows, config.samples_per_prompt)
     )
     recorder.track_rows(finish.pending_samples(rows, todo))  # checkpoint.json's completed prompts
+    # checkpoint.json's batch_stats from the scan's counts: not a second read of every batch file
+    if config.resume and todo:
+        recorder.batch_outcomes = count_outcomes(
+            config.run_dir, checked.per_batch, checked.finished_at
+        ).batches
     recorder.rerun_total = len(recorder.rerun_planned or ())
     if todo and not config.ray_address:
         start_forkserver(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
-from batchrun.identity import is_index, outcome_sample, record_sample
+from batchrun.identity import Line, is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import occurrence_of, read_score, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
@@ -334,10 +334,16 @@ class CheckedFiles:
     times, the same before and after its read). The merge takes every other line of a file still in that
     state as valid without checking it again (``valid_record`` a second time was ~16 us a record of a
     resume's merge); a file changed since (a hand edit, or one the run appended to) is checked line by
-    line, as before. What the merge keeps is the same either way."""
+    line, as before. What the merge keeps is the same either way.
+
+    With them, the valid records the scan counted in each batch file (``per_batch``) and their
+    :data:`~batchrun.identity.Line`\\ s (``finished_at``): checkpoint.json's batch_stats start from them
+    (recorder.count_outcomes), so a resume's first checkpoint does not read every batch file again."""
 
     def __init__(self) -> None:
         self._files: dict[str, tuple[tuple[int, ...], frozenset[int]]] = {}
+        self.per_batch: collections.Counter[int] = collections.Counter()
+        self.finished_at: collections.Counter[Line] = collections.Counter()
 
     def add(self, path: Path, before: os.stat_result, invalid: list[int]) -> None:
         """``path`` read whole, with ``invalid`` the offsets of its lines that are not valid records;
@@ -388,7 +394,7 @@ def scan_finished(
     done: collections.Counter[tuple[str, int]] = collections.Counter()
     if passes is None:
         passes = collections.Counter()
-    for _, path in batch_files(run_dir):
+    for num, path in batch_files(run_dir):
         try:
             before = os.stat(path)
         except OSError:  # gone since it was listed: nothing of it is finished
@@ -400,9 +406,16 @@ def scan_finished(
             else:
                 key = record_sample(rec)
                 done[key] += 1
-                if at is not None and is_index(rec.get("prompt_index")):
+                index = rec.get("prompt_index")
+                if is_index(index) and (at is not None or checked is not None):
                     meta = rec.get("metadata")
-                    at[place_of(key, rec["prompt_index"], row_fields_of(meta), occurrence_in(meta))] += 1
+                    occurrence = occurrence_in(meta)
+                    if at is not None:
+                        at[place_of(key, index, row_fields_of(meta), occurrence)] += 1
+                    if checked is not None:
+                        checked.finished_at[(*key, index, occurrence)] += 1  # identity.kept_line
+                if checked is not None:
+                    checked.per_batch[num] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
                 if stop_after_passes and kept_pass(rec, exclude_partial):

@@ -516,3 +516,27 @@ def test_a_batch_file_changed_after_the_resume_scan_is_checked_line_by_line(serv
     totals = finish.merge(run_dir, rows, recorder, checked=checked)
     assert totals.dropped["invalid_lines"] == 2
     assert totals.kept == 5
+
+
+def test_a_resume_that_runs_prompts_parses_each_earlier_batch_line_twice_not_three_times(
+    server, tmp_path, monkeypatch
+):
+    """A resume with prompts to run parsed every batch line three times: its scan, its first checkpoint
+    (batch_stats, from a recorder that had counted nothing) and its merge. The checkpoint starts from the
+    scan's counts now, and says what it said."""
+    import batchrun.storage
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {n}" for n in range(6)])
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=3)
+    run_dir = out / "run"
+    lines = {line for p in run_dir.glob("batch_*.jsonl") for line in p.read_bytes().splitlines(keepends=True)}
+    write_jsonl(dataset, [f"task {n}" for n in range(8)])  # two rows more: the resume runs them
+    parsed = []
+    real_parse = batchrun.storage._parse_line
+    monkeypatch.setattr(batchrun.storage, "_parse_line", lambda raw: parsed.append(raw) or real_parse(raw))
+    run(server, dataset, out, batch_size=3, resume=True)
+    assert len(lines) == 6
+    assert len([raw for raw in parsed if raw in lines]) == 2 * 6  # not 3 * 6
+    batch_stats = json.loads((run_dir / "checkpoint.json").read_text())["batch_stats"]
+    assert {n: b["trajectories"] for n, b in batch_stats.items()} == {"0": 3, "1": 3, "2": 2}
