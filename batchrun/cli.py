@@ -261,10 +261,10 @@ def run_steps(
     )
     recorder.track_rows(finish.pending_samples(rows, todo))  # checkpoint.json's completed prompts
     # checkpoint.json's batch_stats from the scan's counts: not a second read of every batch file
+    counts = checked.take_counts()
     if config.resume and todo:
-        recorder.batch_outcomes = count_outcomes(
-            config.run_dir, checked.per_batch, checked.finished_at
-        ).batches
+        recorder.batch_outcomes = count_outcomes(config.run_dir, *counts).batches
+    del counts
     recorder.rerun_total = len(recorder.rerun_planned or ())
     if todo and not config.ray_address:
         start_forkserver(

@@ -225,6 +225,8 @@ def step(name: str, output_dir: Path, dataset: Path) -> dict:
             checked = resume.CheckedFiles() if hasattr(resume, "CheckedFiles") else None
             given = {} if checked is None else {"checked": checked}
             resume.resume_filter(rows, config.run_dir, recorder.sample_text, rerun_discarded=False, **given)
+            if hasattr(checked, "take_counts"):  # as cli.run_steps: the scan's counts are not held meanwhile
+                checked.take_counts()
             t_scan = time.perf_counter()
             kept = finish.KeptFeed(config, rows, recorder)
             totals = finish.merge(

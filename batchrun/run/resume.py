@@ -352,6 +352,12 @@ class CheckedFiles:
         if state is not None and state == _file_state(path, before):
             self._files[str(path)] = (state, frozenset(invalid))
 
+    def take_counts(self) -> tuple[collections.Counter[int], collections.Counter[Line]]:
+        """``per_batch`` and ``finished_at``, no longer held here (a Line a record: the merge counts its own)."""
+        counts = self.per_batch, self.finished_at
+        self.per_batch, self.finished_at = collections.Counter(), collections.Counter()
+        return counts
+
     def invalid_lines(self, path: Path) -> frozenset[int] | None:
         """The offsets of ``path``'s lines that are not valid records, or None when the scan did not read
         the file as it is now (every line to be checked)."""
