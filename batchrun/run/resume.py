@@ -337,7 +337,8 @@ class CheckedFiles:
     line, as before. What the merge keeps is the same either way.
 
     With them, the valid records the scan counted in each batch file (``per_batch``) and their
-    :data:`~batchrun.identity.Line`\\ s (``finished_at``): checkpoint.json's batch_stats start from them
+    :data:`~batchrun.identity.Line`\\ s (``finished_at``, only beside a discarded.jsonl that holds rows,
+    which is all superseded_discards matches them to): checkpoint.json's batch_stats start from them
     (recorder.count_outcomes), so a resume's first checkpoint does not read every batch file again."""
 
     def __init__(self) -> None:
@@ -400,6 +401,10 @@ def scan_finished(
     done: collections.Counter[tuple[str, int]] = collections.Counter()
     if passes is None:
         passes = collections.Counter()
+    # The records' Lines matter to the checkpoint's counts only beside discards (superseded_discards):
+    # without any, none is held (~200 bytes a record).
+    state = _file_state(run_dir / "discarded.jsonl")
+    lines = checked is not None and state is not None and state[2] > 0
     for num, path in batch_files(run_dir):
         try:
             before = os.stat(path)
@@ -413,12 +418,12 @@ def scan_finished(
                 key = record_sample(rec)
                 done[key] += 1
                 index = rec.get("prompt_index")
-                if is_index(index) and (at is not None or checked is not None):
+                if is_index(index) and (at is not None or lines):
                     meta = rec.get("metadata")
                     occurrence = occurrence_in(meta)
                     if at is not None:
                         at[place_of(key, index, row_fields_of(meta), occurrence)] += 1
-                    if checked is not None:
+                    if lines:
                         checked.finished_at[(*key, index, occurrence)] += 1  # identity.kept_line
                 if checked is not None:
                     checked.per_batch[num] += 1

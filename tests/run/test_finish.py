@@ -540,3 +540,32 @@ def test_a_resume_that_runs_prompts_parses_each_earlier_batch_line_twice_not_thr
     assert len([raw for raw in parsed if raw in lines]) == 2 * 6  # not 3 * 6
     batch_stats = json.loads((run_dir / "checkpoint.json").read_text())["batch_stats"]
     assert {n: b["trajectories"] for n, b in batch_stats.items()} == {"0": 3, "1": 3, "2": 2}
+
+
+def test_the_checkpoint_counts_a_resume_starts_from_are_those_a_read_of_the_files_gives(server, tmp_path):
+    """The scan's counts stand for a read of every batch file (what the first checkpoint of a resume did):
+    with a discard run again and discarded again, a malformed row, and without any discard."""
+    from batchrun.run.dataset import load_dataset
+    from batchrun.run.recorder import count_outcomes, scan_batch_outcomes
+    from batchrun.run.resume import CheckedFiles, resume_filter
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["terse [no_reasoning]", "fine [calls:1]", "x [error:400]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, batch_size=1)
+    rows, _ = load_dataset(str(dataset))
+    recorder = Recorder(run_dir, "run", Redactor(None))
+
+    def seeded(**kw) -> dict:
+        checked = CheckedFiles()
+        resume_filter(rows, run_dir, recorder.sample_text, rerun_discarded=False, checked=checked, **kw)
+        return count_outcomes(run_dir, *checked.take_counts()).batches
+
+    assert seeded() == scan_batch_outcomes(run_dir)
+    run(server, dataset, out, batch_size=1, resume=True, rerun_discarded=True)  # discarded again
+    with (run_dir / "discarded.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write('{"batch_num": 0, "prompt": "p", "reason": 5}\n')
+    assert seeded() == scan_batch_outcomes(run_dir)
+    assert sum(c["discarded"] for c in seeded().values()) == 1
+    (run_dir / "discarded.jsonl").unlink()
+    assert seeded() == scan_batch_outcomes(run_dir)
