@@ -53,8 +53,9 @@ from batchrun.run.preflight import (
     sweep_prepared,
     will_call_the_model,
 )
-from batchrun.run.recorder import Recorder, damaged_books, earlier_runs, lost_runs, spend_of
+from batchrun.run.recorder import Recorder, count_outcomes, damaged_books, earlier_runs, lost_runs, spend_of
 from batchrun.run.resume import (
+    CheckedFiles,
     all_samples,
     build_manifest,
     check_manifest,
@@ -245,6 +246,7 @@ def run_steps(
     if config.resume and config.rerun_discarded:
         recorder.rerun_planned = set()
         in_round, continued = rerun_round(config.run_dir)
+    checked = CheckedFiles()  # the batch files the resume's scan read, for the merge: checked once
     todo = (
         resume_filter(
             rows,
@@ -259,11 +261,17 @@ def run_steps(
             # Which of them are discards run again: a run stopped before it ran them all says which did not.
             rerun=recorder.rerun_planned,
             in_round=in_round if continued else None,
+            checked=checked,
         )
         if config.resume
         else all_samples(rows, config.samples_per_prompt)
     )
     recorder.track_rows(finish.pending_samples(rows, todo))  # checkpoint.json's completed prompts
+    # checkpoint.json's batch_stats from the scan's counts: not a second read of every batch file
+    counts = checked.take_counts()
+    if config.resume and todo:
+        recorder.batch_outcomes = count_outcomes(config.run_dir, *counts).batches
+    del counts
     recorder.rerun_total = len(recorder.rerun_planned or ())
     if in_round is not None:
         recorder.start_round(in_round, continued)
@@ -378,6 +386,7 @@ def run_steps(
             prepared=prepared,
             wanted=kept.wanted,
             excluded=kept.excluded,
+            checked=checked,
         )
     finally:  # the workers end and the backend sweeps after them while the merge runs
         if preflighted.batches:

@@ -14,6 +14,9 @@ step runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own:
 * ``load_dataset``: the dataset read into rows (both steps below need it);
 * ``scan_finished``: the resume scan (``BatchRunner.scan_finished``);
 * ``merge + statistics``: ``BatchRunner.merge`` and ``BatchRunner.statistics``, as a run ends;
+* ``merge + statistics + report``: the merge fed to the scores and the report, as a run's end does it;
+* ``scan + merge + statistics + report``: the same after the resume scan, as a ``--resume`` does it
+  (the merge takes the scan's verdicts on the batch files, when the checkout has them);
 * ``batch_runner.py --resume``: the whole command on a dataset whose prompts are all done
   (zero model calls: it loads, scans, merges and writes statistics).
 
@@ -216,6 +219,29 @@ def step(name: str, output_dir: Path, dataset: Path) -> dict:
             extra["statistics_s"] = round(t_stats - t_merge, 2)
             extra["report_s"] = round(time.perf_counter() - t_stats, 2)
             extra["trajectories"] = stats["trajectories"]
+        elif name == "scan + merge + statistics + report":  # as a --resume does it (cli.run_steps)
+            from batchrun.run import resume
+
+            checked = resume.CheckedFiles() if hasattr(resume, "CheckedFiles") else None
+            given = {} if checked is None else {"checked": checked}
+            resume.resume_filter(rows, config.run_dir, recorder.sample_text, rerun_discarded=False, **given)
+            if hasattr(checked, "take_counts"):  # as cli.run_steps: the scan's counts are not held meanwhile
+                checked.take_counts()
+            t_scan = time.perf_counter()
+            kept = finish.KeptFeed(config, rows, recorder)
+            totals = finish.merge(
+                config.run_dir,
+                rows,
+                recorder,
+                written=kept,
+                wanted=kept.wanted,
+                excluded=kept.excluded,
+                **given,
+            )
+            stats = finish.statistics(config, rows, totals, recorder, "none", scores=kept.scores)
+            finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
+            extra["scan_s"] = round(t_scan - t0, 2)
+            extra["trajectories"] = stats["trajectories"]
         elif name == "merge + statistics":
             totals = finish.merge(config.run_dir, rows, recorder)
             t_merge = time.perf_counter()
@@ -301,7 +327,14 @@ def main() -> int:
         marker.touch()
     nbytes = sum(p.stat().st_size for p in run_dir.glob("batch_*.jsonl"))
     print(f"{args.records} records, {nbytes / 1e6:.0f} MB in {run_dir}; each step in a fresh process")
-    steps = ("read bytes", "json.loads", "scan_finished", "merge + statistics", "merge + statistics + report")
+    steps = (
+        "read bytes",
+        "json.loads",
+        "scan_finished",
+        "merge + statistics",
+        "merge + statistics + report",
+        "scan + merge + statistics + report",
+    )
     results = [run_step(name, output_dir, dataset) for name in steps]
     if args.cli:
         results.append(run_cli(output_dir, dataset))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.config import RunConfig
-from batchrun.identity import Line, outcome_sample, record_sample, superseded_discards
+from batchrun.identity import Line, outcome_sample, record_sample
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import (
@@ -31,16 +31,15 @@ from batchrun.record import (
 )
 from batchrun.run.dataset import Row
 from batchrun.run.recorder import (
+    OutcomeCounts,
     Recorder,
-    count_discard,
-    count_failure,
+    count_outcomes,
     credible,
     earlier_rescorings,
     earlier_runs,
-    scan_batch_outcomes,
-    trajectory_outcomes,
 )
 from batchrun.run.resume import (
+    CheckedFiles,
     Matched,
     Place,
     add_discards,
@@ -91,6 +90,9 @@ class MergeTotals:
         self.passes: collections.Counter[str] = collections.Counter()
         # valid records of each batch file (set by the merge), for checkpoint.json's batch_stats
         self.per_batch: collections.Counter[int] = collections.Counter()
+        # Every outcome counted once at the merge's end (set by it): checkpoint.json's batch_stats and
+        # statistics.json's discarded and failed_attempts, from the same count.
+        self.outcomes: OutcomeCounts | None = None
         self.kept = self.completed = self.partial = self.api_calls = 0
         # Kept records of samples the dataset no longer wants (a row since removed or edited, a sample
         # index past today's count, rows past --max_samples): kept as they are, and said.
@@ -211,6 +213,7 @@ def merge(
     prepared: PreparedLines | None = None,
     wanted: collections.Counter[tuple[str, int]] | None = None,
     excluded: Callable[[dict[str, Any]], None] | None = None,
+    checked: CheckedFiles | None = None,
 ) -> MergeTotals:
     """Stream every batch file into trajectories.jsonl: skip torn lines, unknown tools and extras,
     and (``exclude_partial``) partial trajectories, which stay in their batch files, finished for resume.
@@ -227,7 +230,9 @@ def merge(
     (:class:`PreparedLines`) made it from the same line during the dispatch. ``wanted``: the dataset's
     :func:`wanted_samples`, when the caller has them already (:class:`KeptFeed`). ``excluded`` gets
     each partial record ``exclude_partial`` leaves out (:meth:`KeptFeed.excluded`: a sample left out of
-    the training file is still a judged sample of the evaluation).
+    the training file is still a judged sample of the evaluation). ``checked``: the batch files a resume's
+    scan read (:class:`CheckedFiles`): a line of one still as the scan read it is valid unless the scan
+    found it not, and is not checked again.
     """
     if wanted is None:
         wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
@@ -266,9 +271,14 @@ def merge(
         with tmp.open("wb") as fh:
             files = batch_files(run_dir)
             for n, (_, path) in enumerate(files):
+                invalid = checked.invalid_lines(path) if checked is not None else None
                 for offset, raw, rec in iter_jsonl_at(path):
                     ready = prepared.take(raw) if prepared is not None else None
-                    if ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
+                    if invalid is not None:  # read by the scan, not changed since
+                        if offset in invalid:
+                            totals.dropped["invalid_lines"] += 1
+                            continue
+                    elif ready is None and not valid_record(rec):  # torn, or valid JSON of the wrong shape
                         totals.dropped["invalid_lines"] += 1
                         continue
                     per_batch[files[n][0]] += 1
@@ -328,8 +338,11 @@ def merge(
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
     recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
     totals.per_batch = per_batch
-    if recorder.batch_outcomes is None:  # nor for the checkpoint's batch_stats (statistics counts them again)
-        recorder.batch_outcomes = scan_batch_outcomes(run_dir, per_batch, totals.finished_at)
+    # Nor for the outcomes: counted once here, for this checkpoint and for statistics.json (the counts
+    # kept during the run count a discard run again in its old batch too, and a record set aside above
+    # as a trajectory as well as a discard).
+    totals.outcomes = count_outcomes(run_dir, per_batch, totals.finished_at)
+    recorder.batch_outcomes = totals.outcomes.batches
     recorder.write_checkpoint()
     return totals
 
@@ -543,7 +556,6 @@ def statistics(
 
     ``scores``: the kept samples' scores as the merge fed them (:class:`KeptFeed`); without it they
     are read back from trajectories.jsonl. The discarded samples' are added here."""
-    discards_all: collections.Counter[str] = collections.Counter()
     run_dir = config.run_dir
     if scores is None:
         scores = kept_scores(
@@ -552,28 +564,18 @@ def statistics(
             wanted_samples(rows, config.samples_per_prompt, recorder.sample_text),
         )
     with_r, without_r = totals.with_reasoning, totals.without_reasoning
-    invalid = 0
-    stale = superseded_discards(run_dir / "discarded.jsonl", totals.finished_at)
-    # checkpoint.json's batch_stats counted again with them, each sample once by its latest outcome: the
-    # counts kept during the run count a discard run again in its old batch too, and a record the merge
-    # set aside as a trajectory as well as a discard.
-    batches = trajectory_outcomes(run_dir, totals.per_batch)
+    # The outcomes as the merge counted them for checkpoint.json's batch_stats: one count, one rule.
+    counted = totals.outcomes or count_outcomes(run_dir, totals.per_batch, totals.finished_at)
+    discards_all = counted.discards
     for n, rec in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
-        if not valid_outcome_row(rec, "reason"):
-            invalid += 1
+        if n in counted.stale or not valid_outcome_row(rec, "reason"):
             continue
-        if n in stale:
-            continue
-        count_discard(batches, rec)
-        discards_all[rec["reason"]] += 1
         w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
         with_r, without_r = with_r + w, without_r + n - w
         if isinstance(rec.get("record"), dict):  # kept samples first: a sample re-run counts once
             scores.add(rec["record"], *record_sample(rec["record"]))
-    failures_all, invalid_failed = _count_field(
-        run_dir / "failed.jsonl", "error_class", lambda row: count_failure(batches, row)
-    )
-    recorder.batch_outcomes = batches
+    failures_all = dict(counted.failures)
+    recorder.batch_outcomes = counted.batches
     this_run = this_run_totals(recorder)
     earlier = earlier_runs(run_dir / "statistics.json")
     # The re-scorings views.score added: rewritten without them, a --resume (even one that ran nothing)
@@ -584,8 +586,8 @@ def statistics(
     # Lines skipped for their shape (or torn) in discarded.jsonl and failed.jsonl, beside the batch files'.
     summary["invalid_lines_skipped"] = {
         "batch_files": totals.dropped.get("invalid_lines", 0),
-        "discarded.jsonl": invalid,
-        "failed.jsonl": invalid_failed,
+        "discarded.jsonl": counted.invalid_discards,
+        "failed.jsonl": counted.invalid_failures,
     }
     # Coverage over every sample the model produced, the discarded ones included (SPEC: "over the run").
     summary["reasoning"] = {
@@ -917,20 +919,3 @@ def _failed_of_attempted(stats: dict[str, Any]) -> tuple[int, int]:
 
 def _budget_stopped(stats: dict[str, Any]) -> int:
     return stats["this_run"]["failed"].get("budget", 0)
-
-
-def _count_field(
-    path: Path, field: str, each: Callable[[dict[str, Any]], None] | None = None
-) -> tuple[dict[str, int], int]:
-    """Rows of an outcome file by ``field``, and the number of lines skipped for their shape; ``each``
-    is given every row of the right shape."""
-    counts: collections.Counter[str] = collections.Counter()
-    invalid = 0
-    for rec in iter_jsonl(path):
-        if valid_outcome_row(rec, field):
-            counts[rec[field]] += 1
-            if each is not None:
-                each(rec)
-        else:
-            invalid += 1
-    return dict(counts), invalid

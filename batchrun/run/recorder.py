@@ -637,44 +637,67 @@ def _count_outcome(
         counter["no_reasoning"] += 1
 
 
-def scan_batch_outcomes(
-    run_dir: Path,
-    trajectories: collections.Counter[int] | None = None,
-    finished_at: collections.Counter[Line] | None = None,
-) -> dict[int, collections.Counter[str]]:
-    """Every outcome of every run of this run name, by batch: batch files, discarded.jsonl, failed.jsonl.
-    ``trajectories``: the valid records of each batch file, and ``finished_at`` their :data:`Line`\\ s,
-    when a pass over them has counted them (the merge's: a second parse of every record was a third of
-    a resume's merge).
+class OutcomeCounts:
+    """Every outcome of every run of this run name, counted once with one rule (``valid_outcome_row``, as
+    every reader takes discarded.jsonl and failed.jsonl rows): by batch for checkpoint.json's
+    ``batch_stats``, and the totals statistics.json says. Counted apart, the checkpoint took any dict
+    row (a hand edit, another tool's line) that statistics.json skipped, and the two disagreed."""
 
-    Each sample counts once, by its latest outcome, as statistics.json counts it: a discard that no
-    longer stands for its sample (run again by --rerun_discarded, then kept or discarded again in a later
-    batch: ``superseded_discards``) is not counted in its batch, and a record the merge set aside
-    (``unknown_tool``, which stays in its batch file) is its batch's discard, not also its trajectory.
-    Failures are attempts: each counts (``skipped``)."""
-    if trajectories is None or finished_at is None:
-        trajectories, finished_at = collections.Counter(), collections.Counter()
-        for num, path in batch_files(run_dir):
-            for rec in iter_jsonl(path):
-                if valid_record(rec):
-                    trajectories[num] += 1
-                    if (line := kept_line(rec)) is not None:
-                        finished_at[line] += 1
-    outcomes = trajectory_outcomes(run_dir, trajectories)
-    stale = superseded_discards(run_dir / "discarded.jsonl", finished_at)
-    for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
-        if isinstance(row, dict) and n not in stale:
-            count_discard(outcomes, row)
+    def __init__(self, batches: dict[int, collections.Counter[str]], stale: set[int]):
+        self.batches = batches  # batch number -> its outcomes
+        self.stale = stale  # discarded.jsonl rows that no longer stand for their sample (superseded_discards)
+        self.discards: collections.Counter[str] = collections.Counter()  # the standing ones, by reason
+        self.failures: collections.Counter[str] = collections.Counter()  # every failed attempt, by class
+        self.invalid_discards = self.invalid_failures = 0  # rows of the wrong shape (or torn), skipped
+
+
+def count_outcomes(
+    run_dir: Path, trajectories: collections.Counter[int], finished_at: collections.Counter[Line]
+) -> OutcomeCounts:
+    """:class:`OutcomeCounts` of the run's files: ``trajectories``, the valid records of each batch file,
+    and ``finished_at`` their :data:`Line`\\ s, as a pass over them counted them (the merge's).
+
+    Each sample counts once, by its latest outcome: a discard that no longer stands for its sample (run
+    again by --rerun_discarded, then kept or discarded again in a later batch: ``superseded_discards``) is
+    not counted in its batch, and a record the merge set aside (``unknown_tool``, which stays in its batch
+    file) is its batch's discard, not also its trajectory. Failures are attempts: each counts (``skipped``)."""
+    discarded = run_dir / "discarded.jsonl"
+    counted = OutcomeCounts(
+        trajectory_outcomes(run_dir, trajectories), superseded_discards(discarded, finished_at)
+    )
+    for n, row in enumerate(iter_jsonl(discarded)):
+        if not valid_outcome_row(row, "reason"):
+            counted.invalid_discards += 1
+        elif n not in counted.stale:
+            count_discard(counted.batches, row)
+            counted.discards[row["reason"]] += 1
     for row in iter_jsonl(run_dir / "failed.jsonl"):
-        if isinstance(row, dict):
-            count_failure(outcomes, row)
-    return outcomes
+        if not valid_outcome_row(row, "error_class"):
+            counted.invalid_failures += 1
+        else:
+            count_failure(counted.batches, row)
+            counted.failures[row["error_class"]] += 1
+    return counted
+
+
+def scan_batch_outcomes(run_dir: Path) -> dict[int, collections.Counter[str]]:
+    """:attr:`OutcomeCounts.batches` with the batch files read for them (a recorder that has counted
+    nothing yet, as a resume's is, writing its first checkpoint)."""
+    trajectories: collections.Counter[int] = collections.Counter()
+    finished_at: collections.Counter[Line] = collections.Counter()
+    for num, path in batch_files(run_dir):
+        for rec in iter_jsonl(path):
+            if valid_record(rec):
+                trajectories[num] += 1
+                if (line := kept_line(rec)) is not None:
+                    finished_at[line] += 1
+    return count_outcomes(run_dir, trajectories, finished_at).batches
 
 
 def trajectory_outcomes(
     run_dir: Path, trajectories: collections.Counter[int]
 ) -> dict[int, collections.Counter[str]]:
-    """:func:`scan_batch_outcomes`'s start: each batch file's valid records (``trajectories``)."""
+    """:func:`count_outcomes`' start: each batch file's valid records (``trajectories``)."""
     outcomes: dict[int, collections.Counter[str]] = {}
     for num, _ in batch_files(run_dir):
         counter = outcomes.setdefault(num, collections.Counter())

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import datetime as dt
 import hashlib
+import os
 import re
 import shlex
 import socket
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
-from batchrun.identity import is_index, outcome_sample, record_sample
+from batchrun.identity import Line, is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import occurrence_of, read_score, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
@@ -32,7 +33,7 @@ from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.scoring import check_from_row_fields, judge_endpoint
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json
-from batchrun.storage import batch_files, iter_jsonl, read_json_object
+from batchrun.storage import batch_files, iter_jsonl, iter_jsonl_at, read_json_object
 
 # Settings that define what the data is; a resume with other values would mix two datasets.
 MANIFEST_KEYS = (
@@ -332,6 +333,54 @@ def all_samples(rows: list[Row], samples_per_prompt: int) -> list[Sample]:
     return [(row, s) for row in rows for s in range(samples_of(row, samples_per_prompt))]
 
 
+class CheckedFiles:
+    """The batch files the resume scan read, each with the byte offsets of its lines that are not valid
+    records and the file's state as the scan found it (device, inode, size, modification and change
+    times, the same before and after its read). The merge takes every other line of a file still in that
+    state as valid without checking it again (``valid_record`` a second time was ~16 us a record of a
+    resume's merge); a file changed since (a hand edit, or one the run appended to) is checked line by
+    line, as before. What the merge keeps is the same either way.
+
+    With them, the valid records the scan counted in each batch file (``per_batch``) and their
+    :data:`~batchrun.identity.Line`\\ s (``finished_at``, only beside a discarded.jsonl that holds rows,
+    which is all superseded_discards matches them to): checkpoint.json's batch_stats start from them
+    (recorder.count_outcomes), so a resume's first checkpoint does not read every batch file again."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, tuple[tuple[int, ...], frozenset[int]]] = {}
+        self.per_batch: collections.Counter[int] = collections.Counter()
+        self.finished_at: collections.Counter[Line] = collections.Counter()
+
+    def add(self, path: Path, before: os.stat_result, invalid: list[int]) -> None:
+        """``path`` read whole, with ``invalid`` the offsets of its lines that are not valid records;
+        ``before``: its state when the read began (a file changed meanwhile is not held)."""
+        state = _file_state(path)
+        if state is not None and state == _file_state(path, before):
+            self._files[str(path)] = (state, frozenset(invalid))
+
+    def take_counts(self) -> tuple[collections.Counter[int], collections.Counter[Line]]:
+        """``per_batch`` and ``finished_at``, no longer held here (a Line a record: the merge counts its own)."""
+        counts = self.per_batch, self.finished_at
+        self.per_batch, self.finished_at = collections.Counter(), collections.Counter()
+        return counts
+
+    def invalid_lines(self, path: Path) -> frozenset[int] | None:
+        """The offsets of ``path``'s lines that are not valid records, or None when the scan did not read
+        the file as it is now (every line to be checked)."""
+        held = self._files.get(str(path))
+        if held is None or _file_state(path) != held[0]:
+            return None
+        return held[1]
+
+
+def _file_state(path: Path, st: os.stat_result | None = None) -> tuple[int, ...] | None:
+    try:
+        st = st or os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def scan_finished(
     run_dir: Path,
     *,
@@ -342,6 +391,7 @@ def scan_finished(
     exclude_partial: bool = False,
     passes: collections.Counter[str] | None = None,
     in_round: int | None = None,
+    checked: CheckedFiles | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run; re-run in the rerun round ``in_round``, those it wrote). Lines of the wrong shape are
@@ -353,22 +403,43 @@ def scan_finished(
     With ``stop_after_passes`` (K) a sample skipped after its row's passes (``skipped_after_passes``) is
     finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
     smaller K skipped it); ``exclude_partial``: partial passes are not kept ones. ``passes`` is given
-    each row identity's kept passes."""
+    each row identity's kept passes; ``checked`` the files read and their lines that are not valid
+    records, for the merge."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
     if passes is None:
         passes = collections.Counter()
-    for _, path in batch_files(run_dir):
-        for rec in iter_jsonl(path):
-            if valid_record(rec):
+    # The records' Lines matter to the checkpoint's counts only beside discards (superseded_discards):
+    # without any, none is held (~200 bytes a record).
+    state = _file_state(run_dir / "discarded.jsonl")
+    lines = checked is not None and state is not None and state[2] > 0
+    for num, path in batch_files(run_dir):
+        try:
+            before = os.stat(path)
+        except OSError:  # gone since it was listed: nothing of it is finished
+            continue
+        invalid: list[int] = []
+        for offset, _, rec in iter_jsonl_at(path):
+            if not valid_record(rec):
+                invalid.append(offset)
+            else:
                 key = record_sample(rec)
                 done[key] += 1
-                if at is not None and is_index(rec.get("prompt_index")):
+                index = rec.get("prompt_index")
+                if is_index(index) and (at is not None or lines):
                     meta = rec.get("metadata")
-                    at[place_of(key, rec["prompt_index"], row_fields_of(meta), occurrence_in(meta))] += 1
+                    occurrence = occurrence_in(meta)
+                    if at is not None:
+                        at[place_of(key, index, row_fields_of(meta), occurrence)] += 1
+                    if lines:
+                        checked.finished_at[(*key, index, occurrence)] += 1  # identity.kept_line
+                if checked is not None:
+                    checked.per_batch[num] += 1
                 if checks is not None:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
                 if stop_after_passes and kept_pass(rec, exclude_partial):
                     passes[key[0]] += 1
+        if checked is not None:
+            checked.add(path, before, invalid)
     counts = still_skipped(passes, stop_after_passes)
     add_discards(
         run_dir, done, rerun_discarded=rerun_discarded, at=at, checks=checks, counts=counts, in_round=in_round
@@ -577,11 +648,13 @@ def resume_filter(
     exclude_partial: bool = False,
     rerun: set[tuple[int, int]] | None = None,
     in_round: int | None = None,
+    checked: CheckedFiles | None = None,
 ) -> list[Sample]:
     """The samples with no finished outcome yet, counting duplicates per (identity, sample index).
     ``rerun``, with ``rerun_discarded``: given the (row index, sample index) of those that run again
     because they were discarded (a resume without the flag would not run them). ``in_round``: the rerun
     round this invocation continues (:func:`rerun_round`): the discards it wrote are finished.
+    ``checked``: given the batch files the scan read (:class:`CheckedFiles`), for the merge.
 
     A row whose finished samples were judged against another check (answer, verify, ...) stops the
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
@@ -597,6 +670,7 @@ def resume_filter(
         exclude_partial=exclude_partial,
         passes=passes,
         in_round=in_round,
+        checked=checked,
     )
     matched = match_outcomes(rows, done, redact, samples_per_prompt, at)
     changed = changed_checks(rows, checks, redact, matched, samples_per_prompt)

@@ -425,3 +425,147 @@ def test_a_resume_s_merge_parses_each_batch_line_once(server, tmp_path, monkeypa
     after = json.loads((run_dir / "checkpoint.json").read_text())
     assert after["batch_stats"] == before["batch_stats"]
     assert after["completed_prompts"] == before["completed_prompts"]
+
+
+def test_checkpoint_batch_stats_and_statistics_count_outcome_rows_by_one_rule(server, tmp_path):
+    """checkpoint.json's batch_stats and statistics.json counted discarded.jsonl and failed.jsonl rows
+    apart, by two rules: the merge's count (what a resume's checkpoint says until its statistics, and
+    what it keeps when killed there) took any dict row, statistics only rows of an outcome's shape. A
+    row with a batch number but no reason, or no error class (a hand edit, another tool's line) was
+    in the one and not in the other. One count now, shared by both."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT, runner_argv
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {n}" for n in range(4)] + ["y [no_reasoning]"])
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=3)
+    run_dir = out / "run"
+    with (run_dir / "discarded.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write('{"batch_num": 0, "prompt": "p", "reason": 5}\n{"batch_num": 1, "prompt_index": 4}\n')
+    with (run_dir / "failed.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write('{"batch_num": 0, "prompt": "p", "error_class": null}\n')
+    argv = runner_argv(dataset, out, server, "--batch_size=3", "--resume")
+    killed_in_statistics = (
+        "import os, runpy, signal, sys; from batchrun.run import finish; "
+        "finish.statistics = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+        f"sys.argv = {argv[1:]!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", killed_in_statistics], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    at_merge = json.loads((run_dir / "checkpoint.json").read_text())["batch_stats"]
+    run(server, dataset, out, batch_size=3, resume=True)
+    stats = stats_of(run_dir)
+    batch_stats = json.loads((run_dir / "checkpoint.json").read_text())["batch_stats"]
+    assert at_merge == batch_stats
+    assert sum(b["discarded"] for b in batch_stats.values()) == stats["discarded"]["total"] == 1
+    assert sum(b["skipped"] for b in batch_stats.values()) == stats["failed_attempts"]["total"] == 0
+    assert stats["invalid_lines_skipped"]["discarded.jsonl"] == 2
+    assert stats["invalid_lines_skipped"]["failed.jsonl"] == 1
+
+
+def test_a_resume_checks_each_batch_line_once(server, tmp_path, monkeypatch):
+    """A resume's scan checked every batch line (valid_record), then its merge checked each again (~16 us
+    of a 19 KB record). The merge takes the scan's verdicts for the files still as the scan read them:
+    the lines the scan found invalid are dropped and counted as before, the others kept unchecked."""
+    from batchrun.run import resume
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {n}" for n in range(6)])
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=3)
+    run_dir = out / "run"
+    with (run_dir / "batch_1.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write("".join(line + "\n" for line in GARBAGE_RECORDS))
+    merged = (run_dir / "trajectories.jsonl").read_bytes()
+    checked: list[object] = []
+    for module in (resume, finish):
+        real = module.valid_record
+        monkeypatch.setattr(module, "valid_record", lambda rec, real=real: checked.append(rec) or real(rec))
+    run(server, dataset, out, batch_size=3, resume=True)
+    assert len(checked) == 6 + len(GARBAGE_RECORDS)  # the scan's, not twice as many
+    assert (run_dir / "trajectories.jsonl").read_bytes() == merged
+    assert stats_of(run_dir)["dropped_at_merge"]["invalid_lines"] == len(GARBAGE_RECORDS)
+
+
+def test_a_batch_file_changed_after_the_resume_scan_is_checked_line_by_line(server, tmp_path):
+    """The scan's verdicts hold only for a file as it read it: a line appended or edited since is checked
+    by the merge (here dropped as invalid, or kept), as it was before the merge took them."""
+    from batchrun.run.dataset import load_dataset
+    from batchrun.run.resume import CheckedFiles, resume_filter
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {n}" for n in range(6)])
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=3)
+    run_dir = out / "run"
+    rows, _ = load_dataset(str(dataset))
+    recorder = Recorder(run_dir, "run", Redactor(None))
+    checked = CheckedFiles()
+    assert resume_filter(rows, run_dir, recorder.sample_text, rerun_discarded=False, checked=checked) == []
+    batch_0, batch_1 = run_dir / "batch_0.jsonl", run_dir / "batch_1.jsonl"
+    with batch_0.open("a", encoding="utf-8") as fh:  # appended after the scan
+        fh.write('{"conversations": "x"}\n')
+    lines = batch_1.read_bytes().splitlines(keepends=True)
+    edited = re.sub(rb'"conversations": \[', b'"conversations": {}, "x": [', lines[0], count=1)
+    batch_1.write_bytes(edited + b"".join(lines[1:]))  # an edit: valid JSON of the wrong shape
+    assert checked.invalid_lines(batch_0) is None and checked.invalid_lines(batch_1) is None
+    totals = finish.merge(run_dir, rows, recorder, checked=checked)
+    assert totals.dropped["invalid_lines"] == 2
+    assert totals.kept == 5
+
+
+def test_a_resume_that_runs_prompts_parses_each_earlier_batch_line_twice_not_three_times(
+    server, tmp_path, monkeypatch
+):
+    """A resume with prompts to run parsed every batch line three times: its scan, its first checkpoint
+    (batch_stats, from a recorder that had counted nothing) and its merge. The checkpoint starts from the
+    scan's counts now, and says what it said."""
+    import batchrun.storage
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {n}" for n in range(6)])
+    out = tmp_path / "data"
+    run(server, dataset, out, batch_size=3)
+    run_dir = out / "run"
+    lines = {line for p in run_dir.glob("batch_*.jsonl") for line in p.read_bytes().splitlines(keepends=True)}
+    write_jsonl(dataset, [f"task {n}" for n in range(8)])  # two rows more: the resume runs them
+    parsed = []
+    real_parse = batchrun.storage._parse_line
+    monkeypatch.setattr(batchrun.storage, "_parse_line", lambda raw: parsed.append(raw) or real_parse(raw))
+    run(server, dataset, out, batch_size=3, resume=True)
+    assert len(lines) == 6
+    assert len([raw for raw in parsed if raw in lines]) == 2 * 6  # not 3 * 6
+    batch_stats = json.loads((run_dir / "checkpoint.json").read_text())["batch_stats"]
+    assert {n: b["trajectories"] for n, b in batch_stats.items()} == {"0": 3, "1": 3, "2": 2}
+
+
+def test_the_checkpoint_counts_a_resume_starts_from_are_those_a_read_of_the_files_gives(server, tmp_path):
+    """The scan's counts stand for a read of every batch file (what the first checkpoint of a resume did):
+    with a discard run again and discarded again, a malformed row, and without any discard."""
+    from batchrun.run.dataset import load_dataset
+    from batchrun.run.recorder import count_outcomes, scan_batch_outcomes
+    from batchrun.run.resume import CheckedFiles, resume_filter
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["terse [no_reasoning]", "fine [calls:1]", "x [error:400]"])
+    out = tmp_path / "data"
+    run_dir = out / "run"
+    run(server, dataset, out, batch_size=1)
+    rows, _ = load_dataset(str(dataset))
+    recorder = Recorder(run_dir, "run", Redactor(None))
+
+    def seeded(**kw) -> dict:
+        checked = CheckedFiles()
+        resume_filter(rows, run_dir, recorder.sample_text, rerun_discarded=False, checked=checked, **kw)
+        return count_outcomes(run_dir, *checked.take_counts()).batches
+
+    assert seeded() == scan_batch_outcomes(run_dir)
+    run(server, dataset, out, batch_size=1, resume=True, rerun_discarded=True)  # discarded again
+    with (run_dir / "discarded.jsonl").open("a", encoding="utf-8") as fh:
+        fh.write('{"batch_num": 0, "prompt": "p", "reason": 5}\n')
+    assert seeded() == scan_batch_outcomes(run_dir)
+    assert sum(c["discarded"] for c in seeded().values()) == 1
+    (run_dir / "discarded.jsonl").unlink()
+    assert seeded() == scan_batch_outcomes(run_dir)
