@@ -770,12 +770,9 @@ def test_a_discard_whose_rerun_failed_keeps_the_round_open_and_the_round_continu
             1,
             True,
         )
-    assert [(d["prompt_index"], d.get("rerun_round")) for d in read_jsonl(run_dir / "discarded.jsonl")] == [
-        (0, None),
-        (1, None),
-        (0, 1),
-        (1, 1),
-    ]
+    written = [(d["prompt_index"], d.get("rerun_round")) for d in read_jsonl(run_dir / "discarded.jsonl")]
+    # the first run's two discards in the order its prompts ended; then the round's, alpha's before beta's
+    assert sorted(written[:2]) == [(0, None), (1, None)] and written[2:] == [(0, 1), (1, 1)]
 
 
 def test_a_resume_that_reran_its_discards_leaves_none_of_them_pending(server, tmp_path, capsys, monkeypatch):
