@@ -1339,47 +1339,12 @@ def test_a_search_works_where_the_process_holds_more_than_1024_files():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.mark.timeout(60)
-def test_a_search_whose_process_was_killed_ends_on_its_own():
-    """A worker (or views.score) killed mid-search left its search's child backtracking on, for hours at
-    100 % of a core: it had no bound but its parent's. Each search now ends itself a second past its time."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    script = (
-        "import threading, time\n"
-        "from batchrun import scoring\n"
-        "threading.Thread(target=scoring.bounded_search, args=('(a+)+$', 'a' * 40 + 'b', 2.0)).start()\n"
-        "import glob\n"
-        "while not (pids := ' '.join(open(f).read() for f in glob.glob('/proc/self/task/*/children')).split()):\n"
-        "    time.sleep(0.05)\n"
-        "time.sleep(0.5)\n"  # the search under way
-        "print(*pids, flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        children = [int(pid) for pid in proc.stdout.readline().split()]
-    finally:
-        proc.kill()
-        proc.wait()
-    assert children
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}/stat") for pid in children):
-        time.sleep(0.2)
-    left = [pid for pid in children if os.path.exists(f"/proc/{pid}/stat")]
-    for pid in left:  # the old code's: killed here, not left spinning
-        os.kill(pid, signal.SIGKILL)
-    assert not left, "the search's child outlived its parent and its time"
-
-
-@pytest.mark.timeout(60)
-def test_a_search_whose_process_was_killed_ends_before_its_time():
-    """Its own alarm ends a search a second past its time; a search of 300 s whose parent was killed
-    (SIGKILL) went on at 100 % of a core for those 300 s. It now ends once it sees its parent gone."""
+def _search_children_left_after_its_parent_is_killed(
+    length: int, timeout_s: float, wait_s: float
+) -> list[int]:
+    """Start a catastrophic search (``'a' * length + 'b'`` against ``(a+)+$``, bounded at ``timeout_s``)
+    in a process, SIGKILL that process once the search is under way, and give its child ``wait_s``: the
+    children still alive then (killed here, not left spinning)."""
     import os
     import signal
     import subprocess
@@ -1389,12 +1354,12 @@ def test_a_search_whose_process_was_killed_ends_before_its_time():
     script = (
         "import threading, time, glob\n"
         "from batchrun import scoring\n"
-        "threading.Thread(target=scoring.bounded_search, args=('(a+)+$', 'a' * 60 + 'b', 300.0)).start()\n"
+        f"threading.Thread(target=scoring.bounded_search, args=('(a+)+$', 'a' * {length} + 'b', {timeout_s})).start()\n"
         "while not (pids := ' '.join(open(f).read() for f in glob.glob('/proc/self/task/*/children')).split()):\n"
         "    time.sleep(0.05)\n"
         "time.sleep(0.5)\n"  # the search under way
         "print(*pids, flush=True)\n"
-        "time.sleep(300)\n"
+        f"time.sleep({timeout_s})\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
@@ -1403,13 +1368,29 @@ def test_a_search_whose_process_was_killed_ends_before_its_time():
         proc.kill()
         proc.wait()
     assert children
-    deadline = time.monotonic() + 20  # far below the search's 300 s
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}/stat") for pid in children):
         time.sleep(0.2)
     left = [pid for pid in children if os.path.exists(f"/proc/{pid}/stat")]
-    for pid in left:  # the old code's: killed here, not left spinning
+    for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert not left, "the search's child outlived its parent"
+    return left
+
+
+@pytest.mark.timeout(60)
+def test_a_search_whose_process_was_killed_ends_on_its_own():
+    """A worker (or views.score) killed mid-search left its search's child backtracking on, for hours at
+    100 % of a core: it had no bound but its parent's. Each search now ends itself a second past its time."""
+    assert not _search_children_left_after_its_parent_is_killed(40, 2.0, 15), (
+        "it outlived its parent and its time"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_search_whose_process_was_killed_ends_before_its_time():
+    """Its own alarm ends a search a second past its time; a search of 300 s whose parent was killed
+    (SIGKILL) went on at 100 % of a core for those 300 s. It now ends once it sees its parent gone."""
+    assert not _search_children_left_after_its_parent_is_killed(60, 300.0, 20), "it outlived its parent"
 
 
 @pytest.mark.parametrize(
