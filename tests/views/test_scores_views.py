@@ -1006,6 +1006,40 @@ def test_samples_nothing_can_judge_are_not_counted_as_planned_and_not_passed(tmp
     )
 
 
+def test_failed_samples_nothing_can_judge_are_not_pending_nor_planned(server, tmp_path, capsys):
+    """A failed sample of a row with nothing to judge it by (no answer, verify or rubric) was counted in
+    samples_pending, so in samples_planned as not passed, as the unscored ones were before: here "1 passed
+    of 5 samples planned (20.0%)" for 1 of 2 judged and 2 judgeable samples failed. A re-scoring counts the
+    pending samples its own scorers can judge: includes cannot judge a verify row's."""
+    rows = [
+        {"id": "right", "prompt": "Say 42 [calls:0] [answer:42]", "answer": 42},
+        {"id": "wrong", "prompt": "Say 41 [calls:0] [answer:41]", "answer": 42},
+        {"id": "refused", "prompt": "Say 42 [error:400]", "answer": 42},
+        {"id": "made", "prompt": "Make it [error:400]", "verify": "true"},
+        {"id": "free", "prompt": "Chat [error:400]"},  # nothing to judge it by
+    ]
+    out = tmp_path / "data"
+    run(server, write_rows(tmp_path / "d.jsonl", rows), out)
+    stats = stats_of(out / "run")
+    own = stats["scores"]
+    assert stats["remaining_for_resume"] == 3  # --resume runs every one
+    assert (own["scored"], own["passed"], own["samples_pending"]) == (2, 1, 2)
+    assert (own["samples_planned"], own["pass_rate_of_planned"]) == (4, 0.25)
+    assert own["samples_pending_by_check"] == {"answer": 1, "none": 1, "verify": 1}
+    assert "1 passed of 4 samples planned (25.0%" in capsys.readouterr().out
+    page = (out / "run" / "report.html").read_text("utf-8")
+    assert 'data-stat="pass_rate_of_planned">25.0%<' in page
+    assert "2 samples without an outcome (failed or not run)" in page
+    assert score.main([str(out / "run"), "--scorer=includes"]) == 0
+    assert "1 passed of 3 samples planned (33.3%" in capsys.readouterr().out
+    again = stats_of(out / "run")["scores"]["rescored"]["includes"]
+    assert (again["samples_pending"], again["samples_planned"], again["pass_rate_of_planned"]) == (
+        1,
+        3,
+        round(1 / 3, 6),
+    )
+
+
 def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
     """views.score --scorer=judge: every sample was a scorer error and nothing was asked ("'JudgeSettings'
     object has no attribute 'chat'": a refactor gave the judge's settings where its client belongs), exit
