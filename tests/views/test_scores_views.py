@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from html import escape as html_escape
 from pathlib import Path
 
 import pytest
@@ -817,6 +818,45 @@ def test_compare_skips_a_re_scoring_line_of_another_shape(tmp_path, capsys):
         compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'c.html'}"]) == 0
     )
     assert json.loads(capsys.readouterr().out)["passed_only_in_b"] == 1
+
+
+def test_compare_tells_samples_without_a_verdict_in_b_from_samples_only_in_a(tmp_path, capsys):
+    """A sample judged in A that B holds without a verdict (B's scorers had nothing to judge it by, or a
+    scorer error) was counted "only in A", which reads as if B had no such sample: here "only in A: 2" for
+    a run compared with its own re-scoring, which holds every sample. They are counted apart, by reason,
+    in the text, the page and the JSON; "only in A" keeps the samples B has none of."""
+    rows = [
+        {"id": "right", "prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"},
+        {"id": "broken", "prompt": "Say a(b [calls:0] [answer:a(b]", "answer": "a(b"},  # no regex compiles
+        {"id": "made", "prompt": "Make it [calls:0]", "verify": "true"},  # nothing regex can judge
+        {"id": "free", "prompt": "Chat [calls:0]"},  # judged in neither: in no count
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    a, page = out / "run", tmp_path / "c.html"
+    assert score.main([str(a), "--scorer=regex"]) == 0
+    capsys.readouterr()
+    assert compare.main([str(a), str(a), "--scores_b=regex", f"--out={page}"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 paired samples in 1 rows (only in A: 0, only in B: 0)" in printed, printed
+    line = (
+        "not paired: 2 samples judged in A have no verdict in B (1 unscored: B's scorers have nothing to "
+        "judge them by; 1 scorer errors), in 2 rows: broken, made"
+    )
+    assert line in printed
+    html = page.read_text("utf-8")
+    assert "only in A: 0, only in B: 0" in html and html_escape(line) in html
+    assert compare.main([str(a), str(a), "--scores_b=regex", f"--out={page}", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["only_in_a"], figures["only_in_b"], figures["unjudged_in_b"]) == (0, 0, 2)
+    assert figures["unjudged_in_b_by_reason"] == {"unscored": 1, "scorer_error": 1}
+    assert figures["unjudged_in_b_rows"] == ["broken", "made"]
+    assert (figures["unjudged_in_a"], figures["unjudged_in_a_rows"]) == (0, [])
+    # The other way round: judged in B, without a verdict in A.
+    assert compare.main([str(a), str(a), "--scores_a=regex", f"--out={page}", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["only_in_b"], figures["unjudged_in_a"], figures["unjudged_in_b"]) == (0, 2, 0)
+    assert figures["unjudged_in_a_by_reason"] == {"unscored": 1, "scorer_error": 1}
 
 
 def test_compare_leaves_out_pairs_two_runs_judged_with_other_settings(tmp_path, capsys):
