@@ -1678,6 +1678,45 @@ def applies(name: str, check: RowCheck | None) -> bool:
     return True
 
 
+def judges(check: RowCheck | None, scorers: tuple[str, ...]) -> bool:
+    """Whether ``scorers`` (--scorer's names; empty: each row's own default) have anything to judge a
+    row's samples by: False for a row whose samples :func:`score_sample` leaves unscored."""
+    return any(applies(n, check) for n in scorers_for(check, ScoringSettings(scorers=scorers)))
+
+
+# What a scorer may judge a row by, in the order check_kind names them (verify_files go with verify).
+CHECK_KINDS = ("answer", "verify", "rubric")
+
+
+def check_kind(check: RowCheck | None) -> str:
+    """The check fields a row has, as statistics.json's ``scores.samples_pending_by_check`` keys them:
+    ``answer``, ``verify``, ``rubric`` joined by ``+`` (``answer+verify``), or ``none``. What a re-scoring,
+    which reads no dataset, tells its scorers' pending samples by (the samples without an outcome have no
+    record, so no ``row_fields``)."""
+    if check is None:
+        return "none"
+    present = (check.answer is not None, bool(check.verify), check.rubric is not None)
+    return "+".join(name for name, has in zip(CHECK_KINDS, present, strict=True) if has) or "none"
+
+
+def pending_judged(by_check: Any, scorers: tuple[str, ...]) -> int | None:
+    """Of the samples without an outcome (``samples_pending_by_check``: :func:`check_kind` -> samples),
+    those ``scorers`` have something to judge by: ``samples_pending``. None when ``by_check`` is not such
+    a map (a statistics.json older than it, or edited)."""
+    if not isinstance(by_check, dict) or not all(type(n) is int and n >= 0 for n in by_check.values()):
+        return None
+    total = 0
+    for kind, n in by_check.items():
+        names = set(str(kind).split("+"))
+        stand_in = RowCheck(
+            answer="answer" if "answer" in names else None,
+            verify=("verify",) if "verify" in names else (),
+            rubric="rubric" if "rubric" in names else None,
+        )
+        total += n if judges(None if stand_in.is_empty() else stand_in, scorers) else 0
+    return total
+
+
 def keep_problem(score: dict[str, Any], keep: str) -> str | None:
     """With --keep=passed, why a sample is not kept: failed_check or unscored (None: kept)."""
     if keep != "passed":
@@ -1991,8 +2030,9 @@ PLANNED_PARTS = ("scored", "scorer_errors", "samples_pending")
 
 def planned_figures(scores: dict[str, Any]) -> dict[str, Any]:
     """The conservative figure beside the pass rate, for statistics.json's ``scores``: the passes over
-    every sample planned (``samples_planned``: scored, scorer errors and samples without an outcome;
-    those skipped after passes are not planned, nor those with nothing to judge them by, ``unscored``),
+    every sample planned (``samples_planned``: scored, scorer errors and samples without an outcome,
+    ``samples_pending``; those skipped after passes are not planned, nor those with nothing to judge them
+    by, ``unscored`` or without an outcome: a row without a check that failed is in no figure),
     each sample not judged counted as not passed. The pass rate is over the samples judged only: a run
     whose other half failed showed 100% alone."""
     parts = [scores.get(key, 0) for key in PLANNED_PARTS]

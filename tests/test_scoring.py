@@ -25,6 +25,7 @@ from batchrun.scoring import (
     ScoreTally,
     ScoringSettings,
     check_fields,
+    check_kind,
     combine,
     duplicate_samples,
     extract_answer,
@@ -34,6 +35,7 @@ from batchrun.scoring import (
     parse_judge_reply,
     part_from_result,
     pass_at_k,
+    pending_judged,
     score_sample,
     scorers_for,
     verify_score,
@@ -539,6 +541,22 @@ def test_a_row_the_scorer_cannot_judge_is_unscored():
         record_saying("hi"), Judgement(check=None, settings=ScoringSettings(scorers=("exact",)))
     )
     assert score["passed"] is None and score["error"] is None and score["scorer"] == "none"
+
+
+def test_the_pending_samples_a_scorer_can_judge_by_their_rows_checks():
+    """statistics.json keeps the samples without an outcome by their rows' check fields, so a re-scoring
+    (no dataset) counts only those its scorers have something to judge by, as the samples themselves are
+    unscored or judged; a row with none is pending for no scorer but a user's (which decides for itself)."""
+    assert check_kind(None) == "none"
+    assert check_kind(RowCheck(answer="4", rubric="r")) == "answer+rubric"
+    assert check_kind(RowCheck(verify=("true",), verify_files=(("f", "x"),))) == "verify"
+    by_check = {"answer": 3, "verify": 2, "rubric": 1, "answer+verify": 4, "none": 5}
+    assert pending_judged(by_check, ()) == 9  # each row's default: verify, else its answer (a rubric: none)
+    assert pending_judged(by_check, ("includes",)) == 7
+    assert pending_judged(by_check, ("verify",)) == 6
+    assert pending_judged(by_check, ("judge",)) == 8
+    assert pending_judged(by_check, ("tests.mine:score",)) == 15
+    assert pending_judged(None, ()) is None and pending_judged({"answer": -1}, ()) is None
 
 
 # ----------------------------------------------------------------------------- verify and judge

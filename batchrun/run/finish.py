@@ -55,7 +55,7 @@ from batchrun.run.resume import (
     still_skipped,
     wanted_samples,
 )
-from batchrun.scoring import RunScores, duplicate_samples, headline, with_planned
+from batchrun.scoring import RunScores, check_kind, duplicate_samples, headline, pending_judged, with_planned
 from batchrun.secrets import Redactor
 from batchrun.sharegpt import parse_json, reasoning_counts, used_tool_names
 from batchrun.storage import (
@@ -610,6 +610,11 @@ def statistics(
     # matter: what they gave is their outcome (counted as pending, the closing summary offered a command
     # that ran them all once more).
     remaining = len(matched.left)
+    # The same samples by their rows' check fields: those the scorers have nothing to judge by (a row with
+    # no answer, verify or rubric) are no sample the evaluation failed to judge, as the unscored are not.
+    pending_by_check = dict(
+        sorted(collections.Counter(check_kind(row.check) for row, _ in matched.left).items())
+    )
     # checkpoint.json's completed prompts as resume sees them now: the rows whose every sample has an
     # outcome (a line an edit gave another row lists that row's outcomes, not the old one's).
     recorder.track_rows(pending_samples(rows, matched.left))
@@ -656,8 +661,11 @@ def statistics(
             {
                 **scores.summary(discards_all.get(SKIPPED_AFTER_PASSES, 0)),
                 # Samples with no outcome yet (failed attempts, samples not run: a prompt that timed out
-                # every time) are in no figure above: the pass rate is over the samples judged.
-                "samples_pending": remaining,
+                # every time) are in no figure above: the pass rate is over the samples judged. Those of
+                # rows the scorers have nothing to judge by are not among them (samples_planned counted
+                # them as not passed); remaining_for_resume counts every one.
+                "samples_pending": pending_judged(pending_by_check, config.scorer),
+                "samples_pending_by_check": pending_by_check,
                 "duplicate_samples": duplicate_samples(scores.wanted),
                 **({"rescored": rescored} if rescored else {}),
             }

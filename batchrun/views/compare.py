@@ -11,7 +11,10 @@ scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``
 against another check in B (an answer key fixed between the runs), or by another scorer (``exact`` in
 A, ``includes`` in B), says nothing about the model: it is left out and counted (``judged_differently``),
 its rows listed. Two sides of one run (its own scores and a re-scoring) are two ways of judging the same
-samples: there the scorers may differ. Printed and written as HTML:
+samples: there the scorers may differ. A sample judged in one run and held without a verdict in the other
+(unscored: its scorers had nothing to judge it by; or a scorer error) is counted apart
+(``unjudged_in_b``, ``unjudged_in_b_by_reason``, ``unjudged_in_b_rows``, and ``_a``), not "only in A",
+which counts the samples the other run holds none of. Printed and written as HTML:
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
   95% interval (the rows resampled with replacement, each with all its pairs, ``--bootstrap`` times,
@@ -69,6 +72,18 @@ Key = tuple[str, int, int]
 def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, dict[str, Any]]:
     """(row key, sample index, copy) -> {passed, value, label, toolsets, check} of every judged sample
     of a run."""
+    return run_verdicts(run_dir, scores_name)[0]
+
+
+# Why a sample a run holds has no verdict, as compare tells them apart (the tally's unscored and errors).
+UNJUDGED_REASONS = ("unscored", "scorer_error")
+
+
+def run_verdicts(
+    run_dir: Path, scores_name: str | None = None
+) -> tuple[dict[Key, dict[str, Any]], dict[Key, str]]:
+    """:func:`sample_verdicts`, and the samples the run holds that have no verdict, each with why (one of
+    :data:`UNJUDGED_REASONS`: ``unscored``, its scorers had nothing to judge it by; ``scorer_error``)."""
     override: dict[Key, dict[str, Any]] = {}
     if scores_name:
         path = run_dir / f"scores.{scores_name}.jsonl"
@@ -89,10 +104,15 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
                 override[(*sample, lines[sample])] = line["score"]
                 lines[sample] += 1
     out = {}
+    unjudged: dict[Key, str] = {}
     for rec, sample, copy in run_samples(run_dir):
         key = (*sample, copy)
         score = read_score(override.get(key) if scores_name else rec.get("score"))
+        if score.get("error"):  # as the scores' tally counts them: an error first, then no verdict
+            unjudged[key] = "scorer_error"
+            continue
         if not isinstance(score.get("passed"), bool):
+            unjudged[key] = "unscored"
             continue
         meta = rec.get("metadata") or {}
         fields = meta.get("row_fields")
@@ -104,7 +124,7 @@ def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, 
             "toolsets": "+".join(sorted(rec.get("toolsets_used") or [])) or "none",
             "row_fields": fields if isinstance(fields, str) else None,  # its check: see same_check
         }
-    return out
+    return out, unjudged
 
 
 @functools.lru_cache(maxsize=4096)
@@ -206,7 +226,7 @@ def compare_runs(
     scores_b: str | None = None,
     bootstrap: int = 10_000,
 ) -> dict[str, Any]:
-    a, b = sample_verdicts(run_a, scores_a), sample_verdicts(run_b, scores_b)
+    (a, a_unjudged), (b, b_unjudged) = run_verdicts(run_a, scores_a), run_verdicts(run_b, scores_b)
     both = sorted(set(a) & set(b))
     # The check is not part of a row's identity: B's samples may be judged against another answer. Nor
     # is the scorer: judged by includes in B and exact in A, the same answer passed in B only (8 of 8
@@ -234,8 +254,17 @@ def compare_runs(
         mix: compare_pairs([pairs[i] for i in ix], bootstrap, rows=[rows[i] for i in ix])
         for mix, ix in sorted(by_mix.items())
     }
-    result["only_in_a"] = len(set(a) - set(b))
-    result["only_in_b"] = len(set(b) - set(a))
+    # Judged on one side, held without a verdict on the other (its scorers had nothing to judge it by, or
+    # broke): apart from "only in", which read as if the other run had no such sample.
+    unjudged_in_b = sorted(k for k in a.keys() - b.keys() if k in b_unjudged)
+    unjudged_in_a = sorted(k for k in b.keys() - a.keys() if k in a_unjudged)
+    result["only_in_a"] = len(a.keys() - b.keys()) - len(unjudged_in_b)
+    result["only_in_b"] = len(b.keys() - a.keys()) - len(unjudged_in_a)
+    for side, held, why, judged in (("b", unjudged_in_b, b_unjudged, a), ("a", unjudged_in_a, a_unjudged, b)):
+        reasons = collections.Counter(why[k] for k in held)
+        result[f"unjudged_in_{side}"] = len(held)
+        result[f"unjudged_in_{side}_by_reason"] = {reason: reasons[reason] for reason in UNJUDGED_REASONS}
+        result[f"unjudged_in_{side}_rows"] = _flipped(_row_labels(judged), held)
     result["judged_differently"] = len(other_check)
     labels = _row_labels(a)
     result["judged_differently_rows"] = _flipped(labels, other_check)
@@ -295,6 +324,32 @@ def _judged_differently(r: dict[str, Any]) -> list[str]:
     ]
 
 
+REASON_WORDS = {
+    "unscored": "unscored: {side}'s scorers have nothing to judge them by",
+    "scorer_error": "scorer errors",
+}
+
+
+def _unjudged(r: dict[str, Any]) -> list[str]:
+    """The lines about samples judged in one run and held without a verdict in the other (none when
+    there are none): not paired, and not "only in" the first, since the other holds them."""
+    lines = []
+    for judged, other in (("A", "B"), ("B", "A")):
+        n = r.get(f"unjudged_in_{other.lower()}") or 0
+        if not n:
+            continue
+        reasons = r[f"unjudged_in_{other.lower()}_by_reason"]
+        why = "; ".join(
+            f"{reasons[k]} {REASON_WORDS[k].format(side=other)}" for k in UNJUDGED_REASONS if reasons.get(k)
+        )
+        rows = r[f"unjudged_in_{other.lower()}_rows"]
+        lines.append(
+            f"not paired: {n} samples judged in {judged} have no verdict in {other} ({why}), in {len(rows)} "
+            f"rows: {', '.join(rows[:20])}"
+        )
+    return lines
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:.1%}"
 
@@ -329,6 +384,7 @@ def text_report(r: dict[str, Any]) -> str:
         f"A: {r['run_a']}",
         f"B: {r['run_b']}",
         f"{r['pairs']} paired samples in {r['rows']} rows (only in A: {r['only_in_a']}, only in B: {r['only_in_b']})",
+        *_unjudged(r),
         *_judged_differently(r),
         *_stopped_early(r),
         f"pass rate A {_pct(r['pass_rate_a'])}, B {_pct(r['pass_rate_b'])}; B - A {_diff(r)}",
@@ -378,6 +434,8 @@ def html_report(r: dict[str, Any]) -> str:
         f'<p id="headline">{r["pairs"]} paired samples in {r["rows"]} rows · B - A {esc(_diff(r))} · '
         f"{esc(_test(r))}</p>"
         + (f'<p id="test">{esc(_why_test(r))}</p>' if _why_test(r) else "")
+        + f'<p id="pairing">only in A: {r["only_in_a"]}, only in B: {r["only_in_b"]}</p>'
+        + "".join(f'<p class="unjudged">{esc(line)}</p>' for line in _unjudged(r))
         + "".join(
             f'<p class="warning">{esc(line)}</p>' for line in _judged_differently(r) + _stopped_early(r)
         )
@@ -428,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not result["pairs"]:
-        why = "\n".join(_judged_differently(result)) or "same rows? scores on?"
+        why = "\n".join(_unjudged(result) + _judged_differently(result)) or "same rows? scores on?"
         print(f"error: no sample is judged alike in both runs ({why})", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else text_report(result))

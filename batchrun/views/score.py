@@ -43,6 +43,7 @@ from batchrun.scoring import (
     headline,
     judge_endpoint,
     parse_scorers,
+    pending_judged,
     score_sample,
     wanted_from_duplicates,
     with_planned,
@@ -176,12 +177,18 @@ def rescore(
     section = stats.setdefault("scores", {})
     # The run's samples without an outcome are no more judged by a re-scoring than by the run; nor are
     # those --stop_after_passes skipped (no record): the re-scoring's figures describe the kept data too.
-    pending = section.get("samples_pending")
+    # Only those the re-scoring's scorers have something to judge by: a verify row's are nothing includes
+    # can judge, and counted as not passed they capped its pass rate of planned as its unscored did. A run
+    # whose statistics.json does not tell them by their rows' checks (older) gives its own count.
+    by_check = section.get("samples_pending_by_check")
+    judged = pending_judged(by_check, settings.scorers)
+    pending = section.get("samples_pending") if judged is None else judged
     skipped = section.get("skipped_after_passes")
     summary = with_planned(
         {
             **scores.summary(skipped if type(skipped) is int else 0),
             "samples_pending": pending if type(pending) is int else 0,
+            **({} if judged is None else {"samples_pending_by_check": by_check}),
         }
     )
     section.setdefault("rescored", {})[name] = {

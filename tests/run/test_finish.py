@@ -192,7 +192,9 @@ def test_scores_and_report_fed_by_the_merge_equal_those_read_back_from_the_files
     scores = finish.kept_scores(run_dir, "terminal_only")
     for row in discarded:
         scores.add(row["record"], *record_sample(row["record"]))
-    expected = with_planned({**scores.summary(0), "samples_pending": 0, "duplicate_samples": []})
+    expected = with_planned(
+        {**scores.summary(0), "samples_pending": 0, "samples_pending_by_check": {}, "duplicate_samples": []}
+    )
     assert stats_of(run_dir)["scores"] == json.loads(json.dumps(expected))
     # The same page, but for when it was generated (to the second: the two may fall in different seconds).
     stamp = re.compile(r"generated \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from html import escape as html_escape
 from pathlib import Path
 
 import pytest
@@ -819,6 +820,45 @@ def test_compare_skips_a_re_scoring_line_of_another_shape(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["passed_only_in_b"] == 1
 
 
+def test_compare_tells_samples_without_a_verdict_in_b_from_samples_only_in_a(tmp_path, capsys):
+    """A sample judged in A that B holds without a verdict (B's scorers had nothing to judge it by, or a
+    scorer error) was counted "only in A", which reads as if B had no such sample: here "only in A: 2" for
+    a run compared with its own re-scoring, which holds every sample. They are counted apart, by reason,
+    in the text, the page and the JSON; "only in A" keeps the samples B has none of."""
+    rows = [
+        {"id": "right", "prompt": "Say 42 [calls:0] [answer:42]", "answer": "42"},
+        {"id": "broken", "prompt": "Say a(b [calls:0] [answer:a(b]", "answer": "a(b"},  # no regex compiles
+        {"id": "made", "prompt": "Make it [calls:0]", "verify": "true"},  # nothing regex can judge
+        {"id": "free", "prompt": "Chat [calls:0]"},  # judged in neither: in no count
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    a, page = out / "run", tmp_path / "c.html"
+    assert score.main([str(a), "--scorer=regex"]) == 0
+    capsys.readouterr()
+    assert compare.main([str(a), str(a), "--scores_b=regex", f"--out={page}"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 paired samples in 1 rows (only in A: 0, only in B: 0)" in printed, printed
+    line = (
+        "not paired: 2 samples judged in A have no verdict in B (1 unscored: B's scorers have nothing to "
+        "judge them by; 1 scorer errors), in 2 rows: broken, made"
+    )
+    assert line in printed
+    html = page.read_text("utf-8")
+    assert "only in A: 0, only in B: 0" in html and html_escape(line) in html
+    assert compare.main([str(a), str(a), "--scores_b=regex", f"--out={page}", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["only_in_a"], figures["only_in_b"], figures["unjudged_in_b"]) == (0, 0, 2)
+    assert figures["unjudged_in_b_by_reason"] == {"unscored": 1, "scorer_error": 1}
+    assert figures["unjudged_in_b_rows"] == ["broken", "made"]
+    assert (figures["unjudged_in_a"], figures["unjudged_in_a_rows"]) == (0, [])
+    # The other way round: judged in B, without a verdict in A.
+    assert compare.main([str(a), str(a), "--scores_a=regex", f"--out={page}", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert (figures["only_in_b"], figures["unjudged_in_a"], figures["unjudged_in_b"]) == (0, 2, 0)
+    assert figures["unjudged_in_a_by_reason"] == {"unscored": 1, "scorer_error": 1}
+
+
 def test_compare_leaves_out_pairs_two_runs_judged_with_other_settings(tmp_path, capsys):
     """Two runs of one model, one dataset: numeric with --numeric_tolerance=0.1 in B passed 40.05 for
     40 where A's default failed it; compared, B "improved" on every row. Left out, as another scorer."""
@@ -1003,6 +1043,40 @@ def test_samples_nothing_can_judge_are_not_counted_as_planned_and_not_passed(tmp
         2,
         2,
         0.5,
+    )
+
+
+def test_failed_samples_nothing_can_judge_are_not_pending_nor_planned(server, tmp_path, capsys):
+    """A failed sample of a row with nothing to judge it by (no answer, verify or rubric) was counted in
+    samples_pending, so in samples_planned as not passed, as the unscored ones were before: here "1 passed
+    of 5 samples planned (20.0%)" for 1 of 2 judged and 2 judgeable samples failed. A re-scoring counts the
+    pending samples its own scorers can judge: includes cannot judge a verify row's."""
+    rows = [
+        {"id": "right", "prompt": "Say 42 [calls:0] [answer:42]", "answer": 42},
+        {"id": "wrong", "prompt": "Say 41 [calls:0] [answer:41]", "answer": 42},
+        {"id": "refused", "prompt": "Say 42 [error:400]", "answer": 42},
+        {"id": "made", "prompt": "Make it [error:400]", "verify": "true"},
+        {"id": "free", "prompt": "Chat [error:400]"},  # nothing to judge it by
+    ]
+    out = tmp_path / "data"
+    run(server, write_rows(tmp_path / "d.jsonl", rows), out)
+    stats = stats_of(out / "run")
+    own = stats["scores"]
+    assert stats["remaining_for_resume"] == 3  # --resume runs every one
+    assert (own["scored"], own["passed"], own["samples_pending"]) == (2, 1, 2)
+    assert (own["samples_planned"], own["pass_rate_of_planned"]) == (4, 0.25)
+    assert own["samples_pending_by_check"] == {"answer": 1, "none": 1, "verify": 1}
+    assert "1 passed of 4 samples planned (25.0%" in capsys.readouterr().out
+    page = (out / "run" / "report.html").read_text("utf-8")
+    assert 'data-stat="pass_rate_of_planned">25.0%<' in page
+    assert "2 samples without an outcome (failed or not run)" in page
+    assert score.main([str(out / "run"), "--scorer=includes"]) == 0
+    assert "1 passed of 3 samples planned (33.3%" in capsys.readouterr().out
+    again = stats_of(out / "run")["scores"]["rescored"]["includes"]
+    assert (again["samples_pending"], again["samples_planned"], again["pass_rate_of_planned"]) == (
+        1,
+        3,
+        round(1 / 3, 6),
     )
 
 
