@@ -72,9 +72,7 @@ if __name__ == "__main__":
 
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         children = [subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)]
-        if (
-            "--escaping-child" in sys.argv
-        ):  # one more, in a session of its own: out of reach of the group's kill
+        if "--escaping-child" in sys.argv:  # one more, in a session of its own: out of the group's reach
             children.append(
                 subprocess.Popen(["sleep", "3601"], stdin=subprocess.DEVNULL, start_new_session=True)
             )
