@@ -238,6 +238,19 @@ def test_a_worker_session_server_lives_on_after_the_thread_that_started_it(tmp_p
     assert not pid_alive(int(pid))
 
 
+def test_a_worker_session_server_serves_all_the_workers_prompts(server, tmp_path):
+    """Through its launcher, one server process per worker answers prompt after prompt (its calls
+    counted across them), from prompt threads that come and go."""
+    ds = write_jsonl(tmp_path / "ds.jsonl", [f"count them [calls:3] {i}" for i in range(12)])
+    out = tmp_path / "out"
+    run_stdio(server, tmp_path, ds, out, prompts_per_worker=2)
+    records = read_jsonl(out / "run" / "trajectories.jsonl")
+    counted = sorted(r["conversations"][-1]["value"].split("call ")[1].split(" in pid ") for r in records)
+    assert len(counted) == 12 and len({pid for _, pid in counted}) == 1
+    assert sorted(int(n) for n, _ in counted) == list(range(1, 13))
+    assert len((tmp_path / "pids").read_text().split()) == 2  # the probe's server and the worker's
+
+
 def test_per_prompt_sessions_get_a_server_each(server, tmp_path):
     prompts = ["first prompt", "second prompt", "third prompt"]
     ds = write_jsonl(tmp_path / "ds.jsonl", prompts)
