@@ -63,7 +63,7 @@ def install_run_tools(tools: RunTools | None) -> None:
         known_tool_names()  # the registry (built-ins, plugins) loaded now, not by the first prompt
         return
     mcp.install(tools.mcp)
-    # A worker that ends normally stops its servers; one that is killed closes their stdin, which ends them.
+    # A worker that ends normally stops its servers; one that is killed takes them with it (their watchers).
     atexit.register(mcp.kill_server_groups)  # atexit runs in reverse: after close_shared, what is left
     atexit.register(mcp.close_shared)
     here = known_tool_names()

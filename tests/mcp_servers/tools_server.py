@@ -1,6 +1,6 @@
 """A small MCP server for the tests, written with the SDK's server API.
 
-    python tools_server.py stdio [--pid-file PATH]
+    python tools_server.py stdio [--pid-file PATH] [--stubborn [--escaping-child]]
     python tools_server.py http PORT
 
 Tools: ``echo`` (its text back, with the server's secret-free marker), ``add``, ``count`` (calls seen
@@ -71,9 +71,13 @@ if __name__ == "__main__":
         import subprocess
 
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        child = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)
+        children = [subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)]
+        if "--escaping-child" in sys.argv:  # one more, in a session of its own: out of the group's reach
+            children.append(
+                subprocess.Popen(["sleep", "3601"], stdin=subprocess.DEVNULL, start_new_session=True)
+            )
         with open(sys.argv[sys.argv.index("--pid-file") + 1], "a") as fh:
-            fh.write(f"{child.pid}\n")
+            fh.write("".join(f"{child.pid}\n" for child in children))
     if os.environ.get("TOOLS_FAIL_START"):
         sys.exit("refusing to start: TOOLS_FAIL_START is set")
     if sys.argv[1] == "http":

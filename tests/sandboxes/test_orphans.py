@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.prompt.sandboxes._process import run_reaped
+from batchrun.prompt.sandboxes._process import run_reaped, watched
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -162,7 +162,7 @@ def test_a_runner_killed_during_run_reaped_leaves_nothing(at):
     """The runner killed while the watcher starts, or while its command runs."""
     marker = f"br-orphans-{uuid.uuid4().hex}"
     code = (
-        "from batchrun.prompt.sandboxes._process import run_reaped\n"
+        "from batchrun.prompt.sandboxes._process import run_reaped, watched\n"
         "run_reaped(['sh', '-c', 'sleep 300 & sleep 300'], timeout_s=600)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "BR_ORPHANS_MARK": marker}
@@ -177,3 +177,19 @@ def test_a_runner_killed_during_run_reaped_leaves_nothing(at):
         runner.kill()
         runner.wait()
     assert _gone(marker) == {}
+
+
+def test_a_watched_command_gets_sigterm_and_its_grace_then_all_it_left_is_killed():
+    """SIGTERM to the watcher (as the MCP SDK sends a server it stops) reaches the command, whose exit
+    status the watcher answers; one that ignores it is killed after the grace period, all it started too."""
+    marker = f"br-orphans-{uuid.uuid4().hex}"
+    env = {**os.environ, "BR_ORPHANS_MARK": marker}
+    polite = "trap 'exit 7' TERM; echo ready; sleep 300 & wait"
+    stubborn = "trap '' TERM; setsid sleep 300 & echo ready; sleep 300"
+    for script, grace, status in ((polite, 60, 7), (stubborn, 0.5, 128 + signal.SIGKILL)):
+        argv = watched(["sh", "-c", script], grace_s=grace)
+        with subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE) as proc:
+            assert proc.stdout.readline() == b"ready\n"
+            proc.terminate()
+            assert proc.wait(timeout=60) == status
+        assert _gone(marker) == {}

@@ -3,11 +3,14 @@ stdio and streamable HTTP, called by the scripted model through the whole runner
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,16 +119,21 @@ def test_stdio_server_tools_reach_the_model_and_the_records(server, tmp_path):
     assert not any(pid_alive(p) for p in pids)
 
 
-def test_a_stdio_server_that_ignores_sigterm_and_eof_ends_with_the_run(server, tmp_path):
-    """Its whole process group is killed (SIGKILL after the grace period) when its worker ends."""
-    ds = write_jsonl(tmp_path / "ds.jsonl", ["say hello there"])
-    out = tmp_path / "out"
-    entry = {
-        "command": sys.executable,
-        "args": [str(SERVER), "stdio", "--stubborn", "--pid-file", str(tmp_path / "pids")],
-    }
+def stubborn_config(tmp_path: Path, **env: str) -> Path:
+    """The test server ignoring SIGTERM and its stdin's end, with a child in its group and one in a
+    session of its own; each writes its pid to ``tmp_path / "pids"``."""
+    args = [str(SERVER), "stdio", "--stubborn", "--escaping-child", "--pid-file", str(tmp_path / "pids")]
+    entry = {"command": sys.executable, "args": args, "env": env}
     config = tmp_path / "servers.json"
     config.write_text(json.dumps({"mcpServers": {"tools": entry}}), "utf-8")
+    return config
+
+
+def test_a_stdio_server_that_ignores_sigterm_and_eof_ends_with_the_run(server, tmp_path):
+    """It is killed, and all it started (its own session's child too), when its worker ends."""
+    ds = write_jsonl(tmp_path / "ds.jsonl", ["say hello there"])
+    out = tmp_path / "out"
+    config = stubborn_config(tmp_path)
     run(
         server,
         ds,
@@ -138,11 +146,109 @@ def test_a_stdio_server_that_ignores_sigterm_and_eof_ends_with_the_run(server, t
     (rec,) = read_jsonl(out / "run" / "trajectories.jsonl")
     assert rec["tool_stats"]["mcp__tools__echo"]["success"] == 1
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
-    assert len(pids) == 4  # the probe's server and the worker's, each with its child
+    assert len(pids) == 6  # the probe's server and the worker's, each with its two children
     deadline = time.monotonic() + 20
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["runner", "worker"])
+def test_a_killed_runner_or_worker_leaves_no_stdio_server_behind(tmp_path, victim):
+    """SIGKILLed mid-run, so that nothing of its own ends the servers: a server that ignores SIGTERM and
+    the end of its stdin, and its children, end with the process that started it all the same."""
+    marker = f"br-mcp-orphans-{os.getpid()}-{victim}-{time.monotonic_ns()}"
+    config = stubborn_config(tmp_path, BR_MCP_MARK=marker)  # the config's env reaches the server
+    ds = write_jsonl(tmp_path / "ds.jsonl", ["[loop] call the server until killed"])
+    err = (tmp_path / "err").open("w")
+    runner = subprocess.Popen(
+        [sys.executable, str(TESTS_DIR.parent / "batch_runner.py"), "--model=mock", "--batch_size=4",
+         "--run_name=run", f"--dataset_file={ds}", f"--output_dir={tmp_path / 'out'}",
+         f"--mcp_config={config}", f"--distribution_file={mcp_only(tmp_path)}", "--distribution=mcp_only", "--num_workers=1"],
+        cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+        env={**os.environ, "PYTHONPATH": str(TESTS_DIR.parent)},
+    )  # fmt: skip
+    try:
+        pid_file = tmp_path / "pids"
+        deadline = time.monotonic() + 120
+        while len(pid_file.read_text().split() if pid_file.exists() else []) < 6:  # the worker's server is up
+            assert runner.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.1)
+        # The worker: the first of the worker's server's ancestors without the config's env.
+        worker = int(pid_file.read_text().split()[3])
+        while worker in marked_processes(marker):
+            worker = parent_of(worker)
+        assert worker not in (1, runner.pid)
+        os.kill(worker if victim == "worker" else runner.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while (left := marked_processes(marker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for pid in marked_processes(marker):  # leave the machine clean, whatever the assertion says
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        runner.kill()
+        runner.wait()
+        err.close()
+    assert left == {}
+
+
+def marked_processes(marker: str) -> dict[int, str]:
+    """The running processes whose environment holds ``marker``: their command lines, by pid."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes() and pid_alive(int(pid)):
+                found[int(pid)] = (
+                    Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+                )
+        except OSError:
+            continue
+    return found
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_worker_session_server_lives_on_after_the_thread_that_started_it(tmp_path):
+    """The server's launcher ends it when the thread that spawned it ends (a parent-death signal
+    follows the thread): the SDK spawns on this process's event-loop thread, never a prompt's."""
+    conn = mcp.Connection(
+        mcp.McpServer(
+            name="tools",
+            command=sys.executable,
+            args=(str(SERVER), "stdio", "--pid-file", str(tmp_path / "pids")),
+        )
+    )
+    starter = threading.Thread(target=conn.start)
+    starter.start()
+    starter.join()
+    first = conn.call("echo", {"text": "one"}, 30, 10_000)
+    time.sleep(1)  # a signal sent at the thread's end would have ended the server by now
+    later = [conn.call("count", {}, 30, 10_000)["content"] for _ in range(20)]
+    (pid,) = (tmp_path / "pids").read_text().split()
+    assert first["content"] == f"echo from pid {pid}: one"
+    assert later == [f"call {n} in pid {pid}" for n in range(1, 21)]
+    conn.close()
+    deadline = time.monotonic() + 15
+    while pid_alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(int(pid))
+
+
+def test_a_worker_session_server_serves_all_the_workers_prompts(server, tmp_path):
+    """Through its launcher, one server process per worker answers prompt after prompt (its calls
+    counted across them), from prompt threads that come and go."""
+    ds = write_jsonl(tmp_path / "ds.jsonl", [f"count them [calls:3] {i}" for i in range(12)])
+    out = tmp_path / "out"
+    run_stdio(server, tmp_path, ds, out, prompts_per_worker=2)
+    records = read_jsonl(out / "run" / "trajectories.jsonl")
+    counted = sorted(r["conversations"][-1]["value"].split("call ")[1].split(" in pid ") for r in records)
+    assert len(counted) == 12 and len({pid for _, pid in counted}) == 1
+    assert sorted(int(n) for n, _ in counted) == list(range(1, 13))
+    assert len((tmp_path / "pids").read_text().split()) == 2  # the probe's server and the worker's
 
 
 def test_per_prompt_sessions_get_a_server_each(server, tmp_path):

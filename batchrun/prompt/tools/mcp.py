@@ -316,6 +316,10 @@ def _shared(server: McpServer) -> Connection:
 
 
 KILL_GRACE_S = 2.0  # after SIGTERM to a server's process group: how long before SIGKILL
+# A stdio server's watcher, sent SIGTERM (by the SDK, kill_server_groups or this process's death), gives
+# the server this long before it kills all the server started: less than the SDK's and KILL_GRACE_S's
+# 2 s before they SIGKILL the group, the watcher with it, so the watcher's kill comes first.
+SERVER_TERM_GRACE_S = 1.5
 _SERVER_GROUPS: set[int] = set()  # process groups of the stdio servers this process started (pid = pgid)
 
 
@@ -442,10 +446,16 @@ class Connection:
         if server.command:
             from mcp import StdioServerParameters, stdio_client
 
-            _track_stdio_processes()
+            from batchrun.prompt.sandboxes._process import watched
 
+            _track_stdio_processes()
+            # Through the watcher, which the SDK's spawn has no hook for otherwise: whatever the server
+            # starts ends with this process, even when it is killed (SIGKILL) or the server ignores the
+            # end of its stdin. The SDK spawns it from the event-loop thread, which lives as long as this
+            # process (the parent-death signal follows that thread).
+            command, *args = watched([server.command, *server.args], grace_s=SERVER_TERM_GRACE_S)
             params = StdioServerParameters(
-                command=server.command, args=list(server.args), env=dict(server.env) or None, cwd=server.cwd
+                command=command, args=args, env=dict(server.env) or None, cwd=server.cwd
             )
             return stdio_client(params, errlog=self._stderr_pipe())
         from mcp.client import streamable_http
