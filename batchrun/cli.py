@@ -245,7 +245,7 @@ def run_steps(
         recorder.rerun_round = latest_round(config.run_dir)  # carried on in checkpoint.json
     if config.resume and config.rerun_discarded:
         recorder.rerun_planned = set()
-        in_round, continued = rerun_round(config.run_dir)
+        in_round, continued = rerun_round(config.run_dir, recorder.rerun_round)
     checked = CheckedFiles()  # the batch files the resume's scan read, for the merge: checked once
     todo = (
         resume_filter(

@@ -683,6 +683,18 @@ def valid_outcome_row(row: Any, field: str) -> bool:
     )
 
 
+# A discarded.jsonl row's field: the --rerun_discarded round that wrote it (absent: written by a run
+# without the flag, or by a version before rounds). checkpoint.json's key of the same name holds the
+# latest round, {"round": N, "finished": bool} (batchrun.run.resume.latest_round).
+ROUND_FIELD = "rerun_round"
+
+
+def round_of(row: dict[str, Any]) -> int | None:
+    """The rerun round a discarded.jsonl row was written in (None: none, or another shape)."""
+    value = row.get(ROUND_FIELD)
+    return value if value.__class__ is int and value > 0 else None
+
+
 def run_tool_names(trajectories: Path) -> list[str]:
     """The tools a run's records count (the keys of ``tool_stats``, the same in every record of a run),
     from its first record; none for an empty file."""

@@ -26,6 +26,7 @@ from batchrun.config import UsageError
 from batchrun.identity import MERGE_SET_ASIDE, Line, RowIdentity, is_index, kept_line, superseded_discards
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import (
+    ROUND_FIELD,
     normalize_metadata,
     occurrence_of,
     sample_index_of,
@@ -278,7 +279,7 @@ class Recorder:
             if outcome.error is not None:  # a discard without a record says why (context_limit: the endpoint)
                 row["error"] = self.redact(str(outcome.error))
             if self.rerun_round_run is not None:
-                row["rerun_round"] = self.rerun_round_run
+                row[ROUND_FIELD] = self.rerun_round_run
             # The model's words are redacted of secrets only: never of text that resembles the scaffolding.
             append_jsonl(self.run_dir / "discarded.jsonl", row, sample_text)
         else:
@@ -371,7 +372,7 @@ class Recorder:
             "record": rec,
         }
         if self.rerun_round_run is not None:
-            row["rerun_round"] = self.rerun_round_run
+            row[ROUND_FIELD] = self.rerun_round_run
         append_jsonl(self.run_dir / "discarded.jsonl", row, self.sample_text)
 
     def rerun_summary(self) -> dict[str, Any] | None:
@@ -538,7 +539,7 @@ class Recorder:
             "last_updated": _now(),
         }
         if self.rerun_round is not None:  # the latest --rerun_discarded round (resume.rerun_round)
-            state["rerun_round"] = self.rerun_round
+            state[ROUND_FIELD] = self.rerun_round
         write_json_atomic(self.run_dir / "checkpoint.json", state, self.redact)
 
     def track_rows(self, pending: dict[int, int]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
 from batchrun.identity import Line, is_index, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
-from batchrun.record import occurrence_of, read_score, valid_outcome_row, valid_record
+from batchrun.record import ROUND_FIELD, occurrence_of, read_score, round_of, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
 from batchrun.run.run_dir import FORMAT_FIELD, FORMAT_VERSION
 from batchrun.scoring import check_from_row_fields, judge_endpoint
@@ -528,16 +528,7 @@ def add_discards(
                     _add_check(checks, key[0], rec, rec.get("prompt_index"))
 
 
-# A discarded.jsonl row's field: the --rerun_discarded round that wrote it (absent: written by a run
-# without the flag, or by a version before rounds). checkpoint.json's key of the same name holds the
-# latest round, {"round": N, "finished": bool}.
-ROUND_FIELD = "rerun_round"
-
-
-def round_of(row: dict[str, Any]) -> int | None:
-    """The rerun round a discarded.jsonl row was written in (None: none, or another shape)."""
-    value = row.get(ROUND_FIELD)
-    return value if is_index(value) and value > 0 else None
+_ROUND_FIELD_TEXT = re.compile(re.escape(f'"{ROUND_FIELD}"').encode())  # rows naming a round
 
 
 def latest_round(run_dir: Path) -> dict[str, Any] | None:
@@ -549,14 +540,14 @@ def latest_round(run_dir: Path) -> dict[str, Any] | None:
     return {"round": value["round"], "finished": value.get("finished") is not False}
 
 
-def rerun_round(run_dir: Path) -> tuple[int, bool]:
+def rerun_round(run_dir: Path, state: dict[str, Any] | None) -> tuple[int, bool]:
     """The round a --rerun_discarded invocation runs, and whether it continues it: the latest round
     checkpoint.json names, while it is open (started, and not every discard it was to run again has an
     outcome from it: stopped, killed, or some failed); else a new one, after every round there
     (checkpoint.json's, or the highest a discard row names, should the checkpoint be lost): it runs
-    every discard again. Discards of no round (older runs, runs without the flag) are run by either."""
-    state = latest_round(run_dir)
-    tagged = iter_jsonl(run_dir / "discarded.jsonl", only=re.compile(rb'"rerun_round"'))
+    every discard again. Discards of no round (older runs, runs without the flag) are run by either.
+    ``state``: checkpoint.json's latest round as :func:`latest_round` read it (the caller has it)."""
+    tagged = iter_jsonl(run_dir / "discarded.jsonl", only=_ROUND_FIELD_TEXT)
     latest = max((n for row in tagged if isinstance(row, dict) and (n := round_of(row))), default=0)
     if state is not None and not state["finished"] and state["round"] >= latest:
         return state["round"], True
