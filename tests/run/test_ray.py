@@ -185,7 +185,7 @@ def start_head(name: str, port: int | None = None):
         printed = log_path.read_text()[-3000:]
         shutil.rmtree(temp_dir, ignore_errors=True)
         pytest.fail(f"ray start --head did not come up:\n{printed}")
-    yield SimpleNamespace(address=f"127.0.0.1:{port}", proc=proc)
+    yield SimpleNamespace(address=f"127.0.0.1:{port}", proc=proc, log=log_path, temp_dir=temp_dir)
     import ray
 
     if ray.is_initialized():
@@ -666,6 +666,18 @@ def head_child(root: int, binary: bytes) -> int:
     pytest.fail(f"the head has no {binary.decode()}")
 
 
+def stop_head_child(head: SimpleNamespace, pid: int, sig: int = signal.SIGSTOP) -> None:
+    """Signal one of the head's processes; a process gone already (the head stopped it: under a heavy load
+    its raylet can miss its health checks) fails the test with the head's own logs, which the fixture's
+    teardown removes."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        logs = [head.log, *sorted(head.temp_dir.glob("session_latest/logs/*.out"))]
+        tails = "\n".join(f"--- {p}:\n{p.read_text(errors='replace')[-1500:]}" for p in logs if p.is_file())
+        pytest.fail(f"the head's process {pid} is gone before the test could signal it:\n{tails}")
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_keys_stay_out_of_the_ray_cluster_state(own_head, ray_env, server, tmp_path):
@@ -723,7 +735,7 @@ def test_a_gcs_that_hangs_does_not_hang_the_run(own_head, ray_env, server, tmp_p
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         assert wait_for(lambda: outcomes_written(out / "frozen"), 90, 0.1), log.read_text()[-3000:]
-        os.kill(gcs, signal.SIGSTOP)
+        stop_head_child(own_head, gcs)
         stopped = time.monotonic()
         try:
             code = proc.wait(timeout=120)
@@ -734,7 +746,8 @@ def test_a_gcs_that_hangs_does_not_hang_the_run(own_head, ray_env, server, tmp_p
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        os.kill(gcs, signal.SIGCONT)  # the fixture's own stop needs it
+        with contextlib.suppress(ProcessLookupError):  # gone: stop_head_child said why
+            os.kill(gcs, signal.SIGCONT)  # the fixture's own stop needs it
     printed = log.read_text()
     run_dir = out / "frozen"
     assert code == 0, printed[-3000:]  # every prompt ran: the workers never needed the GCS
@@ -770,7 +783,7 @@ def test_a_gcs_that_hangs_while_the_workers_start_stops_the_run_and_resume_finis
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         assert wait_for(lambda: "cluster (" in log.read_text() or proc.poll() is not None, 90, 0.01)
-        os.kill(gcs, signal.SIGSTOP)
+        stop_head_child(own_head, gcs)
         try:
             code = proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
@@ -779,7 +792,8 @@ def test_a_gcs_that_hangs_while_the_workers_start_stops_the_run_and_resume_finis
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        os.kill(gcs, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # gone: stop_head_child said why
+            os.kill(gcs, signal.SIGCONT)
     printed = log.read_text()
     assert code == 2, printed[-3000:]
     # Where the GCS stopped decides which step says so: joining the cluster, or the workers' start.
