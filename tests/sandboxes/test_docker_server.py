@@ -286,7 +286,7 @@ def test_the_lifetime_sleep_runs_before_the_server_lists_the_base_processes(
     """The sleep that bounds the container's life is the boot shell's own child, forked before the
     server: the server's list of the processes the runner spares has it. A subshell's sleep,
     ``(sleep; kill) &``, was forked whenever that subshell ran: on a busy machine after the list was
-    made (2 of 40 starts with 0.01 CPU), and end_processes killed it as the agent's; the subshell then
+    made (3 of 100 starts with 0.01 CPU), and end_processes killed it as the agent's; the subshell then
     killed the boot shell, and the sample failed as a sandbox error, "container ... is gone: 409"."""
     from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
 

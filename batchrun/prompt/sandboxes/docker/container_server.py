@@ -60,8 +60,8 @@ READY_LINE = "[batch-runner-ready]"
 # The sleep that bounds the lifetime is the boot shell's own child, forked before the server's
 # pipeline (in the background, it gets the container's stdin through fd 3: a background list's stdin
 # is /dev/null), so it runs when the server lists the base processes. A subshell's sleep,
-# `(sleep; kill) &`, was forked once that subshell ran: on a busy machine after the listing (1 start
-# in 10 with 0.01 CPU), and the runner killed it as the agent's before judging, and its subshell
+# `(sleep; kill) &`, was forked once that subshell ran: on a busy machine after the listing (3 starts
+# in 100 with 0.01 CPU), and the runner killed it as the agent's before judging, and its subshell
 # killed the boot shell: the prompt failed, "container ... is gone: 409 ... is not running".
 BOOT_SCRIPT = """exec 2>&1
 if [ "$$" = 1 ]; then end='kill -9 -1'; else end="kill -9 $$"; fi
