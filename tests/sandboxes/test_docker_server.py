@@ -279,6 +279,41 @@ def test_without_docker_init_the_server_works_and_the_lifetime_still_ends_the_co
         box.stop()
 
 
+@pytest.mark.parametrize("init", [True, False])
+def test_the_lifetime_sleep_runs_before_the_server_lists_the_base_processes(
+    docker_test_image: str, init: bool
+):
+    """The sleep that bounds the container's life is the boot shell's own child, forked before the
+    server: the server's list of the processes the runner spares has it. A subshell's sleep,
+    ``(sleep; kill) &``, was forked whenever that subshell ran: on a busy machine after the list was
+    made (3 of 100 starts with 0.01 CPU), and end_processes killed it as the agent's; the subshell then
+    killed the boot shell, and the sample failed as a sandbox error, "container ... is gone: 409"."""
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox
+
+    box = DockerSandbox(SandboxSpec(RUN, 3, network=False), default_image=docker_test_image, init=init)
+    box.start()
+    try:
+        # pid, parent pid and name of every process
+        listing = r'for f in /proc/[0-9]*/stat; do read -r l < $f; p=${f#/proc/}; set -- ${l##*) }; echo "${p%/stat} $2 ${l#*(}"; done'
+        out = box.run_exec(listing, timeout_s=30).output
+        procs = {int(pid): (int(ppid), name) for pid, ppid, name, *_ in map(str.split, out.splitlines())}
+
+        def of_the_exec(pid: int) -> bool:  # its first process's parent is outside the namespace (0)
+            while pid != 1 and pid in procs:
+                pid = procs[pid][0]
+                if pid == 0:
+                    return True
+            return False
+
+        parent = {pid: ppid for pid, (ppid, _) in procs.items() if not of_the_exec(pid)}
+        boot = next(pid for pid, ppid in parent.items() if ppid == 1) if init else 1
+        sleeps = [pid for pid, (_, name) in procs.items() if name == "sleep)"]
+        assert [parent[pid] for pid in sleeps] == [boot], out
+        assert sorted(parent) == sorted(box._base_pids), (out, box._base_pids)
+    finally:
+        box.stop()
+
+
 def test_the_containers_of_a_run_together_never_take_the_hosts_memory_or_processes(
     docker_test_image: str, monkeypatch
 ):

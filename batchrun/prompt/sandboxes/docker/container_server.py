@@ -3,15 +3,17 @@
 Images may be minimal (busybox, no Python), so the server is ``sh`` itself, with ``cat`` and, where
 the image has it, ``setsid``. The container's entrypoint (``BOOT_SCRIPT``) is, in effect::
 
-    { cat; kill -9 <boot shell>; } | { sh -s; kill -9 <boot shell>; }
+    sleep <lifetime> &
+    { cat; kill -9 <boot shell>; } | { sh -s; kill -9 <boot shell>; } &
+    wait <the sleep>; kill -9 <boot shell>
 
 ``cat`` relays the container's stdin, which the runner holds through an attach stream, to a shell
 that reads its script from the pipe. When the runner's stream ends (the runner stopped the
 sandbox, or died, even by SIGKILL: the kernel closes its socket), ``cat`` sees EOF at once, even in
 the middle of a command, and kills the boot shell, docker-init's only child: docker-init (PID 1)
 exits, the kernel kills every other process of the container, and it removes itself. Should the
-server shell die (the OOM killer, a command's ``kill -9``), the same happens from the other side.
-A sleeper bounds the lifetime. Outside a PID namespace of its own, nothing here signals more than
+server shell die (the OOM killer, a command's ``kill -9``), the same happens from the other side,
+and once the sleep that bounds the lifetime ends, from the boot shell itself. Outside a PID namespace of its own, nothing here signals more than
 the boot shell.
 
 The protocol is shell code on the container's stdin and a marker on its stdout (attached, no log
@@ -55,14 +57,25 @@ READY_LINE = "[batch-runner-ready]"
 # it ends every other process of its own PID namespace instead, then the script ends. Without cat
 # (images with sh and little else) the server reads the stream itself: the container then ends at
 # EOF once the command in progress is done.
+# The sleep that bounds the lifetime is the boot shell's own child, forked before the server's
+# pipeline (in the background, it gets the container's stdin through fd 3: a background list's stdin
+# is /dev/null), so it runs when the server lists the base processes. A subshell's sleep,
+# `(sleep; kill) &`, was forked once that subshell ran: on a busy machine after the listing (3 starts
+# in 100 with 0.01 CPU), and the runner killed it as the agent's before judging, and its subshell
+# killed the boot shell: the prompt failed, "container ... is gone: 409 ... is not running".
 BOOT_SCRIPT = """exec 2>&1
 if [ "$$" = 1 ]; then end='kill -9 -1'; else end="kill -9 $$"; fi
-(sleep "$1"; $end) </dev/null >/dev/null 2>&1 &
+sleep "$1" </dev/null >/dev/null 2>&1 &
+sleeper=$!
+exec 3<&0
 if command -v cat >/dev/null 2>&1; then
-    { cat; $end; } | { sh -s; $end; }
+    { cat; $end; } <&3 3<&- | { sh -s; $end; } 3<&- &
 else
-    sh -s
+    { sh -s; $end; } <&3 3<&- &
 fi
+exec 3<&-
+wait "$sleeper"
+$end
 """
 
 SERVER_PRELUDE = f"""__br_s=
