@@ -989,7 +989,13 @@ class LLMClient:
             error.unanswered_tokens = unanswered_tokens(exc, raw, prompt_estimate, completion_limit)
             if usage is not None:
                 usage.add_unanswered(error.unanswered_tokens)
-            raise error from None
+            try:
+                raise error from None
+            finally:
+                # The error's traceback holds this frame, which held the error: a cycle that only the
+                # garbage collector ends, so the failed attempt's frames (the reply as far as it was
+                # read, up to --max_response_mb) outlived it, through the back-off and the next attempt.
+                error = None
         clean = self._account(turn, data, usage, prompt_estimate)
         return turn, data, clean
 
