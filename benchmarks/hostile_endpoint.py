@@ -138,6 +138,7 @@ class Endpoint:
                 if atk is None or self.sink or (check and not self.check_attack):
                     self.ok(conn, stream)
                     continue
+                req["_auth"] = headers.get("authorization", "")
                 if getattr(self, f"atk_{atk}")(conn, stream, n, req) == "close":
                     return
         except (OSError, ValueError):
@@ -401,6 +402,27 @@ class Endpoint:
 
     def atk_redirect_loop(self, conn, stream, n, req):
         self.send(conn, 307, b"", extra=b"Location: " + self.base_url.encode() + b"/chat/completions\r\n")
+
+    def atk_echo_key_error(self, conn, stream, n, req):
+        """An error whose message repeats the request's Authorization header (the key in it)."""
+        self.send(conn, 500, {"error": {"message": f"upstream rejected {req['_auth']}", "code": 500}})
+
+    def atk_echo_key_400(self, conn, stream, n, req):
+        self.send(conn, 400, {"error": {"message": f"Incorrect API key provided: {req['_auth'][7:]}"}})
+
+    def atk_echo_key_header(self, conn, stream, n, req):
+        """The key sent back in a header and the reason phrase of a 502."""
+        key = req["_auth"][7:].encode()
+        self.send(
+            conn, 502, b"bad gateway " + key, "text/plain", extra=b"X-Echo: " + key + b"\r\n", reason=key
+        )
+
+    def atk_echo_key_reply(self, conn, stream, n, req):
+        """A 200 reply whose content and tool call hold the key."""
+        key = req["_auth"][7:]
+        if n > 1:
+            return self.ok(conn, stream, reply({"role": "assistant", "content": f"the key is {key}"}))
+        self.ok(conn, stream, reply(calls(1, args=json.dumps({"command": f"echo {key}"})), "tool_calls"))
 
     def atk_status_garbage(self, conn, stream, n, req):
         conn.sendall(b"HTTP/1.1 999999999999999999999 \xff\xfe\r\nContent-Length: 2\r\n\r\n{}")
