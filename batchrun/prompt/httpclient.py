@@ -63,17 +63,49 @@ ACCEPT_ENCODING = "gzip, deflate"
 CLOSE_SERVERS = ("llama.cpp",)
 
 
+MIN_PROCESS_BYTES = 64 << 20  # the least all the answers a process reads at once may hold together
+
+
 @dataclass(frozen=True)
 class Bounds:
     """What one answer may hold. ``body_bytes`` bounds the decoded body, streamed or not (a stream is
-    its body); ``line_bytes`` one server-sent-events line."""
+    its body); ``line_bytes`` one server-sent-events line. ``process_bytes`` (default: twice
+    ``body_bytes``, at least :data:`MIN_PROCESS_BYTES`) bounds the bodies of all the answers this
+    process is reading at once: each within its own bound, 16 prompt threads of a worker fed 32 MiB
+    answers at once took it to 1 GB (4 GB for the default four workers)."""
 
     body_bytes: int = 32 << 20
     line_bytes: int = 4 << 20
+    process_bytes: int = 0
 
     def __post_init__(self) -> None:
         # a line may be a whole reply's tool call, never most of the stream
         object.__setattr__(self, "line_bytes", max(1, min(self.line_bytes, self.body_bytes // 2)))
+        if self.process_bytes <= 0:
+            object.__setattr__(self, "process_bytes", max(2 * self.body_bytes, MIN_PROCESS_BYTES))
+
+
+class _Held:
+    """The decoded bytes of the answers this process is reading (each counted until it is closed)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.total = 0
+
+    def add(self, n: int, bound: int) -> bool:
+        """Count ``n`` more bytes; False (and nothing counted) when the total would pass ``bound``."""
+        with self.lock:
+            if self.total + n > bound:
+                return False
+            self.total += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self.lock:
+            self.total -= n
+
+
+HELD = _Held()
 
 
 class HTTPError(Exception):
@@ -156,6 +188,7 @@ class Response:
             raw.connection._expiry_s = _keepalive_expiry(self.headers.get("keep-alive"))
         self._content: bytes | None = None
         self._received = 0  # decoded bytes so far
+        self._held = 0  # of them, those counted in HELD (released when the answer is closed)
         self._done = False
         length = self.headers.get("content-length", "")
         if length.isdigit() and int(length) > bounds.body_bytes:
@@ -174,11 +207,15 @@ class Response:
         """The whole (decoded) body; ``limit``: cut there instead of failing (error answers)."""
         if self._content is None:
             parts, size = [], 0
-            for piece in self._pieces(cut_at=limit):
-                parts.append(piece)
-                size += len(piece)
-                if limit is not None and size >= limit:
-                    break
+            try:
+                for piece in self._pieces(cut_at=limit):
+                    parts.append(piece)
+                    size += len(piece)
+                    if limit is not None and size >= limit:
+                        break
+            except BaseException:
+                parts.clear()  # the error's traceback keeps this frame, and held the body to the bound
+                raise
             self._content = b"".join(parts)
             self.close()
         return self._content
@@ -234,6 +271,7 @@ class Response:
     def close(self) -> None:
         """Done with the answer: a body read to its end, or whose rest is short and prompt, leaves the
         connection in the pool; otherwise the connection is closed."""
+        self._release()
         raw, self._raw = self._raw, None
         if raw is None:
             return
@@ -296,6 +334,14 @@ class Response:
                 self._drop()
                 raise BadResponse(f"{self.url} sent a body that does not decompress: {exc}") from None
         self._received += len(out)
+        if not HELD.add(len(out), self._bounds.process_bytes):
+            self._drop()
+            raise BadResponse(
+                f"{self.url} sent a body while the answers this process is reading held "
+                f"{self._bounds.process_bytes / (1 << 20):g} MiB together (twice --max_response_mb, "
+                f"at least {MIN_PROCESS_BYTES >> 20} MiB)"
+            )
+        self._held += len(out)
         if self._received > bound:
             self._drop()
             if bound == self._bounds.body_bytes:
@@ -324,9 +370,18 @@ class Response:
         _discard(raw)
 
     def _drop(self) -> None:
+        self._release()
         raw, self._raw = self._raw, None
         if raw is not None:
             _discard(raw)
+
+    def _release(self) -> None:
+        held, self._held = getattr(self, "_held", 0), 0  # 0: an answer whose __init__ raised early
+        if held:
+            HELD.release(held)
+
+    def __del__(self) -> None:
+        self._release()  # an answer dropped unclosed (an error between reads) frees its count too
 
 
 def _line_end(buf: bytearray, start: int) -> int:

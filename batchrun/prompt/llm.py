@@ -391,9 +391,10 @@ def _cache_counts(usage: dict[str, Any], timings: Any, prompt_tokens: int) -> di
 def credible_usage(
     raw: Any, prompt_estimate: int, completion_estimate: int, timings: Any = None
 ) -> tuple[dict[str, Any], str | None]:
-    """An endpoint's ``usage`` made safe to add: counts that are missing, non-numeric, negative, NaN or
-    absurd are replaced by the runner's estimates (:func:`estimate_tokens` of the request and the reply)
-    and the result is marked ``estimated``; such a cost is dropped. The cache's counts it reports
+    """An endpoint's ``usage`` made safe to add: counts that are missing, non-numeric, negative, NaN,
+    absurd, or 0 where the runner's estimate is not, are replaced by the runner's estimates
+    (:func:`estimate_tokens` of the request and the reply) and the result is marked ``estimated``; such
+    a cost is dropped. The cache's counts it reports
     (:func:`_cache_counts`; ``timings``: llama.cpp's) are kept in ``prompt_tokens_details``. Returns it and
     the endpoint's fault in words (None: nothing was wrong)."""
     usage = raw if isinstance(raw, dict) else {}
@@ -422,6 +423,10 @@ def credible_usage(
         faults.append("no usage")
     for key, estimate in (("prompt_tokens", prompt_estimate), ("completion_tokens", completion_estimate)):
         problem = _count_problem(usage.get(key), MAX_CALL_TOKENS)
+        if problem is None and usage[key] == 0 and estimate > 0:
+            # 0 tokens for a request or a reply that is not empty: an endpoint (or a proxy) that zeroes
+            # its counts was spent on without limit, every call counted free against --budget_tokens.
+            problem = "zero for text that is not empty"
         if problem is None:
             clean[key] = int(usage[key])
         else:
@@ -984,7 +989,13 @@ class LLMClient:
             error.unanswered_tokens = unanswered_tokens(exc, raw, prompt_estimate, completion_limit)
             if usage is not None:
                 usage.add_unanswered(error.unanswered_tokens)
-            raise error from None
+            try:
+                raise error from None
+            finally:
+                # The error's traceback holds this frame, which held the error: a cycle that only the
+                # garbage collector ends, so the failed attempt's frames (the reply as far as it was
+                # read, up to --max_response_mb) outlived it, through the back-off and the next attempt.
+                error = None
         clean = self._account(turn, data, usage, prompt_estimate)
         return turn, data, clean
 

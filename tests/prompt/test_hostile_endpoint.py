@@ -44,6 +44,28 @@ print(json.dumps(out))
 """
 
 
+# The same client in THREADS prompt threads of one process (a worker's), all against the endpoint at once.
+THREADS_CLIENT = r"""
+import json, sys, threading, time
+from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError
+base_url, threads, max_mb, retries, stream = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+client = LLMClient(LLMConfig(model="m", base_url=base_url, api_key="k", max_retries=retries, max_response_mb=max_mb, stream=stream))
+errors, start = [], threading.Barrier(threads)
+def one():
+    start.wait()
+    try:
+        client.chat([{"role": "user", "content": "hi"}], [], deadline=time.monotonic() + 120)
+        errors.append(None)
+    except LLMError as exc:
+        errors.append(exc.error_class)
+ts = [threading.Thread(target=one) for _ in range(threads)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+print(json.dumps({"errors": errors, "maxrss_mb": int(hwm[0].split()[1]) / 1024}))
+"""
+
+
 def _gzip_bomb() -> bytes:
     """~256 MiB of zeros, gzip-compressed to ~250 KiB."""
     comp = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
@@ -193,6 +215,43 @@ def test_an_oversized_answer_is_a_bad_response_in_bounded_memory(mode, stream):
         assert "line longer than" in result["message"]
     assert result["maxrss_mb"] < RSS_LIMIT_MB, result
     assert result["elapsed_s"] < 60, result  # the prompt's deadline (60 s) was not what stopped it
+
+
+def run_threads(threads: int, max_mb: int, retries: int, stream: bool = False) -> dict:
+    server = Hostile("endless_sse" if stream else "until_close")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HTTP_PROXY", None), env.pop("http_proxy", None)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", THREADS_CLIENT, server.base_url, str(threads), str(max_mb), str(retries), str(int(stream))],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+    finally:
+        server.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["errors"] == ["bad_response"] * threads, result
+    return result
+
+
+def test_answers_read_at_once_by_a_workers_threads_are_bounded_together():
+    """16 prompt threads (a worker's default) each fed an endless body at the default 32 MiB bound: each
+    answer stayed within its own bound, but together they took the process to ~540 MB (~1 GB with
+    retries; the default four workers to 4 GB). Now all the answers a process reads at once hold at
+    most twice the bound (~205 MB: 64 MiB, Python and the package, the allocator's per-thread slack)."""
+    result = run_threads(16, 32, 0)
+    assert result["maxrss_mb"] < 400, result
+
+
+@pytest.mark.parametrize(
+    "stream", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "streamed"]
+)
+def test_a_failed_attempts_body_is_freed_before_the_retry(stream):
+    """The body read up to the bound (a stream: its assembled reply) was kept by the error's traceback,
+    in a cycle with the attempt's frame, while the retry read another: ~155 MB at a 64 MiB bound (two
+    bodies), now ~92 MB (one). 16 threads with retries: 490 MB (streamed 300), now 155 (99)."""
+    result = run_threads(1, 64, 2, stream)
+    assert result["maxrss_mb"] < 130, result
 
 
 def test_a_dripped_body_ends_at_the_prompts_deadline():

@@ -74,6 +74,8 @@ def test_a_dead_worker_frees_its_reservations():
         ({"prompt_tokens": 10, "completion_tokens": 10**12}, "completion_tokens absurd"),
         ({"prompt_tokens": 10, "completion_tokens": 5, "cost": float("nan")}, "cost NaN or infinite"),
         ({"prompt_tokens": 10, "completion_tokens": 5, "cost": -600.0}, "cost negative"),
+        ({"prompt_tokens": 0, "completion_tokens": 5}, "prompt_tokens zero"),
+        ({"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10}, "completion_tokens zero"),
     ],
 )
 def test_odd_usage_is_estimated_never_added_as_it_is(usage, fault):
@@ -105,11 +107,11 @@ def test_the_images_api_s_input_and_output_tokens_are_its_counts():
     assert (clean["prompt_tokens"], clean["completion_tokens"]) == (7, 3)  # the chat names win
 
 
-def odd_usage(usage_text: str) -> ScriptedEndpoint:
+def odd_usage(usage_text: str, content: str = "The answer is 4.") -> ScriptedEndpoint:
     """Every answer is a final one (with reasoning) whose usage is ``usage_text`` (not always valid JSON)."""
     body = (
         '{"model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": '
-        '{"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2"}}], '
+        f'{{"role": "assistant", "content": "{content}", "reasoning_content": "2+2"}}}}], '
         f'"usage": {usage_text}}}'
     ).encode()
     return ScriptedEndpoint(lambda call, calls: (200, body), get=(200, {"data": []}))
@@ -159,6 +161,27 @@ def test_a_run_against_odd_usage_counts_estimates_warns_once_and_writes_strict_j
     assert spent - stats["this_run"]["budget"]["check_tokens"] == sum(
         r["metadata"]["usage"]["prompt_tokens"] + r["metadata"]["usage"]["completion_tokens"] for r in records
     )
+
+
+def test_an_endpoint_that_says_every_call_was_zero_tokens_is_held_to_the_budget(tmp_path):
+    """Usage of 0 tokens (and a cost of 0) for answers of 30 KB each, from an endpoint or a proxy that
+    zeroes its counts: every call was counted free, so --budget_tokens let all 40 prompts run (some
+    400,000 tokens by the runner's own count, against a cap of 40,000)."""
+    endpoint = odd_usage(
+        '{"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cost": 0}', "z" * 30_000
+    )
+    try:
+        dataset = write_jsonl(tmp_path / "d.jsonl", [f"Write a lot ({i})" for i in range(40)])
+        run(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key="sk-test-zero",
+            max_tokens=10_000, num_workers=1, budget_tokens=40_000,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    status = json.loads((tmp_path / "data" / "run" / "status.json").read_text())
+    assert status["budget"]["reached"] is True
+    assert 0 < status["budget"]["spent_tokens"] <= 40_000
+    assert status["done"] < 40 and status["skipped_budget"] > 0
 
 
 def _capped_run(server, tmp_path, prompts: list[str], cap: int, per_worker: int, **flags) -> dict:
