@@ -162,6 +162,55 @@ class Spend:
             setattr(self, key, getattr(self, key) + (u[key] or 0))
 
 
+# sum() of floats is compensated (Neumaier's) from Python 3.12: a row's mean score adds as it does.
+_COMPENSATED_SUM = sys.version_info >= (3, 12)
+
+
+@dataclasses.dataclass(slots=True)
+class RowScores:
+    """A row's line in the per-row table: samples with a verdict, passes, samples without one, and its
+    scores' count and sum (``total`` plus ``carry``, added as ``sum()`` adds a list of them)."""
+
+    n: int = 0
+    passes: int = 0
+    no_verdict: int = 0
+    values: int = 0
+    total: float = 0.0
+    carry: float = 0.0
+
+    def add_value(self, x: float) -> None:
+        if self.values and _COMPENSATED_SUM:
+            t = self.total + x
+            self.carry += (self.total - t) + x if abs(self.total) >= abs(x) else (x - t) + self.total
+            self.total = t
+        else:
+            self.total = 0.0 + x if not self.values else self.total + x
+        self.values += 1
+
+    def mean(self) -> float | None:
+        if not self.values:
+            return None
+        total = self.total + self.carry if self.carry and math.isfinite(self.carry) else self.total
+        return total / self.values
+
+
+@dataclasses.dataclass
+class ScoresSeen:
+    """The scores section's figures, added one judged sample at a time: the samples judged, each row's
+    line (by row label and key), how many samples had each score (the histogram's bins are made from
+    them at the end), and the first failing samples and samples without a verdict, as many as the page
+    lists (the ``max_items`` of each: the page lists the failing ones first), with their counts."""
+
+    judged: int = 0
+    rows: dict[tuple[str, str], RowScores] = dataclasses.field(default_factory=dict)
+    values: collections.Counter[float] = dataclasses.field(default_factory=collections.Counter)
+    # (row label, sample index, where it went, verdict, why, verify output, verify exit code)
+    failing: list[tuple[str, int, str, str, str, Any, Any]] = dataclasses.field(default_factory=list)
+    failing_count: int = 0
+    unjudged: list[tuple[str, int, str, str, str, Any, Any]] = dataclasses.field(default_factory=list)
+    unjudged_count: int = 0
+
+
 @dataclasses.dataclass
 class RunData:
     """What the report shows, gathered in one streaming pass over the run directory."""
@@ -192,10 +241,11 @@ class RunData:
     failed_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     systems: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     system_keys: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Judged samples (kept and discarded): (row label, sample index, where it went, its score, row key)
-    scored: list[tuple[str, int, str, dict[str, Any], str]] = dataclasses.field(default_factory=list)
+    # The judged samples (kept and discarded) as the scores section shows them: counts, never every
+    # sample (a score holds its explanation and verify output: 100,000 of them held hundreds of MB).
+    scores: ScoresSeen = dataclasses.field(default_factory=lambda: ScoresSeen())
     # (row key, sample index) -> how many rows want it, as statistics.json's scores count them (None:
-    # from its scores.duplicate_samples); and how often each is in ``scored`` already.
+    # from its scores.duplicate_samples); and how often each is in ``scores`` already.
     wanted: dict[tuple[str, int], int] | None = None
     counted: collections.Counter[tuple[str, int]] = dataclasses.field(default_factory=collections.Counter)
     # The same samples' figures (pass rate, interval, pass@k) from the records read, for a report of the
@@ -295,7 +345,52 @@ def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
     human = next((t.get("value", "") for t in rec.get("conversations") or [] if t.get("from") == "human"), "")
     label = str(meta.get("row_id") or "") or " ".join(str(human).split())[:60]
     index = meta.get("sample_index") if isinstance(meta.get("sample_index"), int) else 0
-    data.scored.append((label, index, where, score, "" if key is None else key[0]))
+    add_judged(data.scores, data.max_items, label, index, where, score, "" if key is None else key[0])
+
+
+def add_judged(
+    seen: ScoresSeen, max_items: int, label: str, index: int, where: str, sc: dict[str, Any], row_key: str
+) -> None:
+    """One sample's score (read by ``read_score``) into the figures of the scores section."""
+    if sc.get("scorer") in (None, "none"):
+        return
+    seen.judged += 1
+    # Per row by its identity, not its label: rows may share an id, or their prompts' first 60 characters.
+    # A row's samples are those with a verdict, as the pass rate counts them; a scorer error is no failure
+    # (4 timed-out verify commands read "4 samples, 0 passes": a row the model failed, that nothing judged).
+    row = seen.rows.get((label, row_key))
+    if row is None:
+        row = seen.rows[(label, row_key)] = RowScores()
+    verdict = isinstance(sc.get("passed"), bool)
+    row.n += verdict
+    row.passes += sc.get("passed") is True
+    row.no_verdict += not verdict
+    if isinstance(sc.get("value"), (int, float)):
+        value = float(sc["value"])
+        row.add_value(value)
+        seen.values[value] += 1
+    if sc.get("passed") is False:
+        seen.failing_count += 1
+        shown = seen.failing
+    elif sc.get("passed") is None:
+        seen.unjudged_count += 1
+        shown = seen.unjudged
+    else:
+        return
+    if len(shown) < max_items:
+        verdict_text = "no verdict" if sc.get("passed") is None else f"score {sc.get('value')}"
+        why = sc.get("error") or sc.get("explanation") or ""
+        shown.append(
+            (
+                label,
+                index,
+                where,
+                verdict_text,
+                why[:200],
+                sc.get("verify_output"),
+                sc.get("verify_exit_code"),
+            )
+        )
 
 
 def _outcome_and_stop(rec: dict[str, Any]) -> tuple[str, str]:
@@ -560,15 +655,24 @@ def _nice_step(raw: float) -> float:
 
 def histogram(values: list[float], target_bins: int = 20) -> list[tuple[float, float, int]]:
     """Bins ``(low, high, count)`` of equal, round width; integers get whole-number bins."""
-    if not values:
+    return histogram_counts(collections.Counter(values), target_bins)
+
+
+def histogram_counts(
+    counts: collections.Counter[float], target_bins: int = 20
+) -> list[tuple[float, float, int]]:
+    """:func:`histogram` of the values counted: how many times each value was seen."""
+    if not counts:
         return []
-    lo, hi = min(values), max(values)
-    integral = all(float(v).is_integer() for v in values)
+    lo, hi = min(counts), max(counts)
+    integral = all(float(v).is_integer() for v in counts)
     if integral and hi - lo < 40:
-        counts = collections.Counter(int(v) for v in values)
-        return [(v, v + 1, counts.get(v, 0)) for v in range(int(lo), int(hi) + 1)]
+        whole: collections.Counter[int] = collections.Counter()
+        for v, c in counts.items():
+            whole[int(v)] += c
+        return [(v, v + 1, whole.get(v, 0)) for v in range(int(lo), int(hi) + 1)]
     if hi == lo:
-        return [(lo, hi, len(values))]
+        return [(lo, hi, sum(counts.values()))]
     width = _nice_step((hi - lo) / target_bins)
     if integral:
         width = max(1, math.ceil(width))
@@ -577,12 +681,10 @@ def histogram(values: list[float], target_bins: int = 20) -> list[tuple[float, f
     # division on the right side of an edge: 0.3 / 0.1 is 2.9999999999999996, 1.0 // 0.1 is 9.0.
     start = math.floor(lo / width + 1e-9) * width
     n = max(1, math.ceil((hi - start) / width - 1e-9))
-    counts = [0] * n
-    for v in values:
-        counts[min(n - 1, max(0, math.floor((v - start) / width + 1e-9)))] += 1
-    return [
-        (round(start + i * width, 12), round(start + (i + 1) * width, 12), c) for i, c in enumerate(counts)
-    ]
+    bins = [0] * n
+    for v, c in counts.items():
+        bins[min(n - 1, max(0, math.floor((v - start) / width + 1e-9)))] += c
+    return [(round(start + i * width, 12), round(start + (i + 1) * width, 12), c) for i, c in enumerate(bins)]
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -933,12 +1035,8 @@ def section_settings(d: RunData) -> str:
 def section_scores(d: RunData) -> str:
     """Pass rate and pass@k (from statistics.json), a per-row table, the score histogram, and the
     failing samples with their verify output, one click away."""
-    judged = [
-        (label, i, where, sc) for label, i, where, sc, _ in d.scored if sc.get("scorer") not in (None, "none")
-    ]
-    # Per row by its identity, not its label: rows may share an id, or their prompts' first 60 characters.
-    row_keys = [key for _, _, _, sc, key in d.scored if sc.get("scorer") not in (None, "none")]
-    if not judged:
+    seen = d.scores
+    if not seen.judged:
         return ""
     # The figures statistics.json holds; one it cannot read (a section of another shape) is left out.
     scores = (d.statistics or {}).get("scores")
@@ -1002,51 +1100,42 @@ def section_scores(d: RunData) -> str:
             + (f" · {fmt_int(pending)} samples without an outcome (failed or not run)" if pending else ""),
         )
     )
-    # A row's samples are those with a verdict, as the pass rate counts them; a scorer error is no failure
-    # (4 timed-out verify commands read "4 samples, 0 passes": a row the model failed, that nothing judged).
-    per_row: dict[tuple[str, str], list[Any]] = {}
-    for (label, _, _, sc), key in zip(judged, row_keys, strict=True):
-        entry = per_row.setdefault((label, key), [0, 0, [], 0])
-        verdict = isinstance(sc.get("passed"), bool)
-        entry[0] += verdict
-        entry[1] += sc.get("passed") is True
-        entry[3] += not verdict
-        if isinstance(sc.get("value"), (int, float)):
-            entry[2].append(float(sc["value"]))
-    shared = collections.Counter(label for label, _ in per_row)
-    rows = [
-        (
-            f"{label} · row {key[:8]}" if shared[label] > 1 else label,
-            n,
-            passes,
-            no_verdict,
-            f"{sum(vals) / len(vals):.3f}" if vals else "–",
+    shared = collections.Counter(label for label, _ in seen.rows)
+    rows = []
+    for (label, key), row in sorted(seen.rows.items(), key=lambda item: item[0])[: d.max_items]:
+        mean = row.mean()
+        rows.append(
+            (
+                f"{label} · row {key[:8]}" if shared[label] > 1 else label,
+                row.n,
+                row.passes,
+                row.no_verdict,
+                f"{mean:.3f}" if mean is not None else "–",
+            )
         )
-        for (label, key), (n, passes, vals, no_verdict) in sorted(per_row.items())[: d.max_items]
-    ]
     rows_note = (
-        f'<p class="note">The first {d.max_items:,} of {len(per_row):,} rows; all are counted above.</p>'
-        if len(per_row) > d.max_items
+        f'<p class="note">The first {d.max_items:,} of {len(seen.rows):,} rows; all are counted above.</p>'
+        if len(seen.rows) > d.max_items
         else ""
     )
-    values = [float(sc["value"]) for _, _, _, sc in judged if isinstance(sc.get("value"), (int, float))]
-    failing = [(label, i, where, sc) for label, i, where, sc in judged if sc.get("passed") is False]
-    unjudged = [(label, i, where, sc) for label, i, where, sc in judged if sc.get("passed") is None]
     items = []
-    for label, i, where, sc in (failing + unjudged)[: d.max_items]:
-        verdict = "no verdict" if sc.get("passed") is None else f"score {sc.get('value')}"
-        why = sc.get("error") or sc.get("explanation") or ""
-        output = sc.get("verify_output")
+    listed = (seen.failing + seen.unjudged)[: d.max_items]
+    for label, i, where, verdict, why, output, code in listed:
         body = f"<pre>{esc(output)}</pre>" if output else '<p class="note">No verify output.</p>'
-        code = sc.get("verify_exit_code")
         exit_note = "" if code is None else f" · exit {code}"
         items.append(
             f'<details class="failing"><summary><b>{esc(label)}</b> #{i} · {esc(where)} · {esc(verdict)} · '
-            f"{esc(why[:200])}{esc(exit_note)}</summary>{body}</details>"
+            f"{esc(why)}{esc(exit_note)}</summary>{body}</details>"
+        )
+    more = seen.failing_count + seen.unjudged_count - len(listed)
+    if more > 0:
+        items.append(
+            f'<p class="note">{more:,} more are not listed; each sample\'s record holds its score, '
+            "explanation and verify output.</p>"
         )
     hist = (
-        svg_histogram(histogram(values, 10), "score", fmt=lambda x: f"{x:g}", counted="sample")
-        if values
+        svg_histogram(histogram_counts(seen.values, 10), "score", fmt=lambda x: f"{x:g}", counted="sample")
+        if seen.values
         else ""
     )
     # --stop_after_passes: the console and statistics.json say the figures describe the kept data; the
@@ -1068,8 +1157,8 @@ def section_scores(d: RunData) -> str:
         + "<h3>Per row</h3>"
         + table(rows, ("row", "samples", "passes", "no verdict", "mean score"), "scores")
         + rows_note
-        + f"<h3>Failing samples ({len(failing):,})"
-        + (f" and samples without a verdict ({len(unjudged):,})" if unjudged else "")
+        + f"<h3>Failing samples ({seen.failing_count:,})"
+        + (f" and samples without a verdict ({seen.unjudged_count:,})" if seen.unjudged_count else "")
         + "</h3>"
         + ("".join(items) or '<p class="empty">None.</p>')
         + "</section>"

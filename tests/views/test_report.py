@@ -4,6 +4,7 @@ streaming with a cap on the listed conversations, the CLI, and the page as headl
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import html.parser
 import json
@@ -401,6 +402,93 @@ def test_unmerged_run_reads_batch_files(tmp_path: Path) -> None:
     page = parse(run_dir / "report.html")
     assert number(page.stats["trajectories"]) == 2
     assert "not merged yet" in text and "still running" in text and "1 torn or invalid line(s)" in text
+
+
+def _failing_run(run_dir: Path, n: int) -> Path:
+    """``n`` kept samples of two rows, every one failed with its explanation and verify output."""
+    run_dir.mkdir()
+    with (run_dir / "trajectories.jsonl").open("w") as fh:
+        for i in range(n):
+            rec = synthetic_record(i)
+            rec["metadata"].update(row_key=f"{i % 2:032x}", row_id=f"row-{i % 2}", sample_index=i // 2)
+            rec["score"] = {
+                "status": "failed",
+                "value": 0.25,
+                "passed": False,
+                "scorer": "verify",
+                "explanation": f"verify: exit 1 ({i})",
+                "error": "",
+                "verify_exit_code": 1,
+                "verify_output": f"FAILED test_{i}\n" + "x" * 2000,
+            }
+            fh.write(json.dumps(rec) + "\n")
+    return run_dir
+
+
+def _entries(value: object, seen: set[int]) -> int:
+    """Entries of every container (list, tuple, set, dict, dataclass) reachable from ``value``."""
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, Path)) or value is None:
+        return 0
+    seen.add(id(value))
+    if isinstance(value, dict):
+        return len(value) + sum(_entries(k, seen) + _entries(v, seen) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return len(value) + sum(_entries(v, seen) for v in value)
+    if dataclasses.is_dataclass(value):
+        return sum(_entries(getattr(value, f.name), seen) for f in dataclasses.fields(value))
+    return 0
+
+
+# A number or a (row, sample) per record, for the figures the page computes from them all (medians,
+# the superseded discards); everything else the report holds is bounded.
+PER_RECORD = {"turns", "tokens", "costs", "counted", "kept_at"}
+
+
+def test_the_report_holds_no_scored_sample_beyond_what_it_lists(tmp_path: Path) -> None:
+    """Every judged sample's (label, index, where, score) was held until the page was written: 100,000
+    of them, with their explanations and verify output, held most of a run's end's 535 MB. The report
+    now keeps counts (per row, per score value) and only the failing samples it lists."""
+    held = {}
+    for n in (40, 400):
+        data = report.collect(_failing_run(tmp_path / f"run{n}", n), max_items=5)
+        held[n] = sum(
+            _entries(getattr(data, f.name), set())
+            for f in dataclasses.fields(data)
+            if f.name not in PER_RECORD
+        )
+    assert held[400] == held[40]
+    report.write_report(tmp_path / "run400", max_trajectories=5)
+    text = (tmp_path / "run400" / "report.html").read_text("utf-8")
+    section = text[text.index('<section id="scores">') :]
+    section = section[: section.index("</section>")]
+    assert "Failing samples (400)" in section
+    assert section.count('<details class="failing">') == 5 and "FAILED test_4\n" in section
+    assert "395 more are not listed" in section
+    page = parse(tmp_path / "run400" / "report.html")
+    assert page.rows["scores"][1:] == [
+        ["row-0", "200", "0", "0", "0.250"],
+        ["row-1", "200", "0", "0", "0.250"],
+    ]
+    assert "0.25–0.25 score: 400 samples</title>" in section  # the histogram: one value, one bin
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [0.1] * 10,
+        [1e16, 1.0, -1e16, 0.5],
+        [0.1, 0.2, 0.3, 0.7, 1e-17, 0.9, 0.3333333333333333],
+        [-0.0],
+        [0.6666666666666666] * 7 + [1e-16] * 5,
+    ],
+)
+def test_a_rows_mean_score_adds_as_sum_adds(values: list[float]) -> None:
+    """The per-row table's mean, once ``sum(values) / len(values)`` over the row's samples held, now
+    from a running total: the same float, on Pythons whose sum() compensates (3.12+) and those before."""
+    row = report.RowScores()
+    for v in values:
+        row.add_value(v)
+    assert row.mean() == sum(values) / len(values)
 
 
 def test_a_crashed_run_is_not_reported_as_running(tmp_path: Path) -> None:
