@@ -1850,14 +1850,15 @@ class ScoreTally:
         # Row and cluster keys -> slot; a key may be both (a row is its own cluster unless said otherwise).
         self.slots: dict[str, int] = {}
         self._numbers = [] if numbers is None else numbers
-        self.row_order = array("q")  # the slots of the rows, first seen first
-        self.row_n = array("q")  # per slot: samples judged, passes (pass@k)
-        self.row_passes = array("q")
+        # Slots and counts in 4 bytes each (a tally's rows and a row's samples are far below 2**31).
+        self.row_order = array("i")  # the slots of the rows, first seen first
+        self.row_n = array("i")  # per slot: samples judged, passes (pass@k)
+        self.row_passes = array("i")
         # For the standard errors, per slot: samples judged, passes, samples with a value, their sum
-        self.cluster_order = array("q")
-        self.cluster_n = array("q")
-        self.cluster_passes = array("q")
-        self.cluster_valued = array("q")
+        self.cluster_order = array("i")
+        self.cluster_n = array("i")
+        self.cluster_passes = array("i")
+        self.cluster_valued = array("i")
         self.cluster_sum = array("d")
 
     def _slot(self, key: str) -> int:
