@@ -65,6 +65,7 @@ import sys
 import threading
 import time
 import unicodedata
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -1832,18 +1833,51 @@ def ks_for(max_n: int) -> list[int]:
     return ks
 
 
-@dataclass
 class ScoreTally:
-    """Scores of many samples, added one record at a time; :meth:`summary` is the statistics section."""
+    """Scores of many samples, added one record at a time; :meth:`summary` is the statistics section.
 
-    scored: int = 0
-    unscored: int = 0
-    errors: int = 0
-    passes: int = 0
-    values: list[float] = field(default_factory=list)
-    rows: dict[str, list[int]] = field(default_factory=dict)  # row key -> [samples judged, passes]
-    # For the standard errors: cluster (a row's identity) -> [samples judged, passes, values, their sum]
-    clusters: dict[str, list[float]] = field(default_factory=dict)
+    Held compactly, as a run's end holds one for the whole run and one for each group of each of four
+    groupings: a row or cluster key is one entry of ``slots`` (the caller's own string, not a copy),
+    whose number (an object shared by every tally given the same ``numbers``) indexes flat arrays; the
+    values are doubles in one array. Nothing is held per sample but its value's 8 bytes."""
+
+    def __init__(self, numbers: list[int] | None = None):
+        self.scored = 0
+        self.unscored = 0
+        self.errors = 0
+        self.passes = 0
+        self.values = array("d")  # every judged sample's value, in the order added (for the sd's second pass)
+        # Row and cluster keys -> slot; a key may be both (a row is its own cluster unless said otherwise).
+        self.slots: dict[str, int] = {}
+        self._numbers = [] if numbers is None else numbers
+        # Slots and counts in 4 bytes each (a tally's rows and a row's samples are far below 2**31).
+        self.row_order = array("i")  # the slots of the rows, first seen first
+        self.row_n = array("i")  # per slot: samples judged, passes (pass@k)
+        self.row_passes = array("i")
+        # For the standard errors, per slot: samples judged, passes, samples with a value, their sum
+        self.cluster_order = array("i")
+        self.cluster_n = array("i")
+        self.cluster_passes = array("i")
+        self.cluster_valued = array("i")
+        self.cluster_sum = array("d")
+
+    def _slot(self, key: str) -> int:
+        slot = self.slots.get(key)
+        if slot is None:
+            numbers, slot = self._numbers, len(self.slots)
+            if slot == len(numbers):
+                numbers.append(slot)
+            slot = self.slots[key] = numbers[slot]
+            for column in (
+                self.row_n,
+                self.row_passes,
+                self.cluster_n,
+                self.cluster_passes,
+                self.cluster_valued,
+            ):
+                column.append(0)
+            self.cluster_sum.append(0.0)
+        return slot
 
     def add(
         self, score: dict[str, Any] | None, row_key: str | None = None, cluster: str | None = None
@@ -1864,38 +1898,45 @@ class ScoreTally:
         if has_value:
             self.values.append(float(value))
         if row_key is not None:
-            entry = self.rows.setdefault(row_key, [0, 0])
-            entry[0] += 1
-            entry[1] += passed
+            slot = self._slot(row_key)
+            if not self.row_n[slot]:
+                self.row_order.append(slot)
+            self.row_n[slot] += 1
+            self.row_passes[slot] += passed
         # A sample without a row is a cluster of its own (a key no row key can be).
-        group = self.clusters.setdefault(cluster or row_key or f"\0{self.scored}", [0, 0, 0, 0.0])
-        group[0] += 1
-        group[1] += passed
+        slot = self._slot(cluster or row_key or f"\0{self.scored}")
+        if not self.cluster_n[slot]:
+            self.cluster_order.append(slot)
+        self.cluster_n[slot] += 1
+        self.cluster_passes[slot] += passed
         if has_value:
-            group[2] += 1
-            group[3] += float(value)
+            self.cluster_valued[slot] += 1
+            self.cluster_sum[slot] += float(value)
 
     def summary(self) -> dict[str, Any]:
         n = self.scored
         rate = self.passes / n if n else None
-        figures = clustered_rate([(int(g[0]), int(g[1])) for g in self.clusters.values()])
+        clusters = self.cluster_order
+        figures = clustered_rate([(self.cluster_n[s], self.cluster_passes[s]) for s in clusters])
         interval = figures["interval"]
-        mean = sum(self.values) / len(self.values) if self.values else None
+        values = self.values
+        mean = sum(values) / len(values) if values else None
         sd = (
-            math.sqrt(sum((v - mean) ** 2 for v in self.values) / (len(self.values) - 1))
-            if mean is not None and len(self.values) > 1
+            math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+            if mean is not None and len(values) > 1
             else None
         )
-        mean_se = None if sd is None else sd / math.sqrt(len(self.values))
-        valued = [(int(g[2]), g[3]) for g in self.clusters.values() if g[2]]
+        mean_se = None if sd is None else sd / math.sqrt(len(values))
+        valued = [(self.cluster_valued[s], self.cluster_sum[s]) for s in clusters if self.cluster_valued[s]]
         if mean_se is not None and any(k > 1 for k, _ in valued):
             crv = clustered_variance(valued, mean)
             if crv is not None:
                 mean_se = math.sqrt(max(mean_se * mean_se, crv))
-        max_n = max((r[0] for r in self.rows.values()), default=0)
+        rows = [(self.row_n[s], self.row_passes[s]) for s in self.row_order]
+        max_n = max((s for s, _ in rows), default=0)
         pass_k = {}
         for k in ks_for(max_n):
-            eligible = [pass_at_k(s, c, k) for s, c in self.rows.values() if s >= k]
+            eligible = [pass_at_k(s, c, k) for s, c in rows if s >= k]
             pass_k[f"pass@{k}"] = round(sum(eligible) / len(eligible), 6) if eligible else None
         return {
             "scored": n,
@@ -1913,7 +1954,7 @@ class ScoreTally:
             "stderr_clusters": figures["clusters"],
             "mean_score": None if mean is None else round(mean, 6),
             "mean_score_stderr": None if mean_se is None else round(mean_se, 6),
-            "rows_scored": len(self.rows),
+            "rows_scored": len(self.row_order),
             "pass_at_k": pass_k,
         }
 
@@ -1921,6 +1962,7 @@ class ScoreTally:
 # ----------------------------------------------------------------------------- a run's scores
 
 OWN_TOOLSETS = "(row's own toolsets)"
+ONCE_BITS = 4096  # sample indexes below this are counted as bits of their row's number (above: one by one)
 
 
 class RunScores:
@@ -1935,8 +1977,12 @@ class RunScores:
     def __init__(self, distribution: str, wanted: dict[tuple[str, int], int] | None = None):
         self.distribution = distribution
         self.wanted = wanted
+        # The (row, sample)s counted: a bit per sample index of each row for those wanted once (one number
+        # a row, not an entry a sample), a count for the others (identical rows', a few).
+        self.counted_once: dict[str, int] = {}
         self.counted: collections.Counter[tuple[str, int]] = collections.Counter()
-        self.all = ScoreTally()
+        self.numbers: list[int] = []  # the tallies' slot numbers, one object each for all of them
+        self.all = ScoreTally(self.numbers)
         self.groups: dict[str, dict[str, ScoreTally]] = {
             "distribution": {},
             "toolsets": {},
@@ -1948,10 +1994,18 @@ class RunScores:
     def add(self, rec: dict[str, Any], row_key: str, sample_index: int) -> None:
         """Count ``rec``'s score unless its (row, sample) is already counted as often as it is wanted."""
         key = (row_key, sample_index)
-        copy = self.counted[key]
-        if copy >= (self.wanted or {}).get(key, 1):
-            return
-        self.counted[key] += 1
+        want = (self.wanted or {}).get(key, 1)
+        if want == 1 and 0 <= sample_index < ONCE_BITS:
+            bit, mask = 1 << sample_index, self.counted_once.get(row_key, 0)
+            if mask & bit:
+                return
+            self.counted_once[row_key] = mask | bit
+            copy = 0
+        else:
+            copy = self.counted[key]
+            if copy >= want:
+                return
+            self.counted[key] += 1
         # Identical rows are rows of their own for pass@k: the n-th copy of each of their samples makes
         # the n-th row, so two rows of k samples each are not one row of 2k.
         row = row_key if copy == 0 else f"{row_key}/{copy}"
@@ -1966,7 +2020,10 @@ class RunScores:
         scorer = score.get("scorer") if isinstance(score.get("scorer"), str) else "none"
         groups = (("distribution", dist), ("toolsets", mix), ("stop_reason", stop), ("scorer", scorer))
         for group, key in groups:
-            self.groups[group].setdefault(key, ScoreTally()).add(score, row, row_key)
+            tally = self.groups[group].get(key)
+            if tally is None:
+                tally = self.groups[group][key] = ScoreTally(self.numbers)
+            tally.add(score, row, row_key)
 
     def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
         out = self.all.summary()

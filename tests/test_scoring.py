@@ -3,6 +3,7 @@ reply, and the statistics (pass@k, intervals) against values computed by hand.""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import random
@@ -949,6 +950,53 @@ def test_clustered_figures_at_zero_passes_and_for_the_mean_score():
     # Row sums minus 5 * 0.5: -2, 2, -1.5, 1.5; 4/3 * 12.5 / 20^2 = 1/24.
     assert s["mean_score_stderr"] == pytest.approx(math.sqrt(1 / 24), abs=1e-6)
     assert s["mean_score_stderr"] > 2 * math.sqrt(sum((v - 0.5) ** 2 for v in tally.values) / 19 / 20)
+
+
+def _objects_held(root: object) -> int:
+    """The objects reachable from ``root`` (not through classes, modules or functions)."""
+    seen, todo = {id(root)}, [root]
+    while todo:
+        for ref in gc.get_referents(todo.pop()):
+            if id(ref) not in seen and not isinstance(ref, (type, type(gc), type(_objects_held))):
+                seen.add(id(ref))
+                todo.append(ref)
+    return len(seen)
+
+
+def _scores_of(rows: int, samples: int) -> RunScores:
+    scores = RunScores("default")
+    for row in range(rows):
+        for index in range(samples):
+            # Each record parsed on its own, as the merge reads them: its own value and key objects.
+            rec = json.loads(
+                json.dumps(
+                    {
+                        "score": {
+                            "passed": index % 3 == 0,
+                            "value": 0.25 + index / 1000,
+                            "scorer": "numeric",
+                        },
+                        "metadata": {"stop_reason": "final_answer"},
+                        "toolsets_used": ["terminal", "file"],
+                        "row_key": f"row-{row}",
+                    }
+                )
+            )
+            scores.add(rec, rec["row_key"], index)
+    return scores
+
+
+def test_score_tallies_hold_nothing_per_sample_and_little_per_row():
+    # A run's end tallies every sample five times (the run, and its group of each of four groupings):
+    # what they hold must not grow with a row's samples (no value, key or entry a sample), and a row
+    # costs a few objects in all, not lists of its own in each tally.
+    few, many = _objects_held(_scores_of(1, 8)), _objects_held(_scores_of(1, 64))
+    assert many == few
+    summary = _scores_of(1, 64).summary()
+    assert (summary["scored"], summary["passed"], summary["rows_scored"]) == (64, 22, 1)
+    assert summary["mean_score"] == round(0.25 + sum(range(64)) / 64 / 1000, 6)
+    per_row = (_objects_held(_scores_of(40, 2)) - _objects_held(_scores_of(10, 2))) / 30
+    assert per_row <= 3
 
 
 def test_identical_rows_are_one_cluster():
