@@ -170,22 +170,20 @@ class Hostile(RawServer):
 def run_client(
     server: Hostile, *, stream: bool = False, request_timeout: float = 30, prompt_timeout: float = 60
 ) -> dict:
+    args = (server.base_url, "1" if stream else "0", MAX_MB, request_timeout, prompt_timeout)
+    return run_script(CLIENT, *args, timeout=180)
+
+
+def run_script(script: str, *args: object, timeout: float) -> dict:
+    """A client script in a process of its own (its peak memory is its own), without a proxy; the JSON
+    object its last line prints."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HTTP_PROXY", None), env.pop("http_proxy", None)
     out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            CLIENT,
-            server.base_url,
-            "1" if stream else "0",
-            str(MAX_MB),
-            str(request_timeout),
-            str(prompt_timeout),
-        ],
+        [sys.executable, "-c", script, *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         env=env,
     )
     assert out.returncode == 0, out.stderr[-2000:]
@@ -219,17 +217,12 @@ def test_an_oversized_answer_is_a_bad_response_in_bounded_memory(mode, stream):
 
 def run_threads(threads: int, max_mb: int, retries: int, stream: bool = False) -> dict:
     server = Hostile("endless_sse" if stream else "until_close")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("HTTP_PROXY", None), env.pop("http_proxy", None)
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", THREADS_CLIENT, server.base_url, str(threads), str(max_mb), str(retries), str(int(stream))],
-            capture_output=True, text=True, timeout=300, env=env,
-        )  # fmt: skip
+        result = run_script(
+            THREADS_CLIENT, server.base_url, threads, max_mb, retries, int(stream), timeout=300
+        )
     finally:
         server.close()
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["errors"] == ["bad_response"] * threads, result
     return result
 
