@@ -692,7 +692,7 @@ ROUND_FIELD = "rerun_round"
 def round_of(row: dict[str, Any]) -> int | None:
     """The rerun round a discarded.jsonl row was written in (None: none, or another shape)."""
     value = row.get(ROUND_FIELD)
-    return value if value.__class__ is int and value > 0 else None
+    return value if _count(value) and value > 0 else None
 
 
 def run_tool_names(trajectories: Path) -> list[str]:
