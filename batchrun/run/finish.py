@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.config import RunConfig
-from batchrun.identity import Line, outcome_sample, record_sample
+from batchrun.identity import Line, lines_matter, outcome_sample, record_sample
 from batchrun.prompt.tools.catalog import known_tool_names
 from batchrun.protocol import DISCARDED, FAILED, SKIPPED_AFTER_PASSES, TRAJECTORY
 from batchrun.record import (
@@ -42,14 +42,19 @@ from batchrun.run.resume import (
     CheckedFiles,
     Matched,
     Place,
+    RowsByLine,
+    SampleBits,
     add_discards,
     fields_digest,
     kept_pass,
     match_outcomes,
     occurrence_in,
+    own_place,
+    own_position,
     place_of,
     rerun_command,
     resume_command,
+    row_at,
     row_fields_of,
     samples_of,
     still_skipped,
@@ -79,12 +84,16 @@ class MergeTotals:
     def __init__(self, tool_names: list[str]):
         self.tool_stats = {n: {"count": 0, "success": 0, "failure": 0} for n in tool_names}
         self.dropped: collections.Counter[str] = collections.Counter()
-        # (row identity, sample index) -> records in batch files
+        # The samples (of the dataset's rows) with a record at their own place (resume.own_place): a bit
+        # each, set by the merge; nearly every record of a run is one. The counts below leave them out.
+        self.own: SampleBits | None = None
+        # (row identity, sample index) -> the other records in batch files
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
         # the same records by (row identity, sample index, prompt index, occurrence): which of identical
-        # rows wrote them (identity.Line)
+        # rows wrote them (identity.Line); only beside discards (identity.lines_matter)
         self.finished_at: collections.Counter[Line] = collections.Counter()
         # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
+        # (the other records of ``finished`` that say their line)
         self.finished_where: collections.Counter[Place] = collections.Counter()
         # row identity -> its kept passes (resume.kept_pass), for the samples --stop_after_passes skipped
         self.passes: collections.Counter[str] = collections.Counter()
@@ -160,42 +169,69 @@ class MergeTotals:
 
 
 class RowPlaces:
-    """Where the dataset's rows are now, for the merge: which record of a sample it wants to keep first."""
+    """Where the dataset's rows are now, for the merge: which record of a sample it wants to keep first.
+
+    Held as little as the rows allow, since it lives through the whole merge: the rows' positions by
+    line (a record's line finds its row) and a bit a sample for the places kept already. A tuple and a
+    table entry a sample held 50 MB at 100,000 samples. What only a record of a row since moved or edited
+    asks (a row elsewhere with its fields) is indexed when a record first asks it."""
 
     def __init__(self, rows: list[Row], samples_per_prompt: int, redact: Redactor):
-        # (identity, sample, line, fields) of each row's sample -> the row's occurrence
-        self.places: dict[tuple[str, int, int, str | None], int] = {}
-        self.fields: set[tuple[str, int, str | None]] = set()
-        self.lines: set[tuple[str, int, int]] = set()
-        for row in rows:
-            key = row.saved_key(redact)
-            fields = fields_digest(redact(row.row_fields or "{}"))
-            for s in range(samples_of(row, samples_per_prompt)):
-                self.places[key, s, row.index, fields] = row.occurrence
-                self.fields.add((key, s, fields))
-                self.lines.add((key, s, row.index))
-        self.kept_at: set[tuple[str, int, int, str | None]] = set()  # the rows' places kept already
-        self.taken: collections.Counter[Place] = collections.Counter()  # the records kept there
+        self.rows = rows
+        self.samples_per_prompt = samples_per_prompt
+        self.redact = redact
+        self.by_line = RowsByLine(rows)
+        self.kept_at = SampleBits(rows, samples_per_prompt)  # the rows' places kept already
+        # the samples kept by a record that did not say its occurrence (written before it was saved)
+        self.kept_unsaid: set[tuple[int, int]] = set()
+        self._fields: dict[tuple[str, str | None], int] | None = None
 
-    def preference(self, place: Place | None) -> int:
+    def own_position(self, place: Place) -> int | None:
+        """The position of the row whose own place ``place`` is (resume.own_position)."""
+        return own_position(place, self.by_line, self.redact, self.samples_per_prompt)
+
+    def _has_fields(self, key: str, s: int, fields: str | None) -> bool:
+        """Whether a row anywhere in the dataset has sample ``(key, s)`` with ``fields``."""
+        if self._fields is None:  # (identity, fields) -> the most samples a row of them has
+            self._fields = {}
+            for row in self.rows:
+                at = (row.saved_key(self.redact), fields_digest(self.redact(row.row_fields or "{}")))
+                self._fields[at] = max(self._fields.get(at, 0), samples_of(row, self.samples_per_prompt))
+        return s < self._fields.get((key, fields), 0)
+
+    def preference(self, place: Place | None, own: int | None = None) -> int:
         """0: a record a row wrote at its line as it is now (with its occurrence, when the record says
         one; the first of its place), kept as it comes; else how far it is from one, as resume matches
         outcomes to rows (resume.match_outcomes): 1 its row's fields at another line (or another
         occurrence: an identical row's, written before the rows moved), 2 its row's line with other
-        fields, 3 neither, 4 its place taken already."""
+        fields, 3 neither, 4 its place taken already. ``own``: :meth:`own_position` of ``place``, when
+        the caller has it."""
         if place is None:
             return 3
-        key, s, line, fields, occurrence = place
-        at = (key, s, line, fields)
-        if at in self.places and occurrence in (None, self.places[at]):
-            if at in self.kept_at:
+        key, s, _, fields, occurrence = place
+        p = own if own is not None else row_at(place, self.by_line, self.redact, self.samples_per_prompt)
+        if p is not None and occurrence in (None, self.rows[p].occurrence):
+            if self.kept_at[p, s]:
                 return 4
-            self.kept_at.add(at)
-            self.taken[place] += 1
+            self.kept_at.set(p, s)
+            if occurrence is None:
+                self.kept_unsaid.add((p, s))
             return 0
-        if (key, s, fields) in self.fields:
+        if p is not None or self._has_fields(key, s, fields):
             return 1
-        return 2 if (key, s, line) in self.lines else 3
+        at_line = row_at(place, self.by_line, self.redact, self.samples_per_prompt, fields=False)
+        return 2 if at_line is not None else 3
+
+    def taken(self) -> collections.Counter[Place]:
+        """The places of the records kept as they came (preference 0), each once (worked out when the
+        merge holds records back: only then does it need them)."""
+        taken: collections.Counter[Place] = collections.Counter()
+        for p, row in enumerate(self.rows):
+            for s in range(samples_of(row, self.samples_per_prompt)):
+                if self.kept_at[p, s]:
+                    place = own_place(row, s, self.redact)
+                    taken[place if (p, s) not in self.kept_unsaid else (*place[:4], None)] += 1
+        return taken
 
 
 # A record held back by the merge: (preference, file, byte offset, its prepared work, its place).
@@ -237,11 +273,14 @@ def merge(
     if wanted is None:
         wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
     places = RowPlaces(rows, samples_per_prompt, recorder.sample_text)
+    # The records' Lines, for the checkpoint's counts (superseded_discards): only beside discards.
+    lines = lines_matter(run_dir / "discarded.jsonl")
     done_indices: set[int] = set()
     per_batch: collections.Counter[int] = collections.Counter()  # valid records of each batch file
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
+    totals.own = own = SampleBits(rows, samples_per_prompt)
     unknown: list[dict[str, Any]] = []  # records that call a tool outside the known set
     # Records of a sample the dataset wants that no row's own line and fields wrote (the rows moved or were
     # edited since; a sample redone), held back until every record written by a row as it is now has its
@@ -283,23 +322,29 @@ def merge(
                         continue
                     per_batch[files[n][0]] += 1
                     key = record_sample(rec)
-                    totals.finished[key] += 1
                     if kept_pass(rec, exclude_partial):
                         totals.passes[key[0]] += 1
-                    place = None
+                    place = p = None
                     if isinstance(rec.get("prompt_index"), int):
                         done_indices.add(rec["prompt_index"])
                         meta = rec.get("metadata")
                         occurrence = occurrence_in(meta)
-                        totals.finished_at[(*key, rec["prompt_index"], occurrence)] += 1
+                        if lines:
+                            totals.finished_at[(*key, rec["prompt_index"], occurrence)] += 1
                         place = place_of(key, rec["prompt_index"], row_fields_of(meta), occurrence)
-                        totals.finished_where[place] += 1
+                        p = places.own_position(place)
+                        if p is None:
+                            totals.finished_where[place] += 1
+                    if p is None:
+                        totals.finished[key] += 1
+                    else:
+                        own.set(p, key[1])
                     if used_tool_names(rec) - known:
                         totals.dropped["unknown_tool"] += 1
                         unknown.append(rec)
                         continue
                     if key in wanted:
-                        preference = places.preference(place)
+                        preference = places.preference(place, p)
                         if preference:
                             held.append((preference, n, offset, ready, place))
                             continue
@@ -309,7 +354,7 @@ def merge(
             taken: collections.Counter[Place] = collections.Counter()
             if held:  # the places a resume matched to rows, less those kept already (preference 0)
                 taken = taken_places(run_dir, rows, totals, recorder, samples_per_prompt)
-                taken.subtract(places.taken)
+                taken.subtract(places.taken())
             for _, n, offset, ready, _ in resume_order(held, taken):
                 raw, rec = read_line_at(files[n][1], offset)
                 if rec is None:  # changed under us: not this merge's to judge
@@ -363,13 +408,25 @@ def matched_outcomes(
     recorder: Recorder,
     samples_per_prompt: int,
     counts: Callable[[dict[str, Any]], bool] | None = None,
+    *,
+    with_places: bool = True,
 ) -> Matched:
     """resume.match_outcomes over what the merge counted in the batch files and the discards beside them
-    (``counts``: which discarded.jsonl rows finish their sample, as add_discards takes it)."""
+    (``counts``: which discarded.jsonl rows finish their sample, as add_discards takes it; ``with_places``:
+    whether the places each sample took are wanted, as match_outcomes takes it)."""
     done = collections.Counter(totals.finished)
     at = collections.Counter(totals.finished_where)
     add_discards(run_dir, done, rerun_discarded=False, at=at, counts=counts)
-    return match_outcomes(rows, done, recorder.sample_text, samples_per_prompt, at)
+    return match_outcomes(
+        rows,
+        done,
+        recorder.sample_text,
+        samples_per_prompt,
+        at,
+        consume=True,
+        with_places=with_places,
+        own=totals.own,
+    )
 
 
 def resume_order(held: list[Held], taken: collections.Counter[Place]) -> list[Held]:
@@ -488,7 +545,10 @@ class KeptFeed:
         from batchrun.views.report import RunData, add_trajectory
 
         self.report: Any = RunData(
-            run_dir=config.run_dir, max_items=config.report_max_trajectories, wanted=self.wanted
+            run_dir=config.run_dir,
+            max_items=config.report_max_trajectories,
+            wanted=self.wanted,
+            note_lines=lines_matter(config.run_dir / "discarded.jsonl"),
         )
         self._add_trajectory = add_trajectory
 
@@ -603,6 +663,7 @@ def statistics(
         recorder,
         config.samples_per_prompt,
         still_skipped(totals.passes, config.stop_after_passes),
+        with_places=False,
     )
     # Samples (a row of N samples counts N) a --resume would run: no trajectory and no discard yet; a
     # sample skipped after its row's passes only while the row has --stop_after_passes of them (a resume

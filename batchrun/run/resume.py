@@ -11,6 +11,8 @@ values would mix two datasets and is refused unless ``--force_resume``.
 
 from __future__ import annotations
 
+import array
+import bisect
 import collections
 import dataclasses
 import datetime as dt
@@ -20,12 +22,12 @@ import re
 import shlex
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
-from batchrun.identity import Line, is_index, outcome_sample, record_sample
+from batchrun.identity import Line, is_index, lines_matter, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import ROUND_FIELD, occurrence_of, read_score, round_of, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
@@ -222,6 +224,80 @@ def place_of(sample: tuple[str, int], line: int, fields: Any, occurrence: int | 
     return (*sample, line, fields_digest(fields), occurrence)
 
 
+class SampleBits:
+    """One bit for each sample of the dataset's rows, by (row position in ``rows``, sample index): what a
+    run's end holds per sample where it can (a table entry and a tuple are ~100-200 bytes a sample,
+    100,000 samples at issue 5's scale)."""
+
+    def __init__(self, rows: list[Row], samples_per_prompt: int):
+        self.first = array.array("q", bytes(8 * len(rows)))  # row position -> its sample 0's bit
+        slots = 0
+        for p, row in enumerate(rows):
+            self.first[p] = slots
+            slots += samples_of(row, samples_per_prompt)
+        self.bits = bytearray((slots + 7) // 8)
+
+    def __getitem__(self, sample: tuple[int, int]) -> bool:
+        slot = self.first[sample[0]] + sample[1]
+        return bool(self.bits[slot >> 3] & (1 << (slot & 7)))
+
+    def set(self, p: int, s: int) -> None:
+        slot = self.first[p] + s
+        self.bits[slot >> 3] |= 1 << (slot & 7)
+
+
+class RowsByLine:
+    """The rows' positions in ``rows`` by their dataset line (a line's row, found by bisection: no table)."""
+
+    def __init__(self, rows: list[Row]):
+        self.rows = rows
+        self.order = array.array("q", sorted(range(len(rows)), key=lambda p: rows[p].index))
+        self.lines = array.array("q", (rows[p].index for p in self.order))
+
+    def at(self, line: int) -> Iterator[int]:
+        """The positions of the rows at dataset line ``line`` (one, or none)."""
+        i = bisect.bisect_left(self.lines, line)
+        while i < len(self.lines) and self.lines[i] == line:
+            yield self.order[i]
+            i += 1
+
+
+def own_place(row: Row, s: int, redact: Redactor) -> Place:
+    """The :data:`Place` of the outcome ``row`` writes for its sample ``s`` as it is now."""
+    return (
+        row.saved_key(redact),
+        s,
+        row.index,
+        fields_digest(redact(row.row_fields or "{}")),
+        row.occurrence,
+    )
+
+
+def row_at(
+    place: Place, by_line: RowsByLine, redact: Redactor, samples_per_prompt: int, *, fields: bool = True
+) -> int | None:
+    """The position of the row at ``place``'s line with its identity and sample (and, with ``fields``, the
+    fields it was written with), whatever its occurrence; None when the line holds no such row."""
+    key, s, line, digest, _ = place
+    for p in by_line.at(line):
+        row = by_line.rows[p]
+        if (
+            row.saved_key(redact) == key
+            and s < samples_of(row, samples_per_prompt)
+            and (not fields or fields_digest(redact(row.row_fields or "{}")) == digest)
+        ):
+            return p
+    return None
+
+
+def own_position(place: Place, by_line: RowsByLine, redact: Redactor, samples_per_prompt: int) -> int | None:
+    """The position of the row whose own place (:func:`own_place`, its occurrence said) ``place`` is."""
+    if place[4] is None:
+        return None
+    p = row_at(place, by_line, redact, samples_per_prompt)
+    return p if p is not None and by_line.rows[p].occurrence == place[4] else None
+
+
 def _place_order(place: Place) -> tuple[int, str, int]:
     return place[2], place[3] or "", -1 if place[4] is None else place[4]
 
@@ -243,6 +319,10 @@ def match_outcomes(
     redact: Redactor,
     samples_per_prompt: int = 1,
     done_at: collections.Counter[Place] | None = None,
+    *,
+    consume: bool = False,
+    with_places: bool = True,
+    own: SampleBits | None = None,
 ) -> Matched:
     """Each finished outcome takes one sample of its (identity, sample index): duplicate rows count,
     each wanting its own samples; the samples no outcome is of are left.
@@ -258,54 +338,94 @@ def match_outcomes(
     moved); then any left, by content in dataset order. The sample left to run is the one no outcome is
     of: matched by line alone, a row removed above made each twin take its neighbour's outcome, and the
     neighbour ran a second time while the twin whose outcome was taken never ran. Outcomes written before
-    the occurrence was saved match by the other stages, as they did."""
-    done = collections.Counter(done)
+    the occurrence was saved match by the other stages, as they did.
+
+    ``consume``: ``done`` and ``done_at`` are the caller's to use up (not copied: a run's end matches
+    100,000 samples, and each copy is a table of them). ``with_places``: whether ``taken`` and ``spare``
+    are wanted (False: they are left empty; the samples left are the same). ``own``: the samples (of
+    ``rows``) with an outcome at their own place (:func:`own_place`), counted in neither ``done`` nor
+    ``done_at`` (the merge holds a bit for each, not a place: nearly every outcome of a run is one): each
+    takes its own, as the first stage would take it; outcomes of ``done_at`` at that place, or at its line
+    and fields without an occurrence, are that sample's too."""
+    done = done if consume else collections.Counter(done)
     # A dataset line gives each of its samples one outcome: more at one place are that sample redone
     # (discarded again under --rerun_discarded; a record the merge set aside, which stays in its batch
     # file too). Counted once, or they would stand for an identical row's sample. Outcomes of one line
     # written with other fields (or another occurrence) are other rows' (the line held another row before
     # the rows moved); one that does not say its occurrence, at a place where others do, is one of theirs
     # redone (written before the field existed).
-    places: collections.Counter[Place] = collections.Counter()
-    for place, n in (done_at or {}).items():
+    places: collections.Counter[Place] = (
+        done_at if consume and done_at is not None else collections.Counter(done_at or ())
+    )
+    if own is not None and places:
+        by_line = RowsByLine(rows)
+        for place in [p for p in places if _owned(p, own, by_line, redact, samples_per_prompt)]:
+            done[place[0], place[1]] -= places.pop(place)
+    for place, n in places.items():
         done[place[0], place[1]] -= n - 1
         places[place] = 1
     said = {place[:4] for place in places if place[4] is not None}
     for place in [p for p in places if p[4] is None and p[:4] in said]:
         done[place[0], place[1]] -= 1
         del places[place]
-    wants = [
-        (row, s, key, fields_digest(redact(row.row_fields or "{}")))
-        for row, key in ((row, row.saved_key(redact)) for row in rows)
-        for s in range(samples_of(row, samples_per_prompt))
-    ]
+    # Nothing a sample is held per sample but a bit (whether it took an outcome), and ``taken`` when
+    # wanted: a run's end matches every sample of the dataset, 100,000 of them at issue 5's scale.
+    is_taken = SampleBits(rows, samples_per_prompt)
     taken: dict[tuple[int, int], Place | None] = {}  # (row index, sample index) -> the outcome it took
-    ordered = sorted(places, key=_place_order)
+
+    def take(p: int, row: Row, s: int, place: Place | None) -> None:
+        is_taken.set(p, s)
+        if with_places:
+            taken[row.index, s] = place
+
+    def wants() -> Iterator[tuple[int, Row, int, str]]:
+        """Each sample not matched yet whose (identity, sample index) has outcomes left, in dataset order."""
+        for p, row in enumerate(rows):
+            key = row.saved_key(redact)
+            for s in range(samples_of(row, samples_per_prompt)):
+                if not is_taken[p, s] and done[key, s] > 0:
+                    yield p, row, s, key
+
+    def digest(row: Row) -> str | None:
+        return fields_digest(redact(row.row_fields or "{}"))
 
     def stage(of_place: Callable[[Place], Any], of_want: Callable[[Row, int, str, str | None], Any]) -> None:
         """Each row not matched yet takes a place whose ``of_place`` is its ``of_want`` (None: none)."""
         index: dict[Any, list[Place]] = collections.defaultdict(list)
-        for place in ordered:
+        for place in sorted((p for p in places if places[p] > 0), key=_place_order):
             sig = of_place(place)
-            if places[place] > 0 and sig is not None:
+            if sig is not None:
                 index[sig].append(place)
-        for row, s, key, fields in wants:
-            if (row.index, s) in taken or done[key, s] <= 0:
-                continue
-            held = index.get(of_want(row, s, key, fields))
+        if not index:
+            return
+        for p, row, s, key in wants():
+            held = index.get(of_want(row, s, key, digest(row)))
             while held and places[held[-1]] <= 0:
                 held.pop()  # taken already
             if held:
                 place = held.pop()
                 places[place] -= 1
                 done[key, s] -= 1
-                taken[row.index, s] = place
+                take(p, row, s, place)
 
     def said_occurrence(sig: tuple[Any, ...], place: Place) -> tuple[Any, ...] | None:
         return sig if place[4] is not None else None
 
-    # Its own fields and occurrence: the outcome it would write again (its own line's first).
-    stage(lambda p: said_occurrence(p, p), lambda r, s, k, f: (k, s, r.index, f, r.occurrence))
+    # Its own fields and occurrence: the outcome it would write again (its own line's first). Looked up
+    # as it is (a place is its own signature here), so no index of every place is built for it.
+    for p, row in enumerate(rows):
+        key = row.saved_key(redact)
+        for s in range(samples_of(row, samples_per_prompt)):
+            if own is not None and own[p, s]:
+                take(p, row, s, own_place(row, s, redact) if with_places else None)
+                continue
+            if done[key, s] <= 0 or row.occurrence is None:
+                continue
+            at = (key, s, row.index, digest(row), row.occurrence)
+            if places.get(at, 0) > 0:
+                places[at] -= 1
+                done[key, s] -= 1
+                take(p, row, s, at)
     stage(lambda p: said_occurrence((*p[:2], *p[3:]), p), lambda r, s, k, f: (k, s, f, r.occurrence))
     stage(lambda p: p[:4], lambda r, s, k, f: (k, s, r.index, f))  # its own line and fields
     stage(lambda p: (*p[:2], p[3]), lambda r, s, k, f: (k, s, f))  # its fields, at a line it moved from
@@ -313,19 +433,33 @@ def match_outcomes(
     # Its own occurrence, its fields edited and the rows moved.
     stage(lambda p: said_occurrence((*p[:2], p[4]), p), lambda r, s, k, f: (k, s, r.occurrence))
     left: list[Sample] = []
-    for row, s, key, _ in wants:  # the rest by content, in dataset order
-        if (row.index, s) in taken:
-            continue
-        if done[key, s] > 0:
-            done[key, s] -= 1
-            taken[row.index, s] = None
-        else:
-            left.append((row, s))
+    for p, row in enumerate(rows):  # the rest by content, in dataset order
+        key = row.saved_key(redact)
+        for s in range(samples_of(row, samples_per_prompt)):
+            if is_taken[p, s]:
+                continue
+            if done[key, s] > 0:
+                done[key, s] -= 1
+                take(p, row, s, None)
+            else:
+                left.append((row, s))
     spare: dict[tuple[str, int], list[Place]] = collections.defaultdict(list)
-    for place, n in sorted(places.items(), key=lambda item: _place_order(item[0])):
-        if n > 0:
-            spare[place[0], place[1]].append(place)
+    if with_places:
+        for place, n in sorted(places.items(), key=lambda item: _place_order(item[0])):
+            if n > 0:
+                spare[place[0], place[1]].append(place)
     return Matched(left, taken, dict(spare))
+
+
+def _owned(
+    place: Place, own: SampleBits, by_line: RowsByLine, redact: Redactor, samples_per_prompt: int
+) -> bool:
+    """Whether ``place`` is a sample's own place (or its line and fields, without an occurrence) whose
+    sample ``own`` says has an outcome there already (:func:`match_outcomes`)."""
+    p = row_at(place, by_line, redact, samples_per_prompt)
+    if p is None or by_line.rows[p].occurrence is None or place[4] not in (None, by_line.rows[p].occurrence):
+        return False
+    return own[p, place[1]]
 
 
 def all_samples(rows: list[Row], samples_per_prompt: int) -> list[Sample]:
@@ -410,8 +544,7 @@ def scan_finished(
         passes = collections.Counter()
     # The records' Lines matter to the checkpoint's counts only beside discards (superseded_discards):
     # without any, none is held (~200 bytes a record).
-    state = _file_state(run_dir / "discarded.jsonl")
-    lines = checked is not None and state is not None and state[2] > 0
+    lines = checked is not None and lines_matter(run_dir / "discarded.jsonl")
     for num, path in batch_files(run_dir):
         try:
             before = os.stat(path)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchrun.identity import Line, kept_line, record_sample, superseded_discards
+from batchrun.identity import Line, kept_line, lines_matter, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
 from batchrun.scoring import RunScores, interval_clusters, planned_figures, wanted_from_duplicates
@@ -252,8 +252,10 @@ class RunData:
     # batch files: statistics.json is written at the end, so it is absent or an earlier invocation's.
     record_scores: RunScores | None = None
     # (row key, sample index, dataset line) of every kept record seen: a discard of that sample at that
-    # line is superseded (it ran again and was kept), as statistics.json counts it
+    # line is superseded (it ran again and was kept), as statistics.json counts it; held only when
+    # ``note_lines`` (discarded.jsonl holds rows: identity.lines_matter)
     kept_at: collections.Counter[Line] = dataclasses.field(default_factory=collections.Counter)
+    note_lines: bool = True
 
 
 def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunData | None = None) -> RunData:
@@ -271,6 +273,7 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
             section.get("duplicate_samples") if isinstance(section, dict) else None
         )
     if kept is None:
+        data.note_lines = lines_matter(run_dir / "discarded.jsonl")
         sources, data.merged = trajectory_sources(run_dir)
         for path in sources:
             for rec in iter_jsonl(path):
@@ -409,6 +412,8 @@ def prepare_trajectory(rec: dict[str, Any]) -> dict[str, Any]:
 def note_kept(data: RunData, rec: dict[str, Any]) -> None:
     """A record in the batch files (kept, or partial and left out by --exclude_partial): a discard of
     its sample at its line ran again before it, and no longer counts."""
+    if not data.note_lines:
+        return
     line = kept_line(rec)
     if line is not None:
         data.kept_at[line] += 1

@@ -571,3 +571,52 @@ def test_the_checkpoint_counts_a_resume_starts_from_are_those_a_read_of_the_file
     assert sum(c["discarded"] for c in seeded().values()) == 1
     (run_dir / "discarded.jsonl").unlink()
     assert seeded() == scan_batch_outcomes(run_dir)
+
+
+def test_the_merge_holds_a_bit_not_a_place_for_each_record_written_at_its_rows_place(tmp_path, monkeypatch):
+    """A run's end held a tuple and a table entry in three counts for every record (its sample, its Line,
+    its Place: ~300 bytes a record, 100,000 of them at issue 5's scale) and the report a fourth: nearly
+    every record is at its row's own place (its line, fields and occurrence), so the merge holds a bit
+    for each of those (MergeTotals.own) and counts only the others; the records' Lines are held only
+    beside discards (superseded_discards needs them only then). What the run writes is the same."""
+    seen: list[finish.MergeTotals] = []
+    merge = finish.merge
+
+    def keep_totals(*args, **kw):
+        seen.append(merge(*args, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(finish, "merge", keep_totals)
+    reports: list[RunData] = []
+    feed = finish.KeptFeed.__init__
+
+    def keep_report(self, *args, **kw):
+        feed(self, *args, **kw)
+        reports.append(self.report)
+
+    monkeypatch.setattr(finish.KeptFeed, "__init__", keep_report)
+    prompts = [f"Task {i} [calls:0]" for i in range(30)] + ["Task 3 [calls:0]"]  # a twin: its own place too
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "data"
+    run_dir = _mock_run(dataset, out, batch_size=8)
+    totals = seen[-1]
+    assert not totals.finished and not totals.finished_where and not totals.finished_at
+    assert totals.own is not None and all(totals.own[p, 0] for p in range(len(prompts)))
+    assert not reports[-1].kept_at
+    stats = stats_of(run_dir)
+    assert stats["trajectories"] == 31 and stats["remaining_for_resume"] == 0
+
+    # A row removed above: every record below it is at another line now, counted by its place; the
+    # resume matches them to their rows and runs nothing.
+    write_jsonl(tmp_path / "d.jsonl", prompts[1:])
+    _mock_run(dataset, out, batch_size=8, resume=True)
+    totals = seen[-1]
+    assert sum(totals.finished.values()) == 31 and len(totals.finished_where) == 31
+    assert stats_of(run_dir)["remaining_for_resume"] == 0 and stats_of(run_dir)["this_run"]["attempted"] == 0
+
+    # Beside a discard, the Lines are held (a discard run again and kept is superseded by them).
+    dataset = write_jsonl(tmp_path / "e.jsonl", ["Thinks not [no_reasoning]", "Fine [calls:0]"])
+    run_dir = _mock_run(dataset, out, "r2")
+    assert read_jsonl(run_dir / "discarded.jsonl")
+    _mock_run(dataset, out, "r2", resume=True)
+    assert len(seen[-1].finished_at) == 1 and reports[-1].kept_at

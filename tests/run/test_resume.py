@@ -1000,3 +1000,64 @@ def test_the_refusal_of_changed_settings_suggests_only_flags_that_exist(server, 
             assert "--distribution_file as it was" in original
         else:
             assert original.startswith("--distribution=mine)")
+
+
+def test_outcomes_held_as_bits_at_their_own_places_match_as_the_places_do():
+    """The merge holds a record at its row's own place (its line, fields and occurrence) as one bit
+    (``own``), not as a place in ``done`` and ``done_at``: every sample must take and leave what it takes
+    and leaves from the places themselves, in the same order, for duplicate rows, moved lines, edited
+    fields, outcomes without an occurrence and discards beside a record at one place. Randomised."""
+    from batchrun.run.dataset import Row
+    from batchrun.run.resume import RowsByLine, SampleBits, fields_digest, match_outcomes, own_position
+    from batchrun.secrets import Redactor
+
+    redact = Redactor("sk-secret-xyz")
+    texts = ["{}", '{"id": "a"}', '{"id": "b"}']
+    taken_by_place = 0
+    for trial in range(400):
+        rng = random.Random(trial)
+        seen: collections.Counter[str] = collections.Counter()
+        rows = []
+        n = rng.randint(1, 8)
+        lines = sorted(rng.sample(range(n + 4), n))
+        for i in range(n):
+            prompt = f"p{rng.randint(0, 2)}"
+            fields = rng.choice([None, *texts[1:]])
+            rows.append(
+                Row(lines[i], prompt, None, None, seen[prompt], fields, samples=rng.choice([None, 2]))
+            )
+            seen[prompt] += 1
+        spp = rng.choice([1, 2])
+        done: collections.Counter = collections.Counter()
+        at: collections.Counter = collections.Counter()
+        for _ in range(rng.randint(0, 12)):
+            row = rng.choice(rows)
+            key, s = row.saved_key(redact), rng.randint(0, 1)
+            line = row.index if rng.random() < 0.8 else rng.randint(0, n + 4)
+            fields = fields_digest(redact(rng.choice([row.row_fields or "{}", *texts])))
+            done[key, s] += 1
+            at[key, s, line, fields, rng.choice([row.occurrence, row.occurrence, None, 0])] += 1
+        whole = match_outcomes(rows, done, redact, spp, at)
+        taken_by_place += sum(place is not None for place in whole.taken.values())
+        # As the merge holds them: a bit for the records at their own places, the rest counted, and
+        # now and then a discard at one of those places beside its record (add_discards counts it).
+        own, by_line = SampleBits(rows, spp), RowsByLine(rows)
+        split_done, split_at = collections.Counter(done), collections.Counter()
+        for place, count in at.items():
+            p = own_position(place, by_line, redact, spp)
+            if p is None or rng.random() < 0.3:
+                split_at[place] += count
+                continue
+            own.set(p, place[1])
+            split_done[place[:2]] -= count
+            if rng.random() < 0.3:
+                split_done[place[:2]] += 1
+                split_at[place] += 1
+        split = match_outcomes(rows, split_done, redact, spp, split_at, consume=True, own=own)
+        assert [(r.index, s) for r, s in split.left] == [(r.index, s) for r, s in whole.left], trial
+        assert list(split.taken.items()) == list(whole.taken.items()), trial
+        assert split.spare == whole.spare, trial
+        bare = match_outcomes(rows, done, redact, spp, at, with_places=False)
+        assert [(r.index, s) for r, s in bare.left] == [(r.index, s) for r, s in whole.left], trial
+        assert not bare.taken and not bare.spare
+    assert taken_by_place > 400  # the places did the matching, not content alone
