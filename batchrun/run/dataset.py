@@ -91,8 +91,8 @@ class Row(_SavedKeySlot):
         object.__setattr__(self, "_saved_key", (redact, key))
         return key
 
-    # A pickled (or copied) row is its fields only: no redactor (its secrets) goes along. Written out,
-    # not left to what dataclasses gives a slotted class, which has changed between Python versions.
+    # A pickled (or copied) row is its fields only: no redactor (its secrets) goes along. Written out
+    # rather than left to dataclasses, whose own (the same, fields only) replace these on Python 3.10.
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
