@@ -39,9 +39,10 @@ class RowCheck:
         return self == RowCheck()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PromptJob:
-    """One row to run, as the parent schedules it."""
+    """One row to run, as the parent schedules it. Slotted: the plan holds every job for the whole run
+    (200 bytes each with a ``__dict__``, 144 without)."""
 
     batch_num: int
     prompt_index: int
