@@ -40,11 +40,12 @@ from batchrun.sharegpt import first_human
 from batchrun.storage import iter_jsonl
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RowOptions:
     """A dataset row's own settings for its run; None: the run's (the distribution, --max_turns, no system prompt).
 
-    They are part of the row's identity: two rows that differ only here are different work.
+    They are part of the row's identity: two rows that differ only here are different work. Slotted:
+    held by its row for the whole run (112 bytes with a ``__dict__``, 72 without).
     """
 
     toolsets: tuple[str, ...] | None = None  # offered instead of a draw from the distribution

@@ -24,10 +24,11 @@ TRAJECTORY, DISCARDED, FAILED = "trajectory", "discarded", "failed"
 SKIPPED_AFTER_PASSES = "skipped_after_passes"  # a discard reason: the row had --stop_after_passes passes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RowCheck:
     """How a dataset row's samples are judged (``batchrun.scoring``): its expected answer, its verify
-    commands and hidden files, its rubric. Not part of the row's identity."""
+    commands and hidden files, its rubric. Not part of the row's identity. Slotted: held by its row for
+    the whole run (112 bytes with a ``__dict__``, 72 without)."""
 
     answer: Any = None  # a string, a number, or a tuple of acceptable strings
     verify: tuple[str, ...] = ()  # shell commands run in the sandbox after the last turn
@@ -38,9 +39,10 @@ class RowCheck:
         return self == RowCheck()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PromptJob:
-    """One row to run, as the parent schedules it."""
+    """One row to run, as the parent schedules it. Slotted: the plan holds every job for the whole run
+    (200 bytes each with a ``__dict__``, 144 without)."""
 
     batch_num: int
     prompt_index: int
