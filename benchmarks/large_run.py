@@ -127,7 +127,21 @@ def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> 
     return prompt, record
 
 
-def generate(run_dir: Path, dataset: Path, n: int, batch_size: int, seed: int) -> None:
+def discard_row(record: dict, prompt: str, reason: str) -> dict:
+    """A discarded.jsonl row as the recorder writes one (``Recorder.set_aside``'s fields), holding its record."""
+    meta = record["metadata"]
+    return {
+        "prompt": prompt, "image": None, "cwd": None, "row_toolsets": None, "row_tools": None,
+        "row_system_sha256": None, "row_max_turns": None, "row_key": meta["row_key"], "row_id": None,
+        "row_fields": meta["row_fields"], "sample_index": 0, "occurrence": meta["occurrence"],
+        "prompt_index": record["prompt_index"], "batch_num": meta["batch_num"], "reason": reason,
+        "timestamp": "2026-01-01T00:00:00", "record": record,
+    }  # fmt: skip
+
+
+def generate(
+    run_dir: Path, dataset: Path, n: int, batch_size: int, seed: int, discard_fraction: float = 0.0
+) -> None:
     from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
 
     schemas = {ts: [t.openai_schema() for t in tools_for_toolsets(list(ts))] for ts in TOOLSET_CHOICES}
@@ -136,15 +150,22 @@ def generate(run_dir: Path, dataset: Path, n: int, batch_size: int, seed: int) -
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     total = 0
-    with dataset.open("w", encoding="utf-8") as ds:
+    chosen = random.Random(seed + 1)  # which records are discards (the records are the same either way)
+    with dataset.open("w", encoding="utf-8") as ds, (run_dir / "discarded.jsonl").open("w") as discards:
         for b in range(0, n, batch_size):
             with (run_dir / f"batch_{b // batch_size}.jsonl").open("w", encoding="utf-8") as fh:
                 for i in range(b, min(b + batch_size, n)):
                     prompt, record = make_record(i, rng, schemas, known)
                     record["metadata"]["batch_num"] = b // batch_size
-                    line = json.dumps(record, ensure_ascii=False) + "\n"
+                    if chosen.random() < discard_fraction:
+                        line = (
+                            json.dumps(discard_row(record, prompt, "no_reasoning"), ensure_ascii=False) + "\n"
+                        )
+                        discards.write(line)
+                    else:
+                        line = json.dumps(record, ensure_ascii=False) + "\n"
+                        fh.write(line)
                     total += len(line.encode("utf-8"))
-                    fh.write(line)
                     ds.write(json.dumps({"prompt": prompt}, ensure_ascii=False) + "\n")
     manifest = {
         "model": "synthetic", "distribution": "default", "max_turns": 10, "seed": 0, "reasoning_effort": None,
@@ -207,6 +228,7 @@ def step(name: str, output_dir: Path, dataset: Path) -> dict:
             done = scan_finished(config.run_dir, rerun_discarded=False)
             extra["finished"] = sum(done.values())
         elif name == "merge + statistics + report":  # as a run's end and a resume do it (cli.run_steps)
+            recorder.track_rows(finish.pending_samples(rows, []))  # as cli.run_steps: every row tracked
             kept = finish.KeptFeed(config, rows, recorder)
             totals = finish.merge(
                 config.run_dir, rows, recorder, written=kept, wanted=kept.wanted, excluded=kept.excluded
@@ -224,7 +246,10 @@ def step(name: str, output_dir: Path, dataset: Path) -> dict:
 
             checked = resume.CheckedFiles() if hasattr(resume, "CheckedFiles") else None
             given = {} if checked is None else {"checked": checked}
-            resume.resume_filter(rows, config.run_dir, recorder.sample_text, rerun_discarded=False, **given)
+            todo = resume.resume_filter(
+                rows, config.run_dir, recorder.sample_text, rerun_discarded=False, **given
+            )
+            recorder.track_rows(finish.pending_samples(rows, todo))  # as cli.run_steps
             if hasattr(checked, "take_counts"):  # as cli.run_steps: the scan's counts are not held meanwhile
                 checked.take_counts()
             t_scan = time.perf_counter()
@@ -243,6 +268,7 @@ def step(name: str, output_dir: Path, dataset: Path) -> dict:
             extra["scan_s"] = round(t_scan - t0, 2)
             extra["trajectories"] = stats["trajectories"]
         elif name == "merge + statistics":
+            recorder.track_rows(finish.pending_samples(rows, []))
             totals = finish.merge(config.run_dir, rows, recorder)
             t_merge = time.perf_counter()
             stats = finish.statistics(config, rows, totals, recorder, "none")
@@ -305,6 +331,12 @@ def main() -> int:
     p.add_argument("--dir", default="/tmp/br-large", help="output dir (run dir is <dir>/large)")
     p.add_argument("--dataset", default=None, help="default: <dir>/prompts.jsonl")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--discard_fraction",
+        type=float,
+        default=0.0,
+        help="this share of the samples written as discards (discarded.jsonl rows holding their records)",
+    )
     p.add_argument("--regenerate", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the generated files")
     p.add_argument(
@@ -318,12 +350,13 @@ def main() -> int:
         print(json.dumps(step(args._step, output_dir, dataset)))
         return 0
     run_dir = output_dir / RUN_NAME
-    marker = output_dir / f".generated-{args.records}-{args.batch_size}-{args.seed}"
+    discards = f"-{args.discard_fraction}" if args.discard_fraction else ""
+    marker = output_dir / f".generated-{args.records}-{args.batch_size}-{args.seed}{discards}"
     if args.regenerate or not marker.exists():
         import shutil
 
         shutil.rmtree(output_dir, ignore_errors=True)
-        generate(run_dir, dataset, args.records, args.batch_size, args.seed)
+        generate(run_dir, dataset, args.records, args.batch_size, args.seed, args.discard_fraction)
         marker.touch()
     nbytes = sum(p.stat().st_size for p in run_dir.glob("batch_*.jsonl"))
     print(f"{args.records} records, {nbytes / 1e6:.0f} MB in {run_dir}; each step in a fresh process")

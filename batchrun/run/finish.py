@@ -275,7 +275,9 @@ def merge(
     places = RowPlaces(rows, samples_per_prompt, recorder.sample_text)
     # The records' Lines, for the checkpoint's counts (superseded_discards): only beside discards.
     lines = lines_matter(run_dir / "discarded.jsonl")
-    done_indices: set[int] = set()
+    # The lines of every record, for checkpoint.json's completed prompts, only when the recorder does not
+    # track the rows (a run does from its start: then they would be 100,000 ints held for nothing).
+    done_indices: set[int] | None = set() if recorder.row_pending is None else None
     per_batch: collections.Counter[int] = collections.Counter()  # valid records of each batch file
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
@@ -326,7 +328,8 @@ def merge(
                         totals.passes[key[0]] += 1
                     place = p = None
                     if isinstance(rec.get("prompt_index"), int):
-                        done_indices.add(rec["prompt_index"])
+                        if done_indices is not None:
+                            done_indices.add(rec["prompt_index"])
                         meta = rec.get("metadata")
                         occurrence = occurrence_in(meta)
                         if lines:
@@ -381,7 +384,8 @@ def merge(
     # The dataset card: load_dataset(run_dir) reads trajectories.jsonl with the record schema, typed
     # even where a column is null throughout this run (no row had an id, no reasoning tokens reported).
     write_text_atomic(run_dir / "README.md", run_card(run_dir.name, known_tool_names()))
-    recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
+    if done_indices is not None:
+        recorder.done_indices = done_indices  # counted in this pass: no second parse of the batch files
     totals.per_batch = per_batch
     # Nor for the outcomes: counted once here, for this checkpoint and for statistics.json (the counts
     # kept during the run count a discard run again in its old batch too, and a record set aside above

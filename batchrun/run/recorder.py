@@ -545,7 +545,7 @@ class Recorder:
     def track_rows(self, pending: dict[int, int]) -> None:
         """The dataset's rows (their indices) -> how many of their samples have no outcome yet: those the
         run is to run (resume's matching, or every sample of a new run)."""
-        self.row_pending = dict(pending)
+        self.row_pending = pending  # the caller's own (pending_samples makes it): a row each, not copied
 
     def completed_prompts(self) -> list[int]:
         """checkpoint.json's ``completed_prompts``: the dataset rows whose every sample has an outcome, a

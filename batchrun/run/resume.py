@@ -298,6 +298,25 @@ def own_position(place: Place, by_line: RowsByLine, redact: Redactor, samples_pe
     return p if p is not None and by_line.rows[p].occurrence == place[4] else None
 
 
+class OwnPlaces:
+    """The samples of the dataset's rows with an outcome at their own place (:func:`own_place`), a bit
+    each (``bits``, :func:`match_outcomes`' ``own``), for a scan of the run's files that has the rows."""
+
+    def __init__(self, rows: list[Row], samples_per_prompt: int, redact: Redactor):
+        self.bits = SampleBits(rows, samples_per_prompt)
+        self.by_line = RowsByLine(rows)
+        self.redact = redact
+        self.samples_per_prompt = samples_per_prompt
+
+    def add(self, place: Place) -> bool:
+        """Sets the bit of the sample whose own place ``place`` is; False when it is no row's own."""
+        p = own_position(place, self.by_line, self.redact, self.samples_per_prompt)
+        if p is None:
+            return False
+        self.bits.set(p, place[1])
+        return True
+
+
 def _place_order(place: Place) -> tuple[int, str, int]:
     return place[2], place[3] or "", -1 if place[4] is None else place[4]
 
@@ -345,8 +364,9 @@ def match_outcomes(
     are wanted (False: they are left empty; the samples left are the same). ``own``: the samples (of
     ``rows``) with an outcome at their own place (:func:`own_place`), counted in neither ``done`` nor
     ``done_at`` (the merge holds a bit for each, not a place: nearly every outcome of a run is one): each
-    takes its own, as the first stage would take it; outcomes of ``done_at`` at that place, or at its line
-    and fields without an occurrence, are that sample's too."""
+    takes its own, as the first stage would take it, and is left out of ``taken`` (its place is its row's
+    as it is now: nothing there to compare); outcomes of ``done_at`` at that place, or at its line and
+    fields without an occurrence, are that sample's too."""
     done = done if consume else collections.Counter(done)
     # A dataset line gives each of its samples one outcome: more at one place are that sample redone
     # (discarded again under --rerun_discarded; a record the merge set aside, which stays in its batch
@@ -417,7 +437,7 @@ def match_outcomes(
         key = row.saved_key(redact)
         for s in range(samples_of(row, samples_per_prompt)):
             if own is not None and own[p, s]:
-                take(p, row, s, own_place(row, s, redact) if with_places else None)
+                is_taken.set(p, s)  # in no ``taken``: its row's own place, the one it would write again
                 continue
             if done[key, s] <= 0 or row.occurrence is None:
                 continue
@@ -526,6 +546,7 @@ def scan_finished(
     passes: collections.Counter[str] | None = None,
     in_round: int | None = None,
     checked: CheckedFiles | None = None,
+    own: OwnPlaces | None = None,
 ) -> collections.Counter[tuple[str, int]]:
     """(row identity, sample index) -> number of finished outcomes (trajectories, and discards unless
     re-run; re-run in the rerun round ``in_round``, those it wrote). Lines of the wrong shape are
@@ -538,7 +559,9 @@ def scan_finished(
     finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
     smaller K skipped it); ``exclude_partial``: partial passes are not kept ones. ``passes`` is given
     each row identity's kept passes; ``checked`` the files read and their lines that are not valid
-    records, for the merge."""
+    records, for the merge. ``own`` (:class:`OwnPlaces`) is given a bit for each record at its row's own
+    place, which then is in none of ``done``, ``at`` and ``checks`` (:func:`match_outcomes` takes it as
+    ``own``; judged with the row's fields as they are, it has no other check to compare)."""
     done: collections.Counter[tuple[str, int]] = collections.Counter()
     if passes is None:
         passes = collections.Counter()
@@ -556,18 +579,23 @@ def scan_finished(
                 invalid.append(offset)
             else:
                 key = record_sample(rec)
-                done[key] += 1
                 index = rec.get("prompt_index")
+                counted = False  # at its row's own place, counted as a bit of ``own``
                 if is_index(index) and (at is not None or lines):
                     meta = rec.get("metadata")
                     occurrence = occurrence_in(meta)
                     if at is not None:
-                        at[place_of(key, index, row_fields_of(meta), occurrence)] += 1
+                        place = place_of(key, index, row_fields_of(meta), occurrence)
+                        counted = own is not None and own.add(place)
+                        if not counted:
+                            at[place] += 1
                     if lines:
                         checked.finished_at[(*key, index, occurrence)] += 1  # identity.kept_line
+                if not counted:
+                    done[key] += 1
                 if checked is not None:
                     checked.per_batch[num] += 1
-                if checks is not None:
+                if checks is not None and not counted:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
                 if stop_after_passes and kept_pass(rec, exclude_partial):
                     passes[key[0]] += 1
@@ -785,6 +813,7 @@ def resume_filter(
     at: collections.Counter[Place] = collections.Counter()
     checks: Checks = {}
     passes: collections.Counter[str] = collections.Counter()
+    own = OwnPlaces(rows, samples_per_prompt, redact)  # nearly every outcome: a bit, not a place
     done = scan_finished(
         run_dir,
         rerun_discarded=rerun_discarded,
@@ -795,8 +824,10 @@ def resume_filter(
         passes=passes,
         in_round=in_round,
         checked=checked,
+        own=own,
     )
-    matched = match_outcomes(rows, done, redact, samples_per_prompt, at)
+    again = rerun is not None and rerun_discarded  # the counts are used again below
+    matched = match_outcomes(rows, done, redact, samples_per_prompt, at, consume=not again, own=own.bits)
     changed = changed_checks(rows, checks, redact, matched, samples_per_prompt)
     if changed:
         shown = "; ".join(f"line {row.index + 1}: {fields}" for row, fields in changed[:5])
@@ -814,7 +845,7 @@ def resume_filter(
             )
         print(f"warning: {what}; kept as they are (--force_resume)", file=sys.stderr)
     todo = matched.left
-    if rerun is not None and rerun_discarded:
+    if again:
         # The same outcomes with the discards: the samples a resume without the flag would leave (the
         # round's own discards are in already).
         skipped = still_skipped(passes, stop_after_passes)
@@ -825,7 +856,7 @@ def resume_filter(
             at=at,
             counts=lambda row: skipped(row) and (in_round is None or round_of(row) != in_round),
         )
-        left = match_outcomes(rows, done, redact, samples_per_prompt, at).left
+        left = match_outcomes(rows, done, redact, samples_per_prompt, at, own=own.bits).left
         rerun |= {(row.index, s) for row, s in todo} - {(row.index, s) for row, s in left}
     total = sum(samples_of(r, samples_per_prompt) for r in rows)
     unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed
