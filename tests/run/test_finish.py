@@ -580,10 +580,12 @@ def test_the_merge_holds_a_bit_not_a_place_for_each_record_written_at_its_rows_p
     for each of those (MergeTotals.own) and counts only the others; the records' Lines are held only
     beside discards (superseded_discards needs them only then). What the run writes is the same."""
     seen: list[finish.MergeTotals] = []
+    recorders: list[Recorder] = []
     merge = finish.merge
 
     def keep_totals(*args, **kw):
         seen.append(merge(*args, **kw))
+        recorders.append(args[2])
         return seen[-1]
 
     monkeypatch.setattr(finish, "merge", keep_totals)
@@ -603,6 +605,8 @@ def test_the_merge_holds_a_bit_not_a_place_for_each_record_written_at_its_rows_p
     assert not totals.finished and not totals.finished_where and not totals.finished_at
     assert totals.own is not None and all(totals.own[p, 0] for p in range(len(prompts)))
     assert not reports[-1].kept_at
+    # Nor every record's line for checkpoint.json: the run tracks its rows from its start.
+    assert recorders[-1].row_pending is not None and recorders[-1].done_indices is None
     stats = stats_of(run_dir)
     assert stats["trajectories"] == 31 and stats["remaining_for_resume"] == 0
 

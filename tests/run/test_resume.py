@@ -1072,3 +1072,33 @@ def test_outcomes_held_as_bits_at_their_own_places_match_as_the_places_do():
         assert [(r.index, s) for r, s in bare.left] == [(r.index, s) for r, s in whole.left], trial
         assert not bare.taken and not bare.spare
     assert taken_by_place > 400  # the places did the matching, not content alone
+
+
+def test_the_resume_scan_holds_a_bit_for_each_record_at_its_rows_own_place(tmp_path):
+    """The resume's scan counted every record in three tables (its sample, its place, the fields it was
+    judged with: ~450 bytes a record, 100,000 at issue 5's scale); a record at its row's own place is a
+    bit of ``own`` instead, and what the resume runs is the same: here nothing, then the row moved."""
+    from batchrun.run.dataset import load_dataset
+    from batchrun.run.resume import OwnPlaces, resume_filter, scan_finished
+    from batchrun.secrets import Redactor
+
+    prompts = [f"Task {i} [calls:0]" for i in range(12)] + ["Task 3 [calls:0]"]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    run(None, dataset, tmp_path / "out", "r", num_workers=1)
+    run_dir = tmp_path / "out" / "r"
+    rows, _ = load_dataset(str(dataset))
+    redact = Redactor(None)
+    own = OwnPlaces(rows, 1, redact)
+    at: collections.Counter = collections.Counter()
+    checks: dict = {}
+    done = scan_finished(run_dir, rerun_discarded=False, at=at, checks=checks, own=own)
+    assert not done and not at and not checks
+    assert all(own.bits[p, 0] for p in range(len(rows)))
+    assert resume_filter(rows, run_dir, redact, rerun_discarded=False) == []
+    # Two rows swapped: their records are at other lines now, counted by place, and matched all the same.
+    moved = [prompts[1], prompts[0], *prompts[2:]]
+    rows, _ = load_dataset(str(write_jsonl(tmp_path / "d.jsonl", moved)))
+    own = OwnPlaces(rows, 1, redact)
+    done = scan_finished(run_dir, rerun_discarded=False, at=collections.Counter(), own=own)
+    assert sum(done.values()) == 2 and not own.bits[0, 0] and own.bits[2, 0]
+    assert resume_filter(rows, run_dir, redact, rerun_discarded=False) == []
