@@ -11,7 +11,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,10 +187,16 @@ def discard_temp(tmp: Path) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` whole (temp file, fsync, rename); raises :class:`WriteError`, leaving no temp file
     (nor when Ctrl-C or SIGTERM interrupts it)."""
+    write_parts_atomic(path, (text,))
+
+
+def write_parts_atomic(path: Path, parts: Iterable[str]) -> None:
+    """:func:`write_text_atomic` of the text ``parts`` make, written as they come (never held whole)."""
     tmp = temp_path(path)
     try:
         with tmp.open("w", encoding="utf-8") as fh:
-            fh.write(text)
+            for part in parts:
+                fh.write(part)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

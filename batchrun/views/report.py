@@ -19,7 +19,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from batchrun.storage import (
     batch_files,
     iter_jsonl,
     read_json_object,
-    write_text_atomic,
+    write_parts_atomic,
 )
 from batchrun.views.status import local_alive
 
@@ -1214,6 +1214,13 @@ def section_browser(d: RunData) -> str:
 
 
 def render_page(d: RunData) -> str:
+    return "".join(page_parts(d))
+
+
+def page_parts(d: RunData) -> Iterator[str]:
+    """The page in parts, in order: its HTML, then the report data a trajectory at a time, so
+    :func:`write_report` writes each as it comes (the page whole was held three or four times over while
+    it was put together: 8 MB a copy with 1,000 trajectories listed)."""
     manifest = d.manifest or {}
     name = (d.statistics or {}).get("run_name") or d.run_dir.name
     generated = dt.datetime.now().isoformat(timespec="seconds")
@@ -1242,8 +1249,7 @@ def render_page(d: RunData) -> str:
         )
         if x
     )
-    payload = {"items": d.items, "systems": d.systems}
-    return (
+    yield (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">"
@@ -1261,9 +1267,15 @@ def render_page(d: RunData) -> str:
         + section_settings(d)
         + section_failed(d)
         + section_browser(d)
-        + f'</main><script type="application/json" id="report-data">{json_for_script(payload)}</script>'
-        f"<script>{JS}</script></body></html>"
+        + '</main><script type="application/json" id="report-data">'
     )
+    # {"items": d.items, "systems": d.systems} as json_for_script writes it whole (its escapes are of
+    # single characters, none in the brackets and commas between the parts)
+    yield '{"items":['
+    for n, item in enumerate(d.items):
+        yield ("," if n else "") + json_for_script(item)
+    yield '],"systems":' + json_for_script(d.systems) + "}"
+    yield f"</script><script>{JS}</script></body></html>"
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -1282,14 +1294,17 @@ def write_report(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run directory at {run_dir}")
-    page = render_page(collect(run_dir, max_trajectories, kept))
-    if redact is not None:
-        page = redact(page)
-    # A discarded sample may hold a lone surrogate (a model's broken text, kept escaped in its JSON
-    # line): a page is UTF-8, which cannot carry one; it shows as U+FFFD there (the files keep it).
-    page = _LONE_SURROGATE.sub("\ufffd", page)
+    data = collect(run_dir, max_trajectories, kept)
+
+    def written(part: str) -> str:
+        # Redacted a part at a time: a part is a section or a whole trajectory's data, and the files it
+        # is made from are redacted already. A discarded sample may hold a lone surrogate (a model's
+        # broken text, kept escaped in its JSON line): a page is UTF-8, which cannot carry one; it shows
+        # as U+FFFD there (the files keep it).
+        return _LONE_SURROGATE.sub("\ufffd", redact(part) if redact is not None else part)
+
     out = run_dir / REPORT_NAME
-    write_text_atomic(out, page)
+    write_parts_atomic(out, (written(part) for part in page_parts(data)))
     return out
 
 

@@ -326,6 +326,31 @@ def synthetic_record(i: int, pad: int = 0) -> dict:
     }
 
 
+def test_the_page_is_written_a_part_at_a_time_not_held_whole(tmp_path: Path) -> None:
+    """With 1,000 trajectories listed (500 kept, 500 discarded) the page is 8 MB, and writing it held it
+    three or four times over (the data's JSON, its escaped copy, the page's concatenations, the redacted
+    copy): now its sections and each trajectory's data are redacted and written as they come."""
+    n, pad = 200, 20_000
+    run_dir = tmp_path / "big"
+    run_dir.mkdir()
+    with (run_dir / "trajectories.jsonl").open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps(synthetic_record(i, pad)) + "\n")
+    data = report.collect(run_dir, max_items=n)
+    tracemalloc.start()
+    try:
+        report.write_report(
+            run_dir, max_trajectories=n, redact=lambda text: text.replace("sk-", "[s]"), kept=data
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = (run_dir / "report.html").stat().st_size
+    assert size > n * pad  # every trajectory is on the page
+    assert peak < size / 2, f"peak {peak} writing a {size}-byte page: the page was held whole"
+    assert len(payload(parse(run_dir / "report.html"))["items"]) == n
+
+
 def test_large_run_streams_and_caps_the_list(tmp_path: Path) -> None:
     n, pad = 3000, 10_000
     run_dir = tmp_path / "big"
