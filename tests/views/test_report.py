@@ -326,16 +326,21 @@ def synthetic_record(i: int, pad: int = 0) -> dict:
     }
 
 
+def synthetic_run(run_dir: Path, n: int, pad: int) -> Path:
+    """A run directory whose trajectories.jsonl holds ``n`` synthetic records (``pad`` bytes of text each)."""
+    run_dir.mkdir()
+    with (run_dir / "trajectories.jsonl").open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps(synthetic_record(i, pad)) + "\n")
+    return run_dir
+
+
 def test_the_page_is_written_a_part_at_a_time_not_held_whole(tmp_path: Path) -> None:
     """With 1,000 trajectories listed (500 kept, 500 discarded) the page is 8 MB, and writing it held it
     three or four times over (the data's JSON, its escaped copy, the page's concatenations, the redacted
     copy): now its sections and each trajectory's data are redacted and written as they come."""
     n, pad = 200, 20_000
-    run_dir = tmp_path / "big"
-    run_dir.mkdir()
-    with (run_dir / "trajectories.jsonl").open("w") as fh:
-        for i in range(n):
-            fh.write(json.dumps(synthetic_record(i, pad)) + "\n")
+    run_dir = synthetic_run(tmp_path / "big", n, pad)
     data = report.collect(run_dir, max_items=n)
     tracemalloc.start()
     try:
@@ -353,11 +358,7 @@ def test_the_page_is_written_a_part_at_a_time_not_held_whole(tmp_path: Path) -> 
 
 def test_large_run_streams_and_caps_the_list(tmp_path: Path) -> None:
     n, pad = 3000, 10_000
-    run_dir = tmp_path / "big"
-    run_dir.mkdir()
-    with (run_dir / "trajectories.jsonl").open("w") as fh:
-        for i in range(n):
-            fh.write(json.dumps(synthetic_record(i, pad)) + "\n")
+    run_dir = synthetic_run(tmp_path / "big", n, pad)
     file_size = (run_dir / "trajectories.jsonl").stat().st_size
     tracemalloc.start()
     try:
