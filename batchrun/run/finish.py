@@ -41,20 +41,19 @@ from batchrun.run.recorder import (
 from batchrun.run.resume import (
     CheckedFiles,
     Matched,
+    OwnPlaces,
     Place,
-    RowsByLine,
     SampleBits,
     add_discards,
-    fields_digest,
     kept_pass,
     match_outcomes,
     occurrence_in,
     own_place,
-    own_position,
     place_of,
     rerun_command,
     resume_command,
     row_at,
+    row_fields_digest,
     row_fields_of,
     samples_of,
     still_skipped,
@@ -86,7 +85,7 @@ class MergeTotals:
         self.dropped: collections.Counter[str] = collections.Counter()
         # The samples (of the dataset's rows) with a record at their own place (resume.own_place): a bit
         # each, set by the merge; nearly every record of a run is one. The counts below leave them out.
-        self.own: SampleBits | None = None
+        self.own: OwnPlaces | None = None
         # (row identity, sample index) -> the other records in batch files
         self.finished: collections.Counter[tuple[str, int]] = collections.Counter()
         # the same records by (row identity, sample index, prompt index, occurrence): which of identical
@@ -176,26 +175,21 @@ class RowPlaces:
     table entry a sample held 50 MB at 100,000 samples. What only a record of a row since moved or edited
     asks (a row elsewhere with its fields) is indexed when a record first asks it."""
 
-    def __init__(self, rows: list[Row], samples_per_prompt: int, redact: Redactor):
-        self.rows = rows
-        self.samples_per_prompt = samples_per_prompt
-        self.redact = redact
-        self.by_line = RowsByLine(rows)
-        self.kept_at = SampleBits(rows, samples_per_prompt)  # the rows' places kept already
+    def __init__(self, own: OwnPlaces):
+        """``own``: the merge's own places (their rows by line, their redactor and sample count)."""
+        self.by_line, self.redact, self.samples_per_prompt = own.by_line, own.redact, own.samples_per_prompt
+        self.rows = own.by_line.rows
+        self.kept_at = SampleBits(self.rows, self.samples_per_prompt)  # the rows' places kept already
         # the samples kept by a record that did not say its occurrence (written before it was saved)
         self.kept_unsaid: set[tuple[int, int]] = set()
         self._fields: dict[tuple[str, str | None], int] | None = None
-
-    def own_position(self, place: Place) -> int | None:
-        """The position of the row whose own place ``place`` is (resume.own_position)."""
-        return own_position(place, self.by_line, self.redact, self.samples_per_prompt)
 
     def _has_fields(self, key: str, s: int, fields: str | None) -> bool:
         """Whether a row anywhere in the dataset has sample ``(key, s)`` with ``fields``."""
         if self._fields is None:  # (identity, fields) -> the most samples a row of them has
             self._fields = {}
             for row in self.rows:
-                at = (row.saved_key(self.redact), fields_digest(self.redact(row.row_fields or "{}")))
+                at = (row.saved_key(self.redact), row_fields_digest(row, self.redact))
                 self._fields[at] = max(self._fields.get(at, 0), samples_of(row, self.samples_per_prompt))
         return s < self._fields.get((key, fields), 0)
 
@@ -204,8 +198,8 @@ class RowPlaces:
         one; the first of its place), kept as it comes; else how far it is from one, as resume matches
         outcomes to rows (resume.match_outcomes): 1 its row's fields at another line (or another
         occurrence: an identical row's, written before the rows moved), 2 its row's line with other
-        fields, 3 neither, 4 its place taken already. ``own``: :meth:`own_position` of ``place``, when
-        the caller has it."""
+        fields, 3 neither, 4 its place taken already. ``own``: the position of the row whose own place
+        ``place`` is (``OwnPlaces.add``), when the caller has it."""
         if place is None:
             return 3
         key, s, _, fields, occurrence = place
@@ -272,7 +266,8 @@ def merge(
     """
     if wanted is None:
         wanted = wanted_samples(rows, samples_per_prompt, recorder.sample_text)
-    places = RowPlaces(rows, samples_per_prompt, recorder.sample_text)
+    own = OwnPlaces(rows, samples_per_prompt, recorder.sample_text)  # a bit a record at its row's own place
+    places = RowPlaces(own)
     # The records' Lines, for the checkpoint's counts (superseded_discards): only beside discards.
     lines = lines_matter(run_dir / "discarded.jsonl")
     # The lines of every record, for checkpoint.json's completed prompts, only when the recorder does not
@@ -282,7 +277,7 @@ def merge(
     kept: collections.Counter[tuple[str, int]] = collections.Counter()
     known = set(known_tool_names())
     totals = MergeTotals(known_tool_names())
-    totals.own = own = SampleBits(rows, samples_per_prompt)
+    totals.own = own
     unknown: list[dict[str, Any]] = []  # records that call a tool outside the known set
     # Records of a sample the dataset wants that no row's own line and fields wrote (the rows moved or were
     # edited since; a sample redone), held back until every record written by a row as it is now has its
@@ -335,13 +330,11 @@ def merge(
                         if lines:
                             totals.finished_at[(*key, rec["prompt_index"], occurrence)] += 1
                         place = place_of(key, rec["prompt_index"], row_fields_of(meta), occurrence)
-                        p = places.own_position(place)
+                        p = own.add(place)
                         if p is None:
                             totals.finished_where[place] += 1
                     if p is None:
                         totals.finished[key] += 1
-                    else:
-                        own.set(p, key[1])
                     if used_tool_names(rec) - known:
                         totals.dropped["unknown_tool"] += 1
                         unknown.append(rec)

@@ -262,15 +262,14 @@ class RowsByLine:
             i += 1
 
 
+def row_fields_digest(row: Row, redact: Redactor) -> str | None:
+    """The digest of ``row``'s fields as the outcomes it writes now hold it (:data:`Place`)."""
+    return fields_digest(redact(row.row_fields or "{}"))
+
+
 def own_place(row: Row, s: int, redact: Redactor) -> Place:
     """The :data:`Place` of the outcome ``row`` writes for its sample ``s`` as it is now."""
-    return (
-        row.saved_key(redact),
-        s,
-        row.index,
-        fields_digest(redact(row.row_fields or "{}")),
-        row.occurrence,
-    )
+    return (row.saved_key(redact), s, row.index, row_fields_digest(row, redact), row.occurrence)
 
 
 def row_at(
@@ -284,7 +283,7 @@ def row_at(
         if (
             row.saved_key(redact) == key
             and s < samples_of(row, samples_per_prompt)
-            and (not fields or fields_digest(redact(row.row_fields or "{}")) == digest)
+            and (not fields or row_fields_digest(row, redact) == digest)
         ):
             return p
     return None
@@ -300,7 +299,8 @@ def own_position(place: Place, by_line: RowsByLine, redact: Redactor, samples_pe
 
 class OwnPlaces:
     """The samples of the dataset's rows with an outcome at their own place (:func:`own_place`), a bit
-    each (``bits``, :func:`match_outcomes`' ``own``), for a scan of the run's files that has the rows."""
+    each (``bits``), for a scan of the run's files that has the rows (the merge's, the resume's), and
+    :func:`match_outcomes`' ``own``."""
 
     def __init__(self, rows: list[Row], samples_per_prompt: int, redact: Redactor):
         self.bits = SampleBits(rows, samples_per_prompt)
@@ -308,13 +308,22 @@ class OwnPlaces:
         self.redact = redact
         self.samples_per_prompt = samples_per_prompt
 
-    def add(self, place: Place) -> bool:
-        """Sets the bit of the sample whose own place ``place`` is; False when it is no row's own."""
+    def add(self, place: Place) -> int | None:
+        """Sets the bit of the sample whose own place ``place`` is, and returns its row's position; None
+        when it is no row's own."""
         p = own_position(place, self.by_line, self.redact, self.samples_per_prompt)
+        if p is not None:
+            self.bits.set(p, place[1])
+        return p
+
+    def holds(self, place: Place) -> bool:
+        """Whether ``place`` is a sample's own place (or its line and fields, without an occurrence) that
+        has its bit set: an outcome there is that sample's, counted already (:func:`match_outcomes`)."""
+        p = row_at(place, self.by_line, self.redact, self.samples_per_prompt)
         if p is None:
             return False
-        self.bits.set(p, place[1])
-        return True
+        occurrence = self.by_line.rows[p].occurrence
+        return occurrence is not None and place[4] in (None, occurrence) and self.bits[p, place[1]]
 
 
 def _place_order(place: Place) -> tuple[int, str, int]:
@@ -341,7 +350,7 @@ def match_outcomes(
     *,
     consume: bool = False,
     with_places: bool = True,
-    own: SampleBits | None = None,
+    own: OwnPlaces | None = None,
 ) -> Matched:
     """Each finished outcome takes one sample of its (identity, sample index): duplicate rows count,
     each wanting its own samples; the samples no outcome is of are left.
@@ -378,8 +387,7 @@ def match_outcomes(
         done_at if consume and done_at is not None else collections.Counter(done_at or ())
     )
     if own is not None and places:
-        by_line = RowsByLine(rows)
-        for place in [p for p in places if _owned(p, own, by_line, redact, samples_per_prompt)]:
+        for place in [p for p in places if own.holds(p)]:
             done[place[0], place[1]] -= places.pop(place)
     for place, n in places.items():
         done[place[0], place[1]] -= n - 1
@@ -406,9 +414,6 @@ def match_outcomes(
                 if not is_taken[p, s] and done[key, s] > 0:
                     yield p, row, s, key
 
-    def digest(row: Row) -> str | None:
-        return fields_digest(redact(row.row_fields or "{}"))
-
     def stage(of_place: Callable[[Place], Any], of_want: Callable[[Row, int, str, str | None], Any]) -> None:
         """Each row not matched yet takes a place whose ``of_place`` is its ``of_want`` (None: none)."""
         index: dict[Any, list[Place]] = collections.defaultdict(list)
@@ -419,7 +424,7 @@ def match_outcomes(
         if not index:
             return
         for p, row, s, key in wants():
-            held = index.get(of_want(row, s, key, digest(row)))
+            held = index.get(of_want(row, s, key, row_fields_digest(row, redact)))
             while held and places[held[-1]] <= 0:
                 held.pop()  # taken already
             if held:
@@ -436,12 +441,12 @@ def match_outcomes(
     for p, row in enumerate(rows):
         key = row.saved_key(redact)
         for s in range(samples_of(row, samples_per_prompt)):
-            if own is not None and own[p, s]:
+            if own is not None and own.bits[p, s]:
                 is_taken.set(p, s)  # in no ``taken``: its row's own place, the one it would write again
                 continue
             if done[key, s] <= 0 or row.occurrence is None:
                 continue
-            at = (key, s, row.index, digest(row), row.occurrence)
+            at = own_place(row, s, redact)
             if places.get(at, 0) > 0:
                 places[at] -= 1
                 done[key, s] -= 1
@@ -469,17 +474,6 @@ def match_outcomes(
             if n > 0:
                 spare[place[0], place[1]].append(place)
     return Matched(left, taken, dict(spare))
-
-
-def _owned(
-    place: Place, own: SampleBits, by_line: RowsByLine, redact: Redactor, samples_per_prompt: int
-) -> bool:
-    """Whether ``place`` is a sample's own place (or its line and fields, without an occurrence) whose
-    sample ``own`` says has an outcome there already (:func:`match_outcomes`)."""
-    p = row_at(place, by_line, redact, samples_per_prompt)
-    if p is None or by_line.rows[p].occurrence is None or place[4] not in (None, by_line.rows[p].occurrence):
-        return False
-    return own[p, place[1]]
 
 
 def all_samples(rows: list[Row], samples_per_prompt: int) -> list[Sample]:
@@ -586,7 +580,7 @@ def scan_finished(
                     occurrence = occurrence_in(meta)
                     if at is not None:
                         place = place_of(key, index, row_fields_of(meta), occurrence)
-                        counted = own is not None and own.add(place)
+                        counted = own is not None and own.add(place) is not None
                         if not counted:
                             at[place] += 1
                     if lines:
@@ -827,7 +821,7 @@ def resume_filter(
         own=own,
     )
     again = rerun is not None and rerun_discarded  # the counts are used again below
-    matched = match_outcomes(rows, done, redact, samples_per_prompt, at, consume=not again, own=own.bits)
+    matched = match_outcomes(rows, done, redact, samples_per_prompt, at, consume=not again, own=own)
     changed = changed_checks(rows, checks, redact, matched, samples_per_prompt)
     if changed:
         shown = "; ".join(f"line {row.index + 1}: {fields}" for row, fields in changed[:5])
@@ -856,7 +850,7 @@ def resume_filter(
             at=at,
             counts=lambda row: skipped(row) and (in_round is None or round_of(row) != in_round),
         )
-        left = match_outcomes(rows, done, redact, samples_per_prompt, at, own=own.bits).left
+        left = match_outcomes(rows, done, redact, samples_per_prompt, at, own=own).left
         rerun |= {(row.index, s) for row, s in todo} - {(row.index, s) for row, s in left}
     total = sum(samples_of(r, samples_per_prompt) for r in rows)
     unit = "prompt(s)" if total == len(rows) else "sample(s)"  # one sample per row: as before samples existed

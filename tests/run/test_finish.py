@@ -603,7 +603,7 @@ def test_the_merge_holds_a_bit_not_a_place_for_each_record_written_at_its_rows_p
     run_dir = _mock_run(dataset, out, batch_size=8)
     totals = seen[-1]
     assert not totals.finished and not totals.finished_where and not totals.finished_at
-    assert totals.own is not None and all(totals.own[p, 0] for p in range(len(prompts)))
+    assert totals.own is not None and all(totals.own.bits[p, 0] for p in range(len(prompts)))
     assert not reports[-1].kept_at
     # Nor every record's line for checkpoint.json: the run tracks its rows from its start.
     assert recorders[-1].row_pending is not None and recorders[-1].done_indices is None

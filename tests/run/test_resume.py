@@ -1009,8 +1009,7 @@ def test_outcomes_held_as_bits_at_their_own_places_match_as_the_places_do():
     fields, outcomes without an occurrence and discards beside a record at one place. Randomised."""
     from batchrun.run.dataset import Row
     from batchrun.run.resume import (
-        RowsByLine,
-        SampleBits,
+        OwnPlaces,
         fields_digest,
         match_outcomes,
         own_place,
@@ -1048,14 +1047,14 @@ def test_outcomes_held_as_bits_at_their_own_places_match_as_the_places_do():
         taken_by_place += sum(place is not None for place in whole.taken.values())
         # As the merge holds them: a bit for the records at their own places, the rest counted, and
         # now and then a discard at one of those places beside its record (add_discards counts it).
-        own, by_line = SampleBits(rows, spp), RowsByLine(rows)
+        own = OwnPlaces(rows, spp, redact)
         split_done, split_at = collections.Counter(done), collections.Counter()
         for place, count in at.items():
-            p = own_position(place, by_line, redact, spp)
+            p = own_position(place, own.by_line, redact, spp)
             if p is None or rng.random() < 0.3:
                 split_at[place] += count
                 continue
-            own.set(p, place[1])
+            own.bits.set(p, place[1])
             split_done[place[:2]] -= count
             if rng.random() < 0.3:
                 split_done[place[:2]] += 1
@@ -1064,7 +1063,7 @@ def test_outcomes_held_as_bits_at_their_own_places_match_as_the_places_do():
         assert [(r.index, s) for r, s in split.left] == [(r.index, s) for r, s in whole.left], trial
         # A sample given its own place by its bit is in no ``taken`` (nothing there to compare).
         position = {row.index: p for p, row in enumerate(rows)}
-        by_bit = {(i, s): place for (i, s), place in whole.taken.items() if own[position[i], s]}
+        by_bit = {(i, s): place for (i, s), place in whole.taken.items() if own.bits[position[i], s]}
         assert all(place == own_place(rows[position[i]], s, redact) for (i, s), place in by_bit.items())
         assert list(split.taken.items()) == [item for item in whole.taken.items() if item[0] not in by_bit]
         assert split.spare == whole.spare, trial
