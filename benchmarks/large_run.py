@@ -127,22 +127,11 @@ def make_record(i: int, rng: random.Random, schemas: dict, known: list[str]) -> 
     return prompt, record
 
 
-def discard_row(record: dict, prompt: str, reason: str) -> dict:
-    """A discarded.jsonl row as the recorder writes one (``Recorder.set_aside``'s fields), holding its record."""
-    meta = record["metadata"]
-    return {
-        "prompt": prompt, "image": None, "cwd": None, "row_toolsets": None, "row_tools": None,
-        "row_system_sha256": None, "row_max_turns": None, "row_key": meta["row_key"], "row_id": None,
-        "row_fields": meta["row_fields"], "sample_index": 0, "occurrence": meta["occurrence"],
-        "prompt_index": record["prompt_index"], "batch_num": meta["batch_num"], "reason": reason,
-        "timestamp": "2026-01-01T00:00:00", "record": record,
-    }  # fmt: skip
-
-
 def generate(
     run_dir: Path, dataset: Path, n: int, batch_size: int, seed: int, discard_fraction: float = 0.0
 ) -> None:
     from batchrun.prompt.tools.catalog import known_tool_names, tools_for_toolsets
+    from batchrun.run.recorder import set_aside_row  # a discard row as the recorder writes one
 
     schemas = {ts: [t.openai_schema() for t in tools_for_toolsets(list(ts))] for ts in TOOLSET_CHOICES}
     known = known_tool_names()
@@ -158,9 +147,7 @@ def generate(
                     prompt, record = make_record(i, rng, schemas, known)
                     record["metadata"]["batch_num"] = b // batch_size
                     if chosen.random() < discard_fraction:
-                        line = (
-                            json.dumps(discard_row(record, prompt, "no_reasoning"), ensure_ascii=False) + "\n"
-                        )
+                        line = json.dumps(set_aside_row(record, "no_reasoning"), ensure_ascii=False) + "\n"
                         discards.write(line)
                     else:
                         line = json.dumps(record, ensure_ascii=False) + "\n"

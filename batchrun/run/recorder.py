@@ -68,6 +68,27 @@ def credible(value: Any) -> float:
     return value
 
 
+def set_aside_row(rec: dict[str, Any], reason: str) -> dict[str, Any]:
+    """The discarded.jsonl row of a record set aside with ``reason`` (:meth:`Recorder.set_aside`)."""
+    meta = rec.get("metadata") or {}
+    identity = RowIdentity.of_record(rec)
+    return {
+        "prompt": identity.text,
+        **identity.fields(),
+        "row_key": identity.key,
+        # As every discard names its row (its id and fields): resume tells rows of one prompt apart by them.
+        "row_id": meta.get("row_id") or None,
+        "row_fields": meta.get("row_fields") if isinstance(meta.get("row_fields"), str) else None,
+        "sample_index": sample_index_of(meta),
+        "occurrence": occurrence_of(meta),
+        "prompt_index": rec.get("prompt_index"),
+        "batch_num": meta.get("batch_num"),
+        "reason": reason,
+        "timestamp": _now(),
+        "record": rec,
+    }
+
+
 class Recorder:
     """Writes a run's files and keeps its counters; the only code that writes under the run directory."""
 
@@ -354,23 +375,7 @@ class Recorder:
     def set_aside(self, rec: dict[str, Any], reason: str) -> None:
         """A record found unfit at merge, written to discarded.jsonl with its reason (it stays in its
         batch file, finished for resume)."""
-        meta = rec.get("metadata") or {}
-        identity = RowIdentity.of_record(rec)
-        row = {
-            "prompt": identity.text,
-            **identity.fields(),
-            "row_key": identity.key,
-            # As every discard names its row (its id and fields): resume tells rows of one prompt apart by them.
-            "row_id": meta.get("row_id") or None,
-            "row_fields": meta.get("row_fields") if isinstance(meta.get("row_fields"), str) else None,
-            "sample_index": sample_index_of(meta),
-            "occurrence": occurrence_of(meta),
-            "prompt_index": rec.get("prompt_index"),
-            "batch_num": meta.get("batch_num"),
-            "reason": reason,
-            "timestamp": _now(),
-            "record": rec,
-        }
+        row = set_aside_row(rec, reason)
         if self.rerun_round_run is not None:
             row[ROUND_FIELD] = self.rerun_round_run
         append_jsonl(self.run_dir / "discarded.jsonl", row, self.sample_text)
