@@ -38,7 +38,7 @@ from batchrun.run import finish, open_files, resume
 from batchrun.run.budget import CheckGate
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
-from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD
+from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD, EXIT_ENDPOINT_REFUSED
 from batchrun.run.forkserver import start_forkserver
 from batchrun.run.journal import SpendJournal, read_journal, remove_journal
 from batchrun.run.plan import make_plan, print_plan
@@ -414,7 +414,11 @@ def run_steps(
     finish.write_report(config.run_dir, config.report_max_trajectories, recorder.redact, kept.report)
     recorder.end_round()  # last: a kill before it leaves the round to be continued, not started anew
     finish.print_summary(
-        config.run_dir, stats, recorder, endpoint_dead=stop is not None and stop[0] == EXIT_ENDPOINT_DEAD
+        config.run_dir,
+        stats,
+        recorder,
+        endpoint_dead=stop is not None and stop[0] in (EXIT_ENDPOINT_DEAD, EXIT_ENDPOINT_REFUSED),
+        endpoint_refused=stop is not None and stop[0] == EXIT_ENDPOINT_REFUSED,
     )
     if stop:
         print(stop[1], file=sys.stderr)
@@ -431,6 +435,12 @@ def _stopped_early(
     endpoint dead, a budget that cannot be measured, the workers lost), or None."""
     if dispatch is None:
         return None
+    if dispatch.endpoint_refused is not None:
+        return EXIT_ENDPOINT_REFUSED, (
+            f"The run stopped: the endpoint refused its calls and a probe ({dispatch.endpoint_refused}): "
+            "the key or the account is refused (revoked, out of credits, suspended). When it is "
+            "fixed, continue with:\n  " + recorder.redact(resume_command())
+        )
     if dispatch.endpoint_dead:
         return EXIT_ENDPOINT_DEAD, (
             "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "

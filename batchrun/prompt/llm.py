@@ -282,7 +282,8 @@ class BudgetStop(LLMError):
     def __init__(self) -> None:
         super().__init__(
             "budget",
-            "the run is stopping (its budget was reached, or its endpoint died) before this model call; "
+            "the run is stopping (its budget was reached, or its endpoint died or refused its key) before this "
+            "model call; "
             "--resume runs it again",
         )
 
@@ -580,6 +581,10 @@ def record_usage(usage: Usage | None, resp: Any) -> None:
 
 ERROR_TEXT_CHARS = 1000  # of an endpoint's error message: it goes into every failed record and the log
 RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
+# The key or the account refused (a key revoked, credits spent, an account suspended), or the request's
+# own content did (a provider's moderation answers 403): reported to ``on_failure``, whose watch tells
+# the two apart with one probe (batchrun/run/endpoint_watch.py).
+REFUSED_STATUS = frozenset({401, 402, 403})
 
 
 USER_AGENT = "batch-runner/0.1 (OpenAI-compatible client)"
@@ -658,7 +663,8 @@ class LLMClient:
         ``on_usage``: called with each answered call's usage (the run's budget counts it at once).
         ``gate``: the run's budget, asked before every attempt (then ``on_usage`` is not called: the
         gate's ``settle`` reports the spend). ``on_failure``: told after each attempt whether it failed
-        for the endpoint's reasons (an error class) or answered (None): the run's dead-endpoint watch."""
+        for the endpoint's reasons or was refused (:data:`REFUSED_STATUS`: an error class) or answered
+        (None): the run's dead-endpoint and refused-key watch."""
         self.cfg = cfg
         self.limiter = limiter or Limiter()
         self.stop = stop
@@ -909,6 +915,12 @@ class LLMClient:
                 except (_Retry, LLMError) as exc:
                     if getattr(exc, "unanswered_tokens", 0):
                         answered = {"unanswered_tokens": exc.unanswered_tokens}
+                    if (
+                        self.on_failure is not None
+                        and getattr(exc, "status", None) in REFUSED_STATUS
+                        and not isinstance(exc, ContextLimitError)
+                    ):
+                        self.on_failure(exc.error_class)  # a 401/402/403: final, never retried
                     raise
                 finally:
                     self.limiter.release(slotted)

@@ -52,7 +52,7 @@ from batchrun.protocol import (
 from batchrun.record import read_score
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
-from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch, probe_once
+from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch, is_refusal, probe_once
 from batchrun.run.forkserver import WORKER_PROCESS_NAME, skip_callers_main
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
@@ -179,7 +179,10 @@ class Dispatch:
         self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)
         self._ending_error: BaseException | None = None
         self.watch: EndpointWatch | None = None  # made with the inbox, in run()
-        self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 5)
+        self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 5) or refused
+        # The run stopped because the endpoint refused its key or account (exit code 8): the refusal, as
+        # "HTTP 402: <the endpoint's words>", redacted.
+        self.endpoint_refused: str | None = None
         # The run lost its workers (exit code 7): the pool broke, or on Ray every actor died (the cluster
         # went away) with prompts of theirs unfinished. Not a few failed prompts: the run could not go on.
         self.workers_lost = False
@@ -421,7 +424,9 @@ class Dispatch:
             )
             return self.check_budget(inbox, track)
         elif isinstance(message, EndpointHealth):
-            self.recorder.counts["endpoint_failures"] += message.error_class is not None
+            self.recorder.counts["endpoint_failures"] += message.error_class is not None and not is_refusal(
+                message.error_class
+            )
             line = self.watch.report(message.error_class) if self.watch is not None else None
             if line:
                 self.pbar.write(line, file=sys.stderr)
@@ -681,14 +686,16 @@ class Dispatch:
         if watch is None:
             return 0
         line = watch.tick()
-        if line:
-            self.pbar.write(line, file=sys.stderr)
+        if line:  # a refusal's line quotes the endpoint, which may quote the key
+            self.pbar.write(terminal_safe(self.recorder.redact(line)), file=sys.stderr)
         spent = watch.take_spend()
         for probe in spent:  # the probes' answers cost what any call costs
             self.recorder.add_check_spend(probe.prompt_tokens, probe.completion_tokens, probe.cost_usd)
         settled = self.check_budget(inbox, track) if spent else 0
         if watch.dead and not self.endpoint_dead:
             self.endpoint_dead = True
+            if watch.refused is not None:
+                self.endpoint_refused = terminal_safe(self.recorder.redact(watch.refused))[:300]
             inbox.broadcast(StopStarting())
             # Prompts held by the watch's pause then stop at their next call at once, not when it runs out
             # (up to 15 s later: a run whose llama-server died ended 12 s after it said so).
@@ -702,7 +709,8 @@ class Dispatch:
             # Calls in flight to a hung endpoint would hold the run for --request_timeout: they end now.
             held = {k for keys in track.held.values() for k in keys}
             track.held.clear()
-            return settled + self.fail_lost_prompts(held, -1, track, "endpoint_dead")
+            why = "endpoint_dead" if self.endpoint_refused is None else "endpoint_refused"
+            return settled + self.fail_lost_prompts(held, -1, track, why)
         return settled
 
     def format_log(self, message: Log) -> str:
@@ -753,7 +761,7 @@ class ProbeGate(worker.ParentGate):
         self.inbox: Inbox | None = None
         self.closed = threading.Event()  # the dispatch loop is over: nothing answers a reservation any more
 
-    def probe(self, cfg: Any, usage: Any) -> bool:
+    def probe(self, cfg: Any, usage: Any) -> Any:
         """:func:`~batchrun.run.endpoint_watch.probe_once` under the budget; its spend goes through
         :meth:`settle` (not ``usage``, which the watch would count a second time)."""
         return probe_once(cfg, None, gate=self)

@@ -8,6 +8,13 @@ pause as for a 429, renewed while it lasts) and probes the endpoint with one min
 the run cleanly: no new prompt starts, prompts in flight stop at their next model call (or are failed
 after :data:`DRAIN_S`), and the run exits with :data:`EXIT_ENDPOINT_DEAD` (5), printing the resume command,
 instead of failing every remaining prompt after its retries.
+
+The refused-key stop: when :data:`REFUSED_AFTER` model calls in a row are refused for the key's or the
+account's reasons (401, 402, 403: a key revoked mid-run, credits spent, an account suspended), the run
+pauses the same way and sends one probe, the start check's minimal call. A probe refused too means every
+call will be: the run stops as above, with :data:`EXIT_ENDPOINT_REFUSED` (8) and the endpoint's own words.
+A probe answered means the refusals were the prompts' own (a provider's moderation answers 403 for the
+prompt it flags): the run goes on. Before, every remaining prompt was sent and refused, each a failure.
 """
 
 from __future__ import annotations
@@ -17,19 +24,23 @@ import threading
 import time
 from collections.abc import Callable
 
-from batchrun.prompt.llm import LLMClient, LLMConfig, LLMError, SpendGate, Usage
+from batchrun.prompt.llm import REFUSED_STATUS, LLMClient, LLMConfig, LLMError, SpendGate, Usage
 
 DEAD_AFTER = 8  # endpoint failures in a row, across the run's prompts, before the run pauses and probes
 PROBE_EVERY_S = 5.0
 PAUSE_STEP_S = 15.0  # the run-wide pause is renewed in steps, so it ends soon after the endpoint is back
 DRAIN_S = 30.0  # after the stop: the longest wait for prompts in flight before they are failed
 EXIT_ENDPOINT_DEAD = 5  # (4 is an output file that cannot be written)
+REFUSED_AFTER = 8  # refused calls in a row, across the run's prompts, before the run pauses and probes
+EXIT_ENDPOINT_REFUSED = 8  # (6 and 7 are batchrun.cli's)
 
 
-def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | None = None) -> bool:
-    """One minimal chat call (the start check's); True when the endpoint answered at all. An answer's
-    usage is added to ``usage``: a probe costs what any call costs, and the run counts it. ``gate``: the
-    run's budget (batchrun/run/dispatch.py's ProbeGate), asked first; a probe it refuses is not sent."""
+def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | None = None) -> bool | LLMError:
+    """One minimal chat call (the start check's): True when the endpoint answered at all, False when it
+    did not (refused the connection, timed out, 5xx), the error itself when it refused the key or the
+    account (:data:`REFUSED_STATUS`). An answer's usage is added to ``usage``: a probe costs what any call
+    costs, and the run counts it. ``gate``: the run's budget (batchrun/run/dispatch.py's ProbeGate),
+    asked first; a probe it refuses is not sent."""
     from batchrun.run.preflight import CHECK_HEADER
 
     check = dataclasses.replace(
@@ -45,6 +56,8 @@ def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | Non
         )
         return True
     except LLMError as exc:
+        if exc.status in REFUSED_STATUS:
+            return exc
         return exc.status is not None and exc.status < 500  # it answered: it is alive
     finally:
         client.close()
@@ -58,15 +71,22 @@ class EndpointWatch:
         cfg: LLMConfig,
         grace_s: float,
         pause: Callable[[float], None],
-        probe: Callable[[LLMConfig, Usage], bool] = probe_once,
+        probe: Callable[[LLMConfig, Usage], bool | LLMError] = probe_once,
         lift: Callable[[float], None] | None = None,
     ) -> None:
         """``pause(until)``: hold every request of the run until then; ``lift(until)``: that pause is over."""
         self.cfg, self.grace_s, self._pause, self._probe, self._lift = cfg, grace_s, pause, probe, lift
         self.failures = 0  # in a row, since the last answer
+        self.refusals = 0  # calls refused (REFUSED_STATUS) in a row, since the last answer
         self.probing_since: float | None = None
         self.dead = False
         self.dead_at: float | None = None
+        # Set with ``dead`` when the stop is for a refused key or account: the probe's refusal, as
+        # "HTTP 402: <the endpoint's message>" (not redacted: the caller's redactor knows the key).
+        self.refused: str | None = None
+        self._probe_refused: LLMError | None = None  # the probe loop's finding, for tick
+        self._for_refusals = False  # the probe under way was started by refusals, not failures
+        self.refusal_probes = 0  # probes started by refusals so far
         self._back = threading.Event()
         self._paused_until = 0.0
         self._spent: list[Usage] = []  # the probes' answered calls, until the dispatch counts them
@@ -75,15 +95,22 @@ class EndpointWatch:
     def report(self, error_class: str | None) -> str | None:
         """A worker's report; returns a line to show when the run starts probing."""
         if error_class is None:
-            self.failures = 0
+            self.failures = self.refusals = 0
             self._back.set()
             return None
+        if is_refusal(error_class):
+            self.refusals += 1
+            if self.refusals >= REFUSED_AFTER and self._start_probing(for_refusals=True):
+                if self.refusal_probes > 1:  # a dataset with many flagged prompts: said once
+                    return None
+                return (
+                    f"warning: {self.refusals} model calls in a row were refused (last: {error_class}); the "
+                    "run is paused and the endpoint probed: a refused probe means the key or the account "
+                    "is refused and the run stops, an answered one that the refusals were the prompts' own"
+                )
+            return None
         self.failures += 1
-        if self.failures >= DEAD_AFTER and self.probing_since is None and not self.dead:
-            self.probing_since = time.monotonic()
-            self._back.clear()
-            threading.Thread(target=self._probe_loop, name="endpoint-probe", daemon=True).start()
-            self._renew_pause()
+        if self.failures >= DEAD_AFTER and self._start_probing():
             return (
                 f"warning: {self.failures} model calls in a row failed for the endpoint's reasons (last: "
                 f"{error_class}); the run is paused and the endpoint probed for up to {self.grace_s:g} s "
@@ -91,16 +118,48 @@ class EndpointWatch:
             )
         return None
 
+    def _start_probing(self, for_refusals: bool = False) -> bool:
+        """Pause the run and probe, unless a probe is under way or the run stopped; True when started."""
+        if self.probing_since is not None or self.dead:
+            return False
+        self._for_refusals = for_refusals
+        self.refusal_probes += for_refusals
+        self.probing_since = time.monotonic()
+        self._probe_refused = None
+        self._back.clear()
+        threading.Thread(target=self._probe_loop, name="endpoint-probe", daemon=True).start()
+        self._renew_pause()
+        return True
+
     def tick(self) -> str | None:
         """Renew the pause while probing; returns a line when the endpoint is back or declared dead."""
         if self.probing_since is None:
             return None
         if self._back.is_set():
-            self.probing_since, self.failures = None, 0
+            self.probing_since, self.failures, self.refusals = None, 0, 0
             # The pause is renewed PAUSE_STEP_S at a time: ended now, not 7.5-15 s later (a restarted
             # llama-server's run stood idle 14 s after it answered again).
             self.lift_pause()
-            return "the endpoint answers again; the run continues"
+            if not self._for_refusals:
+                return "the endpoint answers again; the run continues"
+            if self.refusal_probes > 1:
+                return None
+            return (
+                "the endpoint answered the probe: the refusals were the prompts' own; the run continues (the "
+                f"same pause and probe after any {REFUSED_AFTER} refusals in a row, said only this once)"
+            )
+        refused = self._probe_refused
+        if refused is not None:
+            self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
+            said = str(refused)  # the client's message names the status ("HTTP 402: ..."); else it is added
+            self.refused = (
+                said if said.startswith(f"HTTP {refused.status}") else f"HTTP {refused.status}: {said}"
+            )
+            return (
+                f"error: the endpoint refused the run's probe too ({self.refused[:300]}): the key or the "
+                "account is refused (revoked, out of credits, suspended); the run stops: no new prompt "
+                "starts and prompts in flight end"
+            )
         if time.monotonic() - self.probing_since > self.grace_s:
             self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
             return (
@@ -135,7 +194,18 @@ class EndpointWatch:
             if usage.calls:
                 with self._spent_lock:
                     self._spent.append(usage)
+            if isinstance(alive, LLMError):  # refused: every call will be (tick stops the run)
+                self._probe_refused = alive
+                return
             if alive:
                 self._back.set()
                 return
             self._back.wait(PROBE_EVERY_S)
+
+
+def is_refusal(error_class: str | None) -> bool:
+    """Whether a failed call's class is a refusal of the key or the account (llm.REFUSED_STATUS)."""
+    return error_class in _REFUSAL_CLASSES
+
+
+_REFUSAL_CLASSES = frozenset(f"http_{status}" for status in REFUSED_STATUS)

@@ -857,10 +857,16 @@ def write_report(run_dir: Path, max_trajectories: int, redact: Redactor, kept: A
 
 
 def print_summary(
-    run_dir: Path, stats: dict[str, Any], recorder: Recorder, *, endpoint_dead: bool = False
+    run_dir: Path,
+    stats: dict[str, Any],
+    recorder: Recorder,
+    *,
+    endpoint_dead: bool = False,
+    endpoint_refused: bool = False,
 ) -> None:
-    """The closing summary on the console. ``endpoint_dead``: the run stopped because its endpoint died
-    (the prompts it stopped in flight are failed with class ``budget``, as a budget's are)."""
+    """The closing summary on the console. ``endpoint_dead``: the run stopped because its endpoint died,
+    or (``endpoint_refused`` too) refused its key or account (the prompts it stopped in flight are
+    failed with class ``budget``, as a budget's are)."""
     print("\n" + "=" * 72)
     print(
         f"Run {stats['run_name']}: {stats['trajectories']} trajectories in {run_dir / 'trajectories.jsonl'}"
@@ -894,7 +900,10 @@ def print_summary(
         why = (
             ("The budget stopped", " (a tight budget with prompts longer than the first ones to finish)")
             if budget["reached"] or not endpoint_dead
-            else ("The run's stop for its dead endpoint ended", "")
+            else (
+                f"The run's stop for its {'refused key' if endpoint_refused else 'dead endpoint'} ended",
+                "",
+            )
         )
         print(
             f"{why[0]} {budget['stopped_unfinished']} prompt(s) after they had made model calls: "

@@ -302,7 +302,8 @@ class JudgeWatch:
     (refused, reset, timed out, 5xx), every judge call is held (the client's limiter paused) and the judge
     probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
     endpoint; an answer lets the calls go on, none sets ``stop``: every further judge call raises
-    BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). A judge that died
+    BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). The same after
+    ``REFUSED_AFTER`` calls in a row refused (401, 402, 403) and a refused probe (exit 8). A judge that died
     mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
     --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0. What the run's dispatch
     loop does for its watch (report each attempt, tick while it probes) is done here by the judge's own
@@ -402,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
     stats = _read_stats(args.run_dir)
     from batchrun.prompt.llm import BudgetStop, safe_url
-    from batchrun.run.endpoint_watch import DEAD_AFTER, EXIT_ENDPOINT_DEAD
+    from batchrun.run.endpoint_watch import (
+        DEAD_AFTER,
+        EXIT_ENDPOINT_DEAD,
+        EXIT_ENDPOINT_REFUSED,
+        REFUSED_AFTER,
+    )
 
     try:
         # Held while it reads and writes: a runner finishing meanwhile replaced statistics.json, and this
@@ -436,8 +442,21 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:  # a read-only run directory, a full disk; a damaged statistics.json
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except BudgetStop:  # JudgeWatch: the judge stopped answering mid-way
+    except BudgetStop:  # JudgeWatch: the judge stopped answering mid-way, or refused its key
         shown = safe_url(settings.judge.base_url) if settings.judge else ""
+        watch = getattr(judge, "on_failure", None)
+        refused = watch.watch.refused if isinstance(watch, JudgeWatch) else None
+        if refused is not None and settings.judge is not None:
+            from batchrun.secrets import Redactor, terminal_safe
+
+            redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
+            print(
+                f"error: the judge's endpoint {shown} refused {REFUSED_AFTER} calls in a row and a probe "
+                f"({terminal_safe(redact(refused))[:300]}): its key or account is refused (revoked, out of "
+                "credits, suspended); nothing re-scored: run it again once that is fixed",
+                file=sys.stderr,
+            )
+            return EXIT_ENDPOINT_REFUSED
         print(
             f"error: the judge's endpoint {shown} stopped answering ({DEAD_AFTER} attempts in a row failed, "
             "and a probe); nothing re-scored: run it again once the judge is back",

@@ -1371,6 +1371,48 @@ def test_a_judge_that_dies_mid_rescoring_stops_it_and_nothing_is_written(tmp_pat
     assert stats_of(run_dir) == before
 
 
+def test_a_judge_whose_key_is_refused_mid_rescoring_stops_it_and_nothing_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    """A judge key revoked (or its credits spent) mid-way made every remaining sample a scorer error, each
+    refused at once, written as the re-scoring, exit 0. Now the run's refused-key stop: REFUSED_AFTER
+    refusals in a row and a refused probe, then no call is sent, nothing is written, exit 8, the judge's
+    words shown without the key they quote."""
+    from helpers import OK_REPLY, ScriptedEndpoint
+
+    from batchrun.run.endpoint_watch import EXIT_ENDPOINT_REFUSED
+
+    key = "sk-judge-revoked-0123456789"
+    verdict = {"role": "assistant", "content": '{"score": 1, "passed": true}'}
+
+    def revoked_after_five(call: dict, calls: list[dict]):
+        if call["check"] and sum(1 for c in calls if c["check"]) == 1:
+            return 200, OK_REPLY
+        if not call["check"] and sum(1 for c in calls if not c["check"]) <= 5:
+            return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": verdict}]}
+        return 401, {"error": {"message": f"Invalid API key: {key}"}}
+
+    rows = [{"id": f"r{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(48)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    run_dir = out / "run"
+    before = stats_of(run_dir)
+    monkeypatch.setenv("JUDGE_API_KEY", key)
+    judge = ScriptedEndpoint(revoked_after_five)
+    try:
+        argv = [str(run_dir), "--scorer=judge", "--judge_model=m", f"--judge_base_url={judge.base_url}"]
+        code = score.main([*argv, "--concurrency=2"])
+    finally:
+        judge.close()
+    err = capsys.readouterr().err
+    assert code == EXIT_ENDPOINT_REFUSED, err  # before: 0, 43 of 48 samples scorer errors, written
+    assert "refused 8 calls in a row and a probe (HTTP 401: Invalid API key: [REDACTED])" in err
+    assert key not in err
+    assert judge.checks() == 2 and judge.prompt_calls() <= 5 + 8 + 2
+    assert not (run_dir / "scores.judge.jsonl").exists()
+    assert stats_of(run_dir) == before
+
+
 def test_a_judge_that_restarts_mid_rescoring_is_waited_for(tmp_path, capsys, monkeypatch):
     """The dead-judge stop waits for the judge as a run waits for its endpoint: one restarted within the
     grace is probed back and the re-scoring goes on to its end (exit 0), the later samples judged."""

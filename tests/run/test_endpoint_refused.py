@@ -1,0 +1,118 @@
+"""The refused-key stop (batchrun/run/endpoint_watch.py): calls refused mid-run for the key's or the
+account's reasons (401, 402, 403) pause the run and send one probe; a refused probe stops the run (exit
+8, the endpoint's words and the resume command printed), an answered one lets it go on. Before, a key
+revoked or credits spent mid-run sent every remaining prompt to be refused, each one a failure."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl
+
+from batchrun.prompt.llm import LLMError
+from batchrun.run.endpoint_watch import EXIT_ENDPOINT_REFUSED, REFUSED_AFTER, EndpointWatch
+
+KEY = "sk-refused-0123456789abcdef"
+NO_CREDITS = {"error": {"message": f"Insufficient credits for key {KEY}. Add more credits", "code": 402}}
+
+
+def out_of_credits_after(answered: int):
+    """Answers the start check and the first ``answered`` prompt calls, then 402 to everything (probes
+    included), its message quoting the key as some gateways do."""
+
+    def answer(call: dict, calls: list[dict]):
+        if call["check"] and sum(1 for c in calls if c["check"]) == 1:
+            return 200, OK_REPLY
+        if not call["check"] and sum(1 for c in calls if not c["check"]) <= answered:
+            return 200, OK_REPLY
+        return 402, NO_CREDITS
+
+    return answer
+
+
+def test_credits_spent_mid_run_stop_it_with_its_own_exit_code_and_the_endpoints_words(tmp_path, capsys):
+    endpoint = ScriptedEndpoint(out_of_credits_after(3))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(60)])
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
+            num_workers=2, prompts_per_worker=4, batch_size=10, endpoint_grace=30,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert code == EXIT_ENDPOINT_REFUSED, (
+        err
+    )  # before: every one of the 57 prompts failed http_402 (exit 3; 0 at the tests' max_failure_rate)
+    assert "were refused (last: http_402)" in err
+    assert "HTTP 402: Insufficient credits" in err and "resume=True" in err
+    assert endpoint.checks() == 2  # the start check, then one probe: refused, so the run stops
+    # Without the stop: 60 prompt calls. With it: the 3 answered, the refusals that tripped it and what
+    # was in flight (8 slots).
+    assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8
+    run_dir = tmp_path / "data" / "run"
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    # The 3 answered prompts ended (kept, or set aside: "OK" has no reasoning); nothing else is lost.
+    assert stats["trajectories"] + stats["discarded"]["total"] == 3 and stats["remaining_for_resume"] == 57
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert failed and {f["error_class"] for f in failed} <= {"http_402", "budget"}
+    assert len(failed) < 57 - 20
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["exit_code"]) == ("finished", EXIT_ENDPOINT_REFUSED)
+    for path in run_dir.iterdir():  # the endpoint quoted the key: it is in no file, as on the console
+        assert KEY not in path.read_text("utf-8", "replace"), path.name
+    assert KEY not in err
+
+
+def test_refusals_of_the_prompts_own_do_not_stop_the_run(tmp_path, capsys):
+    """A provider's moderation refuses a flagged prompt with 403: a dataset with 32 such rows in a row
+    pauses the run for a probe after each 8 refusals, each answered, and the run goes on to its end,
+    saying so once."""
+
+    def moderated(call: dict, calls: list[dict]):
+        if not call["check"] and "flagged" in json.dumps(call["body"]):
+            return 403, {"error": {"message": "Your input was flagged by moderation", "code": 403}}
+        return 200, OK_REPLY
+
+    endpoint = ScriptedEndpoint(moderated)
+    prompts = [f"flagged {i}" for i in range(32)] + [f"task {i}" for i in range(12)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
+            num_workers=1, prompts_per_worker=4, batch_size=8, max_failure_rate=1.0,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("were refused (last: http_403)") == err.count("the endpoint answered the probe") == 1
+    assert endpoint.checks() >= 3  # the start check and a probe for each 8 refusals in a row
+    run_dir = tmp_path / "data" / "run"
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["trajectories"] + stats["discarded"]["total"] == 12 and stats["remaining_for_resume"] == 32
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert sorted(f["prompt_index"] for f in failed) == list(range(32))
+    assert {f["error_class"] for f in failed} == {"http_403"}
+
+
+def test_a_refused_probe_stops_the_watch_and_an_answer_between_refusals_resets_it():
+    pauses: list[float] = []
+    answers = [LLMError("http_401", "Invalid API key", 401)]
+    watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg, usage: answers[0])
+    for _ in range(REFUSED_AFTER - 1):
+        assert watch.report("http_401") is None
+    assert watch.report(None) is None  # an answer: the refusals were not in a row
+    assert watch.refusals == 0
+    lines = [watch.report("http_401") for _ in range(REFUSED_AFTER)]
+    assert lines[-1] and "were refused" in lines[-1] and pauses and not any(lines[:-1])
+    assert watch.failures == 0  # a refusal is an answer of the endpoint's, not a failure to reach it
+    for _ in range(100):
+        line = watch.tick()
+        if line:
+            break
+        watch._back.wait(0.05)
+    assert line and "refused the run's probe too (HTTP 401: Invalid API key)" in line
+    assert watch.dead and watch.refused == "HTTP 401: Invalid API key"
+    # A failure to reach it after the stop starts nothing more.
+    assert all(watch.report("http_503") is None for _ in range(20))
