@@ -585,6 +585,23 @@ RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
 # own content did (a provider's moderation answers 403): reported to ``on_failure``, whose watch tells
 # the two apart with one probe (batchrun/run/endpoint_watch.py).
 REFUSED_STATUS = frozenset({401, 402, 403})
+# OpenAI's 429 when the account's quota or credit is spent ("You exceeded your current quota"): not a rate
+# limit, no wait ends it. Waited out as one, a run of 20 prompts made 111 doomed calls in 300 s.
+QUOTA_SPENT = "insufficient_quota"
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether a call's final error is a refusal of the key or the account (:data:`REFUSED_STATUS`, or a
+    spent quota), which every later call will meet too, rather than of this request."""
+    if not isinstance(exc, LLMError) or isinstance(exc, ContextLimitError):
+        return False
+    return exc.status in REFUSED_STATUS or exc.error_class == QUOTA_SPENT
+
+
+def quota_spent(body: Any) -> bool:
+    """Whether an error answer's body says the account's quota is spent (:data:`QUOTA_SPENT`)."""
+    err = body.get("error", body) if isinstance(body, dict) else None
+    return isinstance(err, dict) and QUOTA_SPENT in (err.get("code"), err.get("type"))
 
 
 USER_AGENT = "batch-runner/0.1 (OpenAI-compatible client)"
@@ -915,12 +932,8 @@ class LLMClient:
                 except (_Retry, LLMError) as exc:
                     if getattr(exc, "unanswered_tokens", 0):
                         answered = {"unanswered_tokens": exc.unanswered_tokens}
-                    if (
-                        self.on_failure is not None
-                        and getattr(exc, "status", None) in REFUSED_STATUS
-                        and not isinstance(exc, ContextLimitError)
-                    ):
-                        self.on_failure(exc.error_class)  # a 401/402/403: final, never retried
+                    if self.on_failure is not None and refused(exc):
+                        self.on_failure(exc.error_class)  # final, never retried
                     raise
                 finally:
                     self.limiter.release(slotted)
@@ -1506,6 +1519,8 @@ def _status_error(exc: httpclient.StatusError) -> Exception:
     message = error_message(exc)
     status = exc.status_code
     if status == 429:
+        if quota_spent(exc.body):  # no wait ends it: the call fails, a refusal (see REFUSED_STATUS)
+            return LLMError(QUOTA_SPENT, message, status)
         return _Retry(LLMError("http_429", message, status), retry_after_s(exc), rate_limited=True)
     if is_context_limit(status, exc.body, message):
         return ContextLimitError("context_limit", message, status)

@@ -10,7 +10,8 @@ after :data:`DRAIN_S`), and the run exits with :data:`EXIT_ENDPOINT_DEAD` (5), p
 instead of failing every remaining prompt after its retries.
 
 The refused-key stop: when :data:`REFUSED_AFTER` model calls in a row are refused for the key's or the
-account's reasons (401, 402, 403: a key revoked mid-run, credits spent, an account suspended), the run
+account's reasons (401, 402, 403: a key revoked mid-run, credits spent, an account suspended; OpenAI's
+429 ``insufficient_quota``), the run
 pauses the same way and sends one probe, the start check's minimal call. A probe refused too means every
 call will be: the run stops as above, with :data:`EXIT_ENDPOINT_REFUSED` (8) and the endpoint's own words.
 A probe answered means the refusals were the prompts' own (a provider's moderation answers 403 for the
@@ -24,7 +25,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from batchrun.prompt.llm import REFUSED_STATUS, LLMClient, LLMConfig, LLMError, SpendGate, Usage
+from batchrun.prompt.llm import (
+    QUOTA_SPENT,
+    REFUSED_STATUS,
+    LLMClient,
+    LLMConfig,
+    LLMError,
+    SpendGate,
+    Usage,
+    refused,
+)
 
 DEAD_AFTER = 8  # endpoint failures in a row, across the run's prompts, before the run pauses and probes
 PROBE_EVERY_S = 5.0
@@ -38,7 +48,7 @@ EXIT_ENDPOINT_REFUSED = 8  # (6 and 7 are batchrun.cli's)
 def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | None = None) -> bool | LLMError:
     """One minimal chat call (the start check's): True when the endpoint answered at all, False when it
     did not (refused the connection, timed out, 5xx), the error itself when it refused the key or the
-    account (:data:`REFUSED_STATUS`). An answer's usage is added to ``usage``: a probe costs what any call
+    account (:func:`~batchrun.prompt.llm.refused`: 401, 402, 403, a spent quota). An answer's usage is added to ``usage``: a probe costs what any call
     costs, and the run counts it. ``gate``: the run's budget (batchrun/run/dispatch.py's ProbeGate),
     asked first; a probe it refuses is not sent."""
     from batchrun.run.preflight import CHECK_HEADER
@@ -56,7 +66,7 @@ def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | Non
         )
         return True
     except LLMError as exc:
-        if exc.status in REFUSED_STATUS:
+        if refused(exc):
             return exc
         return exc.status is not None and exc.status < 500  # it answered: it is alive
     finally:
@@ -208,4 +218,4 @@ def is_refusal(error_class: str | None) -> bool:
     return error_class in _REFUSAL_CLASSES
 
 
-_REFUSAL_CLASSES = frozenset(f"http_{status}" for status in REFUSED_STATUS)
+_REFUSAL_CLASSES = frozenset({*(f"http_{status}" for status in REFUSED_STATUS), QUOTA_SPENT})

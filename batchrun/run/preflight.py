@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
 from batchrun.prompt.llm import (
+    QUOTA_SPENT,
     LLMClient,
     LLMConfig,
     LLMError,
@@ -273,7 +274,7 @@ def check_chat(
                 ):
                     raise
     except LLMError as exc:
-        if exc.status in REFUSALS:
+        if exc.status in REFUSALS or exc.error_class == QUOTA_SPENT:  # a spent quota's 429: no wait helps
             raise UsageError(
                 f"{who} {shown} refused the start check (one minimal chat call with model {cfg.model!r}): "
                 f"{exc}"

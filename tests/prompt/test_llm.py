@@ -255,18 +255,25 @@ def test_rate_limit_is_retried_with_less_time_left_than_request_timeout(server):
 
 @pytest.mark.slow
 def test_persistent_429_without_retry_after_backs_off_exponentially():
-    """A 429 that never clears (OpenAI's insufficient_quota has no Retry-After) must not be hammered."""
+    """A 429 that never clears and says no Retry-After must not be hammered. OpenAI's insufficient_quota
+    (a spent quota, no Retry-After either) is no rate limit: asked once, it fails the call at once."""
     from helpers import ScriptedEndpoint
 
+    limited = {"error": {"message": "Rate limit reached for requests", "code": "rate_limit_exceeded"}}
+    with ScriptedEndpoint(lambda call, calls: (429, limited)) as endpoint:
+        client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=3))
+        with pytest.raises(LLMError) as info:
+            client.chat(_user("limited"), [], deadline=time.monotonic() + 3.0)
+    assert info.value.error_class == "http_429"
+    # exponential back-off from 0.5 s (jitter 0.5-1x): at most 4-5 attempts in 3 s
+    hits = len(endpoint.calls)
+    assert hits <= 5, f"{hits} requests in 3 s"
     quota = {"error": {"message": "You exceeded your current quota", "code": "insufficient_quota"}}
     with ScriptedEndpoint(lambda call, calls: (429, quota)) as endpoint:
         client = LLMClient(LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=3))
         with pytest.raises(LLMError) as info:
             client.chat(_user("quota"), [], deadline=time.monotonic() + 3.0)
-    assert info.value.error_class == "http_429"
-    # exponential back-off from 0.5 s (jitter 0.5-1x): at most 4-5 attempts in 3 s
-    hits = len(endpoint.calls)
-    assert hits <= 5, f"{hits} requests in 3 s"
+    assert info.value.error_class == "insufficient_quota" and len(endpoint.calls) == 1
 
 
 def test_provider_pinning_and_data_collection_reach_extra_body():

@@ -1,5 +1,5 @@
 """The refused-key stop (batchrun/run/endpoint_watch.py): calls refused mid-run for the key's or the
-account's reasons (401, 402, 403) pause the run and send one probe; a refused probe stops the run (exit
+account's reasons (401, 402, 403, OpenAI's 429 ``insufficient_quota``) pause the run and send one probe; a refused probe stops the run (exit
 8, the endpoint's words and the resume command printed), an answered one lets it go on. Before, a key
 revoked or credits spent mid-run sent every remaining prompt to be refused, each one a failure."""
 
@@ -16,16 +16,27 @@ KEY = "sk-refused-0123456789abcdef"
 NO_CREDITS = {"error": {"message": f"Insufficient credits for key {KEY}. Add more credits", "code": 402}}
 
 
-def out_of_credits_after(answered: int):
-    """Answers the start check and the first ``answered`` prompt calls, then 402 to everything (probes
-    included), its message quoting the key as some gateways do."""
+# OpenAI's answer once the account's quota or credit is spent: a 429 that no wait ends.
+QUOTA_SPENT = {
+    "error": {
+        "message": "You exceeded your current quota, please check your plan and billing details.",
+        "type": "insufficient_quota",
+        "param": None,
+        "code": "insufficient_quota",
+    }
+}
+
+
+def out_of_credits_after(answered: int, refusal: tuple = (402, NO_CREDITS)):
+    """Answers the start check and the first ``answered`` prompt calls, then ``refusal`` to everything
+    (probes included): by default a 402 whose message quotes the key, as some gateways do."""
 
     def answer(call: dict, calls: list[dict]):
         if call["check"] and sum(1 for c in calls if c["check"]) == 1:
             return 200, OK_REPLY
         if not call["check"] and sum(1 for c in calls if not c["check"]) <= answered:
             return 200, OK_REPLY
-        return 402, NO_CREDITS
+        return refusal
 
     return answer
 
@@ -116,3 +127,73 @@ def test_a_refused_probe_stops_the_watch_and_an_answer_between_refusals_resets_i
     assert watch.dead and watch.refused == "HTTP 401: Invalid API key"
     # A failure to reach it after the stop starts nothing more.
     assert all(watch.report("http_503") is None for _ in range(20))
+
+
+def test_a_spent_quota_429_stops_the_run_instead_of_being_waited_out(tmp_path, capsys):
+    """OpenAI answers 429 ``insufficient_quota`` once the account's quota is spent. Waited out as a rate
+    limit, 20 prompts made 111 doomed calls in 300 s, 8 failed so far (each at its deadline); now each
+    such call fails at once as a refusal, and the refused-key stop ends the run."""
+    endpoint = ScriptedEndpoint(out_of_credits_after(3, (429, QUOTA_SPENT)))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(40)])
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
+            num_workers=2, prompts_per_worker=4, batch_size=10,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert code == EXIT_ENDPOINT_REFUSED, err
+    assert "were refused (last: insufficient_quota)" in err
+    assert "(HTTP 429: You exceeded your current quota" in err
+    assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8  # each refused call asked once
+    run_dir = tmp_path / "data" / "run"
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert {f["error_class"] for f in failed} <= {"insufficient_quota", "budget"}
+    assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 37
+
+
+def test_a_spent_quota_fails_the_start_check(tmp_path, capsys):
+    """Spent before the run: the start check's 429 ``insufficient_quota`` exits 2 at once, no prompt run.
+    Before, it was taken for a rate limit: "the run starts and waits as it must"."""
+    endpoint = ScriptedEndpoint(lambda call, calls: (429, QUOTA_SPENT))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(4)])
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "refused the start check" in err and "You exceeded your current quota" in err
+    assert endpoint.prompt_calls() == 0 and endpoint.checks() == 1
+
+
+def test_only_a_spent_quota_429_is_final():
+    """A 429 that says ``insufficient_quota`` (as its code or its type) fails the call as a refusal; any
+    other 429 (a rate limit, a provider's per-minute quota) is still waited out."""
+    from batchrun.prompt import httpclient
+    from batchrun.prompt.llm import _Retry, _status_error, refused
+
+    class Answer:  # what StatusError reads of a response
+        status, headers = 429, {}
+
+    def answer(body):
+        return _status_error(httpclient.StatusError(Answer(), body))
+
+    for body in (QUOTA_SPENT, {"error": {"message": "quota", "type": "insufficient_quota"}}):
+        error = answer(body)
+        assert isinstance(error, LLMError) and error.error_class == "insufficient_quota" and refused(error)
+    for body in (
+        {
+            "error": {
+                "message": "Rate limit reached for requests",
+                "type": "requests",
+                "code": "rate_limit_exceeded",
+            }
+        },
+        {"error": {"code": 429, "message": "Quota exceeded per minute", "status": "RESOURCE_EXHAUSTED"}},
+        None,
+    ):
+        assert isinstance(answer(body), _Retry)
