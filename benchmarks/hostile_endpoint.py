@@ -526,6 +526,7 @@ def run_attack(
         "disc": sorted({r.get("reason") for r in disc}),
         "fail": sorted({r.get("error_class") for r in fail}),
         # every row ended exactly once, but those the budget left for a resume (never started)
+        "rows_ended": len(ended),
         "once": len(ended) == len(set(ended))
         and set(ended) <= set(expected)
         and len(set(expected) - set(ended)) == (status.get("skipped_budget") or 0),
@@ -592,7 +593,15 @@ def main() -> int:
             + [f"failed {'/'.join(r['fail'])}"] * bool(r["fail"])
             + [f"{r['skipped_budget']} left for resume"] * bool(r["skipped_budget"])
         )
-        flags = ("" if r["once"] else " ROWS NOT ENDED ONCE") + (" KEY LEAKED" if r["leak"] else "")
+        refused_at_start = r["rc"] == 2 and args.at_start and not r["rows_ended"]
+        flags = (
+            ""
+            if r["once"]
+            else " (the start check refused: no row ran)"
+            if refused_at_start
+            else " ROWS NOT ENDED ONCE"
+        )
+        flags += " KEY LEAKED" if r["leak"] else ""
         flags += " KEY SENT TO ANOTHER ORIGIN" if r["other_origin_auth"] else ""
         print(
             f"{r['attack']:<20} {str(r['stream']).lower():<6} {r['rc']:>3} {r['wall_s']:>7} "
@@ -603,7 +612,7 @@ def main() -> int:
     bad = [
         r
         for r in results
-        if not (r["once"] or r["rc"] == 2 and args.at_start)
+        if not (r["once"] or r["rc"] == 2 and args.at_start and not r["rows_ended"])
         or r["leak"]
         or r["other_origin_auth"]
         or r["rc"] not in fine_rc

@@ -688,6 +688,9 @@ class LLMClient:
         self.on_usage = on_usage
         self.gate = gate
         self.on_failure = on_failure
+        # A 429 whose Retry-After asks a longer wait than this fails the call at once, its LLMError's
+        # ``retry_after_s`` saying the wait asked (the start check: --endpoint_grace). None: waited out.
+        self.rate_limit_patience_s: float | None = None
         bounds = httpclient.Bounds(body_bytes=max(1, int(cfg.max_response_mb * (1 << 20))))
         self._http = httpclient.Client(
             {**request_headers(cfg.api_key, cfg.base_url), **(headers or {})}, bounds=bounds
@@ -942,6 +945,9 @@ class LLMClient:
                 if self.on_failure is not None and retry.endpoint_fault:
                     self.on_failure(error.error_class)
                 if retry.rate_limited:
+                    patience = self.rate_limit_patience_s
+                    if patience is not None and retry_after is not None and retry_after > patience:
+                        raise _long_rate_limit(error, retry_after) from None
                     rate_limited += 1
                     wait = backoff_s(rate_limited, retry_after)
                     self.limiter.pause(wait)
@@ -1528,6 +1534,13 @@ def _status_error(exc: httpclient.StatusError) -> Exception:
     if status not in RETRYABLE_STATUS:
         return error
     return _Retry(error, retry_after_s(exc), endpoint_fault=status >= 500)
+
+
+def _long_rate_limit(error: LLMError, retry_after: float) -> LLMError:
+    """A 429 whose Retry-After asks a wait beyond the client's patience: the call's error, saying the wait."""
+    final = LLMError("http_429", f"{error} (Retry-After asks a wait of {retry_after:,.0f} s)", 429)
+    final.retry_after_s = retry_after
+    return final
 
 
 def error_message(exc: httpclient.StatusError) -> str:

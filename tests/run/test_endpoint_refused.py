@@ -197,3 +197,38 @@ def test_only_a_spent_quota_429_is_final():
         None,
     ):
         assert isinstance(answer(body), _Retry)
+
+
+def test_a_start_check_rate_limited_for_longer_than_the_grace_exits_2_at_once(tmp_path, capsys):
+    """A 429 whose Retry-After asks more than --endpoint_grace (a quota over for the day) was waited
+    110 s by the start check, then the run started, its prompts to fail. Now exit 2 at once, saying the
+    wait asked; a short Retry-After is still waited for, and the run goes on."""
+    day = {"error": {"message": "Rate limit reached for requests per day"}}
+    endpoint = ScriptedEndpoint(lambda call, calls: (429, day, {"Retry-After": "86400"}))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(4)])
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "rate limits the run for longer than --endpoint_grace (120 s)" in err
+    assert "Retry-After asks a wait of 86,400 s" in err and "No prompt was run" in err
+    assert endpoint.checks() == 1 and endpoint.prompt_calls() == 0
+
+    def briefly(call: dict, calls: list[dict]):
+        if call["check"] and len(calls) == 1:
+            return 429, day, {"Retry-After": "1"}
+        return 200, OK_REPLY
+
+    endpoint = ScriptedEndpoint(briefly)
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", run_name="brief", model="m", base_url=endpoint.base_url,
+            api_key=KEY,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    assert code == 0 and endpoint.checks() == 2 and endpoint.prompt_calls() == 4
