@@ -1169,6 +1169,7 @@ class RunConfig:
             request_timeout_s=self.request_timeout,
             max_response_mb=self.max_response_mb,
             max_retries=self.max_retries,
+            rate_limit_patience_s=self.endpoint_grace,
             dialect=self.endpoint_dialect,
             stream=self.stream,
             temperature=self.temperature,

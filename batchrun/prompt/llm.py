@@ -60,6 +60,9 @@ class LLMConfig:
     max_response_mb: float = 32.0  # the most an answer's decoded body (or a whole stream) may hold
     max_retries: int = 3  # retries of one call on 5xx, timeouts, dropped connections
     max_rate_limit_retries: int = 30  # 429s of one call waited out (run-wide pause) before it fails
+    # A 429 whose Retry-After asks a longer wait (at least MIN_RATE_LIMIT_PATIENCE_S) fails the call at
+    # once, a refusal (see refused): the run's --endpoint_grace. None: every 429 is waited out.
+    rate_limit_patience_s: float | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)  # computed by build_extra_body when empty
     dialect: str = "auto"  # one of DIALECTS: how reasoning controls and routing are spelled
     stream: bool = False  # ask for server-sent events (usage through stream_options.include_usage)
@@ -588,14 +591,17 @@ REFUSED_STATUS = frozenset({401, 402, 403})
 # OpenAI's 429 when the account's quota or credit is spent ("You exceeded your current quota"): not a rate
 # limit, no wait ends it. Waited out as one, a run of 20 prompts made 111 doomed calls in 300 s.
 QUOTA_SPENT = "insufficient_quota"
+MIN_RATE_LIMIT_PATIENCE_S = 30.0  # the least LLMConfig.rate_limit_patience_s, whatever --endpoint_grace
 
 
 def refused(exc: BaseException) -> bool:
-    """Whether a call's final error is a refusal of the key or the account (:data:`REFUSED_STATUS`, or a
-    spent quota), which every later call will meet too, rather than of this request."""
+    """Whether a call's final error is a refusal of the key or the account (:data:`REFUSED_STATUS`, a
+    spent quota, a 429 asking a longer wait than the run's patience), which every later call will meet
+    too, rather than of this request."""
     if not isinstance(exc, LLMError) or isinstance(exc, ContextLimitError):
         return False
-    return exc.status in REFUSED_STATUS or exc.error_class == QUOTA_SPENT
+    long_limit = getattr(exc, "retry_after_s", None) is not None  # see LLMConfig.rate_limit_patience_s
+    return exc.status in REFUSED_STATUS or exc.error_class == QUOTA_SPENT or long_limit
 
 
 def quota_spent(body: Any) -> bool:
@@ -688,9 +694,6 @@ class LLMClient:
         self.on_usage = on_usage
         self.gate = gate
         self.on_failure = on_failure
-        # A 429 whose Retry-After asks a longer wait than this fails the call at once, its LLMError's
-        # ``retry_after_s`` saying the wait asked (the start check: --endpoint_grace). None: waited out.
-        self.rate_limit_patience_s: float | None = None
         bounds = httpclient.Bounds(body_bytes=max(1, int(cfg.max_response_mb * (1 << 20))))
         self._http = httpclient.Client(
             {**request_headers(cfg.api_key, cfg.base_url), **(headers or {})}, bounds=bounds
@@ -945,9 +948,15 @@ class LLMClient:
                 if self.on_failure is not None and retry.endpoint_fault:
                     self.on_failure(error.error_class)
                 if retry.rate_limited:
-                    patience = self.rate_limit_patience_s
-                    if patience is not None and retry_after is not None and retry_after > patience:
-                        raise _long_rate_limit(error, retry_after) from None
+                    patience = self.cfg.rate_limit_patience_s
+                    if patience is not None and (retry_after or 0) > max(patience, MIN_RATE_LIMIT_PATIENCE_S):
+                        # Asked to come back later than the run waits for its endpoint (a quota over for
+                        # the day): waited out 120 s at a time, each prompt failed at its deadline, 35 min
+                        # on, and the next ones after it. Failed now, a refusal the run's watch counts.
+                        final = _long_rate_limit(error, retry_after or 0)
+                        if self.on_failure is not None:
+                            self.on_failure(final.error_class)
+                        raise final from None
                     rate_limited += 1
                     wait = backoff_s(rate_limited, retry_after)
                     self.limiter.pause(wait)

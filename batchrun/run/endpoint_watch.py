@@ -11,7 +11,7 @@ instead of failing every remaining prompt after its retries.
 
 The refused-key stop: when :data:`REFUSED_AFTER` model calls in a row are refused for the key's or the
 account's reasons (401, 402, 403: a key revoked mid-run, credits spent, an account suspended; OpenAI's
-429 ``insufficient_quota``), the run
+429 ``insufficient_quota``; a 429 whose Retry-After asks more than ``--endpoint_grace``), the run
 pauses the same way and sends one probe, the start check's minimal call. A probe refused too means every
 call will be: the run stops as above, with :data:`EXIT_ENDPOINT_REFUSED` (8) and the endpoint's own words.
 A probe answered means the refusals were the prompts' own (a provider's moderation answers 403 for the
@@ -167,8 +167,8 @@ class EndpointWatch:
             )
             return (
                 f"error: the endpoint refused the run's probe too ({self.refused[:300]}): the key or the "
-                "account is refused (revoked, out of credits, suspended); the run stops: no new prompt "
-                "starts and prompts in flight end"
+                "account is refused (revoked, out of credits, suspended), or rate limited for longer than "
+                "--endpoint_grace; the run stops: no new prompt starts and prompts in flight end"
             )
         if time.monotonic() - self.probing_since > self.grace_s:
             self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
@@ -218,4 +218,6 @@ def is_refusal(error_class: str | None) -> bool:
     return error_class in _REFUSAL_CLASSES
 
 
-_REFUSAL_CLASSES = frozenset({*(f"http_{status}" for status in REFUSED_STATUS), QUOTA_SPENT})
+# http_429: reported only when its Retry-After asks more than the run's patience (a rate limit waited
+# out is never reported; one that fails at the prompt's deadline is not a refusal).
+_REFUSAL_CLASSES = frozenset({*(f"http_{status}" for status in REFUSED_STATUS), QUOTA_SPENT, "http_429"})

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
 from batchrun.prompt.llm import (
+    MIN_RATE_LIMIT_PATIENCE_S,
     QUOTA_SPENT,
     LLMClient,
     LLMConfig,
@@ -40,8 +41,6 @@ from batchrun.secrets import Redactor
 REFUSALS = (400, 401, 403, 404, 422)  # the start check's answers that mean: this run cannot work
 CHECK_HEADER = "X-Batch-Runner-Check"  # marks the start check's call (the fake model does not count it)
 UNAVAILABLE = 503  # "there, not ready yet": llama.cpp's answer to every request while it loads its model
-# The least wait a start check's 429 may ask and still be waited for (with --endpoint_grace under it).
-MIN_PATIENCE_S = 30.0
 UNAVAILABLE_POLL_S = 2.0  # how often the start check asks again an endpoint that answers 503
 # How a 503 says "loading": llama-server's {"error": {"message": "Loading model", "type":
 # "unavailable_error"}}, a Hugging Face endpoint's "Model ... is currently loading". Any other 503 (a
@@ -252,13 +251,13 @@ def check_chat(
         stream=False,
         request_timeout_s=min(cfg.request_timeout_s, 120.0),
     )
+    # A 429 asking a longer wait than the run gives an endpoint to come back is not waited for: a quota
+    # over for the day (Retry-After: 86400) was waited 110 s, then the run started, each prompt to fail.
+    patience = max(unavailable.grace_s if unavailable is not None else 0.0, MIN_RATE_LIMIT_PATIENCE_S)
+    check = dataclasses.replace(check, rate_limit_patience_s=patience)
     client = LLMClient(
         check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None, gate=gate
     )  # the run warns of odd usage
-    # A 429 asking a longer wait than the run gives an endpoint to come back is not waited for: a quota
-    # over for the day (Retry-After: 86400) was waited 110 s, then the run started, each prompt to fail.
-    patience = max(unavailable.grace_s if unavailable is not None else 0.0, MIN_PATIENCE_S)
-    client.rate_limit_patience_s = patience
     shown = safe_url(cfg.base_url)
     usage = Usage()
     try:

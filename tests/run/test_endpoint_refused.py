@@ -232,3 +232,27 @@ def test_a_start_check_rate_limited_for_longer_than_the_grace_exits_2_at_once(tm
     finally:
         endpoint.close()
     assert code == 0 and endpoint.checks() == 2 and endpoint.prompt_calls() == 4
+
+
+def test_a_429_asking_a_longer_wait_than_the_grace_mid_run_stops_it(tmp_path, capsys):
+    """A quota over for the day mid-run (429, Retry-After: 86400): each call waited 120 s at a time, and
+    each prompt failed at its deadline (30 min and the 5 min its pauses are credited), then the next
+    ones. Now such a call fails at once as a refusal, and the refused-key stop ends the run (exit 8)."""
+    day = {"error": {"message": "Rate limit reached for requests per day"}}
+    endpoint = ScriptedEndpoint(out_of_credits_after(3, (429, day, {"Retry-After": "86400"})))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(40)])
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
+            num_workers=2, prompts_per_worker=4, batch_size=10,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert code == EXIT_ENDPOINT_REFUSED, err
+    assert "were refused (last: http_429)" in err
+    assert "(HTTP 429: Rate limit reached for requests per day (Retry-After asks a wait of 86,400 s))" in err
+    assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8 and endpoint.checks() == 2
+    run_dir = tmp_path / "data" / "run"
+    assert {f["error_class"] for f in read_jsonl(run_dir / "failed.jsonl")} <= {"http_429", "budget"}
+    assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 37
