@@ -503,6 +503,8 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
             "the OPENROUTER_API_KEY or OPENAI_API_KEY environment variable is safer",
             file=sys.stderr,
         )
+    for line in key_destination_warnings(config):
+        print(line, file=sys.stderr)
     for flag in ("base_url", "judge_base_url"):
         if url_secrets(getattr(config, flag) or ""):
             print(
@@ -534,6 +536,38 @@ def check_before_start(config: RunConfig) -> dict[str, Any]:
         except RaySetupError as exc:
             raise UsageError(str(exc)) from None
     return config.sandbox_options()
+
+
+def key_destination_warnings(config: RunConfig) -> list[str]:
+    """Where the run's key goes, when that may not be meant: OPENROUTER_API_KEY (read before
+    OPENAI_API_KEY, as the reference reads them) sent to another host than OpenRouter, and any key sent
+    without TLS to a host that is not this machine's. The endpoint given the key can use it; before, no
+    word said so (an OpenRouter key in the environment went to whatever --base_url named)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if config.is_mock or not config.resolved_api_key:
+        return []
+    parts = urlsplit(config.base_url)
+    host = (parts.hostname or "").lower()
+    try:
+        local = host == "localhost" or host.endswith(".localhost") or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if local:
+        return []
+    lines = []
+    from_openrouter_var = not config.api_key and bool(os.environ.get("OPENROUTER_API_KEY"))
+    if from_openrouter_var and host != "openrouter.ai" and not host.endswith(".openrouter.ai"):
+        lines.append(
+            f"warning: the key in OPENROUTER_API_KEY is sent to {host}, which is not OpenRouter; pass the key "
+            "that endpoint should get with --api_key (or OPENAI_API_KEY, with OPENROUTER_API_KEY unset)"
+        )
+    if parts.scheme == "http":
+        lines.append(
+            f"warning: the key is sent to {host} without TLS (http://): anyone on the way can read it"
+        )
+    return lines
 
 
 def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:

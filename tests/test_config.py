@@ -275,3 +275,42 @@ def test_config_is_frozen_and_typed(tmp_path):
     assert config.providers_order == ("a", "b")
     with pytest.raises(AttributeError):
         config.batch_size = 4  # type: ignore[misc]
+
+
+def test_a_key_bound_for_another_host_or_without_tls_is_warned_of(tmp_path, monkeypatch):
+    """OPENROUTER_API_KEY is read first (as the reference reads it) and went to whatever --base_url
+    named, without a word: now the run says so when that host is not OpenRouter, and whenever a key goes
+    over plain http to a host that is not this machine's. The key itself is never in the warning."""
+    from batchrun.cli import key_destination_warnings
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+
+    def warnings(**flags) -> str:
+        flags = {"model": "m", **flags}
+        config = RunConfig.from_flags(
+            dataset_file=str(tmp_path / "d.jsonl"),
+            batch_size=1,
+            run_name="r",
+            output_dir=str(tmp_path),
+            **flags,
+        )
+        lines = key_destination_warnings(config)
+        assert all(KEY not in line for line in lines)
+        return "\n".join(lines)
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("OPENROUTER_API_KEY", KEY)
+    assert warnings() == ""  # the default --base_url: OpenRouter's
+    said = warnings(base_url="https://api.together.xyz/v1")
+    assert "OPENROUTER_API_KEY is sent to api.together.xyz, which is not OpenRouter" in said
+    assert "without TLS" not in said
+    both = warnings(base_url="http://10.0.0.5:8000/v1")
+    assert "sent to 10.0.0.5, which is not OpenRouter" in both and "sent to 10.0.0.5 without TLS" in both
+    for local in ("http://127.0.0.1:8080/v1", "http://localhost:8000/v1", "http://[::1]:8000/v1"):
+        assert warnings(base_url=local) == ""  # this machine's own server
+    assert warnings(base_url="https://api.together.xyz/v1", api_key=KEY) == ""  # the key given for it
+    monkeypatch.delenv("OPENROUTER_API_KEY")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # the variable any OpenAI-compatible client reads: no word
+    assert warnings(base_url="https://api.together.xyz/v1") == ""
+    assert "without TLS" in warnings(base_url="http://gpu-box.internal:8000/v1")
+    assert warnings(model="mock") == ""
