@@ -1355,6 +1355,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
     finish_reason = None
     done = False
     generated = 0  # characters of the reply so far: what a stream cut short had cost (see unanswered_tokens)
+    chosen = False  # a chunk carried a choice
     try:
         for line in raw.iter_lines():
             if deadline is not None and time.monotonic() > deadline:
@@ -1391,6 +1392,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             for choice in _shaped(chunk.get("choices"), list, "choices"):
                 if not isinstance(choice, dict):
                     continue
+                chosen = True
                 if choice.get("index", 0) != 0:  # a second choice: see _parse_payload
                     raise httpclient.BadResponse(
                         f"the streamed answer holds a choice of index {str(choice.get('index'))[:40]!r} "
@@ -1444,6 +1446,11 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             f"the streamed reply from {getattr(raw, 'url', 'the endpoint')} ended mid-answer "
             "(no finish_reason and no [DONE]: the connection closed or the body ended early)",
         )
+    if not chosen:
+        # No chunk held a choice (a bare [DONE], or usage alone): no answer at all, as a body without
+        # choices is (_parse_payload). Kept, it was an empty answer with no finish_reason, set aside as
+        # the model's own (a discard no --resume runs again) where a plain reply's was retried.
+        raise httpclient.BadResponse("the streamed reply held no choice: no answer in it")
     message["content"] = "".join(texts["content"])
     if any(thinking):  # as a plain reply carries them, so that both are read by one parser
         thought = {"type": "thinking", "thinking": [{"type": "text", "text": "".join(thinking)}]}

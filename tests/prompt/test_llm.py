@@ -830,14 +830,21 @@ def _delta(text: str, index: int = 0, role: str | None = None, finish: str | Non
             _sse([_delta("The answer is 4.", finish="stop"), _delta("The answer is 5.", 1, finish="stop")]),
         ),
         (True, _sse([_delta("The answer is 4.", role="user", finish="stop")])),
+        (False, {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 0}}),
+        (True, b"data: [DONE]\n\n"),
+        (True, _sse([{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 0}}])),
     ],
-    ids=["two_choices", "role_user", "role_tool", "stream_two_choices", "stream_role_user"],
-)
+    ids=[
+        "two_choices", "role_user", "role_tool", "stream_two_choices", "stream_role_user", "no_choice",
+        "stream_done_alone", "stream_usage_alone",
+    ],
+)  # fmt: skip
 def test_an_ambiguous_reply_is_a_bad_response_not_its_first_choice(stream, reply):
     """A reply of several choices (n was never asked for) was read as its first, and a message of another
     role than the assistant's as the assistant's: kept as a good sample, though nothing says which of the
     endpoint's answers is the model's turn. Each is a bad response: retried, then a failure that --resume
-    runs again."""
+    runs again. So is a reply with no choice at all; streamed (a bare [DONE], usage alone), it was kept
+    as an empty answer without a finish_reason, a discard no --resume runs again."""
     from helpers import ScriptedEndpoint
 
     with ScriptedEndpoint(lambda call, calls: (200, reply)) as endpoint:
