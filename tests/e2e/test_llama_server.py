@@ -409,6 +409,56 @@ def test_a_server_that_stays_down_ends_the_run_at_once_and_names_the_endpoint(
     assert len(failed) == 4  # each in flight once, for --resume
 
 
+def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_key_ends_every_prompt(
+    tmp_path_factory, tmp_path, monkeypatch, capsys
+):
+    """llama-server restarted with another --api-key while ten prompts run their tool: each next call is
+    refused (401), and after 8 in a row and a refused probe the run stops (exit 8) instead of failing
+    every remaining prompt; a --resume with the new key then ends each prompt exactly once."""
+    old_key, new_key = "sk-llama-old-key-7d1e", "sk-llama-new-key-93ab"
+    for env in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    script = Script(calls=[("terminal", {"command": "sleep 2; echo slept"})], answer="Done.")
+    server = _server(tmp_path_factory, "rotated", script, extra_args=("--api-key", old_key))
+
+    def rotate():  # the start check and the ten first calls answered: the prompts are in their `sleep 2`
+        until = time.monotonic() + 120
+        while server.log_tail(400).count("prompt eval time") < 11 and time.monotonic() < until:
+            time.sleep(0.05)
+        server.stop()
+        server.extra_args = ("--api-key", new_key)
+        server.start()
+
+    prompts = [f"Sleep, then answer ({i})." for i in range(10)]
+    dataset = write_jsonl(tmp_path / "rotated.jsonl", prompts)
+    args = dict(
+        dataset_file=str(dataset), batch_size=5, run_name="rotated", model=REQUESTED,
+        base_url=server.base_url, output_dir=str(tmp_path / "out"), num_workers=1,
+        prompts_per_worker=10, distribution="terminal_only", keep_no_reasoning=True, max_turns=4,
+    )  # fmt: skip
+    chaos = threading.Thread(target=rotate, daemon=True)
+    chaos.start()
+    try:
+        code = batch_runner.main(api_key=old_key, **args)
+        chaos.join()
+        err = capsys.readouterr().err
+        assert code == 8, err
+        assert "refused the run's probe too (HTTP 401" in err
+        run_dir = tmp_path / "out" / "rotated"
+        assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 10
+        assert batch_runner.main(api_key=new_key, resume=True, **args) == 0
+    finally:
+        chaos.join()
+        server.stop()
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["conversations"][1]["value"] for r in records) == prompts
+    assert all(r["completed"] for r in records)
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert not [
+        p for p in written if old_key.encode() in p.read_bytes() or new_key.encode() in p.read_bytes()
+    ]
+
+
 def test_a_server_with_an_api_key_stops_a_run_without_it_at_start_and_never_sees_it_written(
     tmp_path_factory, tmp_path, capsys, monkeypatch
 ):
