@@ -48,9 +48,10 @@ EXIT_ENDPOINT_REFUSED = 8  # (6 and 7 are batchrun.cli's)
 def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | None = None) -> bool | LLMError:
     """One minimal chat call (the start check's): True when the endpoint answered at all, False when it
     did not (refused the connection, timed out, 5xx), the error itself when it refused the key or the
-    account (:func:`~batchrun.prompt.llm.refused`: 401, 402, 403, a spent quota). An answer's usage is added to ``usage``: a probe costs what any call
-    costs, and the run counts it. ``gate``: the run's budget (batchrun/run/dispatch.py's ProbeGate),
-    asked first; a probe it refuses is not sent."""
+    account (:func:`~batchrun.prompt.llm.refused`: 401, 402, 403, a spent quota, a 429 asking a longer
+    wait than ``cfg.rate_limit_patience_s``). An answer's usage is added to ``usage``: a probe costs
+    what any call costs, and the run counts it. ``gate``: the run's budget (batchrun/run/dispatch.py's
+    ProbeGate), asked first; a probe it refuses is not sent."""
     from batchrun.run.preflight import CHECK_HEADER
 
     check = dataclasses.replace(
@@ -87,7 +88,7 @@ class EndpointWatch:
         """``pause(until)``: hold every request of the run until then; ``lift(until)``: that pause is over."""
         self.cfg, self.grace_s, self._pause, self._probe, self._lift = cfg, grace_s, pause, probe, lift
         self.failures = 0  # in a row, since the last answer
-        self.refusals = 0  # calls refused (REFUSED_STATUS) in a row, since the last answer
+        self.refusals = 0  # calls refused (llm.refused) in a row, since the last answer
         self.probing_since: float | None = None
         self.dead = False
         self.dead_at: float | None = None
