@@ -1066,6 +1066,10 @@ class LLMClient:
                 # An error event mid-answer from the server's side (an upstream that went away): asked
                 # again like a 5xx before the answer began; a 4xx event (the request's fault) is final.
                 return _Retry(exc, endpoint_fault=True)
+            if exc.error_class == "http_429":  # a rate limit said in the body: waited out as the status is
+                return _Retry(exc, rate_limited=True)
+            if exc.status in RETRYABLE_STATUS:  # 408, 409, 425: asked again, as the status is
+                return _Retry(exc)
             return exc
         if isinstance(exc, ValueError):  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
             return _Retry(LLMError("bad_response", f"endpoint answered with an invalid response: {exc}"))
@@ -1198,9 +1202,34 @@ def retry_after_s(exc: httpclient.StatusError) -> float | None:
     return None
 
 
+def _answered_error(body: dict[str, Any], *, streamed: bool) -> LLMError:
+    """The error an answer carries in its body (``{"error": {"code": 402, "message": ...}}``), as its
+    status would say it: OpenRouter answers 200 and puts an error met while the model was producing
+    the output in the body, or in a stream's event. Its ``code``, when a status, gives the class
+    (``http_402``; a spent quota's 429 is ``insufficient_quota``), read as that status is
+    (:meth:`LLMClient._attempt_error`: a 5xx tried again, a 4xx final, a refusal counted); without
+    one, a stream's is ``stream_error`` (tried again), a plain body's a ``bad_response`` (tried again)."""
+    err = body["error"]
+    msg = err.get("message") if isinstance(err, dict) else str(err)
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599 else None
+    text = f"HTTP {status or ('stream' if streamed else 200)}: {str(msg)[:ERROR_TEXT_CHARS]}"
+    if is_context_limit(status, body, text):
+        return ContextLimitError("context_limit", text, status)
+    if status == 429 and quota_spent(body):
+        return LLMError(QUOTA_SPENT, text, status)
+    if status is not None:
+        return LLMError(f"http_{status}", text, status)
+    if streamed:
+        return LLMError("stream_error", text)
+    return LLMError("bad_response", f"endpoint answered an error without choices: {text}")
+
+
 def _parse_payload(data: Any) -> AssistantTurn:
     """A chat.completion JSON body → AssistantTurn (reasoning from any of the native fields)."""
     choices = data.get("choices") if isinstance(data, dict) else None
+    if not choices and isinstance(data, dict) and data.get("error") is not None:
+        raise _answered_error(data, streamed=False)
     if (
         not isinstance(choices, list)
         or not choices
@@ -1373,14 +1402,7 @@ def _read_stream(raw: Any, deadline: float | None = None, max_bytes: int | None 
             if not isinstance(chunk, dict):
                 continue
             if chunk.get("error") is not None:
-                err = chunk["error"]
-                msg = err.get("message") if isinstance(err, dict) else str(err)
-                code = err.get("code") if isinstance(err, dict) else None
-                status = code if isinstance(code, int) else None
-                text = f"HTTP {status or 'stream'}: {str(msg)[:ERROR_TEXT_CHARS]}"
-                if is_context_limit(status, chunk, text):
-                    raise ContextLimitError("context_limit", text, status)
-                raise LLMError(f"http_{status}" if status else "stream_error", text, status)
+                raise _answered_error(chunk, streamed=True)
             for key in ("model", "provider", "id"):
                 if isinstance(chunk.get(key), str):
                     out[key] = chunk[key]

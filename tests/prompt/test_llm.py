@@ -867,3 +867,38 @@ def test_a_reply_of_one_choice_whose_message_names_no_role_is_read():
         with ScriptedEndpoint(lambda call, calls, body=body: (200, body)) as endpoint:
             cfg = LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", stream=stream)
             assert LLMClient(cfg).chat(_user("hi"), []).content == "OK"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_an_error_in_an_answers_body_is_read_as_its_code_says(stream):
+    """OpenRouter answers 200 and puts an error met while the model was producing the output in the body
+    (or a stream's event): ``{"error": {"code": 502, "message": ...}}``. A plain body's was a bad_response
+    whatever its code (a spent account's 402 asked again, a provider's 502 not an endpoint failure); a
+    streamed 429 failed the call. Each is now read as its status would be: 5xx asked again and counted an
+    endpoint failure, 429 waited out, 402 final and a refusal, no code a bad_response asked again."""
+    from helpers import ScriptedEndpoint
+
+    def body(code: int | None, message: str) -> bytes | dict:
+        error = {"error": {"message": message, **({"code": code} if code else {})}}
+        return b"data: " + json.dumps(error).encode() + b"\n\n" if stream else error
+
+    ok = _sse([_delta("OK", finish="stop")]) if stream else {"choices": [_choice("OK")]}
+    cases = [  # (the first answer, what the call ends with, requests made, what on_failure was told)
+        (body(502, "Provider returned error"), "http_502", 2, ["http_502", "http_502"]),
+        (body(402, "Insufficient credits"), "http_402", 1, ["http_402"]),
+        (body(None, "Something went wrong"), "bad_response" if not stream else "stream_error", 2, None),
+    ]
+    for first, error_class, requests, told in cases:
+        seen: list[str | None] = []
+        with ScriptedEndpoint(lambda call, calls, first=first: (200, first)) as endpoint:
+            cfg = LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=1, stream=stream)
+            client = LLMClient(cfg, on_failure=seen.append)
+            with pytest.raises(LLMError) as info:
+                client.chat(_user("hi"), [], deadline=time.monotonic() + 30.0)
+        assert (info.value.error_class, len(endpoint.calls)) == (error_class, requests), info.value
+        assert told is None or seen == told
+    limited = body(429, "Rate limit exceeded")
+    with ScriptedEndpoint(lambda call, calls: (200, limited if len(calls) == 1 else ok)) as endpoint:
+        cfg = LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=0, stream=stream)
+        assert LLMClient(cfg).chat(_user("hi"), []).content == "OK"  # waited out, as a 429 status is
+    assert len(endpoint.calls) == 2
