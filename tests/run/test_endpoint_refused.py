@@ -27,9 +27,9 @@ QUOTA_SPENT = {
 }
 
 
-def out_of_credits_after(answered: int, refusal: tuple = (402, NO_CREDITS)):
+def out_of_credits_after(answered: int, refusal: tuple):
     """Answers the start check and the first ``answered`` prompt calls, then ``refusal`` to everything
-    (probes included): by default a 402 whose message quotes the key, as some gateways do."""
+    (probes included)."""
 
     def answer(call: dict, calls: list[dict]):
         if call["check"] and sum(1 for c in calls if c["check"]) == 1:
@@ -41,27 +41,32 @@ def out_of_credits_after(answered: int, refusal: tuple = (402, NO_CREDITS)):
     return answer
 
 
-def test_credits_spent_mid_run_stop_it_with_its_own_exit_code_and_the_endpoints_words(tmp_path, capsys):
-    endpoint = ScriptedEndpoint(out_of_credits_after(3))
-    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(60)])
+def refused_from_the_fourth_call(tmp_path, capsys, refusal: tuple, prompts: int):
+    """A run of ``prompts`` rows (2 workers x 4) against an endpoint that answers the start check and the
+    first 3 prompt calls, then ``refusal`` to every call: its exit code, its console, the endpoint, and
+    the run's directory."""
+    endpoint = ScriptedEndpoint(out_of_credits_after(3, refusal))
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(prompts)])
     try:
         code = exit_code(
             None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-            num_workers=2, prompts_per_worker=4, batch_size=10, endpoint_grace=30,
+            num_workers=2, prompts_per_worker=4, batch_size=10,
         )  # fmt: skip
     finally:
         endpoint.close()
-    err = capsys.readouterr().err
-    assert code == EXIT_ENDPOINT_REFUSED, (
-        err
-    )  # before: every one of the 57 prompts failed http_402 (exit 3; 0 at the tests' max_failure_rate)
+    return code, capsys.readouterr().err, endpoint, tmp_path / "data" / "run"
+
+
+def test_credits_spent_mid_run_stop_it_with_its_own_exit_code_and_the_endpoints_words(tmp_path, capsys):
+    code, err, endpoint, run_dir = refused_from_the_fourth_call(tmp_path, capsys, (402, NO_CREDITS), 60)
+    # Before: every one of the 57 prompts failed http_402 (exit 3; 0 at the tests' max_failure_rate).
+    assert code == EXIT_ENDPOINT_REFUSED, err
     assert "were refused (last: http_402)" in err
     assert "HTTP 402: Insufficient credits" in err and "resume=True" in err
     assert endpoint.checks() == 2  # the start check, then one probe: refused, so the run stops
     # Without the stop: 60 prompt calls. With it: the 3 answered, the refusals that tripped it and what
     # was in flight (8 slots).
     assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8
-    run_dir = tmp_path / "data" / "run"
     stats = json.loads((run_dir / "statistics.json").read_text())
     # The 3 answered prompts ended (kept, or set aside: "OK" has no reasoning); nothing else is lost.
     assert stats["trajectories"] + stats["discarded"]["total"] == 3 and stats["remaining_for_resume"] == 57
@@ -133,38 +138,34 @@ def test_a_spent_quota_429_stops_the_run_instead_of_being_waited_out(tmp_path, c
     """OpenAI answers 429 ``insufficient_quota`` once the account's quota is spent. Waited out as a rate
     limit, 20 prompts made 111 doomed calls in 300 s, 8 failed so far (each at its deadline); now each
     such call fails at once as a refusal, and the refused-key stop ends the run."""
-    endpoint = ScriptedEndpoint(out_of_credits_after(3, (429, QUOTA_SPENT)))
-    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(40)])
-    try:
-        code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-            num_workers=2, prompts_per_worker=4, batch_size=10,
-        )  # fmt: skip
-    finally:
-        endpoint.close()
-    err = capsys.readouterr().err
+    code, err, endpoint, run_dir = refused_from_the_fourth_call(tmp_path, capsys, (429, QUOTA_SPENT), 40)
     assert code == EXIT_ENDPOINT_REFUSED, err
     assert "were refused (last: insufficient_quota)" in err
     assert "(HTTP 429: You exceeded your current quota" in err
     assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8  # each refused call asked once
-    run_dir = tmp_path / "data" / "run"
     failed = read_jsonl(run_dir / "failed.jsonl")
     assert {f["error_class"] for f in failed} <= {"insufficient_quota", "budget"}
     assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 37
 
 
-def test_a_spent_quota_fails_the_start_check(tmp_path, capsys):
-    """Spent before the run: the start check's 429 ``insufficient_quota`` exits 2 at once, no prompt run.
-    Before, it was taken for a rate limit: "the run starts and waits as it must"."""
-    endpoint = ScriptedEndpoint(lambda call, calls: (429, QUOTA_SPENT))
+def four_rows_against(tmp_path, capsys, answer, **flags):
+    """A run of four rows against an endpoint whose every answer ``answer`` gives: its exit code, its
+    console and the endpoint."""
+    endpoint = ScriptedEndpoint(answer)
     dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(4)])
     try:
         code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-        )  # fmt: skip
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY, **flags
+        )
     finally:
         endpoint.close()
-    err = capsys.readouterr().err
+    return code, capsys.readouterr().err, endpoint
+
+
+def test_a_spent_quota_fails_the_start_check(tmp_path, capsys):
+    """Spent before the run: the start check's 429 ``insufficient_quota`` exits 2 at once, no prompt run.
+    Before, it was taken for a rate limit: "the run starts and waits as it must"."""
+    code, err, endpoint = four_rows_against(tmp_path, capsys, lambda call, calls: (429, QUOTA_SPENT))
     assert code == 2, err
     assert "refused the start check" in err and "You exceeded your current quota" in err
     assert endpoint.prompt_calls() == 0 and endpoint.checks() == 1
@@ -204,15 +205,9 @@ def test_a_start_check_rate_limited_for_longer_than_the_grace_exits_2_at_once(tm
     110 s by the start check, then the run started, its prompts to fail. Now exit 2 at once, saying the
     wait asked; a short Retry-After is still waited for, and the run goes on."""
     day = {"error": {"message": "Rate limit reached for requests per day"}}
-    endpoint = ScriptedEndpoint(lambda call, calls: (429, day, {"Retry-After": "86400"}))
-    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(4)])
-    try:
-        code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-        )  # fmt: skip
-    finally:
-        endpoint.close()
-    err = capsys.readouterr().err
+    code, err, endpoint = four_rows_against(
+        tmp_path, capsys, lambda c, cs: (429, day, {"Retry-After": "86400"})
+    )
     assert code == 2, err
     assert "rate limits the run for longer than --endpoint_grace (120 s)" in err
     assert "Retry-After asks a wait of 86,400 s" in err and "No prompt was run" in err
@@ -223,14 +218,7 @@ def test_a_start_check_rate_limited_for_longer_than_the_grace_exits_2_at_once(tm
             return 429, day, {"Retry-After": "1"}
         return 200, OK_REPLY
 
-    endpoint = ScriptedEndpoint(briefly)
-    try:
-        code = exit_code(
-            None, dataset, tmp_path / "data", run_name="brief", model="m", base_url=endpoint.base_url,
-            api_key=KEY,
-        )  # fmt: skip
-    finally:
-        endpoint.close()
+    code, _, endpoint = four_rows_against(tmp_path, capsys, briefly, run_name="brief")
     assert code == 0 and endpoint.checks() == 2 and endpoint.prompt_calls() == 4
 
 
@@ -239,20 +227,11 @@ def test_a_429_asking_a_longer_wait_than_the_grace_mid_run_stops_it(tmp_path, ca
     each prompt failed at its deadline (30 min and the 5 min its pauses are credited), then the next
     ones. Now such a call fails at once as a refusal, and the refused-key stop ends the run (exit 8)."""
     day = {"error": {"message": "Rate limit reached for requests per day"}}
-    endpoint = ScriptedEndpoint(out_of_credits_after(3, (429, day, {"Retry-After": "86400"})))
-    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(40)])
-    try:
-        code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-            num_workers=2, prompts_per_worker=4, batch_size=10,
-        )  # fmt: skip
-    finally:
-        endpoint.close()
-    err = capsys.readouterr().err
+    refusal = (429, day, {"Retry-After": "86400"})
+    code, err, endpoint, run_dir = refused_from_the_fourth_call(tmp_path, capsys, refusal, 40)
     assert code == EXIT_ENDPOINT_REFUSED, err
     assert "were refused (last: http_429)" in err
     assert "(HTTP 429: Rate limit reached for requests per day (Retry-After asks a wait of 86,400 s))" in err
     assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8 and endpoint.checks() == 2
-    run_dir = tmp_path / "data" / "run"
     assert {f["error_class"] for f in read_jsonl(run_dir / "failed.jsonl")} <= {"http_429", "budget"}
     assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 37
