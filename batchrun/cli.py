@@ -438,9 +438,9 @@ def _stopped_early(
     if dispatch.endpoint_refused is not None:
         return EXIT_ENDPOINT_REFUSED, (
             f"The run stopped: the endpoint refused its calls and a probe ({dispatch.endpoint_refused}): "
-            "the key or the account is refused (revoked, out of credits, suspended), or rate limited "
-            "for longer than --endpoint_grace. When that is over, continue with:\n  "
-            + recorder.redact(resume_command())
+            "the key or the account is refused (revoked, out of credits, suspended), the model is gone, "
+            "or the run is rate limited for longer than --endpoint_grace. When that is over, continue "
+            "with:\n  " + recorder.redact(resume_command())
         )
     if dispatch.endpoint_dead:
         return EXIT_ENDPOINT_DEAD, (

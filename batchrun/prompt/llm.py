@@ -584,10 +584,11 @@ def record_usage(usage: Usage | None, resp: Any) -> None:
 
 ERROR_TEXT_CHARS = 1000  # of an endpoint's error message: it goes into every failed record and the log
 RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
-# The key or the account refused (a key revoked, credits spent, an account suspended), or the request's
-# own content did (a provider's moderation answers 403): reported to ``on_failure``, whose watch tells
-# the two apart with one probe (batchrun/run/endpoint_watch.py).
-REFUSED_STATUS = frozenset({401, 402, 403})
+# The key or the account refused (a key revoked, credits spent, an account suspended) or the model gone
+# (404: retired mid-run), or the request's own content did (a provider's moderation answers 403, and
+# OpenRouter 404 when no provider takes its image): reported to ``on_failure``, whose watch tells the
+# two apart with one probe (batchrun/run/endpoint_watch.py).
+REFUSED_STATUS = frozenset({401, 402, 403, 404})
 # OpenAI's 429 when the account's quota or credit is spent ("You exceeded your current quota"): not a rate
 # limit, no wait ends it. Waited out as one, a run of 20 prompts made 111 doomed calls in 300 s.
 QUOTA_SPENT = "insufficient_quota"

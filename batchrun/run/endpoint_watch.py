@@ -10,7 +10,8 @@ after :data:`DRAIN_S`), and the run exits with :data:`EXIT_ENDPOINT_DEAD` (5), p
 instead of failing every remaining prompt after its retries.
 
 The refused-key stop: when :data:`REFUSED_AFTER` model calls in a row are refused for the key's or the
-account's reasons (401, 402, 403: a key revoked mid-run, credits spent, an account suspended; OpenAI's
+account's reasons (401, 402, 403, 404: a key revoked mid-run, credits spent, an account suspended, the
+model retired; OpenAI's
 429 ``insufficient_quota``; a 429 whose Retry-After asks more than ``--endpoint_grace``), the run
 pauses the same way and sends one probe, the start check's minimal call. A probe refused too means every
 call will be: the run stops as above, with :data:`EXIT_ENDPOINT_REFUSED` (8) and the endpoint's own words.
@@ -48,7 +49,7 @@ EXIT_ENDPOINT_REFUSED = 8  # (6 and 7 are batchrun.cli's)
 def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | None = None) -> bool | LLMError:
     """One minimal chat call (the start check's): True when the endpoint answered at all, False when it
     did not (refused the connection, timed out, 5xx), the error itself when it refused the key or the
-    account (:func:`~batchrun.prompt.llm.refused`: 401, 402, 403, a spent quota, a 429 asking a longer
+    account (:func:`~batchrun.prompt.llm.refused`: 401-404, a spent quota, a 429 asking a longer
     wait than ``cfg.rate_limit_patience_s``). An answer's usage is added to ``usage``: a probe costs
     what any call costs, and the run counts it. ``gate``: the run's budget (batchrun/run/dispatch.py's
     ProbeGate), asked first; a probe it refuses is not sent."""
@@ -168,8 +169,9 @@ class EndpointWatch:
             )
             return (
                 f"error: the endpoint refused the run's probe too ({self.refused[:300]}): the key or the "
-                "account is refused (revoked, out of credits, suspended), or rate limited for longer than "
-                "--endpoint_grace; the run stops: no new prompt starts and prompts in flight end"
+                "account is refused (revoked, out of credits, suspended), the model is gone, or the run is "
+                "rate limited for longer than --endpoint_grace; the run stops: no new prompt starts and "
+                "prompts in flight end"
             )
         if time.monotonic() - self.probing_since > self.grace_s:
             self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()

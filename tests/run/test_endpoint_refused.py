@@ -235,3 +235,14 @@ def test_a_429_asking_a_longer_wait_than_the_grace_mid_run_stops_it(tmp_path, ca
     assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8 and endpoint.checks() == 2
     assert {f["error_class"] for f in read_jsonl(run_dir / "failed.jsonl")} <= {"http_429", "budget"}
     assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 37
+
+
+def test_a_model_retired_mid_run_stops_it(tmp_path, capsys):
+    """The model gone mid-run (404 to every call, the probe too) stops the run as a refused key does; a
+    404 of a prompt's own (no provider takes its image) is told apart by the probe, as a 403 is."""
+    gone = {"error": {"message": "The model `m` does not exist", "code": 404}}
+    code, err, endpoint, run_dir = refused_from_the_fourth_call(tmp_path, capsys, (404, gone), 30)
+    assert code == EXIT_ENDPOINT_REFUSED, err
+    assert "(HTTP 404: The model `m` does not exist)" in err and "the model is gone" in err
+    assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8
+    assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 27
