@@ -13,10 +13,11 @@ The refused-key stop: when :data:`REFUSED_AFTER` model calls in a row are refuse
 account's reasons (401, 402, 403, 404: a key revoked mid-run, credits spent, an account suspended, the
 model retired; OpenAI's
 429 ``insufficient_quota``; a 429 whose Retry-After asks more than ``--endpoint_grace``), the run
-pauses the same way and sends one probe, the start check's minimal call. A probe refused too means every
-call will be: the run stops as above, with :data:`EXIT_ENDPOINT_REFUSED` (8) and the endpoint's own words.
-A probe answered means the refusals were the prompts' own (a provider's moderation answers 403 for the
-prompt it flags): the run goes on. Before, every remaining prompt was sent and refused, each a failure.
+pauses the same way and probes it, the start check's minimal call every :data:`PROBE_EVERY_S`. A probe
+answered means the refusals were the prompts' own (a provider's moderation answers 403 for the prompt it
+flags), or that the refusal is over (credits topped up): the run goes on. Probes still refused after
+``--endpoint_grace`` mean every call will be: the run stops as above, with :data:`EXIT_ENDPOINT_REFUSED`
+(8) and the endpoint's own words. Before, every remaining prompt was sent and refused, each a failure.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class EndpointWatch:
         # Set with ``dead`` when the stop is for a refused key or account: the probe's refusal, as
         # "HTTP 402: <the endpoint's message>" (not redacted: the caller's redactor knows the key).
         self.refused: str | None = None
-        self._probe_refused: LLMError | None = None  # the probe loop's finding, for tick
+        self._probe_refused: LLMError | None = None  # the latest probe's refusal (None: not refused)
+        self._said_refused = False  # the first refused probe of this probing was said
         self._for_refusals = False  # the probe under way was started by refusals, not failures
         self.refusal_probes = 0  # probes started by refusals so far
         self._back = threading.Event()
@@ -117,8 +119,8 @@ class EndpointWatch:
                     return None
                 return (
                     f"warning: {self.refusals} model calls in a row were refused (last: {error_class}); the "
-                    "run is paused and the endpoint probed: a refused probe means the key or the account "
-                    "is refused and the run stops, an answered one that the refusals were the prompts' own"
+                    "run is paused and the endpoint probed: an answered probe means the refusals were the "
+                    f"prompts' own; one still refused after {self.grace_s:g} s (--endpoint_grace) stops the run"
                 )
             return None
         self.failures += 1
@@ -137,7 +139,7 @@ class EndpointWatch:
         self._for_refusals = for_refusals
         self.refusal_probes += for_refusals
         self.probing_since = time.monotonic()
-        self._probe_refused = None
+        self._probe_refused, self._said_refused = None, False
         self._back.clear()
         threading.Thread(target=self._probe_loop, name="endpoint-probe", daemon=True).start()
         self._renew_pause()
@@ -157,29 +159,33 @@ class EndpointWatch:
             if self.refusal_probes > 1:
                 return None
             return (
-                "the endpoint answered the probe: the refusals were the prompts' own; the run continues (the "
-                f"same pause and probe after any {REFUSED_AFTER} refusals in a row, said only this once)"
+                "the endpoint answered the probe: the refusals were the prompts' own, or are over; the run "
+                f"continues (the same pause and probe after any {REFUSED_AFTER} refusals in a row, said only "
+                "this once)"
             )
         refused = self._probe_refused
-        if refused is not None:
-            self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
-            said = str(refused)  # the client's message names the status ("HTTP 402: ..."); else it is added
-            self.refused = (
-                said if said.startswith(f"HTTP {refused.status}") else f"HTTP {refused.status}: {said}"
-            )
-            return (
-                f"error: the endpoint refused the run's probe too ({self.refused[:300]}): the key or the "
-                "account is refused (revoked, out of credits, suspended), the model is gone, or the run is "
-                "rate limited for longer than --endpoint_grace; the run stops: no new prompt starts and "
-                "prompts in flight end"
-            )
         if time.monotonic() - self.probing_since > self.grace_s:
             self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
+            if refused is not None:  # the latest probe was refused: so will every call be
+                self.refused = refusal_text(refused)
+                return (
+                    f"error: the endpoint still refuses the run's calls after {self.grace_s:g} s "
+                    f"(--endpoint_grace: {self.refused[:300]}); the run stops: no new prompt starts and "
+                    "prompts in flight end"
+                )
             return (
                 f"error: the endpoint did not come back within {self.grace_s:g} s (--endpoint_grace); "
                 "the run stops: no new prompt starts and prompts in flight end"
             )
         self._renew_pause()
+        if refused is not None and not self._said_refused:
+            self._said_refused = True
+            return (
+                f"warning: the endpoint refused the run's probe too ({refusal_text(refused)[:300]}): the key "
+                "or the account is refused (revoked, out of credits, suspended), the model is gone, or the "
+                "run is rate limited for longer than --endpoint_grace; it is probed every "
+                f"{PROBE_EVERY_S:g} s, and the run stops if it still refuses after {self.grace_s:g} s"
+            )
         return None
 
     def lift_pause(self) -> None:
@@ -207,13 +213,20 @@ class EndpointWatch:
             if usage.calls:
                 with self._spent_lock:
                     self._spent.append(usage)
-            if isinstance(alive, LLMError):  # refused: every call will be (tick stops the run)
-                self._probe_refused = alive
-                return
-            if alive:
+            # Refused: so will every call be, unless that ends within the grace (credits topped up, a
+            # proxy's upstream back, a key put back); at its end tick stops the run on the latest word.
+            self._probe_refused = alive if isinstance(alive, LLMError) else None
+            if alive and not isinstance(alive, LLMError):
                 self._back.set()
                 return
             self._back.wait(PROBE_EVERY_S)
+
+
+def refusal_text(refused: LLMError) -> str:
+    """A refusal as "HTTP 402: <the endpoint's words>" (the client's message names the status; else it
+    is added). Not redacted: the caller's redactor knows the key."""
+    said = str(refused)
+    return said if said.startswith(f"HTTP {refused.status}") else f"HTTP {refused.status}: {said}"
 
 
 def is_refusal(error_class: str | None) -> bool:

@@ -303,7 +303,7 @@ class JudgeWatch:
     probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
     endpoint; an answer lets the calls go on, none sets ``stop``: every further judge call raises
     BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). The same after
-    ``REFUSED_AFTER`` calls in a row refused (401-404, a spent quota) and a refused probe (exit 8). A judge that died
+    ``REFUSED_AFTER`` calls in a row refused (401-404, a spent quota) and probes refused for ``grace_s`` (exit 8). A judge that died
     mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
     --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0. What the run's dispatch
     loop does for its watch (report each attempt, tick while it probes) is done here by the judge's own
@@ -451,9 +451,10 @@ def main(argv: list[str] | None = None) -> int:
 
             redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
             print(
-                f"error: the judge's endpoint {shown} refused {REFUSED_AFTER} calls in a row and a probe "
-                f"({terminal_safe(redact(refused))[:300]}): its key or account is refused (revoked, out of "
-                "credits, suspended), or its model is gone; nothing re-scored: run it again once that is fixed",
+                f"error: the judge's endpoint {shown} refused {REFUSED_AFTER} calls in a row, then its "
+                f"probes for {JUDGE_GRACE_S:g} s ({terminal_safe(redact(refused))[:300]}): its key or account "
+                "is refused (revoked, out of credits, suspended), or its model is gone; nothing re-scored: "
+                "run it again once that is fixed",
                 file=sys.stderr,
             )
             return EXIT_ENDPOINT_REFUSED

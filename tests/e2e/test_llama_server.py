@@ -413,8 +413,8 @@ def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_ke
     tmp_path_factory, tmp_path, monkeypatch, capsys
 ):
     """llama-server restarted with another --api-key while ten prompts run their tool: each next call is
-    refused (401), and after 8 in a row and a refused probe the run stops (exit 8) instead of failing
-    every remaining prompt; a --resume with the new key then ends each prompt exactly once."""
+    refused (401), and after 8 in a row and probes refused for --endpoint_grace the run stops (exit 8)
+    instead of failing every remaining prompt; a --resume with the new key then ends each prompt once."""
     old_key, new_key = "sk-llama-old-key-7d1e", "sk-llama-new-key-93ab"
     for env in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(env, raising=False)
@@ -435,6 +435,7 @@ def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_ke
         dataset_file=str(dataset), batch_size=5, run_name="rotated", model=REQUESTED,
         base_url=server.base_url, output_dir=str(tmp_path / "out"), num_workers=1,
         prompts_per_worker=10, distribution="terminal_only", keep_no_reasoning=True, max_turns=4,
+        endpoint_grace=2,
     )  # fmt: skip
     chaos = threading.Thread(target=rotate, daemon=True)
     chaos.start()
@@ -443,7 +444,7 @@ def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_ke
         chaos.join()
         err = capsys.readouterr().err
         assert code == 8, err
-        assert "refused the run's probe too (HTTP 401" in err
+        assert "refused the run's probe too (HTTP 401" in err and "still refuses the run's calls" in err
         run_dir = tmp_path / "out" / "rotated"
         assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 10
         assert batch_runner.main(api_key=new_key, resume=True, **args) == 0

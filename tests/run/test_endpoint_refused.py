@@ -6,6 +6,7 @@ revoked or credits spent mid-run sent every remaining prompt to be refused, each
 from __future__ import annotations
 
 import json
+import time
 
 from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl
 
@@ -42,15 +43,15 @@ def out_of_credits_after(answered: int, refusal: tuple):
 
 
 def refused_from_the_fourth_call(tmp_path, capsys, refusal: tuple, prompts: int):
-    """A run of ``prompts`` rows (2 workers x 4) against an endpoint that answers the start check and the
-    first 3 prompt calls, then ``refusal`` to every call: its exit code, its console, the endpoint, and
-    the run's directory."""
+    """A run of ``prompts`` rows (2 workers x 4, --endpoint_grace=2) against an endpoint that answers the
+    start check and the first 3 prompt calls, then ``refusal`` to every call: its exit code, its console,
+    the endpoint, and the run's directory."""
     endpoint = ScriptedEndpoint(out_of_credits_after(3, refusal))
     dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(prompts)])
     try:
         code = exit_code(
             None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-            num_workers=2, prompts_per_worker=4, batch_size=10,
+            num_workers=2, prompts_per_worker=4, batch_size=10, endpoint_grace=2,
         )  # fmt: skip
     finally:
         endpoint.close()
@@ -63,7 +64,8 @@ def test_credits_spent_mid_run_stop_it_with_its_own_exit_code_and_the_endpoints_
     assert code == EXIT_ENDPOINT_REFUSED, err
     assert "were refused (last: http_402)" in err
     assert "HTTP 402: Insufficient credits" in err and "resume=True" in err
-    assert endpoint.checks() == 2  # the start check, then one probe: refused, so the run stops
+    assert "still refuses the run's calls after 2 s" in err
+    assert endpoint.checks() == 2  # the start check, then one probe (the next would be 5 s on): refused
     # Without the stop: 60 prompt calls. With it: the 3 answered, the refusals that tripped it and what
     # was in flight (8 slots).
     assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8
@@ -112,10 +114,10 @@ def test_refusals_of_the_prompts_own_do_not_stop_the_run(tmp_path, capsys):
     assert {f["error_class"] for f in failed} == {"http_403"}
 
 
-def test_a_refused_probe_stops_the_watch_and_an_answer_between_refusals_resets_it():
+def test_a_refused_probe_stops_the_watch_after_the_grace_and_an_answer_between_refusals_resets_it():
     pauses: list[float] = []
     answers = [LLMError("http_401", "Invalid API key", 401)]
-    watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg, usage: answers[0])
+    watch = EndpointWatch(cfg=None, grace_s=0.5, pause=pauses.append, probe=lambda cfg, usage: answers[0])
     for _ in range(REFUSED_AFTER - 1):
         assert watch.report("http_401") is None
     assert watch.report(None) is None  # an answer: the refusals were not in a row
@@ -123,15 +125,31 @@ def test_a_refused_probe_stops_the_watch_and_an_answer_between_refusals_resets_i
     lines = [watch.report("http_401") for _ in range(REFUSED_AFTER)]
     assert lines[-1] and "were refused" in lines[-1] and pauses and not any(lines[:-1])
     assert watch.failures == 0  # a refusal is an answer of the endpoint's, not a failure to reach it
+    said = []
     for _ in range(100):
         line = watch.tick()
-        if line:
+        said += [line] if line else []
+        if watch.dead:
             break
         watch._back.wait(0.05)
-    assert line and "refused the run's probe too (HTTP 401: Invalid API key)" in line
+    assert len(said) == 2 and "refused the run's probe too (HTTP 401: Invalid API key)" in said[0]
+    assert (
+        "still refuses the run's calls after 0.5 s (--endpoint_grace: HTTP 401: Invalid API key)" in said[1]
+    )
     assert watch.dead and watch.refused == "HTTP 401: Invalid API key"
     # A failure to reach it after the stop starts nothing more.
     assert all(watch.report("http_503") is None for _ in range(20))
+    # Refused, then answered within the grace (credits topped up): the run goes on.
+    watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg, usage: answers[0])
+    for _ in range(REFUSED_AFTER):
+        watch.report("http_402")
+    for _ in range(100):
+        if watch._probe_refused is not None:
+            break
+        watch._back.wait(0.05)
+    assert "refused the run's probe too" in watch.tick() and not watch.dead
+    watch.report(None)  # a prompt's call answered (or the next probe, 5 s on)
+    assert watch.tick() and not watch.dead and watch.probing_since is None
 
 
 def test_a_spent_quota_429_stops_the_run_instead_of_being_waited_out(tmp_path, capsys):
@@ -246,3 +264,42 @@ def test_a_model_retired_mid_run_stops_it(tmp_path, capsys):
     assert "(HTTP 404: The model `m` does not exist)" in err and "the model is gone" in err
     assert endpoint.prompt_calls() <= 3 + REFUSED_AFTER + 8
     assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 27
+
+
+def test_credits_topped_up_within_the_grace_let_the_run_go_on(tmp_path, capsys):
+    """Refused from the fourth call for a second (credits spent, then topped up, as an automatic top-up
+    does): the probes go on for --endpoint_grace, the second one is answered, and the run goes to its
+    end; the prompts refused meanwhile are failures a --resume runs again."""
+    refused_since: list[float] = []
+
+    def topped_up(call: dict, calls: list[dict]):
+        if call["check"] and sum(1 for c in calls if c["check"]) == 1:
+            return 200, OK_REPLY
+        if not call["check"] and sum(1 for c in calls if not c["check"]) <= 3:
+            return 200, OK_REPLY
+        refused_since[:] = refused_since or [time.monotonic()]
+        if time.monotonic() - refused_since[0] < 1.0:
+            return 402, NO_CREDITS
+        return 200, OK_REPLY
+
+    endpoint = ScriptedEndpoint(topped_up)
+    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(30)])
+    try:
+        code = exit_code(
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
+            num_workers=2, prompts_per_worker=4, batch_size=10, endpoint_grace=30,
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "refused the run's probe too (HTTP 402" in err and "the endpoint answers again" not in err
+    assert "the endpoint answered the probe" in err and endpoint.checks() >= 3
+    run_dir = tmp_path / "data" / "run"
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    failed = read_jsonl(run_dir / "failed.jsonl")
+    assert REFUSED_AFTER <= len(failed) <= REFUSED_AFTER + 8 and {f["error_class"] for f in failed} == {
+        "http_402"
+    }
+    assert stats["trajectories"] + stats["discarded"]["total"] + len(failed) == 30
+    assert stats["remaining_for_resume"] == len(failed)

@@ -1376,12 +1376,13 @@ def test_a_judge_whose_key_is_refused_mid_rescoring_stops_it_and_nothing_is_writ
 ):
     """A judge key revoked (or its credits spent) mid-way made every remaining sample a scorer error, each
     refused at once, written as the re-scoring, exit 0. Now the run's refused-key stop: REFUSED_AFTER
-    refusals in a row and a refused probe, then no call is sent, nothing is written, exit 8, the judge's
-    words shown without the key they quote."""
+    refusals in a row and probes refused for the grace (the run's --endpoint_grace, 120 s; 2 s here),
+    then no call is sent, nothing is written, exit 8, the judge's words shown without the key they quote."""
     from helpers import OK_REPLY, ScriptedEndpoint
 
     from batchrun.run.endpoint_watch import EXIT_ENDPOINT_REFUSED
 
+    monkeypatch.setattr(score, "JUDGE_GRACE_S", 2.0)
     key = "sk-judge-revoked-0123456789"
     verdict = {"role": "assistant", "content": '{"score": 1, "passed": true}'}
 
@@ -1406,7 +1407,7 @@ def test_a_judge_whose_key_is_refused_mid_rescoring_stops_it_and_nothing_is_writ
         judge.close()
     err = capsys.readouterr().err
     assert code == EXIT_ENDPOINT_REFUSED, err  # before: 0, 43 of 48 samples scorer errors, written
-    assert "refused 8 calls in a row and a probe (HTTP 401: Invalid API key: [REDACTED])" in err
+    assert "refused 8 calls in a row, then its probes for 2 s (HTTP 401: Invalid API key: [REDACTED])" in err
     assert key not in err
     assert judge.checks() == 2 and judge.prompt_calls() <= 5 + 8 + 2
     assert not (run_dir / "scores.judge.jsonl").exists()
