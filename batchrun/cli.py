@@ -437,7 +437,8 @@ def _stopped_early(
         return None
     if dispatch.endpoint_refused is not None:
         return EXIT_ENDPOINT_REFUSED, (
-            f"The run stopped: the endpoint refused its calls and a probe ({dispatch.endpoint_refused}): "
+            f"The run stopped: the endpoint refused its calls, and its probes for {config.endpoint_grace:g} s "
+            f"(--endpoint_grace; {dispatch.endpoint_refused}): "
             "the key or the account is refused (revoked, out of credits, suspended), the model is gone, "
             "or the run is rate limited for longer than --endpoint_grace. When that is over, continue "
             "with:\n  " + recorder.redact(resume_command())
