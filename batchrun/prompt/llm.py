@@ -601,8 +601,7 @@ def refused(exc: BaseException) -> bool:
     too, rather than of this request."""
     if not isinstance(exc, LLMError) or isinstance(exc, ContextLimitError):
         return False
-    long_limit = getattr(exc, "retry_after_s", None) is not None  # see LLMConfig.rate_limit_patience_s
-    return exc.status in REFUSED_STATUS or exc.error_class == QUOTA_SPENT or long_limit
+    return exc.status in REFUSED_STATUS or exc.error_class == QUOTA_SPENT or isinstance(exc, LongRateLimit)
 
 
 def quota_spent(body: Any) -> bool:
@@ -950,11 +949,15 @@ class LLMClient:
                     self.on_failure(error.error_class)
                 if retry.rate_limited:
                     patience = self.cfg.rate_limit_patience_s
-                    if patience is not None and (retry_after or 0) > max(patience, MIN_RATE_LIMIT_PATIENCE_S):
+                    if (
+                        patience is not None
+                        and retry_after is not None
+                        and retry_after > max(patience, MIN_RATE_LIMIT_PATIENCE_S)
+                    ):
                         # Asked to come back later than the run waits for its endpoint (a quota over for
                         # the day): waited out 120 s at a time, each prompt failed at its deadline, 35 min
                         # on, and the next ones after it. Failed now, a refusal the run's watch counts.
-                        final = _long_rate_limit(error, retry_after or 0)
+                        final = LongRateLimit(error, retry_after)
                         if self.on_failure is not None:
                             self.on_failure(final.error_class)
                         raise final from None
@@ -1067,11 +1070,7 @@ class LLMClient:
                 # An error event mid-answer from the server's side (an upstream that went away): asked
                 # again like a 5xx before the answer began; a 4xx event (the request's fault) is final.
                 return _Retry(exc, endpoint_fault=True)
-            if exc.error_class == "http_429":  # a rate limit said in the body: waited out as the status is
-                return _Retry(exc, rate_limited=True)
-            if exc.status in RETRYABLE_STATUS:  # 408, 409, 425: asked again, as the status is
-                return _Retry(exc)
-            return exc
+            return _retry_or_final(exc)  # an error said in the body with a status: as that status is
         if isinstance(exc, ValueError):  # a body that is not JSON (JSONDecodeError, UnicodeDecodeError)
             return _Retry(LLMError("bad_response", f"endpoint answered with an invalid response: {exc}"))
         return exc
@@ -1215,12 +1214,10 @@ def _answered_error(body: dict[str, Any], *, streamed: bool) -> LLMError:
     code = err.get("code") if isinstance(err, dict) else None
     status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599 else None
     text = f"HTTP {status or ('stream' if streamed else 200)}: {str(msg)[:ERROR_TEXT_CHARS]}"
+    if status is not None:
+        return _error_of_status(status, body, text)
     if is_context_limit(status, body, text):
         return ContextLimitError("context_limit", text, status)
-    if status == 429 and quota_spent(body):
-        return LLMError(QUOTA_SPENT, text, status)
-    if status is not None:
-        return LLMError(f"http_{status}", text, status)
     if streamed:
         return LLMError("stream_error", text)
     return LLMError("bad_response", f"endpoint answered an error without choices: {text}")
@@ -1562,24 +1559,38 @@ def _status_error(exc: httpclient.StatusError) -> Exception:
     """An error answer: a 429 waits out the run-wide pause, a context limit ends the prompt as
     partial, a retryable status (:data:`RETRYABLE_STATUS`) is tried again, any other fails the call."""
     message = error_message(exc)
-    status = exc.status_code
+    return _retry_or_final(_error_of_status(exc.status_code, exc.body, message), retry_after_s(exc))
+
+
+def _error_of_status(status: int, body: Any, message: str) -> LLMError:
+    """The error a status says, with the answer's body: a 429 is ``http_429``, or ``insufficient_quota``
+    when the body says the quota is spent (no wait ends it); a context limit ends the prompt as
+    partial; any other is ``http_<status>``."""
     if status == 429:
-        if quota_spent(exc.body):  # no wait ends it: the call fails, a refusal (see REFUSED_STATUS)
-            return LLMError(QUOTA_SPENT, message, status)
-        return _Retry(LLMError("http_429", message, status), retry_after_s(exc), rate_limited=True)
-    if is_context_limit(status, exc.body, message):
+        return LLMError(QUOTA_SPENT if quota_spent(body) else "http_429", message, status)
+    if is_context_limit(status, body, message):
         return ContextLimitError("context_limit", message, status)
-    error = LLMError(f"http_{status}", message, status)
-    if status not in RETRYABLE_STATUS:
-        return error
-    return _Retry(error, retry_after_s(exc), endpoint_fault=status >= 500)
+    return LLMError(f"http_{status}", message, status)
 
 
-def _long_rate_limit(error: LLMError, retry_after: float) -> LLMError:
-    """A 429 whose Retry-After asks a wait beyond the client's patience: the call's error, saying the wait."""
-    final = LLMError("http_429", f"{error} (Retry-After asks a wait of {retry_after:,.0f} s)", 429)
-    final.retry_after_s = retry_after
-    return final
+def _retry_or_final(error: LLMError, retry_after: float | None = None) -> Exception:
+    """What an error of a status makes of the attempt: a rate limit (``http_429``) waits out the run-wide
+    pause, a retryable status (:data:`RETRYABLE_STATUS`) is tried again (a 5xx counted an endpoint
+    failure), any other fails the call."""
+    if error.error_class == "http_429":
+        return _Retry(error, retry_after, rate_limited=True)
+    if error.status in RETRYABLE_STATUS and not isinstance(error, ContextLimitError):
+        return _Retry(error, retry_after, endpoint_fault=error.status >= 500)
+    return error
+
+
+class LongRateLimit(LLMError):
+    """A 429 whose Retry-After asks a wait beyond the client's patience (LLMConfig.rate_limit_patience_s):
+    the call fails at once, a refusal (see :func:`refused`), saying the wait asked."""
+
+    def __init__(self, error: LLMError, retry_after_s: float):
+        super().__init__("http_429", f"{error} (Retry-After asks a wait of {retry_after_s:,.0f} s)", 429)
+        self.retry_after_s = retry_after_s
 
 
 def error_message(exc: httpclient.StatusError) -> str:

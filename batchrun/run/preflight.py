@@ -23,6 +23,7 @@ from batchrun.prompt.llm import (
     LLMClient,
     LLMConfig,
     LLMError,
+    LongRateLimit,
     SpendGate,
     Usage,
     endpoint_url,
@@ -284,8 +285,7 @@ def check_chat(
                 f"{who} {shown} refused the start check (one minimal chat call with model {cfg.model!r}): "
                 f"{exc}"
             ) from None
-        asked = getattr(exc, "retry_after_s", None)
-        if exc.status == 429 and asked is not None:
+        if isinstance(exc, LongRateLimit):
             raise UsageError(
                 f"{who} {shown} rate limits the run for longer than --endpoint_grace ({patience:g} s): "
                 f"{exc}. No prompt was run; start the run again when the limit is over"

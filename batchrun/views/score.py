@@ -303,8 +303,8 @@ class JudgeWatch:
     probed (the start check's call) for up to ``grace_s``, as a run waits --endpoint_grace for its
     endpoint; an answer lets the calls go on, none sets ``stop``: every further judge call raises
     BudgetStop before it is sent, and the re-scoring ends writing nothing (exit 5). The same after
-    ``REFUSED_AFTER`` calls in a row refused (401-404, a spent quota) and probes refused for ``grace_s`` (exit 8). A judge that died
-    mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
+    ``REFUSED_AFTER`` calls in a row refused (401-404, a spent quota) and probes refused for ``grace_s``
+    (exit 8). A judge that died mid-way made every remaining sample a scorer error after its retries (36 of 64 samples, 27 s at
     --concurrency=4; 10,000 would take hours), written as the re-scoring, exit 0. What the run's dispatch
     loop does for its watch (report each attempt, tick while it probes) is done here by the judge's own
     threads and a ticking thread."""
