@@ -28,34 +28,41 @@ QUOTA_SPENT = {
 }
 
 
-def out_of_credits_after(answered: int, refusal: tuple):
+def out_of_credits_after(answered: int, refusal):
     """Answers the start check and the first ``answered`` prompt calls, then ``refusal`` to everything
-    (probes included)."""
+    (probes included): a reply, or a function that gives one."""
 
     def answer(call: dict, calls: list[dict]):
         if call["check"] and sum(1 for c in calls if c["check"]) == 1:
             return 200, OK_REPLY
         if not call["check"] and sum(1 for c in calls if not c["check"]) <= answered:
             return 200, OK_REPLY
-        return refusal
+        return refusal() if callable(refusal) else refusal
 
     return answer
 
 
-def refused_from_the_fourth_call(tmp_path, capsys, refusal: tuple, prompts: int):
-    """A run of ``prompts`` rows (2 workers x 4, --endpoint_grace=2) against an endpoint that answers the
-    start check and the first 3 prompt calls, then ``refusal`` to every call: its exit code, its console,
-    the endpoint, and the run's directory."""
-    endpoint = ScriptedEndpoint(out_of_credits_after(3, refusal))
-    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(prompts)])
+def run_against(tmp_path, capsys, answer, prompts: list[str] | int, **flags):
+    """A run of ``prompts`` (or that many ``task N`` rows) against an endpoint whose every answer
+    ``answer`` gives: its exit code, its console, the endpoint, and the run's directory."""
+    if isinstance(prompts, int):
+        prompts = [f"task {i}" for i in range(prompts)]
+    endpoint = ScriptedEndpoint(answer)
+    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
     try:
         code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-            num_workers=2, prompts_per_worker=4, batch_size=10, endpoint_grace=2,
-        )  # fmt: skip
+            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY, **flags
+        )
     finally:
         endpoint.close()
     return code, capsys.readouterr().err, endpoint, tmp_path / "data" / "run"
+
+
+def refused_from_the_fourth_call(tmp_path, capsys, refusal, prompts: int, **flags):
+    """A run of ``prompts`` rows (2 workers x 4, --endpoint_grace=2 unless ``flags`` say) against an
+    endpoint that answers the start check and the first 3 prompt calls, then ``refusal``."""
+    flags = {"num_workers": 2, "prompts_per_worker": 4, "batch_size": 10, "endpoint_grace": 2, **flags}
+    return run_against(tmp_path, capsys, out_of_credits_after(3, refusal), prompts, **flags)
 
 
 def test_credits_spent_mid_run_stop_it_with_its_own_exit_code_and_the_endpoints_words(tmp_path, capsys):
@@ -92,21 +99,13 @@ def test_refusals_of_the_prompts_own_do_not_stop_the_run(tmp_path, capsys):
             return 403, {"error": {"message": "Your input was flagged by moderation", "code": 403}}
         return 200, OK_REPLY
 
-    endpoint = ScriptedEndpoint(moderated)
     prompts = [f"flagged {i}" for i in range(32)] + [f"task {i}" for i in range(12)]
-    dataset = write_jsonl(tmp_path / "d.jsonl", prompts)
-    try:
-        code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-            num_workers=1, prompts_per_worker=4, batch_size=8, max_failure_rate=1.0,
-        )  # fmt: skip
-    finally:
-        endpoint.close()
-    err = capsys.readouterr().err
+    code, err, endpoint, run_dir = run_against(
+        tmp_path, capsys, moderated, prompts, num_workers=1, prompts_per_worker=4, batch_size=8
+    )
     assert code == 0, err
     assert err.count("were refused (last: http_403)") == err.count("the endpoint answered the probe") == 1
     assert endpoint.checks() >= 3  # the start check and a probe for each 8 refusals in a row
-    run_dir = tmp_path / "data" / "run"
     stats = json.loads((run_dir / "statistics.json").read_text())
     assert stats["trajectories"] + stats["discarded"]["total"] == 12 and stats["remaining_for_resume"] == 32
     failed = read_jsonl(run_dir / "failed.jsonl")
@@ -166,24 +165,10 @@ def test_a_spent_quota_429_stops_the_run_instead_of_being_waited_out(tmp_path, c
     assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 37
 
 
-def four_rows_against(tmp_path, capsys, answer, **flags):
-    """A run of four rows against an endpoint whose every answer ``answer`` gives: its exit code, its
-    console and the endpoint."""
-    endpoint = ScriptedEndpoint(answer)
-    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(4)])
-    try:
-        code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY, **flags
-        )
-    finally:
-        endpoint.close()
-    return code, capsys.readouterr().err, endpoint
-
-
 def test_a_spent_quota_fails_the_start_check(tmp_path, capsys):
     """Spent before the run: the start check's 429 ``insufficient_quota`` exits 2 at once, no prompt run.
     Before, it was taken for a rate limit: "the run starts and waits as it must"."""
-    code, err, endpoint = four_rows_against(tmp_path, capsys, lambda call, calls: (429, QUOTA_SPENT))
+    code, err, endpoint, _ = run_against(tmp_path, capsys, lambda call, calls: (429, QUOTA_SPENT), 4)
     assert code == 2, err
     assert "refused the start check" in err and "You exceeded your current quota" in err
     assert endpoint.prompt_calls() == 0 and endpoint.checks() == 1
@@ -223,8 +208,8 @@ def test_a_start_check_rate_limited_for_longer_than_the_grace_exits_2_at_once(tm
     110 s by the start check, then the run started, its prompts to fail. Now exit 2 at once, saying the
     wait asked; a short Retry-After is still waited for, and the run goes on."""
     day = {"error": {"message": "Rate limit reached for requests per day"}}
-    code, err, endpoint = four_rows_against(
-        tmp_path, capsys, lambda c, cs: (429, day, {"Retry-After": "86400"})
+    code, err, endpoint, _ = run_against(
+        tmp_path, capsys, lambda c, cs: (429, day, {"Retry-After": "86400"}), 4
     )
     assert code == 2, err
     assert "rate limits the run for longer than --endpoint_grace (120 s)" in err
@@ -236,7 +221,7 @@ def test_a_start_check_rate_limited_for_longer_than_the_grace_exits_2_at_once(tm
             return 429, day, {"Retry-After": "1"}
         return 200, OK_REPLY
 
-    code, _, endpoint = four_rows_against(tmp_path, capsys, briefly, run_name="brief")
+    code, _, endpoint, _ = run_against(tmp_path, capsys, briefly, 4, run_name="brief")
     assert code == 0 and endpoint.checks() == 2 and endpoint.prompt_calls() == 4
 
 
@@ -272,30 +257,16 @@ def test_credits_topped_up_within_the_grace_let_the_run_go_on(tmp_path, capsys):
     end; the prompts refused meanwhile are failures a --resume runs again."""
     refused_since: list[float] = []
 
-    def topped_up(call: dict, calls: list[dict]):
-        if call["check"] and sum(1 for c in calls if c["check"]) == 1:
-            return 200, OK_REPLY
-        if not call["check"] and sum(1 for c in calls if not c["check"]) <= 3:
-            return 200, OK_REPLY
+    def for_a_second():
         refused_since[:] = refused_since or [time.monotonic()]
-        if time.monotonic() - refused_since[0] < 1.0:
-            return 402, NO_CREDITS
-        return 200, OK_REPLY
+        return (402, NO_CREDITS) if time.monotonic() - refused_since[0] < 1.0 else (200, OK_REPLY)
 
-    endpoint = ScriptedEndpoint(topped_up)
-    dataset = write_jsonl(tmp_path / "d.jsonl", [f"task {i}" for i in range(30)])
-    try:
-        code = exit_code(
-            None, dataset, tmp_path / "data", model="m", base_url=endpoint.base_url, api_key=KEY,
-            num_workers=2, prompts_per_worker=4, batch_size=10, endpoint_grace=30,
-        )  # fmt: skip
-    finally:
-        endpoint.close()
-    err = capsys.readouterr().err
+    code, err, endpoint, run_dir = refused_from_the_fourth_call(
+        tmp_path, capsys, for_a_second, 30, endpoint_grace=30
+    )
     assert code == 0, err
     assert "refused the run's probe too (HTTP 402" in err and "the endpoint answers again" not in err
     assert "the endpoint answered the probe" in err and endpoint.checks() >= 3
-    run_dir = tmp_path / "data" / "run"
     stats = json.loads((run_dir / "statistics.json").read_text())
     failed = read_jsonl(run_dir / "failed.jsonl")
     assert REFUSED_AFTER <= len(failed) <= REFUSED_AFTER + 8 and {f["error_class"] for f in failed} == {
