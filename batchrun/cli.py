@@ -401,7 +401,8 @@ def run_steps(
         kept.scores,
         limit.as_dict(),
     )
-    stop = _stopped_early(config, recorder, dispatch if preflighted.batches else None, interrupted)
+    ran = dispatch if preflighted.batches else None
+    stop = _stopped_early(config, recorder, ran, interrupted)
     # Interrupted is 130 whatever else stopped the run (a Ctrl-C while a dead endpoint's prompts drained
     # exited 5 with status.json saying "interrupted"); the stop's own message is still printed.
     code = (
@@ -419,6 +420,7 @@ def run_steps(
         recorder,
         endpoint_dead=stop is not None and stop[0] in (EXIT_ENDPOINT_DEAD, EXIT_ENDPOINT_REFUSED),
         endpoint_refused=stop is not None and stop[0] == EXIT_ENDPOINT_REFUSED,
+        judge=ran is not None and ran.judge_stopped,
     )
     if stop:
         print(stop[1], file=sys.stderr)
@@ -435,17 +437,23 @@ def _stopped_early(
     endpoint dead, a budget that cannot be measured, the workers lost), or None."""
     if dispatch is None:
         return None
+    # The judge's endpoint (--scorer=judge) has its own watch: named, with its own flags.
+    who, key, model = (
+        ("the judge's endpoint", "the judge's key", "the judge's model (--judge_model)")
+        if dispatch.judge_stopped
+        else ("the endpoint", "the key", "the model")
+    )
     if dispatch.endpoint_refused is not None:
         return EXIT_ENDPOINT_REFUSED, (
-            f"The run stopped: the endpoint refused its calls, and its probes for {config.endpoint_grace:g} s "
+            f"The run stopped: {who} refused its calls, and its probes for {config.endpoint_grace:g} s "
             f"(--endpoint_grace; {dispatch.endpoint_refused}): "
-            "the key or the account is refused (revoked, out of credits, suspended), the model is gone, "
+            f"{key} or the account is refused (revoked, out of credits, suspended), {model} is gone, "
             "or the run is rate limited for longer than --endpoint_grace. When that is over, continue "
             "with:\n  " + recorder.redact(resume_command())
         )
     if dispatch.endpoint_dead:
         return EXIT_ENDPOINT_DEAD, (
-            "The run stopped: the endpoint stopped answering. When it is back, continue with:\n  "
+            f"The run stopped: {who} stopped answering. When it is back, continue with:\n  "
             + recorder.redact(resume_command())
         )
     if dispatch.budget.unmeasured:

@@ -189,9 +189,11 @@ class Reserve:
 @dataclass(frozen=True)
 class EndpointHealth:
     """After a model call's attempt: whether it failed for the endpoint's reasons (refused, reset,
-    timed out, 5xx: ``error_class``) or answered (None). The parent watches for a dead endpoint."""
+    timed out, 5xx: ``error_class``) or answered (None). The parent watches for a dead endpoint.
+    ``judge``: the call was the judge's (--scorer=judge), whose endpoint has its own watch."""
 
     error_class: str | None
+    judge: bool = False
 
 
 @dataclass(frozen=True)

@@ -179,10 +179,13 @@ class Dispatch:
         self._ending: threading.Thread | None = None  # ends the workers after run() (wait_for_workers)
         self._ending_error: BaseException | None = None
         self.watch: EndpointWatch | None = None  # made with the inbox, in run()
+        self.judge_watch: EndpointWatch | None = None  # the judge's endpoint's (--scorer=judge), likewise
         self.endpoint_dead = False  # the run stopped because the endpoint died (exit code 5) or refused
         # The run stopped because the endpoint refused its key or account (exit code 8): the refusal, as
         # "HTTP 402: <the endpoint's words>", redacted.
         self.endpoint_refused: str | None = None
+        self.judge_stopped = False  # the endpoint that died or refused was the judge's
+        self._stopped_at: float | None = None  # when the watch that stopped the run stopped it
         # The run lost its workers (exit code 7): the pool broke, or on Ray every actor died (the cluster
         # went away) with prompts of theirs unfinished. Not a few failed prompts: the run could not go on.
         self.workers_lost = False
@@ -216,14 +219,20 @@ class Dispatch:
         remaining = rec.total
         rec.in_flight = lambda: sum(len(held) for held in track.held.values())  # for status.json
         self.probe_gate.inbox = inbox
-        self.watch = EndpointWatch(
-            self.settings.llm,
-            config.endpoint_grace,
-            lambda until: inbox.broadcast(PauseAll(until)),
+        watch_args = dict(
+            grace_s=config.endpoint_grace,
+            pause=lambda until: inbox.broadcast(PauseAll(until)),
             # With a budget a probe is a call like any: reserved, journaled and counted (see ProbeGate).
             probe=self.probe_gate.probe if self.budget.active else probe_once,
             lift=lambda until: inbox.broadcast(PauseAll(until, lift=True)),
         )
+        self.watch = EndpointWatch(self.settings.llm, **watch_args)
+        if self.settings.judge_llm is not None:
+            # The judge's endpoint, watched apart (its own key, server and model): a judge refused or dead
+            # mid-run stops the run as the agent's endpoint does, its samples left for --resume to judge.
+            self.judge_watch = EndpointWatch(
+                self.settings.judge_llm, **watch_args, who="the judge's endpoint", calls="judge calls"
+            )
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
         start_slots = start_slots_per_worker(
@@ -424,10 +433,11 @@ class Dispatch:
             )
             return self.check_budget(inbox, track)
         elif isinstance(message, EndpointHealth):
-            self.recorder.counts["endpoint_failures"] += message.error_class is not None and not is_refusal(
-                message.error_class
+            self.recorder.counts["endpoint_failures"] += (
+                message.error_class is not None and not is_refusal(message.error_class) and not message.judge
             )
-            line = self.watch.report(message.error_class) if self.watch is not None else None
+            watch = self.judge_watch if message.judge else self.watch
+            line = watch.report(message.error_class) if watch is not None else None
             if line:
                 self.pbar.write(line, file=sys.stderr)
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does
@@ -681,10 +691,29 @@ class Dispatch:
         return skipped
 
     def watch_endpoint(self, inbox: Inbox, track: _Tracking) -> int:
-        """The dead-endpoint stop (batchrun/run/endpoint_watch.py); returns how many prompts it settled."""
-        watch = self.watch
-        if watch is None:
-            return 0
+        """The dead-endpoint stop (batchrun/run/endpoint_watch.py), the agent's endpoint's and the judge's;
+        returns how many prompts it settled."""
+        settled = 0
+        for watch in (self.watch, self.judge_watch):
+            if watch is not None:
+                settled += self._watch_one(watch, inbox, track)
+                if self.endpoint_dead:
+                    for other in (self.watch, self.judge_watch):
+                        if other is not None and not other.dead and not other.stood_down:
+                            other.stand_down()
+        if (
+            self.endpoint_dead
+            and self._stopped_at is not None
+            and time.monotonic() - self._stopped_at > DRAIN_S
+        ):
+            # Calls in flight to a hung endpoint would hold the run for --request_timeout: they end now.
+            held = {k for keys in track.held.values() for k in keys}
+            track.held.clear()
+            why = "endpoint_dead" if self.endpoint_refused is None else "endpoint_refused"
+            return settled + self.fail_lost_prompts(held, -1, track, why)
+        return settled
+
+    def _watch_one(self, watch: EndpointWatch, inbox: Inbox, track: _Tracking) -> int:
         line = watch.tick()
         if line:  # a refusal's line quotes the endpoint, which may quote the key
             self.pbar.write(terminal_safe(self.recorder.redact(line)), file=sys.stderr)
@@ -693,7 +722,8 @@ class Dispatch:
             self.recorder.add_check_spend(probe.prompt_tokens, probe.completion_tokens, probe.cost_usd)
         settled = self.check_budget(inbox, track) if spent else 0
         if watch.dead and not self.endpoint_dead:
-            self.endpoint_dead = True
+            self.endpoint_dead, self._stopped_at = True, watch.dead_at
+            self.judge_stopped = watch is self.judge_watch
             if watch.refused is not None:
                 self.endpoint_refused = terminal_safe(self.recorder.redact(watch.refused))[:300]
             inbox.broadcast(StopStarting())
@@ -705,12 +735,6 @@ class Dispatch:
             while track.pending:  # not started: left for --resume
                 skipped += self.settle(Skipped(*_key(track.pending.popleft())), track)
             return settled + skipped
-        if self.endpoint_dead and watch.dead_at is not None and time.monotonic() - watch.dead_at > DRAIN_S:
-            # Calls in flight to a hung endpoint would hold the run for --request_timeout: they end now.
-            held = {k for keys in track.held.values() for k in keys}
-            track.held.clear()
-            why = "endpoint_dead" if self.endpoint_refused is None else "endpoint_refused"
-            return settled + self.fail_lost_prompts(held, -1, track, why)
         return settled
 
     def format_log(self, message: Log) -> str:

@@ -86,14 +86,20 @@ class EndpointWatch:
         pause: Callable[[float], None],
         probe: Callable[[LLMConfig, Usage], bool | LLMError] = probe_once,
         lift: Callable[[float], None] | None = None,
+        who: str = "the endpoint",
+        calls: str = "model calls",
     ) -> None:
-        """``pause(until)``: hold every request of the run until then; ``lift(until)``: that pause is over."""
+        """``pause(until)``: hold every request of the run until then; ``lift(until)``: that pause is over.
+        ``who`` and ``calls``: how its lines name the endpoint and its calls (a run's judge has its own
+        watch: "the judge's endpoint", "judge calls")."""
         self.cfg, self.grace_s, self._pause, self._probe, self._lift = cfg, grace_s, pause, probe, lift
+        self.who, self.calls = who, calls
         self.failures = 0  # in a row, since the last answer
         self.refusals = 0  # calls refused (llm.refused) in a row, since the last answer
         self.probing_since: float | None = None
         self.dead = False
         self.dead_at: float | None = None
+        self.stood_down = False  # the run stopped on another watch's word: this one probes no more
         # Set with ``dead`` when the stop is for a refused key or account: the probe's refusal, as
         # "HTTP 402: <the endpoint's message>" (not redacted: the caller's redactor knows the key).
         self.refused: str | None = None
@@ -118,23 +124,23 @@ class EndpointWatch:
                 if self.refusal_probes > 1:  # a dataset with many flagged prompts: said once
                     return None
                 return (
-                    f"warning: {self.refusals} model calls in a row were refused (last: {error_class}); the "
-                    "run is paused and the endpoint probed: an answered probe means the refusals were the "
+                    f"warning: {self.refusals} {self.calls} in a row were refused (last: {error_class}); the "
+                    f"run is paused and {self.who} probed: an answered probe means the refusals were the "
                     f"prompts' own; one still refused after {self.grace_s:g} s (--endpoint_grace) stops the run"
                 )
             return None
         self.failures += 1
         if self.failures >= DEAD_AFTER and self._start_probing():
             return (
-                f"warning: {self.failures} model calls in a row failed for the endpoint's reasons (last: "
-                f"{error_class}); the run is paused and the endpoint probed for up to {self.grace_s:g} s "
+                f"warning: {self.failures} {self.calls} in a row failed for the endpoint's reasons (last: "
+                f"{error_class}); the run is paused and {self.who} probed for up to {self.grace_s:g} s "
                 "(--endpoint_grace)"
             )
         return None
 
     def _start_probing(self, for_refusals: bool = False) -> bool:
         """Pause the run and probe, unless a probe is under way or the run stopped; True when started."""
-        if self.probing_since is not None or self.dead:
+        if self.probing_since is not None or self.dead or self.stood_down:
             return False
         self._for_refusals = for_refusals
         self.refusal_probes += for_refusals
@@ -155,11 +161,11 @@ class EndpointWatch:
             # llama-server's run stood idle 14 s after it answered again).
             self.lift_pause()
             if not self._for_refusals:
-                return "the endpoint answers again; the run continues"
+                return f"{self.who} answers again; the run continues"
             if self.refusal_probes > 1:
                 return None
             return (
-                "the endpoint answered the probe: the refusals were the prompts' own, or are over; the run "
+                f"{self.who} answered the probe: the refusals were the prompts' own, or are over; the run "
                 f"continues (the same pause and probe after any {REFUSED_AFTER} refusals in a row, said only "
                 "this once)"
             )
@@ -169,19 +175,19 @@ class EndpointWatch:
             if refused is not None:  # the latest probe was refused: so will every call be
                 self.refused = refusal_text(refused)
                 return (
-                    f"error: the endpoint still refuses the run's calls after {self.grace_s:g} s "
+                    f"error: {self.who} still refuses the run's calls after {self.grace_s:g} s "
                     f"(--endpoint_grace: {self.refused[:300]}); the run stops: no new prompt starts and "
                     "prompts in flight end"
                 )
             return (
-                f"error: the endpoint did not come back within {self.grace_s:g} s (--endpoint_grace); "
+                f"error: {self.who} did not come back within {self.grace_s:g} s (--endpoint_grace); "
                 "the run stops: no new prompt starts and prompts in flight end"
             )
         self._renew_pause()
         if refused is not None and not self._said_refused:
             self._said_refused = True
             return (
-                f"warning: the endpoint refused the run's probe too ({refusal_text(refused)[:300]}): the key "
+                f"warning: {self.who} refused the run's probe too ({refusal_text(refused)[:300]}): the key "
                 "or the account is refused (revoked, out of credits, suspended), the model is gone, or the "
                 "run is rate limited for longer than --endpoint_grace; it is probed every "
                 f"{PROBE_EVERY_S:g} s, and the run stops if it still refuses after {self.grace_s:g} s"
@@ -193,6 +199,14 @@ class EndpointWatch:
         if self._lift is not None and self._paused_until:
             self._lift(self._paused_until)
         self._paused_until = 0.0
+
+    def stand_down(self) -> None:
+        """The run stopped on another watch's word (the judge's endpoint's, or the agent's): no more
+        probes, and this watch's pause ends now, so prompts held by it stop at their next call."""
+        self.stood_down = True
+        self.probing_since = None
+        self._back.set()  # ends the probe loop
+        self.lift_pause()
 
     def take_spend(self) -> list[Usage]:
         """The probes' answered calls since the last take (the dispatch adds them to the run's spend)."""

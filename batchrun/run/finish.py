@@ -863,10 +863,11 @@ def print_summary(
     *,
     endpoint_dead: bool = False,
     endpoint_refused: bool = False,
+    judge: bool = False,
 ) -> None:
     """The closing summary on the console. ``endpoint_dead``: the run stopped because its endpoint died,
     or (``endpoint_refused`` too) refused its key or account (the prompts it stopped in flight are
-    failed with class ``budget``, as a budget's are)."""
+    failed with class ``budget``, as a budget's are); ``judge``: that endpoint was the judge's."""
     print("\n" + "=" * 72)
     print(
         f"Run {stats['run_name']}: {stats['trajectories']} trajectories in {run_dir / 'trajectories.jsonl'}"
@@ -897,11 +898,12 @@ def print_summary(
         lost = budget["unfinished_tokens"]
         share = f" ({lost / spent:.0%} of this run's {spent:,})" if spent else ""
         # A dead endpoint stops prompts in flight the same way (class budget): said as what it is.
+        stopped_for = ("judge's " if judge else "") + ("refused key" if endpoint_refused else "dead endpoint")
         why = (
             ("The budget stopped", " (a tight budget with prompts longer than the first ones to finish)")
             if budget["reached"] or not endpoint_dead
             else (
-                f"The run's stop for its {'refused key' if endpoint_refused else 'dead endpoint'} ended",
+                f"The run's stop for its {stopped_for} ended",
                 "",
             )
         )

@@ -125,16 +125,18 @@ class ParentGate:
 
 class HealthReporter:
     """Tells the parent when model calls fail for the endpoint's reasons, and when they answer again
-    (only the first answer after a failure, so a healthy run sends nothing)."""
+    (only the first answer after a failure, so a healthy run sends nothing). ``judge``: of the judge's
+    calls, which the parent watches apart."""
 
-    def __init__(self) -> None:
+    def __init__(self, judge: bool = False) -> None:
         self._failing = False
+        self._judge = judge
 
     def __call__(self, error_class: str | None) -> None:
         if error_class is None and not self._failing:
             return
         self._failing = error_class is not None
-        send(EndpointHealth(error_class))
+        send(EndpointHealth(error_class, self._judge))
 
 
 _state: WorkerState | None = None  # this process's worker state; set by init_worker
@@ -198,9 +200,16 @@ def init_worker(
     if settings.request_slots_endpoint_only:
         _state.llm.slot_endpoint = settings.llm.base_url
     if settings.judge_llm is not None:
-        # The judge shares the run's limiter, stop and budget; its endpoint's health is not the agent's.
+        # The judge shares the run's limiter, stop and budget; its endpoint's health is not the agent's:
+        # the parent watches it apart (a judge whose key is refused, or whose server died, mid-run made
+        # every later sample a scorer error, each after its agent's calls were paid for, and exit 0).
         _state.judge = LLMClient(
-            settings.judge_llm, _state.llm.limiter, stop=stop, on_usage=report_unbudgeted, gate=gate
+            settings.judge_llm,
+            _state.llm.limiter,
+            stop=stop,
+            on_usage=report_unbudgeted,
+            gate=gate,
+            on_failure=HealthReporter(judge=True),
         )
         _state.judge.slot_endpoint = _state.llm.slot_endpoint
         _state.judge.slot_priority = JUDGE_SLOT_PRIORITY  # its prompt is done but for it: first in line

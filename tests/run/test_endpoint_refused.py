@@ -8,10 +8,15 @@ from __future__ import annotations
 import json
 import time
 
-from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl
+from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl, write_rows
 
 from batchrun.prompt.llm import LLMError
-from batchrun.run.endpoint_watch import EXIT_ENDPOINT_REFUSED, REFUSED_AFTER, EndpointWatch
+from batchrun.run.endpoint_watch import (
+    EXIT_ENDPOINT_DEAD,
+    EXIT_ENDPOINT_REFUSED,
+    REFUSED_AFTER,
+    EndpointWatch,
+)
 
 KEY = "sk-refused-0123456789abcdef"
 NO_CREDITS = {"error": {"message": f"Insufficient credits for key {KEY}. Add more credits", "code": 402}}
@@ -28,15 +33,15 @@ QUOTA_SPENT = {
 }
 
 
-def out_of_credits_after(answered: int, refusal):
-    """Answers the start check and the first ``answered`` prompt calls, then ``refusal`` to everything
-    (probes included): a reply, or a function that gives one."""
+def out_of_credits_after(answered: int, refusal, reply: dict = OK_REPLY):
+    """Answers (``reply``) the start check and the first ``answered`` prompt calls, then ``refusal`` to
+    everything (probes included): a reply, or a function that gives one."""
 
     def answer(call: dict, calls: list[dict]):
         if call["check"] and sum(1 for c in calls if c["check"]) == 1:
-            return 200, OK_REPLY
+            return 200, reply
         if not call["check"] and sum(1 for c in calls if not c["check"]) <= answered:
-            return 200, OK_REPLY
+            return 200, reply
         return refusal() if callable(refusal) else refusal
 
     return answer
@@ -274,3 +279,79 @@ def test_credits_topped_up_within_the_grace_let_the_run_go_on(tmp_path, capsys):
     }
     assert stats["trajectories"] + stats["discarded"]["total"] + len(failed) == 30
     assert stats["remaining_for_resume"] == len(failed)
+
+
+def _judged_run(tmp_path, capsys, monkeypatch, judge_ep, run_ep, rows: int, **flags):
+    """A run of ``rows`` rows with an answer, judged as it runs (--scorer=judge) by a judge on its own
+    endpoint: its exit code, its console and the run's directory."""
+    monkeypatch.setenv("JUDGE_API_KEY", JUDGE_KEY)
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": f"task {i}", "answer": "OK"} for i in range(rows)])
+    flags = {"num_workers": 2, "prompts_per_worker": 4, "batch_size": 10, "endpoint_grace": 2, **flags}
+    code = exit_code(
+        None, dataset, tmp_path / "data", model="m", base_url=run_ep.base_url, api_key=KEY,
+        scorer="judge", judge_model="judge-m", judge_base_url=judge_ep.base_url, **flags,
+    )  # fmt: skip
+    return code, capsys.readouterr().err, tmp_path / "data" / "run"
+
+
+JUDGE_KEY = "sk-judge-refused-0123456789"
+VERDICT = {
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": '{"score": 1, "passed": true}'},
+        }
+    ]
+}
+
+
+def test_a_judge_whose_credits_run_out_mid_run_stops_it(tmp_path, capsys, monkeypatch):
+    """The judge's key refused mid-run (--scorer=judge): before, every later sample was kept with a
+    scorer error in place of its score (57 of 60 here), each after its agent's calls were paid for, and
+    the run exited 0, its pass rate over the 3 samples judged. Now the judge's endpoint has the run's
+    refused-key stop: exit 8, naming the judge; the samples not reached are left for --resume, which
+    judges them once the judge answers again."""
+    no_credits = {"error": {"message": f"Insufficient credits for key {JUDGE_KEY}", "code": 402}}
+    topped_up = []  # the judge's credits, once the user has topped them up
+    refusing = out_of_credits_after(3, (402, no_credits), VERDICT)
+    judge = ScriptedEndpoint(lambda call, calls: (200, VERDICT) if topped_up else refusing(call, calls))
+    with ScriptedEndpoint(lambda call, calls: (200, OK_REPLY)) as run_ep, judge as judge_ep:
+        code, err, run_dir = _judged_run(tmp_path, capsys, monkeypatch, judge_ep, run_ep, 60)
+        assert code == EXIT_ENDPOINT_REFUSED, err
+        assert "8 judge calls in a row were refused (last: http_402)" in err
+        assert "The run stopped: the judge's endpoint refused its calls" in err
+        assert "HTTP 402: Insufficient credits" in err and "resume=True" in err
+        assert judge_ep.checks() == 2  # its start check, then one probe: refused
+        stats = json.loads((run_dir / "statistics.json").read_text())
+        errors = stats["scores"]["scorer_errors"]
+        # Scorer errors only for the samples refused before the stop (8 in a row, and those in flight).
+        assert REFUSED_AFTER <= errors <= REFUSED_AFTER + 8, stats["scores"]
+        assert stats["remaining_for_resume"] == 60 - 3 - errors
+        assert len([c for c in run_ep.calls if not c["check"]]) < 60 - 20  # the agent's calls stopped too
+        for path in run_dir.iterdir():
+            assert JUDGE_KEY not in path.read_text("utf-8", "replace"), path.name
+        assert JUDGE_KEY not in err
+
+        topped_up.append(True)
+        code, err, run_dir = _judged_run(tmp_path, capsys, monkeypatch, judge_ep, run_ep, 60, resume=True)
+    assert code == 0, err
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["trajectories"] + stats["discarded"]["total"] == 60 and stats["remaining_for_resume"] == 0
+    # The samples refused before the stop keep their scorer error (views.score re-judges them); the
+    # rest were judged.
+    assert stats["scores"]["scorer_errors"] == errors and stats["scores"]["passed"] == 60 - errors
+
+
+def test_a_judge_that_dies_mid_run_stops_it(tmp_path, capsys, monkeypatch):
+    """The judge's server gone mid-run (every call 503): before, every later sample was kept with a
+    scorer error after the judge's retries; now the run stops as for its own dead endpoint (exit 5)."""
+
+    judge = out_of_credits_after(3, (503, {"error": {"message": "upstream gone"}}), VERDICT)
+    with ScriptedEndpoint(lambda call, calls: (200, OK_REPLY)) as run_ep, ScriptedEndpoint(judge) as judge_ep:
+        code, err, run_dir = _judged_run(tmp_path, capsys, monkeypatch, judge_ep, run_ep, 60)
+    assert code == EXIT_ENDPOINT_DEAD, err
+    assert "judge calls in a row failed for the endpoint's reasons" in err
+    assert "The run stopped: the judge's endpoint stopped answering" in err and "resume=True" in err
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["remaining_for_resume"] > 20
