@@ -52,7 +52,7 @@ from batchrun.protocol import (
 from batchrun.record import read_score
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
-from batchrun.run.endpoint_watch import DRAIN_S, EndpointWatch, is_refusal, probe_once
+from batchrun.run.endpoint_watch import DRAIN_S, RUN_JUDGE, EndpointWatch, is_refusal, probe_once
 from batchrun.run.forkserver import WORKER_PROCESS_NAME, skip_callers_main
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
@@ -230,9 +230,7 @@ class Dispatch:
         if self.settings.judge_llm is not None:
             # The judge's endpoint, watched apart (its own key, server and model): a judge refused or dead
             # mid-run stops the run as the agent's endpoint does, its samples left for --resume to judge.
-            self.judge_watch = EndpointWatch(
-                self.settings.judge_llm, **watch_args, who="the judge's endpoint", calls="judge calls"
-            )
+            self.judge_watch = EndpointWatch(self.settings.judge_llm, **watch_args, words=RUN_JUDGE)
         self.pbar = tqdm(total=remaining, unit="prompt", dynamic_ncols=True, file=sys.stderr)
         rec.echo = lambda line: self.pbar.write(line, file=sys.stderr)
         start_slots = start_slots_per_worker(

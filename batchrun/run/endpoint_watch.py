@@ -47,6 +47,21 @@ REFUSED_AFTER = 8  # refused calls in a row, across the run's prompts, before th
 EXIT_ENDPOINT_REFUSED = 8  # (6 and 7 are batchrun.cli's)
 
 
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """How a watch's lines name the endpoint, its calls, what it pauses and the grace's setting."""
+
+    who: str = "the endpoint"
+    calls: str = "model calls"
+    what: str = "the run"
+    grace: str = "--endpoint_grace"
+
+
+# A run's judge (--scorer=judge) is watched apart; so is views.score's, whose grace is no flag.
+RUN_JUDGE = Words("the judge's endpoint", "judge calls")
+RESCORING_JUDGE = Words("the judge's endpoint", "judge calls", "the re-scoring", "the re-scoring's grace")
+
+
 def probe_once(cfg: LLMConfig, usage: Usage | None = None, gate: SpendGate | None = None) -> bool | LLMError:
     """One minimal chat call (the start check's): True when the endpoint answered at all, False when it
     did not (refused the connection, timed out, 5xx), the error itself when it refused the key or the
@@ -86,14 +101,12 @@ class EndpointWatch:
         pause: Callable[[float], None],
         probe: Callable[[LLMConfig, Usage], bool | LLMError] = probe_once,
         lift: Callable[[float], None] | None = None,
-        who: str = "the endpoint",
-        calls: str = "model calls",
+        words: Words | None = None,
     ) -> None:
         """``pause(until)``: hold every request of the run until then; ``lift(until)``: that pause is over.
-        ``who`` and ``calls``: how its lines name the endpoint and its calls (a run's judge has its own
-        watch: "the judge's endpoint", "judge calls")."""
+        ``words``: how its lines name the endpoint, its calls, the run and the grace (:class:`Words`)."""
         self.cfg, self.grace_s, self._pause, self._probe, self._lift = cfg, grace_s, pause, probe, lift
-        self.who, self.calls = who, calls
+        self.words = words or Words()
         self.failures = 0  # in a row, since the last answer
         self.refusals = 0  # calls refused (llm.refused) in a row, since the last answer
         self.probing_since: float | None = None
@@ -123,18 +136,20 @@ class EndpointWatch:
             if self.refusals >= REFUSED_AFTER and self._start_probing(for_refusals=True):
                 if self.refusal_probes > 1:  # a dataset with many flagged prompts: said once
                     return None
+                w = self.words
                 return (
-                    f"warning: {self.refusals} {self.calls} in a row were refused (last: {error_class}); the "
-                    f"run is paused and {self.who} probed: an answered probe means the refusals were the "
-                    f"prompts' own; one still refused after {self.grace_s:g} s (--endpoint_grace) stops the run"
+                    f"warning: {self.refusals} {w.calls} in a row were refused (last: {error_class}); "
+                    f"{w.what} is paused and {w.who} probed: an answered probe means the refusals were the "
+                    f"prompts' own; one still refused after {self.grace_s:g} s ({w.grace}) stops {w.what}"
                 )
             return None
         self.failures += 1
         if self.failures >= DEAD_AFTER and self._start_probing():
+            w = self.words
             return (
-                f"warning: {self.failures} {self.calls} in a row failed for the endpoint's reasons (last: "
-                f"{error_class}); the run is paused and {self.who} probed for up to {self.grace_s:g} s "
-                "(--endpoint_grace)"
+                f"warning: {self.failures} {w.calls} in a row failed for the endpoint's reasons (last: "
+                f"{error_class}); {w.what} is paused and {w.who} probed for up to {self.grace_s:g} s "
+                f"({w.grace})"
             )
         return None
 
@@ -155,17 +170,18 @@ class EndpointWatch:
         """Renew the pause while probing; returns a line when the endpoint is back or declared dead."""
         if self.probing_since is None:
             return None
+        w = self.words
         if self._back.is_set():
             self.probing_since, self.failures, self.refusals = None, 0, 0
             # The pause is renewed PAUSE_STEP_S at a time: ended now, not 7.5-15 s later (a restarted
             # llama-server's run stood idle 14 s after it answered again).
             self.lift_pause()
             if not self._for_refusals:
-                return f"{self.who} answers again; the run continues"
+                return f"{w.who} answers again; {w.what} continues"
             if self.refusal_probes > 1:
                 return None
             return (
-                f"{self.who} answered the probe: the refusals were the prompts' own, or are over; the run "
+                f"{w.who} answered the probe: the refusals were the prompts' own, or are over; {w.what} "
                 f"continues (the same pause and probe after any {REFUSED_AFTER} refusals in a row, said only "
                 "this once)"
             )
@@ -175,22 +191,22 @@ class EndpointWatch:
             if refused is not None:  # the latest probe was refused: so will every call be
                 self.refused = refusal_text(refused)
                 return (
-                    f"error: {self.who} still refuses the run's calls after {self.grace_s:g} s "
-                    f"(--endpoint_grace: {self.refused[:300]}); the run stops: no new prompt starts and "
+                    f"error: {w.who} still refuses {w.what}'s calls after {self.grace_s:g} s "
+                    f"({w.grace}: {self.refused[:300]}); {w.what} stops: no new prompt starts and "
                     "prompts in flight end"
                 )
             return (
-                f"error: {self.who} did not come back within {self.grace_s:g} s (--endpoint_grace); "
-                "the run stops: no new prompt starts and prompts in flight end"
+                f"error: {w.who} did not come back within {self.grace_s:g} s ({w.grace}); "
+                f"{w.what} stops: no new prompt starts and prompts in flight end"
             )
         self._renew_pause()
         if refused is not None and not self._said_refused:
             self._said_refused = True
             return (
-                f"warning: {self.who} refused the run's probe too ({refusal_text(refused)[:300]}): the key "
-                "or the account is refused (revoked, out of credits, suspended), the model is gone, or the "
-                "run is rate limited for longer than --endpoint_grace; it is probed every "
-                f"{PROBE_EVERY_S:g} s, and the run stops if it still refuses after {self.grace_s:g} s"
+                f"warning: {w.who} refused {w.what}'s probe too ({refusal_text(refused)[:300]}): the key "
+                "or the account is refused (revoked, out of credits, suspended), the model is gone, or "
+                f"{w.what} is rate limited for longer than {w.grace}; it is probed every "
+                f"{PROBE_EVERY_S:g} s, and {w.what} stops if it still refuses after {self.grace_s:g} s"
             )
         return None
 

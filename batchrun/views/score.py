@@ -312,27 +312,43 @@ class JudgeWatch:
     TICK_S = 0.25
 
     def __init__(self, cfg: Any, grace_s: float) -> None:
-        from batchrun.run.endpoint_watch import EndpointWatch
+        from batchrun.run.endpoint_watch import RESCORING_JUDGE, EndpointWatch
+        from batchrun.secrets import Redactor
 
         self.client: Any = None  # the judge's client, whose calls are held while the judge is probed
         self.stop = threading.Event()
-        self.watch = EndpointWatch(cfg, grace_s, pause=self._pause, lift=self._lift)
+        self.watch = EndpointWatch(cfg, grace_s, pause=self._pause, lift=self._lift, words=RESCORING_JUDGE)
         self._lock = threading.Lock()  # the watch is the dispatch loop's, one thread's: here several report
+        self._redact = Redactor.for_endpoint(cfg.api_key, cfg.base_url)
 
     def __call__(self, error_class: str | None) -> None:
         """LLMClient's ``on_failure``: told after each attempt (None: it was answered)."""
         with self._lock:
             if self.stop.is_set():
                 return
-            started = self.watch.report(error_class) is not None  # a line: the watch began probing
+            before = self.watch.probing_since
+            self._say(self.watch.report(error_class))
+            # The watch began probing (a line says so only the first time refusals start it: the second
+            # time, in a re-scoring of many flagged samples, no ticking began, and the probe's answer
+            # never lifted the pause, which ran its 15 s at each renewal).
+            started = before is None and self.watch.probing_since is not None
         if started:
             threading.Thread(target=self._tick, name="judge-probe", daemon=True).start()
+
+    def _say(self, line: str | None) -> None:
+        """A watch's line on the console, redacted (a refusal quotes the endpoint, which may quote the
+        key): the re-scoring said nothing while its judge was probed for up to 120 s, the refusal's words
+        shown only at its end. Its stop's own line is main's, said once it has written nothing."""
+        if line and not line.startswith("error:"):
+            from batchrun.secrets import terminal_safe
+
+            print(terminal_safe(self._redact(line)), file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
         while True:
             time.sleep(self.TICK_S)
             with self._lock:
-                self.watch.tick()
+                self._say(self.watch.tick())
                 if self.watch.dead:
                     self.stop.set()  # before the calls are let go: each raises BudgetStop unsent
                     self.watch.lift_pause()

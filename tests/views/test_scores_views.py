@@ -1408,10 +1408,50 @@ def test_a_judge_whose_key_is_refused_mid_rescoring_stops_it_and_nothing_is_writ
     err = capsys.readouterr().err
     assert code == EXIT_ENDPOINT_REFUSED, err  # before: 0, 43 of 48 samples scorer errors, written
     assert "refused 8 calls in a row, then its probes for 2 s (HTTP 401: Invalid API key: [REDACTED])" in err
+    # Said as it happens, while the user can still act (before, nothing until the grace's end).
+    assert "warning: 8 judge calls in a row were refused (last: http_401); the re-scoring is paused" in err
+    assert (
+        "warning: the judge's endpoint refused the re-scoring's probe too (HTTP 401: Invalid API key: "
+        "[REDACTED])" in err
+    )
     assert key not in err
     assert judge.checks() == 2 and judge.prompt_calls() <= 5 + 8 + 2
     assert not (run_dir / "scores.judge.jsonl").exists()
     assert stats_of(run_dir) == before
+
+
+def test_a_judge_that_refuses_many_samples_of_their_own_is_probed_each_time(tmp_path, capsys, monkeypatch):
+    """A judge whose moderation refuses the samples it flags (403) while its probe is answered: each 8
+    refusals in a row pause the re-scoring for a probe, and each probe answered lets it go on. Before,
+    only the first pause was followed: the second probe's answer was never taken (nothing ticked the
+    watch), its pause ran out on its own, and no later refusals were probed."""
+    from helpers import OK_REPLY, ScriptedEndpoint
+
+    monkeypatch.setattr(score, "JUDGE_GRACE_S", 5.0)
+    verdict = {"role": "assistant", "content": '{"score": 1, "passed": true}'}
+
+    def moderated(call: dict, calls: list[dict]):
+        if call["check"]:
+            return 200, OK_REPLY
+        if "flagged" in json.dumps(call["body"]):
+            return 403, {"error": {"message": "Your input was flagged by moderation", "code": 403}}
+        return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": verdict}]}
+
+    rows = [{"id": f"r{n}", "prompt": f"Grade flagged {n} [calls:0]", "rubric": "r"} for n in range(32)]
+    rows += [{"id": f"s{n}", "prompt": f"Grade {n} [calls:0]", "rubric": "r"} for n in range(4)]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    run_dir = out / "run"
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-9876543210")
+    with ScriptedEndpoint(moderated) as judge:
+        argv = [str(run_dir), "--scorer=judge", "--judge_model=m", f"--judge_base_url={judge.base_url}"]
+        code = score.main([*argv, "--concurrency=1"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert judge.checks() == 1 + 32 // 8  # the start check, and a probe after each 8 refusals
+    assert err.count("judge calls in a row were refused") == err.count("answered the probe") == 1  # said once
+    rescored = [json.loads(line) for line in (run_dir / "scores.judge.jsonl").read_text().splitlines()]
+    assert len(rescored) == 36
 
 
 def test_a_judge_that_restarts_mid_rescoring_is_waited_for(tmp_path, capsys, monkeypatch):
