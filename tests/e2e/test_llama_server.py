@@ -604,6 +604,72 @@ def test_a_finished_run_is_rescored_by_a_judge_model(hermes, judge, tmp_path):
     assert (rescored["scored"], rescored["passed"], rescored["scorer_errors"]) == (4, 4, 0)
 
 
+def test_a_judge_whose_key_is_rotated_mid_run_stops_it_and_a_resume_judges_the_rest(
+    tmp_path_factory, tmp_path, monkeypatch, capsys
+):
+    """The judge (--scorer=judge, its own llama-server) restarted with another --api-key while ten of thirty
+    prompts run their tool: each next judge call is refused (401). Before, every later sample was kept
+    with a scorer error, each after its agent's calls were paid for, and the run exited 0. Now the
+    judge's endpoint has the run's refused-key stop (exit 8, naming it); a --resume with the new key
+    runs and judges the rest, each prompt once."""
+    old_key, new_key = "sk-judge-old-key-51c0", "sk-judge-new-key-a7e2"
+    for env in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("JUDGE_API_KEY", old_key)
+    agent = _server(
+        tmp_path_factory,
+        "judged",
+        Script(calls=[("terminal", {"command": "sleep 2; echo slept"})], answer="Done."),
+    )
+    judge = _server(
+        tmp_path_factory, "judge-rotated", Script(words=VERDICT), extra_args=("--api-key", old_key)
+    )
+
+    def rotate():  # the start check and the ten first calls answered: the prompts are in their `sleep 2`
+        until = time.monotonic() + 120
+        while agent.log_tail(400).count("prompt eval time") < 11 and time.monotonic() < until:
+            time.sleep(0.05)
+        judge.stop()
+        judge.extra_args = ("--api-key", new_key)
+        judge.start()
+
+    rows = [{"prompt": f"Sleep, then answer ({i}).", "answer": "Done."} for i in range(30)]
+    args = dict(
+        dataset_file=str(write_rows(tmp_path / "judged.jsonl", rows)), batch_size=10, run_name="judged",
+        model=REQUESTED, base_url=agent.base_url, output_dir=str(tmp_path / "out"), num_workers=1,
+        prompts_per_worker=10, distribution="terminal_only", keep_no_reasoning=True, max_turns=4,
+        endpoint_grace=2, scorer="judge", judge_model=REQUESTED, judge_base_url=judge.base_url,
+    )  # fmt: skip
+    chaos = threading.Thread(target=rotate, daemon=True)
+    chaos.start()
+    run_dir = tmp_path / "out" / "judged"
+    try:
+        code = batch_runner.main(**args)
+        chaos.join()
+        err = capsys.readouterr().err
+        assert code == 8, err
+        assert "judge calls in a row were refused (last: http_401)" in err
+        assert "The run stopped: the judge's endpoint refused its calls" in err
+        stats = json.loads((run_dir / "statistics.json").read_text())
+        errors = stats["scores"]["scorer_errors"]
+        assert 8 <= errors <= 10 and stats["remaining_for_resume"] >= 20 - (errors - 8), stats["scores"]
+        monkeypatch.setenv("JUDGE_API_KEY", new_key)
+        assert batch_runner.main(resume=True, **args) == 0
+    finally:
+        chaos.join()
+        agent.stop()
+        judge.stop()
+    records = read_jsonl(run_dir / "trajectories.jsonl")
+    assert sorted(r["conversations"][1]["value"] for r in records) == sorted(r["prompt"] for r in rows)
+    scores = json.loads((run_dir / "statistics.json").read_text())["scores"]
+    # Those refused before the stop keep their scorer error (views.score judges them again); the rest pass.
+    assert (scores["scorer_errors"], scores["passed"]) == (errors, 30 - errors)
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert not [
+        p for p in written if old_key.encode() in p.read_bytes() or new_key.encode() in p.read_bytes()
+    ]
+
+
 def test_the_reports_per_row_table_counts_a_scorer_error_as_no_verdict_not_a_failure(hermes, tmp_path):
     """The report's per-row table counted every judged sample, scorer errors too: a row whose verify
     command timed out read "2 samples, 0 passes" (a row the model failed, that nothing judged), the
