@@ -400,6 +400,7 @@ def run_steps(
         preflighted.sandbox_facts,
         kept.scores,
         limit.as_dict(),
+        kept=kept,
     )
     ran = dispatch if preflighted.batches else None
     stop = _stopped_early(config, recorder, ran, interrupted)

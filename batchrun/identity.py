@@ -297,24 +297,48 @@ def lines_matter(path: Path) -> bool:
         return False
 
 
+# A valid discarded.jsonl row as counting and superseding need it, without its record: (its position
+# among the file's non-blank lines, its Line (None: no prompt_index), whether the merge set it aside
+# (MERGE_SET_ASIDE), its batch_num as written, its reason).
+DiscardRow = tuple[int, "Line | None", bool, Any, str]
+
+
+def read_discards(path: Path) -> tuple[list[DiscardRow], int]:
+    """discarded.jsonl's valid rows (:data:`DiscardRow`), and how many of its lines are not (torn, or of
+    another shape): one pass for both :func:`superseded_among` and the counts (the run's end read the
+    file once for each)."""
+    rows: list[DiscardRow] = []
+    invalid = 0
+    for n, rec in enumerate(iter_jsonl(path)):
+        if not valid_outcome_row(rec, "reason"):
+            invalid += 1
+            continue
+        at = outcome_line(rec) if is_index(rec.get("prompt_index")) else None
+        rows.append((n, at, rec["reason"] in MERGE_SET_ASIDE, rec.get("batch_num"), rec["reason"]))
+    return rows, invalid
+
+
 def superseded_discards(path: Path, finished_at: Mapping[Line, int]) -> set[int]:
+    """:func:`superseded_among` discarded.jsonl (``path``)'s rows."""
+    return superseded_among(read_discards(path)[0], finished_at)
+
+
+def superseded_among(rows: list[DiscardRow], finished_at: Mapping[Line, int]) -> set[int]:
     """The discarded.jsonl rows (their positions among its non-blank lines) that no longer stand for their
     sample: one dataset line's sample ran again (--rerun_discarded, or a resume that raised
     --stop_after_passes) and then was kept (a batch file holds it at that line) or discarded again (a
     later row). Counted as they are, a sample discarded and then kept showed in the discards too.
     Identical rows (another occurrence) that wrote at one line after the rows moved are other samples;
-    a row or record that does not say its occurrence (written before it was saved) is taken for any."""
+    a row or record that does not say its occurrence (written before it was saved) is taken for any.
+    ``rows``: :func:`read_discards`'."""
     last: dict[Line, int] = {}
     last_at_line: dict[tuple[str, int, int], int] = {}
     kept_at_line: collections.Counter[tuple[str, int, int]] = collections.Counter()
     for (key, s, line, _), n in finished_at.items():
         kept_at_line[key, s, line] += n
-    rows: list[tuple[int, Line, bool]] = []
-    for n, rec in enumerate(iter_jsonl(path)):
-        if valid_outcome_row(rec, "reason") and is_index(rec.get("prompt_index")):
-            at = outcome_line(rec)
+    for n, at, _, _, _ in rows:
+        if at is not None:
             last[at] = last_at_line[at[:3]] = n
-            rows.append((n, at, rec["reason"] in MERGE_SET_ASIDE))
 
     def superseded(n: int, at: Line, set_aside: bool) -> bool:
         if at[3] is None:
@@ -322,4 +346,4 @@ def superseded_discards(path: Path, finished_at: Mapping[Line, int]) -> set[int]
         kept = finished_at.get(at, 0) + finished_at.get((*at[:3], None), 0)
         return last[at] != n or (not set_aside and kept > 0)
 
-    return {n for n, at, set_aside in rows if superseded(n, at, set_aside)}
+    return {n for n, at, set_aside, _, _ in rows if at is not None and superseded(n, at, set_aside)}

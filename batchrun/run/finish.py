@@ -541,11 +541,14 @@ class KeptFeed:
         self.scores = RunScores(config.distribution, self.wanted)
         from batchrun.views.report import RunData, add_trajectory
 
+        # No Lines of the kept records (note_lines): which discards stand is statistics' verdict, handed
+        # in with the rows (discard), as the scores take them: discarded.jsonl read once for both, and the
+        # report counting by statistics.json's own rule.
         self.report: Any = RunData(
             run_dir=config.run_dir,
             max_items=config.report_max_trajectories,
             wanted=self.wanted,
-            note_lines=lines_matter(config.run_dir / "discarded.jsonl"),
+            note_lines=False,
         )
         self._add_trajectory = add_trajectory
 
@@ -561,6 +564,21 @@ class KeptFeed:
                 self._add_trajectory(self.report, rec, item, reasoning)
             except Exception:
                 self.report = None
+
+    def discard(self, row: Any, valid: bool, stale: bool) -> None:
+        """A discarded.jsonl row as statistics reads it (``valid``: its shape; ``stale``: superseded)."""
+        if self.report is not None:
+            from batchrun.views.report import add_discard
+
+            try:
+                add_discard(self.report, row, valid, stale)
+            except Exception:
+                self.report = None
+
+    def discards_read(self) -> None:
+        """Every discarded.jsonl row was handed in: the report does not read the file."""
+        if self.report is not None:
+            self.report.discards_fed = True
 
     def excluded(self, rec: dict[str, Any]) -> None:
         """A partial sample --exclude_partial leaves out of trajectories.jsonl (and so out of the report's
@@ -607,12 +625,14 @@ def statistics(
     sandbox_facts: dict[str, Any] | None = None,
     scores: RunScores | None = None,
     request_limit: dict[str, Any] | None = None,
+    kept: KeptFeed | None = None,
 ) -> dict[str, Any]:
     """Statistics over the merged output of every run of this run name, plus this run's counters.
     ``request_limit``: this run's limit on model requests in flight and what set it (None: none).
 
     ``scores``: the kept samples' scores as the merge fed them (:class:`KeptFeed`); without it they
-    are read back from trajectories.jsonl. The discarded samples' are added here."""
+    are read back from trajectories.jsonl. The discarded samples' are added here. ``kept``: the feed
+    whose report gets each discarded.jsonl row as this reads it (the report reads it itself otherwise)."""
     run_dir = config.run_dir
     if scores is None:
         scores = kept_scores(
@@ -625,12 +645,17 @@ def statistics(
     counted = totals.outcomes or count_outcomes(run_dir, totals.per_batch, totals.finished_at)
     discards_all = counted.discards
     for n, rec in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
-        if n in counted.stale or not valid_outcome_row(rec, "reason"):
+        valid, stale = valid_outcome_row(rec, "reason"), n in counted.stale
+        if kept is not None:
+            kept.discard(rec, valid, stale)
+        if stale or not valid:
             continue
         w, n = reasoning_counts((rec.get("record") or {}).get("conversations", []))
         with_r, without_r = with_r + w, without_r + n - w
         if isinstance(rec.get("record"), dict):  # kept samples first: a sample re-run counts once
             scores.add(rec["record"], *record_sample(rec["record"]))
+    if kept is not None:
+        kept.discards_read()
     failures_all = dict(counted.failures)
     recorder.batch_outcomes = counted.batches
     this_run = this_run_totals(recorder)

@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import UsageError
-from batchrun.identity import MERGE_SET_ASIDE, Line, RowIdentity, is_index, kept_line, superseded_discards
+from batchrun.identity import (
+    MERGE_SET_ASIDE,
+    Line,
+    RowIdentity,
+    is_index,
+    kept_line,
+    read_discards,
+    superseded_among,
+)
 from batchrun.protocol import DISCARDED, FAILED, TRAJECTORY, Outcome, Spend
 from batchrun.record import (
     ROUND_FIELD,
@@ -667,16 +675,13 @@ def count_outcomes(
     again by --rerun_discarded, then kept or discarded again in a later batch: ``superseded_discards``) is
     not counted in its batch, and a record the merge set aside (``unknown_tool``, which stays in its batch
     file) is its batch's discard, not also its trajectory. Failures are attempts: each counts (``skipped``)."""
-    discarded = run_dir / "discarded.jsonl"
-    counted = OutcomeCounts(
-        trajectory_outcomes(run_dir, trajectories), superseded_discards(discarded, finished_at)
-    )
-    for n, row in enumerate(iter_jsonl(discarded)):
-        if not valid_outcome_row(row, "reason"):
-            counted.invalid_discards += 1
-        elif n not in counted.stale:
-            count_discard(counted.batches, row)
-            counted.discards[row["reason"]] += 1
+    rows, invalid = read_discards(run_dir / "discarded.jsonl")  # read once, for which stand and the counts
+    counted = OutcomeCounts(trajectory_outcomes(run_dir, trajectories), superseded_among(rows, finished_at))
+    counted.invalid_discards = invalid
+    for n, _, _, num, reason in rows:
+        if n not in counted.stale:
+            count_discard(counted.batches, num, reason)
+            counted.discards[reason] += 1
     for row in iter_jsonl(run_dir / "failed.jsonl"):
         if not valid_outcome_row(row, "error_class"):
             counted.invalid_failures += 1
@@ -712,12 +717,12 @@ def trajectory_outcomes(
     return outcomes
 
 
-def count_discard(outcomes: dict[int, collections.Counter[str]], row: dict[str, Any]) -> None:
-    """A discarded.jsonl row that stands for its sample (not superseded), in its batch's outcomes: a record
-    the merge set aside is its batch's discard, and no longer also its trajectory."""
-    num = row.get("batch_num")
-    _count_outcome(outcomes, num, DISCARDED, row.get("reason"))
-    if row.get("reason") in MERGE_SET_ASIDE and outcomes.get(num, {}).get(TRAJECTORY, 0) > 0:
+def count_discard(outcomes: dict[int, collections.Counter[str]], num: Any, reason: str) -> None:
+    """A discarded.jsonl row (its ``batch_num`` as written, its ``reason``) that stands for its sample (not
+    superseded), in its batch's outcomes: a record the merge set aside is its batch's discard, and no
+    longer also its trajectory."""
+    _count_outcome(outcomes, num, DISCARDED, reason)
+    if reason in MERGE_SET_ASIDE and outcomes.get(num, {}).get(TRAJECTORY, 0) > 0:
         outcomes[num][TRAJECTORY] -= 1  # its record, still in the batch file: one outcome
 
 

@@ -256,6 +256,9 @@ class RunData:
     # ``note_lines`` (discarded.jsonl holds rows: identity.lines_matter)
     kept_at: collections.Counter[Line] = dataclasses.field(default_factory=collections.Counter)
     note_lines: bool = True
+    # discarded.jsonl's rows were handed in already (:func:`add_discard`, by the runner's statistics pass,
+    # with its verdict on which stand): collect does not read the file
+    discards_fed: bool = False
 
 
 def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunData | None = None) -> RunData:
@@ -288,30 +291,12 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
                 for rec in iter_jsonl(path, PARTIAL_LINE):
                     if valid_record(rec) and rec.get("partial") is True:
                         add_excluded(data, rec)
-    # A sample discarded and run again (--rerun_discarded, a raised --stop_after_passes) counts by its
-    # latest outcome, as statistics.json counts it; what every attempt spent counts all the same.
-    stale = superseded_discards(run_dir / "discarded.jsonl", data.kept_at)
-    for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
-        if not valid_outcome_row(row, "reason"):
-            data.invalid_lines += 1
-            continue
-        reason = str(row.get("reason") or "unknown")
-        rec = row.get("record")
-        if n in stale:
-            if isinstance(rec, dict):
-                data.discarded_spend.add(record_usage(rec))
-            continue
-        data.discarded[reason] += 1
-        if isinstance(rec, dict):
-            add_score(data, rec, f"discarded: {reason}")
-            data.discarded_spend.add(record_usage(rec))
-            if isinstance(rec.get("conversations"), list):  # coverage counts every sample produced
-                with_r, gpt_turns = reasoning_counts(rec["conversations"])
-                data.turns_with_reasoning += with_r
-                data.turns_without_reasoning += gpt_turns - with_r
-            if data.discarded_items < max_items and isinstance(rec.get("conversations"), list):
-                data.discarded_items += 1
-                data.items.append(browsable(data, rec, "discarded", reason, record_usage(rec)))
+    if not data.discards_fed:
+        # A sample discarded and run again (--rerun_discarded, a raised --stop_after_passes) counts by its
+        # latest outcome, as statistics.json counts it; what every attempt spent counts all the same.
+        stale = superseded_discards(run_dir / "discarded.jsonl", data.kept_at)
+        for n, row in enumerate(iter_jsonl(run_dir / "discarded.jsonl")):
+            add_discard(data, row, valid_outcome_row(row, "reason"), n in stale)
     for row in iter_jsonl(run_dir / "failed.jsonl"):
         if not valid_outcome_row(row, "error_class"):
             data.invalid_lines += 1
@@ -320,6 +305,33 @@ def collect(run_dir: Path, max_items: int = DEFAULT_MAX_TRAJECTORIES, kept: RunD
         if len(data.failed_rows) < max_items:
             data.failed_rows.append(row)
     return data
+
+
+def add_discard(data: RunData, row: Any, valid: bool, stale: bool) -> None:
+    """One discarded.jsonl row (``valid``: of an outcome row's shape; ``stale``: it no longer stands for
+    its sample, :func:`~batchrun.identity.superseded_discards`). The runner's statistics pass hands each
+    row here as it reads them (:class:`~batchrun.run.finish.KeptFeed`), so the report does not read
+    the file again; :func:`collect` does it otherwise."""
+    if not valid:
+        data.invalid_lines += 1
+        return
+    reason = str(row.get("reason") or "unknown")
+    rec = row.get("record")
+    if stale:
+        if isinstance(rec, dict):
+            data.discarded_spend.add(record_usage(rec))
+        return
+    data.discarded[reason] += 1
+    if isinstance(rec, dict):
+        add_score(data, rec, f"discarded: {reason}")
+        data.discarded_spend.add(record_usage(rec))
+        if isinstance(rec.get("conversations"), list):  # coverage counts every sample produced
+            with_r, gpt_turns = reasoning_counts(rec["conversations"])
+            data.turns_with_reasoning += with_r
+            data.turns_without_reasoning += gpt_turns - with_r
+        if data.discarded_items < data.max_items and isinstance(rec.get("conversations"), list):
+            data.discarded_items += 1
+            data.items.append(browsable(data, rec, "discarded", reason, record_usage(rec)))
 
 
 EXCLUDED_PARTIAL = "excluded: partial (--exclude_partial)"

@@ -618,9 +618,10 @@ def test_the_merge_holds_a_bit_not_a_place_for_each_record_written_at_its_rows_p
     assert sum(totals.finished.values()) == 31 and len(totals.finished_where) == 31
     assert stats_of(run_dir)["remaining_for_resume"] == 0 and stats_of(run_dir)["this_run"]["attempted"] == 0
 
-    # Beside a discard, the Lines are held (a discard run again and kept is superseded by them).
+    # Beside a discard, the merge holds the Lines (a discard run again and kept is superseded by them);
+    # the report none: statistics hands it each discard with its verdict, read once for both.
     dataset = write_jsonl(tmp_path / "e.jsonl", ["Thinks not [no_reasoning]", "Fine [calls:0]"])
     run_dir = _mock_run(dataset, out, "r2")
     assert read_jsonl(run_dir / "discarded.jsonl")
     _mock_run(dataset, out, "r2", resume=True)
-    assert len(seen[-1].finished_at) == 1 and reports[-1].kept_at
+    assert len(seen[-1].finished_at) == 1 and not reports[-1].kept_at and reports[-1].discards_fed
