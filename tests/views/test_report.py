@@ -796,3 +796,33 @@ def test_every_view_on_a_run_this_user_cannot_read_says_so(tmp_path: Path, unrea
     finally:
         target.chmod(0o700 if unreadable == "directory" else 0o600)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_runs_own_report_counts_its_discards_as_one_read_alone_does(tmp_path: Path) -> None:
+    """The run's end hands the report each discarded.jsonl row from statistics' own pass, with its verdict on
+    which rows stand (it read the file twice more for itself, and held every kept record's Line for that
+    verdict). Its page is the page the report makes reading the run alone, with discards run again: four
+    superseded (two samples discarded twice, then kept), one standing, and a malformed line."""
+    from helpers import run, write_jsonl
+
+    dataset = write_jsonl(tmp_path / "d.jsonl", ["terse [no_reasoning]", "fine", "brief [no_reasoning]"])
+    out = tmp_path / "data"
+    run(None, dataset, out)
+    run(None, dataset, out, resume=True, rerun_discarded=True)  # both discarded again
+    with (out / "run" / "discarded.jsonl").open("a") as fh:
+        fh.write('{"reason": "no_reasoning"}\n')  # of no outcome row's shape: counted as invalid
+    run(None, dataset, out, resume=True, rerun_discarded=True, keep_no_reasoning=True, force_resume=True)
+    write_jsonl(dataset, ["terse [no_reasoning]", "fine", "brief [no_reasoning]", "late [no_reasoning]"])
+    run(None, dataset, out, resume=True, force_resume=True)  # a new row, discarded: it stands
+    run_dir = out / "run"
+    assert len(read_jsonl(run_dir / "discarded.jsonl")) == 6
+    own = (run_dir / "report.html").read_text("utf-8")
+    alone = report.write_report(run_dir).read_text("utf-8")
+
+    def page(text: str) -> str:
+        return text.split(" · generated ", 1)[0] + text.split(" · generated ", 1)[1].split("</p>", 1)[1]
+
+    assert page(own) == page(alone)
+    data = report.collect(run_dir)
+    # The first four superseded (both samples kept at last), the new row's standing, one line invalid.
+    assert data.discarded == {"no_reasoning": 1} and data.invalid_lines == 1
