@@ -409,6 +409,23 @@ def test_a_server_that_stays_down_ends_the_run_at_once_and_names_the_endpoint(
     assert len(failed) == 4  # each in flight once, for --resume
 
 
+def _rotate_key(server: LlamaServer, new_key: str, once: LlamaServer) -> threading.Thread:
+    """Restarts ``server`` with ``new_key`` as its --api-key once ``once`` has answered a start check and ten
+    prompts' first calls (the prompts are then in their `sleep 2`), on a thread it returns, started."""
+
+    def rotate():
+        until = time.monotonic() + 120
+        while once.log_tail(400).count("prompt eval time") < 11 and time.monotonic() < until:
+            time.sleep(0.05)
+        server.stop()
+        server.extra_args = ("--api-key", new_key)
+        server.start()
+
+    chaos = threading.Thread(target=rotate, daemon=True)
+    chaos.start()
+    return chaos
+
+
 def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_key_ends_every_prompt(
     tmp_path_factory, tmp_path, monkeypatch, capsys
 ):
@@ -421,14 +438,6 @@ def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_ke
     script = Script(calls=[("terminal", {"command": "sleep 2; echo slept"})], answer="Done.")
     server = _server(tmp_path_factory, "rotated", script, extra_args=("--api-key", old_key))
 
-    def rotate():  # the start check and the ten first calls answered: the prompts are in their `sleep 2`
-        until = time.monotonic() + 120
-        while server.log_tail(400).count("prompt eval time") < 11 and time.monotonic() < until:
-            time.sleep(0.05)
-        server.stop()
-        server.extra_args = ("--api-key", new_key)
-        server.start()
-
     prompts = [f"Sleep, then answer ({i})." for i in range(10)]
     dataset = write_jsonl(tmp_path / "rotated.jsonl", prompts)
     args = dict(
@@ -437,8 +446,7 @@ def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_ke
         prompts_per_worker=10, distribution="terminal_only", keep_no_reasoning=True, max_turns=4,
         endpoint_grace=2,
     )  # fmt: skip
-    chaos = threading.Thread(target=rotate, daemon=True)
-    chaos.start()
+    chaos = _rotate_key(server, new_key, once=server)
     try:
         code = batch_runner.main(api_key=old_key, **args)
         chaos.join()
@@ -625,14 +633,6 @@ def test_a_judge_whose_key_is_rotated_mid_run_stops_it_and_a_resume_judges_the_r
         tmp_path_factory, "judge-rotated", Script(words=VERDICT), extra_args=("--api-key", old_key)
     )
 
-    def rotate():  # the start check and the ten first calls answered: the prompts are in their `sleep 2`
-        until = time.monotonic() + 120
-        while agent.log_tail(400).count("prompt eval time") < 11 and time.monotonic() < until:
-            time.sleep(0.05)
-        judge.stop()
-        judge.extra_args = ("--api-key", new_key)
-        judge.start()
-
     rows = [{"prompt": f"Sleep, then answer ({i}).", "answer": "Done."} for i in range(30)]
     args = dict(
         dataset_file=str(write_rows(tmp_path / "judged.jsonl", rows)), batch_size=10, run_name="judged",
@@ -640,8 +640,7 @@ def test_a_judge_whose_key_is_rotated_mid_run_stops_it_and_a_resume_judges_the_r
         prompts_per_worker=10, distribution="terminal_only", keep_no_reasoning=True, max_turns=4,
         endpoint_grace=2, scorer="judge", judge_model=REQUESTED, judge_base_url=judge.base_url,
     )  # fmt: skip
-    chaos = threading.Thread(target=rotate, daemon=True)
-    chaos.start()
+    chaos = _rotate_key(judge, new_key, once=agent)
     run_dir = tmp_path / "out" / "judged"
     try:
         code = batch_runner.main(**args)
