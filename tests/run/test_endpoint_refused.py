@@ -325,8 +325,9 @@ def test_a_judge_whose_credits_run_out_mid_run_stops_it(tmp_path, capsys, monkey
         assert judge_ep.checks() == 2  # its start check, then one probe: refused
         stats = json.loads((run_dir / "statistics.json").read_text())
         errors = stats["scores"]["scorer_errors"]
-        # Scorer errors only for the samples refused before the stop (8 in a row, and those in flight).
-        assert REFUSED_AFTER <= errors <= REFUSED_AFTER + 8, stats["scores"]
+        # Scorer errors only for the samples refused before the stop: 8 in a row, those in flight (8 slots),
+        # and those a worker ended before the pause reached it (more on a loaded machine); not every one.
+        assert REFUSED_AFTER <= errors <= 30, stats["scores"]
         assert stats["remaining_for_resume"] == 60 - 3 - errors
         assert len([c for c in run_ep.calls if not c["check"]]) < 60 - 20  # the agent's calls stopped too
         for path in run_dir.iterdir():
