@@ -329,7 +329,8 @@ def test_a_judge_whose_credits_run_out_mid_run_stops_it(tmp_path, capsys, monkey
         # and those a worker ended before the pause reached it (more on a loaded machine); not every one.
         assert REFUSED_AFTER <= errors <= 30, stats["scores"]
         assert stats["remaining_for_resume"] == 60 - 3 - errors
-        assert len([c for c in run_ep.calls if not c["check"]]) < 60 - 20  # the agent's calls stopped too
+        # The agent's calls stopped too: those of the prompts judged, refused, or in flight at the stop.
+        assert len([c for c in run_ep.calls if not c["check"]]) <= 3 + errors + 8
         for path in run_dir.iterdir():
             assert JUDGE_KEY not in path.read_text("utf-8", "replace"), path.name
         assert JUDGE_KEY not in err
