@@ -70,6 +70,13 @@ class LLMConfig:
     top_p: float | None = None  # sent when set; None: the endpoint's default
 
     @property
+    def rate_limit_patience(self) -> float | None:
+        """The longest ``Retry-After`` a 429 may ask and be waited for: ``rate_limit_patience_s``, at least
+        :data:`MIN_RATE_LIMIT_PATIENCE_S`; None: every 429 is waited out."""
+        patience = self.rate_limit_patience_s
+        return None if patience is None else max(patience, MIN_RATE_LIMIT_PATIENCE_S)
+
+    @property
     def resolved_dialect(self) -> str:
         return resolve_dialect(self.base_url, self.dialect)
 
@@ -948,12 +955,8 @@ class LLMClient:
                 if self.on_failure is not None and retry.endpoint_fault:
                     self.on_failure(error.error_class)
                 if retry.rate_limited:
-                    patience = self.cfg.rate_limit_patience_s
-                    if (
-                        patience is not None
-                        and retry_after is not None
-                        and retry_after > max(patience, MIN_RATE_LIMIT_PATIENCE_S)
-                    ):
+                    patience = self.cfg.rate_limit_patience
+                    if patience is not None and retry_after is not None and retry_after > patience:
                         # Asked to come back later than the run waits for its endpoint (a quota over for
                         # the day): waited out 120 s at a time, each prompt failed at its deadline, 35 min
                         # on, and the next ones after it. Failed now, a refusal the run's watch counts.

@@ -691,14 +691,11 @@ class Dispatch:
     def watch_endpoint(self, inbox: Inbox, track: _Tracking) -> int:
         """The dead-endpoint stop (batchrun/run/endpoint_watch.py), the agent's endpoint's and the judge's;
         returns how many prompts it settled."""
-        settled = 0
-        for watch in (self.watch, self.judge_watch):
-            if watch is not None:
-                settled += self._watch_one(watch, inbox, track)
-                if self.endpoint_dead:
-                    for other in (self.watch, self.judge_watch):
-                        if other is not None and not other.dead and not other.stood_down:
-                            other.stand_down()
+        settled = sum(
+            self._watch_one(watch, inbox, track)
+            for watch in (self.watch, self.judge_watch)
+            if watch is not None
+        )
         if (
             self.endpoint_dead
             and self._stopped_at is not None
@@ -722,6 +719,9 @@ class Dispatch:
         if watch.dead and not self.endpoint_dead:
             self.endpoint_dead, self._stopped_at = True, watch.dead_at
             self.judge_stopped = watch is self.judge_watch
+            other = self.watch if self.judge_stopped else self.judge_watch
+            if other is not None:  # stopped on this watch's word: the other probes and holds the run no more
+                other.stand_down()
             if watch.refused is not None:
                 self.endpoint_refused = terminal_safe(self.recorder.redact(watch.refused))[:300]
             inbox.broadcast(StopStarting())

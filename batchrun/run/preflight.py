@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 from batchrun.config import UsageError
 from batchrun.prompt import httpclient
 from batchrun.prompt.llm import (
-    MIN_RATE_LIMIT_PATIENCE_S,
     QUOTA_SPENT,
     LLMClient,
     LLMConfig,
@@ -254,8 +253,10 @@ def check_chat(
     )
     # A 429 asking a longer wait than the run gives an endpoint to come back is not waited for: a quota
     # over for the day (Retry-After: 86400) was waited 110 s, then the run started, each prompt to fail.
-    patience = max(unavailable.grace_s if unavailable is not None else 0.0, MIN_RATE_LIMIT_PATIENCE_S)
-    check = dataclasses.replace(check, rate_limit_patience_s=patience)
+    check = dataclasses.replace(
+        check, rate_limit_patience_s=unavailable.grace_s if unavailable is not None else 0.0
+    )
+    patience = check.rate_limit_patience
     client = LLMClient(
         check, headers={CHECK_HEADER: "1"}, on_usage=lambda usage: None, gate=gate
     )  # the run warns of odd usage

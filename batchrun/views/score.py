@@ -319,7 +319,7 @@ class JudgeWatch:
         self.stop = threading.Event()
         self.watch = EndpointWatch(cfg, grace_s, pause=self._pause, lift=self._lift, words=RESCORING_JUDGE)
         self._lock = threading.Lock()  # the watch is the dispatch loop's, one thread's: here several report
-        self._redact = Redactor.for_endpoint(cfg.api_key, cfg.base_url)
+        self.redact = Redactor.for_endpoint(cfg.api_key, cfg.base_url)  # the judge's key, and its URL's login
 
     def __call__(self, error_class: str | None) -> None:
         """LLMClient's ``on_failure``: told after each attempt (None: it was answered)."""
@@ -342,7 +342,7 @@ class JudgeWatch:
         if line and not line.startswith("error:"):
             from batchrun.secrets import terminal_safe
 
-            print(terminal_safe(self._redact(line)), file=sys.stderr, flush=True)
+            print(terminal_safe(self.redact(line)), file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
         while True:
@@ -462,13 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         shown = safe_url(settings.judge.base_url) if settings.judge else ""
         watch = getattr(judge, "on_failure", None)
         refused = watch.watch.refused if isinstance(watch, JudgeWatch) else None
-        if refused is not None and settings.judge is not None:
-            from batchrun.secrets import Redactor, terminal_safe
+        if refused is not None:
+            from batchrun.secrets import terminal_safe
 
-            redact = Redactor.for_endpoint(settings.judge.api_key, settings.judge.base_url)
             print(
                 f"error: the judge's endpoint {shown} refused {REFUSED_AFTER} calls in a row, then its "
-                f"probes for {JUDGE_GRACE_S:g} s ({terminal_safe(redact(refused))[:300]}): its key or account "
+                f"probes for {JUDGE_GRACE_S:g} s ({terminal_safe(watch.redact(refused))[:300]}): its key or account "
                 "is refused (revoked, out of credits, suspended), or its model is gone; nothing re-scored: "
                 "run it again once that is fixed",
                 file=sys.stderr,
