@@ -593,8 +593,8 @@ ERROR_TEXT_CHARS = 1000  # of an endpoint's error message: it goes into every fa
 RETRYABLE_STATUS = {408, 409, 425, 500, 502, 503, 504, 520, 522, 524, 529}
 # The key or the account refused (a key revoked, credits spent, an account suspended) or the model gone
 # (404: retired mid-run), or the request's own content did (a provider's moderation answers 403, and
-# OpenRouter 404 when no provider takes its image): reported to ``on_failure``, whose watch tells the
-# two apart with one probe (batchrun/run/endpoint_watch.py).
+# OpenRouter 404 when no provider takes its image): reported to ``on_failure`` as refused, whose watch
+# tells the two apart with one probe (batchrun/run/endpoint_watch.py).
 REFUSED_STATUS = frozenset({401, 402, 403, 404})
 # OpenAI's 429 when the account's quota or credit is spent ("You exceeded your current quota"): not a rate
 # limit, no wait ends it. Waited out as one, a run of 20 prompts made 111 doomed calls in 300 s.
@@ -686,15 +686,16 @@ class LLMClient:
         stop: threading.Event | None = None,
         on_usage: Callable[[dict[str, Any]], None] | None = None,
         gate: SpendGate | None = None,
-        on_failure: Callable[[str | None], None] | None = None,
+        on_failure: Callable[[str | None, bool], None] | None = None,
         headers: dict[str, str] | None = None,
     ):
         """``stop``: once set, every further call raises :class:`BudgetStop` before it is sent.
         ``on_usage``: called with each answered call's usage (the run's budget counts it at once).
         ``gate``: the run's budget, asked before every attempt (then ``on_usage`` is not called: the
-        gate's ``settle`` reports the spend). ``on_failure``: told after each attempt whether it failed
-        for the endpoint's reasons or was refused (:data:`REFUSED_STATUS`: an error class) or answered
-        (None): the run's dead-endpoint and refused-key watch."""
+        gate's ``settle`` reports the spend). ``on_failure(error_class, refused)``: told after each
+        attempt that failed for the endpoint's reasons (an error class; ``refused`` False) or whose final
+        error is a refusal (:func:`refused`: ``refused`` True), and after each answered one (None, False):
+        the run's dead-endpoint and refused-key watch."""
         self.cfg = cfg
         self.limiter = limiter or Limiter()
         self.stop = stop
@@ -940,20 +941,20 @@ class LLMClient:
                         url, payload, parse, deadline, usage, prompt_estimate, stream, completion_limit
                     )
                     if self.on_failure is not None:
-                        self.on_failure(None)
+                        self.on_failure(None, False)
                     return turn, data
                 except (_Retry, LLMError) as exc:
                     if getattr(exc, "unanswered_tokens", 0):
                         answered = {"unanswered_tokens": exc.unanswered_tokens}
                     if self.on_failure is not None and refused(exc):
-                        self.on_failure(exc.error_class)  # final, never retried
+                        self.on_failure(exc.error_class, True)  # final, never retried
                     raise
                 finally:
                     self.limiter.release(slotted)
             except _Retry as retry:
                 error, retry_after = retry.error, retry.retry_after
                 if self.on_failure is not None and retry.endpoint_fault:
-                    self.on_failure(error.error_class)
+                    self.on_failure(error.error_class, False)
                 if retry.rate_limited:
                     patience = self.cfg.rate_limit_patience
                     if patience is not None and retry_after is not None and retry_after > patience:
@@ -962,7 +963,7 @@ class LLMClient:
                         # on, and the next ones after it. Failed now, a refusal the run's watch counts.
                         final = LongRateLimit(error, retry_after)
                         if self.on_failure is not None:
-                            self.on_failure(final.error_class)
+                            self.on_failure(final.error_class, True)
                         raise final from None
                     rate_limited += 1
                     wait = backoff_s(rate_limited, retry_after)

@@ -52,7 +52,7 @@ from batchrun.protocol import (
 from batchrun.record import read_score
 from batchrun.run import worker
 from batchrun.run.budget import Budget, Decision
-from batchrun.run.endpoint_watch import DRAIN_S, RUN_JUDGE, EndpointWatch, is_refusal, probe_once
+from batchrun.run.endpoint_watch import DRAIN_S, RUN_JUDGE, EndpointWatch, probe_once
 from batchrun.run.forkserver import WORKER_PROCESS_NAME, skip_callers_main
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
@@ -432,10 +432,10 @@ class Dispatch:
             return self.check_budget(inbox, track)
         elif isinstance(message, EndpointHealth):
             self.recorder.counts["endpoint_failures"] += (
-                message.error_class is not None and not is_refusal(message.error_class) and not message.judge
+                message.error_class is not None and not message.refused and not message.judge
             )
             watch = self.judge_watch if message.judge else self.watch
-            line = watch.report(message.error_class) if watch is not None else None
+            line = watch.report(message.error_class, message.refused) if watch is not None else None
             if line:
                 self.pbar.write(line, file=sys.stderr)
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does

@@ -28,8 +28,6 @@ import time
 from collections.abc import Callable
 
 from batchrun.prompt.llm import (
-    QUOTA_SPENT,
-    REFUSED_STATUS,
     LLMClient,
     LLMConfig,
     LLMError,
@@ -125,13 +123,14 @@ class EndpointWatch:
         self._spent: list[Usage] = []  # the probes' answered calls, until the dispatch counts them
         self._spent_lock = threading.Lock()
 
-    def report(self, error_class: str | None) -> str | None:
-        """A worker's report; returns a line to show when the run starts probing."""
+    def report(self, error_class: str | None, refused: bool = False) -> str | None:
+        """A worker's report (``refused``: the call refused the key or the account, llm.refused; else a
+        failure for the endpoint's reasons); returns a line to show when the run starts probing."""
         if error_class is None:
             self.failures = self.refusals = 0
             self._back.set()
             return None
-        if is_refusal(error_class):
+        if refused:
             self.refusals += 1
             if self.refusals >= REFUSED_AFTER and self._start_probing(for_refusals=True):
                 if self.refusal_probes > 1:  # a dataset with many flagged prompts: said once
@@ -257,13 +256,3 @@ def refusal_text(refused: LLMError) -> str:
     is added). Not redacted: the caller's redactor knows the key."""
     said = str(refused)
     return said if said.startswith(f"HTTP {refused.status}") else f"HTTP {refused.status}: {said}"
-
-
-def is_refusal(error_class: str | None) -> bool:
-    """Whether a failed call's class is a refusal of the key or the account (llm.REFUSED_STATUS)."""
-    return error_class in _REFUSAL_CLASSES
-
-
-# http_429: reported only when its Retry-After asks more than the run's patience (a rate limit waited
-# out is never reported; one that fails at the prompt's deadline is not a refusal).
-_REFUSAL_CLASSES = frozenset({*(f"http_{status}" for status in REFUSED_STATUS), QUOTA_SPENT, "http_429"})

@@ -132,11 +132,11 @@ class HealthReporter:
         self._failing = False
         self._judge = judge
 
-    def __call__(self, error_class: str | None) -> None:
+    def __call__(self, error_class: str | None, refused: bool = False) -> None:
         if error_class is None and not self._failing:
             return
         self._failing = error_class is not None
-        send(EndpointHealth(error_class, self._judge))
+        send(EndpointHealth(error_class, judge=self._judge, refused=refused))
 
 
 _state: WorkerState | None = None  # this process's worker state; set by init_worker

@@ -884,15 +884,15 @@ def test_an_error_in_an_answers_body_is_read_as_its_code_says(stream):
 
     ok = _sse([_delta("OK", finish="stop")]) if stream else {"choices": [_choice("OK")]}
     cases = [  # (the first answer, what the call ends with, requests made, what on_failure was told)
-        (body(502, "Provider returned error"), "http_502", 2, ["http_502", "http_502"]),
-        (body(402, "Insufficient credits"), "http_402", 1, ["http_402"]),
+        (body(502, "Provider returned error"), "http_502", 2, [("http_502", False), ("http_502", False)]),
+        (body(402, "Insufficient credits"), "http_402", 1, [("http_402", True)]),
         (body(None, "Something went wrong"), "bad_response" if not stream else "stream_error", 2, None),
     ]
     for first, error_class, requests, told in cases:
-        seen: list[str | None] = []
+        seen: list[tuple[str | None, bool]] = []
         with ScriptedEndpoint(lambda call, calls, first=first: (200, first)) as endpoint:
             cfg = LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=1, stream=stream)
-            client = LLMClient(cfg, on_failure=seen.append)
+            client = LLMClient(cfg, on_failure=lambda *told, seen=seen: seen.append(told))
             with pytest.raises(LLMError) as info:
                 client.chat(_user("hi"), [], deadline=time.monotonic() + 30.0)
         assert (info.value.error_class, len(endpoint.calls)) == (error_class, requests), info.value

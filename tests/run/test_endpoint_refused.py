@@ -127,10 +127,10 @@ def test_a_refused_probe_stops_the_watch_after_the_grace_and_an_answer_between_r
     answers = [LLMError("http_401", "Invalid API key", 401)]
     watch = EndpointWatch(cfg=None, grace_s=0.5, pause=pauses.append, probe=lambda cfg, usage: answers[0])
     for _ in range(REFUSED_AFTER - 1):
-        assert watch.report("http_401") is None
+        assert watch.report("http_401", refused=True) is None
     assert watch.report(None) is None  # an answer: the refusals were not in a row
     assert watch.refusals == 0
-    lines = [watch.report("http_401") for _ in range(REFUSED_AFTER)]
+    lines = [watch.report("http_401", refused=True) for _ in range(REFUSED_AFTER)]
     assert lines[-1] and "were refused" in lines[-1] and pauses and not any(lines[:-1])
     assert watch.failures == 0  # a refusal is an answer of the endpoint's, not a failure to reach it
     said = []
@@ -150,7 +150,7 @@ def test_a_refused_probe_stops_the_watch_after_the_grace_and_an_answer_between_r
     # Refused, then answered within the grace (credits topped up): the run goes on.
     watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg, usage: answers[0])
     for _ in range(REFUSED_AFTER):
-        watch.report("http_402")
+        watch.report("http_402", refused=True)
     for _ in range(100):
         if watch._probe_refused is not None:
             break

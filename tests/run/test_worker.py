@@ -411,6 +411,10 @@ def test_endpoint_health_is_sent_on_a_failure_and_on_the_first_answer_after_it_o
     assert got[0] == EndpointHealth(None) and got[-1].kind == TRAJECTORY
     parent.send(job(2, "Still fine [calls:0]"))
     assert [type(m) for m in parent.until(Outcome)] == [Outcome]  # a healthy endpoint costs no message
+    # A refusal of the key or the account (a 402, final) is told as one: the parent's refused-key watch
+    # counts it, not its dead-endpoint watch nor statistics' endpoint_failures.
+    parent.send(job(3, "Out of credits [error:402]"))
+    assert parent.until(Outcome)[0] == EndpointHealth("http_402", refused=True)
 
 
 # ----------------------------------------------------------------------------- background sandbox stops
