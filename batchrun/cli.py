@@ -444,10 +444,14 @@ def _stopped_early(
         if dispatch.judge_stopped
         else ("the endpoint", "the key", "the model")
     )
+    probes = (  # decided at the grace's end, or as the last prompts ended (nothing left to run)
+        "its probe as the run's last prompts ended ("
+        if dispatch.stop_concluded
+        else f"its probes for {config.endpoint_grace:g} s (--endpoint_grace; "
+    )
     if dispatch.endpoint_refused is not None:
         return EXIT_ENDPOINT_REFUSED, (
-            f"The run stopped: {who} refused its calls, and its probes for {config.endpoint_grace:g} s "
-            f"(--endpoint_grace; {dispatch.endpoint_refused}): "
+            f"The run stopped: {who} refused its calls, and {probes}{dispatch.endpoint_refused}): "
             f"{key} or the account is refused (revoked, out of credits, suspended), {model} is gone, "
             "or the run is rate limited for longer than --endpoint_grace. When that is over, continue "
             "with:\n  " + recorder.redact(resume_command())

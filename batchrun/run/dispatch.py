@@ -185,6 +185,7 @@ class Dispatch:
         # "HTTP 402: <the endpoint's words>", redacted.
         self.endpoint_refused: str | None = None
         self.judge_stopped = False  # the endpoint that died or refused was the judge's
+        self.stop_concluded = False  # decided as the last prompts ended, not at --endpoint_grace's end
         self._stopped_at: float | None = None  # when the watch that stopped the run stopped it
         # The run lost its workers (exit code 7): the pool broke, or on Ray every actor died (the cluster
         # went away) with prompts of theirs unfinished. Not a few failed prompts: the run could not go on.
@@ -289,6 +290,7 @@ class Dispatch:
                 ):
                     self.commit(inbox)  # the grants of this moment: one fsync, then sent
                 rec.write_status("running")
+            self.conclude_watches(inbox, track)
             self.probe_gate.closed.set()  # no probe is sent any more (one granted now is refused)
             self.commit(inbox)
             # Every call is made: status.json says all of it now, not as of its last refresh (up to 2 s
@@ -608,22 +610,26 @@ class Dispatch:
             (track.stops and inbox.open_connections) or any(k[0] == PROBE for k in self.budget.reserved)
         ) and time.monotonic() < deadline:
             try:
-                event = inbox.events.get(timeout=0.5)
+                self.after_the_last(inbox.events.get(timeout=0.5), inbox, track)
             except queue.Empty:
                 continue
-            if isinstance(event, WorkerExit):
-                track.stops.pop(event.pid, None)
-            elif event.pid == PROBE:
-                self.handle(event, track, inbox)
-                self.commit(inbox)
-            elif isinstance(event.message, (StopQueued, StopDone)):
-                self.count_stop(event.message, event.pid, track.stops)
         if track.stops and inbox.open_connections:
             print(
                 f"warning: {sum(track.stops.values())} sandbox stop(s) still running after {STOPS_DRAIN_S:g} s; "
                 "ending the workers",
                 file=sys.stderr,
             )
+
+    def after_the_last(self, event: Any, inbox: Inbox, track: _Tracking) -> None:
+        """An event once every prompt has its outcome: a worker gone, a probe's reservation or spend (its
+        answer is billed, and counted here), a sandbox stop; the rest say nothing more of the run."""
+        if isinstance(event, WorkerExit):
+            track.stops.pop(event.pid, None)
+        elif event.pid == PROBE:
+            self.handle(event, track, inbox)
+            self.commit(inbox)
+        elif isinstance(event.message, (StopQueued, StopDone)):
+            self.count_stop(event.message, event.pid, track.stops)
 
     def note_unpriced(self, message: Spend, tokens: int) -> None:
         """--budget_usd and an answer without a cost: the summary says so, and a warning once."""
@@ -708,6 +714,24 @@ class Dispatch:
             return settled + self.fail_lost_prompts(held, -1, track, why)
         return settled
 
+    def conclude_watches(self, inbox: Inbox, track: _Tracking) -> None:
+        """Every prompt ended while a watch probes (the last ones refused or failed, with those in
+        flight): the stop is decided on its probe's word now (EndpointWatch.conclude), not left undecided
+        (a key refused as the run's last prompts ran exited 3, its prompts failed http_401, and nothing
+        said the key was refused)."""
+        for watch in (self.watch, self.judge_watch):
+            if watch is None or self.endpoint_dead:
+                continue
+            while watch.awaits_probe():  # a budget's probe waits for this loop's grant
+                try:
+                    self.after_the_last(inbox.events.get(timeout=0.2), inbox, track)
+                except queue.Empty:
+                    pass
+            line = watch.conclude()
+            if line:
+                self.pbar.write(terminal_safe(self.recorder.redact(line)), file=sys.stderr)
+            self._watch_one(watch, inbox, track)
+
     def _watch_one(self, watch: EndpointWatch, inbox: Inbox, track: _Tracking) -> int:
         line = watch.tick()
         if line:  # a refusal's line quotes the endpoint, which may quote the key
@@ -719,6 +743,7 @@ class Dispatch:
         if watch.dead and not self.endpoint_dead:
             self.endpoint_dead, self._stopped_at = True, watch.dead_at
             self.judge_stopped = watch is self.judge_watch
+            self.stop_concluded = watch.concluded
             other = self.watch if self.judge_stopped else self.judge_watch
             if other is not None:  # stopped on this watch's word: the other probes and holds the run no more
                 other.stand_down()

@@ -119,6 +119,8 @@ class EndpointWatch:
         self._for_refusals = False  # the probe under way was started by refusals, not failures
         self.refusal_probes = 0  # probes started by refusals so far
         self._back = threading.Event()
+        self._probed = threading.Event()  # set once a probe of this probing has its word
+        self.concluded = False  # stopped by conclude(): at the run's end, before the grace ran out
         self._paused_until = 0.0
         self._spent: list[Usage] = []  # the probes' answered calls, until the dispatch counts them
         self._spent_lock = threading.Lock()
@@ -161,6 +163,7 @@ class EndpointWatch:
         self.probing_since = time.monotonic()
         self._probe_refused, self._said_refused = None, False
         self._back.clear()
+        self._probed.clear()
         threading.Thread(target=self._probe_loop, name="endpoint-probe", daemon=True).start()
         self._renew_pause()
         return True
@@ -209,6 +212,40 @@ class EndpointWatch:
             )
         return None
 
+    def awaits_probe(self) -> bool:
+        """Whether this watch probes and no probe of this probing has had its word yet, within the grace:
+        :meth:`conclude` decides on that word (the caller keeps answering a budget's probe meanwhile)."""
+        if self.probing_since is None or self.dead or self.stood_down or self._probed.is_set():
+            return False
+        return time.monotonic() - self.probing_since <= self.grace_s
+
+    def conclude(self) -> str | None:
+        """The run's prompts all ended while this watch probes (its last ones failed or were refused,
+        those in flight with them): nothing would run while the grace ran out, so the stop is decided on
+        the probe's word now, once it has one (:meth:`awaits_probe`; a probe has a 20 s timeout).
+        Answered, the run ends as it would have; refused, it stops as a refused key does (``refused``
+        set); unanswered, or no word within the grace, as a dead endpoint does (``dead`` both times, and
+        ``concluded``). Before, the run ended with its prompts failed, exit 3 or even 0, and nothing said
+        the key was refused. Returns a line to show, or None."""
+        if self.probing_since is None or self.dead or self.stood_down:
+            return None
+        if self._back.is_set():
+            self.tick()  # ends the probing; its "answered" line says the run continues: it ends
+            return None
+        w, refused = self.words, self._probe_refused
+        self.probing_since, self.dead, self.dead_at, self.concluded = None, True, time.monotonic(), True
+        self.lift_pause()
+        if refused is not None:
+            self.refused = refusal_text(refused)
+            return (
+                f"error: {w.who} refused {w.what}'s last calls and its probe ({self.refused[:300]}), and "
+                f"nothing is left to run: {w.what} stops without waiting out {w.grace}"
+            )
+        return (
+            f"error: {w.who} failed {w.what}'s last calls and did not answer its probe, and nothing is "
+            f"left to run: {w.what} stops without waiting out {w.grace}"
+        )
+
     def lift_pause(self) -> None:
         """End the run-wide pause this watch holds, now (the endpoint is back, or the run stops)."""
         if self._lift is not None and self._paused_until:
@@ -245,6 +282,7 @@ class EndpointWatch:
             # Refused: so will every call be, unless that ends within the grace (credits topped up, a
             # proxy's upstream back, a key put back); at its end tick stops the run on the latest word.
             self._probe_refused = alive if isinstance(alive, LLMError) else None
+            self._probed.set()
             if alive and not isinstance(alive, LLMError):
                 self._back.set()
                 return

@@ -916,6 +916,16 @@ def print_summary(
     line = headline(stats.get("scores") or {})
     if line:
         print(line)
+    errors = (stats.get("scores") or {}).get("scorer_errors")
+    if errors:
+        from batchrun.views.score import rejudge_command
+
+        command = rejudge_command(run_dir)
+        if command:  # a judge refused or down mid-run: its samples kept their error, not a verdict
+            print(
+                f"{errors} scorer error(s): this judges them again, every other sample keeping its verdict "
+                f"(the judge's key in JUDGE_API_KEY):\n  {recorder.redact(command)}"
+            )
     print_failures(run_dir, recorder)
     budget = tr["budget"]
     if budget["stopped_unfinished"]:

@@ -13,6 +13,11 @@ The new scores go beside the old ones: ``scores.<name>.jsonl`` (one line per sam
 sample index, row id and ``score``) and a ``rescored.<name>`` entry in ``statistics.json``'s ``scores``
 section (the same figures as the run's own: pass rate, interval, pass@k). The records themselves are
 never rewritten.
+
+``--only_errors`` judges again only the samples whose verdict in the run is a scorer error (a judge
+that refused its key or was down mid-run), with the run's own scorers and settings, which it checks
+against ``run_manifest.json``; every other sample keeps the run's verdict, and no judge call is made
+for it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from batchrun.identity import record_sample
-from batchrun.record import valid_outcome_row, valid_record
+from batchrun.record import read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import RunDirBusy, check_run_dir, holding
 from batchrun.scoring import (
     NORMALIZE_STEPS,
@@ -122,11 +127,15 @@ def rescore(
     judge: Any = None,
     distribution: str = "",
     concurrency: int = DEFAULT_CONCURRENCY,
+    only_errors: bool = False,
 ) -> dict[str, Any]:
     """Score every sample of the run again; write ``scores.<name>.jsonl`` and refresh statistics.json.
     What is written is redacted of the judge's key and its URL's credentials (an endpoint's error may
     quote them). With a ``judge``, up to ``concurrency`` samples are judged at once (one after another,
-    10,000 samples at 2 s a verdict took 5.5 hours); the lines keep the samples' order."""
+    10,000 samples at 2 s a verdict took 5.5 hours); the lines keep the samples' order.
+    ``only_errors``: judge only the samples whose record's verdict is a scorer error, and keep every
+    other record's (the caller checks that ``settings`` are the run's own: :func:`differs_from_run`);
+    the summary then says how many were judged again (``judged_again``)."""
     from batchrun.secrets import Redactor
 
     # The judge's settings, not ``judge`` (its client): named alike, the client was shadowed and every
@@ -143,6 +152,8 @@ def rescore(
 
     def judged(sample: tuple[dict[str, Any], tuple[str, int], int]) -> dict[str, Any]:
         rec = sample[0]
+        if only_errors and not read_score(rec.get("score")).get("error"):
+            return rec.get("score")  # the run's own verdict (or its unscored), by the same scorers
         fields = (rec.get("metadata") or {}).get("row_fields")
         try:
             row = parse_json(fields or "{}")
@@ -159,6 +170,9 @@ def rescore(
         return score_sample(rec, judgement)
 
     verdicts = in_order(judged, samples, max(1, concurrency) if judge else 1)
+    again = (
+        sum(1 for rec, _, _ in samples if read_score(rec.get("score")).get("error")) if only_errors else None
+    )
     for (rec, (row_key, sample_index), _copy), score in zip(samples, verdicts, strict=True):
         meta = rec.get("metadata") or {}
         scores.add({**rec, "score": score}, row_key, sample_index)
@@ -191,20 +205,84 @@ def rescore(
             **({} if judged is None else {"samples_pending_by_check": by_check}),
         }
     )
+    if again is not None:
+        summary["judged_again"] = again  # the rest: the run's own verdicts
     section.setdefault("rescored", {})[name] = {
         **summary,
         "scorers": list(settings.scorers),
-        "answer_pattern": settings.answer_pattern,
-        # What views.compare checks two sides' judging by, beside each sample's scorer.
-        "answer_normalize": list(settings.normalize),
-        "numeric_tolerance": settings.numeric_tolerance,
-        "judge_model": settings.judge.model if settings.judge else None,
-        # Added: which judge, where one model name is answered by several servers (never a key or login).
-        "judge_base_url": judge_endpoint(settings.judge.base_url) if settings.judge else None,
+        **judging_of(settings),
+        "only_errors": only_errors,
         "file": f"scores.{name}.jsonl",
     }
     write_json_atomic(stats_path, stats, redact)
     return summary
+
+
+def judging_of(settings: ScoringSettings) -> dict[str, Any]:
+    """What views.compare checks two sides' judging by, beside each sample's scorer (its
+    JUDGING_SETTINGS), as a re-scoring's statistics.json entry and a run's manifest record them."""
+    return {
+        "answer_pattern": settings.answer_pattern,
+        "answer_normalize": list(settings.normalize),
+        "numeric_tolerance": settings.numeric_tolerance,
+        "judge_model": settings.judge.model if settings.judge else None,
+        # Which judge, where one model name is answered by several servers (never a key or login).
+        "judge_base_url": judge_endpoint(settings.judge.base_url) if settings.judge else None,
+    }
+
+
+def differs_from_run(run_dir: Path, settings: ScoringSettings) -> str | None:
+    """Why ``settings`` cannot judge again only a run's scorer errors beside its other verdicts (the
+    run's manifest names other scorers, or another setting they use: the two kinds of verdicts would be
+    mixed in one pass rate), or None when they are the run's own."""
+    from batchrun.views.compare import JUDGING_SETTINGS, judging_settings
+
+    manifest = read_json_object(run_dir / "run_manifest.json")
+    if manifest is None:
+        return f"{run_dir / 'run_manifest.json'} is missing or damaged: the run's own scorers are unknown"
+    theirs = manifest.get("scorer")
+    if not isinstance(theirs, list) or theirs != list(settings.scorers):
+        ran = ",".join(map(str, theirs)) if isinstance(theirs, list) and theirs else "auto (the rows' checks)"
+        return f"the run judged with --scorer={ran}, not --scorer={','.join(settings.scorers)}"
+    run, ours = judging_settings(run_dir), judging_of(settings)
+    for key, users in JUDGING_SETTINGS.items():
+        if key in run and any(n in users for n in settings.scorers) and run[key] != ours[key]:
+            return f"the run judged with --{key}={_shown(run[key])}, not --{key}={_shown(ours[key])}"
+    return None
+
+
+def rejudge_command(run_dir: Path) -> str | None:
+    """The re-scoring that judges again a judged run's scorer errors (``--only_errors``, the run's
+    scorers and settings from its manifest), or None when the run has no judge among its scorers (the
+    other scorers' errors are their answers' own: judged again, they are the same). Not redacted."""
+    import shlex
+
+    manifest = read_json_object(run_dir / "run_manifest.json") or {}
+    scorers = manifest.get("scorer")
+    if not isinstance(scorers, list) or "judge" not in scorers:
+        return None
+    if not manifest.get("judge_model") or not manifest.get("judge_base_url"):
+        return None  # a manifest older than its judge_base_url: the judge is not known
+    words = ["python", "-m", "batchrun.views.score", str(run_dir), f"--scorer={','.join(map(str, scorers))}"]
+    if manifest.get("answer_pattern") is not None:
+        words.append(f"--answer_pattern={manifest['answer_pattern']}")
+    normalize = manifest.get("answer_normalize")
+    if isinstance(normalize, list) and tuple(normalize) != NORMALIZE_STEPS:
+        words.append(f"--answer_normalize={','.join(map(str, normalize)) or 'none'}")
+    tolerance = manifest.get("numeric_tolerance")
+    if tolerance is not None and tolerance != 1e-6:
+        words.append(f"--numeric_tolerance={tolerance}")
+    words += [
+        f"--judge_model={manifest.get('judge_model')}",
+        f"--judge_base_url={manifest.get('judge_base_url')}",
+    ]
+    return shlex.join([*words, "--only_errors"])
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    return "(unset)" if value is None else str(value)
 
 
 def in_order(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
@@ -394,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_CONCURRENCY,
         help=f"samples judged at once by --scorer=judge (1 to {MAX_CONCURRENCY}, default {DEFAULT_CONCURRENCY})",
     )
+    parser.add_argument(
+        "--only_errors",
+        action="store_true",
+        help="judge again only the samples whose verdict in the run is a scorer error (a judge refused or "
+        "down mid-run); the others keep the run's verdict. The scorers and settings must be the run's own",
+    )
     parser.add_argument("--judge_model")
     parser.add_argument("--judge_base_url")
     parser.add_argument(
@@ -418,6 +502,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
+    if args.only_errors:
+        differs = differs_from_run(args.run_dir, settings)
+        if differs:  # before the judge's start check: nothing is asked of it
+            print(
+                f"error: --only_errors keeps the run's own verdicts beside the new ones, so it judges as the "
+                f"run did, and {differs}; without --only_errors every sample is judged again",
+                file=sys.stderr,
+            )
+            return 2
     stats = _read_stats(args.run_dir)
     from batchrun.prompt.llm import BudgetStop, safe_url
     from batchrun.run.endpoint_watch import (
@@ -446,7 +539,13 @@ def main(argv: list[str] | None = None) -> int:
                     print("\nInterrupted: nothing re-scored", file=sys.stderr)
                     return 130
             summary = rescore(
-                args.run_dir, settings, name, judge, stats.get("distribution", ""), args.concurrency
+                args.run_dir,
+                settings,
+                name,
+                judge,
+                stats.get("distribution", ""),
+                args.concurrency,
+                only_errors=args.only_errors,
             )
     except RunDirBusy as exc:
         print(
@@ -483,6 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the judge calls under way are left unanswered: nothing is written
         print(f"\nInterrupted: nothing re-scored ({name})", file=sys.stderr)
         return 130
+    if args.only_errors:
+        print(
+            f"Judged again: {summary['judged_again']} sample(s) whose verdict in the run was a scorer error; "
+            "every other sample keeps the run's verdict"
+        )
     print(headline(summary) or "Scores: no sample could be judged by these scorers")
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:

@@ -452,7 +452,11 @@ def test_a_key_rotated_mid_run_stops_it_with_exit_8_and_a_resume_with_the_new_ke
         chaos.join()
         err = capsys.readouterr().err
         assert code == 8, err
-        assert "refused the run's probe too (HTTP 401" in err and "still refuses the run's calls" in err
+        # The grace (2 s) ran out while prompts were still in their `sleep 2`, or every prompt was refused
+        # first and the probe's word decided as the last one ended.
+        assert (
+            "refused the run's probe too (HTTP 401" in err and "still refuses the run's calls" in err
+        ) or "refused the run's last calls and its probe (HTTP 401" in err, err
         run_dir = tmp_path / "out" / "rotated"
         assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == 10
         assert batch_runner.main(api_key=new_key, resume=True, **args) == 0
@@ -619,7 +623,12 @@ def test_a_judge_whose_key_is_rotated_mid_run_stops_it_and_a_resume_judges_the_r
     prompts run their tool: each next judge call is refused (401). Before, every later sample was kept
     with a scorer error, each after its agent's calls were paid for, and the run exited 0. Now the
     judge's endpoint has the run's refused-key stop (exit 8, naming it); a --resume with the new key
-    runs and judges the rest, each prompt once."""
+    runs and judges the rest, each prompt once, and the re-scoring its summary prints judges the
+    samples refused before the stop, and those alone."""
+    import shlex
+
+    from batchrun.views import score
+
     old_key, new_key = "sk-judge-old-key-51c0", "sk-judge-new-key-a7e2"
     for env in ("OPENROUTER_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(env, raising=False)
@@ -654,6 +663,8 @@ def test_a_judge_whose_key_is_rotated_mid_run_stops_it_and_a_resume_judges_the_r
         assert 8 <= errors <= 10 and stats["remaining_for_resume"] >= 20 - (errors - 8), stats["scores"]
         monkeypatch.setenv("JUDGE_API_KEY", new_key)
         assert batch_runner.main(resume=True, **args) == 0
+        (command,) = [line for line in capsys.readouterr().out.splitlines() if "--only_errors" in line]
+        assert score.main(shlex.split(command)[3:]) == 0
     finally:
         chaos.join()
         agent.stop()
@@ -661,8 +672,10 @@ def test_a_judge_whose_key_is_rotated_mid_run_stops_it_and_a_resume_judges_the_r
     records = read_jsonl(run_dir / "trajectories.jsonl")
     assert sorted(r["conversations"][1]["value"] for r in records) == sorted(r["prompt"] for r in rows)
     scores = json.loads((run_dir / "statistics.json").read_text())["scores"]
-    # Those refused before the stop keep their scorer error (views.score judges them again); the rest pass.
+    # Those refused before the stop keep their scorer error; the rest pass. The re-scoring judged those.
     assert (scores["scorer_errors"], scores["passed"]) == (errors, 30 - errors)
+    rescored = scores["rescored"]["judge"]
+    assert (rescored["scorer_errors"], rescored["passed"], rescored["judged_again"]) == (0, 30, errors)
     written = [p for p in run_dir.rglob("*") if p.is_file()]
     assert not [
         p for p in written if old_key.encode() in p.read_bytes() or new_key.encode() in p.read_bytes()

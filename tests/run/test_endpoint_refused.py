@@ -6,9 +6,11 @@ revoked or credits spent mid-run sent every remaining prompt to be refused, each
 from __future__ import annotations
 
 import json
+import shlex
 import time
 
-from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, write_jsonl, write_rows
+import pytest
+from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, wait_for, write_jsonl, write_rows
 
 from batchrun.prompt.llm import LLMError
 from batchrun.run.endpoint_watch import (
@@ -17,6 +19,7 @@ from batchrun.run.endpoint_watch import (
     REFUSED_AFTER,
     EndpointWatch,
 )
+from batchrun.views import score
 
 KEY = "sk-refused-0123456789abcdef"
 SLOTS = 2 * 4  # the prompts in flight (2 workers x 4)
@@ -120,6 +123,79 @@ def test_refusals_of_the_prompts_own_do_not_stop_the_run(tmp_path, capsys):
     failed = read_jsonl(run_dir / "failed.jsonl")
     assert sorted(f["prompt_index"] for f in failed) == list(range(32))
     assert {f["error_class"] for f in failed} == {"http_403"}
+
+
+@pytest.mark.parametrize("budget", [{}, {"budget_tokens": 10_000_000}], ids=["no_budget", "budget"])
+def test_a_key_refused_as_the_last_prompts_run_stops_the_run_without_waiting_out_the_grace(
+    tmp_path, capsys, budget
+):
+    """The key refused while the run's last prompts were in flight (seen against a real llama-server, its
+    key rotated with all ten prompts under way): every one was refused, the run ended before the grace
+    with no prompt left to hold, and it exited as if nothing were wrong with the key (0 here, 3 at the
+    default --max_failure_rate), its prompts failed http_402. Now the probe's word decides as the run
+    ends: refused, the run's refused-key stop (exit 8), without waiting out --endpoint_grace. With a
+    budget the probe's call is granted by the dispatch loop, which goes on answering while it waits for
+    the probe's word (here its reservation mostly comes before the last outcome; one that came after
+    would find a loop that only waited, and the grace waited out, its refused key called a dead
+    endpoint)."""
+    # Refused from the first prompt call: an answer reported after refusals (sent before them, answered
+    # later) would start the count of refusals in a row again, and the run could end before it trips.
+    code, err, endpoint, run_dir = run_against(
+        tmp_path, capsys, out_of_credits_after(0, (402, NO_CREDITS)), REFUSED_AFTER,
+        num_workers=2, prompts_per_worker=4, endpoint_grace=60, **budget,
+    )  # fmt: skip
+    assert code == EXIT_ENDPOINT_REFUSED, err
+    assert "refused the run's last calls and its probe (HTTP 402: Insufficient credits" in err
+    assert "and nothing is left to run: the run stops without waiting out --endpoint_grace" in err
+    assert (
+        "The run stopped: the endpoint refused its calls, and its probe as the run's last prompts ended"
+        in err
+    )
+    assert endpoint.checks() == 2  # the start check, then one probe (the next would be 5 s on)
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["remaining_for_resume"] == REFUSED_AFTER
+    assert {f["error_class"] for f in read_jsonl(run_dir / "failed.jsonl")} == {"http_402"}
+    assert KEY not in err
+
+
+def test_a_watch_probing_as_the_run_ends_decides_on_its_probes_word():
+    """EndpointWatch.conclude, each word of the probe: answered (no stop), refused (the refused-key
+    stop), not answered (the dead-endpoint stop); and a watch not probing concludes nothing."""
+    refusal = LLMError("http_401", "Invalid API key", 401)
+    for answer, dead, refused, said in [
+        (True, False, None, None),
+        (refusal, True, "HTTP 401: Invalid API key", "refused the run's last calls and its probe (HTTP 401"),
+        (False, True, None, "failed the run's last calls and did not answer its probe"),
+    ]:
+        pauses: list[float] = []
+        watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg, usage, a=answer: a)
+        assert watch.conclude() is None and not watch.dead  # not probing: nothing to decide
+        for _ in range(REFUSED_AFTER):
+            watch.report("http_401", refused=True)
+        assert wait_for(lambda w=watch: not w.awaits_probe(), 10.0)  # the probe has its word
+        line = watch.conclude()
+        assert (watch.dead, watch.refused, watch.concluded) == (dead, refused, dead)
+        assert (line is None) if said is None else (said in line), line
+        assert watch.probing_since is None and watch.conclude() is None
+
+
+def test_the_prompts_own_refusals_as_the_run_ends_leave_its_exit_as_it_was(tmp_path, capsys):
+    """The last 8 rows flagged by the provider's moderation (403), the probe answered as the run ends:
+    the refusals were the prompts' own, and the run ends as it would (no stop, exit 0 at the tests'
+    --max_failure_rate), its flagged prompts failed."""
+
+    def moderated(call: dict, calls: list[dict]):
+        if not call["check"] and "flagged" in json.dumps(call["body"]):
+            return 403, {"error": {"message": "Your input was flagged by moderation", "code": 403}}
+        return 200, OK_REPLY
+
+    prompts = [f"task {i}" for i in range(3)] + [f"flagged {i}" for i in range(REFUSED_AFTER)]
+    code, err, endpoint, run_dir = run_against(
+        tmp_path, capsys, moderated, prompts, num_workers=2, prompts_per_worker=4, endpoint_grace=60
+    )
+    assert code == 0, err
+    assert "The run stopped" not in err and "nothing is left to run" not in err
+    assert json.loads((run_dir / "statistics.json").read_text())["remaining_for_resume"] == REFUSED_AFTER
 
 
 def test_a_refused_probe_stops_the_watch_after_the_grace_and_an_answer_between_refusals_resets_it():
@@ -287,7 +363,7 @@ def test_credits_topped_up_within_the_grace_let_the_run_go_on(tmp_path, capsys):
 
 def _judged_run(tmp_path, capsys, monkeypatch, judge_ep, run_ep, rows: int, **flags):
     """A run of ``rows`` rows with an answer, judged as it runs (--scorer=judge) by a judge on its own
-    endpoint: its exit code, its console and the run's directory."""
+    endpoint: its exit code, its console (stderr, then stdout) and the run's directory."""
     monkeypatch.setenv("JUDGE_API_KEY", JUDGE_KEY)
     dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": f"task {i}", "answer": "OK"} for i in range(rows)])
     flags = {"num_workers": 2, "prompts_per_worker": 4, "batch_size": 10, "endpoint_grace": 2, **flags}
@@ -295,7 +371,8 @@ def _judged_run(tmp_path, capsys, monkeypatch, judge_ep, run_ep, rows: int, **fl
         None, dataset, tmp_path / "data", model="m", base_url=run_ep.base_url, api_key=KEY,
         scorer="judge", judge_model="judge-m", judge_base_url=judge_ep.base_url, **flags,
     )  # fmt: skip
-    return code, capsys.readouterr().err, tmp_path / "data" / "run"
+    console = capsys.readouterr()
+    return code, console.err + console.out, tmp_path / "data" / "run"
 
 
 JUDGE_KEY = "sk-judge-refused-0123456789"
@@ -341,12 +418,31 @@ def test_a_judge_whose_credits_run_out_mid_run_stops_it(tmp_path, capsys, monkey
 
         topped_up.append(True)
         code, err, run_dir = _judged_run(tmp_path, capsys, monkeypatch, judge_ep, run_ep, 60, resume=True)
-    assert code == 0, err
-    stats = json.loads((run_dir / "statistics.json").read_text())
-    assert stats["trajectories"] + stats["discarded"]["total"] == 60 and stats["remaining_for_resume"] == 0
-    # The samples refused before the stop keep their scorer error (views.score re-judges them); the
-    # rest were judged.
-    assert stats["scores"]["scorer_errors"] == errors and stats["scores"]["passed"] == 60 - errors
+        assert code == 0, err
+        stats = json.loads((run_dir / "statistics.json").read_text())
+        assert (
+            stats["trajectories"] + stats["discarded"]["total"] == 60 and stats["remaining_for_resume"] == 0
+        )
+        # The samples refused before the stop keep their scorer error; the rest were judged.
+        assert stats["scores"]["scorer_errors"] == errors and stats["scores"]["passed"] == 60 - errors
+        # The summary names the re-scoring that judges those again, and only those.
+        assert f"{errors} scorer error(s): this judges them again" in err, err
+        (command,) = [line for line in err.splitlines() if "--only_errors" in line]
+        assert shlex.split(command) == [
+            "python", "-m", "batchrun.views.score", str(run_dir), "--scorer=judge", "--judge_model=judge-m",
+            f"--judge_base_url={judge_ep.base_url.rstrip('/')}", "--only_errors",
+        ]  # fmt: skip
+        asked = len(judge_ep.calls)
+        assert score.main(shlex.split(command)[3:]) == 0
+    out = capsys.readouterr().out
+    assert f"Judged again: {errors} sample(s) whose verdict in the run was a scorer error" in out
+    # Judged again: its start check, then the errors' samples alone; every sample now has a verdict.
+    assert len(judge_ep.calls) - asked == 1 + errors
+    rescored = json.loads((run_dir / "statistics.json").read_text())["scores"]["rescored"]["judge"]
+    assert (rescored["scorer_errors"], rescored["passed"], rescored["judged_again"]) == (0, 60, errors)
+    assert rescored["only_errors"] is True
+    lines = read_jsonl(run_dir / "scores.judge.jsonl")
+    assert len(lines) == 60 and all(line["score"]["passed"] is True for line in lines)
 
 
 def test_a_judge_that_dies_mid_run_stops_it(tmp_path, capsys, monkeypatch):

@@ -1121,6 +1121,51 @@ def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
         assert "sk-judge-secret-4242" not in path.read_text("utf-8", "replace"), path
 
 
+def test_a_rescoring_of_the_errors_only_judges_them_alone_and_only_as_the_run_did(
+    tmp_path, capsys, monkeypatch
+):
+    """views.score --only_errors: the samples whose verdict in the run is a scorer error are judged again,
+    the others keep the run's verdict and cost no judge call. Asked with other scorers or another judge
+    than the run's, it exits 2 before the judge is asked anything: the two kinds of verdicts would be
+    mixed in one pass rate."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    rows = [
+        {"id": "yes", "prompt": 'Grade me [calls:0] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
+        {"id": "no", "prompt": 'Grade me [calls:0] [verdict:{"score": 0, "passed": false}]', "rubric": "r"},
+        {"id": "broken", "prompt": "Grade me [calls:0] [verdict:no verdict here]", "rubric": "r"},
+    ]
+    out = tmp_path / "data"
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-4242")
+    with FakeModelServer() as server:
+        judged = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
+        run(server, write_rows(tmp_path / "d.jsonl", rows), out, keep_no_reasoning=True, **judged)
+        capsys.readouterr()
+        argv = [str(out / "run"), "--scorer=judge", f"--judge_base_url={server.base_url}", "--only_errors"]
+        before = server.stats()
+        for other, said in [
+            (["--judge_model=judge-2"], "--judge_model=judge-model, not --judge_model=judge-2"),
+            (["--scorer=includes"], "--scorer=judge, not --scorer=includes"),
+        ]:
+            assert score.main([*argv, "--judge_model=judge-model", *other]) == 2
+            assert said in capsys.readouterr().err
+        assert server.stats()["requests"] == before["requests"]  # nothing asked of the judge
+        assert not (out / "run" / "scores.judge.jsonl").exists()
+
+        assert score.main([*argv, "--judge_model=judge-model"]) == 0
+        after = server.stats()
+    assert after["requests"] - before["requests"] == 1  # the broken verdict's sample alone
+    assert "Judged again: 1 sample(s)" in capsys.readouterr().out
+    lines = {line["row_id"]: line["score"] for line in read_jsonl(out / "run" / "scores.judge.jsonl")}
+    assert {k: (v["passed"], bool(v["error"])) for k, v in lines.items()} == {
+        "yes": (True, False),
+        "no": (False, False),
+        "broken": (None, True),  # the fake's judge answers no verdict again
+    }
+    rescored = stats_of(out / "run")["scores"]["rescored"]["judge"]
+    assert (rescored["scored"], rescored["scorer_errors"], rescored["judged_again"]) == (2, 1, 1)
+
+
 @pytest.mark.parametrize(
     ("url", "said"),
     [
