@@ -242,8 +242,8 @@ class EndpointWatch:
                 f"nothing is left to run: {w.what} stops without waiting out {w.grace}"
             )
         return (
-            f"error: {w.who} failed {w.what}'s last calls and did not answer its probe, and nothing is "
-            f"left to run: {w.what} stops without waiting out {w.grace}"
+            f"error: {w.who} {'refused' if self._for_refusals else 'failed'} {w.what}'s last calls and did "
+            f"not answer its probe, and nothing is left to run: {w.what} stops without waiting out {w.grace}"
         )
 
     def lift_pause(self) -> None:

@@ -14,6 +14,7 @@ from helpers import OK_REPLY, ScriptedEndpoint, exit_code, read_jsonl, wait_for,
 
 from batchrun.prompt.llm import LLMError
 from batchrun.run.endpoint_watch import (
+    DEAD_AFTER,
     EXIT_ENDPOINT_DEAD,
     EXIT_ENDPOINT_REFUSED,
     REFUSED_AFTER,
@@ -165,7 +166,7 @@ def test_a_watch_probing_as_the_run_ends_decides_on_its_probes_word():
     for answer, dead, refused, said in [
         (True, False, None, None),
         (refusal, True, "HTTP 401: Invalid API key", "refused the run's last calls and its probe (HTTP 401"),
-        (False, True, None, "failed the run's last calls and did not answer its probe"),
+        (False, True, None, "refused the run's last calls and did not answer its probe"),
     ]:
         pauses: list[float] = []
         watch = EndpointWatch(cfg=None, grace_s=60, pause=pauses.append, probe=lambda cfg, usage, a=answer: a)
@@ -177,6 +178,13 @@ def test_a_watch_probing_as_the_run_ends_decides_on_its_probes_word():
         assert (watch.dead, watch.refused, watch.concluded) == (dead, refused, dead)
         assert (line is None) if said is None else (said in line), line
         assert watch.probing_since is None and watch.conclude() is None
+    # Probing for failures (a 503 each), the probe not answered: the dead-endpoint stop.
+    watch = EndpointWatch(cfg=None, grace_s=60, pause=lambda until: None, probe=lambda cfg, usage: False)
+    for _ in range(DEAD_AFTER):
+        watch.report("http_503")
+    assert wait_for(lambda: not watch.awaits_probe(), 10.0)
+    assert "failed the run's last calls and did not answer its probe" in watch.conclude()
+    assert watch.dead and watch.refused is None
 
 
 def test_the_prompts_own_refusals_as_the_run_ends_leave_its_exit_as_it_was(tmp_path, capsys):
