@@ -191,11 +191,13 @@ class EndpointHealth:
     """After a model call's attempt: whether it failed for the endpoint's reasons (refused, reset,
     timed out, 5xx: ``error_class``) or answered (None). The parent watches for a dead endpoint.
     ``judge``: the call was the judge's (--scorer=judge), whose endpoint has its own watch. ``refused``:
-    the call's final error refused the key or the account (batchrun.prompt.llm.refused), not a fault."""
+    the call's final error refused the key or the account (batchrun.prompt.llm.refused), not a fault.
+    ``sent_at``: ``time.time()`` as the call went out (None: not known)."""
 
     error_class: str | None
     judge: bool = False
     refused: bool = False
+    sent_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -253,7 +253,9 @@ class ScriptedEndpoint:
 
     ``answer(call, calls)`` gives each POST's :data:`Reply`; ``call`` is ``{"body": parsed JSON or None,
     "check": the start check's X-Batch-Runner-Check header}``, ``calls`` every POST so far, this one
-    last (answers are given one at a time). GET (the model list) answers ``get``."""
+    last (answers are given one at a time; a reply that is a function is called after, outside that
+    order: one that sleeps answers late while the next calls are answered). GET (the model list) answers
+    ``get``."""
 
     def __init__(self, answer: Callable[[dict, list[dict]], Reply], get: Reply = (404, {})):
         import threading
@@ -285,7 +287,7 @@ class ScriptedEndpoint:
                         }
                     )
                     status, reply, *headers = answer(outer.calls[-1], outer.calls)
-                self._send(status, reply, *headers)
+                self._send(status, reply() if callable(reply) else reply, *headers)
 
             def _send(self, status, reply, headers=None):
                 data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()

@@ -686,16 +686,17 @@ class LLMClient:
         stop: threading.Event | None = None,
         on_usage: Callable[[dict[str, Any]], None] | None = None,
         gate: SpendGate | None = None,
-        on_failure: Callable[[str | None, bool], None] | None = None,
+        on_failure: Callable[[str | None, bool, float], None] | None = None,
         headers: dict[str, str] | None = None,
     ):
         """``stop``: once set, every further call raises :class:`BudgetStop` before it is sent.
         ``on_usage``: called with each answered call's usage (the run's budget counts it at once).
         ``gate``: the run's budget, asked before every attempt (then ``on_usage`` is not called: the
-        gate's ``settle`` reports the spend). ``on_failure(error_class, refused)``: told after each
-        attempt that failed for the endpoint's reasons (an error class; ``refused`` False) or whose final
-        error is a refusal (:func:`refused`: ``refused`` True), and after each answered one (None, False):
-        the run's dead-endpoint and refused-key watch."""
+        gate's ``settle`` reports the spend). ``on_failure(error_class, refused, sent_at)``: told after
+        each attempt that failed for the endpoint's reasons (an error class; ``refused`` False) or whose
+        final error is a refusal (:func:`refused`: ``refused`` True), and after each answered one (None,
+        False), with the attempt's ``time.time()`` as it was sent (an answer to a call sent before the
+        refusals began says nothing of the endpoint now): the run's dead-endpoint and refused-key watch."""
         self.cfg = cfg
         self.limiter = limiter or Limiter()
         self.stop = stop
@@ -925,6 +926,7 @@ class LLMClient:
                 # timed out, its answer lost; past the allowance, the call is not sent (_attempt).
                 deadline += self.limiter.credit(waited)
             answered: dict[str, Any] | None = None
+            sent_at = time.time()  # for on_failure; set again as the attempt goes out
             try:
                 try:
                     # A run-wide pause (another prompt's 429) does not count against this prompt's time.
@@ -937,24 +939,25 @@ class LLMClient:
                     # Only now, the run not stopped meanwhile: once stopped, every prompt still queued for
                     # a slot was granted one in turn only to stop, and would start its sandbox first.
                     self.limiter.granted()  # (the prompt's sandbox start, on its first request)
+                    sent_at = time.time()
                     turn, data, answered = self._attempt(
                         url, payload, parse, deadline, usage, prompt_estimate, stream, completion_limit
                     )
                     if self.on_failure is not None:
-                        self.on_failure(None, False)
+                        self.on_failure(None, False, sent_at)
                     return turn, data
                 except (_Retry, LLMError) as exc:
                     if getattr(exc, "unanswered_tokens", 0):
                         answered = {"unanswered_tokens": exc.unanswered_tokens}
                     if self.on_failure is not None and refused(exc):
-                        self.on_failure(exc.error_class, True)  # final, never retried
+                        self.on_failure(exc.error_class, True, sent_at)  # final, never retried
                     raise
                 finally:
                     self.limiter.release(slotted)
             except _Retry as retry:
                 error, retry_after = retry.error, retry.retry_after
                 if self.on_failure is not None and retry.endpoint_fault:
-                    self.on_failure(error.error_class, False)
+                    self.on_failure(error.error_class, False, sent_at)
                 if retry.rate_limited:
                     patience = self.cfg.rate_limit_patience
                     if patience is not None and retry_after is not None and retry_after > patience:
@@ -963,7 +966,7 @@ class LLMClient:
                         # on, and the next ones after it. Failed now, a refusal the run's watch counts.
                         final = LongRateLimit(error, retry_after)
                         if self.on_failure is not None:
-                            self.on_failure(final.error_class, True)
+                            self.on_failure(final.error_class, True, sent_at)
                         raise final from None
                     rate_limited += 1
                     wait = backoff_s(rate_limited, retry_after)

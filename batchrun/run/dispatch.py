@@ -437,7 +437,11 @@ class Dispatch:
                 message.error_class is not None and not message.refused and not message.judge
             )
             watch = self.judge_watch if message.judge else self.watch
-            line = watch.report(message.error_class, message.refused) if watch is not None else None
+            line = (
+                watch.report(message.error_class, message.refused, message.sent_at)
+                if watch is not None
+                else None
+            )
             if line:
                 self.pbar.write(line, file=sys.stderr)
         elif isinstance(message, Pause):  # one worker was told to slow down: the whole run does

@@ -120,18 +120,31 @@ class EndpointWatch:
         self.refusal_probes = 0  # probes started by refusals so far
         self._back = threading.Event()
         self._probed = threading.Event()  # set once a probe of this probing has its word
+        self._streak_sent: float | None = None  # when the earliest call of the failures in a row went out
         self.concluded = False  # stopped by conclude(): at the run's end, before the grace ran out
         self._paused_until = 0.0
         self._spent: list[Usage] = []  # the probes' answered calls, until the dispatch counts them
         self._spent_lock = threading.Lock()
 
-    def report(self, error_class: str | None, refused: bool = False) -> str | None:
+    def report(
+        self, error_class: str | None, refused: bool = False, sent_at: float | None = None
+    ) -> str | None:
         """A worker's report (``refused``: the call refused the key or the account, llm.refused; else a
-        failure for the endpoint's reasons); returns a line to show when the run starts probing."""
+        failure for the endpoint's reasons; ``sent_at``: ``time.time()`` as the call went out); returns a
+        line to show when the run starts probing. An answer to a call sent before the failures or
+        refusals in a row began says nothing of the endpoint now: it neither ends them nor the probing.
+        (A key rotated with long answers under way: each of those answered later began the count again,
+        and the run went on starting prompts only to have them refused; one, reported as the pause began,
+        ended it as if the probe had been answered.)"""
         if error_class is None:
+            if sent_at is not None and self._streak_sent is not None and sent_at < self._streak_sent:
+                return None
             self.failures = self.refusals = 0
+            self._streak_sent = None
             self._back.set()
             return None
+        if sent_at is not None and (self._streak_sent is None or sent_at < self._streak_sent):
+            self._streak_sent = sent_at  # the earliest call of the failures in a row
         if refused:
             self.refusals += 1
             if self.refusals >= REFUSED_AFTER and self._start_probing(for_refusals=True):
@@ -174,7 +187,7 @@ class EndpointWatch:
             return None
         w = self.words
         if self._back.is_set():
-            self.probing_since, self.failures, self.refusals = None, 0, 0
+            self.probing_since, self.failures, self.refusals, self._streak_sent = None, 0, 0, None
             # The pause is renewed PAUSE_STEP_S at a time: ended now, not 7.5-15 s later (a restarted
             # llama-server's run stood idle 14 s after it answered again).
             self.lift_pause()

@@ -125,18 +125,25 @@ class ParentGate:
 
 class HealthReporter:
     """Tells the parent when model calls fail for the endpoint's reasons, and when they answer again
-    (only the first answer after a failure, so a healthy run sends nothing). ``judge``: of the judge's
-    calls, which the parent watches apart."""
+    (the answers after a failure until one to a call sent after it, so a healthy run sends nothing: an
+    answer to a call sent before the failure, which the parent does not count, is not the one). ``judge``:
+    of the judge's calls, which the parent watches apart."""
 
     def __init__(self, judge: bool = False) -> None:
         self._failing = False
+        self._failed_sent: float | None = None  # when the latest failed call went out
         self._judge = judge
 
-    def __call__(self, error_class: str | None, refused: bool = False) -> None:
+    def __call__(self, error_class: str | None, refused: bool = False, sent_at: float | None = None) -> None:
         if error_class is None and not self._failing:
             return
-        self._failing = error_class is not None
-        send(EndpointHealth(error_class, judge=self._judge, refused=refused))
+        if error_class is not None:
+            latest = self._failed_sent if self._failing else None
+            self._failing = True
+            self._failed_sent = sent_at if latest is None or sent_at is None else max(latest, sent_at)
+        elif sent_at is None or self._failed_sent is None or sent_at >= self._failed_sent:
+            self._failing = False
+        send(EndpointHealth(error_class, judge=self._judge, refused=refused, sent_at=sent_at))
 
 
 _state: WorkerState | None = None  # this process's worker state; set by init_worker

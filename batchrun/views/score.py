@@ -399,14 +399,14 @@ class JudgeWatch:
         self._lock = threading.Lock()  # the watch is the dispatch loop's, one thread's: here several report
         self.redact = Redactor.for_endpoint(cfg.api_key, cfg.base_url)  # the judge's key, and its URL's login
 
-    def __call__(self, error_class: str | None, refused: bool = False) -> None:
+    def __call__(self, error_class: str | None, refused: bool = False, sent_at: float | None = None) -> None:
         """LLMClient's ``on_failure``: told after each attempt (None: it was answered; ``refused``: the
         key or the account refused it)."""
         with self._lock:
             if self.stop.is_set():
                 return
             before = self.watch.probing_since
-            self._say(self.watch.report(error_class, refused))
+            self._say(self.watch.report(error_class, refused, sent_at))
             # The watch began probing (a line says so only the first time refusals start it: the second
             # time, in a re-scoring of many flagged samples, no ticking began, and the probe's answer
             # never lifted the pause, which ran its 15 s at each renewal).

@@ -892,7 +892,9 @@ def test_an_error_in_an_answers_body_is_read_as_its_code_says(stream):
         seen: list[tuple[str | None, bool]] = []
         with ScriptedEndpoint(lambda call, calls, first=first: (200, first)) as endpoint:
             cfg = LLMConfig(model="m", base_url=endpoint.base_url, api_key="k", max_retries=1, stream=stream)
-            client = LLMClient(cfg, on_failure=lambda *told, seen=seen: seen.append(told))
+            client = LLMClient(
+                cfg, on_failure=lambda cls, refused, sent_at, seen=seen: seen.append((cls, refused))
+            )
             with pytest.raises(LLMError) as info:
                 client.chat(_user("hi"), [], deadline=time.monotonic() + 30.0)
         assert (info.value.error_class, len(endpoint.calls)) == (error_class, requests), info.value

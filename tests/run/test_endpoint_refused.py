@@ -28,6 +28,26 @@ SLOTS = 2 * 4  # the prompts in flight (2 workers x 4)
 # and what each slot started before the run's pause reached its worker (one more each on a loaded
 # machine: 19 seen with three busy loops beside the test, the bound this replaced).
 REFUSED_CALLS_AT_MOST = REFUSED_AFTER + 2 * SLOTS
+SLEEP_TOOL_CALL = {
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "tool_calls",
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "terminal", "arguments": '{"command": "sleep 0.5"}'},
+                    }
+                ],
+            },
+        }
+    ]
+}
+NO_WORD = LLMError("http_401", "Invalid API key", 401)  # a probe's refusal
 NO_CREDITS = {"error": {"message": f"Insufficient credits for key {KEY}. Add more credits", "code": 402}}
 
 
@@ -157,6 +177,75 @@ def test_a_key_refused_as_the_last_prompts_run_stops_the_run_without_waiting_out
     assert stats["remaining_for_resume"] == REFUSED_AFTER
     assert {f["error_class"] for f in read_jsonl(run_dir / "failed.jsonl")} == {"http_402"}
     assert KEY not in err
+
+
+def test_answers_to_calls_sent_before_the_refusals_neither_end_them_nor_the_probing():
+    """An answer counts for the endpoint's health only if its call went out after the first of the
+    failures or refusals in a row: one sent before says nothing of now (a long answer under way as the
+    key was revoked)."""
+    watch = EndpointWatch(cfg=None, grace_s=60, pause=lambda until: None, probe=lambda cfg, usage: NO_WORD)
+    for i in range(REFUSED_AFTER - 1):
+        assert watch.report("http_401", refused=True, sent_at=100.0 + i) is None
+        assert watch.report(None, sent_at=99.0) is None  # sent before the first refusal: not counted
+    assert watch.refusals == REFUSED_AFTER - 1
+    assert "were refused" in watch.report("http_401", refused=True, sent_at=110.0)
+    watch.report(None, sent_at=99.5)  # sent before too: not the probe's answer
+    assert "answered" not in (watch.tick() or "") and watch.probing_since is not None
+    watch.report(None, sent_at=100.5)  # sent after the first refusal: the endpoint answers
+    assert "answered the probe" in watch.tick() and watch.probing_since is None
+    assert watch.refusals == 0
+
+
+def test_a_worker_reports_answers_after_a_failure_until_one_to_a_call_sent_after_it(monkeypatch):
+    from batchrun.run import worker
+
+    sent: list = []
+    monkeypatch.setattr(worker, "send", sent.append)
+    health = worker.HealthReporter()
+    health(None, False, 5.0)  # healthy: nothing said
+    health("http_503", False, 10.0)
+    health(None, False, 8.0)  # a call sent before the failure: said, and still failing
+    health(None, False, 12.0)  # sent after it: said, and no longer failing
+    health(None, False, 13.0)
+    assert [(m.error_class, m.sent_at) for m in sent] == [("http_503", 10.0), (None, 8.0), (None, 12.0)]
+
+
+def test_a_long_answer_under_way_as_the_key_is_revoked_is_not_the_probes_answer(tmp_path, capsys):
+    """Four calls answered late (a long generation under way as the credits ran out) while every later
+    call is refused: each answer began the refusals in a row again, and one that came while the run was
+    paused was taken for the probe's answer ("the refusals were the prompts' own"), so the run went on
+    starting prompts only to have them refused. Now those answers, to calls sent before the refusals,
+    count for nothing: the run stops on the refused probe (exit 8)."""
+
+    def late_then_refused(call: dict, calls: list[dict]):
+        prompt_calls = sum(1 for c in calls if not c["check"])
+        if call["check"] and sum(1 for c in calls if c["check"]) == 1:
+            return 200, OK_REPLY
+        if not call["check"] and prompt_calls <= 4:
+            return 200, lambda: (time.sleep(2.0), OK_REPLY)[1]
+        if not call["check"] and prompt_calls <= 8:
+            # The other four prompts sent with them run a tool first: every refusal is of a call sent
+            # clearly after the four long ones (sent together, which went first is a matter of
+            # microseconds on a loaded machine).
+            return 200, SLEEP_TOOL_CALL
+        return 402, NO_CREDITS
+
+    code, err, endpoint, run_dir = run_against(
+        tmp_path,
+        capsys,
+        late_then_refused,
+        40,
+        num_workers=1,
+        prompts_per_worker=8,
+        endpoint_grace=4,
+        distribution="terminal_only",
+    )  # fmt: skip  (one worker: its own refusals make it report its late answers)
+    assert code == EXIT_ENDPOINT_REFUSED, err
+    assert "the endpoint answered the probe" not in err
+    assert err.count("were refused (last: http_402)") == 1
+    assert endpoint.prompt_calls() <= 8 + REFUSED_CALLS_AT_MOST
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert stats["trajectories"] + stats["discarded"]["total"] == 4  # the four long answers
 
 
 def test_a_watch_probing_as_the_run_ends_decides_on_its_probes_word():

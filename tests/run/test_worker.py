@@ -404,17 +404,21 @@ def test_endpoint_health_is_sent_on_a_failure_and_on_the_first_answer_after_it_o
     parent = start_worker()
     parent.until(Ready)
     parent.send(job(0, "Hang up [hangup]"))
-    assert parent.until(Outcome) == [EndpointHealth("connection"), parent.seen[-1]]
-    assert parent.seen[-1].error_class == "connection"
+    failed = parent.until(Outcome)
+    assert [type(m) for m in failed] == [EndpointHealth, Outcome] and failed[1].error_class == "connection"
+    assert (failed[0].error_class, failed[0].refused) == ("connection", False)
     parent.send(job(1, "Fine again [calls:0]"))
     got = parent.until(Outcome)
-    assert got[0] == EndpointHealth(None) and got[-1].kind == TRAJECTORY
+    assert (got[0].error_class, got[0].refused) == (None, False) and got[-1].kind == TRAJECTORY
+    # Each with the time its call went out: the answer's call went out after the failed one.
+    assert failed[0].sent_at < got[0].sent_at <= time.time()
     parent.send(job(2, "Still fine [calls:0]"))
     assert [type(m) for m in parent.until(Outcome)] == [Outcome]  # a healthy endpoint costs no message
     # A refusal of the key or the account (a 402, final) is told as one: the parent's refused-key watch
     # counts it, not its dead-endpoint watch nor statistics' endpoint_failures.
     parent.send(job(3, "Out of credits [error:402]"))
-    assert parent.until(Outcome)[0] == EndpointHealth("http_402", refused=True)
+    told = parent.until(Outcome)[0]
+    assert (type(told), told.error_class, told.refused) == (EndpointHealth, "http_402", True)
 
 
 # ----------------------------------------------------------------------------- background sandbox stops
