@@ -202,9 +202,7 @@ class EndpointWatch:
             )
         refused = self._probe_refused
         if time.monotonic() - self.probing_since > self.grace_s:
-            self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
-            if refused is not None:  # the latest probe was refused: so will every call be
-                self.refused = refusal_text(refused)
+            if self._stop():  # the latest probe was refused: so will every call be
                 return (
                     f"error: {w.who} still refuses {w.what}'s calls after {self.grace_s:g} s "
                     f"({w.grace}: {self.refused[:300]}); {w.what} stops: no new prompt starts and "
@@ -245,11 +243,9 @@ class EndpointWatch:
         if self._back.is_set():
             self.tick()  # ends the probing; its "answered" line says the run continues: it ends
             return None
-        w, refused = self.words, self._probe_refused
-        self.probing_since, self.dead, self.dead_at, self.concluded = None, True, time.monotonic(), True
+        w, self.concluded = self.words, True
         self.lift_pause()
-        if refused is not None:
-            self.refused = refusal_text(refused)
+        if self._stop():
             return (
                 f"error: {w.who} refused {w.what}'s last calls and its probe ({self.refused[:300]}), and "
                 f"nothing is left to run: {w.what} stops without waiting out {w.grace}"
@@ -258,6 +254,14 @@ class EndpointWatch:
             f"error: {w.who} {'refused' if self._for_refusals else 'failed'} {w.what}'s last calls and did "
             f"not answer its probe, and nothing is left to run: {w.what} stops without waiting out {w.grace}"
         )
+
+    def _stop(self) -> bool:
+        """The probing ends in the stop: ``dead``, and ``refused`` set when the latest probe was refused
+        (so will every call be); returns whether it was."""
+        self.probing_since, self.dead, self.dead_at = None, True, time.monotonic()
+        if self._probe_refused is not None:
+            self.refused = refusal_text(self._probe_refused)
+        return self.refused is not None
 
     def lift_pause(self) -> None:
         """End the run-wide pause this watch holds, now (the endpoint is back, or the run stops)."""

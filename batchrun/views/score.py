@@ -150,9 +150,12 @@ def rescore(
     samples = run_samples(run_dir, wanted)
     runaways = RunawayPatterns()  # an --answer_pattern that runs away on every answer is tried on a few
 
-    def judged(sample: tuple[dict[str, Any], tuple[str, int], int]) -> dict[str, Any]:
-        rec = sample[0]
-        if only_errors and not read_score(rec.get("score")).get("error"):
+    # --only_errors: the samples whose verdict in the run stands (no scorer error) keep it.
+    kept = [only_errors and not read_score(rec.get("score")).get("error") for rec, _, _ in samples]
+
+    def judged(item: tuple[tuple[dict[str, Any], tuple[str, int], int], bool]) -> dict[str, Any]:
+        (rec, _, _), keep = item
+        if keep:
             return rec.get("score")  # the run's own verdict (or its unscored), by the same scorers
         fields = (rec.get("metadata") or {}).get("row_fields")
         try:
@@ -169,10 +172,7 @@ def rescore(
         )
         return score_sample(rec, judgement)
 
-    verdicts = in_order(judged, samples, max(1, concurrency) if judge else 1)
-    again = (
-        sum(1 for rec, _, _ in samples if read_score(rec.get("score")).get("error")) if only_errors else None
-    )
+    verdicts = in_order(judged, list(zip(samples, kept, strict=True)), max(1, concurrency) if judge else 1)
     for (rec, (row_key, sample_index), _copy), score in zip(samples, verdicts, strict=True):
         meta = rec.get("metadata") or {}
         scores.add({**rec, "score": score}, row_key, sample_index)
@@ -205,8 +205,8 @@ def rescore(
             **({} if judged is None else {"samples_pending_by_check": by_check}),
         }
     )
-    if again is not None:
-        summary["judged_again"] = again  # the rest: the run's own verdicts
+    if only_errors:
+        summary["judged_again"] = kept.count(False)  # the rest: the run's own verdicts
     section.setdefault("rescored", {})[name] = {
         **summary,
         "scorers": list(settings.scorers),
@@ -270,7 +270,7 @@ def rejudge_command(run_dir: Path) -> str | None:
     if isinstance(normalize, list) and tuple(normalize) != NORMALIZE_STEPS:
         words.append(f"--answer_normalize={','.join(map(str, normalize)) or 'none'}")
     tolerance = manifest.get("numeric_tolerance")
-    if tolerance is not None and tolerance != 1e-6:
+    if tolerance is not None and tolerance != ScoringSettings.numeric_tolerance:
         words.append(f"--numeric_tolerance={tolerance}")
     words += [
         f"--judge_model={manifest.get('judge_model')}",
