@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 from helpers import read_jsonl, skip_or_fail, write_jsonl, write_rows
 from llama.model import Script, write_model  # tests/llama, importable like conftest
+from llama.recorder import RecordingProxy, reply_of
 from llama.server import LlamaServer, find_binary
 
 import batch_runner
 from batchrun.prompt.llm import LLMClient, LLMConfig
-from batchrun.sharegpt import parse_tool_calls
+from batchrun.sharegpt import offered_tools, parse_tool_calls, parse_tool_responses
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(900)]  # a loaded CI machine slows the starts
 
@@ -265,6 +266,80 @@ def test_a_calls_arguments_are_kept_as_the_model_wrote_them(verbatim, tmp_path, 
     assert parse_tool_calls(first["value"]) == [{"name": "terminal", "arguments": MODEL_ARGUMENTS}]
     (tool,) = [c for c in record["conversations"] if c["from"] == "tool"]
     assert "é" in tool["value"]  # the command ran as the model meant it
+
+
+def _as_kept(reply) -> str:
+    """A reply's gpt value as SPEC renders it: the reasoning in a think block (the one line break just
+    inside each tag is the block's own, so a server that keeps it and one that drops it read the same),
+    the words as they came, then each call's block holding its arguments as the model wrote them."""
+    reasoning = (reply.reasoning or "").removeprefix("\n").removesuffix("\n")
+    parts = [f"<think>\n{reasoning}\n</think>" if reasoning else "<think>\n</think>"]
+    parts += [reply.content] if reply.content else []
+    parts += [
+        f'<tool_call>\n{{"name": {json.dumps(n)}, "arguments": {a}}}\n</tool_call>' for _, n, a in reply.calls
+    ]
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_kept_turn_is_what_the_server_said_and_each_call_sent_the_turns_kept_before_it(
+    hermes, thinker, verbatim, tmp_path, stream
+):
+    """Through a proxy that keeps every request and answer: each gpt turn of a record is, byte for byte,
+    the reply the server sent for that call, and each call sent the server the record's turns before
+    it (the prompt, the replies as they came, the tool results as the record holds them), with the
+    tools the system entry lists."""
+    for server, name in ((hermes, "hermes"), (thinker, "thinker"), (verbatim, "verbatim")):
+        prompts = [f"{name} task {i}: run it." for i in range(3)]
+        with RecordingProxy(server.base_url) as proxy:
+            run_dir = _run(server, tmp_path, prompts, run_name=f"{name}-{stream}", stream=stream,
+                           base_url=proxy.base_url, keep_no_reasoning=True)  # fmt: skip
+        records = read_jsonl(run_dir / "trajectories.jsonl")
+        assert len(records) == len(prompts), name
+        calls: dict[str, list] = {}
+        for exchange in proxy.prompt_calls():
+            user = next(m["content"] for m in exchange.request["messages"] if m["role"] == "user")
+            calls.setdefault(user, []).append(exchange)
+        for rec in records:
+            conv = rec["conversations"]
+            (human,) = [c["value"] for c in conv if c["from"] == "human"]
+            made = sorted(calls.pop(human), key=lambda e: len(e.request["messages"]))
+            gpts = [c for c in conv if c["from"] == "gpt"]
+            assert rec["api_calls"] == len(made) == len(gpts) == 2, name
+            replies = [reply_of(e) for e in made]
+            for turn, reply in zip(gpts, replies, strict=True):
+                assert turn["value"] == _as_kept(reply), name
+                kept = [
+                    (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in turn["tool_calls"]
+                ]
+                assert kept == reply.calls and all(i for i, _, _ in kept), name  # the server's own ids
+            # What the last call sent: the record's turns before its last reply, in the record's order.
+            sent = made[-1].request
+            assert offered_tools(conv[0]["value"]) == sent["tools"], name
+            before, answered = [], iter(replies)
+            for c in conv[1:-1]:
+                if c["from"] == "human":
+                    before.append(("user", c["value"]))
+                elif c["from"] == "gpt":
+                    reply = next(answered)
+                    before.append(("assistant", reply.content, reply.calls))
+                else:
+                    before += [
+                        ("tool", b["tool_call_id"], b["content"]) for b in parse_tool_responses(c["value"])
+                    ]
+            was_sent = []
+            for m in sent["messages"]:
+                if m["role"] == "user":
+                    was_sent.append(("user", m["content"]))
+                elif m["role"] == "assistant":
+                    calls_sent = [
+                        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]
+                    ]
+                    was_sent.append(("assistant", m["content"], calls_sent))
+                elif m["role"] == "tool":
+                    was_sent.append(("tool", m["tool_call_id"], m["content"]))
+            assert was_sent == before and ("tool" in {b[0] for b in before}), name
+        assert not calls, name  # no call of a prompt the records do not hold
 
 
 def test_a_run_started_while_the_server_loads_its_model_waits_for_it(tmp_path_factory, tmp_path, capsys):
