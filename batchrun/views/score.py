@@ -120,6 +120,11 @@ def run_samples(
     return out
 
 
+def scorer_errors(run_dir: Path) -> int:
+    """How many samples of the run hold a scorer error as their verdict (what --only_errors judges again)."""
+    return sum(1 for rec, _, _ in run_samples(run_dir) if read_score(rec.get("score")).get("error"))
+
+
 def rescore(
     run_dir: Path,
     settings: ScoringSettings,
@@ -526,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         # before the judge's start check: a run directory a runner is resuming cost a judge call, then exit 2.
         with holding(args.run_dir, "python -m batchrun.views.score"):
             judge = None
-            if settings.judge is not None:
+            # --only_errors on a run with no scorer error judges nothing: the judge is not asked (its start
+            # check cost a call, and a judge gone since the run failed a re-scoring that needs none).
+            if settings.judge is not None and not (args.only_errors and not scorer_errors(args.run_dir)):
                 from batchrun.secrets import Redactor
 
                 try:
@@ -586,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"Judged again: {summary['judged_again']} sample(s) whose verdict in the run was a scorer error; "
             "every other sample keeps the run's verdict"
+            + ("" if summary["judged_again"] else " (the judge was not asked anything)")
         )
     print(headline(summary) or "Scores: no sample could be judged by these scorers")
     old = (stats.get("scores") or {}).get("pass_rate")

@@ -1166,6 +1166,35 @@ def test_a_rescoring_of_the_errors_only_judges_them_alone_and_only_as_the_run_di
     assert (rescored["scored"], rescored["scorer_errors"], rescored["judged_again"]) == (2, 1, 1)
 
 
+def test_a_rescoring_of_the_errors_of_a_run_with_none_asks_the_judge_nothing(tmp_path, capsys, monkeypatch):
+    """--only_errors on a run whose every verdict stands: before, the judge's start check came first, so
+    a judge gone since the run (a local server stopped) failed it, exit 2, where nothing was to be judged.
+    Now the judge is not asked: exit 0, each sample keeping the run's verdict."""
+    from batchrun.fakes.fake_model import FakeModelServer
+
+    rows = [
+        {"id": "yes", "prompt": 'Grade me [calls:0] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
+        {"id": "no", "prompt": 'Grade me [calls:0] [verdict:{"score": 0, "passed": false}]', "rubric": "r"},
+    ]
+    out = tmp_path / "data"
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-4242")
+    with FakeModelServer() as server:
+        judged = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
+        run(server, write_rows(tmp_path / "d.jsonl", rows), out, keep_no_reasoning=True, **judged)
+        gone = server.base_url
+    capsys.readouterr()
+    argv = [str(out / "run"), "--scorer=judge", "--judge_model=judge-model", f"--judge_base_url={gone}"]
+    assert score.main([*argv, "--only_errors"]) == 0
+    assert "Judged again: 0 sample(s)" in capsys.readouterr().out
+    lines = {
+        line["row_id"]: line["score"]["passed"] for line in read_jsonl(out / "run" / "scores.judge.jsonl")
+    }
+    assert lines == {"yes": True, "no": False}
+    rescored = stats_of(out / "run")["scores"]["rescored"]["judge"]
+    assert (rescored["scored"], rescored["passed"], rescored["judged_again"]) == (2, 1, 0)
+    assert score.main(argv) == 2  # judging every sample again needs the judge
+
+
 @pytest.mark.parametrize(
     ("url", "said"),
     [
