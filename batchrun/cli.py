@@ -38,7 +38,7 @@ from batchrun.run import finish, open_files, resume
 from batchrun.run.budget import CheckGate
 from batchrun.run.dataset import Row, load_dataset
 from batchrun.run.dispatch import Dispatch
-from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD, EXIT_ENDPOINT_REFUSED
+from batchrun.run.endpoint_watch import EXIT_ENDPOINT_DEAD, EXIT_ENDPOINT_REFUSED, refused_means
 from batchrun.run.forkserver import start_forkserver
 from batchrun.run.journal import SpendJournal, read_journal, remove_journal
 from batchrun.run.plan import make_plan, print_plan
@@ -452,8 +452,7 @@ def _stopped_early(
     if dispatch.endpoint_refused is not None:
         return EXIT_ENDPOINT_REFUSED, (
             f"The run stopped: {who} refused its calls, and {probes}{dispatch.endpoint_refused}): "
-            f"{key} or the account is refused (revoked, out of credits, suspended), {model} is gone, "
-            "or the run is rate limited for longer than --endpoint_grace. When that is over, continue "
+            f"{refused_means(key, model, 'the run', '--endpoint_grace')}. When that is over, continue "
             "with:\n  " + recorder.redact(resume_command())
         )
     if dispatch.endpoint_dead:

@@ -216,9 +216,8 @@ class EndpointWatch:
         if refused is not None and not self._said_refused:
             self._said_refused = True
             return (
-                f"warning: {w.who} refused {w.what}'s probe too ({refusal_text(refused)[:300]}): the key "
-                "or the account is refused (revoked, out of credits, suspended), the model is gone, or "
-                f"{w.what} is rate limited for longer than {w.grace}; it is probed every "
+                f"warning: {w.who} refused {w.what}'s probe too ({refusal_text(refused)[:300]}): "
+                f"{refused_means('the key', 'the model', w.what, w.grace)}; it is probed every "
                 f"{PROBE_EVERY_S:g} s, and {w.what} stops if it still refuses after {self.grace_s:g} s"
             )
         return None
@@ -304,6 +303,16 @@ class EndpointWatch:
                 self._back.set()
                 return
             self._back.wait(PROBE_EVERY_S)
+
+
+def refused_means(key: str, model: str, what: str, grace: str) -> str:
+    """What calls and probes refused past the grace mean, as every line that says so puts it (the run's
+    stop, its watch's warning, a re-scoring's stop): ``key`` and ``model`` as the line names them, ``what``
+    is rate limited, ``grace`` names how long it waits."""
+    return (
+        f"{key} or the account is refused (revoked, out of credits, suspended), {model} is gone, or {what} "
+        f"is rate limited for longer than {grace}"
+    )
 
 
 def refusal_text(refused: LLMError) -> str:

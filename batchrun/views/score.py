@@ -523,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         EXIT_ENDPOINT_DEAD,
         EXIT_ENDPOINT_REFUSED,
         REFUSED_AFTER,
+        refused_means,
     )
 
     try:
@@ -574,9 +575,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(
                 f"error: the judge's endpoint {shown} refused {REFUSED_AFTER} calls in a row, then its "
-                f"probes for {JUDGE_GRACE_S:g} s ({terminal_safe(watch.redact(refused))[:300]}): its key or account "
-                "is refused (revoked, out of credits, suspended), or its model is gone; nothing re-scored: "
-                "run it again once that is fixed",
+                f"probes for {JUDGE_GRACE_S:g} s ({terminal_safe(watch.redact(refused))[:300]}): "
+                f"{refused_means('its key', 'its model', 'the re-scoring', 'that grace')}; nothing "
+                "re-scored: run it again once that is fixed",
                 file=sys.stderr,
             )
             return EXIT_ENDPOINT_REFUSED

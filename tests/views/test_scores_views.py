@@ -1482,6 +1482,9 @@ def test_a_judge_whose_key_is_refused_mid_rescoring_stops_it_and_nothing_is_writ
     err = capsys.readouterr().err
     assert code == EXIT_ENDPOINT_REFUSED, err  # before: 0, 43 of 48 samples scorer errors, written
     assert "refused 8 calls in a row, then its probes for 2 s (HTTP 401: Invalid API key: [REDACTED])" in err
+    assert (
+        "its key or the account is refused (revoked, out of credits, suspended), its model is gone, or" in err
+    )
     # Said as it happens, while the user can still act (before, nothing until the grace's end).
     assert "warning: 8 judge calls in a row were refused (last: http_401); the re-scoring is paused" in err
     assert (
