@@ -94,7 +94,8 @@ def split_leading_reasoning(content: str | None) -> tuple[str | None, str]:
     model wrote it (the sample is then ``ambiguous_markup``). :func:`split_reasoning` instead reads any
     text loosely, scratchpads anywhere, for records other tools wrote; the worker's reading of
     ``Let me check.<REASONING_SCRATCHPAD>..</REASONING_SCRATCHPAD>\nDone.`` with it saved the words
-    ``Let me check.Done.``, which the model never wrote.
+    ``Let me check.Done.``, which the model never wrote. A lone ``</think>`` ends the reasoning only at a
+    line's end (what follows it is nothing or a line break).
     """
     text = content or ""
     for block in _LEADING_BLOCKS:
@@ -103,7 +104,11 @@ def split_leading_reasoning(content: str | None) -> tuple[str | None, str]:
             return _reasoning_or_none(found.group(1)), text[found.end() :].removeprefix("\n")
     if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
         before, rest = text.split("</think>", 1)
-        return _reasoning_or_none(before), rest.removeprefix("\n")
+        # The block a template opened closes at a line's end ("...\n</think>\n\n", Qwen3's and
+        # DeepSeek-R1's): one mid-sentence ("use </think> to close") is the words' own, and read as a
+        # boundary it made a model without reasoning one with, its answer cut to " to close".
+        if not rest or rest.startswith(("\n", "\r\n")):
+            return _reasoning_or_none(before), rest.removeprefix("\n")
     return None, text
 
 

@@ -489,6 +489,26 @@ def test_a_leading_think_block_becomes_reasoning_and_goes_back_as_written(replie
     assert script.bodies[1]["messages"][1]["content"] == words
 
 
+@pytest.mark.parametrize(
+    ("words", "reasoning", "content"),
+    [
+        # A template that opens the think block in its generation prompt: the reply closes it at a line's end.
+        ("The user wants it.\n</think>\n\nDone.", "The user wants it.", "\nDone."),
+        ("Checked.</think>\nDone.", "Checked.", "Done."),
+        # Mid-sentence it is the words' own: before, a model without reasoning became one with, its answer
+        # cut to " to close" (the sample kept, no_reasoning passed, the answer lost).
+        ("ANSWER: use </think> to close", None, "ANSWER: use </think> to close"),
+    ],
+)
+def test_a_lone_closing_think_tag_ends_reasoning_only_at_a_lines_end(
+    replies, ctx: ToolContext, words, reasoning, content
+):
+    script = replies(reply(words))
+    result = agent(client(script.base_url, max_retries=0), "p", ctx)
+    saved = result.messages[-1]
+    assert (saved["reasoning"], saved["content"]) == (reasoning, content)
+
+
 # Number forms, escapes, spacing and key order a re-encoding would change: 1e2 became 100.0, \u00e9 é.
 MODEL_ARGUMENTS = '{"command":"echo \\u00e9" ,\n "timeout":1e2}'
 
