@@ -422,8 +422,11 @@ def _without_spans(text: str, tags: tuple[tuple[str, str], ...]) -> str:
 
 
 def _last_match(pattern: str, text: str) -> str:
-    """--answer_pattern's last match in ``text``: its group 1 when it has groups ("" for none)."""
-    tail = collections.deque(re.finditer(pattern, text, re.DOTALL), maxlen=1)  # a list of all: GBs
+    """--answer_pattern's last match in ``text``: its group 1 when it has groups ("" for none). With Python's
+    default flags, as the row's regex is searched: with re.DOTALL, the README's own ``ANSWER: (.*)`` took
+    the text from the first ``ANSWER:`` to the end, a later line and all (``includes`` then passed "41" in
+    "41 ... ANSWER: 42"). A pattern that spans lines says so itself: ``(?s)``."""
+    tail = collections.deque(re.finditer(pattern, text), maxlen=1)  # a list of all: GBs
     if not tail:
         return ""
     last = tail[0]
@@ -483,29 +486,52 @@ def _unwrapped_text(answer: str) -> str:
     return answer
 
 
-_ANSWER_LABEL_RE = re.compile(r"(?:final\s+)?answer\s*[:=]", re.IGNORECASE)
+# The label, in markdown too (``**Answer:** Paris``, ``**ANSWER: Paris**``, ``### Final answer: 4``): read as
+# no label, the whole text was the answer and a right one failed exact.
+_ANSWER_LABEL_RE = re.compile(r"[*_#>\s]*(?:final\s+)?answer[*_]*\s*[:=][*_]*", re.IGNORECASE)
+_FENCE = "```"
 
 
 def _last_answer_line(text: str) -> str | None:
     """What the last ``ANSWER: ...`` line says (a label alone on its line: the next line that says
     something), or None. Line by line, in linear time: one pattern over the whole text
     (``^\\s*...(.+?)\\s*$``) tried every start in a run of blank lines, or of spaces after the label,
-    to its end: 35 s for an answer of 100,000 spaces, hours for a megabyte, past every deadline."""
-    found, below = None, ""  # below: the first line under this one that says something
-    for line in reversed(text.split("\n")):
-        line = line.strip()
-        label = _ANSWER_LABEL_RE.match(line)
-        if found is None and label is not None:
-            # the answer after the label, or on a line of its own under it
-            found = line[label.end() :].lstrip() or below or None
-        below = line or below
-    return found
+    to its end: 35 s for an answer of 100,000 spaces, hours for a megabyte, past every deadline.
+
+    A line inside a code block is code, no label: ``answer = 6 * 7`` in a block after ``ANSWER: 42`` was
+    read as the answer. An answer that opens a JSON value or a code block on its line (``ANSWER: {``,
+    ``ANSWER:`` then a block) is that value or block, to the text's end: read as its first line, a
+    pretty-printed object was ``{`` and failed the json scorer."""
+    lines = text.split("\n")
+    in_code, code = False, []
+    for line in lines:
+        fence = line.lstrip().startswith(_FENCE)
+        code.append(in_code or fence)
+        in_code ^= fence
+    below, below_at = "", len(lines)  # the first line under this one that says something, and its index
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        label = None if code[i] else _ANSWER_LABEL_RE.match(lines[i])
+        if label is not None:
+            said = lines[i][label.end() :].strip()
+            if lines[i].lstrip()[:1] in ("*", "_"):  # **ANSWER: Paris**: the emphasis closes after it
+                said = said.rstrip("*_ \t")
+            if said in ("{", "[") or said.startswith(_FENCE):
+                return "\n".join([said, *lines[i + 1 :]]).strip()
+            if not said and below.startswith(_FENCE):
+                return "\n".join(lines[below_at:]).strip()
+            if said or below:
+                return said or below
+        if line:
+            below, below_at = line, i
+    return None
 
 
 def ambiguous_final(record: dict[str, Any]) -> str | None:
-    """Why the last gpt turn's reasoning markup cannot be told apart from its words (a ``</think>`` the
-    model wrote inside its reasoning ends the span early, and the rest of the reasoning would be read
-    as its answer), or None. Such a sample is discarded (ambiguous_markup); its verdict must not count."""
+    """Why the last gpt turn's markup cannot be told apart from its words (a ``</think>`` the model wrote
+    inside its reasoning ends the span early, and the rest of the reasoning would be read as its answer;
+    a ``<tool_call>`` written in its words is no call), or None. Such a sample is discarded
+    (ambiguous_markup); its verdict must not count."""
     for turn in reversed(record.get("conversations") or []):
         if turn.get("from") == "gpt":
             value = turn.get("value") or ""
@@ -514,6 +540,11 @@ def ambiguous_final(record: dict[str, Any]) -> str | None:
                     return f"{value.count(opening)} {opening} and {value.count(closing)} {closing}"
                 if value.count(closing) and not value.count(opening):
                     return f"a {closing} with no {opening}"
+            # A call written as text in the words (no structured call beside it): the sample is an
+            # ambiguous_markup discard, and its verdict passed and counted as the others' did not.
+            calls = turn.get("tool_calls") or []
+            if value.count("<tool_call>") != len(calls) or value.count("</tool_call>") != len(calls):
+                return f"{value.count('<tool_call>')} <tool_call> for {len(calls)} call(s)"
             return None
     return None
 
@@ -551,39 +582,87 @@ def extract_answer(text: str, pattern: str | None = None, timeout_s: float | Non
 MINUS_SIGNS = "\u2212\ufe63\uff0d"
 _TO_ASCII_MINUS = str.maketrans(dict.fromkeys(MINUS_SIGNS, "-"))
 
-_PUNCT = str.maketrans("", "", string.punctuation)
 # A number inside an answer: its minus sign and decimal point are part of its value, not punctuation
-# ("-1" is not "1", "3.5" is not "35"); its thousands separators are not ("1,000" is "1000").
-_SIGNED_NUMBER_RE = re.compile(r"(?<![\w.])(-?)(\d{1,3}(?:,\d{3})+|\d+)((?:\.\d+)?)(?!\w|\.\d)")
-
+# ("-1" is not "1", "3.5" is not "35", "-.5" is not "5"); its thousands separators are not ("1,000" is "1000").
+_SIGNED_NUMBER_RE = re.compile(r"(?<![\w.])(-?)(\d{1,3}(?:,\d{3})+|\d+|(?=\.\d))((?:\.\d+)?)(?!\w|\.\d)")
+# A date or a version written with one mark between its parts: which mark is ignored ("2024/01/05" is
+# "2024-01-05"), the parts stay apart ("1.2.3" is not "123").
+_DATE_RE = re.compile(r"(?<![\w./-])(\d{1,4})([-/.])(\d{1,4})\2(\d{1,4})(?![\w/-]|\.\d)")
 
 _PUNCT_RUN_RE = re.compile(f"[{re.escape(string.punctuation)}]+")
 # Symbols that end a word as part of its name (C++, C#, F#, A+): kept after a letter, or "C" passed for the
 # answer "C++" under exact (and "C++ is best" included the answer "C"); the sentence's own punctuation
 # after them ("C++.") goes as any other.
 _WORD_SYMBOLS_RE = re.compile(r"[+#]*")
+# Signs and operators: what they stand between is what the answer says. Removed as punctuation, "x + 1"
+# was "x - 1", "x > 3" was "x < 3", "-$5" was "$5", "a/b" was "a*b" (each passed exact for the other).
+# Kept where they stand (the spaces around them too: "x - 1" is not "x-1", as before); but for markdown: emphasis around
+# words (**Paris**: a star with a space or an end on one side only), a bullet or a quote opening a line
+# ("- Paris", "> Paris"); and for a hyphen inside a word ("well-known", "COVID-19": a run of two or more
+# letters on one side, as before).
+OPERATORS = "+-*/^=<>"
+
+
+def _letters_before(text: str, at: int) -> int:
+    n = 0
+    while at - n - 1 >= 0 and text[at - n - 1].isalpha():
+        n += 1
+    return n
+
+
+def _letters_after(text: str, at: int) -> int:
+    n = 0
+    while at + n < len(text) and text[at + n].isalpha():
+        n += 1
+    return n
+
+
+def _kept_marks(text: str, start: int, end: int) -> str:
+    """What stays of the punctuation run ``text[start:end]`` (between numbers): its operators that are
+    operators, or a word's own symbols; a run with nothing kept between two digits is a space."""
+    run = text[start:end]
+    left, right = text[start - 1] if start else "", text[end] if end < len(text) else ""
+    between_digits = left.isdigit() and right.isdigit()
+    line_start = not text[text.rfind("\n", 0, start) + 1 : start].strip()
+    if (
+        line_start
+        and run in ("-", "*", "+", ">")
+        and right.isspace()
+        and _letters_after(text[end:].lstrip(" \t"), 0) >= 2
+    ):
+        return ""  # a bullet or a quote before a word ("- x" and "> 3" are a sign and a bound)
+    if (
+        run == "-"
+        and left
+        and right
+        and (
+            (_letters_before(text, start) >= 2 and right.isalnum())
+            or (_letters_after(text, end) >= 2 and left.isalnum())
+        )
+    ):
+        return ""  # a hyphen inside a word
+    kept = "".join(ch for ch in run if ch in OPERATORS)
+    if "*" in kept:
+        open_left, open_right = (not left or left.isspace()), (not right or right.isspace())
+        if not left or not right or open_left != open_right:
+            kept = kept.replace("*", "")  # emphasis
+    if not kept and not between_digits and left.isalpha():
+        kept = _WORD_SYMBOLS_RE.match(run)[0]  # type: ignore[index]
+    return kept or (" " if between_digits else "")
 
 
 def _gap_without_punctuation(text: str, lo: int, hi: int) -> str:
-    """``text[lo:hi]`` (text between numbers) without punctuation; a run of it between two digits is a
-    space, so they stay two numbers: removed, "1/2" was "12" (and passed for it), "10-20" "1020"."""
+    """``text[lo:hi]`` (text between numbers) without its punctuation but for what :func:`_kept_marks`
+    keeps: removed, "1/2" was "12" (and passed for it), "10-20" "1020", "x + 1" "x - 1"."""
     out, at = [], lo
     for run in _PUNCT_RUN_RE.finditer(text, lo, hi):
-        between_digits = (
-            run.start() > 0
-            and text[run.start() - 1].isdigit()
-            and run.end() < len(text)
-            and text[run.end()].isdigit()
-        )
-        kept = ""
-        if not between_digits and run.start() > 0 and text[run.start() - 1].isalpha():
-            kept = _WORD_SYMBOLS_RE.match(run[0])[0]  # type: ignore[index]
-        out += [text[at : run.start()], " " if between_digits else kept]
+        out += [text[at : run.start()], _kept_marks(text, run.start(), run.end())]
         at = run.end()
     return "".join(out) + text[at:hi]
 
 
 def _without_punctuation(text: str) -> str:
+    text = _DATE_RE.sub(r"\1 \3 \4", text.translate(_TO_ASCII_MINUS))
     out, done = [], 0
     for m in _SIGNED_NUMBER_RE.finditer(text):
         out += [
@@ -591,13 +670,22 @@ def _without_punctuation(text: str) -> str:
             m.group(1) + m.group(2).replace(",", "") + m.group(3),
         ]
         done = m.end()
-    return "".join(out) + _gap_without_punctuation(text, done, len(text))
+    out.append(_gap_without_punctuation(text, done, len(text)))
+    return "".join(out)
+
+
+# Forms of one text that read alike: composed and decomposed accents ("café"), fullwidth letters, digits and
+# marks (CJK text's "４２", "Ｐａｒｉｓ"); told apart, a right answer failed exact.
+_FULLWIDTH = {cp: cp - 0xFEE0 for cp in range(0xFF01, 0xFF5F)} | {0x3000: 0x20}
 
 
 def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS) -> str:
-    """Case folded, punctuation removed but for a number's sign and decimal point, whitespace collapsed
-    (each step switchable: --answer_normalize)."""
+    """Case folded, punctuation removed but for a number's sign and decimal point and the operators
+    between terms, whitespace collapsed (each step switchable: --answer_normalize); with any step, accents
+    composed one way and fullwidth forms read as their ASCII ones."""
     steps = set(steps)
+    if steps:
+        text = unicodedata.normalize("NFC", text).translate(_FULLWIDTH)
     if "case" in steps:
         text = text.casefold()
     if "punctuation" in steps:
@@ -827,7 +915,8 @@ _TAG_RE = re.compile(r"</?[A-Za-z][\w:-]*(?:\s[^<>]*)?>")  # <answer>4</answer>:
 _BOUND_BEFORE_RE = re.compile(
     r"(?:(?:[\u2260\u2264\u2265\u2266\u2267]|(?<![<>])[<>])=?|\u00b1|\u2213|\+/-"  # not GSM8K's <<4+4=8>>8
     r"|\\(?:neq|ne|leq|le|geq|ge|lt|gt|leqslant|geqslant|pm|mp)(?![a-zA-Z])"
-    r"|\b(?:not|isn't|(?:less|more|greater|fewer|other)\s+than|at\s+(?:least|most)|up\s+to)\b)[\s${(]*$",
+    r"|\b(?:not|isn't|(?:less|more|greater|fewer|other)\s+than|at\s+(?:least|most)|up\s+to"
+    r"|under|below|over|above|exceed(?:s|ed|ing)?|max(?:imum)?|min(?:imum)?|almost|nearly)\b)[\s${(]*$",
     re.I,
 )
 # "up to" after a verb that reaches its number names it: "the costs add up to $45", "we round up to 16"
@@ -848,7 +937,8 @@ _MODAL_BEFORE_RE = re.compile(
 )
 _BOUND_AFTER_RE = re.compile(
     r"[\s$})]*(?:[\u2260\u2264\u2265]|[<>](?![<>])|\\(?:neq|ne|leq|le|geq|ge|lt|gt)(?![a-zA-Z])"
-    r"|or\s+(?:more|less|fewer|greater|higher|lower|above|below|over|under)\b|at\s+(?:least|most)\b)",  # "5 or more"
+    r"|or\s+(?:more|less|fewer|greater|higher|lower|above|below|over|under)\b|at\s+(?:least|most)\b"
+    r"|\+(?![\s$]*[\d.(\\]))",  # "5 or more", "5+"
     re.I,
 )
 # What makes two numbers joined as a range or a list one statement instead, read from around them:
@@ -992,8 +1082,42 @@ def parse_number(text: str) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+# A minus sign that does not touch its number: "-$1,250.00", "- 5", "-**5**", "-(3)", "\\boxed{- 5}", or the
+# word ("negative 5", "minus 5"). Read without it, each was its number's opposite: "-$1,250.00" passed for
+# 1250, a loss graded as a gain. After a number, a closing bracket or a one-letter variable it is the
+# operator between two terms ("10 - 5", "x - 5"), no sign.
+_DETACHED_MINUS_RE = re.compile(r"(-|\b(?:negative|minus)\b)[\s$\u20ac\u00a3\u00a5*({\\]*$", re.I)
+
+
+def _negated(text: str, number: re.Match[str]) -> bool:
+    """Whether a minus sign before ``number`` but apart from it makes it negative (see above)."""
+    if number[0][:1] in "-+" or (number["mixed"] and number["msign"]):
+        return False  # its own sign
+    window = text[max(0, number.start() - 40) : number.start()]
+    sign = _DETACHED_MINUS_RE.search(window)
+    if sign is None:
+        return False
+    if sign[1] != "-" and sign[1].lower() == "negative":
+        return True
+    before = window[: sign.start()].rstrip()
+    if not before:
+        return True
+    last = before[-1]
+    variable = last.isalpha() and not (len(before) > 1 and before[-2].isalpha())
+    return not (last.isdigit() or last in ")]}" or variable)
+
+
 def _number_value(text: str) -> float | None:
-    last = _last_number(_latex_numbers(text.translate(_TO_ASCII_MINUS)))
+    plain = _latex_numbers(text.translate(_TO_ASCII_MINUS))
+    value = _unsigned_value(plain)
+    if value is None:
+        return None
+    last = _last_number(plain)
+    return -value if last is not None and _negated(plain, last) else value
+
+
+def _unsigned_value(plain: str) -> float | None:
+    last = _last_number(plain)
     if last is None or last["clock"]:
         return None
     try:
@@ -1636,9 +1760,7 @@ def score_sample(record: dict[str, Any], j: Judgement) -> dict[str, Any]:
             elif unfinished is not None and (name in TEXT_SCORERS or name == "judge"):
                 parts.append(_unfinished_part(name, unfinished))  # the judge is not even asked
             elif (name in TEXT_SCORERS or name == "judge") and (markup := ambiguous_final(record)):
-                parts.append(
-                    Part(name, error=f"the final answer cannot be told from its reasoning: {markup}")
-                )
+                parts.append(Part(name, error=f"the final answer cannot be told from its markup: {markup}"))
             elif name in TEXT_SCORERS:
                 parts.append(text_score(name, record, j.check, j.settings, j.deadline, j.runaways))
             elif name == "verify":
@@ -1934,10 +2056,13 @@ class ScoreTally:
                 mean_se = math.sqrt(max(mean_se * mean_se, crv))
         rows = [(self.row_n[s], self.row_passes[s]) for s in self.row_order]
         max_n = max((s for s, _ in rows), default=0)
-        pass_k = {}
+        pass_k, pass_k_rows = {}, {}
         for k in ks_for(max_n):
             eligible = [pass_at_k(s, c, k) for s, c in rows if s >= k]
             pass_k[f"pass@{k}"] = round(sum(eligible) / len(eligible), 6) if eligible else None
+            # Over the rows with k scored samples only: one scorer error takes a row out of pass@k, so
+            # each k may be over other rows (pass@4 0.000 beside pass@1 0.500 read as a contradiction).
+            pass_k_rows[f"pass@{k}"] = len(eligible)
         return {
             "scored": n,
             "unscored": self.unscored,
@@ -1956,6 +2081,7 @@ class ScoreTally:
             "mean_score_stderr": None if mean_se is None else round(mean_se, 6),
             "rows_scored": len(self.row_order),
             "pass_at_k": pass_k,
+            "pass_at_k_rows": pass_k_rows,
         }
 
 
@@ -2062,6 +2188,17 @@ def wanted_from_duplicates(entries: Any) -> dict[tuple[str, int], int]:
     return wanted
 
 
+def of_rows(scores: dict[str, Any], k: str) -> str:
+    """The note ``(over 1 of 2 rows)`` after pass@k when it is over fewer rows than were scored (rows short
+    of k scored samples are not in it), else ""."""
+    counts = scores.get("pass_at_k_rows")
+    rows = counts.get(k) if isinstance(counts, dict) else None
+    total = scores.get("rows_scored")
+    return (
+        f" (over {rows} of {total} rows)" if type(rows) is int and type(total) is int and rows < total else ""
+    )
+
+
 def _short(summary: dict[str, Any]) -> dict[str, Any]:
     keep = (
         "scored",
@@ -2074,6 +2211,7 @@ def _short(summary: dict[str, Any]) -> dict[str, Any]:
         "stderr_clusters",
         "mean_score",
         "pass_at_k",
+        "pass_at_k_rows",
     )
     return {k: summary[k] for k in keep}
 
@@ -2132,7 +2270,9 @@ def headline(scores: dict[str, Any]) -> str | None:
                 f"{scores.get('passed', 0)} passed of {planned['samples_planned']} samples planned "
                 f"({planned['pass_rate_of_planned']:.1%}: those not judged count as not passed)"
             )
-        ks = ", ".join(f"{k} {v:.3f}" for k, v in scores["pass_at_k"].items() if v is not None)
+        ks = ", ".join(
+            f"{k} {v:.3f}{of_rows(scores, k)}" for k, v in scores["pass_at_k"].items() if v is not None
+        )
         if ks:
             parts.append(ks)
         if scores.get("mean_score") is not None:

@@ -504,8 +504,12 @@ def test_a_hostile_answer_is_read_in_linear_time(scorer):
     for text in ("<think>" * 30_000, "<tool_call>" * 20_000, "1" * 60_000 + "x", "1/1" + " " * 30_000 + "x"):
         judged(text, 4, scorer)
     assert time.monotonic() - start < 30  # a hang guard, not a speed claim: the old code took minutes
-    # What they read is unchanged.
-    assert judged("4 <tool_call>5</tool_call>", 4, scorer)["passed"] is True
+    # What they read is unchanged: the words without the call's markup.
+    assert final_text(record_saying("4 <tool_call>5</tool_call>")) == "4"
+    # A call written in the words, with no structured call beside it, is ambiguous markup too: no verdict
+    # (the sample is an ambiguous_markup discard; its pass counted in the pass rate before).
+    literal = judged("4 <tool_call>5</tool_call>", 4, scorer)
+    assert literal["passed"] is None and "1 <tool_call> for 0 call(s)" in literal["error"], literal
     # A second <think> span in the words is ambiguous markup: no verdict (the sample is discarded).
     assert judged("<think>3</think>4", 4, scorer)["passed"] is None
     assert judged("ANSWER: 8/2", 4, "numeric")["passed"] is True
@@ -877,6 +881,25 @@ def test_tally_summary_by_rows():
     assert list(s["pass_at_k"]) == ["pass@1", "pass@2", "pass@4"]
 
 
+def test_pass_at_k_says_over_how_many_rows_when_a_row_is_short_of_k():
+    """A row with fewer than k scored samples (a scorer error took one) is left out of pass@k, so each k
+    may be over other rows: row A 3 passes of 3 scored, row B 0 of 4 read "pass@1 0.500, pass@2 0.500,
+    pass@4 0.000", beside A's 3 passes, with nothing saying pass@4 was B alone."""
+    from batchrun.scoring import headline
+
+    tally = ScoreTally()
+    for _ in range(3):
+        tally.add({"value": 1.0, "passed": True}, "a")
+    tally.add({"value": None, "passed": None, "error": "verify timed out"}, "a")
+    for _ in range(4):
+        tally.add({"value": 0.0, "passed": False}, "b")
+    s = tally.summary()
+    assert s["pass_at_k"] == {"pass@1": 0.5, "pass@2": 0.5, "pass@4": 0.0}
+    assert s["pass_at_k_rows"] == {"pass@1": 2, "pass@2": 2, "pass@4": 1}
+    line = headline(s)
+    assert "pass@1 0.500, pass@2 0.500, pass@4 0.000 (over 1 of 2 rows)" in line, line
+
+
 def _simulated_run(rng: random.Random, rows: int, samples: int, a: float, b: float) -> ScoreTally:
     """A run over ``rows`` rows of heterogeneous difficulty (each row's pass probability drawn from
     Beta(a, b)), ``samples`` independent samples a row."""
@@ -1068,7 +1091,7 @@ def test_an_answer_whose_reasoning_markup_is_ambiguous_gets_no_verdict(scorer):
     score = score_sample(
         rec, Judgement(check=RowCheck(answer="4"), settings=ScoringSettings(scorers=(scorer,)))
     )
-    assert score["passed"] is None and "cannot be told from its reasoning" in score["error"], score
+    assert score["passed"] is None and "cannot be told from its markup" in score["error"], score
     clean = {"conversations": [{"from": "gpt", "value": "<think>\nIt is 4.\n</think>\n4"}],
              "metadata": {"stop_reason": "final_answer"}}  # fmt: skip
     score = score_sample(
@@ -1168,7 +1191,7 @@ def test_punctuation_between_digits_keeps_them_two_numbers(text, answer, scorer,
         ("ANSWER: c++", "C++", None, True),
         ("C, not C++, is the answer", "C", "includes", True),
         ("I'd pick C++ here.", "C++", "includes", True),
-        ("ANSWER: 5+", "5", None, True),  # after a digit a plus is no name's: as before
+        ("ANSWER: 5+", "5", None, False),  # "5 or more": a plus is an operator, kept wherever it stands
     ],
 )
 def test_a_words_own_symbols_are_kept(text, answer, scorer, passed):
@@ -1472,3 +1495,103 @@ def test_a_search_whose_process_was_killed_ends_before_its_time():
 )
 def test_a_text_command_around_a_boxed_answer_is_not_part_of_it(text, answer, passed):
     assert judged(text, answer, "exact")["passed"] is passed
+
+
+# ----------------------------------------------------------------------------- what an answer says
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "scorer", "passed"),
+    [
+        # Signs and operators are part of the answer: removed as punctuation, each wrong answer passed.
+        ("ANSWER: x + 1", "x - 1", None, False),
+        ("ANSWER: y = x - 2", "y = -x + 2", None, False),
+        ("ANSWER: a*b", "a/b", None, False),
+        ("ANSWER: x > 3", "x < 3", None, False),
+        ("ANSWER: x >= 3", "x <= 3", None, False),
+        ("ANSWER: x=3", "x<3", None, False),
+        ("ANSWER: 5", "-.5", None, False),
+        ("ANSWER: (\u221e, 3)", "(-\u221e, 3)", None, False),
+        ("ANSWER: $5", "-$5", None, False),
+        ("ANSWER: A", "A-", None, False),
+        ("ANSWER: 1-2", "1/2", None, False),
+        ("ANSWER: 2*3", "2/3", None, False),
+        ("The factor is x + 1.", "x - 1", "includes", False),
+        # And right answers still pass, some that failed before.
+        ("ANSWER: x - 1", "x - 1", None, True),
+        ("ANSWER: **Paris**", "Paris", None, True),
+        ("**Answer:** Paris", "Paris", None, True),
+        ("**ANSWER: Paris**", "Paris", None, True),
+        ("- Paris", "Paris", None, True),
+        ("ANSWER: \u22125", "-5", None, True),
+        ("ANSWER: \uff30\uff41\uff52\uff49\uff53", "Paris", None, True),
+        ("ANSWER: \uff14\uff12", "42", None, True),
+        ("ANSWER: cafe\u0301", "caf\u00e9", None, True),
+        ("ANSWER: e-mail", "email", None, True),
+        ("ANSWER: COVID-19", "COVID19", None, True),
+        ("ANSWER: 2024/01/05", "2024-01-05", None, True),
+        ("The operator is +.", "+", "includes", True),
+        ("I'd pick C++ here.", "C++", "includes", True),
+    ],
+)
+def test_an_answers_signs_and_operators_are_part_of_it(text, answer, scorer, passed):
+    assert judged(text, answer, scorer)["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # A minus sign apart from its number is still its sign: read without it, a loss was a gain.
+        ("ANSWER: -$1,250.00", 1250, False),
+        ("ANSWER: -$1,250.00", -1250, True),
+        ("ANSWER: - 5", 5, False),
+        ("ANSWER: - 5", -5, True),
+        ("ANSWER: \u2212 5", -5, True),
+        ("ANSWER: \\boxed{- 5}", -5, True),
+        ("ANSWER: -**5**", -5, True),
+        ("ANSWER: -(3)", -3, True),
+        ("ANSWER: negative 5", -5, True),
+        ("ANSWER: minus 5", 5, False),
+        ("ANSWER: 10 - 5 = 5", 5, True),  # the operator between two terms is no sign
+        # Words and marks that bound a number instead of naming it.
+        ("ANSWER: under 5", 5, False),
+        ("ANSWER: below 5", 5, False),
+        ("ANSWER: over 5", 5, False),
+        ("ANSWER: exceeds 5", 5, False),
+        ("ANSWER: max 5", 5, False),
+        ("ANSWER: min 5", 5, False),
+        ("ANSWER: almost 5", 5, False),
+        ("ANSWER: nearly 5", 5, False),
+        ("ANSWER: 5+", 5, False),
+        ("ANSWER: 5+ years", 5, False),
+        ("ANSWER: 5 minutes", 5, True),
+        ("It took over 2 hours, so the answer is 5", 5, True),
+        # A code block after the answer is code: its "answer = ..." is no label.
+        ("ANSWER: 42\n```python\nanswer = 6*7\n```", 42, True),
+    ],
+)
+def test_a_numbers_sign_and_bounds_are_read_wherever_they_stand(text, answer, passed):
+    assert judged(text, answer, "numeric")["passed"] is passed
+
+
+def test_an_answer_pattern_reads_as_python_does_a_dot_stopping_at_a_line_break():
+    """With re.DOTALL, the README's own ``ANSWER: (.*)`` captured from the first ``ANSWER:`` to the text's
+    end: "41" was included in "41 ... ANSWER: 42", and "ANSWER: 42" with a line after it failed exact."""
+    pattern = "ANSWER: (.*)"
+    text = "The tool printed ANSWER: 41\n\nANSWER: 42"
+    assert judged(text, "41", "includes", answer_pattern=pattern)["passed"] is False
+    assert judged(text, "42", "exact", answer_pattern=pattern)["passed"] is True
+    assert judged("ANSWER: 42\n\nLet me know.", "42", "exact", answer_pattern=pattern)["passed"] is True
+    # In a child process too (with --verify_timeout), and a pattern that spans lines says so: (?s).
+    assert judged(text, "41", "includes", answer_pattern=pattern, verify_timeout_s=5.0)["passed"] is False
+    spans = judged("<answer>\n42\n</answer>", "42", "exact", answer_pattern=r"(?s)<answer>(.*?)</answer>")
+    assert spans["passed"] is True
+
+
+def test_an_answer_that_opens_a_json_value_on_its_line_is_the_whole_value():
+    """Read as its first line, a pretty-printed object after ``ANSWER:`` was ``{`` and failed json."""
+    text = 'ANSWER: {\n  "a": 1,\n  "b": "x"\n}'
+    assert judged(text, '{"a": 1, "b": "x"}', "json")["passed"] is True
+    fenced = 'ANSWER:\n```json\n{"a": 1}\n```'
+    assert judged(fenced, '{"a": 1}', "json")["passed"] is True
+    assert extract_answer("answer = 5\nANSWER:") == "5"  # a label with nothing after it: the one before

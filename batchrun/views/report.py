@@ -26,7 +26,7 @@ from typing import Any
 from batchrun.identity import Line, kept_line, lines_matter, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import check_run_dir
-from batchrun.scoring import RunScores, interval_clusters, planned_figures, wanted_from_duplicates
+from batchrun.scoring import RunScores, interval_clusters, of_rows, planned_figures, wanted_from_duplicates
 from batchrun.sharegpt import (
     finite_value,
     first_human,
@@ -1103,7 +1103,7 @@ def section_scores(d: RunData) -> str:
     pass_at_k = scores.get("pass_at_k")
     for k, v in pass_at_k.items() if isinstance(pass_at_k, dict) else ():
         if finite_value(v) is not None:
-            cards.append(stat(k, f"{v:.3f}", k, "unbiased estimator"))
+            cards.append(stat(k, f"{v:.3f}", k, f"unbiased estimator{of_rows(scores, k)}"))
     if finite_value(scores.get("mean_score")) is not None:
         cards.append(stat("mean_score", f"{scores['mean_score']:.3f}", "mean score"))
     errors = finite_value(scores.get("scorer_errors")) or 0
