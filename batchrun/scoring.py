@@ -778,7 +778,9 @@ _DIGITS_FLOAT_HOLDS = 300  # longer digit runs in a fraction are read as floats,
 _NUM_ARG = r"\{\s*([-+]?)\s*(\d+(?:\.\d+)?)\s*\}"
 _LATEX_FRAC_RE = re.compile(rf"(-\s*)?\\[dt]?frac\s*(?:{_NUM_ARG}\s*{_NUM_ARG}|(\d)\s*(\d)(?![\d.]))")
 _POWER_ARG = r"\s*\^\s*(?:\{\s*([-+]?\d+)\s*\}|(\d+)(?![\d.]))"
-_SCIENTIFIC_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\u00d7|\u00b7)\s*10" + _POWER_ARG)
+_SCIENTIFIC_RE = re.compile(
+    r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\u00d7|\u00b7|\*|x)\s*10" + _POWER_ARG
+)
 _POWER_RE = re.compile(r"(?<![\w.^])(\d+(?:\.\d+)?)" + _POWER_ARG)
 _LATEX_GROUPING_RE = re.compile(r"(?<=\d)(\{,\}|\\[,!])(?=\d{3}(?!\d))")
 # A number right after a root is its argument (2 in \sqrt2, \sqrt[3]{8}); one inside a group that opens a
@@ -1049,6 +1051,35 @@ def _bound(text: str, last: re.Match[str]) -> str | None:
     return " ".join((window[-30:] + last[0] + after[:12]).split())
 
 
+# Superscript digits are a power ("10\u00b2" is 100, "5 m\u00b2" is 5): read as digits, 10\u00b2 was 10.
+_SUPERSCRIPTS = {
+    ord(c): f"^{d}" for d, c in enumerate("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
+}
+_PLAIN_CHARS = {**_TO_ASCII_MINUS, **_SUPERSCRIPTS}
+# A number's scale in words ("2 million" is 2000000): read without it, "1 million" passed for 1.
+_SCALES = {"thousand": 1e3, "million": 1e6, "billion": 1e9, "trillion": 1e12}
+_SCALE_RE = re.compile(r"(?<![\d.,])(\d+(?:\.\d+)?)\s+(thousand|million|billion|trillion)\b", re.I)
+# A remark in brackets after the answer's number ("12 (see step 1)", "0.5 (or 1/2)", "x = -2 (x \u2260 2)"):
+# read as the answer, its own last number passed (12 for 1) or a restatement failed as a hedge. It offers
+# another number only with a hedge word and another value ("4 (or 5)").
+_REMARK_RE = re.compile(r"\s\(([^()]*)\)[\s.]*$")
+_REMARK_HEDGE_RE = re.compile(r"\b(?:or|either|maybe|perhaps|possibly|probably|might)\b", re.I)
+
+
+def _plain(text: str) -> str:
+    """``text`` with its numbers in plain form: minus signs, superscripts, scales, LaTeX (see above)."""
+    text = _SCALE_RE.sub(lambda m: repr(float(m[1]) * _SCALES[m[2].lower()]), text.translate(_PLAIN_CHARS))
+    return _latex_numbers(text)
+
+
+def _without_remark(text: str) -> tuple[str, str | None]:
+    """``text`` without a bracketed remark after its number, and the remark (None when there is none)."""
+    m = _REMARK_RE.search(text)
+    if m is None or _last_number(_plain(text[: m.start()])) is None:
+        return text, None
+    return text[: m.start()], m[1]
+
+
 def read_number(text: str) -> tuple[float | None, str | None]:
     """:func:`parse_number` of an answer, and why that number is not the answer's one value (None when
     it is): the answer offers several (``"4 or 5"``, ``"between 4 and 6"``, ``"5 ± 1"``: a hedge), or
@@ -1056,7 +1087,12 @@ def read_number(text: str) -> tuple[float | None, str | None]:
     value = parse_number(text)
     if value is None:
         return None, None
-    plain = _latex_numbers(text.translate(_TO_ASCII_MINUS))
+    text, remark = _without_remark(text)
+    if remark is not None and _REMARK_HEDGE_RE.search(remark):
+        other = parse_number(remark)
+        if other is not None and not math.isclose(other, value, rel_tol=1e-9, abs_tol=1e-12):
+            return value, f"offers several numbers ({text.strip()[-40:]} ({remark[:40]})), not one"
+    plain = _plain(text)
     last, before = _last_two_numbers(plain)
     if last is None:
         return value, None
@@ -1108,7 +1144,7 @@ def _negated(text: str, number: re.Match[str]) -> bool:
 
 
 def _number_value(text: str) -> float | None:
-    plain = _latex_numbers(text.translate(_TO_ASCII_MINUS))
+    plain = _plain(_without_remark(text)[0])
     value = _unsigned_value(plain)
     if value is None:
         return None

@@ -1595,3 +1595,32 @@ def test_an_answer_that_opens_a_json_value_on_its_line_is_the_whole_value():
     fenced = 'ANSWER:\n```json\n{"a": 1}\n```'
     assert judged(fenced, '{"a": 1}', "json")["passed"] is True
     assert extract_answer("answer = 5\nANSWER:") == "5"  # a label with nothing after it: the one before
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # A remark in brackets after the number is no part of it: its own last number passed (12 for 1),
+        # or a restatement failed as a hedge.
+        ("ANSWER: 12 (see step 1)", 1, False),
+        ("ANSWER: 12 (see step 1)", 12, True),
+        ("ANSWER: 42 (from step 7)", 7, False),
+        ("ANSWER: 0.5 (or 1/2)", 0.5, True),
+        ("ANSWER: 1000 (or 1,000)", 1000, True),
+        ("ANSWER: 3 (not 3.5)", 3, True),
+        ("ANSWER: 42 (6 \u00d7 7)", 42, True),
+        ("ANSWER: x = -2 (x \u2260 2)", -2, True),
+        ("ANSWER: 4 (or 5)", 4, False),  # another value, offered: a hedge still
+        ("ANSWER: 4 (or 5)", 5, False),
+        # Powers and scales written out.
+        ("ANSWER: 3 x 10^8 m/s", 3e8, True),
+        ("ANSWER: 3*10^8", 3e8, True),
+        ("ANSWER: 10\u00b2", 100, True),
+        ("ANSWER: 10\u00b2", 10, False),
+        ("ANSWER: 5 m\u00b2", 5, True),
+        ("ANSWER: 1 million", 1, False),
+        ("ANSWER: 2.5 million", 2_500_000, True),
+    ],
+)
+def test_a_remark_a_power_or_a_scale_after_a_number_is_read_as_meant(text, answer, passed):
+    assert judged(text, answer, "numeric")["passed"] is passed
