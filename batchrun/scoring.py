@@ -603,18 +603,22 @@ _WORD_SYMBOLS_RE = re.compile(r"[+#]*")
 OPERATORS = "+-*/^=<>"
 
 
-def _letters_before(text: str, at: int) -> int:
-    n = 0
-    while at - n - 1 >= 0 and text[at - n - 1].isalpha():
-        n += 1
-    return n
+def _two_letters_before(text: str, at: int) -> bool:
+    """Whether the two characters before ``at`` are letters (a word's; never more looked at: linear)."""
+    return at >= 2 and text[at - 1].isalpha() and text[at - 2].isalpha()
 
 
-def _letters_after(text: str, at: int) -> int:
-    n = 0
-    while at + n < len(text) and text[at + n].isalpha():
-        n += 1
-    return n
+def _two_letters_after(text: str, at: int) -> bool:
+    return at + 2 <= len(text) and text[at].isalpha() and text[at + 1].isalpha()
+
+
+def _opens_line(text: str, at: int) -> bool:
+    """Whether only spaces stand between the line's start and ``at`` (looked at back to the first other
+    character only: a slice to the line's start each time made a long line of marks quadratic)."""
+    i = at - 1
+    while i >= 0 and text[i] in " \t":
+        i -= 1
+    return i < 0 or text[i] == "\n"
 
 
 def _kept_marks(text: str, start: int, end: int) -> str:
@@ -623,21 +627,19 @@ def _kept_marks(text: str, start: int, end: int) -> str:
     run = text[start:end]
     left, right = text[start - 1] if start else "", text[end] if end < len(text) else ""
     between_digits = left.isdigit() and right.isdigit()
-    line_start = not text[text.rfind("\n", 0, start) + 1 : start].strip()
-    if (
-        line_start
-        and run in ("-", "*", "+", ">")
-        and right.isspace()
-        and _letters_after(text[end:].lstrip(" \t"), 0) >= 2
-    ):
-        return ""  # a bullet or a quote before a word ("- x" and "> 3" are a sign and a bound)
+    if run in ("-", "*", "+", ">") and right in " \t" and right and _opens_line(text, start):
+        word = end
+        while word < len(text) and text[word] in " \t":
+            word += 1
+        if _two_letters_after(text, word):
+            return ""  # a bullet or a quote before a word ("- x" and "> 3" are a sign and a bound)
     if (
         run == "-"
         and left
         and right
         and (
-            (_letters_before(text, start) >= 2 and right.isalnum())
-            or (_letters_after(text, end) >= 2 and left.isalnum())
+            (_two_letters_before(text, start) and right.isalnum())
+            or (_two_letters_after(text, end) and left.isalnum())
         )
     ):
         return ""  # a hyphen inside a word

@@ -501,7 +501,14 @@ def test_a_hostile_answer_is_read_in_linear_time(scorer):
     import time
 
     start = time.monotonic()
-    for text in ("<think>" * 30_000, "<tool_call>" * 20_000, "1" * 60_000 + "x", "1/1" + " " * 30_000 + "x"):
+    hostile = ("<think>" * 30_000, "<tool_call>" * 20_000, "1" * 60_000 + "x", "1/1" + " " * 30_000 + "x")
+    marks = (
+        "a." * 50_000,
+        "- a\n" * 30_000,
+        "a-" * 50_000,
+        " (a)" + " " * 60_000 + "x",
+    )  # operators, bullets
+    for text in (*hostile, *marks):
         judged(text, 4, scorer)
     assert time.monotonic() - start < 30  # a hang guard, not a speed claim: the old code took minutes
     # What they read is unchanged: the words without the call's markup.
