@@ -591,8 +591,41 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
     if problems.total > 20:
         print(f"warning: ... and {problems.total - 20} more bad lines", file=sys.stderr)
     recorder.counts["bad_lines"] = problems.total
+    if (same := same_row_other_check(rows)) is not None:
+        first, later, count = same
+        print(
+            f"warning: {config.dataset_file}:{later + 1}: the same prompt and settings as line {first + 1}, but "
+            f"another answer, verify, verify_files or rubric ({count} such line(s)): a row's identity is its "
+            "prompt and settings, so they are copies of one row, paired and grouped by their order in "
+            "--resume, pass@k, intervals and views.compare; make their prompts differ if they are two tasks",
+            file=sys.stderr,
+        )
     config.check_samples(sum(samples_of(row, config.samples_per_prompt) for row in rows), len(rows))
     return rows
+
+
+def same_row_other_check(rows: list[Row]) -> tuple[int, int, int] | None:
+    """(first line, later line, how many later lines) of rows that share an identity (prompt, image, cwd,
+    own settings) but not their check, 0-based; None when none do. Such rows were silently one row's
+    copies: pass@k took samples of both checks as one row's, and views.compare paired them by order."""
+    seen: dict[int, Row] = {}  # by the identity's hash: held for the rows' time only
+    found, count = None, 0
+    for row in rows:
+        first = seen.setdefault(hash((row.prompt, row.image, row.cwd, row.options)), row)
+        if (
+            first is not row
+            and (first.prompt, first.image, first.cwd, first.options)
+            == (
+                row.prompt,
+                row.image,
+                row.cwd,
+                row.options,
+            )
+            and first.check != row.check
+        ):
+            count += 1
+            found = found or (first.index, row.index)
+    return None if found is None else (*found, count)
 
 
 def open_run_dir(config: RunConfig, recorder: Recorder) -> dict[str, Any]:

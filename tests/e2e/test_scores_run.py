@@ -181,6 +181,19 @@ def test_text_scorers_by_default_and_named(tmp_path, capsys):
     assert read_score(recs["free"]["score"])["passed"] is None
 
 
+def test_rows_of_one_prompt_and_settings_with_other_checks_are_warned_of(tmp_path, capsys):
+    """Their identity is the prompt and settings: one row's copies, paired by order in pass@k and compare
+    (two identical runs compared as "no sample judged alike"). Nothing said so."""
+    rows = [{"prompt": "Say a number [calls:0] [answer:7]", "answer": a} for a in ("7", "8", "7")]
+    rows.append({"prompt": "Another [calls:0] [answer:7]", "answer": "7"})
+    run(None, write_rows(tmp_path / "d.jsonl", rows), tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "d.jsonl:2: the same prompt and settings as line 1, but another answer" in err, err
+    assert "(1 such line(s))" in err  # line 3 has line 1's check: copies indeed
+    run(None, write_rows(tmp_path / "e.jsonl", rows[:1] * 2 + rows[3:]), tmp_path / "out", run_name="same")
+    assert "the same prompt and settings" not in capsys.readouterr().err
+
+
 def test_every_record_loads_with_datasets_and_score_columns_have_types(tmp_path):
     out = tmp_path / "data"
     run(None, write_rows(tmp_path / "a.jsonl", ANSWER_ROWS), out, run_name="a")
