@@ -596,10 +596,10 @@ _PUNCT_RUN_RE = re.compile(f"[{re.escape(string.punctuation)}]+")
 _WORD_SYMBOLS_RE = re.compile(r"[+#]*")
 # Signs and operators: what they stand between is what the answer says. Removed as punctuation, "x + 1"
 # was "x - 1", "x > 3" was "x < 3", "-$5" was "$5", "a/b" was "a*b" (each passed exact for the other).
-# Kept where they stand (the spaces around them too: "x - 1" is not "x-1", as before); but for markdown: emphasis around
-# words (**Paris**: a star with a space or an end on one side only), a bullet or a quote opening a line
-# ("- Paris", "> Paris"); and for a hyphen inside a word ("well-known", "COVID-19": a run of two or more
-# letters on one side, as before).
+# Kept where they stand, and the spaces around them too ("x - 1" is not "x-1", as before); but for
+# markdown: emphasis around words (**Paris**: a star with a space or an end on one side only), a bullet
+# or a quote opening a line before a word ("- Paris", "> Paris"); and for a hyphen inside a word
+# ("well-known", "COVID-19": two letters on one side of it, as before).
 OPERATORS = "+-*/^=<>"
 
 
@@ -1135,7 +1135,7 @@ def _negated(text: str, number: re.Match[str]) -> bool:
     sign = _DETACHED_MINUS_RE.search(window)
     if sign is None:
         return False
-    if sign[1] != "-" and sign[1].lower() == "negative":
+    if sign[1].lower() == "negative":
         return True
     before = window[: sign.start()].rstrip()
     if not before:
