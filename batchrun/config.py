@@ -41,7 +41,7 @@ from batchrun.prompt.loop import LoopLimits
 from batchrun.prompt.sandboxes import DEFAULT_BACKEND, backend_class
 from batchrun.prompt.sandboxes.base import DEFAULT_IMAGE, SandboxFlags, usable_cpus
 from batchrun.prompt.sandboxes.local import ISOLATION_MODES
-from batchrun.scoring import NORMALIZE_STEPS
+from batchrun.scoring import DEFAULT_NUMERIC_TOLERANCE, NORMALIZE_STEPS
 from batchrun.secrets import ORDINARY, url_secrets
 from batchrun.sharegpt import parse_json
 from batchrun.storage import not_a_file, read_flag_file, read_json_file
@@ -676,9 +676,10 @@ class RunConfig:
     )
     numeric_tolerance: float = _flag(
         float_flag(0, 1),  # more passes answers off by more than the answer itself: a typo
-        1e-6,
+        DEFAULT_NUMERIC_TOLERANCE,
         group="scores",
-        help="numeric: passes when |got - want| <= tolerance x max(1, |want|).",
+        help="numeric: passes when |got - want| <= tolerance x max(1, |want|); under the default, a whole "
+        "number is compared exactly.",
     )
     verify_timeout: float = _flag(
         float_flag(0, MAX_DURATION_S, low_open=True),

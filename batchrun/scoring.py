@@ -83,6 +83,7 @@ NORMALIZE_STEPS = ("case", "whitespace", "punctuation")
 ENTRY_POINT_GROUP = "batch_runner.scorers"
 
 MAX_ANSWER_CHARS = 64 * 1024
+DEFAULT_NUMERIC_TOLERANCE = 1e-6  # --numeric_tolerance's default (ScoringSettings, config)
 MAX_VERIFY_COMMANDS = 32
 MAX_COMMAND_CHARS = 64 * 1024
 MAX_VERIFY_FILES = 200
@@ -251,7 +252,7 @@ class ScoringSettings:
 
     scorers: tuple[str, ...] = ()  # empty: follow the row (verify, else answer matching, else none)
     answer_pattern: str | None = None  # regex: the answer is its group 1 (or the whole match), last match
-    numeric_tolerance: float = 1e-6
+    numeric_tolerance: float = DEFAULT_NUMERIC_TOLERANCE
     normalize: tuple[str, ...] = NORMALIZE_STEPS
     verify_timeout_s: float = 60.0
     judge: JudgeSettings | None = None
@@ -1327,12 +1328,19 @@ def text_score(
             return Part(name, 0.0, False, f"no number in the answer {shown!r}")
         if problem is not None:  # read as its last number, "4 or 5" and "x < 4" passed for it: hedging paid
             return Part(name, 0.0, False, f"the answer {problem}")
+        # The default tolerance is for a fraction's rounding: under it a whole number is compared exactly,
+        # as json compares integers (1e-6 of 123456789 let 123456900 pass for it, a count off by 111).
+        # A tolerance the user set is theirs to apply to every number ("within 5%").
+        whole = settings.numeric_tolerance == DEFAULT_NUMERIC_TOLERANCE and float(value).is_integer()
         for want_n in wants:
-            if want_n is not None and abs(value - want_n) <= settings.numeric_tolerance * max(
-                1.0, abs(want_n)
-            ):
-                return Part(name, 1.0, True, f"{value:g} matches {want_n:g}")
-        return Part(name, 0.0, False, f"{value:g} is not {', '.join(str(a) for a in answers)}")
+            if want_n is None:
+                continue
+            if whole and float(want_n).is_integer():
+                if value == want_n:
+                    return Part(name, 1.0, True, f"{value:.15g} matches {want_n:.15g}")
+            elif abs(value - want_n) <= settings.numeric_tolerance * max(1.0, abs(want_n)):
+                return Part(name, 1.0, True, f"{value:.15g} matches {want_n:.15g}")
+        return Part(name, 0.0, False, f"{value:.15g} is not {', '.join(str(a) for a in answers)}")
     if name == "json":
         try:
             value = _json_of(got)

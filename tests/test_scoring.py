@@ -1631,3 +1631,22 @@ def test_an_answer_that_opens_a_json_value_on_its_line_is_the_whole_value():
 )
 def test_a_remark_a_power_or_a_scale_after_a_number_is_read_as_meant(text, answer, passed):
     assert judged(text, answer, "numeric")["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "settings", "passed"),
+    [
+        # Under the default tolerance (a fraction's rounding) whole numbers are compared exactly: 1e-6 of
+        # 123456789 let a count off by 111 pass, and of 1e15 one off by 1e9.
+        ("ANSWER: 123456900", 123456789, {}, False),
+        ("ANSWER: 123456789", 123456789, {}, True),
+        ("ANSWER: 1000000001000000", 1e15, {}, False),
+        ("ANSWER: 3.0000001", 3, {}, True),  # a fraction's rounding still passes
+        ("ANSWER: 0.30000000000000004", 0.3, {}, True),
+        # A tolerance the user sets applies to every number.
+        ("ANSWER: 105", 100, {"numeric_tolerance": 0.05}, True),
+        ("ANSWER: 123456900", 123456789, {"numeric_tolerance": 1e-5}, True),
+    ],
+)
+def test_whole_numbers_are_compared_exactly_under_the_default_tolerance(text, answer, settings, passed):
+    assert judged(text, answer, "numeric", **settings)["passed"] is passed
