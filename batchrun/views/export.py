@@ -80,13 +80,11 @@ from batchrun.views.export_rows import (
     NothingToExport,
     _all_samples,
     _full_message,
-    _raw_arguments,
-    apply_reasoning,
+    sample_messages,
     score_columns,
     split_of,
     split_prompt_completion,
     template_messages,
-    to_openai_messages,
 )
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
@@ -111,9 +109,7 @@ def _row(
     conversations = record["conversations"]
     system = next((t["value"] for t in conversations if t.get("from") == "system"), "")
     tools = offered_tools(system)
-    unsplit = discard_reason == "ambiguous_markup"
-    messages = to_openai_messages(conversations, unsplit=unsplit)  # also checks that the sample parses back
-    messages = _raw_arguments(apply_reasoning(messages, opts.reasoning))
+    messages = sample_messages(record, discard_reason, opts.reasoning)  # also checks that it parses back
     row: dict[str, Any]
     if opts.fmt == "sharegpt":
         row = {"conversations": [{"from": t["from"], "value": t["value"]} for t in conversations]}

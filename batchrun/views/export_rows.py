@@ -187,6 +187,18 @@ def _arguments_object(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def sample_messages(
+    record: dict[str, Any], discard_reason: str | None, reasoning: str
+) -> list[dict[str, Any]]:
+    """A sample's messages as every message format starts from them: an ``ambiguous_markup`` discard's
+    assistant text unsplit, ``reasoning`` applied, arguments that are not a JSON object kept in
+    ``raw_arguments``. Raises ValueError (or KeyError, TypeError) for a conversation that does not parse
+    back."""
+    unsplit = discard_reason == "ambiguous_markup"
+    messages = to_openai_messages(record["conversations"], unsplit=unsplit)
+    return _raw_arguments(apply_reasoning(messages, reasoning))
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages for chat templates: each call's ``arguments`` as a JSON object (``{}`` for arguments that
     are not one; their text is in ``raw_arguments``)."""

@@ -23,8 +23,10 @@ that ``--rerun_discarded`` ran again is not a second sample.
   ``reward`` (its score value), ``passed``, ``sample_index``, ``run_name``), ``rewards`` (the values again, as one
   list), ``tools``.
 
-Messages carry every key (``role``, ``content``, ``reasoning_content``, ``tool_calls``,
-``tool_call_id``; null where they do not apply) so every line has one type; the card states it.
+Messages are the ``messages`` format's (each call's ``arguments`` a JSON object, ``{}`` with the text in
+``raw_arguments`` for arguments that are not one), with every key (``role``, ``content``,
+``reasoning_content``, ``tool_calls``, ``tool_call_id``; null where they do not apply) in every line. The
+card states no features: as for ``messages``, the loader infers them (arguments as a struct).
 """
 
 from __future__ import annotations
@@ -36,68 +38,40 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import RowIdentity, record_sample
-from batchrun.record import features_yaml
 from batchrun.scoring import check_from_row_fields
 from batchrun.sharegpt import first_human, offered_tools
 from batchrun.storage import json_line
 from batchrun.views.compare import JUDGING_SETTINGS, judging_settings
 from batchrun.views.export_rows import (
-    _PARQUET_MESSAGE,
     CARD_NAME,
     SPLITS,
     ExportResult,
     NothingToExport,
     _all_samples,
     _full_message,
+    sample_messages,
     score_columns,
     split_of,
-    to_openai_messages,
+    template_messages,
 )
 from batchrun.views.score import run_wanted
 
 SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samples, not broken ones
 
-# Messages with every key present (export_rows._full_message), raw_arguments included.
-_FULL = _PARQUET_MESSAGE
-FEATURES: dict[str, dict[str, Any]] = {
-    "preference": {
-        "prompt": [_FULL],
-        "chosen": [_FULL],
-        "rejected": [_FULL],
-        "tools": "string",
-        "chosen_score": "float64",
-        "rejected_score": "float64",
-        "chosen_sample_index": "int64",
-        "rejected_sample_index": "int64",
-        "row_id": "string",
-        "row_fields": "string",
-        "run_names": ["string"],
-        "chosen_run_name": "string",
-        "rejected_run_name": "string",
-    },
-    "rewards": {
-        "prompt": [_FULL],
-        "completions": [
-            {
-                "messages": [_FULL],
-                "reward": "float64",
-                "passed": "bool",
-                "sample_index": "int64",
-                "run_name": "string",
-            }
-        ],
-        "rewards": ["float64"],
-        "tools": "string",
-        "row_id": "string",
-        "row_fields": "string",
-        "run_names": ["string"],
-    },
-}
 
+def split_prompt(
+    record: dict[str, Any], discard_reason: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(prompt messages: up to and including the first user message, the completion: the rest).
 
-def split_prompt(record: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(prompt messages: up to and including the first user message, the completion: the rest)."""
-    messages = [_full_message(m) for m in to_openai_messages(record["conversations"])]
+    The messages are the ``messages`` format's (``sample_messages``, then ``template_messages``): each
+    call's ``arguments`` a JSON object. They were JSON strings, which the templates DPOTrainer renders
+    chosen and rejected with double-encode (Qwen2.5's ``arguments | tojson`` gave ``"arguments":
+    "{\"command\": ...}"``, a call the model never made); and an ``ambiguous_markup`` discard's turns
+    were split where its markup is ambiguous (or the sample left out as unparsable), not kept whole.
+    """
+    messages = template_messages(sample_messages(record, discard_reason, "field"))
+    messages = [_full_message(m) for m in messages]
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
         raise ValueError("the sample has no user message")
@@ -156,7 +130,7 @@ def export_scored(
         try:
             system = next((t["value"] for t in record["conversations"] if t.get("from") == "system"), "")
             tools = json.dumps(offered_tools(system), ensure_ascii=False)
-            prompt, completion = split_prompt(record)
+            prompt, completion = split_prompt(record, reason)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
@@ -280,7 +254,8 @@ def card(run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: fl
     lines = ["---", "configs:", "- config_name: default", "  data_files:"]
     for split, path in result.files.items():
         lines += [f"  - split: {split}", f"    path: {path.name}"]
-    lines += ["dataset_info:", "  features:", *features_yaml(FEATURES[fmt], 2)]
+    # No dataset_info: with arguments as objects (a struct per tool's schema) there is no one schema to
+    # state, as for the messages format; the loader infers it.
     lines += ["tags:", "- tool-use", "- agent-trajectories", f"- {fmt}", "---", "", ""]
     what = {
         "preference": "`prompt` / `chosen` / `rejected` conversational messages (TRL's preference layout): "
@@ -301,8 +276,8 @@ def card(run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: fl
         + f"""# {fmt} data from {runs}
 
 Exported by batch-runner: {what}. Messages carry `role`, `content`, `reasoning_content`, `tool_calls`
-(arguments as JSON text), `tool_call_id` (null where they do not apply); `tools` is the JSON text of the
-OpenAI tool list the samples were offered.
+(arguments as JSON objects, as chat templates expect), `tool_call_id` (null where they do not apply);
+`tools` is the JSON text of the OpenAI tool list the samples were offered.
 
 - Splits: {split_text}. Rows: {counts}.
 - Not exported: {skipped}.

@@ -167,3 +167,25 @@ def test_samples_judged_against_different_checks_are_never_grouped(tmp_path):
         ([0.0], ["old_key"]),
         ([1.0], ["new_key"]),
     ]
+
+
+@pytest.mark.parametrize("fmt", ["preference", "rewards"])
+def test_scored_rows_of_two_runs_load_together_in_either_order_with_arguments_as_objects(
+    flip_runs, tmp_path, fmt
+):
+    """Each call's arguments are a JSON object, as in ``messages`` (a string was double-encoded by
+    ``tojson`` templates); the files of two runs' exports still load together with plain datasets."""
+    files = []
+    for one in flip_runs:
+        assert export.main([str(one), f"--format={fmt}", f"--out={tmp_path / one.name}"]) == 0
+        files.append(str(tmp_path / one.name / "train.jsonl"))
+    loaded = [
+        datasets.load_dataset("json", data_files=order, split="train", cache_dir=str(tmp_path / f"c{i}"))
+        for i, order in enumerate((files, files[::-1]))
+    ]
+    rows = {"preference": 2, "rewards": 4}[fmt]  # a pair per run; a group per row and run
+    assert loaded[0].features == loaded[1].features and loaded[0].num_rows == loaded[1].num_rows == rows
+    for row in loaded[0]:
+        messages = row["chosen"] if fmt == "preference" else row["completions"][0]["messages"]
+        call = messages[0]["tool_calls"][0]["function"]
+        assert call["name"] == "terminal" and call["arguments"] == {"command": "echo step 1 of 1"}
