@@ -27,7 +27,9 @@ the preamble, is exported as the first (``system``) message.
   does not apply).
 
 ``--reasoning``: ``field`` (``reasoning_content``), ``think`` (folded back into ``content`` as
-``<think>...</think>``, for templates that ignore ``reasoning_content``), ``drop``.
+``<think>...</think>``, for templates that ignore ``reasoning_content``), ``drop``. The scored formats
+(``preference``, ``rewards``: :mod:`batchrun.views.export_scored`) apply it, the stop-reason filters and
+``--dedup`` too, and refuse ``--only_passed`` and ``--min_score``.
 
 What is exported by default: every kept sample, partial ones included, except those whose stop reason
 is a model fault (``invalid_tool_calls``) or whose last reply the length limit cut (``truncated``); ``--stop_reasons`` keeps only the reasons named,
@@ -53,7 +55,6 @@ always land in the same split. A ``README.md`` dataset card beside the files nam
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import sys
@@ -80,10 +81,12 @@ from batchrun.views.export_rows import (
     NothingToExport,
     _all_samples,
     _full_message,
+    sample_digest,
     sample_messages,
     score_columns,
     split_of,
     split_prompt_completion,
+    stop_reason_of,
     template_messages,
 )
 
@@ -158,8 +161,7 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
     left_out = score_filter(record, opts.only_passed, opts.min_score)
     if left_out is not None:
         return left_out
-    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
-    reason = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
+    reason = stop_reason_of(record)
     if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
         return None if reason in opts.stop_reasons else f"stop_reason {reason}"
     excluded = opts.exclude_stop_reasons
@@ -168,12 +170,6 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
     if reason in excluded:
         return f"stop_reason {reason}"
     return None
-
-
-def sample_digest(record: dict[str, Any]) -> str:
-    """What ``--dedup`` compares: the sample's conversation, byte for byte."""
-    text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def typed_score_columns(record: dict[str, Any]) -> dict[str, Any]:
@@ -320,7 +316,7 @@ def export_run(
         from batchrun.views.export_scored import export_scored
 
         _prepare_out(out)
-        return export_scored(run_dirs, fmt, result, include_partial, include_discarded, test_fraction, seed)
+        return export_scored(run_dirs, opts, result, test_fraction, seed)
     ext = "parquet" if fmt == "parquet" else "jsonl"
     rows = _rows(run_dirs, opts, seed, test_fraction, result.skipped)
     first = next(rows, None)
@@ -363,6 +359,15 @@ def _check_request(
         raise ExportError(
             "--reasoning applies to the message formats; sharegpt keeps the record's <think> text"
         )
+    if opts.fmt in SCORED_FORMATS:
+        # Both were accepted and ignored: the export held the samples they were meant to leave out.
+        why = {
+            "preference": "a pair needs the failing sample it would leave out",
+            "rewards": "a group's rewards are its samples' scores, the low ones included",
+        }[opts.fmt]
+        for flag, given in (("--only_passed", opts.only_passed), ("--min_score", opts.min_score is not None)):
+            if given:
+                raise ExportError(f"{flag} does not apply to --format={opts.fmt}: {why}")
     if opts.stop_reasons is not None and opts.exclude_stop_reasons is not None:
         raise ExportError("--stop_reasons and --exclude_stop_reasons exclude each other: name one")
     if opts.min_score is not None and not 0 <= opts.min_score <= 1:  # nan too: it left nothing out

@@ -5,6 +5,7 @@ the request's errors and result, one record's messages, the samples of the runs,
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -247,6 +248,18 @@ def _full_message(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- one record -> one row
+
+
+def stop_reason_of(record: dict[str, Any]) -> str:
+    """The sample's stop reason as the stop-reason filters compare it (``unknown`` when it has none)."""
+    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    return meta["stop_reason"] if isinstance(meta.get("stop_reason"), str) else "unknown"
+
+
+def sample_digest(record: dict[str, Any]) -> str:
+    """What ``--dedup`` compares: the sample's conversation, byte for byte."""
+    text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def score_columns(record: dict[str, Any]) -> dict[str, Any]:

@@ -45,13 +45,16 @@ from batchrun.views.compare import JUDGING_SETTINGS, judging_settings
 from batchrun.views.export_rows import (
     CARD_NAME,
     SPLITS,
+    ExportOptions,
     ExportResult,
     NothingToExport,
     _all_samples,
     _full_message,
+    sample_digest,
     sample_messages,
     score_columns,
     split_of,
+    stop_reason_of,
     template_messages,
 )
 from batchrun.views.score import run_wanted
@@ -60,7 +63,7 @@ SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samp
 
 
 def split_prompt(
-    record: dict[str, Any], discard_reason: str | None
+    record: dict[str, Any], discard_reason: str | None, reasoning: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(prompt messages: up to and including the first user message, the completion: the rest).
 
@@ -69,8 +72,9 @@ def split_prompt(
     chosen and rejected with double-encode (Qwen2.5's ``arguments | tojson`` gave ``"arguments":
     "{\"command\": ...}"``, a call the model never made); and an ``ambiguous_markup`` discard's turns
     were split where its markup is ambiguous (or the sample left out as unparsable), not kept whole.
+    ``reasoning`` (--reasoning) applies as in ``messages``; it was ignored.
     """
-    messages = template_messages(sample_messages(record, discard_reason, "field"))
+    messages = template_messages(sample_messages(record, discard_reason, reasoning))
     messages = [_full_message(m) for m in messages]
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
@@ -91,15 +95,17 @@ def _judged_samples(
 
 
 def export_scored(
-    run_dirs: list[Path],
-    fmt: str,
-    result: ExportResult,
-    include_partial: bool,
-    include_discarded: bool,
-    test_fraction: float,
-    seed: int,
+    run_dirs: list[Path], opts: ExportOptions, result: ExportResult, test_fraction: float, seed: int
 ) -> ExportResult:
-    """Write ``train.jsonl`` (and ``test.jsonl``) of ``preference`` or ``rewards`` rows, and the card."""
+    """Write ``train.jsonl`` (and ``test.jsonl``) of ``preference`` or ``rewards`` rows, and the card.
+
+    The request's flags apply as in the message formats (they were accepted and ignored, but for
+    --include_partial and --include_discarded): --reasoning to every message, --stop_reasons and
+    --exclude_stop_reasons to the samples before they are paired or grouped (without them every stop
+    reason is read: a cut reply is a failed sample), --dedup within each pair's or group's samples.
+    ``export`` refuses --only_passed and --min_score for these formats.
+    """
+    fmt = opts.fmt
     groups: dict[tuple[str, str, Any], list[dict[str, Any]]] = collections.defaultdict(list)
     skipped = result.skipped
     # Each (row, sample) of a run as often as its dataset wants it (identical rows), as statistics.json
@@ -107,12 +113,17 @@ def export_scored(
     wanted = {run_dir: run_wanted(run_dir) for run_dir in run_dirs}
     settings = {run_dir: judging_settings(run_dir) for run_dir in run_dirs}
     counted: collections.Counter[tuple[Path, str, int]] = collections.Counter()
+    seen: set[tuple[Any, str]] = set()  # (group, conversation digest): --dedup
     for run_dir, record, reason, run_name in _judged_samples(run_dirs, skipped):
-        if not _sample_ok(reason, include_discarded):
+        if not _sample_ok(reason, opts.include_discarded):
             skipped[f"discarded ({reason})"] += 1
             continue
-        if record.get("partial") and not include_partial:
+        if record.get("partial") and not opts.include_partial:
             skipped["partial"] += 1
+            continue
+        left_out = _stop_reason_left_out(record, opts)
+        if left_out is not None:
+            skipped[left_out] += 1
             continue
         cols = score_columns(record)
         if cols["score_passed"] is None or cols["score_value"] is None:
@@ -130,7 +141,7 @@ def export_scored(
         try:
             system = next((t["value"] for t in record["conversations"] if t.get("from") == "system"), "")
             tools = json.dumps(offered_tools(system), ensure_ascii=False)
-            prompt, completion = split_prompt(record, reason)
+            prompt, completion = split_prompt(record, reason, opts.reasoning)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
@@ -139,7 +150,15 @@ def export_scored(
         # fixed between runs) are not comparable, so they never share a pair or a group.
         check = check_from_row_fields(meta.get("row_fields"))
         judged_by = _judged_by(cols["scorer"], settings[run_dir])
-        groups[(RowIdentity.of_record(record).key, tools, check, judged_by)].append(
+        group = (RowIdentity.of_record(record).key, tools, check, judged_by)
+        if opts.dedup:
+            # Per group: the same conversation judged against another check is another sample.
+            digest = (group, sample_digest(record))
+            if digest in seen:
+                skipped["duplicate"] += 1
+                continue
+            seen.add(digest)
+        groups[group].append(
             {
                 "prompt": prompt,
                 "completion": completion,
@@ -179,10 +198,21 @@ def export_scored(
                 if fmt == "preference"
                 else "no sample is judged"
             )
-            + f" (not exported: {dict(skipped)})"
+            + f" (not exported: {result.skipped_text()})"
         )
     (out / CARD_NAME).write_text(card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
     return result
+
+
+def _stop_reason_left_out(record: dict[str, Any], opts: ExportOptions) -> str | None:
+    """Why --stop_reasons or --exclude_stop_reasons leaves a sample out (None: it is read). No default
+    exclusion here: a sample the length limit cut, or that made an invalid call, is a failed sample."""
+    reason = stop_reason_of(record)
+    if opts.stop_reasons is not None and reason not in opts.stop_reasons:
+        return f"stop_reason {reason}"
+    if opts.exclude_stop_reasons is not None and reason in opts.exclude_stop_reasons:
+        return f"stop_reason {reason}"
+    return None
 
 
 def _judged_by(scorer: str | None, settings: dict[str, Any]) -> tuple[Any, ...]:

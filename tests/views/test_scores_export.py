@@ -4,6 +4,7 @@ rewards formats, each loaded back with `datasets`."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import datasets
 import pytest
@@ -189,3 +190,113 @@ def test_scored_rows_of_two_runs_load_together_in_either_order_with_arguments_as
         messages = row["chosen"] if fmt == "preference" else row["completions"][0]["messages"]
         call = messages[0]["tool_calls"][0]["function"]
         assert call["name"] == "terminal" and call["arguments"] == {"command": "echo step 1 of 1"}
+
+
+def _set(message: dict) -> dict:
+    """A message with its null keys left out (the scored formats carry every key, ``messages`` not)."""
+    calls = message.get("tool_calls")
+    if calls:
+        message = {**message, "tool_calls": [{k: v for k, v in c.items() if v is not None} for c in calls]}
+    return {k: v for k, v in message.items() if v is not None}
+
+
+@pytest.mark.parametrize("mode", ["field", "think", "drop"])
+def test_reasoning_applies_to_chosen_rejected_and_completions_as_in_messages(flip_runs, tmp_path, mode):
+    """--reasoning was accepted and ignored by preference and rewards: the pairs kept reasoning_content
+    whatever was asked, so a --reasoning=drop export still trained on the model's thinking."""
+    a, _ = flip_runs
+    flag = f"--reasoning={mode}"
+    assert export.main([str(a), "--format=messages", flag, f"--out={tmp_path / 'm'}"]) == 0
+    as_messages = {}
+    for row in _load(tmp_path / "m", tmp_path):
+        cut = next(i for i, m in enumerate(row["messages"]) if m["role"] == "user") + 1
+        as_messages[(row["row_id"], row["sample_index"])] = [_set(m) for m in row["messages"][cut:]]
+    assert export.main([str(a), "--format=preference", flag, f"--out={tmp_path / 'p'}"]) == 0
+    assert export.main([str(a), "--format=rewards", flag, f"--out={tmp_path / 'r'}"]) == 0
+    (pair,) = _read(tmp_path / "p")
+    sides = [(pair["chosen"], pair["chosen_sample_index"]), (pair["rejected"], pair["rejected_sample_index"])]
+    sides += [
+        (c["messages"], c["sample_index"])
+        for g in _read(tmp_path / "r")
+        if g["row_id"] == "flip"
+        for c in g["completions"]
+    ]
+    assert len(sides) == 4
+    for messages, index in sides:
+        assert [_set(m) for m in messages] == as_messages[("flip", index)]
+    turns = [m for messages, _ in sides for m in messages if m["role"] == "assistant"]
+    with_reasoning = [m for m in turns if m["reasoning_content"]]
+    thinking = [m for m in turns if (m["content"] or "").startswith("<think>\n")]
+    assert (len(with_reasoning), len(thinking)) == {
+        "field": (len(turns), 0),
+        "think": (0, len(turns)),
+        "drop": (0, 0),
+    }[mode]
+
+
+def _read(out) -> list[dict]:
+    return [
+        json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text("utf-8").splitlines()
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["preference", "rewards"])
+@pytest.mark.parametrize("flag", ["--only_passed", "--min_score=0.5"])
+def test_score_filters_are_refused_by_the_scored_formats(flip_runs, tmp_path, capsys, fmt, flag):
+    """--only_passed and --min_score were accepted and ignored: a pair needs the failing sample they
+    would leave out, and a rewards group whose low scores are left out says nothing about which
+    completion was better. Refused (exit 2) before anything is written."""
+    a, _ = flip_runs
+    assert export.main([str(a), f"--format={fmt}", flag, f"--out={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert flag.split("=")[0] in err and f"--format={fmt}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def _with_stop_reason(run_dir, dest, stop_reason: str):
+    """A copy of ``run_dir`` whose failing kept samples stopped for ``stop_reason``."""
+    shutil.copytree(run_dir, dest)
+    path = dest / "trajectories.jsonl"
+    records = [json.loads(line) for line in path.read_text("utf-8").splitlines()]
+    for rec in records:
+        if not rec["score"]["passed"]:
+            rec["metadata"]["stop_reason"] = stop_reason
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), "utf-8")
+    return dest
+
+
+def test_stop_reason_filters_choose_the_samples_a_pair_or_group_is_made_of(flip_runs, tmp_path, capsys):
+    """--stop_reasons and --exclude_stop_reasons were ignored by preference and rewards. They filter the
+    samples before pairing; without them, every stop reason is read (a cut reply is a failed sample)."""
+    cut = _with_stop_reason(flip_runs[0], tmp_path / "runs" / "cut", "truncated")
+    assert export.main([str(cut), "--format=preference", f"--out={tmp_path / 'all'}"]) == 0
+    assert _read(tmp_path / "all")[0]["rejected_sample_index"] == 0
+    for flag in ("--exclude_stop_reasons=truncated", "--stop_reasons=final_answer"):
+        assert export.main([str(cut), "--format=preference", flag, f"--out={tmp_path / 'p'}"]) == 1
+        assert "1 stop_reason truncated" in capsys.readouterr().err
+    assert (
+        export.main([str(cut), "--format=rewards", "--stop_reasons=truncated", f"--out={tmp_path / 'r'}"])
+        == 0
+    )
+    (group,) = _read(tmp_path / "r")
+    assert [(c["sample_index"], c["passed"]) for c in group["completions"]] == [(0, False)]
+
+
+def test_dedup_leaves_a_sample_out_of_a_pair_or_group_that_holds_it_already(flip_runs, tmp_path):
+    """--dedup was ignored by preference and rewards: two byte-identical runs gave each pair twice and
+    each group every completion twice. A sample whose conversation is one its group holds already is
+    left out (per group: one conversation judged against another check is another sample)."""
+    a, _ = flip_runs
+    twin = tmp_path / "runs" / "twin"
+    shutil.copytree(a, twin)
+    dirs = [str(a), str(twin)]
+    assert export.main([*dirs, "--format=preference", f"--out={tmp_path / 'p2'}"]) == 0
+    assert len(_read(tmp_path / "p2")) == 2
+    assert export.main([*dirs, "--format=preference", "--dedup", f"--out={tmp_path / 'p'}"]) == 0
+    (pair,) = _read(tmp_path / "p")
+    assert pair["run_names"] == ["a"]
+    assert export.main([*dirs, "--format=rewards", "--dedup", f"--out={tmp_path / 'r'}"]) == 0
+    groups = _read(tmp_path / "r")
+    # Row flip: its two samples once; row right: its two samples are one conversation (one answer).
+    assert sorted((g["row_id"], len(g["completions"])) for g in groups) == [("flip", 2), ("right", 1)]
+    assert "5 duplicate" in (tmp_path / "r" / "README.md").read_text("utf-8")
