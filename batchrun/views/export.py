@@ -19,8 +19,10 @@ the preamble, is exported as the first (``system``) message.
 * ``openai``: the API's own shapes (``arguments`` as JSON strings; ``tools`` as one JSON string), keys
   that do not apply left out, so each message validates as the ``openai`` package's message types.
 * ``prompt_completion``: TRL's conversational prompt/completion layout: ``prompt`` holds the system and
-  user messages, ``completion`` everything the model and the tools said after them (loss on the
-  completion only); messages as in ``messages``.
+  user messages, ``completion`` everything the model and the tools said after them; messages as in
+  ``messages``. This said "loss on the completion only": an agent sample's completion holds the tool
+  results too, which a completion-only loss trains the model to write. ``messages`` with TRL's
+  ``assistant_only_loss=True`` trains on the model's turns alone.
 * ``sharegpt``: the record's own ``conversations`` (Hermes convention, system entry included) without
   the structured ``tool_calls``.
 * ``parquet``: the ``openai`` rows in one typed Arrow schema (every message key present, null where it

@@ -18,7 +18,8 @@ that ``--rerun_discarded`` ran again is not a second sample.
 * ``preference``: ``prompt`` (the messages up to and including the user's), ``chosen`` and
   ``rejected`` (the rest of a passing and of a failing sample: assistant turns with their
   ``tool_calls``, tool results), ``tools``, the two scores, sample indices and run names. A group's passing and
-  failing samples are paired in order, so a row with 3 passes and 2 failures gives 2 pairs.
+  failing samples are paired in order, so a row with 3 passes and 2 failures gives 2 pairs. ``chosen`` and
+  ``rejected`` hold the tool results too, which DPOTrainer scores as if the model had written them.
 * ``rewards``: one line per group: ``prompt``, ``completions`` (per judged sample: ``messages``,
   ``reward`` (its score value), ``passed``, ``sample_index``, ``run_name``), ``rewards`` (the values again, as one
   list), ``tools``.
