@@ -37,7 +37,8 @@ What is exported by default: every kept sample, partial ones included, except th
 is a model fault (``invalid_tool_calls``) or whose last reply the length limit cut (``truncated``); ``--stop_reasons`` keeps only the reasons named,
 ``--exclude_stop_reasons`` leaves out those named instead of the default. ``--include_discarded`` adds the
 samples in ``discarded.jsonl`` with their ``discard_reason``: an ``ambiguous_markup`` sample's assistant
-turns carry their text unsplit (reasoning and words are not cut where the markup is ambiguous), an
+turns carry their text unsplit (reasoning and words are not cut where the markup is ambiguous; with
+``--reasoning`` field or drop, one warning line on stderr counts those exported), an
 ``invalid_tool_call`` sample's calls keep their raw arguments in ``raw_arguments``. ``--dedup`` leaves out
 samples whose conversation is byte-identical to one exported before (within and across the runs given).
 
@@ -60,7 +61,6 @@ import argparse
 import itertools
 import json
 import sys
-from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,7 @@ from batchrun.views.export_rows import (
     split_prompt_completion,
     stop_reason_of,
     template_messages,
+    unsplit_warning,
 )
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
@@ -320,7 +321,7 @@ def export_run(
         _prepare_out(out)
         return export_scored(run_dirs, opts, result, test_fraction, seed)
     ext = "parquet" if fmt == "parquet" else "jsonl"
-    rows = _rows(run_dirs, opts, seed, test_fraction, result.skipped)
+    rows = _rows(run_dirs, opts, seed, test_fraction, result)
     first = next(rows, None)
     if first is None:  # datasets cannot load a dataset of no rows (JSONL or Parquet): no directory at all
         raise NothingToExport(
@@ -341,6 +342,8 @@ def export_run(
         for writer in writers.values():
             writer.close()
     result.files = {s: result.files[s] for s in SPLITS if s in result.files}
+    if fmt != "sharegpt":  # sharegpt is the record's own text, markup and all, by design
+        result.notes += filter(None, [unsplit_warning(result.unsplit, reasoning)])
     (out / CARD_NAME).write_text(dataset_card(run_dirs, opts, result, test_fraction, seed), encoding="utf-8")
     return result
 
@@ -407,9 +410,11 @@ def _prepare_out(out: Path) -> None:
 
 
 def _rows(
-    run_dirs: list[Path], opts: ExportOptions, seed: int, test_fraction: float, skipped: Counter[str]
+    run_dirs: list[Path], opts: ExportOptions, seed: int, test_fraction: float, result: ExportResult
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(split, row) for every sample to export, streamed; what is left out is counted in ``skipped``."""
+    """(split, row) for every sample to export, streamed; what is left out is counted in
+    ``result.skipped``, the samples whose assistant text is kept unsplit in ``result.unsplit``."""
+    skipped = result.skipped
     seen: set[str] = set()
     for record, reason, run_name in _all_samples(run_dirs, opts.include_discarded, skipped):
         why = wanted(record, reason, opts)
@@ -428,6 +433,7 @@ def _rows(
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
+        result.unsplit += reason == "ambiguous_markup"
         yield split_of(first_human(record["conversations"]) or "", seed, test_fraction), row
 
 
@@ -606,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(result.summary())
+    for note in result.notes:
+        print(note, file=sys.stderr)
     return 0
 
 

@@ -59,6 +59,8 @@ class ExportResult:
     files: dict[str, Path] = field(default_factory=dict)  # split -> file
     rows: Counter[str] = field(default_factory=Counter)  # split -> rows written
     skipped: Counter[str] = field(default_factory=Counter)  # reason -> samples or lines not written
+    unsplit: int = 0  # samples written with their assistant text unsplit (ambiguous_markup discards)
+    notes: list[str] = field(default_factory=list)  # one line each, for stderr: what the user did not ask for
 
     def summary(self) -> str:
         written = ", ".join(f"{split} {self.rows[split]}" for split in self.files) or "nothing"
@@ -198,6 +200,20 @@ def sample_messages(
     unsplit = discard_reason == "ambiguous_markup"
     messages = to_openai_messages(record["conversations"], unsplit=unsplit)
     return _raw_arguments(apply_reasoning(messages, reasoning))
+
+
+def unsplit_warning(count: int, reasoning: str) -> str | None:
+    """One line for all the exported samples whose assistant text was kept unsplit (``ambiguous_markup``
+    discards), when ``--reasoning`` asked for what could not be done to them; None when nothing was
+    left undone. Their reasoning stayed in ``content`` with no word of it (issue: an export asked to
+    drop reasoning still held ``<think>`` blocks)."""
+    if not count or reasoning == "think":  # think: reasoning in content is what was asked for
+        return None
+    samples = "1 exported sample" if count == 1 else f"{count} exported samples"
+    return (
+        f"warning: {samples} (ambiguous_markup discards) kept their assistant text unsplit, "
+        f"<think> markup included: --reasoning={reasoning} was not applied to them"
+    )
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -57,6 +57,7 @@ from batchrun.views.export_rows import (
     split_of,
     stop_reason_of,
     template_messages,
+    unsplit_warning,
 )
 from batchrun.views.score import run_wanted
 
@@ -171,6 +172,7 @@ def export_scored(
                 "row_fields": meta.get("row_fields"),
                 "run_name": run_name,
                 "text": first_human(record["conversations"]) or "",
+                "unsplit": reason == "ambiguous_markup",  # not written: counted for the warning
             }
         )
     out = result.out
@@ -180,6 +182,7 @@ def export_scored(
             rows = _preference_rows(samples) if fmt == "preference" else _rewards_rows(samples)
             if not rows:
                 skipped["rows without both a passing and a failing sample"] += fmt == "preference"
+            result.unsplit += sum(s["unsplit"] for s in _used(samples, fmt))
             for row in rows:
                 split = split_of(samples[0]["text"], seed, test_fraction)
                 if split not in handles:
@@ -201,8 +204,19 @@ def export_scored(
             )
             + f" (not exported: {result.skipped_text()})"
         )
+    result.notes += filter(None, [unsplit_warning(result.unsplit, opts.reasoning)])
     (out / CARD_NAME).write_text(card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
     return result
+
+
+def _used(samples: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
+    """The samples of a group that its rows hold: every one in ``rewards``, the paired ones in ``preference``."""
+    if fmt == "rewards":
+        return samples
+    passing = [s for s in samples if s["passed"]]
+    failing = [s for s in samples if not s["passed"]]
+    n = min(len(passing), len(failing))
+    return passing[:n] + failing[:n]
 
 
 def _stop_reason_left_out(record: dict[str, Any], opts: ExportOptions) -> str | None:

@@ -300,3 +300,20 @@ def test_dedup_leaves_a_sample_out_of_a_pair_or_group_that_holds_it_already(flip
     # Row flip: its two samples once; row right: its two samples are one conversation (one answer).
     assert sorted((g["row_id"], len(g["completions"])) for g in groups) == [("flip", 2), ("right", 1)]
     assert "5 duplicate" in (tmp_path / "r" / "README.md").read_text("utf-8")
+
+
+def test_the_scored_formats_count_the_samples_whose_markup_stays_unsplit(tmp_path, capsys):
+    """Scored ambiguous_markup discards (--include_discarded) keep their assistant text unsplit in the
+    groups too, so --reasoning=drop is not applied to them: one warning line counts them."""
+    rows = [{"id": "x", "prompt": "Say 42 [literal_tool_call] [calls:1] [answers:42|41]", "answer": "42"}]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, samples_per_prompt=2, seed_per_request=True)
+    flags = ["--format=rewards", "--include_discarded", "--reasoning=drop"]
+    assert export.main([str(out / "run"), *flags, f"--out={tmp_path / 'r'}"]) == 0
+    (group,) = _read(tmp_path / "r")
+    assert all("<think>" in c["messages"][-1]["content"] for c in group["completions"])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 2 exported samples (ambiguous_markup discards) kept their assistant text unsplit, "
+        "<think> markup included: --reasoning=drop was not applied to them"
+    ]
