@@ -35,7 +35,8 @@ the preamble, is exported as the first (``system``) message.
 
 What is exported by default: every kept sample, partial ones included, except those whose stop reason
 is a model fault (``invalid_tool_calls``) or whose last reply the length limit cut (``truncated``); ``--stop_reasons`` keeps only the reasons named,
-``--exclude_stop_reasons`` leaves out those named instead of the default. ``--include_discarded`` adds the
+``--exclude_stop_reasons`` leaves out those named instead of the default (a note on stderr names the default
+reasons it now exports). ``--include_discarded`` adds the
 samples in ``discarded.jsonl`` with their ``discard_reason``: an ``ambiguous_markup`` sample's assistant
 turns carry their text unsplit (reasoning and words are not cut where the markup is ambiguous; with
 ``--reasoning`` field or drop, one warning line on stderr counts those exported), an
@@ -197,6 +198,23 @@ def score_filter(record: dict[str, Any], only_passed: bool, min_score: float | N
     return None
 
 
+def exclusion_note(excluded: Collection[str] | None) -> str | None:
+    """A note when --exclude_stop_reasons leaves out a default exclusion: the list replaces the default
+    (documented), so ``--exclude_stop_reasons=max_turns`` started exporting cut-off replies unsaid. The
+    semantics stay; the note names the reasons now exported. (The scored formats exclude nothing by
+    default: no note there.)"""
+    if excluded is None:
+        return None
+    now = sorted(DEFAULT_EXCLUDED_STOP_REASONS - set(excluded))
+    if not now:
+        return None
+    default = ",".join(sorted(DEFAULT_EXCLUDED_STOP_REASONS))
+    return (
+        f"note: --exclude_stop_reasons replaces the default ({default}): "
+        f"samples that stopped for {' or '.join(now)} are exported"
+    )
+
+
 # ----------------------------------------------------------------------------- writers
 
 
@@ -320,6 +338,7 @@ def export_run(
 
         _prepare_out(out)
         return export_scored(run_dirs, opts, result, test_fraction, seed)
+    result.notes += filter(None, [exclusion_note(opts.exclude_stop_reasons)])
     ext = "parquet" if fmt == "parquet" else "jsonl"
     rows = _rows(run_dirs, opts, seed, test_fraction, result)
     first = next(rows, None)
@@ -566,7 +585,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--exclude_stop_reasons",
         type=_names,
         default=None,
-        help="leave out samples that stopped for these reasons; default: invalid_tool_calls,truncated (kept samples)",
+        help="leave out samples that stopped for these reasons, instead of the default: "
+        "invalid_tool_calls,truncated (kept samples; preference and rewards: none)",
     )
     parser.add_argument(
         "--include_discarded",

@@ -317,3 +317,18 @@ def test_the_scored_formats_count_the_samples_whose_markup_stays_unsplit(tmp_pat
         "warning: 2 exported samples (ambiguous_markup discards) kept their assistant text unsplit, "
         "<think> markup included: --reasoning=drop was not applied to them"
     ]
+
+
+def test_an_exclusion_list_says_nothing_of_defaults_the_scored_formats_do_not_have(
+    flip_runs, tmp_path, capsys
+):
+    """preference and rewards leave out no stop reason by default: --exclude_stop_reasons replaces
+    nothing there, so no note about the message formats' default."""
+    a, _ = flip_runs
+    assert (
+        export.main(
+            [str(a), "--format=rewards", "--exclude_stop_reasons=max_turns", f"--out={tmp_path / 'r'}"]
+        )
+        == 0
+    )
+    assert "note:" not in capsys.readouterr().err

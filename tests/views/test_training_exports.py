@@ -326,3 +326,25 @@ def test_one_warning_counts_the_samples_whose_markup_stays_unsplit(run_dir, tmp_
     _export(run_dir, "messages", tmp_path / "kept", f"--reasoning={mode}")
     _export(run_dir, "messages", tmp_path / "think", "--include_discarded", "--reasoning=think")
     assert "warning:" not in capsys.readouterr().err
+
+
+def test_an_exclusion_list_without_a_default_reason_says_those_samples_are_now_exported(
+    run_dir, tmp_path, capsys
+):
+    """--exclude_stop_reasons replaces the default exclusions (documented), so naming another reason
+    silently exported the cut-off samples. The semantics stay; one note says what is exported now."""
+    _export(run_dir, "messages", tmp_path / "a", "--exclude_stop_reasons=invalid_tool_calls")
+    _export(run_dir, "messages", tmp_path / "b", "--exclude_stop_reasons=max_turns")
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: --exclude_stop_reasons replaces the default (invalid_tool_calls,truncated): "
+        "samples that stopped for truncated are exported",
+        "note: --exclude_stop_reasons replaces the default (invalid_tool_calls,truncated): "
+        "samples that stopped for invalid_tool_calls or truncated are exported",
+    ]
+    # The defaults named again, or a format whose default excludes nothing: nothing to say.
+    _export(
+        run_dir, "messages", tmp_path / "c", "--exclude_stop_reasons=truncated,max_turns,invalid_tool_calls"
+    )
+    _export(run_dir, "messages", tmp_path / "d")
+    assert "note:" not in capsys.readouterr().err
