@@ -71,8 +71,8 @@ def split_prompt(
 
     The messages are the ``messages`` format's (``sample_messages``, then ``template_messages``): each
     call's ``arguments`` a JSON object. They were JSON strings, which the templates DPOTrainer renders
-    chosen and rejected with double-encode (Qwen2.5's ``arguments | tojson`` gave ``"arguments":
-    "{\"command\": ...}"``, a call the model never made); and an ``ambiguous_markup`` discard's turns
+    chosen and rejected with double-encode (Qwen2.5's ``arguments | tojson`` printed the string quoted,
+    its inner quotes escaped: a call the model never made); and an ``ambiguous_markup`` discard's turns
     were split where its markup is ambiguous (or the sample left out as unparsable), not kept whole.
     ``reasoning`` (--reasoning) applies as in ``messages``; it was ignored.
     """
