@@ -142,3 +142,18 @@ def test_every_export_column_is_named(run_dir, tmp_path, fmt):
     names = set().union(*(set(row) for row in rows))
     missing = sorted(k for k in names if not re.search(rf"`[^`]*\b{re.escape(k)}\b", README))
     assert not missing, f"{fmt}: {missing}"
+
+
+def test_the_readme_says_an_agent_samples_completion_holds_the_tool_results(run_dir, tmp_path):
+    """The README said prompt_completion lets a trainer compute the loss on the completion only; for an
+    agent sample the completion holds the tool results too, so TRL's completion-only loss trains the
+    model to write them. It says so now, and names the format that trains on the model's turns alone."""
+    assert export.main([str(run_dir), "--format=prompt_completion", f"--out={tmp_path / 'pc'}"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "pc" / "train.jsonl").read_text("utf-8").splitlines()]
+    assert any(m["role"] == "tool" for row in rows for m in row["completion"])
+    section = README.split("## Exporting for training\n", 1)[1].split("\n## ", 1)[0]
+    entry = " ".join(re.search(r"^- `prompt_completion`:.*?(?=^- `)", section, re.M | re.S).group(0).split())
+    assert "loss on the completion only" not in entry
+    assert "the completion holds the tool results too" in entry
+    assert "use `messages` with TRL's `assistant_only_loss=True`" in entry
+    assert "`chosen` and `rejected` hold the tool results too" in " ".join(section.split())

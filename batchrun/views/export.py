@@ -19,21 +19,27 @@ the preamble, is exported as the first (``system``) message.
 * ``openai``: the API's own shapes (``arguments`` as JSON strings; ``tools`` as one JSON string), keys
   that do not apply left out, so each message validates as the ``openai`` package's message types.
 * ``prompt_completion``: TRL's conversational prompt/completion layout: ``prompt`` holds the system and
-  user messages, ``completion`` everything the model and the tools said after them (loss on the
-  completion only); messages as in ``messages``.
+  user messages, ``completion`` everything the model and the tools said after them; messages as in
+  ``messages``. This said "loss on the completion only": an agent sample's completion holds the tool
+  results too, which a completion-only loss trains the model to write. ``messages`` with TRL's
+  ``assistant_only_loss=True`` trains on the model's turns alone.
 * ``sharegpt``: the record's own ``conversations`` (Hermes convention, system entry included) without
   the structured ``tool_calls``.
 * ``parquet``: the ``openai`` rows in one typed Arrow schema (every message key present, null where it
   does not apply).
 
 ``--reasoning``: ``field`` (``reasoning_content``), ``think`` (folded back into ``content`` as
-``<think>...</think>``, for templates that ignore ``reasoning_content``), ``drop``.
+``<think>...</think>``, for templates that ignore ``reasoning_content``), ``drop``. The scored formats
+(``preference``, ``rewards``: :mod:`batchrun.views.export_scored`) apply it, the stop-reason filters and
+``--dedup`` too, and refuse ``--only_passed`` and ``--min_score``.
 
 What is exported by default: every kept sample, partial ones included, except those whose stop reason
 is a model fault (``invalid_tool_calls``) or whose last reply the length limit cut (``truncated``); ``--stop_reasons`` keeps only the reasons named,
-``--exclude_stop_reasons`` leaves out those named instead of the default. ``--include_discarded`` adds the
+``--exclude_stop_reasons`` leaves out those named instead of the default (a note on stderr names the default
+reasons it now exports). ``--include_discarded`` adds the
 samples in ``discarded.jsonl`` with their ``discard_reason``: an ``ambiguous_markup`` sample's assistant
-turns carry their text unsplit (reasoning and words are not cut where the markup is ambiguous), an
+turns carry their text unsplit (reasoning and words are not cut where the markup is ambiguous; with
+``--reasoning`` field or drop, one warning line on stderr counts those exported), an
 ``invalid_tool_call`` sample's calls keep their raw arguments in ``raw_arguments``. ``--dedup`` leaves out
 samples whose conversation is byte-identical to one exported before (within and across the runs given).
 
@@ -53,11 +59,9 @@ always land in the same split. A ``README.md`` dataset card beside the files nam
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import sys
-from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,13 +84,14 @@ from batchrun.views.export_rows import (
     NothingToExport,
     _all_samples,
     _full_message,
-    _raw_arguments,
-    apply_reasoning,
+    sample_digest,
+    sample_messages,
     score_columns,
     split_of,
     split_prompt_completion,
+    stop_reason_of,
     template_messages,
-    to_openai_messages,
+    unsplit_warning,
 )
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
@@ -111,9 +116,7 @@ def _row(
     conversations = record["conversations"]
     system = next((t["value"] for t in conversations if t.get("from") == "system"), "")
     tools = offered_tools(system)
-    unsplit = discard_reason == "ambiguous_markup"
-    messages = to_openai_messages(conversations, unsplit=unsplit)  # also checks that the sample parses back
-    messages = _raw_arguments(apply_reasoning(messages, opts.reasoning))
+    messages = sample_messages(record, discard_reason, opts.reasoning)  # also checks that it parses back
     row: dict[str, Any]
     if opts.fmt == "sharegpt":
         row = {"conversations": [{"from": t["from"], "value": t["value"]} for t in conversations]}
@@ -162,8 +165,7 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
     left_out = score_filter(record, opts.only_passed, opts.min_score)
     if left_out is not None:
         return left_out
-    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
-    reason = meta.get("stop_reason") if isinstance(meta.get("stop_reason"), str) else "unknown"
+    reason = stop_reason_of(record)
     if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
         return None if reason in opts.stop_reasons else f"stop_reason {reason}"
     excluded = opts.exclude_stop_reasons
@@ -172,12 +174,6 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
     if reason in excluded:
         return f"stop_reason {reason}"
     return None
-
-
-def sample_digest(record: dict[str, Any]) -> str:
-    """What ``--dedup`` compares: the sample's conversation, byte for byte."""
-    text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def typed_score_columns(record: dict[str, Any]) -> dict[str, Any]:
@@ -200,6 +196,23 @@ def score_filter(record: dict[str, Any], only_passed: bool, min_score: float | N
     if min_score is not None and (cols["score_value"] is None or cols["score_value"] < min_score):
         return f"score below {min_score:g} (--min_score)"
     return None
+
+
+def exclusion_note(excluded: Collection[str] | None) -> str | None:
+    """A note when --exclude_stop_reasons leaves out a default exclusion: the list replaces the default
+    (documented), so ``--exclude_stop_reasons=max_turns`` started exporting cut-off replies unsaid. The
+    semantics stay; the note names the reasons now exported. (The scored formats exclude nothing by
+    default: no note there.)"""
+    if excluded is None:
+        return None
+    now = sorted(DEFAULT_EXCLUDED_STOP_REASONS - set(excluded))
+    if not now:
+        return None
+    default = ",".join(sorted(DEFAULT_EXCLUDED_STOP_REASONS))
+    return (
+        f"note: --exclude_stop_reasons replaces the default ({default}): "
+        f"samples that stopped for {' or '.join(now)} are exported"
+    )
 
 
 # ----------------------------------------------------------------------------- writers
@@ -324,9 +337,10 @@ def export_run(
         from batchrun.views.export_scored import export_scored
 
         _prepare_out(out)
-        return export_scored(run_dirs, fmt, result, include_partial, include_discarded, test_fraction, seed)
+        return export_scored(run_dirs, opts, result, test_fraction, seed)
+    result.notes += filter(None, [exclusion_note(opts.exclude_stop_reasons)])
     ext = "parquet" if fmt == "parquet" else "jsonl"
-    rows = _rows(run_dirs, opts, seed, test_fraction, result.skipped)
+    rows = _rows(run_dirs, opts, seed, test_fraction, result)
     first = next(rows, None)
     if first is None:  # datasets cannot load a dataset of no rows (JSONL or Parquet): no directory at all
         raise NothingToExport(
@@ -347,6 +361,8 @@ def export_run(
         for writer in writers.values():
             writer.close()
     result.files = {s: result.files[s] for s in SPLITS if s in result.files}
+    if fmt != "sharegpt":  # sharegpt is the record's own text, markup and all, by design
+        result.notes += filter(None, [unsplit_warning(result.unsplit, reasoning)])
     (out / CARD_NAME).write_text(dataset_card(run_dirs, opts, result, test_fraction, seed), encoding="utf-8")
     return result
 
@@ -367,6 +383,15 @@ def _check_request(
         raise ExportError(
             "--reasoning applies to the message formats; sharegpt keeps the record's <think> text"
         )
+    if opts.fmt in SCORED_FORMATS:
+        # Both were accepted and ignored: the export held the samples they were meant to leave out.
+        why = {
+            "preference": "a pair needs the failing sample it would leave out",
+            "rewards": "a group's rewards are its samples' scores, the low ones included",
+        }[opts.fmt]
+        for flag, given in (("--only_passed", opts.only_passed), ("--min_score", opts.min_score is not None)):
+            if given:
+                raise ExportError(f"{flag} does not apply to --format={opts.fmt}: {why}")
     if opts.stop_reasons is not None and opts.exclude_stop_reasons is not None:
         raise ExportError("--stop_reasons and --exclude_stop_reasons exclude each other: name one")
     if opts.min_score is not None and not 0 <= opts.min_score <= 1:  # nan too: it left nothing out
@@ -404,9 +429,11 @@ def _prepare_out(out: Path) -> None:
 
 
 def _rows(
-    run_dirs: list[Path], opts: ExportOptions, seed: int, test_fraction: float, skipped: Counter[str]
+    run_dirs: list[Path], opts: ExportOptions, seed: int, test_fraction: float, result: ExportResult
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(split, row) for every sample to export, streamed; what is left out is counted in ``skipped``."""
+    """(split, row) for every sample to export, streamed; what is left out is counted in
+    ``result.skipped``, the samples whose assistant text is kept unsplit in ``result.unsplit``."""
+    skipped = result.skipped
     seen: set[str] = set()
     for record, reason, run_name in _all_samples(run_dirs, opts.include_discarded, skipped):
         why = wanted(record, reason, opts)
@@ -425,6 +452,7 @@ def _rows(
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
+        result.unsplit += reason == "ambiguous_markup"
         yield split_of(first_human(record["conversations"]) or "", seed, test_fraction), row
 
 
@@ -557,7 +585,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--exclude_stop_reasons",
         type=_names,
         default=None,
-        help="leave out samples that stopped for these reasons; default: invalid_tool_calls,truncated (kept samples)",
+        help="leave out samples that stopped for these reasons, instead of the default: "
+        "invalid_tool_calls,truncated (kept samples; preference and rewards: none)",
     )
     parser.add_argument(
         "--include_discarded",
@@ -603,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(result.summary())
+    for note in result.notes:
+        print(note, file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@ the request's errors and result, one record's messages, the samples of the runs,
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class ExportResult:
     files: dict[str, Path] = field(default_factory=dict)  # split -> file
     rows: Counter[str] = field(default_factory=Counter)  # split -> rows written
     skipped: Counter[str] = field(default_factory=Counter)  # reason -> samples or lines not written
+    unsplit: int = 0  # samples written with their assistant text unsplit (ambiguous_markup discards)
+    notes: list[str] = field(default_factory=list)  # one line each, for stderr: what the user did not ask for
 
     def summary(self) -> str:
         written = ", ".join(f"{split} {self.rows[split]}" for split in self.files) or "nothing"
@@ -187,6 +190,32 @@ def _arguments_object(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def sample_messages(
+    record: dict[str, Any], discard_reason: str | None, reasoning: str
+) -> list[dict[str, Any]]:
+    """A sample's messages as every message format starts from them: an ``ambiguous_markup`` discard's
+    assistant text unsplit, ``reasoning`` applied, arguments that are not a JSON object kept in
+    ``raw_arguments``. Raises ValueError (or KeyError, TypeError) for a conversation that does not parse
+    back."""
+    unsplit = discard_reason == "ambiguous_markup"
+    messages = to_openai_messages(record["conversations"], unsplit=unsplit)
+    return _raw_arguments(apply_reasoning(messages, reasoning))
+
+
+def unsplit_warning(count: int, reasoning: str) -> str | None:
+    """One line for all the exported samples whose assistant text was kept unsplit (``ambiguous_markup``
+    discards), when ``--reasoning`` asked for what could not be done to them; None when nothing was
+    left undone. Their reasoning stayed in ``content`` with no word of it (issue: an export asked to
+    drop reasoning still held ``<think>`` blocks)."""
+    if not count or reasoning == "think":  # think: reasoning in content is what was asked for
+        return None
+    samples = "1 exported sample" if count == 1 else f"{count} exported samples"
+    return (
+        f"warning: {samples} (ambiguous_markup discards) kept their assistant text unsplit, "
+        f"<think> markup included: --reasoning={reasoning} was not applied to them"
+    )
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages for chat templates: each call's ``arguments`` as a JSON object (``{}`` for arguments that
     are not one; their text is in ``raw_arguments``)."""
@@ -235,6 +264,18 @@ def _full_message(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- one record -> one row
+
+
+def stop_reason_of(record: dict[str, Any]) -> str:
+    """The sample's stop reason as the stop-reason filters compare it (``unknown`` when it has none)."""
+    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    return meta["stop_reason"] if isinstance(meta.get("stop_reason"), str) else "unknown"
+
+
+def sample_digest(record: dict[str, Any]) -> str:
+    """What ``--dedup`` compares: the sample's conversation, byte for byte."""
+    text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def score_columns(record: dict[str, Any]) -> dict[str, Any]:

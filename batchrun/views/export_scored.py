@@ -18,13 +18,16 @@ that ``--rerun_discarded`` ran again is not a second sample.
 * ``preference``: ``prompt`` (the messages up to and including the user's), ``chosen`` and
   ``rejected`` (the rest of a passing and of a failing sample: assistant turns with their
   ``tool_calls``, tool results), ``tools``, the two scores, sample indices and run names. A group's passing and
-  failing samples are paired in order, so a row with 3 passes and 2 failures gives 2 pairs.
+  failing samples are paired in order, so a row with 3 passes and 2 failures gives 2 pairs. ``chosen`` and
+  ``rejected`` hold the tool results too, which DPOTrainer scores as if the model had written them.
 * ``rewards``: one line per group: ``prompt``, ``completions`` (per judged sample: ``messages``,
   ``reward`` (its score value), ``passed``, ``sample_index``, ``run_name``), ``rewards`` (the values again, as one
   list), ``tools``.
 
-Messages carry every key (``role``, ``content``, ``reasoning_content``, ``tool_calls``,
-``tool_call_id``; null where they do not apply) so every line has one type; the card states it.
+Messages are the ``messages`` format's (each call's ``arguments`` a JSON object, ``{}`` with the text in
+``raw_arguments`` for arguments that are not one), with every key (``role``, ``content``,
+``reasoning_content``, ``tool_calls``, ``tool_call_id``; null where they do not apply) in every line. The
+card states no features: as for ``messages``, the loader infers them (arguments as a struct).
 """
 
 from __future__ import annotations
@@ -36,68 +39,45 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import RowIdentity, record_sample
-from batchrun.record import features_yaml
 from batchrun.scoring import check_from_row_fields
 from batchrun.sharegpt import first_human, offered_tools
 from batchrun.storage import json_line
 from batchrun.views.compare import JUDGING_SETTINGS, judging_settings
 from batchrun.views.export_rows import (
-    _PARQUET_MESSAGE,
     CARD_NAME,
     SPLITS,
+    ExportOptions,
     ExportResult,
     NothingToExport,
     _all_samples,
     _full_message,
+    sample_digest,
+    sample_messages,
     score_columns,
     split_of,
-    to_openai_messages,
+    stop_reason_of,
+    template_messages,
+    unsplit_warning,
 )
 from batchrun.views.score import run_wanted
 
 SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samples, not broken ones
 
-# Messages with every key present (export_rows._full_message), raw_arguments included.
-_FULL = _PARQUET_MESSAGE
-FEATURES: dict[str, dict[str, Any]] = {
-    "preference": {
-        "prompt": [_FULL],
-        "chosen": [_FULL],
-        "rejected": [_FULL],
-        "tools": "string",
-        "chosen_score": "float64",
-        "rejected_score": "float64",
-        "chosen_sample_index": "int64",
-        "rejected_sample_index": "int64",
-        "row_id": "string",
-        "row_fields": "string",
-        "run_names": ["string"],
-        "chosen_run_name": "string",
-        "rejected_run_name": "string",
-    },
-    "rewards": {
-        "prompt": [_FULL],
-        "completions": [
-            {
-                "messages": [_FULL],
-                "reward": "float64",
-                "passed": "bool",
-                "sample_index": "int64",
-                "run_name": "string",
-            }
-        ],
-        "rewards": ["float64"],
-        "tools": "string",
-        "row_id": "string",
-        "row_fields": "string",
-        "run_names": ["string"],
-    },
-}
 
+def split_prompt(
+    record: dict[str, Any], discard_reason: str | None, reasoning: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(prompt messages: up to and including the first user message, the completion: the rest).
 
-def split_prompt(record: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(prompt messages: up to and including the first user message, the completion: the rest)."""
-    messages = [_full_message(m) for m in to_openai_messages(record["conversations"])]
+    The messages are the ``messages`` format's (``sample_messages``, then ``template_messages``): each
+    call's ``arguments`` a JSON object. They were JSON strings, which the templates DPOTrainer renders
+    chosen and rejected with double-encode (Qwen2.5's ``arguments | tojson`` printed the string quoted,
+    its inner quotes escaped: a call the model never made); and an ``ambiguous_markup`` discard's turns
+    were split where its markup is ambiguous (or the sample left out as unparsable), not kept whole.
+    ``reasoning`` (--reasoning) applies as in ``messages``; it was ignored.
+    """
+    messages = template_messages(sample_messages(record, discard_reason, reasoning))
+    messages = [_full_message(m) for m in messages]
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
         raise ValueError("the sample has no user message")
@@ -117,15 +97,17 @@ def _judged_samples(
 
 
 def export_scored(
-    run_dirs: list[Path],
-    fmt: str,
-    result: ExportResult,
-    include_partial: bool,
-    include_discarded: bool,
-    test_fraction: float,
-    seed: int,
+    run_dirs: list[Path], opts: ExportOptions, result: ExportResult, test_fraction: float, seed: int
 ) -> ExportResult:
-    """Write ``train.jsonl`` (and ``test.jsonl``) of ``preference`` or ``rewards`` rows, and the card."""
+    """Write ``train.jsonl`` (and ``test.jsonl``) of ``preference`` or ``rewards`` rows, and the card.
+
+    The request's flags apply as in the message formats (they were accepted and ignored, but for
+    --include_partial and --include_discarded): --reasoning to every message, --stop_reasons and
+    --exclude_stop_reasons to the samples before they are paired or grouped (without them every stop
+    reason is read: a cut reply is a failed sample), --dedup within each pair's or group's samples.
+    ``export`` refuses --only_passed and --min_score for these formats.
+    """
+    fmt = opts.fmt
     groups: dict[tuple[str, str, Any], list[dict[str, Any]]] = collections.defaultdict(list)
     skipped = result.skipped
     # Each (row, sample) of a run as often as its dataset wants it (identical rows), as statistics.json
@@ -133,12 +115,17 @@ def export_scored(
     wanted = {run_dir: run_wanted(run_dir) for run_dir in run_dirs}
     settings = {run_dir: judging_settings(run_dir) for run_dir in run_dirs}
     counted: collections.Counter[tuple[Path, str, int]] = collections.Counter()
+    seen: set[tuple[Any, str]] = set()  # (group, conversation digest): --dedup
     for run_dir, record, reason, run_name in _judged_samples(run_dirs, skipped):
-        if not _sample_ok(reason, include_discarded):
+        if not _sample_ok(reason, opts.include_discarded):
             skipped[f"discarded ({reason})"] += 1
             continue
-        if record.get("partial") and not include_partial:
+        if record.get("partial") and not opts.include_partial:
             skipped["partial"] += 1
+            continue
+        left_out = _stop_reason_left_out(record, opts)
+        if left_out is not None:
+            skipped[left_out] += 1
             continue
         cols = score_columns(record)
         if cols["score_passed"] is None or cols["score_value"] is None:
@@ -156,7 +143,7 @@ def export_scored(
         try:
             system = next((t["value"] for t in record["conversations"] if t.get("from") == "system"), "")
             tools = json.dumps(offered_tools(system), ensure_ascii=False)
-            prompt, completion = split_prompt(record)
+            prompt, completion = split_prompt(record, reason, opts.reasoning)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
@@ -165,7 +152,15 @@ def export_scored(
         # fixed between runs) are not comparable, so they never share a pair or a group.
         check = check_from_row_fields(meta.get("row_fields"))
         judged_by = _judged_by(cols["scorer"], settings[run_dir])
-        groups[(RowIdentity.of_record(record).key, tools, check, judged_by)].append(
+        group = (RowIdentity.of_record(record).key, tools, check, judged_by)
+        if opts.dedup:
+            # Per group: the same conversation judged against another check is another sample.
+            digest = (group, sample_digest(record))
+            if digest in seen:
+                skipped["duplicate"] += 1
+                continue
+            seen.add(digest)
+        groups[group].append(
             {
                 "prompt": prompt,
                 "completion": completion,
@@ -177,6 +172,7 @@ def export_scored(
                 "row_fields": meta.get("row_fields"),
                 "run_name": run_name,
                 "text": first_human(record["conversations"]) or "",
+                "unsplit": reason == "ambiguous_markup",  # not written: counted for the warning
             }
         )
     out = result.out
@@ -186,6 +182,7 @@ def export_scored(
             rows = _preference_rows(samples) if fmt == "preference" else _rewards_rows(samples)
             if not rows:
                 skipped["rows without both a passing and a failing sample"] += fmt == "preference"
+            result.unsplit += sum(s["unsplit"] for s in _used(samples, fmt))
             for row in rows:
                 split = split_of(samples[0]["text"], seed, test_fraction)
                 if split not in handles:
@@ -205,10 +202,32 @@ def export_scored(
                 if fmt == "preference"
                 else "no sample is judged"
             )
-            + f" (not exported: {dict(skipped)})"
+            + f" (not exported: {result.skipped_text()})"
         )
+    result.notes += filter(None, [unsplit_warning(result.unsplit, opts.reasoning)])
     (out / CARD_NAME).write_text(card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
     return result
+
+
+def _used(samples: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
+    """The samples of a group that its rows hold: every one in ``rewards``, the paired ones in ``preference``."""
+    if fmt == "rewards":
+        return samples
+    passing = [s for s in samples if s["passed"]]
+    failing = [s for s in samples if not s["passed"]]
+    n = min(len(passing), len(failing))
+    return passing[:n] + failing[:n]
+
+
+def _stop_reason_left_out(record: dict[str, Any], opts: ExportOptions) -> str | None:
+    """Why --stop_reasons or --exclude_stop_reasons leaves a sample out (None: it is read). No default
+    exclusion here: a sample the length limit cut, or that made an invalid call, is a failed sample."""
+    reason = stop_reason_of(record)
+    if opts.stop_reasons is not None and reason not in opts.stop_reasons:
+        return f"stop_reason {reason}"
+    if opts.exclude_stop_reasons is not None and reason in opts.exclude_stop_reasons:
+        return f"stop_reason {reason}"
+    return None
 
 
 def _judged_by(scorer: str | None, settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -280,7 +299,8 @@ def card(run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: fl
     lines = ["---", "configs:", "- config_name: default", "  data_files:"]
     for split, path in result.files.items():
         lines += [f"  - split: {split}", f"    path: {path.name}"]
-    lines += ["dataset_info:", "  features:", *features_yaml(FEATURES[fmt], 2)]
+    # No dataset_info: with arguments as objects (a struct per tool's schema) there is no one schema to
+    # state, as for the messages format; the loader infers it.
     lines += ["tags:", "- tool-use", "- agent-trajectories", f"- {fmt}", "---", "", ""]
     what = {
         "preference": "`prompt` / `chosen` / `rejected` conversational messages (TRL's preference layout): "
@@ -301,8 +321,8 @@ def card(run_dirs: list[Path], fmt: str, result: ExportResult, test_fraction: fl
         + f"""# {fmt} data from {runs}
 
 Exported by batch-runner: {what}. Messages carry `role`, `content`, `reasoning_content`, `tool_calls`
-(arguments as JSON text), `tool_call_id` (null where they do not apply); `tools` is the JSON text of the
-OpenAI tool list the samples were offered.
+(arguments as JSON objects, as chat templates expect), `tool_call_id` (null where they do not apply);
+`tools` is the JSON text of the OpenAI tool list the samples were offered.
 
 - Splits: {split_text}. Rows: {counts}.
 - Not exported: {skipped}.

@@ -4,6 +4,7 @@ rewards formats, each loaded back with `datasets`."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import datasets
 import pytest
@@ -167,3 +168,167 @@ def test_samples_judged_against_different_checks_are_never_grouped(tmp_path):
         ([0.0], ["old_key"]),
         ([1.0], ["new_key"]),
     ]
+
+
+@pytest.mark.parametrize("fmt", ["preference", "rewards"])
+def test_scored_rows_of_two_runs_load_together_in_either_order_with_arguments_as_objects(
+    flip_runs, tmp_path, fmt
+):
+    """Each call's arguments are a JSON object, as in ``messages`` (a string was double-encoded by
+    ``tojson`` templates); the files of two runs' exports still load together with plain datasets."""
+    files = []
+    for one in flip_runs:
+        assert export.main([str(one), f"--format={fmt}", f"--out={tmp_path / one.name}"]) == 0
+        files.append(str(tmp_path / one.name / "train.jsonl"))
+    loaded = [
+        datasets.load_dataset("json", data_files=order, split="train", cache_dir=str(tmp_path / f"c{i}"))
+        for i, order in enumerate((files, files[::-1]))
+    ]
+    rows = {"preference": 2, "rewards": 4}[fmt]  # a pair per run; a group per row and run
+    assert loaded[0].features == loaded[1].features and loaded[0].num_rows == loaded[1].num_rows == rows
+    for row in loaded[0]:
+        messages = row["chosen"] if fmt == "preference" else row["completions"][0]["messages"]
+        call = messages[0]["tool_calls"][0]["function"]
+        assert call["name"] == "terminal" and call["arguments"] == {"command": "echo step 1 of 1"}
+
+
+def _set(message: dict) -> dict:
+    """A message with its null keys left out (the scored formats carry every key, ``messages`` not)."""
+    calls = message.get("tool_calls")
+    if calls:
+        message = {**message, "tool_calls": [{k: v for k, v in c.items() if v is not None} for c in calls]}
+    return {k: v for k, v in message.items() if v is not None}
+
+
+@pytest.mark.parametrize("mode", ["field", "think", "drop"])
+def test_reasoning_applies_to_chosen_rejected_and_completions_as_in_messages(flip_runs, tmp_path, mode):
+    """--reasoning was accepted and ignored by preference and rewards: the pairs kept reasoning_content
+    whatever was asked, so a --reasoning=drop export still trained on the model's thinking."""
+    a, _ = flip_runs
+    flag = f"--reasoning={mode}"
+    assert export.main([str(a), "--format=messages", flag, f"--out={tmp_path / 'm'}"]) == 0
+    as_messages = {}
+    for row in _load(tmp_path / "m", tmp_path):
+        cut = next(i for i, m in enumerate(row["messages"]) if m["role"] == "user") + 1
+        as_messages[(row["row_id"], row["sample_index"])] = [_set(m) for m in row["messages"][cut:]]
+    assert export.main([str(a), "--format=preference", flag, f"--out={tmp_path / 'p'}"]) == 0
+    assert export.main([str(a), "--format=rewards", flag, f"--out={tmp_path / 'r'}"]) == 0
+    (pair,) = _read(tmp_path / "p")
+    sides = [(pair["chosen"], pair["chosen_sample_index"]), (pair["rejected"], pair["rejected_sample_index"])]
+    sides += [
+        (c["messages"], c["sample_index"])
+        for g in _read(tmp_path / "r")
+        if g["row_id"] == "flip"
+        for c in g["completions"]
+    ]
+    assert len(sides) == 4
+    for messages, index in sides:
+        assert [_set(m) for m in messages] == as_messages[("flip", index)]
+    turns = [m for messages, _ in sides for m in messages if m["role"] == "assistant"]
+    with_reasoning = [m for m in turns if m["reasoning_content"]]
+    thinking = [m for m in turns if (m["content"] or "").startswith("<think>\n")]
+    assert (len(with_reasoning), len(thinking)) == {
+        "field": (len(turns), 0),
+        "think": (0, len(turns)),
+        "drop": (0, 0),
+    }[mode]
+
+
+def _read(out) -> list[dict]:
+    return [
+        json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text("utf-8").splitlines()
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["preference", "rewards"])
+@pytest.mark.parametrize("flag", ["--only_passed", "--min_score=0.5"])
+def test_score_filters_are_refused_by_the_scored_formats(flip_runs, tmp_path, capsys, fmt, flag):
+    """--only_passed and --min_score were accepted and ignored: a pair needs the failing sample they
+    would leave out, and a rewards group whose low scores are left out says nothing about which
+    completion was better. Refused (exit 2) before anything is written."""
+    a, _ = flip_runs
+    assert export.main([str(a), f"--format={fmt}", flag, f"--out={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert flag.split("=")[0] in err and f"--format={fmt}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def _with_stop_reason(run_dir, dest, stop_reason: str):
+    """A copy of ``run_dir`` whose failing kept samples stopped for ``stop_reason``."""
+    shutil.copytree(run_dir, dest)
+    path = dest / "trajectories.jsonl"
+    records = [json.loads(line) for line in path.read_text("utf-8").splitlines()]
+    for rec in records:
+        if not rec["score"]["passed"]:
+            rec["metadata"]["stop_reason"] = stop_reason
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), "utf-8")
+    return dest
+
+
+def test_stop_reason_filters_choose_the_samples_a_pair_or_group_is_made_of(flip_runs, tmp_path, capsys):
+    """--stop_reasons and --exclude_stop_reasons were ignored by preference and rewards. They filter the
+    samples before pairing; without them, every stop reason is read (a cut reply is a failed sample)."""
+    cut = _with_stop_reason(flip_runs[0], tmp_path / "runs" / "cut", "truncated")
+    assert export.main([str(cut), "--format=preference", f"--out={tmp_path / 'all'}"]) == 0
+    assert _read(tmp_path / "all")[0]["rejected_sample_index"] == 0
+    for flag in ("--exclude_stop_reasons=truncated", "--stop_reasons=final_answer"):
+        assert export.main([str(cut), "--format=preference", flag, f"--out={tmp_path / 'p'}"]) == 1
+        assert "1 stop_reason truncated" in capsys.readouterr().err
+    assert (
+        export.main([str(cut), "--format=rewards", "--stop_reasons=truncated", f"--out={tmp_path / 'r'}"])
+        == 0
+    )
+    (group,) = _read(tmp_path / "r")
+    assert [(c["sample_index"], c["passed"]) for c in group["completions"]] == [(0, False)]
+
+
+def test_dedup_leaves_a_sample_out_of_a_pair_or_group_that_holds_it_already(flip_runs, tmp_path):
+    """--dedup was ignored by preference and rewards: two byte-identical runs gave each pair twice and
+    each group every completion twice. A sample whose conversation is one its group holds already is
+    left out (per group: one conversation judged against another check is another sample)."""
+    a, _ = flip_runs
+    twin = tmp_path / "runs" / "twin"
+    shutil.copytree(a, twin)
+    dirs = [str(a), str(twin)]
+    assert export.main([*dirs, "--format=preference", f"--out={tmp_path / 'p2'}"]) == 0
+    assert len(_read(tmp_path / "p2")) == 2
+    assert export.main([*dirs, "--format=preference", "--dedup", f"--out={tmp_path / 'p'}"]) == 0
+    (pair,) = _read(tmp_path / "p")
+    assert pair["run_names"] == ["a"]
+    assert export.main([*dirs, "--format=rewards", "--dedup", f"--out={tmp_path / 'r'}"]) == 0
+    groups = _read(tmp_path / "r")
+    # Row flip: its two samples once; row right: its two samples are one conversation (one answer).
+    assert sorted((g["row_id"], len(g["completions"])) for g in groups) == [("flip", 2), ("right", 1)]
+    assert "5 duplicate" in (tmp_path / "r" / "README.md").read_text("utf-8")
+
+
+def test_the_scored_formats_count_the_samples_whose_markup_stays_unsplit(tmp_path, capsys):
+    """Scored ambiguous_markup discards (--include_discarded) keep their assistant text unsplit in the
+    groups too, so --reasoning=drop is not applied to them: one warning line counts them."""
+    rows = [{"id": "x", "prompt": "Say 42 [literal_tool_call] [calls:1] [answers:42|41]", "answer": "42"}]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, samples_per_prompt=2, seed_per_request=True)
+    flags = ["--format=rewards", "--include_discarded", "--reasoning=drop"]
+    assert export.main([str(out / "run"), *flags, f"--out={tmp_path / 'r'}"]) == 0
+    (group,) = _read(tmp_path / "r")
+    assert all("<think>" in c["messages"][-1]["content"] for c in group["completions"])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 2 exported samples (ambiguous_markup discards) kept their assistant text unsplit, "
+        "<think> markup included: --reasoning=drop was not applied to them"
+    ]
+
+
+def test_an_exclusion_list_says_nothing_of_defaults_the_scored_formats_do_not_have(
+    flip_runs, tmp_path, capsys
+):
+    """preference and rewards leave out no stop reason by default: --exclude_stop_reasons replaces
+    nothing there, so no note about the message formats' default."""
+    a, _ = flip_runs
+    assert (
+        export.main(
+            [str(a), "--format=rewards", "--exclude_stop_reasons=max_turns", f"--out={tmp_path / 'r'}"]
+        )
+        == 0
+    )
+    assert "note:" not in capsys.readouterr().err

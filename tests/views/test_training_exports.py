@@ -306,3 +306,45 @@ def test_an_export_with_nothing_to_export_never_leaves_a_dataset_that_cannot_loa
     assert (
         export.main([str(empty), "--format=openai", f"--out={tmp_path / 'o'}", "--no-include_partial"]) == 1
     )
+
+
+@pytest.mark.parametrize("mode", ["field", "drop"])
+def test_one_warning_counts_the_samples_whose_markup_stays_unsplit(run_dir, tmp_path, capsys, mode):
+    """An ambiguous_markup discard's assistant text is exported unsplit (documented), so --reasoning=drop
+    or field is not applied to it: its <think> blocks stay in content. Nothing said so; one line now
+    counts them (not one per sample)."""
+    twin = _run_copy(run_dir, tmp_path / "runs" / "twin")
+    rows = _export([run_dir, twin], "messages", tmp_path / "m", "--include_discarded", f"--reasoning={mode}")
+    ambiguous = [r for r in rows if r["discard_reason"] == "ambiguous_markup"]
+    assert len(ambiguous) == 2 and all("<think>" in r["messages"][-1]["content"] for r in ambiguous)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 2 exported samples (ambiguous_markup discards) kept their assistant text unsplit, "
+        f"<think> markup included: --reasoning={mode} was not applied to them"
+    ]
+    # Nothing to warn of: no such sample exported, or their reasoning asked for in content anyway.
+    _export(run_dir, "messages", tmp_path / "kept", f"--reasoning={mode}")
+    _export(run_dir, "messages", tmp_path / "think", "--include_discarded", "--reasoning=think")
+    assert "warning:" not in capsys.readouterr().err
+
+
+def test_an_exclusion_list_without_a_default_reason_says_those_samples_are_now_exported(
+    run_dir, tmp_path, capsys
+):
+    """--exclude_stop_reasons replaces the default exclusions (documented), so naming another reason
+    silently exported the cut-off samples. The semantics stay; one note says what is exported now."""
+    _export(run_dir, "messages", tmp_path / "a", "--exclude_stop_reasons=invalid_tool_calls")
+    _export(run_dir, "messages", tmp_path / "b", "--exclude_stop_reasons=max_turns")
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: --exclude_stop_reasons replaces the default (invalid_tool_calls,truncated): "
+        "samples that stopped for truncated are exported",
+        "note: --exclude_stop_reasons replaces the default (invalid_tool_calls,truncated): "
+        "samples that stopped for invalid_tool_calls or truncated are exported",
+    ]
+    # The defaults named again, or a format whose default excludes nothing: nothing to say.
+    _export(
+        run_dir, "messages", tmp_path / "c", "--exclude_stop_reasons=truncated,max_turns,invalid_tool_calls"
+    )
+    _export(run_dir, "messages", tmp_path / "d")
+    assert "note:" not in capsys.readouterr().err
