@@ -305,7 +305,8 @@ def test_dedup_leaves_a_sample_out_of_a_pair_or_group_that_holds_it_already(flip
 def test_the_scored_formats_count_the_samples_whose_markup_stays_unsplit(tmp_path, capsys):
     """Scored ambiguous_markup discards (--include_discarded) keep their assistant text unsplit in the
     groups too, so --reasoning=drop is not applied to them: one warning line counts them."""
-    rows = [{"id": "x", "prompt": "Say 42 [literal_tool_call] [calls:1] [answers:42|41]", "answer": "42"}]
+    # Judged by verify: the text scorers give a final answer with a literal <tool_call> no verdict.
+    rows = [{"id": "x", "prompt": "Say 42 [literal_tool_call] [calls:1]", "verify": "true"}]
     out = tmp_path / "data"
     run(None, write_rows(tmp_path / "d.jsonl", rows), out, samples_per_prompt=2, seed_per_request=True)
     flags = ["--format=rewards", "--include_discarded", "--reasoning=drop"]
