@@ -84,6 +84,8 @@ from batchrun.views.export_rows import (
     NothingToExport,
     _all_samples,
     _full_message,
+    holds_invalid_call,
+    invalid_calls_warning,
     sample_digest,
     sample_messages,
     score_columns,
@@ -363,6 +365,7 @@ def export_run(
     result.files = {s: result.files[s] for s in SPLITS if s in result.files}
     if fmt != "sharegpt":  # sharegpt is the record's own text, markup and all, by design
         result.notes += filter(None, [unsplit_warning(result.unsplit, reasoning)])
+    result.notes += filter(None, [invalid_calls_warning(result.invalid_calls)])
     (out / CARD_NAME).write_text(dataset_card(run_dirs, opts, result, test_fraction, seed), encoding="utf-8")
     return result
 
@@ -453,6 +456,7 @@ def _rows(
             skipped[f"unparsable ({type(exc).__name__})"] += 1
             continue
         result.unsplit += reason == "ambiguous_markup"
+        result.invalid_calls += opts.fmt in TEMPLATE_FORMATS and holds_invalid_call(record)
         yield split_of(first_human(record["conversations"]) or "", seed, test_fraction), row
 
 

@@ -60,6 +60,7 @@ class ExportResult:
     rows: Counter[str] = field(default_factory=Counter)  # split -> rows written
     skipped: Counter[str] = field(default_factory=Counter)  # reason -> samples or lines not written
     unsplit: int = 0  # samples written with their assistant text unsplit (ambiguous_markup discards)
+    invalid_calls: int = 0  # samples written with a call whose arguments are no JSON object ({} in templates)
     notes: list[str] = field(default_factory=list)  # one line each, for stderr: what the user did not ask for
 
     def summary(self) -> str:
@@ -213,6 +214,31 @@ def unsplit_warning(count: int, reasoning: str) -> str | None:
     return (
         f"warning: {samples} (ambiguous_markup discards) kept their assistant text unsplit, "
         f"<think> markup included: --reasoning={reasoning} was not applied to them"
+    )
+
+
+def holds_invalid_call(record: dict[str, Any]) -> bool:
+    """Whether a call of the sample has arguments that are no JSON object (kept by --keep_invalid_tool_calls,
+    or an invalid_tool_call discard): the template formats give it ``{}``, its text in ``raw_arguments``."""
+    return any(
+        _arguments_object(call["function"]["arguments"]) is None
+        for turn in record.get("conversations") or ()
+        if turn.get("from") == "gpt"
+        for call in turn.get("tool_calls") or ()
+    )
+
+
+def invalid_calls_warning(count: int) -> str | None:
+    """One line for the exported samples with such a call: a chat template renders ``{}`` for it, a call
+    the model never wrote (and the tool's "invalid JSON" answer after it reads as said of ``{}``)."""
+    if not count:
+        return None
+    samples = "1 exported sample holds" if count == 1 else f"{count} exported samples hold"
+    return (
+        f"warning: {samples} a call whose arguments are no JSON object (--keep_invalid_tool_calls, or "
+        "invalid_tool_call discards): its arguments are {} for chat templates, which render a call the "
+        "model never wrote, and its text is in raw_arguments; a run without --keep_invalid_tool_calls "
+        "discards such samples"
     )
 
 

@@ -51,6 +51,8 @@ from batchrun.views.export_rows import (
     NothingToExport,
     _all_samples,
     _full_message,
+    holds_invalid_call,
+    invalid_calls_warning,
     sample_digest,
     sample_messages,
     score_columns,
@@ -173,6 +175,7 @@ def export_scored(
                 "run_name": run_name,
                 "text": first_human(record["conversations"]) or "",
                 "unsplit": reason == "ambiguous_markup",  # not written: counted for the warning
+                "invalid_calls": holds_invalid_call(record),  # the same
             }
         )
     out = result.out
@@ -183,6 +186,7 @@ def export_scored(
             if not rows:
                 skipped["rows without both a passing and a failing sample"] += fmt == "preference"
             result.unsplit += sum(s["unsplit"] for s in _used(samples, fmt))
+            result.invalid_calls += sum(s["invalid_calls"] for s in _used(samples, fmt))
             for row in rows:
                 split = split_of(samples[0]["text"], seed, test_fraction)
                 if split not in handles:
@@ -204,7 +208,9 @@ def export_scored(
             )
             + f" (not exported: {result.skipped_text()})"
         )
-    result.notes += filter(None, [unsplit_warning(result.unsplit, opts.reasoning)])
+    result.notes += filter(
+        None, [unsplit_warning(result.unsplit, opts.reasoning), invalid_calls_warning(result.invalid_calls)]
+    )
     (out / CARD_NAME).write_text(card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
     return result
 

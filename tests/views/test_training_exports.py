@@ -317,7 +317,7 @@ def test_one_warning_counts_the_samples_whose_markup_stays_unsplit(run_dir, tmp_
     rows = _export([run_dir, twin], "messages", tmp_path / "m", "--include_discarded", f"--reasoning={mode}")
     ambiguous = [r for r in rows if r["discard_reason"] == "ambiguous_markup"]
     assert len(ambiguous) == 2 and all("<think>" in r["messages"][-1]["content"] for r in ambiguous)
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "unsplit" in line]
     assert warnings == [
         "warning: 2 exported samples (ambiguous_markup discards) kept their assistant text unsplit, "
         f"<think> markup included: --reasoning={mode} was not applied to them"
@@ -325,7 +325,25 @@ def test_one_warning_counts_the_samples_whose_markup_stays_unsplit(run_dir, tmp_
     # Nothing to warn of: no such sample exported, or their reasoning asked for in content anyway.
     _export(run_dir, "messages", tmp_path / "kept", f"--reasoning={mode}")
     _export(run_dir, "messages", tmp_path / "think", "--include_discarded", "--reasoning=think")
-    assert "warning:" not in capsys.readouterr().err
+    assert "unsplit" not in capsys.readouterr().err
+
+
+def test_one_warning_counts_the_samples_whose_invalid_calls_templates_render_as_empty_objects(
+    run_dir, tmp_path, capsys
+):
+    """A call whose arguments are no JSON object (an invalid_tool_call discard, or a sample kept by
+    --keep_invalid_tool_calls) is {} in the template formats, its text in raw_arguments: a chat template
+    renders a call the model never wrote. Nothing said so."""
+    rows = _export(run_dir, "messages", tmp_path / "m", "--include_discarded")
+    bad = [r for r in rows if r["discard_reason"] == "invalid_tool_call"]
+    calls = [c for r in bad for m in r["messages"] for c in m.get("tool_calls") or []]
+    assert bad and any(c["function"]["arguments"] == {} and c.get("raw_arguments") for c in calls)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "no JSON object" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {len(bad)} exported sample"), warnings
+    # The API's shape keeps the model's text in arguments: nothing to warn of; nor without such samples.
+    _export(run_dir, "openai", tmp_path / "o", "--include_discarded")
+    _export(run_dir, "messages", tmp_path / "kept")
+    assert "no JSON object" not in capsys.readouterr().err
 
 
 def test_an_exclusion_list_without_a_default_reason_says_those_samples_are_now_exported(
