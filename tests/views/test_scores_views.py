@@ -1121,6 +1121,22 @@ def test_a_judge_rescoring_asks_the_judge(tmp_path, capsys, monkeypatch):
         assert "sk-judge-secret-4242" not in path.read_text("utf-8", "replace"), path
 
 
+# Rows the fake model's judge grades as written: one passed, one failed.
+GRADED = [
+    {"id": "yes", "prompt": 'Grade me [calls:0] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
+    {"id": "no", "prompt": 'Grade me [calls:0] [verdict:{"score": 0, "passed": false}]', "rubric": "r"},
+]
+
+
+def _judged_run(server, rows: list[dict], tmp_path, monkeypatch):
+    """A run of ``rows`` judged by ``server``'s judge (--scorer=judge, judge-model); its data directory."""
+    out = tmp_path / "data"
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-4242")
+    judged = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
+    run(server, write_rows(tmp_path / "d.jsonl", rows), out, keep_no_reasoning=True, **judged)
+    return out
+
+
 def test_a_rescoring_of_the_errors_only_judges_them_alone_and_only_as_the_run_did(
     tmp_path, capsys, monkeypatch
 ):
@@ -1131,15 +1147,11 @@ def test_a_rescoring_of_the_errors_only_judges_them_alone_and_only_as_the_run_di
     from batchrun.fakes.fake_model import FakeModelServer
 
     rows = [
-        {"id": "yes", "prompt": 'Grade me [calls:0] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
-        {"id": "no", "prompt": 'Grade me [calls:0] [verdict:{"score": 0, "passed": false}]', "rubric": "r"},
+        *GRADED,
         {"id": "broken", "prompt": "Grade me [calls:0] [verdict:no verdict here]", "rubric": "r"},
     ]
-    out = tmp_path / "data"
-    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-4242")
     with FakeModelServer() as server:
-        judged = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
-        run(server, write_rows(tmp_path / "d.jsonl", rows), out, keep_no_reasoning=True, **judged)
+        out = _judged_run(server, rows, tmp_path, monkeypatch)
         capsys.readouterr()
         argv = [str(out / "run"), "--scorer=judge", f"--judge_base_url={server.base_url}", "--only_errors"]
         before = server.stats()
@@ -1172,15 +1184,8 @@ def test_a_rescoring_of_the_errors_of_a_run_with_none_asks_the_judge_nothing(tmp
     Now the judge is not asked: exit 0, each sample keeping the run's verdict."""
     from batchrun.fakes.fake_model import FakeModelServer
 
-    rows = [
-        {"id": "yes", "prompt": 'Grade me [calls:0] [verdict:{"score": 1, "passed": true}]', "rubric": "r"},
-        {"id": "no", "prompt": 'Grade me [calls:0] [verdict:{"score": 0, "passed": false}]', "rubric": "r"},
-    ]
-    out = tmp_path / "data"
-    monkeypatch.setenv("JUDGE_API_KEY", "sk-judge-secret-4242")
     with FakeModelServer() as server:
-        judged = dict(scorer="judge", judge_model="judge-model", judge_base_url=server.base_url)
-        run(server, write_rows(tmp_path / "d.jsonl", rows), out, keep_no_reasoning=True, **judged)
+        out = _judged_run(server, GRADED, tmp_path, monkeypatch)
         gone = server.base_url
     capsys.readouterr()
     argv = [str(out / "run"), "--scorer=judge", "--judge_model=judge-model", f"--judge_base_url={gone}"]
