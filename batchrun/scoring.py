@@ -509,6 +509,12 @@ def _last_answer_line(text: str) -> str | None:
         fence = line.lstrip().startswith(_FENCE)
         code.append(in_code or fence)
         in_code ^= fence
+    # A label only inside a block (the whole answer fenced) is still the answer's.
+    return _label_line(lines, code) or (_label_line(lines, [False] * len(lines)) if any(code) else None)
+
+
+def _label_line(lines: list[str], code: list[bool]) -> str | None:
+    """:func:`_last_answer_line` over ``lines``, the lines ``code`` marks never a label."""
     below, below_at = "", len(lines)  # the first line under this one that says something, and its index
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i].strip()
@@ -730,11 +736,16 @@ def includes_whole(text: str, want: str) -> bool:
         end = at + len(want)
         before, after = text[at - 1] if at else "", text[end] if end < len(text) else ""
         left_ok = not (before and _joined(before, want[0]))
+        # A sign is unary at the text's start or after a space or a mark, and an operator between two
+        # terms after a letter or a digit ("5-10" holds 10, not -10: with its marks kept, it held "-10").
+        binary = at >= 2 and text[at - 2].isalnum()
         if left_ok and want[0].isdigit() and before:
             # a sign of this number, or its decimal point with digits before it
-            left_ok = before not in "+-" + MINUS_SIGNS and not (
+            left_ok = (before not in "+-" + MINUS_SIGNS or binary) and not (
                 before == "." and at >= 2 and text[at - 2].isdigit()
             )
+        if left_ok and want[0] in "+-" and before.isalnum():
+            left_ok = False  # "-10" is not in "5-10"
         right_ok = not (after and _joined(want[-1], after))
         if right_ok and want[-1].isdigit() and after == "." and end + 1 < len(text):
             right_ok = not text[end + 1].isdigit()  # a decimal part follows

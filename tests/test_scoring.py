@@ -1539,6 +1539,13 @@ def test_a_text_command_around_a_boxed_answer_is_not_part_of_it(text, answer, pa
         ("ANSWER: 2024/01/05", "2024-01-05", None, True),
         ("The operator is +.", "+", "includes", True),
         ("I'd pick C++ here.", "C++", "includes", True),
+        # A mark between two terms is no sign: "5-10" holds 10, not -10 (as before the marks were kept).
+        ("ANSWER: 5-10", "10", "includes", True),
+        ("ANSWER: 5-10", "-10", "includes", False),
+        ("ANSWER: it is -10", "10", "includes", False),
+        # An answer line fenced whole is still read; one outside a block wins over one inside.
+        ("```\nANSWER: Paris\n```", "Paris", None, True),
+        ("ANSWER: Paris\n```\nANSWER: London\n```", "Paris", None, True),
     ],
 )
 def test_an_answers_signs_and_operators_are_part_of_it(text, answer, scorer, passed):
