@@ -95,6 +95,12 @@ from batchrun.views.export_rows import (
     template_messages,
     unsplit_warning,
 )
+from batchrun.views.export_rows import (
+    apply_reasoning as apply_reasoning,  # importable from here, as before
+)
+from batchrun.views.export_rows import (
+    to_openai_messages as to_openai_messages,  # importable from here, as before
+)
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
 TEMPLATE_FORMATS = ("messages", "prompt_completion")  # arguments as objects, tools as a list
