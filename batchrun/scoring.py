@@ -603,10 +603,10 @@ _PUNCT_RUN_RE = re.compile(f"[{re.escape(string.punctuation)}]+")
 _WORD_SYMBOLS_RE = re.compile(r"[+#]*")
 # Signs and operators: what they stand between is what the answer says. Removed as punctuation, "x + 1"
 # was "x - 1", "x > 3" was "x < 3", "-$5" was "$5", "a/b" was "a*b" (each passed exact for the other).
-# Kept where they stand, and the spaces around them too ("x - 1" is not "x-1", as before); but for
-# markdown: emphasis around words (**Paris**: a star with a space or an end on one side only), a bullet
-# or a quote opening a line before a word ("- Paris", "> Paris"); and for a hyphen inside a word
-# ("well-known", "COVID-19": two letters on one side of it, as before).
+# Kept where they stand, the spaces around one between two terms taken out ("x - 1" is "x-1", see
+# _tightened); but for markdown: emphasis around words (**Paris**: a star with a space or an end on one
+# side only), a bullet or a quote opening a line before a word ("- Paris", "> Paris"); and for a hyphen
+# inside a word ("well-known", "COVID-19": two letters on one side of it, as before).
 OPERATORS = "+-*/^=<>"
 
 
@@ -680,6 +680,51 @@ def _without_punctuation(text: str) -> str:
         ]
         done = m.end()
     out.append(_gap_without_punctuation(text, done, len(text)))
+    return _tightened("".join(out))
+
+
+# A run of operators, spaces between them allowed ("= -" in "x = - 5"): one pattern char, then spaces and
+# a pattern char again, so it is read in linear time.
+_OPERATOR_UNIT_RE = re.compile(r"[-+*/^=<>](?:[ \t]*[-+*/^=<>])*")
+_OPERAND_BEFORE, _OPERAND_AFTER = ")]}\u221e", "([{\u221e."
+_TRAILING_SIGN_RE = re.compile(r"[ \t]+[-+]$")
+
+
+def _tightened(text: str) -> str:
+    """``text`` with the spaces inside and around each operator between two terms taken out: ``x = 5`` is
+    ``x=5``, ``x = -5`` and ``x = - 5`` are ``x=-5``, ``a + b`` ``a+b`` (told apart, a right answer failed
+    exact). Only where the operator stands between two terms with the same spacing on both sides: ``C++
+    is`` (a word's own symbols), ``is +`` and ``- x`` keep theirs."""
+
+    def operand(at: int, before: bool) -> bool:
+        if not 0 <= at < len(text):
+            return False
+        ch = text[at]
+        return ch.isalnum() or ch in (_OPERAND_BEFORE if before else _OPERAND_AFTER)
+
+    out, at, strip_next = [], 0, False
+    for m in _OPERATOR_UNIT_RE.finditer(text):
+        start, end = m.start(), m.end()
+        sign = _TRAILING_SIGN_RE.search(m[0])
+        if sign and operand(end, before=False):
+            end = start + sign.start()  # "= -x": the sign is its term's, the operator "="
+        left, right = start - 1, end
+        while left >= 0 and text[left] in " \t":
+            left -= 1
+        while right < len(text) and text[right] in " \t":
+            right += 1
+        signed = right < len(text) and text[right] in "+-" and operand(right + 1, before=False)
+        infix = (
+            operand(left, before=True)
+            and (operand(right, before=False) or signed)
+            and (left < start - 1) == (right > end)
+        )
+        before = text[at:start].lstrip(" \t") if strip_next else text[at:start]
+        unit = text[start:end]
+        out += [before.rstrip(" \t") if infix else before, "".join(unit.split()) if infix else unit]
+        strip_next, at = infix, end
+    tail = text[at:]
+    out.append(tail.lstrip(" \t") if strip_next else tail)
     return "".join(out)
 
 

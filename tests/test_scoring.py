@@ -507,6 +507,7 @@ def test_a_hostile_answer_is_read_in_linear_time(scorer):
         "- a\n" * 30_000,
         "a-" * 50_000,
         " (a)" + " " * 60_000 + "x",
+        "x = " * 30_000 + "= -" * 30_000,
     )  # operators, bullets
     for text in (*hostile, *marks):
         judged(text, 4, scorer)
@@ -1524,8 +1525,15 @@ def test_a_text_command_around_a_boxed_answer_is_not_part_of_it(text, answer, pa
         ("ANSWER: 1-2", "1/2", None, False),
         ("ANSWER: 2*3", "2/3", None, False),
         ("The factor is x + 1.", "x - 1", "includes", False),
-        # And right answers still pass, some that failed before.
+        # And right answers still pass, some that failed before: the spaces around an operator between
+        # two terms do not count (they did: "x = 5" failed for "x=5").
         ("ANSWER: x - 1", "x - 1", None, True),
+        ("ANSWER: x = 5", "x=5", None, True),
+        ("ANSWER: y = -x + 2", "y=-x+2", None, True),
+        ("ANSWER: E = mc^2", "e=mc^2", None, True),
+        ("ANSWER: x = - 5", "x = -5", None, True),
+        ("ANSWER: a + b", "a+b", None, True),
+        ("ANSWER: a + b", "a-b", None, False),
         ("ANSWER: **Paris**", "Paris", None, True),
         ("**Answer:** Paris", "Paris", None, True),
         ("**ANSWER: Paris**", "Paris", None, True),
