@@ -29,6 +29,7 @@ from batchrun.config import (
     with_flag_signature,
 )
 from batchrun.distributions import format_distributions
+from batchrun.identity import RowIdentity
 from batchrun.prompt.attempt import RunTools, WorkerSettings
 from batchrun.prompt.llm import dialect_warnings, safe_url
 from batchrun.prompt.tools.catalog import known_tool_names
@@ -605,24 +606,16 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
 
 
 def same_row_other_check(rows: list[Row]) -> tuple[int, int, int] | None:
-    """(first line, later line, how many later lines) of rows that share an identity (prompt, image, cwd,
-    own settings) but not their check, 0-based; None when none do. Such rows were silently one row's
-    copies: pass@k took samples of both checks as one row's, and views.compare paired them by order."""
-    seen: dict[int, Row] = {}  # by the identity's hash: held for the rows' time only
+    """(first line, later line, how many later lines) of rows that share an identity
+    (``RowIdentity.of_job``: prompt, image, cwd, own settings) but not their check, 0-based; None when none
+    do. Such rows were silently one row's copies: pass@k took samples of both checks as one row's, and
+    views.compare paired them by order."""
+    first_of: dict[int, Row] = {}  # by the identity's hash: no identity held per row (100,000 rows)
     found, count = None, 0
     for row in rows:
-        first = seen.setdefault(hash((row.prompt, row.image, row.cwd, row.options)), row)
-        if (
-            first is not row
-            and (first.prompt, first.image, first.cwd, first.options)
-            == (
-                row.prompt,
-                row.image,
-                row.cwd,
-                row.options,
-            )
-            and first.check != row.check
-        ):
+        identity = RowIdentity.of_job(row)
+        first = first_of.setdefault(hash(identity), row)
+        if first is not row and first.check != row.check and RowIdentity.of_job(first) == identity:
             count += 1
             found = found or (first.index, row.index)
     return None if found is None else (*found, count)
