@@ -120,9 +120,9 @@ def run_samples(
     return out
 
 
-def scorer_errors(run_dir: Path) -> int:
-    """How many samples of the run hold a scorer error as their verdict (what --only_errors judges again)."""
-    return sum(1 for rec, _, _ in run_samples(run_dir) if read_score(rec.get("score")).get("error"))
+def has_scorer_error(rec: dict[str, Any]) -> bool:
+    """Whether a sample's verdict in the run is a scorer error (what --only_errors judges again)."""
+    return bool(read_score(rec.get("score")).get("error"))
 
 
 def rescore(
@@ -133,6 +133,7 @@ def rescore(
     distribution: str = "",
     concurrency: int = DEFAULT_CONCURRENCY,
     only_errors: bool = False,
+    samples: list[tuple[dict[str, Any], tuple[str, int], int]] | None = None,
 ) -> dict[str, Any]:
     """Score every sample of the run again; write ``scores.<name>.jsonl`` and refresh statistics.json.
     What is written is redacted of the judge's key and its URL's credentials (an endpoint's error may
@@ -140,7 +141,8 @@ def rescore(
     10,000 samples at 2 s a verdict took 5.5 hours); the lines keep the samples' order.
     ``only_errors``: judge only the samples whose record's verdict is a scorer error, and keep every
     other record's (the caller checks that ``settings`` are the run's own: :func:`differs_from_run`);
-    the summary then says how many were judged again (``judged_again``)."""
+    the summary then says how many were judged again (``judged_again``). ``samples``: the run's
+    (:func:`run_samples`), when the caller has read them already."""
     from batchrun.secrets import Redactor
 
     # The judge's settings, not ``judge`` (its client): named alike, the client was shadowed and every
@@ -152,11 +154,11 @@ def rescore(
     lines = []
     wanted = run_wanted(run_dir)
     scores = RunScores(distribution, wanted)
-    samples = run_samples(run_dir, wanted)
+    samples = run_samples(run_dir, wanted) if samples is None else samples
     runaways = RunawayPatterns()  # an --answer_pattern that runs away on every answer is tried on a few
 
     # --only_errors: the samples whose verdict in the run stands (no scorer error) keep it.
-    kept = [only_errors and not read_score(rec.get("score")).get("error") for rec, _, _ in samples]
+    kept = [only_errors and not has_scorer_error(rec) for rec, _, _ in samples]
 
     def judged(item: tuple[tuple[dict[str, Any], tuple[str, int], int], bool]) -> dict[str, Any]:
         (rec, _, _), keep = item
@@ -533,8 +535,12 @@ def main(argv: list[str] | None = None) -> int:
         with holding(args.run_dir, "python -m batchrun.views.score"):
             judge = None
             # --only_errors on a run with no scorer error judges nothing: the judge is not asked (its start
-            # check cost a call, and a judge gone since the run failed a re-scoring that needs none).
-            if settings.judge is not None and not (args.only_errors and not scorer_errors(args.run_dir)):
+            # check cost a call, and a judge gone since the run failed a re-scoring that needs none). The
+            # samples read for that are the re-scoring's: the run is read once.
+            samples = run_samples(args.run_dir) if args.only_errors else None
+            if settings.judge is not None and not (
+                samples is not None and not any(has_scorer_error(rec) for rec, _, _ in samples)
+            ):
                 from batchrun.secrets import Redactor
 
                 try:
@@ -554,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats.get("distribution", ""),
                 args.concurrency,
                 only_errors=args.only_errors,
+                samples=samples,
             )
     except RunDirBusy as exc:
         print(
