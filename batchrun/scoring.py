@@ -1143,18 +1143,16 @@ def read_number(text: str) -> tuple[float | None, str | None]:
     """:func:`parse_number` of an answer, and why that number is not the answer's one value (None when
     it is): the answer offers several (``"4 or 5"``, ``"between 4 and 6"``, ``"5 ± 1"``: a hedge), or
     bounds or negates it (``"x < 4"``, ``"at least 4"``, ``"not 4"``, ``"\\pm 2"``)."""
-    value = parse_number(text)
-    if value is None:
-        return None, None
     text, remark = _without_remark(text)
+    plain = _plain(text)
+    last, before = _last_two_numbers(plain)
+    value = _value_of(plain, last)
+    if value is None or last is None:
+        return None, None
     if remark is not None and _REMARK_HEDGE_RE.search(remark):
         other = parse_number(remark)
         if other is not None and not math.isclose(other, value, rel_tol=1e-9, abs_tol=1e-12):
             return value, f"offers several numbers ({text.strip()[-40:]} ({remark[:40]})), not one"
-    plain = _plain(text)
-    last, before = _last_two_numbers(plain)
-    if last is None:
-        return value, None
     if offered := _hedge(plain, last, before):
         return value, f"offers several numbers ({offered!r}), not one"
     if bounded := _bound(plain, last):
@@ -1173,8 +1171,8 @@ def parse_number(text: str) -> float | None:
     after a whole number), LaTeX's forms of them too; None when there is none, when the last one is
     part of an expression (a root, a factor of pi), or when no double holds it (``1e999``: read as
     infinity, a row's answer of it was within any tolerance of every number, and every reply passed)."""
-    value = _number_value(text)
-    return value if value is not None and math.isfinite(value) else None
+    plain = _plain(_without_remark(text)[0])
+    return _value_of(plain, _last_number(plain))
 
 
 # A minus sign that does not touch its number: "-$1,250.00", "- 5", "-**5**", "-(3)", "\\boxed{- 5}", or the
@@ -1202,19 +1200,18 @@ def _negated(text: str, number: re.Match[str]) -> bool:
     return not (last.isdigit() or last in ")]}" or variable)
 
 
-def _number_value(text: str) -> float | None:
-    plain = _plain(_without_remark(text)[0])
-    value = _unsigned_value(plain)
-    if value is None:
-        return None
-    last = _last_number(plain)
-    return -value if last is not None and _negated(plain, last) else value
-
-
-def _unsigned_value(plain: str) -> float | None:
-    last = _last_number(plain)
+def _value_of(plain: str, last: re.Match[str] | None) -> float | None:
+    """The value of ``last``, the last number of ``plain`` (a :func:`_plain` text), its sign read where it
+    stands apart; None for none, a clock, or one no double holds."""
     if last is None or last["clock"]:
         return None
+    value = _unsigned_value(last)
+    if value is None or not math.isfinite(value):
+        return None
+    return -value if _negated(plain, last) else value
+
+
+def _unsigned_value(last: re.Match[str]) -> float | None:
     try:
         if last["mixed"]:
             whole, num, den = (float(last[g]) for g in ("whole", "mnum", "mden"))
