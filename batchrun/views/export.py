@@ -91,7 +91,7 @@ from batchrun.views.export_rows import (
     score_columns,
     split_of,
     split_prompt_completion,
-    stop_reason_of,
+    stop_reason_left_out,
     template_messages,
     unsplit_warning,
 )
@@ -173,15 +173,9 @@ def wanted(record: dict[str, Any], discard_reason: str | None, opts: ExportOptio
     left_out = score_filter(record, opts.only_passed, opts.min_score)
     if left_out is not None:
         return left_out
-    reason = stop_reason_of(record)
-    if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
-        return None if reason in opts.stop_reasons else f"stop_reason {reason}"
-    excluded = opts.exclude_stop_reasons
-    if excluded is None:  # the default leaves out the model's faults and cut replies among the kept samples
-        excluded = DEFAULT_EXCLUDED_STOP_REASONS if discard_reason is None else frozenset()
-    if reason in excluded:
-        return f"stop_reason {reason}"
-    return None
+    # The default leaves out the model's faults and cut replies among the kept samples.
+    default = DEFAULT_EXCLUDED_STOP_REASONS if discard_reason is None else frozenset()
+    return stop_reason_left_out(record, opts, default)
 
 
 def typed_score_columns(record: dict[str, Any]) -> dict[str, Any]:

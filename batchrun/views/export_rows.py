@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,6 +296,16 @@ def stop_reason_of(record: dict[str, Any]) -> str:
     """The sample's stop reason as the stop-reason filters compare it (``unknown`` when it has none)."""
     meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
     return meta["stop_reason"] if isinstance(meta.get("stop_reason"), str) else "unknown"
+
+
+def stop_reason_left_out(record: dict[str, Any], opts: ExportOptions, default: Collection[str]) -> str | None:
+    """Why --stop_reasons or --exclude_stop_reasons leaves a sample out (a ``skipped`` reason), or None:
+    named reasons are exactly those exported; else those excluded, ``default`` without the flag."""
+    reason = stop_reason_of(record)
+    if opts.stop_reasons is not None:  # named explicitly: exactly these, no default exclusion
+        return None if reason in opts.stop_reasons else f"stop_reason {reason}"
+    excluded = default if opts.exclude_stop_reasons is None else opts.exclude_stop_reasons
+    return f"stop_reason {reason}" if reason in excluded else None
 
 
 def sample_digest(record: dict[str, Any]) -> str:

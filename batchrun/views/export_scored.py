@@ -57,7 +57,7 @@ from batchrun.views.export_rows import (
     sample_messages,
     score_columns,
     split_of,
-    stop_reason_of,
+    stop_reason_left_out,
     template_messages,
     unsplit_warning,
 )
@@ -125,7 +125,9 @@ def export_scored(
         if record.get("partial") and not opts.include_partial:
             skipped["partial"] += 1
             continue
-        left_out = _stop_reason_left_out(record, opts)
+        # No default exclusion here: a sample the length limit cut, or that made an invalid call, is a
+        # failed sample.
+        left_out = stop_reason_left_out(record, opts, frozenset())
         if left_out is not None:
             skipped[left_out] += 1
             continue
@@ -223,17 +225,6 @@ def _used(samples: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
     failing = [s for s in samples if not s["passed"]]
     n = min(len(passing), len(failing))
     return passing[:n] + failing[:n]
-
-
-def _stop_reason_left_out(record: dict[str, Any], opts: ExportOptions) -> str | None:
-    """Why --stop_reasons or --exclude_stop_reasons leaves a sample out (None: it is read). No default
-    exclusion here: a sample the length limit cut, or that made an invalid call, is a failed sample."""
-    reason = stop_reason_of(record)
-    if opts.stop_reasons is not None and reason not in opts.stop_reasons:
-        return f"stop_reason {reason}"
-    if opts.exclude_stop_reasons is not None and reason in opts.exclude_stop_reasons:
-        return f"stop_reason {reason}"
-    return None
 
 
 def _judged_by(scorer: str | None, settings: dict[str, Any]) -> tuple[Any, ...]:
