@@ -219,12 +219,7 @@ def export_scored(
 
 def _used(samples: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
     """The samples of a group that its rows hold: every one in ``rewards``, the paired ones in ``preference``."""
-    if fmt == "rewards":
-        return samples
-    passing = [s for s in samples if s["passed"]]
-    failing = [s for s in samples if not s["passed"]]
-    n = min(len(passing), len(failing))
-    return passing[:n] + failing[:n]
+    return samples if fmt == "rewards" else [s for pair in _pairs(samples) for s in pair]
 
 
 def _judged_by(scorer: str | None, settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -249,11 +244,16 @@ def _common(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _preference_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _pairs(samples: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """A group's (passing, failing) pairs: paired in order; the longer list's rest is unused."""
     passing = [s for s in samples if s["passed"]]
     failing = [s for s in samples if not s["passed"]]
+    return list(zip(passing, failing, strict=False))
+
+
+def _preference_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for good, bad in zip(passing, failing, strict=False):  # paired in order; the longer list's rest is unused
+    for good, bad in _pairs(samples):
         rows.append(
             {
                 "prompt": good["prompt"],
