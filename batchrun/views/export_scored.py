@@ -187,8 +187,9 @@ def export_scored(
             rows = _preference_rows(samples) if fmt == "preference" else _rewards_rows(samples)
             if not rows:
                 skipped["rows without both a passing and a failing sample"] += fmt == "preference"
-            result.unsplit += sum(s["unsplit"] for s in _used(samples, fmt))
-            result.invalid_calls += sum(s["invalid_calls"] for s in _used(samples, fmt))
+            used = _used(samples, fmt)
+            result.unsplit += sum(s["unsplit"] for s in used)
+            result.invalid_calls += sum(s["invalid_calls"] for s in used)
             for row in rows:
                 split = split_of(samples[0]["text"], seed, test_fraction)
                 if split not in handles:
