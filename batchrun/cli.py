@@ -596,9 +596,10 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
         first, later, count = same
         print(
             f"warning: {config.dataset_file}:{later + 1}: the same prompt and settings as line {first + 1}, but "
-            f"another answer, verify, verify_files or rubric ({count} such line(s)): a row's identity is its "
-            "prompt and settings, so they are copies of one row, paired and grouped by their order in "
-            "--resume, pass@k, intervals and views.compare; make their prompts differ if they are two tasks",
+            f"another answer, verify, verify_files or rubric ({count} such line(s)): one prompt with two "
+            "checks. Each line's samples are judged, counted for pass@k and --stop_after_passes, and paired "
+            "in views.compare as its own, but the intervals take them for alike (one prompt) and the report "
+            "lists them as one row; make their prompts differ if they are two tasks",
             file=sys.stderr,
         )
     config.check_samples(sum(samples_of(row, config.samples_per_prompt) for row in rows), len(rows))
@@ -608,8 +609,9 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
 def same_row_other_check(rows: list[Row]) -> tuple[int, int, int] | None:
     """(first line, later line, how many later lines) of rows that share an identity
     (``RowIdentity.of_job``: prompt, image, cwd, own settings) but not their check, 0-based; None when none
-    do. Such rows were silently one row's copies: pass@k took samples of both checks as one row's, and
-    views.compare paired them by order."""
+    do. Such rows were silently one row's copies: pass@k took samples of both checks as one row's,
+    views.compare paired them by order, and one's passes stopped the other's samples (now each is told
+    apart by its fields: ``RunScores``, ``compare.copies_by_check``, ``resume.PassKey``)."""
     first_of: dict[int, Row] = {}  # by the identity's hash: no identity held per row (100,000 rows)
     found, count = None, 0
     for row in rows:

@@ -2206,6 +2206,10 @@ class RunScores:
         # a row, not an entry a sample), a count for the others (identical rows', a few).
         self.counted_once: dict[str, int] = {}
         self.counted: collections.Counter[tuple[str, int]] = collections.Counter()
+        # The rows some of whose samples the dataset wants more than once (identical rows, or rows of one
+        # identity with other checks), and how many of each (row, check, sample) are counted so far.
+        self.copied_rows = {row for (row, _), n in (wanted or {}).items() if n > 1}
+        self.copies: collections.Counter[tuple[str, int, int]] = collections.Counter()
         self.numbers: list[int] = []  # the tallies' slot numbers, one object each for all of them
         self.all = ScoreTally(self.numbers)
         self.groups: dict[str, dict[str, ScoreTally]] = {
@@ -2225,17 +2229,24 @@ class RunScores:
             if mask & bit:
                 return
             self.counted_once[row_key] = mask | bit
-            copy = 0
         else:
-            copy = self.counted[key]
-            if copy >= want:
+            if self.counted[key] >= want:
                 return
             self.counted[key] += 1
-        # Identical rows are rows of their own for pass@k: the n-th copy of each of their samples makes
-        # the n-th row, so two rows of k samples each are not one row of 2k.
-        row = row_key if copy == 0 else f"{row_key}/{copy}"
         score = read_score(rec.get("score"))
         meta = rec.get("metadata") or {}
+        row = row_key
+        if row_key in self.copied_rows:
+            # Identical rows are rows of their own for pass@k: the n-th copy of each of their samples makes
+            # the n-th row, so two rows of k samples each are not one row of 2k. Rows of one identity are
+            # told apart by their fields (the check: answer, verify, ...) first, by order only among rows
+            # with the same: lines of one prompt judged against two answers are two rows, not rows that
+            # each hold samples of both, as the order their samples ended in made them.
+            fields = meta.get("row_fields")
+            check = hash(fields) if isinstance(fields, str) else 0
+            nth = self.copies[row_key, check, sample_index]
+            self.copies[row_key, check, sample_index] = nth + 1
+            row = f"{row_key}/{check:x}/{nth}"
         self.all.add(score, row, row_key)
         # A row with its own toolsets or tools drew nothing from the distribution (row_* are "" when unset).
         own = bool(meta.get("row_toolsets")) or bool(meta.get("row_tools"))

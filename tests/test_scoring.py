@@ -1067,6 +1067,27 @@ def test_identical_rows_count_as_rows_of_their_own_for_pass_at_k():
     assert wanted_from_duplicates({"a": 2}) == {}
 
 
+def test_rows_of_one_identity_with_other_checks_are_rows_of_their_own_for_pass_at_k():
+    # Two lines of one prompt (one row key) judged against two answers, two samples each: every sample of
+    # the first passes, none of the second. Their samples end interleaved. Paired by that order, each
+    # "row" held a pass and a fail (pass@2 1.0); by their check, one row always passes, one never.
+    wanted = {("a", 0): 2, ("a", 1): 2}
+    scores = RunScores("default", wanted)
+    right, wrong = '{"answer": "7"}', '{"answer": "8"}'
+    passed, failed = {"value": 1.0, "passed": True}, {"value": 0.0, "passed": False}
+    for fields, index, score in [
+        (right, 0, passed),
+        (wrong, 0, failed),
+        (wrong, 1, failed),
+        (right, 1, passed),
+    ]:
+        scores.add({"score": score, "metadata": {"row_fields": fields}}, "a", index)
+    scores.add({"score": passed, "metadata": {"row_fields": right}}, "a", 0)  # not wanted: not counted
+    summary = scores.summary()
+    assert (summary["scored"], summary["passed"], summary["rows_scored"]) == (4, 2, 2)
+    assert summary["pass_at_k"] == {"pass@1": 0.5, "pass@2": 0.5}
+
+
 def test_a_scorer_from_an_installed_entry_point(tmp_path, monkeypatch):
     """A package's ``batch_runner.scorers`` entry point, found through its installed metadata."""
     (tmp_path / "lenscorer.py").write_text(

@@ -56,6 +56,7 @@ from batchrun.run.endpoint_watch import DRAIN_S, RUN_JUDGE, EndpointWatch, probe
 from batchrun.run.forkserver import WORKER_PROCESS_NAME, skip_callers_main
 from batchrun.run.inbox import Inbox
 from batchrun.run.recorder import Recorder
+from batchrun.run.resume import PassKey, pass_key, row_fields_digest, row_fields_of, row_pass_key
 from batchrun.secrets import terminal_safe
 
 GROUP_COMMIT_S = 0.005  # grants wait at most this long for others to share their journal's fsync
@@ -85,19 +86,20 @@ class _Tracking:
     stops: collections.Counter[Any] = field(default_factory=collections.Counter)  # pid -> stops not done yet
 
 
-def passing_samples(run_dir: Any, exclude_partial: bool = False) -> collections.Counter[str]:
-    """Row identity -> passing samples in the run's batch files (a resume's --stop_after_passes counts them);
+def passing_samples(run_dir: Any, exclude_partial: bool = False) -> collections.Counter[PassKey]:
+    """A row's :data:`~batchrun.run.resume.PassKey` -> passing samples in the run's batch files (a resume's
+    --stop_after_passes counts them);
     with ``exclude_partial`` the partial ones are not counted: the merge leaves them out of trajectories.jsonl."""
     from batchrun.record import valid_record
     from batchrun.storage import batch_files, iter_jsonl
 
-    passes: collections.Counter[str] = collections.Counter()
+    passes: collections.Counter[PassKey] = collections.Counter()
     for _, path in batch_files(run_dir):
         for rec in iter_jsonl(path):
             if valid_record(rec) and read_score(rec.get("score")).get("passed") is True:
                 if exclude_partial and rec.get("partial"):
                     continue
-                passes[RowIdentity.of_record(rec).key] += 1
+                passes[pass_key(RowIdentity.of_record(rec).key, row_fields_of(rec.get("metadata")))] += 1
     return passes
 
 
@@ -191,8 +193,8 @@ class Dispatch:
         # went away) with prompts of theirs unfinished. Not a few failed prompts: the run could not go on.
         self.workers_lost = False
         self._live: set[Any] = set()  # workers heard from and not gone
-        # --stop_after_passes: row identity -> passing samples so far (earlier runs' included)
-        self.passes: collections.Counter[str] = (
+        # --stop_after_passes: a row's PassKey -> passing samples so far (earlier runs' included)
+        self.passes: collections.Counter[PassKey] = (
             passing_samples(config.run_dir, config.exclude_partial)
             if config.stop_after_passes
             else collections.Counter()
@@ -537,7 +539,7 @@ class Dispatch:
             ):
                 job = track.pending.popleft()
                 if k:
-                    row = RowIdentity.of_row(job, self.recorder.sample_text).key
+                    row = row_pass_key(job, self.recorder.sample_text)
                     if self.passes[row] >= k:
                         skipped += self.settle(Outcome.discarded(job, SKIPPED_AFTER_PASSES, None, {}), track)
                         continue
@@ -555,10 +557,10 @@ class Dispatch:
             track.pending.extendleft(reversed(waiting))  # back at the front, in plan order
         return skipped
 
-    def rows_in_flight(self, track: _Tracking) -> collections.Counter[str]:
-        """Row identity -> its samples handed out without an outcome yet."""
+    def rows_in_flight(self, track: _Tracking) -> collections.Counter[PassKey]:
+        """A row's PassKey -> its samples handed out without an outcome yet."""
         return collections.Counter(
-            RowIdentity.of_row(track.jobs[key], self.recorder.sample_text).key
+            row_pass_key(track.jobs[key], self.recorder.sample_text)
             for keys in track.held.values()
             for key in keys
         )
@@ -577,7 +579,8 @@ class Dispatch:
         if self.config.exclude_partial and (message.record or {}).get("partial"):
             return  # never in trajectories.jsonl: no kept pass
         if score.get("passed") is True and self.recorder.keeps(message):  # a discard is no kept pass
-            self.passes[message.identity.redacted(self.recorder.sample_text).key] += 1
+            redact = self.recorder.sample_text
+            self.passes[message.identity.redacted(redact).key, row_fields_digest(message, redact)] += 1
 
     def settle(self, message: Outcome | Skipped, track: _Tracking) -> int:
         """Record an outcome (or a skip) once: a prompt already settled (e.g. by a lost-batch report) is ignored."""

@@ -42,6 +42,7 @@ from batchrun.run.resume import (
     CheckedFiles,
     Matched,
     OwnPlaces,
+    PassKey,
     Place,
     SampleBits,
     add_discards,
@@ -49,6 +50,7 @@ from batchrun.run.resume import (
     match_outcomes,
     occurrence_in,
     own_place,
+    pass_key,
     place_of,
     rerun_command,
     resume_command,
@@ -94,8 +96,8 @@ class MergeTotals:
         # ... and by the row's other fields too (resume.Place): which of rows with one prompt wrote them
         # (the other records of ``finished`` that say their line)
         self.finished_where: collections.Counter[Place] = collections.Counter()
-        # row identity -> its kept passes (resume.kept_pass), for the samples --stop_after_passes skipped
-        self.passes: collections.Counter[str] = collections.Counter()
+        # a row's PassKey -> its kept passes (resume.kept_pass), for the samples --stop_after_passes skipped
+        self.passes: collections.Counter[PassKey] = collections.Counter()
         # valid records of each batch file (set by the merge), for checkpoint.json's batch_stats
         self.per_batch: collections.Counter[int] = collections.Counter()
         # Every outcome counted once at the merge's end (set by it): checkpoint.json's batch_stats and
@@ -320,7 +322,7 @@ def merge(
                     per_batch[files[n][0]] += 1
                     key = record_sample(rec)
                     if kept_pass(rec, exclude_partial):
-                        totals.passes[key[0]] += 1
+                        totals.passes[pass_key(key[0], row_fields_of(rec.get("metadata")))] += 1
                     place = p = None
                     if isinstance(rec.get("prompt_index"), int):
                         if done_indices is not None:

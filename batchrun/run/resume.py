@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.config import FALSE_WORDS, TRUE_WORDS, RunConfig, UsageError
-from batchrun.identity import Line, is_index, lines_matter, outcome_sample, record_sample
+from batchrun.identity import Line, RowIdentity, is_index, lines_matter, outcome_sample, record_sample
 from batchrun.protocol import SKIPPED_AFTER_PASSES, RowCheck
 from batchrun.record import ROUND_FIELD, occurrence_of, read_score, round_of, valid_outcome_row, valid_record
 from batchrun.run.dataset import Row
@@ -260,6 +260,24 @@ class RowsByLine:
         while i < len(self.lines) and self.lines[i] == line:
             yield self.order[i]
             i += 1
+
+
+# What --stop_after_passes counts a row's passes by: its identity and its fields' digest (``row_fields``:
+# id, answer, verify, ...). Lines of one prompt and settings but another answer have one identity; the
+# passes of one stopped the other's samples (a row judged against "8" skipped after a pass against "7").
+# Identical lines (the same fields too) share their passes, as they share their samples' outcomes.
+PassKey = tuple[str, str | None]
+
+
+def pass_key(identity: str, fields: Any) -> PassKey:
+    """A pass's :data:`PassKey` from its row identity and the ``row_fields`` text it was written with
+    (a record's, an outcome row's; none: a row without fields, ``{}``)."""
+    return identity, fields_digest(fields if isinstance(fields, str) else "{}")
+
+
+def row_pass_key(row: Any, redact: Redactor) -> PassKey:
+    """The :data:`PassKey` of a dataset row, or of a job of it, as its saved records give it."""
+    return RowIdentity.of_row(row, redact).key, row_fields_digest(row, redact)
 
 
 def row_fields_digest(row: Row, redact: Redactor) -> str | None:
@@ -537,7 +555,7 @@ def scan_finished(
     checks: Checks | None = None,
     stop_after_passes: int | None = None,
     exclude_partial: bool = False,
-    passes: collections.Counter[str] | None = None,
+    passes: collections.Counter[PassKey] | None = None,
     in_round: int | None = None,
     checked: CheckedFiles | None = None,
     own: OwnPlaces | None = None,
@@ -552,7 +570,7 @@ def scan_finished(
     With ``stop_after_passes`` (K) a sample skipped after its row's passes (``skipped_after_passes``) is
     finished only while its row has K kept passes: a resume that raises K runs it (an earlier run's
     smaller K skipped it); ``exclude_partial``: partial passes are not kept ones. ``passes`` is given
-    each row identity's kept passes; ``checked`` the files read and their lines that are not valid
+    each row's kept passes (by :data:`PassKey`); ``checked`` the files read and their lines that are not valid
     records, for the merge. ``own`` (:class:`OwnPlaces`) is given a bit for each record at its row's own
     place, which then is in none of ``done``, ``at`` and ``checks`` (:func:`match_outcomes` takes it as
     ``own``; judged with the row's fields as they are, it has no other check to compare)."""
@@ -592,7 +610,7 @@ def scan_finished(
                 if checks is not None and not counted:
                     _add_check(checks, key[0], rec.get("metadata"), rec.get("prompt_index"))
                 if stop_after_passes and kept_pass(rec, exclude_partial):
-                    passes[key[0]] += 1
+                    passes[pass_key(key[0], row_fields_of(rec.get("metadata")))] += 1
         if checked is not None:
             checked.add(path, before, invalid)
     counts = still_skipped(passes, stop_after_passes)
@@ -609,16 +627,16 @@ def kept_pass(rec: dict[str, Any], exclude_partial: bool) -> bool:
 
 
 def still_skipped(
-    passes: collections.Counter[str], stop_after_passes: int | None
+    passes: collections.Counter[PassKey], stop_after_passes: int | None
 ) -> Callable[[dict[str, Any]], bool]:
     """A discarded.jsonl row -> whether it finishes its sample: a sample skipped after its row's passes
-    (``skipped_after_passes``) only while its row (``passes``: row identity -> kept passes) has
+    (``skipped_after_passes``) only while its row (``passes``: :data:`PassKey` -> kept passes) has
     ``stop_after_passes`` of them; a resume that raised it runs the sample."""
 
     def counts(row: dict[str, Any]) -> bool:
         if row["reason"] != SKIPPED_AFTER_PASSES or not stop_after_passes:
             return True
-        return passes[outcome_sample(row)[0]] >= stop_after_passes
+        return passes[pass_key(outcome_sample(row)[0], outcome_row_fields(row))] >= stop_after_passes
 
     return counts
 
@@ -806,7 +824,7 @@ def resume_filter(
     resume (UsageError) unless ``force`` (--force_resume): their scores would stand for the old check."""
     at: collections.Counter[Place] = collections.Counter()
     checks: Checks = {}
-    passes: collections.Counter[str] = collections.Counter()
+    passes: collections.Counter[PassKey] = collections.Counter()
     own = OwnPlaces(rows, samples_per_prompt, redact)  # nearly every outcome: a bit, not a place
     done = scan_finished(
         run_dir,

@@ -4,7 +4,8 @@
     python -m batchrun.views.compare data/<runA> data/<runB> --out=ab.html --json
 
 Samples are paired by row identity (prompt text, image, cwd, the row's own settings) and sample
-index; only pairs judged in both runs (passed true or false) and against the same check (the row's
+index (the samples of several rows of one identity by their rows' other fields, then their order:
+:func:`copies_by_check`); only pairs judged in both runs (passed true or false) and against the same check (the row's
 ``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) by the same
 scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``--numeric_tolerance``,
 ``--judge_model`` and the judge's base URL, where the scorers use them) count. A pair judged
@@ -64,9 +65,31 @@ from batchrun.views.score import run_samples
 
 MIN_BOOTSTRAP, MAX_BOOTSTRAP = 100, 1_000_000  # --bootstrap
 
-# (row key, sample index, copy): the copy tells apart the samples of identical rows (the same row key),
-# in the order the run's files hold them; the k-th copy in one run is paired with the k-th in the other.
+# (row key, sample index, copy): the copy tells apart the samples of rows of one identity (the same row
+# key), numbered in the order of their rows' fields (their check: answer, verify, ...), then of the run's
+# files (:func:`copies_by_check`); the k-th copy in one run is paired with the k-th in the other.
 Key = tuple[str, int, int]
+
+
+def copies_by_check(
+    samples: list[tuple[dict[str, Any], tuple[str, int], int]],
+) -> dict[tuple[str, int, int], int]:
+    """(row key, sample index, copy in file order) -> its copy as :data:`Key` holds it, for the samples of
+    which a run holds more than one (others keep copy 0). Lines of one prompt and settings but another
+    check are rows of one identity: numbered in the order their samples ended, the k-th in A was the one
+    line's and in B the other's, and two runs of one dataset compared as "judged differently" pair by pair.
+    Ordered by their fields' text, the same line's samples meet (identical lines: in file order)."""
+    copied = {sample for _, sample, copy in samples if copy}
+    held: dict[tuple[str, int], list[tuple[str, int]]] = collections.defaultdict(list)
+    for rec, sample, copy in samples:
+        if sample in copied:
+            fields = (rec.get("metadata") or {}).get("row_fields")
+            held[sample].append((fields if isinstance(fields, str) else "", copy))
+    return {
+        (*sample, copy): nth
+        for sample, copies in held.items()
+        for nth, (_, copy) in enumerate(sorted(copies))
+    }
 
 
 def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, dict[str, Any]]:
@@ -105,9 +128,11 @@ def run_verdicts(
                 lines[sample] += 1
     out = {}
     unjudged: dict[Key, str] = {}
-    for rec, sample, copy in run_samples(run_dir):
-        key = (*sample, copy)
-        score = read_score(override.get(key) if scores_name else rec.get("score"))
+    samples = run_samples(run_dir)
+    numbered = copies_by_check(samples)
+    for rec, sample, copy in samples:
+        score = read_score(override.get((*sample, copy)) if scores_name else rec.get("score"))
+        key = (*sample, numbered.get((*sample, copy), copy))
         if score.get("error"):  # as the scores' tally counts them: an error first, then no verdict
             unjudged[key] = "scorer_error"
             continue

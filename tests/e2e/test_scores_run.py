@@ -335,6 +335,31 @@ def test_stop_after_passes_saves_the_calls_and_resume_skips_them_too(server, tmp
     assert collections.Counter(server.stats()["requests_by_prompt"]) - calls == {rows[1]["prompt"]: 2}
 
 
+def test_stop_after_passes_counts_a_lines_passes_for_its_own_check_only(server, tmp_path):
+    """Two lines of one prompt and settings, judged against another answer each, have one identity: the
+    first's pass skipped every sample of the second, never judged against its own answer (1 call of 6).
+    Their passes are counted by their fields now; identical lines still share theirs."""
+    prompt = "Say seven [answer:7] [calls:0]"
+    rows = [{"prompt": prompt, "answer": 7}, {"prompt": prompt, "answer": 8}, {"prompt": prompt, "answer": 7}]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out, run_dir = tmp_path / "data", tmp_path / "data" / "run"
+    flags = dict(samples_per_prompt=3, stop_after_passes=1, num_workers=1, prompts_per_worker=1)
+    run(server, dataset, out, **flags)
+    # Line 1 passes at once (its 2 other samples and line 3's, its copy, skipped); line 2 runs all 3.
+    assert server.stats()["requests"] == 4
+    stats = stats_of(run_dir)
+    assert (stats["scores"]["scored"], stats["scores"]["passed"]) == (4, 1)
+    assert stats["scores"]["skipped_after_passes"] == 5 and stats["remaining_for_resume"] == 0
+    judged = collections.Counter(
+        (json.loads(r["metadata"]["row_fields"])["answer"], r["score"]["status"])
+        for r in read_jsonl(run_dir / "trajectories.jsonl")
+    )
+    assert judged == {(7, "passed"): 1, (8, "failed"): 3}
+    run(server, dataset, out, resume=True, **flags)
+    assert server.stats()["requests"] == 4  # the skips stay skipped: each line has its passes, or ran all
+    assert stats_of(run_dir)["remaining_for_resume"] == 0
+
+
 def test_a_resume_that_raises_stop_after_passes_runs_the_samples_the_smaller_one_skipped(server, tmp_path):
     """The skips were finished for resume whatever K the resume gave: --stop_after_passes=2 after 1 did
     nothing. Now a skipped sample runs while its row has fewer than K kept passes, and the statistics

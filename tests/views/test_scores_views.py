@@ -911,6 +911,30 @@ def test_compare_leaves_out_pairs_judged_against_another_check(tmp_path, capsys)
     assert "left out: 4 pairs judged against another check in B" in capsys.readouterr().out
 
 
+def test_lines_of_one_prompt_with_other_checks_are_paired_and_grouped_by_their_check(tmp_path, capsys):
+    """Lines with one prompt and settings but another answer have one identity: their samples were paired
+    (compare) and grouped into rows (pass@k) by the order they ended in. Two runs of one dataset whose
+    samples ended in another order were compared as "judged against another check" pair by pair, and a
+    row holding a pass and a fail of the two lines made pass@2 1.0 where each line's is 1 or 0."""
+    rows = [{"prompt": "Say a number [calls:0] [answer:7]", "answer": answer} for answer in ("7", "8")]
+    dataset = write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "data"
+    for name, last_first in (("a", False), ("b", True)):
+        run(None, dataset, out, run_name=name, samples_per_prompt=2)
+        # The samples in the order they might have ended: each line's in turn, the other way in B.
+        path = out / name / "trajectories.jsonl"
+        lines = path.read_text("utf-8").splitlines(keepends=True)
+        lines.sort(key=lambda line: json.loads(line)["metadata"]["row_fields"], reverse=last_first)
+        path.write_text("".join(lines), "utf-8")
+    capsys.readouterr()
+    assert compare.main([str(out / "a"), str(out / "b"), "--json", f"--out={tmp_path / 'c.html'}"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pairs"], r["judged_differently"], r["pass_rate_a"], r["pass_rate_b"]) == (4, 0, 0.5, 0.5)
+    assert score.main([str(out / "b"), "--scorer=exact", "--name=again"]) == 0
+    rescored = stats_of(out / "b")["scores"]["rescored"]["again"]
+    assert (rescored["passed"], rescored["rows_scored"], rescored["pass_at_k"]["pass@2"]) == (2, 2, 0.5)
+
+
 def test_a_view_parses_each_record_once_and_takes_its_saved_row_key(tmp_path, monkeypatch):
     """The views read a run's samples from trajectories.jsonl, and the partial ones --exclude_partial left
     out from the batch files, which hold every kept record too: each of those was parsed again to be
