@@ -691,7 +691,7 @@ class RunConfig:
         choice_flag(("all", "passed"), optional=False),
         "all",
         group="scores",
-        help="all, or passed: only samples whose check passed go to trajectories.jsonl (the rest to discarded.jsonl: failed_check, unscored).",
+        help="all, or passed: only samples whose check passed go to trajectories.jsonl (the rest to discarded.jsonl: failed_check, scorer_error, unscored).",
     )
     stop_after_passes: int | None = _flag(
         int_flag(1, optional=True),

@@ -73,7 +73,7 @@ from typing import Any
 from batchrun import bounded_re
 from batchrun.prompt.sandboxes.base import SandboxError, judged_run
 from batchrun.protocol import RowCheck
-from batchrun.record import in_unit_range, read_score
+from batchrun.record import in_unit_range, occurrence_of, read_score
 from batchrun.sharegpt import finite_number, parse_json, strict_json
 
 TEXT_SCORERS = ("exact", "includes", "regex", "numeric", "json")
@@ -256,7 +256,7 @@ class ScoringSettings:
     normalize: tuple[str, ...] = NORMALIZE_STEPS
     verify_timeout_s: float = 60.0
     judge: JudgeSettings | None = None
-    keep: str = "all"  # --keep: all, or passed (the rest are discards: failed_check, unscored)
+    keep: str = "all"  # --keep: all, or passed (the rest are discards: failed_check, scorer_error, unscored)
 
 
 def parse_scorers(text: str | None) -> tuple[str, ...]:
@@ -1940,12 +1940,16 @@ def pending_judged(by_check: Any, scorers: tuple[str, ...]) -> int | None:
 
 
 def keep_problem(score: dict[str, Any], keep: str) -> str | None:
-    """With --keep=passed, why a sample is not kept: failed_check or unscored (None: kept)."""
+    """With --keep=passed, why a sample is not kept: failed_check, scorer_error (a scorer broke: no
+    verdict; it was "unscored" too, beside statistics.json's scores counting it a scorer error, not
+    unscored) or unscored (nothing to judge it by) (None: kept)."""
     if keep != "passed":
         return None
     if score.get("passed") is True:
         return None
-    return "failed_check" if score.get("passed") is False else "unscored"
+    if score.get("passed") is False:
+        return "failed_check"
+    return "scorer_error" if score.get("error") else "unscored"
 
 
 def check_from_row_fields(text: str | None) -> RowCheck | None:
@@ -2237,16 +2241,21 @@ class RunScores:
         meta = rec.get("metadata") or {}
         row = row_key
         if row_key in self.copied_rows:
-            # Identical rows are rows of their own for pass@k: the n-th copy of each of their samples makes
-            # the n-th row, so two rows of k samples each are not one row of 2k. Rows of one identity are
-            # told apart by their fields (the check: answer, verify, ...) first, by order only among rows
-            # with the same: lines of one prompt judged against two answers are two rows, not rows that
-            # each hold samples of both, as the order their samples ended in made them.
+            # Identical rows are rows of their own for pass@k, so two rows of k samples each are not one
+            # row of 2k. A sample's row is its line's: its fields (the check: answer, verify, ...) and its
+            # occurrence (the line's among those of its prompt text), else (a record older than the
+            # field) the n-th copy of the sample makes the n-th row. By order alone, each row held
+            # samples of both lines, as they happened to end: of two answers, or of two identical lines
+            # (one that passed 2 of 6 beside one that passed none read pass@2 0.489, not 0.467).
             fields = meta.get("row_fields")
             check = hash(fields) if isinstance(fields, str) else 0
-            nth = self.copies[row_key, check, sample_index]
-            self.copies[row_key, check, sample_index] = nth + 1
-            row = f"{row_key}/{check:x}/{nth}"
+            occurrence = occurrence_of(meta)
+            if occurrence is None:
+                occurrence = self.copies[row_key, check, sample_index]
+                self.copies[row_key, check, sample_index] = occurrence + 1
+                row = f"{row_key}/{check:x}/{occurrence}"
+            else:
+                row = f"{row_key}/{check:x}/o{occurrence}"
         self.all.add(score, row, row_key)
         # A row with its own toolsets or tools drew nothing from the distribution (row_* are "" when unset).
         own = bool(meta.get("row_toolsets")) or bool(meta.get("row_tools"))
@@ -2440,6 +2449,53 @@ def mcnemar_exact(b: int, c: int) -> float:
         if term < total * 1e-18 * (1 - ratio):
             break
     return min(1.0, 2 * math.exp(log_top + math.log(total)))
+
+
+EXACT_BINOMIAL_UP_TO = (
+    2_000  # discordant pairs: the Clopper-Pearson bounds summed term by term; beyond, Wilson's
+)
+
+
+def _binomial_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k), X ~ Bin(n, p), 0 < p < 1, summed in log space (no overflow at thousands of trials)."""
+    lp, lq = math.log(p), math.log1p(-p)
+    top = math.lgamma(n + 1)
+    terms = [top - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
+    peak = max(terms)
+    return min(1.0, math.exp(peak) * sum(math.exp(t - peak) for t in terms))
+
+
+def clopper_pearson(x: int, n: int) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) 95% interval of a binomial proportion, ``x`` successes of ``n``: the
+    proportions no one-sided exact test at 2.5% rejects, so it leaves out 1/2 exactly when McNemar's
+    exact test (:func:`mcnemar_exact`, the doubled tail) gives p < 0.05. By bisection on the binomial
+    tail; beyond :data:`EXACT_BINOMIAL_UP_TO` trials, Wilson's score interval (all but equal there)."""
+    if n > EXACT_BINOMIAL_UP_TO:
+        return wilson_interval(x, n) or (0.0, 1.0)
+
+    def solve(below: Callable[[float], bool]) -> float:
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if below(mid) else (lo, mid)
+        return (lo + hi) / 2
+
+    # The lower bound: the p at which P(X >= x) = 2.5% (it grows with p); the upper: P(X <= x) = 2.5%.
+    lower = 0.0 if x == 0 else solve(lambda p: 1.0 - _binomial_cdf(x - 1, n, p) < 0.025)
+    upper = 1.0 if x == n else solve(lambda p: _binomial_cdf(x, n, p) > 0.025)
+    return lower, upper
+
+
+def paired_exact_interval(only_a: int, only_b: int, pairs: int) -> tuple[float, float] | None:
+    """The interval of the paired difference B - A that McNemar's exact test agrees with: given the
+    ``only_a + only_b`` discordant pairs of ``pairs``, the share of them B passed is exactly binomial,
+    and its :func:`clopper_pearson` interval, mapped to the difference ``(d / n) (2 pi - 1)``, holds 0
+    exactly when the test's p >= 0.05. None without discordant pairs (nothing for it to say)."""
+    d = only_a + only_b
+    if d == 0 or pairs <= 0:
+        return None
+    lo, hi = clopper_pearson(only_b, d)
+    return d / pairs * (2 * lo - 1), d / pairs * (2 * hi - 1)
 
 
 def sign_flip_p(totals: list[int]) -> float:

@@ -19,7 +19,9 @@ which counts the samples the other run holds none of. Printed and written as HTM
 
 * the pass rates of A and B on the paired samples and their difference B - A, with a paired bootstrap
   95% interval (the rows resampled with replacement, each with all its pairs, ``--bootstrap`` times,
-  seeded: the same inputs give the same interval; widened for few rows, see ``paired_bootstrap``);
+  seeded: the same inputs give the same interval; widened for few rows, see ``paired_bootstrap``; with
+  one pair a row, never narrower than ``paired_exact_interval``, which holds 0 exactly when McNemar's
+  exact test's p >= 0.05);
 * a p-value that asks whether the two runs differ beyond chance (``p_value``, the test in
   ``p_value_test``): with one pair a row (or a single row), McNemar's exact test on the discordant pairs (b: passed in A
   only, c: passed in B only; two-sided binomial p-value with p = 1/2); with several pairs in a row
@@ -47,7 +49,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchrun.record import read_score
+from batchrun.record import occurrence_of, read_score
 from batchrun.run.resume import MANIFEST_DEFAULTS
 from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.scoring import (
@@ -55,6 +57,7 @@ from batchrun.scoring import (
     check_from_row_fields,
     mcnemar_exact,
     paired_bootstrap,
+    paired_exact_interval,
     pairs_stand_alone,
     sign_flip_p,
 )
@@ -66,8 +69,9 @@ from batchrun.views.score import run_samples
 MIN_BOOTSTRAP, MAX_BOOTSTRAP = 100, 1_000_000  # --bootstrap
 
 # (row key, sample index, copy): the copy tells apart the samples of rows of one identity (the same row
-# key), numbered in the order of their rows' fields (their check: answer, verify, ...), then of the run's
-# files (:func:`copies_by_check`); the k-th copy in one run is paired with the k-th in the other.
+# key), numbered in the order of their rows' fields (their check: answer, verify, ...) and occurrences,
+# then of the run's files (:func:`copies_by_check`); the k-th copy in one run is paired with the k-th in
+# the other.
 Key = tuple[str, int, int]
 
 
@@ -76,19 +80,24 @@ def copies_by_check(
 ) -> dict[tuple[str, int, int], int]:
     """(row key, sample index, copy in file order) -> its copy as :data:`Key` holds it, for the samples of
     which a run holds more than one (others keep copy 0). Lines of one prompt and settings but another
-    check are rows of one identity: numbered in the order their samples ended, the k-th in A was the one
-    line's and in B the other's, and two runs of one dataset compared as "judged differently" pair by pair.
-    Ordered by their fields' text, the same line's samples meet (identical lines: in file order)."""
+    check, or identical lines, are rows of one identity: numbered in the order their samples ended, the
+    k-th in A was one line's and in B another's, so two runs of one dataset compared as "judged
+    differently" pair by pair, or as flips of a row whose samples were the same in both. Ordered by their
+    fields' text and their occurrence (the line's among those of its prompt text), the same line's samples
+    meet; in file order only where records do not say their occurrence (older than the field)."""
     copied = {sample for _, sample, copy in samples if copy}
-    held: dict[tuple[str, int], list[tuple[str, int]]] = collections.defaultdict(list)
+    held: dict[tuple[str, int], list[tuple[str, int, int]]] = collections.defaultdict(list)
     for rec, sample, copy in samples:
         if sample in copied:
-            fields = (rec.get("metadata") or {}).get("row_fields")
-            held[sample].append((fields if isinstance(fields, str) else "", copy))
+            meta = rec.get("metadata") or {}
+            fields, occurrence = meta.get("row_fields"), occurrence_of(meta)
+            held[sample].append(
+                (fields if isinstance(fields, str) else "", -1 if occurrence is None else occurrence, copy)
+            )
     return {
         (*sample, copy): nth
         for sample, copies in held.items()
-        for nth, (_, copy) in enumerate(sorted(copies))
+        for nth, (_, _, copy) in enumerate(sorted(copies))
     }
 
 
@@ -229,6 +238,19 @@ def compare_pairs(
     mcnemar = mcnemar_exact(only_a, only_b)
     # Pairs that stand alone (one a row, or a single row's), as the bootstrap resampled them: McNemar's test.
     one_pair_a_row = pairs_stand_alone(len(totals), n)
+    exact = paired_exact_interval(only_a, only_b, n) if one_pair_a_row else None
+    if interval is not None and exact is not None:
+        # Never narrower than the interval the test agrees with: 3 discordant pairs of 8, all one way,
+        # read "+37.5% (95% CI +5.3% to +85.9%)" beside "McNemar exact p = 0.25". Now the interval
+        # leaves out 0 only where the test finds the difference (p < 0.05).
+        interval = (min(interval[0], exact[0]), max(interval[1], exact[1]))
+    p_value = mcnemar if one_pair_a_row else sign_flip_p(list(totals.values()))
+    # Rows of several pairs: the resampled interval may leave out 0 where the sign-flip test does not
+    # find the difference (5 rows can never give p < 0.05, yet 5.6% of simulated equal models read a sure
+    # gain or loss). It then reaches 0, and says so: no interval here leaves out 0 beside p >= 0.05.
+    widened = interval is not None and (interval[0] > 0 or interval[1] < 0) and p_value >= 0.05
+    if widened and interval is not None:
+        interval = (min(interval[0], 0.0), max(interval[1], 0.0))
     return {
         "pairs": n,
         "rows": len(totals),
@@ -239,7 +261,8 @@ def compare_pairs(
         "passed_only_in_a": only_a,
         "passed_only_in_b": only_b,
         "mcnemar_p": mcnemar,
-        "p_value": mcnemar if one_pair_a_row else sign_flip_p(list(totals.values())),
+        "difference_95ci_reaches_0_by_the_test": widened,
+        "p_value": p_value,
         "p_value_test": "mcnemar_exact" if one_pair_a_row else "sign_flip_by_row",
     }
 
@@ -404,6 +427,16 @@ def _why_test(r: dict[str, Any]) -> str:
     )
 
 
+def _reaches_0(r: dict[str, Any]) -> str:
+    """Why the interval reaches 0 (empty when the resampled one did): the test does not find the difference."""
+    if not r.get("difference_95ci_reaches_0_by_the_test"):
+        return ""
+    return (
+        f"the interval is widened to 0: the resampled one left 0 out, but the {TEST_NAMES.get(r['p_value_test'])} "
+        f"does not find the difference (p = {r['p_value']:.4g}; {r['rows']} rows)"
+    )
+
+
 def text_report(r: dict[str, Any]) -> str:
     lines = [
         f"A: {r['run_a']}",
@@ -415,6 +448,7 @@ def text_report(r: dict[str, Any]) -> str:
         f"pass rate A {_pct(r['pass_rate_a'])}, B {_pct(r['pass_rate_b'])}; B - A {_diff(r)}",
         f"{_test(r)} (passed only in A: {r['passed_only_in_a']}, only in B: {r['passed_only_in_b']})",
         *([_why_test(r)] if _why_test(r) else []),
+        *([_reaches_0(r)] if _reaches_0(r) else []),
     ]
     for mix, m in r["by_toolsets"].items():
         lines.append(f"  {mix}: {m['pairs']} pairs, B - A {_diff(m)}, {_test(m)}")
@@ -459,6 +493,7 @@ def html_report(r: dict[str, Any]) -> str:
         f'<p id="headline">{r["pairs"]} paired samples in {r["rows"]} rows · B - A {esc(_diff(r))} · '
         f"{esc(_test(r))}</p>"
         + (f'<p id="test">{esc(_why_test(r))}</p>' if _why_test(r) else "")
+        + (f'<p id="reaches0">{esc(_reaches_0(r))}</p>' if _reaches_0(r) else "")
         + f'<p id="pairing">only in A: {r["only_in_a"]}, only in B: {r["only_in_b"]}</p>'
         + "".join(f'<p class="unjudged">{esc(line)}</p>' for line in _unjudged(r))
         + "".join(

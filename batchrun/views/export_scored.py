@@ -63,7 +63,8 @@ from batchrun.views.export_rows import (
 )
 from batchrun.views.score import run_wanted
 
-SCORING_DISCARDS = ("failed_check", "unscored")  # discards that are judged samples, not broken ones
+# Discards that are judged samples, not broken ones (scorer_error: an older run's were "unscored")
+SCORING_DISCARDS = ("failed_check", "scorer_error", "unscored")
 
 
 def split_prompt(

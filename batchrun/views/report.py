@@ -1097,7 +1097,7 @@ def section_scores(d: RunData) -> str:
                     f"{planned['pass_rate_of_planned']:.1%}",
                     "passed of all planned",
                     f"{fmt_int(scores.get('passed', 0))} of {fmt_int(planned['samples_planned'])} samples: "
-                    "those not judged count as not passed",
+                    "scorer errors and samples without an outcome count as not passed",
                 )
             )
     pass_at_k = scores.get("pass_at_k")
@@ -1107,14 +1107,21 @@ def section_scores(d: RunData) -> str:
     if finite_value(scores.get("mean_score")) is not None:
         cards.append(stat("mean_score", f"{scores['mean_score']:.3f}", "mean score"))
     errors = finite_value(scores.get("scorer_errors")) or 0
+    unscored = finite_value(scores.get("unscored")) or 0
     pending = finite_value(scores.get("samples_pending")) or 0
+    # Says what its figure holds: it read "4 not judged · 1 scorer errors · 1 samples without an outcome",
+    # the 4 being 3 unscored and 1 error, and the sample without an outcome none of them.
     cards.append(
         stat(
             "unscored",
-            fmt_int((finite_value(scores.get("unscored")) or 0) + errors),
+            fmt_int(unscored + errors),
             "not judged",
-            f"{fmt_int(errors)} scorer errors"
-            + (f" · {fmt_int(pending)} samples without an outcome (failed or not run)" if pending else ""),
+            f"{fmt_int(unscored)} unscored (nothing to judge them by) · {fmt_int(errors)} scorer errors"
+            + (
+                f"; not counted here: {fmt_int(pending)} samples without an outcome (failed or not run)"
+                if pending
+                else ""
+            ),
         )
     )
     shared = collections.Counter(label for label, _ in seen.rows)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from batchrun.identity import record_sample
+from batchrun.identity import Line, kept_line, lines_matter, record_sample, superseded_discards
 from batchrun.record import read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import RunDirBusy, check_run_dir, holding
 from batchrun.scoring import (
@@ -88,35 +88,52 @@ def run_samples(
     """Every sample a run holds a record of, kept trajectories first, then discarded ones, then partial
     ones ``--exclude_partial`` left in the batch files only: each
     (row, sample) as often as the run's dataset wanted it (``wanted``, by default :func:`run_wanted`;
-    others once: a sample re-run by --rerun_discarded, whose old discard stays in discarded.jsonl,
-    counts once), as the run's own scores count them. Each record comes with its (row key, sample
-    index) and its copy: 0, or n for the n-th further copy of a (row, sample) that identical rows want."""
+    others once), as the run's own scores count them. A discard that no longer stands for its sample (it
+    ran again, --rerun_discarded or a raised --stop_after_passes, and was kept or discarded again:
+    :func:`~batchrun.identity.superseded_discards`) is left out, as statistics.json leaves it out: the
+    first discard of a sample found was taken, so a re-scoring judged a reply the run no longer holds,
+    and compared, a sample's stale verdict met the other run's. Each record comes with its (row key,
+    sample index) and its copy: 0, or n for the n-th further copy of a (row, sample) that identical rows
+    want."""
     wanted = run_wanted(run_dir) if wanted is None else wanted
     out: list[tuple[dict[str, Any], tuple[str, int], int]] = []
     counted: collections.Counter[tuple[str, int]] = collections.Counter()
-    sources = [iter_jsonl(run_dir / "trajectories.jsonl")]
-    sources.append(
-        row["record"]
-        for row in iter_jsonl(run_dir / "discarded.jsonl")
-        if valid_outcome_row(row, "reason") and isinstance(row.get("record"), dict)
-    )
-    # Partial samples --exclude_partial left in the batch files only: judged samples all the same.
+    discards = run_dir / "discarded.jsonl"
+    note_lines = lines_matter(discards)  # a kept record's line is held only beside discards
+    kept_at: collections.Counter[Line] = collections.Counter()
+
+    def take(rec: Any, kept: bool) -> None:
+        if not valid_record(rec):
+            return
+        if kept and note_lines and (line := kept_line(rec)) is not None:
+            kept_at[line] += 1
+        key = record_sample(rec)
+        if counted[key] < wanted.get(key, 1):
+            out.append((rec, key, counted[key]))
+            counted[key] += 1
+
+    for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
+        take(rec, kept=True)
+    # Partial samples --exclude_partial left in the batch files only: judged samples all the same (after
+    # the discards, as the run's scores count them; their lines supersede discards too).
     # Only the lines that can be one are parsed: every kept record is in the batch files too, and parsing
     # them all again was a third of what a view of a 100,000-sample run cost.
-    sources.append(
+    partial = [
         rec
         for _, path in batch_files(run_dir)
         for rec in iter_jsonl(path, PARTIAL_LINE)
-        if isinstance(rec, dict) and rec.get("partial") is True
-    )
-    for source in sources:
-        for rec in source:
-            if not valid_record(rec):
-                continue
-            key = record_sample(rec)
-            if counted[key] < wanted.get(key, 1):
-                out.append((rec, key, counted[key]))
-                counted[key] += 1
+        if isinstance(rec, dict) and rec.get("partial") is True and valid_record(rec)
+    ]
+    if note_lines:
+        for rec in partial:
+            if (line := kept_line(rec)) is not None:
+                kept_at[line] += 1
+        stale = superseded_discards(discards, kept_at)
+        for n, row in enumerate(iter_jsonl(discards)):
+            if n not in stale and valid_outcome_row(row, "reason") and isinstance(row.get("record"), dict):
+                take(row["record"], kept=False)
+    for rec in partial:
+        take(rec, kept=False)
     return out
 
 

@@ -214,17 +214,25 @@ def test_every_record_loads_with_datasets_and_score_columns_have_types(tmp_path)
 
 
 def test_keep_passed_discards_failed_checks_and_resume_never_reruns_them(server, tmp_path):
-    dataset = write_rows(tmp_path / "d.jsonl", [*ANSWER_ROWS, {"id": "free", "prompt": "Say hi"}])
+    # A verify that reports a score above 1 is a scorer error: discarded as one (it was "unscored", beside
+    # statistics.json's scores counting it a scorer error and no unscored sample).
+    broken = {"id": "broken", "prompt": "Say hi [calls:0]", "verify": """echo '{"score": 2}'"""}
+    dataset = write_rows(tmp_path / "d.jsonl", [*ANSWER_ROWS, {"id": "free", "prompt": "Say hi"}, broken])
     out = tmp_path / "data"
     run(server, dataset, out, keep="passed")
     run_dir = out / "run"
     assert sorted(_by_id(run_dir / "trajectories.jsonl")) == ["city", "sum-right"]
     discards = {r["row_id"]: r for r in read_jsonl(run_dir / "discarded.jsonl")}
-    assert {k: r["reason"] for k, r in discards.items()} == {"sum-wrong": "failed_check", "free": "unscored"}
+    assert {k: r["reason"] for k, r in discards.items()} == {
+        "sum-wrong": "failed_check",
+        "free": "unscored",
+        "broken": "scorer_error",
+    }
     assert json.loads(discards["sum-wrong"]["row_fields"])["answer"] == 43  # the row's fields travel
     stats = stats_of(run_dir)
-    assert stats["discarded"]["by_reason"] == {"failed_check": 1, "unscored": 1}
+    assert stats["discarded"]["by_reason"] == {"failed_check": 1, "unscored": 1, "scorer_error": 1}
     assert stats["scores"]["scored"] == 3 and stats["scores"]["passed"] == 2  # discards are judged samples
+    assert (stats["scores"]["unscored"], stats["scores"]["scorer_errors"]) == (1, 1)
     before = server.stats()["requests"]
     run(server, dataset, out, keep="passed", resume=True)
     assert server.stats()["requests"] == before  # a failed check is an outcome, not a failure

@@ -11,6 +11,7 @@ import json
 import math
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,63 @@ def test_the_row_interval_is_never_narrower_than_the_pairs_own():
     assert -0.06 < lo < 0.0 < hi < 0.06
 
 
+def test_compare_interval_leaves_out_0_only_where_mcnemar_finds_a_difference():
+    """8 rows, 3 pairs passed only in B and none only in A: "+37.5% (95% CI +5.3% to +85.9%)" beside
+    "McNemar exact p = 0.25", an interval that read as a sure gain the test did not find. With one pair a
+    row the interval is never narrower than the exact one the test agrees with (the discordant pairs'
+    share B passed, Clopper-Pearson), so it holds 0 exactly when p >= 0.05, whatever the pairs."""
+    pairs = [(False, True)] * 3 + [(True, True)] * 3 + [(False, False)] * 2
+    r = compare.compare_pairs(pairs, bootstrap=2000)
+    assert r["p_value"] == 0.25 and r["difference"] == 0.375
+    lo, hi = r["difference_95ci"]
+    assert lo < 0 < hi and lo == pytest.approx(3 / 8 * (2 * 0.025 ** (1 / 3) - 1))
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        pairs = [(rng.random() < 0.5, rng.random() < rng.choice((0.2, 0.5, 0.8))) for _ in range(n)]
+        r = compare.compare_pairs(pairs, bootstrap=200)
+        lo, hi = r["difference_95ci"]
+        assert (lo > 0 or hi < 0) <= (r["p_value"] < 0.05), (pairs, r)
+        assert lo <= r["difference"] <= hi
+
+
+def test_compare_interval_by_row_reaches_0_where_the_sign_flip_test_finds_nothing(capsys):
+    """5 rows of 4 pairs, B ahead in every row: the sign-flip test's p is 2/32 (5 rows can never give
+    less), yet the resampled interval left 0 out, a sure gain beside a test that did not find one."""
+    gains = [2, 1, 1, 2, 1]
+    pairs, rows = [], []
+    for row, gain in enumerate(gains):
+        pairs += [(False, True)] * gain + [(True, True)] * (4 - gain)
+        rows += [row] * 4
+    r = compare.compare_pairs(pairs, bootstrap=2000, rows=rows)
+    assert (r["p_value_test"], r["p_value"]) == ("sign_flip_by_row", 0.0625)
+    assert r["difference_95ci"][0] == 0.0 < r["difference"] < r["difference_95ci"][1]
+    assert r["difference_95ci_reaches_0_by_the_test"] is True
+    text = compare.text_report(
+        {
+            **r,
+            "run_a": "a",
+            "run_b": "b",
+            "only_in_a": 0,
+            "only_in_b": 0,
+            "by_toolsets": {},
+            "flipped_to_fail": [],
+            "flipped_to_pass": [],
+            **{k: 0 for k in ("unjudged_in_a", "unjudged_in_b", "judged_differently")},
+        }
+    )
+    assert (
+        "the interval is widened to 0: the resampled one left 0 out, but the sign-flip test by row does not find"
+        in text
+    )
+    rng = random.Random(9)
+    for _ in range(200):
+        pairs, rows = _simulated_comparison(rng, rng.randint(3, 12), rng.randint(2, 4))
+        r = compare.compare_pairs(pairs, bootstrap=200, rows=rows)
+        lo, hi = r["difference_95ci"]
+        assert (lo > 0 or hi < 0) <= (r["p_value"] < 0.05), (pairs, rows, r)
+
+
 def test_compare_pairs_figures():
     # 10 pairs: both pass 2, only A passes 5, only B passes 1, both fail 2.
     pairs = [(True, True)] * 2 + [(True, False)] * 5 + [(False, True)] * 1 + [(False, False)] * 2
@@ -116,8 +174,12 @@ def test_compare_pairs_figures():
     assert (r["pairs"], r["pass_rate_a"], r["pass_rate_b"]) == (10, 0.7, 0.3)
     assert r["difference"] == pytest.approx(-0.4)
     # Widened for 10 pairs as 10 rows are (t with 9 degrees of freedom): it reaches past 0, as McNemar's
-    # p = 0.22 says it should (the percentile interval alone stopped at 0.0 exactly).
-    assert r["difference_95ci"][0] < -0.4 < 0.0 < r["difference_95ci"][1] < 0.1
+    # p = 0.22 says it should (the percentile interval alone stopped at 0.0 exactly); and never narrower
+    # than the exact interval the test agrees with: 1 of the 6 discordant pairs B's, Clopper-Pearson
+    # [0.0042, 0.6412], times 6/10 as a difference: [-0.595, +0.169] (the bootstrap's reaches lower, to
+    # -0.89, and higher only to below +0.1).
+    assert r["difference_95ci"][0] < 0.6 * (2 * 0.0042107 - 1) < -0.4
+    assert r["difference_95ci"][1] == pytest.approx(0.6 * (2 * 0.6412 - 1), abs=1e-3)
     assert (r["passed_only_in_a"], r["passed_only_in_b"]) == (5, 1)
     assert r["mcnemar_p"] == pytest.approx(0.21875)
 
@@ -234,7 +296,9 @@ def test_compare_interval_with_one_sample_a_row_holds_with_few_rows():
     [
         ([(False, True)] * 6, [0, 0, 0, 1, 1, 1], 0.5, (-1.0, 1.0)),  # 2 rows: nothing shown
         ([(False, True)], None, 1.0, (-1.0, 1.0)),  # one pair alone bounds nothing
-        ([(False, True)] * 10, None, 0.001953125, (0.6755, 1.0)),  # 10 of 10: B better, not certainly by 100%
+        # 10 of 10: B better, not certainly by 100%; as wide as the exact interval McNemar's test agrees
+        # with (Clopper-Pearson for 10 of 10, 0.025^(1/10) = 0.6915, as 2 pi - 1)
+        ([(False, True)] * 10, None, 0.001953125, (2 * 0.025**0.1 - 1, 1.0)),
         ([(True, True)] * 40, [i // 4 for i in range(40)], 1.0, (-0.0568, 0.0568)),  # ties: not a certain 0
         ([(True, True)] * 1000, None, 1.0, (-0.00196, 0.00196)),
     ],
@@ -935,6 +999,69 @@ def test_lines_of_one_prompt_with_other_checks_are_paired_and_grouped_by_their_c
     assert (rescored["passed"], rescored["rows_scored"], rescored["pass_at_k"]["pass@2"]) == (2, 2, 0.5)
 
 
+def test_identical_lines_are_paired_and_grouped_by_their_occurrence(tmp_path, capsys):
+    """Identical lines' samples were paired (compare) and grouped into rows (pass@k) by the order they
+    ended in: a run compared with itself, its samples in another order, showed a row flipped each way,
+    and pass@k differed with the order. Each record says its line's occurrence; they go by it now."""
+    row = {"id": "d", "prompt": "Dup [answers:1|2] [calls:0]", "answer": 1}
+    out = tmp_path / "data"
+    run(
+        None,
+        write_rows(tmp_path / "d.jsonl", [row, row]),
+        out,
+        run_name="a",
+        samples_per_prompt=6,
+        seed_per_request=True,
+    )
+    a, b = out / "a", out / "b"
+    shutil.copytree(a, b)
+    path = b / "trajectories.jsonl"
+    recs = read_jsonl(path)
+    verdicts = {
+        (r["metadata"]["occurrence"], r["metadata"]["sample_index"]): r["score"]["passed"] for r in recs
+    }
+    assert any(verdicts[0, i] != verdicts[1, i] for i in range(6)), verdicts  # else order could not matter
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in sorted(recs, key=lambda r: -r["metadata"]["occurrence"])),
+        "utf-8",
+    )
+    capsys.readouterr()
+    assert compare.main([str(a), str(b), "--json", f"--out={tmp_path / 'c.html'}"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pairs"], r["flipped_to_fail"], r["flipped_to_pass"]) == (12, [], [])
+    assert r["pass_rate_a"] == r["pass_rate_b"]
+    expected = stats_of(a)["scores"]["pass_at_k"]
+    for run_dir in (a, b):
+        assert score.main([str(run_dir), "--scorer=numeric", "--name=again"]) == 0
+        assert stats_of(run_dir)["scores"]["rescored"]["again"]["pass_at_k"] == expected
+
+
+def test_views_judge_a_sample_discarded_again_by_its_latest_discard(tmp_path, capsys):
+    """A sample discarded, run again (--rerun_discarded) and discarded again has two rows in
+    discarded.jsonl; statistics.json counts the latest. The views took the first: a re-scoring judged a
+    reply the run no longer holds, and compare met a stale verdict (2 of 6 "passed" where 1 of 6 did)."""
+    row = {"prompt": "Coin [answers:1 2|2|1] [calls:0]", "answer": 1}
+    dataset, out = write_rows(tmp_path / "d.jsonl", [row]), tmp_path / "data"
+    flags = dict(samples_per_prompt=6, keep="passed", seed_per_request=True, scorer="numeric")
+    run(None, dataset, out, **flags)
+    run(None, dataset, out, resume=True, rerun_discarded=True, force_resume=True, seed=1, **flags)
+    a = out / "run"
+    latest = {}
+    for line in read_jsonl(a / "discarded.jsonl"):
+        latest.setdefault(line["sample_index"], []).append(line["record"])
+    assert any(len(recs) == 2 for recs in latest.values()), latest  # a sample discarded twice
+    samples = score.run_samples(a)
+    assert sorted(index for _, (_, index), _ in samples) == list(range(6))
+    for rec, (_, index), _ in samples:
+        if index in latest:
+            assert rec == latest[index][-1]
+    # Judged again by another scorer, as the run's latest outcomes are: no stale reply among them.
+    assert score.main([str(a), "--scorer=includes", "--answer_pattern=ANSWER: (.*)", "--name=inc"]) == 0
+    finals = [rec["conversations"][-1]["value"] for rec, _, _ in samples]
+    rescored = stats_of(a)["scores"]["rescored"]["inc"]
+    assert rescored["passed"] == sum(bool(re.search(r"ANSWER: .*\b1\b", text)) for text in finals)
+
+
 def test_a_view_parses_each_record_once_and_takes_its_saved_row_key(tmp_path, monkeypatch):
     """The views read a run's samples from trajectories.jsonl, and the partial ones --exclude_partial left
     out from the batch files, which hold every kept record too: each of those was parsed again to be
@@ -1093,7 +1220,11 @@ def test_failed_samples_nothing_can_judge_are_not_pending_nor_planned(server, tm
     assert "1 passed of 4 samples planned (25.0%" in capsys.readouterr().out
     page = (out / "run" / "report.html").read_text("utf-8")
     assert 'data-stat="pass_rate_of_planned">25.0%<' in page
-    assert "2 samples without an outcome (failed or not run)" in page
+    # The card of those not judged says what it counts, and that these are none of them.
+    assert (
+        "0 unscored (nothing to judge them by) · 0 scorer errors; not counted here: 2 samples without an outcome (failed or not run)"
+        in page
+    )
     assert score.main([str(out / "run"), "--scorer=includes"]) == 0
     assert "1 passed of 3 samples planned (33.3%" in capsys.readouterr().out
     again = stats_of(out / "run")["scores"]["rescored"]["includes"]
