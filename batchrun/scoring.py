@@ -900,11 +900,20 @@ def _joined(a: str, b: str) -> bool:
     return a.isalpha() and b.isalpha() and not (_unspaced(a) or _unspaced(b))
 
 
+# A wanted answer that is an expression: an operator between two terms ("a+b", "x=5"; not "+", "-5", "C++").
+_EXPRESSION_RE = re.compile(r"[^\s+\-*/^=<>][-+*/^=<>]+[^\s+\-*/^=<>]")
+_BINDING_MARKS = "+-*/^()[]{}"  # beside an expression they make it part of a longer one
+
+
 def includes_whole(text: str, want: str) -> bool:
     """``want`` occurs in ``text`` as a whole: not as part of a longer word or number (after normalize:
-    "4" is not in "42", "-4", "0.4" or "4.5"; "cat" not in "category"; "北京" is in "答案是北京")."""
+    "4" is not in "42", "-4", "0.4" or "4.5"; "cat" not in "category"; "北京" is in "答案是北京"), and an
+    expression not as part of a longer one: "a+b" is not in "(a+b)*c" (a bracket normalize kept groups),
+    "c-a+b" or "a+b^2", "x+1" not in "2x+1"; a relation or a space still bounds it ("y=x+1" holds "x+1",
+    as "x=4" holds "4")."""
     if not want:
         return True
+    expression = _EXPRESSION_RE.search(want) is not None
     at = text.find(want)
     while at >= 0:
         end = at + len(want)
@@ -923,10 +932,17 @@ def includes_whole(text: str, want: str) -> bool:
         right_ok = not (after and _joined(want[-1], after))
         if right_ok and want[-1].isdigit() and after == "." and end + 1 < len(text):
             right_ok = not text[end + 1].isdigit()  # a decimal part follows
+        if expression and left_ok and right_ok:
+            left_ok, right_ok = not _binds_expression(before), not _binds_expression(after)
         if left_ok and right_ok:
             return True
         at = text.find(want, at + 1)
     return False
+
+
+def _binds_expression(ch: str) -> bool:
+    """Whether ``ch`` beside an expression makes it part of a longer one (a term touching it: "2x+1")."""
+    return bool(ch) and (ch in _BINDING_MARKS or (ch.isalnum() and not _unspaced(ch)))
 
 
 def acceptable(answer: Any) -> list[Any]:

@@ -1655,6 +1655,29 @@ def test_includes_reads_brackets_as_exact_does(text, answer, passed):
     assert judged(text, answer, "includes")["passed"] is passed
 
 
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # An expression is found only as a whole one, as a number is ("4" is not in "42"): the part of a
+        # longer expression passed for it.
+        ("(a + b) * c is the answer", "a + b", False),
+        ("It is f(a + b).", "a + b", False),
+        ("So it is 2x + 1.", "x + 1", False),
+        ("It is x + 1^2.", "x + 1", False),
+        ("It is c - a + b.", "a + b", False),
+        # A relation, a space or a sentence's marks still bound it; a number keeps its old reading.
+        ("So y = x + 1.", "x + 1", True),
+        ("x + 1 > 0 holds", "x + 1", True),
+        ("The answer is (a + b) * c.", "(a + b) * c", True),
+        ("ANSWER: x = 4, y = 5", "x = 4", True),
+        ("ANSWER: 5-10", "10", True),
+        ("答案是x+1", "x+1", True),  # no spaces between words: any place
+    ],
+)
+def test_includes_finds_an_expression_only_as_a_whole_one(text, answer, passed):
+    assert judged(text, answer, "includes")["passed"] is passed
+
+
 def test_a_dropped_mark_keeps_apart_what_it_stood_between():
     """A bracket or comma that goes is no join: "2(3)" is not "23", "1, (2+3)*4" not "1(2+3)*4"."""
     assert normalize("2(3)") == "2 3"
