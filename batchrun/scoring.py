@@ -628,9 +628,10 @@ def _opens_line(text: str, at: int) -> bool:
     return i < 0 or text[i] == "\n"
 
 
-def _kept_marks(text: str, start: int, end: int) -> str:
+def _kept_marks(text: str, start: int, end: int, held: bool = False) -> str:
     """What stays of the punctuation run ``text[start:end]`` (between numbers): its operators that are
-    operators, or a word's own symbols; a run with nothing kept between two digits is a space."""
+    operators, or a word's own symbols; a run with nothing kept between two digits is a space. With
+    ``held``, its brackets and commas stay too, where they stand, for :func:`_bracketed` to decide."""
     run = text[start:end]
     left, right = text[start - 1] if start else "", text[end] if end < len(text) else ""
     between_digits = left.isdigit() and right.isdigit()
@@ -651,36 +652,164 @@ def _kept_marks(text: str, start: int, end: int) -> str:
     ):
         return ""  # a hyphen inside a word
     kept = "".join(ch for ch in run if ch in OPERATORS)
+    emphasis = False
     if "*" in kept:
         open_left, open_right = (not left or left.isspace()), (not right or right.isspace())
         if not left or not right or open_left != open_right:
-            kept = kept.replace("*", "")  # emphasis
+            kept, emphasis = kept.replace("*", ""), True
+    symbols = 0  # how many of the run's first marks are a word's own symbols
     if not kept and not between_digits and left.isalpha():
         kept = _WORD_SYMBOLS_RE.match(run)[0]  # type: ignore[index]
-    return kept or (" " if between_digits else "")
+        symbols = len(kept)
+    if not held or not any(ch in _HELD_MARKS for ch in run):
+        return kept or (" " if between_digits else "")
+    # The same marks, in the run's order, with its brackets and commas between them; nothing else kept
+    # between two digits: a space for each stretch of other marks (a dropped bracket: see _bracketed).
+    if kept or not between_digits:
+        rest = run[symbols:].translate(_HELD_ONLY if symbols or not kept else _HELD_AND_OPERATORS)
+        return run[:symbols] + (rest.replace("*", "") if emphasis else rest)
+    return _OTHER_MARKS_RE.sub(" ", run)
 
 
-def _gap_without_punctuation(text: str, lo: int, hi: int) -> str:
+def _gap_without_punctuation(text: str, lo: int, hi: int, held: bool = False) -> str:
     """``text[lo:hi]`` (text between numbers) without its punctuation but for what :func:`_kept_marks`
     keeps: removed, "1/2" was "12" (and passed for it), "10-20" "1020", "x + 1" "x - 1"."""
     out, at = [], lo
     for run in _PUNCT_RUN_RE.finditer(text, lo, hi):
-        out += [text[at : run.start()], _kept_marks(text, run.start(), run.end())]
+        out += [text[at : run.start()], _kept_marks(text, run.start(), run.end(), held)]
         at = run.end()
     return "".join(out) + text[at:hi]
 
 
 def _without_punctuation(text: str) -> str:
     text = _DATE_RE.sub(r"\1 \3 \4", text.translate(_TO_ASCII_MINUS))
+    held = any(ch in text for ch in _OPENERS)  # no group, no bracket or comma to weigh: all go, as ever
     out, done = [], 0
     for m in _SIGNED_NUMBER_RE.finditer(text):
         out += [
-            _gap_without_punctuation(text, done, m.start()),
+            _gap_without_punctuation(text, done, m.start(), held),
             m.group(1) + m.group(2).replace(",", "") + m.group(3),
         ]
         done = m.end()
-    out.append(_gap_without_punctuation(text, done, len(text)))
-    return _tightened("".join(out))
+    out.append(_gap_without_punctuation(text, done, len(text), held))
+    return _tightened(_bracketed("".join(out)) if held else "".join(out))
+
+
+# Brackets: what they enclose is one term, and where that changes what the answer says they stay. Removed
+# as punctuation, "(a + b) * c" was "a + b * c", "2(x+1)" "2x+1", "-(3+4)" "-3+4", and the intervals
+# "(0, 1)", "[0, 1]" and "[0, 1)" were one answer (each passed exact for the other). A pair (any opening
+# bracket with the next closing one: "[0, 1)" is a pair) stays when
+# * it holds a comma at its own level (an interval, a point, a tuple, a set: "(0, 1]", "{1, 2}"), its
+#   commas with it, but for a list of words ("[Paris, London]", "(France, Europe)"), or when
+# * it holds an operator at its own level ("(a + b)", "(-3)") and binds it to a neighbour: an operator
+#   ("(a + b) * c", "-(3+4)", "(-3)^2") or a term touching it ("2(x+1)", "(x-1)(x+2)", "f(x+1)").
+# Any other pair is decoration and goes, as before: around a whole answer or a word ("(B)", "[Paris]",
+# "(42)", "Paris (France)"), around one term ("f(x)" is "fx", "2(x)" "2x", "-(3)" "-3"), and a group
+# nothing binds ("(a + b)" is "a + b", "x = (a+b)" "x=a+b"). Inside a kept pair the spaces after its
+# opening bracket, before its closing one and around its commas do not count ("( a + b )" is "(a+b)",
+# "(0, 1)" "(0,1)"); an unpaired bracket goes.
+_OPENERS, _CLOSERS = "([{", ")]}"
+_HELD_MARKS = "()[]{},"
+_HELD_ONLY = str.maketrans(dict.fromkeys(c for c in string.punctuation if c not in _HELD_MARKS))
+_HELD_AND_OPERATORS = str.maketrans(
+    dict.fromkeys(c for c in string.punctuation if c not in _HELD_MARKS + OPERATORS)
+)
+_OTHER_MARKS_RE = re.compile(r"[^()\[\]{},]+")
+_BRACKETED_RE = re.compile(r"[()\[\]{},]|[-+*/^=<>]")
+_LOOSE = "=<>,"  # a relation or a list's comma beside a group binds it to nothing
+_WORDS_RE = re.compile(r"\s*[^\W\d_]{2,}(?:\s+[^\W\d_]{2,})*\s*")  # a word or words, no letter alone
+_SPACES = " \t\n\r"
+
+
+def _binds(text: str, opener: int, closer: int) -> bool:
+    """Whether a neighbour binds the group ``text[opener:closer + 1]`` to more: an operator (spaces
+    between allowed), or a term or another group touching it. Looked at back to the first other
+    character only (linear: each stretch of spaces is crossed by the pairs beside it only)."""
+    i = opener - 1
+    while i >= 0 and text[i] in _SPACES:
+        i -= 1
+    j = closer + 1
+    while j < len(text) and text[j] in _SPACES:
+        j += 1
+    before = text[i] if i >= 0 else ""
+    after = text[j] if j < len(text) else ""
+    if before and before not in _LOOSE + _OPENERS and (before in OPERATORS or i == opener - 1):
+        return True
+    return bool(after and after not in _LOOSE + _CLOSERS and (after in OPERATORS or j == closer + 1))
+
+
+def _words_only(text: str, bounds: list[int], grouped: Any) -> bool:
+    """Whether each part of a group, between the marks at ``bounds``, is a word or words (a list of them,
+    no interval or tuple: "[Paris, London]")."""
+    return all(
+        part not in grouped and _WORDS_RE.fullmatch(text, bounds[part] + 1, bounds[part + 1])
+        for part in range(len(bounds) - 1)
+    )
+
+
+def _bracketed(text: str) -> str:
+    """``text`` (its punctuation removed but for operators, brackets and commas) with the brackets that
+    group and the commas of the groups they hold, the others removed (see above). In one pass; a dropped
+    mark between two digits leaves a space (as a removed mark there always did: "2(3)" is not "23")."""
+    # Per open group: where it opens, an operator at its level, its commas, which of its parts (between
+    # two commas) hold a group (such a part is no word). The last two made when first needed.
+    stack: list[list[Any]] = []
+    kept: set[int] = set()
+    marks: list[int] = []
+    for m in _BRACKETED_RE.finditer(text):
+        ch, at = m[0], m.start()
+        if ch in OPERATORS:
+            if stack:
+                stack[-1][1] = True
+            continue
+        marks.append(at)
+        if ch in _OPENERS:
+            stack.append([at, False, None, None])
+        elif ch == ",":
+            if stack:
+                if stack[-1][2] is None:
+                    stack[-1][2] = []
+                stack[-1][2].append(at)
+        elif stack:
+            opener, operator, commas, grouped = stack.pop()
+            if commas and not _words_only(text, [opener, *commas, at], grouped or ()):
+                kept.update(commas)
+                kept.update((opener, at))
+            elif operator and _binds(text, opener, at):
+                kept.update((opener, at))
+            if stack:
+                parent = stack[-1]
+                if parent[3] is None:
+                    parent[3] = set()
+                parent[3].add(len(parent[2] or ()))
+                if operator and opener not in kept:
+                    parent[1] = True  # a group that goes leaves its operators at its parent's level
+    # A mark that goes leaves a space where it kept two apart: two digits ("2(3)" is not "23"), or a
+    # group and what a comma stood between it and ("1, (2+3)*4" is not "1(2+3)*4").
+    out: list[str] = []
+    last, gap, closed = "", "", False  # the last character out, what went since (",": a comma), a group's?
+    at, strip = 0, False
+    for mark in (*marks, len(text)):
+        ch = text[mark] if mark < len(text) else ""
+        keep = mark in kept
+        piece = text[at:mark].lstrip(_SPACES) if strip else text[at:mark]
+        if keep and ch not in _OPENERS:
+            piece = piece.rstrip(_SPACES)
+        for part, is_mark in ((piece, False), (ch if keep else "", True)):
+            if not part:
+                continue
+            opens = is_mark and ch in _OPENERS
+            if (gap and last.isdigit() and part[0].isdigit()) or (
+                gap == "," and last and not last.isspace() and (closed or opens)
+            ):
+                out.append(" ")
+            out.append(part)
+            last, gap, closed = part[-1], "", is_mark and ch in _CLOSERS
+        if ch and not keep:
+            gap = "," if "," in (ch, gap) else "("
+        strip = keep and ch not in _CLOSERS
+        at = mark + 1
+    return "".join(out)
 
 
 # A run of operators, spaces between them allowed ("= -" in "x = - 5"): one pattern char, then spaces and
@@ -771,11 +900,20 @@ def _joined(a: str, b: str) -> bool:
     return a.isalpha() and b.isalpha() and not (_unspaced(a) or _unspaced(b))
 
 
+# A wanted answer that is an expression: an operator between two terms ("a+b", "x=5"; not "+", "-5", "C++").
+_EXPRESSION_RE = re.compile(r"[^\s+\-*/^=<>][-+*/^=<>]+[^\s+\-*/^=<>]")
+_BINDING_MARKS = "+-*/^()[]{}"  # beside an expression they make it part of a longer one
+
+
 def includes_whole(text: str, want: str) -> bool:
     """``want`` occurs in ``text`` as a whole: not as part of a longer word or number (after normalize:
-    "4" is not in "42", "-4", "0.4" or "4.5"; "cat" not in "category"; "北京" is in "答案是北京")."""
+    "4" is not in "42", "-4", "0.4" or "4.5"; "cat" not in "category"; "北京" is in "答案是北京"), and an
+    expression not as part of a longer one: "a+b" is not in "(a+b)*c" (a bracket normalize kept groups),
+    "c-a+b" or "a+b^2", "x+1" not in "2x+1"; a relation or a space still bounds it ("y=x+1" holds "x+1",
+    as "x=4" holds "4")."""
     if not want:
         return True
+    expression = _EXPRESSION_RE.search(want) is not None
     at = text.find(want)
     while at >= 0:
         end = at + len(want)
@@ -794,10 +932,17 @@ def includes_whole(text: str, want: str) -> bool:
         right_ok = not (after and _joined(want[-1], after))
         if right_ok and want[-1].isdigit() and after == "." and end + 1 < len(text):
             right_ok = not text[end + 1].isdigit()  # a decimal part follows
+        if expression and left_ok and right_ok:
+            left_ok, right_ok = not _binds_expression(before), not _binds_expression(after)
         if left_ok and right_ok:
             return True
         at = text.find(want, at + 1)
     return False
+
+
+def _binds_expression(ch: str) -> bool:
+    """Whether ``ch`` beside an expression makes it part of a longer one (a term touching it: "2x+1")."""
+    return bool(ch) and (ch in _BINDING_MARKS or (ch.isalnum() and not _unspaced(ch)))
 
 
 def acceptable(answer: Any) -> list[Any]:

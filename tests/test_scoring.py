@@ -1581,6 +1581,157 @@ def test_an_answers_signs_and_operators_are_part_of_it(text, answer, scorer, pas
     assert judged(text, answer, scorer)["passed"] is passed
 
 
+# Brackets that group: removed as punctuation, each of these passed exact for the other.
+BRACKETS_THAT_GROUP = [
+    ("ANSWER: (a + b) * c", "a + b * c"),
+    ("ANSWER: a + b * c", "(a + b) * c"),
+    ("ANSWER: 2(x+1)", "2x+1"),
+    ("ANSWER: 2x+1", "2(x+1)"),
+    ("ANSWER: (x-1)(x+2)", "x-1x+2"),
+    ("ANSWER: -(3+4)", "-3+4"),
+    ("ANSWER: (-3)^2", "-3^2"),
+    ("ANSWER: a/(b+c)", "a/b+c"),
+    ("ANSWER: e^(x+1)", "e^x+1"),
+    ("ANSWER: f(x+1)", "fx+1"),
+    ("ANSWER: (x^2 + 1)/(x - 1)", "x^2 + 1/x - 1"),
+    ("ANSWER: 2((a+b))", "2a+b"),
+    # Intervals, points, sets: open or closed, a pair or a list.
+    ("ANSWER: (0, 1)", "[0, 1]"),
+    ("ANSWER: [0, 1)", "(0, 1]"),
+    ("ANSWER: (0, 1]", "[0, 1)"),
+    ("ANSWER: (0,1)", "[0,1]"),
+    ("ANSWER: (0, 1)", "0, 1"),
+    ("ANSWER: {1, 2}", "(1, 2)"),
+    ("ANSWER: (a, b]", "[a, b]"),
+    ("ANSWER: (0, \u03c0)", "[0, \u03c0]"),
+    ("ANSWER: x \u2208 (0, 1)", "x \u2208 [0, 1]"),
+    (r"\boxed{(0, 1]}", "[0, 1]"),
+]
+# Brackets that decorate, or that group nothing another reading would change: still alike.
+BRACKETS_THAT_DECORATE = [
+    ("ANSWER: (B)", "B"),
+    ("ANSWER: [Paris]", "Paris"),
+    ("ANSWER: (Paris)", "Paris"),
+    ('ANSWER: "Paris"', "Paris"),
+    ("ANSWER: **Paris**", "Paris"),
+    ("ANSWER: Paris.", "Paris"),
+    ("ANSWER: (42)", "42"),
+    ("ANSWER: (42)", 42),
+    ("ANSWER: **(B)**", "B"),
+    ("ANSWER: (B).", "B"),
+    ("ANSWER: {B}", "B"),
+    ("ANSWER: (A) Paris", "A Paris"),
+    ("ANSWER: Paris (France)", "Paris France"),
+    ("ANSWER: [Paris, London]", "Paris, London"),  # a list of words, no interval
+    ("ANSWER: (C++)", "C++"),
+    (r"\boxed{\text{(A)}}", "(A)"),
+    (r"\boxed{(A)}", "A"),
+    # One term in brackets is that term: "f(x)" is "fx" (as before), "-(3)" "-3".
+    ("ANSWER: f(x)", "fx"),
+    ("ANSWER: -(3)", "-3"),
+    ("ANSWER: (-3)", "-3"),
+    ("ANSWER: e^(2)", "e^2"),
+    ("ANSWER: (x)(x+1)", "x(x+1)"),
+    # A group nothing binds is the same expression without its brackets.
+    ("ANSWER: (a + b)", "a + b"),
+    ("ANSWER: x = (a + b)", "x = a + b"),
+    ("ANSWER: ((a+b)*c)", "(a+b)*c"),
+    ("ANSWER: ((a+b))", "a+b"),
+    # The spaces inside a kept group do not count, as around an operator.
+    ("ANSWER: ( a + b ) * c", "(a+b)*c"),
+    ("ANSWER: (a + b) * c", "(a+b)*c"),
+    ("ANSWER: 2 * (x + 1)", "2*(x+1)"),
+    ("ANSWER: (0, 1)", "(0,1)"),
+    ("ANSWER: [ 0 , 1 )", "[0,1)"),
+    ("ANSWER: (0, 1]", "(0, 1]"),
+    ("ANSWER: (-\u221e, 3)", "(-\u221e,3)"),
+    ("ANSWER: x = (1, 2)", "x=(1,2)"),
+    (r"\boxed{(0, 1]}", "(0, 1]"),
+]
+
+
+@pytest.mark.parametrize(("text", "answer"), BRACKETS_THAT_GROUP)
+def test_brackets_that_group_are_part_of_the_answer(text, answer):
+    score = judged(text, answer, "exact")
+    assert score["passed"] is False, score
+
+
+@pytest.mark.parametrize(("text", "answer"), BRACKETS_THAT_DECORATE)
+def test_brackets_that_decorate_are_not(text, answer):
+    assert judged(text, str(answer), "exact")["passed"] is True
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        ("The answer is (B).", "B", True),
+        ("The answer is (a + b).", "a + b", True),
+        ("The interval is (0, 1].", "(0, 1]", True),
+        ("The interval is (0, 1].", "[0, 1]", False),
+        ("The interval is (0, 1].", "0, 1", False),
+        ("So x = 2(x + 1).", "2x + 1", False),
+    ],
+)
+def test_includes_reads_brackets_as_exact_does(text, answer, passed):
+    assert judged(text, answer, "includes")["passed"] is passed
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed"),
+    [
+        # An expression is found only as a whole one, as a number is ("4" is not in "42"): the part of a
+        # longer expression passed for it.
+        ("(a + b) * c is the answer", "a + b", False),
+        ("It is f(a + b).", "a + b", False),
+        ("So it is 2x + 1.", "x + 1", False),
+        ("It is x + 1^2.", "x + 1", False),
+        ("It is c - a + b.", "a + b", False),
+        # A relation, a space or a sentence's marks still bound it; a number keeps its old reading.
+        ("So y = x + 1.", "x + 1", True),
+        ("x + 1 > 0 holds", "x + 1", True),
+        ("The answer is (a + b) * c.", "(a + b) * c", True),
+        ("ANSWER: x = 4, y = 5", "x = 4", True),
+        ("ANSWER: 5-10", "10", True),
+        ("答案是x+1", "x+1", True),  # no spaces between words: any place
+    ],
+)
+def test_includes_finds_an_expression_only_as_a_whole_one(text, answer, passed):
+    assert judged(text, answer, "includes")["passed"] is passed
+
+
+def test_a_dropped_mark_keeps_apart_what_it_stood_between():
+    """A bracket or comma that goes is no join: "2(3)" is not "23", "1, (2+3)*4" not "1(2+3)*4"."""
+    assert normalize("2(3)") == "2 3"
+    assert normalize("1, (2+3)*4") == "1 (2+3)*4"
+    assert normalize("(0, 1), (2, 3)") == "(0,1) (2,3)"
+    assert normalize("(0, 1") == "0 1"  # an unpaired bracket goes
+    assert normalize("1) Paris") == "1 paris"
+
+
+@pytest.mark.timeout(120)
+def test_brackets_are_read_in_linear_time():
+    """The groups are weighed in one pass: deep nesting, long groups, long runs of spaces beside them."""
+    import time
+
+    n = 200_000
+    texts = (
+        "(" * n,
+        ")" * n,
+        "(a+" * (n // 3),
+        "(1+" * (n // 3) + ")" * (n // 3),
+        "(a," * (n // 3) + ")" * (n // 3),
+        "((a,b)," * (n // 7),
+        "(" + " " * n + ")",
+        "(a+b)" + " " * n + "*c",
+        "(" + "word, " * (n // 6) + ")",
+    )
+    start = time.monotonic()
+    for text in texts:
+        judged(text, "a + b", "exact")
+        judged(text, "a + b", "includes")
+    assert time.monotonic() - start < 60  # a hang guard, not a speed claim (about 3 s)
+
+
 @pytest.mark.parametrize(
     ("text", "answer", "passed"),
     [
