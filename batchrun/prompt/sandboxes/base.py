@@ -49,9 +49,13 @@ BACKGROUND_DIR = ".batch-runner-processes"
 # (the sandbox's command server) and the PIDs given as its arguments (a server's other processes),
 # round after round until none is left alive (a process forking in a loop is caught in the next round;
 # a zombie is dead already, but not one whose other threads still run: a thread group whose first
-# thread alone has exited shows state Z, its num_threads above 1). Builtins only, so that it never
-# counts a child of its own. Never run it where the PID namespace is the host's: it would kill every
-# process of the user it runs as.
+# thread alone has exited shows state Z, its num_threads above 1). Builtins only while it looks, so that
+# it never counts a child of its own; after 20 rounds it waits 20 ms between two (``sleep``, done before
+# the next look): a process killed may take a while to end on a loaded machine (its sandbox's CPU quota
+# spent, 8 runnable tasks a core), and 200 rounds back to back took well under a second there, so a
+# test's helper, killed, read "still alive after 200 rounds" and the sample got no verdict (a scorer
+# error). Never run it where the PID namespace is the host's: it would kill every process of the user it
+# runs as.
 END_PROCESSES_SCRIPT = r"""
 keep=" 1 $$ $* " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
@@ -72,6 +76,7 @@ while [ "$n" -lt 200 ]; do
         live=1
     done
     [ -n "$live" ] || exit 0
+    [ "$n" -gt 20 ] && { sleep 0.02 2>/dev/null || :; }
 done
 echo "batch-runner: processes left by the agent were still alive after $n rounds of kill -9"
 exit 1
