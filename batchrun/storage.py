@@ -177,6 +177,20 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+def cannot_write(path: Path) -> str | None:
+    """Why a write of ``path`` (through its temp file: :func:`write_text_atomic`) fails now, or None: the
+    temp file is made and removed, so a long job learns before it starts (a judge's re-scoring paid for
+    every call, then a read-only run directory, or a name too long for the filesystem, refused them)."""
+    tmp = temp_path(path)
+    try:
+        with tmp.open("w", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"cannot write {path}: {exc.strerror or exc}"
+    discard_temp(tmp)
+    return None
+
+
 def discard_temp(tmp: Path) -> None:
     try:
         tmp.unlink(missing_ok=True)

@@ -58,6 +58,7 @@ from batchrun.storage import (
     PARTIAL_LINE,
     WriteError,
     batch_files,
+    cannot_write,
     iter_jsonl,
     json_line,
     read_json_object,
@@ -66,6 +67,9 @@ from batchrun.storage import (
 )
 
 DEFAULT_CONCURRENCY, MAX_CONCURRENCY = 8, 256  # --concurrency: judge calls at once
+# --name: scores.<name>.jsonl and its temp file (.scores.<name>.jsonl.<pid>.tmp) stay within a file
+# name's 255 bytes (300 characters: every judge call paid, then "File name too long").
+MAX_NAME = 200
 
 # How long a judge that answers 503 while loading, or stopped answering, is waited for: the run's
 # --endpoint_grace default.
@@ -493,7 +497,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency",
         type=int,
-        default=DEFAULT_CONCURRENCY,
         help=f"samples judged at once by --scorer=judge (1 to {MAX_CONCURRENCY}, default {DEFAULT_CONCURRENCY})",
     )
     parser.add_argument(
@@ -508,13 +511,18 @@ def main(argv: list[str] | None = None) -> int:
         "--judge_api_key_env", default="JUDGE_API_KEY", help="variable holding the judge's key"
     )
     args = parser.parse_args(argv)
-    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+    if args.concurrency is not None and not 1 <= args.concurrency <= MAX_CONCURRENCY:
         parser.error(f"--concurrency must be from 1 to {MAX_CONCURRENCY}, not {args.concurrency}")
     try:
         settings = _settings(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.concurrency is not None and settings.judge is None:
+        # A flag that would do nothing is a mistake the user would want to hear of (as the runner's).
+        print("error: --concurrency applies only with the judge scorer (--scorer=judge)", file=sys.stderr)
+        return 2
+    concurrency = DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency
     problem = check_run_dir(args.run_dir)  # first: one this user cannot read raised on the check below
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -526,6 +534,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     name = args.name or "+".join(s.replace(":", "_") for s in settings.scorers)
+    if len(name) > MAX_NAME:
+        print(
+            f"error: --name: at most {MAX_NAME} characters (scores.<name>.jsonl is a file name), not "
+            f"{len(name)}" + ("" if args.name else ": the scorers' names make it; give a shorter --name"),
+            file=sys.stderr,
+        )
+        return 2
     if args.only_errors:
         differs = differs_from_run(args.run_dir, settings)
         if differs:  # before the judge's start check: nothing is asked of it
@@ -550,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone. Taken
         # before the judge's start check: a run directory a runner is resuming cost a judge call, then exit 2.
         with holding(args.run_dir, "python -m batchrun.views.score"):
+            # Before any judge call: a read-only run directory refused the verdicts of every call made.
+            for path in (args.run_dir / f"scores.{name}.jsonl", args.run_dir / "statistics.json"):
+                if problem := cannot_write(path):
+                    print(f"error: {problem}; nothing re-scored", file=sys.stderr)
+                    return 2
             judge = None
             # --only_errors on a run with no scorer error judges nothing: the judge is not asked (its start
             # check cost a call, and a judge gone since the run failed a re-scoring that needs none). The
@@ -575,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                 name,
                 judge,
                 stats.get("distribution", ""),
-                args.concurrency,
+                concurrency,
                 only_errors=args.only_errors,
                 samples=samples,
             )
@@ -639,12 +659,11 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
         )
     if args.name is not None and not re.fullmatch(r"[\w.+-]+", args.name):
         raise ValueError("--name: letters, digits, '.', '+', '-' and '_' only")
-    if args.answer_pattern is not None:
-        try:
-            re.compile(args.answer_pattern)
-        except re.error as exc:
-            raise ValueError(f"--answer_pattern is not a valid regular expression: {exc}") from None
-    from batchrun.config import MAX_DURATION_S, float_flag, is_http_url
+    from batchrun.config import MAX_DURATION_S, float_flag, is_http_url, normalize_flag, regex_flag
+
+    # The run's own flag readers: an empty pattern (a pattern of nothing) and ",," (no step named) were
+    # taken for none here, refused by the runner.
+    answer_pattern = regex_flag(args.answer_pattern, "answer_pattern")
 
     # As the run's flag reads it: a NaN or a negative tolerance failed every numeric answer, right ones too,
     # and one above 1 passed answers off by more than the answer itself.
@@ -656,21 +675,39 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
         manifest = read_json_object(args.run_dir / "run_manifest.json") or {}
         timeout = manifest.get("verify_timeout", 60.0)
     verify_timeout = float_flag(0, MAX_DURATION_S, low_open=True)(timeout, "verify_timeout")
-    steps = () if args.answer_normalize == "none" else tuple(s for s in args.answer_normalize.split(",") if s)
-    if any(s not in NORMALIZE_STEPS for s in steps):
-        raise ValueError(f"--answer_normalize: some of {', '.join(NORMALIZE_STEPS)}, or none")
+    steps = normalize_flag(args.answer_normalize, "answer_normalize")
     judge_settings = None
-    if "judge" in scorers:
+    var = args.judge_api_key_env
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+        raise ValueError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+    if "judge" not in scorers:
+        # As the runner: a judge's flag without the judge scorer is a forgotten --scorer=judge.
+        given = [n for n in ("judge_model", "judge_base_url") if getattr(args, n) is not None]
+        given += ["judge_api_key_env"] if var != "JUDGE_API_KEY" else []
+        if given:
+            raise ValueError(f"--{given[0]} applies only with the judge scorer (--scorer=judge)")
+    else:
         if not args.judge_model or not args.judge_base_url:
             raise ValueError("--scorer=judge needs --judge_model and --judge_base_url")
         if not is_http_url(args.judge_base_url):
             raise ValueError("--judge_base_url must be an http:// or https:// URL with a host")
-        judge_settings = JudgeSettings(
-            args.judge_model, args.judge_base_url, os.environ.get(args.judge_api_key_env) or None
-        )
+        key = os.environ.get(var) or None
+        if var != "JUDGE_API_KEY" and key is None:
+            raise ValueError(
+                f"--judge_api_key_env={var}: the environment variable {var} is not set or is empty"
+            )
+        url = args.judge_base_url
+        if key is None and ("openrouter.ai" in url or "api.openai.com" in url):
+            from batchrun.prompt.llm import safe_url
+
+            raise ValueError(
+                f"no API key for the judge at --judge_base_url={safe_url(url)}: set {var} "
+                "(the variable --judge_api_key_env names)"
+            )
+        judge_settings = JudgeSettings(args.judge_model, url, key)
     return ScoringSettings(
         scorers=scorers,
-        answer_pattern=args.answer_pattern,
+        answer_pattern=answer_pattern,
         numeric_tolerance=tolerance,
         normalize=steps,
         verify_timeout_s=verify_timeout,

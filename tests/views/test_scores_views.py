@@ -1381,6 +1381,91 @@ def test_a_judge_rescoring_that_cannot_reach_its_judge_stops_before_any_sample(t
     assert "rescored" not in stats_of(out / "run")["scores"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--scorer=includes", "--answer_pattern="], "--answer_pattern must not be empty"),
+        (
+            ["--scorer=includes", "--answer_normalize=,,"],
+            "--answer_normalize must be a comma-separated list of names (one is empty)",
+        ),
+        (["--scorer=includes", "--judge_model=j"], "--judge_model applies only with the judge scorer"),
+        (
+            ["--scorer=exact", "--judge_base_url=http://127.0.0.1:9/v1"],
+            "--judge_base_url applies only with the judge scorer",
+        ),
+        (
+            ["--scorer=exact", "--judge_api_key_env=MY_JUDGE_KEY"],
+            "--judge_api_key_env applies only with the judge scorer",
+        ),
+        (["--scorer=includes", "--concurrency=4"], "--concurrency applies only with the judge scorer"),
+        (
+            [
+                "--scorer=judge",
+                "--judge_model=j",
+                "--judge_base_url=http://127.0.0.1:9/v1",
+                "--judge_api_key_env=NO_SUCH_VAR_XYZ",
+            ],
+            "the environment variable NO_SUCH_VAR_XYZ is not set or is empty",
+        ),
+        (
+            [
+                "--scorer=judge",
+                "--judge_model=j",
+                "--judge_base_url=http://127.0.0.1:9/v1",
+                "--judge_api_key_env=a-b",
+            ],
+            "--judge_api_key_env must name an environment variable",
+        ),
+        (
+            ["--scorer=judge", "--judge_model=j", "--judge_base_url=https://openrouter.ai/api/v1"],
+            "no API key for the judge at --judge_base_url=https://openrouter.ai/api/v1",
+        ),
+        (["--scorer=includes", f"--name={'n' * 201}"], "--name: at most 200 characters"),
+    ],
+)
+def test_a_rescoring_refuses_what_the_run_refuses_before_anything(tmp_path, capsys, monkeypatch, flags, said):
+    """Each of these the runner refuses, and the re-scoring took: an empty pattern or ",," for none, a
+    judge's flag without the judge (ignored), a key variable not set (keyless), a hosted judge without a
+    key (its start check sent over the network first), --concurrency without the judge (it does
+    nothing), a name too long for a file (every judge call paid, then "File name too long")."""
+    monkeypatch.delenv("JUDGE_API_KEY", raising=False)
+    out = tmp_path / "data"
+    run(
+        None,
+        write_rows(tmp_path / "d.jsonl", [{"prompt": "Say 42 [calls:0] [answer:42]", "answer": 42}]),
+        out,
+    )
+    before = sorted(p.name for p in (out / "run").iterdir())
+    assert score.main([str(out / "run"), *flags]) == 2
+    assert said in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "run").iterdir()) == before
+
+
+def test_a_judge_rescoring_that_could_not_write_its_verdicts_asks_the_judge_nothing(server, tmp_path, capsys):
+    """A read-only run directory: the judge's start check and a call for every sample were paid for,
+    then "cannot write scores.judge.jsonl: Read-only file system". Now the write is tried first. (Here the
+    temp file's place is a directory: the same refusal from the filesystem, as root can write anywhere.)"""
+    from batchrun.storage import temp_path
+
+    out = tmp_path / "data"
+    rows = [{"prompt": f"Say 42 ({n}) [calls:0] [answer:42]", "rubric": "says 42"} for n in range(3)]
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    run_dir = out / "run"
+    temp_path(run_dir / "scores.judge.jsonl").mkdir()
+    argv = [
+        str(run_dir),
+        "--scorer=judge",
+        "--judge_model=judge-model",
+        f"--judge_base_url={server.base_url}",
+    ]
+    assert score.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "scores.judge.jsonl" in err and "nothing re-scored" in err, err
+    assert server.stats()["requests"] == 0
+    assert "rescored" not in stats_of(run_dir)["scores"]
+
+
 def test_a_judge_rescoring_judges_several_samples_at_once_in_their_order(tmp_path, capsys):
     """views.score judged one sample after another: 10,000 samples at 2 s a verdict took 5.5 hours. Now
     --concurrency of them at once (default 8), the lines in the samples' order as before."""
