@@ -671,10 +671,18 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
     # The run's own bound unless given: a pattern that backtracks on every answer held each sample the
     # default 60 s, one after another (a run judged with --verify_timeout=1: 2 samples took 120 s).
     timeout = args.verify_timeout
+    read_timeout = float_flag(0, MAX_DURATION_S, low_open=True)
     if timeout is None:
         manifest = read_json_object(args.run_dir / "run_manifest.json") or {}
-        timeout = manifest.get("verify_timeout", 60.0)
-    verify_timeout = float_flag(0, MAX_DURATION_S, low_open=True)(timeout, "verify_timeout")
+        try:
+            verify_timeout = read_timeout(manifest.get("verify_timeout", 60.0), "verify_timeout")
+        except ValueError as exc:  # a damaged manifest's, not a flag the user gave
+            raise ValueError(
+                f"{args.run_dir / 'run_manifest.json'}: its verify_timeout is not one a run writes ({exc}); "
+                "give --verify_timeout"
+            ) from None
+    else:
+        verify_timeout = read_timeout(timeout, "verify_timeout")
     steps = normalize_flag(args.answer_normalize, "answer_normalize")
     judge_settings = None
     var = args.judge_api_key_env

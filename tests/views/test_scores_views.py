@@ -1442,6 +1442,26 @@ def test_a_rescoring_refuses_what_the_run_refuses_before_anything(tmp_path, caps
     assert sorted(p.name for p in (out / "run").iterdir()) == before
 
 
+def test_a_rescoring_names_a_damaged_manifest_not_a_flag_never_given(tmp_path, capsys):
+    out = tmp_path / "data"
+    run(
+        None,
+        write_rows(tmp_path / "d.jsonl", [{"prompt": "Say 42 [calls:0] [answer:42]", "answer": 42}]),
+        out,
+    )
+    manifest = out / "run" / "run_manifest.json"
+    manifest.write_text(
+        json.dumps({**json.loads(manifest.read_text("utf-8")), "verify_timeout": "abc"}), "utf-8"
+    )
+    assert score.main([str(out / "run"), "--scorer=exact"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "run_manifest.json: its verify_timeout is not one a run writes" in err
+        and "give --verify_timeout" in err
+    )
+    assert score.main([str(out / "run"), "--scorer=exact", "--verify_timeout=5"]) == 0
+
+
 def test_a_judge_rescoring_that_could_not_write_its_verdicts_asks_the_judge_nothing(server, tmp_path, capsys):
     """A read-only run directory: the judge's start check and a call for every sample were paid for,
     then "cannot write scores.judge.jsonl: Read-only file system". Now the write is tried first. (Here the
