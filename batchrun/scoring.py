@@ -565,6 +565,9 @@ def final_text(record: dict[str, Any]) -> str:
     return ""
 
 
+PATTERN_MISSED = "--answer_pattern matched nothing in the final answer"
+
+
 def extract_answer(text: str, pattern: str | None = None, timeout_s: float | None = None) -> str:
     """The answer inside a final text.
 
@@ -1511,6 +1514,10 @@ def text_score(
         )
     if runaways is not None and pattern:
         runaways.finished(pattern)
+    if pattern and not got:
+        # Said as such, and counted (RunScores: answer_pattern_missed): a pattern that fits no final answer
+        # failed every sample as "'' is not '42'", a 0% read as the model's.
+        return Part(name, 0.0, False, PATTERN_MISSED)
     shown = got if len(got) <= 200 else got[:200] + "..."
     answers = acceptable(check.answer)
     if name == "numeric":
@@ -2368,6 +2375,7 @@ class RunScores:
             "scorer": {},
         }
         self.kept_passed = 0
+        self.pattern_missed = 0  # scored samples whose final answer --answer_pattern matched nothing in
 
     def add(self, rec: dict[str, Any], row_key: str, sample_index: int) -> None:
         """Count ``rec``'s score unless its (row, sample) is already counted as often as it is wanted."""
@@ -2402,6 +2410,8 @@ class RunScores:
             else:
                 row = f"{row_key}/{check:x}/o{occurrence}"
         self.all.add(score, row, row_key)
+        if isinstance(score.get("passed"), bool) and PATTERN_MISSED in str(score.get("explanation") or ""):
+            self.pattern_missed += 1
         # A row with its own toolsets or tools drew nothing from the distribution (row_* are "" when unset).
         own = bool(meta.get("row_toolsets")) or bool(meta.get("row_tools"))
         dist = OWN_TOOLSETS if own else self.distribution
@@ -2418,6 +2428,7 @@ class RunScores:
     def summary(self, skipped_after_passes: int = 0) -> dict[str, Any]:
         out = self.all.summary()
         out["skipped_after_passes"] = skipped_after_passes
+        out["answer_pattern_missed"] = self.pattern_missed
         out["note"] = (
             "--stop_after_passes stopped rows early: a row that passed soon has fewer samples, so the pass "
             "rate and pass@k here describe the kept data, not the model (evaluate without it)"
@@ -2555,6 +2566,12 @@ def headline(scores: dict[str, Any]) -> str | None:
         parts.append(
             f"{scores['skipped_after_passes']} samples skipped after passes (rows stopped early: "
             "these figures describe the kept data, not the model)"
+        )
+    missed = scores.get("answer_pattern_missed")
+    if isinstance(missed, int) and missed > 0:
+        parts.append(
+            f"--answer_pattern matched nothing in {missed} of {n} scored samples' final answers (each a "
+            "failure: is the pattern the answers' form?)"
         )
     return "Scores: " + "; ".join(parts)
 

@@ -181,6 +181,28 @@ def test_text_scorers_by_default_and_named(tmp_path, capsys):
     assert read_score(recs["free"]["score"])["passed"] is None
 
 
+def test_an_answer_pattern_that_matches_no_final_answer_is_counted_and_said(tmp_path, capsys):
+    """A pattern in another form than the answers' failed every sample ("'' is not '42'"): a 0% read as
+    the model's. Each such failure says so, and the run and a re-scoring count and name them."""
+    dataset = write_rows(tmp_path / "d.jsonl", ANSWER_ROWS)
+    out = tmp_path / "data"
+    run(None, dataset, out, answer_pattern=r"<answer>(.*?)</answer>")
+    stats = stats_of(out / "run")["scores"]
+    assert (stats["scored"], stats["passed"], stats["answer_pattern_missed"]) == (3, 0, 3)
+    explanations = {r["score"]["explanation"] for r in read_jsonl(out / "run" / "trajectories.jsonl")}
+    assert explanations == {
+        "numeric: --answer_pattern matched nothing in the final answer",
+        "exact: --answer_pattern matched nothing in the final answer",
+    }
+    assert (
+        "--answer_pattern matched nothing in 3 of 3 scored samples' final answers" in capsys.readouterr().out
+    )
+    assert score_main([str(out / "run"), "--scorer=exact", "--answer_pattern=ANSWER: (.*)"]) == 0
+    printed = capsys.readouterr().out
+    assert "matched nothing" not in printed
+    assert stats_of(out / "run")["scores"]["rescored"]["exact"]["answer_pattern_missed"] == 0
+
+
 def test_rows_of_one_prompt_and_settings_with_other_checks_are_warned_of(tmp_path, capsys):
     """Their identity is the prompt and settings: one row's copies, paired by order in pass@k and compare
     (two identical runs compared as "no sample judged alike"). Nothing said so."""
