@@ -40,7 +40,6 @@ compared with its re-scoring: the same run named twice).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import html
@@ -64,6 +63,7 @@ from batchrun.scoring import (
 from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import first_human
 from batchrun.storage import WriteError, iter_jsonl, read_json_object, write_text_atomic
+from batchrun.views.flags import ViewParser
 from batchrun.views.score import run_samples
 
 MIN_BOOTSTRAP, MAX_BOOTSTRAP = 100, 1_000_000  # --bootstrap
@@ -504,9 +504,7 @@ def html_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m batchrun.views.compare", description="Compare two runs' scores."
-    )
+    parser = ViewParser(prog="python -m batchrun.views.compare", description="Compare two runs' scores.")
     parser.add_argument("run_a", type=Path)
     parser.add_argument("run_b", type=Path)
     parser.add_argument(

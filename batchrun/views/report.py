@@ -10,7 +10,6 @@ SVG charts are inline, and the conversations travel as JSON in which ``<`` never
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import datetime as dt
@@ -42,6 +41,7 @@ from batchrun.storage import (
     read_json_object,
     write_parts_atomic,
 )
+from batchrun.views.flags import ViewParser
 from batchrun.views.status import local_alive
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -1476,7 +1476,7 @@ JS = r"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ViewParser(
         prog="python -m batchrun.views.report", description="Write report.html for a run directory."
     )
     parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")

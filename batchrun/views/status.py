@@ -13,7 +13,6 @@ host is "not running", and one without an event for ``STALL_AFTER_S`` is flagged
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import re
@@ -27,6 +26,7 @@ from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import finite_number, finite_value, parse_json
 from batchrun.storage import pid_alive
+from batchrun.views.flags import ViewParser
 
 STALL_AFTER_S = 60.0
 # What json.dumps(ensure_ascii=False) leaves raw and a terminal may obey (DEL, the C1 controls: \x9b is
@@ -249,9 +249,7 @@ def show(run_dir: Path, as_json: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m batchrun.views.status", description="Show a run's live status."
-    )
+    parser = ViewParser(prog="python -m batchrun.views.status", description="Show a run's live status.")
     parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")
     parser.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until the run ends")
     parser.add_argument("--json", action="store_true", help="print JSON (one object a line with --watch)")
