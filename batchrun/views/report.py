@@ -24,7 +24,7 @@ from typing import Any
 
 from batchrun.identity import Line, kept_line, lines_matter, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import RUN_FILES, check_run_dir, holds_run
 from batchrun.scoring import RunScores, interval_clusters, of_rows, planned_figures, wanted_from_duplicates
 from batchrun.sharegpt import (
     finite_value,
@@ -1491,6 +1491,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_trajectories < 0:
         parser.error("--max_trajectories must be 0 or more")
     problem = check_run_dir(args.run_dir)
+    if not problem and args.run_dir.is_dir() and not holds_run(args.run_dir):
+        # An empty directory (or "", the current one) got a report.html titled "Run report: " written into
+        # it, exit 0: every other view refuses a directory that holds no run.
+        shown = f"{args.run_dir}" + (
+            " (the current directory)" if args.run_dir.resolve() == Path.cwd() else ""
+        )
+        problem = (
+            f"{shown} holds no run (no {', '.join(RUN_FILES)} or batch_N.jsonl); name a run's directory "
+            "(data/<run_name>)"
+        )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
