@@ -1388,18 +1388,21 @@ def test_a_rescoring_of_the_errors_only_judges_them_alone_and_only_as_the_run_di
     with FakeModelServer() as server:
         out = _judged_run(server, rows, tmp_path, monkeypatch)
         capsys.readouterr()
-        argv = [str(out / "run"), "--scorer=judge", f"--judge_base_url={server.base_url}", "--only_errors"]
+        argv = [str(out / "run"), f"--judge_base_url={server.base_url}", "--only_errors"]
         before = server.stats()
-        for other, said in [
-            (["--judge_model=judge-2"], "--judge_model=judge-model, not --judge_model=judge-2"),
-            (["--scorer=includes"], "--scorer=judge, not --scorer=includes"),
+        for other, said in [  # each flag once: a view refuses one given twice
+            (
+                ["--scorer=judge", "--judge_model=judge-2"],
+                "--judge_model=judge-model, not --judge_model=judge-2",
+            ),
+            (["--scorer=includes", "--judge_model=judge-model"], "--scorer=judge, not --scorer=includes"),
         ]:
-            assert score.main([*argv, "--judge_model=judge-model", *other]) == 2
+            assert score.main([*argv, *other]) == 2
             assert said in capsys.readouterr().err
         assert server.stats()["requests"] == before["requests"]  # nothing asked of the judge
         assert not (out / "run" / "scores.judge.jsonl").exists()
 
-        assert score.main([*argv, "--judge_model=judge-model"]) == 0
+        assert score.main([*argv, "--scorer=judge", "--judge_model=judge-model"]) == 0
         after = server.stats()
     assert after["requests"] - before["requests"] == 1  # the broken verdict's sample alone
     assert "Judged again: 1 sample(s)" in capsys.readouterr().out
