@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import os
 import pwd
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,24 @@ FORMAT_VERSION = 1  # the run directory's format: raise it when readers can no l
 FORMAT_FIELD = "format_version"
 DECLARING_FILES = ("run_manifest.json", "checkpoint.json")  # the files that carry FORMAT_FIELD
 LOCK_NAME = ".lock"  # held (flock) by the one process writing a run directory: its runner, or views.score
+
+
+# The files only a run writes: a directory holding one holds a run. A batch file alone is a run killed
+# before its first merge (and before its checkpoint), which the report still reads.
+RUN_FILES = ("run_manifest.json", "checkpoint.json", "trajectories.jsonl", "status.json", "statistics.json")
+BATCH_FILE = re.compile(r"batch_\d+\.jsonl")
+
+
+def holds_run(directory: Path) -> bool:
+    """Whether ``directory`` holds a run (one of :data:`RUN_FILES`, or a batch file): a view refuses to
+    report on one that does not, and to write its own file into one that does."""
+    if any((directory / name).is_file() for name in RUN_FILES):
+        return True
+    try:
+        with os.scandir(directory) as entries:
+            return any(BATCH_FILE.fullmatch(e.name) and e.is_file() for e in entries)
+    except OSError:  # missing, not a directory, unreadable: the callers' own checks say so
+        return False
 
 
 class RunDirBusy(Exception):

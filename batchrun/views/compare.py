@@ -40,18 +40,19 @@ compared with its re-scoring: the same run named twice).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import html
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from batchrun.record import occurrence_of, read_score
 from batchrun.run.resume import MANIFEST_DEFAULTS
-from batchrun.run.run_dir import check_run_dir, in_use
+from batchrun.run.run_dir import check_run_dir, holds_run, in_use
 from batchrun.scoring import (
     TEXT_SCORERS,
     check_from_row_fields,
@@ -64,6 +65,7 @@ from batchrun.scoring import (
 from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import first_human
 from batchrun.storage import WriteError, iter_jsonl, read_json_object, write_text_atomic
+from batchrun.views.flags import ViewParser, scores_name_problem
 from batchrun.views.score import run_samples
 
 MIN_BOOTSTRAP, MAX_BOOTSTRAP = 100, 1_000_000  # --bootstrap
@@ -461,6 +463,46 @@ def text_report(r: dict[str, Any]) -> str:
     return terminal_safe("\n".join(lines))
 
 
+# How every comparison page begins (since the view's first version): --out may replace a file that does,
+# an earlier comparison, and no other (a run's trajectories.jsonl became a page, exit 0).
+PAGE_START = '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Run comparison</title>'
+
+
+def out_problem(out: Path) -> str | None:
+    """Why the page cannot go to ``out`` (a message naming --out, exit 2), or None: checked before any work,
+    so a place it cannot be written to, or a file it must not replace, costs no comparison and prints
+    nothing that looks like a result. ``out`` may be a new file in a writable directory that holds no run
+    (:func:`holds_run`: a run file or a batch file), or an earlier comparison page (:data:`PAGE_START`)."""
+    parent = out.parent
+    if not parent.is_dir():
+        return f"--out {out}: {parent} is not a directory (make it first, or name another place)"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: cannot write into {parent} (permission denied or read-only)"
+    # The directory the page goes into, and the one a symlink at --out points into.
+    for place in dict.fromkeys((parent.resolve(), out.resolve().parent)):
+        if holds_run(place):
+            return (
+                f"--out {out} is in the run directory {place}: the page would replace or sit among the run's "
+                "files; name a place outside it"
+            )
+    if out.is_dir():
+        return f"--out {out} is a directory; name the page's file (e.g. {out / 'compare.html'})"
+    if out.exists() and not out.is_file():
+        return f"--out {out} is not a regular file; name the page's file"
+    if out.exists():
+        try:
+            with out.open("rb") as fh:
+                start = fh.read(len(PAGE_START.encode()))
+        except OSError as exc:
+            return f"--out {out}: cannot read it to see what it holds: {exc.strerror or exc}"
+        if start != PAGE_START.encode():
+            return (
+                f"--out {out} exists and is no comparison page: it would be replaced; name a new file, or "
+                "remove it first"
+            )
+    return None
+
+
 def html_report(r: dict[str, Any]) -> str:
     esc = html.escape
 
@@ -486,8 +528,8 @@ def html_report(r: dict[str, Any]) -> str:
         )
     )
     return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Run comparison</title>'
-        "<style>body{font:14px system-ui,sans-serif;margin:24px;color:#1d2330}table{border-collapse:collapse}"
+        PAGE_START
+        + "<style>body{font:14px system-ui,sans-serif;margin:24px;color:#1d2330}table{border-collapse:collapse}"
         "td,th{border-bottom:1px solid #e3e6eb;padding:4px 10px;text-align:left}</style></head><body>"
         f"<h1>Run comparison</h1><p>A: <code>{esc(r['run_a'])}</code><br>B: <code>{esc(r['run_b'])}</code></p>"
         f'<p id="headline">{r["pairs"]} paired samples in {r["rows"]} rows · B - A {esc(_diff(r))} · '
@@ -504,9 +546,7 @@ def html_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m batchrun.views.compare", description="Compare two runs' scores."
-    )
+    parser = ViewParser(prog="python -m batchrun.views.compare", description="Compare two runs' scores.")
     parser.add_argument("run_a", type=Path)
     parser.add_argument("run_b", type=Path)
     parser.add_argument(
@@ -526,7 +566,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--bootstrap must be from {MIN_BOOTSTRAP:,} to {MAX_BOOTSTRAP:,}, not {args.bootstrap:,}"
         )
-    for run in (args.run_a, args.run_b):
+    for flag in ("--scores", "--scores_a", "--scores_b"):
+        # A name with a "/" went into the path (--scores=../../x); "" meant the runs' own scores.
+        name = getattr(args, flag[2:])
+        if name is not None and scores_name_problem(flag, name):
+            parser.error(scores_name_problem(flag, name))
+    scores_a, scores_b = args.scores_a or args.scores, args.scores_b or args.scores
+    problem = out_problem(args.out)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    for run, scores in ((args.run_a, scores_a), (args.run_b, scores_b)):
         # First: one this user cannot read raised on the check below. A run being resumed is half old.
         problem = check_run_dir(run) or in_use(run, "compare it")
         if problem:
@@ -538,23 +588,30 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        if scores and not (run / f"scores.{scores}.jsonl").is_file():
+            named = re.fullmatch(r"scores\.(.+)\.jsonl", scores)  # the file's name given for the re-scoring's
+            hint = f"; the re-scoring's name is {named.group(1)!r}, not its file's" if named else ""
+            print(
+                f"error: {run / f'scores.{scores}.jsonl'} does not exist (python -m batchrun.views.score "
+                f"writes it){hint}",
+                file=sys.stderr,
+            )
+            return 2
     try:
-        result = compare_runs(
-            args.run_a, args.run_b, args.scores_a or args.scores, args.scores_b or args.scores, args.bootstrap
-        )
-    except FileNotFoundError as exc:
+        result = compare_runs(args.run_a, args.run_b, scores_a, scores_b, args.bootstrap)
+    except FileNotFoundError as exc:  # gone meanwhile
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not result["pairs"]:
         why = "\n".join(_unjudged(result) + _judged_differently(result)) or "same rows? scores on?"
         print(f"error: no sample is judged alike in both runs ({why})", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2) if args.json else text_report(result))
-    try:
+    try:  # first: a page that cannot be written (a full disk) leaves no result on stdout beside exit 2
         write_text_atomic(args.out, html_report(result))
-    except WriteError as exc:  # --out in a missing folder, a directory, a read-only place
+    except WriteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(json.dumps(result, indent=2) if args.json else text_report(result))
     if not args.json:
         print(f"Wrote {args.out}")
     return 0

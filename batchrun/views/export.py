@@ -101,6 +101,7 @@ from batchrun.views.export_rows import (
 from batchrun.views.export_rows import (
     to_openai_messages as to_openai_messages,  # importable from here, as before
 )
+from batchrun.views.flags import ViewParser
 
 FORMATS = ("messages", "openai", "prompt_completion", "sharegpt", "parquet")
 TEMPLATE_FORMATS = ("messages", "prompt_completion")  # arguments as objects, tools as a list
@@ -557,7 +558,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ViewParser(
         prog="python -m batchrun.views.export", description="Export a run's trajectories for trainers."
     )
     parser.add_argument(

@@ -10,7 +10,6 @@ SVG charts are inline, and the conversations travel as JSON in which ``<`` never
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import datetime as dt
@@ -25,7 +24,7 @@ from typing import Any
 
 from batchrun.identity import Line, kept_line, lines_matter, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
-from batchrun.run.run_dir import check_run_dir
+from batchrun.run.run_dir import RUN_FILES, check_run_dir, holds_run
 from batchrun.scoring import RunScores, interval_clusters, of_rows, planned_figures, wanted_from_duplicates
 from batchrun.sharegpt import (
     finite_value,
@@ -42,6 +41,7 @@ from batchrun.storage import (
     read_json_object,
     write_parts_atomic,
 )
+from batchrun.views.flags import ViewParser
 from batchrun.views.status import local_alive
 
 DEFAULT_MAX_TRAJECTORIES = 500
@@ -1476,7 +1476,7 @@ JS = r"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ViewParser(
         prog="python -m batchrun.views.report", description="Write report.html for a run directory."
     )
     parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")
@@ -1491,6 +1491,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_trajectories < 0:
         parser.error("--max_trajectories must be 0 or more")
     problem = check_run_dir(args.run_dir)
+    if not problem and args.run_dir.is_dir() and not holds_run(args.run_dir):
+        # An empty directory (or "", the current one) got a report.html titled "Run report: " written into
+        # it, exit 0: every other view refuses a directory that holds no run.
+        shown = f"{args.run_dir}" + (
+            " (the current directory)" if args.run_dir.resolve() == Path.cwd() else ""
+        )
+        problem = (
+            f"{shown} holds no run (no {', '.join(RUN_FILES)} or batch_N.jsonl); name a run's directory "
+            "(data/<run_name>)"
+        )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -65,6 +65,7 @@ from batchrun.storage import (
     write_json_atomic,
     write_text_atomic,
 )
+from batchrun.views.flags import ViewParser
 
 DEFAULT_CONCURRENCY, MAX_CONCURRENCY = 8, 256  # --concurrency: judge calls at once
 # --name: scores.<name>.jsonl and its temp file (.scores.<name>.jsonl.<pid>.tmp) stay within a file
@@ -473,7 +474,7 @@ class JudgeWatch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ViewParser(
         prog="python -m batchrun.views.score", description="Re-score a finished run (no agent calls)."
     )
     parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")

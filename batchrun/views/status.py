@@ -13,7 +13,6 @@ host is "not running", and one without an event for ``STALL_AFTER_S`` is flagged
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import re
@@ -27,8 +26,13 @@ from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import terminal_safe
 from batchrun.sharegpt import finite_number, finite_value, parse_json
 from batchrun.storage import pid_alive
+from batchrun.views.flags import ViewParser
 
 STALL_AFTER_S = 60.0
+# --watch's shortest refresh, in seconds: the runner rewrites status.json every few seconds, so a tenth of
+# one is already more often than anything changes. The longest is the runner's longest duration (a week,
+# batchrun.config.MAX_DURATION_S).
+MIN_WATCH_S = 0.1
 # What json.dumps(ensure_ascii=False) leaves raw and a terminal may obey (DEL, the C1 controls: \x9b is
 # a CSI), and the two line separators some readers split a line at: written as \uXXXX, the same JSON.
 _JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029]")
@@ -249,15 +253,24 @@ def show(run_dir: Path, as_json: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m batchrun.views.status", description="Show a run's live status."
-    )
+    parser = ViewParser(prog="python -m batchrun.views.status", description="Show a run's live status.")
     parser.add_argument("run_dir", type=Path, help="the run's directory, e.g. data/my_run")
-    parser.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until the run ends")
+    parser.add_argument(
+        "--watch",
+        metavar="N",
+        help=f"refresh every N seconds until the run ends ({MIN_WATCH_S:g} to 604800, a week)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (one object a line with --watch)")
     args = parser.parse_args(argv)
-    if args.watch is not None and args.watch <= 0:
-        parser.error("--watch needs a positive number of seconds")
+    if args.watch is not None:
+        from batchrun.config import MAX_DURATION_S, UsageError, float_flag
+
+        # Only <= 0 was refused: inf and 1e30 printed a status, then an OverflowError traceback (the sleep's
+        # timestamp); nan an "Invalid value NaN" naming no flag; 1e-300 read the file 4,000 times a second.
+        try:
+            args.watch = float_flag(MIN_WATCH_S, MAX_DURATION_S)(args.watch, "watch")
+        except UsageError as exc:
+            parser.error(str(exc))
     problem = check_run_dir(args.run_dir)
     if args.run_dir.exists() and not args.run_dir.is_dir():
         problem = f"{args.run_dir} is a file; name a run's directory (data/<run_name>)"

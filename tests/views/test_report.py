@@ -240,10 +240,30 @@ def test_cli_when_the_report_cannot_be_written(tmp_path: Path) -> None:
     # A run directory the page cannot be written into (a read-only mount, a full disk; here a
     # directory in report.html's place) ended in a WriteError traceback: one line naming the file.
     (tmp_path / "report.html").mkdir()
+    (tmp_path / "batch_0.jsonl").write_text(json.dumps(synthetic_record(0)) + "\n")  # a run's
     done = cli(str(tmp_path))
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("error: cannot write ") and str(tmp_path / "report.html") in done.stderr
+
+
+def test_cli_refuses_a_directory_that_holds_no_run(tmp_path: Path, monkeypatch, capsys) -> None:
+    # "" (the current directory) or an empty one got a report.html titled "Run report: ", exit 0.
+    monkeypatch.chdir(tmp_path)
+    for given, named in (("", "."), (str(tmp_path), str(tmp_path))):
+        assert report.main([given]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {named} (the current directory) holds no run (no run_manifest.json")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    assert report.main([str(tmp_path)]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_cli_reports_a_run_killed_before_its_merge_holding_batch_files_only(tmp_path: Path) -> None:
+    (tmp_path / "batch_3.jsonl").write_text(json.dumps(synthetic_record(0)) + "\n")
+    done = cli(str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert number(parse(tmp_path / "report.html").stats["trajectories"]) == 1
 
 
 def test_cost_reported_by_the_endpoint(tmp_path: Path) -> None:

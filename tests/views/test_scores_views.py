@@ -23,6 +23,7 @@ import pytest
 from helpers import read_jsonl, run, stats_of, write_rows
 
 from batchrun.scoring import mcnemar_exact, paired_bootstrap, sign_flip_p, t975
+from batchrun.storage import WriteError
 from batchrun.views import compare, report, score
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -636,7 +637,86 @@ def test_score_and_compare_when_their_output_cannot_be_written(tmp_path, capsys)
     for out in (tmp_path / "missing" / "c.html", tmp_path):
         assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={out}"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: cannot write ") and str(out) in err
+        assert err.startswith(f"error: --out {out}") and "Traceback" not in err
+
+
+def test_compare_checks_its_out_before_any_work_and_prints_no_result_beside_a_failure(
+    tmp_path, capsys, monkeypatch
+):
+    # --out in a missing folder, or a directory, was found only after the whole comparison: the report
+    # (or its JSON) was printed, then "error: cannot write", exit 2.
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    capsys.readouterr()
+    monkeypatch.setattr(compare, "compare_runs", lambda *args: pytest.fail("compared before --out's check"))
+    for out, why in ((tmp_path / "missing" / "c.html", "is not a directory"), (tmp_path, "is a directory")):
+        assert compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={out}"]) == 2
+        done = capsys.readouterr()
+        assert done.out == "" and why in done.err and f"--out {out}" in done.err
+    monkeypatch.undo()
+
+    # Written before anything is printed: a write that fails after the check (a full disk) leaves no
+    # valid-looking JSON on stdout beside exit 2.
+    def full(path, text):
+        raise WriteError(path, OSError(28, "No space left on device"))
+
+    monkeypatch.setattr(compare, "write_text_atomic", full)
+    assert (
+        compare.main([str(a), str(a), "--scores_b=includes", "--json", f"--out={tmp_path / 'c.html'}"]) == 2
+    )
+    done = capsys.readouterr()
+    assert done.out == "" and done.err.startswith("error: cannot write ")
+
+
+def test_compare_never_writes_its_page_over_a_run_s_files_or_another_file(tmp_path, capsys):
+    # --out=A/trajectories.jsonl replaced the run's samples with the page, exit 0; any file of a run
+    # directory was exposed, and so was any file at all.
+    a = _flip_run(tmp_path, [{"prompt": "Say 4 [calls:0] [answer:42, 4]", "answer": "4"}])
+    killed = tmp_path / "killed"  # a run killed before its merge: batch files alone
+    killed.mkdir()
+    shutil.copy(a / "batch_0.jsonl", killed / "batch_0.jsonl")
+    notes = tmp_path / "notes.html"
+    notes.write_text("my notes\n")
+    (tmp_path / "link.html").symlink_to(a / "statistics.json")
+    before = {p: p.read_bytes() for p in [*a.iterdir(), *killed.iterdir(), notes] if p.is_file()}
+    capsys.readouterr()
+    outs = {
+        a / "trajectories.jsonl": "is in the run directory",
+        a / "statistics.json": "is in the run directory",
+        a / "new.html": "is in the run directory",
+        killed / "c.html": "is in the run directory",
+        tmp_path / "link.html": "is in the run directory",
+        notes: "exists and is no comparison page",
+    }
+    for out, why in outs.items():
+        assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={out}"]) == 2
+        done = capsys.readouterr()
+        assert done.out == "" and f"error: --out {out} {why}" in done.err
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (a / "new.html").exists() and not (killed / "c.html").exists()
+    # An earlier comparison page is replaced, as the default compare.html is on every comparison.
+    page = tmp_path / "c.html"
+    for _ in range(2):
+        assert compare.main([str(a), str(a), "--scores_b=includes", f"--out={page}"]) == 0
+        assert page.read_text().startswith(compare.PAGE_START)
+    assert capsys.readouterr().out.endswith(f"Wrote {page}\n")
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--scores=../../x"], "--scores"),
+        (["--scores="], "--scores"),
+        (["--scores_a="], "--scores_a"),
+        (["--scores_b=a/b"], "--scores_b"),
+        (["--scores=/abs/scores.c4.jsonl"], "--scores"),
+    ],
+)
+def test_compare_takes_a_re_scoring_s_name_as_views_score_writes_it(tmp_path, capsys, flags, flag):
+    # --scores=../../x went into the path; --scores= meant the runs' own scores, silently.
+    with pytest.raises(SystemExit) as exc:
+        compare.main([str(tmp_path), str(tmp_path), *flags, f"--out={tmp_path / 'c.html'}"])
+    assert exc.value.code == 2
+    assert f"error: {flag}: letters, digits, '.', '+', '-' and '_' only" in capsys.readouterr().err
 
 
 @contextlib.contextmanager
@@ -1310,7 +1390,7 @@ def test_a_rescoring_of_the_errors_only_judges_them_alone_and_only_as_the_run_di
         capsys.readouterr()
         argv = [str(out / "run"), f"--judge_base_url={server.base_url}", "--only_errors"]
         before = server.stats()
-        for other, said in [
+        for other, said in [  # each flag once: a view refuses one given twice
             (
                 ["--scorer=judge", "--judge_model=judge-2"],
                 "--judge_model=judge-model, not --judge_model=judge-2",

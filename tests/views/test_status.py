@@ -344,3 +344,27 @@ def test_a_live_run_s_in_flight_is_the_prompts_its_workers_hold(tmp_path: Path) 
     assert any(left > 2 for _, left in seen), seen  # moments when more than the slots were unsettled
     assert all(0 <= n <= 2 for n, _ in seen), seen
     assert any(n > 0 for n, _ in seen), seen
+
+
+@pytest.mark.parametrize("watch", ["inf", "1e30", "nan", "1e-300", "0.05", "604801", "0", "five"])
+def test_cli_refuses_a_watch_interval_it_cannot_honour_before_the_first_read(
+    tmp_path: Path, sleeper, watch: str
+) -> None:
+    # Only <= 0 was refused: inf and 1e30 printed a status, then an OverflowError traceback (exit 1); nan
+    # a status, then "Invalid value NaN" naming no flag; 1e-300 printed 12,000 statuses in 3 s.
+    now = time.time()
+    write_status(
+        tmp_path, running(pid=sleeper.pid, host=socket.gethostname(), updated_at=now, last_event_at=now)
+    )
+    done = cli(str(tmp_path), f"--watch={watch}", timeout=10)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
+    assert "error: --watch must be a number from 0.1 to 604800" in done.stderr
+
+
+@pytest.mark.parametrize("watch", ["0.1", "604800"])
+def test_cli_takes_a_watch_interval_at_its_bounds(tmp_path: Path, watch: str) -> None:
+    write_status(tmp_path, running(state="finished", pid=os.getpid(), host=socket.gethostname()))
+    done = cli(str(tmp_path), f"--watch={watch}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Run big: finished")
