@@ -68,7 +68,14 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.identity import is_index
-from batchrun.record import USAGE, conform_score, features_yaml, metadata_typed, normalize_metadata
+from batchrun.record import (
+    STOP_REASONS,
+    USAGE,
+    conform_score,
+    features_yaml,
+    metadata_typed,
+    normalize_metadata,
+)
 from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.sharegpt import (
     first_human,
@@ -92,6 +99,7 @@ from batchrun.views.export_rows import (
     split_of,
     split_prompt_completion,
     stop_reason_left_out,
+    stop_reasons_in,
     template_messages,
     unsplit_warning,
     write_dataset,
@@ -346,6 +354,7 @@ def export_run(
     for problem in filter(None, (in_use(d, "export it") for d in run_dirs)):
         raise ExportError(problem)
     _check_request(run_dirs, out, opts, test_fraction, overwrite)
+    _check_stop_reasons(run_dirs, opts)
     result = ExportResult(out=out)
     if fmt in SCORED_FORMATS:
         from batchrun.views.export_scored import export_scored
@@ -422,6 +431,30 @@ def _check_request(
     if out.exists() and any(out.iterdir()) and not overwrite:
         # An upload sends the whole directory: files left from another export would be published too.
         raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")
+
+
+def _check_stop_reasons(run_dirs: list[Path], opts: ExportOptions) -> None:
+    """Refuse a stop reason no record can have: ``--exclude_stop_reasons=truncatd`` replaced the default
+    exclusions and exported the truncated samples, ``--stop_reasons=final_answr`` found nothing to export.
+    Known: this version's reasons, ``unknown`` (a record without one), and those the runs' records hold
+    (an older or newer version's), read only when a name is not one of the others."""
+    known = {*STOP_REASONS, "unknown"}
+    present: set[str] | None = None
+    for flag, names in (
+        ("--stop_reasons", opts.stop_reasons),
+        ("--exclude_stop_reasons", opts.exclude_stop_reasons),
+    ):
+        odd = sorted((names or frozenset()) - known)
+        if not odd:
+            continue
+        if present is None:
+            present = stop_reasons_in(run_dirs)
+        odd = [name for name in odd if name not in present]
+        if odd:
+            raise ExportError(
+                f"{flag}: unknown stop reason{'s' if len(odd) > 1 else ''} {', '.join(odd)}; "
+                f"the stop reasons are {', '.join(sorted(known | present))}"
+            )
 
 
 def _rows(

@@ -311,6 +311,19 @@ def stop_reason_left_out(record: dict[str, Any], opts: ExportOptions, default: C
     return f"stop_reason {reason}" if reason in excluded else None
 
 
+def stop_reasons_in(run_dirs: list[Path]) -> set[str]:
+    """The stop reasons the runs' records hold, kept and discarded (as the filters read them)."""
+    found: set[str] = set()
+    for run_dir in run_dirs:
+        for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
+            if isinstance(rec, dict):
+                found.add(stop_reason_of(rec))
+        for row in iter_jsonl(run_dir / "discarded.jsonl"):
+            if isinstance(row, dict) and isinstance(row.get("record"), dict):
+                found.add(stop_reason_of(row["record"]))
+    return found
+
+
 def sample_digest(record: dict[str, Any]) -> str:
     """What ``--dedup`` compares: the sample's conversation, byte for byte."""
     text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
