@@ -80,6 +80,14 @@ USAGE_COUNTS = (
     "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cache_write_tokens", "cost_usd"
 )  # fmt: skip
 
+# Every ``metadata.stop_reason`` this version writes (batchrun.prompt.loop sets them; its REPLY_DISCARDS,
+# from ``content_filter`` on, only in discarded.jsonl). Records of other versions may hold others: a
+# reader checks a name against these and the ones its records hold (views.export's stop-reason flags).
+STOP_REASONS = (
+    "final_answer", "max_turns", "truncated", "context_limit", "invalid_tool_calls", "prompt_budget",
+    "content_filter", "unknown_finish_reason", "missing_tool_calls", "secret_in_output", "refusal",
+)  # fmt: skip
+
 METADATA: dict[str, Any] = {
     "batch_num": INT,
     "timestamp": "timestamp[s]",  # ISO 8601 text, seconds; JSON readers (pyarrow) infer a timestamp

@@ -59,28 +59,35 @@ always land in the same split. A ``README.md`` dataset card beside the files nam
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from batchrun.identity import is_index
-from batchrun.record import USAGE, conform_score, features_yaml, metadata_typed, normalize_metadata
+from batchrun.record import (
+    STOP_REASONS,
+    USAGE,
+    conform_score,
+    features_yaml,
+    metadata_typed,
+    normalize_metadata,
+)
 from batchrun.run.run_dir import check_run_dir, in_use
 from batchrun.sharegpt import (
     first_human,
     offered_tools,
 )
-from batchrun.storage import json_line
+from batchrun.storage import WriteError, temp_path
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
-    CARD_NAME,
-    SPLITS,
     ExportError,
     ExportOptions,
     ExportResult,
+    JsonlWriter,
     NothingToExport,
     _all_samples,
     _full_message,
@@ -92,8 +99,10 @@ from batchrun.views.export_rows import (
     split_of,
     split_prompt_completion,
     stop_reason_left_out,
+    stop_reasons_in,
     template_messages,
     unsplit_warning,
+    write_dataset,
 )
 from batchrun.views.export_rows import (
     apply_reasoning as apply_reasoning,  # importable from here, as before
@@ -221,18 +230,6 @@ def exclusion_note(excluded: Collection[str] | None) -> str | None:
 # ----------------------------------------------------------------------------- writers
 
 
-class _JsonlWriter:
-    def __init__(self, path: Path):
-        self.path = path
-        self._fh = path.open("w", encoding="utf-8")
-
-    def write(self, row: dict[str, Any]) -> None:
-        self._fh.write(json_line(row) + "\n")
-
-    def close(self) -> None:
-        self._fh.close()
-
-
 def _arrow_type(kind: Any) -> Any:
     """A column type in this module's notation (see FEATURES) as an Arrow type."""
     import pyarrow as pa
@@ -251,15 +248,22 @@ def _parquet_schema() -> Any:
 
 
 class _ParquetWriter:
-    """Rows are written in row groups as they come, so memory stays flat on a large run."""
+    """Rows are written in row groups as they come, so memory stays flat on a large run; to the temp
+    file beside ``path`` (see :func:`write_dataset`)."""
 
     def __init__(self, path: Path):
         import pyarrow.parquet as pq
 
-        self.path = path
+        self.path, self.tmp = path, temp_path(path)
         self._schema = _parquet_schema()
-        self._writer = pq.ParquetWriter(path, self._schema)
         self._rows: list[dict[str, Any]] = []
+        self._fh = None
+        try:
+            self._fh = self.tmp.open("wb")
+            self._writer = pq.ParquetWriter(self._fh, self._schema)
+        except OSError as exc:
+            self.abort()
+            raise WriteError(path, exc) from exc
 
     def write(self, row: dict[str, Any]) -> None:
         self._rows.append(row)
@@ -270,12 +274,28 @@ class _ParquetWriter:
         import pyarrow as pa
 
         if self._rows:
-            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self._schema))
+            table = pa.Table.from_pylist(self._rows, schema=self._schema)
+            try:
+                self._writer.write_table(table)
+            except OSError as exc:  # a full disk (pyarrow's IOError is an OSError)
+                raise WriteError(self.path, exc) from exc
             self._rows = []
 
-    def close(self) -> None:
+    def finish(self) -> None:
         self._flush()
-        self._writer.close()
+        try:
+            self._writer.close()
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as exc:
+            raise WriteError(self.path, exc) from exc
+
+    def abort(self) -> None:
+        for close in (getattr(self, "_writer", None), self._fh):
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close.close()
 
 
 def _require_pyarrow() -> None:
@@ -335,39 +355,28 @@ def export_run(
     for problem in filter(None, (in_use(d, "export it") for d in run_dirs)):
         raise ExportError(problem)
     _check_request(run_dirs, out, opts, test_fraction, overwrite)
+    _check_stop_reasons(run_dirs, opts)
     result = ExportResult(out=out)
     if fmt in SCORED_FORMATS:
         from batchrun.views.export_scored import export_scored
 
-        _prepare_out(out)
         return export_scored(run_dirs, opts, result, test_fraction, seed)
     result.notes += filter(None, [exclusion_note(opts.exclude_stop_reasons)])
-    ext = "parquet" if fmt == "parquet" else "jsonl"
-    rows = _rows(run_dirs, opts, seed, test_fraction, result)
-    first = next(rows, None)
-    if first is None:  # datasets cannot load a dataset of no rows (JSONL or Parquet): no directory at all
-        raise NothingToExport(
+    write_dataset(
+        out,
+        _rows(run_dirs, opts, seed, test_fraction, result),
+        result,
+        ext="parquet" if fmt == "parquet" else "jsonl",
+        open_writer=_ParquetWriter if fmt == "parquet" else JsonlWriter,
+        nothing=lambda: (
             f"nothing to export from {', '.join(str(d) for d in run_dirs)} (not exported: "
             f"{result.skipped_text()}); no dataset written"
-        )
-    _prepare_out(out)
-    writers: dict[str, _JsonlWriter | _ParquetWriter] = {}
-    try:
-        for split, row in itertools.chain([first], rows):
-            if split not in writers:
-                path = out / f"{split}.{ext}"
-                writers[split] = _ParquetWriter(path) if fmt == "parquet" else _JsonlWriter(path)
-                result.files[split] = path
-            writers[split].write(row)
-            result.rows[split] += 1
-    finally:
-        for writer in writers.values():
-            writer.close()
-    result.files = {s: result.files[s] for s in SPLITS if s in result.files}
+        ),
+        card=lambda: dataset_card(run_dirs, opts, result, test_fraction, seed),
+    )
     if fmt != "sharegpt":  # sharegpt is the record's own text, markup and all, by design
         result.notes += filter(None, [unsplit_warning(result.unsplit, reasoning)])
     result.notes += filter(None, [invalid_calls_warning(result.invalid_calls)])
-    (out / CARD_NAME).write_text(dataset_card(run_dirs, opts, result, test_fraction, seed), encoding="utf-8")
     return result
 
 
@@ -411,6 +420,9 @@ def _check_request(
         _require_pyarrow()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; name a directory (created; must be empty)")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # said before the runs are read, whatever they hold
+        raise ExportError(f"cannot make the output directory {out}: {above} is not a directory")
     if any((out / name).is_file() for name in RUN_FILES):
         # With --overwrite, the export's card replaced the run's README.md (its record schema, for
         # load_dataset of the run) and its train.jsonl went in beside the run's files.
@@ -422,14 +434,28 @@ def _check_request(
         raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")
 
 
-def _prepare_out(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a parent that is a file, a read-only place
-        raise ExportError(f"cannot make the output directory {out}: {exc.strerror or exc}") from exc
-    for split in SPLITS:  # a previous export's split file must not outlive this one
-        for ext in ("jsonl", "parquet"):
-            (out / f"{split}.{ext}").unlink(missing_ok=True)
+def _check_stop_reasons(run_dirs: list[Path], opts: ExportOptions) -> None:
+    """Refuse a stop reason no record can have: ``--exclude_stop_reasons=truncatd`` replaced the default
+    exclusions and exported the truncated samples, ``--stop_reasons=final_answr`` found nothing to export.
+    Known: this version's reasons, ``unknown`` (a record without one), and those the runs' records hold
+    (an older or newer version's), read only when a name is not one of the others."""
+    known = {*STOP_REASONS, "unknown"}
+    present: set[str] | None = None
+    for flag, names in (
+        ("--stop_reasons", opts.stop_reasons),
+        ("--exclude_stop_reasons", opts.exclude_stop_reasons),
+    ):
+        odd = sorted((names or frozenset()) - known)
+        if not odd:
+            continue
+        if present is None:
+            present = stop_reasons_in(run_dirs)
+        odd = [name for name in odd if name not in present]
+        if odd:
+            raise ExportError(
+                f"{flag}: unknown stop reason{'s' if len(odd) > 1 else ''} {', '.join(odd)}; "
+                f"the stop reasons are {', '.join(sorted(known | present))}"
+            )
 
 
 def _rows(
@@ -611,7 +637,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit code: 0 when the export is written, 1 when there was nothing to export, 2 for a bad request."""
+    """Exit code: 0 when the export is written, 1 when there was nothing to export, 2 for a bad request
+    or an output file that could not be written (as the other views' write errors)."""
     args = parse_args(argv)
     try:
         result = export_run(
@@ -633,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToExport as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except WriteError as exc:  # a full disk, a read-only --out: nothing half-written is left
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,13 +4,16 @@ the request's errors and result, one record's messages, the samples of the runs,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
+import os
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from batchrun.identity import Line, is_index, kept_line, outcome_line, outcome_sample, superseded_discards
 from batchrun.record import read_score, valid_outcome_row
@@ -22,7 +25,7 @@ from batchrun.sharegpt import (
     strict_arguments,
     tool_call_text,
 )
-from batchrun.storage import iter_jsonl
+from batchrun.storage import WriteError, discard_temp, fsync_dir, iter_jsonl, json_line, temp_path
 
 SPLITS = ("train", "test")
 CARD_NAME = "README.md"
@@ -308,6 +311,19 @@ def stop_reason_left_out(record: dict[str, Any], opts: ExportOptions, default: C
     return f"stop_reason {reason}" if reason in excluded else None
 
 
+def stop_reasons_in(run_dirs: list[Path]) -> set[str]:
+    """The stop reasons the runs' records hold, kept and discarded (as the filters read them)."""
+    found: set[str] = set()
+    for run_dir in run_dirs:
+        for rec in iter_jsonl(run_dir / "trajectories.jsonl"):
+            if isinstance(rec, dict):
+                found.add(stop_reason_of(rec))
+        for row in iter_jsonl(run_dir / "discarded.jsonl"):
+            if isinstance(row, dict) and isinstance(row.get("record"), dict):
+                found.add(stop_reason_of(row["record"]))
+    return found
+
+
 def sample_digest(record: dict[str, Any]) -> str:
     """What ``--dedup`` compares: the sample's conversation, byte for byte."""
     text = json.dumps(record.get("conversations"), ensure_ascii=False, sort_keys=True)
@@ -400,3 +416,144 @@ _MESSAGE = {
     "tool_call_id": "string",
 }
 _PARQUET_MESSAGE = {**_MESSAGE, "tool_calls": [{**_CALL, "raw_arguments": "string"}]}
+
+
+# ----------------------------------------------------------------------------- writing the dataset
+
+
+class RowWriter(Protocol):
+    """A split file's writer: rows go to ``tmp`` (beside ``path``); ``finish`` flushes, fsyncs and closes
+    it, ``abort`` closes it quietly. Both raise WriteError naming ``path``."""
+
+    path: Path
+    tmp: Path
+
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class JsonlWriter:
+    """One JSONL split file, written to its temp file."""
+
+    def __init__(self, path: Path):
+        self.path, self.tmp = path, temp_path(path)
+        try:
+            self._fh = self.tmp.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise WriteError(path, exc) from exc
+
+    def write(self, row: dict[str, Any]) -> None:
+        try:
+            self._fh.write(json_line(row) + "\n")
+        except OSError as exc:  # a full disk: the temp file is removed by the caller
+            raise WriteError(self.path, exc) from exc
+
+    def finish(self) -> None:
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as exc:
+            raise WriteError(self.path, exc) from exc
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._fh.close()
+
+
+def make_out(out: Path) -> list[Path]:
+    """Create ``out`` (and its missing parents); the directories it made, deepest first, for
+    :func:`write_dataset` to take back when the export fails."""
+    made: list[Path] = []
+    path = out
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        made.append(path)
+        path = path.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, a read-only place
+        _remove_dirs(made)
+        raise ExportError(f"cannot make the output directory {out}: {exc.strerror or exc}") from exc
+    return made
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    for path in made:  # deepest first; only while empty
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+def write_dataset(
+    out: Path,
+    rows: Iterable[tuple[str, dict[str, Any]]],
+    result: ExportResult,
+    *,
+    ext: str,
+    open_writer: Callable[[Path], RowWriter],
+    nothing: Callable[[], str],
+    card: Callable[[], str],
+) -> None:
+    """Write the (split, row) pairs to ``out/<split>.<ext>`` and the dataset card, all or nothing.
+
+    No row: NothingToExport(``nothing()``), and nothing on disk changes (no directory is made). Else every
+    file goes to a temp file beside it, fsynced, and only once all are written are they renamed into
+    place and an earlier export's split files that this one does not write removed; a failure (a full
+    disk, a read-only directory) raises WriteError naming the file, removes the temp files and the
+    directories this export made, and leaves an earlier export in ``out`` as it was.
+    """
+    rows = iter(rows)
+    first = next(rows, None)
+    if first is None:  # datasets cannot load a dataset of no rows (JSONL or Parquet): no directory at all
+        raise NothingToExport(nothing())
+    made = make_out(out)
+    writers: dict[str, RowWriter] = {}
+    card_path = out / CARD_NAME
+    card_tmp = temp_path(card_path)
+    done = False
+    try:
+        for split, row in itertools.chain([first], rows):
+            if split not in writers:
+                writers[split] = open_writer(out / f"{split}.{ext}")
+                result.files[split] = writers[split].path
+            writers[split].write(row)
+            result.rows[split] += 1
+        for writer in writers.values():
+            writer.finish()
+        result.files = {s: result.files[s] for s in SPLITS if s in result.files}
+        try:
+            with card_tmp.open("w", encoding="utf-8") as fh:
+                fh.write(card())
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            raise WriteError(card_path, exc) from exc
+        _commit(out, [(w.tmp, w.path) for w in writers.values()] + [(card_tmp, card_path)])
+        done = True
+    finally:
+        if not done:
+            for writer in writers.values():
+                writer.abort()
+                discard_temp(writer.tmp)
+            discard_temp(card_tmp)
+            _remove_dirs(made)
+
+
+def _commit(out: Path, moves: list[tuple[Path, Path]]) -> None:
+    """Rename the written temp files into place, then remove the split files of an earlier export that
+    this one did not write (a test split no longer asked for, the other format's files)."""
+    path = out
+    try:
+        for tmp, path in moves:
+            os.replace(tmp, path)
+        kept = {final for _, final in moves}
+        for split in SPLITS:
+            for ext in ("jsonl", "parquet"):
+                path = out / f"{split}.{ext}"
+                if path not in kept:
+                    path.unlink(missing_ok=True)
+        fsync_dir(out)
+    except OSError as exc:
+        raise WriteError(path, exc) from exc

@@ -41,14 +41,11 @@ from typing import Any
 from batchrun.identity import RowIdentity, record_sample
 from batchrun.scoring import check_from_row_fields
 from batchrun.sharegpt import first_human, offered_tools
-from batchrun.storage import json_line
 from batchrun.views.compare import JUDGING_SETTINGS, judging_settings
 from batchrun.views.export_rows import (
-    CARD_NAME,
-    SPLITS,
     ExportOptions,
     ExportResult,
-    NothingToExport,
+    JsonlWriter,
     _all_samples,
     _full_message,
     holds_invalid_call,
@@ -60,6 +57,7 @@ from batchrun.views.export_rows import (
     stop_reason_left_out,
     template_messages,
     unsplit_warning,
+    write_dataset,
 )
 from batchrun.views.score import run_wanted
 
@@ -181,9 +179,8 @@ def export_scored(
                 "invalid_calls": holds_invalid_call(record),  # the same
             }
         )
-    out = result.out
-    handles: dict[str, Any] = {}
-    try:
+
+    def rows() -> Iterator[tuple[str, dict[str, Any]]]:
         for samples in groups.values():
             rows = _preference_rows(samples) if fmt == "preference" else _rewards_rows(samples)
             if not rows:
@@ -192,18 +189,17 @@ def export_scored(
             result.unsplit += sum(s["unsplit"] for s in used)
             result.invalid_calls += sum(s["invalid_calls"] for s in used)
             for row in rows:
-                split = split_of(samples[0]["text"], seed, test_fraction)
-                if split not in handles:
-                    handles[split] = (out / f"{split}.jsonl").open("w", encoding="utf-8")
-                    result.files[split] = out / f"{split}.jsonl"
-                handles[split].write(json_line(row) + "\n")
-                result.rows[split] += 1
-    finally:
-        for fh in handles.values():
-            fh.close()
-    result.files = {s: result.files[s] for s in SPLITS if s in result.files}
-    if not result.files:
-        raise NothingToExport(
+                yield split_of(samples[0]["text"], seed, test_fraction), row
+
+    # Nothing is made or replaced on disk before a row is known to exist: the earlier export in --out was
+    # deleted (its card left pointing at a missing file), or an empty directory made, when there was none.
+    write_dataset(
+        result.out,
+        rows(),
+        result,
+        ext="jsonl",
+        open_writer=JsonlWriter,
+        nothing=lambda: (
             f"no {fmt} rows: "
             + (
                 "no row has both a passing and a failing sample"
@@ -211,11 +207,12 @@ def export_scored(
                 else "no sample is judged"
             )
             + f" (not exported: {result.skipped_text()})"
-        )
+        ),
+        card=lambda: card(run_dirs, fmt, result, test_fraction, seed),
+    )
     result.notes += filter(
         None, [unsplit_warning(result.unsplit, opts.reasoning), invalid_calls_warning(result.invalid_calls)]
     )
-    (out / CARD_NAME).write_text(card(run_dirs, fmt, result, test_fraction, seed), encoding="utf-8")
     return result
 
 

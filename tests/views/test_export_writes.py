@@ -1,0 +1,198 @@
+"""What the exporter leaves on disk when it cannot write (a full disk, a read-only --out) or has nothing
+to write: one line naming the file and the cause, exit code 2 as the other views' write errors, no
+partial file, and an earlier export in --out as it was."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run, write_rows
+
+from batchrun.views import export
+
+REPO = Path(__file__).resolve().parents[2]
+# The fake model answers 42: row "flip" fails on sample 0 and passes on sample 1 (a preference pair).
+ROWS = [
+    {"id": "flip", "prompt": "Say 42, try 0 [calls:1] [answers:42|41]", "answer": "42"},
+    {"id": "right", "prompt": "Say 7 [calls:1] [answer:7]", "answer": "7"},
+    {"id": "other", "prompt": "Say 42 again [calls:2] [answer:42]", "answer": "42"},
+]
+FORMATS = ["openai", "preference", "rewards"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("writes")
+    run(None, write_rows(tmp / "d.jsonl", ROWS), tmp / "data", samples_per_prompt=2, seed_per_request=True)
+    return tmp / "data" / "run"
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file in ``directory`` (temp files included) with its bytes; {} when it does not exist."""
+    if not directory.exists():
+        return {}
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+class FullDisk:
+    """A file on a disk with ``room[0]`` bytes left (shared by the files open on it): a write puts
+    what fits, then raises ENOSPC, as ``write`` does on a full disk."""
+
+    def __init__(self, fh, room: list[int]):
+        self._fh, self._room = fh, room
+
+    def write(self, data):
+        if len(data) > self._room[0]:
+            self._fh.write(data[: self._room[0]])
+            self._fh.flush()
+            self._room[0] = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room[0] -= len(data)
+        return self._fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+
+def fill_disk(monkeypatch, disk: Path, room: int) -> None:
+    """Files opened for writing under ``disk`` share ``room`` bytes (the narrowest seam: ``Path.open``,
+    which the split files and the card are written through)."""
+    real_open = Path.open
+    left = [room]
+
+    def open_(self, mode="r", *args, **kwargs):
+        fh = real_open(self, mode, *args, **kwargs)
+        if any(m in mode for m in "wax") and Path(disk) in Path(self).parents:
+            return FullDisk(fh, left)
+        return fh
+
+    monkeypatch.setattr(Path, "open", open_)
+
+
+def _sizes(run_dir: Path, fmt: str, tmp: Path) -> tuple[int, int]:
+    """(bytes of the split files, bytes of the card) of a whole export of ``fmt``."""
+    assert export.main([str(run_dir), f"--format={fmt}", f"--out={tmp}", "--test_fraction=0.5"]) == 0
+    card = (tmp / "README.md").stat().st_size
+    return sum(p.stat().st_size for p in tmp.iterdir()) - card, card
+
+
+@pytest.mark.parametrize("where", ["split", "card"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file_nor_directory(
+    run_dir, tmp_path, monkeypatch, capsys, fmt, where
+):
+    """A full disk gave a traceback (exit 1) and left train.jsonl cut mid-line, without a card."""
+    splits, _ = _sizes(run_dir, fmt, tmp_path / "whole")
+    room = splits // 3 if where == "split" else splits + 10  # the disk fills in a split file, or in the card
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    fill_disk(monkeypatch, disk, room)
+    out = disk / "new" / "ex"
+    capsys.readouterr()
+    code = export.main([str(run_dir), f"--format={fmt}", f"--out={out}", "--test_fraction=0.5"])
+    err = capsys.readouterr().err
+    assert code == 2
+    (line,) = err.splitlines()
+    assert line.startswith(f"error: cannot write {out}/") and line.endswith(": No space left on device")
+    assert line.split(": ")[1].endswith("README.md" if where == "card" else ".jsonl")
+    assert list(disk.iterdir()) == []  # no file, no temp file, not the directories it made
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_full_disk_leaves_an_earlier_export_as_it_was(run_dir, tmp_path, monkeypatch, capsys, fmt):
+    """With --overwrite, the earlier export's split files were deleted before the new ones were written:
+    a failed export lost both. Every file goes to a temp file first, renamed into place at the end."""
+    out = tmp_path / "ex"
+    assert export.main([str(run_dir), "--format=openai", f"--out={out}", "--stop_reasons=final_answer"]) == 0
+    before = snapshot(out)
+    splits, _ = _sizes(run_dir, fmt, tmp_path / "whole")
+    fill_disk(monkeypatch, tmp_path, splits // 2)
+    code = export.main(
+        [str(run_dir), f"--format={fmt}", f"--out={out}", "--overwrite", "--test_fraction=0.5"]
+    )
+    assert code == 2 and "No space left on device" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("fmt", ["messages", *FORMATS])
+def test_nothing_to_export_changes_nothing_on_disk(run_dir, tmp_path, capsys, fmt):
+    """preference and rewards deleted an earlier export's train.jsonl (its card left pointing at the missing
+    file), or made an empty --out and its parents, before finding they had no row to write."""
+    out = tmp_path / "ex"
+    assert export.main([str(run_dir), "--format=sharegpt", f"--out={out}", "--test_fraction=0.5"]) == 0
+    before = snapshot(out)
+    assert set(before) == {"README.md", "train.jsonl", "test.jsonl"}
+    none = "--stop_reasons=max_turns"  # a stop reason no sample of the run has
+    assert export.main([str(run_dir), f"--format={fmt}", f"--out={out}", "--overwrite", none]) == 1
+    assert snapshot(out) == before
+    fresh = tmp_path / "new" / "deeper"
+    assert export.main([str(run_dir), f"--format={fmt}", f"--out={fresh}", none]) == 1
+    assert not (tmp_path / "new").exists()
+    assert "error: " in capsys.readouterr().err
+
+
+def test_a_new_export_replaces_the_earlier_one_s_split_files(run_dir, tmp_path):
+    """Split files of an earlier export that this one does not write (a test split, the other format's
+    files) are removed once the new files are in place, as before."""
+    out = tmp_path / "ex"
+    assert export.main([str(run_dir), "--format=openai", f"--out={out}", "--test_fraction=0.5"]) == 0
+    assert export.main([str(run_dir), "--format=rewards", f"--out={out}", "--overwrite"]) == 0
+    assert sorted(snapshot(out)) == ["README.md", "train.jsonl"]
+
+
+# ----------------------------------------------------------------------------- a real full disk, read-only --out
+
+
+def _in_mount_namespace(script: str) -> subprocess.CompletedProcess:
+    """``script`` (bash) in a private mount namespace, where it may mount a tmpfs or a read-only bind."""
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "bash", "-c", script],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+def _need_mounts(tmp_path: Path) -> None:
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare command")
+    done = _in_mount_namespace(f"mount -t tmpfs -o size=16k tmpfs {probe}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount here (needs root in a mount namespace): {done.stderr.strip()[:200]}")
+
+
+@pytest.mark.parametrize("fmt", ["openai", "parquet", "rewards"])
+def test_a_real_full_disk_and_a_read_only_out(run_dir, tmp_path, fmt):
+    """On a 12 KB tmpfs, and into an empty --out bind-mounted read-only (which failed in the unlink
+    of the earlier export's files, EROFS, with a traceback): one line, exit 2, nothing left."""
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
+    _need_mounts(tmp_path)
+    disk, ro = tmp_path / "disk", tmp_path / "ro"
+    disk.mkdir()
+    ro.mkdir()
+    cmd = f"{sys.executable} -m batchrun.views.export {run_dir} --format={fmt}"
+    ext = "parquet" if fmt == "parquet" else "jsonl"
+    done = _in_mount_namespace(
+        f"mount -t tmpfs -o size=12k tmpfs {disk} && {cmd} --out={disk}/ex; echo rc=$? >&2; ls -A {disk} >&2"
+    )
+    assert done.stderr.splitlines() == [
+        f"error: cannot write {disk}/ex/train.{ext}: No space left on device",
+        "rc=2",
+    ], done.stderr  # ls printed nothing: no file, no directory
+    done = _in_mount_namespace(f"mount --bind -o ro {ro} {ro} && {cmd} --out={ro}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"error: cannot write {ro}/train.{ext}: Read-only file system\n"
