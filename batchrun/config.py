@@ -255,6 +255,9 @@ def scorer_flag(value: Any, flag: str) -> tuple[str, ...]:
     """--scorer: comma-separated scorer names (built-ins, module:function, entry points); auto: the row's."""
     from batchrun.scoring import parse_scorers
 
+    if isinstance(value, str) and not value.strip():
+        # An unset shell variable (--scorer=$SCORER) read as the rows' own scorers: leave the flag out for those.
+        raise UsageError(f"--{flag} must not be empty (leave it out for the rows' own scorers)")
     if isinstance(value, (list, tuple)):
         value = ",".join(str(v) for v in value)
     if value is not None and not isinstance(value, str):
@@ -280,6 +283,8 @@ def normalize_flag(value: Any, flag: str) -> tuple[str, ...]:
     """--answer_normalize: which of case, whitespace, punctuation; "none" for none."""
     if value is None or value == "none" or value == ():
         return ()
+    if isinstance(value, str) and not value.strip():  # an unset shell variable read as no step at all
+        raise UsageError(f"--{flag} must not be empty (none, for no step)")
     items = list_flag(value, flag)
     bad = [i for i in items if i not in NORMALIZE_STEPS]
     if bad:

@@ -93,6 +93,9 @@ BAD_FLAGS = [
     (["--force_resume"], "--force_resume applies only with --resume"),
     (["--rerun_discarded"], "--rerun_discarded applies only with --resume"),
     (["--judge_model=j"], "--judge_model applies only with the judge scorer"),
+    # An unset shell variable (--scorer=$SCORER): read as the rows' own scorers, and as no step at all.
+    (["--scorer="], "--scorer must not be empty"),
+    (["--answer_normalize="], "--answer_normalize must not be empty"),
     (
         ["--judge_base_url=http://127.0.0.1:9", "--scorer=exact"],
         "--judge_base_url applies only with the judge",
