@@ -76,12 +76,12 @@ from batchrun.record import (
     metadata_typed,
     normalize_metadata,
 )
-from batchrun.run.run_dir import check_run_dir, in_use
+from batchrun.run.run_dir import check_run_dir, holds_run, in_use
 from batchrun.sharegpt import (
     first_human,
     offered_tools,
 )
-from batchrun.storage import WriteError, temp_path
+from batchrun.storage import WriteError, remove_stale_temp_files, temp_path
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
     ExportError,
@@ -380,9 +380,6 @@ def export_run(
     return result
 
 
-RUN_FILES = ("run_manifest.json", "checkpoint.json", "trajectories.jsonl")  # what says a directory is a run's
-
-
 def _check_request(
     run_dirs: list[Path], out: Path, opts: ExportOptions, test_fraction: float, overwrite: bool
 ) -> None:
@@ -423,12 +420,17 @@ def _check_request(
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():  # said before the runs are read, whatever they hold
         raise ExportError(f"cannot make the output directory {out}: {above} is not a directory")
-    if any((out / name).is_file() for name in RUN_FILES):
+    if holds_run(out):
         # With --overwrite, the export's card replaced the run's README.md (its record schema, for
-        # load_dataset of the run) and its train.jsonl went in beside the run's files.
+        # load_dataset of the run) and its train.jsonl went in beside the run's files. A run killed before
+        # its merge (batch files only) is one too.
         raise ExportError(
             f"--out {out} is a run directory: the export would replace its README.md; name another directory"
         )
+    if out.is_dir():
+        # An export killed outright left its temp files (.train.jsonl.<pid>.tmp): no export's files, and
+        # they made the directory "not empty" to the next.
+        remove_stale_temp_files(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         # An upload sends the whole directory: files left from another export would be published too.
         raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")

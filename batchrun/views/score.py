@@ -566,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         # re-scoring's copy (read before) then replaced the runner's, its invocation and totals gone. Taken
         # before the judge's start check: a run directory a runner is resuming cost a judge call, then exit 2.
         with holding(args.run_dir, "python -m batchrun.views.score"):
+            replaced = (args.run_dir / f"scores.{name}.jsonl").exists()
             # Before any judge call: a read-only run directory refused the verdicts of every call made.
             for path in (args.run_dir / f"scores.{name}.jsonl", args.run_dir / "statistics.json"):
                 if problem := cannot_write(path):
@@ -645,7 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     old = (stats.get("scores") or {}).get("pass_rate")
     if old is not None and summary["pass_rate"] is not None:
         print(f"The run's own scores: pass rate {old:.1%}; re-scored ({name}): {summary['pass_rate']:.1%}")
-    print(f"Wrote {args.run_dir / f'scores.{name}.jsonl'}; statistics.json scores.rescored.{name}")
+    print(
+        f"Wrote {args.run_dir / f'scores.{name}.jsonl'}; statistics.json scores.rescored.{name}"
+        + (" (replacing the earlier re-scoring of that name: --name keeps both)" if replaced else "")
+    )
     return 0
 
 

@@ -201,6 +201,10 @@ def test_an_answer_pattern_that_matches_no_final_answer_is_counted_and_said(tmp_
     printed = capsys.readouterr().out
     assert "matched nothing" not in printed
     assert stats_of(out / "run")["scores"]["rescored"]["exact"]["answer_pattern_missed"] == 0
+    assert "replacing" not in printed
+    # The same name again replaces it, and says so (it did silently).
+    assert score_main([str(out / "run"), "--scorer=exact"]) == 0
+    assert "(replacing the earlier re-scoring of that name: --name keeps both)" in capsys.readouterr().out
 
 
 def test_rows_of_one_prompt_and_settings_with_other_checks_are_warned_of(tmp_path, capsys):

@@ -196,3 +196,34 @@ def test_a_real_full_disk_and_a_read_only_out(run_dir, tmp_path, fmt):
     done = _in_mount_namespace(f"mount --bind -o ro {ro} {ro} && {cmd} --out={ro}")
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"error: cannot write {ro}/train.{ext}: Read-only file system\n"
+
+
+def test_an_export_killed_outright_does_not_leave_the_next_a_directory_not_empty(run_dir, tmp_path, capsys):
+    """A SIGKILLed export left .train.jsonl.<pid>.tmp in --out: no export's file, but the next export was
+    refused ("not empty") until --overwrite. A temp file of a process that is gone is removed; one of a
+    live process (an export under way) stays, and the directory is then not empty."""
+    out = tmp_path / "ex"
+    out.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (out / f".train.jsonl.{int(dead.stdout)}.tmp").write_text('{"torn": ', "utf-8")
+    assert export.main([str(run_dir), "--format=openai", f"--out={out}"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "train.jsonl"]
+    live = tmp_path / "ex2"
+    live.mkdir()
+    (live / f".train.jsonl.{os.getpid()}.tmp").write_text("", "utf-8")
+    capsys.readouterr()
+    assert export.main([str(run_dir), "--format=openai", f"--out={live}"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+def test_an_export_refuses_a_run_killed_before_its_merge_as_its_out(run_dir, tmp_path, capsys):
+    """--out naming a run that holds batch files only (killed before its merge: no trajectories.jsonl,
+    manifest or checkpoint among the files the check knew): with --overwrite the export went in beside them."""
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    shutil.copy(next(run_dir.glob("batch_*.jsonl")), killed / "batch_0.jsonl")
+    assert export.main([str(run_dir), "--format=openai", f"--out={killed}", "--overwrite"]) == 2
+    assert "is a run directory" in capsys.readouterr().err
+    assert sorted(p.name for p in killed.iterdir()) == ["batch_0.jsonl"]
