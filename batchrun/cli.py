@@ -603,6 +603,14 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
             file=sys.stderr,
         )
     config.check_samples(sum(samples_of(row, config.samples_per_prompt) for row in rows), len(rows))
+    most = max((samples_of(row, config.samples_per_prompt) for row in rows), default=0)
+    if config.stop_after_passes and rows and most <= config.stop_after_passes:
+        # Never acts: a row's samples are skipped once it has K passes, and none has a sample after its K-th.
+        print(
+            f"warning: --stop_after_passes={config.stop_after_passes} stops nothing: no row has more than "
+            f"{most} sample(s) (--samples_per_prompt, or a row's own samples), so every one runs",
+            file=sys.stderr,
+        )
     return rows
 
 

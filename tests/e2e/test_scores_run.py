@@ -394,6 +394,15 @@ def test_stop_after_passes_counts_a_lines_passes_for_its_own_check_only(server, 
     assert stats_of(run_dir)["remaining_for_resume"] == 0
 
 
+def test_a_stop_after_passes_no_row_can_reach_is_warned_of(tmp_path, capsys):
+    """--stop_after_passes=5 with 2 samples a row skips nothing: it was taken without a word."""
+    dataset = write_rows(tmp_path / "d.jsonl", [{"prompt": "Say 7 [answer:7] [calls:0]", "answer": 7}])
+    run(None, dataset, tmp_path / "out", samples_per_prompt=2, stop_after_passes=5)
+    assert "--stop_after_passes=5 stops nothing: no row has more than 2 sample(s)" in capsys.readouterr().err
+    run(None, dataset, tmp_path / "out", run_name="acts", samples_per_prompt=2, stop_after_passes=1)
+    assert "stops nothing" not in capsys.readouterr().err
+
+
 def test_a_resume_that_raises_stop_after_passes_runs_the_samples_the_smaller_one_skipped(server, tmp_path):
     """The skips were finished for resume whatever K the resume gave: --stop_after_passes=2 after 1 did
     nothing. Now a skipped sample runs while its row has fewer than K kept passes, and the statistics
