@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -100,6 +99,7 @@ from batchrun.views.export_rows import (
     split_prompt_completion,
     stop_reason_left_out,
     stop_reasons_in,
+    sync_close,
     template_messages,
     unsplit_warning,
     write_dataset,
@@ -285,11 +285,9 @@ class _ParquetWriter:
         self._flush()
         try:
             self._writer.close()
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
         except OSError as exc:
             raise WriteError(self.path, exc) from exc
+        sync_close(self._fh, self.path)
 
     def abort(self) -> None:
         for close in (getattr(self, "_writer", None), self._fh):

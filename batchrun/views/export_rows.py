@@ -452,16 +452,21 @@ class JsonlWriter:
             raise WriteError(self.path, exc) from exc
 
     def finish(self) -> None:
-        try:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-        except OSError as exc:
-            raise WriteError(self.path, exc) from exc
+        sync_close(self._fh, self.path)
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):
             self._fh.close()
+
+
+def sync_close(fh: Any, path: Path) -> None:
+    """Flush, fsync and close a split file's temp file ``fh``; WriteError naming ``path`` (a full disk)."""
+    try:
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+    except OSError as exc:
+        raise WriteError(path, exc) from exc
 
 
 def make_out(out: Path) -> list[Path]:
