@@ -199,6 +199,9 @@ class Dispatch:
             if config.stop_after_passes
             else collections.Counter()
         )
+        # A dataset line's PassKey, made once: its fields' digest redacts and hashes them (hidden files of
+        # up to 4 MiB), and every hand-out looks up each sample in flight.
+        self._pass_keys: dict[int, PassKey] = {}
 
     def run(self, batches: list[list[PromptJob]]) -> None:
         """Hand the batches' prompts out as workers' slots free, and write every outcome the moment it arrives."""
@@ -539,7 +542,7 @@ class Dispatch:
             ):
                 job = track.pending.popleft()
                 if k:
-                    row = row_pass_key(job, self.recorder.sample_text)
+                    row = self.pass_key_of(job)
                     if self.passes[row] >= k:
                         skipped += self.settle(Outcome.discarded(job, SKIPPED_AFTER_PASSES, None, {}), track)
                         continue
@@ -560,10 +563,15 @@ class Dispatch:
     def rows_in_flight(self, track: _Tracking) -> collections.Counter[PassKey]:
         """A row's PassKey -> its samples handed out without an outcome yet."""
         return collections.Counter(
-            row_pass_key(track.jobs[key], self.recorder.sample_text)
-            for keys in track.held.values()
-            for key in keys
+            self.pass_key_of(track.jobs[key]) for keys in track.held.values() for key in keys
         )
+
+    def pass_key_of(self, job: PromptJob) -> PassKey:
+        """The PassKey of ``job``'s dataset line (its prompt_index), as its saved records give it."""
+        key = self._pass_keys.get(job.prompt_index)
+        if key is None:
+            key = self._pass_keys[job.prompt_index] = row_pass_key(job, self.recorder.sample_text)
+        return key
 
     def hand_out_everywhere(self, track: _Tracking, inbox: Inbox) -> int:
         """--stop_after_passes: an outcome may free samples of its row for any worker with a free slot."""
