@@ -684,7 +684,13 @@ def _gap_without_punctuation(text: str, lo: int, hi: int, held: bool = False) ->
     return "".join(out) + text[at:hi]
 
 
-def _without_punctuation(text: str) -> str:
+# LaTeX's sizing of a bracket (\left( ... \right], \big[, \Bigl\{): no part of the answer; left in,
+# "\left(0, 1\right)" was "left(0,1right)", its brackets touching words, and no longer "(0, 1)".
+_LATEX_SIZING_RE = re.compile(r"\\(?:left|right|middle|[bB]igg?[lrm]?)(?![A-Za-z])")
+
+
+def _without_punctuation(text: str, lists: bool = True) -> str:
+    text = _LATEX_SIZING_RE.sub("", text) if "\\" in text else text
     text = _DATE_RE.sub(r"\1 \3 \4", text.translate(_TO_ASCII_MINUS))
     held = any(ch in text for ch in _OPENERS)  # no group, no bracket or comma to weigh: all go, as ever
     out, done = [], 0
@@ -695,7 +701,7 @@ def _without_punctuation(text: str) -> str:
         ]
         done = m.end()
     out.append(_gap_without_punctuation(text, done, len(text), held))
-    return _tightened(_bracketed("".join(out)) if held else "".join(out))
+    return _tightened(_bracketed("".join(out), lists) if held else "".join(out))
 
 
 # Brackets: what they enclose is one term, and where that changes what the answer says they stay. Removed
@@ -750,10 +756,12 @@ def _words_only(text: str, bounds: list[int], grouped: Any) -> bool:
     )
 
 
-def _bracketed(text: str) -> str:
+def _bracketed(text: str, lists: bool = True) -> str:
     """``text`` (its punctuation removed but for operators, brackets and commas) with the brackets that
     group and the commas of the groups they hold, the others removed (see above). In one pass; a dropped
-    mark between two digits leaves a space (as a removed mark there always did: "2(3)" is not "23")."""
+    mark between two digits leaves a space (as a removed mark there always did: "2(3)" is not "23").
+    Without ``lists``, a pair holding a comma is kept only as an operator's group is (the wanted answer
+    holds no such pair: see :func:`text_part`)."""
     # Per open group: where it opens, an operator at its level, its commas, which of its parts (between
     # two commas) hold a group (such a part is no word). The last two made when first needed.
     stack: list[list[Any]] = []
@@ -775,7 +783,7 @@ def _bracketed(text: str) -> str:
                 stack[-1][2].append(at)
         elif stack:
             opener, operator, commas, grouped = stack.pop()
-            if commas and not _words_only(text, [opener, *commas, at], grouped or ()):
+            if lists and commas and not _words_only(text, [opener, *commas, at], grouped or ()):
                 kept.update(commas)
                 kept.update((opener, at))
             elif operator and _binds(text, opener, at):
@@ -865,17 +873,18 @@ def _tightened(text: str) -> str:
 _FULLWIDTH = {cp: cp - 0xFEE0 for cp in range(0xFF01, 0xFF5F)} | {0x3000: 0x20}
 
 
-def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS) -> str:
+def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS, lists: bool = True) -> str:
     """Case folded, punctuation removed but for a number's sign and decimal point and the operators
     between terms, whitespace collapsed (each step switchable: --answer_normalize); with any step, accents
-    composed one way and fullwidth forms read as their ASCII ones."""
+    composed one way and fullwidth forms read as their ASCII ones. ``lists``: whether a pair of brackets
+    holding a comma (an interval, a point, a set) keeps its brackets and commas."""
     steps = set(steps)
     if steps:
         text = unicodedata.normalize("NFC", text).translate(_FULLWIDTH)
     if "case" in steps:
         text = text.casefold()
     if "punctuation" in steps:
-        text = _without_punctuation(text)
+        text = _without_punctuation(text, lists)
     if "whitespace" in steps:
         text = " ".join(text.split())
     return text
@@ -1588,7 +1597,14 @@ def text_score(
             # An answer that is all punctuation ("+", "?", "..."): removing it left nothing, and nothing
             # is in every reply (includes passed them all) and is any reply of punctuation ("-" for "+").
             steps = tuple(step for step in steps if step != "punctuation")
-        norm_got, norm_want = normalize(got, steps), normalize(str(want), steps)
+        norm_want = normalize(str(want), steps)
+        # A wanted answer written without a bracketed list (an interval, a point, a set) is matched by a
+        # reply's with or without brackets: "(A, C)", "{1, 2, 3}" and "\boxed{(3, 4)}" failed "A, C",
+        # "1, 2, 3" and "3, 4". One that holds one ("[0, 1)") is matched only by the same brackets.
+        lists = "," in norm_want  # a comma is kept only in a bracketed list
+        norm_got = normalize(got, steps, lists)
+        if not lists:
+            norm_want = normalize(str(want), steps, lists)
         if (name == "exact" and norm_got == norm_want) or (
             name == "includes" and includes_whole(norm_got, norm_want)
         ):
@@ -2631,7 +2647,8 @@ def clopper_pearson(x: int, n: int) -> tuple[float, float]:
     """The exact (Clopper-Pearson) 95% interval of a binomial proportion, ``x`` successes of ``n``: the
     proportions no one-sided exact test at 2.5% rejects, so it leaves out 1/2 exactly when McNemar's
     exact test (:func:`mcnemar_exact`, the doubled tail) gives p < 0.05. By bisection on the binomial
-    tail; beyond :data:`EXACT_BINOMIAL_UP_TO` trials, Wilson's score interval (all but equal there)."""
+    tail; beyond :data:`EXACT_BINOMIAL_UP_TO` trials, Wilson's score interval (all but equal there, but
+    not exactly the test's: ``compare_pairs`` widens an interval to 0 where the test finds nothing)."""
     if n > EXACT_BINOMIAL_UP_TO:
         return wilson_interval(x, n) or (0.0, 1.0)
 

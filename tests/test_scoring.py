@@ -1600,8 +1600,8 @@ BRACKETS_THAT_GROUP = [
     ("ANSWER: [0, 1)", "(0, 1]"),
     ("ANSWER: (0, 1]", "[0, 1)"),
     ("ANSWER: (0,1)", "[0,1]"),
-    ("ANSWER: (0, 1)", "0, 1"),
     ("ANSWER: {1, 2}", "(1, 2)"),
+    (r"ANSWER: \left(0, 1\right)", "[0, 1]"),
     ("ANSWER: (a, b]", "[a, b]"),
     ("ANSWER: (0, \u03c0)", "[0, \u03c0]"),
     ("ANSWER: x \u2208 (0, 1)", "x \u2208 [0, 1]"),
@@ -1647,6 +1647,20 @@ BRACKETS_THAT_DECORATE = [
     ("ANSWER: (-\u221e, 3)", "(-\u221e,3)"),
     ("ANSWER: x = (1, 2)", "x=(1,2)"),
     (r"\boxed{(0, 1]}", "(0, 1]"),
+    # A wanted answer without a bracketed list is matched by a reply's with or without brackets (each
+    # failed when brackets that hold a comma were first kept).
+    ("ANSWER: (0, 1)", "0, 1"),
+    ("ANSWER: (A, C)", "A, C"),
+    ("ANSWER: {A, B}", "A, B"),
+    (r"\boxed{\{1, 2, 3\}}", "1, 2, 3"),
+    (r"\boxed{(3, 4)}", "3, 4"),
+    ("ANSWER: (2020, 2021)", "2020, 2021"),
+    ("ANSWER: (x = 5, y = 3)", "x=5, y=3"),
+    ("ANSWER: (March 3, 2021)", "March 3, 2021"),
+    # LaTeX's sizing of a bracket is no part of it.
+    (r"ANSWER: \left(0, 1\right)", "(0, 1)"),
+    (r"ANSWER: x \in \left[0, 1\right)", r"x \in [0, 1)"),
+    (r"ANSWER: \Big(a + b\Big) * c", "(a + b) * c"),
 ]
 
 
@@ -1668,7 +1682,9 @@ def test_brackets_that_decorate_are_not(text, answer):
         ("The answer is (a + b).", "a + b", True),
         ("The interval is (0, 1].", "(0, 1]", True),
         ("The interval is (0, 1].", "[0, 1]", False),
-        ("The interval is (0, 1].", "0, 1", False),
+        ("The interval is (0, 1].", "0, 1", True),  # the wanted answer names no brackets
+        ("The correct options are (A, C).", "A, C", True),
+        (r"So the interval is $\left(0, 1\right)$.", "(0, 1)", True),
         ("So x = 2(x + 1).", "2x + 1", False),
     ],
 )

@@ -4,7 +4,7 @@
     python -m batchrun.views.compare data/<runA> data/<runB> --out=ab.html --json
 
 Samples are paired by row identity (prompt text, image, cwd, the row's own settings) and sample
-index (the samples of several rows of one identity by their rows' other fields, then their order:
+index (the samples of several rows of one identity by their lines' occurrence, where records say it:
 :func:`copies_by_check`); only pairs judged in both runs (passed true or false) and against the same check (the row's
 ``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) by the same
 scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``--numeric_tolerance``,
@@ -71,36 +71,31 @@ from batchrun.views.score import run_samples
 MIN_BOOTSTRAP, MAX_BOOTSTRAP = 100, 1_000_000  # --bootstrap
 
 # (row key, sample index, copy): the copy tells apart the samples of rows of one identity (the same row
-# key), numbered in the order of their rows' fields (their check: answer, verify, ...) and occurrences,
-# then of the run's files (:func:`copies_by_check`); the k-th copy in one run is paired with the k-th in
-# the other.
+# key): the occurrence of the line that wrote it, else its order in the run's files (:func:`copies_by_check`);
+# the k-th copy in one run is paired with the k-th in the other.
 Key = tuple[str, int, int]
 
 
 def copies_by_check(
     samples: list[tuple[dict[str, Any], tuple[str, int], int]],
 ) -> dict[tuple[str, int, int], int]:
-    """(row key, sample index, copy in file order) -> its copy as :data:`Key` holds it, for the samples of
-    which a run holds more than one (others keep copy 0). Lines of one prompt and settings but another
-    check, or identical lines, are rows of one identity: numbered in the order their samples ended, the
-    k-th in A was one line's and in B another's, so two runs of one dataset compared as "judged
-    differently" pair by pair, or as flips of a row whose samples were the same in both. Ordered by their
-    fields' text and their occurrence (the line's among those of its prompt text), the same line's samples
-    meet; in file order only where records do not say their occurrence (older than the field)."""
-    copied = {sample for _, sample, copy in samples if copy}
-    held: dict[tuple[str, int], list[tuple[str, int, int]]] = collections.defaultdict(list)
+    """(row key, sample index, copy in file order) -> its copy as :data:`Key` holds it: the occurrence of
+    the line that wrote it (how many earlier dataset lines held its prompt text), which a record says since
+    the field exists; its file order where it does not (older records). Lines of one prompt and settings
+    (identical ones, or with another check) are rows of one identity: numbered in the order their samples
+    ended, the k-th in A was one line's and in B another's, so two runs of one dataset compared as "judged
+    differently" pair by pair, or as flips of a row whose samples were the same in both; numbered by their
+    rank, a line's sample missing in one run (failed) moved the others onto their neighbours' lines."""
+    numbered: dict[tuple[str, int, int], int] = {}
+    taken: set[tuple[str, int, int]] = set()
     for rec, sample, copy in samples:
-        if sample in copied:
-            meta = rec.get("metadata") or {}
-            fields, occurrence = meta.get("row_fields"), occurrence_of(meta)
-            held[sample].append(
-                (fields if isinstance(fields, str) else "", -1 if occurrence is None else occurrence, copy)
-            )
-    return {
-        (*sample, copy): nth
-        for sample, copies in held.items()
-        for nth, (_, _, copy) in enumerate(sorted(copies))
-    }
+        occurrence = occurrence_of(rec.get("metadata") or {})
+        nth = copy if occurrence is None else occurrence
+        while (*sample, nth) in taken:  # a run resumed across versions: records with and without it
+            nth += 1
+        taken.add((*sample, nth))
+        numbered[(*sample, copy)] = nth
+    return numbered
 
 
 def sample_verdicts(run_dir: Path, scores_name: str | None = None) -> dict[Key, dict[str, Any]]:
@@ -143,7 +138,7 @@ def run_verdicts(
     numbered = copies_by_check(samples)
     for rec, sample, copy in samples:
         score = read_score(override.get((*sample, copy)) if scores_name else rec.get("score"))
-        key = (*sample, numbered.get((*sample, copy), copy))
+        key = (*sample, numbered[(*sample, copy)])
         if score.get("error"):  # as the scores' tally counts them: an error first, then no verdict
             unjudged[key] = "scorer_error"
             continue
@@ -249,7 +244,8 @@ def compare_pairs(
     p_value = mcnemar if one_pair_a_row else sign_flip_p(list(totals.values()))
     # Rows of several pairs: the resampled interval may leave out 0 where the sign-flip test does not
     # find the difference (5 rows can never give p < 0.05, yet 5.6% of simulated equal models read a sure
-    # gain or loss). It then reaches 0, and says so: no interval here leaves out 0 beside p >= 0.05.
+    # gain or loss); and beyond EXACT_BINOMIAL_UP_TO discordant pairs the exact interval is Wilson's. It
+    # then reaches 0, and says so: no interval here leaves out 0 beside p >= 0.05.
     widened = interval is not None and (interval[0] > 0 or interval[1] < 0) and p_value >= 0.05
     if widened and interval is not None:
         interval = (min(interval[0], 0.0), max(interval[1], 0.0))
@@ -434,7 +430,7 @@ def _reaches_0(r: dict[str, Any]) -> str:
     if not r.get("difference_95ci_reaches_0_by_the_test"):
         return ""
     return (
-        f"the interval is widened to 0: the resampled one left 0 out, but the {TEST_NAMES.get(r['p_value_test'])} "
+        f"the interval is widened to 0: it left 0 out, but the {TEST_NAMES.get(r['p_value_test'])} "
         f"does not find the difference (p = {r['p_value']:.4g}; {r['rows']} rows)"
     )
 
@@ -479,7 +475,11 @@ def out_problem(out: Path) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"--out {out}: cannot write into {parent} (permission denied or read-only)"
     # The directory the page goes into, and the one a symlink at --out points into.
-    for place in dict.fromkeys((parent.resolve(), out.resolve().parent)):
+    try:
+        places = dict.fromkeys((parent.resolve(), out.resolve().parent))
+    except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError on Python 3.11, OSError after
+        return f"--out {out}: cannot follow it: {exc}"
+    for place in places:
         if holds_run(place):
             return (
                 f"--out {out} is in the run directory {place}: the page would replace or sit among the run's "

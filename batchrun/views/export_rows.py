@@ -5,6 +5,7 @@ the request's errors and result, one record's messages, the samples of the runs,
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -548,7 +549,12 @@ def write_dataset(
 
 def _commit(out: Path, moves: list[tuple[Path, Path]]) -> None:
     """Rename the written temp files into place, then remove the split files of an earlier export that
-    this one did not write (a test split no longer asked for, the other format's files)."""
+    this one did not write (a test split no longer asked for, the other format's files). Each place is
+    looked at first: a directory at one failed its rename after the ones before it had replaced an
+    earlier export's files, a mix of the two left."""
+    for _, path in moves:
+        if path.is_dir() and not path.is_symlink():
+            raise WriteError(path, IsADirectoryError(errno.EISDIR, "a directory stands there"))
     path = out
     try:
         for tmp, path in moves:

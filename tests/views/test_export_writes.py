@@ -227,3 +227,22 @@ def test_an_export_refuses_a_run_killed_before_its_merge_as_its_out(run_dir, tmp
     assert export.main([str(run_dir), "--format=openai", f"--out={killed}", "--overwrite"]) == 2
     assert "is a run directory" in capsys.readouterr().err
     assert sorted(p.name for p in killed.iterdir()) == ["batch_0.jsonl"]
+
+
+def test_a_place_a_file_cannot_go_leaves_the_earlier_export_whole(run_dir, tmp_path, capsys):
+    """A directory where the card (renamed last) goes: the split files were renamed into place first,
+    then the card's rename failed, leaving the new splits beside what was there. Each place is looked at
+    before any rename."""
+    out = tmp_path / "ex"
+    assert export.main([str(run_dir), "--format=openai", f"--out={out}"]) == 0
+    (out / "README.md").unlink()
+    (out / "README.md").mkdir()
+    (out / "README.md" / "x").write_text("", "utf-8")
+    before = {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+    capsys.readouterr()
+    code = export.main(
+        [str(run_dir), "--format=openai", f"--out={out}", "--overwrite", "--test_fraction=0.5"]
+    )
+    assert code == 2
+    assert "README.md" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()} == before

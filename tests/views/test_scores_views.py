@@ -157,7 +157,7 @@ def test_compare_interval_by_row_reaches_0_where_the_sign_flip_test_finds_nothin
         }
     )
     assert (
-        "the interval is widened to 0: the resampled one left 0 out, but the sign-flip test by row does not find"
+        "the interval is widened to 0: it left 0 out, but the sign-flip test by row does not find"
         in text
     )
     rng = random.Random(9)
@@ -1077,6 +1077,16 @@ def test_lines_of_one_prompt_with_other_checks_are_paired_and_grouped_by_their_c
     assert score.main([str(out / "b"), "--scorer=exact", "--name=again"]) == 0
     rescored = stats_of(out / "b")["scores"]["rescored"]["again"]
     assert (rescored["passed"], rescored["rows_scored"], rescored["pass_at_k"]["pass@2"]) == (2, 2, 0.5)
+    # One line's samples missing in B (they failed): the other line's still meet their own in A, not the
+    # missing line's (numbered by their rank, they moved onto it).
+    path = out / "b" / "trajectories.jsonl"
+    kept = [line for line in path.read_text("utf-8").splitlines(keepends=True) if '\\"7\\"' not in line]
+    assert len(kept) == 2
+    path.write_text("".join(kept), "utf-8")
+    capsys.readouterr()
+    assert compare.main([str(out / "a"), str(out / "b"), "--json", f"--out={tmp_path / 'c.html'}"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pairs"], r["judged_differently"], r["only_in_a"], r["pass_rate_b"]) == (2, 0, 2, 0.0)
 
 
 def test_identical_lines_are_paired_and_grouped_by_their_occurrence(tmp_path, capsys):

@@ -55,3 +55,12 @@ def test_a_flag_s_text_after_the_end_of_flags_is_no_repeat(tmp_path, capsys):
     # After "--" every word is positional: a run directory named like a flag is no second flag.
     assert report.main(["--max_trajectories=1", "--", str(tmp_path / "--max_trajectories=2")]) == 2
     assert "given more than once" not in capsys.readouterr().err
+
+
+def test_compare_out_through_a_symlink_loop_is_refused_not_a_traceback(tmp_path):
+    from batchrun.views import compare
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    problem = compare.out_problem(tmp_path / "a")
+    assert problem is not None and problem.startswith(f"--out {tmp_path / 'a'}: cannot follow it")
