@@ -1180,22 +1180,31 @@ def test_layer_bytes_counts_blocks_each_file_at_least_one_and_hard_links_once(tm
 
 @pytest.mark.docker
 def test_tmpfs_disk_cap_keeps_what_the_image_has_at_the_working_directory(docker_box, docker_test_image):
+    import docker.errors
+
     from batchrun.prompt.sandboxes.docker.sandbox import docker_client
 
     image = f"batch-runner-test-repo:{uuid.uuid4().hex[:8]}"
-    seed_name = f"br-test-seed-{uuid.uuid4().hex[:8]}"
-    try:  # named, so a start the engine fails (it does here, now and then) leaves no container behind
-        seed = docker_client().containers.run(
-            docker_test_image,
-            ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && chmod 777 /repo"
-             " && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
-            detach=True, name=seed_name,
-        )  # fmt: skip
-        seed.wait()
-        seed.commit(*image.split(":"), changes=["USER nobody"])  # copied in as root all the same
-    finally:
-        with contextlib.suppress(Exception):
-            docker_client().containers.get(seed_name).remove(force=True)
+    for attempt in range(3):
+        # The engine here now and then fails a start ("exec: sh: executable file not found", the image's
+        # layers not yet there): the test's own set-up, not what it tests, tried again.
+        seed_name = f"br-test-seed-{uuid.uuid4().hex[:8]}"
+        try:  # named, so a start the engine fails leaves no container behind
+            seed = docker_client().containers.run(
+                docker_test_image,
+                ["sh", "-c", "mkdir -p /repo/src && echo 'print(1)' > /repo/src/main.py && chmod 777 /repo"
+                 " && dd if=/dev/zero of=/repo/blob bs=1M count=2"],
+                detach=True, name=seed_name,
+            )  # fmt: skip
+            seed.wait()
+            seed.commit(*image.split(":"), changes=["USER nobody"])  # copied in as root all the same
+            break
+        except docker.errors.APIError:
+            if attempt == 2:
+                raise
+        finally:
+            with contextlib.suppress(Exception):
+                docker_client().containers.get(seed_name).remove(force=True)
     try:
         box = docker_box(index=42, image=image, cwd="/repo", options={"disk_cap": "tmpfs", "disk_mb": 8})
         probe = "cat src/main.py; wc -c < blob; df -k . | tail -1; stat -c '%U %a' . src/main.py; id -u"

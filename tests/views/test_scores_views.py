@@ -156,10 +156,7 @@ def test_compare_interval_by_row_reaches_0_where_the_sign_flip_test_finds_nothin
             **{k: 0 for k in ("unjudged_in_a", "unjudged_in_b", "judged_differently")},
         }
     )
-    assert (
-        "the interval is widened to 0: it left 0 out, but the sign-flip test by row does not find"
-        in text
-    )
+    assert "the interval is widened to 0: it left 0 out, but the sign-flip test by row does not find" in text
     rng = random.Random(9)
     for _ in range(200):
         pairs, rows = _simulated_comparison(rng, rng.randint(3, 12), rng.randint(2, 4))
