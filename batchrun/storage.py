@@ -11,7 +11,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,13 +223,15 @@ def write_parts_atomic(path: Path, parts: Iterable[str]) -> None:
         raise
 
 
-_TEMP_NAME = re.compile(r"\..+\.(\d+)\.tmp")
+_TEMP_NAME = re.compile(r"\.(.+)\.(\d+)\.tmp")
 
 
-def remove_stale_temp_files(directory: Path) -> list[str]:
+def remove_stale_temp_files(directory: Path, names: Collection[str] | None = None) -> list[str]:
     """Remove the temp files (``.<name>.<pid>.tmp``) that writers killed outright (SIGKILL, power loss)
     left in ``directory``: a merge's is a whole copy of trajectories.jsonl. A file whose pid is alive
-    may be a write in progress (a view writing report.html) and stays. Returns the names removed."""
+    may be a write in progress (a view writing report.html) and stays. ``names``: only the temp files of
+    these (a directory not the runner's own, an export's --out, may hold other programs' files of that
+    shape). Returns the names removed."""
     removed = []
     try:
         entries = list(directory.iterdir())
@@ -237,7 +239,7 @@ def remove_stale_temp_files(directory: Path) -> list[str]:
         return removed
     for entry in entries:
         m = _TEMP_NAME.fullmatch(entry.name)
-        if m is None or pid_alive(int(m.group(1))):
+        if m is None or (names is not None and m.group(1) not in names) or pid_alive(int(m.group(2))):
             continue
         try:
             if entry.is_file() and not entry.is_symlink():

@@ -83,6 +83,7 @@ from batchrun.sharegpt import (
 from batchrun.storage import WriteError, remove_stale_temp_files, temp_path
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
+    EXPORT_FILES,
     ExportError,
     ExportOptions,
     ExportResult,
@@ -428,7 +429,7 @@ def _check_request(
     if out.is_dir():
         # An export killed outright left its temp files (.train.jsonl.<pid>.tmp): no export's files, and
         # they made the directory "not empty" to the next.
-        remove_stale_temp_files(out)
+        remove_stale_temp_files(out, EXPORT_FILES)
     if out.exists() and any(out.iterdir()) and not overwrite:
         # An upload sends the whole directory: files left from another export would be published too.
         raise ExportError(f"output directory {out} is not empty (pass --overwrite to replace its files)")

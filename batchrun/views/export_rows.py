@@ -30,6 +30,8 @@ from batchrun.storage import WriteError, discard_temp, fsync_dir, iter_jsonl, js
 
 SPLITS = ("train", "test")
 CARD_NAME = "README.md"
+# The files an export writes into --out (their temp files too: .<name>.<pid>.tmp).
+EXPORT_FILES = frozenset({CARD_NAME, *(f"{split}.{ext}" for split in SPLITS for ext in ("jsonl", "parquet"))})
 
 
 class ExportError(ValueError):

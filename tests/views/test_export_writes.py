@@ -210,6 +210,12 @@ def test_an_export_killed_outright_does_not_leave_the_next_a_directory_not_empty
     (out / f".train.jsonl.{int(dead.stdout)}.tmp").write_text('{"torn": ', "utf-8")
     assert export.main([str(run_dir), "--format=openai", f"--out={out}"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "train.jsonl"]
+    # Another program's file of that shape is none of the export's: it stays (the directory is not empty).
+    foreign = tmp_path / "ex3"
+    foreign.mkdir()
+    (foreign / f".notes.txt.{int(dead.stdout)}.tmp").write_text("mine", "utf-8")
+    assert export.main([str(run_dir), "--format=openai", f"--out={foreign}"]) == 2
+    assert (foreign / f".notes.txt.{int(dead.stdout)}.tmp").read_text("utf-8") == "mine"
     live = tmp_path / "ex2"
     live.mkdir()
     (live / f".train.jsonl.{os.getpid()}.tmp").write_text("", "utf-8")
