@@ -109,6 +109,39 @@ def is_http_url(url: str) -> bool:
     return bool(parts.hostname)
 
 
+DEFAULT_JUDGE_KEY_ENV = "JUDGE_API_KEY"  # --judge_api_key_env's default
+
+
+def judge_flags_given(model: str | None, base_url: str | None, key_env: str) -> list[str]:
+    """The judge's flags given (their names), as the runner and views.score refuse them without the
+    judge scorer: a forgotten --scorer=judge."""
+    given = [
+        name for name, value in (("judge_model", model), ("judge_base_url", base_url)) if value is not None
+    ]
+    return given + (["judge_api_key_env"] if key_env != DEFAULT_JUDGE_KEY_ENV else [])
+
+
+def check_judge_key_env(key_env: str) -> None:
+    """--judge_api_key_env names an environment variable (the runner and views.score, judge or not)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
+        raise UsageError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+
+
+def check_judge_key(key_env: str, base_url: str | None, key: str | None) -> None:
+    """The judge's key, as the runner and views.score check it before any call: a variable named but not
+    set (every judged sample was unscored after its tokens were spent), and a hosted judge at ``base_url``
+    without a ``key``, are refused."""
+    if key_env != DEFAULT_JUDGE_KEY_ENV and not os.environ.get(key_env):
+        raise UsageError(
+            f"--judge_api_key_env={key_env}: the environment variable {key_env} is not set or is empty"
+        )
+    if base_url and not key and ("openrouter.ai" in base_url or "api.openai.com" in base_url):
+        raise UsageError(
+            f"no API key for the judge at --judge_base_url={safe_url(base_url)}: set {key_env} "
+            "(the variable --judge_api_key_env names)"
+        )
+
+
 def _show(value: Any) -> str:
     """A refused value as the message shows it: quoted when it is a word, a number or a plain path
     (``four``, ``flase``, ``1e11``); anything else, which may be a key pasted into the wrong flag, only
@@ -902,24 +935,9 @@ class RunConfig:
             raise UsageError(
                 f"--judge_base_url must be an http:// or https:// URL, got {_show(self.judge_base_url)}"
             )
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.judge_api_key_env):
-            raise UsageError("--judge_api_key_env must name an environment variable (letters, digits, _)")
-        var = self.judge_api_key_env
-        if wants_judge and var != "JUDGE_API_KEY" and not os.environ.get(var):
-            raise UsageError(
-                f"--judge_api_key_env={var}: the environment variable {var} is not set or is empty"
-            )
-        url = self.judge_base_url  # None: the run's endpoint and key, which the run's own check covers
-        if (
-            wants_judge
-            and url
-            and not self.judge_api_key
-            and ("openrouter.ai" in url or "api.openai.com" in url)
-        ):
-            raise UsageError(
-                f"no API key for the judge at --judge_base_url={safe_url(url)}: set {var} "
-                "(the variable --judge_api_key_env names)"
-            )
+        check_judge_key_env(self.judge_api_key_env)
+        if wants_judge:  # the judge's URL None: the run's endpoint and key, which the run's own check covers
+            check_judge_key(self.judge_api_key_env, self.judge_base_url, self.judge_api_key)
 
     def check_rates(self, prompts: int | None = None) -> None:
         """A request rate under which no prompt could finish: each worker gets its share of --max_rpm
@@ -960,8 +978,7 @@ class RunConfig:
             if getattr(self, name) and not self.resume:
                 raise UsageError(f"--{name} applies only with --resume, which is not given")
         if "judge" not in self.scorer:
-            given = [n for n in ("judge_model", "judge_base_url") if getattr(self, n) is not None]
-            given += ["judge_api_key_env"] if self.judge_api_key_env != "JUDGE_API_KEY" else []
+            given = judge_flags_given(self.judge_model, self.judge_base_url, self.judge_api_key_env)
             if given:
                 raise UsageError(
                     f"--{given[0]} applies only with the judge scorer (--scorer=judge, or judge among the "

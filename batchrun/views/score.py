@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import sys
 import threading
 import time
@@ -65,7 +64,7 @@ from batchrun.storage import (
     write_json_atomic,
     write_text_atomic,
 )
-from batchrun.views.flags import ViewParser
+from batchrun.views.flags import ViewParser, scores_name_problem
 
 DEFAULT_CONCURRENCY, MAX_CONCURRENCY = 8, 256  # --concurrency: judge calls at once
 # --name: scores.<name>.jsonl and its temp file (.scores.<name>.jsonl.<pid>.tmp) stay within a file
@@ -662,9 +661,18 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
         raise ValueError(
             f"--scorer={needs_box[0]} needs the prompt's sandbox, which is gone; re-run the samples"
         )
-    if args.name is not None and not re.fullmatch(r"[\w.+-]+", args.name):
-        raise ValueError("--name: letters, digits, '.', '+', '-' and '_' only")
-    from batchrun.config import MAX_DURATION_S, float_flag, is_http_url, normalize_flag, regex_flag
+    if args.name is not None and (problem := scores_name_problem("--name", args.name)):
+        raise ValueError(problem)
+    from batchrun.config import (
+        MAX_DURATION_S,
+        check_judge_key,
+        check_judge_key_env,
+        float_flag,
+        is_http_url,
+        judge_flags_given,
+        normalize_flag,
+        regex_flag,
+    )
 
     # The run's own flag readers: an empty pattern (a pattern of nothing) and ",," (no step named) were
     # taken for none here, refused by the runner.
@@ -690,13 +698,10 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
         verify_timeout = read_timeout(timeout, "verify_timeout")
     steps = normalize_flag(args.answer_normalize, "answer_normalize")
     judge_settings = None
-    var = args.judge_api_key_env
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
-        raise ValueError("--judge_api_key_env must name an environment variable (letters, digits, _)")
+    # The judge's flags as the runner checks them (one without the judge scorer: a forgotten --scorer=judge).
+    check_judge_key_env(args.judge_api_key_env)
     if "judge" not in scorers:
-        # As the runner: a judge's flag without the judge scorer is a forgotten --scorer=judge.
-        given = [n for n in ("judge_model", "judge_base_url") if getattr(args, n) is not None]
-        given += ["judge_api_key_env"] if var != "JUDGE_API_KEY" else []
+        given = judge_flags_given(args.judge_model, args.judge_base_url, args.judge_api_key_env)
         if given:
             raise ValueError(f"--{given[0]} applies only with the judge scorer (--scorer=judge)")
     else:
@@ -704,20 +709,9 @@ def _settings(args: argparse.Namespace) -> ScoringSettings:
             raise ValueError("--scorer=judge needs --judge_model and --judge_base_url")
         if not is_http_url(args.judge_base_url):
             raise ValueError("--judge_base_url must be an http:// or https:// URL with a host")
-        key = os.environ.get(var) or None
-        if var != "JUDGE_API_KEY" and key is None:
-            raise ValueError(
-                f"--judge_api_key_env={var}: the environment variable {var} is not set or is empty"
-            )
-        url = args.judge_base_url
-        if key is None and ("openrouter.ai" in url or "api.openai.com" in url):
-            from batchrun.prompt.llm import safe_url
-
-            raise ValueError(
-                f"no API key for the judge at --judge_base_url={safe_url(url)}: set {var} "
-                "(the variable --judge_api_key_env names)"
-            )
-        judge_settings = JudgeSettings(args.judge_model, url, key)
+        key = os.environ.get(args.judge_api_key_env) or None
+        check_judge_key(args.judge_api_key_env, args.judge_base_url, key)
+        judge_settings = JudgeSettings(args.judge_model, args.judge_base_url, key)
     return ScoringSettings(
         scorers=scorers,
         answer_pattern=answer_pattern,
