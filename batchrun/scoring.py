@@ -1593,18 +1593,18 @@ def text_score(
         return Part(name, 0.0, False, f"{shown!r} matches none of the patterns")
     for want in answers:
         steps = settings.normalize
-        if not normalize(str(want), steps):
+        norm_want = normalize(str(want), steps)
+        if not norm_want:
             # An answer that is all punctuation ("+", "?", "..."): removing it left nothing, and nothing
             # is in every reply (includes passed them all) and is any reply of punctuation ("-" for "+").
             steps = tuple(step for step in steps if step != "punctuation")
-        norm_want = normalize(str(want), steps)
+            norm_want = normalize(str(want), steps)
         # A wanted answer written without a bracketed list (an interval, a point, a set) is matched by a
         # reply's with or without brackets: "(A, C)", "{1, 2, 3}" and "\boxed{(3, 4)}" failed "A, C",
-        # "1, 2, 3" and "3, 4". One that holds one ("[0, 1)") is matched only by the same brackets.
-        lists = "," in norm_want  # a comma is kept only in a bracketed list
+        # "1, 2, 3" and "3, 4". One that holds one ("[0, 1)") is matched only by the same brackets. (A comma
+        # is kept only in a bracketed list: without one, the wanted answer reads the same either way.)
+        lists = "," in norm_want
         norm_got = normalize(got, steps, lists)
-        if not lists:
-            norm_want = normalize(str(want), steps, lists)
         if (name == "exact" and norm_got == norm_want) or (
             name == "includes" and includes_whole(norm_got, norm_want)
         ):
