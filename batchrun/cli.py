@@ -619,7 +619,7 @@ def same_row_other_check(rows: list[Row]) -> tuple[int, int, int] | None:
     (``RowIdentity.of_job``: prompt, image, cwd, own settings) but not their check, 0-based; None when none
     do. Such rows were silently one row's copies: pass@k took samples of both checks as one row's,
     views.compare paired them by order, and one's passes stopped the other's samples (now each is told
-    apart by its fields: ``RunScores``, ``compare.copies_by_check``, ``resume.PassKey``)."""
+    apart by its line: ``RunScores``, ``compare.copies_by_line``, ``resume.PassKey``)."""
     first_of: dict[int, Row] = {}  # by the identity's hash: no identity held per row (100,000 rows)
     found, count = None, 0
     for row in rows:

@@ -5,7 +5,7 @@
 
 Samples are paired by row identity (prompt text, image, cwd, the row's own settings) and sample
 index (the samples of several rows of one identity by their lines' occurrence, where records say it:
-:func:`copies_by_check`); only pairs judged in both runs (passed true or false) and against the same check (the row's
+:func:`copies_by_line`); only pairs judged in both runs (passed true or false) and against the same check (the row's
 ``answer``, ``verify``, ``verify_files`` and ``rubric``: not part of its identity) by the same
 scorers with the same settings (``--answer_pattern``, ``--answer_normalize``, ``--numeric_tolerance``,
 ``--judge_model`` and the judge's base URL, where the scorers use them) count. A pair judged
@@ -71,12 +71,12 @@ from batchrun.views.score import run_samples
 MIN_BOOTSTRAP, MAX_BOOTSTRAP = 100, 1_000_000  # --bootstrap
 
 # (row key, sample index, copy): the copy tells apart the samples of rows of one identity (the same row
-# key): the occurrence of the line that wrote it, else its order in the run's files (:func:`copies_by_check`);
+# key): the occurrence of the line that wrote it, else its order in the run's files (:func:`copies_by_line`);
 # the k-th copy in one run is paired with the k-th in the other.
 Key = tuple[str, int, int]
 
 
-def copies_by_check(
+def copies_by_line(
     samples: list[tuple[dict[str, Any], tuple[str, int], int]],
 ) -> dict[tuple[str, int, int], int]:
     """(row key, sample index, copy in file order) -> its copy as :data:`Key` holds it: the occurrence of
@@ -135,7 +135,7 @@ def run_verdicts(
     out = {}
     unjudged: dict[Key, str] = {}
     samples = run_samples(run_dir)
-    numbered = copies_by_check(samples)
+    numbered = copies_by_line(samples)
     for rec, sample, copy in samples:
         score = read_score(override.get((*sample, copy)) if scores_name else rec.get("score"))
         key = (*sample, numbered[(*sample, copy)])
@@ -569,8 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--scores", "--scores_a", "--scores_b"):
         # A name with a "/" went into the path (--scores=../../x); "" meant the runs' own scores.
         name = getattr(args, flag[2:])
-        if name is not None and scores_name_problem(flag, name):
-            parser.error(scores_name_problem(flag, name))
+        if name is not None and (problem := scores_name_problem(flag, name)):
+            parser.error(problem)
     scores_a, scores_b = args.scores_a or args.scores, args.scores_b or args.scores
     problem = out_problem(args.out)
     if problem:
