@@ -598,8 +598,8 @@ def read_dataset(config: RunConfig, recorder: Recorder) -> list[Row]:
             f"warning: {config.dataset_file}:{later + 1}: the same prompt and settings as line {first + 1}, but "
             f"another answer, verify, verify_files or rubric ({count} such line(s)): one prompt with two "
             "checks. Each line's samples are judged, counted for pass@k and --stop_after_passes, and paired "
-            "in views.compare as its own, but the intervals take them for alike (one prompt) and the report "
-            "lists them as one row; make their prompts differ if they are two tasks",
+            "in views.compare, and listed in the report's per-row table, as its own, but the intervals take "
+            "them for alike (one prompt); make their prompts differ if they are two tasks",
             file=sys.stderr,
         )
     config.check_samples(sum(samples_of(row, config.samples_per_prompt) for row in rows), len(rows))

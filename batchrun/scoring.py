@@ -2362,6 +2362,31 @@ OWN_TOOLSETS = "(row's own toolsets)"
 ONCE_BITS = 4096  # sample indexes below this are counted as bits of their row's number (above: one by one)
 
 
+def copied_rows_of(wanted: dict[tuple[str, int], int] | None) -> set[str]:
+    """The rows some of whose samples the dataset wants more than once: identical lines, or lines of one
+    identity (prompt and settings) with other checks."""
+    return {row for (row, _), n in (wanted or {}).items() if n > 1}
+
+
+def line_row(
+    meta: dict[str, Any], row_key: str, sample_index: int, copies: collections.Counter[tuple[str, int, int]]
+) -> str:
+    """The row a sample of a copied row (:func:`copied_rows_of`) is counted in: its line's, told apart by
+    its fields (the check: answer, verify, ...) and its occurrence (the line's among those of its prompt
+    text), else (a record older than the field) the n-th copy of the sample makes the n-th row
+    (``copies`` counts them). By order alone, each row held samples of both lines, as they happened to
+    end: of two answers, or of two identical lines (one that passed 2 of 6 beside one that passed none
+    read pass@2 0.489, not 0.467)."""
+    fields = meta.get("row_fields")
+    check = hash(fields) if isinstance(fields, str) else 0
+    occurrence = occurrence_of(meta)
+    if occurrence is None:
+        occurrence = copies[row_key, check, sample_index]
+        copies[row_key, check, sample_index] = occurrence + 1
+        return f"{row_key}/{check:x}/{occurrence}"
+    return f"{row_key}/{check:x}/o{occurrence}"
+
+
 class RunScores:
     """The ``scores`` section of statistics.json, built one record at a time: overall, per
     distribution, per toolset mix, per stop reason, per scorer (a run's rows may be judged by several,
@@ -2380,7 +2405,7 @@ class RunScores:
         self.counted: collections.Counter[tuple[str, int]] = collections.Counter()
         # The rows some of whose samples the dataset wants more than once (identical rows, or rows of one
         # identity with other checks), and how many of each (row, check, sample) are counted so far.
-        self.copied_rows = {row for (row, _), n in (wanted or {}).items() if n > 1}
+        self.copied_rows = copied_rows_of(wanted)
         self.copies: collections.Counter[tuple[str, int, int]] = collections.Counter()
         self.numbers: list[int] = []  # the tallies' slot numbers, one object each for all of them
         self.all = ScoreTally(self.numbers)
@@ -2408,23 +2433,7 @@ class RunScores:
             self.counted[key] += 1
         score = read_score(rec.get("score"))
         meta = rec.get("metadata") or {}
-        row = row_key
-        if row_key in self.copied_rows:
-            # Identical rows are rows of their own for pass@k, so two rows of k samples each are not one
-            # row of 2k. A sample's row is its line's: its fields (the check: answer, verify, ...) and its
-            # occurrence (the line's among those of its prompt text), else (a record older than the
-            # field) the n-th copy of the sample makes the n-th row. By order alone, each row held
-            # samples of both lines, as they happened to end: of two answers, or of two identical lines
-            # (one that passed 2 of 6 beside one that passed none read pass@2 0.489, not 0.467).
-            fields = meta.get("row_fields")
-            check = hash(fields) if isinstance(fields, str) else 0
-            occurrence = occurrence_of(meta)
-            if occurrence is None:
-                occurrence = self.copies[row_key, check, sample_index]
-                self.copies[row_key, check, sample_index] = occurrence + 1
-                row = f"{row_key}/{check:x}/{occurrence}"
-            else:
-                row = f"{row_key}/{check:x}/o{occurrence}"
+        row = line_row(meta, row_key, sample_index, self.copies) if row_key in self.copied_rows else row_key
         self.all.add(score, row, row_key)
         if isinstance(score.get("passed"), bool) and PATTERN_MISSED in str(score.get("explanation") or ""):
             self.pattern_missed += 1

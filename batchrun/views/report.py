@@ -25,7 +25,15 @@ from typing import Any
 from batchrun.identity import Line, kept_line, lines_matter, record_sample, superseded_discards
 from batchrun.record import is_tool_failure, read_score, valid_outcome_row, valid_record
 from batchrun.run.run_dir import RUN_FILES, check_run_dir, holds_run
-from batchrun.scoring import RunScores, interval_clusters, of_rows, planned_figures, wanted_from_duplicates
+from batchrun.scoring import (
+    RunScores,
+    copied_rows_of,
+    interval_clusters,
+    line_row,
+    of_rows,
+    planned_figures,
+    wanted_from_duplicates,
+)
 from batchrun.sharegpt import (
     finite_value,
     first_human,
@@ -172,6 +180,7 @@ class RowScores:
     scores' count and sum (``total`` plus ``carry``, added as ``sum()`` adds a list of them)."""
 
     n: int = 0
+    line: int | None = None  # the dataset line (1-based) of its first sample, shown for a row of copied lines
     passes: int = 0
     no_verdict: int = 0
     values: int = 0
@@ -248,6 +257,10 @@ class RunData:
     # from its scores.duplicate_samples); and how often each is in ``scores`` already.
     wanted: dict[tuple[str, int], int] | None = None
     counted: collections.Counter[tuple[str, int]] = dataclasses.field(default_factory=collections.Counter)
+    # The rows of ``wanted`` made of several lines (``copied_rows_of``: made at the first score), and how
+    # many of each (row, check, sample) were met, so the per-row table has a line of each, as pass@k does.
+    copied: set[str] | None = None
+    copies: collections.Counter[tuple[str, int, int]] = dataclasses.field(default_factory=collections.Counter)
     # The same samples' figures (pass rate, interval, pass@k) from the records read, for a report of the
     # batch files: statistics.json is written at the end, so it is absent or an earlier invocation's.
     record_scores: RunScores | None = None
@@ -360,13 +373,30 @@ def add_score(data: RunData, rec: dict[str, Any], where: str) -> None:
     human = next((t.get("value", "") for t in rec.get("conversations") or [] if t.get("from") == "human"), "")
     label = str(meta.get("row_id") or "") or " ".join(str(human).split())[:60]
     index = meta.get("sample_index") if isinstance(meta.get("sample_index"), int) else 0
-    add_judged(data.scores, data.max_items, label, index, where, score, "" if key is None else key[0])
+    row_key, line = "" if key is None else key[0], None
+    if data.copied is None:
+        data.copied = copied_rows_of(data.wanted)
+    if row_key in data.copied:
+        # Lines of one prompt and settings (identical, or with other checks) are a row each, as pass@k
+        # counts them: one line of the table mixed the samples judged against `7` with those against `8`.
+        row_key = line_row(meta, row_key, key[1], data.copies)
+        place = rec.get("prompt_index")
+        line = place + 1 if isinstance(place, int) and not isinstance(place, bool) and place >= 0 else None
+    add_judged(data.scores, data.max_items, label, index, where, score, row_key, line)
 
 
 def add_judged(
-    seen: ScoresSeen, max_items: int, label: str, index: int, where: str, sc: dict[str, Any], row_key: str
+    seen: ScoresSeen,
+    max_items: int,
+    label: str,
+    index: int,
+    where: str,
+    sc: dict[str, Any],
+    row_key: str,
+    line: int | None = None,
 ) -> None:
-    """One sample's score (read by ``read_score``) into the figures of the scores section."""
+    """One sample's score (read by ``read_score``) into the figures of the scores section: ``row_key`` is its
+    row's (its line's: :func:`line_row`, for lines of one identity), ``line`` its dataset line then."""
     if sc.get("scorer") in (None, "none"):
         return
     seen.judged += 1
@@ -375,7 +405,7 @@ def add_judged(
     # (4 timed-out verify commands read "4 samples, 0 passes": a row the model failed, that nothing judged).
     row = seen.rows.get((label, row_key))
     if row is None:
-        row = seen.rows[(label, row_key)] = RowScores()
+        row = seen.rows[(label, row_key)] = RowScores(line=line)
     verdict = isinstance(sc.get("passed"), bool)
     row.n += verdict
     row.passes += sc.get("passed") is True
@@ -1125,12 +1155,23 @@ def section_scores(d: RunData) -> str:
         )
     )
     shared = collections.Counter(label for label, _ in seen.rows)
+    # A line of rows of one identity (copied lines: their key is the identity's, a slash, and the line's)
+    # is named by its dataset line; other rows that share a label by their key's start.
+    lines = collections.Counter((label, key.partition("/")[0]) for label, key in seen.rows)
     rows = []
-    for (label, key), row in sorted(seen.rows.items(), key=lambda item: item[0])[: d.max_items]:
+    for (label, key), row in sorted(
+        seen.rows.items(), key=lambda item: (item[0][0], item[1].line or 0, item[0][1])
+    )[: d.max_items]:
         mean = row.mean()
+        if shared[label] == 1:
+            name = label
+        elif lines[label, key.partition("/")[0]] > 1 and row.line is not None:
+            name = f"{label} · line {row.line:,}"
+        else:
+            name = f"{label} · row {key[:8]}"
         rows.append(
             (
-                f"{label} · row {key[:8]}" if shared[label] > 1 else label,
+                name,
                 row.n,
                 row.passes,
                 row.no_verdict,

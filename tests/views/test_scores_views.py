@@ -1071,6 +1071,18 @@ def test_lines_of_one_prompt_with_other_checks_are_paired_and_grouped_by_their_c
     assert compare.main([str(out / "a"), str(out / "b"), "--json", f"--out={tmp_path / 'c.html'}"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["pairs"], r["judged_differently"], r["pass_rate_a"], r["pass_rate_b"]) == (4, 0, 0.5, 0.5)
+    # The report's per-row table has a line of each (it had one row of 4 samples and 2 passes), named by
+    # its dataset line, whatever order the samples are in.
+    for name in ("a", "b"):
+        page = report.write_report(out / name).read_text("utf-8")
+        table = page[page.index("<table", page.index('id="scores"')) :]
+        cells = re.findall(
+            r"<tr><td>([^<]*)</td><td>(\d+)</td><td>(\d+)</td>", table[: table.index("</table>")]
+        )
+        assert cells == [
+            ("Say a number [calls:0] [answer:7] · line 1", "2", "2"),
+            ("Say a number [calls:0] [answer:7] · line 2", "2", "0"),
+        ], (name, cells)
     assert score.main([str(out / "b"), "--scorer=exact", "--name=again"]) == 0
     rescored = stats_of(out / "b")["scores"]["rescored"]["again"]
     assert (rescored["passed"], rescored["rows_scored"], rescored["pass_at_k"]["pass@2"]) == (2, 2, 0.5)
@@ -1121,6 +1133,15 @@ def test_identical_lines_are_paired_and_grouped_by_their_occurrence(tmp_path, ca
     for run_dir in (a, b):
         assert score.main([str(run_dir), "--scorer=numeric", "--name=again"]) == 0
         assert stats_of(run_dir)["scores"]["rescored"]["again"]["pass_at_k"] == expected
+    # The report's per-row table: a line of each, with its own passes, in either order.
+    passes = [str(sum(verdicts[o, i] for i in range(6))) for o in (0, 1)]
+    for run_dir in (a, b):
+        page = report.write_report(run_dir).read_text("utf-8")
+        table = page[page.index("<table", page.index('id="scores"')) :]
+        cells = re.findall(
+            r"<tr><td>([^<]*)</td><td>(\d+)</td><td>(\d+)</td>", table[: table.index("</table>")]
+        )
+        assert cells == [("d · line 1", "6", passes[0]), ("d · line 2", "6", passes[1])], cells
 
 
 def test_views_judge_a_sample_discarded_again_by_its_latest_discard(tmp_path, capsys):
