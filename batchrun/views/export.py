@@ -83,6 +83,7 @@ from batchrun.sharegpt import (
 from batchrun.storage import WriteError, remove_stale_temp_files, temp_path
 from batchrun.views.export_rows import (
     _PARQUET_MESSAGE,
+    BUSY,
     EXPORT_FILES,
     ExportError,
     ExportOptions,
@@ -93,6 +94,7 @@ from batchrun.views.export_rows import (
     _full_message,
     holds_invalid_call,
     invalid_calls_warning,
+    out_busy,
     sample_digest,
     sample_messages,
     score_columns,
@@ -426,6 +428,8 @@ def _check_request(
         raise ExportError(
             f"--out {out} is a run directory: the export would replace its README.md; name another directory"
         )
+    if out.is_dir() and out_busy(out):
+        raise ExportError(BUSY.format(out=out))  # its temp files would read "not empty"
     if out.is_dir():
         # An export killed outright left its temp files (.train.jsonl.<pid>.tmp): no export's files, and
         # they made the directory "not empty" to the next.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import itertools
 import json
@@ -488,6 +489,39 @@ def make_out(out: Path) -> list[Path]:
     return made
 
 
+BUSY = "another export is writing to {out} now; wait for it to end, or name another directory"
+
+
+def lock_out(out: Path) -> int | None:
+    """Hold ``out``'s lock (``flock`` on the directory itself: no file is left in it) for the export's
+    writes, or raise ExportError if another export holds it. Two exports with --overwrite at one --out
+    each renamed their files into place, and the directory ended with one's splits beside the other's
+    card. None where the directory cannot be opened (it is not there yet)."""
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise ExportError(BUSY.format(out=out)) from exc
+        return None  # a file system without flock: as before
+    return fd
+
+
+def out_busy(out: Path) -> bool:
+    """Whether another export holds ``out``'s lock now (checked before the runs are read)."""
+    try:
+        fd = lock_out(out)
+    except ExportError:
+        return True
+    if fd is not None:
+        os.close(fd)
+    return False
+
+
 def _remove_dirs(made: list[Path]) -> None:
     for path in made:  # deepest first; only while empty
         with contextlib.suppress(OSError):
@@ -510,13 +544,19 @@ def write_dataset(
     file goes to a temp file beside it, fsynced, and only once all are written are they renamed into
     place and an earlier export's split files that this one does not write removed; a failure (a full
     disk, a read-only directory) raises WriteError naming the file, removes the temp files and the
-    directories this export made, and leaves an earlier export in ``out`` as it was.
+    directories this export made, and leaves an earlier export in ``out`` as it was. ``out`` is locked
+    from its creation to the last rename (:func:`lock_out`): another export at it meanwhile is refused.
     """
     rows = iter(rows)
     first = next(rows, None)
     if first is None:  # datasets cannot load a dataset of no rows (JSONL or Parquet): no directory at all
         raise NothingToExport(nothing())
     made = make_out(out)
+    try:
+        lock = lock_out(out)
+    except ExportError:
+        _remove_dirs(made)
+        raise
     writers: dict[str, RowWriter] = {}
     card_path = out / CARD_NAME
     card_tmp = temp_path(card_path)
@@ -547,6 +587,8 @@ def write_dataset(
                 discard_temp(writer.tmp)
             discard_temp(card_tmp)
             _remove_dirs(made)
+        if lock is not None:
+            os.close(lock)
 
 
 def _commit(out: Path, moves: list[tuple[Path, Path]]) -> None:

@@ -252,3 +252,90 @@ def test_a_place_a_file_cannot_go_leaves_the_earlier_export_whole(run_dir, tmp_p
     assert code == 2
     assert "README.md" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()} == before
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_export_under_way_keeps_another_out_of_its_directory(run_dir, tmp_path, capsys):
+    """Two exports with --overwrite at one --out each renamed their files into place: the directory could
+    end with one's splits beside the other's card. An export holds --out's lock (flock on the directory)
+    from its creation to its last rename; another is refused, before the runs are read and at its writes,
+    and nothing in the directory changes. The lock leaves no file: once it is free, the export runs."""
+    out = tmp_path / "ex"
+    assert export.main([str(run_dir), "--format=openai", f"--out={out}", "--test_fraction=0.5"]) == 0
+    before = snapshot(out)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        capsys.readouterr()
+        assert export.main([str(run_dir), "--format=rewards", f"--out={out}", "--overwrite"]) == 2
+        busy = (
+            f"error: another export is writing to {out} now; wait for it to end, or name another directory\n"
+        )
+        assert capsys.readouterr().err == busy
+        # The lock taken after the checks, before the writes: refused there, and the files it made removed.
+        result = export.ExportResult(out)
+        with pytest.raises(export.ExportError, match="another export is writing"):
+            export.write_dataset(
+                out,
+                iter([("train", {"a": 1})]),
+                result,
+                ext="jsonl",
+                open_writer=export.JsonlWriter,
+                nothing=lambda: "nothing",
+                card=lambda: "card",
+            )
+        fresh = out / "deeper"
+        fresh.mkdir()
+        holder2 = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_LOCK, str(fresh)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder2.stdout.readline() == "held\n"
+            assert export.main([str(run_dir), "--format=openai", f"--out={fresh}"]) == 2
+            assert list(fresh.iterdir()) == []
+        finally:
+            holder2.communicate("")
+        fresh.rmdir()
+        assert snapshot(out) == before
+    finally:
+        holder.communicate("")
+    assert export.main([str(run_dir), "--format=rewards", f"--out={out}", "--overwrite"]) == 0
+    assert sorted(snapshot(out)) == ["README.md", "train.jsonl"]
+
+
+def test_exports_at_one_out_at_once_leave_one_export_whole(run_dir, tmp_path):
+    """Two real exports started together at one --out, with --overwrite, again and again: each ends in
+    exit 0 or in the lock's refusal, and the directory holds one export's files, never a mix."""
+    out = tmp_path / "ex"
+    cmd = [sys.executable, "-m", "batchrun.views.export", str(run_dir), f"--out={out}", "--overwrite"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    alone = {}
+    for flags in (("--format=openai", "--test_fraction=0.5"), ("--format=sharegpt",)):
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([*cmd, *flags], check=True, env=env, capture_output=True)
+        alone[flags] = snapshot(out)
+    assert alone[("--format=openai", "--test_fraction=0.5")] != alone[("--format=sharegpt",)]
+    for _ in range(6):  # the code before the lock mixed them within 1-3 rounds
+        procs = [
+            subprocess.Popen(
+                [*cmd, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for flags in alone
+        ]
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0 or "another export is writing to" in err, err
+        assert snapshot(out) in list(alone.values())
