@@ -547,6 +547,14 @@ def ambiguous_final(record: dict[str, Any]) -> str | None:
                     return f"{value.count(opening)} {opening} and {value.count(closing)} {closing}"
                 if value.count(closing) and not value.count(opening):
                     return f"a {closing} with no {opening}"
+            if value.count("<think>") != value.count("</think>"):
+                return "a <think> never closed"
+            # A scratchpad left in the words is one the record could not split off (well-formed ones are
+            # saved as reasoning): never closed, or closed where nothing opened it. The recorder discards
+            # the sample (ambiguous_markup); read as it stands, its answer was read from inside the
+            # scratchpad, and its pass counted ("41 <REASONING_SCRATCHPAD> ANSWER: 42" passed for 42).
+            if "REASONING_SCRATCHPAD>" in _without_spans(value, _REASONING_TAGS[:1]):
+                return "a <REASONING_SCRATCHPAD> tag the reasoning was not split off by"
             # A call written as text in the words (no structured call beside it): the sample is an
             # ambiguous_markup discard, and its verdict passed and counted as the others' did not.
             calls = turn.get("tool_calls") or []

@@ -1129,6 +1129,35 @@ def test_an_answer_whose_reasoning_markup_is_ambiguous_gets_no_verdict(scorer):
     assert score["passed"] is True
 
 
+@pytest.mark.parametrize("scorer", ["numeric", "includes", "exact"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "41\n<REASONING_SCRATCHPAD>\nANSWER: 42",  # never closed: the answer was read inside it
+        "<think>\nhm\n</think>\n41\n<REASONING_SCRATCHPAD>\nANSWER: 42",
+        "41 </REASONING_SCRATCHPAD> ANSWER: 42",
+        "ANSWER: 41 <REASONING_SCRATCHPAD>so 42</REASONING_SCRATCHPAD> 42",  # one the record did not split off
+        "41\n<think>\nANSWER: 42",  # a <think> never closed
+    ],
+)
+def test_a_scratchpad_or_think_tag_left_in_the_words_gets_no_verdict(scorer, value):
+    """The recorder discards a reply whose words hold a <REASONING_SCRATCHPAD> tag (well-formed ones at its
+    start are saved as reasoning) as ambiguous_markup; the text scorers read it as it stood, an unclosed
+    scratchpad's "ANSWER: 42" passed for 42 where the visible answer was 41, and that pass counted in the
+    pass rate. Now no verdict, as for the other ambiguous markup; a tag inside the reasoning is no matter."""
+    rec = {"conversations": [{"from": "gpt", "value": value}], "metadata": {"stop_reason": "final_answer"}}
+    score = score_sample(
+        rec, Judgement(check=RowCheck(answer="42"), settings=ScoringSettings(scorers=(scorer,)))
+    )
+    assert score["passed"] is None and "cannot be told from its markup" in score["error"], score
+    inside = "<think>\nA <REASONING_SCRATCHPAD> tag, said in passing.\n</think>\nANSWER: 42"
+    rec = {"conversations": [{"from": "gpt", "value": inside}], "metadata": {"stop_reason": "final_answer"}}
+    score = score_sample(
+        rec, Judgement(check=RowCheck(answer="42"), settings=ScoringSettings(scorers=(scorer,)))
+    )
+    assert score["passed"] is True, score
+
+
 @pytest.mark.parametrize("answer", ["", "   ", ["4", ""], "\u200b", "\ufeff \u200b", ["4", "\u2060"]])
 def test_an_empty_answer_is_a_bad_line(answer):
     """includes would find an empty answer in every reply: every sample would pass. One of only
