@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -312,6 +313,39 @@ def test_the_resume_hint_of_a_run_from_python_is_the_call_not_the_scripts_comman
     done = run_script(script, *flags)
     hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
     assert hint == "python batch_runner.py " + " ".join(flags[:-1]) + " --resume", done.stdout
+
+
+@RUNS
+def test_the_resume_hint_leaves_the_ephemeral_prompts_text_out_and_says_so(tmp_path):
+    """The printed command held '--ephemeral_system_prompt=[REDACTED]' (the summary redacts the text): run
+    as printed it was refused (another prompt), and with --force_resume it sent the model "[REDACTED]" as
+    its system prompt. The flag is left out now and named in a shell comment; with the text given again
+    (here through its environment variable), the command as printed resumes the run."""
+    write_jsonl(tmp_path / "p.jsonl", ["fine", "fails [error:400]"])
+    script = tmp_path / "gen.py"
+    script.write_text("import sys\nfrom batch_runner import cli\nsys.argv[0] = 'batch_runner.py'\ncli()\n")
+    flags = ["--dataset_file=p.jsonl", "--batch_size=2", "--run_name=cli", "--distribution=terminal_only"]
+    flags += ["--model=mock", "--num_workers=1", "--max_failure_rate=1"]
+    done = run_script(script, *flags, "--ephemeral_system_prompt", "Be brief, please")
+    hint = done.stdout.split("continue with:\n", 1)[1].splitlines()[0].strip()
+    assert "REDACTED" not in done.stdout and "Be brief" not in done.stdout, done.stdout
+    command, _, comment = hint.partition("  # ")
+    assert command == "python batch_runner.py " + " ".join(flags) + " --resume", hint
+    assert comment.startswith("and the same --ephemeral_system_prompt (its text is not shown"), hint
+    argv = shlex.split(command, comments=True)
+    assert argv[:2] == ["python", "batch_runner.py"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT": "Be brief, please"}
+    again = subprocess.run(
+        [sys.executable, str(script), *argv[2:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert "settings that differ" not in again.stderr and "1 prompt(s) already finished" in again.stdout, (
+        again.stdout + again.stderr
+    )
 
 
 @RUNS

@@ -892,11 +892,34 @@ def resume_command(argv: list[str] | None = None) -> str:
     (``python gen.py --shard=3`` was shown as ``python batch_runner.py --shard=3 --resume``)."""
     if argv is None and COMMAND_LINE is None:
         return FROM_PYTHON
-    words = COMMAND_LINE if argv is None else argv
-    args = [shlex.quote(a) for a in _without(without_api_key(words), ("resume", "rerun_discarded"))]
+    return _continue_command(COMMAND_LINE if argv is None else argv, ["--resume"])
+
+
+EPHEMERAL_NOT_SHOWN = (
+    "  # and the same --ephemeral_system_prompt (its text is not shown: give it again, or as "
+    "--ephemeral_system_prompt_file or BATCH_RUNNER_EPHEMERAL_SYSTEM_PROMPT)"
+)
+
+
+def _continue_command(words: list[str], flags: list[str]) -> str:
+    """The command line ``words`` without the API key, --resume and --rerun_discarded, with ``flags``.
+    A text --ephemeral_system_prompt is left out and named in a shell comment after the command: the
+    summary's redaction made it '--ephemeral_system_prompt=[REDACTED]', which the resume refused (another
+    prompt), and with --force_resume sent the model "[REDACTED]" as its system prompt."""
+    args = _without(without_api_key(words), ("resume", "rerun_discarded"))
+    kept, ephemeral, skip_next = [], False, False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+            continue
+        name, eq, _ = arg.partition("=")
+        if name.startswith("--") and name[2:].replace("-", "_") == "ephemeral_system_prompt":
+            ephemeral, skip_next = True, not eq  # "--ephemeral_system_prompt TEXT" is two arguments
+            continue
+        kept.append(shlex.quote(arg))
     # The installed command (batch_runner.py is not installed), else the file users know.
     program = ["batch-runner"] if Path(sys.argv[0]).name == "batch-runner" else ["python", "batch_runner.py"]
-    return " ".join([*program, *args, "--resume"])
+    return " ".join([*program, *kept, *flags]) + (EPHEMERAL_NOT_SHOWN if ephemeral else "")
 
 
 def rerun_command() -> str:
@@ -904,7 +927,7 @@ def rerun_command() -> str:
     did not run again yet), else starts a new one (every discard runs again)."""
     if COMMAND_LINE is None:
         return "the same call with resume=True and rerun_discarded=True"
-    return f"{resume_command()} --rerun_discarded"
+    return _continue_command(COMMAND_LINE, ["--resume", "--rerun_discarded"])
 
 
 def _without(args: list[str], bool_flags: tuple[str, ...]) -> list[str]:
