@@ -89,8 +89,9 @@ def main(**flags: Any) -> int:
     (`export --help`). Booleans take true/false, 1/0, yes/no or on/off. Every flag is checked before
     anything starts: a bad one exits 2. Exit codes: 0 done, 2 cannot start, 3 too many failures,
     4 an output file cannot be written, 5 the endpoint died (resume when it is back), 6 --budget_usd cannot
-    be measured, 7 the workers are gone (a Ray cluster that died; resume when it is back), 130 interrupted
-    (called from Python, main returns the code instead of exiting).
+    be measured, 7 the workers are gone (a Ray cluster that died; resume when it is back), 8 the endpoint
+    or the judge's refused the run's key or account during the run (resume once it is fixed), 130
+    interrupted (called from Python, main returns the code instead of exiting).
     """
     config = None
     try:

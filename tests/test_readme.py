@@ -131,6 +131,13 @@ def test_the_help_names_the_export_command_and_the_run_files():
     assert "batch_runner.py export" in done.stdout  # the README's Exporting for training
     for name in ("discarded.jsonl", "failed.jsonl", "status.json", "run_manifest.json", "report.html"):
         assert name in done.stdout, name
+    # Every exit code the README's list gives (the help left out 8, the refused key).
+    listed = README.split("\nExit codes: ", 1)[1].split("\n\n", 1)[0]
+    codes = re.findall(r"(?:^|; )(\d+) ", listed)
+    assert codes[:2] == ["0", "2"] and "8" in codes, codes
+    said = " ".join(done.stdout.split())
+    for code in codes:
+        assert re.search(rf"(?:codes: |, ){code} [a-z-]", said), code
 
 
 @pytest.mark.parametrize("fmt", ["messages", "openai", "prompt_completion", "sharegpt", "rewards"])
