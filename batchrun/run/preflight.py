@@ -167,7 +167,13 @@ def list_models(
                         f"{who} {shown} wants an API key (HTTP 401) and none was given: {key_hint}"
                     ) from None
                 if exc.status_code == 401:
-                    raise UsageError(f"{who} {shown} rejected the API key (HTTP {exc.status_code})") from None
+                    # With the server's own words, as the start check gives them ("Invalid or missing API
+                    # key", "key expired"), redacted: a server may echo the key it was sent.
+                    said = " ".join(exc.message.partition(" - ")[2].split())[:300]
+                    raise UsageError(
+                        f"{who} {shown} rejected the API key (HTTP {exc.status_code})"
+                        + (f": {Redactor.for_endpoint(cfg.api_key, cfg.base_url)(said)}" if said else "")
+                    ) from None
                 message = error_message(exc)
                 if (
                     exc.status_code == UNAVAILABLE

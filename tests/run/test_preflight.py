@@ -33,9 +33,12 @@ def test_endpoint_check_refuses_a_rejected_key_and_tolerates_a_missing_models_ro
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             status = 401 if self.headers.get("Authorization") == "Bearer sk-wrong" else 404
+            # The server's own words (it echoes the key it was sent, as some do): said, the key redacted.
+            body = b'{"error": {"message": "Invalid key sk-wrong: expired"}}' if status == 401 else b""
             self.send_response(status)
-            self.send_header("Content-Length", "0")
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            self.wfile.write(body)
 
         def log_message(self, *args):
             pass
@@ -46,9 +49,8 @@ def test_endpoint_check_refuses_a_rejected_key_and_tolerates_a_missing_models_ro
     try:
         with pytest.raises(UsageError) as rejected:
             list_models(LLMConfig(model="m", base_url=base, api_key="sk-wrong"))
-        assert "rejected the API key (HTTP 401)" in str(rejected.value) and "sk-wrong" not in str(
-            rejected.value
-        )
+        assert "rejected the API key (HTTP 401): Invalid key " in str(rejected.value), rejected.value
+        assert str(rejected.value).endswith(": expired") and "sk-wrong" not in str(rejected.value)
         list_models(LLMConfig(model="m", base_url=base, api_key="sk-right"))  # 404: no error
     finally:
         server.shutdown()
