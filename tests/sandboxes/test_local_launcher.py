@@ -13,12 +13,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from helpers import IN_CI, skip_or_fail
+from helpers import IN_CI, ROOT, skip_or_fail
 
 from batchrun.prompt.sandboxes.base import SandboxSpec
 from batchrun.prompt.sandboxes.local import LocalSandbox, launcher
@@ -190,3 +191,39 @@ def test_ci_uses_br_launch_as_root(bwrap_available: None):
     if not IN_CI or os.geteuid() != 0:
         pytest.skip("CI as root only")
     assert launcher.launcher_path() is not None, launcher.problem
+
+
+_OTHER_VERSION = """
+import sys
+from pathlib import Path
+from batchrun.prompt.sandboxes.local import launcher
+launcher.SOURCE = Path(sys.argv[1])
+print(launcher._build())
+"""
+
+
+def test_another_versions_build_leaves_a_build_in_use(launch, tmp_path: Path):
+    """A build of another source (another checkout or version of batch-runner on the machine) removed
+    every other build, in use or not: the run using it failed each sandbox start after that with
+    FileNotFoundError (two checkouts' tests side by side did). Builds in use are held now (a shared lock
+    for the process's life), and only builds nobody holds are removed."""
+    other_source = tmp_path / "launcher.c"
+    other_source.write_text(launcher.SOURCE.read_text("utf-8") + "\n/* another version */\n", "utf-8")
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_VERSION, str(other_source)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    other = done.stdout.strip()
+    assert other != launch and os.path.basename(other).startswith("br-launch-")
+    assert os.access(launch, os.X_OK), "the build in use was removed"
+    # The other process has ended: nothing holds its build, and the next clean-up removes it.
+    assert os.path.exists(other)
+    launcher._remove_unheld(os.path.dirname(launch), launch)
+    assert not os.path.exists(other) and os.access(launch, os.X_OK)
+    box = LocalSandbox(SandboxSpec("after", 0), isolation="bwrap", base_dir=str(tmp_path))
+    box.start()
+    try:
+        assert box.run("echo ok", timeout_s=30).output == "ok\n"
+    finally:
+        box.stop()

@@ -13,6 +13,8 @@ itself, as before.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import hashlib
 import os
@@ -53,7 +55,62 @@ def launcher_path() -> str | None:
         return None
 
 
+_held: dict[str, int] = {}  # the build this process uses -> its descriptor, under a shared lock
+
+
+def _hold(path: str) -> bool:
+    """Take a shared lock on the build at ``path`` for this process's life (its workers, forked, share it),
+    so that another version's build, which removes the builds no process holds, leaves it. False when it
+    is gone, or is being removed (then it is built again)."""
+    if path in _held:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        if os.fstat(fd).st_nlink == 0:  # removed between the open and the lock
+            raise OSError(errno.ENOENT, "removed")
+    except OSError:
+        os.close(fd)
+        return False
+    _held[path] = fd
+    return True
+
+
+def _remove_unheld(cache: str, keep: str) -> None:
+    """Remove the builds of other sources that no process holds (:func:`_hold`). Each was removed
+    whatever used it: a run of another checkout or version on the machine (two installs, an upgrade
+    during a run) then failed every sandbox start with FileNotFoundError, as the two checkouts' tests
+    run side by side did."""
+    for entry in os.scandir(cache):
+        if not entry.name.startswith("br-launch-") or entry.path == keep:
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(entry.path)
+        except OSError:
+            pass  # held: in use
+        finally:
+            os.close(fd)
+
+
 def _build() -> str:
+    for _ in range(3):
+        path, cache = _built()
+        if _hold(path):
+            _remove_unheld(cache, path)
+            return path
+    raise RuntimeError("its build was removed as it was made, three times")
+
+
+def _built() -> tuple[str, str]:
+    """The build of this source (made now if there is none): its path, and the cache directory."""
     source = SOURCE.read_bytes()
     cache = private_cache_dir()
     if cache is None:
@@ -64,7 +121,7 @@ def _build() -> str:
     digest = hashlib.sha256(source + cc.encode()).hexdigest()[:16]
     path = os.path.join(cache, f"br-launch-{digest}")
     if os.access(path, os.X_OK):
-        return path
+        return path, cache
     fd, tmp = tempfile.mkstemp(prefix=".br-launch-", dir=cache)
     os.close(fd)
     try:
@@ -79,13 +136,7 @@ def _build() -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    for entry in os.scandir(cache):  # builds of an older source (a running run keeps its open copy)
-        if entry.name.startswith("br-launch-") and entry.path != path:
-            try:
-                os.unlink(entry.path)
-            except OSError:
-                pass
-    return path
+    return path, cache
 
 
 def _check(binary: str, cache: str) -> None:
