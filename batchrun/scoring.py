@@ -1653,15 +1653,37 @@ def cap_output(text: str, limit: int = VERIFY_OUTPUT_CHARS) -> str:
     return text if len(text) <= limit else "[...cut...]\n" + text[-limit:]
 
 
+CREDIT_LINE_CHARS = 4096  # how much of the last line's end is searched for a credit object after other text
+_OBJECT_START_RE = re.compile(r"\{\s*\"")
+
+
+def _credit_object(line: str) -> Any:
+    """The JSON object the line is, or (after other text: what the checked code wrote to stderr without a
+    line break, glued to the test's own line) the one it ends with; None."""
+    try:
+        return parse_json(line)
+    except ValueError:
+        pass
+    decoder = json.JSONDecoder()
+    start = max(0, len(line) - CREDIT_LINE_CHARS)
+    for m in _OBJECT_START_RE.finditer(line, start):
+        try:
+            obj, end = decoder.raw_decode(line, m.start())
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict) and not line[end:].strip():
+            return obj
+    return None
+
+
 def partial_credit(output: str) -> tuple[float | None, str | None]:
-    """A last output line that is a JSON object with a numeric ``score``: (score, its explanation)."""
+    """A last output line that is a JSON object with a numeric ``score``, or ends with one: (score, its
+    explanation). The checked code's stderr written without a line break (70 KB of it, or one byte) was
+    the start of the test's credit line, which then read as none: the test's exit 0 was full credit."""
     lines = [line for line in output.strip().splitlines() if line.strip()]
     if not lines:
         return None, None
-    try:
-        obj = parse_json(lines[-1])
-    except ValueError:
-        return None, None
+    obj = _credit_object(lines[-1].strip())
     if not isinstance(obj, dict):
         return None, None
     score = obj.get("score")
@@ -1707,6 +1729,7 @@ def verify_score(
                 "verify", error=f"{type(exc).__name__}: {exc}", verify_output=cap_output("\n".join(outputs))
             )
         outputs.append(res.output)
+        last = res.command_output() if hasattr(res, "command_output") else res.output
         if res.timed_out:
             return Part(
                 "verify",
@@ -1719,7 +1742,10 @@ def verify_score(
             break
     output = "".join(o if o.endswith("\n") or not o else o + "\n" for o in outputs)
     passed = code == 0
-    credit, why = partial_credit(outputs[-1] if outputs else "")
+    # Read from what the last command printed, before the sandbox's notes: a note the agent could cause
+    # ("/tmp is full", filled on purpose) was the last line, no credit line was found, and exit 0 of a
+    # test that had printed {"score": 0.0} read as full credit.
+    credit, why = partial_credit(last if outputs else "")
     value = credit if credit is not None else (1.0 if passed else 0.0)
     explanation = why or (f"exit {code}" + (f", score {credit:g}" if credit is not None else ""))
     return Part("verify", value, passed, explanation, verify_exit_code=code, verify_output=cap_output(output))

@@ -35,6 +35,7 @@ from batchrun.scoring import (
     normalize,
     parse_judge_reply,
     part_from_result,
+    partial_credit,
     pass_at_k,
     pending_judged,
     score_sample,
@@ -585,6 +586,33 @@ class ScriptedSandbox:
     def run(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         self.commands.append((command, stdin))
         return self.answers.get(command, ExecResult("", 0))
+
+
+@pytest.mark.parametrize(
+    ("output", "credit"),
+    [
+        ('{"score": 0.5}', 0.5),
+        ('x{"score": 0.5}\n', 0.5),  # the checked code's stderr, no line break, then the test's line
+        ('Traceback... {"score": 0.25, "explanation": "1 of 4 {ok}"}  \n', 0.25),
+        ('{"score": 0.5} trailing', None),  # the object must end the line
+        ('{"score": 1}\nlast words', None),  # the last line only
+        ('{"a": {"score": 1}}', None),  # the line's object has no score of its own
+        ("x" * 100_000 + '{"score": 0.75}', 0.75),
+    ],
+)
+def test_the_credit_line_may_end_a_line_other_text_began(output, credit):
+    """The checked code's stderr written without a line break began the test's own credit line, which then
+    read as none, and the test's exit 0 as full credit. A last line that ends with the credit object
+    counts; one with other text after it, or an earlier line, does not."""
+    assert partial_credit(output)[0] == credit
+
+
+def test_the_credit_line_search_is_bounded_on_hostile_lines():
+    """A last line of 1 MB of nested openings is searched in its last 4 KiB only (each opening a parse of
+    what follows it: over the whole line, quadratic), and nesting past Python's limit is no crash."""
+    assert partial_credit('{"a": ' * 200_000)[0] is None
+    assert partial_credit('{"' * 500_000)[0] is None
+    assert partial_credit('{"a": ' * 200_000 + '{"score": 1}' + "}" * 200_000)[0] is None
 
 
 def test_verify_partial_credit_exit_code_and_timeout():

@@ -75,8 +75,8 @@ def test_timeout_is_clamped_to_the_tool_timeout(sandbox):
 def test_output_cap_with_note(sandbox):
     result = call(sandbox, "terminal", command="head -c 5000000 /dev/zero | tr '\\000' a")
     assert result["exit_code"] == 0 and result["error"] is None
-    assert result["output"].startswith("a" * CAP)
-    assert "[output truncated: 4934464 of 5000000 bytes not shown]" in result["output"]
+    assert result["output"].startswith("a" * (CAP - CAP // 4) + "\n[output truncated: ")
+    assert "[output truncated: 4934464 of 5000000 bytes not shown]\n" + "a" * (CAP // 4) in result["output"]
     assert len(result["output"]) < CAP + 200
 
 

@@ -170,6 +170,16 @@ class ExecResult:
     exit_code: int  # -1 when the command was killed by the timeout
     timed_out: bool = False
     truncated: bool = False
+    # The sandbox's own notes appended to ``output`` (a limit reached: "[batch-runner: /tmp is full ...]"),
+    # one line each: the model reads them, a verify's partial-credit line is read before them.
+    notes: tuple[str, ...] = ()
+
+    def command_output(self) -> str:
+        """``output`` without the sandbox's notes: what the command itself printed."""
+        if not self.notes:
+            return self.output
+        added = "\n".join(self.notes)
+        return self.output[: -len(added)].removesuffix("\n") if self.output.endswith(added) else self.output
 
 
 @runtime_checkable
@@ -444,37 +454,65 @@ def readable(fd: Any, timeout_s: float) -> bool:
     return bool(poller.poll(max(0.0, timeout_s) * 1000))
 
 
+def tail_bytes(cap_bytes: int) -> int:
+    """Of an output cut to ``cap_bytes``, how much is its end (the rest its start): a quarter."""
+    return cap_bytes // 4
+
+
+def _cut(head: bytes, tail: bytes, total: int) -> str:
+    """The start and the end of an output of ``total`` bytes, the note between them. The end starts at a
+    line's start where it holds one (its first line would be a piece of one)."""
+    if b"\n" in tail[:-1]:
+        tail = tail[tail.index(b"\n") + 1 :]
+    dropped = total - len(head) - len(tail)
+    text = head.decode("utf-8", errors="ignore") + TRUNCATION_NOTE.format(dropped=dropped, total=total)
+    return text + ("\n" + tail.decode("utf-8", errors="ignore") if tail else "")
+
+
 def cap_output(data: bytes, cap_bytes: int) -> tuple[str, bool]:
-    """Decode command output, keeping at most ``cap_bytes`` and saying how much was cut."""
+    """Decode command output, keeping at most ``cap_bytes`` (its start and its end, see
+    :class:`CappedBuffer`) and saying how much was cut."""
     if len(data) <= cap_bytes:
         return data.decode("utf-8", errors="replace"), False
-    head = data[:cap_bytes].decode("utf-8", errors="ignore")
-    return head + TRUNCATION_NOTE.format(dropped=len(data) - cap_bytes, total=len(data)), True
+    end = tail_bytes(cap_bytes)
+    return _cut(data[: cap_bytes - end], data[len(data) - end :] if end else b"", len(data)), True
 
 
 class CappedBuffer:
-    """Collects a stream's bytes up to a cap while counting everything, so huge output costs no memory."""
+    """Collects a stream's bytes up to a cap while counting everything, so huge output costs no memory.
+
+    Past the cap it keeps the start (three quarters of it) and the end (the last quarter), the note of
+    what was cut between them: the end is where a command says how it went (a test's summary, the
+    partial-credit line a verify prints last). Only the start was kept: a verify whose checked code
+    wrote 64 KiB to stderr lost its test's `{"score": 0.0}` line, and its exit 0 read as full credit."""
 
     def __init__(self, cap_bytes: int):
         self.cap_bytes = cap_bytes
+        self.head_cap = cap_bytes - tail_bytes(cap_bytes)
+        self.tail_cap = tail_bytes(cap_bytes)
         self.parts: list[bytes] = []
         self.kept = 0
         self.total = 0
+        self.tail = bytearray()  # the last bytes past the start's room (up to twice tail_cap, trimmed)
 
     def feed(self, chunk: bytes) -> None:
         self.total += len(chunk)
-        room = self.cap_bytes - self.kept
+        room = self.head_cap - self.kept
         if room > 0:
             piece = chunk[:room]
             self.parts.append(piece)
             self.kept += len(piece)
+            chunk = chunk[room:]
+        if chunk and self.tail_cap:
+            self.tail += chunk[-self.tail_cap :] if len(chunk) > self.tail_cap else chunk
+            if len(self.tail) > 2 * self.tail_cap:
+                del self.tail[: len(self.tail) - self.tail_cap]
 
     def result(self) -> tuple[str, bool]:
         data = b"".join(self.parts)
         if self.total <= self.cap_bytes:
-            return data.decode("utf-8", errors="replace"), False
-        head = data.decode("utf-8", errors="ignore")
-        return head + TRUNCATION_NOTE.format(dropped=self.total - self.kept, total=self.total), True
+            return (data + bytes(self.tail)).decode("utf-8", errors="replace"), False
+        return _cut(data, bytes(self.tail[-self.tail_cap :]) if self.tail_cap else b"", self.total), True
 
 
 OptionsT = TypeVar("OptionsT")

@@ -388,7 +388,7 @@ class LocalSandbox(SandboxBackend):
             notes = self._limit_notes()
         if notes:
             result = dataclasses.replace(
-                result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n")
+                result, output=(result.output + "\n" + "\n".join(notes)).lstrip("\n"), notes=tuple(notes)
             )
         return result
 

@@ -1,0 +1,63 @@
+"""What the agent leaves in its sandbox must not make a hidden test's verdict other than its work's: the
+tricks a red-team audit found, played by the fake model against the local sandbox, each judged as the
+same wrong work without the trick is (a scorer error for a test that printed no credit and exited 0)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+from helpers import read_jsonl, run, write_rows
+
+
+def _commands(script: str) -> str:
+    """A fake-model directive that runs ``script`` in the terminal (its own text may hold ``]``)."""
+    return f"[run:echo {base64.b64encode(script.encode()).decode()} | base64 -d | sh]"
+
+
+# Two cases of add.sh, the share right printed as its credit: the agent's add.sh says 7 whatever it is
+# given, right for 3 + 4 only (0.5; exit 0, so passed, with half credit).
+CREDIT_TEST = """ok=0
+[ "$(sh add.sh 2 3)" = 5 ] && ok=$((ok + 1))
+[ "$(sh add.sh 3 4)" = 7 ] && ok=$((ok + 1))
+echo "{\\"score\\": $(awk "BEGIN {print $ok / 2}")}"
+"""
+WRONG = "printf 'echo 7\\n' > add.sh"
+
+
+def _row(row_id: str, trick: str) -> dict:
+    return {
+        "id": row_id,
+        "prompt": f"Write add.sh {_commands(WRONG + '; ' + trick if trick else WRONG)}",
+        "verify": "sh tests/credit.sh",
+        "verify_files": {"tests/credit.sh": CREDIT_TEST},
+    }
+
+
+def test_a_full_tmp_or_a_flood_of_stderr_does_not_hide_the_tests_credit_line(tmp_path: Path):
+    """The sandbox's note "[batch-runner: /tmp is full ...]", appended after a command's output, was the
+    verify's last line when the agent had filled /tmp: no credit line was read, and the test's exit 0 read
+    as full credit (1 of 2 right: 1.0, not 0.5). Output past the cap kept its start only: the agent's
+    add.sh writing 70 KB to stderr pushed the test's credit line out, the same way; and one byte on stderr
+    without a line break made the credit line "x{...}", no credit line either. Now the credit line is read
+    before the sandbox's notes, a capped output keeps its end, and a last line ending with the credit
+    object counts."""
+    rows = [
+        _row("plain", ""),
+        _row("fill-tmp", "dd if=/dev/zero of=/tmp/fill bs=64k 2>/dev/null; df /tmp | tail -1"),
+        # 70 KB on stderr, then a line break: past the cap, the credit line after it was cut off.
+        _row("flood", "printf 'head -c 70000 /dev/zero | tr \\\\\\\\0 x >&2; echo >&2\\necho 7\\n' > add.sh"),
+        # A byte on stderr and no line break: the test's credit line began with it, and read as none.
+        _row("glued", "printf 'printf x >&2\\necho 7\\n' > add.sh"),
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, container_disk_mb=64)
+    scores = {r["metadata"]["row_id"]: r["score"] for r in read_jsonl(out / "run" / "trajectories.jsonl")}
+    for row_id in ("plain", "fill-tmp", "flood", "glued"):
+        score = scores[row_id]
+        assert (score["passed"], score["value"]) == (True, 0.5), (row_id, score)
+        assert score["verify_output"].rstrip().endswith('{"score": 0.5}') or row_id == "fill-tmp", score
+    assert "/tmp is full" in scores["fill-tmp"]["verify_output"], scores["fill-tmp"]
+    assert scores["flood"]["verify_output"].startswith("[...cut...]\n"), scores["flood"]["verify_output"][
+        :100
+    ]
