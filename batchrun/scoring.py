@@ -1625,6 +1625,27 @@ def text_score(
 # ----------------------------------------------------------------------------- verify, in the sandbox
 
 
+def module_shadows(path: str, hidden: list[str]) -> str:
+    """For a hidden Python module ``dir/name.py``: shell code (after its write) that removes what Python
+    would import in its place from what the agent left beside it. A compiled ``dir/__pycache__/name.*.pyc``
+    marked unchecked-hash is loaded without a look at the source, even under ``python3 -I``: the agent's
+    compiled ``def check(): return True`` ran as the hidden test's module, and wrong work passed. An
+    extension module ``name.*.so`` and a package directory ``name/`` come before ``name.py`` too. The
+    directory's ``__pycache__`` goes whole (the agent's own modules there are compiled again); a
+    directory with hidden files in it stays."""
+    directory, _, file = path.rpartition("/")
+    if not file.endswith(".py") or len(file) <= 3:
+        return ""
+    stem, where = file[:-3], f"{directory}/" if directory else ""
+    package = f"{where}{stem}"
+    shadows = [f"{where}__pycache__", f"{package}.so", f"{package}.pyc"]
+    if not any(other.startswith(package + "/") for other in hidden):
+        shadows.append(package)
+    shadows = [x for x in shadows if x not in hidden and not any(h.startswith(x + "/") for h in hidden)]
+    quoted = " ".join(shlex.quote(x) for x in shadows)
+    return f" && rm -rf -- {quoted} {shlex.quote(package)}.*.so"
+
+
 def write_verify_files(
     sandbox: Any, files: Iterable[tuple[str, str]], timeout_s: float, deadline: float | None = None
 ) -> None:
@@ -1633,6 +1654,8 @@ def write_verify_files(
     Through ``judged_run``, as the verify commands: a command server the agent's code rewrote (on
     Docker, shell code written into its stdin pipe) would answer 0 and write nothing, and the verify
     would run the agent's own "hidden" files."""
+    files = list(files)
+    hidden = [path for path, _ in files]
     for path, text in files:
         q = shlex.quote(path)
         if not (left := _time_left(timeout_s, deadline)):
@@ -1640,7 +1663,7 @@ def write_verify_files(
         # Whatever the agent left at the path goes first: a link (to /dev/null, say) would take the text
         # and leave the verify to run something else.
         res = judged_run(sandbox)(
-            f'mkdir -p -- "$(dirname -- {q})" && rm -f -- {q} && cat > {q}',
+            f'mkdir -p -- "$(dirname -- {q})" && rm -f -- {q} && cat > {q}{module_shadows(path, hidden)}',
             timeout_s=left,
             stdin=text.encode("utf-8"),
         )

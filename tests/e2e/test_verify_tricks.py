@@ -61,3 +61,37 @@ def test_a_full_tmp_or_a_flood_of_stderr_does_not_hide_the_tests_credit_line(tmp
     assert scores["flood"]["verify_output"].startswith("[...cut...]\n"), scores["flood"]["verify_output"][
         :100
     ]
+
+
+ADD_CHECK = "import subprocess\n\ndef check():\n    out = subprocess.run(['sh', 'add.sh', '2', '3'], capture_output=True, text=True).stdout\n    return out.strip() == '5'\n"
+RUN_CHECK = "import os, sys\nsys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\nimport checks\nsys.exit(0 if checks.check() else 1)\n"
+PLANT_PYC = (
+    "mkdir -p tests; printf 'def check():\\n    return True\\n' > /tmp/f.py; python3 -c \""
+    "import py_compile, importlib.util; py_compile.compile('/tmp/f.py', "
+    "cfile=importlib.util.cache_from_source('tests/checks.py'), "
+    'invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"'
+)
+PLANT_PACKAGE = "mkdir -p tests/checks; printf 'def check():\\n    return True\\n' > tests/checks/__init__.py"
+
+
+def test_what_the_agent_compiled_or_made_beside_a_hidden_module_is_not_imported_in_its_place(tmp_path: Path):
+    """A hidden test's own module (tests/checks.py, imported by the hidden tests/run.py) was shadowed by
+    what the agent left beside it: an unchecked-hash tests/__pycache__/checks.*.pyc, which Python loads
+    without looking at the source (even under python3 -I), or a package tests/checks/. Its
+    `def check(): return True` ran as the hidden test's, and add.sh saying 7 for 2 + 3 passed. They are
+    removed when the hidden files are written; the wrong work fails as it does without them."""
+    rows = [
+        {
+            "id": row_id,
+            "prompt": f"Write add.sh {_commands(WRONG + '; ' + trick if trick else WRONG)}",
+            "verify": "python3 -I tests/run.py",
+            "verify_files": {"tests/run.py": RUN_CHECK, "tests/checks.py": ADD_CHECK},
+        }
+        for row_id, trick in (("plain", ""), ("pyc", PLANT_PYC), ("package", PLANT_PACKAGE))
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out)
+    scores = {r["metadata"]["row_id"]: r["score"] for r in read_jsonl(out / "run" / "trajectories.jsonl")}
+    for row_id in ("plain", "pyc", "package"):
+        score = scores[row_id]
+        assert (score["passed"], score["verify_exit_code"]) == (False, 1), (row_id, score)
