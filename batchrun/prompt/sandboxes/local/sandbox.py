@@ -1,8 +1,8 @@
 """Local backend: each prompt in its own bubblewrap sandbox, or (on purpose) plain host processes.
 
 With ``bwrap`` a prompt sees the system directories read-only and nothing of the host's data: its
-working directory (the row's ``cwd``, a path inside the sandbox) and its ``/tmp`` are its own
-size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own PID, network,
+working directory (the row's ``cwd``, a path inside the sandbox), its ``/tmp`` and its ``/dev/shm`` are
+its own size-capped tmpfs mounts (``/dev`` itself is read-only), homes and daemons' state are empty, and it has its own PID, network,
 IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
 offers no cgroups, see ``limits``) bounds its processes, memory and CPU; in a run, an emptied one is
 kept for the worker's next prompt (``limits.CgroupPool``). With the network on,
