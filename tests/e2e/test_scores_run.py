@@ -207,7 +207,9 @@ def test_an_agent_cannot_forge_dev_fd_for_a_hidden_test_on_the_local_backend(ser
 
 
 @pytest.mark.docker
-def test_an_agent_cannot_forge_dev_fd_for_a_hidden_test_on_the_docker_backend(server, tmp_path, docker_test_image):
+def test_an_agent_cannot_forge_dev_fd_for_a_hidden_test_on_the_docker_backend(
+    server, tmp_path, docker_test_image
+):
     """The container's user is root: the agent's /dev/fd takes, and is put back before the sample is judged."""
     rows = [{**r, "image": docker_test_image, "cwd": "/work"} for r in DEV_FD_ROWS[1:]]  # busybox: no bash
     out = tmp_path / "data"

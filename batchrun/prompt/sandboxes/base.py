@@ -83,7 +83,9 @@ RESTORE_DEV = r"""restore_dev() {
 # test's helper, killed, read "still alive after 200 rounds" and the sample got no verdict (a scorer
 # error). Once none is left, /dev is put back as it was (RESTORE_DEV). Never run it where the PID
 # namespace is the host's: it would kill every process of the user it runs as.
-END_PROCESSES_SCRIPT = RESTORE_DEV + r"""
+END_PROCESSES_SCRIPT = (
+    RESTORE_DEV
+    + r"""
 keep=" 1 $$ $* " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
     IFS= read -r line < "/proc/$p/stat" || break
@@ -108,6 +110,7 @@ done
 echo "batch-runner: processes left by the agent were still alive after $n rounds of kill -9"
 exit 1
 """
+)
 
 
 def end_processes_with_script(sandbox: Any, timeout_s: float) -> str | None:
