@@ -103,6 +103,8 @@ def test_br_launch_refuses_what_it_does_not_know_before_making_anything(launch, 
         "unknown option --bind": [*base, "--bind", "/", "/host", "--", "/bin/true"],
         "a . or .. component": [*base, "--tmpfs", "/tmp/../..", "--", "/bin/true"],
         "may not lie under /dev": [*base, "--dev", "/dev", "--tmpfs", "/dev/fd/x", "--", "/bin/true"],
+        # /dev/shm is allowed for a tmpfs alone (the sandbox's own, see system_view.system_mounts)
+        "lie under /dev": [*base, "--dev", "/dev", "--ro-bind", "/usr", "/dev/shm", "--", "/bin/true"],
         "--cap-drop takes only ALL": [*base, "--cap-drop", "CAP_SYS_ADMIN", "--", "/bin/true"],
         "only --unshare-pid --as-pid-1": [launch, "--newroot", newroot, "--", "/bin/true"],
         "no command after --": [*base, "--"],

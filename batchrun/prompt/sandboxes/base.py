@@ -41,6 +41,33 @@ BACKGROUND_ENV = ("BATCH_RUNNER_BACKGROUND", "1")
 BACKGROUND_DIR = ".batch-runner-processes"
 
 
+# Before a sample is judged, once nothing of the agent runs: /dev's standard links and devices as they
+# were, where the judging user may write /dev (root in a Docker or Modal container, whose /dev is a
+# writable tmpfs; a local sandbox's is read-only, and another user may not write a container's either,
+# so the agent, running as that user, could not have changed it). Otherwise the agent could replace
+# /dev/fd (rm, then ln -s to a directory of files of its own): a hidden test's `diff <(...) <(...)`
+# (bash hands diff /dev/fd/63) or `cmp /dev/fd/3 /dev/fd/4` then compared two files it planted and
+# passed whatever the work. Each link is checked with builtins (a link that resolves where the standard
+# one does for this shell) and made again only when it is wrong; a device that is there but no
+# character device of its own (a file, a link) is made again (mknod; its numbers are not checked).
+# Exit status 1, saying what, when one cannot be put back: no verdict rather than a forged one.
+RESTORE_DEV = r"""restore_dev() {
+    [ -w /dev ] || return 0
+    for l in fd:/proc/self/fd stdin:/proc/self/fd/0 stdout:/proc/self/fd/1 stderr:/proc/self/fd/2; do
+        d=/dev/${l%%:*} t=${l#*:}
+        [ -L "$d" ] && [ "$d" -ef "$t" ] && continue
+        rm -rf "$d" && ln -s "$t" "$d" || { echo "batch-runner: could not restore $d"; return 1; }
+    done
+    for c in null:1:3 zero:1:5 full:1:7 random:1:8 urandom:1:9 tty:5:0; do
+        d=/dev/${c%%:*} m=${c#*:}
+        { [ -e "$d" ] || [ -L "$d" ]; } || continue
+        [ -c "$d" ] && ! [ -L "$d" ] && continue
+        rm -rf "$d" && mknod -m 666 "$d" c "${m%:*}" "${m#*:}" || { echo "batch-runner: could not restore $d"; return 1; }
+    done
+}
+"""
+
+
 # Before a sample is judged in its sandbox (verify, a user's scorer), nothing the agent started may
 # still run: a process left in the background could rewrite the hidden verify files once written, or
 # the verify's own output, and fake a pass. A sandbox that can end them has ``end_processes(timeout_s)``:
@@ -54,9 +81,11 @@ BACKGROUND_DIR = ".batch-runner-processes"
 # the next look): a process killed may take a while to end on a loaded machine (its sandbox's CPU quota
 # spent, 8 runnable tasks a core), and 200 rounds back to back took well under a second there, so a
 # test's helper, killed, read "still alive after 200 rounds" and the sample got no verdict (a scorer
-# error). Never run it where the PID namespace is the host's: it would kill every process of the user it
-# runs as.
-END_PROCESSES_SCRIPT = r"""
+# error). Once none is left, /dev is put back as it was (RESTORE_DEV). Never run it where the PID
+# namespace is the host's: it would kill every process of the user it runs as.
+END_PROCESSES_SCRIPT = (
+    RESTORE_DEV
+    + r"""
 keep=" 1 $$ $* " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
     IFS= read -r line < "/proc/$p/stat" || break
@@ -75,12 +104,13 @@ while [ "$n" -lt 200 ]; do
         kill -9 "$pid" 2>/dev/null
         live=1
     done
-    [ -n "$live" ] || exit 0
+    [ -n "$live" ] || { restore_dev; exit; }
     [ "$n" -gt 20 ] && { sleep 0.02 2>/dev/null || :; }
 done
 echo "batch-runner: processes left by the agent were still alive after $n rounds of kill -9"
 exit 1
 """
+)
 
 
 def end_processes_with_script(sandbox: Any, timeout_s: float) -> str | None:

@@ -413,6 +413,29 @@ def check_end_processes_ends_a_process_whose_first_thread_exited(target: Target,
     assert (res.output, res.exit_code) == ("the hidden test\n", 1), res
 
 
+# The agent points /dev/fd and /dev/stdin at files of its own (where /dev is writable to it): a hidden
+# test comparing through them (bash's `diff <(...) <(...)`, `cmp /dev/fd/3 /dev/fd/4`) compared the
+# agent's files and passed whatever the work.
+PLANT_DEV = (
+    "rm -f /dev/fd /dev/stdin; mkdir -p /dev/.f; for i in 3 4 in; do echo same > /dev/.f/$i; done; "
+    "ln -s /dev/.f /dev/fd; ln -s /dev/.f/in /dev/stdin; true"
+)
+JUDGED_DEV = "echo 1 > a; echo 2 > b; cmp /dev/fd/3 /dev/fd/4 3<a 4<b >/dev/null 2>&1; echo $?; echo in | cat /dev/stdin"
+
+
+def check_a_sample_is_judged_with_the_standard_dev_links(target: Target, make: Make) -> None:
+    """Whatever the agent did to /dev (read-only in the local sandbox; put back before judging where the
+    judging user may write it, base.RESTORE_DEV), the judged commands' /dev/fd and /dev/stdin are the
+    standard ones."""
+    if not target.ends_processes:  # without isolation /dev is the host's: nothing is planted there
+        raise Skip("this target cannot end the processes its commands leave, nor judge apart from them")
+    sandbox = make()
+    assert sandbox.run(f"{PLANT_DEV} 2>/dev/null; echo planted", timeout_s=30).output.endswith("planted\n")
+    assert sandbox.end_processes(30) is None  # type: ignore[attr-defined]
+    res = (getattr(sandbox, "run_judged", None) or sandbox.run)(JUDGED_DEV, timeout_s=30)
+    assert (res.output, res.exit_code) == ("1\nin\n", 0), res
+
+
 # Judged commands whose processes orphan others (a shell's `(cmd &)`, a test that starts a daemon):
 # each many, after the agent left many processes that end_processes killed. An init reaps what
 # is orphaned to it; one stopped while the sample is judged did not: the zombies filled the pids

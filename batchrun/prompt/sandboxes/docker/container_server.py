@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner, exec_tag
-from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, CappedBuffer, readable
+from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, RESTORE_DEV, CappedBuffer, readable
 
 READY_LINE = "[batch-runner-ready]"
 
@@ -143,7 +143,8 @@ BASE_LINE = re.compile(rb"\[batch-runner-base\]([0-9]+):((?: [0-9]+)*)\n")
 # done but PID 1 runs (a process of the agent continued it before it died): the runner stops it
 # again and runs this once more. Exit 4: all is done, but PID 1 has zombie children to reap (what
 # was killed here had been orphaned to it): the runner continues PID 1 until they are reaped, then
-# stops it and runs this once more. Builtins only, as END_PROCESSES_SCRIPT.
+# stops it and runs this once more. Builtins only, as END_PROCESSES_SCRIPT; once nothing else is
+# alive, /dev is put back as it was (base.RESTORE_DEV: root in the container may have replaced /dev/fd).
 # Whether PID 1 has zombie children (status 0): what was killed here, orphaned to it. A function of its
 # own (its `set --` leaves the script's arguments alone), for FREEZE_SCRIPT and REAPED_SCRIPT.
 INIT_HAS_ZOMBIES = r"""init_has_zombies() {
@@ -157,6 +158,7 @@ INIT_HAS_ZOMBIES = r"""init_has_zombies() {
 """
 FREEZE_SCRIPT = (
     INIT_HAS_ZOMBIES
+    + RESTORE_DEV
     + r"""
 spared=" $* " mine=" $$ " p=$$
 while [ "$p" -gt 1 ] 2>/dev/null; do
@@ -187,6 +189,7 @@ while [ "$n" -lt 200 ]; do
         done
     done
     [ -n "$busy$init" ] && continue
+    restore_dev || exit 1
     init_has_zombies && exit 4
     exit 0
 done

@@ -18,6 +18,7 @@
 //   --die-with-parent --new-session --as-pid-1 --cap-drop ALL
 //   --ro-bind SRC DEST  --ro-bind-try SRC DEST  --symlink TARGET DEST  --dir DEST
 //   --dev DEST  --proc DEST  --size BYTES --tmpfs DEST  --remount-ro DEST  --chdir DIR
+//   (no DEST under /dev, but --tmpfs /dev/shm)
 //   --seccomp FD (a classic BPF program, struct sock_filter[], read from FD; loaded last before exec)
 // Errors at set-up are printed as "br-launch: Can't <what>: <why>" (exit 1), as bubblewrap's are.
 #define _GNU_SOURCE
@@ -83,8 +84,9 @@ static void usage(const char *what) {
 }
 
 // A destination, checked: absolute, no "." or ".." component, and nothing under /dev but /dev
-// itself (its entries are devices and links this program made).
-static const char *checked(const char *dest) {
+// itself (its entries are devices and links this program made) and a tmpfs at /dev/shm (a plain
+// directory make_dev made; checked again when it is mounted).
+static const char *checked(enum kind kind, const char *dest) {
     if (dest[0] != '/') usage("a destination must be an absolute path");
     for (const char *p = dest; *p;) {
         while (*p == '/') p++;
@@ -93,7 +95,8 @@ static const char *checked(const char *dest) {
             usage("a destination may not have a . or .. component");
         p = end;
     }
-    if (strncmp(dest, "/dev/", 5) == 0) usage("a destination may not lie under /dev");
+    if (strncmp(dest, "/dev/", 5) == 0 && !(kind == TMPFS && strcmp(dest, "/dev/shm") == 0))
+        usage("a destination may not lie under /dev");
     if (strlen(dest) >= PATH_MAX - 64) usage("a destination is too long");
     return dest;
 }
@@ -276,6 +279,11 @@ static int sandbox(void) {
             make_proc(dest);
             break;
         case TMPFS:
+            if (!strncmp(dest, "/dev/", 5)) {  // /dev/shm: the directory make_dev made, never through a link
+                struct stat st;
+                if (lstat("/dev", &st) || !S_ISDIR(st.st_mode) || lstat(dest, &st) || !S_ISDIR(st.st_mode))
+                    fail("Can't mount tmpfs on %s: not a directory", dest);
+            }
             mkdirs(dest, 0755);
             if (o->size >= 0) snprintf(data, sizeof data, "mode=0755,size=%lld", o->size);
             else snprintf(data, sizeof data, "mode=0755");
@@ -380,7 +388,7 @@ int main(int argc, char **argv) {
     if (!command || !command[0]) usage("no command after --");
     if (!newroot || newroot[0] != '/') usage("--newroot takes an absolute path");
     if (!as_pid_1 || !(clone_flags & CLONE_NEWPID)) usage("only --unshare-pid --as-pid-1 is supported");
-    for (int i = 0; i < n_ops; i++) checked(ops[i].dest);  // refused before anything is made
+    for (int i = 0; i < n_ops; i++) checked(ops[i].kind, ops[i].dest);  // refused before anything is made
     if (die_with_parent) {
         if (prctl(PR_SET_PDEATHSIG, SIGKILL)) fail("Can't set the parent-death signal");
         if (getppid() != parent_at_start) _exit(1);  // the parent died before the signal was set

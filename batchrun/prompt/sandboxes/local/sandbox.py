@@ -1,8 +1,8 @@
 """Local backend: each prompt in its own bubblewrap sandbox, or (on purpose) plain host processes.
 
 With ``bwrap`` a prompt sees the system directories read-only and nothing of the host's data: its
-working directory (the row's ``cwd``, a path inside the sandbox) and its ``/tmp`` are its own
-size-capped tmpfs mounts, homes and daemons' state are empty, and it has its own PID, network,
+working directory (the row's ``cwd``, a path inside the sandbox), its ``/tmp`` and its ``/dev/shm`` are
+its own size-capped tmpfs mounts (``/dev`` itself is read-only), homes and daemons' state are empty, and it has its own PID, network,
 IPC and UTS namespaces, with no capabilities. A cgroup per prompt (or rlimits where the machine
 offers no cgroups, see ``limits``) bounds its processes, memory and CPU; in a run, an emptied one is
 kept for the worker's next prompt (``limits.CgroupPool``). With the network on,
@@ -210,7 +210,7 @@ class LocalSandbox(SandboxBackend):
             )
         print(
             f"Per-prompt limits: {options.get('cpus')} CPU, {options.get('memory_mb')} MiB memory + "
-            f"{options.get('disk_mb')} MiB per tmpfs (working directory, /tmp), {options.get('pids_limit')} "
+            f"{options.get('disk_mb')} MiB per tmpfs (working directory, /tmp, /dev/shm), {options.get('pids_limit')} "
             f"processes; enforced by {limits_mechanism()}"
         )
         failed = {
@@ -443,7 +443,7 @@ class LocalSandbox(SandboxBackend):
                     f"together) was reached; the kernel killed {oom - before[1]} process(es)]"
                 )
         server = self._server
-        for where in dict.fromkeys((self.workdir, "/tmp")):
+        for where in dict.fromkeys((self.workdir, "/tmp", "/dev/shm")):
             free = server.free_bytes(where) if server is not None else None
             if free == 0:
                 notes.append(f"[batch-runner: {where} is full: its size cap is {opts.disk_mb} MiB]")
@@ -592,7 +592,7 @@ class LocalSandbox(SandboxBackend):
             argv = [launch, "--newroot", newroot]
         else:
             argv = [tool_path("bwrap")]
-        argv += [*NAMESPACES, *user_namespace_args(), *system_mounts(etc_view)]
+        argv += [*NAMESPACES, *user_namespace_args(), *system_mounts(etc_view, self.options.disk_mb << 20)]
         for path in system_sockets():
             if not (etc_view and is_within(path, "/etc")):  # the view has no sockets
                 argv += ["--ro-bind", "/dev/null", path]
@@ -603,7 +603,8 @@ class LocalSandbox(SandboxBackend):
         if self.spec.network and network_problem() is None:
             argv += self._resolv_conf()
         argv += ["--size", disk, "--tmpfs", self.workdir]
-        # Last: nothing but the working directory and /tmp stays writable (remounts are not recursive).
+        # Last: nothing but the working directory, /tmp and /dev/shm stays writable (remounts are not
+        # recursive).
         argv += ["--remount-ro", "/"]
         # The cgroup, or the rlimits without one, are put on the server before its first command
         # (_start_server).
