@@ -989,16 +989,23 @@ _NUMBER_TOKEN_RE = re.compile(
     r"(?P<clock>\d+(?:\.\d+)?(?::\d+(?:\.\d+)?)+(?![\d.]))|"
     r"(?P<mixed>(?P<msign>[-+]?)(?P<whole>\d+)[ \t]+(?P<mnum>\d+)[ \t]*/[ \t]*(?P<mden>\d+)(?![\d.]))"
     r"|(?P<frac>(?P<num>[-+]?\d+(?:\.\d+)?)\s*/\s*(?P<den>\d+(?:\.\d+)?))"
+    # Two dots or more: thousands in dotted groups of three ("1.234.567", European), else a date, a version
+    # or an address, no one number ("12.05.2024", "1.2.3"); read as a number, each was its last part (0.567).
+    r"|(?P<dotted>[-+]?\d+(?:\.\d+){2,})"
     rf"|(?P<number>{_NUMBER})"
 )
+_DOTTED_THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:\.\d{3})+")
 _GROUP_MARKS = str.maketrans(dict.fromkeys(",_\u00a0\u2009\u202f"))
 _DIGITS_FLOAT_HOLDS = 300  # longer digit runs in a fraction are read as floats, not as exact integers
 
 
 # LaTeX a model writes for a number (MATH-style answers): ``\frac{1}{2}`` (``\dfrac``, ``\tfrac``,
-# ``\frac12``) is the fraction 1/2, ``6.02 \times 10^{23}`` is 6.02e23, ``2^{10}`` is 1024, ``1{,}000`` and
-# ``1\,000`` are 1000. Read as plain text each was its last number: ``\frac{1}{2}`` passed for 2,
-# ``-\frac{1}{2}`` for 2, ``2^{10}`` for 10, ``6.02 \times 10^{23}`` for 23, ``1{,}000`` for 0.
+# ``\frac12``) is the fraction 1/2, ``6.02 \times 10^{23}`` is 6.02e23, ``2^{10}`` is 1024, ``1{,}000``,
+# ``1\,000`` and MATH's ``10,\!000`` (a comma and a thin space, ``,\,`` and ``{,}\!`` too) are 1000 and 10000,
+# ``30^\circ`` (``30^{\circ}``, ``30\degree``) is 30 degrees, ``30°``. Read as plain text each was its last
+# number: ``\frac{1}{2}`` passed for 2, ``-\frac{1}{2}`` for 2, ``2^{10}`` for 10, ``6.02 \times 10^{23}``
+# for 23, ``1{,}000`` and ``10,\!000`` for 0 (a key of ``10,\!000`` passed ``\boxed{0}``), and ``30^\circ``
+# was a power of 30 (an expression: no number).
 _NUM_ARG = r"\{\s*([-+]?)\s*(\d+(?:\.\d+)?)\s*\}"
 _LATEX_FRAC_RE = re.compile(rf"(-\s*)?\\[dt]?frac\s*(?:{_NUM_ARG}\s*{_NUM_ARG}|(\d)\s*(\d)(?![\d.]))")
 _POWER_ARG = r"\s*\^\s*(?:\{\s*([-+]?\d+)\s*\}|(\d+)(?![\d.]))"
@@ -1006,15 +1013,48 @@ _SCIENTIFIC_RE = re.compile(
     r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\u00d7|\u00b7|\*|x)\s*10" + _POWER_ARG
 )
 _POWER_RE = re.compile(r"(?<![\w.^])(\d+(?:\.\d+)?)" + _POWER_ARG)
-_LATEX_GROUPING_RE = re.compile(r"(?<=\d)(\{,\}|\\[,!])(?=\d{3}(?!\d))")
+_LATEX_GROUPING_RE = re.compile(r"(?<=\d)(\{,\}(?:\\[,!])?|,\\[,!]|\\[,!])(?=\d{3}(?!\d))")
+_DEGREE_RE = re.compile(
+    r"(?<![\s,;:!])(?:\s|\\[,;:! ])*\^\s*(?:\\circ(?![a-zA-Z])|\{\s*\\circ\s*\})|\\(?:text)?degree(?![a-zA-Z])"
+)
 # A number right after a root is its argument (2 in \sqrt2, \sqrt[3]{8}); one inside a group that opens a
 # root's argument, or a fraction's part beside something that is no number (2 in \frac{\pi}{2} or
 # \frac{\sqrt{3}}{2}), is part of an expression, not its value.
 _ROOT_RE = re.compile(r"\\sqrt\s*(?:\[[^\]{}]*\])?\s*$")
 _FRACTION_PART_RE = re.compile(r"\\[dt]?frac\s*(?:\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}\s*)?$")
 _GROUPS_LOOKED_AT = 16  # enclosing groups: deeper nesting around the number is an expression anyway
-# What right after a number makes it a factor of an expression: 2\pi, 2\sqrt{3}, 2^x.
-_FACTOR_AFTER_RE = re.compile(r"\s*(?:\\pi(?![a-zA-Z])|\u03c0|\\sqrt(?![a-zA-Z])|\u221a|\^)")
+# A variable of an expression: a letter alone (not in a word: "x", "n", not the "s" of "is"), a Greek letter
+# (but mu and Omega: units, 5\mu m, 5\Omega) or a function of LaTeX.
+_GREEK = (
+    r"alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|nu|xi|pi|varpi|rho"
+    r"|sigma|tau|upsilon|phi|varphi|chi|psi|omega|Gamma|Delta|Theta|Lambda|Xi|Pi|Sigma|Phi|Psi"
+)
+_FUNCTIONS = r"sqrt|log|ln|lg|exp|sin|cos|tan|cot|sec|csc|arcsin|arccos|arctan|sinh|cosh|tanh"
+_GREEK_LETTERS = "\u03b1-\u03bb\u03bd-\u03c9\u0393\u0394\u0398\u039b\u039e\u03a0\u03a3\u03a6\u03a8"
+_VARIABLE = rf"(?:(?<![^\W\d_]|\\)(?:[a-zA-Z]|\\(?:{_GREEK})|[{_GREEK_LETTERS}])(?![^\W\d_]))"
+# An operator between two terms (a minus, a plus, a product; "*" is markdown's emphasis as often, "**5**").
+_OPERATOR = r"(?:[-+\u00d7\u00b7]|\\(?:cdot|times)(?![a-zA-Z]))"
+# What right after a number makes it a factor or a term of an expression: 2\pi, 2\sqrt{3}, 2^x, 2\theta,
+# a variable's coefficient (2x, 3i, 2n+1, y = 2x: a letter of algebra's glued to it, not one of a unit's,
+# 5m, 5s, 5g, 5h, 5l, 5c, 5p, 5k, nor a word, 5kg, 3rd, 2pm), or a term before an operator and a variable
+# (5 - x; not "5 - a nice one", a word after the letter). Each was read as its number: 2x passed for 2.
+_FACTOR_AFTER_RE = re.compile(
+    rf"\s*(?:\\(?:{_GREEK}|{_FUNCTIONS})(?![a-zA-Z])|[{_GREEK_LETTERS}](?![^\W\d_])|\u221a|\^)"
+    r"|[abdefijnqrtuvwxyz](?![^\W\d_])"
+    rf"|\s*{_OPERATOR}\s*{_VARIABLE}(?=\s*(?:$|[^\sa-zA-Z]))"
+)
+# What right before a number makes it a term of an expression: a variable and an operator (x - 5, n+1, 2n+1,
+# \pi + 1, x_1 + 5, x^2 + 1, (x+1) - 5; a sign apart from it and glued to the number is its own, "x -5"), or a function's
+# argument (\log_2 8, \sin 30°, ln 2). Each was read as its number: n+1 passed for 1.
+_TERM_BEFORE_RE = re.compile(
+    rf"(?:{_VARIABLE}(?:\s*[_^]\s*(?:\{{[^{{}}]*\}}|\w))?|[)\]}}])\s*(?:{_OPERATOR}|/)[\s{{(]*$"
+    rf"|(?:\\|(?<![a-zA-Z]))(?:{_FUNCTIONS})(?![a-zA-Z])(?:\s*_\s*(?:\{{[^{{}}]*\}}|[^\s{{}}]))?[\s{{(]*$"
+)
+# A factorial: "!" glued to a number (5!, 5!/3!, $5!$), but an exclamation in prose ("The answer is 5!").
+_FACTORIAL_RE = re.compile(r"!(?!=)")
+_PROSE_WORD_RE = re.compile(r"(?<![^\W\d_]|\\)[^\W\d_]{2,}")
+# A matrix, a vector or a determinant: its entries are no one number.
+_MATRIX_RE = re.compile(r"\\begin\s*\{\s*(?:[pbBvV]?matrix|smallmatrix|array|cases)\*?\s*\}")
 
 
 def _latex_numbers(text: str) -> str:
@@ -1037,16 +1077,20 @@ def _latex_numbers(text: str) -> str:
             return m[0]
         return repr(value) if math.isfinite(value) else m[0]
 
-    text = _LATEX_GROUPING_RE.sub(lambda m: "," if m[1] == "{,}" else "\u2009", text)
+    text = _LATEX_GROUPING_RE.sub(lambda m: "," if m[1][0] in "{," else "\u2009", text)
+    text = _DEGREE_RE.sub("\u00b0", text)
     text = _LATEX_FRAC_RE.sub(frac, text)
     text = _SCIENTIFIC_RE.sub(lambda m: power(m, scientific=True), text)
     return _POWER_RE.sub(power, text)
 
 
 def _in_expression(text: str, start: int) -> bool:
-    """Whether the number at ``start`` is a root's argument or a part of a fraction that is no number
-    (one scan back over the groups that enclose it)."""
+    """Whether the number at ``start`` is a root's argument, a part of a fraction that is no number or an
+    entry of a matrix (one scan back over the groups that enclose it)."""
     if _ROOT_RE.search(text, max(0, start - 40), start):
+        return True
+    opened = text.rfind("\\begin", 0, start)
+    if opened >= 0 and _MATRIX_RE.match(text, opened) and text.find("\\end", opened, start) < 0:
         return True
     depth, groups = 0, 0
     for i in range(start - 1, -1, -1):
@@ -1081,12 +1125,31 @@ def _last_two_numbers(text: str) -> tuple[re.Match[str] | None, re.Match[str] | 
         before = text[max(0, match.start() - 8) : match.start()].rstrip(" {")
         if before.endswith(("^", "_")):
             continue
-        if not found and (_FACTOR_AFTER_RE.match(text, match.end()) or _in_expression(text, match.start())):
+        if not found and _is_term(text, match):
             return None, None
         found.append(match)
         if len(found) == 2:
             break
     return (found[0] if found else None), (found[1] if len(found) > 1 else None)
+
+
+def _is_term(text: str, number: re.Match[str]) -> bool:
+    """Whether the answer's last number is a part of an expression (see _FACTOR_AFTER_RE, _TERM_BEFORE_RE,
+    _FACTORIAL_RE, _MATRIX_RE, _in_expression), not its value."""
+    start, end = number.start(), number.end()
+    if _FACTOR_AFTER_RE.match(text, end) or _in_expression(text, start):
+        return True
+    # a sign glued to the number is the operator after a term glued to it ("x-5", "n+1"), its own after a space
+    lead = text[max(0, start - 40) : start + (number[0][:1] in "+-")]
+    if number[0][:1] in "+-" and lead[-2:-1].isspace():
+        lead = lead[:-1]
+    if _TERM_BEFORE_RE.search(lead):
+        return True
+    if _FACTORIAL_RE.match(text, end):
+        rest = text[end + 1 : end + 2]
+        # in prose, a "!" that ends the sentence is an exclamation
+        return not ((not rest or rest.isspace()) and _PROSE_WORD_RE.search(text, max(0, start - 200), start))
+    return False
 
 
 # How an answer offers several numbers instead of one (a hedge: "4 or 5", "between 4 and 6", "5 ± 1"),
@@ -1283,6 +1346,25 @@ _PLAIN_CHARS = {**_TO_ASCII_MINUS, **_SUPERSCRIPTS}
 # A number's scale in words ("2 million" is 2000000): read without it, "1 million" passed for 1.
 _SCALES = {"thousand": 1e3, "million": 1e6, "billion": 1e9, "trillion": 1e12}
 _SCALE_RE = re.compile(r"(?<![\d.,])(\d+(?:\.\d+)?)\s+(thousand|million|billion|trillion)\b", re.I)
+# A scale's letter glued to a number is its scale: k and K thousands, M millions, B, bn billions, mn millions;
+# after a currency sign m, b and T as well ("$5k" is 5000, "$1.5M" 1500000, "\u00a32m" 2000000, "5bn" 5e9).
+# Read as its number, "$5k" passed for 5. Without a currency sign a lone m is metres, and b, t variables.
+_SCALE_SUFFIX_RE = re.compile(
+    r"(?<![\w.,])((?:[$\u20ac\u00a3\u00a5\u20b9]|\\\$)\s*)?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)"
+    r"([kKMB]|[bBmM][nN]|[mbT])(?![a-zA-Z\d])"
+)
+_SUFFIX_EXPONENTS = {"k": 3, "K": 3, "M": 6, "B": 9, "bn": 9, "mn": 6, "m": 6, "b": 9, "T": 12}
+
+
+def _scaled(m: re.Match[str]) -> str:
+    """A number with a scale's letter (see _SCALE_SUFFIX_RE) as its value; as it was where the letter is none."""
+    currency, number, suffix = m[1] or "", m[2], m[3]
+    if suffix in "mbT" and not currency:
+        return m[0]
+    exponent = _SUFFIX_EXPONENTS[suffix if len(suffix) == 1 else suffix.lower()]
+    return currency + repr(float(f"{number.replace(',', '')}e{exponent}"))  # a float literal: no rounding
+
+
 # A remark in brackets after the answer's number ("12 (see step 1)", "0.5 (or 1/2)", "x = -2 (x \u2260 2)"):
 # read as the answer, its own last number passed (12 for 1) or a restatement failed as a hedge. It offers
 # another number only with a hedge word and another value ("4 (or 5)").
@@ -1293,6 +1375,7 @@ _REMARK_HEDGE_RE = re.compile(r"\b(?:or|either|maybe|perhaps|possibly|probably|m
 def _plain(text: str) -> str:
     """``text`` with its numbers in plain form: minus signs, superscripts, scales, LaTeX (see above)."""
     text = _SCALE_RE.sub(lambda m: repr(float(m[1]) * _SCALES[m[2].lower()]), text.translate(_PLAIN_CHARS))
+    text = _SCALE_SUFFIX_RE.sub(_scaled, text)
     return _latex_numbers(text)
 
 
@@ -1384,6 +1467,9 @@ def _unsigned_value(last: re.Match[str]) -> float | None:
                 value = whole + num / den
                 return -value if last["msign"] == "-" else value
             return num / den if den else None  # "3 4/2": its fraction, as any fraction
+        if last["dotted"]:  # thousands in dotted groups, or no one number (see _NUMBER_TOKEN_RE)
+            dotted = last["dotted"]
+            return float(dotted.replace(".", "")) if _DOTTED_THOUSANDS_RE.fullmatch(dotted) else None
         if last["frac"]:
             num_t, den_t = last["num"], last["den"]
             if "." in num_t or "." in den_t or max(len(num_t), len(den_t)) > _DIGITS_FLOAT_HOLDS:
