@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -693,13 +694,23 @@ def _char_class(chars: str) -> str:
 # "Paris" and "Qué". (Unicode's symbols, "×", "≤", "°", "€", are no punctuation: what they say stays; nor
 # are the primes, "′ ″ ‴ ⁗": removed, "f′(x)" was "f(x)".)
 _PRIMES = "\u2032\u2033\u2034\u2057"
-PUNCTUATION = string.punctuation + "".join(
-    ch for ch in _chars_of(lambda cat: cat[0] == "P", (0x80, 0x20000)) if ch not in _PRIMES
-)
+
+
 # Format characters (category Cf: zero-width spaces and joiners, U+2060, the byte order mark, a soft
 # hyphen, bidirectional marks and tags): invisible, no part of what an answer says. Kept, "B\u200b"
 # failed exact for "B".
-_FORMAT_CHARS = dict.fromkeys(map(ord, _chars_of(lambda cat: cat == "Cf", (0, 0x20000), (0xE0000, 0xE1000))))
+@functools.cache
+def _unicode_tables() -> tuple[re.Pattern[str], dict[int, None]]:
+    """The run of punctuation's regex (ASCII's marks and Unicode's P*, less the primes) and the format
+    characters' table (Cf), made on first use: a scan of 130,000 code points, 60 ms of every import of
+    this module (a run's parent and each worker) before the first answer is judged."""
+    punctuation = string.punctuation + "".join(
+        ch for ch in _chars_of(lambda cat: cat[0] == "P", (0x80, 0x20000)) if ch not in _PRIMES
+    )
+    formats = _chars_of(lambda cat: cat == "Cf", (0, 0x20000), (0xE0000, 0xE1000))
+    return re.compile(f"[{_char_class(punctuation)}]+"), dict.fromkeys(map(ord, formats))
+
+
 # Typographic forms of ASCII's marks, read as them with any step: curly quotes and apostrophes ("O’Brien"
 # is "O'Brien"), hyphens and dashes that stand for "-" (hyphen, non-breaking hyphen, figure dash, en dash,
 # the minus signs: "1–2" is "1-2", "x − 1" "x - 1"), and operators written one way or the other ("≠" is
@@ -716,7 +727,6 @@ _TYPOGRAPHIC = str.maketrans(
 # words stay apart (removed as marks, "Paris—the" was one word "paristhe", and included no "Paris").
 _WORD_GAPS = str.maketrans(dict.fromkeys("\u2014\u2015\u2026\u2e3a\u2e3b", " "))
 
-_PUNCT_RUN_RE = re.compile(f"[{_char_class(PUNCTUATION)}]+")
 # Symbols that end a word as part of its name (C++, C#, F#, A+): kept after a letter, or "C" passed for the
 # answer "C++" under exact (and "C++ is best" included the answer "C"); the sentence's own punctuation
 # after them ("C++.") goes as any other.
@@ -844,7 +854,7 @@ def _gap_without_punctuation(text: str, lo: int, hi: int, held: bool = False) ->
     """``text[lo:hi]`` (text between numbers) without its punctuation but for what :func:`_kept_marks`
     keeps: removed, "1/2" was "12" (and passed for it), "10-20" "1020", "x + 1" "x - 1"."""
     out, at = [], lo
-    for run in _PUNCT_RUN_RE.finditer(text, lo, hi):
+    for run in _unicode_tables()[0].finditer(text, lo, hi):
         out += [text[at : run.start()], _kept_marks(text, run.start(), run.end(), held)]
         at = run.end()
     return "".join(out) + text[at:hi]
@@ -1100,7 +1110,7 @@ def normalize(text: str, steps: Iterable[str] = NORMALIZE_STEPS, lists: bool = T
     steps = set(steps)
     if steps:
         text = unicodedata.normalize("NFC", text).translate(_FULLWIDTH).translate(_TYPOGRAPHIC)
-        text = text.translate(_FORMAT_CHARS)
+        text = text.translate(_unicode_tables()[1])
     if "case" in steps:
         text = text.casefold()
     if "punctuation" in steps:
