@@ -51,8 +51,10 @@ With one scored sample a row (or a single row), every figure is the unclustered 
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
+import errno
 import functools
 import hashlib
 import importlib
@@ -1985,14 +1987,34 @@ def write_verify_files(
         if not (left := _time_left(timeout_s, deadline)):
             raise RuntimeError(OUT_OF_TIME)
         # Whatever the agent left at the path goes first: a link (to /dev/null, say) would take the text
-        # and leave the verify to run something else.
+        # and leave the verify to run something else; a directory there, or a file where one of its
+        # directories goes, made the write fail, and the sample (wrong work) got no verdict at its will.
+        parents = [shlex.quote(part) for part in _ancestors(path)]
+        clear = f'for a in {" ".join(parents)}; do [ -d "$a" ] || rm -f -- "$a"; done; ' if parents else ""
         res = judged_run(sandbox)(
-            f'mkdir -p -- "$(dirname -- {q})" && rm -f -- {q} && cat > {q}{module_shadows(path, hidden)}',
+            f'{clear}mkdir -p -- "$(dirname -- {q})" && rm -rf -- {q} && cat > {q}{module_shadows(path, hidden)}',
             timeout_s=left,
             stdin=text.encode("utf-8"),
         )
-        if res.exit_code != 0:
+        if res.exit_code in (126, 127) or res.timed_out:  # the image lacks a tool; no time: no verdict
             raise RuntimeError(f"could not write verify file {path}: {res.output.strip()[:200]}")
+        if res.exit_code != 0:
+            raise HiddenFileBlocked(
+                f"the hidden file {path} could not be written: {res.output.strip()[:200]}"
+            )
+
+
+class HiddenFileBlocked(RuntimeError):
+    """A hidden file could not be written into the sandbox as the agent left it (its disk full, a place
+    it made unwritable): the sample fails. A scorer error instead gave the agent a way out of any
+    failing sample: fill the disk, and the sample was judged by nobody (the pass rate over the samples
+    judged went up)."""
+
+
+def _ancestors(path: str) -> list[str]:
+    """``a``, ``a/b`` for ``a/b/c``: the directories a hidden file's path goes through."""
+    parts = path.split("/")[:-1]
+    return ["/".join(parts[: i + 1]) for i in range(len(parts)) if parts[i]]
 
 
 def cap_output(text: str, limit: int = VERIFY_OUTPUT_CHARS) -> str:
@@ -2060,6 +2082,8 @@ def verify_score(
         write_verify_files(sandbox, check.verify_files, timeout, deadline)
     except SandboxError:
         raise
+    except HiddenFileBlocked as exc:  # what the agent left keeps the test out: its work fails
+        return Part("verify", 0.0, False, f"{exc} (the sandbox as the agent left it)")
     except Exception as exc:
         return Part("verify", error=f"{type(exc).__name__}: {exc}")
     outputs: list[str] = []
@@ -2101,6 +2125,10 @@ def verify_score(
 # ----------------------------------------------------------------------------- user scorers
 
 
+READ_FILE_MAX_BYTES = 64 << 20  # SandboxHandle.read_file: a larger file raises
+READ_FILE_CHUNK = 24 << 10  # bytes a piece (32 KiB of base64: under the default output cap of 64 KiB)
+
+
 class SandboxHandle:
     """What a user's scorer gets of the still-running sandbox: run a command, read a file."""
 
@@ -2108,15 +2136,50 @@ class SandboxHandle:
         self._sandbox = sandbox
         self._timeout_s = timeout_s
 
-    def run(self, command: str, timeout_s: float | None = None) -> tuple[int, str]:
-        res = judged_run(self._sandbox)(command, timeout_s=timeout_s or self._timeout_s)
-        return res.exit_code, res.output
+    def _run(self, command: str, timeout_s: float | None = None) -> Any:
+        return judged_run(self._sandbox)(command, timeout_s=timeout_s or self._timeout_s)
 
-    def read_file(self, path: str) -> str:
-        code, out = self.run(f"cat -- {shlex.quote(path)}")
-        if code != 0:
+    def run(self, command: str, timeout_s: float | None = None) -> tuple[int, str]:
+        """The command's exit code and output (what it printed: not the sandbox's notes of a limit
+        reached, which a scorer reading the output's last line took for the command's)."""
+        res = self._run(command, timeout_s)
+        return res.exit_code, res.command_output() if hasattr(res, "command_output") else res.output
+
+    def read_file(self, path: str, max_bytes: int = READ_FILE_MAX_BYTES) -> str:
+        """The whole of a regular file, as text (UTF-8, undecodable bytes replaced). FileNotFoundError when
+        there is none at ``path``; OSError when it is no regular file (a FIFO, a device: ``cat`` of one
+        waited out the timeout) or holds more than ``max_bytes``. It was ``cat`` through a command's
+        output: a file over the output cap came back cut, with a note in it, and one the agent wrote
+        with a failing case past the cut passed a scorer that looked for it."""
+        q = shlex.quote(path)
+        res = self._run(
+            f"if [ -f {q} ]; then wc -c < {q}; elif [ -e {q} ]; then echo other; else echo none; fi"
+        )
+        said = (res.command_output() if hasattr(res, "command_output") else res.output).strip()
+        if said == "none" or res.exit_code != 0:
             raise FileNotFoundError(path)
-        return out
+        if not said.isdigit():
+            raise OSError(errno.EINVAL, f"not a regular file: {path}")
+        size = int(said)
+        if size > max_bytes:
+            raise OSError(errno.EFBIG, f"{path} holds {size:,} bytes, more than {max_bytes:,}")
+        data, chunk = bytearray(), READ_FILE_CHUNK
+        while len(data) < size:
+            got = len(data)
+            # got is a multiple of chunk: chunk only halves, from a power of two
+            res = self._run(f"dd if={q} bs={chunk} skip={got // chunk} count=1 2>/dev/null | base64")
+            if res.truncated and chunk > 512:  # a smaller output cap than the pieces assume
+                chunk //= 2
+                continue
+            text = res.command_output() if hasattr(res, "command_output") else res.output
+            try:
+                piece = base64.b64decode("".join(text.split()), validate=True)
+            except ValueError as exc:
+                raise OSError(errno.EIO, f"could not read {path}: {text.strip()[:200]}") from exc
+            if res.exit_code != 0 or not piece:
+                raise OSError(errno.EIO, f"could not read {path} (it changed while read)")
+            data += piece
+        return bytes(data[:size]).decode("utf-8", errors="replace")
 
 
 def user_score(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+import pytest
 from helpers import read_jsonl, run, write_rows
 
 
@@ -95,3 +96,67 @@ def test_what_the_agent_compiled_or_made_beside_a_hidden_module_is_not_imported_
     for row_id in ("plain", "pyc", "package"):
         score = scores[row_id]
         assert (score["passed"], score["verify_exit_code"]) == (False, 1), (row_id, score)
+
+
+def test_a_scorers_read_file_is_the_whole_file_or_an_error(tmp_path: Path):
+    """``sandbox.read_file`` was ``cat`` through a command's output: a file over the output cap came back
+    cut (start and end, a note between), and a scorer looking for "FAIL" in the agent's 200 KB report
+    passed it; with /tmp full, the sandbox's note was appended to the file's text; a FIFO or a link to
+    /dev/zero waited out the timeout. Now the whole file, byte for byte, or an error at once; and
+    ``sandbox.run`` gives what the command printed, without the sandbox's notes."""
+    from batchrun.prompt.sandboxes.base import SandboxSpec
+    from batchrun.prompt.sandboxes.local import LocalSandbox
+    from batchrun.scoring import SandboxHandle
+
+    box = LocalSandbox(SandboxSpec("read", 0), isolation="bwrap", base_dir=str(tmp_path), disk_mb=8)
+    box.start()
+    try:
+        report = "PASS\n" + "." * 100_000 + "\nFAIL case 7\n" + "é" * 50_000 + "\nend\n"
+        assert box.write_direct(f"{box.workdir}/report.txt", report.encode(), make_parents=False)
+        handle = SandboxHandle(box, timeout_s=30)
+        assert handle.read_file("report.txt") == report
+        assert handle.read_file("/tmp/../" + box.workdir.lstrip("/") + "/report.txt") == report
+        assert box.run("mkfifo fifo && ln -s /dev/zero zero", timeout_s=30).exit_code == 0
+        for odd in ("fifo", "zero", "."):
+            with pytest.raises(OSError, match="not a regular file"):
+                handle.read_file(odd)
+        with pytest.raises(FileNotFoundError):
+            handle.read_file("missing.txt")
+        with pytest.raises(OSError, match="more than"):
+            handle.read_file("report.txt", max_bytes=1000)
+        # /tmp full: the note stays out of what a file and a command said.
+        box.run("head -c 20000000 /dev/zero > /tmp/fill 2>/dev/null; echo done > small.txt", timeout_s=30)
+        assert box.run("echo hi", timeout_s=30).output.endswith("is full: its size cap is 8 MiB]")
+        assert handle.read_file("small.txt") == "done\n"
+        assert handle.run("echo hi") == (0, "hi\n")
+    finally:
+        box.stop()
+
+
+def test_what_the_agent_left_at_a_hidden_files_place_fails_its_sample_not_its_judging(tmp_path: Path):
+    """A directory at a hidden file's path (the README: written "in place of whatever the agent left at
+    their paths"), a file where its directory goes, or a disk the agent filled made the write fail: a
+    scorer error, no verdict, so the agent could take any failing sample out of the pass rate. A directory
+    or a file in the way is removed now, and a write that still fails (a full disk) fails the sample."""
+    check = {"verify": "sh tests/t.sh", "verify_files": {"tests/t.sh": '[ "$(sh add.sh 2 3)" = 5 ]\n'}}
+    right = "printf 'echo 5\\n' > add.sh"
+    rows = [
+        {"id": "honest", "prompt": f"Add {_commands(WRONG)}", **check},
+        {"id": "dir", "prompt": f"Add {_commands(right + '; mkdir -p tests/t.sh/x')}", **check},
+        {"id": "file", "prompt": f"Add {_commands(right + '; echo no > tests')}", **check},
+        {
+            "id": "fill",
+            "prompt": f"Add {_commands(WRONG + '; head -c 80000000 /dev/zero > fill 2>/dev/null')}",
+            **check,
+        },
+    ]
+    out = tmp_path / "data"
+    run(None, write_rows(tmp_path / "d.jsonl", rows), out, container_disk_mb=64)
+    scores = {r["metadata"]["row_id"]: r["score"] for r in read_jsonl(out / "run" / "trajectories.jsonl")}
+    assert (scores["honest"]["passed"], scores["honest"]["verify_exit_code"]) == (False, 1), scores["honest"]
+    assert scores["dir"]["passed"] is True and scores["file"]["passed"] is True, (
+        scores
+    )  # the test ran: right work
+    fill = scores["fill"]
+    assert (fill["passed"], fill["value"], fill["status"]) == (False, 0.0, "failed"), fill
+    assert "could not be written" in fill["explanation"], fill
