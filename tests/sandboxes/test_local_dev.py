@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -155,18 +153,9 @@ def _as_nobody() -> None:
 def test_dev_is_read_only_for_a_sandbox_of_a_user_who_is_not_root(bwrap_available: None, request):
     if os.geteuid() != 0:
         pytest.skip("needs root to start a child as nobody")
-    from test_local_nonroot import _interpreter_for_nobody
+    from test_local_nonroot import _interpreter_for_nobody, nobody_home
 
-    base = Path(tempfile.mkdtemp(prefix="br-devro-"))  # pytest's own tmp_path is root's alone (0700)
-    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
-    os.chmod(base, 0o777)
-    env = {
-        "PATH": os.environ.get("PATH", os.defpath),
-        "PYTHONPATH": str(REPO),
-        "HOME": str(base),
-        "TMPDIR": str(base),
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
+    base, env = nobody_home(request, "br-devro-")
     python = _interpreter_for_nobody(env)
     if python is None:
         pytest.skip("no Python interpreter that nobody can run imports the package here")

@@ -78,6 +78,22 @@ def _interpreter_for_nobody(env: dict[str, str]) -> str | None:
     return None
 
 
+def nobody_home(request, prefix: str) -> tuple[Path, dict[str, str]]:
+    """A directory every user may write (pytest's own tmp_path is root's alone, 0700), removed after the
+    test, and the environment of a child run as nobody with this checkout's package, its home there."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    os.chmod(base, 0o777)
+    env = {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "PYTHONPATH": str(REPO),
+        "HOME": str(base),
+        "TMPDIR": str(base),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    return base, env
+
+
 def _as_nobody() -> None:
     os.setgroups([])
     os.setgid(NOBODY)
@@ -92,17 +108,8 @@ def test_a_non_root_sandbox_gets_the_network_with_the_hosts_addresses_closed(bwr
         pytest.skip("needs root to start a child as nobody")
     if network_problem():
         pytest.skip(network_problem())
-    base = Path(tempfile.mkdtemp(prefix="br-nonroot-"))  # pytest's own tmp_path is root's alone (0700)
-    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
-    os.chmod(base, 0o777)
-    env = {
-        "PATH": os.environ.get("PATH", os.defpath),
-        "PYTHONPATH": str(REPO),
-        "HOME": str(base),
-        "TMPDIR": str(base),
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "OPENROUTER_API_KEY": "sk-nonroot-secret",
-    }
+    base, env = nobody_home(request, "br-nonroot-")
+    env["OPENROUTER_API_KEY"] = "sk-nonroot-secret"
     python = _interpreter_for_nobody(env)
     if python is None:  # neither this interpreter nor the system's is readable by other users here
         pytest.skip("no Python interpreter that nobody can run imports the package here")
