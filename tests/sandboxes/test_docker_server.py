@@ -418,7 +418,9 @@ def test_root_in_the_container_can_neither_remove_rename_write_nor_mount_over_th
 
 # The image's tools that the runner's own judging steps ran by PATH, each made a script that exits 0.
 # What is left of the agent's `sleep 1000` and of a timed-out judged `sleep 999`.
-LEFT_SLEEPS = """ps -o args | while read -r a; do case $a in "sleep 1000"* | "sleep 999"*) echo "$a" ;; esac; done"""
+LEFT_SLEEPS = (
+    """ps -o args | while read -r a; do case $a in "sleep 1000"* | "sleep 999"*) echo "$a" ;; esac; done"""
+)
 RUNNERS_TOOLS = ("cat", "rm", "mkdir", "dirname", "tr", "grep", "kill", "mknod", "ln")
 
 
@@ -431,7 +433,9 @@ def test_judging_steps_run_the_runners_busybox_and_the_verify_the_images_sh(trus
     fakes = "; ".join(f"rm /bin/{t} && printf '#!/bin/busybox sh\\nexit 0\\n' > /bin/{t} && busybox chmod +x /bin/{t}"
                       for t in RUNNERS_TOOLS)  # fmt: skip
     fake_init = "busybox rm /sbin && busybox mkdir /sbin && printf '#!/bin/busybox sh\\nexit 0\\n' > /sbin/docker-init"
-    res = trusted_box.run(f"{fakes}; {fake_init} && chmod +x /sbin/docker-init; sleep 1000 & echo left", timeout_s=60)
+    res = trusted_box.run(
+        f"{fakes}; {fake_init} && chmod +x /sbin/docker-init; sleep 1000 & echo left", timeout_s=60
+    )
     assert res.output == "left\n", res
     assert trusted_box.end_processes(60) is None
     write_verify_files(trusted_box, [("tests/t.txt", "hidden\n")], 60)

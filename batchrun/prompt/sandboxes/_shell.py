@@ -40,7 +40,7 @@ RUN_BY_PATH = 'sh -c "$1"'
 RUN_IN_IMAGE_SH = (
     'if [ -z "$3" ] || [ "$(sha256sum /bin/sh 2>/dev/null)" = "$3" ]; then /bin/sh -c "$1"; '
     'else echo "batch-runner: /bin/sh is not the file it was when the container started (changed '
-    'since, by the agent\'s commands as root?): the judged command was not run"; (exit 126); fi'
+    "since, by the agent's commands as root?): the judged command was not run\"; (exit 126); fi"
 )
 
 # Kills every process whose environment holds "$1" (BATCH_RUNNER_EXEC=<tag>); a few rounds catch forks.
@@ -94,7 +94,14 @@ def end_marker(token: str) -> bytes:
 
 def kill_argv(token: str, busybox: str = "") -> list[str]:
     """The argv that kills a command's processes (``busybox``: in that busybox's sh, see wrapped_argv)."""
-    return [*([busybox] if busybox else []), "sh", "-c", KILL_TAGGED_SCRIPT, "sh", f"{EXEC_TAG_VAR}={exec_tag(token)}"]
+    return [
+        *([busybox] if busybox else []),
+        "sh",
+        "-c",
+        KILL_TAGGED_SCRIPT,
+        "sh",
+        f"{EXEC_TAG_VAR}={exec_tag(token)}",
+    ]
 
 
 class MarkerScanner:

@@ -225,7 +225,13 @@ UNTRUSTED_JUDGING = (
 # _shell, base.RESTORE_DEV, scoring.write_verify_files).
 TRUSTED_APPLETS = ("sh", "cat", "rm", "mkdir", "dirname", "tr", "grep", "kill", "mknod", "ln", "sha256sum")
 # Where the engine's docker-init may be on its machine (as dockerd looks: its InitBinary on PATH, libexec).
-INIT_PLACES = ("/usr/libexec/docker", "/usr/local/libexec/docker", "/usr/lib/docker", "/usr/bin", "/usr/local/bin")
+INIT_PLACES = (
+    "/usr/libexec/docker",
+    "/usr/local/libexec/docker",
+    "/usr/lib/docker",
+    "/usr/bin",
+    "/usr/local/bin",
+)
 
 
 def static_elf(path: str) -> bool:
@@ -239,10 +245,10 @@ def static_elf(path: str) -> bool:
                 return False
             end = "<" if head[5] == 1 else ">"
             if head[4] == 2:
-                phoff, = struct.unpack_from(end + "Q", head, 32)
+                (phoff,) = struct.unpack_from(end + "Q", head, 32)
                 phentsize, phnum = struct.unpack_from(end + "HH", head, 54)
             else:
-                phoff, = struct.unpack_from(end + "I", head, 28)
+                (phoff,) = struct.unpack_from(end + "I", head, 28)
                 phentsize, phnum = struct.unpack_from(end + "HH", head, 42)
             if not phnum or phentsize < 4:
                 return False
@@ -256,6 +262,20 @@ def static_elf(path: str) -> bool:
     return 3 not in types  # PT_INTERP
 
 
+def _engine_socket() -> str:
+    """The path of the engine's Unix socket (DOCKER_HOST's, else Docker's default)."""
+    host = os.environ.get("DOCKER_HOST", "")
+    return host[len("unix://") :] if host.startswith("unix://") else "/var/run/docker.sock"
+
+
+def _engine_pid() -> int:
+    """The pid of the process serving the engine's socket, in this PID namespace (0: outside it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(_engine_socket())
+        return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0])
+
+
 def _engine_here_problem() -> str | None:
     """Why a path of this machine's may not be the same file where the engine makes its mounts, or None:
     the engine answers on a Unix socket served by a process of this PID namespace (a runner in another
@@ -263,14 +283,10 @@ def _engine_here_problem() -> str | None:
     host = os.environ.get("DOCKER_HOST", "")
     if host and not host.startswith("unix://"):
         return f"the engine is reached over {host.split('://')[0]} (maybe on another machine)"
-    path = host[len("unix://") :] if host else "/var/run/docker.sock"
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5)
-            sock.connect(path)
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        pid = _engine_pid()
     except OSError as exc:
-        return f"the engine's socket {path} cannot be asked who serves it ({exc})"
+        return f"the engine's socket {_engine_socket()} cannot be asked who serves it ({exc})"
     if pid <= 0:
         return "the engine runs in another PID namespace (a runner in a container, say)"
     return None
@@ -278,15 +294,9 @@ def _engine_here_problem() -> str | None:
 
 def _same_file_for_engine(path: str) -> bool:
     """False where the engine's root is seen (root may read /proc/<dockerd>/root) and ``path`` is another
-    file there; True where it is the same or cannot be looked at."""
-    host = os.environ.get("DOCKER_HOST", "")
-    sock_path = host[len("unix://") :] if host.startswith("unix://") else "/var/run/docker.sock"
+    file there (the engine in another mount namespace); True where it is the same or cannot be looked at."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5)
-            sock.connect(sock_path)
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-        return os.path.samefile(path, f"/proc/{pid}/root{path}")
+        return os.path.samefile(path, f"/proc/{_engine_pid()}/root{path}")
     except PermissionError:
         return True
     except OSError:
@@ -295,7 +305,9 @@ def _same_file_for_engine(path: str) -> bool:
 
 def _find_busybox() -> tuple[str, str | None]:
     """(path, None) of this machine's static busybox, fit to be the trusted one; else ("", why not)."""
-    found = [p for p in ("/bin/busybox", "/usr/bin/busybox", shutil.which("busybox")) if p and os.path.isfile(p)]
+    found = [
+        p for p in ("/bin/busybox", "/usr/bin/busybox", shutil.which("busybox")) if p and os.path.isfile(p)
+    ]
     if not found:
         return "", "no busybox on this machine (install Debian's busybox-static)"
     path = os.path.realpath(found[0])
@@ -317,7 +329,9 @@ def _find_busybox() -> tuple[str, str | None]:
 def _find_init(info: dict[str, Any]) -> tuple[str, str | None]:
     """(path, None) of the engine's docker-init (static tini) on this machine; else ("", why not)."""
     name = str(info.get("InitBinary") or "docker-init")
-    places = [name] if os.path.isabs(name) else [shutil.which(name), *(os.path.join(d, name) for d in INIT_PLACES)]
+    places = (
+        [name] if os.path.isabs(name) else [shutil.which(name), *(os.path.join(d, name) for d in INIT_PLACES)]
+    )
     found = [p for p in places if p and os.path.isfile(p)]
     if not found:
         return "", f"the engine's {name} is not found on this machine"
