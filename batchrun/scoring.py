@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun import bounded_re
-from batchrun.prompt.sandboxes.base import SandboxError, judged_run
+from batchrun.prompt.sandboxes.base import SandboxError, judged_run, trusted_run
 from batchrun.protocol import RowCheck
 from batchrun.record import in_unit_range, occurrence_of, read_score
 from batchrun.sharegpt import finite_number, parse_json, strict_json
@@ -1977,9 +1977,10 @@ def write_verify_files(
 ) -> None:
     """The hidden files, written into the sandbox now (after the agent's last turn); raises on failure.
 
-    Through ``judged_run``, as the verify commands: a command server the agent's code rewrote (on
-    Docker, shell code written into its stdin pipe) would answer 0 and write nothing, and the verify
-    would run the agent's own "hidden" files."""
+    Through ``trusted_run``, judged as the verify commands: a command server the agent's code rewrote
+    (on Docker, shell code written into its stdin pipe) would answer 0 and write nothing, and the verify
+    would run the agent's own "hidden" files. On Docker, in the runner's own busybox (its mkdir, dirname,
+    rm, cat), not the image's, which root in the container may have replaced with ones that exit 0."""
     files = list(files)
     hidden = [path for path, _ in files]
     for path, text in files:
@@ -1991,7 +1992,7 @@ def write_verify_files(
         # directories goes, made the write fail, and the sample (wrong work) got no verdict at its will.
         parents = [shlex.quote(part) for part in _ancestors(path)]
         clear = f'for a in {" ".join(parents)}; do [ -d "$a" ] || rm -f -- "$a"; done; ' if parents else ""
-        res = judged_run(sandbox)(
+        res = trusted_run(sandbox)(
             f'{clear}mkdir -p -- "$(dirname -- {q})" && rm -rf -- {q} && cat > {q}{module_shadows(path, hidden)}',
             timeout_s=left,
             stdin=text.encode("utf-8"),

@@ -32,6 +32,7 @@ from batchrun.prompt.sandboxes.base import (
     SandboxError,
     declared,
     judged_run,
+    trusted_run,
     usable_cpus,
 )
 
@@ -161,6 +162,11 @@ class BackgroundStart:
         it has one."""
         self.wait_started()
         return judged_run(self.inner)(command, timeout_s=timeout_s, stdin=stdin)
+
+    def run_trusted(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """A judging step of the runner's own (base.trusted_run): the sandbox's own way, when it has one."""
+        self.wait_started()
+        return trusted_run(self.inner)(command, timeout_s=timeout_s, stdin=stdin)
 
     def end_processes(self, timeout_s: float) -> str | None:
         """Before judging (scoring.end_agent_processes): the sandbox's own, when it has one."""

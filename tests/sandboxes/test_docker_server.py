@@ -374,3 +374,81 @@ def test_the_containers_of_a_run_together_never_take_the_hosts_memory_or_process
         DockerSandbox.sweep(options)
     # Gone from every hierarchy: the engine makes it in cpu, blkio, freezer... too (v1).
     assert all(not os.path.exists(os.path.join(h, name)) for h in engine._hierarchies())
+
+
+@pytest.fixture
+def trusted_box(docker_test_image: str):
+    """A started DockerSandbox with the runner's own busybox and docker-init mounted, as a run's
+    prepare_run makes it (trusted_tools); fails where this machine has neither (CI installs both)."""
+    from batchrun.prompt.sandboxes.docker.sandbox import DockerSandbox, docker_client, trusted_tools
+
+    tools, said = trusted_tools(docker_client().info())
+    assert tools.get("trusted_busybox") and tools.get("trusted_init"), said
+    sandbox = DockerSandbox(
+        SandboxSpec(RUN, random.randint(0, 10**6), network=False),
+        default_image=docker_test_image, memory_mb=256, output_cap_bytes=CAP, **tools,
+    )  # fmt: skip
+    sandbox.start()
+    yield sandbox
+    sandbox.stop()
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_root_in_the_container_can_neither_remove_rename_write_nor_mount_over_the_runners_tools(trusted_box):
+    from batchrun.prompt.sandboxes.docker.container_server import TRUSTED_BUSYBOX, TRUSTED_INIT
+
+    attempts = []
+    for path in (TRUSTED_BUSYBOX, TRUSTED_INIT):
+        attempts += [f"rm -f {path}", f"mv {path} /moved", f"echo x > {path}", f"chmod 0 {path}",
+                     f"umount {path}", f"umount -l {path}", f"mount --bind /bin/busybox {path}",
+                     f"mount -t tmpfs none {path}"]  # fmt: skip
+    attempts += ["mount -t tmpfs none /", "mv / /x", "ln -sf /bin/true /busybox.batch-runner"]
+    script = "; ".join(f"if {{ {a}; }} 2>/dev/null; then echo 'took: {a}'; fi" for a in attempts)
+    res = trusted_box.run(script, timeout_s=60)
+    assert (res.exit_code, res.output) == (0, ""), res
+    opts = trusted_box.options
+    res = trusted_box.run_trusted(f"sha256sum {TRUSTED_BUSYBOX} {TRUSTED_INIT}", timeout_s=60)
+    sums = [line.split()[0] for line in res.output.splitlines()]
+    assert sums == [_sha256(opts.trusted_busybox), _sha256(opts.trusted_init)], res
+
+
+# The image's tools that the runner's own judging steps ran by PATH, each made a script that exits 0.
+# What is left of the agent's `sleep 1000` and of a timed-out judged `sleep 999`.
+LEFT_SLEEPS = (
+    """ps -o args | while read -r a; do case $a in "sleep 1000"* | "sleep 999"*) echo "$a" ;; esac; done"""
+)
+RUNNERS_TOOLS = ("cat", "rm", "mkdir", "dirname", "tr", "grep", "kill", "mknod", "ln")
+
+
+def test_judging_steps_run_the_runners_busybox_and_the_verify_the_images_sh(trusted_box):
+    """The image's cat, rm, mkdir, ... and /sbin/docker-init replaced by fakes that exit 0, a process
+    left behind: end_processes still ends it, the hidden file is still written, a timed-out judged
+    command is still killed; the verify runs in the image's own /bin/sh, under the runner's docker-init."""
+    from batchrun.scoring import write_verify_files
+
+    fakes = "; ".join(f"rm /bin/{t} && printf '#!/bin/busybox sh\\nexit 0\\n' > /bin/{t} && busybox chmod +x /bin/{t}"
+                      for t in RUNNERS_TOOLS)  # fmt: skip
+    fake_init = "busybox rm /sbin && busybox mkdir /sbin && printf '#!/bin/busybox sh\\nexit 0\\n' > /sbin/docker-init"
+    res = trusted_box.run(
+        f"{fakes}; {fake_init} && chmod +x /sbin/docker-init; sleep 1000 & echo left", timeout_s=60
+    )
+    assert res.output == "left\n", res
+    assert trusted_box.end_processes(60) is None
+    write_verify_files(trusted_box, [("tests/t.txt", "hidden\n")], 60)
+    res = trusted_box.run_judged(
+        'read -r l < tests/t.txt; echo "$l $(readlink /proc/$$/exe)"; busybox tr "\\0" " " < /proc/$PPID/cmdline',
+        timeout_s=60,
+    )
+    said, parent = res.output.split("\n", 1)
+    assert (res.exit_code, said) == (0, "hidden /bin/busybox"), res  # the image's sh, not the runner's
+    assert parent.startswith("/busybox.batch-runner sh -c "), res
+    res = trusted_box.run_judged(LEFT_SLEEPS, timeout_s=60)
+    assert (res.exit_code, res.output) == (0, ""), res  # the agent's sleep 1000 ended
+    res = trusted_box.run_judged("sleep 999", timeout_s=1)
+    assert res.timed_out, res
+    res = trusted_box.run_judged(LEFT_SLEEPS, timeout_s=60)
+    assert (res.exit_code, res.output) == (0, ""), res

@@ -45,7 +45,11 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
         return Target("local", options, failing_spec={"cwd": "/usr/cannot/create"}, reaps_leftovers=True)
     if kind == "docker":
         image = request.getfixturevalue("docker_test_image")
-        options = {"output_cap_bytes": CAP, "default_image": image, "memory_mb": 256}
+        from batchrun.prompt.sandboxes.docker.sandbox import docker_client, trusted_tools
+
+        # As a run's prepare_run makes them: judging in the host's busybox and docker-init, where found.
+        tools, _ = trusted_tools(docker_client().info())
+        options = {"output_cap_bytes": CAP, "default_image": image, "memory_mb": 256, **tools}
         return Target("docker", options, processes=own_processes)
     # The fakes run each exec in a PID namespace of its own that ends with it; a real Apptainer
     # instance or Modal sandbox keeps one for its life. Untested there: no such service here.

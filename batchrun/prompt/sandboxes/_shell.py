@@ -23,10 +23,24 @@ EXEC_TAG_VAR = (
 # (/proc/$PPID/cmdline) and print the end marker with an exit code of its choosing. The inner sh gets
 # the rest of the caller's stdin and the tag in its environment (so a timeout can find it and its
 # children); its exit code follows the marker, and is the wrapper's own (what the engine reports:
-# see run_judged in the backends).
+# see run_judged in the backends). {run}: how the command runs (RUN_BY_PATH, RUN_IN_IMAGE_SH).
 _WRAPPER = (
-    'IFS= read -r t; export {var}="$2"; exec 2>&1; sh -c "$1"; rc=$?; '
+    'IFS= read -r t; export {var}="$2"; exec 2>&1; {run}; rc=$?; '
     'printf \'\\n[batch-runner-exit:%s]=%s\\n\' "$t" "$rc"; exit "$rc"'
+)
+# The command in the `sh` its PATH finds; under a trusted busybox (see wrapped_argv), busybox's own
+# sh applet: busybox prefers its applets to PATH.
+RUN_BY_PATH = 'sh -c "$1"'
+# Under a trusted busybox, a judged command of the user's (a verify line, a scorer's): in the image's
+# own /bin/sh (a path with a slash: a file, never busybox's applet), so that it sees the image as the
+# agent did, but only while /bin/sh is what it was when the container started ($3: busybox's
+# `sha256sum /bin/sh` then, before the agent's first command; "" where there was none to take). Root in
+# the container may have replaced it (with `exit 0`: every verify passed). Exit 126 then, the command
+# not run: the check fails, as for wrong work.
+RUN_IN_IMAGE_SH = (
+    'if [ -z "$3" ] || [ "$(sha256sum /bin/sh 2>/dev/null)" = "$3" ]; then /bin/sh -c "$1"; '
+    'else echo "batch-runner: /bin/sh is not the file it was when the container started (changed '
+    "since, by the agent's commands as root?): the judged command was not run\"; (exit 126); fi"
 )
 
 # Kills every process whose environment holds "$1" (BATCH_RUNNER_EXEC=<tag>); a few rounds catch forks.
@@ -51,11 +65,21 @@ def exec_tag(token: str) -> str:
     return hashlib.sha256(f"batch-runner exec tag\0{token}".encode()).hexdigest()[:32]
 
 
-def wrapped_argv(command: str, token: str) -> list[str]:
+def wrapped_argv(command: str, token: str, *, busybox: str = "", image_sh: str | None = None) -> list[str]:
     """The argv that runs ``command`` under ``sh`` and prints the end marker with its exit code; its
-    stdin must begin with :func:`token_line`. ``token`` is not in it: only its tag."""
-    wrapper = _WRAPPER.format(var=EXEC_TAG_VAR)
-    return ["sh", "-c", wrapper, "sh", command, exec_tag(token)]
+    stdin must begin with :func:`token_line`. ``token`` is not in it: only its tag.
+
+    ``busybox``: the path of a static busybox that the agent cannot replace (the Docker backend's
+    read-only bind mount): the wrapper runs in its sh, with its applets, not in what the image's PATH
+    finds, which root in the container may have replaced. The command then runs in busybox's sh too
+    (a script of the runner's own), unless ``image_sh`` is given: a judged command of the user's, run
+    in the image's /bin/sh while that is unchanged (``image_sh``: its checksum at the start, see
+    RUN_IN_IMAGE_SH)."""
+    if busybox and image_sh is not None:
+        wrapper = _WRAPPER.format(var=EXEC_TAG_VAR, run=RUN_IN_IMAGE_SH)
+        return [busybox, "sh", "-c", wrapper, "sh", command, exec_tag(token), image_sh]
+    wrapper = _WRAPPER.format(var=EXEC_TAG_VAR, run=RUN_BY_PATH)
+    return [*([busybox] if busybox else []), "sh", "-c", wrapper, "sh", command, exec_tag(token)]
 
 
 def token_line(token: str) -> bytes:
@@ -68,8 +92,16 @@ def end_marker(token: str) -> bytes:
     return f"\n[batch-runner-exit:{token}]=".encode()
 
 
-def kill_argv(token: str) -> list[str]:
-    return ["sh", "-c", KILL_TAGGED_SCRIPT, "sh", f"{EXEC_TAG_VAR}={exec_tag(token)}"]
+def kill_argv(token: str, busybox: str = "") -> list[str]:
+    """The argv that kills a command's processes (``busybox``: in that busybox's sh, see wrapped_argv)."""
+    return [
+        *([busybox] if busybox else []),
+        "sh",
+        "-c",
+        KILL_TAGGED_SCRIPT,
+        "sh",
+        f"{EXEC_TAG_VAR}={exec_tag(token)}",
+    ]
 
 
 class MarkerScanner:

@@ -118,13 +118,20 @@ def end_processes_with_script(sandbox: Any, timeout_s: float) -> str | None:
     where it has one, else ``sandbox.run`` (a sandbox with a PID namespace of its own): None once they
     are gone, else why not. Judged: a process of the agent, alive until the script kills it, could
     otherwise print the script's end marker itself."""
-    return end_problem(judged_run(sandbox)(END_PROCESSES_SCRIPT, timeout_s=timeout_s), timeout_s)
+    return end_problem(trusted_run(sandbox)(END_PROCESSES_SCRIPT, timeout_s=timeout_s), timeout_s)
 
 
 def judged_run(sandbox: Any) -> Any:
     """How to run a command whose exit code judges a sample: the sandbox's ``run_judged`` when it has
     one (its exit code from where no command can print it), else its ``run``."""
     return getattr(sandbox, "run_judged", None) or sandbox.run
+
+
+def trusted_run(sandbox: Any) -> Any:
+    """How to run a judging step of the runner's own (the hidden files' writes): the sandbox's
+    ``run_trusted`` when it has one (Docker: in a static busybox the agent cannot replace, not in the
+    image's sh and tools), else :func:`judged_run`."""
+    return getattr(sandbox, "run_trusted", None) or judged_run(sandbox)
 
 
 def end_problem(res: ExecResult, timeout_s: float) -> str | None:

@@ -50,6 +50,17 @@ from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, RESTORE_DEV, CappedBu
 
 READY_LINE = "[batch-runner-ready]"
 
+# Where the runner's own tools are bind-mounted, read-only, into every container, where this machine has
+# them (DockerSandbox.prepare_run, trusted_tools): a static busybox (its basename must begin with
+# "busybox" for it to take its applet from argv[1]) and the engine's docker-init. Mount points directly
+# under / that no process in the container can remove, rename, write or mount over (EBUSY, EROFS; no
+# CAP_SYS_ADMIN): what judging runs from them (FREEZE_SCRIPT, REAPED_SCRIPT, THAW_AT_EOF_SCRIPT, the kill
+# of a timed-out command, the hidden files' writes, the end-marker wrapper) is not the image's sh or
+# tools, which root in the container may have replaced (a fake /sbin/docker-init or /bin/sh that exits
+# 0: the agent's processes never ended, the hidden files never written, the verify "passed").
+TRUSTED_BUSYBOX = "/busybox.batch-runner"
+TRUSTED_INIT = "/docker-init.batch-runner"
+
 # $1: the lifetime in seconds. The boot shell is docker-init's only child: when it dies, docker-init
 # exits, and with the namespace's PID 1 gone the kernel kills every process of the container. So
 # killing the boot shell ends the container, and outside one it ends nothing but the boot shell.
@@ -121,6 +132,11 @@ __br_sweep() {{
         done
     done
 }}
+# The image's /bin/sh as it is now, before the agent's first command, where the runner's busybox is
+# mounted (see TRUSTED_BUSYBOX, _shell.RUN_IN_IMAGE_SH): judged commands run in it only while it is unchanged.
+__br_f=
+[ -x {TRUSTED_BUSYBOX} ] && __br_f=$({TRUSTED_BUSYBOX} sha256sum /bin/sh 2>/dev/null)
+printf '[batch-runner-sh]%s\\n' "$__br_f"
 # What runs here now (docker-init, the boot shell, cat, the sleeper, this server) is all the
 # container has before the agent's first command: the runner stops these, and kills everything else,
 # before a sample is judged (DockerSandbox.end_processes, FREEZE_SCRIPT). First on the line: this server.
@@ -130,6 +146,7 @@ printf '[batch-runner-base]%s:%s\\n' "$$" "$__br_base"
 printf '%s\\n' '{READY_LINE}'
 """.encode()
 BASE_LINE = re.compile(rb"\[batch-runner-base\]([0-9]+):((?: [0-9]+)*)\n")
+SH_SUM_LINE = re.compile(rb"\[batch-runner-sh\]([^\n]*)\n")
 
 # Before a sample is judged (DockerSandbox.end_processes), $@: the base processes above. A command
 # running as root may have taken over any of them (ptrace, or /proc/<pid>/mem: same user, no Yama,
@@ -218,18 +235,24 @@ exit 1
 )
 
 # The first process of a judged exec ($@: the command's argv), with docker-init on: the engine's own
-# docker-init (tini, mounted read-only at this path) as a child subreaper (-s), which reaps what the
-# command orphans. Else the orphans go to PID 1, which is stopped while a sample is judged: their
-# zombies stayed until the pids limit was full (300 orphans of one verify command made 300 zombies:
-# the next one could not fork), and a test that waits for a daemon it stopped to be gone
-# (`kill -0`) saw it alive until it gave up. Without the file (another engine), the command as before.
+# docker-init (tini) as a child subreaper (-s), which reaps what the command orphans. Else the orphans
+# go to PID 1, which is stopped while a sample is judged: their zombies stayed until the pids limit was
+# full (300 orphans of one verify command made 300 zombies: the next one could not fork), and a test
+# that waits for a daemon it stopped to be gone (`kill -0`) saw it alive until it gave up. From the
+# runner's read-only mount (TRUSTED_INIT) where it has one; else the engine's mount at this path, which
+# root in the container can replace (/sbin a link in a merged-/usr image: removed, made a directory,
+# a fake docker-init that exits 0 put in it), and without the file (another engine), the command as before.
 SUBREAPER = "/sbin/docker-init"
 SUBREAPED_SCRIPT = f'[ -x {SUBREAPER} ] && exec {SUBREAPER} -s -- "$@"; exec "$@"'
 
 
-def subreaped_argv(argv: list[str]) -> list[str]:
-    """``argv`` run under the engine's docker-init as a child subreaper, where the container has it."""
-    return ["sh", "-c", SUBREAPED_SCRIPT, "sh", *argv]
+def subreaped_argv(argv: list[str], *, init: str = "", busybox: str = "") -> list[str]:
+    """``argv`` run under the engine's docker-init as a child subreaper: ``init`` (a path the agent
+    cannot replace) where given, else the container's /sbin/docker-init where it has one, looked for
+    by ``busybox``'s sh where given."""
+    if init:
+        return [init, "-s", "--", *argv]
+    return [*([busybox] if busybox else []), "sh", "-c", SUBREAPED_SCRIPT, "sh", *argv]
 
 
 # The runner's hold on stopped base processes while a sample is judged ($@: their pids), started

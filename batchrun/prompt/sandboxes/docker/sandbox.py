@@ -23,7 +23,10 @@ import math
 import os
 import posixpath
 import shlex
+import shutil
 import socket
+import struct
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from docker.errors import APIError, ImageNotFound, NotFound
-from docker.types import LogConfig
+from docker.types import LogConfig, Mount
 
 import batchrun.prompt.sandboxes.docker.container_server as server
 from batchrun.prompt.sandboxes._shell import (
@@ -174,6 +177,12 @@ class DockerOptions:
     # past either, the rows of the image fail without a model call (--resume pulls again).
     pull_timeout_s: float = PULL_TIMEOUT_S
     pull_budget_s: float = PULL_BUDGET_S
+    # This machine's static busybox and the engine's docker-init (paths here), bind-mounted read-only
+    # into each container at container_server.TRUSTED_BUSYBOX and TRUSTED_INIT: what judging runs of
+    # the runner's own comes from them, not from the image's files (see trusted_tools); "": not mounted,
+    # the image's sh and /sbin/docker-init as found. Set by prepare_run where the engine is this machine's.
+    trusted_busybox: str = ""
+    trusted_init: str = ""
 
     def __post_init__(self) -> None:
         positive = ("cpus", "memory_mb", "pids_limit", "output_cap_bytes", "pull_timeout_s", "pull_budget_s")
@@ -205,6 +214,165 @@ _empty_dirs: set[tuple[str, str]] = set()  # (image, dir): nothing to copy into 
 # taken for empty, the image's directory was never copied into any later container of the worker:
 # 12 of 12 prompts of an image with files there saw an empty directory.
 WORKDIR_READS = 5
+
+
+UNTRUSTED_JUDGING = (
+    "the runner's judging steps in Docker containers (ending the agent's processes, writing the hidden "
+    "files, the verify's shell) run the image's own sh and /sbin/docker-init: in an image whose user is "
+    "root, the agent can replace them and wrong work passes"
+)
+# What the trusted busybox must have as applets: the runner's scripts run these (container_server,
+# _shell, base.RESTORE_DEV, scoring.write_verify_files).
+TRUSTED_APPLETS = ("sh", "cat", "rm", "mkdir", "dirname", "tr", "grep", "kill", "mknod", "ln", "sha256sum")
+# Where the engine's docker-init may be on its machine (as dockerd looks: its InitBinary on PATH, libexec).
+INIT_PLACES = (
+    "/usr/libexec/docker",
+    "/usr/local/libexec/docker",
+    "/usr/lib/docker",
+    "/usr/bin",
+    "/usr/local/bin",
+)
+
+
+def static_elf(path: str) -> bool:
+    """Whether ``path`` is an ELF executable with no program interpreter (no PT_INTERP): run in a
+    container, it loads nothing from the container's files (a dynamic one would load the image's
+    ld.so and libc, which root in the container may replace)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+                return False
+            end = "<" if head[5] == 1 else ">"
+            if head[4] == 2:
+                (phoff,) = struct.unpack_from(end + "Q", head, 32)
+                phentsize, phnum = struct.unpack_from(end + "HH", head, 54)
+            else:
+                (phoff,) = struct.unpack_from(end + "I", head, 28)
+                phentsize, phnum = struct.unpack_from(end + "HH", head, 42)
+            if not phnum or phentsize < 4:
+                return False
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except OSError:
+        return False
+    if len(table) < phentsize * phnum:
+        return False
+    types = [struct.unpack_from(end + "I", table, i * phentsize)[0] for i in range(phnum)]
+    return 3 not in types  # PT_INTERP
+
+
+def _engine_socket() -> str:
+    """The path of the engine's Unix socket (DOCKER_HOST's, else Docker's default)."""
+    host = os.environ.get("DOCKER_HOST", "")
+    return host[len("unix://") :] if host.startswith("unix://") else "/var/run/docker.sock"
+
+
+def _engine_pid() -> int:
+    """The pid of the process serving the engine's socket, in this PID namespace (0: outside it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(_engine_socket())
+        return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0])
+
+
+def _engine_here_problem() -> str | None:
+    """Why a path of this machine's may not be the same file where the engine makes its mounts, or None:
+    the engine answers on a Unix socket served by a process of this PID namespace (a runner in another
+    container with the host's socket sees its peer as pid 0; over tcp or ssh it is another machine)."""
+    host = os.environ.get("DOCKER_HOST", "")
+    if host and not host.startswith("unix://"):
+        return f"the engine is reached over {host.split('://')[0]} (maybe on another machine)"
+    try:
+        pid = _engine_pid()
+    except OSError as exc:
+        return f"the engine's socket {_engine_socket()} cannot be asked who serves it ({exc})"
+    if pid <= 0:
+        return "the engine runs in another PID namespace (a runner in a container, say)"
+    return None
+
+
+def _same_file_for_engine(path: str) -> bool:
+    """False where the engine's root is seen (root may read /proc/<dockerd>/root) and ``path`` is another
+    file there (the engine in another mount namespace); True where it is the same or cannot be looked at."""
+    try:
+        return os.path.samefile(path, f"/proc/{_engine_pid()}/root{path}")
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+
+
+def _find_busybox() -> tuple[str, str | None]:
+    """(path, None) of this machine's static busybox, fit to be the trusted one; else ("", why not)."""
+    found = [
+        p for p in ("/bin/busybox", "/usr/bin/busybox", shutil.which("busybox")) if p and os.path.isfile(p)
+    ]
+    if not found:
+        return "", "no busybox on this machine (install Debian's busybox-static)"
+    path = os.path.realpath(found[0])
+    if not static_elf(path):
+        return "", f"{path} is not a statically linked executable (install Debian's busybox-static)"
+    check = "PATH=/nonexistent; echo ok | cat | tr o O | grep -qx Ok"  # its applets, not PATH's
+    try:
+        listed = subprocess.run([path, "--list"], capture_output=True, text=True, timeout=10).stdout.split()
+        works = subprocess.run([path, "sh", "-c", check], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError) as exc:
+        return "", f"{path} does not run ({exc})"
+    missing = [a for a in TRUSTED_APPLETS if a not in listed]
+    if missing or not works:
+        why = f"lacks {', '.join(missing)}" if missing else "does not prefer its applets to PATH"
+        return "", f"{path} {why}"
+    return path, None
+
+
+def _find_init(info: dict[str, Any]) -> tuple[str, str | None]:
+    """(path, None) of the engine's docker-init (static tini) on this machine; else ("", why not)."""
+    name = str(info.get("InitBinary") or "docker-init")
+    places = (
+        [name] if os.path.isabs(name) else [shutil.which(name), *(os.path.join(d, name) for d in INIT_PLACES)]
+    )
+    found = [p for p in places if p and os.path.isfile(p)]
+    if not found:
+        return "", f"the engine's {name} is not found on this machine"
+    path = os.path.realpath(found[0])
+    if not static_elf(path):
+        return "", f"{path} is not a statically linked executable"
+    try:
+        said = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return "", f"{path} does not run ({exc})"
+    if "tini" not in said:
+        return "", f"{path} is not tini ({said.strip()[:60]!r})"
+    return path, None
+
+
+def trusted_tools(info: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """The options that mount the runner's own tools into each container (``DockerOptions.trusted_busybox``,
+    ``trusted_init``) and the start-up line that says what they give, or why judging falls back to the
+    image's own sh and docker-init (a warning naming the risk). ``info``: the engine's ``docker info``.
+    The bind sources are paths of the engine's machine: this one only where the engine is local."""
+    problem = _engine_here_problem()
+    busybox, why = ("", problem) if problem else _find_busybox()
+    if busybox and not _same_file_for_engine(busybox):
+        busybox, why = "", f"the engine sees another file at {busybox} (it runs in another mount namespace)"
+    if not busybox:
+        return {}, f"warning: {UNTRUSTED_JUDGING}: {why}"
+    init, init_why = _find_init(info)
+    if init and not _same_file_for_engine(init):
+        init, init_why = "", f"the engine sees another file at {init}"
+    tools = {"trusted_busybox": busybox, **({"trusted_init": init} if init else {})}
+    said = (
+        f"Docker judging: the runner's own steps (ending the agent's processes, the hidden files' writes) "
+        f"run this machine's static busybox ({busybox}) mounted read-only at {server.TRUSTED_BUSYBOX}; "
+        "verify commands run the image's /bin/sh, only while it is the file it was at the container's start"
+    )
+    if init:
+        return tools, f"{said}; judged commands' subreaper: {init} at {server.TRUSTED_INIT}"
+    return tools, (
+        f"{said}\nwarning: verify commands run under the container's /sbin/docker-init (their subreaper), "
+        f"which root in the container can replace (a fake one that exits 0 passes wrong work): {init_why}"
+    )
 
 
 def network_hub_problem() -> str | None:
@@ -308,6 +476,7 @@ class DockerSandbox(SandboxBackend):
         _remove_dead_containers()
         options = _network_in_force(options, workers_here)
         if not workers_here:
+            print(f"warning: {UNTRUSTED_JUDGING} (the workers run on other machines)", file=sys.stderr)
             return options
         try:
             info = docker_client().info()
@@ -315,6 +484,9 @@ class DockerSandbox(SandboxBackend):
             info, problem = {}, f"the engine did not say how it makes cgroups ({exc})"
         else:
             problem = run_cgroup_problem(info)
+        tools, said = trusted_tools(info)
+        print(said, file=sys.stderr if said.startswith("warning") else sys.stdout)
+        options = {**options, **tools}
         if problem is None:
             sweep_run_cgroups()
             memory, pids = docker_run_share(info)
@@ -395,6 +567,7 @@ class DockerSandbox(SandboxBackend):
         self._over_cap: str | None = None  # why the disk watch stopped the current container
         self._base_pids: list[int] = []  # the container's processes before the agent's first command
         self._server_pid = 0  # the command server's, among them
+        self._sh_sum = ""  # the trusted busybox's sha256sum of the image's /bin/sh at the start ("": none)
         self._frozen = False  # base processes stopped by end_processes: the next command continues them
         self._hold: Any = None  # the exec stream whose end continues them (see end_processes)
         self._serving = False  # whether the current container's server answered (it ends at our EOF)
@@ -459,7 +632,23 @@ class DockerSandbox(SandboxBackend):
             "oom_score_adj": 1000,
             **({"cgroup_parent": opts.cgroup_parent} if opts.cgroup_parent else {}),
             **self._disk_limit(),
+            **self._trusted_mounts(),
         }
+
+    def _trusted_mounts(self) -> dict[str, Any]:
+        """The runner's own tools, read-only at paths the agent cannot replace (see ``trusted_tools``)."""
+        opts = self.options
+        mounts = [
+            Mount(target, source, type="bind", read_only=True)
+            for target, source in ((server.TRUSTED_BUSYBOX, opts.trusted_busybox), (server.TRUSTED_INIT, opts.trusted_init))
+            if source
+        ]  # fmt: skip
+        return {"mounts": mounts} if mounts else {}
+
+    @property
+    def _busybox(self) -> str:
+        """The trusted busybox's path in the container, or "" (the image's sh)."""
+        return server.TRUSTED_BUSYBOX if self.options.trusted_busybox else ""
 
     def start(self) -> None:
         spec = self.spec
@@ -665,6 +854,8 @@ class DockerSandbox(SandboxBackend):
             raise SandboxError(f"the command server of prompt {self.spec.prompt_index} did not start: {why}")
         self._server_pid = int(base.group(1))
         self._base_pids = [int(pid) for pid in base.group(2).split()]
+        sh_sum = server.SH_SUM_LINE.search(seen)
+        self._sh_sum = sh_sum.group(1).decode(errors="replace") if sh_sum else ""
 
     def _disk_limit(self) -> dict[str, object]:
         if self.disk_cap == "storage-opt":
@@ -826,10 +1017,10 @@ class DockerSandbox(SandboxBackend):
             reaped = False  # PID 1 continued once to reap what was killed: a working init reaps it all
             for _ in range(FREEZE_ATTEMPTS + 1):
                 self._signal_init("SIGSTOP")
-                result = self.run_judged(
+                result = self._run(
                     f"set -- {spared}\n{server.FREEZE_SCRIPT}",
-                    timeout_s=max(deadline - time.monotonic(), 0.001),
-                )
+                    timeout_s=max(deadline - time.monotonic(), 0.001), stdin=[b""], judged=True, own=True,
+                )  # fmt: skip
                 if result.timed_out or result.exit_code not in (server.INIT_RUNS, server.INIT_ZOMBIES):
                     break
                 if result.exit_code == server.INIT_ZOMBIES:
@@ -840,10 +1031,11 @@ class DockerSandbox(SandboxBackend):
                     # starts meanwhile, the next round kills, and it is stopped again.
                     reaped = True
                     self._signal_init("SIGCONT")
-                    self.run_judged(
+                    self._run(
                         f"set -- {REAP_ROUNDS}\n{server.REAPED_SCRIPT}",
                         timeout_s=max(min(deadline - time.monotonic(), REAP_WAIT_S), 0.001),
-                    )
+                        stdin=[b""], judged=True, own=True,
+                    )  # fmt: skip
             problem = end_problem(result, timeout_s)
             if problem is None:
                 self._hold = self._hold_stopped(spared)
@@ -860,9 +1052,8 @@ class DockerSandbox(SandboxBackend):
         """The exec that continues the stopped base processes when its stream ends (THAW_AT_EOF_SCRIPT)."""
         try:
             api = docker_client().api
-            exec_id = api.exec_create(
-                self.container_id, ["sh", "-c", server.THAW_AT_EOF_SCRIPT, "sh", *spared.split()], stdin=True
-            )["Id"]
+            argv = [*([self._busybox] if self._busybox else []), "sh", "-c", server.THAW_AT_EOF_SCRIPT, "sh"]
+            exec_id = api.exec_create(self.container_id, [*argv, *spared.split()], stdin=True)["Id"]
             return api.exec_start(exec_id, socket=True)
         except ENGINE_ERRORS as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
@@ -955,16 +1146,25 @@ class DockerSandbox(SandboxBackend):
             return ExecResult(output=NUL_IN_COMMAND, exit_code=2)
         return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""], judged=True)
 
+    def run_trusted(self, command: str, *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """A judging step of the runner's own (base.trusted_run: the hidden files' writes): as
+        ``run_judged``, in the trusted busybox's sh with its applets where the container has it, not in
+        the image's sh and tools."""
+        if "\0" in command:
+            return ExecResult(output=NUL_IN_COMMAND, exit_code=2)
+        return self._run(command, timeout_s=timeout_s, stdin=[stdin or b""], judged=True, own=True)
+
     def _run(
-        self, command: str, *, timeout_s: float, stdin: Iterable[bytes], user: str = "", judged: bool = False
-    ) -> ExecResult:
+        self, command: str, *, timeout_s: float, stdin: Iterable[bytes], user: str = "", judged: bool = False,
+        own: bool = False,
+    ) -> ExecResult:  # fmt: skip
         if self.container_id is None:
             raise SandboxError("docker sandbox is not started")
         self._raise_if_over_cap()
         token = new_exec_token()
         for attempt in (1, 2):
             try:
-                exec_id, stream = self._exec(command, token, user, judged=judged)
+                exec_id, stream = self._exec(command, token, user, judged=judged, own=own)
                 break
             except ENGINE_ERRORS as exc:
                 # A container dead before its first command (a start the engine botched under load;
@@ -1050,11 +1250,21 @@ class DockerSandbox(SandboxBackend):
                 log.warning("could not remove container %s: %s", container_id[:12], exc)
             frozen_guard.release(container_id)
 
-    def _exec(self, command: str, token: str, user: str = "", judged: bool = False) -> tuple[str, object]:
+    def _exec(
+        self, command: str, token: str, user: str = "", judged: bool = False, own: bool = False
+    ) -> tuple[str, object]:
+        """``own``: a script of the runner's (all in the trusted busybox, where there is one); else a
+        judged command runs in the image's /bin/sh under it (see ``_shell.wrapped_argv``)."""
         api = docker_client().api
-        argv = wrapped_argv(command, token)
-        if judged and self.options.init:  # its orphans reaped while PID 1 is stopped (end_processes)
-            argv = server.subreaped_argv(argv)
+        if judged:
+            argv = wrapped_argv(command, token, busybox=self._busybox, image_sh=None if own else self._sh_sum)
+        else:  # the agent's commands: the image's sh, as the command server's
+            argv = wrapped_argv(command, token)
+        init = server.TRUSTED_INIT if self.options.trusted_init else ""
+        # Its orphans reaped while PID 1 is stopped (end_processes). A script of the runner's, under the
+        # trusted busybox, never under a docker-init the agent may have replaced (one that exits 0).
+        if judged and self.options.init and (init or not (own and self._busybox)):
+            argv = server.subreaped_argv(argv, init=init, busybox=self._busybox)
         exec_id = api.exec_create(
             self.container_id, argv, stdin=True, workdir=self.workdir,
             environment={EXEC_TAG_VAR: exec_tag(token)}, user=user,
@@ -1065,7 +1275,7 @@ class DockerSandbox(SandboxBackend):
         """SIGKILL, inside the container, every process of the command that carries ``token``."""
         try:
             api = docker_client().api
-            api.exec_start(api.exec_create(self.container_id, kill_argv(token))["Id"])
+            api.exec_start(api.exec_create(self.container_id, kill_argv(token, self._busybox))["Id"])
         except ENGINE_ERRORS as exc:
             raise SandboxError(f"container of prompt {self.spec.prompt_index} is gone: {exc}") from exc
 
