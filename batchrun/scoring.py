@@ -1746,8 +1746,15 @@ _REMARK_HEDGE_RE = re.compile(
 )
 
 
+# Markdown emphasis around a word ("4 _or_ 5"): its closing "_" before the next number read as an index's
+# ("x_5"), that number was passed over and "4 _or_ 5" passed for 4.
+_WORD_EMPHASIS_RE = re.compile(r"(?<![^\W_])[*_]{1,3}([^\W\d_]+)[*_]{1,3}(?![^\W_])")
+
+
 def _plain(text: str) -> str:
-    """``text`` with its numbers in plain form: minus signs, superscripts, scales, LaTeX (see above)."""
+    """``text`` with its numbers in plain form: minus signs, superscripts, scales, LaTeX (see above),
+    markdown emphasis around words unwrapped."""
+    text = _WORD_EMPHASIS_RE.sub(r"\1", text)
     text = _SCALE_RE.sub(lambda m: repr(float(m[1]) * _SCALES[m[2].lower()]), text.translate(_PLAIN_CHARS))
     text = _SCALE_SUFFIX_RE.sub(_scaled, text)
     return _latex_numbers(text)
