@@ -446,27 +446,29 @@ def _last_boxed(text: str, code: list[tuple[int, int]] | None = None) -> str | N
     Two boxes the text offers as alternatives (``\\boxed{4} or \\boxed{5}``, ``\\boxed{4}, \\boxed{5}``) are one
     answer that offers both, ``4 or 5``: read as the last box alone, each passed for it.
 
-    A box that opens inside one of the ``code`` spans (:func:`_code_spans`) is an example, no answer: its
-    braces are only braces."""
-    opened: list[tuple[int, bool]] = []  # where each open brace's content starts, and whether it is a box's
-    boxes: list[tuple[int, int]] = []  # (content start, content end) of each box
+    A box that opens inside one of the ``code`` spans (:func:`_code_spans`) is an example, no answer; but
+    one the answer's box offers as another (``\boxed{4} or `\boxed{5}` ``) makes it a hedge still."""
+    opened: list[tuple[int, bool | None]] = []  # each open brace's content start, and None, or a box's: in code?
+    boxes: list[tuple[int, int, bool]] = []  # (content start, content end, in code) of each box
     spans, span = iter(code or ()), None  # the code spans in order, the first not yet passed
     span = next(spans, None)
     for token in _BOXED_TOKENS_RE.finditer(text):
         if token[0] != "}":
-            boxed = token[0] != "{"
-            if boxed and span is not None:
+            kind = None if token[0] == "{" else False
+            if kind is not None and span is not None:
                 while span is not None and span[1] <= token.start():
                     span = next(spans, None)
-                boxed = span is None or token.start() < span[0]
-            opened.append((token.end(), boxed))
+                kind = span is not None and span[0] <= token.start()
+            opened.append((token.end(), kind))
         elif opened:
-            start, boxed = opened.pop()
-            if boxed:
-                boxes.append((start, token.start()))
-    if not boxes:
+            start, kind = opened.pop()
+            if kind is not None:
+                boxes.append((start, token.start(), kind))
+    answers = [box for box in boxes if not box[2]]
+    if not answers:
         return None
-    last = max(boxes)
+    last = max(answers)
+    said = text[last[0] : last[1]]
     box_start = last[0] - len("\\boxed{")
     before = [box for box in boxes if box[1] < box_start]
     if before:
@@ -474,10 +476,16 @@ def _last_boxed(text: str, code: list[tuple[int, int]] | None = None) -> str | N
         gap = text[prev[1] + 1 : box_start].replace("$", "")
         first = _unwrapped_text(text[prev[0] : prev[1]].strip())
         if _offering_gap(gap):
-            return f"{first}{gap}{text[last[0] : last[1]]}"
+            return f"{first}{gap}{said}"
         if _BOX_ALTERNATIVES_RE.fullmatch(_hedge_reading(gap)):  # "\boxed{4} | \boxed{5}": said as "4 or 5"
-            return f"{first} or {text[last[0] : last[1]]}"
-    return text[last[0] : last[1]]
+            return f"{first} or {said}"
+    after = [box for box in boxes if box[2] and box[0] - len("\\boxed{") > last[1]]
+    if after:
+        following = min(after)
+        gap = text[last[1] + 1 : following[0] - len("\\boxed{")].replace("$", "")
+        if _offering_gap(gap):
+            return f"{said}{gap}{_unwrapped_text(text[following[0] : following[1]].strip())}"
+    return said
 
 
 # Signs that offer the boxes on either side as alternatives (a bar, logic's "or", a slash), with nothing

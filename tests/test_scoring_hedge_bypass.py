@@ -5,8 +5,8 @@ after the ``ANSWER:`` line, an ``ANSWER:`` line in a ``~~~`` block). A wrong ans
 verdict: users train on the passed samples.
 
 Every case in the ``*_fails`` and ``*_is_read`` tests passed (or was read wrongly) before this file's fix;
-the ``*_still_*`` tests are guards, which passed before and must still pass (the fix must not fail an
-answer that commits)."""
+the ``*_still_*`` tests are guards, which behaved so before and must still (the fix must not fail an
+answer that commits, nor let a hedge it saw before pass)."""
 
 from __future__ import annotations
 
@@ -116,6 +116,24 @@ def test_a_box_or_answer_line_in_code_is_no_answer(reply):
     assert extract_answer(reply) == "4"
     assert verdicts(reply, 5) == [False, False]
     assert verdicts(reply, 4) == [True, True]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        f"{B4} or `{B5}`",
+        f"`{B4}` or {B5}",
+        f"{B4} **or** {B5}",
+        f"{B4} *or* {B5}",
+        rf"{B4} \lor {B5}",
+    ],
+)
+def test_a_hedge_still_fails(reply):
+    """Guards (they failed before too): a box in code that the answer's box offers as another still makes
+    a hedge (read without the code's box, "\\boxed{4} or `\\boxed{5}`" would pass for 4), and the hedges
+    the detector saw before still fail."""
+    assert verdicts(reply, 5) == [False, False]
+    assert verdicts(reply, 4) == [False, False]
 
 
 @pytest.mark.parametrize(
