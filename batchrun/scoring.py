@@ -763,7 +763,14 @@ def extract_answer(text: str, pattern: str | None = None, timeout_s: float | Non
         return _unwrapped_text(boxed.strip())
     if line is None:
         line = _answer_line_inside_code(text)
-    return text.strip() if line is None else line
+    if line is None:
+        return text.strip()
+    # The label's answer a box alone, in code (``ANSWER: `\boxed{5}` ``, or over a block holding it): the box's
+    whole = line.strip().strip("`$ \t\n")
+    inner = _last_boxed(whole) if whole.startswith("\\boxed{") else None
+    if inner is not None and whole == f"\\boxed{{{inner}}}":
+        return _unwrapped_text(inner.strip())
+    return line
 
 
 # Minus signs models write besides "-": U+2212 (the typeset minus), small and fullwidth hyphen-minus.

@@ -120,6 +120,16 @@ def test_a_box_or_answer_line_in_code_is_no_answer(reply):
 
 @pytest.mark.parametrize(
     "reply",
+    [f"ANSWER: `{B5}`", f"ANSWER:\n```\n{B5}\n```", f"ANSWER:\n~~~\n{B5}\n~~~", f"The answer is `{B5}`."],
+)
+def test_an_answer_boxed_in_code_still_passes(reply):
+    """Guards (they passed before too): an answer whose only box is in code, alone on its ANSWER line or
+    in the block under it, is still that box's content, 5, for exact as for numeric."""
+    assert verdicts(reply, 5) == [True, True]
+
+
+@pytest.mark.parametrize(
+    "reply",
     [
         f"{B4} or `{B5}`",
         f"`{B4}` or {B5}",
