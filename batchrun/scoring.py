@@ -448,7 +448,7 @@ def _last_boxed(text: str, code: list[tuple[int, int]] | None = None) -> str | N
 
     A box that opens inside one of the ``code`` spans (:func:`_code_spans`) is an example, no answer; but
     one the answer's box offers as another (``\boxed{4} or `\boxed{5}` ``) makes it a hedge still."""
-    opened: list[tuple[int, bool | None]] = []  # each open brace's content start, and None, or a box's: in code?
+    opened: list[tuple[int, bool | None]] = []  # each open brace's content start; a box's: in code?
     boxes: list[tuple[int, int, bool]] = []  # (content start, content end, in code) of each box
     spans, span = iter(code or ()), None  # the code spans in order, the first not yet passed
     span = next(spans, None)
@@ -1519,15 +1519,9 @@ _HEDGE_OPENER_RE = re.compile(
 # mixes none, and text in those scripts is left as it reads (only a look-alike of a hedge or connector word
 # changes what is detected; the lower-case Cyrillic "т", unlike "t", is not mapped, so Russian "то" is no "to").
 _LOOK_ALIKES = str.maketrans(
-    # Cyrillic
-    "асеорхуѕіјһԁԛԝгѵүӏк" "АВЕКМНОРСТХУЅІЈҮԚԜӀ"
-    # Greek
-    "αονρικυχγϲϳ" "ΑΒΕΖΗΙΚΜΝΟΡΤΥΧϹ"
-    # Armenian and Latin letters of other shapes
-    "օսհոıȷɑᴏʀᴠɴ",
-    "aceopxysijhdqwrvylk" "ABEKMHOPCTXYSIJYQWI"
-    "aovpikuxycj" "ABEZHIKMNOPTYXC"
-    "ouhnijaorvn",
+    # Cyrillic, then Greek, then Armenian and Latin letters of other shapes: the Latin letters they look like
+    "асеорхуѕіјһԁԛԝгѵүӏкАВЕКМНОРСТХУЅІЈҮԚԜӀαονρικυχγϲϳΑΒΕΖΗΙΚΜΝΟΡΤΥΧϹօսհոıȷɑᴏʀᴠɴ",
+    "aceopxysijhdqwrvylkABEKMHOPCTXYSIJYQWIaovpikuxycjABEZHIKMNOPTYXCouhnijaorvn",
 )
 _EMPHASIS_RE = re.compile(r"(?<![^\W_])[*_]{1,3}([^\W_]+)[*_]{1,3}(?![^\W_])")
 # An ellipsis between two numbers lists them ("4 … 5", "4 ... 5"; "\ldots" already did): read as a
@@ -1540,6 +1534,8 @@ def _hedge_reading(text: str) -> str:
     """``text`` as the hedge detector reads it (see _LOOK_ALIKES); one pass each, linear."""
     text = unicodedata.normalize("NFKC", text.translate(_unicode_tables()[1])).translate(_LOOK_ALIKES)
     return _EMPHASIS_RE.sub(r" \1 ", text)
+
+
 # Hedge words that bound one number or say nothing of it, no alternative: "groups of 4 or more pay $10",
 # "whether 2 or 3, either way the answer is 5" (each failed as a hedge).
 _HEDGE_IDIOM_RE = re.compile(
