@@ -440,33 +440,60 @@ def _last_match(pattern: str, text: str) -> str:
 _BOXED_TOKENS_RE = re.compile(r"\\boxed\{|[{}]")
 
 
-def _last_boxed(text: str) -> str | None:
+def _last_boxed(text: str, code: list[tuple[int, int]] | None = None) -> str | None:
     """What the last ``\\boxed{...}`` holds (the last to start), its braces balanced at any depth, in one
     pass; None when there is none. A pattern for one level of nesting missed ``\\boxed{\\frac{\\sqrt{3}}{2}}``
     (a right answer failed: the whole text was read instead).
 
     Two boxes the text offers as alternatives (``\\boxed{4} or \\boxed{5}``, ``\\boxed{4}, \\boxed{5}``) are one
-    answer that offers both, ``4 or 5``: read as the last box alone, each passed for it."""
-    opened: list[tuple[int, bool]] = []  # where each open brace's content starts, and whether it is a box's
-    boxes: list[tuple[int, int]] = []  # (content start, content end) of each box
+    answer that offers both, ``4 or 5``: read as the last box alone, each passed for it.
+
+    A box that opens inside one of the ``code`` spans (:func:`_code_spans`) is an example, no answer; but
+    one the answer's box offers as another (``\boxed{4} or `\boxed{5}` ``) makes it a hedge still."""
+    opened: list[tuple[int, bool | None]] = []  # each open brace's content start; a box's: in code?
+    boxes: list[tuple[int, int, bool]] = []  # (content start, content end, in code) of each box
+    spans, span = iter(code or ()), None  # the code spans in order, the first not yet passed
+    span = next(spans, None)
     for token in _BOXED_TOKENS_RE.finditer(text):
         if token[0] != "}":
-            opened.append((token.end(), token[0] != "{"))
+            kind = None if token[0] == "{" else False
+            if kind is not None and span is not None:
+                while span is not None and span[1] <= token.start():
+                    span = next(spans, None)
+                kind = span is not None and span[0] <= token.start()
+            opened.append((token.end(), kind))
         elif opened:
-            start, boxed = opened.pop()
-            if boxed:
-                boxes.append((start, token.start()))
-    if not boxes:
+            start, kind = opened.pop()
+            if kind is not None:
+                boxes.append((start, token.start(), kind))
+    answers = [box for box in boxes if not box[2]]
+    if not answers:
         return None
-    last = max(boxes)
+    last = max(answers)
+    said = text[last[0] : last[1]]
     box_start = last[0] - len("\\boxed{")
     before = [box for box in boxes if box[1] < box_start]
     if before:
         prev = max(before, key=lambda box: box[1])
         gap = text[prev[1] + 1 : box_start].replace("$", "")
+        first = _unwrapped_text(text[prev[0] : prev[1]].strip())
         if _offering_gap(gap):
-            return f"{_unwrapped_text(text[prev[0] : prev[1]].strip())}{gap}{text[last[0] : last[1]]}"
-    return text[last[0] : last[1]]
+            return f"{first}{gap}{said}"
+        if _BOX_ALTERNATIVES_RE.fullmatch(_hedge_reading(gap)):  # "\boxed{4} | \boxed{5}": said as "4 or 5"
+            return f"{first} or {said}"
+    after = [box for box in boxes if box[2] and box[0] - len("\\boxed{") > last[1]]
+    if after:
+        following = min(after)
+        gap = text[last[1] + 1 : following[0] - len("\\boxed{")].replace("$", "")
+        if _offering_gap(gap):
+            return f"{said}{gap}{_unwrapped_text(text[following[0] : following[1]].strip())}"
+    return said
+
+
+# Signs that offer the boxes on either side as alternatives (a bar, logic's "or", a slash), with nothing
+# else between them: between two numbers they are a divisor, a fraction or a table's column, between two
+# boxes a choice. Read as the last box alone, "\boxed{4} | \boxed{5}" passed for 5.
+_BOX_ALTERNATIVES_RE = re.compile(r"\s*(?:(?:\\?[|/\u2223\u2228\u22c1\u2215\u2044\u00a6])\s*)+")
 
 
 # LaTeX's text commands around a whole boxed answer (\\boxed{\\text{Paris}}): the words are the answer; kept,
@@ -536,7 +563,71 @@ def answer_text(answer: str) -> str:
 # The label, in markdown too (``**Answer:** Paris``, ``**ANSWER: Paris**``, ``### Final answer: 4``): read as
 # no label, the whole text was the answer and a right one failed exact.
 _ANSWER_LABEL_RE = re.compile(r"[*_#>\s]*(?:final\s+)?answer[*_]*\s*[:=][*_]*", re.IGNORECASE)
-_FENCE = "```"
+# A code block's fence: three backticks or more, or three tildes or more (markdown's two kinds; with the
+# backticks alone, an ``ANSWER: 5`` inside a ``~~~`` block was read as the answer over the ``ANSWER: 4``
+# before it). A block closes at a fence of its own kind at least as long.
+_FENCE_RE = re.compile(r"[ \t]*(`{3,}|~{3,})")
+_BACKTICKS_RE = re.compile(r"`+")
+
+
+def _fence(line: str) -> str:
+    """The fence that opens ``line`` (its run of backticks or tildes), or ""."""
+    m = _FENCE_RE.match(line)
+    return m[1] if m else ""
+
+
+def _closes(line: str, opening: str) -> bool:
+    """Whether ``line`` is a fence that closes the block ``opening`` opened."""
+    return _fence(line).startswith(opening)
+
+
+def _code_lines(lines: list[str]) -> list[bool]:
+    """Which of ``lines`` are a code block's (its fences included); a block never closed runs to the end."""
+    opening, code = "", []
+    for line in lines:
+        if opening:
+            code.append(True)
+            if _closes(line, opening):
+                opening = ""
+        else:
+            opening = _fence(line)
+            code.append(bool(opening))
+    return code
+
+
+def _code_spans(text: str) -> list[tuple[int, int]]:
+    """Where ``text`` is code, in order: its fenced blocks and, outside them, each line's inline code spans
+    (a run of backticks to the next run as long on the line; one with none is a backtick). A box in code is
+    an example of the form, no answer: ``ANSWER: 4`` over `` `\boxed{5}` `` passed for 5. Linear: each
+    run's partner is found from the runs after it, once."""
+    spans: list[tuple[int, int]] = []
+    at = 0
+    lines = text.split("\n")
+    for line, code in zip(lines, _code_lines(lines), strict=True):
+        end = at + len(line)
+        if code:
+            if spans and spans[-1][1] >= at - 1:
+                spans[-1] = (spans[-1][0], end)
+            else:
+                spans.append((at, end))
+        elif "`" in line:
+            runs = list(_BACKTICKS_RE.finditer(line))
+            partner: list[int | None] = [None] * len(runs)
+            later: dict[int, int] = {}  # a run's length -> the index of the next run as long
+            for i in range(len(runs) - 1, -1, -1):
+                size = len(runs[i][0])
+                partner[i] = later.get(size)
+                later[size] = i
+            i = 0
+            while i < len(runs):
+                j = partner[i]
+                if j is None:
+                    i += 1
+                    continue
+                spans.append((at + runs[i].start(), at + runs[j].end()))
+                i = j + 1
+        at = end + 1
+    return spans
 
 
 def _last_answer_line(text: str) -> str | None:
@@ -549,14 +640,20 @@ def _last_answer_line(text: str) -> str | None:
     read as the answer. An answer that opens a JSON value or a code block on its line (``ANSWER: {``,
     ``ANSWER:`` then a block) is that value or block, to the text's end: read as its first line, a
     pretty-printed object was ``{`` and failed the json scorer."""
+    return _answer_line_outside_code(text) or _answer_line_inside_code(text)
+
+
+def _answer_line_outside_code(text: str) -> str | None:
+    """:func:`_last_answer_line`'s label outside code blocks (``` and ~~~ fences alike), or None."""
     lines = text.split("\n")
-    in_code, code = False, []
-    for line in lines:
-        fence = line.lstrip().startswith(_FENCE)
-        code.append(in_code or fence)
-        in_code ^= fence
-    # A label only inside a block (the whole answer fenced) is still the answer's.
-    return _label_line(lines, code) or (_label_line(lines, [False] * len(lines)) if any(code) else None)
+    return _label_line(lines, _code_lines(lines))
+
+
+def _answer_line_inside_code(text: str) -> str | None:
+    """A label only inside a block (the whole answer fenced) is still the answer's: the last label,
+    code or not, when code there is."""
+    lines = text.split("\n")
+    return _label_line(lines, [False] * len(lines)) if any(_code_lines(lines)) else None
 
 
 def _label_line(lines: list[str], code: list[bool]) -> str | None:
@@ -571,9 +668,9 @@ def _label_line(lines: list[str], code: list[bool]) -> str | None:
                 said = said.rstrip("*_ \t")
             if said in ("{", "["):
                 return "\n".join([said, *lines[i + 1 :]]).strip()
-            if said.startswith(_FENCE):
+            if _fence(said):
                 return _fenced_block([said, *lines[i + 1 :]])
-            if not said and below.startswith(_FENCE):
+            if not said and _fence(below):
                 return _fenced_block(lines[below_at:])
             if said or below:
                 return said or below
@@ -589,12 +686,13 @@ def _fenced_block(lines: list[str]) -> str:
     """What the code block opening ``lines`` holds: without its fences, the language tag after the first
     (```` ```python ````) and what follows its closing fence (an unclosed block: to the end). Read with
     them, ```` ```python ```` over ``print(1)`` was "python print1" and failed exact for ``print(1)``."""
-    first = lines[0].strip()[len(_FENCE) :]
-    if _FENCE in first:  # ```42``` on one line
-        return first[: first.index(_FENCE)].strip()
+    opening = _fence(lines[0])
+    first = lines[0].strip()[len(opening) :]
+    if opening in first:  # ```42``` on one line
+        return first[: first.index(opening)].strip()
     body = [] if _FENCE_TAG_RE.fullmatch(first) else [first]
     for line in lines[1:]:
-        if line.lstrip().startswith(_FENCE):
+        if _closes(line, opening):
             break
         body.append(line)
     return "\n".join(body).strip()
@@ -654,11 +752,27 @@ def extract_answer(text: str, pattern: str | None = None, timeout_s: float | Non
         return bounded_re.last_match(pattern, text, timeout_s)
     if pattern:
         return _last_match(pattern, text)
-    boxed = _last_boxed(text)
+    # What code holds is an example of the form, no answer: a box outside code, else an ANSWER line
+    # outside code; only a reply whose every box and label is in code is read from inside it.
+    code = _code_spans(text)
+    boxed = _last_boxed(text, code)
+    line = None
+    if boxed is None:
+        line = _answer_line_outside_code(text)
+        if line is None and code:
+            boxed = _last_boxed(text)
     if boxed is not None:
         return _unwrapped_text(boxed.strip())
-    line = _last_answer_line(text)
-    return text.strip() if line is None else line
+    if line is None:
+        line = _answer_line_inside_code(text)
+    if line is None:
+        return text.strip()
+    # The label's answer a box alone, in code (``ANSWER: `\boxed{5}` ``, or over a block holding it): the box's
+    whole = line.strip().strip("`$ \t\n")
+    inner = _last_boxed(whole) if whole.startswith("\\boxed{") else None
+    if inner is not None and whole == f"\\boxed{{{inner}}}":
+        return _unwrapped_text(inner.strip())
+    return line
 
 
 # Minus signs models write besides "-": U+2212 (the typeset minus), small and fullwidth hyphen-minus.
@@ -1206,7 +1320,7 @@ def acceptable(answer: Any) -> list[Any]:
 _NUMBER = (
     r"[-+]?(?:\d{1,3}(?:,\d{3}){1,12}(?!,?\d)(?:\.\d+)?"
     r"|\d{1,3}(?:[\u00a0\u2009\u202f]\d{3}){1,12}(?![\u00a0\u2009\u202f]?\d)(?:\.\d+)?"
-    r"|\d+(?:_\d+)*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+    r"|\d+(?:_\d+)*\.?\d*|(?<!\.)\.\d+)(?:[eE][-+]?\d+)?"  # not from an ellipsis: "1...5" is 1 to 5, no .5
 )
 _NUMBER_TOKEN_RE = re.compile(
     # A time or a ratio (12:30, 3:4, 1:2.5): no one number. Its last part passed for the answer (12:30 for 30).
@@ -1381,11 +1495,49 @@ def _is_term(text: str, number: re.Match[str]) -> bool:
 # a model that hedged was rewarded whenever the right answer came last.
 # Words that make any two numbers of one sentence alternatives, whatever else stands between them
 # ("4 or 5", "4, maybe 5"), unless a clause that commits follows them (below).
+# "could be", "may be" (and "could also be", "may well be") right before the next number offer it as
+# another ("4, but it could be 5"); elsewhere they say something else ("4 of them could be seated in 5 ways").
+_MODAL_BE = r"\b(?:could|may)(?:\s+(?:also|well|equally|even|just|actually))?\s+be\b"
+_BEFORE_A_NUMBER = r"[\s$*(~]*(?:(?:about|around|roughly|approximately|nearly|exactly)[\s$*(~]*)?"
 _HEDGE_WORDS_RE = re.compile(
-    r"\b(?:or|either|nor|not|versus|maybe|perhaps|possibly|probably|might)\b"
+    r"\b(?:or|either|nor|not|versus|maybe|perhaps|possibly|probably|might|alternatively)\b"
+    rf"|{_MODAL_BE}(?={_BEFORE_A_NUMBER}$)"
     r"|±|∓|\\pm(?![a-zA-Z])|\\mp(?![a-zA-Z])|\+/-",
     re.I,
 )
+# A sentence that opens with one of these offers its number as another to the one before the sentence
+# break ("4. Alternatively, 5.", "4. Or maybe 5."): read from the break, the first sentence's number was
+# working and the second's passed.
+_HEDGE_OPENER_RE = re.compile(
+    r"[\s*_\"'(]*(?:(?:or|alternatively|maybe|perhaps|possibly)\b"
+    rf"|(?:(?:it|that|this)\s+)?{_MODAL_BE}(?={_BEFORE_A_NUMBER}$))",
+    re.I,
+)
+# What the hedge detector reads the words between two numbers or boxes as: without format characters
+# ("o\u200br" is "or"), markdown emphasis around a word unwrapped ("_or_", "__or__"), compatibility forms as
+# their plain ones (NFKC: fullwidth "ｏｒ", mathematical letters), and the Cyrillic, Greek and other letters
+# drawn as Latin ones read as those (Cyrillic "оr" is "or"). Each hid the word: "\boxed{4} _or_ \boxed{5}"
+# passed for 5. Mapped rather than failed as mixed scripts: a word written wholly in look-alikes ("ог")
+# mixes none, and text in those scripts is left as it reads (only a look-alike of a hedge or connector word
+# changes what is detected; the lower-case Cyrillic "т", unlike "t", is not mapped, so Russian "то" is no "to").
+_LOOK_ALIKES = str.maketrans(
+    # Cyrillic, then Greek, then Armenian and Latin letters of other shapes: the Latin letters they look like
+    "асеорхуѕіјһԁԛԝгѵүӏкАВЕКМНОРСТХУЅІЈҮԚԜӀαονρικυχγϲϳΑΒΕΖΗΙΚΜΝΟΡΤΥΧϹօսհոıȷɑᴏʀᴠɴ",
+    "aceopxysijhdqwrvylkABEKMHOPCTXYSIJYQWIaovpikuxycjABEZHIKMNOPTYXCouhnijaorvn",
+)
+_EMPHASIS_RE = re.compile(r"(?<![^\W_])[*_]{1,3}([^\W_]+)[*_]{1,3}(?![^\W_])")
+# An ellipsis between two numbers lists them ("4 … 5", "4 ... 5"; "\ldots" already did): read as a
+# sentence's end, each passed for its last number.
+_ELLIPSIS_RE = re.compile(r"\.{2,}|\.(?: \.)+")
+_VERSUS_RE = re.compile(r"\b(vs|versus)\.", re.I)  # "4 vs. 5": an abbreviation's period, no sentence's end
+
+
+def _hedge_reading(text: str) -> str:
+    """``text`` as the hedge detector reads it (see _LOOK_ALIKES); one pass each, linear."""
+    text = unicodedata.normalize("NFKC", text.translate(_unicode_tables()[1])).translate(_LOOK_ALIKES)
+    return _EMPHASIS_RE.sub(r" \1 ", text)
+
+
 # Hedge words that bound one number or say nothing of it, no alternative: "groups of 4 or more pay $10",
 # "whether 2 or 3, either way the answer is 5" (each failed as a hedge).
 _HEDGE_IDIOM_RE = re.compile(
@@ -1487,9 +1639,14 @@ def _offering_gap(gap: str) -> bool:
     """Whether what stands between two answers (two numbers, two boxes) offers them as alternatives:
     a hedge word (``or``, ``either``, ``not``, ``maybe``, ``±``, ...) in the same sentence that no clause
     after it commits past, or a range's, list's or operator's connector alone (a unit and a variable aside)."""
-    gap = _ARROW_RE.sub(" = ", gap)
-    if _SENTENCE_BREAK_RE.search(gap):
-        return False
+    gap = _ARROW_RE.sub(" = ", _hedge_reading(gap))
+    gap = _VERSUS_RE.sub(r"\1", _ELLIPSIS_RE.sub(" , ", gap))
+    breaks = list(_SENTENCE_BREAK_RE.finditer(gap))
+    if breaks:
+        # a new sentence commits to its number, unless it opens by offering it as another ("4. Or 5.")
+        gap = gap[breaks[-1].end() :]
+        if not _HEDGE_OPENER_RE.match(gap):
+            return False
     gap = _HEDGE_IDIOM_RE.sub(" ", gap)
     hedge_words = list(_HEDGE_WORDS_RE.finditer(gap))
     if hedge_words:
@@ -1506,7 +1663,7 @@ def _offering_gap(gap: str) -> bool:
 def _one_statement(text: str, before: re.Match[str], last: re.Match[str], gap: str) -> bool:
     """Whether two numbers joined as a range or a list are one statement instead (see _CHANGE_FROM_RE);
     never when a hedge word stands between them."""
-    if _HEDGE_WORDS_RE.search(gap):
+    if _HEDGE_WORDS_RE.search(_hedge_reading(gap)):
         return False
     start = max(0, before.start() - 80)
     lead = text[start : before.start()]
@@ -1535,6 +1692,8 @@ def _hedge(text: str, last: re.Match[str], before: re.Match[str] | None) -> str 
     if before is None:
         return None
     gap = text[before.end() : last.start()]
+    if before[0].endswith(".") and gap.startswith("."):  # "1..5": the first number took the ellipsis' dot
+        gap = "." + gap
     unit = _UNIT_SYMBOL_RE.match(gap)
     if unit and text.startswith(unit[1], last.end()):  # "4% to 5%": the range's unit, after each end
         gap = gap[unit.end() :]
@@ -1593,11 +1752,22 @@ def _scaled(m: re.Match[str]) -> str:
 # read as the answer, its own last number passed (12 for 1) or a restatement failed as a hedge. It offers
 # another number only with a hedge word and another value ("4 (or 5)").
 _REMARK_RE = re.compile(r"\s\(([^()]*)\)[\s.]*$")
-_REMARK_HEDGE_RE = re.compile(r"\b(?:or|either|maybe|perhaps|possibly|probably|might)\b", re.I)
+_REMARK_HEDGE_RE = re.compile(
+    r"\b(?:or|either|maybe|perhaps|possibly|probably|might|alternatively)\b"
+    rf"|{_MODAL_BE}(?={_BEFORE_A_NUMBER}[-+.\d\\])",
+    re.I,
+)
+
+
+# Markdown emphasis around a word ("4 _or_ 5"): its closing "_" before the next number read as an index's
+# ("x_5"), that number was passed over and "4 _or_ 5" passed for 4.
+_WORD_EMPHASIS_RE = re.compile(r"(?<![^\W_])[*_]{1,3}([^\W\d_]+)[*_]{1,3}(?![^\W_])")
 
 
 def _plain(text: str) -> str:
-    """``text`` with its numbers in plain form: minus signs, superscripts, scales, LaTeX (see above)."""
+    """``text`` with its numbers in plain form: minus signs, superscripts, scales, LaTeX (see above),
+    markdown emphasis around words unwrapped."""
+    text = _WORD_EMPHASIS_RE.sub(r"\1", text)
     text = _SCALE_RE.sub(lambda m: repr(float(m[1]) * _SCALES[m[2].lower()]), text.translate(_PLAIN_CHARS))
     text = _SCALE_SUFFIX_RE.sub(_scaled, text)
     return _latex_numbers(text)
@@ -1621,7 +1791,7 @@ def read_number(text: str) -> tuple[float | None, str | None]:
     value = _value_of(plain, last)
     if value is None or last is None:
         return None, None
-    if remark is not None and _REMARK_HEDGE_RE.search(remark):
+    if remark is not None and _REMARK_HEDGE_RE.search(_hedge_reading(remark)):
         other = parse_number(remark)
         if other is not None and not math.isclose(other, value, rel_tol=1e-9, abs_tol=1e-12):
             return value, f"offers several numbers ({text.strip()[-40:]} ({remark[:40]})), not one"
@@ -1723,7 +1893,9 @@ def json_equal(a: Any, b: Any) -> bool:
 def _json_of(text: str) -> Any:
     """The answer's JSON value, read strictly: an object that names a key twice says two things (which
     one the model meant is anyone's guess), and NaN or 1e999 is no JSON value."""
-    fenced = re.findall(r"```(?:json)?\s*(.*?)```", text, re.DOTALL)
+    # ``` and ~~~ fences alike; no "\s*" before the body: tried against it, an unclosed fence before a run
+    # of spaces was quadratic
+    fenced = [m[2].strip() for m in re.finditer(r"(```|~~~)(?:json)?(.*?)\1", text, re.DOTALL)]
     candidates = [*reversed(fenced), text]
     for cand in candidates:
         try:
