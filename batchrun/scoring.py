@@ -479,7 +479,7 @@ def _last_boxed(text: str, code: list[tuple[int, int]] | None = None) -> str | N
         first = _unwrapped_text(text[prev[0] : prev[1]].strip())
         if _offering_gap(gap):
             return f"{first}{gap}{said}"
-        if _BOX_ALTERNATIVES_RE.fullmatch(_hedge_reading(gap)):  # "\boxed{4} | \boxed{5}": said as "4 or 5"
+        if _BOX_ALTERNATIVES_RE.fullmatch(_box_gap(gap)):  # "\boxed{4} | \boxed{5}": said as "4 or 5"
             return f"{first} or {said}"
     after = [box for box in boxes if box[2] and box[0] - len("\\boxed{") > last[1]]
     if after:
@@ -494,6 +494,16 @@ def _last_boxed(text: str, code: list[tuple[int, int]] | None = None) -> str | N
 # else between them: between two numbers they are a divisor, a fraction or a table's column, between two
 # boxes a choice. Read as the last box alone, "\boxed{4} | \boxed{5}" passed for 5.
 _BOX_ALTERNATIVES_RE = re.compile(r"\s*(?:(?:\\?[|/\u2223\u2228\u22c1\u2215\u2044\u00a6])\s*)+")
+# What stands between two boxes and says nothing: LaTeX's spaces (\, \; \: \! \quad \qquad ~ and a
+# backslash-space), a \text{...} wrapper, markdown emphasis (**|**). Left in, "\boxed{4} \; | \; \boxed{5}"
+# and "\boxed{4}\;\lor\;\boxed{5}" read as the last box alone, and passed for 5.
+_LATEX_SPACE_RE = re.compile(r"\\(?:[,;:! ]|q?quad(?![a-zA-Z]))|~|\\text\s*\{|[*_{}]")
+_LOR_RE = re.compile(r"\\(?:lor|vee)(?![a-zA-Z])")
+
+
+def _box_gap(gap: str) -> str:
+    """The text between two boxes as :data:`_BOX_ALTERNATIVES_RE` reads it: what says nothing left out."""
+    return _LOR_RE.sub("|", _LATEX_SPACE_RE.sub(" ", _hedge_reading(gap)))
 
 
 # LaTeX's text commands around a whole boxed answer (\\boxed{\\text{Paris}}): the words are the answer; kept,
@@ -1729,8 +1739,9 @@ _PLAIN_CHARS = {**_TO_ASCII_MINUS, **_SUPERSCRIPTS}
 # A number's scale in words ("2 million" is 2000000): read without it, "1 million" passed for 1.
 _SCALES = {"thousand": 1e3, "million": 1e6, "billion": 1e9, "trillion": 1e12}
 _SCALE_RE = re.compile(r"(?<![\d.,])(\d+(?:\.\d+)?)\s+(thousand|million|billion|trillion)\b", re.I)
-# A scale's letter glued to a number is its scale: k and K thousands, M millions, B, bn billions, mn millions;
-# after a currency sign m, b and T as well ("$5k" is 5000, "$1.5M" 1500000, "\u00a32m" 2000000, "5bn" 5e9).
+# A scale's letter glued to a number is its scale: k thousands, bn billions, mn millions; after a currency
+# sign K, M, B, m, b and T as well (without one, 300K is kelvins, 0.5M molar, 64K bytes: read as scales
+# those failed, where they had passed) ("$5k" is 5000, "$1.5M" 1500000, "\u00a32m" 2000000, "5bn" 5e9).
 # Read as its number, "$5k" passed for 5. Without a currency sign a lone m is metres, and b, t variables.
 _SCALE_SUFFIX_RE = re.compile(
     r"(?<![\w.,])((?:[$\u20ac\u00a3\u00a5\u20b9]|\\\$)\s*)?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)"
@@ -1742,7 +1753,7 @@ _SUFFIX_EXPONENTS = {"k": 3, "K": 3, "M": 6, "B": 9, "bn": 9, "mn": 6, "m": 6, "
 def _scaled(m: re.Match[str]) -> str:
     """A number with a scale's letter (see _SCALE_SUFFIX_RE) as its value; as it was where the letter is none."""
     currency, number, suffix = m[1] or "", m[2], m[3]
-    if suffix in "mbT" and not currency:
+    if suffix in "mbTKMB" and not currency:  # 300K is kelvins, 0.5M molar, 64K bytes, 2B a grade: as before
         return m[0]
     exponent = _SUFFIX_EXPONENTS[suffix if len(suffix) == 1 else suffix.lower()]
     return currency + repr(float(f"{number.replace(',', '')}e{exponent}"))  # a float literal: no rounding
@@ -2141,7 +2152,10 @@ def module_shadows(path: str, hidden: list[str]) -> str:
         shadows.append(package)
     shadows = [x for x in shadows if x not in hidden and not any(h.startswith(x + "/") for h in hidden)]
     quoted = " ".join(shlex.quote(x) for x in shadows)
-    return f" && rm -rf -- {quoted} {shlex.quote(package)}.*.so"
+    # One rm a name of the glob: 120,000 of them the agent left made one rm's argument list too long.
+    return (
+        f' && rm -rf -- {quoted} && for f in {shlex.quote(package)}.*.so; do rm -rf -- "$f" || exit 1; done'
+    )
 
 
 def write_verify_files(
@@ -2164,17 +2178,24 @@ def write_verify_files(
         # directories goes, made the write fail, and the sample (wrong work) got no verdict at its will.
         parents = [shlex.quote(part) for part in _ancestors(path)]
         clear = f'for a in {" ".join(parents)}; do [ -d "$a" ] || rm -f -- "$a"; done; ' if parents else ""
+        # The tools looked for first (exit 127: the image lacks one, no verdict); past that, a failure is
+        # the sandbox's as the agent left it (a full disk, 120,000 names in the way, a tree that takes the
+        # whole timeout to remove): the sample fails. By its exit code alone, an argument list made too
+        # long on purpose read "126: a tool cannot run", and the sample got no verdict.
+        tools = "for t in mkdir dirname rm cat; do command -v $t >/dev/null || exit 127; done; "
         res = trusted_run(sandbox)(
-            f'{clear}mkdir -p -- "$(dirname -- {q})" && rm -rf -- {q} && cat > {q}{module_shadows(path, hidden)}',
+            f'{tools}{clear}mkdir -p -- "$(dirname -- {q})" && rm -rf -- {q} && cat > {q}'
+            f"{module_shadows(path, hidden)}",
             timeout_s=left,
             stdin=text.encode("utf-8"),
         )
-        if res.exit_code in (126, 127) or res.timed_out:  # the image lacks a tool; no time: no verdict
-            raise RuntimeError(f"could not write verify file {path}: {res.output.strip()[:200]}")
+        said = res.output.strip()[:200]
+        if res.exit_code == 127 and not res.timed_out:
+            raise RuntimeError(f"could not write verify file {path}: {said or 'a tool it needs is missing'}")
+        if res.timed_out:
+            raise HiddenFileBlocked(f"the hidden file {path} could not be written in {left:g} s")
         if res.exit_code != 0:
-            raise HiddenFileBlocked(
-                f"the hidden file {path} could not be written: {res.output.strip()[:200]}"
-            )
+            raise HiddenFileBlocked(f"the hidden file {path} could not be written: {said}")
 
 
 class HiddenFileBlocked(RuntimeError):
@@ -2195,7 +2216,9 @@ def cap_output(text: str, limit: int = VERIFY_OUTPUT_CHARS) -> str:
     return text if len(text) <= limit else "[...cut...]\n" + text[-limit:]
 
 
-CREDIT_LINE_CHARS = 4096  # how much of the last line's end is searched for a credit object after other text
+CREDIT_OBJECT_TRIES = (
+    64  # the last line's object starts tried, from its end, for a credit object after other text
+)
 _OBJECT_START_RE = re.compile(r"\{\s*\"")
 
 
@@ -2206,11 +2229,13 @@ def _credit_object(line: str) -> Any:
         return parse_json(line)
     except ValueError:
         pass
+    # The starts from the line's end (an object's own nested ones come first, then its own): a window of
+    # the last 4 KiB missed a credit line longer than that (its explanation a long list of failures).
     decoder = json.JSONDecoder()
-    start = max(0, len(line) - CREDIT_LINE_CHARS)
-    for m in _OBJECT_START_RE.finditer(line, start):
+    starts = collections.deque((m.start() for m in _OBJECT_START_RE.finditer(line)), CREDIT_OBJECT_TRIES)
+    for start in reversed(starts):
         try:
-            obj, end = decoder.raw_decode(line, m.start())
+            obj, end = decoder.raw_decode(line, start)
         except (ValueError, RecursionError):
             continue
         if isinstance(obj, dict) and not line[end:].strip():
@@ -2309,8 +2334,13 @@ class SandboxHandle:
         self._sandbox = sandbox
         self._timeout_s = timeout_s
 
-    def _run(self, command: str, timeout_s: float | None = None) -> Any:
-        return judged_run(self._sandbox)(command, timeout_s=timeout_s or self._timeout_s)
+    def _run(self, command: str, timeout_s: float | None = None, deadline: float | None = None) -> Any:
+        timeout = timeout_s or self._timeout_s
+        if deadline is not None:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise OSError(errno.ETIMEDOUT, f"reading the file took more than {self._timeout_s:g} s")
+        return judged_run(self._sandbox)(command, timeout_s=timeout)
 
     def run(self, command: str, timeout_s: float | None = None) -> tuple[int, str]:
         """The command's exit code and output (what it printed: not the sandbox's notes of a limit
@@ -2325,8 +2355,10 @@ class SandboxHandle:
         output: a file over the output cap came back cut, with a note in it, and one the agent wrote
         with a failing case past the cut passed a scorer that looked for it."""
         q = shlex.quote(path)
+        deadline = time.monotonic() + self._timeout_s  # the whole read, as one command's timeout
         res = self._run(
-            f"if [ -f {q} ]; then wc -c < {q}; elif [ -e {q} ]; then echo other; else echo none; fi"
+            f"if [ -f {q} ]; then wc -c < {q}; elif [ -e {q} ]; then echo other; else echo none; fi",
+            deadline=deadline,
         )
         said = (res.command_output() if hasattr(res, "command_output") else res.output).strip()
         if said == "none" or res.exit_code != 0:
@@ -2340,7 +2372,9 @@ class SandboxHandle:
         while len(data) < size:
             got = len(data)
             # got is a multiple of chunk: chunk only halves, from a power of two
-            res = self._run(f"dd if={q} bs={chunk} skip={got // chunk} count=1 2>/dev/null | base64")
+            res = self._run(
+                f"dd if={q} bs={chunk} skip={got // chunk} count=1 2>/dev/null | base64", deadline=deadline
+            )
             if res.truncated and chunk > 512:  # a smaller output cap than the pieces assume
                 chunk //= 2
                 continue

@@ -598,6 +598,9 @@ class ScriptedSandbox:
         ('{"score": 1}\nlast words', None),  # the last line only
         ('{"a": {"score": 1}}', None),  # the line's object has no score of its own
         ("x" * 100_000 + '{"score": 0.75}', 0.75),
+        # a credit line longer than 4 KiB (its explanation a list of 600 failures), glued: it was missed
+        ("x" + json.dumps({"score": 0.0, "explanation": ", ".join(f"test_{i}" for i in range(600))}), 0.0),
+        ('zz{"score": 0.5, "detail": {"a": {"b": 1}}, "e": "say {\\"x\\": 1}"}', 0.5),
     ],
 )
 def test_the_credit_line_may_end_a_line_other_text_began(output, credit):

@@ -43,6 +43,14 @@ def verdicts(reply: str, answer, scorers=("numeric", "exact")) -> list[bool | No
         " \u2228 ",  # logic's or
         " / ",
         "/",
+        # LaTeX's spaces, \\text{} and emphasis around the sign (a review found each read as the last box)
+        " \\; | \\; ",
+        " \\quad | \\quad ",
+        " \\ / \\ ",
+        " \\text{ | } ",
+        " **|** ",
+        "\\;\\lor\\;",
+        "~|~",
     ],
 )
 def test_two_boxes_offered_through_a_hidden_or_fail(gap):

@@ -57,7 +57,8 @@ def test_a_full_tmp_or_a_flood_of_stderr_does_not_hide_the_tests_credit_line(tmp
     for row_id in ("plain", "fill-tmp", "flood", "glued"):
         score = scores[row_id]
         assert (score["passed"], score["value"]) == (True, 0.5), (row_id, score)
-        assert score["verify_output"].rstrip().endswith('{"score": 0.5}') or row_id == "fill-tmp", score
+        own = score["verify_output"].split("\n[batch-runner: /tmp is full")[0].rstrip()  # the note after it
+        assert own.endswith('{"score": 0.5}'), (row_id, score)
     assert "/tmp is full" in scores["fill-tmp"]["verify_output"], scores["fill-tmp"]
     assert scores["flood"]["verify_output"].startswith("[...cut...]\n"), scores["flood"]["verify_output"][
         :100
@@ -215,3 +216,30 @@ def test_an_agent_as_root_cannot_replace_what_judging_runs_on_the_docker_backend
     }, said
     assert "/bin/sh is not the file it was" in recs["fake-sh"]["score"]["verify_output"]
     assert "run this machine's static busybox" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 25,000 names removed one by one: ~30 s
+def test_names_in_a_hidden_modules_way_do_not_take_the_sample_out_of_judging(tmp_path: Path):
+    """25,000 long names `test_hidden.<...>.so` the agent left made the removal of a hidden module's
+    shadows one `rm` with an argument list too long (exit 126), which read as "the image lacks a tool":
+    a scorer error, so the failing sample left the pass rate. Each name is removed apart now, and the test
+    runs (a failure the agent caused in the write itself fails the sample; see the test above)."""
+    from batchrun.prompt.sandboxes.base import SandboxSpec
+    from batchrun.prompt.sandboxes.local import LocalSandbox
+    from batchrun.protocol import RowCheck
+    from batchrun.scoring import ScoringSettings, verify_score
+
+    box = LocalSandbox(SandboxSpec("shadows", 0), isolation="bwrap", base_dir=str(tmp_path))
+    box.start()
+    try:
+        make = "python3 -c \"[open(f'test_hidden.{i:0100d}.so', 'w').close() for i in range(25000)]\" && ls | wc -l"
+        assert box.run(make, timeout_s=120).output.strip() == "25000"
+        check = RowCheck(
+            verify=("python3 -I test_hidden.py",),
+            verify_files=(("test_hidden.py", "import sys; sys.exit(1)"),),
+        )
+        part = verify_score(box, check, ScoringSettings())
+        assert (part.passed, part.value, part.error) == (False, 0.0, None), part
+        assert box.run("ls | wc -l", timeout_s=60).output.strip() == "1"  # the hidden module alone
+    finally:
+        box.stop()
