@@ -67,6 +67,7 @@ from batchrun.run.resume import (
     resume_filter,
     samples_of,
     without_api_key,
+    without_flag,
 )
 from batchrun.run.run_dir import check_run_dir
 from batchrun.secrets import Redactor, terminal_safe, url_secrets
@@ -749,17 +750,9 @@ def connect_ray(config: RunConfig, prompts: int, redact: Callable[[str], str]) -
 def shown_command(redact: Callable[[str], str]) -> str:
     """This command line as others may see it (a Ray cluster's job table): without --api_key and the
     ephemeral system prompt's text, every other secret redacted."""
-    args, skip_next = [], False
-    for arg in without_api_key():
-        if skip_next:
-            skip_next = False
-            continue
-        name, eq, _ = arg.partition("=")
-        if name.startswith("--") and name[2:].replace("-", "_") == "ephemeral_system_prompt":
-            skip_next = not eq  # "--ephemeral_system_prompt TEXT" is two arguments
-            args.append("--ephemeral_system_prompt=<not shown>")
-            continue
-        args.append(shlex.quote(arg))
+    shown = "--ephemeral_system_prompt=<not shown>"  # as it was shown, unquoted
+    args = without_flag(without_api_key(), "ephemeral_system_prompt", shown)[0]
+    args = [arg if arg == shown else shlex.quote(arg) for arg in args]
     return redact(" ".join(["python", shlex.quote(sys.argv[0]), *args]))
 
 

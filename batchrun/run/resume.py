@@ -907,16 +907,8 @@ def _continue_command(words: list[str], flags: list[str]) -> str:
     summary's redaction made it '--ephemeral_system_prompt=[REDACTED]', which the resume refused (another
     prompt), and with --force_resume sent the model "[REDACTED]" as its system prompt."""
     args = _without(without_api_key(words), ("resume", "rerun_discarded"))
-    kept, ephemeral, skip_next = [], False, False
-    for arg in args:
-        if skip_next:
-            skip_next = False
-            continue
-        name, eq, _ = arg.partition("=")
-        if name.startswith("--") and name[2:].replace("-", "_") == "ephemeral_system_prompt":
-            ephemeral, skip_next = True, not eq  # "--ephemeral_system_prompt TEXT" is two arguments
-            continue
-        kept.append(shlex.quote(arg))
+    args, ephemeral = without_flag(args, "ephemeral_system_prompt")
+    kept = [shlex.quote(arg) for arg in args]
     # The installed command (batch_runner.py is not installed), else the file users know.
     program = ["batch-runner"] if Path(sys.argv[0]).name == "batch-runner" else ["python", "batch_runner.py"]
     return " ".join([*program, *kept, *flags]) + (EPHEMERAL_NOT_SHOWN if ephemeral else "")
@@ -953,17 +945,26 @@ def _without(args: list[str], bool_flags: tuple[str, ...]) -> list[str]:
 def without_api_key(argv: list[str] | None = None) -> list[str]:
     """The command line's arguments (``argv``, else this process's) without --api_key and its value,
     for a command shown to others: the key comes from the environment."""
-    args, skip_next = [], False
-    for arg in sys.argv[1:] if argv is None else argv:
+    return without_flag(sys.argv[1:] if argv is None else argv, "api_key")[0]
+
+
+def without_flag(args: list[str], flag: str, instead: str | None = None) -> tuple[list[str], bool]:
+    """``args`` without the flag ``flag`` (its name with underscores) and its value, in each form the
+    command line takes it (as parse_argv reads it: ``--flag=VALUE``, ``--flag VALUE``, dashes for
+    underscores), ``instead`` in its place where given, and whether it was there."""
+    kept, found, skip_next = [], False, False
+    for arg in args:
         if skip_next:
             skip_next = False
             continue
         name, eq, _ = arg.partition("=")
-        if name.startswith("--") and name[2:].replace("-", "_") == "api_key":  # as parse_argv reads it
-            skip_next = not eq  # "--api_key KEY" is two arguments
+        if name.startswith("--") and name[2:].replace("-", "_") == flag:
+            found, skip_next = True, not eq  # "--flag VALUE" is two arguments
+            if instead is not None:
+                kept.append(instead)
             continue
-        args.append(arg)
-    return args
+        kept.append(arg)
+    return kept, found
 
 
 # Manifest settings that no flag gives: what restores them.
