@@ -65,6 +65,13 @@ def exec_tag(token: str) -> str:
     return hashlib.sha256(f"batch-runner exec tag\0{token}".encode()).hexdigest()[:32]
 
 
+def sh_c(script: str, busybox: str = "") -> list[str]:
+    """The argv that runs the shell ``script`` (its arguments follow, ``$0`` first): in the ``sh`` that
+    PATH finds, or in ``busybox``'s own sh with its applets (a static busybox the agent cannot replace:
+    see wrapped_argv)."""
+    return [*([busybox] if busybox else []), "sh", "-c", script]
+
+
 def wrapped_argv(command: str, token: str, *, busybox: str = "", image_sh: str | None = None) -> list[str]:
     """The argv that runs ``command`` under ``sh`` and prints the end marker with its exit code; its
     stdin must begin with :func:`token_line`. ``token`` is not in it: only its tag.
@@ -77,9 +84,9 @@ def wrapped_argv(command: str, token: str, *, busybox: str = "", image_sh: str |
     RUN_IN_IMAGE_SH)."""
     if busybox and image_sh is not None:
         wrapper = _WRAPPER.format(var=EXEC_TAG_VAR, run=RUN_IN_IMAGE_SH)
-        return [busybox, "sh", "-c", wrapper, "sh", command, exec_tag(token), image_sh]
+        return [*sh_c(wrapper, busybox), "sh", command, exec_tag(token), image_sh]
     wrapper = _WRAPPER.format(var=EXEC_TAG_VAR, run=RUN_BY_PATH)
-    return [*([busybox] if busybox else []), "sh", "-c", wrapper, "sh", command, exec_tag(token)]
+    return [*sh_c(wrapper, busybox), "sh", command, exec_tag(token)]
 
 
 def token_line(token: str) -> bytes:
@@ -94,14 +101,7 @@ def end_marker(token: str) -> bytes:
 
 def kill_argv(token: str, busybox: str = "") -> list[str]:
     """The argv that kills a command's processes (``busybox``: in that busybox's sh, see wrapped_argv)."""
-    return [
-        *([busybox] if busybox else []),
-        "sh",
-        "-c",
-        KILL_TAGGED_SCRIPT,
-        "sh",
-        f"{EXEC_TAG_VAR}={exec_tag(token)}",
-    ]
+    return [*sh_c(KILL_TAGGED_SCRIPT, busybox), "sh", f"{EXEC_TAG_VAR}={exec_tag(token)}"]
 
 
 class MarkerScanner:

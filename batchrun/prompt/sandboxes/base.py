@@ -507,12 +507,11 @@ def _cut(head: bytes, tail: bytes, total: int) -> str:
 
 
 def cap_output(data: bytes, cap_bytes: int) -> tuple[str, bool]:
-    """Decode command output, keeping at most ``cap_bytes`` (its start and its end, see
-    :class:`CappedBuffer`) and saying how much was cut."""
-    if len(data) <= cap_bytes:
-        return data.decode("utf-8", errors="replace"), False
-    end = tail_bytes(cap_bytes)
-    return _cut(data[: cap_bytes - end], data[len(data) - end :] if end else b"", len(data)), True
+    """Decode command output, keeping at most ``cap_bytes`` (its start and its end, as
+    :class:`CappedBuffer` keeps a stream's) and saying how much was cut."""
+    buf = CappedBuffer(cap_bytes)
+    buf.feed(data)
+    return buf.result()
 
 
 class CappedBuffer:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.prompt.sandboxes import create_sandbox
-from batchrun.prompt.sandboxes.base import Sandbox, SandboxError, SandboxSpec
+from batchrun.prompt.sandboxes.base import Sandbox, SandboxError, SandboxSpec, judged_run
 
 CAP = 4096  # the output cap the checks expect: give the backend output_cap_bytes=CAP
 MISSING_IMAGE = "does-not-exist-br:never"
@@ -432,7 +432,7 @@ def check_a_sample_is_judged_with_the_standard_dev_links(target: Target, make: M
     sandbox = make()
     assert sandbox.run(f"{PLANT_DEV} 2>/dev/null; echo planted", timeout_s=30).output.endswith("planted\n")
     assert sandbox.end_processes(30) is None  # type: ignore[attr-defined]
-    res = (getattr(sandbox, "run_judged", None) or sandbox.run)(JUDGED_DEV, timeout_s=30)
+    res = judged_run(sandbox)(JUDGED_DEV, timeout_s=30)
     assert (res.output, res.exit_code) == ("1\nin\n", 0), res
 
 

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner, exec_tag
+from batchrun.prompt.sandboxes._shell import EXEC_TAG_VAR, MarkerScanner, exec_tag, sh_c
 from batchrun.prompt.sandboxes.base import BACKGROUND_ENV, RESTORE_DEV, CappedBuffer, readable
 
 READY_LINE = "[batch-runner-ready]"
@@ -252,7 +252,7 @@ def subreaped_argv(argv: list[str], *, init: str = "", busybox: str = "") -> lis
     by ``busybox``'s sh where given."""
     if init:
         return [init, "-s", "--", *argv]
-    return [*([busybox] if busybox else []), "sh", "-c", SUBREAPED_SCRIPT, "sh", *argv]
+    return [*sh_c(SUBREAPED_SCRIPT, busybox), "sh", *argv]
 
 
 # The runner's hold on stopped base processes while a sample is judged ($@: their pids), started

@@ -47,6 +47,7 @@ from batchrun.prompt.sandboxes._shell import (
     exec_tag,
     kill_argv,
     new_exec_token,
+    sh_c,
     token_line,
     wrapped_argv,
 )
@@ -1052,7 +1053,7 @@ class DockerSandbox(SandboxBackend):
         """The exec that continues the stopped base processes when its stream ends (THAW_AT_EOF_SCRIPT)."""
         try:
             api = docker_client().api
-            argv = [*([self._busybox] if self._busybox else []), "sh", "-c", server.THAW_AT_EOF_SCRIPT, "sh"]
+            argv = [*sh_c(server.THAW_AT_EOF_SCRIPT, self._busybox), "sh"]
             exec_id = api.exec_create(self.container_id, [*argv, *spared.split()], stdin=True)["Id"]
             return api.exec_start(exec_id, socket=True)
         except ENGINE_ERRORS as exc:
