@@ -1040,8 +1040,8 @@ _GROUPED_NUMBER_RE = re.compile(
 
 def _without_punctuation(text: str, lists: bool = True) -> str:
     if "\\" in text:
-        text = _matrices_as_lists(_LATEX_SIZING_RE.sub("", text)) if "\\begin" in text else text
         text = _LATEX_SIZING_RE.sub("", text)
+        text = _matrices_as_lists(text) if "\\begin" in text else text
     if not text.isascii() or "\\" in text or "{,}" in text:
         text = _GROUPED_NUMBER_RE.sub(lambda m: "".join(filter(str.isdigit, m[0])), text)
     text = _DATE_RE.sub(r"\1 \3 \4", text.translate(_TO_ASCII_MINUS).translate(_WORD_GAPS))
@@ -2158,6 +2158,12 @@ def module_shadows(path: str, hidden: list[str]) -> str:
     )
 
 
+def printed(res: Any) -> str:
+    """What a command printed (``ExecResult.command_output``: without the sandbox's notes of a limit
+    reached); a backend's result of another shape, its output."""
+    return res.command_output() if hasattr(res, "command_output") else res.output
+
+
 def write_verify_files(
     sandbox: Any, files: Iterable[tuple[str, str]], timeout_s: float, deadline: float | None = None
 ) -> None:
@@ -2298,7 +2304,7 @@ def verify_score(
                 "verify", error=f"{type(exc).__name__}: {exc}", verify_output=cap_output("\n".join(outputs))
             )
         outputs.append(res.output)
-        last = res.command_output() if hasattr(res, "command_output") else res.output
+        last = printed(res)
         if res.timed_out:
             return Part(
                 "verify",
@@ -2346,7 +2352,7 @@ class SandboxHandle:
         """The command's exit code and output (what it printed: not the sandbox's notes of a limit
         reached, which a scorer reading the output's last line took for the command's)."""
         res = self._run(command, timeout_s)
-        return res.exit_code, res.command_output() if hasattr(res, "command_output") else res.output
+        return res.exit_code, printed(res)
 
     def read_file(self, path: str, max_bytes: int = READ_FILE_MAX_BYTES) -> str:
         """The whole of a regular file, as text (UTF-8, undecodable bytes replaced). FileNotFoundError when
@@ -2360,7 +2366,7 @@ class SandboxHandle:
             f"if [ -f {q} ]; then wc -c < {q}; elif [ -e {q} ]; then echo other; else echo none; fi",
             deadline=deadline,
         )
-        said = (res.command_output() if hasattr(res, "command_output") else res.output).strip()
+        said = printed(res).strip()
         if said == "none" or res.exit_code != 0:
             raise FileNotFoundError(path)
         if not said.isdigit():
@@ -2378,7 +2384,7 @@ class SandboxHandle:
             if res.truncated and chunk > 512:  # a smaller output cap than the pieces assume
                 chunk //= 2
                 continue
-            text = res.command_output() if hasattr(res, "command_output") else res.output
+            text = printed(res)
             try:
                 piece = base64.b64decode("".join(text.split()), validate=True)
             except ValueError as exc:
